@@ -1,0 +1,92 @@
+//! Which MLX backend runs the model, the dtype it computes in, and MLX's memory counters.
+//!
+//! One Perch binary serves every backend: the `libmlx` it loads decides (the CPU wheel here, the
+//! Metal wheel on macOS, a CUDA wheel through `LD_LIBRARY_PATH` on NVIDIA machines).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use mlx_rs::{Device, DeviceType, Dtype};
+use serde::Serialize;
+
+/// The kind of device MLX computes on by default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Cpu,
+    Metal,
+    Cuda,
+}
+
+impl Backend {
+    /// The backend of MLX's default device.
+    pub fn current() -> Self {
+        let gpu = matches!(Device::try_default().and_then(|d| d.get_type()), Ok(DeviceType::Gpu));
+        match (gpu, cfg!(target_os = "macos")) {
+            (false, _) => Backend::Cpu,
+            (true, true) => Backend::Metal,
+            (true, false) => Backend::Cuda,
+        }
+    }
+
+    /// The dtype a floating-point weight stored as `stored` is computed in. On CPU everything runs
+    /// in float32 (float16/bfloat16 arithmetic there is ~35x slower); on GPU half precision is
+    /// kept and float32 becomes bfloat16 (MLX's CUDA quantized matmul is inaccurate in float32).
+    pub fn compute_dtype(self, stored: Dtype) -> Dtype {
+        match (self, stored) {
+            (Backend::Cpu, _) => Dtype::Float32,
+            (_, Dtype::Float32) => Dtype::Bfloat16,
+            (_, other) => other,
+        }
+    }
+}
+
+/// MLX's allocator counters, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct MemoryStats {
+    /// Memory held by live arrays.
+    pub active_bytes: usize,
+    /// Highest `active_bytes` since start or the last [`reset_peak_memory`].
+    pub peak_bytes: usize,
+    /// Freed buffers MLX keeps for reuse ([`clear_cache`] returns them).
+    pub cache_bytes: usize,
+    /// The Metal wired (resident) limit Perch set; `None` on backends without one.
+    pub wired_limit_bytes: Option<usize>,
+}
+
+static WIRED_LIMIT: AtomicUsize = AtomicUsize::new(0);
+
+/// Reads the counters. Never fails: a counter MLX cannot report reads as 0.
+pub fn memory_stats() -> MemoryStats {
+    let wired = WIRED_LIMIT.load(Ordering::Relaxed);
+    MemoryStats {
+        active_bytes: mlx_rs::memory::active_memory().unwrap_or(0),
+        peak_bytes: mlx_rs::memory::peak_memory().unwrap_or(0),
+        cache_bytes: mlx_rs::memory::cache_memory().unwrap_or(0),
+        wired_limit_bytes: (Backend::current() == Backend::Metal && wired > 0).then_some(wired),
+    }
+}
+
+/// Starts a new peak measurement.
+pub fn reset_peak_memory() {
+    let _ = mlx_rs::memory::reset_peak_memory();
+}
+
+/// Returns MLX's buffer cache to the system.
+pub fn clear_cache() {
+    let _ = mlx_rs::memory::clear_cache();
+}
+
+/// Sets the Metal wired limit in bytes (memory kept resident so weights are not paged out).
+/// A no-op returning `false` on backends without one (CPU, CUDA).
+pub fn set_wired_limit(bytes: usize) -> bool {
+    if Backend::current() != Backend::Metal {
+        return false;
+    }
+    match mlx_rs::memory::set_wired_limit(bytes) {
+        Ok(_) => {
+            WIRED_LIMIT.store(bytes, Ordering::Relaxed);
+            true
+        }
+        Err(_) => false,
+    }
+}

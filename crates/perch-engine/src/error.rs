@@ -1,0 +1,55 @@
+//! The engine's error type: one enum, messages a user can act on.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong while loading a model or generating.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("cannot read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a valid model config: {message}")]
+    Config { path: PathBuf, message: String },
+    #[error("model_type `{found}` is not supported; Perch supports: {supported}")]
+    UnsupportedArchitecture { found: String, supported: String },
+    #[error("weight file {path} is damaged or truncated: {message}")]
+    CorruptWeights { path: PathBuf, message: String },
+    #[error("the model has no weight `{name}` (is the directory complete and of the declared architecture?)")]
+    MissingWeight { name: String },
+    #[error("weight `{name}` has shape {found:?}, but the config implies {expected:?}")]
+    ShapeMismatch {
+        name: String,
+        found: Vec<i32>,
+        expected: Vec<i32>,
+    },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("chat template: {0}")]
+    ChatTemplate(String),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt_tokens} tokens, more than the model's context of {context_length} tokens")]
+    PromptTooLong {
+        prompt_tokens: usize,
+        context_length: usize,
+    },
+    #[error("invalid sampling parameters: {0}")]
+    InvalidSampling(String),
+    #[error("MLX: {0}")]
+    Mlx(#[from] mlx_rs::error::Exception),
+}
+
+/// Result alias for the engine.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+impl From<mlx_rs::error::IoError> for EngineError {
+    fn from(err: mlx_rs::error::IoError) -> Self {
+        EngineError::CorruptWeights {
+            path: PathBuf::new(),
+            message: err.to_string(),
+        }
+    }
+}

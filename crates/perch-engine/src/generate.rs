@@ -1,0 +1,262 @@
+//! Generating one sequence: chunked prefill, then decode with an asynchronous pipeline (step n+1
+//! is dispatched to MLX before step n's token is read back, as mlx-lm's `generate_step` does),
+//! streaming text deltas, stop tokens and stop strings, and per-request stats.
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array};
+use serde::{Deserialize, Serialize};
+
+use crate::cache::KvCache;
+use crate::device::{memory_stats, reset_peak_memory};
+use crate::error::{EngineError, Result};
+use crate::models::Model;
+use crate::sampler::{Sampler, SamplingParams};
+use crate::stop::{StopMatcher, StopOutcome};
+use crate::tokenizer::{StreamingDetokenizer, Tokenizer};
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the model's context length was reached.
+    Length,
+    /// The caller asked to stop.
+    Cancelled,
+}
+
+/// One generation job.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Prompt token ids (already chat-templated when it is a chat).
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Token ids that end generation; empty means the tokenizer's EOS ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation; the text is cut where the first one begins.
+    pub stop_strings: Vec<String>,
+    /// Prompt tokens per forward pass during prefill (bounds prefill memory).
+    pub prefill_step_size: usize,
+}
+
+impl GenerateRequest {
+    pub fn new(prompt: Vec<u32>) -> Self {
+        Self {
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            prefill_step_size: 2048,
+        }
+    }
+}
+
+/// Timings and counts of one request. Rates are in tokens per second, times in seconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    pub prompt_tps: f64,
+    pub generation_tokens: usize,
+    /// Decode rate over the tokens after the first.
+    pub generation_tps: f64,
+    /// Time to first token: from the request's start until the first token is known.
+    pub ttft_s: f64,
+    pub total_s: f64,
+    /// MLX's peak memory during the request, in bytes.
+    pub peak_memory_bytes: usize,
+}
+
+/// A streamed piece of output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenEvent {
+    pub id: u32,
+    /// Text this token completes; may be empty (mid-character, or held back as a possible stop string).
+    pub text: String,
+}
+
+/// The outcome of a finished request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOutput {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub stats: GenerationStats,
+}
+
+/// Runs `request` to completion, calling `on_token` for every generated token (stop tokens
+/// excluded). Returning `ControlFlow::Break` from `on_token` cancels.
+///
+/// Errors: [`EngineError::EmptyPrompt`], [`EngineError::PromptTooLong`] (prompt plus one token
+/// exceeds the context), invalid sampling parameters, and MLX failures.
+pub fn generate(
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+    request: &GenerateRequest,
+    mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
+) -> Result<GenerateOutput> {
+    let info = model.info();
+    let prompt = &request.prompt;
+    if prompt.is_empty() {
+        return Err(EngineError::EmptyPrompt);
+    }
+    if prompt.len() >= info.context_length {
+        return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), context_length: info.context_length });
+    }
+    request.sampling.validate(info.vocab_size)?;
+    let max_tokens = request.max_tokens.min(info.context_length - prompt.len());
+    let stop_ids: Vec<u32> = if request.stop_token_ids.is_empty() {
+        tokenizer.eos_token_ids().to_vec()
+    } else {
+        request.stop_token_ids.clone()
+    };
+
+    reset_peak_memory();
+    let start = Instant::now();
+    let mut cache = model.make_cache();
+    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let mut history = RecentTokens::new(&request.sampling, prompt);
+
+    // Prefill all but the last prompt token in chunks; the last one goes through the first step.
+    let step = request.prefill_step_size.max(1);
+    for chunk in prompt[..prompt.len() - 1].chunks(step) {
+        model.forward(&Array::from_slice(chunk, &[1, chunk.len() as i32]), &mut cache)?;
+        eval(cache.iter().flat_map(KvCache::state))?;
+    }
+
+    let mut output = GenerateOutput {
+        token_ids: Vec::new(),
+        text: String::new(),
+        finish_reason: FinishReason::Length,
+        stats: GenerationStats { prompt_tokens: prompt.len(), ..Default::default() },
+    };
+    let mut detokenizer = StreamingDetokenizer::new();
+    let mut stops = StopMatcher::new(request.stop_strings.iter().cloned());
+
+    let last = Array::from_slice(&prompt[prompt.len() - 1..], &[1]);
+    let mut pending = decode_step(model, &mut cache, &mut sampler, &last, &mut history)?;
+    async_eval(std::iter::once(&pending).chain(history.state()))?;
+    let mut first_token_at = None;
+    let mut stopped_by_string = false;
+    let mut n = 0;
+    while n < max_tokens {
+        // Queue step n+1 before waiting on step n, so MLX computes while we detokenize.
+        let next = if n + 1 < max_tokens {
+            let next = decode_step(model, &mut cache, &mut sampler, &pending, &mut history)?;
+            async_eval(std::iter::once(&next).chain(history.state()))?;
+            Some(next)
+        } else {
+            None
+        };
+        let id = pending.as_slice::<u32>()[0];
+        if first_token_at.is_none() {
+            first_token_at = Some(start.elapsed().as_secs_f64());
+        }
+        n += 1;
+        if stop_ids.contains(&id) {
+            output.finish_reason = FinishReason::Stop;
+            break;
+        }
+        output.token_ids.push(id);
+        let delta = detokenizer.push(tokenizer, id)?;
+        let (text, stopped) = match stops.push(&delta) {
+            StopOutcome::Continue(text) => (text, false),
+            StopOutcome::Stopped(text) => (text, true),
+        };
+        output.text.push_str(&text);
+        if on_token(&TokenEvent { id, text }).is_break() {
+            output.finish_reason = FinishReason::Cancelled;
+            break;
+        }
+        if stopped {
+            output.finish_reason = FinishReason::Stop;
+            stopped_by_string = true;
+            break;
+        }
+        match next {
+            Some(next) => pending = next,
+            None => break,
+        }
+    }
+    if !stopped_by_string {
+        // Release text held back mid-character or as a possible stop string.
+        let tail = detokenizer.finish(tokenizer)?;
+        let mut rest = match stops.push(&tail) {
+            StopOutcome::Continue(text) => text + &stops.finish(),
+            StopOutcome::Stopped(text) => {
+                output.finish_reason = FinishReason::Stop;
+                text
+            }
+        };
+        if !rest.is_empty() {
+            output.text.push_str(&rest);
+            if let Some(&id) = output.token_ids.last() {
+                let _ = on_token(&TokenEvent { id, text: std::mem::take(&mut rest) });
+            }
+        }
+    }
+
+    let total = start.elapsed().as_secs_f64();
+    let ttft = first_token_at.unwrap_or(total);
+    let s = &mut output.stats;
+    s.generation_tokens = n;
+    s.ttft_s = ttft;
+    s.total_s = total;
+    s.prompt_tps = prompt.len() as f64 / ttft.max(1e-9);
+    s.generation_tps = if n > 1 { (n - 1) as f64 / (total - ttft).max(1e-9) } else { 0.0 };
+    s.peak_memory_bytes = memory_stats().peak_bytes;
+    Ok(output)
+}
+
+/// One decode step: `token` `[1]` → the sampled next token `[1]` (lazy).
+fn decode_step(model: &dyn Model, cache: &mut [KvCache], sampler: &mut Sampler, token: &Array, history: &mut RecentTokens) -> Result<Array> {
+    let logits = model.forward(&token.reshape(&[1, 1])?, cache)?;
+    let vocab = logits.shape()[2];
+    let logits = logits.reshape(&[1, vocab])?;
+    let logits = match &history.tokens {
+        Some(recent) => sampler.process_logits(&logits, recent)?,
+        None => sampler.process_logits(&logits, &Array::from_slice::<u32>(&[], &[0]))?,
+    };
+    let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
+    let next = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+    history.push(&next)?;
+    Ok(next)
+}
+
+/// The last `repetition_context_size` token ids, kept on the device only when a repetition
+/// penalty needs them, and bounded so the graph does not grow with the sequence.
+struct RecentTokens {
+    tokens: Option<Array>,
+    keep: i32,
+}
+
+impl RecentTokens {
+    fn new(sampling: &SamplingParams, prompt: &[u32]) -> Self {
+        let active = sampling.repetition_penalty != 0.0 && sampling.repetition_penalty != 1.0;
+        let keep = sampling.repetition_context_size.max(1);
+        let tail = &prompt[prompt.len().saturating_sub(keep)..];
+        Self {
+            tokens: active.then(|| Array::from_slice(tail, &[tail.len() as i32])),
+            keep: keep as i32,
+        }
+    }
+
+    fn push(&mut self, token: &Array) -> Result<()> {
+        if let Some(tokens) = &self.tokens {
+            let len = tokens.shape()[0];
+            let start = (len + 1 - self.keep).max(0);
+            let kept = crate::mlx_ext::slice(tokens, &[start], &[len])?;
+            self.tokens = Some(ops::concatenate(&[kept, token.clone()], 0)?);
+        }
+        Ok(())
+    }
+
+    fn state(&self) -> impl Iterator<Item = &Array> {
+        self.tokens.iter()
+    }
+}

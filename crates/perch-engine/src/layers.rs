@@ -1,0 +1,311 @@
+//! Building blocks shared by the decoder architectures: linear layers (dense or MLX affine
+//! quantized), embeddings, RMSNorm, RoPE and the SwiGLU MLP. They mirror mlx-lm's `mlx.nn` layers
+//! op for op, so Perch's logits equal mlx_lm's bit for bit on the same backend.
+
+use std::collections::HashMap;
+
+use mlx_rs::{fast, ops, Array};
+use serde_json::Value;
+
+use crate::error::Result;
+use crate::weights::Weights;
+
+/// Group size and bit width of MLX affine quantization (`w = scale * q + bias` per group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantParams {
+    pub group_size: i32,
+    pub bits: i32,
+}
+
+/// The `quantization` entry of an mlx-community `config.json`: defaults plus per-module overrides
+/// keyed by module path (`model.layers.0.mlp.down_proj`), where `false` means "not quantized".
+#[derive(Clone, Debug, Default)]
+pub struct Quantization {
+    default: Option<QuantParams>,
+    overrides: HashMap<String, Option<QuantParams>>,
+}
+
+impl Quantization {
+    /// Parses `config["quantization"]` (or `quantization_config`); absent means unquantized.
+    /// Only `mode: "affine"` is supported; other modes are an error naming the mode.
+    pub fn from_config(config: &Value) -> std::result::Result<Self, String> {
+        let Some(section) = config.get("quantization").or_else(|| config.get("quantization_config")) else {
+            return Ok(Self::default());
+        };
+        let Some(map) = section.as_object() else {
+            return Err("`quantization` must be an object".into());
+        };
+        if let Some(mode) = map.get("mode").and_then(Value::as_str) {
+            if mode != "affine" {
+                return Err(format!("quantization mode `{mode}` is not supported (only `affine`)"));
+            }
+        }
+        let params = |v: &Value| -> std::result::Result<QuantParams, String> {
+            let group_size = v.get("group_size").and_then(Value::as_i64).unwrap_or(64) as i32;
+            let bits = v.get("bits").and_then(Value::as_i64).unwrap_or(4) as i32;
+            if ![2, 3, 4, 5, 6, 8].contains(&bits) || ![32, 64, 128].contains(&group_size) {
+                return Err(format!("unsupported quantization bits={bits} group_size={group_size}"));
+            }
+            Ok(QuantParams { group_size, bits })
+        };
+        let mut overrides = HashMap::new();
+        for (key, value) in map {
+            match value {
+                Value::Bool(false) => {
+                    overrides.insert(key.clone(), None);
+                }
+                Value::Object(_) => {
+                    overrides.insert(key.clone(), Some(params(value)?));
+                }
+                _ => {}
+            }
+        }
+        Ok(Self { default: Some(params(section)?), overrides })
+    }
+
+    /// How the module at `path` is stored: quantized when the override says so, or (like mlx-lm)
+    /// when its `.scales` tensor exists.
+    pub fn for_module(&self, path: &str, weights: &Weights) -> Option<QuantParams> {
+        if let Some(over) = self.overrides.get(path) {
+            return *over;
+        }
+        if weights.contains(&format!("{path}.scales")) {
+            return Some(self.default.unwrap_or(QuantParams { group_size: 64, bits: 4 }));
+        }
+        None
+    }
+}
+
+/// Quantized weight storage: packed `weight` `[out, in * bits / 32]` (uint32), `scales` and
+/// `biases` `[out, in / group_size]`.
+pub struct QuantizedWeight {
+    pub weight: Array,
+    pub scales: Array,
+    pub biases: Array,
+    pub params: QuantParams,
+}
+
+impl QuantizedWeight {
+    fn load(weights: &mut Weights, path: &str, rows: i32, cols: i32, params: QuantParams) -> Result<Self> {
+        let packed = cols * params.bits / 32;
+        let groups = cols / params.group_size;
+        Ok(Self {
+            weight: weights.take_shaped(&format!("{path}.weight"), &[rows, packed])?,
+            scales: weights.take_shaped(&format!("{path}.scales"), &[rows, groups])?,
+            biases: weights.take_shaped(&format!("{path}.biases"), &[rows, groups])?,
+            params,
+        })
+    }
+
+    /// `x @ W.T` for `x` `[..., in]` → `[..., out]`.
+    fn matmul_transposed(&self, x: &Array) -> Result<Array> {
+        Ok(ops::quantized_matmul(
+            x,
+            &self.weight,
+            &self.scales,
+            &self.biases,
+            true,
+            self.params.group_size,
+            self.params.bits,
+        )?)
+    }
+}
+
+/// A linear layer `y = x W^T (+ b)` with `W` `[out, in]`, dense or quantized.
+pub enum Linear {
+    Dense { weight: Array, bias: Option<Array> },
+    Quantized { weight: QuantizedWeight, bias: Option<Array> },
+}
+
+impl Linear {
+    /// Loads `{path}.weight` (and `.scales`/`.biases` when quantized, `.bias` when `bias`).
+    pub fn load(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        path: &str,
+        in_features: i32,
+        out_features: i32,
+        bias: bool,
+    ) -> Result<Self> {
+        let bias = if bias {
+            Some(weights.take_shaped(&format!("{path}.bias"), &[out_features])?)
+        } else {
+            None
+        };
+        Ok(match quantization.for_module(path, weights) {
+            Some(params) => Linear::Quantized {
+                weight: QuantizedWeight::load(weights, path, out_features, in_features, params)?,
+                bias,
+            },
+            None => Linear::Dense {
+                weight: weights.take_shaped(&format!("{path}.weight"), &[out_features, in_features])?,
+                bias,
+            },
+        })
+    }
+
+    /// `[..., in]` → `[..., out]`.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            Linear::Dense { weight, bias: Some(bias) } => Ok(ops::addmm(bias, x, weight.t(), None, None)?),
+            Linear::Dense { weight, bias: None } => Ok(ops::matmul(x, weight.t())?),
+            Linear::Quantized { weight, bias } => {
+                let y = weight.matmul_transposed(x)?;
+                match bias {
+                    Some(bias) => Ok(ops::add(&y, bias)?),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
+}
+
+/// Token embedding table `[vocab, hidden]`, dense or quantized; doubles as the output projection
+/// when embeddings are tied.
+pub enum Embedding {
+    Dense(Array),
+    Quantized(QuantizedWeight),
+}
+
+impl Embedding {
+    pub fn load(weights: &mut Weights, quantization: &Quantization, path: &str, vocab: i32, hidden: i32) -> Result<Self> {
+        Ok(match quantization.for_module(path, weights) {
+            Some(params) => Embedding::Quantized(QuantizedWeight::load(weights, path, vocab, hidden, params)?),
+            None => Embedding::Dense(weights.take_shaped(&format!("{path}.weight"), &[vocab, hidden])?),
+        })
+    }
+
+    /// Token ids `[batch, seq]` → embeddings `[batch, seq, hidden]`.
+    pub fn forward(&self, ids: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense(table) => Ok(table.take_axis(ids, 0)?),
+            Embedding::Quantized(q) => Ok(ops::dequantize(
+                q.weight.take_axis(ids, 0)?,
+                q.scales.take_axis(ids, 0)?,
+                &q.biases.take_axis(ids, 0)?,
+                q.params.group_size,
+                q.params.bits,
+            )?),
+        }
+    }
+
+    /// Hidden states `[..., hidden]` → logits `[..., vocab]` with the embedding matrix transposed.
+    pub fn as_linear(&self, x: &Array) -> Result<Array> {
+        match self {
+            Embedding::Dense(table) => Ok(ops::matmul(x, table.t())?),
+            Embedding::Quantized(q) => q.matmul_transposed(x),
+        }
+    }
+}
+
+/// RMSNorm over the last axis (Zhang & Sennrich 2019), via `mx.fast.rms_norm`.
+pub struct RmsNorm {
+    weight: Array,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn load(weights: &mut Weights, path: &str, dims: i32, eps: f32) -> Result<Self> {
+        Ok(Self { weight: weights.take_shaped(&format!("{path}.weight"), &[dims])?, eps })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+    }
+}
+
+/// Rotary position embedding (Su et al. 2021) over the first `dims` features of each head, in the
+/// non-interleaved layout unless `traditional`. `freqs` replaces `base` for scaled variants
+/// (Llama 3's `rope_scaling`, see [`llama3_frequencies`]).
+pub struct Rope {
+    pub dims: i32,
+    pub traditional: bool,
+    pub base: f32,
+    pub scale: f32,
+    pub freqs: Option<Array>,
+}
+
+impl Rope {
+    /// Builds the RoPE of a config: `rope_theta`, `rope_traditional` and `rope_scaling` (types
+    /// none, `default`, `linear`, `llama3`; others are an error naming the type).
+    pub fn new(dims: i32, base: f32, traditional: bool, scaling: Option<&Value>) -> std::result::Result<Self, String> {
+        let mut rope = Rope { dims, traditional, base, scale: 1.0, freqs: None };
+        let Some(scaling) = scaling.filter(|v| !v.is_null()) else {
+            return Ok(rope);
+        };
+        let kind = scaling
+            .get("type")
+            .or_else(|| scaling.get("rope_type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        let number = |key: &str, default: f64| scaling.get(key).and_then(Value::as_f64).unwrap_or(default);
+        match kind {
+            "default" => {}
+            "linear" => rope.scale = 1.0 / number("factor", 1.0) as f32,
+            "llama3" => {
+                let freqs = llama3_frequencies(
+                    dims,
+                    base,
+                    number("factor", 8.0) as f32,
+                    number("low_freq_factor", 1.0) as f32,
+                    number("high_freq_factor", 4.0) as f32,
+                    number("original_max_position_embeddings", 8192.0) as f32,
+                );
+                rope.freqs = Some(Array::from_slice(&freqs, &[freqs.len() as i32]));
+            }
+            other => return Err(format!("rope_scaling type `{other}` is not supported (none, linear, llama3)")),
+        }
+        Ok(rope)
+    }
+
+    /// `x` `[batch, heads, seq, head_dim]`, positions starting at `offset`.
+    pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        let base = if self.freqs.is_some() { None } else { Some(self.base) };
+        Ok(fast::rope(x, self.dims, self.traditional, base, self.scale, offset, self.freqs.as_ref())?)
+    }
+}
+
+/// Llama 3.1's frequency-dependent RoPE scaling (Meta's `apply_scaling`; mlx-lm `Llama3RoPE`):
+/// low frequencies are divided by `factor`, high ones kept, the band between interpolated.
+/// Returns the `dims / 2` per-pair periods MLX's `freqs` argument expects.
+pub fn llama3_frequencies(dims: i32, base: f32, factor: f32, low_freq_factor: f32, high_freq_factor: f32, old_context: f32) -> Vec<f32> {
+    let low_freq_wavelen = old_context / low_freq_factor;
+    let high_freq_wavelen = old_context / high_freq_factor;
+    (0..dims / 2)
+        .map(|i| {
+            let freq = base.powf((2 * i) as f32 / dims as f32);
+            let wavelen = 2.0 * std::f32::consts::PI * freq;
+            let scaled = if wavelen > low_freq_wavelen { freq * factor } else { freq };
+            if wavelen > high_freq_wavelen && wavelen < low_freq_wavelen {
+                let smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                scaled / ((1.0 - smooth) / factor + smooth)
+            } else {
+                scaled
+            }
+        })
+        .collect()
+}
+
+/// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+pub struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+impl Mlp {
+    pub fn load(weights: &mut Weights, quantization: &Quantization, path: &str, hidden: i32, intermediate: i32, bias: bool) -> Result<Self> {
+        Ok(Self {
+            gate_proj: Linear::load(weights, quantization, &format!("{path}.gate_proj"), hidden, intermediate, bias)?,
+            up_proj: Linear::load(weights, quantization, &format!("{path}.up_proj"), hidden, intermediate, bias)?,
+            down_proj: Linear::load(weights, quantization, &format!("{path}.down_proj"), intermediate, hidden, bias)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let gate = self.gate_proj.forward(x)?;
+        let activated = ops::multiply(&mlx_rs::nn::silu(&gate)?, &self.up_proj.forward(x)?)?;
+        self.down_proj.forward(&activated)
+    }
+}
+

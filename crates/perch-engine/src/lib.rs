@@ -1,0 +1,24 @@
+//! Perch's generation engine on MLX: loading mlx-community models, tokenization and chat
+//! templates, sampling, generation with streaming text and per-request stats.
+//!
+//! Layout: [`models`] (architectures and their registry) built from [`layers`] and [`weights`];
+//! [`cache`] (KV cache); [`tokenizer`] and [`chat_template`] (text); [`sampler`] and [`stop`]
+//! (choosing tokens, ending); [`generate`] (the loop); [`device`] (backend, dtype, memory).
+
+pub mod cache;
+pub mod chat_template;
+pub mod device;
+pub mod error;
+pub mod generate;
+pub mod layers;
+mod mlx_ext;
+pub mod models;
+pub mod sampler;
+pub mod stop;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat_template::ChatMessage;
+pub use error::{EngineError, Result};
+pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,171 @@
+//! The pre-norm decoder-only transformer that Llama, Qwen2 and Qwen3 share. Each architecture file
+//! turns its `config.json` into a [`DecoderConfig`]; this file owns the forward pass, written op for
+//! op like mlx-lm's `models/llama.py` so that logits match mlx_lm exactly.
+
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
+use mlx_rs::{ops, Array};
+
+use crate::cache::KvCache;
+use crate::error::Result;
+use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
+use crate::models::{Model, ModelInfo};
+use crate::weights::Weights;
+
+/// Everything the shared decoder needs, resolved from an architecture's config.
+#[derive(Debug, Clone)]
+pub struct DecoderConfig {
+    pub hidden_size: i32,
+    pub intermediate_size: i32,
+    pub num_layers: i32,
+    pub num_heads: i32,
+    pub num_kv_heads: i32,
+    pub head_dim: i32,
+    pub vocab_size: i32,
+    pub rms_norm_eps: f32,
+    pub tie_word_embeddings: bool,
+    /// Bias on the q/k/v projections (Qwen2; Llama's `attention_bias`).
+    pub qkv_bias: bool,
+    /// Bias on the output projection (Llama's `attention_bias`).
+    pub o_bias: bool,
+    pub mlp_bias: bool,
+    /// RMSNorm on each query and key head before RoPE (Qwen3).
+    pub qk_norm: bool,
+    pub context_length: usize,
+}
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    num_heads: i32,
+    num_kv_heads: i32,
+    scale: f32,
+}
+
+impl Attention {
+    fn load(w: &mut Weights, q: &Quantization, path: &str, c: &DecoderConfig) -> Result<Self> {
+        let (hidden, hd) = (c.hidden_size, c.head_dim);
+        let norm = |w: &mut Weights, name: &str| -> Result<Option<RmsNorm>> {
+            c.qk_norm
+                .then(|| RmsNorm::load(w, &format!("{path}.{name}"), hd, c.rms_norm_eps))
+                .transpose()
+        };
+        Ok(Self {
+            q_proj: Linear::load(w, q, &format!("{path}.q_proj"), hidden, c.num_heads * hd, c.qkv_bias)?,
+            k_proj: Linear::load(w, q, &format!("{path}.k_proj"), hidden, c.num_kv_heads * hd, c.qkv_bias)?,
+            v_proj: Linear::load(w, q, &format!("{path}.v_proj"), hidden, c.num_kv_heads * hd, c.qkv_bias)?,
+            o_proj: Linear::load(w, q, &format!("{path}.o_proj"), c.num_heads * hd, hidden, c.o_bias)?,
+            q_norm: norm(w, "q_norm")?,
+            k_norm: norm(w, "k_norm")?,
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            scale: (hd as f32).powf(-0.5),
+        })
+    }
+
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`, appending this step's keys/values to `cache`.
+    fn forward(&self, x: &Array, rope: &Rope, cache: &mut KvCache) -> Result<Array> {
+        let (batch, seq) = (x.shape()[0], x.shape()[1]);
+        let heads = |proj: &Linear, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
+            let h = proj.forward(x)?.reshape(&[batch, seq, n, -1])?;
+            let h = match norm {
+                Some(norm) => norm.forward(&h)?,
+                None => h,
+            };
+            Ok(h.transpose_axes(&[0, 2, 1, 3])?)
+        };
+        let queries = heads(&self.q_proj, self.num_heads, &self.q_norm)?;
+        let keys = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
+        let values = heads(&self.v_proj, self.num_kv_heads, &None)?;
+
+        let offset = cache.offset();
+        let queries = rope.forward(&queries, offset)?;
+        let keys = rope.forward(&keys, offset)?;
+        let (keys, values) = cache.update_and_fetch(&keys, &values)?;
+
+        // One new token attends to everything cached: no mask (as mlx-lm passes None).
+        let mask = (seq > 1).then_some(ScaledDotProductAttentionMask::Causal);
+        let out = scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?;
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[batch, seq, -1])?;
+        self.o_proj.forward(&out)
+    }
+}
+
+struct Block {
+    self_attn: Attention,
+    mlp: Mlp,
+    input_layernorm: RmsNorm,
+    post_attention_layernorm: RmsNorm,
+}
+
+/// The decoder: embeddings, `num_layers` blocks, final norm, LM head (tied or not).
+pub struct Decoder {
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    rope: Rope,
+    info: ModelInfo,
+}
+
+impl Decoder {
+    /// Takes every tensor the config implies from `weights` (Hugging Face names).
+    pub fn load(config: DecoderConfig, rope: Rope, quantization: &Quantization, weights: &mut Weights, model_type: &str) -> Result<Self> {
+        let c = &config;
+        let embed_tokens = Embedding::load(weights, quantization, "model.embed_tokens", c.vocab_size, c.hidden_size)?;
+        let mut layers = Vec::with_capacity(c.num_layers as usize);
+        for i in 0..c.num_layers {
+            let p = format!("model.layers.{i}");
+            layers.push(Block {
+                self_attn: Attention::load(weights, quantization, &format!("{p}.self_attn"), c)?,
+                mlp: Mlp::load(weights, quantization, &format!("{p}.mlp"), c.hidden_size, c.intermediate_size, c.mlp_bias)?,
+                input_layernorm: RmsNorm::load(weights, &format!("{p}.input_layernorm"), c.hidden_size, c.rms_norm_eps)?,
+                post_attention_layernorm: RmsNorm::load(weights, &format!("{p}.post_attention_layernorm"), c.hidden_size, c.rms_norm_eps)?,
+            });
+        }
+        let norm = RmsNorm::load(weights, "model.norm", c.hidden_size, c.rms_norm_eps)?;
+        let lm_head = if c.tie_word_embeddings {
+            weights.discard("lm_head.weight");
+            None
+        } else {
+            Some(Linear::load(weights, quantization, "lm_head", c.hidden_size, c.vocab_size, false)?)
+        };
+        let info = ModelInfo {
+            model_type: model_type.to_string(),
+            vocab_size: c.vocab_size as usize,
+            num_layers: c.num_layers as usize,
+            num_kv_heads: c.num_kv_heads as usize,
+            head_dim: c.head_dim as usize,
+            context_length: c.context_length,
+        };
+        Ok(Self { embed_tokens, layers, norm, lm_head, rope, info })
+    }
+}
+
+impl Model for Decoder {
+    fn forward(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array> {
+        let mut h = self.embed_tokens.forward(ids)?;
+        for (layer, layer_cache) in self.layers.iter().zip(cache.iter_mut()) {
+            let r = layer.self_attn.forward(&layer.input_layernorm.forward(&h)?, &self.rope, layer_cache)?;
+            let h2 = ops::add(&h, &r)?;
+            let r = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h2)?)?;
+            h = ops::add(&h2, &r)?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed_tokens.as_linear(&h),
+        }
+    }
+
+    fn make_cache(&self) -> Vec<KvCache> {
+        (0..self.layers.len()).map(|_| KvCache::new()).collect()
+    }
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+}

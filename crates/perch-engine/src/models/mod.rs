@@ -1,0 +1,114 @@
+//! Model architectures and the registry from `config.json`'s `model_type` to a loader.
+//!
+//! Each architecture file (`llama.rs`, `qwen2.rs`, `qwen3.rs`) reads its own tolerant config
+//! struct and resolves it into the shared [`decoder::DecoderConfig`].
+
+pub mod decoder;
+pub mod llama;
+pub mod qwen2;
+pub mod qwen3;
+
+use std::path::{Path, PathBuf};
+
+use mlx_rs::Array;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::cache::KvCache;
+use crate::device::Backend;
+use crate::error::{EngineError, Result};
+use crate::layers::Quantization;
+use crate::weights::Weights;
+
+/// What callers need to know about a loaded model.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub num_layers: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Longest sequence (prompt + generation) in tokens, from `max_position_embeddings`.
+    pub context_length: usize,
+}
+
+/// A causal language model.
+pub trait Model: Send {
+    /// Token ids `[batch, seq]` → logits `[batch, seq, vocab]`, appending to one [`KvCache`] per layer.
+    fn forward(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array>;
+    /// An empty cache, one entry per layer.
+    fn make_cache(&self) -> Vec<KvCache>;
+    fn info(&self) -> &ModelInfo;
+}
+
+/// Everything an architecture loader gets.
+pub struct LoadContext<'a> {
+    pub config: &'a Value,
+    pub config_path: &'a Path,
+    pub quantization: Quantization,
+    pub weights: &'a mut Weights,
+}
+
+impl LoadContext<'_> {
+    /// Deserializes the architecture's own config struct, naming the file on error.
+    pub fn parse<T: DeserializeOwned>(&self) -> Result<T> {
+        T::deserialize(self.config).map_err(|e| self.error(e.to_string()))
+    }
+
+    pub fn error(&self, message: String) -> EngineError {
+        EngineError::Config { path: self.config_path.to_path_buf(), message }
+    }
+}
+
+type Loader = fn(LoadContext<'_>) -> Result<Box<dyn Model>>;
+
+/// `model_type` → loader. Aliases share a loader.
+const ARCHITECTURES: &[(&str, Loader)] = &[
+    ("llama", llama::load),
+    ("mistral", llama::load),
+    ("qwen2", qwen2::load),
+    ("qwen3", qwen3::load),
+];
+
+/// The `model_type`s Perch can load.
+pub fn supported_architectures() -> Vec<&'static str> {
+    ARCHITECTURES.iter().map(|(name, _)| *name).collect()
+}
+
+/// Loads the model in `model_dir` (mlx-community layout: `config.json` + `*.safetensors`).
+///
+/// Floating-point weights are cast for the backend: float32 on CPU; on GPU float32 becomes
+/// bfloat16 (MLX's CUDA quantized matmul is inaccurate with float32 activations).
+///
+/// Errors: missing/invalid config ([`EngineError::Io`], [`EngineError::Config`]), unknown
+/// `model_type` ([`EngineError::UnsupportedArchitecture`]), damaged weights, missing tensors or
+/// shapes that disagree with the config. Weights are evaluated here, so a load that returns `Ok`
+/// has read every byte.
+pub fn load(model_dir: &Path) -> Result<Box<dyn Model>> {
+    let config_path = model_dir.join("config.json");
+    let config = read_config(&config_path)?;
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| EngineError::Config { path: config_path.clone(), message: "missing `model_type`".into() })?
+        .to_string();
+    let loader = ARCHITECTURES
+        .iter()
+        .find(|(name, _)| *name == model_type)
+        .map(|(_, loader)| *loader)
+        .ok_or_else(|| EngineError::UnsupportedArchitecture {
+            found: model_type.clone(),
+            supported: supported_architectures().join(", "),
+        })?;
+    let quantization = Quantization::from_config(&config)
+        .map_err(|message| EngineError::Config { path: config_path.clone(), message })?;
+    let mut weights = Weights::load(model_dir, Backend::current())?;
+    let model = loader(LoadContext { config: &config, config_path: &config_path, quantization, weights: &mut weights })?;
+    Ok(model)
+}
+
+/// Reads and parses `config.json`.
+pub fn read_config(path: &Path) -> Result<Value> {
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: PathBuf::from(path), source })?;
+    serde_json::from_str(&text).map_err(|e| EngineError::Config { path: path.to_path_buf(), message: e.to_string() })
+}

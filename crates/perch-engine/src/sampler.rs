@@ -1,0 +1,278 @@
+//! Sampling: logits processors (repetition penalty, logit bias) and the sampler (temperature,
+//! top-p, min-p, top-k, seeded categorical; argmax at temperature 0). Same math and order as
+//! mlx-lm's `sample_utils.py`; everything stays on the MLX device, so sampling never forces a sync.
+
+use std::collections::HashMap;
+
+use mlx_rs::ops::indexing::{argmax_axis, put_along_axis, take_along_axis};
+use mlx_rs::ops::argpartition_axis;
+use mlx_rs::{ops, random, Array};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{EngineError, Result};
+
+/// Per-request sampling settings. The defaults are greedy decoding with no processors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy (argmax).
+    pub temperature: f32,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches `top_p`
+    /// (Holtzman et al. 2019). 0 or 1 disables it.
+    pub top_p: f32,
+    /// Keep the `top_k` most likely tokens; 0 disables it.
+    pub top_k: usize,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 disables it.
+    pub min_p: f32,
+    /// Multiplicative penalty on tokens seen in the last `repetition_context_size` tokens
+    /// (Keskar et al. 2019, sign-aware). 1 or 0 disables it.
+    pub repetition_penalty: f32,
+    pub repetition_context_size: usize,
+    /// Added to the logits of the given token ids.
+    pub logit_bias: HashMap<u32, f32>,
+    /// Seed of this request's random stream; `None` draws from MLX's global generator.
+    pub seed: Option<u64>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 0.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 0.0,
+            repetition_context_size: 20,
+            logit_bias: HashMap::new(),
+            seed: None,
+        }
+    }
+}
+
+impl SamplingParams {
+    /// Rejects values outside their domain with a message naming the parameter.
+    pub fn validate(&self, vocab_size: usize) -> Result<()> {
+        let bad = |m: String| Err(EngineError::InvalidSampling(m));
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return bad(format!("top_p must be in [0, 1], got {}", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
+        }
+        if self.top_k >= vocab_size && self.top_k != 0 {
+            return bad(format!("top_k must be below the vocabulary size {vocab_size}, got {}", self.top_k));
+        }
+        if !(self.repetition_penalty >= 0.0 && self.repetition_penalty.is_finite()) {
+            return bad(format!("repetition_penalty must be >= 0, got {}", self.repetition_penalty));
+        }
+        if let Some(id) = self.logit_bias.keys().find(|id| **id as usize >= vocab_size) {
+            return bad(format!("logit_bias names token {id}, outside the vocabulary of {vocab_size}"));
+        }
+        Ok(())
+    }
+}
+
+/// Turns one step's logits into a token, keeping the request's random stream.
+pub struct Sampler {
+    params: SamplingParams,
+    key: Option<Array>,
+    bias: Option<(Array, Array)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Result<Self> {
+        let key = params.seed.map(random::key).transpose()?;
+        let bias = if params.logit_bias.is_empty() {
+            None
+        } else {
+            let mut pairs: Vec<(u32, f32)> = params.logit_bias.iter().map(|(k, v)| (*k, *v)).collect();
+            pairs.sort_by_key(|p| p.0);
+            let ids: Vec<u32> = pairs.iter().map(|p| p.0).collect();
+            let values: Vec<f32> = pairs.iter().map(|p| p.1).collect();
+            let n = ids.len() as i32;
+            Some((Array::from_slice(&ids, &[1, n]), Array::from_slice(&values, &[1, n])))
+        };
+        Ok(Self { params, key, bias })
+    }
+
+    /// Applies the logits processors: `logits` `[1, vocab]`, `history` the token ids so far
+    /// (prompt and generated, 1-D) → processed logits `[1, vocab]`.
+    pub fn process_logits(&self, logits: &Array, history: &Array) -> Result<Array> {
+        let mut logits = logits.clone();
+        if let Some((ids, values)) = &self.bias {
+            let current = take_along_axis(&logits, ids, -1)?;
+            logits = put_along_axis(&logits, ids, ops::add(&current, values)?, -1)?;
+        }
+        let penalty = self.params.repetition_penalty;
+        let seen = history.shape()[0];
+        if penalty != 0.0 && penalty != 1.0 && seen > 0 {
+            let context = self.params.repetition_context_size.max(1) as i32;
+            let start = (seen - context).max(0);
+            let recent = crate::mlx_ext::slice(history, &[start], &[seen])?.reshape(&[1, -1])?;
+            let selected = take_along_axis(&logits, &recent, -1)?;
+            let penalized = ops::select(
+                &selected.lt(&Array::from_f32(0.0))?,
+                ops::multiply(&selected, &Array::from_f32(penalty))?,
+                ops::divide(&selected, &Array::from_f32(penalty))?,
+            )?;
+            logits = put_along_axis(&logits, &recent, &penalized, -1)?;
+        }
+        Ok(logits)
+    }
+
+    /// Draws a token from `logprobs` `[1, vocab]` (log-softmax of processed logits) → `[1]` uint32.
+    pub fn sample(&mut self, logprobs: &Array) -> Result<Array> {
+        let p = &self.params;
+        if p.temperature == 0.0 {
+            return Ok(argmax_axis(logprobs, -1, None)?);
+        }
+        let mut logprobs = logprobs.clone();
+        if p.top_p > 0.0 && p.top_p < 1.0 {
+            logprobs = apply_top_p(&logprobs, p.top_p)?;
+        }
+        if p.min_p > 0.0 {
+            logprobs = apply_min_p(&logprobs, p.min_p)?;
+        }
+        if p.top_k > 0 {
+            logprobs = apply_top_k(&logprobs, p.top_k as i32)?;
+        }
+        let scaled = ops::multiply(&logprobs, &Array::from_f32(1.0 / p.temperature))?;
+        let key = match self.key.take() {
+            Some(key) => {
+                let (next, sub) = random::split(&key, 2)?;
+                self.key = Some(next);
+                Some(sub)
+            }
+            None => None,
+        };
+        Ok(random::categorical(&scaled, -1, None, key.as_ref())?)
+    }
+}
+
+fn neg_inf() -> Array {
+    Array::from_f32(f32::NEG_INFINITY)
+}
+
+/// Keeps the most likely tokens until their mass reaches `top_p` of the total.
+fn apply_top_p(logprobs: &Array, top_p: f32) -> Result<Array> {
+    let sorted = ops::sort_axis(logprobs, -1)?;
+    let probs = ops::exp(&sorted)?;
+    let mass_above = ops::cumsum(&probs, -1, true, false)?;
+    let vocab = logprobs.shape()[1];
+    let first = |a: &Array| crate::mlx_ext::slice(a, &[0, 0], &[1, 1]);
+    let total = ops::add(&first(&mass_above)?, &first(&probs)?)?;
+    let dropped = mass_above
+        .ge(&ops::multiply(&total, &Array::from_f32(top_p))?)?
+        .sum_axis(-1, true)?
+        .as_dtype(mlx_rs::Dtype::Int32)?;
+    let dropped = ops::minimum(&dropped, &Array::from_int(vocab - 1))?;
+    let threshold = take_along_axis(&sorted, &dropped, -1)?;
+    Ok(ops::select(&logprobs.lt(&threshold)?, neg_inf(), logprobs)?)
+}
+
+/// Drops tokens whose probability is below `min_p` times the top token's.
+fn apply_min_p(logprobs: &Array, min_p: f32) -> Result<Array> {
+    let top = logprobs.max_axis(-1, true)?;
+    let floor = ops::add(&top, &Array::from_f32(min_p.ln()))?;
+    Ok(ops::select(&logprobs.lt(&floor)?, neg_inf(), logprobs)?)
+}
+
+/// Keeps the `k` most likely tokens.
+fn apply_top_k(logprobs: &Array, k: i32) -> Result<Array> {
+    let vocab = logprobs.shape()[1];
+    let order = argpartition_axis(&ops::negative(logprobs)?, k - 1, -1)?;
+    let dropped = crate::mlx_ext::slice(&order, &[0, k], &[1, vocab])?;
+    let fill = ops::broadcast_to(neg_inf(), dropped.shape())?;
+    Ok(put_along_axis(logprobs, &dropped, &fill, -1)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logprobs(values: &[f32]) -> Array {
+        let logits = Array::from_slice(values, &[1, values.len() as i32]);
+        ops::subtract(&logits, &logits.logsumexp_axis(-1, true).unwrap()).unwrap()
+    }
+
+    fn finite(a: &Array) -> Vec<bool> {
+        a.as_slice::<f32>().iter().map(|v| v.is_finite()).collect()
+    }
+
+    #[test]
+    fn greedy_picks_the_argmax() {
+        let mut s = Sampler::new(SamplingParams::default()).unwrap();
+        let token = s.sample(&logprobs(&[0.1, 3.0, 2.9, -1.0])).unwrap();
+        assert_eq!(token.as_slice::<u32>(), &[1]);
+    }
+
+    #[test]
+    fn filters_keep_the_expected_tokens() {
+        // probabilities ~ [0.5, 0.3, 0.15, 0.05]
+        let lp = logprobs(&[0.5f32.ln(), 0.3f32.ln(), 0.15f32.ln(), 0.05f32.ln()]);
+        assert_eq!(finite(&apply_top_k(&lp, 2).unwrap()), [true, true, false, false]);
+        assert_eq!(finite(&apply_top_p(&lp, 0.7).unwrap()), [true, true, false, false]);
+        assert_eq!(finite(&apply_top_p(&lp, 0.9).unwrap()), [true, true, true, false]);
+        assert_eq!(finite(&apply_min_p(&lp, 0.2).unwrap()), [true, true, true, false]);
+        assert_eq!(finite(&apply_min_p(&lp, 0.5).unwrap()), [true, true, false, false]);
+    }
+
+    #[test]
+    fn seeded_sampling_is_reproducible_and_follows_the_distribution() {
+        let probs = [0.6f32, 0.3, 0.1];
+        let lp = logprobs(&probs.map(f32::ln));
+        let params = SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() };
+        let draw = |n: usize| {
+            let mut s = Sampler::new(params.clone()).unwrap();
+            (0..n).map(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0]).collect::<Vec<_>>()
+        };
+        let a = draw(3000);
+        assert_eq!(a[..50], draw(50)[..], "same seed, same tokens");
+        for (token, p) in probs.iter().enumerate() {
+            let freq = a.iter().filter(|t| **t as usize == token).count() as f32 / a.len() as f32;
+            // 3000 draws: standard error <= 0.009, so 0.04 is > 4 sigma.
+            assert!((freq - p).abs() < 0.04, "token {token}: frequency {freq} vs probability {p}");
+        }
+        let other = {
+            let mut s = Sampler::new(SamplingParams { seed: Some(8), ..params.clone() }).unwrap();
+            (0..50).map(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0]).collect::<Vec<_>>()
+        };
+        assert_ne!(other, a[..50], "another seed gives another stream");
+    }
+
+    #[test]
+    fn low_temperature_concentrates_on_the_top_token() {
+        let lp = logprobs(&[1.0, 0.9, 0.8]);
+        let mut s = Sampler::new(SamplingParams { temperature: 0.01, seed: Some(1), ..Default::default() }).unwrap();
+        assert!((0..100).all(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0] == 0));
+    }
+
+    #[test]
+    fn repetition_penalty_and_logit_bias() {
+        let logits = Array::from_slice(&[2.0f32, -2.0, 1.0, 0.5], &[1, 4]);
+        let history = Array::from_slice(&[0u32, 1, 1], &[3]);
+        let s = Sampler::new(SamplingParams {
+            repetition_penalty: 2.0,
+            logit_bias: HashMap::from([(3, 10.0)]),
+            ..Default::default()
+        })
+        .unwrap();
+        let out = s.process_logits(&logits, &history).unwrap();
+        assert_eq!(out.as_slice::<f32>(), &[1.0, -4.0, 1.0, 10.5]);
+        let window = Sampler::new(SamplingParams { repetition_penalty: 2.0, repetition_context_size: 1, ..Default::default() }).unwrap();
+        let out = window.process_logits(&logits, &history).unwrap();
+        assert_eq!(out.as_slice::<f32>(), &[2.0, -4.0, 1.0, 0.5], "only the last token is in context");
+    }
+
+    #[test]
+    fn invalid_parameters_are_rejected() {
+        let bad = SamplingParams { top_p: 1.5, ..Default::default() };
+        assert!(matches!(bad.validate(10), Err(EngineError::InvalidSampling(m)) if m.contains("top_p")));
+        let bad = SamplingParams { logit_bias: HashMap::from([(99, 1.0)]), ..Default::default() };
+        assert!(bad.validate(10).is_err());
+        assert!(SamplingParams::default().validate(10).is_ok());
+    }
+}

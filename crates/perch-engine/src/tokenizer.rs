@@ -1,0 +1,174 @@
+//! Text ↔ token ids: the model's `tokenizer.json` (Hugging Face `tokenizers`), its chat template,
+//! its end-of-sequence ids, and a streaming detokenizer.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use serde_json::Value;
+
+use crate::chat_template::{ChatMessage, ChatTemplate};
+use crate::error::{EngineError, Result};
+
+/// A model's tokenizer and the text conventions that come with it.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    eos_token_ids: Vec<u32>,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl Tokenizer {
+    /// Loads `tokenizer.json`, `tokenizer_config.json` (special tokens, chat template),
+    /// `chat_template.jinja` when present (it wins over the config's field, as in transformers),
+    /// and end-of-sequence ids from `generation_config.json`, `config.json` and the tokenizer's
+    /// `eos_token`.
+    pub fn load(model_dir: &Path) -> Result<Self> {
+        let path = model_dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| EngineError::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
+        let tokenizer_config = read_json_if_exists(&model_dir.join("tokenizer_config.json"))?;
+        let special = |key: &str| -> Option<String> {
+            let v = tokenizer_config.as_ref()?.get(key)?;
+            // Either a plain string or an AddedToken object with `content`.
+            v.as_str().or_else(|| v.get("content").and_then(Value::as_str)).map(str::to_string)
+        };
+        let bos_token = special("bos_token");
+        let eos_token = special("eos_token");
+
+        let mut eos: BTreeSet<u32> = BTreeSet::new();
+        for file in ["generation_config.json", "config.json"] {
+            if let Some(cfg) = read_json_if_exists(&model_dir.join(file))? {
+                collect_ids(cfg.get("eos_token_id"), &mut eos);
+            }
+        }
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
+            eos.insert(id);
+        }
+
+        let template_file = model_dir.join("chat_template.jinja");
+        let source = if template_file.is_file() {
+            Some(std::fs::read_to_string(&template_file).map_err(|source| EngineError::Io { path: template_file, source })?)
+        } else {
+            tokenizer_config.as_ref().and_then(|c| template_from_config(c.get("chat_template")))
+        };
+        let chat_template = source.map(|s| ChatTemplate::new(s, bos_token, eos_token)).transpose()?;
+        Ok(Self { inner, eos_token_ids: eos.into_iter().collect(), chat_template })
+    }
+
+    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. BOS).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        let encoding = self
+            .inner
+            .encode(text, add_special_tokens)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens included (a chat's stop tokens are never passed here).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, false).map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    /// Ids that end generation with finish reason `stop`.
+    pub fn eos_token_ids(&self) -> &[u32] {
+        &self.eos_token_ids
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.chat_template.as_ref()
+    }
+
+    /// Renders `messages` with the chat template (with the assistant's generation prompt) and
+    /// tokenizes the result without adding special tokens again, as `apply_chat_template` does.
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let template = self
+            .chat_template
+            .as_ref()
+            .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template; pass raw text instead".into()))?;
+        let text = template.render(messages, true)?;
+        self.encode(&text, false)
+    }
+}
+
+fn read_json_if_exists(path: &Path) -> Result<Option<Value>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| EngineError::Config { path: path.to_path_buf(), message: e.to_string() })
+}
+
+fn collect_ids(value: Option<&Value>, into: &mut BTreeSet<u32>) {
+    match value {
+        Some(Value::Number(n)) => into.extend(n.as_u64().map(|v| v as u32)),
+        Some(Value::Array(items)) => into.extend(items.iter().filter_map(Value::as_u64).map(|v| v as u32)),
+        _ => {}
+    }
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` of which `default` is used.
+fn template_from_config(value: Option<&Value>) -> Option<String> {
+    match value? {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(items) => items
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template").and_then(Value::as_str))
+            .map(str::to_string),
+        _ => None,
+    }
+}
+
+/// Turns a growing list of token ids into text deltas without ever emitting half a character.
+///
+/// Byte-level BPE splits multi-byte characters across tokens; decoding such a prefix yields
+/// U+FFFD. Each step decodes the ids since the last emitted boundary (with one token of left
+/// context so decoders that strip a leading space do not change the text) and emits only when the
+/// text does not end in an incomplete character. [`StreamingDetokenizer::finish`] flushes what
+/// is held back; bytes that never completed a character are dropped there.
+pub struct StreamingDetokenizer {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl Default for StreamingDetokenizer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StreamingDetokenizer {
+    pub fn new() -> Self {
+        Self { ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
+    }
+
+    /// Adds one token; returns the text it completes (often empty mid-character).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let text = tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        if text.ends_with('\u{FFFD}') || text.len() <= prefix.len() || !text.is_char_boundary(prefix.len()) {
+            return Ok(String::new());
+        }
+        let delta = text[prefix.len()..].to_string();
+        self.prefix_offset = self.read_offset;
+        self.read_offset = self.ids.len();
+        Ok(delta)
+    }
+
+    /// Text still held back at the end of generation, without a trailing incomplete character.
+    pub fn finish(&mut self, tokenizer: &Tokenizer) -> Result<String> {
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
+        let text = tokenizer.decode(&self.ids[self.prefix_offset..])?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        let rest = text.get(prefix.len()..).unwrap_or("");
+        Ok(rest.trim_end_matches('\u{FFFD}').to_string())
+    }
+}

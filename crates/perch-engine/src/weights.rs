@@ -1,0 +1,167 @@
+//! Reading model weights: one or sharded `*.safetensors` files, validated before MLX sees them.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use mlx_rs::{Array, Dtype};
+
+use crate::device::Backend;
+use crate::error::{EngineError, Result};
+
+/// All tensors of a model by their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`).
+/// Builders `take` what they use, so leftovers can be reported.
+pub struct Weights {
+    tensors: HashMap<String, Array>,
+    /// Floating-point tensors are cast to the backend's compute dtype when taken.
+    backend: Backend,
+}
+
+impl Weights {
+    /// Loads every `*.safetensors` file of `model_dir` (the shards named by
+    /// `model.safetensors.index.json` when it exists).
+    ///
+    /// Errors: [`EngineError::Io`] when a file cannot be read, [`EngineError::CorruptWeights`]
+    /// when a header is malformed or the file is shorter than its header says (truncated download).
+    pub fn load(model_dir: &Path, backend: Backend) -> Result<Self> {
+        let mut tensors = HashMap::new();
+        for file in shard_files(model_dir)? {
+            validate_safetensors(&file)?;
+            let loaded = Array::load_safetensors(&file).map_err(|e| EngineError::CorruptWeights {
+                path: file.clone(),
+                message: e.to_string(),
+            })?;
+            tensors.extend(loaded);
+        }
+        Ok(Self { tensors, backend })
+    }
+
+    /// Wraps tensors already in memory (tests, conversions).
+    pub fn from_map(tensors: HashMap<String, Array>, backend: Backend) -> Self {
+        Self { tensors, backend }
+    }
+
+    /// Whether a tensor of that name exists.
+    pub fn contains(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Removes and returns a tensor, cast to the compute dtype when it is floating point.
+    pub fn take(&mut self, name: &str) -> Result<Array> {
+        let tensor = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| EngineError::MissingWeight { name: name.to_string() })?;
+        self.cast(tensor)
+    }
+
+    /// Like [`Weights::take`], checking the shape.
+    pub fn take_shaped(&mut self, name: &str, expected: &[i32]) -> Result<Array> {
+        let tensor = self.take(name)?;
+        check_shape(name, &tensor, expected)?;
+        Ok(tensor)
+    }
+
+    /// Removes a tensor if present.
+    pub fn take_optional(&mut self, name: &str) -> Result<Option<Array>> {
+        match self.tensors.remove(name) {
+            Some(tensor) => self.cast(tensor).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Drops tensors a model does not use (e.g. precomputed rotary frequencies).
+    pub fn discard(&mut self, name: &str) {
+        self.tensors.remove(name);
+    }
+
+    /// Names of tensors nobody took, sorted.
+    pub fn remaining(&self) -> Vec<String> {
+        let mut names: Vec<String> = self.tensors.keys().cloned().collect();
+        names.sort();
+        names
+    }
+
+    fn cast(&self, tensor: Array) -> Result<Array> {
+        let stored = tensor.dtype();
+        if !matches!(stored, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32) {
+            return Ok(tensor);
+        }
+        let target = self.backend.compute_dtype(stored);
+        if target == stored {
+            return Ok(tensor);
+        }
+        Ok(tensor.as_dtype(target)?)
+    }
+}
+
+/// Errors with [`EngineError::ShapeMismatch`] unless `tensor` has exactly `expected` shape.
+pub fn check_shape(name: &str, tensor: &Array, expected: &[i32]) -> Result<()> {
+    if tensor.shape() != expected {
+        return Err(EngineError::ShapeMismatch {
+            name: name.to_string(),
+            found: tensor.shape().to_vec(),
+            expected: expected.to_vec(),
+        });
+    }
+    Ok(())
+}
+
+fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
+    let index = model_dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        let text = std::fs::read_to_string(&index).map_err(|source| EngineError::Io {
+            path: index.clone(),
+            source,
+        })?;
+        #[derive(serde::Deserialize)]
+        struct Index {
+            weight_map: HashMap<String, String>,
+        }
+        let parsed: Index = serde_json::from_str(&text).map_err(|e| EngineError::CorruptWeights {
+            path: index.clone(),
+            message: e.to_string(),
+        })?;
+        let mut files: Vec<String> = parsed.weight_map.into_values().collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| model_dir.join(f)).collect());
+    }
+    let entries = std::fs::read_dir(model_dir).map_err(|source| EngineError::Io {
+        path: model_dir.to_path_buf(),
+        source,
+    })?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(EngineError::Io {
+            path: model_dir.join("model.safetensors"),
+            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no *.safetensors file in the model directory"),
+        });
+    }
+    Ok(files)
+}
+
+/// Checks the header and that the file holds every byte the header promises. MLX reads tensor
+/// data lazily, so without this a truncated download would fail (or read garbage) mid-generation.
+fn validate_safetensors(path: &Path) -> Result<()> {
+    let file = File::open(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    // SAFETY: the map is read-only and dropped before returning; a concurrent truncation by another
+    // process could fault, as with any reader of a file being rewritten.
+    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    safetensors::SafeTensors::read_metadata(&map).map_err(|e| EngineError::CorruptWeights {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    Ok(())
+}

@@ -1,0 +1,72 @@
+//! Perch reproduces Python mlx_lm 0.32.2 exactly on the shared SmolLM2 model: chat-templated
+//! prompt ids and greedy continuations (`shared/reference/smollm2-135m-4bit-greedy.json`).
+
+mod common;
+
+use std::ops::ControlFlow;
+
+use perch_engine::{generate, models, FinishReason, GenerateRequest, Tokenizer};
+
+#[test]
+fn prompts_and_greedy_ids_match_mlx_lm() {
+    let dir = common::smollm_dir();
+    let model = models::load(&dir).expect("load model");
+    let tokenizer = Tokenizer::load(&dir).expect("load tokenizer");
+    let cases = common::reference_cases();
+    assert!(cases.len() >= 6);
+    for case in cases {
+        let prompt = match (&case.messages, &case.text) {
+            (Some(messages), _) => tokenizer.encode_chat(messages).unwrap(),
+            (None, Some(text)) => tokenizer.encode(text, true).unwrap(),
+            _ => panic!("case {} has neither messages nor text", case.id),
+        };
+        assert_eq!(prompt, case.prompt_ids, "prompt ids of case {}", case.id);
+
+        let mut request = GenerateRequest::new(prompt);
+        request.max_tokens = 32;
+        let mut streamed = String::new();
+        let out = generate(model.as_ref(), &tokenizer, &request, |event| {
+            assert!(!event.text.contains('\u{FFFD}'), "case {}: broken character streamed", case.id);
+            streamed.push_str(&event.text);
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        // mlx_lm's list includes the EOS token that ended generation; ours reports it as `stop`.
+        let mut ids = out.token_ids.clone();
+        if out.finish_reason == FinishReason::Stop {
+            ids.push(*case.greedy_ids.last().unwrap());
+            assert!(tokenizer.eos_token_ids().contains(case.greedy_ids.last().unwrap()));
+        } else {
+            assert_eq!(out.finish_reason, FinishReason::Length);
+        }
+        assert_eq!(ids, case.greedy_ids, "greedy ids of case {}", case.id);
+        assert_eq!(streamed, out.text, "case {}: streamed text equals the final text", case.id);
+        let full = tokenizer.decode(&out.token_ids).unwrap();
+        assert_eq!(out.text, full.trim_end_matches('\u{FFFD}'), "case {}: no text lost", case.id);
+        assert_eq!(out.stats.generation_tokens, case.greedy_ids.len());
+        assert!(out.stats.peak_memory_bytes > 0);
+    }
+}
+
+#[test]
+fn streaming_never_splits_a_character() {
+    let dir = common::smollm_dir();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let case = common::reference_cases().into_iter().find(|c| c.id == "unicode").unwrap();
+    // The reference ends inside an emoji: decoding all ids ends in U+FFFD.
+    let full = tokenizer.decode(&case.greedy_ids).unwrap();
+    assert!(full.ends_with('\u{FFFD}'));
+    let mut detok = perch_engine::tokenizer::StreamingDetokenizer::new();
+    let mut text = String::new();
+    let mut empty_steps = 0;
+    for id in &case.greedy_ids {
+        let delta = detok.push(&tokenizer, *id).unwrap();
+        assert!(!delta.contains('\u{FFFD}'));
+        empty_steps += delta.is_empty() as usize;
+        text.push_str(&delta);
+    }
+    assert!(empty_steps > 0, "multi-token characters must be held back at least once");
+    text.push_str(&detok.finish(&tokenizer).unwrap());
+    assert_eq!(text, full.trim_end_matches('\u{FFFD}'));
+    assert!(text.contains("🌅"));
+}
