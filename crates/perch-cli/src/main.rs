@@ -1,1 +1,51 @@
-fn main() {}
+//! `perch`: run local language models on MLX from the terminal.
+//!
+//! Subcommands: `generate` (one prompt, streamed), `chat` (interactive), `import` (GGUF → MLX
+//! model directory), `bench` (prompt/decode tok/s and peak memory).
+
+mod bench;
+mod chat;
+mod generate;
+mod import;
+mod model_dir;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "perch", version, about = "Run local language models on MLX")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion for one prompt and stream it to stdout.
+    Generate(generate::GenerateArgs),
+    /// Chat with a model in the terminal (multi-turn).
+    Chat(chat::ChatArgs),
+    /// Convert a GGUF file (F32/F16/Q8_0/Q4_0/Q4_1, llama family) into an MLX model directory.
+    Import(import::ImportArgs),
+    /// Measure prompt and decode throughput and peak memory.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Chat(args) => chat::run(args),
+        Command::Import(args) => import::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            // One line: the error and its causes, outermost first.
+            eprintln!("perch: error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -42,6 +42,8 @@ pub struct GenerateRequest {
     pub stop_strings: Vec<String>,
     /// Prompt tokens per forward pass during prefill (bounds prefill memory).
     pub prefill_step_size: usize,
+    /// Keep generating through EOS (benchmarks).
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -53,6 +55,7 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             prefill_step_size: 2048,
+            ignore_eos: false,
         }
     }
 }
@@ -75,7 +78,9 @@ pub struct GenerationStats {
 /// A streamed piece of output.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TokenEvent {
-    pub id: u32,
+    /// The generated token, or `None` for text released when generation ends (the tail of a
+    /// character or of a possible stop string that was held back).
+    pub id: Option<u32>,
     /// Text this token completes; may be empty (mid-character, or held back as a possible stop string).
     pub text: String,
 }
@@ -110,7 +115,9 @@ pub fn generate(
     }
     request.sampling.validate(info.vocab_size)?;
     let max_tokens = request.max_tokens.min(info.context_length - prompt.len());
-    let stop_ids: Vec<u32> = if request.stop_token_ids.is_empty() {
+    let stop_ids: Vec<u32> = if request.ignore_eos {
+        request.stop_token_ids.clone()
+    } else if request.stop_token_ids.is_empty() {
         tokenizer.eos_token_ids().to_vec()
     } else {
         request.stop_token_ids.clone()
@@ -169,7 +176,7 @@ pub fn generate(
             StopOutcome::Stopped(text) => (text, true),
         };
         output.text.push_str(&text);
-        if on_token(&TokenEvent { id, text }).is_break() {
+        if on_token(&TokenEvent { id: Some(id), text }).is_break() {
             output.finish_reason = FinishReason::Cancelled;
             break;
         }
@@ -186,7 +193,7 @@ pub fn generate(
     if !stopped_by_string {
         // Release text held back mid-character or as a possible stop string.
         let tail = detokenizer.finish(tokenizer)?;
-        let mut rest = match stops.push(&tail) {
+        let rest = match stops.push(&tail) {
             StopOutcome::Continue(text) => text + &stops.finish(),
             StopOutcome::Stopped(text) => {
                 output.finish_reason = FinishReason::Stop;
@@ -195,9 +202,7 @@ pub fn generate(
         };
         if !rest.is_empty() {
             output.text.push_str(&rest);
-            if let Some(&id) = output.token_ids.last() {
-                let _ = on_token(&TokenEvent { id, text: std::mem::take(&mut rest) });
-            }
+            let _ = on_token(&TokenEvent { id: None, text: rest });
         }
     }
 

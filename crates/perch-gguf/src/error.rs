@@ -41,7 +41,11 @@ pub enum GgufError {
         "the file ends at byte {file_len} while reading {what} at byte {offset}: \
          it is truncated (an incomplete download?)"
     )]
-    Truncated { what: String, offset: u64, file_len: u64 },
+    Truncated {
+        what: String,
+        offset: u64,
+        file_len: u64,
+    },
 
     /// A metadata value is malformed (bad type code, invalid UTF-8, nesting too deep, ...).
     #[error("metadata `{key}` is malformed: {reason}")]
@@ -53,34 +57,55 @@ pub enum GgufError {
 
     /// A metadata key holds a value of the wrong type.
     #[error("metadata `{key}` should be {expected} but is {found}")]
-    MetadataType { key: String, expected: &'static str, found: String },
+    MetadataType {
+        key: String,
+        expected: &'static str,
+        found: String,
+    },
 
     /// The model's architecture has no importer.
     #[error("architecture `{found}` is not supported (supported: {})", supported.join(", "))]
-    UnsupportedArchitecture { found: String, supported: &'static [&'static str] },
+    UnsupportedArchitecture {
+        found: String,
+        supported: &'static [&'static str],
+    },
 
     /// A tensor is stored in a type the import cannot convert (or the reader cannot size).
     #[error(
         "tensor `{tensor}` has type {ggml_type}, which is not supported (supported: {}); \
-         use a GGUF quantized as Q4_0, Q4_1 or Q8_0, or an F16/F32 one",
+         use a GGUF file whose tensors all have supported types",
         supported.join(", ")
     )]
-    UnsupportedTensorType { tensor: String, ggml_type: String, supported: &'static [&'static str] },
+    UnsupportedTensorType {
+        tensor: String,
+        ggml_type: String,
+        supported: &'static [&'static str],
+    },
 
     /// A tensor's data lies (partly) outside the file.
     #[error(
         "tensor `{tensor}` occupies bytes {start}..{end} but the file has only {file_len} bytes: \
          the file is truncated or corrupt"
     )]
-    TensorOutOfBounds { tensor: String, start: u64, end: u64, file_len: u64 },
+    TensorOutOfBounds {
+        tensor: String,
+        start: u64,
+        end: u64,
+        file_len: u64,
+    },
 
     /// A tensor's header is inconsistent (shape, size, block alignment, expected shape).
     #[error("tensor `{tensor}` is invalid: {reason}")]
     InvalidTensor { tensor: String, reason: String },
 
     /// A tensor name has no Hugging Face counterpart for the architecture.
-    #[error("tensor `{tensor}` is not part of a {architecture} model; the file may be a newer variant")]
-    UnexpectedTensor { tensor: String, architecture: String },
+    #[error(
+        "tensor `{tensor}` is not part of a {architecture} model; the file may be a newer variant"
+    )]
+    UnexpectedTensor {
+        tensor: String,
+        architecture: String,
+    },
 
     /// A tensor every model of the architecture has is absent.
     #[error("tensor `{tensor}` is missing from the GGUF file")]
@@ -91,7 +116,11 @@ pub enum GgufError {
         "tensor `{tensor}` has a block scale of {scale} whose offset {bias} overflows float16; \
          this tensor cannot be converted losslessly"
     )]
-    ScaleOverflow { tensor: String, scale: f32, bias: f32 },
+    ScaleOverflow {
+        tensor: String,
+        scale: f32,
+        bias: f32,
+    },
 
     /// RoPE scaling that cannot be expressed in config.json.
     #[error("RoPE scaling is not supported: {reason}")]
@@ -99,11 +128,17 @@ pub enum GgufError {
 
     /// The tokenizer model (`tokenizer.ggml.model`) has no converter.
     #[error("tokenizer model `{found}` is not supported (supported: {})", supported.join(", "))]
-    UnsupportedTokenizer { found: String, supported: &'static [&'static str] },
+    UnsupportedTokenizer {
+        found: String,
+        supported: &'static [&'static str],
+    },
 
     /// The pre-tokenizer (`tokenizer.ggml.pre`) has no known split regex.
     #[error("pre-tokenizer `{found}` is not supported (supported: {})", supported.join(", "))]
-    UnsupportedPreTokenizer { found: String, supported: &'static [&'static str] },
+    UnsupportedPreTokenizer {
+        found: String,
+        supported: &'static [&'static str],
+    },
 
     /// The vocabulary in the GGUF is inconsistent (duplicate tokens, bad merges, ids out of range).
     #[error("the tokenizer vocabulary is invalid: {reason}")]
@@ -126,7 +161,15 @@ pub enum GgufError {
 }
 
 impl GgufError {
-    pub(crate) fn io(action: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        GgufError::Io { action, path: path.into(), source }
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+        source: std::io::Error,
+    ) -> Self {
+        GgufError::Io {
+            action,
+            path: path.into(),
+            source,
+        }
     }
 }

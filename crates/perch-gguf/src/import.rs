@@ -8,9 +8,15 @@ use std::path::{Path, PathBuf};
 
 use serde_json::{json, Map, Value};
 
-use crate::llama::{map_tensor, LlamaHparams, MappedTensor, ModuleKind, TensorRole, SUPPORTED_ARCHITECTURES};
-use crate::quant::{convert_affine, dequantize_to_f32_bytes, reorder_rows, rope_unpermute_order, AffineParams, BlockFormat};
-use crate::reader::{GgmlType, GgufFile, TensorInfo};
+use crate::ggml_type::GgmlType;
+use crate::llama::{
+    map_tensor, LlamaHparams, MappedTensor, ModuleKind, TensorRole, SUPPORTED_ARCHITECTURES,
+};
+use crate::quant::{
+    convert_affine, dequantize_to_f32_bytes, reorder_rows, rope_unpermute_order, AffineParams,
+    BlockFormat,
+};
+use crate::reader::{GgufFile, TensorInfo};
 use crate::safetensors_writer::{Dtype, PlannedTensor, SafetensorsWriter};
 use crate::tokenizer::build_tokenizer;
 use crate::GgufError;
@@ -58,7 +64,10 @@ pub fn import(gguf_path: &Path, out_dir: &Path) -> Result<ImportSummary, GgufErr
     let gguf = GgufFile::open(gguf_path)?;
     let architecture = gguf.architecture()?.to_string();
     if !SUPPORTED_ARCHITECTURES.contains(&architecture.as_str()) {
-        return Err(GgufError::UnsupportedArchitecture { found: architecture, supported: SUPPORTED_ARCHITECTURES });
+        return Err(GgufError::UnsupportedArchitecture {
+            found: architecture,
+            supported: SUPPORTED_ARCHITECTURES,
+        });
     }
     let hparams = LlamaHparams::from_gguf(&gguf)?;
     let plan = ImportPlan::new(&gguf, &hparams)?;
@@ -67,7 +76,11 @@ pub fn import(gguf_path: &Path, out_dir: &Path) -> Result<ImportSummary, GgufErr
     let staging = StagingDir::create(out_dir)?;
     let dir = staging.path();
     let mut bytes_written = plan.write_weights(&gguf, &dir.join(WEIGHTS_FILE))?;
-    bytes_written += write_json(&dir.join("model.safetensors.index.json"), &plan.index_json(), 4)?;
+    bytes_written += write_json(
+        &dir.join("model.safetensors.index.json"),
+        &plan.index_json(),
+        4,
+    )?;
 
     let mut config = hparams.config_fields(plan.tie_word_embeddings);
     let ids = &tokenizer.special_ids;
@@ -85,10 +98,21 @@ pub fn import(gguf_path: &Path, out_dir: &Path) -> Result<ImportSummary, GgufErr
     }
     bytes_written += write_json(&dir.join("config.json"), &json!(config), 4)?;
 
-    let tokenizer_json = tokenizer.tokenizer.to_string(true).map_err(|source| GgufError::Tokenizer { source })?;
+    let tokenizer_json = tokenizer
+        .tokenizer
+        .to_string(true)
+        .map_err(|source| GgufError::Tokenizer { source })?;
     bytes_written += write_file(&dir.join("tokenizer.json"), tokenizer_json.as_bytes())?;
-    bytes_written += write_json(&dir.join("tokenizer_config.json"), &tokenizer.tokenizer_config, 2)?;
-    bytes_written += write_json(&dir.join("generation_config.json"), &tokenizer.generation_config, 2)?;
+    bytes_written += write_json(
+        &dir.join("tokenizer_config.json"),
+        &tokenizer.tokenizer_config,
+        2,
+    )?;
+    bytes_written += write_json(
+        &dir.join("generation_config.json"),
+        &tokenizer.generation_config,
+        2,
+    )?;
     if let Some(template) = &tokenizer.chat_template {
         bytes_written += write_file(&dir.join("chat_template.jinja"), template.as_bytes())?;
     }
@@ -140,25 +164,50 @@ impl TensorPlan<'_> {
                 let (rows, cols) = (shape[0], shape[1]);
                 let groups = cols / u64::from(params.group_size);
                 vec![
-                    PlannedTensor { name: format!("{base}.weight"), dtype: Dtype::U32, shape: vec![rows, cols * u64::from(params.bits) / 32] },
-                    PlannedTensor { name: format!("{base}.scales"), dtype: Dtype::F16, shape: vec![rows, groups] },
-                    PlannedTensor { name: format!("{base}.biases"), dtype: Dtype::F16, shape: vec![rows, groups] },
+                    PlannedTensor {
+                        name: format!("{base}.weight"),
+                        dtype: Dtype::U32,
+                        shape: vec![rows, cols * u64::from(params.bits) / 32],
+                    },
+                    PlannedTensor {
+                        name: format!("{base}.scales"),
+                        dtype: Dtype::F16,
+                        shape: vec![rows, groups],
+                    },
+                    PlannedTensor {
+                        name: format!("{base}.biases"),
+                        dtype: Dtype::F16,
+                        shape: vec![rows, groups],
+                    },
                 ]
             }
-            Conversion::Copy(dtype) => vec![PlannedTensor { name: format!("{base}.{}", self.mapped.param), dtype, shape }],
+            Conversion::Copy(dtype) => vec![PlannedTensor {
+                name: format!("{base}.{}", self.mapped.param),
+                dtype,
+                shape,
+            }],
             Conversion::Dequantize(_) => {
-                vec![PlannedTensor { name: format!("{base}.{}", self.mapped.param), dtype: Dtype::F32, shape }]
+                vec![PlannedTensor {
+                    name: format!("{base}.{}", self.mapped.param),
+                    dtype: Dtype::F32,
+                    shape,
+                }]
             }
         }
     }
 
     /// Source row of each output row: llama.cpp's RoPE permutation undone for q/k.
     fn row_order(&self) -> Result<Option<Vec<usize>>, GgufError> {
-        let Some(n_head) = self.mapped.rope_heads else { return Ok(None) };
+        let Some(n_head) = self.mapped.rope_heads else {
+            return Ok(None);
+        };
         let (rows, _) = self.rows_cols();
         rope_unpermute_order(rows, n_head as usize)
             .map(Some)
-            .map_err(|reason| GgufError::InvalidTensor { tensor: self.info.name.clone(), reason })
+            .map_err(|reason| GgufError::InvalidTensor {
+                tensor: self.info.name.clone(),
+                reason,
+            })
     }
 }
 
@@ -181,7 +230,9 @@ impl<'a> ImportPlan<'a> {
                 (GgmlType::F32, _) => Conversion::Copy(Dtype::F32),
                 (GgmlType::F16, _) => Conversion::Copy(Dtype::F16),
                 (GgmlType::BF16, _) => Conversion::Copy(Dtype::BF16),
-                (_, Some(format)) if mapped.expected_shape.len() == 1 => Conversion::Dequantize(format),
+                (_, Some(format)) if mapped.expected_shape.len() == 1 => {
+                    Conversion::Dequantize(format)
+                }
                 (_, Some(format)) => Conversion::Affine(format),
                 (other, None) => {
                     return Err(GgufError::UnsupportedTensorType {
@@ -201,14 +252,21 @@ impl<'a> ImportPlan<'a> {
                     ),
                 });
             }
-            tensors.push(TensorPlan { info, mapped, conversion });
+            tensors.push(TensorPlan {
+                info,
+                mapped,
+                conversion,
+            });
         }
         for name in hp.required_tensors() {
             if gguf.tensor(&name).is_none() {
                 return Err(GgufError::MissingTensor { tensor: name });
             }
         }
-        Ok(ImportPlan { tensors, tie_word_embeddings: gguf.tensor("output.weight").is_none() })
+        Ok(ImportPlan {
+            tensors,
+            tie_word_embeddings: gguf.tensor("output.weight").is_none(),
+        })
     }
 
     fn outputs(&self) -> Vec<PlannedTensor> {
@@ -226,7 +284,14 @@ impl<'a> ImportPlan<'a> {
             let base = &tensor.mapped.module;
             match tensor.conversion {
                 Conversion::Affine(format) => {
-                    let converted = convert_affine(format, &data, rows, cols, order.as_deref(), &tensor.info.name)?;
+                    let converted = convert_affine(
+                        format,
+                        &data,
+                        rows,
+                        cols,
+                        order.as_deref(),
+                        &tensor.info.name,
+                    )?;
                     writer.write_tensor(&format!("{base}.weight"), &converted.weight)?;
                     writer.write_tensor(&format!("{base}.scales"), &converted.scales)?;
                     writer.write_tensor(&format!("{base}.biases"), &converted.biases)?;
@@ -258,7 +323,10 @@ impl<'a> ImportPlan<'a> {
         let outputs = self.outputs();
         let total_size: u64 = outputs.iter().map(PlannedTensor::byte_len).sum();
         let total_parameters: u64 = self.tensors.iter().map(|t| t.info.n_elements()).sum();
-        let weight_map: BTreeMap<String, &str> = outputs.into_iter().map(|t| (t.name, WEIGHTS_FILE)).collect();
+        let weight_map: BTreeMap<String, &str> = outputs
+            .into_iter()
+            .map(|t| (t.name, WEIGHTS_FILE))
+            .collect();
         json!({
             "metadata": { "total_size": total_size, "total_parameters": total_parameters },
             "weight_map": weight_map,
@@ -278,14 +346,20 @@ impl<'a> ImportPlan<'a> {
                 *counts.entry(format.params()).or_insert(0) += 1;
             }
         }
-        let default = counts.iter().max_by_key(|(params, count)| (**count, std::cmp::Reverse(**params)))?.0;
+        let default = counts
+            .iter()
+            .max_by_key(|(params, count)| (**count, std::cmp::Reverse(**params)))?
+            .0;
         let entry = |p: &AffineParams| json!({ "group_size": p.group_size, "bits": p.bits, "mode": "affine" });
         let mut config = match entry(default) {
             Value::Object(map) => map,
             _ => Map::new(),
         };
         for tensor in &self.tensors {
-            let quantizable = matches!(tensor.mapped.kind, ModuleKind::Linear | ModuleKind::Embedding);
+            let quantizable = matches!(
+                tensor.mapped.kind,
+                ModuleKind::Linear | ModuleKind::Embedding
+            );
             if !quantizable || tensor.mapped.param != "weight" {
                 continue;
             }
@@ -308,12 +382,17 @@ fn ensure_output_free(out_dir: &Path) -> Result<(), GgufError> {
     match fs::metadata(out_dir) {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(GgufError::io("inspect", out_dir, e)),
-        Ok(meta) if !meta.is_dir() => Err(GgufError::OutputExists { path: out_dir.to_path_buf() }),
+        Ok(meta) if !meta.is_dir() => Err(GgufError::OutputExists {
+            path: out_dir.to_path_buf(),
+        }),
         Ok(_) => {
-            let mut entries = fs::read_dir(out_dir).map_err(|e| GgufError::io("list", out_dir, e))?;
+            let mut entries =
+                fs::read_dir(out_dir).map_err(|e| GgufError::io("list", out_dir, e))?;
             match entries.next() {
                 None => Ok(()),
-                Some(_) => Err(GgufError::OutputExists { path: out_dir.to_path_buf() }),
+                Some(_) => Err(GgufError::OutputExists {
+                    path: out_dir.to_path_buf(),
+                }),
             }
         }
     }
@@ -331,20 +410,37 @@ impl StagingDir {
             GgufError::io(
                 "create",
                 out_dir,
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, "the output path must end in a directory name"),
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    "the output path must end in a directory name",
+                ),
             )
         };
-        let name = out_dir.file_name().ok_or_else(no_name)?.to_string_lossy().into_owned();
+        let name = out_dir
+            .file_name()
+            .ok_or_else(no_name)?
+            .to_string_lossy()
+            .into_owned();
         let parent = match out_dir.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
         fs::create_dir_all(&parent).map_err(|e| GgufError::io("create", &parent, e))?;
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
         for attempt in 0..100u32 {
-            let path = parent.join(format!(".{name}.partial-{}-{nanos}-{attempt}", std::process::id()));
+            let path = parent.join(format!(
+                ".{name}.partial-{}-{nanos}-{attempt}",
+                std::process::id()
+            ));
             match fs::create_dir(&path) {
-                Ok(()) => return Ok(StagingDir { path, published: false }),
+                Ok(()) => {
+                    return Ok(StagingDir {
+                        path,
+                        published: false,
+                    })
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(GgufError::io("create", &path, e)),
             }
@@ -352,7 +448,10 @@ impl StagingDir {
         Err(GgufError::io(
             "create",
             &parent,
-            std::io::Error::new(std::io::ErrorKind::AlreadyExists, "no free name for a staging directory"),
+            std::io::Error::new(
+                std::io::ErrorKind::AlreadyExists,
+                "no free name for a staging directory",
+            ),
         ))
     }
 
@@ -368,9 +467,12 @@ impl StagingDir {
             // POSIX replaces an empty directory atomically; other systems need it removed first.
             // `remove_dir` only removes an empty directory, so nothing saved can be lost.
             if out_dir.is_dir() && fs::remove_dir(out_dir).is_ok() {
-                fs::rename(&self.path, out_dir).map_err(|e| GgufError::io("rename into", out_dir, e))?;
+                fs::rename(&self.path, out_dir)
+                    .map_err(|e| GgufError::io("rename into", out_dir, e))?;
             } else if out_dir.exists() {
-                return Err(GgufError::OutputExists { path: out_dir.to_path_buf() });
+                return Err(GgufError::OutputExists {
+                    path: out_dir.to_path_buf(),
+                });
             } else {
                 return Err(GgufError::io("rename into", out_dir, first));
             }
@@ -392,8 +494,10 @@ impl Drop for StagingDir {
 
 fn write_file(path: &Path, bytes: &[u8]) -> Result<u64, GgufError> {
     let mut file = fs::File::create(path).map_err(|e| GgufError::io("create", path, e))?;
-    file.write_all(bytes).map_err(|e| GgufError::io("write", path, e))?;
-    file.sync_all().map_err(|e| GgufError::io("sync", path, e))?;
+    file.write_all(bytes)
+        .map_err(|e| GgufError::io("write", path, e))?;
+    file.sync_all()
+        .map_err(|e| GgufError::io("sync", path, e))?;
     Ok(bytes.len() as u64)
 }
 
@@ -403,7 +507,8 @@ fn write_json(path: &Path, value: &Value, indent: usize) -> Result<u64, GgufErro
     let mut bytes = Vec::new();
     let formatter = serde_json::ser::PrettyFormatter::with_indent(&indent);
     let mut serializer = serde_json::Serializer::with_formatter(&mut bytes, formatter);
-    serde::Serialize::serialize(value, &mut serializer).map_err(|e| GgufError::io("encode", path, e.into()))?;
+    serde::Serialize::serialize(value, &mut serializer)
+        .map_err(|e| GgufError::io("encode", path, e.into()))?;
     bytes.push(b'\n');
     write_file(path, &bytes)
 }

@@ -17,17 +17,27 @@ const VOCAB: u64 = 4;
 
 /// Deterministic bytes so failures reproduce.
 fn noise(seed: u64, n: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    let mut state = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
     (0..n)
         .map(|_| {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (state >> 56) as u8
         })
         .collect()
 }
 
 /// `[rows, cols]` ggml blocks whose row `r` has scale `scale(r)` and noise codes.
-fn quantized(format: BlockFormat, rows: u64, cols: u64, seed: u64, scale: impl Fn(u64) -> f32) -> Vec<u8> {
+fn quantized(
+    format: BlockFormat,
+    rows: u64,
+    cols: u64,
+    seed: u64,
+    scale: impl Fn(u64) -> f32,
+) -> Vec<u8> {
     let mut out = Vec::new();
     let per_row = (cols / 32) as usize;
     let codes = noise(seed, (rows as usize) * per_row * 32);
@@ -77,7 +87,12 @@ fn permute_rows(data: &[u8], rows: u64, n_head: u64) -> Vec<u8> {
 }
 
 fn strings(items: &[&str]) -> MetadataValue {
-    MetadataValue::Array(items.iter().map(|s| MetadataValue::String(s.to_string())).collect())
+    MetadataValue::Array(
+        items
+            .iter()
+            .map(|s| MetadataValue::String(s.to_string()))
+            .collect(),
+    )
 }
 
 /// A one-layer llama with mixed tensor types: Q8_0 embeddings, Q4_0 q/o/mlp, Q4_1 v,
@@ -85,39 +100,125 @@ fn strings(items: &[&str]) -> MetadataValue {
 /// `r / 64` in Hugging Face order, stored permuted as llama.cpp does.
 fn tiny_llama() -> GgufBuilder {
     let mut b = GgufBuilder::new();
-    b.kv("general.architecture", MetadataValue::String("llama".into()))
-        .kv("llama.block_count", MetadataValue::U32(1))
-        .kv("llama.context_length", MetadataValue::U32(256))
-        .kv("llama.embedding_length", MetadataValue::U32(HIDDEN as u32))
-        .kv("llama.feed_forward_length", MetadataValue::U32(INTER as u32))
-        .kv("llama.attention.head_count", MetadataValue::U32(HEADS as u32))
-        .kv("llama.attention.head_count_kv", MetadataValue::U32(KV_HEADS as u32))
-        .kv("llama.rope.freq_base", MetadataValue::F32(10000.0))
-        .kv("llama.attention.layer_norm_rms_epsilon", MetadataValue::F32(1e-6))
-        .kv("tokenizer.ggml.model", MetadataValue::String("gpt2".into()))
-        .kv("tokenizer.ggml.pre", MetadataValue::String("gpt2".into()))
-        .kv("tokenizer.ggml.tokens", strings(&["<|endoftext|>", "a", "b", "ab"]))
-        .kv("tokenizer.ggml.token_type", MetadataValue::Array([3, 1, 1, 1].map(MetadataValue::I32).to_vec()))
-        .kv("tokenizer.ggml.merges", strings(&["a b"]))
-        .kv("tokenizer.ggml.eos_token_id", MetadataValue::U32(0))
-        .kv("tokenizer.chat_template", MetadataValue::String("{{ messages }}".into()));
+    b.kv(
+        "general.architecture",
+        MetadataValue::String("llama".into()),
+    )
+    .kv("llama.block_count", MetadataValue::U32(1))
+    .kv("llama.context_length", MetadataValue::U32(256))
+    .kv("llama.embedding_length", MetadataValue::U32(HIDDEN as u32))
+    .kv(
+        "llama.feed_forward_length",
+        MetadataValue::U32(INTER as u32),
+    )
+    .kv(
+        "llama.attention.head_count",
+        MetadataValue::U32(HEADS as u32),
+    )
+    .kv(
+        "llama.attention.head_count_kv",
+        MetadataValue::U32(KV_HEADS as u32),
+    )
+    .kv("llama.rope.freq_base", MetadataValue::F32(10000.0))
+    .kv(
+        "llama.attention.layer_norm_rms_epsilon",
+        MetadataValue::F32(1e-6),
+    )
+    .kv("tokenizer.ggml.model", MetadataValue::String("gpt2".into()))
+    .kv("tokenizer.ggml.pre", MetadataValue::String("gpt2".into()))
+    .kv(
+        "tokenizer.ggml.tokens",
+        strings(&["<|endoftext|>", "a", "b", "ab"]),
+    )
+    .kv(
+        "tokenizer.ggml.token_type",
+        MetadataValue::Array([3, 1, 1, 1].map(MetadataValue::I32).to_vec()),
+    )
+    .kv("tokenizer.ggml.merges", strings(&["a b"]))
+    .kv("tokenizer.ggml.eos_token_id", MetadataValue::U32(0))
+    .kv(
+        "tokenizer.chat_template",
+        MetadataValue::String("{{ messages }}".into()),
+    );
 
     let q_rows = HEADS * HEAD_DIM;
     let kv_rows = KV_HEADS * HEAD_DIM;
-    let q = quantized(BlockFormat::Q4_0, q_rows, HIDDEN, 1, |r| (r + 1) as f32 / 1024.0);
+    let q = quantized(BlockFormat::Q4_0, q_rows, HIDDEN, 1, |r| {
+        (r + 1) as f32 / 1024.0
+    });
     let k = f16_rows(kv_rows, HIDDEN, |r| r as f32 / 64.0);
-    b.tensor("token_embd.weight", &[HIDDEN, VOCAB], GgmlType::Q8_0, quantized(BlockFormat::Q8_0, VOCAB, HIDDEN, 2, |_| 0.01))
-        .tensor("output_norm.weight", &[HIDDEN], GgmlType::F32, vec![0; (HIDDEN * 4) as usize])
-        .tensor("output.weight", &[HIDDEN, VOCAB], GgmlType::F16, f16_rows(VOCAB, HIDDEN, |_| 0.5))
-        .tensor("blk.0.attn_norm.weight", &[HIDDEN], GgmlType::F32, vec![0; (HIDDEN * 4) as usize])
-        .tensor("blk.0.ffn_norm.weight", &[HIDDEN], GgmlType::F32, vec![0; (HIDDEN * 4) as usize])
-        .tensor("blk.0.attn_q.weight", &[HIDDEN, q_rows], GgmlType::Q4_0, permute_rows(&q, q_rows, HEADS))
-        .tensor("blk.0.attn_k.weight", &[HIDDEN, kv_rows], GgmlType::F16, permute_rows(&k, kv_rows, KV_HEADS))
-        .tensor("blk.0.attn_v.weight", &[HIDDEN, kv_rows], GgmlType::Q4_1, quantized(BlockFormat::Q4_1, kv_rows, HIDDEN, 3, |_| 0.02))
-        .tensor("blk.0.attn_output.weight", &[q_rows, HIDDEN], GgmlType::Q4_0, quantized(BlockFormat::Q4_0, HIDDEN, q_rows, 4, |_| 0.03))
-        .tensor("blk.0.ffn_gate.weight", &[HIDDEN, INTER], GgmlType::Q4_0, quantized(BlockFormat::Q4_0, INTER, HIDDEN, 5, |_| 0.04))
-        .tensor("blk.0.ffn_up.weight", &[HIDDEN, INTER], GgmlType::Q4_0, quantized(BlockFormat::Q4_0, INTER, HIDDEN, 6, |_| 0.05))
-        .tensor("blk.0.ffn_down.weight", &[INTER, HIDDEN], GgmlType::Q4_0, quantized(BlockFormat::Q4_0, HIDDEN, INTER, 7, |_| 0.06));
+    b.tensor(
+        "token_embd.weight",
+        &[HIDDEN, VOCAB],
+        GgmlType::Q8_0,
+        quantized(BlockFormat::Q8_0, VOCAB, HIDDEN, 2, |_| 0.01),
+    )
+    .tensor(
+        "output_norm.weight",
+        &[HIDDEN],
+        GgmlType::F32,
+        vec![0; (HIDDEN * 4) as usize],
+    )
+    .tensor(
+        "output.weight",
+        &[HIDDEN, VOCAB],
+        GgmlType::F16,
+        f16_rows(VOCAB, HIDDEN, |_| 0.5),
+    )
+    .tensor(
+        "blk.0.attn_norm.weight",
+        &[HIDDEN],
+        GgmlType::F32,
+        vec![0; (HIDDEN * 4) as usize],
+    )
+    .tensor(
+        "blk.0.ffn_norm.weight",
+        &[HIDDEN],
+        GgmlType::F32,
+        vec![0; (HIDDEN * 4) as usize],
+    )
+    .tensor(
+        "blk.0.attn_q.weight",
+        &[HIDDEN, q_rows],
+        GgmlType::Q4_0,
+        permute_rows(&q, q_rows, HEADS),
+    )
+    .tensor(
+        "blk.0.attn_k.weight",
+        &[HIDDEN, kv_rows],
+        GgmlType::F16,
+        permute_rows(&k, kv_rows, KV_HEADS),
+    )
+    .tensor(
+        "blk.0.attn_v.weight",
+        &[HIDDEN, kv_rows],
+        GgmlType::Q4_1,
+        quantized(BlockFormat::Q4_1, kv_rows, HIDDEN, 3, |_| 0.02),
+    )
+    .tensor(
+        "blk.0.attn_output.weight",
+        &[q_rows, HIDDEN],
+        GgmlType::Q4_0,
+        quantized(BlockFormat::Q4_0, HIDDEN, q_rows, 4, |_| 0.03),
+    )
+    .tensor(
+        "blk.0.ffn_gate.weight",
+        &[HIDDEN, INTER],
+        GgmlType::Q4_0,
+        quantized(BlockFormat::Q4_0, INTER, HIDDEN, 5, |_| 0.04),
+    )
+    .tensor(
+        "blk.0.ffn_up.weight",
+        &[HIDDEN, INTER],
+        GgmlType::Q4_0,
+        quantized(BlockFormat::Q4_0, INTER, HIDDEN, 6, |_| 0.05),
+    )
+    .tensor(
+        "blk.0.ffn_down.weight",
+        &[INTER, HIDDEN],
+        GgmlType::Q4_0,
+        quantized(BlockFormat::Q4_0, HIDDEN, INTER, 7, |_| 0.06),
+    );
     b
 }
 
@@ -133,7 +234,11 @@ fn run_import(builder: &GgufBuilder) -> Imported {
     builder.write(&gguf);
     let out = dir.path().join("out").join("model");
     let result = import(&gguf, &out);
-    Imported { _dir: dir, out, result }
+    Imported {
+        _dir: dir,
+        out,
+        result,
+    }
 }
 
 fn read_json(path: &Path) -> Value {
@@ -141,7 +246,10 @@ fn read_json(path: &Path) -> Value {
 }
 
 fn f16_values(bytes: &[u8]) -> Vec<f32> {
-    bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+    bytes
+        .chunks_exact(2)
+        .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect()
 }
 
 #[test]
@@ -157,13 +265,26 @@ fn mixed_types_import_with_per_module_quantization_and_unpermuted_rows() {
     assert_eq!(config["head_dim"], HEAD_DIM);
     assert_eq!(config["eos_token_id"], 0);
     let q = &config["quantization"];
-    assert_eq!((q["group_size"].as_u64(), q["bits"].as_u64(), q["mode"].as_str()), (Some(32), Some(4), Some("affine")));
+    assert_eq!(
+        (
+            q["group_size"].as_u64(),
+            q["bits"].as_u64(),
+            q["mode"].as_str()
+        ),
+        (Some(32), Some(4), Some("affine"))
+    );
     assert_eq!(q["model.embed_tokens"]["bits"], 8);
     assert_eq!(q["model.embed_tokens"]["group_size"], 32);
     assert_eq!(q["model.layers.0.self_attn.k_proj"], false);
     assert_eq!(q["lm_head"], false);
-    assert!(q.get("model.layers.0.self_attn.v_proj").is_none(), "Q4_1 shares the default parameters");
-    assert!(q.get("model.norm").is_none(), "norms are not quantizable modules");
+    assert!(
+        q.get("model.layers.0.self_attn.v_proj").is_none(),
+        "Q4_1 shares the default parameters"
+    );
+    assert!(
+        q.get("model.norm").is_none(),
+        "norms are not quantizable modules"
+    );
     assert_eq!(config["quantization_config"], *q);
 
     let bytes = fs::read(imported.out.join("model.safetensors")).unwrap();
@@ -172,34 +293,72 @@ fn mixed_types_import_with_per_module_quantization_and_unpermuted_rows() {
     assert_eq!(q_scales.shape(), &[64, 2]);
     let scales = f16_values(q_scales.data());
     for r in 0..64 {
-        assert_eq!(scales[r * 2], f16::from_f32((r + 1) as f32 / 1024.0).to_f32(), "q_proj row {r} is in HF order");
+        assert_eq!(
+            scales[r * 2],
+            f16::from_f32((r + 1) as f32 / 1024.0).to_f32(),
+            "q_proj row {r} is in HF order"
+        );
     }
-    let k = f16_values(st.tensor("model.layers.0.self_attn.k_proj.weight").unwrap().data());
+    let k = f16_values(
+        st.tensor("model.layers.0.self_attn.k_proj.weight")
+            .unwrap()
+            .data(),
+    );
     for r in 0..32 {
-        assert_eq!(k[r * HIDDEN as usize], r as f32 / 64.0, "k_proj row {r} is in HF order");
+        assert_eq!(
+            k[r * HIDDEN as usize],
+            r as f32 / 64.0,
+            "k_proj row {r} is in HF order"
+        );
     }
     let embed = st.tensor("model.embed_tokens.weight").unwrap();
-    assert_eq!((embed.dtype(), embed.shape()), (safetensors::Dtype::U32, &[4usize, 16][..]));
-    assert_eq!(st.tensor("lm_head.weight").unwrap().dtype(), safetensors::Dtype::F16);
-    assert_eq!(st.tensor("model.norm.weight").unwrap().dtype(), safetensors::Dtype::F32);
+    assert_eq!(
+        (embed.dtype(), embed.shape()),
+        (safetensors::Dtype::U32, &[4usize, 16][..])
+    );
+    assert_eq!(
+        st.tensor("lm_head.weight").unwrap().dtype(),
+        safetensors::Dtype::F16
+    );
+    assert_eq!(
+        st.tensor("model.norm.weight").unwrap().dtype(),
+        safetensors::Dtype::F32
+    );
 
     let index = read_json(&imported.out.join("model.safetensors.index.json"));
-    let mut mapped: Vec<&str> = index["weight_map"].as_object().unwrap().keys().map(String::as_str).collect();
+    let mut mapped: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
     let mut stored: Vec<&str> = st.names();
     mapped.sort();
     stored.sort();
     assert_eq!(mapped, stored);
-    assert_eq!(fs::read_to_string(imported.out.join("chat_template.jinja")).unwrap(), "{{ messages }}");
-    let on_disk: u64 = fs::read_dir(&imported.out).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
+    assert_eq!(
+        fs::read_to_string(imported.out.join("chat_template.jinja")).unwrap(),
+        "{{ messages }}"
+    );
+    let on_disk: u64 = fs::read_dir(&imported.out)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
     assert_eq!(summary.bytes_written, on_disk);
 }
 
 #[test]
 fn unsupported_architecture_lists_the_supported_ones() {
     let mut b = tiny_llama();
-    b.kv("general.architecture", MetadataValue::String("qwen2".into()));
+    b.kv(
+        "general.architecture",
+        MetadataValue::String("qwen2".into()),
+    );
     let err = run_import(&b).result.unwrap_err();
-    assert_eq!(err.to_string(), "architecture `qwen2` is not supported (supported: llama)");
+    assert_eq!(
+        err.to_string(),
+        "architecture `qwen2` is not supported (supported: llama)"
+    );
 }
 
 #[test]
@@ -207,7 +366,10 @@ fn missing_metadata_names_the_key() {
     let mut b = tiny_llama();
     b.remove_kv("llama.embedding_length");
     let err = run_import(&b).result.unwrap_err();
-    assert!(matches!(err, GgufError::MissingMetadata { ref key } if key == "llama.embedding_length"), "{err}");
+    assert!(
+        matches!(err, GgufError::MissingMetadata { ref key } if key == "llama.embedding_length"),
+        "{err}"
+    );
     assert!(err.to_string().contains("`llama.embedding_length`"));
 }
 
@@ -215,10 +377,18 @@ fn missing_metadata_names_the_key() {
 fn unsupported_tensor_type_names_tensor_and_type() {
     let mut b = tiny_llama();
     // Q5_0: 32 weights in 22 bytes.
-    b.tensor("blk.0.ffn_up.weight", &[HIDDEN, INTER], GgmlType::Other(6), vec![0; (INTER * 2 * 22) as usize]);
+    b.tensor(
+        "blk.0.ffn_up.weight",
+        &[HIDDEN, INTER],
+        GgmlType::Other(6),
+        vec![0; (INTER * 2 * 22) as usize],
+    );
     let err = run_import(&b).result.unwrap_err();
     let message = err.to_string();
-    assert!(message.contains("`blk.0.ffn_up.weight`") && message.contains("type Q5_0"), "{message}");
+    assert!(
+        message.contains("`blk.0.ffn_up.weight`") && message.contains("type Q5_0"),
+        "{message}"
+    );
     assert!(message.contains("Q4_1"), "lists supported types: {message}");
 }
 
@@ -227,25 +397,45 @@ fn missing_and_misshapen_tensors_are_named() {
     let mut b = tiny_llama();
     b.remove_tensor("blk.0.ffn_gate.weight");
     let err = run_import(&b).result.unwrap_err();
-    assert!(matches!(err, GgufError::MissingTensor { ref tensor } if tensor == "blk.0.ffn_gate.weight"), "{err}");
+    assert!(
+        matches!(err, GgufError::MissingTensor { ref tensor } if tensor == "blk.0.ffn_gate.weight"),
+        "{err}"
+    );
 
     let mut b = tiny_llama();
-    b.tensor("blk.0.attn_v.weight", &[HIDDEN, 64], GgmlType::F16, f16_rows(64, HIDDEN, |_| 0.0));
+    b.tensor(
+        "blk.0.attn_v.weight",
+        &[HIDDEN, 64],
+        GgmlType::F16,
+        f16_rows(64, HIDDEN, |_| 0.0),
+    );
     let err = run_import(&b).result.unwrap_err();
-    assert!(matches!(err, GgufError::InvalidTensor { ref tensor, .. } if tensor == "blk.0.attn_v.weight"), "{err}");
+    assert!(
+        matches!(err, GgufError::InvalidTensor { ref tensor, .. } if tensor == "blk.0.attn_v.weight"),
+        "{err}"
+    );
 }
 
 #[test]
 fn a_failure_while_writing_leaves_nothing_behind() {
     let mut b = tiny_llama();
     // -128 * 1000 overflows float16: detected only while converting, after staging began.
-    b.tensor("token_embd.weight", &[HIDDEN, VOCAB], GgmlType::Q8_0, quantized(BlockFormat::Q8_0, VOCAB, HIDDEN, 2, |_| 1000.0));
+    b.tensor(
+        "token_embd.weight",
+        &[HIDDEN, VOCAB],
+        GgmlType::Q8_0,
+        quantized(BlockFormat::Q8_0, VOCAB, HIDDEN, 2, |_| 1000.0),
+    );
     let imported = run_import(&b);
     let err = imported.result.unwrap_err();
     assert!(matches!(err, GgufError::ScaleOverflow { .. }), "{err}");
     assert!(!imported.out.exists());
     let parent = imported.out.parent().unwrap();
-    assert_eq!(fs::read_dir(parent).unwrap().count(), 0, "the staging directory was removed");
+    assert_eq!(
+        fs::read_dir(parent).unwrap().count(),
+        0,
+        "the staging directory was removed"
+    );
 }
 
 #[test]
@@ -264,7 +454,10 @@ fn existing_output_is_never_touched_but_an_empty_one_is_filled() {
 
     let a_file = dir.path().join("a_file");
     fs::write(&a_file, b"x").unwrap();
-    assert!(matches!(import(&gguf, &a_file).unwrap_err(), GgufError::OutputExists { .. }));
+    assert!(matches!(
+        import(&gguf, &a_file).unwrap_err(),
+        GgufError::OutputExists { .. }
+    ));
 
     let empty = dir.path().join("empty");
     fs::create_dir(&empty).unwrap();
@@ -275,7 +468,10 @@ fn existing_output_is_never_touched_but_an_empty_one_is_filled() {
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_string_lossy().starts_with('.'))
         .collect();
-    assert!(leftovers.is_empty(), "no staging directories left: {leftovers:?}");
+    assert!(
+        leftovers.is_empty(),
+        "no staging directories left: {leftovers:?}"
+    );
 }
 
 #[test]

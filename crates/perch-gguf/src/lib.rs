@@ -38,6 +38,7 @@
 //! ```
 
 mod error;
+mod ggml_type;
 mod import;
 mod llama;
 mod quant;
@@ -49,5 +50,6 @@ mod tokenizer;
 mod test_gguf;
 
 pub use error::GgufError;
+pub use ggml_type::GgmlType;
 pub use import::{import, ImportSummary};
-pub use reader::{GgmlType, GgufFile, MetadataValue, TensorInfo, GGUF_MAGIC};
+pub use reader::{GgufFile, MetadataValue, TensorInfo, GGUF_MAGIC};

@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 
 use serde_json::{json, Value};
 
-use crate::reader::{GgmlType, GgufFile};
+use crate::ggml_type::GgmlType;
+use crate::reader::GgufFile;
 use crate::GgufError;
 
 /// Architectures (`general.architecture`) the importer converts.
@@ -61,13 +62,20 @@ impl LlamaHparams {
         let num_attention_heads = positive("llama.attention.head_count")?;
         let num_key_value_heads = match gguf.opt_u64("llama.attention.head_count_kv")? {
             None => num_attention_heads,
-            Some(0) => return Err(invalid("llama.attention.head_count_kv", "must be greater than zero")),
+            Some(0) => {
+                return Err(invalid(
+                    "llama.attention.head_count_kv",
+                    "must be greater than zero",
+                ))
+            }
             Some(v) => v,
         };
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(invalid(
                 "llama.attention.head_count_kv",
-                &format!("{num_key_value_heads} does not divide the head count {num_attention_heads}"),
+                &format!(
+                    "{num_key_value_heads} does not divide the head count {num_attention_heads}"
+                ),
             ));
         }
         let head_dim = match gguf.opt_u64("llama.attention.key_length")? {
@@ -76,7 +84,9 @@ impl LlamaHparams {
             None => {
                 return Err(invalid(
                     "llama.attention.head_count",
-                    &format!("{num_attention_heads} heads do not divide the hidden size {hidden_size}"),
+                    &format!(
+                        "{num_attention_heads} heads do not divide the hidden size {hidden_size}"
+                    ),
                 ))
             }
         };
@@ -100,10 +110,16 @@ impl LlamaHparams {
             Some(v) => v,
             None => match gguf.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()) {
                 Some(tokens) => tokens.len() as u64,
-                None => return Err(GgufError::MissingMetadata { key: "llama.vocab_size".into() }),
+                None => {
+                    return Err(GgufError::MissingMetadata {
+                        key: "llama.vocab_size".into(),
+                    })
+                }
             },
         };
-        let rope_theta = gguf.opt_f64("llama.rope.freq_base")?.unwrap_or(DEFAULT_ROPE_THETA);
+        let rope_theta = gguf
+            .opt_f64("llama.rope.freq_base")?
+            .unwrap_or(DEFAULT_ROPE_THETA);
         let max_position_embeddings = positive("llama.context_length")?;
 
         Ok(LlamaHparams {
@@ -136,25 +152,47 @@ impl LlamaHparams {
             ("num_attention_heads", json!(self.num_attention_heads)),
             ("num_key_value_heads", json!(self.num_key_value_heads)),
             ("head_dim", json!(self.head_dim)),
-            ("max_position_embeddings", json!(self.max_position_embeddings)),
+            (
+                "max_position_embeddings",
+                json!(self.max_position_embeddings),
+            ),
             ("vocab_size", json!(self.vocab_size)),
             ("rms_norm_eps", json!(self.rms_norm_eps)),
             ("rope_theta", json!(self.rope_theta)),
-            ("rope_scaling", self.rope_scaling.clone().unwrap_or(Value::Null)),
+            (
+                "rope_scaling",
+                self.rope_scaling.clone().unwrap_or(Value::Null),
+            ),
             ("attention_bias", json!(self.attention_bias)),
             ("mlp_bias", json!(self.mlp_bias)),
             ("tie_word_embeddings", json!(tie_word_embeddings)),
             ("torch_dtype", json!("float16")),
         ];
-        fields.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        fields
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect()
     }
 
     /// GGUF tensors every model with these hyperparameters must have (`output.weight` is
     /// optional: without it the embeddings are tied).
     pub(crate) fn required_tensors(&self) -> Vec<String> {
-        let mut names = vec!["token_embd.weight".to_string(), "output_norm.weight".to_string()];
+        let mut names = vec![
+            "token_embd.weight".to_string(),
+            "output_norm.weight".to_string(),
+        ];
         for i in 0..self.num_hidden_layers {
-            for part in ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"] {
+            for part in [
+                "attn_norm",
+                "attn_q",
+                "attn_k",
+                "attn_v",
+                "attn_output",
+                "ffn_norm",
+                "ffn_gate",
+                "ffn_up",
+                "ffn_down",
+            ] {
                 names.push(format!("blk.{i}.{part}.weight"));
             }
             if self.attention_bias {
@@ -173,7 +211,10 @@ impl LlamaHparams {
 }
 
 fn invalid(key: &str, reason: &str) -> GgufError {
-    GgufError::InvalidMetadata { key: key.to_string(), reason: reason.to_string() }
+    GgufError::InvalidMetadata {
+        key: key.to_string(),
+        reason: reason.to_string(),
+    }
 }
 
 /// What a module is, which decides whether MLX can hold it quantized.
@@ -210,7 +251,10 @@ pub(crate) enum TensorRole {
 /// Maps a GGUF tensor name. Errors: [`GgufError::UnexpectedTensor`] for names outside the
 /// llama layout (or layers beyond `block_count`).
 pub(crate) fn map_tensor(name: &str, hp: &LlamaHparams) -> Result<TensorRole, GgufError> {
-    let unexpected = || GgufError::UnexpectedTensor { tensor: name.to_string(), architecture: "llama".into() };
+    let unexpected = || GgufError::UnexpectedTensor {
+        tensor: name.to_string(),
+        architecture: "llama".into(),
+    };
     if name == "rope_freqs.weight" {
         return Ok(TensorRole::RopeFreqs);
     }
@@ -225,10 +269,21 @@ pub(crate) fn map_tensor(name: &str, hp: &LlamaHparams) -> Result<TensorRole, Gg
     let q_rows = hp.num_attention_heads * hp.head_dim;
     let kv_rows = hp.num_key_value_heads * hp.head_dim;
 
-    let (module, kind, rope_heads, shape): (String, ModuleKind, Option<u64>, [u64; 2]) = match stem {
-        "token_embd" => ("model.embed_tokens".into(), ModuleKind::Embedding, None, [hp.vocab_size, h]),
+    let (module, kind, rope_heads, shape): (String, ModuleKind, Option<u64>, [u64; 2]) = match stem
+    {
+        "token_embd" => (
+            "model.embed_tokens".into(),
+            ModuleKind::Embedding,
+            None,
+            [hp.vocab_size, h],
+        ),
         "output_norm" => ("model.norm".into(), ModuleKind::Norm, None, [h, 0]),
-        "output" => ("lm_head".into(), ModuleKind::Linear, None, [hp.vocab_size, h]),
+        "output" => (
+            "lm_head".into(),
+            ModuleKind::Linear,
+            None,
+            [hp.vocab_size, h],
+        ),
         _ => {
             let rest = stem.strip_prefix("blk.").ok_or_else(unexpected)?;
             let (layer, part) = rest.split_once('.').ok_or_else(unexpected)?;
@@ -240,8 +295,18 @@ pub(crate) fn map_tensor(name: &str, hp: &LlamaHparams) -> Result<TensorRole, Gg
             let (suffix, kind, rope_heads, shape) = match part {
                 "attn_norm" => ("input_layernorm", ModuleKind::Norm, None, [h, 0]),
                 "ffn_norm" => ("post_attention_layernorm", ModuleKind::Norm, None, [h, 0]),
-                "attn_q" => ("self_attn.q_proj", ModuleKind::Linear, Some(hp.num_attention_heads), [q_rows, h]),
-                "attn_k" => ("self_attn.k_proj", ModuleKind::Linear, Some(hp.num_key_value_heads), [kv_rows, h]),
+                "attn_q" => (
+                    "self_attn.q_proj",
+                    ModuleKind::Linear,
+                    Some(hp.num_attention_heads),
+                    [q_rows, h],
+                ),
+                "attn_k" => (
+                    "self_attn.k_proj",
+                    ModuleKind::Linear,
+                    Some(hp.num_key_value_heads),
+                    [kv_rows, h],
+                ),
                 "attn_v" => ("self_attn.v_proj", ModuleKind::Linear, None, [kv_rows, h]),
                 "attn_output" => ("self_attn.o_proj", ModuleKind::Linear, None, [h, q_rows]),
                 "ffn_gate" => ("mlp.gate_proj", ModuleKind::Linear, None, [inter, h]),
@@ -259,11 +324,21 @@ pub(crate) fn map_tensor(name: &str, hp: &LlamaHparams) -> Result<TensorRole, Gg
         (_, "bias") => vec![shape[0]],
         _ => shape.to_vec(),
     };
-    Ok(TensorRole::Mapped(MappedTensor { module, param, kind, rope_heads, expected_shape }))
+    Ok(TensorRole::Mapped(MappedTensor {
+        module,
+        param,
+        kind,
+        rope_heads,
+        expected_shape,
+    }))
 }
 
 /// `rope_scaling` for config.json from the GGUF's RoPE scaling keys or its `rope_freqs` tensor.
-fn rope_scaling(gguf: &GgufFile, head_dim: u64, rope_theta: f64) -> Result<Option<Value>, GgufError> {
+fn rope_scaling(
+    gguf: &GgufFile,
+    head_dim: u64,
+    rope_theta: f64,
+) -> Result<Option<Value>, GgufError> {
     if let Some(info) = gguf.tensor("rope_freqs.weight") {
         if info.ggml_type != GgmlType::F32 || info.n_elements() != head_dim / 2 {
             return Err(GgufError::InvalidTensor {
@@ -277,10 +352,13 @@ fn rope_scaling(gguf: &GgufFile, head_dim: u64, rope_theta: f64) -> Result<Optio
             });
         }
         let bytes = gguf.read_tensor_bytes(info)?;
-        let factors: Vec<f64> =
-            bytes.chunks_exact(4).map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))).collect();
+        let factors: Vec<f64> = bytes
+            .chunks_exact(4)
+            .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+            .collect();
         let original_context = gguf.opt_u64("llama.rope.scaling.original_context_length")?;
-        return llama3_scaling_from_factors(&factors, head_dim, rope_theta, original_context).map(Some);
+        return llama3_scaling_from_factors(&factors, head_dim, rope_theta, original_context)
+            .map(Some);
     }
     match gguf.opt_str("llama.rope.scaling.type")? {
         None | Some("none") => Ok(None),
@@ -289,14 +367,22 @@ fn rope_scaling(gguf: &GgufFile, head_dim: u64, rope_theta: f64) -> Result<Optio
             Ok(Some(json!({ "type": "linear", "factor": factor })))
         }
         Some(other) => Err(GgufError::UnsupportedRopeScaling {
-            reason: format!("scaling type `{other}` (supported: none, linear, and Llama 3 `rope_freqs`)"),
+            reason: format!(
+                "scaling type `{other}` (supported: none, linear, and Llama 3 `rope_freqs`)"
+            ),
         }),
     }
 }
 
 /// Llama 3 RoPE factor for one frequency (`rope_type: "llama3"` in `transformers`
 /// `modeling_rope_utils.py`; llama.cpp precomputes the same values into `rope_freqs`).
-fn llama3_factor(freq: f64, factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_context: f64) -> f64 {
+fn llama3_factor(
+    freq: f64,
+    factor: f64,
+    low_freq_factor: f64,
+    high_freq_factor: f64,
+    original_context: f64,
+) -> f64 {
     let wavelen = 2.0 * std::f64::consts::PI / freq;
     let low_freq_wavelen = original_context / low_freq_factor;
     let high_freq_wavelen = original_context / high_freq_factor;
@@ -305,7 +391,8 @@ fn llama3_factor(freq: f64, factor: f64, low_freq_factor: f64, high_freq_factor:
     } else if wavelen > low_freq_wavelen {
         factor
     } else {
-        let smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+        let smooth =
+            (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
         1.0 / ((1.0 - smooth) / factor + smooth)
     }
 }
@@ -379,18 +466,39 @@ mod tests {
     fn maps_gguf_names_to_hugging_face_names_and_shapes() {
         let k = mapped("blk.7.attn_k.weight");
         assert_eq!(k.module, "model.layers.7.self_attn.k_proj");
-        assert_eq!((k.rope_heads, k.expected_shape.clone()), (Some(3), vec![192, 576]));
+        assert_eq!(
+            (k.rope_heads, k.expected_shape.clone()),
+            (Some(3), vec![192, 576])
+        );
         assert_eq!(mapped("blk.0.attn_q.weight").rope_heads, Some(9));
         assert_eq!(mapped("blk.0.attn_v.weight").rope_heads, None);
-        assert_eq!(mapped("blk.1.ffn_down.weight").expected_shape, vec![576, 1536]);
-        assert_eq!(mapped("blk.2.ffn_norm.weight").module, "model.layers.2.post_attention_layernorm");
+        assert_eq!(
+            mapped("blk.1.ffn_down.weight").expected_shape,
+            vec![576, 1536]
+        );
+        assert_eq!(
+            mapped("blk.2.ffn_norm.weight").module,
+            "model.layers.2.post_attention_layernorm"
+        );
         assert_eq!(mapped("output.weight").module, "lm_head");
         assert_eq!(mapped("token_embd.weight").kind, ModuleKind::Embedding);
         assert_eq!(mapped("blk.0.attn_q.bias").expected_shape, vec![576]);
-        assert_eq!(map_tensor("rope_freqs.weight", &hparams()).unwrap(), TensorRole::RopeFreqs);
-        for bad in ["blk.30.attn_q.weight", "blk.x.attn_q.weight", "blk.0.ffn_gate_exps.weight", "token_embd", "output_norm.bias"] {
+        assert_eq!(
+            map_tensor("rope_freqs.weight", &hparams()).unwrap(),
+            TensorRole::RopeFreqs
+        );
+        for bad in [
+            "blk.30.attn_q.weight",
+            "blk.x.attn_q.weight",
+            "blk.0.ffn_gate_exps.weight",
+            "token_embd",
+            "output_norm.bias",
+        ] {
             let err = map_tensor(bad, &hparams()).unwrap_err();
-            assert!(matches!(err, GgufError::UnexpectedTensor { .. }), "{bad}: {err}");
+            assert!(
+                matches!(err, GgufError::UnexpectedTensor { .. }),
+                "{bad}: {err}"
+            );
         }
     }
 
@@ -405,7 +513,10 @@ mod tests {
                 f64::from(llama3_factor(freq, 8.0, 1.0, 4.0, 8192.0) as f32)
             })
             .collect();
-        assert!(factors.iter().any(|&f| f > 1.0 && f < 8.0), "the test needs smoothed factors");
+        assert!(
+            factors.iter().any(|&f| f > 1.0 && f < 8.0),
+            "the test needs smoothed factors"
+        );
         let scaling = llama3_scaling_from_factors(&factors, head_dim, theta, None).unwrap();
         assert_eq!(scaling["rope_type"], "llama3");
         assert_eq!(scaling["factor"], 8.0);
@@ -414,6 +525,9 @@ mod tests {
         let mut wrong = factors.clone();
         wrong[40] *= 1.5;
         let err = llama3_scaling_from_factors(&wrong, head_dim, theta, None).unwrap_err();
-        assert!(matches!(err, GgufError::UnsupportedRopeScaling { .. }), "{err}");
+        assert!(
+            matches!(err, GgufError::UnsupportedRopeScaling { .. }),
+            "{err}"
+        );
     }
 }

@@ -24,7 +24,7 @@
 
 use half::f16;
 
-use crate::reader::GgmlType;
+use crate::ggml_type::GgmlType;
 use crate::GgufError;
 
 /// Weights per ggml block for Q4_0, Q4_1 and Q8_0 (`QK4_0`, `QK4_1`, `QK8_0`); also the MLX
@@ -72,7 +72,10 @@ impl BlockFormat {
             BlockFormat::Q4_0 | BlockFormat::Q4_1 => 4,
             BlockFormat::Q8_0 => 8,
         };
-        AffineParams { bits, group_size: BLOCK_ELEMS as u32 }
+        AffineParams {
+            bits,
+            group_size: BLOCK_ELEMS as u32,
+        }
     }
 
     /// Bytes of MLX codes for one block (32 weights at `bits` each).
@@ -104,7 +107,11 @@ fn nibble(qs: &[u8], e: usize) -> u8 {
 /// Converts one ggml block (`format.block_bytes()` bytes) into MLX codes written to `codes`
 /// (`format.packed_bytes()` bytes, the little-endian bytes of the uint32 words) and returns
 /// `(scale, bias)`.
-pub(crate) fn convert_block(format: BlockFormat, block: &[u8], codes: &mut [u8]) -> Result<(f16, f16), BiasOverflow> {
+pub(crate) fn convert_block(
+    format: BlockFormat,
+    block: &[u8],
+    codes: &mut [u8],
+) -> Result<(f16, f16), BiasOverflow> {
     let d = read_f16(block, 0);
     let (qs, bias_f32) = match format {
         BlockFormat::Q4_1 => (&block[4..20], read_f16(block, 2).to_f32()),
@@ -114,7 +121,10 @@ pub(crate) fn convert_block(format: BlockFormat, block: &[u8], codes: &mut [u8])
     let bias = f16::from_f32(bias_f32);
     // Exact by construction (see module docs) except on overflow; checked rather than assumed.
     if bias_f32.is_finite() && bias.to_f32() != bias_f32 {
-        return Err(BiasOverflow { scale: d.to_f32(), bias: bias_f32 });
+        return Err(BiasOverflow {
+            scale: d.to_f32(),
+            bias: bias_f32,
+        });
     }
     match format {
         BlockFormat::Q4_0 | BlockFormat::Q4_1 => {
@@ -188,7 +198,10 @@ pub(crate) fn convert_affine(
     if cols % BLOCK_ELEMS != 0 || data.len() != rows * src_row_bytes {
         return Err(GgufError::InvalidTensor {
             tensor: tensor.to_string(),
-            reason: format!("{} bytes do not hold a [{rows}, {cols}] {format:?} tensor", data.len()),
+            reason: format!(
+                "{} bytes do not hold a [{rows}, {cols}] {format:?} tensor",
+                data.len()
+            ),
         });
     }
     let packed = format.packed_bytes();
@@ -198,17 +211,25 @@ pub(crate) fn convert_affine(
     for (row, codes_row) in weight.chunks_exact_mut(blocks_per_row * packed).enumerate() {
         let src = row_order.map_or(row, |order| order[row]);
         let src_row = &data[src * src_row_bytes..(src + 1) * src_row_bytes];
-        for (block, codes) in src_row.chunks_exact(format.block_bytes()).zip(codes_row.chunks_exact_mut(packed)) {
-            let (scale, bias) = convert_block(format, block, codes).map_err(|o| GgufError::ScaleOverflow {
-                tensor: tensor.to_string(),
-                scale: o.scale,
-                bias: o.bias,
-            })?;
+        for (block, codes) in src_row
+            .chunks_exact(format.block_bytes())
+            .zip(codes_row.chunks_exact_mut(packed))
+        {
+            let (scale, bias) =
+                convert_block(format, block, codes).map_err(|o| GgufError::ScaleOverflow {
+                    tensor: tensor.to_string(),
+                    scale: o.scale,
+                    bias: o.bias,
+                })?;
             scales.extend_from_slice(&scale.to_le_bytes());
             biases.extend_from_slice(&bias.to_le_bytes());
         }
     }
-    Ok(AffineTensor { weight, scales, biases })
+    Ok(AffineTensor {
+        weight,
+        scales,
+        biases,
+    })
 }
 
 /// Dequantizes a whole ggml block-quantized tensor to f32 little-endian bytes (used for the
@@ -242,7 +263,9 @@ pub(crate) fn reorder_rows(data: &[u8], row_bytes: usize, order: &[usize]) -> Ve
 /// `n_head` is the attention head count for q and the KV head count for k.
 pub(crate) fn rope_unpermute_order(rows: usize, n_head: usize) -> Result<Vec<usize>, String> {
     if n_head == 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0 {
-        return Err(format!("{rows} rows cannot be split into {n_head} heads of even size"));
+        return Err(format!(
+            "{rows} rows cannot be split into {n_head} heads of even size"
+        ));
     }
     let head_dim = rows / n_head;
     let half = head_dim / 2;
@@ -312,12 +335,22 @@ mod tests {
         let mut packed = [0u8; 16];
         let (scale, bias) = convert_block(BlockFormat::Q4_1, &block, &mut packed).unwrap();
         // Weights 0..8 hold codes 0..7, LSB first.
-        assert_eq!(u32::from_le_bytes(packed[0..4].try_into().unwrap()), 0x7654_3210);
-        assert_eq!(u32::from_le_bytes(packed[4..8].try_into().unwrap()), 0xfedc_ba98);
+        assert_eq!(
+            u32::from_le_bytes(packed[0..4].try_into().unwrap()),
+            0x7654_3210
+        );
+        assert_eq!(
+            u32::from_le_bytes(packed[4..8].try_into().unwrap()),
+            0xfedc_ba98
+        );
         assert_eq!((scale.to_f32(), bias.to_f32()), (0.5, -1.0));
         let ggml = dequantize_block(BlockFormat::Q4_1, &block);
         assert_eq!(ggml[3], 0.5 * 3.0 - 1.0, "ggml formula: d * q + m");
-        assert_eq!(ggml[31], 0.5 * 15.0 - 1.0, "weight 31 is the high nibble of byte 15");
+        assert_eq!(
+            ggml[31],
+            0.5 * 15.0 - 1.0,
+            "weight 31 is the high nibble of byte 15"
+        );
         assert_exact(BlockFormat::Q4_1, &block);
     }
 
@@ -344,7 +377,11 @@ mod tests {
         convert_block(BlockFormat::Q8_0, &block, &mut packed).unwrap();
         assert_eq!(&packed[..3], &[0, 255, 128], "codes are q + 128");
         let ggml = dequantize_block(BlockFormat::Q8_0, &block);
-        assert_eq!(ggml[0], -128.0 * f16::from_f32(0.0123).to_f32(), "ggml formula: d * q");
+        assert_eq!(
+            ggml[0],
+            -128.0 * f16::from_f32(0.0123).to_f32(),
+            "ggml formula: d * q"
+        );
         assert_exact(BlockFormat::Q8_0, &block);
     }
 
@@ -372,7 +409,15 @@ mod tests {
     #[test]
     fn overflowing_bias_is_an_error_naming_the_tensor() {
         let block = q8_block(f16::from_f32(1000.0), [1; 32]);
-        let err = convert_affine(BlockFormat::Q8_0, &block, 1, 32, None, "blk.3.ffn_up.weight").unwrap_err();
+        let err = convert_affine(
+            BlockFormat::Q8_0,
+            &block,
+            1,
+            32,
+            None,
+            "blk.3.ffn_up.weight",
+        )
+        .unwrap_err();
         assert!(matches!(err, GgufError::ScaleOverflow { .. }), "{err}");
         assert!(err.to_string().contains("blk.3.ffn_up.weight"), "{err}");
     }
@@ -386,7 +431,11 @@ mod tests {
         }
         let t = convert_affine(BlockFormat::Q4_1, &data, 2, 64, Some(&[1, 0]), "w").unwrap();
         assert_eq!(t.weight.len(), 2 * 64 / 2);
-        let scales: Vec<f32> = t.scales.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+        let scales: Vec<f32> = t
+            .scales
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
         assert_eq!(scales, vec![3.0, 4.0, 1.0, 2.0]);
         let err = convert_affine(BlockFormat::Q4_1, &data[1..], 2, 64, None, "w").unwrap_err();
         assert!(matches!(err, GgufError::InvalidTensor { .. }));

@@ -72,7 +72,11 @@ pub(crate) struct SafetensorsWriter {
 impl SafetensorsWriter {
     /// Creates the file and writes the header for `planned` (data in that order) and
     /// `metadata` (`__metadata__`, e.g. `{"format": "mlx"}`).
-    pub(crate) fn create(path: &Path, planned: Vec<PlannedTensor>, metadata: &BTreeMap<String, String>) -> Result<Self, GgufError> {
+    pub(crate) fn create(
+        path: &Path,
+        planned: Vec<PlannedTensor>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Self, GgufError> {
         let mut header = Map::new();
         let mut offset = 0u64;
         for tensor in &planned {
@@ -84,14 +88,16 @@ impl SafetensorsWriter {
             offset = end;
         }
         header.insert("__metadata__".into(), json!(metadata));
-        let mut header_bytes = serde_json::to_vec(&Value::Object(header)).map_err(|e| GgufError::io("encode", path, e.into()))?;
+        let mut header_bytes = serde_json::to_vec(&Value::Object(header))
+            .map_err(|e| GgufError::io("encode", path, e.into()))?;
         // Keeps tensor data 8-byte aligned, as the reference writer does.
         header_bytes.resize(header_bytes.len().div_ceil(8) * 8, b' ');
 
         let file = File::create(path).map_err(|e| GgufError::io("create", path, e))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
         let write_error = |e| GgufError::io("write", path, e);
-        out.write_all(&(header_bytes.len() as u64).to_le_bytes()).map_err(write_error)?;
+        out.write_all(&(header_bytes.len() as u64).to_le_bytes())
+            .map_err(write_error)?;
         out.write_all(&header_bytes).map_err(write_error)?;
         Ok(SafetensorsWriter {
             path: path.to_path_buf(),
@@ -104,14 +110,24 @@ impl SafetensorsWriter {
 
     /// Appends the next planned tensor's bytes (little-endian).
     pub(crate) fn write_tensor(&mut self, name: &str, bytes: &[u8]) -> Result<(), GgufError> {
-        let expected = self.planned.get(self.next).ok_or_else(|| internal(name, "more tensors than planned"))?;
+        let expected = self
+            .planned
+            .get(self.next)
+            .ok_or_else(|| internal(name, "more tensors than planned"))?;
         if expected.name != name || expected.byte_len() != bytes.len() as u64 {
             return Err(internal(
                 name,
-                &format!("expected `{}` with {} bytes, got {} bytes", expected.name, expected.byte_len(), bytes.len()),
+                &format!(
+                    "expected `{}` with {} bytes, got {} bytes",
+                    expected.name,
+                    expected.byte_len(),
+                    bytes.len()
+                ),
             ));
         }
-        self.out.write_all(bytes).map_err(|e| GgufError::io("write", &self.path, e))?;
+        self.out
+            .write_all(bytes)
+            .map_err(|e| GgufError::io("write", &self.path, e))?;
         self.next += 1;
         self.bytes_written += bytes.len() as u64;
         Ok(())
@@ -123,15 +139,22 @@ impl SafetensorsWriter {
             let missing = &self.planned[self.next].name;
             return Err(internal(missing, "the import stopped before writing it"));
         }
-        let file = self.out.into_inner().map_err(|e| GgufError::io("write", &self.path, e.into_error()))?;
-        file.sync_all().map_err(|e| GgufError::io("sync", &self.path, e))?;
+        let file = self
+            .out
+            .into_inner()
+            .map_err(|e| GgufError::io("write", &self.path, e.into_error()))?;
+        file.sync_all()
+            .map_err(|e| GgufError::io("sync", &self.path, e))?;
         Ok(self.bytes_written)
     }
 }
 
 /// A plan/data mismatch is a bug in this crate, reported rather than written.
 fn internal(tensor: &str, reason: &str) -> GgufError {
-    GgufError::InvalidTensor { tensor: tensor.to_string(), reason: format!("internal error while writing safetensors: {reason}") }
+    GgufError::InvalidTensor {
+        tensor: tensor.to_string(),
+        reason: format!("internal error while writing safetensors: {reason}"),
+    }
 }
 
 #[cfg(test)]
@@ -143,8 +166,16 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.safetensors");
         let planned = vec![
-            PlannedTensor { name: "b".into(), dtype: Dtype::F16, shape: vec![3] },
-            PlannedTensor { name: "a".into(), dtype: Dtype::U32, shape: vec![2, 1] },
+            PlannedTensor {
+                name: "b".into(),
+                dtype: Dtype::F16,
+                shape: vec![3],
+            },
+            PlannedTensor {
+                name: "a".into(),
+                dtype: Dtype::U32,
+                shape: vec![2, 1],
+            },
         ];
         let metadata = BTreeMap::from([("format".to_string(), "mlx".to_string())]);
         let mut writer = SafetensorsWriter::create(&path, planned, &metadata).unwrap();
@@ -156,10 +187,16 @@ mod tests {
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(size, bytes.len() as u64);
         let (_, parsed_metadata) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
-        assert_eq!(parsed_metadata.metadata().as_ref().unwrap()["format"], "mlx");
+        assert_eq!(
+            parsed_metadata.metadata().as_ref().unwrap()["format"],
+            "mlx"
+        );
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let a = st.tensor("a").unwrap();
-        assert_eq!((a.dtype(), a.shape()), (safetensors::Dtype::U32, &[2usize, 1][..]));
+        assert_eq!(
+            (a.dtype(), a.shape()),
+            (safetensors::Dtype::U32, &[2usize, 1][..])
+        );
         assert_eq!(a.data(), &[9, 0, 0, 0, 7, 0, 0, 0]);
         assert_eq!(st.tensor("b").unwrap().data(), &[1, 0, 2, 0, 3, 0]);
     }
@@ -168,7 +205,11 @@ mod tests {
     fn finishing_early_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.safetensors");
-        let planned = vec![PlannedTensor { name: "x".into(), dtype: Dtype::F32, shape: vec![1] }];
+        let planned = vec![PlannedTensor {
+            name: "x".into(),
+            dtype: Dtype::F32,
+            shape: vec![1],
+        }];
         let writer = SafetensorsWriter::create(&path, planned, &BTreeMap::new()).unwrap();
         assert!(writer.finish().is_err());
     }

@@ -3,7 +3,8 @@
 
 use std::path::Path;
 
-use crate::reader::{GgmlType, MetadataValue};
+use crate::ggml_type::GgmlType;
+use crate::reader::MetadataValue;
 
 pub(crate) struct GgufBuilder {
     pub(crate) version: u32,
@@ -14,7 +15,12 @@ pub(crate) struct GgufBuilder {
 
 impl GgufBuilder {
     pub(crate) fn new() -> Self {
-        GgufBuilder { version: 3, alignment: 32, kvs: Vec::new(), tensors: Vec::new() }
+        GgufBuilder {
+            version: 3,
+            alignment: 32,
+            kvs: Vec::new(),
+            tensors: Vec::new(),
+        }
     }
 
     pub(crate) fn kv(&mut self, key: &str, value: MetadataValue) -> &mut Self {
@@ -29,9 +35,16 @@ impl GgufBuilder {
     }
 
     /// `dims` innermost-first, as GGUF stores them; `data` is the raw ggml bytes.
-    pub(crate) fn tensor(&mut self, name: &str, dims: &[u64], ggml_type: GgmlType, data: Vec<u8>) -> &mut Self {
+    pub(crate) fn tensor(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ggml_type: GgmlType,
+        data: Vec<u8>,
+    ) -> &mut Self {
         self.tensors.retain(|(n, ..)| n != name);
-        self.tensors.push((name.to_string(), dims.to_vec(), ggml_type, data));
+        self.tensors
+            .push((name.to_string(), dims.to_vec(), ggml_type, data));
         self
     }
 

