@@ -1,5 +1,5 @@
-//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2 and Qwen3 models — dense, 4-bit, and
-//! 8-bit with a per-layer override — written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`);
+//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2 and Qwen3 models — float32, bfloat16,
+//! 4-bit, and 8-bit with a per-layer override — written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`);
 //! Perch's logits must match mlx_lm's within 1e-4 and its greedy ids exactly.
 //!
 //! Needs `PERCH_TEST_PYTHON`: a Python with `mlx[cpu]==0.32.2` and `mlx-lm==0.32.2`
@@ -43,7 +43,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
     let mut cases: Vec<_> = std::fs::read_dir(out.path()).unwrap().map(|e| e.unwrap().path()).collect();
     cases.sort();
     let names: Vec<String> = cases.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
-    assert_eq!(names, ["llama3-rope", "qwen2", "qwen2-4bit", "qwen3", "qwen3-8bit-mixed"]);
+    assert_eq!(names, ["llama3-rope", "qwen2", "qwen2-4bit", "qwen2-bf16", "qwen3", "qwen3-8bit-mixed"]);
 
     for dir in &cases {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();

@@ -70,3 +70,42 @@ fn streaming_never_splits_a_character() {
     assert_eq!(text, full.trim_end_matches('\u{FFFD}'));
     assert!(text.contains("🌅"));
 }
+
+#[test]
+fn chunked_prefill_gives_the_same_tokens() {
+    let dir = common::smollm_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let case = common::reference_cases().into_iter().find(|c| c.id == "multi-turn").unwrap();
+    let mut request = GenerateRequest::new(case.prompt_ids.clone());
+    request.max_tokens = 32;
+    request.prefill_step_size = 16; // 60 prefill tokens in 4 chunks, the last one partial
+    let out = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(())).unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Stop);
+    assert_eq!(out.token_ids[..], case.greedy_ids[..case.greedy_ids.len() - 1]);
+}
+
+#[test]
+fn stop_strings_cut_the_text_and_cancel_stops_at_once() {
+    let dir = common::smollm_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let case = common::reference_cases().into_iter().find(|c| c.id == "raw-text").unwrap();
+    // The reference continuation is " the most populous country in the world. ..."
+    let mut request = GenerateRequest::new(case.prompt_ids.clone());
+    request.max_tokens = 32;
+    request.stop_strings = vec!["country".into()];
+    let out = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(())).unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Stop);
+    assert_eq!(out.text, " the most populous ");
+
+    let mut seen = 0;
+    request.stop_strings.clear();
+    let out = generate(model.as_ref(), &tokenizer, &request, |_| {
+        seen += 1;
+        if seen == 3 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
+    })
+    .unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Cancelled);
+    assert_eq!(out.token_ids, case.greedy_ids[..3]);
+}

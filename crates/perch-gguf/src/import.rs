@@ -1,11 +1,13 @@
 //! GGUF → mlx-community model directory: plan every tensor, convert and write into a staging
 //! directory beside the target, then rename it into place.
 
-use std::collections::BTreeMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
+use safetensors::Dtype;
 use serde_json::{json, Map, Value};
 
 use crate::ggml_type::GgmlType;
@@ -17,7 +19,7 @@ use crate::quant::{
     BlockFormat,
 };
 use crate::reader::{GgufFile, TensorInfo};
-use crate::safetensors_writer::{Dtype, PlannedTensor, SafetensorsWriter};
+use crate::safetensors_writer::{write_safetensors, PlannedTensor};
 use crate::tokenizer::build_tokenizer;
 use crate::GgufError;
 
@@ -155,19 +157,25 @@ impl TensorPlan<'_> {
         (shape[0] as usize, shape.get(1).map_or(1, |&c| c as usize))
     }
 
+    /// The safetensors tensors this tensor becomes, in the order [`Self::convert`] returns them.
     fn outputs(&self) -> Vec<PlannedTensor> {
         let base = &self.mapped.module;
-        let shape = self.mapped.expected_shape.clone();
+        let shape: Vec<usize> = self
+            .mapped
+            .expected_shape
+            .iter()
+            .map(|&d| d as usize)
+            .collect();
         match self.conversion {
             Conversion::Affine(format) => {
                 let params = format.params();
                 let (rows, cols) = (shape[0], shape[1]);
-                let groups = cols / u64::from(params.group_size);
+                let groups = cols / params.group_size as usize;
                 vec![
                     PlannedTensor {
                         name: format!("{base}.weight"),
                         dtype: Dtype::U32,
-                        shape: vec![rows, cols * u64::from(params.bits) / 32],
+                        shape: vec![rows, cols * params.bits as usize / 32],
                     },
                     PlannedTensor {
                         name: format!("{base}.scales"),
@@ -196,6 +204,28 @@ impl TensorPlan<'_> {
         }
     }
 
+    /// Reads and converts the tensor: the bytes of each of [`Self::outputs`], in that order.
+    fn convert(&self, gguf: &GgufFile) -> Result<Vec<Vec<u8>>, GgufError> {
+        let data = gguf.read_tensor_bytes(self.info)?;
+        let order = self.row_order()?;
+        let (rows, cols) = self.rows_cols();
+        let reordered = |bytes: Vec<u8>, row_bytes: usize| match &order {
+            Some(order) => reorder_rows(&bytes, row_bytes, order),
+            None => bytes,
+        };
+        Ok(match self.conversion {
+            Conversion::Affine(format) => {
+                let converted =
+                    convert_affine(format, &data, rows, cols, order.as_deref(), &self.info.name)?;
+                vec![converted.weight, converted.scales, converted.biases]
+            }
+            Conversion::Copy(dtype) => vec![reordered(data, cols * dtype.bitsize() / 8)],
+            Conversion::Dequantize(format) => {
+                vec![reordered(dequantize_to_f32_bytes(format, &data), cols * 4)]
+            }
+        })
+    }
+
     /// Source row of each output row: llama.cpp's RoPE permutation undone for q/k.
     fn row_order(&self) -> Result<Option<Vec<usize>>, GgufError> {
         let Some(n_head) = self.mapped.rope_heads else {
@@ -209,6 +239,21 @@ impl TensorPlan<'_> {
                 reason,
             })
     }
+}
+
+/// One tensor of `model.safetensors` and where its bytes come from.
+struct OutputTensor {
+    /// Index of the GGUF tensor in [`ImportPlan::tensors`].
+    source: usize,
+    /// Index among that tensor's [`TensorPlan::outputs`].
+    position: usize,
+    planned: PlannedTensor,
+}
+
+/// The outputs of one converted GGUF tensor; those already written are emptied.
+struct ConvertedTensor {
+    source: usize,
+    outputs: Vec<Vec<u8>>,
 }
 
 struct ImportPlan<'a> {
@@ -269,63 +314,65 @@ impl<'a> ImportPlan<'a> {
         })
     }
 
-    fn outputs(&self) -> Vec<PlannedTensor> {
-        self.tensors.iter().flat_map(TensorPlan::outputs).collect()
+    fn outputs(&self) -> Vec<OutputTensor> {
+        let mut outputs = Vec::new();
+        for (source, tensor) in self.tensors.iter().enumerate() {
+            for (position, planned) in tensor.outputs().into_iter().enumerate() {
+                outputs.push(OutputTensor {
+                    source,
+                    position,
+                    planned,
+                });
+            }
+        }
+        outputs
     }
 
     /// Converts and writes every tensor; returns the file size in bytes.
     fn write_weights(&self, gguf: &GgufFile, path: &Path) -> Result<u64, GgufError> {
-        let metadata = BTreeMap::from([("format".to_string(), "mlx".to_string())]);
-        let mut writer = SafetensorsWriter::create(path, self.outputs(), &metadata)?;
-        for tensor in &self.tensors {
-            let data = gguf.read_tensor_bytes(tensor.info)?;
-            let order = tensor.row_order()?;
-            let (rows, cols) = tensor.rows_cols();
-            let base = &tensor.mapped.module;
-            match tensor.conversion {
-                Conversion::Affine(format) => {
-                    let converted = convert_affine(
-                        format,
-                        &data,
-                        rows,
-                        cols,
-                        order.as_deref(),
-                        &tensor.info.name,
-                    )?;
-                    writer.write_tensor(&format!("{base}.weight"), &converted.weight)?;
-                    writer.write_tensor(&format!("{base}.scales"), &converted.scales)?;
-                    writer.write_tensor(&format!("{base}.biases"), &converted.biases)?;
-                }
-                Conversion::Copy(dtype) => {
-                    let name = format!("{base}.{}", tensor.mapped.param);
-                    match order {
-                        Some(order) => {
-                            let row_bytes = cols * dtype.size() as usize;
-                            writer.write_tensor(&name, &reorder_rows(&data, row_bytes, &order))?
-                        }
-                        None => writer.write_tensor(&name, &data)?,
-                    }
-                }
-                Conversion::Dequantize(format) => {
-                    let mut values = dequantize_to_f32_bytes(format, &data);
-                    if let Some(order) = order {
-                        values = reorder_rows(&values, cols * 4, &order);
-                    }
-                    writer.write_tensor(&format!("{base}.{}", tensor.mapped.param), &values)?;
-                }
-            }
-        }
-        writer.finish()
+        let outputs = self.outputs();
+        let metadata = HashMap::from([("format".to_string(), "mlx".to_string())]);
+        // The writer asks for tensors by dtype, then name: every uint32 `weight` before any
+        // float16 `biases`/`scales`, and a module's `biases` and `scales` one after the other.
+        // Keeping the unwritten outputs of the last conversion makes that two conversions per
+        // quantized weight instead of three, with at most one converted tensor in memory.
+        let last = RefCell::new(None::<ConvertedTensor>);
+        write_safetensors(
+            path,
+            outputs.iter().map(|output| &output.planned),
+            metadata,
+            |index| {
+                let output = &outputs[index];
+                let mut last = last.borrow_mut();
+                // `filter` drops another tensor's leftovers before the next conversion.
+                let cached = last.take().filter(|c| c.source == output.source);
+                let mut converted = match cached {
+                    Some(converted) => converted,
+                    None => ConvertedTensor {
+                        source: output.source,
+                        outputs: self.tensors[output.source].convert(gguf)?,
+                    },
+                };
+                // An output asked for twice comes back empty, which the writer reports.
+                let bytes = converted
+                    .outputs
+                    .get_mut(output.position)
+                    .map(std::mem::take)
+                    .unwrap_or_default();
+                *last = Some(converted);
+                Ok(bytes)
+            },
+        )
     }
 
     /// `model.safetensors.index.json` as mlx-lm writes it.
     fn index_json(&self) -> Value {
         let outputs = self.outputs();
-        let total_size: u64 = outputs.iter().map(PlannedTensor::byte_len).sum();
+        let total_size: usize = outputs.iter().map(|o| o.planned.byte_len()).sum();
         let total_parameters: u64 = self.tensors.iter().map(|t| t.info.n_elements()).sum();
         let weight_map: BTreeMap<String, &str> = outputs
             .into_iter()
-            .map(|t| (t.name, WEIGHTS_FILE))
+            .map(|o| (o.planned.name, WEIGHTS_FILE))
             .collect();
         json!({
             "metadata": { "total_size": total_size, "total_parameters": total_parameters },

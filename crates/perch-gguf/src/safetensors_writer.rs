@@ -1,48 +1,19 @@
-//! A streaming safetensors writer: the header is written first from the planned tensor list,
-//! then each tensor's bytes as it is converted, so memory holds one tensor at a time rather
-//! than the whole model.
+//! Writes a safetensors file with the `safetensors` crate while holding one tensor in memory.
 //!
-//! Format (huggingface/safetensors `README.md`): `u64` little-endian header length `N`, `N`
-//! bytes of JSON (`{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}`,
-//! padded with spaces to a multiple of 8), then the tensor bytes, offsets relative to the end of
-//! the header. The tests read every file back with the `safetensors` crate.
+//! `safetensors::serialize_to_file` builds the header from each tensor's `dtype`, `shape` and
+//! `data_len`, then calls `View::data` once per tensor as it writes (into a temporary file it
+//! renames over the target). So each [`LazyTensor`] makes its bytes only when asked for them.
+//! The crate orders tensors by dtype, then name, not in the order given.
 
-use std::collections::BTreeMap;
-use std::fs::File;
-use std::io::{BufWriter, Write};
-use std::path::{Path, PathBuf};
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::fs::OpenOptions;
+use std::path::Path;
 
-use serde_json::{json, Map, Value};
+use safetensors::{Dtype, SafeTensorError, View};
 
 use crate::GgufError;
-
-/// Element type of an output tensor, with its safetensors name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Dtype {
-    U32,
-    F16,
-    BF16,
-    F32,
-}
-
-impl Dtype {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Dtype::U32 => "U32",
-            Dtype::F16 => "F16",
-            Dtype::BF16 => "BF16",
-            Dtype::F32 => "F32",
-        }
-    }
-
-    /// Bytes per element.
-    pub(crate) fn size(self) -> u64 {
-        match self {
-            Dtype::U32 | Dtype::F32 => 4,
-            Dtype::F16 | Dtype::BF16 => 2,
-        }
-    }
-}
 
 /// One tensor the file will hold.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,139 +21,151 @@ pub(crate) struct PlannedTensor {
     pub(crate) name: String,
     pub(crate) dtype: Dtype,
     /// Row-major shape.
-    pub(crate) shape: Vec<u64>,
+    pub(crate) shape: Vec<usize>,
 }
 
 impl PlannedTensor {
-    pub(crate) fn byte_len(&self) -> u64 {
-        self.shape.iter().product::<u64>() * self.dtype.size()
+    /// Size of the data in bytes (every dtype used here is a whole number of bytes).
+    pub(crate) fn byte_len(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.bitsize() / 8
     }
 }
 
-/// Writes tensors in exactly the planned order; anything else is an error, so a file on disk
-/// always matches its header.
-pub(crate) struct SafetensorsWriter {
-    path: PathBuf,
-    out: BufWriter<File>,
-    planned: Vec<PlannedTensor>,
-    next: usize,
-    bytes_written: u64,
-}
-
-impl SafetensorsWriter {
-    /// Creates the file and writes the header for `planned` (data in that order) and
-    /// `metadata` (`__metadata__`, e.g. `{"format": "mlx"}`).
-    pub(crate) fn create(
-        path: &Path,
-        planned: Vec<PlannedTensor>,
-        metadata: &BTreeMap<String, String>,
-    ) -> Result<Self, GgufError> {
-        let mut header = Map::new();
-        let mut offset = 0u64;
-        for tensor in &planned {
-            let end = offset + tensor.byte_len();
-            header.insert(
-                tensor.name.clone(),
-                json!({ "dtype": tensor.dtype.name(), "shape": tensor.shape, "data_offsets": [offset, end] }),
-            );
-            offset = end;
-        }
-        header.insert("__metadata__".into(), json!(metadata));
-        let mut header_bytes = serde_json::to_vec(&Value::Object(header))
-            .map_err(|e| GgufError::io("encode", path, e.into()))?;
-        // Keeps tensor data 8-byte aligned, as the reference writer does.
-        header_bytes.resize(header_bytes.len().div_ceil(8) * 8, b' ');
-
-        let file = File::create(path).map_err(|e| GgufError::io("create", path, e))?;
-        let mut out = BufWriter::with_capacity(1 << 20, file);
-        let write_error = |e| GgufError::io("write", path, e);
-        out.write_all(&(header_bytes.len() as u64).to_le_bytes())
-            .map_err(write_error)?;
-        out.write_all(&header_bytes).map_err(write_error)?;
-        Ok(SafetensorsWriter {
-            path: path.to_path_buf(),
-            out,
+/// Writes `tensors` and `metadata` (`__metadata__`, e.g. `{"format": "mlx"}`) to `path`;
+/// `tensor_bytes(i)` gives the little-endian bytes of the `i`-th tensor when the writer reaches
+/// it. Returns the file size in bytes.
+///
+/// Errors: the first error of `tensor_bytes`; [`GgufError::InvalidTensor`] when it returns the
+/// wrong number of bytes (a bug in this crate); [`GgufError::Io`] while writing. On error no
+/// file is left at `path`.
+pub(crate) fn write_safetensors<'a>(
+    path: &Path,
+    tensors: impl IntoIterator<Item = &'a PlannedTensor>,
+    metadata: HashMap<String, String>,
+    tensor_bytes: impl Fn(usize) -> Result<Vec<u8>, GgufError>,
+) -> Result<u64, GgufError> {
+    // `View::data` cannot fail, but reading and converting can, and only show it then (an I/O
+    // error, a scale that overflows float16); a validating first pass would do all that work
+    // twice. So the first error waits here, later tensors are skipped, and the file is removed.
+    let failure = RefCell::new(None);
+    let views = tensors.into_iter().enumerate().map(|(index, planned)| {
+        let view = LazyTensor {
             planned,
-            next: 0,
-            bytes_written: 8 + header_bytes.len() as u64,
-        })
+            index,
+            tensor_bytes: &tensor_bytes,
+            failure: &failure,
+        };
+        (planned.name.as_str(), view)
+    });
+    let written = safetensors::serialize_to_file(views, Some(metadata), path);
+    let result = match (failure.into_inner(), written) {
+        (Some(error), _) => Err(error),
+        (None, Err(error)) => Err(write_error(path, error)),
+        (None, Ok(())) => sync(path),
+    };
+    if result.is_err() {
+        // Best effort: the caller gets the original error either way.
+        let _ = std::fs::remove_file(path);
+    }
+    result
+}
+
+/// A planned tensor whose bytes are made when the writer asks for them.
+struct LazyTensor<'a, F> {
+    planned: &'a PlannedTensor,
+    index: usize,
+    tensor_bytes: &'a F,
+    failure: &'a RefCell<Option<GgufError>>,
+}
+
+impl<F: Fn(usize) -> Result<Vec<u8>, GgufError>> View for LazyTensor<'_, F> {
+    fn dtype(&self) -> Dtype {
+        self.planned.dtype
     }
 
-    /// Appends the next planned tensor's bytes (little-endian).
-    pub(crate) fn write_tensor(&mut self, name: &str, bytes: &[u8]) -> Result<(), GgufError> {
-        let expected = self
-            .planned
-            .get(self.next)
-            .ok_or_else(|| internal(name, "more tensors than planned"))?;
-        if expected.name != name || expected.byte_len() != bytes.len() as u64 {
-            return Err(internal(
-                name,
-                &format!(
-                    "expected `{}` with {} bytes, got {} bytes",
-                    expected.name,
-                    expected.byte_len(),
+    fn shape(&self) -> &[usize] {
+        &self.planned.shape
+    }
+
+    fn data_len(&self) -> usize {
+        self.planned.byte_len()
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        if self.failure.borrow().is_some() {
+            // The file is discarded; skip the work.
+            return Cow::Borrowed(&[]);
+        }
+        let bytes = (self.tensor_bytes)(self.index).and_then(|bytes| {
+            // The crate trusts `data_len`; a mismatch would shift every later tensor.
+            if bytes.len() == self.data_len() {
+                return Ok(bytes);
+            }
+            Err(GgufError::InvalidTensor {
+                tensor: self.planned.name.clone(),
+                reason: format!(
+                    "internal error while writing safetensors: expected {} bytes, got {}",
+                    self.data_len(),
                     bytes.len()
                 ),
-            ));
+            })
+        });
+        match bytes {
+            Ok(bytes) => Cow::Owned(bytes),
+            Err(error) => {
+                *self.failure.borrow_mut() = Some(error);
+                Cow::Borrowed(&[])
+            }
         }
-        self.out
-            .write_all(bytes)
-            .map_err(|e| GgufError::io("write", &self.path, e))?;
-        self.next += 1;
-        self.bytes_written += bytes.len() as u64;
-        Ok(())
-    }
-
-    /// Flushes and syncs the file; returns its size in bytes.
-    pub(crate) fn finish(self) -> Result<u64, GgufError> {
-        if self.next != self.planned.len() {
-            let missing = &self.planned[self.next].name;
-            return Err(internal(missing, "the import stopped before writing it"));
-        }
-        let file = self
-            .out
-            .into_inner()
-            .map_err(|e| GgufError::io("write", &self.path, e.into_error()))?;
-        file.sync_all()
-            .map_err(|e| GgufError::io("sync", &self.path, e))?;
-        Ok(self.bytes_written)
     }
 }
 
-/// A plan/data mismatch is a bug in this crate, reported rather than written.
-fn internal(tensor: &str, reason: &str) -> GgufError {
-    GgufError::InvalidTensor {
-        tensor: tensor.to_string(),
-        reason: format!("internal error while writing safetensors: {reason}"),
-    }
+/// Syncs the written file like every other output file (the crate only flushes it); returns
+/// its size in bytes.
+fn sync(path: &Path) -> Result<u64, GgufError> {
+    let file = OpenOptions::new()
+        .write(true)
+        .open(path)
+        .map_err(|e| GgufError::io("open", path, e))?;
+    file.sync_all()
+        .map_err(|e| GgufError::io("sync", path, e))?;
+    let metadata = file
+        .metadata()
+        .map_err(|e| GgufError::io("inspect", path, e))?;
+    Ok(metadata.len())
+}
+
+fn write_error(path: &Path, error: SafeTensorError) -> GgufError {
+    let source = match error {
+        SafeTensorError::IoError(e) => e,
+        other => std::io::Error::other(other),
+    };
+    GgufError::io("write", path, source)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn planned(name: &str, dtype: Dtype, shape: &[usize]) -> PlannedTensor {
+        PlannedTensor {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+        }
+    }
+
     #[test]
     fn written_file_parses_with_the_safetensors_crate() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.safetensors");
-        let planned = vec![
-            PlannedTensor {
-                name: "b".into(),
-                dtype: Dtype::F16,
-                shape: vec![3],
-            },
-            PlannedTensor {
-                name: "a".into(),
-                dtype: Dtype::U32,
-                shape: vec![2, 1],
-            },
+        let tensors = [
+            planned("b", Dtype::F16, &[3]),
+            planned("a", Dtype::U32, &[2, 1]),
         ];
-        let metadata = BTreeMap::from([("format".to_string(), "mlx".to_string())]);
-        let mut writer = SafetensorsWriter::create(&path, planned, &metadata).unwrap();
-        writer.write_tensor("b", &[1, 0, 2, 0, 3, 0]).unwrap();
-        assert!(writer.write_tensor("b", &[0; 8]).is_err(), "out of plan");
-        writer.write_tensor("a", &[9, 0, 0, 0, 7, 0, 0, 0]).unwrap();
-        let size = writer.finish().unwrap();
+        let data: [&[u8]; 2] = [&[1, 0, 2, 0, 3, 0], &[9, 0, 0, 0, 7, 0, 0, 0]];
+        let metadata = HashMap::from([("format".to_string(), "mlx".to_string())]);
+        let size = write_safetensors(&path, &tensors, metadata, |i| Ok(data[i].to_vec())).unwrap();
 
         let bytes = std::fs::read(&path).unwrap();
         assert_eq!(size, bytes.len() as u64);
@@ -193,24 +176,38 @@ mod tests {
         );
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let a = st.tensor("a").unwrap();
-        assert_eq!(
-            (a.dtype(), a.shape()),
-            (safetensors::Dtype::U32, &[2usize, 1][..])
-        );
-        assert_eq!(a.data(), &[9, 0, 0, 0, 7, 0, 0, 0]);
-        assert_eq!(st.tensor("b").unwrap().data(), &[1, 0, 2, 0, 3, 0]);
+        assert_eq!((a.dtype(), a.shape()), (Dtype::U32, &[2usize, 1][..]));
+        assert_eq!(a.data(), data[1]);
+        assert_eq!(st.tensor("b").unwrap().data(), data[0]);
     }
 
     #[test]
-    fn finishing_early_is_an_error() {
+    fn a_failing_tensor_is_returned_and_leaves_no_file() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("m.safetensors");
-        let planned = vec![PlannedTensor {
-            name: "x".into(),
-            dtype: Dtype::F32,
-            shape: vec![1],
-        }];
-        let writer = SafetensorsWriter::create(&path, planned, &BTreeMap::new()).unwrap();
-        assert!(writer.finish().is_err());
+        let tensors = [
+            planned("x", Dtype::F32, &[1]),
+            planned("y", Dtype::F32, &[1]),
+        ];
+        let calls = std::cell::Cell::new(0);
+        let err = write_safetensors(&path, &tensors, HashMap::new(), |_| {
+            calls.set(calls.get() + 1);
+            Err(GgufError::MissingTensor { tensor: "x".into() })
+        })
+        .unwrap_err();
+        assert!(matches!(err, GgufError::MissingTensor { .. }), "{err}");
+        assert_eq!(calls.get(), 1, "tensors after the failure are skipped");
+        assert!(!path.exists());
+    }
+
+    #[test]
+    fn a_wrong_number_of_bytes_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.safetensors");
+        let tensors = [planned("x", Dtype::F32, &[2])];
+        let err =
+            write_safetensors(&path, &tensors, HashMap::new(), |_| Ok(vec![0; 4])).unwrap_err();
+        assert!(err.to_string().contains("expected 8 bytes, got 4"), "{err}");
+        assert!(!path.exists());
     }
 }

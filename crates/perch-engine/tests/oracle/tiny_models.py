@@ -49,6 +49,8 @@ CASES = {
     "qwen2": (qwen2, {**BASE, "model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True}, None),
     "qwen2-4bit": (qwen2, {**BASE, "model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True},
                    {"group_size": 32, "bits": 4}),
+    # Stored in bfloat16; Perch computes in float32 on CPU, so the oracle does too (below).
+    "qwen2-bf16": (qwen2, {**BASE, "model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": False}, "bf16"),
     "qwen3": (qwen3, {**BASE, "model_type": "qwen3", "head_dim": 32, "rope_theta": 1000000.0,
                       "tie_word_embeddings": True}, None),
     "qwen3-8bit-mixed": (qwen3, {**BASE, "model_type": "qwen3", "head_dim": 32, "rope_theta": 1000000.0,
@@ -62,7 +64,10 @@ def main(out_dir: Path, tokenizer_dir: Path):
     for name, (module, config, quant) in CASES.items():
         mx.random.seed(len(name))
         model = module.Model(module.ModelArgs.from_dict(config))
-        if quant is not None:
+        if quant == "bf16":
+            model.set_dtype(mx.bfloat16)
+            config["torch_dtype"] = "bfloat16"
+        elif quant is not None:
             if name.endswith("mixed"):
                 # Per-layer override: the first layer's MLP down projection stays at 4 bits.
                 def predicate(path, module_):
@@ -85,6 +90,8 @@ def main(out_dir: Path, tokenizer_dir: Path):
         for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]:
             shutil.copy(tokenizer_dir / f, case_dir / f)
 
+        if quant == "bf16":
+            model.set_dtype(mx.float32)
         prompt = mx.array(PROMPT)
         logits = model(prompt[None])[0]
         greedy = [int(tok) for tok, _ in zip((t for t, _ in generate_step(prompt, model, max_tokens=16)), range(16))]

@@ -1,0 +1,122 @@
+//! End-to-end tests of the `perch` binary: the default model's path from GGUF to text, and bad
+//! input reported as one line with a non-zero exit.
+//!
+//! Needs `PERCH_TEST_GGUF` (scripts/test.sh sets it) and the shared directory beside the repo.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn perch(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_perch")).args(args).output().expect("run perch")
+}
+
+fn shared_model() -> String {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/SmolLM2-135M-Instruct-4bit");
+    dir.to_string_lossy().into_owned()
+}
+
+/// The failure contract: exit code 1, one line on stderr starting `perch: error:`, no panic.
+fn assert_clean_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line expected: {stderr}");
+    assert!(stderr.starts_with("perch: error: "), "{stderr}");
+    assert!(stderr.contains(needle), "`{needle}` not in: {stderr}");
+}
+
+#[test]
+fn imported_gguf_answers_paris() {
+    let gguf = std::env::var("PERCH_TEST_GGUF").expect("set PERCH_TEST_GGUF (scripts/test.sh does)");
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("smollm2");
+    let out = perch(&["import", &gguf, "--out", out_dir.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let out = perch(&["generate", "--model", out_dir.to_str().unwrap(), "--raw", "The capital of France is", "--max-tokens", "12", "--json"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let text: String = lines.iter().filter_map(|l| l["text"].as_str()).collect();
+    assert!(text.contains("Paris"), "continuation: {text:?}");
+    let last = lines.last().unwrap();
+    assert!(["stop", "length"].contains(&last["finish_reason"].as_str().unwrap()));
+    assert_eq!(last["stats"]["prompt_tokens"], 5);
+
+    // Importing over an existing model is refused and leaves it intact.
+    let before = std::fs::read(out_dir.join("config.json")).unwrap();
+    let again = perch(&["import", &gguf, "--out", out_dir.to_str().unwrap()]);
+    assert_clean_error(&again, "");
+    assert_eq!(std::fs::read(out_dir.join("config.json")).unwrap(), before);
+}
+
+#[test]
+fn generate_streams_plain_text_with_a_chat_template() {
+    let out = perch(&["generate", "--model", &shared_model(), "--prompt", "What is 2 + 2?", "--max-tokens", "8"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(!text.trim().is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"), "stats line on stderr");
+}
+
+#[test]
+fn bad_input_is_one_line_and_exit_code_1() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = shared_model();
+
+    assert_clean_error(&perch(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]), "no model at /nonexistent/model");
+    assert_clean_error(&perch(&["generate", "--model", &model, "--prompt", "  "]), "the prompt is empty");
+    assert_clean_error(&perch(&["generate", "--model", &model]), "--prompt");
+
+    let messages = tmp.path().join("messages.json");
+    std::fs::write(&messages, r#"{"role": "user"}"#).unwrap();
+    assert_clean_error(&perch(&["generate", "--model", &model, "--messages", messages.to_str().unwrap()]), "messages");
+
+    let gguf = tmp.path().join("bad.gguf");
+    std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").unwrap();
+    assert_clean_error(&perch(&["import", gguf.to_str().unwrap(), "--out", tmp.path().join("o").to_str().unwrap()]), "bad.gguf");
+    assert!(!tmp.path().join("o").exists());
+
+    let not_gguf = tmp.path().join("x.gguf");
+    std::fs::write(&not_gguf, b"hello world, not a gguf").unwrap();
+    assert_clean_error(&perch(&["import", not_gguf.to_str().unwrap(), "--out", tmp.path().join("o").to_str().unwrap()]), "x.gguf");
+}
+
+#[test]
+fn messages_file_and_sampling_flags() {
+    let tmp = tempfile::tempdir().unwrap();
+    let messages = tmp.path().join("m.json");
+    std::fs::write(&messages, r#"[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi."}]"#).unwrap();
+    let args = ["generate", "--model", &shared_model(), "--messages", messages.to_str().unwrap(), "--max-tokens", "6", "--temp", "0.8", "--top-p", "0.9", "--top-k", "40", "--seed", "3", "--json"];
+    let a = perch(&args);
+    let b = perch(&args);
+    assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
+    let tokens = |o: &Output| -> Vec<u64> {
+        String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["token"].as_u64())
+            .collect()
+    };
+    assert!(!tokens(&a).is_empty());
+    assert_eq!(tokens(&a), tokens(&b), "same seed, same sample");
+}
+
+#[test]
+fn chat_keeps_the_conversation_and_resets() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(["chat", "--model", &shared_model(), "--max-tokens", "6"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"What is 2 + 2?\nAnd times three?\n/reset\n/exit\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert_eq!(stderr.matches("tok/s").count(), 2, "two answers: {stderr}");
+    assert!(stderr.contains("(conversation cleared)"));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).count(), 2);
+}
