@@ -25,4 +25,12 @@ fi
 export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
 export PERCH_TEST_GGUF="$(bash scripts/fetch-default-model.sh)"
 
-cargo test --workspace "$@"
+# Keep cargo's output, and close with one total line over every test binary.
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+set +e
+cargo test --workspace "$@" 2>&1 | tee "$log"
+status=${PIPESTATUS[0]}
+set -e
+awk '/^test result:/ { p += $4; f += $6 } END { printf "all tests: %d passed, %d failed\n", p, f }' "$log"
+exit "$status"

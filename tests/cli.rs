@@ -120,3 +120,20 @@ fn chat_keeps_the_conversation_and_resets() {
     assert!(stderr.contains("(conversation cleared)"));
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).count(), 2);
 }
+
+#[test]
+fn logit_bias_changes_the_greedy_token() {
+    let model = shared_model();
+    let first = |extra: &[&str]| -> u64 {
+        let mut args = vec!["generate", "--model", &model, "--raw", "The capital of France is", "--max-tokens", "1", "--json"];
+        args.extend_from_slice(extra);
+        let out = perch(&args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let line = String::from_utf8_lossy(&out.stdout).lines().next().unwrap().to_string();
+        serde_json::from_str::<serde_json::Value>(&line).unwrap()["token"].as_u64().unwrap()
+    };
+    let greedy = first(&[]);
+    let banned = format!("{greedy}=-1000");
+    assert_ne!(first(&["--logit-bias", &banned]), greedy);
+    assert_clean_error(&perch(&["generate", "--model", &model, "--raw", "x", "--logit-bias", "999999=1"]), "logit_bias");
+}

@@ -329,7 +329,8 @@ fn generate_bindings(mlx_c: &Path, out_dir: &Path, arm: bool) -> BuildResult<()>
         .rust_target(bindgen::RustTarget::stable(73, 0).map_err(|e| e.to_string())?)
         .clang_arg(format!("-I{}", mlx_c.display()))
         .blocklist_function("malloc")
-        .blocklist_function("realloc");
+        .blocklist_function("realloc")
+        .layout_tests(false);
     if !arm {
         let prelude = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?)
             .join("native/bindgen_prelude.h");

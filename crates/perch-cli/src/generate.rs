@@ -61,6 +61,16 @@ pub struct GenerationOptions {
     /// Stop when this string appears (repeatable).
     #[arg(long = "stop")]
     pub stop_strings: Vec<String>,
+    /// Add BIAS to token ID's logit, as ID=BIAS (repeatable), e.g. `--logit-bias 2=-100`.
+    #[arg(long = "logit-bias", value_parser = parse_logit_bias)]
+    pub logit_bias: Vec<(u32, f32)>,
+}
+
+fn parse_logit_bias(arg: &str) -> Result<(u32, f32), String> {
+    let (id, bias) = arg.split_once('=').ok_or_else(|| format!("`{arg}` is not ID=BIAS"))?;
+    let id = id.trim().parse().map_err(|_| format!("`{id}` is not a token id"))?;
+    let bias = bias.trim().parse().map_err(|_| format!("`{bias}` is not a number"))?;
+    Ok((id, bias))
 }
 
 impl GenerationOptions {
@@ -76,7 +86,7 @@ impl GenerationOptions {
             repetition_penalty: self.repetition_penalty,
             repetition_context_size: self.repetition_context_size,
             seed: self.seed,
-            ..Default::default()
+            logit_bias: self.logit_bias.iter().copied().collect(),
         };
         request
     }

@@ -90,3 +90,32 @@ pub fn set_wired_limit(bytes: usize) -> bool {
         Err(_) => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_counters_follow_allocations() {
+        let before = memory_stats();
+        let a = mlx_rs::ops::ones::<f32>(&[1024, 1024]).unwrap();
+        a.eval().unwrap();
+        let during = memory_stats();
+        assert!(during.active_bytes >= before.active_bytes + 4 * 1024 * 1024 - 4096, "{before:?} -> {during:?}");
+        assert!(during.peak_bytes >= during.active_bytes);
+        drop(a);
+        let after = memory_stats();
+        assert!(after.active_bytes < during.active_bytes);
+        assert_eq!(after.wired_limit_bytes, None, "no wired limit on CPU");
+        assert!(!set_wired_limit(1 << 30), "CPU has no wired limit to set");
+    }
+
+    #[test]
+    fn cpu_computes_in_float32() {
+        for stored in [Dtype::Float16, Dtype::Bfloat16, Dtype::Float32] {
+            assert_eq!(Backend::Cpu.compute_dtype(stored), Dtype::Float32);
+        }
+        assert_eq!(Backend::Cuda.compute_dtype(Dtype::Float32), Dtype::Bfloat16);
+        assert_eq!(Backend::Metal.compute_dtype(Dtype::Float16), Dtype::Float16);
+    }
+}

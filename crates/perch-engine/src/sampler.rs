@@ -114,9 +114,9 @@ impl Sampler {
             let recent = crate::mlx_ext::slice(history, &[start], &[seen])?.reshape(&[1, -1])?;
             let selected = take_along_axis(&logits, &recent, -1)?;
             let penalized = ops::select(
-                &selected.lt(&Array::from_f32(0.0))?,
-                ops::multiply(&selected, &Array::from_f32(penalty))?,
-                ops::divide(&selected, &Array::from_f32(penalty))?,
+                &selected.lt(Array::from_f32(0.0))?,
+                ops::multiply(&selected, Array::from_f32(penalty))?,
+                ops::divide(&selected, Array::from_f32(penalty))?,
             )?;
             logits = put_along_axis(&logits, &recent, &penalized, -1)?;
         }
@@ -139,7 +139,7 @@ impl Sampler {
         if p.top_k > 0 {
             logprobs = apply_top_k(&logprobs, p.top_k as i32)?;
         }
-        let scaled = ops::multiply(&logprobs, &Array::from_f32(1.0 / p.temperature))?;
+        let scaled = ops::multiply(&logprobs, Array::from_f32(1.0 / p.temperature))?;
         let key = match self.key.take() {
             Some(key) => {
                 let (next, sub) = random::split(&key, 2)?;
@@ -165,10 +165,10 @@ fn apply_top_p(logprobs: &Array, top_p: f32) -> Result<Array> {
     let first = |a: &Array| crate::mlx_ext::slice(a, &[0, 0], &[1, 1]);
     let total = ops::add(&first(&mass_above)?, &first(&probs)?)?;
     let dropped = mass_above
-        .ge(&ops::multiply(&total, &Array::from_f32(top_p))?)?
+        .ge(&ops::multiply(&total, Array::from_f32(top_p))?)?
         .sum_axis(-1, true)?
         .as_dtype(mlx_rs::Dtype::Int32)?;
-    let dropped = ops::minimum(&dropped, &Array::from_int(vocab - 1))?;
+    let dropped = ops::minimum(&dropped, Array::from_int(vocab - 1))?;
     let threshold = take_along_axis(&sorted, &dropped, -1)?;
     Ok(ops::select(&logprobs.lt(&threshold)?, neg_inf(), logprobs)?)
 }
@@ -176,7 +176,7 @@ fn apply_top_p(logprobs: &Array, top_p: f32) -> Result<Array> {
 /// Drops tokens whose probability is below `min_p` times the top token's.
 fn apply_min_p(logprobs: &Array, min_p: f32) -> Result<Array> {
     let top = logprobs.max_axis(-1, true)?;
-    let floor = ops::add(&top, &Array::from_f32(min_p.ln()))?;
+    let floor = ops::add(&top, Array::from_f32(min_p.ln()))?;
     Ok(ops::select(&logprobs.lt(&floor)?, neg_inf(), logprobs)?)
 }
 
@@ -195,7 +195,7 @@ mod tests {
 
     fn logprobs(values: &[f32]) -> Array {
         let logits = Array::from_slice(values, &[1, values.len() as i32]);
-        ops::subtract(&logits, &logits.logsumexp_axis(-1, true).unwrap()).unwrap()
+        ops::subtract(&logits, logits.logsumexp_axis(-1, true).unwrap()).unwrap()
     }
 
     fn finite(a: &Array) -> Vec<bool> {

@@ -88,3 +88,42 @@ fn prompts_that_cannot_run() {
     let out = run(vec![1; 12]).unwrap();
     assert!(out.stats.generation_tokens <= 4);
 }
+
+/// Not bad input, but the same fixture: the model split into two shards with an index loads and
+/// computes exactly what the single file does.
+#[test]
+fn sharded_weights_load_like_a_single_file() {
+    use mlx_rs::Array;
+    use safetensors::SafeTensors;
+
+    let src = common::smollm_dir();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let file = SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = file.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    let dir = variant(|_| {}, None);
+    std::fs::remove_file(dir.path().join("model.safetensors")).unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len() / 2 + 1).enumerate() {
+        let shard = format!("model-{:05}-of-00002.safetensors", i + 1);
+        let views: Vec<(String, safetensors::tensor::TensorView)> =
+            part.iter().map(|n| (n.clone(), file.tensor(n).unwrap())).collect();
+        safetensors::serialize_to_file(views, None, &dir.path().join(&shard)).unwrap();
+        for n in part {
+            weight_map.insert(n.clone(), shard.clone().into());
+        }
+    }
+    std::fs::write(
+        dir.path().join("model.safetensors.index.json"),
+        serde_json::json!({ "metadata": {}, "weight_map": weight_map }).to_string(),
+    )
+    .unwrap();
+
+    let ids = Array::from_slice(&[1u32, 9690, 198, 2683, 359, 253], &[1, 6]);
+    let logits = |dir: &Path| {
+        let model = models::load(dir).unwrap();
+        let out = model.forward(&ids, &mut model.make_cache()).unwrap();
+        out.as_slice::<f32>().to_vec()
+    };
+    assert_eq!(logits(dir.path()), logits(&src));
+}

@@ -30,16 +30,12 @@ pub struct LlamaArgs {
     #[serde(default)]
     pub rope_traditional: bool,
     pub rope_scaling: Option<Value>,
-    #[serde(default = "yes")]
+    #[serde(default = "super::default_true")]
     pub tie_word_embeddings: bool,
 }
 
 fn default_rope_theta() -> f32 {
     10000.0
-}
-
-fn yes() -> bool {
-    true
 }
 
 pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {

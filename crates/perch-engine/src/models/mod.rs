@@ -120,6 +120,11 @@ pub fn load(model_dir: &Path) -> Result<Box<dyn Model>> {
     Ok(model)
 }
 
+/// Serde default for config flags that default to on (`tie_word_embeddings`).
+pub(crate) fn default_true() -> bool {
+    true
+}
+
 /// Reads and parses `config.json`.
 pub fn read_config(path: &Path) -> Result<Value> {
     let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: PathBuf::from(path), source })?;

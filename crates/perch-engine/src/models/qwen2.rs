@@ -26,7 +26,7 @@ pub struct Qwen2Args {
     #[serde(default)]
     pub rope_traditional: bool,
     pub rope_scaling: Option<Value>,
-    #[serde(default = "yes")]
+    #[serde(default = "super::default_true")]
     pub tie_word_embeddings: bool,
 }
 
@@ -36,10 +36,6 @@ fn default_context() -> usize {
 
 fn default_rope_theta() -> f32 {
     1_000_000.0
-}
-
-fn yes() -> bool {
-    true
 }
 
 pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
