@@ -2,14 +2,17 @@
 //! templates, sampling, generation with streaming text and per-request stats.
 //!
 //! Layout: [`models`] (architectures and their registry) built from [`layers`] and [`weights`];
-//! [`cache`] (KV cache); [`tokenizer`] and [`chat_template`] (text); [`sampler`] and [`stop`]
+//! [`cache`] (KV cache of one sequence), [`block_pool`] and [`kv_cache_manager`] (paged KV blocks
+//! with prefix caching, for the batch engine); [`tokenizer`] and [`chat_template`] (text); [`sampler`] and [`stop`]
 //! (choosing tokens, ending); [`generate`] (the loop); [`device`] (backend, dtype, memory).
 
+pub mod block_pool;
 pub mod cache;
 pub mod chat_template;
 pub mod device;
 pub mod error;
 pub mod generate;
+pub mod kv_cache_manager;
 pub mod layers;
 mod mlx_ext;
 pub mod models;

@@ -1,0 +1,220 @@
+//! Per-request block tables over the [`BlockPool`], with prefix-cache lookups: what the scheduler
+//! calls to admit a request (`get_computed_blocks`, `allocate_slots`), to grow it during decode
+//! (`allocate_slots`), to publish finished blocks (`cache_blocks`) and to release it (`free`).
+//! Same roles as vLLM v1's `KVCacheManager`.
+//!
+//! Only full blocks are shared. A cache hit is whole blocks and always leaves at least one prompt
+//! token to compute (its logits start generation), so a shared block is never written to.
+
+use std::collections::HashMap;
+
+use crate::block_pool::{full_block_hashes, BlockHash, BlockId, BlockPool};
+
+/// Identifies a request inside the engine.
+pub type RequestId = u64;
+
+/// Blocks found in the prefix cache for a prompt, and how many tokens they hold.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComputedBlocks {
+    pub blocks: Vec<BlockId>,
+    pub num_tokens: usize,
+}
+
+#[derive(Debug, Default)]
+struct RequestBlocks {
+    blocks: Vec<BlockId>,
+    /// Leading blocks already registered in the prefix cache.
+    num_cached: usize,
+    /// Hash of each full block registered so far (the chain continues from the last one).
+    hashes: Vec<BlockHash>,
+}
+
+/// Block tables of the running requests.
+#[derive(Debug)]
+pub struct KvCacheManager {
+    pool: BlockPool,
+    root: BlockHash,
+    requests: HashMap<RequestId, RequestBlocks>,
+}
+
+impl KvCacheManager {
+    /// `model_id` seeds the hash chain so different models never share blocks.
+    pub fn new(pool: BlockPool, model_id: &str) -> Self {
+        Self { pool, root: BlockHash::root(model_id), requests: HashMap::new() }
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens.
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size())
+    }
+
+    /// The longest run of cached full blocks at the start of `prompt`, leaving at least one token
+    /// to compute. Counts toward the prefix-cache hit rate.
+    pub fn get_computed_blocks(&mut self, prompt: &[u32]) -> ComputedBlocks {
+        let usable = prompt.len().saturating_sub(1);
+        let hashes = full_block_hashes(self.root, &prompt[..usable], self.block_size(), &[]);
+        let blocks: Vec<BlockId> = hashes.iter().map_while(|h| self.pool.get_cached_block(*h)).collect();
+        let num_tokens = blocks.len() * self.block_size();
+        self.pool.record_lookup(prompt.len(), num_tokens);
+        ComputedBlocks { blocks, num_tokens }
+    }
+
+    /// Makes room for `num_new_tokens` more tokens of `request`, which holds `num_computed` tokens
+    /// already (from `computed`, on its first call). Returns the request's block table, or `None`
+    /// when the pool is short of blocks, in which case nothing changed: the scheduler preempts or
+    /// waits.
+    pub fn allocate_slots(
+        &mut self,
+        request: RequestId,
+        num_computed: usize,
+        num_new_tokens: usize,
+        computed: Option<&ComputedBlocks>,
+    ) -> Option<&[BlockId]> {
+        let held = self.requests.get(&request).map_or(0, |r| r.blocks.len());
+        let hit = computed.map_or(&[][..], |c| &c.blocks[..]);
+        debug_assert!(held == 0 || hit.is_empty(), "a prefix hit is only applied on admission");
+        let needed = self.blocks_for(num_computed + num_new_tokens).saturating_sub(held + hit.len());
+        // Touching a cached-free hit takes it out of the free queue too.
+        let hit_from_free = hit.iter().filter(|id| self.pool.block(**id).ref_cnt() == 0).count();
+        if needed + hit_from_free > self.pool.num_free_blocks() {
+            return None;
+        }
+        self.pool.touch(hit);
+        let fresh = self.pool.get_new_blocks(needed)?;
+        let entry = self.requests.entry(request).or_default();
+        if !hit.is_empty() {
+            entry.blocks.extend_from_slice(hit);
+            entry.num_cached = hit.len();
+            entry.hashes = hit.iter().map(|id| self.pool.block(*id).hash().expect("cached block has a hash")).collect();
+        }
+        entry.blocks.extend(fresh);
+        Some(&entry.blocks)
+    }
+
+    /// Registers the blocks of `request` that `tokens[..num_computed]` has filled, so later
+    /// requests with the same prefix can reuse them.
+    pub fn cache_blocks(&mut self, request: RequestId, tokens: &[u32], num_computed: usize) {
+        let block_size = self.block_size();
+        let Some(entry) = self.requests.get_mut(&request) else { return };
+        let full = (num_computed.min(tokens.len()) / block_size).min(entry.blocks.len());
+        let mut parent = entry.hashes.last().copied().unwrap_or(self.root);
+        for i in entry.num_cached..full {
+            parent = parent.chain(&tokens[i * block_size..(i + 1) * block_size], &[]);
+            self.pool.cache_full_block(entry.blocks[i], parent);
+            entry.hashes.push(parent);
+        }
+        entry.num_cached = entry.num_cached.max(full);
+    }
+
+    /// Releases every block of `request` (last block first, so its tail is evicted first).
+    pub fn free(&mut self, request: RequestId) {
+        if let Some(entry) = self.requests.remove(&request) {
+            self.pool.free_blocks(entry.blocks.into_iter().rev());
+        }
+    }
+
+    pub fn block_table(&self, request: RequestId) -> Option<&[BlockId]> {
+        self.requests.get(&request).map(|r| &r.blocks[..])
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manager(blocks: usize) -> KvCacheManager {
+        KvCacheManager::new(BlockPool::new(blocks, 4), "test-model")
+    }
+
+    /// Admits a prompt the way the scheduler will: look up, allocate, "compute", publish.
+    fn admit(m: &mut KvCacheManager, id: RequestId, prompt: &[u32]) -> Option<usize> {
+        let hit = m.get_computed_blocks(prompt);
+        m.allocate_slots(id, hit.num_tokens, prompt.len() - hit.num_tokens, Some(&hit))?;
+        m.cache_blocks(id, prompt, prompt.len());
+        Some(hit.num_tokens)
+    }
+
+    #[test]
+    fn multi_turn_chat_hits_the_previous_turn() {
+        let mut m = manager(16);
+        let turn1: Vec<u32> = (0..10).collect();
+        assert_eq!(admit(&mut m, 1, &turn1), Some(0));
+        // The assistant answers 3 tokens; then the conversation goes on with the same prefix.
+        let mut convo = turn1.clone();
+        convo.extend([100, 101, 102]);
+        m.allocate_slots(1, 10, 3, None).unwrap();
+        m.cache_blocks(1, &convo, convo.len());
+        m.free(1);
+        convo.extend([7, 7, 7, 7, 7]);
+        // 18 tokens: blocks 0..4 of the 13 computed ones are full and cached (3 blocks = 12 tokens).
+        assert_eq!(admit(&mut m, 2, &convo), Some(12));
+        assert!(m.pool().stats().hit_rate() > 0.4);
+        m.free(2);
+        assert_eq!(m.pool().num_free_blocks(), 16);
+        m.pool().check_invariants();
+    }
+
+    #[test]
+    fn a_fully_cached_prompt_still_computes_its_last_token() {
+        let mut m = manager(8);
+        let prompt: Vec<u32> = (0..8).collect();
+        admit(&mut m, 1, &prompt).unwrap();
+        m.free(1);
+        let hit = m.get_computed_blocks(&prompt);
+        assert_eq!(hit.num_tokens, 4, "the block holding the last token is recomputed");
+    }
+
+    #[test]
+    fn shared_prefix_blocks_are_shared_not_copied() {
+        let mut m = manager(8);
+        let a: Vec<u32> = (0..9).collect();
+        let mut b: Vec<u32> = (0..8).collect();
+        b.extend([50, 51, 52]);
+        admit(&mut m, 1, &a).unwrap();
+        assert_eq!(admit(&mut m, 2, &b), Some(8));
+        let (ta, tb) = (m.block_table(1).unwrap(), m.block_table(2).unwrap());
+        assert_eq!(ta[..2], tb[..2]);
+        assert_ne!(ta[2], tb[2]);
+        assert_eq!(m.pool().block(ta[0]).ref_cnt(), 2);
+        assert_eq!(m.pool().num_used_blocks(), 4);
+    }
+
+    #[test]
+    fn running_out_changes_nothing() {
+        let mut m = manager(3);
+        admit(&mut m, 1, &(0..8).collect::<Vec<_>>()).unwrap();
+        let before = m.pool().num_free_blocks();
+        assert!(m.allocate_slots(2, 0, 9, None).is_none());
+        assert_eq!(m.pool().num_free_blocks(), before);
+        assert!(m.block_table(2).is_none());
+        // Growing request 1 by one token needs a third block: fits.
+        assert_eq!(m.allocate_slots(1, 8, 1, None).unwrap().len(), 3);
+        assert!(m.allocate_slots(1, 9, 4, None).is_none(), "a fourth block does not exist");
+        m.free(1);
+        assert_eq!(m.pool().num_free_blocks(), 3);
+    }
+
+    #[test]
+    fn a_hit_on_cached_free_blocks_counts_them_as_taken() {
+        let mut m = manager(3);
+        let prompt: Vec<u32> = (0..9).collect();
+        admit(&mut m, 1, &prompt).unwrap();
+        m.free(1);
+        // 3 free blocks, 2 of them hold the hit; the request needs 1 more block: fits exactly.
+        assert_eq!(admit(&mut m, 2, &prompt), Some(8));
+        assert_eq!(m.pool().num_free_blocks(), 0);
+        m.pool().check_invariants();
+    }
+}
