@@ -38,6 +38,8 @@ pub enum EngineError {
     },
     #[error("invalid sampling parameters: {0}")]
     InvalidSampling(String),
+    #[error("the engine has stopped")]
+    EngineStopped,
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
 }

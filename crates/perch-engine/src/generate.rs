@@ -36,13 +36,13 @@ pub struct GenerateRequest {
     pub prompt: Vec<u32>,
     pub sampling: SamplingParams,
     pub max_tokens: usize,
-    /// Token ids that end generation; empty means the tokenizer's EOS ids.
+    /// Token ids that end generation, besides the tokenizer's EOS ids.
     pub stop_token_ids: Vec<u32>,
     /// Strings that end generation; the text is cut where the first one begins.
     pub stop_strings: Vec<String>,
     /// Prompt tokens per forward pass during prefill (bounds prefill memory).
     pub prefill_step_size: usize,
-    /// Keep generating through EOS (benchmarks).
+    /// Keep generating through EOS (benchmarks); `stop_token_ids` still apply.
     pub ignore_eos: bool,
 }
 
@@ -115,13 +115,10 @@ pub fn generate(
     }
     request.sampling.validate(info.vocab_size)?;
     let max_tokens = request.max_tokens.min(info.context_length - prompt.len());
-    let stop_ids: Vec<u32> = if request.ignore_eos {
-        request.stop_token_ids.clone()
-    } else if request.stop_token_ids.is_empty() {
-        tokenizer.eos_token_ids().to_vec()
-    } else {
-        request.stop_token_ids.clone()
-    };
+    let mut stop_ids = request.stop_token_ids.clone();
+    if !request.ignore_eos {
+        stop_ids.extend_from_slice(tokenizer.eos_token_ids());
+    }
 
     reset_peak_memory();
     let start = Instant::now();

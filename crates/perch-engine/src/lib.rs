@@ -4,12 +4,14 @@
 //! Layout: [`models`] (architectures and their registry) built from [`layers`] and [`weights`];
 //! [`cache`] (KV cache of one sequence), [`block_pool`] and [`kv_cache_manager`] (paged KV blocks
 //! with prefix caching, for the batch engine); [`tokenizer`] and [`chat_template`] (text); [`sampler`] and [`stop`]
-//! (choosing tokens, ending); [`generate`] (the loop); [`device`] (backend, dtype, memory).
+//! (choosing tokens, ending); [`generate`] (the loop); [`engine`] (the engine thread and
+//! [`EngineHandle`]); [`device`] (backend, dtype, memory).
 
 pub mod block_pool;
 pub mod cache;
 pub mod chat_template;
 pub mod device;
+pub mod engine;
 pub mod error;
 pub mod generate;
 pub mod kv_cache_manager;
@@ -22,6 +24,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use chat_template::ChatMessage;
+pub use engine::{EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream};
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent};
 pub use tokenizer::Tokenizer;

@@ -23,22 +23,33 @@ impl Weights {
     ///
     /// Errors: [`EngineError::Io`] when a file cannot be read, [`EngineError::CorruptWeights`]
     /// when a header is malformed or the file is shorter than its header says (truncated download).
+    ///
+    /// Tensors are read, cast to the backend's compute dtype and evaluated here, one at a time
+    /// (bounding the peak to one tensor in two dtypes): afterwards they are plain data that any
+    /// thread may use, and a damaged file has failed here rather than mid-generation.
     pub fn load(model_dir: &Path, backend: Backend) -> Result<Self> {
-        let mut tensors = HashMap::new();
+        let mut weights = Self { tensors: HashMap::new(), backend };
         for file in shard_files(model_dir)? {
             validate_safetensors(&file)?;
-            let loaded = Array::load_safetensors(&file).map_err(|e| EngineError::CorruptWeights {
-                path: file.clone(),
-                message: e.to_string(),
-            })?;
-            tensors.extend(loaded);
+            let corrupt = |e: &dyn std::fmt::Display| EngineError::CorruptWeights { path: file.clone(), message: e.to_string() };
+            let loaded = Array::load_safetensors(&file).map_err(|e| corrupt(&e))?;
+            for (name, tensor) in loaded {
+                let tensor = weights.cast(tensor)?;
+                tensor.eval().map_err(|e| corrupt(&e))?;
+                weights.tensors.insert(name, tensor);
+            }
         }
-        Ok(Self { tensors, backend })
+        Ok(weights)
     }
 
-    /// Wraps tensors already in memory (tests, conversions).
-    pub fn from_map(tensors: HashMap<String, Array>, backend: Backend) -> Self {
-        Self { tensors, backend }
+    /// Wraps tensors already in memory (tests, conversions), cast for `backend`.
+    pub fn from_map(tensors: HashMap<String, Array>, backend: Backend) -> Result<Self> {
+        let mut weights = Self { tensors: HashMap::new(), backend };
+        for (name, tensor) in tensors {
+            let tensor = weights.cast(tensor)?;
+            weights.tensors.insert(name, tensor);
+        }
+        Ok(weights)
     }
 
     /// Whether a tensor of that name exists.
@@ -46,13 +57,9 @@ impl Weights {
         self.tensors.contains_key(name)
     }
 
-    /// Removes and returns a tensor, cast to the compute dtype when it is floating point.
+    /// Removes and returns a tensor (already in the compute dtype when it is floating point).
     pub fn take(&mut self, name: &str) -> Result<Array> {
-        let tensor = self
-            .tensors
-            .remove(name)
-            .ok_or_else(|| EngineError::MissingWeight { name: name.to_string() })?;
-        self.cast(tensor)
+        self.tensors.remove(name).ok_or_else(|| EngineError::MissingWeight { name: name.to_string() })
     }
 
     /// Like [`Weights::take`], checking the shape.
@@ -63,11 +70,8 @@ impl Weights {
     }
 
     /// Removes a tensor if present.
-    pub fn take_optional(&mut self, name: &str) -> Result<Option<Array>> {
-        match self.tensors.remove(name) {
-            Some(tensor) => self.cast(tensor).map(Some),
-            None => Ok(None),
-        }
+    pub fn take_optional(&mut self, name: &str) -> Option<Array> {
+        self.tensors.remove(name)
     }
 
     /// Drops tensors a model does not use (e.g. precomputed rotary frequencies).

@@ -1,0 +1,294 @@
+//! The engine thread and its handle. The thread owns the model, the tokenizer and every MLX
+//! array; the rest of Perch (CLI, app, HTTP API) talks to it through [`EngineHandle`], which is
+//! `Clone + Send`: `submit` returns a stream of [`EngineEvent`]s, `cancel` stops a request at the
+//! next token, `stats` reports the queue and memory.
+//!
+//! Scheduling today: requests run one at a time in arrival order through [`crate::generate`].
+//! The batch scheduler (continuous batching over the block pool) replaces the loop in
+//! [`EngineThread::run`] without changing this API.
+
+use std::collections::{HashSet, VecDeque};
+use std::ops::ControlFlow;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::path::Path;
+use std::thread::JoinHandle;
+
+use serde::Serialize;
+
+use crate::chat_template::ChatMessage;
+use crate::device::{memory_stats, MemoryStats};
+use crate::error::{EngineError, Result};
+use crate::generate::{generate, FinishReason, GenerateRequest, GenerationStats};
+use crate::kv_cache_manager::RequestId;
+use crate::models::{self, Model};
+use crate::tokenizer::Tokenizer;
+
+/// What to generate from: token ids, or a conversation rendered with the chat template.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    Tokens(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+/// A request as submitted: the prompt plus every per-request setting of [`GenerateRequest`]
+/// (whose own `prompt` field is filled in by the engine).
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    pub prompt: Prompt,
+    pub params: GenerateRequest,
+}
+
+/// What a request's stream carries, in order: tokens, then exactly one `Finished`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// A generated token and the text it completes (may be empty); `id` is `None` for text held
+    /// back until the end (see [`crate::TokenEvent`]).
+    Token { id: Option<u32>, text: String },
+    /// The request ended. `error` is set when `finish_reason` is `Error`.
+    Finished { finish_reason: EngineFinishReason, stats: GenerationStats, error: Option<String> },
+}
+
+/// Why a request ended, as the engine reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineFinishReason {
+    Stop,
+    Length,
+    Cancelled,
+    Error,
+}
+
+impl From<FinishReason> for EngineFinishReason {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => Self::Stop,
+            FinishReason::Length => Self::Length,
+            FinishReason::Cancelled => Self::Cancelled,
+        }
+    }
+}
+
+/// The engine's state on demand.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub finished_requests: u64,
+    pub memory: MemoryStats,
+}
+
+enum Command {
+    Submit { id: RequestId, request: Box<EngineRequest>, events: Sender<EngineEvent> },
+    Cancel(RequestId),
+    Stats(Sender<EngineStats>),
+    Shutdown,
+}
+
+/// A cloneable, thread-safe handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    commands: Sender<Command>,
+    next_id: Arc<AtomicU64>,
+    /// Cancels are also recorded here so the running request sees them between tokens, while
+    /// the engine thread is busy generating and not reading commands.
+    cancelled: Arc<Mutex<HashSet<RequestId>>>,
+    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+}
+
+/// A submitted request: its id (for `cancel`) and its event stream.
+pub struct RequestStream {
+    pub id: RequestId,
+    pub events: Receiver<EngineEvent>,
+}
+
+impl EngineHandle {
+    /// Starts the engine thread and loads the model in `model_dir` there (MLX arrays belong to
+    /// the thread that creates them). Returns once the model is loaded, or the load's error.
+    pub fn load(model_dir: &Path) -> Result<Self> {
+        let dir = model_dir.to_path_buf();
+        Self::spawn_with(move || Ok((models::load(&dir)?, Tokenizer::load(&dir)?)))
+    }
+
+    /// Starts the engine thread with whatever `load` returns, called on that thread.
+    pub fn spawn_with(load: impl FnOnce() -> Result<(Box<dyn Model>, Tokenizer)> + Send + 'static) -> Result<Self> {
+        let (commands, inbox) = mpsc::channel();
+        let cancelled = Arc::new(Mutex::new(HashSet::new()));
+        let queue = Queue {
+            inbox,
+            waiting: VecDeque::new(),
+            cancelled: Arc::clone(&cancelled),
+            finished_requests: 0,
+            shutting_down: false,
+        };
+        let (loaded_tx, loaded_rx) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("perch-engine".into())
+            .spawn(move || match load() {
+                Ok((model, tokenizer)) => {
+                    let _ = loaded_tx.send(Ok(()));
+                    EngineThread { model, tokenizer, queue }.run();
+                }
+                Err(err) => {
+                    let _ = loaded_tx.send(Err(err));
+                }
+            })
+            .map_err(|e| EngineError::Io { path: "engine thread".into(), source: e })?;
+        loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
+        Ok(Self { commands, next_id: Arc::new(AtomicU64::new(1)), cancelled, thread: Arc::new(Mutex::new(Some(thread))) })
+    }
+
+    /// Queues a request. Errors in the request itself (empty prompt, too long, bad sampling
+    /// parameters) arrive as a `Finished` event with reason `Error`.
+    pub fn submit(&self, request: EngineRequest) -> Result<RequestStream, EngineError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (events, receiver) = mpsc::channel();
+        self.commands.send(Command::Submit { id, request: Box::new(request), events }).map_err(|_| EngineError::EngineStopped)?;
+        Ok(RequestStream { id, events: receiver })
+    }
+
+    /// Stops a request: a waiting one never starts, a running one ends before its next token.
+    /// Either way its stream ends with `Finished { finish_reason: Cancelled }`.
+    pub fn cancel(&self, id: RequestId) {
+        if let Ok(mut set) = self.cancelled.lock() {
+            set.insert(id);
+        }
+        let _ = self.commands.send(Command::Cancel(id));
+    }
+
+    /// Queue lengths and MLX memory, answered between tokens.
+    pub fn stats(&self) -> Result<EngineStats, EngineError> {
+        let (tx, rx) = mpsc::channel();
+        self.commands.send(Command::Stats(tx)).map_err(|_| EngineError::EngineStopped)?;
+        rx.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Stops the thread after the running request's current token and waits for it; waiting
+    /// requests finish as cancelled.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+        if let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = thread.join();
+        }
+    }
+}
+
+struct Job {
+    id: RequestId,
+    request: EngineRequest,
+    events: Sender<EngineEvent>,
+}
+
+/// Everything the engine thread keeps besides the model, so it can be borrowed while the model
+/// generates (commands are handled between tokens).
+struct Queue {
+    inbox: Receiver<Command>,
+    waiting: VecDeque<Job>,
+    cancelled: Arc<Mutex<HashSet<RequestId>>>,
+    finished_requests: u64,
+    shutting_down: bool,
+}
+
+impl Queue {
+    /// Applies one command; `running` is the number of requests generating right now.
+    fn handle(&mut self, command: Command, running: usize) {
+        match command {
+            Command::Submit { id, request, events } => self.waiting.push_back(Job { id, request: *request, events }),
+            Command::Cancel(id) => {
+                if let Some(pos) = self.waiting.iter().position(|j| j.id == id) {
+                    let job = self.waiting.remove(pos).expect("position is valid");
+                    self.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+                }
+            }
+            Command::Stats(reply) => {
+                let _ = reply.send(EngineStats {
+                    running,
+                    waiting: self.waiting.len(),
+                    finished_requests: self.finished_requests,
+                    memory: memory_stats(),
+                });
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// Handles every command already sent, without waiting.
+    fn drain(&mut self, running: usize) {
+        while let Ok(command) = self.inbox.try_recv() {
+            self.handle(command, running);
+        }
+    }
+
+    fn is_cancelled(&self, id: RequestId) -> bool {
+        self.cancelled.lock().map(|set| set.contains(&id)).unwrap_or(false)
+    }
+
+    fn finish(&mut self, job: &Job, finish_reason: EngineFinishReason, stats: GenerationStats, error: Option<String>) {
+        let _ = job.events.send(EngineEvent::Finished { finish_reason, stats, error });
+        if let Ok(mut set) = self.cancelled.lock() {
+            set.remove(&job.id);
+        }
+        self.finished_requests += 1;
+    }
+}
+
+struct EngineThread {
+    model: Box<dyn Model>,
+    tokenizer: Tokenizer,
+    queue: Queue,
+}
+
+impl EngineThread {
+    fn run(mut self) {
+        loop {
+            if self.queue.waiting.is_empty() && !self.queue.shutting_down {
+                // Idle: sleep until a command arrives; a dropped last handle ends the thread.
+                match self.queue.inbox.recv() {
+                    Ok(command) => self.queue.handle(command, 0),
+                    Err(_) => return,
+                }
+            }
+            self.queue.drain(0);
+            if self.queue.shutting_down {
+                while let Some(job) = self.queue.waiting.pop_front() {
+                    self.queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+                }
+                return;
+            }
+            if let Some(job) = self.queue.waiting.pop_front() {
+                self.run_job(job);
+            }
+        }
+    }
+
+    fn run_job(&mut self, job: Job) {
+        if self.queue.is_cancelled(job.id) {
+            self.queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+            return;
+        }
+        let prompt = match &job.request.prompt {
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+            Prompt::Chat(messages) => self.tokenizer.encode_chat(messages),
+        };
+        let queue = &mut self.queue;
+        let result = prompt.and_then(|prompt| {
+            let mut request = job.request.params.clone();
+            request.prompt = prompt;
+            generate(self.model.as_ref(), &self.tokenizer, &request, |event| {
+                queue.drain(1);
+                let delivered = job.events.send(EngineEvent::Token { id: event.id, text: event.text.clone() }).is_ok();
+                // A dropped receiver means nobody listens any more: stop as if cancelled.
+                if queue.is_cancelled(job.id) || !delivered || queue.shutting_down {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+        });
+        match result {
+            Ok(out) => self.queue.finish(&job, out.finish_reason.into(), out.stats, None),
+            Err(err) => self.queue.finish(&job, EngineFinishReason::Error, GenerationStats::default(), Some(err.to_string())),
+        }
+    }
+}

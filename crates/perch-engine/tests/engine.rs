@@ -1,0 +1,106 @@
+//! The engine thread through its handle: concurrent submissions produce the same tokens as
+//! direct generation, cancel works for running and waiting requests, bad requests end with an
+//! `Error` event, and stats report the queue.
+
+mod common;
+
+use std::time::Duration;
+
+use perch_engine::{EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, RequestStream};
+
+fn engine() -> EngineHandle {
+    EngineHandle::load(&common::smollm_dir()).unwrap()
+}
+
+fn request(prompt: Prompt, max_tokens: usize) -> EngineRequest {
+    let mut params = GenerateRequest::new(Vec::new());
+    params.max_tokens = max_tokens;
+    EngineRequest { prompt, params }
+}
+
+/// Collects a stream: token ids and the final event.
+fn collect(stream: RequestStream) -> (Vec<u32>, EngineFinishReason, Option<String>) {
+    let mut ids = Vec::new();
+    loop {
+        match stream.events.recv_timeout(Duration::from_secs(300)).expect("engine answered") {
+            EngineEvent::Token { id, .. } => ids.extend(id),
+            EngineEvent::Finished { finish_reason, error, .. } => return (ids, finish_reason, error),
+        }
+    }
+}
+
+#[test]
+fn concurrent_submissions_match_the_reference() {
+    let engine = engine();
+    let cases: Vec<_> = common::reference_cases().into_iter().filter(|c| ["multi-turn", "raw-text", "haiku"].contains(&c.id.as_str())).collect();
+    // Submit from several threads at once: the handle is Clone + Send.
+    let streams: Vec<_> = cases
+        .iter()
+        .map(|case| {
+            let (engine, case) = (engine.clone(), case.clone());
+            std::thread::spawn(move || {
+                let prompt = match case.messages {
+                    Some(messages) => Prompt::Chat(messages),
+                    None => Prompt::Tokens(case.prompt_ids.clone()),
+                };
+                engine.submit(request(prompt, 32)).unwrap()
+            })
+        })
+        .map(|t| t.join().unwrap())
+        .collect();
+    for (case, stream) in cases.iter().zip(streams) {
+        let (ids, reason, error) = collect(stream);
+        assert_eq!(error, None);
+        let expected = if reason == EngineFinishReason::Stop { &case.greedy_ids[..case.greedy_ids.len() - 1] } else { &case.greedy_ids[..] };
+        assert_eq!(ids, expected, "case {}", case.id);
+    }
+    let stats = engine.stats().unwrap();
+    assert_eq!((stats.running, stats.waiting, stats.finished_requests), (0, 0, 3));
+    engine.shutdown();
+}
+
+#[test]
+fn cancel_running_and_waiting_requests() {
+    let engine = engine();
+    let long = |n| request(Prompt::Tokens(vec![1, 504, 2988, 288]), n);
+    let running = engine.submit(long(500)).unwrap();
+    let waiting = engine.submit(long(500)).unwrap();
+    // Wait for the first request to produce two tokens, then look at the queue.
+    for _ in 0..2 {
+        assert!(matches!(running.events.recv_timeout(Duration::from_secs(120)).unwrap(), EngineEvent::Token { .. }));
+    }
+    let stats = engine.stats().unwrap();
+    assert_eq!((stats.running, stats.waiting), (1, 1));
+    assert!(stats.memory.active_bytes > 0);
+
+    engine.cancel(waiting.id);
+    engine.cancel(running.id);
+    let (rest, reason, _) = collect(running);
+    assert_eq!(reason, EngineFinishReason::Cancelled);
+    assert!(rest.len() <= 2, "stopped within a token or two, got {} more", rest.len());
+    let (ids, reason, _) = collect(waiting);
+    assert_eq!((ids.len(), reason), (0, EngineFinishReason::Cancelled));
+    engine.shutdown();
+}
+
+#[test]
+fn bad_requests_end_with_an_error_event() {
+    let engine = engine();
+    let (ids, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![]), 8)).unwrap());
+    assert_eq!((ids.len(), reason), (0, EngineFinishReason::Error));
+    assert_eq!(error.as_deref(), Some("the prompt is empty"));
+    let (_, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![1; 9000]), 8)).unwrap());
+    assert_eq!(reason, EngineFinishReason::Error);
+    assert!(error.unwrap().contains("9000 tokens"));
+    // The engine keeps serving after errors.
+    let (ids, reason, _) = collect(engine.submit(request(Prompt::Tokens(vec![1, 504]), 3)).unwrap());
+    assert_eq!((ids.len(), reason), (3, EngineFinishReason::Length));
+    engine.shutdown();
+    assert!(engine.submit(request(Prompt::Tokens(vec![1]), 1)).is_err(), "a stopped engine refuses work");
+}
+
+#[test]
+fn a_model_that_fails_to_load_is_an_error_not_a_thread() {
+    let err = EngineHandle::load(std::path::Path::new("/nonexistent")).err().expect("load fails");
+    assert!(err.to_string().contains("/nonexistent/config.json"), "{err}");
+}
