@@ -3,12 +3,11 @@
 //! `Clone + Send`: `submit` returns a stream of [`EngineEvent`]s, `cancel` stops a request at the
 //! next token, `stats` reports the queue and memory.
 //!
-//! Scheduling today: requests run one at a time in arrival order through [`crate::generate`].
-//! The batch scheduler (continuous batching over the block pool) replaces the loop in
-//! [`EngineThread::run`] without changing this API.
+//! Scheduling: continuous batching through [`BatchGenerator`]. Between steps the thread reads
+//! commands, drops cancelled requests, and admits waiting ones while fewer than
+//! [`EngineConfig::max_running`] run; each step is one prefill chunk plus one batched decode step.
 
-use std::collections::{HashSet, VecDeque};
-use std::ops::ControlFlow;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
@@ -20,10 +19,24 @@ use serde::Serialize;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, MemoryStats};
 use crate::error::{EngineError, Result};
-use crate::generate::{generate, FinishReason, GenerateRequest, GenerationStats};
+use crate::batch::{BatchEvent, BatchGenerator};
+use crate::generate::{FinishReason, GenerateRequest, GenerationStats};
 use crate::kv_cache_manager::RequestId;
 use crate::models::{self, Model};
 use crate::tokenizer::Tokenizer;
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Most requests generating at once (the completion batch size); more wait in line.
+    pub max_running: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { max_running: 32 }
+    }
+}
 
 /// What to generate from: token ids, or a conversation rendered with the chat template.
 #[derive(Clone, Debug)]
@@ -106,13 +119,16 @@ pub struct RequestStream {
 impl EngineHandle {
     /// Starts the engine thread and loads the model in `model_dir` there (MLX arrays belong to
     /// the thread that creates them). Returns once the model is loaded, or the load's error.
-    pub fn load(model_dir: &Path) -> Result<Self> {
+    pub fn load(model_dir: &Path, config: EngineConfig) -> Result<Self> {
         let dir = model_dir.to_path_buf();
-        Self::spawn_with(move || Ok((models::load(&dir)?, Tokenizer::load(&dir)?)))
+        Self::spawn_with(config, move || Ok((models::load(&dir)?, Tokenizer::load(&dir)?)))
     }
 
     /// Starts the engine thread with whatever `load` returns, called on that thread.
-    pub fn spawn_with(load: impl FnOnce() -> Result<(Box<dyn Model>, Tokenizer)> + Send + 'static) -> Result<Self> {
+    pub fn spawn_with(
+        config: EngineConfig,
+        load: impl FnOnce() -> Result<(Box<dyn Model>, Tokenizer)> + Send + 'static,
+    ) -> Result<Self> {
         let (commands, inbox) = mpsc::channel();
         let cancelled = Arc::new(Mutex::new(HashSet::new()));
         let queue = Queue {
@@ -128,7 +144,7 @@ impl EngineHandle {
             .spawn(move || match load() {
                 Ok((model, tokenizer)) => {
                     let _ = loaded_tx.send(Ok(()));
-                    EngineThread { model, tokenizer, queue }.run();
+                    EngineThread { model, tokenizer, queue, config }.run();
                 }
                 Err(err) => {
                     let _ = loaded_tx.send(Err(err));
@@ -220,6 +236,12 @@ impl Queue {
         }
     }
 
+    fn mark_cancelled(&self, id: RequestId) {
+        if let Ok(mut set) = self.cancelled.lock() {
+            set.insert(id);
+        }
+    }
+
     fn is_cancelled(&self, id: RequestId) -> bool {
         self.cancelled.lock().map(|set| set.contains(&id)).unwrap_or(false)
     }
@@ -237,58 +259,96 @@ struct EngineThread {
     model: Box<dyn Model>,
     tokenizer: Tokenizer,
     queue: Queue,
+    config: EngineConfig,
 }
 
 impl EngineThread {
-    fn run(mut self) {
+    fn run(self) {
+        let EngineThread { model, tokenizer, mut queue, config } = self;
+        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer);
+        batch.max_running = config.max_running.max(1);
+        // Batch request id -> the submitted job it serves.
+        let mut running: HashMap<RequestId, Job> = HashMap::new();
         loop {
-            if self.queue.waiting.is_empty() && !self.queue.shutting_down {
+            if batch.is_empty() && queue.waiting.is_empty() && !queue.shutting_down {
                 // Idle: sleep until a command arrives; a dropped last handle ends the thread.
-                match self.queue.inbox.recv() {
-                    Ok(command) => self.queue.handle(command, 0),
+                match queue.inbox.recv() {
+                    Ok(command) => queue.handle(command, 0),
                     Err(_) => return,
                 }
             }
-            self.queue.drain(0);
-            if self.queue.shutting_down {
-                while let Some(job) = self.queue.waiting.pop_front() {
-                    self.queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+            queue.drain(batch.len());
+
+            // Cancelled (or no longer listened to) requests leave the batch before the next step.
+            let leaving: Vec<RequestId> = running
+                .iter()
+                .filter(|(_, job)| queue.shutting_down || queue.is_cancelled(job.id))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in leaving {
+                let job = running.remove(&id).expect("listed above");
+                let stats = batch.remove(id).map(|out| out.stats).unwrap_or_default();
+                queue.finish(&job, EngineFinishReason::Cancelled, stats, None);
+            }
+            if queue.shutting_down {
+                while let Some(job) = queue.waiting.pop_front() {
+                    queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
                 }
                 return;
             }
-            if let Some(job) = self.queue.waiting.pop_front() {
-                self.run_job(job);
-            }
-        }
-    }
 
-    fn run_job(&mut self, job: Job) {
-        if self.queue.is_cancelled(job.id) {
-            self.queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
-            return;
-        }
-        let prompt = match &job.request.prompt {
-            Prompt::Tokens(ids) => Ok(ids.clone()),
-            Prompt::Chat(messages) => self.tokenizer.encode_chat(messages),
-        };
-        let queue = &mut self.queue;
-        let result = prompt.and_then(|prompt| {
-            let mut request = job.request.params.clone();
-            request.prompt = prompt;
-            generate(self.model.as_ref(), &self.tokenizer, &request, |event| {
-                queue.drain(1);
-                let delivered = job.events.send(EngineEvent::Token { id: event.id, text: event.text.clone() }).is_ok();
-                // A dropped receiver means nobody listens any more: stop as if cancelled.
-                if queue.is_cancelled(job.id) || !delivered || queue.shutting_down {
-                    ControlFlow::Break(())
-                } else {
-                    ControlFlow::Continue(())
+            // Admit waiting requests while there is room.
+            while batch.len() < batch.max_running {
+                let Some(job) = queue.waiting.pop_front() else { break };
+                if queue.is_cancelled(job.id) {
+                    queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+                    continue;
                 }
-            })
-        });
-        match result {
-            Ok(out) => self.queue.finish(&job, out.finish_reason.into(), out.stats, None),
-            Err(err) => self.queue.finish(&job, EngineFinishReason::Error, GenerationStats::default(), Some(err.to_string())),
+                let prompt = match &job.request.prompt {
+                    Prompt::Tokens(ids) => Ok(ids.clone()),
+                    Prompt::Chat(messages) => tokenizer.encode_chat(messages),
+                };
+                let inserted = prompt.and_then(|prompt| {
+                    let mut request = job.request.params.clone();
+                    request.prompt = prompt;
+                    batch.insert(request)
+                });
+                match inserted {
+                    Ok(id) => {
+                        running.insert(id, job);
+                    }
+                    Err(err) => queue.finish(&job, EngineFinishReason::Error, GenerationStats::default(), Some(err.to_string())),
+                }
+            }
+
+            match batch.step() {
+                Ok(events) => {
+                    for event in events {
+                        match event {
+                            BatchEvent::Token { request, event } => {
+                                let job = running.get(&request).expect("event of a running request");
+                                let message = EngineEvent::Token { id: event.id, text: event.text };
+                                // Nobody listens any more: treat as cancelled at the next step.
+                                if job.events.send(message).is_err() {
+                                    queue.mark_cancelled(job.id);
+                                }
+                            }
+                            BatchEvent::Finished { request, output } => {
+                                let job = running.remove(&request).expect("finished request was running");
+                                queue.finish(&job, output.finish_reason.into(), output.stats, None);
+                            }
+                        }
+                    }
+                }
+                Err(err) => {
+                    // An MLX failure mid-step leaves the batch's caches unusable: fail its requests.
+                    let message = err.to_string();
+                    for (id, job) in running.drain() {
+                        batch.remove(id);
+                        queue.finish(&job, EngineFinishReason::Error, GenerationStats::default(), Some(message.clone()));
+                    }
+                }
+            }
         }
     }
 }

@@ -105,20 +105,8 @@ pub fn generate(
     request: &GenerateRequest,
     mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
 ) -> Result<GenerateOutput> {
-    let info = model.info();
     let prompt = &request.prompt;
-    if prompt.is_empty() {
-        return Err(EngineError::EmptyPrompt);
-    }
-    if prompt.len() >= info.context_length {
-        return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), context_length: info.context_length });
-    }
-    request.sampling.validate(info.vocab_size)?;
-    let max_tokens = request.max_tokens.min(info.context_length - prompt.len());
-    let mut stop_ids = request.stop_token_ids.clone();
-    if !request.ignore_eos {
-        stop_ids.extend_from_slice(tokenizer.eos_token_ids());
-    }
+    let (max_tokens, stop_ids) = check_request(model, tokenizer, request)?;
 
     reset_peak_memory();
     let start = Instant::now();
@@ -133,24 +121,15 @@ pub fn generate(
         eval(cache.iter().flat_map(KvCache::state))?;
     }
 
-    let mut output = GenerateOutput {
-        token_ids: Vec::new(),
-        text: String::new(),
-        finish_reason: FinishReason::Length,
-        stats: GenerationStats { prompt_tokens: prompt.len(), ..Default::default() },
-    };
-    let mut detokenizer = StreamingDetokenizer::new();
-    let mut stops = StopMatcher::new(request.stop_strings.iter().cloned());
+    let mut sink = TokenSink::new(request, stop_ids, max_tokens);
 
     let last = Array::from_slice(&prompt[prompt.len() - 1..], &[1]);
     let mut pending = decode_step(model, &mut cache, &mut sampler, &last, &mut history)?;
     async_eval(std::iter::once(&pending).chain(history.state()))?;
     let mut first_token_at = None;
-    let mut stopped_by_string = false;
-    let mut n = 0;
-    while n < max_tokens {
+    loop {
         // Queue step n+1 before waiting on step n, so MLX computes while we detokenize.
-        let next = if n + 1 < max_tokens {
+        let next = if sink.generated + 1 < max_tokens {
             let next = decode_step(model, &mut cache, &mut sampler, &pending, &mut history)?;
             async_eval(std::iter::once(&next).chain(history.state()))?;
             Some(next)
@@ -158,50 +137,31 @@ pub fn generate(
             None
         };
         let id = pending.as_slice::<u32>()[0];
-        if first_token_at.is_none() {
-            first_token_at = Some(start.elapsed().as_secs_f64());
-        }
-        n += 1;
-        if stop_ids.contains(&id) {
-            output.finish_reason = FinishReason::Stop;
-            break;
-        }
-        output.token_ids.push(id);
-        let delta = detokenizer.push(tokenizer, id)?;
-        let (text, stopped) = match stops.push(&delta) {
-            StopOutcome::Continue(text) => (text, false),
-            StopOutcome::Stopped(text) => (text, true),
-        };
-        output.text.push_str(&text);
-        if on_token(&TokenEvent { id: Some(id), text }).is_break() {
-            output.finish_reason = FinishReason::Cancelled;
-            break;
-        }
-        if stopped {
-            output.finish_reason = FinishReason::Stop;
-            stopped_by_string = true;
-            break;
+        first_token_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
+        match sink.push(tokenizer, id)? {
+            Pushed::Token(event) => {
+                if on_token(&event).is_break() {
+                    sink.output.finish_reason = FinishReason::Cancelled;
+                    break;
+                }
+            }
+            Pushed::Last(event) => {
+                if let Some(event) = event {
+                    let _ = on_token(&event);
+                }
+                break;
+            }
         }
         match next {
             Some(next) => pending = next,
             None => break,
         }
     }
-    if !stopped_by_string {
-        // Release text held back mid-character or as a possible stop string.
-        let tail = detokenizer.finish(tokenizer)?;
-        let rest = match stops.push(&tail) {
-            StopOutcome::Continue(text) => text + &stops.finish(),
-            StopOutcome::Stopped(text) => {
-                output.finish_reason = FinishReason::Stop;
-                text
-            }
-        };
-        if !rest.is_empty() {
-            output.text.push_str(&rest);
-            let _ = on_token(&TokenEvent { id: None, text: rest });
-        }
+    if let Some(tail) = sink.finish(tokenizer)? {
+        let _ = on_token(&tail);
     }
+    let n = sink.generated;
+    let mut output = sink.output;
 
     let total = start.elapsed().as_secs_f64();
     let ttft = first_token_at.unwrap_or(total);
@@ -215,14 +175,125 @@ pub fn generate(
     Ok(output)
 }
 
+/// Validates a request against the model; returns the effective `max_tokens` (bounded by the
+/// context) and the stop token ids (the request's plus EOS unless `ignore_eos`).
+pub(crate) fn check_request(model: &dyn Model, tokenizer: &Tokenizer, request: &GenerateRequest) -> Result<(usize, Vec<u32>)> {
+    let info = model.info();
+    let prompt = &request.prompt;
+    if prompt.is_empty() {
+        return Err(EngineError::EmptyPrompt);
+    }
+    if prompt.len() >= info.context_length {
+        return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), context_length: info.context_length });
+    }
+    request.sampling.validate(info.vocab_size)?;
+    let max_tokens = request.max_tokens.min(info.context_length - prompt.len()).max(1);
+    let mut stop_ids = request.stop_token_ids.clone();
+    if !request.ignore_eos {
+        stop_ids.extend_from_slice(tokenizer.eos_token_ids());
+    }
+    Ok((max_tokens, stop_ids))
+}
+
+/// What [`TokenSink::push`] made of a token.
+pub(crate) enum Pushed {
+    /// A token to stream; generation goes on.
+    Token(TokenEvent),
+    /// Generation ends here (stop token, stop string or length), with this token's text if any.
+    Last(Option<TokenEvent>),
+}
+
+/// Turns sampled ids into streamed text and the finish decision: stop tokens, stop strings,
+/// `max_tokens`, detokenization. Shared by [`generate`] and the batch generator.
+pub(crate) struct TokenSink {
+    stop_ids: Vec<u32>,
+    max_tokens: usize,
+    detokenizer: StreamingDetokenizer,
+    stops: StopMatcher,
+    stopped_by_string: bool,
+    /// Tokens sampled so far, a final stop token included.
+    pub generated: usize,
+    pub output: GenerateOutput,
+}
+
+impl TokenSink {
+    pub(crate) fn new(request: &GenerateRequest, stop_ids: Vec<u32>, max_tokens: usize) -> Self {
+        Self {
+            stop_ids,
+            max_tokens,
+            detokenizer: StreamingDetokenizer::new(),
+            stops: StopMatcher::new(request.stop_strings.iter().cloned()),
+            stopped_by_string: false,
+            generated: 0,
+            output: GenerateOutput {
+                token_ids: Vec::new(),
+                text: String::new(),
+                finish_reason: FinishReason::Length,
+                stats: GenerationStats { prompt_tokens: request.prompt.len(), ..Default::default() },
+            },
+        }
+    }
+
+    pub(crate) fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Pushed> {
+        self.generated += 1;
+        if self.stop_ids.contains(&id) {
+            self.output.finish_reason = FinishReason::Stop;
+            return Ok(Pushed::Last(None));
+        }
+        self.output.token_ids.push(id);
+        let delta = self.detokenizer.push(tokenizer, id)?;
+        let (text, stopped) = match self.stops.push(&delta) {
+            StopOutcome::Continue(text) => (text, false),
+            StopOutcome::Stopped(text) => (text, true),
+        };
+        self.output.text.push_str(&text);
+        let event = TokenEvent { id: Some(id), text };
+        if stopped {
+            self.output.finish_reason = FinishReason::Stop;
+            self.stopped_by_string = true;
+            return Ok(Pushed::Last(Some(event)));
+        }
+        if self.generated >= self.max_tokens {
+            return Ok(Pushed::Last(Some(event)));
+        }
+        Ok(Pushed::Token(event))
+    }
+
+    /// Releases text held back mid-character or as a possible stop string (which may still turn
+    /// out to contain a stop string).
+    pub(crate) fn finish(&mut self, tokenizer: &Tokenizer) -> Result<Option<TokenEvent>> {
+        if self.stopped_by_string {
+            return Ok(None);
+        }
+        let tail = self.detokenizer.finish(tokenizer)?;
+        let rest = match self.stops.push(&tail) {
+            StopOutcome::Continue(text) => text + &self.stops.finish(),
+            StopOutcome::Stopped(text) => {
+                self.output.finish_reason = FinishReason::Stop;
+                text
+            }
+        };
+        if rest.is_empty() {
+            return Ok(None);
+        }
+        self.output.text.push_str(&rest);
+        Ok(Some(TokenEvent { id: None, text: rest }))
+    }
+}
+
 /// One decode step: `token` `[1]` → the sampled next token `[1]` (lazy).
 fn decode_step(model: &dyn Model, cache: &mut [KvCache], sampler: &mut Sampler, token: &Array, history: &mut RecentTokens) -> Result<Array> {
     let logits = model.forward(&token.reshape(&[1, 1])?, cache)?;
     let vocab = logits.shape()[2];
-    let logits = logits.reshape(&[1, vocab])?;
+    sample_next(&logits.reshape(&[1, vocab])?, sampler, history)
+}
+
+/// Logits processors, log-softmax and the sampler for one sequence: `logits` `[1, vocab]` → the
+/// next token `[1]` (uint32, lazy), also appended to `history`.
+pub(crate) fn sample_next(logits: &Array, sampler: &mut Sampler, history: &mut RecentTokens) -> Result<Array> {
     let logits = match &history.tokens {
-        Some(recent) => sampler.process_logits(&logits, recent)?,
-        None => sampler.process_logits(&logits, &Array::from_slice::<u32>(&[], &[0]))?,
+        Some(recent) => sampler.process_logits(logits, recent)?,
+        None => sampler.process_logits(logits, &Array::from_slice::<u32>(&[], &[0]))?,
     };
     let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
     let next = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
@@ -232,13 +303,13 @@ fn decode_step(model: &dyn Model, cache: &mut [KvCache], sampler: &mut Sampler, 
 
 /// The last `repetition_context_size` token ids, kept on the device only when a repetition
 /// penalty needs them, and bounded so the graph does not grow with the sequence.
-struct RecentTokens {
+pub(crate) struct RecentTokens {
     tokens: Option<Array>,
     keep: i32,
 }
 
 impl RecentTokens {
-    fn new(sampling: &SamplingParams, prompt: &[u32]) -> Self {
+    pub(crate) fn new(sampling: &SamplingParams, prompt: &[u32]) -> Self {
         let active = sampling.repetition_penalty != 0.0 && sampling.repetition_penalty != 1.0;
         let keep = sampling.repetition_context_size.max(1);
         let tail = &prompt[prompt.len().saturating_sub(keep)..];
@@ -248,7 +319,7 @@ impl RecentTokens {
         }
     }
 
-    fn push(&mut self, token: &Array) -> Result<()> {
+    pub(crate) fn push(&mut self, token: &Array) -> Result<()> {
         if let Some(tokens) = &self.tokens {
             let len = tokens.shape()[0];
             let start = (len + 1 - self.keep).max(0);
@@ -258,7 +329,7 @@ impl RecentTokens {
         Ok(())
     }
 
-    fn state(&self) -> impl Iterator<Item = &Array> {
+    pub(crate) fn state(&self) -> impl Iterator<Item = &Array> {
         self.tokens.iter()
     }
 }

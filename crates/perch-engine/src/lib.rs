@@ -7,6 +7,7 @@
 //! (choosing tokens, ending); [`generate`] (the loop); [`engine`] (the engine thread and
 //! [`EngineHandle`]); [`device`] (backend, dtype, memory).
 
+pub mod batch;
 pub mod block_pool;
 pub mod cache;
 pub mod chat_template;
@@ -24,7 +25,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use chat_template::ChatMessage;
-pub use engine::{EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream};
+pub use engine::{EngineConfig, EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream};
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent};
 pub use tokenizer::Tokenizer;

@@ -6,10 +6,14 @@ mod common;
 
 use std::time::Duration;
 
-use perch_engine::{EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, RequestStream};
+use perch_engine::{EngineConfig, EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, RequestStream};
 
 fn engine() -> EngineHandle {
-    EngineHandle::load(&common::smollm_dir()).unwrap()
+    engine_with(EngineConfig::default())
+}
+
+fn engine_with(config: EngineConfig) -> EngineHandle {
+    EngineHandle::load(&common::smollm_dir(), config).unwrap()
 }
 
 fn request(prompt: Prompt, max_tokens: usize) -> EngineRequest {
@@ -61,7 +65,8 @@ fn concurrent_submissions_match_the_reference() {
 
 #[test]
 fn cancel_running_and_waiting_requests() {
-    let engine = engine();
+    // One request at a time, so the second one waits.
+    let engine = engine_with(EngineConfig { max_running: 1 });
     let long = |n| request(Prompt::Tokens(vec![1, 504, 2988, 288]), n);
     let running = engine.submit(long(500)).unwrap();
     let waiting = engine.submit(long(500)).unwrap();
@@ -101,6 +106,22 @@ fn bad_requests_end_with_an_error_event() {
 
 #[test]
 fn a_model_that_fails_to_load_is_an_error_not_a_thread() {
-    let err = EngineHandle::load(std::path::Path::new("/nonexistent")).err().expect("load fails");
+    let err = EngineHandle::load(std::path::Path::new("/nonexistent"), EngineConfig::default()).err().expect("load fails");
     assert!(err.to_string().contains("/nonexistent/config.json"), "{err}");
+}
+
+#[test]
+fn requests_run_together_and_leave_when_done() {
+    let engine = engine();
+    let short = engine.submit(request(Prompt::Tokens(vec![1, 504, 2988]), 3)).unwrap();
+    let long = engine.submit(request(Prompt::Tokens(vec![1, 788, 260]), 40)).unwrap();
+    assert!(matches!(long.events.recv_timeout(Duration::from_secs(120)).unwrap(), EngineEvent::Token { .. }));
+    let (ids, reason, _) = collect(short);
+    assert_eq!((ids.len(), reason), (3, EngineFinishReason::Length));
+    // The short request has left; the long one is still generating, nothing waits.
+    let stats = engine.stats().unwrap();
+    assert_eq!((stats.running, stats.waiting), (1, 0));
+    engine.cancel(long.id);
+    assert_eq!(collect(long).1, EngineFinishReason::Cancelled);
+    engine.shutdown();
 }

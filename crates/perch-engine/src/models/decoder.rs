@@ -8,6 +8,7 @@ use mlx_rs::{ops, Array};
 use crate::cache::KvCache;
 use crate::error::Result;
 use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
+use crate::mlx_ext::slice;
 use crate::models::{Model, ModelInfo};
 use crate::weights::Weights;
 
@@ -66,9 +67,12 @@ impl Attention {
         })
     }
 
-    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`, appending this step's keys/values to `cache`.
-    fn forward(&self, x: &Array, rope: &Rope, cache: &mut KvCache) -> Result<Array> {
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`. Row `b` of the batch is its own
+    /// sequence with its own cache (`caches[b]`, at its own position): projections run batched,
+    /// RoPE and attention per sequence, so each row computes exactly what it would alone.
+    fn forward(&self, x: &Array, rope: &Rope, caches: &mut [&mut KvCache]) -> Result<Array> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
+        debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
         let heads = |proj: &Linear, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
             let h = proj.forward(x)?.reshape(&[batch, seq, n, -1])?;
             let h = match norm {
@@ -81,16 +85,34 @@ impl Attention {
         let keys = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
         let values = heads(&self.v_proj, self.num_kv_heads, &None)?;
 
-        let offset = cache.offset();
-        let queries = rope.forward(&queries, offset)?;
-        let keys = rope.forward(&keys, offset)?;
-        let (keys, values) = cache.update_and_fetch(&keys, &values)?;
-
-        // One new token attends to everything cached: no mask (as mlx-lm passes None).
-        let mask = (seq > 1).then_some(ScaledDotProductAttentionMask::Causal);
-        let out = scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?;
+        let out = if batch == 1 {
+            self.attend(&queries, &keys, &values, rope, caches[0])?
+        } else {
+            let row = |a: &Array, b: i32| {
+                let s = a.shape();
+                slice(a, &[b, 0, 0, 0], &[b + 1, s[1], s[2], s[3]])
+            };
+            let mut outs = Vec::with_capacity(batch as usize);
+            for (b, cache) in caches.iter_mut().enumerate() {
+                let b = b as i32;
+                outs.push(self.attend(&row(&queries, b)?, &row(&keys, b)?, &row(&values, b)?, rope, cache)?);
+            }
+            ops::concatenate(&outs, 0)?
+        };
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[batch, seq, -1])?;
         self.o_proj.forward(&out)
+    }
+
+    /// RoPE at the cache's position, cache update and attention for one sequence:
+    /// `[1, heads, seq, head_dim]` in and out.
+    fn attend(&self, queries: &Array, keys: &Array, values: &Array, rope: &Rope, cache: &mut KvCache) -> Result<Array> {
+        let offset = cache.offset();
+        let queries = rope.forward(queries, offset)?;
+        let keys = rope.forward(keys, offset)?;
+        let (keys, values) = cache.update_and_fetch(&keys, values)?;
+        // One new token attends to everything cached: no mask (as mlx-lm passes None).
+        let mask = (queries.shape()[2] > 1).then_some(ScaledDotProductAttentionMask::Causal);
+        Ok(scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?)
     }
 }
 
@@ -147,9 +169,14 @@ impl Decoder {
 
 impl Model for Decoder {
     fn forward(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array> {
+        self.forward_batch(ids, &mut [cache])
+    }
+
+    fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
-        for (layer, layer_cache) in self.layers.iter().zip(cache.iter_mut()) {
-            let r = layer.self_attn.forward(&layer.input_layernorm.forward(&h)?, &self.rope, layer_cache)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut layer_caches: Vec<&mut KvCache> = caches.iter_mut().map(|c| &mut c[i]).collect();
+            let r = layer.self_attn.forward(&layer.input_layernorm.forward(&h)?, &self.rope, &mut layer_caches)?;
             let h2 = ops::add(&h, &r)?;
             let r = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h2)?)?;
             h = ops::add(&h2, &r)?;

@@ -34,8 +34,13 @@ pub struct ModelInfo {
 
 /// A causal language model.
 pub trait Model: Send {
-    /// Token ids `[batch, seq]` → logits `[batch, seq, vocab]`, appending to one [`KvCache`] per layer.
+    /// Token ids `[1, seq]` of one sequence → logits `[1, seq, vocab]`, appending to its cache
+    /// (one [`KvCache`] per layer).
     fn forward(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array>;
+    /// Token ids `[batch, seq]` of `batch` independent sequences, each with its own cache at its
+    /// own position (`caches[b]`, one [`KvCache`] per layer) → logits `[batch, seq, vocab]`. Row
+    /// `b` equals what [`Model::forward`] computes for that sequence alone.
+    fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array>;
     /// An empty cache, one entry per layer.
     fn make_cache(&self) -> Vec<KvCache>;
     fn info(&self) -> &ModelInfo;
