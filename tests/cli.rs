@@ -137,3 +137,21 @@ fn logit_bias_changes_the_greedy_token() {
     assert_ne!(first(&["--logit-bias", &banned]), greedy);
     assert_clean_error(&perch(&["generate", "--model", &model, "--raw", "x", "--logit-bias", "999999=1"]), "logit_bias");
 }
+
+#[test]
+fn batch_bench_reports_every_field() {
+    let out = perch(&[
+        "bench", "--model", &shared_model(), "--concurrency", "2", "--prompt-tokens", "6", "--gen-tokens", "3",
+        "--shared-prefix-tokens", "2", "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    for key in ["prompt_tps", "generation_tps", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "peak_memory_bytes"] {
+        assert!(report[key].as_f64().is_some_and(|v| v > 0.0), "{key}: {report}");
+    }
+    assert!(report["ttft_ms_p95"].as_f64() >= report["ttft_ms_p50"].as_f64());
+    assert!(report.get("prefix_cache_hit_rate").is_some());
+    assert_eq!(report["concurrency"], 2);
+    assert_clean_error(&perch(&["bench", "--model", &shared_model(), "--concurrency", "2", "--prompt-tokens", "4", "--shared-prefix-tokens", "4"]), "shared-prefix-tokens");
+}

@@ -35,6 +35,12 @@ pub struct BenchArgs {
     /// Print a JSON object as the last line.
     #[arg(long)]
     pub json: bool,
+    /// Run N requests at once through the batch engine instead of one request at a time.
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// With --concurrency: tokens at the start of every prompt that all requests share.
+    #[arg(long, default_value_t = 0)]
+    pub shared_prefix_tokens: usize,
 }
 
 #[derive(Serialize)]
@@ -53,17 +59,16 @@ struct BenchReport {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if let Some(concurrency) = args.concurrency {
+        return crate::bench_batch::run(&args, concurrency);
+    }
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
     let prompt = match &args.prompt_ids {
         Some(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
             serde_json::from_str::<Vec<u32>>(&text).with_context(|| format!("{} is not a JSON array of token ids", path.display()))?
         }
-        None => {
-            let text = "The quick brown fox jumps over the lazy dog while the farmer counts sheep in the valley. ";
-            let ids = tokenizer.encode(text, false)?;
-            ids.iter().copied().cycle().take(args.prompt_tokens).collect()
-        }
+        None => filler_tokens(&tokenizer, 0, args.prompt_tokens)?,
     };
     let mut request = perch_engine::GenerateRequest::new(prompt);
     request.max_tokens = args.gen_tokens;
@@ -115,8 +120,17 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `len` tokens of English filler text, starting `skip` tokens into the cycle (so prompts with
+/// different `skip` differ from their first token).
+pub fn filler_tokens(tokenizer: &perch_engine::Tokenizer, skip: usize, len: usize) -> anyhow::Result<Vec<u32>> {
+    let text = "The quick brown fox jumps over the lazy dog while the farmer counts sheep in the valley. \
+                Rivers carry silt to the delta, where herons wait and fishermen mend their nets at dawn. ";
+    let ids = tokenizer.encode(text, false)?;
+    Ok(ids.iter().copied().cycle().skip(skip).take(len).collect())
+}
+
 /// GFLOP/s of a float32 1024x1024 matmul (best of 5).
-fn gemm_gflops() -> anyhow::Result<f64> {
+pub fn gemm_gflops() -> anyhow::Result<f64> {
     let n = 1024;
     let a = mlx_rs::random::normal::<f32>(&[n, n], None, None, None)?;
     let b = mlx_rs::random::normal::<f32>(&[n, n], None, None, None)?;

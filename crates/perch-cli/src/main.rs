@@ -4,6 +4,7 @@
 //! model directory), `bench` (prompt/decode tok/s and peak memory).
 
 mod bench;
+mod bench_batch;
 mod chat;
 mod generate;
 mod import;

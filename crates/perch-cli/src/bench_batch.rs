@@ -1,0 +1,162 @@
+//! `perch bench --concurrency N`: N requests submitted at once to the batch engine; reports
+//! throughput, TTFT and ITL percentiles and peak memory, with a JSON object as the last line
+//! (`--json`).
+
+use std::sync::mpsc::RecvTimeoutError;
+use std::time::{Duration, Instant};
+
+use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
+use perch_engine::{EngineConfig, EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, Tokenizer};
+use serde::Serialize;
+
+use crate::bench::{filler_tokens, BenchArgs};
+use crate::model_dir;
+
+#[derive(Serialize)]
+struct BatchReport {
+    backend: Backend,
+    concurrency: usize,
+    prompt_tokens: usize,
+    shared_prefix_tokens: usize,
+    generation_tokens: usize,
+    /// All prompt tokens over the time until every request had its first token.
+    prompt_tps: f64,
+    /// All generated tokens over the time from the first first token to the last token.
+    generation_tps: f64,
+    ttft_ms_p50: f64,
+    ttft_ms_p95: f64,
+    itl_ms_p50: f64,
+    itl_ms_p95: f64,
+    peak_memory_bytes: usize,
+    /// `null` until the batch engine reads the prefix cache.
+    prefix_cache_hit_rate: Option<f64>,
+}
+
+struct Timeline {
+    submitted: Instant,
+    tokens: Vec<Instant>,
+}
+
+pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(concurrency > 0, "--concurrency must be at least 1");
+    anyhow::ensure!(
+        args.shared_prefix_tokens < args.prompt_tokens,
+        "--shared-prefix-tokens must be smaller than --prompt-tokens"
+    );
+    let dir = model_dir::resolve(args.model.clone())?;
+    let tokenizer = Tokenizer::load(&dir)?;
+    let engine = EngineHandle::load(&dir, EngineConfig { max_running: concurrency })?;
+    let shared = filler_tokens(&tokenizer, 0, args.shared_prefix_tokens)?;
+    let prompts: Vec<Vec<u32>> = (0..concurrency)
+        .map(|i| {
+            let unique = filler_tokens(&tokenizer, 1 + 3 * i, args.prompt_tokens - shared.len())?;
+            Ok([shared.clone(), unique].concat())
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let request = |prompt: Vec<u32>, max_tokens: usize| {
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = max_tokens;
+        params.ignore_eos = true;
+        EngineRequest { prompt: Prompt::Tokens(prompt), params }
+    };
+
+    // Warm-up: one short request through the same path.
+    drain(&engine.submit(request(prompts[0][..8.min(prompts[0].len())].to_vec(), 2))?.events)?;
+
+    reset_peak_memory();
+    let start = Instant::now();
+    let streams = prompts
+        .iter()
+        .map(|p| engine.submit(request(p.clone(), args.gen_tokens)))
+        .collect::<Result<Vec<_>, _>>()?;
+    // Requests run concurrently; read their streams concurrently too, so timestamps are exact.
+    let timelines: Vec<Timeline> = std::thread::scope(|scope| {
+        let handles: Vec<_> = streams
+            .into_iter()
+            .map(|stream| {
+                scope.spawn(move || -> anyhow::Result<Timeline> {
+                    let mut timeline = Timeline { submitted: start, tokens: Vec::new() };
+                    loop {
+                        match stream.events.recv_timeout(Duration::from_secs(3600)) {
+                            Ok(EngineEvent::Token { id: Some(_), .. }) => timeline.tokens.push(Instant::now()),
+                            Ok(EngineEvent::Token { id: None, .. }) => {}
+                            Ok(EngineEvent::Finished { finish_reason: EngineFinishReason::Error, error, .. }) => {
+                                anyhow::bail!("a benchmark request failed: {}", error.unwrap_or_default())
+                            }
+                            Ok(EngineEvent::Finished { .. }) => return Ok(timeline),
+                            Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
+                                anyhow::bail!("the engine stopped answering")
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("reader thread")).collect::<anyhow::Result<Vec<_>>>()
+    })?;
+    let peak = memory_stats().peak_bytes;
+    engine.shutdown();
+
+    let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
+    let firsts: Vec<Instant> = timelines.iter().filter_map(|t| t.tokens.first().copied()).collect();
+    let last = timelines.iter().filter_map(|t| t.tokens.last().copied()).max().unwrap_or(start);
+    let first_min = firsts.iter().min().copied().unwrap_or(start);
+    let first_max = firsts.iter().max().copied().unwrap_or(start);
+    let mut ttft: Vec<f64> = timelines.iter().filter_map(|t| t.tokens.first().map(|f| secs(t.submitted, *f) * 1e3)).collect();
+    let mut itl: Vec<f64> = timelines
+        .iter()
+        .flat_map(|t| t.tokens.windows(2).map(|w| secs(w[0], w[1]) * 1e3).collect::<Vec<_>>())
+        .collect();
+    let generated: usize = timelines.iter().map(|t| t.tokens.len()).sum();
+    let report = BatchReport {
+        backend: Backend::current(),
+        concurrency,
+        prompt_tokens: args.prompt_tokens,
+        shared_prefix_tokens: args.shared_prefix_tokens,
+        generation_tokens: args.gen_tokens,
+        prompt_tps: (concurrency * args.prompt_tokens) as f64 / secs(start, first_max).max(1e-9),
+        generation_tps: generated.saturating_sub(firsts.len()) as f64 / secs(first_min, last).max(1e-9),
+        ttft_ms_p50: percentile(&mut ttft, 0.50),
+        ttft_ms_p95: percentile(&mut ttft, 0.95),
+        itl_ms_p50: percentile(&mut itl, 0.50),
+        itl_ms_p95: percentile(&mut itl, 0.95),
+        peak_memory_bytes: peak,
+        prefix_cache_hit_rate: None,
+    };
+    println!(
+        "{concurrency} concurrent: prompt {:.1} tok/s | generation {:.1} tok/s | TTFT p50 {:.0} ms p95 {:.0} ms | ITL p50 {:.0} ms p95 {:.0} ms | peak {:.1} MB",
+        report.prompt_tps,
+        report.generation_tps,
+        report.ttft_ms_p50,
+        report.ttft_ms_p95,
+        report.itl_ms_p50,
+        report.itl_ms_p95,
+        report.peak_memory_bytes as f64 / 1e6
+    );
+    if args.json {
+        println!("{}", serde_json::to_string(&report)?);
+    }
+    Ok(())
+}
+
+fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> {
+    loop {
+        match events.recv()? {
+            EngineEvent::Finished { finish_reason: EngineFinishReason::Error, error, .. } => {
+                anyhow::bail!("warm-up failed: {}", error.unwrap_or_default())
+            }
+            EngineEvent::Finished { .. } => return Ok(()),
+            EngineEvent::Token { .. } => {}
+        }
+    }
+}
+
+/// The `q` quantile (nearest rank) of `values`; 0 when empty.
+fn percentile(values: &mut [f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    values.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    values[rank - 1]
+}
