@@ -7,7 +7,7 @@
 //! `kv_cache_manager.rs` for why the pool is not read on every step). Prefill chunks interleave
 //! with decode steps, so a long prompt delays running streams by one chunk per step at most.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use mlx_rs::transforms::eval;
 use mlx_rs::Array;
@@ -20,7 +20,11 @@ use crate::kv_cache_manager::RequestId;
 use crate::mlx_ext::slice;
 use crate::models::Model;
 use crate::sampler::Sampler;
+use crate::throughput::ThroughputWindow;
 use crate::tokenizer::Tokenizer;
+
+/// Span of the engine's tok/s rates.
+pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(5);
 
 /// What a step produced for one request.
 #[derive(Debug)]
@@ -59,11 +63,23 @@ pub struct BatchGenerator<'m> {
     next_id: RequestId,
     /// Largest number of sequences decoded together (mlx-lm's `completion_batch_size`).
     pub max_running: usize,
+    /// Prompt tokens processed, over the last seconds.
+    pub prompt_throughput: ThroughputWindow,
+    /// Tokens generated, over the last seconds.
+    pub generation_throughput: ThroughputWindow,
 }
 
 impl<'m> BatchGenerator<'m> {
     pub fn new(model: &'m dyn Model, tokenizer: &'m Tokenizer) -> Self {
-        Self { model, tokenizer, sequences: Vec::new(), next_id: 1, max_running: 32 }
+        Self {
+            model,
+            tokenizer,
+            sequences: Vec::new(),
+            next_id: 1,
+            max_running: 32,
+            prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
+            generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
+        }
     }
 
     /// Adds a request; it starts prefilling at the next step. Errors as [`crate::generate`]'s
@@ -113,6 +129,7 @@ impl<'m> BatchGenerator<'m> {
             let chunk = &seq.request.prompt[seq.prefilled..end];
             self.model.forward(&Array::from_slice(chunk, &[1, chunk.len() as i32]), &mut seq.cache)?;
             eval(seq.cache.iter().flat_map(KvCache::state))?;
+            self.prompt_throughput.record(chunk.len());
             seq.prefilled = end;
         }
 
@@ -144,6 +161,10 @@ impl<'m> BatchGenerator<'m> {
         }
         eval(sampled.iter().chain(ready.iter().flat_map(|&i| self.sequences[i].history.state())))?;
 
+        // A sequence's first decode step also processes its last prompt token.
+        let first_steps = ready.iter().filter(|&&i| self.sequences[i].first_token_at.is_none()).count();
+        self.prompt_throughput.record(first_steps);
+        self.generation_throughput.record(ready.len());
         let mut events = Vec::new();
         let mut done = Vec::new();
         for (&i, token) in ready.iter().zip(&sampled) {

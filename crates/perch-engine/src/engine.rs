@@ -89,6 +89,10 @@ pub struct EngineStats {
     pub running: usize,
     pub waiting: usize,
     pub finished_requests: u64,
+    /// Prompt tokens per second over the last [`crate::batch::THROUGHPUT_WINDOW`].
+    pub prompt_tps: f64,
+    /// Generated tokens per second over the same window.
+    pub generation_tps: f64,
     pub memory: MemoryStats,
 }
 
@@ -207,21 +211,29 @@ struct Queue {
 }
 
 impl Queue {
-    /// Applies one command; `running` is the number of requests generating right now.
-    fn handle(&mut self, command: Command, running: usize) {
+    /// Applies one command; `live` describes the batch right now (for stats).
+    fn handle(&mut self, command: Command, live: &Live) {
         match command {
             Command::Submit { id, request, events } => self.waiting.push_back(Job { id, request: *request, events }),
             Command::Cancel(id) => {
                 if let Some(pos) = self.waiting.iter().position(|j| j.id == id) {
                     let job = self.waiting.remove(pos).expect("position is valid");
                     self.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+                } else if !live.running_ids.contains(&id) {
+                    // Neither waiting nor running: it already finished (a submit always reaches
+                    // the thread before a cancel of the id it returned), so drop the mark.
+                    if let Ok(mut set) = self.cancelled.lock() {
+                        set.remove(&id);
+                    }
                 }
             }
             Command::Stats(reply) => {
                 let _ = reply.send(EngineStats {
-                    running,
+                    running: live.running,
                     waiting: self.waiting.len(),
                     finished_requests: self.finished_requests,
+                    prompt_tps: live.prompt_tps,
+                    generation_tps: live.generation_tps,
                     memory: memory_stats(),
                 });
             }
@@ -230,9 +242,9 @@ impl Queue {
     }
 
     /// Handles every command already sent, without waiting.
-    fn drain(&mut self, running: usize) {
+    fn drain(&mut self, live: &Live) {
         while let Ok(command) = self.inbox.try_recv() {
-            self.handle(command, running);
+            self.handle(command, live);
         }
     }
 
@@ -255,6 +267,26 @@ impl Queue {
     }
 }
 
+/// The batch's numbers at the moment commands are read.
+struct Live {
+    running: usize,
+    /// Handle ids of the running requests.
+    running_ids: Vec<RequestId>,
+    prompt_tps: f64,
+    generation_tps: f64,
+}
+
+impl Live {
+    fn of(batch: &mut BatchGenerator<'_>, running: &HashMap<RequestId, Job>) -> Self {
+        Self {
+            running: batch.len(),
+            running_ids: running.values().map(|job| job.id).collect(),
+            prompt_tps: batch.prompt_throughput.rate(),
+            generation_tps: batch.generation_throughput.rate(),
+        }
+    }
+}
+
 struct EngineThread {
     model: Box<dyn Model>,
     tokenizer: Tokenizer,
@@ -273,11 +305,11 @@ impl EngineThread {
             if batch.is_empty() && queue.waiting.is_empty() && !queue.shutting_down {
                 // Idle: sleep until a command arrives; a dropped last handle ends the thread.
                 match queue.inbox.recv() {
-                    Ok(command) => queue.handle(command, 0),
+                    Ok(command) => queue.handle(command, &Live::of(&mut batch, &running)),
                     Err(_) => return,
                 }
             }
-            queue.drain(batch.len());
+            queue.drain(&Live::of(&mut batch, &running));
 
             // Cancelled (or no longer listened to) requests leave the batch before the next step.
             let leaving: Vec<RequestId> = running

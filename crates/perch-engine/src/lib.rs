@@ -21,6 +21,7 @@ mod mlx_ext;
 pub mod models;
 pub mod sampler;
 pub mod stop;
+pub mod throughput;
 pub mod tokenizer;
 pub mod weights;
 

@@ -121,6 +121,8 @@ fn requests_run_together_and_leave_when_done() {
     // The short request has left; the long one is still generating, nothing waits.
     let stats = engine.stats().unwrap();
     assert_eq!((stats.running, stats.waiting), (1, 0));
+    // Windowed rates: 6 prompt tokens and at least 4 generated in the last seconds.
+    assert!(stats.prompt_tps > 0.0 && stats.generation_tps > 0.0, "{stats:?}");
     engine.cancel(long.id);
     assert_eq!(collect(long).1, EngineFinishReason::Cancelled);
     engine.shutdown();
