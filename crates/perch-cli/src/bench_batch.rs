@@ -6,7 +6,7 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
-use perch_engine::{EngineConfig, EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, Tokenizer};
+use perch_engine::{EngineConfig, EngineEvent, FinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, Tokenizer};
 use serde::Serialize;
 
 use crate::bench::{filler_tokens, BenchArgs};
@@ -80,7 +80,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                         match stream.events.recv_timeout(Duration::from_secs(3600)) {
                             Ok(EngineEvent::Token { id: Some(_), .. }) => timeline.tokens.push(Instant::now()),
                             Ok(EngineEvent::Token { id: None, .. }) => {}
-                            Ok(EngineEvent::Finished { finish_reason: EngineFinishReason::Error, error, .. }) => {
+                            Ok(EngineEvent::Finished { finish_reason: FinishReason::Error, error, .. }) => {
                                 anyhow::bail!("a benchmark request failed: {}", error.unwrap_or_default())
                             }
                             Ok(EngineEvent::Finished { .. }) => return Ok(timeline),
@@ -142,7 +142,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
 fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> {
     loop {
         match events.recv()? {
-            EngineEvent::Finished { finish_reason: EngineFinishReason::Error, error, .. } => {
+            EngineEvent::Finished { finish_reason: FinishReason::Error, error, .. } => {
                 anyhow::bail!("warm-up failed: {}", error.unwrap_or_default())
             }
             EngineEvent::Finished { .. } => return Ok(()),

@@ -187,14 +187,8 @@ impl<'m> BatchGenerator<'m> {
                 events.push(BatchEvent::Token { request: id, event });
             }
             let total = seq.start.elapsed().as_secs_f64();
-            let ttft = seq.first_token_at.unwrap_or(total);
-            let n = seq.sink.generated;
-            let stats = &mut seq.sink.output.stats;
-            stats.generation_tokens = n;
-            stats.ttft_s = ttft;
-            stats.total_s = total;
-            stats.prompt_tps = seq.request.prompt.len() as f64 / ttft.max(1e-9);
-            stats.generation_tps = if n > 1 { (n - 1) as f64 / (total - ttft).max(1e-9) } else { 0.0 };
+            let generated = seq.sink.generated;
+            seq.sink.output.stats.set_timings(generated, seq.first_token_at.unwrap_or(total), total);
             events.push(BatchEvent::Finished { request: id, output: seq.sink.output });
         }
         Ok(events)

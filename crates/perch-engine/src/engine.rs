@@ -60,27 +60,7 @@ pub enum EngineEvent {
     /// back until the end (see [`crate::TokenEvent`]).
     Token { id: Option<u32>, text: String },
     /// The request ended. `error` is set when `finish_reason` is `Error`.
-    Finished { finish_reason: EngineFinishReason, stats: GenerationStats, error: Option<String> },
-}
-
-/// Why a request ended, as the engine reports it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineFinishReason {
-    Stop,
-    Length,
-    Cancelled,
-    Error,
-}
-
-impl From<FinishReason> for EngineFinishReason {
-    fn from(reason: FinishReason) -> Self {
-        match reason {
-            FinishReason::Stop => Self::Stop,
-            FinishReason::Length => Self::Length,
-            FinishReason::Cancelled => Self::Cancelled,
-        }
-    }
+    Finished { finish_reason: FinishReason, stats: GenerationStats, error: Option<String> },
 }
 
 /// The engine's state on demand.
@@ -218,7 +198,7 @@ impl Queue {
             Command::Cancel(id) => {
                 if let Some(pos) = self.waiting.iter().position(|j| j.id == id) {
                     let job = self.waiting.remove(pos).expect("position is valid");
-                    self.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+                    self.finish(&job, FinishReason::Cancelled, GenerationStats::default(), None);
                 } else if !live.running_ids.contains(&id) {
                     // Neither waiting nor running: it already finished (a submit always reaches
                     // the thread before a cancel of the id it returned), so drop the mark.
@@ -258,7 +238,7 @@ impl Queue {
         self.cancelled.lock().map(|set| set.contains(&id)).unwrap_or(false)
     }
 
-    fn finish(&mut self, job: &Job, finish_reason: EngineFinishReason, stats: GenerationStats, error: Option<String>) {
+    fn finish(&mut self, job: &Job, finish_reason: FinishReason, stats: GenerationStats, error: Option<String>) {
         let _ = job.events.send(EngineEvent::Finished { finish_reason, stats, error });
         if let Ok(mut set) = self.cancelled.lock() {
             set.remove(&job.id);
@@ -320,11 +300,11 @@ impl EngineThread {
             for id in leaving {
                 let job = running.remove(&id).expect("listed above");
                 let stats = batch.remove(id).map(|out| out.stats).unwrap_or_default();
-                queue.finish(&job, EngineFinishReason::Cancelled, stats, None);
+                queue.finish(&job, FinishReason::Cancelled, stats, None);
             }
             if queue.shutting_down {
                 while let Some(job) = queue.waiting.pop_front() {
-                    queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+                    queue.finish(&job, FinishReason::Cancelled, GenerationStats::default(), None);
                 }
                 return;
             }
@@ -333,7 +313,7 @@ impl EngineThread {
             while batch.len() < batch.max_running {
                 let Some(job) = queue.waiting.pop_front() else { break };
                 if queue.is_cancelled(job.id) {
-                    queue.finish(&job, EngineFinishReason::Cancelled, GenerationStats::default(), None);
+                    queue.finish(&job, FinishReason::Cancelled, GenerationStats::default(), None);
                     continue;
                 }
                 let prompt = match &job.request.prompt {
@@ -349,7 +329,7 @@ impl EngineThread {
                     Ok(id) => {
                         running.insert(id, job);
                     }
-                    Err(err) => queue.finish(&job, EngineFinishReason::Error, GenerationStats::default(), Some(err.to_string())),
+                    Err(err) => queue.finish(&job, FinishReason::Error, GenerationStats::default(), Some(err.to_string())),
                 }
             }
 
@@ -367,7 +347,7 @@ impl EngineThread {
                             }
                             BatchEvent::Finished { request, output } => {
                                 let job = running.remove(&request).expect("finished request was running");
-                                queue.finish(&job, output.finish_reason.into(), output.stats, None);
+                                queue.finish(&job, output.finish_reason, output.stats, None);
                             }
                         }
                     }
@@ -377,7 +357,7 @@ impl EngineThread {
                     let message = err.to_string();
                     for (id, job) in running.drain() {
                         batch.remove(id);
-                        queue.finish(&job, EngineFinishReason::Error, GenerationStats::default(), Some(message.clone()));
+                        queue.finish(&job, FinishReason::Error, GenerationStats::default(), Some(message.clone()));
                     }
                 }
             }

@@ -27,6 +27,8 @@ pub enum FinishReason {
     Length,
     /// The caller asked to stop.
     Cancelled,
+    /// The request failed (reported by the engine; [`generate`] returns `Err` instead).
+    Error,
 }
 
 /// One generation job.
@@ -73,6 +75,18 @@ pub struct GenerationStats {
     pub total_s: f64,
     /// MLX's peak memory during the request, in bytes.
     pub peak_memory_bytes: usize,
+}
+
+impl GenerationStats {
+    /// Fills the timing fields from `generated` tokens, the time to the first one and the total
+    /// time (seconds); the decode rate counts the tokens after the first.
+    pub(crate) fn set_timings(&mut self, generated: usize, ttft_s: f64, total_s: f64) {
+        self.generation_tokens = generated;
+        self.ttft_s = ttft_s;
+        self.total_s = total_s;
+        self.prompt_tps = self.prompt_tokens as f64 / ttft_s.max(1e-9);
+        self.generation_tps = if generated > 1 { (generated - 1) as f64 / (total_s - ttft_s).max(1e-9) } else { 0.0 };
+    }
 }
 
 /// A streamed piece of output.
@@ -164,14 +178,8 @@ pub fn generate(
     let mut output = sink.output;
 
     let total = start.elapsed().as_secs_f64();
-    let ttft = first_token_at.unwrap_or(total);
-    let s = &mut output.stats;
-    s.generation_tokens = n;
-    s.ttft_s = ttft;
-    s.total_s = total;
-    s.prompt_tps = prompt.len() as f64 / ttft.max(1e-9);
-    s.generation_tps = if n > 1 { (n - 1) as f64 / (total - ttft).max(1e-9) } else { 0.0 };
-    s.peak_memory_bytes = memory_stats().peak_bytes;
+    output.stats.set_timings(n, first_token_at.unwrap_or(total), total);
+    output.stats.peak_memory_bytes = memory_stats().peak_bytes;
     Ok(output)
 }
 
@@ -291,10 +299,7 @@ fn decode_step(model: &dyn Model, cache: &mut [KvCache], sampler: &mut Sampler, 
 /// Logits processors, log-softmax and the sampler for one sequence: `logits` `[1, vocab]` → the
 /// next token `[1]` (uint32, lazy), also appended to `history`.
 pub(crate) fn sample_next(logits: &Array, sampler: &mut Sampler, history: &mut RecentTokens) -> Result<Array> {
-    let logits = match &history.tokens {
-        Some(recent) => sampler.process_logits(logits, recent)?,
-        None => sampler.process_logits(logits, &Array::from_slice::<u32>(&[], &[0]))?,
-    };
+    let logits = sampler.process_logits(logits, history.tokens.as_ref())?;
     let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
     let next = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
     history.push(&next)?;

@@ -26,7 +26,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use chat_template::ChatMessage;
-pub use engine::{EngineConfig, EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream};
+pub use engine::{EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream};
 pub use error::{EngineError, Result};
 pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent};
 pub use tokenizer::Tokenizer;

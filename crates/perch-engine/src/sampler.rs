@@ -98,17 +98,20 @@ impl Sampler {
         Ok(Self { params, key, bias })
     }
 
-    /// Applies the logits processors: `logits` `[1, vocab]`, `history` the token ids so far
-    /// (prompt and generated, 1-D) → processed logits `[1, vocab]`.
-    pub fn process_logits(&self, logits: &Array, history: &Array) -> Result<Array> {
+    /// Applies the logits processors: `logits` `[1, vocab]`, `history` the recent token ids
+    /// (1-D; needed only by the repetition penalty) → processed logits `[1, vocab]`.
+    pub fn process_logits(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {
         let mut logits = logits.clone();
         if let Some((ids, values)) = &self.bias {
             let current = take_along_axis(&logits, ids, -1)?;
             logits = put_along_axis(&logits, ids, ops::add(&current, values)?, -1)?;
         }
         let penalty = self.params.repetition_penalty;
+        let Some(history) = history.filter(|h| h.shape()[0] > 0) else {
+            return Ok(logits);
+        };
         let seen = history.shape()[0];
-        if penalty != 0.0 && penalty != 1.0 && seen > 0 {
+        if penalty != 0.0 && penalty != 1.0 {
             let context = self.params.repetition_context_size.max(1) as i32;
             let start = (seen - context).max(0);
             let recent = crate::mlx_ext::slice(history, &[start], &[seen])?.reshape(&[1, -1])?;
@@ -260,10 +263,10 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        let out = s.process_logits(&logits, &history).unwrap();
+        let out = s.process_logits(&logits, Some(&history)).unwrap();
         assert_eq!(out.as_slice::<f32>(), &[1.0, -4.0, 1.0, 10.5]);
         let window = Sampler::new(SamplingParams { repetition_penalty: 2.0, repetition_context_size: 1, ..Default::default() }).unwrap();
-        let out = window.process_logits(&logits, &history).unwrap();
+        let out = window.process_logits(&logits, Some(&history)).unwrap();
         assert_eq!(out.as_slice::<f32>(), &[2.0, -4.0, 1.0, 0.5], "only the last token is in context");
     }
 

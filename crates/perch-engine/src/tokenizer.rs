@@ -73,10 +73,6 @@ impl Tokenizer {
         &self.eos_token_ids
     }
 
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
-
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
     }

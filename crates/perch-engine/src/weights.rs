@@ -42,16 +42,6 @@ impl Weights {
         Ok(weights)
     }
 
-    /// Wraps tensors already in memory (tests, conversions), cast for `backend`.
-    pub fn from_map(tensors: HashMap<String, Array>, backend: Backend) -> Result<Self> {
-        let mut weights = Self { tensors: HashMap::new(), backend };
-        for (name, tensor) in tensors {
-            let tensor = weights.cast(tensor)?;
-            weights.tensors.insert(name, tensor);
-        }
-        Ok(weights)
-    }
-
     /// Whether a tensor of that name exists.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
@@ -67,11 +57,6 @@ impl Weights {
         let tensor = self.take(name)?;
         check_shape(name, &tensor, expected)?;
         Ok(tensor)
-    }
-
-    /// Removes a tensor if present.
-    pub fn take_optional(&mut self, name: &str) -> Option<Array> {
-        self.tensors.remove(name)
     }
 
     /// Drops tensors a model does not use (e.g. precomputed rotary frequencies).

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use perch_engine::{EngineConfig, EngineEvent, EngineFinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, RequestStream};
+use perch_engine::{EngineConfig, EngineEvent, FinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, RequestStream};
 
 fn engine() -> EngineHandle {
     engine_with(EngineConfig::default())
@@ -23,7 +23,7 @@ fn request(prompt: Prompt, max_tokens: usize) -> EngineRequest {
 }
 
 /// Collects a stream: token ids and the final event.
-fn collect(stream: RequestStream) -> (Vec<u32>, EngineFinishReason, Option<String>) {
+fn collect(stream: RequestStream) -> (Vec<u32>, FinishReason, Option<String>) {
     let mut ids = Vec::new();
     loop {
         match stream.events.recv_timeout(Duration::from_secs(300)).expect("engine answered") {
@@ -55,7 +55,7 @@ fn concurrent_submissions_match_the_reference() {
     for (case, stream) in cases.iter().zip(streams) {
         let (ids, reason, error) = collect(stream);
         assert_eq!(error, None);
-        let expected = if reason == EngineFinishReason::Stop { &case.greedy_ids[..case.greedy_ids.len() - 1] } else { &case.greedy_ids[..] };
+        let expected = if reason == FinishReason::Stop { &case.greedy_ids[..case.greedy_ids.len() - 1] } else { &case.greedy_ids[..] };
         assert_eq!(ids, expected, "case {}", case.id);
     }
     let stats = engine.stats().unwrap();
@@ -81,10 +81,10 @@ fn cancel_running_and_waiting_requests() {
     engine.cancel(waiting.id);
     engine.cancel(running.id);
     let (rest, reason, _) = collect(running);
-    assert_eq!(reason, EngineFinishReason::Cancelled);
+    assert_eq!(reason, FinishReason::Cancelled);
     assert!(rest.len() <= 2, "stopped within a token or two, got {} more", rest.len());
     let (ids, reason, _) = collect(waiting);
-    assert_eq!((ids.len(), reason), (0, EngineFinishReason::Cancelled));
+    assert_eq!((ids.len(), reason), (0, FinishReason::Cancelled));
     engine.shutdown();
 }
 
@@ -92,14 +92,14 @@ fn cancel_running_and_waiting_requests() {
 fn bad_requests_end_with_an_error_event() {
     let engine = engine();
     let (ids, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![]), 8)).unwrap());
-    assert_eq!((ids.len(), reason), (0, EngineFinishReason::Error));
+    assert_eq!((ids.len(), reason), (0, FinishReason::Error));
     assert_eq!(error.as_deref(), Some("the prompt is empty"));
     let (_, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![1; 9000]), 8)).unwrap());
-    assert_eq!(reason, EngineFinishReason::Error);
+    assert_eq!(reason, FinishReason::Error);
     assert!(error.unwrap().contains("9000 tokens"));
     // The engine keeps serving after errors.
     let (ids, reason, _) = collect(engine.submit(request(Prompt::Tokens(vec![1, 504]), 3)).unwrap());
-    assert_eq!((ids.len(), reason), (3, EngineFinishReason::Length));
+    assert_eq!((ids.len(), reason), (3, FinishReason::Length));
     engine.shutdown();
     assert!(engine.submit(request(Prompt::Tokens(vec![1]), 1)).is_err(), "a stopped engine refuses work");
 }
@@ -117,13 +117,13 @@ fn requests_run_together_and_leave_when_done() {
     let long = engine.submit(request(Prompt::Tokens(vec![1, 788, 260]), 40)).unwrap();
     assert!(matches!(long.events.recv_timeout(Duration::from_secs(120)).unwrap(), EngineEvent::Token { .. }));
     let (ids, reason, _) = collect(short);
-    assert_eq!((ids.len(), reason), (3, EngineFinishReason::Length));
+    assert_eq!((ids.len(), reason), (3, FinishReason::Length));
     // The short request has left; the long one is still generating, nothing waits.
     let stats = engine.stats().unwrap();
     assert_eq!((stats.running, stats.waiting), (1, 0));
     // Windowed rates: 6 prompt tokens and at least 4 generated in the last seconds.
     assert!(stats.prompt_tps > 0.0 && stats.generation_tps > 0.0, "{stats:?}");
     engine.cancel(long.id);
-    assert_eq!(collect(long).1, EngineFinishReason::Cancelled);
+    assert_eq!(collect(long).1, FinishReason::Cancelled);
     engine.shutdown();
 }
