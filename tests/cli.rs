@@ -7,11 +7,15 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn perch(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_perch")).args(args).output().expect("run perch")
+    Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(args)
+        .output()
+        .expect("run perch")
 }
 
 fn shared_model() -> String {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/models/SmolLM2-135M-Instruct-4bit");
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/models/SmolLM2-135M-Instruct-4bit");
     dir.to_string_lossy().into_owned()
 }
 
@@ -20,23 +24,48 @@ fn assert_clean_error(out: &Output, needle: &str) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
-    assert_eq!(stderr.trim_end().lines().count(), 1, "one line expected: {stderr}");
+    assert_eq!(
+        stderr.trim_end().lines().count(),
+        1,
+        "one line expected: {stderr}"
+    );
     assert!(stderr.starts_with("perch: error: "), "{stderr}");
     assert!(stderr.contains(needle), "`{needle}` not in: {stderr}");
 }
 
 #[test]
 fn imported_gguf_answers_paris() {
-    let gguf = std::env::var("PERCH_TEST_GGUF").expect("set PERCH_TEST_GGUF (scripts/test.sh does)");
+    let gguf =
+        std::env::var("PERCH_TEST_GGUF").expect("set PERCH_TEST_GGUF (scripts/test.sh does)");
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("smollm2");
     let out = perch(&["import", &gguf, "--out", out_dir.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
-    let out = perch(&["generate", "--model", out_dir.to_str().unwrap(), "--raw", "The capital of France is", "--max-tokens", "12", "--json"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = perch(&[
+        "generate",
+        "--model",
+        out_dir.to_str().unwrap(),
+        "--raw",
+        "The capital of France is",
+        "--max-tokens",
+        "12",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
     let text: String = lines.iter().filter_map(|l| l["text"].as_str()).collect();
     assert!(text.contains("Paris"), "continuation: {text:?}");
     let last = lines.last().unwrap();
@@ -52,11 +81,26 @@ fn imported_gguf_answers_paris() {
 
 #[test]
 fn generate_streams_plain_text_with_a_chat_template() {
-    let out = perch(&["generate", "--model", &shared_model(), "--prompt", "What is 2 + 2?", "--max-tokens", "8"]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = perch(&[
+        "generate",
+        "--model",
+        &shared_model(),
+        "--prompt",
+        "What is 2 + 2?",
+        "--max-tokens",
+        "8",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(!text.trim().is_empty());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("tok/s"), "stats line on stderr");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("tok/s"),
+        "stats line on stderr"
+    );
 }
 
 #[test]
@@ -64,30 +108,88 @@ fn bad_input_is_one_line_and_exit_code_1() {
     let tmp = tempfile::tempdir().unwrap();
     let model = shared_model();
 
-    assert_clean_error(&perch(&["generate", "--model", "/nonexistent/model", "--prompt", "hi"]), "no model at /nonexistent/model");
-    assert_clean_error(&perch(&["generate", "--model", &model, "--prompt", "  "]), "the prompt is empty");
+    assert_clean_error(
+        &perch(&[
+            "generate",
+            "--model",
+            "/nonexistent/model",
+            "--prompt",
+            "hi",
+        ]),
+        "no model at /nonexistent/model",
+    );
+    assert_clean_error(
+        &perch(&["generate", "--model", &model, "--prompt", "  "]),
+        "the prompt is empty",
+    );
     assert_clean_error(&perch(&["generate", "--model", &model]), "--prompt");
 
     let messages = tmp.path().join("messages.json");
     std::fs::write(&messages, r#"{"role": "user"}"#).unwrap();
-    assert_clean_error(&perch(&["generate", "--model", &model, "--messages", messages.to_str().unwrap()]), "messages");
+    assert_clean_error(
+        &perch(&[
+            "generate",
+            "--model",
+            &model,
+            "--messages",
+            messages.to_str().unwrap(),
+        ]),
+        "messages",
+    );
 
     let gguf = tmp.path().join("bad.gguf");
     std::fs::write(&gguf, b"GGUF\x03\x00\x00\x00").unwrap();
-    assert_clean_error(&perch(&["import", gguf.to_str().unwrap(), "--out", tmp.path().join("o").to_str().unwrap()]), "bad.gguf");
+    assert_clean_error(
+        &perch(&[
+            "import",
+            gguf.to_str().unwrap(),
+            "--out",
+            tmp.path().join("o").to_str().unwrap(),
+        ]),
+        "bad.gguf",
+    );
     assert!(!tmp.path().join("o").exists());
 
     let not_gguf = tmp.path().join("x.gguf");
     std::fs::write(&not_gguf, b"hello world, not a gguf").unwrap();
-    assert_clean_error(&perch(&["import", not_gguf.to_str().unwrap(), "--out", tmp.path().join("o").to_str().unwrap()]), "x.gguf");
+    assert_clean_error(
+        &perch(&[
+            "import",
+            not_gguf.to_str().unwrap(),
+            "--out",
+            tmp.path().join("o").to_str().unwrap(),
+        ]),
+        "x.gguf",
+    );
 }
 
 #[test]
 fn messages_file_and_sampling_flags() {
     let tmp = tempfile::tempdir().unwrap();
     let messages = tmp.path().join("m.json");
-    std::fs::write(&messages, r#"[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi."}]"#).unwrap();
-    let args = ["generate", "--model", &shared_model(), "--messages", messages.to_str().unwrap(), "--max-tokens", "6", "--temp", "0.8", "--top-p", "0.9", "--top-k", "40", "--seed", "3", "--json"];
+    std::fs::write(
+        &messages,
+        r#"[{"role":"system","content":"You are terse."},{"role":"user","content":"Say hi."}]"#,
+    )
+    .unwrap();
+    let args = [
+        "generate",
+        "--model",
+        &shared_model(),
+        "--messages",
+        messages.to_str().unwrap(),
+        "--max-tokens",
+        "6",
+        "--temp",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "40",
+        "--seed",
+        "3",
+        "--json",
+    ];
     let a = perch(&args);
     let b = perch(&args);
     assert!(a.status.success(), "{}", String::from_utf8_lossy(&a.stderr));
@@ -112,46 +214,125 @@ fn chat_keeps_the_conversation_and_resets() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(b"What is 2 + 2?\nAnd times three?\n/reset\n/exit\n").unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"What is 2 + 2?\nAnd times three?\n/reset\n/exit\n")
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
     assert_eq!(stderr.matches("tok/s").count(), 2, "two answers: {stderr}");
     assert!(stderr.contains("(conversation cleared)"));
-    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().filter(|l| !l.trim().is_empty()).count(), 2);
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .count(),
+        2
+    );
 }
 
 #[test]
 fn logit_bias_changes_the_greedy_token() {
     let model = shared_model();
     let first = |extra: &[&str]| -> u64 {
-        let mut args = vec!["generate", "--model", &model, "--raw", "The capital of France is", "--max-tokens", "1", "--json"];
+        let mut args = vec![
+            "generate",
+            "--model",
+            &model,
+            "--raw",
+            "The capital of France is",
+            "--max-tokens",
+            "1",
+            "--json",
+        ];
         args.extend_from_slice(extra);
         let out = perch(&args);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        let line = String::from_utf8_lossy(&out.stdout).lines().next().unwrap().to_string();
-        serde_json::from_str::<serde_json::Value>(&line).unwrap()["token"].as_u64().unwrap()
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .next()
+            .unwrap()
+            .to_string();
+        serde_json::from_str::<serde_json::Value>(&line).unwrap()["token"]
+            .as_u64()
+            .unwrap()
     };
     let greedy = first(&[]);
     let banned = format!("{greedy}=-1000");
     assert_ne!(first(&["--logit-bias", &banned]), greedy);
-    assert_clean_error(&perch(&["generate", "--model", &model, "--raw", "x", "--logit-bias", "999999=1"]), "logit_bias");
+    assert_clean_error(
+        &perch(&[
+            "generate",
+            "--model",
+            &model,
+            "--raw",
+            "x",
+            "--logit-bias",
+            "999999=1",
+        ]),
+        "logit_bias",
+    );
 }
 
 #[test]
 fn batch_bench_reports_every_field() {
     let out = perch(&[
-        "bench", "--model", &shared_model(), "--concurrency", "2", "--prompt-tokens", "6", "--gen-tokens", "3",
-        "--shared-prefix-tokens", "2", "--json",
+        "bench",
+        "--model",
+        &shared_model(),
+        "--concurrency",
+        "2",
+        "--prompt-tokens",
+        "6",
+        "--gen-tokens",
+        "3",
+        "--shared-prefix-tokens",
+        "2",
+        "--json",
     ]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let stdout = String::from_utf8(out.stdout).unwrap();
     let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    for key in ["prompt_tps", "generation_tps", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50", "itl_ms_p95", "peak_memory_bytes"] {
-        assert!(report[key].as_f64().is_some_and(|v| v > 0.0), "{key}: {report}");
+    for key in [
+        "prompt_tps",
+        "generation_tps",
+        "ttft_ms_p50",
+        "ttft_ms_p95",
+        "itl_ms_p50",
+        "itl_ms_p95",
+        "peak_memory_bytes",
+    ] {
+        assert!(
+            report[key].as_f64().is_some_and(|v| v > 0.0),
+            "{key}: {report}"
+        );
     }
     assert!(report["ttft_ms_p95"].as_f64() >= report["ttft_ms_p50"].as_f64());
     assert!(report.get("prefix_cache_hit_rate").is_some());
     assert_eq!(report["concurrency"], 2);
-    assert_clean_error(&perch(&["bench", "--model", &shared_model(), "--concurrency", "2", "--prompt-tokens", "4", "--shared-prefix-tokens", "4"]), "shared-prefix-tokens");
+    assert_clean_error(
+        &perch(&[
+            "bench",
+            "--model",
+            &shared_model(),
+            "--concurrency",
+            "2",
+            "--prompt-tokens",
+            "4",
+            "--shared-prefix-tokens",
+            "4",
+        ]),
+        "shared-prefix-tokens",
+    );
 }

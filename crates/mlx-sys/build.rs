@@ -38,7 +38,11 @@ enum Backend {
 impl Backend {
     fn from_env(target_os: &str) -> BuildResult<Self> {
         match env::var("PERCH_MLX_BACKEND").ok().as_deref() {
-            None | Some("") => Ok(if target_os == "macos" { Self::Metal } else { Self::Cpu }),
+            None | Some("") => Ok(if target_os == "macos" {
+                Self::Metal
+            } else {
+                Self::Cpu
+            }),
             Some("cpu") => Ok(Self::Cpu),
             Some("metal") => Ok(Self::Metal),
             Some("cuda12") | Some("cuda-12") => Ok(Self::Cuda12),
@@ -115,7 +119,10 @@ fn mlx_c_sources(out_dir: &Path) -> BuildResult<PathBuf> {
         return if dir.join("mlx/c/array.h").is_file() {
             Ok(dir)
         } else {
-            Err(format!("MLX_C_SRC_DIR={} holds no mlx/c/array.h", dir.display()))
+            Err(format!(
+                "MLX_C_SRC_DIR={} holds no mlx/c/array.h",
+                dir.display()
+            ))
         };
     }
     if let Some(found) = find_in_registry() {
@@ -211,7 +218,8 @@ fn wheel_dir(out_dir: &Path, backend: Backend) -> BuildResult<PathBuf> {
 }
 
 fn check_wheel_version(include_dir: &Path) -> BuildResult<()> {
-    let header = fs::read_to_string(include_dir.join("mlx/version.h")).map_err(|e| e.to_string())?;
+    let header =
+        fs::read_to_string(include_dir.join("mlx/version.h")).map_err(|e| e.to_string())?;
     let part = |name: &str| {
         header.lines().find_map(|line| {
             let rest = line.trim().strip_prefix("#define ")?.strip_prefix(name)?;
@@ -224,7 +232,12 @@ fn check_wheel_version(include_dir: &Path) -> BuildResult<()> {
         part("MLX_VERSION_PATCH"),
     ) {
         (Some(a), Some(b), Some(c)) => format!("{a}.{b}.{c}"),
-        _ => return Err(format!("could not read the MLX version from {}", include_dir.display())),
+        _ => {
+            return Err(format!(
+                "could not read the MLX version from {}",
+                include_dir.display()
+            ))
+        }
     };
     if found != MLX_VERSION {
         return Err(format!(
@@ -254,16 +267,18 @@ fn use_openblas(wheel: &Path) -> BuildResult<()> {
     if !reference.exists() {
         fs::rename(&bundled, &reference).map_err(|e| e.to_string())?;
     }
-    let openblas = env::var_os("PERCH_BLAS_LIB").map(PathBuf::from).or_else(|| {
-        [
-            "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-            "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
-            "/usr/lib64/libopenblas.so.0",
-        ]
-        .iter()
+    let openblas = env::var_os("PERCH_BLAS_LIB")
         .map(PathBuf::from)
-        .find(|p| p.exists())
-    });
+        .or_else(|| {
+            [
+                "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+                "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
+                "/usr/lib64/libopenblas.so.0",
+            ]
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+        });
     let target = match (env::var("PERCH_BLAS").ok().as_deref(), openblas) {
         (Some("reference"), _) => reference.clone(),
         (_, Some(openblas)) => openblas,
@@ -277,18 +292,25 @@ fn use_openblas(wheel: &Path) -> BuildResult<()> {
     };
     let _ = fs::remove_file(&bundled);
     std::os::unix::fs::symlink(&target, &bundled).map_err(|e| {
-        format!("could not link {} to {}: {e}", bundled.display(), target.display())
+        format!(
+            "could not link {} to {}: {e}",
+            bundled.display(),
+            target.display()
+        )
     })?;
     Ok(())
 }
 
 fn file_name(path: &Path) -> String {
-    path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
 }
 
 /// Step 4: mlx-c is plain C++20 over the MLX headers; `cc` builds it without cmake.
 fn compile_mlx_c(mlx_c: &Path, include_dir: &Path, arm: bool) -> BuildResult<()> {
-    let native = PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?).join("native");
+    let native =
+        PathBuf::from(env::var("CARGO_MANIFEST_DIR").map_err(|e| e.to_string())?).join("native");
     let mut sources: Vec<PathBuf> = fs::read_dir(mlx_c.join("mlx/c"))
         .map_err(|e| e.to_string())?
         .filter_map(|e| e.ok())
@@ -311,9 +333,13 @@ fn compile_mlx_c(mlx_c: &Path, include_dir: &Path, arm: bool) -> BuildResult<()>
         .include(include_dir)
         .files(&sources);
     if !build.get_compiler().is_like_clang() {
-        build.flag("-include").flag(native.join("format_compat.h").to_string_lossy().as_ref());
+        build
+            .flag("-include")
+            .flag(native.join("format_compat.h").to_string_lossy().as_ref());
     }
-    build.try_compile("mlxc").map_err(|e| format!("compiling mlx-c failed: {e}"))
+    build
+        .try_compile("mlxc")
+        .map_err(|e| format!("compiling mlx-c failed: {e}"))
 }
 
 /// Step 5: bindings for every public mlx-c header, as upstream mlx-sys generates them.

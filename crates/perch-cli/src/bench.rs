@@ -29,7 +29,8 @@ pub struct BenchArgs {
     /// Measured runs after one warm-up; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub runs: usize,
-    /// A JSON file with the prompt's token ids, to measure the exact prompt another tool uses.
+    /// A JSON file with the prompt's token ids, to measure the exact prompt another tool uses;
+    /// with --concurrency, an array of N such arrays, one per request.
     #[arg(long)]
     pub prompt_ids: Option<PathBuf>,
     /// Print a JSON object as the last line.
@@ -38,9 +39,13 @@ pub struct BenchArgs {
     /// Run N requests at once through the batch engine instead of one request at a time.
     #[arg(long)]
     pub concurrency: Option<usize>,
-    /// With --concurrency: tokens at the start of every prompt that all requests share.
+    /// With --concurrency: tokens at the start of every prompt that all requests share; a
+    /// warm-up request puts them in the prefix cache first.
     #[arg(long, default_value_t = 0)]
     pub shared_prefix_tokens: usize,
+    /// With --concurrency: the engine's KV cache budget in MiB (default: the engine's).
+    #[arg(long)]
+    pub kv_cache_mib: Option<usize>,
 }
 
 #[derive(Serialize)]
@@ -65,8 +70,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
     let prompt = match &args.prompt_ids {
         Some(path) => {
-            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            serde_json::from_str::<Vec<u32>>(&text).with_context(|| format!("{} is not a JSON array of token ids", path.display()))?
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            serde_json::from_str::<Vec<u32>>(&text)
+                .with_context(|| format!("{} is not a JSON array of token ids", path.display()))?
         }
         None => filler_tokens(&tokenizer, 0, args.prompt_tokens)?,
     };
@@ -76,7 +83,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 
     let mut runs: Vec<GenerationStats> = Vec::new();
     for i in 0..=args.runs.max(1) {
-        let out = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(()))?;
+        let out = generate(model.as_ref(), &tokenizer, &request, |_| {
+            ControlFlow::Continue(())
+        })?;
         if i > 0 {
             eprintln!(
                 "run {i}: prompt {:.1} tok/s, generation {:.1} tok/s, TTFT {:.0} ms, peak {:.1} MB",
@@ -122,7 +131,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
 
 /// `len` tokens of English filler text, starting `skip` tokens into the cycle (so prompts with
 /// different `skip` differ from their first token).
-pub fn filler_tokens(tokenizer: &perch_engine::Tokenizer, skip: usize, len: usize) -> anyhow::Result<Vec<u32>> {
+pub fn filler_tokens(
+    tokenizer: &perch_engine::Tokenizer,
+    skip: usize,
+    len: usize,
+) -> anyhow::Result<Vec<u32>> {
     let text = "The quick brown fox jumps over the lazy dog while the farmer counts sheep in the valley. \
                 Rivers carry silt to the delta, where herons wait and fishermen mend their nets at dawn. ";
     let ids = tokenizer.encode(text, false)?;

@@ -6,7 +6,10 @@ use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
 use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
-use perch_engine::{EngineConfig, EngineEvent, FinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, Tokenizer};
+use perch_engine::{
+    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest, Prompt,
+    Tokenizer,
+};
 use serde::Serialize;
 
 use crate::bench::{filler_tokens, BenchArgs};
@@ -28,40 +31,75 @@ struct BatchReport {
     itl_ms_p50: f64,
     itl_ms_p95: f64,
     peak_memory_bytes: usize,
-    /// `null` until the batch engine reads the prefix cache.
-    prefix_cache_hit_rate: Option<f64>,
+    /// Share of the measured requests' prompt tokens served from the prefix cache.
+    prefix_cache_hit_rate: f64,
 }
 
 struct Timeline {
     submitted: Instant,
     tokens: Vec<Instant>,
+    prompt_tokens: usize,
+    cached_prompt_tokens: usize,
 }
 
 pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     anyhow::ensure!(concurrency > 0, "--concurrency must be at least 1");
-    anyhow::ensure!(
-        args.shared_prefix_tokens < args.prompt_tokens,
-        "--shared-prefix-tokens must be smaller than --prompt-tokens"
-    );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
-    let engine = EngineHandle::load(&dir, EngineConfig { max_running: concurrency })?;
-    let shared = filler_tokens(&tokenizer, 0, args.shared_prefix_tokens)?;
-    let prompts: Vec<Vec<u32>> = (0..concurrency)
-        .map(|i| {
-            let unique = filler_tokens(&tokenizer, 1 + 3 * i, args.prompt_tokens - shared.len())?;
-            Ok([shared.clone(), unique].concat())
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let mut config = EngineConfig {
+        max_running: concurrency,
+        ..EngineConfig::default()
+    };
+    if let Some(mib) = args.kv_cache_mib {
+        config.kv_cache_bytes = mib << 20;
+    }
+    let engine = EngineHandle::load(&dir, config)?;
+    let prompts: Vec<Vec<u32>> = match &args.prompt_ids {
+        Some(path) => {
+            let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(path)?)
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "{}: expected an array of {concurrency} token-id arrays: {e}",
+                        path.display()
+                    )
+                })?;
+            anyhow::ensure!(
+                prompts.len() == concurrency,
+                "{} holds {} prompts, not {concurrency}",
+                path.display(),
+                prompts.len()
+            );
+            prompts
+        }
+        None => {
+            anyhow::ensure!(
+                args.shared_prefix_tokens < args.prompt_tokens,
+                "--shared-prefix-tokens must be smaller than --prompt-tokens"
+            );
+            let shared = filler_tokens(&tokenizer, 0, args.shared_prefix_tokens)?;
+            (0..concurrency)
+                .map(|i| {
+                    let unique =
+                        filler_tokens(&tokenizer, 1 + 3 * i, args.prompt_tokens - shared.len())?;
+                    Ok([shared.clone(), unique].concat())
+                })
+                .collect::<anyhow::Result<_>>()?
+        }
+    };
     let request = |prompt: Vec<u32>, max_tokens: usize| {
         let mut params = GenerateRequest::new(Vec::new());
         params.max_tokens = max_tokens;
         params.ignore_eos = true;
-        EngineRequest { prompt: Prompt::Tokens(prompt), params }
+        EngineRequest {
+            prompt: Prompt::Tokens(prompt),
+            params,
+        }
     };
 
-    // Warm-up: one short request through the same path.
-    drain(&engine.submit(request(prompts[0][..8.min(prompts[0].len())].to_vec(), 2))?.events)?;
+    // Warm-up through the same path; with a shared prefix, it also puts the prefix in the cache.
+    let shared = args.shared_prefix_tokens.min(prompts[0].len());
+    let warm_up = [&prompts[0][..shared], &filler_tokens(&tokenizer, 2, 8)?[..]].concat();
+    drain(&engine.submit(request(warm_up, 2))?.events)?;
 
     reset_peak_memory();
     let start = Instant::now();
@@ -75,15 +113,33 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
             .into_iter()
             .map(|stream| {
                 scope.spawn(move || -> anyhow::Result<Timeline> {
-                    let mut timeline = Timeline { submitted: start, tokens: Vec::new() };
+                    let mut timeline = Timeline {
+                        submitted: start,
+                        tokens: Vec::new(),
+                        prompt_tokens: 0,
+                        cached_prompt_tokens: 0,
+                    };
                     loop {
                         match stream.events.recv_timeout(Duration::from_secs(3600)) {
-                            Ok(EngineEvent::Token { id: Some(_), .. }) => timeline.tokens.push(Instant::now()),
-                            Ok(EngineEvent::Token { id: None, .. }) => {}
-                            Ok(EngineEvent::Finished { finish_reason: FinishReason::Error, error, .. }) => {
-                                anyhow::bail!("a benchmark request failed: {}", error.unwrap_or_default())
+                            Ok(EngineEvent::Token { id: Some(_), .. }) => {
+                                timeline.tokens.push(Instant::now())
                             }
-                            Ok(EngineEvent::Finished { .. }) => return Ok(timeline),
+                            Ok(EngineEvent::Token { id: None, .. }) => {}
+                            Ok(EngineEvent::Finished {
+                                finish_reason: FinishReason::Error,
+                                error,
+                                ..
+                            }) => {
+                                anyhow::bail!(
+                                    "a benchmark request failed: {}",
+                                    error.unwrap_or_default()
+                                )
+                            }
+                            Ok(EngineEvent::Finished { stats, .. }) => {
+                                timeline.prompt_tokens = stats.prompt_tokens;
+                                timeline.cached_prompt_tokens = stats.cached_prompt_tokens;
+                                return Ok(timeline);
+                            }
                             Err(RecvTimeoutError::Timeout | RecvTimeoutError::Disconnected) => {
                                 anyhow::bail!("the engine stopped answering")
                             }
@@ -92,46 +148,75 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                 })
             })
             .collect();
-        handles.into_iter().map(|h| h.join().expect("reader thread")).collect::<anyhow::Result<Vec<_>>>()
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("reader thread"))
+            .collect::<anyhow::Result<Vec<_>>>()
     })?;
     let peak = memory_stats().peak_bytes;
     engine.shutdown();
 
     let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
-    let firsts: Vec<Instant> = timelines.iter().filter_map(|t| t.tokens.first().copied()).collect();
-    let last = timelines.iter().filter_map(|t| t.tokens.last().copied()).max().unwrap_or(start);
+    let firsts: Vec<Instant> = timelines
+        .iter()
+        .filter_map(|t| t.tokens.first().copied())
+        .collect();
+    let last = timelines
+        .iter()
+        .filter_map(|t| t.tokens.last().copied())
+        .max()
+        .unwrap_or(start);
     let first_min = firsts.iter().min().copied().unwrap_or(start);
     let first_max = firsts.iter().max().copied().unwrap_or(start);
-    let mut ttft: Vec<f64> = timelines.iter().filter_map(|t| t.tokens.first().map(|f| secs(t.submitted, *f) * 1e3)).collect();
+    let mut ttft: Vec<f64> = timelines
+        .iter()
+        .filter_map(|t| t.tokens.first().map(|f| secs(t.submitted, *f) * 1e3))
+        .collect();
     let mut itl: Vec<f64> = timelines
         .iter()
-        .flat_map(|t| t.tokens.windows(2).map(|w| secs(w[0], w[1]) * 1e3).collect::<Vec<_>>())
+        .flat_map(|t| {
+            t.tokens
+                .windows(2)
+                .map(|w| secs(w[0], w[1]) * 1e3)
+                .collect::<Vec<_>>()
+        })
         .collect();
     let generated: usize = timelines.iter().map(|t| t.tokens.len()).sum();
     let report = BatchReport {
         backend: Backend::current(),
         concurrency,
-        prompt_tokens: args.prompt_tokens,
+        prompt_tokens: prompts[0].len(),
         shared_prefix_tokens: args.shared_prefix_tokens,
         generation_tokens: args.gen_tokens,
-        prompt_tps: (concurrency * args.prompt_tokens) as f64 / secs(start, first_max).max(1e-9),
-        generation_tps: generated.saturating_sub(firsts.len()) as f64 / secs(first_min, last).max(1e-9),
+        prompt_tps: prompts.iter().map(Vec::len).sum::<usize>() as f64
+            / secs(start, first_max).max(1e-9),
+        generation_tps: generated.saturating_sub(firsts.len()) as f64
+            / secs(first_min, last).max(1e-9),
         ttft_ms_p50: percentile(&mut ttft, 0.50),
         ttft_ms_p95: percentile(&mut ttft, 0.95),
         itl_ms_p50: percentile(&mut itl, 0.50),
         itl_ms_p95: percentile(&mut itl, 0.95),
         peak_memory_bytes: peak,
-        prefix_cache_hit_rate: None,
+        prefix_cache_hit_rate: timelines
+            .iter()
+            .map(|t| t.cached_prompt_tokens)
+            .sum::<usize>() as f64
+            / timelines
+                .iter()
+                .map(|t| t.prompt_tokens)
+                .sum::<usize>()
+                .max(1) as f64,
     };
     println!(
-        "{concurrency} concurrent: prompt {:.1} tok/s | generation {:.1} tok/s | TTFT p50 {:.0} ms p95 {:.0} ms | ITL p50 {:.0} ms p95 {:.0} ms | peak {:.1} MB",
+        "{concurrency} concurrent: prompt {:.1} tok/s | generation {:.1} tok/s | TTFT p50 {:.0} ms p95 {:.0} ms | ITL p50 {:.0} ms p95 {:.0} ms | peak {:.1} MB | prefix hit {:.0}%",
         report.prompt_tps,
         report.generation_tps,
         report.ttft_ms_p50,
         report.ttft_ms_p95,
         report.itl_ms_p50,
         report.itl_ms_p95,
-        report.peak_memory_bytes as f64 / 1e6
+        report.peak_memory_bytes as f64 / 1e6,
+        report.prefix_cache_hit_rate * 100.0
     );
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
@@ -142,7 +227,11 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
 fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> {
     loop {
         match events.recv()? {
-            EngineEvent::Finished { finish_reason: FinishReason::Error, error, .. } => {
+            EngineEvent::Finished {
+                finish_reason: FinishReason::Error,
+                error,
+                ..
+            } => {
                 anyhow::bail!("warm-up failed: {}", error.unwrap_or_default())
             }
             EngineEvent::Finished { .. } => return Ok(()),

@@ -24,15 +24,24 @@ pub struct ChatArgs {
 
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
-    let mut messages: Vec<ChatMessage> = args.system.iter().map(|s| ChatMessage::new("system", s.clone())).collect();
+    let mut messages: Vec<ChatMessage> = args
+        .system
+        .iter()
+        .map(|s| ChatMessage::new("system", s.clone()))
+        .collect();
     let first = messages.clone();
-    eprintln!("Chatting with {} — /reset starts over, /exit or Ctrl-D quits.", model.info().model_type);
+    eprintln!(
+        "Chatting with {} — /reset starts over, /exit or Ctrl-D quits.",
+        model.info().model_type
+    );
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
         eprint!("> ");
         std::io::stderr().flush()?;
-        let Some(line) = lines.next().transpose()? else { break };
+        let Some(line) = lines.next().transpose()? else {
+            break;
+        };
         let line = line.trim();
         match line {
             "" => continue,
@@ -57,7 +66,12 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         match result {
             Ok(reply) => {
                 let s = &reply.stats;
-                eprintln!("[{} tokens, {:.1} tok/s, TTFT {:.0} ms]", s.generation_tokens, s.generation_tps, s.ttft_s * 1000.0);
+                eprintln!(
+                    "[{} tokens, {:.1} tok/s, TTFT {:.0} ms]",
+                    s.generation_tokens,
+                    s.generation_tps,
+                    s.ttft_s * 1000.0
+                );
                 messages.push(ChatMessage::new("assistant", reply.text));
             }
             Err(err) => {

@@ -67,9 +67,17 @@ pub struct GenerationOptions {
 }
 
 fn parse_logit_bias(arg: &str) -> Result<(u32, f32), String> {
-    let (id, bias) = arg.split_once('=').ok_or_else(|| format!("`{arg}` is not ID=BIAS"))?;
-    let id = id.trim().parse().map_err(|_| format!("`{id}` is not a token id"))?;
-    let bias = bias.trim().parse().map_err(|_| format!("`{bias}` is not a number"))?;
+    let (id, bias) = arg
+        .split_once('=')
+        .ok_or_else(|| format!("`{arg}` is not ID=BIAS"))?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{id}` is not a token id"))?;
+    let bias = bias
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{bias}` is not a number"))?;
     Ok((id, bias))
 }
 
@@ -122,7 +130,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     if args.json {
-        writeln!(out, "{}", json!({ "finish_reason": result.finish_reason, "stats": result.stats }))?;
+        writeln!(
+            out,
+            "{}",
+            json!({ "finish_reason": result.finish_reason, "stats": result.stats })
+        )?;
     } else {
         writeln!(out)?;
         let s = &result.stats;
@@ -160,9 +172,14 @@ fn prompt_ids(args: &GenerateArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<
         }
         messages.push(ChatMessage::new("user", prompt.clone()));
     } else if let Some(path) = &args.messages {
-        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        let parsed: Vec<ChatMessage> = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not a JSON array of {{\"role\", \"content\"}} messages", path.display()))?;
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        let parsed: Vec<ChatMessage> = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a JSON array of {{\"role\", \"content\"}} messages",
+                path.display()
+            )
+        })?;
         if parsed.is_empty() {
             bail!("{} holds no messages", path.display());
         }

@@ -28,9 +28,14 @@ pub fn run(args: ImportArgs) -> anyhow::Result<()> {
             model_dir::models_dir().join(stem)
         }
     };
-    let summary = perch_gguf::import(&args.gguf, &out).with_context(|| format!("importing {}", args.gguf.display()))?;
+    let summary = perch_gguf::import(&args.gguf, &out)
+        .with_context(|| format!("importing {}", args.gguf.display()))?;
     println!("{}", out.display());
-    let types: Vec<String> = summary.tensor_types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+    let types: Vec<String> = summary
+        .tensor_types
+        .iter()
+        .map(|(t, n)| format!("{n} {t}"))
+        .collect();
     eprintln!(
         "imported a {} model: {} tensors ({}), {:.1} MB written",
         summary.architecture,

@@ -15,7 +15,10 @@ pub fn models_dir() -> PathBuf {
     if let Some(dir) = std::env::var_os("PERCH_MODELS_DIR") {
         return PathBuf::from(dir);
     }
-    dirs::data_dir().unwrap_or_else(|| PathBuf::from(".")).join("perch").join("models")
+    dirs::data_dir()
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("perch")
+        .join("models")
 }
 
 /// `--model`, else `$PERCH_MODEL`, else the default model in [`models_dir`].
@@ -35,7 +38,9 @@ pub fn resolve(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
 /// Loads model and tokenizer from a directory.
 pub fn load(model: Option<PathBuf>) -> anyhow::Result<(Box<dyn Model>, Tokenizer)> {
     let dir = resolve(model)?;
-    let tokenizer = Tokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let model = models::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let tokenizer = Tokenizer::load(&dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let model =
+        models::load(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     Ok((model, tokenizer))
 }

@@ -1,24 +1,43 @@
-//! Continuous batching (mlx-lm's `BatchGenerator`: `insert`, `step`, `remove`): sequences join
-//! and leave between steps; each step runs at most one prefill chunk, then one decode step for
-//! every sequence whose prompt is in its cache, batched through [`Model::forward_batch`].
+//! Continuous batching over a block-pool KV cache (mlx-lm's `BatchGenerator`: `insert`, `step`,
+//! `remove`; vLLM v1's scheduler for admission, prefix caching and preemption).
 //!
-//! Each sequence keeps its own contiguous KV cache, so a row of the batch computes exactly what
-//! the sequence computes alone (projections are batched, attention is per sequence; see
-//! `kv_cache_manager.rs` for why the pool is not read on every step). Prefill chunks interleave
-//! with decode steps, so a long prompt delays running streams by one chunk per step at most.
+//! Each step: admit waiting requests while the batch has room and the [`BlockPool`] has blocks
+//! for their prompts (reusing the longest cached prefix), run one prefill chunk for each of up to
+//! `prefill_batch_size` sequences still prefilling, then one batched decode step of every
+//! sequence whose prompt is in its cache. A sequence that needs a block when none is free
+//! preempts the newest running request, which goes back to the front of the queue and is
+//! recomputed later (mostly from the prefix cache, since its full blocks are published first).
+//!
+//! Each sequence computes in its own contiguous KV cache, so a row of the batch computes exactly
+//! what the sequence computes alone (projections are batched, attention is per sequence; see
+//! `kv_cache_manager.rs` for why the pool is not read on every step). The block tables account
+//! for that memory; full blocks are copied into the [`BlockStore`] once, when registered in the
+//! prefix cache, and copied out on a hit.
+//!
+//! Inter-token latency: a step holds at most `prefill_batch_size` chunks of `prefill_step_size`
+//! prompt tokens besides the decode step, so a long prompt delays running streams by that much
+//! per token, never by the whole prompt.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use mlx_rs::transforms::eval;
-use mlx_rs::Array;
+use mlx_rs::{Array, Dtype};
+use serde::Serialize;
 
+use crate::block_pool::{BlockId, BlockPool};
+use crate::block_store::BlockStore;
 use crate::cache::KvCache;
-use crate::error::Result;
-use crate::generate::{check_request, sample_next, GenerateOutput, GenerateRequest, Pushed, RecentTokens, TokenEvent, TokenSink};
-use crate::generate::FinishReason;
-use crate::kv_cache_manager::RequestId;
+use crate::device::Backend;
+use crate::error::{EngineError, Result};
+use crate::generate::{
+    check_request, sample_next, FinishReason, GenerateOutput, GenerateRequest, Pushed,
+    RecentTokens, TokenEvent, TokenSink,
+};
+use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
 use crate::mlx_ext::slice;
 use crate::models::Model;
+use crate::prompt_cache::PromptCache;
 use crate::sampler::Sampler;
 use crate::throughput::ThroughputWindow;
 use crate::tokenizer::Tokenizer;
@@ -26,32 +45,106 @@ use crate::tokenizer::Tokenizer;
 /// Span of the engine's tok/s rates.
 pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(5);
 
+/// Limits of the batch and size of its KV block pool.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BatchConfig {
+    /// Most sequences running at once, prefilling or decoding (mlx-lm's `completion_batch_size`).
+    pub max_running: usize,
+    /// Sequences that advance their prefill by one chunk in each step (mlx-lm's
+    /// `prefill_batch_size`); each chunk is `prefill_step_size` tokens of its request.
+    pub prefill_batch_size: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the pool: with the block size, the KV cache capacity in tokens.
+    pub num_blocks: usize,
+}
+
+impl BatchConfig {
+    /// Default limits with a pool sized to `kv_cache_bytes` for `model` (see
+    /// [`kv_bytes_per_token`]).
+    pub fn for_budget(model: &dyn Model, kv_cache_bytes: usize, block_size: usize) -> Self {
+        let block_size = block_size.max(1);
+        let per_block = kv_bytes_per_token(model) * block_size;
+        Self {
+            max_running: 32,
+            prefill_batch_size: 1,
+            block_size,
+            num_blocks: kv_cache_bytes / per_block.max(1),
+        }
+    }
+}
+
+/// KV cache bytes one token takes across all layers: `2 * layers * kv_heads * head_dim` values
+/// in the compute dtype.
+pub fn kv_bytes_per_token(model: &dyn Model) -> usize {
+    let info = model.info();
+    let dtype_bytes = match Backend::current().compute_dtype(Dtype::Float32) {
+        Dtype::Float32 => 4,
+        _ => 2,
+    };
+    2 * info.num_layers * info.num_kv_heads * info.head_dim * dtype_bytes
+}
+
+/// The KV block pool's state, for engine stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct KvCacheStats {
+    /// Tokens per block.
+    pub block_size: usize,
+    pub blocks_total: usize,
+    /// Blocks in some running sequence's block table.
+    pub blocks_used: usize,
+    /// Free blocks that still hold a cached prefix (reusable until evicted).
+    pub blocks_cached_free: usize,
+    /// Free blocks holding nothing.
+    pub blocks_empty: usize,
+    /// Share of admitted prompt tokens found in the prefix cache, 0..=1.
+    pub prefix_cache_hit_rate: f64,
+    /// Bytes of KV content kept for cached blocks.
+    pub prefix_cache_bytes: usize,
+    /// Requests preempted (sent back to the queue for recompute) since start.
+    pub preemptions: u64,
+}
+
 /// What a step produced for one request.
 #[derive(Debug)]
 pub enum BatchEvent {
-    Token { request: RequestId, event: TokenEvent },
+    Token {
+        request: RequestId,
+        event: TokenEvent,
+    },
     /// The request is done and has left the batch.
-    Finished { request: RequestId, output: GenerateOutput },
+    Finished {
+        request: RequestId,
+        output: GenerateOutput,
+    },
 }
 
 struct Sequence {
     id: RequestId,
     request: GenerateRequest,
+    /// Prompt then generated tokens: what the KV cache must hold, up to the last one.
+    tokens: Vec<u32>,
+    /// One per layer; empty while waiting.
     cache: Vec<KvCache>,
+    /// Tokens in `cache` (all but the last of `tokens` once prefill is done).
+    computed: usize,
+    /// Leading full blocks already registered in the prefix cache.
+    published_blocks: usize,
     sampler: Sampler,
     history: RecentTokens,
     sink: TokenSink,
-    /// Prompt tokens already in the cache (all but the last, once prefill is done).
-    prefilled: usize,
-    /// The token the next decode step feeds (the last prompt token, then each sampled one).
-    next_input: u32,
+    /// Whether this request was admitted before (its prefix lookup is counted once).
+    admitted_once: bool,
+    /// A prefix state from a prompt-cache file without token ids: the sequence starts from it
+    /// (`tokens` begins with placeholders for it) and its blocks never join the prefix cache.
+    preloaded: Option<PromptCache>,
     start: Instant,
     first_token_at: Option<f64>,
 }
 
 impl Sequence {
     fn prefill_done(&self) -> bool {
-        self.prefilled + 1 >= self.request.prompt.len()
+        self.computed + 1 >= self.tokens.len()
     }
 }
 
@@ -59,10 +152,14 @@ impl Sequence {
 pub struct BatchGenerator<'m> {
     model: &'m dyn Model,
     tokenizer: &'m Tokenizer,
-    sequences: Vec<Sequence>,
+    config: BatchConfig,
+    /// Admitted sequences, oldest first (the newest is preempted first).
+    running: Vec<Sequence>,
+    waiting: VecDeque<Sequence>,
+    kv: KvCacheManager,
+    store: BlockStore,
     next_id: RequestId,
-    /// Largest number of sequences decoded together (mlx-lm's `completion_batch_size`).
-    pub max_running: usize,
+    preemptions: u64,
     /// Prompt tokens processed, over the last seconds.
     pub prompt_throughput: ThroughputWindow,
     /// Tokens generated, over the last seconds.
@@ -70,33 +167,100 @@ pub struct BatchGenerator<'m> {
 }
 
 impl<'m> BatchGenerator<'m> {
-    pub fn new(model: &'m dyn Model, tokenizer: &'m Tokenizer) -> Self {
+    /// `model_id` seeds the prefix-cache hashes (see [`crate::block_pool::BlockHash::root`]).
+    pub fn new(
+        model: &'m dyn Model,
+        tokenizer: &'m Tokenizer,
+        config: BatchConfig,
+        model_id: &str,
+    ) -> Self {
+        let config = BatchConfig {
+            max_running: config.max_running.max(1),
+            prefill_batch_size: config.prefill_batch_size.max(1),
+            ..config
+        };
         Self {
             model,
             tokenizer,
-            sequences: Vec::new(),
+            kv: KvCacheManager::new(
+                BlockPool::new(config.num_blocks, config.block_size),
+                model_id,
+            ),
+            store: BlockStore::new(config.num_blocks),
+            config,
+            running: Vec::new(),
+            waiting: VecDeque::new(),
             next_id: 1,
-            max_running: 32,
+            preemptions: 0,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
     }
 
-    /// Adds a request; it starts prefilling at the next step. Errors as [`crate::generate`]'s
-    /// checks (empty or too long prompt, bad sampling parameters).
+    pub fn config(&self) -> &BatchConfig {
+        &self.config
+    }
+
+    /// Queues a request; it is admitted at a step when the batch has room and blocks.
+    ///
+    /// Errors as [`crate::generate`]'s checks (empty or too long prompt, bad sampling parameters),
+    /// and [`EngineError::KvCacheTooSmall`] when the prompt plus `max_tokens` cannot fit in the
+    /// whole pool.
     pub fn insert(&mut self, request: GenerateRequest) -> Result<RequestId> {
+        self.insert_with(request, None)
+    }
+
+    /// Queues a request that continues from `prefix`, a prompt-cache file's state, as mlx_lm's
+    /// `generate(prompt_cache=...)` does: `request.prompt` holds only the tokens after it. A
+    /// prefix whose token ids are known joins the prefix cache and the request is inserted with
+    /// them in front; an anonymous one (an mlx_lm file) stays private to this request.
+    pub fn insert_after_prefix(
+        &mut self,
+        mut request: GenerateRequest,
+        prefix: PromptCache,
+    ) -> Result<RequestId> {
+        match &prefix.tokens {
+            Some(tokens) => {
+                self.import_prefix(tokens, &prefix.layers)?;
+                request.prompt = [&tokens[..], &request.prompt[..]].concat();
+                self.insert_with(request, None)
+            }
+            None => self.insert_with(request, Some(prefix)),
+        }
+    }
+
+    fn insert_with(
+        &mut self,
+        mut request: GenerateRequest,
+        preloaded: Option<PromptCache>,
+    ) -> Result<RequestId> {
+        let prefix_len = preloaded.as_ref().map_or(0, |p| p.offset);
+        // Checks and stats see the whole sequence: the cached prefix plus the new tokens.
+        let continuation = std::mem::take(&mut request.prompt);
+        request.prompt = [vec![0; prefix_len], continuation].concat();
         let (max_tokens, stop_ids) = check_request(self.model, self.tokenizer, &request)?;
+        let capacity_tokens = self.config.num_blocks * self.config.block_size;
+        let needed_tokens = request.prompt.len() + max_tokens;
+        if needed_tokens > capacity_tokens {
+            return Err(EngineError::KvCacheTooSmall {
+                needed_tokens,
+                capacity_tokens,
+            });
+        }
         let id = self.next_id;
         self.next_id += 1;
-        let sink = TokenSink::new(&request, stop_ids, max_tokens);
-        self.sequences.push(Sequence {
+        let history = RecentTokens::new(&request.sampling, &request.prompt[prefix_len..]);
+        self.waiting.push_back(Sequence {
             id,
-            cache: self.model.make_cache(),
+            preloaded,
+            history,
+            tokens: request.prompt.clone(),
+            cache: Vec::new(),
+            computed: 0,
+            published_blocks: 0,
             sampler: Sampler::new(request.sampling.clone())?,
-            history: RecentTokens::new(&request.sampling, &request.prompt),
-            sink,
-            prefilled: 0,
-            next_input: *request.prompt.last().expect("checked non-empty"),
+            sink: TokenSink::new(&request, stop_ids, max_tokens),
+            admitted_once: false,
             request,
             start: Instant::now(),
             first_token_at: None,
@@ -104,93 +268,393 @@ impl<'m> BatchGenerator<'m> {
         Ok(id)
     }
 
-    /// Removes a request (cancel); returns its output so far with finish reason `cancelled`.
-    pub fn remove(&mut self, id: RequestId) -> Option<GenerateOutput> {
-        let pos = self.sequences.iter().position(|s| s.id == id)?;
-        let mut seq = self.sequences.remove(pos);
-        seq.sink.output.finish_reason = FinishReason::Cancelled;
-        Some(seq.sink.output)
+    /// Removes a request (cancel), waiting or running, and frees its blocks (full ones stay in
+    /// the prefix cache). Returns its output so far with finish reason `cancelled`.
+    pub fn remove(&mut self, id: RequestId) -> Result<Option<GenerateOutput>> {
+        let seq = if let Some(pos) = self.running.iter().position(|s| s.id == id) {
+            let mut seq = self.running.remove(pos);
+            self.release(&mut seq)?;
+            seq
+        } else if let Some(pos) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(pos).expect("position is valid")
+        } else {
+            return Ok(None);
+        };
+        let mut output = seq.sink.output;
+        output.finish_reason = FinishReason::Cancelled;
+        Ok(Some(output))
     }
 
-    /// Requests in the batch (prefilling or decoding).
-    pub fn len(&self) -> usize {
-        self.sequences.len()
+    /// Drops every request without output (after an MLX failure left their caches unusable);
+    /// the pool is all free afterwards. Returns their ids.
+    pub fn clear(&mut self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self
+            .running
+            .iter()
+            .chain(&self.waiting)
+            .map(|s| s.id)
+            .collect();
+        ids.sort_unstable();
+        for seq in self.running.drain(..) {
+            self.kv.free(seq.id);
+        }
+        self.waiting.clear();
+        ids
+    }
+
+    /// Requests admitted (prefilling or decoding).
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests queued for admission (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.sequences.is_empty()
+        self.running.is_empty() && self.waiting.is_empty()
     }
 
-    /// One step: a prefill chunk of the oldest sequence still prefilling, then one decode step of
-    /// up to `max_running` sequences whose prompts are cached.
+    /// The pool's occupancy and prefix-cache numbers.
+    pub fn kv_stats(&self) -> KvCacheStats {
+        let pool = self.kv.pool();
+        let cached_free = pool.num_cached_free_blocks();
+        KvCacheStats {
+            block_size: pool.block_size(),
+            blocks_total: pool.num_blocks(),
+            blocks_used: pool.num_used_blocks(),
+            blocks_cached_free: cached_free,
+            blocks_empty: pool.num_free_blocks() - cached_free,
+            prefix_cache_hit_rate: pool.stats().hit_rate(),
+            prefix_cache_bytes: self.store.nbytes(),
+            preemptions: self.preemptions,
+        }
+    }
+
+    /// Forgets every cached prefix not in use and drops its KV content.
+    pub fn reset_prefix_cache(&mut self) {
+        for id in self.kv.reset_prefix_cache() {
+            self.store.clear(id);
+        }
+    }
+
+    /// Puts the full blocks of a prefix (`tokens`, with `layers` holding at least that many
+    /// positions) into the prefix cache as free cached blocks, as if a request had computed them.
+    /// Takes only as many blocks as are free; returns the tokens now cached.
+    pub fn import_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
+        let block_size = self.config.block_size;
+        let blocks = (tokens.len() / block_size).min(self.kv.pool().num_free_blocks());
+        if blocks == 0 {
+            return Ok(0);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let num_tokens = blocks * block_size;
+        if !allocate(&mut self.kv, &mut self.store, id, 0, num_tokens, None) {
+            return Ok(0);
+        }
+        let entries = self.kv.cache_blocks(id, tokens, num_tokens);
+        for &(index, block) in &entries {
+            self.store.put(block, layers, index, block_size)?;
+        }
+        let ids: Vec<BlockId> = entries.iter().map(|&(_, block)| block).collect();
+        eval(self.store.state(&ids))?;
+        self.kv.free(id);
+        Ok(num_tokens)
+    }
+
+    /// The KV state of `tokens` (one cache per layer, `tokens.len()` positions), computed now
+    /// from the longest cached prefix on, in chunks of `prefill_step_size`; its full blocks join
+    /// the prefix cache. For saving prompt caches; it runs outside the batch's steps.
+    pub fn compute_prefix(
+        &mut self,
+        tokens: &[u32],
+        prefill_step_size: usize,
+    ) -> Result<Vec<KvCache>> {
+        let hit = self.kv.get_computed_blocks(tokens);
+        let mut cache = self.model.make_cache();
+        self.store.load_into(&hit.blocks, &mut cache)?;
+        for chunk in tokens[hit.num_tokens..].chunks(prefill_step_size.max(1)) {
+            self.model.forward(
+                &Array::from_slice(chunk, &[1, chunk.len() as i32]),
+                &mut cache,
+            )?;
+            eval(cache.iter().flat_map(KvCache::state))?;
+            self.prompt_throughput.record(chunk.len());
+        }
+        self.import_prefix(tokens, &cache)?;
+        Ok(cache)
+    }
+
+    /// One step: admission, prefill chunks, one batched decode step. Returns the tokens and
+    /// finished requests it produced.
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
-        if let Some(seq) = self.sequences.iter_mut().find(|s| !s.prefill_done()) {
-            let end = (seq.prefilled + seq.request.prefill_step_size.max(1)).min(seq.request.prompt.len() - 1);
-            let chunk = &seq.request.prompt[seq.prefilled..end];
-            self.model.forward(&Array::from_slice(chunk, &[1, chunk.len() as i32]), &mut seq.cache)?;
+        self.admit()?;
+        self.prefill()?;
+        self.decode()
+    }
+
+    /// Admits waiting requests, oldest first, while the batch has room and the pool has blocks
+    /// for their tokens; a hit on the prefix cache is copied into the new sequence's cache.
+    fn admit(&mut self) -> Result<()> {
+        while self.running.len() < self.config.max_running {
+            let Some(seq) = self.waiting.front() else {
+                break;
+            };
+            let hit = match seq.preloaded {
+                Some(_) => ComputedBlocks::default(),
+                None => self.kv.get_computed_blocks(&seq.tokens),
+            };
+            let new_tokens = seq.tokens.len() - hit.num_tokens;
+            if !allocate(
+                &mut self.kv,
+                &mut self.store,
+                seq.id,
+                hit.num_tokens,
+                new_tokens,
+                Some(&hit),
+            ) {
+                break;
+            }
+            let mut seq = self.waiting.pop_front().expect("front exists");
+            if !seq.admitted_once {
+                self.kv
+                    .record_prefix_lookup(seq.tokens.len(), hit.num_tokens);
+                seq.sink.output.stats.cached_prompt_tokens = hit.num_tokens;
+                seq.admitted_once = true;
+            }
+            seq.cache = self.model.make_cache();
+            self.store.load_into(&hit.blocks, &mut seq.cache)?;
+            seq.computed = hit.num_tokens;
+            if let Some(prefix) = &seq.preloaded {
+                for (cache, layer) in seq.cache.iter_mut().zip(&prefix.layers) {
+                    let (keys, values) = layer.copy_range(0, prefix.offset as i32)?;
+                    cache.update_and_fetch(&keys, &values)?;
+                }
+                seq.computed = prefix.offset;
+                seq.sink.output.stats.cached_prompt_tokens = prefix.offset;
+            }
+            eval(seq.cache.iter().flat_map(KvCache::state))?;
+            seq.published_blocks = hit.blocks.len();
+            self.running.push(seq);
+        }
+        Ok(())
+    }
+
+    /// One prefill chunk for each of the first `prefill_batch_size` sequences still prefilling.
+    fn prefill(&mut self) -> Result<()> {
+        let prefilling: Vec<usize> = (0..self.running.len())
+            .filter(|&i| !self.running[i].prefill_done())
+            .take(self.config.prefill_batch_size)
+            .collect();
+        for i in prefilling {
+            let seq = &mut self.running[i];
+            let end =
+                (seq.computed + seq.request.prefill_step_size.max(1)).min(seq.tokens.len() - 1);
+            let chunk = &seq.tokens[seq.computed..end];
+            self.model.forward(
+                &Array::from_slice(chunk, &[1, chunk.len() as i32]),
+                &mut seq.cache,
+            )?;
             eval(seq.cache.iter().flat_map(KvCache::state))?;
             self.prompt_throughput.record(chunk.len());
-            seq.prefilled = end;
+            seq.computed = end;
+            publish(&mut self.kv, &mut self.store, seq)?;
+        }
+        Ok(())
+    }
+
+    /// One decode step of every sequence whose prompt is cached: each first gets a slot for the
+    /// token it feeds, preempting the newest sequences when the pool is short.
+    fn decode(&mut self) -> Result<Vec<BatchEvent>> {
+        let mut events = Vec::new();
+        let mut i = 0;
+        while i < self.running.len() {
+            if !self.running[i].prefill_done() {
+                i += 1;
+                continue;
+            }
+            // The fed token's slot; the sampled token gets its slot at the next step.
+            let (id, held) = (self.running[i].id, self.running[i].tokens.len() - 1);
+            if allocate(&mut self.kv, &mut self.store, id, held, 1, None) {
+                i += 1;
+                continue;
+            }
+            if self.running.len() == 1 {
+                // Alone and still short: insert's capacity check makes this unreachable, but
+                // should it happen the request ends as if it reached its length.
+                let seq = self.running.remove(0);
+                self.finish(seq, &mut events)?;
+                break;
+            }
+            let mut victim = self.running.pop().expect("two or more running");
+            self.preempt(&mut victim)?;
+            self.waiting.push_front(victim);
         }
 
-        let ready: Vec<usize> = (0..self.sequences.len())
-            .filter(|&i| self.sequences[i].prefill_done())
-            .take(self.max_running)
+        let ready: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].prefill_done())
             .collect();
         if ready.is_empty() {
-            return Ok(Vec::new());
+            return Ok(events);
         }
-        let inputs: Vec<u32> = ready.iter().map(|&i| self.sequences[i].next_input).collect();
+        let inputs: Vec<u32> = ready
+            .iter()
+            .map(|&i| *self.running[i].tokens.last().expect("non-empty"))
+            .collect();
         let batch = inputs.len() as i32;
         let logits = {
             let mut caches: Vec<&mut [KvCache]> = Vec::with_capacity(ready.len());
-            for (i, seq) in self.sequences.iter_mut().enumerate() {
+            for (i, seq) in self.running.iter_mut().enumerate() {
                 if ready.contains(&i) {
                     caches.push(&mut seq.cache);
                 }
             }
-            self.model.forward_batch(&Array::from_slice(&inputs, &[batch, 1]), &mut caches)?
+            self.model
+                .forward_batch(&Array::from_slice(&inputs, &[batch, 1]), &mut caches)?
         };
         let vocab = logits.shape()[2];
         let mut sampled = Vec::with_capacity(ready.len());
         for (row, &i) in ready.iter().enumerate() {
-            let seq = &mut self.sequences[i];
+            let seq = &mut self.running[i];
             let row = row as i32;
-            let row_logits = slice(&logits, &[row, 0, 0], &[row + 1, 1, vocab])?.reshape(&[1, vocab])?;
-            sampled.push(sample_next(&row_logits, &mut seq.sampler, &mut seq.history)?);
+            let row_logits =
+                slice(&logits, &[row, 0, 0], &[row + 1, 1, vocab])?.reshape(&[1, vocab])?;
+            sampled.push(sample_next(
+                &row_logits,
+                &mut seq.sampler,
+                &mut seq.history,
+            )?);
         }
-        eval(sampled.iter().chain(ready.iter().flat_map(|&i| self.sequences[i].history.state())))?;
+        eval(
+            sampled
+                .iter()
+                .chain(ready.iter().flat_map(|&i| self.running[i].history.state())),
+        )?;
 
         // A sequence's first decode step also processes its last prompt token.
-        let first_steps = ready.iter().filter(|&&i| self.sequences[i].first_token_at.is_none()).count();
+        let first_steps = ready
+            .iter()
+            .filter(|&&i| self.running[i].first_token_at.is_none())
+            .count();
         self.prompt_throughput.record(first_steps);
         self.generation_throughput.record(ready.len());
-        let mut events = Vec::new();
         let mut done = Vec::new();
         for (&i, token) in ready.iter().zip(&sampled) {
-            let seq = &mut self.sequences[i];
-            let id = token.as_slice::<u32>()[0];
-            seq.first_token_at.get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
-            seq.next_input = id;
-            match seq.sink.push(self.tokenizer, id)? {
-                Pushed::Token(event) => events.push(BatchEvent::Token { request: seq.id, event }),
+            let seq = &mut self.running[i];
+            let token = token.as_slice::<u32>()[0];
+            seq.first_token_at
+                .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
+            seq.computed += 1;
+            seq.tokens.push(token);
+            match seq.sink.push(self.tokenizer, token)? {
+                Pushed::Token(event) => events.push(BatchEvent::Token {
+                    request: seq.id,
+                    event,
+                }),
                 Pushed::Last(event) => {
-                    events.extend(event.map(|event| BatchEvent::Token { request: seq.id, event }));
+                    events.extend(event.map(|event| BatchEvent::Token {
+                        request: seq.id,
+                        event,
+                    }));
                     done.push(seq.id);
                 }
             }
         }
         for id in done {
-            let pos = self.sequences.iter().position(|s| s.id == id).expect("finished sequence is present");
-            let mut seq = self.sequences.remove(pos);
-            if let Some(event) = seq.sink.finish(self.tokenizer)? {
-                events.push(BatchEvent::Token { request: id, event });
-            }
-            let total = seq.start.elapsed().as_secs_f64();
-            let generated = seq.sink.generated;
-            seq.sink.output.stats.set_timings(generated, seq.first_token_at.unwrap_or(total), total);
-            events.push(BatchEvent::Finished { request: id, output: seq.sink.output });
+            let pos = self
+                .running
+                .iter()
+                .position(|s| s.id == id)
+                .expect("finished sequence is running");
+            let seq = self.running.remove(pos);
+            self.finish(seq, &mut events)?;
         }
         Ok(events)
     }
+
+    /// Takes a sequence that is done out of the batch: frees its blocks, flushes held-back text
+    /// and reports it finished.
+    fn finish(&mut self, mut seq: Sequence, events: &mut Vec<BatchEvent>) -> Result<()> {
+        self.release(&mut seq)?;
+        if let Some(event) = seq.sink.finish(self.tokenizer)? {
+            events.push(BatchEvent::Token {
+                request: seq.id,
+                event,
+            });
+        }
+        let total = seq.start.elapsed().as_secs_f64();
+        let generated = seq.sink.generated;
+        seq.sink
+            .output
+            .stats
+            .set_timings(generated, seq.first_token_at.unwrap_or(total), total);
+        events.push(BatchEvent::Finished {
+            request: seq.id,
+            output: seq.sink.output,
+        });
+        Ok(())
+    }
+
+    /// Publishes a leaving sequence's full blocks to the prefix cache, then frees its blocks
+    /// and its cache.
+    fn release(&mut self, seq: &mut Sequence) -> Result<()> {
+        if !seq.cache.is_empty() {
+            publish(&mut self.kv, &mut self.store, seq)?;
+        }
+        self.kv.free(seq.id);
+        seq.cache = Vec::new();
+        Ok(())
+    }
+
+    /// Sends a running sequence back to be recomputed: its blocks are freed (full ones stay
+    /// cached, so readmission mostly hits them) and its sampler and output carry on.
+    fn preempt(&mut self, seq: &mut Sequence) -> Result<()> {
+        self.release(seq)?;
+        seq.computed = 0;
+        seq.published_blocks = 0;
+        self.preemptions += 1;
+        Ok(())
+    }
+}
+
+/// Grows `request`'s block table for `num_new_tokens` more tokens (see
+/// [`KvCacheManager::allocate_slots`]); blocks handed out again lose the content they cached.
+/// Returns false, changing nothing, when the pool is short.
+fn allocate(
+    kv: &mut KvCacheManager,
+    store: &mut BlockStore,
+    request: RequestId,
+    num_computed: usize,
+    num_new_tokens: usize,
+    hit: Option<&ComputedBlocks>,
+) -> bool {
+    let held =
+        kv.block_table(request).map_or(0, <[BlockId]>::len) + hit.map_or(0, |h| h.blocks.len());
+    let Some(table) = kv.allocate_slots(request, num_computed, num_new_tokens, hit) else {
+        return false;
+    };
+    for &id in &table[held..] {
+        store.clear(id);
+    }
+    true
+}
+
+/// Registers the full blocks `seq` has computed since the last call in the prefix cache and
+/// copies the content of those that became cache entries into the store.
+fn publish(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence) -> Result<()> {
+    let full = seq.computed / kv.block_size();
+    // An anonymous prefix's placeholder tokens must never be hashed.
+    if full <= seq.published_blocks || seq.preloaded.is_some() {
+        return Ok(());
+    }
+    let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);
+    for &(index, id) in &entries {
+        store.put(id, &seq.cache, index, kv.block_size())?;
+    }
+    let ids: Vec<BlockId> = entries.iter().map(|&(_, id)| id).collect();
+    eval(store.state(&ids))?;
+    seq.published_blocks = full;
+    Ok(())
 }

@@ -66,7 +66,12 @@ impl BlockHash {
 }
 
 /// Hashes of the full blocks of `tokens` (a trailing partial block gets none), chained from `root`.
-pub fn full_block_hashes(root: BlockHash, tokens: &[u32], block_size: usize, extra: &[u8]) -> Vec<BlockHash> {
+pub fn full_block_hashes(
+    root: BlockHash,
+    tokens: &[u32],
+    block_size: usize,
+    extra: &[u8],
+) -> Vec<BlockHash> {
     let mut parent = root;
     tokens
         .chunks_exact(block_size)
@@ -110,7 +115,10 @@ struct FreeBlockQueue {
 
 impl FreeBlockQueue {
     fn push_back(&mut self, blocks: &mut [KvCacheBlock], id: BlockId) {
-        debug_assert!(!blocks[id.index()].in_free_queue, "block {id:?} is already free");
+        debug_assert!(
+            !blocks[id.index()].in_free_queue,
+            "block {id:?} is already free"
+        );
         let block = &mut blocks[id.index()];
         block.prev_free = self.tail;
         block.next_free = None;
@@ -130,7 +138,10 @@ impl FreeBlockQueue {
     }
 
     fn remove(&mut self, blocks: &mut [KvCacheBlock], id: BlockId) {
-        debug_assert!(blocks[id.index()].in_free_queue, "block {id:?} is not in the free queue");
+        debug_assert!(
+            blocks[id.index()].in_free_queue,
+            "block {id:?} is not in the free queue"
+        );
         let (prev, next) = {
             let b = &mut blocks[id.index()];
             b.in_free_queue = false;
@@ -198,7 +209,13 @@ impl BlockPool {
         for i in 0..num_blocks {
             free_queue.push_back(&mut blocks, BlockId(i as u32));
         }
-        Self { blocks, free_queue, cached: HashMap::new(), block_size, stats: PrefixCacheStats::default() }
+        Self {
+            blocks,
+            free_queue,
+            cached: HashMap::new(),
+            block_size,
+            stats: PrefixCacheStats::default(),
+        }
     }
 
     /// A pool that fits `budget_bytes` given the KV bytes one token takes in every layer
@@ -228,7 +245,10 @@ impl BlockPool {
 
     /// Free blocks that still hold a cached prefix.
     pub fn num_cached_free_blocks(&self) -> usize {
-        self.cached.values().filter(|id| self.blocks[id.index()].ref_cnt == 0).count()
+        self.cached
+            .values()
+            .filter(|id| self.blocks[id.index()].ref_cnt == 0)
+            .count()
     }
 
     pub fn block(&self, id: BlockId) -> &KvCacheBlock {
@@ -292,15 +312,16 @@ impl BlockPool {
     }
 
     /// Registers a block that just became full under `hash`. If another block already holds the
-    /// same content, that one stays the cache entry and this one remains private.
-    pub fn cache_full_block(&mut self, id: BlockId, hash: BlockHash) {
+    /// same content, that one stays the cache entry and this one remains private. Returns whether
+    /// this block became the cache entry (so its content must be kept for later hits).
+    pub fn cache_full_block(&mut self, id: BlockId, hash: BlockHash) -> bool {
         let block = &mut self.blocks[id.index()];
         debug_assert!(block.ref_cnt > 0, "caching a free block {id:?}");
         if block.hash.is_some() {
-            return;
+            return false;
         }
         block.hash = Some(hash);
-        self.cached.entry(hash).or_insert(id);
+        *self.cached.entry(hash).or_insert(id) == id
     }
 
     /// Records a prefix-cache lookup of `queried` tokens of which `hit` were found.
@@ -309,23 +330,33 @@ impl BlockPool {
         self.stats.hit_tokens += hit as u64;
     }
 
-    /// Forgets every cached prefix (free blocks stay free). Referenced blocks keep their hashes.
-    pub fn reset_prefix_cache(&mut self) {
+    /// Forgets every cached prefix (free blocks stay free) and returns the blocks forgotten.
+    /// Referenced blocks keep their hashes.
+    pub fn reset_prefix_cache(&mut self) -> Vec<BlockId> {
         let blocks = &mut self.blocks;
+        let mut forgotten = Vec::new();
         self.cached.retain(|_, id| {
             let keep = blocks[id.index()].ref_cnt > 0;
             if !keep {
                 blocks[id.index()].hash = None;
+                forgotten.push(*id);
             }
             keep
         });
+        forgotten
     }
 
     /// Checks every invariant; for tests and debug builds.
     pub fn check_invariants(&self) {
         let free = self.blocks.iter().filter(|b| b.ref_cnt == 0).count();
-        assert_eq!(free, self.free_queue.len, "blocks with no reference == free queue length");
-        assert!(self.blocks.iter().all(|b| b.in_free_queue == (b.ref_cnt == 0)));
+        assert_eq!(
+            free, self.free_queue.len,
+            "blocks with no reference == free queue length"
+        );
+        assert!(self
+            .blocks
+            .iter()
+            .all(|b| b.in_free_queue == (b.ref_cnt == 0)));
         let mut walked = 0;
         let mut cursor = self.free_queue.head;
         let mut prev = None;
@@ -340,9 +371,16 @@ impl BlockPool {
         assert_eq!(walked, self.free_queue.len);
         assert_eq!(self.free_queue.tail, prev);
         for (hash, id) in &self.cached {
-            assert_eq!(self.blocks[id.index()].hash, Some(*hash), "cache entry matches its block");
+            assert_eq!(
+                self.blocks[id.index()].hash,
+                Some(*hash),
+                "cache entry matches its block"
+            );
         }
-        assert_eq!(self.num_free_blocks() + self.num_used_blocks(), self.num_blocks());
+        assert_eq!(
+            self.num_free_blocks() + self.num_used_blocks(),
+            self.num_blocks()
+        );
     }
 }
 
@@ -360,7 +398,10 @@ mod tests {
         assert_eq!(pool.num_free_blocks(), 1);
         pool.free_blocks(a.iter().rev().copied());
         // Freed last-first: the queue is now 3, 2, 1, 0.
-        assert_eq!(pool.get_new_blocks(4).unwrap(), [BlockId(3), BlockId(2), BlockId(1), BlockId(0)]);
+        assert_eq!(
+            pool.get_new_blocks(4).unwrap(),
+            [BlockId(3), BlockId(2), BlockId(1), BlockId(0)]
+        );
         pool.check_invariants();
     }
 
@@ -384,7 +425,11 @@ mod tests {
         // Allocating two blocks evicts the other cached one (block 2 is never-used, then block 1).
         let new = pool.get_new_blocks(2).unwrap();
         assert!(pool.get_cached_block(hashes[1]).is_none(), "evicted");
-        assert_eq!(pool.get_cached_block(hashes[0]), Some(hit), "still referenced, still cached");
+        assert_eq!(
+            pool.get_cached_block(hashes[0]),
+            Some(hit),
+            "still referenced, still cached"
+        );
         pool.free_blocks(new);
         pool.check_invariants();
     }
@@ -394,12 +439,18 @@ mod tests {
         let a = full_block_hashes(BlockHash::root("m"), &[1, 2, 3, 4, 5, 6], 2, &[]);
         let b = full_block_hashes(BlockHash::root("m"), &[9, 2, 3, 4, 5, 6], 2, &[]);
         assert_ne!(a[0], b[0]);
-        assert_ne!(a[2], b[2], "a different first block changes every later hash");
+        assert_ne!(
+            a[2], b[2],
+            "a different first block changes every later hash"
+        );
         let c = full_block_hashes(BlockHash::root("other model"), &[1, 2, 3, 4, 5, 6], 2, &[]);
         assert!(a.iter().zip(&c).all(|(x, y)| x != y));
         let d = full_block_hashes(BlockHash::root("m"), &[1, 2, 3, 4, 5, 6], 2, b"q8");
         assert_ne!(a[0], d[0]);
-        assert_eq!(a, full_block_hashes(BlockHash::root("m"), &[1, 2, 3, 4, 5, 6, 7], 2, &[]));
+        assert_eq!(
+            a,
+            full_block_hashes(BlockHash::root("m"), &[1, 2, 3, 4, 5, 6, 7], 2, &[])
+        );
     }
 
     #[derive(Debug, Clone)]
@@ -452,7 +503,9 @@ mod tests {
                             seqs.push(vec![id]);
                         }
                     }
-                    Op::Reset => pool.reset_prefix_cache(),
+                    Op::Reset => {
+                        pool.reset_prefix_cache();
+                    }
                     _ => {}
                 }
                 pool.check_invariants();

@@ -4,7 +4,7 @@
 use mlx_rs::{ops, Array};
 
 use crate::error::Result;
-use crate::mlx_ext::{slice, slice_update};
+use crate::mlx_ext::{owned_copy, slice, slice_update};
 
 /// Keys and values of one attention layer, `[batch, kv_heads, capacity, head_dim]`, of which the
 /// first `offset` positions are filled.
@@ -45,7 +45,10 @@ impl KvCache {
                     // Drop the unused tail before growing, as mlx-lm does, so sizes stay step multiples.
                     let k = slice(&k, &[0, 0, 0, 0], &[batch, heads, start, head_dim])?;
                     let v = slice(&v, &[0, 0, 0, 0], &[batch, heads, start, value_dim])?;
-                    (ops::concatenate(&[k, fresh_k], 2)?, ops::concatenate(&[v, fresh_v], 2)?)
+                    (
+                        ops::concatenate(&[k, fresh_k], 2)?,
+                        ops::concatenate(&[v, fresh_v], 2)?,
+                    )
                 }
                 _ => (fresh_k, fresh_v),
             };
@@ -55,8 +58,18 @@ impl KvCache {
         let (Some(k_buf), Some(v_buf)) = (self.keys.take(), self.values.take()) else {
             unreachable!("buffers were allocated above");
         };
-        let k_buf = slice_update(&k_buf, keys, &[0, 0, start, 0], &[batch, heads, end, head_dim])?;
-        let v_buf = slice_update(&v_buf, values, &[0, 0, start, 0], &[batch, heads, end, value_dim])?;
+        let k_buf = slice_update(
+            &k_buf,
+            keys,
+            &[0, 0, start, 0],
+            &[batch, heads, end, head_dim],
+        )?;
+        let v_buf = slice_update(
+            &v_buf,
+            values,
+            &[0, 0, start, 0],
+            &[batch, heads, end, value_dim],
+        )?;
         self.offset = end;
         let capacity = k_buf.shape()[2];
         let fetched = if end < capacity {
@@ -77,6 +90,33 @@ impl KvCache {
         let n = n.min(self.offset);
         self.offset -= n;
         n
+    }
+
+    /// Positions `[start, end)` (`0 <= start <= end <= offset`) as keys and values
+    /// `[batch, kv_heads, end - start, head_dim]` in buffers of their own (lazy).
+    pub fn copy_range(&self, start: i32, end: i32) -> Result<(Array, Array)> {
+        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+            return Err(mlx_rs::error::Exception::from("copy_range of an empty KV cache").into());
+        };
+        debug_assert!(
+            0 <= start && start <= end && end <= self.offset,
+            "range {start}..{end} outside 0..{}",
+            self.offset
+        );
+        let [batch, heads, _, head_dim] = shape4(k);
+        let value_dim = v.shape()[3];
+        Ok((
+            owned_copy(&slice(
+                k,
+                &[0, 0, start, 0],
+                &[batch, heads, end, head_dim],
+            )?)?,
+            owned_copy(&slice(
+                v,
+                &[0, 0, start, 0],
+                &[batch, heads, end, value_dim],
+            )?)?,
+        ))
     }
 
     /// Bytes held by the buffers (capacity, not only the filled part).

@@ -18,7 +18,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -57,24 +60,41 @@ pub struct ChatTemplate {
 
 impl ChatTemplate {
     /// Compiles `source`. Errors: [`EngineError::ChatTemplate`] with minijinja's message.
-    pub fn new(source: String, bos_token: Option<String>, eos_token: Option<String>) -> Result<Self> {
+    pub fn new(
+        source: String,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+    ) -> Result<Self> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> std::result::Result<JinjaValue, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, message))
+        env.add_function(
+            "raise_exception",
+            |message: String| -> std::result::Result<JinjaValue, Error> {
+                Err(Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
+        env.add_function("strftime_now", |format: String| {
+            chrono::Local::now().format(&format).to_string()
         });
-        env.add_function("strftime_now", |format: String| chrono::Local::now().format(&format).to_string());
         env.add_filter("tojson", tojson);
-        env.add_template_owned("chat", source)
-            .map_err(|e| EngineError::ChatTemplate(format!("the template does not compile: {e}")))?;
-        Ok(Self { env, bos_token, eos_token })
+        env.add_template_owned("chat", source).map_err(|e| {
+            EngineError::ChatTemplate(format!("the template does not compile: {e}"))
+        })?;
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
     }
 
     /// Renders the conversation; `add_generation_prompt` appends the assistant's turn header.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self.env.get_template("chat").map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
+        let template = self
+            .env
+            .get_template("chat")
+            .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
         template
             .render(minijinja::context! {
                 messages => messages,
@@ -88,7 +108,10 @@ impl ChatTemplate {
 
 /// Python's `json.dumps(value, ensure_ascii=False, indent=indent)` as transformers' `tojson`
 /// does it: no HTML escaping, `", "` and `": "` separators when compact.
-fn tojson(value: JinjaValue, kwargs: minijinja::value::Kwargs) -> std::result::Result<JinjaValue, Error> {
+fn tojson(
+    value: JinjaValue,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<JinjaValue, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
     let json: serde_json::Value = serde_json::to_value(&value)
@@ -99,7 +122,8 @@ fn tojson(value: JinjaValue, kwargs: minijinja::value::Kwargs) -> std::result::R
             let formatter = serde_json::ser::PrettyFormatter::with_indent(indent.as_bytes());
             let mut out = Vec::new();
             let mut ser = serde_json::Serializer::with_formatter(&mut out, formatter);
-            json.serialize(&mut ser).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            json.serialize(&mut ser)
+                .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
             String::from_utf8(out).unwrap_or_default()
         }
         None => python_compact_json(&json),
@@ -110,7 +134,14 @@ fn tojson(value: JinjaValue, kwargs: minijinja::value::Kwargs) -> std::result::R
 fn python_compact_json(value: &serde_json::Value) -> String {
     use serde_json::Value as J;
     match value {
-        J::Array(items) => format!("[{}]", items.iter().map(python_compact_json).collect::<Vec<_>>().join(", ")),
+        J::Array(items) => format!(
+            "[{}]",
+            items
+                .iter()
+                .map(python_compact_json)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
         J::Object(map) => format!(
             "{{{}}}",
             map.iter()
@@ -127,7 +158,8 @@ mod tests {
     use super::*;
 
     fn render(source: &str, messages: &[ChatMessage]) -> Result<String> {
-        ChatTemplate::new(source.into(), Some("<s>".into()), Some("</s>".into()))?.render(messages, true)
+        ChatTemplate::new(source.into(), Some("<s>".into()), Some("</s>".into()))?
+            .render(messages, true)
     }
 
     #[test]
@@ -141,7 +173,11 @@ mod tests {
     fn raise_exception_becomes_an_error() {
         let source = "{% if messages[0].role != 'user' %}{{ raise_exception('first message must be from the user') }}{% endif %}";
         let err = render(source, &[ChatMessage::new("assistant", "x")]).unwrap_err();
-        assert!(err.to_string().contains("first message must be from the user"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("first message must be from the user"),
+            "{err}"
+        );
     }
 
     #[test]

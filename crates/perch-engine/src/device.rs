@@ -20,7 +20,10 @@ pub enum Backend {
 impl Backend {
     /// The backend of MLX's default device.
     pub fn current() -> Self {
-        let gpu = matches!(Device::try_default().and_then(|d| d.get_type()), Ok(DeviceType::Gpu));
+        let gpu = matches!(
+            Device::try_default().and_then(|d| d.get_type()),
+            Ok(DeviceType::Gpu)
+        );
         match (gpu, cfg!(target_os = "macos")) {
             (false, _) => Backend::Cpu,
             (true, true) => Backend::Metal,
@@ -101,7 +104,10 @@ mod tests {
         let a = mlx_rs::ops::ones::<f32>(&[1024, 1024]).unwrap();
         a.eval().unwrap();
         let during = memory_stats();
-        assert!(during.active_bytes >= before.active_bytes + 4 * 1024 * 1024 - 4096, "{before:?} -> {during:?}");
+        assert!(
+            during.active_bytes >= before.active_bytes + 4 * 1024 * 1024 - 4096,
+            "{before:?} -> {during:?}"
+        );
         assert!(during.peak_bytes >= during.active_bytes);
         drop(a);
         let after = memory_stats();

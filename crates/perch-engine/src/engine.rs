@@ -4,37 +4,57 @@
 //! next token, `stats` reports the queue and memory.
 //!
 //! Scheduling: continuous batching through [`BatchGenerator`]. Between steps the thread reads
-//! commands, drops cancelled requests, and admits waiting ones while fewer than
-//! [`EngineConfig::max_running`] run; each step is one prefill chunk plus one batched decode step.
+//! commands, hands new requests to the batch (which admits them by room and free KV blocks) and
+//! drops cancelled ones; each step is admission, prefill chunks and one batched decode step.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
-use std::path::Path;
 use std::thread::JoinHandle;
 
 use serde::Serialize;
 
+use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats};
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, MemoryStats};
 use crate::error::{EngineError, Result};
-use crate::batch::{BatchEvent, BatchGenerator};
 use crate::generate::{FinishReason, GenerateRequest, GenerationStats};
 use crate::kv_cache_manager::RequestId;
 use crate::models::{self, Model};
+use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
 use crate::tokenizer::Tokenizer;
 
 /// Engine settings.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
-    /// Most requests generating at once (the completion batch size); more wait in line.
+    /// Most requests running at once (the completion batch size); more wait in line.
     pub max_running: usize,
+    /// Requests whose prefill advances by one chunk per step (see [`BatchConfig`]).
+    pub prefill_batch_size: usize,
+    /// Memory for the KV block pool, in bytes; the pool holds this many bytes' worth of tokens.
+    pub kv_cache_bytes: usize,
+    /// Tokens per KV block (the prefix cache's granularity).
+    pub block_size: usize,
+}
+
+impl EngineConfig {
+    /// 2 GiB of KV cache: 46k tokens of SmolLM2-135M in float32, 8k tokens of an 8B
+    /// Llama in bfloat16.
+    pub const DEFAULT_KV_CACHE_BYTES: usize = 2 << 30;
+    /// Larger than vLLM's 16: each cached block is one small MLX array per layer here.
+    pub const DEFAULT_BLOCK_SIZE: usize = 32;
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { max_running: 32 }
+        Self {
+            max_running: 32,
+            prefill_batch_size: 1,
+            kv_cache_bytes: Self::DEFAULT_KV_CACHE_BYTES,
+            block_size: Self::DEFAULT_BLOCK_SIZE,
+        }
     }
 }
 
@@ -43,6 +63,12 @@ impl Default for EngineConfig {
 pub enum Prompt {
     Tokens(Vec<u32>),
     Chat(Vec<ChatMessage>),
+    /// Continue from a prompt-cache file (Perch's or mlx_lm's, see [`crate::prompt_cache`]) with
+    /// these tokens after its prefix, as `mlx_lm.generate --prompt-cache-file` does.
+    AfterCache {
+        cache_file: PathBuf,
+        tokens: Vec<u32>,
+    },
 }
 
 /// A request as submitted: the prompt plus every per-request setting of [`GenerateRequest`]
@@ -60,24 +86,37 @@ pub enum EngineEvent {
     /// back until the end (see [`crate::TokenEvent`]).
     Token { id: Option<u32>, text: String },
     /// The request ended. `error` is set when `finish_reason` is `Error`.
-    Finished { finish_reason: FinishReason, stats: GenerationStats, error: Option<String> },
+    Finished {
+        finish_reason: FinishReason,
+        stats: GenerationStats,
+        error: Option<String>,
+    },
 }
 
 /// The engine's state on demand.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct EngineStats {
+    /// Requests admitted (prefilling or decoding).
     pub running: usize,
+    /// Requests queued: not admitted yet, or preempted and waiting for recompute.
     pub waiting: usize,
     pub finished_requests: u64,
     /// Prompt tokens per second over the last [`crate::batch::THROUGHPUT_WINDOW`].
     pub prompt_tps: f64,
     /// Generated tokens per second over the same window.
     pub generation_tps: f64,
+    /// The KV block pool and prefix cache.
+    pub kv_cache: KvCacheStats,
     pub memory: MemoryStats,
 }
 
 enum Command {
-    Submit { id: RequestId, request: Box<EngineRequest>, events: Sender<EngineEvent> },
+    Submit {
+        id: RequestId,
+        request: Box<EngineRequest>,
+        events: Sender<EngineEvent>,
+    },
+    PromptCache(PromptCacheJob),
     Cancel(RequestId),
     Stats(Sender<EngineStats>),
     Shutdown,
@@ -105,19 +144,30 @@ impl EngineHandle {
     /// the thread that creates them). Returns once the model is loaded, or the load's error.
     pub fn load(model_dir: &Path, config: EngineConfig) -> Result<Self> {
         let dir = model_dir.to_path_buf();
-        Self::spawn_with(config, move || Ok((models::load(&dir)?, Tokenizer::load(&dir)?)))
+        // The prefix cache lives in this engine only, so the directory identifies the model.
+        let model_id = dir
+            .canonicalize()
+            .unwrap_or_else(|_| dir.clone())
+            .display()
+            .to_string();
+        Self::spawn_with(config, model_id, move || {
+            Ok((models::load(&dir)?, Tokenizer::load(&dir)?))
+        })
     }
 
-    /// Starts the engine thread with whatever `load` returns, called on that thread.
+    /// Starts the engine thread with whatever `load` returns, called on that thread; `model_id`
+    /// seeds the prefix cache's block hashes.
     pub fn spawn_with(
         config: EngineConfig,
+        model_id: String,
         load: impl FnOnce() -> Result<(Box<dyn Model>, Tokenizer)> + Send + 'static,
     ) -> Result<Self> {
         let (commands, inbox) = mpsc::channel();
         let cancelled = Arc::new(Mutex::new(HashSet::new()));
         let queue = Queue {
             inbox,
-            waiting: VecDeque::new(),
+            submitted: Vec::new(),
+            prompt_cache_jobs: Vec::new(),
             cancelled: Arc::clone(&cancelled),
             finished_requests: 0,
             shutting_down: false,
@@ -128,15 +178,30 @@ impl EngineHandle {
             .spawn(move || match load() {
                 Ok((model, tokenizer)) => {
                     let _ = loaded_tx.send(Ok(()));
-                    EngineThread { model, tokenizer, queue, config }.run();
+                    EngineThread {
+                        model,
+                        tokenizer,
+                        model_id,
+                        queue,
+                        config,
+                    }
+                    .run();
                 }
                 Err(err) => {
                     let _ = loaded_tx.send(Err(err));
                 }
             })
-            .map_err(|e| EngineError::Io { path: "engine thread".into(), source: e })?;
+            .map_err(|e| EngineError::Io {
+                path: "engine thread".into(),
+                source: e,
+            })?;
         loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
-        Ok(Self { commands, next_id: Arc::new(AtomicU64::new(1)), cancelled, thread: Arc::new(Mutex::new(Some(thread))) })
+        Ok(Self {
+            commands,
+            next_id: Arc::new(AtomicU64::new(1)),
+            cancelled,
+            thread: Arc::new(Mutex::new(Some(thread))),
+        })
     }
 
     /// Queues a request. Errors in the request itself (empty prompt, too long, bad sampling
@@ -144,8 +209,17 @@ impl EngineHandle {
     pub fn submit(&self, request: EngineRequest) -> Result<RequestStream, EngineError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, receiver) = mpsc::channel();
-        self.commands.send(Command::Submit { id, request: Box::new(request), events }).map_err(|_| EngineError::EngineStopped)?;
-        Ok(RequestStream { id, events: receiver })
+        self.commands
+            .send(Command::Submit {
+                id,
+                request: Box::new(request),
+                events,
+            })
+            .map_err(|_| EngineError::EngineStopped)?;
+        Ok(RequestStream {
+            id,
+            events: receiver,
+        })
     }
 
     /// Stops a request: a waiting one never starts, a running one ends before its next token.
@@ -160,8 +234,52 @@ impl EngineHandle {
     /// Queue lengths and MLX memory, answered between tokens.
     pub fn stats(&self) -> Result<EngineStats, EngineError> {
         let (tx, rx) = mpsc::channel();
-        self.commands.send(Command::Stats(tx)).map_err(|_| EngineError::EngineStopped)?;
+        self.commands
+            .send(Command::Stats(tx))
+            .map_err(|_| EngineError::EngineStopped)?;
         rx.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
+    /// Computes the KV state of `prompt` (from the prefix cache where it can) and writes it to
+    /// `path` (`.safetensors`) in mlx_lm's prompt-cache layout; returns the tokens saved. Its
+    /// full blocks also join this engine's prefix cache. Errors: the prompt's (tokenizing, chat
+    /// template), MLX's, and [`EngineError::PromptCache`] when the file cannot be written.
+    pub fn save_prompt_cache(&self, prompt: Prompt, path: &Path) -> Result<usize> {
+        let (reply, answer) = mpsc::channel();
+        self.prompt_cache_job(
+            PromptCacheJob::Save {
+                prompt,
+                path: path.to_path_buf(),
+                reply,
+            },
+            answer,
+        )
+    }
+
+    /// Reads a prompt-cache file written by Perch into the prefix cache, so requests starting
+    /// with its tokens skip their prefill; returns the tokens now cached (whole blocks, as many
+    /// as the pool has free). Errors: [`EngineError::PromptCache`] for a damaged file, another
+    /// model's, or one without token ids (mlx_lm's; use [`Prompt::AfterCache`]).
+    pub fn load_prompt_cache(&self, path: &Path) -> Result<usize> {
+        let (reply, answer) = mpsc::channel();
+        self.prompt_cache_job(
+            PromptCacheJob::Load {
+                path: path.to_path_buf(),
+                reply,
+            },
+            answer,
+        )
+    }
+
+    fn prompt_cache_job(
+        &self,
+        job: PromptCacheJob,
+        answer: Receiver<Result<usize>>,
+    ) -> Result<usize> {
+        self.commands
+            .send(Command::PromptCache(job))
+            .map_err(|_| EngineError::EngineStopped)?;
+        answer.recv().map_err(|_| EngineError::EngineStopped)?
     }
 
     /// Stops the thread after the running request's current token and waits for it; waiting
@@ -174,17 +292,32 @@ impl EngineHandle {
     }
 }
 
+/// A prompt-cache file to write or read, answered with the number of tokens it holds.
+enum PromptCacheJob {
+    Save {
+        prompt: Prompt,
+        path: PathBuf,
+        reply: Sender<Result<usize>>,
+    },
+    Load {
+        path: PathBuf,
+        reply: Sender<Result<usize>>,
+    },
+}
+
 struct Job {
     id: RequestId,
     request: EngineRequest,
     events: Sender<EngineEvent>,
 }
 
-/// Everything the engine thread keeps besides the model, so it can be borrowed while the model
-/// generates (commands are handled between tokens).
+/// Everything the engine thread keeps besides the model and the batch, so it can be borrowed
+/// while the batch steps (commands are handled between steps).
 struct Queue {
     inbox: Receiver<Command>,
-    waiting: VecDeque<Job>,
+    /// Submitted since the last step; they join the batch before the next one.
+    submitted: Vec<Job>,
+    prompt_cache_jobs: Vec<PromptCacheJob>,
     cancelled: Arc<Mutex<HashSet<RequestId>>>,
     finished_requests: u64,
     shutting_down: bool,
@@ -194,14 +327,20 @@ impl Queue {
     /// Applies one command; `live` describes the batch right now (for stats).
     fn handle(&mut self, command: Command, live: &Live) {
         match command {
-            Command::Submit { id, request, events } => self.waiting.push_back(Job { id, request: *request, events }),
+            Command::Submit {
+                id,
+                request,
+                events,
+            } => self.submitted.push(Job {
+                id,
+                request: *request,
+                events,
+            }),
+            Command::PromptCache(job) => self.prompt_cache_jobs.push(job),
             Command::Cancel(id) => {
-                if let Some(pos) = self.waiting.iter().position(|j| j.id == id) {
-                    let job = self.waiting.remove(pos).expect("position is valid");
-                    self.finish(&job, FinishReason::Cancelled, GenerationStats::default(), None);
-                } else if !live.running_ids.contains(&id) {
-                    // Neither waiting nor running: it already finished (a submit always reaches
-                    // the thread before a cancel of the id it returned), so drop the mark.
+                if !live.job_ids.contains(&id) && !self.submitted.iter().any(|job| job.id == id) {
+                    // Not in the engine: it already finished (a submit always reaches the thread
+                    // before a cancel of the id it returned), so drop the mark.
                     if let Ok(mut set) = self.cancelled.lock() {
                         set.remove(&id);
                     }
@@ -210,10 +349,11 @@ impl Queue {
             Command::Stats(reply) => {
                 let _ = reply.send(EngineStats {
                     running: live.running,
-                    waiting: self.waiting.len(),
+                    waiting: live.waiting + self.submitted.len(),
                     finished_requests: self.finished_requests,
                     prompt_tps: live.prompt_tps,
                     generation_tps: live.generation_tps,
+                    kv_cache: live.kv_cache,
                     memory: memory_stats(),
                 });
             }
@@ -235,11 +375,24 @@ impl Queue {
     }
 
     fn is_cancelled(&self, id: RequestId) -> bool {
-        self.cancelled.lock().map(|set| set.contains(&id)).unwrap_or(false)
+        self.cancelled
+            .lock()
+            .map(|set| set.contains(&id))
+            .unwrap_or(false)
     }
 
-    fn finish(&mut self, job: &Job, finish_reason: FinishReason, stats: GenerationStats, error: Option<String>) {
-        let _ = job.events.send(EngineEvent::Finished { finish_reason, stats, error });
+    fn finish(
+        &mut self,
+        job: &Job,
+        finish_reason: FinishReason,
+        stats: GenerationStats,
+        error: Option<String>,
+    ) {
+        let _ = job.events.send(EngineEvent::Finished {
+            finish_reason,
+            stats,
+            error,
+        });
         if let Ok(mut set) = self.cancelled.lock() {
             set.remove(&job.id);
         }
@@ -250,19 +403,23 @@ impl Queue {
 /// The batch's numbers at the moment commands are read.
 struct Live {
     running: usize,
-    /// Handle ids of the running requests.
-    running_ids: Vec<RequestId>,
+    waiting: usize,
+    /// Handle ids of the requests in the batch.
+    job_ids: Vec<RequestId>,
     prompt_tps: f64,
     generation_tps: f64,
+    kv_cache: KvCacheStats,
 }
 
 impl Live {
-    fn of(batch: &mut BatchGenerator<'_>, running: &HashMap<RequestId, Job>) -> Self {
+    fn of(batch: &mut BatchGenerator<'_>, jobs: &HashMap<RequestId, Job>) -> Self {
         Self {
-            running: batch.len(),
-            running_ids: running.values().map(|job| job.id).collect(),
+            running: batch.num_running(),
+            waiting: batch.num_waiting(),
+            job_ids: jobs.values().map(|job| job.id).collect(),
             prompt_tps: batch.prompt_throughput.rate(),
             generation_tps: batch.generation_throughput.rate(),
+            kv_cache: batch.kv_stats(),
         }
     }
 }
@@ -270,67 +427,133 @@ impl Live {
 struct EngineThread {
     model: Box<dyn Model>,
     tokenizer: Tokenizer,
+    model_id: String,
     queue: Queue,
     config: EngineConfig,
 }
 
 impl EngineThread {
     fn run(self) {
-        let EngineThread { model, tokenizer, mut queue, config } = self;
-        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer);
-        batch.max_running = config.max_running.max(1);
-        // Batch request id -> the submitted job it serves.
-        let mut running: HashMap<RequestId, Job> = HashMap::new();
+        let EngineThread {
+            model,
+            tokenizer,
+            model_id,
+            mut queue,
+            config,
+        } = self;
+        let batch_config = BatchConfig {
+            max_running: config.max_running,
+            prefill_batch_size: config.prefill_batch_size,
+            ..BatchConfig::for_budget(model.as_ref(), config.kv_cache_bytes, config.block_size)
+        };
+        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, batch_config, &model_id);
+        // Batch request id -> the submitted job it serves (waiting or running in the batch).
+        let mut jobs: HashMap<RequestId, Job> = HashMap::new();
         loop {
-            if batch.is_empty() && queue.waiting.is_empty() && !queue.shutting_down {
+            if batch.is_empty()
+                && queue.submitted.is_empty()
+                && queue.prompt_cache_jobs.is_empty()
+                && !queue.shutting_down
+            {
                 // Idle: sleep until a command arrives; a dropped last handle ends the thread.
                 match queue.inbox.recv() {
-                    Ok(command) => queue.handle(command, &Live::of(&mut batch, &running)),
+                    Ok(command) => queue.handle(command, &Live::of(&mut batch, &jobs)),
                     Err(_) => return,
                 }
             }
-            queue.drain(&Live::of(&mut batch, &running));
+            queue.drain(&Live::of(&mut batch, &jobs));
 
-            // Cancelled (or no longer listened to) requests leave the batch before the next step.
-            let leaving: Vec<RequestId> = running
+            for job in std::mem::take(&mut queue.prompt_cache_jobs) {
+                match job {
+                    PromptCacheJob::Save {
+                        prompt,
+                        path,
+                        reply,
+                    } => {
+                        let saved = tokens_of(&prompt, &tokenizer).and_then(|tokens| {
+                            let cache = batch.compute_prefix(
+                                &tokens,
+                                GenerateRequest::new(Vec::new()).prefill_step_size,
+                            )?;
+                            save_prompt_cache(
+                                &path,
+                                &cache,
+                                &tokens,
+                                &model_id,
+                                batch.config().block_size,
+                            )?;
+                            Ok(tokens.len())
+                        });
+                        let _ = reply.send(saved);
+                    }
+                    PromptCacheJob::Load { path, reply } => {
+                        let loaded = load_prompt_cache(&path, model.as_ref(), &model_id).and_then(|prefix| match &prefix.tokens {
+                            Some(tokens) => batch.import_prefix(tokens, &prefix.layers),
+                            None => Err(EngineError::PromptCache {
+                                path: path.clone(),
+                                message: "it does not record its token ids (an mlx_lm file); submit it as Prompt::AfterCache instead".into(),
+                            }),
+                        });
+                        let _ = reply.send(loaded);
+                    }
+                }
+            }
+
+            for job in std::mem::take(&mut queue.submitted) {
+                let inserted = match &job.request.prompt {
+                    Prompt::AfterCache { cache_file, tokens } => {
+                        load_prompt_cache(cache_file, model.as_ref(), &model_id).and_then(
+                            |prefix| {
+                                let mut request = job.request.params.clone();
+                                request.prompt = tokens.clone();
+                                batch.insert_after_prefix(request, prefix)
+                            },
+                        )
+                    }
+                    prompt => tokens_of(prompt, &tokenizer).and_then(|tokens| {
+                        let mut request = job.request.params.clone();
+                        request.prompt = tokens;
+                        batch.insert(request)
+                    }),
+                };
+                match inserted {
+                    Ok(id) => {
+                        jobs.insert(id, job);
+                    }
+                    Err(err) => queue.finish(
+                        &job,
+                        FinishReason::Error,
+                        GenerationStats::default(),
+                        Some(err.to_string()),
+                    ),
+                }
+            }
+
+            // Cancelled (or no longer listened to) requests leave before the next step.
+            let leaving: Vec<RequestId> = jobs
                 .iter()
                 .filter(|(_, job)| queue.shutting_down || queue.is_cancelled(job.id))
                 .map(|(id, _)| *id)
                 .collect();
             for id in leaving {
-                let job = running.remove(&id).expect("listed above");
-                let stats = batch.remove(id).map(|out| out.stats).unwrap_or_default();
-                queue.finish(&job, FinishReason::Cancelled, stats, None);
+                let job = jobs.remove(&id).expect("listed above");
+                match batch.remove(id) {
+                    Ok(output) => queue.finish(
+                        &job,
+                        FinishReason::Cancelled,
+                        output.map(|o| o.stats).unwrap_or_default(),
+                        None,
+                    ),
+                    Err(err) => queue.finish(
+                        &job,
+                        FinishReason::Error,
+                        GenerationStats::default(),
+                        Some(err.to_string()),
+                    ),
+                }
             }
             if queue.shutting_down {
-                while let Some(job) = queue.waiting.pop_front() {
-                    queue.finish(&job, FinishReason::Cancelled, GenerationStats::default(), None);
-                }
                 return;
-            }
-
-            // Admit waiting requests while there is room.
-            while batch.len() < batch.max_running {
-                let Some(job) = queue.waiting.pop_front() else { break };
-                if queue.is_cancelled(job.id) {
-                    queue.finish(&job, FinishReason::Cancelled, GenerationStats::default(), None);
-                    continue;
-                }
-                let prompt = match &job.request.prompt {
-                    Prompt::Tokens(ids) => Ok(ids.clone()),
-                    Prompt::Chat(messages) => tokenizer.encode_chat(messages),
-                };
-                let inserted = prompt.and_then(|prompt| {
-                    let mut request = job.request.params.clone();
-                    request.prompt = prompt;
-                    batch.insert(request)
-                });
-                match inserted {
-                    Ok(id) => {
-                        running.insert(id, job);
-                    }
-                    Err(err) => queue.finish(&job, FinishReason::Error, GenerationStats::default(), Some(err.to_string())),
-                }
             }
 
             match batch.step() {
@@ -338,15 +561,19 @@ impl EngineThread {
                     for event in events {
                         match event {
                             BatchEvent::Token { request, event } => {
-                                let job = running.get(&request).expect("event of a running request");
-                                let message = EngineEvent::Token { id: event.id, text: event.text };
+                                let job = jobs.get(&request).expect("event of a running request");
+                                let message = EngineEvent::Token {
+                                    id: event.id,
+                                    text: event.text,
+                                };
                                 // Nobody listens any more: treat as cancelled at the next step.
                                 if job.events.send(message).is_err() {
                                     queue.mark_cancelled(job.id);
                                 }
                             }
                             BatchEvent::Finished { request, output } => {
-                                let job = running.remove(&request).expect("finished request was running");
+                                let job =
+                                    jobs.remove(&request).expect("finished request was running");
                                 queue.finish(&job, output.finish_reason, output.stats, None);
                             }
                         }
@@ -355,12 +582,30 @@ impl EngineThread {
                 Err(err) => {
                     // An MLX failure mid-step leaves the batch's caches unusable: fail its requests.
                     let message = err.to_string();
-                    for (id, job) in running.drain() {
-                        batch.remove(id);
-                        queue.finish(&job, FinishReason::Error, GenerationStats::default(), Some(message.clone()));
+                    for id in batch.clear() {
+                        if let Some(job) = jobs.remove(&id) {
+                            queue.finish(
+                                &job,
+                                FinishReason::Error,
+                                GenerationStats::default(),
+                                Some(message.clone()),
+                            );
+                        }
                     }
                 }
             }
         }
+    }
+}
+
+/// The token ids of a prompt given as tokens or as a chat.
+fn tokens_of(prompt: &Prompt, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    match prompt {
+        Prompt::Tokens(ids) => Ok(ids.clone()),
+        Prompt::Chat(messages) => tokenizer.encode_chat(messages),
+        Prompt::AfterCache { cache_file, .. } => Err(EngineError::PromptCache {
+            path: cache_file.clone(),
+            message: "only token ids or a chat can be saved as a prompt cache".into(),
+        }),
     }
 }

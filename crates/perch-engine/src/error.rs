@@ -36,6 +36,16 @@ pub enum EngineError {
         prompt_tokens: usize,
         context_length: usize,
     },
+    #[error(
+        "the request needs {needed_tokens} tokens of KV cache (prompt plus max_tokens) but the KV cache budget holds \
+         {capacity_tokens}; lower max_tokens or raise the KV cache budget"
+    )]
+    KvCacheTooSmall {
+        needed_tokens: usize,
+        capacity_tokens: usize,
+    },
+    #[error("prompt cache {path}: {message}")]
+    PromptCache { path: PathBuf, message: String },
     #[error("invalid sampling parameters: {0}")]
     InvalidSampling(String),
     #[error("the engine has stopped")]

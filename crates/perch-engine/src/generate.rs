@@ -18,7 +18,7 @@ use crate::stop::{StopMatcher, StopOutcome};
 use crate::tokenizer::{StreamingDetokenizer, Tokenizer};
 
 /// Why generation ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum FinishReason {
     /// A stop token or stop string.
@@ -66,6 +66,8 @@ impl GenerateRequest {
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct GenerationStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub cached_prompt_tokens: usize,
     pub prompt_tps: f64,
     pub generation_tokens: usize,
     /// Decode rate over the tokens after the first.
@@ -85,7 +87,11 @@ impl GenerationStats {
         self.ttft_s = ttft_s;
         self.total_s = total_s;
         self.prompt_tps = self.prompt_tokens as f64 / ttft_s.max(1e-9);
-        self.generation_tps = if generated > 1 { (generated - 1) as f64 / (total_s - ttft_s).max(1e-9) } else { 0.0 };
+        self.generation_tps = if generated > 1 {
+            (generated - 1) as f64 / (total_s - ttft_s).max(1e-9)
+        } else {
+            0.0
+        };
     }
 }
 
@@ -131,7 +137,10 @@ pub fn generate(
     // Prefill all but the last prompt token in chunks; the last one goes through the first step.
     let step = request.prefill_step_size.max(1);
     for chunk in prompt[..prompt.len() - 1].chunks(step) {
-        model.forward(&Array::from_slice(chunk, &[1, chunk.len() as i32]), &mut cache)?;
+        model.forward(
+            &Array::from_slice(chunk, &[1, chunk.len() as i32]),
+            &mut cache,
+        )?;
         eval(cache.iter().flat_map(KvCache::state))?;
     }
 
@@ -178,24 +187,36 @@ pub fn generate(
     let mut output = sink.output;
 
     let total = start.elapsed().as_secs_f64();
-    output.stats.set_timings(n, first_token_at.unwrap_or(total), total);
+    output
+        .stats
+        .set_timings(n, first_token_at.unwrap_or(total), total);
     output.stats.peak_memory_bytes = memory_stats().peak_bytes;
     Ok(output)
 }
 
 /// Validates a request against the model; returns the effective `max_tokens` (bounded by the
 /// context) and the stop token ids (the request's plus EOS unless `ignore_eos`).
-pub(crate) fn check_request(model: &dyn Model, tokenizer: &Tokenizer, request: &GenerateRequest) -> Result<(usize, Vec<u32>)> {
+pub(crate) fn check_request(
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+    request: &GenerateRequest,
+) -> Result<(usize, Vec<u32>)> {
     let info = model.info();
     let prompt = &request.prompt;
     if prompt.is_empty() {
         return Err(EngineError::EmptyPrompt);
     }
     if prompt.len() >= info.context_length {
-        return Err(EngineError::PromptTooLong { prompt_tokens: prompt.len(), context_length: info.context_length });
+        return Err(EngineError::PromptTooLong {
+            prompt_tokens: prompt.len(),
+            context_length: info.context_length,
+        });
     }
     request.sampling.validate(info.vocab_size)?;
-    let max_tokens = request.max_tokens.min(info.context_length - prompt.len()).max(1);
+    let max_tokens = request
+        .max_tokens
+        .min(info.context_length - prompt.len())
+        .max(1);
     let mut stop_ids = request.stop_token_ids.clone();
     if !request.ignore_eos {
         stop_ids.extend_from_slice(tokenizer.eos_token_ids());
@@ -237,7 +258,10 @@ impl TokenSink {
                 token_ids: Vec::new(),
                 text: String::new(),
                 finish_reason: FinishReason::Length,
-                stats: GenerationStats { prompt_tokens: request.prompt.len(), ..Default::default() },
+                stats: GenerationStats {
+                    prompt_tokens: request.prompt.len(),
+                    ..Default::default()
+                },
             },
         }
     }
@@ -285,12 +309,21 @@ impl TokenSink {
             return Ok(None);
         }
         self.output.text.push_str(&rest);
-        Ok(Some(TokenEvent { id: None, text: rest }))
+        Ok(Some(TokenEvent {
+            id: None,
+            text: rest,
+        }))
     }
 }
 
 /// One decode step: `token` `[1]` → the sampled next token `[1]` (lazy).
-fn decode_step(model: &dyn Model, cache: &mut [KvCache], sampler: &mut Sampler, token: &Array, history: &mut RecentTokens) -> Result<Array> {
+fn decode_step(
+    model: &dyn Model,
+    cache: &mut [KvCache],
+    sampler: &mut Sampler,
+    token: &Array,
+    history: &mut RecentTokens,
+) -> Result<Array> {
     let logits = model.forward(&token.reshape(&[1, 1])?, cache)?;
     let vocab = logits.shape()[2];
     sample_next(&logits.reshape(&[1, vocab])?, sampler, history)
@@ -298,7 +331,11 @@ fn decode_step(model: &dyn Model, cache: &mut [KvCache], sampler: &mut Sampler, 
 
 /// Logits processors, log-softmax and the sampler for one sequence: `logits` `[1, vocab]` → the
 /// next token `[1]` (uint32, lazy), also appended to `history`.
-pub(crate) fn sample_next(logits: &Array, sampler: &mut Sampler, history: &mut RecentTokens) -> Result<Array> {
+pub(crate) fn sample_next(
+    logits: &Array,
+    sampler: &mut Sampler,
+    history: &mut RecentTokens,
+) -> Result<Array> {
     let logits = sampler.process_logits(logits, history.tokens.as_ref())?;
     let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
     let next = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;

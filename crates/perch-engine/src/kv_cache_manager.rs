@@ -56,7 +56,11 @@ pub struct KvCacheManager {
 impl KvCacheManager {
     /// `model_id` seeds the hash chain so different models never share blocks.
     pub fn new(pool: BlockPool, model_id: &str) -> Self {
-        Self { pool, root: BlockHash::root(model_id), requests: HashMap::new() }
+        Self {
+            pool,
+            root: BlockHash::root(model_id),
+            requests: HashMap::new(),
+        }
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -73,14 +77,27 @@ impl KvCacheManager {
     }
 
     /// The longest run of cached full blocks at the start of `prompt`, leaving at least one token
-    /// to compute. Counts toward the prefix-cache hit rate.
-    pub fn get_computed_blocks(&mut self, prompt: &[u32]) -> ComputedBlocks {
+    /// to compute.
+    pub fn get_computed_blocks(&self, prompt: &[u32]) -> ComputedBlocks {
         let usable = prompt.len().saturating_sub(1);
         let hashes = full_block_hashes(self.root, &prompt[..usable], self.block_size(), &[]);
-        let blocks: Vec<BlockId> = hashes.iter().map_while(|h| self.pool.get_cached_block(*h)).collect();
+        let blocks: Vec<BlockId> = hashes
+            .iter()
+            .map_while(|h| self.pool.get_cached_block(*h))
+            .collect();
         let num_tokens = blocks.len() * self.block_size();
-        self.pool.record_lookup(prompt.len(), num_tokens);
         ComputedBlocks { blocks, num_tokens }
+    }
+
+    /// Counts an admitted prompt of `prompt_tokens` tokens, `hit_tokens` of them found in the
+    /// prefix cache, toward the hit rate.
+    pub fn record_prefix_lookup(&mut self, prompt_tokens: usize, hit_tokens: usize) {
+        self.pool.record_lookup(prompt_tokens, hit_tokens);
+    }
+
+    /// Forgets every cached prefix; returns the blocks whose content is no longer needed.
+    pub fn reset_prefix_cache(&mut self) -> Vec<BlockId> {
+        self.pool.reset_prefix_cache()
     }
 
     /// Makes room for `num_new_tokens` more tokens of `request`, which holds `num_computed` tokens
@@ -96,10 +113,18 @@ impl KvCacheManager {
     ) -> Option<&[BlockId]> {
         let held = self.requests.get(&request).map_or(0, |r| r.blocks.len());
         let hit = computed.map_or(&[][..], |c| &c.blocks[..]);
-        debug_assert!(held == 0 || hit.is_empty(), "a prefix hit is only applied on admission");
-        let needed = self.blocks_for(num_computed + num_new_tokens).saturating_sub(held + hit.len());
+        debug_assert!(
+            held == 0 || hit.is_empty(),
+            "a prefix hit is only applied on admission"
+        );
+        let needed = self
+            .blocks_for(num_computed + num_new_tokens)
+            .saturating_sub(held + hit.len());
         // Touching a cached-free hit takes it out of the free queue too.
-        let hit_from_free = hit.iter().filter(|id| self.pool.block(**id).ref_cnt() == 0).count();
+        let hit_from_free = hit
+            .iter()
+            .filter(|id| self.pool.block(**id).ref_cnt() == 0)
+            .count();
         if needed + hit_from_free > self.pool.num_free_blocks() {
             return None;
         }
@@ -109,25 +134,46 @@ impl KvCacheManager {
         if !hit.is_empty() {
             entry.blocks.extend_from_slice(hit);
             entry.num_cached = hit.len();
-            entry.hashes = hit.iter().map(|id| self.pool.block(*id).hash().expect("cached block has a hash")).collect();
+            entry.hashes = hit
+                .iter()
+                .map(|id| {
+                    self.pool
+                        .block(*id)
+                        .hash()
+                        .expect("cached block has a hash")
+                })
+                .collect();
         }
         entry.blocks.extend(fresh);
         Some(&entry.blocks)
     }
 
     /// Registers the blocks of `request` that `tokens[..num_computed]` has filled, so later
-    /// requests with the same prefix can reuse them.
-    pub fn cache_blocks(&mut self, request: RequestId, tokens: &[u32], num_computed: usize) {
+    /// requests with the same prefix can reuse them. Returns the newly registered blocks that
+    /// became cache entries, with their index in the request's block table: the caller keeps
+    /// their KV content (a block whose content another block already holds is not listed).
+    pub fn cache_blocks(
+        &mut self,
+        request: RequestId,
+        tokens: &[u32],
+        num_computed: usize,
+    ) -> Vec<(usize, BlockId)> {
         let block_size = self.block_size();
-        let Some(entry) = self.requests.get_mut(&request) else { return };
+        let Some(entry) = self.requests.get_mut(&request) else {
+            return Vec::new();
+        };
         let full = (num_computed.min(tokens.len()) / block_size).min(entry.blocks.len());
         let mut parent = entry.hashes.last().copied().unwrap_or(self.root);
+        let mut entries = Vec::new();
         for i in entry.num_cached..full {
             parent = parent.chain(&tokens[i * block_size..(i + 1) * block_size], &[]);
-            self.pool.cache_full_block(entry.blocks[i], parent);
+            if self.pool.cache_full_block(entry.blocks[i], parent) {
+                entries.push((i, entry.blocks[i]));
+            }
             entry.hashes.push(parent);
         }
         entry.num_cached = entry.num_cached.max(full);
+        entries
     }
 
     /// Releases every block of `request` (last block first, so its tail is evicted first).
@@ -157,7 +203,13 @@ mod tests {
     /// Admits a prompt the way the scheduler will: look up, allocate, "compute", publish.
     fn admit(m: &mut KvCacheManager, id: RequestId, prompt: &[u32]) -> Option<usize> {
         let hit = m.get_computed_blocks(prompt);
-        m.allocate_slots(id, hit.num_tokens, prompt.len() - hit.num_tokens, Some(&hit))?;
+        m.allocate_slots(
+            id,
+            hit.num_tokens,
+            prompt.len() - hit.num_tokens,
+            Some(&hit),
+        )?;
+        m.record_prefix_lookup(prompt.len(), hit.num_tokens);
         m.cache_blocks(id, prompt, prompt.len());
         Some(hit.num_tokens)
     }
@@ -189,7 +241,10 @@ mod tests {
         admit(&mut m, 1, &prompt).unwrap();
         m.free(1);
         let hit = m.get_computed_blocks(&prompt);
-        assert_eq!(hit.num_tokens, 4, "the block holding the last token is recomputed");
+        assert_eq!(
+            hit.num_tokens, 4,
+            "the block holding the last token is recomputed"
+        );
     }
 
     #[test]
@@ -217,7 +272,10 @@ mod tests {
         assert!(m.block_table(2).is_none());
         // Growing request 1 by one token needs a third block: fits.
         assert_eq!(m.allocate_slots(1, 8, 1, None).unwrap().len(), 3);
-        assert!(m.allocate_slots(1, 9, 4, None).is_none(), "a fourth block does not exist");
+        assert!(
+            m.allocate_slots(1, 9, 4, None).is_none(),
+            "a fourth block does not exist"
+        );
         m.free(1);
         assert_eq!(m.pool().num_free_blocks(), 3);
     }

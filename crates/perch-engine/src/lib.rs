@@ -9,6 +9,7 @@
 
 pub mod batch;
 pub mod block_pool;
+pub mod block_store;
 pub mod cache;
 pub mod chat_template;
 pub mod device;
@@ -19,6 +20,7 @@ pub mod kv_cache_manager;
 pub mod layers;
 mod mlx_ext;
 pub mod models;
+pub mod prompt_cache;
 pub mod sampler;
 pub mod stop;
 pub mod throughput;
@@ -26,7 +28,11 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use chat_template::ChatMessage;
-pub use engine::{EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream};
+pub use engine::{
+    EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream,
+};
 pub use error::{EngineError, Result};
-pub use generate::{generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent};
+pub use generate::{
+    generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent,
+};
 pub use tokenizer::Tokenizer;

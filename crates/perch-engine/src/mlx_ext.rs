@@ -35,7 +35,12 @@ pub fn slice(a: &Array, start: &[i32], stop: &[i32]) -> Result<Array, Exception>
 }
 
 /// A copy of `src` with `src[start:stop] = update` (functional; MLX reuses the buffer when it can).
-pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32]) -> Result<Array, Exception> {
+pub fn slice_update(
+    src: &Array,
+    update: &Array,
+    start: &[i32],
+    stop: &[i32],
+) -> Result<Array, Exception> {
     let strides = vec![1; start.len()];
     let stream = Stream::thread_local_or_default();
     from_op("slice_update", |res| unsafe {
@@ -52,4 +57,11 @@ pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32]) ->
             stream.as_ref().as_ptr(),
         )
     })
+}
+
+/// `a` in a buffer of its own. A slice is a view that keeps its whole source alive, and MLX's
+/// `copy`/`contiguous` may share the source's buffer, so this multiplies by one (exact for every
+/// float, `-0.0` and infinities included), which always writes a new array.
+pub fn owned_copy(a: &Array) -> Result<Array, Exception> {
+    mlx_rs::ops::multiply(a, &Array::from_f32(1.0).as_dtype(a.dtype())?)
 }

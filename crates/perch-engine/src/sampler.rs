@@ -4,8 +4,8 @@
 
 use std::collections::HashMap;
 
-use mlx_rs::ops::indexing::{argmax_axis, put_along_axis, take_along_axis};
 use mlx_rs::ops::argpartition_axis;
+use mlx_rs::ops::indexing::{argmax_axis, put_along_axis, take_along_axis};
 use mlx_rs::{ops, random, Array};
 use serde::{Deserialize, Serialize};
 
@@ -54,7 +54,10 @@ impl SamplingParams {
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidSampling(m));
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return bad(format!("temperature must be >= 0, got {}", self.temperature));
+            return bad(format!(
+                "temperature must be >= 0, got {}",
+                self.temperature
+            ));
         }
         if !(0.0..=1.0).contains(&self.top_p) {
             return bad(format!("top_p must be in [0, 1], got {}", self.top_p));
@@ -63,13 +66,25 @@ impl SamplingParams {
             return bad(format!("min_p must be in [0, 1], got {}", self.min_p));
         }
         if self.top_k >= vocab_size && self.top_k != 0 {
-            return bad(format!("top_k must be below the vocabulary size {vocab_size}, got {}", self.top_k));
+            return bad(format!(
+                "top_k must be below the vocabulary size {vocab_size}, got {}",
+                self.top_k
+            ));
         }
         if !(self.repetition_penalty >= 0.0 && self.repetition_penalty.is_finite()) {
-            return bad(format!("repetition_penalty must be >= 0, got {}", self.repetition_penalty));
+            return bad(format!(
+                "repetition_penalty must be >= 0, got {}",
+                self.repetition_penalty
+            ));
         }
-        if let Some(id) = self.logit_bias.keys().find(|id| **id as usize >= vocab_size) {
-            return bad(format!("logit_bias names token {id}, outside the vocabulary of {vocab_size}"));
+        if let Some(id) = self
+            .logit_bias
+            .keys()
+            .find(|id| **id as usize >= vocab_size)
+        {
+            return bad(format!(
+                "logit_bias names token {id}, outside the vocabulary of {vocab_size}"
+            ));
         }
         Ok(())
     }
@@ -88,12 +103,16 @@ impl Sampler {
         let bias = if params.logit_bias.is_empty() {
             None
         } else {
-            let mut pairs: Vec<(u32, f32)> = params.logit_bias.iter().map(|(k, v)| (*k, *v)).collect();
+            let mut pairs: Vec<(u32, f32)> =
+                params.logit_bias.iter().map(|(k, v)| (*k, *v)).collect();
             pairs.sort_by_key(|p| p.0);
             let ids: Vec<u32> = pairs.iter().map(|p| p.0).collect();
             let values: Vec<f32> = pairs.iter().map(|p| p.1).collect();
             let n = ids.len() as i32;
-            Some((Array::from_slice(&ids, &[1, n]), Array::from_slice(&values, &[1, n])))
+            Some((
+                Array::from_slice(&ids, &[1, n]),
+                Array::from_slice(&values, &[1, n]),
+            ))
         };
         Ok(Self { params, key, bias })
     }
@@ -216,32 +235,62 @@ mod tests {
     fn filters_keep_the_expected_tokens() {
         // probabilities ~ [0.5, 0.3, 0.15, 0.05]
         let lp = logprobs(&[0.5f32.ln(), 0.3f32.ln(), 0.15f32.ln(), 0.05f32.ln()]);
-        assert_eq!(finite(&apply_top_k(&lp, 2).unwrap()), [true, true, false, false]);
-        assert_eq!(finite(&apply_top_p(&lp, 0.7).unwrap()), [true, true, false, false]);
-        assert_eq!(finite(&apply_top_p(&lp, 0.9).unwrap()), [true, true, true, false]);
-        assert_eq!(finite(&apply_min_p(&lp, 0.2).unwrap()), [true, true, true, false]);
-        assert_eq!(finite(&apply_min_p(&lp, 0.5).unwrap()), [true, true, false, false]);
+        assert_eq!(
+            finite(&apply_top_k(&lp, 2).unwrap()),
+            [true, true, false, false]
+        );
+        assert_eq!(
+            finite(&apply_top_p(&lp, 0.7).unwrap()),
+            [true, true, false, false]
+        );
+        assert_eq!(
+            finite(&apply_top_p(&lp, 0.9).unwrap()),
+            [true, true, true, false]
+        );
+        assert_eq!(
+            finite(&apply_min_p(&lp, 0.2).unwrap()),
+            [true, true, true, false]
+        );
+        assert_eq!(
+            finite(&apply_min_p(&lp, 0.5).unwrap()),
+            [true, true, false, false]
+        );
     }
 
     #[test]
     fn seeded_sampling_is_reproducible_and_follows_the_distribution() {
         let probs = [0.6f32, 0.3, 0.1];
         let lp = logprobs(&probs.map(f32::ln));
-        let params = SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() };
+        let params = SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            ..Default::default()
+        };
         let draw = |n: usize| {
             let mut s = Sampler::new(params.clone()).unwrap();
-            (0..n).map(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0]).collect::<Vec<_>>()
+            (0..n)
+                .map(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0])
+                .collect::<Vec<_>>()
         };
         let a = draw(3000);
         assert_eq!(a[..50], draw(50)[..], "same seed, same tokens");
         for (token, p) in probs.iter().enumerate() {
             let freq = a.iter().filter(|t| **t as usize == token).count() as f32 / a.len() as f32;
             // 3000 draws: standard error <= 0.009, so 0.04 is > 4 sigma.
-            assert!((freq - p).abs() < 0.04, "token {token}: frequency {freq} vs probability {p}");
+            assert!(
+                (freq - p).abs() < 0.04,
+                "token {token}: frequency {freq} vs probability {p}"
+            );
         }
         let other = {
-            let mut s = Sampler::new(SamplingParams { seed: Some(8), ..params.clone() }).unwrap();
-            (0..50).map(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0]).collect::<Vec<_>>()
+            let mut s = Sampler::new(SamplingParams {
+                seed: Some(8),
+                ..params.clone()
+            })
+            .unwrap();
+            (0..50)
+                .map(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0])
+                .collect::<Vec<_>>()
         };
         assert_ne!(other, a[..50], "another seed gives another stream");
     }
@@ -249,7 +298,12 @@ mod tests {
     #[test]
     fn low_temperature_concentrates_on_the_top_token() {
         let lp = logprobs(&[1.0, 0.9, 0.8]);
-        let mut s = Sampler::new(SamplingParams { temperature: 0.01, seed: Some(1), ..Default::default() }).unwrap();
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 0.01,
+            seed: Some(1),
+            ..Default::default()
+        })
+        .unwrap();
         assert!((0..100).all(|_| s.sample(&lp).unwrap().as_slice::<u32>()[0] == 0));
     }
 
@@ -265,16 +319,33 @@ mod tests {
         .unwrap();
         let out = s.process_logits(&logits, Some(&history)).unwrap();
         assert_eq!(out.as_slice::<f32>(), &[1.0, -4.0, 1.0, 10.5]);
-        let window = Sampler::new(SamplingParams { repetition_penalty: 2.0, repetition_context_size: 1, ..Default::default() }).unwrap();
+        let window = Sampler::new(SamplingParams {
+            repetition_penalty: 2.0,
+            repetition_context_size: 1,
+            ..Default::default()
+        })
+        .unwrap();
         let out = window.process_logits(&logits, Some(&history)).unwrap();
-        assert_eq!(out.as_slice::<f32>(), &[2.0, -4.0, 1.0, 0.5], "only the last token is in context");
+        assert_eq!(
+            out.as_slice::<f32>(),
+            &[2.0, -4.0, 1.0, 0.5],
+            "only the last token is in context"
+        );
     }
 
     #[test]
     fn invalid_parameters_are_rejected() {
-        let bad = SamplingParams { top_p: 1.5, ..Default::default() };
-        assert!(matches!(bad.validate(10), Err(EngineError::InvalidSampling(m)) if m.contains("top_p")));
-        let bad = SamplingParams { logit_bias: HashMap::from([(99, 1.0)]), ..Default::default() };
+        let bad = SamplingParams {
+            top_p: 1.5,
+            ..Default::default()
+        };
+        assert!(
+            matches!(bad.validate(10), Err(EngineError::InvalidSampling(m)) if m.contains("top_p"))
+        );
+        let bad = SamplingParams {
+            logit_bias: HashMap::from([(99, 1.0)]),
+            ..Default::default()
+        };
         assert!(bad.validate(10).is_err());
         assert!(SamplingParams::default().validate(10).is_ok());
     }

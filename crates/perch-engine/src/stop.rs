@@ -20,13 +20,20 @@ pub struct StopMatcher {
 impl StopMatcher {
     /// Empty strings are ignored.
     pub fn new(stops: impl IntoIterator<Item = String>) -> Self {
-        Self { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), pending: String::new() }
+        Self {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            pending: String::new(),
+        }
     }
 
     /// Adds a text delta.
     pub fn push(&mut self, delta: &str) -> StopOutcome {
         self.pending.push_str(delta);
-        let first_match = self.stops.iter().filter_map(|stop| self.pending.find(stop.as_str())).min();
+        let first_match = self
+            .stops
+            .iter()
+            .filter_map(|stop| self.pending.find(stop.as_str()))
+            .min();
         if let Some(at) = first_match {
             let before = self.pending[..at].to_string();
             self.pending.clear();

@@ -14,7 +14,10 @@ pub struct ThroughputWindow {
 
 impl ThroughputWindow {
     pub fn new(window: Duration) -> Self {
-        Self { window, samples: VecDeque::new() }
+        Self {
+            window,
+            samples: VecDeque::new(),
+        }
     }
 
     /// Records `tokens` processed now.

@@ -29,7 +29,9 @@ impl Tokenizer {
         let special = |key: &str| -> Option<String> {
             let v = tokenizer_config.as_ref()?.get(key)?;
             // Either a plain string or an AddedToken object with `content`.
-            v.as_str().or_else(|| v.get("content").and_then(Value::as_str)).map(str::to_string)
+            v.as_str()
+                .or_else(|| v.get("content").and_then(Value::as_str))
+                .map(str::to_string)
         };
         let bos_token = special("bos_token");
         let eos_token = special("eos_token");
@@ -46,12 +48,25 @@ impl Tokenizer {
 
         let template_file = model_dir.join("chat_template.jinja");
         let source = if template_file.is_file() {
-            Some(std::fs::read_to_string(&template_file).map_err(|source| EngineError::Io { path: template_file, source })?)
+            Some(
+                std::fs::read_to_string(&template_file).map_err(|source| EngineError::Io {
+                    path: template_file,
+                    source,
+                })?,
+            )
         } else {
-            tokenizer_config.as_ref().and_then(|c| template_from_config(c.get("chat_template")))
+            tokenizer_config
+                .as_ref()
+                .and_then(|c| template_from_config(c.get("chat_template")))
         };
-        let chat_template = source.map(|s| ChatTemplate::new(s, bos_token, eos_token)).transpose()?;
-        Ok(Self { inner, eos_token_ids: eos.into_iter().collect(), chat_template })
+        let chat_template = source
+            .map(|s| ChatTemplate::new(s, bos_token, eos_token))
+            .transpose()?;
+        Ok(Self {
+            inner,
+            eos_token_ids: eos.into_iter().collect(),
+            chat_template,
+        })
     }
 
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. BOS).
@@ -65,7 +80,9 @@ impl Tokenizer {
 
     /// Text of `ids`, special tokens included (a chat's stop tokens are never passed here).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| EngineError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
     /// Ids that end generation with finish reason `stop`.
@@ -80,10 +97,11 @@ impl Tokenizer {
     /// Renders `messages` with the chat template (with the assistant's generation prompt) and
     /// tokenizes the result without adding special tokens again, as `apply_chat_template` does.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let template = self
-            .chat_template
-            .as_ref()
-            .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template; pass raw text instead".into()))?;
+        let template = self.chat_template.as_ref().ok_or_else(|| {
+            EngineError::ChatTemplate(
+                "the model has no chat template; pass raw text instead".into(),
+            )
+        })?;
         let text = template.render(messages, true)?;
         self.encode(&text, false)
     }
@@ -93,16 +111,24 @@ fn read_json_if_exists(path: &Path) -> Result<Option<Value>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: path.to_path_buf(), source })?;
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     serde_json::from_str(&text)
         .map(Some)
-        .map_err(|e| EngineError::Config { path: path.to_path_buf(), message: e.to_string() })
+        .map_err(|e| EngineError::Config {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
 }
 
 fn collect_ids(value: Option<&Value>, into: &mut BTreeSet<u32>) {
     match value {
         Some(Value::Number(n)) => into.extend(n.as_u64().map(|v| v as u32)),
-        Some(Value::Array(items)) => into.extend(items.iter().filter_map(Value::as_u64).map(|v| v as u32)),
+        Some(Value::Array(items)) => {
+            into.extend(items.iter().filter_map(Value::as_u64).map(|v| v as u32))
+        }
         _ => {}
     }
 }
@@ -141,7 +167,11 @@ impl Default for StreamingDetokenizer {
 
 impl StreamingDetokenizer {
     pub fn new() -> Self {
-        Self { ids: Vec::new(), prefix_offset: 0, read_offset: 0 }
+        Self {
+            ids: Vec::new(),
+            prefix_offset: 0,
+            read_offset: 0,
+        }
     }
 
     /// Adds one token; returns the text it completes (often empty mid-character).
@@ -149,7 +179,10 @@ impl StreamingDetokenizer {
         self.ids.push(id);
         let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset])?;
         let text = tokenizer.decode(&self.ids[self.prefix_offset..])?;
-        if text.ends_with('\u{FFFD}') || text.len() <= prefix.len() || !text.is_char_boundary(prefix.len()) {
+        if text.ends_with('\u{FFFD}')
+            || text.len() <= prefix.len()
+            || !text.is_char_boundary(prefix.len())
+        {
             return Ok(String::new());
         }
         let delta = text[prefix.len()..].to_string();

@@ -28,10 +28,16 @@ impl Weights {
     /// (bounding the peak to one tensor in two dtypes): afterwards they are plain data that any
     /// thread may use, and a damaged file has failed here rather than mid-generation.
     pub fn load(model_dir: &Path, backend: Backend) -> Result<Self> {
-        let mut weights = Self { tensors: HashMap::new(), backend };
+        let mut weights = Self {
+            tensors: HashMap::new(),
+            backend,
+        };
         for file in shard_files(model_dir)? {
             validate_safetensors(&file)?;
-            let corrupt = |e: &dyn std::fmt::Display| EngineError::CorruptWeights { path: file.clone(), message: e.to_string() };
+            let corrupt = |e: &dyn std::fmt::Display| EngineError::CorruptWeights {
+                path: file.clone(),
+                message: e.to_string(),
+            };
             let loaded = Array::load_safetensors(&file).map_err(|e| corrupt(&e))?;
             for (name, tensor) in loaded {
                 let tensor = weights.cast(tensor)?;
@@ -49,7 +55,11 @@ impl Weights {
 
     /// Removes and returns a tensor (already in the compute dtype when it is floating point).
     pub fn take(&mut self, name: &str) -> Result<Array> {
-        self.tensors.remove(name).ok_or_else(|| EngineError::MissingWeight { name: name.to_string() })
+        self.tensors
+            .remove(name)
+            .ok_or_else(|| EngineError::MissingWeight {
+                name: name.to_string(),
+            })
     }
 
     /// Like [`Weights::take`], checking the shape.
@@ -107,10 +117,11 @@ fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
         struct Index {
             weight_map: HashMap<String, String>,
         }
-        let parsed: Index = serde_json::from_str(&text).map_err(|e| EngineError::CorruptWeights {
-            path: index.clone(),
-            message: e.to_string(),
-        })?;
+        let parsed: Index =
+            serde_json::from_str(&text).map_err(|e| EngineError::CorruptWeights {
+                path: index.clone(),
+                message: e.to_string(),
+            })?;
         let mut files: Vec<String> = parsed.weight_map.into_values().collect();
         files.sort();
         files.dedup();
@@ -129,7 +140,10 @@ fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
     if files.is_empty() {
         return Err(EngineError::Io {
             path: model_dir.join("model.safetensors"),
-            source: std::io::Error::new(std::io::ErrorKind::NotFound, "no *.safetensors file in the model directory"),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "no *.safetensors file in the model directory",
+            ),
         });
     }
     Ok(files)
@@ -137,7 +151,7 @@ fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
 
 /// Checks the header and that the file holds every byte the header promises. MLX reads tensor
 /// data lazily, so without this a truncated download would fail (or read garbage) mid-generation.
-fn validate_safetensors(path: &Path) -> Result<()> {
+pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
     let file = File::open(path).map_err(|source| EngineError::Io {
         path: path.to_path_buf(),
         source,

@@ -40,32 +40,76 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         .expect("run the mlx_lm oracle");
     assert!(status.success(), "tiny_models.py failed");
 
-    let mut cases: Vec<_> = std::fs::read_dir(out.path()).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut cases: Vec<_> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
     cases.sort();
-    let names: Vec<String> = cases.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
-    assert_eq!(names, ["llama3-rope", "qwen2", "qwen2-4bit", "qwen2-bf16", "qwen3", "qwen3-8bit-mixed"]);
+    let names: Vec<String> = cases
+        .iter()
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "llama3-rope",
+            "qwen2",
+            "qwen2-4bit",
+            "qwen2-bf16",
+            "qwen3",
+            "qwen3-8bit-mixed"
+        ]
+    );
 
     for dir in &cases {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
-        let expected: Expected = serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+        let expected: Expected =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
         let model = models::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
 
         let n = expected.prompt_ids.len() as i32;
         let mut cache = model.make_cache();
-        let logits = model.forward(&Array::from_slice(&expected.prompt_ids, &[1, n]), &mut cache).unwrap();
-        assert_eq!(logits.shape()[1..].iter().map(|d| *d as usize).collect::<Vec<_>>(), expected.logits_shape, "{name}");
+        let logits = model
+            .forward(
+                &Array::from_slice(&expected.prompt_ids, &[1, n]),
+                &mut cache,
+            )
+            .unwrap();
+        assert_eq!(
+            logits.shape()[1..]
+                .iter()
+                .map(|d| *d as usize)
+                .collect::<Vec<_>>(),
+            expected.logits_shape,
+            "{name}"
+        );
         let ours = logits.as_dtype(mlx_rs::Dtype::Float32).unwrap();
         let ours = ours.as_slice::<f32>();
-        let max_diff = ours.iter().zip(&expected.logits).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        let scale = expected.logits.iter().map(|v| v.abs()).fold(0.0f32, f32::max);
+        let max_diff = ours
+            .iter()
+            .zip(&expected.logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        let scale = expected
+            .logits
+            .iter()
+            .map(|v| v.abs())
+            .fold(0.0f32, f32::max);
         assert!(scale > 0.1, "{name}: degenerate logits");
-        assert!(max_diff <= 1e-4, "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale})");
+        assert!(
+            max_diff <= 1e-4,
+            "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale})"
+        );
 
         let tokenizer = Tokenizer::load(dir).unwrap();
         let mut request = GenerateRequest::new(expected.prompt_ids.clone());
         request.max_tokens = expected.greedy_ids.len();
         request.ignore_eos = true;
-        let result = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(())).unwrap();
+        let result = generate(model.as_ref(), &tokenizer, &request, |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
         assert_eq!(result.token_ids, expected.greedy_ids, "{name}: greedy ids");
     }
 }

@@ -14,14 +14,24 @@ use serde_json::Value;
 fn variant(edit: impl FnOnce(&mut Value), weights: Option<&[u8]>) -> tempfile::TempDir {
     let src = common::smollm_dir();
     let dir = tempfile::tempdir().unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"] {
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "generation_config.json",
+    ] {
         std::os::unix::fs::symlink(src.join(f), dir.path().join(f)).unwrap();
     }
     match weights {
         Some(bytes) => std::fs::write(dir.path().join("model.safetensors"), bytes).unwrap(),
-        None => std::os::unix::fs::symlink(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap(),
+        None => std::os::unix::fs::symlink(
+            src.join("model.safetensors"),
+            dir.path().join("model.safetensors"),
+        )
+        .unwrap(),
     }
-    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     edit(&mut config);
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
     dir
@@ -40,7 +50,10 @@ fn truncated_weights() {
     for cut in [full.len() - 1000, full.len() / 2, 100, 4] {
         let dir = variant(|_| {}, Some(&full[..cut]));
         let err = load_err(dir.path());
-        assert!(matches!(err, EngineError::CorruptWeights { .. }), "cut at {cut}: {err}");
+        assert!(
+            matches!(err, EngineError::CorruptWeights { .. }),
+            "cut at {cut}: {err}"
+        );
         assert!(err.to_string().contains("model.safetensors"), "{err}");
     }
 }
@@ -49,23 +62,38 @@ fn truncated_weights() {
 fn unknown_architecture_lists_the_supported_ones() {
     let dir = variant(|c| c["model_type"] = "gpt_bigcode".into(), None);
     let msg = load_err(dir.path()).to_string();
-    assert!(msg.contains("gpt_bigcode") && msg.contains("llama") && msg.contains("qwen2") && msg.contains("qwen3"), "{msg}");
+    assert!(
+        msg.contains("gpt_bigcode")
+            && msg.contains("llama")
+            && msg.contains("qwen2")
+            && msg.contains("qwen3"),
+        "{msg}"
+    );
 }
 
 #[test]
 fn config_that_disagrees_with_the_weights() {
     let dir = variant(|c| c["hidden_size"] = 640.into(), None);
-    assert!(matches!(load_err(dir.path()), EngineError::ShapeMismatch { .. }));
+    assert!(matches!(
+        load_err(dir.path()),
+        EngineError::ShapeMismatch { .. }
+    ));
 
     let dir = variant(|c| c["num_hidden_layers"] = 31.into(), None);
     let err = load_err(dir.path());
-    assert!(matches!(&err, EngineError::MissingWeight { name } if name.starts_with("model.layers.30.")), "{err}");
+    assert!(
+        matches!(&err, EngineError::MissingWeight { name } if name.starts_with("model.layers.30.")),
+        "{err}"
+    );
 
     let dir = variant(|c| c["num_hidden_layers"] = 29.into(), None);
     let msg = load_err(dir.path()).to_string();
     assert!(msg.contains("model.layers.29"), "{msg}");
 
-    let dir = variant(|c| drop(c.as_object_mut().unwrap().remove("num_attention_heads")), None);
+    let dir = variant(
+        |c| drop(c.as_object_mut().unwrap().remove("num_attention_heads")),
+        None,
+    );
     let msg = load_err(dir.path()).to_string();
     assert!(msg.contains("num_attention_heads"), "{msg}");
 
@@ -78,11 +106,24 @@ fn prompts_that_cannot_run() {
     let dir = variant(|c| c["max_position_embeddings"] = 16.into(), None);
     let model = models::load(dir.path()).unwrap();
     let tokenizer = Tokenizer::load(dir.path()).unwrap();
-    let run = |prompt: Vec<u32>| generate(model.as_ref(), &tokenizer, &GenerateRequest::new(prompt), |_| ControlFlow::Continue(()));
+    let run = |prompt: Vec<u32>| {
+        generate(
+            model.as_ref(),
+            &tokenizer,
+            &GenerateRequest::new(prompt),
+            |_| ControlFlow::Continue(()),
+        )
+    };
     assert!(matches!(run(vec![]), Err(EngineError::EmptyPrompt)));
     match run(vec![1; 40]) {
-        Err(EngineError::PromptTooLong { prompt_tokens: 40, context_length: 16 }) => {}
-        other => panic!("expected PromptTooLong, got {:?}", other.map(|o| o.token_ids)),
+        Err(EngineError::PromptTooLong {
+            prompt_tokens: 40,
+            context_length: 16,
+        }) => {}
+        other => panic!(
+            "expected PromptTooLong, got {:?}",
+            other.map(|o| o.token_ids)
+        ),
     }
     // A prompt that fits leaves room for only a few tokens: finish reason `length`, no overflow.
     let out = run(vec![1; 12]).unwrap();
@@ -106,8 +147,10 @@ fn sharded_weights_load_like_a_single_file() {
     let mut weight_map = serde_json::Map::new();
     for (i, part) in names.chunks(names.len() / 2 + 1).enumerate() {
         let shard = format!("model-{:05}-of-00002.safetensors", i + 1);
-        let views: Vec<(String, safetensors::tensor::TensorView)> =
-            part.iter().map(|n| (n.clone(), file.tensor(n).unwrap())).collect();
+        let views: Vec<(String, safetensors::tensor::TensorView)> = part
+            .iter()
+            .map(|n| (n.clone(), file.tensor(n).unwrap()))
+            .collect();
         safetensors::serialize_to_file(views, None, &dir.path().join(&shard)).unwrap();
         for n in part {
             weight_map.insert(n.clone(), shard.clone().into());

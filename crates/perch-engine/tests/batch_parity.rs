@@ -3,17 +3,8 @@
 
 mod common;
 
-use std::collections::HashMap;
-
-use perch_engine::batch::{BatchEvent, BatchGenerator};
-use perch_engine::{models, FinishReason, GenerateRequest, Tokenizer};
-
-fn expected_ids(case: &common::ReferenceCase, reason: FinishReason) -> &[u32] {
-    match reason {
-        FinishReason::Stop => &case.greedy_ids[..case.greedy_ids.len() - 1],
-        _ => &case.greedy_ids[..],
-    }
-}
+use perch_engine::batch::{BatchConfig, BatchGenerator};
+use perch_engine::{models, GenerateRequest, Tokenizer};
 
 /// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
 fn run(insert_at: &[usize], prefill_step_size: usize) {
@@ -21,37 +12,34 @@ fn run(insert_at: &[usize], prefill_step_size: usize) {
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let cases = common::reference_cases();
-    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer);
-    let mut ids_of = HashMap::new();
-    let mut streamed: HashMap<u64, String> = HashMap::new();
-    let mut outputs = HashMap::new();
-    let mut step = 0;
-    while outputs.len() < cases.len() {
-        for (i, case) in cases.iter().enumerate() {
-            if insert_at[i] == step {
-                let mut request = GenerateRequest::new(case.prompt_ids.clone());
-                request.max_tokens = 32;
-                request.prefill_step_size = prefill_step_size;
-                ids_of.insert(batch.insert(request).unwrap(), i);
-            }
-        }
-        for event in batch.step().unwrap() {
-            match event {
-                BatchEvent::Token { request, event } => streamed.entry(request).or_default().push_str(&event.text),
-                BatchEvent::Finished { request, output } => {
-                    outputs.insert(request, output);
-                }
-            }
-        }
-        step += 1;
-        assert!(step < 1000, "the batch does not finish");
-    }
+    let config = BatchConfig::for_budget(model.as_ref(), 256 << 20, 32);
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+    let schedule = cases
+        .iter()
+        .zip(insert_at)
+        .map(|(case, &at)| {
+            let mut request = GenerateRequest::new(case.prompt_ids.clone());
+            request.max_tokens = 32;
+            request.prefill_step_size = prefill_step_size;
+            (at, request)
+        })
+        .collect();
+    let outputs = common::drive(&mut batch, schedule);
     assert!(batch.is_empty());
-    for (request, output) in &outputs {
-        let case = &cases[ids_of[request]];
-        assert_eq!(output.token_ids, expected_ids(case, output.finish_reason), "case {}", case.id);
-        assert_eq!(streamed.get(request).cloned().unwrap_or_default(), output.text, "case {}", case.id);
+    for (case, (output, streamed)) in cases.iter().zip(&outputs) {
+        assert_eq!(
+            output.token_ids,
+            common::expected_ids(case, output.finish_reason),
+            "case {}",
+            case.id
+        );
+        assert_eq!(streamed, &output.text, "case {}", case.id);
     }
+    let kv = batch.kv_stats();
+    assert_eq!(
+        kv.blocks_used, 0,
+        "every block is free once all requests are done"
+    );
 }
 
 #[test]

@@ -6,7 +6,10 @@ mod common;
 
 use std::time::Duration;
 
-use perch_engine::{EngineConfig, EngineEvent, FinishReason, EngineHandle, EngineRequest, GenerateRequest, Prompt, RequestStream};
+use perch_engine::{
+    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest, Prompt,
+    RequestStream,
+};
 
 fn engine() -> EngineHandle {
     engine_with(EngineConfig::default())
@@ -26,9 +29,17 @@ fn request(prompt: Prompt, max_tokens: usize) -> EngineRequest {
 fn collect(stream: RequestStream) -> (Vec<u32>, FinishReason, Option<String>) {
     let mut ids = Vec::new();
     loop {
-        match stream.events.recv_timeout(Duration::from_secs(300)).expect("engine answered") {
+        match stream
+            .events
+            .recv_timeout(Duration::from_secs(300))
+            .expect("engine answered")
+        {
             EngineEvent::Token { id, .. } => ids.extend(id),
-            EngineEvent::Finished { finish_reason, error, .. } => return (ids, finish_reason, error),
+            EngineEvent::Finished {
+                finish_reason,
+                error,
+                ..
+            } => return (ids, finish_reason, error),
         }
     }
 }
@@ -36,7 +47,10 @@ fn collect(stream: RequestStream) -> (Vec<u32>, FinishReason, Option<String>) {
 #[test]
 fn concurrent_submissions_match_the_reference() {
     let engine = engine();
-    let cases: Vec<_> = common::reference_cases().into_iter().filter(|c| ["multi-turn", "raw-text", "haiku"].contains(&c.id.as_str())).collect();
+    let cases: Vec<_> = common::reference_cases()
+        .into_iter()
+        .filter(|c| ["multi-turn", "raw-text", "haiku"].contains(&c.id.as_str()))
+        .collect();
     // Submit from several threads at once: the handle is Clone + Send.
     let streams: Vec<_> = cases
         .iter()
@@ -55,24 +69,40 @@ fn concurrent_submissions_match_the_reference() {
     for (case, stream) in cases.iter().zip(streams) {
         let (ids, reason, error) = collect(stream);
         assert_eq!(error, None);
-        let expected = if reason == FinishReason::Stop { &case.greedy_ids[..case.greedy_ids.len() - 1] } else { &case.greedy_ids[..] };
+        let expected = if reason == FinishReason::Stop {
+            &case.greedy_ids[..case.greedy_ids.len() - 1]
+        } else {
+            &case.greedy_ids[..]
+        };
         assert_eq!(ids, expected, "case {}", case.id);
     }
     let stats = engine.stats().unwrap();
-    assert_eq!((stats.running, stats.waiting, stats.finished_requests), (0, 0, 3));
+    assert_eq!(
+        (stats.running, stats.waiting, stats.finished_requests),
+        (0, 0, 3)
+    );
     engine.shutdown();
 }
 
 #[test]
 fn cancel_running_and_waiting_requests() {
     // One request at a time, so the second one waits.
-    let engine = engine_with(EngineConfig { max_running: 1 });
+    let engine = engine_with(EngineConfig {
+        max_running: 1,
+        ..EngineConfig::default()
+    });
     let long = |n| request(Prompt::Tokens(vec![1, 504, 2988, 288]), n);
     let running = engine.submit(long(500)).unwrap();
     let waiting = engine.submit(long(500)).unwrap();
     // Wait for the first request to produce two tokens, then look at the queue.
     for _ in 0..2 {
-        assert!(matches!(running.events.recv_timeout(Duration::from_secs(120)).unwrap(), EngineEvent::Token { .. }));
+        assert!(matches!(
+            running
+                .events
+                .recv_timeout(Duration::from_secs(120))
+                .unwrap(),
+            EngineEvent::Token { .. }
+        ));
     }
     let stats = engine.stats().unwrap();
     assert_eq!((stats.running, stats.waiting), (1, 1));
@@ -82,7 +112,11 @@ fn cancel_running_and_waiting_requests() {
     engine.cancel(running.id);
     let (rest, reason, _) = collect(running);
     assert_eq!(reason, FinishReason::Cancelled);
-    assert!(rest.len() <= 2, "stopped within a token or two, got {} more", rest.len());
+    assert!(
+        rest.len() <= 2,
+        "stopped within a token or two, got {} more",
+        rest.len()
+    );
     let (ids, reason, _) = collect(waiting);
     assert_eq!((ids.len(), reason), (0, FinishReason::Cancelled));
     engine.shutdown();
@@ -94,35 +128,64 @@ fn bad_requests_end_with_an_error_event() {
     let (ids, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![]), 8)).unwrap());
     assert_eq!((ids.len(), reason), (0, FinishReason::Error));
     assert_eq!(error.as_deref(), Some("the prompt is empty"));
-    let (_, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![1; 9000]), 8)).unwrap());
+    let (_, reason, error) = collect(
+        engine
+            .submit(request(Prompt::Tokens(vec![1; 9000]), 8))
+            .unwrap(),
+    );
     assert_eq!(reason, FinishReason::Error);
     assert!(error.unwrap().contains("9000 tokens"));
     // The engine keeps serving after errors.
-    let (ids, reason, _) = collect(engine.submit(request(Prompt::Tokens(vec![1, 504]), 3)).unwrap());
+    let (ids, reason, _) = collect(
+        engine
+            .submit(request(Prompt::Tokens(vec![1, 504]), 3))
+            .unwrap(),
+    );
     assert_eq!((ids.len(), reason), (3, FinishReason::Length));
     engine.shutdown();
-    assert!(engine.submit(request(Prompt::Tokens(vec![1]), 1)).is_err(), "a stopped engine refuses work");
+    assert!(
+        engine.submit(request(Prompt::Tokens(vec![1]), 1)).is_err(),
+        "a stopped engine refuses work"
+    );
 }
 
 #[test]
 fn a_model_that_fails_to_load_is_an_error_not_a_thread() {
-    let err = EngineHandle::load(std::path::Path::new("/nonexistent"), EngineConfig::default()).err().expect("load fails");
-    assert!(err.to_string().contains("/nonexistent/config.json"), "{err}");
+    let err = EngineHandle::load(
+        std::path::Path::new("/nonexistent"),
+        EngineConfig::default(),
+    )
+    .err()
+    .expect("load fails");
+    assert!(
+        err.to_string().contains("/nonexistent/config.json"),
+        "{err}"
+    );
 }
 
 #[test]
 fn requests_run_together_and_leave_when_done() {
     let engine = engine();
-    let short = engine.submit(request(Prompt::Tokens(vec![1, 504, 2988]), 3)).unwrap();
-    let long = engine.submit(request(Prompt::Tokens(vec![1, 788, 260]), 40)).unwrap();
-    assert!(matches!(long.events.recv_timeout(Duration::from_secs(120)).unwrap(), EngineEvent::Token { .. }));
+    let short = engine
+        .submit(request(Prompt::Tokens(vec![1, 504, 2988]), 3))
+        .unwrap();
+    let long = engine
+        .submit(request(Prompt::Tokens(vec![1, 788, 260]), 40))
+        .unwrap();
+    assert!(matches!(
+        long.events.recv_timeout(Duration::from_secs(120)).unwrap(),
+        EngineEvent::Token { .. }
+    ));
     let (ids, reason, _) = collect(short);
     assert_eq!((ids.len(), reason), (3, FinishReason::Length));
     // The short request has left; the long one is still generating, nothing waits.
     let stats = engine.stats().unwrap();
     assert_eq!((stats.running, stats.waiting), (1, 0));
     // Windowed rates: 6 prompt tokens and at least 4 generated in the last seconds.
-    assert!(stats.prompt_tps > 0.0 && stats.generation_tps > 0.0, "{stats:?}");
+    assert!(
+        stats.prompt_tps > 0.0 && stats.generation_tps > 0.0,
+        "{stats:?}"
+    );
     engine.cancel(long.id);
     assert_eq!(collect(long).1, FinishReason::Cancelled);
     engine.shutdown();

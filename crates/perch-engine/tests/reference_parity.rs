@@ -26,7 +26,11 @@ fn prompts_and_greedy_ids_match_mlx_lm() {
         request.max_tokens = 32;
         let mut streamed = String::new();
         let out = generate(model.as_ref(), &tokenizer, &request, |event| {
-            assert!(!event.text.contains('\u{FFFD}'), "case {}: broken character streamed", case.id);
+            assert!(
+                !event.text.contains('\u{FFFD}'),
+                "case {}: broken character streamed",
+                case.id
+            );
             streamed.push_str(&event.text);
             ControlFlow::Continue(())
         })
@@ -35,14 +39,25 @@ fn prompts_and_greedy_ids_match_mlx_lm() {
         let mut ids = out.token_ids.clone();
         if out.finish_reason == FinishReason::Stop {
             ids.push(*case.greedy_ids.last().unwrap());
-            assert!(tokenizer.eos_token_ids().contains(case.greedy_ids.last().unwrap()));
+            assert!(tokenizer
+                .eos_token_ids()
+                .contains(case.greedy_ids.last().unwrap()));
         } else {
             assert_eq!(out.finish_reason, FinishReason::Length);
         }
         assert_eq!(ids, case.greedy_ids, "greedy ids of case {}", case.id);
-        assert_eq!(streamed, out.text, "case {}: streamed text equals the final text", case.id);
+        assert_eq!(
+            streamed, out.text,
+            "case {}: streamed text equals the final text",
+            case.id
+        );
         let full = tokenizer.decode(&out.token_ids).unwrap();
-        assert_eq!(out.text, full.trim_end_matches('\u{FFFD}'), "case {}: no text lost", case.id);
+        assert_eq!(
+            out.text,
+            full.trim_end_matches('\u{FFFD}'),
+            "case {}: no text lost",
+            case.id
+        );
         assert_eq!(out.stats.generation_tokens, case.greedy_ids.len());
         assert!(out.stats.peak_memory_bytes > 0);
     }
@@ -52,7 +67,10 @@ fn prompts_and_greedy_ids_match_mlx_lm() {
 fn streaming_never_splits_a_character() {
     let dir = common::smollm_dir();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let case = common::reference_cases().into_iter().find(|c| c.id == "unicode").unwrap();
+    let case = common::reference_cases()
+        .into_iter()
+        .find(|c| c.id == "unicode")
+        .unwrap();
     // The reference ends inside an emoji: decoding all ids ends in U+FFFD.
     let full = tokenizer.decode(&case.greedy_ids).unwrap();
     assert!(full.ends_with('\u{FFFD}'));
@@ -65,7 +83,10 @@ fn streaming_never_splits_a_character() {
         empty_steps += delta.is_empty() as usize;
         text.push_str(&delta);
     }
-    assert!(empty_steps > 0, "multi-token characters must be held back at least once");
+    assert!(
+        empty_steps > 0,
+        "multi-token characters must be held back at least once"
+    );
     text.push_str(&detok.finish(&tokenizer).unwrap());
     assert_eq!(text, full.trim_end_matches('\u{FFFD}'));
     assert!(text.contains("🌅"));
@@ -76,13 +97,22 @@ fn chunked_prefill_gives_the_same_tokens() {
     let dir = common::smollm_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let case = common::reference_cases().into_iter().find(|c| c.id == "multi-turn").unwrap();
+    let case = common::reference_cases()
+        .into_iter()
+        .find(|c| c.id == "multi-turn")
+        .unwrap();
     let mut request = GenerateRequest::new(case.prompt_ids.clone());
     request.max_tokens = 32;
     request.prefill_step_size = 16; // 60 prefill tokens in 4 chunks, the last one partial
-    let out = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(())).unwrap();
+    let out = generate(model.as_ref(), &tokenizer, &request, |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
-    assert_eq!(out.token_ids[..], case.greedy_ids[..case.greedy_ids.len() - 1]);
+    assert_eq!(
+        out.token_ids[..],
+        case.greedy_ids[..case.greedy_ids.len() - 1]
+    );
 }
 
 #[test]
@@ -90,12 +120,18 @@ fn stop_strings_cut_the_text_and_cancel_stops_at_once() {
     let dir = common::smollm_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let case = common::reference_cases().into_iter().find(|c| c.id == "raw-text").unwrap();
+    let case = common::reference_cases()
+        .into_iter()
+        .find(|c| c.id == "raw-text")
+        .unwrap();
     // The reference continuation is " the most populous country in the world. ..."
     let mut request = GenerateRequest::new(case.prompt_ids.clone());
     request.max_tokens = 32;
     request.stop_strings = vec!["country".into()];
-    let out = generate(model.as_ref(), &tokenizer, &request, |_| ControlFlow::Continue(())).unwrap();
+    let out = generate(model.as_ref(), &tokenizer, &request, |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
     assert_eq!(out.text, " the most populous ");
 
@@ -103,7 +139,11 @@ fn stop_strings_cut_the_text_and_cancel_stops_at_once() {
     request.stop_strings.clear();
     let out = generate(model.as_ref(), &tokenizer, &request, |_| {
         seen += 1;
-        if seen == 3 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) }
+        if seen == 3 {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
     })
     .unwrap();
     assert_eq!(out.finish_reason, FinishReason::Cancelled);

@@ -55,10 +55,38 @@ impl Attention {
                 .transpose()
         };
         Ok(Self {
-            q_proj: Linear::load(w, q, &format!("{path}.q_proj"), hidden, c.num_heads * hd, c.qkv_bias)?,
-            k_proj: Linear::load(w, q, &format!("{path}.k_proj"), hidden, c.num_kv_heads * hd, c.qkv_bias)?,
-            v_proj: Linear::load(w, q, &format!("{path}.v_proj"), hidden, c.num_kv_heads * hd, c.qkv_bias)?,
-            o_proj: Linear::load(w, q, &format!("{path}.o_proj"), c.num_heads * hd, hidden, c.o_bias)?,
+            q_proj: Linear::load(
+                w,
+                q,
+                &format!("{path}.q_proj"),
+                hidden,
+                c.num_heads * hd,
+                c.qkv_bias,
+            )?,
+            k_proj: Linear::load(
+                w,
+                q,
+                &format!("{path}.k_proj"),
+                hidden,
+                c.num_kv_heads * hd,
+                c.qkv_bias,
+            )?,
+            v_proj: Linear::load(
+                w,
+                q,
+                &format!("{path}.v_proj"),
+                hidden,
+                c.num_kv_heads * hd,
+                c.qkv_bias,
+            )?,
+            o_proj: Linear::load(
+                w,
+                q,
+                &format!("{path}.o_proj"),
+                c.num_heads * hd,
+                hidden,
+                c.o_bias,
+            )?,
             q_norm: norm(w, "q_norm")?,
             k_norm: norm(w, "k_norm")?,
             num_heads: c.num_heads,
@@ -95,24 +123,41 @@ impl Attention {
             let mut outs = Vec::with_capacity(batch as usize);
             for (b, cache) in caches.iter_mut().enumerate() {
                 let b = b as i32;
-                outs.push(self.attend(&row(&queries, b)?, &row(&keys, b)?, &row(&values, b)?, rope, cache)?);
+                outs.push(self.attend(
+                    &row(&queries, b)?,
+                    &row(&keys, b)?,
+                    &row(&values, b)?,
+                    rope,
+                    cache,
+                )?);
             }
             ops::concatenate(&outs, 0)?
         };
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[batch, seq, -1])?;
+        let out = out
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[batch, seq, -1])?;
         self.o_proj.forward(&out)
     }
 
     /// RoPE at the cache's position, cache update and attention for one sequence:
     /// `[1, heads, seq, head_dim]` in and out.
-    fn attend(&self, queries: &Array, keys: &Array, values: &Array, rope: &Rope, cache: &mut KvCache) -> Result<Array> {
+    fn attend(
+        &self,
+        queries: &Array,
+        keys: &Array,
+        values: &Array,
+        rope: &Rope,
+        cache: &mut KvCache,
+    ) -> Result<Array> {
         let offset = cache.offset();
         let queries = rope.forward(queries, offset)?;
         let keys = rope.forward(keys, offset)?;
         let (keys, values) = cache.update_and_fetch(&keys, values)?;
         // One new token attends to everything cached: no mask (as mlx-lm passes None).
         let mask = (queries.shape()[2] > 1).then_some(ScaledDotProductAttentionMask::Causal);
-        Ok(scaled_dot_product_attention(&queries, &keys, &values, self.scale, mask, None)?)
+        Ok(scaled_dot_product_attention(
+            &queries, &keys, &values, self.scale, mask, None,
+        )?)
     }
 }
 
@@ -135,17 +180,46 @@ pub struct Decoder {
 
 impl Decoder {
     /// Takes every tensor the config implies from `weights` (Hugging Face names).
-    pub fn load(config: DecoderConfig, rope: Rope, quantization: &Quantization, weights: &mut Weights, model_type: &str) -> Result<Self> {
+    pub fn load(
+        config: DecoderConfig,
+        rope: Rope,
+        quantization: &Quantization,
+        weights: &mut Weights,
+        model_type: &str,
+    ) -> Result<Self> {
         let c = &config;
-        let embed_tokens = Embedding::load(weights, quantization, "model.embed_tokens", c.vocab_size, c.hidden_size)?;
+        let embed_tokens = Embedding::load(
+            weights,
+            quantization,
+            "model.embed_tokens",
+            c.vocab_size,
+            c.hidden_size,
+        )?;
         let mut layers = Vec::with_capacity(c.num_layers as usize);
         for i in 0..c.num_layers {
             let p = format!("model.layers.{i}");
             layers.push(Block {
                 self_attn: Attention::load(weights, quantization, &format!("{p}.self_attn"), c)?,
-                mlp: Mlp::load(weights, quantization, &format!("{p}.mlp"), c.hidden_size, c.intermediate_size, c.mlp_bias)?,
-                input_layernorm: RmsNorm::load(weights, &format!("{p}.input_layernorm"), c.hidden_size, c.rms_norm_eps)?,
-                post_attention_layernorm: RmsNorm::load(weights, &format!("{p}.post_attention_layernorm"), c.hidden_size, c.rms_norm_eps)?,
+                mlp: Mlp::load(
+                    weights,
+                    quantization,
+                    &format!("{p}.mlp"),
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.mlp_bias,
+                )?,
+                input_layernorm: RmsNorm::load(
+                    weights,
+                    &format!("{p}.input_layernorm"),
+                    c.hidden_size,
+                    c.rms_norm_eps,
+                )?,
+                post_attention_layernorm: RmsNorm::load(
+                    weights,
+                    &format!("{p}.post_attention_layernorm"),
+                    c.hidden_size,
+                    c.rms_norm_eps,
+                )?,
             });
         }
         let norm = RmsNorm::load(weights, "model.norm", c.hidden_size, c.rms_norm_eps)?;
@@ -153,7 +227,14 @@ impl Decoder {
             weights.discard("lm_head.weight");
             None
         } else {
-            Some(Linear::load(weights, quantization, "lm_head", c.hidden_size, c.vocab_size, false)?)
+            Some(Linear::load(
+                weights,
+                quantization,
+                "lm_head",
+                c.hidden_size,
+                c.vocab_size,
+                false,
+            )?)
         };
         let info = ModelInfo {
             model_type: model_type.to_string(),
@@ -163,7 +244,14 @@ impl Decoder {
             head_dim: c.head_dim as usize,
             context_length: c.context_length,
         };
-        Ok(Self { embed_tokens, layers, norm, lm_head, rope, info })
+        Ok(Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            info,
+        })
     }
 }
 
@@ -175,10 +263,17 @@ impl Model for Decoder {
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let mut layer_caches: Vec<&mut KvCache> = caches.iter_mut().map(|c| &mut c[i]).collect();
-            let r = layer.self_attn.forward(&layer.input_layernorm.forward(&h)?, &self.rope, &mut layer_caches)?;
+            let mut layer_caches: Vec<&mut KvCache> =
+                caches.iter_mut().map(|c| &mut c[i]).collect();
+            let r = layer.self_attn.forward(
+                &layer.input_layernorm.forward(&h)?,
+                &self.rope,
+                &mut layer_caches,
+            )?;
             let h2 = ops::add(&h, &r)?;
-            let r = layer.mlp.forward(&layer.post_attention_layernorm.forward(&h2)?)?;
+            let r = layer
+                .mlp
+                .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
             h = ops::add(&h2, &r)?;
         }
         let h = self.norm.forward(&h)?;

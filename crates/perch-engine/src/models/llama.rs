@@ -40,10 +40,14 @@ fn default_rope_theta() -> f32 {
 
 pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
     let args: LlamaArgs = cx.parse()?;
-    if args.num_attention_heads <= 0 || args.hidden_size % args.num_attention_heads != 0 && args.head_dim.is_none() {
+    if args.num_attention_heads <= 0
+        || args.hidden_size % args.num_attention_heads != 0 && args.head_dim.is_none()
+    {
         return Err(cx.error("`hidden_size` must be a multiple of `num_attention_heads`".into()));
     }
-    let head_dim = args.head_dim.unwrap_or(args.hidden_size / args.num_attention_heads);
+    let head_dim = args
+        .head_dim
+        .unwrap_or(args.hidden_size / args.num_attention_heads);
     let config = DecoderConfig {
         hidden_size: args.hidden_size,
         intermediate_size: args.intermediate_size,
@@ -60,9 +64,22 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         qk_norm: false,
         context_length: args.max_position_embeddings.unwrap_or(4096),
     };
-    let rope = Rope::new(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref()).map_err(|m| cx.error(m))?;
+    let rope = Rope::new(
+        head_dim,
+        args.rope_theta,
+        args.rope_traditional,
+        args.rope_scaling.as_ref(),
+    )
+    .map_err(|m| cx.error(m))?;
     for i in 0..args.num_hidden_layers {
-        cx.weights.discard(&format!("model.layers.{i}.self_attn.rotary_emb.inv_freq"));
+        cx.weights
+            .discard(&format!("model.layers.{i}.self_attn.rotary_emb.inv_freq"));
     }
-    Ok(Box::new(Decoder::load(config, rope, &cx.quantization, cx.weights, "llama")?))
+    Ok(Box::new(Decoder::load(
+        config,
+        rope,
+        &cx.quantization,
+        cx.weights,
+        "llama",
+    )?))
 }

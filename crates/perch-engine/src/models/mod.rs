@@ -61,7 +61,10 @@ impl LoadContext<'_> {
     }
 
     pub fn error(&self, message: String) -> EngineError {
-        EngineError::Config { path: self.config_path.to_path_buf(), message }
+        EngineError::Config {
+            path: self.config_path.to_path_buf(),
+            message,
+        }
     }
 }
 
@@ -95,7 +98,10 @@ pub fn load(model_dir: &Path) -> Result<Box<dyn Model>> {
     let model_type = config
         .get("model_type")
         .and_then(Value::as_str)
-        .ok_or_else(|| EngineError::Config { path: config_path.clone(), message: "missing `model_type`".into() })?
+        .ok_or_else(|| EngineError::Config {
+            path: config_path.clone(),
+            message: "missing `model_type`".into(),
+        })?
         .to_string();
     let loader = ARCHITECTURES
         .iter()
@@ -105,10 +111,18 @@ pub fn load(model_dir: &Path) -> Result<Box<dyn Model>> {
             found: model_type.clone(),
             supported: supported_architectures().join(", "),
         })?;
-    let quantization = Quantization::from_config(&config)
-        .map_err(|message| EngineError::Config { path: config_path.clone(), message })?;
+    let quantization =
+        Quantization::from_config(&config).map_err(|message| EngineError::Config {
+            path: config_path.clone(),
+            message,
+        })?;
     let mut weights = Weights::load(model_dir, Backend::current())?;
-    let model = loader(LoadContext { config: &config, config_path: &config_path, quantization, weights: &mut weights })?;
+    let model = loader(LoadContext {
+        config: &config,
+        config_path: &config_path,
+        quantization,
+        weights: &mut weights,
+    })?;
     // Like mlx-lm's strict load: tensors nobody used mean the config does not describe these weights.
     let unused = weights.remaining();
     if !unused.is_empty() {
@@ -132,6 +146,12 @@ pub(crate) fn default_true() -> bool {
 
 /// Reads and parses `config.json`.
 pub fn read_config(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io { path: PathBuf::from(path), source })?;
-    serde_json::from_str(&text).map_err(|e| EngineError::Config { path: path.to_path_buf(), message: e.to_string() })
+    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
+        path: PathBuf::from(path),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| EngineError::Config {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
 }

@@ -60,6 +60,18 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         qk_norm: false,
         context_length: args.max_position_embeddings,
     };
-    let rope = Rope::new(head_dim, args.rope_theta, args.rope_traditional, args.rope_scaling.as_ref()).map_err(|m| cx.error(m))?;
-    Ok(Box::new(Decoder::load(config, rope, &cx.quantization, cx.weights, "qwen2")?))
+    let rope = Rope::new(
+        head_dim,
+        args.rope_theta,
+        args.rope_traditional,
+        args.rope_scaling.as_ref(),
+    )
+    .map_err(|m| cx.error(m))?;
+    Ok(Box::new(Decoder::load(
+        config,
+        rope,
+        &cx.quantization,
+        cx.weights,
+        "qwen2",
+    )?))
 }

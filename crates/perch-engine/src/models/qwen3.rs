@@ -44,6 +44,18 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         qk_norm: true,
         context_length: args.max_position_embeddings,
     };
-    let rope = Rope::new(args.head_dim, args.rope_theta, false, args.rope_scaling.as_ref()).map_err(|m| cx.error(m))?;
-    Ok(Box::new(Decoder::load(config, rope, &cx.quantization, cx.weights, "qwen3")?))
+    let rope = Rope::new(
+        args.head_dim,
+        args.rope_theta,
+        false,
+        args.rope_scaling.as_ref(),
+    )
+    .map_err(|m| cx.error(m))?;
+    Ok(Box::new(Decoder::load(
+        config,
+        rope,
+        &cx.quantization,
+        cx.weights,
+        "qwen3",
+    )?))
 }

@@ -8,7 +8,11 @@ pub fn shared_dir() -> PathBuf {
     let dir = std::env::var_os("PERCH_SHARED_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    assert!(dir.join("models").is_dir(), "shared/ not found at {} (set PERCH_SHARED_DIR)", dir.display());
+    assert!(
+        dir.join("models").is_dir(),
+        "shared/ not found at {} (set PERCH_SHARED_DIR)",
+        dir.display()
+    );
     dir
 }
 
@@ -34,7 +38,59 @@ pub fn reference_cases() -> Vec<ReferenceCase> {
         cases: Vec<ReferenceCase>,
     }
     let path = shared_dir().join("reference/smollm2-135m-4bit-greedy.json");
-    let file: File = serde_json::from_str(&std::fs::read_to_string(&path).expect("reference file")).expect("reference json");
+    let file: File = serde_json::from_str(&std::fs::read_to_string(&path).expect("reference file"))
+        .expect("reference json");
     assert_eq!(file.max_tokens, 32);
     file.cases
+}
+
+/// The ids a reference case's output must have: its greedy ids, minus the stop token when the
+/// request stopped on one.
+pub fn expected_ids(case: &ReferenceCase, reason: perch_engine::FinishReason) -> &[u32] {
+    match reason {
+        perch_engine::FinishReason::Stop => &case.greedy_ids[..case.greedy_ids.len() - 1],
+        _ => &case.greedy_ids[..],
+    }
+}
+
+/// Runs `batch` until every request of `schedule` (inserted at its step) has finished; returns
+/// each request's output and the text it streamed, in schedule order.
+pub fn drive(
+    batch: &mut perch_engine::batch::BatchGenerator<'_>,
+    schedule: Vec<(usize, perch_engine::GenerateRequest)>,
+) -> Vec<(perch_engine::GenerateOutput, String)> {
+    use perch_engine::batch::BatchEvent;
+    use std::collections::HashMap;
+    let mut pending: Vec<Option<(usize, perch_engine::GenerateRequest)>> =
+        schedule.into_iter().map(Some).collect();
+    let mut index_of = HashMap::new();
+    let mut streamed: HashMap<u64, String> = HashMap::new();
+    let mut outputs: Vec<Option<(perch_engine::GenerateOutput, String)>> =
+        (0..pending.len()).map(|_| None).collect();
+    let mut step = 0;
+    while outputs.iter().any(Option::is_none) {
+        for (i, slot) in pending.iter_mut().enumerate() {
+            if slot.as_ref().is_some_and(|(at, _)| *at <= step) {
+                let (_, request) = slot.take().expect("checked");
+                index_of.insert(batch.insert(request).expect("request accepted"), i);
+            }
+        }
+        for event in batch.step().expect("step") {
+            match event {
+                BatchEvent::Token { request, event } => {
+                    streamed.entry(request).or_default().push_str(&event.text)
+                }
+                BatchEvent::Finished { request, output } => {
+                    let text = streamed.remove(&request).unwrap_or_default();
+                    outputs[index_of[&request]] = Some((output, text));
+                }
+            }
+        }
+        step += 1;
+        assert!(step < 5000, "the batch does not finish");
+    }
+    outputs
+        .into_iter()
+        .map(|o| o.expect("all finished"))
+        .collect()
 }

@@ -1,0 +1,109 @@
+//! The KV content of the block pool's cached blocks: for each block that is a prefix-cache entry,
+//! its keys and values in every layer, `[1, kv_heads, block_size, head_dim]` each.
+//!
+//! Running sequences compute in contiguous per-sequence caches (see `kv_cache_manager.rs` for the
+//! measurement behind that); the store receives a copy of each full block once, when it is
+//! registered in the prefix cache, and gives copies back when a later request hits it. A block's
+//! content is dropped when the pool hands the block out again (eviction).
+
+use mlx_rs::{ops, Array};
+
+use crate::block_pool::BlockId;
+use crate::cache::KvCache;
+use crate::error::Result;
+
+/// Keys and values of one block, one pair per layer.
+type BlockKv = Vec<(Array, Array)>;
+
+/// KV content per block id; `None` for blocks that hold nothing worth keeping.
+pub struct BlockStore {
+    blocks: Vec<Option<BlockKv>>,
+}
+
+impl BlockStore {
+    pub fn new(num_blocks: usize) -> Self {
+        Self {
+            blocks: (0..num_blocks).map(|_| None).collect(),
+        }
+    }
+
+    /// Copies block `index` (positions `index * block_size ..`) of a sequence's `cache` (one
+    /// [`KvCache`] per layer) into the store as block `id`. Lazy: evaluate [`BlockStore::state`].
+    pub fn put(
+        &mut self,
+        id: BlockId,
+        cache: &[KvCache],
+        index: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        let (start, end) = (
+            (index * block_size) as i32,
+            ((index + 1) * block_size) as i32,
+        );
+        let kv = cache
+            .iter()
+            .map(|layer| layer.copy_range(start, end))
+            .collect::<Result<BlockKv>>()?;
+        self.blocks[id.0 as usize] = Some(kv);
+        Ok(())
+    }
+
+    /// Drops the content of `id` (the block was handed out again or forgotten).
+    pub fn clear(&mut self, id: BlockId) {
+        self.blocks[id.0 as usize] = None;
+    }
+
+    /// Whether `id` holds content.
+    pub fn contains(&self, id: BlockId) -> bool {
+        self.blocks[id.0 as usize].is_some()
+    }
+
+    /// Appends the content of `ids`, in order, to an empty per-layer `cache`. Errors when a
+    /// block holds nothing (a broken invariant: every cached block has content).
+    pub fn load_into(&self, ids: &[BlockId], cache: &mut [KvCache]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let blocks = ids
+            .iter()
+            .map(|id| {
+                self.blocks[id.0 as usize]
+                    .as_ref()
+                    .ok_or_else(|| missing(*id))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (layer, layer_cache) in cache.iter_mut().enumerate() {
+            let keys: Vec<&Array> = blocks.iter().map(|b| &b[layer].0).collect();
+            let values: Vec<&Array> = blocks.iter().map(|b| &b[layer].1).collect();
+            layer_cache
+                .update_and_fetch(&ops::concatenate(&keys, 2)?, &ops::concatenate(&values, 2)?)?;
+        }
+        Ok(())
+    }
+
+    /// Arrays to evaluate after [`BlockStore::put`] so the copies hold data, not graphs that
+    /// keep a sequence's whole cache alive.
+    pub fn state(&self, ids: &[BlockId]) -> Vec<&Array> {
+        ids.iter()
+            .filter_map(|id| self.blocks[id.0 as usize].as_ref())
+            .flat_map(|kv| kv.iter().flat_map(|(k, v)| [k, v]))
+            .collect()
+    }
+
+    /// Bytes of KV content held.
+    pub fn nbytes(&self) -> usize {
+        self.blocks
+            .iter()
+            .flatten()
+            .flat_map(|kv| kv.iter())
+            .map(|(k, v)| k.nbytes() + v.nbytes())
+            .sum()
+    }
+}
+
+fn missing(id: BlockId) -> crate::error::EngineError {
+    mlx_rs::error::Exception::from(
+        format!("prefix-cache block {} has no KV content", id.0).as_str(),
+    )
+    .into()
+}

@@ -1,0 +1,237 @@
+//! The batch over its block pool: prefix-cache hits give exactly the cold tokens (also across
+//! the turns of a chat), cancels free every block, a tiny pool preempts and still completes
+//! every request exactly, and a request larger than the pool is rejected.
+
+mod common;
+
+use perch_engine::batch::{BatchConfig, BatchGenerator};
+use perch_engine::models::{self, Model};
+use perch_engine::{ChatMessage, EngineError, FinishReason, GenerateRequest, Tokenizer};
+
+fn load() -> (Box<dyn Model>, Tokenizer) {
+    let dir = common::smollm_dir();
+    (models::load(&dir).unwrap(), Tokenizer::load(&dir).unwrap())
+}
+
+fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
+    BatchConfig {
+        max_running: 32,
+        prefill_batch_size: 1,
+        block_size,
+        num_blocks,
+    }
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    let mut request = GenerateRequest::new(prompt);
+    request.max_tokens = max_tokens;
+    request
+}
+
+fn reference_schedule(
+    cases: &[common::ReferenceCase],
+    stagger: usize,
+) -> Vec<(usize, GenerateRequest)> {
+    cases
+        .iter()
+        .enumerate()
+        .map(|(i, case)| (i * stagger, request(case.prompt_ids.clone(), 32)))
+        .collect()
+}
+
+fn assert_reference(
+    cases: &[common::ReferenceCase],
+    outputs: &[(perch_engine::GenerateOutput, String)],
+) {
+    for (case, (output, _)) in cases.iter().zip(outputs) {
+        assert_eq!(
+            output.token_ids,
+            common::expected_ids(case, output.finish_reason),
+            "case {}",
+            case.id
+        );
+    }
+}
+
+#[test]
+fn prefix_cache_hits_give_the_cold_tokens() {
+    let (model, tokenizer) = load();
+    let cases = common::reference_cases();
+    let block_size = 8;
+    let mut batch = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        config(512, block_size),
+        "smollm",
+    );
+    let cold = common::drive(&mut batch, reference_schedule(&cases, 0));
+    assert_reference(&cases, &cold);
+    assert!(cold.iter().all(|(o, _)| o.stats.cached_prompt_tokens == 0));
+
+    // Same prompts again: every full block but the one holding the last prompt token is a hit.
+    let warm = common::drive(&mut batch, reference_schedule(&cases, 2));
+    assert_reference(&cases, &warm);
+    for (case, (output, _)) in cases.iter().zip(&warm) {
+        let expected = (case.prompt_ids.len() - 1) / block_size * block_size;
+        assert_eq!(
+            output.stats.cached_prompt_tokens, expected,
+            "case {}",
+            case.id
+        );
+    }
+    let kv = batch.kv_stats();
+    assert!(kv.prefix_cache_hit_rate > 0.4, "{kv:?}");
+    assert_eq!(kv.blocks_used, 0);
+    assert!(
+        kv.blocks_cached_free > 0 && kv.prefix_cache_bytes > 0,
+        "{kv:?}"
+    );
+}
+
+#[test]
+fn every_turn_of_a_chat_hits_the_previous_one() {
+    let (model, tokenizer) = load();
+    let block_size = 16;
+    let mut batch = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        config(512, block_size),
+        "smollm",
+    );
+    let mut messages = vec![
+        ChatMessage::new("system", "You are a concise assistant."),
+        ChatMessage::new("user", "Name a color."),
+    ];
+    let mut previous_len = 0;
+    for (turn, next) in [
+        "Name another one.",
+        "And one more?",
+        "Which of them is warmest?",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let prompt = tokenizer.encode_chat(&messages).unwrap();
+        let (output, _) =
+            common::drive(&mut batch, vec![(0, request(prompt.clone(), 24))]).remove(0);
+        if turn > 0 {
+            // The previous turn's prompt and answer are in the cache, up to whole blocks.
+            assert!(
+                output.stats.cached_prompt_tokens >= previous_len / block_size * block_size,
+                "turn {turn}: {} cached of a {previous_len}-token previous conversation",
+                output.stats.cached_prompt_tokens
+            );
+            // Cold, in a fresh batch, the same prompt gives the same tokens.
+            let mut fresh = BatchGenerator::new(
+                model.as_ref(),
+                &tokenizer,
+                config(512, block_size),
+                "smollm",
+            );
+            let (cold, _) =
+                common::drive(&mut fresh, vec![(0, request(prompt.clone(), 24))]).remove(0);
+            assert_eq!(cold.stats.cached_prompt_tokens, 0);
+            assert_eq!(output.token_ids, cold.token_ids, "turn {turn}");
+        }
+        previous_len = prompt.len() + output.token_ids.len();
+        messages.push(ChatMessage::new("assistant", &output.text));
+        messages.push(ChatMessage::new("user", next));
+    }
+}
+
+#[test]
+fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
+    let (model, tokenizer) = load();
+    let cases = common::reference_cases();
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
+    let long: Vec<u32> = cases[1..]
+        .iter()
+        .flat_map(|c| c.prompt_ids.iter().copied())
+        .collect();
+    // Prefill goes oldest first: the short request prefills in step 1, the long one from step 2.
+    let decoding = batch
+        .insert(request(cases[0].prompt_ids.clone(), 100))
+        .unwrap();
+    let mut prefilling = request(long.clone(), 8);
+    prefilling.prefill_step_size = 32;
+    let prefilling = batch.insert(prefilling).unwrap();
+    let mut tokens = 0;
+    for _ in 0..3 {
+        tokens += batch.step().unwrap().len();
+    }
+    assert!(tokens > 0, "the short request is decoding");
+    assert!(
+        batch.kv_stats().blocks_used > long.len() / 8 / 2,
+        "the long prompt holds blocks"
+    );
+    let out = batch.remove(prefilling).unwrap().unwrap();
+    assert_eq!(
+        (out.finish_reason, out.token_ids.len()),
+        (FinishReason::Cancelled, 0)
+    );
+    let out = batch.remove(decoding).unwrap().unwrap();
+    assert_eq!(out.finish_reason, FinishReason::Cancelled);
+    assert!(!out.token_ids.is_empty());
+    assert!(batch.is_empty());
+    let kv = batch.kv_stats();
+    assert_eq!(
+        (kv.blocks_used, kv.blocks_cached_free + kv.blocks_empty),
+        (0, kv.blocks_total),
+        "{kv:?}"
+    );
+    // The computed full blocks of both stay cached: the long prompt's first 2 chunks (64 tokens)
+    // and the short prompt's 4 full blocks.
+    assert!(kv.blocks_cached_free >= 64 / 8 + 4, "{kv:?}");
+    assert!(
+        batch.remove(prefilling).unwrap().is_none(),
+        "a removed request is gone"
+    );
+}
+
+#[test]
+fn a_tiny_pool_preempts_and_still_completes_every_request_exactly() {
+    let (model, tokenizer) = load();
+    let cases = common::reference_cases();
+    // 20 blocks of 8 tokens hold the largest request (61 + 32 tokens) but not all six at once.
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(20, 8), "smollm");
+    let outputs = common::drive(&mut batch, reference_schedule(&cases, 0));
+    assert_reference(&cases, &outputs);
+    for (output, streamed) in &outputs {
+        assert_eq!(
+            streamed, &output.text,
+            "preemption never repeats or drops streamed text"
+        );
+    }
+    let kv = batch.kv_stats();
+    assert!(
+        kv.preemptions > 0,
+        "the pool was too small to run everything at once: {kv:?}"
+    );
+    assert_eq!(kv.blocks_used, 0);
+}
+
+#[test]
+fn a_request_larger_than_the_pool_is_rejected() {
+    let (model, tokenizer) = load();
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(4, 8), "smollm");
+    let err = batch.insert(request(vec![1; 20], 16)).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            EngineError::KvCacheTooSmall {
+                needed_tokens: 36,
+                capacity_tokens: 32
+            }
+        ),
+        "{err}"
+    );
+    assert!(
+        err.to_string()
+            .contains("lower max_tokens or raise the KV cache budget"),
+        "{err}"
+    );
+    assert!(batch.is_empty());
+    batch
+        .insert(request(vec![1; 20], 12))
+        .expect("32 tokens fit");
+}

@@ -1,0 +1,40 @@
+"""mlx_lm's side of the prompt-cache interop test (tests/prompt_cache.rs), with mlx_lm 0.32.2.
+
+    prompt_cache.py save MODEL_DIR IDS_JSON OUT.safetensors
+        runs the prompt ids through the model into a fresh cache and writes it with mlx_lm's
+        save_prompt_cache (no token ids recorded, as mlx_lm.cache_prompt does)
+    prompt_cache.py continue MODEL_DIR CACHE.safetensors IDS_JSON N
+        loads a prompt cache with mlx_lm's load_prompt_cache, feeds the ids after it and prints
+        the N greedy token ids that follow, as JSON
+"""
+
+import json
+import sys
+
+import mlx.core as mx
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+
+def main():
+    command, model_dir = sys.argv[1], sys.argv[2]
+    model, _ = load(model_dir)
+    if command == "save":
+        ids = json.loads(sys.argv[3])
+        cache = make_prompt_cache(model)
+        model(mx.array(ids)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        save_prompt_cache(sys.argv[4], cache, {"model": model_dir})
+    elif command == "continue":
+        cache = load_prompt_cache(sys.argv[3])
+        ids = json.loads(sys.argv[4])
+        n = int(sys.argv[5])
+        out = [int(t) for t, _ in generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=n)]
+        print(json.dumps(out))
+    else:
+        raise SystemExit(f"unknown command {command}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+//! Prompt caches on disk: Perch's round trip through the engine's prefix cache, interop with
+//! files written and read by Python mlx_lm 0.32.2 on the shared model (`tests/oracle/prompt_cache.py`),
+//! and clear errors for damaged files and other models' caches.
+//!
+//! Needs `PERCH_TEST_PYTHON` (see `architecture_parity.rs`).
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use perch_engine::models;
+use perch_engine::prompt_cache::{load_prompt_cache, save_prompt_cache};
+use perch_engine::{
+    EngineConfig, EngineError, EngineEvent, EngineHandle, EngineRequest, FinishReason,
+    GenerateRequest, GenerationStats, Prompt,
+};
+
+fn oracle(args: &[&str]) -> String {
+    let python =
+        std::env::var("PERCH_TEST_PYTHON").expect("set PERCH_TEST_PYTHON (scripts/test.sh does)");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/prompt_cache.py");
+    let out = Command::new(python)
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("run the mlx_lm oracle");
+    assert!(
+        out.status.success(),
+        "prompt_cache.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn run(engine: &EngineHandle, prompt: Prompt) -> (Vec<u32>, FinishReason, GenerationStats) {
+    let mut params = GenerateRequest::new(Vec::new());
+    params.max_tokens = 32;
+    let stream = engine.submit(EngineRequest { prompt, params }).unwrap();
+    let mut ids = Vec::new();
+    loop {
+        match stream
+            .events
+            .recv_timeout(Duration::from_secs(300))
+            .unwrap()
+        {
+            EngineEvent::Token { id, .. } => ids.extend(id),
+            EngineEvent::Finished {
+                finish_reason,
+                stats,
+                error,
+            } => {
+                assert_eq!(error, None);
+                return (ids, finish_reason, stats);
+            }
+        }
+    }
+}
+
+/// The reference case used throughout: a chat prompt of 61 tokens.
+fn case() -> common::ReferenceCase {
+    common::reference_cases()
+        .into_iter()
+        .find(|c| c.id == "multi-turn")
+        .unwrap()
+}
+
+#[test]
+fn a_saved_prompt_cache_fills_another_engines_prefix_cache() {
+    let case = case();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prefix.safetensors");
+    let prefix = &case.prompt_ids[..48];
+    let engine = EngineHandle::load(&common::smollm_dir(), EngineConfig::default()).unwrap();
+    assert_eq!(
+        engine
+            .save_prompt_cache(Prompt::Tokens(prefix.to_vec()), &file)
+            .unwrap(),
+        48
+    );
+    engine.shutdown();
+
+    let engine = EngineHandle::load(&common::smollm_dir(), EngineConfig::default()).unwrap();
+    assert_eq!(
+        engine.load_prompt_cache(&file).unwrap(),
+        32,
+        "whole blocks of 32 tokens"
+    );
+    let (ids, reason, stats) = run(&engine, Prompt::Tokens(case.prompt_ids.clone()));
+    assert_eq!(stats.cached_prompt_tokens, 32);
+    assert_eq!(ids, common::expected_ids(&case, reason));
+    // The same file as a continuation: the request gives only the tokens after the prefix.
+    let (ids, reason, stats) = run(
+        &engine,
+        Prompt::AfterCache {
+            cache_file: file.clone(),
+            tokens: case.prompt_ids[48..].to_vec(),
+        },
+    );
+    assert!(stats.cached_prompt_tokens >= 32);
+    assert_eq!(ids, common::expected_ids(&case, reason));
+    engine.shutdown();
+}
+
+#[test]
+fn files_move_between_perch_and_mlx_lm() {
+    let case = case();
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = common::smollm_dir();
+    let (prefix, rest) = case.prompt_ids.split_at(40);
+    let json = |ids: &[u32]| serde_json::to_string(ids).unwrap();
+
+    // mlx_lm writes, Perch continues from it.
+    let theirs = dir.path().join("mlx_lm.safetensors");
+    oracle(&[
+        "save",
+        model_dir.to_str().unwrap(),
+        &json(prefix),
+        theirs.to_str().unwrap(),
+    ]);
+    let engine = EngineHandle::load(&model_dir, EngineConfig::default()).unwrap();
+    let (ids, reason, stats) = run(
+        &engine,
+        Prompt::AfterCache {
+            cache_file: theirs.clone(),
+            tokens: rest.to_vec(),
+        },
+    );
+    assert_eq!(stats.cached_prompt_tokens, 40);
+    assert_eq!(
+        ids,
+        common::expected_ids(&case, reason),
+        "Perch continuing mlx_lm's cache"
+    );
+    let err = engine.load_prompt_cache(&theirs).unwrap_err();
+    assert!(
+        err.to_string().contains("does not record its token ids"),
+        "{err}"
+    );
+
+    // Perch writes, mlx_lm continues from it.
+    let ours = dir.path().join("perch.safetensors");
+    engine
+        .save_prompt_cache(Prompt::Tokens(prefix.to_vec()), &ours)
+        .unwrap();
+    engine.shutdown();
+    let out = oracle(&[
+        "continue",
+        model_dir.to_str().unwrap(),
+        ours.to_str().unwrap(),
+        &json(rest),
+        "32",
+    ]);
+    let ids: Vec<u32> = serde_json::from_str(out.trim()).unwrap();
+    // mlx_lm's generate_step does not stop at EOS: compare up to the reference's stop token.
+    assert_eq!(
+        ids[..case.greedy_ids.len()],
+        case.greedy_ids[..],
+        "mlx_lm continuing Perch's cache"
+    );
+}
+
+#[test]
+fn damaged_files_and_other_models_caches_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = common::smollm_dir();
+    let model = models::load(&model_dir).unwrap();
+    let mut cache = model.make_cache();
+    model
+        .forward(
+            &mlx_rs::Array::from_slice(&[1u32, 504, 2988, 288], &[1, 4]),
+            &mut cache,
+        )
+        .unwrap();
+    let good = dir.path().join("good.safetensors");
+    save_prompt_cache(&good, &cache, &[1, 504, 2988, 288], "model-a", 32).unwrap();
+    let loaded = load_prompt_cache(&good, model.as_ref(), "model-a").unwrap();
+    assert_eq!(
+        (loaded.offset, loaded.tokens.as_deref()),
+        (4, Some(&[1u32, 504, 2988, 288][..]))
+    );
+
+    let message = |path: &Path, id: &str| match load_prompt_cache(path, model.as_ref(), id) {
+        Err(err @ EngineError::PromptCache { .. }) => err.to_string(),
+        Err(other) => panic!("expected a prompt-cache error, got {other}"),
+        Ok(_) => panic!("{} loaded", path.display()),
+    };
+    assert!(message(&good, "model-b").contains("made with model model-a"));
+
+    let bytes = std::fs::read(&good).unwrap();
+    let truncated = dir.path().join("truncated.safetensors");
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(
+        message(&truncated, "model-a").contains("damaged"),
+        "{}",
+        message(&truncated, "model-a")
+    );
+    let garbage = dir.path().join("garbage.safetensors");
+    std::fs::write(&garbage, b"not a safetensors file at all").unwrap();
+    assert!(message(&garbage, "model-a").contains("damaged"));
+
+    // A cache with another model's shapes: half the layers.
+    let other = dir.path().join("other.safetensors");
+    save_prompt_cache(&other, &cache[..15], &[1, 504, 2988, 288], "model-a", 32).unwrap();
+    assert!(
+        message(&other, "model-a").contains("15 layers"),
+        "{}",
+        message(&other, "model-a")
+    );
+
+    // Saving never leaves a half-written file: a bad name fails before anything is written.
+    assert!(save_prompt_cache(
+        &dir.path().join("x.bin"),
+        &cache,
+        &[1, 504, 2988, 288],
+        "model-a",
+        32
+    )
+    .is_err());
+    let names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+}
