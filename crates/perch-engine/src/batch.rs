@@ -344,15 +344,31 @@ impl<'m> BatchGenerator<'m> {
     /// Takes only as many blocks as are free; returns the tokens now cached.
     pub fn import_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
         let block_size = self.config.block_size;
-        let blocks = (tokens.len() / block_size).min(self.kv.pool().num_free_blocks());
-        if blocks == 0 {
-            return Ok(0);
+        // Blocks already cached are reused, not taken (and evicted from) the free queue again.
+        let hit = self.kv.cached_prefix(tokens);
+        let pool = self.kv.pool();
+        let hit_from_free = hit
+            .blocks
+            .iter()
+            .filter(|id| pool.block(**id).ref_cnt() == 0)
+            .count();
+        let room = pool.num_free_blocks() - hit_from_free;
+        let new_blocks = (tokens.len() / block_size - hit.blocks.len()).min(room);
+        let num_tokens = hit.num_tokens + new_blocks * block_size;
+        if new_blocks == 0 {
+            return Ok(num_tokens);
         }
         let id = self.next_id;
         self.next_id += 1;
-        let num_tokens = blocks * block_size;
-        if !allocate(&mut self.kv, &mut self.store, id, 0, num_tokens, None) {
-            return Ok(0);
+        if !allocate(
+            &mut self.kv,
+            &mut self.store,
+            id,
+            hit.num_tokens,
+            num_tokens - hit.num_tokens,
+            Some(&hit),
+        ) {
+            return Ok(hit.num_tokens);
         }
         let entries = self.kv.cache_blocks(id, tokens, num_tokens);
         for &(index, block) in &entries {
@@ -429,7 +445,7 @@ impl<'m> BatchGenerator<'m> {
             seq.computed = hit.num_tokens;
             if let Some(prefix) = &seq.preloaded {
                 for (cache, layer) in seq.cache.iter_mut().zip(&prefix.layers) {
-                    let (keys, values) = layer.copy_range(0, prefix.offset as i32)?;
+                    let (keys, values) = layer.positions(0, prefix.offset as i32)?;
                     cache.update_and_fetch(&keys, &values)?;
                 }
                 seq.computed = prefix.offset;

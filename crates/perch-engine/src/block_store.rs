@@ -18,12 +18,19 @@ type BlockKv = Vec<(Array, Array)>;
 /// KV content per block id; `None` for blocks that hold nothing worth keeping.
 pub struct BlockStore {
     blocks: Vec<Option<BlockKv>>,
+    /// Bytes of all content held (kept up to date, since stats are read often).
+    nbytes: usize,
+}
+
+fn kv_nbytes(kv: &BlockKv) -> usize {
+    kv.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
 }
 
 impl BlockStore {
     pub fn new(num_blocks: usize) -> Self {
         Self {
             blocks: (0..num_blocks).map(|_| None).collect(),
+            nbytes: 0,
         }
     }
 
@@ -44,13 +51,17 @@ impl BlockStore {
             .iter()
             .map(|layer| layer.copy_range(start, end))
             .collect::<Result<BlockKv>>()?;
+        self.clear(id);
+        self.nbytes += kv_nbytes(&kv);
         self.blocks[id.0 as usize] = Some(kv);
         Ok(())
     }
 
     /// Drops the content of `id` (the block was handed out again or forgotten).
     pub fn clear(&mut self, id: BlockId) {
-        self.blocks[id.0 as usize] = None;
+        if let Some(kv) = self.blocks[id.0 as usize].take() {
+            self.nbytes -= kv_nbytes(&kv);
+        }
     }
 
     /// Whether `id` holds content.
@@ -92,12 +103,7 @@ impl BlockStore {
 
     /// Bytes of KV content held.
     pub fn nbytes(&self) -> usize {
-        self.blocks
-            .iter()
-            .flatten()
-            .flat_map(|kv| kv.iter())
-            .map(|(k, v)| k.nbytes() + v.nbytes())
-            .sum()
+        self.nbytes
     }
 }
 

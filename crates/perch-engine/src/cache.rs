@@ -93,10 +93,11 @@ impl KvCache {
     }
 
     /// Positions `[start, end)` (`0 <= start <= end <= offset`) as keys and values
-    /// `[batch, kv_heads, end - start, head_dim]` in buffers of their own (lazy).
-    pub fn copy_range(&self, start: i32, end: i32) -> Result<(Array, Array)> {
+    /// `[batch, kv_heads, end - start, head_dim]`: views into this cache's buffers, valid for
+    /// reading until the cache is written again (lazy).
+    pub fn positions(&self, start: i32, end: i32) -> Result<(Array, Array)> {
         let (Some(k), Some(v)) = (&self.keys, &self.values) else {
-            return Err(mlx_rs::error::Exception::from("copy_range of an empty KV cache").into());
+            return Err(mlx_rs::error::Exception::from("positions of an empty KV cache").into());
         };
         debug_assert!(
             0 <= start && start <= end && end <= self.offset,
@@ -106,17 +107,15 @@ impl KvCache {
         let [batch, heads, _, head_dim] = shape4(k);
         let value_dim = v.shape()[3];
         Ok((
-            owned_copy(&slice(
-                k,
-                &[0, 0, start, 0],
-                &[batch, heads, end, head_dim],
-            )?)?,
-            owned_copy(&slice(
-                v,
-                &[0, 0, start, 0],
-                &[batch, heads, end, value_dim],
-            )?)?,
+            slice(k, &[0, 0, start, 0], &[batch, heads, end, head_dim])?,
+            slice(v, &[0, 0, start, 0], &[batch, heads, end, value_dim])?,
         ))
+    }
+
+    /// [`KvCache::positions`] in buffers of their own, which outlive this cache's buffers (lazy).
+    pub fn copy_range(&self, start: i32, end: i32) -> Result<(Array, Array)> {
+        let (keys, values) = self.positions(start, end)?;
+        Ok((owned_copy(&keys)?, owned_copy(&values)?))
     }
 
     /// Bytes held by the buffers (capacity, not only the filled part).

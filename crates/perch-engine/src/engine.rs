@@ -324,8 +324,14 @@ struct Queue {
 }
 
 impl Queue {
-    /// Applies one command; `live` describes the batch right now (for stats).
-    fn handle(&mut self, command: Command, live: &Live) {
+    /// Applies one command; `batch` and `jobs` (batch request id -> job) are read for stats and
+    /// cancels, only when such a command comes.
+    fn handle(
+        &mut self,
+        command: Command,
+        batch: &mut BatchGenerator<'_>,
+        jobs: &HashMap<RequestId, Job>,
+    ) {
         match command {
             Command::Submit {
                 id,
@@ -338,7 +344,8 @@ impl Queue {
             }),
             Command::PromptCache(job) => self.prompt_cache_jobs.push(job),
             Command::Cancel(id) => {
-                if !live.job_ids.contains(&id) && !self.submitted.iter().any(|job| job.id == id) {
+                let known = jobs.values().chain(&self.submitted).any(|job| job.id == id);
+                if !known {
                     // Not in the engine: it already finished (a submit always reaches the thread
                     // before a cancel of the id it returned), so drop the mark.
                     if let Ok(mut set) = self.cancelled.lock() {
@@ -348,12 +355,12 @@ impl Queue {
             }
             Command::Stats(reply) => {
                 let _ = reply.send(EngineStats {
-                    running: live.running,
-                    waiting: live.waiting + self.submitted.len(),
+                    running: batch.num_running(),
+                    waiting: batch.num_waiting() + self.submitted.len(),
                     finished_requests: self.finished_requests,
-                    prompt_tps: live.prompt_tps,
-                    generation_tps: live.generation_tps,
-                    kv_cache: live.kv_cache,
+                    prompt_tps: batch.prompt_throughput.rate(),
+                    generation_tps: batch.generation_throughput.rate(),
+                    kv_cache: batch.kv_stats(),
                     memory: memory_stats(),
                 });
             }
@@ -362,9 +369,9 @@ impl Queue {
     }
 
     /// Handles every command already sent, without waiting.
-    fn drain(&mut self, live: &Live) {
+    fn drain(&mut self, batch: &mut BatchGenerator<'_>, jobs: &HashMap<RequestId, Job>) {
         while let Ok(command) = self.inbox.try_recv() {
-            self.handle(command, live);
+            self.handle(command, batch, jobs);
         }
     }
 
@@ -397,30 +404,6 @@ impl Queue {
             set.remove(&job.id);
         }
         self.finished_requests += 1;
-    }
-}
-
-/// The batch's numbers at the moment commands are read.
-struct Live {
-    running: usize,
-    waiting: usize,
-    /// Handle ids of the requests in the batch.
-    job_ids: Vec<RequestId>,
-    prompt_tps: f64,
-    generation_tps: f64,
-    kv_cache: KvCacheStats,
-}
-
-impl Live {
-    fn of(batch: &mut BatchGenerator<'_>, jobs: &HashMap<RequestId, Job>) -> Self {
-        Self {
-            running: batch.num_running(),
-            waiting: batch.num_waiting(),
-            job_ids: jobs.values().map(|job| job.id).collect(),
-            prompt_tps: batch.prompt_throughput.rate(),
-            generation_tps: batch.generation_throughput.rate(),
-            kv_cache: batch.kv_stats(),
-        }
     }
 }
 
@@ -457,11 +440,11 @@ impl EngineThread {
             {
                 // Idle: sleep until a command arrives; a dropped last handle ends the thread.
                 match queue.inbox.recv() {
-                    Ok(command) => queue.handle(command, &Live::of(&mut batch, &jobs)),
+                    Ok(command) => queue.handle(command, &mut batch, &jobs),
                     Err(_) => return,
                 }
             }
-            queue.drain(&Live::of(&mut batch, &jobs));
+            queue.drain(&mut batch, &jobs);
 
             for job in std::mem::take(&mut queue.prompt_cache_jobs) {
                 match job {
@@ -473,7 +456,7 @@ impl EngineThread {
                         let saved = tokens_of(&prompt, &tokenizer).and_then(|tokens| {
                             let cache = batch.compute_prefix(
                                 &tokens,
-                                GenerateRequest::new(Vec::new()).prefill_step_size,
+                                GenerateRequest::DEFAULT_PREFILL_STEP_SIZE,
                             )?;
                             save_prompt_cache(
                                 &path,

@@ -49,6 +49,9 @@ pub struct GenerateRequest {
 }
 
 impl GenerateRequest {
+    /// Prompt tokens per forward pass unless a request says otherwise (mlx-lm's default).
+    pub const DEFAULT_PREFILL_STEP_SIZE: usize = 2048;
+
     pub fn new(prompt: Vec<u32>) -> Self {
         Self {
             prompt,
@@ -56,7 +59,7 @@ impl GenerateRequest {
             max_tokens: 256,
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
-            prefill_step_size: 2048,
+            prefill_step_size: Self::DEFAULT_PREFILL_STEP_SIZE,
             ignore_eos: false,
         }
     }

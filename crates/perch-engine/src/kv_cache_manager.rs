@@ -79,8 +79,12 @@ impl KvCacheManager {
     /// The longest run of cached full blocks at the start of `prompt`, leaving at least one token
     /// to compute.
     pub fn get_computed_blocks(&self, prompt: &[u32]) -> ComputedBlocks {
-        let usable = prompt.len().saturating_sub(1);
-        let hashes = full_block_hashes(self.root, &prompt[..usable], self.block_size(), &[]);
+        self.cached_prefix(&prompt[..prompt.len().saturating_sub(1)])
+    }
+
+    /// The longest run of cached full blocks at the start of `tokens`, all of them usable.
+    pub fn cached_prefix(&self, tokens: &[u32]) -> ComputedBlocks {
+        let hashes = full_block_hashes(self.root, tokens, self.block_size(), &[]);
         let blocks: Vec<BlockId> = hashes
             .iter()
             .map_while(|h| self.pool.get_cached_block(*h))

@@ -70,7 +70,7 @@ pub fn save_prompt_cache(
                 layer.offset()
             )));
         }
-        let (keys, values) = layer.copy_range(0, offset)?;
+        let (keys, values) = layer.positions(0, offset)?;
         dtype.get_or_insert(keys.dtype());
         arrays.push((format!("{i}.0"), keys));
         arrays.push((format!("{i}.1"), values));

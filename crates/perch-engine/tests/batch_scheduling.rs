@@ -235,3 +235,24 @@ fn a_request_larger_than_the_pool_is_rejected() {
         .insert(request(vec![1; 20], 12))
         .expect("32 tokens fit");
 }
+
+#[test]
+fn importing_a_cached_prefix_again_evicts_nothing() {
+    let (model, tokenizer) = load();
+    // 6 blocks of 8: another prefix (1 block), then the 36-token prompt (4 blocks); one is empty.
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(6, 8), "smollm");
+    let cases = common::reference_cases();
+    let other: Vec<u32> = (100..109).collect();
+    batch.compute_prefix(&other, 2048).unwrap();
+    let prompt = cases[0].prompt_ids.clone();
+    let cache = batch.compute_prefix(&prompt, 2048).unwrap();
+    assert_eq!(batch.kv_stats().blocks_cached_free, 5);
+    // Re-importing must reuse the 4 cached blocks, not take free ones and evict the other prefix.
+    assert_eq!(batch.import_prefix(&prompt, &cache).unwrap(), 32);
+    let kv = batch.kv_stats();
+    assert_eq!(
+        (kv.blocks_cached_free, kv.blocks_empty, kv.blocks_used),
+        (5, 1, 0),
+        "{kv:?}"
+    );
+}
