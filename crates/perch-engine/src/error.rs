@@ -50,6 +50,8 @@ pub enum EngineError {
     InvalidSampling(String),
     #[error("the engine has stopped")]
     EngineStopped,
+    #[error("CPU kernel: {0}")]
+    Kernel(String),
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
 }

@@ -4,12 +4,13 @@
 
 use std::collections::HashMap;
 
-use mlx_rs::{fast, ops, Array};
+use mlx_rs::error::AsSliceError;
+use mlx_rs::{fast, ops, Array, Dtype};
+use perch_qgemm::QuantizedMatrix;
 use serde_json::Value;
 
 use crate::device::Backend;
-use crate::error::Result;
-use crate::mlx_ext::slice;
+use crate::error::{EngineError, Result};
 use crate::weights::Weights;
 
 /// Group size and bit width of MLX affine quantization (`w = scale * q + bias` per group).
@@ -98,30 +99,9 @@ pub struct QuantizedWeight {
     pub scales: Array,
     pub biases: Array,
     pub params: QuantParams,
-    /// Multiply many rows by the dequantized weight instead (on CPU, see [`DENSE_MIN_ROWS`]).
-    dense_for_batches: bool,
+    /// Multiply with Perch's CPU kernel instead of MLX's (see [`QuantizedWeight::matmul_transposed`]).
+    cpu_kernel: bool,
 }
-
-/// From this many input rows on, a quantized layer on CPU dequantizes its weight and runs a
-/// float32 GEMM (OpenBLAS) instead of MLX's scalar CPU `quantized_matmul`, whose cost grows with
-/// every row. Measured on the 2-core dev machine (MLX 0.32.2 + OpenBLAS), 4-bit, ms per call:
-///
-/// | weight | rows | `quantized_matmul` | dequantize + GEMM |
-/// |---|---|---|---|
-/// | 1536x576 | 1 / 4 / 32 / 512 | 1.0 / 3.6 / 31 / 491 | 2.0 / 2.1 / 3.8 / 12 |
-/// | 49152x576 (output projection) | 1 / 8 / 32 | 28 / 225 / 905 | 200 / 200 / 209 |
-///
-/// Dequantizing costs about 2 ns per weight for small layers and more for a large one, so large
-/// weights switch later ([`DENSE_MIN_ROWS_LARGE`]). Results differ from `quantized_matmul` by
-/// float32 rounding only (~2e-6); every parity test passes either way.
-pub const DENSE_MIN_ROWS: i32 = 4;
-/// [`DENSE_MIN_ROWS`] for weights of more than [`LARGE_WEIGHT_ELEMENTS`] elements.
-pub const DENSE_MIN_ROWS_LARGE: i32 = 8;
-const LARGE_WEIGHT_ELEMENTS: i64 = 8 << 20;
-
-/// Weights dequantized at once for the dense path, at most (float32: 4 bytes each), so the
-/// transient copy of a large output projection stays small.
-const DENSE_CHUNK_ELEMENTS: i32 = 4 << 20;
 
 impl QuantizedWeight {
     fn load(
@@ -138,24 +118,29 @@ impl QuantizedWeight {
             scales: weights.take_shaped(&format!("{path}.scales"), &[rows, groups])?,
             biases: weights.take_shaped(&format!("{path}.biases"), &[rows, groups])?,
             params,
-            dense_for_batches: Backend::current() == Backend::Cpu,
+            cpu_kernel: Backend::current() == Backend::Cpu && matches!(params.bits, 2 | 4 | 8),
         })
     }
 
     /// `x @ W.T` for `x` `[..., in]` → `[..., out]`.
+    ///
+    /// On MLX's CPU backend, 2/4/8-bit weights go through `perch_qgemm` (dequantize a cache-sized
+    /// tile, float32 GEMM, all cores), because MLX's CPU `quantized_matmul` is scalar code whose
+    /// cost grows with every row. This evaluates `x` first: the projection leaves MLX's lazy graph.
+    /// ms per call on the 2-core dev machine, 4-bit, group size 64 (`quantized_matmul` and
+    /// `dequantize` + matmul measured with MLX 0.32.2 + OpenBLAS; `perch_qgemm` with
+    /// `cargo run --release -p perch-qgemm --example qgemm_bench`, noisy to ±30%):
+    ///
+    /// | weight | rows | MLX `quantized_matmul` | MLX `dequantize` + matmul | `perch_qgemm` |
+    /// |---|---|---|---|---|
+    /// | 1536x576 | 1 / 4 / 32 / 512 | 1.0 / 3.6 / 31 / 491 | 2.0 / 2.1 / 3.8 / 12 | 0.25 / 0.40 / 0.75 / 7.7 |
+    /// | 49152x576 (output projection) | 1 / 32 | 28 / 905 | 200 / 209 | 7 / 22 |
+    ///
+    /// Results differ from `quantized_matmul` by float32 rounding only; every parity test passes
+    /// either way. Other backends and bit widths use MLX's `quantized_matmul`.
     fn matmul_transposed(&self, x: &Array) -> Result<Array> {
-        let shape = x.shape();
-        let rows: i32 = shape[..shape.len() - 1].iter().product();
-        let elements = self.scales.shape()[0] as i64
-            * self.scales.shape()[1] as i64
-            * self.params.group_size as i64;
-        let min_rows = if elements > LARGE_WEIGHT_ELEMENTS {
-            DENSE_MIN_ROWS_LARGE
-        } else {
-            DENSE_MIN_ROWS
-        };
-        if self.dense_for_batches && rows >= min_rows {
-            return self.dense_matmul_transposed(x);
+        if self.cpu_kernel && x.dtype() == Dtype::Float32 {
+            return self.cpu_matmul_transposed(x);
         }
         Ok(ops::quantized_matmul(
             x,
@@ -168,28 +153,39 @@ impl QuantizedWeight {
         )?)
     }
 
-    /// `x @ dequantize(W).T`, dequantizing at most [`DENSE_CHUNK_ELEMENTS`] weights at a time.
-    fn dense_matmul_transposed(&self, x: &Array) -> Result<Array> {
-        let [out, packed] = [self.weight.shape()[0], self.weight.shape()[1]];
-        let groups = self.scales.shape()[1];
-        let cols = packed * 32 / self.params.bits;
-        let chunk_rows = (DENSE_CHUNK_ELEMENTS / cols).max(1);
-        let mut parts = Vec::new();
-        for start in (0..out).step_by(chunk_rows as usize) {
-            let end = (start + chunk_rows).min(out);
-            let dense = ops::dequantize(
-                &slice(&self.weight, &[start, 0], &[end, packed])?,
-                &slice(&self.scales, &[start, 0], &[end, groups])?,
-                &slice(&self.biases, &[start, 0], &[end, groups])?,
-                self.params.group_size,
-                self.params.bits,
-            )?;
-            parts.push(ops::matmul(x, dense.t())?);
+    fn cpu_matmul_transposed(&self, x: &Array) -> Result<Array> {
+        let (out, groups) = (self.scales.shape()[0], self.scales.shape()[1]);
+        let cols = groups * self.params.group_size;
+        let shape = x.shape();
+        let rows: i32 = shape[..shape.len() - 1].iter().product();
+        let mut x = x.reshape(&[rows, cols])?;
+        x.eval()?;
+        if x.try_as_slice::<f32>().is_err() {
+            x = x.contiguous()?;
         }
-        match parts.len() {
-            1 => Ok(parts.pop().expect("one part")),
-            _ => Ok(ops::concatenate(&parts, -1)?),
-        }
+        let kernel_error = |message: String| EngineError::Kernel(message);
+        let slice_error = |e: AsSliceError| kernel_error(e.to_string());
+        let matrix = QuantizedMatrix::new(
+            self.weight.try_as_slice::<u32>().map_err(slice_error)?,
+            self.scales.try_as_slice::<f32>().map_err(slice_error)?,
+            self.biases.try_as_slice::<f32>().map_err(slice_error)?,
+            out as usize,
+            cols as usize,
+            self.params.group_size as usize,
+            self.params.bits as u32,
+        )
+        .map_err(|e| kernel_error(e.to_string()))?;
+        let mut y = vec![0f32; rows as usize * out as usize];
+        perch_qgemm::matmul_transposed(
+            x.try_as_slice::<f32>().map_err(slice_error)?,
+            rows as usize,
+            &matrix,
+            &mut y,
+        )
+        .map_err(|e| kernel_error(e.to_string()))?;
+        let mut out_shape = shape.to_vec();
+        *out_shape.last_mut().expect("x has a feature axis") = out;
+        Ok(Array::from_slice(&y, &out_shape))
     }
 }
 
