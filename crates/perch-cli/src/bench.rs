@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use mlx_rs::Array;
 use perch_engine::device::{memory_stats, Backend};
-use perch_engine::{generate, GenerationStats};
+use perch_engine::{generate, GenerationStats, KvQuantization};
 use serde::Serialize;
 
 use crate::model_dir;
@@ -46,6 +46,12 @@ pub struct BenchArgs {
     /// With --concurrency: the engine's KV cache budget in MiB (default: the engine's).
     #[arg(long)]
     pub kv_cache_mib: Option<usize>,
+    /// With --concurrency: quantize the KV cache to this many bits (8 or 4; MLX affine).
+    #[arg(long)]
+    pub kv_bits: Option<i32>,
+    /// With --kv-bits: elements per quantization group.
+    #[arg(long, default_value_t = KvQuantization::DEFAULT_GROUP_SIZE)]
+    pub kv_group_size: i32,
 }
 
 #[derive(Serialize)]

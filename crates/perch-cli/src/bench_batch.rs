@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
 use perch_engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest, Prompt,
-    Tokenizer,
+    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest,
+    KvQuantization, Prompt, Tokenizer,
 };
 use serde::Serialize;
 
@@ -53,6 +53,10 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     if let Some(mib) = args.kv_cache_mib {
         config.kv_cache_bytes = mib << 20;
     }
+    config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
+        bits,
+        group_size: args.kv_group_size,
+    });
     let engine = EngineHandle::load(&dir, config)?;
     let prompts: Vec<Vec<u32>> = match &args.prompt_ids {
         Some(path) => {

@@ -1,5 +1,6 @@
 //! The KV content of the block pool's cached blocks: for each block that is a prefix-cache entry,
-//! its keys and values in every layer, `[1, kv_heads, block_size, head_dim]` each.
+//! its keys and values in every layer, `[1, kv_heads, block_size, head_dim]` each, in the format
+//! of the engine's caches (float, or quantized parts: see `cache.rs`).
 //!
 //! Running sequences compute in contiguous per-sequence caches (see `kv_cache_manager.rs` for the
 //! measurement behind that); the store receives a copy of each full block once, when it is
@@ -12,8 +13,8 @@ use crate::block_pool::BlockId;
 use crate::cache::KvCache;
 use crate::error::Result;
 
-/// Keys and values of one block, one pair per layer.
-type BlockKv = Vec<(Array, Array)>;
+/// The KV parts of one block, one list per layer ([`KvCache::parts`]).
+type BlockKv = Vec<Vec<Array>>;
 
 /// KV content per block id; `None` for blocks that hold nothing worth keeping.
 pub struct BlockStore {
@@ -23,7 +24,7 @@ pub struct BlockStore {
 }
 
 fn kv_nbytes(kv: &BlockKv) -> usize {
-    kv.iter().map(|(k, v)| k.nbytes() + v.nbytes()).sum()
+    kv.iter().flatten().map(Array::nbytes).sum()
 }
 
 impl BlockStore {
@@ -49,7 +50,7 @@ impl BlockStore {
         );
         let kv = cache
             .iter()
-            .map(|layer| layer.copy_range(start, end))
+            .map(|layer| layer.copy_parts(start, end))
             .collect::<Result<BlockKv>>()?;
         self.clear(id);
         self.nbytes += kv_nbytes(&kv);
@@ -84,10 +85,13 @@ impl BlockStore {
             })
             .collect::<Result<Vec<_>>>()?;
         for (layer, layer_cache) in cache.iter_mut().enumerate() {
-            let keys: Vec<&Array> = blocks.iter().map(|b| &b[layer].0).collect();
-            let values: Vec<&Array> = blocks.iter().map(|b| &b[layer].1).collect();
-            layer_cache
-                .update_and_fetch(&ops::concatenate(&keys, 2)?, &ops::concatenate(&values, 2)?)?;
+            let parts = (0..blocks[0][layer].len())
+                .map(|part| {
+                    let pieces: Vec<&Array> = blocks.iter().map(|b| &b[layer][part]).collect();
+                    Ok(ops::concatenate(&pieces, 2)?)
+                })
+                .collect::<Result<Vec<Array>>>()?;
+            layer_cache.append_parts(&parts)?;
         }
         Ok(())
     }
@@ -97,7 +101,7 @@ impl BlockStore {
     pub fn state(&self, ids: &[BlockId]) -> Vec<&Array> {
         ids.iter()
             .filter_map(|id| self.blocks[id.0 as usize].as_ref())
-            .flat_map(|kv| kv.iter().flat_map(|(k, v)| [k, v]))
+            .flat_map(|kv| kv.iter().flatten())
             .collect()
     }
 

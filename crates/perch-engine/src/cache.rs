@@ -1,26 +1,101 @@
-//! The per-layer KV cache of one sequence (mlx-lm's `KVCache`): a buffer grown in steps of
-//! [`KvCache::STEP`] tokens and written in place, never re-concatenated every token.
+//! The per-layer KV cache of one sequence (mlx-lm's `KVCache`, or `QuantizedKVCache` when
+//! [`KvQuantization`] is set): buffers grown in steps of [`KvCache::STEP`] tokens and written in
+//! place, never re-concatenated every token.
+//!
+//! A float cache holds two buffers, keys and values `[batch, kv_heads, capacity, head_dim]`. A
+//! quantized one holds MLX affine-quantized keys and values (`mx.quantize` over the head
+//! dimension), three buffers each: packed `[.., capacity, head_dim * bits / 32]` uint32, scales
+//! and biases `[.., capacity, head_dim / group_size]`. Every buffer has the token axis at 2, so
+//! growing, writing and slicing are the same code for both; "parts" below means these buffers'
+//! contents in this order.
 
 use mlx_rs::{ops, Array};
 
-use crate::error::Result;
+use crate::error::{EngineError, Result};
 use crate::mlx_ext::{owned_copy, slice, slice_update};
 
-/// Keys and values of one attention layer, `[batch, kv_heads, capacity, head_dim]`, of which the
-/// first `offset` positions are filled.
+/// KV cache quantization (MLX affine, as mlx_lm's `--kv-bits` / `--kv-group-size`): keys and
+/// values are stored with `bits` per element plus a float scale and bias per `group_size`
+/// elements of each head vector. 8 bits is close to lossless; 4 bits halves the memory again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvQuantization {
+    pub bits: i32,
+    pub group_size: i32,
+}
+
+impl KvQuantization {
+    /// mlx_lm's default group size.
+    pub const DEFAULT_GROUP_SIZE: i32 = 64;
+
+    /// Checks `bits` (2, 3, 4, 5, 6 or 8) and `group_size` (32, 64 or 128), and that the group
+    /// size divides `head_dim`.
+    pub fn new(bits: i32, group_size: i32, head_dim: i32) -> Result<Self> {
+        let invalid = |message: String| EngineError::InvalidKvQuantization(message);
+        if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+            return Err(invalid(format!(
+                "{bits} bits is not an MLX quantization width (2, 3, 4, 5, 6 or 8)"
+            )));
+        }
+        if ![32, 64, 128].contains(&group_size) {
+            return Err(invalid(format!(
+                "group size {group_size} is not 32, 64 or 128"
+            )));
+        }
+        if head_dim % group_size != 0 {
+            return Err(invalid(format!(
+                "group size {group_size} does not divide the model's head dimension {head_dim}"
+            )));
+        }
+        Ok(Self { bits, group_size })
+    }
+
+    /// Bytes one head vector of `head_dim` elements takes: packed values plus a scale and a bias
+    /// per group in the compute dtype (`dtype_bytes`).
+    pub fn bytes_per_vector(&self, head_dim: usize, dtype_bytes: usize) -> usize {
+        head_dim * self.bits as usize / 8 + 2 * (head_dim / self.group_size as usize) * dtype_bytes
+    }
+}
+
+/// What attention reads after an update: every cached position, float or quantized.
+pub enum CachedKv {
+    /// Keys and values `[batch, kv_heads, positions, head_dim]`.
+    Dense { keys: Array, values: Array },
+    /// Packed values, scales and biases of keys and of values (see the module docs).
+    Quantized {
+        keys: [Array; 3],
+        values: [Array; 3],
+        quantization: KvQuantization,
+    },
+}
+
+/// The cache of one attention layer; the first `offset` positions of its buffers are filled.
 #[derive(Default)]
 pub struct KvCache {
-    keys: Option<Array>,
-    values: Option<Array>,
+    quantization: Option<KvQuantization>,
+    /// Keys' parts then values' parts (2 or 6 buffers); empty until the first update.
+    buffers: Vec<Array>,
     offset: i32,
 }
 
 impl KvCache {
-    /// Growth step in tokens: the buffer is reallocated once per this many tokens.
+    /// Growth step in tokens: the buffers are reallocated once per this many tokens.
     pub const STEP: i32 = 256;
 
+    /// A float cache.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A float cache, or a quantized one.
+    pub fn with_quantization(quantization: Option<KvQuantization>) -> Self {
+        Self {
+            quantization,
+            ..Self::default()
+        }
+    }
+
+    pub fn quantization(&self) -> Option<KvQuantization> {
+        self.quantization
     }
 
     /// Number of cached positions.
@@ -28,61 +103,73 @@ impl KvCache {
         self.offset
     }
 
-    /// Appends `keys`/`values` `[batch, kv_heads, new, head_dim]` and returns every cached position,
-    /// `[batch, kv_heads, offset + new, head_dim]`.
-    pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
-        let [batch, heads, new, head_dim] = shape4(keys);
-        let value_dim = values.shape()[3];
+    /// Appends `keys`/`values` `[batch, kv_heads, new, head_dim]` (quantizing them first when
+    /// this cache is quantized) and returns every cached position.
+    pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<CachedKv> {
+        let parts = match self.quantization {
+            None => vec![keys.clone(), values.clone()],
+            Some(q) => {
+                let (kw, ks, kb) = ops::quantize(keys, q.group_size, q.bits)?;
+                let (vw, vs, vb) = ops::quantize(values, q.group_size, q.bits)?;
+                vec![kw, ks, kb, vw, vs, vb]
+            }
+        };
+        self.append_parts(&parts)?;
+        let mut all = self.parts(0, self.offset)?.into_iter();
+        let mut next = || all.next().expect("one part per buffer");
+        Ok(match self.quantization {
+            None => CachedKv::Dense {
+                keys: next(),
+                values: next(),
+            },
+            Some(quantization) => CachedKv::Quantized {
+                keys: [next(), next(), next()],
+                values: [next(), next(), next()],
+                quantization,
+            },
+        })
+    }
+
+    /// Appends parts in this cache's own format (from [`KvCache::parts`] of a cache with the
+    /// same quantization), all with the same number of new positions on axis 2.
+    pub fn append_parts(&mut self, parts: &[Array]) -> Result<()> {
+        let expected = if self.quantization.is_some() { 6 } else { 2 };
+        if parts.len() != expected {
+            return Err(mlx_rs::error::Exception::from(
+                format!("{} KV parts given to a cache of {expected}", parts.len()).as_str(),
+            )
+            .into());
+        }
+        let new = parts[0].shape()[2];
         let start = self.offset;
         let end = start + new;
-        let capacity = self.keys.as_ref().map_or(0, |k| k.shape()[2]);
+        let capacity = self.buffers.first().map_or(0, |b| b.shape()[2]);
         if end > capacity {
             let grow = (new + Self::STEP - 1) / Self::STEP * Self::STEP;
-            let fresh_k = ops::zeros_dtype(&[batch, heads, grow, head_dim], keys.dtype())?;
-            let fresh_v = ops::zeros_dtype(&[batch, heads, grow, value_dim], values.dtype())?;
-            let (k, v) = match (self.keys.take(), self.values.take()) {
-                (Some(k), Some(v)) => {
-                    // Drop the unused tail before growing, as mlx-lm does, so sizes stay step multiples.
-                    let k = slice(&k, &[0, 0, 0, 0], &[batch, heads, start, head_dim])?;
-                    let v = slice(&v, &[0, 0, 0, 0], &[batch, heads, start, value_dim])?;
-                    (
-                        ops::concatenate(&[k, fresh_k], 2)?,
-                        ops::concatenate(&[v, fresh_v], 2)?,
-                    )
-                }
-                _ => (fresh_k, fresh_v),
-            };
-            self.keys = Some(k);
-            self.values = Some(v);
+            let old = std::mem::take(&mut self.buffers);
+            for (i, part) in parts.iter().enumerate() {
+                let s = part.shape();
+                let fresh = ops::zeros_dtype(&[s[0], s[1], grow, s[3]], part.dtype())?;
+                self.buffers.push(match old.get(i) {
+                    // Drop the unused tail before growing, as mlx-lm does, so sizes stay step
+                    // multiples.
+                    Some(buffer) => ops::concatenate(
+                        &[
+                            slice(buffer, &[0, 0, 0, 0], &[s[0], s[1], start, s[3]])?,
+                            fresh,
+                        ],
+                        2,
+                    )?,
+                    None => fresh,
+                });
+            }
         }
-        let (Some(k_buf), Some(v_buf)) = (self.keys.take(), self.values.take()) else {
-            unreachable!("buffers were allocated above");
-        };
-        let k_buf = slice_update(
-            &k_buf,
-            keys,
-            &[0, 0, start, 0],
-            &[batch, heads, end, head_dim],
-        )?;
-        let v_buf = slice_update(
-            &v_buf,
-            values,
-            &[0, 0, start, 0],
-            &[batch, heads, end, value_dim],
-        )?;
+        for (buffer, part) in self.buffers.iter_mut().zip(parts) {
+            let s = part.shape();
+            *buffer = slice_update(buffer, part, &[0, 0, start, 0], &[s[0], s[1], end, s[3]])?;
+        }
         self.offset = end;
-        let capacity = k_buf.shape()[2];
-        let fetched = if end < capacity {
-            (
-                slice(&k_buf, &[0, 0, 0, 0], &[batch, heads, end, head_dim])?,
-                slice(&v_buf, &[0, 0, 0, 0], &[batch, heads, end, value_dim])?,
-            )
-        } else {
-            (k_buf.clone(), v_buf.clone())
-        };
-        self.keys = Some(k_buf);
-        self.values = Some(v_buf);
-        Ok(fetched)
+        Ok(())
     }
 
     /// Forgets the last `n` positions (at most `offset`); returns how many were removed.
@@ -92,44 +179,72 @@ impl KvCache {
         n
     }
 
-    /// Positions `[start, end)` (`0 <= start <= end <= offset`) as keys and values
-    /// `[batch, kv_heads, end - start, head_dim]`: views into this cache's buffers, valid for
-    /// reading until the cache is written again (lazy).
-    pub fn positions(&self, start: i32, end: i32) -> Result<(Array, Array)> {
-        let (Some(k), Some(v)) = (&self.keys, &self.values) else {
+    /// Positions `[start, end)` (`0 <= start <= end <= offset`) of every buffer, in this cache's
+    /// own format: views, valid for reading until the cache is written again (lazy).
+    pub fn parts(&self, start: i32, end: i32) -> Result<Vec<Array>> {
+        if self.buffers.is_empty() {
             return Err(mlx_rs::error::Exception::from("positions of an empty KV cache").into());
-        };
+        }
         debug_assert!(
             0 <= start && start <= end && end <= self.offset,
             "range {start}..{end} outside 0..{}",
             self.offset
         );
-        let [batch, heads, _, head_dim] = shape4(k);
-        let value_dim = v.shape()[3];
-        Ok((
-            slice(k, &[0, 0, start, 0], &[batch, heads, end, head_dim])?,
-            slice(v, &[0, 0, start, 0], &[batch, heads, end, value_dim])?,
-        ))
+        let capacity = self.buffers[0].shape()[2];
+        self.buffers
+            .iter()
+            .map(|b| {
+                if start == 0 && end == capacity {
+                    return Ok(b.clone());
+                }
+                let s = b.shape();
+                Ok(slice(b, &[0, 0, start, 0], &[s[0], s[1], end, s[3]])?)
+            })
+            .collect()
     }
 
-    /// [`KvCache::positions`] in buffers of their own, which outlive this cache's buffers (lazy).
-    pub fn copy_range(&self, start: i32, end: i32) -> Result<(Array, Array)> {
-        let (keys, values) = self.positions(start, end)?;
-        Ok((owned_copy(&keys)?, owned_copy(&values)?))
+    /// [`KvCache::parts`] in buffers of their own, which outlive this cache's buffers (lazy).
+    pub fn copy_parts(&self, start: i32, end: i32) -> Result<Vec<Array>> {
+        self.parts(start, end)?
+            .iter()
+            .map(|p| Ok(owned_copy(p)?))
+            .collect()
+    }
+
+    /// Positions `[start, end)` as float keys and values `[batch, kv_heads, end - start,
+    /// head_dim]`, dequantized when the cache is quantized (lazy).
+    pub fn positions(&self, start: i32, end: i32) -> Result<(Array, Array)> {
+        let parts = self.parts(start, end)?;
+        Ok(match (self.quantization, parts.as_slice()) {
+            (None, [keys, values]) => (keys.clone(), values.clone()),
+            (Some(q), [kw, ks, kb, vw, vs, vb]) => (
+                ops::dequantize(kw, ks, kb, q.group_size, q.bits)?,
+                ops::dequantize(vw, vs, vb, q.group_size, q.bits)?,
+            ),
+            _ => unreachable!("a cache holds 2 or 6 buffers"),
+        })
+    }
+
+    /// Appends the first `end` positions of `other`, converting between float and quantized
+    /// when the two caches differ.
+    pub fn extend_from(&mut self, other: &KvCache, end: i32) -> Result<()> {
+        if end == 0 {
+            return Ok(());
+        }
+        if other.quantization == self.quantization {
+            return self.append_parts(&other.parts(0, end)?);
+        }
+        let (keys, values) = other.positions(0, end)?;
+        self.update_and_fetch(&keys, &values).map(drop)
     }
 
     /// Bytes held by the buffers (capacity, not only the filled part).
     pub fn nbytes(&self) -> usize {
-        self.keys.as_ref().map_or(0, Array::nbytes) + self.values.as_ref().map_or(0, Array::nbytes)
+        self.buffers.iter().map(Array::nbytes).sum()
     }
 
     /// The arrays to evaluate so that the cache holds computed data rather than a lazy graph.
     pub fn state(&self) -> Vec<&Array> {
-        self.keys.iter().chain(self.values.iter()).collect()
+        self.buffers.iter().collect()
     }
-}
-
-fn shape4(a: &Array) -> [i32; 4] {
-    let s = a.shape();
-    [s[0], s[1], s[2], s[3]]
 }

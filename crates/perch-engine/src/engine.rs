@@ -17,6 +17,7 @@ use std::thread::JoinHandle;
 use serde::Serialize;
 
 use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats};
+use crate::cache::KvQuantization;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, MemoryStats};
 use crate::error::{EngineError, Result};
@@ -33,10 +34,16 @@ pub struct EngineConfig {
     pub max_running: usize,
     /// Requests whose prefill advances by one chunk per step (see [`BatchConfig`]).
     pub prefill_batch_size: usize,
+    /// Prompt tokens prefilled per step while other requests are decoding (see [`BatchConfig`]).
+    pub prefill_token_budget: usize,
     /// Memory for the KV block pool, in bytes; the pool holds this many bytes' worth of tokens.
     pub kv_cache_bytes: usize,
     /// Tokens per KV block (the prefix cache's granularity).
     pub block_size: usize,
+    /// Quantize the KV cache (8 or 4 bits, MLX affine) so the same budget holds 3.6x or 6.4x
+    /// the tokens (float32, head dimension 64); `None` keeps the compute dtype. Loading fails
+    /// with [`EngineError::InvalidKvQuantization`] when it does not fit the model.
+    pub kv_quantization: Option<KvQuantization>,
 }
 
 impl EngineConfig {
@@ -52,8 +59,10 @@ impl Default for EngineConfig {
         Self {
             max_running: 32,
             prefill_batch_size: 1,
+            prefill_token_budget: BatchConfig::DEFAULT_PREFILL_TOKEN_BUDGET,
             kv_cache_bytes: Self::DEFAULT_KV_CACHE_BYTES,
             block_size: Self::DEFAULT_BLOCK_SIZE,
+            kv_quantization: None,
         }
     }
 }
@@ -175,20 +184,28 @@ impl EngineHandle {
         let (loaded_tx, loaded_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("perch-engine".into())
-            .spawn(move || match load() {
-                Ok((model, tokenizer)) => {
-                    let _ = loaded_tx.send(Ok(()));
-                    EngineThread {
-                        model,
-                        tokenizer,
-                        model_id,
-                        queue,
-                        config,
+            .spawn(move || {
+                match load().and_then(|loaded| {
+                    // The quantization must fit the model's head dimension.
+                    if let Some(q) = config.kv_quantization {
+                        KvQuantization::new(q.bits, q.group_size, loaded.0.info().head_dim as i32)?;
                     }
-                    .run();
-                }
-                Err(err) => {
-                    let _ = loaded_tx.send(Err(err));
+                    Ok(loaded)
+                }) {
+                    Ok((model, tokenizer)) => {
+                        let _ = loaded_tx.send(Ok(()));
+                        EngineThread {
+                            model,
+                            tokenizer,
+                            model_id,
+                            queue,
+                            config,
+                        }
+                        .run();
+                    }
+                    Err(err) => {
+                        let _ = loaded_tx.send(Err(err));
+                    }
                 }
             })
             .map_err(|e| EngineError::Io {
@@ -427,7 +444,13 @@ impl EngineThread {
         let batch_config = BatchConfig {
             max_running: config.max_running,
             prefill_batch_size: config.prefill_batch_size,
-            ..BatchConfig::for_budget(model.as_ref(), config.kv_cache_bytes, config.block_size)
+            prefill_token_budget: config.prefill_token_budget,
+            ..BatchConfig::for_budget(
+                model.as_ref(),
+                config.kv_cache_bytes,
+                config.block_size,
+                config.kv_quantization,
+            )
         };
         let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, batch_config, &model_id);
         // Batch request id -> the submitted job it serves (waiting or running in the batch).

@@ -50,6 +50,8 @@ pub enum EngineError {
     InvalidSampling(String),
     #[error("the engine has stopped")]
     EngineStopped,
+    #[error("invalid KV cache quantization: {0}")]
+    InvalidKvQuantization(String),
     #[error("CPU kernel: {0}")]
     Kernel(String),
     #[error("MLX: {0}")]

@@ -27,6 +27,7 @@ pub mod throughput;
 pub mod tokenizer;
 pub mod weights;
 
+pub use cache::KvQuantization;
 pub use chat_template::ChatMessage;
 pub use engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream,

@@ -12,7 +12,7 @@ fn run(insert_at: &[usize], prefill_step_size: usize) {
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let cases = common::reference_cases();
-    let config = BatchConfig::for_budget(model.as_ref(), 256 << 20, 32);
+    let config = BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None);
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
     let schedule = cases
         .iter()

@@ -17,8 +17,10 @@ fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
     BatchConfig {
         max_running: 32,
         prefill_batch_size: 1,
+        prefill_token_budget: 256,
         block_size,
         num_blocks,
+        kv_quantization: None,
     }
 }
 
@@ -255,4 +257,41 @@ fn importing_a_cached_prefix_again_evicts_nothing() {
         (5, 1, 0),
         "{kv:?}"
     );
+}
+
+#[test]
+fn a_long_prompt_is_prefilled_in_budget_slices_while_others_decode() {
+    use perch_engine::batch::BatchEvent;
+    let (model, tokenizer) = load();
+    let mut config = config(64, 16);
+    config.prefill_token_budget = 64;
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+    let cases = common::reference_cases();
+    let mut short = request(cases[0].prompt_ids.clone(), 24);
+    short.ignore_eos = true;
+    let first = batch.insert(short).unwrap();
+    // The short request decodes from its first step on.
+    let produced = |events: &[BatchEvent], id| {
+        events
+            .iter()
+            .any(|e| matches!(e, BatchEvent::Token { request, .. } if *request == id))
+    };
+    assert!(produced(&batch.step().unwrap(), first));
+
+    // 200 prompt tokens sharing no prefix with the first: 199 to prefill before the last one is
+    // decoded, in slices of 64.
+    let long_prompt: Vec<u32> = (1000..1200).collect();
+    let second = batch.insert(request(long_prompt, 4)).unwrap();
+    for step in 1..=4 {
+        let events = batch.step().unwrap();
+        assert!(
+            produced(&events, first),
+            "the running stream waits at step {step}"
+        );
+        assert_eq!(
+            produced(&events, second),
+            step == 4,
+            "first token of the long prompt at step {step}"
+        );
+    }
 }

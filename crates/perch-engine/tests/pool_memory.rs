@@ -33,8 +33,10 @@ fn two_hundred_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
     let config = BatchConfig {
         max_running: 32,
         prefill_batch_size: 4,
+        prefill_token_budget: 256,
         block_size: 16,
         num_blocks: 96,
+        kv_quantization: None,
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
 

@@ -7,7 +7,6 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use perch_engine::models;
@@ -18,20 +17,7 @@ use perch_engine::{
 };
 
 fn oracle(args: &[&str]) -> String {
-    let python =
-        std::env::var("PERCH_TEST_PYTHON").expect("set PERCH_TEST_PYTHON (scripts/test.sh does)");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/prompt_cache.py");
-    let out = Command::new(python)
-        .arg(script)
-        .args(args)
-        .output()
-        .expect("run the mlx_lm oracle");
-    assert!(
-        out.status.success(),
-        "prompt_cache.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
+    common::run_oracle("prompt_cache.py", args)
 }
 
 fn run(engine: &EngineHandle, prompt: Prompt) -> (Vec<u32>, FinishReason, GenerationStats) {

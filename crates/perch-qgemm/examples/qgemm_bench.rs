@@ -11,7 +11,11 @@ fn main() {
         .skip(1)
         .map(|a| a.parse().expect("row counts are integers"))
         .collect();
-    let ms = if ms.is_empty() { vec![1, 4, 32, 512] } else { ms };
+    let ms = if ms.is_empty() {
+        vec![1, 4, 32, 512]
+    } else {
+        ms
+    };
     let shapes = [(576, 576), (1536, 576), (576, 1536), (49152, 576)];
     println!("| weight | rows | ms per call | GFLOP/s |");
     println!("|---|---|---|---|");

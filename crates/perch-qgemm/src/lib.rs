@@ -298,7 +298,8 @@ fn has_avx2_fma() -> bool {
     {
         static DETECTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *DETECTED.get_or_init(|| {
-            std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -533,7 +534,10 @@ mod tests {
         let err = QuantizedMatrix::new(&case.packed, &case.scales, &case.biases, 4, 64, 64, 3);
         assert_eq!(err.unwrap_err(), QgemmError::UnsupportedBits { bits: 3 });
         let err = QuantizedMatrix::new(&case.packed[1..], &case.scales, &case.biases, 4, 64, 64, 4);
-        assert!(matches!(err, Err(QgemmError::Length { name: "packed", .. })));
+        assert!(matches!(
+            err,
+            Err(QgemmError::Length { name: "packed", .. })
+        ));
         let err = QuantizedMatrix::new(&case.packed, &case.scales, &case.biases, 4, 64, 48, 4);
         assert!(matches!(err, Err(QgemmError::BadGroupSize { .. })));
         let x = vec![0f32; 64];

@@ -16,6 +16,27 @@ pub fn shared_dir() -> PathBuf {
     dir
 }
 
+/// Runs `tests/oracle/{script}` with `PERCH_TEST_PYTHON` (a Python with mlx_lm 0.32.2) and
+/// returns its stdout; panics with its stderr when it fails.
+pub fn run_oracle(script: &str, args: &[&str]) -> String {
+    let python =
+        std::env::var("PERCH_TEST_PYTHON").expect("set PERCH_TEST_PYTHON (scripts/test.sh does)");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/oracle")
+        .join(script);
+    let out = std::process::Command::new(python)
+        .arg(path)
+        .args(args)
+        .output()
+        .expect("run the mlx_lm oracle");
+    assert!(
+        out.status.success(),
+        "{script} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("oracle output is UTF-8")
+}
+
 pub fn smollm_dir() -> PathBuf {
     shared_dir().join("models/SmolLM2-135M-Instruct-4bit")
 }
