@@ -64,6 +64,9 @@ pub struct GenerationOptions {
     /// Add BIAS to token ID's logit, as ID=BIAS (repeatable), e.g. `--logit-bias 2=-100`.
     #[arg(long = "logit-bias", value_parser = parse_logit_bias)]
     pub logit_bias: Vec<(u32, f32)>,
+    /// With --json: each token's log-probability and those of the N most likely tokens.
+    #[arg(long)]
+    pub logprobs: Option<usize>,
 }
 
 fn parse_logit_bias(arg: &str) -> Result<(u32, f32), String> {
@@ -86,6 +89,7 @@ impl GenerationOptions {
         let mut request = GenerateRequest::new(prompt);
         request.max_tokens = self.max_tokens;
         request.stop_strings = self.stop_strings.clone();
+        request.logprobs = self.logprobs;
         request.sampling = SamplingParams {
             temperature: self.temperature,
             top_p: self.top_p,
@@ -110,7 +114,12 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let result = generate(model.as_ref(), &tokenizer, &request, |event| {
         let written = if args.json {
             let line = match event.id {
-                Some(id) => json!({ "token": id, "text": event.text }),
+                Some(id) => match &event.logprobs {
+                    Some(logprobs) => {
+                        json!({ "token": id, "text": event.text, "logprobs": logprobs })
+                    }
+                    None => json!({ "token": id, "text": event.text }),
+                },
                 None => json!({ "text": event.text }),
             };
             writeln!(out, "{line}")

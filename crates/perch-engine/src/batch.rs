@@ -37,7 +37,7 @@ use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::generate::{
     check_request, sample_next, FinishReason, GenerateOutput, GenerateRequest, Pushed,
-    RecentTokens, TokenEvent, TokenSink,
+    RecentTokens, Sampled, TokenEvent, TokenSink,
 };
 use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
 use crate::mlx_ext::slice;
@@ -602,11 +602,13 @@ impl<'m> BatchGenerator<'m> {
                 &row_logits,
                 &mut seq.sampler,
                 &mut seq.history,
+                seq.request.logprobs,
             )?);
         }
         eval(
             sampled
                 .iter()
+                .flat_map(Sampled::arrays)
                 .chain(ready.iter().flat_map(|&i| self.running[i].history.state())),
         )?;
 
@@ -620,12 +622,12 @@ impl<'m> BatchGenerator<'m> {
         let mut done = Vec::new();
         for (&i, token) in ready.iter().zip(&sampled) {
             let seq = &mut self.running[i];
-            let token = token.as_slice::<u32>()[0];
+            let (token, logprobs) = token.read()?;
             seq.first_token_at
                 .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
             seq.computed += 1;
             seq.tokens.push(token);
-            match seq.sink.push(self.tokenizer, token)? {
+            match seq.sink.push(self.tokenizer, token, logprobs)? {
                 Pushed::Token(event) => events.push(BatchEvent::Token {
                     request: seq.id,
                     event,

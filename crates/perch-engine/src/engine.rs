@@ -21,7 +21,7 @@ use crate::cache::KvQuantization;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, MemoryStats};
 use crate::error::{EngineError, Result};
-use crate::generate::{FinishReason, GenerateRequest, GenerationStats};
+use crate::generate::{FinishReason, GenerateRequest, GenerationStats, TokenLogprobs};
 use crate::kv_cache_manager::RequestId;
 use crate::models::{self, Model};
 use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
@@ -92,8 +92,12 @@ pub struct EngineRequest {
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
     /// A generated token and the text it completes (may be empty); `id` is `None` for text held
-    /// back until the end (see [`crate::TokenEvent`]).
-    Token { id: Option<u32>, text: String },
+    /// back until the end (see [`crate::TokenEvent`]); `logprobs` when the request asked.
+    Token {
+        id: Option<u32>,
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
     /// The request ended. `error` is set when `finish_reason` is `Error`.
     Finished {
         finish_reason: FinishReason,
@@ -571,6 +575,7 @@ impl EngineThread {
                                 let message = EngineEvent::Token {
                                     id: event.id,
                                     text: event.text,
+                                    logprobs: event.logprobs,
                                 };
                                 // Nobody listens any more: treat as cancelled at the next step.
                                 if job.events.send(message).is_err() {

@@ -46,6 +46,11 @@ pub struct GenerateRequest {
     pub prefill_step_size: usize,
     /// Keep generating through EOS (benchmarks); `stop_token_ids` still apply.
     pub ignore_eos: bool,
+    /// Report log-probabilities with each token: the sampled token's and those of the `n` most
+    /// likely tokens (`Some(0)`: the sampled token's only), as OpenAI's `logprobs` /
+    /// `top_logprobs`. They are taken after logits processors (bias, repetition penalty) and
+    /// before temperature and truncation, as mlx_lm's `generate_step` yields them.
+    pub logprobs: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -61,6 +66,7 @@ impl GenerateRequest {
             stop_strings: Vec::new(),
             prefill_step_size: Self::DEFAULT_PREFILL_STEP_SIZE,
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }
@@ -106,6 +112,17 @@ pub struct TokenEvent {
     pub id: Option<u32>,
     /// Text this token completes; may be empty (mid-character, or held back as a possible stop string).
     pub text: String,
+    /// When the request asked for them ([`GenerateRequest::logprobs`]).
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Natural-log probabilities of one generated token and of the most likely alternatives.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprobs {
+    /// The sampled token's.
+    pub logprob: f32,
+    /// The `n` most likely tokens and theirs, most likely first.
+    pub top: Vec<(u32, f32)>,
 }
 
 /// The outcome of a finished request.
@@ -150,21 +167,29 @@ pub fn generate(
     let mut sink = TokenSink::new(request, stop_ids, max_tokens);
 
     let last = Array::from_slice(&prompt[prompt.len() - 1..], &[1]);
-    let mut pending = decode_step(model, &mut cache, &mut sampler, &last, &mut history)?;
-    async_eval(std::iter::once(&pending).chain(history.state()))?;
+    let top = request.logprobs;
+    let mut pending = decode_step(model, &mut cache, &mut sampler, &last, &mut history, top)?;
+    async_eval(pending.arrays().chain(history.state()))?;
     let mut first_token_at = None;
     loop {
         // Queue step n+1 before waiting on step n, so MLX computes while we detokenize.
         let next = if sink.generated + 1 < max_tokens {
-            let next = decode_step(model, &mut cache, &mut sampler, &pending, &mut history)?;
-            async_eval(std::iter::once(&next).chain(history.state()))?;
+            let next = decode_step(
+                model,
+                &mut cache,
+                &mut sampler,
+                &pending.token,
+                &mut history,
+                top,
+            )?;
+            async_eval(next.arrays().chain(history.state()))?;
             Some(next)
         } else {
             None
         };
-        let id = pending.as_slice::<u32>()[0];
+        let (id, logprobs) = pending.read()?;
         first_token_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
-        match sink.push(tokenizer, id)? {
+        match sink.push(tokenizer, id, logprobs)? {
             Pushed::Token(event) => {
                 if on_token(&event).is_break() {
                     sink.output.finish_reason = FinishReason::Cancelled;
@@ -269,7 +294,12 @@ impl TokenSink {
         }
     }
 
-    pub(crate) fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> Result<Pushed> {
+    pub(crate) fn push(
+        &mut self,
+        tokenizer: &Tokenizer,
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+    ) -> Result<Pushed> {
         self.generated += 1;
         if self.stop_ids.contains(&id) {
             self.output.finish_reason = FinishReason::Stop;
@@ -282,7 +312,11 @@ impl TokenSink {
             StopOutcome::Stopped(text) => (text, true),
         };
         self.output.text.push_str(&text);
-        let event = TokenEvent { id: Some(id), text };
+        let event = TokenEvent {
+            id: Some(id),
+            text,
+            logprobs,
+        };
         if stopped {
             self.output.finish_reason = FinishReason::Stop;
             self.stopped_by_string = true;
@@ -315,35 +349,87 @@ impl TokenSink {
         Ok(Some(TokenEvent {
             id: None,
             text: rest,
+            logprobs: None,
         }))
     }
 }
 
-/// One decode step: `token` `[1]` → the sampled next token `[1]` (lazy).
+/// One decode step: `token` `[1]` → the sampled next token (lazy).
 fn decode_step(
     model: &dyn Model,
     cache: &mut [KvCache],
     sampler: &mut Sampler,
     token: &Array,
     history: &mut RecentTokens,
-) -> Result<Array> {
+    top_logprobs: Option<usize>,
+) -> Result<Sampled> {
     let logits = model.forward(&token.reshape(&[1, 1])?, cache)?;
     let vocab = logits.shape()[2];
-    sample_next(&logits.reshape(&[1, vocab])?, sampler, history)
+    sample_next(
+        &logits.reshape(&[1, vocab])?,
+        sampler,
+        history,
+        top_logprobs,
+    )
+}
+
+/// One sampling step's result, lazy: the token `[1]` (uint32) and, when asked, the sampled
+/// token's log-probability `[1, 1]` with the top ids and log-probabilities `[1, n]`.
+pub(crate) struct Sampled {
+    pub token: Array,
+    logprobs: Option<[Array; 3]>,
+}
+
+impl Sampled {
+    /// The arrays to evaluate.
+    pub(crate) fn arrays(&self) -> impl Iterator<Item = &Array> {
+        std::iter::once(&self.token).chain(self.logprobs.iter().flatten())
+    }
+
+    /// The token id and its log-probabilities (evaluates what is still lazy).
+    pub(crate) fn read(&self) -> Result<(u32, Option<TokenLogprobs>)> {
+        let id = self.token.as_slice::<u32>()[0];
+        let logprobs = self
+            .logprobs
+            .as_ref()
+            .map(|[chosen, ids, values]| TokenLogprobs {
+                logprob: chosen.as_slice::<f32>()[0],
+                top: ids
+                    .as_slice::<u32>()
+                    .iter()
+                    .copied()
+                    .zip(values.as_slice::<f32>().iter().copied())
+                    .collect(),
+            });
+        Ok((id, logprobs))
+    }
 }
 
 /// Logits processors, log-softmax and the sampler for one sequence: `logits` `[1, vocab]` → the
-/// next token `[1]` (uint32, lazy), also appended to `history`.
+/// next token (lazy), also appended to `history`, with `top_logprobs` alternatives when asked.
 pub(crate) fn sample_next(
     logits: &Array,
     sampler: &mut Sampler,
     history: &mut RecentTokens,
-) -> Result<Array> {
+    top_logprobs: Option<usize>,
+) -> Result<Sampled> {
     let logits = sampler.process_logits(logits, history.tokens.as_ref())?;
     let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
-    let next = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
-    history.push(&next)?;
-    Ok(next)
+    let token = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+    history.push(&token)?;
+    let logprobs = match top_logprobs {
+        None => None,
+        Some(n) => {
+            let logprobs = logprobs.as_dtype(mlx_rs::Dtype::Float32)?;
+            let chosen = logprobs.take_along_axis(token.reshape(&[1, 1])?, -1)?;
+            let n = (n as i32).min(logprobs.shape()[1]);
+            let order = ops::argsort_axis(&ops::negative(&logprobs)?, -1)?;
+            let ids = crate::mlx_ext::slice(&order, &[0, 0], &[1, n])?;
+            let values = logprobs.take_along_axis(&ids, -1)?;
+            Some([chosen, ids.as_dtype(mlx_rs::Dtype::Uint32)?, values])
+        }
+    };
+    Ok(Sampled { token, logprobs })
 }
 
 /// The last `repetition_context_size` token ids, kept on the device only when a repetition

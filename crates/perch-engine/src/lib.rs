@@ -35,5 +35,6 @@ pub use engine::{
 pub use error::{EngineError, Result};
 pub use generate::{
     generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent,
+    TokenLogprobs,
 };
 pub use tokenizer::Tokenizer;

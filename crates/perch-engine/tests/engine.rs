@@ -190,3 +190,74 @@ fn requests_run_together_and_leave_when_done() {
     assert_eq!(collect(long).1, FinishReason::Cancelled);
     engine.shutdown();
 }
+
+#[test]
+fn tokens_carry_the_log_probabilities_asked_for() {
+    let engine = engine();
+    let case = &common::reference_cases()[0];
+    let mut asked = request(Prompt::Tokens(case.prompt_ids.clone()), 6);
+    asked.params.logprobs = Some(3);
+    let stream = engine.submit(asked.clone()).unwrap();
+    let mut streamed = Vec::new();
+    loop {
+        match stream
+            .events
+            .recv_timeout(Duration::from_secs(300))
+            .unwrap()
+        {
+            EngineEvent::Token {
+                id: Some(id),
+                logprobs,
+                ..
+            } => streamed.push((id, logprobs.expect("asked for logprobs"))),
+            EngineEvent::Token { id: None, .. } => {}
+            EngineEvent::Finished { .. } => break,
+        }
+    }
+    assert!(!streamed.is_empty());
+    for (id, lp) in &streamed {
+        // Greedy: the sampled token is the most likely one.
+        assert_eq!(lp.top.len(), 3);
+        assert_eq!((lp.top[0].0, lp.top[0].1), (*id, lp.logprob));
+        assert!(
+            lp.top.windows(2).all(|w| w[0].1 >= w[1].1),
+            "sorted: {:?}",
+            lp.top
+        );
+        let mass: f32 = lp.top.iter().map(|(_, v)| v.exp()).sum();
+        assert!(lp.logprob <= 0.0 && mass <= 1.0 + 1e-5, "{lp:?}");
+    }
+
+    // The single-stream path reports the same numbers.
+    let (model, tokenizer) = (
+        perch_engine::models::load(&common::smollm_dir()).unwrap(),
+        perch_engine::Tokenizer::load(&common::smollm_dir()).unwrap(),
+    );
+    let mut direct = Vec::new();
+    let mut params = asked.params.clone();
+    params.prompt = case.prompt_ids.clone();
+    perch_engine::generate(model.as_ref(), &tokenizer, &params, |event| {
+        if let (Some(id), Some(lp)) = (event.id, event.logprobs.clone()) {
+            direct.push((id, lp));
+        }
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(direct.len(), streamed.len());
+    for ((a_id, a), (b_id, b)) in direct.iter().zip(&streamed) {
+        assert_eq!(a_id, b_id);
+        assert!((a.logprob - b.logprob).abs() < 1e-4, "{a:?} vs {b:?}");
+    }
+
+    // Not asked: none.
+    let mut plain = request(Prompt::Tokens(case.prompt_ids.clone()), 2);
+    plain.params.logprobs = None;
+    let stream = engine.submit(plain).unwrap();
+    while let EngineEvent::Token { logprobs, .. } = stream
+        .events
+        .recv_timeout(Duration::from_secs(300))
+        .unwrap()
+    {
+        assert!(logprobs.is_none());
+    }
+}
