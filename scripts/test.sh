@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   need=""
-  for pkg in libclang-dev libopenblas0-pthread python3-venv; do
+  # MLX build and oracle; then what Tauri (src-tauri) links against.
+  for pkg in libclang-dev libopenblas0-pthread python3-venv \
+    libwebkit2gtk-4.1-dev libxdo-dev libssl-dev libayatana-appindicator3-dev librsvg2-dev pkg-config; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need="$need $pkg"
   done
   if [ -n "$need" ]; then

@@ -1,7 +1,6 @@
-//! Placeholder for the Tauri 2 menu-bar shell (tray, chat window, dashboards), which calls into
-//! `perch-engine`. Until it exists, `perch chat` is the way to talk to a model.
+// No console window on Windows release builds.
+#![cfg_attr(not(debug_assertions), windows_subsystem = "windows")]
 
 fn main() {
-    eprintln!("The Perch menu-bar app is not built yet; use `perch chat` (crates/perch-cli).");
-    std::process::exit(2);
+    perch_app::run();
 }

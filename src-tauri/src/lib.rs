@@ -1,0 +1,160 @@
+//! Perch's menu-bar app: a tray icon with a menu (Chat, Dashboard, Models, Settings, Quit) and
+//! one window whose web UI (`ui/`) shows the chat, the local models and the engine's numbers.
+//!
+//! Platform behaviour:
+//! - macOS: no Dock icon (accessory app); the window is hidden at start, a click on the tray
+//!   icon shows it under the icon, and it hides when it loses focus (a popover).
+//! - Linux: tray clicks are not delivered and a tray host may be missing (the icon is then
+//!   invisible), so the window opens from the tray menu and is shown at start.
+//!
+//! The engine runs on its own thread ([`perch_engine::EngineHandle`]); commands
+//! ([`commands`]) only call into it.
+
+pub mod commands;
+
+use tauri::menu::{Menu, MenuItem, PredefinedMenuItem};
+use tauri::tray::{MouseButton, MouseButtonState, TrayIconBuilder, TrayIconEvent};
+use tauri::{AppHandle, Emitter, Manager, PhysicalPosition, Rect, Runtime, WebviewWindow};
+
+pub use commands::AppState;
+
+/// The window's label in `tauri.conf.json` and in the capability.
+pub const WINDOW: &str = "chat";
+
+/// The views of the UI; the tray menu's items and the `navigate` event name them.
+pub const VIEWS: [&str; 4] = ["chat", "dashboard", "models", "settings"];
+
+/// Commands and state, without tray or windows: what tests build on `tauri::test::mock_builder`.
+pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>) -> tauri::Builder<R> {
+    builder
+        .manage(AppState::default())
+        .invoke_handler(tauri::generate_handler![
+            commands::list_models,
+            commands::load_model,
+            commands::unload_model,
+            commands::model_status,
+            commands::chat,
+            commands::stop,
+            commands::engine_stats,
+            commands::clear_cache,
+        ])
+}
+
+/// Runs the app: tray, window behaviour, and the default model loading in the background.
+pub fn run() {
+    with_commands(tauri::Builder::default())
+        .setup(|app| {
+            #[cfg(target_os = "macos")]
+            app.set_activation_policy(tauri::ActivationPolicy::Accessory);
+            build_tray(app.handle())?;
+            if let Some(window) = app.get_webview_window(WINDOW) {
+                if cfg!(target_os = "macos") {
+                    let popover = window.clone();
+                    window.on_window_event(move |event| {
+                        if let tauri::WindowEvent::Focused(false) = event {
+                            let _ = popover.hide();
+                        }
+                    });
+                } else {
+                    show(&window);
+                }
+            }
+            load_default_model(app.handle().clone());
+            Ok(())
+        })
+        .run(tauri::generate_context!())
+        .expect("error while running Perch");
+}
+
+fn build_tray<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
+    let item = |id: &str, text: &str| MenuItem::with_id(app, id, text, true, None::<&str>);
+    let menu = Menu::with_items(
+        app,
+        &[
+            &item("chat", "Chat")?,
+            &item("dashboard", "Dashboard")?,
+            &item("models", "Models")?,
+            &item("settings", "Settings…")?,
+            &PredefinedMenuItem::separator(app)?,
+            &item("quit", "Quit Perch")?,
+        ],
+    )?;
+    let mut tray = TrayIconBuilder::with_id("perch")
+        .tooltip("Perch")
+        .menu(&menu)
+        .show_menu_on_left_click(false)
+        .icon_as_template(true)
+        .on_menu_event(|app, event| match event.id().as_ref() {
+            "quit" => app.exit(0),
+            view => open_view(app, view),
+        })
+        .on_tray_icon_event(|tray, event| {
+            // Delivered on macOS and Windows only.
+            if let TrayIconEvent::Click {
+                button: MouseButton::Left,
+                button_state: MouseButtonState::Up,
+                rect,
+                ..
+            } = event
+            {
+                if let Some(window) = tray.app_handle().get_webview_window(WINDOW) {
+                    if window.is_visible().unwrap_or(false) {
+                        let _ = window.hide();
+                    } else {
+                        place_under(&window, rect);
+                        show(&window);
+                    }
+                }
+            }
+        });
+    if let Some(icon) = app.default_window_icon() {
+        tray = tray.icon(icon.clone());
+    }
+    tray.build(app)?;
+    Ok(())
+}
+
+/// Shows the window on `view` (one of [`VIEWS`]).
+pub fn open_view<R: Runtime>(app: &AppHandle<R>, view: &str) {
+    if let Some(window) = app.get_webview_window(WINDOW) {
+        show(&window);
+        if VIEWS.contains(&view) {
+            let _ = window.emit("navigate", view);
+        }
+    }
+}
+
+fn show<R: Runtime>(window: &WebviewWindow<R>) {
+    let _ = window.show();
+    let _ = window.unminimize();
+    let _ = window.set_focus();
+}
+
+/// Centres the window horizontally under the tray icon's rectangle.
+fn place_under<R: Runtime>(window: &WebviewWindow<R>, icon: Rect) {
+    let scale = window.scale_factor().unwrap_or(1.0);
+    let icon_position = icon.position.to_physical::<f64>(scale);
+    let icon_size = icon.size.to_physical::<f64>(scale);
+    // Before the first show the window reports 1x1: fall back to the configured width.
+    let width = match window.outer_size() {
+        Ok(size) if size.width > 1 => size.width as f64,
+        _ => 420.0 * scale,
+    };
+    let x = icon_position.x + icon_size.width / 2.0 - width / 2.0;
+    let y = icon_position.y + icon_size.height;
+    let _ = window.set_position(PhysicalPosition::new(x.max(0.0), y));
+}
+
+/// Loads the default model (`perch_hub::DEFAULT_MODEL_NAME` in Perch's models directory, or
+/// `$PERCH_MODEL`) on a background thread; the UI follows it through `model_status`.
+fn load_default_model<R: Runtime>(app: AppHandle<R>) {
+    let path = std::env::var_os("PERCH_MODEL")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| perch_hub::models_dir().join(perch_hub::DEFAULT_MODEL_NAME));
+    if !path.join("config.json").is_file() {
+        return;
+    }
+    std::thread::spawn(move || {
+        let _ = app.state::<AppState>().load(path);
+    });
+}
