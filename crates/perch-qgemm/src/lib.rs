@@ -120,20 +120,15 @@ impl<'a> QuantizedMatrix<'a> {
     /// Panics if those rows are out of range or `dst.len()` is not a multiple of `cols`.
     pub fn dequantize_rows(&self, first: usize, dst: &mut [f32]) {
         assert_eq!(dst.len() % self.cols, 0, "dst must hold whole rows");
-        let count = dst.len() / self.cols;
-        assert!(first + count <= self.rows, "rows out of range");
-        let words_per_row = self.cols * self.bits as usize / 32;
-        let groups_per_row = self.cols / self.group_size;
-        for (i, row) in dst.chunks_exact_mut(self.cols).enumerate() {
-            let r = first + i;
-            let packed = &self.packed[r * words_per_row..(r + 1) * words_per_row];
-            let scales = &self.scales[r * groups_per_row..(r + 1) * groups_per_row];
-            let biases = &self.biases[r * groups_per_row..(r + 1) * groups_per_row];
-            match self.bits {
-                2 => dequantize_row::<2>(packed, scales, biases, self.group_size, row),
-                4 => dequantize_row::<4>(packed, scales, biases, self.group_size, row),
-                _ => dequantize_row::<8>(packed, scales, biases, self.group_size, row),
-            }
+        assert!(
+            first + dst.len() / self.cols <= self.rows,
+            "rows out of range"
+        );
+        self.dequantize_rows_permuted(first, dst);
+        let mut permuted = vec![0f32; self.group_size];
+        for group in dst.chunks_exact_mut(self.group_size) {
+            permuted.copy_from_slice(group);
+            self.unpermute_group(&permuted, group);
         }
     }
 }
@@ -146,22 +141,36 @@ impl QuantizedMatrix<'_> {
         self.group_size * self.bits as usize / 32
     }
 
+    /// Position in the permuted order of value `j` of word `k` (column `k * per_word + j`).
+    fn permuted_position(&self, k: usize, j: usize) -> usize {
+        j * self.words_per_group() + k
+    }
+
     /// `x` `[m, cols]` with each group's columns in the permuted order.
     fn permute_columns(&self, x: &[f32]) -> Vec<f32> {
         let per_word = (32 / self.bits) as usize;
-        let words = self.words_per_group();
         let mut permuted = vec![0f32; x.len()];
         for (dst, src) in permuted
             .chunks_exact_mut(self.group_size)
             .zip(x.chunks_exact(self.group_size))
         {
-            for k in 0..words {
+            for k in 0..self.words_per_group() {
                 for j in 0..per_word {
-                    dst[j * words + k] = src[k * per_word + j];
+                    dst[self.permuted_position(k, j)] = src[k * per_word + j];
                 }
             }
         }
         permuted
+    }
+
+    /// The inverse for one group: `permuted` back to column order in `dst`.
+    fn unpermute_group(&self, permuted: &[f32], dst: &mut [f32]) {
+        let per_word = (32 / self.bits) as usize;
+        for k in 0..self.words_per_group() {
+            for j in 0..per_word {
+                dst[k * per_word + j] = permuted[self.permuted_position(k, j)];
+            }
+        }
     }
 
     /// Like [`QuantizedMatrix::dequantize_rows`], in the permuted column order.
@@ -203,31 +212,6 @@ fn dequantize_row_permuted<const BITS: u32>(
             for (value, &word) in values.iter_mut().zip(words) {
                 // Masked values fit in an i32, whose conversion is one instruction.
                 *value = scale * ((word >> shift) & mask) as i32 as f32 + bias;
-            }
-        }
-    }
-}
-
-/// One row: `BITS`-bit values, `32 / BITS` per word, lowest bits first.
-#[inline]
-fn dequantize_row<const BITS: u32>(
-    packed: &[u32],
-    scales: &[f32],
-    biases: &[f32],
-    group_size: usize,
-    dst: &mut [f32],
-) {
-    let per_word = (32 / BITS) as usize;
-    let mask = (1u32 << BITS) - 1;
-    let words_per_group = group_size / per_word;
-    let groups = dst
-        .chunks_exact_mut(group_size)
-        .zip(packed.chunks_exact(words_per_group));
-    for ((group, words), (&scale, &bias)) in groups.zip(scales.iter().zip(biases)) {
-        for (values, &word) in group.chunks_exact_mut(per_word).zip(words) {
-            for (j, value) in values.iter_mut().enumerate() {
-                let q = (word >> (BITS as usize * j)) & mask;
-                *value = scale * q as f32 + bias;
             }
         }
     }
@@ -325,7 +309,9 @@ unsafe fn multiply_rows_avx2(
 }
 
 /// `y[:, start..end] = x · W[start..end]ᵀ`; `x` in the permuted column order of
-/// [`QuantizedMatrix::permute_columns`].
+/// [`QuantizedMatrix::permute_columns`]. Up to [`GEMV_MAX_ROWS`] rows of `x`: dot products
+/// against one dequantized row of `W` at a time, which stays in L1 (a GEMM would pack the tile
+/// first, for little reuse). More: the rows dequantized into one tile, then one sgemm.
 ///
 /// # Safety
 /// `out` must point to a writable `[m, w.rows]` row-major buffer whose columns `start..end` no
@@ -341,72 +327,39 @@ unsafe fn multiply_rows(
     scratch: &mut Vec<f32>,
 ) {
     if m <= GEMV_MAX_ROWS {
-        multiply_rows_gemv(x, m, w, start, end, out, scratch)
-    } else {
-        multiply_rows_gemm(x, m, w, start, end, out, scratch)
+        scratch.resize(w.cols, 0.0);
+        for r in start..end {
+            w.dequantize_rows_permuted(r, scratch);
+            for (i, x) in x.chunks_exact(w.cols).take(m).enumerate() {
+                *out.0.add(i * w.rows + r) = dot(scratch, x);
+            }
+        }
+        return;
     }
+    scratch.resize((end - start) * w.cols, 0.0);
+    w.dequantize_rows_permuted(start, scratch);
+    // C [m, n] = A [m, cols] · B [cols, n], where B is the tile read transposed.
+    matrixmultiply::sgemm(
+        m,
+        w.cols,
+        end - start,
+        1.0,
+        x.as_ptr(),
+        w.cols as isize,
+        1,
+        scratch.as_ptr(),
+        1,
+        w.cols as isize,
+        0.0,
+        out.0.add(start),
+        w.rows as isize,
+        1,
+    );
 }
 
 thread_local! {
     /// Each worker's dequantization scratch, kept between calls.
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// [`multiply_rows`] as one sgemm per scratch tile.
-#[inline(always)]
-unsafe fn multiply_rows_gemm(
-    x: &[f32],
-    m: usize,
-    w: &QuantizedMatrix,
-    start: usize,
-    end: usize,
-    out: OutPtr,
-    scratch: &mut Vec<f32>,
-) {
-    {
-        let tile = scratch;
-        tile.resize((end - start) * w.cols, 0.0);
-        w.dequantize_rows_permuted(start, tile);
-        // C [m, n] = A [m, cols] · B [cols, n], where B is the tile read transposed.
-        matrixmultiply::sgemm(
-            m,
-            w.cols,
-            end - start,
-            1.0,
-            x.as_ptr(),
-            w.cols as isize,
-            1,
-            tile.as_ptr(),
-            1,
-            w.cols as isize,
-            0.0,
-            out.0.add(start),
-            w.rows as isize,
-            1,
-        );
-    }
-}
-
-/// The same for a few rows of `x`: dot products against one dequantized row of `W` at a time,
-/// which stays in L1 (a GEMM would pack the tile first, for little reuse).
-#[inline(always)]
-unsafe fn multiply_rows_gemv(
-    x: &[f32],
-    m: usize,
-    w: &QuantizedMatrix,
-    start: usize,
-    end: usize,
-    out: OutPtr,
-    scratch: &mut Vec<f32>,
-) {
-    let row = scratch;
-    row.resize(w.cols, 0.0);
-    for r in start..end {
-        w.dequantize_rows_permuted(r, row);
-        for (i, x) in x.chunks_exact(w.cols).take(m).enumerate() {
-            *out.0.add(i * w.rows + r) = dot(row, x);
-        }
-    }
 }
 
 /// `a · b` with 32 partial sums: four SIMD registers' worth, so the additions do not wait on
