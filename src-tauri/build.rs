@@ -14,6 +14,8 @@ fn main() {
         "stop",
         "engine_stats",
         "clear_cache",
+        "reset_peak_memory",
+        "system_stats",
     ];
     tauri_build::try_build(
         tauri_build::Attributes::new()

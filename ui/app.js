@@ -110,8 +110,17 @@ async function refreshModels() {
   if (!list.children.length) list.textContent = "No models found in Perch's models directory or the Hugging Face cache.";
 }
 
+const mib = (bytes) => `${(bytes / 2 ** 20).toFixed(0)} MiB`;
+
 async function refreshStats() {
   const stats = await invoke("engine_stats").catch(() => null);
+  const system = await invoke("system_stats").catch(() => null);
+  const systemRows = system
+    ? [
+        ["System RAM used / total", `${mib(system.ram_used_bytes)} / ${mib(system.ram_total_bytes)}`],
+        ["Perch resident memory", system.process_rss_bytes == null ? "not reported" : mib(system.process_rss_bytes)],
+      ]
+    : [];
   const rows = stats
     ? [
         ["Running / waiting", `${stats.running} / ${stats.waiting}`],
@@ -125,7 +134,7 @@ async function refreshStats() {
     : [["Engine", "no model loaded"]];
   const list = $("stats");
   list.replaceChildren();
-  for (const [name, value] of rows) {
+  for (const [name, value] of [...rows, ...systemRows]) {
     const dt = document.createElement("dt");
     dt.textContent = name;
     const dd = document.createElement("dd");
@@ -156,6 +165,7 @@ $("new-chat").onclick = () => {
   $("messages").replaceChildren();
 };
 $("clear-cache").onclick = () => invoke("clear_cache").then(refreshStats);
+$("reset-peak").onclick = () => invoke("reset_peak_memory").then(refreshStats);
 $("unload").onclick = () => invoke("unload_model").then(refreshStatus);
 listen("navigate", (event) => show(event.payload));
 

@@ -6,8 +6,8 @@ use std::sync::Mutex;
 
 use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
 use perch_engine::{
-    ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats,
-    FinishReason, GenerateRequest, GenerationStats, Prompt,
+    ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats, FinishReason,
+    GenerateRequest, GenerationStats, Prompt,
 };
 use perch_hub::LocalModel;
 use serde::{Deserialize, Serialize};
@@ -87,11 +87,7 @@ impl AppState {
             engine.shutdown();
         }
         let slot = match EngineHandle::load(&path, EngineConfig::default()) {
-            Ok(engine) => ModelSlot::Loaded {
-                name,
-                path,
-                engine,
-            },
+            Ok(engine) => ModelSlot::Loaded { name, path, engine },
             Err(err) => ModelSlot::Failed {
                 name,
                 error: sentence(&err),
@@ -245,6 +241,45 @@ pub fn engine_stats(state: State<'_, AppState>) -> Result<Option<EngineStats>, S
         Ok(engine) => engine.stats().map(Some).map_err(|e| sentence(&e)),
         Err(_) => Ok(None),
     }
+}
+
+/// Starts a new MLX peak-memory measurement (the dashboard's "reset peak").
+#[tauri::command]
+pub fn reset_peak_memory() {
+    perch_engine::device::reset_peak_memory();
+}
+
+/// System memory and this process's resident set, in bytes (from `sysinfo`).
+#[derive(Clone, Debug, Serialize)]
+pub struct SystemStats {
+    pub ram_used_bytes: u64,
+    pub ram_total_bytes: u64,
+    /// `None` when the OS does not report it.
+    pub process_rss_bytes: Option<u64>,
+}
+
+/// `sysinfo`'s view of the machine, kept between calls (refreshing it is cheap, creating it not).
+#[derive(Default)]
+pub struct SystemMonitor(Mutex<sysinfo::System>);
+
+#[tauri::command]
+pub fn system_stats(monitor: State<'_, SystemMonitor>) -> Result<SystemStats, String> {
+    use sysinfo::{ProcessRefreshKind, ProcessesToUpdate};
+    let mut system = monitor.0.lock().map_err(|_| poisoned())?;
+    system.refresh_memory();
+    let pid = sysinfo::get_current_pid().ok();
+    if let Some(pid) = pid {
+        system.refresh_processes_specifics(
+            ProcessesToUpdate::Some(&[pid]),
+            false,
+            ProcessRefreshKind::nothing().with_memory(),
+        );
+    }
+    Ok(SystemStats {
+        ram_used_bytes: system.used_memory(),
+        ram_total_bytes: system.total_memory(),
+        process_rss_bytes: pid.and_then(|pid| system.process(pid)).map(|p| p.memory()),
+    })
 }
 
 /// Returns MLX's cached buffers to the system; the bytes freed.

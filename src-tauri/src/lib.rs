@@ -28,6 +28,7 @@ pub const VIEWS: [&str; 4] = ["chat", "dashboard", "models", "settings"];
 pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>) -> tauri::Builder<R> {
     builder
         .manage(AppState::default())
+        .manage(commands::SystemMonitor::default())
         .invoke_handler(tauri::generate_handler![
             commands::list_models,
             commands::load_model,
@@ -37,6 +38,8 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>) -> tauri::Builder<R
             commands::stop,
             commands::engine_stats,
             commands::clear_cache,
+            commands::reset_peak_memory,
+            commands::system_stats,
         ])
 }
 

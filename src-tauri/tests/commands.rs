@@ -9,7 +9,9 @@ use std::time::Duration;
 use perch_app::commands::{self, AppState};
 use serde_json::{json, Value};
 use tauri::ipc::{CallbackFn, Channel, InvokeBody, InvokeResponseBody};
-use tauri::test::{get_ipc_response, mock_builder, mock_context, noop_assets, MockRuntime, INVOKE_KEY};
+use tauri::test::{
+    get_ipc_response, mock_builder, mock_context, noop_assets, MockRuntime, INVOKE_KEY,
+};
 use tauri::webview::InvokeRequest;
 use tauri::{Manager, WebviewWindow, WebviewWindowBuilder};
 
@@ -21,6 +23,15 @@ fn shared_dir() -> PathBuf {
 
 fn model_dir() -> PathBuf {
     shared_dir().join("models/SmolLM2-135M-Instruct-4bit")
+}
+
+/// MLX's memory counters and the environment are process-wide: the tests here take turns.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 fn app() -> (tauri::App<MockRuntime>, WebviewWindow<MockRuntime>) {
@@ -51,14 +62,21 @@ fn invoke(window: &WebviewWindow<MockRuntime>, cmd: &str, args: Value) -> Result
 
 #[test]
 fn model_lifecycle_through_ipc() {
+    let _turn = serial();
     let (_app, window) = app();
-    assert_eq!(invoke(&window, "model_status", json!({})), Ok(json!({"state": "not_loaded"})));
+    assert_eq!(
+        invoke(&window, "model_status", json!({})),
+        Ok(json!({"state": "not_loaded"}))
+    );
     assert_eq!(invoke(&window, "engine_stats", json!({})), Ok(Value::Null));
 
     // A directory that holds no model: one clear sentence, and the status says so.
     let error = invoke(&window, "load_model", json!({"path": "/nonexistent/model"})).unwrap_err();
     let error = error.as_str().expect("a string").to_owned();
-    assert!(error.starts_with(char::is_uppercase) && error.ends_with('.'), "{error}");
+    assert!(
+        error.starts_with(char::is_uppercase) && error.ends_with('.'),
+        "{error}"
+    );
     assert!(error.contains("/nonexistent/model"), "{error}");
     let status = invoke(&window, "model_status", json!({})).unwrap();
     assert_eq!(status["state"], "failed");
@@ -68,23 +86,60 @@ fn model_lifecycle_through_ipc() {
     assert_eq!(status["state"], "loaded", "{status}");
     let stats = invoke(&window, "engine_stats", json!({})).unwrap();
     assert_eq!(stats["running"], 0);
-    assert!(stats["kv_cache"]["blocks_total"].as_u64().unwrap() > 0, "{stats}");
-    assert!(stats["memory"]["active_bytes"].as_u64().unwrap() > 0, "{stats}");
+    assert!(
+        stats["kv_cache"]["blocks_total"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+    assert!(
+        stats["memory"]["active_bytes"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+
+    // Reset peak: a new measurement starts from what is live now.
+    let peak_before = stats["memory"]["peak_bytes"].as_u64().unwrap();
+    assert_eq!(
+        invoke(&window, "reset_peak_memory", json!({})),
+        Ok(Value::Null)
+    );
+    let memory = &invoke(&window, "engine_stats", json!({})).unwrap()["memory"];
+    let (peak, active) = (
+        memory["peak_bytes"].as_u64().unwrap(),
+        memory["active_bytes"].as_u64().unwrap(),
+    );
+    assert!(
+        peak >= active && peak <= peak_before,
+        "peak {peak}, active {active}, before {peak_before}"
+    );
+
+    let system = invoke(&window, "system_stats", json!({})).unwrap();
+    let (used, total) = (
+        system["ram_used_bytes"].as_u64().unwrap(),
+        system["ram_total_bytes"].as_u64().unwrap(),
+    );
+    assert!(0 < used && used < total, "{system}");
+    // The model's weights are resident in this process.
+    assert!(
+        system["process_rss_bytes"].as_u64().unwrap() > 50 << 20,
+        "{system}"
+    );
 
     assert_eq!(invoke(&window, "unload_model", json!({})), Ok(Value::Null));
-    assert_eq!(invoke(&window, "model_status", json!({})), Ok(json!({"state": "not_loaded"})));
+    assert_eq!(
+        invoke(&window, "model_status", json!({})),
+        Ok(json!({"state": "not_loaded"}))
+    );
     let error = invoke(&window, "stop", json!({"requestId": 1})).unwrap_err();
     assert_eq!(error, json!("No model is loaded; choose one under Models."));
 }
 
 #[test]
 fn list_models_finds_perch_and_hugging_face_models() {
+    let _turn = serial();
     let (_app, window) = app();
     let root = tempfile::tempdir().unwrap();
     let perch = root.path().join("models");
     std::fs::create_dir_all(&perch).unwrap();
     std::os::unix::fs::symlink(model_dir(), perch.join("smollm")).unwrap();
-    // Environment variables are process-wide: this is the only test here that sets them.
     std::env::set_var("PERCH_MODELS_DIR", &perch);
     std::env::set_var("HF_HUB_CACHE", root.path().join("hub"));
     let models = invoke(&window, "list_models", json!({})).unwrap();
@@ -111,6 +166,7 @@ fn channel() -> (Channel<commands::ChatEvent>, mpsc::Receiver<Value>) {
 
 #[test]
 fn chat_streams_the_reference_answer_and_stop_cancels() {
+    let _turn = serial();
     let (app, _window) = app();
     let state = app.state::<AppState>();
     state.load(model_dir()).expect("model loads");
@@ -133,7 +189,9 @@ fn chat_streams_the_reference_answer_and_stop_cancels() {
     commands::chat(app.state(), messages, Some(options), events).expect("chat starts");
     let mut text = String::new();
     let finished = loop {
-        let event = received.recv_timeout(Duration::from_secs(300)).expect("an event");
+        let event = received
+            .recv_timeout(Duration::from_secs(300))
+            .expect("an event");
         match event["event"].as_str() {
             Some("token") => text.push_str(event["text"].as_str().unwrap()),
             Some("finished") => break event,
@@ -144,7 +202,9 @@ fn chat_streams_the_reference_answer_and_stop_cancels() {
     assert!(finished["stats"]["generation_tokens"].as_u64().unwrap() > 0);
 
     // Stop after the first token: the request ends as cancelled, long before 200 tokens.
-    let messages = serde_json::from_value(json!([{"role": "user", "content": "Count from 1 to 500."}])).unwrap();
+    let messages =
+        serde_json::from_value(json!([{"role": "user", "content": "Count from 1 to 500."}]))
+            .unwrap();
     let options = serde_json::from_value(json!({"max_tokens": 200})).unwrap();
     let (events, received) = channel();
     let id = commands::chat(app.state(), messages, Some(options), events).unwrap();

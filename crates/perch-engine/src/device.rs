@@ -61,9 +61,13 @@ static WIRED_LIMIT: AtomicUsize = AtomicUsize::new(0);
 /// Reads the counters. Never fails: a counter MLX cannot report reads as 0.
 pub fn memory_stats() -> MemoryStats {
     let wired = WIRED_LIMIT.load(Ordering::Relaxed);
+    let active_bytes = mlx_rs::memory::active_memory().unwrap_or(0);
     MemoryStats {
-        active_bytes: mlx_rs::memory::active_memory().unwrap_or(0),
-        peak_bytes: mlx_rs::memory::peak_memory().unwrap_or(0),
+        active_bytes,
+        // MLX's reset sets its peak to 0, not to what is live; what is live counts.
+        peak_bytes: mlx_rs::memory::peak_memory()
+            .unwrap_or(0)
+            .max(active_bytes),
         cache_bytes: mlx_rs::memory::cache_memory().unwrap_or(0),
         wired_limit_bytes: (Backend::current() == Backend::Metal && wired > 0).then_some(wired),
     }
