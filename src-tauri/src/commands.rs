@@ -20,17 +20,25 @@ pub struct AppState {
     model: Mutex<ModelSlot>,
 }
 
+/// The engine exactly when `status` is `Loaded`.
 #[derive(Default)]
-enum ModelSlot {
+struct ModelSlot {
+    status: ModelStatus,
+    engine: Option<EngineHandle>,
+}
+
+/// What the UI shows about the model.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ModelStatus {
     #[default]
-    Empty,
+    NotLoaded,
     Loading {
         name: String,
     },
     Loaded {
         name: String,
         path: PathBuf,
-        engine: EngineHandle,
     },
     Failed {
         name: String,
@@ -38,38 +46,22 @@ enum ModelSlot {
     },
 }
 
-/// What the UI shows about the model.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-#[serde(tag = "state", rename_all = "snake_case")]
-pub enum ModelStatus {
-    NotLoaded,
-    Loading { name: String },
-    Loaded { name: String, path: PathBuf },
-    Failed { name: String, error: String },
-}
-
 impl AppState {
+    fn slot(&self) -> Result<std::sync::MutexGuard<'_, ModelSlot>, String> {
+        self.model.lock().map_err(|_| poisoned())
+    }
+
     fn engine(&self) -> Result<EngineHandle, String> {
-        match &*self.model.lock().map_err(|_| poisoned())? {
-            ModelSlot::Loaded { engine, .. } => Ok(engine.clone()),
-            ModelSlot::Loading { name } => Err(format!("{name} is still loading.")),
-            _ => Err("No model is loaded; choose one under Models.".into()),
+        let slot = self.slot()?;
+        match (&slot.engine, &slot.status) {
+            (Some(engine), _) => Ok(engine.clone()),
+            (None, ModelStatus::Loading { name }) => Err(format!("{name} is still loading.")),
+            (None, _) => Err("No model is loaded; choose one under Models.".into()),
         }
     }
 
     fn status(&self) -> ModelStatus {
-        match self.model.lock().as_deref() {
-            Ok(ModelSlot::Loading { name }) => ModelStatus::Loading { name: name.clone() },
-            Ok(ModelSlot::Loaded { name, path, .. }) => ModelStatus::Loaded {
-                name: name.clone(),
-                path: path.clone(),
-            },
-            Ok(ModelSlot::Failed { name, error }) => ModelStatus::Failed {
-                name: name.clone(),
-                error: error.clone(),
-            },
-            _ => ModelStatus::NotLoaded,
-        }
+        self.slot().map(|s| s.status.clone()).unwrap_or_default()
     }
 
     /// Loads the model in `path` on an engine thread (replacing the loaded one) and waits for
@@ -80,29 +72,43 @@ impl AppState {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| path.display().to_string());
         let previous = std::mem::replace(
-            &mut *self.model.lock().map_err(|_| poisoned())?,
-            ModelSlot::Loading { name: name.clone() },
+            &mut *self.slot()?,
+            ModelSlot {
+                status: ModelStatus::Loading { name: name.clone() },
+                engine: None,
+            },
         );
-        if let ModelSlot::Loaded { engine, .. } = previous {
+        if let Some(engine) = previous.engine {
             engine.shutdown();
         }
-        let slot = match EngineHandle::load(&path, EngineConfig::default()) {
-            Ok(engine) => ModelSlot::Loaded { name, path, engine },
-            Err(err) => ModelSlot::Failed {
-                name,
-                error: sentence(&err),
-            },
+        let (slot, result) = match EngineHandle::load(&path, EngineConfig::default()) {
+            Ok(engine) => {
+                let status = ModelStatus::Loaded { name, path };
+                let slot = ModelSlot {
+                    status: status.clone(),
+                    engine: Some(engine),
+                };
+                (slot, Ok(status))
+            }
+            Err(err) => {
+                let error = sentence(&err);
+                let slot = ModelSlot {
+                    status: ModelStatus::Failed {
+                        name,
+                        error: error.clone(),
+                    },
+                    engine: None,
+                };
+                (slot, Err(error))
+            }
         };
-        *self.model.lock().map_err(|_| poisoned())? = slot;
-        match self.status() {
-            ModelStatus::Failed { error, .. } => Err(error),
-            status => Ok(status),
-        }
+        *self.slot()? = slot;
+        result
     }
 
     pub fn unload(&self) -> Result<(), String> {
-        let previous = std::mem::take(&mut *self.model.lock().map_err(|_| poisoned())?);
-        if let ModelSlot::Loaded { engine, .. } = previous {
+        let previous = std::mem::take(&mut *self.slot()?);
+        if let Some(engine) = previous.engine {
             engine.shutdown();
         }
         mlx_clear_cache();

@@ -228,9 +228,7 @@ impl<'m> BatchGenerator<'m> {
 
     /// Empty caches for one sequence, one per layer, in the configured format.
     fn make_cache(&self) -> Vec<KvCache> {
-        (0..self.model.info().num_layers)
-            .map(|_| KvCache::with_quantization(self.config.kv_quantization))
-            .collect()
+        self.model.make_cache(self.config.kv_quantization)
     }
 
     pub fn config(&self) -> &BatchConfig {
@@ -622,7 +620,7 @@ impl<'m> BatchGenerator<'m> {
         let mut done = Vec::new();
         for (&i, token) in ready.iter().zip(&sampled) {
             let seq = &mut self.running[i];
-            let (token, logprobs) = token.read()?;
+            let (token, logprobs) = token.read();
             seq.first_token_at
                 .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
             seq.computed += 1;

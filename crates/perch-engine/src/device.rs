@@ -65,9 +65,7 @@ pub fn memory_stats() -> MemoryStats {
     MemoryStats {
         active_bytes,
         // MLX's reset sets its peak to 0, not to what is live; what is live counts.
-        peak_bytes: mlx_rs::memory::peak_memory()
-            .unwrap_or(0)
-            .max(active_bytes),
+        peak_bytes: mlx_rs::memory::peak_memory().unwrap_or(0).max(active_bytes),
         cache_bytes: mlx_rs::memory::cache_memory().unwrap_or(0),
         wired_limit_bytes: (Backend::current() == Backend::Metal && wired > 0).then_some(wired),
     }

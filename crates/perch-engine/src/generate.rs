@@ -150,7 +150,7 @@ pub fn generate(
 
     reset_peak_memory();
     let start = Instant::now();
-    let mut cache = model.make_cache();
+    let mut cache = model.make_cache(None);
     let mut sampler = Sampler::new(request.sampling.clone())?;
     let mut history = RecentTokens::new(&request.sampling, prompt);
 
@@ -187,7 +187,7 @@ pub fn generate(
         } else {
             None
         };
-        let (id, logprobs) = pending.read()?;
+        let (id, logprobs) = pending.read();
         first_token_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
         match sink.push(tokenizer, id, logprobs)? {
             Pushed::Token(event) => {
@@ -387,7 +387,7 @@ impl Sampled {
     }
 
     /// The token id and its log-probabilities (evaluates what is still lazy).
-    pub(crate) fn read(&self) -> Result<(u32, Option<TokenLogprobs>)> {
+    pub(crate) fn read(&self) -> (u32, Option<TokenLogprobs>) {
         let id = self.token.as_slice::<u32>()[0];
         let logprobs = self
             .logprobs
@@ -401,7 +401,7 @@ impl Sampled {
                     .zip(values.as_slice::<f32>().iter().copied())
                     .collect(),
             });
-        Ok((id, logprobs))
+        (id, logprobs)
     }
 }
 

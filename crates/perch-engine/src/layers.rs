@@ -127,9 +127,11 @@ impl QuantizedWeight {
     /// On MLX's CPU backend, 2/4/8-bit weights go through `perch_qgemm` (dequantize a cache-sized
     /// tile, float32 GEMM, all cores), because MLX's CPU `quantized_matmul` is scalar code whose
     /// cost grows with every row. This evaluates `x` first: the projection leaves MLX's lazy graph.
-    /// ms per call on the 2-core dev machine, 4-bit, group size 64 (`quantized_matmul` and
-    /// `dequantize` + matmul measured with MLX 0.32.2 + OpenBLAS; `perch_qgemm` with
-    /// `cargo run --release -p perch-qgemm --example qgemm_bench`, noisy to ±30%):
+    /// ms per call on the 2-core dev machine, 4-bit, group size 64. The MLX columns (MLX 0.32.2 +
+    /// OpenBLAS) and the `perch_qgemm` column (`cargo run --release -p perch-qgemm --example
+    /// qgemm_bench`) come from separate runs on a noisy machine (±30%), so read them as orders of
+    /// magnitude; the end-to-end comparisons against mlx_lm in one run are
+    /// `scripts/bench_vs_mlx_lm.py` and `scripts/bench_batch_vs_mlx_lm.py` (README).
     ///
     /// | weight | rows | MLX `quantized_matmul` | MLX `dequantize` + matmul | `perch_qgemm` |
     /// |---|---|---|---|---|

@@ -69,7 +69,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         let model = models::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
 
         let n = expected.prompt_ids.len() as i32;
-        let mut cache = model.make_cache();
+        let mut cache = model.make_cache(None);
         let logits = model
             .forward(
                 &Array::from_slice(&expected.prompt_ids, &[1, n]),

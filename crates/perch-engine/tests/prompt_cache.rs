@@ -152,7 +152,7 @@ fn damaged_files_and_other_models_caches_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let model_dir = common::smollm_dir();
     let model = models::load(&model_dir).unwrap();
-    let mut cache = model.make_cache();
+    let mut cache = model.make_cache(None);
     model
         .forward(
             &mlx_rs::Array::from_slice(&[1u32, 504, 2988, 288], &[1, 4]),

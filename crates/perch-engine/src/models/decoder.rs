@@ -354,10 +354,6 @@ impl Model for Decoder {
         }
     }
 
-    fn make_cache(&self) -> Vec<KvCache> {
-        (0..self.layers.len()).map(|_| KvCache::new()).collect()
-    }
-
     fn info(&self) -> &ModelInfo {
         &self.info
     }

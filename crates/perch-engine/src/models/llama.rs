@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::decoder::{Decoder, DecoderConfig};
+use super::decoder::DecoderConfig;
 use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
@@ -69,17 +69,10 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         args.rope_theta,
         args.rope_traditional,
         args.rope_scaling.as_ref(),
-    )
-    .map_err(|m| cx.error(m))?;
+    );
     for i in 0..args.num_hidden_layers {
         cx.weights
             .discard(&format!("model.layers.{i}.self_attn.rotary_emb.inv_freq"));
     }
-    Ok(Box::new(Decoder::load(
-        config,
-        rope,
-        &cx.quantization,
-        cx.weights,
-        "llama",
-    )?))
+    cx.decoder(config, rope, "llama")
 }

@@ -14,11 +14,12 @@ use mlx_rs::Array;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
-use crate::layers::Quantization;
+use crate::layers::{Quantization, Rope};
 use crate::weights::Weights;
+use decoder::{Decoder, DecoderConfig};
 
 /// What callers need to know about a loaded model.
 #[derive(Debug, Clone)]
@@ -41,9 +42,13 @@ pub trait Model: Send {
     /// own position (`caches[b]`, one [`KvCache`] per layer) → logits `[batch, seq, vocab]`. Row
     /// `b` equals what [`Model::forward`] computes for that sequence alone.
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array>;
-    /// An empty cache, one entry per layer.
-    fn make_cache(&self) -> Vec<KvCache>;
     fn info(&self) -> &ModelInfo;
+    /// An empty cache, one entry per layer, float or quantized.
+    fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
+        (0..self.info().num_layers)
+            .map(|_| KvCache::with_quantization(quantization))
+            .collect()
+    }
 }
 
 /// Everything an architecture loader gets.
@@ -65,6 +70,24 @@ impl LoadContext<'_> {
             path: self.config_path.to_path_buf(),
             message,
         }
+    }
+
+    /// The shared decoder from an architecture's resolved config and RoPE (whose error, from
+    /// [`Rope::new`], names this config file).
+    pub fn decoder(
+        self,
+        config: DecoderConfig,
+        rope: std::result::Result<Rope, String>,
+        model_type: &str,
+    ) -> Result<Box<dyn Model>> {
+        let rope = rope.map_err(|m| self.error(m))?;
+        Ok(Box::new(Decoder::load(
+            config,
+            rope,
+            &self.quantization,
+            self.weights,
+            model_type,
+        )?))
     }
 }
 

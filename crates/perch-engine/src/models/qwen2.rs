@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::decoder::{Decoder, DecoderConfig};
+use super::decoder::DecoderConfig;
 use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
@@ -65,13 +65,6 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         args.rope_theta,
         args.rope_traditional,
         args.rope_scaling.as_ref(),
-    )
-    .map_err(|m| cx.error(m))?;
-    Ok(Box::new(Decoder::load(
-        config,
-        rope,
-        &cx.quantization,
-        cx.weights,
-        "qwen2",
-    )?))
+    );
+    cx.decoder(config, rope, "qwen2")
 }

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::decoder::{Decoder, DecoderConfig};
+use super::decoder::DecoderConfig;
 use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
@@ -49,13 +49,6 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         args.rope_theta,
         false,
         args.rope_scaling.as_ref(),
-    )
-    .map_err(|m| cx.error(m))?;
-    Ok(Box::new(Decoder::load(
-        config,
-        rope,
-        &cx.quantization,
-        cx.weights,
-        "qwen3",
-    )?))
+    );
+    cx.decoder(config, rope, "qwen3")
 }
