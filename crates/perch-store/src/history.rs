@@ -1,0 +1,921 @@
+//! Conversations and their messages in SQLite (WAL mode, `synchronous = FULL`): a message is
+//! on disk when [`History::save_answer`] or [`History::begin_turn`] returns, so a crash or
+//! `kill -9` afterwards loses nothing that was shown as finished.
+
+use std::path::{Path, PathBuf};
+
+use perch_engine::sampler::SamplingParams;
+use perch_engine::{ChatMessage, FinishReason, GenerationStats};
+use rusqlite::{params, Connection, ErrorCode, OptionalExtension, Transaction};
+use serde::{Deserialize, Serialize};
+
+use crate::{set_aside, unix_millis, SetAside};
+
+/// The layout this code reads and writes (SQLite's `user_version`).
+const SCHEMA_VERSION: i32 = 1;
+
+const SCHEMA: &str = "
+CREATE TABLE conversations (
+    id INTEGER PRIMARY KEY,
+    title TEXT,                  -- NULL: the first user message stands for it
+    settings TEXT NOT NULL,      -- ConversationSettings as JSON
+    created_at INTEGER NOT NULL, -- Unix milliseconds
+    updated_at INTEGER NOT NULL
+);
+CREATE TABLE messages (
+    id INTEGER PRIMARY KEY,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL CHECK (role IN ('user', 'assistant')),
+    content TEXT NOT NULL,
+    finish_reason TEXT,          -- answers only: stop | length | cancelled | error
+    stats TEXT,                  -- answers only: GenerationStats as JSON
+    error TEXT,                  -- answers that failed: the sentence shown
+    created_at INTEGER NOT NULL
+);
+CREATE INDEX messages_by_conversation ON messages (conversation_id, id);
+";
+
+/// Title shown for a conversation with no title and no user message yet.
+const UNTITLED: &str = "New chat";
+
+/// Errors of [`History`].
+#[derive(Debug, thiserror::Error)]
+pub enum HistoryError {
+    #[error("cannot create the folder of the chat history {path}: {source}")]
+    CreateDir {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("the chat history at {path} cannot be used: {reason}")]
+    Unusable { path: PathBuf, reason: String },
+    #[error("cannot open the chat history at {path}: {source}")]
+    Open {
+        path: PathBuf,
+        source: rusqlite::Error,
+    },
+    #[error(
+        "the chat history at {path} was written by a newer Perch (layout {found}; this one reads \
+         {SCHEMA_VERSION}); it was left untouched"
+    )]
+    NewerSchema { path: PathBuf, found: i32 },
+    #[error("the chat history at {path} is damaged and could not be moved aside: {source}")]
+    SetAside {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("chat history: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("conversation {0} does not exist")]
+    NoSuchConversation(i64),
+    #[error("a message cannot be empty")]
+    EmptyMessage,
+    #[error("the conversation has no user message to answer")]
+    NoUserMessage,
+    #[error("stored {what} is not valid JSON: {source}")]
+    BadJson {
+        what: &'static str,
+        source: serde_json::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, HistoryError>;
+
+/// Who wrote a message. The system prompt is a [`ConversationSettings`] field, not a message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    User,
+    Assistant,
+}
+
+impl Role {
+    fn as_str(self) -> &'static str {
+        match self {
+            Role::User => "user",
+            Role::Assistant => "assistant",
+        }
+    }
+
+    fn parse(text: &str) -> rusqlite::Result<Self> {
+        match text {
+            "user" => Ok(Role::User),
+            "assistant" => Ok(Role::Assistant),
+            _ => Err(rusqlite::Error::InvalidColumnType(
+                0,
+                format!("role {text:?}"),
+                rusqlite::types::Type::Text,
+            )),
+        }
+    }
+}
+
+/// How a conversation is answered; each conversation keeps its own copy.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ConversationSettings {
+    /// Sent first as the `system` message; empty sends none.
+    pub system_prompt: String,
+    pub sampling: SamplingParams,
+    /// Most tokens per answer.
+    pub max_tokens: usize,
+}
+
+impl Default for ConversationSettings {
+    fn default() -> Self {
+        Self {
+            system_prompt: String::new(),
+            sampling: SamplingParams::default(),
+            max_tokens: 1024,
+        }
+    }
+}
+
+/// One row of the conversations list.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ConversationSummary {
+    pub id: i64,
+    /// The title given, else the start of the first user message, else "New chat".
+    pub title: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub message_count: usize,
+}
+
+/// A conversation with its settings and messages in order.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Conversation {
+    #[serde(flatten)]
+    pub summary: ConversationSummary,
+    pub settings: ConversationSettings,
+    pub messages: Vec<Message>,
+}
+
+/// One saved message. Answers carry why they ended and their stats.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Message {
+    pub id: i64,
+    pub role: Role,
+    pub content: String,
+    pub finish_reason: Option<FinishReason>,
+    pub stats: Option<GenerationStats>,
+    pub error: Option<String>,
+    pub created_at_ms: i64,
+}
+
+/// What the user asks for next in a conversation.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Turn {
+    /// A new user message.
+    Send { content: String },
+    /// Answer the last user message again (the answers after it are deleted).
+    Regenerate,
+    /// Replace the last user message (and delete the answers after it), then answer it.
+    EditLast { content: String },
+}
+
+/// The chat history of the app: conversations and their messages.
+pub struct History {
+    conn: Connection,
+}
+
+/// Why an existing file cannot be used as the history, when setting it aside is the fix.
+struct Damage(String);
+
+enum OpenFailure {
+    Damaged(Damage),
+    Fatal(HistoryError),
+}
+
+impl From<HistoryError> for OpenFailure {
+    fn from(err: HistoryError) -> Self {
+        OpenFailure::Fatal(err)
+    }
+}
+
+impl History {
+    /// Opens (or creates) the history at `path`. A file that is not a readable Perch history
+    /// (corrupt pages, not SQLite, someone else's tables) is renamed to
+    /// `<path>.corrupt-<unix ms>` with its `-wal`/`-shm` files, a fresh history is started, and
+    /// the [`SetAside`] says so. A history from a newer Perch is an error and left untouched.
+    pub fn open(path: &Path) -> Result<(History, Option<SetAside>)> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|source| HistoryError::CreateDir {
+                path: dir.to_owned(),
+                source,
+            })?;
+        }
+        match Self::open_checked(path) {
+            Ok(history) => Ok((history, None)),
+            Err(OpenFailure::Fatal(err)) => Err(err),
+            Err(OpenFailure::Damaged(Damage(reason))) => {
+                let moved_to = set_aside(path, "corrupt", &["-wal", "-shm"]).map_err(|source| {
+                    HistoryError::SetAside {
+                        path: path.to_owned(),
+                        source,
+                    }
+                })?;
+                let history = match Self::open_checked(path) {
+                    Ok(history) => history,
+                    Err(OpenFailure::Fatal(err)) => return Err(err),
+                    Err(OpenFailure::Damaged(Damage(reason))) => {
+                        return Err(HistoryError::Unusable {
+                            path: path.to_owned(),
+                            reason,
+                        })
+                    }
+                };
+                Ok((history, Some(SetAside { moved_to, reason })))
+            }
+        }
+    }
+
+    /// A history that lives only in memory (when the file cannot be opened at all).
+    pub fn in_memory() -> Result<History> {
+        let conn = Connection::open_in_memory()?;
+        conn.execute_batch("PRAGMA foreign_keys = ON;")?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(History { conn })
+    }
+
+    fn open_checked(path: &Path) -> std::result::Result<History, OpenFailure> {
+        let fatal = |source| {
+            OpenFailure::Fatal(HistoryError::Open {
+                path: path.to_owned(),
+                source,
+            })
+        };
+        let conn = Connection::open(path).map_err(fatal)?;
+        // Read before anything is written: a file that is not a database fails here, and a
+        // newer layout is left byte for byte as it was.
+        let version: i32 = conn
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .map_err(|e| classify(e, path))?;
+        if version > SCHEMA_VERSION {
+            return Err(OpenFailure::Fatal(HistoryError::NewerSchema {
+                path: path.to_owned(),
+                found: version,
+            }));
+        }
+        let check: String = conn
+            .query_row("PRAGMA quick_check", [], |row| row.get(0))
+            .map_err(|e| classify(e, path))?;
+        if check != "ok" {
+            return Err(OpenFailure::Damaged(Damage(format!(
+                "SQLite's check found: {check}"
+            ))));
+        }
+        let tables: i64 = conn
+            .query_row("SELECT count(*) FROM sqlite_master", [], |row| row.get(0))
+            .map_err(|e| classify(e, path))?;
+        if version == 0 && tables > 0 {
+            return Err(OpenFailure::Damaged(Damage(
+                "it holds tables that are not Perch's chat history".into(),
+            )));
+        }
+        // The first write: only now that the file is known to be ours.
+        conn.execute_batch(
+            "PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL; PRAGMA foreign_keys = ON;
+             PRAGMA busy_timeout = 5000;",
+        )
+        .map_err(|e| classify(e, path))?;
+        if version == 0 {
+            conn.execute_batch(&format!(
+                "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+            ))
+            .map_err(fatal)?;
+        }
+        let history = History { conn };
+        // Every query this code runs must compile against the tables found.
+        for sql in [LIST_SQL, MESSAGES_SQL, SETTINGS_SQL] {
+            if let Err(err) = history.conn.prepare(sql) {
+                return Err(OpenFailure::Damaged(Damage(format!(
+                    "its tables do not have Perch's layout ({err})"
+                ))));
+            }
+        }
+        Ok(history)
+    }
+
+    /// Starts an empty conversation with `settings`.
+    pub fn create_conversation(
+        &mut self,
+        settings: &ConversationSettings,
+    ) -> Result<ConversationSummary> {
+        let now = activity_stamp(&self.conn)?;
+        self.conn.execute(
+            "INSERT INTO conversations (title, settings, created_at, updated_at)
+             VALUES (NULL, ?1, ?2, ?2)",
+            params![to_json(settings)?, now],
+        )?;
+        let id = self.conn.last_insert_rowid();
+        self.summary(id)
+    }
+
+    /// Conversations, most recently active first. A non-empty `search` keeps those whose title
+    /// or any message contains it (case-insensitive for ASCII letters).
+    pub fn conversations(&self, search: &str) -> Result<Vec<ConversationSummary>> {
+        let search = search.trim();
+        let pattern = (!search.is_empty()).then(|| format!("%{}%", escape_like(search)));
+        let mut statement = self.conn.prepare(LIST_SQL)?;
+        let rows = statement.query_map(params![pattern, None::<i64>], summary_from_row)?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// One conversation with its messages.
+    pub fn conversation(&self, id: i64) -> Result<Conversation> {
+        let summary = self.summary(id)?;
+        let settings = self.settings(id)?;
+        let mut statement = self.conn.prepare(MESSAGES_SQL)?;
+        let messages = statement
+            .query_map([id], |row| {
+                Ok((
+                    row.get::<_, i64>(0)?,
+                    Role::parse(&row.get::<_, String>(1)?)?,
+                    row.get::<_, String>(2)?,
+                    row.get::<_, Option<String>>(3)?,
+                    row.get::<_, Option<String>>(4)?,
+                    row.get::<_, Option<String>>(5)?,
+                    row.get::<_, i64>(6)?,
+                ))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let messages = messages
+            .into_iter()
+            .map(
+                |(id, role, content, finish_reason, stats, error, created_at_ms)| {
+                    Ok(Message {
+                        id,
+                        role,
+                        content,
+                        finish_reason: finish_reason.as_deref().and_then(parse_finish_reason),
+                        stats: stats.map(|s| from_json(&s, "stats")).transpose()?,
+                        error,
+                        created_at_ms,
+                    })
+                },
+            )
+            .collect::<Result<_>>()?;
+        Ok(Conversation {
+            summary,
+            settings,
+            messages,
+        })
+    }
+
+    /// Gives conversation `id` a title; an empty one goes back to the first user message.
+    pub fn rename(&mut self, id: i64, title: &str) -> Result<ConversationSummary> {
+        let title = Some(title.trim()).filter(|t| !t.is_empty());
+        let changed = self.conn.execute(
+            "UPDATE conversations SET title = ?2 WHERE id = ?1",
+            params![id, title],
+        )?;
+        if changed == 0 {
+            return Err(HistoryError::NoSuchConversation(id));
+        }
+        self.summary(id)
+    }
+
+    /// Replaces the settings of conversation `id`; later answers use them.
+    pub fn set_settings(&mut self, id: i64, settings: &ConversationSettings) -> Result<()> {
+        let changed = self.conn.execute(
+            "UPDATE conversations SET settings = ?2 WHERE id = ?1",
+            params![id, to_json(settings)?],
+        )?;
+        if changed == 0 {
+            return Err(HistoryError::NoSuchConversation(id));
+        }
+        Ok(())
+    }
+
+    /// Deletes conversation `id` and its messages.
+    pub fn delete(&mut self, id: i64) -> Result<()> {
+        let changed = self
+            .conn
+            .execute("DELETE FROM conversations WHERE id = ?1", [id])?;
+        if changed == 0 {
+            return Err(HistoryError::NoSuchConversation(id));
+        }
+        Ok(())
+    }
+
+    /// Applies `turn` to conversation `id` in one transaction and returns its settings and the
+    /// messages to answer (the system prompt first; answers that failed are left out).
+    pub fn begin_turn(
+        &mut self,
+        id: i64,
+        turn: &Turn,
+    ) -> Result<(ConversationSettings, Vec<ChatMessage>)> {
+        let tx = self.conn.transaction()?;
+        let last_user: Option<i64> = tx
+            .query_row(
+                "SELECT max(id) FROM messages WHERE conversation_id = ?1 AND role = 'user'",
+                [id],
+                |row| row.get(0),
+            )
+            .optional()?
+            .flatten();
+        let now = unix_millis();
+        match turn {
+            Turn::Send { content } => {
+                insert_message(&tx, id, Role::User, non_empty(content)?, now)?;
+            }
+            Turn::Regenerate => {
+                let last_user = last_user.ok_or(HistoryError::NoUserMessage)?;
+                delete_after(&tx, id, last_user)?;
+            }
+            Turn::EditLast { content } => {
+                let content = non_empty(content)?;
+                let last_user = last_user.ok_or(HistoryError::NoUserMessage)?;
+                delete_after(&tx, id, last_user)?;
+                tx.execute(
+                    "UPDATE messages SET content = ?2, created_at = ?3 WHERE id = ?1",
+                    params![last_user, content, now],
+                )?;
+            }
+        }
+        touch(&tx, id, now)?;
+        tx.commit()?;
+        let conversation = self.conversation(id)?;
+        let system = Some(conversation.settings.system_prompt.trim())
+            .filter(|s| !s.is_empty())
+            .map(|s| ChatMessage::new("system", s));
+        let messages = system
+            .into_iter()
+            .chain(
+                conversation
+                    .messages
+                    .iter()
+                    .filter(|m| m.finish_reason != Some(FinishReason::Error))
+                    .map(|m| ChatMessage::new(m.role.as_str(), m.content.clone())),
+            )
+            .collect();
+        Ok((conversation.settings, messages))
+    }
+
+    /// Saves the answer to the last user message of conversation `id` (also a cancelled or
+    /// failed one); it is on disk when this returns.
+    pub fn save_answer(
+        &mut self,
+        id: i64,
+        content: &str,
+        finish_reason: FinishReason,
+        stats: &GenerationStats,
+        error: Option<&str>,
+    ) -> Result<Message> {
+        let tx = self.conn.transaction()?;
+        let now = unix_millis();
+        let message_id = insert_message(&tx, id, Role::Assistant, content, now)?;
+        tx.execute(
+            "UPDATE messages SET finish_reason = ?2, stats = ?3, error = ?4 WHERE id = ?1",
+            params![
+                message_id,
+                finish_reason_text(finish_reason),
+                to_json(stats)?,
+                error
+            ],
+        )?;
+        touch(&tx, id, now)?;
+        tx.commit()?;
+        Ok(Message {
+            id: message_id,
+            role: Role::Assistant,
+            content: content.to_owned(),
+            finish_reason: Some(finish_reason),
+            stats: Some(stats.clone()),
+            error: error.map(str::to_owned),
+            created_at_ms: now,
+        })
+    }
+
+    fn summary(&self, id: i64) -> Result<ConversationSummary> {
+        self.conn
+            .query_row(LIST_SQL, params![None::<String>, id], summary_from_row)
+            .optional()?
+            .ok_or(HistoryError::NoSuchConversation(id))
+    }
+
+    fn settings(&self, id: i64) -> Result<ConversationSettings> {
+        let json: String = self
+            .conn
+            .query_row(SETTINGS_SQL, [id], |row| row.get(0))
+            .optional()?
+            .ok_or(HistoryError::NoSuchConversation(id))?;
+        from_json(&json, "conversation settings")
+    }
+}
+
+/// Summaries of the conversations matching LIKE pattern ?1 (all when NULL), or only of
+/// conversation ?2 when it is set. A missing title is the first 60 characters of the first
+/// user message.
+const LIST_SQL: &str = "
+SELECT c.id,
+       coalesce(c.title,
+                (SELECT replace(substr(m.content, 1, 60), char(10), ' ') FROM messages m
+                 WHERE m.conversation_id = c.id AND m.role = 'user' ORDER BY m.id LIMIT 1)),
+       c.created_at, c.updated_at,
+       (SELECT count(*) FROM messages m WHERE m.conversation_id = c.id)
+FROM conversations c
+WHERE (?2 IS NULL OR c.id = ?2)
+  AND (?1 IS NULL
+       OR c.title LIKE ?1 ESCAPE '\\'
+       OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id
+                  AND m.content LIKE ?1 ESCAPE '\\'))
+ORDER BY c.updated_at DESC, c.id DESC";
+
+const MESSAGES_SQL: &str = "
+SELECT id, role, content, finish_reason, stats, error, created_at
+FROM messages WHERE conversation_id = ?1 ORDER BY id";
+
+const SETTINGS_SQL: &str = "SELECT settings FROM conversations WHERE id = ?1";
+
+fn summary_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<ConversationSummary> {
+    let title: Option<String> = row.get(1)?;
+    let title = title
+        .map(|t| t.trim().to_owned())
+        .filter(|t| !t.is_empty())
+        .unwrap_or_else(|| UNTITLED.to_owned());
+    Ok(ConversationSummary {
+        id: row.get(0)?,
+        title,
+        created_at_ms: row.get(2)?,
+        updated_at_ms: row.get(3)?,
+        message_count: row.get::<_, i64>(4)? as usize,
+    })
+}
+
+fn insert_message(
+    tx: &Transaction<'_>,
+    conversation_id: i64,
+    role: Role,
+    content: &str,
+    now: i64,
+) -> Result<i64> {
+    let inserted = tx.execute(
+        "INSERT INTO messages (conversation_id, role, content, created_at) VALUES (?1, ?2, ?3, ?4)",
+        params![conversation_id, role.as_str(), content, now],
+    );
+    match inserted {
+        Ok(_) => Ok(tx.last_insert_rowid()),
+        Err(err) if err.sqlite_error_code() == Some(ErrorCode::ConstraintViolation) => {
+            Err(HistoryError::NoSuchConversation(conversation_id))
+        }
+        Err(err) => Err(err.into()),
+    }
+}
+
+fn delete_after(tx: &Transaction<'_>, conversation_id: i64, message_id: i64) -> Result<()> {
+    tx.execute(
+        "DELETE FROM messages WHERE conversation_id = ?1 AND id > ?2",
+        params![conversation_id, message_id],
+    )?;
+    Ok(())
+}
+
+/// Now in Unix milliseconds, but later than every conversation's `updated_at`, so the list's
+/// order is the order of activity even within one millisecond.
+fn activity_stamp(conn: &Connection) -> Result<i64> {
+    Ok(conn.query_row(
+        "SELECT max(?1, coalesce(max(updated_at) + 1, 0)) FROM conversations",
+        [unix_millis()],
+        |row| row.get(0),
+    )?)
+}
+
+fn touch(tx: &Transaction<'_>, conversation_id: i64, now: i64) -> Result<()> {
+    let now = activity_stamp(tx)?.max(now);
+    let changed = tx.execute(
+        "UPDATE conversations SET updated_at = ?2 WHERE id = ?1",
+        params![conversation_id, now],
+    )?;
+    if changed == 0 {
+        return Err(HistoryError::NoSuchConversation(conversation_id));
+    }
+    Ok(())
+}
+
+fn non_empty(content: &str) -> Result<&str> {
+    if content.trim().is_empty() {
+        return Err(HistoryError::EmptyMessage);
+    }
+    Ok(content)
+}
+
+/// Escapes LIKE's wildcards so `search` matches literally (with `ESCAPE '\'`).
+fn escape_like(search: &str) -> String {
+    let mut out = String::with_capacity(search.len());
+    for c in search.chars() {
+        if matches!(c, '%' | '_' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn finish_reason_text(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "cancelled",
+        FinishReason::Error => "error",
+    }
+}
+
+fn parse_finish_reason(text: &str) -> Option<FinishReason> {
+    [
+        FinishReason::Stop,
+        FinishReason::Length,
+        FinishReason::Cancelled,
+        FinishReason::Error,
+    ]
+    .into_iter()
+    .find(|r| finish_reason_text(*r) == text)
+}
+
+fn to_json(value: &impl Serialize) -> Result<String> {
+    serde_json::to_string(value).map_err(|source| HistoryError::BadJson {
+        what: "value",
+        source,
+    })
+}
+
+fn from_json<T: serde::de::DeserializeOwned>(json: &str, what: &'static str) -> Result<T> {
+    serde_json::from_str(json).map_err(|source| HistoryError::BadJson { what, source })
+}
+
+/// Corrupt or non-database files are damage (set aside); anything else (permissions, a full
+/// disk, a lock) is an error the user must see, and the file is left alone.
+fn classify(err: rusqlite::Error, path: &Path) -> OpenFailure {
+    match err.sqlite_error_code() {
+        Some(ErrorCode::NotADatabase | ErrorCode::DatabaseCorrupt) => {
+            OpenFailure::Damaged(Damage(format!("{err}")))
+        }
+        _ => OpenFailure::Fatal(HistoryError::Open {
+            path: path.to_owned(),
+            source: err,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open_temp() -> (tempfile::TempDir, PathBuf, History) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("history.sqlite3");
+        let (history, set_aside) = History::open(&path).unwrap();
+        assert_eq!(set_aside, None);
+        (dir, path, history)
+    }
+
+    fn send(history: &mut History, id: i64, text: &str) -> Vec<ChatMessage> {
+        let turn = Turn::Send {
+            content: text.into(),
+        };
+        history.begin_turn(id, &turn).unwrap().1
+    }
+
+    fn answer(history: &mut History, id: i64, text: &str, reason: FinishReason) -> Message {
+        let stats = GenerationStats {
+            generation_tokens: 7,
+            ttft_s: 0.25,
+            ..Default::default()
+        };
+        history.save_answer(id, text, reason, &stats, None).unwrap()
+    }
+
+    #[test]
+    fn conversations_are_listed_newest_first_with_derived_titles() {
+        let (_dir, _path, mut history) = open_temp();
+        let settings = ConversationSettings::default();
+        let first = history.create_conversation(&settings).unwrap();
+        let second = history.create_conversation(&settings).unwrap();
+        assert_eq!(first.title, "New chat");
+        send(&mut history, first.id, "Why is the sky\nblue? Explain it to a child in one short paragraph please.");
+        let listed = history.conversations("").unwrap();
+        assert_eq!(listed.iter().map(|c| c.id).collect::<Vec<_>>(), [first.id, second.id]);
+        assert_eq!(
+            listed[0].title,
+            "Why is the sky blue? Explain it to a child in one short para"
+        );
+        assert_eq!(listed[0].message_count, 1);
+
+        let renamed = history.rename(second.id, "  Sky  ").unwrap();
+        assert_eq!(renamed.title, "Sky");
+        assert_eq!(history.rename(first.id, "").unwrap().title, listed[0].title);
+
+        history.delete(first.id).unwrap();
+        assert_eq!(history.conversations("").unwrap().len(), 1);
+        assert!(matches!(
+            history.conversation(first.id),
+            Err(HistoryError::NoSuchConversation(_))
+        ));
+        assert!(matches!(history.delete(first.id), Err(HistoryError::NoSuchConversation(_))));
+        let count: i64 = history
+            .conn
+            .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(count, 0, "deleting a conversation deletes its messages");
+    }
+
+    #[test]
+    fn search_matches_titles_and_messages_literally() {
+        let (_dir, _path, mut history) = open_temp();
+        let settings = ConversationSettings::default();
+        let a = history.create_conversation(&settings).unwrap().id;
+        let b = history.create_conversation(&settings).unwrap().id;
+        let c = history.create_conversation(&settings).unwrap().id;
+        send(&mut history, a, "Tell me about PARIS");
+        answer(&mut history, b, "", FinishReason::Stop); // an answer alone still counts
+        history.rename(b, "100% done").unwrap();
+        send(&mut history, c, "snake_case or camelCase?");
+        let ids = |q: &str| -> Vec<i64> {
+            history.conversations(q).unwrap().iter().map(|c| c.id).collect()
+        };
+        assert_eq!(ids("paris"), [a]);
+        assert_eq!(ids("100%"), [b]);
+        assert_eq!(ids("%"), [b], "% is literal");
+        assert_eq!(ids("e_c"), [c], "_ is literal");
+        assert_eq!(ids("x_c"), Vec::<i64>::new());
+        assert_eq!(ids("  ").len(), 3);
+    }
+
+    #[test]
+    fn turns_send_regenerate_and_edit_the_last_user_message() {
+        let (_dir, _path, mut history) = open_temp();
+        let settings = ConversationSettings {
+            system_prompt: "Be brief.".into(),
+            max_tokens: 32,
+            ..Default::default()
+        };
+        let id = history.create_conversation(&settings).unwrap().id;
+        let prompt = send(&mut history, id, "Hi");
+        assert_eq!(
+            prompt,
+            [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")]
+        );
+        answer(&mut history, id, "Hello!", FinishReason::Stop);
+        send(&mut history, id, "Capital of France?");
+        answer(&mut history, id, "Par", FinishReason::Cancelled);
+
+        let (got_settings, prompt) = history.begin_turn(id, &Turn::Regenerate).unwrap();
+        assert_eq!(got_settings, settings);
+        assert_eq!(prompt.last().unwrap(), &ChatMessage::new("user", "Capital of France?"));
+        assert_eq!(prompt.len(), 4, "the cancelled answer is gone");
+        answer(&mut history, id, "Paris.", FinishReason::Stop);
+
+        let edit = Turn::EditLast {
+            content: "Capital of Italy?".into(),
+        };
+        let (_, prompt) = history.begin_turn(id, &edit).unwrap();
+        assert_eq!(
+            prompt[1..],
+            [
+                ChatMessage::new("user", "Hi"),
+                ChatMessage::new("assistant", "Hello!"),
+                ChatMessage::new("user", "Capital of Italy?"),
+            ]
+        );
+        let failed = history
+            .save_answer(id, "", FinishReason::Error, &GenerationStats::default(), Some("Boom."))
+            .unwrap();
+        assert_eq!(failed.error.as_deref(), Some("Boom."));
+        let prompt = send(&mut history, id, "Again?");
+        assert!(
+            prompt.iter().all(|m| !(m.role == "assistant" && m.content.is_empty())),
+            "failed answers are not sent back to the model: {prompt:?}"
+        );
+        let saved = history.conversation(id).unwrap();
+        assert_eq!(saved.messages.len(), 5);
+        assert_eq!(saved.messages[3].finish_reason, Some(FinishReason::Error));
+    }
+
+    #[test]
+    fn bad_turns_are_errors_that_change_nothing() {
+        let (_dir, _path, mut history) = open_temp();
+        let id = history
+            .create_conversation(&ConversationSettings::default())
+            .unwrap()
+            .id;
+        let blank = Turn::Send {
+            content: " \n".into(),
+        };
+        assert!(matches!(history.begin_turn(id, &blank), Err(HistoryError::EmptyMessage)));
+        assert!(matches!(
+            history.begin_turn(id, &Turn::Regenerate),
+            Err(HistoryError::NoUserMessage)
+        ));
+        let edit = Turn::EditLast { content: "x".into() };
+        assert!(matches!(history.begin_turn(id, &edit), Err(HistoryError::NoUserMessage)));
+        let send = Turn::Send { content: "x".into() };
+        assert!(matches!(
+            history.begin_turn(id + 1, &send),
+            Err(HistoryError::NoSuchConversation(_))
+        ));
+        assert!(matches!(
+            history.save_answer(id + 1, "x", FinishReason::Stop, &GenerationStats::default(), None),
+            Err(HistoryError::NoSuchConversation(_))
+        ));
+        assert_eq!(history.conversation(id).unwrap().messages, []);
+        let count: i64 = history
+            .conn
+            .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(count, 0);
+    }
+
+    #[test]
+    fn everything_survives_reopening() {
+        let (_dir, path, mut history) = open_temp();
+        let mut settings = ConversationSettings::default();
+        settings.sampling.temperature = 0.7;
+        settings.sampling.seed = Some(3);
+        let id = history.create_conversation(&settings).unwrap().id;
+        send(&mut history, id, "Hi");
+        let saved = answer(&mut history, id, "Hello!", FinishReason::Length);
+        let before = history.conversation(id).unwrap();
+        drop(history);
+        let (history, set_aside) = History::open(&path).unwrap();
+        assert_eq!(set_aside, None);
+        let after = history.conversation(id).unwrap();
+        assert_eq!(after, before);
+        assert_eq!(after.settings, settings);
+        assert_eq!(after.messages[1], saved);
+        assert_eq!(after.messages[1].stats.as_ref().unwrap().generation_tokens, 7);
+    }
+
+    fn assert_set_aside(path: &Path, original: &[u8], why: &str) {
+        let (mut history, set_aside) = History::open(path).unwrap();
+        let set_aside = set_aside.unwrap_or_else(|| panic!("{why}: not set aside"));
+        assert!(std::fs::read(&set_aside.moved_to).unwrap() == original, "{why}: contents changed");
+        assert!(set_aside
+            .moved_to
+            .to_string_lossy()
+            .contains("history.sqlite3.corrupt-"));
+        assert_eq!(history.conversations("").unwrap(), [], "{why}: a fresh history");
+        history
+            .create_conversation(&ConversationSettings::default())
+            .unwrap();
+    }
+
+    #[test]
+    fn a_file_that_is_not_a_database_is_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("history.sqlite3");
+        let garbage = b"this is not SQLite, and it must not be overwritten".repeat(100);
+        std::fs::write(&path, &garbage).unwrap();
+        assert_set_aside(&path, &garbage, "garbage");
+    }
+
+    #[test]
+    fn corrupt_and_truncated_databases_are_set_aside() {
+        for damage in ["pages", "truncate"] {
+            let (_dir, path, mut history) = open_temp();
+            let id = history
+                .create_conversation(&ConversationSettings::default())
+                .unwrap()
+                .id;
+            for i in 0..200 {
+                send(&mut history, id, &format!("message {i} {}", "x".repeat(200)));
+            }
+            drop(history); // checkpoints the WAL into the file
+            let mut bytes = std::fs::read(&path).unwrap();
+            assert!(bytes.len() >= 16 * 4096, "{} bytes", bytes.len());
+            match damage {
+                "pages" => bytes[4096..12 * 4096].fill(0xA5),
+                _ => bytes.truncate(bytes.len() / 2),
+            }
+            std::fs::write(&path, &bytes).unwrap();
+            assert_set_aside(&path, &bytes, damage);
+        }
+    }
+
+    #[test]
+    fn someone_elses_database_is_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("history.sqlite3");
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch("CREATE TABLE notes (body TEXT); INSERT INTO notes VALUES ('mine');")
+            .unwrap();
+        drop(conn);
+        let original = std::fs::read(&path).unwrap();
+        assert_set_aside(&path, &original, "foreign tables");
+    }
+
+    #[test]
+    fn a_newer_layout_is_an_error_and_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("history.sqlite3");
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch("CREATE TABLE future (x); PRAGMA user_version = 99;")
+            .unwrap();
+        drop(conn);
+        let original = std::fs::read(&path).unwrap();
+        let err = History::open(&path).err().expect("newer layout must fail");
+        assert!(matches!(err, HistoryError::NewerSchema { found: 99, .. }), "{err}");
+        assert!(std::fs::read(&path).unwrap() == original, "the file was changed");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+}

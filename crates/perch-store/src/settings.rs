@@ -1,0 +1,279 @@
+//! The user's settings: a JSON file, validated on load and on save, written atomically (a
+//! temporary file renamed over the old one), so a crash never leaves half a file.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use perch_engine::EngineConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::{set_aside, ConversationSettings, SetAside};
+
+/// Errors of [`Settings`].
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    /// A value outside its domain; `field` is the setting's name in the file.
+    #[error("{field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("cannot read the settings {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot save the settings to {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// What the user chose. Absent fields in the file take their defaults, which work on any
+/// machine that can run the default model.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Settings {
+    /// What new conversations start with (system prompt, sampling, max tokens).
+    pub chat: ConversationSettings,
+    /// Memory for the engine's KV block pool, in bytes (`EngineConfig::kv_cache_bytes`).
+    pub kv_cache_bytes: usize,
+    /// Tokens per KV block, the prefix cache's granularity (`EngineConfig::block_size`).
+    pub block_size: usize,
+    /// Where Perch keeps its own models; `None` is `perch_hub::models_dir()`.
+    pub models_dir: Option<PathBuf>,
+    /// Start Perch when the user logs in (macOS login item; an XDG autostart entry on Linux).
+    pub launch_at_login: bool,
+    /// The global shortcut that shows the chat, in Tauri's accelerator syntax
+    /// (`CommandOrControl+Shift+Space`); empty for none. Its syntax is checked by the app,
+    /// which owns the shortcut parser.
+    pub shortcut: String,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            chat: ConversationSettings::default(),
+            kv_cache_bytes: EngineConfig::DEFAULT_KV_CACHE_BYTES,
+            block_size: EngineConfig::DEFAULT_BLOCK_SIZE,
+            models_dir: None,
+            launch_at_login: false,
+            shortcut: "CommandOrControl+Shift+Space".into(),
+        }
+    }
+}
+
+impl Settings {
+    /// Smallest KV budget accepted: 16 MiB, ~360 tokens of SmolLM2-135M in float32.
+    pub const MIN_KV_CACHE_BYTES: usize = 16 << 20;
+    /// Block sizes accepted: powers of two in this range.
+    pub const BLOCK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
+    /// Most tokens one answer may ask for.
+    pub const MAX_TOKENS_LIMIT: usize = 1 << 20;
+
+    /// Checks every value; `total_memory_bytes` (the machine's RAM) bounds the KV budget.
+    pub fn validate(&self, total_memory_bytes: u64) -> Result<(), SettingsError> {
+        let invalid = |field, reason: String| Err(SettingsError::Invalid { field, reason });
+        if let Err(err) = self.chat.sampling.validate(usize::MAX) {
+            return invalid("chat.sampling", err.to_string());
+        }
+        if !(1..=Self::MAX_TOKENS_LIMIT).contains(&self.chat.max_tokens) {
+            return invalid(
+                "chat.max_tokens",
+                format!(
+                    "must be between 1 and {}, got {}",
+                    Self::MAX_TOKENS_LIMIT,
+                    self.chat.max_tokens
+                ),
+            );
+        }
+        if self.kv_cache_bytes < Self::MIN_KV_CACHE_BYTES {
+            return invalid(
+                "kv_cache_bytes",
+                format!(
+                    "must be at least {} MiB, got {} bytes",
+                    Self::MIN_KV_CACHE_BYTES >> 20,
+                    self.kv_cache_bytes
+                ),
+            );
+        }
+        if self.kv_cache_bytes as u64 > total_memory_bytes {
+            return invalid(
+                "kv_cache_bytes",
+                format!(
+                    "{} MiB is more than this machine's {} MiB of memory",
+                    self.kv_cache_bytes >> 20,
+                    total_memory_bytes >> 20
+                ),
+            );
+        }
+        if !Self::BLOCK_SIZES.contains(&self.block_size) || !self.block_size.is_power_of_two() {
+            return invalid(
+                "block_size",
+                format!(
+                    "must be a power of two from {} to {}, got {}",
+                    Self::BLOCK_SIZES.start(),
+                    Self::BLOCK_SIZES.end(),
+                    self.block_size
+                ),
+            );
+        }
+        if let Some(dir) = &self.models_dir {
+            if !dir.is_absolute() {
+                return invalid(
+                    "models_dir",
+                    format!("must be an absolute path, got {}", dir.display()),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads the settings at `path`; a missing file gives the defaults. A file that is not
+    /// valid JSON or holds invalid values is renamed to `<path>.invalid-<unix ms>` (the
+    /// [`SetAside`] says why) and the defaults are used. Fails only when the file exists but
+    /// cannot be read or moved.
+    pub fn load(
+        path: &Path,
+        total_memory_bytes: u64,
+    ) -> Result<(Settings, Option<SetAside>), SettingsError> {
+        let read_error = |source| SettingsError::Read {
+            path: path.to_owned(),
+            source,
+        };
+        let text = match std::fs::read_to_string(path) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                return Ok((Settings::default(), None))
+            }
+            Err(err) => return Err(read_error(err)),
+        };
+        let problem = match serde_json::from_str::<Settings>(&text) {
+            Ok(settings) => match settings.validate(total_memory_bytes) {
+                Ok(()) => return Ok((settings, None)),
+                Err(err) => err.to_string(),
+            },
+            Err(err) => format!("not valid settings JSON: {err}"),
+        };
+        let moved_to = set_aside(path, "invalid", &[]).map_err(read_error)?;
+        Ok((
+            Settings::default(),
+            Some(SetAside {
+                moved_to,
+                reason: problem,
+            }),
+        ))
+    }
+
+    /// Validates and writes the settings to `path`: a temporary file in the same folder,
+    /// flushed to disk, then renamed over `path`. On error the old file is unchanged.
+    pub fn save(&self, path: &Path, total_memory_bytes: u64) -> Result<(), SettingsError> {
+        self.validate(total_memory_bytes)?;
+        let write_error = |source| SettingsError::Write {
+            path: path.to_owned(),
+            source,
+        };
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(write_error)?;
+        let mut file = tempfile::NamedTempFile::new_in(dir).map_err(write_error)?;
+        let json = serde_json::to_string_pretty(self).map_err(|e| write_error(e.into()))?;
+        file.write_all(json.as_bytes()).map_err(write_error)?;
+        file.as_file().sync_all().map_err(write_error)?;
+        file.persist(path).map_err(|e| write_error(e.error))?;
+        // The rename itself is durable once the folder is synced (POSIX).
+        #[cfg(unix)]
+        std::fs::File::open(dir)
+            .and_then(|d| d.sync_all())
+            .map_err(write_error)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RAM: u64 = 16 << 30;
+
+    #[test]
+    fn defaults_are_valid_and_a_missing_file_gives_them() {
+        Settings::default().validate(RAM).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let (settings, set_aside) = Settings::load(&dir.path().join("settings.json"), RAM).unwrap();
+        assert_eq!((settings, set_aside), (Settings::default(), None));
+    }
+
+    #[test]
+    fn saved_settings_load_back_and_absent_fields_take_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/settings.json");
+        let mut settings = Settings::default();
+        settings.chat.sampling.temperature = 0.8;
+        settings.chat.system_prompt = "Be brief.".into();
+        settings.block_size = 16;
+        settings.models_dir = Some(dir.path().join("models"));
+        settings.save(&path, RAM).unwrap();
+        assert_eq!(Settings::load(&path, RAM).unwrap(), (settings, None));
+
+        std::fs::write(&path, r#"{"block_size": 64}"#).unwrap();
+        let (partial, set_aside) = Settings::load(&path, RAM).unwrap();
+        assert_eq!(set_aside, None);
+        assert_eq!(partial.block_size, 64);
+        assert_eq!(partial.kv_cache_bytes, Settings::default().kv_cache_bytes);
+    }
+
+    #[test]
+    fn invalid_values_are_named() {
+        let cases: [(&str, fn(&mut Settings)); 7] = [
+            ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
+            ("chat.max_tokens", |s| s.chat.max_tokens = 0),
+            ("kv_cache_bytes", |s| s.kv_cache_bytes = 1 << 20),
+            ("kv_cache_bytes", |s| s.kv_cache_bytes = 32 << 30),
+            ("block_size", |s| s.block_size = 48),
+            ("block_size", |s| s.block_size = 512),
+            ("models_dir", |s| s.models_dir = Some("relative/models".into())),
+        ];
+        for (field, break_it) in cases {
+            let mut settings = Settings::default();
+            break_it(&mut settings);
+            match settings.validate(RAM) {
+                Err(SettingsError::Invalid { field: got, .. }) => assert_eq!(got, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn saving_invalid_settings_leaves_the_file_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("settings.json");
+        Settings::default().save(&path, RAM).unwrap();
+        let before = std::fs::read(&path).unwrap();
+        let bad = Settings {
+            block_size: 3,
+            ..Default::default()
+        };
+        assert!(bad.save(&path, RAM).is_err());
+        assert_eq!(std::fs::read(&path).unwrap(), before);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+    }
+
+    #[test]
+    fn broken_files_are_set_aside_not_overwritten() {
+        for (contents, why) in [
+            (r#"{"block_size": "#, "not valid settings JSON"),
+            (r#"{"block_size": 3}"#, "block_size"),
+        ] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("settings.json");
+            std::fs::write(&path, contents).unwrap();
+            let (settings, set_aside) = Settings::load(&path, RAM).unwrap();
+            assert_eq!(settings, Settings::default());
+            let set_aside = set_aside.expect("set aside");
+            assert!(set_aside.reason.contains(why), "{}", set_aside.reason);
+            assert_eq!(std::fs::read_to_string(&set_aside.moved_to).unwrap(), contents);
+            assert!(!path.exists());
+        }
+    }
+}
