@@ -8,15 +8,20 @@
 //!   invisible), so the window opens from the tray menu and is shown at start.
 //!
 //! The engine runs on its own thread ([`perch_engine::EngineHandle`]); commands
-//! ([`commands`]) only call into it.
+//! ([`commands`]) only call into it. Chats and settings persist in Perch's data directory
+//! ([`store::Store`]).
 
 pub mod commands;
+pub mod store;
 
 use tauri::menu::{Menu, MenuItem, PredefinedMenuItem};
 use tauri::tray::{MouseButton, MouseButtonState, TrayIconBuilder, TrayIconEvent};
 use tauri::{AppHandle, Emitter, Manager, PhysicalPosition, Rect, Runtime, WebviewWindow};
 
-pub use commands::AppState;
+use commands::system;
+
+pub use commands::model::AppState;
+use store::Store;
 
 /// The window's label in `tauri.conf.json` and in the capability.
 pub const WINDOW: &str = "chat";
@@ -24,28 +29,42 @@ pub const WINDOW: &str = "chat";
 /// The views of the UI; the tray menu's items and the `navigate` event name them.
 pub const VIEWS: [&str; 4] = ["chat", "dashboard", "models", "settings"];
 
-/// Commands and state, without tray or windows: what tests build on `tauri::test::mock_builder`.
-pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>) -> tauri::Builder<R> {
+/// Commands and state over `store`, without tray or windows: what tests build on
+/// `tauri::test::mock_builder`.
+pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> tauri::Builder<R> {
+    use commands::{chat, model, settings, system};
     builder
         .manage(AppState::default())
-        .manage(commands::SystemMonitor::default())
+        .manage(system::SystemMonitor::default())
+        .manage(store)
         .invoke_handler(tauri::generate_handler![
-            commands::list_models,
-            commands::load_model,
-            commands::unload_model,
-            commands::model_status,
-            commands::chat,
-            commands::stop,
-            commands::engine_stats,
-            commands::clear_cache,
-            commands::reset_peak_memory,
-            commands::system_stats,
+            model::list_models,
+            model::load_model,
+            model::unload_model,
+            model::model_status,
+            model::engine_stats,
+            model::clear_cache,
+            model::reset_peak_memory,
+            chat::list_conversations,
+            chat::create_conversation,
+            chat::get_conversation,
+            chat::rename_conversation,
+            chat::delete_conversation,
+            chat::set_conversation_settings,
+            chat::chat,
+            chat::stop,
+            settings::get_settings,
+            settings::save_settings,
+            settings::startup_notices,
+            system::system_stats,
         ])
 }
 
-/// Runs the app: tray, window behaviour, and the default model loading in the background.
+/// Runs the app: tray, window behaviour, the store in Perch's data directory
+/// (`perch_store::data_dir()`), and the default model loading in the background.
 pub fn run() {
-    with_commands(tauri::Builder::default())
+    let store = Store::open(&perch_store::data_dir(), system::total_memory_bytes());
+    with_commands(tauri::Builder::default(), store)
         .setup(|app| {
             #[cfg(target_os = "macos")]
             app.set_activation_policy(tauri::ActivationPolicy::Accessory);
@@ -151,13 +170,17 @@ fn place_under<R: Runtime>(window: &WebviewWindow<R>, icon: Rect) {
 /// Loads the default model (`perch_hub::DEFAULT_MODEL_NAME` in Perch's models directory, or
 /// `$PERCH_MODEL`) on a background thread; the UI follows it through `model_status`.
 fn load_default_model<R: Runtime>(app: AppHandle<R>) {
+    let store = app.state::<Store>();
+    let (Ok(models_dir), Ok(config)) = (store.models_dir(), store.engine_config()) else {
+        return;
+    };
     let path = std::env::var_os("PERCH_MODEL")
         .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| perch_hub::models_dir().join(perch_hub::DEFAULT_MODEL_NAME));
+        .unwrap_or_else(|| models_dir.join(perch_hub::DEFAULT_MODEL_NAME));
     if !path.join("config.json").is_file() {
         return;
     }
     std::thread::spawn(move || {
-        let _ = app.state::<AppState>().load(path);
+        let _ = app.state::<AppState>().load(path, config);
     });
 }

@@ -1,12 +1,16 @@
 //! The app's commands on Tauri's mock runtime (no display): through the IPC layer as the web view
 //! calls them (`tauri://localhost`, so the request passes the same origin checks as the app's),
-//! and `chat` directly with a Rust-side `Channel`, on the real shared model.
+//! and `chat` directly with a Rust-side `Channel`, on the real shared model. Each app keeps its
+//! history and settings in a temporary directory.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use perch_app::commands::{self, AppState};
+use perch_app::commands::chat::{self as chat_commands, ChatEvent};
+use perch_app::store::Store;
+use perch_app::AppState;
+use perch_store::Turn;
 use serde_json::{json, Value};
 use tauri::ipc::{CallbackFn, Channel, InvokeBody, InvokeResponseBody};
 use tauri::test::{
@@ -34,8 +38,10 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn app() -> (tauri::App<MockRuntime>, WebviewWindow<MockRuntime>) {
-    let app = perch_app::with_commands(mock_builder())
+const RAM: u64 = 16 << 30;
+
+fn app(data_dir: &Path) -> (tauri::App<MockRuntime>, WebviewWindow<MockRuntime>) {
+    let app = perch_app::with_commands(mock_builder(), Store::open(data_dir, RAM))
         .build(mock_context(noop_assets()))
         .expect("app builds");
     let window = WebviewWindowBuilder::new(&app, perch_app::WINDOW, Default::default())
@@ -63,7 +69,8 @@ fn invoke(window: &WebviewWindow<MockRuntime>, cmd: &str, args: Value) -> Result
 #[test]
 fn model_lifecycle_through_ipc() {
     let _turn = serial();
-    let (_app, window) = app();
+    let data = tempfile::tempdir().unwrap();
+    let (_app, window) = app(data.path());
     assert_eq!(
         invoke(&window, "model_status", json!({})),
         Ok(json!({"state": "not_loaded"}))
@@ -135,8 +142,8 @@ fn model_lifecycle_through_ipc() {
 #[test]
 fn list_models_finds_perch_and_hugging_face_models() {
     let _turn = serial();
-    let (_app, window) = app();
     let root = tempfile::tempdir().unwrap();
+    let (_app, window) = app(root.path());
     let perch = root.path().join("models");
     std::fs::create_dir_all(&perch).unwrap();
     std::os::unix::fs::symlink(model_dir(), perch.join("smollm")).unwrap();
@@ -150,8 +157,114 @@ fn list_models_finds_perch_and_hugging_face_models() {
     assert_eq!(models[0]["quantization_bits"], 4);
 }
 
+#[test]
+fn conversations_through_ipc() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (_app, window) = app(data.path());
+    assert_eq!(invoke(&window, "startup_notices", json!({})), Ok(json!([])));
+    let first = invoke(&window, "create_conversation", json!({})).unwrap();
+    let second = invoke(&window, "create_conversation", json!({})).unwrap();
+    assert_eq!(first["title"], "New chat");
+    let renamed = invoke(
+        &window,
+        "rename_conversation",
+        json!({"id": first["id"], "title": "Sky questions"}),
+    )
+    .unwrap();
+    assert_eq!(renamed["title"], "Sky questions");
+    let found = invoke(&window, "list_conversations", json!({"search": "sky"})).unwrap();
+    assert_eq!(found.as_array().unwrap().len(), 1, "{found}");
+    assert_eq!(found[0]["id"], first["id"]);
+    let all = invoke(&window, "list_conversations", json!({})).unwrap();
+    assert_eq!(all[0]["id"], second["id"], "renaming is not activity: {all}");
+
+    // Per-conversation settings are validated and kept.
+    let bad = json!({"system_prompt": "", "sampling": {"temperature": -1.0}, "max_tokens": 10});
+    let error = invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": second["id"], "settings": bad}),
+    )
+    .unwrap_err();
+    assert!(error.as_str().unwrap().contains("temperature"), "{error}");
+    let good = json!({"system_prompt": "You are a poet.", "sampling": {"temperature": 0.5}, "max_tokens": 10});
+    invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": second["id"], "settings": good}),
+    )
+    .unwrap();
+    let conversation = invoke(&window, "get_conversation", json!({"id": second["id"]})).unwrap();
+    assert_eq!(conversation["settings"]["system_prompt"], "You are a poet.");
+    assert_eq!(conversation["settings"]["sampling"]["temperature"], 0.5);
+    assert_eq!(conversation["messages"], json!([]));
+
+    // Without a model a message is refused, and not saved.
+    let error = invoke(&window, "delete_conversation", json!({"id": 999})).unwrap_err();
+    assert_eq!(error, json!("Conversation 999 does not exist."));
+    invoke(&window, "delete_conversation", json!({"id": first["id"]})).unwrap();
+    let all = invoke(&window, "list_conversations", json!({"search": ""})).unwrap();
+    assert_eq!(all.as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn settings_are_validated_saved_and_applied() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (_app, window) = app(data.path());
+    let view = invoke(&window, "get_settings", json!({})).unwrap();
+    assert_eq!(view["settings"], view["defaults"]);
+    assert_eq!(view["total_memory_bytes"], RAM);
+
+    let mut settings = view["settings"].clone();
+    settings["block_size"] = json!(48);
+    let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
+    assert!(error.as_str().unwrap().starts_with("Block_size: must be a power of two"), "{error}");
+    assert!(!data.path().join(Store::SETTINGS_FILE).exists());
+
+    let models = tempfile::tempdir().unwrap();
+    settings["block_size"] = json!(16);
+    settings["models_dir"] = json!(models.path());
+    settings["chat"]["system_prompt"] = json!("Be brief.");
+    let saved = invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    assert_eq!(saved["settings"], settings);
+    assert_eq!(saved["models_dir"], json!(models.path()));
+    // The models list reads the new directory; new conversations start with the new defaults.
+    assert_eq!(invoke(&window, "list_models", json!({})), Ok(json!([])));
+    let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"].clone();
+    let conversation = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(conversation["settings"]["system_prompt"], "Be brief.");
+
+    // A restarted app reads them back.
+    let (_app, window) = app(data.path());
+    let view = invoke(&window, "get_settings", json!({})).unwrap();
+    assert_eq!(view["settings"], settings);
+}
+
+#[test]
+fn a_damaged_history_is_set_aside_and_reported() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let garbage = b"not a database".repeat(500);
+    std::fs::write(data.path().join(Store::HISTORY_FILE), &garbage).unwrap();
+    let (_app, window) = app(data.path());
+    let notices = invoke(&window, "startup_notices", json!({})).unwrap();
+    let notice = notices[0].as_str().unwrap();
+    assert!(notice.starts_with("Your chat history could not be read"), "{notice}");
+    let moved = std::fs::read_dir(data.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.to_string_lossy().contains(".corrupt-"))
+        .expect("the damaged file is kept");
+    assert!(notice.contains(&*moved.to_string_lossy()), "{notice}");
+    assert!(std::fs::read(&moved).unwrap() == garbage);
+    // The new history works.
+    invoke(&window, "create_conversation", json!({})).unwrap();
+}
+
 /// Collects a chat's channel messages.
-fn channel() -> (Channel<commands::ChatEvent>, mpsc::Receiver<Value>) {
+fn channel() -> (Channel<ChatEvent>, mpsc::Receiver<Value>) {
     let (tx, rx) = mpsc::channel();
     let channel = Channel::new(move |body| {
         let value = match body {
@@ -164,14 +277,45 @@ fn channel() -> (Channel<commands::ChatEvent>, mpsc::Receiver<Value>) {
     (channel, rx)
 }
 
-#[test]
-fn chat_streams_the_reference_answer_and_stop_cancels() {
-    let _turn = serial();
-    let (app, _window) = app();
-    let state = app.state::<AppState>();
-    state.load(model_dir()).expect("model loads");
+/// Runs one turn to its end: the streamed text and the `finished` event.
+fn run_turn(app: &tauri::App<MockRuntime>, conversation: i64, turn: Turn) -> (String, Value) {
+    let (events, received) = channel();
+    chat_commands::chat(app.state(), app.state(), conversation, turn, events).expect("chat starts");
+    let mut text = String::new();
+    loop {
+        let event = received
+            .recv_timeout(Duration::from_secs(300))
+            .expect("an event");
+        match event["event"].as_str() {
+            Some("token") => text.push_str(event["text"].as_str().unwrap()),
+            Some("finished") => return (text, event),
+            other => panic!("unexpected event {other:?}"),
+        }
+    }
+}
 
-    // The shared reference: greedy, 32 tokens, chat-templated.
+fn send(content: &str) -> Turn {
+    Turn::Send {
+        content: content.into(),
+    }
+}
+
+#[test]
+fn chat_answers_saves_regenerates_and_stop_cancels() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (first_run, window) = app(data.path());
+    // Blocks of 8 tokens, so that the short prompts here fill some (a prefix hit needs one).
+    let config = perch_engine::EngineConfig {
+        block_size: 8,
+        ..Default::default()
+    };
+    first_run
+        .state::<AppState>()
+        .load(model_dir(), config)
+        .expect("model loads");
+
+    // The shared reference with a system prompt: greedy, 32 tokens, chat-templated.
     let reference: Value = serde_json::from_str(
         &std::fs::read_to_string(shared_dir().join("reference/smollm2-135m-4bit-greedy.json"))
             .unwrap(),
@@ -181,40 +325,58 @@ fn chat_streams_the_reference_answer_and_stop_cancels() {
         .as_array()
         .unwrap()
         .iter()
-        .find(|c| c["messages"].is_array())
-        .expect("a chat case");
-    let messages = serde_json::from_value(case["messages"].clone()).unwrap();
-    let options = serde_json::from_value(json!({"max_tokens": 32})).unwrap();
-    let (events, received) = channel();
-    commands::chat(app.state(), messages, Some(options), events).expect("chat starts");
-    let mut text = String::new();
-    let finished = loop {
-        let event = received
-            .recv_timeout(Duration::from_secs(300))
-            .expect("an event");
-        match event["event"].as_str() {
-            Some("token") => text.push_str(event["text"].as_str().unwrap()),
-            Some("finished") => break event,
-            other => panic!("unexpected event {other:?}"),
-        }
-    };
+        .find(|c| c["id"] == "haiku")
+        .expect("the haiku case");
+    let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"].clone();
+    let settings = json!({"system_prompt": case["messages"][0]["content"], "max_tokens": 32});
+    invoke(&window, "set_conversation_settings", json!({"id": id, "settings": settings})).unwrap();
+    let id = id.as_i64().unwrap();
+    let question = case["messages"][1]["content"].as_str().unwrap();
+    let (text, finished) = run_turn(&first_run, id, send(question));
     assert_eq!(text, case["greedy_text"].as_str().unwrap());
-    assert!(finished["stats"]["generation_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(finished["finish_reason"], "length");
+    assert_eq!(finished["save_error"], Value::Null);
+    let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(saved["messages"][1]["id"], finished["message_id"]);
+    assert_eq!(saved["messages"][1]["content"], text.as_str());
+    assert_eq!(saved["messages"][1]["stats"]["generation_tokens"], 32);
 
-    // Stop after the first token: the request ends as cancelled, long before 200 tokens.
-    let messages =
-        serde_json::from_value(json!([{"role": "user", "content": "Count from 1 to 500."}]))
-            .unwrap();
-    let options = serde_json::from_value(json!({"max_tokens": 200})).unwrap();
+    // Regenerate replaces the answer (greedy: the same text, now partly from the prefix cache).
+    let (again, finished) = run_turn(&first_run, id, Turn::Regenerate);
+    assert_eq!(again, text);
+    assert!(finished["stats"]["cached_prompt_tokens"].as_u64().unwrap() > 0, "{finished}");
+    let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(saved["messages"].as_array().unwrap().len(), 2);
+
+    // Stop after the first token: cancelled long before 200 tokens, and what was shown is saved.
+    let long = json!({"system_prompt": "", "max_tokens": 200});
+    invoke(&window, "set_conversation_settings", json!({"id": id, "settings": long})).unwrap();
     let (events, received) = channel();
-    let id = commands::chat(app.state(), messages, Some(options), events).unwrap();
+    let request =
+        chat_commands::chat(first_run.state(), first_run.state(), id, send("Count from 1 to 500."), events)
+            .unwrap();
     let first = received.recv_timeout(Duration::from_secs(300)).unwrap();
     assert_eq!(first["event"], "token");
-    commands::stop(app.state(), id).unwrap();
-    let finished = received
-        .iter()
-        .find(|e| e["event"] == "finished")
-        .expect("a finished event");
+    chat_commands::stop(first_run.state(), request).unwrap();
+    let mut shown = first["text"].as_str().unwrap().to_owned();
+    let finished = loop {
+        let event = received.recv_timeout(Duration::from_secs(300)).unwrap();
+        match event["event"].as_str() {
+            Some("token") => shown.push_str(event["text"].as_str().unwrap()),
+            _ => break event,
+        }
+    };
     assert_eq!(finished["finish_reason"], "cancelled");
     assert!(finished["stats"]["generation_tokens"].as_u64().unwrap() < 200);
+
+    // A restarted app finds the conversation with the stopped answer.
+    drop(first_run);
+    let (_app, window) = app(data.path());
+    let conversations = invoke(&window, "list_conversations", json!({})).unwrap();
+    assert_eq!(conversations[0]["id"], id);
+    assert_eq!(conversations[0]["title"], question);
+    let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    let last = &saved["messages"][3];
+    assert_eq!(last["content"], shown.as_str());
+    assert_eq!(last["finish_reason"], "cancelled");
 }

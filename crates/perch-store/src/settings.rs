@@ -61,30 +61,40 @@ impl Default for Settings {
     }
 }
 
-impl Settings {
-    /// Smallest KV budget accepted: 16 MiB, ~360 tokens of SmolLM2-135M in float32.
-    pub const MIN_KV_CACHE_BYTES: usize = 16 << 20;
-    /// Block sizes accepted: powers of two in this range.
-    pub const BLOCK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
+impl ConversationSettings {
     /// Most tokens one answer may ask for.
     pub const MAX_TOKENS_LIMIT: usize = 1 << 20;
 
-    /// Checks every value; `total_memory_bytes` (the machine's RAM) bounds the KV budget.
-    pub fn validate(&self, total_memory_bytes: u64) -> Result<(), SettingsError> {
+    /// Checks the sampling parameters (those that need the vocabulary are checked again by
+    /// the engine) and `max_tokens`; fields are named as in the settings file (`chat.*`).
+    pub fn validate(&self) -> Result<(), SettingsError> {
         let invalid = |field, reason: String| Err(SettingsError::Invalid { field, reason });
-        if let Err(err) = self.chat.sampling.validate(usize::MAX) {
+        if let Err(err) = self.sampling.validate(usize::MAX) {
             return invalid("chat.sampling", err.to_string());
         }
-        if !(1..=Self::MAX_TOKENS_LIMIT).contains(&self.chat.max_tokens) {
+        if !(1..=Self::MAX_TOKENS_LIMIT).contains(&self.max_tokens) {
             return invalid(
                 "chat.max_tokens",
                 format!(
                     "must be between 1 and {}, got {}",
                     Self::MAX_TOKENS_LIMIT,
-                    self.chat.max_tokens
+                    self.max_tokens
                 ),
             );
         }
+        Ok(())
+    }
+}
+
+impl Settings {
+    /// Smallest KV budget accepted: 16 MiB, ~360 tokens of SmolLM2-135M in float32.
+    pub const MIN_KV_CACHE_BYTES: usize = 16 << 20;
+    /// Block sizes accepted: powers of two in this range.
+    pub const BLOCK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
+    /// Checks every value; `total_memory_bytes` (the machine's RAM) bounds the KV budget.
+    pub fn validate(&self, total_memory_bytes: u64) -> Result<(), SettingsError> {
+        let invalid = |field, reason: String| Err(SettingsError::Invalid { field, reason });
+        self.chat.validate()?;
         if self.kv_cache_bytes < Self::MIN_KV_CACHE_BYTES {
             return invalid(
                 "kv_cache_bytes",

@@ -1,0 +1,26 @@
+//! The commands the web UI calls, by domain. Each is thin: it calls `perch-engine` (through the
+//! [`perch_engine::EngineHandle`]), `perch-hub` or `perch-store` and turns any error into one
+//! sentence for the UI.
+
+pub mod chat;
+pub mod model;
+pub mod settings;
+pub mod system;
+
+/// An error as one sentence: capitalised, ending with a full stop.
+pub fn sentence(err: &dyn std::fmt::Display) -> String {
+    let text = err.to_string();
+    let mut chars = text.trim().chars();
+    let mut out: String = match chars.next() {
+        Some(first) => first.to_uppercase().chain(chars).collect(),
+        None => return "Something went wrong.".into(),
+    };
+    if !out.ends_with(['.', '!', '?']) {
+        out.push('.');
+    }
+    out
+}
+
+pub(crate) fn poisoned() -> String {
+    "Perch's state is broken after an earlier crash; restart the app.".into()
+}

@@ -1,0 +1,171 @@
+//! Model commands: the local list, load and unload, the engine's stats, MLX memory.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
+use perch_engine::{EngineConfig, EngineHandle, EngineStats};
+use perch_hub::LocalModel;
+use serde::Serialize;
+use tauri::{AppHandle, Manager, Runtime, State};
+
+use super::{poisoned, sentence};
+use crate::store::Store;
+
+/// The loaded model, if any, and what is happening to it.
+#[derive(Default)]
+pub struct AppState {
+    model: Mutex<ModelSlot>,
+}
+
+/// The engine exactly when `status` is `Loaded`.
+#[derive(Default)]
+struct ModelSlot {
+    status: ModelStatus,
+    engine: Option<EngineHandle>,
+}
+
+/// What the UI shows about the model.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum ModelStatus {
+    #[default]
+    NotLoaded,
+    Loading {
+        name: String,
+    },
+    Loaded {
+        name: String,
+        path: PathBuf,
+    },
+    Failed {
+        name: String,
+        error: String,
+    },
+}
+
+impl AppState {
+    fn slot(&self) -> Result<std::sync::MutexGuard<'_, ModelSlot>, String> {
+        self.model.lock().map_err(|_| poisoned())
+    }
+
+    pub(crate) fn engine(&self) -> Result<EngineHandle, String> {
+        let slot = self.slot()?;
+        match (&slot.engine, &slot.status) {
+            (Some(engine), _) => Ok(engine.clone()),
+            (None, ModelStatus::Loading { name }) => Err(format!("{name} is still loading.")),
+            (None, _) => Err("No model is loaded; choose one under Models.".into()),
+        }
+    }
+
+    fn status(&self) -> ModelStatus {
+        self.slot().map(|s| s.status.clone()).unwrap_or_default()
+    }
+
+    /// Loads the model in `path` on an engine thread with `config` (replacing the loaded
+    /// model) and waits for it; blocking, so commands call it off the UI thread.
+    pub fn load(&self, path: PathBuf, config: EngineConfig) -> Result<ModelStatus, String> {
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string());
+        let previous = std::mem::replace(
+            &mut *self.slot()?,
+            ModelSlot {
+                status: ModelStatus::Loading { name: name.clone() },
+                engine: None,
+            },
+        );
+        if let Some(engine) = previous.engine {
+            engine.shutdown();
+        }
+        let (slot, result) = match EngineHandle::load(&path, config) {
+            Ok(engine) => {
+                let status = ModelStatus::Loaded { name, path };
+                let slot = ModelSlot {
+                    status: status.clone(),
+                    engine: Some(engine),
+                };
+                (slot, Ok(status))
+            }
+            Err(err) => {
+                let error = sentence(&err);
+                let slot = ModelSlot {
+                    status: ModelStatus::Failed {
+                        name,
+                        error: error.clone(),
+                    },
+                    engine: None,
+                };
+                (slot, Err(error))
+            }
+        };
+        *self.slot()? = slot;
+        result
+    }
+
+    pub fn unload(&self) -> Result<(), String> {
+        let previous = std::mem::take(&mut *self.slot()?);
+        if let Some(engine) = previous.engine {
+            engine.shutdown();
+        }
+        mlx_clear_cache();
+        Ok(())
+    }
+}
+
+/// Models in Perch's models directory (from the settings) and in the Hugging Face cache.
+#[tauri::command]
+pub fn list_models(store: State<'_, Store>) -> Result<Vec<LocalModel>, String> {
+    Ok(perch_hub::local_models(
+        &store.models_dir()?,
+        perch_hub::hf_cache_dir().as_deref(),
+    ))
+}
+
+/// Loads the model directory `path` (replacing the loaded model), with the KV cache budget and
+/// block size of the settings.
+#[tauri::command]
+pub async fn load_model<R: Runtime>(
+    app: AppHandle<R>,
+    path: PathBuf,
+) -> Result<ModelStatus, String> {
+    let config = app.state::<Store>().engine_config()?;
+    // Loading takes seconds: keep it off the async runtime's workers.
+    tauri::async_runtime::spawn_blocking(move || app.state::<AppState>().load(path, config))
+        .await
+        .map_err(|_| "Loading the model crashed.".to_string())?
+}
+
+#[tauri::command]
+pub fn unload_model(state: State<'_, AppState>) -> Result<(), String> {
+    state.unload()
+}
+
+#[tauri::command]
+pub fn model_status(state: State<'_, AppState>) -> ModelStatus {
+    state.status()
+}
+
+/// The engine's stats (requests, tok/s, KV blocks, MLX memory), or `None` with no model.
+#[tauri::command]
+pub fn engine_stats(state: State<'_, AppState>) -> Result<Option<EngineStats>, String> {
+    match state.engine() {
+        Ok(engine) => engine.stats().map(Some).map_err(|e| sentence(&e)),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Starts a new MLX peak-memory measurement (the dashboard's "reset peak").
+#[tauri::command]
+pub fn reset_peak_memory() {
+    perch_engine::device::reset_peak_memory();
+}
+
+/// Returns MLX's cached buffers to the system; the bytes freed.
+#[tauri::command]
+pub fn clear_cache() -> usize {
+    let before = memory_stats().cache_bytes;
+    mlx_clear_cache();
+    before.saturating_sub(memory_stats().cache_bytes)
+}

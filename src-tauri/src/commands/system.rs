@@ -1,0 +1,49 @@
+//! What the machine reports: system RAM and this process's resident memory (`sysinfo`).
+
+use std::sync::Mutex;
+
+use serde::Serialize;
+use tauri::State;
+
+use super::poisoned;
+
+/// System memory and this process's resident set, in bytes (from `sysinfo`).
+#[derive(Clone, Debug, Serialize)]
+pub struct SystemStats {
+    pub ram_used_bytes: u64,
+    pub ram_total_bytes: u64,
+    /// `None` when the OS does not report it.
+    pub process_rss_bytes: Option<u64>,
+}
+
+/// `sysinfo`'s view of the machine, kept between calls (refreshing it is cheap, creating it not).
+#[derive(Default)]
+pub struct SystemMonitor(Mutex<sysinfo::System>);
+
+#[tauri::command]
+pub fn system_stats(monitor: State<'_, SystemMonitor>) -> Result<SystemStats, String> {
+    use sysinfo::{ProcessRefreshKind, ProcessesToUpdate};
+    let mut system = monitor.0.lock().map_err(|_| poisoned())?;
+    system.refresh_memory();
+    let pid = sysinfo::get_current_pid().ok();
+    if let Some(pid) = pid {
+        system.refresh_processes_specifics(
+            ProcessesToUpdate::Some(&[pid]),
+            false,
+            ProcessRefreshKind::nothing().with_memory(),
+        );
+    }
+    Ok(SystemStats {
+        ram_used_bytes: system.used_memory(),
+        ram_total_bytes: system.total_memory(),
+        process_rss_bytes: pid.and_then(|pid| system.process(pid)).map(|p| p.memory()),
+    })
+}
+
+
+/// The machine's memory in bytes (0 when the OS does not say).
+pub fn total_memory_bytes() -> u64 {
+    let mut system = sysinfo::System::new();
+    system.refresh_memory();
+    system.total_memory()
+}

@@ -1,0 +1,127 @@
+//! What the app keeps between runs, opened once at start: the chat history and the settings
+//! (`perch-store`), in Perch's data directory.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use perch_engine::EngineConfig;
+use perch_store::{History, SetAside, Settings};
+
+use crate::commands::sentence;
+
+/// The history and the settings, with what went wrong opening them.
+pub struct Store {
+    history: Arc<Mutex<History>>,
+    settings: Mutex<Settings>,
+    settings_path: PathBuf,
+    total_memory_bytes: u64,
+    notices: Vec<String>,
+}
+
+impl Store {
+    /// File names inside the data directory.
+    pub const HISTORY_FILE: &'static str = "history.sqlite3";
+    pub const SETTINGS_FILE: &'static str = "settings.json";
+
+    /// Opens `dir/history.sqlite3` and `dir/settings.json`. Never fails: a damaged file is set
+    /// aside, a history that cannot be opened at all is kept in memory for this run, unreadable
+    /// settings fall back to the defaults, and each of these becomes a notice for the UI.
+    pub fn open(dir: &Path, total_memory_bytes: u64) -> Store {
+        let mut notices = Vec::new();
+        let set_aside_notice = |what: &str, s: SetAside| {
+            format!(
+                "Your {what} could not be read ({}); it was moved to {} and a new one was started.",
+                s.reason.trim_end_matches('.'),
+                s.moved_to.display()
+            )
+        };
+        let history = match History::open(&dir.join(Self::HISTORY_FILE)) {
+            Ok((history, set_aside)) => {
+                notices.extend(set_aside.map(|s| set_aside_notice("chat history", s)));
+                history
+            }
+            Err(err) => {
+                notices.push(format!(
+                    "{} Chats are not saved in this session.",
+                    sentence(&err)
+                ));
+                History::in_memory().expect("an in-memory SQLite database opens")
+            }
+        };
+        let settings_path = dir.join(Self::SETTINGS_FILE);
+        let settings = match Settings::load(&settings_path, total_memory_bytes) {
+            Ok((settings, set_aside)) => {
+                notices.extend(set_aside.map(|s| set_aside_notice("settings file", s)));
+                settings
+            }
+            Err(err) => {
+                notices.push(format!("{} The default settings are used.", sentence(&err)));
+                Settings::default()
+            }
+        };
+        Store {
+            history: Arc::new(Mutex::new(history)),
+            settings: Mutex::new(settings),
+            settings_path,
+            total_memory_bytes,
+            notices,
+        }
+    }
+
+    /// The history, locked; other threads (saving answers) wait.
+    pub fn history(&self) -> Result<MutexGuard<'_, History>, String> {
+        self.history.lock().map_err(|_| super::commands::poisoned())
+    }
+
+    /// The history, for a thread that outlives the command that started it.
+    pub fn shared_history(&self) -> Arc<Mutex<History>> {
+        Arc::clone(&self.history)
+    }
+
+    pub fn settings(&self) -> Result<Settings, String> {
+        Ok(self.lock_settings()?.clone())
+    }
+
+    /// Validates and saves `settings`; on error nothing changes.
+    pub fn save_settings(&self, settings: Settings) -> Result<(), String> {
+        let mut current = self.lock_settings()?;
+        settings
+            .save(&self.settings_path, self.total_memory_bytes)
+            .map_err(|e| sentence(&e))?;
+        *current = settings;
+        Ok(())
+    }
+
+    /// The engine configuration the settings ask for (KV budget, block size).
+    pub fn engine_config(&self) -> Result<EngineConfig, String> {
+        let settings = self.lock_settings()?;
+        Ok(EngineConfig {
+            kv_cache_bytes: settings.kv_cache_bytes,
+            block_size: settings.block_size,
+            ..EngineConfig::default()
+        })
+    }
+
+    /// Perch's models directory: the setting, else `perch_hub::models_dir()`.
+    pub fn models_dir(&self) -> Result<PathBuf, String> {
+        Ok(self
+            .lock_settings()?
+            .models_dir
+            .clone()
+            .unwrap_or_else(perch_hub::models_dir))
+    }
+
+    /// The machine's memory, which bounds the KV budget.
+    pub fn total_memory_bytes(&self) -> u64 {
+        self.total_memory_bytes
+    }
+
+    /// Problems found at start, for the UI to show once.
+    pub fn notices(&self) -> &[String] {
+        &self.notices
+    }
+
+    fn lock_settings(&self) -> Result<MutexGuard<'_, Settings>, String> {
+        self.settings.lock().map_err(|_| super::commands::poisoned())
+    }
+}
