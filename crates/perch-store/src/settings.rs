@@ -13,7 +13,7 @@ use crate::{set_aside, ConversationSettings, SetAside};
 #[derive(Debug, thiserror::Error)]
 pub enum SettingsError {
     /// A value outside its domain; `field` is the setting's name in the file.
-    #[error("{field}: {reason}")]
+    #[error("setting {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
     #[error("cannot read the settings {path}: {source}")]
     Read {

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# End-to-end test of the app in its real web view: tests/e2e/test_app.py drives the debug build
+# (target/debug/perch-app, built by `cargo test` or `cargo build -p perch-app`) through
+# tauri-driver and WebKitWebDriver under Xvfb, with the shared model. Screenshots land in
+# target/e2e. Installs what it needs (Debian packages, tauri-driver into target/tools).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  need=""
+  for pkg in xvfb xauth webkit2gtk-driver dbus-x11 at-spi2-core fonts-dejavu-core; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need="$need $pkg"
+  done
+  if [ -n "$need" ]; then
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $need >/dev/null
+  fi
+fi
+driver=target/tools/bin/tauri-driver
+if [ ! -x "$driver" ]; then
+  # 2.x: crates.io's newest tauri-driver may be a 3.0 pre-release for Tauri 3.
+  cargo install tauri-driver@2.1.0 --locked --root target/tools --quiet
+fi
+[ -x target/debug/perch-app ] || cargo build -p perch-app
+
+shared="${PERCH_SHARED_DIR:-$PWD/../shared}"
+data=$(mktemp -d)
+trap 'rm -rf "$data"' EXIT
+export PERCH_DATA_DIR="$data/perch"
+export PERCH_MODEL="${PERCH_E2E_MODEL:-$shared/models/SmolLM2-135M-Instruct-4bit}"
+export PERCH_E2E_OUT="$PWD/target/e2e"
+export LANG="${LANG:-C.UTF-8}"
+
+xvfb-run -a -s "-screen 0 1280x900x24" bash -c '
+  "$0" --port 4444 --native-port 4445 >"$PERCH_E2E_OUT.driver.log" 2>&1 &
+  driver=$!
+  trap "kill $driver 2>/dev/null" EXIT
+  for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/4444) 2>/dev/null && break; sleep 0.1; done
+  python3 tests/e2e/test_app.py
+' "$driver"

@@ -1,0 +1,133 @@
+"""End-to-end test of the app in its real web view (WebKitGTK), driven through tauri-driver and
+WebKitWebDriver under Xvfb, with the shared model loaded:
+
+1. the model loads at start; a message is sent and its answer streams into the page token by
+   token; the dashboard's graphs redraw while it generates; Stop ends it mid-answer;
+2. the app is restarted on the same data directory and the conversation is there, with the
+   stopped answer exactly as it was shown.
+
+Screenshots of the chat and the dashboard go to $PERCH_E2E_OUT (default target/e2e).
+
+Run by scripts/e2e.sh (which starts Xvfb and tauri-driver); needs the debug app binary.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from webdriver import Session  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = Path(os.environ.get("PERCH_APP", ROOT / "target/debug/perch-app"))
+DRIVER = os.environ.get("TAURI_DRIVER_URL", "http://127.0.0.1:4444")
+OUT = Path(os.environ.get("PERCH_E2E_OUT", ROOT / "target/e2e"))
+
+QUESTION = "Count from 1 to 200, one number per line."
+
+
+def text(session, css):
+    return session.execute("const e = document.querySelector(arguments[0]); return e ? e.textContent : null", css)
+
+
+def check(condition, message):
+    if not condition:
+        raise AssertionError(message)
+
+
+def first_run(session):
+    session.wait_for(
+        "return document.getElementById('model-status').textContent.startsWith('Model: ')",
+        what="the default model to load",
+    )
+    session.type("#input", QUESTION)
+    session.click("#send")
+
+    # Tokens arrive in the DOM one after another while the answer is generated.
+    streaming = "#messages > li.assistant.streaming .body"
+    seen = []
+    deadline = time.monotonic() + 120
+    while len(set(seen)) < 4 and time.monotonic() < deadline:
+        current = text(session, streaming)
+        if current:
+            seen.append(current)
+        time.sleep(0.05)
+    check(len(set(seen)) >= 4, f"the answer did not stream: {seen!r}")
+    session.screenshot(OUT / "chat-streaming.png")
+
+    # The dashboard's graphs redraw while the answer is generated.
+    session.click("nav button[data-view=dashboard]")
+    session.wait_for("return document.querySelectorAll('#charts canvas').length >= 5", what="the graphs")
+    snapshot = "return [...document.querySelectorAll('#charts canvas')].map(c => c.toDataURL()).join()"
+    before = session.execute(snapshot)
+    time.sleep(2.5)
+    check(session.execute(snapshot) != before, "the dashboard's graphs did not move while generating")
+    check(
+        session.execute("return document.querySelector('.chart') !== null")
+        and "Decode" in (text(session, "#charts") or ""),
+        "the throughput graph is missing",
+    )
+    session.screenshot(OUT / "dashboard.png")
+
+    # Stop mid-answer: the answer ends at once as stopped, far short of 200 numbers.
+    session.click("nav button[data-view=chat]")
+    session.click("#stop")
+    session.wait_for(
+        "return document.querySelector('#messages > li.streaming') === null"
+        " && document.querySelector('#messages > li.assistant .meta') !== null",
+        what="the stopped answer",
+    )
+    meta = text(session, "#messages > li.assistant .meta")
+    check(meta.endswith("stopped"), f"the answer was not stopped: {meta!r}")
+    tokens = int(meta.split(" tokens")[0])
+    check(0 < tokens < 1024, f"the answer was not cut short: {meta!r}")
+    shown = text(session, "#messages > li.assistant .body")
+    session.screenshot(OUT / "chat-stopped.png")
+    return shown
+
+
+def second_run(session, shown):
+    titles = session.wait_for(
+        "const b = [...document.querySelectorAll('#conversation-list button')];"
+        " return b.length ? b.map(x => x.textContent) : null",
+        what="the conversations list",
+    )
+    check(titles == [QUESTION[:60]], f"conversations after restart: {titles!r}")
+    session.wait_for(
+        "return document.querySelectorAll('#messages > li').length === 2", what="the saved messages"
+    )
+    check(text(session, "#messages > li.user .body") == QUESTION, "the question was not kept")
+    check(text(session, "#messages > li.assistant .body") == shown, "the stopped answer changed")
+    check(text(session, "#messages > li.assistant .meta").endswith("stopped"), "finish reason lost")
+    session.screenshot(OUT / "chat-after-restart.png")
+
+
+def main():
+    check(APP.is_file(), f"{APP} is missing: build the app first (cargo build -p perch-app)")
+    # The app inherits tauri-driver's environment, where scripts/e2e.sh points PERCH_DATA_DIR
+    # at a new empty directory: no earlier history can make the restart check pass.
+    data_dir = Path(os.environ["PERCH_DATA_DIR"])
+    check(not data_dir.exists() or not any(data_dir.iterdir()), f"{data_dir} must start empty")
+    OUT.mkdir(parents=True, exist_ok=True)
+    session = Session(DRIVER, APP)
+    try:
+        shown = first_run(session)
+    except Exception:
+        session.screenshot(OUT / "failure-first-run.png")
+        raise
+    finally:
+        session.close()
+    session = Session(DRIVER, APP)
+    try:
+        second_run(session, shown)
+    except Exception:
+        session.screenshot(OUT / "failure-second-run.png")
+        raise
+    finally:
+        session.close()
+    print("e2e: 2 passed (streaming, dashboard graphs and Stop; the conversation after a restart)")
+
+
+if __name__ == "__main__":
+    main()

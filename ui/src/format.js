@@ -1,0 +1,39 @@
+// Numbers as the UI shows them. Pure functions: tested in tests/format.test.js.
+
+/** Bytes as MiB, no decimals ("512 MiB"); null or undefined as "—". */
+export function mib(bytes) {
+  if (bytes == null) return "—";
+  return `${(bytes / 2 ** 20).toFixed(0)} MiB`;
+}
+
+/**
+ * One line under an answer: tokens, TTFT, decode tok/s, prompt tokens from the prefix cache, and
+ * the finish reason when it is not a normal end. `stats` is the engine's GenerationStats.
+ */
+export function describeStats(stats, finishReason) {
+  const parts = [`${stats.generation_tokens} tokens`];
+  parts.push(`TTFT ${(stats.ttft_s * 1000).toFixed(0)} ms`);
+  parts.push(`${stats.generation_tps.toFixed(1)} tok/s`);
+  if (stats.cached_prompt_tokens) {
+    parts.push(`${stats.cached_prompt_tokens} of ${stats.prompt_tokens} prompt tokens cached`);
+  }
+  if (finishReason === "cancelled") parts.push("stopped");
+  else if (finishReason === "length") parts.push("hit the token limit");
+  return parts.join(" · ");
+}
+
+/** What the status line says about the model (`ModelStatus` from the `model_status` command). */
+export function describeModelStatus(status, loadingSeconds = 0) {
+  switch (status.state) {
+    case "not_loaded":
+      return "No model loaded.";
+    case "loading":
+      return `Loading ${status.name}… ${loadingSeconds.toFixed(0)} s`;
+    case "loaded":
+      return `Model: ${status.name}`;
+    case "failed":
+      return `Could not load ${status.name}: ${status.error}`;
+    default:
+      return "";
+  }
+}

@@ -1,0 +1,169 @@
+import { beforeEach, describe, expect, it, vi } from "vitest";
+import { ChatView } from "../src/chat.js";
+import { loadPage } from "./page.js";
+
+const settings = { system_prompt: "", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 };
+const stats = { prompt_tokens: 20, cached_prompt_tokens: 16, generation_tokens: 3, generation_tps: 9, ttft_s: 0.1, prompt_tps: 1, total_s: 1, peak_memory_bytes: 0 };
+
+/** An in-memory stand-in for the Rust commands, with the history's turn rules. */
+function fakeApi() {
+  const conversations = new Map();
+  let nextId = 1;
+  const api = {
+    calls: [],
+    listConversations: vi.fn(async (search) =>
+      [...conversations.values()]
+        .filter((c) => !search || c.title.toLowerCase().includes(search.toLowerCase()))
+        .map(({ id, title }) => ({ id, title })),
+    ),
+    createConversation: vi.fn(async () => {
+      const c = { id: nextId++, title: "New chat", settings, messages: [] };
+      conversations.set(c.id, c);
+      return { id: c.id, title: c.title };
+    }),
+    getConversation: vi.fn(async (id) => structuredClone(conversations.get(id))),
+    deleteConversation: vi.fn(async (id) => conversations.delete(id)),
+    renameConversation: vi.fn(),
+    setConversationSettings: vi.fn(async (id, s) => (conversations.get(id).settings = s)),
+    stop: vi.fn(async () => {}),
+    chat: vi.fn(async (id, turn, onEvent) => {
+      const c = conversations.get(id);
+      const lastUser = c.messages.findLastIndex((m) => m.role === "user");
+      if (turn.kind === "send") c.messages.push({ id: nextId++, role: "user", content: turn.content });
+      else {
+        c.messages.splice(lastUser + 1);
+        if (turn.kind === "edit_last") c.messages[lastUser].content = turn.content;
+      }
+      if (c.title === "New chat") c.title = c.messages[0].content;
+      api.stream = {
+        token: (text) => onEvent({ event: "token", text }),
+        finish: (content, finish_reason = "stop") => {
+          c.messages.push({ id: nextId++, role: "assistant", content, finish_reason, stats, error: null });
+          onEvent({ event: "finished", finish_reason, stats, error: null, message_id: nextId - 1, save_error: null });
+        },
+      };
+      return 7;
+    }),
+  };
+  return api;
+}
+
+const tick = () => new Promise((resolve) => setTimeout(resolve, 30));
+const $ = (id) => document.getElementById(id);
+const texts = (selector) => [...document.querySelectorAll(selector)].map((e) => e.textContent.trim());
+
+let api;
+let view;
+beforeEach(async () => {
+  loadPage();
+  api = fakeApi();
+  view = new ChatView($("view-chat"), api);
+  await view.init();
+});
+
+/** Submits `text`; resolves once the turn has started, with `done` for its end. */
+async function type(text) {
+  $("input").value = text;
+  const done = view.submit();
+  await tick();
+  return { done };
+}
+
+describe("ChatView", () => {
+  it("streams an answer as Markdown, then shows the saved answer with its stats", async () => {
+    const { done } = await type("Hello?");
+    expect(api.chat).toHaveBeenCalledWith(1, { kind: "send", content: "Hello?" }, expect.any(Function));
+    expect(texts("#messages li.user .body")).toEqual(["Hello?"]);
+    expect($("send").disabled).toBe(true);
+    expect($("stop").disabled).toBe(false);
+    api.stream.token("Hi **the");
+    api.stream.token("re**");
+    await tick();
+    expect(document.querySelector("#messages li.assistant.streaming strong").textContent).toBe("there");
+    api.stream.finish("Hi **there**");
+    await done;
+    expect(document.querySelector("#messages li.streaming")).toBe(null);
+    expect(texts("#messages li.assistant .meta")).toEqual(["3 tokens · TTFT 100 ms · 9.0 tok/s · 16 of 20 prompt tokens cached"]);
+    expect(texts("#conversation-list button")).toEqual(["Hello?"]);
+    expect($("send").disabled).toBe(false);
+  });
+
+  it("Stop cancels the running request by its id", async () => {
+    const { done } = await type("Count to 500.");
+    api.stream.token("1, 2");
+    $("stop").click();
+    expect(api.stop).toHaveBeenCalledWith(7);
+    api.stream.finish("1, 2", "cancelled");
+    await done;
+    expect(texts("#messages li.assistant .meta")[0]).toMatch(/stopped$/);
+  });
+
+  it("regenerates the last answer and edits the last user message", async () => {
+    let { done } = await type("First");
+    api.stream.finish("A1");
+    await done;
+    const regenerate = [...document.querySelectorAll("#messages li.assistant .action")].find((b) => b.textContent === "Regenerate");
+    regenerate.click();
+    await tick();
+    expect(api.chat).toHaveBeenLastCalledWith(1, { kind: "regenerate" }, expect.any(Function));
+    expect(texts("#messages li.assistant .body")).toEqual([""]);
+    api.stream.finish("A2");
+    await tick();
+    expect(texts("#messages li .body")).toEqual(["First", "A2"]);
+
+    const edit = [...document.querySelectorAll("#messages li.user .action")].find((b) => b.textContent === "Edit");
+    edit.click();
+    expect($("input").value).toBe("First");
+    expect($("editing").hidden).toBe(false);
+    ({ done } = await type("First, edited"));
+    expect(api.chat).toHaveBeenLastCalledWith(1, { kind: "edit_last", content: "First, edited" }, expect.any(Function));
+    api.stream.finish("A3");
+    await done;
+    expect(texts("#messages li .body")).toEqual(["First, edited", "A3"]);
+  });
+
+  it("searches, switches and deletes conversations (delete asks twice)", async () => {
+    let { done } = await type("About cats");
+    api.stream.finish("Meow");
+    await done;
+    await view.newConversation();
+    ({ done } = await type("About dogs"));
+    api.stream.finish("Woof");
+    await done;
+    expect(texts("#conversation-list button")).toEqual(["About cats", "About dogs"]);
+    $("search").value = "cat";
+    $("search").dispatchEvent(new Event("input"));
+    await tick();
+    expect(api.listConversations).toHaveBeenLastCalledWith("cat");
+    expect(texts("#conversation-list button")).toEqual(["About cats"]);
+    document.querySelector("#conversation-list button").click();
+    await tick();
+    expect(texts("#messages li .body")).toEqual(["About cats", "Meow"]);
+    $("delete").click();
+    expect(api.deleteConversation).not.toHaveBeenCalled();
+    $("delete").click();
+    await tick();
+    expect(api.deleteConversation).toHaveBeenCalledWith(1);
+  });
+
+  it("saves the conversation's settings from its form", async () => {
+    await view.newConversation();
+    const form = $("conversation-settings");
+    form.querySelector("[name=system_prompt]").value = "Be brief.";
+    form.querySelector("[name=temperature]").value = "0.7";
+    form.querySelector("[name=seed]").value = "42";
+    $("save-conversation-settings").click();
+    await tick();
+    const [id, saved] = api.setConversationSettings.mock.calls[0];
+    expect(id).toBe(1);
+    expect(saved).toMatchObject({ system_prompt: "Be brief.", max_tokens: 1024, sampling: { temperature: 0.7, seed: 42, top_k: 0, logit_bias: {} } });
+  });
+
+  it("shows a refused turn's error and keeps the composer usable", async () => {
+    api.chat.mockRejectedValueOnce("No model is loaded; choose one under Models.");
+    await type("Hi");
+    expect($("chat-error").hidden).toBe(false);
+    expect($("chat-error").textContent).toBe("No model is loaded; choose one under Models.");
+    expect($("send").disabled).toBe(false);
+  });
+});

@@ -1,0 +1,63 @@
+import { describe, expect, it } from "vitest";
+import { getPath, readInput, setPath, writeInput, SettingsView } from "../src/settings.js";
+import { loadPage } from "./page.js";
+
+describe("setting paths", () => {
+  it("reads and writes nested values without changing the original", () => {
+    const settings = { chat: { sampling: { temperature: 0 } }, block_size: 32 };
+    const changed = setPath(settings, "chat.sampling.temperature", 0.7);
+    expect(getPath(changed, "chat.sampling.temperature")).toBe(0.7);
+    expect(settings.chat.sampling.temperature).toBe(0);
+    expect(changed.block_size).toBe(32);
+  });
+});
+
+describe("inputs", () => {
+  it("scale MiB to bytes and back, and read empty optional fields as null", () => {
+    document.body.innerHTML = `<input type="number" data-scale="1048576" id="kv">
+      <input type="text" data-optional id="dir"><select data-type="number" id="bs"><option>8</option><option>64</option></select>`;
+    const kv = document.getElementById("kv");
+    writeInput(kv, 2 * 2 ** 30);
+    expect(kv.value).toBe("2048");
+    kv.value = "512";
+    expect(readInput(kv)).toBe(512 * 2 ** 20);
+    expect(readInput(document.getElementById("dir"))).toBe(null);
+    const bs = document.getElementById("bs");
+    writeInput(bs, 64);
+    expect(readInput(bs)).toBe(64);
+  });
+});
+
+describe("SettingsView", () => {
+  it("saves what the form shows and reports the error sentence", async () => {
+    loadPage();
+    const settings = {
+      chat: { system_prompt: "", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
+      kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "CommandOrControl+Shift+Space",
+    };
+    const saved = [];
+    const api = {
+      getSettings: async () => ({ settings, defaults: settings, models_dir: "/home/u/.local/share/perch/models", total_memory_bytes: 2 ** 34 }),
+      saveSettings: async (s) => {
+        saved.push(s);
+        if (s.block_size !== 64) throw "Setting block_size: must be a power of two from 8 to 256, got 3.";
+        return { settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 };
+      },
+    };
+    const view = new SettingsView(document.getElementById("view-settings"), api);
+    await view.load();
+    expect(document.querySelector("[data-setting=kv_cache_bytes]").value).toBe("2048");
+    expect(document.querySelector("[data-setting=models_dir]").placeholder).toContain("perch/models");
+    document.querySelector("[data-setting='chat.sampling.temperature']").value = "0.7";
+    document.querySelector("[data-setting=block_size]").value = "64";
+    await view.save();
+    expect(saved[0].chat.sampling.temperature).toBe(0.7);
+    expect(saved[0].block_size).toBe(64);
+    expect(saved[0].chat.sampling.logit_bias).toEqual({});
+    expect(saved[0].models_dir).toBe(null);
+    expect(document.getElementById("settings-message").textContent).toMatch(/^Saved/);
+    document.querySelector("[data-setting=block_size]").value = "8";
+    await view.save();
+    expect(document.getElementById("settings-message").textContent).toMatch(/^Setting block_size/);
+  });
+});
