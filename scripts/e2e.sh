@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   need=""
-  for pkg in xvfb xauth webkit2gtk-driver dbus-x11 at-spi2-core fonts-dejavu-core; do
+  for pkg in xvfb xauth xdotool webkit2gtk-driver dbus-x11 at-spi2-core fonts-dejavu-core; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need="$need $pkg"
   done
   if [ -n "$need" ]; then
@@ -28,6 +28,9 @@ shared="${PERCH_SHARED_DIR:-$PWD/../shared}"
 data=$(mktemp -d)
 trap 'rm -rf "$data"' EXIT
 export PERCH_DATA_DIR="$data/perch"
+# The launch-at-login entry goes to $HOME/.config/autostart: keep it out of the real home.
+export HOME="$data/home"
+mkdir -p "$HOME"
 export PERCH_MODEL="${PERCH_E2E_MODEL:-$shared/models/SmolLM2-135M-Instruct-4bit}"
 export PERCH_E2E_OUT="$PWD/target/e2e"
 export LANG="${LANG:-C.UTF-8}"

@@ -12,6 +12,7 @@
 //! ([`store::Store`]).
 
 pub mod commands;
+pub mod desktop;
 pub mod store;
 
 use tauri::menu::{Menu, MenuItem, PredefinedMenuItem};
@@ -64,7 +65,7 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
 /// (`perch_store::data_dir()`), and the default model loading in the background.
 pub fn run() {
     let store = Store::open(&perch_store::data_dir(), system::total_memory_bytes());
-    with_commands(tauri::Builder::default(), store)
+    desktop::plugins(with_commands(tauri::Builder::default(), store))
         .setup(|app| {
             #[cfg(target_os = "macos")]
             app.set_activation_policy(tauri::ActivationPolicy::Accessory);
@@ -80,6 +81,13 @@ pub fn run() {
                 } else {
                     show(&window);
                 }
+            }
+            let store = app.state::<Store>();
+            if let Err(problem) = store
+                .settings()
+                .and_then(|settings| desktop::apply(app.handle(), None, &settings))
+            {
+                store.add_notice(problem);
             }
             load_default_model(app.handle().clone());
             Ok(())

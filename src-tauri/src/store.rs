@@ -15,7 +15,7 @@ pub struct Store {
     settings: Mutex<Settings>,
     settings_path: PathBuf,
     total_memory_bytes: u64,
-    notices: Vec<String>,
+    notices: Mutex<Vec<String>>,
 }
 
 impl Store {
@@ -64,7 +64,7 @@ impl Store {
             settings: Mutex::new(settings),
             settings_path,
             total_memory_bytes,
-            notices,
+            notices: Mutex::new(notices),
         }
     }
 
@@ -80,6 +80,13 @@ impl Store {
 
     pub fn settings(&self) -> Result<Settings, String> {
         Ok(self.lock_settings()?.clone())
+    }
+
+    /// Checks `settings` without saving them (the same rules as [`Store::save_settings`]).
+    pub fn validate_settings(&self, settings: &Settings) -> Result<(), String> {
+        settings
+            .validate(self.total_memory_bytes)
+            .map_err(|e| sentence(&e))
     }
 
     /// Validates and saves `settings`; on error nothing changes.
@@ -117,8 +124,15 @@ impl Store {
     }
 
     /// Problems found at start, for the UI to show once.
-    pub fn notices(&self) -> &[String] {
-        &self.notices
+    pub fn notices(&self) -> Vec<String> {
+        self.notices.lock().map(|n| n.clone()).unwrap_or_default()
+    }
+
+    /// Adds a problem found at start (after the store opened: the desktop hooks).
+    pub fn add_notice(&self, notice: String) {
+        if let Ok(mut notices) = self.notices.lock() {
+            notices.push(notice);
+        }
     }
 
     fn lock_settings(&self) -> Result<MutexGuard<'_, Settings>, String> {

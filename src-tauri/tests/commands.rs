@@ -223,8 +223,14 @@ fn settings_are_validated_saved_and_applied() {
     assert!(error.as_str().unwrap().starts_with("Setting block_size: must be a power of two"), "{error}");
     assert!(!data.path().join(Store::SETTINGS_FILE).exists());
 
-    let models = tempfile::tempdir().unwrap();
     settings["block_size"] = json!(16);
+    settings["shortcut"] = json!("Ctrl+Nope");
+    let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
+    assert!(error.as_str().unwrap().contains("\"Ctrl+Nope\" is not valid"), "{error}");
+    assert!(!data.path().join(Store::SETTINGS_FILE).exists());
+
+    let models = tempfile::tempdir().unwrap();
+    settings["shortcut"] = json!("Alt+Shift+P");
     settings["models_dir"] = json!(models.path());
     settings["chat"]["system_prompt"] = json!("Be brief.");
     let saved = invoke(&window, "save_settings", json!({"settings": settings})).unwrap();

@@ -3,7 +3,9 @@ WebKitWebDriver under Xvfb, with the shared model loaded:
 
 1. the model loads at start; a message is sent and its answer streams into the page token by
    token; the dashboard's graphs redraw while it generates; Stop ends it mid-answer;
-2. the app is restarted on the same data directory and the conversation is there, with the
+2. the global shortcut (Ctrl+Shift+Space, sent by xdotool) brings the chat back from another view,
+   and "Launch at login" in Settings writes and removes the XDG autostart entry;
+3. the app is restarted on the same data directory and the conversation is there, with the
    stopped answer exactly as it was shown.
 
 Screenshots of the chat and the dashboard go to $PERCH_E2E_OUT (default target/e2e).
@@ -12,6 +14,7 @@ Run by scripts/e2e.sh (which starts Xvfb and tauri-driver); needs the debug app 
 """
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -87,6 +90,32 @@ def first_run(session):
     return shown
 
 
+def desktop_hooks(session):
+    # The global shortcut summons the chat from any view.
+    session.click("nav button[data-view=dashboard]")
+    session.wait_for("return document.getElementById('view-chat').hidden", what="the dashboard")
+    subprocess.run(["xdotool", "key", "--clearmodifiers", "ctrl+shift+space"], check=True)
+    session.wait_for("return !document.getElementById('view-chat').hidden", timeout=10,
+                     what="the global shortcut to show the chat")
+
+    # Launch at login: the autostart entry appears when saved on and goes when saved off.
+    entry = Path(os.environ["HOME"]) / ".config/autostart/Perch.desktop"
+    check(not entry.exists(), f"{entry} exists before the setting is on")
+    session.click("nav button[data-view=settings]")
+    session.wait_for("return document.querySelector('[data-setting=block_size]').value !== ''",
+                     what="the settings")
+    for on in (True, False):
+        session.click("[data-setting=launch_at_login]")
+        session.click("#settings-form button[type=submit]")
+        session.wait_for("return document.getElementById('settings-message').textContent.startsWith('Saved')",
+                         timeout=10, what="the settings to save")
+        session.execute("document.getElementById('settings-message').textContent = ''")
+        check(entry.exists() == on, f"launch at login {on}: {entry} exists is {entry.exists()}")
+        if on:
+            check("perch-app" in entry.read_text(), entry.read_text())
+    session.click("nav button[data-view=chat]")
+
+
 def second_run(session, shown):
     titles = session.wait_for(
         "const b = [...document.querySelectorAll('#conversation-list button')];"
@@ -113,6 +142,7 @@ def main():
     session = Session(DRIVER, APP)
     try:
         shown = first_run(session)
+        desktop_hooks(session)
     except Exception:
         session.screenshot(OUT / "failure-first-run.png")
         raise
@@ -126,7 +156,8 @@ def main():
         raise
     finally:
         session.close()
-    print("e2e: 2 passed (streaming, dashboard graphs and Stop; the conversation after a restart)")
+    print("e2e: 3 passed (streaming, dashboard graphs and Stop; global shortcut and launch at login;"
+          " the conversation after a restart)")
 
 
 if __name__ == "__main__":

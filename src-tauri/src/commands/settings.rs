@@ -4,8 +4,9 @@ use std::path::PathBuf;
 
 use perch_store::Settings;
 use serde::Serialize;
-use tauri::State;
+use tauri::{AppHandle, Runtime, State};
 
+use crate::desktop;
 use crate::store::Store;
 
 /// The settings with what the UI needs to explain them.
@@ -34,16 +35,27 @@ pub fn get_settings(store: State<'_, Store>) -> Result<SettingsView, String> {
     view(&store)
 }
 
-/// Validates and saves `settings`. The KV budget and block size apply from the next model load;
-/// new conversations start with the chat defaults.
+/// Validates `settings`, applies the global shortcut and launch at login, and saves them; on
+/// any error nothing changes. The KV budget and block size apply from the next model load; new
+/// conversations start with the chat defaults.
 #[tauri::command]
-pub fn save_settings(store: State<'_, Store>, settings: Settings) -> Result<SettingsView, String> {
-    store.save_settings(settings)?;
+pub fn save_settings<R: Runtime>(
+    app: AppHandle<R>,
+    store: State<'_, Store>,
+    settings: Settings,
+) -> Result<SettingsView, String> {
+    store.validate_settings(&settings)?;
+    let old = store.settings()?;
+    desktop::apply(&app, Some(&old), &settings)?;
+    if let Err(err) = store.save_settings(settings.clone()) {
+        let _ = desktop::apply(&app, Some(&settings), &old);
+        return Err(err);
+    }
     view(&store)
 }
 
 /// Problems found at start (a damaged history or settings file set aside, …), one sentence each.
 #[tauri::command]
 pub fn startup_notices(store: State<'_, Store>) -> Vec<String> {
-    store.notices().to_vec()
+    store.notices()
 }
