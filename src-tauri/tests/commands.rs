@@ -389,3 +389,41 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     assert_eq!(last["content"], shown.as_str());
     assert_eq!(last["finish_reason"], "cancelled");
 }
+
+#[test]
+fn model_status_reports_load_progress() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (app, window) = app(data.path());
+    let handle = app.handle().clone();
+    let loader = std::thread::spawn(move || {
+        handle
+            .state::<AppState>()
+            .load(model_dir(), Default::default())
+    });
+    let mut seen = Vec::new();
+    loop {
+        let status = invoke(&window, "model_status", json!({})).unwrap();
+        match status["state"].as_str().unwrap() {
+            "loading" => seen.push((
+                status["bytes_read"].as_u64().unwrap(),
+                status["bytes_total"].as_u64().unwrap(),
+            )),
+            "loaded" => break,
+            "not_loaded" => {}
+            other => panic!("{other}: {status}"),
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    loader.join().unwrap().expect("model loads");
+    let weights = std::fs::metadata(model_dir().join("model.safetensors"))
+        .unwrap()
+        .len();
+    let with_total: Vec<_> = seen.iter().filter(|(_, total)| *total > 0).collect();
+    assert!(!with_total.is_empty(), "no progress seen: {seen:?}");
+    assert!(with_total.iter().all(|(read, total)| *total == weights && read <= total));
+    assert!(
+        with_total.windows(2).all(|w| w[0].0 <= w[1].0),
+        "progress went back: {with_total:?}"
+    );
+}

@@ -27,8 +27,12 @@ export function describeModelStatus(status, loadingSeconds = 0) {
   switch (status.state) {
     case "not_loaded":
       return "No model loaded.";
-    case "loading":
-      return `Loading ${status.name}… ${loadingSeconds.toFixed(0)} s`;
+    case "loading": {
+      const seconds = `${loadingSeconds.toFixed(0)} s`;
+      if (!status.bytes_total) return `Loading ${status.name}… ${seconds}`;
+      const percent = Math.floor((100 * status.bytes_read) / status.bytes_total);
+      return `Loading ${status.name}… ${percent}% of ${mib(status.bytes_total)}, ${seconds}`;
+    }
     case "loaded":
       return `Model: ${status.name}`;
     case "failed":

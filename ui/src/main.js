@@ -49,6 +49,9 @@ async function refreshStatus() {
   const seconds = loadingSince ? (Date.now() - loadingSince) / 1000 : 0;
   $("model-status").textContent = describeModelStatus(status, seconds);
   $("model-status").classList.toggle("loading", status.state === "loading");
+  const bar = $("model-progress");
+  bar.hidden = !(status.state === "loading" && status.bytes_total > 0);
+  if (!bar.hidden) bar.value = status.bytes_read / status.bytes_total;
 }
 
 async function refreshModels() {

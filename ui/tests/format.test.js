@@ -26,7 +26,9 @@ describe("mib and model status", () => {
     expect(mib(null)).toBe("—");
   });
   it("describes every model state", () => {
-    expect(describeModelStatus({ state: "loading", name: "m" }, 2.4)).toBe("Loading m… 2 s");
+    expect(describeModelStatus({ state: "loading", name: "m", bytes_read: 0, bytes_total: 0 }, 2.4)).toBe("Loading m… 2 s");
+    const halfway = { state: "loading", name: "m", bytes_read: 50 * 2 ** 20, bytes_total: 200 * 2 ** 20 };
+    expect(describeModelStatus(halfway, 3)).toBe("Loading m… 25% of 200 MiB, 3 s");
     expect(describeModelStatus({ state: "failed", name: "m", error: "Bad config." })).toBe("Could not load m: Bad config.");
     expect(describeModelStatus({ state: "loaded", name: "m", path: "/m" })).toBe("Model: m");
   });

@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats};
 use crate::cache::KvQuantization;
+use crate::weights::LoadProgress;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, MemoryStats};
 use crate::error::{EngineError, Result};
@@ -156,6 +157,15 @@ impl EngineHandle {
     /// Starts the engine thread and loads the model in `model_dir` there (MLX arrays belong to
     /// the thread that creates them). Returns once the model is loaded, or the load's error.
     pub fn load(model_dir: &Path, config: EngineConfig) -> Result<Self> {
+        Self::load_with_progress(model_dir, config, |_| {})
+    }
+
+    /// [`EngineHandle::load`], calling `progress` (on the engine thread) as the weights are read.
+    pub fn load_with_progress(
+        model_dir: &Path,
+        config: EngineConfig,
+        mut progress: impl FnMut(LoadProgress) + Send + 'static,
+    ) -> Result<Self> {
         let dir = model_dir.to_path_buf();
         // The prefix cache lives in this engine only, so the directory identifies the model.
         let model_id = dir
@@ -164,7 +174,10 @@ impl EngineHandle {
             .display()
             .to_string();
         Self::spawn_with(config, model_id, move || {
-            Ok((models::load(&dir)?, Tokenizer::load(&dir)?))
+            Ok((
+                models::load_with_progress(&dir, &mut progress)?,
+                Tokenizer::load(&dir)?,
+            ))
         })
     }
 

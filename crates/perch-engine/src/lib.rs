@@ -38,3 +38,4 @@ pub use generate::{
     TokenLogprobs,
 };
 pub use tokenizer::Tokenizer;
+pub use weights::LoadProgress;

@@ -17,6 +17,13 @@ pub struct Weights {
     backend: Backend,
 }
 
+/// How far a model load has come: bytes of weight files read, of their total size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LoadProgress {
+    pub bytes_read: u64,
+    pub bytes_total: u64,
+}
+
 impl Weights {
     /// Loads every `*.safetensors` file of `model_dir` (the shards named by
     /// `model.safetensors.index.json` when it exists).
@@ -28,22 +35,58 @@ impl Weights {
     /// (bounding the peak to one tensor in two dtypes): afterwards they are plain data that any
     /// thread may use, and a damaged file has failed here rather than mid-generation.
     pub fn load(model_dir: &Path, backend: Backend) -> Result<Self> {
+        Self::load_with_progress(model_dir, backend, &mut |_| {})
+    }
+
+    /// [`Weights::load`], calling `progress` after each tensor is read (and once at the start
+    /// with nothing read), with bytes counted against the files' total size.
+    pub fn load_with_progress(
+        model_dir: &Path,
+        backend: Backend,
+        progress: &mut dyn FnMut(LoadProgress),
+    ) -> Result<Self> {
         let mut weights = Self {
             tensors: HashMap::new(),
             backend,
         };
-        for file in shard_files(model_dir)? {
-            validate_safetensors(&file)?;
+        let files = shard_files(model_dir)?;
+        let sizes = files
+            .iter()
+            .map(|file| {
+                std::fs::metadata(file)
+                    .map(|m| m.len())
+                    .map_err(|source| EngineError::Io {
+                        path: file.clone(),
+                        source,
+                    })
+            })
+            .collect::<Result<Vec<u64>>>()?;
+        let mut report = LoadProgress {
+            bytes_read: 0,
+            bytes_total: sizes.iter().sum(),
+        };
+        progress(report);
+        let mut files_done = 0;
+        for (file, size) in files.iter().zip(sizes) {
+            validate_safetensors(file)?;
             let corrupt = |e: &dyn std::fmt::Display| EngineError::CorruptWeights {
                 path: file.clone(),
                 message: e.to_string(),
             };
-            let loaded = Array::load_safetensors(&file).map_err(|e| corrupt(&e))?;
+            let loaded = Array::load_safetensors(file).map_err(|e| corrupt(&e))?;
+            let mut in_file = 0;
             for (name, tensor) in loaded {
+                // Stored bytes (before the cast); the file's header is counted at its end.
+                in_file += tensor.nbytes() as u64;
                 let tensor = weights.cast(tensor)?;
                 tensor.eval().map_err(|e| corrupt(&e))?;
                 weights.tensors.insert(name, tensor);
+                report.bytes_read = files_done + in_file.min(size);
+                progress(report);
             }
+            files_done += size;
+            report.bytes_read = files_done;
+            progress(report);
         }
         Ok(weights)
     }

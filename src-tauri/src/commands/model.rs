@@ -1,10 +1,10 @@
 //! Model commands: the local list, load and unload, the engine's stats, MLX memory.
 
 use std::path::PathBuf;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
-use perch_engine::{EngineConfig, EngineHandle, EngineStats};
+use perch_engine::{EngineConfig, EngineHandle, EngineStats, LoadProgress};
 use perch_hub::LocalModel;
 use serde::Serialize;
 use tauri::{AppHandle, Manager, Runtime, State};
@@ -16,6 +16,8 @@ use crate::store::Store;
 #[derive(Default)]
 pub struct AppState {
     model: Mutex<ModelSlot>,
+    /// How far the model being loaded has come; written by the engine thread.
+    load_progress: Arc<Mutex<LoadProgress>>,
 }
 
 /// The engine exactly when `status` is `Loaded`.
@@ -31,8 +33,11 @@ struct ModelSlot {
 pub enum ModelStatus {
     #[default]
     NotLoaded,
+    /// `bytes_read` of `bytes_total` bytes of weights read so far.
     Loading {
         name: String,
+        #[serde(flatten)]
+        progress: LoadProgress,
     },
     Loaded {
         name: String,
@@ -53,13 +58,17 @@ impl AppState {
         let slot = self.slot()?;
         match (&slot.engine, &slot.status) {
             (Some(engine), _) => Ok(engine.clone()),
-            (None, ModelStatus::Loading { name }) => Err(format!("{name} is still loading.")),
+            (None, ModelStatus::Loading { name, .. }) => Err(format!("{name} is still loading.")),
             (None, _) => Err("No model is loaded; choose one under Models.".into()),
         }
     }
 
     fn status(&self) -> ModelStatus {
-        self.slot().map(|s| s.status.clone()).unwrap_or_default()
+        let mut status = self.slot().map(|s| s.status.clone()).unwrap_or_default();
+        if let ModelStatus::Loading { progress, .. } = &mut status {
+            *progress = self.load_progress.lock().map(|p| *p).unwrap_or_default();
+        }
+        status
     }
 
     /// Loads the model in `path` on an engine thread with `config` (replacing the loaded
@@ -72,14 +81,26 @@ impl AppState {
         let previous = std::mem::replace(
             &mut *self.slot()?,
             ModelSlot {
-                status: ModelStatus::Loading { name: name.clone() },
+                status: ModelStatus::Loading {
+                    name: name.clone(),
+                    progress: LoadProgress::default(),
+                },
                 engine: None,
             },
         );
         if let Some(engine) = previous.engine {
             engine.shutdown();
         }
-        let (slot, result) = match EngineHandle::load(&path, config) {
+        let progress = Arc::clone(&self.load_progress);
+        if let Ok(mut p) = progress.lock() {
+            *p = LoadProgress::default();
+        }
+        let loaded = EngineHandle::load_with_progress(&path, config, move |p| {
+            if let Ok(mut current) = progress.lock() {
+                *current = p;
+            }
+        });
+        let (slot, result) = match loaded {
             Ok(engine) => {
                 let status = ModelStatus::Loaded { name, path };
                 let slot = ModelSlot {

@@ -18,7 +18,7 @@ use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::layers::{Quantization, Rope};
-use crate::weights::Weights;
+use crate::weights::{LoadProgress, Weights};
 use decoder::{Decoder, DecoderConfig};
 
 /// What callers need to know about a loaded model.
@@ -116,6 +116,14 @@ pub fn supported_architectures() -> Vec<&'static str> {
 /// shapes that disagree with the config. Weights are evaluated here, so a load that returns `Ok`
 /// has read every byte.
 pub fn load(model_dir: &Path) -> Result<Box<dyn Model>> {
+    load_with_progress(model_dir, &mut |_| {})
+}
+
+/// [`load`], reporting the weights read as they are ([`Weights::load_with_progress`]).
+pub fn load_with_progress(
+    model_dir: &Path,
+    progress: &mut dyn FnMut(LoadProgress),
+) -> Result<Box<dyn Model>> {
     let config_path = model_dir.join("config.json");
     let config = read_config(&config_path)?;
     let model_type = config
@@ -139,7 +147,7 @@ pub fn load(model_dir: &Path) -> Result<Box<dyn Model>> {
             path: config_path.clone(),
             message,
         })?;
-    let mut weights = Weights::load(model_dir, Backend::current())?;
+    let mut weights = Weights::load_with_progress(model_dir, Backend::current(), progress)?;
     let model = loader(LoadContext {
         config: &config,
         config_path: &config_path,
