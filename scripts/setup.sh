@@ -28,7 +28,8 @@ command -v cargo >/dev/null || { echo "setup: Rust is needed (https://rustup.rs)
 cargo build --release -p perch-cli
 perch=target/release/perch
 
-models_dir="${PERCH_MODELS_DIR:-}"
+# perch_hub::models_dir(): $PERCH_MODELS_DIR, else $PERCH_DATA_DIR/models, else the platform's.
+models_dir="${PERCH_MODELS_DIR:-${PERCH_DATA_DIR:+$PERCH_DATA_DIR/models}}"
 model_name=SmolLM2-135M-Instruct-Q4_1   # perch_hub::DEFAULT_MODEL_NAME: what the app loads at start
 if [ -z "$models_dir" ]; then
   if [ "$(uname)" = Darwin ]; then models_dir="$HOME/Library/Application Support/perch/models"

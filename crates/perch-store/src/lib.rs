@@ -15,17 +15,6 @@ pub use history::{
 };
 pub use settings::{Settings, SettingsError};
 
-/// Where Perch keeps its files: `$PERCH_DATA_DIR`, else `<data dir>/perch`
-/// (`~/.local/share/perch` on Linux, `~/Library/Application Support/perch` on macOS).
-pub fn data_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PERCH_DATA_DIR") {
-        return PathBuf::from(dir);
-    }
-    dirs::data_dir()
-        .unwrap_or_else(|| PathBuf::from("."))
-        .join("perch")
-}
-
 /// A damaged file that was renamed so a fresh one could start; nothing in it was deleted.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct SetAside {
