@@ -26,7 +26,9 @@ fi
 
 shared="${PERCH_SHARED_DIR:-$PWD/../shared}"
 data=$(mktemp -d)
-trap 'rm -rf "$data"' EXIT
+# WebKit may start xdg-document-portal, which mounts $HOME/.cache/doc (FUSE) and outlives the
+# app: unmount it, and never let cleaning up turn a passed run into a failed one.
+trap 'fusermount -u -z "$data/home/.cache/doc" 2>/dev/null; rm -rf "$data" 2>/dev/null || true' EXIT
 export PERCH_DATA_DIR="$data/perch"
 # The launch-at-login entry goes to $HOME/.config/autostart: keep it out of the real home.
 export HOME="$data/home"
@@ -38,7 +40,9 @@ export LANG="${LANG:-C.UTF-8}"
 xvfb-run -a -s "-screen 0 1280x900x24" bash -c '
   "$0" --port 4444 --native-port 4445 >"$PERCH_E2E_OUT.driver.log" 2>&1 &
   driver=$!
-  trap "kill $driver 2>/dev/null" EXIT
   for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/4444) 2>/dev/null && break; sleep 0.1; done
   python3 tests/e2e/test_app.py
+  status=$?
+  kill "$driver" 2>/dev/null
+  exit "$status"
 ' "$driver"

@@ -240,6 +240,10 @@ export class ChatView {
     try {
       this.running.requestId = await this.api.chat(id, turn, (event) => this.onEvent(event));
       this.el.stop.disabled = false;
+      // The turn is in the history now: a first message also names the conversation.
+      const list = await this.refreshList();
+      const title = list.find((c) => c.id === id)?.title;
+      if (title) this.el.title.textContent = title;
     } catch (error) {
       this.running = null;
       this.el.send.disabled = false;

@@ -74,6 +74,7 @@ describe("ChatView", () => {
     const { done } = await type("Hello?");
     expect(api.chat).toHaveBeenCalledWith(1, { kind: "send", content: "Hello?" }, expect.any(Function));
     expect(texts("#messages li.user .body")).toEqual(["Hello?"]);
+    expect($("chat-title").textContent).toBe("Hello?"); // named while the answer streams
     expect($("send").disabled).toBe(true);
     expect($("stop").disabled).toBe(false);
     api.stream.token("Hi **the");
