@@ -96,15 +96,11 @@ impl Role {
         }
     }
 
-    fn parse(text: &str) -> rusqlite::Result<Self> {
+    fn parse(text: &str) -> Option<Self> {
         match text {
-            "user" => Ok(Role::User),
-            "assistant" => Ok(Role::Assistant),
-            _ => Err(rusqlite::Error::InvalidColumnType(
-                0,
-                format!("role {text:?}"),
-                rusqlite::types::Type::Text,
-            )),
+            "user" => Some(Role::User),
+            "assistant" => Some(Role::Assistant),
+            _ => None,
         }
     }
 }
@@ -328,34 +324,8 @@ impl History {
         let settings = self.settings(id)?;
         let mut statement = self.conn.prepare(MESSAGES_SQL)?;
         let messages = statement
-            .query_map([id], |row| {
-                Ok((
-                    row.get::<_, i64>(0)?,
-                    Role::parse(&row.get::<_, String>(1)?)?,
-                    row.get::<_, String>(2)?,
-                    row.get::<_, Option<String>>(3)?,
-                    row.get::<_, Option<String>>(4)?,
-                    row.get::<_, Option<String>>(5)?,
-                    row.get::<_, i64>(6)?,
-                ))
-            })?
-            .collect::<rusqlite::Result<Vec<_>>>()?;
-        let messages = messages
-            .into_iter()
-            .map(
-                |(id, role, content, finish_reason, stats, error, created_at_ms)| {
-                    Ok(Message {
-                        id,
-                        role,
-                        content,
-                        finish_reason: finish_reason.as_deref().and_then(parse_finish_reason),
-                        stats: stats.map(|s| from_json(&s, "stats")).transpose()?,
-                        error,
-                        created_at_ms,
-                    })
-                },
-            )
-            .collect::<Result<_>>()?;
+            .query_map([id], message_from_row)?
+            .collect::<rusqlite::Result<_>>()?;
         Ok(Conversation {
             summary,
             settings,
@@ -541,6 +511,33 @@ fn summary_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<ConversationSum
         created_at_ms: row.get(2)?,
         updated_at_ms: row.get(3)?,
         message_count: row.get::<_, i64>(4)? as usize,
+    })
+}
+
+/// A row of [`MESSAGES_SQL`]; an unknown role or stats that are not valid JSON are a
+/// conversion error naming the column.
+fn message_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
+    let bad = |column: usize, message: String| {
+        rusqlite::Error::FromSqlConversionFailure(
+            column,
+            rusqlite::types::Type::Text,
+            message.into(),
+        )
+    };
+    let role: String = row.get(1)?;
+    let stats: Option<String> = row.get(4)?;
+    let finish_reason: Option<String> = row.get(3)?;
+    Ok(Message {
+        id: row.get(0)?,
+        role: Role::parse(&role).ok_or_else(|| bad(1, format!("unknown role {role:?}")))?,
+        content: row.get(2)?,
+        finish_reason: finish_reason.as_deref().and_then(parse_finish_reason),
+        stats: stats
+            .map(|json| serde_json::from_str(&json))
+            .transpose()
+            .map_err(|e| bad(4, format!("stats are not valid JSON: {e}")))?,
+        error: row.get(5)?,
+        created_at_ms: row.get(6)?,
     })
 }
 
