@@ -4,8 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/../ui"
 command -v npm >/dev/null || { echo "build-ui: Node.js and npm are needed (https://nodejs.org)" >&2; exit 1; }
+# `npm install`, not `npm ci`: the npm registry these machines reach lacks some of the
+# platform packages that rollup and esbuild list as optional, so the lock file cannot name them
+# all and `npm ci` refuses it ("Missing: @rollup/rollup-android-arm64 from lock file"). With a
+# lock file that satisfies package.json, `npm install` installs exactly its versions; the check
+# below makes sure it did not have to change it.
 if [ ! -d node_modules ] || [ package-lock.json -nt node_modules/.package-lock.json ]; then
-  npm ci --no-audit --no-fund --loglevel=error
+  before=$(mktemp)
+  cp package-lock.json "$before"
+  npm install --no-audit --no-fund --loglevel=error
+  if ! cmp -s package-lock.json "$before"; then
+    rm -f "$before"
+    echo "build-ui: npm install changed package-lock.json (package.json and the lock disagree); commit the new lock file" >&2
+    exit 1
+  fi
+  rm -f "$before"
 fi
 npm run --silent build -- --logLevel warn
 if [ "${1:-}" = "--test" ]; then
