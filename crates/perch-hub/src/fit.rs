@@ -1,0 +1,70 @@
+//! Whether a model fits in this machine's memory, judged before downloading it.
+
+use serde::Serialize;
+
+/// The share of RAM a model and its KV cache may use: macOS lets the GPU wire about this much
+/// of unified memory by default (Metal's `recommendedMaxWorkingSetSize` is roughly 2/3 to 3/4
+/// of RAM), and the rest is the system's and the apps'. Elsewhere it is the same rule of thumb.
+pub const USABLE_MEMORY_FRACTION: f64 = 0.75;
+
+/// How a model's weights and a KV cache budget compare with the usable memory
+/// ([`USABLE_MEMORY_FRACTION`] of RAM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryFit {
+    /// Weights plus the whole KV cache budget fit.
+    Fits,
+    /// The weights fit, but not with the whole KV cache budget: it runs with a smaller one
+    /// (shorter or fewer conversations).
+    Tight,
+    /// The weights alone are more than the usable memory.
+    TooLarge,
+    /// The size is not known (the Hub has no safetensors metadata for it).
+    Unknown,
+}
+
+/// Judges `weights_bytes` (`None`: unknown) plus `kv_cache_bytes` against `total_memory_bytes`
+/// of RAM.
+pub fn memory_fit(
+    weights_bytes: Option<u64>,
+    kv_cache_bytes: u64,
+    total_memory_bytes: u64,
+) -> MemoryFit {
+    let Some(weights) = weights_bytes else {
+        return MemoryFit::Unknown;
+    };
+    let usable = total_memory_bytes as f64 * USABLE_MEMORY_FRACTION;
+    if (weights + kv_cache_bytes) as f64 <= usable {
+        MemoryFit::Fits
+    } else if weights as f64 <= usable {
+        MemoryFit::Tight
+    } else {
+        MemoryFit::TooLarge
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn a_16_gib_machine() {
+        // 12 GiB usable.
+        assert_eq!(
+            memory_fit(Some(4 * GIB), 2 * GIB, 16 * GIB),
+            MemoryFit::Fits
+        );
+        assert_eq!(
+            memory_fit(Some(10 * GIB), 2 * GIB, 16 * GIB),
+            MemoryFit::Fits
+        );
+        assert_eq!(
+            memory_fit(Some(11 * GIB), 2 * GIB, 16 * GIB),
+            MemoryFit::Tight
+        );
+        assert_eq!(memory_fit(Some(13 * GIB), 0, 16 * GIB), MemoryFit::TooLarge);
+        assert_eq!(memory_fit(None, 0, 16 * GIB), MemoryFit::Unknown);
+    }
+}

@@ -1,0 +1,174 @@
+//! Models already on this machine: Perch's models directory and the Hugging Face cache.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+/// Where a local model was found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelSource {
+    /// Perch's models directory.
+    Perch,
+    /// The Hugging Face cache.
+    HuggingFace,
+}
+
+/// A model directory with a `config.json`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct LocalModel {
+    /// The directory's name in Perch's models directory, or the repository id (`org/name`) in the
+    /// Hugging Face cache.
+    pub name: String,
+    /// The directory to load (for the cache: the snapshot `refs/main` names).
+    pub path: PathBuf,
+    pub source: ModelSource,
+    /// Bytes of its files (following the cache's links to blobs).
+    pub size_bytes: u64,
+    /// `model_type` from `config.json`, when it is readable.
+    pub model_type: Option<String>,
+    /// Bits of its `quantization` entry, when quantized.
+    pub quantization_bits: Option<u32>,
+}
+
+/// Every model in `perch_dir` and in the Hugging Face cache `hf_cache` (either may be missing),
+/// Perch's first, each group sorted by name. Directories without a `config.json` are skipped.
+pub fn local_models(perch_dir: &Path, hf_cache: Option<&Path>) -> Vec<LocalModel> {
+    let mut found: Vec<LocalModel> = subdirectories(perch_dir)
+        .into_iter()
+        .filter_map(|dir| {
+            let name = dir.file_name()?.to_string_lossy().into_owned();
+            describe(name, dir, ModelSource::Perch)
+        })
+        .collect();
+    found.sort_by(|a, b| a.name.cmp(&b.name));
+    if let Some(cache) = hf_cache {
+        let hub = hf_hub::Cache::new(cache.to_path_buf());
+        let mut cached: Vec<LocalModel> = subdirectories(cache)
+            .into_iter()
+            .filter_map(|dir| {
+                let folder = dir.file_name()?.to_string_lossy().into_owned();
+                let id = folder.strip_prefix("models--")?.replacen("--", "/", 1);
+                let config = hub.model(id.clone()).get("config.json")?;
+                describe(id, config.parent()?.to_path_buf(), ModelSource::HuggingFace)
+            })
+            .collect();
+        cached.sort_by(|a, b| a.name.cmp(&b.name));
+        found.extend(cached);
+    }
+    found
+}
+
+fn subdirectories(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir())
+        .collect()
+}
+
+fn describe(name: String, path: PathBuf, source: ModelSource) -> Option<LocalModel> {
+    let config_path = path.join("config.json");
+    if !config_path.is_file() {
+        return None;
+    }
+    let config: Option<serde_json::Value> = fs::read_to_string(&config_path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok());
+    let model_type = config
+        .as_ref()
+        .and_then(|c| c.get("model_type")?.as_str().map(str::to_owned));
+    let quantization_bits = config.as_ref().and_then(|c| {
+        let q = c
+            .get("quantization")
+            .or_else(|| c.get("quantization_config"))?;
+        Some(q.get("bits")?.as_u64()? as u32)
+    });
+    let size_bytes = fs::read_dir(&path)
+        .map(|entries| {
+            entries
+                .filter_map(|e| fs::metadata(e.ok()?.path()).ok())
+                .filter(|m| m.is_file())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0);
+    Some(LocalModel {
+        name,
+        path,
+        source,
+        size_bytes,
+        model_type,
+        quantization_bits,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(path: &Path, text: &str) {
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn lists_perch_models_and_hugging_face_snapshots() {
+        let root = tempfile::tempdir().unwrap();
+        let perch = root.path().join("models");
+        let config = r#"{"model_type": "llama", "quantization": {"bits": 4, "group_size": 64}}"#;
+        write(&perch.join("b-model/config.json"), config);
+        write(&perch.join("b-model/model.safetensors"), &"x".repeat(1000));
+        write(&perch.join("a-model/config.json"), "not json");
+        write(&perch.join("no-config/model.safetensors"), "x");
+
+        // The cache's layout: blobs, a snapshot per revision linking to them, refs/main.
+        let cache = root.path().join("hub");
+        let repo = cache.join("models--mlx-community--Qwen3-0.6B-4bit");
+        let qwen_config = r#"{"model_type": "qwen3"}"#;
+        write(&repo.join("blobs/aaa"), qwen_config);
+        write(&repo.join("blobs/bbb"), &"w".repeat(5000));
+        for rev in ["old", "cafe"] {
+            let snapshot = repo.join("snapshots").join(rev);
+            fs::create_dir_all(&snapshot).unwrap();
+            std::os::unix::fs::symlink(repo.join("blobs/aaa"), snapshot.join("config.json"))
+                .unwrap();
+        }
+        std::os::unix::fs::symlink(
+            repo.join("blobs/bbb"),
+            repo.join("snapshots/cafe/model.safetensors"),
+        )
+        .unwrap();
+        write(&repo.join("refs/main"), "cafe");
+        // A dataset and an incomplete download are not models.
+        write(&cache.join("datasets--x--y/refs/main"), "1");
+        write(&cache.join("models--x--partial/refs/main"), "missing");
+
+        let models = local_models(&perch, Some(&cache));
+        let names: Vec<&str> = models.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["a-model", "b-model", "mlx-community/Qwen3-0.6B-4bit"]
+        );
+        assert_eq!(models[0].model_type, None, "unreadable config");
+        assert_eq!(models[1].model_type.as_deref(), Some("llama"));
+        assert_eq!(models[1].quantization_bits, Some(4));
+        assert_eq!(models[1].size_bytes, 1000 + config.len() as u64);
+        let qwen = &models[2];
+        assert_eq!(qwen.source, ModelSource::HuggingFace);
+        assert_eq!(qwen.path, repo.join("snapshots/cafe"));
+        assert_eq!(qwen.model_type.as_deref(), Some("qwen3"));
+        assert_eq!(qwen.size_bytes, 5000 + qwen_config.len() as u64);
+    }
+
+    #[test]
+    fn missing_directories_list_nothing() {
+        let root = tempfile::tempdir().unwrap();
+        assert!(
+            local_models(&root.path().join("absent"), Some(&root.path().join("nope"))).is_empty()
+        );
+    }
+}

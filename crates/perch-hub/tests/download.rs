@@ -1,0 +1,409 @@
+//! Search, snapshot listing and downloads against the fake hub on 127.0.0.1.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use perch_hub::fake_hub::{FakeHub, FakeRepo};
+use perch_hub::{HubClient, HubError, ModelSource, SearchQuery};
+
+const REPO: &str = "mlx-community/Tiny-4bit";
+
+/// A model-shaped repository: small JSON files, a 1 MiB LFS weights file, and files mlx-lm
+/// does not download.
+fn tiny_repo() -> FakeRepo {
+    let weights: Vec<u8> = (0..1024 * 1024u32).map(|i| (i * 31 % 251) as u8).collect();
+    FakeRepo::new(
+        REPO,
+        vec![
+            ("config.json", br#"{"model_type": "llama"}"#.to_vec()),
+            ("model.safetensors", weights),
+            ("tokenizer.json", b"{\"model\": {}}".to_vec()),
+            ("tokenizer_config.json", b"{}".to_vec()),
+            ("README.md", b"# Tiny".to_vec()),
+            ("images/logo.png", vec![0x89; 100]),
+        ],
+    )
+}
+
+fn file_content(repo: &FakeRepo, path: &str) -> Vec<u8> {
+    let file = repo.files.iter().find(|f| f.path == path).unwrap();
+    file.content.as_ref().clone()
+}
+
+fn client(hub: &FakeHub, cache: &Path) -> HubClient {
+    HubClient::new(hub.url(), None, cache.to_path_buf())
+}
+
+fn repo_dir(cache: &Path) -> PathBuf {
+    cache.join("models--mlx-community--Tiny-4bit")
+}
+
+fn no_progress() -> impl FnMut(&perch_hub::DownloadProgress) {
+    |_| {}
+}
+
+#[test]
+fn search_finds_models_by_author_and_text_with_their_size() {
+    let mut qwen = FakeRepo::new("mlx-community/Qwen3-0.6B-4bit", vec![]);
+    qwen.downloads = 500;
+    qwen.safetensors_parameters = BTreeMap::from([("BF16".into(), 100), ("U32".into(), 1000)]);
+    let mut llama = FakeRepo::new("mlx-community/Llama-3.2-1B-Instruct-4bit", vec![]);
+    llama.downloads = 900;
+    let mut other = FakeRepo::new("someone/Qwen3-0.6B", vec![]);
+    other.downloads = 10_000;
+    let hub = FakeHub::start(vec![qwen, llama, other]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+
+    let found = client
+        .search(&SearchQuery {
+            text: "QWEN".into(),
+            ..SearchQuery::default()
+        })
+        .unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].id, "mlx-community/Qwen3-0.6B-4bit");
+    assert_eq!(found[0].weights_bytes, Some(100 * 2 + 1000 * 4));
+    assert_eq!(found[0].downloads, 500);
+
+    let all = client.search(&SearchQuery::default()).unwrap();
+    let ids: Vec<&str> = all.iter().map(|m| m.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            "mlx-community/Llama-3.2-1B-Instruct-4bit",
+            "mlx-community/Qwen3-0.6B-4bit"
+        ],
+        "mlx-community only, most downloaded first"
+    );
+    assert_eq!(all[0].weights_bytes, None, "no safetensors metadata");
+    let asked = &hub.requests()[0].uri;
+    assert!(
+        asked.contains("author=mlx-community") && asked.contains("expand%5B%5D=safetensors"),
+        "{asked}"
+    );
+}
+
+#[test]
+fn a_snapshot_lists_the_model_files_across_pages() {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    let snapshot = client(&hub, cache.path()).snapshot(REPO, "main").unwrap();
+
+    assert_eq!(snapshot.commit, repo.commit);
+    let paths: Vec<&str> = snapshot.files.iter().map(|f| f.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json"
+        ],
+        "README and images are not model files"
+    );
+    let weights = &snapshot.files[1];
+    assert!(weights.lfs);
+    assert_eq!(weights.size, 1024 * 1024);
+    assert_eq!(weights.etag, repo.files[1].etag());
+    let tree_pages = hub
+        .requests()
+        .iter()
+        .filter(|r| r.uri.contains("/tree/"))
+        .count();
+    assert_eq!(tree_pages, 3, "6 entries, 2 per page");
+}
+
+#[test]
+fn a_download_lays_out_the_cache_as_huggingface_hub_does() {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let mut reports = Vec::new();
+    let done = client
+        .download(&snapshot, &AtomicBool::new(false), &mut |p| {
+            reports.push(p.clone())
+        })
+        .unwrap();
+
+    let dir = repo_dir(cache.path());
+    assert_eq!(done.snapshot_dir, dir.join("snapshots").join(&repo.commit));
+    assert_eq!(done.bytes_fetched, snapshot.total_bytes());
+    assert_eq!(
+        fs::read_to_string(dir.join("refs/main")).unwrap(),
+        repo.commit
+    );
+    for file in &snapshot.files {
+        let pointer = done.snapshot_dir.join(&file.path);
+        assert_eq!(
+            fs::read_link(&pointer).unwrap(),
+            Path::new("../../blobs").join(&file.etag),
+            "relative link, as huggingface_hub writes"
+        );
+        assert_eq!(fs::read(&pointer).unwrap(), file_content(&repo, &file.path));
+    }
+    assert!(!done.snapshot_dir.join("README.md").exists());
+    let last = reports.last().unwrap();
+    assert_eq!(
+        (last.bytes_done, last.files_done),
+        (snapshot.total_bytes(), 4)
+    );
+    assert!(reports
+        .windows(2)
+        .all(|w| w[0].bytes_done <= w[1].bytes_done));
+
+    // hf-hub's cache reader and Perch's local list find it.
+    let config = hf_hub::Cache::new(cache.path().to_path_buf())
+        .model(REPO.into())
+        .get("config.json");
+    assert_eq!(config, Some(done.snapshot_dir.join("config.json")));
+    let local = perch_hub::local_models(&cache.path().join("none"), Some(cache.path()));
+    assert_eq!(local.len(), 1);
+    assert_eq!(
+        (local[0].name.as_str(), local[0].source),
+        (REPO, ModelSource::HuggingFace)
+    );
+
+    // A second download fetches nothing.
+    let before = hub.requests().len();
+    let again = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap();
+    assert_eq!(
+        (again.bytes_fetched, again.bytes_reused),
+        (0, snapshot.total_bytes())
+    );
+    assert!(hub.requests()[before..]
+        .iter()
+        .all(|r| r.uri.starts_with("/api/")));
+}
+
+#[test]
+fn a_lost_connection_is_resumed_with_a_range_request() {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    hub.configure(|b| {
+        b.cut_after = 300_000;
+        b.cut_bodies = 1;
+    });
+    let done = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap();
+
+    let weights = fs::read(done.snapshot_dir.join("model.safetensors")).unwrap();
+    assert_eq!(weights, file_content(&repo, "model.safetensors"));
+    // The first file request was cut; the retry asked only for the rest.
+    let cdn: Vec<_> = hub
+        .file_requests("model.safetensors")
+        .into_iter()
+        .filter(|r| r.uri.starts_with("/cdn/"))
+        .collect();
+    assert_eq!(cdn.len(), 2, "{cdn:?}");
+    let from: u64 = cdn[1]
+        .range
+        .as_deref()
+        .unwrap()
+        .strip_prefix("bytes=")
+        .unwrap()
+        .trim_end_matches('-')
+        .parse()
+        .unwrap();
+    assert!(from > 0 && from <= 300_000, "resumed from {from}");
+}
+
+#[test]
+fn a_cancelled_download_keeps_its_part_and_the_next_one_resumes_it() {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    hub.configure(|b| b.chunk_delay = Duration::from_millis(30));
+
+    let cancel = AtomicBool::new(false);
+    let result = client.download(&snapshot, &cancel, &mut |p| {
+        if p.file == "model.safetensors" && p.bytes_done > 200_000 {
+            cancel.store(true, Ordering::Relaxed);
+        }
+    });
+    assert!(matches!(result, Err(HubError::Cancelled)), "{result:?}");
+    let weights = &snapshot.files[1];
+    let blobs = repo_dir(cache.path()).join("blobs");
+    let partial = fs::metadata(blobs.join(format!("{}.incomplete", weights.etag)))
+        .unwrap()
+        .len();
+    assert!(
+        partial > 0 && partial < weights.size,
+        "partial file of {partial} bytes"
+    );
+    assert!(
+        !blobs.join(&weights.etag).exists(),
+        "no blob until complete"
+    );
+    assert!(
+        !repo_dir(cache.path()).join("refs/main").exists(),
+        "not a model yet"
+    );
+
+    hub.configure(|b| b.chunk_delay = Duration::ZERO);
+    let done = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap();
+    assert_eq!(
+        fs::read(done.snapshot_dir.join("model.safetensors")).unwrap(),
+        file_content(&repo, "model.safetensors")
+    );
+    let config = snapshot.files[0].size;
+    assert_eq!(
+        done.bytes_fetched,
+        snapshot.total_bytes() - config - partial,
+        "{done:?}"
+    );
+    // The resolve request and the CDN request it redirects to both ask for the rest only.
+    let requests = hub.file_requests("model.safetensors");
+    for request in &requests[requests.len() - 2..] {
+        assert_eq!(
+            request.range,
+            Some(format!("bytes={partial}-")),
+            "{request:?}"
+        );
+    }
+}
+
+#[test]
+fn a_corrupted_transfer_is_caught_and_its_file_deleted() {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    hub.configure(|b| b.corrupt = vec!["model.safetensors".into(), "tokenizer.json".into()]);
+
+    let err = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap_err();
+    assert!(
+        matches!(&err, HubError::Checksum { path, .. } if path == "model.safetensors"),
+        "{err}"
+    );
+    assert!(err
+        .to_string()
+        .contains("does not match the Hub's checksum"));
+    let blobs = repo_dir(cache.path()).join("blobs");
+    let left: Vec<String> = fs::read_dir(&blobs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        left,
+        [snapshot.files[0].etag.clone()],
+        "only config.json's blob stays"
+    );
+    assert!(!repo_dir(cache.path()).join("refs/main").exists());
+
+    // A Git (non-LFS) file is checked against its blob id.
+    hub.configure(|b| b.corrupt = vec!["tokenizer.json".into()]);
+    let err = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap_err();
+    assert!(
+        matches!(&err, HubError::Checksum { path, .. } if path == "tokenizer.json"),
+        "{err}"
+    );
+
+    hub.configure(|b| b.corrupt.clear());
+    client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap();
+}
+
+#[test]
+fn a_server_ignoring_ranges_restarts_the_file() {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let weights = &snapshot.files[1];
+    let blobs = repo_dir(cache.path()).join("blobs");
+    fs::create_dir_all(&blobs).unwrap();
+    fs::write(
+        blobs.join(format!("{}.incomplete", weights.etag)),
+        vec![7u8; 5000],
+    )
+    .unwrap();
+    hub.configure(|b| b.ignore_ranges = true);
+
+    let done = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap();
+    assert_eq!(
+        fs::read(done.snapshot_dir.join("model.safetensors")).unwrap(),
+        file_content(&repo, "model.safetensors")
+    );
+    assert_eq!(
+        done.bytes_fetched,
+        snapshot.total_bytes(),
+        "the 5000 stale bytes were dropped"
+    );
+}
+
+#[test]
+fn errors_say_what_is_wrong() {
+    let hub = FakeHub::start(vec![tiny_repo()]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+
+    let err = client
+        .snapshot("mlx-community/Missing", "main")
+        .unwrap_err();
+    assert!(matches!(err, HubError::Status { status: 404, .. }));
+    assert!(err.to_string().contains("no such repository"), "{err}");
+
+    let err = client.snapshot("../etc", "main").unwrap_err();
+    assert!(matches!(err, HubError::InvalidRepoId(_)), "{err}");
+    assert!(
+        hub.requests().len() == 1,
+        "an invalid id is refused before any request"
+    );
+
+    hub.configure(|b| b.required_token = Some("secret".into()));
+    let err = client.snapshot(REPO, "main").unwrap_err();
+    assert!(err.to_string().contains("gated"), "{err}");
+    let with_token = HubClient::new(hub.url(), Some("secret".into()), cache.path().to_path_buf());
+    let snapshot = with_token.snapshot(REPO, "main").unwrap();
+    with_token
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap();
+
+    let unreachable = HubClient::new("http://127.0.0.1:9", None, cache.path().to_path_buf());
+    let err = unreachable.search(&SearchQuery::default()).unwrap_err();
+    assert!(matches!(err, HubError::Network { .. }), "{err}");
+}
+
+#[test]
+fn a_hub_listing_paths_outside_the_repository_is_refused() {
+    let evil = FakeRepo::new(
+        "mlx-community/Evil",
+        vec![("../../escape.json", b"{}".to_vec())],
+    );
+    let hub = FakeHub::start(vec![evil]);
+    let cache = tempfile::tempdir().unwrap();
+    let err = client(&hub, cache.path())
+        .snapshot("mlx-community/Evil", "main")
+        .unwrap_err();
+    assert!(matches!(err, HubError::BadResponse { .. }), "{err}");
+    assert!(
+        err.to_string().contains("not a safe relative file path"),
+        "{err}"
+    );
+}
