@@ -5,7 +5,7 @@ fn main() {
     println!("cargo:rerun-if-changed={}", dist.display());
     if !dist.join("index.html").is_file() {
         panic!(
-            "the web UI is not built: run `bash scripts/build-ui.sh` (npm ci && npm run build in ui/)"
+            "the web UI is not built: run `bash scripts/build-ui.sh` (npm install && npm run build in ui/)"
         );
     }
     // The app binary (and its tests) load libmlx from the wheel directory mlx-sys linked against.
@@ -34,6 +34,9 @@ fn main() {
         "save_settings",
         "startup_notices",
         "system_stats",
+        "search_models",
+        "download_model",
+        "cancel_download",
     ];
     tauri_build::try_build(
         tauri_build::Attributes::new()

@@ -7,8 +7,13 @@ use std::path::PathBuf;
 use std::process::{Command, Output};
 
 fn perch(args: &[&str]) -> Output {
+    perch_with_env(args, &[])
+}
+
+fn perch_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_perch"))
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .expect("run perch")
 }
@@ -335,4 +340,43 @@ fn batch_bench_reports_every_field() {
         ]),
         "shared-prefix-tokens",
     );
+}
+
+#[test]
+fn search_pull_then_generate_by_repository_id() {
+    use perch_hub::fake_hub::{FakeHub, FakeRepo};
+    const REPO: &str = "mlx-community/SmolLM2-135M-Instruct-4bit";
+    let mut repo = FakeRepo::from_dir(REPO, std::path::Path::new(&shared_model())).unwrap();
+    repo.safetensors_parameters = [("U32".to_owned(), 1000), ("BF16".to_owned(), 500)].into();
+    let hub = FakeHub::start(vec![repo]);
+    let cache = tempfile::tempdir().unwrap();
+    let cache_dir = cache.path().to_str().unwrap();
+    let env = [("HF_ENDPOINT", hub.url()), ("HF_HUB_CACHE", cache_dir), ("HF_TOKEN", "")];
+    let stdout = |out: &Output| {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        String::from_utf8(out.stdout.clone()).unwrap()
+    };
+
+    let found = stdout(&perch_with_env(&["search", "smollm"], &env));
+    let row = found.lines().find(|l| l.starts_with(REPO)).expect(&found);
+    assert!(row.contains("5.0 kB") && row.contains("yes"), "size and fit: {row}");
+
+    let pulled = perch_with_env(&["pull", REPO], &env);
+    let snapshot = PathBuf::from(stdout(&pulled).trim());
+    assert!(snapshot.starts_with(cache.path()) && snapshot.join("config.json").is_file());
+    let again = perch_with_env(&["pull", REPO], &env);
+    assert!(String::from_utf8_lossy(&again.stderr).contains("0 B fetched"));
+
+    // The id finds the download, and it is the same model as the shared directory.
+    let generate = |model: &str| {
+        let args = ["generate", "--model", model, "--raw", "The capital of France is", "--max-tokens", "8"];
+        stdout(&perch_with_env(&args, &env))
+    };
+    assert_eq!(generate(REPO), generate(&shared_model()));
+
+    let missing = perch_with_env(&["pull", "mlx-community/Missing"], &env);
+    assert_clean_error(&missing, "no such repository");
+    let not_pulled = perch_with_env(&["generate", "--model", "mlx-community/Other", "--prompt", "x"], &env);
+    assert_clean_error(&not_pulled, "run `perch pull mlx-community/Other`");
 }

@@ -19,7 +19,6 @@ use tauri::menu::{Menu, MenuItem, PredefinedMenuItem};
 use tauri::tray::{MouseButton, MouseButtonState, TrayIconBuilder, TrayIconEvent};
 use tauri::{AppHandle, Emitter, Manager, PhysicalPosition, Rect, Runtime, WebviewWindow};
 
-use commands::system;
 
 pub use commands::model::AppState;
 use store::Store;
@@ -33,10 +32,11 @@ pub const VIEWS: [&str; 4] = ["chat", "dashboard", "models", "settings"];
 /// Commands and state over `store`, without tray or windows: what tests build on
 /// `tauri::test::mock_builder`.
 pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> tauri::Builder<R> {
-    use commands::{chat, model, settings, system};
+    use commands::{chat, hub, model, settings, system};
     builder
         .manage(AppState::default())
         .manage(system::SystemMonitor::default())
+        .manage(hub::Downloads::default())
         .manage(store)
         .invoke_handler(tauri::generate_handler![
             model::list_models,
@@ -58,13 +58,16 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
             settings::save_settings,
             settings::startup_notices,
             system::system_stats,
+            hub::search_models,
+            hub::download_model,
+            hub::cancel_download,
         ])
 }
 
 /// Runs the app: tray, window behaviour, the store in Perch's data directory
 /// (`perch_hub::data_dir()`), and the default model loading in the background.
 pub fn run() {
-    let store = Store::open(&perch_hub::data_dir(), system::total_memory_bytes());
+    let store = Store::open(&perch_hub::data_dir(), perch_hub::total_memory_bytes());
     desktop::plugins(with_commands(tauri::Builder::default(), store))
         .setup(|app| {
             #[cfg(target_os = "macos")]

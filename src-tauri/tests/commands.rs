@@ -8,6 +8,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use perch_app::commands::chat::{self as chat_commands, ChatEvent};
+use perch_app::commands::hub as hub_commands;
 use perch_app::store::Store;
 use perch_app::AppState;
 use perch_store::Turn;
@@ -269,8 +270,8 @@ fn a_damaged_history_is_set_aside_and_reported() {
     invoke(&window, "create_conversation", json!({})).unwrap();
 }
 
-/// Collects a chat's channel messages.
-fn channel() -> (Channel<ChatEvent>, mpsc::Receiver<Value>) {
+/// Collects a channel's messages (a chat's events, a download's progress) as JSON.
+fn channel<T: tauri::ipc::IpcResponse>() -> (Channel<T>, mpsc::Receiver<Value>) {
     let (tx, rx) = mpsc::channel();
     let channel = Channel::new(move |body| {
         let value = match body {
@@ -285,7 +286,7 @@ fn channel() -> (Channel<ChatEvent>, mpsc::Receiver<Value>) {
 
 /// Runs one turn to its end: the streamed text and the `finished` event.
 fn run_turn(app: &tauri::App<MockRuntime>, conversation: i64, turn: Turn) -> (String, Value) {
-    let (events, received) = channel();
+    let (events, received) = channel::<ChatEvent>();
     chat_commands::chat(app.state(), app.state(), conversation, turn, events).expect("chat starts");
     let mut text = String::new();
     loop {
@@ -426,4 +427,83 @@ fn model_status_reports_load_progress() {
         with_total.windows(2).all(|w| w[0].0 <= w[1].0),
         "progress went back: {with_total:?}"
     );
+}
+
+#[test]
+fn search_download_cancel_and_load_from_the_hub() {
+    use perch_hub::fake_hub::{FakeHub, FakeRepo};
+    const REPO: &str = "mlx-community/SmolLM2-135M-Instruct-4bit";
+    let _turn = serial();
+    let root = tempfile::tempdir().unwrap();
+    let mut repo = FakeRepo::from_dir(REPO, &model_dir()).unwrap();
+    repo.safetensors_parameters = [("U32".to_owned(), 1 << 30)].into(); // 4 GiB of weights
+    let hub = FakeHub::start(vec![repo]);
+    std::env::set_var("HF_ENDPOINT", hub.url());
+    std::env::set_var("HF_HUB_CACHE", root.path().join("hub"));
+    std::env::set_var("PERCH_MODELS_DIR", root.path().join("models"));
+    std::env::remove_var("HF_TOKEN");
+    let (app, window) = app(root.path());
+
+    // 16 GiB of RAM: 12 GiB usable, so 4 GiB of weights and the default 2 GiB KV budget fit.
+    let found = invoke(&window, "search_models", json!({"text": "smollm"})).unwrap();
+    assert_eq!(found.as_array().unwrap().len(), 1, "{found}");
+    assert_eq!(found[0]["id"], REPO);
+    assert_eq!(found[0]["weights_bytes"], 4u64 << 30);
+    assert_eq!((&found[0]["fit"], &found[0]["downloaded"]), (&json!("fits"), &json!(false)));
+
+    // Cancelled mid-file: the command fails with a sentence, and nothing is listed yet.
+    hub.configure(|b| b.chunk_delay = Duration::from_millis(20));
+    let download = |progress: Channel<perch_hub::DownloadProgress>| {
+        let handle = app.handle().clone();
+        std::thread::spawn(move || {
+            tauri::async_runtime::block_on(hub_commands::download_model(
+                handle,
+                REPO.to_owned(),
+                progress,
+            ))
+        })
+    };
+    let (progress, reports) = channel();
+    let running = download(progress);
+    let first = reports.recv_timeout(Duration::from_secs(60)).expect("progress");
+    assert_eq!(first["repo_id"], REPO);
+    let twice = tauri::async_runtime::block_on(hub_commands::download_model(
+        app.handle().clone(),
+        REPO.to_owned(),
+        channel().0,
+    ));
+    assert!(twice.unwrap_err().contains("already downloading"));
+    while reports.recv_timeout(Duration::from_secs(60)).expect("progress")["file"] != "model.safetensors" {}
+    assert_eq!(invoke(&window, "cancel_download", json!({"repoId": REPO})), Ok(json!(true)));
+    let error = running.join().unwrap().unwrap_err();
+    assert!(error.contains("cancelled") && error.ends_with('.'), "{error}");
+    assert_eq!(invoke(&window, "list_models", json!({})), Ok(json!([])));
+    assert_eq!(invoke(&window, "cancel_download", json!({"repoId": REPO})), Ok(json!(false)));
+
+    // Again at full speed: it resumes, and the model is listed and loads under its id.
+    hub.configure(|b| b.chunk_delay = Duration::ZERO);
+    let (progress, reports) = channel();
+    let done = download(progress).join().unwrap().expect("download");
+    let last = reports.try_iter().last().expect("progress");
+    assert_eq!(last["bytes_done"], last["bytes_total"]);
+    let resumed = hub.file_requests("model.safetensors").pop().unwrap();
+    assert!(resumed.range.is_some_and(|r| r != "bytes=0-"), "{resumed:?}");
+    let models = invoke(&window, "list_models", json!({})).unwrap();
+    assert_eq!(models[0]["name"], REPO, "{models}");
+    assert_eq!(models[0]["path"], json!(done.snapshot_dir));
+    let found = invoke(&window, "search_models", json!({"text": "smollm"})).unwrap();
+    assert_eq!(found[0]["downloaded"], true);
+    let status = invoke(&window, "load_model", json!({"path": done.snapshot_dir})).unwrap();
+    assert_eq!((&status["state"], &status["name"]), (&json!("loaded"), &json!(REPO)), "{status}");
+    invoke(&window, "unload_model", json!({})).unwrap();
+
+    // An unknown repository is one sentence.
+    let unknown = tauri::async_runtime::block_on(hub_commands::download_model(
+        app.handle().clone(),
+        "mlx-community/Missing".into(),
+        channel().0,
+    ))
+    .unwrap_err();
+    assert!(unknown.contains("no such repository") && unknown.ends_with('.'), "{unknown}");
+    std::env::remove_var("HF_ENDPOINT");
 }

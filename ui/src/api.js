@@ -13,6 +13,15 @@ export const api = {
   engineStats: () => invoke("engine_stats"),
   clearCache: () => invoke("clear_cache"),
   resetPeakMemory: () => invoke("reset_peak_memory"),
+  // The Hugging Face Hub (commands/hub.rs)
+  searchModels: (text, author) => invoke("search_models", { text, author }),
+  /** Resolves to {snapshot_dir, bytes_fetched, bytes_reused}; `onProgress` gets DownloadProgress. */
+  downloadModel: (repoId, onProgress) => {
+    const channel = new Channel();
+    channel.onmessage = onProgress;
+    return invoke("download_model", { repoId, onProgress: channel });
+  },
+  cancelDownload: (repoId) => invoke("cancel_download", { repoId }),
   // System (commands/system.rs)
   systemStats: () => invoke("system_stats"),
   // Conversations and chat (commands/chat.rs)

@@ -41,3 +41,36 @@ export function describeModelStatus(status, loadingSeconds = 0) {
       return "";
   }
 }
+
+/** Bytes in decimal units, as the Hugging Face Hub shows sizes ("1.2 GB", "850 MB"). */
+export function decimalBytes(bytes) {
+  const units = ["B", "kB", "MB", "GB", "TB"];
+  let value = bytes;
+  let unit = 0;
+  while (value >= 1000 && unit < units.length - 1) {
+    value /= 1000;
+    unit += 1;
+  }
+  return unit === 0 ? `${bytes} B` : `${value.toFixed(value < 10 ? 1 : 0)} ${units[unit]}`;
+}
+
+/** What `MemoryFit` (perch-hub's fit.rs) means for the user. */
+export function describeFit(fit) {
+  switch (fit) {
+    case "fits":
+      return "fits in memory";
+    case "tight":
+      return "fits with a smaller KV cache";
+    case "too_large":
+      return "too large for this machine";
+    default:
+      return "fit unknown";
+  }
+}
+
+/** A download's progress (`DownloadProgress` from the `download_model` channel). */
+export function describeDownload(progress) {
+  if (!progress.bytes_total) return "Starting…";
+  const percent = Math.floor((100 * progress.bytes_done) / progress.bytes_total);
+  return `${percent}% of ${decimalBytes(progress.bytes_total)} (file ${Math.min(progress.files_done + 1, progress.files_total)} of ${progress.files_total})`;
+}

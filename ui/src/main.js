@@ -6,7 +6,8 @@ import { api } from "./api.js";
 import { ChatView } from "./chat.js";
 import { Dashboard } from "./dashboard.js";
 import { SettingsView } from "./settings.js";
-import { describeModelStatus, mib } from "./format.js";
+import { ModelsView } from "./models.js";
+import { describeModelStatus } from "./format.js";
 
 const $ = (id) => document.getElementById(id);
 
@@ -28,6 +29,7 @@ window.addEventListener("error", (event) => notice(event.message));
 const chat = new ChatView($("view-chat"), api);
 const dashboard = new Dashboard($("view-dashboard"), api);
 const settings = new SettingsView($("view-settings"), api);
+const models = new ModelsView($("view-models"), api, loadModel);
 
 function show(view) {
   for (const section of document.querySelectorAll(".view")) {
@@ -37,7 +39,7 @@ function show(view) {
     button.classList.toggle("active", button.dataset.view === view);
   }
   dashboard.setVisible(view === "dashboard");
-  if (view === "models") refreshModels();
+  if (view === "models") models.show();
   if (view === "settings") settings.load();
 }
 
@@ -54,32 +56,18 @@ async function refreshStatus() {
   if (!bar.hidden) bar.value = status.bytes_read / status.bytes_total;
 }
 
-async function refreshModels() {
-  const list = $("models");
-  list.replaceChildren();
-  for (const model of await api.listModels()) {
-    const item = document.createElement("li");
-    const bits = model.quantization_bits ? `, ${model.quantization_bits}-bit` : "";
-    item.textContent = `${model.name} (${model.model_type ?? "?"}${bits}, ${mib(model.size_bytes)}, ${model.source}) `;
-    const load = document.createElement("button");
-    load.textContent = "Load";
-    load.onclick = async () => {
-      const poll = setInterval(refreshStatus, 250);
-      try {
-        await api.loadModel(model.path);
-      } catch {
-        // The status line shows the error (model_status is `failed`).
-      } finally {
-        clearInterval(poll);
-        refreshStatus();
-      }
-    };
-    item.append(load);
-    list.append(item);
+/** Loads the model in `path`, showing its progress in the status line. */
+async function loadModel(path) {
+  const poll = setInterval(refreshStatus, 250);
+  try {
+    await api.loadModel(path);
+  } catch {
+    // The status line shows the error (model_status is `failed`).
+  } finally {
+    clearInterval(poll);
+    refreshStatus();
   }
-  if (!list.children.length) list.textContent = "No models found in Perch's models directory or the Hugging Face cache.";
 }
-
 
 for (const button of document.querySelectorAll("nav button")) {
   button.onclick = () => show(button.dataset.view);

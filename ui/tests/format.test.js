@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { describeModelStatus, describeStats, mib } from "../src/format.js";
+import { decimalBytes, describeDownload, describeModelStatus, describeStats, mib } from "../src/format.js";
 
 const stats = {
   prompt_tokens: 40,
@@ -31,5 +31,20 @@ describe("mib and model status", () => {
     expect(describeModelStatus(halfway, 3)).toBe("Loading m… 25% of 200 MiB, 3 s");
     expect(describeModelStatus({ state: "failed", name: "m", error: "Bad config." })).toBe("Could not load m: Bad config.");
     expect(describeModelStatus({ state: "loaded", name: "m", path: "/m" })).toBe("Model: m");
+  });
+});
+
+describe("decimalBytes and describeDownload", () => {
+  it("use the Hub's decimal units", () => {
+    expect(decimalBytes(999)).toBe("999 B");
+    expect(decimalBytes(1_500)).toBe("1.5 kB");
+    expect(decimalBytes(335_000_000)).toBe("335 MB");
+    expect(decimalBytes(4_200_000_000)).toBe("4.2 GB");
+  });
+
+  it("say how far a download is", () => {
+    expect(describeDownload({ bytes_done: 0, bytes_total: 0, files_done: 0, files_total: 0 })).toBe("Starting…");
+    const done = { bytes_done: 2_000_000_000, bytes_total: 2_000_000_000, files_done: 5, files_total: 5 };
+    expect(describeDownload(done)).toBe("100% of 2.0 GB (file 5 of 5)");
   });
 });

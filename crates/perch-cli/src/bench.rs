@@ -17,7 +17,7 @@ use crate::model_dir;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// Model directory (mlx-community layout); default: the model installed by setup.
+    /// Model directory (mlx-community layout) or a downloaded Hub id (ORG/NAME); default: the model installed by setup.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// Prompt length in tokens.

@@ -12,7 +12,7 @@ use crate::model_dir;
 
 #[derive(Args)]
 pub struct ChatArgs {
-    /// Model directory (mlx-community layout); default: the model installed by setup.
+    /// Model directory (mlx-community layout) or a downloaded Hub id (ORG/NAME); default: the model installed by setup.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// A system message for the conversation.

@@ -1,12 +1,14 @@
 //! `perch`: run local language models on MLX from the terminal.
 //!
 //! Subcommands: `generate` (one prompt, streamed), `chat` (interactive), `import` (GGUF → MLX
-//! model directory), `bench` (prompt/decode tok/s and peak memory).
+//! model directory), `bench` (prompt/decode tok/s and peak memory), `search` and `pull` (the
+//! Hugging Face Hub).
 
 mod bench;
 mod bench_batch;
 mod chat;
 mod generate;
+mod hub;
 mod import;
 mod model_dir;
 
@@ -31,6 +33,10 @@ enum Command {
     Import(import::ImportArgs),
     /// Measure prompt and decode throughput and peak memory.
     Bench(bench::BenchArgs),
+    /// Search the Hugging Face Hub for models (mlx-community by default), with size and fit.
+    Search(hub::SearchArgs),
+    /// Download a model from the Hugging Face Hub into its cache (resumes, verifies).
+    Pull(hub::PullArgs),
 }
 
 fn main() -> ExitCode {
@@ -40,6 +46,8 @@ fn main() -> ExitCode {
         Command::Chat(args) => chat::run(args),
         Command::Import(args) => import::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Search(args) => hub::search(args),
+        Command::Pull(args) => hub::pull(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -23,6 +23,13 @@ pub enum MemoryFit {
     Unknown,
 }
 
+/// The machine's RAM in bytes (0 when the OS does not say), from `sysinfo`.
+pub fn total_memory_bytes() -> u64 {
+    let mut system = sysinfo::System::new();
+    system.refresh_memory();
+    system.total_memory()
+}
+
 /// Judges `weights_bytes` (`None`: unknown) plus `kv_cache_bytes` against `total_memory_bytes`
 /// of RAM.
 pub fn memory_fit(

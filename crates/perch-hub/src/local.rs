@@ -44,20 +44,41 @@ pub fn local_models(perch_dir: &Path, hf_cache: Option<&Path>) -> Vec<LocalModel
         .collect();
     found.sort_by(|a, b| a.name.cmp(&b.name));
     if let Some(cache) = hf_cache {
-        let hub = hf_hub::Cache::new(cache.to_path_buf());
         let mut cached: Vec<LocalModel> = subdirectories(cache)
             .into_iter()
             .filter_map(|dir| {
                 let folder = dir.file_name()?.to_string_lossy().into_owned();
                 let id = folder.strip_prefix("models--")?.replacen("--", "/", 1);
-                let config = hub.model(id.clone()).get("config.json")?;
-                describe(id, config.parent()?.to_path_buf(), ModelSource::HuggingFace)
+                let snapshot = cached_snapshot(cache, &id)?;
+                describe(id, snapshot, ModelSource::HuggingFace)
             })
             .collect();
         cached.sort_by(|a, b| a.name.cmp(&b.name));
         found.extend(cached);
     }
     found
+}
+
+/// The snapshot `refs/main` names for `repo_id` (`org/name`) in the Hugging Face cache
+/// `hf_cache`, when it has a `config.json`: what mlx-lm loads for that id offline.
+pub fn cached_snapshot(hf_cache: &Path, repo_id: &str) -> Option<PathBuf> {
+    let config = hf_hub::Cache::new(hf_cache.to_path_buf())
+        .model(repo_id.to_owned())
+        .get("config.json")?;
+    Some(config.parent()?.to_path_buf())
+}
+
+/// What to call the model in `path`: `org/name` for a Hugging Face cache snapshot
+/// (`…/models--org--name/snapshots/{commit}`), else the directory's name.
+pub fn model_name(path: &Path) -> String {
+    let mut parts = path.components().rev().map(|c| c.as_os_str().to_string_lossy());
+    let (last, parent, repo) = (parts.next(), parts.next(), parts.next());
+    if let (Some(_), Some(parent), Some(repo)) = (&last, parent, repo) {
+        if let (true, Some(id)) = (parent == "snapshots", repo.strip_prefix("models--")) {
+            return id.replacen("--", "/", 1);
+        }
+    }
+    last.map_or_else(|| path.display().to_string(), |l| l.into_owned())
 }
 
 fn subdirectories(dir: &Path) -> Vec<PathBuf> {
@@ -162,6 +183,14 @@ mod tests {
         assert_eq!(qwen.path, repo.join("snapshots/cafe"));
         assert_eq!(qwen.model_type.as_deref(), Some("qwen3"));
         assert_eq!(qwen.size_bytes, 5000 + qwen_config.len() as u64);
+    }
+
+    #[test]
+    fn names_of_model_directories() {
+        let snapshot = Path::new("/c/hub/models--mlx-community--Qwen3-0.6B-4bit/snapshots/ab12");
+        assert_eq!(model_name(snapshot), "mlx-community/Qwen3-0.6B-4bit");
+        assert_eq!(model_name(Path::new("/data/models/SmolLM2")), "SmolLM2");
+        assert_eq!(model_name(Path::new("/")), "/");
     }
 
     #[test]

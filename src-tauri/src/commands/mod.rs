@@ -3,6 +3,7 @@
 //! sentence for the UI.
 
 pub mod chat;
+pub mod hub;
 pub mod model;
 pub mod settings;
 pub mod system;
@@ -19,6 +20,17 @@ pub fn sentence(err: &dyn std::fmt::Display) -> String {
         out.push('.');
     }
     out
+}
+
+/// [`sentence`] of an error followed by its causes (`cannot reach …: connection refused.`).
+pub fn sentence_with_causes(err: &dyn std::error::Error) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(cause) = source {
+        text = format!("{}: {cause}", text.trim_end_matches('.'));
+        source = cause.source();
+    }
+    sentence(&text)
 }
 
 pub(crate) fn poisoned() -> String {

@@ -74,10 +74,7 @@ impl AppState {
     /// Loads the model in `path` on an engine thread with `config` (replacing the loaded
     /// model) and waits for it; blocking, so commands call it off the UI thread.
     pub fn load(&self, path: PathBuf, config: EngineConfig) -> Result<ModelStatus, String> {
-        let name = path
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_else(|| path.display().to_string());
+        let name = perch_hub::model_name(&path);
         let previous = std::mem::replace(
             &mut *self.slot()?,
             ModelSlot {

@@ -40,10 +40,3 @@ pub fn system_stats(monitor: State<'_, SystemMonitor>) -> Result<SystemStats, St
     })
 }
 
-
-/// The machine's memory in bytes (0 when the OS does not say).
-pub fn total_memory_bytes() -> u64 {
-    let mut system = sysinfo::System::new();
-    system.refresh_memory();
-    system.total_memory()
-}

@@ -1,0 +1,126 @@
+//! Hub commands: search the Hugging Face Hub, download a model into the Hugging Face cache
+//! (where `list_models` and mlx-lm find it), cancel a download. The endpoint and token come
+//! from the environment as for `huggingface_hub` (`HF_ENDPOINT`, `HF_TOKEN`).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use perch_hub::{
+    memory_fit, DownloadProgress, Downloaded, HubClient, HubModel, MemoryFit, SearchQuery,
+};
+use serde::Serialize;
+use tauri::ipc::Channel;
+use tauri::{AppHandle, Manager, Runtime, State};
+
+use super::{poisoned, sentence_with_causes};
+use crate::store::Store;
+
+/// The downloads in progress: repository id → its cancel flag.
+#[derive(Default)]
+pub struct Downloads(Mutex<HashMap<String, Arc<AtomicBool>>>);
+
+/// A search result with what it means for this machine.
+#[derive(Clone, Debug, Serialize)]
+pub struct HubModelView {
+    #[serde(flatten)]
+    pub model: HubModel,
+    /// Weights plus the KV cache budget of the settings against RAM (`perch_hub::memory_fit`).
+    pub fit: MemoryFit,
+    /// A snapshot of it is already in the Hugging Face cache.
+    pub downloaded: bool,
+}
+
+fn client() -> Result<HubClient, String> {
+    let cache = perch_hub::hf_cache_dir()
+        .ok_or("No Hugging Face cache directory is known; set HF_HUB_CACHE.")?;
+    Ok(HubClient::from_env(cache))
+}
+
+/// Models whose id contains `text` (from mlx-community unless `author` says otherwise; an
+/// empty `author` searches everyone), most downloaded first.
+#[tauri::command]
+pub async fn search_models(
+    store: State<'_, Store>,
+    text: String,
+    author: Option<String>,
+) -> Result<Vec<HubModelView>, String> {
+    let kv_cache_bytes = store.settings()?.kv_cache_bytes;
+    let total_memory = store.total_memory_bytes();
+    let query = SearchQuery {
+        text,
+        author: match author {
+            Some(author) if author.is_empty() => None,
+            Some(author) => Some(author),
+            None => SearchQuery::default().author,
+        },
+        ..SearchQuery::default()
+    };
+    let client = client()?;
+    tauri::async_runtime::spawn_blocking(move || {
+        let found = client.search(&query).map_err(|e| sentence_with_causes(&e))?;
+        Ok(found
+            .into_iter()
+            .map(|model| HubModelView {
+                fit: memory_fit(model.weights_bytes, kv_cache_bytes, total_memory),
+                downloaded: perch_hub::cached_snapshot(client.cache_dir(), &model.id).is_some(),
+                model,
+            })
+            .collect())
+    })
+    .await
+    .map_err(|_| "The search crashed.".to_string())?
+}
+
+/// Downloads `repo_id` at `main` into the Hugging Face cache, sending progress on `on_progress`
+/// (at most every 100 ms), and returns where it is. Resumes what an earlier download (Perch's or
+/// mlx-lm's) left; `cancel_download` stops it, keeping what was fetched.
+#[tauri::command]
+pub async fn download_model<R: Runtime>(
+    app: AppHandle<R>,
+    repo_id: String,
+    on_progress: Channel<DownloadProgress>,
+) -> Result<Downloaded, String> {
+    let cancel = Arc::new(AtomicBool::new(false));
+    {
+        let mut downloads = app.state::<Downloads>().0.lock().map_err(|_| poisoned())?;
+        if downloads.contains_key(&repo_id) {
+            return Err(format!("{repo_id} is already downloading."));
+        }
+        downloads.insert(repo_id.clone(), Arc::clone(&cancel));
+    }
+    let client = client();
+    let id = repo_id.clone();
+    let result = tauri::async_runtime::spawn_blocking(move || {
+        let client = client?;
+        let snapshot = client
+            .snapshot(&id, "main")
+            .map_err(|e| sentence_with_causes(&e))?;
+        client
+            .download(&snapshot, &cancel, &mut |progress| {
+                // A closed channel (the window went away) does not stop the download.
+                let _ = on_progress.send(progress.clone());
+            })
+            .map_err(|e| sentence_with_causes(&e))
+    })
+    .await
+    .map_err(|_| "The download crashed.".to_string())
+    .and_then(|r| r);
+    if let Ok(mut downloads) = app.state::<Downloads>().0.lock() {
+        downloads.remove(&repo_id);
+    }
+    result
+}
+
+/// Stops the download of `repo_id` within one read; `false` when none is running.
+#[tauri::command]
+pub fn cancel_download(downloads: State<'_, Downloads>, repo_id: String) -> Result<bool, String> {
+    let downloads = downloads.0.lock().map_err(|_| poisoned())?;
+    Ok(match downloads.get(&repo_id) {
+        Some(cancel) => {
+            cancel.store(true, Ordering::Relaxed);
+            true
+        }
+        None => false,
+    })
+}

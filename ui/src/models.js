@@ -1,0 +1,140 @@
+// The models view: the models on this machine (Perch's models directory and the Hugging Face
+// cache, `list_models`) with Load, and the model picker: search the Hugging Face Hub
+// (`search_models`, mlx-community by default), see size and whether it fits, download with
+// progress and cancel (`download_model`, `cancel_download`) into the Hugging Face cache.
+
+import { decimalBytes, describeFit, describeDownload, mib } from "./format.js";
+
+export class ModelsView {
+  /** `onLoad(path)` loads a model (main.js shows its progress in the status line). */
+  constructor(root, api, onLoad) {
+    this.root = root;
+    this.api = api;
+    this.onLoad = onLoad;
+    this.local = root.querySelector("#models");
+    this.results = root.querySelector("#hub-results");
+    this.message = root.querySelector("#hub-message");
+    this.searched = false;
+    /** repo id → {bytes_done, bytes_total, ...} of the downloads running in this window. */
+    this.downloads = new Map();
+    /** repo id → the error sentence of its last failed download. */
+    this.failures = new Map();
+    this.lastResults = [];
+    root.querySelector("#hub-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      this.search();
+    });
+  }
+
+  /** Refreshes the local list; the first time, also lists the Hub's most downloaded models. */
+  async show() {
+    await this.refreshLocal();
+    if (!this.searched) await this.search();
+  }
+
+  async refreshLocal() {
+    const models = await this.api.listModels();
+    this.local.replaceChildren();
+    for (const model of models) {
+      const item = document.createElement("li");
+      const bits = model.quantization_bits ? `, ${model.quantization_bits}-bit` : "";
+      item.textContent = `${model.name} (${model.model_type ?? "?"}${bits}, ${mib(model.size_bytes)}, ${model.source}) `;
+      item.append(this.button("Load", () => this.onLoad(model.path)));
+      this.local.append(item);
+    }
+    if (!models.length) this.local.textContent = "No models found in Perch's models directory or the Hugging Face cache.";
+  }
+
+  async search() {
+    this.searched = true;
+    const text = this.root.querySelector("#hub-search").value.trim();
+    const author = this.root.querySelector("#hub-author").value;
+    this.message.textContent = "Searching…";
+    try {
+      this.lastResults = await this.api.searchModels(text, author);
+      this.message.textContent = this.lastResults.length ? "" : "No models found.";
+    } catch (error) {
+      this.lastResults = [];
+      this.message.textContent = String(error);
+    }
+    this.renderResults();
+  }
+
+  renderResults() {
+    this.results.replaceChildren(...this.lastResults.map((model) => this.resultItem(model)));
+  }
+
+  resultItem(model) {
+    const item = document.createElement("li");
+    item.dataset.repo = model.id;
+    const title = document.createElement("span");
+    title.className = "repo";
+    title.textContent = model.id;
+    const fit = describeFit(model.fit);
+    const details = document.createElement("span");
+    details.className = `details fit-${model.fit}`;
+    const size = model.weights_bytes == null ? "size unknown" : decimalBytes(model.weights_bytes);
+    details.textContent = ` ${size} · ${fit} · ${model.downloads.toLocaleString()} downloads `;
+    item.append(title, details);
+
+    const progress = this.downloads.get(model.id);
+    if (progress) {
+      const bar = document.createElement("progress");
+      bar.max = 1;
+      bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
+      const text = document.createElement("span");
+      text.className = "progress-text";
+      text.textContent = ` ${describeDownload(progress)} `;
+      item.append(bar, text, this.button("Cancel", () => this.api.cancelDownload(model.id)));
+    } else if (model.downloaded) {
+      item.append(this.button("Downloaded", null));
+    } else {
+      item.append(this.button("Download", () => this.download(model)));
+    }
+    const failure = this.failures.get(model.id);
+    if (failure) {
+      const error = document.createElement("p");
+      error.className = "error";
+      error.textContent = failure;
+      item.append(error);
+    }
+    return item;
+  }
+
+  async download(model) {
+    this.failures.delete(model.id);
+    this.downloads.set(model.id, { bytes_done: 0, bytes_total: 0, files_done: 0, files_total: 0 });
+    this.renderResults();
+    try {
+      await this.api.downloadModel(model.id, (progress) => {
+        this.downloads.set(model.id, progress);
+        this.updateProgress(model.id, progress);
+      });
+      model.downloaded = true;
+      await this.refreshLocal();
+    } catch (error) {
+      this.failures.set(model.id, String(error));
+    } finally {
+      this.downloads.delete(model.id);
+      this.renderResults();
+    }
+  }
+
+  /** Moves one result's bar without rebuilding the list (it updates ten times a second). */
+  updateProgress(repo, progress) {
+    const item = [...this.results.children].find((li) => li.dataset.repo === repo);
+    const bar = item?.querySelector("progress");
+    if (!bar) return;
+    bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
+    item.querySelector(".progress-text").textContent = ` ${describeDownload(progress)} `;
+  }
+
+  button(label, onClick) {
+    const button = document.createElement("button");
+    button.type = "button";
+    button.textContent = label;
+    if (onClick) button.onclick = onClick;
+    else button.disabled = true;
+    return button;
+  }
+}

@@ -1,0 +1,109 @@
+import { describe, expect, it } from "vitest";
+import { ModelsView } from "../src/models.js";
+import { loadPage } from "./page.js";
+
+const QWEN = { id: "mlx-community/Qwen3-0.6B-4bit", downloads: 1234, weights_bytes: 335_000_000, fit: "fits", downloaded: false };
+const BIG = { id: "mlx-community/Big-70B", downloads: 5, weights_bytes: null, fit: "unknown", downloaded: false };
+
+/** A fake of api.js whose download waits until the test finishes or fails it. */
+function fakeApi() {
+  const calls = [];
+  let local = [{ name: "SmolLM2", path: "/m/SmolLM2", model_type: "llama", quantization_bits: 4, size_bytes: 2 ** 27, source: "perch" }];
+  const api = {
+    calls,
+    listModels: async () => local,
+    searchModels: async (text, author) => {
+      calls.push(["search", text, author]);
+      return [QWEN, BIG];
+    },
+    downloadModel: (repo, onProgress) =>
+      new Promise((resolve, reject) => {
+        calls.push(["download", repo]);
+        api.progress = onProgress;
+        api.finish = () => {
+          local = [...local, { name: repo, path: `/hf/${repo}`, model_type: "qwen3", size_bytes: 1, source: "hugging_face" }];
+          resolve({ snapshot_dir: `/hf/${repo}`, bytes_fetched: 1, bytes_reused: 0 });
+        };
+        api.fail = (error) => reject(error);
+      }),
+    cancelDownload: async (repo) => calls.push(["cancel", repo]),
+  };
+  return api;
+}
+
+const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
+const results = () => [...document.querySelectorAll("#hub-results > li")];
+const buttonIn = (item, label) => [...item.querySelectorAll("button")].find((b) => b.textContent === label);
+
+describe("ModelsView", () => {
+  it("lists local models and the Hub's mlx-community models with size and fit", async () => {
+    loadPage();
+    const api = fakeApi();
+    const loaded = [];
+    const view = new ModelsView(document.getElementById("view-models"), api, (path) => loaded.push(path));
+    await view.show();
+
+    const local = document.querySelectorAll("#models > li");
+    expect(local.length).toBe(1);
+    expect(local[0].textContent).toContain("SmolLM2 (llama, 4-bit, 128 MiB, perch)");
+    buttonIn(local[0], "Load").click();
+    expect(loaded).toEqual(["/m/SmolLM2"]);
+
+    expect(api.calls).toEqual([["search", "", "mlx-community"]]);
+    expect(results()[0].textContent).toContain("335 MB · fits in memory · 1,234 downloads");
+    expect(results()[1].textContent).toContain("size unknown · fit unknown");
+
+    document.getElementById("hub-search").value = " qwen ";
+    document.getElementById("hub-author").value = "";
+    document.getElementById("hub-form").requestSubmit();
+    await tick();
+    expect(api.calls.at(-1)).toEqual(["search", "qwen", ""]);
+  });
+
+  it("shows download progress, cancels, and lists the model once downloaded", async () => {
+    loadPage();
+    const api = fakeApi();
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+
+    buttonIn(results()[0], "Download").click();
+    await tick();
+    expect(api.calls.at(-1)).toEqual(["download", QWEN.id]);
+    api.progress({ repo_id: QWEN.id, file: "model.safetensors", bytes_done: 250, bytes_total: 1000, files_done: 1, files_total: 4 });
+    const item = results()[0];
+    expect(item.querySelector("progress").value).toBe(0.25);
+    expect(item.textContent).toContain("25% of 1.0 kB (file 2 of 4)");
+    buttonIn(item, "Cancel").click();
+    expect(api.calls.at(-1)).toEqual(["cancel", QWEN.id]);
+
+    api.finish();
+    await tick();
+    await tick();
+    expect(buttonIn(results()[0], "Downloaded").disabled).toBe(true);
+    expect(document.querySelectorAll("#models > li").length).toBe(2);
+  });
+
+  it("says why a download failed and offers it again", async () => {
+    loadPage();
+    const api = fakeApi();
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    buttonIn(results()[1], "Download").click();
+    await tick();
+    api.fail("Not enough disk space in /hf: the download needs 9 more bytes, 1 are free.");
+    await tick();
+    const item = results()[1];
+    expect(item.querySelector(".error").textContent).toContain("Not enough disk space");
+    expect(buttonIn(item, "Download")).toBeTruthy();
+    expect(item.querySelector("progress")).toBe(null);
+  });
+
+  it("reports a search that fails", async () => {
+    loadPage();
+    const api = { ...fakeApi(), searchModels: async () => Promise.reject("Cannot reach https://huggingface.co/api/models.") };
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    expect(document.getElementById("hub-message").textContent).toContain("Cannot reach");
+    expect(results().length).toBe(0);
+  });
+});
