@@ -27,6 +27,8 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import mlx_lm" 2>/dev
   "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2"
 fi
 export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
+# Tests serve fake Hubs on 127.0.0.1: never send those requests through a proxy.
+export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}" no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}"
 # The web UI: built into ui/dist (embedded by src-tauri) and its unit tests (vitest).
 bash scripts/build-ui.sh --test
 export PERCH_TEST_GGUF="$(bash scripts/fetch-default-model.sh)"

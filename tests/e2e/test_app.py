@@ -3,16 +3,19 @@ WebKitWebDriver under Xvfb, with the shared model loaded:
 
 1. the model loads at start; a message is sent and its answer streams into the page token by
    token; the dashboard's graphs redraw while it generates; Stop ends it mid-answer;
-2. the global shortcut (Ctrl+Shift+Space, sent by xdotool) brings the chat back from another view,
+2. the model picker finds the shared model on the fake hub (scripts/e2e.sh starts it), shows its
+   download's progress, lists it under "On this machine" once downloaded, and loads it by its id;
+3. the global shortcut (Ctrl+Shift+Space, sent by xdotool) brings the chat back from another view,
    and "Launch at login" in Settings writes and removes the XDG autostart entry;
-3. the app is restarted on the same data directory and the conversation is there, with the
+4. the app is restarted on the same data directory and the conversation is there, with the
    stopped answer exactly as it was shown.
 
-Screenshots of the chat and the dashboard go to $PERCH_E2E_OUT (default target/e2e).
+Screenshots of the chat, the dashboard and the models view go to $PERCH_E2E_OUT (default target/e2e).
 
 Run by scripts/e2e.sh (which starts Xvfb and tauri-driver); needs the debug app binary.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -90,6 +93,41 @@ def first_run(session):
     return shown
 
 
+def model_picker(session):
+    repo = os.environ["PERCH_E2E_HUB_REPO"]
+    session.click("nav button[data-view=models]")
+    session.wait_for("return document.querySelectorAll('#hub-results > li').length > 0",
+                     what="the Hub's models")
+    session.type("#hub-search", "smollm")
+    session.click("#hub-form button[type=submit]")
+    result = f"#hub-results > li[data-repo='{repo}']"
+    session.wait_for(f"return document.querySelector(\"{result}\") !== null", what="the search result")
+    check("fits in memory" in text(session, result), text(session, result))
+    session.execute(
+        "[...document.querySelector(arguments[0]).querySelectorAll('button')]"
+        ".find(b => b.textContent === 'Download').click()", result)
+    # Progress is shown while it downloads, then the model is on this machine.
+    session.wait_for(f"const p = document.querySelector(\"{result} progress\"); return p && p.value > 0",
+                     what="the download's progress")
+    session.screenshot(OUT / "models-downloading.png")
+    session.wait_for(f"return document.querySelector(\"{result}\").textContent.includes('Downloaded')",
+                     what="the download to finish")
+    local = session.wait_for(
+        "const li = [...document.querySelectorAll('#models > li')]"
+        f".find(li => li.textContent.startsWith({json.dumps(repo)})); return li ? li.textContent : null",
+        what="the downloaded model in the local list")
+    check("hugging_face" in local, local)
+    session.execute(
+        "[...document.querySelectorAll('#models > li')].find(li => li.textContent.startsWith(arguments[0]))"
+        ".querySelector('button').click()", repo)
+    session.wait_for(f"return document.getElementById('model-status').textContent === 'Model: {repo}'",
+                     what="the downloaded model to load")
+    ref = Path(os.environ["HF_HUB_CACHE"]) / f"models--{repo.replace('/', '--')}" / "refs/main"
+    check(ref.is_file(), f"{ref} is missing")
+    session.screenshot(OUT / "models.png")
+    session.click("nav button[data-view=chat]")
+
+
 def desktop_hooks(session):
     # The global shortcut summons the chat from any view.
     session.click("nav button[data-view=dashboard]")
@@ -142,6 +180,7 @@ def main():
     session = Session(DRIVER, APP)
     try:
         shown = first_run(session)
+        model_picker(session)
         desktop_hooks(session)
     except Exception:
         session.screenshot(OUT / "failure-first-run.png")
@@ -156,8 +195,8 @@ def main():
         raise
     finally:
         session.close()
-    print("e2e: 3 passed (streaming, dashboard graphs and Stop; global shortcut and launch at login;"
-          " the conversation after a restart)")
+    print("e2e: 4 passed (streaming, dashboard graphs and Stop; the model picker's download and load;"
+          " global shortcut and launch at login; the conversation after a restart)")
 
 
 if __name__ == "__main__":
