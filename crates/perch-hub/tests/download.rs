@@ -407,3 +407,98 @@ fn a_hub_listing_paths_outside_the_repository_is_refused() {
         "{err}"
     );
 }
+
+const FULL_DISK_ENV: &str = "PERCH_HUB_FULL_DISK_TEST";
+
+/// Downloads with writes limited by `ulimit -f` (as a full disk would stop them): runs only as
+/// the child of `a_write_failure_mid_file_is_an_error_and_keeps_the_cache_sound`.
+#[test]
+#[ignore = "the child process of a_write_failure_mid_file_is_an_error_and_keeps_the_cache_sound"]
+fn download_with_limited_writes() {
+    let Ok(setup) = std::env::var(FULL_DISK_ENV) else {
+        return;
+    };
+    let (url, cache) = setup.split_once('\n').unwrap();
+    let client = HubClient::new(url, None, PathBuf::from(cache));
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let err = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap_err();
+    let HubError::Io { path, source } = &err else {
+        panic!("expected a write error, got {err}");
+    };
+    assert!(path.to_string_lossy().ends_with(".incomplete"), "{err}");
+    println!("write error: {err}: {source}");
+}
+
+#[test]
+fn a_write_failure_mid_file_is_an_error_and_keeps_the_cache_sound() {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    // Files may grow to 400 blocks of 512 bytes (dash's unit): the small files fit, the 1 MiB
+    // weights do not. SIGXFSZ is ignored so that the write fails (EFBIG) instead of killing.
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(r#"trap '' XFSZ; ulimit -f 400; exec "$0" "$@""#)
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "download_with_limited_writes",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env(
+            FULL_DISK_ENV,
+            format!("{}\n{}", hub.url(), cache.path().display()),
+        )
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("write error: cannot write"), "{stdout}");
+
+    // What was complete stays; the failed file is no blob; no snapshot is announced.
+    let dir = repo_dir(cache.path());
+    let config = &repo.files[0];
+    assert_eq!(
+        fs::read(dir.join("blobs").join(config.etag())).unwrap(),
+        *config.content
+    );
+    assert!(!dir.join("blobs").join(repo.files[1].etag()).exists());
+    assert!(!dir.join("refs/main").exists());
+
+    // With room again, the download completes.
+    let client = client(&hub, cache.path());
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let done = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap();
+    assert_eq!(
+        fs::read(done.snapshot_dir.join("model.safetensors")).unwrap(),
+        file_content(&repo, "model.safetensors")
+    );
+}
+
+#[test]
+fn a_disk_without_room_is_refused_before_writing() {
+    let cache = tempfile::tempdir().unwrap();
+    let hub = FakeHub::start(vec![tiny_repo()]);
+    let client = client(&hub, cache.path());
+    let mut snapshot = client.snapshot(REPO, "main").unwrap();
+    // As if the Hub listed 1 EiB of weights: no disk has room for that.
+    snapshot.files[1].size = 1 << 60;
+    let err = client
+        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
+        .unwrap_err();
+    assert!(matches!(err, HubError::DiskFull { .. }), "{err}");
+    assert!(err.to_string().contains("not enough disk space"), "{err}");
+    assert!(
+        hub.requests().iter().all(|r| r.uri.starts_with("/api/")),
+        "nothing was fetched"
+    );
+}
