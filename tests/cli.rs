@@ -351,7 +351,11 @@ fn search_pull_then_generate_by_repository_id() {
     let hub = FakeHub::start(vec![repo]);
     let cache = tempfile::tempdir().unwrap();
     let cache_dir = cache.path().to_str().unwrap();
-    let env = [("HF_ENDPOINT", hub.url()), ("HF_HUB_CACHE", cache_dir), ("HF_TOKEN", "")];
+    let env = [
+        ("HF_ENDPOINT", hub.url()),
+        ("HF_HUB_CACHE", cache_dir),
+        ("HF_TOKEN", ""),
+    ];
     let stdout = |out: &Output| {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{stderr}");
@@ -360,7 +364,10 @@ fn search_pull_then_generate_by_repository_id() {
 
     let found = stdout(&perch_with_env(&["search", "smollm"], &env));
     let row = found.lines().find(|l| l.starts_with(REPO)).expect(&found);
-    assert!(row.contains("5.0 kB") && row.contains("yes"), "size and fit: {row}");
+    assert!(
+        row.contains("5.0 kB") && row.contains("yes"),
+        "size and fit: {row}"
+    );
 
     let pulled = perch_with_env(&["pull", REPO], &env);
     let snapshot = PathBuf::from(stdout(&pulled).trim());
@@ -370,13 +377,30 @@ fn search_pull_then_generate_by_repository_id() {
 
     // The id finds the download, and it is the same model as the shared directory.
     let generate = |model: &str| {
-        let args = ["generate", "--model", model, "--raw", "The capital of France is", "--max-tokens", "8"];
+        let args = [
+            "generate",
+            "--model",
+            model,
+            "--raw",
+            "The capital of France is",
+            "--max-tokens",
+            "8",
+        ];
         stdout(&perch_with_env(&args, &env))
     };
     assert_eq!(generate(REPO), generate(&shared_model()));
 
     let missing = perch_with_env(&["pull", "mlx-community/Missing"], &env);
     assert_clean_error(&missing, "no such repository");
-    let not_pulled = perch_with_env(&["generate", "--model", "mlx-community/Other", "--prompt", "x"], &env);
+    let not_pulled = perch_with_env(
+        &[
+            "generate",
+            "--model",
+            "mlx-community/Other",
+            "--prompt",
+            "x",
+        ],
+        &env,
+    );
     assert_clean_error(&not_pulled, "run `perch pull mlx-community/Other`");
 }

@@ -24,7 +24,10 @@ pub fn plugins<R: Runtime>(builder: tauri::Builder<R>) -> tauri::Builder<R> {
                 })
                 .build(),
         )
-        .plugin(tauri_plugin_autostart::init(MacosLauncher::LaunchAgent, None))
+        .plugin(tauri_plugin_autostart::init(
+            MacosLauncher::LaunchAgent,
+            None,
+        ))
 }
 
 /// The shortcut in `text` (Tauri's accelerator syntax, e.g. `CommandOrControl+Shift+Space`);
@@ -89,12 +92,17 @@ mod tests {
     #[test]
     fn shortcuts_parse_or_explain() {
         assert!(parse_shortcut("").unwrap().is_none());
-        assert!(parse_shortcut("CommandOrControl+Shift+Space").unwrap().is_some());
+        assert!(parse_shortcut("CommandOrControl+Shift+Space")
+            .unwrap()
+            .is_some());
         assert_eq!(
             parse_shortcut("Ctrl+Alt+K").unwrap(),
             parse_shortcut(" control+alt+k ").unwrap()
         );
         let err = parse_shortcut("Ctrl+Nope").unwrap_err();
-        assert!(err.starts_with("The shortcut \"Ctrl+Nope\" is not valid"), "{err}");
+        assert!(
+            err.starts_with("The shortcut \"Ctrl+Nope\" is not valid"),
+            "{err}"
+        );
     }
 }

@@ -136,6 +136,8 @@ impl Store {
     }
 
     fn lock_settings(&self) -> Result<MutexGuard<'_, Settings>, String> {
-        self.settings.lock().map_err(|_| super::commands::poisoned())
+        self.settings
+            .lock()
+            .map_err(|_| super::commands::poisoned())
     }
 }

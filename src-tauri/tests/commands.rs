@@ -178,7 +178,10 @@ fn conversations_through_ipc() {
     assert_eq!(found.as_array().unwrap().len(), 1, "{found}");
     assert_eq!(found[0]["id"], first["id"]);
     let all = invoke(&window, "list_conversations", json!({})).unwrap();
-    assert_eq!(all[0]["id"], second["id"], "renaming is not activity: {all}");
+    assert_eq!(
+        all[0]["id"], second["id"],
+        "renaming is not activity: {all}"
+    );
 
     // Per-conversation settings are validated and kept.
     let bad = json!({"system_prompt": "", "sampling": {"temperature": -1.0}, "max_tokens": 10});
@@ -221,13 +224,25 @@ fn settings_are_validated_saved_and_applied() {
     let mut settings = view["settings"].clone();
     settings["block_size"] = json!(48);
     let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
-    assert!(error.as_str().unwrap().starts_with("Setting block_size: must be a power of two"), "{error}");
+    assert!(
+        error
+            .as_str()
+            .unwrap()
+            .starts_with("Setting block_size: must be a power of two"),
+        "{error}"
+    );
     assert!(!data.path().join(Store::SETTINGS_FILE).exists());
 
     settings["block_size"] = json!(16);
     settings["shortcut"] = json!("Ctrl+Nope");
     let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
-    assert!(error.as_str().unwrap().contains("\"Ctrl+Nope\" is not valid"), "{error}");
+    assert!(
+        error
+            .as_str()
+            .unwrap()
+            .contains("\"Ctrl+Nope\" is not valid"),
+        "{error}"
+    );
     assert!(!data.path().join(Store::SETTINGS_FILE).exists());
 
     let models = tempfile::tempdir().unwrap();
@@ -258,7 +273,10 @@ fn a_damaged_history_is_set_aside_and_reported() {
     let (_app, window) = app(data.path());
     let notices = invoke(&window, "startup_notices", json!({})).unwrap();
     let notice = notices[0].as_str().unwrap();
-    assert!(notice.starts_with("Your chat history could not be read"), "{notice}");
+    assert!(
+        notice.starts_with("Your chat history could not be read"),
+        "{notice}"
+    );
     let moved = std::fs::read_dir(data.path())
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -336,7 +354,12 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
         .expect("the haiku case");
     let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"].clone();
     let settings = json!({"system_prompt": case["messages"][0]["content"], "max_tokens": 32});
-    invoke(&window, "set_conversation_settings", json!({"id": id, "settings": settings})).unwrap();
+    invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": settings}),
+    )
+    .unwrap();
     let id = id.as_i64().unwrap();
     let question = case["messages"][1]["content"].as_str().unwrap();
     let (text, finished) = run_turn(&first_run, id, send(question));
@@ -351,17 +374,30 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     // Regenerate replaces the answer (greedy: the same text, now partly from the prefix cache).
     let (again, finished) = run_turn(&first_run, id, Turn::Regenerate);
     assert_eq!(again, text);
-    assert!(finished["stats"]["cached_prompt_tokens"].as_u64().unwrap() > 0, "{finished}");
+    assert!(
+        finished["stats"]["cached_prompt_tokens"].as_u64().unwrap() > 0,
+        "{finished}"
+    );
     let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
     assert_eq!(saved["messages"].as_array().unwrap().len(), 2);
 
     // Stop after the first token: cancelled long before 200 tokens, and what was shown is saved.
     let long = json!({"system_prompt": "", "max_tokens": 200});
-    invoke(&window, "set_conversation_settings", json!({"id": id, "settings": long})).unwrap();
+    invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": long}),
+    )
+    .unwrap();
     let (events, received) = channel();
-    let request =
-        chat_commands::chat(first_run.state(), first_run.state(), id, send("Count from 1 to 500."), events)
-            .unwrap();
+    let request = chat_commands::chat(
+        first_run.state(),
+        first_run.state(),
+        id,
+        send("Count from 1 to 500."),
+        events,
+    )
+    .unwrap();
     let first = received.recv_timeout(Duration::from_secs(300)).unwrap();
     assert_eq!(first["event"], "token");
     chat_commands::stop(first_run.state(), request).unwrap();
@@ -377,7 +413,10 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     // The stats count what was generated before the stop.
     let generated = finished["stats"]["generation_tokens"].as_u64().unwrap();
     assert!((1..200).contains(&generated), "{finished}");
-    assert!(finished["stats"]["ttft_s"].as_f64().unwrap() > 0.0, "{finished}");
+    assert!(
+        finished["stats"]["ttft_s"].as_f64().unwrap() > 0.0,
+        "{finished}"
+    );
 
     // A restarted app finds the conversation with the stopped answer.
     drop(first_run);
@@ -422,7 +461,9 @@ fn model_status_reports_load_progress() {
         .len();
     let with_total: Vec<_> = seen.iter().filter(|(_, total)| *total > 0).collect();
     assert!(!with_total.is_empty(), "no progress seen: {seen:?}");
-    assert!(with_total.iter().all(|(read, total)| *total == weights && read <= total));
+    assert!(with_total
+        .iter()
+        .all(|(read, total)| *total == weights && read <= total));
     assert!(
         with_total.windows(2).all(|w| w[0].0 <= w[1].0),
         "progress went back: {with_total:?}"
@@ -449,7 +490,10 @@ fn search_download_cancel_and_load_from_the_hub() {
     assert_eq!(found.as_array().unwrap().len(), 1, "{found}");
     assert_eq!(found[0]["id"], REPO);
     assert_eq!(found[0]["weights_bytes"], 4u64 << 30);
-    assert_eq!((&found[0]["fit"], &found[0]["downloaded"]), (&json!("fits"), &json!(false)));
+    assert_eq!(
+        (&found[0]["fit"], &found[0]["downloaded"]),
+        (&json!("fits"), &json!(false))
+    );
 
     // Cancelled mid-file: the command fails with a sentence, and nothing is listed yet.
     hub.configure(|b| b.chunk_delay = Duration::from_millis(20));
@@ -465,7 +509,9 @@ fn search_download_cancel_and_load_from_the_hub() {
     };
     let (progress, reports) = channel();
     let running = download(progress);
-    let first = reports.recv_timeout(Duration::from_secs(60)).expect("progress");
+    let first = reports
+        .recv_timeout(Duration::from_secs(60))
+        .expect("progress");
     assert_eq!(first["repo_id"], REPO);
     let twice = tauri::async_runtime::block_on(hub_commands::download_model(
         app.handle().clone(),
@@ -473,12 +519,25 @@ fn search_download_cancel_and_load_from_the_hub() {
         channel().0,
     ));
     assert!(twice.unwrap_err().contains("already downloading"));
-    while reports.recv_timeout(Duration::from_secs(60)).expect("progress")["file"] != "model.safetensors" {}
-    assert_eq!(invoke(&window, "cancel_download", json!({"repoId": REPO})), Ok(json!(true)));
+    while reports
+        .recv_timeout(Duration::from_secs(60))
+        .expect("progress")["file"]
+        != "model.safetensors"
+    {}
+    assert_eq!(
+        invoke(&window, "cancel_download", json!({"repoId": REPO})),
+        Ok(json!(true))
+    );
     let error = running.join().unwrap().unwrap_err();
-    assert!(error.contains("cancelled") && error.ends_with('.'), "{error}");
+    assert!(
+        error.contains("cancelled") && error.ends_with('.'),
+        "{error}"
+    );
     assert_eq!(invoke(&window, "list_models", json!({})), Ok(json!([])));
-    assert_eq!(invoke(&window, "cancel_download", json!({"repoId": REPO})), Ok(json!(false)));
+    assert_eq!(
+        invoke(&window, "cancel_download", json!({"repoId": REPO})),
+        Ok(json!(false))
+    );
 
     // Again at full speed: it resumes, and the model is listed and loads under its id.
     hub.configure(|b| b.chunk_delay = Duration::ZERO);
@@ -487,14 +546,21 @@ fn search_download_cancel_and_load_from_the_hub() {
     let last = reports.try_iter().last().expect("progress");
     assert_eq!(last["bytes_done"], last["bytes_total"]);
     let resumed = hub.file_requests("model.safetensors").pop().unwrap();
-    assert!(resumed.range.is_some_and(|r| r != "bytes=0-"), "{resumed:?}");
+    assert!(
+        resumed.range.is_some_and(|r| r != "bytes=0-"),
+        "{resumed:?}"
+    );
     let models = invoke(&window, "list_models", json!({})).unwrap();
     assert_eq!(models[0]["name"], REPO, "{models}");
     assert_eq!(models[0]["path"], json!(done.snapshot_dir));
     let found = invoke(&window, "search_models", json!({"text": "smollm"})).unwrap();
     assert_eq!(found[0]["downloaded"], true);
     let status = invoke(&window, "load_model", json!({"path": done.snapshot_dir})).unwrap();
-    assert_eq!((&status["state"], &status["name"]), (&json!("loaded"), &json!(REPO)), "{status}");
+    assert_eq!(
+        (&status["state"], &status["name"]),
+        (&json!("loaded"), &json!(REPO)),
+        "{status}"
+    );
     invoke(&window, "unload_model", json!({})).unwrap();
 
     // An unknown repository is one sentence.
@@ -504,6 +570,9 @@ fn search_download_cancel_and_load_from_the_hub() {
         channel().0,
     ))
     .unwrap_err();
-    assert!(unknown.contains("no such repository") && unknown.ends_with('.'), "{unknown}");
+    assert!(
+        unknown.contains("no such repository") && unknown.ends_with('.'),
+        "{unknown}"
+    );
     std::env::remove_var("HF_ENDPOINT");
 }

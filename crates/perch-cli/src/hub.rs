@@ -54,7 +54,10 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
         .with_context(|| format!("searching {}", client.endpoint()))?;
     let total_memory = perch_hub::total_memory_bytes();
     let kv_cache_bytes = args.kv_cache_mib << 20;
-    println!("{:<60} {:>9} {:>9} {:>10}", "MODEL", "SIZE", "FITS", "DOWNLOADS");
+    println!(
+        "{:<60} {:>9} {:>9} {:>10}",
+        "MODEL", "SIZE", "FITS", "DOWNLOADS"
+    );
     for model in &models {
         let size = model.weights_bytes.map_or("?".to_owned(), format_bytes);
         let fit = match memory_fit(model.weights_bytes, kv_cache_bytes, total_memory) {
@@ -63,7 +66,10 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
             MemoryFit::TooLarge => "no",
             MemoryFit::Unknown => "?",
         };
-        println!("{:<60} {size:>9} {fit:>9} {:>10}", model.id, model.downloads);
+        println!(
+            "{:<60} {size:>9} {fit:>9} {:>10}",
+            model.id, model.downloads
+        );
     }
     if models.is_empty() {
         eprintln!("no models found");

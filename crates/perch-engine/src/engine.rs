@@ -18,7 +18,6 @@ use serde::Serialize;
 
 use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats};
 use crate::cache::KvQuantization;
-use crate::weights::LoadProgress;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, MemoryStats};
 use crate::error::{EngineError, Result};
@@ -27,6 +26,7 @@ use crate::kv_cache_manager::RequestId;
 use crate::models::{self, Model};
 use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
 use crate::tokenizer::Tokenizer;
+use crate::weights::LoadProgress;
 
 /// Engine settings.
 #[derive(Clone, Debug)]

@@ -266,11 +266,12 @@ fn tokens_carry_the_log_probabilities_asked_for() {
 fn load_reports_progress_over_the_weight_files() {
     let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let sink = std::sync::Arc::clone(&reports);
-    let engine =
-        EngineHandle::load_with_progress(&common::smollm_dir(), EngineConfig::default(), move |p| {
-            sink.lock().unwrap().push(p)
-        })
-        .unwrap();
+    let engine = EngineHandle::load_with_progress(
+        &common::smollm_dir(),
+        EngineConfig::default(),
+        move |p| sink.lock().unwrap().push(p),
+    )
+    .unwrap();
     let total: u64 = std::fs::read_dir(common::smollm_dir())
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -278,11 +279,18 @@ fn load_reports_progress_over_the_weight_files() {
         .map(|p| p.metadata().unwrap().len())
         .sum();
     let reports = reports.lock().unwrap();
-    assert!(reports.len() > 10, "one report per tensor: {}", reports.len());
+    assert!(
+        reports.len() > 10,
+        "one report per tensor: {}",
+        reports.len()
+    );
     assert_eq!((reports[0].bytes_read, reports[0].bytes_total), (0, total));
     assert_eq!(reports.last().unwrap().bytes_read, total);
-    assert!(reports.windows(2).all(|w| w[0].bytes_read <= w[1].bytes_read
-        && w[1].bytes_read <= w[1].bytes_total && w[1].bytes_total == total));
+    assert!(reports
+        .windows(2)
+        .all(|w| w[0].bytes_read <= w[1].bytes_read
+            && w[1].bytes_read <= w[1].bytes_total
+            && w[1].bytes_total == total));
     // Most of the file is tensor data: the reports move through it, not only at the end.
     let halfway = reports.iter().filter(|p| p.bytes_read * 2 >= total).count();
     assert!(halfway < reports.len() - 1, "progress jumped to the end");

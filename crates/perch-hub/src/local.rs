@@ -71,7 +71,10 @@ pub fn cached_snapshot(hf_cache: &Path, repo_id: &str) -> Option<PathBuf> {
 /// What to call the model in `path`: `org/name` for a Hugging Face cache snapshot
 /// (`…/models--org--name/snapshots/{commit}`), else the directory's name.
 pub fn model_name(path: &Path) -> String {
-    let mut parts = path.components().rev().map(|c| c.as_os_str().to_string_lossy());
+    let mut parts = path
+        .components()
+        .rev()
+        .map(|c| c.as_os_str().to_string_lossy());
     let (last, parent, repo) = (parts.next(), parts.next(), parts.next());
     if let (Some(_), Some(parent), Some(repo)) = (&last, parent, repo) {
         if let (true, Some(id)) = (parent == "snapshots", repo.strip_prefix("models--")) {

@@ -690,9 +690,16 @@ mod tests {
         let first = history.create_conversation(&settings).unwrap();
         let second = history.create_conversation(&settings).unwrap();
         assert_eq!(first.title, "New chat");
-        send(&mut history, first.id, "Why is the sky\nblue? Explain it to a child in one short paragraph please.");
+        send(
+            &mut history,
+            first.id,
+            "Why is the sky\nblue? Explain it to a child in one short paragraph please.",
+        );
         let listed = history.conversations("").unwrap();
-        assert_eq!(listed.iter().map(|c| c.id).collect::<Vec<_>>(), [first.id, second.id]);
+        assert_eq!(
+            listed.iter().map(|c| c.id).collect::<Vec<_>>(),
+            [first.id, second.id]
+        );
         assert_eq!(
             listed[0].title,
             "Why is the sky blue? Explain it to a child in one short para"
@@ -709,7 +716,10 @@ mod tests {
             history.conversation(first.id),
             Err(HistoryError::NoSuchConversation(_))
         ));
-        assert!(matches!(history.delete(first.id), Err(HistoryError::NoSuchConversation(_))));
+        assert!(matches!(
+            history.delete(first.id),
+            Err(HistoryError::NoSuchConversation(_))
+        ));
         let count: i64 = history
             .conn
             .query_row("SELECT count(*) FROM messages", [], |r| r.get(0))
@@ -729,7 +739,12 @@ mod tests {
         history.rename(b, "100% done").unwrap();
         send(&mut history, c, "snake_case or camelCase?");
         let ids = |q: &str| -> Vec<i64> {
-            history.conversations(q).unwrap().iter().map(|c| c.id).collect()
+            history
+                .conversations(q)
+                .unwrap()
+                .iter()
+                .map(|c| c.id)
+                .collect()
         };
         assert_eq!(ids("paris"), [a]);
         assert_eq!(ids("100%"), [b]);
@@ -751,7 +766,10 @@ mod tests {
         let prompt = send(&mut history, id, "Hi");
         assert_eq!(
             prompt,
-            [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")]
+            [
+                ChatMessage::new("system", "Be brief."),
+                ChatMessage::new("user", "Hi")
+            ]
         );
         answer(&mut history, id, "Hello!", FinishReason::Stop);
         send(&mut history, id, "Capital of France?");
@@ -759,7 +777,10 @@ mod tests {
 
         let (got_settings, prompt) = history.begin_turn(id, &Turn::Regenerate).unwrap();
         assert_eq!(got_settings, settings);
-        assert_eq!(prompt.last().unwrap(), &ChatMessage::new("user", "Capital of France?"));
+        assert_eq!(
+            prompt.last().unwrap(),
+            &ChatMessage::new("user", "Capital of France?")
+        );
         assert_eq!(prompt.len(), 4, "the cancelled answer is gone");
         answer(&mut history, id, "Paris.", FinishReason::Stop);
 
@@ -776,12 +797,20 @@ mod tests {
             ]
         );
         let failed = history
-            .save_answer(id, "", FinishReason::Error, &GenerationStats::default(), Some("Boom."))
+            .save_answer(
+                id,
+                "",
+                FinishReason::Error,
+                &GenerationStats::default(),
+                Some("Boom."),
+            )
             .unwrap();
         assert_eq!(failed.error.as_deref(), Some("Boom."));
         let prompt = send(&mut history, id, "Again?");
         assert!(
-            prompt.iter().all(|m| !(m.role == "assistant" && m.content.is_empty())),
+            prompt
+                .iter()
+                .all(|m| !(m.role == "assistant" && m.content.is_empty())),
             "failed answers are not sent back to the model: {prompt:?}"
         );
         let saved = history.conversation(id).unwrap();
@@ -799,20 +828,36 @@ mod tests {
         let blank = Turn::Send {
             content: " \n".into(),
         };
-        assert!(matches!(history.begin_turn(id, &blank), Err(HistoryError::EmptyMessage)));
+        assert!(matches!(
+            history.begin_turn(id, &blank),
+            Err(HistoryError::EmptyMessage)
+        ));
         assert!(matches!(
             history.begin_turn(id, &Turn::Regenerate),
             Err(HistoryError::NoUserMessage)
         ));
-        let edit = Turn::EditLast { content: "x".into() };
-        assert!(matches!(history.begin_turn(id, &edit), Err(HistoryError::NoUserMessage)));
-        let send = Turn::Send { content: "x".into() };
+        let edit = Turn::EditLast {
+            content: "x".into(),
+        };
+        assert!(matches!(
+            history.begin_turn(id, &edit),
+            Err(HistoryError::NoUserMessage)
+        ));
+        let send = Turn::Send {
+            content: "x".into(),
+        };
         assert!(matches!(
             history.begin_turn(id + 1, &send),
             Err(HistoryError::NoSuchConversation(_))
         ));
         assert!(matches!(
-            history.save_answer(id + 1, "x", FinishReason::Stop, &GenerationStats::default(), None),
+            history.save_answer(
+                id + 1,
+                "x",
+                FinishReason::Stop,
+                &GenerationStats::default(),
+                None
+            ),
             Err(HistoryError::NoSuchConversation(_))
         ));
         assert_eq!(history.conversation(id).unwrap().messages, []);
@@ -840,18 +885,28 @@ mod tests {
         assert_eq!(after, before);
         assert_eq!(after.settings, settings);
         assert_eq!(after.messages[1], saved);
-        assert_eq!(after.messages[1].stats.as_ref().unwrap().generation_tokens, 7);
+        assert_eq!(
+            after.messages[1].stats.as_ref().unwrap().generation_tokens,
+            7
+        );
     }
 
     fn assert_set_aside(path: &Path, original: &[u8], why: &str) {
         let (mut history, set_aside) = History::open(path).unwrap();
         let set_aside = set_aside.unwrap_or_else(|| panic!("{why}: not set aside"));
-        assert!(std::fs::read(&set_aside.moved_to).unwrap() == original, "{why}: contents changed");
+        assert!(
+            std::fs::read(&set_aside.moved_to).unwrap() == original,
+            "{why}: contents changed"
+        );
         assert!(set_aside
             .moved_to
             .to_string_lossy()
             .contains("history.sqlite3.corrupt-"));
-        assert_eq!(history.conversations("").unwrap(), [], "{why}: a fresh history");
+        assert_eq!(
+            history.conversations("").unwrap(),
+            [],
+            "{why}: a fresh history"
+        );
         history
             .create_conversation(&ConversationSettings::default())
             .unwrap();
@@ -875,7 +930,11 @@ mod tests {
                 .unwrap()
                 .id;
             for i in 0..200 {
-                send(&mut history, id, &format!("message {i} {}", "x".repeat(200)));
+                send(
+                    &mut history,
+                    id,
+                    &format!("message {i} {}", "x".repeat(200)),
+                );
             }
             drop(history); // checkpoints the WAL into the file
             let mut bytes = std::fs::read(&path).unwrap();
@@ -911,8 +970,14 @@ mod tests {
         drop(conn);
         let original = std::fs::read(&path).unwrap();
         let err = History::open(&path).err().expect("newer layout must fail");
-        assert!(matches!(err, HistoryError::NewerSchema { found: 99, .. }), "{err}");
-        assert!(std::fs::read(&path).unwrap() == original, "the file was changed");
+        assert!(
+            matches!(err, HistoryError::NewerSchema { found: 99, .. }),
+            "{err}"
+        );
+        assert!(
+            std::fs::read(&path).unwrap() == original,
+            "the file was changed"
+        );
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 }

@@ -242,7 +242,9 @@ mod tests {
             ("kv_cache_bytes", |s| s.kv_cache_bytes = 32 << 30),
             ("block_size", |s| s.block_size = 48),
             ("block_size", |s| s.block_size = 512),
-            ("models_dir", |s| s.models_dir = Some("relative/models".into())),
+            ("models_dir", |s| {
+                s.models_dir = Some("relative/models".into())
+            }),
         ];
         for (field, break_it) in cases {
             let mut settings = Settings::default();
@@ -266,7 +268,11 @@ mod tests {
         };
         assert!(bad.save(&path, RAM).is_err());
         assert_eq!(std::fs::read(&path).unwrap(), before);
-        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "no temporary file left");
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "no temporary file left"
+        );
     }
 
     #[test]
@@ -282,7 +288,10 @@ mod tests {
             assert_eq!(settings, Settings::default());
             let set_aside = set_aside.expect("set aside");
             assert!(set_aside.reason.contains(why), "{}", set_aside.reason);
-            assert_eq!(std::fs::read_to_string(&set_aside.moved_to).unwrap(), contents);
+            assert_eq!(
+                std::fs::read_to_string(&set_aside.moved_to).unwrap(),
+                contents
+            );
             assert!(!path.exists());
         }
     }

@@ -41,7 +41,13 @@ fn answers_reported_saved_survive_kill_9() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("history.sqlite3");
     let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "writer_child", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "writer_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, &path)
         .stdout(Stdio::piped())
         .spawn()

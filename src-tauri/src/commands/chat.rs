@@ -49,7 +49,10 @@ pub fn rename_conversation(
     id: i64,
     title: String,
 ) -> Result<ConversationSummary, String> {
-    store.history()?.rename(id, &title).map_err(|e| sentence(&e))
+    store
+        .history()?
+        .rename(id, &title)
+        .map_err(|e| sentence(&e))
 }
 
 #[tauri::command]

@@ -58,7 +58,9 @@ pub async fn search_models(
     };
     let client = client()?;
     tauri::async_runtime::spawn_blocking(move || {
-        let found = client.search(&query).map_err(|e| sentence_with_causes(&e))?;
+        let found = client
+            .search(&query)
+            .map_err(|e| sentence_with_causes(&e))?;
         Ok(found
             .into_iter()
             .map(|model| HubModelView {

@@ -39,4 +39,3 @@ pub fn system_stats(monitor: State<'_, SystemMonitor>) -> Result<SystemStats, St
         process_rss_bytes: pid.and_then(|pid| system.process(pid)).map(|p| p.memory()),
     })
 }
-
