@@ -491,8 +491,8 @@ fn search_download_cancel_and_load_from_the_hub() {
     assert_eq!(found[0]["id"], REPO);
     assert_eq!(found[0]["weights_bytes"], 4u64 << 30);
     assert_eq!(
-        (&found[0]["fit"], &found[0]["downloaded"]),
-        (&json!("fits"), &json!(false))
+        (&found[0]["fit"], &found[0]["snapshot_dir"]),
+        (&json!("fits"), &Value::Null)
     );
 
     // Cancelled mid-file: the command fails with a sentence, and nothing is listed yet.
@@ -554,7 +554,7 @@ fn search_download_cancel_and_load_from_the_hub() {
     assert_eq!(models[0]["name"], REPO, "{models}");
     assert_eq!(models[0]["path"], json!(done.snapshot_dir));
     let found = invoke(&window, "search_models", json!({"text": "smollm"})).unwrap();
-    assert_eq!(found[0]["downloaded"], true);
+    assert_eq!(found[0]["snapshot_dir"], json!(done.snapshot_dir));
     let status = invoke(&window, "load_model", json!({"path": done.snapshot_dir})).unwrap();
     assert_eq!(
         (&status["state"], &status["name"]),

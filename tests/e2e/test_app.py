@@ -110,16 +110,16 @@ def model_picker(session):
     session.wait_for(f"const p = document.querySelector(\"{result} progress\"); return p && p.value > 0",
                      what="the download's progress")
     session.screenshot(OUT / "models-downloading.png")
-    session.wait_for(f"return document.querySelector(\"{result}\").textContent.includes('Downloaded')",
-                     what="the download to finish")
+    session.wait_for(f"return [...document.querySelectorAll(\"{result} button\")]"
+                     ".some(b => b.textContent === 'Load')", what="the download to finish")
     local = session.wait_for(
         "const li = [...document.querySelectorAll('#models > li')]"
         f".find(li => li.textContent.startsWith({json.dumps(repo)})); return li ? li.textContent : null",
         what="the downloaded model in the local list")
     check("hugging_face" in local, local)
     session.execute(
-        "[...document.querySelectorAll('#models > li')].find(li => li.textContent.startsWith(arguments[0]))"
-        ".querySelector('button').click()", repo)
+        "[...document.querySelector(arguments[0]).querySelectorAll('button')]"
+        ".find(b => b.textContent === 'Load').click()", result)
     session.wait_for(f"return document.getElementById('model-status').textContent === 'Model: {repo}'",
                      what="the downloaded model to load")
     ref = Path(os.environ["HF_HUB_CACHE"]) / f"models--{repo.replace('/', '--')}" / "refs/main"

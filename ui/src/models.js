@@ -86,8 +86,8 @@ export class ModelsView {
       text.className = "progress-text";
       text.textContent = ` ${describeDownload(progress)} `;
       item.append(bar, text, this.button("Cancel", () => this.api.cancelDownload(model.id)));
-    } else if (model.downloaded) {
-      item.append(this.button("Downloaded", null));
+    } else if (model.snapshot_dir) {
+      item.append(this.button("Load", () => this.onLoad(model.snapshot_dir)));
     } else {
       item.append(this.button("Download", () => this.download(model)));
     }
@@ -106,11 +106,11 @@ export class ModelsView {
     this.downloads.set(model.id, { bytes_done: 0, bytes_total: 0, files_done: 0, files_total: 0 });
     this.renderResults();
     try {
-      await this.api.downloadModel(model.id, (progress) => {
+      const done = await this.api.downloadModel(model.id, (progress) => {
         this.downloads.set(model.id, progress);
         this.updateProgress(model.id, progress);
       });
-      model.downloaded = true;
+      model.snapshot_dir = done.snapshot_dir;
       await this.refreshLocal();
     } catch (error) {
       this.failures.set(model.id, String(error));
@@ -133,8 +133,7 @@ export class ModelsView {
     const button = document.createElement("button");
     button.type = "button";
     button.textContent = label;
-    if (onClick) button.onclick = onClick;
-    else button.disabled = true;
+    button.onclick = onClick;
     return button;
   }
 }

@@ -2,8 +2,8 @@ import { describe, expect, it } from "vitest";
 import { ModelsView } from "../src/models.js";
 import { loadPage } from "./page.js";
 
-const QWEN = { id: "mlx-community/Qwen3-0.6B-4bit", downloads: 1234, weights_bytes: 335_000_000, fit: "fits", downloaded: false };
-const BIG = { id: "mlx-community/Big-70B", downloads: 5, weights_bytes: null, fit: "unknown", downloaded: false };
+const QWEN = { id: "mlx-community/Qwen3-0.6B-4bit", downloads: 1234, weights_bytes: 335_000_000, fit: "fits", snapshot_dir: null };
+const BIG = { id: "mlx-community/Big-70B", downloads: 5, weights_bytes: null, fit: "unknown", snapshot_dir: null };
 
 /** A fake of api.js whose download waits until the test finishes or fails it. */
 function fakeApi() {
@@ -14,7 +14,7 @@ function fakeApi() {
     listModels: async () => local,
     searchModels: async (text, author) => {
       calls.push(["search", text, author]);
-      return [QWEN, BIG];
+      return [{ ...QWEN }, { ...BIG }];
     },
     downloadModel: (repo, onProgress) =>
       new Promise((resolve, reject) => {
@@ -60,10 +60,11 @@ describe("ModelsView", () => {
     expect(api.calls.at(-1)).toEqual(["search", "qwen", ""]);
   });
 
-  it("shows download progress, cancels, and lists the model once downloaded", async () => {
+  it("shows download progress, cancels, and lists and loads the model once downloaded", async () => {
     loadPage();
     const api = fakeApi();
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    const loaded = [];
+    const view = new ModelsView(document.getElementById("view-models"), api, (path) => loaded.push(path));
     await view.show();
 
     buttonIn(results()[0], "Download").click();
@@ -79,8 +80,9 @@ describe("ModelsView", () => {
     api.finish();
     await tick();
     await tick();
-    expect(buttonIn(results()[0], "Downloaded").disabled).toBe(true);
     expect(document.querySelectorAll("#models > li").length).toBe(2);
+    buttonIn(results()[0], "Load").click();
+    expect(loaded).toEqual([`/hf/${QWEN.id}`]);
   });
 
   it("says why a download failed and offers it again", async () => {

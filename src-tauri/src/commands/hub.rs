@@ -3,6 +3,7 @@
 //! from the environment as for `huggingface_hub` (`HF_ENDPOINT`, `HF_TOKEN`).
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -27,8 +28,8 @@ pub struct HubModelView {
     pub model: HubModel,
     /// Weights plus the KV cache budget of the settings against RAM (`perch_hub::memory_fit`).
     pub fit: MemoryFit,
-    /// A snapshot of it is already in the Hugging Face cache.
-    pub downloaded: bool,
+    /// Its snapshot in the Hugging Face cache (what `load_model` takes), when downloaded.
+    pub snapshot_dir: Option<PathBuf>,
 }
 
 fn client() -> Result<HubClient, String> {
@@ -65,7 +66,7 @@ pub async fn search_models(
             .into_iter()
             .map(|model| HubModelView {
                 fit: memory_fit(model.weights_bytes, kv_cache_bytes, total_memory),
-                downloaded: perch_hub::cached_snapshot(client.cache_dir(), &model.id).is_some(),
+                snapshot_dir: perch_hub::cached_snapshot(client.cache_dir(), &model.id),
                 model,
             })
             .collect())
