@@ -547,7 +547,7 @@ fn search_download_cancel_and_load_from_the_hub() {
     assert_eq!(last["bytes_done"], last["bytes_total"]);
     let resumed = hub.file_requests("model.safetensors").pop().unwrap();
     assert!(
-        resumed.range.is_some_and(|r| r != "bytes=0-"),
+        resumed.range.as_deref().is_some_and(|r| r != "bytes=0-"),
         "{resumed:?}"
     );
     let models = invoke(&window, "list_models", json!({})).unwrap();

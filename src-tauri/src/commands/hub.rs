@@ -46,7 +46,7 @@ pub async fn search_models(
     text: String,
     author: Option<String>,
 ) -> Result<Vec<HubModelView>, String> {
-    let kv_cache_bytes = store.settings()?.kv_cache_bytes;
+    let kv_cache_bytes = store.settings()?.kv_cache_bytes as u64;
     let total_memory = store.total_memory_bytes();
     let query = SearchQuery {
         text,
@@ -86,7 +86,8 @@ pub async fn download_model<R: Runtime>(
 ) -> Result<Downloaded, String> {
     let cancel = Arc::new(AtomicBool::new(false));
     {
-        let mut downloads = app.state::<Downloads>().0.lock().map_err(|_| poisoned())?;
+        let state = app.state::<Downloads>();
+        let mut downloads = state.0.lock().map_err(|_| poisoned())?;
         if downloads.contains_key(&repo_id) {
             return Err(format!("{repo_id} is already downloading."));
         }
