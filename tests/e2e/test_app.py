@@ -116,7 +116,7 @@ def model_picker(session):
         "const li = [...document.querySelectorAll('#models > li')]"
         f".find(li => li.textContent.startsWith({json.dumps(repo)})); return li ? li.textContent : null",
         what="the downloaded model in the local list")
-    check("hugging_face" in local, local)
+    check("Hugging Face cache" in local, local)
     session.execute(
         "[...document.querySelector(arguments[0]).querySelectorAll('button')]"
         ".find(b => b.textContent === 'Load').click()", result)

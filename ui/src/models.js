@@ -5,6 +5,9 @@
 
 import { decimalBytes, describeFit, describeDownload, mib } from "./format.js";
 
+/** Where a local model was found (`ModelSource` of perch-hub). */
+const SOURCES = { perch: "Perch's models", hugging_face: "Hugging Face cache" };
+
 export class ModelsView {
   /** `onLoad(path)` loads a model (main.js shows its progress in the status line). */
   constructor(root, api, onLoad) {
@@ -38,7 +41,8 @@ export class ModelsView {
     for (const model of models) {
       const item = document.createElement("li");
       const bits = model.quantization_bits ? `, ${model.quantization_bits}-bit` : "";
-      item.textContent = `${model.name} (${model.model_type ?? "?"}${bits}, ${mib(model.size_bytes)}, ${model.source}) `;
+      const source = SOURCES[model.source] ?? model.source;
+      item.textContent = `${model.name} (${model.model_type ?? "?"}${bits}, ${mib(model.size_bytes)}, ${source}) `;
       item.append(this.button("Load", () => this.onLoad(model.path)));
       this.local.append(item);
     }

@@ -45,7 +45,7 @@ describe("ModelsView", () => {
 
     const local = document.querySelectorAll("#models > li");
     expect(local.length).toBe(1);
-    expect(local[0].textContent).toContain("SmolLM2 (llama, 4-bit, 128 MiB, perch)");
+    expect(local[0].textContent).toContain("SmolLM2 (llama, 4-bit, 128 MiB, Perch's models)");
     buttonIn(local[0], "Load").click();
     expect(loaded).toEqual(["/m/SmolLM2"]);
 

@@ -73,7 +73,8 @@ impl FakeRepo {
         }
     }
 
-    /// A repository of the files directly in `dir` (e.g. a model in mlx-community layout).
+    /// A repository of the files directly in `dir` (e.g. a model in mlx-community layout), with
+    /// the safetensors metadata the Hub would derive from their headers.
     pub fn from_dir(id: &str, dir: &Path) -> std::io::Result<Self> {
         let mut files = Vec::new();
         for entry in std::fs::read_dir(dir)? {
@@ -88,10 +89,18 @@ impl FakeRepo {
             }
         }
         files.sort();
-        Ok(FakeRepo::new(
+        let mut repo = FakeRepo::new(
             id,
             files.iter().map(|(p, c)| (p.as_str(), c.clone())).collect(),
-        ))
+        );
+        for (name, content) in &files {
+            if name.ends_with(".safetensors") {
+                for (dtype, count) in safetensors_parameters(content) {
+                    *repo.safetensors_parameters.entry(dtype).or_default() += count;
+                }
+            }
+        }
+        Ok(repo)
     }
 }
 
@@ -107,6 +116,36 @@ impl FakeFile {
             hex(&sha1.finalize())
         }
     }
+}
+
+/// Element counts per dtype in a safetensors file's header (8-byte little-endian length, then
+/// JSON `{name: {dtype, shape, data_offsets}}`), as the Hub reports them; empty if unreadable.
+fn safetensors_parameters(content: &[u8]) -> BTreeMap<String, u64> {
+    #[derive(Deserialize)]
+    struct Tensor {
+        dtype: String,
+        shape: Vec<u64>,
+    }
+    let mut counts = BTreeMap::new();
+    let Some(len) = content
+        .get(..8)
+        .and_then(|b| Some(u64::from_le_bytes(b.try_into().ok()?)))
+    else {
+        return counts;
+    };
+    let header = content.get(8..8 + len as usize).unwrap_or_default();
+    let Ok(tensors) = serde_json::from_slice::<BTreeMap<String, serde_json::Value>>(header) else {
+        return counts;
+    };
+    for (name, tensor) in tensors {
+        if name == "__metadata__" {
+            continue;
+        }
+        if let Ok(tensor) = serde_json::from_value::<Tensor>(tensor) {
+            *counts.entry(tensor.dtype).or_default() += tensor.shape.iter().product::<u64>();
+        }
+    }
+    counts
 }
 
 /// One request the fake received.

@@ -126,3 +126,19 @@ print(snapshot_download(sys.argv[1], allow_patterns=DEFAULT_ALLOW_PATTERNS))
         (REPO, ModelSource::HuggingFace)
     );
 }
+
+#[test]
+fn the_searched_size_of_a_real_model_is_its_weights_file() {
+    let hub = fake_hub();
+    let cache = tempfile::tempdir().unwrap();
+    let client = HubClient::new(hub.url(), None, cache.path().to_path_buf());
+    let found = client.search(&perch_hub::SearchQuery::default()).unwrap();
+    let weights = shared_dir().join("models/SmolLM2-135M-Instruct-4bit/model.safetensors");
+    let file = std::fs::metadata(weights).unwrap().len();
+    let size = found[0].weights_bytes.expect("safetensors metadata");
+    // The file is the tensors plus a JSON header of some kilobytes.
+    assert!(
+        size < file && file - size < 200_000,
+        "weights {size} bytes, file {file} bytes"
+    );
+}
