@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use perch_hub::fake_hub::{FakeHub, FakeRepo};
-use perch_hub::{HubClient, HubError, ModelSource, SearchQuery};
+use perch_hub::{Downloaded, HubClient, HubError, ModelSource, RemoteSnapshot, SearchQuery};
 
 const REPO: &str = "mlx-community/Tiny-4bit";
 
@@ -41,8 +41,42 @@ fn repo_dir(cache: &Path) -> PathBuf {
     cache.join("models--mlx-community--Tiny-4bit")
 }
 
-fn no_progress() -> impl FnMut(&perch_hub::DownloadProgress) {
-    |_| {}
+/// The tiny repository on a fake hub, an empty cache, a client of the hub and the snapshot.
+struct Fixture {
+    repo: FakeRepo,
+    hub: FakeHub,
+    cache: tempfile::TempDir,
+    client: HubClient,
+    snapshot: RemoteSnapshot,
+}
+
+fn fixture() -> Fixture {
+    let repo = tiny_repo();
+    let hub = FakeHub::start(vec![repo.clone()]);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    Fixture {
+        repo,
+        hub,
+        cache,
+        client,
+        snapshot,
+    }
+}
+
+/// Downloads `snapshot`, neither cancelled nor watched.
+fn download(client: &HubClient, snapshot: &RemoteSnapshot) -> Result<Downloaded, HubError> {
+    client.download(snapshot, &AtomicBool::new(false), &mut |_| {})
+}
+
+/// The download holds the weights byte for byte.
+fn assert_weights(repo: &FakeRepo, done: &Downloaded) {
+    let weights = fs::read(done.snapshot_dir.join("model.safetensors")).unwrap();
+    assert!(
+        weights == file_content(repo, "model.safetensors"),
+        "the weights differ"
+    );
 }
 
 #[test]
@@ -120,11 +154,13 @@ fn a_snapshot_lists_the_model_files_across_pages() {
 
 #[test]
 fn a_download_lays_out_the_cache_as_huggingface_hub_does() {
-    let repo = tiny_repo();
-    let hub = FakeHub::start(vec![repo.clone()]);
-    let cache = tempfile::tempdir().unwrap();
-    let client = client(&hub, cache.path());
-    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let Fixture {
+        repo,
+        hub,
+        cache,
+        client,
+        snapshot,
+    } = fixture();
     let mut reports = Vec::new();
     let done = client
         .download(&snapshot, &AtomicBool::new(false), &mut |p| {
@@ -172,9 +208,7 @@ fn a_download_lays_out_the_cache_as_huggingface_hub_does() {
 
     // A second download fetches nothing.
     let before = hub.requests().len();
-    let again = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap();
+    let again = download(&client, &snapshot).unwrap();
     assert_eq!(
         (again.bytes_fetched, again.bytes_reused),
         (0, snapshot.total_bytes())
@@ -186,21 +220,20 @@ fn a_download_lays_out_the_cache_as_huggingface_hub_does() {
 
 #[test]
 fn a_lost_connection_is_resumed_with_a_range_request() {
-    let repo = tiny_repo();
-    let hub = FakeHub::start(vec![repo.clone()]);
-    let cache = tempfile::tempdir().unwrap();
-    let client = client(&hub, cache.path());
-    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let Fixture {
+        repo,
+        hub,
+        cache: _cache,
+        client,
+        snapshot,
+    } = fixture();
     hub.configure(|b| {
         b.cut_after = 300_000;
         b.cut_bodies = 1;
     });
-    let done = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap();
+    let done = download(&client, &snapshot).unwrap();
 
-    let weights = fs::read(done.snapshot_dir.join("model.safetensors")).unwrap();
-    assert_eq!(weights, file_content(&repo, "model.safetensors"));
+    assert_weights(&repo, &done);
     // The first file request was cut; the retry asked only for the rest.
     let cdn: Vec<_> = hub
         .file_requests("model.safetensors")
@@ -222,11 +255,13 @@ fn a_lost_connection_is_resumed_with_a_range_request() {
 
 #[test]
 fn a_cancelled_download_keeps_its_part_and_the_next_one_resumes_it() {
-    let repo = tiny_repo();
-    let hub = FakeHub::start(vec![repo.clone()]);
-    let cache = tempfile::tempdir().unwrap();
-    let client = client(&hub, cache.path());
-    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let Fixture {
+        repo,
+        hub,
+        cache,
+        client,
+        snapshot,
+    } = fixture();
     hub.configure(|b| b.chunk_delay = Duration::from_millis(30));
 
     let cancel = AtomicBool::new(false);
@@ -255,13 +290,8 @@ fn a_cancelled_download_keeps_its_part_and_the_next_one_resumes_it() {
     );
 
     hub.configure(|b| b.chunk_delay = Duration::ZERO);
-    let done = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap();
-    assert_eq!(
-        fs::read(done.snapshot_dir.join("model.safetensors")).unwrap(),
-        file_content(&repo, "model.safetensors")
-    );
+    let done = download(&client, &snapshot).unwrap();
+    assert_weights(&repo, &done);
     let config = snapshot.files[0].size;
     assert_eq!(
         done.bytes_fetched,
@@ -281,16 +311,16 @@ fn a_cancelled_download_keeps_its_part_and_the_next_one_resumes_it() {
 
 #[test]
 fn a_corrupted_transfer_is_caught_and_its_file_deleted() {
-    let repo = tiny_repo();
-    let hub = FakeHub::start(vec![repo.clone()]);
-    let cache = tempfile::tempdir().unwrap();
-    let client = client(&hub, cache.path());
-    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let Fixture {
+        repo: _,
+        hub,
+        cache,
+        client,
+        snapshot,
+    } = fixture();
     hub.configure(|b| b.corrupt = vec!["model.safetensors".into(), "tokenizer.json".into()]);
 
-    let err = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap_err();
+    let err = download(&client, &snapshot).unwrap_err();
     assert!(
         matches!(&err, HubError::Checksum { path, .. } if path == "model.safetensors"),
         "{err}"
@@ -312,27 +342,25 @@ fn a_corrupted_transfer_is_caught_and_its_file_deleted() {
 
     // A Git (non-LFS) file is checked against its blob id.
     hub.configure(|b| b.corrupt = vec!["tokenizer.json".into()]);
-    let err = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap_err();
+    let err = download(&client, &snapshot).unwrap_err();
     assert!(
         matches!(&err, HubError::Checksum { path, .. } if path == "tokenizer.json"),
         "{err}"
     );
 
     hub.configure(|b| b.corrupt.clear());
-    client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap();
+    download(&client, &snapshot).unwrap();
 }
 
 #[test]
 fn a_server_ignoring_ranges_restarts_the_file() {
-    let repo = tiny_repo();
-    let hub = FakeHub::start(vec![repo.clone()]);
-    let cache = tempfile::tempdir().unwrap();
-    let client = client(&hub, cache.path());
-    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let Fixture {
+        repo,
+        hub,
+        cache,
+        client,
+        snapshot,
+    } = fixture();
     let weights = &snapshot.files[1];
     let blobs = repo_dir(cache.path()).join("blobs");
     fs::create_dir_all(&blobs).unwrap();
@@ -343,13 +371,8 @@ fn a_server_ignoring_ranges_restarts_the_file() {
     .unwrap();
     hub.configure(|b| b.ignore_ranges = true);
 
-    let done = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap();
-    assert_eq!(
-        fs::read(done.snapshot_dir.join("model.safetensors")).unwrap(),
-        file_content(&repo, "model.safetensors")
-    );
+    let done = download(&client, &snapshot).unwrap();
+    assert_weights(&repo, &done);
     assert_eq!(
         done.bytes_fetched,
         snapshot.total_bytes(),
@@ -381,9 +404,7 @@ fn errors_say_what_is_wrong() {
     assert!(err.to_string().contains("gated"), "{err}");
     let with_token = HubClient::new(hub.url(), Some("secret".into()), cache.path().to_path_buf());
     let snapshot = with_token.snapshot(REPO, "main").unwrap();
-    with_token
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap();
+    download(&with_token, &snapshot).unwrap();
 
     let unreachable = HubClient::new("http://127.0.0.1:9", None, cache.path().to_path_buf());
     let err = unreachable.search(&SearchQuery::default()).unwrap_err();
@@ -421,9 +442,7 @@ fn download_with_limited_writes() {
     let (url, cache) = setup.split_once('\n').unwrap();
     let client = HubClient::new(url, None, PathBuf::from(cache));
     let snapshot = client.snapshot(REPO, "main").unwrap();
-    let err = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap_err();
+    let err = download(&client, &snapshot).unwrap_err();
     let HubError::Io { path, source } = &err else {
         panic!("expected a write error, got {err}");
     };
@@ -433,9 +452,13 @@ fn download_with_limited_writes() {
 
 #[test]
 fn a_write_failure_mid_file_is_an_error_and_keeps_the_cache_sound() {
-    let repo = tiny_repo();
-    let hub = FakeHub::start(vec![repo.clone()]);
-    let cache = tempfile::tempdir().unwrap();
+    let Fixture {
+        repo,
+        hub,
+        cache,
+        client,
+        snapshot,
+    } = fixture();
     // Files may grow to 400 blocks of 512 bytes (dash's unit): the small files fit, the 1 MiB
     // weights do not. SIGXFSZ is ignored so that the write fails (EFBIG) instead of killing.
     let out = std::process::Command::new("sh")
@@ -473,15 +496,8 @@ fn a_write_failure_mid_file_is_an_error_and_keeps_the_cache_sound() {
     assert!(!dir.join("refs/main").exists());
 
     // With room again, the download completes.
-    let client = client(&hub, cache.path());
-    let snapshot = client.snapshot(REPO, "main").unwrap();
-    let done = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap();
-    assert_eq!(
-        fs::read(done.snapshot_dir.join("model.safetensors")).unwrap(),
-        file_content(&repo, "model.safetensors")
-    );
+    let done = download(&client, &snapshot).unwrap();
+    assert_weights(&repo, &done);
 }
 
 #[test]
@@ -492,9 +508,7 @@ fn a_disk_without_room_is_refused_before_writing() {
     let mut snapshot = client.snapshot(REPO, "main").unwrap();
     // As if the Hub listed 1 EiB of weights: no disk has room for that.
     snapshot.files[1].size = 1 << 60;
-    let err = client
-        .download(&snapshot, &AtomicBool::new(false), &mut no_progress())
-        .unwrap_err();
+    let err = download(&client, &snapshot).unwrap_err();
     assert!(matches!(err, HubError::DiskFull { .. }), "{err}");
     assert!(err.to_string().contains("not enough disk space"), "{err}");
     assert!(
