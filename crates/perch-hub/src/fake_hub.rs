@@ -452,15 +452,9 @@ async fn resolve(
     UrlPath((org, name, rev, path)): UrlPath<(String, String, String, String)>,
     headers: HeaderMap,
 ) -> Response {
-    let (repo_commit, file) = {
-        let shared = lock(&shared);
-        let Some(repo) = find_repo(&shared, &org, &name, &rev) else {
-            return not_found();
-        };
-        let Some(file) = repo.files.iter().find(|f| f.path == path) else {
-            return (StatusCode::NOT_FOUND, "Entry not found").into_response();
-        };
-        (repo.commit.clone(), file.clone())
+    let (repo_commit, file) = match find_file(&shared, &org, &name, &rev, &path) {
+        Ok(found) => found,
+        Err(response) => return response,
     };
     if file.lfs {
         // As the Hub: LFS files live on a CDN; its signed URL needs no token.
@@ -496,17 +490,25 @@ async fn cdn(
     Query(params): Query<CdnParams>,
     headers: HeaderMap,
 ) -> Response {
-    let file = {
-        let shared = lock(&shared);
-        let Some(repo) = find_repo(&shared, &org, &name, &params.commit) else {
-            return not_found();
-        };
-        match repo.files.iter().find(|f| f.path == path) {
-            Some(file) => file.clone(),
-            None => return not_found(),
-        }
-    };
-    serve_file(&shared, &file, &params.commit, &headers)
+    match find_file(&shared, &org, &name, &params.commit, &path) {
+        Ok((commit, file)) => serve_file(&shared, &file, &commit, &headers),
+        Err(response) => response,
+    }
+}
+
+/// The file at `path` of `org/name` at `rev`, with the repository's commit; else a 404.
+fn find_file(
+    shared: &SharedState,
+    org: &str,
+    name: &str,
+    rev: &str,
+    path: &str,
+) -> Result<(String, FakeFile), Response> {
+    let shared = lock(shared);
+    let repo = find_repo(&shared, org, name, rev).ok_or_else(not_found)?;
+    let file = repo.files.iter().find(|f| f.path == path);
+    let file = file.ok_or_else(|| (StatusCode::NOT_FOUND, "Entry not found").into_response())?;
+    Ok((repo.commit.clone(), file.clone()))
 }
 
 /// The file's bytes (a `Range: bytes=a-` or `bytes=a-b` part of them, 206), cut, slowed or
