@@ -262,38 +262,35 @@ impl Partial {
     /// Opens (or creates) `path` and hashes what it already holds; a file longer than `file`
     /// cannot be a prefix of it and is started over.
     fn open(path: &Path, file: &RemoteFile) -> Result<Partial, HubError> {
-        let mut handle = OpenOptions::new()
+        let handle = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .open(path)
             .map_err(io_error(path))?;
+        let existing = handle.metadata().map_err(io_error(path))?.len();
         let mut partial = Partial {
             path: path.to_owned(),
             len: 0,
             fetched: 0,
             hasher: BlobHasher::new(file),
-            file: handle.try_clone().map_err(io_error(path))?,
+            file: handle,
         };
-        let existing = handle.metadata().map_err(io_error(path))?.len();
         if existing > file.size {
             partial.restart(file)?;
             return Ok(partial);
         }
+        // Reading to the end also leaves the file positioned for appending.
         let mut buffer = vec![0u8; BUFFER_BYTES];
         loop {
-            let n = handle.read(&mut buffer).map_err(io_error(path))?;
+            let n = partial.file.read(&mut buffer).map_err(io_error(path))?;
             if n == 0 {
                 break;
             }
             partial.hasher.update(&buffer[..n]);
             partial.len += n as u64;
         }
-        partial
-            .file
-            .seek(SeekFrom::Start(partial.len))
-            .map_err(io_error(path))?;
         Ok(partial)
     }
 

@@ -44,6 +44,8 @@ pub struct FakeFile {
     pub content: Arc<Vec<u8>>,
     /// Stored with Git LFS: listed with a SHA-256 and served through a redirect.
     pub lfs: bool,
+    /// See [`FakeFile::etag`]; hashed once, not per request.
+    etag: String,
 }
 
 impl FakeRepo {
@@ -56,9 +58,11 @@ impl FakeRepo {
             .map(|(path, content)| {
                 commit.update(path.as_bytes());
                 commit.update(&content);
+                let lfs = path.ends_with(".safetensors");
                 FakeFile {
                     path: path.to_owned(),
-                    lfs: path.ends_with(".safetensors"),
+                    etag: blob_hash(&content, lfs),
+                    lfs,
                     content: Arc::new(content),
                 }
             })
@@ -106,15 +110,20 @@ impl FakeRepo {
 
 impl FakeFile {
     /// The hash the Hub lists: SHA-256 for LFS files, else Git's blob id.
-    pub fn etag(&self) -> String {
-        if self.lfs {
-            hex(&Sha256::digest(self.content.as_slice()))
-        } else {
-            let mut sha1 = Sha1::new();
-            sha1.update(format!("blob {}\0", self.content.len()).as_bytes());
-            sha1.update(self.content.as_slice());
-            hex(&sha1.finalize())
-        }
+    pub fn etag(&self) -> &str {
+        &self.etag
+    }
+}
+
+/// SHA-256 of `content` (`lfs`), else Git's blob id: SHA-1 of `blob {len}\0` + content.
+fn blob_hash(content: &[u8], lfs: bool) -> String {
+    if lfs {
+        hex(&Sha256::digest(content))
+    } else {
+        let mut sha1 = Sha1::new();
+        sha1.update(format!("blob {}\0", content.len()).as_bytes());
+        sha1.update(content);
+        hex(&sha1.finalize())
     }
 }
 
@@ -432,19 +441,15 @@ async fn tree(
 
 /// The tree's `oid` of a file: the Git blob id of what Git stores (the pointer file for LFS).
 fn git_oid(file: &FakeFile) -> String {
-    if file.lfs {
-        let pointer = format!(
-            "version https://git-lfs.github.com/spec/v1\noid sha256:{}\nsize {}\n",
-            file.etag(),
-            file.content.len()
-        );
-        let mut sha1 = Sha1::new();
-        sha1.update(format!("blob {}\0", pointer.len()).as_bytes());
-        sha1.update(pointer.as_bytes());
-        hex(&sha1.finalize())
-    } else {
-        file.etag()
+    if !file.lfs {
+        return file.etag.clone();
     }
+    let pointer = format!(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:{}\nsize {}\n",
+        file.etag,
+        file.content.len()
+    );
+    blob_hash(pointer.as_bytes(), false)
 }
 
 async fn resolve(

@@ -47,8 +47,7 @@ pub fn local_models(perch_dir: &Path, hf_cache: Option<&Path>) -> Vec<LocalModel
         let mut cached: Vec<LocalModel> = subdirectories(cache)
             .into_iter()
             .filter_map(|dir| {
-                let folder = dir.file_name()?.to_string_lossy().into_owned();
-                let id = folder.strip_prefix("models--")?.replacen("--", "/", 1);
+                let id = repo_id_of_folder(&dir.file_name()?.to_string_lossy())?;
                 let snapshot = cached_snapshot(cache, &id)?;
                 describe(id, snapshot, ModelSource::HuggingFace)
             })
@@ -77,11 +76,16 @@ pub fn model_name(path: &Path) -> String {
         .map(|c| c.as_os_str().to_string_lossy());
     let (last, parent, repo) = (parts.next(), parts.next(), parts.next());
     if let (Some(_), Some(parent), Some(repo)) = (&last, parent, repo) {
-        if let (true, Some(id)) = (parent == "snapshots", repo.strip_prefix("models--")) {
-            return id.replacen("--", "/", 1);
+        if let (true, Some(id)) = (parent == "snapshots", repo_id_of_folder(&repo)) {
+            return id;
         }
     }
     last.map_or_else(|| path.display().to_string(), |l| l.into_owned())
+}
+
+/// `org/name` for a cache folder `models--org--name` (the inverse of `hf_hub::Repo::folder_name`).
+fn repo_id_of_folder(folder: &str) -> Option<String> {
+    Some(folder.strip_prefix("models--")?.replacen("--", "/", 1))
 }
 
 fn subdirectories(dir: &Path) -> Vec<PathBuf> {
