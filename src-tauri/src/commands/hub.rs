@@ -84,6 +84,7 @@ pub async fn download_model<R: Runtime>(
     repo_id: String,
     on_progress: Channel<DownloadProgress>,
 ) -> Result<Downloaded, String> {
+    let client = client()?;
     let cancel = Arc::new(AtomicBool::new(false));
     {
         let state = app.state::<Downloads>();
@@ -93,10 +94,8 @@ pub async fn download_model<R: Runtime>(
         }
         downloads.insert(repo_id.clone(), Arc::clone(&cancel));
     }
-    let client = client();
     let id = repo_id.clone();
     let result = tauri::async_runtime::spawn_blocking(move || {
-        let client = client?;
         let snapshot = client
             .snapshot(&id, "main")
             .map_err(|e| sentence_with_causes(&e))?;
