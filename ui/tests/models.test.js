@@ -96,8 +96,17 @@ describe("ModelsView", () => {
     await tick();
     const item = results()[1];
     expect(item.querySelector(".error").textContent).toContain("Not enough disk space");
-    expect(buttonIn(item, "Download")).toBeTruthy();
     expect(item.querySelector("progress")).toBe(null);
+    // Offered again: the button starts a second download of the same model.
+    const again = buttonIn(item, "Download");
+    expect(again?.disabled).toBe(false);
+    again.click();
+    await tick();
+    expect(api.calls.filter(([call]) => call === "download")).toEqual([
+      ["download", BIG.id],
+      ["download", BIG.id],
+    ]);
+    expect(results()[1].querySelector("progress")).not.toBe(null);
   });
 
   it("reports a search that fails", async () => {
