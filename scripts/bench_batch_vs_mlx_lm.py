@@ -105,7 +105,8 @@ def perch_run(perch, model_dir, prompts, gen_tokens, shared):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=ROOT.parent / "shared/models/SmolLM2-135M-Instruct-4bit")
+    # The default model in the mlx-community layout, as scripts/test-inputs.sh makes it.
+    p.add_argument("--model", type=Path, default=ROOT / "target/test-inputs/SmolLM2-135M-Instruct-Q4_1-mlx")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--gen-tokens", type=int, default=32)

@@ -58,7 +58,8 @@ def gemm_gflops(n=1024):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=str(ROOT.parent / "shared/models/SmolLM2-135M-Instruct-4bit"))
+    # The default model in the mlx-community layout, as scripts/test-inputs.sh makes it.
+    p.add_argument("--model", default=str(ROOT / "target/test-inputs/SmolLM2-135M-Instruct-Q4_1-mlx"))
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3)

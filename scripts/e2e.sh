@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # End-to-end test of the app in its real web view: tests/e2e/test_app.py drives the debug build
 # (target/debug/perch-app, built by `cargo test` or `cargo build -p perch-app`) through
-# tauri-driver and WebKitWebDriver under Xvfb, with the shared model, and the model picker
-# against a fake Hugging Face Hub on 127.0.0.1 (perch-hub's `fake-hub`, serving the shared model).
+# tauri-driver and WebKitWebDriver under Xvfb, with the imported default model, and the model picker
+# against a fake Hugging Face Hub on 127.0.0.1 (perch-hub's `fake-hub`, serving the same model in
+# the mlx-community layout). Both come from scripts/test-inputs.sh (run by scripts/test.sh).
 # Screenshots land in target/e2e. Installs what it needs (Debian packages, tauri-driver into
 # target/tools).
 set -euo pipefail
@@ -27,7 +28,10 @@ fi
 [ -x target/debug/perch-app ] || cargo build -p perch-app
 cargo build --quiet -p perch-hub --features fake-hub --bin fake-hub
 
-shared="${PERCH_SHARED_DIR:-$PWD/../shared}"
+inputs="${PERCH_TEST_INPUTS:-$PWD/target/test-inputs}"
+for model in SmolLM2-135M-Instruct-Q4_1 SmolLM2-135M-Instruct-Q4_1-mlx; do
+  [ -f "$inputs/$model/config.json" ] || { echo "e2e: $inputs/$model is missing: run bash scripts/test-inputs.sh" >&2; exit 1; }
+done
 data=$(mktemp -d)
 # WebKit may start xdg-document-portal, which mounts $HOME/.cache/doc (FUSE) and outlives the
 # app: unmount it, and never let cleaning up turn a passed run into a failed one.
@@ -42,13 +46,13 @@ export PERCH_DATA_DIR="$data/perch"
 # The launch-at-login entry goes to $HOME/.config/autostart: keep it out of the real home.
 export HOME="$data/home"
 mkdir -p "$HOME"
-export PERCH_MODEL="${PERCH_E2E_MODEL:-$shared/models/SmolLM2-135M-Instruct-4bit}"
+export PERCH_MODEL="${PERCH_E2E_MODEL:-$inputs/SmolLM2-135M-Instruct-Q4_1}"
 export PERCH_E2E_OUT="$PWD/target/e2e"
 # The Hub the model picker talks to, and the cache it downloads into. The fake slows each 64 KiB
 # so that the download's progress can be seen.
 export HF_HUB_CACHE="$data/hf-hub"
 export PERCH_E2E_HUB_REPO=mlx-community/SmolLM2-135M-Instruct-4bit
-target/debug/fake-hub --repo "$PERCH_E2E_HUB_REPO=$shared/models/SmolLM2-135M-Instruct-4bit" \
+target/debug/fake-hub --repo "$PERCH_E2E_HUB_REPO=$inputs/SmolLM2-135M-Instruct-Q4_1-mlx" \
   --chunk-delay-ms 3 >"$data/fake-hub.url" &
 hub=$!
 for _ in $(seq 100); do [ -s "$data/fake-hub.url" ] && break; sleep 0.1; done

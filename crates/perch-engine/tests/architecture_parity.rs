@@ -2,8 +2,8 @@
 //! 4-bit, and 8-bit with a per-layer override — written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`);
 //! Perch's logits must match mlx_lm's within 1e-4 and its greedy ids exactly.
 //!
-//! Needs `PERCH_TEST_PYTHON`: a Python with `mlx[cpu]==0.32.2` and `mlx-lm==0.32.2`
-//! (`scripts/test.sh` creates one).
+//! Needs the oracle: a Python with `mlx[cpu]==0.32.2` and `mlx-lm==0.32.2` (`PERCH_TEST_PYTHON`,
+//! else `target/oracle-venv`, which `scripts/test.sh` creates).
 
 mod common;
 
@@ -22,20 +22,14 @@ struct Expected {
     greedy_ids: Vec<u32>,
 }
 
-fn oracle_python() -> String {
-    std::env::var("PERCH_TEST_PYTHON").unwrap_or_else(|_| {
-        panic!("set PERCH_TEST_PYTHON to a Python with mlx[cpu]==0.32.2 and mlx-lm==0.32.2 (scripts/test.sh does)")
-    })
-}
-
 #[test]
 fn logits_and_greedy_ids_match_mlx_lm() {
     let out = tempfile::tempdir().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
-    let status = Command::new(oracle_python())
+    let status = Command::new(common::oracle_python())
         .arg(&script)
         .arg(out.path())
-        .arg(common::smollm_dir())
+        .arg(common::model_dir())
         .status()
         .expect("run the mlx_lm oracle");
     assert!(status.success(), "tiny_models.py failed");

@@ -1,5 +1,5 @@
 //! Bad model directories and prompts are typed errors with useful messages, never panics.
-//! Each case is the shared SmolLM2 model with one thing broken (weights linked, not copied).
+//! Each case is the test model (SmolLM2) with one thing broken (weights linked, not copied).
 
 mod common;
 
@@ -9,10 +9,10 @@ use std::path::Path;
 use perch_engine::{generate, models, EngineError, GenerateRequest, Tokenizer};
 use serde_json::Value;
 
-/// A copy of the shared model whose config.json went through `edit` and whose weights are
+/// A copy of the test model whose config.json went through `edit` and whose weights are
 /// `weights` (a link to the real file unless given).
 fn variant(edit: impl FnOnce(&mut Value), weights: Option<&[u8]>) -> tempfile::TempDir {
-    let src = common::smollm_dir();
+    let src = common::model_dir();
     let dir = tempfile::tempdir().unwrap();
     for f in [
         "tokenizer.json",
@@ -46,7 +46,7 @@ fn load_err(dir: &Path) -> EngineError {
 
 #[test]
 fn truncated_weights() {
-    let full = std::fs::read(common::smollm_dir().join("model.safetensors")).unwrap();
+    let full = std::fs::read(common::model_dir().join("model.safetensors")).unwrap();
     for cut in [full.len() - 1000, full.len() / 2, 100, 4] {
         let dir = variant(|_| {}, Some(&full[..cut]));
         let err = load_err(dir.path());
@@ -137,7 +137,7 @@ fn sharded_weights_load_like_a_single_file() {
     use mlx_rs::Array;
     use safetensors::SafeTensors;
 
-    let src = common::smollm_dir();
+    let src = common::model_dir();
     let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
     let file = SafeTensors::deserialize(&bytes).unwrap();
     let mut names: Vec<String> = file.names().into_iter().map(str::to_string).collect();

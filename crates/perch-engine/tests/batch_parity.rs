@@ -1,5 +1,5 @@
-//! Continuous batching reproduces single-request generation exactly: every reference case,
-//! submitted at once or inserted at different steps, yields mlx_lm's greedy ids.
+//! Continuous batching reproduces single-request generation exactly: every reference case (the
+//! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids.
 
 mod common;
 
@@ -8,10 +8,11 @@ use perch_engine::{models, GenerateRequest, Tokenizer};
 
 /// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
 fn run(insert_at: &[usize], prefill_step_size: usize) {
-    let dir = common::smollm_dir();
+    let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let cases = common::reference_cases();
+    assert_eq!(insert_at.len(), cases.len(), "one insertion step per case");
     let config = BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None);
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
     let schedule = cases
@@ -19,7 +20,7 @@ fn run(insert_at: &[usize], prefill_step_size: usize) {
         .zip(insert_at)
         .map(|(case, &at)| {
             let mut request = GenerateRequest::new(case.prompt_ids.clone());
-            request.max_tokens = 32;
+            request.max_tokens = common::reference().max_tokens;
             request.prefill_step_size = prefill_step_size;
             (at, request)
         })
@@ -44,10 +45,10 @@ fn run(insert_at: &[usize], prefill_step_size: usize) {
 
 #[test]
 fn all_reference_cases_at_once() {
-    run(&[0, 0, 0, 0, 0, 0], 2048);
+    run(&[0; 7], 2048);
 }
 
 #[test]
 fn staggered_inserts_with_chunked_prefill() {
-    run(&[0, 3, 5, 9, 17, 30], 16);
+    run(&[0, 3, 5, 9, 17, 30, 31], 16);
 }

@@ -9,7 +9,7 @@ use perch_engine::models::{self, Model};
 use perch_engine::{ChatMessage, EngineError, FinishReason, GenerateRequest, Tokenizer};
 
 fn load() -> (Box<dyn Model>, Tokenizer) {
-    let dir = common::smollm_dir();
+    let dir = common::model_dir();
     (models::load(&dir).unwrap(), Tokenizer::load(&dir).unwrap())
 }
 
@@ -37,7 +37,10 @@ fn reference_schedule(
     cases
         .iter()
         .enumerate()
-        .map(|(i, case)| (i * stagger, request(case.prompt_ids.clone(), 32)))
+        .map(|(i, case)| {
+            let max_tokens = common::reference().max_tokens;
+            (i * stagger, request(case.prompt_ids.clone(), max_tokens))
+        })
         .collect()
 }
 
@@ -144,7 +147,7 @@ fn every_turn_of_a_chat_hits_the_previous_one() {
 #[test]
 fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
     let (model, tokenizer) = load();
-    let cases = common::reference_cases();
+    let cases = common::short_reference_cases();
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
     let long: Vec<u32> = cases[1..]
         .iter()
@@ -193,7 +196,7 @@ fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
 #[test]
 fn a_tiny_pool_preempts_and_still_completes_every_request_exactly() {
     let (model, tokenizer) = load();
-    let cases = common::reference_cases();
+    let cases = common::short_reference_cases();
     // 20 blocks of 8 tokens hold the largest request (61 + 32 tokens) but not all six at once.
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(20, 8), "smollm");
     let outputs = common::drive(&mut batch, reference_schedule(&cases, 0));

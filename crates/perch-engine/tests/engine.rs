@@ -16,7 +16,7 @@ fn engine() -> EngineHandle {
 }
 
 fn engine_with(config: EngineConfig) -> EngineHandle {
-    EngineHandle::load(&common::smollm_dir(), config).unwrap()
+    EngineHandle::load(&common::model_dir(), config).unwrap()
 }
 
 fn request(prompt: Prompt, max_tokens: usize) -> EngineRequest {
@@ -57,11 +57,13 @@ fn concurrent_submissions_match_the_reference() {
         .map(|case| {
             let (engine, case) = (engine.clone(), case.clone());
             std::thread::spawn(move || {
-                let prompt = match case.messages {
+                let prompt = match common::chat_messages(&case) {
                     Some(messages) => Prompt::Chat(messages),
                     None => Prompt::Tokens(case.prompt_ids.clone()),
                 };
-                engine.submit(request(prompt, 32)).unwrap()
+                engine
+                    .submit(request(prompt, common::reference().max_tokens))
+                    .unwrap()
             })
         })
         .map(|t| t.join().unwrap())
@@ -69,12 +71,7 @@ fn concurrent_submissions_match_the_reference() {
     for (case, stream) in cases.iter().zip(streams) {
         let (ids, reason, error) = collect(stream);
         assert_eq!(error, None);
-        let expected = if reason == FinishReason::Stop {
-            &case.greedy_ids[..case.greedy_ids.len() - 1]
-        } else {
-            &case.greedy_ids[..]
-        };
-        assert_eq!(ids, expected, "case {}", case.id);
+        assert_eq!(ids, common::expected_ids(case, reason), "case {}", case.id);
     }
     let stats = engine.stats().unwrap();
     assert_eq!(
@@ -106,7 +103,16 @@ fn cancel_running_and_waiting_requests() {
     }
     let stats = engine.stats().unwrap();
     assert_eq!((stats.running, stats.waiting), (1, 1));
-    assert!(stats.memory.active_bytes > 0);
+    // MLX holds at least every weight of the model (its file less the JSON header) while the
+    // request runs; other tests' models in this process can only add to the count.
+    let weights = std::fs::read(common::model_dir().join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let tensor_bytes = weights.len() - 8 - header;
+    assert!(
+        stats.memory.active_bytes >= tensor_bytes,
+        "MLX active memory {} < the model's {tensor_bytes} bytes of weights",
+        stats.memory.active_bytes
+    );
 
     engine.cancel(waiting.id);
     engine.cancel(running.id);
@@ -230,8 +236,8 @@ fn tokens_carry_the_log_probabilities_asked_for() {
 
     // The single-stream path reports the same numbers.
     let (model, tokenizer) = (
-        perch_engine::models::load(&common::smollm_dir()).unwrap(),
-        perch_engine::Tokenizer::load(&common::smollm_dir()).unwrap(),
+        perch_engine::models::load(&common::model_dir()).unwrap(),
+        perch_engine::Tokenizer::load(&common::model_dir()).unwrap(),
     );
     let mut direct = Vec::new();
     let mut params = asked.params.clone();
@@ -266,13 +272,12 @@ fn tokens_carry_the_log_probabilities_asked_for() {
 fn load_reports_progress_over_the_weight_files() {
     let reports = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let sink = std::sync::Arc::clone(&reports);
-    let engine = EngineHandle::load_with_progress(
-        &common::smollm_dir(),
-        EngineConfig::default(),
-        move |p| sink.lock().unwrap().push(p),
-    )
-    .unwrap();
-    let total: u64 = std::fs::read_dir(common::smollm_dir())
+    let engine =
+        EngineHandle::load_with_progress(&common::model_dir(), EngineConfig::default(), move |p| {
+            sink.lock().unwrap().push(p)
+        })
+        .unwrap();
+    let total: u64 = std::fs::read_dir(common::model_dir())
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))

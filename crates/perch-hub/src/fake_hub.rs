@@ -1,6 +1,7 @@
 //! A fake Hugging Face Hub on 127.0.0.1 for tests: the routes [`crate::HubClient`] and
 //! `huggingface_hub` use (search, revision, paged tree, resolve with ranges and an LFS redirect),
-//! serving repositories from memory, with knobs for the failures a download must survive.
+//! serving repositories from memory, with knobs for the failures a download must survive, and
+//! answers recorded from the real Hub served byte for byte ([`RecordedAnswer`]).
 //!
 //! ```no_run
 //! use perch_hub::fake_hub::{FakeHub, FakeRepo};
@@ -183,6 +184,42 @@ pub struct Behaviour {
     pub ignore_ranges: bool,
     /// Tree entries per page (0: all on one page).
     pub tree_page_size: usize,
+    /// Answers served instead of the fake's own; the first that matches a request wins.
+    pub recorded: Vec<RecordedAnswer>,
+}
+
+/// A response of the real Hub, served as recorded: status 200, its body's exact bytes.
+#[derive(Clone, Debug, Default)]
+pub struct RecordedAnswer {
+    /// The request path it answers, without the query.
+    pub path: String,
+    /// Only for requests whose query contains this (e.g. a page's `cursor=…`).
+    pub query_contains: Option<String>,
+    /// The `Content-Type` the Hub sent.
+    pub content_type: String,
+    /// A `Link` header; `{endpoint}` becomes the fake's URL (the Hub's links are absolute).
+    pub link: Option<String>,
+    pub body: Vec<u8>,
+}
+
+impl RecordedAnswer {
+    fn answers(&self, uri: &axum::http::Uri) -> bool {
+        let query = uri.query().unwrap_or_default();
+        uri.path() == self.path
+            && self
+                .query_contains
+                .as_deref()
+                .is_none_or(|needle| query.contains(needle))
+    }
+
+    fn response(&self, endpoint: &str) -> Response {
+        let mut headers = HeaderMap::new();
+        headers.insert("content-type", header_value(&self.content_type));
+        if let Some(link) = &self.link {
+            headers.insert("link", header_value(&link.replace("{endpoint}", endpoint)));
+        }
+        (StatusCode::OK, headers, self.body.clone()).into_response()
+    }
 }
 
 struct Shared {
@@ -311,10 +348,13 @@ async fn record(
             authorization: header("authorization"),
         }
     };
-    let required = {
+    let (required, recorded) = {
         let mut shared = lock(&shared);
         shared.requests.push(seen.clone());
-        shared.behaviour.required_token.clone()
+        let recorded = (shared.behaviour.recorded.iter())
+            .find(|answer| answer.answers(request.uri()))
+            .map(|answer| answer.response(&shared.url));
+        (shared.behaviour.required_token.clone(), recorded)
     };
     // The CDN's signed URLs need no token; everything else on the Hub may.
     if let Some(token) = required {
@@ -322,7 +362,10 @@ async fn record(
             return (StatusCode::UNAUTHORIZED, "Invalid credentials").into_response();
         }
     }
-    next.run(request).await
+    match recorded {
+        Some(response) => response,
+        None => next.run(request).await,
+    }
 }
 
 #[derive(Deserialize)]

@@ -100,7 +100,7 @@ impl RemoteSnapshot {
     }
 }
 
-/// A file in a [`RemoteSnapshot`].
+/// A file of a repository at one commit ([`HubClient::tree`], [`RemoteSnapshot::files`]).
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct RemoteFile {
     /// Path inside the repository, `/`-separated, checked to stay inside it.
@@ -174,10 +174,34 @@ impl HubClient {
 
     /// The commit `revision` names in `repo_id` and its model files.
     ///
-    /// Errors: [`HubError::InvalidRepoId`]; [`HubError::Status`] (404: no such repository or
-    /// revision; 401/403: private or gated); [`HubError::BadResponse`] for a malformed answer or
-    /// a file path that would leave the repository; [`HubError::Network`].
+    /// Errors: those of [`Self::commit`] and [`Self::tree`].
     pub fn snapshot(&self, repo_id: &str, revision: &str) -> Result<RemoteSnapshot, HubError> {
+        let commit = self.commit(repo_id, revision)?;
+        let mut files: Vec<RemoteFile> = self
+            .tree(repo_id, &commit)?
+            .into_iter()
+            .filter(|f| {
+                MODEL_FILE_PATTERNS
+                    .iter()
+                    .any(|p| wildcard_match(p, &f.path))
+            })
+            .collect();
+        files.sort_by(|a, b| a.path.cmp(&b.path));
+        Ok(RemoteSnapshot {
+            repo_id: repo_id.to_owned(),
+            revision: revision.to_owned(),
+            commit,
+            files,
+        })
+    }
+
+    /// The commit (40 hex digits) that `revision` (a branch, tag or commit) names in `repo_id`:
+    /// the `sha` of `GET /api/models/{repo}/revision/{revision}`.
+    ///
+    /// Errors: [`HubError::InvalidRepoId`]; [`HubError::Status`] (404: no such repository or
+    /// revision; 401/403: private or gated); [`HubError::BadResponse`] for a malformed answer;
+    /// [`HubError::Network`].
+    pub fn commit(&self, repo_id: &str, revision: &str) -> Result<String, HubError> {
         check_repo_id(repo_id)?;
         let url = format!(
             "{}/api/models/{repo_id}/revision/{}",
@@ -191,10 +215,23 @@ impl HubClient {
                 reason: format!("{:?} is not a commit hash", info.sha),
             });
         }
+        Ok(info.sha)
+    }
+
+    /// Every file of `repo_id` at `commit`, in the Hub's order: `GET
+    /// /api/models/{repo}/tree/{commit}?recursive=true`, following its `Link: <…>; rel="next"`
+    /// pages. Directories are left out.
+    ///
+    /// Errors: [`HubError::InvalidRepoId`]; [`HubError::BadResponse`] for a malformed answer, a
+    /// path that would leave the repository or a blob hash of the wrong form;
+    /// [`HubError::Status`]; [`HubError::Network`].
+    pub fn tree(&self, repo_id: &str, commit: &str) -> Result<Vec<RemoteFile>, HubError> {
+        check_repo_id(repo_id)?;
         let mut files = Vec::new();
         let mut next = Some(format!(
             "{}/api/models/{repo_id}/tree/{}?recursive=true",
-            self.endpoint, info.sha
+            self.endpoint,
+            percent_encode(commit)
         ));
         while let Some(url) = next {
             let (entries, link) = self.get_json::<Vec<TreeEntry>>(&url)?;
@@ -203,12 +240,6 @@ impl HubClient {
                     url: url.clone(),
                     reason,
                 })?;
-                if !MODEL_FILE_PATTERNS
-                    .iter()
-                    .any(|p| wildcard_match(p, &entry.path))
-                {
-                    continue;
-                }
                 let (etag, lfs, size) = match entry.lfs {
                     Some(lfs) => (lfs.oid, true, lfs.size),
                     None => (entry.oid, false, entry.size),
@@ -233,13 +264,7 @@ impl HubClient {
             }
             next = link;
         }
-        files.sort_by(|a, b| a.path.cmp(&b.path));
-        Ok(RemoteSnapshot {
-            repo_id: repo_id.to_owned(),
-            revision: revision.to_owned(),
-            commit: info.sha,
-            files,
-        })
+        Ok(files)
     }
 
     /// `GET url` with the token when `url` is on the endpoint; 4xx/5xx are errors.
@@ -334,8 +359,9 @@ impl SearchHit {
         let weights_bytes = self.safetensors.and_then(|s| {
             s.parameters
                 .iter()
-                .map(|(dtype, &count)| Some(count * dtype_bytes(dtype)?))
-                .sum::<Option<u64>>()
+                .try_fold(0u64, |total, (dtype, &count)| {
+                    total.checked_add(count.checked_mul(dtype_bytes(dtype)?)?)
+                })
         });
         HubModel {
             id: self.id,
@@ -521,5 +547,11 @@ mod tests {
             serde_json::from_str(r#"{"id": "a/b", "safetensors": {"parameters": {"Q9": 1}}}"#)
                 .unwrap();
         assert_eq!(unknown.into_model().weights_bytes, None);
+        // A hostile count is an unknown size, not an overflow.
+        let huge: SearchHit = serde_json::from_str(
+            r#"{"id": "a/b", "safetensors": {"parameters": {"F64": 18446744073709551615}}}"#,
+        )
+        .unwrap();
+        assert_eq!(huge.into_model().weights_bytes, None);
     }
 }

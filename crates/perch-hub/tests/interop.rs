@@ -1,8 +1,9 @@
 //! The cache Perch writes is the one Python's `huggingface_hub` and mlx-lm read, and the other
-//! way round: the real model in `shared/models`, served by the fake hub.
+//! way round: the test model (the default SmolLM2 in the layout `mlx_lm.convert` writes, from
+//! `scripts/test-inputs.sh`), served by the fake hub.
 //!
-//! Needs `PERCH_TEST_PYTHON`: a Python with mlx-lm 0.32.2 (and so `huggingface_hub`);
-//! `scripts/test.sh` sets it.
+//! Needs the oracle Python (mlx-lm 0.32.2, and so `huggingface_hub`): `PERCH_TEST_PYTHON`, else
+//! `target/oracle-venv`.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -13,22 +14,8 @@ use perch_hub::{HubClient, ModelSource};
 
 const REPO: &str = "mlx-community/SmolLM2-135M-Instruct-4bit";
 
-fn shared_dir() -> PathBuf {
-    let dir = std::env::var_os("PERCH_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    assert!(
-        dir.join("models").is_dir(),
-        "shared/ not found at {} (set PERCH_SHARED_DIR)",
-        dir.display()
-    );
-    dir
-}
-
 fn python(cache: &Path, envs: &[(&str, &str)], script: &str, args: &[&str]) -> String {
-    let python = std::env::var("PERCH_TEST_PYTHON")
-        .expect("set PERCH_TEST_PYTHON to a Python with mlx-lm 0.32.2 (scripts/test.sh does)");
-    let out = Command::new(python)
+    let out = Command::new(perch_test_support::oracle_python())
         .arg("-c")
         .arg(script)
         .args(args)
@@ -47,9 +34,9 @@ fn python(cache: &Path, envs: &[(&str, &str)], script: &str, args: &[&str]) -> S
 }
 
 fn fake_hub() -> FakeHub {
-    let model = shared_dir().join("models/SmolLM2-135M-Instruct-4bit");
+    let model = perch_test_support::model_dir();
     FakeHub::start(vec![
-        FakeRepo::from_dir(REPO, &model).expect("read the shared model")
+        FakeRepo::from_dir(REPO, &model).expect("read the test model")
     ])
 }
 
@@ -64,7 +51,7 @@ fn mlx_lm_runs_a_model_perch_downloaded() {
         .unwrap();
 
     // Offline, so mlx-lm can only use what is in the cache.
-    let reference = shared_dir().join("reference/smollm2-135m-4bit-greedy.json");
+    let reference = perch_test_support::fixture("smollm2-greedy.json");
     let script = r#"
 import json, sys
 from mlx_lm import load, generate
@@ -133,12 +120,13 @@ fn the_searched_size_of_a_real_model_is_its_weights_file() {
     let cache = tempfile::tempdir().unwrap();
     let client = HubClient::new(hub.url(), None, cache.path().to_path_buf());
     let found = client.search(&perch_hub::SearchQuery::default()).unwrap();
-    let weights = shared_dir().join("models/SmolLM2-135M-Instruct-4bit/model.safetensors");
-    let file = std::fs::metadata(weights).unwrap().len();
-    let size = found[0].weights_bytes.expect("safetensors metadata");
-    // The file is the tensors plus a JSON header of some kilobytes.
-    assert!(
-        size < file && file - size < 200_000,
-        "weights {size} bytes, file {file} bytes"
+    let weights = std::fs::read(perch_test_support::model_dir().join("model.safetensors")).unwrap();
+    // The file is an 8-byte header length, the JSON header, then the tensors' bytes, no gaps.
+    let header = u64::from_le_bytes(weights[..8].try_into().unwrap());
+    let tensor_bytes = weights.len() as u64 - 8 - header;
+    assert_eq!(
+        found[0].weights_bytes,
+        Some(tensor_bytes),
+        "the size from the Hub's safetensors metadata is the tensors' bytes"
     );
 }

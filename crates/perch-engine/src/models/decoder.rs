@@ -165,71 +165,83 @@ impl Attention {
                 keys,
                 values,
                 quantization,
-            } => self.quantized_attention(&queries, &keys, &values, quantization, causal),
+            } => quantized_scaled_dot_product_attention(
+                &queries,
+                &keys,
+                &values,
+                self.scale,
+                quantization,
+                causal,
+            ),
         }
     }
+}
 
-    /// Attention over a quantized cache, op for op as mlx_lm's
-    /// `quantized_scaled_dot_product_attention`: scores by `quantized_matmul` against the packed
-    /// keys, a causal mask as `where(q_pos >= k_pos, scores, float32 min)`, a precise softmax,
-    /// and `quantized_matmul` against the packed values. Query heads that share a KV head are
-    /// grouped as `[batch, kv_heads, repeats, seq, head_dim]`.
-    fn quantized_attention(
-        &self,
-        queries: &Array,
-        keys: &[Array; 3],
-        values: &[Array; 3],
-        q: KvQuantization,
-        causal: bool,
-    ) -> Result<Array> {
-        let s = queries.shape();
-        let (batch, heads, seq, head_dim) = (s[0], s[1], s[2], s[3]);
-        let kv_heads = keys[0].shape()[1];
-        let repeats = heads / kv_heads;
-        let mut queries = ops::multiply(queries, &Array::from_f32(self.scale))?;
-        let group = |parts: &[Array; 3]| -> Result<Vec<Array>> {
-            parts
-                .iter()
-                .map(|p| {
-                    Ok(if repeats > 1 {
-                        p.expand_dims(-3)?
-                    } else {
-                        p.clone()
-                    })
+/// Attention over a quantized KV cache, op for op as mlx_lm's
+/// `quantized_scaled_dot_product_attention` (`mlx_lm/models/base.py`): queries scaled by `scale`,
+/// scores by `quantized_matmul` against the packed keys, a causal mask (when `causal`, for more
+/// than one query) as `where(q_pos >= k_pos, scores, float32 min)`, a precise softmax, and
+/// `quantized_matmul` against the packed values. Query heads that share a KV head are grouped as
+/// `[batch, kv_heads, repeats, seq, head_dim]`.
+///
+/// `queries`: `[batch, heads, seq, head_dim]`; `keys`/`values`: packed values, scales and biases
+/// `[batch, kv_heads, positions, …]` as [`crate::cache::KvCache::update_and_fetch`] returns them.
+/// Returns `[batch, heads, seq, head_dim]`. Errors: MLX's, for shapes that do not fit together.
+pub fn quantized_scaled_dot_product_attention(
+    queries: &Array,
+    keys: &[Array; 3],
+    values: &[Array; 3],
+    scale: f32,
+    q: KvQuantization,
+    causal: bool,
+) -> Result<Array> {
+    let s = queries.shape();
+    let (batch, heads, seq, head_dim) = (s[0], s[1], s[2], s[3]);
+    let kv_heads = keys[0].shape()[1];
+    let repeats = heads / kv_heads;
+    let mut queries = ops::multiply(queries, &Array::from_f32(scale))?;
+    let group = |parts: &[Array; 3]| -> Result<Vec<Array>> {
+        parts
+            .iter()
+            .map(|p| {
+                Ok(if repeats > 1 {
+                    p.expand_dims(-3)?
+                } else {
+                    p.clone()
                 })
-                .collect()
-        };
-        let (keys, values) = (group(keys)?, group(values)?);
-        if repeats > 1 {
-            queries = queries.reshape(&[batch, kv_heads, repeats, seq, head_dim])?;
-        }
-        let qmm = |x: &Array, parts: &[Array], transpose: bool| {
-            ops::quantized_matmul(
-                x,
-                &parts[0],
-                &parts[1],
-                &parts[2],
-                transpose,
-                q.group_size,
-                q.bits,
-            )
-        };
-        let mut scores = qmm(&queries, &keys, true)?;
-        if causal {
-            let positions = *scores.shape().last().expect("scores have a key axis");
-            let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
-            let k_positions = ops::arange::<_, i32>(0, positions, None)?;
-            let mask = ops::ge(&q_positions.expand_dims(1)?, &k_positions.expand_dims(0)?)?;
-            scores = ops::select(&mask, &scores, &Array::from_f32(f32::MIN))?;
-        }
-        let scores = ops::softmax_axis(&scores, -1, true)?;
-        let out = qmm(&scores, &values, false)?;
-        Ok(if repeats > 1 {
-            out.reshape(&[batch, heads, seq, head_dim])?
-        } else {
-            out
-        })
+            })
+            .collect()
+    };
+    let (keys, values) = (group(keys)?, group(values)?);
+    if repeats > 1 {
+        queries = queries.reshape(&[batch, kv_heads, repeats, seq, head_dim])?;
     }
+    let qmm = |x: &Array, parts: &[Array], transpose: bool| {
+        ops::quantized_matmul(
+            x,
+            &parts[0],
+            &parts[1],
+            &parts[2],
+            transpose,
+            q.group_size,
+            q.bits,
+        )
+    };
+    let mut scores = qmm(&queries, &keys, true)?;
+    if causal {
+        let positions = *scores.shape().last().expect("scores have a key axis");
+        let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
+        let k_positions = ops::arange::<_, i32>(0, positions, None)?;
+        let mask = ops::ge(&q_positions.expand_dims(1)?, &k_positions.expand_dims(0)?)?;
+        scores = ops::select(&mask, &scores, &Array::from_f32(f32::MIN))?;
+    }
+    let scores = ops::softmax_axis(&scores, -1, true)?;
+    let out = qmm(&scores, &values, false)?;
+    Ok(if repeats > 1 {
+        out.reshape(&[batch, heads, seq, head_dim])?
+    } else {
+        out
+    })
 }
 
 struct Block {

@@ -1,30 +1,18 @@
-//! Shared test fixtures: the project's `shared/` directory (real model, reference outputs).
+//! What the engine's tests share: the test model and mlx_lm's references (from
+//! `perch-test-support`), the oracle, and a driver for the batch.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
 
-/// `../shared` beside the repository, or `PERCH_SHARED_DIR`.
-pub fn shared_dir() -> PathBuf {
-    let dir = std::env::var_os("PERCH_SHARED_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared"));
-    assert!(
-        dir.join("models").is_dir(),
-        "shared/ not found at {} (set PERCH_SHARED_DIR)",
-        dir.display()
-    );
-    dir
-}
+pub use perch_test_support::{model_dir, oracle_python, reference, reference_cases, ReferenceCase};
 
-/// Runs `tests/oracle/{script}` with `PERCH_TEST_PYTHON` (a Python with mlx_lm 0.32.2) and
-/// returns its stdout; panics with its stderr when it fails.
+/// Runs `tests/oracle/{script}` with the oracle Python and returns its stdout; panics with its
+/// stderr when it fails.
 pub fn run_oracle(script: &str, args: &[&str]) -> String {
-    let python =
-        std::env::var("PERCH_TEST_PYTHON").expect("set PERCH_TEST_PYTHON (scripts/test.sh does)");
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("tests/oracle")
         .join(script);
-    let out = std::process::Command::new(python)
+    let out = std::process::Command::new(oracle_python())
         .arg(path)
         .args(args)
         .output()
@@ -37,41 +25,30 @@ pub fn run_oracle(script: &str, args: &[&str]) -> String {
     String::from_utf8(out.stdout).expect("oracle output is UTF-8")
 }
 
-pub fn smollm_dir() -> PathBuf {
-    shared_dir().join("models/SmolLM2-135M-Instruct-4bit")
+/// A reference case's chat as the engine's messages.
+pub fn chat_messages(case: &ReferenceCase) -> Option<Vec<perch_engine::ChatMessage>> {
+    let messages = case.messages.as_ref()?;
+    Some(
+        messages
+            .iter()
+            .map(|m| perch_engine::ChatMessage::new(&m.role, &m.content))
+            .collect(),
+    )
 }
 
-/// One case of `reference/smollm2-135m-4bit-greedy.json`.
-#[derive(serde::Deserialize, Clone)]
-pub struct ReferenceCase {
-    pub id: String,
-    pub messages: Option<Vec<perch_engine::ChatMessage>>,
-    pub text: Option<String>,
-    pub prompt_ids: Vec<u32>,
-    pub greedy_ids: Vec<u32>,
-    pub greedy_text: String,
+/// The reference cases whose prompt fits in one prefill chunk (every case but the long one), for
+/// tests whose pools or schedules are sized for short prompts.
+pub fn short_reference_cases() -> Vec<ReferenceCase> {
+    let chunk = reference().prefill_step_size;
+    reference_cases()
+        .into_iter()
+        .filter(|c| c.prompt_ids.len() < chunk)
+        .collect()
 }
 
-pub fn reference_cases() -> Vec<ReferenceCase> {
-    #[derive(serde::Deserialize)]
-    struct File {
-        max_tokens: usize,
-        cases: Vec<ReferenceCase>,
-    }
-    let path = shared_dir().join("reference/smollm2-135m-4bit-greedy.json");
-    let file: File = serde_json::from_str(&std::fs::read_to_string(&path).expect("reference file"))
-        .expect("reference json");
-    assert_eq!(file.max_tokens, 32);
-    file.cases
-}
-
-/// The ids a reference case's output must have: its greedy ids, minus the stop token when the
-/// request stopped on one.
+/// The ids a case's output must have (see [`ReferenceCase::expected_ids`]).
 pub fn expected_ids(case: &ReferenceCase, reason: perch_engine::FinishReason) -> &[u32] {
-    match reason {
-        perch_engine::FinishReason::Stop => &case.greedy_ids[..case.greedy_ids.len() - 1],
-        _ => &case.greedy_ids[..],
-    }
+    case.expected_ids(reason == perch_engine::FinishReason::Stop)
 }
 
 /// Runs `batch` until every request of `schedule` (inserted at its step) has finished; returns

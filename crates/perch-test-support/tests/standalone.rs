@@ -1,0 +1,97 @@
+//! The repository stands alone: no file in it reads the `shared/` folder our own machines keep
+//! beside the checkout (a real model, references, notes), so a fresh clone with nothing beside it
+//! passes the tests. And the test inputs are the ones the committed references were made on.
+
+use std::path::{Path, PathBuf};
+
+use perch_test_support::{fixture_json, sha256_file, workspace_dir};
+
+/// What would make a test lean on `shared/`: its path beside the repository, its environment
+/// variable, or its model and reference folders.
+const FORBIDDEN: &[&str] = &[
+    "../shared",
+    "PERCH_SHARED_DIR",
+    "shared/models",
+    "shared/reference",
+    "parent / \"shared",
+];
+
+/// Build output and installed packages, not the repository's own files.
+const SKIPPED_DIRS: &[&str] = &[".git", "target", "node_modules", "dist"];
+
+fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let entry = entry.unwrap();
+        let path = entry.path();
+        let name = entry.file_name();
+        if entry.file_type().unwrap().is_dir() {
+            if !SKIPPED_DIRS.contains(&name.to_str().unwrap_or_default()) {
+                files(&path, out);
+            }
+        } else {
+            out.push(path);
+        }
+    }
+}
+
+#[test]
+fn no_file_refers_to_the_shared_folder() {
+    let root = workspace_dir();
+    let this_file = Path::new(file!()).file_name().unwrap();
+    let mut all = Vec::new();
+    files(&root, &mut all);
+    assert!(
+        all.len() > 100,
+        "walked the repository: {} files",
+        all.len()
+    );
+    let mut found = Vec::new();
+    for path in &all {
+        if path.file_name() == Some(this_file) {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(path) else {
+            continue; // binary
+        };
+        for (number, line) in text.lines().enumerate() {
+            if let Some(needle) = FORBIDDEN.iter().find(|n| line.contains(*n)) {
+                let relative = path.strip_prefix(&root).unwrap();
+                found.push(format!("{}:{}: {needle}", relative.display(), number + 1));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "these read the shared folder beside the checkout, which a user's clone lacks:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_test_model_is_the_one_the_references_were_made_on() {
+    let reference = perch_test_support::reference();
+    assert_eq!(
+        sha256_file(&perch_test_support::model_dir().join("model.safetensors")),
+        reference.model_sha256,
+        "the test model differs from the one tests/fixtures/smollm2-greedy.json was made on: \
+         remove target/test-inputs and run bash scripts/test-inputs.sh"
+    );
+    // And the import it was converted from is the committed import.
+    let import: serde_json::Value = fixture_json("smollm2-import.json");
+    let weights = import["files"]["model.safetensors"].as_str().unwrap();
+    assert_eq!(
+        sha256_file(&perch_test_support::imported_model_dir().join("model.safetensors")),
+        weights
+    );
+}
+
+#[test]
+fn every_json_fixture_says_how_to_remake_it() {
+    for name in ["smollm2-greedy.json", "smollm2-import.json"] {
+        let text = std::fs::read_to_string(perch_test_support::fixture(name)).unwrap();
+        assert!(
+            text.trim_start().starts_with("{\n \"regenerate\": \""),
+            "{name} starts with its regenerate command"
+        );
+    }
+}
