@@ -110,7 +110,7 @@ def greedy(model_dir, out):
         print(f"{case['id']}: {len(prompt)} prompt tokens, {len(ids)} generated"
               f"{' (stopped on EOS)' if ids[-1] in eos else ''}: {tokenizer.decode(ids)!r}", file=sys.stderr)
     write_json(out, {
-        "regenerate": "bash scripts/test-inputs.sh && " + command("greedy", str(model_dir), str(out)),
+        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && " + command("greedy", str(model_dir), str(out)),
         "model": Path(model_dir).name,
         "model_sha256": sha256(Path(model_dir) / "model.safetensors"),
         "mlx": version("mlx"),
@@ -127,7 +127,7 @@ def import_hashes(import_dir, gguf, out):
     import_dir = Path(import_dir)
     files = sorted(p.name for p in import_dir.iterdir() if p.is_file())
     write_json(out, {
-        "regenerate": "bash scripts/test-inputs.sh && " + command("import", str(import_dir), str(gguf), str(out)),
+        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && " + command("import", str(import_dir), str(gguf), str(out)),
         "gguf": Path(gguf).name,
         "gguf_sha256": sha256(gguf),
         "files": {name: sha256(import_dir / name) for name in files},

@@ -87,7 +87,11 @@ fn the_test_model_is_the_one_the_references_were_made_on() {
 
 #[test]
 fn every_json_fixture_says_how_to_remake_it() {
-    for name in ["smollm2-greedy.json", "smollm2-import.json"] {
+    for name in [
+        "smollm2-greedy.json",
+        "smollm2-import.json",
+        "mlx-community/SmolLM2-135M-Instruct-4bit/weights-sample.json",
+    ] {
         let text = std::fs::read_to_string(perch_test_support::fixture(name)).unwrap();
         assert!(
             text.trim_start().starts_with("{\n \"regenerate\": \""),
