@@ -1,8 +1,9 @@
 //! KV cache quantization (MLX affine, 8 and 4 bits): the quantized cache and attention compute
 //! exactly what mlx_lm's `QuantizedKVCache` and `quantized_scaled_dot_product_attention` do on the
-//! same inputs; the batch engine's quantized runs stay as close to mlx_lm's as mlx_lm is to itself
-//! under last-bit noise; quantized blocks serve prefix hits exactly; the pool is sized by the
-//! quantized bytes. Needs the oracle Python.
+//! same inputs, bit for bit; the batch engine's 8-bit runs follow mlx_lm's greedy ids until the
+//! first near-tie (end to end, last-bit float differences flip roundings: see `NEAR_TIE`);
+//! quantized blocks serve prefix hits exactly; the pool is sized by the quantized bytes. Needs the
+//! oracle Python.
 
 mod common;
 
