@@ -63,10 +63,57 @@ fn quantized_cache_and_attention_are_mlx_lms() {
             let expected = get("out");
             assert_eq!(out.shape(), expected.shape());
             let diff = mlx_rs::ops::abs(mlx_rs::ops::subtract(&out, expected).unwrap()).unwrap();
-            let worst = mlx_rs::ops::max(&diff, None).unwrap().item::<f32>();
+            let worst = mlx_rs::ops::max(&diff, None).unwrap().item_exact::<f32>();
             assert_eq!(
                 worst, 0.0,
                 "{bits}-bit, step {step}: the same bits as mlx_lm"
+            );
+        }
+    }
+}
+
+/// On a GPU activations are bfloat16 (float16 on some); the quantized attention must stay in
+/// that dtype (MLX's CUDA quantized_matmul has no float32-activation kernel), masked rows included.
+#[test]
+fn quantized_attention_keeps_half_precision() {
+    use mlx_rs::Dtype;
+    use perch_engine::cache::{CachedKv, KvCache};
+    use perch_engine::models::decoder::quantized_scaled_dot_product_attention;
+    for dtype in [Dtype::Bfloat16, Dtype::Float16] {
+        let q = KvQuantization::new(8, 64, 64).unwrap();
+        let mut cache = KvCache::with_quantization(Some(q));
+        let normal = |shape: &[i32]| {
+            mlx_rs::random::normal::<f32>(shape, None, None, None)
+                .unwrap()
+                .as_dtype(dtype)
+                .unwrap()
+        };
+        for length in [5, 1] {
+            let CachedKv::Quantized { keys, values, .. } = cache
+                .update_and_fetch(&normal(&[1, 3, length, 64]), &normal(&[1, 3, length, 64]))
+                .unwrap()
+            else {
+                panic!("a quantized cache returns quantized parts")
+            };
+            let out = quantized_scaled_dot_product_attention(
+                &normal(&[1, 9, length, 64]),
+                &keys,
+                &values,
+                0.125,
+                q,
+                length > 1,
+            )
+            .unwrap();
+            assert_eq!(out.dtype(), dtype, "{length} queries");
+            let bad = mlx_rs::ops::logical_or(
+                &mlx_rs::ops::is_nan(&out).unwrap(),
+                &mlx_rs::ops::is_inf(&out).unwrap(),
+            )
+            .unwrap();
+            let finite = !mlx_rs::ops::any(&bad, None).unwrap().item_exact::<bool>();
+            assert!(
+                finite,
+                "{dtype:?}, {length} queries: the mask keeps the output finite"
             );
         }
     }

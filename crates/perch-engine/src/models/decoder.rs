@@ -3,7 +3,7 @@
 //! op like mlx-lm's `models/llama.py` so that logits match mlx_lm exactly.
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
-use mlx_rs::{ops, Array};
+use mlx_rs::{ops, Array, Dtype};
 
 use crate::cache::{CachedKv, KvCache, KvQuantization};
 use crate::error::Result;
@@ -180,7 +180,7 @@ impl Attention {
 /// Attention over a quantized KV cache, op for op as mlx_lm's
 /// `quantized_scaled_dot_product_attention` (`mlx_lm/models/base.py`): queries scaled by `scale`,
 /// scores by `quantized_matmul` against the packed keys, a causal mask (when `causal`, for more
-/// than one query) as `where(q_pos >= k_pos, scores, float32 min)`, a precise softmax, and
+/// than one query) as `where(q_pos >= k_pos, scores, finfo(dtype).min)`, a precise softmax, and
 /// `quantized_matmul` against the packed values. Query heads that share a KV head are grouped as
 /// `[batch, kv_heads, repeats, seq, head_dim]`.
 ///
@@ -199,7 +199,11 @@ pub fn quantized_scaled_dot_product_attention(
     let (batch, heads, seq, head_dim) = (s[0], s[1], s[2], s[3]);
     let kv_heads = keys[0].shape()[1];
     let repeats = heads / kv_heads;
-    let mut queries = ops::multiply(queries, &Array::from_f32(scale))?;
+    // Scalars in the activations' dtype: a float32 one would promote bfloat16 activations to
+    // float32, for which MLX's CUDA quantized_matmul has no kernel (mlx_lm's Python scalars are
+    // weakly typed and never promote).
+    let dtype = queries.dtype();
+    let mut queries = ops::multiply(queries, &Array::from_f32(scale).as_dtype(dtype)?)?;
     let group = |parts: &[Array; 3]| -> Result<Vec<Array>> {
         parts
             .iter()
@@ -233,7 +237,7 @@ pub fn quantized_scaled_dot_product_attention(
         let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
         let k_positions = ops::arange::<_, i32>(0, positions, None)?;
         let mask = ops::ge(&q_positions.expand_dims(1)?, &k_positions.expand_dims(0)?)?;
-        scores = ops::select(&mask, &scores, &Array::from_f32(f32::MIN))?;
+        scores = ops::select(&mask, &scores, &lowest(dtype)?)?;
     }
     let scores = ops::softmax_axis(&scores, -1, true)?;
     let out = qmm(&scores, &values, false)?;
@@ -242,6 +246,17 @@ pub fn quantized_scaled_dot_product_attention(
     } else {
         out
     })
+}
+
+/// The lowest finite value of a float dtype, as a scalar of it (`mx.finfo(dtype).min`).
+fn lowest(dtype: Dtype) -> Result<Array> {
+    let value = match dtype {
+        Dtype::Float16 => -65504.0,
+        // bfloat16 keeps float32's exponent with 8 bits of significand: (2 - 2^-7) * 2^127.
+        Dtype::Bfloat16 => -3.389_531_4e38,
+        _ => f32::MIN,
+    };
+    Ok(Array::from_f32(value).as_dtype(dtype)?)
 }
 
 struct Block {
