@@ -6,6 +6,7 @@ use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::cache::{CachedKv, KvCache, KvQuantization};
+use crate::device::Backend;
 use crate::error::Result;
 use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
@@ -177,12 +178,14 @@ impl Attention {
     }
 }
 
-/// Attention over a quantized KV cache, op for op as mlx_lm's
-/// `quantized_scaled_dot_product_attention` (`mlx_lm/models/base.py`): queries scaled by `scale`,
-/// scores by `quantized_matmul` against the packed keys, a causal mask (when `causal`, for more
-/// than one query) as `where(q_pos >= k_pos, scores, finfo(dtype).min)`, a precise softmax, and
-/// `quantized_matmul` against the packed values. Query heads that share a KV head are grouped as
-/// `[batch, kv_heads, repeats, seq, head_dim]`.
+/// Attention over a quantized KV cache, as mlx_lm's `quantized_scaled_dot_product_attention`
+/// (`mlx_lm/models/base.py`) computes it: queries scaled by `scale`, scores by `quantized_matmul`
+/// against the packed keys, a causal mask (when `causal`, for more than one query) as
+/// `where(q_pos >= k_pos, scores, finfo(dtype).min)`, a precise softmax, and `quantized_matmul`
+/// against the packed values. The query heads that share a KV head are stacked along the rows,
+/// `[batch, kv_heads, repeats * seq, head_dim]`, where mlx_lm broadcasts the keys over a repeats
+/// axis instead: every score is the same dot product (bit for bit on CPU, tested), and MLX's CUDA
+/// quantized_matmul (v0.32) has no kernel for packed matrices broadcast over a batch axis.
 ///
 /// `queries`: `[batch, heads, seq, head_dim]`; `keys`/`values`: packed values, scales and biases
 /// `[batch, kv_heads, positions, …]` as [`crate::cache::KvCache::update_and_fetch`] returns them.
@@ -203,23 +206,28 @@ pub fn quantized_scaled_dot_product_attention(
     // float32, for which MLX's CUDA quantized_matmul has no kernel (mlx_lm's Python scalars are
     // weakly typed and never promote).
     let dtype = queries.dtype();
-    let mut queries = ops::multiply(queries, &Array::from_f32(scale).as_dtype(dtype)?)?;
-    let group = |parts: &[Array; 3]| -> Result<Vec<Array>> {
+    let queries = ops::multiply(queries, &Array::from_f32(scale).as_dtype(dtype)?)?.reshape(&[
+        batch,
+        kv_heads,
+        repeats * seq,
+        head_dim,
+    ])?;
+    // MLX's CUDA quantized_matmul (v0.32) also takes only whole-contiguous packed matrices, and
+    // the cache hands out views of its larger buffers: copy them there (Metal and CPU read views).
+    let contiguous = Backend::current() == Backend::Cuda;
+    let packed = |parts: &[Array; 3]| -> Result<Vec<Array>> {
         parts
             .iter()
             .map(|p| {
-                Ok(if repeats > 1 {
-                    p.expand_dims(-3)?
+                Ok(if contiguous {
+                    p.contiguous()?
                 } else {
                     p.clone()
                 })
             })
             .collect()
     };
-    let (keys, values) = (group(keys)?, group(values)?);
-    if repeats > 1 {
-        queries = queries.reshape(&[batch, kv_heads, repeats, seq, head_dim])?;
-    }
+    let (keys, values) = (packed(keys)?, packed(values)?);
     let qmm = |x: &Array, parts: &[Array], transpose: bool| {
         ops::quantized_matmul(
             x,
@@ -231,21 +239,23 @@ pub fn quantized_scaled_dot_product_attention(
             q.bits,
         )
     };
+    // [batch, kv_heads, repeats * seq, positions]
     let mut scores = qmm(&queries, &keys, true)?;
     if causal {
         let positions = *scores.shape().last().expect("scores have a key axis");
         let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
         let k_positions = ops::arange::<_, i32>(0, positions, None)?;
         let mask = ops::ge(&q_positions.expand_dims(1)?, &k_positions.expand_dims(0)?)?;
-        scores = ops::select(&mask, &scores, &lowest(dtype)?)?;
+        let by_head = scores.reshape(&[batch, kv_heads, repeats, seq, positions])?;
+        scores = ops::select(&mask, &by_head, &lowest(dtype)?)?.reshape(&[
+            batch,
+            kv_heads,
+            repeats * seq,
+            positions,
+        ])?;
     }
     let scores = ops::softmax_axis(&scores, -1, true)?;
-    let out = qmm(&scores, &values, false)?;
-    Ok(if repeats > 1 {
-        out.reshape(&[batch, heads, seq, head_dim])?
-    } else {
-        out
-    })
+    Ok(qmm(&scores, &values, false)?.reshape(&[batch, heads, seq, head_dim])?)
 }
 
 /// The lowest finite value of a float dtype, as a scalar of it (`mx.finfo(dtype).min`).
