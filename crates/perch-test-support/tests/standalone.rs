@@ -7,13 +7,13 @@ use std::path::{Path, PathBuf};
 use perch_test_support::{fixture_json, sha256_file, workspace_dir};
 
 /// What would make a test lean on `shared/`: its path beside the repository, its environment
-/// variable, or its model and reference folders.
+/// variable, or its model and reference folders. Spelled in pieces, so this file does not match.
 const FORBIDDEN: &[&str] = &[
-    "../shared",
-    "PERCH_SHARED_DIR",
-    "shared/models",
-    "shared/reference",
-    "parent / \"shared",
+    concat!("..", "/shared"),
+    concat!("PERCH_", "SHARED_DIR"),
+    concat!("shared", "/models"),
+    concat!("shared", "/reference"),
+    concat!("parent / \"", "shared"),
 ];
 
 /// Build output and installed packages, not the repository's own files.
@@ -37,7 +37,6 @@ fn files(dir: &Path, out: &mut Vec<PathBuf>) {
 #[test]
 fn no_file_refers_to_the_shared_folder() {
     let root = workspace_dir();
-    let this_file = Path::new(file!()).file_name().unwrap();
     let mut all = Vec::new();
     files(&root, &mut all);
     assert!(
@@ -47,9 +46,6 @@ fn no_file_refers_to_the_shared_folder() {
     );
     let mut found = Vec::new();
     for path in &all {
-        if path.file_name() == Some(this_file) {
-            continue;
-        }
         let Ok(text) = std::fs::read_to_string(path) else {
             continue; // binary
         };
