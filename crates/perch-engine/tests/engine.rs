@@ -83,6 +83,13 @@ fn concurrent_submissions_match_the_reference() {
 
 #[test]
 fn cancel_running_and_waiting_requests() {
+    // MLX holds at least every weight of the model (its file less the JSON header) while a
+    // request runs; other tests' models in this process can only add to the count. Read before
+    // the requests start: the cancel below must follow the stats at once.
+    let weights = std::fs::read(common::model_dir().join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
+    let tensor_bytes = weights.len() - 8 - header;
+    drop(weights);
     // One request at a time, so the second one waits.
     let engine = engine_with(EngineConfig {
         max_running: 1,
@@ -103,11 +110,6 @@ fn cancel_running_and_waiting_requests() {
     }
     let stats = engine.stats().unwrap();
     assert_eq!((stats.running, stats.waiting), (1, 1));
-    // MLX holds at least every weight of the model (its file less the JSON header) while the
-    // request runs; other tests' models in this process can only add to the count.
-    let weights = std::fs::read(common::model_dir().join("model.safetensors")).unwrap();
-    let header = u64::from_le_bytes(weights[..8].try_into().unwrap()) as usize;
-    let tensor_bytes = weights.len() - 8 - header;
     assert!(
         stats.memory.active_bytes >= tensor_bytes,
         "MLX active memory {} < the model's {tensor_bytes} bytes of weights",
