@@ -4,6 +4,7 @@
 //! Metal wheel on macOS, a CUDA wheel through `LD_LIBRARY_PATH` on NVIDIA machines).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use mlx_rs::{Device, DeviceType, Dtype};
 use serde::Serialize;
@@ -18,17 +19,21 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The backend of MLX's default device.
+    /// The backend of MLX's default device, asked once per process (the loaded `libmlx` decides
+    /// it and Perch never changes the default device), so the decode loop may call this freely.
     pub fn current() -> Self {
-        let gpu = matches!(
-            Device::try_default().and_then(|d| d.get_type()),
-            Ok(DeviceType::Gpu)
-        );
-        match (gpu, cfg!(target_os = "macos")) {
-            (false, _) => Backend::Cpu,
-            (true, true) => Backend::Metal,
-            (true, false) => Backend::Cuda,
-        }
+        static CURRENT: OnceLock<Backend> = OnceLock::new();
+        *CURRENT.get_or_init(|| {
+            let gpu = matches!(
+                Device::try_default().and_then(|d| d.get_type()),
+                Ok(DeviceType::Gpu)
+            );
+            match (gpu, cfg!(target_os = "macos")) {
+                (false, _) => Backend::Cpu,
+                (true, true) => Backend::Metal,
+                (true, false) => Backend::Cuda,
+            }
+        })
     }
 
     /// The dtype a floating-point weight stored as `stored` is computed in. On CPU everything runs
