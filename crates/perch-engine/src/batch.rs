@@ -27,7 +27,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use mlx_rs::transforms::eval;
-use mlx_rs::{Array, Dtype};
+use mlx_rs::{ops, Array, Dtype};
 use serde::Serialize;
 
 use crate::block_pool::{BlockId, BlockPool};
@@ -44,6 +44,7 @@ use crate::mlx_ext::slice;
 use crate::models::Model;
 use crate::prompt_cache::PromptCache;
 use crate::sampler::Sampler;
+use crate::slot_cache::SlotKvCache;
 use crate::throughput::ThroughputWindow;
 use crate::tokenizer::Tokenizer;
 
@@ -68,6 +69,33 @@ pub struct BatchConfig {
     /// Quantize every KV cache (running sequences and cached blocks); `None` keeps the compute
     /// dtype.
     pub kv_quantization: Option<KvQuantization>,
+    /// How decode steps run attention ([`DecodeAttention::for_backend`] by default).
+    pub decode_attention: DecodeAttention,
+}
+
+/// How a decode step runs attention over the running sequences.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DecodeAttention {
+    /// Each sequence keeps its own contiguous [`KvCache`]; projections run batched, RoPE and
+    /// attention once per sequence and layer. Each row computes exactly what it would alone,
+    /// and on a CPU the loop costs nothing next to the arithmetic.
+    PerSequence,
+    /// Decoding sequences move into one slot-major [`SlotKvCache`]: RoPE, the cache write and
+    /// attention are one call per layer for the whole batch, in shapes bucketed so that a run
+    /// meets few of them. What an accelerator needs, where every call is a kernel launch and
+    /// every new shape a new graph.
+    Batched,
+}
+
+impl DecodeAttention {
+    /// Per sequence on CPU, batched on a GPU (Metal, CUDA).
+    pub fn for_backend(backend: Backend) -> Self {
+        match backend {
+            Backend::Cpu => Self::PerSequence,
+            Backend::Metal | Backend::Cuda => Self::Batched,
+        }
+    }
 }
 
 impl BatchConfig {
@@ -92,6 +120,7 @@ impl BatchConfig {
             block_size,
             num_blocks: kv_cache_bytes / per_block.max(1),
             kv_quantization,
+            decode_attention: DecodeAttention::for_backend(Backend::current()),
         }
     }
 }
@@ -152,8 +181,10 @@ struct Sequence {
     request: GenerateRequest,
     /// Prompt then generated tokens: what the KV cache must hold, up to the last one.
     tokens: Vec<u32>,
-    /// One per layer; empty while waiting.
+    /// One per layer; empty while waiting, and once the sequence decodes in a slot.
     cache: Vec<KvCache>,
+    /// Its row of the batch's [`SlotKvCache`] once it decodes there ([`DecodeAttention::Batched`]).
+    slot: Option<usize>,
     /// Tokens in `cache` (all but the last of `tokens` once prefill is done).
     computed: usize,
     /// Leading full blocks already registered in the prefix cache.
@@ -194,6 +225,8 @@ pub struct BatchGenerator<'m> {
     waiting: VecDeque<Sequence>,
     kv: KvCacheManager,
     store: BlockStore,
+    /// Decoding sequences' KV with [`DecodeAttention::Batched`].
+    slots: SlotKvCache,
     next_id: RequestId,
     preemptions: u64,
     /// Prompt tokens processed, over the last seconds.
@@ -224,6 +257,7 @@ impl<'m> BatchGenerator<'m> {
                 model_id,
             ),
             store: BlockStore::new(config.num_blocks),
+            slots: SlotKvCache::new(model.info().num_layers, config.kv_quantization),
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -298,6 +332,7 @@ impl<'m> BatchGenerator<'m> {
             history,
             tokens: request.prompt.clone(),
             cache: Vec::new(),
+            slot: None,
             computed: 0,
             published_blocks: 0,
             sampler: Sampler::new(request.sampling.clone())?,
@@ -341,6 +376,7 @@ impl<'m> BatchGenerator<'m> {
         for seq in self.running.drain(..) {
             self.kv.free(seq.id);
         }
+        self.slots.clear();
         self.waiting.clear();
         ids
     }
@@ -544,7 +580,7 @@ impl<'m> BatchGenerator<'m> {
             eval(seq.cache.iter().flat_map(KvCache::state))?;
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
-            publish(&mut self.kv, &mut self.store, seq)?;
+            publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
         }
         Ok(())
     }
@@ -583,41 +619,81 @@ impl<'m> BatchGenerator<'m> {
         if ready.is_empty() {
             return Ok(events);
         }
-        let inputs: Vec<u32> = ready
-            .iter()
-            .map(|&i| *self.running[i].tokens.last().expect("non-empty"))
-            .collect();
-        let batch = inputs.len() as i32;
-        let logits = {
-            let mut caches: Vec<&mut [KvCache]> = Vec::with_capacity(ready.len());
-            for (i, seq) in self.running.iter_mut().enumerate() {
-                if ready.contains(&i) {
-                    caches.push(&mut seq.cache);
+        // Logits `[rows, 1, vocab]` and the row of each ready sequence.
+        let (logits, rows) = match self.config.decode_attention {
+            DecodeAttention::PerSequence => {
+                let inputs: Vec<u32> = ready
+                    .iter()
+                    .map(|&i| *self.running[i].tokens.last().expect("non-empty"))
+                    .collect();
+                let batch = inputs.len() as i32;
+                let mut caches: Vec<&mut [KvCache]> = Vec::with_capacity(ready.len());
+                for (i, seq) in self.running.iter_mut().enumerate() {
+                    if ready.contains(&i) {
+                        caches.push(&mut seq.cache);
+                    }
                 }
+                let logits = self
+                    .model
+                    .forward_batch(&Array::from_slice(&inputs, &[batch, 1]), &mut caches)?;
+                (logits, (0..ready.len()).collect::<Vec<usize>>())
             }
-            self.model
-                .forward_batch(&Array::from_slice(&inputs, &[batch, 1]), &mut caches)?
+            DecodeAttention::Batched => {
+                for &i in &ready {
+                    let seq = &mut self.running[i];
+                    if seq.slot.is_none() {
+                        seq.slot = Some(self.slots.push(&seq.cache, seq.computed)?);
+                        seq.cache = Vec::new();
+                    }
+                }
+                let mut inputs = vec![0u32; self.slots.rows()];
+                let rows: Vec<usize> = ready
+                    .iter()
+                    .map(|&i| self.running[i].slot.expect("decoding in a slot"))
+                    .collect();
+                for (&i, &row) in ready.iter().zip(&rows) {
+                    inputs[row] = *self.running[i].tokens.last().expect("non-empty");
+                }
+                let ids = Array::from_slice(&inputs, &[inputs.len() as i32, 1]);
+                (self.model.forward_slots(&ids, &mut self.slots)?, rows)
+            }
         };
-        let vocab = logits.shape()[2];
+        let (num_rows, vocab) = (logits.shape()[0], logits.shape()[2]);
+        let logits = logits.reshape(&[num_rows, vocab])?;
+        // Rows with a plain greedy sampler and no logprobs asked: one argmax for all of them.
+        let plain =
+            |seq: &Sequence| seq.sampler.is_plain_greedy() && seq.request.logprobs.is_none();
+        let greedy = if ready.iter().any(|&i| plain(&self.running[i])) {
+            let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
+            Some(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
+        } else {
+            None
+        };
         let mut sampled = Vec::with_capacity(ready.len());
-        for (row, &i) in ready.iter().enumerate() {
+        for (&i, &row) in ready.iter().zip(&rows) {
             let seq = &mut self.running[i];
+            if plain(seq) {
+                sampled.push(None);
+                continue;
+            }
             let row = row as i32;
-            let row_logits =
-                slice(&logits, &[row, 0, 0], &[row + 1, 1, vocab])?.reshape(&[1, vocab])?;
-            sampled.push(sample_next(
+            let row_logits = slice(&logits, &[row, 0], &[row + 1, vocab])?;
+            sampled.push(Some(sample_next(
                 &row_logits,
                 &mut seq.sampler,
                 &mut seq.history,
                 seq.request.logprobs,
-            )?);
+            )?));
         }
         eval(
-            sampled
+            greedy
                 .iter()
-                .flat_map(Sampled::arrays)
+                .chain(sampled.iter().flatten().flat_map(Sampled::arrays))
                 .chain(ready.iter().flat_map(|&i| self.running[i].history.state())),
         )?;
+        let greedy: Vec<u32> = greedy
+            .map(|g| g.as_slice::<u32>().to_vec())
+            .unwrap_or_default();
 
         // A sequence's first decode step also processes its last prompt token.
         let first_steps = ready
@@ -627,9 +703,12 @@ impl<'m> BatchGenerator<'m> {
         self.prompt_throughput.record(first_steps);
         self.generation_throughput.record(ready.len());
         let mut done = Vec::new();
-        for (&i, token) in ready.iter().zip(&sampled) {
+        for ((&i, token), &row) in ready.iter().zip(&sampled).zip(&rows) {
             let seq = &mut self.running[i];
-            let (token, logprobs) = token.read();
+            let (token, logprobs) = match token {
+                Some(token) => token.read(),
+                None => (greedy[row], None),
+            };
             seq.first_token_at
                 .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
             seq.computed += 1;
@@ -681,11 +760,19 @@ impl<'m> BatchGenerator<'m> {
     /// Publishes a leaving sequence's full blocks to the prefix cache, then frees its blocks
     /// and its cache.
     fn release(&mut self, seq: &mut Sequence) -> Result<()> {
-        if !seq.cache.is_empty() {
-            publish(&mut self.kv, &mut self.store, seq)?;
+        if !seq.cache.is_empty() || seq.slot.is_some() {
+            publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
         }
         self.kv.free(seq.id);
         seq.cache = Vec::new();
+        if let Some(slot) = seq.slot.take() {
+            // The last slot's sequence (still running) moves into the freed row.
+            if let Some(moved) = self.slots.remove(slot)? {
+                if let Some(other) = self.running.iter_mut().find(|s| s.slot == Some(moved)) {
+                    other.slot = Some(slot);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -724,15 +811,30 @@ fn allocate(
 
 /// Registers the full blocks `seq` has computed since the last call in the prefix cache and
 /// copies the content of those that became cache entries into the store.
-fn publish(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence) -> Result<()> {
+fn publish(
+    kv: &mut KvCacheManager,
+    store: &mut BlockStore,
+    slots: &SlotKvCache,
+    seq: &mut Sequence,
+) -> Result<()> {
     let full = seq.computed / kv.block_size();
     // An anonymous prefix's placeholder tokens must never be hashed.
     if full <= seq.published_blocks || seq.preloaded.is_some() {
         return Ok(());
     }
     let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);
+    let block_size = kv.block_size();
     for &(index, id) in &entries {
-        store.put(id, &seq.cache, index, kv.block_size())?;
+        match seq.slot {
+            Some(slot) => {
+                let (start, end) = (index * block_size, (index + 1) * block_size);
+                let parts = (0..slots.num_layers())
+                    .map(|layer| slots.copy_parts(slot, layer, start, end))
+                    .collect::<Result<Vec<_>>>()?;
+                store.put_parts(id, parts);
+            }
+            None => store.put(id, &seq.cache, index, block_size)?,
+        }
     }
     let ids: Vec<BlockId> = entries.iter().map(|&(_, id)| id).collect();
     eval(store.state(&ids))?;

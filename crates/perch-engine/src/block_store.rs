@@ -52,10 +52,16 @@ impl BlockStore {
             .iter()
             .map(|layer| layer.copy_parts(start, end))
             .collect::<Result<BlockKv>>()?;
+        self.put_parts(id, kv);
+        Ok(())
+    }
+
+    /// Keeps `kv` (per layer, the block's parts in buffers of their own, as
+    /// [`KvCache::copy_parts`] returns them) as block `id`'s content.
+    pub fn put_parts(&mut self, id: BlockId, kv: Vec<Vec<Array>>) {
         self.clear(id);
         self.nbytes += kv_nbytes(&kv);
         self.blocks[id.0 as usize] = Some(kv);
-        Ok(())
     }
 
     /// Drops the content of `id` (the block was handed out again or forgotten).

@@ -396,6 +396,27 @@ impl Rope {
     }
 }
 
+impl Rope {
+    /// `x` `[batch, heads, seq, head_dim]`, row `b`'s positions starting at `offsets[b]`
+    /// (`offsets` `[batch]` int32).
+    pub fn forward_at(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        let base = if self.freqs.is_some() {
+            None
+        } else {
+            Some(self.base)
+        };
+        Ok(fast::rope_dynamic(
+            x,
+            self.dims,
+            self.traditional,
+            base,
+            self.scale,
+            offsets,
+            self.freqs.as_ref(),
+        )?)
+    }
+}
+
 /// Llama 3.1's frequency-dependent RoPE scaling (Meta's `apply_scaling`; mlx-lm `Llama3RoPE`):
 /// low frequencies are divided by `factor`, high ones kept, the band between interpolated.
 /// Returns the `dims / 2` per-pair periods MLX's `freqs` argument expects.

@@ -117,6 +117,15 @@ impl Sampler {
         Ok(Self { params, key, bias })
     }
 
+    /// Whether this sampler takes the argmax of the logits with no processor: rows of a batch
+    /// that all do can be sampled by one argmax.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.params;
+        p.temperature == 0.0
+            && self.bias.is_none()
+            && (p.repetition_penalty == 0.0 || p.repetition_penalty == 1.0)
+    }
+
     /// Applies the logits processors: `logits` `[1, vocab]`, `history` the recent token ids
     /// (1-D; needed only by the repetition penalty) → processed logits `[1, vocab]`.
     pub fn process_logits(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {

@@ -1,19 +1,23 @@
 //! Continuous batching reproduces single-request generation exactly: every reference case (the
-//! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids.
+//! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids,
+//! with attention per sequence (the CPU's default) and batched over a slot cache (a GPU's).
 
 mod common;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator};
+use perch_engine::batch::{BatchConfig, BatchGenerator, DecodeAttention};
 use perch_engine::{models, GenerateRequest, Tokenizer};
 
 /// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
-fn run(insert_at: &[usize], prefill_step_size: usize) {
+fn run(insert_at: &[usize], prefill_step_size: usize, decode_attention: DecodeAttention) {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let cases = common::reference_cases();
     assert_eq!(insert_at.len(), cases.len(), "one insertion step per case");
-    let config = BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None);
+    let config = BatchConfig {
+        decode_attention,
+        ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
+    };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
     let schedule = cases
         .iter()
@@ -31,7 +35,7 @@ fn run(insert_at: &[usize], prefill_step_size: usize) {
         assert_eq!(
             output.token_ids,
             common::expected_ids(case, output.finish_reason),
-            "case {}",
+            "case {} ({decode_attention:?})",
             case.id
         );
         assert_eq!(streamed, &output.text, "case {}", case.id);
@@ -45,10 +49,22 @@ fn run(insert_at: &[usize], prefill_step_size: usize) {
 
 #[test]
 fn all_reference_cases_at_once() {
-    run(&[0; 7], 2048);
+    run(&[0; 7], 2048, DecodeAttention::PerSequence);
+}
+
+#[test]
+fn all_reference_cases_at_once_batched_attention() {
+    run(&[0; 7], 2048, DecodeAttention::Batched);
 }
 
 #[test]
 fn staggered_inserts_with_chunked_prefill() {
-    run(&[0, 3, 5, 9, 17, 30, 31], 16);
+    run(&[0, 3, 5, 9, 17, 30, 31], 16, DecodeAttention::PerSequence);
+}
+
+/// Sequences join and leave the slot cache at different steps: slots are refilled, rows and
+/// capacity change bucket, and every case still yields mlx_lm's ids.
+#[test]
+fn staggered_inserts_with_chunked_prefill_batched_attention() {
+    run(&[0, 3, 5, 9, 17, 30, 31], 16, DecodeAttention::Batched);
 }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator};
+use perch_engine::batch::{BatchConfig, BatchGenerator, DecodeAttention};
 use perch_engine::models::{self, Model};
 use perch_engine::{ChatMessage, EngineError, FinishReason, GenerateRequest, Tokenizer};
 
@@ -14,6 +14,14 @@ fn load() -> (Box<dyn Model>, Tokenizer) {
 }
 
 fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
+    config_with(num_blocks, block_size, DecodeAttention::PerSequence)
+}
+
+fn config_with(
+    num_blocks: usize,
+    block_size: usize,
+    decode_attention: DecodeAttention,
+) -> BatchConfig {
     BatchConfig {
         max_running: 32,
         prefill_batch_size: 1,
@@ -21,6 +29,7 @@ fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
         block_size,
         num_blocks,
         kv_quantization: None,
+        decode_attention,
     }
 }
 
@@ -60,13 +69,24 @@ fn assert_reference(
 
 #[test]
 fn prefix_cache_hits_give_the_cold_tokens() {
+    prefix_cache_hits_give_the_cold_tokens_with(DecodeAttention::PerSequence);
+}
+
+/// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
+/// published from their slots, and a leaving sequence's slot is refilled by another.
+#[test]
+fn prefix_cache_hits_give_the_cold_tokens_batched() {
+    prefix_cache_hits_give_the_cold_tokens_with(DecodeAttention::Batched);
+}
+
+fn prefix_cache_hits_give_the_cold_tokens_with(mode: DecodeAttention) {
     let (model, tokenizer) = load();
     let cases = common::reference_cases();
     let block_size = 8;
     let mut batch = BatchGenerator::new(
         model.as_ref(),
         &tokenizer,
-        config(512, block_size),
+        config_with(512, block_size, mode),
         "smollm",
     );
     let cold = common::drive(&mut batch, reference_schedule(&cases, 0));
@@ -146,9 +166,25 @@ fn every_turn_of_a_chat_hits_the_previous_one() {
 
 #[test]
 fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
+    cancel_mid_prefill_and_mid_decode_frees_every_block_with(DecodeAttention::PerSequence);
+}
+
+/// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
+/// published from their slots, and a leaving sequence's slot is refilled by another.
+#[test]
+fn cancel_mid_prefill_and_mid_decode_frees_every_block_batched() {
+    cancel_mid_prefill_and_mid_decode_frees_every_block_with(DecodeAttention::Batched);
+}
+
+fn cancel_mid_prefill_and_mid_decode_frees_every_block_with(mode: DecodeAttention) {
     let (model, tokenizer) = load();
     let cases = common::short_reference_cases();
-    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
+    let mut batch = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        config_with(64, 8, mode),
+        "smollm",
+    );
     let long: Vec<u32> = cases[1..]
         .iter()
         .flat_map(|c| c.prompt_ids.iter().copied())
@@ -195,10 +231,28 @@ fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
 
 #[test]
 fn a_tiny_pool_preempts_and_still_completes_every_request_exactly() {
+    a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(
+        DecodeAttention::PerSequence,
+    );
+}
+
+/// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
+/// published from their slots, and a leaving sequence's slot is refilled by another.
+#[test]
+fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_batched() {
+    a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(DecodeAttention::Batched);
+}
+
+fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(mode: DecodeAttention) {
     let (model, tokenizer) = load();
     let cases = common::short_reference_cases();
     // 20 blocks of 8 tokens hold the largest request (61 + 32 tokens) but not all six at once.
-    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(20, 8), "smollm");
+    let mut batch = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        config_with(20, 8, mode),
+        "smollm",
+    );
     let outputs = common::drive(&mut batch, reference_schedule(&cases, 0));
     assert_reference(&cases, &outputs);
     for (output, streamed) in &outputs {

@@ -35,7 +35,7 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
 #[test]
 fn quantized_cache_and_attention_are_mlx_lms() {
     use perch_engine::cache::{CachedKv, KvCache};
-    use perch_engine::models::decoder::quantized_scaled_dot_product_attention;
+    use perch_engine::models::decoder::{quantized_scaled_dot_product_attention, KvMask};
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("attention.safetensors");
     common::run_oracle("kv_attention.py", &[file.to_str().unwrap()]);
@@ -57,7 +57,11 @@ fn quantized_cache_and_attention_are_mlx_lms() {
                 &values,
                 scale,
                 q,
-                length > 1,
+                if length > 1 {
+                    KvMask::Causal
+                } else {
+                    KvMask::None
+                },
             )
             .unwrap();
             let expected = get("out");
@@ -78,7 +82,7 @@ fn quantized_cache_and_attention_are_mlx_lms() {
 fn quantized_attention_keeps_half_precision() {
     use mlx_rs::Dtype;
     use perch_engine::cache::{CachedKv, KvCache};
-    use perch_engine::models::decoder::quantized_scaled_dot_product_attention;
+    use perch_engine::models::decoder::{quantized_scaled_dot_product_attention, KvMask};
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         let q = KvQuantization::new(8, 64, 64).unwrap();
         let mut cache = KvCache::with_quantization(Some(q));
@@ -101,7 +105,11 @@ fn quantized_attention_keeps_half_precision() {
                 &values,
                 0.125,
                 q,
-                length > 1,
+                if length > 1 {
+                    KvMask::Causal
+                } else {
+                    KvMask::None
+                },
             )
             .unwrap();
             assert_eq!(out.dtype(), dtype, "{length} queries");

@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
 use crate::models::{Model, ModelInfo};
+use crate::slot_cache::{SlotKvCache, SlotStep};
 use crate::weights::Weights;
 
 /// Everything the shared decoder needs, resolved from an architecture's config.
@@ -140,6 +141,62 @@ impl Attention {
         self.o_proj.forward(&out)
     }
 
+    /// One decode step of a whole batch over a slot-major cache: `x` `[rows, 1, hidden]`, row `r`
+    /// the sequence in slot `r` at position `step.positions[r]` → `[rows, 1, hidden]`. RoPE,
+    /// the cache write and attention are one call each for all rows (attention masked to each
+    /// row's filled positions).
+    fn forward_slots(
+        &self,
+        x: &Array,
+        rope: &Rope,
+        slots: &mut SlotKvCache,
+        layer: usize,
+        step: &SlotStep,
+    ) -> Result<Array> {
+        let rows = x.shape()[0];
+        let heads = |proj: &Linear, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
+            let h = proj.forward(x)?.reshape(&[rows, 1, n, -1])?;
+            let h = match norm {
+                Some(norm) => norm.forward(&h)?,
+                None => h,
+            };
+            Ok(h.transpose_axes(&[0, 2, 1, 3])?)
+        };
+        let queries = rope.forward_at(
+            &heads(&self.q_proj, self.num_heads, &self.q_norm)?,
+            &step.positions,
+        )?;
+        let keys = rope.forward_at(
+            &heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?,
+            &step.positions,
+        )?;
+        let values = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let out = match slots.update_and_fetch(layer, step, &keys, &values)? {
+            CachedKv::Dense { keys, values } => scaled_dot_product_attention(
+                &queries,
+                &keys,
+                &values,
+                self.scale,
+                ScaledDotProductAttentionMask::Array(&step.mask),
+                None,
+            )?,
+            CachedKv::Quantized {
+                keys,
+                values,
+                quantization,
+            } => quantized_scaled_dot_product_attention(
+                &queries,
+                &keys,
+                &values,
+                self.scale,
+                quantization,
+                KvMask::Array(&step.mask),
+            )?,
+        };
+        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[rows, 1, -1])?;
+        self.o_proj.forward(&out)
+    }
+
     /// RoPE at the cache's position, cache update and attention for one sequence:
     /// `[1, heads, seq, head_dim]` in and out.
     fn attend(
@@ -172,7 +229,7 @@ impl Attention {
                 &values,
                 self.scale,
                 quantization,
-                causal,
+                if causal { KvMask::Causal } else { KvMask::None },
             ),
         }
     }
@@ -180,8 +237,8 @@ impl Attention {
 
 /// Attention over a quantized KV cache, as mlx_lm's `quantized_scaled_dot_product_attention`
 /// (`mlx_lm/models/base.py`) computes it: queries scaled by `scale`, scores by `quantized_matmul`
-/// against the packed keys, a causal mask (when `causal`, for more than one query) as
-/// `where(q_pos >= k_pos, scores, finfo(dtype).min)`, a precise softmax, and `quantized_matmul`
+/// against the packed keys, a mask (causal for more than one query, as
+/// `where(q_pos >= k_pos, scores, finfo(dtype).min)`, or a boolean array), a precise softmax, and `quantized_matmul`
 /// against the packed values. The query heads that share a KV head are stacked along the rows,
 /// `[batch, kv_heads, repeats * seq, head_dim]`, where mlx_lm broadcasts the keys over a repeats
 /// axis instead: every score is the same dot product (bit for bit on CPU, tested), and MLX's CUDA
@@ -196,7 +253,7 @@ pub fn quantized_scaled_dot_product_attention(
     values: &[Array; 3],
     scale: f32,
     q: KvQuantization,
-    causal: bool,
+    mask: KvMask,
 ) -> Result<Array> {
     let s = queries.shape();
     let (batch, heads, seq, head_dim) = (s[0], s[1], s[2], s[3]);
@@ -241,7 +298,24 @@ pub fn quantized_scaled_dot_product_attention(
     };
     // [batch, kv_heads, repeats * seq, positions]
     let mut scores = qmm(&queries, &keys, true)?;
-    if causal {
+    if let KvMask::Array(mask) = mask {
+        // [batch, 1 or heads, seq, positions] → broadcast over the heads stacked per KV head.
+        let positions = *scores.shape().last().expect("scores have a key axis");
+        let m = mask.shape();
+        let mask = if m[1] == 1 {
+            mask.reshape(&[m[0], 1, 1, m[2], m[3]])?
+        } else {
+            mask.reshape(&[m[0], kv_heads, repeats, m[2], m[3]])?
+        };
+        let by_head = scores.reshape(&[batch, kv_heads, repeats, seq, positions])?;
+        scores = ops::select(&mask, &by_head, &lowest(dtype)?)?.reshape(&[
+            batch,
+            kv_heads,
+            repeats * seq,
+            positions,
+        ])?;
+    }
+    if let KvMask::Causal = mask {
         let positions = *scores.shape().last().expect("scores have a key axis");
         let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
         let k_positions = ops::arange::<_, i32>(0, positions, None)?;
@@ -256,6 +330,17 @@ pub fn quantized_scaled_dot_product_attention(
     }
     let scores = ops::softmax_axis(&scores, -1, true)?;
     Ok(qmm(&scores, &values, false)?.reshape(&[batch, heads, seq, head_dim])?)
+}
+
+/// Which positions a query of [`quantized_scaled_dot_product_attention`] may attend to.
+#[derive(Clone, Copy)]
+pub enum KvMask<'a> {
+    /// All of them (one new token attends to everything cached).
+    None,
+    /// Those up to its own position (a prompt chunk at the end of the cache).
+    Causal,
+    /// Where the boolean array `[batch, 1 or heads, seq, positions]` is true.
+    Array(&'a Array),
 }
 
 /// The lowest finite value of a float dtype, as a scalar of it (`mx.finfo(dtype).min`).
@@ -384,6 +469,31 @@ impl Model for Decoder {
                 .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
             h = ops::add(&h2, &r)?;
         }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed_tokens.as_linear(&h),
+        }
+    }
+
+    fn forward_slots(&self, ids: &Array, slots: &mut SlotKvCache) -> Result<Array> {
+        let step = slots.begin_step()?;
+        let mut h = self.embed_tokens.forward(ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let r = layer.self_attn.forward_slots(
+                &layer.input_layernorm.forward(&h)?,
+                &self.rope,
+                slots,
+                i,
+                &step,
+            )?;
+            let h2 = ops::add(&h, &r)?;
+            let r = layer
+                .mlp
+                .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
+            h = ops::add(&h2, &r)?;
+        }
+        slots.end_step();
         let h = self.norm.forward(&h)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),

@@ -18,6 +18,7 @@ use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::layers::{Quantization, Rope};
+use crate::slot_cache::SlotKvCache;
 use crate::weights::{LoadProgress, Weights};
 use decoder::{Decoder, DecoderConfig};
 
@@ -42,6 +43,11 @@ pub trait Model: Send {
     /// own position (`caches[b]`, one [`KvCache`] per layer) → logits `[batch, seq, vocab]`. Row
     /// `b` equals what [`Model::forward`] computes for that sequence alone.
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array>;
+    /// One decode step of every sequence in `slots` (see [`SlotKvCache`]): token ids `[rows, 1]`,
+    /// row `r` the token the sequence in slot `r` feeds (padding rows: any id) → logits
+    /// `[rows, 1, vocab]`; every occupied slot holds one more position afterwards. Row `r` equals
+    /// what [`Model::forward`] computes for that sequence alone, up to reduction order.
+    fn forward_slots(&self, ids: &Array, slots: &mut SlotKvCache) -> Result<Array>;
     fn info(&self) -> &ModelInfo;
     /// An empty cache, one entry per layer, float or quantized.
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {

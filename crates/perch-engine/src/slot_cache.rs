@@ -1,0 +1,336 @@
+//! The decode-time KV cache of a whole batch, slot-major: per layer, one set of buffers
+//! `[rows, kv_heads, capacity, last]` (the same float or quantized parts as [`KvCache`], see
+//! `cache.rs`) in which row `r` holds the sequence in slot `r`, its first `len(r)` positions
+//! filled. A decode step writes every row's new key and value at that row's own position (one
+//! `put_along_axis` per buffer) and attends over the whole buffer with a mask `position < len`:
+//! one attention call per layer for the whole batch, where [`KvCache`] needs one per sequence.
+//!
+//! Occupied slots are kept at `0..n` (a leaving sequence's slot takes the last one's row), and
+//! both `rows` and `capacity` are bucketed ([`row_bucket`], [`capacity_bucket`]) so that a run
+//! meets few distinct shapes: MLX's CUDA backend caches a graph per shape and thrashes (then
+//! fails) past a few hundred. Padding rows (`n..rows`) compute garbage that nobody reads; their
+//! position is 0, so their mask is never empty and softmax never divides by zero.
+//!
+//! Memory is `rows * capacity` positions per layer, where capacity follows the longest sequence:
+//! like mlx_lm's `BatchKVCache`, a batch of mixed lengths pads the short ones.
+
+use mlx_rs::{ops, Array};
+
+use crate::cache::{CachedKv, KvCache, KvQuantization};
+use crate::error::Result;
+use crate::mlx_ext::{slice, slice_update};
+
+/// Rows for `n` occupied slots: 1, 2, 4, 8, then steps of 8 up to 32, of 16 up to 64, of 32
+/// beyond (at most 25% padding from 8 rows on).
+pub fn row_bucket(n: usize) -> usize {
+    match n {
+        0..=1 => 1,
+        2 => 2,
+        3..=4 => 4,
+        5..=32 => n.div_ceil(8) * 8,
+        33..=64 => n.div_ceil(16) * 16,
+        _ => n.div_ceil(32) * 32,
+    }
+}
+
+/// Capacity for `n` positions: a multiple of [`KvCache::STEP`] up to 2,048, then the next
+/// `2^k` or `1.5 * 2^k` (at most a third of padding; a few dozen shapes up to a million tokens).
+pub fn capacity_bucket(n: usize) -> usize {
+    let step = KvCache::STEP as usize;
+    if n <= 2048 {
+        return n.max(1).div_ceil(step) * step;
+    }
+    let mut size = 2048;
+    loop {
+        if n <= size * 3 / 2 {
+            return size * 3 / 2;
+        }
+        size *= 2;
+        if n <= size {
+            return size;
+        }
+    }
+}
+
+/// The per-step inputs every layer shares: positions `[rows]` int32 (where each row writes its new
+/// token; RoPE's offsets) and the attention mask `[rows, 1, 1, capacity]` bool.
+pub struct SlotStep {
+    pub positions: Array,
+    pub mask: Array,
+}
+
+/// Slot-major KV buffers of every layer; see the module docs.
+pub struct SlotKvCache {
+    quantization: Option<KvQuantization>,
+    num_layers: usize,
+    /// Per layer: keys' parts then values' parts (2 or 6), empty while no slot is occupied.
+    layers: Vec<Vec<Array>>,
+    /// Positions filled, per occupied slot.
+    lengths: Vec<usize>,
+    rows: usize,
+    capacity: usize,
+}
+
+impl SlotKvCache {
+    pub fn new(num_layers: usize, quantization: Option<KvQuantization>) -> Self {
+        Self {
+            quantization,
+            num_layers,
+            layers: Vec::new(),
+            lengths: Vec::new(),
+            rows: 0,
+            capacity: 0,
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Occupied slots.
+    pub fn len(&self) -> usize {
+        self.lengths.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lengths.is_empty()
+    }
+
+    /// Rows of the buffers, the batch size of a decode step (occupied slots plus padding).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Positions filled in `slot`.
+    pub fn slot_len(&self, slot: usize) -> usize {
+        self.lengths[slot]
+    }
+
+    /// Gives up every slot and the buffers.
+    pub fn clear(&mut self) {
+        self.layers.clear();
+        self.lengths.clear();
+        self.rows = 0;
+        self.capacity = 0;
+    }
+
+    /// Puts a sequence whose per-layer `cache` holds `len` positions into the next slot (copying
+    /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
+    pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
+        let slot = self.lengths.len();
+        // Room for the token this sequence feeds next, as every occupied slot has.
+        self.reshape(slot + 1, self.needed_capacity().max(len + 1))?;
+        if len > 0 {
+            for (layer, cache) in cache.iter().enumerate().take(self.num_layers) {
+                let parts = cache.parts(0, len as i32)?;
+                self.ensure_buffers(layer, &parts)?;
+                for (buffer, part) in self.layers[layer].iter_mut().zip(&parts) {
+                    let s = part.shape();
+                    let start = [slot as i32, 0, 0, 0];
+                    let stop = [slot as i32 + 1, s[1], len as i32, s[3]];
+                    *buffer = slice_update(buffer, part, &start, &stop)?;
+                }
+            }
+        }
+        self.lengths.push(len);
+        Ok(slot)
+    }
+
+    /// Frees `slot`. The last occupied slot's row moves into it: returns that slot's old index
+    /// when one moved (its sequence is now in `slot`).
+    pub fn remove(&mut self, slot: usize) -> Result<Option<usize>> {
+        let last = self.lengths.len() - 1;
+        let moved = (slot != last).then_some(last);
+        if moved.is_some() {
+            for buffer in self.layers.iter_mut().flatten() {
+                let s = buffer.shape();
+                let (from, to) = (last as i32, slot as i32);
+                let row = slice(buffer, &[from, 0, 0, 0], &[from + 1, s[1], s[2], s[3]])?;
+                *buffer = slice_update(buffer, &row, &[to, 0, 0, 0], &[to + 1, s[1], s[2], s[3]])?;
+            }
+        }
+        self.lengths.swap_remove(slot);
+        if self.lengths.is_empty() {
+            self.clear();
+        } else {
+            self.reshape(self.lengths.len(), self.needed_capacity())?;
+        }
+        Ok(moved)
+    }
+
+    /// Capacity every occupied slot needs for one more token.
+    fn needed_capacity(&self) -> usize {
+        self.lengths.iter().map(|l| l + 1).max().unwrap_or(1)
+    }
+
+    /// Resizes the buffers to the buckets of `slots` rows and `positions` positions: grows when
+    /// short, shrinks when a smaller bucket fits in half (so a run does not flip between two
+    /// sizes).
+    fn reshape(&mut self, slots: usize, positions: usize) -> Result<()> {
+        let rows = match row_bucket(slots) {
+            r if r > self.rows || r * 2 <= self.rows => r,
+            _ => self.rows,
+        };
+        let capacity = match capacity_bucket(positions) {
+            c if c > self.capacity || c * 2 <= self.capacity => c,
+            _ => self.capacity,
+        };
+        if rows == self.rows && capacity == self.capacity {
+            return Ok(());
+        }
+        let keep_rows = rows.min(self.rows) as i32;
+        let keep_capacity = capacity.min(self.capacity) as i32;
+        for buffer in self.layers.iter_mut().flatten() {
+            let s = buffer.shape();
+            let stop = [keep_rows, s[1], keep_capacity, s[3]];
+            let kept = slice(buffer, &[0, 0, 0, 0], &stop)?;
+            let shape = [rows as i32, s[1], capacity as i32, s[3]];
+            let grown = ops::zeros_dtype(&shape, buffer.dtype())?;
+            *buffer = slice_update(&grown, &kept, &[0, 0, 0, 0], &stop)?;
+        }
+        self.rows = rows;
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    /// Creates layer `layer`'s buffers, zeroed, `[rows, kv_heads, capacity, last]` with the
+    /// dtypes and head shapes of `parts` (one per buffer), unless they exist.
+    fn ensure_buffers(&mut self, layer: usize, parts: &[Array]) -> Result<()> {
+        if self.layers.len() < self.num_layers {
+            self.layers.resize_with(self.num_layers, Vec::new);
+        }
+        if !self.layers[layer].is_empty() {
+            return Ok(());
+        }
+        self.layers[layer] = parts
+            .iter()
+            .map(|p| {
+                let s = p.shape();
+                let shape = [self.rows as i32, s[1], self.capacity as i32, s[3]];
+                ops::zeros_dtype(&shape, p.dtype())
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(())
+    }
+
+    /// Starts a decode step in which every occupied slot feeds one token: positions and mask for
+    /// [`SlotKvCache::update_and_fetch`]. Call [`SlotKvCache::end_step`] after the forward pass.
+    pub fn begin_step(&mut self) -> Result<SlotStep> {
+        self.reshape(self.lengths.len(), self.needed_capacity())?;
+        let mut positions = vec![0i32; self.rows];
+        for (p, &len) in positions.iter_mut().zip(&self.lengths) {
+            *p = len as i32;
+        }
+        let positions = Array::from_slice(&positions, &[self.rows as i32]);
+        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?;
+        let mask = ops::le(
+            &keys.reshape(&[1, 1, 1, -1])?,
+            &positions.reshape(&[-1, 1, 1, 1])?,
+        )?;
+        Ok(SlotStep { positions, mask })
+    }
+
+    /// Writes layer `layer`'s new keys and values `[rows, kv_heads, 1, head_dim]` at each row's
+    /// position (quantizing them first when this cache is quantized) and returns the whole
+    /// buffers (attention masks the unfilled positions with [`SlotStep::mask`]).
+    pub fn update_and_fetch(
+        &mut self,
+        layer: usize,
+        step: &SlotStep,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<CachedKv> {
+        let parts = match self.quantization {
+            None => vec![keys.clone(), values.clone()],
+            Some(q) => {
+                let (kw, ks, kb) = ops::quantize(keys, q.group_size, q.bits)?;
+                let (vw, vs, vb) = ops::quantize(values, q.group_size, q.bits)?;
+                vec![kw, ks, kb, vw, vs, vb]
+            }
+        };
+        let index = step.positions.reshape(&[-1, 1, 1, 1])?;
+        self.ensure_buffers(layer, &parts)?;
+        let buffers = &mut self.layers[layer];
+        for (buffer, part) in buffers.iter_mut().zip(&parts) {
+            let s = part.shape();
+            let index = ops::broadcast_to(&index, s)?;
+            *buffer = buffer.put_along_axis(&index, part, 2)?;
+        }
+        let b = buffers.clone();
+        Ok(match self.quantization {
+            None => CachedKv::Dense {
+                keys: b[0].clone(),
+                values: b[1].clone(),
+            },
+            Some(quantization) => CachedKv::Quantized {
+                keys: [b[0].clone(), b[1].clone(), b[2].clone()],
+                values: [b[3].clone(), b[4].clone(), b[5].clone()],
+                quantization,
+            },
+        })
+    }
+
+    /// Ends a decode step: every occupied slot holds one more position.
+    pub fn end_step(&mut self) {
+        for len in &mut self.lengths {
+            *len += 1;
+        }
+    }
+
+    /// Positions `[start, end)` of `slot` in layer `layer`, in buffers of their own, shaped as
+    /// [`KvCache::copy_parts`] returns them (`[1, kv_heads, end - start, last]`; lazy).
+    pub fn copy_parts(
+        &self,
+        slot: usize,
+        layer: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<Array>> {
+        self.layers[layer]
+            .iter()
+            .map(|b| {
+                let s = b.shape();
+                let part = slice(
+                    b,
+                    &[slot as i32, 0, start as i32, 0],
+                    &[slot as i32 + 1, s[1], end as i32, s[3]],
+                )?;
+                Ok(crate::mlx_ext::owned_copy(&part)?)
+            })
+            .collect()
+    }
+
+    /// The arrays to evaluate so the buffers hold data, not graphs.
+    pub fn state(&self) -> impl Iterator<Item = &Array> {
+        self.layers.iter().flatten()
+    }
+
+    /// Bytes held by the buffers.
+    pub fn nbytes(&self) -> usize {
+        self.state().map(Array::nbytes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_every_size_with_bounded_padding() {
+        let mut rows = std::collections::BTreeSet::new();
+        for n in 1..=512 {
+            let r = row_bucket(n);
+            assert!(r >= n);
+            assert!(n < 8 || r * 4 <= n * 5 + 28, "{n} -> {r}");
+            rows.insert(r);
+        }
+        assert!(rows.len() <= 30, "{} row shapes", rows.len());
+        let mut caps = std::collections::BTreeSet::new();
+        for n in (1..=1 << 20).step_by(97) {
+            let c = capacity_bucket(n);
+            assert!(c >= n && (n <= 2048 || c * 3 <= n * 4 + 4), "{n} -> {c}");
+            caps.insert(c);
+        }
+        assert!(caps.len() <= 8 + 2 * 10, "{} capacity shapes", caps.len());
+    }
+}
