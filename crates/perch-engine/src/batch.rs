@@ -103,6 +103,24 @@ impl BatchConfig {
     /// small enough that a slice costs a few decode steps.
     pub const DEFAULT_PREFILL_TOKEN_BUDGET: usize = 256;
 
+    /// Sequences that prefill in one step: 1 on CPU (one chunk already fills both cores), 8 on a
+    /// GPU (mlx_lm's `prefill_batch_size`), where one sequence's chunk leaves the device idle.
+    pub fn default_prefill_batch_size(backend: Backend) -> usize {
+        match backend {
+            Backend::Cpu => 1,
+            Backend::Metal | Backend::Cuda => 8,
+        }
+    }
+
+    /// [`BatchConfig::DEFAULT_PREFILL_TOKEN_BUDGET`] on CPU; 2,048 on a GPU, where a step of a
+    /// 1B model over 2,048 prompt tokens takes milliseconds.
+    pub fn default_prefill_token_budget(backend: Backend) -> usize {
+        match backend {
+            Backend::Cpu => Self::DEFAULT_PREFILL_TOKEN_BUDGET,
+            Backend::Metal | Backend::Cuda => 2048,
+        }
+    }
+
     /// Default limits with a pool sized to `kv_cache_bytes` for `model` (see
     /// [`kv_bytes_per_token`]).
     pub fn for_budget(
@@ -115,8 +133,8 @@ impl BatchConfig {
         let per_block = kv_bytes_per_token(model, kv_quantization) * block_size;
         Self {
             max_running: 32,
-            prefill_batch_size: 1,
-            prefill_token_budget: Self::DEFAULT_PREFILL_TOKEN_BUDGET,
+            prefill_batch_size: Self::default_prefill_batch_size(Backend::current()),
+            prefill_token_budget: Self::default_prefill_token_budget(Backend::current()),
             block_size,
             num_blocks: kv_cache_bytes / per_block.max(1),
             kv_quantization,

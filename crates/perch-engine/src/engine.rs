@@ -19,7 +19,7 @@ use serde::Serialize;
 use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats};
 use crate::cache::KvQuantization;
 use crate::chat_template::ChatMessage;
-use crate::device::{memory_stats, MemoryStats};
+use crate::device::{memory_stats, Backend, MemoryStats};
 use crate::error::{EngineError, Result};
 use crate::generate::{FinishReason, GenerateRequest, GenerationStats, TokenLogprobs};
 use crate::kv_cache_manager::RequestId;
@@ -59,8 +59,8 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             max_running: 32,
-            prefill_batch_size: 1,
-            prefill_token_budget: BatchConfig::DEFAULT_PREFILL_TOKEN_BUDGET,
+            prefill_batch_size: BatchConfig::default_prefill_batch_size(Backend::current()),
+            prefill_token_budget: BatchConfig::default_prefill_token_budget(Backend::current()),
             kv_cache_bytes: Self::DEFAULT_KV_CACHE_BYTES,
             block_size: Self::DEFAULT_BLOCK_SIZE,
             kv_quantization: None,
