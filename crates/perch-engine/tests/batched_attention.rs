@@ -178,3 +178,34 @@ fn masked_quantized_attention_over_padded_slots_is_exact() {
         assert!(worst < 1e-6, "row {row} ({len} positions): {worst}");
     }
 }
+
+/// The two ways a GPU may read a quantized slot cache (packed, or dequantized into the fused
+/// attention, as CUDA does) agree, masked positions excluded, to float32 rounding.
+#[test]
+fn dequantized_and_packed_reads_of_quantized_slots_agree() {
+    use perch_engine::cache::CachedKv;
+    use perch_engine::models::decoder::masked_attention;
+    let q = KvQuantization::new(8, 64, 64).unwrap();
+    let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
+    let (rows, capacity) = (4, 256);
+    let parts = |a: &Array| {
+        let (w, s, b) = ops::quantize(a, 64, 8).unwrap();
+        [w, s, b]
+    };
+    let keys = normal(&[rows, 2, capacity, 64]);
+    let values = normal(&[rows, 2, capacity, 64]);
+    let queries = normal(&[rows, 6, 1, 64]);
+    let lens = Array::from_slice(&[1, 9, 130, 256], &[rows, 1, 1, 1]);
+    let positions = ops::arange::<_, i32>(0, capacity, None).unwrap();
+    let mask = ops::lt(&positions.reshape(&[1, 1, 1, -1]).unwrap(), &lens).unwrap();
+    let read = |dequantize| {
+        let cached = CachedKv::Quantized {
+            keys: parts(&keys),
+            values: parts(&values),
+            quantization: q,
+        };
+        masked_attention(&queries, cached, 0.125, &mask, dequantize).unwrap()
+    };
+    let worst = largest_difference(&read(true), &read(false));
+    assert!(worst < 1e-4, "{worst}");
+}

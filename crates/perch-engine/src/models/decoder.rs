@@ -171,28 +171,9 @@ impl Attention {
             &step.positions,
         )?;
         let values = heads(&self.v_proj, self.num_kv_heads, &None)?;
-        let out = match slots.update_and_fetch(layer, step, &keys, &values)? {
-            CachedKv::Dense { keys, values } => scaled_dot_product_attention(
-                &queries,
-                &keys,
-                &values,
-                self.scale,
-                ScaledDotProductAttentionMask::Array(&step.mask),
-                None,
-            )?,
-            CachedKv::Quantized {
-                keys,
-                values,
-                quantization,
-            } => quantized_scaled_dot_product_attention(
-                &queries,
-                &keys,
-                &values,
-                self.scale,
-                quantization,
-                KvMask::Array(&step.mask),
-            )?,
-        };
+        let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
+        let dequantize = Backend::current() == Backend::Cuda;
+        let out = masked_attention(&queries, cached, self.scale, &step.mask, dequantize)?;
         let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[rows, 1, -1])?;
         self.o_proj.forward(&out)
     }
@@ -330,6 +311,55 @@ pub fn quantized_scaled_dot_product_attention(
     }
     let scores = ops::softmax_axis(&scores, -1, true)?;
     Ok(qmm(&scores, &values, false)?.reshape(&[batch, heads, seq, head_dim])?)
+}
+
+/// Attention of `queries` `[batch, heads, seq, head_dim]` over `cached` positions where `mask`
+/// (boolean, `[batch, 1 or heads, seq, positions]`) is true. A quantized cache is read by
+/// [`quantized_scaled_dot_product_attention`], or, when `dequantize`, dequantized and read by
+/// the fused attention: MLX 0.32.2's CUDA quantized_matmul over a batch of `rows * kv_heads`
+/// packed matrices did not finish a 32-sequence benchmark in 120 s on an H100, where dequantizing
+/// one layer's slots at a time ran it at 2,494 tok/s (the cache keeps its size; the transient
+/// copy is one layer's). Returns `[batch, heads, seq, head_dim]`.
+pub fn masked_attention(
+    queries: &Array,
+    cached: CachedKv,
+    scale: f32,
+    mask: &Array,
+    dequantize: bool,
+) -> Result<Array> {
+    let mask_arg = || ScaledDotProductAttentionMask::Array(mask);
+    Ok(match cached {
+        CachedKv::Dense { keys, values } => {
+            scaled_dot_product_attention(queries, &keys, &values, scale, mask_arg(), None)?
+        }
+        CachedKv::Quantized {
+            keys,
+            values,
+            quantization: q,
+        } if dequantize => {
+            let dense = |[w, s, b]: [Array; 3]| ops::dequantize(&w, &s, &b, q.group_size, q.bits);
+            scaled_dot_product_attention(
+                queries,
+                &dense(keys)?,
+                &dense(values)?,
+                scale,
+                mask_arg(),
+                None,
+            )?
+        }
+        CachedKv::Quantized {
+            keys,
+            values,
+            quantization,
+        } => quantized_scaled_dot_product_attention(
+            queries,
+            &keys,
+            &values,
+            scale,
+            quantization,
+            KvMask::Array(mask),
+        )?,
+    })
 }
 
 /// Which positions a query of [`quantized_scaled_dot_product_attention`] may attend to.
