@@ -20,36 +20,30 @@ use crate::cache::{CachedKv, KvCache, KvQuantization};
 use crate::error::Result;
 use crate::mlx_ext::{slice, slice_update};
 
-/// Rows for `n` occupied slots: 1, 2, 4, 8, then steps of 8 up to 32, of 16 up to 64, of 32
-/// beyond (at most 25% padding from 8 rows on).
+/// `n` rounded up to a multiple of a quarter of the power of two below it, and of `min_step`:
+/// four sizes per doubling, at most 25% padding once `n >= 4 * min_step`.
+fn quarter_step_bucket(n: usize, min_step: usize) -> usize {
+    let power = 1usize << (usize::BITS - 1 - n.max(1).leading_zeros());
+    let step = (power / 4).max(min_step);
+    n.max(1).div_ceil(step) * step
+}
+
+/// Rows for `n` occupied slots: 1, 2, 4, 8, then four sizes per doubling (at least 4 apart): at
+/// most 25% padding from 16 rows on, 28 shapes up to 512 rows.
 pub fn row_bucket(n: usize) -> usize {
     match n {
         0..=1 => 1,
         2 => 2,
         3..=4 => 4,
-        5..=32 => n.div_ceil(8) * 8,
-        33..=64 => n.div_ceil(16) * 16,
-        _ => n.div_ceil(32) * 32,
+        5..=8 => 8,
+        _ => quarter_step_bucket(n, 4),
     }
 }
 
-/// Capacity for `n` positions: a multiple of [`KvCache::STEP`] up to 2,048, then the next
-/// `2^k` or `1.5 * 2^k` (at most a third of padding; a few dozen shapes up to a million tokens).
+/// Capacity for `n` positions: a multiple of [`KvCache::STEP`] (256) up to 1,024, then four
+/// sizes per doubling: at most 25% padding from 1,024 on, 44 shapes up to a million tokens.
 pub fn capacity_bucket(n: usize) -> usize {
-    let step = KvCache::STEP as usize;
-    if n <= 2048 {
-        return n.max(1).div_ceil(step) * step;
-    }
-    let mut size = 2048;
-    loop {
-        if n <= size * 3 / 2 {
-            return size * 3 / 2;
-        }
-        size *= 2;
-        if n <= size {
-            return size;
-        }
-    }
+    quarter_step_bucket(n, KvCache::STEP as usize)
 }
 
 /// The per-step inputs every layer shares: positions `[rows]` int32 (where each row writes its new
@@ -324,13 +318,14 @@ mod tests {
             assert!(n < 8 || r * 4 <= n * 5 + 28, "{n} -> {r}");
             rows.insert(r);
         }
-        assert!(rows.len() <= 30, "{} row shapes", rows.len());
+        assert!(rows.len() <= 28, "{} row shapes", rows.len());
         let mut caps = std::collections::BTreeSet::new();
         for n in (1..=1 << 20).step_by(97) {
             let c = capacity_bucket(n);
-            assert!(c >= n && (n <= 2048 || c * 3 <= n * 4 + 4), "{n} -> {c}");
+            assert!(c >= n && (n < 1024 || c * 4 <= n * 5), "{n} -> {c}");
+            assert_eq!(c % 256, 0, "{n} -> {c}");
             caps.insert(c);
         }
-        assert!(caps.len() <= 8 + 2 * 10, "{} capacity shapes", caps.len());
+        assert!(caps.len() <= 44, "{} capacity shapes", caps.len());
     }
 }

@@ -1,0 +1,138 @@
+"""Perch's engine against mlx_lm on one GPU, in one run: the table of README's "On a GPU (CUDA)".
+
+Runs where MLX has a GPU backend (the `mlx-cuda-13` wheel on an NVIDIA machine; `mlx` on a Mac): makes a
+random-weight Llama with mlx_lm (default 1.07B: hidden 2048, 16 layers, 32/8 heads, 4-bit g64, bfloat16; the
+tokenizer from TOKENIZER_DIR, any Llama-style tokenizer.json), then for each concurrency N measures mlx_lm
+(`stream_generate` for N = 1, `batch_generate` with `completion_batch_size=N` and `prefill_batch_size=min(N, 8)`
+above) and `perch bench --concurrency N` (the single-stream bench for N = 1) on the same prompt length and
+generation length, and prints one JSON line per measurement and a table of the ratios.
+
+    python scripts/bench_gpu.py PERCH_BINARY TOKENIZER_DIR [--concurrency 1 8 32 128] [--prompt-tokens 128]
+        [--gen-tokens 256] [--model-dir /tmp/models/llama-1b] [--perch-only] [--extra-perch-args ...]
+
+Perch runs as a child process so both engines start cold; mlx_lm runs in this process, after a warm-up of each
+shape. Units: tokens per second, milliseconds, bytes (MLX's peak memory, as each engine reports it).
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+
+def make_model(path: Path, tokenizer_dir: Path, hidden: int, layers: int, heads: int, kv_heads: int,
+               intermediate: int) -> Path:
+    if (path / "config.json").exists():
+        return path
+    from mlx_lm.models import llama
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "llama", "hidden_size": hidden, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": intermediate,
+        "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "tie_word_embeddings": True,
+        "head_dim": hidden // heads, "max_position_embeddings": 8192, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, 64, 4)
+    mx.eval(model.parameters())
+    config["quantization"] = {"group_size": 64, "bits": 4, "mode": "affine"}
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    for f in tokenizer_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) -> dict:
+    from mlx_lm import batch_generate, generate
+    from mlx_lm.generate import stream_generate
+    base = tokenizer.encode("The history of science is long and full of surprises. " * 64)
+    if n == 1:
+        prompt = base[:prompt_tokens]
+        generate(model, tokenizer, prompt, max_tokens=8)
+        mx.reset_peak_memory()
+        last = None
+        for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_tokens):
+            pass
+        return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
+                "peak_bytes": int(last.peak_memory * 1e9)}
+    prompts = [base[i % 7: i % 7 + prompt_tokens] for i in range(n)]
+    batch_generate(model, tokenizer, prompts[: min(n, 8)], max_tokens=8)
+    mx.reset_peak_memory()
+    result = batch_generate(model, tokenizer, prompts, max_tokens=gen_tokens, completion_batch_size=n,
+                            prefill_batch_size=min(n, 8))
+    s = result.stats
+    return {"prompt_tps": s.prompt_tps, "generation_tps": s.generation_tps, "peak_bytes": int(s.peak_memory * 1e9)}
+
+
+def perch_run(binary: str, model_dir: Path, n: int, prompt_tokens: int, gen_tokens: int, extra: list) -> dict:
+    cmd = [binary, "bench", "--model", str(model_dir), "--prompt-tokens", str(prompt_tokens),
+           "--gen-tokens", str(gen_tokens), "--json", *extra]
+    if n > 1:
+        cmd += ["--concurrency", str(n)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    report = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    return {
+        "prompt_tps": report["prompt_tps"], "generation_tps": report["generation_tps"],
+        "peak_bytes": report["peak_memory_bytes"], "ttft_ms_p95": report.get("ttft_ms_p95", report.get("ttft_ms")),
+        "itl_ms_p50": report.get("itl_ms_p50"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("perch")
+    parser.add_argument("tokenizer_dir", type=Path)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/models/llama-1b"))
+    parser.add_argument("--shape", type=int, nargs=5, default=[2048, 16, 32, 8, 8192],
+                        metavar=("HIDDEN", "LAYERS", "HEADS", "KV_HEADS", "INTERMEDIATE"))
+    parser.add_argument("--perch-only", action="store_true")
+    parser.add_argument("--extra-perch-args", nargs=argparse.REMAINDER, default=[])
+    args = parser.parse_args()
+    import mlx_lm
+    print(json.dumps({"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device()),
+                      "date": time.strftime("%Y-%m-%d")}), flush=True)
+    model_dir = make_model(args.model_dir, args.tokenizer_dir, *args.shape)
+    model = tokenizer = None
+    if not args.perch_only:
+        model, tokenizer = mlx_lm.load(str(model_dir))
+    rows = []
+    for n in args.concurrency:
+        ours = perch_run(args.perch, model_dir, n, args.prompt_tokens, args.gen_tokens, args.extra_perch_args)
+        print(json.dumps({"engine": "perch", "concurrency": n, **ours}), flush=True)
+        theirs = {}
+        if model is not None:
+            theirs = mlx_lm_run(model, tokenizer, n, args.prompt_tokens, args.gen_tokens)
+            print(json.dumps({"engine": "mlx_lm", "concurrency": n, **theirs}), flush=True)
+        rows.append((n, ours, theirs))
+    print("\n| concurrency | perch gen tok/s | mlx_lm gen tok/s | ratio | perch prompt tok/s | mlx_lm prompt tok/s "
+          "| ratio | perch peak GB | mlx_lm peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v, spec: "—" if v is None else format(v, spec)
+    for n, ours, theirs in rows:
+        ratio = lambda key: (ours.get(key) / theirs[key]) if ours.get(key) and theirs.get(key) else None
+        gb = lambda d: d.get("peak_bytes") / 1e9 if d.get("peak_bytes") else None
+        print(f"| {n} | {fmt(ours.get('generation_tps'), ',.0f')} | {fmt(theirs.get('generation_tps'), ',.0f')} "
+              f"| {fmt(ratio('generation_tps'), '.2f')} | {fmt(ours.get('prompt_tps'), ',.0f')} "
+              f"| {fmt(theirs.get('prompt_tps'), ',.0f')} | {fmt(ratio('prompt_tps'), '.2f')} "
+              f"| {fmt(gb(ours), '.2f')} | {fmt(gb(theirs), '.2f')} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
