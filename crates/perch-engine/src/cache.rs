@@ -68,6 +68,42 @@ pub enum CachedKv {
     },
 }
 
+/// Keys and values `[batch, kv_heads, new, head_dim]` as a cache of format `quantization` stores
+/// them: the two arrays, or their MLX-quantized parts (see the module docs).
+pub(crate) fn kv_parts(
+    quantization: Option<KvQuantization>,
+    keys: &Array,
+    values: &Array,
+) -> Result<Vec<Array>> {
+    Ok(match quantization {
+        None => vec![keys.clone(), values.clone()],
+        Some(q) => {
+            let (kw, ks, kb) = ops::quantize(keys, q.group_size, q.bits)?;
+            let (vw, vs, vb) = ops::quantize(values, q.group_size, q.bits)?;
+            vec![kw, ks, kb, vw, vs, vb]
+        }
+    })
+}
+
+impl CachedKv {
+    /// Parts in the order [`kv_parts`] makes them (2, or 6 when `quantization` is set).
+    pub(crate) fn from_parts(quantization: Option<KvQuantization>, parts: Vec<Array>) -> Self {
+        let mut all = parts.into_iter();
+        let mut next = || all.next().expect("one part per buffer");
+        match quantization {
+            None => CachedKv::Dense {
+                keys: next(),
+                values: next(),
+            },
+            Some(quantization) => CachedKv::Quantized {
+                keys: [next(), next(), next()],
+                values: [next(), next(), next()],
+                quantization,
+            },
+        }
+    }
+}
+
 /// The cache of one attention layer; the first `offset` positions of its buffers are filled.
 #[derive(Default)]
 pub struct KvCache {
@@ -106,28 +142,11 @@ impl KvCache {
     /// Appends `keys`/`values` `[batch, kv_heads, new, head_dim]` (quantizing them first when
     /// this cache is quantized) and returns every cached position.
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<CachedKv> {
-        let parts = match self.quantization {
-            None => vec![keys.clone(), values.clone()],
-            Some(q) => {
-                let (kw, ks, kb) = ops::quantize(keys, q.group_size, q.bits)?;
-                let (vw, vs, vb) = ops::quantize(values, q.group_size, q.bits)?;
-                vec![kw, ks, kb, vw, vs, vb]
-            }
-        };
-        self.append_parts(&parts)?;
-        let mut all = self.parts(0, self.offset)?.into_iter();
-        let mut next = || all.next().expect("one part per buffer");
-        Ok(match self.quantization {
-            None => CachedKv::Dense {
-                keys: next(),
-                values: next(),
-            },
-            Some(quantization) => CachedKv::Quantized {
-                keys: [next(), next(), next()],
-                values: [next(), next(), next()],
-                quantization,
-            },
-        })
+        self.append_parts(&kv_parts(self.quantization, keys, values)?)?;
+        Ok(CachedKv::from_parts(
+            self.quantization,
+            self.parts(0, self.offset)?,
+        ))
     }
 
     /// Appends parts in this cache's own format (from [`KvCache::parts`] of a cache with the

@@ -421,16 +421,11 @@ impl Rope {
 
     /// `x` `[batch, heads, seq, head_dim]`, positions starting at `offset`.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
-        let base = if self.freqs.is_some() {
-            None
-        } else {
-            Some(self.base)
-        };
         Ok(fast::rope(
             x,
             self.dims,
             self.traditional,
-            base,
+            self.mlx_base(),
             self.scale,
             offset,
             self.freqs.as_ref(),
@@ -439,19 +434,19 @@ impl Rope {
 }
 
 impl Rope {
+    /// MLX's `base` argument: none when `freqs` replaces it.
+    fn mlx_base(&self) -> Option<f32> {
+        self.freqs.is_none().then_some(self.base)
+    }
+
     /// `x` `[batch, heads, seq, head_dim]`, row `b`'s positions starting at `offsets[b]`
     /// (`offsets` `[batch]` int32).
     pub fn forward_at(&self, x: &Array, offsets: &Array) -> Result<Array> {
-        let base = if self.freqs.is_some() {
-            None
-        } else {
-            Some(self.base)
-        };
         Ok(fast::rope_dynamic(
             x,
             self.dims,
             self.traditional,
-            base,
+            self.mlx_base(),
             self.scale,
             offsets,
             self.freqs.as_ref(),

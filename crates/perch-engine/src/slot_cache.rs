@@ -16,7 +16,7 @@
 
 use mlx_rs::{ops, Array};
 
-use crate::cache::{CachedKv, KvCache, KvQuantization};
+use crate::cache::{kv_parts, CachedKv, KvCache, KvQuantization};
 use crate::error::Result;
 use crate::mlx_ext::{slice, slice_update};
 
@@ -51,6 +51,8 @@ pub fn capacity_bucket(n: usize) -> usize {
 pub struct SlotStep {
     pub positions: Array,
     pub mask: Array,
+    /// `positions` as `[rows, 1, 1, 1]`, the write index of every layer's buffers.
+    index: Array,
 }
 
 /// Slot-major KV buffers of every layer; see the module docs.
@@ -221,7 +223,12 @@ impl SlotKvCache {
             &keys.reshape(&[1, 1, 1, -1])?,
             &positions.reshape(&[-1, 1, 1, 1])?,
         )?;
-        Ok(SlotStep { positions, mask })
+        let index = positions.reshape(&[-1, 1, 1, 1])?;
+        Ok(SlotStep {
+            positions,
+            mask,
+            index,
+        })
     }
 
     /// Writes layer `layer`'s new keys and values `[rows, kv_heads, 1, head_dim]` at each row's
@@ -234,34 +241,14 @@ impl SlotKvCache {
         keys: &Array,
         values: &Array,
     ) -> Result<CachedKv> {
-        let parts = match self.quantization {
-            None => vec![keys.clone(), values.clone()],
-            Some(q) => {
-                let (kw, ks, kb) = ops::quantize(keys, q.group_size, q.bits)?;
-                let (vw, vs, vb) = ops::quantize(values, q.group_size, q.bits)?;
-                vec![kw, ks, kb, vw, vs, vb]
-            }
-        };
-        let index = step.positions.reshape(&[-1, 1, 1, 1])?;
+        let parts = kv_parts(self.quantization, keys, values)?;
         self.ensure_buffers(layer, &parts)?;
         let buffers = &mut self.layers[layer];
         for (buffer, part) in buffers.iter_mut().zip(&parts) {
-            let s = part.shape();
-            let index = ops::broadcast_to(&index, s)?;
+            let index = ops::broadcast_to(&step.index, part.shape())?;
             *buffer = buffer.put_along_axis(&index, part, 2)?;
         }
-        let b = buffers.clone();
-        Ok(match self.quantization {
-            None => CachedKv::Dense {
-                keys: b[0].clone(),
-                values: b[1].clone(),
-            },
-            Some(quantization) => CachedKv::Quantized {
-                keys: [b[0].clone(), b[1].clone(), b[2].clone()],
-                values: [b[3].clone(), b[4].clone(), b[5].clone()],
-                quantization,
-            },
-        })
+        Ok(CachedKv::from_parts(self.quantization, buffers.clone()))
     }
 
     /// Ends a decode step: every occupied slot holds one more position.

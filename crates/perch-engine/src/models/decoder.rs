@@ -478,57 +478,56 @@ impl Decoder {
     }
 }
 
+impl Decoder {
+    /// Embeddings, every block with `attend(layer index, attention, normed input, rope)` as its
+    /// attention, final norm and LM head: token ids `[batch, seq]` → logits `[batch, seq, vocab]`.
+    fn run(
+        &self,
+        ids: &Array,
+        mut attend: impl FnMut(usize, &Attention, &Array, &Rope) -> Result<Array>,
+    ) -> Result<Array> {
+        let mut h = self.embed_tokens.forward(ids)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            let r = attend(
+                i,
+                &layer.self_attn,
+                &layer.input_layernorm.forward(&h)?,
+                &self.rope,
+            )?;
+            let h2 = ops::add(&h, &r)?;
+            let r = layer
+                .mlp
+                .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
+            h = ops::add(&h2, &r)?;
+        }
+        let h = self.norm.forward(&h)?;
+        match &self.lm_head {
+            Some(head) => head.forward(&h),
+            None => self.embed_tokens.as_linear(&h),
+        }
+    }
+}
+
 impl Model for Decoder {
     fn forward(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array> {
         self.forward_batch(ids, &mut [cache])
     }
 
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
-        let mut h = self.embed_tokens.forward(ids)?;
-        for (i, layer) in self.layers.iter().enumerate() {
+        self.run(ids, |i, attn, x, rope| {
             let mut layer_caches: Vec<&mut KvCache> =
                 caches.iter_mut().map(|c| &mut c[i]).collect();
-            let r = layer.self_attn.forward(
-                &layer.input_layernorm.forward(&h)?,
-                &self.rope,
-                &mut layer_caches,
-            )?;
-            let h2 = ops::add(&h, &r)?;
-            let r = layer
-                .mlp
-                .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
-            h = ops::add(&h2, &r)?;
-        }
-        let h = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
-        }
+            attn.forward(x, rope, &mut layer_caches)
+        })
     }
 
     fn forward_slots(&self, ids: &Array, slots: &mut SlotKvCache) -> Result<Array> {
         let step = slots.begin_step()?;
-        let mut h = self.embed_tokens.forward(ids)?;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let r = layer.self_attn.forward_slots(
-                &layer.input_layernorm.forward(&h)?,
-                &self.rope,
-                slots,
-                i,
-                &step,
-            )?;
-            let h2 = ops::add(&h, &r)?;
-            let r = layer
-                .mlp
-                .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
-            h = ops::add(&h2, &r)?;
-        }
+        let logits = self.run(ids, |i, attn, x, rope| {
+            attn.forward_slots(x, rope, slots, i, &step)
+        })?;
         slots.end_step();
-        let h = self.norm.forward(&h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
-        }
+        Ok(logits)
     }
 
     fn info(&self) -> &ModelInfo {
