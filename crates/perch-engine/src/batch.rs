@@ -69,26 +69,29 @@ pub struct BatchConfig {
     /// Quantize every KV cache (running sequences and cached blocks); `None` keeps the compute
     /// dtype.
     pub kv_quantization: Option<KvQuantization>,
-    /// How decode steps run attention ([`DecodeAttention::for_backend`] by default).
-    pub decode_attention: DecodeAttention,
+    /// How steps run attention over the batch ([`BatchAttention::for_backend`] by default).
+    pub attention: BatchAttention,
 }
 
-/// How a decode step runs attention over the running sequences.
+/// How a step runs attention over the running sequences.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum DecodeAttention {
-    /// Each sequence keeps its own contiguous [`KvCache`]; projections run batched, RoPE and
-    /// attention once per sequence and layer. Each row computes exactly what it would alone,
-    /// and on a CPU the loop costs nothing next to the arithmetic.
+pub enum BatchAttention {
+    /// Each sequence keeps its own contiguous [`KvCache`]: projections run batched, RoPE and
+    /// attention once per sequence and layer, and each prefilling sequence's chunk is a forward
+    /// pass of its own. Each row computes exactly what it would alone, and on a CPU the loops
+    /// cost nothing next to the arithmetic.
     PerSequence,
-    /// Decoding sequences move into one slot-major [`SlotKvCache`]: RoPE, the cache write and
-    /// attention are one call per layer for the whole batch, in shapes bucketed so that a run
-    /// meets few of them. What an accelerator needs, where every call is a kernel launch and
-    /// every new shape a new graph.
+    /// Sequences live in slot-major [`SlotKvCache`]s, one for prefill and one for decode: a
+    /// prefill step runs every prefilling sequence's chunk (padded to one bucketed length) in
+    /// one forward pass, a decode step every decoding sequence's token; RoPE, the cache write
+    /// and attention are one call per layer, in shapes bucketed so that a run meets few of
+    /// them. What an accelerator needs, where every call is a kernel launch and every new shape
+    /// a new graph.
     Batched,
 }
 
-impl DecodeAttention {
+impl BatchAttention {
     /// Per sequence on CPU, batched on a GPU (Metal, CUDA).
     pub fn for_backend(backend: Backend) -> Self {
         match backend {
@@ -138,7 +141,7 @@ impl BatchConfig {
             block_size,
             num_blocks: kv_cache_bytes / per_block.max(1),
             kv_quantization,
-            decode_attention: DecodeAttention::for_backend(Backend::current()),
+            attention: BatchAttention::for_backend(Backend::current()),
         }
     }
 }
@@ -199,10 +202,10 @@ struct Sequence {
     request: GenerateRequest,
     /// Prompt then generated tokens: what the KV cache must hold, up to the last one.
     tokens: Vec<u32>,
-    /// One per layer; empty while waiting, and once the sequence decodes in a slot.
+    /// One per layer; empty while waiting, and while the sequence is in a slot.
     cache: Vec<KvCache>,
-    /// Its row of the batch's [`SlotKvCache`] once it decodes there ([`DecodeAttention::Batched`]).
-    slot: Option<usize>,
+    /// Its row of one of the batch's [`SlotKvCache`]s ([`BatchAttention::Batched`]).
+    slot: Option<Slot>,
     /// Tokens in `cache` (all but the last of `tokens` once prefill is done).
     computed: usize,
     /// Leading full blocks already registered in the prefix cache.
@@ -243,8 +246,8 @@ pub struct BatchGenerator<'m> {
     waiting: VecDeque<Sequence>,
     kv: KvCacheManager,
     store: BlockStore,
-    /// Decoding sequences' KV with [`DecodeAttention::Batched`].
-    slots: SlotKvCache,
+    /// Prefilling and decoding sequences' KV with [`BatchAttention::Batched`].
+    slots: Slots,
     next_id: RequestId,
     preemptions: u64,
     /// Prompt tokens processed, over the last seconds.
@@ -275,7 +278,7 @@ impl<'m> BatchGenerator<'m> {
                 model_id,
             ),
             store: BlockStore::new(config.num_blocks),
-            slots: SlotKvCache::new(model.info().num_layers, config.kv_quantization),
+            slots: Slots::new(model.info().num_layers, config.kv_quantization),
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -572,16 +575,14 @@ impl<'m> BatchGenerator<'m> {
     /// One prefill chunk for each of the first `prefill_batch_size` sequences still prefilling,
     /// within `prefill_token_budget` tokens in all while some sequence is decoding.
     fn prefill(&mut self) -> Result<()> {
+        if self.config.attention == BatchAttention::Batched {
+            return self.prefill_slots();
+        }
         let prefilling: Vec<usize> = (0..self.running.len())
             .filter(|&i| !self.running[i].prefill_done())
             .take(self.config.prefill_batch_size)
             .collect();
-        let decoding = self.running.iter().any(Sequence::prefill_done);
-        let mut budget = if decoding {
-            self.config.prefill_token_budget
-        } else {
-            usize::MAX
-        };
+        let mut budget = self.prefill_budget();
         for i in prefilling {
             if budget == 0 {
                 break;
@@ -598,6 +599,72 @@ impl<'m> BatchGenerator<'m> {
             eval(seq.cache.iter().flat_map(KvCache::state))?;
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
+            publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
+        }
+        Ok(())
+    }
+
+    /// Prompt tokens this step may prefill: `prefill_token_budget` while some sequence is
+    /// decoding (it bounds their wait), unbounded otherwise.
+    fn prefill_budget(&self) -> usize {
+        if self.running.iter().any(Sequence::prefill_done) {
+            self.config.prefill_token_budget
+        } else {
+            usize::MAX
+        }
+    }
+
+    /// [`BatchGenerator::prefill`] over the prefill slot cache: sequences still prefilling take
+    /// a prefill slot (up to `prefill_batch_size` of them, oldest first) and keep it until their
+    /// prompt is cached; every slot's next chunk runs in one forward pass, padded to a bucketed
+    /// length ([`prefill_chunk_bucket`]). Each row's chunk is at most its request's
+    /// `prefill_step_size` and the budget's share per row.
+    fn prefill_slots(&mut self) -> Result<()> {
+        for seq in &mut self.running {
+            if self.slots.prefill.len() >= self.config.prefill_batch_size {
+                break;
+            }
+            if seq.slot.is_none() && !seq.prefill_done() {
+                let row = self.slots.prefill.push(&seq.cache, seq.computed)?;
+                seq.slot = Some(Slot::Prefill(row));
+                seq.cache = Vec::new();
+            }
+        }
+        let rows = self.slots.prefill.len();
+        if rows == 0 {
+            return Ok(());
+        }
+        // The sequence in each prefill slot, and its chunk.
+        let mut members = vec![0usize; rows];
+        for (i, seq) in self.running.iter().enumerate() {
+            if let Some(Slot::Prefill(row)) = seq.slot {
+                members[row] = i;
+            }
+        }
+        let share = (self.prefill_budget() / rows).max(1);
+        let chunks: Vec<usize> = members
+            .iter()
+            .map(|&i| {
+                let seq = &self.running[i];
+                let left = seq.tokens.len() - 1 - seq.computed;
+                left.min(seq.request.prefill_step_size.max(1)).min(share)
+            })
+            .collect();
+        let width = prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
+        let mut ids = vec![0u32; self.slots.prefill.rows() * width];
+        for (row, (&i, &chunk)) in members.iter().zip(&chunks).enumerate() {
+            let seq = &self.running[i];
+            ids[row * width..row * width + chunk]
+                .copy_from_slice(&seq.tokens[seq.computed..seq.computed + chunk]);
+        }
+        let ids = Array::from_slice(&ids, &[(ids.len() / width) as i32, width as i32]);
+        self.model
+            .forward_slots(&ids, &mut self.slots.prefill, &chunks)?;
+        eval(self.slots.prefill.state())?;
+        self.prompt_throughput.record(chunks.iter().sum());
+        for (&i, &chunk) in members.iter().zip(&chunks) {
+            let seq = &mut self.running[i];
+            seq.computed += chunk;
             publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
         }
         Ok(())
@@ -638,8 +705,8 @@ impl<'m> BatchGenerator<'m> {
             return Ok(events);
         }
         // Logits `[rows, 1, vocab]` and the row of each ready sequence.
-        let (logits, rows) = match self.config.decode_attention {
-            DecodeAttention::PerSequence => {
+        let (logits, rows) = match self.config.attention {
+            BatchAttention::PerSequence => {
                 let inputs: Vec<u32> = ready
                     .iter()
                     .map(|&i| *self.running[i].tokens.last().expect("non-empty"))
@@ -656,24 +723,39 @@ impl<'m> BatchGenerator<'m> {
                     .forward_batch(&Array::from_slice(&inputs, &[batch, 1]), &mut caches)?;
                 (logits, (0..ready.len()).collect::<Vec<usize>>())
             }
-            DecodeAttention::Batched => {
+            BatchAttention::Batched => {
                 for &i in &ready {
+                    let slot = match self.running[i].slot {
+                        Some(Slot::Decode(_)) => continue,
+                        Some(Slot::Prefill(row)) => {
+                            let slot = self.slots.decode.push_from(&self.slots.prefill, row)?;
+                            self.free_slot(Slot::Prefill(row))?;
+                            slot
+                        }
+                        None => {
+                            let seq = &self.running[i];
+                            self.slots.decode.push(&seq.cache, seq.computed)?
+                        }
+                    };
                     let seq = &mut self.running[i];
-                    if seq.slot.is_none() {
-                        seq.slot = Some(self.slots.push(&seq.cache, seq.computed)?);
-                        seq.cache = Vec::new();
-                    }
+                    seq.slot = Some(Slot::Decode(slot));
+                    seq.cache = Vec::new();
                 }
-                let mut inputs = vec![0u32; self.slots.rows()];
+                let decode = &mut self.slots.decode;
+                let mut inputs = vec![0u32; decode.rows()];
                 let rows: Vec<usize> = ready
                     .iter()
-                    .map(|&i| self.running[i].slot.expect("decoding in a slot"))
+                    .map(|&i| match self.running[i].slot {
+                        Some(Slot::Decode(row)) => row,
+                        _ => unreachable!("every ready sequence is in a decode slot"),
+                    })
                     .collect();
                 for (&i, &row) in ready.iter().zip(&rows) {
                     inputs[row] = *self.running[i].tokens.last().expect("non-empty");
                 }
                 let ids = Array::from_slice(&inputs, &[inputs.len() as i32, 1]);
-                (self.model.forward_slots(&ids, &mut self.slots)?, rows)
+                let one_each = vec![1; decode.len()];
+                (self.model.forward_slots(&ids, decode, &one_each)?, rows)
             }
         };
         let (num_rows, vocab) = (logits.shape()[0], logits.shape()[2]);
@@ -784,11 +866,16 @@ impl<'m> BatchGenerator<'m> {
         self.kv.free(seq.id);
         seq.cache = Vec::new();
         if let Some(slot) = seq.slot.take() {
-            // The last slot's sequence (still running) moves into the freed row.
-            if let Some(moved) = self.slots.remove(slot)? {
-                if let Some(other) = self.running.iter_mut().find(|s| s.slot == Some(moved)) {
-                    other.slot = Some(slot);
-                }
+            self.free_slot(slot)?;
+        }
+        Ok(())
+    }
+
+    /// Frees `slot`; the sequence in its cache's last slot (still running) moves into it.
+    fn free_slot(&mut self, slot: Slot) -> Result<()> {
+        if let Some(moved) = self.slots.remove(slot)? {
+            if let Some(other) = self.running.iter_mut().find(|s| s.slot == Some(moved)) {
+                other.slot = Some(slot);
             }
         }
         Ok(())
@@ -832,7 +919,7 @@ fn allocate(
 fn publish(
     kv: &mut KvCacheManager,
     store: &mut BlockStore,
-    slots: &SlotKvCache,
+    slots: &Slots,
     seq: &mut Sequence,
 ) -> Result<()> {
     let full = seq.computed / kv.block_size();
@@ -845,9 +932,10 @@ fn publish(
     for &(index, id) in &entries {
         match seq.slot {
             Some(slot) => {
+                let (slots, row) = slots.get(slot);
                 let (start, end) = (index * block_size, (index + 1) * block_size);
                 let parts = (0..slots.num_layers())
-                    .map(|layer| slots.copy_parts(slot, layer, start, end))
+                    .map(|layer| slots.copy_parts(row, layer, start, end))
                     .collect::<Result<Vec<_>>>()?;
                 store.put_parts(id, parts);
             }
@@ -858,4 +946,58 @@ fn publish(
     eval(store.state(&ids))?;
     seq.published_blocks = full;
     Ok(())
+}
+
+/// Where a sequence's KV lives with [`BatchAttention::Batched`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Slot {
+    /// A row of the prefill slot cache, while its prompt is prefilled.
+    Prefill(usize),
+    /// A row of the decode slot cache, from its first decode step on.
+    Decode(usize),
+}
+
+/// The batch's two slot caches: a sequence prefills in one and moves to the other when its
+/// prompt is cached, so a prefill step's rows are prompt chunks only and a decode step's rows one
+/// token each (a forward pass over both would pad every decode row to the chunk length).
+struct Slots {
+    prefill: SlotKvCache,
+    decode: SlotKvCache,
+}
+
+impl Slots {
+    fn new(num_layers: usize, quantization: Option<KvQuantization>) -> Self {
+        Self {
+            prefill: SlotKvCache::new(num_layers, quantization),
+            decode: SlotKvCache::new(num_layers, quantization),
+        }
+    }
+
+    /// The cache `slot` is in, and its row there.
+    fn get(&self, slot: Slot) -> (&SlotKvCache, usize) {
+        match slot {
+            Slot::Prefill(row) => (&self.prefill, row),
+            Slot::Decode(row) => (&self.decode, row),
+        }
+    }
+
+    /// Frees `slot`; returns the slot whose sequence moved into it, if one did.
+    fn remove(&mut self, slot: Slot) -> Result<Option<Slot>> {
+        Ok(match slot {
+            Slot::Prefill(row) => self.prefill.remove(row)?.map(Slot::Prefill),
+            Slot::Decode(row) => self.decode.remove(row)?.map(Slot::Decode),
+        })
+    }
+
+    fn clear(&mut self) {
+        self.prefill.clear();
+        self.decode.clear();
+    }
+}
+
+/// The padded length of a prefill step whose longest chunk is `n` tokens: a multiple of 16 up to
+/// 64, then four sizes per doubling (at most 25% padding), so that prompts of every length meet
+/// few distinct graphs.
+fn prefill_chunk_bucket(n: usize) -> usize {
+    crate::slot_cache::quarter_step_bucket(n, 16)
 }

@@ -1,9 +1,11 @@
-//! The decode-time KV cache of a whole batch, slot-major: per layer, one set of buffers
+//! The KV cache of a whole batch, slot-major: per layer, one set of buffers
 //! `[rows, kv_heads, capacity, last]` (the same float or quantized parts as [`KvCache`], see
 //! `cache.rs`) in which row `r` holds the sequence in slot `r`, its first `len(r)` positions
-//! filled. A decode step writes every row's new key and value at that row's own position (one
-//! `put_along_axis` per buffer) and attends over the whole buffer with a mask `position < len`:
-//! one attention call per layer for the whole batch, where [`KvCache`] needs one per sequence.
+//! filled. A step writes every row's new keys and values at that row's own positions (one
+//! `put_along_axis` per buffer) and attends over the whole buffer with a causal mask offset by
+//! each row's length: one attention call per layer for the whole batch, where [`KvCache`] needs
+//! one per sequence. The batch engine keeps two: one for decode steps (a token per row) and one
+//! for prefill steps (a prompt chunk per row).
 //!
 //! Occupied slots are kept at `0..n` (a leaving sequence's slot takes the last one's row), and
 //! both `rows` and `capacity` are bucketed ([`row_bucket`], [`capacity_bucket`]) so that a run
@@ -22,7 +24,7 @@ use crate::mlx_ext::{slice, slice_update};
 
 /// `n` rounded up to a multiple of a quarter of the power of two below it, and of `min_step`:
 /// four sizes per doubling, at most 25% padding once `n >= 4 * min_step`.
-fn quarter_step_bucket(n: usize, min_step: usize) -> usize {
+pub(crate) fn quarter_step_bucket(n: usize, min_step: usize) -> usize {
     let power = 1usize << (usize::BITS - 1 - n.max(1).leading_zeros());
     let step = (power / 4).max(min_step);
     n.max(1).div_ceil(step) * step
@@ -46,12 +48,13 @@ pub fn capacity_bucket(n: usize) -> usize {
     quarter_step_bucket(n, KvCache::STEP as usize)
 }
 
-/// The per-step inputs every layer shares: positions `[rows]` int32 (where each row writes its new
-/// token; RoPE's offsets) and the attention mask `[rows, 1, 1, capacity]` bool.
+/// The per-step inputs every layer shares, for a step of `tokens` tokens per row: positions
+/// `[rows]` int32 (where each row's first new token goes; RoPE's offsets) and the attention mask
+/// `[rows, 1, tokens, capacity]` bool.
 pub struct SlotStep {
     pub positions: Array,
     pub mask: Array,
-    /// `positions` as `[rows, 1, 1, 1]`, the write index of every layer's buffers.
+    /// `[rows, 1, tokens, 1]` int32: the positions every layer's buffers write.
     index: Array,
 }
 
@@ -113,12 +116,30 @@ impl SlotKvCache {
     /// Puts a sequence whose per-layer `cache` holds `len` positions into the next slot (copying
     /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
     pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
+        self.push_with(len, |layer| Ok(cache[layer].parts(0, len as i32)?))
+    }
+
+    /// Moves the first `len` positions of `other`'s `slot` into the next slot of this cache (a
+    /// sequence whose prefill is done joins the decode batch) and returns that slot; `other`
+    /// keeps its copy until its [`SlotKvCache::remove`]. Lazy, as [`SlotKvCache::push`].
+    pub fn push_from(&mut self, other: &SlotKvCache, slot: usize) -> Result<usize> {
+        let len = other.slot_len(slot);
+        self.push_with(len, |layer| other.slot_parts(slot, layer, 0, len))
+    }
+
+    /// Puts a sequence of `len` positions, whose layer `l` parts `[1, kv_heads, len, last]`
+    /// `parts(l)` gives, into the next slot.
+    fn push_with(
+        &mut self,
+        len: usize,
+        mut parts: impl FnMut(usize) -> Result<Vec<Array>>,
+    ) -> Result<usize> {
         let slot = self.lengths.len();
         // Room for the token this sequence feeds next, as every occupied slot has.
-        self.reshape(slot + 1, self.needed_capacity().max(len + 1))?;
+        self.reshape(slot + 1, self.needed_capacity(1).max(len + 1))?;
         if len > 0 {
-            for (layer, cache) in cache.iter().enumerate().take(self.num_layers) {
-                let parts = cache.parts(0, len as i32)?;
+            for layer in 0..self.num_layers {
+                let parts = parts(layer)?;
                 self.ensure_buffers(layer, &parts)?;
                 for (buffer, part) in self.layers[layer].iter_mut().zip(&parts) {
                     let s = part.shape();
@@ -149,14 +170,18 @@ impl SlotKvCache {
         if self.lengths.is_empty() {
             self.clear();
         } else {
-            self.reshape(self.lengths.len(), self.needed_capacity())?;
+            self.reshape(self.lengths.len(), self.needed_capacity(1))?;
         }
         Ok(moved)
     }
 
-    /// Capacity every occupied slot needs for one more token.
-    fn needed_capacity(&self) -> usize {
-        self.lengths.iter().map(|l| l + 1).max().unwrap_or(1)
+    /// Capacity every occupied slot needs for `tokens` more positions.
+    fn needed_capacity(&self, tokens: usize) -> usize {
+        self.lengths
+            .iter()
+            .map(|l| l + tokens)
+            .max()
+            .unwrap_or(tokens)
     }
 
     /// Resizes the buffers to the buckets of `slots` rows and `positions` positions: grows when
@@ -209,21 +234,27 @@ impl SlotKvCache {
         Ok(())
     }
 
-    /// Starts a decode step in which every occupied slot feeds one token: positions and mask for
-    /// [`SlotKvCache::update_and_fetch`]. Call [`SlotKvCache::end_step`] after the forward pass.
-    pub fn begin_step(&mut self) -> Result<SlotStep> {
-        self.reshape(self.lengths.len(), self.needed_capacity())?;
+    /// Starts a step in which every row feeds `tokens` tokens (1 for a decode step, a prompt
+    /// chunk's length for a prefill step): positions and mask for
+    /// [`SlotKvCache::update_and_fetch`]. Row `r`'s token `i` sits at position `len(r) + i` and
+    /// attends to positions `0..=len(r) + i` (causal within the chunk). A row with fewer real
+    /// tokens pads its chunk: the padding writes past the row's length, where nothing reads
+    /// (the row's next tokens overwrite it). Call [`SlotKvCache::end_step`] after the forward.
+    pub fn begin_step(&mut self, tokens: usize) -> Result<SlotStep> {
+        let tokens = tokens.max(1);
+        self.reshape(self.lengths.len(), self.needed_capacity(tokens))?;
         let mut positions = vec![0i32; self.rows];
         for (p, &len) in positions.iter_mut().zip(&self.lengths) {
             *p = len as i32;
         }
         let positions = Array::from_slice(&positions, &[self.rows as i32]);
-        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?;
-        let mask = ops::le(
-            &keys.reshape(&[1, 1, 1, -1])?,
+        // [rows, 1, tokens, 1]: where each row's tokens go.
+        let index = ops::add(
             &positions.reshape(&[-1, 1, 1, 1])?,
+            &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, 1, -1, 1])?,
         )?;
-        let index = positions.reshape(&[-1, 1, 1, 1])?;
+        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?;
+        let mask = ops::le(&keys.reshape(&[1, 1, 1, -1])?, &index)?;
         Ok(SlotStep {
             positions,
             mask,
@@ -231,9 +262,9 @@ impl SlotKvCache {
         })
     }
 
-    /// Writes layer `layer`'s new keys and values `[rows, kv_heads, 1, head_dim]` at each row's
-    /// position (quantizing them first when this cache is quantized) and returns the whole
-    /// buffers (attention masks the unfilled positions with [`SlotStep::mask`]).
+    /// Writes layer `layer`'s new keys and values `[rows, kv_heads, tokens, head_dim]` at each
+    /// row's positions (quantizing them first when this cache is quantized) and returns the
+    /// whole buffers (attention masks the unfilled positions with [`SlotStep::mask`]).
     pub fn update_and_fetch(
         &mut self,
         layer: usize,
@@ -251,10 +282,12 @@ impl SlotKvCache {
         Ok(CachedKv::from_parts(self.quantization, buffers.clone()))
     }
 
-    /// Ends a decode step: every occupied slot holds one more position.
-    pub fn end_step(&mut self) {
-        for len in &mut self.lengths {
-            *len += 1;
+    /// Ends a step: occupied slot `s` holds `new_tokens[s]` more positions (its real tokens of
+    /// the step; 1 each in a decode step).
+    pub fn end_step(&mut self, new_tokens: &[usize]) {
+        debug_assert_eq!(new_tokens.len(), self.lengths.len(), "one count per slot");
+        for (len, new) in self.lengths.iter_mut().zip(new_tokens) {
+            *len += new;
         }
     }
 
@@ -267,16 +300,29 @@ impl SlotKvCache {
         start: usize,
         end: usize,
     ) -> Result<Vec<Array>> {
+        self.slot_parts(slot, layer, start, end)?
+            .iter()
+            .map(|part| Ok(crate::mlx_ext::owned_copy(part)?))
+            .collect()
+    }
+
+    /// Views of positions `[start, end)` of `slot` in layer `layer`'s buffers.
+    fn slot_parts(
+        &self,
+        slot: usize,
+        layer: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<Array>> {
         self.layers[layer]
             .iter()
             .map(|b| {
                 let s = b.shape();
-                let part = slice(
+                Ok(slice(
                     b,
                     &[slot as i32, 0, start as i32, 0],
                     &[slot as i32 + 1, s[1], end as i32, s[3]],
-                )?;
-                Ok(crate::mlx_ext::owned_copy(&part)?)
+                )?)
             })
             .collect()
     }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator, DecodeAttention};
+use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
 use perch_engine::models::{self, Model};
 use perch_engine::{ChatMessage, EngineError, FinishReason, GenerateRequest, Tokenizer};
 
@@ -14,22 +14,22 @@ fn load() -> (Box<dyn Model>, Tokenizer) {
 }
 
 fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
-    config_with(num_blocks, block_size, DecodeAttention::PerSequence)
+    config_with(num_blocks, block_size, BatchAttention::PerSequence)
 }
 
-fn config_with(
-    num_blocks: usize,
-    block_size: usize,
-    decode_attention: DecodeAttention,
-) -> BatchConfig {
+fn config_with(num_blocks: usize, block_size: usize, attention: BatchAttention) -> BatchConfig {
     BatchConfig {
         max_running: 32,
-        prefill_batch_size: 1,
+        // Batched runs prefill several sequences per step: that is the path's multi-row forward.
+        prefill_batch_size: match attention {
+            BatchAttention::PerSequence => 1,
+            BatchAttention::Batched => 4,
+        },
         prefill_token_budget: 256,
         block_size,
         num_blocks,
         kv_quantization: None,
-        decode_attention,
+        attention,
     }
 }
 
@@ -69,17 +69,17 @@ fn assert_reference(
 
 #[test]
 fn prefix_cache_hits_give_the_cold_tokens() {
-    prefix_cache_hits_give_the_cold_tokens_with(DecodeAttention::PerSequence);
+    prefix_cache_hits_give_the_cold_tokens_with(BatchAttention::PerSequence);
 }
 
 /// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
 /// published from their slots, and a leaving sequence's slot is refilled by another.
 #[test]
 fn prefix_cache_hits_give_the_cold_tokens_batched() {
-    prefix_cache_hits_give_the_cold_tokens_with(DecodeAttention::Batched);
+    prefix_cache_hits_give_the_cold_tokens_with(BatchAttention::Batched);
 }
 
-fn prefix_cache_hits_give_the_cold_tokens_with(mode: DecodeAttention) {
+fn prefix_cache_hits_give_the_cold_tokens_with(mode: BatchAttention) {
     let (model, tokenizer) = load();
     let cases = common::reference_cases();
     let block_size = 8;
@@ -166,17 +166,17 @@ fn every_turn_of_a_chat_hits_the_previous_one() {
 
 #[test]
 fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
-    cancel_mid_prefill_and_mid_decode_frees_every_block_with(DecodeAttention::PerSequence);
+    cancel_mid_prefill_and_mid_decode_frees_every_block_with(BatchAttention::PerSequence);
 }
 
 /// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
 /// published from their slots, and a leaving sequence's slot is refilled by another.
 #[test]
 fn cancel_mid_prefill_and_mid_decode_frees_every_block_batched() {
-    cancel_mid_prefill_and_mid_decode_frees_every_block_with(DecodeAttention::Batched);
+    cancel_mid_prefill_and_mid_decode_frees_every_block_with(BatchAttention::Batched);
 }
 
-fn cancel_mid_prefill_and_mid_decode_frees_every_block_with(mode: DecodeAttention) {
+fn cancel_mid_prefill_and_mid_decode_frees_every_block_with(mode: BatchAttention) {
     let (model, tokenizer) = load();
     let cases = common::short_reference_cases();
     let mut batch = BatchGenerator::new(
@@ -232,7 +232,7 @@ fn cancel_mid_prefill_and_mid_decode_frees_every_block_with(mode: DecodeAttentio
 #[test]
 fn a_tiny_pool_preempts_and_still_completes_every_request_exactly() {
     a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(
-        DecodeAttention::PerSequence,
+        BatchAttention::PerSequence,
     );
 }
 
@@ -240,10 +240,10 @@ fn a_tiny_pool_preempts_and_still_completes_every_request_exactly() {
 /// published from their slots, and a leaving sequence's slot is refilled by another.
 #[test]
 fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_batched() {
-    a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(DecodeAttention::Batched);
+    a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(BatchAttention::Batched);
 }
 
-fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(mode: DecodeAttention) {
+fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(mode: BatchAttention) {
     let (model, tokenizer) = load();
     let cases = common::short_reference_cases();
     // 20 blocks of 8 tokens hold the largest request (61 + 32 tokens) but not all six at once.

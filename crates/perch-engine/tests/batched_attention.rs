@@ -1,7 +1,8 @@
-//! Batched decode attention over a slot cache (`Model::forward_slots`) computes, row for row, the
-//! logits that per-sequence attention computes (`Model::forward` on the sequence's own cache), in
-//! float32 within 1e-4, while sequences of different lengths join and leave the slots (rows move,
-//! the buffers change bucket), with float and 8-bit KV caches.
+//! Batched attention over a slot cache (`Model::forward_slots`) computes, row for row, the logits
+//! that per-sequence attention computes (`Model::forward` on the sequence's own cache), in float32
+//! within 1e-4: decode steps while sequences of different lengths join and leave the slots (rows
+//! move, the buffers change bucket), with float and 8-bit KV caches; and prefill steps of padded
+//! prompt chunks at different offsets, handed on to a decode slot cache.
 
 mod common;
 
@@ -90,7 +91,8 @@ fn run(q: Option<KvQuantization>) -> f32 {
             inputs[seq.slot] = seq.next;
         }
         let ids = Array::from_slice(&inputs, &[inputs.len() as i32, 1]);
-        let batched = model.forward_slots(&ids, &mut slots).unwrap();
+        let one_each = vec![1; slots.len()];
+        let batched = model.forward_slots(&ids, &mut slots, &one_each).unwrap();
         for seq in &mut running {
             let alone = model
                 .forward(&Array::from_slice(&[seq.next], &[1, 1]), &mut seq.cache)
@@ -117,6 +119,103 @@ fn run(q: Option<KvQuantization>) -> f32 {
         "the rows changed bucket: {rows_seen:?}"
     );
     worst
+}
+
+/// Prefill steps over a slot cache: rows at different offsets (one starting from a cached
+/// prefix, one from nothing) feed chunks of different lengths padded to one width, over several
+/// steps; every real position's logits equal a lone forward pass of the same chunk on the
+/// sequence's own cache, and the sequences then decode from a second slot cache they moved into.
+#[test]
+fn prefill_chunks_in_slots_match_per_sequence_prefill() {
+    let model = models::load(&common::model_dir()).unwrap();
+    let model = model.as_ref();
+    let cases = common::short_reference_cases();
+    let mut prefill = SlotKvCache::new(model.info().num_layers, None);
+    // (prompt, tokens cached before the first step, chunk length per step)
+    let plans: [(&[u32], usize, usize); 3] = [
+        (&cases[0].prompt_ids, 0, 5),
+        (&cases[1].prompt_ids, 3, 2),
+        (&cases[2].prompt_ids[..4], 0, 16),
+    ];
+    let mut seqs: Vec<(Vec<KvCache>, usize)> = Vec::new();
+    for (slot, &(prompt, cached, _)) in plans.iter().enumerate() {
+        let mut cache = model.make_cache(None);
+        if cached > 0 {
+            let ids = Array::from_slice(&prompt[..cached], &[1, cached as i32]);
+            model.forward(&ids, &mut cache).unwrap();
+        }
+        eval(cache.iter().flat_map(KvCache::state)).unwrap();
+        assert_eq!(prefill.push(&cache, cached).unwrap(), slot);
+        seqs.push((cache, cached));
+    }
+    let mut worst = 0f32;
+    let mut padded_steps = 0;
+    for step in 0.. {
+        let chunks: Vec<usize> = plans
+            .iter()
+            .zip(&seqs)
+            .map(|(&(prompt, _, chunk), &(_, done))| chunk.min(prompt.len() - 1 - done))
+            .collect();
+        if chunks.iter().all(|&n| n == 0) {
+            break;
+        }
+        let width = chunks.iter().copied().max().unwrap().max(1) + 3;
+        let mut ids = vec![7u32; prefill.rows() * width];
+        for (row, ((&(prompt, _, _), &(_, done)), &n)) in
+            plans.iter().zip(&seqs).zip(&chunks).enumerate()
+        {
+            ids[row * width..row * width + n].copy_from_slice(&prompt[done..done + n]);
+        }
+        let ids = Array::from_slice(&ids, &[prefill.rows() as i32, width as i32]);
+        let batched = model.forward_slots(&ids, &mut prefill, &chunks).unwrap();
+        padded_steps += usize::from(chunks.iter().any(|&n| n < width));
+        for (row, ((&(prompt, _, _), (cache, done)), &n)) in
+            plans.iter().zip(&mut seqs).zip(&chunks).enumerate()
+        {
+            if n > 0 {
+                let chunk = Array::from_slice(&prompt[*done..*done + n], &[1, n as i32]);
+                let alone = model.forward(&chunk, cache).unwrap();
+                let (r, n) = (row as i32, n as i32);
+                let mine = batched.index((r..r + 1, 0..n, ..));
+                worst = worst.max(largest_difference(&mine, &alone));
+            }
+            *done += n;
+            assert_eq!(prefill.slot_len(row), *done, "step {step}, row {row}");
+        }
+    }
+    assert!(padded_steps > 0, "some rows were padded");
+    assert!(worst < 1e-4, "prefill logits differ by up to {worst}");
+
+    // Every prompt but its last token is cached: the rows move to a decode cache.
+    let mut decode = SlotKvCache::new(model.info().num_layers, None);
+    for (row, (&(prompt, _, _), (_, done))) in plans.iter().zip(&seqs).enumerate().rev() {
+        assert_eq!(*done, prompt.len() - 1);
+        let slot = decode.push_from(&prefill, row).unwrap();
+        assert_eq!(
+            prefill.remove(row).unwrap(),
+            None,
+            "the last row leaves first"
+        );
+        assert_eq!(decode.slot_len(slot), *done);
+    }
+    assert!(prefill.is_empty());
+    // Decode slot `s` holds plan `2 - s`.
+    let inputs: Vec<u32> = (0..decode.rows())
+        .map(|s| {
+            plans
+                .get(2usize.wrapping_sub(s))
+                .map_or(0, |p| *p.0.last().unwrap())
+        })
+        .collect();
+    let ids = Array::from_slice(&inputs, &[inputs.len() as i32, 1]);
+    let batched = model.forward_slots(&ids, &mut decode, &[1, 1, 1]).unwrap();
+    for (slot, (&(prompt, _, _), (cache, _))) in plans.iter().zip(&mut seqs).rev().enumerate() {
+        let last = Array::from_slice(&[*prompt.last().unwrap()], &[1, 1]);
+        let alone = model.forward(&last, cache).unwrap();
+        let s = slot as i32;
+        let diff = largest_difference(&batched.index((s..s + 1, .., ..)), &alone);
+        assert!(diff < 1e-4, "decode slot {slot}: {diff}");
+    }
 }
 
 #[test]

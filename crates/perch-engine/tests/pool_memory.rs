@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator, DecodeAttention};
+use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
 use perch_engine::device::{clear_cache, memory_stats};
 use perch_engine::{models, FinishReason, GenerateRequest, Tokenizer};
 
@@ -37,7 +37,7 @@ fn two_hundred_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
         block_size: 16,
         num_blocks: 96,
         kv_quantization: None,
-        decode_attention: DecodeAttention::PerSequence,
+        attention: BatchAttention::PerSequence,
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
 

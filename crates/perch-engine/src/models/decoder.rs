@@ -97,12 +97,10 @@ impl Attention {
         })
     }
 
-    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`. Row `b` of the batch is its own
-    /// sequence with its own cache (`caches[b]`, at its own position): projections run batched,
-    /// RoPE and attention per sequence, so each row computes exactly what it would alone.
-    fn forward(&self, x: &Array, rope: &Rope, caches: &mut [&mut KvCache]) -> Result<Array> {
+    /// Queries, keys and values of `x` `[batch, seq, hidden]`, each `[batch, heads, seq,
+    /// head_dim]` (query and key norms applied, RoPE not yet).
+    fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
-        debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
         let heads = |proj: &Linear, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
             let h = proj.forward(x)?.reshape(&[batch, seq, n, -1])?;
             let h = match norm {
@@ -111,9 +109,20 @@ impl Attention {
             };
             Ok(h.transpose_axes(&[0, 2, 1, 3])?)
         };
-        let queries = heads(&self.q_proj, self.num_heads, &self.q_norm)?;
-        let keys = heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?;
-        let values = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        Ok((
+            heads(&self.q_proj, self.num_heads, &self.q_norm)?,
+            heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?,
+            heads(&self.v_proj, self.num_kv_heads, &None)?,
+        ))
+    }
+
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`. Row `b` of the batch is its own
+    /// sequence with its own cache (`caches[b]`, at its own position): projections run batched,
+    /// RoPE and attention per sequence, so each row computes exactly what it would alone.
+    fn forward(&self, x: &Array, rope: &Rope, caches: &mut [&mut KvCache]) -> Result<Array> {
+        let (batch, seq) = (x.shape()[0], x.shape()[1]);
+        debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
+        let (queries, keys, values) = self.project(x)?;
 
         let out = if batch == 1 {
             self.attend(&queries, &keys, &values, rope, caches[0])?
@@ -141,10 +150,10 @@ impl Attention {
         self.o_proj.forward(&out)
     }
 
-    /// One decode step of a whole batch over a slot-major cache: `x` `[rows, 1, hidden]`, row `r`
-    /// the sequence in slot `r` at position `step.positions[r]` → `[rows, 1, hidden]`. RoPE,
-    /// the cache write and attention are one call each for all rows (attention masked to each
-    /// row's filled positions).
+    /// One step of a whole batch over a slot-major cache: `x` `[rows, tokens, hidden]`, row `r`
+    /// the sequence in slot `r` from position `step.positions[r]` on → `[rows, tokens, hidden]`.
+    /// RoPE, the cache write and attention are one call each for all rows (attention masked
+    /// causally from each row's position).
     fn forward_slots(
         &self,
         x: &Array,
@@ -153,28 +162,16 @@ impl Attention {
         layer: usize,
         step: &SlotStep,
     ) -> Result<Array> {
-        let rows = x.shape()[0];
-        let heads = |proj: &Linear, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
-            let h = proj.forward(x)?.reshape(&[rows, 1, n, -1])?;
-            let h = match norm {
-                Some(norm) => norm.forward(&h)?,
-                None => h,
-            };
-            Ok(h.transpose_axes(&[0, 2, 1, 3])?)
-        };
-        let queries = rope.forward_at(
-            &heads(&self.q_proj, self.num_heads, &self.q_norm)?,
-            &step.positions,
-        )?;
-        let keys = rope.forward_at(
-            &heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?,
-            &step.positions,
-        )?;
-        let values = heads(&self.v_proj, self.num_kv_heads, &None)?;
+        let (rows, tokens) = (x.shape()[0], x.shape()[1]);
+        let (queries, keys, values) = self.project(x)?;
+        let queries = rope.forward_at(&queries, &step.positions)?;
+        let keys = rope.forward_at(&keys, &step.positions)?;
         let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
         let dequantize = Backend::current() == Backend::Cuda;
         let out = masked_attention(&queries, cached, self.scale, &step.mask, dequantize)?;
-        let out = out.transpose_axes(&[0, 2, 1, 3])?.reshape(&[rows, 1, -1])?;
+        let out = out
+            .transpose_axes(&[0, 2, 1, 3])?
+            .reshape(&[rows, tokens, -1])?;
         self.o_proj.forward(&out)
     }
 
@@ -521,12 +518,17 @@ impl Model for Decoder {
         })
     }
 
-    fn forward_slots(&self, ids: &Array, slots: &mut SlotKvCache) -> Result<Array> {
-        let step = slots.begin_step()?;
+    fn forward_slots(
+        &self,
+        ids: &Array,
+        slots: &mut SlotKvCache,
+        new_tokens: &[usize],
+    ) -> Result<Array> {
+        let step = slots.begin_step(ids.shape()[1] as usize)?;
         let logits = self.run(ids, |i, attn, x, rope| {
             attn.forward_slots(x, rope, slots, i, &step)
         })?;
-        slots.end_step();
+        slots.end_step(new_tokens);
         Ok(logits)
     }
 

@@ -43,11 +43,18 @@ pub trait Model: Send {
     /// own position (`caches[b]`, one [`KvCache`] per layer) → logits `[batch, seq, vocab]`. Row
     /// `b` equals what [`Model::forward`] computes for that sequence alone.
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array>;
-    /// One decode step of every sequence in `slots` (see [`SlotKvCache`]): token ids `[rows, 1]`,
-    /// row `r` the token the sequence in slot `r` feeds (padding rows: any id) → logits
-    /// `[rows, 1, vocab]`; every occupied slot holds one more position afterwards. Row `r` equals
-    /// what [`Model::forward`] computes for that sequence alone, up to reduction order.
-    fn forward_slots(&self, ids: &Array, slots: &mut SlotKvCache) -> Result<Array>;
+    /// One step of every sequence in `slots` (see [`SlotKvCache`]): token ids `[rows, tokens]`,
+    /// row `r` the tokens the sequence in slot `r` feeds, its first `new_tokens[r]` real and the
+    /// rest padding (as are padding rows: any ids) → logits `[rows, tokens, vocab]`; slot `r`
+    /// holds `new_tokens[r]` more positions afterwards. A decode step feeds one token per row, a
+    /// prefill step a prompt chunk. The real positions of row `r` equal what [`Model::forward`]
+    /// computes for that sequence alone, up to reduction order.
+    fn forward_slots(
+        &self,
+        ids: &Array,
+        slots: &mut SlotKvCache,
+        new_tokens: &[usize],
+    ) -> Result<Array>;
     fn info(&self) -> &ModelInfo;
     /// An empty cache, one entry per layer, float or quantized.
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
