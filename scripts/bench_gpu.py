@@ -4,8 +4,10 @@ Runs where MLX has a GPU backend (the `mlx-cuda-13` wheel on an NVIDIA machine; 
 random-weight Llama with mlx_lm (default 1.07B: hidden 2048, 16 layers, 32/8 heads, 4-bit g64, bfloat16; the
 tokenizer from TOKENIZER_DIR, any Llama-style tokenizer.json), then for each concurrency N measures mlx_lm
 (`stream_generate` for N = 1, `batch_generate` with `completion_batch_size=N` and `prefill_batch_size=min(N, 8)`
-above) and `perch bench --concurrency N` (the single-stream bench for N = 1) on the same prompt length and
-generation length, and prints one JSON line per measurement and a table of the ratios.
+above, driven as batch_generate does with every token timestamped) and `perch bench --concurrency N` (the
+single-stream bench for N = 1) on the same prompt length and generation length, and prints one JSON line per
+measurement and tables of the ratios: wall-clock rates and TTFT with the same definitions for both engines, then
+each engine's own counters of time in forward passes.
 
     python scripts/bench_gpu.py PERCH_BINARY TOKENIZER_DIR [--concurrency 1 8 32 128] [--prompt-tokens 128]
         [--gen-tokens 256] [--model-dir /tmp/models/llama-1b] [--perch-only] [--extra-perch-args ...]
@@ -56,7 +58,7 @@ def make_model(path: Path, tokenizer_dir: Path, hidden: int, layers: int, heads:
 
 def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) -> dict:
     from mlx_lm import batch_generate, generate
-    from mlx_lm.generate import stream_generate
+    from mlx_lm.generate import BatchGenerator, stream_generate
     base = tokenizer.encode("The history of science is long and full of surprises. " * 64)
     if n == 1:
         prompt = base[:prompt_tokens]
@@ -70,10 +72,39 @@ def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) ->
     prompts = [base[i % 7: i % 7 + prompt_tokens] for i in range(n)]
     batch_generate(model, tokenizer, prompts[: min(n, 8)], max_tokens=8)
     mx.reset_peak_memory()
-    result = batch_generate(model, tokenizer, prompts, max_tokens=gen_tokens, completion_batch_size=n,
-                            prefill_batch_size=min(n, 8))
-    s = result.stats
-    return {"prompt_tps": s.prompt_tps, "generation_tps": s.generation_tps, "peak_bytes": int(s.peak_memory * 1e9)}
+    # batch_generate's loop, with every token timestamped as `perch bench` does (no stop tokens: Perch ignores EOS).
+    gen = BatchGenerator(model, stop_tokens=None, completion_batch_size=n, prefill_batch_size=min(n, 8))
+    start = time.perf_counter()
+    uids = gen.insert(prompts, [gen_tokens] * n)
+    times = {uid: [] for uid in uids}
+    with gen.stats() as stats:
+        while responses := gen.next_generated():
+            now = time.perf_counter()
+            for r in responses:
+                times[r.uid].append(now)
+    gen.close()
+    return {**wall_clock(start, list(times.values()), n * prompt_tokens),
+            "own_prompt_tps": stats.prompt_tps, "own_generation_tps": stats.generation_tps,
+            "peak_bytes": int(stats.peak_memory * 1e9)}
+
+
+def percentile(values: list, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else 0.0
+
+
+def wall_clock(start: float, timelines: list, prompt_tokens: int) -> dict:
+    """`perch bench --concurrency`'s definitions: prompt tok/s = all prompt tokens over the time until every
+    request had its first token; generation tok/s = tokens after each first one over the time from the first
+    first token to the last token; TTFT from submission."""
+    firsts = [t[0] for t in timelines if t]
+    last = max(t[-1] for t in timelines if t)
+    generated = sum(len(t) for t in timelines) - len(firsts)
+    itl = [b - a for t in timelines for a, b in zip(t, t[1:])]
+    ttft = [f - start for f in firsts]
+    return {"prompt_tps": prompt_tokens / (max(firsts) - start), "generation_tps": generated / (last - min(firsts)),
+            "ttft_ms_p50": percentile(ttft, 0.5) * 1e3, "ttft_ms_p95": percentile(ttft, 0.95) * 1e3,
+            "itl_ms_p50": percentile(itl, 0.5) * 1e3}
 
 
 def perch_run(binary: str, model_dir: Path, n: int, prompt_tokens: int, gen_tokens: int, extra: list) -> dict:
@@ -88,7 +119,8 @@ def perch_run(binary: str, model_dir: Path, n: int, prompt_tokens: int, gen_toke
     return {
         "prompt_tps": report["prompt_tps"], "generation_tps": report["generation_tps"],
         "peak_bytes": report["peak_memory_bytes"], "ttft_ms_p95": report.get("ttft_ms_p95", report.get("ttft_ms")),
-        "itl_ms_p50": report.get("itl_ms_p50"),
+        "itl_ms_p50": report.get("itl_ms_p50"), "own_prompt_tps": report.get("engine_prefill_tps"),
+        "decode_step_ms": report.get("engine_decode_step_ms"), "other_share": report.get("engine_other_share"),
     }
 
 
@@ -121,9 +153,10 @@ def main() -> None:
             theirs = mlx_lm_run(model, tokenizer, n, args.prompt_tokens, args.gen_tokens)
             print(json.dumps({"engine": "mlx_lm", "concurrency": n, **theirs}), flush=True)
         rows.append((n, ours, theirs))
+    print("\nWall clock, the same definitions for both (see wall_clock; single stream: each engine's own report):")
     print("\n| concurrency | perch gen tok/s | mlx_lm gen tok/s | ratio | perch prompt tok/s | mlx_lm prompt tok/s "
-          "| ratio | perch peak GB | mlx_lm peak GB |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| ratio | perch TTFT p95 ms | mlx_lm TTFT p95 ms | perch peak GB | mlx_lm peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v, spec: "—" if v is None else format(v, spec)
     for n, ours, theirs in rows:
         ratio = lambda key: (ours.get(key) / theirs[key]) if ours.get(key) and theirs.get(key) else None
@@ -131,7 +164,17 @@ def main() -> None:
         print(f"| {n} | {fmt(ours.get('generation_tps'), ',.0f')} | {fmt(theirs.get('generation_tps'), ',.0f')} "
               f"| {fmt(ratio('generation_tps'), '.2f')} | {fmt(ours.get('prompt_tps'), ',.0f')} "
               f"| {fmt(theirs.get('prompt_tps'), ',.0f')} | {fmt(ratio('prompt_tps'), '.2f')} "
+              f"| {fmt(ours.get('ttft_ms_p95'), ',.0f')} | {fmt(theirs.get('ttft_ms_p95'), ',.0f')} "
               f"| {fmt(gb(ours), '.2f')} | {fmt(gb(theirs), '.2f')} |")
+    print("\nEach engine's own counters (forward passes only; mlx_lm's BatchGenerator stats, Perch's step times):")
+    print("\n| concurrency | perch prefill tok/s | mlx_lm prompt_tps | mlx_lm generation_tps | perch decode step ms "
+          "| perch time outside forward passes |")
+    print("|---|---|---|---|---|---|")
+    for n, ours, theirs in rows:
+        if n > 1:
+            print(f"| {n} | {fmt(ours.get('own_prompt_tps'), ',.0f')} | {fmt(theirs.get('own_prompt_tps'), ',.0f')} "
+                  f"| {fmt(theirs.get('own_generation_tps'), ',.0f')} | {fmt(ours.get('decode_step_ms'), '.2f')} "
+                  f"| {fmt(ours.get('other_share'), '.0%')} |")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,14 @@ pub struct BenchArgs {
     /// With --kv-bits: elements per quantization group.
     #[arg(long, default_value_t = KvQuantization::DEFAULT_GROUP_SIZE)]
     pub kv_group_size: i32,
+    /// With --concurrency: sequences prefilled in one step (default: the engine's for this
+    /// backend).
+    #[arg(long)]
+    pub prefill_batch_size: Option<usize>,
+    /// With --concurrency: the most prompt tokens one step prefills while others decode
+    /// (default: the engine's for this backend).
+    #[arg(long)]
+    pub prefill_token_budget: Option<usize>,
 }
 
 #[derive(Serialize)]

@@ -33,6 +33,15 @@ struct BatchReport {
     peak_memory_bytes: usize,
     /// Share of the measured requests' prompt tokens served from the prefix cache.
     prefix_cache_hit_rate: f64,
+    /// Prompt tokens over the seconds spent in prefill forward passes only (mlx_lm's
+    /// `BatchGenerator` reports its `prompt_tps` this way).
+    engine_prefill_tps: f64,
+    /// Seconds per decode step spent in the forward pass and sampling, in milliseconds.
+    engine_decode_step_ms: f64,
+    /// Engine steps in the measured run, and the share of their time outside forward passes
+    /// and sampling (admission, slot moves, prefix-cache copies, detokenizing).
+    engine_steps: u64,
+    engine_other_share: f64,
 }
 
 struct Timeline {
@@ -52,6 +61,12 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     };
     if let Some(mib) = args.kv_cache_mib {
         config.kv_cache_bytes = mib << 20;
+    }
+    if let Some(n) = args.prefill_batch_size {
+        config.prefill_batch_size = n;
+    }
+    if let Some(n) = args.prefill_token_budget {
+        config.prefill_token_budget = n;
     }
     config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
         bits,
@@ -105,6 +120,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     let warm_up = [&prompts[0][..shared], &filler_tokens(&tokenizer, 2, 8)?[..]].concat();
     drain(&engine.submit(request(warm_up, 2))?.events)?;
 
+    let before = engine.stats()?.step_times;
     reset_peak_memory();
     let start = Instant::now();
     let streams = prompts
@@ -158,7 +174,12 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
             .collect::<anyhow::Result<Vec<_>>>()
     })?;
     let peak = memory_stats().peak_bytes;
+    let after = engine.stats()?.step_times;
     engine.shutdown();
+    let step_seconds = after.step_seconds - before.step_seconds;
+    let prefill_seconds = after.prefill_seconds - before.prefill_seconds;
+    let decode_seconds = after.decode_seconds - before.decode_seconds;
+    let decode_steps = after.decode_steps - before.decode_steps;
 
     let secs = |a: Instant, b: Instant| b.duration_since(a).as_secs_f64();
     let firsts: Vec<Instant> = timelines
@@ -210,6 +231,11 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                 .map(|t| t.prompt_tokens)
                 .sum::<usize>()
                 .max(1) as f64,
+        engine_prefill_tps: (after.prefill_tokens - before.prefill_tokens) as f64
+            / prefill_seconds.max(1e-9),
+        engine_decode_step_ms: decode_seconds * 1e3 / decode_steps.max(1) as f64,
+        engine_steps: after.steps - before.steps,
+        engine_other_share: 1.0 - (prefill_seconds + decode_seconds) / step_seconds.max(1e-9),
     };
     println!(
         "{concurrency} concurrent: prompt {:.1} tok/s | generation {:.1} tok/s | TTFT p50 {:.0} ms p95 {:.0} ms | ITL p50 {:.0} ms p95 {:.0} ms | peak {:.1} MB | prefix hit {:.0}%",
@@ -221,6 +247,13 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         report.itl_ms_p95,
         report.peak_memory_bytes as f64 / 1e6,
         report.prefix_cache_hit_rate * 100.0
+    );
+    println!(
+        "engine: {} steps, prefill {:.1} tok/s in its forward passes, decode step {:.2} ms, {:.0}% of step time outside forward passes",
+        report.engine_steps,
+        report.engine_prefill_tps,
+        report.engine_decode_step_ms,
+        report.engine_other_share * 100.0
     );
     if args.json {
         println!("{}", serde_json::to_string(&report)?);

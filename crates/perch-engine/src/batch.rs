@@ -183,6 +183,23 @@ pub struct KvCacheStats {
     pub preemptions: u64,
 }
 
+/// Where the batch's steps spent their time since start (cumulative), as mlx_lm's
+/// `BatchGenerator` counts its prompt and decode time: forward passes and the waits for their
+/// results, against the whole steps (admission, slot moves, prefix-cache copies, detokenizing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct StepTimes {
+    pub steps: u64,
+    /// Seconds inside [`BatchGenerator::step`].
+    pub step_seconds: f64,
+    /// Seconds in prefill forward passes until their KV was computed.
+    pub prefill_seconds: f64,
+    /// Prompt tokens those passes computed (padding excluded).
+    pub prefill_tokens: u64,
+    /// Seconds in decode forward passes and sampling until the tokens were on the host.
+    pub decode_seconds: f64,
+    pub decode_steps: u64,
+}
+
 /// What a step produced for one request.
 #[derive(Debug)]
 pub enum BatchEvent {
@@ -250,6 +267,7 @@ pub struct BatchGenerator<'m> {
     slots: Slots,
     next_id: RequestId,
     preemptions: u64,
+    times: StepTimes,
     /// Prompt tokens processed, over the last seconds.
     pub prompt_throughput: ThroughputWindow,
     /// Tokens generated, over the last seconds.
@@ -284,6 +302,7 @@ impl<'m> BatchGenerator<'m> {
             waiting: VecDeque::new(),
             next_id: 1,
             preemptions: 0,
+            times: StepTimes::default(),
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
@@ -521,9 +540,18 @@ impl<'m> BatchGenerator<'m> {
     /// One step: admission, prefill chunks, one batched decode step. Returns the tokens and
     /// finished requests it produced.
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
+        let start = Instant::now();
         self.admit()?;
         self.prefill()?;
-        self.decode()
+        let events = self.decode();
+        self.times.steps += 1;
+        self.times.step_seconds += start.elapsed().as_secs_f64();
+        events
+    }
+
+    /// Where the steps spent their time so far.
+    pub fn step_times(&self) -> StepTimes {
+        self.times
     }
 
     /// Admits waiting requests, oldest first, while the batch has room and the pool has blocks
@@ -592,11 +620,14 @@ impl<'m> BatchGenerator<'m> {
             let end = (seq.computed + step).min(seq.tokens.len() - 1);
             budget -= end - seq.computed;
             let chunk = &seq.tokens[seq.computed..end];
+            let start = Instant::now();
             self.model.forward(
                 &Array::from_slice(chunk, &[1, chunk.len() as i32]),
                 &mut seq.cache,
             )?;
             eval(seq.cache.iter().flat_map(KvCache::state))?;
+            self.times.prefill_seconds += start.elapsed().as_secs_f64();
+            self.times.prefill_tokens += chunk.len() as u64;
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
             publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
@@ -658,9 +689,12 @@ impl<'m> BatchGenerator<'m> {
                 .copy_from_slice(&seq.tokens[seq.computed..seq.computed + chunk]);
         }
         let ids = Array::from_slice(&ids, &[(ids.len() / width) as i32, width as i32]);
+        let start = Instant::now();
         self.model
             .forward_slots(&ids, &mut self.slots.prefill, &chunks)?;
         eval(self.slots.prefill.state())?;
+        self.times.prefill_seconds += start.elapsed().as_secs_f64();
+        self.times.prefill_tokens += chunks.iter().sum::<usize>() as u64;
         self.prompt_throughput.record(chunks.iter().sum());
         for (&i, &chunk) in members.iter().zip(&chunks) {
             let seq = &mut self.running[i];
@@ -704,6 +738,7 @@ impl<'m> BatchGenerator<'m> {
         if ready.is_empty() {
             return Ok(events);
         }
+        let start = Instant::now();
         // Logits `[rows, 1, vocab]` and the row of each ready sequence.
         let (logits, rows) = match self.config.attention {
             BatchAttention::PerSequence => {
@@ -791,6 +826,8 @@ impl<'m> BatchGenerator<'m> {
                 .chain(sampled.iter().flatten().flat_map(Sampled::arrays))
                 .chain(ready.iter().flat_map(|&i| self.running[i].history.state())),
         )?;
+        self.times.decode_seconds += start.elapsed().as_secs_f64();
+        self.times.decode_steps += 1;
         let greedy: Vec<u32> = greedy
             .map(|g| g.as_slice::<u32>().to_vec())
             .unwrap_or_default();

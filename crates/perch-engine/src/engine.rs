@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 
 use serde::Serialize;
 
-use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats};
+use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats, StepTimes};
 use crate::cache::KvQuantization;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, Backend, MemoryStats};
@@ -121,6 +121,8 @@ pub struct EngineStats {
     pub generation_tps: f64,
     /// The KV block pool and prefix cache.
     pub kv_cache: KvCacheStats,
+    /// Where the batch's steps spent their time since the model loaded.
+    pub step_times: StepTimes,
     pub memory: MemoryStats,
 }
 
@@ -395,6 +397,7 @@ impl Queue {
                     prompt_tps: batch.prompt_throughput.rate(),
                     generation_tps: batch.generation_throughput.rate(),
                     kv_cache: batch.kv_stats(),
+                    step_times: batch.step_times(),
                     memory: memory_stats(),
                 });
             }

@@ -116,7 +116,7 @@ impl SlotKvCache {
     /// Puts a sequence whose per-layer `cache` holds `len` positions into the next slot (copying
     /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
     pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
-        self.push_with(len, |layer| Ok(cache[layer].parts(0, len as i32)?))
+        self.push_with(len, |layer| cache[layer].parts(0, len as i32))
     }
 
     /// Moves the first `len` positions of `other`'s `slot` into the next slot of this cache (a
