@@ -152,6 +152,28 @@ pub fn filler_tokens(
 ) -> anyhow::Result<Vec<u32>> {
     let text = "The quick brown fox jumps over the lazy dog while the farmer counts sheep in the valley. \
                 Rivers carry silt to the delta, where herons wait and fishermen mend their nets at dawn. ";
+    cycled(tokenizer, text, skip, len)
+}
+
+/// Like [`filler_tokens`] from another text: warm-up prompts that share no prefix-cache block
+/// with the measured ones.
+pub fn warm_up_tokens(
+    tokenizer: &perch_engine::Tokenizer,
+    skip: usize,
+    len: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let text =
+        "Seven orange kites drifted above the harbour; a baker sold warm bread to the sailors, \
+                and the old lighthouse keeper wrote letters nobody would ever read. ";
+    cycled(tokenizer, text, skip, len)
+}
+
+fn cycled(
+    tokenizer: &perch_engine::Tokenizer,
+    text: &str,
+    skip: usize,
+    len: usize,
+) -> anyhow::Result<Vec<u32>> {
     let ids = tokenizer.encode(text, false)?;
     Ok(ids.iter().copied().cycle().skip(skip).take(len).collect())
 }

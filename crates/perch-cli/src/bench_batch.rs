@@ -12,7 +12,7 @@ use perch_engine::{
 };
 use serde::Serialize;
 
-use crate::bench::{filler_tokens, BenchArgs};
+use crate::bench::{filler_tokens, warm_up_tokens, BenchArgs};
 use crate::model_dir;
 
 #[derive(Serialize)]
@@ -115,10 +115,20 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         }
     };
 
-    // Warm-up through the same path; with a shared prefix, it also puts the prefix in the cache.
+    // Warm-up through the same path, as bench_gpu.py warms mlx_lm: min(N, 8) prompts of the
+    // measured length at once, 8 tokens each, so the measured run meets compiled shapes (MLX's
+    // CUDA backend spends ~80 ms on the first call of each shape). Their text shares no block
+    // with the measured prompts; with a shared prefix, they put it in the prefix cache first.
     let shared = args.shared_prefix_tokens.min(prompts[0].len());
-    let warm_up = [&prompts[0][..shared], &filler_tokens(&tokenizer, 2, 8)?[..]].concat();
-    drain(&engine.submit(request(warm_up, 2))?.events)?;
+    let warm_ups = (0..concurrency.min(8))
+        .map(|i| {
+            let tail = warm_up_tokens(&tokenizer, 3 * i, prompts[0].len() - shared)?;
+            engine.submit(request([&prompts[0][..shared], &tail[..]].concat(), 8))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for stream in &warm_ups {
+        drain(&stream.events)?;
+    }
 
     let before = engine.stats()?.step_times;
     reset_peak_memory();

@@ -26,7 +26,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use mlx_rs::transforms::eval;
+use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
 use serde::Serialize;
 
@@ -268,6 +268,8 @@ pub struct BatchGenerator<'m> {
     next_id: RequestId,
     preemptions: u64,
     times: StepTimes,
+    /// The decode step dispatched and not read yet (see [`BatchGenerator::decode`]).
+    in_flight: Option<InFlight>,
     /// Prompt tokens processed, over the last seconds.
     pub prompt_throughput: ThroughputWindow,
     /// Tokens generated, over the last seconds.
@@ -303,6 +305,7 @@ impl<'m> BatchGenerator<'m> {
             next_id: 1,
             preemptions: 0,
             times: StepTimes::default(),
+            in_flight: None,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
@@ -418,6 +421,7 @@ impl<'m> BatchGenerator<'m> {
         }
         self.slots.clear();
         self.waiting.clear();
+        self.in_flight = None;
         ids
     }
 
@@ -704,8 +708,13 @@ impl<'m> BatchGenerator<'m> {
         Ok(())
     }
 
-    /// One decode step of every sequence whose prompt is cached: each first gets a slot for the
-    /// token it feeds, preempting the newest sequences when the pool is short.
+    /// One decode step of every sequence whose prompt is cached, pipelined: the step is built
+    /// and dispatched (`async_eval`) before the previous step's tokens are read, so the host
+    /// builds step N+1 while the device runs step N (as [`crate::generate`] does for one
+    /// sequence). A sequence whose token from the previous step is not read yet feeds it from the
+    /// device. Each first gets a slot for the token it feeds, preempting the newest sequences
+    /// when the pool is short. Returns the previous step's tokens and finished requests: a
+    /// sequence that finished there also ran in this step, whose row is dropped unread.
     fn decode(&mut self) -> Result<Vec<BatchEvent>> {
         let mut events = Vec::new();
         let mut i = 0;
@@ -715,9 +724,17 @@ impl<'m> BatchGenerator<'m> {
                 continue;
             }
             // The fed token's slot; the sampled token gets its slot at the next step.
-            let (id, held) = (self.running[i].id, self.running[i].tokens.len() - 1);
+            let (id, held) = (self.running[i].id, self.running[i].computed);
             if allocate(&mut self.kv, &mut self.store, id, held, 1, None) {
                 i += 1;
+                continue;
+            }
+            if self.in_flight.is_some() {
+                // Its tokens may finish sequences (freeing blocks), and a preempted sequence
+                // must not lose its last token: read it, then allocate again from the start
+                // (allocation is idempotent).
+                self.read_in_flight(&mut events)?;
+                i = 0;
                 continue;
             }
             if self.running.len() == 1 {
@@ -736,119 +753,194 @@ impl<'m> BatchGenerator<'m> {
             .filter(|&i| self.running[i].prefill_done())
             .collect();
         if ready.is_empty() {
+            self.read_in_flight(&mut events)?;
             return Ok(events);
         }
         let start = Instant::now();
-        // Logits `[rows, 1, vocab]` and the row of each ready sequence.
-        let (logits, rows) = match self.config.attention {
+        if self.config.attention == BatchAttention::Batched {
+            self.enter_decode_slots(&ready)?;
+        }
+        // The row of each ready sequence in the logits, and the ids fed.
+        let rows: Vec<usize> = match self.config.attention {
+            BatchAttention::PerSequence => (0..ready.len()).collect(),
+            BatchAttention::Batched => ready
+                .iter()
+                .map(|&i| match self.running[i].slot {
+                    Some(Slot::Decode(row)) => row,
+                    _ => unreachable!("every ready sequence is in a decode slot"),
+                })
+                .collect(),
+        };
+        let num_rows = match self.config.attention {
+            BatchAttention::PerSequence => ready.len(),
+            BatchAttention::Batched => self.slots.decode.rows(),
+        };
+        let ids = self.decode_inputs(&ready, &rows, num_rows)?;
+        let logits = match self.config.attention {
             BatchAttention::PerSequence => {
-                let inputs: Vec<u32> = ready
-                    .iter()
-                    .map(|&i| *self.running[i].tokens.last().expect("non-empty"))
-                    .collect();
-                let batch = inputs.len() as i32;
                 let mut caches: Vec<&mut [KvCache]> = Vec::with_capacity(ready.len());
+                let mut next = ready.iter().peekable();
                 for (i, seq) in self.running.iter_mut().enumerate() {
-                    if ready.contains(&i) {
+                    if next.peek() == Some(&&i) {
+                        next.next();
                         caches.push(&mut seq.cache);
                     }
                 }
-                let logits = self
-                    .model
-                    .forward_batch(&Array::from_slice(&inputs, &[batch, 1]), &mut caches)?;
-                (logits, (0..ready.len()).collect::<Vec<usize>>())
+                self.model.forward_batch(&ids, &mut caches)?
             }
             BatchAttention::Batched => {
-                for &i in &ready {
-                    let slot = match self.running[i].slot {
-                        Some(Slot::Decode(_)) => continue,
-                        Some(Slot::Prefill(row)) => {
-                            let slot = self.slots.decode.push_from(&self.slots.prefill, row)?;
-                            self.free_slot(Slot::Prefill(row))?;
-                            slot
-                        }
-                        None => {
-                            let seq = &self.running[i];
-                            self.slots.decode.push(&seq.cache, seq.computed)?
-                        }
-                    };
-                    let seq = &mut self.running[i];
-                    seq.slot = Some(Slot::Decode(slot));
-                    seq.cache = Vec::new();
-                }
                 let decode = &mut self.slots.decode;
-                let mut inputs = vec![0u32; decode.rows()];
-                let rows: Vec<usize> = ready
-                    .iter()
-                    .map(|&i| match self.running[i].slot {
-                        Some(Slot::Decode(row)) => row,
-                        _ => unreachable!("every ready sequence is in a decode slot"),
-                    })
-                    .collect();
-                for (&i, &row) in ready.iter().zip(&rows) {
-                    inputs[row] = *self.running[i].tokens.last().expect("non-empty");
-                }
-                let ids = Array::from_slice(&inputs, &[inputs.len() as i32, 1]);
                 let one_each = vec![1; decode.len()];
-                (self.model.forward_slots(&ids, decode, &one_each)?, rows)
+                self.model.forward_slots(&ids, decode, &one_each)?
             }
         };
-        let (num_rows, vocab) = (logits.shape()[0], logits.shape()[2]);
-        let logits = logits.reshape(&[num_rows, vocab])?;
+        let vocab = logits.shape()[2];
+        let logits = logits.reshape(&[num_rows as i32, vocab])?;
         // Rows with a plain greedy sampler and no logprobs asked: one argmax for all of them.
-        let plain =
-            |seq: &Sequence| seq.sampler.is_plain_greedy() && seq.request.logprobs.is_none();
-        let greedy = if ready.iter().any(|&i| plain(&self.running[i])) {
+        let plain: Vec<bool> = ready
+            .iter()
+            .map(|&i| {
+                let seq = &self.running[i];
+                seq.sampler.is_plain_greedy() && seq.request.logprobs.is_none()
+            })
+            .collect();
+        let greedy = if plain.contains(&true) {
             let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
             Some(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
         } else {
             None
         };
-        let mut sampled = Vec::with_capacity(ready.len());
-        for (&i, &row) in ready.iter().zip(&rows) {
+        let mut entries = Vec::with_capacity(ready.len());
+        let mut first_steps = 0;
+        for ((&i, &row), &plain) in ready.iter().zip(&rows).zip(&plain) {
             let seq = &mut self.running[i];
-            if plain(seq) {
-                sampled.push(None);
-                continue;
-            }
-            let row = row as i32;
-            let row_logits = slice(&logits, &[row, 0], &[row + 1, vocab])?;
-            sampled.push(Some(sample_next(
-                &row_logits,
-                &mut seq.sampler,
-                &mut seq.history,
-                seq.request.logprobs,
-            )?));
+            let sampled = if plain {
+                None
+            } else {
+                let r = row as i32;
+                let row_logits = slice(&logits, &[r, 0], &[r + 1, vocab])?;
+                Some(sample_next(
+                    &row_logits,
+                    &mut seq.sampler,
+                    &mut seq.history,
+                    seq.request.logprobs,
+                )?)
+            };
+            // A sequence's first decode step also processes its last prompt token.
+            first_steps +=
+                usize::from(seq.computed + 1 == seq.tokens.len() && seq.first_token_at.is_none());
+            seq.computed += 1;
+            entries.push(StepEntry {
+                id: seq.id,
+                row,
+                sampled,
+            });
         }
-        eval(
-            greedy
-                .iter()
-                .chain(sampled.iter().flatten().flat_map(Sampled::arrays))
+        let step = InFlight { entries, greedy };
+        async_eval(
+            step.arrays()
                 .chain(ready.iter().flat_map(|&i| self.running[i].history.state())),
         )?;
         self.times.decode_seconds += start.elapsed().as_secs_f64();
         self.times.decode_steps += 1;
-        let greedy: Vec<u32> = greedy
+        self.prompt_throughput.record(first_steps);
+        self.read_in_flight(&mut events)?;
+        // Unless every sequence it stepped has just finished.
+        if step
+            .entries
+            .iter()
+            .any(|e| self.running.iter().any(|s| s.id == e.id))
+        {
+            self.in_flight = Some(step);
+        }
+        Ok(events)
+    }
+
+    /// Moves every ready sequence not decoding in a slot yet into the decode slot cache: from its
+    /// prefill slot, or from its own cache (a one-token prompt, or one that found no prefill
+    /// slot free).
+    fn enter_decode_slots(&mut self, ready: &[usize]) -> Result<()> {
+        for &i in ready {
+            let slot = match self.running[i].slot {
+                Some(Slot::Decode(_)) => continue,
+                Some(Slot::Prefill(row)) => {
+                    let slot = self.slots.decode.push_from(&self.slots.prefill, row)?;
+                    self.free_slot(Slot::Prefill(row))?;
+                    slot
+                }
+                None => {
+                    let seq = &self.running[i];
+                    self.slots.decode.push(&seq.cache, seq.computed)?
+                }
+            };
+            let seq = &mut self.running[i];
+            seq.slot = Some(Slot::Decode(slot));
+            seq.cache = Vec::new();
+        }
+        Ok(())
+    }
+
+    /// Token ids `[num_rows, 1]` for a decode step: row `rows[k]` feeds ready sequence
+    /// `ready[k]`'s next token, its last known one or, when the step in flight sampled one not
+    /// read yet, that one (gathered on the device); other rows feed 0 (padding).
+    fn decode_inputs(&self, ready: &[usize], rows: &[usize], num_rows: usize) -> Result<Array> {
+        let mut host = vec![0u32; num_rows];
+        for (&i, &row) in ready.iter().zip(rows) {
+            host[row] = *self.running[i].tokens.last().expect("non-empty");
+        }
+        let host = Array::from_slice(&host, &[num_rows as i32]);
+        let Some(step) = &self.in_flight else {
+            return Ok(host.reshape(&[num_rows as i32, 1])?);
+        };
+        let pending: std::collections::HashMap<RequestId, usize> = step
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| (e.id, k))
+            .collect();
+        let mut from_device = vec![false; num_rows];
+        let mut source = vec![0u32; num_rows];
+        for (&i, &row) in ready.iter().zip(rows) {
+            if let Some(&k) = pending.get(&self.running[i].id) {
+                from_device[row] = true;
+                source[row] = k as u32;
+            }
+        }
+        if !from_device.contains(&true) {
+            return Ok(host.reshape(&[num_rows as i32, 1])?);
+        }
+        let previous = step.tokens()?;
+        let gathered = previous.take_axis(&Array::from_slice(&source, &[num_rows as i32]), 0)?;
+        let mask = Array::from_slice(&from_device, &[num_rows as i32]);
+        Ok(ops::select(&mask, &gathered, &host)?.reshape(&[num_rows as i32, 1])?)
+    }
+
+    /// Reads the step in flight, if any: its tokens go to their sequences' streams (events), and
+    /// the sequences they finish leave the batch. Rows of sequences no longer running (finished
+    /// or cancelled since the step was dispatched) are dropped.
+    fn read_in_flight(&mut self, events: &mut Vec<BatchEvent>) -> Result<()> {
+        let Some(step) = self.in_flight.take() else {
+            return Ok(());
+        };
+        eval(step.arrays())?;
+        let greedy: Vec<u32> = step
+            .greedy
+            .as_ref()
             .map(|g| g.as_slice::<u32>().to_vec())
             .unwrap_or_default();
-
-        // A sequence's first decode step also processes its last prompt token.
-        let first_steps = ready
-            .iter()
-            .filter(|&&i| self.running[i].first_token_at.is_none())
-            .count();
-        self.prompt_throughput.record(first_steps);
-        self.generation_throughput.record(ready.len());
         let mut done = Vec::new();
-        for ((&i, token), &row) in ready.iter().zip(&sampled).zip(&rows) {
-            let seq = &mut self.running[i];
-            let (token, logprobs) = match token {
-                Some(token) => token.read(),
-                None => (greedy[row], None),
+        let mut generated = 0;
+        for entry in &step.entries {
+            let Some(seq) = self.running.iter_mut().find(|s| s.id == entry.id) else {
+                continue;
+            };
+            generated += 1;
+            let (token, logprobs) = match &entry.sampled {
+                Some(sampled) => sampled.read(),
+                None => (greedy[entry.row], None),
             };
             seq.first_token_at
                 .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
-            seq.computed += 1;
             seq.tokens.push(token);
             match seq.sink.push(self.tokenizer, token, logprobs)? {
                 Pushed::Token(event) => events.push(BatchEvent::Token {
@@ -864,6 +956,7 @@ impl<'m> BatchGenerator<'m> {
                 }
             }
         }
+        self.generation_throughput.record(generated);
         for id in done {
             let pos = self
                 .running
@@ -871,9 +964,9 @@ impl<'m> BatchGenerator<'m> {
                 .position(|s| s.id == id)
                 .expect("finished sequence is running");
             let seq = self.running.remove(pos);
-            self.finish(seq, &mut events)?;
+            self.finish(seq, events)?;
         }
-        Ok(events)
+        Ok(())
     }
 
     /// Takes a sequence that is done out of the batch: frees its blocks, flushes held-back text
@@ -1037,4 +1130,56 @@ impl Slots {
 /// few distinct graphs.
 fn prefill_chunk_bucket(n: usize) -> usize {
     crate::slot_cache::quarter_step_bucket(n, 16)
+}
+
+/// A decode step dispatched and not read yet.
+struct InFlight {
+    /// One per stepped sequence, in the order they were stepped.
+    entries: Vec<StepEntry>,
+    /// The argmax of every row `[rows]` (uint32), when some row is plain greedy.
+    greedy: Option<Array>,
+}
+
+struct StepEntry {
+    id: RequestId,
+    /// Its row of the step's logits.
+    row: usize,
+    /// Its token when sampled on its own; `None`: `greedy[row]`.
+    sampled: Option<Sampled>,
+}
+
+impl InFlight {
+    /// The arrays to evaluate.
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.greedy.iter().chain(
+            self.entries
+                .iter()
+                .flat_map(|e| e.sampled.iter().flat_map(Sampled::arrays)),
+        )
+    }
+
+    /// Every entry's token, `[entries]` uint32, lazy.
+    fn tokens(&self) -> Result<Array> {
+        let rows: Vec<u32> = self.entries.iter().map(|e| e.row as u32).collect();
+        let from_greedy = match &self.greedy {
+            Some(greedy) => {
+                Some(greedy.take_axis(&Array::from_slice(&rows, &[rows.len() as i32]), 0)?)
+            }
+            None => None,
+        };
+        if self.entries.iter().all(|e| e.sampled.is_none()) {
+            return Ok(from_greedy.expect("plain greedy rows have the argmax"));
+        }
+        let pieces: Vec<Array> = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| match (&e.sampled, &from_greedy) {
+                (Some(sampled), _) => Ok(sampled.token.reshape(&[1])?),
+                (None, Some(g)) => Ok(slice(g, &[k as i32], &[k as i32 + 1])?),
+                (None, None) => unreachable!("plain greedy rows have the argmax"),
+            })
+            .collect::<Result<_>>()?;
+        Ok(ops::concatenate(&pieces, 0)?)
+    }
 }

@@ -327,19 +327,23 @@ fn a_long_prompt_is_prefilled_in_budget_slices_while_others_decode() {
     let mut short = request(cases[0].prompt_ids.clone(), 24);
     short.ignore_eos = true;
     let first = batch.insert(short).unwrap();
-    // The short request decodes from its first step on.
+    // The short request decodes from its first step on; decode steps are pipelined, so a step's
+    // tokens are read (and streamed) during the next step.
     let produced = |events: &[BatchEvent], id| {
         events
             .iter()
             .any(|e| matches!(e, BatchEvent::Token { request, .. } if *request == id))
     };
-    assert!(produced(&batch.step().unwrap(), first));
+    assert!(
+        !produced(&batch.step().unwrap(), first),
+        "read one step later"
+    );
 
     // 200 prompt tokens sharing no prefix with the first: 199 to prefill before the last one is
-    // decoded, in slices of 64.
+    // decoded, in slices of 64 (steps 1 to 4); its first decode step, in step 4, is read in 5.
     let long_prompt: Vec<u32> = (1000..1200).collect();
     let second = batch.insert(request(long_prompt, 4)).unwrap();
-    for step in 1..=4 {
+    for step in 1..=5 {
         let events = batch.step().unwrap();
         assert!(
             produced(&events, first),
@@ -347,7 +351,7 @@ fn a_long_prompt_is_prefilled_in_budget_slices_while_others_decode() {
         );
         assert_eq!(
             produced(&events, second),
-            step == 4,
+            step == 5,
             "first token of the long prompt at step {step}"
         );
     }
