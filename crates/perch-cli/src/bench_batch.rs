@@ -123,7 +123,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     let warm_ups = (0..concurrency.min(8))
         .map(|i| {
             let tail = warm_up_tokens(&tokenizer, 3 * i, prompts[0].len() - shared)?;
-            engine.submit(request([&prompts[0][..shared], &tail[..]].concat(), 8))
+            Ok(engine.submit(request([&prompts[0][..shared], &tail[..]].concat(), 8))?)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     for stream in &warm_ups {
