@@ -7,7 +7,9 @@ tokenizer from TOKENIZER_DIR, any Llama-style tokenizer.json), then for each con
 above, driven as batch_generate does with every token timestamped) and `perch bench --concurrency N` (the
 single-stream bench for N = 1) on the same prompt length and generation length, and prints one JSON line per
 measurement and tables of the ratios: wall-clock rates and TTFT with the same definitions for both engines, then
-each engine's own counters of time in forward passes.
+each engine's own counters of time in forward passes, and the floor: MLX's bare batched decode step on the
+same model with its weights dequantized to dense bfloat16 (Perch's weights path on CUDA), mlx_lm's KV cache,
+greedy argmax, pipelined with async_eval, no scheduler (`--no-floor` skips it).
 
     python scripts/bench_gpu.py PERCH_BINARY TOKENIZER_DIR [--concurrency 1 8 32 128] [--prompt-tokens 128]
         [--gen-tokens 256] [--model-dir /tmp/models/llama-1b] [--perch-only] [--extra-perch-args ...]
@@ -88,6 +90,32 @@ def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) ->
             "peak_bytes": int(stats.peak_memory * 1e9)}
 
 
+def floor_run(model, n: int, prompt_tokens: int, gen_tokens: int) -> dict:
+    """Milliseconds per decode step of `model` over `n` rows at the context a benchmark run passes through
+    (`prompt_tokens`, then `gen_tokens` steps): one forward over `[n, 1]` with mlx_lm's KV cache and an argmax,
+    each step dispatched (async_eval) before the previous one's tokens are read, as mlx_lm's generate_step does.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+    prompts = mx.array([[(7 * i + j) % 1000 + 10 for j in range(prompt_tokens)] for i in range(n)])
+    cache = make_prompt_cache(model)
+    step = lambda y: mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+    y = mx.argmax(model(prompts, cache=cache)[:, -1], axis=-1)
+    for _ in range(4):
+        y = step(y)
+        mx.eval(y)
+    y = step(y)
+    mx.async_eval(y)
+    start = time.perf_counter()
+    steps = max(gen_tokens - 6, 1)
+    for _ in range(steps):
+        following = step(y)
+        mx.async_eval(following)
+        y.tolist()
+        y = following
+    mx.eval(y)
+    return {"floor_step_ms": (time.perf_counter() - start) * 1e3 / steps}
+
+
 def percentile(values: list, q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else 0.0
@@ -121,7 +149,13 @@ def perch_run(binary: str, model_dir: Path, n: int, prompt_tokens: int, gen_toke
         "peak_bytes": report["peak_memory_bytes"], "ttft_ms_p95": report.get("ttft_ms_p95", report.get("ttft_ms")),
         "itl_ms_p50": report.get("itl_ms_p50"), "own_prompt_tps": report.get("engine_prefill_tps"),
         "decode_step_ms": report.get("engine_decode_step_ms"), "other_share": report.get("engine_other_share"),
+        "decode_wait_ms": report.get("engine_decode_wait_ms"), "token_ms": report.get("engine_token_ms"),
+        "decode_build_ms": report.get("engine_decode_build_ms"),
     }
+
+
+def ratio_of(a, b):
+    return a / b if a and b else None
 
 
 def main() -> None:
@@ -135,6 +169,7 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=5, default=[2048, 16, 32, 8, 8192],
                         metavar=("HIDDEN", "LAYERS", "HEADS", "KV_HEADS", "INTERMEDIATE"))
     parser.add_argument("--perch-only", action="store_true")
+    parser.add_argument("--no-floor", action="store_true")
     parser.add_argument("--extra-perch-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     import mlx_lm
@@ -153,6 +188,18 @@ def main() -> None:
             theirs = mlx_lm_run(model, tokenizer, n, args.prompt_tokens, args.gen_tokens)
             print(json.dumps({"engine": "mlx_lm", "concurrency": n, **theirs}), flush=True)
         rows.append((n, ours, theirs))
+    if not args.perch_only and not args.no_floor:
+        # Last, so that the dense copy's memory is in no engine's peak.
+        from mlx_lm.utils import dequantize_model
+        del model
+        mx.clear_cache()
+        dense = dequantize_model(mlx_lm.load(str(model_dir))[0])
+        mx.eval(dense.parameters())
+        for n, _, theirs in rows:
+            if n > 1:
+                theirs.update(floor_run(dense, n, args.prompt_tokens, args.gen_tokens))
+                print(json.dumps({"engine": "mlx floor (dense bf16)", "concurrency": n,
+                                  "floor_step_ms": theirs["floor_step_ms"]}), flush=True)
     print("\nWall clock, the same definitions for both (see wall_clock; single stream: each engine's own report):")
     print("\n| concurrency | perch gen tok/s | mlx_lm gen tok/s | ratio | perch prompt tok/s | mlx_lm prompt tok/s "
           "| ratio | perch TTFT p95 ms | mlx_lm TTFT p95 ms | perch peak GB | mlx_lm peak GB |")
@@ -168,12 +215,17 @@ def main() -> None:
               f"| {fmt(gb(ours), '.2f')} | {fmt(gb(theirs), '.2f')} |")
     print("\nEach engine's own counters (forward passes only; mlx_lm's BatchGenerator stats, Perch's step times):")
     print("\n| concurrency | perch prefill tok/s | mlx_lm prompt_tps | mlx_lm generation_tps | perch decode step ms "
+          "| of which building the graph | of which waiting for the device | tokens to requests ms | perch ITL p50 ms | floor step ms | perch ITL / floor "
           "| perch time outside forward passes |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n, ours, theirs in rows:
         if n > 1:
             print(f"| {n} | {fmt(ours.get('own_prompt_tps'), ',.0f')} | {fmt(theirs.get('own_prompt_tps'), ',.0f')} "
                   f"| {fmt(theirs.get('own_generation_tps'), ',.0f')} | {fmt(ours.get('decode_step_ms'), '.2f')} "
+                  f"| {fmt(ours.get('decode_build_ms'), '.2f')} | {fmt(ours.get('decode_wait_ms'), '.2f')} "
+                  f"| {fmt(ours.get('token_ms'), '.2f')} "
+                  f"| {fmt(ours.get('itl_ms_p50'), '.2f')} | {fmt(theirs.get('floor_step_ms'), '.2f')} "
+                  f"| {fmt(ratio_of(ours.get('itl_ms_p50'), theirs.get('floor_step_ms')), '.2f')} "
                   f"| {fmt(ours.get('other_share'), '.0%')} |")
 
 

@@ -354,6 +354,62 @@ fn batch_bench_reports_every_field() {
     );
 }
 
+/// `--output-ids` writes what each path generated (scripts/parity_gpu.py compares them on a GPU):
+/// on CPU the batch engine's greedy ids equal the single-stream ones.
+#[test]
+fn bench_output_ids_match_between_single_stream_and_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_owned();
+    let prompts: Vec<Vec<u32>> = vec![(100..120).collect(), (300..307).collect()];
+    std::fs::write(
+        path("one.json"),
+        serde_json::to_string(&prompts[0]).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(path("all.json"), serde_json::to_string(&prompts).unwrap()).unwrap();
+    let run = |args: &[&str]| {
+        let out = perch(args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let model = test_model();
+    let common = ["bench", "--model", &model, "--gen-tokens", "5"];
+    let (one, single, all, batch) = (
+        path("one.json"),
+        path("single.json"),
+        path("all.json"),
+        path("batch.json"),
+    );
+    run(&[
+        &common[..],
+        &["--prompt-ids", &one, "--runs", "1", "--output-ids", &single],
+    ]
+    .concat());
+    run(&[
+        &common[..],
+        &[
+            "--concurrency",
+            "2",
+            "--prompt-ids",
+            &all,
+            "--output-ids",
+            &batch,
+        ],
+    ]
+    .concat());
+    let read = |p: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    let (single, batch) = (read(&single), read(&batch));
+    assert_eq!(single.as_array().map(Vec::len), Some(5), "{single}");
+    assert_eq!(batch.as_array().map(Vec::len), Some(2), "{batch}");
+    assert_eq!(batch[1].as_array().map(Vec::len), Some(5), "{batch}");
+    assert_eq!(batch[0], single);
+}
+
 #[test]
 fn search_pull_then_generate_by_repository_id() {
     use perch_hub::fake_hub::{FakeHub, FakeRepo};

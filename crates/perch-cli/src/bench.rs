@@ -33,6 +33,11 @@ pub struct BenchArgs {
     /// with --concurrency, an array of N such arrays, one per request.
     #[arg(long)]
     pub prompt_ids: Option<PathBuf>,
+    /// Write the generated token ids to this JSON file: an array of ids (the last measured run),
+    /// with --concurrency one array per request in prompt order. To compare paths or engines
+    /// token by token (greedy by default; EOS is ignored).
+    #[arg(long)]
+    pub output_ids: Option<PathBuf>,
     /// Print a JSON object as the last line.
     #[arg(long)]
     pub json: bool,
@@ -100,6 +105,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         let out = generate(model.as_ref(), &tokenizer, &request, |_| {
             ControlFlow::Continue(())
         })?;
+        if let Some(path) = &args.output_ids {
+            write_ids(path, &out.token_ids)?;
+        }
         if i > 0 {
             eprintln!(
                 "run {i}: prompt {:.1} tok/s, generation {:.1} tok/s, TTFT {:.0} ms, peak {:.1} MB",
@@ -141,6 +149,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string(&report)?);
     }
     Ok(())
+}
+
+/// Writes `ids` (any serializable shape of token ids) to `path` as JSON.
+pub fn write_ids(path: &std::path::Path, ids: &impl Serialize) -> anyhow::Result<()> {
+    std::fs::write(path, serde_json::to_string(ids)?)
+        .with_context(|| format!("writing {}", path.display()))
 }
 
 /// `len` tokens of English filler text, starting `skip` tokens into the cycle (so prompts with

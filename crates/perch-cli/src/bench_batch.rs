@@ -12,7 +12,7 @@ use perch_engine::{
 };
 use serde::Serialize;
 
-use crate::bench::{filler_tokens, warm_up_tokens, BenchArgs};
+use crate::bench::{filler_tokens, warm_up_tokens, write_ids, BenchArgs};
 use crate::model_dir;
 
 #[derive(Serialize)]
@@ -36,8 +36,15 @@ struct BatchReport {
     /// Prompt tokens over the seconds spent in prefill forward passes only (mlx_lm's
     /// `BatchGenerator` reports its `prompt_tps` this way).
     engine_prefill_tps: f64,
-    /// Seconds per decode step spent in the forward pass and sampling, in milliseconds.
+    /// Milliseconds per decode step building and dispatching its forward pass and sampling,
+    /// plus waiting for its tokens.
     engine_decode_step_ms: f64,
+    /// The wait alone, per step: ~0 when the host bounds the step, most of it when the device does.
+    engine_decode_wait_ms: f64,
+    /// Milliseconds per decode step handing its tokens to their requests (detokenizing, stops).
+    engine_token_ms: f64,
+    /// Milliseconds per decode step building its graph (before MLX encodes and launches it).
+    engine_decode_build_ms: f64,
     /// Engine steps in the measured run, and the share of their time outside forward passes
     /// and sampling (admission, slot moves, prefix-cache copies, detokenizing).
     engine_steps: u64,
@@ -47,6 +54,7 @@ struct BatchReport {
 struct Timeline {
     submitted: Instant,
     tokens: Vec<Instant>,
+    ids: Vec<u32>,
     prompt_tokens: usize,
     cached_prompt_tokens: usize,
 }
@@ -146,13 +154,15 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                     let mut timeline = Timeline {
                         submitted: start,
                         tokens: Vec::new(),
+                        ids: Vec::new(),
                         prompt_tokens: 0,
                         cached_prompt_tokens: 0,
                     };
                     loop {
                         match stream.events.recv_timeout(Duration::from_secs(3600)) {
-                            Ok(EngineEvent::Token { id: Some(_), .. }) => {
-                                timeline.tokens.push(Instant::now())
+                            Ok(EngineEvent::Token { id: Some(id), .. }) => {
+                                timeline.tokens.push(Instant::now());
+                                timeline.ids.push(id);
                             }
                             Ok(EngineEvent::Token { id: None, .. }) => {}
                             Ok(EngineEvent::Finished {
@@ -186,6 +196,10 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     let peak = memory_stats().peak_bytes;
     let after = engine.stats()?.step_times;
     engine.shutdown();
+    if let Some(path) = &args.output_ids {
+        let ids: Vec<&[u32]> = timelines.iter().map(|t| &t.ids[..]).collect();
+        write_ids(path, &ids)?;
+    }
     let step_seconds = after.step_seconds - before.step_seconds;
     let prefill_seconds = after.prefill_seconds - before.prefill_seconds;
     let decode_seconds = after.decode_seconds - before.decode_seconds;
@@ -244,6 +258,12 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         engine_prefill_tps: (after.prefill_tokens - before.prefill_tokens) as f64
             / prefill_seconds.max(1e-9),
         engine_decode_step_ms: decode_seconds * 1e3 / decode_steps.max(1) as f64,
+        engine_decode_wait_ms: (after.decode_wait_seconds - before.decode_wait_seconds) * 1e3
+            / decode_steps.max(1) as f64,
+        engine_token_ms: (after.token_seconds - before.token_seconds) * 1e3
+            / decode_steps.max(1) as f64,
+        engine_decode_build_ms: (after.decode_build_seconds - before.decode_build_seconds) * 1e3
+            / decode_steps.max(1) as f64,
         engine_steps: after.steps - before.steps,
         engine_other_share: 1.0 - (prefill_seconds + decode_seconds) / step_seconds.max(1e-9),
     };
@@ -259,10 +279,13 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         report.prefix_cache_hit_rate * 100.0
     );
     println!(
-        "engine: {} steps, prefill {:.1} tok/s in its forward passes, decode step {:.2} ms, {:.0}% of step time outside forward passes",
+        "engine: {} steps, prefill {:.1} tok/s in its forward passes, decode step {:.2} ms (building {:.2} ms, waiting {:.2} ms), tokens to requests {:.2} ms a step, {:.0}% of step time outside forward passes",
         report.engine_steps,
         report.engine_prefill_tps,
         report.engine_decode_step_ms,
+        report.engine_decode_build_ms,
+        report.engine_decode_wait_ms,
+        report.engine_token_ms,
         report.engine_other_share * 100.0
     );
     if args.json {

@@ -7,6 +7,8 @@
 //! sequence whose prompt is in its cache. A sequence that needs a block when none is free
 //! preempts the newest running request, which goes back to the front of the queue and is
 //! recomputed later (mostly from the prefix cache, since its full blocks are published first).
+//! Those decisions are plain functions in [`crate::scheduler`]; this module applies them to the
+//! sequences, the pool and the model.
 //!
 //! Each sequence computes in its own contiguous KV cache, so a row of the batch computes exactly
 //! what the sequence computes alone (projections are batched, attention is per sequence; see
@@ -44,6 +46,7 @@ use crate::mlx_ext::slice;
 use crate::models::Model;
 use crate::prompt_cache::PromptCache;
 use crate::sampler::Sampler;
+use crate::scheduler::{self, Progress, WhenShort};
 use crate::slot_cache::SlotKvCache;
 use crate::throughput::ThroughputWindow;
 use crate::tokenizer::Tokenizer;
@@ -195,9 +198,18 @@ pub struct StepTimes {
     pub prefill_seconds: f64,
     /// Prompt tokens those passes computed (padding excluded).
     pub prefill_tokens: u64,
-    /// Seconds in decode forward passes and sampling until the tokens were on the host.
+    /// Seconds building and dispatching decode steps (forward pass and sampling) plus the waits
+    /// for their tokens to reach the host.
     pub decode_seconds: f64,
+    /// The waits alone: near zero when the host is the bottleneck (the device finished each
+    /// step before the host asked), most of `decode_seconds` when the device is.
+    pub decode_wait_seconds: f64,
+    /// Building the steps' graphs (until `async_eval` is called); the rest of `decode_seconds`
+    /// less the waits is MLX encoding and launching them.
+    pub decode_build_seconds: f64,
     pub decode_steps: u64,
+    /// Seconds handing decoded tokens to their requests (detokenizing, stop rules, finishing).
+    pub token_seconds: f64,
 }
 
 /// What a step produced for one request.
@@ -248,8 +260,17 @@ impl Sequence {
         self.sink.output.stats.set_timings(generated, ttft, total);
     }
 
+    /// Its progress, as the [`scheduler`] sees it.
+    fn progress(&self) -> Progress {
+        Progress {
+            num_tokens: self.tokens.len(),
+            num_computed: self.computed,
+            prefill_step_size: self.request.prefill_step_size,
+        }
+    }
+
     fn prefill_done(&self) -> bool {
-        self.computed + 1 >= self.tokens.len()
+        self.progress().prefill_done()
     }
 }
 
@@ -561,26 +582,29 @@ impl<'m> BatchGenerator<'m> {
     /// Admits waiting requests, oldest first, while the batch has room and the pool has blocks
     /// for their tokens; a hit on the prefix cache is copied into the new sequence's cache.
     fn admit(&mut self) -> Result<()> {
-        while self.running.len() < self.config.max_running {
-            let Some(seq) = self.waiting.front() else {
-                break;
-            };
-            let hit = match seq.preloaded {
-                Some(_) => ComputedBlocks::default(),
-                None => self.kv.get_computed_blocks(&seq.tokens),
-            };
-            let new_tokens = seq.tokens.len() - hit.num_tokens;
-            if !allocate(
-                &mut self.kv,
-                &mut self.store,
-                seq.id,
-                hit.num_tokens,
-                new_tokens,
-                Some(&hit),
-            ) {
-                break;
-            }
-            let mut seq = self.waiting.pop_front().expect("front exists");
+        let mut hits = Vec::new();
+        let (kv, store, waiting) = (&mut self.kv, &mut self.store, &self.waiting);
+        let admitted = scheduler::admit(
+            waiting.len(),
+            self.running.len(),
+            self.config.max_running,
+            |k| {
+                let seq = &waiting[k];
+                let hit = match seq.preloaded {
+                    Some(_) => ComputedBlocks::default(),
+                    None => kv.get_computed_blocks(&seq.tokens),
+                };
+                let new_tokens = seq.tokens.len() - hit.num_tokens;
+                let fits = allocate(kv, store, seq.id, hit.num_tokens, new_tokens, Some(&hit));
+                if fits {
+                    hits.push(hit);
+                }
+                fits
+            },
+        );
+        debug_assert_eq!(admitted, hits.len());
+        for hit in hits {
+            let mut seq = self.waiting.pop_front().expect("admitted from the front");
             if !seq.admitted_once {
                 self.kv
                     .record_prefix_lookup(seq.tokens.len(), hit.num_tokens);
@@ -604,25 +628,24 @@ impl<'m> BatchGenerator<'m> {
         Ok(())
     }
 
+    /// Every running sequence's progress, in order.
+    fn progress(&self) -> Vec<Progress> {
+        self.running.iter().map(Sequence::progress).collect()
+    }
+
     /// One prefill chunk for each of the first `prefill_batch_size` sequences still prefilling,
     /// within `prefill_token_budget` tokens in all while some sequence is decoding.
     fn prefill(&mut self) -> Result<()> {
         if self.config.attention == BatchAttention::Batched {
             return self.prefill_slots();
         }
-        let prefilling: Vec<usize> = (0..self.running.len())
-            .filter(|&i| !self.running[i].prefill_done())
-            .take(self.config.prefill_batch_size)
-            .collect();
-        let mut budget = self.prefill_budget();
-        for i in prefilling {
-            if budget == 0 {
-                break;
-            }
+        let progress = self.progress();
+        let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
+        let plan =
+            scheduler::plan_prefill_chunks(&progress, self.config.prefill_batch_size, budget);
+        for (i, len) in plan {
             let seq = &mut self.running[i];
-            let step = seq.request.prefill_step_size.max(1).min(budget);
-            let end = (seq.computed + step).min(seq.tokens.len() - 1);
-            budget -= end - seq.computed;
+            let end = seq.computed + len;
             let chunk = &seq.tokens[seq.computed..end];
             let start = Instant::now();
             self.model.forward(
@@ -639,31 +662,24 @@ impl<'m> BatchGenerator<'m> {
         Ok(())
     }
 
-    /// Prompt tokens this step may prefill: `prefill_token_budget` while some sequence is
-    /// decoding (it bounds their wait), unbounded otherwise.
-    fn prefill_budget(&self) -> usize {
-        if self.running.iter().any(Sequence::prefill_done) {
-            self.config.prefill_token_budget
-        } else {
-            usize::MAX
-        }
-    }
-
     /// [`BatchGenerator::prefill`] over the prefill slot cache: sequences still prefilling take
     /// a prefill slot (up to `prefill_batch_size` of them, oldest first) and keep it until their
     /// prompt is cached; every slot's next chunk runs in one forward pass, padded to a bucketed
-    /// length ([`prefill_chunk_bucket`]). Each row's chunk is at most its request's
-    /// `prefill_step_size` and the budget's share per row.
+    /// length ([`scheduler::prefill_chunk_bucket`]). Each row's chunk is at most its request's
+    /// `prefill_step_size` and the budget's share per row ([`scheduler::plan_slot_chunks`]).
     fn prefill_slots(&mut self) -> Result<()> {
-        for seq in &mut self.running {
-            if self.slots.prefill.len() >= self.config.prefill_batch_size {
-                break;
-            }
-            if seq.slot.is_none() && !seq.prefill_done() {
-                let row = self.slots.prefill.push(&seq.cache, seq.computed)?;
-                seq.slot = Some(Slot::Prefill(row));
-                seq.cache = Vec::new();
-            }
+        let progress = self.progress();
+        let entering = scheduler::take_prefill_slots(
+            &progress,
+            |i| self.running[i].slot.is_some(),
+            self.slots.prefill.len(),
+            self.config.prefill_batch_size,
+        );
+        for i in entering {
+            let seq = &mut self.running[i];
+            let row = self.slots.prefill.push(&seq.cache, seq.computed)?;
+            seq.slot = Some(Slot::Prefill(row));
+            seq.cache = Vec::new();
         }
         let rows = self.slots.prefill.len();
         if rows == 0 {
@@ -676,16 +692,10 @@ impl<'m> BatchGenerator<'m> {
                 members[row] = i;
             }
         }
-        let share = (self.prefill_budget() / rows).max(1);
-        let chunks: Vec<usize> = members
-            .iter()
-            .map(|&i| {
-                let seq = &self.running[i];
-                let left = seq.tokens.len() - 1 - seq.computed;
-                left.min(seq.request.prefill_step_size.max(1)).min(share)
-            })
-            .collect();
-        let width = prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
+        let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
+        let row_progress: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
+        let chunks = scheduler::plan_slot_chunks(&row_progress, budget);
+        let width = scheduler::prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
         let mut ids = vec![0u32; self.slots.prefill.rows() * width];
         for (row, (&i, &chunk)) in members.iter().zip(&chunks).enumerate() {
             let seq = &self.running[i];
@@ -729,29 +739,26 @@ impl<'m> BatchGenerator<'m> {
                 i += 1;
                 continue;
             }
-            if self.in_flight.is_some() {
-                // Its tokens may finish sequences (freeing blocks), and a preempted sequence
-                // must not lose its last token: read it, then allocate again from the start
-                // (allocation is idempotent).
-                self.read_in_flight(&mut events)?;
-                i = 0;
-                continue;
+            match scheduler::when_short(self.running.len(), self.in_flight.is_some()) {
+                WhenShort::ReadInFlight => {
+                    // Then allocate again from the start (allocation is idempotent).
+                    self.read_in_flight(&mut events)?;
+                    i = 0;
+                }
+                WhenShort::FinishAlone => {
+                    let seq = self.running.remove(0);
+                    self.finish(seq, &mut events)?;
+                    break;
+                }
+                WhenShort::Preempt(victim) => {
+                    let mut victim = self.running.remove(victim);
+                    self.preempt(&mut victim)?;
+                    self.waiting.push_front(victim);
+                }
             }
-            if self.running.len() == 1 {
-                // Alone and still short: insert's capacity check makes this unreachable, but
-                // should it happen the request ends as if it reached its length.
-                let seq = self.running.remove(0);
-                self.finish(seq, &mut events)?;
-                break;
-            }
-            let mut victim = self.running.pop().expect("two or more running");
-            self.preempt(&mut victim)?;
-            self.waiting.push_front(victim);
         }
 
-        let ready: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].prefill_done())
-            .collect();
+        let ready = scheduler::decode_ready(&self.progress());
         if ready.is_empty() {
             self.read_in_flight(&mut events)?;
             return Ok(events);
@@ -837,6 +844,7 @@ impl<'m> BatchGenerator<'m> {
             });
         }
         let step = InFlight { entries, greedy };
+        self.times.decode_build_seconds += start.elapsed().as_secs_f64();
         async_eval(
             step.arrays()
                 .chain(ready.iter().flat_map(|&i| self.running[i].history.state())),
@@ -922,7 +930,12 @@ impl<'m> BatchGenerator<'m> {
         let Some(step) = self.in_flight.take() else {
             return Ok(());
         };
+        let start = Instant::now();
         eval(step.arrays())?;
+        // The wait for the device belongs to the decode step that was dispatched.
+        let waited = start.elapsed().as_secs_f64();
+        self.times.decode_seconds += waited;
+        self.times.decode_wait_seconds += waited;
         let greedy: Vec<u32> = step
             .greedy
             .as_ref()
@@ -957,6 +970,7 @@ impl<'m> BatchGenerator<'m> {
             }
         }
         self.generation_throughput.record(generated);
+        self.times.token_seconds += start.elapsed().as_secs_f64() - waited;
         for id in done {
             let pos = self
                 .running
@@ -1123,13 +1137,6 @@ impl Slots {
         self.prefill.clear();
         self.decode.clear();
     }
-}
-
-/// The padded length of a prefill step whose longest chunk is `n` tokens: a multiple of 16 up to
-/// 64, then four sizes per doubling (at most 25% padding), so that prompts of every length meet
-/// few distinct graphs.
-fn prefill_chunk_bucket(n: usize) -> usize {
-    crate::slot_cache::quarter_step_bucket(n, 16)
 }
 
 /// A decode step dispatched and not read yet.

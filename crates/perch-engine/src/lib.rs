@@ -22,6 +22,7 @@ mod mlx_ext;
 pub mod models;
 pub mod prompt_cache;
 pub mod sampler;
+pub mod scheduler;
 pub mod slot_cache;
 pub mod stop;
 pub mod throughput;

@@ -1,0 +1,303 @@
+//! The batch's scheduling decisions, as plain functions of the sequences' progress (the
+//! scheduler half of vLLM v1's scheduler / model-runner split): which waiting requests are
+//! admitted, how many prompt tokens each prefilling sequence computes in a step, which sequences
+//! decode, and what happens when a decoding sequence finds the block pool short.
+//! [`crate::batch::BatchGenerator`] applies them: it owns the sequences, the block pool and the
+//! model, and runs the forward passes these decisions ask for.
+//!
+//! Policy, as vLLM's and mlx-lm's: first come, first served (a request that does not fit is not
+//! overtaken by a later one), prefill chunks within a per-step token budget while others decode
+//! (so a long prompt delays running streams by one slice per step, never by the whole prompt),
+//! and the newest request is the one preempted.
+
+/// A sequence's progress as the scheduler sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Progress {
+    /// Tokens its KV cache must hold up to the last one: the prompt, then generated tokens.
+    pub num_tokens: usize,
+    /// Tokens already computed into its KV cache.
+    pub num_computed: usize,
+    /// Its request's prefill chunk size (mlx-lm's `prefill_step_size`), at least 1 in effect.
+    pub prefill_step_size: usize,
+}
+
+impl Progress {
+    /// Whether its prompt is cached: the last token is fed by its first decode step.
+    pub fn prefill_done(&self) -> bool {
+        self.num_computed + 1 >= self.num_tokens
+    }
+
+    /// Prompt tokens still to prefill.
+    pub fn prompt_left(&self) -> usize {
+        self.num_tokens
+            .saturating_sub(1)
+            .saturating_sub(self.num_computed)
+    }
+
+    /// The next chunk's length within `limit` tokens.
+    fn next_chunk(&self, limit: usize) -> usize {
+        self.prompt_left()
+            .min(self.prefill_step_size.max(1))
+            .min(limit)
+    }
+}
+
+/// Prompt tokens one step may prefill: `token_budget` while some running sequence is decoding
+/// (it bounds their wait), unbounded otherwise.
+pub fn prefill_budget(running: &[Progress], token_budget: usize) -> usize {
+    if running.iter().any(Progress::prefill_done) {
+        token_budget
+    } else {
+        usize::MAX
+    }
+}
+
+/// Admits waiting requests front first while fewer than `max_running` run: `try_admit(k)` takes
+/// the blocks for the `k`-th waiting request and says whether the pool had them. Stops at the
+/// first that does not fit, so no later request overtakes it. Returns how many were admitted
+/// (the first ones of the queue).
+pub fn admit(
+    num_waiting: usize,
+    num_running: usize,
+    max_running: usize,
+    mut try_admit: impl FnMut(usize) -> bool,
+) -> usize {
+    let room = max_running.saturating_sub(num_running).min(num_waiting);
+    (0..room).take_while(|&k| try_admit(k)).count()
+}
+
+/// Prefill chunks for sequences that prefill one forward pass each
+/// ([`crate::batch::BatchAttention::PerSequence`]): the first `batch_size` running sequences still
+/// prefilling, oldest first, each its next chunk, until `budget` tokens are planned. Returns
+/// `(index in running, tokens)` pairs, none empty.
+pub fn plan_prefill_chunks(
+    running: &[Progress],
+    batch_size: usize,
+    budget: usize,
+) -> Vec<(usize, usize)> {
+    let mut left = budget;
+    let mut plan = Vec::new();
+    for (i, seq) in running
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| !s.prefill_done())
+        .take(batch_size)
+    {
+        if left == 0 {
+            break;
+        }
+        let chunk = seq.next_chunk(left);
+        left -= chunk;
+        plan.push((i, chunk));
+    }
+    plan
+}
+
+/// Which running sequences take a prefill slot this step ([`crate::batch::BatchAttention::Batched`]):
+/// those still prefilling and not in a slot (`has_slot`), oldest first, while fewer than
+/// `batch_size` slots are taken (`taken` now). Returns their indices.
+pub fn take_prefill_slots(
+    running: &[Progress],
+    has_slot: impl Fn(usize) -> bool,
+    taken: usize,
+    batch_size: usize,
+) -> Vec<usize> {
+    (0..running.len())
+        .filter(|&i| !has_slot(i) && !running[i].prefill_done())
+        .take(batch_size.saturating_sub(taken))
+        .collect()
+}
+
+/// Chunk lengths for the rows of one batched prefill pass: each row its next chunk, within an
+/// equal share of `budget` (at least one token each, so every row advances).
+pub fn plan_slot_chunks(rows: &[Progress], budget: usize) -> Vec<usize> {
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    let share = (budget / rows.len()).max(1);
+    rows.iter().map(|row| row.next_chunk(share)).collect()
+}
+
+/// The padded width of a batched prefill pass whose longest chunk is `n` tokens: a multiple of 16
+/// up to 64, then four sizes per doubling (at most 25% padding), so that prompts of every length
+/// meet few distinct graphs.
+pub fn prefill_chunk_bucket(n: usize) -> usize {
+    crate::slot_cache::quarter_step_bucket(n, 16)
+}
+
+/// The running sequences that decode this step: those whose prompt is cached, in order.
+pub fn decode_ready(running: &[Progress]) -> Vec<usize> {
+    (0..running.len())
+        .filter(|&i| running[i].prefill_done())
+        .collect()
+}
+
+/// What to do when a decoding sequence finds no free block for its next token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WhenShort {
+    /// Read the decode step in flight first: its tokens may finish sequences (freeing blocks),
+    /// and a sequence about to be preempted must not lose its last token. Then try again.
+    ReadInFlight,
+    /// Preempt the running sequence at this index (the newest) and try again.
+    Preempt(usize),
+    /// The sequence is alone and still short (the insert-time capacity check makes this
+    /// unreachable): it ends as if it reached its length.
+    FinishAlone,
+}
+
+/// The decision when a decoding sequence is short of blocks, with `num_running` sequences
+/// running and a decode step possibly in flight.
+pub fn when_short(num_running: usize, step_in_flight: bool) -> WhenShort {
+    if step_in_flight {
+        WhenShort::ReadInFlight
+    } else if num_running <= 1 {
+        WhenShort::FinishAlone
+    } else {
+        WhenShort::Preempt(num_running - 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prefilling(num_tokens: usize, num_computed: usize, step: usize) -> Progress {
+        Progress {
+            num_tokens,
+            num_computed,
+            prefill_step_size: step,
+        }
+    }
+
+    fn decoding(num_tokens: usize) -> Progress {
+        prefilling(num_tokens, num_tokens - 1, 512)
+    }
+
+    #[test]
+    fn prefill_is_done_when_all_but_the_last_token_is_cached() {
+        assert!(!prefilling(10, 8, 4).prefill_done());
+        assert_eq!(prefilling(10, 8, 4).prompt_left(), 1);
+        assert!(prefilling(10, 9, 4).prefill_done());
+        assert_eq!(prefilling(10, 9, 4).prompt_left(), 0);
+        // A one-token prompt decodes at once.
+        assert!(prefilling(1, 0, 4).prefill_done());
+    }
+
+    #[test]
+    fn the_budget_binds_only_while_someone_decodes() {
+        let alone = [prefilling(5000, 0, 512)];
+        assert_eq!(prefill_budget(&alone, 256), usize::MAX);
+        let mixed = [prefilling(5000, 0, 512), decoding(20)];
+        assert_eq!(prefill_budget(&mixed, 256), 256);
+        assert_eq!(prefill_budget(&[], 256), usize::MAX);
+    }
+
+    #[test]
+    fn admission_is_first_come_first_served() {
+        // Room for three, but the second request does not fit: the third must not overtake it.
+        let fits = [true, false, true];
+        let mut asked = Vec::new();
+        let n = admit(3, 1, 4, |k| {
+            asked.push(k);
+            fits[k]
+        });
+        assert_eq!(n, 1);
+        assert_eq!(asked, [0, 1]);
+        // Room is the binding limit: two of five waiting, none asked beyond.
+        let mut asked = Vec::new();
+        let n = admit(5, 6, 8, |k| {
+            asked.push(k);
+            true
+        });
+        assert_eq!((n, asked), (2, vec![0, 1]));
+        // A full batch admits nobody and asks nothing.
+        assert_eq!(admit(5, 8, 8, |_| panic!("no room")), 0);
+        assert_eq!(admit(5, 9, 8, |_| panic!("no room")), 0);
+    }
+
+    #[test]
+    fn per_sequence_chunks_respect_step_size_budget_and_batch_size() {
+        let running = [
+            decoding(30),
+            prefilling(1000, 0, 512),
+            prefilling(100, 90, 512),
+            prefilling(700, 0, 128),
+            prefilling(700, 0, 128),
+        ];
+        // Unbounded: each of the first two prefilling sequences its next chunk.
+        assert_eq!(
+            plan_prefill_chunks(&running, 2, usize::MAX),
+            [(1, 512), (2, 9)]
+        );
+        // A budget of 600 over three: 512, the 9 left of the second, then 79 of a 128 chunk.
+        assert_eq!(
+            plan_prefill_chunks(&running, 3, 600),
+            [(1, 512), (2, 9), (3, 79)]
+        );
+        // A spent budget stops the plan; no empty chunks.
+        assert_eq!(plan_prefill_chunks(&running, 4, 512), [(1, 512)]);
+        assert!(plan_prefill_chunks(&[decoding(4)], 4, 512).is_empty());
+    }
+
+    #[test]
+    fn prefill_slots_go_to_the_oldest_sequences_still_prefilling() {
+        let running = [
+            prefilling(100, 0, 64),
+            decoding(20),
+            prefilling(100, 0, 64),
+            prefilling(100, 0, 64),
+            prefilling(100, 0, 64),
+        ];
+        // Sequence 0 already holds a slot; two free slots of four go to 2 and 3.
+        assert_eq!(take_prefill_slots(&running, |i| i == 0, 2, 4), [2, 3]);
+        assert!(take_prefill_slots(&running, |_| false, 4, 4).is_empty());
+        assert_eq!(take_prefill_slots(&running, |_| false, 0, 8), [0, 2, 3, 4]);
+    }
+
+    #[test]
+    fn slot_chunks_share_the_budget_and_always_advance() {
+        let rows = [
+            prefilling(1000, 0, 512),
+            prefilling(40, 0, 512),
+            prefilling(1000, 100, 64),
+        ];
+        assert_eq!(plan_slot_chunks(&rows, usize::MAX), [512, 39, 64]);
+        // 300 tokens over three rows: 100 each at most.
+        assert_eq!(plan_slot_chunks(&rows, 300), [100, 39, 64]);
+        // A budget smaller than the rows still moves each by one token.
+        assert_eq!(plan_slot_chunks(&rows, 2), [1, 1, 1]);
+        assert_eq!(plan_slot_chunks(&[], 100), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn chunk_widths_fall_in_few_buckets_with_little_padding() {
+        let widths: std::collections::BTreeSet<usize> =
+            (1..=2048).map(prefill_chunk_bucket).collect();
+        for n in 1..=2048 {
+            let w = prefill_chunk_bucket(n);
+            assert!(w >= n, "{n} -> {w}");
+            assert!(n <= 64 || (w - n) * 4 <= w, "{n} -> {w}: over 25% padding");
+        }
+        assert_eq!(prefill_chunk_bucket(1), 16);
+        assert!(widths.len() <= 32, "{} widths: {widths:?}", widths.len());
+    }
+
+    #[test]
+    fn decoding_sequences_are_those_with_a_cached_prompt() {
+        let running = [
+            decoding(5),
+            prefilling(9, 3, 4),
+            decoding(7),
+            prefilling(1, 0, 4),
+        ];
+        assert_eq!(decode_ready(&running), [0, 2, 3]);
+    }
+
+    #[test]
+    fn short_of_blocks_reads_first_then_preempts_the_newest() {
+        assert_eq!(when_short(5, true), WhenShort::ReadInFlight);
+        assert_eq!(when_short(5, false), WhenShort::Preempt(4));
+        assert_eq!(when_short(1, false), WhenShort::FinishAlone);
+        assert_eq!(when_short(1, true), WhenShort::ReadInFlight);
+    }
+}
