@@ -918,7 +918,7 @@ impl<'m> BatchGenerator<'m> {
             return Ok(host.reshape(&[num_rows as i32, 1])?);
         }
         let previous = step.tokens()?;
-        let gathered = previous.take_axis(&Array::from_slice(&source, &[num_rows as i32]), 0)?;
+        let gathered = previous.take_axis(Array::from_slice(&source, &[num_rows as i32]), 0)?;
         let mask = Array::from_slice(&from_device, &[num_rows as i32]);
         Ok(ops::select(&mask, &gathered, &host)?.reshape(&[num_rows as i32, 1])?)
     }
@@ -1170,7 +1170,7 @@ impl InFlight {
         let rows: Vec<u32> = self.entries.iter().map(|e| e.row as u32).collect();
         let from_greedy = match &self.greedy {
             Some(greedy) => {
-                Some(greedy.take_axis(&Array::from_slice(&rows, &[rows.len() as i32]), 0)?)
+                Some(greedy.take_axis(Array::from_slice(&rows, &[rows.len() as i32]), 0)?)
             }
             None => None,
         };

@@ -8,7 +8,7 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::cache::{CachedKv, KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::Result;
-use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
+use crate::layers::{fused_projections, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
 use crate::models::{Model, ModelInfo};
 use crate::slot_cache::{SlotKvCache, SlotStep};
@@ -37,15 +37,25 @@ pub struct DecoderConfig {
 }
 
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    qkv: Qkv,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     num_heads: i32,
     num_kv_heads: i32,
     scale: f32,
+}
+
+/// The query, key and value projections, separate or fused into one (see
+/// [`crate::layers::fused_projections`]).
+enum Qkv {
+    Separate {
+        q_proj: Linear,
+        k_proj: Linear,
+        v_proj: Linear,
+    },
+    /// Outputs `[..., (heads + 2 * kv_heads) * head_dim]`: queries, keys, then values.
+    Fused(Linear),
 }
 
 impl Attention {
@@ -56,31 +66,52 @@ impl Attention {
                 .then(|| RmsNorm::load(w, &format!("{path}.{name}"), hd, c.rms_norm_eps))
                 .transpose()
         };
+        let q_proj = Linear::load(
+            w,
+            q,
+            &format!("{path}.q_proj"),
+            hidden,
+            c.num_heads * hd,
+            c.qkv_bias,
+        )?;
+        let k_proj = Linear::load(
+            w,
+            q,
+            &format!("{path}.k_proj"),
+            hidden,
+            c.num_kv_heads * hd,
+            c.qkv_bias,
+        )?;
+        let v_proj = Linear::load(
+            w,
+            q,
+            &format!("{path}.v_proj"),
+            hidden,
+            c.num_kv_heads * hd,
+            c.qkv_bias,
+        )?;
+        let qkv = if fused_projections() {
+            match Linear::fuse(vec![q_proj, k_proj, v_proj])? {
+                Ok(fused) => Qkv::Fused(fused),
+                Err(parts) => {
+                    let [q_proj, k_proj, v_proj]: [Linear; 3] =
+                        parts.try_into().ok().expect("three parts");
+                    Qkv::Separate {
+                        q_proj,
+                        k_proj,
+                        v_proj,
+                    }
+                }
+            }
+        } else {
+            Qkv::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            }
+        };
         Ok(Self {
-            q_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.q_proj"),
-                hidden,
-                c.num_heads * hd,
-                c.qkv_bias,
-            )?,
-            k_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.k_proj"),
-                hidden,
-                c.num_kv_heads * hd,
-                c.qkv_bias,
-            )?,
-            v_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.v_proj"),
-                hidden,
-                c.num_kv_heads * hd,
-                c.qkv_bias,
-            )?,
+            qkv,
             o_proj: Linear::load(
                 w,
                 q,
@@ -101,18 +132,47 @@ impl Attention {
     /// head_dim]` (query and key norms applied, RoPE not yet).
     fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
-        let heads = |proj: &Linear, n: i32, norm: &Option<RmsNorm>| -> Result<Array> {
-            let h = proj.forward(x)?.reshape(&[batch, seq, n, -1])?;
+        // `[batch, seq, n, head_dim]` → normed, `[batch, n, seq, head_dim]`.
+        let heads = |h: Array, norm: &Option<RmsNorm>| -> Result<Array> {
             let h = match norm {
                 Some(norm) => norm.forward(&h)?,
                 None => h,
             };
             Ok(h.transpose_axes(&[0, 2, 1, 3])?)
         };
+        let (q, k, v) = match &self.qkv {
+            Qkv::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => (
+                q_proj
+                    .forward(x)?
+                    .reshape(&[batch, seq, self.num_heads, -1])?,
+                k_proj
+                    .forward(x)?
+                    .reshape(&[batch, seq, self.num_kv_heads, -1])?,
+                v_proj
+                    .forward(x)?
+                    .reshape(&[batch, seq, self.num_kv_heads, -1])?,
+            ),
+            Qkv::Fused(proj) => {
+                let (nq, nkv) = (self.num_heads, self.num_kv_heads);
+                let all = proj.forward(x)?.reshape(&[batch, seq, nq + 2 * nkv, -1])?;
+                let hd = all.shape()[3];
+                let part =
+                    |from: i32, to: i32| slice(&all, &[0, 0, from, 0], &[batch, seq, to, hd]);
+                (
+                    part(0, nq)?,
+                    part(nq, nq + nkv)?,
+                    part(nq + nkv, nq + 2 * nkv)?,
+                )
+            }
+        };
         Ok((
-            heads(&self.q_proj, self.num_heads, &self.q_norm)?,
-            heads(&self.k_proj, self.num_kv_heads, &self.k_norm)?,
-            heads(&self.v_proj, self.num_kv_heads, &None)?,
+            heads(q, &self.q_norm)?,
+            heads(k, &self.k_norm)?,
+            heads(v, &None)?,
         ))
     }
 
