@@ -101,13 +101,12 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     request.ignore_eos = true;
 
     let mut runs: Vec<GenerationStats> = Vec::new();
+    let mut last_ids = Vec::new();
     for i in 0..=args.runs.max(1) {
         let out = generate(model.as_ref(), &tokenizer, &request, |_| {
             ControlFlow::Continue(())
         })?;
-        if let Some(path) = &args.output_ids {
-            write_ids(path, &out.token_ids)?;
-        }
+        last_ids = out.token_ids;
         if i > 0 {
             eprintln!(
                 "run {i}: prompt {:.1} tok/s, generation {:.1} tok/s, TTFT {:.0} ms, peak {:.1} MB",
@@ -118,6 +117,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             );
             runs.push(out.stats);
         }
+    }
+    if let Some(path) = &args.output_ids {
+        write_ids(path, &last_ids)?;
     }
     let median = |f: fn(&GenerationStats) -> f64| {
         let mut v: Vec<f64> = runs.iter().map(f).collect();

@@ -293,13 +293,16 @@ impl Linear {
     }
 
     /// One layer computing `parts`' outputs side by side (`[..., out_1 + out_2 + ...]`), their
-    /// weights (and scales, quantization biases, biases) stacked along the output axis, when the
-    /// parts allow it: all dense in one dtype, or all quantized with the same parameters and
-    /// multiplied by MLX, with a bias on every part or none. Otherwise hands `parts` back.
-    /// The stacked arrays are evaluated here, so the parts' memory is freed as they drop.
-    pub fn fuse(parts: Vec<Linear>) -> Result<std::result::Result<Linear, Vec<Linear>>> {
+    /// weights (and scales, quantization biases, biases) stacked along the output axis, when
+    /// the parts allow it: all dense in one dtype, or all
+    /// quantized with the same parameters and multiplied by MLX, with a bias on every part or none.
+    /// Otherwise hands `parts` back. The stacked arrays are evaluated here, so the parts' memory
+    /// is freed as they drop.
+    pub fn fuse<const N: usize>(
+        parts: [Linear; N],
+    ) -> Result<std::result::Result<Linear, [Linear; N]>> {
         let with_bias = parts.iter().filter(|p| p.bias().is_some()).count();
-        if parts.len() < 2 || (with_bias != 0 && with_bias != parts.len()) {
+        if N < 2 || (with_bias != 0 && with_bias != N) {
             return Ok(Err(parts));
         }
         let stack = |arrays: Vec<&Array>| -> Result<Array> {
@@ -307,56 +310,62 @@ impl Linear {
             stacked.eval()?;
             Ok(stacked)
         };
-        // Stacked only once the parts are known to fuse.
-        let bias = || -> Result<Option<Array>> {
-            match with_bias {
-                0 => Ok(None),
-                _ => Ok(Some(stack(
-                    parts.iter().filter_map(Linear::bias).collect(),
-                )?)),
-            }
+        let bias = match with_bias {
+            0 => None,
+            _ => Some(parts.iter().filter_map(Linear::bias).collect::<Vec<_>>()),
         };
-        let dense: Vec<&Array> = parts
+        // Every part's weight when all are alike; `None` when some part differs from the first.
+        let dense: Option<Vec<&Array>> = parts
             .iter()
-            .filter_map(|p| match p {
-                Linear::Dense { weight, .. } => Some(weight),
-                Linear::Quantized { .. } => None,
+            .map(|p| match (p, &parts[0]) {
+                (Linear::Dense { weight, .. }, Linear::Dense { weight: first, .. })
+                    if weight.dtype() == first.dtype() =>
+                {
+                    Some(weight)
+                }
+                _ => None,
             })
             .collect();
-        if dense.len() == parts.len() {
-            if dense.iter().any(|w| w.dtype() != dense[0].dtype()) {
-                return Ok(Err(parts));
-            }
-            return Ok(Ok(Linear::Dense {
-                weight: stack(dense)?,
-                bias: bias()?,
-            }));
-        }
-        let quantized: Vec<&QuantizedWeight> = parts
+        let quantized: Option<Vec<&QuantizedWeight>> = parts
             .iter()
-            .filter_map(|p| match p {
-                Linear::Quantized { weight, .. } => Some(weight),
-                Linear::Dense { .. } => None,
+            .map(|p| match (p, &parts[0]) {
+                (Linear::Quantized { weight, .. }, Linear::Quantized { weight: first, .. })
+                    if weight.params == first.params && !weight.cpu_kernel =>
+                {
+                    Some(weight)
+                }
+                _ => None,
             })
             .collect();
-        let alike = quantized.len() == parts.len()
-            && quantized
-                .iter()
-                .all(|q| q.params == quantized[0].params && !q.cpu_kernel);
-        if !alike {
-            return Ok(Err(parts));
-        }
-        let weight = QuantizedWeight {
-            weight: stack(quantized.iter().map(|q| &q.weight).collect())?,
-            scales: stack(quantized.iter().map(|q| &q.scales).collect())?,
-            biases: stack(quantized.iter().map(|q| &q.biases).collect())?,
-            params: quantized[0].params,
-            cpu_kernel: false,
+        let bias = bias.map(stack).transpose()?;
+        let fused = match (dense, quantized) {
+            (Some(weights), _) => Linear::Dense {
+                weight: stack(weights)?,
+                bias,
+            },
+            (None, Some(q)) => Linear::Quantized {
+                weight: QuantizedWeight {
+                    weight: stack(q.iter().map(|q| &q.weight).collect())?,
+                    scales: stack(q.iter().map(|q| &q.scales).collect())?,
+                    biases: stack(q.iter().map(|q| &q.biases).collect())?,
+                    params: q[0].params,
+                    cpu_kernel: false,
+                },
+                bias,
+            },
+            (None, None) => return Ok(Err(parts)),
         };
-        Ok(Ok(Linear::Quantized {
-            weight,
-            bias: bias()?,
-        }))
+        Ok(Ok(fused))
+    }
+
+    /// [`Linear::fuse`] where [`fused_projections`] says so; `parts` back otherwise.
+    pub fn fuse_if_enabled<const N: usize>(
+        parts: [Linear; N],
+    ) -> Result<std::result::Result<Linear, [Linear; N]>> {
+        match fused_projections() {
+            true => Linear::fuse(parts),
+            false => Ok(Err(parts)),
+        }
     }
 
     /// `[..., in]` → `[..., out]`.
@@ -590,10 +599,7 @@ enum GateUp {
         up_proj: Linear,
     },
     /// Outputs `[..., 2 * intermediate]`: the gate's, then the up projection's.
-    Fused {
-        proj: Linear,
-        intermediate: i32,
-    },
+    Fused(Linear),
 }
 
 impl Mlp {
@@ -621,17 +627,9 @@ impl Mlp {
             intermediate,
             bias,
         )?;
-        let gate_up = if fused_projections() {
-            match Linear::fuse(vec![gate_proj, up_proj])? {
-                Ok(proj) => GateUp::Fused { proj, intermediate },
-                Err(mut parts) => {
-                    let up_proj = parts.pop().expect("two parts");
-                    let gate_proj = parts.pop().expect("two parts");
-                    GateUp::Separate { gate_proj, up_proj }
-                }
-            }
-        } else {
-            GateUp::Separate { gate_proj, up_proj }
+        let gate_up = match Linear::fuse_if_enabled([gate_proj, up_proj])? {
+            Ok(proj) => GateUp::Fused(proj),
+            Err([gate_proj, up_proj]) => GateUp::Separate { gate_proj, up_proj },
         };
         Ok(Self {
             gate_up,
@@ -649,16 +647,16 @@ impl Mlp {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate_proj, up_proj } => (gate_proj.forward(x)?, up_proj.forward(x)?),
-            GateUp::Fused { proj, intermediate } => {
+            GateUp::Fused(proj) => {
+                // Slices (views) of the last axis, as measured on the H100.
                 let both = proj.forward(x)?;
                 let shape = both.shape().to_vec();
-                let last = shape.len() - 1;
+                let (last, half) = (shape.len() - 1, shape[shape.len() - 1] / 2);
                 let mut start = vec![0; shape.len()];
                 let mut stop = shape.clone();
-                stop[last] = *intermediate;
+                stop[last] = half;
                 let gate = slice(&both, &start, &stop)?;
-                start[last] = *intermediate;
-                stop[last] = shape[last];
+                (start[last], stop[last]) = (half, shape[last]);
                 (gate, slice(&both, &start, &stop)?)
             }
         };
@@ -688,7 +686,7 @@ mod tests {
     }
 
     /// `fused(x)` against the separate parts' outputs side by side.
-    fn assert_fused_matches(parts: Vec<Linear>, x: &Array) {
+    fn assert_fused_matches<const N: usize>(parts: [Linear; N], x: &Array) {
         let separate: Vec<Array> = parts.iter().map(|p| p.forward(x).unwrap()).collect();
         let expected = ops::concatenate(&separate, -1).unwrap();
         let fused = Linear::fuse(parts).unwrap().ok().expect("the parts fuse");
@@ -702,24 +700,20 @@ mod tests {
     #[test]
     fn fused_dense_projections_with_biases_equal_the_separate_ones() {
         let x = random(&[2, 3, 64], 1);
-        let parts = [(96, 2), (32, 3), (32, 4)]
-            .map(|(out, seed)| Linear::Dense {
-                weight: random(&[out, 64], seed),
-                bias: Some(random(&[out], seed + 10)),
-            })
-            .into();
+        let parts = [(96, 2), (32, 3), (32, 4)].map(|(out, seed)| Linear::Dense {
+            weight: random(&[out, 64], seed),
+            bias: Some(random(&[out], seed + 10)),
+        });
         assert_fused_matches(parts, &x);
     }
 
     #[test]
     fn fused_quantized_projections_equal_the_separate_ones() {
         let x = random(&[5, 128], 2);
-        let parts = [(64, 5), (128, 6)]
-            .map(|(out, seed)| Linear::Quantized {
-                weight: quantized(&random(&[out, 128], seed), 64, 4),
-                bias: None,
-            })
-            .into();
+        let parts = [(64, 5), (128, 6)].map(|(out, seed)| Linear::Quantized {
+            weight: quantized(&random(&[out, 128], seed), 64, 4),
+            bias: None,
+        });
         assert_fused_matches(parts, &x);
     }
 
@@ -729,7 +723,7 @@ mod tests {
             weight: random(&[16, 64], seed),
             bias: bias.then(|| random(&[16], seed + 1)),
         };
-        let kept = Linear::fuse(vec![dense(true, 1), dense(false, 2)]).unwrap();
+        let kept = Linear::fuse([dense(true, 1), dense(false, 2)]).unwrap();
         assert_eq!(
             kept.err().map(|p| p.len()),
             Some(2),
@@ -743,9 +737,9 @@ mod tests {
             weight: quantized(&random(&[16, 64], 4), 64, 8),
             bias: None,
         };
-        let kept = Linear::fuse(vec![q4, q8]).unwrap();
+        let kept = Linear::fuse([q4, q8]).unwrap();
         assert_eq!(kept.err().map(|p| p.len()), Some(2), "different bit widths");
-        let mixed = Linear::fuse(vec![
+        let mixed = Linear::fuse([
             dense(false, 5),
             Linear::Quantized {
                 weight: quantized(&random(&[16, 64], 6), 64, 4),
@@ -754,6 +748,6 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(mixed.err().map(|p| p.len()), Some(2), "dense and quantized");
-        assert!(Linear::fuse(vec![dense(false, 7)]).unwrap().is_err());
+        assert!(Linear::fuse([dense(false, 7)]).unwrap().is_err());
     }
 }

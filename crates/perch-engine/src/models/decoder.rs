@@ -8,7 +8,7 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::cache::{CachedKv, KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::Result;
-use crate::layers::{fused_projections, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
+use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
 use crate::models::{Model, ModelInfo};
 use crate::slot_cache::{SlotKvCache, SlotStep};
@@ -90,25 +90,13 @@ impl Attention {
             c.num_kv_heads * hd,
             c.qkv_bias,
         )?;
-        let qkv = if fused_projections() {
-            match Linear::fuse(vec![q_proj, k_proj, v_proj])? {
-                Ok(fused) => Qkv::Fused(fused),
-                Err(parts) => {
-                    let [q_proj, k_proj, v_proj]: [Linear; 3] =
-                        parts.try_into().ok().expect("three parts");
-                    Qkv::Separate {
-                        q_proj,
-                        k_proj,
-                        v_proj,
-                    }
-                }
-            }
-        } else {
-            Qkv::Separate {
+        let qkv = match Linear::fuse_if_enabled([q_proj, k_proj, v_proj])? {
+            Ok(fused) => Qkv::Fused(fused),
+            Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
-            }
+            },
         };
         Ok(Self {
             qkv,
@@ -159,6 +147,8 @@ impl Attention {
             Qkv::Fused(proj) => {
                 let (nq, nkv) = (self.num_heads, self.num_kv_heads);
                 let all = proj.forward(x)?.reshape(&[batch, seq, nq + 2 * nkv, -1])?;
+                // Slices (views), as measured on the H100. A build using MLX's `split` here ended
+                // `perch bench --concurrency 8` there in cuDNN's teardown (one run, not isolated).
                 let hd = all.shape()[3];
                 let part =
                     |from: i32, to: i32| slice(&all, &[0, 0, from, 0], &[batch, seq, to, hd]);
