@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use mlx_rs::Array;
 use perch_engine::device::{memory_stats, Backend};
+use perch_engine::slot_cache::SlotAttention;
 use perch_engine::{generate, GenerationStats, KvQuantization};
 use serde::Serialize;
 
@@ -65,6 +66,28 @@ pub struct BenchArgs {
     /// (default: the engine's for this backend).
     #[arg(long)]
     pub prefill_token_budget: Option<usize>,
+    /// With --concurrency: how batched steps read their slot caches (auto: the backend's
+    /// choice; fused: MLX's fused attention with a mask; explicit: matmul, mask, softmax, matmul).
+    #[arg(long, value_enum, default_value_t = SlotAttentionArg::Auto)]
+    pub slot_attention: SlotAttentionArg,
+}
+
+/// [`SlotAttention`] as a command-line value.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+pub enum SlotAttentionArg {
+    Auto,
+    Fused,
+    Explicit,
+}
+
+impl From<SlotAttentionArg> for SlotAttention {
+    fn from(arg: SlotAttentionArg) -> Self {
+        match arg {
+            SlotAttentionArg::Auto => SlotAttention::Auto,
+            SlotAttentionArg::Fused => SlotAttention::Fused,
+            SlotAttentionArg::Explicit => SlotAttention::Explicit,
+        }
+    }
 }
 
 #[derive(Serialize)]

@@ -76,6 +76,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     if let Some(n) = args.prefill_token_budget {
         config.prefill_token_budget = n;
     }
+    config.slot_attention = args.slot_attention.into();
     config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
         bits,
         group_size: args.kv_group_size,

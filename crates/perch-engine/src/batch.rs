@@ -47,7 +47,7 @@ use crate::models::Model;
 use crate::prompt_cache::PromptCache;
 use crate::sampler::Sampler;
 use crate::scheduler::{self, Progress, WhenShort};
-use crate::slot_cache::SlotKvCache;
+use crate::slot_cache::{SlotAttention, SlotKvCache};
 use crate::throughput::ThroughputWindow;
 use crate::tokenizer::Tokenizer;
 
@@ -74,6 +74,9 @@ pub struct BatchConfig {
     pub kv_quantization: Option<KvQuantization>,
     /// How steps run attention over the batch ([`BatchAttention::for_backend`] by default).
     pub attention: BatchAttention,
+    /// With [`BatchAttention::Batched`]: how steps read the slot caches (the backend decides by
+    /// default).
+    pub slot_attention: SlotAttention,
 }
 
 /// How a step runs attention over the running sequences.
@@ -145,6 +148,7 @@ impl BatchConfig {
             num_blocks: kv_cache_bytes / per_block.max(1),
             kv_quantization,
             attention: BatchAttention::for_backend(Backend::current()),
+            slot_attention: SlotAttention::Auto,
         }
     }
 }
@@ -319,7 +323,11 @@ impl<'m> BatchGenerator<'m> {
                 model_id,
             ),
             store: BlockStore::new(config.num_blocks),
-            slots: Slots::new(model.info().num_layers, config.kv_quantization),
+            slots: Slots::new(
+                model.info().num_layers,
+                config.kv_quantization,
+                config.slot_attention,
+            ),
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -1110,10 +1118,15 @@ struct Slots {
 }
 
 impl Slots {
-    fn new(num_layers: usize, quantization: Option<KvQuantization>) -> Self {
+    fn new(
+        num_layers: usize,
+        quantization: Option<KvQuantization>,
+        attention: SlotAttention,
+    ) -> Self {
+        let cache = || SlotKvCache::new(num_layers, quantization).with_attention(attention);
         Self {
-            prefill: SlotKvCache::new(num_layers, quantization),
-            decode: SlotKvCache::new(num_layers, quantization),
+            prefill: cache(),
+            decode: cache(),
         }
     }
 

@@ -25,6 +25,7 @@ use crate::generate::{FinishReason, GenerateRequest, GenerationStats, TokenLogpr
 use crate::kv_cache_manager::RequestId;
 use crate::models::{self, Model};
 use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
+use crate::slot_cache::SlotAttention;
 use crate::tokenizer::Tokenizer;
 use crate::weights::LoadProgress;
 
@@ -45,6 +46,9 @@ pub struct EngineConfig {
     /// the tokens (float32, head dimension 64); `None` keeps the compute dtype. Loading fails
     /// with [`EngineError::InvalidKvQuantization`] when it does not fit the model.
     pub kv_quantization: Option<KvQuantization>,
+    /// How batched steps read their slot caches (see [`SlotAttention`]); the backend decides by
+    /// default.
+    pub slot_attention: SlotAttention,
 }
 
 impl EngineConfig {
@@ -64,6 +68,7 @@ impl Default for EngineConfig {
             kv_cache_bytes: Self::DEFAULT_KV_CACHE_BYTES,
             block_size: Self::DEFAULT_BLOCK_SIZE,
             kv_quantization: None,
+            slot_attention: SlotAttention::Auto,
         }
     }
 }
@@ -465,6 +470,7 @@ impl EngineThread {
             max_running: config.max_running,
             prefill_batch_size: config.prefill_batch_size,
             prefill_token_budget: config.prefill_token_budget,
+            slot_attention: config.slot_attention,
             ..BatchConfig::for_budget(
                 model.as_ref(),
                 config.kv_cache_bytes,

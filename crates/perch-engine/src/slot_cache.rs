@@ -17,10 +17,50 @@
 //! like mlx_lm's `BatchKVCache`, a batch of mixed lengths pads the short ones.
 
 use mlx_rs::{ops, Array};
+use serde::Serialize;
 
 use crate::cache::{kv_parts, CachedKv, KvCache, KvQuantization};
+use crate::device::Backend;
 use crate::error::Result;
 use crate::mlx_ext::{slice, slice_update};
+use crate::models::decoder::SlotRead;
+
+/// How a step's attention reads the slot cache's dense keys and values, with the mask of each
+/// row's length.
+///
+/// MLX 0.32's CUDA backend has no fused kernel for one query per row with an array mask (its
+/// vector kernel and cuDNN's decode path refuse such masks) and falls back to an unfused
+/// attention: on an H100 at 128 rows of 512 positions (16 layers, 32/8 heads, head_dim 64,
+/// bfloat16), 10.2 ms a step against 3.1 ms for the explicit form
+/// ([`crate::models::decoder::explicit_scaled_dot_product_attention`]), and 2.1 ms for the fused
+/// kernel with no mask at all, which rows of different lengths cannot use. In Perch's batch on
+/// that model (`perch bench`, 128-token prompts, 256 generated, two rounds each in one session),
+/// the explicit read took the decode step from 11.4 to 9.9–10.5 ms at 128 rows (8,540–9,055
+/// against 7,592–7,995 tok/s) but from 8.0–8.7 to 9.0–9.2 ms at 64 rows, where the step is
+/// bound by the host launching its kernels and the explicit form launches more; hence
+/// [`SlotAttention::EXPLICIT_FROM_POSITIONS`]. Prompt
+/// chunks (more than one query per row) reach cuDNN with their mask and stay fused. Metal's
+/// vector kernel takes masks, so Metal and the CPU read fused.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlotAttention {
+    /// The backend decides per step: explicit on CUDA for steps of fewer than 4 queries per row
+    /// (where MLX needs its vector kernel) over at least
+    /// [`SlotAttention::EXPLICIT_FROM_POSITIONS`] positions in all, fused otherwise.
+    #[default]
+    Auto,
+    /// MLX's fused `scaled_dot_product_attention` with the mask.
+    Fused,
+    /// Scores by matmul, mask, precise softmax, matmul.
+    Explicit,
+}
+
+impl SlotAttention {
+    /// Rows times capacity from which [`SlotAttention::Auto`] reads a CUDA decode step
+    /// explicitly: 128 rows of 512 positions, where the explicit read was faster (at 64 rows of
+    /// 512 the fused one was; H100, see above).
+    pub const EXPLICIT_FROM_POSITIONS: usize = 128 * 512;
+}
 
 /// `n` rounded up to a multiple of a quarter of the power of two below it, and of `min_step`:
 /// four sizes per doubling, at most 25% padding once `n >= 4 * min_step`.
@@ -61,6 +101,7 @@ pub struct SlotStep {
 /// Slot-major KV buffers of every layer; see the module docs.
 pub struct SlotKvCache {
     quantization: Option<KvQuantization>,
+    attention: SlotAttention,
     num_layers: usize,
     /// Per layer: keys' parts then values' parts (2 or 6), empty while no slot is occupied.
     layers: Vec<Vec<Array>>,
@@ -74,11 +115,37 @@ impl SlotKvCache {
     pub fn new(num_layers: usize, quantization: Option<KvQuantization>) -> Self {
         Self {
             quantization,
+            attention: SlotAttention::Auto,
             num_layers,
             layers: Vec::new(),
             lengths: Vec::new(),
             rows: 0,
             capacity: 0,
+        }
+    }
+
+    /// This cache read as `attention` says ([`SlotAttention::Auto`] when not set).
+    pub fn with_attention(mut self, attention: SlotAttention) -> Self {
+        self.attention = attention;
+        self
+    }
+
+    /// How a step of `queries_per_row` queries per row on `backend` reads this cache: as
+    /// [`SlotAttention`] says, a quantized cache dequantized on CUDA (see
+    /// [`crate::models::decoder::masked_attention`]).
+    pub fn read(&self, backend: Backend, queries_per_row: usize) -> SlotRead {
+        let cuda = backend == Backend::Cuda;
+        let explicit = match self.attention {
+            SlotAttention::Auto => {
+                cuda && queries_per_row < 4
+                    && self.rows * self.capacity >= SlotAttention::EXPLICIT_FROM_POSITIONS
+            }
+            SlotAttention::Fused => false,
+            SlotAttention::Explicit => true,
+        };
+        SlotRead {
+            explicit,
+            dequantize: cuda,
         }
     }
 
@@ -360,5 +427,35 @@ mod tests {
             caps.insert(c);
         }
         assert!(caps.len() <= 44, "{} capacity shapes", caps.len());
+    }
+
+    #[test]
+    fn cuda_reads_large_decode_steps_explicitly_and_the_setting_overrides() {
+        let mut small = SlotKvCache::new(2, None);
+        small.reshape(64, 512).unwrap();
+        assert!(
+            !small.read(Backend::Cuda, 1).explicit,
+            "64 rows of 512 read fused"
+        );
+        let mut auto = SlotKvCache::new(2, None);
+        auto.reshape(128, 300).unwrap();
+        assert_eq!((auto.rows(), auto.capacity), (128, 512));
+        let read = |cache: &SlotKvCache, backend, queries| cache.read(backend, queries).explicit;
+        assert!(read(&auto, Backend::Cuda, 1));
+        assert!(
+            !read(&auto, Backend::Cuda, 256),
+            "prompt chunks reach cuDNN"
+        );
+        assert!(
+            !read(&auto, Backend::Metal, 1),
+            "Metal's vector kernel takes masks"
+        );
+        assert!(!read(&auto, Backend::Cpu, 1));
+        assert!(auto.read(Backend::Cuda, 1).dequantize);
+        assert!(!auto.read(Backend::Metal, 1).dequantize);
+        let explicit = SlotKvCache::new(2, None).with_attention(SlotAttention::Explicit);
+        assert!(read(&explicit, Backend::Cpu, 256));
+        let fused = SlotKvCache::new(2, None).with_attention(SlotAttention::Fused);
+        assert!(!read(&fused, Backend::Cuda, 1));
     }
 }

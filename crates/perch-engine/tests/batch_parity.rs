@@ -1,15 +1,31 @@
 //! Continuous batching reproduces single-request generation exactly: every reference case (the
 //! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids,
 //! with attention per sequence (the CPU's default) and batched over slot caches (a GPU's: prefill
-//! chunks of several sequences in one forward pass, decode steps in another).
+//! chunks of several sequences in one forward pass, decode steps in another), with the slot caches
+//! read by MLX's fused attention and by the explicit one CUDA's decode steps use.
 
 mod common;
 
 use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::slot_cache::SlotAttention;
 use perch_engine::{models, GenerateRequest, Tokenizer};
 
 /// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
 fn run(insert_at: &[usize], prefill_step_size: usize, attention: BatchAttention) {
+    run_with(
+        insert_at,
+        prefill_step_size,
+        attention,
+        SlotAttention::Fused,
+    );
+}
+
+fn run_with(
+    insert_at: &[usize],
+    prefill_step_size: usize,
+    attention: BatchAttention,
+    slot_attention: SlotAttention,
+) {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -17,6 +33,7 @@ fn run(insert_at: &[usize], prefill_step_size: usize, attention: BatchAttention)
     assert_eq!(insert_at.len(), cases.len(), "one insertion step per case");
     let config = BatchConfig {
         attention,
+        slot_attention,
         // Several sequences prefill per step (one forward pass of padded chunks when batched).
         prefill_batch_size: 4,
         ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
@@ -38,7 +55,7 @@ fn run(insert_at: &[usize], prefill_step_size: usize, attention: BatchAttention)
         assert_eq!(
             output.token_ids,
             common::expected_ids(case, output.finish_reason),
-            "case {} ({attention:?})",
+            "case {} ({attention:?}, {slot_attention:?})",
             case.id
         );
         assert_eq!(streamed, &output.text, "case {}", case.id);
@@ -70,6 +87,18 @@ fn staggered_inserts_with_chunked_prefill() {
 #[test]
 fn staggered_inserts_with_chunked_prefill_batched_attention() {
     run(&[0, 3, 5, 9, 17, 30, 31], 16, BatchAttention::Batched);
+}
+
+/// The same with every step reading the slots by explicit operations (matmul, mask, softmax,
+/// matmul: CUDA's choice for decode steps), prompt chunks included.
+#[test]
+fn staggered_inserts_with_chunked_prefill_explicit_slot_attention() {
+    run_with(
+        &[0, 3, 5, 9, 17, 30, 31],
+        16,
+        BatchAttention::Batched,
+        SlotAttention::Explicit,
+    );
 }
 
 /// Seeded sampling with a repetition penalty, and log-probabilities, run in the batch (whose

@@ -10,8 +10,9 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array};
 use perch_engine::cache::KvCache;
+use perch_engine::models::decoder::SlotRead;
 use perch_engine::models::{self, Model};
-use perch_engine::slot_cache::SlotKvCache;
+use perch_engine::slot_cache::{SlotAttention, SlotKvCache};
 use perch_engine::KvQuantization;
 
 /// A sequence decoding both ways: its own cache, and the slot it holds in the slot cache.
@@ -22,7 +23,7 @@ struct Sequence {
 }
 
 fn largest_difference(a: &Array, b: &Array) -> f32 {
-    let diff = ops::abs(&ops::subtract(a, b).unwrap()).unwrap();
+    let diff = ops::abs(ops::subtract(a, b).unwrap()).unwrap();
     ops::max(&diff, None).unwrap().item_exact::<f32>()
 }
 
@@ -50,11 +51,11 @@ fn start(
 }
 
 /// Runs the schedule and returns the largest logit difference between the two ways.
-fn run(q: Option<KvQuantization>) -> f32 {
+fn run(q: Option<KvQuantization>, attention: SlotAttention) -> f32 {
     let model = models::load(&common::model_dir()).unwrap();
     let model = model.as_ref();
     let cases = common::short_reference_cases();
-    let mut slots = SlotKvCache::new(model.info().num_layers, q);
+    let mut slots = SlotKvCache::new(model.info().num_layers, q).with_attention(attention);
     // Different lengths, one of a single token (an empty cache when it joins).
     let mut running: Vec<Sequence> = vec![
         start(model, &mut slots, &cases[0].prompt_ids, q),
@@ -220,7 +221,15 @@ fn prefill_chunks_in_slots_match_per_sequence_prefill() {
 
 #[test]
 fn float_slots_match_per_sequence_attention() {
-    let worst = run(None);
+    let worst = run(None, SlotAttention::Fused);
+    assert!(worst < 1e-4, "logits differ by up to {worst}");
+}
+
+/// The explicit read (matmul, mask, precise softmax, matmul: CUDA's decode steps) of the same
+/// schedule.
+#[test]
+fn float_slots_read_explicitly_match_per_sequence_attention() {
+    let worst = run(None, SlotAttention::Explicit);
     assert!(worst < 1e-4, "logits differ by up to {worst}");
 }
 
@@ -231,7 +240,10 @@ fn float_slots_match_per_sequence_attention() {
 /// masked slots is compared with identical inputs below.
 #[test]
 fn quantized_slots_give_the_per_sequence_tokens() {
-    run(Some(KvQuantization::new(8, 64, 64).unwrap()));
+    run(
+        Some(KvQuantization::new(8, 64, 64).unwrap()),
+        SlotAttention::Fused,
+    );
 }
 
 /// The masked quantized attention over a slot's whole buffer (stale values past the row's length,
@@ -242,13 +254,13 @@ fn masked_quantized_attention_over_padded_slots_is_exact() {
     let q = KvQuantization::new(8, 64, 64).unwrap();
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
     let (rows, kv_heads, heads, capacity) = (3, 2, 6, 256);
-    let keys = ops::quantize(&normal(&[rows, kv_heads, capacity, 64]), 64, 8).unwrap();
-    let values = ops::quantize(&normal(&[rows, kv_heads, capacity, 64]), 64, 8).unwrap();
+    let keys = ops::quantize(normal(&[rows, kv_heads, capacity, 64]), 64, 8).unwrap();
+    let values = ops::quantize(normal(&[rows, kv_heads, capacity, 64]), 64, 8).unwrap();
     let queries = normal(&[rows, heads, 1, 64]);
     let lengths = [1, 37, 200];
     let positions = ops::arange::<_, i32>(0, capacity, None).unwrap();
     let lens = Array::from_slice(&lengths, &[rows, 1, 1, 1]);
-    let mask = ops::lt(&positions.reshape(&[1, 1, 1, -1]).unwrap(), &lens).unwrap();
+    let mask = ops::lt(positions.reshape(&[1, 1, 1, -1]).unwrap(), &lens).unwrap();
     let parts = |p: &(Array, Array, Array)| [p.0.clone(), p.1.clone(), p.2.clone()];
     let batched = quantized_scaled_dot_product_attention(
         &queries,
@@ -296,15 +308,62 @@ fn dequantized_and_packed_reads_of_quantized_slots_agree() {
     let queries = normal(&[rows, 6, 1, 64]);
     let lens = Array::from_slice(&[1, 9, 130, 256], &[rows, 1, 1, 1]);
     let positions = ops::arange::<_, i32>(0, capacity, None).unwrap();
-    let mask = ops::lt(&positions.reshape(&[1, 1, 1, -1]).unwrap(), &lens).unwrap();
+    let mask = ops::lt(positions.reshape(&[1, 1, 1, -1]).unwrap(), &lens).unwrap();
     let read = |dequantize| {
         let cached = CachedKv::Quantized {
             keys: parts(&keys),
             values: parts(&values),
             quantization: q,
         };
-        masked_attention(&queries, cached, 0.125, &mask, dequantize).unwrap()
+        let read = SlotRead {
+            explicit: false,
+            dequantize,
+        };
+        masked_attention(&queries, cached, 0.125, &mask, read).unwrap()
     };
     let worst = largest_difference(&read(true), &read(false));
     assert!(worst < 1e-4, "{worst}");
+}
+
+/// The explicit read of dense slots equals MLX's fused masked attention over the same padded
+/// buffers (stale values past each row's length), one query per row and prompt chunks alike, with
+/// a key/value head shared by three query heads.
+#[test]
+fn explicit_and_fused_reads_of_dense_slots_agree() {
+    use perch_engine::cache::CachedKv;
+    use perch_engine::models::decoder::masked_attention;
+    let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
+    let (rows, capacity) = (4, 256);
+    let keys = normal(&[rows, 2, capacity, 64]);
+    let values = normal(&[rows, 2, capacity, 64]);
+    let lens = Array::from_slice(&[5, 9, 130, 250], &[rows, 1, 1, 1]);
+    for seq in [1, 5] {
+        let queries = normal(&[rows, 6, seq, 64]);
+        // Row r's query i sits at position lens[r] + i - seq and sees positions up to it.
+        let positions = ops::arange::<_, i32>(0, capacity, None).unwrap();
+        let query_at = ops::add(
+            ops::subtract(&lens, Array::from_int(seq)).unwrap(),
+            ops::arange::<_, i32>(0, seq, None)
+                .unwrap()
+                .reshape(&[1, 1, -1, 1])
+                .unwrap(),
+        )
+        .unwrap();
+        let mask = ops::le(positions.reshape(&[1, 1, 1, -1]).unwrap(), &query_at).unwrap();
+        let read = |explicit| {
+            let cached = CachedKv::Dense {
+                keys: keys.clone(),
+                values: values.clone(),
+            };
+            let read = SlotRead {
+                explicit,
+                dequantize: false,
+            };
+            masked_attention(&queries, cached, 0.125, &mask, read).unwrap()
+        };
+        let (explicit, fused) = (read(true), read(false));
+        assert_eq!(explicit.shape(), &[rows, 6, seq, 64]);
+        let worst = largest_difference(&explicit, &fused);
+        assert!(worst < 1e-5, "{seq} queries per row: {worst}");
+    }
 }

@@ -217,8 +217,8 @@ impl Attention {
         let queries = rope.forward_at(&queries, &step.positions)?;
         let keys = rope.forward_at(&keys, &step.positions)?;
         let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
-        let dequantize = Backend::current() == Backend::Cuda;
-        let out = masked_attention(&queries, cached, self.scale, &step.mask, dequantize)?;
+        let read = slots.read(Backend::current(), tokens as usize);
+        let out = masked_attention(&queries, cached, self.scale, &step.mask, read)?;
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[rows, tokens, -1])?;
@@ -283,20 +283,6 @@ pub fn quantized_scaled_dot_product_attention(
     q: KvQuantization,
     mask: KvMask,
 ) -> Result<Array> {
-    let s = queries.shape();
-    let (batch, heads, seq, head_dim) = (s[0], s[1], s[2], s[3]);
-    let kv_heads = keys[0].shape()[1];
-    let repeats = heads / kv_heads;
-    // Scalars in the activations' dtype: a float32 one would promote bfloat16 activations to
-    // float32, for which MLX's CUDA quantized_matmul has no kernel (mlx_lm's Python scalars are
-    // weakly typed and never promote).
-    let dtype = queries.dtype();
-    let queries = ops::multiply(queries, &Array::from_f32(scale).as_dtype(dtype)?)?.reshape(&[
-        batch,
-        kv_heads,
-        repeats * seq,
-        head_dim,
-    ])?;
     // MLX's CUDA quantized_matmul (v0.32) also takes only whole-contiguous packed matrices, and
     // the cache hands out views of its larger buffers: copy them there (Metal and CPU read views).
     let contiguous = Backend::current() == Backend::Cuda;
@@ -324,75 +310,153 @@ pub fn quantized_scaled_dot_product_attention(
             q.bits,
         )
     };
-    // [batch, kv_heads, repeats * seq, positions]
-    let mut scores = qmm(&queries, &keys, true)?;
-    if let KvMask::Array(mask) = mask {
+    let kv_heads = keys[0].shape()[1];
+    stacked_attention(
+        queries,
+        kv_heads,
+        scale,
+        mask,
+        |q| Ok(qmm(q, &keys, true)?),
+        |p| Ok(qmm(p, &values, false)?),
+    )
+}
+
+/// Attention over dense keys and values `[batch, kv_heads, positions, head_dim]` by explicit
+/// operations, as [`quantized_scaled_dot_product_attention`] computes it with `matmul` in place
+/// of `quantized_matmul`: scores, mask, precise softmax, weighted values. What a batched decode
+/// step on CUDA reads its slot cache with (see [`SlotRead`]). Returns
+/// `[batch, heads, seq, head_dim]`.
+pub fn explicit_scaled_dot_product_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    scale: f32,
+    mask: KvMask,
+) -> Result<Array> {
+    let kv_heads = keys.shape()[1];
+    let keys_t = keys.transpose_axes(&[0, 1, 3, 2])?;
+    stacked_attention(
+        queries,
+        kv_heads,
+        scale,
+        mask,
+        |q| Ok(ops::matmul(q, &keys_t)?),
+        |p| Ok(ops::matmul(p, values)?),
+    )
+}
+
+/// The attention both explicit forms share. The query heads that share a KV head are stacked
+/// along the rows, `[batch, kv_heads, repeats * seq, head_dim]` (scaled by `scale` in their own
+/// dtype), `scores_of` turns them into scores `[batch, kv_heads, repeats * seq, positions]`, the
+/// mask puts the dtype's lowest value where a query may not look (as mlx_lm's
+/// `where(mask, scores, finfo(dtype).min)`), a precise softmax (float32 inside) gives the
+/// weights and `weigh` turns them into `[batch, kv_heads, repeats * seq, head_dim]`.
+fn stacked_attention(
+    queries: &Array,
+    kv_heads: i32,
+    scale: f32,
+    mask: KvMask,
+    scores_of: impl FnOnce(&Array) -> Result<Array>,
+    weigh: impl FnOnce(&Array) -> Result<Array>,
+) -> Result<Array> {
+    let s = queries.shape();
+    let (batch, heads, seq, head_dim) = (s[0], s[1], s[2], s[3]);
+    let repeats = heads / kv_heads;
+    // Scalars in the activations' dtype: a float32 one would promote bfloat16 activations to
+    // float32, for which MLX's CUDA quantized_matmul has no kernel (mlx_lm's Python scalars are
+    // weakly typed and never promote).
+    let dtype = queries.dtype();
+    let queries = ops::multiply(queries, &Array::from_f32(scale).as_dtype(dtype)?)?.reshape(&[
+        batch,
+        kv_heads,
+        repeats * seq,
+        head_dim,
+    ])?;
+    let mut scores = scores_of(&queries)?;
+    let positions = *scores.shape().last().expect("scores have a key axis");
+    let mask = match mask {
+        KvMask::None => None,
         // [batch, 1 or heads, seq, positions] → broadcast over the heads stacked per KV head.
-        let positions = *scores.shape().last().expect("scores have a key axis");
-        let m = mask.shape();
-        let mask = if m[1] == 1 {
-            mask.reshape(&[m[0], 1, 1, m[2], m[3]])?
-        } else {
-            mask.reshape(&[m[0], kv_heads, repeats, m[2], m[3]])?
-        };
+        KvMask::Array(mask) => {
+            let m = mask.shape();
+            Some(if m[1] == 1 {
+                mask.reshape(&[m[0], 1, 1, m[2], m[3]])?
+            } else {
+                mask.reshape(&[m[0], kv_heads, repeats, m[2], m[3]])?
+            })
+        }
+        KvMask::Causal => {
+            let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
+            let k_positions = ops::arange::<_, i32>(0, positions, None)?;
+            Some(ops::ge(
+                &q_positions.expand_dims(1)?,
+                &k_positions.expand_dims(0)?,
+            )?)
+        }
+    };
+    if let Some(mask) = mask {
         let by_head = scores.reshape(&[batch, kv_heads, repeats, seq, positions])?;
-        scores = ops::select(&mask, &by_head, &lowest(dtype)?)?.reshape(&[
+        scores = ops::select(&mask, &by_head, &lowest(scores.dtype())?)?.reshape(&[
             batch,
             kv_heads,
             repeats * seq,
             positions,
         ])?;
     }
-    if let KvMask::Causal = mask {
-        let positions = *scores.shape().last().expect("scores have a key axis");
-        let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
-        let k_positions = ops::arange::<_, i32>(0, positions, None)?;
-        let mask = ops::ge(&q_positions.expand_dims(1)?, &k_positions.expand_dims(0)?)?;
-        let by_head = scores.reshape(&[batch, kv_heads, repeats, seq, positions])?;
-        scores = ops::select(&mask, &by_head, &lowest(dtype)?)?.reshape(&[
-            batch,
-            kv_heads,
-            repeats * seq,
-            positions,
-        ])?;
-    }
-    let scores = ops::softmax_axis(&scores, -1, true)?;
-    Ok(qmm(&scores, &values, false)?.reshape(&[batch, heads, seq, head_dim])?)
+    let weights = ops::softmax_axis(&scores, -1, true)?;
+    Ok(weigh(&weights)?.reshape(&[batch, heads, seq, head_dim])?)
+}
+
+/// How one batched step's attention reads its slot cache (see
+/// [`crate::slot_cache::SlotAttention`] for the choice and its measurements).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotRead {
+    /// Dense keys and values are read by [`explicit_scaled_dot_product_attention`] instead of
+    /// MLX's fused attention.
+    pub explicit: bool,
+    /// A quantized cache is dequantized (one layer at a time) and read as a dense one, instead
+    /// of by [`quantized_scaled_dot_product_attention`] (see [`masked_attention`]).
+    pub dequantize: bool,
 }
 
 /// Attention of `queries` `[batch, heads, seq, head_dim]` over `cached` positions where `mask`
-/// (boolean, `[batch, 1 or heads, seq, positions]`) is true. A quantized cache is read by
-/// [`quantized_scaled_dot_product_attention`], or, when `dequantize`, dequantized and read by
-/// the fused attention: MLX 0.32.2's CUDA quantized_matmul over a batch of `rows * kv_heads`
-/// packed matrices did not finish a 32-sequence benchmark in 120 s on an H100, where dequantizing
-/// one layer's slots at a time ran it at 2,494 tok/s (the cache keeps its size; the transient
-/// copy is one layer's). Returns `[batch, heads, seq, head_dim]`.
+/// (boolean, `[batch, 1 or heads, seq, positions]`) is true, read as `read` says. A quantized
+/// cache is read by [`quantized_scaled_dot_product_attention`], or, when `read.dequantize`,
+/// dequantized and read as a dense one: MLX 0.32.2's CUDA quantized_matmul over a batch of
+/// `rows * kv_heads` packed matrices did not finish a 32-sequence benchmark in 120 s on an H100,
+/// where dequantizing one layer's slots at a time ran it at 2,494 tok/s (the cache keeps its
+/// size; the transient copy is one layer's). Returns `[batch, heads, seq, head_dim]`.
 pub fn masked_attention(
     queries: &Array,
     cached: CachedKv,
     scale: f32,
     mask: &Array,
-    dequantize: bool,
+    read: SlotRead,
 ) -> Result<Array> {
-    let mask_arg = || ScaledDotProductAttentionMask::Array(mask);
-    Ok(match cached {
-        CachedKv::Dense { keys, values } => {
-            scaled_dot_product_attention(queries, &keys, &values, scale, mask_arg(), None)?
-        }
+    let dense = |keys: &Array, values: &Array| -> Result<Array> {
+        Ok(if read.explicit {
+            explicit_scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                scale,
+                KvMask::Array(mask),
+            )?
+        } else {
+            let mask = ScaledDotProductAttentionMask::Array(mask);
+            scaled_dot_product_attention(queries, keys, values, scale, mask, None)?
+        })
+    };
+    match cached {
+        CachedKv::Dense { keys, values } => dense(&keys, &values),
         CachedKv::Quantized {
             keys,
             values,
             quantization: q,
-        } if dequantize => {
-            let dense = |[w, s, b]: [Array; 3]| ops::dequantize(&w, &s, &b, q.group_size, q.bits);
-            scaled_dot_product_attention(
-                queries,
-                &dense(keys)?,
-                &dense(values)?,
-                scale,
-                mask_arg(),
-                None,
-            )?
+        } if read.dequantize => {
+            let dequantized =
+                |[w, s, b]: [Array; 3]| ops::dequantize(&w, &s, &b, q.group_size, q.bits);
+            dense(&dequantized(keys)?, &dequantized(values)?)
         }
         CachedKv::Quantized {
             keys,
@@ -405,8 +469,8 @@ pub fn masked_attention(
             scale,
             quantization,
             KvMask::Array(mask),
-        )?,
-    })
+        ),
+    }
 }
 
 /// Which positions a query of [`quantized_scaled_dot_product_attention`] may attend to.
