@@ -8,7 +8,8 @@
 //! preempts the newest running request, which goes back to the front of the queue and is
 //! recomputed later (mostly from the prefix cache, since its full blocks are published first).
 //! Those decisions are plain functions in [`crate::scheduler`]; this module applies them to the
-//! sequences, the pool and the model.
+//! sequences and the pool, and the model runner (`runner.rs`: forward passes, slot caches,
+//! sampling, the decode step in flight) executes the steps.
 //!
 //! Each sequence computes in its own contiguous KV cache, so a row of the batch computes exactly
 //! what the sequence computes alone (projections are batched, attention is per sequence; see
@@ -28,8 +29,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use mlx_rs::transforms::{async_eval, eval};
-use mlx_rs::{ops, Array, Dtype};
+use mlx_rs::transforms::eval;
+use mlx_rs::{Array, Dtype};
 use serde::Serialize;
 
 use crate::block_pool::{BlockId, BlockPool};
@@ -38,16 +39,16 @@ use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::generate::{
-    check_request, sample_next, FinishReason, GenerateOutput, GenerateRequest, Pushed,
-    RecentTokens, Sampled, TokenEvent, TokenSink,
+    check_request, FinishReason, GenerateOutput, GenerateRequest, Pushed, RecentTokens, TokenEvent,
+    TokenSink,
 };
 use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
-use crate::mlx_ext::slice;
 use crate::models::Model;
 use crate::prompt_cache::PromptCache;
+use crate::runner::{DecodeRow, ModelRunner, Slot};
 use crate::sampler::Sampler;
 use crate::scheduler::{self, Progress, WhenShort};
-use crate::slot_cache::{SlotAttention, SlotKvCache};
+use crate::slot_cache::SlotAttention;
 use crate::throughput::ThroughputWindow;
 use crate::tokenizer::Tokenizer;
 
@@ -288,13 +289,11 @@ pub struct BatchGenerator<'m> {
     waiting: VecDeque<Sequence>,
     kv: KvCacheManager,
     store: BlockStore,
-    /// Prefilling and decoding sequences' KV with [`BatchAttention::Batched`].
-    slots: Slots,
+    /// Executes the steps: forward passes, slot caches, sampling, the decode step in flight.
+    runner: ModelRunner<'m>,
     next_id: RequestId,
     preemptions: u64,
     times: StepTimes,
-    /// The decode step dispatched and not read yet (see [`BatchGenerator::decode`]).
-    in_flight: Option<InFlight>,
     /// Prompt tokens processed, over the last seconds.
     pub prompt_throughput: ThroughputWindow,
     /// Tokens generated, over the last seconds.
@@ -323,8 +322,9 @@ impl<'m> BatchGenerator<'m> {
                 model_id,
             ),
             store: BlockStore::new(config.num_blocks),
-            slots: Slots::new(
-                model.info().num_layers,
+            runner: ModelRunner::new(
+                model,
+                config.attention,
                 config.kv_quantization,
                 config.slot_attention,
             ),
@@ -334,7 +334,6 @@ impl<'m> BatchGenerator<'m> {
             next_id: 1,
             preemptions: 0,
             times: StepTimes::default(),
-            in_flight: None,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
@@ -448,9 +447,8 @@ impl<'m> BatchGenerator<'m> {
         for seq in self.running.drain(..) {
             self.kv.free(seq.id);
         }
-        self.slots.clear();
+        self.runner.clear();
         self.waiting.clear();
-        self.in_flight = None;
         ids
     }
 
@@ -582,6 +580,14 @@ impl<'m> BatchGenerator<'m> {
         events
     }
 
+    /// Runs a decode step of every row bucket up to `max_running` on scratch caches, so that a
+    /// GPU backend compiles those graphs now rather than during the first requests (see
+    /// `ModelRunner::warm_up`); changes nothing in the batch. Returns the number of shapes run
+    /// (none with [`BatchAttention::PerSequence`]). The engine calls it at load on GPUs.
+    pub fn warm_up(&mut self) -> Result<usize> {
+        self.runner.warm_up(self.config.max_running)
+    }
+
     /// Where the steps spent their time so far.
     pub fn step_times(&self) -> StepTimes {
         self.times
@@ -656,16 +662,12 @@ impl<'m> BatchGenerator<'m> {
             let end = seq.computed + len;
             let chunk = &seq.tokens[seq.computed..end];
             let start = Instant::now();
-            self.model.forward(
-                &Array::from_slice(chunk, &[1, chunk.len() as i32]),
-                &mut seq.cache,
-            )?;
-            eval(seq.cache.iter().flat_map(KvCache::state))?;
+            self.runner.prefill_alone(chunk, &mut seq.cache)?;
             self.times.prefill_seconds += start.elapsed().as_secs_f64();
             self.times.prefill_tokens += chunk.len() as u64;
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
-            publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
+            publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
         }
         Ok(())
     }
@@ -680,16 +682,15 @@ impl<'m> BatchGenerator<'m> {
         let entering = scheduler::take_prefill_slots(
             &progress,
             |i| self.running[i].slot.is_some(),
-            self.slots.prefill.len(),
+            self.runner.prefill_slots(),
             self.config.prefill_batch_size,
         );
         for i in entering {
             let seq = &mut self.running[i];
-            let row = self.slots.prefill.push(&seq.cache, seq.computed)?;
-            seq.slot = Some(Slot::Prefill(row));
+            seq.slot = Some(self.runner.enter_prefill(&seq.cache, seq.computed)?);
             seq.cache = Vec::new();
         }
-        let rows = self.slots.prefill.len();
+        let rows = self.runner.prefill_slots();
         if rows == 0 {
             return Ok(());
         }
@@ -704,24 +705,23 @@ impl<'m> BatchGenerator<'m> {
         let row_progress: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
         let chunks = scheduler::plan_slot_chunks(&row_progress, budget);
         let width = scheduler::prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
-        let mut ids = vec![0u32; self.slots.prefill.rows() * width];
-        for (row, (&i, &chunk)) in members.iter().zip(&chunks).enumerate() {
-            let seq = &self.running[i];
-            ids[row * width..row * width + chunk]
-                .copy_from_slice(&seq.tokens[seq.computed..seq.computed + chunk]);
-        }
-        let ids = Array::from_slice(&ids, &[(ids.len() / width) as i32, width as i32]);
+        let tokens: Vec<&[u32]> = members
+            .iter()
+            .zip(&chunks)
+            .map(|(&i, &chunk)| {
+                let seq = &self.running[i];
+                &seq.tokens[seq.computed..seq.computed + chunk]
+            })
+            .collect();
         let start = Instant::now();
-        self.model
-            .forward_slots(&ids, &mut self.slots.prefill, &chunks)?;
-        eval(self.slots.prefill.state())?;
+        self.runner.prefill_step(&tokens, width)?;
         self.times.prefill_seconds += start.elapsed().as_secs_f64();
         self.times.prefill_tokens += chunks.iter().sum::<usize>() as u64;
         self.prompt_throughput.record(chunks.iter().sum());
         for (&i, &chunk) in members.iter().zip(&chunks) {
             let seq = &mut self.running[i];
             seq.computed += chunk;
-            publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
+            publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
         }
         Ok(())
     }
@@ -747,7 +747,7 @@ impl<'m> BatchGenerator<'m> {
                 i += 1;
                 continue;
             }
-            match scheduler::when_short(self.running.len(), self.in_flight.is_some()) {
+            match scheduler::when_short(self.running.len(), self.runner.has_in_flight()) {
                 WhenShort::ReadInFlight => {
                     // Then allocate again from the start (allocation is idempotent).
                     self.read_in_flight(&mut events)?;
@@ -775,99 +775,42 @@ impl<'m> BatchGenerator<'m> {
         if self.config.attention == BatchAttention::Batched {
             self.enter_decode_slots(&ready)?;
         }
-        // The row of each ready sequence in the logits, and the ids fed.
-        let rows: Vec<usize> = match self.config.attention {
-            BatchAttention::PerSequence => (0..ready.len()).collect(),
-            BatchAttention::Batched => ready
-                .iter()
-                .map(|&i| match self.running[i].slot {
-                    Some(Slot::Decode(row)) => row,
-                    _ => unreachable!("every ready sequence is in a decode slot"),
-                })
-                .collect(),
-        };
-        let num_rows = match self.config.attention {
-            BatchAttention::PerSequence => ready.len(),
-            BatchAttention::Batched => self.slots.decode.rows(),
-        };
-        let ids = self.decode_inputs(&ready, &rows, num_rows)?;
-        let logits = match self.config.attention {
-            BatchAttention::PerSequence => {
-                let mut caches: Vec<&mut [KvCache]> = Vec::with_capacity(ready.len());
-                let mut next = ready.iter().peekable();
-                for (i, seq) in self.running.iter_mut().enumerate() {
-                    if next.peek() == Some(&&i) {
-                        next.next();
-                        caches.push(&mut seq.cache);
-                    }
-                }
-                self.model.forward_batch(&ids, &mut caches)?
-            }
-            BatchAttention::Batched => {
-                let decode = &mut self.slots.decode;
-                let one_each = vec![1; decode.len()];
-                self.model.forward_slots(&ids, decode, &one_each)?
-            }
-        };
-        let vocab = logits.shape()[2];
-        let logits = logits.reshape(&[num_rows as i32, vocab])?;
-        // Rows with a plain greedy sampler and no logprobs asked: one argmax for all of them.
-        let plain: Vec<bool> = ready
-            .iter()
-            .map(|&i| {
-                let seq = &self.running[i];
-                seq.sampler.is_plain_greedy() && seq.request.logprobs.is_none()
-            })
-            .collect();
-        let greedy = if plain.contains(&true) {
-            let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
-            Some(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
-        } else {
-            None
-        };
-        let mut entries = Vec::with_capacity(ready.len());
         let mut first_steps = 0;
-        for ((&i, &row), &plain) in ready.iter().zip(&rows).zip(&plain) {
-            let seq = &mut self.running[i];
-            let sampled = if plain {
-                None
-            } else {
-                let r = row as i32;
-                let row_logits = slice(&logits, &[r, 0], &[r + 1, vocab])?;
-                Some(sample_next(
-                    &row_logits,
-                    &mut seq.sampler,
-                    &mut seq.history,
-                    seq.request.logprobs,
-                )?)
+        let mut rows = Vec::with_capacity(ready.len());
+        let mut next = ready.iter().enumerate().peekable();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            let Some(&(k, _)) = next.peek().filter(|(_, &r)| r == i) else {
+                continue;
             };
+            next.next();
             // A sequence's first decode step also processes its last prompt token.
             first_steps +=
                 usize::from(seq.computed + 1 == seq.tokens.len() && seq.first_token_at.is_none());
             seq.computed += 1;
-            entries.push(StepEntry {
+            let (row, cache) = match seq.slot {
+                Some(Slot::Decode(row)) => (row, None),
+                Some(Slot::Prefill(_)) => unreachable!("a ready sequence left its prefill slot"),
+                None => (k, Some(&mut seq.cache[..])),
+            };
+            rows.push(DecodeRow {
                 id: seq.id,
                 row,
-                sampled,
+                last_token: *seq.tokens.last().expect("non-empty"),
+                cache,
+                sampler: &mut seq.sampler,
+                history: &mut seq.history,
+                logprobs: seq.request.logprobs,
             });
         }
-        let step = InFlight { entries, greedy };
-        self.times.decode_build_seconds += start.elapsed().as_secs_f64();
-        async_eval(
-            step.arrays()
-                .chain(ready.iter().flat_map(|&i| self.running[i].history.state())),
-        )?;
+        let (step, built) = self.runner.dispatch_decode(rows)?;
+        self.times.decode_build_seconds += built;
         self.times.decode_seconds += start.elapsed().as_secs_f64();
         self.times.decode_steps += 1;
         self.prompt_throughput.record(first_steps);
         self.read_in_flight(&mut events)?;
         // Unless every sequence it stepped has just finished.
-        if step
-            .entries
-            .iter()
-            .any(|e| self.running.iter().any(|s| s.id == e.id))
-        {
-            self.in_flight = Some(step);
+        if step.ids().any(|id| self.running.iter().any(|s| s.id == id)) {
+            self.runner.set_in_flight(step);
         }
         Ok(events)
     }
@@ -877,93 +820,45 @@ impl<'m> BatchGenerator<'m> {
     /// slot free).
     fn enter_decode_slots(&mut self, ready: &[usize]) -> Result<()> {
         for &i in ready {
-            let slot = match self.running[i].slot {
-                Some(Slot::Decode(_)) => continue,
-                Some(Slot::Prefill(row)) => {
-                    let slot = self.slots.decode.push_from(&self.slots.prefill, row)?;
-                    self.free_slot(Slot::Prefill(row))?;
-                    slot
-                }
-                None => {
-                    let seq = &self.running[i];
-                    self.slots.decode.push(&seq.cache, seq.computed)?
-                }
-            };
+            let seq = &self.running[i];
+            if let Some(Slot::Decode(_)) = seq.slot {
+                continue;
+            }
+            let (slot, moved) = self
+                .runner
+                .enter_decode(seq.slot, &seq.cache, seq.computed)?;
+            if let Some(moved) = moved {
+                self.slot_moved(moved, seq.slot.expect("it left a prefill slot"));
+            }
             let seq = &mut self.running[i];
-            seq.slot = Some(Slot::Decode(slot));
+            seq.slot = Some(slot);
             seq.cache = Vec::new();
         }
         Ok(())
-    }
-
-    /// Token ids `[num_rows, 1]` for a decode step: row `rows[k]` feeds ready sequence
-    /// `ready[k]`'s next token, its last known one or, when the step in flight sampled one not
-    /// read yet, that one (gathered on the device); other rows feed 0 (padding).
-    fn decode_inputs(&self, ready: &[usize], rows: &[usize], num_rows: usize) -> Result<Array> {
-        let mut host = vec![0u32; num_rows];
-        for (&i, &row) in ready.iter().zip(rows) {
-            host[row] = *self.running[i].tokens.last().expect("non-empty");
-        }
-        let host = Array::from_slice(&host, &[num_rows as i32]);
-        let Some(step) = &self.in_flight else {
-            return Ok(host.reshape(&[num_rows as i32, 1])?);
-        };
-        let pending: std::collections::HashMap<RequestId, usize> = step
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(k, e)| (e.id, k))
-            .collect();
-        let mut from_device = vec![false; num_rows];
-        let mut source = vec![0u32; num_rows];
-        for (&i, &row) in ready.iter().zip(rows) {
-            if let Some(&k) = pending.get(&self.running[i].id) {
-                from_device[row] = true;
-                source[row] = k as u32;
-            }
-        }
-        if !from_device.contains(&true) {
-            return Ok(host.reshape(&[num_rows as i32, 1])?);
-        }
-        let previous = step.tokens()?;
-        let gathered = previous.take_axis(Array::from_slice(&source, &[num_rows as i32]), 0)?;
-        let mask = Array::from_slice(&from_device, &[num_rows as i32]);
-        Ok(ops::select(&mask, &gathered, &host)?.reshape(&[num_rows as i32, 1])?)
     }
 
     /// Reads the step in flight, if any: its tokens go to their sequences' streams (events), and
     /// the sequences they finish leave the batch. Rows of sequences no longer running (finished
     /// or cancelled since the step was dispatched) are dropped.
     fn read_in_flight(&mut self, events: &mut Vec<BatchEvent>) -> Result<()> {
-        let Some(step) = self.in_flight.take() else {
+        let start = Instant::now();
+        let Some((tokens, waited)) = self.runner.read_in_flight()? else {
             return Ok(());
         };
-        let start = Instant::now();
-        eval(step.arrays())?;
         // The wait for the device belongs to the decode step that was dispatched.
-        let waited = start.elapsed().as_secs_f64();
         self.times.decode_seconds += waited;
         self.times.decode_wait_seconds += waited;
-        let greedy: Vec<u32> = step
-            .greedy
-            .as_ref()
-            .map(|g| g.as_slice::<u32>().to_vec())
-            .unwrap_or_default();
         let mut done = Vec::new();
         let mut generated = 0;
-        for entry in &step.entries {
-            let Some(seq) = self.running.iter_mut().find(|s| s.id == entry.id) else {
+        for step in tokens {
+            let Some(seq) = self.running.iter_mut().find(|s| s.id == step.id) else {
                 continue;
             };
             generated += 1;
-            let (token, logprobs) = match &entry.sampled {
-                Some(sampled) => sampled.read(),
-                None => (greedy[entry.row], None),
-            };
             seq.first_token_at
                 .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
-            seq.tokens.push(token);
-            match seq.sink.push(self.tokenizer, token, logprobs)? {
+            seq.tokens.push(step.token);
+            match seq.sink.push(self.tokenizer, step.token, step.logprobs)? {
                 Pushed::Token(event) => events.push(BatchEvent::Token {
                     request: seq.id,
                     event,
@@ -1013,7 +908,7 @@ impl<'m> BatchGenerator<'m> {
     /// and its cache.
     fn release(&mut self, seq: &mut Sequence) -> Result<()> {
         if !seq.cache.is_empty() || seq.slot.is_some() {
-            publish(&mut self.kv, &mut self.store, &self.slots, seq)?;
+            publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
         }
         self.kv.free(seq.id);
         seq.cache = Vec::new();
@@ -1025,12 +920,17 @@ impl<'m> BatchGenerator<'m> {
 
     /// Frees `slot`; the sequence in its cache's last slot (still running) moves into it.
     fn free_slot(&mut self, slot: Slot) -> Result<()> {
-        if let Some(moved) = self.slots.remove(slot)? {
-            if let Some(other) = self.running.iter_mut().find(|s| s.slot == Some(moved)) {
-                other.slot = Some(slot);
-            }
+        if let Some(moved) = self.runner.free_slot(slot)? {
+            self.slot_moved(moved, slot);
         }
         Ok(())
+    }
+
+    /// The sequence in slot `from` is now in slot `to`.
+    fn slot_moved(&mut self, from: Slot, to: Slot) {
+        if let Some(other) = self.running.iter_mut().find(|s| s.slot == Some(from)) {
+            other.slot = Some(to);
+        }
     }
 
     /// Sends a running sequence back to be recomputed: its blocks are freed (full ones stay
@@ -1071,7 +971,7 @@ fn allocate(
 fn publish(
     kv: &mut KvCacheManager,
     store: &mut BlockStore,
-    slots: &Slots,
+    runner: &ModelRunner,
     seq: &mut Sequence,
 ) -> Result<()> {
     let full = seq.computed / kv.block_size();
@@ -1084,7 +984,7 @@ fn publish(
     for &(index, id) in &entries {
         match seq.slot {
             Some(slot) => {
-                let (slots, row) = slots.get(slot);
+                let (slots, row) = runner.slot_cache(slot);
                 let (start, end) = (index * block_size, (index + 1) * block_size);
                 let parts = (0..slots.num_layers())
                     .map(|layer| slots.copy_parts(row, layer, start, end))
@@ -1098,108 +998,4 @@ fn publish(
     eval(store.state(&ids))?;
     seq.published_blocks = full;
     Ok(())
-}
-
-/// Where a sequence's KV lives with [`BatchAttention::Batched`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Slot {
-    /// A row of the prefill slot cache, while its prompt is prefilled.
-    Prefill(usize),
-    /// A row of the decode slot cache, from its first decode step on.
-    Decode(usize),
-}
-
-/// The batch's two slot caches: a sequence prefills in one and moves to the other when its
-/// prompt is cached, so a prefill step's rows are prompt chunks only and a decode step's rows one
-/// token each (a forward pass over both would pad every decode row to the chunk length).
-struct Slots {
-    prefill: SlotKvCache,
-    decode: SlotKvCache,
-}
-
-impl Slots {
-    fn new(
-        num_layers: usize,
-        quantization: Option<KvQuantization>,
-        attention: SlotAttention,
-    ) -> Self {
-        let cache = || SlotKvCache::new(num_layers, quantization).with_attention(attention);
-        Self {
-            prefill: cache(),
-            decode: cache(),
-        }
-    }
-
-    /// The cache `slot` is in, and its row there.
-    fn get(&self, slot: Slot) -> (&SlotKvCache, usize) {
-        match slot {
-            Slot::Prefill(row) => (&self.prefill, row),
-            Slot::Decode(row) => (&self.decode, row),
-        }
-    }
-
-    /// Frees `slot`; returns the slot whose sequence moved into it, if one did.
-    fn remove(&mut self, slot: Slot) -> Result<Option<Slot>> {
-        Ok(match slot {
-            Slot::Prefill(row) => self.prefill.remove(row)?.map(Slot::Prefill),
-            Slot::Decode(row) => self.decode.remove(row)?.map(Slot::Decode),
-        })
-    }
-
-    fn clear(&mut self) {
-        self.prefill.clear();
-        self.decode.clear();
-    }
-}
-
-/// A decode step dispatched and not read yet.
-struct InFlight {
-    /// One per stepped sequence, in the order they were stepped.
-    entries: Vec<StepEntry>,
-    /// The argmax of every row `[rows]` (uint32), when some row is plain greedy.
-    greedy: Option<Array>,
-}
-
-struct StepEntry {
-    id: RequestId,
-    /// Its row of the step's logits.
-    row: usize,
-    /// Its token when sampled on its own; `None`: `greedy[row]`.
-    sampled: Option<Sampled>,
-}
-
-impl InFlight {
-    /// The arrays to evaluate.
-    fn arrays(&self) -> impl Iterator<Item = &Array> {
-        self.greedy.iter().chain(
-            self.entries
-                .iter()
-                .flat_map(|e| e.sampled.iter().flat_map(Sampled::arrays)),
-        )
-    }
-
-    /// Every entry's token, `[entries]` uint32, lazy.
-    fn tokens(&self) -> Result<Array> {
-        let rows: Vec<u32> = self.entries.iter().map(|e| e.row as u32).collect();
-        let from_greedy = match &self.greedy {
-            Some(greedy) => {
-                Some(greedy.take_axis(Array::from_slice(&rows, &[rows.len() as i32]), 0)?)
-            }
-            None => None,
-        };
-        if self.entries.iter().all(|e| e.sampled.is_none()) {
-            return Ok(from_greedy.expect("plain greedy rows have the argmax"));
-        }
-        let pieces: Vec<Array> = self
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(k, e)| match (&e.sampled, &from_greedy) {
-                (Some(sampled), _) => Ok(sampled.token.reshape(&[1])?),
-                (None, Some(g)) => Ok(slice(g, &[k as i32], &[k as i32 + 1])?),
-                (None, None) => unreachable!("plain greedy rows have the argmax"),
-            })
-            .collect::<Result<_>>()?;
-        Ok(ops::concatenate(&pieces, 0)?)
-    }
 }

@@ -479,6 +479,11 @@ impl EngineThread {
             )
         };
         let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, batch_config, &model_id);
+        if Backend::current() != Backend::Cpu {
+            // A warm-up that fails leaves nothing behind; the first request that meets the same
+            // failure reports it.
+            let _ = batch.warm_up();
+        }
         // Batch request id -> the submitted job it serves (waiting or running in the batch).
         let mut jobs: HashMap<RequestId, Job> = HashMap::new();
         loop {

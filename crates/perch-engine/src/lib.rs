@@ -21,6 +21,7 @@ pub mod layers;
 mod mlx_ext;
 pub mod models;
 pub mod prompt_cache;
+mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod slot_cache;

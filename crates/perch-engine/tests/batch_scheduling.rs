@@ -30,6 +30,7 @@ fn config_with(num_blocks: usize, block_size: usize, attention: BatchAttention) 
         num_blocks,
         kv_quantization: None,
         attention,
+        slot_attention: Default::default(),
     }
 }
 

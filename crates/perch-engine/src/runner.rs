@@ -1,0 +1,414 @@
+//! The batch's model runner: executes the steps [`crate::batch::BatchGenerator`] schedules (vLLM
+//! v1's split of scheduler and model runner). It owns the model's side of the batch: the slot
+//! caches of [`BatchAttention::Batched`], the forward passes, sampling, and the decode step in
+//! flight. The generator decides which sequences step and with how many tokens (through the
+//! plain functions of [`crate::scheduler`]), owns the sequences, their block tables and the
+//! prefix cache, and hands the runner what one step needs: token chunks, per-sequence caches,
+//! samplers.
+//!
+//! Decode steps are pipelined: [`ModelRunner::dispatch_decode`] builds a step and dispatches it
+//! (`async_eval`) before the previous step's tokens are read ([`ModelRunner::read_in_flight`]);
+//! a sequence whose token from the previous step is not read yet feeds it from the device.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array, Dtype};
+
+use crate::batch::BatchAttention;
+use crate::cache::{KvCache, KvQuantization};
+use crate::error::Result;
+use crate::generate::{sample_next, RecentTokens, Sampled, TokenLogprobs};
+use crate::kv_cache_manager::RequestId;
+use crate::mlx_ext::slice;
+use crate::models::Model;
+use crate::sampler::Sampler;
+use crate::slot_cache::{row_bucket, SlotAttention, SlotKvCache};
+
+/// Where a sequence's KV lives with [`BatchAttention::Batched`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// A row of the prefill slot cache, while its prompt is prefilled.
+    Prefill(usize),
+    /// A row of the decode slot cache, from its first decode step on.
+    Decode(usize),
+}
+
+/// The batch's two slot caches: a sequence prefills in one and moves to the other when its
+/// prompt is cached, so a prefill step's rows are prompt chunks only and a decode step's rows one
+/// token each (a forward pass over both would pad every decode row to the chunk length).
+struct Slots {
+    prefill: SlotKvCache,
+    decode: SlotKvCache,
+}
+
+impl Slots {
+    fn get(&self, slot: Slot) -> (&SlotKvCache, usize) {
+        match slot {
+            Slot::Prefill(row) => (&self.prefill, row),
+            Slot::Decode(row) => (&self.decode, row),
+        }
+    }
+}
+
+/// One sequence's part in a decode step.
+pub(crate) struct DecodeRow<'a> {
+    pub id: RequestId,
+    /// Its row of the step's logits: its decode slot with [`BatchAttention::Batched`], its
+    /// index among the step's rows otherwise.
+    pub row: usize,
+    /// Its last known token, fed unless the step in flight sampled a newer one.
+    pub last_token: u32,
+    /// Its own cache ([`BatchAttention::PerSequence`]; `None` in a slot).
+    pub cache: Option<&'a mut [KvCache]>,
+    pub sampler: &'a mut Sampler,
+    pub history: &'a mut RecentTokens,
+    /// Top log-probabilities asked for.
+    pub logprobs: Option<usize>,
+}
+
+/// A token a read step produced.
+pub(crate) struct StepToken {
+    pub id: RequestId,
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Runs the batch's forward passes; see the module docs.
+pub(crate) struct ModelRunner<'m> {
+    model: &'m dyn Model,
+    attention: BatchAttention,
+    quantization: Option<KvQuantization>,
+    slot_attention: SlotAttention,
+    slots: Slots,
+    /// The decode step dispatched and not read yet.
+    in_flight: Option<InFlight>,
+}
+
+impl<'m> ModelRunner<'m> {
+    pub fn new(
+        model: &'m dyn Model,
+        attention: BatchAttention,
+        quantization: Option<KvQuantization>,
+        slot_attention: SlotAttention,
+    ) -> Self {
+        let num_layers = model.info().num_layers;
+        let cache = || SlotKvCache::new(num_layers, quantization).with_attention(slot_attention);
+        Self {
+            model,
+            attention,
+            quantization,
+            slot_attention,
+            slots: Slots {
+                prefill: cache(),
+                decode: cache(),
+            },
+            in_flight: None,
+        }
+    }
+
+    /// Runs, over a scratch slot cache, one decode step of every row bucket up to `max_rows`
+    /// (sequences of no positions: the first capacity bucket), argmax included, so that MLX
+    /// meets those shapes before requests do: its CUDA backend spends tens of milliseconds on
+    /// each new one (a first-call cost a running stream would otherwise see as one slow token).
+    /// Returns the number of shapes run; none without [`BatchAttention::Batched`].
+    pub fn warm_up(&self, max_rows: usize) -> Result<usize> {
+        if self.attention != BatchAttention::Batched {
+            return Ok(0);
+        }
+        let mut slots = SlotKvCache::new(self.model.info().num_layers, self.quantization)
+            .with_attention(self.slot_attention);
+        let mut shapes = 0;
+        for n in 1..=max_rows.max(1) {
+            slots.push(&[], 0)?;
+            if n < max_rows && row_bucket(n + 1) == row_bucket(n) {
+                continue;
+            }
+            let ids = Array::from_slice(&vec![0u32; slots.rows()], &[slots.rows() as i32, 1]);
+            let logits = self.model.forward_slots(&ids, &mut slots, &vec![0; n])?;
+            let logits = logits.reshape(&[slots.rows() as i32, -1])?;
+            let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
+            let greedy = ops::indexing::argmax_axis(&logprobs, -1, None)?;
+            eval(std::iter::once(&greedy).chain(slots.state()))?;
+            shapes += 1;
+        }
+        Ok(shapes)
+    }
+
+    /// Forgets every slot and the step in flight (after an MLX failure).
+    pub fn clear(&mut self) {
+        self.slots.prefill.clear();
+        self.slots.decode.clear();
+        self.in_flight = None;
+    }
+
+    pub fn has_in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// The slot cache `slot` is in, and its row there.
+    pub fn slot_cache(&self, slot: Slot) -> (&SlotKvCache, usize) {
+        self.slots.get(slot)
+    }
+
+    /// Prefill slots occupied.
+    pub fn prefill_slots(&self) -> usize {
+        self.slots.prefill.len()
+    }
+
+    /// One prefill chunk of one sequence through its own cache, evaluated.
+    pub fn prefill_alone(&self, chunk: &[u32], cache: &mut [KvCache]) -> Result<()> {
+        self.model
+            .forward(&Array::from_slice(chunk, &[1, chunk.len() as i32]), cache)?;
+        eval(cache.iter().flat_map(KvCache::state))?;
+        Ok(())
+    }
+
+    /// Puts a sequence whose `cache` holds `computed` positions into the next prefill slot.
+    pub fn enter_prefill(&mut self, cache: &[KvCache], computed: usize) -> Result<Slot> {
+        Ok(Slot::Prefill(self.slots.prefill.push(cache, computed)?))
+    }
+
+    /// One prefill step over the prefill slots: row `r` feeds `chunks[r]` (one per occupied
+    /// slot), all padded to `width` tokens in one forward pass; evaluated.
+    pub fn prefill_step(&mut self, chunks: &[&[u32]], width: usize) -> Result<()> {
+        let mut ids = vec![0u32; self.slots.prefill.rows() * width];
+        for (row, chunk) in chunks.iter().enumerate() {
+            ids[row * width..row * width + chunk.len()].copy_from_slice(chunk);
+        }
+        let ids = Array::from_slice(&ids, &[(ids.len() / width) as i32, width as i32]);
+        let lengths: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        self.model
+            .forward_slots(&ids, &mut self.slots.prefill, &lengths)?;
+        eval(self.slots.prefill.state())?;
+        Ok(())
+    }
+
+    /// Puts a sequence into the next decode slot: from its prefill slot (freed; see
+    /// [`ModelRunner::free_slot`] for the second value) or, with `None`, from its own `cache`
+    /// of `computed` positions.
+    pub fn enter_decode(
+        &mut self,
+        from: Option<Slot>,
+        cache: &[KvCache],
+        computed: usize,
+    ) -> Result<(Slot, Option<Slot>)> {
+        match from {
+            Some(Slot::Decode(_)) => unreachable!("a decoding sequence is in its slot"),
+            Some(Slot::Prefill(row)) => {
+                let slot = self.slots.decode.push_from(&self.slots.prefill, row)?;
+                let moved = self.free_slot(Slot::Prefill(row))?;
+                Ok((Slot::Decode(slot), moved))
+            }
+            None => Ok((Slot::Decode(self.slots.decode.push(cache, computed)?), None)),
+        }
+    }
+
+    /// Frees `slot`. The last slot of its cache moves into it: returns that slot (its sequence
+    /// is now in `slot`) when one moved.
+    pub fn free_slot(&mut self, slot: Slot) -> Result<Option<Slot>> {
+        Ok(match slot {
+            Slot::Prefill(row) => self.slots.prefill.remove(row)?.map(Slot::Prefill),
+            Slot::Decode(row) => self.slots.decode.remove(row)?.map(Slot::Decode),
+        })
+    }
+
+    /// Rows of a decode step over `ready` sequences: the decode slot cache's (padding included)
+    /// with [`BatchAttention::Batched`], one per sequence otherwise.
+    pub fn decode_rows(&self, ready: usize) -> usize {
+        match self.attention {
+            BatchAttention::PerSequence => ready,
+            BatchAttention::Batched => self.slots.decode.rows(),
+        }
+    }
+
+    /// Builds one decode step of `rows` (in the order they were scheduled) and dispatches it
+    /// (`async_eval`) without waiting; the step in flight so far stays to be read. Rows with a
+    /// plain greedy sampler and no log-probabilities asked share one argmax; the others are
+    /// sampled one by one with their own processors and keys. Returns the step and the seconds
+    /// spent building its graph.
+    pub fn dispatch_decode(&mut self, rows: Vec<DecodeRow>) -> Result<(InFlight, f64)> {
+        let start = Instant::now();
+        let num_rows = self.decode_rows(rows.len());
+        let ids = self.decode_inputs(&rows, num_rows)?;
+        let mut rows = rows;
+        let logits = match self.attention {
+            BatchAttention::PerSequence => {
+                let mut caches: Vec<&mut [KvCache]> = rows
+                    .iter_mut()
+                    .map(|r| r.cache.take().expect("a sequence's own cache"))
+                    .collect();
+                self.model.forward_batch(&ids, &mut caches)?
+            }
+            BatchAttention::Batched => {
+                let decode = &mut self.slots.decode;
+                let one_each = vec![1; decode.len()];
+                self.model.forward_slots(&ids, decode, &one_each)?
+            }
+        };
+        let vocab = logits.shape()[2];
+        let logits = logits.reshape(&[num_rows as i32, vocab])?;
+        let plain: Vec<bool> = rows
+            .iter()
+            .map(|r| r.sampler.is_plain_greedy() && r.logprobs.is_none())
+            .collect();
+        let greedy = if plain.contains(&true) {
+            let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
+            Some(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
+        } else {
+            None
+        };
+        let mut entries = Vec::with_capacity(rows.len());
+        for (r, &plain) in rows.iter_mut().zip(&plain) {
+            let sampled = if plain {
+                None
+            } else {
+                let at = r.row as i32;
+                let row_logits = slice(&logits, &[at, 0], &[at + 1, vocab])?;
+                Some(sample_next(&row_logits, r.sampler, r.history, r.logprobs)?)
+            };
+            entries.push(StepEntry {
+                id: r.id,
+                row: r.row,
+                sampled,
+            });
+        }
+        let step = InFlight { entries, greedy };
+        let built = start.elapsed().as_secs_f64();
+        async_eval(
+            step.arrays()
+                .chain(rows.iter().flat_map(|r| r.history.state())),
+        )?;
+        Ok((step, built))
+    }
+
+    /// Makes `step` the step in flight (after the previous one was read).
+    pub fn set_in_flight(&mut self, step: InFlight) {
+        self.in_flight = Some(step);
+    }
+
+    /// Token ids `[num_rows, 1]` for a decode step: each row feeds its sequence's last known
+    /// token or, when the step in flight sampled one not read yet, that one (gathered on the
+    /// device); other rows feed 0 (padding).
+    fn decode_inputs(&self, rows: &[DecodeRow], num_rows: usize) -> Result<Array> {
+        let mut host = vec![0u32; num_rows];
+        for r in rows {
+            host[r.row] = r.last_token;
+        }
+        let host = Array::from_slice(&host, &[num_rows as i32]);
+        let Some(step) = &self.in_flight else {
+            return Ok(host.reshape(&[num_rows as i32, 1])?);
+        };
+        let pending: HashMap<RequestId, usize> = step
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| (e.id, k))
+            .collect();
+        let mut from_device = vec![false; num_rows];
+        let mut source = vec![0u32; num_rows];
+        for r in rows {
+            if let Some(&k) = pending.get(&r.id) {
+                from_device[r.row] = true;
+                source[r.row] = k as u32;
+            }
+        }
+        if !from_device.contains(&true) {
+            return Ok(host.reshape(&[num_rows as i32, 1])?);
+        }
+        let previous = step.tokens()?;
+        let gathered = previous.take_axis(Array::from_slice(&source, &[num_rows as i32]), 0)?;
+        let mask = Array::from_slice(&from_device, &[num_rows as i32]);
+        Ok(ops::select(&mask, &gathered, &host)?.reshape(&[num_rows as i32, 1])?)
+    }
+
+    /// Waits for the step in flight, if any, and returns its tokens (in the order its rows were
+    /// scheduled) with the seconds waited.
+    pub fn read_in_flight(&mut self) -> Result<Option<(Vec<StepToken>, f64)>> {
+        let Some(step) = self.in_flight.take() else {
+            return Ok(None);
+        };
+        let start = Instant::now();
+        eval(step.arrays())?;
+        let waited = start.elapsed().as_secs_f64();
+        let greedy: Vec<u32> = step
+            .greedy
+            .as_ref()
+            .map(|g| g.as_slice::<u32>().to_vec())
+            .unwrap_or_default();
+        let tokens = step
+            .entries
+            .iter()
+            .map(|entry| {
+                let (token, logprobs) = match &entry.sampled {
+                    Some(sampled) => sampled.read(),
+                    None => (greedy[entry.row], None),
+                };
+                StepToken {
+                    id: entry.id,
+                    token,
+                    logprobs,
+                }
+            })
+            .collect();
+        Ok(Some((tokens, waited)))
+    }
+}
+
+/// A decode step dispatched and not read yet.
+pub(crate) struct InFlight {
+    /// One per stepped sequence, in the order they were stepped.
+    entries: Vec<StepEntry>,
+    /// The argmax of every row `[rows]` (uint32), when some row is plain greedy.
+    greedy: Option<Array>,
+}
+
+struct StepEntry {
+    id: RequestId,
+    /// Its row of the step's logits.
+    row: usize,
+    /// Its token when sampled on its own; `None`: `greedy[row]`.
+    sampled: Option<Sampled>,
+}
+
+impl InFlight {
+    /// The requests it stepped.
+    pub fn ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.entries.iter().map(|e| e.id)
+    }
+
+    /// The arrays to evaluate.
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.greedy.iter().chain(
+            self.entries
+                .iter()
+                .flat_map(|e| e.sampled.iter().flat_map(Sampled::arrays)),
+        )
+    }
+
+    /// Every entry's token, `[entries]` uint32, lazy.
+    fn tokens(&self) -> Result<Array> {
+        let rows: Vec<u32> = self.entries.iter().map(|e| e.row as u32).collect();
+        let from_greedy = match &self.greedy {
+            Some(greedy) => {
+                Some(greedy.take_axis(Array::from_slice(&rows, &[rows.len() as i32]), 0)?)
+            }
+            None => None,
+        };
+        if self.entries.iter().all(|e| e.sampled.is_none()) {
+            return Ok(from_greedy.expect("plain greedy rows have the argmax"));
+        }
+        let pieces: Vec<Array> = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| match (&e.sampled, &from_greedy) {
+                (Some(sampled), _) => Ok(sampled.token.reshape(&[1])?),
+                (None, Some(g)) => Ok(slice(g, &[k as i32], &[k as i32 + 1])?),
+                (None, None) => unreachable!("plain greedy rows have the argmax"),
+            })
+            .collect::<Result<_>>()?;
+        Ok(ops::concatenate(&pieces, 0)?)
+    }
+}
