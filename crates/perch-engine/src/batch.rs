@@ -690,27 +690,34 @@ impl<'m> BatchGenerator<'m> {
             seq.slot = Some(self.runner.enter_prefill(&seq.cache, seq.computed)?);
             seq.cache = Vec::new();
         }
-        let rows = self.runner.prefill_slots();
-        if rows == 0 {
+        if self.runner.prefill_slots() == 0 {
             return Ok(());
         }
-        // The sequence in each prefill slot, and its chunk.
-        let mut members = vec![0usize; rows];
+        // The running sequence in each prefill slot (`None`: a free slot).
+        let mut slots: Vec<Option<usize>> = vec![None; self.runner.prefill_slot_span()];
         for (i, seq) in self.running.iter().enumerate() {
             if let Some(Slot::Prefill(row)) = seq.slot {
-                members[row] = i;
+                slots[row] = Some(i);
             }
         }
+        let members: Vec<usize> = slots.iter().flatten().copied().collect();
         let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
         let row_progress: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
         let chunks = scheduler::plan_slot_chunks(&row_progress, budget);
         let width = scheduler::prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
-        let tokens: Vec<&[u32]> = members
+        let chunk_of: std::collections::HashMap<usize, usize> = members
             .iter()
-            .zip(&chunks)
-            .map(|(&i, &chunk)| {
-                let seq = &self.running[i];
-                &seq.tokens[seq.computed..seq.computed + chunk]
+            .copied()
+            .zip(chunks.iter().copied())
+            .collect();
+        let tokens: Vec<&[u32]> = slots
+            .iter()
+            .map(|member| match member {
+                Some(i) => {
+                    let seq = &self.running[*i];
+                    &seq.tokens[seq.computed..seq.computed + chunk_of[i]]
+                }
+                None => &[][..],
             })
             .collect();
         let start = Instant::now();
@@ -824,12 +831,10 @@ impl<'m> BatchGenerator<'m> {
             if let Some(Slot::Decode(_)) = seq.slot {
                 continue;
             }
-            let (slot, moved) = self
+            let (slot, moves) = self
                 .runner
                 .enter_decode(seq.slot, &seq.cache, seq.computed)?;
-            if let Some(moved) = moved {
-                self.slot_moved(moved, seq.slot.expect("it left a prefill slot"));
-            }
+            self.slots_moved(&moves);
             let seq = &mut self.running[i];
             seq.slot = Some(slot);
             seq.cache = Vec::new();
@@ -920,16 +925,22 @@ impl<'m> BatchGenerator<'m> {
 
     /// Frees `slot`; the sequence in its cache's last slot (still running) moves into it.
     fn free_slot(&mut self, slot: Slot) -> Result<()> {
-        if let Some(moved) = self.runner.free_slot(slot)? {
-            self.slot_moved(moved, slot);
-        }
+        let moves = self.runner.free_slot(slot)?;
+        self.slots_moved(&moves);
         Ok(())
     }
 
-    /// The sequence in slot `from` is now in slot `to`.
-    fn slot_moved(&mut self, from: Slot, to: Slot) {
-        if let Some(other) = self.running.iter_mut().find(|s| s.slot == Some(from)) {
-            other.slot = Some(to);
+    /// Each sequence in slot `from` is now in slot `to`, for every `(from, to)` of `moves`.
+    fn slots_moved(&mut self, moves: &[(Slot, Slot)]) {
+        let moved: Vec<(usize, Slot)> = moves
+            .iter()
+            .filter_map(|&(from, to)| {
+                let i = self.running.iter().position(|s| s.slot == Some(from))?;
+                Some((i, to))
+            })
+            .collect();
+        for (i, to) in moved {
+            self.running[i].slot = Some(to);
         }
     }
 

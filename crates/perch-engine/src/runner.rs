@@ -157,6 +157,12 @@ impl<'m> ModelRunner<'m> {
         self.slots.prefill.len()
     }
 
+    /// Prefill slots up to the last occupied one, free ones included (the rows of
+    /// [`ModelRunner::prefill_step`]'s chunks).
+    pub fn prefill_slot_span(&self) -> usize {
+        self.slots.prefill.slots()
+    }
+
     /// One prefill chunk of one sequence through its own cache, evaluated.
     pub fn prefill_alone(&self, chunk: &[u32], cache: &mut [KvCache]) -> Result<()> {
         self.model
@@ -170,8 +176,9 @@ impl<'m> ModelRunner<'m> {
         Ok(Slot::Prefill(self.slots.prefill.push(cache, computed)?))
     }
 
-    /// One prefill step over the prefill slots: row `r` feeds `chunks[r]` (one per occupied
-    /// slot), all padded to `width` tokens in one forward pass; evaluated.
+    /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
+    /// [`ModelRunner::prefill_slot_span`]; empty for a free one), all padded to `width` tokens in
+    /// one forward pass; evaluated.
     pub fn prefill_step(&mut self, chunks: &[&[u32]], width: usize) -> Result<()> {
         let mut ids = vec![0u32; self.slots.prefill.rows() * width];
         for (row, chunk) in chunks.iter().enumerate() {
@@ -185,33 +192,41 @@ impl<'m> ModelRunner<'m> {
         Ok(())
     }
 
-    /// Puts a sequence into the next decode slot: from its prefill slot (freed; see
-    /// [`ModelRunner::free_slot`] for the second value) or, with `None`, from its own `cache`
+    /// Puts a sequence into a decode slot: from its prefill slot (freed; see
+    /// [`ModelRunner::free_slot`] for the moves returned) or, with `None`, from its own `cache`
     /// of `computed` positions.
     pub fn enter_decode(
         &mut self,
         from: Option<Slot>,
         cache: &[KvCache],
         computed: usize,
-    ) -> Result<(Slot, Option<Slot>)> {
+    ) -> Result<(Slot, Vec<(Slot, Slot)>)> {
         match from {
             Some(Slot::Decode(_)) => unreachable!("a decoding sequence is in its slot"),
             Some(Slot::Prefill(row)) => {
                 let slot = self.slots.decode.push_from(&self.slots.prefill, row)?;
-                let moved = self.free_slot(Slot::Prefill(row))?;
-                Ok((Slot::Decode(slot), moved))
+                let moves = self.free_slot(Slot::Prefill(row))?;
+                Ok((Slot::Decode(slot), moves))
             }
-            None => Ok((Slot::Decode(self.slots.decode.push(cache, computed)?), None)),
+            None => Ok((
+                Slot::Decode(self.slots.decode.push(cache, computed)?),
+                Vec::new(),
+            )),
         }
     }
 
-    /// Frees `slot`. The last slot of its cache moves into it: returns that slot (its sequence
-    /// is now in `slot`) when one moved.
-    pub fn free_slot(&mut self, slot: Slot) -> Result<Option<Slot>> {
-        Ok(match slot {
-            Slot::Prefill(row) => self.slots.prefill.remove(row)?.map(Slot::Prefill),
-            Slot::Decode(row) => self.slots.decode.remove(row)?.map(Slot::Decode),
-        })
+    /// Frees `slot`. Returns the sequences that moved, `(from, to)` (when its cache compacted
+    /// its rows; see [`SlotKvCache::remove`]).
+    pub fn free_slot(&mut self, slot: Slot) -> Result<Vec<(Slot, Slot)>> {
+        let (cache, row, kind): (_, _, fn(usize) -> Slot) = match slot {
+            Slot::Prefill(row) => (&mut self.slots.prefill, row, Slot::Prefill),
+            Slot::Decode(row) => (&mut self.slots.decode, row, Slot::Decode),
+        };
+        Ok(cache
+            .remove(row)?
+            .into_iter()
+            .map(|(from, to)| (kind(from), kind(to)))
+            .collect())
     }
 
     /// Rows of a decode step over `ready` sequences: the decode slot cache's (padding included)
@@ -243,7 +258,7 @@ impl<'m> ModelRunner<'m> {
             }
             BatchAttention::Batched => {
                 let decode = &mut self.slots.decode;
-                let one_each = vec![1; decode.len()];
+                let one_each = vec![1; decode.slots()];
                 self.model.forward_slots(&ids, decode, &one_each)?
             }
         };

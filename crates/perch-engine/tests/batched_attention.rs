@@ -67,24 +67,43 @@ fn run(q: Option<KvQuantization>, attention: SlotAttention) -> f32 {
     let mut rows_seen = std::collections::BTreeSet::new();
     for step in 0..12 {
         if step == 3 {
-            // The first sequence leaves: the last one's row moves into its slot.
+            // The first sequence leaves a free slot; nobody moves.
             let gone = running.remove(0);
-            let moved = slots
-                .remove(gone.slot)
-                .unwrap()
-                .expect("the last slot moves");
-            let seq = running.iter_mut().find(|s| s.slot == moved).unwrap();
-            seq.slot = gone.slot;
+            assert_eq!(slots.remove(gone.slot).unwrap(), vec![]);
+            assert!(!slots.is_occupied(gone.slot));
+            assert_eq!(slots.slots(), 4);
         }
         if step == 5 {
-            running.push(start(model, &mut slots, &cases[4].prompt_ids, q));
+            // The next one to join takes the free slot.
+            let seq = start(model, &mut slots, &cases[4].prompt_ids, q);
+            assert_eq!(seq.slot, 0);
+            running.push(seq);
         }
         if step == 8 {
-            // The newest leaves (no row moves), then two more join.
+            // The newest leaves, then two more join (slots 0 and 4: eight rows).
             let gone = running.pop().unwrap();
-            assert_eq!(slots.remove(gone.slot).unwrap(), None);
+            assert_eq!(slots.remove(gone.slot).unwrap(), vec![]);
             running.push(start(model, &mut slots, &cases[5].prompt_ids, q));
             running.push(start(model, &mut slots, &cases[0].prompt_ids[..9], q));
+            assert_eq!(slots.rows(), 8);
+        }
+        if step == 10 {
+            // Three of five leave: the rows are compacted whenever the sequences left fit a
+            // bucket half as large, down to two rows, slots 0 and 1.
+            let mut moved = 0;
+            for _ in 0..3 {
+                let gone = running.remove(0);
+                let moves = slots.remove(gone.slot).unwrap();
+                moved += moves.len();
+                for (from, to) in moves {
+                    running.iter_mut().find(|s| s.slot == from).unwrap().slot = to;
+                }
+            }
+            assert_eq!(slots.rows(), 2);
+            assert!(moved > 0, "some sequence moved");
+            let mut held: Vec<usize> = running.iter().map(|s| s.slot).collect();
+            held.sort_unstable();
+            assert_eq!(held, vec![0, 1]);
         }
         rows_seen.insert(slots.rows());
         let mut inputs = vec![0u32; slots.rows()];
@@ -92,7 +111,7 @@ fn run(q: Option<KvQuantization>, attention: SlotAttention) -> f32 {
             inputs[seq.slot] = seq.next;
         }
         let ids = Array::from_slice(&inputs, &[inputs.len() as i32, 1]);
-        let one_each = vec![1; slots.len()];
+        let one_each = vec![1; slots.slots()];
         let batched = model.forward_slots(&ids, &mut slots, &one_each).unwrap();
         for seq in &mut running {
             let alone = model
@@ -194,7 +213,7 @@ fn prefill_chunks_in_slots_match_per_sequence_prefill() {
         let slot = decode.push_from(&prefill, row).unwrap();
         assert_eq!(
             prefill.remove(row).unwrap(),
-            None,
+            vec![],
             "the last row leaves first"
         );
         assert_eq!(decode.slot_len(slot), *done);
