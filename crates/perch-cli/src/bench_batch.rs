@@ -232,6 +232,8 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         })
         .collect();
     let generated: usize = timelines.iter().map(|t| t.tokens.len()).sum();
+    // Seconds over the measured run's decode steps, in milliseconds per step.
+    let per_step_ms = |seconds: f64| seconds * 1e3 / decode_steps.max(1) as f64;
     let report = BatchReport {
         backend: Backend::current(),
         concurrency,
@@ -258,13 +260,12 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                 .max(1) as f64,
         engine_prefill_tps: (after.prefill_tokens - before.prefill_tokens) as f64
             / prefill_seconds.max(1e-9),
-        engine_decode_step_ms: decode_seconds * 1e3 / decode_steps.max(1) as f64,
-        engine_decode_wait_ms: (after.decode_wait_seconds - before.decode_wait_seconds) * 1e3
-            / decode_steps.max(1) as f64,
-        engine_token_ms: (after.token_seconds - before.token_seconds) * 1e3
-            / decode_steps.max(1) as f64,
-        engine_decode_build_ms: (after.decode_build_seconds - before.decode_build_seconds) * 1e3
-            / decode_steps.max(1) as f64,
+        engine_decode_step_ms: per_step_ms(decode_seconds),
+        engine_decode_wait_ms: per_step_ms(after.decode_wait_seconds - before.decode_wait_seconds),
+        engine_token_ms: per_step_ms(after.token_seconds - before.token_seconds),
+        engine_decode_build_ms: per_step_ms(
+            after.decode_build_seconds - before.decode_build_seconds,
+        ),
         engine_steps: after.steps - before.steps,
         engine_other_share: 1.0 - (prefill_seconds + decode_seconds) / step_seconds.max(1e-9),
     };

@@ -705,17 +705,15 @@ impl<'m> BatchGenerator<'m> {
         let row_progress: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
         let chunks = scheduler::plan_slot_chunks(&row_progress, budget);
         let width = scheduler::prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
-        let chunk_of: std::collections::HashMap<usize, usize> = members
-            .iter()
-            .copied()
-            .zip(chunks.iter().copied())
-            .collect();
+        // Members and their chunks come in slot order.
+        let mut chunk = chunks.iter();
         let tokens: Vec<&[u32]> = slots
             .iter()
             .map(|member| match member {
                 Some(i) => {
                     let seq = &self.running[*i];
-                    &seq.tokens[seq.computed..seq.computed + chunk_of[i]]
+                    let len = *chunk.next().expect("a chunk per member");
+                    &seq.tokens[seq.computed..seq.computed + len]
                 }
                 None => &[][..],
             })

@@ -79,8 +79,6 @@ pub(crate) struct StepToken {
 pub(crate) struct ModelRunner<'m> {
     model: &'m dyn Model,
     attention: BatchAttention,
-    quantization: Option<KvQuantization>,
-    slot_attention: SlotAttention,
     slots: Slots,
     /// The decode step dispatched and not read yet.
     in_flight: Option<InFlight>,
@@ -98,8 +96,6 @@ impl<'m> ModelRunner<'m> {
         Self {
             model,
             attention,
-            quantization,
-            slot_attention,
             slots: Slots {
                 prefill: cache(),
                 decode: cache(),
@@ -117,8 +113,7 @@ impl<'m> ModelRunner<'m> {
         if self.attention != BatchAttention::Batched {
             return Ok(0);
         }
-        let mut slots = SlotKvCache::new(self.model.info().num_layers, self.quantization)
-            .with_attention(self.slot_attention);
+        let mut slots = self.slots.decode.empty_like();
         let mut shapes = 0;
         for n in 1..=max_rows.max(1) {
             slots.push(&[], 0)?;
@@ -127,9 +122,7 @@ impl<'m> ModelRunner<'m> {
             }
             let ids = Array::from_slice(&vec![0u32; slots.rows()], &[slots.rows() as i32, 1]);
             let logits = self.model.forward_slots(&ids, &mut slots, &vec![0; n])?;
-            let logits = logits.reshape(&[slots.rows() as i32, -1])?;
-            let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
-            let greedy = ops::indexing::argmax_axis(&logprobs, -1, None)?;
+            let greedy = greedy_tokens(&logits.reshape(&[slots.rows() as i32, -1])?)?;
             eval(std::iter::once(&greedy).chain(slots.state()))?;
             shapes += 1;
         }
@@ -243,11 +236,10 @@ impl<'m> ModelRunner<'m> {
     /// plain greedy sampler and no log-probabilities asked share one argmax; the others are
     /// sampled one by one with their own processors and keys. Returns the step and the seconds
     /// spent building its graph.
-    pub fn dispatch_decode(&mut self, rows: Vec<DecodeRow>) -> Result<(InFlight, f64)> {
+    pub fn dispatch_decode(&mut self, mut rows: Vec<DecodeRow>) -> Result<(InFlight, f64)> {
         let start = Instant::now();
         let num_rows = self.decode_rows(rows.len());
         let ids = self.decode_inputs(&rows, num_rows)?;
-        let mut rows = rows;
         let logits = match self.attention {
             BatchAttention::PerSequence => {
                 let mut caches: Vec<&mut [KvCache]> = rows
@@ -269,8 +261,7 @@ impl<'m> ModelRunner<'m> {
             .map(|r| r.sampler.is_plain_greedy() && r.logprobs.is_none())
             .collect();
         let greedy = if plain.contains(&true) {
-            let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
-            Some(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
+            Some(greedy_tokens(&logits)?)
         } else {
             None
         };
@@ -369,6 +360,13 @@ impl<'m> ModelRunner<'m> {
             .collect();
         Ok(Some((tokens, waited)))
     }
+}
+
+/// The greedy token of every row of `logits` `[rows, vocab]`: `[rows]` uint32, the argmax of
+/// the log-probabilities as a lone sequence's sampler takes it (lazy).
+fn greedy_tokens(logits: &Array) -> Result<Array> {
+    let logprobs = ops::subtract(logits, &logits.logsumexp_axis(-1, true)?)?;
+    Ok(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
 }
 
 /// A decode step dispatched and not read yet.

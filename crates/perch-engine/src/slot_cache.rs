@@ -93,11 +93,12 @@ pub fn capacity_bucket(n: usize) -> usize {
 }
 
 /// The per-step inputs every layer shares, for a step of `tokens` tokens per row: positions
-/// `[rows]` int32 (where each row's first new token goes; RoPE's offsets) and the attention mask
-/// `[rows, 1, tokens, capacity]` bool.
+/// `[rows]` int32 (where each row's first new token goes; RoPE's offsets), the attention mask
+/// `[rows, 1, tokens, capacity]` bool, and how attention reads the buffers.
 pub struct SlotStep {
     pub positions: Array,
     pub mask: Array,
+    pub read: SlotRead,
     /// `[rows, 1, tokens, 1]` int32: the positions every layer's buffers write.
     index: Array,
 }
@@ -129,6 +130,11 @@ impl SlotKvCache {
             rows: 0,
             capacity: 0,
         }
+    }
+
+    /// An empty cache with this one's layers, quantization and attention setting.
+    pub fn empty_like(&self) -> Self {
+        Self::new(self.num_layers, self.quantization).with_attention(self.attention)
     }
 
     /// This cache read as `attention` says ([`SlotAttention::Auto`] when not set).
@@ -374,6 +380,7 @@ impl SlotKvCache {
         Ok(SlotStep {
             positions,
             mask,
+            read: self.read(Backend::current(), tokens),
             index,
         })
     }

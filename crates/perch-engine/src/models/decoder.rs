@@ -217,8 +217,7 @@ impl Attention {
         let queries = rope.forward_at(&queries, &step.positions)?;
         let keys = rope.forward_at(&keys, &step.positions)?;
         let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
-        let read = slots.read(Backend::current(), tokens as usize);
-        let out = masked_attention(&queries, cached, self.scale, &step.mask, read)?;
+        let out = masked_attention(&queries, cached, self.scale, &step.mask, step.read)?;
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[rows, tokens, -1])?;
