@@ -70,6 +70,10 @@ pub struct BenchArgs {
     /// choice; fused: MLX's fused attention with a mask; explicit: matmul, mask, softmax, matmul).
     #[arg(long, value_enum, default_value_t = SlotAttentionArg::Auto)]
     pub slot_attention: SlotAttentionArg,
+    /// With --concurrency: run batched decode steps through MLX's compiler (default: on for a
+    /// GPU, off on CPU).
+    #[arg(long)]
+    pub compile_decode: Option<bool>,
 }
 
 /// [`SlotAttention`] as a command-line value.

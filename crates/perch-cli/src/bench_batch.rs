@@ -77,6 +77,9 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         config.prefill_token_budget = n;
     }
     config.slot_attention = args.slot_attention.into();
+    if let Some(on) = args.compile_decode {
+        config.compile_decode = on;
+    }
     config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
         bits,
         group_size: args.kv_group_size,

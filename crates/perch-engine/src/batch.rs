@@ -78,6 +78,9 @@ pub struct BatchConfig {
     /// With [`BatchAttention::Batched`]: how steps read the slot caches (the backend decides by
     /// default).
     pub slot_attention: SlotAttention,
+    /// With [`BatchAttention::Batched`]: run decode steps through MLX's compiler
+    /// ([`crate::compiled`]); on by default on GPUs, where a decode step is bound by the host.
+    pub compile_decode: bool,
 }
 
 /// How a step runs attention over the running sequences.
@@ -150,7 +153,14 @@ impl BatchConfig {
             kv_quantization,
             attention: BatchAttention::for_backend(Backend::current()),
             slot_attention: SlotAttention::Auto,
+            compile_decode: Self::default_compile_decode(Backend::current()),
         }
+    }
+
+    /// Compiled decode steps on a GPU (Metal, CUDA); on CPU the per-sequence path runs, and
+    /// MLX's CPU compiler would build its fused kernels with the system's C++ compiler.
+    pub fn default_compile_decode(backend: Backend) -> bool {
+        backend != Backend::Cpu
     }
 }
 
@@ -327,6 +337,7 @@ impl<'m> BatchGenerator<'m> {
                 config.attention,
                 config.kv_quantization,
                 config.slot_attention,
+                config.compile_decode,
             ),
             config,
             running: Vec::new(),
@@ -586,6 +597,12 @@ impl<'m> BatchGenerator<'m> {
     /// (none with [`BatchAttention::PerSequence`]). The engine calls it at load on GPUs.
     pub fn warm_up(&mut self) -> Result<usize> {
         self.runner.warm_up(self.config.max_running)
+    }
+
+    /// Decode steps run through MLX's compiler so far ([`BatchConfig::compile_decode`]), warm-up
+    /// included.
+    pub fn compiled_decode_steps(&self) -> usize {
+        self.runner.compiled_decode_steps()
     }
 
     /// Where the steps spent their time so far.

@@ -49,6 +49,9 @@ pub struct EngineConfig {
     /// How batched steps read their slot caches (see [`SlotAttention`]); the backend decides by
     /// default.
     pub slot_attention: SlotAttention,
+    /// Batched decode steps compiled by MLX (see [`BatchConfig::compile_decode`]); on by
+    /// default on GPUs.
+    pub compile_decode: bool,
 }
 
 impl EngineConfig {
@@ -69,6 +72,7 @@ impl Default for EngineConfig {
             block_size: Self::DEFAULT_BLOCK_SIZE,
             kv_quantization: None,
             slot_attention: SlotAttention::Auto,
+            compile_decode: BatchConfig::default_compile_decode(Backend::current()),
         }
     }
 }
@@ -471,6 +475,7 @@ impl EngineThread {
             prefill_batch_size: config.prefill_batch_size,
             prefill_token_budget: config.prefill_token_budget,
             slot_attention: config.slot_attention,
+            compile_decode: config.compile_decode,
             ..BatchConfig::for_budget(
                 model.as_ref(),
                 config.kv_cache_bytes,

@@ -95,6 +95,7 @@ impl Quantization {
 
 /// Quantized weight storage: packed `weight` `[out, in * bits / 32]` (uint32), `scales` and
 /// `biases` `[out, in / group_size]`.
+#[derive(Clone)]
 pub struct QuantizedWeight {
     pub weight: Array,
     pub scales: Array,
@@ -159,6 +160,12 @@ impl QuantizedWeight {
     ///
     /// Results differ from `quantized_matmul` by float32 rounding only; every parity test passes
     /// either way. Other backends and bit widths use MLX's `quantized_matmul`.
+    /// Multiplies with MLX's `quantized_matmul` only: Perch's CPU kernel reads its input on the
+    /// host, which a traced (compiled) graph cannot.
+    fn use_mlx_kernels(&mut self) {
+        self.cpu_kernel = false;
+    }
+
     fn matmul_transposed(&self, x: &Array) -> Result<Array> {
         if self.cpu_kernel && x.dtype() == Dtype::Float32 {
             return self.cpu_matmul_transposed(x);
@@ -243,6 +250,7 @@ pub fn fused_projections() -> bool {
 }
 
 /// A linear layer `y = x W^T (+ b)` with `W` `[out, in]`, dense or quantized.
+#[derive(Clone)]
 pub enum Linear {
     Dense {
         weight: Array,
@@ -255,6 +263,13 @@ pub enum Linear {
 }
 
 impl Linear {
+    /// Every product through MLX's operations (see [`QuantizedWeight::use_mlx_kernels`]).
+    pub fn use_mlx_kernels(&mut self) {
+        if let Linear::Quantized { weight, .. } = self {
+            weight.use_mlx_kernels();
+        }
+    }
+
     /// Loads `{path}.weight` (and `.scales`/`.biases` when quantized, `.bias` when `bias`).
     pub fn load(
         weights: &mut Weights,
@@ -389,6 +404,7 @@ impl Linear {
 
 /// Token embedding table `[vocab, hidden]`, dense or quantized; doubles as the output projection
 /// when embeddings are tied.
+#[derive(Clone)]
 pub enum Embedding {
     Dense(Array),
     Quantized(QuantizedWeight),
@@ -430,6 +446,13 @@ impl Embedding {
         }
     }
 
+    /// Every product through MLX's operations (see [`QuantizedWeight::use_mlx_kernels`]).
+    pub fn use_mlx_kernels(&mut self) {
+        if let Embedding::Quantized(q) = self {
+            q.use_mlx_kernels();
+        }
+    }
+
     /// Hidden states `[..., hidden]` → logits `[..., vocab]` with the embedding matrix transposed.
     pub fn as_linear(&self, x: &Array) -> Result<Array> {
         match self {
@@ -440,6 +463,7 @@ impl Embedding {
 }
 
 /// RMSNorm over the last axis (Zhang & Sennrich 2019), via `mx.fast.rms_norm`.
+#[derive(Clone)]
 pub struct RmsNorm {
     weight: Array,
     eps: f32,
@@ -461,6 +485,7 @@ impl RmsNorm {
 /// Rotary position embedding (Su et al. 2021) over the first `dims` features of each head, in the
 /// non-interleaved layout unless `traditional`. `freqs` replaces `base` for scaled variants
 /// (Llama 3's `rope_scaling`, see [`llama3_frequencies`]).
+#[derive(Clone)]
 pub struct Rope {
     pub dims: i32,
     pub traditional: bool,
@@ -587,12 +612,14 @@ pub fn llama3_frequencies(
 }
 
 /// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+#[derive(Clone)]
 pub struct Mlp {
     gate_up: GateUp,
     down_proj: Linear,
 }
 
 /// The gate and up projections, separate or fused into one (see [`fused_projections`]).
+#[derive(Clone)]
 enum GateUp {
     Separate {
         gate_proj: Linear,
@@ -642,6 +669,18 @@ impl Mlp {
                 bias,
             )?,
         })
+    }
+
+    /// Every product through MLX's operations (see [`QuantizedWeight::use_mlx_kernels`]).
+    pub fn use_mlx_kernels(&mut self) {
+        match &mut self.gate_up {
+            GateUp::Separate { gate_proj, up_proj } => {
+                gate_proj.use_mlx_kernels();
+                up_proj.use_mlx_kernels();
+            }
+            GateUp::Fused(proj) => proj.use_mlx_kernels(),
+        }
+        self.down_proj.use_mlx_kernels();
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {

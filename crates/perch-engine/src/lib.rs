@@ -12,6 +12,7 @@ pub mod block_pool;
 pub mod block_store;
 pub mod cache;
 pub mod chat_template;
+mod compiled;
 pub mod device;
 pub mod engine;
 pub mod error;

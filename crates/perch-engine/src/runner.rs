@@ -18,6 +18,8 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::batch::BatchAttention;
 use crate::cache::{KvCache, KvQuantization};
+use crate::compiled::CompiledSlotForward;
+use crate::device::Backend;
 use crate::error::Result;
 use crate::generate::{sample_next, RecentTokens, Sampled, TokenLogprobs};
 use crate::kv_cache_manager::RequestId;
@@ -80,6 +82,8 @@ pub(crate) struct ModelRunner<'m> {
     model: &'m dyn Model,
     attention: BatchAttention,
     slots: Slots,
+    /// Decode steps through MLX's compiler, when enabled (with [`BatchAttention::Batched`]).
+    compiled_decode: Option<CompiledSlotForward>,
     /// The decode step dispatched and not read yet.
     in_flight: Option<InFlight>,
 }
@@ -90,26 +94,48 @@ impl<'m> ModelRunner<'m> {
         attention: BatchAttention,
         quantization: Option<KvQuantization>,
         slot_attention: SlotAttention,
+        compile_decode: bool,
     ) -> Self {
         let num_layers = model.info().num_layers;
         let cache = || SlotKvCache::new(num_layers, quantization).with_attention(slot_attention);
+        let decode = cache();
+        let compiled_decode = (compile_decode && attention == BatchAttention::Batched)
+            .then(|| CompiledSlotForward::new(model, &decode));
         Self {
             model,
             attention,
             slots: Slots {
                 prefill: cache(),
-                decode: cache(),
+                decode,
             },
+            compiled_decode,
             in_flight: None,
+        }
+    }
+
+    /// One decode step over the decode slot cache `slots` (the runner's or a scratch one set up
+    /// as it): compiled when enabled, as [`Model::forward_slots`] otherwise.
+    fn forward_decode(
+        model: &dyn Model,
+        compiled: Option<&mut CompiledSlotForward>,
+        ids: &Array,
+        slots: &mut SlotKvCache,
+        new_tokens: &[usize],
+    ) -> Result<Array> {
+        match compiled {
+            Some(compiled) => compiled.forward(model, ids, slots, new_tokens),
+            None => model.forward_slots(ids, slots, new_tokens),
         }
     }
 
     /// Runs, over a scratch slot cache, one decode step of every row bucket up to `max_rows`
     /// (sequences of no positions: the first capacity bucket), argmax included, so that MLX
     /// meets those shapes before requests do: its CUDA backend spends tens of milliseconds on
-    /// each new one (a first-call cost a running stream would otherwise see as one slow token).
-    /// Returns the number of shapes run; none without [`BatchAttention::Batched`].
-    pub fn warm_up(&self, max_rows: usize) -> Result<usize> {
+    /// each new one (a first-call cost a running stream would otherwise see as one slow token),
+    /// and compiled steps are traced. Then, where long sequences at the largest row bucket are
+    /// read another way (CUDA's explicit read), one step of that shape. Returns the number of
+    /// shapes run; none without [`BatchAttention::Batched`].
+    pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
         if self.attention != BatchAttention::Batched {
             return Ok(0);
         }
@@ -120,13 +146,55 @@ impl<'m> ModelRunner<'m> {
             if n < max_rows && row_bucket(n + 1) == row_bucket(n) {
                 continue;
             }
-            let ids = Array::from_slice(&vec![0u32; slots.rows()], &[slots.rows() as i32, 1]);
-            let logits = self.model.forward_slots(&ids, &mut slots, &vec![0; n])?;
-            let greedy = greedy_tokens(&logits.reshape(&[slots.rows() as i32, -1])?)?;
-            eval(std::iter::once(&greedy).chain(slots.state()))?;
+            // A cache with no buffers steps uncompiled, which creates them: the first shape
+            // steps twice so that its compiled form is met too.
+            if self.compiled_decode.is_some() && !slots.has_buffers() {
+                self.warm_up_step(&mut slots)?;
+            }
+            self.warm_up_step(&mut slots)?;
             shapes += 1;
         }
+        // Long sequences at the largest row bucket may be read another way (explicitly on
+        // CUDA, see `SlotAttention`): one step there meets that graph's kernels now too, which
+        // MLX's CUDA backend builds at run time (seconds, the first time, for fused ones).
+        let len = SlotAttention::EXPLICIT_FROM_POSITIONS.div_ceil(slots.rows().max(1));
+        if slots.has_buffers() && len < self.model.info().context_length {
+            let mut long = slots.empty_like();
+            for _ in 0..slots.len() {
+                long.push_zeros(&slots, len)?;
+            }
+            let backend = Backend::current();
+            if long.read(backend, 1) != slots.read(backend, 1) {
+                self.warm_up_step(&mut long)?;
+                shapes += 1;
+            }
+        }
         Ok(shapes)
+    }
+
+    /// One decode step of warm-up over the scratch cache `slots` (its sequences keep their
+    /// lengths), argmax included, evaluated.
+    fn warm_up_step(&mut self, slots: &mut SlotKvCache) -> Result<()> {
+        let rows = slots.rows() as i32;
+        let ids = Array::from_slice(&vec![0u32; slots.rows()], &[rows, 1]);
+        let unchanged = vec![0; slots.slots()];
+        let logits = Self::forward_decode(
+            self.model,
+            self.compiled_decode.as_mut(),
+            &ids,
+            slots,
+            &unchanged,
+        )?;
+        let greedy = greedy_tokens(&logits.reshape(&[rows, -1])?)?;
+        eval(std::iter::once(&greedy).chain(slots.state()))?;
+        Ok(())
+    }
+
+    /// Decode steps run through MLX's compiler so far.
+    pub fn compiled_decode_steps(&self) -> usize {
+        self.compiled_decode
+            .as_ref()
+            .map_or(0, CompiledSlotForward::steps)
     }
 
     /// Forgets every slot and the step in flight (after an MLX failure).
@@ -251,7 +319,13 @@ impl<'m> ModelRunner<'m> {
             BatchAttention::Batched => {
                 let decode = &mut self.slots.decode;
                 let one_each = vec![1; decode.slots()];
-                self.model.forward_slots(&ids, decode, &one_each)?
+                Self::forward_decode(
+                    self.model,
+                    self.compiled_decode.as_mut(),
+                    &ids,
+                    decode,
+                    &one_each,
+                )?
             }
         };
         let vocab = logits.shape()[2];

@@ -103,6 +103,25 @@ pub struct SlotStep {
     index: Array,
 }
 
+impl SlotStep {
+    /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
+    /// write index.
+    pub(crate) fn arrays(&self) -> [&Array; 3] {
+        [&self.positions, &self.mask, &self.index]
+    }
+
+    /// A step over `arrays` (as [`SlotStep::arrays`] lists them; a compiled step's inputs),
+    /// read as `read`.
+    pub(crate) fn with_arrays([positions, mask, index]: [Array; 3], read: SlotRead) -> Self {
+        Self {
+            positions,
+            mask,
+            read,
+            index,
+        }
+    }
+}
+
 /// Slot-major KV buffers of every layer; see the module docs.
 pub struct SlotKvCache {
     quantization: Option<KvQuantization>,
@@ -209,6 +228,29 @@ impl SlotKvCache {
     /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
     pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
         self.push_with(len, |layer| cache[layer].parts(0, len as i32))
+    }
+
+    /// Puts a sequence of `len` zeroed positions into the first free slot and returns the slot
+    /// (warm-up's stand-in for a long sequence), its buffers shaped as `like`'s. Errors when
+    /// `like` has no buffers.
+    pub(crate) fn push_zeros(&mut self, like: &SlotKvCache, len: usize) -> Result<usize> {
+        if !like.has_buffers() {
+            return Err(mlx_rs::error::Exception::custom("no buffers to shape zeros like").into());
+        }
+        let shapes: Vec<Vec<([i32; 4], mlx_rs::Dtype)>> = like
+            .layers
+            .iter()
+            .map(|layer| {
+                let shape = |b: &Array| [1, b.shape()[1], len as i32, b.shape()[3]];
+                layer.iter().map(|b| (shape(b), b.dtype())).collect()
+            })
+            .collect();
+        self.push_with(len, |layer| {
+            shapes[layer]
+                .iter()
+                .map(|(shape, dtype)| Ok(ops::zeros_dtype(shape, *dtype)?))
+                .collect()
+        })
     }
 
     /// Moves the first `len` positions of `other`'s `slot` into the first free slot of this cache (a
@@ -451,6 +493,51 @@ impl SlotKvCache {
                 )?)
             })
             .collect()
+    }
+
+    /// Whether every layer's buffers exist (from the first step or sequence that wrote any).
+    pub(crate) fn has_buffers(&self) -> bool {
+        self.layers.len() == self.num_layers && self.layers.iter().all(|l| !l.is_empty())
+    }
+
+    /// Every layer's buffers, layer by layer (handles, not copies): a compiled step's inputs.
+    pub(crate) fn buffers(&self) -> Vec<Array> {
+        self.layers.iter().flatten().cloned().collect()
+    }
+
+    /// Replaces the buffers with `flat`, in the order [`SlotKvCache::buffers`] lists them (a
+    /// compiled step's outputs).
+    pub(crate) fn set_buffers(&mut self, flat: Vec<Array>) {
+        debug_assert_eq!(flat.len(), self.buffers_len(), "one array per buffer");
+        let per_layer = flat.len() / self.num_layers.max(1);
+        let mut flat = flat.into_iter();
+        for layer in &mut self.layers {
+            *layer = flat.by_ref().take(per_layer).collect();
+        }
+    }
+
+    fn buffers_len(&self) -> usize {
+        self.layers.iter().map(Vec::len).sum()
+    }
+
+    /// A cache with this one's layers, quantization and attention setting whose buffers are
+    /// `flat` (as [`SlotKvCache::buffers`] lists them; a compiled function's traced inputs):
+    /// rows and capacity from their shape, no slot lengths (for
+    /// [`SlotKvCache::update_and_fetch`] and [`SlotKvCache::read`] only).
+    pub(crate) fn over_buffers(&self, flat: &[Array]) -> Self {
+        let mut cache = self.empty_like();
+        if let Some(first) = flat.first() {
+            cache.rows = first.shape()[0] as usize;
+            cache.capacity = first.shape()[2] as usize;
+            let per_layer = flat.len() / self.num_layers.max(1);
+            cache.layers = flat.chunks(per_layer).map(<[Array]>::to_vec).collect();
+        }
+        cache
+    }
+
+    /// The buffers, as [`SlotKvCache::buffers`] lists them.
+    pub(crate) fn into_buffers(self) -> Vec<Array> {
+        self.layers.into_iter().flatten().collect()
     }
 
     /// The arrays to evaluate so the buffers hold data, not graphs.

@@ -2,7 +2,8 @@
 //! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids,
 //! with attention per sequence (the CPU's default) and batched over slot caches (a GPU's: prefill
 //! chunks of several sequences in one forward pass, decode steps in another), with the slot caches
-//! read by MLX's fused attention and by the explicit one CUDA's decode steps use.
+//! read by MLX's fused attention and by the explicit one CUDA's decode steps use, and with decode
+//! steps compiled by MLX.
 
 mod common;
 
@@ -17,6 +18,7 @@ fn run(insert_at: &[usize], prefill_step_size: usize, attention: BatchAttention)
         prefill_step_size,
         attention,
         SlotAttention::Fused,
+        false,
     );
 }
 
@@ -25,6 +27,7 @@ fn run_with(
     prefill_step_size: usize,
     attention: BatchAttention,
     slot_attention: SlotAttention,
+    compile_decode: bool,
 ) {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
@@ -34,6 +37,7 @@ fn run_with(
     let config = BatchConfig {
         attention,
         slot_attention,
+        compile_decode,
         // Several sequences prefill per step (one forward pass of padded chunks when batched).
         prefill_batch_size: 4,
         ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
@@ -62,10 +66,27 @@ fn run_with(
         assert_eq!(
             output.token_ids,
             common::expected_ids(case, output.finish_reason),
-            "case {} ({attention:?}, {slot_attention:?})",
+            "case {} ({attention:?}, {slot_attention:?}, compiled decode {compile_decode})",
             case.id
         );
         assert_eq!(streamed, &output.text, "case {}", case.id);
+    }
+    if compile_decode {
+        // One step per warm-up shape, then every decode step of the run: at least one per token
+        // after the first of the longest output.
+        let longest = outputs
+            .iter()
+            .map(|(o, _)| o.token_ids.len())
+            .max()
+            .unwrap();
+        assert!(
+            batch.compiled_decode_steps() >= shapes + longest - 1,
+            "{} decode steps ran compiled, fewer than {shapes} + {}",
+            batch.compiled_decode_steps(),
+            longest - 1
+        );
+    } else {
+        assert_eq!(batch.compiled_decode_steps(), 0);
     }
     let kv = batch.kv_stats();
     assert_eq!(
@@ -105,6 +126,20 @@ fn staggered_inserts_with_chunked_prefill_explicit_slot_attention() {
         16,
         BatchAttention::Batched,
         SlotAttention::Explicit,
+        false,
+    );
+}
+
+/// The same with decode steps compiled by MLX (a GPU's default): traced once per shape and
+/// replayed, buffers passed in and out, warm-up included.
+#[test]
+fn staggered_inserts_with_chunked_prefill_compiled_decode() {
+    run_with(
+        &[0, 3, 5, 9, 17, 30, 31],
+        16,
+        BatchAttention::Batched,
+        SlotAttention::Fused,
+        true,
     );
 }
 

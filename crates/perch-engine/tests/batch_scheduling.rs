@@ -31,6 +31,7 @@ fn config_with(num_blocks: usize, block_size: usize, attention: BatchAttention) 
         kv_quantization: None,
         attention,
         slot_attention: Default::default(),
+        compile_decode: false,
     }
 }
 

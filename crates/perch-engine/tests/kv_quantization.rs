@@ -7,7 +7,7 @@
 
 mod common;
 
-use perch_engine::batch::{kv_bytes_per_token, BatchConfig, BatchGenerator};
+use perch_engine::batch::{kv_bytes_per_token, BatchAttention, BatchConfig, BatchGenerator};
 use perch_engine::models::{self, Model};
 use perch_engine::{
     EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, KvQuantization,
@@ -167,24 +167,43 @@ fn quantized_runs_follow_mlx_lm_until_a_near_tie() {
         ],
     ))
     .unwrap();
-    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 32, Some(q));
-    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
-    // All at once, so decode steps are batched across sequences.
-    let schedule = prompts.iter().map(|p| (0, request(p.clone()))).collect();
-    let mut compared = 0;
-    for (run, (output, _)) in oracle.iter().zip(common::drive(&mut batch, schedule)) {
-        assert_eq!(output.finish_reason, FinishReason::Length);
-        for (step, [first, second]) in run.top.iter().enumerate() {
-            // A near-tie, or one that mlx_lm's own step-by-step run took the other way.
-            if first.1 - second.1 < NEAR_TIE || first.0 != run.ids[step] {
-                break;
+    let default = BatchConfig::for_budget(model.as_ref(), 64 << 20, 32, Some(q));
+    // The CPU's path, and a GPU's: slot caches read dequantized, decode steps compiled by MLX.
+    let gpu_like = BatchConfig {
+        attention: BatchAttention::Batched,
+        compile_decode: true,
+        ..default.clone()
+    };
+    for config in [default, gpu_like] {
+        let label = format!("{:?}, compiled {}", config.attention, config.compile_decode);
+        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+        batch.warm_up().unwrap();
+        // All at once, so decode steps are batched across sequences.
+        let schedule = prompts.iter().map(|p| (0, request(p.clone()))).collect();
+        let mut compared = 0;
+        for (run, (output, _)) in oracle.iter().zip(common::drive(&mut batch, schedule)) {
+            assert_eq!(output.finish_reason, FinishReason::Length);
+            for (step, [first, second]) in run.top.iter().enumerate() {
+                // A near-tie, or one that mlx_lm's own step-by-step run took the other way.
+                if first.1 - second.1 < NEAR_TIE || first.0 != run.ids[step] {
+                    break;
+                }
+                assert_eq!(
+                    output.token_ids[step], run.ids[step],
+                    "step {step} ({label})"
+                );
+                compared += 1;
             }
-            assert_eq!(output.token_ids[step], run.ids[step], "step {step}");
-            compared += 1;
+        }
+        eprintln!("{label}: {compared} greedy steps compared before a near-tie");
+        assert!(
+            compared >= 3,
+            "{label}: only {compared} steps before a near-tie"
+        );
+        if batch.config().compile_decode {
+            assert!(batch.compiled_decode_steps() >= GENERATED - 1);
         }
     }
-    eprintln!("{compared} greedy steps compared before a near-tie");
-    assert!(compared >= 3, "only {compared} steps before a near-tie");
 }
 
 #[test]

@@ -39,6 +39,7 @@ fn two_hundred_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
         kv_quantization: None,
         attention: BatchAttention::PerSequence,
         slot_attention: Default::default(),
+        compile_decode: false,
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
 

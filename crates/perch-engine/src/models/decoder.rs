@@ -36,6 +36,7 @@ pub struct DecoderConfig {
     pub context_length: usize,
 }
 
+#[derive(Clone)]
 struct Attention {
     qkv: Qkv,
     o_proj: Linear,
@@ -48,6 +49,7 @@ struct Attention {
 
 /// The query, key and value projections, separate or fused into one (see
 /// [`crate::layers::fused_projections`]).
+#[derive(Clone)]
 enum Qkv {
     Separate {
         q_proj: Linear,
@@ -494,6 +496,7 @@ fn lowest(dtype: Dtype) -> Result<Array> {
     Ok(Array::from_f32(value).as_dtype(dtype)?)
 }
 
+#[derive(Clone)]
 struct Block {
     self_attn: Attention,
     mlp: Mlp,
@@ -502,6 +505,7 @@ struct Block {
 }
 
 /// The decoder: embeddings, `num_layers` blocks, final norm, LM head (tied or not).
+#[derive(Clone)]
 pub struct Decoder {
     embed_tokens: Embedding,
     layers: Vec<Block>,
@@ -631,18 +635,38 @@ impl Model for Decoder {
         })
     }
 
-    fn forward_slots(
+    fn forward_slot_step(
         &self,
         ids: &Array,
         slots: &mut SlotKvCache,
-        new_tokens: &[usize],
+        step: &SlotStep,
     ) -> Result<Array> {
-        let step = slots.begin_step(ids.shape()[1] as usize)?;
-        let logits = self.run(ids, |i, attn, x, rope| {
-            attn.forward_slots(x, rope, slots, i, &step)
-        })?;
-        slots.end_step(new_tokens);
-        Ok(logits)
+        self.run(ids, |i, attn, x, rope| {
+            attn.forward_slots(x, rope, slots, i, step)
+        })
+    }
+
+    fn clone_for_compile(&self) -> Box<dyn Model> {
+        let mut copy = self.clone();
+        copy.embed_tokens.use_mlx_kernels();
+        if let Some(head) = &mut copy.lm_head {
+            head.use_mlx_kernels();
+        }
+        for block in &mut copy.layers {
+            match &mut block.self_attn.qkv {
+                Qkv::Separate {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                } => [q_proj, k_proj, v_proj]
+                    .into_iter()
+                    .for_each(Linear::use_mlx_kernels),
+                Qkv::Fused(proj) => proj.use_mlx_kernels(),
+            }
+            block.self_attn.o_proj.use_mlx_kernels();
+            block.mlp.use_mlx_kernels();
+        }
+        Box::new(copy)
     }
 
     fn info(&self) -> &ModelInfo {

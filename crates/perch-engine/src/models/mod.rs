@@ -18,7 +18,7 @@ use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::layers::{Quantization, Rope};
-use crate::slot_cache::SlotKvCache;
+use crate::slot_cache::{SlotKvCache, SlotStep};
 use crate::weights::{LoadProgress, Weights};
 use decoder::{Decoder, DecoderConfig};
 
@@ -54,7 +54,27 @@ pub trait Model: Send {
         ids: &Array,
         slots: &mut SlotKvCache,
         new_tokens: &[usize],
+    ) -> Result<Array> {
+        let step = slots.begin_step(ids.shape()[1] as usize)?;
+        let logits = self.forward_slot_step(ids, slots, &step)?;
+        slots.end_step(new_tokens);
+        Ok(logits)
+    }
+    /// The forward pass of [`Model::forward_slots`] for a step `slots` began
+    /// ([`SlotKvCache::begin_step`]), writing the step's keys and values into `slots`'
+    /// buffers and leaving its lengths as they were. Builds the graph only from `ids`, the
+    /// step's arrays, the buffers and the weights, so that MLX can compile it (see
+    /// [`crate::compiled`]).
+    fn forward_slot_step(
+        &self,
+        ids: &Array,
+        slots: &mut SlotKvCache,
+        step: &SlotStep,
     ) -> Result<Array>;
+    /// A copy sharing this model's weights (MLX arrays are reference-counted) whose forward
+    /// passes MLX can trace (every product through MLX's operations, none read on the host):
+    /// what a compiled step owns.
+    fn clone_for_compile(&self) -> Box<dyn Model>;
     fn info(&self) -> &ModelInfo;
     /// An empty cache, one entry per layer, float or quantized.
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
