@@ -2,7 +2,7 @@
 //!
 //! Subcommands: `generate` (one prompt, streamed), `chat` (interactive), `import` (GGUF → MLX
 //! model directory), `bench` (prompt/decode tok/s and peak memory), `search` and `pull` (the
-//! Hugging Face Hub).
+//! Hugging Face Hub), `serve` (the local HTTP API).
 
 mod bench;
 mod bench_batch;
@@ -11,6 +11,7 @@ mod generate;
 mod hub;
 mod import;
 mod model_dir;
+mod serve;
 
 use std::process::ExitCode;
 
@@ -37,6 +38,8 @@ enum Command {
     Search(hub::SearchArgs),
     /// Download a model from the Hugging Face Hub into its cache (resumes, verifies).
     Pull(hub::PullArgs),
+    /// Serve the model over HTTP in OpenAI's wire format (chat completions, models).
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -48,6 +51,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(args),
         Command::Search(args) => hub::search(args),
         Command::Pull(args) => hub::pull(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,177 @@
+//! The official OpenAI Python SDK (`openai` from PyPI, in the oracle virtualenv) against the
+//! server on 127.0.0.1 with the default model: models, chat completions plain and streamed (with
+//! usage only when asked), stop sequences, the documented errors, and the greedy text equal to
+//! what the engine gives for the same messages directly.
+
+use std::process::Command;
+
+use perch_engine::{
+    ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenerateRequest, Prompt,
+};
+use perch_server::{router, serve, ServerConfig};
+use serde_json::Value;
+
+const KEY: &str = "test-key";
+const MODEL: &str = "smollm2-135m";
+/// Long enough that the prompt fills KV blocks (32 tokens each), which a second request reads
+/// from the prefix cache.
+const SYSTEM: &str = "You are a helpful assistant for a small team of engineers who build a \
+    desktop application. Answer briefly and plainly, in one or two sentences, without lists.";
+
+/// The greedy answer the engine gives directly, with the messages as the client sends them
+/// (`developer` is the template's `system`).
+fn direct_answer(engine: &EngineHandle, max_tokens: usize) -> (String, usize) {
+    let messages = vec![
+        ChatMessage::new("system", SYSTEM),
+        ChatMessage::new("user", "Name three colors of the rainbow."),
+    ];
+    let mut params = GenerateRequest::new(Vec::new());
+    params.max_tokens = max_tokens;
+    let stream = engine
+        .submit(EngineRequest {
+            prompt: Prompt::Chat(messages),
+            params,
+        })
+        .unwrap();
+    let mut text = String::new();
+    for event in stream.events {
+        match event {
+            EngineEvent::Token { text: piece, .. } => text.push_str(&piece),
+            EngineEvent::Finished { stats, .. } => return (text, stats.prompt_tokens),
+        }
+    }
+    panic!("the stream ended without Finished");
+}
+
+#[test]
+fn the_openai_sdk_gets_chat_completions() {
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let (expected, prompt_tokens) = direct_answer(&engine, 24);
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServerConfig {
+        model_id: MODEL.into(),
+        api_key: Some(KEY.into()),
+    };
+    runtime.spawn(serve(listener, router(engine.clone(), config)));
+
+    let output = Command::new(perch_test_support::oracle_python())
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/openai_client.py"
+        ))
+        .args([&format!("http://{addr}/v1"), KEY, MODEL, SYSTEM])
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .output()
+        .expect("the oracle Python runs");
+    assert!(
+        output.status.success(),
+        "the client failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: Value = serde_json::from_slice(&output.stdout).unwrap();
+    eprintln!("{seen:#}");
+
+    assert_eq!(seen["models"], serde_json::json!([MODEL]));
+    let plain = &seen["plain"];
+    assert_eq!(
+        plain["content"],
+        expected.as_str(),
+        "greedy text as the engine gives it"
+    );
+    assert_eq!(plain["role"], "assistant");
+    let usage = &plain["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt_tokens);
+    let completion = usage["completion_tokens"].as_u64().unwrap();
+    assert!((1..=24).contains(&completion));
+    assert_eq!(
+        plain["finish_reason"],
+        if completion == 24 { "length" } else { "stop" }
+    );
+    assert_eq!(
+        usage["total_tokens"].as_u64(),
+        Some(prompt_tokens as u64 + completion)
+    );
+    // The same prompt again: its full blocks come from the prefix cache.
+    let stream = &seen["stream"];
+    assert_eq!(stream["content"], expected.as_str());
+    assert_eq!(stream["finish_reason"], plain["finish_reason"]);
+    assert_eq!(stream["usage"]["completion_tokens"], completion);
+    assert!(stream["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
+    assert!(stream["chunks"].as_u64() >= Some(3));
+    assert_eq!(seen["stream_without_usage_has_usage"], false);
+
+    let stop = &seen["stop"];
+    let word = stop["stop"].as_str().unwrap();
+    let cut = expected.find(word).expect("the stop word is in the answer");
+    assert_eq!(stop["content"], &expected[..cut]);
+    assert_eq!(stop["finish_reason"], "stop");
+
+    for (case, status, param) in [
+        ("n2", 400, Value::from("n")),
+        ("unknown_model", 404, Value::from("model")),
+        ("no_key", 401, Value::Null),
+        ("bad_json", 400, Value::Null),
+    ] {
+        let error = &seen[case];
+        assert_eq!(error["status"], status, "{case}: {error}");
+        // The SDK hands over the `error` object; the raw request sees the whole body.
+        let body = error["body"].get("error").unwrap_or(&error["body"]);
+        assert!(
+            body["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{case}: {error}"
+        );
+        assert!(body["type"].is_string(), "{case}: {error}");
+        assert_eq!(body["param"], param, "{case}: {error}");
+    }
+    disconnecting_cancels(&engine, &addr.to_string());
+    engine.shutdown();
+}
+
+/// A streaming client that reads its first chunk and hangs up: the request is cancelled in the
+/// engine, which then runs nothing and holds no block for it (it asked for 2,000 tokens).
+fn disconnecting_cancels(engine: &EngineHandle, addr: &str) {
+    use std::io::{Read, Write};
+    let body = serde_json::json!({
+        "model": MODEL, "stream": true, "max_tokens": 2000, "temperature": 0,
+        "messages": [{"role": "user", "content": "Tell me a very long story."}],
+    })
+    .to_string();
+    let mut socket = std::net::TcpStream::connect(addr).unwrap();
+    write!(
+        socket,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {KEY}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 512];
+    let read = socket.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..read]).starts_with("HTTP/1.1 200"));
+    // Generating now.
+    let running = || engine.stats().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while running().running == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the request never ran"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    drop(socket);
+    loop {
+        let stats = running();
+        if stats.running == 0 && stats.kv_cache.blocks_used == 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still running after the client left: {stats:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
