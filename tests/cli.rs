@@ -1,5 +1,5 @@
-//! End-to-end tests of the `perch` binary: the default model's path from GGUF to text, and bad
-//! input reported as one line with a non-zero exit.
+//! End-to-end tests of the `perch` binary: the default model's path from GGUF to text, bad input
+//! reported as one line with a non-zero exit, and `perch serve` answering over HTTP.
 //!
 //! Runs on the test model and the default model's GGUF that `scripts/test-inputs.sh` makes
 //! (`perch-test-support`).
@@ -471,4 +471,78 @@ fn search_pull_then_generate_by_repository_id() {
         &env,
     );
     assert_clean_error(&not_pulled, "run `perch pull mlx-community/Other`");
+}
+
+/// One HTTP/1.1 exchange with `addr` (`host:port`): returns the status line and the body.
+fn http(addr: &str, request_line: &str, key: &str, body: &str) -> (String, String) {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(addr).expect("connect to perch serve");
+    write!(
+        socket,
+        "{request_line} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    socket.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    (
+        head.lines().next().unwrap_or("").to_owned(),
+        body.to_owned(),
+    )
+}
+
+/// `perch serve` prints where it listens, answers `/v1/models` and a chat completion with the
+/// key, refuses a request without it, and reports a bad address as one line.
+#[test]
+fn serve_answers_over_http() {
+    use std::io::BufRead;
+    let model = test_model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(["serve", "--model", &model, "--port", "0", "--api-key", "k"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run perch serve");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines
+        .next()
+        .expect("perch serve prints its address")
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("no address in `{line}`"))
+        .to_owned();
+
+    let (status, body) = http(&addr, "GET /v1/models", "k", "");
+    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+    let models: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], model.as_str());
+
+    let request = serde_json::json!({
+        "model": model, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Hello"}],
+    });
+    let (status, body) = http(
+        &addr,
+        "POST /v1/chat/completions",
+        "k",
+        &request.to_string(),
+    );
+    assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+    let completion: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(completion["object"], "chat.completion");
+    let generated = completion["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..=4).contains(&generated), "{body}");
+
+    let (status, _) = http(&addr, "GET /v1/models", "wrong", "");
+    assert_eq!(status, "HTTP/1.1 401 Unauthorized");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    let out = perch(&["serve", "--model", &model, "--host", "not an address"]);
+    assert_clean_error(&out, "is not an address to listen on");
 }
