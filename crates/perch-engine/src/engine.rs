@@ -108,11 +108,16 @@ pub enum EngineEvent {
         text: String,
         logprobs: Option<TokenLogprobs>,
     },
-    /// The request ended. `error` is set when `finish_reason` is `Error`.
+    /// The request ended. `error` is set when `finish_reason` is `Error`; `refused` when the
+    /// engine refused the request before running it, so that the error is about the request
+    /// itself (a prompt longer than the context or empty, more KV cache than the budget holds,
+    /// invalid sampling settings, a chat template or prompt-cache error), not a failure while
+    /// running it.
     Finished {
         finish_reason: FinishReason,
         stats: GenerationStats,
         error: Option<String>,
+        refused: bool,
     },
 }
 
@@ -434,6 +439,19 @@ impl Queue {
             .unwrap_or(false)
     }
 
+    /// Ends a request the engine refused before running it (see [`EngineEvent::Finished`]).
+    fn refuse(&mut self, job: &Job, error: String) {
+        self.end(
+            job,
+            EngineEvent::Finished {
+                finish_reason: FinishReason::Error,
+                stats: GenerationStats::default(),
+                error: Some(error),
+                refused: true,
+            },
+        );
+    }
+
     fn finish(
         &mut self,
         job: &Job,
@@ -441,11 +459,20 @@ impl Queue {
         stats: GenerationStats,
         error: Option<String>,
     ) {
-        let _ = job.events.send(EngineEvent::Finished {
-            finish_reason,
-            stats,
-            error,
-        });
+        self.end(
+            job,
+            EngineEvent::Finished {
+                finish_reason,
+                stats,
+                error,
+                refused: false,
+            },
+        );
+    }
+
+    /// Sends a request's `Finished` and forgets it.
+    fn end(&mut self, job: &Job, finished: EngineEvent) {
+        let _ = job.events.send(finished);
         if let Ok(mut set) = self.cancelled.lock() {
             set.remove(&job.id);
         }
@@ -562,12 +589,7 @@ impl EngineThread {
                     Ok(id) => {
                         jobs.insert(id, job);
                     }
-                    Err(err) => queue.finish(
-                        &job,
-                        FinishReason::Error,
-                        GenerationStats::default(),
-                        Some(err.to_string()),
-                    ),
+                    Err(err) => queue.refuse(&job, err.to_string()),
                 }
             }
 

@@ -143,6 +143,24 @@ fn bad_requests_end_with_an_error_event() {
     );
     assert_eq!(reason, FinishReason::Error);
     assert!(error.unwrap().contains("9000 tokens"));
+    // Both were refused before running: errors about the request (an API answers 400), which a
+    // normal end is not.
+    let refused = |prompt: Prompt| {
+        let stream = engine.submit(request(prompt, 3)).unwrap();
+        loop {
+            match stream
+                .events
+                .recv_timeout(Duration::from_secs(300))
+                .unwrap()
+            {
+                EngineEvent::Finished { refused, .. } => return refused,
+                EngineEvent::Token { .. } => {}
+            }
+        }
+    };
+    assert!(refused(Prompt::Tokens(vec![])));
+    assert!(refused(Prompt::Tokens(vec![1; 9000])));
+    assert!(!refused(Prompt::Tokens(vec![1, 504])));
     // The engine keeps serving after errors.
     let (ids, reason, _) = collect(
         engine

@@ -36,6 +36,7 @@ fn run(engine: &EngineHandle, prompt: Prompt) -> (Vec<u32>, FinishReason, Genera
                 finish_reason,
                 stats,
                 error,
+                ..
             } => {
                 assert_eq!(error, None);
                 return (ids, finish_reason, stats);

@@ -165,7 +165,10 @@ pub(crate) async fn chat_completions(
         ));
     }
     let engine_request = request.to_engine()?;
-    let running = Running::submit(&state.engine, engine_request)?;
+    let mut running = Running::submit(&state.engine, engine_request)?;
+    // A request the engine refuses (a prompt longer than the context, …) is the client's error:
+    // a 400 before any stream starts.
+    running.check_refused().await?;
     let meta = Meta {
         id: format!("chatcmpl-{}", running.id),
         created: SystemTime::now()
@@ -215,6 +218,8 @@ struct Running {
     id: RequestId,
     engine: EngineHandle,
     events: mpsc::UnboundedReceiver<EngineEvent>,
+    /// An event read ahead by [`Running::check_refused`], handed out first.
+    peeked: Option<EngineEvent>,
     finished: bool,
 }
 
@@ -237,11 +242,33 @@ impl Running {
             id: stream.id,
             engine: engine.clone(),
             events,
+            peeked: None,
             finished: false,
         })
     }
 
+    /// Waits for the request's first event: a 400 with the engine's message when the engine
+    /// refused the request (the message names what is wrong, e.g. both lengths of a prompt
+    /// longer than the context); otherwise the event is kept for [`Running::next`].
+    async fn check_refused(&mut self) -> Result<(), ApiError> {
+        let first = self.next().await;
+        if let Some(EngineEvent::Finished {
+            refused: true,
+            error,
+            ..
+        }) = &first
+        {
+            let message = error.clone().unwrap_or_else(|| "refused".into());
+            return Err(ApiError::invalid(message, None));
+        }
+        self.peeked = first;
+        Ok(())
+    }
+
     async fn next(&mut self) -> Option<EngineEvent> {
+        if let Some(event) = self.peeked.take() {
+            return Some(event);
+        }
         let event = self.events.recv().await;
         if matches!(event, Some(EngineEvent::Finished { .. }) | None) {
             self.finished = true;
@@ -286,6 +313,7 @@ async fn complete(mut running: Running, meta: Meta) -> Result<Json<Value>, ApiEr
                 finish_reason: reason,
                 stats,
                 error,
+                ..
             } => {
                 if reason == FinishReason::Error {
                     return Err(ApiError::engine(
@@ -352,6 +380,7 @@ fn stream_chunks(
                             finish_reason: reason,
                             stats,
                             error,
+                            ..
                         }) => {
                             let last = if reason == FinishReason::Error {
                                 ApiError::engine(

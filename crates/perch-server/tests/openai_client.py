@@ -58,6 +58,10 @@ def error_of(call):
 
 out["n2"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages, n=2))
 out["unknown_model"] = error_of(lambda: client.chat.completions.create(model="no-such-model", messages=messages))
+long = [{"role": "user", "content": "word " * 10000}]
+out["too_long"] = error_of(lambda: client.chat.completions.create(model=model, messages=long, max_tokens=4))
+out["too_long_streamed"] = error_of(lambda: client.chat.completions.create(model=model, messages=long, max_tokens=4,
+                                                                           stream=True))
 out["no_key"] = error_of(lambda: openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list())
 
 request = urllib.request.Request(base_url + "/chat/completions", data=b"{not json", method="POST",

@@ -1,7 +1,8 @@
 //! The official OpenAI Python SDK (`openai` from PyPI, in the oracle virtualenv) against the
 //! server on 127.0.0.1 with the default model: models, chat completions plain and streamed (with
-//! usage only when asked), stop sequences, the documented errors, and the greedy text equal to
-//! what the engine gives for the same messages directly.
+//! usage only when asked), stop sequences, the documented errors (a prompt longer than the
+//! context among them), and the greedy text equal to what the engine gives for the same messages
+//! directly.
 
 use std::process::Command;
 
@@ -116,6 +117,8 @@ fn the_openai_sdk_gets_chat_completions() {
         ("unknown_model", 404, Value::from("model")),
         ("no_key", 401, Value::Null),
         ("bad_json", 400, Value::Null),
+        ("too_long", 400, Value::Null),
+        ("too_long_streamed", 400, Value::Null),
     ] {
         let error = &seen[case];
         assert_eq!(error["status"], status, "{case}: {error}");
@@ -127,6 +130,14 @@ fn the_openai_sdk_gets_chat_completions() {
         );
         assert!(body["type"].is_string(), "{case}: {error}");
         assert_eq!(body["param"], param, "{case}: {error}");
+    }
+    // A prompt longer than the context: the engine's message names both lengths.
+    for case in ["too_long", "too_long_streamed"] {
+        let message = seen[case]["body"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("tokens, more than the model's context of"),
+            "{case}: {message}"
+        );
     }
     disconnecting_cancels(&engine, &addr.to_string());
     engine.shutdown();

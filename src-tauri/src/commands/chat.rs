@@ -137,6 +137,7 @@ pub fn chat(
                     finish_reason,
                     stats,
                     error,
+                    ..
                 } => {
                     let error = error.map(|e| sentence(&e));
                     let saved = history
