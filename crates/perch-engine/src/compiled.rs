@@ -104,12 +104,10 @@ impl CompiledSlotForward {
         slots: &mut SlotKvCache,
         new_tokens: &[usize],
     ) -> Result<Array> {
-        let step = slots.begin_step(ids.shape()[1] as usize)?;
         if !slots.has_buffers() {
-            let logits = model.forward_slot_step(ids, slots, &step)?;
-            slots.end_step(new_tokens);
-            return Ok(logits);
+            return model.forward_slots(ids, slots, new_tokens);
         }
+        let step = slots.begin_step(ids.shape()[1] as usize)?;
         let mut inputs = Vec::with_capacity(4 + slots.num_layers() * 6);
         inputs.push(ids.clone());
         inputs.extend(step.arrays().into_iter().cloned());

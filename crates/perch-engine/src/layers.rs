@@ -142,6 +142,12 @@ impl QuantizedWeight {
         Ok(Some(dense))
     }
 
+    /// Multiplies with MLX's `quantized_matmul` only: Perch's CPU kernel reads its input on the
+    /// host, which a traced (compiled) graph cannot.
+    fn use_mlx_kernels(&mut self) {
+        self.cpu_kernel = false;
+    }
+
     /// `x @ W.T` for `x` `[..., in]` → `[..., out]`.
     ///
     /// On MLX's CPU backend, 2/4/8-bit weights go through `perch_qgemm` (dequantize a cache-sized
@@ -160,12 +166,6 @@ impl QuantizedWeight {
     ///
     /// Results differ from `quantized_matmul` by float32 rounding only; every parity test passes
     /// either way. Other backends and bit widths use MLX's `quantized_matmul`.
-    /// Multiplies with MLX's `quantized_matmul` only: Perch's CPU kernel reads its input on the
-    /// host, which a traced (compiled) graph cannot.
-    fn use_mlx_kernels(&mut self) {
-        self.cpu_kernel = false;
-    }
-
     fn matmul_transposed(&self, x: &Array) -> Result<Array> {
         if self.cpu_kernel && x.dtype() == Dtype::Float32 {
             return self.cpu_matmul_transposed(x);

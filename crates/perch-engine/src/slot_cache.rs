@@ -131,8 +131,6 @@ pub struct SlotKvCache {
     layers: Vec<Vec<Array>>,
     /// Positions filled, per slot up to the last occupied one; `None` for a free slot.
     lengths: Vec<Option<usize>>,
-    /// Slots occupied.
-    occupied: usize,
     rows: usize,
     capacity: usize,
 }
@@ -145,7 +143,6 @@ impl SlotKvCache {
             num_layers,
             layers: Vec::new(),
             lengths: Vec::new(),
-            occupied: 0,
             rows: 0,
             capacity: 0,
         }
@@ -187,11 +184,11 @@ impl SlotKvCache {
 
     /// Occupied slots.
     pub fn len(&self) -> usize {
-        self.occupied
+        self.lengths.iter().flatten().count()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.occupied == 0
+        self.len() == 0
     }
 
     /// Slots up to the last occupied one, free ones included: the length of a step's
@@ -219,7 +216,6 @@ impl SlotKvCache {
     pub fn clear(&mut self) {
         self.layers.clear();
         self.lengths.clear();
-        self.occupied = 0;
         self.rows = 0;
         self.capacity = 0;
     }
@@ -294,7 +290,6 @@ impl SlotKvCache {
         } else {
             self.lengths[slot] = Some(len);
         }
-        self.occupied += 1;
         Ok(slot)
     }
 
@@ -304,16 +299,16 @@ impl SlotKvCache {
     pub fn remove(&mut self, slot: usize) -> Result<Vec<(usize, usize)>> {
         assert!(self.is_occupied(slot), "slot {slot} is not occupied");
         self.lengths[slot] = None;
-        self.occupied -= 1;
         while self.lengths.last() == Some(&None) {
             self.lengths.pop();
         }
-        if self.occupied == 0 {
+        let occupied = self.len();
+        if occupied == 0 {
             self.clear();
             return Ok(Vec::new());
         }
         let mut moves = Vec::new();
-        if row_bucket(self.occupied) * 2 <= self.rows {
+        if row_bucket(occupied) * 2 <= self.rows {
             let order: Vec<usize> = (0..self.lengths.len())
                 .filter(|&s| self.lengths[s].is_some())
                 .collect();
@@ -324,7 +319,7 @@ impl SlotKvCache {
                 .map(|(to, &from)| (from, to))
                 .collect();
             // The new rows: the occupied slots in order, then padding (copies of row 0).
-            let rows = row_bucket(self.occupied);
+            let rows = row_bucket(occupied);
             let mut gather: Vec<i32> = order.iter().map(|&s| s as i32).collect();
             gather.resize(rows, 0);
             let gather = Array::from_slice(&gather, &[rows as i32]);
@@ -529,7 +524,7 @@ impl SlotKvCache {
         if let Some(first) = flat.first() {
             cache.rows = first.shape()[0] as usize;
             cache.capacity = first.shape()[2] as usize;
-            let per_layer = flat.len() / self.num_layers.max(1);
+            let per_layer = (flat.len() / self.num_layers.max(1)).max(1);
             cache.layers = flat.chunks(per_layer).map(<[Array]>::to_vec).collect();
         }
         cache
