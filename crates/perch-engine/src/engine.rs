@@ -161,6 +161,7 @@ pub struct EngineHandle {
     /// the engine thread is busy generating and not reading commands.
     cancelled: Arc<Mutex<HashSet<RequestId>>>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+    tokenizer: Arc<Tokenizer>,
 }
 
 /// A submitted request: its id (for `cancel`) and its event stream.
@@ -226,7 +227,8 @@ impl EngineHandle {
                     Ok(loaded)
                 }) {
                     Ok((model, tokenizer)) => {
-                        let _ = loaded_tx.send(Ok(()));
+                        let tokenizer = Arc::new(tokenizer);
+                        let _ = loaded_tx.send(Ok(Arc::clone(&tokenizer)));
                         EngineThread {
                             model,
                             tokenizer,
@@ -245,13 +247,21 @@ impl EngineHandle {
                 path: "engine thread".into(),
                 source: e,
             })?;
-        loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
+        let tokenizer = loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
         Ok(Self {
             commands,
+            tokenizer,
             next_id: Arc::new(AtomicU64::new(1)),
             cancelled,
             thread: Arc::new(Mutex::new(Some(thread))),
         })
+    }
+
+    /// The loaded model's tokenizer and chat template, shared with the engine thread: clients
+    /// count and render tokens with it (token strings for log-probabilities, a completion's text
+    /// prompt, token counting) without a round trip through the engine.
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
     }
 
     /// Queues a request. Errors in the request itself (empty prompt, too long, bad sampling
@@ -482,7 +492,7 @@ impl Queue {
 
 struct EngineThread {
     model: Box<dyn Model>,
-    tokenizer: Tokenizer,
+    tokenizer: Arc<Tokenizer>,
     model_id: String,
     queue: Queue,
     config: EngineConfig,

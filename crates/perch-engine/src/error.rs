@@ -31,6 +31,12 @@ pub enum EngineError {
     ChatTemplate(String),
     #[error("the prompt is empty")]
     EmptyPrompt,
+    #[error("the prompt's token {position} is id {token}, outside the vocabulary of {vocab_size}")]
+    TokenOutOfVocabulary {
+        position: usize,
+        token: u32,
+        vocab_size: usize,
+    },
     #[error("the prompt has {prompt_tokens} tokens, more than the model's context of {context_length} tokens")]
     PromptTooLong {
         prompt_tokens: usize,

@@ -240,6 +240,18 @@ pub(crate) fn check_request(
             context_length: info.context_length,
         });
     }
+    // Ids from a client index the embedding table: one past its end must not reach MLX.
+    if let Some((position, &token)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= info.vocab_size)
+    {
+        return Err(EngineError::TokenOutOfVocabulary {
+            position,
+            token,
+            vocab_size: info.vocab_size,
+        });
+    }
     request.sampling.validate(info.vocab_size)?;
     let max_tokens = request
         .max_tokens
@@ -441,11 +453,10 @@ pub(crate) struct RecentTokens {
 
 impl RecentTokens {
     pub(crate) fn new(sampling: &SamplingParams, prompt: &[u32]) -> Self {
-        let active = sampling.repetition_penalty != 0.0 && sampling.repetition_penalty != 1.0;
-        let keep = sampling.repetition_context_size.max(1);
+        let keep = sampling.history_window();
         let tail = &prompt[prompt.len().saturating_sub(keep)..];
         Self {
-            tokens: active.then(|| Array::from_slice(tail, &[tail.len() as i32])),
+            tokens: (keep > 0).then(|| Array::from_slice(tail, &[tail.len() as i32])),
             keep: keep as i32,
         }
     }

@@ -1,11 +1,12 @@
-//! Sampling: logits processors (repetition penalty, logit bias) and the sampler (temperature,
+//! Sampling: logits processors (logit bias; repetition, presence and frequency penalties) and the
+//! sampler (temperature,
 //! top-p, min-p, top-k, seeded categorical; argmax at temperature 0). Same math and order as
 //! mlx-lm's `sample_utils.py`; everything stays on the MLX device, so sampling never forces a sync.
 
 use std::collections::HashMap;
 
 use mlx_rs::ops::argpartition_axis;
-use mlx_rs::ops::indexing::{argmax_axis, put_along_axis, take_along_axis};
+use mlx_rs::ops::indexing::{argmax_axis, put_along_axis, scatter_add_single, take_along_axis};
 use mlx_rs::{ops, random, Array};
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +29,14 @@ pub struct SamplingParams {
     /// (Keskar et al. 2019, sign-aware). 1 or 0 disables it.
     pub repetition_penalty: f32,
     pub repetition_context_size: usize,
+    /// Subtracted once from the logit of every token seen in the last `presence_context_size`
+    /// tokens (OpenAI's `presence_penalty`, as mlx_lm applies it). 0 disables it.
+    pub presence_penalty: f32,
+    pub presence_context_size: usize,
+    /// Subtracted from a token's logit once per occurrence in the last `frequency_context_size`
+    /// tokens (OpenAI's `frequency_penalty`, as mlx_lm applies it). 0 disables it.
+    pub frequency_penalty: f32,
+    pub frequency_context_size: usize,
     /// Added to the logits of the given token ids.
     pub logit_bias: HashMap<u32, f32>,
     /// Seed of this request's random stream; `None` draws from MLX's global generator.
@@ -43,6 +52,10 @@ impl Default for SamplingParams {
             min_p: 0.0,
             repetition_penalty: 0.0,
             repetition_context_size: 20,
+            presence_penalty: 0.0,
+            presence_context_size: 20,
+            frequency_penalty: 0.0,
+            frequency_context_size: 20,
             logit_bias: HashMap::new(),
             seed: None,
         }
@@ -50,6 +63,37 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
+    /// The penalties that read recent tokens, as (kind, penalty, window): only those in effect.
+    fn penalties(&self) -> impl Iterator<Item = (Penalty, f32, usize)> {
+        [
+            (
+                Penalty::Repetition,
+                self.repetition_penalty,
+                self.repetition_context_size,
+            ),
+            (
+                Penalty::Presence,
+                self.presence_penalty,
+                self.presence_context_size,
+            ),
+            (
+                Penalty::Frequency,
+                self.frequency_penalty,
+                self.frequency_context_size,
+            ),
+        ]
+        .into_iter()
+        .filter(|(kind, value, _)| {
+            *value != 0.0 && !(*kind == Penalty::Repetition && *value == 1.0)
+        })
+        .map(|(kind, value, window)| (kind, value, window.max(1)))
+    }
+
+    /// How many recent tokens the penalties read: 0 when none is in effect.
+    pub(crate) fn history_window(&self) -> usize {
+        self.penalties().map(|(_, _, w)| w).max().unwrap_or(0)
+    }
+
     /// Rejects values outside their domain with a message naming the parameter.
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidSampling(m));
@@ -77,6 +121,14 @@ impl SamplingParams {
                 self.repetition_penalty
             ));
         }
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !value.is_finite() {
+                return bad(format!("{name} must be a finite number, got {value}"));
+            }
+        }
         if let Some(id) = self
             .logit_bias
             .keys()
@@ -88,6 +140,13 @@ impl SamplingParams {
         }
         Ok(())
     }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Penalty {
+    Repetition,
+    Presence,
+    Frequency,
 }
 
 /// Turns one step's logits into a token, keeping the request's random stream.
@@ -121,35 +180,50 @@ impl Sampler {
     /// that all do can be sampled by one argmax.
     pub fn is_plain_greedy(&self) -> bool {
         let p = &self.params;
-        p.temperature == 0.0
-            && self.bias.is_none()
-            && (p.repetition_penalty == 0.0 || p.repetition_penalty == 1.0)
+        p.temperature == 0.0 && self.bias.is_none() && p.history_window() == 0
     }
 
-    /// Applies the logits processors: `logits` `[1, vocab]`, `history` the recent token ids
-    /// (1-D; needed only by the repetition penalty) → processed logits `[1, vocab]`.
+    /// Applies the logits processors in mlx_lm's order (logit bias, then the repetition,
+    /// presence and frequency penalties): `logits` `[1, vocab]`, `history` the recent token ids
+    /// (1-D; read by the penalties only) → processed logits `[1, vocab]`.
     pub fn process_logits(&self, logits: &Array, history: Option<&Array>) -> Result<Array> {
         let mut logits = logits.clone();
         if let Some((ids, values)) = &self.bias {
             let current = take_along_axis(&logits, ids, -1)?;
             logits = put_along_axis(&logits, ids, ops::add(&current, values)?, -1)?;
         }
-        let penalty = self.params.repetition_penalty;
         let Some(history) = history.filter(|h| h.shape()[0] > 0) else {
             return Ok(logits);
         };
         let seen = history.shape()[0];
-        if penalty != 0.0 && penalty != 1.0 {
-            let context = self.params.repetition_context_size.max(1) as i32;
-            let start = (seen - context).max(0);
-            let recent = crate::mlx_ext::slice(history, &[start], &[seen])?.reshape(&[1, -1])?;
-            let selected = take_along_axis(&logits, &recent, -1)?;
-            let penalized = ops::select(
-                &selected.lt(Array::from_f32(0.0))?,
-                ops::multiply(&selected, Array::from_f32(penalty))?,
-                ops::divide(&selected, Array::from_f32(penalty))?,
-            )?;
-            logits = put_along_axis(&logits, &recent, &penalized, -1)?;
+        for (kind, penalty, window) in self.params.penalties() {
+            let start = (seen - window as i32).max(0);
+            let recent = crate::mlx_ext::slice(history, &[start], &[seen])?;
+            let as_row = recent.reshape(&[1, -1])?;
+            logits = match kind {
+                Penalty::Repetition => {
+                    let selected = take_along_axis(&logits, &as_row, -1)?;
+                    let penalized = ops::select(
+                        &selected.lt(Array::from_f32(0.0))?,
+                        ops::multiply(&selected, Array::from_f32(penalty))?,
+                        ops::divide(&selected, Array::from_f32(penalty))?,
+                    )?;
+                    put_along_axis(&logits, &as_row, &penalized, -1)?
+                }
+                // A repeated token is written twice with the same value: penalized once.
+                Penalty::Presence => {
+                    let selected = take_along_axis(&logits, &as_row, -1)?;
+                    let penalized = ops::subtract(&selected, Array::from_f32(penalty))?;
+                    put_along_axis(&logits, &as_row, &penalized, -1)?
+                }
+                // Scatter-add accumulates: penalized once per occurrence.
+                Penalty::Frequency => {
+                    let n = recent.shape()[0];
+                    let updates = Array::full::<f32>(&[n, 1, 1], Array::from_f32(-penalty))?
+                        .as_dtype(logits.dtype())?;
+                    scatter_add_single(&logits, &recent, &updates, 1)?
+                }
+            };
         }
         Ok(logits)
     }
@@ -339,6 +413,49 @@ mod tests {
             out.as_slice::<f32>(),
             &[2.0, -4.0, 1.0, 0.5],
             "only the last token is in context"
+        );
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties() {
+        // mlx_lm's processors on these inputs: presence subtracts once per distinct recent
+        // token, frequency once per occurrence; each reads its own window.
+        let logits = Array::from_slice(&[2.0f32, -2.0, 1.0, 0.5], &[1, 4]);
+        let history = Array::from_slice(&[2u32, 0, 1, 1], &[4]);
+        let run = |params: SamplingParams| {
+            let s = Sampler::new(params).unwrap();
+            assert!(!s.is_plain_greedy());
+            s.process_logits(&logits, Some(&history))
+                .unwrap()
+                .as_slice::<f32>()
+                .to_vec()
+        };
+        let presence = run(SamplingParams {
+            presence_penalty: 0.5,
+            ..Default::default()
+        });
+        assert_eq!(presence, [1.5, -2.5, 0.5, 0.5]);
+        let frequency = run(SamplingParams {
+            frequency_penalty: 0.5,
+            ..Default::default()
+        });
+        assert_eq!(frequency, [1.5, -3.0, 0.5, 0.5]);
+        let windows = run(SamplingParams {
+            presence_penalty: 1.0,
+            presence_context_size: 1,
+            frequency_penalty: 0.25,
+            frequency_context_size: 3,
+            ..Default::default()
+        });
+        assert_eq!(windows, [1.75, -3.5, 1.0, 0.5]);
+        let negative = run(SamplingParams {
+            frequency_penalty: -1.0,
+            ..Default::default()
+        });
+        assert_eq!(
+            negative,
+            [3.0, 0.0, 2.0, 0.5],
+            "a negative penalty favours repeats"
         );
     }
 

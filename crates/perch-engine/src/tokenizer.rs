@@ -85,6 +85,13 @@ impl Tokenizer {
             .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
+    /// The text of one token as APIs report it next to its log-probability (OpenAI's
+    /// `logprobs[].token`): the token decoded alone. A token holding part of a multi-byte
+    /// character shows U+FFFD for the missing part; an id outside the vocabulary gives "".
+    pub fn token_text(&self, id: u32) -> String {
+        self.inner.decode(&[id], false).unwrap_or_default()
+    }
+
     /// Ids that end generation with finish reason `stop`.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos_token_ids

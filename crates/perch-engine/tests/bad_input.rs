@@ -125,6 +125,18 @@ fn prompts_that_cannot_run() {
             other.map(|o| o.token_ids)
         ),
     }
+    let vocab = model.info().vocab_size;
+    match run(vec![1, 2, vocab as u32]) {
+        Err(EngineError::TokenOutOfVocabulary {
+            position: 2,
+            token,
+            vocab_size,
+        }) => assert_eq!((token as usize, vocab_size), (vocab, vocab)),
+        other => panic!(
+            "expected TokenOutOfVocabulary, got {:?}",
+            other.map(|o| o.token_ids)
+        ),
+    }
     // A prompt that fits leaves room for only a few tokens: finish reason `length`, no overflow.
     let out = run(vec![1; 12]).unwrap();
     assert!(out.stats.generation_tokens <= 4);

@@ -143,7 +143,7 @@ fn staggered_inserts_with_chunked_prefill_compiled_decode() {
     );
 }
 
-/// Seeded sampling with a repetition penalty, and log-probabilities, run in the batch (whose
+/// Seeded sampling with repetition, presence and frequency penalties, and log-probabilities, run in the batch (whose
 /// decode steps are pipelined: each row's next input, sampler key and penalty window come from
 /// the device before the host reads the token) give each request the tokens and log-probabilities
 /// it gets alone through `generate` (request 2 also asks for log-probabilities, which ride along).
@@ -169,6 +169,12 @@ fn seeded_sampling_matches_generate_alone(attention: BatchAttention) {
             }
             if i == 2 {
                 request.logprobs = Some(3);
+            }
+            if i == 3 {
+                // OpenAI's penalties, each over its own window of recent tokens.
+                request.sampling.presence_penalty = 0.4;
+                request.sampling.frequency_penalty = 0.6;
+                request.sampling.frequency_context_size = 8;
             }
             request
         })

@@ -114,8 +114,8 @@ fn quantized_attention_keeps_half_precision() {
             .unwrap();
             assert_eq!(out.dtype(), dtype, "{length} queries");
             let bad = mlx_rs::ops::logical_or(
-                &mlx_rs::ops::is_nan(&out).unwrap(),
-                &mlx_rs::ops::is_inf(&out).unwrap(),
+                mlx_rs::ops::is_nan(&out).unwrap(),
+                mlx_rs::ops::is_inf(&out).unwrap(),
             )
             .unwrap();
             let finite = !mlx_rs::ops::any(&bad, None).unwrap().item_exact::<bool>();

@@ -3,16 +3,19 @@
 //! more client of [`EngineHandle`], like the app and the CLI: requests from every client are
 //! batched together by the engine.
 //!
-//! Endpoints (OpenAI's API reference, "Chat Completions" and "Models"): `GET /v1/models` and
-//! `POST /v1/chat/completions` (streamed as server-sent events when asked). With an API key set,
+//! Endpoints (OpenAI's API reference, "Chat Completions", "Completions" and "Models"):
+//! `GET /v1/models`, `POST /v1/chat/completions` and `POST /v1/completions` (streamed as
+//! server-sent events when asked). With an API key set,
 //! every request must carry `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) or gets
 //! 401. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`.
 //!
 //! A client that disconnects cancels its request in the engine (its KV blocks are freed at the
 //! next step).
 
+mod completions;
 mod error;
 mod openai;
+mod running;
 
 use std::sync::Arc;
 
@@ -26,6 +29,7 @@ use perch_engine::EngineHandle;
 use tokio::net::TcpListener;
 
 pub use error::ApiError;
+pub use openai::PENALTY_WINDOW;
 
 /// What the server serves and who may ask.
 #[derive(Clone, Debug)]
@@ -52,6 +56,7 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
     Router::new()
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(completions::completions))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)

@@ -1,7 +1,9 @@
 //! OpenAI's Chat Completions and Models endpoints over the engine
-//! (<https://platform.openai.com/docs/api-reference/chat>).
+//! (<https://platform.openai.com/docs/api-reference/chat>), and what the legacy Completions
+//! endpoint shares with them: sampling parameters, usage, finish reasons, log-probabilities.
 
 use std::collections::HashMap;
+use std::convert::Infallible;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::JsonRejection;
@@ -9,17 +11,16 @@ use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream::{self, Stream};
-use perch_engine::kv_cache_manager::RequestId;
+use futures_util::stream::{self, Stream, StreamExt};
 use perch_engine::{
-    ChatMessage, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest,
-    GenerationStats, Prompt,
+    ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
+    TokenLogprobs, Tokenizer,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 use crate::error::ApiError;
+use crate::running::{Running, Step};
 use crate::AppState;
 
 /// `GET /v1/models`: the one model this server serves.
@@ -35,24 +36,23 @@ pub(crate) async fn models(State(state): State<AppState>) -> Json<Value> {
     }))
 }
 
-/// The request body of `POST /v1/chat/completions` (the fields Perch acts on; others are
-/// ignored, as OpenAI-compatible servers do).
+/// The sampling and streaming parameters Chat Completions and Completions share (the fields
+/// Perch acts on; others are ignored, as OpenAI-compatible servers do).
 #[derive(Debug, Deserialize)]
-pub(crate) struct ChatCompletionRequest {
-    model: String,
-    messages: Vec<ChatMessage>,
+pub(crate) struct Sampling {
+    pub model: String,
     temperature: Option<f32>,
     top_p: Option<f32>,
-    max_tokens: Option<usize>,
-    max_completion_tokens: Option<usize>,
     stop: Option<Stop>,
     seed: Option<u64>,
     n: Option<usize>,
-    #[serde(default)]
-    stream: bool,
-    stream_options: Option<StreamOptions>,
     /// Token id (as a string) → bias added to its logit, -100..100.
     logit_bias: Option<HashMap<String, f32>>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    pub stream: bool,
+    stream_options: Option<StreamOptions>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -68,34 +68,22 @@ struct StreamOptions {
     include_usage: bool,
 }
 
-/// Tokens generated when a request names no limit (OpenAI's is the context; a local server
-/// answering an agent with no limit should still end).
-const DEFAULT_MAX_TOKENS: usize = 2048;
+/// Recent tokens OpenAI's presence and frequency penalties look at. OpenAI counts the whole
+/// text so far; mlx_lm's processors (whose math Perch follows) count a window, 20 by default.
+/// A longer window is closer to OpenAI's meaning at a small cost per step.
+pub const PENALTY_WINDOW: usize = 256;
 
-impl ChatCompletionRequest {
-    /// The engine request this asks for, or the 400 naming the parameter at fault.
-    fn to_engine(&self) -> Result<EngineRequest, ApiError> {
+impl Sampling {
+    /// Checks the model and the parameters and sets them on `params`, or the 400/404 naming the
+    /// parameter at fault.
+    pub fn apply(&self, served: &str, params: &mut GenerateRequest) -> Result<(), ApiError> {
+        if self.model != served {
+            return Err(ApiError::unknown_model(&self.model, served));
+        }
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid(
                 "only n = 1 is supported: one choice per request",
                 Some("n"),
-            ));
-        }
-        if self.messages.is_empty() {
-            return Err(ApiError::invalid(
-                "`messages` must hold at least one message",
-                Some("messages"),
-            ));
-        }
-        let mut params = GenerateRequest::new(Vec::new());
-        params.max_tokens = self
-            .max_completion_tokens
-            .or(self.max_tokens)
-            .unwrap_or(DEFAULT_MAX_TOKENS);
-        if params.max_tokens == 0 {
-            return Err(ApiError::invalid(
-                "`max_tokens` must be at least 1",
-                Some("max_tokens"),
             ));
         }
         let temperature = self.temperature.unwrap_or(1.0);
@@ -115,6 +103,21 @@ impl ChatCompletionRequest {
         params.sampling.temperature = temperature;
         params.sampling.top_p = top_p;
         params.sampling.seed = self.seed;
+        for (name, value) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if value.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
+                return Err(ApiError::invalid(
+                    format!("`{name}` must be between -2 and 2"),
+                    Some(name),
+                ));
+            }
+        }
+        params.sampling.presence_penalty = self.presence_penalty.unwrap_or(0.0);
+        params.sampling.presence_context_size = PENALTY_WINDOW;
+        params.sampling.frequency_penalty = self.frequency_penalty.unwrap_or(0.0);
+        params.sampling.frequency_context_size = PENALTY_WINDOW;
         for (token, bias) in self.logit_bias.iter().flatten() {
             let id = token.parse::<u32>().map_err(|_| {
                 ApiError::invalid(
@@ -136,6 +139,80 @@ impl ChatCompletionRequest {
             Some(Stop::Many(v)) => v.clone(),
         };
         params.stop_strings.retain(|s| !s.is_empty());
+        Ok(())
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+/// `max_tokens` (or its newer name) checked, or `default`.
+pub(crate) fn max_tokens(asked: Option<usize>, default: usize) -> Result<usize, ApiError> {
+    match asked {
+        Some(0) => Err(ApiError::invalid(
+            "`max_tokens` must be at least 1",
+            Some("max_tokens"),
+        )),
+        Some(n) => Ok(n),
+        None => Ok(default),
+    }
+}
+
+/// The request body of `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+pub(crate) struct ChatCompletionRequest {
+    #[serde(flatten)]
+    sampling: Sampling,
+    messages: Vec<ChatMessage>,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+    /// Return each generated token's log-probability.
+    logprobs: Option<bool>,
+    /// With `logprobs`: also the most likely alternatives at each position, 0..=20.
+    top_logprobs: Option<usize>,
+}
+
+/// Tokens generated when a chat request names no limit (OpenAI's is the context; a local server
+/// answering an agent with no limit should still end).
+const DEFAULT_MAX_TOKENS: usize = 2048;
+
+/// Most alternatives a request may ask for per position (OpenAI's limit).
+const MAX_TOP_LOGPROBS: usize = 20;
+
+impl ChatCompletionRequest {
+    /// The engine request this asks for, or the 400 naming the parameter at fault.
+    fn to_engine(&self, served: &str) -> Result<EngineRequest, ApiError> {
+        let mut params = GenerateRequest::new(Vec::new());
+        self.sampling.apply(served, &mut params)?;
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid(
+                "`messages` must hold at least one message",
+                Some("messages"),
+            ));
+        }
+        params.max_tokens = max_tokens(
+            self.max_completion_tokens.or(self.max_tokens),
+            DEFAULT_MAX_TOKENS,
+        )?;
+        params.logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (_, Some(n)) if n > MAX_TOP_LOGPROBS => {
+                return Err(ApiError::invalid(
+                    format!("`top_logprobs` must be between 0 and {MAX_TOP_LOGPROBS}"),
+                    Some("top_logprobs"),
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(ApiError::invalid(
+                    "`top_logprobs` needs `logprobs: true`",
+                    Some("top_logprobs"),
+                ))
+            }
+            (true, top) => Some(top.unwrap_or(0)),
+            (false, None) => None,
+        };
         // OpenAI's `developer` role is the newer name of `system`, which chat templates know.
         let messages = self
             .messages
@@ -158,49 +235,63 @@ pub(crate) async fn chat_completions(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
-    if request.model != state.config.model_id {
-        return Err(ApiError::unknown_model(
-            &request.model,
-            &state.config.model_id,
-        ));
+    let engine_request = request.to_engine(&state.config.model_id)?;
+    let running = Running::start(&state.engine, engine_request).await?;
+    let meta = Meta::new(format!("chatcmpl-{}", running.id), &state.config.model_id);
+    let tokenizer = state.engine.tokenizer().clone();
+    if request.sampling.stream {
+        let include_usage = request.sampling.include_usage();
+        let events = chat_chunks(running, meta, tokenizer, include_usage);
+        return Ok(Sse::new(events).into_response());
     }
-    let engine_request = request.to_engine()?;
-    let mut running = Running::submit(&state.engine, engine_request)?;
-    // A request the engine refuses (a prompt longer than the context, …) is the client's error:
-    // a 400 before any stream starts.
-    running.check_refused().await?;
-    let meta = Meta {
-        id: format!("chatcmpl-{}", running.id),
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs()),
-        model: state.config.model_id.clone(),
-    };
-    if request.stream {
-        let include_usage = request
-            .stream_options
-            .as_ref()
-            .is_some_and(|o| o.include_usage);
-        Ok(Sse::new(stream_chunks(running, meta, include_usage)).into_response())
-    } else {
-        complete(running, meta)
-            .await
-            .map(IntoResponse::into_response)
-    }
+    let done = running.collect().await?;
+    let logprobs = request.logprobs.unwrap_or(false).then(|| {
+        let content: Vec<Value> = done
+            .tokens
+            .iter()
+            .map(|(id, lp)| chat_logprob(&tokenizer, *id, lp.as_ref()))
+            .collect();
+        json!({"content": content, "refusal": null})
+    });
+    Ok(Json(json!({
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": done.text},
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(done.reason),
+        }],
+        "usage": usage(&done.stats),
+    }))
+    .into_response())
 }
 
 /// What every response and chunk of one completion repeats.
-struct Meta {
-    id: String,
-    created: u64,
-    model: String,
+pub(crate) struct Meta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
 }
 
 impl Meta {
-    fn chunk(&self, choices: Value, usage: Option<Value>) -> Value {
+    pub fn new(id: String, model: &str) -> Self {
+        Self {
+            id,
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: model.to_owned(),
+        }
+    }
+
+    /// One streamed object of type `object` (`chat.completion.chunk`, `text_completion`).
+    pub fn chunk(&self, object: &str, choices: Value, usage: Option<Value>) -> Value {
         let mut chunk = json!({
             "id": self.id,
-            "object": "chat.completion.chunk",
+            "object": object,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -212,81 +303,8 @@ impl Meta {
     }
 }
 
-/// A request in the engine, its events forwarded to async code; cancelled in the engine when
-/// dropped before its end (the client went away).
-struct Running {
-    id: RequestId,
-    engine: EngineHandle,
-    events: mpsc::UnboundedReceiver<EngineEvent>,
-    /// An event read ahead by [`Running::check_refused`], handed out first.
-    peeked: Option<EngineEvent>,
-    finished: bool,
-}
-
-impl Running {
-    fn submit(engine: &EngineHandle, request: EngineRequest) -> Result<Self, ApiError> {
-        let stream = engine
-            .submit(request)
-            .map_err(|e| ApiError::engine(e.to_string()))?;
-        let (tx, events) = mpsc::unbounded_channel();
-        let receiver = stream.events;
-        // The engine's events arrive on a blocking channel; a blocking task moves them over.
-        tokio::task::spawn_blocking(move || {
-            for event in receiver {
-                if tx.send(event).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(Self {
-            id: stream.id,
-            engine: engine.clone(),
-            events,
-            peeked: None,
-            finished: false,
-        })
-    }
-
-    /// Waits for the request's first event: a 400 with the engine's message when the engine
-    /// refused the request (the message names what is wrong, e.g. both lengths of a prompt
-    /// longer than the context); otherwise the event is kept for [`Running::next`].
-    async fn check_refused(&mut self) -> Result<(), ApiError> {
-        let first = self.next().await;
-        if let Some(EngineEvent::Finished {
-            refused: true,
-            error,
-            ..
-        }) = &first
-        {
-            let message = error.clone().unwrap_or_else(|| "refused".into());
-            return Err(ApiError::invalid(message, None));
-        }
-        self.peeked = first;
-        Ok(())
-    }
-
-    async fn next(&mut self) -> Option<EngineEvent> {
-        if let Some(event) = self.peeked.take() {
-            return Some(event);
-        }
-        let event = self.events.recv().await;
-        if matches!(event, Some(EngineEvent::Finished { .. }) | None) {
-            self.finished = true;
-        }
-        event
-    }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.engine.cancel(self.id);
-        }
-    }
-}
-
 /// OpenAI's `finish_reason` for the engine's.
-fn finish_reason(reason: FinishReason) -> &'static str {
+pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
     match reason {
         FinishReason::Length => "length",
         FinishReason::Stop | FinishReason::Cancelled | FinishReason::Error => "stop",
@@ -294,7 +312,7 @@ fn finish_reason(reason: FinishReason) -> &'static str {
 }
 
 /// The `usage` object: prompt tokens with those read from the prefix cache, generated tokens.
-fn usage(stats: &GenerationStats) -> Value {
+pub(crate) fn usage(stats: &GenerationStats) -> Value {
     json!({
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
@@ -303,113 +321,87 @@ fn usage(stats: &GenerationStats) -> Value {
     })
 }
 
-/// Waits for the whole completion and answers it in one `chat.completion` object.
-async fn complete(mut running: Running, meta: Meta) -> Result<Json<Value>, ApiError> {
-    let mut text = String::new();
-    while let Some(event) = running.next().await {
-        match event {
-            EngineEvent::Token { text: piece, .. } => text.push_str(&piece),
-            EngineEvent::Finished {
-                finish_reason: reason,
-                stats,
-                error,
-                ..
-            } => {
-                if reason == FinishReason::Error {
-                    return Err(ApiError::engine(
-                        error.unwrap_or_else(|| "generation failed".into()),
-                    ));
-                }
-                return Ok(Json(json!({
-                    "id": meta.id,
-                    "object": "chat.completion",
-                    "created": meta.created,
-                    "model": meta.model,
-                    "choices": [{
-                        "index": 0,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": null,
-                        "finish_reason": finish_reason(reason),
-                    }],
-                    "usage": usage(&stats),
-                })));
-            }
-        }
+/// A log-probability as JSON: `-inf` (a token the processors ruled out) has no JSON number, so
+/// it is OpenAI's floor of -9999.
+pub(crate) fn logprob_value(logprob: f32) -> f32 {
+    if logprob.is_finite() {
+        logprob
+    } else {
+        -9999.0
     }
-    Err(ApiError::engine(
-        "the engine stopped before the request ended",
-    ))
+}
+
+/// One entry of a chat choice's `logprobs.content`: the token, its log-probability and UTF-8
+/// bytes, and the alternatives asked for.
+fn chat_logprob(tokenizer: &Tokenizer, id: u32, logprobs: Option<&TokenLogprobs>) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let token = tokenizer.token_text(id);
+        json!({"token": token, "logprob": logprob_value(logprob), "bytes": token.as_bytes()})
+    };
+    let Some(lp) = logprobs else {
+        return json!(null);
+    };
+    let mut value = entry(id, lp.logprob);
+    value["top_logprobs"] = lp.top.iter().map(|&(t, l)| entry(t, l)).collect();
+    value
+}
+
+/// Server-sent events from batches of JSON objects, then `[DONE]`.
+pub(crate) fn sse_with_done(
+    batches: impl Stream<Item = Vec<Value>> + Send + 'static,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    batches
+        .flat_map(stream::iter)
+        .map(|value| Event::default().data(value.to_string()))
+        .chain(stream::once(async { Event::default().data("[DONE]") }))
+        .map(Ok)
 }
 
 /// The completion as `chat.completion.chunk` events: the assistant role, one chunk per piece of
-/// text, the finish reason, the usage when asked (a last chunk with no choices), then `[DONE]`.
-/// An engine failure mid-stream sends an error object in OpenAI's shape instead of the finish.
-fn stream_chunks(
+/// text (with its log-probabilities when asked), the finish reason, the usage when asked (a last
+/// chunk with no choices), then `[DONE]`. An engine failure mid-stream sends an error object in
+/// OpenAI's shape instead of the finish.
+fn chat_chunks(
     running: Running,
     meta: Meta,
+    tokenizer: std::sync::Arc<Tokenizer>,
     include_usage: bool,
-) -> impl Stream<Item = Result<Event, std::convert::Infallible>> {
-    enum Stage {
-        Start,
-        Tokens,
-        Done,
-        End,
-    }
-    let data = |value: Value| Ok(Event::default().data(value.to_string()));
-    stream::unfold(
-        (running, meta, Stage::Start, Vec::<Value>::new()),
-        move |(mut running, meta, stage, mut queued)| async move {
-            if let Some(next) = queued.pop() {
-                return Some((data(next), (running, meta, stage, queued)));
-            }
-            match stage {
-                Stage::Start => {
-                    let delta = json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]);
-                    let first = meta.chunk(delta, None);
-                    Some((data(first), (running, meta, Stage::Tokens, queued)))
-                }
-                Stage::Tokens => loop {
-                    match running.next().await {
-                        Some(EngineEvent::Token { text, .. }) if text.is_empty() => continue,
-                        Some(EngineEvent::Token { text, .. }) => {
-                            let delta = json!([{"index": 0, "delta": {"content": text}, "finish_reason": null}]);
-                            let chunk = meta.chunk(delta, None);
-                            break Some((data(chunk), (running, meta, Stage::Tokens, queued)));
-                        }
-                        Some(EngineEvent::Finished {
-                            finish_reason: reason,
-                            stats,
-                            error,
-                            ..
-                        }) => {
-                            let last = if reason == FinishReason::Error {
-                                ApiError::engine(
-                                    error.unwrap_or_else(|| "generation failed".into()),
-                                )
-                                .body()
-                            } else {
-                                let choice = json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(reason)}]);
-                                if include_usage {
-                                    // Sent after the finish chunk, before `[DONE]`.
-                                    queued.push(meta.chunk(json!([]), Some(usage(&stats))));
-                                }
-                                meta.chunk(choice, None)
-                            };
-                            break Some((data(last), (running, meta, Stage::Done, queued)));
-                        }
-                        None => {
-                            let error =
-                                ApiError::engine("the engine stopped before the request ended");
-                            break Some((data(error.body()), (running, meta, Stage::Done, queued)));
-                        }
+) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    const OBJECT: &str = "chat.completion.chunk";
+    let first = meta.chunk(
+        OBJECT,
+        json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
+        None,
+    );
+    let rest = running.into_steps().filter_map(move |step| {
+        let out = match step {
+            Step::Token { text, logprobs, id } => {
+                let logprobs = id
+                    .zip(logprobs)
+                    .map(|(id, lp)| json!({"content": [chat_logprob(&tokenizer, id, Some(&lp))]}));
+                if text.is_empty() && logprobs.is_none() {
+                    None
+                } else {
+                    let mut choice =
+                        json!({"index": 0, "delta": {"content": text}, "finish_reason": null});
+                    if let Some(lp) = logprobs {
+                        choice["logprobs"] = lp;
                     }
-                },
-                Stage::Done => Some((
-                    Ok(Event::default().data("[DONE]")),
-                    (running, meta, Stage::End, queued),
-                )),
-                Stage::End => None,
+                    Some(vec![meta.chunk(OBJECT, json!([choice]), None)])
+                }
             }
-        },
-    )
+            Step::Done { reason, stats } => {
+                let choice =
+                    json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(reason)}]);
+                let mut out = vec![meta.chunk(OBJECT, choice, None)];
+                if include_usage {
+                    out.push(meta.chunk(OBJECT, json!([]), Some(usage(&stats))));
+                }
+                Some(out)
+            }
+            Step::Failed(error) => Some(vec![error.body()]),
+        };
+        std::future::ready(out)
+    });
+    sse_with_done(stream::once(async move { vec![first] }).chain(rest))
 }

@@ -1,6 +1,6 @@
 """The official OpenAI Python SDK against `perch serve`: prints one JSON object of what it saw.
 
-    python openai_client.py BASE_URL API_KEY MODEL SYSTEM_PROMPT
+    python openai_client.py BASE_URL API_KEY MODEL SYSTEM_PROMPT COMPLETION_PROMPT
 """
 import json
 import sys
@@ -9,7 +9,7 @@ import urllib.request
 
 import openai
 
-base_url, key, model, system = sys.argv[1:5]
+base_url, key, model, system, text_prompt = sys.argv[1:6]
 client = openai.OpenAI(base_url=base_url, api_key=key, max_retries=0)
 messages = [
     {"role": "developer", "content": system},
@@ -49,6 +49,49 @@ stopped = client.chat.completions.create(model=model, messages=messages, max_tok
 out["stop"] = {"stop": stop, "content": stopped.choices[0].message.content,
                "finish_reason": stopped.choices[0].finish_reason}
 
+# Log-probabilities: each generated token with its three most likely alternatives.
+def token_logprobs(entries):
+    return [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+             "top": [[t.token, t.logprob] for t in e.top_logprobs]} for e in entries]
+
+scored = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                        logprobs=True, top_logprobs=3)
+out["logprobs"] = {"content": scored.choices[0].message.content,
+                   "completion_tokens": scored.usage.completion_tokens,
+                   "entries": token_logprobs(scored.choices[0].logprobs.content)}
+streamed_entries = []
+for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True):
+    for choice in chunk.choices:
+        if choice.logprobs is not None:
+            streamed_entries += token_logprobs(choice.logprobs.content)
+out["logprobs_streamed"] = streamed_entries
+
+# OpenAI's penalties change a greedy answer (the Rust side computes the expected one directly).
+penalized = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                           presence_penalty=1.5, frequency_penalty=1.0)
+out["penalized"] = penalized.choices[0].message.content
+
+# The legacy Completions endpoint: text or token ids, echo, log-probabilities, several prompts.
+def completion(**kwargs):
+    done = client.completions.create(model=model, max_tokens=10, temperature=0, **kwargs)
+    return {"texts": [c.text for c in done.choices], "indexes": [c.index for c in done.choices],
+            "finish": [c.finish_reason for c in done.choices], "usage": done.usage.model_dump(),
+            "logprobs": [c.logprobs.model_dump() if c.logprobs else None for c in done.choices]}
+
+out["completion"] = completion(prompt=text_prompt)
+out["completion_echo"] = completion(prompt=text_prompt, echo=True)
+out["completion_logprobs"] = completion(prompt=text_prompt, logprobs=2)
+out["completion_two"] = completion(prompt=[text_prompt, "The capital of France is"])
+ids = sys.argv[6:]
+out["completion_ids"] = completion(prompt=[int(i) for i in ids])
+pieces, finish = [], None
+for chunk in client.completions.create(model=model, prompt=text_prompt, max_tokens=10, temperature=0, stream=True):
+    for choice in chunk.choices:
+        pieces.append(choice.text)
+        finish = choice.finish_reason or finish
+out["completion_stream"] = {"text": "".join(pieces), "finish_reason": finish}
+
 def error_of(call):
     try:
         call()
@@ -62,6 +105,12 @@ long = [{"role": "user", "content": "word " * 10000}]
 out["too_long"] = error_of(lambda: client.chat.completions.create(model=model, messages=long, max_tokens=4))
 out["too_long_streamed"] = error_of(lambda: client.chat.completions.create(model=model, messages=long, max_tokens=4,
                                                                            stream=True))
+out["bad_penalty"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
+                                                                    presence_penalty=3))
+out["top_logprobs_alone"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
+                                                                            top_logprobs=2))
+out["echo_logprobs"] = error_of(lambda: client.completions.create(model=model, prompt=text_prompt, echo=True,
+                                                                  logprobs=1))
 out["no_key"] = error_of(lambda: openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list())
 
 request = urllib.request.Request(base_url + "/chat/completions", data=b"{not json", method="POST",

@@ -1,8 +1,9 @@
 //! The official OpenAI Python SDK (`openai` from PyPI, in the oracle virtualenv) against the
 //! server on 127.0.0.1 with the default model: models, chat completions plain and streamed (with
 //! usage only when asked), stop sequences, the documented errors (a prompt longer than the
-//! context among them), and the greedy text equal to what the engine gives for the same messages
-//! directly.
+//! context among them), log-probabilities, OpenAI's penalties, the legacy Completions endpoint
+//! (text and token-id prompts, echo, several prompts, streamed), and the greedy text equal to what
+//! the engine gives for the same messages or prompt directly.
 
 use std::process::Command;
 
@@ -19,21 +20,29 @@ const MODEL: &str = "smollm2-135m";
 const SYSTEM: &str = "You are a helpful assistant for a small team of engineers who build a \
     desktop application. Answer briefly and plainly, in one or two sentences, without lists.";
 
-/// The greedy answer the engine gives directly, with the messages as the client sends them
-/// (`developer` is the template's `system`).
-fn direct_answer(engine: &EngineHandle, max_tokens: usize) -> (String, usize) {
-    let messages = vec![
+/// A completion prompt, and a second one the client sends as token ids.
+const TEXT: &str = "Once upon a time, in a small village by the sea,";
+const TEXT_AS_IDS: &str = "The capital of France is";
+
+/// The messages as the client sends them (`developer` is the template's `system`).
+fn chat() -> Prompt {
+    Prompt::Chat(vec![
         ChatMessage::new("system", SYSTEM),
         ChatMessage::new("user", "Name three colors of the rainbow."),
-    ];
+    ])
+}
+
+/// The greedy answer the engine gives directly with `max_tokens` and settings from `adjust`.
+fn direct_answer(
+    engine: &EngineHandle,
+    prompt: Prompt,
+    max_tokens: usize,
+    adjust: impl FnOnce(&mut GenerateRequest),
+) -> (String, usize) {
     let mut params = GenerateRequest::new(Vec::new());
     params.max_tokens = max_tokens;
-    let stream = engine
-        .submit(EngineRequest {
-            prompt: Prompt::Chat(messages),
-            params,
-        })
-        .unwrap();
+    adjust(&mut params);
+    let stream = engine.submit(EngineRequest { prompt, params }).unwrap();
     let mut text = String::new();
     for event in stream.events {
         match event {
@@ -48,7 +57,19 @@ fn direct_answer(engine: &EngineHandle, max_tokens: usize) -> (String, usize) {
 fn the_openai_sdk_gets_chat_completions() {
     let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
         .expect("the default model loads");
-    let (expected, prompt_tokens) = direct_answer(&engine, 24);
+    let (expected, prompt_tokens) = direct_answer(&engine, chat(), 24, |_| {});
+    let (penalized, _) = direct_answer(&engine, chat(), 24, |p| {
+        p.sampling.presence_penalty = 1.5;
+        p.sampling.frequency_penalty = 1.0;
+        p.sampling.presence_context_size = perch_server::PENALTY_WINDOW;
+        p.sampling.frequency_context_size = perch_server::PENALTY_WINDOW;
+    });
+    assert_ne!(penalized, expected, "the penalties change this answer");
+    let tokenizer = engine.tokenizer().clone();
+    let text_ids = tokenizer.encode(TEXT, true).unwrap();
+    let (continued, _) = direct_answer(&engine, Prompt::Tokens(text_ids.clone()), 10, |_| {});
+    let france_ids = tokenizer.encode(TEXT_AS_IDS, true).unwrap();
+    let (france, _) = direct_answer(&engine, Prompt::Tokens(france_ids.clone()), 10, |_| {});
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
@@ -65,7 +86,8 @@ fn the_openai_sdk_gets_chat_completions() {
             env!("CARGO_MANIFEST_DIR"),
             "/tests/openai_client.py"
         ))
-        .args([&format!("http://{addr}/v1"), KEY, MODEL, SYSTEM])
+        .args([&format!("http://{addr}/v1"), KEY, MODEL, SYSTEM, TEXT])
+        .args(france_ids.iter().map(u32::to_string))
         .env("NO_PROXY", "127.0.0.1,localhost")
         .output()
         .expect("the oracle Python runs");
@@ -112,8 +134,15 @@ fn the_openai_sdk_gets_chat_completions() {
     assert_eq!(stop["content"], &expected[..cut]);
     assert_eq!(stop["finish_reason"], "stop");
 
+    check_logprobs(&seen);
+    assert_eq!(seen["penalized"], penalized.as_str());
+    check_completions(&seen, &continued, &france, text_ids.len());
+
     for (case, status, param) in [
         ("n2", 400, Value::from("n")),
+        ("bad_penalty", 400, Value::from("presence_penalty")),
+        ("top_logprobs_alone", 400, Value::from("top_logprobs")),
+        ("echo_logprobs", 400, Value::from("echo")),
         ("unknown_model", 404, Value::from("model")),
         ("no_key", 401, Value::Null),
         ("bad_json", 400, Value::Null),
@@ -141,6 +170,89 @@ fn the_openai_sdk_gets_chat_completions() {
     }
     disconnecting_cancels(&engine, &addr.to_string());
     engine.shutdown();
+}
+
+/// Chat log-probabilities, plain and streamed: one entry per generated token whose texts make the
+/// answer, the greedy token first among its three alternatives, bytes its UTF-8.
+fn check_logprobs(seen: &Value) {
+    let scored = &seen["logprobs"];
+    let entries = scored["entries"].as_array().unwrap();
+    assert_eq!(
+        entries.len() as u64,
+        scored["completion_tokens"].as_u64().unwrap()
+    );
+    let joined: String = entries
+        .iter()
+        .map(|e| e["token"].as_str().unwrap())
+        .collect();
+    assert_eq!(joined, scored["content"].as_str().unwrap());
+    for entry in entries {
+        let token = entry["token"].as_str().unwrap();
+        let logprob = entry["logprob"].as_f64().unwrap();
+        assert!(logprob <= 0.0, "{entry}");
+        assert_eq!(entry["bytes"], serde_json::json!(token.as_bytes()));
+        let top = entry["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3, "{entry}");
+        assert_eq!(
+            top[0],
+            serde_json::json!([token, logprob]),
+            "greedy: {entry}"
+        );
+        assert!(top.windows(2).all(|w| w[0][1].as_f64() >= w[1][1].as_f64()));
+    }
+    assert_eq!(&seen["logprobs_streamed"], &scored["entries"]);
+}
+
+/// The legacy Completions endpoint: the engine's greedy continuation of the text (and of the
+/// token ids), echo, log-probabilities whose tokens make the text, two prompts in one request,
+/// and streamed.
+fn check_completions(seen: &Value, continued: &str, france: &str, prompt_tokens: usize) {
+    let plain = &seen["completion"];
+    assert_eq!(plain["texts"], serde_json::json!([continued]));
+    assert_eq!(plain["usage"]["prompt_tokens"], prompt_tokens);
+    let generated = plain["usage"]["completion_tokens"].as_u64().unwrap();
+    assert_eq!(
+        plain["finish"][0],
+        if generated == 10 { "length" } else { "stop" }
+    );
+    assert_eq!(
+        seen["completion_echo"]["texts"],
+        serde_json::json!([format!("{TEXT}{continued}")])
+    );
+    let scored = &seen["completion_logprobs"];
+    assert_eq!(scored["texts"], plain["texts"]);
+    let logprobs = &scored["logprobs"][0];
+    let tokens: Vec<&str> = logprobs["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.len() as u64, generated);
+    assert_eq!(tokens.concat(), continued);
+    let mut offset = 0;
+    for (i, token) in tokens.iter().enumerate() {
+        assert_eq!(logprobs["text_offset"][i], offset);
+        offset += token.chars().count();
+        let chosen = logprobs["token_logprobs"][i].as_f64().unwrap();
+        let top = logprobs["top_logprobs"][i].as_object().unwrap();
+        assert!((1..=2).contains(&top.len()), "{logprobs}");
+        assert_eq!(
+            top.get(*token).and_then(Value::as_f64),
+            Some(chosen),
+            "greedy: {logprobs}"
+        );
+        assert!(top.values().all(|v| v.as_f64() <= Some(chosen)));
+    }
+    let two = &seen["completion_two"];
+    assert_eq!(two["texts"], serde_json::json!([continued, france]));
+    assert_eq!(two["indexes"], serde_json::json!([0, 1]));
+    assert_eq!(seen["completion_ids"]["texts"], serde_json::json!([france]));
+    assert_eq!(seen["completion_stream"]["text"], continued);
+    assert_eq!(
+        seen["completion_stream"]["finish_reason"],
+        plain["finish"][0]
+    );
 }
 
 /// A streaming client that reads its first chunk and hangs up: the request is cancelled in the

@@ -1,0 +1,179 @@
+//! A request running in the engine as the wire formats see it: its events moved into async code,
+//! refusals turned into 400s, and a cancel in the engine when the client goes away.
+
+use futures_util::stream::{self, Stream};
+use perch_engine::kv_cache_manager::RequestId;
+use perch_engine::{
+    EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerationStats, TokenLogprobs,
+};
+use tokio::sync::mpsc;
+
+use crate::error::ApiError;
+
+/// What a running request produces next, as every wire format needs it.
+pub(crate) enum Step {
+    /// Generated text (possibly empty), with the token it came from (`None` for text held back
+    /// until the end) and the token's log-probabilities when asked.
+    Token {
+        id: Option<u32>,
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The request ended normally (stop, length, cancelled).
+    Done {
+        reason: FinishReason,
+        stats: GenerationStats,
+    },
+    /// The engine failed while running the request (a 500 before a stream starts, an error
+    /// event within one).
+    Failed(ApiError),
+}
+
+/// A whole completion, gathered by [`Running::collect`].
+pub(crate) struct Generated {
+    pub text: String,
+    /// Each generated token with its log-probabilities (when asked).
+    pub tokens: Vec<(u32, Option<TokenLogprobs>)>,
+    pub reason: FinishReason,
+    pub stats: GenerationStats,
+}
+
+/// A request in the engine, its events forwarded to async code; cancelled in the engine when
+/// dropped before its end (the client went away).
+pub(crate) struct Running {
+    pub id: RequestId,
+    engine: EngineHandle,
+    events: mpsc::UnboundedReceiver<EngineEvent>,
+    /// An event read ahead by [`Running::check_refused`], handed out first.
+    peeked: Option<EngineEvent>,
+    finished: bool,
+    /// [`Running::step`] has handed out the end.
+    ended: bool,
+}
+
+impl Running {
+    /// Submits `request` and waits for its first event: a request the engine refuses (a prompt
+    /// longer than the context, …) is the client's error, a 400 with the engine's message (which
+    /// names what is wrong, e.g. both lengths) before any stream starts.
+    pub async fn start(engine: &EngineHandle, request: EngineRequest) -> Result<Self, ApiError> {
+        let stream = engine
+            .submit(request)
+            .map_err(|e| ApiError::engine(e.to_string()))?;
+        let (tx, events) = mpsc::unbounded_channel();
+        let receiver = stream.events;
+        // The engine's events arrive on a blocking channel; a blocking task moves them over.
+        tokio::task::spawn_blocking(move || {
+            for event in receiver {
+                if tx.send(event).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut running = Self {
+            id: stream.id,
+            engine: engine.clone(),
+            events,
+            peeked: None,
+            finished: false,
+            ended: false,
+        };
+        let first = running.event().await;
+        if let Some(EngineEvent::Finished {
+            refused: true,
+            error,
+            ..
+        }) = &first
+        {
+            let message = error.clone().unwrap_or_else(|| "refused".into());
+            return Err(ApiError::invalid(message, None));
+        }
+        running.peeked = first;
+        Ok(running)
+    }
+
+    async fn event(&mut self) -> Option<EngineEvent> {
+        if let Some(event) = self.peeked.take() {
+            return Some(event);
+        }
+        let event = self.events.recv().await;
+        if matches!(event, Some(EngineEvent::Finished { .. }) | None) {
+            self.finished = true;
+        }
+        event
+    }
+
+    /// The next step; `None` once the request has ended.
+    pub async fn step(&mut self) -> Option<Step> {
+        if self.ended {
+            return None;
+        }
+        let step = match self.event().await {
+            Some(EngineEvent::Token { id, text, logprobs }) => Step::Token { id, text, logprobs },
+            Some(EngineEvent::Finished {
+                finish_reason: FinishReason::Error,
+                error,
+                ..
+            }) => Step::Failed(ApiError::engine(
+                error.unwrap_or_else(|| "generation failed".into()),
+            )),
+            Some(EngineEvent::Finished {
+                finish_reason,
+                stats,
+                ..
+            }) => Step::Done {
+                reason: finish_reason,
+                stats,
+            },
+            None => Step::Failed(ApiError::engine(
+                "the engine stopped before the request ended",
+            )),
+        };
+        self.ended = !matches!(step, Step::Token { .. });
+        Some(step)
+    }
+
+    /// The steps as a stream, ending after the request's end; dropping it cancels the request.
+    pub fn into_steps(self) -> impl Stream<Item = Step> + Send + 'static {
+        stream::unfold(self, |mut running| async move {
+            running.step().await.map(|step| (step, running))
+        })
+    }
+
+    /// Waits for the whole completion.
+    pub async fn collect(mut self) -> Result<Generated, ApiError> {
+        let mut text = String::new();
+        let mut tokens = Vec::new();
+        while let Some(step) = self.step().await {
+            match step {
+                Step::Token {
+                    id,
+                    text: piece,
+                    logprobs,
+                } => {
+                    text.push_str(&piece);
+                    tokens.extend(id.map(|id| (id, logprobs)));
+                }
+                Step::Done { reason, stats } => {
+                    return Ok(Generated {
+                        text,
+                        tokens,
+                        reason,
+                        stats,
+                    })
+                }
+                Step::Failed(error) => return Err(error),
+            }
+        }
+        Err(ApiError::engine(
+            "the engine stopped before the request ended",
+        ))
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.engine.cancel(self.id);
+        }
+    }
+}
