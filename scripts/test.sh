@@ -28,9 +28,9 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import mlx_lm" 2>/dev
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2"
 fi
-# The official API client the server's tests drive (crates/perch-server/tests).
-if ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
-  "$venv/bin/python" -m pip install --quiet "openai==3.54.0"
+# The official API clients the server's tests drive (crates/perch-server/tests).
+if ! "$venv/bin/python" -c "import openai, anthropic" 2>/dev/null; then
+  "$venv/bin/python" -m pip install --quiet "openai==3.54.0" "anthropic==2.12.0"
 fi
 export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
 # Tests serve fake Hubs on 127.0.0.1: never send those requests through a proxy.

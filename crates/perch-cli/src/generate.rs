@@ -56,6 +56,12 @@ pub struct GenerationOptions {
     /// Number of recent tokens the repetition penalty looks at.
     #[arg(long, default_value_t = 20)]
     pub repetition_context_size: usize,
+    /// Subtract this from the logit of every token among the last 20 (OpenAI's presence penalty).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub presence_penalty: f32,
+    /// Subtract this once per occurrence among the last 20 tokens (OpenAI's frequency penalty).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    pub frequency_penalty: f32,
     #[arg(long)]
     pub seed: Option<u64>,
     /// Stop when this string appears (repeatable).
@@ -97,8 +103,11 @@ impl GenerationOptions {
             min_p: self.min_p,
             repetition_penalty: self.repetition_penalty,
             repetition_context_size: self.repetition_context_size,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             seed: self.seed,
             logit_bias: self.logit_bias.iter().copied().collect(),
+            ..SamplingParams::default()
         };
         request
     }

@@ -118,6 +118,8 @@ pub enum EngineEvent {
         stats: GenerationStats,
         error: Option<String>,
         refused: bool,
+        /// The request's stop string that ended it, when one did.
+        stop_string: Option<String>,
     },
 }
 
@@ -458,6 +460,7 @@ impl Queue {
                 stats: GenerationStats::default(),
                 error: Some(error),
                 refused: true,
+                stop_string: None,
             },
         );
     }
@@ -476,6 +479,7 @@ impl Queue {
                 stats,
                 error,
                 refused: false,
+                stop_string: None,
             },
         );
     }
@@ -649,7 +653,16 @@ impl EngineThread {
                             BatchEvent::Finished { request, output } => {
                                 let job =
                                     jobs.remove(&request).expect("finished request was running");
-                                queue.finish(&job, output.finish_reason, output.stats, None);
+                                queue.end(
+                                    &job,
+                                    EngineEvent::Finished {
+                                        finish_reason: output.finish_reason,
+                                        stats: output.stats,
+                                        error: None,
+                                        refused: false,
+                                        stop_string: output.stop_string,
+                                    },
+                                );
                             }
                         }
                     }

@@ -131,6 +131,8 @@ pub struct GenerateOutput {
     pub token_ids: Vec<u32>,
     pub text: String,
     pub finish_reason: FinishReason,
+    /// The stop string that ended generation (finish reason `Stop` without it: a stop token).
+    pub stop_string: Option<String>,
     pub stats: GenerationStats,
 }
 
@@ -298,6 +300,7 @@ impl TokenSink {
                 token_ids: Vec::new(),
                 text: String::new(),
                 finish_reason: FinishReason::Length,
+                stop_string: None,
                 stats: GenerationStats {
                     prompt_tokens: request.prompt.len(),
                     ..Default::default()
@@ -321,7 +324,10 @@ impl TokenSink {
         let delta = self.detokenizer.push(tokenizer, id)?;
         let (text, stopped) = match self.stops.push(&delta) {
             StopOutcome::Continue(text) => (text, false),
-            StopOutcome::Stopped(text) => (text, true),
+            StopOutcome::Stopped { text, stop } => {
+                self.output.stop_string = Some(stop);
+                (text, true)
+            }
         };
         self.output.text.push_str(&text);
         let event = TokenEvent {
@@ -349,8 +355,9 @@ impl TokenSink {
         let tail = self.detokenizer.finish(tokenizer)?;
         let rest = match self.stops.push(&tail) {
             StopOutcome::Continue(text) => text + &self.stops.finish(),
-            StopOutcome::Stopped(text) => {
+            StopOutcome::Stopped { text, stop } => {
                 self.output.finish_reason = FinishReason::Stop;
+                self.output.stop_string = Some(stop);
                 text
             }
         };

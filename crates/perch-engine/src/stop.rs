@@ -6,8 +6,8 @@
 pub enum StopOutcome {
     /// Text safe to show now (may be empty).
     Continue(String),
-    /// A stop string matched; the text before it, to show before finishing.
-    Stopped(String),
+    /// A stop string matched: the text before it, to show before finishing, and the stop string.
+    Stopped { text: String, stop: String },
 }
 
 /// Scans streamed text for any of a set of stop strings.
@@ -32,12 +32,15 @@ impl StopMatcher {
         let first_match = self
             .stops
             .iter()
-            .filter_map(|stop| self.pending.find(stop.as_str()))
-            .min();
-        if let Some(at) = first_match {
-            let before = self.pending[..at].to_string();
+            .filter_map(|stop| self.pending.find(stop.as_str()).map(|at| (at, stop)))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, stop)) = first_match {
+            let outcome = StopOutcome::Stopped {
+                text: self.pending[..at].to_string(),
+                stop: stop.clone(),
+            };
             self.pending.clear();
-            return StopOutcome::Stopped(before);
+            return outcome;
         }
         let held = self.longest_partial_match();
         let cut = self.pending.len() - held;
@@ -69,19 +72,26 @@ impl StopMatcher {
 mod tests {
     use super::*;
 
+    fn stopped(text: &str, stop: &str) -> StopOutcome {
+        StopOutcome::Stopped {
+            text: text.into(),
+            stop: stop.into(),
+        }
+    }
+
     #[test]
     fn holds_back_a_possible_stop_then_releases_it() {
         let mut m = StopMatcher::new(["</end>".to_string()]);
         assert_eq!(m.push("Hello </"), StopOutcome::Continue("Hello ".into()));
         assert_eq!(m.push("b>"), StopOutcome::Continue("</b>".into()));
         assert_eq!(m.push(" ok </e"), StopOutcome::Continue(" ok ".into()));
-        assert_eq!(m.push("nd> tail"), StopOutcome::Stopped("".into()));
+        assert_eq!(m.push("nd> tail"), stopped("", "</end>"));
     }
 
     #[test]
     fn cuts_at_the_earliest_stop_and_flushes_on_finish() {
         let mut m = StopMatcher::new(["STOP".to_string(), "\n\n".to_string()]);
-        assert_eq!(m.push("a\n\nbSTOP"), StopOutcome::Stopped("a".into()));
+        assert_eq!(m.push("a\n\nbSTOP"), stopped("a", "\n\n"));
         let mut m = StopMatcher::new(["STOP".to_string()]);
         assert_eq!(m.push("xyzST"), StopOutcome::Continue("xyz".into()));
         assert_eq!(m.finish(), "ST");
@@ -91,6 +101,6 @@ mod tests {
     fn multibyte_stop_strings() {
         let mut m = StopMatcher::new(["日本".to_string()]);
         assert_eq!(m.push("今日"), StopOutcome::Continue("今".into()));
-        assert_eq!(m.push("本"), StopOutcome::Stopped("".into()));
+        assert_eq!(m.push("本"), stopped("", "日本"));
     }
 }

@@ -286,7 +286,7 @@ fn text_chunks(
                 (!text.is_empty() || logprobs.is_some())
                     .then(|| vec![meta.chunk(OBJECT, choice(&text, logprobs, None), None)])
             }
-            Step::Done { reason, stats } => {
+            Step::Done { reason, stats, .. } => {
                 let mut out =
                     vec![meta.chunk(OBJECT, choice("", None, Some(finish_reason(reason))), None)];
                 if include_usage {

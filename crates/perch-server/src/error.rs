@@ -1,5 +1,6 @@
-//! Errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}` with the HTTP
-//! status OpenAI uses for the same failure.
+//! Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, or in
+//! Anthropic's, `{"type": "error", "error": {"type", "message"}}` (for `/v1/messages`), with the
+//! HTTP status each uses for the same failure.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -32,7 +33,9 @@ impl ApiError {
         Self {
             status: StatusCode::UNAUTHORIZED,
             kind: "authentication_error",
-            message: "missing or wrong API key: send `Authorization: Bearer KEY`".into(),
+            message:
+                "missing or wrong API key: send `Authorization: Bearer KEY` or `x-api-key: KEY`"
+                    .into(),
             param: None,
             code: Some("invalid_api_key"),
         }
@@ -78,6 +81,43 @@ impl ApiError {
             "param": self.param,
             "code": self.code,
         }})
+    }
+}
+
+/// The same error in Anthropic's shape (<https://docs.anthropic.com/en/api/errors>).
+#[derive(Debug)]
+pub struct AnthropicError(pub ApiError);
+
+impl From<ApiError> for AnthropicError {
+    fn from(error: ApiError) -> Self {
+        Self(error)
+    }
+}
+
+impl AnthropicError {
+    /// Anthropic's error type for the status.
+    fn kind(&self) -> &'static str {
+        match self.0.status.as_u16() {
+            400 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        }
+    }
+
+    /// The error object, as a response body or a stream's `error` event carries it.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"type": "error", "error": {"type": self.kind(), "message": self.0.message}})
+    }
+}
+
+impl IntoResponse for AnthropicError {
+    fn into_response(self) -> Response {
+        (self.0.status, Json(self.body())).into_response()
     }
 }
 

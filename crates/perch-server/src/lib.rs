@@ -12,6 +12,7 @@
 //! A client that disconnects cancels its request in the engine (its KV blocks are freed at the
 //! next step).
 
+mod anthropic;
 mod completions;
 mod error;
 mod openai;
@@ -28,7 +29,7 @@ use axum::Router;
 use perch_engine::EngineHandle;
 use tokio::net::TcpListener;
 
-pub use error::ApiError;
+pub use error::{AnthropicError, ApiError};
 pub use openai::PENALTY_WINDOW;
 
 /// What the server serves and who may ask.
@@ -57,6 +58,8 @@ pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(completions::completions))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .fallback(|| async { ApiError::not_found("no such endpoint") })
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state)
@@ -81,7 +84,12 @@ async fn authorize(State(state): State<AppState>, request: Request, next: Next) 
             .and_then(|v| v.strip_prefix("Bearer ").map(str::to_owned));
         let presented = [bearer, header("x-api-key")];
         if !presented.iter().flatten().any(|p| same_key(p, key)) {
-            return ApiError::unauthorized().into_response();
+            let error = ApiError::unauthorized();
+            return if request.uri().path().starts_with("/v1/messages") {
+                AnthropicError(error).into_response()
+            } else {
+                error.into_response()
+            };
         }
     }
     next.run(request).await

@@ -390,7 +390,7 @@ fn chat_chunks(
                     Some(vec![meta.chunk(OBJECT, json!([choice]), None)])
                 }
             }
-            Step::Done { reason, stats } => {
+            Step::Done { reason, stats, .. } => {
                 let choice =
                     json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(reason)}]);
                 let mut out = vec![meta.chunk(OBJECT, choice, None)];

@@ -19,10 +19,12 @@ pub(crate) enum Step {
         text: String,
         logprobs: Option<TokenLogprobs>,
     },
-    /// The request ended normally (stop, length, cancelled).
+    /// The request ended normally (stop, length, cancelled); `stop_string` is the request's
+    /// stop string that ended it, when one did.
     Done {
         reason: FinishReason,
         stats: GenerationStats,
+        stop_string: Option<String>,
     },
     /// The engine failed while running the request (a 500 before a stream starts, an error
     /// event within one).
@@ -35,6 +37,7 @@ pub(crate) struct Generated {
     /// Each generated token with its log-probabilities (when asked).
     pub tokens: Vec<(u32, Option<TokenLogprobs>)>,
     pub reason: FinishReason,
+    pub stop_string: Option<String>,
     pub stats: GenerationStats,
 }
 
@@ -119,10 +122,12 @@ impl Running {
             Some(EngineEvent::Finished {
                 finish_reason,
                 stats,
+                stop_string,
                 ..
             }) => Step::Done {
                 reason: finish_reason,
                 stats,
+                stop_string,
             },
             None => Step::Failed(ApiError::engine(
                 "the engine stopped before the request ended",
@@ -153,11 +158,16 @@ impl Running {
                     text.push_str(&piece);
                     tokens.extend(id.map(|id| (id, logprobs)));
                 }
-                Step::Done { reason, stats } => {
+                Step::Done {
+                    reason,
+                    stats,
+                    stop_string,
+                } => {
                     return Ok(Generated {
                         text,
                         tokens,
                         reason,
+                        stop_string,
                         stats,
                     })
                 }

@@ -1,9 +1,15 @@
-//! The official OpenAI Python SDK (`openai` from PyPI, in the oracle virtualenv) against the
-//! server on 127.0.0.1 with the default model: models, chat completions plain and streamed (with
+//! The official Python SDKs (`openai` and `anthropic` from PyPI, in the oracle virtualenv)
+//! against the server on 127.0.0.1 with the default model.
+//!
+//! OpenAI: models, chat completions plain and streamed (with
 //! usage only when asked), stop sequences, the documented errors (a prompt longer than the
 //! context among them), log-probabilities, OpenAI's penalties, the legacy Completions endpoint
 //! (text and token-id prompts, echo, several prompts, streamed), and the greedy text equal to what
 //! the engine gives for the same messages or prompt directly.
+//!
+//! Anthropic: messages plain, with blocks and streamed (the SDK's own stream helper checks the
+//! event sequence), stop sequences, usage with cache reads, count_tokens, and errors in
+//! Anthropic's shape.
 
 use std::process::Command;
 
@@ -53,6 +59,40 @@ fn direct_answer(
     panic!("the stream ended without Finished");
 }
 
+/// Serves `engine` on a free port of 127.0.0.1 with the test's key; the runtime must live as
+/// long as the server is used.
+fn start_server(engine: &EngineHandle) -> (tokio::runtime::Runtime, std::net::SocketAddr) {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let config = ServerConfig {
+        model_id: MODEL.into(),
+        api_key: Some(KEY.into()),
+    };
+    runtime.spawn(serve(listener, router(engine.clone(), config)));
+    (runtime, addr)
+}
+
+/// Runs a client script of this directory with the oracle Python; returns what it printed.
+fn run_client(script: &str, args: &[String]) -> Value {
+    let output = Command::new(perch_test_support::oracle_python())
+        .arg(format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR")))
+        .args(args)
+        .env("NO_PROXY", "127.0.0.1,localhost")
+        .output()
+        .expect("the oracle Python runs");
+    assert!(
+        output.status.success(),
+        "{script} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let seen: Value = serde_json::from_slice(&output.stdout).unwrap();
+    eprintln!("{seen:#}");
+    seen
+}
+
 #[test]
 fn the_openai_sdk_gets_chat_completions() {
     let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
@@ -70,34 +110,16 @@ fn the_openai_sdk_gets_chat_completions() {
     let (continued, _) = direct_answer(&engine, Prompt::Tokens(text_ids.clone()), 10, |_| {});
     let france_ids = tokenizer.encode(TEXT_AS_IDS, true).unwrap();
     let (france, _) = direct_answer(&engine, Prompt::Tokens(france_ids.clone()), 10, |_| {});
-    let runtime = tokio::runtime::Runtime::new().unwrap();
-    let listener = runtime
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    let config = ServerConfig {
-        model_id: MODEL.into(),
-        api_key: Some(KEY.into()),
-    };
-    runtime.spawn(serve(listener, router(engine.clone(), config)));
-
-    let output = Command::new(perch_test_support::oracle_python())
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/openai_client.py"
-        ))
-        .args([&format!("http://{addr}/v1"), KEY, MODEL, SYSTEM, TEXT])
-        .args(france_ids.iter().map(u32::to_string))
-        .env("NO_PROXY", "127.0.0.1,localhost")
-        .output()
-        .expect("the oracle Python runs");
-    assert!(
-        output.status.success(),
-        "the client failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let seen: Value = serde_json::from_slice(&output.stdout).unwrap();
-    eprintln!("{seen:#}");
+    let (_runtime, addr) = start_server(&engine);
+    let mut args = vec![
+        format!("http://{addr}/v1"),
+        KEY.into(),
+        MODEL.into(),
+        SYSTEM.into(),
+        TEXT.into(),
+    ];
+    args.extend(france_ids.iter().map(u32::to_string));
+    let seen = run_client("openai_client.py", &args);
 
     assert_eq!(seen["models"], serde_json::json!([MODEL]));
     let plain = &seen["plain"];
@@ -297,4 +319,136 @@ fn disconnecting_cancels(engine: &EngineHandle, addr: &str) {
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+}
+
+#[test]
+fn the_anthropic_sdk_gets_messages() {
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let (expected, prompt_tokens) = direct_answer(&engine, chat(), 24, |_| {});
+    // The direct run filled the prefix cache; the server's engine starts empty.
+    engine.shutdown();
+    let engine =
+        EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default()).unwrap();
+    let (_runtime, addr) = start_server(&engine);
+    let args = [
+        format!("http://{addr}"),
+        KEY.into(),
+        MODEL.into(),
+        SYSTEM.into(),
+    ];
+    let seen = run_client("anthropic_client.py", &args);
+
+    assert_eq!(seen["count"], prompt_tokens, "count_tokens");
+    let plain = &seen["plain"];
+    assert_eq!(plain["type"], "message");
+    assert_eq!(plain["role"], "assistant");
+    assert_eq!(plain["model"], MODEL);
+    assert_eq!(
+        plain["content"],
+        serde_json::json!([{"type": "text", "text": expected}])
+    );
+    let output = plain["usage"]["output_tokens"].as_u64().unwrap();
+    assert!((1..=24).contains(&output));
+    let ended = if output == 24 {
+        "max_tokens"
+    } else {
+        "end_turn"
+    };
+    assert_eq!(plain["stop_reason"], ended);
+    assert_eq!(plain["stop_sequence"], Value::Null);
+    // The first request met an empty prefix cache: every prompt token is input.
+    assert_eq!(plain["usage"]["input_tokens"], prompt_tokens);
+    assert_eq!(plain["usage"]["cache_read_input_tokens"], 0);
+
+    assert_eq!(seen["blocks"]["content"], plain["content"]);
+    // Later requests read the prompt's full blocks from the prefix cache; `input_tokens` counts
+    // only the rest, as Anthropic defines it.
+    let usage = &seen["blocks"]["usage"];
+    let read = usage["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(read > 0, "{usage}");
+    assert_eq!(
+        usage["input_tokens"].as_u64().unwrap() + read,
+        prompt_tokens as u64
+    );
+
+    assert_eq!(seen["stream_text"], expected.as_str());
+    let streamed = &seen["stream_final"];
+    assert_eq!(streamed["content"], plain["content"]);
+    assert_eq!(streamed["stop_reason"], ended);
+    assert_eq!(streamed["usage"]["output_tokens"], output);
+    assert_eq!(streamed["usage"]["cache_read_input_tokens"], read);
+    assert_eq!(
+        streamed["usage"]["input_tokens"].as_u64().unwrap() + read,
+        prompt_tokens as u64
+    );
+    // The SDK hands over every event but `ping`; the raw stream shows it after the block starts.
+    for (case, head) in [
+        (
+            "stream_events",
+            &["message_start", "content_block_start"][..],
+        ),
+        (
+            "wire_events",
+            &["message_start", "content_block_start", "ping"][..],
+        ),
+    ] {
+        let events: Vec<&str> = seen[case]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e.as_str().unwrap())
+            .collect();
+        let (tail_at, deltas) = (events.len() - 3, head.len());
+        assert_eq!(events[..deltas], *head, "{case}: {events:?}");
+        assert_eq!(
+            events[tail_at..],
+            ["content_block_stop", "message_delta", "message_stop"],
+            "{case}: {events:?}"
+        );
+        assert!(
+            tail_at > deltas
+                && events[deltas..tail_at]
+                    .iter()
+                    .all(|e| *e == "content_block_delta"),
+            "{case}: {events:?}"
+        );
+    }
+
+    let stop = &seen["stop"];
+    let word = stop["stop"].as_str().unwrap();
+    let cut = expected.find(word).expect("the stop word is in the answer");
+    let stopped = &stop["message"];
+    assert_eq!(stopped["content"][0]["text"], &expected[..cut]);
+    assert_eq!(stopped["stop_reason"], "stop_sequence");
+    assert_eq!(stopped["stop_sequence"], word);
+
+    for (case, status, kind) in [
+        ("no_max_tokens", 400, "invalid_request_error"),
+        ("bad_json", 400, "invalid_request_error"),
+        ("unknown_model", 404, "not_found_error"),
+        ("too_long", 400, "invalid_request_error"),
+        ("image", 400, "invalid_request_error"),
+        ("hot", 400, "invalid_request_error"),
+        ("no_key", 401, "authentication_error"),
+    ] {
+        let error = &seen[case];
+        assert_eq!(error["status"], status, "{case}: {error}");
+        assert_eq!(error["body"]["type"], "error", "{case}: {error}");
+        assert_eq!(error["body"]["error"]["type"], kind, "{case}: {error}");
+        assert!(
+            error["body"]["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{case}: {error}"
+        );
+    }
+    let message = seen["too_long"]["body"]["error"]["message"]
+        .as_str()
+        .unwrap();
+    assert!(
+        message.contains("more than the model's context of"),
+        "{message}"
+    );
+    engine.shutdown();
 }
