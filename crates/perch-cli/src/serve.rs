@@ -1,11 +1,12 @@
-//! `perch serve`: the local HTTP API (OpenAI's wire format) over one loaded model, headless.
+//! `perch serve`: the local HTTP API (OpenAI's and Anthropic's wire formats) over one loaded model,
+//! headless.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use anyhow::Context;
 use perch_engine::{EngineConfig, EngineHandle};
-use perch_server::{router, serve, ServerConfig};
+use perch_server::{router, serve, HeaderValue, ServerConfig};
 
 use crate::model_dir;
 
@@ -19,9 +20,35 @@ pub struct ServeArgs {
     pub host: String,
     #[arg(long, default_value_t = 8080)]
     pub port: u16,
-    /// Require this key (`Authorization: Bearer KEY`) on every request.
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on every request.
     #[arg(long, env = "PERCH_API_KEY")]
     pub api_key: Option<String>,
+    /// Most requests in the engine at once; more are answered 503 with Retry-After.
+    #[arg(long, default_value_t = ServerConfig::DEFAULT_MAX_REQUESTS, value_parser = parse_max_requests)]
+    pub max_requests: usize,
+    /// Let web pages from ORIGIN (e.g. http://localhost:3000, or * for any) call the API (repeatable).
+    #[arg(long = "cors-origin", value_name = "ORIGIN", value_parser = parse_origin)]
+    pub cors_origins: Vec<HeaderValue>,
+}
+
+fn parse_max_requests(arg: &str) -> Result<usize, String> {
+    match arg.parse::<usize>() {
+        Ok(n) if n >= 1 => Ok(n),
+        _ => Err(format!("`{arg}` is not a number of requests (1 or more)")),
+    }
+}
+
+fn parse_origin(origin: &str) -> Result<HeaderValue, String> {
+    let valid = origin == "*"
+        || ((origin.starts_with("http://") || origin.starts_with("https://"))
+            && !origin.trim_end_matches('/').contains(char::is_whitespace));
+    if !valid {
+        return Err(format!(
+            "`{origin}` is not an origin: give scheme://host[:port], or *"
+        ));
+    }
+    HeaderValue::from_str(origin.trim_end_matches('/'))
+        .map_err(|_| format!("`{origin}` is not an origin: give scheme://host[:port], or *"))
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -46,8 +73,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let engine = EngineHandle::load(&dir, EngineConfig::default())
         .with_context(|| format!("loading {}", dir.display()))?;
     let config = ServerConfig {
-        model_id: model_id.clone(),
         api_key: args.api_key,
+        max_requests: args.max_requests,
+        cors_origins: args.cors_origins,
+        ..ServerConfig::new(model_id.clone())
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the server's runtime")?;
     runtime.block_on(async move {

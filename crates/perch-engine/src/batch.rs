@@ -49,6 +49,7 @@ use crate::runner::{DecodeRow, ModelRunner, Slot};
 use crate::sampler::Sampler;
 use crate::scheduler::{self, Progress, WhenShort};
 use crate::slot_cache::SlotAttention;
+use crate::tail_cache::{Tail, TailCache};
 use crate::throughput::ThroughputWindow;
 use crate::tokenizer::Tokenizer;
 
@@ -213,6 +214,9 @@ pub struct StepTimes {
     pub prefill_seconds: f64,
     /// Prompt tokens those passes computed (padding excluded).
     pub prefill_tokens: u64,
+    /// Prefill forward passes (one per sequence's chunk per step, or one per step for all the
+    /// prefill slots with [`BatchAttention::Batched`]).
+    pub prefill_passes: u64,
     /// Seconds building and dispatching decode steps (forward pass and sampling) plus the waits
     /// for their tokens to reach the host.
     pub decode_seconds: f64,
@@ -287,6 +291,12 @@ impl Sequence {
     fn prefill_done(&self) -> bool {
         self.progress().prefill_done()
     }
+
+    /// A next-token-logprobs request whose one decode step has run: it waits for its result and
+    /// must not step again (a generating sequence does, feeding its token from the device).
+    fn scored(&self) -> bool {
+        self.request.next_token_logprobs && self.computed >= self.tokens.len()
+    }
 }
 
 /// Runs many requests over one model, one step at a time.
@@ -299,6 +309,8 @@ pub struct BatchGenerator<'m> {
     waiting: VecDeque<Sequence>,
     kv: KvCacheManager,
     store: BlockStore,
+    /// Partial last blocks of sequences that left, for prompts that extend them.
+    tails: TailCache,
     /// Executes the steps: forward passes, slot caches, sampling, the decode step in flight.
     runner: ModelRunner<'m>,
     next_id: RequestId,
@@ -332,6 +344,7 @@ impl<'m> BatchGenerator<'m> {
                 model_id,
             ),
             store: BlockStore::new(config.num_blocks),
+            tails: TailCache::default(),
             runner: ModelRunner::new(
                 model,
                 config.attention,
@@ -488,16 +501,18 @@ impl<'m> BatchGenerator<'m> {
             blocks_cached_free: cached_free,
             blocks_empty: pool.num_free_blocks() - cached_free,
             prefix_cache_hit_rate: pool.stats().hit_rate(),
-            prefix_cache_bytes: self.store.nbytes(),
+            prefix_cache_bytes: self.store.nbytes() + self.tails.nbytes(),
             preemptions: self.preemptions,
         }
     }
 
-    /// Forgets every cached prefix not in use and drops its KV content.
+    /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
+    /// content.
     pub fn reset_prefix_cache(&mut self) {
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
         }
+        self.tails.clear();
     }
 
     /// Puts the full blocks of a prefix (`tokens`, with `layers` holding at least that many
@@ -634,17 +649,28 @@ impl<'m> BatchGenerator<'m> {
             },
         );
         debug_assert_eq!(admitted, hits.len());
+        let block_size = self.config.block_size;
         for hit in hits {
             let mut seq = self.waiting.pop_front().expect("admitted from the front");
-            if !seq.admitted_once {
-                self.kv
-                    .record_prefix_lookup(seq.tokens.len(), hit.num_tokens);
-                seq.sink.output.stats.cached_prompt_tokens = hit.num_tokens;
-                seq.admitted_once = true;
-            }
             seq.cache = self.make_cache();
             self.store.load_into(&hit.blocks, &mut seq.cache)?;
             seq.computed = hit.num_tokens;
+            // The partial block after the cached ones, when an earlier sequence left it.
+            let tail = match seq.preloaded {
+                Some(_) => None,
+                None => self.tails.lookup(&seq.tokens, hit.num_tokens, block_size),
+            };
+            if let Some(tail) = tail {
+                for (cache, parts) in seq.cache.iter_mut().zip(&tail.parts) {
+                    cache.append_parts(parts)?;
+                }
+                seq.computed = tail.tokens.len();
+            }
+            if !seq.admitted_once {
+                self.kv.record_prefix_lookup(seq.tokens.len(), seq.computed);
+                seq.sink.output.stats.cached_prompt_tokens = seq.computed;
+                seq.admitted_once = true;
+            }
             if let Some(prefix) = &seq.preloaded {
                 for (cache, layer) in seq.cache.iter_mut().zip(&prefix.layers) {
                     cache.extend_from(layer, prefix.offset as i32)?;
@@ -682,6 +708,7 @@ impl<'m> BatchGenerator<'m> {
             self.runner.prefill_alone(chunk, &mut seq.cache)?;
             self.times.prefill_seconds += start.elapsed().as_secs_f64();
             self.times.prefill_tokens += chunk.len() as u64;
+            self.times.prefill_passes += 1;
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
             publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
@@ -739,6 +766,7 @@ impl<'m> BatchGenerator<'m> {
         self.runner.prefill_step(&tokens, width)?;
         self.times.prefill_seconds += start.elapsed().as_secs_f64();
         self.times.prefill_tokens += chunks.iter().sum::<usize>() as u64;
+        self.times.prefill_passes += 1;
         self.prompt_throughput.record(chunks.iter().sum());
         for (&i, &chunk) in members.iter().zip(&chunks) {
             let seq = &mut self.running[i];
@@ -759,7 +787,7 @@ impl<'m> BatchGenerator<'m> {
         let mut events = Vec::new();
         let mut i = 0;
         while i < self.running.len() {
-            if !self.running[i].prefill_done() {
+            if !self.running[i].prefill_done() || self.running[i].scored() {
                 i += 1;
                 continue;
             }
@@ -788,7 +816,10 @@ impl<'m> BatchGenerator<'m> {
             }
         }
 
-        let ready = scheduler::decode_ready(&self.progress());
+        let ready: Vec<usize> = scheduler::decode_ready(&self.progress())
+            .into_iter()
+            .filter(|&i| !self.running[i].scored())
+            .collect();
         if ready.is_empty() {
             self.read_in_flight(&mut events)?;
             return Ok(events);
@@ -822,6 +853,7 @@ impl<'m> BatchGenerator<'m> {
                 sampler: &mut seq.sampler,
                 history: &mut seq.history,
                 logprobs: seq.request.logprobs,
+                distribution: seq.request.next_token_logprobs,
             });
         }
         let (step, built) = self.runner.dispatch_decode(rows)?;
@@ -874,9 +906,15 @@ impl<'m> BatchGenerator<'m> {
             let Some(seq) = self.running.iter_mut().find(|s| s.id == step.id) else {
                 continue;
             };
-            generated += 1;
             seq.first_token_at
                 .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
+            if seq.request.next_token_logprobs {
+                // Scored, not generated: the distribution is the answer; the token is dropped.
+                seq.sink.output.next_token_logprobs = step.distribution;
+                done.push(seq.id);
+                continue;
+            }
+            generated += 1;
             seq.tokens.push(step.token);
             match seq.sink.push(self.tokenizer, step.token, step.logprobs)? {
                 Pushed::Token(event) => events.push(BatchEvent::Token {
@@ -929,12 +967,43 @@ impl<'m> BatchGenerator<'m> {
     fn release(&mut self, seq: &mut Sequence) -> Result<()> {
         if !seq.cache.is_empty() || seq.slot.is_some() {
             publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
+            self.keep_tail(seq)?;
         }
         self.kv.free(seq.id);
         seq.cache = Vec::new();
         if let Some(slot) = seq.slot.take() {
             self.free_slot(slot)?;
         }
+        Ok(())
+    }
+
+    /// Keeps the KV of `seq`'s computed tokens after its last full block in the tail cache (none
+    /// for a prefix without token ids, whose placeholders must never match).
+    fn keep_tail(&mut self, seq: &Sequence) -> Result<()> {
+        let block_size = self.config.block_size;
+        let (start, end) = (seq.computed / block_size * block_size, seq.computed);
+        if start == end || seq.preloaded.is_some() {
+            return Ok(());
+        }
+        let parts = match seq.slot {
+            Some(slot) => {
+                let (slots, row) = self.runner.slot_cache(slot);
+                (0..slots.num_layers())
+                    .map(|layer| slots.copy_parts(row, layer, start, end))
+                    .collect::<Result<Vec<_>>>()?
+            }
+            None => seq
+                .cache
+                .iter()
+                .map(|layer| layer.copy_parts(start as i32, end as i32))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        // Copies of their own now, not graphs that keep the sequence's cache alive.
+        eval(parts.iter().flatten())?;
+        self.tails.insert(Tail {
+            tokens: seq.tokens[..end].to_vec(),
+            parts,
+        });
         Ok(())
     }
 

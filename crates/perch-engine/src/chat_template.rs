@@ -6,14 +6,26 @@ use minijinja::{Environment, Error, ErrorKind, Value as JinjaValue};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
+use crate::tool_calls::ToolCallFormat;
 
 /// One message of a conversation, OpenAI style. `content` is a string or a list of parts of
-/// which the `text` parts are joined.
+/// which the `text` parts are joined (missing or null: empty). The tool fields are rendered by
+/// templates that support tools, as transformers passes them.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
     pub role: String,
-    #[serde(deserialize_with = "content_text")]
+    #[serde(deserialize_with = "content_text", default)]
     pub content: String,
+    /// An assistant's tool calls: `{"id", "type": "function", "function": {"name",
+    /// "arguments"}}` with `arguments` an object (what chat templates expect).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message: the id of the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A `tool` message: the function's name, for templates that show it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -21,6 +33,9 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -56,6 +71,8 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// How the template writes tool calls; `None` when it does not read `tools`.
+    tool_call_format: Option<ToolCallFormat>,
 }
 
 impl ChatTemplate {
@@ -79,18 +96,42 @@ impl ChatTemplate {
             chrono::Local::now().format(&format).to_string()
         });
         env.add_filter("tojson", tojson);
+        let format = ToolCallFormat::detect(&source);
         env.add_template_owned("chat", source).map_err(|e| {
             EngineError::ChatTemplate(format!("the template does not compile: {e}"))
         })?;
+        let reads_tools = env
+            .get_template("chat")
+            .map(|t| t.undeclared_variables(false).contains("tools"))
+            .unwrap_or(false);
         Ok(Self {
             env,
             bos_token,
             eos_token,
+            tool_call_format: reads_tools.then_some(format),
         })
+    }
+
+    /// How this template's model writes tool calls, or `None` when the template has no tool
+    /// support (it never reads the `tools` variable).
+    pub fn tool_call_format(&self) -> Option<ToolCallFormat> {
+        self.tool_call_format
     }
 
     /// Renders the conversation; `add_generation_prompt` appends the assistant's turn header.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with tool definitions in the template's `tools` variable
+    /// (OpenAI's shape, `{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`, as transformers' `apply_chat_template(tools=…)` passes them).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[serde_json::Value]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .env
             .get_template("chat")
@@ -98,6 +139,7 @@ impl ChatTemplate {
         template
             .render(minijinja::context! {
                 messages => messages,
+                tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.clone().unwrap_or_default(),
                 eos_token => self.eos_token.clone().unwrap_or_default(),
@@ -195,6 +237,38 @@ mod tests {
         let out = render("{{ strftime_now('%Y') }}", &[]).unwrap();
         assert_eq!(out.len(), 4);
         assert!(out.starts_with("20"));
+    }
+
+    #[test]
+    fn tools_reach_templates_that_read_them() {
+        let source = "{% if tools %}{% for t in tools %}<tool>{{ t | tojson }}</tool>{% endfor %}{% endif %}{% for m in messages %}[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}";
+        let template = ChatTemplate::new(source.into(), None, None).unwrap();
+        assert_eq!(template.tool_call_format(), Some(ToolCallFormat::Tagged));
+        let tool = serde_json::json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}});
+        let mut call = ChatMessage::new("assistant", "");
+        call.tool_calls = Some(vec![
+            serde_json::json!({"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"b": 1, "a": 2}}}),
+        ]);
+        let mut result = ChatMessage::new("tool", "42");
+        result.tool_call_id = Some("c1".into());
+        let out = template
+            .render_with_tools(
+                &[ChatMessage::new("user", "hi"), call, result],
+                Some(&[tool]),
+                false,
+            )
+            .unwrap();
+        assert_eq!(
+            out,
+            "<tool>{\"type\": \"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"type\": \"object\", \"properties\": {}}}}</tool>[user]hi[assistant]<tool_call>{\"name\": \"f\", \"arguments\": {\"b\": 1, \"a\": 2}}</tool_call>[tool]42(c1)"
+        );
+        // Without tools the variable is undefined, as transformers passes None.
+        let plain = template
+            .render(&[ChatMessage::new("user", "hi")], false)
+            .unwrap();
+        assert_eq!(plain, "[user]hi");
+        let no_tools = ChatTemplate::new("{{ messages[0].content }}".into(), None, None).unwrap();
+        assert_eq!(no_tools.tool_call_format(), None);
     }
 
     #[test]

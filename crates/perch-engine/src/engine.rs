@@ -13,10 +13,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats, StepTimes};
+use crate::batch::{
+    BatchAttention, BatchConfig, BatchEvent, BatchGenerator, KvCacheStats, StepTimes,
+};
 use crate::cache::KvQuantization;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, Backend, MemoryStats};
@@ -46,12 +49,21 @@ pub struct EngineConfig {
     /// the tokens (float32, head dimension 64); `None` keeps the compute dtype. Loading fails
     /// with [`EngineError::InvalidKvQuantization`] when it does not fit the model.
     pub kv_quantization: Option<KvQuantization>,
+    /// How decode steps attend: per sequence or batched over slot caches (see
+    /// [`BatchAttention`]); the backend decides by default (batched on GPUs).
+    pub attention: BatchAttention,
     /// How batched steps read their slot caches (see [`SlotAttention`]); the backend decides by
     /// default.
     pub slot_attention: SlotAttention,
     /// Batched decode steps compiled by MLX (see [`BatchConfig::compile_decode`]); on by
     /// default on GPUs.
     pub compile_decode: bool,
+    /// Next-token-logprobs calls that arrive at an idle engine are gathered into one batch
+    /// until this many are waiting or [`EngineConfig::logprobs_batch_timeout`] has passed since
+    /// the first (genlm's `AsyncMlxLM(batch_size=5, timeout=0.001)`). Calls arriving while the
+    /// engine is busy join the next step anyway.
+    pub logprobs_batch_size: usize,
+    pub logprobs_batch_timeout: std::time::Duration,
 }
 
 impl EngineConfig {
@@ -71,8 +83,11 @@ impl Default for EngineConfig {
             kv_cache_bytes: Self::DEFAULT_KV_CACHE_BYTES,
             block_size: Self::DEFAULT_BLOCK_SIZE,
             kv_quantization: None,
+            attention: BatchAttention::for_backend(Backend::current()),
             slot_attention: SlotAttention::Auto,
             compile_decode: BatchConfig::default_compile_decode(Backend::current()),
+            logprobs_batch_size: 5,
+            logprobs_batch_timeout: std::time::Duration::from_millis(1),
         }
     }
 }
@@ -120,6 +135,9 @@ pub enum EngineEvent {
         refused: bool,
         /// The request's stop string that ended it, when one did.
         stop_string: Option<String>,
+        /// A [`GenerateRequest::next_token_logprobs`] request's answer: `[vocab]` natural-log
+        /// probabilities of the token after the prompt.
+        next_token_logprobs: Option<Vec<f32>>,
     },
 }
 
@@ -151,6 +169,7 @@ enum Command {
     PromptCache(PromptCacheJob),
     Cancel(RequestId),
     Stats(Sender<EngineStats>),
+    ClearCache(Sender<()>),
     Shutdown,
 }
 
@@ -293,6 +312,69 @@ impl EngineHandle {
         let _ = self.commands.send(Command::Cancel(id));
     }
 
+    /// The log-probabilities of every vocabulary token for the position after `token_ids`:
+    /// `[vocab]` floats, `log_softmax` of the model's last logits in float32 (genlm's
+    /// `next_token_logprobs`). Concurrent calls run batched (see
+    /// [`EngineConfig::logprobs_batch_size`]), and a call whose tokens extend an earlier call's
+    /// reads the earlier tokens' KV from the prefix cache, its last partial block included, so
+    /// scoring a sequence that grows a token at a time computes about one token per call.
+    /// Blocks until answered. Errors: the engine's refusal (an empty prompt, one longer than the
+    /// context, an id outside the vocabulary) as [`EngineError::Request`], MLX failures.
+    pub fn next_token_logprobs(&self, token_ids: Vec<u32>) -> Result<Vec<f32>> {
+        let stream = self.submit(Self::scoring_request(token_ids))?;
+        Self::scoring_answer(stream)
+    }
+
+    /// [`EngineHandle::next_token_logprobs`] for many prompts at once (all submitted before any
+    /// is awaited, so they share steps); answers in order.
+    pub fn batch_next_token_logprobs(&self, prompts: Vec<Vec<u32>>) -> Result<Vec<Vec<f32>>> {
+        let streams = prompts
+            .into_iter()
+            .map(|ids| self.submit(Self::scoring_request(ids)))
+            .collect::<Result<Vec<_>, _>>()?;
+        streams.into_iter().map(Self::scoring_answer).collect()
+    }
+
+    /// The request behind a next-token-logprobs call: `token_ids`, nothing generated.
+    pub fn scoring_request(token_ids: Vec<u32>) -> EngineRequest {
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = 1;
+        params.next_token_logprobs = true;
+        EngineRequest {
+            prompt: Prompt::Tokens(token_ids),
+            params,
+        }
+    }
+
+    fn scoring_answer(stream: RequestStream) -> Result<Vec<f32>> {
+        for event in stream.events {
+            if let EngineEvent::Finished {
+                next_token_logprobs,
+                error,
+                ..
+            } = event
+            {
+                return match (next_token_logprobs, error) {
+                    (Some(logprobs), _) => Ok(logprobs),
+                    (None, error) => Err(EngineError::Request(
+                        error.unwrap_or_else(|| "the call was cancelled".into()),
+                    )),
+                };
+            }
+        }
+        Err(EngineError::EngineStopped)
+    }
+
+    /// Empties the prefix cache (every cached block not in use, and the partial blocks kept
+    /// for extension), as genlm's `clear_cache`. Answered between steps.
+    pub fn clear_cache(&self) -> Result<()> {
+        let (tx, rx) = mpsc::channel();
+        self.commands
+            .send(Command::ClearCache(tx))
+            .map_err(|_| EngineError::EngineStopped)?;
+        rx.recv().map_err(|_| EngineError::EngineStopped)
+    }
+
     /// Queue lengths and MLX memory, answered between tokens.
     pub fn stats(&self) -> Result<EngineStats, EngineError> {
         let (tx, rx) = mpsc::channel();
@@ -427,8 +509,20 @@ impl Queue {
                     memory: memory_stats(),
                 });
             }
+            Command::ClearCache(reply) => {
+                batch.reset_prefix_cache();
+                let _ = reply.send(());
+            }
             Command::Shutdown => self.shutting_down = true,
         }
+    }
+
+    /// Submitted next-token-logprobs calls not in the batch yet.
+    fn scoring(&self) -> usize {
+        self.submitted
+            .iter()
+            .filter(|job| job.request.params.next_token_logprobs)
+            .count()
     }
 
     /// Handles every command already sent, without waiting.
@@ -461,6 +555,7 @@ impl Queue {
                 error: Some(error),
                 refused: true,
                 stop_string: None,
+                next_token_logprobs: None,
             },
         );
     }
@@ -480,6 +575,7 @@ impl Queue {
                 error,
                 refused: false,
                 stop_string: None,
+                next_token_logprobs: None,
             },
         );
     }
@@ -515,6 +611,7 @@ impl EngineThread {
             max_running: config.max_running,
             prefill_batch_size: config.prefill_batch_size,
             prefill_token_budget: config.prefill_token_budget,
+            attention: config.attention,
             slot_attention: config.slot_attention,
             compile_decode: config.compile_decode,
             ..BatchConfig::for_budget(
@@ -542,6 +639,16 @@ impl EngineThread {
                 match queue.inbox.recv() {
                     Ok(command) => queue.handle(command, &mut batch, &jobs),
                     Err(_) => return,
+                }
+                // A next-token-logprobs call waits briefly for others to share its step.
+                let deadline = Instant::now() + config.logprobs_batch_timeout;
+                while (1..config.logprobs_batch_size).contains(&queue.scoring()) {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    match queue.inbox.recv_timeout(left) {
+                        Ok(command) => queue.handle(command, &mut batch, &jobs),
+                        Err(mpsc::RecvTimeoutError::Timeout) => break,
+                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
+                    }
                 }
             }
             queue.drain(&mut batch, &jobs);
@@ -661,6 +768,7 @@ impl EngineThread {
                                         error: None,
                                         refused: false,
                                         stop_string: output.stop_string,
+                                        next_token_logprobs: output.next_token_logprobs,
                                     },
                                 );
                             }

@@ -54,6 +54,9 @@ pub enum EngineError {
     PromptCache { path: PathBuf, message: String },
     #[error("invalid sampling parameters: {0}")]
     InvalidSampling(String),
+    /// The engine refused or failed a request; its message.
+    #[error("{0}")]
+    Request(String),
     #[error("the engine has stopped")]
     EngineStopped,
     #[error("invalid KV cache quantization: {0}")]

@@ -51,6 +51,10 @@ pub struct GenerateRequest {
     /// `top_logprobs`. They are taken after logits processors (bias, repetition penalty) and
     /// before temperature and truncation, as mlx_lm's `generate_step` yields them.
     pub logprobs: Option<usize>,
+    /// Generate nothing: return the log-probabilities of every vocabulary token for the position
+    /// after the prompt ([`GenerateOutput::next_token_logprobs`]; `log_softmax` of the model's
+    /// last logits in float32, no logits processors), as genlm's `next_token_logprobs`.
+    pub next_token_logprobs: bool,
 }
 
 impl GenerateRequest {
@@ -67,6 +71,7 @@ impl GenerateRequest {
             prefill_step_size: Self::DEFAULT_PREFILL_STEP_SIZE,
             ignore_eos: false,
             logprobs: None,
+            next_token_logprobs: false,
         }
     }
 }
@@ -133,6 +138,9 @@ pub struct GenerateOutput {
     pub finish_reason: FinishReason,
     /// The stop string that ended generation (finish reason `Stop` without it: a stop token).
     pub stop_string: Option<String>,
+    /// For a [`GenerateRequest::next_token_logprobs`] request: `[vocab]` natural-log
+    /// probabilities of the next token.
+    pub next_token_logprobs: Option<Vec<f32>>,
     pub stats: GenerationStats,
 }
 
@@ -169,6 +177,17 @@ pub fn generate(
     let mut sink = TokenSink::new(request, stop_ids, max_tokens);
 
     let last = Array::from_slice(&prompt[prompt.len() - 1..], &[1]);
+    if request.next_token_logprobs {
+        let logits = model.forward(&last.reshape(&[1, 1])?, &mut cache)?;
+        let vocab = logits.shape()[2];
+        let distribution = log_softmax_f32(&logits.reshape(&[vocab])?)?;
+        let mut output = sink.output;
+        output.next_token_logprobs = Some(distribution.as_slice::<f32>().to_vec());
+        let total = start.elapsed().as_secs_f64();
+        output.stats.set_timings(0, total, total);
+        output.stats.peak_memory_bytes = memory_stats().peak_bytes;
+        return Ok(output);
+    }
     let top = request.logprobs;
     let mut pending = decode_step(model, &mut cache, &mut sampler, &last, &mut history, top)?;
     async_eval(pending.arrays().chain(history.state()))?;
@@ -301,6 +320,7 @@ impl TokenSink {
                 text: String::new(),
                 finish_reason: FinishReason::Length,
                 stop_string: None,
+                next_token_logprobs: None,
                 stats: GenerationStats {
                     prompt_tokens: request.prompt.len(),
                     ..Default::default()
@@ -371,6 +391,12 @@ impl TokenSink {
             logprobs: None,
         }))
     }
+}
+
+/// `log_softmax` in float32 along the last axis (lazy), as a model's logits are scored.
+pub(crate) fn log_softmax_f32(logits: &Array) -> Result<Array> {
+    let logits = logits.as_dtype(mlx_rs::Dtype::Float32)?;
+    Ok(ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?)
 }
 
 /// One decode step: `token` `[1]` → the sampled next token (lazy).

@@ -27,8 +27,10 @@ pub mod sampler;
 pub mod scheduler;
 pub mod slot_cache;
 pub mod stop;
+mod tail_cache;
 pub mod throughput;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod weights;
 
 pub use cache::KvQuantization;

@@ -21,7 +21,7 @@ use crate::cache::{KvCache, KvQuantization};
 use crate::compiled::CompiledSlotForward;
 use crate::device::Backend;
 use crate::error::Result;
-use crate::generate::{sample_next, RecentTokens, Sampled, TokenLogprobs};
+use crate::generate::{log_softmax_f32, sample_next, RecentTokens, Sampled, TokenLogprobs};
 use crate::kv_cache_manager::RequestId;
 use crate::mlx_ext::slice;
 use crate::models::Model;
@@ -68,6 +68,8 @@ pub(crate) struct DecodeRow<'a> {
     pub history: &'a mut RecentTokens,
     /// Top log-probabilities asked for.
     pub logprobs: Option<usize>,
+    /// The whole next-token distribution asked for ([`crate::GenerateRequest::next_token_logprobs`]).
+    pub distribution: bool,
 }
 
 /// A token a read step produced.
@@ -75,6 +77,8 @@ pub(crate) struct StepToken {
     pub id: RequestId,
     pub token: u32,
     pub logprobs: Option<TokenLogprobs>,
+    /// `[vocab]` log-probabilities, when the row asked for them.
+    pub distribution: Option<Vec<f32>>,
 }
 
 /// Runs the batch's forward passes; see the module docs.
@@ -341,17 +345,28 @@ impl<'m> ModelRunner<'m> {
         };
         let mut entries = Vec::with_capacity(rows.len());
         for (r, &plain) in rows.iter_mut().zip(&plain) {
+            let at = r.row as i32;
+            let row_logits = || slice(&logits, &[at, 0], &[at + 1, vocab]);
             let sampled = if plain {
                 None
             } else {
-                let at = r.row as i32;
-                let row_logits = slice(&logits, &[at, 0], &[at + 1, vocab])?;
-                Some(sample_next(&row_logits, r.sampler, r.history, r.logprobs)?)
+                Some(sample_next(
+                    &row_logits()?,
+                    r.sampler,
+                    r.history,
+                    r.logprobs,
+                )?)
+            };
+            let distribution = if r.distribution {
+                Some(log_softmax_f32(&row_logits()?.reshape(&[vocab])?)?)
+            } else {
+                None
             };
             entries.push(StepEntry {
                 id: r.id,
                 row: r.row,
                 sampled,
+                distribution,
             });
         }
         let step = InFlight { entries, greedy };
@@ -429,6 +444,10 @@ impl<'m> ModelRunner<'m> {
                     id: entry.id,
                     token,
                     logprobs,
+                    distribution: entry
+                        .distribution
+                        .as_ref()
+                        .map(|d| d.as_slice::<f32>().to_vec()),
                 }
             })
             .collect();
@@ -457,6 +476,8 @@ struct StepEntry {
     row: usize,
     /// Its token when sampled on its own; `None`: `greedy[row]`.
     sampled: Option<Sampled>,
+    /// Its `[vocab]` log-probabilities, when asked.
+    distribution: Option<Array>,
 }
 
 impl InFlight {
@@ -467,11 +488,12 @@ impl InFlight {
 
     /// The arrays to evaluate.
     fn arrays(&self) -> impl Iterator<Item = &Array> {
-        self.greedy.iter().chain(
-            self.entries
+        self.greedy.iter().chain(self.entries.iter().flat_map(|e| {
+            e.sampled
                 .iter()
-                .flat_map(|e| e.sampled.iter().flat_map(Sampled::arrays)),
-        )
+                .flat_map(Sampled::arrays)
+                .chain(e.distribution.iter())
+        }))
     }
 
     /// Every entry's token, `[entries]` uint32, lazy.

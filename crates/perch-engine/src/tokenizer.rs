@@ -104,12 +104,22 @@ impl Tokenizer {
     /// Renders `messages` with the chat template (with the assistant's generation prompt) and
     /// tokenizes the result without adding special tokens again, as `apply_chat_template` does.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        self.encode_chat_with_tools(messages, None)
+    }
+
+    /// [`Tokenizer::encode_chat`] with tool definitions for the template's `tools` (see
+    /// [`ChatTemplate::render_with_tools`]).
+    pub fn encode_chat_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+    ) -> Result<Vec<u32>> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             EngineError::ChatTemplate(
                 "the model has no chat template; pass raw text instead".into(),
             )
         })?;
-        let text = template.render(messages, true)?;
+        let text = template.render_with_tools(messages, tools, true)?;
         self.encode(&text, false)
     }
 }

@@ -11,14 +11,16 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
+use perch_engine::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
-    ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt, Tokenizer,
+    ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{AnthropicError, ApiError};
 use crate::running::{Running, Step};
+use crate::tools::{self, Answer};
 use crate::AppState;
 
 /// The request body of `POST /v1/messages` (and, without the generation fields, of
@@ -36,6 +38,20 @@ pub(crate) struct MessagesRequest {
     top_k: Option<usize>,
     #[serde(default)]
     stream: bool,
+    /// Client tools: `{"name", "description", "input_schema"}`.
+    #[serde(default)]
+    tools: Vec<Tool>,
+    /// `{"type": "auto" | "any" | "tool" | "none"}`; `none` leaves the tools out.
+    tool_choice: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Tool {
+    name: String,
+    description: Option<String>,
+    input_schema: Option<Value>,
+    #[serde(rename = "type")]
+    kind: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -52,31 +68,51 @@ enum Content {
     Blocks(Vec<Block>),
 }
 
+/// A content block: `text`, `tool_use` (an assistant's call), `tool_result` (the user's
+/// answer to one), or `thinking` (an assistant's reasoning, not rendered again).
 #[derive(Debug, Deserialize)]
 struct Block {
     #[serde(rename = "type")]
     kind: String,
     text: Option<String>,
+    id: Option<String>,
+    name: Option<String>,
+    input: Option<Value>,
+    tool_use_id: Option<String>,
+    content: Option<Content>,
 }
 
 impl Content {
-    /// The text of the content; text blocks are joined by newlines. Other blocks (images,
-    /// documents) are a 400 naming them.
-    fn text(&self, param: &'static str) -> Result<String, ApiError> {
+    fn blocks(&self) -> &[Block] {
         match self {
-            Content::Text(text) => Ok(text.clone()),
-            Content::Blocks(blocks) => blocks
-                .iter()
-                .map(|block| match (block.kind.as_str(), &block.text) {
-                    ("text", Some(text)) => Ok(text.as_str()),
-                    (kind, _) => Err(ApiError::invalid(
+            Content::Text(_) => &[],
+            Content::Blocks(blocks) => blocks,
+        }
+    }
+
+    /// The text of the content; text blocks are joined by newlines, tool blocks are skipped
+    /// (the caller reads them). Other blocks (images, documents) are a 400 naming them.
+    fn text(&self, param: &'static str) -> Result<String, ApiError> {
+        let Content::Blocks(blocks) = self else {
+            let Content::Text(text) = self else {
+                unreachable!()
+            };
+            return Ok(text.clone());
+        };
+        let mut texts = Vec::new();
+        for block in blocks {
+            match (block.kind.as_str(), &block.text) {
+                ("text", Some(text)) => texts.push(text.as_str()),
+                ("tool_use" | "tool_result" | "thinking" | "redacted_thinking", _) => {}
+                (kind, _) => {
+                    return Err(ApiError::invalid(
                         format!("content blocks of type `{kind}` are not supported; send text"),
                         Some(param),
-                    )),
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .map(|texts| texts.join("\n")),
+                    ))
+                }
+            }
         }
+        Ok(texts.join("\n"))
     }
 }
 
@@ -96,22 +132,102 @@ impl MessagesRequest {
         if let Some(system) = &self.system {
             conversation.push(ChatMessage::new("system", system.text("system")?));
         }
+        // Tool names by call id, for the tool messages that answer them.
+        let mut names = std::collections::HashMap::new();
         for message in &self.messages {
-            if !matches!(message.role.as_str(), "user" | "assistant") {
-                return Err(ApiError::invalid(
-                    format!(
-                        "messages: role `{}` is not one of `user`, `assistant`",
-                        message.role
-                    ),
-                    Some("messages"),
-                ));
+            let text = message.content.text("messages")?;
+            match message.role.as_str() {
+                "assistant" => {
+                    let calls: Vec<Value> = message
+                        .content
+                        .blocks()
+                        .iter()
+                        .filter(|b| b.kind == "tool_use")
+                        .map(|b| {
+                            let (id, name) = (b.id.clone().unwrap_or_default(), b.name.clone());
+                            names.insert(id.clone(), name.clone().unwrap_or_default());
+                            json!({"id": id, "type": "function", "function": {
+                                "name": name, "arguments": b.input.clone().unwrap_or(json!({})),
+                            }})
+                        })
+                        .collect();
+                    let mut assistant = ChatMessage::new("assistant", text);
+                    assistant.tool_calls = (!calls.is_empty()).then_some(calls);
+                    conversation.push(assistant);
+                }
+                "user" => {
+                    // Tool results first, as the calls they answer came just before; then the
+                    // user's own text (a reminder a client appends, say).
+                    for block in message.content.blocks() {
+                        if block.kind != "tool_result" {
+                            continue;
+                        }
+                        let result = match &block.content {
+                            Some(content) => content.text("messages")?,
+                            None => String::new(),
+                        };
+                        let mut tool = ChatMessage::new("tool", result);
+                        tool.tool_call_id = block.tool_use_id.clone();
+                        tool.name = block
+                            .tool_use_id
+                            .as_ref()
+                            .and_then(|id| names.get(id).cloned());
+                        conversation.push(tool);
+                    }
+                    let only_results = !message.content.blocks().is_empty()
+                        && message
+                            .content
+                            .blocks()
+                            .iter()
+                            .all(|b| b.kind == "tool_result");
+                    if !only_results {
+                        conversation.push(ChatMessage::new("user", text));
+                    }
+                }
+                role => {
+                    return Err(ApiError::invalid(
+                        format!("messages: role `{role}` is not one of `user`, `assistant`"),
+                        Some("messages"),
+                    ))
+                }
             }
-            conversation.push(ChatMessage::new(
-                message.role.clone(),
-                message.content.text("messages")?,
-            ));
         }
         Ok(conversation)
+    }
+
+    /// The tools in OpenAI's shape, as chat templates read them; none when `tool_choice` is
+    /// `none`. Server tools (Anthropic's own, with a `type`) are a 400.
+    fn offered_tools(&self) -> Result<Vec<Value>, ApiError> {
+        if self
+            .tool_choice
+            .as_ref()
+            .and_then(|c| c.get("type"))
+            .and_then(Value::as_str)
+            == Some("none")
+        {
+            return Ok(Vec::new());
+        }
+        self.tools
+            .iter()
+            .map(|tool| {
+                let client_tool = tool.kind.as_deref().is_none_or(|k| k == "custom");
+                match &tool.input_schema {
+                    Some(schema) if client_tool => Ok(json!({"type": "function", "function": {
+                        "name": tool.name,
+                        "description": tool.description.clone().unwrap_or_default(),
+                        "parameters": schema,
+                    }})),
+                    _ => Err(ApiError::invalid(
+                        format!(
+                            "tools: `{}` is not a client tool with an input_schema; server tools \
+                             are not supported",
+                            tool.name
+                        ),
+                        Some("tools"),
+                    )),
+                }
+            })
+            .collect()
     }
 
     /// The generation settings, or the 400 naming the parameter at fault.
@@ -155,18 +271,6 @@ impl MessagesRequest {
     }
 }
 
-/// Renders and tokenizes the conversation off the async threads (a chat template is a program).
-async fn tokenize(
-    tokenizer: &Arc<Tokenizer>,
-    messages: Vec<ChatMessage>,
-) -> Result<Vec<u32>, ApiError> {
-    let tokenizer = Arc::clone(tokenizer);
-    tokio::task::spawn_blocking(move || tokenizer.encode_chat(&messages))
-        .await
-        .map_err(|e| ApiError::engine(e.to_string()))?
-        .map_err(|e| ApiError::invalid(e.to_string(), Some("messages")))
-}
-
 fn parse(body: Result<Json<MessagesRequest>, JsonRejection>) -> Result<MessagesRequest, ApiError> {
     body.map(|Json(request)| request)
         .map_err(|e| ApiError::invalid(e.body_text(), None))
@@ -180,7 +284,8 @@ pub(crate) async fn count_tokens(
 ) -> Result<Json<Value>, AnthropicError> {
     let request = parse(body)?;
     let conversation = request.conversation(&state.config.model_id)?;
-    let ids = tokenize(state.engine.tokenizer(), conversation).await?;
+    let tools = request.offered_tools()?;
+    let ids = tools::render(state.engine.tokenizer(), conversation, tools).await?;
     Ok(Json(json!({"input_tokens": ids.len()})))
 }
 
@@ -192,11 +297,13 @@ pub(crate) async fn messages(
     let request = parse(body)?;
     let conversation = request.conversation(&state.config.model_id)?;
     let mut params = request.params()?;
-    let ids = tokenize(state.engine.tokenizer(), conversation).await?;
+    let tools = request.offered_tools()?;
+    let tokenizer = Arc::clone(state.engine.tokenizer());
+    let ids = tools::render(&tokenizer, conversation, tools.clone()).await?;
     params.prompt = ids.clone();
     let prompt_tokens = ids.len();
     let running = Running::start(
-        &state.engine,
+        &state,
         EngineRequest {
             prompt: Prompt::Tokens(ids),
             params,
@@ -205,17 +312,46 @@ pub(crate) async fn messages(
     .await?;
     let id = format!("msg_{}", running.id);
     let model = state.config.model_id.clone();
+    let mut answer = Answer::new(tools::parser(&tokenizer, &tools, true));
     if request.stream {
-        return Ok(Sse::new(events(running, id, model, prompt_tokens)).into_response());
+        let events = events(running, id, model, prompt_tokens, answer);
+        return Ok(Sse::new(events).into_response());
     }
     let done = running.collect().await?;
-    let (stop_reason, stop_sequence) = stop_reason(done.reason, done.stop_string);
+    let mut outputs = answer.push(&done.text);
+    outputs.extend(answer.finish());
+    let mut content: Vec<Value> = Vec::new();
+    for output in outputs {
+        let block = match output {
+            ToolOutput::Text(text) => {
+                if let Some(last) = content.last_mut().filter(|b| b["type"] == "text") {
+                    last["text"] = format!("{}{text}", last["text"].as_str().unwrap_or("")).into();
+                    continue;
+                }
+                json!({"type": "text", "text": text})
+            }
+            ToolOutput::Reasoning(text) => {
+                json!({"type": "thinking", "thinking": text, "signature": ""})
+            }
+            ToolOutput::Call(call) => tool_use(&id, answer_index(&content), &call),
+        };
+        content.push(block);
+    }
+    if answer.calls > 0 {
+        content.retain(|b| b["type"] != "text" || b["text"] != "");
+    } else if !content.iter().any(|b| b["type"] == "text") {
+        content.push(json!({"type": "text", "text": ""}));
+    }
+    let (stop_reason, stop_sequence) = match answer.calls {
+        0 => stop_reason(done.reason, done.stop_string),
+        _ => ("tool_use", None),
+    };
     Ok(Json(json!({
         "id": id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": done.text}],
+        "content": content,
         "stop_reason": stop_reason,
         "stop_sequence": stop_sequence,
         "usage": usage(&done.stats),
@@ -246,59 +382,164 @@ fn usage(stats: &GenerationStats) -> Value {
     })
 }
 
-/// The message as Anthropic's event stream: `message_start`, `content_block_start`, `ping`, a
-/// `content_block_delta` per piece of text, `content_block_stop`, `message_delta` (stop reason
-/// and the final usage), `message_stop`. An engine failure mid-stream sends an `error` event.
+/// Calls in `content` so far: the next call's number.
+fn answer_index(content: &[Value]) -> usize {
+    content.iter().filter(|b| b["type"] == "tool_use").count()
+}
+
+/// A `tool_use` block for call `index` of message `message`.
+fn tool_use(message: &str, index: usize, call: &ToolCall) -> Value {
+    json!({
+        "type": "tool_use",
+        "id": format!("toolu_{}_{index}", message.trim_start_matches("msg_")),
+        "name": call.name,
+        "input": call.arguments,
+    })
+}
+
+fn event(name: &str, data: Value) -> Event {
+    Event::default().event(name).data(data.to_string())
+}
+
+/// The content blocks of a streamed message: which one is open, and its index.
+struct Blocks {
+    message: String,
+    index: usize,
+    open: Option<&'static str>,
+    calls: usize,
+}
+
+impl Blocks {
+    /// Opens a block of `kind` (`text`, `thinking`) unless one is open; closes another kind.
+    fn ensure(&mut self, kind: &'static str, out: &mut Vec<Event>) {
+        if self.open == Some(kind) {
+            return;
+        }
+        self.close(out);
+        let block = match kind {
+            "thinking" => json!({"type": "thinking", "thinking": "", "signature": ""}),
+            _ => json!({"type": "text", "text": ""}),
+        };
+        out.push(event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": self.index, "content_block": block}),
+        ));
+        self.open = Some(kind);
+    }
+
+    fn close(&mut self, out: &mut Vec<Event>) {
+        if self.open.take().is_some() {
+            out.push(event(
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": self.index}),
+            ));
+            self.index += 1;
+        }
+    }
+
+    /// The events of parsed output: text and thinking deltas into their blocks, each call a
+    /// `tool_use` block of its own with its input in one `input_json_delta`.
+    fn events(&mut self, outputs: Vec<ToolOutput>) -> Vec<Event> {
+        let mut out = Vec::new();
+        for output in outputs {
+            match output {
+                ToolOutput::Text(text) => {
+                    self.ensure("text", &mut out);
+                    out.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": self.index,
+                               "delta": {"type": "text_delta", "text": text}}),
+                    ));
+                }
+                ToolOutput::Reasoning(text) => {
+                    self.ensure("thinking", &mut out);
+                    out.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": self.index,
+                               "delta": {"type": "thinking_delta", "thinking": text}}),
+                    ));
+                }
+                ToolOutput::Call(call) => {
+                    self.close(&mut out);
+                    let mut block = tool_use(&self.message, self.calls, &call);
+                    self.calls += 1;
+                    block["input"] = json!({});
+                    out.push(event(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": self.index,
+                               "content_block": block}),
+                    ));
+                    out.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta", "index": self.index,
+                               "delta": {"type": "input_json_delta",
+                                         "partial_json": call.arguments.to_string()}}),
+                    ));
+                    out.push(event(
+                        "content_block_stop",
+                        json!({"type": "content_block_stop", "index": self.index}),
+                    ));
+                    self.index += 1;
+                }
+            }
+        }
+        out
+    }
+}
+
+/// The message as Anthropic's event stream: `message_start`, `content_block_start` (a text
+/// block), `ping`, `content_block_delta`s, `content_block_stop`, more blocks for reasoning and
+/// tool calls as the answer has them, then `message_delta` (stop reason and the final usage) and
+/// `message_stop`. An engine failure mid-stream sends an `error` event.
 fn events(
     running: Running,
     id: String,
     model: String,
     prompt_tokens: usize,
+    mut answer: Answer,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
-    let event = |name: &str, data: Value| Event::default().event(name).data(data.to_string());
-    let start = vec![
-        event(
-            "message_start",
-            json!({"type": "message_start", "message": {
-                "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": null, "stop_sequence": null,
-                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
-            }}),
-        ),
-        event(
-            "content_block_start",
-            json!({"type": "content_block_start", "index": 0,
-                   "content_block": {"type": "text", "text": ""}}),
-        ),
-        event("ping", json!({"type": "ping"})),
-    ];
+    let mut blocks = Blocks {
+        message: id.clone(),
+        index: 0,
+        open: None,
+        calls: 0,
+    };
+    let mut start = vec![event(
+        "message_start",
+        json!({"type": "message_start", "message": {
+            "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
+            "stop_reason": null, "stop_sequence": null,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+        }}),
+    )];
+    blocks.ensure("text", &mut start);
+    start.push(event("ping", json!({"type": "ping"})));
     let rest = running.into_steps().filter_map(move |step| {
         let out = match step {
-            Step::Token { text, .. } if text.is_empty() => None,
-            Step::Token { text, .. } => Some(vec![event(
-                "content_block_delta",
-                json!({"type": "content_block_delta", "index": 0,
-                       "delta": {"type": "text_delta", "text": text}}),
-            )]),
+            Step::Token { text, .. } => {
+                let events = blocks.events(answer.push(&text));
+                (!events.is_empty()).then_some(events)
+            }
             Step::Done {
                 reason,
                 stats,
                 stop_string,
+                ..
             } => {
-                let (stop_reason, stop_sequence) = stop_reason(reason, stop_string);
-                Some(vec![
-                    event(
-                        "content_block_stop",
-                        json!({"type": "content_block_stop", "index": 0}),
-                    ),
-                    event(
-                        "message_delta",
-                        json!({"type": "message_delta",
-                               "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                               "usage": usage(&stats)}),
-                    ),
-                    event("message_stop", json!({"type": "message_stop"})),
-                ])
+                let mut out = blocks.events(answer.finish());
+                blocks.close(&mut out);
+                let (stop_reason, stop_sequence) = match answer.calls {
+                    0 => stop_reason(reason, stop_string),
+                    _ => ("tool_use", None),
+                };
+                out.push(event(
+                    "message_delta",
+                    json!({"type": "message_delta",
+                           "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                           "usage": usage(&stats)}),
+                ));
+                out.push(event("message_stop", json!({"type": "message_stop"})));
+                Some(out)
             }
             Step::Failed(error) => Some(vec![event("error", AnthropicError(error).body())]),
         };

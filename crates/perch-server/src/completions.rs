@@ -147,7 +147,7 @@ pub(crate) async fn completions(
         let mut params = params.clone();
         params.prompt = prompt.ids.clone();
         Running::start(
-            &state.engine,
+            &state,
             EngineRequest {
                 prompt: Prompt::Tokens(prompt.ids.clone()),
                 params,

@@ -2,7 +2,8 @@
 //! Anthropic's, `{"type": "error", "error": {"type", "message"}}` (for `/v1/messages`), with the
 //! HTTP status each uses for the same failure.
 
-use axum::http::StatusCode;
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -15,6 +16,8 @@ pub struct ApiError {
     pub message: String,
     pub param: Option<&'static str>,
     pub code: Option<&'static str>,
+    /// Seconds a client should wait before trying again (sent as `Retry-After`).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -26,6 +29,7 @@ impl ApiError {
             message: message.into(),
             param,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -38,6 +42,7 @@ impl ApiError {
                     .into(),
             param: None,
             code: Some("invalid_api_key"),
+            retry_after: None,
         }
     }
 
@@ -48,6 +53,7 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            retry_after: None,
         }
     }
 
@@ -70,7 +76,34 @@ impl ApiError {
             message: message.into(),
             param: None,
             code: None,
+            retry_after: None,
         }
+    }
+
+    /// 503 with `Retry-After`: the server already has as many requests in the engine as it
+    /// admits, so this one is turned away now instead of waiting without bound.
+    pub fn overloaded(limit: usize) -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            message: format!(
+                "the server is busy: {limit} requests are already running or queued; retry shortly"
+            ),
+            param: None,
+            code: Some("overloaded"),
+            retry_after: Some(1),
+        }
+    }
+
+    /// The status, `Retry-After` when set, and `body` as JSON.
+    fn respond(&self, body: serde_json::Value) -> Response {
+        let mut response = (self.status, Json(body)).into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
     }
 
     /// The error object, as a response body or a stream's error event carries it.
@@ -117,12 +150,12 @@ impl AnthropicError {
 
 impl IntoResponse for AnthropicError {
     fn into_response(self) -> Response {
-        (self.0.status, Json(self.body())).into_response()
+        self.0.respond(self.body())
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        self.respond(self.body())
     }
 }

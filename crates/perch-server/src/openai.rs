@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::rejection::JsonRejection;
@@ -12,6 +13,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
+use perch_engine::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
     ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
     TokenLogprobs, Tokenizer,
@@ -21,6 +23,7 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::running::{Running, Step};
+use crate::tools::{self, Answer};
 use crate::AppState;
 
 /// `GET /v1/models`: the one model this server serves.
@@ -173,6 +176,13 @@ pub(crate) struct ChatCompletionRequest {
     logprobs: Option<bool>,
     /// With `logprobs`: also the most likely alternatives at each position, 0..=20.
     top_logprobs: Option<usize>,
+    /// Functions the model may call (`{"type": "function", "function": {"name", "description",
+    /// "parameters"}}`), rendered by the chat template.
+    #[serde(default)]
+    tools: Vec<Value>,
+    /// `"none"` leaves the tools out; `"auto"`, `"required"` and a named function let the model
+    /// call them (Perch does not force a call).
+    tool_choice: Option<Value>,
 }
 
 /// Tokens generated when a chat request names no limit (OpenAI's is the context; a local server
@@ -183,8 +193,9 @@ const DEFAULT_MAX_TOKENS: usize = 2048;
 const MAX_TOP_LOGPROBS: usize = 20;
 
 impl ChatCompletionRequest {
-    /// The engine request this asks for, or the 400 naming the parameter at fault.
-    fn to_engine(&self, served: &str) -> Result<EngineRequest, ApiError> {
+    /// The generation settings and the conversation as the template sees it, or the 400 naming
+    /// the parameter at fault.
+    fn prepare(&self, served: &str) -> Result<(GenerateRequest, Vec<ChatMessage>), ApiError> {
         let mut params = GenerateRequest::new(Vec::new());
         self.sampling.apply(served, &mut params)?;
         if self.messages.is_empty() {
@@ -214,18 +225,27 @@ impl ChatCompletionRequest {
             (false, None) => None,
         };
         // OpenAI's `developer` role is the newer name of `system`, which chat templates know.
-        let messages = self
+        let mut messages: Vec<ChatMessage> = self
             .messages
             .iter()
-            .map(|m| match m.role.as_str() {
-                "developer" => ChatMessage::new("system", m.content.clone()),
-                _ => m.clone(),
+            .cloned()
+            .map(|mut m| {
+                if m.role == "developer" {
+                    m.role = "system".into();
+                }
+                m
             })
             .collect();
-        Ok(EngineRequest {
-            prompt: Prompt::Chat(messages),
-            params,
-        })
+        tools::arguments_as_objects(&mut messages);
+        Ok((params, messages))
+    }
+
+    /// The tools the template gets: none when `tool_choice` is `"none"`.
+    fn offered_tools(&self) -> Vec<Value> {
+        match &self.tool_choice {
+            Some(Value::String(choice)) if choice == "none" => Vec::new(),
+            _ => self.tools.clone(),
+        }
     }
 }
 
@@ -235,13 +255,21 @@ pub(crate) async fn chat_completions(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
-    let engine_request = request.to_engine(&state.config.model_id)?;
-    let running = Running::start(&state.engine, engine_request).await?;
+    let (mut params, messages) = request.prepare(&state.config.model_id)?;
+    let tokenizer = Arc::clone(state.engine.tokenizer());
+    let tools = request.offered_tools();
+    let ids = tools::render(&tokenizer, messages, tools.clone()).await?;
+    params.prompt = ids.clone();
+    let engine_request = EngineRequest {
+        prompt: Prompt::Tokens(ids),
+        params,
+    };
+    let running = Running::start(&state, engine_request).await?;
     let meta = Meta::new(format!("chatcmpl-{}", running.id), &state.config.model_id);
-    let tokenizer = state.engine.tokenizer().clone();
+    let answer = Answer::new(tools::parser(&tokenizer, &tools, true));
     if request.sampling.stream {
         let include_usage = request.sampling.include_usage();
-        let events = chat_chunks(running, meta, tokenizer, include_usage);
+        let events = chat_chunks(running, meta, tokenizer, include_usage, answer);
         return Ok(Sse::new(events).into_response());
     }
     let done = running.collect().await?;
@@ -253,6 +281,31 @@ pub(crate) async fn chat_completions(
             .collect();
         json!({"content": content, "refusal": null})
     });
+    let mut answer = answer;
+    let mut outputs = answer.push(&done.text);
+    outputs.extend(answer.finish());
+    let mut message = json!({"role": "assistant", "content": null});
+    let mut calls = Vec::new();
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    for output in outputs {
+        match output {
+            ToolOutput::Text(text) => content.push_str(&text),
+            ToolOutput::Reasoning(text) => reasoning.push_str(&text),
+            ToolOutput::Call(call) => calls.push(tool_call_json(&meta.id, calls.len(), &call)),
+        }
+    }
+    if !content.is_empty() || calls.is_empty() {
+        message["content"] = content.into();
+    }
+    if !reasoning.is_empty() {
+        message["reasoning_content"] = reasoning.into();
+    }
+    let finish = if calls.is_empty() {
+        finish_reason(done.reason)
+    } else {
+        message["tool_calls"] = calls.into();
+        "tool_calls"
+    };
     Ok(Json(json!({
         "id": meta.id,
         "object": "chat.completion",
@@ -260,13 +313,23 @@ pub(crate) async fn chat_completions(
         "model": meta.model,
         "choices": [{
             "index": 0,
-            "message": {"role": "assistant", "content": done.text},
+            "message": message,
             "logprobs": logprobs,
-            "finish_reason": finish_reason(done.reason),
+            "finish_reason": finish,
         }],
         "usage": usage(&done.stats),
     }))
     .into_response())
+}
+
+/// One call of `tool_calls`: its id (unique in this server's answers), the function's name and
+/// its arguments as a JSON string, as OpenAI sends them.
+fn tool_call_json(completion: &str, index: usize, call: &ToolCall) -> Value {
+    json!({
+        "id": format!("call_{}_{index}", completion.trim_start_matches("chatcmpl-")),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments.to_string()},
+    })
 }
 
 /// What every response and chunk of one completion repeats.
@@ -358,14 +421,16 @@ pub(crate) fn sse_with_done(
 }
 
 /// The completion as `chat.completion.chunk` events: the assistant role, one chunk per piece of
-/// text (with its log-probabilities when asked), the finish reason, the usage when asked (a last
-/// chunk with no choices), then `[DONE]`. An engine failure mid-stream sends an error object in
-/// OpenAI's shape instead of the finish.
+/// text (with its log-probabilities when asked), reasoning as `reasoning_content`, each tool call
+/// whole in one `tool_calls` delta, the finish reason (`tool_calls` after calls), the usage when
+/// asked (a last chunk with no choices), then `[DONE]`. An engine failure mid-stream sends an
+/// error object in OpenAI's shape instead of the finish.
 fn chat_chunks(
     running: Running,
     meta: Meta,
-    tokenizer: std::sync::Arc<Tokenizer>,
+    tokenizer: Arc<Tokenizer>,
     include_usage: bool,
+    mut answer: Answer,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
     const OBJECT: &str = "chat.completion.chunk";
     let first = meta.chunk(
@@ -373,27 +438,45 @@ fn chat_chunks(
         json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}]),
         None,
     );
+    let delta_chunk = |meta: &Meta, delta: Value, logprobs: Option<Value>| {
+        let mut choice = json!({"index": 0, "delta": delta, "finish_reason": null});
+        if let Some(lp) = logprobs {
+            choice["logprobs"] = lp;
+        }
+        meta.chunk(OBJECT, json!([choice]), None)
+    };
     let rest = running.into_steps().filter_map(move |step| {
         let out = match step {
             Step::Token { text, logprobs, id } => {
-                let logprobs = id
+                let mut logprobs = id
                     .zip(logprobs)
                     .map(|(id, lp)| json!({"content": [chat_logprob(&tokenizer, id, Some(&lp))]}));
-                if text.is_empty() && logprobs.is_none() {
-                    None
-                } else {
-                    let mut choice =
-                        json!({"index": 0, "delta": {"content": text}, "finish_reason": null});
-                    if let Some(lp) = logprobs {
-                        choice["logprobs"] = lp;
-                    }
-                    Some(vec![meta.chunk(OBJECT, json!([choice]), None)])
+                let calls_before = answer.calls;
+                let outputs = answer.push(&text);
+                let mut chunks = deltas(&meta.id, calls_before, outputs);
+                if chunks.is_empty() && logprobs.is_some() {
+                    chunks.push(json!({"content": ""}));
                 }
+                let chunks: Vec<Value> = chunks
+                    .into_iter()
+                    .map(|delta| delta_chunk(&meta, delta, logprobs.take()))
+                    .collect();
+                (!chunks.is_empty()).then_some(chunks)
             }
             Step::Done { reason, stats, .. } => {
-                let choice =
-                    json!([{"index": 0, "delta": {}, "finish_reason": finish_reason(reason)}]);
-                let mut out = vec![meta.chunk(OBJECT, choice, None)];
+                let calls_before = answer.calls;
+                let outputs = answer.finish();
+                let mut out: Vec<Value> = deltas(&meta.id, calls_before, outputs)
+                    .into_iter()
+                    .map(|delta| delta_chunk(&meta, delta, None))
+                    .collect();
+                let finish = if answer.calls > 0 {
+                    "tool_calls"
+                } else {
+                    finish_reason(reason)
+                };
+                let choice = json!([{"index": 0, "delta": {}, "finish_reason": finish}]);
+                out.push(meta.chunk(OBJECT, choice, None));
                 if include_usage {
                     out.push(meta.chunk(OBJECT, json!([]), Some(usage(&stats))));
                 }
@@ -404,4 +487,22 @@ fn chat_chunks(
         std::future::ready(out)
     });
     sse_with_done(stream::once(async move { vec![first] }).chain(rest))
+}
+
+/// The `delta` objects of parsed output; calls are numbered from `calls_before`.
+fn deltas(completion: &str, calls_before: usize, outputs: Vec<ToolOutput>) -> Vec<Value> {
+    let mut index = calls_before;
+    outputs
+        .into_iter()
+        .map(|output| match output {
+            ToolOutput::Text(text) => json!({"content": text}),
+            ToolOutput::Reasoning(text) => json!({"reasoning_content": text}),
+            ToolOutput::Call(call) => {
+                let mut call = tool_call_json(completion, index, &call);
+                call["index"] = index.into();
+                index += 1;
+                json!({"tool_calls": [call]})
+            }
+        })
+        .collect()
 }

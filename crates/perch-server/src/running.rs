@@ -9,6 +9,7 @@ use perch_engine::{
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
+use crate::{Admitted, AppState};
 
 /// What a running request produces next, as every wire format needs it.
 pub(crate) enum Step {
@@ -25,6 +26,8 @@ pub(crate) enum Step {
         reason: FinishReason,
         stats: GenerationStats,
         stop_string: Option<String>,
+        /// A next-token-logprobs call's answer.
+        next_token_logprobs: Option<Vec<f32>>,
     },
     /// The engine failed while running the request (a 500 before a stream starts, an error
     /// event within one).
@@ -39,6 +42,7 @@ pub(crate) struct Generated {
     pub reason: FinishReason,
     pub stop_string: Option<String>,
     pub stats: GenerationStats,
+    pub next_token_logprobs: Option<Vec<f32>>,
 }
 
 /// A request in the engine, its events forwarded to async code; cancelled in the engine when
@@ -52,13 +56,18 @@ pub(crate) struct Running {
     finished: bool,
     /// [`Running::step`] has handed out the end.
     ended: bool,
+    /// Counts this request among the server's until it is dropped.
+    _admitted: Admitted,
 }
 
 impl Running {
     /// Submits `request` and waits for its first event: a request the engine refuses (a prompt
     /// longer than the context, …) is the client's error, a 400 with the engine's message (which
-    /// names what is wrong, e.g. both lengths) before any stream starts.
-    pub async fn start(engine: &EngineHandle, request: EngineRequest) -> Result<Self, ApiError> {
+    /// names what is wrong, e.g. both lengths) before any stream starts. A 503 when the server
+    /// already has as many requests in the engine as it admits.
+    pub async fn start(state: &AppState, request: EngineRequest) -> Result<Self, ApiError> {
+        let admitted = state.admit()?;
+        let engine = &state.engine;
         let stream = engine
             .submit(request)
             .map_err(|e| ApiError::engine(e.to_string()))?;
@@ -79,6 +88,7 @@ impl Running {
             peeked: None,
             finished: false,
             ended: false,
+            _admitted: admitted,
         };
         let first = running.event().await;
         if let Some(EngineEvent::Finished {
@@ -123,11 +133,13 @@ impl Running {
                 finish_reason,
                 stats,
                 stop_string,
+                next_token_logprobs,
                 ..
             }) => Step::Done {
                 reason: finish_reason,
                 stats,
                 stop_string,
+                next_token_logprobs,
             },
             None => Step::Failed(ApiError::engine(
                 "the engine stopped before the request ended",
@@ -162,6 +174,7 @@ impl Running {
                     reason,
                     stats,
                     stop_string,
+                    next_token_logprobs,
                 } => {
                     return Ok(Generated {
                         text,
@@ -169,6 +182,7 @@ impl Running {
                         reason,
                         stop_string,
                         stats,
+                        next_token_logprobs,
                     })
                 }
                 Step::Failed(error) => return Err(error),

@@ -111,6 +111,8 @@ out["top_logprobs_alone"] = error_of(lambda: client.chat.completions.create(mode
                                                                             top_logprobs=2))
 out["echo_logprobs"] = error_of(lambda: client.completions.create(model=model, prompt=text_prompt, echo=True,
                                                                   logprobs=1))
+out["no_tool_support"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages, tools=[
+    {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]))
 out["no_key"] = error_of(lambda: openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list())
 
 request = urllib.request.Request(base_url + "/chat/completions", data=b"{not json", method="POST",

@@ -11,6 +11,7 @@
 //! event sequence), stop sequences, usage with cache reads, count_tokens, and errors in
 //! Anthropic's shape.
 
+use std::collections::HashMap;
 use std::process::Command;
 
 use perch_engine::{
@@ -59,18 +60,25 @@ fn direct_answer(
     panic!("the stream ended without Finished");
 }
 
-/// Serves `engine` on a free port of 127.0.0.1 with the test's key; the runtime must live as
-/// long as the server is used.
-fn start_server(engine: &EngineHandle) -> (tokio::runtime::Runtime, std::net::SocketAddr) {
+/// The test's server settings: its model id and key, defaults otherwise.
+fn config() -> ServerConfig {
+    ServerConfig {
+        api_key: Some(KEY.into()),
+        ..ServerConfig::new(MODEL)
+    }
+}
+
+/// Serves `engine` on a free port of 127.0.0.1 with `config`; the runtime must live as long as
+/// the server is used.
+fn start_server(
+    engine: &EngineHandle,
+    config: ServerConfig,
+) -> (tokio::runtime::Runtime, std::net::SocketAddr) {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let addr = listener.local_addr().unwrap();
-    let config = ServerConfig {
-        model_id: MODEL.into(),
-        api_key: Some(KEY.into()),
-    };
     runtime.spawn(serve(listener, router(engine.clone(), config)));
     (runtime, addr)
 }
@@ -110,7 +118,7 @@ fn the_openai_sdk_gets_chat_completions() {
     let (continued, _) = direct_answer(&engine, Prompt::Tokens(text_ids.clone()), 10, |_| {});
     let france_ids = tokenizer.encode(TEXT_AS_IDS, true).unwrap();
     let (france, _) = direct_answer(&engine, Prompt::Tokens(france_ids.clone()), 10, |_| {});
-    let (_runtime, addr) = start_server(&engine);
+    let (_runtime, addr) = start_server(&engine, config());
     let mut args = vec![
         format!("http://{addr}/v1"),
         KEY.into(),
@@ -165,6 +173,7 @@ fn the_openai_sdk_gets_chat_completions() {
         ("bad_penalty", 400, Value::from("presence_penalty")),
         ("top_logprobs_alone", 400, Value::from("top_logprobs")),
         ("echo_logprobs", 400, Value::from("echo")),
+        ("no_tool_support", 400, Value::from("tools")),
         ("unknown_model", 404, Value::from("model")),
         ("no_key", 401, Value::Null),
         ("bad_json", 400, Value::Null),
@@ -277,9 +286,8 @@ fn check_completions(seen: &Value, continued: &str, france: &str, prompt_tokens:
     );
 }
 
-/// A streaming client that reads its first chunk and hangs up: the request is cancelled in the
-/// engine, which then runs nothing and holds no block for it (it asked for 2,000 tokens).
-fn disconnecting_cancels(engine: &EngineHandle, addr: &str) {
+/// Opens a chat completion streaming 2,000 tokens and reads its first bytes (the 200).
+fn open_stream(addr: &str) -> std::net::TcpStream {
     use std::io::{Read, Write};
     let body = serde_json::json!({
         "model": MODEL, "stream": true, "max_tokens": 2000, "temperature": 0,
@@ -297,6 +305,43 @@ fn disconnecting_cancels(engine: &EngineHandle, addr: &str) {
     let mut first = [0u8; 512];
     let read = socket.read(&mut first).unwrap();
     assert!(String::from_utf8_lossy(&first[..read]).starts_with("HTTP/1.1 200"));
+    socket
+}
+
+/// One plain HTTP exchange: the status, the headers (names in lower case) and the body.
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (u16, HashMap<String, String>, String) {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(addr).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    write!(socket, "{head}\r\n{body}").unwrap();
+    let mut answer = String::new();
+    socket.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
+    let mut lines = head.lines();
+    let status = lines.next().unwrap()[9..12].parse().unwrap();
+    let headers = lines
+        .filter_map(|l| l.split_once(": "))
+        .map(|(k, v)| (k.to_ascii_lowercase(), v.to_owned()))
+        .collect();
+    (status, headers, body.to_owned())
+}
+
+/// A streaming client that reads its first chunk and hangs up: the request is cancelled in the
+/// engine, which then runs nothing and holds no block for it (it asked for 2,000 tokens).
+fn disconnecting_cancels(engine: &EngineHandle, addr: &str) {
+    let socket = open_stream(addr);
     // Generating now.
     let running = || engine.stats().unwrap();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
@@ -321,6 +366,94 @@ fn disconnecting_cancels(engine: &EngineHandle, addr: &str) {
     }
 }
 
+/// A server at its request limit answers 503 with `Retry-After` in each format's error shape
+/// (no unbounded wait), counts its requests live, and admits again once one ends; CORS headers
+/// only for the origins it was given, and a preflight needs no key.
+#[test]
+fn busy_servers_turn_requests_away_and_cors_is_opt_in() {
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let limited = ServerConfig {
+        max_requests: 1,
+        cors_origins: vec![perch_server::HeaderValue::from_static(
+            "http://allowed.test",
+        )],
+        ..config()
+    };
+    let activity = limited.activity.clone();
+    let (_runtime, addr) = start_server(&engine, limited);
+    let addr = addr.to_string();
+    let auth = [
+        ("Authorization", "Bearer test-key"),
+        ("Content-Type", "application/json"),
+    ];
+    let chat = serde_json::json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    .to_string();
+
+    let long = open_stream(&addr);
+    assert_eq!(activity.requests(), 1);
+    let (status, headers, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat);
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(headers.get("retry-after").map(String::as_str), Some("1"));
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "overloaded", "{body}");
+    let message = serde_json::json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    .to_string();
+    let (status, headers, body) = http(&addr, "POST", "/v1/messages", &auth, &message);
+    assert_eq!(status, 503, "{body}");
+    assert!(headers.contains_key("retry-after"));
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["type"], "overloaded_error", "{body}");
+
+    drop(long);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while activity.requests() > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the stream never ended"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let (status, _, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(activity.served(), 2, "the two admitted requests");
+
+    let preflight = |addr: &str, origin: &str| {
+        http(
+            addr,
+            "OPTIONS",
+            "/v1/chat/completions",
+            &[
+                ("Origin", origin),
+                ("Access-Control-Request-Method", "POST"),
+                (
+                    "Access-Control-Request-Headers",
+                    "authorization,content-type",
+                ),
+            ],
+            "",
+        )
+    };
+    let allowed = |(status, headers, _): (u16, HashMap<String, String>, String)| {
+        assert_eq!(status, 200);
+        headers.get("access-control-allow-origin").cloned()
+    };
+    let origin = Some("http://allowed.test".to_owned());
+    assert_eq!(allowed(preflight(&addr, "http://allowed.test")), origin);
+    assert_eq!(allowed(preflight(&addr, "http://elsewhere.test")), None);
+    let mut with_origin = auth.to_vec();
+    with_origin.push(("Origin", "http://allowed.test"));
+    let answer = http(&addr, "POST", "/v1/chat/completions", &with_origin, &chat);
+    assert_eq!(allowed(answer), origin);
+    // The default: no CORS at all.
+    let (_other_runtime, plain) = start_server(&engine, config());
+    let (_, headers, _) = preflight(&plain.to_string(), "http://allowed.test");
+    assert!(!headers.contains_key("access-control-allow-origin"));
+    engine.shutdown();
+}
+
 #[test]
 fn the_anthropic_sdk_gets_messages() {
     let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
@@ -330,7 +463,7 @@ fn the_anthropic_sdk_gets_messages() {
     engine.shutdown();
     let engine =
         EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default()).unwrap();
-    let (_runtime, addr) = start_server(&engine);
+    let (_runtime, addr) = start_server(&engine, config());
     let args = [
         format!("http://{addr}"),
         KEY.into(),
@@ -450,5 +583,360 @@ fn the_anthropic_sdk_gets_messages() {
         message.contains("more than the model's context of"),
         "{message}"
     );
+    engine.shutdown();
+}
+
+/// The default model's files with a tool-capable chat template (`fixtures/tools_chatml.jinja`,
+/// Hermes / Qwen 2.5 format) in `chat_template.jinja`, which wins over the tokenizer config's.
+fn model_with_tool_template() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(perch_test_support::model_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let template = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/tools_chatml.jinja"
+    );
+    std::fs::copy(template, dir.path().join("chat_template.jinja")).unwrap();
+    dir
+}
+
+/// A model that answers one prompt with a script: after `prompt_len` tokens it emits `script`
+/// token by token (then its last token, an end of turn, forever), whatever it is fed. Its KV
+/// cache holds zeros of the right length, so the engine's caches, prefix cache and streaming
+/// work as for a real model. It runs per sequence (the CPU path).
+#[derive(Clone)]
+struct ScriptedModel {
+    info: perch_engine::models::ModelInfo,
+    prompt_len: usize,
+    script: Vec<u32>,
+}
+
+impl ScriptedModel {
+    /// The token after the one at `position`.
+    fn next_after(&self, position: usize) -> u32 {
+        (position + 1)
+            .checked_sub(self.prompt_len)
+            .and_then(|k| self.script.get(k))
+            .or(self.script.last())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Logits `[rows, vocab]` with all the mass on `tokens`.
+    fn one_hot(&self, tokens: &[u32]) -> mlx_rs::Array {
+        let vocab = self.info.vocab_size;
+        let mut logits = vec![0f32; tokens.len() * vocab];
+        for (row, &t) in tokens.iter().enumerate() {
+            logits[row * vocab + t as usize] = 30.0;
+        }
+        mlx_rs::Array::from_slice(&logits, &[tokens.len() as i32, vocab as i32])
+    }
+
+    fn remember(cache: &mut [perch_engine::cache::KvCache], n: i32) -> perch_engine::Result<()> {
+        for layer in cache {
+            let zeros = mlx_rs::Array::zeros::<f32>(&[1, 1, n, 8])?;
+            layer.update_and_fetch(&zeros, &zeros)?;
+        }
+        Ok(())
+    }
+}
+
+impl perch_engine::models::Model for ScriptedModel {
+    fn forward(
+        &self,
+        ids: &mlx_rs::Array,
+        cache: &mut [perch_engine::cache::KvCache],
+    ) -> perch_engine::Result<mlx_rs::Array> {
+        let n = ids.shape()[1];
+        let last = cache[0].offset() as usize + n as usize - 1;
+        Self::remember(cache, n)?;
+        // Only the last position's logits are ever read.
+        let vocab = self.info.vocab_size as i32;
+        let before = mlx_rs::Array::zeros::<f32>(&[1, n - 1, vocab])?;
+        let last = self
+            .one_hot(&[self.next_after(last)])
+            .reshape(&[1, 1, vocab])?;
+        Ok(mlx_rs::ops::concatenate(&[before, last], 1)?)
+    }
+
+    fn forward_batch(
+        &self,
+        ids: &mlx_rs::Array,
+        caches: &mut [&mut [perch_engine::cache::KvCache]],
+    ) -> perch_engine::Result<mlx_rs::Array> {
+        assert_eq!(ids.shape()[1], 1, "decode steps feed one token a row");
+        let mut next = Vec::new();
+        for cache in caches.iter_mut() {
+            next.push(self.next_after(cache[0].offset() as usize));
+            Self::remember(cache, 1)?;
+        }
+        let vocab = self.info.vocab_size as i32;
+        Ok(self
+            .one_hot(&next)
+            .reshape(&[next.len() as i32, 1, vocab])?)
+    }
+
+    fn forward_slot_step(
+        &self,
+        _ids: &mlx_rs::Array,
+        _slots: &mut perch_engine::slot_cache::SlotKvCache,
+        _step: &perch_engine::slot_cache::SlotStep,
+    ) -> perch_engine::Result<mlx_rs::Array> {
+        Err(perch_engine::EngineError::Request(
+            "the scripted model runs per sequence".into(),
+        ))
+    }
+
+    fn clone_for_compile(&self) -> Box<dyn perch_engine::models::Model> {
+        Box::new(self.clone())
+    }
+
+    fn info(&self) -> &perch_engine::models::ModelInfo {
+        &self.info
+    }
+}
+
+/// Tool calling through both SDKs, on a model with a tool-capable template whose answer to the
+/// tool request is scripted to call the tool (the default model never does): the prompt with
+/// tool definitions is transformers' own rendering of the same conversation; the answer comes
+/// back split into text and calls, with no markup left in the text, plain and streamed (the
+/// markup arrives in pieces, as the detokenizer streams it); tool results come back in a later
+/// turn (and its prompt is transformers' too), in OpenAI's and Anthropic's shapes.
+#[test]
+fn tool_calls_through_both_sdks() {
+    let dir = model_with_tool_template();
+    let tools = vec![serde_json::json!({"type": "function", "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "The city"}},
+                       "required": ["city"]},
+    }})];
+    let messages = [
+        ChatMessage::new(
+            "system",
+            "You are a helpful assistant with access to tools.",
+        ),
+        ChatMessage::new("user", "What is the weather like in Paris today?"),
+    ];
+    let tokenizer = perch_engine::Tokenizer::load(dir.path()).unwrap();
+    let ids = tokenizer
+        .encode_chat_with_tools(&messages, Some(&tools))
+        .unwrap();
+    let answer = "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>";
+    let mut script = tokenizer.encode(answer, false).unwrap();
+    script.extend(tokenizer.encode("<|im_end|>", false).unwrap());
+    let model = ScriptedModel {
+        info: perch_engine::models::ModelInfo {
+            model_type: "scripted".into(),
+            vocab_size: 49152,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: 8,
+            context_length: 8192,
+        },
+        prompt_len: ids.len(),
+        script,
+    };
+    let tokenizer_dir = dir.path().to_path_buf();
+    let engine = EngineHandle::spawn_with(EngineConfig::default(), "scripted".into(), move || {
+        Ok((
+            Box::new(model) as Box<dyn perch_engine::models::Model>,
+            perch_engine::Tokenizer::load(&tokenizer_dir)?,
+        ))
+    })
+    .unwrap();
+    let (raw, _) = direct_answer(&engine, Prompt::Tokens(ids.clone()), 60, |_| {});
+    assert_eq!(raw, answer, "the script, streamed by the engine");
+    let text = "Let me check.\n";
+    let calls = vec![serde_json::json!({"name": "get_weather", "arguments": {"city": "Paris"}})];
+
+    let (_runtime, addr) = start_server(&engine, config());
+    let args = [
+        format!("http://{addr}"),
+        KEY.into(),
+        MODEL.into(),
+        dir.path().display().to_string(),
+    ];
+    let seen = run_client("tools_client.py", &args);
+
+    assert_eq!(
+        seen["hf_ids"],
+        serde_json::json!(ids),
+        "transformers renders the same prompt"
+    );
+    for case in ["openai", "openai_stream"] {
+        let answer = &seen[case];
+        assert_eq!(answer["content"], text, "{case}: {answer}");
+        let got: Vec<Value> = answer["tool_calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| serde_json::json!({"name": c["name"], "arguments": c["arguments"]}))
+            .collect();
+        assert_eq!(got, calls, "{case}: {answer}");
+        assert!(answer["tool_calls"][0]["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("call_")));
+        assert_eq!(answer["finish_reason"], "tool_calls", "{case}");
+    }
+    assert_eq!(seen["openai"]["prompt_tokens"], ids.len());
+    let followup = &seen["openai_followup"];
+    assert_eq!(followup["prompt_tokens"], seen["hf_followup_tokens"]);
+    assert!(followup["cached_tokens"].as_u64() > Some(0), "{followup}");
+    assert!(
+        seen["openai_none_prompt_tokens"].as_u64() < Some(ids.len() as u64),
+        "tool_choice none leaves the tools out of the prompt"
+    );
+    for case in ["anthropic", "anthropic_stream"] {
+        let reply = &seen[case];
+        let blocks = reply["content"].as_array().unwrap();
+        let texts: String = blocks
+            .iter()
+            .filter(|b| b["type"] == "text")
+            .map(|b| b["text"].as_str().unwrap())
+            .collect();
+        assert_eq!(texts, text, "{case}: {reply}");
+        let uses: Vec<Value> = blocks
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .map(|b| serde_json::json!({"name": b["name"], "arguments": b["input"]}))
+            .collect();
+        assert_eq!(uses, calls, "{case}: {reply}");
+        assert_eq!(reply["stop_reason"], "tool_use", "{case}");
+    }
+    assert_eq!(
+        seen["anthropic_followup_tokens"],
+        seen["hf_followup_tokens"]
+    );
+    engine.shutdown();
+}
+
+/// `POST /v1/next_token_logprobs`: base64 float32 rows equal to what the engine answers
+/// directly, top-k in order, and the documented errors.
+#[test]
+fn next_token_logprobs_over_http() {
+    use base64::Engine as _;
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let prompts = vec![
+        vec![1u32, 9690, 198, 2683],
+        vec![1, 9690, 198, 2683, 359, 253],
+    ];
+    let direct = engine.batch_next_token_logprobs(prompts.clone()).unwrap();
+    let vocab = direct[0].len();
+    let (_runtime, addr) = start_server(&engine, config());
+    let addr = addr.to_string();
+    let auth = [
+        ("Authorization", "Bearer test-key"),
+        ("Content-Type", "application/json"),
+    ];
+    let ask = |body: Value| {
+        let (status, _, answer) = http(
+            &addr,
+            "POST",
+            "/v1/next_token_logprobs",
+            &auth,
+            &body.to_string(),
+        );
+        (status, serde_json::from_str::<Value>(&answer).unwrap())
+    };
+    let (status, answer) = ask(serde_json::json!({"token_ids": prompts}));
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["shape"], serde_json::json!([2, vocab]));
+    assert_eq!(answer["dtype"], "float32");
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(answer["data"].as_str().unwrap())
+        .unwrap();
+    let floats: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    for (row, want) in floats.chunks(vocab).zip(&direct) {
+        let diff = row
+            .iter()
+            .zip(want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f32::max);
+        assert!(diff < 1e-4, "max |diff| {diff}");
+    }
+
+    let (status, answer) =
+        ask(serde_json::json!({"token_ids": [prompts[1]], "top_k": 5, "model": MODEL}));
+    assert_eq!(status, 200, "{answer}");
+    let top = answer["top_logprobs"][0].as_array().unwrap();
+    assert_eq!(top.len(), 5);
+    assert!(top.iter().all(|t| t["token"].is_string()));
+    let got: Vec<(usize, f64)> = top
+        .iter()
+        .map(|t| {
+            (
+                t["token_id"].as_u64().unwrap() as usize,
+                t["logprob"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(
+        got.windows(2).all(|w| w[0].1 >= w[1].1),
+        "most likely first"
+    );
+    // Each is the engine's value, and no token left out is more likely than the fifth.
+    for &(id, logprob) in &got {
+        assert!((logprob - direct[1][id] as f64).abs() < 1e-4);
+    }
+    let best_left_out = (0..vocab)
+        .filter(|id| got.iter().all(|(g, _)| g != id))
+        .map(|id| direct[1][id] as f64)
+        .fold(f64::NEG_INFINITY, f64::max);
+    assert!(best_left_out <= got[4].1 + 1e-4);
+
+    for (body, status, param) in [
+        (
+            serde_json::json!({"token_ids": []}),
+            400,
+            Value::from("token_ids"),
+        ),
+        (serde_json::json!({"token_ids": [[]]}), 400, Value::Null),
+        (
+            serde_json::json!({"token_ids": [[1]], "model": "other"}),
+            404,
+            Value::from("model"),
+        ),
+        (serde_json::json!({"token_ids": "no"}), 400, Value::Null),
+    ] {
+        let (got, answer) = ask(body.clone());
+        assert_eq!(got, status, "{body}: {answer}");
+        assert_eq!(answer["error"]["param"], param, "{body}: {answer}");
+    }
+    engine.shutdown();
+}
+
+/// Agent loops keep their cache: each turn of a scripted coding-agent conversation (long system
+/// prompt and tools, answers and tool results appended, a system reminder appended late) reads
+/// at least 90% of the previous turn's prompt from the prefix cache.
+#[test]
+fn an_agent_loop_keeps_its_cache() {
+    let dir = model_with_tool_template();
+    let engine = EngineHandle::load(dir.path(), EngineConfig::default()).unwrap();
+    let (_runtime, addr) = start_server(&engine, config());
+    let seen = run_client(
+        "agent_loop_client.py",
+        &[format!("http://{addr}"), KEY.into(), MODEL.into()],
+    );
+    let turns = seen["turns"].as_array().unwrap();
+    assert_eq!(turns.len(), 10);
+    assert!(
+        turns[0]["prompt_tokens"].as_u64() > Some(1000),
+        "a long system prompt and tools"
+    );
+    for k in 1..turns.len() {
+        let seen_before = turns[k - 1]["prompt_tokens"].as_u64().unwrap() as f64;
+        let cached = turns[k]["cached_tokens"].as_u64().unwrap() as f64;
+        assert!(
+            cached >= 0.9 * seen_before,
+            "turn {k}: {cached} cached of the {seen_before} tokens sent before"
+        );
+    }
     engine.shutdown();
 }
