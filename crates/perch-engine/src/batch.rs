@@ -967,7 +967,12 @@ impl<'m> BatchGenerator<'m> {
     fn release(&mut self, seq: &mut Sequence) -> Result<()> {
         if !seq.cache.is_empty() || seq.slot.is_some() {
             publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
-            self.keep_tail(seq)?;
+            // Only next-token-logprobs calls keep their partial block: the next call usually
+            // extends them by a token, and the copy (a wait for the device) stays off the path
+            // of generating requests.
+            if seq.request.next_token_logprobs {
+                self.keep_tail(seq)?;
+            }
         }
         self.kv.free(seq.id);
         seq.cache = Vec::new();

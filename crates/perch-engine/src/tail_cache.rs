@@ -1,5 +1,6 @@
-//! The last, partial block of sequences that left the batch, kept so that a later prompt that
-//! extends one of them reads its KV instead of recomputing up to `block_size - 1` tokens.
+//! The last, partial block of next-token-logprobs calls that left the batch, kept so that a
+//! later prompt that extends one of them reads its KV instead of recomputing up to
+//! `block_size - 1` tokens.
 //!
 //! The prefix cache holds full blocks only (vLLM's rule: a block is hashed once it is full).
 //! Scoring a sequence that grows one token per call (genlm's samplers do this through
