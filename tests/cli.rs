@@ -354,6 +354,43 @@ fn batch_bench_reports_every_field() {
     );
 }
 
+/// `--http` runs the same workload through the local API (an in-process server) and reports both
+/// runs; every request of both generated all its tokens.
+#[test]
+fn batch_bench_through_http_reports_both_runs() {
+    let out = perch(&[
+        "bench",
+        "--model",
+        &test_model(),
+        "--concurrency",
+        "3",
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--http",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.contains("through HTTP, 3 concurrent"), "{stdout}");
+    let both: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    for run in ["direct", "http"] {
+        let report = &both[run];
+        assert_eq!(report["concurrency"], 3, "{both}");
+        assert!(
+            report["generation_tps"].as_f64() > Some(0.0),
+            "{run}: {both}"
+        );
+        assert!(report["ttft_ms_p50"].as_f64() > Some(0.0), "{run}: {both}");
+    }
+    assert!(both["http_generation_ratio"].as_f64() > Some(0.0));
+}
+
 /// `--output-ids` writes what each path generated (scripts/parity_gpu.py compares them on a GPU):
 /// on CPU the batch engine's greedy ids equal the single-stream ones.
 #[test]

@@ -74,6 +74,10 @@ pub struct BenchArgs {
     /// GPU, off on CPU).
     #[arg(long)]
     pub compile_decode: Option<bool>,
+    /// With --concurrency: then run the same workload through the local API (an in-process
+    /// `perch serve`, streamed completions over 127.0.0.1) and print both.
+    #[arg(long)]
+    pub http: bool,
 }
 
 /// [`SlotAttention`] as a command-line value.

@@ -1,10 +1,13 @@
 //! `perch bench --concurrency N`: N requests submitted at once to the batch engine; reports
 //! throughput, TTFT and ITL percentiles and peak memory, with a JSON object as the last line
-//! (`--json`).
+//! (`--json`). With `--http`, the same workload (fresh prompts of the same shape) then goes
+//! through the local API (an in-process `perch serve`, streamed completions over 127.0.0.1) and
+//! both are printed with the HTTP run's share of the direct generation throughput.
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
+use perch_engine::batch::StepTimes;
 use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
 use perch_engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest,
@@ -53,11 +56,24 @@ struct BatchReport {
 
 struct Timeline {
     submitted: Instant,
+    /// When each piece of output arrived (a token directly; a non-empty text chunk over HTTP).
     tokens: Vec<Instant>,
     ids: Vec<u32>,
+    /// Tokens generated (over HTTP, from the usage: a chunk may hold none or several).
+    generated: usize,
     prompt_tokens: usize,
     cached_prompt_tokens: usize,
 }
+
+/// How the measured requests reach the engine.
+enum Client<'a> {
+    Direct(&'a EngineHandle),
+    /// `POST /v1/completions` of a server at this base URL, streamed.
+    Http(String),
+}
+
+/// The model id the in-process server serves.
+const HTTP_MODEL: &str = "bench";
 
 pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     anyhow::ensure!(concurrency > 0, "--concurrency must be at least 1");
@@ -85,48 +101,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         group_size: args.kv_group_size,
     });
     let engine = EngineHandle::load(&dir, config)?;
-    let prompts: Vec<Vec<u32>> = match &args.prompt_ids {
-        Some(path) => {
-            let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(path)?)
-                .map_err(|e| {
-                    anyhow::anyhow!(
-                        "{}: expected an array of {concurrency} token-id arrays: {e}",
-                        path.display()
-                    )
-                })?;
-            anyhow::ensure!(
-                prompts.len() == concurrency,
-                "{} holds {} prompts, not {concurrency}",
-                path.display(),
-                prompts.len()
-            );
-            prompts
-        }
-        None => {
-            anyhow::ensure!(
-                args.shared_prefix_tokens < args.prompt_tokens,
-                "--shared-prefix-tokens must be smaller than --prompt-tokens"
-            );
-            let shared = filler_tokens(&tokenizer, 0, args.shared_prefix_tokens)?;
-            (0..concurrency)
-                .map(|i| {
-                    let unique =
-                        filler_tokens(&tokenizer, 1 + 3 * i, args.prompt_tokens - shared.len())?;
-                    Ok([shared.clone(), unique].concat())
-                })
-                .collect::<anyhow::Result<_>>()?
-        }
-    };
-    let request = |prompt: Vec<u32>, max_tokens: usize| {
-        let mut params = GenerateRequest::new(Vec::new());
-        params.max_tokens = max_tokens;
-        params.ignore_eos = true;
-        EngineRequest {
-            prompt: Prompt::Tokens(prompt),
-            params,
-        }
-    };
-
+    let prompts = make_prompts(args, &tokenizer, concurrency, 0)?;
     // Warm-up through the same path, as bench_gpu.py warms mlx_lm: min(N, 8) prompts of the
     // measured length at once, 8 tokens each, so the measured run meets compiled shapes (MLX's
     // CUDA backend spends ~80 ms on the first call of each shape). Their text shares no block
@@ -135,22 +110,178 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     let warm_ups = (0..concurrency.min(8))
         .map(|i| {
             let tail = warm_up_tokens(&tokenizer, 3 * i, prompts[0].len() - shared)?;
-            Ok(engine.submit(request([&prompts[0][..shared], &tail[..]].concat(), 8))?)
+            Ok(engine.submit(bench_request(
+                [&prompts[0][..shared], &tail[..]].concat(),
+                8,
+            ))?)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     for stream in &warm_ups {
         drain(&stream.events)?;
     }
 
+    let direct = measure(&engine, &Client::Direct(&engine), &prompts, args.gen_tokens)?;
+    let http = if args.http {
+        let runtime = tokio::runtime::Runtime::new()?;
+        let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
+        let url = format!("http://{}/v1/completions", listener.local_addr()?);
+        let router =
+            perch_server::router(engine.clone(), perch_server::ServerConfig::new(HTTP_MODEL));
+        runtime.spawn(perch_server::serve(listener, router));
+        // Prompts of the same shape the prefix cache has not seen (the shared prefix aside).
+        let fresh = make_prompts(args, &tokenizer, concurrency, 3 * concurrency + 7)?;
+        Some((
+            measure(&engine, &Client::Http(url), &fresh, args.gen_tokens)?,
+            fresh,
+            runtime,
+        ))
+    } else {
+        None
+    };
+    engine.shutdown();
+    let (start, timelines, before, after, peak) = direct;
+    if let Some(path) = &args.output_ids {
+        let ids: Vec<&[u32]> = timelines.iter().map(|t| &t.ids[..]).collect();
+        write_ids(path, &ids)?;
+    }
+    let report = report(
+        args,
+        concurrency,
+        &prompts,
+        start,
+        &timelines,
+        before,
+        after,
+        peak,
+    );
+    print_report("", &report);
+    let Some(((start, timelines, before, after, peak), fresh, _runtime)) = http else {
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        }
+        return Ok(());
+    };
+    let through_http = self::report(
+        args,
+        concurrency,
+        &fresh,
+        start,
+        &timelines,
+        before,
+        after,
+        peak,
+    );
+    print_report("through HTTP, ", &through_http);
+    let ratio = through_http.generation_tps / report.generation_tps.max(1e-9);
+    println!(
+        "HTTP / direct: generation {:.3}x, TTFT p50 {:.3}x ({:.1}% of generation throughput {})",
+        ratio,
+        through_http.ttft_ms_p50 / report.ttft_ms_p50.max(1e-9),
+        (1.0 - ratio).abs() * 100.0,
+        if ratio < 1.0 {
+            "lost"
+        } else {
+            "gained (noise)"
+        }
+    );
+    if args.json {
+        let both = serde_json::json!({
+            "direct": report,
+            "http": through_http,
+            "http_generation_ratio": ratio,
+        });
+        println!("{both}");
+    }
+    Ok(())
+}
+
+/// The measured prompts: `--prompt-ids`, or filler text with `--shared-prefix-tokens` in common
+/// and each prompt's own rest from filler offset `offset + 1 + 3 i`.
+fn make_prompts(
+    args: &BenchArgs,
+    tokenizer: &Tokenizer,
+    concurrency: usize,
+    offset: usize,
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    if let Some(path) = &args.prompt_ids {
+        let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(path)?)
+            .map_err(|e| {
+                anyhow::anyhow!(
+                    "{}: expected an array of {concurrency} token-id arrays: {e}",
+                    path.display()
+                )
+            })?;
+        anyhow::ensure!(
+            prompts.len() == concurrency,
+            "{} holds {} prompts, not {concurrency}",
+            path.display(),
+            prompts.len()
+        );
+        return Ok(prompts);
+    }
+    anyhow::ensure!(
+        args.shared_prefix_tokens < args.prompt_tokens,
+        "--shared-prefix-tokens must be smaller than --prompt-tokens"
+    );
+    let shared = filler_tokens(tokenizer, 0, args.shared_prefix_tokens)?;
+    (0..concurrency)
+        .map(|i| {
+            let unique = filler_tokens(
+                tokenizer,
+                offset + 1 + 3 * i,
+                args.prompt_tokens - shared.len(),
+            )?;
+            Ok([shared.clone(), unique].concat())
+        })
+        .collect()
+}
+
+type Measured = (Instant, Vec<Timeline>, StepTimes, StepTimes, usize);
+
+/// Runs `prompts` at once through `client`, `gen_tokens` each (end of sequence ignored); returns
+/// the start, each request's timeline, the engine's step times before and after, and the peak
+/// memory.
+fn measure(
+    engine: &EngineHandle,
+    client: &Client,
+    prompts: &[Vec<u32>],
+    gen_tokens: usize,
+) -> anyhow::Result<Measured> {
     let before = engine.stats()?.step_times;
     reset_peak_memory();
     let start = Instant::now();
+    let timelines = match client {
+        Client::Direct(engine) => direct(engine, prompts, gen_tokens, start)?,
+        Client::Http(url) => over_http(url, prompts, gen_tokens, start)?,
+    };
+    let peak = memory_stats().peak_bytes;
+    let after = engine.stats()?.step_times;
+    Ok((start, timelines, before, after, peak))
+}
+
+fn bench_request(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
+    let mut params = GenerateRequest::new(Vec::new());
+    params.max_tokens = max_tokens;
+    params.ignore_eos = true;
+    EngineRequest {
+        prompt: Prompt::Tokens(prompt),
+        params,
+    }
+}
+
+/// Every prompt submitted to the engine at once; streams read concurrently, so timestamps are
+/// exact.
+fn direct(
+    engine: &EngineHandle,
+    prompts: &[Vec<u32>],
+    gen_tokens: usize,
+    start: Instant,
+) -> anyhow::Result<Vec<Timeline>> {
     let streams = prompts
         .iter()
-        .map(|p| engine.submit(request(p.clone(), args.gen_tokens)))
+        .map(|p| engine.submit(bench_request(p.clone(), gen_tokens)))
         .collect::<Result<Vec<_>, _>>()?;
-    // Requests run concurrently; read their streams concurrently too, so timestamps are exact.
-    let timelines: Vec<Timeline> = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = streams
             .into_iter()
             .map(|stream| {
@@ -159,6 +290,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                         submitted: start,
                         tokens: Vec::new(),
                         ids: Vec::new(),
+                        generated: 0,
                         prompt_tokens: 0,
                         cached_prompt_tokens: 0,
                     };
@@ -167,6 +299,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                             Ok(EngineEvent::Token { id: Some(id), .. }) => {
                                 timeline.tokens.push(Instant::now());
                                 timeline.ids.push(id);
+                                timeline.generated += 1;
                             }
                             Ok(EngineEvent::Token { id: None, .. }) => {}
                             Ok(EngineEvent::Finished {
@@ -195,15 +328,99 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         handles
             .into_iter()
             .map(|h| h.join().expect("reader thread"))
-            .collect::<anyhow::Result<Vec<_>>>()
-    })?;
-    let peak = memory_stats().peak_bytes;
-    let after = engine.stats()?.step_times;
-    engine.shutdown();
-    if let Some(path) = &args.output_ids {
-        let ids: Vec<&[u32]> = timelines.iter().map(|t| &t.ids[..]).collect();
-        write_ids(path, &ids)?;
-    }
+            .collect()
+    })
+}
+
+/// Every prompt sent at once as a streamed `POST /v1/completions` (greedy, end of sequence
+/// ignored, usage asked), one client thread each.
+fn over_http(
+    url: &str,
+    prompts: &[Vec<u32>],
+    gen_tokens: usize,
+    start: Instant,
+) -> anyhow::Result<Vec<Timeline>> {
+    use std::io::BufRead;
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .proxy(None)
+        .http_status_as_error(false)
+        .build()
+        .into();
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|prompt| {
+                let agent = agent.clone();
+                scope.spawn(move || -> anyhow::Result<Timeline> {
+                    let body = serde_json::json!({
+                        "model": HTTP_MODEL, "prompt": prompt, "max_tokens": gen_tokens,
+                        "temperature": 0, "ignore_eos": true, "stream": true,
+                        "stream_options": {"include_usage": true},
+                    });
+                    let response = agent.post(url).send_json(&body)?;
+                    anyhow::ensure!(
+                        response.status() == 200,
+                        "the server answered {}",
+                        response.status()
+                    );
+                    let mut timeline = Timeline {
+                        submitted: start,
+                        tokens: Vec::new(),
+                        ids: Vec::new(),
+                        generated: 0,
+                        prompt_tokens: 0,
+                        cached_prompt_tokens: 0,
+                    };
+                    let reader = std::io::BufReader::new(response.into_body().into_reader());
+                    for line in reader.lines() {
+                        let line = line?;
+                        let Some(data) = line.strip_prefix("data: ") else {
+                            continue;
+                        };
+                        if data == "[DONE]" {
+                            break;
+                        }
+                        let chunk: serde_json::Value = serde_json::from_str(data)?;
+                        if let Some(error) = chunk.get("error") {
+                            anyhow::bail!("a benchmark request failed: {error}");
+                        }
+                        if chunk["choices"][0]["text"]
+                            .as_str()
+                            .is_some_and(|t| !t.is_empty())
+                        {
+                            timeline.tokens.push(Instant::now());
+                        }
+                        if let Some(usage) = chunk.get("usage").filter(|u| !u.is_null()) {
+                            let count = |v: &serde_json::Value| v.as_u64().unwrap_or(0) as usize;
+                            timeline.generated = count(&usage["completion_tokens"]);
+                            timeline.prompt_tokens = count(&usage["prompt_tokens"]);
+                            timeline.cached_prompt_tokens =
+                                count(&usage["prompt_tokens_details"]["cached_tokens"]);
+                        }
+                    }
+                    Ok(timeline)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("client thread"))
+            .collect()
+    })
+}
+
+/// The numbers of one measured run.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    args: &BenchArgs,
+    concurrency: usize,
+    prompts: &[Vec<u32>],
+    start: Instant,
+    timelines: &[Timeline],
+    before: StepTimes,
+    after: StepTimes,
+    peak: usize,
+) -> BatchReport {
     let step_seconds = after.step_seconds - before.step_seconds;
     let prefill_seconds = after.prefill_seconds - before.prefill_seconds;
     let decode_seconds = after.decode_seconds - before.decode_seconds;
@@ -234,10 +451,10 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
                 .collect::<Vec<_>>()
         })
         .collect();
-    let generated: usize = timelines.iter().map(|t| t.tokens.len()).sum();
+    let generated: usize = timelines.iter().map(|t| t.generated).sum();
     // Seconds over the measured run's decode steps, in milliseconds per step.
     let per_step_ms = |seconds: f64| seconds * 1e3 / decode_steps.max(1) as f64;
-    let report = BatchReport {
+    BatchReport {
         backend: Backend::current(),
         concurrency,
         prompt_tokens: prompts[0].len(),
@@ -271,9 +488,13 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         ),
         engine_steps: after.steps - before.steps,
         engine_other_share: 1.0 - (prefill_seconds + decode_seconds) / step_seconds.max(1e-9),
-    };
+    }
+}
+
+fn print_report(label: &str, report: &BatchReport) {
     println!(
-        "{concurrency} concurrent: prompt {:.1} tok/s | generation {:.1} tok/s | TTFT p50 {:.0} ms p95 {:.0} ms | ITL p50 {:.0} ms p95 {:.0} ms | peak {:.1} MB | prefix hit {:.0}%",
+        "{label}{} concurrent: prompt {:.1} tok/s | generation {:.1} tok/s | TTFT p50 {:.0} ms p95 {:.0} ms | ITL p50 {:.0} ms p95 {:.0} ms | peak {:.1} MB | prefix hit {:.0}%",
+        report.concurrency,
         report.prompt_tps,
         report.generation_tps,
         report.ttft_ms_p50,
@@ -293,10 +514,6 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         report.engine_token_ms,
         report.engine_other_share * 100.0
     );
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    }
-    Ok(())
 }
 
 fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> {

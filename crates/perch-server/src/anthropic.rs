@@ -93,11 +93,9 @@ impl Content {
     /// The text of the content; text blocks are joined by newlines, tool blocks are skipped
     /// (the caller reads them). Other blocks (images, documents) are a 400 naming them.
     fn text(&self, param: &'static str) -> Result<String, ApiError> {
-        let Content::Blocks(blocks) = self else {
-            let Content::Text(text) = self else {
-                unreachable!()
-            };
-            return Ok(text.clone());
+        let blocks = match self {
+            Content::Text(text) => return Ok(text.clone()),
+            Content::Blocks(blocks) => blocks,
         };
         let mut texts = Vec::new();
         for block in blocks {

@@ -12,12 +12,13 @@ use axum::Json;
 use futures_util::future::try_join_all;
 use futures_util::stream::{Stream, StreamExt};
 use perch_engine::{
-    EngineRequest, GenerateRequest, GenerationStats, Prompt, TokenLogprobs, Tokenizer,
+    EngineHandle, EngineRequest, GenerateRequest, GenerationStats, Prompt, TokenLogprobs, Tokenizer,
 };
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
+use crate::logprobs::top_k;
 use crate::openai::{
     finish_reason, logprob_value, max_tokens, sse_with_done, usage, Meta, Sampling,
 };
@@ -35,7 +36,7 @@ pub(crate) struct CompletionRequest {
     #[serde(default)]
     echo: bool,
     /// Each generated token's log-probability and those of the `logprobs` most likely
-    /// alternatives (0..=20).
+    /// alternatives (0..=20); with `echo`, the prompt's tokens' too.
     logprobs: Option<usize>,
     suffix: Option<String>,
     best_of: Option<usize>,
@@ -91,12 +92,6 @@ impl CompletionRequest {
                     Some("logprobs"),
                 ))
             }
-            Some(_) if self.echo => {
-                return Err(ApiError::invalid(
-                    "`echo` with `logprobs` (log-probabilities of the prompt's tokens) is not supported",
-                    Some("echo"),
-                ))
-            }
             n => params.logprobs = n,
         }
         let tokenize = |text: &String| -> Result<OnePrompt, ApiError> {
@@ -143,6 +138,13 @@ pub(crate) async fn completions(
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
     let tokenizer = Arc::clone(state.engine.tokenizer());
     let (prompts, params) = request.prepare(&state.config.model_id, &tokenizer)?;
+    // `echo` with `logprobs`: the prompt's own tokens are scored first.
+    let mut scored_prompts = Vec::new();
+    if let (true, Some(top)) = (request.echo, request.logprobs) {
+        for prompt in &prompts {
+            scored_prompts.push(prompt_logprobs(&state, &prompt.ids, top).await?);
+        }
+    }
     let started = try_join_all(prompts.iter().map(|prompt| {
         let mut params = params.clone();
         params.prompt = prompt.ids.clone();
@@ -165,11 +167,19 @@ pub(crate) async fn completions(
     };
     if request.sampling.stream {
         let (running, prompt) = started.into_iter().zip(prompts).next().expect("one prompt");
+        let echoed = echo(&prompt);
+        let echoed_logprobs = scored_prompts.first().map(|scored| {
+            let mut logprobs = LegacyLogprobs::new(0);
+            for (id, lp) in scored {
+                logprobs.push(&tokenizer, *id, lp.as_ref());
+            }
+            logprobs
+        });
         let events = text_chunks(
             running,
             meta,
             tokenizer,
-            echo(&prompt),
+            (echoed, echoed_logprobs),
             request.sampling.include_usage(),
         );
         return Ok(Sse::new(events).into_response());
@@ -186,7 +196,15 @@ pub(crate) async fn completions(
             total.generation_tokens += done.stats.generation_tokens;
             let echoed = echo(prompt);
             let logprobs = request.logprobs.map(|_| {
-                let mut logprobs = LegacyLogprobs::new(echoed.chars().count());
+                let mut logprobs = LegacyLogprobs::new(0);
+                match scored_prompts.get(index) {
+                    Some(scored) => {
+                        for (id, lp) in scored {
+                            logprobs.push(&tokenizer, *id, lp.as_ref());
+                        }
+                    }
+                    None => logprobs.offset = echoed.chars().count(),
+                }
                 for (id, lp) in &done.tokens {
                     logprobs.push(&tokenizer, *id, lp.as_ref());
                 }
@@ -211,13 +229,53 @@ pub(crate) async fn completions(
     .into_response())
 }
 
+/// Prompt tokens scored at once while echoing a prompt with its log-probabilities.
+const SCORING_WINDOW: usize = 32;
+
+/// The tokens of `ids` with their log-probabilities given the tokens before them (the first has
+/// none) and the `top` most likely alternatives: each prefix's next-token distribution from the
+/// engine, a window of prefixes at a time (each extends the one before, so the engine computes
+/// about a token per prefix).
+async fn prompt_logprobs(
+    state: &AppState,
+    ids: &[u32],
+    top: usize,
+) -> Result<Vec<(u32, Option<TokenLogprobs>)>, ApiError> {
+    let mut scored = vec![(ids[0], None)];
+    let positions: Vec<usize> = (1..ids.len()).collect();
+    for window in positions.chunks(SCORING_WINDOW) {
+        let started = try_join_all(
+            window
+                .iter()
+                .map(|&i| Running::start(state, EngineHandle::scoring_request(ids[..i].to_vec()))),
+        )
+        .await?;
+        let answers = try_join_all(started.into_iter().map(Running::collect)).await?;
+        for (&i, answer) in window.iter().zip(answers) {
+            let distribution = answer
+                .next_token_logprobs
+                .ok_or_else(|| ApiError::engine("the engine returned no distribution"))?;
+            let logprobs = TokenLogprobs {
+                logprob: distribution[ids[i] as usize],
+                top: top_k(&distribution, top)
+                    .into_iter()
+                    .map(|id| (id as u32, distribution[id]))
+                    .collect(),
+            };
+            scored.push((ids[i], Some(logprobs)));
+        }
+    }
+    Ok(scored)
+}
+
 /// The Completions endpoint's `logprobs` object: parallel lists of tokens, their
 /// log-probabilities, the alternatives (token text → log-probability) and each token's offset
 /// in the choice's text (in characters, as Python indexes strings, the echoed prompt included).
+/// An echoed prompt's first token has no log-probability (`null`).
 struct LegacyLogprobs {
     tokens: Vec<String>,
-    token_logprobs: Vec<f32>,
-    top_logprobs: Vec<Value>,
+    token_logprobs: Vec<Option<f32>>,
+    top_logprobs: Vec<Option<Value>>,
     text_offset: Vec<usize>,
     offset: usize,
 }
@@ -237,16 +295,16 @@ impl LegacyLogprobs {
         let token = tokenizer.token_text(id);
         self.text_offset.push(self.offset);
         self.offset += token.chars().count();
-        let (logprob, top) = match logprobs {
-            Some(lp) => (lp.logprob, lp.top.as_slice()),
-            None => (f32::NEG_INFINITY, &[][..]),
-        };
-        self.token_logprobs.push(logprob_value(logprob));
-        let top: Map<String, Value> = top
-            .iter()
-            .map(|&(t, l)| (tokenizer.token_text(t), json!(logprob_value(l))))
-            .collect();
-        self.top_logprobs.push(Value::Object(top));
+        self.token_logprobs
+            .push(logprobs.map(|lp| logprob_value(lp.logprob)));
+        self.top_logprobs.push(logprobs.map(|lp| {
+            let top: Map<String, Value> = lp
+                .top
+                .iter()
+                .map(|&(t, l)| (tokenizer.token_text(t), json!(logprob_value(l))))
+                .collect();
+            Value::Object(top)
+        }));
         self.tokens.push(token);
     }
 
@@ -267,13 +325,18 @@ fn text_chunks(
     running: Running,
     meta: Meta,
     tokenizer: Arc<Tokenizer>,
-    echoed: String,
+    (echoed, echoed_logprobs): (String, Option<LegacyLogprobs>),
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
     const OBJECT: &str = "text_completion";
     let choice = |text: &str, logprobs: Option<Value>, finish: Option<&str>| json!([{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]);
     let mut offset = echoed.chars().count();
-    let first = (!echoed.is_empty()).then(|| meta.chunk(OBJECT, choice(&echoed, None, None), None));
+    if let Some(scored) = &echoed_logprobs {
+        offset = scored.offset;
+    }
+    let echoed_logprobs = echoed_logprobs.map(LegacyLogprobs::into_json);
+    let first = (!echoed.is_empty())
+        .then(|| meta.chunk(OBJECT, choice(&echoed, echoed_logprobs, None), None));
     let rest = running.into_steps().filter_map(move |step| {
         let out = match step {
             Step::Token { id, text, logprobs } => {

@@ -101,7 +101,7 @@ pub(crate) async fn next_token_logprobs(
 }
 
 /// The ids of the `k` largest values of `row`, largest first (ties: lower id first).
-fn top_k(row: &[f32], k: usize) -> Vec<usize> {
+pub(crate) fn top_k(row: &[f32], k: usize) -> Vec<usize> {
     let by_value = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]).then(a.cmp(b));
     let mut order: Vec<usize> = (0..row.len()).collect();
     if k > 0 && k < order.len() {

@@ -56,6 +56,9 @@ pub(crate) struct Sampling {
     #[serde(default)]
     pub stream: bool,
     stream_options: Option<StreamOptions>,
+    /// Keep generating through the end-of-sequence token (vLLM's extension, for benchmarks).
+    #[serde(default)]
+    ignore_eos: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -106,6 +109,7 @@ impl Sampling {
         params.sampling.temperature = temperature;
         params.sampling.top_p = top_p;
         params.sampling.seed = self.seed;
+        params.ignore_eos = self.ignore_eos;
         for (name, value) in [
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),

@@ -82,6 +82,7 @@ def completion(**kwargs):
 out["completion"] = completion(prompt=text_prompt)
 out["completion_echo"] = completion(prompt=text_prompt, echo=True)
 out["completion_logprobs"] = completion(prompt=text_prompt, logprobs=2)
+out["completion_echo_logprobs"] = completion(prompt=text_prompt, echo=True, logprobs=1)
 out["completion_two"] = completion(prompt=[text_prompt, "The capital of France is"])
 ids = sys.argv[6:]
 out["completion_ids"] = completion(prompt=[int(i) for i in ids])
@@ -109,8 +110,6 @@ out["bad_penalty"] = error_of(lambda: client.chat.completions.create(model=model
                                                                     presence_penalty=3))
 out["top_logprobs_alone"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
                                                                             top_logprobs=2))
-out["echo_logprobs"] = error_of(lambda: client.completions.create(model=model, prompt=text_prompt, echo=True,
-                                                                  logprobs=1))
 out["no_tool_support"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages, tools=[
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]))
 out["no_key"] = error_of(lambda: openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list())

@@ -167,12 +167,32 @@ fn the_openai_sdk_gets_chat_completions() {
     check_logprobs(&seen);
     assert_eq!(seen["penalized"], penalized.as_str());
     check_completions(&seen, &continued, &france, text_ids.len());
+    // Echo with logprobs: the prompt's tokens scored as the engine scores them.
+    let echoed = &seen["completion_echo_logprobs"]["logprobs"][0];
+    let tokens = echoed["tokens"].as_array().unwrap();
+    let generated = seen["completion_echo_logprobs"]["usage"]["completion_tokens"]
+        .as_u64()
+        .unwrap() as usize;
+    assert_eq!(tokens.len(), text_ids.len() + generated);
+    assert_eq!(
+        echoed["token_logprobs"][0],
+        Value::Null,
+        "the first token has none"
+    );
+    assert_eq!(echoed["top_logprobs"][0], Value::Null);
+    for i in [1, text_ids.len() - 1] {
+        let direct = engine.next_token_logprobs(text_ids[..i].to_vec()).unwrap();
+        let got = echoed["token_logprobs"][i].as_f64().unwrap();
+        assert!(
+            (got - direct[text_ids[i] as usize] as f64).abs() < 1e-4,
+            "prompt token {i}"
+        );
+    }
 
     for (case, status, param) in [
         ("n2", 400, Value::from("n")),
         ("bad_penalty", 400, Value::from("presence_penalty")),
         ("top_logprobs_alone", 400, Value::from("top_logprobs")),
-        ("echo_logprobs", 400, Value::from("echo")),
         ("no_tool_support", 400, Value::from("tools")),
         ("unknown_model", 404, Value::from("model")),
         ("no_key", 401, Value::Null),
