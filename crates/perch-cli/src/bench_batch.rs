@@ -1,7 +1,7 @@
 //! `perch bench --concurrency N`: N requests submitted at once to the batch engine; reports
 //! throughput, TTFT and ITL percentiles and peak memory, with a JSON object as the last line
-//! (`--json`). With `--http`, the same workload (fresh prompts of the same shape) then goes
-//! through the local API (an in-process `perch serve`, streamed completions over 127.0.0.1) and
+//! (`--json`). With `--http`, the same prompts (from an emptied prefix cache) then go through
+//! the local API (an in-process `perch serve`, streamed completions over 127.0.0.1) and
 //! both are printed with the HTTP run's share of the direct generation throughput.
 
 use std::sync::mpsc::RecvTimeoutError;
@@ -101,7 +101,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         group_size: args.kv_group_size,
     });
     let engine = EngineHandle::load(&dir, config)?;
-    let prompts = make_prompts(args, &tokenizer, concurrency, 0)?;
+    let prompts = make_prompts(args, &tokenizer, concurrency)?;
     // Warm-up through the same path, as bench_gpu.py warms mlx_lm: min(N, 8) prompts of the
     // measured length at once, 8 tokens each, so the measured run meets compiled shapes (MLX's
     // CUDA backend spends ~80 ms on the first call of each shape). Their text shares no block
@@ -128,13 +128,18 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         let router =
             perch_server::router(engine.clone(), perch_server::ServerConfig::new(HTTP_MODEL));
         runtime.spawn(perch_server::serve(listener, router));
-        // Prompts of the same shape the prefix cache has not seen (the shared prefix aside).
-        let fresh = make_prompts(args, &tokenizer, concurrency, 3 * concurrency + 7)?;
-        Some((
-            measure(&engine, &Client::Http(url), &fresh, args.gen_tokens)?,
-            fresh,
-            runtime,
-        ))
+        // The same prompts, from a cold prefix cache again (the shared prefix put back first,
+        // as the warm-up did for the direct run).
+        engine.clear_cache()?;
+        if shared > 0 {
+            drain(
+                &engine
+                    .submit(bench_request(prompts[0][..shared + 1].to_vec(), 1))?
+                    .events,
+            )?;
+        }
+        let measured = measure(&engine, &Client::Http(url), &prompts, args.gen_tokens)?;
+        Some((measured, runtime))
     } else {
         None
     };
@@ -155,7 +160,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         peak,
     );
     print_report("", &report);
-    let Some(((start, timelines, before, after, peak), fresh, _runtime)) = http else {
+    let Some(((start, timelines, before, after, peak), _runtime)) = http else {
         if args.json {
             println!("{}", serde_json::to_string(&report)?);
         }
@@ -164,7 +169,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     let through_http = self::report(
         args,
         concurrency,
-        &fresh,
+        &prompts,
         start,
         &timelines,
         before,
@@ -196,12 +201,11 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
 }
 
 /// The measured prompts: `--prompt-ids`, or filler text with `--shared-prefix-tokens` in common
-/// and each prompt's own rest from filler offset `offset + 1 + 3 i`.
+/// and each prompt's own rest from filler offset `1 + 3 i`.
 fn make_prompts(
     args: &BenchArgs,
     tokenizer: &Tokenizer,
     concurrency: usize,
-    offset: usize,
 ) -> anyhow::Result<Vec<Vec<u32>>> {
     if let Some(path) = &args.prompt_ids {
         let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(path)?)
@@ -226,11 +230,7 @@ fn make_prompts(
     let shared = filler_tokens(tokenizer, 0, args.shared_prefix_tokens)?;
     (0..concurrency)
         .map(|i| {
-            let unique = filler_tokens(
-                tokenizer,
-                offset + 1 + 3 * i,
-                args.prompt_tokens - shared.len(),
-            )?;
+            let unique = filler_tokens(tokenizer, 1 + 3 * i, args.prompt_tokens - shared.len())?;
             Ok([shared.clone(), unique].concat())
         })
         .collect()
