@@ -1,8 +1,8 @@
 //! `perch bench --concurrency N`: N requests submitted at once to the batch engine; reports
 //! throughput, TTFT and ITL percentiles and peak memory, with a JSON object as the last line
 //! (`--json`). With `--http`, the same prompts (from an emptied prefix cache) then go through
-//! the local API (an in-process `perch serve`, streamed completions over 127.0.0.1) and
-//! both are printed with the HTTP run's share of the direct generation throughput.
+//! the local API (an in-process `perch serve`, streamed completions over 127.0.0.1); the pair runs
+//! twice and the second is printed, with the HTTP run's share of the direct generation throughput.
 
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
@@ -120,29 +120,42 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         drain(&stream.events)?;
     }
 
-    let direct = measure(&engine, &Client::Direct(&engine), &prompts, args.gen_tokens)?;
-    let http = if args.http {
+    // With --http the pair (direct, then through the server) runs twice and the second pair is
+    // reported: the first warms both paths, so neither meets shapes the other compiled.
+    let server = if args.http {
         let runtime = tokio::runtime::Runtime::new()?;
         let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
         let url = format!("http://{}/v1/completions", listener.local_addr()?);
         let router =
             perch_server::router(engine.clone(), perch_server::ServerConfig::new(HTTP_MODEL));
         runtime.spawn(perch_server::serve(listener, router));
-        // The same prompts, from a cold prefix cache again (the shared prefix put back first,
-        // as the warm-up did for the direct run).
-        engine.clear_cache()?;
-        if shared > 0 {
-            drain(
-                &engine
-                    .submit(bench_request(prompts[0][..shared + 1].to_vec(), 1))?
-                    .events,
-            )?;
-        }
-        let measured = measure(&engine, &Client::Http(url), &prompts, args.gen_tokens)?;
-        Some((measured, runtime))
+        Some((runtime, url))
     } else {
         None
     };
+    // Every measured run starts from the same cache: empty but for the shared prefix, which the
+    // warm-up put there first.
+    let cold_cache = || -> anyhow::Result<()> {
+        engine.clear_cache()?;
+        if shared > 0 {
+            let prefix = prompts[0][..shared + 1].to_vec();
+            drain(&engine.submit(bench_request(prefix, 1))?.events)?;
+        }
+        Ok(())
+    };
+    let mut direct = measure(&engine, &Client::Direct(&engine), &prompts, args.gen_tokens)?;
+    let mut http = None;
+    if let Some((_, url)) = &server {
+        for round in 0..2 {
+            if round > 0 {
+                cold_cache()?;
+                direct = measure(&engine, &Client::Direct(&engine), &prompts, args.gen_tokens)?;
+            }
+            cold_cache()?;
+            let client = Client::Http(url.clone());
+            http = Some(measure(&engine, &client, &prompts, args.gen_tokens)?);
+        }
+    }
     engine.shutdown();
     let (start, timelines, before, after, peak) = direct;
     if let Some(path) = &args.output_ids {
@@ -160,7 +173,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         peak,
     );
     print_report("", &report);
-    let Some(((start, timelines, before, after, peak), _runtime)) = http else {
+    let Some((start, timelines, before, after, peak)) = http else {
         if args.json {
             println!("{}", serde_json::to_string(&report)?);
         }
