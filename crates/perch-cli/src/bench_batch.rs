@@ -65,6 +65,19 @@ struct Timeline {
     cached_prompt_tokens: usize,
 }
 
+impl Timeline {
+    fn new(submitted: Instant) -> Self {
+        Self {
+            submitted,
+            tokens: Vec::new(),
+            ids: Vec::new(),
+            generated: 0,
+            prompt_tokens: 0,
+            cached_prompt_tokens: 0,
+        }
+    }
+}
+
 /// How the measured requests reach the engine.
 enum Client<'a> {
     Direct(&'a EngineHandle),
@@ -157,38 +170,19 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         }
     }
     engine.shutdown();
-    let (start, timelines, before, after, peak) = direct;
     if let Some(path) = &args.output_ids {
-        let ids: Vec<&[u32]> = timelines.iter().map(|t| &t.ids[..]).collect();
+        let ids: Vec<&[u32]> = direct.timelines.iter().map(|t| &t.ids[..]).collect();
         write_ids(path, &ids)?;
     }
-    let report = report(
-        args,
-        concurrency,
-        &prompts,
-        start,
-        &timelines,
-        before,
-        after,
-        peak,
-    );
+    let report = report(args, concurrency, &prompts, &direct);
     print_report("", &report);
-    let Some((start, timelines, before, after, peak)) = http else {
+    let Some(http) = http else {
         if args.json {
             println!("{}", serde_json::to_string(&report)?);
         }
         return Ok(());
     };
-    let through_http = self::report(
-        args,
-        concurrency,
-        &prompts,
-        start,
-        &timelines,
-        before,
-        after,
-        peak,
-    );
+    let through_http = self::report(args, concurrency, &prompts, &http);
     print_report("through HTTP, ", &through_http);
     let ratio = through_http.generation_tps / report.generation_tps.max(1e-9);
     println!(
@@ -249,11 +243,17 @@ fn make_prompts(
         .collect()
 }
 
-type Measured = (Instant, Vec<Timeline>, StepTimes, StepTimes, usize);
+/// One measured run: its start, each request's timeline, the engine's step times before and
+/// after, and the peak memory.
+struct Measured {
+    start: Instant,
+    timelines: Vec<Timeline>,
+    before: StepTimes,
+    after: StepTimes,
+    peak: usize,
+}
 
-/// Runs `prompts` at once through `client`, `gen_tokens` each (end of sequence ignored); returns
-/// the start, each request's timeline, the engine's step times before and after, and the peak
-/// memory.
+/// Runs `prompts` at once through `client`, `gen_tokens` each (end of sequence ignored).
 fn measure(
     engine: &EngineHandle,
     client: &Client,
@@ -269,7 +269,13 @@ fn measure(
     };
     let peak = memory_stats().peak_bytes;
     let after = engine.stats()?.step_times;
-    Ok((start, timelines, before, after, peak))
+    Ok(Measured {
+        start,
+        timelines,
+        before,
+        after,
+        peak,
+    })
 }
 
 fn bench_request(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
@@ -299,14 +305,7 @@ fn direct(
             .into_iter()
             .map(|stream| {
                 scope.spawn(move || -> anyhow::Result<Timeline> {
-                    let mut timeline = Timeline {
-                        submitted: start,
-                        tokens: Vec::new(),
-                        ids: Vec::new(),
-                        generated: 0,
-                        prompt_tokens: 0,
-                        cached_prompt_tokens: 0,
-                    };
+                    let mut timeline = Timeline::new(start);
                     loop {
                         match stream.events.recv_timeout(Duration::from_secs(3600)) {
                             Ok(EngineEvent::Token { id: Some(id), .. }) => {
@@ -376,14 +375,7 @@ fn over_http(
                         "the server answered {}",
                         response.status()
                     );
-                    let mut timeline = Timeline {
-                        submitted: start,
-                        tokens: Vec::new(),
-                        ids: Vec::new(),
-                        generated: 0,
-                        prompt_tokens: 0,
-                        cached_prompt_tokens: 0,
-                    };
+                    let mut timeline = Timeline::new(start);
                     let reader = std::io::BufReader::new(response.into_body().into_reader());
                     for line in reader.lines() {
                         let line = line?;
@@ -423,17 +415,20 @@ fn over_http(
 }
 
 /// The numbers of one measured run.
-#[allow(clippy::too_many_arguments)]
 fn report(
     args: &BenchArgs,
     concurrency: usize,
     prompts: &[Vec<u32>],
-    start: Instant,
-    timelines: &[Timeline],
-    before: StepTimes,
-    after: StepTimes,
-    peak: usize,
+    measured: &Measured,
 ) -> BatchReport {
+    let Measured {
+        start,
+        timelines,
+        before,
+        after,
+        peak,
+    } = measured;
+    let (start, before, after, peak) = (*start, *before, *after, *peak);
     let step_seconds = after.step_seconds - before.step_seconds;
     let prefill_seconds = after.prefill_seconds - before.prefill_seconds;
     let decode_seconds = after.decode_seconds - before.decode_seconds;
