@@ -246,20 +246,8 @@ impl MessagesRequest {
             }
             Some(n) => n,
         };
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=1.0).contains(&temperature) {
-            return Err(ApiError::invalid(
-                "temperature: must be between 0 and 1",
-                Some("temperature"),
-            ));
-        }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(0.0..=1.0).contains(&top_p) {
-            return Err(ApiError::invalid(
-                "top_p: must be between 0 and 1",
-                Some("top_p"),
-            ));
-        }
+        let temperature = ApiError::in_range(self.temperature, 1.0, (0.0, 1.0), "temperature")?;
+        let top_p = ApiError::in_range(self.top_p, 1.0, (0.0, 1.0), "top_p")?;
         params.sampling.temperature = temperature;
         params.sampling.top_p = top_p;
         params.sampling.top_k = self.top_k.unwrap_or(0);

@@ -33,6 +33,24 @@ impl ApiError {
         }
     }
 
+    /// `value` (or `default` when absent) if within `low..=high`, else the 400 naming `param`.
+    pub fn in_range(
+        value: Option<f32>,
+        default: f32,
+        (low, high): (f32, f32),
+        param: &'static str,
+    ) -> Result<f32, Self> {
+        let value = value.unwrap_or(default);
+        if (low..=high).contains(&value) {
+            Ok(value)
+        } else {
+            Err(Self::invalid(
+                format!("`{param}` must be between {low} and {high}"),
+                Some(param),
+            ))
+        }
+    }
+
     pub fn unauthorized() -> Self {
         Self {
             status: StatusCode::UNAUTHORIZED,

@@ -92,38 +92,21 @@ impl Sampling {
                 Some("n"),
             ));
         }
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid(
-                "`temperature` must be between 0 and 2",
-                Some("temperature"),
-            ));
-        }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(0.0..=1.0).contains(&top_p) {
-            return Err(ApiError::invalid(
-                "`top_p` must be between 0 and 1",
-                Some("top_p"),
-            ));
-        }
+        let temperature = ApiError::in_range(self.temperature, 1.0, (0.0, 2.0), "temperature")?;
+        let top_p = ApiError::in_range(self.top_p, 1.0, (0.0, 1.0), "top_p")?;
         params.sampling.temperature = temperature;
         params.sampling.top_p = top_p;
         params.sampling.seed = self.seed;
         params.ignore_eos = self.ignore_eos;
-        for (name, value) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if value.is_some_and(|v| !(-2.0..=2.0).contains(&v)) {
-                return Err(ApiError::invalid(
-                    format!("`{name}` must be between -2 and 2"),
-                    Some(name),
-                ));
-            }
-        }
-        params.sampling.presence_penalty = self.presence_penalty.unwrap_or(0.0);
+        params.sampling.presence_penalty =
+            ApiError::in_range(self.presence_penalty, 0.0, (-2.0, 2.0), "presence_penalty")?;
+        params.sampling.frequency_penalty = ApiError::in_range(
+            self.frequency_penalty,
+            0.0,
+            (-2.0, 2.0),
+            "frequency_penalty",
+        )?;
         params.sampling.presence_context_size = PENALTY_WINDOW;
-        params.sampling.frequency_penalty = self.frequency_penalty.unwrap_or(0.0);
         params.sampling.frequency_context_size = PENALTY_WINDOW;
         for (token, bias) in self.logit_bias.iter().flatten() {
             let id = token.parse::<u32>().map_err(|_| {
