@@ -74,6 +74,10 @@ pub struct BenchArgs {
     /// GPU, off on CPU).
     #[arg(long)]
     pub compile_decode: Option<bool>,
+    /// With --concurrency: microseconds the engine waits for more requests after the first
+    /// reaches it idle (default: the engine's for this backend; 0 starts at once).
+    #[arg(long)]
+    pub arrival_window_us: Option<u64>,
     /// With --concurrency: then run the same workload through the local API (an in-process
     /// `perch serve`, streamed completions over 127.0.0.1) and print both.
     #[arg(long)]

@@ -39,6 +39,9 @@ struct BatchReport {
     /// Prompt tokens over the seconds spent in prefill forward passes only (mlx_lm's
     /// `BatchGenerator` reports its `prompt_tps` this way).
     engine_prefill_tps: f64,
+    /// Prefill forward passes in the measured run, and their milliseconds in all.
+    engine_prefill_passes: u64,
+    engine_prefill_ms: f64,
     /// Milliseconds per decode step building and dispatching its forward pass and sampling,
     /// plus waiting for its tokens.
     engine_decode_step_ms: f64,
@@ -108,6 +111,9 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     config.slot_attention = args.slot_attention.into();
     if let Some(on) = args.compile_decode {
         config.compile_decode = on;
+    }
+    if let Some(us) = args.arrival_window_us {
+        config.arrival_window = Duration::from_micros(us);
     }
     config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
         bits,
@@ -488,6 +494,8 @@ fn report(
                 .max(1) as f64,
         engine_prefill_tps: (after.prefill_tokens - before.prefill_tokens) as f64
             / prefill_seconds.max(1e-9),
+        engine_prefill_passes: after.prefill_passes - before.prefill_passes,
+        engine_prefill_ms: prefill_seconds * 1e3,
         engine_decode_step_ms: per_step_ms(decode_seconds),
         engine_decode_wait_ms: per_step_ms(after.decode_wait_seconds - before.decode_wait_seconds),
         engine_token_ms: per_step_ms(after.token_seconds - before.token_seconds),
@@ -513,9 +521,11 @@ fn print_report(label: &str, report: &BatchReport) {
         report.prefix_cache_hit_rate * 100.0
     );
     println!(
-        "engine: {} steps, prefill {:.1} tok/s in its forward passes, decode step {:.2} ms (building {:.2} ms, waiting {:.2} ms), tokens to requests {:.2} ms a step, {:.0}% of step time outside forward passes",
+        "engine: {} steps, prefill {:.1} tok/s in its forward passes ({} passes, {:.1} ms), decode step {:.2} ms (building {:.2} ms, waiting {:.2} ms), tokens to requests {:.2} ms a step, {:.0}% of step time outside forward passes",
         report.engine_steps,
         report.engine_prefill_tps,
+        report.engine_prefill_passes,
+        report.engine_prefill_ms,
         report.engine_decode_step_ms,
         report.engine_decode_build_ms,
         report.engine_decode_wait_ms,

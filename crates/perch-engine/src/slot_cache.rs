@@ -43,8 +43,15 @@ use crate::models::decoder::SlotRead;
 /// against 7,592–7,995 tok/s) but from 8.0–8.7 to 9.0–9.2 ms at 64 rows, where the step is
 /// bound by the host launching its kernels and the explicit form launches more; hence
 /// [`SlotAttention::EXPLICIT_FROM_POSITIONS`]. Prompt
-/// chunks (more than one query per row) reach cuDNN with their mask and stay fused. Metal's
-/// vector kernel takes masks, so Metal and the CPU read fused.
+/// chunks (more than one query per row) reach cuDNN with their mask and stay fused. cuDNN
+/// builds a plan for each new shape on its first call in a process: 43–79 ms on the H100 for
+/// 1–8 rows of 112–2,048 queries over 256–8,192 positions, against 2–15 ms for the explicit
+/// form's first call, whose steady time is 10–25% longer (`scripts/probe_attention_shapes.py`, 2026-11-24). Reading
+/// small prompt steps explicitly was tried in the engine and did not shorten the first token
+/// at 8 concurrent (one prefill pass: 117 and 58 ms against 41 and 48 fused), so they stay
+/// fused; what keeps new shapes away is a burst prefilled in one pass
+/// ([`crate::EngineConfig::arrival_window`]). Metal's vector kernel takes masks, so Metal and
+/// the CPU read fused.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SlotAttention {

@@ -321,3 +321,35 @@ fn load_reports_progress_over_the_weight_files() {
     assert!(halfway < reports.len() - 1, "progress jumped to the end");
     engine.shutdown();
 }
+
+#[test]
+fn a_burst_reaching_an_idle_engine_is_prefilled_in_one_pass() {
+    // Four requests submitted 2 ms apart, as a client's fan-out arrives: with an arrival window
+    // longer than the gaps they share one prefill pass; the window's cap (4x) is 80 ms here.
+    let engine = engine_with(EngineConfig {
+        attention: perch_engine::batch::BatchAttention::Batched,
+        prefill_batch_size: 8,
+        arrival_window: Duration::from_millis(20),
+        ..EngineConfig::default()
+    });
+    let before = engine.stats().unwrap().step_times;
+    let streams: Vec<_> = (0..4u32)
+        .map(|k| {
+            std::thread::sleep(Duration::from_millis(2));
+            let mut request = request(Prompt::Tokens(vec![1, 2, 3, 40 + k, 5, 6]), 2);
+            request.params.ignore_eos = true;
+            engine.submit(request).unwrap()
+        })
+        .collect();
+    for stream in streams {
+        let (ids, reason, error) = collect(stream);
+        assert_eq!((ids.len(), reason, error), (2, FinishReason::Length, None));
+    }
+    let after = engine.stats().unwrap().step_times;
+    assert_eq!(
+        after.prefill_passes - before.prefill_passes,
+        1,
+        "the burst's prompts in one prefill pass"
+    );
+    engine.shutdown();
+}
