@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use perch_engine::{EngineConfig, EngineHandle};
-use perch_server::{router, serve, HeaderValue, ServerConfig};
+use perch_server::{router, serve, HeaderValue, ServedModel, ServerConfig};
 
 use crate::model_dir;
 
@@ -76,7 +76,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key,
         max_requests: args.max_requests,
         cors_origins: args.cors_origins,
-        ..ServerConfig::new(model_id.clone())
+        ..ServerConfig::new()
     };
     let runtime = tokio::runtime::Runtime::new().context("starting the server's runtime")?;
     runtime.block_on(async move {
@@ -86,7 +86,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let local = listener.local_addr()?;
         // The line scripts wait for: the address actually bound (port 0 picks a free one).
         println!("perch serve: {model_id} at http://{local}/v1");
-        serve(listener, router(engine, config))
+        serve(listener, router(ServedModel::new(engine, model_id), config))
             .await
             .context("serving")
     })

@@ -6,7 +6,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -265,11 +264,11 @@ fn parse(body: Result<Json<MessagesRequest>, JsonRejection>) -> Result<MessagesR
 /// `POST /v1/messages/count_tokens`: the prompt's tokens as the model sees them (the chat
 /// template applied, with the assistant's turn header).
 pub(crate) async fn count_tokens(
-    State(state): State<AppState>,
+    state: AppState,
     body: Result<Json<MessagesRequest>, JsonRejection>,
 ) -> Result<Json<Value>, AnthropicError> {
     let request = parse(body)?;
-    let conversation = request.conversation(&state.config.model_id)?;
+    let conversation = request.conversation(&state.model_id)?;
     let tools = request.offered_tools()?;
     let ids = tools::render(state.engine.tokenizer(), conversation, tools).await?;
     Ok(Json(json!({"input_tokens": ids.len()})))
@@ -277,11 +276,11 @@ pub(crate) async fn count_tokens(
 
 /// `POST /v1/messages`.
 pub(crate) async fn messages(
-    State(state): State<AppState>,
+    state: AppState,
     body: Result<Json<MessagesRequest>, JsonRejection>,
 ) -> Result<Response, AnthropicError> {
     let request = parse(body)?;
-    let conversation = request.conversation(&state.config.model_id)?;
+    let conversation = request.conversation(&state.model_id)?;
     let mut params = request.params()?;
     let tools = request.offered_tools()?;
     let tokenizer = Arc::clone(state.engine.tokenizer());
@@ -297,7 +296,7 @@ pub(crate) async fn messages(
     )
     .await?;
     let id = format!("msg_{}", running.id);
-    let model = state.config.model_id.clone();
+    let model = state.model_id.clone();
     let mut answer = Answer::new(tools::parser(&tokenizer, &tools, true));
     if request.stream {
         let events = events(running, id, model, prompt_tokens, answer);

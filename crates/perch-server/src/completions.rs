@@ -5,7 +5,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -132,12 +131,12 @@ impl CompletionRequest {
 /// `POST /v1/completions`: every prompt of the request runs in the engine at once (batched),
 /// one choice each.
 pub(crate) async fn completions(
-    State(state): State<AppState>,
+    state: AppState,
     body: Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
     let tokenizer = Arc::clone(state.engine.tokenizer());
-    let (prompts, params) = request.prepare(&state.config.model_id, &tokenizer)?;
+    let (prompts, params) = request.prepare(&state.model_id, &tokenizer)?;
     // `echo` with `logprobs`: the prompt's own tokens are scored first.
     let mut scored_prompts = Vec::new();
     if let (true, Some(top)) = (request.echo, request.logprobs) {
@@ -157,7 +156,7 @@ pub(crate) async fn completions(
         )
     }))
     .await?;
-    let meta = Meta::new(format!("cmpl-{}", started[0].id), &state.config.model_id);
+    let meta = Meta::new(format!("cmpl-{}", started[0].id), &state.model_id);
     let echo = |prompt: &OnePrompt| {
         if request.echo {
             prompt.text.clone()

@@ -98,6 +98,18 @@ impl ApiError {
         }
     }
 
+    /// 503: the app serves the model it has loaded, and none is loaded now.
+    pub fn no_model() -> Self {
+        Self {
+            status: StatusCode::SERVICE_UNAVAILABLE,
+            kind: "server_error",
+            message: "no model is loaded in Perch; load one in the app and retry".into(),
+            param: None,
+            code: Some("model_not_loaded"),
+            retry_after: None,
+        }
+    }
+
     /// 503 with `Retry-After`: the server already has as many requests in the engine as it
     /// admits, so this one is turned away now instead of waiting without bound.
     pub fn overloaded(limit: usize) -> Self {

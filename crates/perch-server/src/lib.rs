@@ -23,10 +23,12 @@ mod openai;
 mod running;
 mod tools;
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
-use axum::extract::{Request, State};
+use axum::extract::{FromRequestParts, Request, State};
+use axum::http::request::Parts;
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::{HeaderName, Method};
 use axum::middleware::{self, Next};
@@ -45,8 +47,6 @@ pub use openai::PENALTY_WINDOW;
 /// What the server serves and who may ask.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
-    /// The model's id: what `GET /v1/models` lists and requests must name in `model`.
-    pub model_id: String,
     /// When set, requests without this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) get
     /// 401.
     pub api_key: Option<String>,
@@ -64,15 +64,57 @@ impl ServerConfig {
     /// parallel, bounded so a runaway client cannot queue without end.
     pub const DEFAULT_MAX_REQUESTS: usize = 256;
 
-    /// Serves `model_id` with no key, the default request limit and no CORS.
-    pub fn new(model_id: impl Into<String>) -> Self {
+    /// No key, the default request limit and no CORS.
+    pub fn new() -> Self {
         Self {
-            model_id: model_id.into(),
             api_key: None,
             max_requests: Self::DEFAULT_MAX_REQUESTS,
             cors_origins: Vec::new(),
             activity: ServerActivity::default(),
         }
+    }
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The model a server serves: one engine for its whole life (`perch serve`), or whichever the
+/// app has loaded, replaced as the user loads another ([`ServedModel::replace`]). While none
+/// is loaded, `GET /v1/models` lists nothing and requests for a model get 503.
+#[derive(Clone, Default)]
+pub struct ServedModel(Arc<RwLock<Option<Served>>>);
+
+/// An engine and the id clients name it by (`model` in requests, `GET /v1/models`).
+#[derive(Clone)]
+pub struct Served {
+    pub engine: EngineHandle,
+    pub model_id: String,
+}
+
+impl ServedModel {
+    /// Serves `engine` as `model_id`.
+    pub fn new(engine: EngineHandle, model_id: impl Into<String>) -> Self {
+        let served = Self::default();
+        served.replace(Some(Served {
+            engine,
+            model_id: model_id.into(),
+        }));
+        served
+    }
+
+    /// Serves `model` from now on (`None`: nothing); requests already running finish on the
+    /// engine they started on.
+    pub fn replace(&self, model: Option<Served>) {
+        // A poisoned lock only means a writer panicked; the value is still whole.
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = model;
+    }
+
+    /// What is served now.
+    pub fn current(&self) -> Option<Served> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }
 
@@ -115,9 +157,19 @@ impl Drop for Admitted {
     }
 }
 
+/// The router's state: what is served and how.
+#[derive(Clone)]
+pub(crate) struct Shared {
+    pub(crate) served: ServedModel,
+    config: Arc<ServerConfig>,
+}
+
+/// What one request works with: the engine served when it arrived (it keeps that engine to its
+/// end, even if the app loads another meanwhile).
 #[derive(Clone)]
 struct AppState {
     engine: EngineHandle,
+    model_id: String,
     config: Arc<ServerConfig>,
 }
 
@@ -127,11 +179,37 @@ impl AppState {
     }
 }
 
-/// The API's routes over `engine`, to serve with [`serve`] (or any axum server).
-pub fn router(engine: EngineHandle, config: ServerConfig) -> Router {
+impl FromRequestParts<Shared> for AppState {
+    type Rejection = Response;
+
+    /// 503 in the endpoint's error shape while no model is loaded.
+    async fn from_request_parts(parts: &mut Parts, shared: &Shared) -> Result<Self, Response> {
+        match shared.served.current() {
+            Some(Served { engine, model_id }) => Ok(AppState {
+                engine,
+                model_id,
+                config: Arc::clone(&shared.config),
+            }),
+            None => Err(in_shape_of(parts.uri.path(), ApiError::no_model())),
+        }
+    }
+}
+
+/// `error` as the endpoint at `path` reports errors: Anthropic's shape on `/v1/messages*`,
+/// OpenAI's elsewhere.
+fn in_shape_of(path: &str, error: ApiError) -> Response {
+    if path.starts_with("/v1/messages") {
+        AnthropicError(error).into_response()
+    } else {
+        error.into_response()
+    }
+}
+
+/// The API's routes over `served`, to serve with [`serve`] (or any axum server).
+pub fn router(served: ServedModel, config: ServerConfig) -> Router {
     let cors = cors(&config.cors_origins);
-    let state = AppState {
-        engine,
+    let state = Shared {
+        served,
         config: Arc::new(config),
     };
     let routes = Router::new()
@@ -182,8 +260,20 @@ pub async fn serve(listener: TcpListener, router: Router) -> std::io::Result<()>
     axum::serve(listener, router).await
 }
 
+/// [`serve`] until `shutdown` completes; then new connections are refused and the call returns
+/// once open requests have ended (a streamed one ends as its client reads it out or goes away).
+pub async fn serve_until(
+    listener: TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
 /// Rejects requests without the configured API key.
-async fn authorize(State(state): State<AppState>, request: Request, next: Next) -> Response {
+async fn authorize(State(state): State<Shared>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.config.api_key {
         let header = |name| {
             request
@@ -196,12 +286,7 @@ async fn authorize(State(state): State<AppState>, request: Request, next: Next) 
             .and_then(|v| v.strip_prefix("Bearer ").map(str::to_owned));
         let presented = [bearer, header("x-api-key")];
         if !presented.iter().flatten().any(|p| same_key(p, key)) {
-            let error = ApiError::unauthorized();
-            return if request.uri().path().starts_with("/v1/messages") {
-                AnthropicError(error).into_response()
-            } else {
-                error.into_response()
-            };
+            return in_shape_of(request.uri().path(), ApiError::unauthorized());
         }
     }
     next.run(request).await

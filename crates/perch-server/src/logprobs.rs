@@ -10,7 +10,6 @@
 //! first.
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::State;
 use axum::Json;
 use base64::Engine as _;
 use futures_util::future::try_join_all;
@@ -34,11 +33,11 @@ pub(crate) struct NextTokenLogprobsRequest {
 const MAX_SEQUENCES: usize = 256;
 
 pub(crate) async fn next_token_logprobs(
-    State(state): State<AppState>,
+    state: AppState,
     body: Result<Json<NextTokenLogprobsRequest>, JsonRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
-    let served = &state.config.model_id;
+    let served = &state.model_id;
     if let Some(model) = request.model.as_deref().filter(|m| m != served) {
         return Err(ApiError::unknown_model(model, served));
     }

@@ -24,19 +24,24 @@ use serde_json::{json, Value};
 use crate::error::ApiError;
 use crate::running::{Running, Step};
 use crate::tools::{self, Answer};
-use crate::AppState;
+use crate::{AppState, Shared};
 
-/// `GET /v1/models`: the one model this server serves.
-pub(crate) async fn models(State(state): State<AppState>) -> Json<Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.model_id,
-            "object": "model",
-            "created": 0,
-            "owned_by": "perch",
-        }],
-    }))
+/// `GET /v1/models`: the one model this server serves, or none while none is loaded.
+pub(crate) async fn models(State(shared): State<Shared>) -> Json<Value> {
+    let data: Vec<Value> = shared
+        .served
+        .current()
+        .into_iter()
+        .map(|served| {
+            json!({
+                "id": served.model_id,
+                "object": "model",
+                "created": 0,
+                "owned_by": "perch",
+            })
+        })
+        .collect();
+    Json(json!({ "object": "list", "data": data }))
 }
 
 /// The sampling and streaming parameters Chat Completions and Completions share (the fields
@@ -238,11 +243,11 @@ impl ChatCompletionRequest {
 
 /// `POST /v1/chat/completions`.
 pub(crate) async fn chat_completions(
-    State(state): State<AppState>,
+    state: AppState,
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
-    let (mut params, messages) = request.prepare(&state.config.model_id)?;
+    let (mut params, messages) = request.prepare(&state.model_id)?;
     let tokenizer = Arc::clone(state.engine.tokenizer());
     let tools = request.offered_tools();
     let ids = tools::render(&tokenizer, messages, tools.clone()).await?;
@@ -252,7 +257,7 @@ pub(crate) async fn chat_completions(
         params,
     };
     let running = Running::start(&state, engine_request).await?;
-    let meta = Meta::new(format!("chatcmpl-{}", running.id), &state.config.model_id);
+    let meta = Meta::new(format!("chatcmpl-{}", running.id), &state.model_id);
     let answer = Answer::new(tools::parser(&tokenizer, &tools, true));
     if request.sampling.stream {
         let include_usage = request.sampling.include_usage();

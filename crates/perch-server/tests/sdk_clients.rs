@@ -17,7 +17,7 @@ use std::process::Command;
 use perch_engine::{
     ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenerateRequest, Prompt,
 };
-use perch_server::{router, serve, ServerConfig};
+use perch_server::{router, serve, Served, ServedModel, ServerConfig};
 use serde_json::Value;
 
 const KEY: &str = "test-key";
@@ -64,7 +64,7 @@ fn direct_answer(
 fn config() -> ServerConfig {
     ServerConfig {
         api_key: Some(KEY.into()),
-        ..ServerConfig::new(MODEL)
+        ..ServerConfig::new()
     }
 }
 
@@ -74,12 +74,20 @@ fn start_server(
     engine: &EngineHandle,
     config: ServerConfig,
 ) -> (tokio::runtime::Runtime, std::net::SocketAddr) {
+    start_serving(ServedModel::new(engine.clone(), MODEL), config)
+}
+
+/// Serves whatever `served` holds, as [`start_server`] does.
+fn start_serving(
+    served: ServedModel,
+    config: ServerConfig,
+) -> (tokio::runtime::Runtime, std::net::SocketAddr) {
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let listener = runtime
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let addr = listener.local_addr().unwrap();
-    runtime.spawn(serve(listener, router(engine.clone(), config)));
+    runtime.spawn(serve(listener, router(served, config)));
     (runtime, addr)
 }
 
@@ -389,6 +397,69 @@ fn disconnecting_cancels(engine: &EngineHandle, addr: &str) {
 /// A server at its request limit answers 503 with `Retry-After` in each format's error shape
 /// (no unbounded wait), counts its requests live, and admits again once one ends; CORS headers
 /// only for the origins it was given, and a preflight needs no key.
+#[test]
+fn a_server_follows_the_model_the_app_has_loaded() {
+    // The app's server: nothing loaded, then a model, then another id, then nothing again.
+    let served = ServedModel::default();
+    let (_runtime, addr) = start_serving(served.clone(), config());
+    let addr = addr.to_string();
+    let auth = [
+        ("Authorization", "Bearer test-key"),
+        ("Content-Type", "application/json"),
+    ];
+    let chat = |model: &str| {
+        serde_json::json!({"model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        .to_string()
+    };
+    let listed = || {
+        let (status, _, body) = http(&addr, "GET", "/v1/models", &auth, "");
+        assert_eq!(status, 200, "{body}");
+        let list: Value = serde_json::from_str(&body).unwrap();
+        list["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap().to_owned())
+            .collect::<Vec<_>>()
+    };
+    let unloaded = || {
+        assert_eq!(listed(), Vec::<String>::new());
+        let (status, _, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat(MODEL));
+        assert_eq!(status, 503, "{body}");
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"]["code"], "model_not_loaded", "{body}");
+        let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat(MODEL));
+        assert_eq!(status, 503, "{body}");
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["type"], "error", "Anthropic's shape: {body}");
+    };
+    unloaded();
+
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    served.replace(Some(Served {
+        engine: engine.clone(),
+        model_id: "first".into(),
+    }));
+    assert_eq!(listed(), ["first"]);
+    let (status, _, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat("first"));
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat(MODEL));
+    assert_eq!(status, 404, "the old id is gone: {body}");
+    served.replace(Some(Served {
+        engine: engine.clone(),
+        model_id: "second".into(),
+    }));
+    assert_eq!(listed(), ["second"]);
+    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat("second"));
+    assert_eq!(status, 200, "{body}");
+
+    served.replace(None);
+    unloaded();
+    engine.shutdown();
+}
+
 #[test]
 fn busy_servers_turn_requests_away_and_cors_is_opt_in() {
     let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
