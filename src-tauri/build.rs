@@ -37,6 +37,7 @@ fn main() {
         "search_models",
         "download_model",
         "cancel_download",
+        "server_status",
     ];
     tauri_build::try_build(
         tauri_build::Attributes::new()

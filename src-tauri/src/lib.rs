@@ -31,9 +31,12 @@ pub const VIEWS: [&str; 4] = ["chat", "dashboard", "models", "settings"];
 /// Commands and state over `store`, without tray or windows: what tests build on
 /// `tauri::test::mock_builder`.
 pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> tauri::Builder<R> {
-    use commands::{chat, hub, model, settings, system};
+    use commands::{chat, hub, model, server, settings, system};
+    let state = AppState::default();
+    let local_server = server::LocalServer::new(state.served());
     builder
-        .manage(AppState::default())
+        .manage(state)
+        .manage(local_server)
         .manage(system::SystemMonitor::default())
         .manage(hub::Downloads::default())
         .manage(store)
@@ -60,6 +63,7 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
             hub::search_models,
             hub::download_model,
             hub::cancel_download,
+            server::server_status,
         ])
 }
 
@@ -85,10 +89,11 @@ pub fn run() {
                 }
             }
             let store = app.state::<Store>();
-            if let Err(problem) = store
-                .settings()
-                .and_then(|settings| desktop::apply(app.handle(), None, &settings))
-            {
+            if let Err(problem) = store.settings().and_then(|settings| {
+                desktop::apply(app.handle(), None, &settings)?;
+                app.state::<commands::server::LocalServer>()
+                    .apply(&settings.server)
+            }) {
                 store.add_notice(problem);
             }
             load_default_model(app.handle().clone());

@@ -567,3 +567,107 @@ fn search_download_cancel_and_load_from_the_hub() {
     );
     std::env::remove_var("HF_ENDPOINT");
 }
+
+#[test]
+fn the_local_server_follows_its_settings_and_the_loaded_model() {
+    use perch_test_support::http;
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (_app, window) = app(data.path());
+    let status = || invoke(&window, "server_status", json!({})).unwrap();
+    assert_eq!(status()["running"], false, "off by default");
+
+    // On, on a free port, with a key.
+    let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
+    settings["server"] = json!({"enabled": true, "port": 0, "api_key": "k-1", "allow_lan": false});
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    let on = status();
+    assert_eq!(
+        (on["running"].clone(), on["api_key"].clone()),
+        (json!(true), json!(true))
+    );
+    let url = on["url"].as_str().unwrap().to_owned();
+    let addr = url
+        .strip_prefix("http://127.0.0.1:")
+        .and_then(|rest| rest.strip_suffix("/v1"))
+        .map(|port| format!("127.0.0.1:{port}"))
+        .unwrap_or_else(|| panic!("served on 127.0.0.1 only: {url}"));
+    let key = [
+        ("Authorization", "Bearer k-1"),
+        ("Content-Type", "application/json"),
+    ];
+    let chat = json!({"model": "SmolLM2-135M-Instruct", "max_tokens": 3, "temperature": 0,
+        "messages": [{"role": "user", "content": "Hi"}]});
+
+    // No model yet: nothing listed, requests get 503.
+    let (code, _, body) = http(&addr, "GET", "/v1/models", &key, "");
+    assert_eq!(
+        (
+            code,
+            serde_json::from_str::<Value>(&body).unwrap()["data"].clone()
+        ),
+        (200, json!([]))
+    );
+    let (code, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &key,
+        &chat.to_string(),
+    );
+    assert_eq!(code, 503, "{body}");
+
+    // The app loads a model: the server serves it, under the name the app shows.
+    let loaded = invoke(&window, "load_model", json!({"path": model_dir()})).unwrap();
+    let name = loaded["name"].as_str().unwrap().to_owned();
+    let (_, _, body) = http(&addr, "GET", "/v1/models", &key, "");
+    let listed: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(listed["data"][0]["id"], name.as_str(), "{body}");
+    let chat = json!({"model": name, "max_tokens": 3, "temperature": 0,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    .to_string();
+    let (code, _, body) = http(&addr, "POST", "/v1/chat/completions", &key, &chat);
+    assert_eq!(code, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["usage"]["completion_tokens"], 3, "{body}");
+    let counted = status();
+    assert_eq!(
+        (counted["served"].clone(), counted["requests"].clone()),
+        (json!(1), json!(0)),
+        "the dashboard counts the request that reached the engine, none live now"
+    );
+    let (code, _, _) = http(&addr, "POST", "/v1/chat/completions", &key[1..], &chat);
+    assert_eq!(code, 401, "the key is required");
+
+    // A port already taken: a clear error, and the running server and saved settings stay.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let mut busy = settings.clone();
+    busy["server"]["port"] = json!(port);
+    let error = invoke(&window, "save_settings", json!({"settings": busy})).unwrap_err();
+    assert!(
+        error.as_str().unwrap().contains(&format!("port {port}")),
+        "{error}"
+    );
+    assert_eq!(status()["url"], url.as_str());
+    let view = invoke(&window, "get_settings", json!({})).unwrap();
+    assert_eq!(view["settings"]["server"], settings["server"]);
+
+    // Off: the port closes.
+    settings["server"]["enabled"] = json!(false);
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    assert_eq!(
+        status(),
+        json!({"running": false, "url": null, "requests": 0, "served": 0,
+        "api_key": false, "allow_lan": false})
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(&addr).is_ok() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{addr} still accepts connections"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    invoke(&window, "unload_model", json!({})).unwrap();
+}

@@ -7,8 +7,12 @@ WebKitWebDriver under Xvfb, with the imported default model loaded:
    download's progress, lists it under "On this machine" once downloaded, and loads it by its id;
 3. the global shortcut (Ctrl+Shift+Space, sent by xdotool) brings the chat back from another view,
    and "Launch at login" in Settings writes and removes the XDG autostart entry;
-4. the app is restarted on the same data directory and the conversation is there, with the
-   stopped answer exactly as it was shown.
+4. Settings → Local server turns the API server on (a free port, a key): curl-style requests
+   list the loaded model and get a chat completion, the dashboard shows the address and the
+   request served;
+5. the app is restarted on the same data directory and the conversation is there, with the
+   stopped answer exactly as it was shown, and the local server is back on with the model the
+   app loaded at start.
 
 Screenshots of the chat, the dashboard and the models view go to $PERCH_E2E_OUT (default target/e2e).
 
@@ -17,9 +21,12 @@ Run by scripts/e2e.sh (which starts Xvfb and tauri-driver); needs the debug app 
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -154,7 +161,72 @@ def desktop_hooks(session):
     session.click("nav button[data-view=chat]")
 
 
-def second_run(session, shown):
+API_KEY = "e2e-key"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def api(port, path, body=None, key=API_KEY):
+    """One request to the app's local server, as curl would send it (no proxy): (status, JSON)."""
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1{path}", data=data, headers=headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
+
+
+def loaded_model(session):
+    return session.wait_for(
+        "const t = document.getElementById('model-status').textContent;"
+        " return t.startsWith('Model: ') ? t.slice(7) : null", what="a loaded model")
+
+
+def served_model_id(port):
+    status, models = api(port, "/models")
+    check(status == 200, f"GET /v1/models: {status} {models}")
+    return [m["id"] for m in models["data"]]
+
+
+def local_server(session, port):
+    model = loaded_model(session)
+    session.click("nav button[data-view=settings]")
+    session.wait_for("return document.querySelector('[data-setting=block_size]').value !== ''",
+                     what="the settings")
+    check(not session.execute("return document.querySelector(\"[data-setting='server.enabled']\").checked"),
+          "the local server is on before it was turned on")
+    session.click("[data-setting='server.enabled']")
+    session.execute("document.querySelector(\"[data-setting='server.port']\").value = arguments[0]", str(port))
+    session.type("[data-setting='server.api_key']", API_KEY)
+    session.click("#settings-form button[type=submit]")
+    session.wait_for("return document.getElementById('settings-message').textContent.startsWith('Saved')",
+                     timeout=10, what="the server settings to save")
+    check(served_model_id(port) == [model], f"the server does not list {model}")
+    status, _ = api(port, "/models", key=None)
+    check(status == 401, f"without the key: {status}")
+    status, answer = api(port, "/chat/completions", {
+        "model": model, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hello."}]})
+    check(status == 200 and answer["choices"][0]["message"]["content"], f"chat completion: {status} {answer}")
+    session.click("nav button[data-view=dashboard]")
+    line = session.wait_for(
+        "const d = [...document.querySelectorAll('#stats dt')].find(x => x.textContent === 'Local server');"
+        " const v = d && d.nextElementSibling.textContent;"
+        " return v && v.includes('1 served') ? v : null", timeout=10, what="the dashboard's server line")
+    check(f"http://127.0.0.1:{port}/v1" in line and "API key required" in line, line)
+    session.click("nav button[data-view=chat]")
+
+
+def second_run(session, shown, port):
     titles = session.wait_for(
         "const b = [...document.querySelectorAll('#conversation-list button')];"
         " return b.length ? b.map(x => x.textContent) : null",
@@ -168,6 +240,9 @@ def second_run(session, shown):
     check(text(session, "#messages > li.assistant .body") == shown, "the stopped answer changed")
     check(text(session, "#messages > li.assistant .meta").endswith("stopped"), "finish reason lost")
     session.screenshot(OUT / "chat-after-restart.png")
+    # The server setting was kept: it listens from the start and serves the model loaded then.
+    model = loaded_model(session)
+    check(served_model_id(port) == [model], f"after the restart the server does not list {model}")
 
 
 def main():
@@ -177,11 +252,13 @@ def main():
     data_dir = Path(os.environ["PERCH_DATA_DIR"])
     check(not data_dir.exists() or not any(data_dir.iterdir()), f"{data_dir} must start empty")
     OUT.mkdir(parents=True, exist_ok=True)
+    port = free_port()
     session = Session(DRIVER, APP)
     try:
         shown = first_run(session)
         model_picker(session)
         desktop_hooks(session)
+        local_server(session, port)
     except Exception:
         session.screenshot(OUT / "failure-first-run.png")
         raise
@@ -189,14 +266,15 @@ def main():
         session.close()
     session = Session(DRIVER, APP)
     try:
-        second_run(session, shown)
+        second_run(session, shown, port)
     except Exception:
         session.screenshot(OUT / "failure-second-run.png")
         raise
     finally:
         session.close()
-    print("e2e: 4 passed (streaming, dashboard graphs and Stop; the model picker's download and load;"
-          " global shortcut and launch at login; the conversation after a restart)")
+    print("e2e: 5 passed (streaming, dashboard graphs and Stop; the model picker's download and load;"
+          " global shortcut and launch at login; the local server from Settings and the dashboard;"
+          " the conversation and the server after a restart)")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ export const api = {
     return invoke("download_model", { repoId, onProgress: channel });
   },
   cancelDownload: (repoId) => invoke("cancel_download", { repoId }),
+  // The local API server (commands/server.rs): {running, url, requests, served, api_key, allow_lan}
+  serverStatus: () => invoke("server_status"),
   // System (commands/system.rs)
   systemStats: () => invoke("system_stats"),
   // Conversations and chat (commands/chat.rs)

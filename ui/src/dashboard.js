@@ -1,6 +1,6 @@
 // The dashboard: live graphs (uPlot) of the engine's stats and the machine's memory, sampled
 // once a second whether or not the view is shown, over the last five minutes. Every number
-// comes from the `engine_stats` and `system_stats` commands.
+// comes from the `engine_stats`, `system_stats` and `server_status` commands.
 
 import uPlot from "uplot";
 import "uplot/dist/uPlot.min.css";
@@ -61,6 +61,16 @@ export function sample(stats, system) {
   return values;
 }
 
+/** The local server's line: its address and live requests, or how to turn it on. */
+export function serverLine(status) {
+  if (!status) return "—";
+  if (!status.running) return "off (Settings → Local server)";
+  const parts = [status.url, `${status.requests} in progress, ${status.served} served`];
+  if (status.allow_lan) parts.push("open to other devices on the network");
+  if (status.api_key) parts.push("API key required");
+  return parts.join(" · ");
+}
+
 export class Dashboard {
   /** `root`: the dashboard view's element; `api`: src/api.js. */
   constructor(root, api, now = () => Date.now() / 1000) {
@@ -87,10 +97,12 @@ export class Dashboard {
   }
 
   async tick() {
-    const [stats, system] = await Promise.all([
+    const [stats, system, server] = await Promise.all([
       this.api.engineStats().catch(() => null),
       this.api.systemStats().catch(() => null),
+      this.api.serverStatus().catch(() => null),
     ]);
+    this.lastServer = server;
     const values = sample(stats, system);
     const t = this.now();
     for (const [id, series] of this.series) series.push(t, values);
@@ -144,6 +156,7 @@ export class Dashboard {
       ["Perch resident", system?.process_rss_bytes != null ? mib(system.process_rss_bytes) : "not reported"],
       ["KV blocks total", stats ? `${stats.kv_cache.blocks_total} × ${stats.kv_cache.block_size} tokens` : "—"],
       ["Finished requests", stats ? String(stats.finished_requests) : "—"],
+      ["Local server", serverLine(this.lastServer)],
     ];
     const list = this.root.querySelector("#stats");
     list.replaceChildren();

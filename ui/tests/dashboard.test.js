@@ -34,6 +34,11 @@ function fakeApi() {
       api.calls.push("system_stats");
       return api.system;
     },
+    server: { running: true, url: "http://127.0.0.1:8080/v1", requests: 2, served: 9, api_key: true, allow_lan: false },
+    serverStatus: async () => {
+      api.calls.push("server_status");
+      return api.server;
+    },
     clearCache: async () => api.calls.push("clear_cache"),
     resetPeakMemory: async () => api.calls.push("reset_peak_memory"),
   };
@@ -109,6 +114,7 @@ describe("Dashboard", () => {
       "Perch resident": "512 MiB",
       "KV blocks total": "64 × 32 tokens",
       "Finished requests": "7",
+      "Local server": "http://127.0.0.1:8080/v1 · 2 in progress, 9 served · API key required",
     });
     // A second sample while shown redraws the same charts, not new ones.
     await dashboard.tick();
@@ -131,6 +137,19 @@ describe("Dashboard", () => {
     expect(shown["System RAM used / total"]).toBe("2048 MiB / 8192 MiB");
   });
 
+  it("shows the local server off, on other devices, and without a key", async () => {
+    const api = fakeApi();
+    const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => 1);
+    api.server = { running: false, url: null, requests: 0, served: 0, api_key: false, allow_lan: false };
+    await dashboard.tick();
+    dashboard.drawNumbers();
+    expect(numbers()["Local server"]).toBe("off (Settings → Local server)");
+    api.server = { running: true, url: "http://0.0.0.0:1234/v1", requests: 0, served: 0, api_key: false, allow_lan: true };
+    await dashboard.tick();
+    dashboard.drawNumbers();
+    expect(numbers()["Local server"]).toBe("http://0.0.0.0:1234/v1 · 0 in progress, 0 served · open to other devices on the network");
+  });
+
   it("shows the Metal wired limit where the engine reports one", async () => {
     const api = fakeApi();
     api.stats = engineStats({ memory: { ...engineStats().memory, wired_limit_bytes: 6144 * MiB } });
@@ -146,11 +165,11 @@ describe("Dashboard", () => {
     document.getElementById("clear-cache").click();
     await flush();
     await flush();
-    expect(api.calls).toEqual(["clear_cache", "engine_stats", "system_stats"]);
+    expect(api.calls).toEqual(["clear_cache", "engine_stats", "system_stats", "server_status"]);
     document.getElementById("reset-peak").click();
     await flush();
     await flush();
-    expect(api.calls.slice(3)).toEqual(["reset_peak_memory", "engine_stats", "system_stats"]);
+    expect(api.calls.slice(4)).toEqual(["reset_peak_memory", "engine_stats", "system_stats", "server_status"]);
     expect(dashboard.samples).toBe(2);
   });
 

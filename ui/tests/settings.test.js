@@ -29,11 +29,38 @@ describe("inputs", () => {
 });
 
 describe("SettingsView", () => {
+  it("turns the local server on with a port and key, and back to no key", async () => {
+    loadPage();
+    const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false } };
+    const saved = [];
+    const api = {
+      getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+      saveSettings: async (s) => {
+        saved.push(s);
+        return { settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 };
+      },
+    };
+    const view = new SettingsView(document.getElementById("view-settings"), api);
+    await view.load();
+    const field = (path) => document.querySelector(`[data-setting='${path}']`);
+    expect([field("server.enabled").checked, field("server.port").value, field("server.api_key").value]).toEqual([false, "8080", ""]);
+    field("server.enabled").checked = true;
+    field("server.port").value = "1234";
+    field("server.api_key").value = "sk-local";
+    field("server.allow_lan").checked = true;
+    await view.save();
+    expect(saved[0].server).toEqual({ enabled: true, port: 1234, api_key: "sk-local", allow_lan: true });
+    field("server.api_key").value = "  ";
+    await view.save();
+    expect(saved[1].server.api_key).toBe(null);
+  });
+
   it("saves what the form shows and reports the error sentence", async () => {
     loadPage();
     const settings = {
       chat: { system_prompt: "", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
       kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "CommandOrControl+Shift+Space",
+      server: { enabled: false, port: 8080, api_key: null, allow_lan: false },
     };
     const saved = [];
     const api = {
@@ -55,6 +82,7 @@ describe("SettingsView", () => {
     expect(saved[0].block_size).toBe(64);
     expect(saved[0].chat.sampling.logit_bias).toEqual({});
     expect(saved[0].models_dir).toBe(null);
+    expect(saved[0].server).toEqual(settings.server);
     expect(document.getElementById("settings-message").textContent).toMatch(/^Saved/);
     document.querySelector("[data-setting=block_size]").value = "8";
     await view.save();

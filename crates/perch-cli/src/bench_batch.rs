@@ -145,8 +145,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         let runtime = tokio::runtime::Runtime::new()?;
         let listener = runtime.block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))?;
         let url = format!("http://{}/v1/completions", listener.local_addr()?);
-        let router =
-            perch_server::router(
+        let router = perch_server::router(
             perch_server::ServedModel::new(engine.clone(), HTTP_MODEL),
             perch_server::ServerConfig::new(),
         );

@@ -18,6 +18,7 @@ use perch_engine::{
     ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenerateRequest, Prompt,
 };
 use perch_server::{router, serve, Served, ServedModel, ServerConfig};
+use perch_test_support::http;
 use serde_json::Value;
 
 const KEY: &str = "test-key";
@@ -334,36 +335,6 @@ fn open_stream(addr: &str) -> std::net::TcpStream {
     let read = socket.read(&mut first).unwrap();
     assert!(String::from_utf8_lossy(&first[..read]).starts_with("HTTP/1.1 200"));
     socket
-}
-
-/// One plain HTTP exchange: the status, the headers (names in lower case) and the body.
-fn http(
-    addr: &str,
-    method: &str,
-    path: &str,
-    headers: &[(&str, &str)],
-    body: &str,
-) -> (u16, HashMap<String, String>, String) {
-    use std::io::{Read, Write};
-    let mut socket = std::net::TcpStream::connect(addr).unwrap();
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    write!(socket, "{head}\r\n{body}").unwrap();
-    let mut answer = String::new();
-    socket.read_to_string(&mut answer).unwrap();
-    let (head, body) = answer.split_once("\r\n\r\n").unwrap();
-    let mut lines = head.lines();
-    let status = lines.next().unwrap()[9..12].parse().unwrap();
-    let headers = lines
-        .filter_map(|l| l.split_once(": "))
-        .map(|(k, v)| (k.to_ascii_lowercase(), v.to_owned()))
-        .collect();
-    (status, headers, body.to_owned())
 }
 
 /// A streaming client that reads its first chunk and hangs up: the request is cancelled in the

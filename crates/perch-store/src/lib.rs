@@ -13,7 +13,7 @@ pub use history::{
     Conversation, ConversationSettings, ConversationSummary, History, HistoryError, Message, Role,
     Turn,
 };
-pub use settings::{Settings, SettingsError};
+pub use settings::{ServerSettings, Settings, SettingsError};
 
 /// A damaged file that was renamed so a fresh one could start; nothing in it was deleted.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]

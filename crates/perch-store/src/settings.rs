@@ -46,6 +46,64 @@ pub struct Settings {
     /// (`CommandOrControl+Shift+Space`); empty for none. Its syntax is checked by the app,
     /// which owns the shortcut parser.
     pub shortcut: String,
+    /// The local API server the app runs over its loaded model (`perch-server`).
+    pub server: ServerSettings,
+}
+
+/// The app's local server: OpenAI- and Anthropic-compatible endpoints over the model the app
+/// has loaded (the same engine as the chat window, so both are batched together). Off by
+/// default; when on, it listens on 127.0.0.1 unless other devices are allowed.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServerSettings {
+    pub enabled: bool,
+    /// TCP port; 0 takes a free one when the server starts (the app shows which).
+    pub port: u16,
+    /// When set, requests must carry it (`Authorization: Bearer KEY` or `x-api-key: KEY`).
+    pub api_key: Option<String>,
+    /// Listen on every network interface (0.0.0.0), so other devices on the network can call
+    /// it; otherwise 127.0.0.1 only.
+    pub allow_lan: bool,
+}
+
+impl ServerSettings {
+    /// `perch serve`'s port too.
+    pub const DEFAULT_PORT: u16 = 8080;
+    /// Longest API key accepted, in bytes.
+    pub const MAX_KEY_BYTES: usize = 512;
+
+    /// A key must fit an HTTP header as typed: visible ASCII, no spaces, not empty.
+    fn validate(&self) -> Result<(), SettingsError> {
+        let invalid = |reason: String| {
+            Err(SettingsError::Invalid {
+                field: "server.api_key",
+                reason,
+            })
+        };
+        match &self.api_key {
+            Some(key) if key.is_empty() => invalid("is empty; leave it unset for no key".into()),
+            Some(key) if key.len() > Self::MAX_KEY_BYTES => invalid(format!(
+                "is {} bytes long, more than {}",
+                key.len(),
+                Self::MAX_KEY_BYTES
+            )),
+            Some(key) if !key.bytes().all(|b| b.is_ascii_graphic()) => {
+                invalid("may hold visible ASCII characters only, no spaces".into())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+impl Default for ServerSettings {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            port: Self::DEFAULT_PORT,
+            api_key: None,
+            allow_lan: false,
+        }
+    }
 }
 
 impl Default for Settings {
@@ -57,6 +115,7 @@ impl Default for Settings {
             models_dir: None,
             launch_at_login: false,
             shortcut: "CommandOrControl+Shift+Space".into(),
+            server: ServerSettings::default(),
         }
     }
 }
@@ -134,7 +193,7 @@ impl Settings {
                 );
             }
         }
-        Ok(())
+        self.server.validate()
     }
 
     /// Reads the settings at `path`; a missing file gives the defaults. A file that is not
@@ -223,6 +282,12 @@ mod tests {
         settings.chat.system_prompt = "Be brief.".into();
         settings.block_size = 16;
         settings.models_dir = Some(dir.path().join("models"));
+        settings.server = ServerSettings {
+            enabled: true,
+            port: 1234,
+            api_key: Some("sk-local".into()),
+            allow_lan: true,
+        };
         settings.save(&path, RAM).unwrap();
         assert_eq!(Settings::load(&path, RAM).unwrap(), (settings, None));
 
@@ -231,11 +296,16 @@ mod tests {
         assert_eq!(set_aside, None);
         assert_eq!(partial.block_size, 64);
         assert_eq!(partial.kv_cache_bytes, Settings::default().kv_cache_bytes);
+        assert!(
+            !partial.server.enabled,
+            "the local server is off unless turned on"
+        );
+        assert_eq!(partial.server.port, 8080);
     }
 
     #[test]
     fn invalid_values_are_named() {
-        let cases: [(&str, fn(&mut Settings)); 7] = [
+        let cases: [(&str, fn(&mut Settings)); 10] = [
             ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
             ("chat.max_tokens", |s| s.chat.max_tokens = 0),
             ("kv_cache_bytes", |s| s.kv_cache_bytes = 1 << 20),
@@ -244,6 +314,13 @@ mod tests {
             ("block_size", |s| s.block_size = 512),
             ("models_dir", |s| {
                 s.models_dir = Some("relative/models".into())
+            }),
+            ("server.api_key", |s| s.server.api_key = Some(String::new())),
+            ("server.api_key", |s| {
+                s.server.api_key = Some("two words".into())
+            }),
+            ("server.api_key", |s| {
+                s.server.api_key = Some("k".repeat(513))
             }),
         ];
         for (field, break_it) in cases {

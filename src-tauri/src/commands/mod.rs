@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod hub;
 pub mod model;
+pub mod server;
 pub mod settings;
 pub mod system;
 

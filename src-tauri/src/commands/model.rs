@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
 use perch_engine::{EngineConfig, EngineHandle, EngineStats, LoadProgress};
 use perch_hub::LocalModel;
+use perch_server::{Served, ServedModel};
 use serde::Serialize;
 use tauri::{AppHandle, Manager, Runtime, State};
 
@@ -18,6 +19,8 @@ pub struct AppState {
     model: Mutex<ModelSlot>,
     /// How far the model being loaded has come; written by the engine thread.
     load_progress: Arc<Mutex<LoadProgress>>,
+    /// What the local server serves: the loaded model, or nothing.
+    served: ServedModel,
 }
 
 /// The engine exactly when `status` is `Loaded`.
@@ -50,6 +53,11 @@ pub enum ModelStatus {
 }
 
 impl AppState {
+    /// The loaded model as the local server sees it (shared, follows every load and unload).
+    pub fn served(&self) -> ServedModel {
+        self.served.clone()
+    }
+
     fn slot(&self) -> Result<std::sync::MutexGuard<'_, ModelSlot>, String> {
         self.model.lock().map_err(|_| poisoned())
     }
@@ -85,6 +93,7 @@ impl AppState {
                 engine: None,
             },
         );
+        self.served.replace(None);
         if let Some(engine) = previous.engine {
             engine.shutdown();
         }
@@ -99,6 +108,10 @@ impl AppState {
         });
         let (slot, result) = match loaded {
             Ok(engine) => {
+                self.served.replace(Some(Served {
+                    engine: engine.clone(),
+                    model_id: name.clone(),
+                }));
                 let status = ModelStatus::Loaded { name, path };
                 let slot = ModelSlot {
                     status: status.clone(),
@@ -123,6 +136,7 @@ impl AppState {
     }
 
     pub fn unload(&self) -> Result<(), String> {
+        self.served.replace(None);
         let previous = std::mem::take(&mut *self.slot()?);
         if let Some(engine) = previous.engine {
             engine.shutdown();

@@ -4,8 +4,9 @@ use std::path::PathBuf;
 
 use perch_store::Settings;
 use serde::Serialize;
-use tauri::{AppHandle, Runtime, State};
+use tauri::{AppHandle, Manager, Runtime, State};
 
+use super::server::LocalServer;
 use crate::desktop;
 use crate::store::Store;
 
@@ -36,7 +37,8 @@ pub fn get_settings(store: State<'_, Store>) -> Result<SettingsView, String> {
 }
 
 /// Validates `settings`, applies the global shortcut and launch at login, and saves them; on
-/// any error nothing changes. The KV budget and block size apply from the next model load; new
+/// any error nothing changes. The local server starts, restarts or stops to match (a port
+/// already in use is such an error). The KV budget and block size apply from the next model load; new
 /// conversations start with the chat defaults.
 #[tauri::command]
 pub fn save_settings<R: Runtime>(
@@ -47,7 +49,12 @@ pub fn save_settings<R: Runtime>(
     store.validate_settings(&settings)?;
     let old = store.settings()?;
     desktop::apply(&app, Some(&old), &settings)?;
-    if let Err(err) = store.save_settings(settings.clone()) {
+    let server = app.state::<LocalServer>();
+    let saved = server
+        .apply(&settings.server)
+        .and_then(|()| store.save_settings(settings.clone()));
+    if let Err(err) = saved {
+        let _ = server.apply(&old.server);
         let _ = desktop::apply(&app, Some(&settings), &old);
         return Err(err);
     }
