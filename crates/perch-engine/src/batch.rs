@@ -42,6 +42,7 @@ use crate::generate::{
     check_request, FinishReason, GenerateOutput, GenerateRequest, Pushed, RecentTokens, TokenEvent,
     TokenSink,
 };
+use crate::grammar::GrammarState;
 use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
 use crate::models::Model;
 use crate::prompt_cache::PromptCache;
@@ -260,6 +261,8 @@ struct Sequence {
     published_blocks: usize,
     sampler: Sampler,
     history: RecentTokens,
+    /// Where a constrained request is in its grammar ([`GenerateRequest::grammar`]).
+    grammar: Option<GrammarState>,
     sink: TokenSink,
     /// Whether this request was admitted before (its prefix lookup is counted once).
     admitted_once: bool,
@@ -421,10 +424,15 @@ impl<'m> BatchGenerator<'m> {
         let id = self.next_id;
         self.next_id += 1;
         let history = RecentTokens::new(&request.sampling, &request.prompt[prefix_len..]);
+        let grammar = match &request.grammar {
+            Some(grammar) => Some(self.tokenizer.grammar_env()?.start(grammar)?),
+            None => None,
+        };
         self.waiting.push_back(Sequence {
             id,
             preloaded,
             history,
+            grammar,
             tokens: request.prompt.clone(),
             cache: Vec::new(),
             slot: None,
@@ -816,10 +824,13 @@ impl<'m> BatchGenerator<'m> {
             }
         }
 
-        let ready: Vec<usize> = scheduler::decode_ready(&self.progress())
-            .into_iter()
-            .filter(|&i| !self.running[i].scored())
-            .collect();
+        let mut ready = self.decode_ready();
+        // A constrained sequence's next mask needs its last token on the host: the step in
+        // flight is read first (no pipelining while one runs; see `crate::grammar`).
+        if self.runner.has_in_flight() && ready.iter().any(|&i| self.running[i].grammar.is_some()) {
+            self.read_in_flight(&mut events)?;
+            ready = self.decode_ready();
+        }
         if ready.is_empty() {
             self.read_in_flight(&mut events)?;
             return Ok(events);
@@ -829,6 +840,7 @@ impl<'m> BatchGenerator<'m> {
             self.enter_decode_slots(&ready)?;
         }
         let mut first_steps = 0;
+        let vocab = self.model.info().vocab_size;
         let mut rows = Vec::with_capacity(ready.len());
         let mut next = ready.iter().enumerate().peekable();
         for (i, seq) in self.running.iter_mut().enumerate() {
@@ -854,6 +866,7 @@ impl<'m> BatchGenerator<'m> {
                 history: &mut seq.history,
                 logprobs: seq.request.logprobs,
                 distribution: seq.request.next_token_logprobs,
+                mask: seq.grammar.as_mut().map(|g| g.mask(vocab)),
             });
         }
         let (step, built) = self.runner.dispatch_decode(rows)?;
@@ -867,6 +880,14 @@ impl<'m> BatchGenerator<'m> {
             self.runner.set_in_flight(step);
         }
         Ok(events)
+    }
+
+    /// The running sequences that decode this step (prompt cached, not a scored call waiting).
+    fn decode_ready(&self) -> Vec<usize> {
+        scheduler::decode_ready(&self.progress())
+            .into_iter()
+            .filter(|&i| !self.running[i].scored())
+            .collect()
     }
 
     /// Moves every ready sequence not decoding in a slot yet into the decode slot cache: from its
@@ -916,6 +937,9 @@ impl<'m> BatchGenerator<'m> {
             }
             generated += 1;
             seq.tokens.push(step.token);
+            if let Some(grammar) = &mut seq.grammar {
+                grammar.consume(step.token);
+            }
             match seq.sink.push(self.tokenizer, step.token, step.logprobs)? {
                 Pushed::Token(event) => events.push(BatchEvent::Token {
                     request: seq.id,

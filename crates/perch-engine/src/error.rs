@@ -54,6 +54,10 @@ pub enum EngineError {
     PromptCache { path: PathBuf, message: String },
     #[error("invalid sampling parameters: {0}")]
     InvalidSampling(String),
+    /// A response format (JSON schema) that cannot be compiled, or a tokenizer that
+    /// constrained decoding cannot read.
+    #[error("invalid response format: {0}")]
+    InvalidGrammar(String),
     /// The engine refused or failed a request; its message.
     #[error("{0}")]
     Request(String),

@@ -55,6 +55,9 @@ pub struct GenerateRequest {
     /// after the prompt ([`GenerateOutput::next_token_logprobs`]; `log_softmax` of the model's
     /// last logits in float32, no logits processors), as genlm's `next_token_logprobs`.
     pub next_token_logprobs: bool,
+    /// Constrain the output to a grammar (JSON, see [`crate::grammar`]); batch engine only
+    /// ([`crate::EngineHandle`]); [`generate`] refuses it.
+    pub grammar: Option<crate::grammar::Grammar>,
 }
 
 impl GenerateRequest {
@@ -72,6 +75,7 @@ impl GenerateRequest {
             ignore_eos: false,
             logprobs: None,
             next_token_logprobs: false,
+            grammar: None,
         }
     }
 }
@@ -157,6 +161,11 @@ pub fn generate(
 ) -> Result<GenerateOutput> {
     let prompt = &request.prompt;
     let (max_tokens, stop_ids) = check_request(model, tokenizer, request)?;
+    if request.grammar.is_some() {
+        return Err(EngineError::InvalidGrammar(
+            "constrained output runs in the batch engine (EngineHandle), not in generate".into(),
+        ));
+    }
 
     reset_peak_memory();
     let start = Instant::now();

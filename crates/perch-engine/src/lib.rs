@@ -17,6 +17,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod generate;
+pub mod grammar;
 pub mod kv_cache_manager;
 pub mod layers;
 mod mlx_ext;
@@ -43,5 +44,6 @@ pub use generate::{
     generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent,
     TokenLogprobs,
 };
+pub use grammar::Grammar;
 pub use tokenizer::Tokenizer;
 pub use weights::LoadProgress;

@@ -70,6 +70,9 @@ pub(crate) struct DecodeRow<'a> {
     pub logprobs: Option<usize>,
     /// The whole next-token distribution asked for ([`crate::GenerateRequest::next_token_logprobs`]).
     pub distribution: bool,
+    /// A constrained sequence's logit bias `[1, vocab]` (0 or −∞, see [`crate::grammar`]),
+    /// added before its processors and sampler.
+    pub mask: Option<Array>,
 }
 
 /// A token a read step produced.
@@ -336,7 +339,7 @@ impl<'m> ModelRunner<'m> {
         let logits = logits.reshape(&[num_rows as i32, vocab])?;
         let plain: Vec<bool> = rows
             .iter()
-            .map(|r| r.sampler.is_plain_greedy() && r.logprobs.is_none())
+            .map(|r| r.sampler.is_plain_greedy() && r.logprobs.is_none() && r.mask.is_none())
             .collect();
         let greedy = if plain.contains(&true) {
             Some(greedy_tokens(&logits)?)
@@ -350,12 +353,11 @@ impl<'m> ModelRunner<'m> {
             let sampled = if plain {
                 None
             } else {
-                Some(sample_next(
-                    &row_logits()?,
-                    r.sampler,
-                    r.history,
-                    r.logprobs,
-                )?)
+                let mut masked = row_logits()?;
+                if let Some(mask) = &r.mask {
+                    masked = ops::add(&masked, &mask.as_dtype(masked.dtype())?)?;
+                }
+                Some(sample_next(&masked, r.sampler, r.history, r.logprobs)?)
             };
             let distribution = if r.distribution {
                 Some(log_softmax_f32(&row_logits()?.reshape(&[vocab])?)?)

@@ -8,12 +8,15 @@ use serde_json::Value;
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{EngineError, Result};
+use crate::grammar::GrammarEnv;
 
 /// A model's tokenizer and the text conventions that come with it.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos_token_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
+    /// The vocabulary as constrained decoding reads it, built on first use.
+    grammar_env: std::sync::OnceLock<std::result::Result<std::sync::Arc<GrammarEnv>, String>>,
 }
 
 impl Tokenizer {
@@ -66,6 +69,7 @@ impl Tokenizer {
             inner,
             eos_token_ids: eos.into_iter().collect(),
             chat_template,
+            grammar_env: std::sync::OnceLock::new(),
         })
     }
 
@@ -90,6 +94,23 @@ impl Tokenizer {
     /// character shows U+FFFD for the missing part; an id outside the vocabulary gives "".
     pub fn token_text(&self, id: u32) -> String {
         self.inner.decode(&[id], false).unwrap_or_default()
+    }
+
+    /// The vocabulary for constrained decoding ([`crate::grammar`]), built from this
+    /// tokenizer on first use (tens of milliseconds) and kept. Errors: a tokenizer whose token
+    /// bytes cannot be recovered, as [`EngineError::InvalidGrammar`].
+    pub fn grammar_env(&self) -> Result<std::sync::Arc<GrammarEnv>> {
+        self.grammar_env
+            .get_or_init(|| {
+                let json = self.inner.to_string(false).map_err(|e| e.to_string())?;
+                GrammarEnv::new(&json, &self.eos_token_ids)
+                    .map(std::sync::Arc::new)
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+            .map_err(|e| {
+                EngineError::InvalidGrammar(format!("this model's tokenizer cannot be used: {e}"))
+            })
     }
 
     /// Ids that end generation with finish reason `stop`.

@@ -15,7 +15,7 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use perch_engine::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
-    ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
+    ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Grammar, Prompt,
     TokenLogprobs, Tokenizer,
 };
 use serde::Deserialize;
@@ -64,6 +64,25 @@ pub(crate) struct Sampling {
     /// Keep generating through the end-of-sequence token (vLLM's extension, for benchmarks).
     #[serde(default)]
     ignore_eos: bool,
+    response_format: Option<ResponseFormat>,
+}
+
+/// OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema
+/// (generation constrained to it; see `perch_engine::grammar`).
+#[derive(Debug, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Deserialize)]
+struct JsonSchemaFormat {
+    /// Required by OpenAI; Perch does not use the name.
+    #[serde(rename = "name")]
+    _name: Option<String>,
+    schema: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -134,6 +153,19 @@ impl Sampling {
             Some(Stop::Many(v)) => v.clone(),
         };
         params.stop_strings.retain(|s| !s.is_empty());
+        params.grammar = match &self.response_format {
+            None | Some(ResponseFormat::Text) => None,
+            Some(ResponseFormat::JsonObject) => Some(Grammar::JsonObject),
+            Some(ResponseFormat::JsonSchema { json_schema }) => {
+                let schema = json_schema.schema.clone().ok_or_else(|| {
+                    ApiError::invalid(
+                        "`response_format.json_schema.schema` is required",
+                        Some("response_format"),
+                    )
+                })?;
+                Some(Grammar::JsonSchema(schema))
+            }
+        };
         Ok(())
     }
 

@@ -93,6 +93,28 @@ for chunk in client.completions.create(model=model, prompt=text_prompt, max_toke
         finish = choice.finish_reason or finish
 out["completion_stream"] = {"text": "".join(pieces), "finish_reason": finish}
 
+# Structured outputs: the SDK's parse() sends the Pydantic model as a strict JSON schema and
+# parses the answer back into it; json_object asks for any JSON object.
+from pydantic import BaseModel  # noqa: E402 (the openai SDK depends on pydantic)
+
+
+class Cat(BaseModel):
+    name: str
+    age: int
+    indoor: bool
+
+
+cat_question = [{"role": "user", "content": "Describe a cat called Tom who is 3 years old."}]
+parsed = client.chat.completions.parse(model=model, messages=cat_question, max_tokens=200, temperature=0,
+                                       response_format=Cat)
+out["parsed"] = {"cat": parsed.choices[0].message.parsed.model_dump(),
+                 "finish_reason": parsed.choices[0].finish_reason}
+anything = client.chat.completions.create(model=model, messages=cat_question, max_tokens=300, temperature=0,
+                                          frequency_penalty=1.0, response_format={"type": "json_object"})
+out["json_object"] = {"content": anything.choices[0].message.content,
+                      "finish_reason": anything.choices[0].finish_reason}
+
+
 def error_of(call):
     try:
         call()
@@ -112,6 +134,8 @@ out["top_logprobs_alone"] = error_of(lambda: client.chat.completions.create(mode
                                                                             top_logprobs=2))
 out["no_tool_support"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages, tools=[
     {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]))
+out["bad_schema"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages, response_format={
+    "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}))
 out["no_key"] = error_of(lambda: openai.OpenAI(base_url=base_url, api_key="wrong", max_retries=0).models.list())
 
 request = urllib.request.Request(base_url + "/chat/completions", data=b"{not json", method="POST",

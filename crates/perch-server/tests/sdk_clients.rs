@@ -208,6 +208,7 @@ fn the_openai_sdk_gets_chat_completions() {
         ("bad_json", 400, Value::Null),
         ("too_long", 400, Value::Null),
         ("too_long_streamed", 400, Value::Null),
+        ("bad_schema", 400, Value::Null),
     ] {
         let error = &seen[case];
         assert_eq!(error["status"], status, "{case}: {error}");
@@ -228,6 +229,27 @@ fn the_openai_sdk_gets_chat_completions() {
             "{case}: {message}"
         );
     }
+    let message = seen["bad_schema"]["body"]["message"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(message.starts_with("invalid response format"), "{message}");
+
+    // Structured outputs: the SDK parsed the answer into its Pydantic model (a strict schema),
+    // and json_object gave one JSON object.
+    let parsed = &seen["parsed"];
+    assert_eq!(parsed["finish_reason"], "stop", "{parsed}");
+    let cat = &parsed["cat"];
+    assert!(
+        cat["name"].is_string() && cat["age"].is_i64() && cat["indoor"].is_boolean(),
+        "{cat}"
+    );
+    let object = &seen["json_object"];
+    assert_eq!(object["finish_reason"], "stop", "{object}");
+    let content = object["content"].as_str().unwrap();
+    assert!(
+        serde_json::from_str::<Value>(content).is_ok_and(|v| v.is_object()),
+        "{content}"
+    );
     disconnecting_cancels(&engine, &addr.to_string());
     engine.shutdown();
 }
