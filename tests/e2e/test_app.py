@@ -7,9 +7,10 @@ WebKitWebDriver under Xvfb, with the imported default model loaded:
    download's progress, lists it under "On this machine" once downloaded, and loads it by its id;
 3. the global shortcut (Ctrl+Shift+Space, sent by xdotool) brings the chat back from another view,
    and "Launch at login" in Settings writes and removes the XDG autostart entry;
-4. Settings → Local server turns the API server on (a free port, a key): curl-style requests
-   list the loaded model and get a chat completion, the dashboard shows the address and the
-   request served;
+4. Settings → Local server turns the API server on (a free port, a key) before the first message:
+   while that answer streams in the window, a request over HTTP gets its own answer from the same
+   engine; after the model picker, the server lists the newly loaded model, refuses a request
+   without the key and answers with it, and the dashboard shows the address and both requests;
 5. the app is restarted on the same data directory and the conversation is there, with the
    stopped answer exactly as it was shown, and the local server is back on with the model the
    app loaded at start.
@@ -49,11 +50,10 @@ def check(condition, message):
         raise AssertionError(message)
 
 
-def first_run(session):
-    session.wait_for(
-        "return document.getElementById('model-status').textContent.startsWith('Model: ')",
-        what="the default model to load",
-    )
+def first_run(session, port):
+    model = loaded_model(session)
+    enable_server(session, port)
+    session.click("nav button[data-view=chat]")
     session.type("#input", QUESTION)
     session.click("#send")
 
@@ -68,6 +68,13 @@ def first_run(session):
         time.sleep(0.05)
     check(len(set(seen)) >= 4, f"the answer did not stream: {seen!r}")
     session.screenshot(OUT / "chat-streaming.png")
+
+    # While the chat streams, a client of the local server gets its answer from the same engine.
+    status, answer = api(port, "/chat/completions", {
+        "model": model, "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hello."}]})
+    check(status == 200 and answer["choices"][0]["message"]["content"], f"chat completion: {status} {answer}")
+    check(text(session, streaming) is not None, "the chat stopped streaming while the server answered")
 
     # The dashboard's graphs redraw while the answer is generated.
     session.click("nav button[data-view=dashboard]")
@@ -197,8 +204,7 @@ def served_model_id(port):
     return [m["id"] for m in models["data"]]
 
 
-def local_server(session, port):
-    model = loaded_model(session)
+def enable_server(session, port):
     session.click("nav button[data-view=settings]")
     session.wait_for("return document.querySelector('[data-setting=block_size]').value !== ''",
                      what="the settings")
@@ -210,6 +216,12 @@ def local_server(session, port):
     session.click("#settings-form button[type=submit]")
     session.wait_for("return document.getElementById('settings-message').textContent.startsWith('Saved')",
                      timeout=10, what="the server settings to save")
+    session.execute("document.getElementById('settings-message').textContent = ''")
+
+
+def local_server(session, port):
+    # After the model picker loaded another model: the server serves that one now.
+    model = loaded_model(session)
     check(served_model_id(port) == [model], f"the server does not list {model}")
     status, _ = api(port, "/models", key=None)
     check(status == 401, f"without the key: {status}")
@@ -221,7 +233,7 @@ def local_server(session, port):
     line = session.wait_for(
         "const d = [...document.querySelectorAll('#stats dt')].find(x => x.textContent === 'Local server');"
         " const v = d && d.nextElementSibling.textContent;"
-        " return v && v.includes('1 served') ? v : null", timeout=10, what="the dashboard's server line")
+        " return v && v.includes('2 served') ? v : null", timeout=10, what="the dashboard's server line")
     check(f"http://127.0.0.1:{port}/v1" in line and "API key required" in line, line)
     session.click("nav button[data-view=chat]")
 
@@ -255,7 +267,7 @@ def main():
     port = free_port()
     session = Session(DRIVER, APP)
     try:
-        shown = first_run(session)
+        shown = first_run(session, port)
         model_picker(session)
         desktop_hooks(session)
         local_server(session, port)

@@ -58,24 +58,14 @@ pub struct GrammarEnv {
 }
 
 impl GrammarEnv {
-    /// From the tokenizer's `tokenizer.json` (as a string) and its end-of-sequence ids.
-    /// Tokenizers whose token bytes cannot be recovered (neither byte-level BPE nor a byte
-    /// fallback) are an error.
-    pub fn new(tokenizer_json: &str, eos_token_ids: &[u32]) -> Result<Self> {
+    /// From every token's bytes ([`token_bytes`]) and the end-of-sequence ids.
+    pub fn new(words: &[Vec<u8>], eos_token_ids: &[u32]) -> Result<Self> {
         let invalid = |e: String| EngineError::Tokenizer(format!("constrained decoding: {e}"));
-        let parsed: Value =
-            serde_json::from_str(tokenizer_json).map_err(|e| invalid(e.to_string()))?;
-        // llguidance asserts on malformed byte tokens (`<0x..>`); an untrusted tokenizer must
-        // not take the engine down with it.
-        let words =
-            std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&parsed))
-                .map_err(|_| invalid("tokenizer.json has malformed byte tokens".into()))?
-                .map_err(|e| invalid(e.to_string()))?;
         let eos = *eos_token_ids
             .first()
             .ok_or_else(|| invalid("the tokenizer has no end-of-sequence token".into()))?;
         let info = TokRxInfo::new(words.len() as u32, eos);
-        let trie = TokTrie::from(&info, &words).with_eos_tokens(eos_token_ids);
+        let trie = TokTrie::from(&info, words).with_eos_tokens(eos_token_ids);
         let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| invalid(e.to_string()))?;
         factory.quiet();
@@ -96,6 +86,19 @@ impl GrammarEnv {
         }
         Ok(GrammarState { matcher })
     }
+}
+
+/// Every token's bytes, from the tokenizer's `tokenizer.json` (as a string): byte-level BPE
+/// tokens mapped back to their bytes, SentencePiece pieces with `▁` as a space and `<0xNN>` as
+/// the byte; special tokens start with [`TokTrie::SPECIAL_TOKEN_MARKER`]. Tokenizers whose
+/// token bytes cannot be recovered (neither byte-level nor with a byte fallback) are an error.
+pub fn token_bytes(tokenizer_json: &str) -> std::result::Result<Vec<Vec<u8>>, String> {
+    let parsed: Value = serde_json::from_str(tokenizer_json).map_err(|e| e.to_string())?;
+    // llguidance asserts on malformed byte tokens (`<0x..>`); an untrusted tokenizer must not
+    // take the engine down with it.
+    std::panic::catch_unwind(|| llguidance::token_bytes_from_tokenizer_json(&parsed))
+        .map_err(|_| "tokenizer.json has malformed byte tokens".to_string())?
+        .map_err(|e| e.to_string())
 }
 
 /// One sequence's place in its grammar.

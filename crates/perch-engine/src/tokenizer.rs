@@ -17,6 +17,8 @@ pub struct Tokenizer {
     chat_template: Option<ChatTemplate>,
     /// The vocabulary as constrained decoding reads it, built on first use.
     grammar_env: std::sync::OnceLock<std::result::Result<std::sync::Arc<GrammarEnv>, String>>,
+    /// Every token's bytes ([`crate::grammar::token_bytes`]), read on first use.
+    token_bytes: std::sync::OnceLock<std::result::Result<Vec<Vec<u8>>, String>>,
 }
 
 impl Tokenizer {
@@ -70,6 +72,7 @@ impl Tokenizer {
             eos_token_ids: eos.into_iter().collect(),
             chat_template,
             grammar_env: std::sync::OnceLock::new(),
+            token_bytes: std::sync::OnceLock::new(),
         })
     }
 
@@ -90,10 +93,41 @@ impl Tokenizer {
     }
 
     /// The text of one token as APIs report it next to its log-probability (OpenAI's
-    /// `logprobs[].token`): the token decoded alone. A token holding part of a multi-byte
-    /// character shows U+FFFD for the missing part; an id outside the vocabulary gives "".
+    /// `logprobs[].token`): its bytes ([`Tokenizer::token_bytes`]) as UTF-8, so a word-initial
+    /// SentencePiece token keeps its space. A token holding part of a multi-byte character shows
+    /// U+FFFD for the missing part; an id outside the vocabulary gives "".
     pub fn token_text(&self, id: u32) -> String {
-        self.inner.decode(&[id], false).unwrap_or_default()
+        String::from_utf8_lossy(&self.token_bytes(id)).into_owned()
+    }
+
+    /// The bytes one token stands for (OpenAI's `logprobs[].bytes`): byte-level BPE tokens
+    /// mapped back to bytes, SentencePiece pieces with `▁` as a space and `<0xNN>` as the byte,
+    /// special tokens as their text. A tokenizer of another kind gives the token decoded alone;
+    /// an id outside the vocabulary gives nothing.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match self.all_token_bytes() {
+            Ok(words) => {
+                let word = words.get(id as usize).map_or(&[][..], Vec::as_slice);
+                word.strip_prefix(&[llguidance::toktrie::TokTrie::SPECIAL_TOKEN_MARKER])
+                    .unwrap_or(word)
+                    .to_vec()
+            }
+            Err(_) => self
+                .inner
+                .decode(&[id], false)
+                .unwrap_or_default()
+                .into_bytes(),
+        }
+    }
+
+    fn all_token_bytes(&self) -> std::result::Result<&[Vec<u8>], &str> {
+        self.token_bytes
+            .get_or_init(|| {
+                let json = self.inner.to_string(false).map_err(|e| e.to_string())?;
+                crate::grammar::token_bytes(&json)
+            })
+            .as_deref()
+            .map_err(String::as_str)
     }
 
     /// The vocabulary for constrained decoding ([`crate::grammar`]), built from this
@@ -102,8 +136,8 @@ impl Tokenizer {
     pub fn grammar_env(&self) -> Result<std::sync::Arc<GrammarEnv>> {
         self.grammar_env
             .get_or_init(|| {
-                let json = self.inner.to_string(false).map_err(|e| e.to_string())?;
-                GrammarEnv::new(&json, &self.eos_token_ids)
+                let words = self.all_token_bytes().map_err(str::to_owned)?;
+                GrammarEnv::new(words, &self.eos_token_ids)
                     .map(std::sync::Arc::new)
                     .map_err(|e| e.to_string())
             })
@@ -237,5 +271,68 @@ impl StreamingDetokenizer {
         self.read_offset = self.ids.len();
         let rest = text.get(prefix.len()..).unwrap_or("");
         Ok(rest.trim_end_matches('\u{FFFD}').to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A Llama 2 style SentencePiece tokenizer (BPE with `▁` for spaces and a byte fallback),
+    /// small enough to write here.
+    const SENTENCEPIECE: &str = r#"{
+      "version": "1.0",
+      "added_tokens": [
+        {"id": 0, "content": "<unk>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+        {"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+        {"id": 2, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+      ],
+      "normalizer": {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "▁"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}
+      ]},
+      "pre_tokenizer": null,
+      "post_processor": null,
+      "decoder": {"type": "Sequence", "decoders": [
+        {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0}
+      ]},
+      "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                "vocab": {"<unk>": 0, "<s>": 1, "</s>": 2, "<0x0A>": 3, "▁Hello": 4, "▁world": 5, "!": 6},
+                "merges": []}
+    }"#;
+
+    #[test]
+    fn sentencepiece_token_text_keeps_the_word_initial_space() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), SENTENCEPIECE).unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"eos_token": "</s>"}"#,
+        )
+        .unwrap();
+        let tokenizer = Tokenizer::load(dir.path()).unwrap();
+        // Decoded alone, the first piece of a text loses its space (the decoder strips it).
+        assert_eq!(tokenizer.inner.decode(&[5], false).unwrap(), "world");
+        assert_eq!(tokenizer.token_text(4), " Hello");
+        assert_eq!(tokenizer.token_text(5), " world");
+        assert_eq!(tokenizer.token_text(6), "!");
+        assert_eq!(tokenizer.token_bytes(3), b"\n");
+        assert_eq!(tokenizer.token_text(2), "</s>");
+        assert_eq!(tokenizer.token_text(99), "");
+        // The pieces of a text spell it, spaces included (its first space is the one the
+        // normalizer prepends).
+        let spelled: String = [4, 5, 6]
+            .iter()
+            .map(|&id| tokenizer.token_text(id))
+            .collect();
+        assert_eq!(spelled, " Hello world!");
+        assert_eq!(
+            tokenizer.inner.decode(&[4, 5, 6], false).unwrap(),
+            "Hello world!"
+        );
     }
 }

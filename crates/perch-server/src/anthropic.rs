@@ -19,7 +19,7 @@ use serde_json::{json, Value};
 
 use crate::error::{AnthropicError, ApiError};
 use crate::running::{Running, Step};
-use crate::tools::{self, Answer};
+use crate::tools::{self, Answer, Forced};
 use crate::AppState;
 
 /// The request body of `POST /v1/messages` (and, without the generation fields, of
@@ -192,6 +192,26 @@ impl MessagesRequest {
         Ok(conversation)
     }
 
+    /// The call `tool_choice` forces: `any` (some tool) or `tool` with its `name`; `auto`,
+    /// `none` or none given force nothing; another choice is a 400.
+    fn forced(&self) -> Result<Option<Forced>, ApiError> {
+        let Some(choice) = &self.tool_choice else {
+            return Ok(None);
+        };
+        match (
+            choice.get("type").and_then(Value::as_str),
+            choice.get("name").and_then(Value::as_str),
+        ) {
+            (Some("auto" | "none"), _) => Ok(None),
+            (Some("any"), _) => Ok(Some(Forced::Any)),
+            (Some("tool"), Some(name)) => Ok(Some(Forced::Named(name.to_owned()))),
+            _ => Err(ApiError::invalid(
+                "`tool_choice.type` must be `auto`, `any`, `tool` (with `name`) or `none`",
+                Some("tool_choice"),
+            )),
+        }
+    }
+
     /// The tools in OpenAI's shape, as chat templates read them; none when `tool_choice` is
     /// `none`. Server tools (Anthropic's own, with a `type`) are a 400.
     fn offered_tools(&self) -> Result<Vec<Value>, ApiError> {
@@ -283,6 +303,10 @@ pub(crate) async fn messages(
     let conversation = request.conversation(&state.model_id)?;
     let mut params = request.params()?;
     let tools = request.offered_tools()?;
+    let forced = request.forced()?;
+    if let Some(forced) = &forced {
+        params.grammar = Some(tools::forced_grammar(&tools, forced, "tool_choice")?);
+    }
     let tokenizer = Arc::clone(state.engine.tokenizer());
     let ids = tools::render(&tokenizer, conversation, tools.clone()).await?;
     params.prompt = ids.clone();
@@ -297,7 +321,10 @@ pub(crate) async fn messages(
     .await?;
     let id = format!("msg_{}", running.id);
     let model = state.model_id.clone();
-    let mut answer = Answer::new(tools::parser(&tokenizer, &tools, true));
+    let mut answer = match forced {
+        Some(forced) => Answer::forced(forced),
+        None => Answer::new(tools::parser(&tokenizer, &tools, true)),
+    };
     if request.stream {
         let events = events(running, id, model, prompt_tokens, answer);
         return Ok(Sse::new(events).into_response());

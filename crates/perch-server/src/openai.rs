@@ -23,7 +23,7 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::running::{Running, Step};
-use crate::tools::{self, Answer};
+use crate::tools::{self, Answer, Forced};
 use crate::{AppState, Shared};
 
 /// `GET /v1/models`: the one model this server serves, or none while none is loaded.
@@ -204,8 +204,9 @@ pub(crate) struct ChatCompletionRequest {
     /// "parameters"}}`), rendered by the chat template.
     #[serde(default)]
     tools: Vec<Value>,
-    /// `"none"` leaves the tools out; `"auto"`, `"required"` and a named function let the model
-    /// call them (Perch does not force a call).
+    /// `"none"` leaves the tools out; `"auto"` lets the model choose; `"required"` and a named
+    /// function (`{"type": "function", "function": {"name"}}`) force a call (see
+    /// [`tools::Forced`]).
     tool_choice: Option<Value>,
 }
 
@@ -264,6 +265,29 @@ impl ChatCompletionRequest {
         Ok((params, messages))
     }
 
+    /// The call `tool_choice` forces, if any; an unknown choice is a 400.
+    fn forced(&self) -> Result<Option<Forced>, ApiError> {
+        let bad = || {
+            ApiError::invalid(
+                "`tool_choice` must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": …}}",
+                Some("tool_choice"),
+            )
+        };
+        match &self.tool_choice {
+            None => Ok(None),
+            Some(Value::String(choice)) => match choice.as_str() {
+                "none" | "auto" => Ok(None),
+                "required" => Ok(Some(Forced::Any)),
+                _ => Err(bad()),
+            },
+            Some(choice) => choice
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .map(|name| Some(Forced::Named(name.to_owned())))
+                .ok_or_else(bad),
+        }
+    }
+
     /// The tools the template gets: none when `tool_choice` is `"none"`.
     fn offered_tools(&self) -> Vec<Value> {
         match &self.tool_choice {
@@ -282,6 +306,10 @@ pub(crate) async fn chat_completions(
     let (mut params, messages) = request.prepare(&state.model_id)?;
     let tokenizer = Arc::clone(state.engine.tokenizer());
     let tools = request.offered_tools();
+    let forced = request.forced()?;
+    if let Some(forced) = &forced {
+        params.grammar = Some(tools::forced_grammar(&tools, forced, "tool_choice")?);
+    }
     let ids = tools::render(&tokenizer, messages, tools.clone()).await?;
     params.prompt = ids.clone();
     let engine_request = EngineRequest {
@@ -290,7 +318,10 @@ pub(crate) async fn chat_completions(
     };
     let running = Running::start(&state, engine_request).await?;
     let meta = Meta::new(format!("chatcmpl-{}", running.id), &state.model_id);
-    let answer = Answer::new(tools::parser(&tokenizer, &tools, true));
+    let answer = match forced {
+        Some(forced) => Answer::forced(forced),
+        None => Answer::new(tools::parser(&tokenizer, &tools, true)),
+    };
     if request.sampling.stream {
         let include_usage = request.sampling.include_usage();
         let events = chat_chunks(running, meta, tokenizer, include_usage, answer);
@@ -422,8 +453,8 @@ pub(crate) fn logprob_value(logprob: f32) -> f32 {
 /// bytes, and the alternatives asked for.
 fn chat_logprob(tokenizer: &Tokenizer, id: u32, logprobs: Option<&TokenLogprobs>) -> Value {
     let entry = |id: u32, logprob: f32| {
-        let token = tokenizer.token_text(id);
-        json!({"token": token, "logprob": logprob_value(logprob), "bytes": token.as_bytes()})
+        json!({"token": tokenizer.token_text(id), "logprob": logprob_value(logprob),
+            "bytes": tokenizer.token_bytes(id)})
     };
     let Some(lp) = logprobs else {
         return json!(null);

@@ -4,9 +4,9 @@
 
 use std::sync::Arc;
 
-use perch_engine::tool_calls::{ToolCallFormat, ToolCallParser, ToolOutput};
-use perch_engine::{ChatMessage, Tokenizer};
-use serde_json::Value;
+use perch_engine::tool_calls::{ToolCall, ToolCallFormat, ToolCallParser, ToolOutput};
+use perch_engine::{ChatMessage, Grammar, Tokenizer};
+use serde_json::{json, Value};
 
 use crate::error::ApiError;
 
@@ -52,33 +52,133 @@ pub(crate) fn parser(
     wanted.then(|| ToolCallParser::new(format, tools))
 }
 
+/// A tool call the request makes compulsory: OpenAI's `tool_choice` `"required"` or a named
+/// function, Anthropic's `any` or `tool`. As vLLM does it, generation is then constrained to
+/// JSON that names the call(s) with arguments valid against the tool's schema, whatever the
+/// model's own tool-call format, and that JSON is the calls.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) enum Forced {
+    /// At least one call, to any of the tools: `[{"name", "parameters"}, …]`.
+    Any,
+    /// One call to this tool: the output is its arguments.
+    Named(String),
+}
+
+/// The grammar a forced choice constrains generation to, over the offered `tools` (OpenAI's
+/// shape). Errors: no tools, or a named tool that is not among them (400 on `param`).
+pub(crate) fn forced_grammar(
+    tools: &[Value],
+    forced: &Forced,
+    param: &'static str,
+) -> Result<Grammar, ApiError> {
+    let functions = tools.iter().filter_map(|t| t.get("function"));
+    let parameters = |f: &Value| {
+        f.get("parameters")
+            .cloned()
+            .unwrap_or_else(|| json!({"type": "object"}))
+    };
+    let name_of = |f: &Value| f.get("name").and_then(Value::as_str).map(str::to_owned);
+    match forced {
+        Forced::Any => {
+            let choices: Vec<Value> = functions
+                .filter_map(|f| {
+                    Some(json!({
+                        "type": "object",
+                        "properties": {"name": {"const": name_of(f)?}, "parameters": parameters(f)},
+                        "required": ["name", "parameters"],
+                        "additionalProperties": false,
+                    }))
+                })
+                .collect();
+            if choices.is_empty() {
+                return Err(ApiError::invalid(
+                    "a tool call is required but the request offers no tools",
+                    Some(param),
+                ));
+            }
+            Ok(Grammar::JsonSchema(json!({
+                "type": "array",
+                "minItems": 1,
+                "items": {"anyOf": choices},
+            })))
+        }
+        Forced::Named(name) => functions
+            .into_iter()
+            .find(|f| name_of(f).as_deref() == Some(name))
+            .map(|f| Grammar::JsonSchema(parameters(f)))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    format!("`{name}` is not one of the offered tools"),
+                    Some(param),
+                )
+            }),
+    }
+}
+
 /// An answer's text through an optional parser, piece by piece; `finish` at its end.
 pub(crate) struct Answer {
-    parser: Option<ToolCallParser>,
+    mode: Mode,
     /// Calls seen so far (their indexes in the answer).
     pub calls: usize,
 }
 
+enum Mode {
+    Parsed(Option<ToolCallParser>),
+    /// A forced call's JSON, read whole at the end.
+    Forced {
+        forced: Forced,
+        json: String,
+    },
+}
+
 impl Answer {
     pub fn new(parser: Option<ToolCallParser>) -> Self {
-        Self { parser, calls: 0 }
+        Self {
+            mode: Mode::Parsed(parser),
+            calls: 0,
+        }
+    }
+
+    /// The answer to a request whose generation was constrained by
+    /// [`forced_grammar`]`(forced)`.
+    pub fn forced(forced: Forced) -> Self {
+        Self {
+            mode: Mode::Forced {
+                forced,
+                json: String::new(),
+            },
+            calls: 0,
+        }
     }
 
     /// The outputs `text` completes.
     pub fn push(&mut self, text: &str) -> Vec<ToolOutput> {
-        let out = match &mut self.parser {
-            Some(parser) => parser.push(text),
-            None if text.is_empty() => Vec::new(),
-            None => vec![ToolOutput::Text(text.to_owned())],
+        let out = match &mut self.mode {
+            Mode::Parsed(Some(parser)) => parser.push(text),
+            Mode::Parsed(None) if text.is_empty() => Vec::new(),
+            Mode::Parsed(None) => vec![ToolOutput::Text(text.to_owned())],
+            Mode::Forced { json, .. } => {
+                json.push_str(text);
+                Vec::new()
+            }
         };
         self.count(out)
     }
 
-    /// What was held back.
+    /// What was held back: a forced answer's calls, or its text when it was cut short before
+    /// its JSON closed (finish reason `length`).
     pub fn finish(&mut self) -> Vec<ToolOutput> {
-        let out = match &mut self.parser {
-            Some(parser) => parser.finish(),
-            None => Vec::new(),
+        let out = match &mut self.mode {
+            Mode::Parsed(Some(parser)) => parser.finish(),
+            Mode::Parsed(None) => Vec::new(),
+            Mode::Forced { forced, json } => {
+                let text = std::mem::take(json);
+                match forced_calls(forced, &text) {
+                    Some(calls) => calls.into_iter().map(ToolOutput::Call).collect(),
+                    None if text.is_empty() => Vec::new(),
+                    None => vec![ToolOutput::Text(text)],
+                }
+            }
         };
         self.count(out)
     }
@@ -89,6 +189,27 @@ impl Answer {
             .filter(|o| matches!(o, ToolOutput::Call(_)))
             .count();
         out
+    }
+}
+
+/// The calls in a forced answer's JSON, `None` when it is not complete.
+fn forced_calls(forced: &Forced, text: &str) -> Option<Vec<ToolCall>> {
+    let value: Value = serde_json::from_str(text).ok()?;
+    match forced {
+        Forced::Named(name) => Some(vec![ToolCall {
+            name: name.clone(),
+            arguments: value,
+        }]),
+        Forced::Any => value
+            .as_array()?
+            .iter()
+            .map(|call| {
+                Some(ToolCall {
+                    name: call.get("name")?.as_str()?.to_owned(),
+                    arguments: call.get("parameters")?.clone(),
+                })
+            })
+            .collect(),
     }
 }
 

@@ -1024,3 +1024,67 @@ fn an_agent_loop_keeps_its_cache() {
     }
     engine.shutdown();
 }
+
+#[test]
+fn forced_tool_calls_through_both_sdks() {
+    // The real test model (which never writes a tool call by itself) with a tool-capable
+    // template: a forced choice makes it call, with arguments valid against the tool's schema.
+    let dir = model_with_tool_template();
+    let engine = EngineHandle::load(dir.path(), EngineConfig::default()).unwrap();
+    let (_runtime, addr) = start_server(&engine, config());
+    let seen = run_client(
+        "forced_tools_client.py",
+        &[format!("http://{addr}"), KEY.into(), MODEL.into()],
+    );
+    let valid = |call: &Value| match call["name"].as_str() {
+        Some("get_weather") => ["Paris", "London", "Tokyo"]
+            .contains(&call["arguments"]["city"].as_str().unwrap_or_default()),
+        Some("get_time") => {
+            ["UTC", "CET", "JST"]
+                .contains(&call["arguments"]["timezone"].as_str().unwrap_or_default())
+                && call["arguments"]["24h"].is_boolean()
+        }
+        _ => false,
+    };
+    for case in ["required", "named", "streamed"] {
+        let answer = &seen[case];
+        assert_eq!(answer["finish_reason"], "tool_calls", "{case}: {answer}");
+        let calls = answer["calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{case}: {answer}");
+        assert!(calls.iter().all(valid), "{case}: {answer}");
+    }
+    assert_eq!(seen["named"]["calls"].as_array().unwrap().len(), 1);
+    assert_eq!(seen["named"]["calls"][0]["name"], "get_time");
+    let indexed: Vec<Value> = seen["required"]["calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .enumerate()
+        .map(|(i, c)| serde_json::json!({"index": i, "name": c["name"], "arguments": c["arguments"]}))
+        .collect();
+    assert_eq!(
+        seen["streamed"]["calls"],
+        Value::Array(indexed),
+        "the same calls streamed as deltas"
+    );
+    for case in ["required_without_tools", "unknown_name"] {
+        assert_eq!(seen[case]["status"], 400, "{case}: {}", seen[case]);
+    }
+    for case in ["anthropic_any", "anthropic_tool"] {
+        let reply = &seen[case];
+        assert_eq!(reply["stop_reason"], "tool_use", "{case}: {reply}");
+        let uses: Vec<&Value> = reply["blocks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|b| b["type"] == "tool_use")
+            .collect();
+        assert!(!uses.is_empty(), "{case}: {reply}");
+        for block in uses {
+            let call = serde_json::json!({"name": block["name"], "arguments": block["input"]});
+            assert!(valid(&call), "{case}: {reply}");
+        }
+    }
+    assert_eq!(seen["anthropic_tool"]["blocks"][0]["name"], "get_weather");
+    engine.shutdown();
+}
