@@ -1088,3 +1088,48 @@ fn forced_tool_calls_through_both_sdks() {
     assert_eq!(seen["anthropic_tool"]["blocks"][0]["name"], "get_weather");
     engine.shutdown();
 }
+
+#[test]
+fn sixteen_streaming_clients_are_served_batched() {
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    // What each client should see: its greedy answer, from the engine directly.
+    let expected: Vec<String> = (0..16)
+        .map(|k| {
+            let prompt = Prompt::Chat(vec![ChatMessage::new(
+                "user",
+                &format!("Count from {k} to {}, one number per line.", k + 20),
+            )]);
+            direct_answer(&engine, prompt, 16, |_| {}).0
+        })
+        .collect();
+    let (_runtime, addr) = start_server(&engine, config());
+    let before = engine.stats().unwrap().step_times;
+    let seen = run_client(
+        "concurrent_client.py",
+        &[format!("http://{addr}/v1"), KEY.into(), MODEL.into()],
+    );
+    let after = engine.stats().unwrap().step_times;
+    let streams = seen["streams"].as_array().unwrap();
+    assert_eq!(streams.len(), 16);
+    for (k, stream) in streams.iter().enumerate() {
+        assert!(
+            ["stop", "length"].contains(&stream["finish_reason"].as_str().unwrap_or_default()),
+            "client {k}: {stream}"
+        );
+        assert_eq!(stream["content"], expected[k].as_str(), "client {k}");
+    }
+    // Run one after another, 16 answers of up to 16 tokens take a decode step per token; batched,
+    // the steps serve many clients each.
+    let tokens: usize = expected
+        .iter()
+        .map(|text| engine.tokenizer().encode(text, false).unwrap().len())
+        .sum();
+    let steps = after.decode_steps - before.decode_steps;
+    eprintln!("16 clients, about {tokens} tokens: {steps} decode steps");
+    assert!(
+        (steps as usize) * 2 < tokens,
+        "{steps} decode steps for {tokens} tokens: not batched"
+    );
+    engine.shutdown();
+}
