@@ -78,6 +78,11 @@ pub struct BenchArgs {
     /// reaches it idle (default: the engine's for this backend; 0 starts at once).
     #[arg(long)]
     pub arrival_window_us: Option<u64>,
+    /// With --concurrency: this many of the requests constrain their output to a JSON object
+    /// (`response_format` json_object; they then generate end-of-sequence tokens after it, as
+    /// end of sequence is ignored), to measure what a constrained request costs the batch.
+    #[arg(long, default_value_t = 0)]
+    pub json_requests: usize,
     /// With --concurrency: then run the same workload through the local API (an in-process
     /// `perch serve`, streamed completions over 127.0.0.1) and print both.
     #[arg(long)]

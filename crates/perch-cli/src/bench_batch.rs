@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use perch_engine::batch::StepTimes;
 use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
 use perch_engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest,
+    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest, Grammar,
     KvQuantization, Prompt, Tokenizer,
 };
 use serde::Serialize;
@@ -83,7 +83,11 @@ impl Timeline {
 
 /// How the measured requests reach the engine.
 enum Client<'a> {
-    Direct(&'a EngineHandle),
+    /// The engine itself; the first `json_requests` prompts constrained to a JSON object.
+    Direct {
+        engine: &'a EngineHandle,
+        json_requests: usize,
+    },
     /// `POST /v1/completions` of a server at this base URL, streamed.
     Http(String),
 }
@@ -129,10 +133,12 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     let warm_ups = (0..concurrency.min(8))
         .map(|i| {
             let tail = warm_up_tokens(&tokenizer, 3 * i, prompts[0].len() - shared)?;
-            Ok(engine.submit(bench_request(
-                [&prompts[0][..shared], &tail[..]].concat(),
-                8,
-            ))?)
+            let mut request = bench_request([&prompts[0][..shared], &tail[..]].concat(), 8);
+            // The first constrained request builds the vocabulary's token trie: not measured.
+            if i == 0 && args.json_requests > 0 {
+                request.params.grammar = Some(Grammar::JsonObject);
+            }
+            Ok(engine.submit(request)?)
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     for stream in &warm_ups {
@@ -164,13 +170,21 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         }
         Ok(())
     };
-    let mut direct = measure(&engine, &Client::Direct(&engine), &prompts, args.gen_tokens)?;
+    anyhow::ensure!(
+        args.json_requests <= concurrency && (args.json_requests == 0 || !args.http),
+        "--json-requests must be at most --concurrency, and not with --http"
+    );
+    let direct_client = Client::Direct {
+        engine: &engine,
+        json_requests: args.json_requests,
+    };
+    let mut direct = measure(&engine, &direct_client, &prompts, args.gen_tokens)?;
     let mut http = None;
     if let Some((_, url)) = &server {
         for round in 0..2 {
             if round > 0 {
                 cold_cache()?;
-                direct = measure(&engine, &Client::Direct(&engine), &prompts, args.gen_tokens)?;
+                direct = measure(&engine, &direct_client, &prompts, args.gen_tokens)?;
             }
             cold_cache()?;
             let client = Client::Http(url.clone());
@@ -272,7 +286,10 @@ fn measure(
     reset_peak_memory();
     let start = Instant::now();
     let timelines = match client {
-        Client::Direct(engine) => direct(engine, prompts, gen_tokens, start)?,
+        Client::Direct {
+            engine,
+            json_requests,
+        } => direct(engine, prompts, gen_tokens, *json_requests, start)?,
         Client::Http(url) => over_http(url, prompts, gen_tokens, start)?,
     };
     let peak = memory_stats().peak_bytes;
@@ -302,11 +319,19 @@ fn direct(
     engine: &EngineHandle,
     prompts: &[Vec<u32>],
     gen_tokens: usize,
+    json_requests: usize,
     start: Instant,
 ) -> anyhow::Result<Vec<Timeline>> {
     let streams = prompts
         .iter()
-        .map(|p| engine.submit(bench_request(p.clone(), gen_tokens)))
+        .enumerate()
+        .map(|(i, p)| {
+            let mut request = bench_request(p.clone(), gen_tokens);
+            if i < json_requests {
+                request.params.grammar = Some(Grammar::JsonObject);
+            }
+            engine.submit(request)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     std::thread::scope(|scope| {
         let handles: Vec<_> = streams
