@@ -168,6 +168,14 @@ fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
         let mut files: Vec<String> = parsed.weight_map.into_values().collect();
         files.sort();
         files.dedup();
+        // The index comes with the download: a shard named `../x` or `/etc/x` must not make
+        // Perch read a file outside the model directory.
+        if let Some(bad) = files.iter().find(|f| !is_plain_file_name(f)) {
+            return Err(EngineError::CorruptWeights {
+                path: index,
+                message: format!("the shard `{bad}` is not a file name inside the model directory"),
+            });
+        }
         return Ok(files.into_iter().map(|f| model_dir.join(f)).collect());
     }
     let entries = std::fs::read_dir(model_dir).map_err(|source| EngineError::Io {
@@ -192,6 +200,15 @@ fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// One normal path component: no separator, no `..`, not absolute, not empty.
+fn is_plain_file_name(name: &str) -> bool {
+    let mut components = Path::new(name).components();
+    matches!(
+        (components.next(), components.next()),
+        (Some(std::path::Component::Normal(_)), None)
+    ) && !name.contains(['/', '\\'])
+}
+
 /// Checks the header and that the file holds every byte the header promises. MLX reads tensor
 /// data lazily, so without this a truncated download would fail (or read garbage) mid-generation.
 pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
@@ -210,4 +227,52 @@ pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
         message: e.to_string(),
     })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shards_named_outside_the_model_directory_are_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let model = root.path().join("model");
+        std::fs::create_dir(&model).unwrap();
+        std::fs::write(root.path().join("outside.safetensors"), b"not weights").unwrap();
+        for bad in [
+            "../outside.safetensors",
+            "/etc/passwd",
+            "sub/../../outside.safetensors",
+            "",
+            "..",
+            "a\\..\\..\\outside.safetensors",
+        ] {
+            let index = serde_json::json!({"weight_map": {"w": "model-1.safetensors", "v": bad}});
+            std::fs::write(
+                model.join("model.safetensors.index.json"),
+                index.to_string(),
+            )
+            .unwrap();
+            match shard_files(&model) {
+                Err(EngineError::CorruptWeights { message, .. }) => {
+                    assert!(message.contains("not a file name"), "{bad:?}: {message}")
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        let index = serde_json::json!({"weight_map": {
+            "w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}});
+        std::fs::write(
+            model.join("model.safetensors.index.json"),
+            index.to_string(),
+        )
+        .unwrap();
+        assert_eq!(
+            shard_files(&model).unwrap(),
+            [
+                model.join("model-00001-of-00002.safetensors"),
+                model.join("model-00002-of-00002.safetensors")
+            ]
+        );
+    }
 }
