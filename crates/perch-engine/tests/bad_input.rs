@@ -102,6 +102,40 @@ fn config_that_disagrees_with_the_weights() {
 }
 
 #[test]
+fn hostile_sizes_are_refused_before_anything_is_built() {
+    // Each would otherwise size a pool for 2^31 blocks (0 layers), panic on a capacity overflow
+    // (-1), or allocate gigabytes of RoPE tables (a huge head_dim): an error naming the field.
+    let cases: [(&str, Value); 9] = [
+        ("num_hidden_layers", 0.into()),
+        ("num_hidden_layers", (-1).into()),
+        ("num_hidden_layers", 100_000.into()),
+        ("num_attention_heads", 0.into()),
+        ("num_key_value_heads", 4.into()),
+        ("head_dim", (1 << 20).into()),
+        ("vocab_size", 0.into()),
+        ("intermediate_size", (-5).into()),
+        ("max_position_embeddings", (1u64 << 40).into()),
+    ];
+    for (field, value) in cases {
+        let dir = variant(|c| c[field] = value.clone(), None);
+        let err = load_err(dir.path());
+        let msg = err.to_string();
+        assert!(
+            matches!(err, EngineError::Config { .. }),
+            "{field} = {value}: {msg}"
+        );
+        let named = if field == "max_position_embeddings" {
+            "context length"
+        } else if field == "num_key_value_heads" {
+            "must be a multiple of `num_key_value_heads`"
+        } else {
+            field
+        };
+        assert!(msg.contains(named), "{field} = {value}: {msg}");
+    }
+}
+
+#[test]
 fn prompts_that_cannot_run() {
     let dir = variant(|c| c["max_position_embeddings"] = 16.into(), None);
     let model = models::load(dir.path()).unwrap();

@@ -36,6 +36,65 @@ pub struct DecoderConfig {
     pub context_length: usize,
 }
 
+impl DecoderConfig {
+    /// Largest sizes accepted from a config file (well above every published model's: the
+    /// largest open models have ~130 layers, 128 heads, head_dim 256, hidden 16k–25k,
+    /// vocabularies ~260k).
+    const MAX_LAYERS: i32 = 1024;
+    const MAX_HEADS: i32 = 1024;
+    const MAX_HEAD_DIM: i32 = 1024;
+    const MAX_HIDDEN: i32 = 1 << 17;
+    const MAX_INTERMEDIATE: i32 = 1 << 20;
+    const MAX_VOCAB: i32 = 1 << 22;
+    const MAX_CONTEXT: usize = 1 << 24;
+
+    /// Checks the sizes before anything is built from them: a downloaded `config.json` with
+    /// `num_hidden_layers: 0`, a negative size, heads that do not divide, or a huge `head_dim`
+    /// must be an error naming the field, not a pool sized for 2^31 blocks, a capacity-overflow
+    /// panic or gigabytes of RoPE tables.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let within = |name: &str, value: i32, max: i32| {
+            if (1..=max).contains(&value) {
+                Ok(())
+            } else {
+                Err(format!("`{name}` must be between 1 and {max}, got {value}"))
+            }
+        };
+        within("num_hidden_layers", self.num_layers, Self::MAX_LAYERS)?;
+        within("num_attention_heads", self.num_heads, Self::MAX_HEADS)?;
+        within("num_key_value_heads", self.num_kv_heads, Self::MAX_HEADS)?;
+        within("head_dim", self.head_dim, Self::MAX_HEAD_DIM)?;
+        within("hidden_size", self.hidden_size, Self::MAX_HIDDEN)?;
+        within(
+            "intermediate_size",
+            self.intermediate_size,
+            Self::MAX_INTERMEDIATE,
+        )?;
+        within("vocab_size", self.vocab_size, Self::MAX_VOCAB)?;
+        if self.num_heads % self.num_kv_heads != 0 {
+            return Err(format!(
+                "`num_attention_heads` ({}) must be a multiple of `num_key_value_heads` ({})",
+                self.num_heads, self.num_kv_heads
+            ));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(format!(
+                "`head_dim` must be even for RoPE, got {}",
+                self.head_dim
+            ));
+        }
+        if !(1..=Self::MAX_CONTEXT).contains(&self.context_length) {
+            return Err(format!(
+                "the context length must be between 1 and {}, got {}",
+                Self::MAX_CONTEXT,
+                self.context_length
+            ));
+        }
+        // Every projection's output width fits MLX's int32 shapes (at most 1024 · 3 · 1024).
+        Ok(())
+    }
+}
+
 #[derive(Clone)]
 struct Attention {
     qkv: Qkv,

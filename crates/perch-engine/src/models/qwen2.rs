@@ -60,6 +60,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         qk_norm: false,
         context_length: args.max_position_embeddings,
     };
+    config.validate().map_err(|m| cx.error(m))?;
     let rope = Rope::new(
         head_dim,
         args.rope_theta,

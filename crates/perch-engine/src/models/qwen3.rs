@@ -44,6 +44,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         qk_norm: true,
         context_length: args.max_position_embeddings,
     };
+    config.validate().map_err(|m| cx.error(m))?;
     let rope = Rope::new(
         args.head_dim,
         args.rope_theta,
