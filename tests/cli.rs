@@ -340,7 +340,10 @@ fn batch_bench_reports_every_field() {
     assert!(report["ttft_ms_p95"].as_f64() >= report["ttft_ms_p50"].as_f64());
     assert!(report.get("prefix_cache_hit_rate").is_some());
     assert_eq!(report["concurrency"], 2);
-    assert!(report["engine_prefill_passes"].as_u64() >= Some(1), "{report}");
+    assert!(
+        report["engine_prefill_passes"].as_u64() >= Some(1),
+        "{report}"
+    );
     assert_clean_error(
         &perch(&[
             "bench",
