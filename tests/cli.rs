@@ -344,32 +344,25 @@ fn batch_bench_reports_every_field() {
         report["engine_prefill_passes"].as_u64() >= Some(1),
         "{report}"
     );
-    assert_clean_error(
-        &perch(&[
-            "bench",
-            "--model",
-            &test_model(),
-            "--concurrency",
-            "2",
-            "--json-requests",
-            "3",
-        ]),
-        "--json-requests must be at most --concurrency",
-    );
-    assert_clean_error(
-        &perch(&[
-            "bench",
-            "--model",
-            &test_model(),
-            "--concurrency",
-            "2",
-            "--prompt-tokens",
-            "4",
-            "--shared-prefix-tokens",
-            "4",
-        ]),
-        "shared-prefix-tokens",
-    );
+    // Bad combinations: a clean error naming the option.
+    let model = test_model();
+    for (bad, named) in [
+        (
+            ["--json-requests", "3", "--prompt-tokens", "6"],
+            "--json-requests must be at most --concurrency",
+        ),
+        (
+            ["--prompt-tokens", "4", "--shared-prefix-tokens", "4"],
+            "shared-prefix-tokens",
+        ),
+    ] {
+        let args = [
+            &["bench", "--model", &model, "--concurrency", "2"][..],
+            &bad[..],
+        ]
+        .concat();
+        assert_clean_error(&perch(&args), named);
+    }
 }
 
 /// `--http` runs the same workload through the local API (an in-process server) and reports both

@@ -97,6 +97,10 @@ const HTTP_MODEL: &str = "bench";
 
 pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     anyhow::ensure!(concurrency > 0, "--concurrency must be at least 1");
+    anyhow::ensure!(
+        args.json_requests <= concurrency && (args.json_requests == 0 || !args.http),
+        "--json-requests must be at most --concurrency, and not with --http"
+    );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
     let mut config = EngineConfig {
@@ -170,10 +174,6 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         }
         Ok(())
     };
-    anyhow::ensure!(
-        args.json_requests <= concurrency && (args.json_requests == 0 || !args.http),
-        "--json-requests must be at most --concurrency, and not with --http"
-    );
     let direct_client = Client::Direct {
         engine: &engine,
         json_requests: args.json_requests,

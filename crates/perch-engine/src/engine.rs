@@ -544,6 +544,28 @@ impl Queue {
             .count()
     }
 
+    /// Handles commands while `wanted` holds, for at most `limit`, until none arrives for `gap`.
+    /// False when every handle is gone.
+    fn gather(
+        &mut self,
+        batch: &mut BatchGenerator<'_>,
+        jobs: &HashMap<RequestId, Job>,
+        limit: std::time::Duration,
+        gap: std::time::Duration,
+        wanted: impl Fn(&Queue) -> bool,
+    ) -> bool {
+        let deadline = Instant::now() + limit;
+        while wanted(self) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.inbox.recv_timeout(gap.min(left)) {
+                Ok(command) => self.handle(command, batch, jobs),
+                Err(mpsc::RecvTimeoutError::Timeout) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return false,
+            }
+        }
+        true
+    }
+
     /// Handles every command already sent, without waiting.
     fn drain(&mut self, batch: &mut BatchGenerator<'_>, jobs: &HashMap<RequestId, Job>) {
         while let Ok(command) = self.inbox.try_recv() {
@@ -660,26 +682,17 @@ impl EngineThread {
                     Err(_) => return,
                 }
                 // A next-token-logprobs call waits briefly for others to share its step.
-                let deadline = Instant::now() + config.logprobs_batch_timeout;
-                while (1..config.logprobs_batch_size).contains(&queue.scoring()) {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    match queue.inbox.recv_timeout(left) {
-                        Ok(command) => queue.handle(command, &mut batch, &jobs),
-                        Err(mpsc::RecvTimeoutError::Timeout) => break,
-                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                    }
-                }
+                let timeout = config.logprobs_batch_timeout;
+                let scoring = |q: &Queue| (1..config.logprobs_batch_size).contains(&q.scoring());
                 // A burst of requests starts together (see `EngineConfig::arrival_window`).
                 let window = config.arrival_window;
-                let deadline = Instant::now() + window * 4;
-                while !window.is_zero() && (1..config.max_running).contains(&queue.submitted.len())
+                let burst = |q: &Queue| {
+                    !window.is_zero() && (1..config.max_running).contains(&q.submitted.len())
+                };
+                if !queue.gather(&mut batch, &jobs, timeout, timeout, scoring)
+                    || !queue.gather(&mut batch, &jobs, window * 4, window, burst)
                 {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    match queue.inbox.recv_timeout(window.min(left)) {
-                        Ok(command) => queue.handle(command, &mut batch, &jobs),
-                        Err(mpsc::RecvTimeoutError::Timeout) => break,
-                        Err(mpsc::RecvTimeoutError::Disconnected) => return,
-                    }
+                    return;
                 }
             }
             queue.drain(&mut batch, &jobs);

@@ -122,11 +122,12 @@ impl GrammarState {
                 .map(|env| env.tok_trie().eos_token_set())
         });
         if let Ok(allowed) = allowed {
-            for (id, slot) in bias.iter_mut().enumerate() {
-                if allowed.is_allowed(id as u32) {
+            // Walks the set bits only (whole empty words are skipped).
+            allowed.iter_set_entries(|id| {
+                if let Some(slot) = bias.get_mut(id) {
                     *slot = 0.0;
                 }
-            }
+            });
         }
         Array::from_slice(&bias, &[1, vocab as i32])
     }

@@ -305,7 +305,7 @@ pub(crate) async fn messages(
     let tools = request.offered_tools()?;
     let forced = request.forced()?;
     if let Some(forced) = &forced {
-        params.grammar = Some(tools::forced_grammar(&tools, forced, "tool_choice")?);
+        params.grammar = Some(tools::forced_grammar(&tools, forced)?);
     }
     let tokenizer = Arc::clone(state.engine.tokenizer());
     let ids = tools::render(&tokenizer, conversation, tools.clone()).await?;

@@ -308,7 +308,7 @@ pub(crate) async fn chat_completions(
     let tools = request.offered_tools();
     let forced = request.forced()?;
     if let Some(forced) = &forced {
-        params.grammar = Some(tools::forced_grammar(&tools, forced, "tool_choice")?);
+        params.grammar = Some(tools::forced_grammar(&tools, forced)?);
     }
     let ids = tools::render(&tokenizer, messages, tools.clone()).await?;
     params.prompt = ids.clone();

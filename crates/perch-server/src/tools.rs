@@ -65,12 +65,9 @@ pub(crate) enum Forced {
 }
 
 /// The grammar a forced choice constrains generation to, over the offered `tools` (OpenAI's
-/// shape). Errors: no tools, or a named tool that is not among them (400 on `param`).
-pub(crate) fn forced_grammar(
-    tools: &[Value],
-    forced: &Forced,
-    param: &'static str,
-) -> Result<Grammar, ApiError> {
+/// shape). Errors: no tools, or a named tool that is not among them (400 on `tool_choice`).
+pub(crate) fn forced_grammar(tools: &[Value], forced: &Forced) -> Result<Grammar, ApiError> {
+    let param = Some("tool_choice");
     let functions = tools.iter().filter_map(|t| t.get("function"));
     let parameters = |f: &Value| {
         f.get("parameters")
@@ -93,7 +90,7 @@ pub(crate) fn forced_grammar(
             if choices.is_empty() {
                 return Err(ApiError::invalid(
                     "a tool call is required but the request offers no tools",
-                    Some(param),
+                    param,
                 ));
             }
             Ok(Grammar::JsonSchema(json!({
@@ -107,10 +104,7 @@ pub(crate) fn forced_grammar(
             .find(|f| name_of(f).as_deref() == Some(name))
             .map(|f| Grammar::JsonSchema(parameters(f)))
             .ok_or_else(|| {
-                ApiError::invalid(
-                    format!("`{name}` is not one of the offered tools"),
-                    Some(param),
-                )
+                ApiError::invalid(format!("`{name}` is not one of the offered tools"), param)
             }),
     }
 }

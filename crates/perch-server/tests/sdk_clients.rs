@@ -1098,7 +1098,7 @@ fn sixteen_streaming_clients_are_served_batched() {
         .map(|k| {
             let prompt = Prompt::Chat(vec![ChatMessage::new(
                 "user",
-                &format!("Count from {k} to {}, one number per line.", k + 20),
+                format!("Count from {k} to {}, one number per line.", k + 20),
             )]);
             direct_answer(&engine, prompt, 16, |_| {}).0
         })

@@ -56,7 +56,9 @@ impl LocalServer {
 
     /// Makes the server match `settings`: stopped when disabled, (re)started when enabled and
     /// different from the running one (port, key or interface), untouched otherwise. A port
-    /// that cannot be bound is an error and leaves the running server as it was.
+    /// that cannot be bound is an error: a new port leaves the running server as it was; on the
+    /// same port (another key or interface) the old server was stopped to free it, and the
+    /// caller restores it by applying the old settings (as `save_settings` does).
     pub fn apply(&self, settings: &ServerSettings) -> Result<(), String> {
         let mut running = self.running.lock().map_err(|_| poisoned())?;
         if !settings.enabled {
