@@ -14,6 +14,13 @@
 //! blob id otherwise) before it gets its final name, and a blob is only ever renamed into place
 //! complete, so a cancelled, interrupted or failed download never leaves a damaged model.
 //!
+//! Processes share the cache: a blob is fetched under its `.lock` (`flock`, as `huggingface_hub`'s
+//! `filelock` takes it), so two downloads of one model fetch each blob once, the second waiting
+//! and then finding it complete; links and refs are written under a name of their own
+//! (`{name}.{pid}.{n}.tmp`) and renamed into place, so concurrent writers do not trip on each
+//! other. Every name from the snapshot is checked before it names a path (revision, commit, file
+//! path, blob hash): nothing is written outside the cache directory.
+//!
 //! `hf-hub`'s own download is not used: in 0.4/0.5 it cannot be cancelled (the async one leaves
 //! its chunk tasks running), it verifies nothing, and its partial files (`.sync.part` with a
 //! trailing counter) are not the ones `huggingface_hub` resumes; 1.0 does not resume at all.
@@ -21,7 +28,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -29,7 +36,10 @@ use sha1::Sha1;
 use sha2::{Digest, Sha256};
 
 use crate::error::io_error;
-use crate::hub::{percent_encode, RemoteFile, RemoteSnapshot};
+use crate::hub::{
+    check_file, check_repo_id, check_revision, is_commit_hash, percent_encode, RemoteFile,
+    RemoteSnapshot,
+};
 use crate::{HubClient, HubError};
 
 /// How often transient failures (lost connection, HTTP 5xx) are retried per file, resuming.
@@ -72,8 +82,14 @@ impl HubClient {
     /// [`HubError::Cancelled`], keeping the partial file for the next call to resume.
     /// `on_progress` is called at the start, at most every 100 ms, and after each file.
     ///
-    /// Errors: [`HubError::DiskFull`] before anything is written when the disk lacks the
-    /// missing bytes; [`HubError::Checksum`] (the bad partial file is deleted);
+    /// Another process downloading the same files (Perch or `huggingface_hub`) is waited for,
+    /// blob by blob, and what it completed is reused rather than fetched again.
+    ///
+    /// Errors, before anything is written: [`HubError::InvalidRepoId`],
+    /// [`HubError::InvalidRevision`] (also for a commit that is no commit hash) and
+    /// [`HubError::InvalidFile`] for a snapshot whose names could leave the cache (those from
+    /// [`HubClient::snapshot`] are already checked); [`HubError::DiskFull`] when the disk lacks
+    /// the missing bytes. Then: [`HubError::Checksum`] (the bad partial file is deleted);
     /// [`HubError::Interrupted`], [`HubError::Network`] or [`HubError::Status`] once retries are
     /// spent (the partial file is kept); [`HubError::Io`].
     pub fn download(
@@ -82,6 +98,7 @@ impl HubClient {
         cancel: &AtomicBool,
         on_progress: &mut dyn FnMut(&DownloadProgress),
     ) -> Result<Downloaded, HubError> {
+        check_snapshot(snapshot)?;
         let folder = hf_hub::Repo::model(snapshot.repo_id.clone()).folder_name();
         let repo_dir = self.cache_dir().join(&folder);
         let blobs = repo_dir.join("blobs");
@@ -200,7 +217,7 @@ impl HubClient {
             return Ok(());
         }
         let range_from = (partial.len > 0).then_some(partial.len);
-        let mut response = self.get(url, range_from)?;
+        let mut response = self.get(url, range_from, None)?;
         let resumes = response.status().as_u16() == 206
             && content_range_start(response.headers()) == Some(partial.len);
         if !resumes && partial.len > 0 {
@@ -208,7 +225,7 @@ impl HubClient {
             reporter.retreat(partial.len);
             partial.restart(file)?;
             if response.status().as_u16() != 200 {
-                response = self.get(url, None)?;
+                response = self.get(url, None, None)?;
             }
         }
         let mut body = response.body_mut().as_reader();
@@ -377,10 +394,50 @@ impl Reporter<'_> {
     }
 }
 
+/// Refuses a snapshot whose repository id, revision, commit, file paths or blob hashes could
+/// name a path outside its repository's folder in the cache.
+fn check_snapshot(snapshot: &RemoteSnapshot) -> Result<(), HubError> {
+    check_repo_id(&snapshot.repo_id)?;
+    check_revision(&snapshot.revision)?;
+    if !is_commit_hash(&snapshot.commit) {
+        return Err(HubError::InvalidRevision {
+            revision: snapshot.commit.clone(),
+            reason: "a snapshot's commit must be 40 or 64 hex digits".into(),
+        });
+    }
+    for file in &snapshot.files {
+        check_file(file).map_err(|reason| HubError::InvalidFile {
+            path: file.path.clone(),
+            reason,
+        })?;
+    }
+    Ok(())
+}
+
+/// `{blob}.incomplete`: the name `huggingface_hub` also resumes (one writer at a time, under
+/// the blob's lock).
 fn partial_path(blob: &Path) -> PathBuf {
     let mut name = blob.as_os_str().to_owned();
     name.push(".incomplete");
     PathBuf::from(name)
+}
+
+/// `{path}.{pid}.{n}.tmp`: a name next to `path` that no other process, thread or call uses, to
+/// write a link or ref under before renaming it into place.
+fn temporary_path(path: &Path) -> PathBuf {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".{}.{n}.tmp", std::process::id()));
+    PathBuf::from(name)
+}
+
+/// Renames `temporary` to `path`, removing `temporary` when that fails.
+fn rename_into_place(temporary: &Path, path: &Path) -> Result<(), HubError> {
+    fs::rename(temporary, path).map_err(|err| {
+        let _ = fs::remove_file(temporary);
+        io_error(path)(err)
+    })
 }
 
 fn is_complete(blob: &Path, size: u64) -> bool {
@@ -448,7 +505,7 @@ fn lock(path: &Path, cancel: &AtomicBool) -> Result<File, HubError> {
 }
 
 /// Links `snapshots/{commit}/{path}` to its blob (relative, as `huggingface_hub` does),
-/// replacing whatever was there in one rename.
+/// replacing whatever was there in one rename (another process may be linking it too).
 fn link(snapshot_dir: &Path, file: &RemoteFile) -> Result<(), HubError> {
     let pointer = snapshot_dir.join(&file.path);
     let parent = pointer.parent().unwrap_or(snapshot_dir);
@@ -462,10 +519,9 @@ fn link(snapshot_dir: &Path, file: &RemoteFile) -> Result<(), HubError> {
     if fs::read_link(&pointer).is_ok_and(|existing| existing == target) {
         return Ok(());
     }
-    let temporary = partial_path(&pointer);
-    let _ = fs::remove_file(&temporary);
+    let temporary = temporary_path(&pointer);
     symlink(&target, &temporary).map_err(io_error(&temporary))?;
-    fs::rename(&temporary, &pointer).map_err(io_error(&pointer))
+    rename_into_place(&temporary, &pointer)
 }
 
 #[cfg(unix)]
@@ -478,14 +534,18 @@ fn symlink(target: &Path, link: &Path) -> std::io::Result<()> {
     std::os::windows::fs::symlink_file(target, link)
 }
 
-/// Writes `refs/{revision}` (a branch or tag; it may contain `/`) atomically.
+/// Writes `refs/{revision}` (a branch or tag, checked by [`check_revision`]; `refs/pr/1`
+/// becomes `refs/refs/pr/1`, as `huggingface_hub` writes it) atomically.
 fn write_ref(repo_dir: &Path, revision: &str, commit: &str) -> Result<(), HubError> {
     let path = repo_dir.join("refs").join(revision);
     let parent = path.parent().unwrap_or(repo_dir);
     fs::create_dir_all(parent).map_err(io_error(parent))?;
-    let temporary = partial_path(&path);
-    fs::write(&temporary, commit).map_err(io_error(&temporary))?;
-    fs::rename(&temporary, &path).map_err(io_error(&path))
+    let temporary = temporary_path(&path);
+    if let Err(err) = fs::write(&temporary, commit) {
+        let _ = fs::remove_file(&temporary);
+        return Err(io_error(&temporary)(err));
+    }
+    rename_into_place(&temporary, &path)
 }
 
 /// The first byte of a `Content-Range: bytes {first}-{last}/{size}` header.

@@ -1,10 +1,15 @@
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// What can go wrong talking to the Hub or writing into the cache.
 #[derive(Debug, thiserror::Error)]
 pub enum HubError {
     #[error("{0:?} is not a Hugging Face repository id (expected `org/name`)")]
     InvalidRepoId(String),
+    #[error("{revision:?} cannot be used as a revision (a branch, tag or commit): {reason}")]
+    InvalidRevision { revision: String, reason: String },
+    #[error("{path:?} cannot be written into the cache: {reason}")]
+    InvalidFile { path: String, reason: String },
     #[error("cannot reach {url}")]
     Network {
         url: String,
@@ -15,6 +20,8 @@ pub enum HubError {
     Status { url: String, status: u16 },
     #[error("{url} gave an answer Perch cannot use: {reason}")]
     BadResponse { url: String, reason: String },
+    #[error("the Hub did not answer within {limit:?} (last request: {url})")]
+    TimedOut { url: String, limit: Duration },
     #[error("the download of {path} stopped after {received} of {expected} bytes")]
     Interrupted {
         path: String,
@@ -54,10 +61,13 @@ pub enum HubError {
 }
 
 impl HubError {
-    /// Whether trying again may succeed: lost connections and the Hub's 5xx/429 answers.
+    /// Whether trying again may succeed: lost connections, timeouts and the Hub's 5xx/429
+    /// answers.
     pub fn is_transient(&self) -> bool {
         match self {
-            HubError::Network { .. } | HubError::Interrupted { .. } => true,
+            HubError::Network { .. } | HubError::Interrupted { .. } | HubError::TimedOut { .. } => {
+                true
+            }
             HubError::Status { status, .. } => *status >= 500 || *status == 429,
             _ => false,
         }

@@ -1,7 +1,10 @@
 //! A fake Hugging Face Hub on 127.0.0.1 for tests: the routes [`crate::HubClient`] and
 //! `huggingface_hub` use (search, revision, paged tree, resolve with ranges and an LFS redirect),
-//! serving repositories from memory, with knobs for the failures a download must survive, and
-//! answers recorded from the real Hub served byte for byte ([`RecordedAnswer`]).
+//! serving repositories from memory, with knobs for the failures a download must survive and for
+//! a hostile hub's tricks (page links and redirects to another server, slow answers), and
+//! answers recorded from the real Hub served byte for byte ([`RecordedAnswer`]). It records every
+//! request ([`FakeHub::requests`], with its `Authorization`) and counts the file bodies it sends
+//! ([`FakeHub::bodies_served`]).
 //!
 //! ```no_run
 //! use perch_hub::fake_hub::{FakeHub, FakeRepo};
@@ -184,6 +187,14 @@ pub struct Behaviour {
     pub ignore_ranges: bool,
     /// Tree entries per page (0: all on one page).
     pub tree_page_size: usize,
+    /// Where the tree's `Link: <…>; rel="next"` points, instead of the fake's own URL (e.g.
+    /// another fake, on another port, as a hostile hub could).
+    pub next_page_url: Option<String>,
+    /// Where LFS files are redirected (`{url}/cdn/…`, served by any fake with the same
+    /// repositories), instead of the fake's own `/cdn/…` (the Hub's CDN is another host).
+    pub lfs_redirect_url: Option<String>,
+    /// Pause this long before answering each `/api/…` request (to time a listing out).
+    pub api_delay: Duration,
     /// Answers served instead of the fake's own; the first that matches a request wins.
     pub recorded: Vec<RecordedAnswer>,
 }
@@ -228,6 +239,8 @@ struct Shared {
     repos: Vec<FakeRepo>,
     behaviour: Behaviour,
     requests: Vec<SeenRequest>,
+    /// Bodies sent (200 or 206) per file path.
+    bodies_served: BTreeMap<String, usize>,
 }
 
 type SharedState = Arc<Mutex<Shared>>;
@@ -259,6 +272,7 @@ impl FakeHub {
                 ..Behaviour::default()
             },
             requests: Vec::new(),
+            bodies_served: BTreeMap::new(),
         }));
         let (shutdown, stopped) = tokio::sync::oneshot::channel::<()>();
         let state = shared.clone();
@@ -306,6 +320,16 @@ impl FakeHub {
         lock(&self.shared).requests.clone()
     }
 
+    /// How many times the file at `path` was sent, whole or in part (its 200 and 206 answers,
+    /// from resolve or the CDN; redirects and errors do not count).
+    pub fn bodies_served(&self, path: &str) -> usize {
+        lock(&self.shared)
+            .bodies_served
+            .get(path)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// Requests for the file at `path` (resolve and CDN), in order.
     pub fn file_requests(&self, path: &str) -> Vec<SeenRequest> {
         let suffix = format!("/{path}");
@@ -348,14 +372,18 @@ async fn record(
             authorization: header("authorization"),
         }
     };
-    let (required, recorded) = {
+    let (required, recorded, api_delay) = {
         let mut shared = lock(&shared);
         shared.requests.push(seen.clone());
         let recorded = (shared.behaviour.recorded.iter())
             .find(|answer| answer.answers(request.uri()))
             .map(|answer| answer.response(&shared.url));
-        (shared.behaviour.required_token.clone(), recorded)
+        let b = &shared.behaviour;
+        (b.required_token.clone(), recorded, b.api_delay)
     };
+    if seen.uri.starts_with("/api/") && !api_delay.is_zero() {
+        tokio::time::sleep(api_delay).await;
+    }
     // The CDN's signed URLs need no token; everything else on the Hub may.
     if let Some(token) = required {
         if !seen.uri.starts_with("/cdn/") && seen.authorization != Some(format!("Bearer {token}")) {
@@ -473,9 +501,10 @@ async fn tree(
     let end = (start + page).min(entries.len());
     let mut response = Json(entries[start..end].to_vec()).into_response();
     if end < entries.len() {
+        let base = (shared.behaviour.next_page_url.as_ref()).unwrap_or(&shared.url);
         let link = format!(
-            "<{}/api/models/{}/tree/{rev}?recursive=true&cursor={end}>; rel=\"next\"",
-            shared.url, repo.id
+            "<{base}/api/models/{}/tree/{rev}?recursive=true&cursor={end}>; rel=\"next\"",
+            repo.id
         );
         response.headers_mut().insert("link", header_value(&link));
     }
@@ -506,8 +535,12 @@ async fn resolve(
     };
     if file.lfs {
         // As the Hub: LFS files live on a CDN; its signed URL needs no token.
+        let base = lock(&shared).behaviour.lfs_redirect_url.clone();
         let mut response = StatusCode::FOUND.into_response();
-        let location = format!("/cdn/{org}/{name}/{path}?commit={repo_commit}");
+        let location = format!(
+            "{}/cdn/{org}/{name}/{path}?commit={repo_commit}",
+            base.unwrap_or_default()
+        );
         response
             .headers_mut()
             .insert("location", header_value(&location));
@@ -616,7 +649,9 @@ fn serve_file(
     response_headers.insert("content-length", header_value(&body.len().to_string()));
     // Only a body long enough to be cut counts against `cut_bodies`.
     let cut = {
-        let b = &mut lock(shared).behaviour;
+        let mut shared = lock(shared);
+        *shared.bodies_served.entry(file.path.clone()).or_default() += 1;
+        let b = &mut shared.behaviour;
         let cut = b.cut_bodies > 0 && body.len() as u64 > b.cut_after;
         if cut {
             b.cut_bodies -= 1;

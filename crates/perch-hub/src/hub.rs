@@ -6,9 +6,14 @@
 //! - `GET /api/models/{repo}/tree/{sha}?recursive=true` → `[{type, path, size, oid, lfs?}]`,
 //!   paged with `Link: <…>; rel="next"`
 //! - `GET /{repo}/resolve/{sha}/{path}` → the file (see `download.rs`)
+//!
+//! What the Hub answers is not trusted: the token goes only to the endpoint's origin (redirects
+//! are followed here, not by ureq, whose `SameHost` keeps the token for another port of the same
+//! host), page links must stay on that origin, listings are bounded in pages and time, and every
+//! name that becomes a path in the cache (revision, commit, file path, blob hash) is checked first.
 
 use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -34,12 +39,40 @@ pub const MODEL_FILE_PATTERNS: &[&str] = &[
     "*.jinja",
 ];
 
+/// Most pages one listing follows ([`HubClient::tree`]); a hub that links on past them is an
+/// error, not an endless loop.
+pub const MAX_LISTING_PAGES: usize = 1000;
+
+/// How long one call of [`HubClient::search`], [`HubClient::commit`], [`HubClient::tree`] or
+/// [`HubClient::snapshot`] may take, all its requests, redirects and pages together
+/// ([`HubClient::with_listing_timeout`] changes it).
+pub const LISTING_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Redirects followed per request (as ureq's default).
+const MAX_REDIRECTS: usize = 10;
+
+/// Longest revision accepted, in bytes (a file name's limit on common file systems).
+const MAX_REVISION_BYTES: usize = 255;
+
 /// A client of one Hub endpoint that downloads into one cache directory.
+///
+/// What it guarantees, whatever the Hub (or a server posing as it) answers:
+/// - the token is sent only to URLs with the endpoint's scheme, host and port; a redirect
+///   elsewhere (the Hub's CDN, another port) is followed without it;
+/// - a listing follows `Link: <…>; rel="next"` pages only on that origin
+///   ([`HubError::BadResponse`] for a page elsewhere), at most [`MAX_LISTING_PAGES`] of them,
+///   within [`LISTING_TIMEOUT`] in all ([`HubError::TimedOut`]);
+/// - revisions, commits, file paths and blob hashes are checked before they name anything in the
+///   cache, so nothing is written outside [`Self::cache_dir`].
 #[derive(Clone, Debug)]
 pub struct HubClient {
     endpoint: String,
+    /// The endpoint's origin, the only one the token goes to; `None` for an endpoint that is no
+    /// absolute http(s) URL (nothing gets the token then).
+    origin: Option<Origin>,
     token: Option<String>,
     cache_dir: PathBuf,
+    listing_timeout: Duration,
     agent: ureq::Agent,
 }
 
@@ -87,7 +120,7 @@ pub struct RemoteSnapshot {
     pub repo_id: String,
     /// The revision asked for (`main`, a tag or a commit).
     pub revision: String,
-    /// The commit it names (40 hex digits).
+    /// The commit it names (40 hex digits; 64 in a SHA-256 repository).
     pub commit: String,
     /// The files [`MODEL_FILE_PATTERNS`] select, in path order.
     pub files: Vec<RemoteFile>,
@@ -124,23 +157,35 @@ impl HubClient {
     }
 
     /// A client of `endpoint` (e.g. `https://huggingface.co`), sending `token` as a bearer token
-    /// to it (never to the CDN it redirects downloads to).
+    /// to its origin (scheme, host and port) only: never to the CDN it redirects downloads to,
+    /// nor to any other host or port a redirect or a page link names.
     pub fn new(endpoint: &str, token: Option<String>, cache_dir: PathBuf) -> Self {
         let agent = ureq::Agent::config_builder()
             .timeout_connect(Some(Duration::from_secs(15)))
             .timeout_per_read(Some(Duration::from_secs(60)))
             .user_agent(concat!("perch/", env!("CARGO_PKG_VERSION")))
             .http_status_as_error(false)
-            // The Hub redirects LFS files to a CDN with signed URLs: the token stays home.
-            .redirect_auth_headers(ureq::config::RedirectAuthHeaders::SameHost)
+            // `get` follows redirects itself, deciding per hop whether the token goes along.
+            .max_redirects(0)
+            .redirect_auth_headers(ureq::config::RedirectAuthHeaders::Never)
             .build()
             .into();
+        let endpoint = endpoint.trim_end_matches('/').to_owned();
         HubClient {
-            endpoint: endpoint.trim_end_matches('/').to_owned(),
+            origin: Origin::of(&endpoint),
+            endpoint,
             token,
             cache_dir,
+            listing_timeout: LISTING_TIMEOUT,
             agent,
         }
+    }
+
+    /// The same client with each listing limited to `limit` in all instead of
+    /// [`LISTING_TIMEOUT`].
+    pub fn with_listing_timeout(mut self, limit: Duration) -> Self {
+        self.listing_timeout = limit;
+        self
     }
 
     /// The cache directory downloads go into (`hub/` of the Hugging Face cache).
@@ -154,7 +199,8 @@ impl HubClient {
 
     /// Models matching `query`, most downloaded first.
     ///
-    /// Errors: [`HubError::Network`], [`HubError::Status`], [`HubError::BadResponse`].
+    /// Errors: [`HubError::Network`], [`HubError::Status`], [`HubError::BadResponse`],
+    /// [`HubError::TimedOut`].
     pub fn search(&self, query: &SearchQuery) -> Result<Vec<HubModel>, HubError> {
         let mut url = format!(
             "{}/api/models?search={}&sort=downloads&direction=-1&limit={}",
@@ -168,17 +214,21 @@ impl HubClient {
         for field in ["downloads", "likes", "lastModified", "tags", "safetensors"] {
             url.push_str(&format!("&expand%5B%5D={field}"));
         }
-        let (found, _) = self.get_json::<Vec<SearchHit>>(&url)?;
+        let (found, _) = self.get_json::<Vec<SearchHit>>(&url, self.deadline())?;
         Ok(found.into_iter().map(SearchHit::into_model).collect())
     }
 
     /// The commit `revision` names in `repo_id` and its model files.
     ///
+    /// Both requests together end within the listing timeout. A listing cannot be cancelled
+    /// (only [`Self::download`] takes a cancel flag): that timeout bounds it instead.
+    ///
     /// Errors: those of [`Self::commit`] and [`Self::tree`].
     pub fn snapshot(&self, repo_id: &str, revision: &str) -> Result<RemoteSnapshot, HubError> {
-        let commit = self.commit(repo_id, revision)?;
+        let deadline = self.deadline();
+        let commit = self.commit_by(repo_id, revision, deadline)?;
         let mut files: Vec<RemoteFile> = self
-            .tree(repo_id, &commit)?
+            .tree_by(repo_id, &commit, deadline)?
             .into_iter()
             .filter(|f| {
                 MODEL_FILE_PATTERNS
@@ -195,20 +245,33 @@ impl HubClient {
         })
     }
 
-    /// The commit (40 hex digits) that `revision` (a branch, tag or commit) names in `repo_id`:
-    /// the `sha` of `GET /api/models/{repo}/revision/{revision}`.
+    /// The commit (40 hex digits, or 64 in a SHA-256 repository) that `revision` (a branch, tag
+    /// or commit) names in `repo_id`: the `sha` of `GET /api/models/{repo}/revision/{revision}`.
     ///
-    /// Errors: [`HubError::InvalidRepoId`]; [`HubError::Status`] (404: no such repository or
-    /// revision; 401/403: private or gated); [`HubError::BadResponse`] for a malformed answer;
-    /// [`HubError::Network`].
+    /// Errors, before any request: [`HubError::InvalidRepoId`]; [`HubError::InvalidRevision`] for
+    /// a revision that could not name a file under the cache's `refs/` (empty, `.` or `..` parts,
+    /// control characters, over 255 bytes, …). Then: [`HubError::Status`] (404: no such
+    /// repository or revision; 401/403: private or gated); [`HubError::BadResponse`] for a
+    /// malformed answer or a `sha` that is no commit hash; [`HubError::Network`];
+    /// [`HubError::TimedOut`].
     pub fn commit(&self, repo_id: &str, revision: &str) -> Result<String, HubError> {
+        self.commit_by(repo_id, revision, self.deadline())
+    }
+
+    fn commit_by(
+        &self,
+        repo_id: &str,
+        revision: &str,
+        deadline: Instant,
+    ) -> Result<String, HubError> {
         check_repo_id(repo_id)?;
+        check_revision(revision)?;
         let url = format!(
             "{}/api/models/{repo_id}/revision/{}",
             self.endpoint,
             percent_encode(revision)
         );
-        let (info, _) = self.get_json::<RevisionInfo>(&url)?;
+        let (info, _) = self.get_json::<RevisionInfo>(&url, deadline)?;
         if !is_commit_hash(&info.sha) {
             return Err(HubError::BadResponse {
                 url,
@@ -222,98 +285,219 @@ impl HubClient {
     /// /api/models/{repo}/tree/{commit}?recursive=true`, following its `Link: <…>; rel="next"`
     /// pages. Directories are left out.
     ///
-    /// Errors: [`HubError::InvalidRepoId`]; [`HubError::BadResponse`] for a malformed answer, a
-    /// path that would leave the repository or a blob hash of the wrong form;
-    /// [`HubError::Status`]; [`HubError::Network`].
+    /// Only pages on the endpoint's origin are followed: a link to another host or port is
+    /// refused rather than followed without the token, as a page there could list anything. At
+    /// most [`MAX_LISTING_PAGES`] pages are read, all within the listing timeout; the listing
+    /// cannot be cancelled otherwise.
+    ///
+    /// Errors: [`HubError::InvalidRepoId`] and [`HubError::InvalidRevision`] before any request;
+    /// [`HubError::BadResponse`] for a malformed answer, a path that would leave the repository,
+    /// a blob hash of the wrong form, a next page off the endpoint's origin or more than
+    /// [`MAX_LISTING_PAGES`] pages; [`HubError::Status`]; [`HubError::Network`];
+    /// [`HubError::TimedOut`].
     pub fn tree(&self, repo_id: &str, commit: &str) -> Result<Vec<RemoteFile>, HubError> {
+        self.tree_by(repo_id, commit, self.deadline())
+    }
+
+    fn tree_by(
+        &self,
+        repo_id: &str,
+        commit: &str,
+        deadline: Instant,
+    ) -> Result<Vec<RemoteFile>, HubError> {
         check_repo_id(repo_id)?;
+        check_revision(commit)?;
         let mut files = Vec::new();
         let mut next = Some(format!(
             "{}/api/models/{repo_id}/tree/{}?recursive=true",
             self.endpoint,
             percent_encode(commit)
         ));
+        let mut pages = 0;
         while let Some(url) = next {
-            let (entries, link) = self.get_json::<Vec<TreeEntry>>(&url)?;
+            if pages == MAX_LISTING_PAGES {
+                return Err(HubError::BadResponse {
+                    url,
+                    reason: format!(
+                        "the file list goes on past {MAX_LISTING_PAGES} pages; Perch stops there"
+                    ),
+                });
+            }
+            pages += 1;
+            let (entries, link) = self.get_json::<Vec<TreeEntry>>(&url, deadline)?;
             for entry in entries.into_iter().filter(|e| e.kind == "file") {
-                check_path(&entry.path).map_err(|reason| HubError::BadResponse {
+                let file = match entry.lfs {
+                    Some(lfs) => RemoteFile {
+                        path: entry.path,
+                        size: lfs.size,
+                        etag: lfs.oid,
+                        lfs: true,
+                    },
+                    None => RemoteFile {
+                        path: entry.path,
+                        size: entry.size,
+                        etag: entry.oid,
+                        lfs: false,
+                    },
+                };
+                check_file(&file).map_err(|reason| HubError::BadResponse {
                     url: url.clone(),
                     reason,
                 })?;
-                let (etag, lfs, size) = match entry.lfs {
-                    Some(lfs) => (lfs.oid, true, lfs.size),
-                    None => (entry.oid, false, entry.size),
-                };
-                let well_formed = if lfs {
-                    is_hex(&etag, 64)
-                } else {
-                    is_commit_hash(&etag)
-                };
-                if !well_formed {
-                    return Err(HubError::BadResponse {
-                        url,
-                        reason: format!("{}: {etag:?} is not a blob hash", entry.path),
-                    });
-                }
-                files.push(RemoteFile {
-                    path: entry.path,
-                    size,
-                    etag,
-                    lfs,
-                });
+                files.push(file);
             }
-            next = link;
+            next = match link {
+                Some(link) => Some(self.next_page(&url, &link)?),
+                None => None,
+            };
         }
         Ok(files)
     }
 
-    /// `GET url` with the token when `url` is on the endpoint; 4xx/5xx are errors.
+    /// The absolute URL of the `rel="next"` `link` of `page`, when it is on the endpoint's
+    /// origin; else [`HubError::BadResponse`].
+    fn next_page(&self, page: &str, link: &str) -> Result<String, HubError> {
+        resolve_url(page, link)
+            .filter(|next| self.is_endpoint(next))
+            .ok_or_else(|| HubError::BadResponse {
+                url: page.to_owned(),
+                reason: format!(
+                    "its next page, {link}, is not on {}; Perch only follows pages there",
+                    self.endpoint
+                ),
+            })
+    }
+
+    /// Whether `url` has the endpoint's scheme, host and port: the only URLs the token goes to.
+    fn is_endpoint(&self, url: &str) -> bool {
+        self.origin.is_some() && Origin::of(url) == self.origin
+    }
+
+    /// When a listing that starts now must end.
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.listing_timeout
+    }
+
+    /// `GET url`, following up to 10 redirects; 4xx/5xx are errors. The token goes along to
+    /// each URL on the endpoint's origin and to no other. With a `deadline`, the whole
+    /// exchange (redirects and the body's reading included) ends by then with
+    /// [`HubError::TimedOut`]. Errors name `url`, not the hop that failed (a CDN's signed URL
+    /// stays out of messages).
     pub(crate) fn get(
         &self,
         url: &str,
         range_from: Option<u64>,
+        deadline: Option<Instant>,
     ) -> Result<ureq::http::Response<ureq::Body>, HubError> {
-        let mut request = self.agent.get(url);
-        if let Some(token) = &self.token {
-            request = request.header("Authorization", &format!("Bearer {token}"));
+        let mut hop = url.to_owned();
+        for _ in 0..=MAX_REDIRECTS {
+            let mut request = self.agent.get(&hop);
+            if let Some(token) = self.token.as_ref().filter(|_| self.is_endpoint(&hop)) {
+                request = request.header("Authorization", &format!("Bearer {token}"));
+            }
+            if let Some(from) = range_from {
+                request = request.header("Range", &format!("bytes={from}-"));
+            }
+            if let Some(deadline) = deadline {
+                let left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(self.timed_out(url));
+                }
+                request = request.config().timeout_global(Some(left)).build();
+            }
+            let response = request
+                .call()
+                .map_err(|source| self.request_error(url, source))?;
+            let status = response.status().as_u16();
+            if matches!(status, 301 | 302 | 303 | 307 | 308) {
+                let location = response
+                    .headers()
+                    .get("location")
+                    .and_then(|v| v.to_str().ok());
+                let Some(next) = location.and_then(|l| resolve_url(&hop, l)) else {
+                    return Err(HubError::BadResponse {
+                        url: url.to_owned(),
+                        reason: format!("HTTP {status} without a usable Location"),
+                    });
+                };
+                hop = next;
+                continue;
+            }
+            if status >= 400 && !(status == 416 && range_from.is_some()) {
+                return Err(HubError::Status {
+                    url: url.to_owned(),
+                    status,
+                });
+            }
+            return Ok(response);
         }
-        if let Some(from) = range_from {
-            request = request.header("Range", &format!("bytes={from}-"));
-        }
-        let response = request.call().map_err(|source| HubError::Network {
+        Err(HubError::BadResponse {
             url: url.to_owned(),
-            source: Box::new(source),
-        })?;
-        let status = response.status().as_u16();
-        if status >= 400 && !(status == 416 && range_from.is_some()) {
-            return Err(HubError::Status {
-                url: url.to_owned(),
-                status,
-            });
-        }
-        Ok(response)
+            reason: format!("more than {MAX_REDIRECTS} redirects"),
+        })
     }
 
-    /// `GET url` as JSON, with the `rel="next"` link of a paged answer.
+    /// `GET url` as JSON by `deadline`, with the `rel="next"` link of a paged answer.
     fn get_json<T: serde::de::DeserializeOwned>(
         &self,
         url: &str,
+        deadline: Instant,
     ) -> Result<(T, Option<String>), HubError> {
-        let mut response = self.get(url, None)?;
+        let mut response = self.get(url, None, Some(deadline))?;
         let next = response
             .headers()
             .get("link")
             .and_then(|v| v.to_str().ok())
             .and_then(next_link);
-        let value = response
-            .body_mut()
-            .read_json::<T>()
-            .map_err(|e| HubError::BadResponse {
+        let value = response.body_mut().read_json::<T>().map_err(|e| match e {
+            ureq::Error::Timeout(ureq::Timeout::Global) => self.timed_out(url),
+            e => HubError::BadResponse {
                 url: url.to_owned(),
                 reason: e.to_string(),
-            })?;
+            },
+        })?;
         Ok((value, next))
     }
+
+    fn request_error(&self, url: &str, source: ureq::Error) -> HubError {
+        match source {
+            // Only a listing's deadline sets the global timeout.
+            ureq::Error::Timeout(ureq::Timeout::Global) => self.timed_out(url),
+            source => HubError::Network {
+                url: url.to_owned(),
+                source: Box::new(source),
+            },
+        }
+    }
+
+    fn timed_out(&self, url: &str) -> HubError {
+        HubError::TimedOut {
+            url: url.to_owned(),
+            limit: self.listing_timeout,
+        }
+    }
+}
+
+/// The scheme, host and port of an absolute http(s) URL (the `url` crate's tuple origin,
+/// default ports filled in): URLs of one origin reach the same server. `None` for anything else.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Origin(url::Origin);
+
+impl Origin {
+    fn of(url: &str) -> Option<Origin> {
+        let parsed = url::Url::parse(url).ok()?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return None;
+        }
+        Some(Origin(parsed.origin()))
+    }
+}
+
+/// `reference` (a `Location` or `Link` target) made absolute against the absolute URL `base`
+/// (RFC 3986 resolution, by the `url` crate).
+fn resolve_url(base: &str, reference: &str) -> Option<String> {
+    let resolved = url::Url::parse(base).ok()?.join(reference).ok()?;
+    Some(resolved.into())
 }
 
 fn token_from_env() -> Option<String> {
@@ -435,6 +619,62 @@ pub(crate) fn check_repo_id(repo_id: &str) -> Result<(), HubError> {
     }
 }
 
+/// A revision (branch, tag or commit) that can name a file under `refs/`, where
+/// `huggingface_hub` writes `refs/{revision}` (`refs/pr/1` becomes `refs/refs/pr/1`): at most
+/// 255 bytes of `/`-separated parts, none empty, none starting with `.` or `-`, without control
+/// characters, spaces or any of `\ : * ? " < > | ~ ^ [`. Git refuses all of these in branch and
+/// tag names too (but `" < > |`, which Windows refuses in file names), so `main`, `v1.0`,
+/// `refs/pr/1` and commits pass, while `..`, `a/../b` or `/etc` cannot leave `refs/`.
+///
+/// Errors: [`HubError::InvalidRevision`], naming the revision and what is wrong with it.
+pub(crate) fn check_revision(revision: &str) -> Result<(), HubError> {
+    let refuse = |reason: String| {
+        Err(HubError::InvalidRevision {
+            revision: revision.to_owned(),
+            reason,
+        })
+    };
+    if revision.is_empty() {
+        return refuse("it is empty".into());
+    }
+    if revision.len() > MAX_REVISION_BYTES {
+        return refuse(format!("it is longer than {MAX_REVISION_BYTES} bytes"));
+    }
+    let forbidden = |c: char| c.is_control() || " \\:*?\"<>|~^[".contains(c);
+    if let Some(c) = revision.chars().find(|&c| forbidden(c)) {
+        return refuse(format!("it contains {c:?}"));
+    }
+    for part in revision.split('/') {
+        if part.is_empty() {
+            return refuse("it has an empty part (a leading, trailing or double `/`)".into());
+        }
+        if part == "." || part == ".." {
+            return refuse(format!(
+                "it has a `{part}` part, which would name a path outside the cache's `refs/`"
+            ));
+        }
+        if part.starts_with('.') || part.starts_with('-') {
+            return refuse(format!("its part {part:?} starts with `{}`", &part[..1]));
+        }
+    }
+    Ok(())
+}
+
+/// A file whose path and blob hash can name files in the cache: [`check_path`], and a SHA-256
+/// (LFS) or Git hash (40 or 64 hex digits) as its etag.
+pub(crate) fn check_file(file: &RemoteFile) -> Result<(), String> {
+    check_path(&file.path)?;
+    let well_formed = if file.lfs {
+        is_hex(&file.etag, 64)
+    } else {
+        is_commit_hash(&file.etag)
+    };
+    if !well_formed {
+        return Err(format!("{}: {:?} is not a blob hash", file.path, file.etag));
+    }
+    Ok(())
+}
+
 /// A relative `/`-separated path without `..`, `.` or empty parts: it cannot leave the snapshot.
 fn check_path(path: &str) -> Result<(), String> {
     let bad_part = path
@@ -451,8 +691,9 @@ fn is_hex(s: &str, len: usize) -> bool {
     s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
+/// A Git object id: 40 hex digits (SHA-1), or 64 (SHA-256 repositories).
 pub(crate) fn is_commit_hash(s: &str) -> bool {
-    is_hex(s, 40)
+    is_hex(s, 40) || is_hex(s, 64)
 }
 
 /// Python `fnmatch` for patterns whose only wildcard is `*` (which also matches `/`).
@@ -524,6 +765,110 @@ mod tests {
         for bad in ["../x", "/etc/passwd", "a//b", "a/./b", "a\\..\\b", "a/"] {
             assert!(check_path(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn revisions_are_checked_as_names_under_refs() {
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        for good in [
+            "main",
+            "v1.0",
+            "refs/pr/1",
+            "release-2024_01",
+            commit,
+            "a.b/c-d",
+        ] {
+            assert!(check_revision(good).is_ok(), "{good}");
+        }
+        let long = "a".repeat(256);
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../../x",
+            "a/../b",
+            "a/./b",
+            "/etc/passwd",
+            "main/",
+            "a//b",
+            ".hidden",
+            "-rf",
+            "a\\..\\b",
+            "x\0y",
+            "tab\there",
+            "with space",
+            "c:x",
+            "a*",
+            long.as_str(),
+        ] {
+            let err = check_revision(bad).unwrap_err();
+            assert!(
+                matches!(&err, HubError::InvalidRevision { revision, .. } if revision == bad),
+                "{bad:?}: {err}"
+            );
+            assert!(err.to_string().contains(&format!("{bad:?}")), "{err}");
+        }
+        assert!(check_revision(&"a".repeat(255)).is_ok());
+        assert!(is_commit_hash(commit) && is_commit_hash(&"f".repeat(64)));
+        assert!(!is_commit_hash("../../x") && !is_commit_hash(&commit[1..]));
+    }
+
+    #[test]
+    fn origins_compare_scheme_host_and_port() {
+        let hub = Origin::of("https://huggingface.co");
+        assert!(hub.is_some());
+        for same in [
+            "https://huggingface.co/api/models?x=1",
+            "https://HuggingFace.co:443/a",
+        ] {
+            assert_eq!(Origin::of(same), hub, "{same}");
+        }
+        for other in [
+            "http://huggingface.co/a",
+            "https://huggingface.co:8443/a",
+            "https://cdn-lfs.huggingface.co/a",
+            "https://huggingface.co.evil.example/a",
+            "https://huggingface.co@evil.example/a",
+            "/api/models",
+        ] {
+            assert_ne!(Origin::of(other), hub, "{other}");
+        }
+        assert_eq!(
+            Origin::of("http://127.0.0.1:8000/x"),
+            Origin::of("http://127.0.0.1:8000")
+        );
+        assert_ne!(
+            Origin::of("http://127.0.0.1:8000"),
+            Origin::of("http://127.0.0.1:8001")
+        );
+        // An endpoint that is no URL gives no origin: the token goes nowhere.
+        let client = HubClient::new("not a url", Some("t".into()), PathBuf::new());
+        assert!(!client.is_endpoint("not a url/api/models"));
+    }
+
+    #[test]
+    fn locations_and_links_resolve_against_the_page() {
+        let base = "https://hf.co/api/models/a/b/tree/main?recursive=true";
+        for (reference, resolved) in [
+            ("https://cdn.example/x?sig=1", "https://cdn.example/x?sig=1"),
+            ("//cdn.example/x", "https://cdn.example/x"),
+            ("/api/x?cursor=2", "https://hf.co/api/x?cursor=2"),
+            (
+                "?cursor=2",
+                "https://hf.co/api/models/a/b/tree/main?cursor=2",
+            ),
+            (
+                "other?cursor=2",
+                "https://hf.co/api/models/a/b/tree/other?cursor=2",
+            ),
+        ] {
+            assert_eq!(
+                resolve_url(base, reference).as_deref(),
+                Some(resolved),
+                "{reference}"
+            );
+        }
+        assert_eq!(resolve_url("/relative/base", "/x"), None);
     }
 
     #[test]

@@ -11,8 +11,10 @@
 //! [`local_models`] lists both. [`HubClient`] searches the Hub ([`HubClient::search`]), lists a
 //! revision's files ([`HubClient::snapshot`]) and downloads them into the cache with progress,
 //! resume, verification and cancellation ([`HubClient::download`]); [`memory_fit`] says whether
-//! a model will fit before it is downloaded. With the `fake-hub` feature, `fake_hub` serves the
-//! Hub's API on 127.0.0.1 for tests.
+//! a model will fit before it is downloaded. The Hub's answers are not trusted: [`HubClient`]
+//! says what is guaranteed (the token stays on the endpoint, listings are bounded, nothing is
+//! written outside the cache). With the `fake-hub` feature, `fake_hub` serves the Hub's API on
+//! 127.0.0.1 for tests.
 
 mod download;
 mod error;
@@ -28,8 +30,8 @@ pub use download::{DownloadProgress, Downloaded};
 pub use error::HubError;
 pub use fit::{memory_fit, total_memory_bytes, MemoryFit, USABLE_MEMORY_FRACTION};
 pub use hub::{
-    HubClient, HubModel, RemoteFile, RemoteSnapshot, SearchQuery, DEFAULT_ENDPOINT, MLX_COMMUNITY,
-    MODEL_FILE_PATTERNS,
+    HubClient, HubModel, RemoteFile, RemoteSnapshot, SearchQuery, DEFAULT_ENDPOINT,
+    LISTING_TIMEOUT, MAX_LISTING_PAGES, MLX_COMMUNITY, MODEL_FILE_PATTERNS,
 };
 pub use local::{cached_snapshot, local_models, model_name, LocalModel, ModelSource};
 

@@ -516,3 +516,151 @@ fn a_disk_without_room_is_refused_before_writing() {
         "nothing was fetched"
     );
 }
+
+const CONCURRENT_ENV: &str = "PERCH_HUB_CONCURRENT_TEST";
+
+/// Downloads the tiny repository (a number of times) once the start file appears: runs only as
+/// a child of `concurrent_processes_share_the_download_and_fetch_each_blob_once`.
+#[test]
+#[ignore = "a child process of concurrent_processes_share_the_download_and_fetch_each_blob_once"]
+fn download_in_a_child_process() {
+    let Ok(setup) = std::env::var(CONCURRENT_ENV) else {
+        return;
+    };
+    let mut lines = setup.lines();
+    let (url, cache, start, times) = (
+        lines.next().unwrap(),
+        lines.next().unwrap(),
+        Path::new(lines.next().unwrap()),
+        lines.next().unwrap().parse::<usize>().unwrap(),
+    );
+    let client = HubClient::new(url, None, PathBuf::from(cache));
+    let snapshot = client.snapshot(REPO, "main").unwrap();
+    let waiting = std::time::Instant::now();
+    while !start.exists() {
+        assert!(waiting.elapsed() < Duration::from_secs(30), "never started");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let mut fetched = 0;
+    for _ in 0..times {
+        fetched += download(&client, &snapshot).unwrap().bytes_fetched;
+    }
+    println!("fetched {fetched} bytes");
+}
+
+/// Runs 3 children that each download the fixture's repository `times` times, all starting
+/// together; returns the bytes they fetched, together.
+fn download_in_3_processes(hub: &FakeHub, cache: &Path, times: usize) -> u64 {
+    let start = tempfile::tempdir().unwrap();
+    let start_file = start.path().join("go");
+    let before = hub.requests().len();
+    let children: Vec<_> = (0..3)
+        .map(|_| {
+            std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "download_in_a_child_process",
+                    "--ignored",
+                    "--nocapture",
+                ])
+                .env(
+                    CONCURRENT_ENV,
+                    format!(
+                        "{}\n{}\n{}\n{times}",
+                        hub.url(),
+                        cache.display(),
+                        start_file.display()
+                    ),
+                )
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Each child lists the snapshot (the revision and 3 pages of the tree), then waits: start
+    // them together.
+    let listed = std::time::Instant::now();
+    while hub.requests().len() < before + 3 * 4 {
+        assert!(listed.elapsed() < Duration::from_secs(30), "children stuck");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    fs::write(&start_file, b"").unwrap();
+
+    let mut fetched = 0;
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let bytes = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("fetched ")?.strip_suffix(" bytes"))
+            .unwrap_or_else(|| panic!("{stdout}"));
+        fetched += bytes.parse::<u64>().unwrap();
+    }
+    fetched
+}
+
+#[test]
+fn concurrent_processes_share_the_download_and_fetch_each_blob_once() {
+    let Fixture {
+        repo,
+        hub,
+        cache,
+        client: _,
+        snapshot,
+    } = fixture();
+    // 16 chunks of weights at 20 ms each: the downloads overlap.
+    hub.configure(|b| b.chunk_delay = Duration::from_millis(20));
+    let fetched = download_in_3_processes(&hub, cache.path(), 1);
+    assert_eq!(fetched, snapshot.total_bytes(), "together, each byte once");
+    for file in &snapshot.files {
+        assert_eq!(
+            hub.bodies_served(&file.path),
+            1,
+            "{} fetched once",
+            file.path
+        );
+    }
+    let dir = repo_dir(cache.path());
+    let snapshot_dir = dir.join("snapshots").join(&repo.commit);
+    for file in &snapshot.files {
+        let content = fs::read(snapshot_dir.join(&file.path)).unwrap();
+        assert!(content == file_content(&repo, &file.path), "{}", file.path);
+    }
+    assert_eq!(
+        fs::read_to_string(dir.join("refs/main")).unwrap(),
+        repo.commit
+    );
+
+    // Downloads of a complete model only rewrite `refs/main`: 3 processes doing it 100 times
+    // each, at once, all succeed (each writes under a name of its own) and fetch nothing.
+    hub.configure(|b| b.chunk_delay = Duration::ZERO);
+    assert_eq!(download_in_3_processes(&hub, cache.path(), 100), 0);
+    for file in &snapshot.files {
+        assert_eq!(
+            hub.bodies_served(&file.path),
+            1,
+            "{} fetched once",
+            file.path
+        );
+    }
+    assert_eq!(
+        fs::read_to_string(dir.join("refs/main")).unwrap(),
+        repo.commit
+    );
+    for listed in [&snapshot_dir, &dir.join("refs")] {
+        let names: Vec<_> = fs::read_dir(listed)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            names.iter().all(|n| !n.ends_with(".tmp")),
+            "temporary files left: {names:?}"
+        );
+    }
+}
