@@ -378,8 +378,9 @@ impl<'m> BatchGenerator<'m> {
     /// Queues a request; it is admitted at a step when the batch has room and blocks.
     ///
     /// Errors as [`crate::generate`]'s checks (empty or too long prompt, bad sampling parameters),
-    /// and [`EngineError::KvCacheTooSmall`] when the prompt plus `max_tokens` cannot fit in the
-    /// whole pool.
+    /// and [`EngineError::KvCacheTooSmall`] when the prompt and one generated token cannot fit in
+    /// the whole pool. A prompt that fits with room for fewer than `max_tokens` tokens runs with
+    /// `max_tokens` lowered to the room (finish reason `length`).
     pub fn insert(&mut self, request: GenerateRequest) -> Result<RequestId> {
         self.insert_with(request, None)
     }
@@ -414,13 +415,13 @@ impl<'m> BatchGenerator<'m> {
         request.prompt = [vec![0; prefix_len], continuation].concat();
         let (max_tokens, stop_ids) = check_request(self.model, self.tokenizer, &request)?;
         let capacity_tokens = self.config.num_blocks * self.config.block_size;
-        let needed_tokens = request.prompt.len() + max_tokens;
-        if needed_tokens > capacity_tokens {
+        if request.prompt.len() >= capacity_tokens {
             return Err(EngineError::KvCacheTooSmall {
-                needed_tokens,
+                prompt_tokens: request.prompt.len(),
                 capacity_tokens,
             });
         }
+        let max_tokens = max_tokens.min(capacity_tokens - request.prompt.len());
         let id = self.next_id;
         self.next_id += 1;
         let history = RecentTokens::new(&request.sampling, &request.prompt[prefix_len..]);

@@ -3,13 +3,20 @@
 //! `Clone + Send`: `submit` returns a stream of [`EngineEvent`]s, `cancel` stops a request at the
 //! next token, `stats` reports the queue and memory.
 //!
+//! Nothing a client calls waits for a step: `submit` and `cancel` send a command, `stats` reads
+//! the snapshot the thread publishes after every step (and before that step's events are sent,
+//! so a client that has seen a request finish sees it counted). Chat templates are rendered on
+//! the caller's thread. A panic inside a step ends every request in the batch with
+//! `Finished { Error }` and the thread goes on with a fresh batch (the prefix cache is lost).
+//!
 //! Scheduling: continuous batching through [`BatchGenerator`]. Between steps the thread reads
 //! commands, hands new requests to the batch (which admits them by room and free KV blocks) and
 //! drops cancelled ones; each step is admission, prefill chunks and one batched decode step.
 
 use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -73,6 +80,23 @@ pub struct EngineConfig {
     /// at 8 × 128 tokens; `perch bench --concurrency 8` there: TTFT p50 32–49 ms in one pass,
     /// 90–230 ms split in two, 2026-11-24).
     pub arrival_window: std::time::Duration,
+    /// Requests that may wait beyond the `max_running` that run: past `max_running +
+    /// max_queued_requests` requests in the engine, [`EngineHandle::submit`] answers
+    /// [`EngineError::Busy`] at once.
+    pub max_queued_requests: usize,
+    /// Faults on purpose, for tests of what clients do when the engine is slow or fails.
+    #[doc(hidden)]
+    pub fault_injection: FaultInjection,
+}
+
+/// Test hooks: a slow step, a panic in a step. The default injects nothing.
+#[doc(hidden)]
+#[derive(Clone, Debug, Default)]
+pub struct FaultInjection {
+    /// Sleep this long before every step.
+    pub step_delay: std::time::Duration,
+    /// Panic in the engine thread's `n`th step (counted from 1 since the model loaded).
+    pub panic_at_step: Option<u64>,
 }
 
 impl EngineConfig {
@@ -81,6 +105,8 @@ impl EngineConfig {
     pub const DEFAULT_KV_CACHE_BYTES: usize = 2 << 30;
     /// Larger than vLLM's 16: each cached block is one small MLX array per layer here.
     pub const DEFAULT_BLOCK_SIZE: usize = 32;
+    /// Enough for a genlm-style scorer's bursts of next-token-logprobs calls.
+    pub const DEFAULT_MAX_QUEUED_REQUESTS: usize = 1024;
 
     /// [`EngineConfig::arrival_window`]: none on CPU (prefill runs one sequence a pass there
     /// anyway), 0.5 ms on GPUs (a lone request's first token waits that much longer).
@@ -107,6 +133,8 @@ impl Default for EngineConfig {
             logprobs_batch_size: 5,
             logprobs_batch_timeout: std::time::Duration::from_millis(1),
             arrival_window: Self::default_arrival_window(Backend::current()),
+            max_queued_requests: Self::DEFAULT_MAX_QUEUED_REQUESTS,
+            fault_injection: FaultInjection::default(),
         }
     }
 }
@@ -160,7 +188,21 @@ pub enum EngineEvent {
     },
 }
 
-/// The engine's state on demand.
+impl EngineEvent {
+    /// The `Finished` of a request refused before it ran, with the reason.
+    pub(crate) fn refused(error: String) -> Self {
+        EngineEvent::Finished {
+            finish_reason: FinishReason::Error,
+            stats: GenerationStats::default(),
+            error: Some(error),
+            refused: true,
+            stop_string: None,
+            next_token_logprobs: None,
+        }
+    }
+}
+
+/// The engine's state as of its last step (see [`EngineHandle::stats`]).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct EngineStats {
     /// Requests admitted (prefilling or decoding).
@@ -187,7 +229,6 @@ enum Command {
     },
     PromptCache(PromptCacheJob),
     Cancel(RequestId),
-    Stats(Sender<EngineStats>),
     ClearCache(Sender<()>),
     Shutdown,
 }
@@ -202,6 +243,11 @@ pub struct EngineHandle {
     cancelled: Arc<Mutex<HashSet<RequestId>>>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
     tokenizer: Arc<Tokenizer>,
+    /// Published by the engine thread after every step.
+    stats: Arc<Mutex<EngineStats>>,
+    /// Requests submitted and not finished; bounded by `max_requests`.
+    outstanding: Arc<AtomicUsize>,
+    max_requests: usize,
 }
 
 /// A submitted request: its id (for `cancel`) and its event stream.
@@ -247,6 +293,11 @@ impl EngineHandle {
     ) -> Result<Self> {
         let (commands, inbox) = mpsc::channel();
         let cancelled = Arc::new(Mutex::new(HashSet::new()));
+        let stats = Arc::new(Mutex::new(EngineStats::default()));
+        let outstanding = Arc::new(AtomicUsize::new(0));
+        let max_requests = config
+            .max_running
+            .saturating_add(config.max_queued_requests);
         let queue = Queue {
             inbox,
             submitted: Vec::new(),
@@ -254,6 +305,9 @@ impl EngineHandle {
             cancelled: Arc::clone(&cancelled),
             finished_requests: 0,
             shutting_down: false,
+            outbox: Vec::new(),
+            stats: Arc::clone(&stats),
+            outstanding: Arc::clone(&outstanding),
         };
         let (loaded_tx, loaded_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -294,6 +348,9 @@ impl EngineHandle {
             next_id: Arc::new(AtomicU64::new(1)),
             cancelled,
             thread: Arc::new(Mutex::new(Some(thread))),
+            stats,
+            outstanding,
+            max_requests,
         })
     }
 
@@ -304,22 +361,44 @@ impl EngineHandle {
         &self.tokenizer
     }
 
-    /// Queues a request. Errors in the request itself (empty prompt, too long, bad sampling
-    /// parameters) arrive as a `Finished` event with reason `Error`.
-    pub fn submit(&self, request: EngineRequest) -> Result<RequestStream, EngineError> {
+    /// Queues a request; never waits for the engine. A [`Prompt::Chat`] is rendered here, on
+    /// the caller's thread. Errors in the request itself (a chat template that fails, an empty
+    /// or too long prompt, bad sampling parameters) arrive as a `Finished` event with reason
+    /// `Error` and `refused` set. Errors: [`EngineError::Busy`] when `max_running +
+    /// max_queued_requests` requests are already in the engine, [`EngineError::EngineStopped`].
+    pub fn submit(&self, mut request: EngineRequest) -> Result<RequestStream, EngineError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (events, receiver) = mpsc::channel();
+        let stream = RequestStream {
+            id,
+            events: receiver,
+        };
+        if let Prompt::Chat(messages) = &request.prompt {
+            match self.tokenizer.encode_chat(messages) {
+                Ok(tokens) => request.prompt = Prompt::Tokens(tokens),
+                Err(err) => {
+                    let _ = events.send(EngineEvent::refused(err.to_string()));
+                    return Ok(stream);
+                }
+            }
+        }
+        let limit = self.max_requests;
+        self.outstanding
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < limit).then_some(n + 1)
+            })
+            .map_err(|_| EngineError::Busy { limit })?;
         self.commands
             .send(Command::Submit {
                 id,
                 request: Box::new(request),
                 events,
             })
-            .map_err(|_| EngineError::EngineStopped)?;
-        Ok(RequestStream {
-            id,
-            events: receiver,
-        })
+            .map_err(|_| {
+                self.outstanding.fetch_sub(1, Ordering::AcqRel);
+                EngineError::EngineStopped
+            })?;
+        Ok(stream)
     }
 
     /// Stops a request: a waiting one never starts, a running one ends before its next token.
@@ -394,13 +473,21 @@ impl EngineHandle {
         rx.recv().map_err(|_| EngineError::EngineStopped)
     }
 
-    /// Queue lengths and MLX memory, answered between tokens.
+    /// Queue lengths, throughput, KV blocks and MLX memory as of the engine's last step (or
+    /// its last command while idle); never waits for a step. Errors:
+    /// [`EngineError::EngineStopped`] once the engine thread has ended.
     pub fn stats(&self) -> Result<EngineStats, EngineError> {
-        let (tx, rx) = mpsc::channel();
-        self.commands
-            .send(Command::Stats(tx))
-            .map_err(|_| EngineError::EngineStopped)?;
-        rx.recv().map_err(|_| EngineError::EngineStopped)
+        if self
+            .thread
+            .lock()
+            .map_or(true, |t| t.as_ref().is_none_or(|t| t.is_finished()))
+        {
+            return Err(EngineError::EngineStopped);
+        }
+        self.stats
+            .lock()
+            .map(|s| s.clone())
+            .map_err(|_| EngineError::EngineStopped)
     }
 
     /// Computes the KV state of `prompt` (from the prefix cache where it can) and writes it to
@@ -408,6 +495,10 @@ impl EngineHandle {
     /// full blocks also join this engine's prefix cache. Errors: the prompt's (tokenizing, chat
     /// template), MLX's, and [`EngineError::PromptCache`] when the file cannot be written.
     pub fn save_prompt_cache(&self, prompt: Prompt, path: &Path) -> Result<usize> {
+        let prompt = match prompt {
+            Prompt::Chat(messages) => Prompt::Tokens(self.tokenizer.encode_chat(&messages)?),
+            other => other,
+        };
         let (reply, answer) = mpsc::channel();
         self.prompt_cache_job(
             PromptCacheJob::Save {
@@ -484,6 +575,10 @@ struct Queue {
     cancelled: Arc<Mutex<HashSet<RequestId>>>,
     finished_requests: u64,
     shutting_down: bool,
+    /// Events of this pass, sent after the pass's stats are published.
+    outbox: Vec<(RequestId, Sender<EngineEvent>, EngineEvent)>,
+    stats: Arc<Mutex<EngineStats>>,
+    outstanding: Arc<AtomicUsize>,
 }
 
 impl Queue {
@@ -516,20 +611,9 @@ impl Queue {
                     }
                 }
             }
-            Command::Stats(reply) => {
-                let _ = reply.send(EngineStats {
-                    running: batch.num_running(),
-                    waiting: batch.num_waiting() + self.submitted.len(),
-                    finished_requests: self.finished_requests,
-                    prompt_tps: batch.prompt_throughput.rate(),
-                    generation_tps: batch.generation_throughput.rate(),
-                    kv_cache: batch.kv_stats(),
-                    step_times: batch.step_times(),
-                    memory: memory_stats(),
-                });
-            }
             Command::ClearCache(reply) => {
                 batch.reset_prefix_cache();
+                self.publish(batch);
                 let _ = reply.send(());
             }
             Command::Shutdown => self.shutting_down = true,
@@ -588,17 +672,42 @@ impl Queue {
 
     /// Ends a request the engine refused before running it (see [`EngineEvent::Finished`]).
     fn refuse(&mut self, job: &Job, error: String) {
-        self.end(
-            job,
-            EngineEvent::Finished {
-                finish_reason: FinishReason::Error,
-                stats: GenerationStats::default(),
-                error: Some(error),
-                refused: true,
-                stop_string: None,
-                next_token_logprobs: None,
-            },
-        );
+        self.end(job, EngineEvent::refused(error));
+    }
+
+    /// Queues a token event of `job` for [`Queue::flush`].
+    fn send(&mut self, job: &Job, event: EngineEvent) {
+        self.outbox.push((job.id, job.events.clone(), event));
+    }
+
+    /// Replaces the published stats with the engine's state now.
+    fn publish(&self, batch: &mut BatchGenerator<'_>) {
+        let stats = EngineStats {
+            running: batch.num_running(),
+            waiting: batch.num_waiting() + self.submitted.len(),
+            finished_requests: self.finished_requests,
+            prompt_tps: batch.prompt_throughput.rate(),
+            generation_tps: batch.generation_throughput.rate(),
+            kv_cache: batch.kv_stats(),
+            step_times: batch.step_times(),
+            memory: memory_stats(),
+        };
+        if let Ok(mut published) = self.stats.lock() {
+            *published = stats;
+        }
+    }
+
+    /// Publishes the stats, then sends the pass's events: a client that sees a request end
+    /// sees it counted.
+    fn publish_and_flush(&mut self, batch: &mut BatchGenerator<'_>) {
+        self.publish(batch);
+        for (id, events, event) in std::mem::take(&mut self.outbox) {
+            let is_token = matches!(event, EngineEvent::Token { .. });
+            // Nobody listens any more: treat as cancelled at the next step.
+            if events.send(event).is_err() && is_token {
+                self.mark_cancelled(id);
+            }
+        }
     }
 
     fn finish(
@@ -621,13 +730,14 @@ impl Queue {
         );
     }
 
-    /// Sends a request's `Finished` and forgets it.
+    /// Queues a request's `Finished` (see [`Queue::publish_and_flush`]) and forgets it.
     fn end(&mut self, job: &Job, finished: EngineEvent) {
-        let _ = job.events.send(finished);
+        self.outbox.push((job.id, job.events.clone(), finished));
         if let Ok(mut set) = self.cancelled.lock() {
             set.remove(&job.id);
         }
         self.finished_requests += 1;
+        self.outstanding.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -662,14 +772,76 @@ impl EngineThread {
                 config.kv_quantization,
             )
         };
-        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, batch_config, &model_id);
-        if Backend::current() != Backend::Cpu {
-            // A warm-up that fails leaves nothing behind; the first request that meets the same
-            // failure reports it.
-            let _ = batch.warm_up();
+        let mut pass = Pass {
+            model: model.as_ref(),
+            tokenizer: &tokenizer,
+            model_id: &model_id,
+            config: &config,
+            jobs: HashMap::new(),
+            steps: 0,
+        };
+        let mut warm_up = Backend::current() != Backend::Cpu;
+        loop {
+            let mut batch =
+                BatchGenerator::new(model.as_ref(), &tokenizer, batch_config.clone(), &model_id);
+            if std::mem::take(&mut warm_up) {
+                // A warm-up that fails leaves nothing behind; the first request that meets the
+                // same failure reports it.
+                let _ = batch.warm_up();
+            }
+            // Stats of the fresh batch, then the failed requests' ends (after a panic).
+            queue.publish_and_flush(&mut batch);
+            let served =
+                std::panic::catch_unwind(AssertUnwindSafe(|| pass.serve(&mut batch, &mut queue)));
+            let panic = match served {
+                Ok(()) => return,
+                Err(panic) => panic,
+            };
+            // A panic mid-pass: the batch's state is unknown. Its requests end with the panic's
+            // message (sent once the next batch is up); the next loop starts a fresh batch (and
+            // prefix cache) on the same model.
+            let message = format!(
+                "the engine failed while running this request ({}); it was stopped and the engine \
+                 restarted",
+                panic_message(panic.as_ref())
+            );
+            for (_, job) in std::mem::take(&mut pass.jobs) {
+                queue.finish(
+                    &job,
+                    FinishReason::Error,
+                    GenerationStats::default(),
+                    Some(message.clone()),
+                );
+            }
         }
-        // Batch request id -> the submitted job it serves (waiting or running in the batch).
-        let mut jobs: HashMap<RequestId, Job> = HashMap::new();
+    }
+}
+
+/// What a panic carried, as text.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
+/// The engine thread's state that outlives a batch: the model, the settings and the requests
+/// in the batch (batch request id -> the submitted job it serves, waiting or running).
+struct Pass<'m> {
+    model: &'m dyn Model,
+    tokenizer: &'m Tokenizer,
+    model_id: &'m str,
+    config: &'m EngineConfig,
+    jobs: HashMap<RequestId, Job>,
+    /// Steps run since the model loaded (for [`FaultInjection::panic_at_step`]).
+    steps: u64,
+}
+
+impl Pass<'_> {
+    /// Serves commands and steps the batch until shutdown or the last handle is dropped.
+    fn serve(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        let config = self.config;
         loop {
             if batch.is_empty()
                 && queue.submitted.is_empty()
@@ -677,8 +849,9 @@ impl EngineThread {
                 && !queue.shutting_down
             {
                 // Idle: sleep until a command arrives; a dropped last handle ends the thread.
+                queue.publish_and_flush(batch);
                 match queue.inbox.recv() {
-                    Ok(command) => queue.handle(command, &mut batch, &jobs),
+                    Ok(command) => queue.handle(command, batch, &self.jobs),
                     Err(_) => return,
                 }
                 // A next-token-logprobs call waits briefly for others to share its step.
@@ -689,83 +862,25 @@ impl EngineThread {
                 let burst = |q: &Queue| {
                     !window.is_zero() && (1..config.max_running).contains(&q.submitted.len())
                 };
-                if !queue.gather(&mut batch, &jobs, timeout, timeout, scoring)
-                    || !queue.gather(&mut batch, &jobs, window * 4, window, burst)
+                if !queue.gather(batch, &self.jobs, timeout, timeout, scoring)
+                    || !queue.gather(batch, &self.jobs, window * 4, window, burst)
                 {
                     return;
                 }
             }
-            queue.drain(&mut batch, &jobs);
-
-            for job in std::mem::take(&mut queue.prompt_cache_jobs) {
-                match job {
-                    PromptCacheJob::Save {
-                        prompt,
-                        path,
-                        reply,
-                    } => {
-                        let saved = tokens_of(&prompt, &tokenizer).and_then(|tokens| {
-                            let cache = batch.compute_prefix(
-                                &tokens,
-                                GenerateRequest::DEFAULT_PREFILL_STEP_SIZE,
-                            )?;
-                            save_prompt_cache(
-                                &path,
-                                &cache,
-                                &tokens,
-                                &model_id,
-                                batch.config().block_size,
-                            )?;
-                            Ok(tokens.len())
-                        });
-                        let _ = reply.send(saved);
-                    }
-                    PromptCacheJob::Load { path, reply } => {
-                        let loaded = load_prompt_cache(&path, model.as_ref(), &model_id).and_then(|prefix| match &prefix.tokens {
-                            Some(tokens) => batch.import_prefix(tokens, &prefix.layers),
-                            None => Err(EngineError::PromptCache {
-                                path: path.clone(),
-                                message: "it does not record its token ids (an mlx_lm file); submit it as Prompt::AfterCache instead".into(),
-                            }),
-                        });
-                        let _ = reply.send(loaded);
-                    }
-                }
-            }
-
-            for job in std::mem::take(&mut queue.submitted) {
-                let inserted = match &job.request.prompt {
-                    Prompt::AfterCache { cache_file, tokens } => {
-                        load_prompt_cache(cache_file, model.as_ref(), &model_id).and_then(
-                            |prefix| {
-                                let mut request = job.request.params.clone();
-                                request.prompt = tokens.clone();
-                                batch.insert_after_prefix(request, prefix)
-                            },
-                        )
-                    }
-                    prompt => tokens_of(prompt, &tokenizer).and_then(|tokens| {
-                        let mut request = job.request.params.clone();
-                        request.prompt = tokens;
-                        batch.insert(request)
-                    }),
-                };
-                match inserted {
-                    Ok(id) => {
-                        jobs.insert(id, job);
-                    }
-                    Err(err) => queue.refuse(&job, err.to_string()),
-                }
-            }
+            queue.drain(batch, &self.jobs);
+            self.prompt_cache_jobs(batch, queue);
+            self.admit(batch, queue);
 
             // Cancelled (or no longer listened to) requests leave before the next step.
-            let leaving: Vec<RequestId> = jobs
+            let leaving: Vec<RequestId> = self
+                .jobs
                 .iter()
                 .filter(|(_, job)| queue.shutting_down || queue.is_cancelled(job.id))
                 .map(|(id, _)| *id)
                 .collect();
             for id in leaving {
-                let job = jobs.remove(&id).expect("listed above");
+                let job = self.jobs.remove(&id).expect("listed above");
                 match batch.remove(id) {
                     Ok(output) => queue.finish(
                         &job,
@@ -782,55 +897,137 @@ impl EngineThread {
                 }
             }
             if queue.shutting_down {
+                queue.publish_and_flush(batch);
                 return;
             }
+            if !batch.is_empty() {
+                self.step(batch, queue);
+            }
+            queue.publish_and_flush(batch);
+        }
+    }
 
-            match batch.step() {
-                Ok(events) => {
-                    for event in events {
-                        match event {
-                            BatchEvent::Token { request, event } => {
-                                let job = jobs.get(&request).expect("event of a running request");
-                                let message = EngineEvent::Token {
-                                    id: event.id,
-                                    text: event.text,
-                                    logprobs: event.logprobs,
-                                };
-                                // Nobody listens any more: treat as cancelled at the next step.
-                                if job.events.send(message).is_err() {
-                                    queue.mark_cancelled(job.id);
-                                }
+    fn prompt_cache_jobs(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        for job in std::mem::take(&mut queue.prompt_cache_jobs) {
+            match job {
+                PromptCacheJob::Save {
+                    prompt,
+                    path,
+                    reply,
+                } => {
+                    let saved = tokens_of(&prompt, self.tokenizer).and_then(|tokens| {
+                        let cache = batch
+                            .compute_prefix(&tokens, GenerateRequest::DEFAULT_PREFILL_STEP_SIZE)?;
+                        save_prompt_cache(
+                            &path,
+                            &cache,
+                            &tokens,
+                            self.model_id,
+                            batch.config().block_size,
+                        )?;
+                        Ok(tokens.len())
+                    });
+                    let _ = reply.send(saved);
+                }
+                PromptCacheJob::Load { path, reply } => {
+                    let loaded =
+                        load_prompt_cache(&path, self.model, self.model_id).and_then(|prefix| {
+                            match &prefix.tokens {
+                                Some(tokens) => batch.import_prefix(tokens, &prefix.layers),
+                                None => Err(EngineError::PromptCache {
+                                    path: path.clone(),
+                                    message: "it does not record its token ids (an mlx_lm file); \
+                                          submit it as Prompt::AfterCache instead"
+                                        .into(),
+                                }),
                             }
-                            BatchEvent::Finished { request, output } => {
-                                let job =
-                                    jobs.remove(&request).expect("finished request was running");
-                                queue.end(
-                                    &job,
-                                    EngineEvent::Finished {
-                                        finish_reason: output.finish_reason,
-                                        stats: output.stats,
-                                        error: None,
-                                        refused: false,
-                                        stop_string: output.stop_string,
-                                        next_token_logprobs: output.next_token_logprobs,
-                                    },
-                                );
-                            }
+                        });
+                    let _ = reply.send(loaded);
+                }
+            }
+        }
+    }
+
+    /// Hands the submitted requests to the batch (or refuses them).
+    fn admit(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        for job in std::mem::take(&mut queue.submitted) {
+            let inserted = match &job.request.prompt {
+                Prompt::AfterCache { cache_file, tokens } => {
+                    load_prompt_cache(cache_file, self.model, self.model_id).and_then(|prefix| {
+                        let mut request = job.request.params.clone();
+                        request.prompt = tokens.clone();
+                        batch.insert_after_prefix(request, prefix)
+                    })
+                }
+                prompt => tokens_of(prompt, self.tokenizer).and_then(|tokens| {
+                    let mut request = job.request.params.clone();
+                    request.prompt = tokens;
+                    batch.insert(request)
+                }),
+            };
+            match inserted {
+                Ok(id) => {
+                    self.jobs.insert(id, job);
+                }
+                Err(err) => queue.refuse(&job, err.to_string()),
+            }
+        }
+    }
+
+    /// One batch step; its events go to the outbox.
+    fn step(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        self.steps += 1;
+        let faults = &self.config.fault_injection;
+        if !faults.step_delay.is_zero() {
+            std::thread::sleep(faults.step_delay);
+        }
+        if faults.panic_at_step == Some(self.steps) {
+            panic!("fault injected at step {}", self.steps);
+        }
+        match batch.step() {
+            Ok(events) => {
+                for event in events {
+                    match event {
+                        BatchEvent::Token { request, event } => {
+                            let job = self.jobs.get(&request).expect("event of a running request");
+                            let message = EngineEvent::Token {
+                                id: event.id,
+                                text: event.text,
+                                logprobs: event.logprobs,
+                            };
+                            queue.send(job, message);
+                        }
+                        BatchEvent::Finished { request, output } => {
+                            let job = self
+                                .jobs
+                                .remove(&request)
+                                .expect("finished request was running");
+                            queue.end(
+                                &job,
+                                EngineEvent::Finished {
+                                    finish_reason: output.finish_reason,
+                                    stats: output.stats,
+                                    error: None,
+                                    refused: false,
+                                    stop_string: output.stop_string,
+                                    next_token_logprobs: output.next_token_logprobs,
+                                },
+                            );
                         }
                     }
                 }
-                Err(err) => {
-                    // An MLX failure mid-step leaves the batch's caches unusable: fail its requests.
-                    let message = err.to_string();
-                    for id in batch.clear() {
-                        if let Some(job) = jobs.remove(&id) {
-                            queue.finish(
-                                &job,
-                                FinishReason::Error,
-                                GenerationStats::default(),
-                                Some(message.clone()),
-                            );
-                        }
+            }
+            Err(err) => {
+                // An MLX failure mid-step leaves the batch's caches unusable: fail its requests.
+                let message = err.to_string();
+                for id in batch.clear() {
+                    if let Some(job) = self.jobs.remove(&id) {
+                        queue.finish(
+                            &job,
+                            FinishReason::Error,
+                            GenerationStats::default(),
+                            Some(message.clone()),
+                        );
                     }
                 }
             }

@@ -42,14 +42,23 @@ pub enum EngineError {
         prompt_tokens: usize,
         context_length: usize,
     },
+    /// The prompt alone does not fit in the KV block pool. (A prompt that fits with room for
+    /// fewer tokens than `max_tokens` runs with `max_tokens` lowered to what fits, and finishes
+    /// with reason `length`.)
     #[error(
-        "the request needs {needed_tokens} tokens of KV cache (prompt plus max_tokens) but the KV cache budget holds \
-         {capacity_tokens}; lower max_tokens or raise the KV cache budget"
+        "the prompt needs {prompt_tokens} tokens of KV cache and one more to generate, but the KV cache budget holds \
+         {capacity_tokens}; shorten the prompt or raise the KV cache budget"
     )]
     KvCacheTooSmall {
-        needed_tokens: usize,
+        prompt_tokens: usize,
         capacity_tokens: usize,
     },
+    /// The engine already holds as many requests as it queues (see
+    /// [`crate::EngineConfig::max_queued_requests`]); try again when some have finished.
+    #[error(
+        "the engine is busy: {limit} requests are already running or waiting; try again shortly"
+    )]
+    Busy { limit: usize },
     #[error("prompt cache {path}: {message}")]
     PromptCache { path: PathBuf, message: String },
     #[error("invalid sampling parameters: {0}")]

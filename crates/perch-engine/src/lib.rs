@@ -36,6 +36,8 @@ pub mod weights;
 
 pub use cache::KvQuantization;
 pub use chat_template::ChatMessage;
+#[doc(hidden)]
+pub use engine::FaultInjection;
 pub use engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream,
 };

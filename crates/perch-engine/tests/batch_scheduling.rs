@@ -1,6 +1,7 @@
 //! The batch over its block pool: prefix-cache hits give exactly the cold tokens (also across
 //! the turns of a chat), cancels free every block, a tiny pool preempts and still completes
-//! every request exactly, and a request larger than the pool is rejected.
+//! every request exactly, a prompt larger than the pool is rejected and a
+//! `max_tokens` past the pool is clamped.
 
 mod common;
 
@@ -272,15 +273,16 @@ fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(mode: Bat
 }
 
 #[test]
-fn a_request_larger_than_the_pool_is_rejected() {
+fn a_prompt_larger_than_the_pool_is_rejected_and_max_tokens_is_clamped_to_the_pool() {
     let (model, tokenizer) = load();
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(4, 8), "smollm");
-    let err = batch.insert(request(vec![1; 20], 16)).unwrap_err();
+    // 32 tokens of pool: a 32-token prompt leaves no room for a generated token.
+    let err = batch.insert(request(vec![1; 32], 4)).unwrap_err();
     assert!(
         matches!(
             err,
             EngineError::KvCacheTooSmall {
-                needed_tokens: 36,
+                prompt_tokens: 32,
                 capacity_tokens: 32
             }
         ),
@@ -288,13 +290,19 @@ fn a_request_larger_than_the_pool_is_rejected() {
     );
     assert!(
         err.to_string()
-            .contains("lower max_tokens or raise the KV cache budget"),
+            .contains("shorten the prompt or raise the KV cache budget"),
         "{err}"
     );
     assert!(batch.is_empty());
-    batch
-        .insert(request(vec![1; 20], 12))
-        .expect("32 tokens fit");
+    // 20 + 16 tokens do not fit: the request runs with max_tokens lowered to the 12 that do and
+    // ends with reason `length` after exactly 12 tokens.
+    let mut long = request(vec![1; 20], 16);
+    long.ignore_eos = true;
+    let outputs = common::drive(&mut batch, vec![(0, long)]);
+    let (output, _) = &outputs[0];
+    assert_eq!(output.finish_reason, FinishReason::Length);
+    assert_eq!(output.token_ids.len(), 12, "{output:?}");
+    assert_eq!(batch.kv_stats().blocks_used, 0);
 }
 
 #[test]

@@ -353,3 +353,103 @@ fn a_burst_reaching_an_idle_engine_is_prefilled_in_one_pass() {
     );
     engine.shutdown();
 }
+
+#[test]
+fn stats_and_cancel_do_not_wait_for_a_slow_step() {
+    let step = Duration::from_millis(1500);
+    let engine = engine_with(EngineConfig {
+        fault_injection: perch_engine::FaultInjection {
+            step_delay: step,
+            panic_at_step: None,
+        },
+        ..EngineConfig::default()
+    });
+    let stream = engine
+        .submit(request(Prompt::Tokens(vec![1, 504, 2988]), 50))
+        .unwrap();
+    // The engine is inside its first (1.5 s) step now.
+    std::thread::sleep(Duration::from_millis(200));
+    let started = std::time::Instant::now();
+    let stats = engine.stats().unwrap();
+    engine.cancel(stream.id);
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_millis(500),
+        "stats and cancel took {waited:?} during a {step:?} step"
+    );
+    assert_eq!(stats.finished_requests, 0);
+    let (ids, reason, _) = collect(stream);
+    assert_eq!(reason, FinishReason::Cancelled);
+    assert!(ids.len() <= 1, "{ids:?}");
+    assert_eq!(engine.stats().unwrap().finished_requests, 1);
+    engine.shutdown();
+    assert!(engine.stats().is_err(), "a stopped engine has no stats");
+}
+
+#[test]
+fn a_panic_mid_stream_ends_every_request_with_an_error_and_the_engine_goes_on() {
+    let ask = || {
+        let mut r = request(Prompt::Tokens(vec![1, 504, 2988, 288]), 12);
+        r.params.ignore_eos = true;
+        r
+    };
+    let healthy = engine();
+    let (expected, reason, _) = collect(healthy.submit(ask()).unwrap());
+    assert_eq!(reason, FinishReason::Length);
+    healthy.shutdown();
+
+    let engine = engine_with(EngineConfig {
+        fault_injection: perch_engine::FaultInjection {
+            step_delay: Duration::ZERO,
+            panic_at_step: Some(4),
+        },
+        ..EngineConfig::default()
+    });
+    let streams = [engine.submit(ask()).unwrap(), engine.submit(ask()).unwrap()];
+    for stream in streams {
+        let (ids, reason, error) = collect(stream);
+        assert_eq!(reason, FinishReason::Error, "{ids:?}");
+        assert!(!ids.is_empty() && ids.len() < 12, "{ids:?}");
+        let error = error.expect("an error message");
+        assert!(
+            error.contains("the engine failed") && error.contains("fault injected at step 4"),
+            "{error}"
+        );
+    }
+    let stats = engine.stats().unwrap();
+    assert_eq!((stats.running, stats.waiting), (0, 0));
+    assert_eq!(stats.kv_cache.blocks_used, 0);
+    // The same request afterwards: served, and exactly as a healthy engine serves it.
+    let (ids, reason, error) = collect(engine.submit(ask()).unwrap());
+    assert_eq!((reason, error), (FinishReason::Length, None));
+    assert_eq!(ids, expected);
+    engine.shutdown();
+}
+
+#[test]
+fn a_full_queue_answers_busy_at_once() {
+    let engine = engine_with(EngineConfig {
+        max_running: 1,
+        max_queued_requests: 1,
+        ..EngineConfig::default()
+    });
+    let long = || request(Prompt::Tokens(vec![1, 504, 2988, 288]), 500);
+    let running = engine.submit(long()).unwrap();
+    let waiting = engine.submit(long()).unwrap();
+    match engine.submit(long()) {
+        Err(perch_engine::EngineError::Busy { limit: 2 }) => {}
+        other => panic!("expected Busy, got {:?}", other.map(|s| s.id)),
+    }
+    engine.cancel(running.id);
+    engine.cancel(waiting.id);
+    assert_eq!(collect(running).1, FinishReason::Cancelled);
+    assert_eq!(collect(waiting).1, FinishReason::Cancelled);
+    // Room again once they have ended.
+    let (ids, reason, _) = collect(
+        engine
+            .submit(request(Prompt::Tokens(vec![1, 504]), 2))
+            .unwrap(),
+    );
+    assert_eq!((ids.len(), reason), (2, FinishReason::Length));
+    engine.shutdown();
+}

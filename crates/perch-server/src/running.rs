@@ -68,9 +68,11 @@ impl Running {
     pub async fn start(state: &AppState, request: EngineRequest) -> Result<Self, ApiError> {
         let admitted = state.admit()?;
         let engine = &state.engine;
-        let stream = engine
-            .submit(request)
-            .map_err(|e| ApiError::engine(e.to_string()))?;
+        let stream = engine.submit(request).map_err(|e| match e {
+            // Other clients of the engine (the app's chat) fill its queue too.
+            perch_engine::EngineError::Busy { limit } => ApiError::overloaded(limit),
+            e => ApiError::engine(e.to_string()),
+        })?;
         let (tx, events) = mpsc::unbounded_channel();
         let receiver = stream.events;
         // The engine's events arrive on a blocking channel; a blocking task moves them over.
