@@ -68,39 +68,84 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
 }
 
 /// Runs the app: tray, window behaviour, the store in Perch's data directory
-/// (`perch_hub::data_dir()`), and the default model loading in the background.
-pub fn run() {
-    let store = Store::open(&perch_hub::data_dir(), perch_hub::total_memory_bytes());
-    desktop::plugins(with_commands(tauri::Builder::default(), store))
-        .setup(|app| {
-            #[cfg(target_os = "macos")]
-            app.set_activation_policy(tauri::ActivationPolicy::Accessory);
-            build_tray(app.handle())?;
-            if let Some(window) = app.get_webview_window(WINDOW) {
-                if cfg!(target_os = "macos") {
-                    let popover = window.clone();
-                    window.on_window_event(move |event| {
-                        if let tauri::WindowEvent::Focused(false) = event {
-                            let _ = popover.hide();
-                        }
-                    });
-                } else {
-                    show(&window);
+/// (`perch_hub::data_dir()`), and the default model loading in the background. Without a
+/// display (no `DISPLAY` or `WAYLAND_DISPLAY` on Linux, or one that GTK cannot open) it prints
+/// one sentence and returns a failure instead of panicking.
+pub fn run() -> std::process::ExitCode {
+    if let Some(problem) = missing_display() {
+        eprintln!("{problem}");
+        return std::process::ExitCode::FAILURE;
+    }
+    // Tauri (tao, GTK) panics when the display cannot be opened: that panic becomes the sentence.
+    let quiet = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let built = std::panic::catch_unwind(|| {
+        let store = Store::open(&perch_hub::data_dir(), perch_hub::total_memory_bytes());
+        desktop::plugins(with_commands(tauri::Builder::default(), store))
+            .setup(setup)
+            .build(tauri::generate_context!())
+    });
+    std::panic::set_hook(quiet);
+    let app = match built {
+        Ok(Ok(app)) => app,
+        Ok(Err(err)) => {
+            eprintln!("Perch could not start its window: {err}.");
+            return std::process::ExitCode::FAILURE;
+        }
+        Err(panic) => {
+            let why = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            eprintln!(
+                "Perch could not open a window on this display ({why}); the `perch` command line \
+                 runs without one."
+            );
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    app.run(|_, _| {});
+    std::process::ExitCode::SUCCESS
+}
+
+/// Why no window can open here, before trying: a Linux session without a display server.
+fn missing_display() -> Option<String> {
+    let unset = |name: &str| std::env::var_os(name).is_none_or(|v| v.is_empty());
+    (cfg!(target_os = "linux") && unset("DISPLAY") && unset("WAYLAND_DISPLAY")).then(|| {
+        "Perch needs a graphical session (neither DISPLAY nor WAYLAND_DISPLAY is set); the \
+         `perch` command line runs without one."
+            .to_string()
+    })
+}
+
+/// The tray, the window's behaviour, the saved settings applied, the default model loading.
+fn setup(app: &mut tauri::App) -> Result<(), Box<dyn std::error::Error>> {
+    #[cfg(target_os = "macos")]
+    app.set_activation_policy(tauri::ActivationPolicy::Accessory);
+    build_tray(app.handle())?;
+    if let Some(window) = app.get_webview_window(WINDOW) {
+        if cfg!(target_os = "macos") {
+            let popover = window.clone();
+            window.on_window_event(move |event| {
+                if let tauri::WindowEvent::Focused(false) = event {
+                    let _ = popover.hide();
                 }
-            }
-            let store = app.state::<Store>();
-            if let Err(problem) = store.settings().and_then(|settings| {
-                desktop::apply(app.handle(), None, &settings)?;
-                app.state::<commands::server::LocalServer>()
-                    .apply(&settings.server)
-            }) {
-                store.add_notice(problem);
-            }
-            load_default_model(app.handle().clone());
-            Ok(())
-        })
-        .run(tauri::generate_context!())
-        .expect("error while running Perch");
+            });
+        } else {
+            show(&window);
+        }
+    }
+    let store = app.state::<Store>();
+    if let Err(problem) = store.settings().and_then(|settings| {
+        desktop::apply(app.handle(), None, &settings)?;
+        app.state::<commands::server::LocalServer>()
+            .apply(&settings.server)
+    }) {
+        store.add_notice(problem);
+    }
+    load_default_model(app.handle().clone());
+    Ok(())
 }
 
 fn build_tray<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {

@@ -1,6 +1,6 @@
 // No console window on Windows release builds.
 #![cfg_attr(not(debug_assertions), windows_subsystem = "windows")]
 
-fn main() {
-    perch_app::run();
+fn main() -> std::process::ExitCode {
+    perch_app::run()
 }

@@ -298,16 +298,32 @@ fn channel<T: tauri::ipc::IpcResponse>() -> (Channel<T>, mpsc::Receiver<Value>) 
 
 /// Runs one turn to its end: the streamed text and the `finished` event.
 fn run_turn(app: &tauri::App<MockRuntime>, conversation: i64, turn: Turn) -> (String, Value) {
+    let (text, finished, trimmed) = run_turn_trimmed(app, conversation, turn);
+    assert_eq!(trimmed, None, "nothing trimmed here");
+    (text, finished)
+}
+
+/// [`run_turn`], with the messages the `context_trimmed` event said were left out, if it came.
+fn run_turn_trimmed(
+    app: &tauri::App<MockRuntime>,
+    conversation: i64,
+    turn: Turn,
+) -> (String, Value, Option<u64>) {
     let (events, received) = channel::<ChatEvent>();
-    chat_commands::chat(app.state(), app.state(), conversation, turn, events).expect("chat starts");
+    chat_commands::start_chat(&app.state(), &app.state(), conversation, turn, events)
+        .expect("chat starts");
     let mut text = String::new();
+    let mut trimmed = None;
     loop {
         let event = received
             .recv_timeout(Duration::from_secs(300))
             .expect("an event");
         match event["event"].as_str() {
+            Some("context_trimmed") if text.is_empty() => {
+                trimmed = event["dropped_messages"].as_u64()
+            }
             Some("token") => text.push_str(event["text"].as_str().unwrap()),
-            Some("finished") => return (text, event),
+            Some("finished") => return (text, event, trimmed),
             other => panic!("unexpected event {other:?}"),
         }
     }
@@ -381,9 +397,9 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     )
     .unwrap();
     let (events, received) = channel();
-    let request = chat_commands::chat(
-        first_run.state(),
-        first_run.state(),
+    let request = chat_commands::start_chat(
+        &first_run.state(),
+        &first_run.state(),
         id,
         send("Count from 1 to 500."),
         events,
@@ -670,4 +686,226 @@ fn the_local_server_follows_its_settings_and_the_loaded_model() {
         std::thread::sleep(Duration::from_millis(20));
     }
     invoke(&window, "unload_model", json!({})).unwrap();
+}
+
+/// A conversation with `max_tokens`, no system prompt, through IPC; its id.
+fn conversation_with(window: &WebviewWindow<MockRuntime>, max_tokens: usize) -> i64 {
+    let id = invoke(window, "create_conversation", json!({})).unwrap()["id"].clone();
+    let settings = json!({"system_prompt": "", "max_tokens": max_tokens});
+    invoke(
+        window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": settings}),
+    )
+    .unwrap();
+    id.as_i64().unwrap()
+}
+
+#[test]
+fn engine_stats_and_stop_answer_while_a_step_is_slow() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (app, window) = app(data.path());
+    let step = Duration::from_millis(1500);
+    let config = perch_engine::EngineConfig {
+        fault_injection: perch_engine::FaultInjection {
+            step_delay: step,
+            panic_at_step: None,
+        },
+        ..Default::default()
+    };
+    app.state::<AppState>().load(model_dir(), config).unwrap();
+    let id = conversation_with(&window, 50);
+    let (events, received) = channel::<ChatEvent>();
+    let request =
+        chat_commands::start_chat(&app.state(), &app.state(), id, send("Hello!"), events).unwrap();
+    // The engine is in its first 1.5 s step now.
+    std::thread::sleep(Duration::from_millis(300));
+    let started = std::time::Instant::now();
+    let stats = invoke(&window, "engine_stats", json!({})).unwrap();
+    let stats_took = started.elapsed();
+    let started = std::time::Instant::now();
+    chat_commands::stop(app.state(), request).unwrap();
+    let stop_took = started.elapsed();
+    assert!(
+        stats_took < Duration::from_millis(500) && stop_took < Duration::from_millis(500),
+        "engine_stats took {stats_took:?}, stop {stop_took:?} during a {step:?} step"
+    );
+    // The request is in the engine (admitted at the slow step's start, or waiting for it).
+    assert_eq!(
+        stats["running"].as_u64().unwrap() + stats["waiting"].as_u64().unwrap(),
+        1,
+        "{stats}"
+    );
+    let finished = loop {
+        let event = received.recv_timeout(Duration::from_secs(60)).unwrap();
+        if event["event"] == "finished" {
+            break event;
+        }
+    };
+    assert_eq!(finished["finish_reason"], "cancelled");
+}
+
+#[test]
+fn an_engine_failure_mid_answer_is_saved_as_an_error_and_the_next_turn_works() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (app, window) = app(data.path());
+    let config = perch_engine::EngineConfig {
+        fault_injection: perch_engine::FaultInjection {
+            step_delay: Duration::ZERO,
+            panic_at_step: Some(4),
+        },
+        ..Default::default()
+    };
+    app.state::<AppState>().load(model_dir(), config).unwrap();
+    let id = conversation_with(&window, 40);
+    let (text, finished) = run_turn(&app, id, send("Count from 1 to 100."));
+    assert_eq!(finished["finish_reason"], "error", "{finished}");
+    let error = finished["error"].as_str().expect("an error sentence");
+    assert!(
+        error.starts_with("The engine failed") && error.ends_with('.'),
+        "{error}"
+    );
+    assert!(!text.is_empty(), "tokens came before the failure");
+    let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(saved["messages"][1]["content"], text.as_str());
+    assert_eq!(saved["messages"][1]["finish_reason"], "error");
+    assert_eq!(saved["messages"][1]["error"], error);
+    // The same model answers the next turn.
+    let (_, finished) = run_turn(&app, id, Turn::Regenerate);
+    assert_ne!(finished["finish_reason"], "error", "{finished}");
+}
+
+#[test]
+fn a_conversation_longer_than_the_context_drops_its_oldest_turns() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (app, window) = app(data.path());
+    // A KV cache of a few hundred tokens: a handful of turns fill it.
+    let config = perch_engine::EngineConfig {
+        kv_cache_bytes: 12 << 20,
+        block_size: 8,
+        ..Default::default()
+    };
+    let state = app.state::<AppState>();
+    state.load(model_dir(), config).unwrap();
+    let limits = state.engine().unwrap().limits();
+    assert!(limits.kv_cache_tokens < 1000, "{limits:?}");
+    let id = conversation_with(&window, 16);
+    let question = "Please tell me, in a few words, what colour the sky is on a clear summer day \
+                    at noon, and why it looks that way to people standing on the ground.";
+    let mut turns = 0;
+    let dropped = loop {
+        turns += 1;
+        assert!(turns <= 40, "the context never filled");
+        let (_, finished, trimmed) = run_turn_trimmed(&app, id, send(question));
+        assert_ne!(
+            finished["finish_reason"], "error",
+            "turn {turns}: {finished}"
+        );
+        if let Some(dropped) = trimmed {
+            break dropped;
+        }
+    };
+    assert!(turns > 1 && dropped >= 2 && dropped % 2 == 0, "{dropped}");
+    // The history keeps every message; only the prompt left the oldest out.
+    let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(saved["messages"].as_array().unwrap().len(), 2 * turns);
+    // Later turns keep working.
+    let (_, finished, trimmed) = run_turn_trimmed(&app, id, send(question));
+    assert_ne!(finished["finish_reason"], "error", "{finished}");
+    assert!(trimmed.is_some());
+}
+
+fn engine_threads() -> usize {
+    perch_engine::engine::live_engines()
+}
+
+#[test]
+fn model_loads_run_one_at_a_time_and_the_last_one_wins() {
+    let _turn = serial();
+    // Engines of earlier tests in this process (their apps are not all dropped) are the
+    // baseline, once their number has settled.
+    let mut before = engine_threads();
+    let mut settled = std::time::Instant::now();
+    while settled.elapsed() < Duration::from_millis(500) {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = engine_threads();
+        if now != before {
+            (before, settled) = (now, std::time::Instant::now());
+        }
+    }
+    let data = tempfile::tempdir().unwrap();
+    let (app, _window) = app(data.path());
+    let state = app.state::<AppState>();
+    // A watcher counts engine threads while four loads race.
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let most = std::thread::scope(|scope| {
+        let watcher = scope.spawn(|| {
+            let mut most = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                most = most.max(engine_threads());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            most
+        });
+        let loads: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| state.load(model_dir(), Default::default())))
+            .collect();
+        for load in loads {
+            load.join().unwrap().expect("each load succeeds");
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        watcher.join().unwrap()
+    });
+    assert_eq!(most, before + 1, "two models were resident at once");
+    assert_eq!(engine_threads(), before + 1);
+    // The app and the local server see the same engine.
+    let engine = state.engine().unwrap();
+    let served = state.served().current().expect("served").engine;
+    assert!(std::sync::Arc::ptr_eq(
+        engine.tokenizer(),
+        served.tokenizer()
+    ));
+    state.unload().unwrap();
+    let waited = std::time::Instant::now();
+    while engine_threads() > before {
+        assert!(
+            waited.elapsed() < Duration::from_secs(10),
+            "unload left the engine"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn without_a_display_the_app_says_so_and_exits() {
+    let data = tempfile::tempdir().unwrap();
+    let run = |display: Option<&str>| {
+        let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_perch-app"));
+        command
+            .env_remove("DISPLAY")
+            .env_remove("WAYLAND_DISPLAY")
+            .env("PERCH_DATA_DIR", data.path())
+            .env("PERCH_MODELS_DIR", data.path().join("models"));
+        if let Some(display) = display {
+            command.env("DISPLAY", display);
+        }
+        let output = command.output().unwrap();
+        (
+            output.status,
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+    // No display variable at all; then a display that is not there (GTK fails to open it).
+    for (display, says) in [
+        (None, "needs a graphical session"),
+        (Some(":97"), "could not open a window"),
+    ] {
+        let (status, stderr) = run(display);
+        assert_eq!(status.code(), Some(1), "{display:?}: {stderr}");
+        assert!(stderr.contains(says), "{display:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{display:?}: {stderr}");
+    }
 }

@@ -36,6 +36,7 @@ export class ChatView {
       settings: $("conversation-settings"),
       settingsError: $("conversation-settings-error"),
       error: $("chat-error"),
+      notice: $("chat-notice"),
       sidebar: $("conversations"),
       rename: $("rename"),
       remove: $("delete"),
@@ -71,6 +72,12 @@ export class ChatView {
   showError(message) {
     this.el.error.textContent = message ?? "";
     this.el.error.hidden = !message;
+  }
+
+  /** A line about the answer being generated (e.g. older messages left out of its prompt). */
+  showNotice(message) {
+    this.el.notice.textContent = message ?? "";
+    this.el.notice.hidden = !message;
   }
 
   async refreshList() {
@@ -196,6 +203,7 @@ export class ChatView {
    */
   async startTurn(turn) {
     this.showError(null);
+    this.showNotice(null);
     if (!this.conversation) {
       const summary = await this.api.createConversation();
       this.conversation = await this.api.getConversation(summary.id);
@@ -231,6 +239,12 @@ export class ChatView {
             const frame = this.root.ownerDocument.defaultView?.requestAnimationFrame;
             frame ? frame(draw) : draw();
           }
+        } else if (event.event === "context_trimmed") {
+          const n = event.dropped_messages;
+          this.showNotice(
+            `This conversation is longer than the model's context: its first ${n} message${n === 1 ? "" : "s"} ` +
+              "(after the system prompt) were left out of this answer. They stay in the history.",
+          );
         } else if (event.event === "finished") {
           resolve(event);
         }

@@ -36,6 +36,7 @@ function fakeApi() {
       }
       if (c.title === "New chat") c.title = c.messages[0].content;
       api.stream = {
+        trimmed: (dropped_messages) => onEvent({ event: "context_trimmed", dropped_messages }),
         token: (text) => onEvent({ event: "token", text }),
         finish: (content, finish_reason = "stop") => {
           c.messages.push({ id: nextId++, role: "assistant", content, finish_reason, stats, error: null });
@@ -87,6 +88,23 @@ describe("ChatView", () => {
     expect(texts("#messages li.assistant .meta")).toEqual(["3 tokens · TTFT 100 ms · 9.0 tok/s · 16 of 20 prompt tokens cached"]);
     expect(texts("#conversation-list button")).toEqual(["Hello?"]);
     expect($("send").disabled).toBe(false);
+  });
+
+  it("says when a long conversation's oldest messages were left out, until the next turn", async () => {
+    let { done } = await type("A long chat.");
+    expect($("chat-notice").hidden).toBe(true);
+    api.stream.trimmed(4);
+    api.stream.token("Sure.");
+    await tick();
+    expect($("chat-notice").hidden).toBe(false);
+    expect($("chat-notice").textContent).toMatch(/first 4 messages .* left out of this answer/);
+    api.stream.finish("Sure.");
+    await done;
+    expect($("chat-notice").hidden).toBe(false); // still there with the answer it explains
+    ({ done } = await type("Short again."));
+    expect($("chat-notice").hidden).toBe(true);
+    api.stream.finish("Yes.");
+    await done;
   });
 
   it("Stop cancels the running request by its id", async () => {

@@ -1,6 +1,13 @@
 //! Chat templates: Jinja templates from `tokenizer_config.json` / `chat_template.jinja`, rendered
 //! with minijinja configured as transformers configures Jinja2 (`trim_blocks`, `lstrip_blocks`,
 //! `raise_exception`, `strftime_now`, a `tojson` that does not HTML-escape, Python string methods).
+//!
+//! Templates come with downloaded models, so rendering is bounded: [`TEMPLATE_FUEL`] instructions
+//! per render (minijinja's fuel: a template that loops forever is an error after about a second),
+//! [`TEMPLATE_RECURSION_LIMIT`] nested calls, [`MAX_RENDERED_BYTES`] of output, and the helpers a
+//! template can make allocate (`tojson`'s indent, `strftime_now`'s format, `indent`'s width) check
+//! their arguments. Not bounded: the memory of strings a template builds and keeps without writing
+//! them (a string doubled in a loop through a `namespace`); minijinja has no allocation limit.
 
 use minijinja::{Environment, Error, ErrorKind, Value as JinjaValue};
 use serde::{Deserialize, Serialize};
@@ -66,6 +73,16 @@ fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<S
     })
 }
 
+/// Instructions one render may execute (minijinja fuel). A 1,000-message conversation with the
+/// common templates takes well under 1% of it.
+pub const TEMPLATE_FUEL: u64 = 20_000_000;
+/// Nested template calls (macros, includes) one render may make.
+pub const TEMPLATE_RECURSION_LIMIT: usize = 100;
+/// The longest rendered prompt, in bytes (far beyond any model's context).
+pub const MAX_RENDERED_BYTES: usize = 64 << 20;
+/// The largest `tojson(indent=…)` and `indent(width=…)` accepted.
+const MAX_INDENT: usize = 64;
+
 /// A compiled chat template with the tokenizer's special tokens.
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -84,6 +101,8 @@ impl ChatTemplate {
     ) -> Result<Self> {
         let mut env = Environment::new();
         env.set_trim_blocks(true);
+        env.set_fuel(Some(TEMPLATE_FUEL));
+        env.set_recursion_limit(TEMPLATE_RECURSION_LIMIT);
         env.set_lstrip_blocks(true);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
@@ -92,10 +111,9 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
-        env.add_function("strftime_now", |format: String| {
-            chrono::Local::now().format(&format).to_string()
-        });
+        env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_filter("indent", indent);
         let format = ToolCallFormat::detect(&source);
         env.add_template_owned("chat", source).map_err(|e| {
             EngineError::ChatTemplate(format!("the template does not compile: {e}"))
@@ -136,16 +154,135 @@ impl ChatTemplate {
             .env
             .get_template("chat")
             .map_err(|e| EngineError::ChatTemplate(e.to_string()))?;
-        template
-            .render(minijinja::context! {
+        let mut out = BoundedWriter::default();
+        let rendered = template.render_captured_to(
+            minijinja::context! {
                 messages => messages,
                 tools => tools,
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token.clone().unwrap_or_default(),
                 eos_token => self.eos_token.clone().unwrap_or_default(),
-            })
-            .map_err(|e| EngineError::ChatTemplate(e.to_string()))
+            },
+            &mut out,
+        );
+        if out.overflowed {
+            return Err(EngineError::ChatTemplate(format!(
+                "the rendered prompt passed {} MiB; the template or the conversation is too large",
+                MAX_RENDERED_BYTES >> 20
+            )));
+        }
+        rendered.map_err(|e| match e.kind() {
+            ErrorKind::OutOfFuel => EngineError::ChatTemplate(format!(
+                "the template ran past its limit of {TEMPLATE_FUEL} instructions (a loop that does not end?)"
+            )),
+            _ => EngineError::ChatTemplate(e.to_string()),
+        })?;
+        String::from_utf8(out.bytes)
+            .map_err(|_| EngineError::ChatTemplate("the rendered prompt is not UTF-8".into()))
     }
+}
+
+/// Collects output up to [`MAX_RENDERED_BYTES`], then refuses more.
+#[derive(Default)]
+struct BoundedWriter {
+    bytes: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("rendered prompt too large"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// transformers' `strftime_now(format)`: the local time in C `strftime` notation. A format
+/// chrono cannot read (`%` alone, an unknown specifier) is a template error.
+fn strftime_now(format: String) -> std::result::Result<String, Error> {
+    use chrono::format::{Item, StrftimeItems};
+    use std::fmt::Write;
+    let items: Vec<Item> = StrftimeItems::new(&format).collect();
+    if items.iter().any(|item| matches!(item, Item::Error)) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: {format:?} is not a strftime format"),
+        ));
+    }
+    let mut out = String::new();
+    write!(
+        out,
+        "{}",
+        chrono::Local::now().format_with_items(items.into_iter())
+    )
+    .map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: {format:?} cannot be formatted"),
+        )
+    })?;
+    Ok(out)
+}
+
+/// Jinja2's `indent(width=4, first=False, blank=False)` (as transformers renders it), with
+/// `width` (spaces, or the string to indent with) at most [`MAX_INDENT`].
+fn indent(
+    value: String,
+    width: Option<JinjaValue>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: minijinja::value::Kwargs,
+) -> std::result::Result<String, Error> {
+    let width = match kwargs.get::<Option<JinjaValue>>("width")? {
+        Some(w) => Some(w),
+        None => width,
+    };
+    let first = kwargs
+        .get::<Option<bool>>("first")?
+        .or(first)
+        .unwrap_or(false);
+    let blank = kwargs
+        .get::<Option<bool>>("blank")?
+        .or(blank)
+        .unwrap_or(false);
+    kwargs.assert_all_used()?;
+    let prefix = match &width {
+        None => "    ".to_string(),
+        Some(w) => match (w.as_str(), w.as_usize()) {
+            (Some(text), _) if text.len() <= MAX_INDENT => text.to_string(),
+            (None, Some(n)) if n <= MAX_INDENT => " ".repeat(n),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("indent: width {w} is not a count or string of at most {MAX_INDENT}"),
+                ))
+            }
+        },
+    };
+    // Python's `(s + "\n").splitlines()`: a trailing newline adds no empty line.
+    let text = format!("{value}\n");
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = String::with_capacity(text.len() + lines.len() * prefix.len());
+    for (i, line) in lines.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+            if blank || !line.is_empty() {
+                out.push_str(&prefix);
+            }
+        }
+        out.push_str(line);
+    }
+    if first {
+        out.insert_str(0, &prefix);
+    }
+    Ok(out)
 }
 
 /// Python's `json.dumps(value, ensure_ascii=False, indent=indent)` as transformers' `tojson`
@@ -156,6 +293,12 @@ fn tojson(
 ) -> std::result::Result<JinjaValue, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
+    if indent.is_some_and(|n| n > MAX_INDENT) {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("tojson: an indent over {MAX_INDENT} is not supported"),
+        ));
+    }
     let json: serde_json::Value = serde_json::to_value(&value)
         .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let text = match indent {
@@ -269,6 +412,58 @@ mod tests {
         assert_eq!(plain, "[user]hi");
         let no_tools = ChatTemplate::new("{{ messages[0].content }}".into(), None, None).unwrap();
         assert_eq!(no_tools.tool_call_format(), None);
+    }
+
+    #[test]
+    fn hostile_templates_are_errors_not_hangs_panics_or_huge_allocations() {
+        let hi = [ChatMessage::new("user", "hi")];
+        for (source, expected) in [
+            // 10^10 iterations: out of fuel after 2x10^7 instructions.
+            (
+                "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+                "instructions",
+            ),
+            // Endless recursion.
+            (
+                "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+                "recursion",
+            ),
+            // 10^4 strings of 10^7 bytes: stopped at 64 MiB of output.
+            (
+                "{% for i in range(10000) %}{{ 'x' * 10000000 }}{% endfor %}",
+                "passed 64 MiB",
+            ),
+            // chrono panics formatting these; here they are template errors.
+            ("{{ strftime_now('%') }}", "not a strftime format"),
+            ("{{ strftime_now('%Q %Y') }}", "not a strftime format"),
+            // A terabyte of indentation.
+            ("{{ messages | tojson(indent=10**12) }}", "indent over 64"),
+            ("{{ 'a\nb' | indent(10**12) }}", "at most 64"),
+            ("{{ 'a\nb' | indent(width=10**12) }}", "at most 64"),
+        ] {
+            let started = std::time::Instant::now();
+            let err = render(source, &hi).expect_err(source);
+            assert!(
+                matches!(err, EngineError::ChatTemplate(_)) && err.to_string().contains(expected),
+                "{source}: {err}"
+            );
+            assert!(
+                started.elapsed() < std::time::Duration::from_secs(20),
+                "{source} took {:?}",
+                started.elapsed()
+            );
+        }
+    }
+
+    #[test]
+    fn indent_follows_jinja2() {
+        // Jinja2 3.1's output for the same filters (blank lines stay blank unless `blank`).
+        let out = render(
+            "{{ 'a\n\nb\n' | indent(2) }}|{{ 'a\n\nb' | indent(2, true, true) }}|{{ 'a\nb' | indent('> ') }}|{{ 'a\nb' | indent(first=true) }}",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(out, "a\n\n  b\n|  a\n  \n  b|a\n> b|    a\n    b");
     }
 
     #[test]

@@ -233,6 +233,49 @@ enum Command {
     Shutdown,
 }
 
+/// Engine threads alive in this process: loading or holding a model.
+static LIVE_ENGINES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many engine threads are alive in this process (each loads or holds one model): what
+/// shows two models resident at once.
+pub fn live_engines() -> usize {
+    LIVE_ENGINES.load(Ordering::Acquire)
+}
+
+/// Counts an engine thread from its start to its end (panics included).
+struct LiveEngine;
+
+impl LiveEngine {
+    fn start() -> Self {
+        LIVE_ENGINES.fetch_add(1, Ordering::AcqRel);
+        LiveEngine
+    }
+}
+
+impl Drop for LiveEngine {
+    fn drop(&mut self) {
+        LIVE_ENGINES.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// How many tokens a request can hold, fixed at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct EngineLimits {
+    /// The model's context (`max_position_embeddings`): prompt plus generated tokens.
+    pub context_length: usize,
+    /// Tokens the KV block pool holds (all requests together).
+    pub kv_cache_tokens: usize,
+}
+
+impl EngineLimits {
+    /// The longest prompt that can run with room for `generate` tokens after it.
+    pub fn max_prompt_tokens(&self, generate: usize) -> usize {
+        self.context_length
+            .min(self.kv_cache_tokens)
+            .saturating_sub(generate.max(1))
+    }
+}
+
 /// A cloneable, thread-safe handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
@@ -243,6 +286,7 @@ pub struct EngineHandle {
     cancelled: Arc<Mutex<HashSet<RequestId>>>,
     thread: Arc<Mutex<Option<JoinHandle<()>>>>,
     tokenizer: Arc<Tokenizer>,
+    limits: EngineLimits,
     /// Published by the engine thread after every step.
     stats: Arc<Mutex<EngineStats>>,
     /// Requests submitted and not finished; bounded by `max_requests`.
@@ -313,6 +357,7 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name("perch-engine".into())
             .spawn(move || {
+                let _live = LiveEngine::start();
                 match load().and_then(|loaded| {
                     // The quantization must fit the model's head dimension.
                     if let Some(q) = config.kv_quantization {
@@ -322,7 +367,17 @@ impl EngineHandle {
                 }) {
                     Ok((model, tokenizer)) => {
                         let tokenizer = Arc::new(tokenizer);
-                        let _ = loaded_tx.send(Ok(Arc::clone(&tokenizer)));
+                        let pool = BatchConfig::for_budget(
+                            model.as_ref(),
+                            config.kv_cache_bytes,
+                            config.block_size,
+                            config.kv_quantization,
+                        );
+                        let limits = EngineLimits {
+                            context_length: model.info().context_length,
+                            kv_cache_tokens: pool.num_blocks * pool.block_size,
+                        };
+                        let _ = loaded_tx.send(Ok((Arc::clone(&tokenizer), limits)));
                         EngineThread {
                             model,
                             tokenizer,
@@ -341,10 +396,11 @@ impl EngineHandle {
                 path: "engine thread".into(),
                 source: e,
             })?;
-        let tokenizer = loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
+        let (tokenizer, limits) = loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
         Ok(Self {
             commands,
             tokenizer,
+            limits,
             next_id: Arc::new(AtomicU64::new(1)),
             cancelled,
             thread: Arc::new(Mutex::new(Some(thread))),
@@ -359,6 +415,11 @@ impl EngineHandle {
     /// prompt, token counting) without a round trip through the engine.
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
+    }
+
+    /// The model's context and the KV pool's size in tokens.
+    pub fn limits(&self) -> EngineLimits {
+        self.limits
     }
 
     /// Queues a request; never waits for the engine. A [`Prompt::Chat`] is rendered here, on
@@ -870,6 +931,8 @@ impl Pass<'_> {
             }
             queue.drain(batch, &self.jobs);
             self.prompt_cache_jobs(batch, queue);
+            // New requests count as running (or waiting) before their first step ends.
+            let arrived = !queue.submitted.is_empty();
             self.admit(batch, queue);
 
             // Cancelled (or no longer listened to) requests leave before the next step.
@@ -901,6 +964,9 @@ impl Pass<'_> {
                 return;
             }
             if !batch.is_empty() {
+                if arrived {
+                    queue.publish(batch);
+                }
                 self.step(batch, queue);
             }
             queue.publish_and_flush(batch);

@@ -11,6 +11,9 @@ pub enum EngineError {
         #[source]
         source: std::io::Error,
     },
+    /// A model file larger than Perch reads (see [`crate::limits`]).
+    #[error("{path} is larger than {} MiB, more than any real model's; Perch does not read it", limit >> 20)]
+    FileTooLarge { path: PathBuf, limit: u64 },
     #[error("{path} is not a valid model config: {message}")]
     Config { path: PathBuf, message: String },
     #[error("model_type `{found}` is not supported; Perch supports: {supported}")]

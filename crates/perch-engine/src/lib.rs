@@ -20,6 +20,7 @@ pub mod generate;
 pub mod grammar;
 pub mod kv_cache_manager;
 pub mod layers;
+pub mod limits;
 mod mlx_ext;
 pub mod models;
 pub mod prompt_cache;
@@ -39,7 +40,8 @@ pub use chat_template::ChatMessage;
 #[doc(hidden)]
 pub use engine::FaultInjection;
 pub use engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineRequest, EngineStats, Prompt, RequestStream,
+    EngineConfig, EngineEvent, EngineHandle, EngineLimits, EngineRequest, EngineStats, Prompt,
+    RequestStream,
 };
 pub use error::{EngineError, Result};
 pub use generate::{

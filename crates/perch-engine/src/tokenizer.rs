@@ -28,8 +28,10 @@ impl Tokenizer {
     /// `eos_token`.
     pub fn load(model_dir: &Path) -> Result<Self> {
         let path = model_dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&path)
+        let bytes = crate::limits::read_capped(&path, crate::limits::MAX_TOKENIZER_JSON_BYTES)?;
+        let inner = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| EngineError::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
+        drop(bytes);
         let tokenizer_config = read_json_if_exists(&model_dir.join("tokenizer_config.json"))?;
         let special = |key: &str| -> Option<String> {
             let v = tokenizer_config.as_ref()?.get(key)?;
@@ -53,12 +55,10 @@ impl Tokenizer {
 
         let template_file = model_dir.join("chat_template.jinja");
         let source = if template_file.is_file() {
-            Some(
-                std::fs::read_to_string(&template_file).map_err(|source| EngineError::Io {
-                    path: template_file,
-                    source,
-                })?,
-            )
+            Some(crate::limits::read_text_capped(
+                &template_file,
+                crate::limits::MAX_CONFIG_BYTES,
+            )?)
         } else {
             tokenizer_config
                 .as_ref()
@@ -177,16 +177,68 @@ impl Tokenizer {
         let text = template.render_with_tools(messages, tools, true)?;
         self.encode(&text, false)
     }
+
+    /// [`Tokenizer::encode_chat`] of as much of the conversation as fits in `max_prompt_tokens`,
+    /// as chat apps keep a long conversation going (LM Studio's "truncate middle", Ollama's
+    /// context shift): the system messages at the start are always kept, and whole turns (a user
+    /// message and everything up to the next one) are dropped oldest first. Returns the tokens
+    /// and how many messages were dropped (0 when all fit). Each try renders the template;
+    /// about log2(turns) tries.
+    ///
+    /// Errors: the template's, and [`EngineError::PromptTooLong`] (with `max_prompt_tokens` as
+    /// the context) when the system messages and the last turn alone do not fit.
+    pub fn encode_chat_fitting(
+        &self,
+        messages: &[ChatMessage],
+        max_prompt_tokens: usize,
+    ) -> Result<(Vec<u32>, usize)> {
+        let system = messages.iter().take_while(|m| m.role == "system").count();
+        // Where the kept part may start: the first message after the system ones, then each
+        // later user message.
+        let mut starts = vec![system];
+        starts.extend((system + 1..messages.len()).filter(|&i| messages[i].role == "user"));
+        let encode_from = |start: usize| {
+            let kept: Vec<ChatMessage> = messages[..system]
+                .iter()
+                .chain(&messages[start..])
+                .cloned()
+                .collect();
+            self.encode_chat(&kept)
+        };
+        let whole = encode_from(system)?;
+        if whole.len() <= max_prompt_tokens {
+            return Ok((whole, 0));
+        }
+        let last = *starts.last().expect("starts holds at least one index");
+        let shortest = encode_from(last)?;
+        if shortest.len() > max_prompt_tokens {
+            return Err(EngineError::PromptTooLong {
+                prompt_tokens: shortest.len(),
+                context_length: max_prompt_tokens,
+            });
+        }
+        // The earliest start that fits (fewer messages, fewer tokens): binary search over
+        // starts[1..], knowing starts[0] does not fit and the last does.
+        let (mut lo, mut hi, mut best) = (0, starts.len() - 1, shortest);
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            let tokens = encode_from(starts[mid])?;
+            if tokens.len() <= max_prompt_tokens {
+                hi = mid;
+                best = tokens;
+            } else {
+                lo = mid;
+            }
+        }
+        Ok((best, starts[hi] - system))
+    }
 }
 
 fn read_json_if_exists(path: &Path) -> Result<Option<Value>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = crate::limits::read_text_capped(path, crate::limits::MAX_CONFIG_BYTES)?;
     serde_json::from_str(&text)
         .map(Some)
         .map_err(|e| EngineError::Config {

@@ -152,10 +152,7 @@ pub fn check_shape(name: &str, tensor: &Array, expected: &[i32]) -> Result<()> {
 fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
     let index = model_dir.join("model.safetensors.index.json");
     if index.is_file() {
-        let text = std::fs::read_to_string(&index).map_err(|source| EngineError::Io {
-            path: index.clone(),
-            source,
-        })?;
+        let text = crate::limits::read_text_capped(&index, crate::limits::MAX_CONFIG_BYTES)?;
         #[derive(serde::Deserialize)]
         struct Index {
             weight_map: HashMap<String, String>,

@@ -216,3 +216,159 @@ fn sharded_weights_load_like_a_single_file() {
     };
     assert_eq!(logits(dir.path()), logits(&src));
 }
+
+/// Replaces `name` in a [`variant`] directory (a link there) with `bytes`, or with a link to
+/// `target`.
+fn replace_file(dir: &Path, name: &str, contents: Result<&[u8], &Path>) {
+    let path = dir.join(name);
+    let _ = std::fs::remove_file(&path);
+    match contents {
+        Ok(bytes) => std::fs::write(&path, bytes).unwrap(),
+        Err(target) => std::os::unix::fs::symlink(target, &path).unwrap(),
+    }
+}
+
+#[test]
+fn huge_json_files_are_refused_before_they_are_read_whole() {
+    use perch_engine::limits::{MAX_CONFIG_BYTES, MAX_TOKENIZER_JSON_BYTES};
+    let load = |dir: &Path, name: &str| match name {
+        "config.json" | "model.safetensors.index.json" => load_err(dir),
+        _ => Tokenizer::load(dir).err().expect("refused"),
+    };
+    let refused = |err: &EngineError, name: &str, limit: u64| {
+        assert!(
+            matches!(err, EngineError::FileTooLarge { path, limit: l } if path.ends_with(name) && *l == limit),
+            "{name}: {err}"
+        );
+        assert!(err.to_string().contains("larger than"), "{err}");
+    };
+    // One byte past the cap (sparse files: nothing is written, nothing should be read).
+    for (name, limit) in [
+        ("config.json", MAX_CONFIG_BYTES),
+        ("model.safetensors.index.json", MAX_CONFIG_BYTES),
+        ("tokenizer_config.json", MAX_CONFIG_BYTES),
+        ("chat_template.jinja", MAX_CONFIG_BYTES),
+        ("tokenizer.json", MAX_TOKENIZER_JSON_BYTES),
+    ] {
+        let dir = variant(|_| {}, None);
+        let path = dir.path().join(name);
+        let _ = std::fs::remove_file(&path);
+        std::fs::File::create(&path)
+            .unwrap()
+            .set_len(limit + 1)
+            .unwrap();
+        refused(&load(dir.path(), name), name, limit);
+    }
+    // Links to an endless device, which reports no size: read up to the cap, then refused.
+    for (name, limit) in [
+        ("config.json", MAX_CONFIG_BYTES),
+        ("tokenizer.json", MAX_TOKENIZER_JSON_BYTES),
+    ] {
+        let dir = variant(|_| {}, None);
+        replace_file(dir.path(), name, Err(Path::new("/dev/zero")));
+        refused(&load(dir.path(), name), name, limit);
+    }
+}
+
+#[test]
+fn a_hostile_chat_template_fails_its_request_and_the_engine_goes_on() {
+    use perch_engine::{
+        ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, Prompt,
+    };
+    let dir = variant(|_| {}, None);
+    // Loops for 10^10 iterations unless stopped.
+    replace_file(
+        dir.path(),
+        "chat_template.jinja",
+        Ok(b"{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"),
+    );
+    let engine = EngineHandle::load(dir.path(), EngineConfig::default()).unwrap();
+    let finish = |prompt: Prompt| {
+        let stream = engine
+            .submit(EngineRequest {
+                prompt,
+                params: GenerateRequest::new(Vec::new()),
+            })
+            .unwrap();
+        let mut tokens = 0;
+        loop {
+            match stream
+                .events
+                .recv_timeout(std::time::Duration::from_secs(120))
+                .expect("an answer, not a hang")
+            {
+                EngineEvent::Token { .. } => tokens += 1,
+                EngineEvent::Finished {
+                    finish_reason,
+                    error,
+                    refused,
+                    ..
+                } => return (tokens, finish_reason, error, refused),
+            }
+        }
+    };
+    let (tokens, reason, error, refused) =
+        finish(Prompt::Chat(vec![ChatMessage::new("user", "hi")]));
+    assert_eq!((tokens, reason, refused), (0, FinishReason::Error, true));
+    let error = error.unwrap();
+    assert!(
+        error.contains("chat template") && error.contains("instructions"),
+        "{error}"
+    );
+    // A token id past the vocabulary, through the engine: refused too.
+    let (_, reason, error, refused) = finish(Prompt::Tokens(vec![1, 1_000_000]));
+    assert_eq!((reason, refused), (FinishReason::Error, true));
+    assert!(error.unwrap().contains("outside the vocabulary"));
+    // The engine serves the next request.
+    let (tokens, reason, error, _) = finish(Prompt::Tokens(vec![1, 504, 2988]));
+    assert!(tokens > 0 && error.is_none(), "{reason:?} {error:?}");
+    engine.shutdown();
+}
+
+#[test]
+fn a_conversation_longer_than_the_context_drops_its_oldest_turns() {
+    use perch_engine::ChatMessage;
+    let tokenizer = Tokenizer::load(&common::model_dir()).unwrap();
+    let mut messages = vec![ChatMessage::new("system", "You are terse.")];
+    for turn in 0..12 {
+        messages.push(ChatMessage::new(
+            "user",
+            format!("Question {turn}: what is {turn} times seven, and why?"),
+        ));
+        messages.push(ChatMessage::new(
+            "assistant",
+            format!("It is {}, because seven {turn}s make that.", turn * 7),
+        ));
+    }
+    messages.push(ChatMessage::new("user", "And twelve times seven?"));
+    let whole = tokenizer.encode_chat(&messages).unwrap();
+    // Everything fits: nothing dropped.
+    let (tokens, dropped) = tokenizer
+        .encode_chat_fitting(&messages, whole.len())
+        .unwrap();
+    assert_eq!((tokens, dropped), (whole.clone(), 0));
+    // Half the room: whole turns go, oldest first, the system prompt stays, and no earlier
+    // start would have fit.
+    let room = whole.len() / 2;
+    let (tokens, dropped) = tokenizer.encode_chat_fitting(&messages, room).unwrap();
+    assert!(dropped > 0 && dropped % 2 == 0, "whole turns: {dropped}");
+    assert!(tokens.len() <= room);
+    let kept = |dropped: usize| {
+        let mut kept = vec![messages[0].clone()];
+        kept.extend_from_slice(&messages[1 + dropped..]);
+        kept
+    };
+    assert_eq!(tokens, tokenizer.encode_chat(&kept(dropped)).unwrap());
+    assert!(tokenizer.encode_chat(&kept(dropped - 2)).unwrap().len() > room);
+    let text = tokenizer.decode(&tokens).unwrap();
+    assert!(text.contains("You are terse.") && text.contains("twelve times seven"));
+    assert!(!text.contains("Question 0:"));
+    // Not even the system prompt and the last question fit: an error naming both sizes.
+    match tokenizer.encode_chat_fitting(&messages, 10) {
+        Err(EngineError::PromptTooLong {
+            context_length: 10,
+            prompt_tokens,
+        }) => assert!(prompt_tokens > 10),
+        other => panic!("expected PromptTooLong, got {other:?}"),
+    }
+}

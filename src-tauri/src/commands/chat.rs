@@ -5,79 +5,90 @@
 use perch_engine::{
     EngineEvent, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
 };
-use perch_store::{Conversation, ConversationSettings, ConversationSummary, Turn};
+use perch_store::{Conversation, ConversationSettings, ConversationSummary, History, Turn};
 use serde::Serialize;
 use tauri::ipc::Channel;
-use tauri::State;
+use tauri::{AppHandle, Manager, Runtime, State};
 
 use super::model::AppState;
-use super::sentence;
+use super::{off_main_thread, sentence};
 use crate::store::Store;
 
 /// Conversations, most recently active first; a non-empty `search` keeps those whose title or
 /// messages contain it.
 #[tauri::command]
-pub fn list_conversations(
-    store: State<'_, Store>,
+pub async fn list_conversations<R: Runtime>(
+    app: AppHandle<R>,
     search: Option<String>,
 ) -> Result<Vec<ConversationSummary>, String> {
-    store
-        .history()?
-        .conversations(search.as_deref().unwrap_or(""))
-        .map_err(|e| sentence(&e))
+    with_history(app, move |history| {
+        history.conversations(search.as_deref().unwrap_or(""))
+    })
+    .await
 }
 
 /// Starts an empty conversation with the settings' defaults (system prompt, sampling).
 #[tauri::command]
-pub fn create_conversation(store: State<'_, Store>) -> Result<ConversationSummary, String> {
-    let defaults = store.settings()?.chat;
-    store
-        .history()?
-        .create_conversation(&defaults)
-        .map_err(|e| sentence(&e))
+pub async fn create_conversation<R: Runtime>(
+    app: AppHandle<R>,
+) -> Result<ConversationSummary, String> {
+    let defaults = app.state::<Store>().settings()?.chat;
+    with_history(app, move |history| history.create_conversation(&defaults)).await
 }
 
 #[tauri::command]
-pub fn get_conversation(store: State<'_, Store>, id: i64) -> Result<Conversation, String> {
-    store.history()?.conversation(id).map_err(|e| sentence(&e))
+pub async fn get_conversation<R: Runtime>(
+    app: AppHandle<R>,
+    id: i64,
+) -> Result<Conversation, String> {
+    with_history(app, move |history| history.conversation(id)).await
 }
 
 /// Renames conversation `id`; an empty title goes back to its first message.
 #[tauri::command]
-pub fn rename_conversation(
-    store: State<'_, Store>,
+pub async fn rename_conversation<R: Runtime>(
+    app: AppHandle<R>,
     id: i64,
     title: String,
 ) -> Result<ConversationSummary, String> {
-    store
-        .history()?
-        .rename(id, &title)
-        .map_err(|e| sentence(&e))
+    with_history(app, move |history| history.rename(id, &title)).await
 }
 
 #[tauri::command]
-pub fn delete_conversation(store: State<'_, Store>, id: i64) -> Result<(), String> {
-    store.history()?.delete(id).map_err(|e| sentence(&e))
+pub async fn delete_conversation<R: Runtime>(app: AppHandle<R>, id: i64) -> Result<(), String> {
+    with_history(app, move |history| history.delete(id)).await
 }
 
 /// Sets conversation `id`'s system prompt and sampling (validated) for its next answers.
 #[tauri::command]
-pub fn set_conversation_settings(
-    store: State<'_, Store>,
+pub async fn set_conversation_settings<R: Runtime>(
+    app: AppHandle<R>,
     id: i64,
     settings: ConversationSettings,
 ) -> Result<(), String> {
     settings.validate().map_err(|e| sentence(&e))?;
-    store
-        .history()?
-        .set_settings(id, &settings)
-        .map_err(|e| sentence(&e))
+    with_history(app, move |history| history.set_settings(id, &settings)).await
+}
+
+/// Runs `work` on the history off the main thread (SQLite reads and fsync'd writes).
+async fn with_history<R: Runtime, T: Send + 'static, E: std::fmt::Display>(
+    app: AppHandle<R>,
+    work: impl FnOnce(&mut History) -> Result<T, E> + Send + 'static,
+) -> Result<T, String> {
+    off_main_thread(app, move |app| {
+        work(&mut *app.state::<Store>().history()?).map_err(|e| sentence(&e))
+    })
+    .await
 }
 
 /// What a chat request streams to the UI.
 #[derive(Clone, Debug, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum ChatEvent {
+    /// Sent first when the conversation is longer than the model's context: the oldest
+    /// `dropped_messages` messages (whole turns; the system prompt stays) are left out of this
+    /// answer's prompt. The history keeps them.
+    ContextTrimmed { dropped_messages: usize },
     /// Text the next token completes (may be empty).
     Token { text: String },
     /// The answer ended. It is in the history when this is sent (`message_id`), unless saving
@@ -94,11 +105,35 @@ pub enum ChatEvent {
 
 /// Applies `turn` (send, regenerate, edit the last user message) to conversation
 /// `conversation_id` and answers it with the conversation's settings; tokens stream to
-/// `on_event`. Returns the request id, for [`stop`].
+/// `on_event`. Returns the request id, for [`stop`]. Runs off the main thread (see
+/// [`start_chat`]).
 #[tauri::command]
-pub fn chat(
-    state: State<'_, AppState>,
-    store: State<'_, Store>,
+pub async fn chat<R: Runtime>(
+    app: AppHandle<R>,
+    conversation_id: i64,
+    turn: Turn,
+    on_event: Channel<ChatEvent>,
+) -> Result<u64, String> {
+    off_main_thread(app, move |app| {
+        start_chat(
+            &app.state::<AppState>(),
+            &app.state::<Store>(),
+            conversation_id,
+            turn,
+            on_event,
+        )
+    })
+    .await
+}
+
+/// What [`chat`] does, blocking: saves the turn, renders the conversation (dropping its oldest
+/// turns when it is longer than the context allows, see
+/// [`perch_engine::Tokenizer::encode_chat_fitting`]), submits it and streams the answer from a
+/// thread of its own, which saves the answer (also a partial one, with finish reason `error`
+/// or `cancelled`) before it sends `Finished`.
+pub fn start_chat(
+    state: &AppState,
+    store: &Store,
     conversation_id: i64,
     turn: Turn,
     on_event: Channel<ChatEvent>,
@@ -109,12 +144,24 @@ pub fn chat(
         .history()?
         .begin_turn(conversation_id, &turn)
         .map_err(|e| sentence(&e))?;
+    // Room for the answer: its max_tokens, but at most a quarter of the context, so that a
+    // long conversation keeps most of its history.
+    let limits = engine.limits();
+    let room = limits.context_length.min(limits.kv_cache_tokens);
+    let answer_room = settings.max_tokens.clamp(1, (room / 4).max(1));
+    let (prompt, dropped_messages) = engine
+        .tokenizer()
+        .encode_chat_fitting(&messages, limits.max_prompt_tokens(answer_room))
+        .map_err(|e| sentence(&e))?;
+    if dropped_messages > 0 {
+        let _ = on_event.send(ChatEvent::ContextTrimmed { dropped_messages });
+    }
     let mut params = GenerateRequest::new(Vec::new());
     params.sampling = settings.sampling;
     params.max_tokens = settings.max_tokens;
     let stream = engine
         .submit(EngineRequest {
-            prompt: Prompt::Chat(messages),
+            prompt: Prompt::Tokens(prompt),
             params,
         })
         .map_err(|e| sentence(&e))?;
@@ -123,6 +170,9 @@ pub fn chat(
     std::thread::spawn(move || {
         let mut answer = String::new();
         let mut window_open = true;
+        // The engine's end of the answer; a stream that stops without one (the engine went
+        // away) ends as an error.
+        let mut finished = None;
         for event in stream.events.iter() {
             match event {
                 EngineEvent::Token { text, .. } => {
@@ -139,35 +189,43 @@ pub fn chat(
                     error,
                     ..
                 } => {
-                    let error = error.map(|e| sentence(&e));
-                    let saved = history
-                        .lock()
-                        .map_err(|_| super::poisoned())
-                        .and_then(|mut h| {
-                            h.save_answer(
-                                conversation_id,
-                                &answer,
-                                finish_reason,
-                                &stats,
-                                error.as_deref(),
-                            )
-                            .map_err(|e| sentence(&e))
-                        });
-                    let (message_id, save_error) = match saved {
-                        Ok(message) => (Some(message.id), None),
-                        Err(err) => (None, Some(err)),
-                    };
-                    let _ = on_event.send(ChatEvent::Finished {
-                        finish_reason,
-                        stats,
-                        error,
-                        message_id,
-                        save_error,
-                    });
+                    finished = Some((finish_reason, stats, error));
                     break;
                 }
             }
         }
+        let (finish_reason, stats, error) = finished.unwrap_or_else(|| {
+            (
+                FinishReason::Error,
+                GenerationStats::default(),
+                Some("the engine stopped before the answer ended".into()),
+            )
+        });
+        let error = error.map(|e| sentence(&e));
+        let saved = history
+            .lock()
+            .map_err(|_| super::poisoned())
+            .and_then(|mut h| {
+                h.save_answer(
+                    conversation_id,
+                    &answer,
+                    finish_reason,
+                    &stats,
+                    error.as_deref(),
+                )
+                .map_err(|e| sentence(&e))
+            });
+        let (message_id, save_error) = match saved {
+            Ok(message) => (Some(message.id), None),
+            Err(err) => (None, Some(err)),
+        };
+        let _ = on_event.send(ChatEvent::Finished {
+            finish_reason,
+            stats,
+            error,
+            message_id,
+            save_error,
+        });
     });
     Ok(id)
 }

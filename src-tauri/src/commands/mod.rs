@@ -34,6 +34,18 @@ pub fn sentence_with_causes(err: &dyn std::error::Error) -> String {
     sentence(&text)
 }
 
+/// Runs `work` on Tauri's blocking pool: commands that wait on the engine, the disk or the
+/// network are `async` and do their work here, never on the main (UI) thread, which runs every
+/// non-async command.
+pub(crate) async fn off_main_thread<R: tauri::Runtime, T: Send + 'static>(
+    app: tauri::AppHandle<R>,
+    work: impl FnOnce(&tauri::AppHandle<R>) -> Result<T, String> + Send + 'static,
+) -> Result<T, String> {
+    tauri::async_runtime::spawn_blocking(move || work(&app))
+        .await
+        .map_err(|_| "Perch hit an internal error; the last action did not complete.".to_string())?
+}
+
 pub(crate) fn poisoned() -> String {
     "Perch's state is broken after an earlier crash; restart the app.".into()
 }

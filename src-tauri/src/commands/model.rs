@@ -10,13 +10,17 @@ use perch_server::{Served, ServedModel};
 use serde::Serialize;
 use tauri::{AppHandle, Manager, Runtime, State};
 
-use super::{poisoned, sentence};
+use super::{off_main_thread, poisoned, sentence};
 use crate::store::Store;
 
 /// The loaded model, if any, and what is happening to it.
 #[derive(Default)]
 pub struct AppState {
     model: Mutex<ModelSlot>,
+    /// Held for a whole load or unload: loads run one at a time, so a second load waits for the
+    /// first and then replaces it (the first engine is shut down before the next model is read,
+    /// never two models resident), and the progress shown is the running load's.
+    loads: Mutex<()>,
     /// How far the model being loaded has come; written by the engine thread.
     load_progress: Arc<Mutex<LoadProgress>>,
     /// What the local server serves: the loaded model, or nothing.
@@ -62,7 +66,8 @@ impl AppState {
         self.model.lock().map_err(|_| poisoned())
     }
 
-    pub(crate) fn engine(&self) -> Result<EngineHandle, String> {
+    /// The loaded model's engine, or the sentence saying why there is none.
+    pub fn engine(&self) -> Result<EngineHandle, String> {
         let slot = self.slot()?;
         match (&slot.engine, &slot.status) {
             (Some(engine), _) => Ok(engine.clone()),
@@ -80,8 +85,10 @@ impl AppState {
     }
 
     /// Loads the model in `path` on an engine thread with `config` (replacing the loaded
-    /// model) and waits for it; blocking, so commands call it off the UI thread.
+    /// model) and waits for it, after any load already running; blocking, so commands call it
+    /// off the UI thread.
     pub fn load(&self, path: PathBuf, config: EngineConfig) -> Result<ModelStatus, String> {
+        let _one_at_a_time = self.loads.lock().map_err(|_| poisoned())?;
         let name = perch_hub::model_name(&path);
         let previous = std::mem::replace(
             &mut *self.slot()?,
@@ -135,7 +142,9 @@ impl AppState {
         result
     }
 
+    /// Shuts the loaded model's engine down (after any load running) and frees MLX's cache.
     pub fn unload(&self) -> Result<(), String> {
+        let _one_at_a_time = self.loads.lock().map_err(|_| poisoned())?;
         self.served.replace(None);
         let previous = std::mem::take(&mut *self.slot()?);
         if let Some(engine) = previous.engine {
@@ -148,11 +157,14 @@ impl AppState {
 
 /// Models in Perch's models directory (from the settings) and in the Hugging Face cache.
 #[tauri::command]
-pub fn list_models(store: State<'_, Store>) -> Result<Vec<LocalModel>, String> {
-    Ok(perch_hub::local_models(
-        &store.models_dir()?,
-        perch_hub::hf_cache_dir().as_deref(),
-    ))
+pub async fn list_models<R: Runtime>(app: AppHandle<R>) -> Result<Vec<LocalModel>, String> {
+    off_main_thread(app, |app| {
+        Ok(perch_hub::local_models(
+            &app.state::<Store>().models_dir()?,
+            perch_hub::hf_cache_dir().as_deref(),
+        ))
+    })
+    .await
 }
 
 /// Loads the model directory `path` (replacing the loaded model), with the KV cache budget and
@@ -169,9 +181,10 @@ pub async fn load_model<R: Runtime>(
         .map_err(|_| "Loading the model crashed.".to_string())?
 }
 
+/// Unloads the model (waits for its engine thread to end, off the UI thread).
 #[tauri::command]
-pub fn unload_model(state: State<'_, AppState>) -> Result<(), String> {
-    state.unload()
+pub async fn unload_model<R: Runtime>(app: AppHandle<R>) -> Result<(), String> {
+    off_main_thread(app, |app| app.state::<AppState>().unload()).await
 }
 
 #[tauri::command]
@@ -179,7 +192,8 @@ pub fn model_status(state: State<'_, AppState>) -> ModelStatus {
     state.status()
 }
 
-/// The engine's stats (requests, tok/s, KV blocks, MLX memory), or `None` with no model.
+/// The engine's stats (requests, tok/s, KV blocks, MLX memory), or `None` with no model: the
+/// snapshot of the engine's last step, so it never waits for the engine.
 #[tauri::command]
 pub fn engine_stats(state: State<'_, AppState>) -> Result<Option<EngineStats>, String> {
     match state.engine() {

@@ -6,6 +6,7 @@ use perch_store::Settings;
 use serde::Serialize;
 use tauri::{AppHandle, Manager, Runtime, State};
 
+use super::off_main_thread;
 use super::server::LocalServer;
 use crate::desktop;
 use crate::store::Store;
@@ -38,27 +39,31 @@ pub fn get_settings(store: State<'_, Store>) -> Result<SettingsView, String> {
 
 /// Validates `settings`, applies the global shortcut and launch at login, and saves them; on
 /// any error nothing changes. The local server starts, restarts or stops to match (a port
-/// already in use is such an error). The KV budget and block size apply from the next model load; new
-/// conversations start with the chat defaults.
+/// already in use is such an error). The KV budget and block size apply from the next model
+/// load; new conversations start with the chat defaults. Runs off the main thread (it writes the
+/// settings file and binds a port; the shortcut plugin hops to the main thread itself).
 #[tauri::command]
-pub fn save_settings<R: Runtime>(
+pub async fn save_settings<R: Runtime>(
     app: AppHandle<R>,
-    store: State<'_, Store>,
     settings: Settings,
 ) -> Result<SettingsView, String> {
-    store.validate_settings(&settings)?;
-    let old = store.settings()?;
-    desktop::apply(&app, Some(&old), &settings)?;
-    let server = app.state::<LocalServer>();
-    let saved = server
-        .apply(&settings.server)
-        .and_then(|()| store.save_settings(settings.clone()));
-    if let Err(err) = saved {
-        let _ = server.apply(&old.server);
-        let _ = desktop::apply(&app, Some(&settings), &old);
-        return Err(err);
-    }
-    view(&store)
+    off_main_thread(app, move |app| {
+        let store = app.state::<Store>();
+        store.validate_settings(&settings)?;
+        let old = store.settings()?;
+        desktop::apply(app, Some(&old), &settings)?;
+        let server = app.state::<LocalServer>();
+        let saved = server
+            .apply(&settings.server)
+            .and_then(|()| store.save_settings(settings.clone()));
+        if let Err(err) = saved {
+            let _ = server.apply(&old.server);
+            let _ = desktop::apply(app, Some(&settings), &old);
+            return Err(err);
+        }
+        view(&store)
+    })
+    .await
 }
 
 /// Problems found at start (a damaged history or settings file set aside, …), one sentence each.

@@ -8,7 +8,7 @@ pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use mlx_rs::Array;
 use serde::de::DeserializeOwned;
@@ -210,10 +210,7 @@ pub(crate) fn default_true() -> bool {
 
 /// Reads and parses `config.json`.
 pub fn read_config(path: &Path) -> Result<Value> {
-    let text = std::fs::read_to_string(path).map_err(|source| EngineError::Io {
-        path: PathBuf::from(path),
-        source,
-    })?;
+    let text = crate::limits::read_text_capped(path, crate::limits::MAX_CONFIG_BYTES)?;
     serde_json::from_str(&text).map_err(|e| EngineError::Config {
         path: path.to_path_buf(),
         message: e.to_string(),
