@@ -594,3 +594,41 @@ fn serve_answers_over_http() {
     let out = perch(&["serve", "--model", &model, "--host", "not an address"]);
     assert_clean_error(&out, "is not an address to listen on");
 }
+
+#[test]
+fn soak_runs_mixed_traffic_and_reports_memory() {
+    // A 16 MiB pool (about 350 tokens of this model) under 4 streams with prompts up to 256
+    // tokens: requests wait, get preempted and cancelled, and none fails.
+    let model = test_model();
+    let out = perch(&[
+        "soak",
+        "--model",
+        &model,
+        "--minutes",
+        "0.2",
+        "--report-every-s",
+        "4",
+        "--concurrency",
+        "4",
+        "--long-prompt-tokens",
+        "256",
+        "--kv-cache-mib",
+        "16",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    // Three reports: the minute, then finished, cancelled and errors (none).
+    let reports: Vec<Vec<&str>> = stdout
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.len() > 4 && f[0].parse::<f64>().is_ok())
+        .collect();
+    assert!(reports.len() >= 2, "{stdout}");
+    let last = reports.last().unwrap();
+    let count = |i: usize| last[i].parse::<u64>().unwrap();
+    assert!(count(1) + count(2) > 0, "requests ended: {stdout}");
+    assert_eq!(count(3), 0, "no request failed: {stdout}");
+    assert!(stdout.contains("KV and activations at peak"), "{stdout}");
+    assert!(stdout.contains("after warm-up: MLX active"), "{stdout}");
+}

@@ -12,6 +12,7 @@ mod hub;
 mod import;
 mod model_dir;
 mod serve;
+mod soak;
 
 use std::process::ExitCode;
 
@@ -40,6 +41,9 @@ enum Command {
     Pull(hub::PullArgs),
     /// Serve the model over HTTP in OpenAI's wire format (chat completions, models).
     Serve(serve::ServeArgs),
+    /// Run minutes of mixed traffic (streams, cancels, shared prefixes, long prompts) and print
+    /// memory and the KV pool as it goes (a benchmark: memory should stay flat once warm).
+    Soak(soak::SoakArgs),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +56,7 @@ fn main() -> ExitCode {
         Command::Search(args) => hub::search(args),
         Command::Pull(args) => hub::pull(args),
         Command::Serve(args) => serve::run(args),
+        Command::Soak(args) => soak::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
