@@ -73,6 +73,8 @@ pub struct HubClient {
     token: Option<String>,
     cache_dir: PathBuf,
     listing_timeout: Duration,
+    /// Set: every request and page still to come ends with [`HubError::Cancelled`].
+    cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     agent: ureq::Agent,
 }
 
@@ -177,6 +179,7 @@ impl HubClient {
             token,
             cache_dir,
             listing_timeout: LISTING_TIMEOUT,
+            cancel: None,
             agent,
         }
     }
@@ -186,6 +189,19 @@ impl HubClient {
     pub fn with_listing_timeout(mut self, limit: Duration) -> Self {
         self.listing_timeout = limit;
         self
+    }
+
+    /// The same client, stopped by `cancel`: once it is set, the next request, redirect or page
+    /// of a listing ends with [`HubError::Cancelled`] (a download also takes its own flag).
+    pub fn with_cancel(mut self, cancel: std::sync::Arc<std::sync::atomic::AtomicBool>) -> Self {
+        self.cancel = Some(cancel);
+        self
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel
+            .as_ref()
+            .is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// The cache directory downloads go into (`hub/` of the Hugging Face cache).
@@ -220,8 +236,8 @@ impl HubClient {
 
     /// The commit `revision` names in `repo_id` and its model files.
     ///
-    /// Both requests together end within the listing timeout. A listing cannot be cancelled
-    /// (only [`Self::download`] takes a cancel flag): that timeout bounds it instead.
+    /// Both requests together end within the listing timeout, or at the client's cancel flag
+    /// ([`Self::with_cancel`]), checked before every request and page.
     ///
     /// Errors: those of [`Self::commit`] and [`Self::tree`].
     pub fn snapshot(&self, repo_id: &str, revision: &str) -> Result<RemoteSnapshot, HubError> {
@@ -287,8 +303,8 @@ impl HubClient {
     ///
     /// Only pages on the endpoint's origin are followed: a link to another host or port is
     /// refused rather than followed without the token, as a page there could list anything. At
-    /// most [`MAX_LISTING_PAGES`] pages are read, all within the listing timeout; the listing
-    /// cannot be cancelled otherwise.
+    /// most [`MAX_LISTING_PAGES`] pages are read, all within the listing timeout, each after
+    /// checking the client's cancel flag ([`Self::with_cancel`]; [`HubError::Cancelled`]).
     ///
     /// Errors: [`HubError::InvalidRepoId`] and [`HubError::InvalidRevision`] before any request;
     /// [`HubError::BadResponse`] for a malformed answer, a path that would leave the repository,
@@ -325,6 +341,9 @@ impl HubClient {
             }
             pages += 1;
             let (entries, link) = self.get_json::<Vec<TreeEntry>>(&url, deadline)?;
+            if self.cancelled() {
+                return Err(HubError::Cancelled);
+            }
             for entry in entries.into_iter().filter(|e| e.kind == "file") {
                 let file = match entry.lfs {
                     Some(lfs) => RemoteFile {
@@ -391,6 +410,9 @@ impl HubClient {
     ) -> Result<ureq::http::Response<ureq::Body>, HubError> {
         let mut hop = url.to_owned();
         for _ in 0..=MAX_REDIRECTS {
+            if self.cancelled() {
+                return Err(HubError::Cancelled);
+            }
             let mut request = self.agent.get(&hop);
             if let Some(token) = self.token.as_ref().filter(|_| self.is_endpoint(&hop)) {
                 request = request.header("Authorization", &format!("Bearer {token}"));

@@ -220,6 +220,38 @@ fn a_slow_listing_times_out_as_a_whole() {
     assert!((2..=7).contains(&pages), "{pages} pages");
 }
 
+#[test]
+fn a_listing_stops_at_its_cancel_flag() {
+    let commit = "c".repeat(40);
+    let hub = endlessly_paging_hub(&commit);
+    hub.configure(|b| b.api_delay = Duration::from_millis(50));
+    let cache = tempfile::tempdir().unwrap();
+    let cancel = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let client = HubClient::new(hub.url(), None, cache.path().to_path_buf())
+        .with_cancel(std::sync::Arc::clone(&cancel));
+    let canceller = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(400));
+        cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    let started = Instant::now();
+    let err = client.tree(REPO, &commit).unwrap_err();
+    canceller.join().unwrap();
+    assert!(matches!(err, HubError::Cancelled), "{err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let pages = hub.requests().len();
+    assert!((2..=20).contains(&pages), "{pages} pages before the cancel");
+    // A cancelled client asks nothing more.
+    assert!(matches!(
+        client.tree(REPO, &commit),
+        Err(HubError::Cancelled)
+    ));
+    assert_eq!(hub.requests().len(), pages);
+}
+
 /// Every entry under `dir`, recursively, as paths relative to it.
 fn entries(dir: &Path) -> Vec<String> {
     let mut found = Vec::new();

@@ -95,6 +95,8 @@ pub async fn download_model<R: Runtime>(
         downloads.insert(repo_id.clone(), Arc::clone(&cancel));
     }
     let id = repo_id.clone();
+    // Cancel stops the file listing too, between its pages.
+    let client = client.with_cancel(Arc::clone(&cancel));
     let result = tauri::async_runtime::spawn_blocking(move || {
         let snapshot = client
             .snapshot(&id, "main")
