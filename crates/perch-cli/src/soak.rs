@@ -184,7 +184,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
         mib(loaded.active as u64),
     );
     println!(
-        "{:>6} {:>8} {:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>8} {:>14}",
+        "{:>6} {:>8} {:>9} {:>6} {:>9} {:>10} {:>9} {:>9} {:>8} {:>14} {:>12}",
         "min",
         "finished",
         "cancelled",
@@ -194,7 +194,8 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
         "MLX peak",
         "MLX cache",
         "RSS",
-        "KV blocks used"
+        "KV blocks used",
+        "prefix cache"
     );
 
     let counters = Arc::new(Counters::default());
@@ -232,7 +233,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
         let r = reading();
         let kv = engine.stats()?.kv_cache;
         println!(
-            "{:>6.1} {:>8} {:>9} {:>6} {:>9.1} {:>6.0} MiB {:>5.0} MiB {:>5.0} MiB {:>4} MiB {:>6}/{:<7}",
+            "{:>6.1} {:>8} {:>9} {:>6} {:>9.1} {:>6.0} MiB {:>5.0} MiB {:>5.0} MiB {:>4} MiB {:>6}/{:<7} {:>8.0} MiB",
             (now - started).as_secs_f64() / 60.0,
             counters.finished.load(Ordering::Relaxed),
             counters.cancelled.load(Ordering::Relaxed),
@@ -244,6 +245,7 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
             r.rss.map_or("?".into(), |b| format!("{:.0}", mib(b))),
             kv.blocks_used,
             kv.blocks_total,
+            mib(kv.prefix_cache_bytes as u64),
         );
         readings.push(r);
     }
@@ -254,8 +256,9 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
             .map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
     }
 
-    // Flatness: the second report (warm) against the last; the KV bound: the peak above what
-    // the model held after loading, against the budget.
+    // Flatness: the run's second half (the prefix cache fills its share of the pool in the
+    // first); the KV bound: the peak above what the model held after loading, against the
+    // budget.
     let peak = readings.iter().map(|r| r.peak).max().unwrap_or(loaded.peak);
     println!(
         "KV and activations at peak: {:.0} MiB above the model ({:.2}x the {:.0} MiB KV budget)",
@@ -263,10 +266,10 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
         peak.saturating_sub(loaded.active) as f64 / budget as f64,
         mib(budget as u64),
     );
-    if let (Some(warm), Some(last)) = (readings.get(1), readings.last()) {
+    if let (Some(warm), Some(last)) = (readings.get(readings.len() / 2), readings.last()) {
         let growth = |a: u64, b: u64| (b as f64 - a as f64) / a.max(1) as f64 * 100.0;
         println!(
-            "after warm-up: MLX active {:.0} -> {:.0} MiB ({:+.1}%), RSS {} -> {} MiB ({})",
+            "second half: MLX active {:.0} -> {:.0} MiB ({:+.1}%), RSS {} -> {} MiB ({})",
             mib(warm.active as u64),
             mib(last.active as u64),
             growth(warm.active as u64, last.active as u64),
