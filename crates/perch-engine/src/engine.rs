@@ -4,8 +4,10 @@
 //! next token, `stats` reports the queue and memory.
 //!
 //! Nothing a client calls waits for a step: `submit` and `cancel` send a command, `stats` reads
-//! the snapshot the thread publishes after every step (and before that step's events are sent,
-//! so a client that has seen a request finish sees it counted). Chat templates are rendered on
+//! the snapshot the thread publishes between steps: after any step that admits, preempts or ends
+//! a request (before that step's events are sent, so a client that has seen a request finish
+//! sees it counted), at least every [`STATS_INTERVAL`] while tokens stream, and whenever it goes
+//! idle. Chat templates are rendered on
 //! the caller's thread. A panic inside a step ends every request in the batch with
 //! `Finished { Error }` and the thread goes on with a fresh batch (the prefix cache is lost).
 //!
@@ -233,6 +235,9 @@ enum Command {
     Shutdown,
 }
 
+/// How stale the published stats may get while requests only stream tokens.
+pub const STATS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// Engine threads alive in this process: loading or holding a model.
 static LIVE_ENGINES: AtomicUsize = AtomicUsize::new(0);
 
@@ -351,6 +356,7 @@ impl EngineHandle {
             shutting_down: false,
             outbox: Vec::new(),
             stats: Arc::clone(&stats),
+            published_at: Instant::now(),
             outstanding: Arc::clone(&outstanding),
         };
         let (loaded_tx, loaded_rx) = mpsc::channel();
@@ -639,6 +645,8 @@ struct Queue {
     /// Events of this pass, sent after the pass's stats are published.
     outbox: Vec<(RequestId, Sender<EngineEvent>, EngineEvent)>,
     stats: Arc<Mutex<EngineStats>>,
+    /// When `stats` was last replaced.
+    published_at: Instant,
     outstanding: Arc<AtomicUsize>,
 }
 
@@ -742,7 +750,8 @@ impl Queue {
     }
 
     /// Replaces the published stats with the engine's state now.
-    fn publish(&self, batch: &mut BatchGenerator<'_>) {
+    fn publish(&mut self, batch: &mut BatchGenerator<'_>) {
+        self.published_at = Instant::now();
         let stats = EngineStats {
             running: batch.num_running(),
             waiting: batch.num_waiting() + self.submitted.len(),
@@ -762,6 +771,25 @@ impl Queue {
     /// sees it counted.
     fn publish_and_flush(&mut self, batch: &mut BatchGenerator<'_>) {
         self.publish(batch);
+        self.flush();
+    }
+
+    /// [`Queue::publish_and_flush`] after a step: the stats are published when requests `moved`
+    /// (were admitted, preempted or left), a request ended (its `Finished` is in the outbox) or
+    /// [`STATS_INTERVAL`] has passed; else only the tokens are sent.
+    fn publish_if_due_and_flush(&mut self, batch: &mut BatchGenerator<'_>, moved: bool) {
+        let ended = self
+            .outbox
+            .iter()
+            .any(|(_, _, event)| matches!(event, EngineEvent::Finished { .. }));
+        if moved || ended || self.published_at.elapsed() >= STATS_INTERVAL {
+            self.publish(batch);
+        }
+        self.flush();
+    }
+
+    /// Sends the outbox.
+    fn flush(&mut self) {
         for (id, events, event) in std::mem::take(&mut self.outbox) {
             let is_token = matches!(event, EngineEvent::Token { .. });
             // Nobody listens any more: treat as cancelled at the next step.
@@ -963,13 +991,17 @@ impl Pass<'_> {
                 queue.publish_and_flush(batch);
                 return;
             }
+            // Refused and cancelled requests hear of it now, not after the step.
+            if arrived || !queue.outbox.is_empty() {
+                queue.publish_and_flush(batch);
+            }
+            let queues = |b: &BatchGenerator<'_>| (b.num_running(), b.num_waiting());
+            let before = queues(batch);
             if !batch.is_empty() {
-                if arrived {
-                    queue.publish(batch);
-                }
                 self.step(batch, queue);
             }
-            queue.publish_and_flush(batch);
+            let moved = queues(batch) != before;
+            queue.publish_if_due_and_flush(batch, moved);
         }
     }
 
