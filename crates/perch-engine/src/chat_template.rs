@@ -5,11 +5,17 @@
 //! Templates come with downloaded models, so rendering is bounded: [`TEMPLATE_FUEL`] instructions
 //! per render (minijinja's fuel: a template that loops forever is an error after about a second),
 //! [`TEMPLATE_RECURSION_LIMIT`] nested calls, [`MAX_RENDERED_BYTES`] of output, and the helpers a
-//! template can make allocate (`tojson`'s indent, `strftime_now`'s format, `indent`'s width) check
-//! their arguments. Not bounded: the memory of strings a template builds and keeps without writing
-//! them (a string doubled in a loop through a `namespace`); minijinja has no allocation limit.
+//! template can make allocate from a number check it (`tojson`'s indent, `strftime_now`'s format,
+//! `indent`'s width, `slice`'s and `batch`'s counts, the widths and precisions of `format` and
+//! `str.format`). Not bounded: the memory of values a template builds from other values and keeps
+//! without writing them (a string doubled in a loop through a `namespace`, a long string joined or
+//! `replace`d many times over, a repeated list made a `list`), since minijinja has no allocation
+//! limit; and the time such values take, since fuel counts instructions and one instruction may
+//! copy 100 MB (`'x' * 100000000` in a loop of 100,000 runs for minutes). scripts/fuzz.sh renders
+//! arbitrary templates (fuzz/fuzz_targets/chat_template.rs) under a 2 GiB memory limit.
 
-use minijinja::{Environment, Error, ErrorKind, Value as JinjaValue};
+use minijinja::value::Rest;
+use minijinja::{Environment, Error, ErrorKind, State, Value as JinjaValue};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
@@ -82,6 +88,10 @@ pub const TEMPLATE_RECURSION_LIMIT: usize = 100;
 pub const MAX_RENDERED_BYTES: usize = 64 << 20;
 /// The largest `tojson(indent=…)` and `indent(width=…)` accepted.
 const MAX_INDENT: usize = 64;
+/// The most lists `slice` makes and the largest `batch` (as many as minijinja's `range` yields).
+const MAX_COUNT: usize = 100_000;
+/// The widest field and longest precision `format` and `str.format` accept.
+const MAX_FORMAT_WIDTH: usize = 1024;
 
 /// A compiled chat template with the tokenizer's special tokens.
 pub struct ChatTemplate {
@@ -104,7 +114,7 @@ impl ChatTemplate {
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_recursion_limit(TEMPLATE_RECURSION_LIMIT);
         env.set_lstrip_blocks(true);
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_method);
         env.add_function(
             "raise_exception",
             |message: String| -> std::result::Result<JinjaValue, Error> {
@@ -114,6 +124,9 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
         env.add_filter("indent", indent);
+        env.add_filter("format", format);
+        env.add_filter("slice", slice);
+        env.add_filter("batch", batch);
         let format = ToolCallFormat::detect(&source);
         env.add_template_owned("chat", source).map_err(|e| {
             EngineError::ChatTemplate(format!("the template does not compile: {e}"))
@@ -128,6 +141,12 @@ impl ChatTemplate {
             eos_token,
             tool_call_format: reads_tools.then_some(format),
         })
+    }
+
+    /// Replaces the budget of [`TEMPLATE_FUEL`] instructions per render (the fuzz target renders
+    /// with less: its instrumented build runs some 30 times slower).
+    pub fn set_fuel(&mut self, fuel: u64) {
+        self.env.set_fuel(Some(fuel));
     }
 
     /// How this template's model writes tool calls, or `None` when the template has no tool
@@ -229,6 +248,143 @@ fn strftime_now(format: String) -> std::result::Result<String, Error> {
         )
     })?;
     Ok(out)
+}
+
+/// Python's methods on strings, maps and lists (minijinja-contrib's `pycompat`), with
+/// `str.format`'s format string checked ([`check_format_string`]).
+fn python_method(
+    state: &State,
+    value: &JinjaValue,
+    method: &str,
+    args: &[JinjaValue],
+) -> std::result::Result<JinjaValue, Error> {
+    if let (Some(text), "format") = (value.as_str(), method) {
+        check_format_string(text, false)?;
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
+}
+
+/// minijinja's printf-style `format` filter, with the format string checked
+/// ([`check_format_string`]).
+fn format(
+    state: &State,
+    format: &JinjaValue,
+    args: Rest<JinjaValue>,
+) -> std::result::Result<JinjaValue, Error> {
+    if let Some(text) = format.as_str() {
+        check_format_string(text, true)?;
+    }
+    minijinja::filters::format(state, format, args)
+}
+
+/// Refuses the format strings minijinja's formatter cannot take (printf's `%-10.3f` and
+/// `%(key)s`, `str.format`'s `{:>10.3}` and `{0[key].attr}`): a width or precision over
+/// [`MAX_FORMAT_WIDTH`] (it pads to any width, allocating it, and panics on a precision over
+/// 65535; conservative: any number in a field's spec counts), and a key with a non-ASCII
+/// character (it steps through keys a byte at a time and panics inside a character).
+fn check_format_string(format: &str, printf: bool) -> std::result::Result<(), Error> {
+    let refuse = |what: &str| {
+        Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("format: {what} is not supported"),
+        ))
+    };
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let opening = if printf { '%' } else { '{' };
+    let mut rest = format;
+    while let Some(start) = rest.find(opening) {
+        let field = &rest[start + 1..];
+        // `%%` and `{{` are the characters themselves.
+        if field.starts_with(opening) {
+            rest = &field[1..];
+            continue;
+        }
+        let spec = if printf {
+            // `%(key)` names an argument (read up to `)`, or to the end without one); the type,
+            // or a length modifier, ends the spec.
+            let field = match field.strip_prefix('(') {
+                Some(keyed) => {
+                    let (key, after) = keyed.split_once(')').unwrap_or((keyed, ""));
+                    if !key.is_ascii() {
+                        return refuse("a key with non-ASCII characters");
+                    }
+                    after
+                }
+                None => field,
+            };
+            let end = field
+                .find(|c: char| c.is_ascii_alphabetic() || c == '%')
+                .unwrap_or(field.len());
+            rest = &field[end..];
+            &field[..end]
+        } else {
+            // The argument's name or index, then `.attr` and `[key]` (each key read up to `]`,
+            // or to the end without one).
+            let mut path = field.trim_start_matches(is_ident);
+            loop {
+                if let Some(attr) = path.strip_prefix('.') {
+                    path = attr.trim_start_matches(is_ident);
+                } else if let Some(keyed) = path.strip_prefix('[') {
+                    let (key, after) = keyed.split_once(']').unwrap_or((keyed, ""));
+                    if !key.is_ascii() {
+                        return refuse("a key with non-ASCII characters");
+                    }
+                    path = after;
+                } else {
+                    break;
+                }
+            }
+            let end = path.find('}').unwrap_or(path.len());
+            rest = &path[end..];
+            path[..end].split_once(':').map_or("", |(_, spec)| spec)
+        };
+        let too_wide = spec
+            .split(|c: char| !c.is_ascii_digit())
+            // A run of digits too long for a usize is too wide too.
+            .any(|digits| {
+                digits
+                    .parse::<usize>()
+                    .map_or(!digits.is_empty(), |n| n > MAX_FORMAT_WIDTH)
+            });
+        if too_wide {
+            return refuse(&format!("a width or precision over {MAX_FORMAT_WIDTH}"));
+        }
+    }
+    Ok(())
+}
+
+/// Jinja2's `slice(count, fill_with)`, with `count` at most [`MAX_COUNT`] (minijinja makes room for
+/// `count` lists first).
+fn slice(
+    state: &State,
+    value: JinjaValue,
+    count: usize,
+    fill_with: Option<JinjaValue>,
+) -> std::result::Result<JinjaValue, Error> {
+    check_count("slice", count)?;
+    minijinja::filters::slice(state, value, count, fill_with)
+}
+
+/// Jinja2's `batch(count, fill_with)`, with `count` at most [`MAX_COUNT`] (minijinja makes room
+/// for `count` items per batch, and `fill_with` pads the last one to `count`).
+fn batch(
+    state: &State,
+    value: JinjaValue,
+    count: usize,
+    fill_with: Option<JinjaValue>,
+) -> std::result::Result<JinjaValue, Error> {
+    check_count("batch", count)?;
+    minijinja::filters::batch(state, value, count, fill_with)
+}
+
+fn check_count(filter: &str, count: usize) -> std::result::Result<(), Error> {
+    if count > MAX_COUNT {
+        return Err(Error::new(
+            ErrorKind::InvalidOperation,
+            format!("{filter}: a count over {MAX_COUNT} is not supported"),
+        ));
+    }
+    Ok(())
 }
 
 /// Jinja2's `indent(width=4, first=False, blank=False)` (as transformers renders it), with
@@ -440,6 +596,31 @@ mod tests {
             ("{{ messages | tojson(indent=10**12) }}", "indent over 64"),
             ("{{ 'a\nb' | indent(10**12) }}", "at most 64"),
             ("{{ 'a\nb' | indent(width=10**12) }}", "at most 64"),
+            // Each crashed fuzz/fuzz_targets/chat_template.rs before its check: room for 10^12
+            // lists or items at once, padding to a width of 10^11, a panic on a precision over
+            // 65535.
+            ("{{ [1] | slice(10**12) }}", "count over 100000"),
+            ("{{ [1] | batch(10**12, 0) }}", "count over 100000"),
+            (
+                "{{ '{:>99999999999}'.format(1) }}",
+                "width or precision over 1024",
+            ),
+            (
+                "{{ '{0:.70000f}'.format(1.5) }}",
+                "width or precision over 1024",
+            ),
+            (
+                "{{ '%(a)99999999999d' | format({'a': 1}) }}",
+                "width or precision over 1024",
+            ),
+            (
+                "{{ '%.70000f' | format(1.5) }}",
+                "width or precision over 1024",
+            ),
+            // Found by the fuzz target: minijinja panics on a key with a non-ASCII character.
+            ("{{ '{0[é]}'.format({'é': 1}) }}", "non-ASCII"),
+            ("{{ '{a.b[x}é]}'.format(1) }}", "non-ASCII"),
+            ("{{ '%(é)s' | format({'é': 1}) }}", "non-ASCII"),
         ] {
             let started = std::time::Instant::now();
             let err = render(source, &hi).expect_err(source);
@@ -453,6 +634,19 @@ mod tests {
                 started.elapsed()
             );
         }
+    }
+
+    #[test]
+    fn format_slice_and_batch_work_within_their_limits() {
+        let out = render(
+            "{{ '{0:>5}|{1:.2f}|{{:99999}}|é{2[a]}'.format('a', 1.5, {'a': 'ü'}) }}|{{ '%-4s|%05.1f|%%99999d' | format('b', 2.5) }}|{{ '%(a)s|é' | format({'a': 'ö'}) }}|{{ [1, 2, 3] | slice(2) | list }}|{{ [1, 2, 3] | batch(2, 0) | list }}",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "    a|1.50|{:99999}|éü|b   |002.5|%99999d|ö|é|[[1, 2], [3]]|[[1, 2], [3, 0]]"
+        );
     }
 
     #[test]

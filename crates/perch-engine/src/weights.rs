@@ -45,10 +45,7 @@ impl Weights {
         backend: Backend,
         progress: &mut dyn FnMut(LoadProgress),
     ) -> Result<Self> {
-        let mut weights = Self {
-            tensors: HashMap::new(),
-            backend,
-        };
+        let mut weights = Self::empty(backend);
         let files = shard_files(model_dir)?;
         let sizes = files
             .iter()
@@ -89,6 +86,14 @@ impl Weights {
             progress(report);
         }
         Ok(weights)
+    }
+
+    /// No tensors: every [`Weights::take`] is [`EngineError::MissingWeight`].
+    pub(crate) fn empty(backend: Backend) -> Self {
+        Self {
+            tensors: HashMap::new(),
+            backend,
+        }
     }
 
     /// Whether a tensor of that name exists.
@@ -219,11 +224,19 @@ pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
         path: path.to_path_buf(),
         source,
     })?;
-    safetensors::SafeTensors::read_metadata(&map).map_err(|e| EngineError::CorruptWeights {
+    check_safetensors_header(&map).map_err(|message| EngineError::CorruptWeights {
         path: path.to_path_buf(),
-        message: e.to_string(),
-    })?;
-    Ok(())
+        message,
+    })
+}
+
+/// The check [`Weights::load`] makes on every weight file, on the file's bytes: a well-formed
+/// safetensors header (length, JSON, dtypes, shapes, non-overlapping offsets) whose tensors the
+/// bytes hold in full. Errors: the reason, in a sentence.
+pub fn check_safetensors_header(bytes: &[u8]) -> std::result::Result<(), String> {
+    safetensors::SafeTensors::read_metadata(bytes)
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }
 
 #[cfg(test)]

@@ -90,6 +90,16 @@ impl LlamaHparams {
                 ))
             }
         };
+        // The q projection has `heads · head_dim` rows: a file whose product overflows describes
+        // no model (and would overflow the tensor shape checks).
+        if num_attention_heads.checked_mul(head_dim).is_none() {
+            return Err(invalid(
+                "llama.attention.key_length",
+                &format!(
+                    "{num_attention_heads} heads of {head_dim} dimensions overflow a 64-bit size"
+                ),
+            ));
+        }
         if let Some(value_length) = gguf.opt_u64("llama.attention.value_length")? {
             if value_length != head_dim {
                 return Err(invalid(
@@ -175,38 +185,37 @@ impl LlamaHparams {
     }
 
     /// GGUF tensors every model with these hyperparameters must have (`output.weight` is
-    /// optional: without it the embeddings are tied).
-    pub(crate) fn required_tensors(&self) -> Vec<String> {
-        let mut names = vec![
-            "token_embd.weight".to_string(),
-            "output_norm.weight".to_string(),
+    /// optional: without it the embeddings are tied), in order. Made one at a time: the layer
+    /// count comes from the file, and the importer stops at the first tensor missing, so a header
+    /// that claims 2^32 layers costs a lookup per layer the file has, not 2^35 names in memory.
+    pub(crate) fn required_tensors(&self) -> impl Iterator<Item = String> + '_ {
+        const WEIGHTS: [&str; 9] = [
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
         ];
-        for i in 0..self.num_hidden_layers {
-            for part in [
-                "attn_norm",
-                "attn_q",
-                "attn_k",
-                "attn_v",
-                "attn_output",
-                "ffn_norm",
-                "ffn_gate",
-                "ffn_up",
-                "ffn_down",
-            ] {
-                names.push(format!("blk.{i}.{part}.weight"));
-            }
-            if self.attention_bias {
-                for part in ["attn_q", "attn_k", "attn_v", "attn_output"] {
-                    names.push(format!("blk.{i}.{part}.bias"));
-                }
-            }
-            if self.mlp_bias {
-                for part in ["ffn_gate", "ffn_up", "ffn_down"] {
-                    names.push(format!("blk.{i}.{part}.bias"));
-                }
-            }
-        }
-        names
+        const ATTENTION_BIASES: [&str; 4] = ["attn_q", "attn_k", "attn_v", "attn_output"];
+        const MLP_BIASES: [&str; 3] = ["ffn_gate", "ffn_up", "ffn_down"];
+        let layers = (0..self.num_hidden_layers).flat_map(move |i| {
+            let biases = ATTENTION_BIASES
+                .iter()
+                .filter(move |_| self.attention_bias)
+                .chain(MLP_BIASES.iter().filter(move |_| self.mlp_bias));
+            WEIGHTS
+                .iter()
+                .map(move |part| format!("blk.{i}.{part}.weight"))
+                .chain(biases.map(move |part| format!("blk.{i}.{part}.bias")))
+        });
+        ["token_embd.weight", "output_norm.weight"]
+            .into_iter()
+            .map(String::from)
+            .chain(layers)
     }
 }
 

@@ -159,27 +159,7 @@ pub fn load_with_progress(
 ) -> Result<Box<dyn Model>> {
     let config_path = model_dir.join("config.json");
     let config = read_config(&config_path)?;
-    let model_type = config
-        .get("model_type")
-        .and_then(Value::as_str)
-        .ok_or_else(|| EngineError::Config {
-            path: config_path.clone(),
-            message: "missing `model_type`".into(),
-        })?
-        .to_string();
-    let loader = ARCHITECTURES
-        .iter()
-        .find(|(name, _)| *name == model_type)
-        .map(|(_, loader)| *loader)
-        .ok_or_else(|| EngineError::UnsupportedArchitecture {
-            found: model_type.clone(),
-            supported: supported_architectures().join(", "),
-        })?;
-    let quantization =
-        Quantization::from_config(&config).map_err(|message| EngineError::Config {
-            path: config_path.clone(),
-            message,
-        })?;
+    let (model_type, loader, quantization) = resolve_config(&config, &config_path)?;
     let mut weights = Weights::load_with_progress(model_dir, Backend::current(), progress)?;
     let model = loader(LoadContext {
         config: &config,
@@ -203,6 +183,61 @@ pub fn load_with_progress(
     Ok(model)
 }
 
+/// The loader for `config`'s `model_type`, and its quantization: what [`load`] needs from the
+/// config before it reads the weights.
+fn resolve_config(config: &Value, config_path: &Path) -> Result<(String, Loader, Quantization)> {
+    let model_type = config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .ok_or_else(|| EngineError::Config {
+            path: config_path.to_path_buf(),
+            message: "missing `model_type`".into(),
+        })?
+        .to_string();
+    let loader = ARCHITECTURES
+        .iter()
+        .find(|(name, _)| *name == model_type)
+        .map(|(_, loader)| *loader)
+        .ok_or_else(|| EngineError::UnsupportedArchitecture {
+            found: model_type.clone(),
+            supported: supported_architectures().join(", "),
+        })?;
+    let quantization =
+        Quantization::from_config(config).map_err(|message| EngineError::Config {
+            path: config_path.to_path_buf(),
+            message,
+        })?;
+    Ok((model_type, loader, quantization))
+}
+
+/// Checks the text of a `config.json` as [`load`] does before it builds anything: JSON, a
+/// supported `model_type`, the `quantization` section, then the architecture's own fields,
+/// parsed and validated by that architecture's loader ([`DecoderConfig::validate`], RoPE
+/// scaling). The loader runs against no weights, so it stops at the first weight it asks for and
+/// nothing is sized from the config. Returns the `model_type`.
+///
+/// Errors: [`EngineError::Config`] (naming `config.json`), [`EngineError::UnsupportedArchitecture`].
+pub fn check_config(text: &str) -> Result<String> {
+    let config_path = Path::new("config.json");
+    let config: Value = serde_json::from_str(text).map_err(|e| EngineError::Config {
+        path: config_path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let (model_type, loader, quantization) = resolve_config(&config, config_path)?;
+    let mut no_weights = Weights::empty(Backend::current());
+    let loaded = loader(LoadContext {
+        config: &config,
+        config_path,
+        quantization,
+        weights: &mut no_weights,
+    });
+    match loaded {
+        // The loader accepted the config and went on to the weights.
+        Ok(_) | Err(EngineError::MissingWeight { .. }) => Ok(model_type),
+        Err(e) => Err(e),
+    }
+}
+
 /// Serde default for config flags that default to on (`tie_word_embeddings`).
 pub(crate) fn default_true() -> bool {
     true
@@ -215,4 +250,56 @@ pub fn read_config(path: &Path) -> Result<Value> {
         path: path.to_path_buf(),
         message: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// SmolLM2-135M-Instruct's config (the test model's), as mlx-community writes it.
+    const SMOLLM2: &str = r#"{"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
+        "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+        "head_dim": 64, "max_position_embeddings": 8192, "rms_norm_eps": 1e-05,
+        "rope_theta": 100000.0, "rope_scaling": null, "tie_word_embeddings": true,
+        "vocab_size": 49152, "quantization": {"group_size": 32, "bits": 4, "mode": "affine"}}"#;
+
+    fn with(field: &str, value: Value) -> String {
+        let mut config: Value = serde_json::from_str(SMOLLM2).unwrap();
+        config[field] = value;
+        config.to_string()
+    }
+
+    #[test]
+    fn check_config_accepts_a_real_config_and_names_what_is_wrong() {
+        assert_eq!(check_config(SMOLLM2).unwrap(), "llama");
+        for (text, expected) in [
+            ("{".to_string(), "EOF"),
+            ("{}".to_string(), "missing `model_type`"),
+            (with("num_hidden_layers", 0.into()), "`num_hidden_layers`"),
+            (
+                with("num_key_value_heads", 2.into()),
+                "multiple of `num_key_value_heads`",
+            ),
+            (with("hidden_size", "576".into()), "invalid type"),
+            (
+                with("quantization", serde_json::json!({"bits": 7})),
+                "bits=7",
+            ),
+            (
+                with("rope_scaling", serde_json::json!({"type": "yarn"})),
+                "rope_scaling type `yarn`",
+            ),
+        ] {
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{text}: {e}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            check_config(&with("model_type", "gpt2".into())),
+            Err(EngineError::UnsupportedArchitecture { .. })
+        ));
+    }
 }
