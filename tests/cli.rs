@@ -464,7 +464,15 @@ fn search_pull_then_generate_by_repository_id() {
     const REPO: &str = "mlx-community/SmolLM2-135M-Instruct-4bit";
     let mut repo = FakeRepo::from_dir(REPO, std::path::Path::new(&test_model())).unwrap();
     repo.safetensors_parameters = [("U32".to_owned(), 1000), ("BF16".to_owned(), 500)].into();
-    let hub = FakeHub::start(vec![repo]);
+    // A model of an architecture Perch does not run (yet).
+    let gemma = FakeRepo::new(
+        "mlx-community/gemma-3-1b-it-4bit",
+        vec![(
+            "config.json",
+            br#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}"#.to_vec(),
+        )],
+    );
+    let hub = FakeHub::start(vec![repo, gemma]);
     let cache = tempfile::tempdir().unwrap();
     let cache_dir = cache.path().to_str().unwrap();
     let env = [
@@ -483,6 +491,23 @@ fn search_pull_then_generate_by_repository_id() {
     assert!(
         row.contains("5.0 kB") && row.contains("yes"),
         "size and fit: {row}"
+    );
+    assert!(row.ends_with("  llama"), "architecture: {row}");
+    // Before anything is downloaded, the search says which models Perch cannot run.
+    let searched = perch_with_env(&["search", "gemma"], &env);
+    let found = stdout(&searched);
+    let row = found
+        .lines()
+        .find(|l| l.starts_with("mlx-community/gemma-3-1b-it-4bit"))
+        .expect(&found);
+    assert!(
+        row.ends_with("gemma3_text (not supported yet)"),
+        "architecture: {row}"
+    );
+    let stderr = String::from_utf8_lossy(&searched.stderr);
+    assert!(
+        stderr.contains("Perch runs these architectures: llama"),
+        "{stderr}"
     );
 
     let pulled = perch_with_env(&["pull", REPO], &env);

@@ -142,14 +142,28 @@ fn list_models_finds_perch_and_hugging_face_models() {
     let perch = root.path().join("models");
     std::fs::create_dir_all(&perch).unwrap();
     std::os::unix::fs::symlink(model_dir(), perch.join("smollm")).unwrap();
+    // A model of an architecture Perch does not run: listed, and said so.
+    std::fs::create_dir(perch.join("gemma")).unwrap();
+    std::fs::write(
+        perch.join("gemma/config.json"),
+        r#"{"model_type": "gemma3_text"}"#,
+    )
+    .unwrap();
     std::env::set_var("PERCH_MODELS_DIR", &perch);
     std::env::set_var("HF_HUB_CACHE", root.path().join("hub"));
     let models = invoke(&window, "list_models", json!({})).unwrap();
-    assert_eq!(models.as_array().unwrap().len(), 1, "{models}");
-    assert_eq!(models[0]["name"], "smollm");
-    assert_eq!(models[0]["source"], "perch");
-    assert_eq!(models[0]["model_type"], "llama");
-    assert_eq!(models[0]["quantization_bits"], 4);
+    assert_eq!(models.as_array().unwrap().len(), 2, "{models}");
+    assert_eq!(models[0]["name"], "gemma");
+    let note = models[0]["architecture_note"].as_str().expect("a note");
+    assert!(
+        note.starts_with("gemma3_text is not supported yet") && note.contains("llama"),
+        "{note}"
+    );
+    assert_eq!(models[1]["name"], "smollm");
+    assert_eq!(models[1]["source"], "perch");
+    assert_eq!(models[1]["model_type"], "llama");
+    assert_eq!(models[1]["quantization_bits"], 4);
+    assert_eq!(models[1]["architecture_note"], Value::Null);
 }
 
 #[test]
@@ -309,21 +323,45 @@ fn run_turn_trimmed(
     conversation: i64,
     turn: Turn,
 ) -> (String, Value, Option<u64>) {
+    let turn = run_turn_events(app, conversation, turn);
+    (turn.text, turn.finished, turn.trimmed)
+}
+
+/// What one turn streamed.
+struct TurnEvents {
+    text: String,
+    finished: Value,
+    trimmed: Option<u64>,
+    /// The `started` event's sampling.
+    sampling: Value,
+}
+
+/// Runs one turn to its end; `started` must come before any token, `context_trimmed` before it.
+fn run_turn_events(app: &tauri::App<MockRuntime>, conversation: i64, turn: Turn) -> TurnEvents {
     let (events, received) = channel::<ChatEvent>();
     chat_commands::start_chat(&app.state(), &app.state(), conversation, turn, events)
         .expect("chat starts");
     let mut text = String::new();
     let mut trimmed = None;
+    let mut sampling = None;
     loop {
         let event = received
             .recv_timeout(Duration::from_secs(300))
             .expect("an event");
         match event["event"].as_str() {
-            Some("context_trimmed") if text.is_empty() => {
+            Some("context_trimmed") if sampling.is_none() => {
                 trimmed = event["dropped_messages"].as_u64()
             }
-            Some("token") => text.push_str(event["text"].as_str().unwrap()),
-            Some("finished") => return (text, event, trimmed),
+            Some("started") if sampling.is_none() => sampling = Some(event["sampling"].clone()),
+            Some("token") if sampling.is_some() => text.push_str(event["text"].as_str().unwrap()),
+            Some("finished") => {
+                return TurnEvents {
+                    text,
+                    finished: event,
+                    trimmed,
+                    sampling: sampling.expect("a started event"),
+                }
+            }
             other => panic!("unexpected event {other:?}"),
         }
     }
@@ -355,8 +393,8 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     let case = reference.case("haiku");
     let messages = case.messages.as_ref().expect("a chat");
     let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"].clone();
-    let settings =
-        json!({"system_prompt": messages[0].content, "max_tokens": reference.max_tokens});
+    let settings = json!({"system_prompt": messages[0].content, "max_tokens": reference.max_tokens,
+        "sampling_source": "custom"});
     invoke(
         &window,
         "set_conversation_settings",
@@ -365,8 +403,12 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     .unwrap();
     let id = id.as_i64().unwrap();
     let question = messages[1].content.as_str();
-    let (text, finished) = run_turn(&first_run, id, send(question));
+    let turn = run_turn_events(&first_run, id, send(question));
+    let (text, finished) = (turn.text, turn.finished);
     assert_eq!(text, case.greedy_text);
+    // The conversation's own sampling (greedy), as sent to the engine.
+    assert_eq!(turn.sampling["source"], "custom");
+    assert_eq!(turn.sampling["params"]["temperature"], 0.0);
     let finish_reason = if case.ends_with_eos { "stop" } else { "length" };
     assert_eq!(finished["finish_reason"], finish_reason);
     assert_eq!(finished["save_error"], Value::Null);
@@ -389,7 +431,7 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
     assert_eq!(saved["messages"].as_array().unwrap().len(), 2);
 
     // Stop after the first token: cancelled long before 200 tokens, and what was shown is saved.
-    let long = json!({"system_prompt": "", "max_tokens": 200});
+    let long = json!({"system_prompt": "", "max_tokens": 200, "sampling_source": "custom"});
     invoke(
         &window,
         "set_conversation_settings",
@@ -405,6 +447,8 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
         events,
     )
     .unwrap();
+    let started = received.recv_timeout(Duration::from_secs(300)).unwrap();
+    assert_eq!(started["event"], "started");
     let first = received.recv_timeout(Duration::from_secs(300)).unwrap();
     assert_eq!(first["event"], "token");
     chat_commands::stop(first_run.state(), request).unwrap();
@@ -497,6 +541,8 @@ fn search_download_cancel_and_load_from_the_hub() {
     assert_eq!(found.as_array().unwrap().len(), 1, "{found}");
     assert_eq!(found[0]["id"], REPO);
     assert_eq!(found[0]["weights_bytes"], 4u64 << 30);
+    assert_eq!(found[0]["model_type"], "llama");
+    assert_eq!(found[0]["architecture_note"], Value::Null);
     assert_eq!(
         (&found[0]["fit"], &found[0]["snapshot_dir"]),
         (&json!("fits"), &Value::Null)
@@ -688,10 +734,11 @@ fn the_local_server_follows_its_settings_and_the_loaded_model() {
     invoke(&window, "unload_model", json!({})).unwrap();
 }
 
-/// A conversation with `max_tokens`, no system prompt, through IPC; its id.
+/// A conversation with `max_tokens`, no system prompt and greedy sampling, through IPC; its id.
 fn conversation_with(window: &WebviewWindow<MockRuntime>, max_tokens: usize) -> i64 {
     let id = invoke(window, "create_conversation", json!({})).unwrap()["id"].clone();
-    let settings = json!({"system_prompt": "", "max_tokens": max_tokens});
+    let settings =
+        json!({"system_prompt": "", "max_tokens": max_tokens, "sampling_source": "custom"});
     invoke(
         window,
         "set_conversation_settings",
@@ -816,6 +863,114 @@ fn a_conversation_longer_than_the_context_drops_its_oldest_turns() {
     let (_, finished, trimmed) = run_turn_trimmed(&app, id, send(question));
     assert_ne!(finished["finish_reason"], "error", "{finished}");
     assert!(trimmed.is_some());
+}
+
+/// A copy of the test model (links to its files) whose `generation_config.json` has `extra`.
+fn model_with_generation_config(dir: &Path, extra: Value) -> PathBuf {
+    let copy = dir.join("model");
+    std::fs::create_dir(&copy).unwrap();
+    for entry in std::fs::read_dir(model_dir()).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_name() != "generation_config.json" {
+            std::os::unix::fs::symlink(entry.path(), copy.join(entry.file_name())).unwrap();
+        }
+    }
+    let original = model_dir().join("generation_config.json");
+    let mut config: Value = if original.is_file() {
+        serde_json::from_slice(&std::fs::read(original).unwrap()).unwrap()
+    } else {
+        json!({})
+    };
+    for (key, value) in extra.as_object().unwrap() {
+        config[key] = value.clone();
+    }
+    std::fs::write(copy.join("generation_config.json"), config.to_string()).unwrap();
+    copy
+}
+
+#[test]
+fn a_fresh_install_samples_with_the_model_s_defaults_and_says_where_they_came_from() {
+    use perch_engine::generation_config as defaults;
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (app, window) = app(data.path());
+    // The test model's generation_config.json names no sampling: Perch's defaults.
+    let status = app
+        .state::<AppState>()
+        .load(model_dir(), Default::default())
+        .unwrap();
+    let status = serde_json::to_value(status).unwrap();
+    assert_eq!(status["sampling_defaults"]["source"], "perch", "{status}");
+    let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"]
+        .as_i64()
+        .unwrap();
+    let conversation = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(conversation["settings"]["sampling_source"], "model");
+    let turn = run_turn_events(&app, id, send("Write a short poem about the sea."));
+    assert_ne!(turn.finished["finish_reason"], "error", "{}", turn.finished);
+    let sampling = &turn.sampling;
+    assert_eq!(sampling["source"], "perch", "{sampling}");
+    let params = &sampling["params"];
+    for (field, value) in [
+        ("temperature", defaults::PERCH_TEMPERATURE as f64),
+        ("top_p", defaults::PERCH_TOP_P as f64),
+        ("top_k", defaults::PERCH_TOP_K as f64),
+        ("min_p", defaults::PERCH_MIN_P as f64),
+        (
+            "repetition_penalty",
+            defaults::PERCH_REPETITION_PENALTY as f64,
+        ),
+    ] {
+        assert!(
+            (params[field].as_f64().unwrap() - value).abs() < 1e-6,
+            "{field}: {params}"
+        );
+    }
+    // Chats are not greedy (the point of the defaults): the first answer carried a temperature.
+    assert!(params["temperature"].as_f64().unwrap() > 0.0, "{params}");
+    // The answer keeps the sampling it was generated with.
+    let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(&saved["messages"][1]["sampling"], sampling);
+
+    // A model that names its sampling in generation_config.json (Qwen3's values).
+    let model = model_with_generation_config(
+        data.path(),
+        json!({"do_sample": true, "temperature": 0.6, "top_p": 0.95, "top_k": 20}),
+    );
+    let status = app
+        .state::<AppState>()
+        .load(model.clone(), Default::default())
+        .unwrap();
+    let status = serde_json::to_value(status).unwrap();
+    assert_eq!(status["sampling_defaults"]["source"], "model", "{status}");
+    // The same conversation follows the model it now talks to.
+    let turn = run_turn_events(&app, id, send("And one about the mountains."));
+    assert_eq!(turn.sampling["source"], "model");
+    let params = &turn.sampling["params"];
+    assert!(
+        (params["temperature"].as_f64().unwrap() - 0.6).abs() < 1e-6,
+        "{params}"
+    );
+    assert_eq!(params["top_k"], 20);
+    assert_eq!(params["min_p"], 0.0);
+    assert_eq!(params["repetition_penalty"], 0.0);
+
+    // Custom values are sent as they are; the seed is kept either way.
+    let mut settings = saved["settings"].clone();
+    settings["sampling_source"] = json!("custom");
+    settings["sampling"]["temperature"] = json!(0.25);
+    settings["sampling"]["seed"] = json!(7);
+    invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": settings}),
+    )
+    .unwrap();
+    let turn = run_turn_events(&app, id, Turn::Regenerate);
+    assert_eq!(turn.sampling["source"], "custom");
+    assert_eq!(turn.sampling["params"]["temperature"], 0.25);
+    assert_eq!(turn.sampling["params"]["seed"], 7);
+    invoke(&window, "unload_model", json!({})).unwrap();
 }
 
 fn engine_threads() -> usize {

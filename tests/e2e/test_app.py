@@ -1,7 +1,10 @@
 """End-to-end test of the app in its real web view (WebKitGTK), driven through tauri-driver and
 WebKitWebDriver under Xvfb, with the imported default model loaded:
 
-1. the model loads at start; a message is sent and its answer streams into the page token by
+1. the model loads at start; on this fresh install the first answer is sampled with the model's
+   defaults (the test model names none in its generation_config.json: Perch's, said under the
+   answer, kept with it, and in the conversation's settings); in a second conversation set to
+   greedy in its settings, a message is sent and its answer streams into the page token by
    token; the dashboard's graphs redraw while it generates; Stop ends it mid-answer;
 2. the model picker finds the test model on the fake hub (scripts/e2e.sh starts it), shows its
    download's progress, lists it under "On this machine" once downloaded, and loads it by its id;
@@ -50,10 +53,62 @@ def check(condition, message):
         raise AssertionError(message)
 
 
+def fresh_install_sampling(session):
+    """The first answer of a fresh install samples with the model's defaults, and says so."""
+    session.type("#input", "Write a short poem about the sea.")
+    session.click("#send")
+    line = session.wait_for(
+        "const s = document.querySelector('#messages > li.assistant .sampling');"
+        " return s && s.textContent",
+        what="the sampling of the answer",
+    )
+    expected = "temperature 0.8, top-p 0.95, top-k 40, min-p 0.05, repetition penalty 1.1 (Perch's defaults)"
+    check(line == expected, f"a fresh install's answer was sampled with {line!r}, not {expected!r}")
+    # Stopped (or ended by itself): the saved answer keeps the line.
+    session.execute("document.getElementById('stop').click()")
+    session.wait_for(
+        "return document.querySelector('#messages > li.streaming') === null"
+        " && document.querySelector('#messages > li.assistant .meta') !== null",
+        what="the first answer's end",
+    )
+    check(text(session, "#messages > li.assistant .sampling") == line, "the saved answer lost its sampling")
+    settings = session.execute(
+        "const f = document.getElementById('conversation-settings');"
+        " return [f.querySelector('[name=sampling_source]').value,"
+        " f.querySelector('[name=temperature]').disabled, f.querySelector('[name=temperature]').value,"
+        " document.getElementById('conversation-sampling-note').textContent]"
+    )
+    check(
+        settings[:3] == ["model", True, "0.8"] and "Perch's defaults" in settings[3],
+        f"the conversation's settings do not show the model's defaults: {settings!r}",
+    )
+
+
+def greedy_conversation(session):
+    """A new conversation whose settings say: custom sampling, greedy, no repetition penalty."""
+    # The conversations list may be folded away in a narrow window: its button is clicked in the page.
+    session.execute("document.getElementById('new-chat').click()")
+    session.wait_for("return document.querySelectorAll('#messages > li').length === 0", what="a new chat")
+    session.execute(
+        "const f = document.getElementById('conversation-settings'); f.open = true;"
+        " const source = f.querySelector('[name=sampling_source]'); source.value = 'custom';"
+        " source.dispatchEvent(new Event('change'));"
+        " f.querySelector('[name=temperature]').value = '0';"
+        " f.querySelector('[name=repetition_penalty]').value = '0';"
+        " document.getElementById('save-conversation-settings').click(); f.open = false;"
+    )
+    session.wait_for(
+        "return document.getElementById('conversation-settings-error').textContent === 'Saved.'",
+        what="the conversation's settings saved",
+    )
+
+
 def first_run(session, port):
     model = loaded_model(session)
     enable_server(session, port)
     session.click("nav button[data-view=chat]")
+    fresh_install_sampling(session)
+    greedy_conversation(session)
     session.type("#input", QUESTION)
     session.click("#send")
 
@@ -244,7 +299,10 @@ def second_run(session, shown, port):
         " return b.length ? b.map(x => x.textContent) : null",
         what="the conversations list",
     )
-    check(titles == [QUESTION[:60]], f"conversations after restart: {titles!r}")
+    check(
+        titles == [QUESTION[:60], "Write a short poem about the sea."],
+        f"conversations after restart: {titles!r}",
+    )
     session.wait_for(
         "return document.querySelectorAll('#messages > li').length === 2", what="the saved messages"
     )

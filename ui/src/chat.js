@@ -3,8 +3,9 @@
 // the last user message). The history lives in Rust (SQLite); this view shows it and streams
 // the answer being generated.
 
-import { describeStats } from "./format.js";
+import { describeSampling, describeStats } from "./format.js";
 import { renderMarkdown, copyText } from "./markdown.js";
+import { showSamplingSource } from "./settings.js";
 
 /** Sampling fields of the conversation settings form: [name in SamplingParams, label, step]. */
 const SAMPLING_FIELDS = [
@@ -23,6 +24,7 @@ export class ChatView {
     this.conversation = null; // what get_conversation returned
     this.running = null; // {requestId} while an answer streams
     this.editing = false;
+    this.modelStatus = null; // the last model_status, for the model's sampling defaults
     const $ = (id) => root.querySelector(`#${id}`);
     this.el = {
       list: $("conversation-list"),
@@ -163,6 +165,15 @@ export class ChatView {
     meta.textContent = message.error ?? (message.stats ? describeStats(message.stats, message.finish_reason) : "");
     if (message.error) item.classList.add("error");
     item.append(meta);
+    if (message.sampling) this.addSampling(item, message.sampling);
+  }
+
+  /** The sampling an answer is generated with (AnswerSampling), under it. */
+  addSampling(item, sampling) {
+    const line = this.root.ownerDocument.createElement("span");
+    line.className = "sampling";
+    line.textContent = describeSampling(sampling);
+    item.append(line);
   }
 
   addAction(item, label, onClick) {
@@ -239,6 +250,8 @@ export class ChatView {
             const frame = this.root.ownerDocument.defaultView?.requestAnimationFrame;
             frame ? frame(draw) : draw();
           }
+        } else if (event.event === "started") {
+          this.addSampling(item, event.sampling);
         } else if (event.event === "context_trimmed") {
           const n = event.dropped_messages;
           this.showNotice(
@@ -344,6 +357,25 @@ export class ChatView {
       wrapper.append(input);
       fields.append(wrapper);
     }
+    // The source select and its note come after the sampling fields.
+    const source = this.el.settings.querySelector("[name=sampling_source]");
+    const note = this.el.settings.querySelector("#conversation-sampling-note");
+    fields.append(source.closest("label"), note);
+    source.addEventListener("change", () => this.showSampling());
+  }
+
+  /** The sampling inputs follow the source select (read-only model defaults, or custom). */
+  showSampling() {
+    const form = this.el.settings;
+    const inputs = SAMPLING_FIELDS.map(([name]) => [name, form.querySelector(`[name=${name}]`)]);
+    const source = form.querySelector("[name=sampling_source]").value;
+    showSamplingSource(source, inputs, form.querySelector("#conversation-sampling-note"), this.modelStatus);
+  }
+
+  /** The model's status (main.js passes each one it reads): its sampling defaults are shown. */
+  setModelStatus(status) {
+    this.modelStatus = status;
+    this.showSampling();
   }
 
   fillSettingsForm(settings) {
@@ -351,9 +383,11 @@ export class ChatView {
     form.querySelector("[name=system_prompt]").value = settings?.system_prompt ?? "";
     form.querySelector("[name=max_tokens]").value = settings?.max_tokens ?? "";
     form.querySelector("[name=seed]").value = settings?.sampling?.seed ?? "";
+    form.querySelector("[name=sampling_source]").value = settings?.sampling_source ?? "model";
     for (const [name] of SAMPLING_FIELDS) {
       form.querySelector(`[name=${name}]`).value = settings?.sampling?.[name] ?? "";
     }
+    this.showSampling();
     this.el.settingsError.textContent = "";
   }
 
@@ -362,10 +396,14 @@ export class ChatView {
     const form = this.el.settings;
     const value = (name) => form.querySelector(`[name=${name}]`).value;
     const sampling = { ...this.conversation.settings.sampling };
-    for (const [name] of SAMPLING_FIELDS) sampling[name] = Number(value(name));
+    // Values shown read-only from the model are not saved as the conversation's own.
+    for (const [name] of SAMPLING_FIELDS) {
+      if (!form.querySelector(`[name=${name}]`).disabled) sampling[name] = Number(value(name));
+    }
     sampling.seed = value("seed") === "" ? null : Number(value("seed"));
     return {
       ...this.conversation.settings,
+      sampling_source: value("sampling_source"),
       system_prompt: value("system_prompt"),
       max_tokens: Number(value("max_tokens")),
       sampling,

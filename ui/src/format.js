@@ -22,6 +22,39 @@ export function describeStats(stats, finishReason) {
   return parts.join(" · ");
 }
 
+/** A number as short as it reads (f32 values from Rust: 0.8, not 0.800000011920929). */
+function short(x) {
+  return String(Number(x.toPrecision(4)));
+}
+
+/**
+ * The sampling an answer was generated with, in a line: `sampling` is perch-store's
+ * AnswerSampling ({params: SamplingParams, source: "model" | "perch" | "custom"}). Samplers that
+ * are off are left out.
+ */
+export function describeSampling(sampling) {
+  const p = sampling.params;
+  const parts = [];
+  if (p.temperature > 0) {
+    parts.push(`temperature ${short(p.temperature)}`);
+    if (p.top_p > 0 && p.top_p < 1) parts.push(`top-p ${short(p.top_p)}`);
+    if (p.top_k > 0) parts.push(`top-k ${p.top_k}`);
+    if (p.min_p > 0) parts.push(`min-p ${short(p.min_p)}`);
+  } else {
+    parts.push("greedy");
+  }
+  if (p.repetition_penalty > 0 && p.repetition_penalty !== 1) {
+    parts.push(`repetition penalty ${short(p.repetition_penalty)}`);
+  }
+  if (p.seed != null) parts.push(`seed ${p.seed}`);
+  const source = {
+    model: "the model's defaults",
+    perch: "Perch's defaults",
+    custom: "this conversation's settings",
+  }[sampling.source];
+  return source ? `${parts.join(", ")} (${source})` : parts.join(", ");
+}
+
 /** What the status line says about the model (`ModelStatus` from the `model_status` command). */
 export function describeModelStatus(status, loadingSeconds = 0) {
   switch (status.state) {

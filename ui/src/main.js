@@ -50,6 +50,7 @@ async function refreshStatus() {
   else loadingSince = null;
   const seconds = loadingSince ? (Date.now() - loadingSince) / 1000 : 0;
   $("model-status").textContent = describeModelStatus(status, seconds);
+  chat.setModelStatus(status);
   $("model-status").classList.toggle("loading", status.state === "loading");
   const bar = $("model-progress");
   bar.hidden = !(status.state === "loading" && status.bytes_total > 0);

@@ -43,7 +43,11 @@ export class ModelsView {
       const bits = model.quantization_bits ? `, ${model.quantization_bits}-bit` : "";
       const source = SOURCES[model.source] ?? model.source;
       item.textContent = `${model.name} (${model.model_type ?? "?"}${bits}, ${mib(model.size_bytes)}, ${source}) `;
-      item.append(this.button("Load", () => this.onLoad(model.path)));
+      const load = this.button("Load", () => this.onLoad(model.path));
+      // A model of an architecture Perch does not run says so, and which ones it runs.
+      load.disabled = Boolean(model.architecture_note);
+      item.append(load);
+      if (model.architecture_note) item.append(this.architectureNote(model.architecture_note));
       this.local.append(item);
     }
     if (!models.length) this.local.textContent = "No models found in Perch's models directory or the Hugging Face cache.";
@@ -78,8 +82,11 @@ export class ModelsView {
     const details = document.createElement("span");
     details.className = `details fit-${model.fit}`;
     const size = model.weights_bytes == null ? "size unknown" : decimalBytes(model.weights_bytes);
-    details.textContent = ` ${size} · ${fit} · ${model.downloads.toLocaleString()} downloads `;
+    const architecture = model.model_type ? ` · ${model.model_type}` : "";
+    details.textContent = ` ${size} · ${fit} · ${model.downloads.toLocaleString()} downloads${architecture} `;
     item.append(title, details);
+    // Said before any byte is downloaded; downloading stays possible (the cache is mlx-lm's too).
+    if (model.architecture_note) item.append(this.architectureNote(model.architecture_note));
 
     const progress = this.downloads.get(model.id);
     if (progress) {
@@ -131,6 +138,18 @@ export class ModelsView {
     if (!bar) return;
     bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
     item.querySelector(".progress-text").textContent = ` ${describeDownload(progress)} `;
+  }
+
+  /** "Not supported yet", with the sentence that names the architecture and those Perch runs. */
+  architectureNote(sentence) {
+    const note = document.createElement("span");
+    note.className = "unsupported";
+    note.textContent = "Not supported yet ";
+    note.title = sentence;
+    const why = document.createElement("small");
+    why.textContent = `(${sentence}) `;
+    note.append(why);
+    return note;
   }
 
   button(label, onClick) {

@@ -34,12 +34,47 @@ export function writeInput(input, value) {
   else input.value = value;
 }
 
+/** Sampling fields that follow the model when the source is "model" (SamplingDefaults' names). */
+export const SAMPLING_DEFAULT_FIELDS = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty"];
+
+/**
+ * Where a chat's sampling comes from, in a sentence: `status` is the `model_status` command's
+ * ModelStatus (its `sampling_defaults` when a model is loaded).
+ */
+export function describeSamplingDefaults(status) {
+  if (status?.state !== "loaded" || !status.sampling_defaults) {
+    return "The loaded model's defaults: its generation_config.json's values, else Perch's. No model is loaded.";
+  }
+  if (status.sampling_defaults.source === "model") return `From ${status.name}'s generation_config.json.`;
+  return `Perch's defaults: ${status.name}'s generation_config.json names none.`;
+}
+
+/**
+ * Shows the sampling source's effect on a form: with "model", the sampling inputs (`inputs`:
+ * [name, input] pairs) are read-only and show the loaded model's defaults; with "custom", they are
+ * editable. `note` says where the values come from.
+ */
+export function showSamplingSource(source, inputs, note, status) {
+  const followModel = source === "model";
+  for (const [name, input] of inputs) {
+    input.disabled = followModel;
+    if (followModel) {
+      const value = status?.state === "loaded" ? status.sampling_defaults?.[name] : undefined;
+      input.value = value == null ? "" : String(value);
+    }
+  }
+  note.textContent = followModel ? describeSamplingDefaults(status) : "";
+}
+
 export class SettingsView {
   constructor(root, api) {
     this.root = root;
     this.api = api;
     this.view = null; // SettingsView from Rust: {settings, models_dir, total_memory_bytes, defaults}
+    this.modelStatus = null; // the last model_status, for the model's sampling defaults
     this.message = root.querySelector("#settings-message");
+    this.samplingSource = root.querySelector("[data-setting='chat.sampling_source']");
+    this.samplingSource.addEventListener("change", () => this.showSampling());
     root.querySelector("#settings-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.save();
@@ -53,6 +88,7 @@ export class SettingsView {
 
   async load() {
     this.view = await this.api.getSettings();
+    this.modelStatus = await this.api.modelStatus?.().catch(() => null);
     this.fill(this.view.settings);
     this.message.textContent = "";
   }
@@ -63,12 +99,27 @@ export class SettingsView {
     models.placeholder = this.view.models_dir;
     const kv = this.root.querySelector("[data-setting=kv_cache_bytes]");
     kv.max = String(Math.floor(this.view.total_memory_bytes / 2 ** 20));
+    this.showSampling();
   }
 
-  /** The form's settings, over the loaded ones (fields the form does not show are kept). */
+  /** The sampling inputs follow the source select (read-only model defaults, or custom). */
+  showSampling() {
+    const inputs = SAMPLING_DEFAULT_FIELDS.map((name) => [
+      name,
+      this.root.querySelector(`[data-setting='chat.sampling.${name}']`),
+    ]);
+    showSamplingSource(this.samplingSource.value, inputs, this.root.querySelector("#settings-sampling-note"), this.modelStatus);
+  }
+
+  /**
+   * The form's settings, over the loaded ones (fields the form does not show are kept; sampling
+   * values shown read-only from the model are not saved as the user's).
+   */
   read() {
     let settings = this.view.settings;
-    for (const input of this.inputs()) settings = setPath(settings, input.dataset.setting, readInput(input));
+    for (const input of this.inputs()) {
+      if (!input.disabled) settings = setPath(settings, input.dataset.setting, readInput(input));
+    }
     return settings;
   }
 

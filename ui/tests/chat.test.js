@@ -2,7 +2,7 @@ import { beforeEach, describe, expect, it, vi } from "vitest";
 import { ChatView } from "../src/chat.js";
 import { loadPage } from "./page.js";
 
-const settings = { system_prompt: "", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 };
+const settings = { system_prompt: "", sampling_source: "model", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 };
 const stats = { prompt_tokens: 20, cached_prompt_tokens: 16, generation_tokens: 3, generation_tps: 9, ttft_s: 0.1, prompt_tps: 1, total_s: 1, peak_memory_bytes: 0 };
 
 /** An in-memory stand-in for the Rust commands, with the history's turn rules. */
@@ -37,9 +37,14 @@ function fakeApi() {
       if (c.title === "New chat") c.title = c.messages[0].content;
       api.stream = {
         trimmed: (dropped_messages) => onEvent({ event: "context_trimmed", dropped_messages }),
+        started: (sampling) => {
+          api.sampling = sampling;
+          onEvent({ event: "started", sampling });
+        },
         token: (text) => onEvent({ event: "token", text }),
         finish: (content, finish_reason = "stop") => {
-          c.messages.push({ id: nextId++, role: "assistant", content, finish_reason, stats, error: null });
+          const sampling = api.sampling ?? null;
+          c.messages.push({ id: nextId++, role: "assistant", content, finish_reason, stats, error: null, sampling });
           onEvent({ event: "finished", finish_reason, stats, error: null, message_id: nextId - 1, save_error: null });
         },
       };
@@ -168,6 +173,8 @@ describe("ChatView", () => {
   it("saves the conversation's settings from its form", async () => {
     await view.newConversation();
     const form = $("conversation-settings");
+    form.querySelector("[name=sampling_source]").value = "custom";
+    form.querySelector("[name=sampling_source]").dispatchEvent(new Event("change"));
     form.querySelector("[name=system_prompt]").value = "Be brief.";
     form.querySelector("[name=temperature]").value = "0.7";
     form.querySelector("[name=seed]").value = "42";
@@ -175,7 +182,46 @@ describe("ChatView", () => {
     await tick();
     const [id, saved] = api.setConversationSettings.mock.calls[0];
     expect(id).toBe(1);
-    expect(saved).toMatchObject({ system_prompt: "Be brief.", max_tokens: 1024, sampling: { temperature: 0.7, seed: 42, top_k: 0, logit_bias: {} } });
+    expect(saved).toMatchObject({ system_prompt: "Be brief.", max_tokens: 1024, sampling_source: "custom", sampling: { temperature: 0.7, seed: 42, top_k: 0, logit_bias: {} } });
+  });
+
+  it("shows the model's sampling defaults read-only while the conversation follows the model", async () => {
+    await view.newConversation();
+    const form = $("conversation-settings");
+    const field = (name) => form.querySelector(`[name=${name}]`);
+    view.setModelStatus({ state: "loaded", name: "Qwen3-0.6B", path: "/m",
+      sampling_defaults: { temperature: 0.6, top_p: 0.95, top_k: 20, min_p: 0, repetition_penalty: 0, repetition_context_size: 64, source: "model" } });
+    expect(field("sampling_source").value).toBe("model");
+    expect([field("temperature").disabled, field("temperature").value, field("top_k").value]).toEqual([true, "0.6", "20"]);
+    expect($("conversation-sampling-note").textContent).toBe("From Qwen3-0.6B's generation_config.json.");
+    // Saved while following the model: the conversation's own values are kept, not the model's.
+    $("save-conversation-settings").click();
+    await tick();
+    expect(api.setConversationSettings.mock.calls[0][1]).toMatchObject({ sampling_source: "model", sampling: { temperature: 0, top_k: 0 } });
+    // A model without sampling in its generation_config.json: Perch's defaults, said so.
+    view.setModelStatus({ state: "loaded", name: "SmolLM2", path: "/m",
+      sampling_defaults: { temperature: 0.8, top_p: 0.95, top_k: 40, min_p: 0.05, repetition_penalty: 1.1, repetition_context_size: 64, source: "perch" } });
+    expect(field("temperature").value).toBe("0.8");
+    expect($("conversation-sampling-note").textContent).toBe("Perch's defaults: SmolLM2's generation_config.json names none.");
+    // Custom starts from the values shown, and they can be changed.
+    field("sampling_source").value = "custom";
+    field("sampling_source").dispatchEvent(new Event("change"));
+    expect([field("temperature").disabled, field("temperature").value]).toEqual([false, "0.8"]);
+    expect($("conversation-sampling-note").textContent).toBe("");
+  });
+
+  it("shows the sampling an answer is generated with while it streams and once saved", async () => {
+    const { done } = await type("A poem, please.");
+    const sampling = { source: "perch",
+      params: { temperature: 0.800000011920929, top_p: 0.95, top_k: 40, min_p: 0.05, repetition_penalty: 1.1, seed: null } };
+    api.stream.started(sampling);
+    api.stream.token("Waves");
+    await tick();
+    const line = "temperature 0.8, top-p 0.95, top-k 40, min-p 0.05, repetition penalty 1.1 (Perch's defaults)";
+    expect(texts("#messages li.assistant.streaming .sampling")).toEqual([line]);
+    api.stream.finish("Waves");
+    await done;
+    expect(texts("#messages li.assistant .sampling")).toEqual([line]);
   });
 
   it("shows a refused turn's error and keeps the composer usable", async () => {

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { decimalBytes, describeDownload, describeModelStatus, describeStats, mib } from "../src/format.js";
+import { decimalBytes, describeDownload, describeModelStatus, describeSampling, describeStats, mib } from "../src/format.js";
 
 const stats = {
   prompt_tokens: 40,
@@ -46,5 +46,14 @@ describe("decimalBytes and describeDownload", () => {
     expect(describeDownload({ bytes_done: 0, bytes_total: 0, files_done: 0, files_total: 0 })).toBe("Starting…");
     const done = { bytes_done: 2_000_000_000, bytes_total: 2_000_000_000, files_done: 5, files_total: 5 };
     expect(describeDownload(done)).toBe("100% of 2.0 GB (file 5 of 5)");
+  });
+});
+
+describe("describeSampling", () => {
+  it("names the samplers in use and where their values came from", () => {
+    const params = { temperature: 0.6, top_p: 1, top_k: 20, min_p: 0, repetition_penalty: 0, seed: null };
+    expect(describeSampling({ source: "model", params })).toBe("temperature 0.6, top-k 20 (the model's defaults)");
+    expect(describeSampling({ source: "custom", params: { ...params, temperature: 0, repetition_penalty: 1.05, seed: 3 } }))
+      .toBe("greedy, repetition penalty 1.05, seed 3 (this conversation's settings)");
   });
 });

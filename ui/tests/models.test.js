@@ -109,6 +109,29 @@ describe("ModelsView", () => {
     expect(results()[1].querySelector("progress")).not.toBe(null);
   });
 
+  it("says which models Perch does not run yet, before downloading and on this machine", async () => {
+    loadPage();
+    const note = "gemma3 is not supported yet (Perch runs llama, mistral, qwen2, qwen3)";
+    const api = {
+      listModels: async () => [
+        { name: "gemma-3", path: "/m/gemma-3", model_type: "gemma3", size_bytes: 1, source: "perch", architecture_note: note },
+      ],
+      searchModels: async () => [
+        { ...QWEN, model_type: "qwen3", architecture_note: null },
+        { id: "mlx-community/gemma-3-4b-it-qat-4bit", downloads: 9, weights_bytes: 3e9, fit: "fits", snapshot_dir: null, model_type: "gemma3", architecture_note: note },
+      ],
+    };
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    const local = document.querySelector("#models > li");
+    expect(local.querySelector(".unsupported").textContent).toBe(`Not supported yet (${note}) `);
+    expect(buttonIn(local, "Load").disabled).toBe(true);
+    expect(results()[0].querySelector(".unsupported")).toBe(null);
+    expect(results()[0].textContent).toContain("1,234 downloads · qwen3");
+    expect(results()[1].querySelector(".unsupported").title).toBe(note);
+    expect(buttonIn(results()[1], "Download").disabled).toBe(false);
+  });
+
   it("reports a search that fails", async () => {
     loadPage();
     const api = { ...fakeApi(), searchModels: async () => Promise.reject("Cannot reach https://huggingface.co/api/models.") };

@@ -58,7 +58,7 @@ describe("SettingsView", () => {
   it("saves what the form shows and reports the error sentence", async () => {
     loadPage();
     const settings = {
-      chat: { system_prompt: "", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
+      chat: { system_prompt: "", sampling_source: "custom", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
       kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "CommandOrControl+Shift+Space",
       server: { enabled: false, port: 8080, api_key: null, allow_lan: false },
     };
@@ -87,5 +87,35 @@ describe("SettingsView", () => {
     document.querySelector("[data-setting=block_size]").value = "8";
     await view.save();
     expect(document.getElementById("settings-message").textContent).toMatch(/^Setting block_size/);
+  });
+
+  it("shows the loaded model's sampling defaults read-only and saves the user's values only when custom", async () => {
+    loadPage();
+    const sampling = { temperature: 0.3, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null };
+    const settings = { chat: { system_prompt: "", sampling_source: "model", sampling, max_tokens: 1024 },
+      kv_cache_bytes: 2 ** 31, block_size: 32, server: { enabled: false, port: 8080, api_key: null, allow_lan: false } };
+    const saved = [];
+    const view = new SettingsView(document.getElementById("view-settings"), {
+      getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+      modelStatus: async () => ({ state: "loaded", name: "SmolLM2", path: "/m",
+        sampling_defaults: { temperature: 0.8, top_p: 0.95, top_k: 40, min_p: 0.05, repetition_penalty: 1.1, repetition_context_size: 64, source: "perch" } }),
+      saveSettings: async (s) => {
+        saved.push(s);
+        return { settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 };
+      },
+    });
+    await view.load();
+    const field = (path) => document.querySelector(`[data-setting='${path}']`);
+    expect([field("chat.sampling.temperature").disabled, field("chat.sampling.temperature").value]).toEqual([true, "0.8"]);
+    expect(document.getElementById("settings-sampling-note").textContent).toBe("Perch's defaults: SmolLM2's generation_config.json names none.");
+    await view.save();
+    expect(saved[0].chat.sampling_source).toBe("model");
+    expect(saved[0].chat.sampling.temperature).toBe(0.3); // the user's own value, kept
+    field("chat.sampling_source").value = "custom";
+    field("chat.sampling_source").dispatchEvent(new Event("change"));
+    expect(field("chat.sampling.temperature").disabled).toBe(false);
+    field("chat.sampling.temperature").value = "0.5";
+    await view.save();
+    expect(saved[1].chat).toMatchObject({ sampling_source: "custom", sampling: { temperature: 0.5, top_k: 40 } });
   });
 });

@@ -55,9 +55,10 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
     let total_memory = perch_hub::total_memory_bytes();
     let kv_cache_bytes = args.kv_cache_mib << 20;
     println!(
-        "{:<60} {:>9} {:>9} {:>10}",
+        "{:<60} {:>9} {:>9} {:>10}  ARCHITECTURE",
         "MODEL", "SIZE", "FITS", "DOWNLOADS"
     );
+    let mut unsupported = false;
     for model in &models {
         let size = model.weights_bytes.map_or("?".to_owned(), format_bytes);
         let fit = match memory_fit(model.weights_bytes, kv_cache_bytes, total_memory) {
@@ -66,9 +67,27 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
             MemoryFit::TooLarge => "no",
             MemoryFit::Unknown => "?",
         };
+        let architecture = match model.model_type.as_deref() {
+            None => "?".to_owned(),
+            Some(model_type) => {
+                match perch_engine::models::unsupported_architecture_note(model_type) {
+                    None => model_type.to_owned(),
+                    Some(_) => {
+                        unsupported = true;
+                        format!("{model_type} (not supported yet)")
+                    }
+                }
+            }
+        };
         println!(
-            "{:<60} {size:>9} {fit:>9} {:>10}",
+            "{:<60} {size:>9} {fit:>9} {:>10}  {architecture}",
             model.id, model.downloads
+        );
+    }
+    if unsupported {
+        eprintln!(
+            "Perch runs these architectures: {}",
+            perch_engine::models::supported_architectures().join(", ")
         );
     }
     if models.is_empty() {

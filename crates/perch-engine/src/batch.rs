@@ -333,10 +333,20 @@ impl<'m> BatchGenerator<'m> {
         config: BatchConfig,
         model_id: &str,
     ) -> Self {
+        // Linear-attention layers (hybrid models) keep a recurrent state per sequence, which
+        // neither blocks of the prefix cache nor slot caches hold yet: such models run per
+        // sequence, without prefix caching.
+        let hybrid = model.has_recurrent_layers();
         let config = BatchConfig {
             max_running: config.max_running.max(1),
             prefill_batch_size: config.prefill_batch_size.max(1),
             prefill_token_budget: config.prefill_token_budget.max(1),
+            attention: if hybrid {
+                BatchAttention::PerSequence
+            } else {
+                config.attention
+            },
+            compile_decode: config.compile_decode && !hybrid,
             ..config
         };
         Self {
@@ -345,7 +355,8 @@ impl<'m> BatchGenerator<'m> {
             kv: KvCacheManager::new(
                 BlockPool::new(config.num_blocks, config.block_size),
                 model_id,
-            ),
+            )
+            .with_caching(!hybrid),
             store: BlockStore::new(config.num_blocks),
             tails: TailCache::default(),
             runner: ModelRunner::new(
@@ -995,7 +1006,7 @@ impl<'m> BatchGenerator<'m> {
             // Only next-token-logprobs calls keep their partial block: the next call usually
             // extends them by a token, and the copy (a wait for the device) stays off the path
             // of generating requests.
-            if seq.request.next_token_logprobs {
+            if seq.request.next_token_logprobs && self.kv.caching_enabled() {
                 self.keep_tail(seq)?;
             }
         }

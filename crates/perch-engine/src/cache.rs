@@ -104,13 +104,28 @@ impl CachedKv {
     }
 }
 
-/// The cache of one attention layer; the first `offset` positions of its buffers are filled.
+/// The cache of one layer of one sequence. An attention layer's: the first `offset` positions of
+/// its key and value buffers are filled. A linear-attention layer's (Gated DeltaNet, see
+/// [`KvCache::recurrent`]): the recurrent state after `offset` tokens, with no positions to read
+/// (mlx_lm's `ArraysCache`).
 #[derive(Default)]
 pub struct KvCache {
     quantization: Option<KvQuantization>,
     /// Keys' parts then values' parts (2 or 6 buffers); empty until the first update.
     buffers: Vec<Array>,
     offset: i32,
+    /// A recurrent layer's state, `None` before its first token; `None` for attention layers.
+    recurrent: Option<RecurrentState>,
+    is_recurrent: bool,
+}
+
+/// A linear-attention layer's state for one or more sequences (rows on axis 0).
+#[derive(Clone)]
+pub struct RecurrentState {
+    /// The last `kernel - 1` inputs of the short convolution, `[rows, kernel - 1, channels]`.
+    pub conv: Array,
+    /// The recurrence's state, `[rows, value_heads, value_dim, key_dim]`, float32.
+    pub ssm: Array,
 }
 
 impl KvCache {
@@ -128,6 +143,31 @@ impl KvCache {
             quantization,
             ..Self::default()
         }
+    }
+
+    /// The cache of a linear-attention layer: a recurrent state, no positions.
+    pub fn recurrent() -> Self {
+        Self {
+            is_recurrent: true,
+            ..Self::default()
+        }
+    }
+
+    /// Whether this is a linear-attention layer's cache ([`KvCache::recurrent`]).
+    pub fn is_recurrent(&self) -> bool {
+        self.is_recurrent
+    }
+
+    /// The recurrent state after [`KvCache::offset`] tokens; `None` before the first.
+    pub fn recurrent_state(&self) -> Option<&RecurrentState> {
+        self.recurrent.as_ref()
+    }
+
+    /// Replaces the recurrent state with the one after `new_tokens` more tokens.
+    pub fn set_recurrent_state(&mut self, state: RecurrentState, new_tokens: i32) {
+        debug_assert!(self.is_recurrent, "a recurrent state in an attention cache");
+        self.recurrent = Some(state);
+        self.offset += new_tokens;
     }
 
     pub fn quantization(&self) -> Option<KvQuantization> {
@@ -152,6 +192,12 @@ impl KvCache {
     /// Appends parts in this cache's own format (from [`KvCache::parts`] of a cache with the
     /// same quantization), all with the same number of new positions on axis 2.
     pub fn append_parts(&mut self, parts: &[Array]) -> Result<()> {
+        if self.is_recurrent {
+            return Err(mlx_rs::error::Exception::from(
+                "KV positions given to a linear-attention layer's cache",
+            )
+            .into());
+        }
         let expected = if self.quantization.is_some() { 6 } else { 2 };
         if parts.len() != expected {
             return Err(mlx_rs::error::Exception::from(
@@ -201,6 +247,12 @@ impl KvCache {
     /// Positions `[start, end)` (`0 <= start <= end <= offset`) of every buffer, in this cache's
     /// own format: views, valid for reading until the cache is written again (lazy).
     pub fn parts(&self, start: i32, end: i32) -> Result<Vec<Array>> {
+        if self.is_recurrent {
+            return Err(mlx_rs::error::Exception::from(
+                "a linear-attention layer's cache has no positions to read",
+            )
+            .into());
+        }
         if self.buffers.is_empty() {
             return Err(mlx_rs::error::Exception::from("positions of an empty KV cache").into());
         }
@@ -259,11 +311,12 @@ impl KvCache {
 
     /// Bytes held by the buffers (capacity, not only the filled part).
     pub fn nbytes(&self) -> usize {
-        self.buffers.iter().map(Array::nbytes).sum()
+        self.state().into_iter().map(Array::nbytes).sum()
     }
 
     /// The arrays to evaluate so that the cache holds computed data rather than a lazy graph.
     pub fn state(&self) -> Vec<&Array> {
-        self.buffers.iter().collect()
+        let recurrent = self.recurrent.iter().flat_map(|r| [&r.conv, &r.ssm]);
+        self.buffers.iter().chain(recurrent).collect()
     }
 }

@@ -1014,6 +1014,13 @@ impl Pass<'_> {
                     reply,
                 } => {
                     let saved = tokens_of(&prompt, self.tokenizer).and_then(|tokens| {
+                        // Checked before the prefix is computed for nothing.
+                        if self.model.has_recurrent_layers() {
+                            return Err(EngineError::PromptCache {
+                                path: path.clone(),
+                                message: crate::prompt_cache::RECURRENT_UNSUPPORTED.into(),
+                            });
+                        }
                         let cache = batch
                             .compute_prefix(&tokens, GenerateRequest::DEFAULT_PREFILL_STEP_SIZE)?;
                         save_prompt_cache(

@@ -51,6 +51,8 @@ pub struct KvCacheManager {
     pool: BlockPool,
     root: BlockHash,
     requests: HashMap<RequestId, RequestBlocks>,
+    /// Prefix caching (vLLM's `enable_caching`): off, no block is ever registered or found.
+    enable_caching: bool,
 }
 
 impl KvCacheManager {
@@ -60,7 +62,20 @@ impl KvCacheManager {
             pool,
             root: BlockHash::root(model_id),
             requests: HashMap::new(),
+            enable_caching: true,
         }
+    }
+
+    /// Turns prefix caching off (or on): off, [`KvCacheManager::cached_prefix`] finds nothing
+    /// and [`KvCacheManager::cache_blocks`] registers nothing. For models whose layers are not
+    /// all attention (a linear-attention layer's state is not split into blocks).
+    pub fn with_caching(mut self, enable: bool) -> Self {
+        self.enable_caching = enable;
+        self
+    }
+
+    pub fn caching_enabled(&self) -> bool {
+        self.enable_caching
     }
 
     pub fn pool(&self) -> &BlockPool {
@@ -84,6 +99,9 @@ impl KvCacheManager {
 
     /// The longest run of cached full blocks at the start of `tokens`, all of them usable.
     pub fn cached_prefix(&self, tokens: &[u32]) -> ComputedBlocks {
+        if !self.enable_caching {
+            return ComputedBlocks::default();
+        }
         let hashes = full_block_hashes(self.root, tokens, self.block_size(), &[]);
         let blocks: Vec<BlockId> = hashes
             .iter()
@@ -163,7 +181,11 @@ impl KvCacheManager {
         num_computed: usize,
     ) -> Vec<(usize, BlockId)> {
         let block_size = self.block_size();
-        let Some(entry) = self.requests.get_mut(&request) else {
+        let Some(entry) = self
+            .requests
+            .get_mut(&request)
+            .filter(|_| self.enable_caching)
+        else {
             return Vec::new();
         };
         let full = (num_computed.min(tokens.len()) / block_size).min(entry.blocks.len());

@@ -17,6 +17,7 @@ pub mod device;
 pub mod engine;
 pub mod error;
 pub mod generate;
+pub mod generation_config;
 pub mod grammar;
 pub mod kv_cache_manager;
 pub mod layers;

@@ -42,6 +42,10 @@ pub struct PromptCache {
     pub metadata: HashMap<String, String>,
 }
 
+/// Why a model with linear-attention layers has no prompt caches yet.
+pub const RECURRENT_UNSUPPORTED: &str =
+    "prompt caches of models with linear-attention layers (Qwen3.5) are not supported yet";
+
 /// Writes `layers` (each holding `tokens.len()` positions) to `path` (must end in
 /// `.safetensors`), with `tokens` and `model_id` recorded for later validation.
 pub fn save_prompt_cache(
@@ -55,6 +59,9 @@ pub fn save_prompt_cache(
         path: path.to_path_buf(),
         message,
     };
+    if layers.iter().any(KvCache::is_recurrent) {
+        return Err(error(RECURRENT_UNSUPPORTED.into()));
+    }
     if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
         return Err(error("the file name must end in .safetensors".into()));
     }
@@ -116,6 +123,9 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
         path: path.to_path_buf(),
         message,
     };
+    if model.has_recurrent_layers() {
+        return Err(error(RECURRENT_UNSUPPORTED.into()));
+    }
     crate::weights::validate_safetensors(path).map_err(|e| match e {
         EngineError::CorruptWeights { message, .. } => {
             error(format!("damaged or not a safetensors file: {message}"))

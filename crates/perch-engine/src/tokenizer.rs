@@ -8,6 +8,7 @@ use serde_json::Value;
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
 use crate::error::{EngineError, Result};
+use crate::generation_config::SamplingDefaults;
 use crate::grammar::GrammarEnv;
 
 /// A model's tokenizer and the text conventions that come with it.
@@ -15,6 +16,7 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     eos_token_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
+    sampling_defaults: SamplingDefaults,
     /// The vocabulary as constrained decoding reads it, built on first use.
     grammar_env: std::sync::OnceLock<std::result::Result<std::sync::Arc<GrammarEnv>, String>>,
     /// Every token's bytes ([`crate::grammar::token_bytes`]), read on first use.
@@ -24,8 +26,9 @@ pub struct Tokenizer {
 impl Tokenizer {
     /// Loads `tokenizer.json`, `tokenizer_config.json` (special tokens, chat template),
     /// `chat_template.jinja` when present (it wins over the config's field, as in transformers),
-    /// and end-of-sequence ids from `generation_config.json`, `config.json` and the tokenizer's
-    /// `eos_token`.
+    /// end-of-sequence ids from `generation_config.json`, `config.json` and the tokenizer's
+    /// `eos_token`, and the chat sampling defaults of `generation_config.json`
+    /// ([`SamplingDefaults`]; a value outside its domain there is an error).
     pub fn load(model_dir: &Path) -> Result<Self> {
         let path = model_dir.join("tokenizer.json");
         let bytes = crate::limits::read_capped(&path, crate::limits::MAX_TOKENIZER_JSON_BYTES)?;
@@ -44,10 +47,20 @@ impl Tokenizer {
         let eos_token = special("eos_token");
 
         let mut eos: BTreeSet<u32> = BTreeSet::new();
-        for file in ["generation_config.json", "config.json"] {
-            if let Some(cfg) = read_json_if_exists(&model_dir.join(file))? {
-                collect_ids(cfg.get("eos_token_id"), &mut eos);
-            }
+        let generation_config_path = model_dir.join("generation_config.json");
+        let generation_config = read_json_if_exists(&generation_config_path)?;
+        let sampling_defaults = SamplingDefaults::from_generation_config(
+            generation_config.as_ref(),
+            &generation_config_path,
+        )?;
+        collect_ids(
+            generation_config
+                .as_ref()
+                .and_then(|c| c.get("eos_token_id")),
+            &mut eos,
+        );
+        if let Some(cfg) = read_json_if_exists(&model_dir.join("config.json"))? {
+            collect_ids(cfg.get("eos_token_id"), &mut eos);
         }
         if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
             eos.insert(id);
@@ -71,6 +84,7 @@ impl Tokenizer {
             inner,
             eos_token_ids: eos.into_iter().collect(),
             chat_template,
+            sampling_defaults,
             grammar_env: std::sync::OnceLock::new(),
             token_bytes: std::sync::OnceLock::new(),
         })
@@ -154,6 +168,12 @@ impl Tokenizer {
 
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.chat_template.as_ref()
+    }
+
+    /// The sampling a chat with this model uses unless the user sets its own: the model's
+    /// `generation_config.json`'s, else Perch's ([`SamplingDefaults`]).
+    pub fn sampling_defaults(&self) -> &SamplingDefaults {
+        &self.sampling_defaults
     }
 
     /// Renders `messages` with the chat template (with the assistant's generation prompt) and

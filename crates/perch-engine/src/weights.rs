@@ -75,7 +75,13 @@ impl Weights {
             for (name, tensor) in loaded {
                 // Stored bytes (before the cast); the file's header is counted at its end.
                 in_file += tensor.nbytes() as u64;
-                let tensor = weights.cast(tensor)?;
+                // mlx_lm keeps Gated DeltaNet's decay rates (`A_log`) in their stored dtype
+                // (its `cast_predicate`); everything else floating point is cast.
+                let tensor = if name.ends_with("A_log") {
+                    tensor
+                } else {
+                    weights.cast(tensor)?
+                };
                 tensor.eval().map_err(|e| corrupt(&e))?;
                 weights.tensors.insert(name, tensor);
                 report.bytes_read = files_done + in_file.min(size);
@@ -120,6 +126,12 @@ impl Weights {
     /// Drops tensors a model does not use (e.g. precomputed rotary frequencies).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);
+    }
+
+    /// Drops every tensor whose name `unused` accepts (e.g. a multimodal checkpoint's vision
+    /// tower, when only its text model is loaded).
+    pub fn discard_where(&mut self, unused: impl Fn(&str) -> bool) {
+        self.tensors.retain(|name, _| !unused(name));
     }
 
     /// Names of tensors nobody took, sorted.

@@ -1,6 +1,8 @@
-//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2 and Qwen3 models — float32, bfloat16,
-//! 4-bit, and 8-bit with a per-layer override — written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`);
-//! Perch's logits must match mlx_lm's within 1e-4 and its greedy ids exactly.
+//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2, Qwen3 and Qwen3.5 (hybrid Gated DeltaNet
+//! and gated attention) models — float32, bfloat16, 4-bit, and 8-bit with a per-layer override —
+//! written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`); Perch's logits must match
+//! mlx_lm's within 1e-4 and its greedy ids exactly, through `generate` and through the batch
+//! engine (three prompts at once, inserted at different steps).
 //!
 //! Needs the oracle: a Python with `mlx[cpu]==0.32.2` and `mlx-lm==0.32.2` (`PERCH_TEST_PYTHON`,
 //! else `target/oracle-venv`, which `scripts/test.sh` creates).
@@ -12,6 +14,7 @@ use std::path::Path;
 use std::process::Command;
 
 use mlx_rs::Array;
+use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::{generate, models, GenerateRequest, Tokenizer};
 
 #[derive(serde::Deserialize)]
@@ -51,7 +54,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "qwen2-4bit",
             "qwen2-bf16",
             "qwen3",
-            "qwen3-8bit-mixed"
+            "qwen3-8bit-mixed",
+            "qwen3_5",
+            "qwen3_5-4bit"
         ]
     );
 
@@ -105,5 +110,42 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         })
         .unwrap();
         assert_eq!(result.token_ids, expected.greedy_ids, "{name}: greedy ids");
+
+        // The batch engine: the prompt and two shorter prefixes of it, inserted at steps 0, 1
+        // and 3, each as `generate` gives it alone (for the whole prompt: mlx_lm's ids).
+        let prompts = [
+            expected.prompt_ids.clone(),
+            expected.prompt_ids[..11].to_vec(),
+            expected.prompt_ids[..5].to_vec(),
+        ];
+        let schedule: Vec<(usize, GenerateRequest)> = prompts
+            .iter()
+            .zip([0, 1, 3])
+            .map(|(prompt, at)| {
+                let mut request = GenerateRequest::new(prompt.clone());
+                request.max_tokens = expected.greedy_ids.len();
+                request.ignore_eos = true;
+                // Chunks of 4: the prompt's state carries over between prefill chunks.
+                request.prefill_step_size = 4;
+                (at, request)
+            })
+            .collect();
+        let alone: Vec<Vec<u32>> = schedule
+            .iter()
+            .map(|(_, request)| {
+                generate(model.as_ref(), &tokenizer, request, |_| {
+                    ControlFlow::Continue(())
+                })
+                .unwrap()
+                .token_ids
+            })
+            .collect();
+        assert_eq!(alone[0], expected.greedy_ids, "{name}: chunked prefill");
+        let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, &name);
+        let outputs = common::drive(&mut batch, schedule);
+        for (i, ((output, _), alone)) in outputs.iter().zip(&alone).enumerate() {
+            assert_eq!(&output.token_ids, alone, "{name}: batched request {i}");
+        }
     }
 }

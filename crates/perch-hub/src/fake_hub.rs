@@ -432,6 +432,21 @@ async fn search(State(shared): State<SharedState>, Query(params): Query<SearchPa
                 hit["safetensors"] =
                     json!({"parameters": r.safetensors_parameters, "total": total});
             }
+            // As the Hub does: the config.json fields it indexes.
+            let config = r
+                .files
+                .iter()
+                .find(|f| f.path == "config.json")
+                .and_then(|f| serde_json::from_slice::<serde_json::Value>(&f.content).ok());
+            if let Some(config) = config {
+                let mut indexed = json!({});
+                for key in ["architectures", "model_type"] {
+                    if let Some(value) = config.get(key) {
+                        indexed[key] = value.clone();
+                    }
+                }
+                hit["config"] = indexed;
+            }
             hit
         })
         .collect();

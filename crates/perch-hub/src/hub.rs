@@ -114,6 +114,10 @@ pub struct HubModel {
     /// metadata for it. Quantized weights count as their packed `U32` words, so this is the
     /// download size, not parameters × 2.
     pub weights_bytes: Option<u64>,
+    /// `model_type` of its `config.json`, as the Hub reports it (`expand[]=config`); `None`
+    /// when the Hub has none, or one that is no architecture name (over 64 bytes, or characters
+    /// other than ASCII letters, digits, `_`, `-` and `.`).
+    pub model_type: Option<String>,
 }
 
 /// One revision of a repository: the commit and the model files in it.
@@ -227,7 +231,14 @@ impl HubClient {
         if let Some(author) = &query.author {
             url.push_str(&format!("&author={}", percent_encode(author)));
         }
-        for field in ["downloads", "likes", "lastModified", "tags", "safetensors"] {
+        for field in [
+            "downloads",
+            "likes",
+            "lastModified",
+            "tags",
+            "safetensors",
+            "config",
+        ] {
             url.push_str(&format!("&expand%5B%5D={field}"));
         }
         let (found, _) = self.get_json::<Vec<SearchHit>>(&url, self.deadline())?;
@@ -551,6 +562,10 @@ struct SearchHit {
     #[serde(default)]
     tags: Vec<String>,
     safetensors: Option<SafetensorsInfo>,
+    /// A subset of the repository's `config.json` (`model_type`, `architectures`, …); read
+    /// loosely, so that an odd one costs only its model type, not the search.
+    #[serde(default)]
+    config: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -569,6 +584,18 @@ impl SearchHit {
                     total.checked_add(count.checked_mul(dtype_bytes(dtype)?)?)
                 })
         });
+        let model_type = self
+            .config
+            .as_ref()
+            .and_then(|c| c.get("model_type"))
+            .and_then(serde_json::Value::as_str)
+            .filter(|t| {
+                !t.is_empty()
+                    && t.len() <= 64
+                    && t.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b))
+            })
+            .map(str::to_owned);
         HubModel {
             id: self.id,
             downloads: self.downloads,
@@ -576,6 +603,7 @@ impl SearchHit {
             last_modified: self.last_modified,
             tags: self.tags,
             weights_bytes,
+            model_type,
         }
     }
 }
@@ -920,5 +948,39 @@ mod tests {
         )
         .unwrap();
         assert_eq!(huge.into_model().weights_bytes, None);
+    }
+
+    #[test]
+    fn the_model_type_is_read_from_the_config_the_hub_indexes() {
+        let model_type = |json: &str| {
+            serde_json::from_str::<SearchHit>(json)
+                .unwrap()
+                .into_model()
+                .model_type
+        };
+        assert_eq!(
+            model_type(
+                r#"{"id": "a/b", "config": {"architectures": ["Gemma3ForConditionalGeneration"],
+                "model_type": "gemma3", "tokenizer_config": {}}}"#
+            )
+            .as_deref(),
+            Some("gemma3")
+        );
+        // Missing, odd or hostile: no model type, and the search still reads.
+        for json in [
+            r#"{"id": "a/b"}"#,
+            r#"{"id": "a/b", "config": null}"#,
+            r#"{"id": "a/b", "config": []}"#,
+            r#"{"id": "a/b", "config": {"model_type": 3}}"#,
+            r#"{"id": "a/b", "config": {"model_type": ""}}"#,
+            r#"{"id": "a/b", "config": {"model_type": "<script>alert(1)</script>"}}"#,
+        ] {
+            assert_eq!(model_type(json), None, "{json}");
+        }
+        let long = format!(
+            r#"{{"id": "a/b", "config": {{"model_type": "{}"}}}}"#,
+            "x".repeat(65)
+        );
+        assert_eq!(model_type(&long), None);
     }
 }

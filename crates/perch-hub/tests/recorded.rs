@@ -71,6 +71,48 @@ fn a_real_search_answer_gives_ids_downloads_and_weight_bytes() {
 }
 
 #[test]
+fn real_model_objects_give_their_architecture() {
+    // The search endpoint answers an array of model objects; these are recorded ones (model
+    // info answers, with the `config` subset the Hub indexes: see SOURCES.md).
+    let mut body = b"[".to_vec();
+    for (i, name) in [
+        "model-info-zephyr-7b-beta.json",
+        "model-info-stable-diffusion-v1-4.json",
+        "model-info.json",
+    ]
+    .iter()
+    .enumerate()
+    {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend(recording(name));
+    }
+    body.push(b']');
+    let (hub, client, _cache) = hub_serving(vec![RecordedAnswer {
+        path: "/api/models".into(),
+        content_type: JSON.into(),
+        body,
+        ..RecordedAnswer::default()
+    }]);
+    let found = client.search(&SearchQuery::default()).unwrap();
+    let types: Vec<(&str, Option<&str>)> = found
+        .iter()
+        .map(|m| (m.id.as_str(), m.model_type.as_deref()))
+        .collect();
+    assert_eq!(
+        types,
+        vec![
+            ("HuggingFaceH4/zephyr-7b-beta", Some("mistral")),
+            // A diffusers pipeline: no model type.
+            ("CompVis/stable-diffusion-v1-4", None),
+            ("google-bert/bert-base-uncased", Some("bert")),
+        ]
+    );
+    assert!(hub.requests()[0].uri.contains("expand%5B%5D=config"));
+}
+
+#[test]
 fn a_real_revision_answer_names_its_commit() {
     let (hub, client, _cache) = hub_serving(vec![RecordedAnswer {
         path: "/api/models/google-bert/bert-base-uncased/revision/main".into(),

@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use perch_engine::generation_config::{SamplingDefaults, SamplingDefaultsSource};
 use perch_engine::sampler::SamplingParams;
 use perch_engine::{ChatMessage, FinishReason, GenerationStats};
 use rusqlite::{params, Connection, ErrorCode, OptionalExtension, Transaction};
@@ -12,7 +13,8 @@ use serde::{Deserialize, Serialize};
 use crate::{set_aside, unix_millis, SetAside};
 
 /// The layout this code reads and writes (SQLite's `user_version`).
-const SCHEMA_VERSION: i32 = 1;
+/// 2 added `messages.sampling`.
+const SCHEMA_VERSION: i32 = 2;
 
 const SCHEMA: &str = "
 CREATE TABLE conversations (
@@ -30,7 +32,8 @@ CREATE TABLE messages (
     finish_reason TEXT,          -- answers only: stop | length | cancelled | error
     stats TEXT,                  -- answers only: GenerationStats as JSON
     error TEXT,                  -- answers that failed: the sentence shown
-    created_at INTEGER NOT NULL
+    created_at INTEGER NOT NULL,
+    sampling TEXT                -- answers only: AnswerSampling as JSON (layout 2 on)
 );
 CREATE INDEX messages_by_conversation ON messages (conversation_id, id);
 ";
@@ -107,21 +110,126 @@ impl Role {
 
 /// How a conversation is answered; each conversation keeps its own copy.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
+#[serde(from = "StoredConversationSettings")]
 pub struct ConversationSettings {
     /// Sent first as the `system` message; empty sends none.
     pub system_prompt: String,
+    /// Whether answers sample with the loaded model's defaults or with `sampling`'s values.
+    pub sampling_source: SamplingSource,
+    /// With [`SamplingSource::Model`], only its seed, logit bias and presence and frequency
+    /// penalties are used (see [`ConversationSettings::effective_sampling`]).
     pub sampling: SamplingParams,
     /// Most tokens per answer.
     pub max_tokens: usize,
+}
+
+/// Where a conversation's temperature, top-p, top-k, min-p and repetition penalty come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SamplingSource {
+    /// The loaded model's defaults ([`SamplingDefaults`]: its `generation_config.json`'s, else
+    /// Perch's), whichever model answers.
+    #[default]
+    Model,
+    /// The conversation's own values.
+    Custom,
+}
+
+/// The sampling an answer was generated with, as sent to the engine, and where its values came
+/// from. Kept with the answer in the history.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AnswerSampling {
+    pub params: SamplingParams,
+    pub source: AnswerSamplingSource,
+}
+
+/// Where an answer's sampling values came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AnswerSamplingSource {
+    /// The model's `generation_config.json`.
+    Model,
+    /// Perch's defaults (the model names none).
+    Perch,
+    /// The conversation's own values.
+    Custom,
 }
 
 impl Default for ConversationSettings {
     fn default() -> Self {
         Self {
             system_prompt: String::new(),
+            sampling_source: SamplingSource::Model,
             sampling: SamplingParams::default(),
             max_tokens: 1024,
+        }
+    }
+}
+
+impl ConversationSettings {
+    /// The sampling an answer uses when `defaults` are the loaded model's: with
+    /// [`SamplingSource::Model`], `sampling` with `defaults`' values in place of its five;
+    /// with [`SamplingSource::Custom`], `sampling` as it is.
+    pub fn effective_sampling(&self, defaults: &SamplingDefaults) -> AnswerSampling {
+        match self.sampling_source {
+            SamplingSource::Custom => AnswerSampling {
+                params: self.sampling.clone(),
+                source: AnswerSamplingSource::Custom,
+            },
+            SamplingSource::Model => AnswerSampling {
+                params: defaults.apply_to(&self.sampling),
+                source: match defaults.source {
+                    SamplingDefaultsSource::Model => AnswerSamplingSource::Model,
+                    SamplingDefaultsSource::Perch => AnswerSamplingSource::Perch,
+                },
+            },
+        }
+    }
+}
+
+/// [`ConversationSettings`] as stored (JSON in the history and the settings file): fields may be
+/// missing. Settings saved before `sampling_source` existed follow the model when their sampling
+/// was the old default, greedy decoding (what every conversation started with, and what made
+/// small models loop), and keep their values otherwise.
+#[derive(Deserialize)]
+#[serde(default)]
+struct StoredConversationSettings {
+    system_prompt: String,
+    sampling_source: Option<SamplingSource>,
+    sampling: SamplingParams,
+    max_tokens: usize,
+}
+
+impl Default for StoredConversationSettings {
+    fn default() -> Self {
+        let settings = ConversationSettings::default();
+        Self {
+            system_prompt: settings.system_prompt,
+            sampling_source: None,
+            sampling: settings.sampling,
+            max_tokens: settings.max_tokens,
+        }
+    }
+}
+
+impl From<StoredConversationSettings> for ConversationSettings {
+    fn from(stored: StoredConversationSettings) -> Self {
+        let sampling_source = stored.sampling_source.unwrap_or_else(|| {
+            let greedy = SamplingParams {
+                seed: stored.sampling.seed,
+                ..SamplingParams::default()
+            };
+            if stored.sampling == greedy {
+                SamplingSource::Model
+            } else {
+                SamplingSource::Custom
+            }
+        });
+        Self {
+            system_prompt: stored.system_prompt,
+            sampling_source,
+            sampling: stored.sampling,
+            max_tokens: stored.max_tokens,
         }
     }
 }
@@ -156,6 +264,9 @@ pub struct Message {
     pub stats: Option<GenerationStats>,
     pub error: Option<String>,
     pub created_at_ms: i64,
+    /// Answers only: the sampling it was generated with (`None` for answers saved before
+    /// Perch recorded it).
+    pub sampling: Option<AnswerSampling>,
 }
 
 /// What the user asks for next in a conversation.
@@ -280,6 +391,12 @@ impl History {
                 "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
             ))
             .map_err(fatal)?;
+        } else if version == 1 {
+            // Layout 1 → 2: answers saved before have no sampling recorded.
+            conn.execute_batch(
+                "BEGIN; ALTER TABLE messages ADD COLUMN sampling TEXT; PRAGMA user_version = 2; COMMIT;",
+            )
+            .map_err(|e| classify(e, path))?;
         }
         let history = History { conn };
         // Every query this code runs must compile against the tables found.
@@ -432,17 +549,20 @@ impl History {
         finish_reason: FinishReason,
         stats: &GenerationStats,
         error: Option<&str>,
+        sampling: Option<&AnswerSampling>,
     ) -> Result<Message> {
         let tx = self.conn.transaction()?;
         let now = unix_millis();
         let message_id = insert_message(&tx, id, Role::Assistant, content, now)?;
         tx.execute(
-            "UPDATE messages SET finish_reason = ?2, stats = ?3, error = ?4 WHERE id = ?1",
+            "UPDATE messages SET finish_reason = ?2, stats = ?3, error = ?4, sampling = ?5
+             WHERE id = ?1",
             params![
                 message_id,
                 finish_reason_text(finish_reason),
                 to_json(stats)?,
-                error
+                error,
+                sampling.map(to_json).transpose()?
             ],
         )?;
         touch(&tx, id, now)?;
@@ -455,6 +575,7 @@ impl History {
             stats: Some(stats.clone()),
             error: error.map(str::to_owned),
             created_at_ms: now,
+            sampling: sampling.cloned(),
         })
     }
 
@@ -494,7 +615,7 @@ WHERE (?2 IS NULL OR c.id = ?2)
 ORDER BY c.updated_at DESC, c.id DESC";
 
 const MESSAGES_SQL: &str = "
-SELECT id, role, content, finish_reason, stats, error, created_at
+SELECT id, role, content, finish_reason, stats, error, created_at, sampling
 FROM messages WHERE conversation_id = ?1 ORDER BY id";
 
 const SETTINGS_SQL: &str = "SELECT settings FROM conversations WHERE id = ?1";
@@ -538,6 +659,11 @@ fn message_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
             .map_err(|e| bad(4, format!("stats are not valid JSON: {e}")))?,
         error: row.get(5)?,
         created_at_ms: row.get(6)?,
+        sampling: row
+            .get::<_, Option<String>>(7)?
+            .map(|json| serde_json::from_str(&json))
+            .transpose()
+            .map_err(|e| bad(7, format!("sampling is not valid JSON: {e}")))?,
     })
 }
 
@@ -680,7 +806,9 @@ mod tests {
             ttft_s: 0.25,
             ..Default::default()
         };
-        history.save_answer(id, text, reason, &stats, None).unwrap()
+        history
+            .save_answer(id, text, reason, &stats, None, None)
+            .unwrap()
     }
 
     #[test]
@@ -803,6 +931,7 @@ mod tests {
                 FinishReason::Error,
                 &GenerationStats::default(),
                 Some("Boom."),
+                None,
             )
             .unwrap();
         assert_eq!(failed.error.as_deref(), Some("Boom."));
@@ -856,6 +985,7 @@ mod tests {
                 "x",
                 FinishReason::Stop,
                 &GenerationStats::default(),
+                None,
                 None
             ),
             Err(HistoryError::NoSuchConversation(_))
@@ -979,5 +1109,117 @@ mod tests {
             "the file was changed"
         );
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    /// Layout 1's schema, as Perch wrote it before answers recorded their sampling.
+    const SCHEMA_V1: &str = "
+        CREATE TABLE conversations (id INTEGER PRIMARY KEY, title TEXT, settings TEXT NOT NULL,
+            created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL);
+        CREATE TABLE messages (id INTEGER PRIMARY KEY,
+            conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('user', 'assistant')), content TEXT NOT NULL,
+            finish_reason TEXT, stats TEXT, error TEXT, created_at INTEGER NOT NULL);
+        CREATE INDEX messages_by_conversation ON messages (conversation_id, id);
+        PRAGMA user_version = 1;";
+
+    #[test]
+    fn a_layout_1_history_is_upgraded_and_old_settings_follow_the_model_when_they_were_greedy() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("history.sqlite3");
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(SCHEMA_V1).unwrap();
+        // Two conversations saved by the old Perch: one left at the old greedy default (with a
+        // seed), one with a temperature the user chose.
+        let greedy = r#"{"system_prompt":"","sampling":{"temperature":0.0,"top_p":0.0,"top_k":0,"min_p":0.0,"repetition_penalty":0.0,"repetition_context_size":20,"seed":5},"max_tokens":1024}"#;
+        let custom =
+            r#"{"system_prompt":"Be kind.","sampling":{"temperature":0.7},"max_tokens":300}"#;
+        conn.execute(
+            "INSERT INTO conversations (settings, created_at, updated_at) VALUES (?1, 1, 1), (?2, 2, 2)",
+            params![greedy, custom],
+        )
+        .unwrap();
+        conn.execute_batch(
+            "INSERT INTO messages (conversation_id, role, content, created_at) VALUES (1, 'user', 'Hi', 1);
+             INSERT INTO messages (conversation_id, role, content, finish_reason, stats, created_at)
+                 VALUES (1, 'assistant', 'Hello', 'stop', NULL, 2);",
+        )
+        .unwrap();
+        drop(conn);
+
+        let (mut history, set_aside) = History::open(&path).unwrap();
+        assert!(set_aside.is_none());
+        let version: i32 = history
+            .conn
+            .query_row("PRAGMA user_version", [], |row| row.get(0))
+            .unwrap();
+        assert_eq!(version, SCHEMA_VERSION);
+        let first = history.conversation(1).unwrap();
+        assert_eq!(first.settings.sampling_source, SamplingSource::Model);
+        assert_eq!(first.settings.sampling.seed, Some(5));
+        assert_eq!(first.messages.len(), 2);
+        assert_eq!(first.messages[1].sampling, None);
+        let second = history.conversation(2).unwrap();
+        assert_eq!(second.settings.sampling_source, SamplingSource::Custom);
+        assert_eq!(second.settings.sampling.temperature, 0.7);
+        assert_eq!(second.settings.max_tokens, 300);
+
+        // Answers now keep their sampling, through a reopen.
+        let defaults = SamplingDefaults::default();
+        let used = first.settings.effective_sampling(&defaults);
+        assert_eq!(used.source, AnswerSamplingSource::Perch);
+        assert_eq!(used.params.temperature, defaults.temperature);
+        assert_eq!(used.params.seed, Some(5));
+        history
+            .begin_turn(
+                1,
+                &Turn::Send {
+                    content: "Again".into(),
+                },
+            )
+            .unwrap();
+        let saved = history
+            .save_answer(
+                1,
+                "Hi again",
+                FinishReason::Stop,
+                &GenerationStats::default(),
+                None,
+                Some(&used),
+            )
+            .unwrap();
+        assert_eq!(saved.sampling.as_ref(), Some(&used));
+        drop(history);
+        let (history, _) = History::open(&path).unwrap();
+        let reread = history.conversation(1).unwrap();
+        assert_eq!(
+            reread.messages.last().unwrap().sampling.as_ref(),
+            Some(&used)
+        );
+    }
+
+    #[test]
+    fn custom_sampling_is_used_as_it_is_and_new_settings_follow_the_model() {
+        let mut settings = ConversationSettings::default();
+        assert_eq!(settings.sampling_source, SamplingSource::Model);
+        settings.sampling.temperature = 0.3;
+        settings.sampling_source = SamplingSource::Custom;
+        let used = settings.effective_sampling(&SamplingDefaults::default());
+        assert_eq!(used.source, AnswerSamplingSource::Custom);
+        assert_eq!(used.params, settings.sampling);
+        // Saved with its source, it reads back as saved (not by the legacy rule).
+        let json = serde_json::to_string(&settings).unwrap();
+        assert!(json.contains(r#""sampling_source":"custom""#), "{json}");
+        assert_eq!(
+            serde_json::from_str::<ConversationSettings>(&json).unwrap(),
+            settings
+        );
+        settings.sampling = SamplingParams::default();
+        let json = serde_json::to_string(&settings).unwrap();
+        assert_eq!(
+            serde_json::from_str::<ConversationSettings>(&json)
+                .unwrap()
+                .sampling_source,
+            SamplingSource::Custom
+        );
     }
 }

@@ -30,7 +30,7 @@ fn writer_child() {
         let answer = format!("answer {i} {}", "y".repeat(i % 500));
         let stats = GenerationStats::default();
         let saved = history
-            .save_answer(id, &answer, FinishReason::Stop, &stats, None)
+            .save_answer(id, &answer, FinishReason::Stop, &stats, None, None)
             .unwrap();
         println!("saved {id} {} {}", saved.id, answer.len());
     }

@@ -5,7 +5,9 @@
 use perch_engine::{
     EngineEvent, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
 };
-use perch_store::{Conversation, ConversationSettings, ConversationSummary, History, Turn};
+use perch_store::{
+    AnswerSampling, Conversation, ConversationSettings, ConversationSummary, History, Turn,
+};
 use serde::Serialize;
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Manager, Runtime, State};
@@ -85,6 +87,10 @@ async fn with_history<R: Runtime, T: Send + 'static, E: std::fmt::Display>(
 #[derive(Clone, Debug, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum ChatEvent {
+    /// Sent when the request is in the engine, before any token (after `ContextTrimmed`): the
+    /// sampling the answer is generated with, as submitted to the engine, and
+    /// where its values come from (the model's defaults, Perch's, or the conversation's own).
+    Started { sampling: AnswerSampling },
     /// Sent first when the conversation is longer than the model's context: the oldest
     /// `dropped_messages` messages (whole turns; the system prompt stays) are left out of this
     /// answer's prompt. The history keeps them.
@@ -157,7 +163,8 @@ pub fn start_chat(
         let _ = on_event.send(ChatEvent::ContextTrimmed { dropped_messages });
     }
     let mut params = GenerateRequest::new(Vec::new());
-    params.sampling = settings.sampling;
+    let sampling = settings.effective_sampling(engine.tokenizer().sampling_defaults());
+    params.sampling = sampling.params.clone();
     params.max_tokens = settings.max_tokens;
     let stream = engine
         .submit(EngineRequest {
@@ -166,6 +173,9 @@ pub fn start_chat(
         })
         .map_err(|e| sentence(&e))?;
     let id = stream.id;
+    let _ = on_event.send(ChatEvent::Started {
+        sampling: sampling.clone(),
+    });
     let history = store.shared_history();
     std::thread::spawn(move || {
         let mut answer = String::new();
@@ -212,6 +222,7 @@ pub fn start_chat(
                     finish_reason,
                     &stats,
                     error.as_deref(),
+                    Some(&sampling),
                 )
                 .map_err(|e| sentence(&e))
             });

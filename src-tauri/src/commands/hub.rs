@@ -30,6 +30,10 @@ pub struct HubModelView {
     pub fit: MemoryFit,
     /// Its snapshot in the Hugging Face cache (what `load_model` takes), when downloaded.
     pub snapshot_dir: Option<PathBuf>,
+    /// When its architecture is one Perch does not run: a sentence naming it and those it runs
+    /// (`perch_engine::models::unsupported_architecture_note`); `None` when it runs or the Hub
+    /// does not say.
+    pub architecture_note: Option<String>,
 }
 
 fn client() -> Result<HubClient, String> {
@@ -67,6 +71,10 @@ pub async fn search_models(
             .map(|model| HubModelView {
                 fit: memory_fit(model.weights_bytes, kv_cache_bytes, total_memory),
                 snapshot_dir: perch_hub::cached_snapshot(client.cache_dir(), &model.id),
+                architecture_note: model
+                    .model_type
+                    .as_deref()
+                    .and_then(perch_engine::models::unsupported_architecture_note),
                 model,
             })
             .collect())

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
+use perch_engine::generation_config::SamplingDefaults;
 use perch_engine::{EngineConfig, EngineHandle, EngineStats, LoadProgress};
 use perch_hub::LocalModel;
 use perch_server::{Served, ServedModel};
@@ -49,6 +50,9 @@ pub enum ModelStatus {
     Loaded {
         name: String,
         path: PathBuf,
+        /// What conversations that follow the model sample with (its `generation_config.json`'s
+        /// values, else Perch's), shown by the settings forms.
+        sampling_defaults: SamplingDefaults,
     },
     Failed {
         name: String,
@@ -119,7 +123,11 @@ impl AppState {
                     engine: engine.clone(),
                     model_id: name.clone(),
                 }));
-                let status = ModelStatus::Loaded { name, path };
+                let status = ModelStatus::Loaded {
+                    name,
+                    path,
+                    sampling_defaults: engine.tokenizer().sampling_defaults().clone(),
+                };
                 let slot = ModelSlot {
                     status: status.clone(),
                     engine: Some(engine),
@@ -157,14 +165,32 @@ impl AppState {
 
 /// Models in Perch's models directory (from the settings) and in the Hugging Face cache.
 #[tauri::command]
-pub async fn list_models<R: Runtime>(app: AppHandle<R>) -> Result<Vec<LocalModel>, String> {
+pub async fn list_models<R: Runtime>(app: AppHandle<R>) -> Result<Vec<LocalModelView>, String> {
     off_main_thread(app, |app| {
         Ok(perch_hub::local_models(
             &app.state::<Store>().models_dir()?,
             perch_hub::hf_cache_dir().as_deref(),
-        ))
+        )
+        .into_iter()
+        .map(|model| LocalModelView {
+            architecture_note: model
+                .model_type
+                .as_deref()
+                .and_then(perch_engine::models::unsupported_architecture_note),
+            model,
+        })
+        .collect())
     })
     .await
+}
+
+/// A model on this machine, and whether Perch runs it.
+#[derive(Clone, Debug, Serialize)]
+pub struct LocalModelView {
+    #[serde(flatten)]
+    pub model: LocalModel,
+    /// When its `model_type` is one Perch does not run: a sentence naming it and those it runs.
+    pub architecture_note: Option<String>,
 }
 
 /// Loads the model directory `path` (replacing the loaded model), with the KV cache budget and

@@ -10,6 +10,7 @@ use crate::device::Backend;
 use crate::error::Result;
 use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
+use crate::models::gated_delta::{GatedDeltaConfig, GatedDeltaNet};
 use crate::models::{Model, ModelInfo};
 use crate::slot_cache::{SlotKvCache, SlotStep};
 use crate::weights::Weights;
@@ -33,7 +34,33 @@ pub struct DecoderConfig {
     pub mlp_bias: bool,
     /// RMSNorm on each query and key head before RoPE (Qwen3).
     pub qk_norm: bool,
+    /// The query projection also yields a gate per query feature, and attention's output is
+    /// multiplied by its sigmoid before the output projection (Qwen3-Next, Qwen3.5).
+    pub attn_output_gate: bool,
+    /// Hybrid models: every layer but each `full_attention_interval`-th is a Gated DeltaNet
+    /// (Qwen3.5's `linear_attn`); `None`: every layer is attention.
+    pub linear_attention: Option<LinearAttention>,
+    /// Prepended to every weight name (`language_model.` for checkpoints that nest the text
+    /// model, as multimodal Qwen3.5 ones do); empty otherwise.
+    pub weight_prefix: String,
     pub context_length: usize,
+}
+
+/// Which layers of a hybrid model are linear attention, and their sizes.
+#[derive(Debug, Clone)]
+pub struct LinearAttention {
+    /// Layer `i` is full attention when `(i + 1) % full_attention_interval == 0`.
+    pub full_attention_interval: i32,
+    pub layer: GatedDeltaConfig,
+}
+
+impl DecoderConfig {
+    /// Whether layer `i` is a linear-attention (Gated DeltaNet) layer.
+    pub fn is_linear_layer(&self, i: i32) -> bool {
+        self.linear_attention
+            .as_ref()
+            .is_some_and(|l| (i + 1) % l.full_attention_interval != 0)
+    }
 }
 
 impl DecoderConfig {
@@ -90,6 +117,15 @@ impl DecoderConfig {
                 self.context_length
             ));
         }
+        if let Some(linear) = &self.linear_attention {
+            if !(1..=self.num_layers).contains(&linear.full_attention_interval) {
+                return Err(format!(
+                    "`full_attention_interval` must be between 1 and the layer count {}, got {}",
+                    self.num_layers, linear.full_attention_interval
+                ));
+            }
+            linear.layer.validate()?;
+        }
         // Every projection's output width fits MLX's int32 shapes (at most 1024 · 3 · 1024).
         Ok(())
     }
@@ -104,6 +140,8 @@ struct Attention {
     num_heads: i32,
     num_kv_heads: i32,
     scale: f32,
+    /// See [`DecoderConfig::attn_output_gate`].
+    output_gate: bool,
 }
 
 /// The query, key and value projections, separate or fused into one (see
@@ -127,12 +165,13 @@ impl Attention {
                 .then(|| RmsNorm::load(w, &format!("{path}.{name}"), hd, c.rms_norm_eps))
                 .transpose()
         };
+        let gate = if c.attn_output_gate { 2 } else { 1 };
         let q_proj = Linear::load(
             w,
             q,
             &format!("{path}.q_proj"),
             hidden,
-            c.num_heads * hd,
+            c.num_heads * hd * gate,
             c.qkv_bias,
         )?;
         let k_proj = Linear::load(
@@ -151,7 +190,13 @@ impl Attention {
             c.num_kv_heads * hd,
             c.qkv_bias,
         )?;
-        let qkv = match Linear::fuse_if_enabled([q_proj, k_proj, v_proj])? {
+        // A gated query projection stays separate (its heads interleave queries and gates).
+        let fused = if c.attn_output_gate {
+            Err([q_proj, k_proj, v_proj])
+        } else {
+            Linear::fuse_if_enabled([q_proj, k_proj, v_proj])?
+        };
+        let qkv = match fused {
             Ok(fused) => Qkv::Fused(fused),
             Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
                 q_proj,
@@ -174,12 +219,14 @@ impl Attention {
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             scale: (hd as f32).powf(-0.5),
+            output_gate: c.attn_output_gate,
         })
     }
 
     /// Queries, keys and values of `x` `[batch, seq, hidden]`, each `[batch, heads, seq,
-    /// head_dim]` (query and key norms applied, RoPE not yet).
-    fn project(&self, x: &Array) -> Result<(Array, Array, Array)> {
+    /// head_dim]` (query and key norms applied, RoPE not yet), and the output gate `[batch,
+    /// seq, heads * head_dim]` when the attention has one.
+    fn project(&self, x: &Array) -> Result<(Array, Array, Array, Option<Array>)> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
         // `[batch, seq, n, head_dim]` → normed, `[batch, n, seq, head_dim]`.
         let heads = |h: Array, norm: &Option<RmsNorm>| -> Result<Array> {
@@ -189,15 +236,31 @@ impl Attention {
             };
             Ok(h.transpose_axes(&[0, 2, 1, 3])?)
         };
+        let mut gate = None;
         let (q, k, v) = match &self.qkv {
             Qkv::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             } => (
-                q_proj
-                    .forward(x)?
-                    .reshape(&[batch, seq, self.num_heads, -1])?,
+                {
+                    let q = q_proj
+                        .forward(x)?
+                        .reshape(&[batch, seq, self.num_heads, -1])?;
+                    if self.output_gate {
+                        // Each head's features are its query, then its gate (mlx_lm splits the
+                        // last axis in two).
+                        let width = q.shape()[3];
+                        let half = width / 2;
+                        let part = |from: i32, to: i32| {
+                            slice(&q, &[0, 0, 0, from], &[batch, seq, self.num_heads, to])
+                        };
+                        gate = Some(part(half, width)?.reshape(&[batch, seq, -1])?);
+                        part(0, half)?
+                    } else {
+                        q
+                    }
+                },
                 k_proj
                     .forward(x)?
                     .reshape(&[batch, seq, self.num_kv_heads, -1])?,
@@ -224,7 +287,19 @@ impl Attention {
             heads(q, &self.q_norm)?,
             heads(k, &self.k_norm)?,
             heads(v, &None)?,
+            gate,
         ))
+    }
+
+    /// The output projection of attention's output `[batch, seq, heads * head_dim]`, gated
+    /// first when the attention has a gate.
+    fn output(&self, out: &Array, gate: Option<Array>) -> Result<Array> {
+        match gate {
+            Some(gate) => self
+                .o_proj
+                .forward(&ops::multiply(out, &ops::sigmoid(&gate)?)?),
+            None => self.o_proj.forward(out),
+        }
     }
 
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`. Row `b` of the batch is its own
@@ -233,7 +308,7 @@ impl Attention {
     fn forward(&self, x: &Array, rope: &Rope, caches: &mut [&mut KvCache]) -> Result<Array> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
         debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
-        let (queries, keys, values) = self.project(x)?;
+        let (queries, keys, values, gate) = self.project(x)?;
 
         let out = if batch == 1 {
             self.attend(&queries, &keys, &values, rope, caches[0])?
@@ -258,7 +333,7 @@ impl Attention {
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[batch, seq, -1])?;
-        self.o_proj.forward(&out)
+        self.output(&out, gate)
     }
 
     /// One step of a whole batch over a slot-major cache: `x` `[rows, tokens, hidden]`, row `r`
@@ -274,7 +349,7 @@ impl Attention {
         step: &SlotStep,
     ) -> Result<Array> {
         let (rows, tokens) = (x.shape()[0], x.shape()[1]);
-        let (queries, keys, values) = self.project(x)?;
+        let (queries, keys, values, gate) = self.project(x)?;
         let queries = rope.forward_at(&queries, &step.positions)?;
         let keys = rope.forward_at(&keys, &step.positions)?;
         let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
@@ -282,7 +357,7 @@ impl Attention {
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[rows, tokens, -1])?;
-        self.o_proj.forward(&out)
+        self.output(&out, gate)
     }
 
     /// RoPE at the cache's position, cache update and attention for one sequence:
@@ -555,9 +630,16 @@ fn lowest(dtype: Dtype) -> Result<Array> {
     Ok(Array::from_f32(value).as_dtype(dtype)?)
 }
 
+/// What mixes a block's positions: attention, or a Gated DeltaNet (hybrid models).
+#[derive(Clone)]
+enum Mixer {
+    Attention(Attention),
+    Linear(GatedDeltaNet),
+}
+
 #[derive(Clone)]
 struct Block {
-    self_attn: Attention,
+    mixer: Mixer,
     mlp: Mlp,
     input_layernorm: RmsNorm,
     post_attention_layernorm: RmsNorm,
@@ -572,6 +654,8 @@ pub struct Decoder {
     lm_head: Option<Linear>,
     rope: Rope,
     info: ModelInfo,
+    /// Per layer: a Gated DeltaNet (its cache is [`KvCache::recurrent`]).
+    linear_layers: Vec<bool>,
 }
 
 impl Decoder {
@@ -584,18 +668,35 @@ impl Decoder {
         model_type: &str,
     ) -> Result<Self> {
         let c = &config;
+        let prefix = &c.weight_prefix;
         let embed_tokens = Embedding::load(
             weights,
             quantization,
-            "model.embed_tokens",
+            &format!("{prefix}model.embed_tokens"),
             c.vocab_size,
             c.hidden_size,
         )?;
         let mut layers = Vec::with_capacity(c.num_layers as usize);
         for i in 0..c.num_layers {
-            let p = format!("model.layers.{i}");
+            let p = format!("{prefix}model.layers.{i}");
+            let mixer = match &c.linear_attention {
+                Some(linear) if c.is_linear_layer(i) => Mixer::Linear(GatedDeltaNet::load(
+                    weights,
+                    quantization,
+                    &format!("{p}.linear_attn"),
+                    c.hidden_size,
+                    c.rms_norm_eps,
+                    &linear.layer,
+                )?),
+                _ => Mixer::Attention(Attention::load(
+                    weights,
+                    quantization,
+                    &format!("{p}.self_attn"),
+                    c,
+                )?),
+            };
             layers.push(Block {
-                self_attn: Attention::load(weights, quantization, &format!("{p}.self_attn"), c)?,
+                mixer,
                 mlp: Mlp::load(
                     weights,
                     quantization,
@@ -618,15 +719,20 @@ impl Decoder {
                 )?,
             });
         }
-        let norm = RmsNorm::load(weights, "model.norm", c.hidden_size, c.rms_norm_eps)?;
+        let norm = RmsNorm::load(
+            weights,
+            &format!("{prefix}model.norm"),
+            c.hidden_size,
+            c.rms_norm_eps,
+        )?;
         let lm_head = if c.tie_word_embeddings {
-            weights.discard("lm_head.weight");
+            weights.discard(&format!("{prefix}lm_head.weight"));
             None
         } else {
             Some(Linear::load(
                 weights,
                 quantization,
-                "lm_head",
+                &format!("{prefix}lm_head"),
                 c.hidden_size,
                 c.vocab_size,
                 false,
@@ -647,23 +753,24 @@ impl Decoder {
             lm_head,
             rope,
             info,
+            linear_layers: (0..c.num_layers).map(|i| c.is_linear_layer(i)).collect(),
         })
     }
 }
 
 impl Decoder {
-    /// Embeddings, every block with `attend(layer index, attention, normed input, rope)` as its
-    /// attention, final norm and LM head: token ids `[batch, seq]` → logits `[batch, seq, vocab]`.
+    /// Embeddings, every block with `mix(layer index, mixer, normed input, rope)` mixing its
+    /// positions, final norm and LM head: token ids `[batch, seq]` → logits `[batch, seq, vocab]`.
     fn run(
         &self,
         ids: &Array,
-        mut attend: impl FnMut(usize, &Attention, &Array, &Rope) -> Result<Array>,
+        mut mix: impl FnMut(usize, &Mixer, &Array, &Rope) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            let r = attend(
+            let r = mix(
                 i,
-                &layer.self_attn,
+                &layer.mixer,
                 &layer.input_layernorm.forward(&h)?,
                 &self.rope,
             )?;
@@ -687,10 +794,13 @@ impl Model for Decoder {
     }
 
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
-        self.run(ids, |i, attn, x, rope| {
+        self.run(ids, |i, mixer, x, rope| {
             let mut layer_caches: Vec<&mut KvCache> =
                 caches.iter_mut().map(|c| &mut c[i]).collect();
-            attn.forward(x, rope, &mut layer_caches)
+            match mixer {
+                Mixer::Attention(attn) => attn.forward(x, rope, &mut layer_caches),
+                Mixer::Linear(net) => net.forward(x, &mut layer_caches),
+            }
         })
     }
 
@@ -700,8 +810,12 @@ impl Model for Decoder {
         slots: &mut SlotKvCache,
         step: &SlotStep,
     ) -> Result<Array> {
-        self.run(ids, |i, attn, x, rope| {
-            attn.forward_slots(x, rope, slots, i, step)
+        self.run(ids, |i, mixer, x, rope| match mixer {
+            Mixer::Attention(attn) => attn.forward_slots(x, rope, slots, i, step),
+            Mixer::Linear(_) => Err(mlx_rs::error::Exception::from(
+                "linear-attention layers do not run over slot caches yet",
+            )
+            .into()),
         })
     }
 
@@ -712,7 +826,15 @@ impl Model for Decoder {
             head.use_mlx_kernels();
         }
         for block in &mut copy.layers {
-            match &mut block.self_attn.qkv {
+            let attention = match &mut block.mixer {
+                Mixer::Attention(attention) => attention,
+                Mixer::Linear(net) => {
+                    net.use_mlx_kernels();
+                    block.mlp.use_mlx_kernels();
+                    continue;
+                }
+            };
+            match &mut attention.qkv {
                 Qkv::Separate {
                     q_proj,
                     k_proj,
@@ -722,7 +844,7 @@ impl Model for Decoder {
                     .for_each(Linear::use_mlx_kernels),
                 Qkv::Fused(proj) => proj.use_mlx_kernels(),
             }
-            block.self_attn.o_proj.use_mlx_kernels();
+            attention.o_proj.use_mlx_kernels();
             block.mlp.use_mlx_kernels();
         }
         Box::new(copy)
@@ -730,5 +852,22 @@ impl Model for Decoder {
 
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn has_recurrent_layers(&self) -> bool {
+        self.linear_layers.iter().any(|&linear| linear)
+    }
+
+    fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
+        self.linear_layers
+            .iter()
+            .map(|&linear| {
+                if linear {
+                    KvCache::recurrent()
+                } else {
+                    KvCache::with_quantization(quantization)
+                }
+            })
+            .collect()
     }
 }

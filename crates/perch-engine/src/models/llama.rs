@@ -62,6 +62,9 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         o_bias: args.attention_bias,
         mlp_bias: args.mlp_bias,
         qk_norm: false,
+        attn_output_gate: false,
+        linear_attention: None,
+        weight_prefix: String::new(),
         context_length: args.max_position_embeddings.unwrap_or(4096),
     };
     config.validate().map_err(|m| cx.error(m))?;

@@ -4,9 +4,11 @@
 //! struct and resolves it into the shared [`decoder::DecoderConfig`].
 
 pub mod decoder;
+pub mod gated_delta;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod qwen3_5;
 
 use std::path::Path;
 
@@ -76,6 +78,12 @@ pub trait Model: Send {
     /// what a compiled step owns.
     fn clone_for_compile(&self) -> Box<dyn Model>;
     fn info(&self) -> &ModelInfo;
+    /// Whether some layers keep a recurrent state instead of keys and values (linear
+    /// attention: [`KvCache::recurrent`]). Such models run without prefix caching or slot
+    /// caches for now.
+    fn has_recurrent_layers(&self) -> bool {
+        false
+    }
     /// An empty cache, one entry per layer, float or quantized.
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
         (0..self.info().num_layers)
@@ -132,11 +140,25 @@ const ARCHITECTURES: &[(&str, Loader)] = &[
     ("mistral", llama::load),
     ("qwen2", qwen2::load),
     ("qwen3", qwen3::load),
+    ("qwen3_5", qwen3_5::load),
 ];
 
 /// The `model_type`s Perch can load.
 pub fn supported_architectures() -> Vec<&'static str> {
     ARCHITECTURES.iter().map(|(name, _)| *name).collect()
+}
+
+/// `None` when a model of `model_type` (its `config.json`'s, as the Hub reports it too) loads;
+/// otherwise a sentence naming it and the architectures that do, for the model picker and
+/// `perch search` to show before anything is downloaded.
+pub fn unsupported_architecture_note(model_type: &str) -> Option<String> {
+    if ARCHITECTURES.iter().any(|(name, _)| *name == model_type) {
+        return None;
+    }
+    Some(format!(
+        "{model_type} is not supported yet (Perch runs {})",
+        supported_architectures().join(", ")
+    ))
 }
 
 /// Loads the model in `model_dir` (mlx-community layout: `config.json` + `*.safetensors`).
@@ -270,6 +292,17 @@ mod tests {
     }
 
     #[test]
+    fn unsupported_architectures_are_named_with_the_supported_ones() {
+        assert_eq!(unsupported_architecture_note("qwen3"), None);
+        assert_eq!(unsupported_architecture_note("llama"), None);
+        let note = unsupported_architecture_note("gemma3").unwrap();
+        assert!(note.starts_with("gemma3 is not supported yet"), "{note}");
+        for name in supported_architectures() {
+            assert!(note.contains(name), "{note}");
+        }
+    }
+
+    #[test]
     fn check_config_accepts_a_real_config_and_names_what_is_wrong() {
         assert_eq!(check_config(SMOLLM2).unwrap(), "llama");
         for (text, expected) in [
@@ -301,5 +334,62 @@ mod tests {
             check_config(&with("model_type", "gpt2".into())),
             Err(EngineError::UnsupportedArchitecture { .. })
         ));
+    }
+
+    /// Qwen3.5's layout: the text model's fields nested in `text_config`.
+    fn qwen3_5(text: Value) -> String {
+        let mut base = serde_json::json!({"hidden_size": 64, "num_hidden_layers": 4,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5, "vocab_size": 100, "max_position_embeddings": 512,
+            "head_dim": 32, "full_attention_interval": 2, "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e5,
+                "partial_rotary_factor": 0.25}});
+        for (key, value) in text.as_object().unwrap() {
+            base[key] = value.clone();
+        }
+        serde_json::json!({"model_type": "qwen3_5", "text_config": base}).to_string()
+    }
+
+    #[test]
+    fn qwen3_5_configs_are_checked_field_by_field() {
+        assert_eq!(
+            check_config(&qwen3_5(serde_json::json!({}))).unwrap(),
+            "qwen3_5"
+        );
+        for (text, expected) in [
+            (
+                qwen3_5(serde_json::json!({"linear_num_key_heads": 3})),
+                "multiple of `linear_num_key_heads`",
+            ),
+            (
+                qwen3_5(serde_json::json!({"linear_conv_kernel_dim": 0})),
+                "`linear_conv_kernel_dim`",
+            ),
+            (
+                qwen3_5(serde_json::json!({"full_attention_interval": 0})),
+                "`full_attention_interval`",
+            ),
+            (
+                qwen3_5(serde_json::json!({"num_experts": 8})),
+                "mixture-of-experts",
+            ),
+            (
+                qwen3_5(serde_json::json!({"rope_parameters": {"partial_rotary_factor": 2.0}})),
+                "`partial_rotary_factor`",
+            ),
+            (
+                qwen3_5(serde_json::json!({"head_dim": 6})),
+                "RoPE covers 1 features",
+            ),
+        ] {
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{text}: {e}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
     }
 }

@@ -58,6 +58,9 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         o_bias: false,
         mlp_bias: false,
         qk_norm: false,
+        attn_output_gate: false,
+        linear_attention: None,
+        weight_prefix: String::new(),
         context_length: args.max_position_embeddings,
     };
     config.validate().map_err(|m| cx.error(m))?;

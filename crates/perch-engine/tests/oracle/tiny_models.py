@@ -17,7 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama, qwen2, qwen3
+from mlx_lm.models import llama, qwen2, qwen3, qwen3_5
 
 VOCAB = 49152  # the test model's (SmolLM2) tokenizer vocabulary, so the models are complete directories
 
@@ -30,6 +30,22 @@ BASE = {
     "rms_norm_eps": 1e-5,
     "vocab_size": VOCAB,
     "max_position_embeddings": 512,
+}
+
+QWEN3_5_TEXT = {
+    **BASE,
+    "model_type": "qwen3_5_text",
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "full_attention_interval": 2,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 4,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10]},
 }
 
 CASES = {
@@ -55,6 +71,11 @@ CASES = {
                       "tie_word_embeddings": True}, None),
     "qwen3-8bit-mixed": (qwen3, {**BASE, "model_type": "qwen3", "head_dim": 32, "rope_theta": 1000000.0,
                                  "tie_word_embeddings": False}, {"group_size": 64, "bits": 8}),
+    # Hybrid Gated DeltaNet / gated attention (layers 2 and 4 full attention), nested in
+    # text_config as mlx-community's Qwen3.5 configs are; 4 linear value heads over 2 key heads.
+    "qwen3_5": (qwen3_5, {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}, None),
+    "qwen3_5-4bit": (qwen3_5, {"model_type": "qwen3_5", "text_config": {**QWEN3_5_TEXT, "tie_word_embeddings": True}},
+                     {"group_size": 32, "bits": 4}),
 }
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712]
@@ -64,6 +85,16 @@ def main(out_dir: Path, tokenizer_dir: Path):
     for name, (module, config, quant) in CASES.items():
         mx.random.seed(len(name))
         model = module.Model(module.ModelArgs.from_dict(config))
+        if name.startswith("qwen3_5"):
+            # Norm weights and the time-step bias start at ones: make them random, so that a norm
+            # applied to the wrong tensor (or not at all) shows in the logits.
+            from mlx.utils import tree_unflatten
+            perturbed = [
+                (k, mx.random.uniform(0.5, 1.5, v.shape))
+                for k, v in tree_flatten(model.parameters())
+                if k.endswith("norm.weight") or k.endswith("dt_bias")
+            ]
+            model.update(tree_unflatten(perturbed))
         if quant == "bf16":
             model.set_dtype(mx.bfloat16)
             config["torch_dtype"] = "bfloat16"

@@ -1,0 +1,306 @@
+//! Gated DeltaNet (Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks"), the linear
+//! attention of Qwen3-Next and Qwen3.5's hybrid layers, written op for op like mlx-lm's
+//! `models/qwen3_5.py` (`GatedDeltaNet`) and `models/gated_delta.py` (`gated_delta_ops`, the
+//! sequential form mlx_lm runs on CPU and CUDA; Metal has a kernel in mlx_lm that Perch does not
+//! have yet).
+//!
+//! Per token, with `S` the state `[value_heads, value_dim, key_dim]` (float32):
+//! `S ← g·S; S ← S + β·(v − S·k) ⊗ k; y = S·q`, where `g = exp(−exp(A_log)·softplus(a + dt_bias))`
+//! and `β = sigmoid(b)` come from the input, and `q`, `k`, `v` from a short causal depthwise
+//! convolution (`kernel` taps) over the projected input, `q` and `k` L2-normalised (q also
+//! scaled by `key_dim^-½`). The output is RMS-normed, gated by `silu(z)` and projected back.
+//! The state after a sequence's tokens lives in its [`KvCache`] ([`KvCache::recurrent`]).
+
+use mlx_rs::{fast, nn, ops, Array, Dtype};
+
+use crate::cache::{KvCache, RecurrentState};
+use crate::error::Result;
+use crate::layers::{Linear, Quantization};
+use crate::mlx_ext::slice;
+use crate::weights::Weights;
+
+/// The sizes of a Gated DeltaNet layer (Qwen3.5's `linear_*` config fields).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GatedDeltaConfig {
+    pub num_value_heads: i32,
+    pub num_key_heads: i32,
+    pub key_head_dim: i32,
+    pub value_head_dim: i32,
+    /// Taps of the causal depthwise convolution (`linear_conv_kernel_dim`).
+    pub conv_kernel: i32,
+}
+
+impl GatedDeltaConfig {
+    const MAX_HEADS: i32 = 1024;
+    const MAX_HEAD_DIM: i32 = 1024;
+    const MAX_KERNEL: i32 = 64;
+
+    /// Checks the sizes before anything is built from them; errors name the config field.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let within = |name: &str, value: i32, max: i32| {
+            if (1..=max).contains(&value) {
+                Ok(())
+            } else {
+                Err(format!("`{name}` must be between 1 and {max}, got {value}"))
+            }
+        };
+        within(
+            "linear_num_value_heads",
+            self.num_value_heads,
+            Self::MAX_HEADS,
+        )?;
+        within("linear_num_key_heads", self.num_key_heads, Self::MAX_HEADS)?;
+        within("linear_key_head_dim", self.key_head_dim, Self::MAX_HEAD_DIM)?;
+        within(
+            "linear_value_head_dim",
+            self.value_head_dim,
+            Self::MAX_HEAD_DIM,
+        )?;
+        within("linear_conv_kernel_dim", self.conv_kernel, Self::MAX_KERNEL)?;
+        if self.num_value_heads % self.num_key_heads != 0 {
+            return Err(format!(
+                "`linear_num_value_heads` ({}) must be a multiple of `linear_num_key_heads` ({})",
+                self.num_value_heads, self.num_key_heads
+            ));
+        }
+        Ok(())
+    }
+
+    fn key_dim(&self) -> i32 {
+        self.num_key_heads * self.key_head_dim
+    }
+
+    fn value_dim(&self) -> i32 {
+        self.num_value_heads * self.value_head_dim
+    }
+
+    /// Channels of the convolution: queries, keys and values.
+    fn conv_dim(&self) -> i32 {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
+/// One Gated DeltaNet layer's weights.
+#[derive(Clone)]
+pub struct GatedDeltaNet {
+    in_proj_qkv: Linear,
+    in_proj_z: Linear,
+    in_proj_b: Linear,
+    in_proj_a: Linear,
+    /// `[conv_dim, kernel, 1]` (MLX's layout: out channels, taps, in channels per group).
+    conv1d: Array,
+    dt_bias: Array,
+    /// Kept in its stored dtype (see [`Weights`]); read as float32.
+    a_log: Array,
+    norm_weight: Array,
+    norm_eps: f32,
+    out_proj: Linear,
+    c: GatedDeltaConfig,
+}
+
+impl GatedDeltaNet {
+    /// Loads `{path}.*` (mlx-community names: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+    /// `in_proj_a`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`).
+    pub fn load(
+        w: &mut Weights,
+        q: &Quantization,
+        path: &str,
+        hidden: i32,
+        eps: f32,
+        c: &GatedDeltaConfig,
+    ) -> Result<Self> {
+        let linear = |w: &mut Weights, name: &str, inputs: i32, outputs: i32| {
+            Linear::load(w, q, &format!("{path}.{name}"), inputs, outputs, false)
+        };
+        let hv = c.num_value_heads;
+        Ok(Self {
+            in_proj_qkv: linear(w, "in_proj_qkv", hidden, c.conv_dim())?,
+            in_proj_z: linear(w, "in_proj_z", hidden, c.value_dim())?,
+            in_proj_b: linear(w, "in_proj_b", hidden, hv)?,
+            in_proj_a: linear(w, "in_proj_a", hidden, hv)?,
+            conv1d: w.take_shaped(
+                &format!("{path}.conv1d.weight"),
+                &[c.conv_dim(), c.conv_kernel, 1],
+            )?,
+            dt_bias: w.take_shaped(&format!("{path}.dt_bias"), &[hv])?,
+            a_log: w.take_shaped(&format!("{path}.A_log"), &[hv])?,
+            norm_weight: w.take_shaped(&format!("{path}.norm.weight"), &[c.value_head_dim])?,
+            norm_eps: eps,
+            out_proj: linear(w, "out_proj", c.value_dim(), hidden)?,
+            c: c.clone(),
+        })
+    }
+
+    /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]).
+    pub fn use_mlx_kernels(&mut self) {
+        for linear in [
+            &mut self.in_proj_qkv,
+            &mut self.in_proj_z,
+            &mut self.in_proj_b,
+            &mut self.in_proj_a,
+            &mut self.out_proj,
+        ] {
+            linear.use_mlx_kernels();
+        }
+    }
+
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`; row `b` is its own sequence, whose
+    /// state before these tokens is in `caches[b]` (none yet: zeros) and after them is written
+    /// back there. Every row feeds `seq` real tokens (no padding).
+    pub fn forward(&self, x: &Array, caches: &mut [&mut KvCache]) -> Result<Array> {
+        let s = x.shape();
+        let (batch, seq) = (s[0], s[1]);
+        debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
+        let c = &self.c;
+        let dtype = x.dtype();
+        let (hv, dv) = (c.num_value_heads, c.value_head_dim);
+        let (hk, dk) = (c.num_key_heads, c.key_head_dim);
+        let keep = c.conv_kernel - 1;
+
+        // The rows' states, stacked on axis 0 (zeros for a row with none yet).
+        let mut conv_states = Vec::with_capacity(caches.len());
+        let mut ssm_states = Vec::with_capacity(caches.len());
+        for cache in caches.iter() {
+            match cache.recurrent_state() {
+                Some(state) => {
+                    conv_states.push(state.conv.clone());
+                    ssm_states.push(state.ssm.clone());
+                }
+                None => {
+                    conv_states.push(ops::zeros_dtype(&[1, keep, c.conv_dim()], dtype)?);
+                    ssm_states.push(ops::zeros_dtype(&[1, hv, dv, dk], Dtype::Float32)?);
+                }
+            }
+        }
+        let stacked = |states: Vec<Array>| -> Result<Array> {
+            Ok(if states.len() == 1 {
+                states.into_iter().next().expect("one state")
+            } else {
+                ops::concatenate(&states, 0)?
+            })
+        };
+        let conv_state = stacked(conv_states)?;
+        let mut state = stacked(ssm_states)?;
+
+        let qkv = self.in_proj_qkv.forward(x)?;
+        let z = self.in_proj_z.forward(x)?.reshape(&[batch, seq, hv, dv])?;
+        let b = self.in_proj_b.forward(x)?;
+        let a = self.in_proj_a.forward(x)?;
+
+        let conv_input = ops::concatenate(&[conv_state, qkv], 1)?;
+        let total = seq + keep;
+        let new_conv = slice(
+            &conv_input,
+            &[0, total - keep, 0],
+            &[batch, total, c.conv_dim()],
+        )?
+        .contiguous()?;
+        let conv_out = nn::silu(ops::conv1d(
+            &conv_input,
+            &self.conv1d,
+            1,
+            0,
+            1,
+            c.conv_dim(),
+        )?)?;
+
+        let key_dim = c.key_dim();
+        let channels = |from: i32, to: i32| slice(&conv_out, &[0, 0, from], &[batch, seq, to]);
+        let q = channels(0, key_dim)?.reshape(&[batch, seq, hk, dk])?;
+        let k = channels(key_dim, 2 * key_dim)?.reshape(&[batch, seq, hk, dk])?;
+        let v = channels(2 * key_dim, c.conv_dim())?.reshape(&[batch, seq, hv, dv])?;
+
+        // mlx_lm's normalize_qk: L2 norms through rms_norm (its eps scaled to match), with the
+        // readout scale key_dim^-½ folded into q.
+        let inv_scale = (dk as f32).powf(-0.5);
+        let rms_eps = 1e-6 * inv_scale * inv_scale;
+        let scalar = |v: f32| Array::from_f32(v).as_dtype(dtype);
+        let q = ops::multiply(
+            &scalar(inv_scale * inv_scale)?,
+            &fast::rms_norm(&q, None, rms_eps)?,
+        )?;
+        let k = ops::multiply(&scalar(inv_scale)?, &fast::rms_norm(&k, None, rms_eps)?)?;
+
+        let beta = ops::sigmoid(&b)?;
+        // g = exp(-exp(A_log) * softplus(a + dt_bias)), float32 (mlx_lm's compute_g).
+        let decay_rate = ops::exp(&self.a_log.as_dtype(Dtype::Float32)?)?;
+        let g = ops::exp(&ops::multiply(
+            &ops::negative(&decay_rate)?,
+            &nn::softplus(ops::add(&a, &self.dt_bias)?)?,
+        )?)?;
+
+        // Key heads serve `hv / hk` value heads each, consecutively (mlx_lm's mx.repeat).
+        let repeat = hv / hk;
+        let widen = |t: Array| -> Result<Array> {
+            if repeat == 1 {
+                return Ok(t);
+            }
+            Ok(
+                ops::broadcast_to(t.expand_dims(3)?, &[batch, seq, hk, repeat, dk])?
+                    .reshape(&[batch, seq, hv, dk])?,
+            )
+        };
+        let (q, k) = (widen(q)?, widen(k)?);
+
+        let at = |t: &Array, i: i32| -> Result<Array> {
+            let s = t.shape();
+            let mut start = vec![0; s.len()];
+            let mut stop = s.to_vec();
+            start[1] = i;
+            stop[1] = i + 1;
+            let mut squeezed = s.to_vec();
+            squeezed.remove(1);
+            Ok(slice(t, &start, &stop)?.reshape(&squeezed)?)
+        };
+        let mut ys = Vec::with_capacity(seq as usize);
+        for t in 0..seq {
+            let (q_t, k_t, v_t) = (at(&q, t)?, at(&k, t)?, at(&v, t)?);
+            let (g_t, beta_t) = (at(&g, t)?, at(&beta, t)?);
+            // [batch, hv] → [batch, hv, 1, 1]
+            let decay = g_t.reshape(&[batch, hv, 1, 1])?;
+            state = ops::multiply(&state, &decay)?;
+            let k_row = k_t.reshape(&[batch, hv, 1, dk])?;
+            let kv_mem = ops::multiply(&state, &k_row)?.sum_axis(-1, None)?;
+            let delta = ops::multiply(
+                &ops::subtract(&v_t, &kv_mem)?,
+                &beta_t.reshape(&[batch, hv, 1])?,
+            )?;
+            state = ops::add(
+                &state,
+                &ops::multiply(&k_row, &delta.reshape(&[batch, hv, dv, 1])?)?,
+            )?;
+            let y = ops::multiply(&state, &q_t.reshape(&[batch, hv, 1, dk])?)?
+                .sum_axis(-1, None)?
+                .as_dtype(q.dtype())?;
+            ys.push(y);
+        }
+        let y = ops::stack(&ys, 1)?; // [batch, seq, hv, dv]
+
+        // Write each row's state back.
+        for (row, cache) in caches.iter_mut().enumerate() {
+            let row = row as i32;
+            let state_row = if batch == 1 {
+                RecurrentState {
+                    conv: new_conv.clone(),
+                    ssm: state.clone(),
+                }
+            } else {
+                RecurrentState {
+                    conv: slice(&new_conv, &[row, 0, 0], &[row + 1, keep, c.conv_dim()])?,
+                    ssm: slice(&state, &[row, 0, 0, 0], &[row + 1, hv, dv, dk])?,
+                }
+            };
+            cache.set_recurrent_state(state_row, seq);
+        }
+
+        // RMSNormGated: rms_norm(y) · silu(z), both in float32, back in y's dtype.
+        let normed = fast::rms_norm(&y, Some(&self.norm_weight), self.norm_eps)?;
+        let gated = ops::multiply(
+            &nn::silu(z.as_dtype(Dtype::Float32)?)?,
+            &normed.as_dtype(Dtype::Float32)?,
+        )?
+        .as_dtype(y.dtype())?;
+        self.out_proj
+            .forward(&gated.reshape(&[batch, seq, c.value_dim()])?)
+    }
+}

@@ -1,0 +1,155 @@
+//! Qwen3.5 and Qwen3.6 (dense): hybrid layers, every `full_attention_interval`-th one gated
+//! attention (Qwen3-Next's: query and key norms, a sigmoid output gate from a doubled query
+//! projection, RoPE on a `partial_rotary_factor` of each head) and the others Gated DeltaNet
+//! linear attention ([`super::gated_delta`]). Multimodal checkpoints nest the text model's config
+//! in `text_config` and its weights under `language_model.`; their vision tower is left unread.
+//! The mixture-of-experts variant (`qwen3_5_moe`) is not supported yet.
+//! Reference: mlx-lm `models/qwen3_5.py`, `models/qwen3_next.py`.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::decoder::{DecoderConfig, LinearAttention};
+use super::gated_delta::GatedDeltaConfig;
+use super::{LoadContext, Model};
+use crate::error::Result;
+use crate::layers::Rope;
+
+/// The text model's config (`text_config`, or the top level when there is none); unknown fields
+/// are ignored. Defaults are mlx_lm's `TextModelArgs`'.
+#[derive(Debug, Deserialize)]
+pub struct Qwen35Args {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    pub num_key_value_heads: i32,
+    pub rms_norm_eps: f32,
+    pub vocab_size: i32,
+    pub head_dim: Option<i32>,
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_linear_value_heads")]
+    pub linear_num_value_heads: i32,
+    #[serde(default = "default_linear_key_heads")]
+    pub linear_num_key_heads: i32,
+    #[serde(default = "default_linear_key_head_dim")]
+    pub linear_key_head_dim: i32,
+    #[serde(default = "default_linear_value_head_dim")]
+    pub linear_value_head_dim: i32,
+    #[serde(default = "default_conv_kernel")]
+    pub linear_conv_kernel_dim: i32,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default = "default_full_attention_interval")]
+    pub full_attention_interval: i32,
+    #[serde(default)]
+    pub num_experts: i32,
+    /// RoPE: `rope_theta` (default 100,000), `partial_rotary_factor` (0.25) and the scaling
+    /// type (`type` or `rope_type`); mlx_lm reads these from here, not from top-level fields.
+    pub rope_parameters: Option<Value>,
+}
+
+fn default_linear_value_heads() -> i32 {
+    64
+}
+fn default_linear_key_heads() -> i32 {
+    16
+}
+fn default_linear_key_head_dim() -> i32 {
+    192
+}
+fn default_linear_value_head_dim() -> i32 {
+    128
+}
+fn default_conv_kernel() -> i32 {
+    4
+}
+fn default_full_attention_interval() -> i32 {
+    4
+}
+
+pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+    let text = cx.config.get("text_config").unwrap_or(cx.config);
+    let args = Qwen35Args::deserialize(text).map_err(|e| cx.error(e.to_string()))?;
+    if args.num_experts > 0 {
+        return Err(cx.error(
+            "a mixture-of-experts Qwen3.5 (`num_experts` > 0) is not supported yet".into(),
+        ));
+    }
+    let head_dim = match args.head_dim {
+        Some(d) => d,
+        None if args.num_attention_heads > 0 => args.hidden_size / args.num_attention_heads,
+        None => 0,
+    };
+    let config = DecoderConfig {
+        hidden_size: args.hidden_size,
+        intermediate_size: args.intermediate_size,
+        num_layers: args.num_hidden_layers,
+        num_heads: args.num_attention_heads,
+        num_kv_heads: args.num_key_value_heads,
+        head_dim,
+        vocab_size: args.vocab_size,
+        rms_norm_eps: args.rms_norm_eps,
+        tie_word_embeddings: args.tie_word_embeddings,
+        qkv_bias: args.attention_bias,
+        o_bias: args.attention_bias,
+        mlp_bias: false,
+        qk_norm: true,
+        attn_output_gate: true,
+        linear_attention: Some(LinearAttention {
+            full_attention_interval: args.full_attention_interval,
+            layer: GatedDeltaConfig {
+                num_value_heads: args.linear_num_value_heads,
+                num_key_heads: args.linear_num_key_heads,
+                key_head_dim: args.linear_key_head_dim,
+                value_head_dim: args.linear_value_head_dim,
+                conv_kernel: args.linear_conv_kernel_dim,
+            },
+        }),
+        weight_prefix: if cx.config.get("text_config").is_some() {
+            "language_model.".into()
+        } else {
+            String::new()
+        },
+        context_length: args.max_position_embeddings,
+    };
+    config.validate().map_err(|m| cx.error(m))?;
+    if !config.weight_prefix.is_empty() {
+        // The vision tower and the multi-token-prediction head are not the text model's.
+        cx.weights.discard_where(|name| {
+            name.starts_with("vision_tower")
+                || name.starts_with("model.visual")
+                || name.contains("mtp.")
+        });
+    }
+    let rope_parameters = args.rope_parameters.unwrap_or(Value::Null);
+    let number = |key: &str, default: f64| {
+        rope_parameters
+            .get(key)
+            .and_then(Value::as_f64)
+            .unwrap_or(default)
+    };
+    let factor = number("partial_rotary_factor", 0.25);
+    if !(factor > 0.0 && factor <= 1.0) {
+        return Err(cx.error(format!(
+            "`partial_rotary_factor` must be in (0, 1], got {factor}"
+        )));
+    }
+    // mlx_lm's int(head_dim * partial_rotary_factor).
+    let rope_dims = (head_dim as f64 * factor) as i32;
+    if rope_dims < 2 || rope_dims % 2 != 0 {
+        return Err(cx.error(format!(
+            "RoPE covers {rope_dims} features of each head (`head_dim` {head_dim} × \
+             `partial_rotary_factor` {factor}): it must be even and at least 2"
+        )));
+    }
+    let rope = Rope::new(
+        rope_dims,
+        number("rope_theta", 100_000.0) as f32,
+        false,
+        (!rope_parameters.is_null()).then_some(&rope_parameters),
+    );
+    cx.decoder(config, rope, "qwen3_5")
+}
