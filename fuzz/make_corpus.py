@@ -268,6 +268,19 @@ CONFIGS = {
         "rope_scaling": {"type": "linear", "factor": 2.0}, "attention_bias": False,
         "tie_word_embeddings": False, "vocab_size": 32768,
         "quantization_config": {"group_size": 128, "bits": 8}},
+    # Hybrid Gated DeltaNet / gated attention, the text model nested as multimodal checkpoints do.
+    "qwen3_5.json": {
+        "model_type": "qwen3_5", "tie_word_embeddings": True,
+        "text_config": {
+            "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24,
+            "intermediate_size": 3584, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 256, "rms_norm_eps": 1e-06, "vocab_size": 248320,
+            "max_position_embeddings": 262144, "full_attention_interval": 4,
+            "linear_num_value_heads": 16, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]}},
+        "quantization": {"group_size": 64, "bits": 4}},
 }
 
 # --- Chat templates: the source, a NUL byte, then the messages as JSON.

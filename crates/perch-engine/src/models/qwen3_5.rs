@@ -116,14 +116,13 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         context_length: args.max_position_embeddings,
     };
     config.validate().map_err(|m| cx.error(m))?;
-    if !config.weight_prefix.is_empty() {
-        // The vision tower and the multi-token-prediction head are not the text model's.
-        cx.weights.discard_where(|name| {
-            name.starts_with("vision_tower")
-                || name.starts_with("model.visual")
-                || name.contains("mtp.")
-        });
-    }
+    // The vision tower and the multi-token-prediction head are not the text model's (mlx_lm's
+    // sanitize drops them too).
+    cx.weights.discard_where(|name| {
+        name.starts_with("vision_tower")
+            || name.starts_with("model.visual")
+            || name.contains("mtp.")
+    });
     let rope_parameters = args.rope_parameters.unwrap_or(Value::Null);
     let number = |key: &str, default: f64| {
         rope_parameters
