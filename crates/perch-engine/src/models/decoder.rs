@@ -54,6 +54,15 @@ pub struct LinearAttention {
     pub layer: GatedDeltaConfig,
 }
 
+/// `Ok` when a config size `value` is in `1..=max`; otherwise a sentence naming the field `name`.
+pub(crate) fn within(name: &str, value: i32, max: i32) -> std::result::Result<(), String> {
+    if (1..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!("`{name}` must be between 1 and {max}, got {value}"))
+    }
+}
+
 impl DecoderConfig {
     /// Whether layer `i` is a linear-attention (Gated DeltaNet) layer.
     pub fn is_linear_layer(&self, i: i32) -> bool {
@@ -80,13 +89,6 @@ impl DecoderConfig {
     /// must be an error naming the field, not a pool sized for 2^31 blocks, a capacity-overflow
     /// panic or gigabytes of RoPE tables.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let within = |name: &str, value: i32, max: i32| {
-            if (1..=max).contains(&value) {
-                Ok(())
-            } else {
-                Err(format!("`{name}` must be between 1 and {max}, got {value}"))
-            }
-        };
         within("num_hidden_layers", self.num_layers, Self::MAX_LAYERS)?;
         within("num_attention_heads", self.num_heads, Self::MAX_HEADS)?;
         within("num_key_value_heads", self.num_kv_heads, Self::MAX_HEADS)?;
@@ -654,8 +656,6 @@ pub struct Decoder {
     lm_head: Option<Linear>,
     rope: Rope,
     info: ModelInfo,
-    /// Per layer: a Gated DeltaNet (its cache is [`KvCache::recurrent`]).
-    linear_layers: Vec<bool>,
 }
 
 impl Decoder {
@@ -753,7 +753,6 @@ impl Decoder {
             lm_head,
             rope,
             info,
-            linear_layers: (0..c.num_layers).map(|i| c.is_linear_layer(i)).collect(),
         })
     }
 }
@@ -855,18 +854,17 @@ impl Model for Decoder {
     }
 
     fn has_recurrent_layers(&self) -> bool {
-        self.linear_layers.iter().any(|&linear| linear)
+        self.layers
+            .iter()
+            .any(|block| matches!(block.mixer, Mixer::Linear(_)))
     }
 
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
-        self.linear_layers
+        self.layers
             .iter()
-            .map(|&linear| {
-                if linear {
-                    KvCache::recurrent()
-                } else {
-                    KvCache::with_quantization(quantization)
-                }
+            .map(|block| match block.mixer {
+                Mixer::Linear(_) => KvCache::recurrent(),
+                Mixer::Attention(_) => KvCache::with_quantization(quantization),
             })
             .collect()
     }

@@ -17,6 +17,7 @@ use crate::cache::{KvCache, RecurrentState};
 use crate::error::Result;
 use crate::layers::{Linear, Quantization};
 use crate::mlx_ext::slice;
+use crate::models::decoder::within;
 use crate::weights::Weights;
 
 /// The sizes of a Gated DeltaNet layer (Qwen3.5's `linear_*` config fields).
@@ -37,13 +38,6 @@ impl GatedDeltaConfig {
 
     /// Checks the sizes before anything is built from them; errors name the config field.
     pub fn validate(&self) -> std::result::Result<(), String> {
-        let within = |name: &str, value: i32, max: i32| {
-            if (1..=max).contains(&value) {
-                Ok(())
-            } else {
-                Err(format!("`{name}` must be between 1 and {max}, got {value}"))
-            }
-        };
         within(
             "linear_num_value_heads",
             self.num_value_heads,
