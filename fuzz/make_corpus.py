@@ -281,6 +281,30 @@ CONFIGS = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
                                 "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10]}},
         "quantization": {"group_size": 64, "bits": 4}},
+    # Sliding-window / global layers; the multimodal layout with most fields left to defaults.
+    "gemma3_text.json": {
+        "model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912,
+        "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+        "head_dim": 256, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+        "sliding_window": 512, "sliding_window_pattern": 6, "max_position_embeddings": 32768,
+        "vocab_size": 262144, "quantization": {"group_size": 64, "bits": 4}},
+    "gemma3.json": {
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "sliding_window": 1024,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
+        "quantization": {"group_size": 64, "bits": 4}},
+    # Mixture of experts: expert counts, top-k, which layers are sparse.
+    "qwen3_moe.json": {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+        "num_attention_heads": 32, "num_hidden_layers": 48, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+        "mlp_only_layers": [], "moe_intermediate_size": 768, "norm_topk_prob": True,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": False,
+        "max_position_embeddings": 40960, "vocab_size": 151936,
+        "quantization": {"group_size": 64, "bits": 4,
+                         "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}}},
 }
 
 # --- Chat templates: the source, a NUL byte, then the messages as JSON.

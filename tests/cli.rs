@@ -465,14 +465,14 @@ fn search_pull_then_generate_by_repository_id() {
     let mut repo = FakeRepo::from_dir(REPO, std::path::Path::new(&test_model())).unwrap();
     repo.safetensors_parameters = [("U32".to_owned(), 1000), ("BF16".to_owned(), 500)].into();
     // A model of an architecture Perch does not run (yet).
-    let gemma = FakeRepo::new(
-        "mlx-community/gemma-3-1b-it-4bit",
+    let mamba = FakeRepo::new(
+        "mlx-community/mamba-130m-hf-f32",
         vec![(
             "config.json",
-            br#"{"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}"#.to_vec(),
+            br#"{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}"#.to_vec(),
         )],
     );
-    let hub = FakeHub::start(vec![repo, gemma]);
+    let hub = FakeHub::start(vec![repo, mamba]);
     let cache = tempfile::tempdir().unwrap();
     let cache_dir = cache.path().to_str().unwrap();
     let env = [
@@ -494,14 +494,14 @@ fn search_pull_then_generate_by_repository_id() {
     );
     assert!(row.ends_with("  llama"), "architecture: {row}");
     // Before anything is downloaded, the search says which models Perch cannot run.
-    let searched = perch_with_env(&["search", "gemma"], &env);
+    let searched = perch_with_env(&["search", "mamba"], &env);
     let found = stdout(&searched);
     let row = found
         .lines()
-        .find(|l| l.starts_with("mlx-community/gemma-3-1b-it-4bit"))
+        .find(|l| l.starts_with("mlx-community/mamba-130m-hf-f32"))
         .expect(&found);
     assert!(
-        row.ends_with("gemma3_text (not supported yet)"),
+        row.ends_with("mamba (not supported yet)"),
         "architecture: {row}"
     );
     let stderr = String::from_utf8_lossy(&searched.stderr);

@@ -143,20 +143,20 @@ fn list_models_finds_perch_and_hugging_face_models() {
     std::fs::create_dir_all(&perch).unwrap();
     std::os::unix::fs::symlink(model_dir(), perch.join("smollm")).unwrap();
     // A model of an architecture Perch does not run: listed, and said so.
-    std::fs::create_dir(perch.join("gemma")).unwrap();
+    std::fs::create_dir(perch.join("mamba")).unwrap();
     std::fs::write(
-        perch.join("gemma/config.json"),
-        r#"{"model_type": "gemma3_text"}"#,
+        perch.join("mamba/config.json"),
+        r#"{"model_type": "mamba"}"#,
     )
     .unwrap();
     std::env::set_var("PERCH_MODELS_DIR", &perch);
     std::env::set_var("HF_HUB_CACHE", root.path().join("hub"));
     let models = invoke(&window, "list_models", json!({})).unwrap();
     assert_eq!(models.as_array().unwrap().len(), 2, "{models}");
-    assert_eq!(models[0]["name"], "gemma");
+    assert_eq!(models[0]["name"], "mamba");
     let note = models[0]["architecture_note"].as_str().expect("a note");
     assert!(
-        note.starts_with("gemma3_text is not supported yet") && note.contains("llama"),
+        note.starts_with("mamba is not supported yet") && note.contains("llama"),
         "{note}"
     );
     assert_eq!(models[1]["name"], "smollm");

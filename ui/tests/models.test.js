@@ -111,14 +111,14 @@ describe("ModelsView", () => {
 
   it("says which models Perch does not run yet, before downloading and on this machine", async () => {
     loadPage();
-    const note = "gemma3 is not supported yet (Perch runs llama, mistral, qwen2, qwen3)";
+    const note = "mamba is not supported yet (Perch runs gemma3, gemma3_text, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe)";
     const api = {
       listModels: async () => [
-        { name: "gemma-3", path: "/m/gemma-3", model_type: "gemma3", size_bytes: 1, source: "perch", architecture_note: note },
+        { name: "mamba", path: "/m/mamba", model_type: "mamba", size_bytes: 1, source: "perch", architecture_note: note },
       ],
       searchModels: async () => [
         { ...QWEN, model_type: "qwen3", architecture_note: null },
-        { id: "mlx-community/gemma-3-4b-it-qat-4bit", downloads: 9, weights_bytes: 3e9, fit: "fits", snapshot_dir: null, model_type: "gemma3", architecture_note: note },
+        { id: "mlx-community/mamba-130m-hf-f32", downloads: 9, weights_bytes: 3e9, fit: "fits", snapshot_dir: null, model_type: "mamba", architecture_note: note },
       ],
     };
     const view = new ModelsView(document.getElementById("view-models"), api, () => {});

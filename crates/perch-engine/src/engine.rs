@@ -1015,10 +1015,10 @@ impl Pass<'_> {
                 } => {
                     let saved = tokens_of(&prompt, self.tokenizer).and_then(|tokens| {
                         // Checked before the prefix is computed for nothing.
-                        if self.model.has_recurrent_layers() {
+                        if let Some(reason) = crate::prompt_cache::unsupported_reason(self.model) {
                             return Err(EngineError::PromptCache {
                                 path: path.clone(),
-                                message: crate::prompt_cache::RECURRENT_UNSUPPORTED.into(),
+                                message: reason.into(),
                             });
                         }
                         let cache = batch

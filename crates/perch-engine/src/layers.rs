@@ -477,6 +477,25 @@ impl RmsNorm {
         })
     }
 
+    /// [`RmsNorm::load`], or, when `unit_offset`, a norm whose stored weight is an offset from
+    /// one (Gemma's: it scales by `1 + weight`, added in the weight's dtype as mlx_lm's
+    /// `1.0 + self.weight` does, once here instead of every call).
+    pub fn load_with_offset(
+        weights: &mut Weights,
+        path: &str,
+        dims: i32,
+        eps: f32,
+        unit_offset: bool,
+    ) -> Result<Self> {
+        let mut norm = Self::load(weights, path, dims, eps)?;
+        if unit_offset {
+            let one = Array::from_f32(1.0).as_dtype(norm.weight.dtype())?;
+            norm.weight = ops::add(&one, &norm.weight)?;
+            norm.weight.eval()?;
+        }
+        Ok(norm)
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
     }
@@ -611,11 +630,51 @@ pub fn llama3_frequencies(
         .collect()
 }
 
-/// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+/// The gate's activation in a gated feed-forward block.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (SwiGLU: Llama, Qwen).
+    #[default]
+    Silu,
+    /// GELU's tanh approximation (GeGLU: Gemma), see [`gelu_approx`].
+    GeluApprox,
+}
+
+impl Activation {
+    pub fn apply(self, x: &Array) -> Result<Array> {
+        match self {
+            Activation::Silu => Ok(mlx_rs::nn::silu(x)?),
+            Activation::GeluApprox => gelu_approx(x),
+        }
+    }
+}
+
+/// GELU's tanh approximation (Hendrycks & Gimpel 2016), written as MLX's `nn.gelu_approx`:
+/// `0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))`, every constant in `x`'s dtype
+/// (mlx-rs's `gelu_approximate` uses float32 constants, which would promote bfloat16
+/// activations to float32).
+pub fn gelu_approx(x: &Array) -> Result<Array> {
+    let dtype = x.dtype();
+    let c = |v: f32| Array::from_f32(v).as_dtype(dtype);
+    let cube = ops::power(x, &c(3.0)?)?;
+    let inner = ops::multiply(
+        &c((2.0 / std::f32::consts::PI).sqrt())?,
+        &ops::add(x, &ops::multiply(&c(0.044715)?, &cube)?)?,
+    )?;
+    let half_x = ops::multiply(&c(0.5)?, x)?;
+    Ok(ops::multiply(
+        &half_x,
+        &ops::add(&c(1.0)?, &ops::tanh(&inner)?)?,
+    )?)
+}
+
+/// The gated feed-forward block: `down(act(gate(x)) * up(x))`, SwiGLU unless
+/// [`Mlp::with_activation`] says otherwise.
 #[derive(Clone)]
 pub struct Mlp {
     gate_up: GateUp,
     down_proj: Linear,
+    activation: Activation,
 }
 
 /// The gate and up projections, separate or fused into one (see [`fused_projections`]).
@@ -668,7 +727,14 @@ impl Mlp {
                 hidden,
                 bias,
             )?,
+            activation: Activation::Silu,
         })
+    }
+
+    /// The same block with `activation` on its gate.
+    pub fn with_activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
     }
 
     /// Every product through MLX's operations (see [`QuantizedWeight::use_mlx_kernels`]).
@@ -699,7 +765,7 @@ impl Mlp {
                 (gate, slice(&both, &start, &stop)?)
             }
         };
-        let activated = ops::multiply(&mlx_rs::nn::silu(&gate)?, &up)?;
+        let activated = ops::multiply(&self.activation.apply(&gate)?, &up)?;
         self.down_proj.forward(&activated)
     }
 }

@@ -46,6 +46,22 @@ pub struct PromptCache {
 pub const RECURRENT_UNSUPPORTED: &str =
     "prompt caches of models with linear-attention layers (Qwen3.5) are not supported yet";
 
+/// Why a model with sliding-window layers has no prompt caches yet (mlx_lm keeps those layers in
+/// `RotatingKVCache`s, a layout Perch neither writes nor reads yet).
+pub const SLIDING_WINDOW_UNSUPPORTED: &str =
+    "prompt caches of models with sliding-window attention (Gemma 3) are not supported yet";
+
+/// Why `model` cannot have prompt caches, or `None` when it can.
+pub fn unsupported_reason(model: &dyn Model) -> Option<&'static str> {
+    if model.has_recurrent_layers() {
+        Some(RECURRENT_UNSUPPORTED)
+    } else if model.has_sliding_window_layers() {
+        Some(SLIDING_WINDOW_UNSUPPORTED)
+    } else {
+        None
+    }
+}
+
 /// Writes `layers` (each holding `tokens.len()` positions) to `path` (must end in
 /// `.safetensors`), with `tokens` and `model_id` recorded for later validation.
 pub fn save_prompt_cache(
@@ -123,8 +139,8 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
         path: path.to_path_buf(),
         message,
     };
-    if model.has_recurrent_layers() {
-        return Err(error(RECURRENT_UNSUPPORTED.into()));
+    if let Some(reason) = unsupported_reason(model) {
+        return Err(error(reason.into()));
     }
     crate::weights::validate_safetensors(path).map_err(|e| match e {
         EngineError::CorruptWeights { message, .. } => {

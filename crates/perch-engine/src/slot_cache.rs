@@ -111,6 +111,17 @@ pub struct SlotStep {
 }
 
 impl SlotStep {
+    /// [`SlotStep::mask`] narrowed to a sliding window of `window` positions: row `r`'s query
+    /// at position `p` sees positions `p - window + 1 ..= p` (mlx_lm's
+    /// `create_causal_mask(window_size=window)`). Built from the step's arrays only, so a
+    /// compiled step traces it.
+    pub fn window_mask(&self, window: i32) -> Result<Array> {
+        let capacity = self.mask.shape()[3];
+        let keys = ops::arange::<_, i32>(0, capacity, None)?.reshape(&[1, 1, 1, -1])?;
+        let seen = ops::gt(&ops::add(&keys, Array::from_int(window))?, &self.index)?;
+        Ok(ops::logical_and(&self.mask, &seen)?)
+    }
+
     /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
     /// write index.
     pub(crate) fn arrays(&self) -> [&Array; 3] {

@@ -1,8 +1,10 @@
-//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2, Qwen3 and Qwen3.5 (hybrid Gated DeltaNet
-//! and gated attention) models — float32, bfloat16, 4-bit, and 8-bit with a per-layer override —
+//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2, Qwen3, Qwen3.5 (hybrid Gated DeltaNet
+//! and gated attention), Gemma 3 (sliding windows of 8 under an 18-token prompt, text-only and
+//! multimodal layouts) and Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer) models — float32, bfloat16, 4-bit, and 8-bit with a per-layer override —
 //! written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`); Perch's logits must match
 //! mlx_lm's within 1e-4 and its greedy ids exactly, through `generate` and through the batch
-//! engine (three prompts at once, inserted at different steps).
+//! engine (three prompts at once, inserted at different steps), per sequence and, for models
+//! without recurrent layers, over slot caches too.
 //!
 //! Needs the oracle: a Python with `mlx[cpu]==0.32.2` and `mlx-lm==0.32.2` (`PERCH_TEST_PYTHON`,
 //! else `target/oracle-venv`, which `scripts/test.sh` creates).
@@ -14,8 +16,10 @@ use std::path::Path;
 use std::process::Command;
 
 use mlx_rs::Array;
-use perch_engine::batch::{BatchConfig, BatchGenerator};
-use perch_engine::{generate, models, GenerateRequest, Tokenizer};
+use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::{
+    generate, models, prompt_cache, EngineConfig, EngineHandle, GenerateRequest, Prompt, Tokenizer,
+};
 
 #[derive(serde::Deserialize)]
 struct Expected {
@@ -49,6 +53,8 @@ fn logits_and_greedy_ids_match_mlx_lm() {
     assert_eq!(
         names,
         [
+            "gemma3-4bit",
+            "gemma3_text",
             "llama3-rope",
             "qwen2",
             "qwen2-4bit",
@@ -56,7 +62,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "qwen3",
             "qwen3-8bit-mixed",
             "qwen3_5",
-            "qwen3_5-4bit"
+            "qwen3_5-4bit",
+            "qwen3_moe",
+            "qwen3_moe-4bit"
         ]
     );
 
@@ -101,6 +109,30 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale})"
         );
 
+        // Prompt caches: refused, before anything is computed or written, where Perch cannot
+        // write mlx_lm's layout for the model's layers yet.
+        let reason = prompt_cache::unsupported_reason(model.as_ref());
+        let expected_reason = if name.starts_with("gemma3") {
+            Some(prompt_cache::SLIDING_WINDOW_UNSUPPORTED)
+        } else if name.starts_with("qwen3_5") {
+            Some(prompt_cache::RECURRENT_UNSUPPORTED)
+        } else {
+            None
+        };
+        assert_eq!(reason, expected_reason, "{name}");
+        if let Some(reason) = reason {
+            let engine = EngineHandle::load(dir, EngineConfig::default()).unwrap();
+            let file = out.path().join(format!("{name}.safetensors"));
+            let err = engine
+                .save_prompt_cache(Prompt::Tokens(expected.prompt_ids.clone()), &file)
+                .unwrap_err();
+            assert!(err.to_string().contains(reason), "{name}: {err}");
+            assert!(!file.exists(), "{name}: a refused prompt cache was written");
+            let err = engine.load_prompt_cache(&file).unwrap_err();
+            assert!(err.to_string().contains(reason), "{name}: {err}");
+            engine.shutdown();
+        }
+
         let tokenizer = Tokenizer::load(dir).unwrap();
         let mut request = GenerateRequest::new(expected.prompt_ids.clone());
         request.max_tokens = expected.greedy_ids.len();
@@ -141,11 +173,46 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             })
             .collect();
         assert_eq!(alone[0], expected.greedy_ids, "{name}: chunked prefill");
-        let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
-        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, &name);
-        let outputs = common::drive(&mut batch, schedule);
-        for (i, ((output, _), alone)) in outputs.iter().zip(&alone).enumerate() {
-            assert_eq!(&output.token_ids, alone, "{name}: batched request {i}");
+        // Hybrid models always run per sequence (BatchGenerator::new says so).
+        let modes: &[BatchAttention] = if model.has_recurrent_layers() {
+            &[BatchAttention::PerSequence]
+        } else {
+            &[BatchAttention::PerSequence, BatchAttention::Batched]
+        };
+        for &attention in modes {
+            let config = BatchConfig {
+                attention,
+                ..BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None)
+            };
+            let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, &name);
+            let outputs = common::drive(&mut batch, schedule.clone());
+            for (i, ((output, _), alone)) in outputs.iter().zip(&alone).enumerate() {
+                assert_eq!(
+                    &output.token_ids, alone,
+                    "{name}: batched request {i} ({attention:?})"
+                );
+            }
+            // The prefix cache: a longer prompt sharing the first one's full block (16 tokens,
+            // twice Gemma's sliding window) starts from it and still generates as it would alone.
+            let mut longer = expected.prompt_ids.clone();
+            longer.extend_from_slice(&expected.greedy_ids[..6]);
+            let mut request = GenerateRequest::new(longer);
+            request.max_tokens = 8;
+            request.ignore_eos = true;
+            let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap()
+            .token_ids;
+            let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
+            assert_eq!(output.token_ids, alone, "{name}: after a prefix-cache hit");
+            if !model.has_recurrent_layers() {
+                assert!(
+                    output.stats.cached_prompt_tokens >= 16,
+                    "{name}: {} prompt tokens came from the prefix cache",
+                    output.stats.cached_prompt_tokens
+                );
+            }
         }
     }
 }

@@ -75,7 +75,10 @@ impl<'a> QuantizedMatrix<'a> {
             return Err(QgemmError::UnsupportedBits { bits });
         }
         let per_word = (32 / bits) as usize;
-        if group_size == 0 || group_size % per_word != 0 || cols % group_size != 0 {
+        if group_size == 0
+            || !group_size.is_multiple_of(per_word)
+            || !cols.is_multiple_of(group_size)
+        {
             return Err(QgemmError::BadGroupSize {
                 group_size,
                 cols,

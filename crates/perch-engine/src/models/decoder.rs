@@ -1,6 +1,7 @@
-//! The pre-norm decoder-only transformer that Llama, Qwen2 and Qwen3 share. Each architecture file
-//! turns its `config.json` into a [`DecoderConfig`]; this file owns the forward pass, written op for
-//! op like mlx-lm's `models/llama.py` so that logits match mlx_lm exactly.
+//! The pre-norm decoder-only transformer that Llama, Qwen2, Qwen3, Qwen3.5 and Gemma 3 share. Each
+//! architecture file turns its `config.json` into a [`DecoderConfig`]; this file owns the forward
+//! pass, written op for op like mlx-lm's `models/llama.py` (and `gemma3_text.py` for what
+//! [`BlockStyle`] changes) so that logits match mlx_lm exactly.
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
@@ -8,9 +9,10 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::cache::{CachedKv, KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::Result;
-use crate::layers::{Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
+use crate::layers::{Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
 use crate::models::gated_delta::{GatedDeltaConfig, GatedDeltaNet};
+use crate::models::moe::{MoeConfig, SparseMoe};
 use crate::models::{Model, ModelInfo};
 use crate::slot_cache::{SlotKvCache, SlotStep};
 use crate::weights::Weights;
@@ -44,6 +46,52 @@ pub struct DecoderConfig {
     /// model, as multimodal Qwen3.5 ones do); empty otherwise.
     pub weight_prefix: String,
     pub context_length: usize,
+    /// How the blocks differ from Llama's (`Default`: they don't).
+    pub style: BlockStyle,
+    /// Sparse mixture-of-experts feed-forward blocks on some layers (Qwen3-MoE).
+    pub moe: Option<MoeConfig>,
+}
+
+/// What sets a block apart from Llama's, each default being Llama's choice.
+#[derive(Debug, Clone, Default)]
+pub struct BlockStyle {
+    /// Every RMSNorm scales by `1 + weight` (Gemma stores its norm weights as offsets from one).
+    pub norm_unit_offset: bool,
+    /// The feed-forward gate's activation.
+    pub activation: Activation,
+    /// Norms on each sub-layer's output as well as its input (Gemma 2 and 3): the block reads
+    /// `post_attention_layernorm` on attention's output, then `pre_feedforward_layernorm` and
+    /// `post_feedforward_layernorm` around the MLP, where Llama's reads
+    /// `post_attention_layernorm` on the MLP's input.
+    pub sandwich_norms: bool,
+    /// Residual sums in float16 are computed in float32 and clipped to float16's range (Gemma
+    /// 3's `clip_residual`); other dtypes add as they are.
+    pub clip_float16_residuals: bool,
+    /// Embeddings are multiplied by this (Gemma: `sqrt(hidden_size)` rounded to bfloat16).
+    pub embedding_scale: Option<f32>,
+    /// Attention's score scale; `None`: `head_dim^-0.5` (Gemma: `query_pre_attn_scalar^-0.5`).
+    pub attention_scale: Option<f32>,
+    /// Sliding-window attention on some layers (Gemma 3).
+    pub sliding_window: Option<SlidingWindow>,
+}
+
+/// Layers whose queries see only the last `window` positions (their own included), as mlx_lm's
+/// `RotatingKVCache(max_size=window)` and `create_causal_mask(window_size=window)` give them.
+#[derive(Debug, Clone)]
+pub struct SlidingWindow {
+    pub window: i32,
+    /// Layer `i` slides when `(i + 1) % pattern != 0`: every `pattern`-th layer is global
+    /// (Gemma 3's `sliding_window_pattern`; 1: none slides).
+    pub pattern: i32,
+    /// RoPE base of the sliding layers (Gemma 3's `rope_local_base_freq`, unscaled); `None`:
+    /// the global layers' RoPE.
+    pub local_rope_theta: Option<f32>,
+}
+
+impl SlidingWindow {
+    pub fn is_sliding_layer(&self, i: i32) -> bool {
+        (i + 1) % self.pattern != 0
+    }
 }
 
 /// Which layers of a hybrid model are linear attention, and their sizes.
@@ -119,6 +167,30 @@ impl DecoderConfig {
                 self.context_length
             ));
         }
+        if let Some(sliding) = &self.style.sliding_window {
+            within("sliding_window", sliding.window, Self::MAX_CONTEXT as i32)?;
+            within("sliding_window_pattern", sliding.pattern, Self::MAX_LAYERS)?;
+            if let Some(theta) = sliding.local_rope_theta {
+                if !(theta.is_finite() && theta > 0.0) {
+                    return Err(format!(
+                        "`rope_local_base_freq` must be a positive number, got {theta}"
+                    ));
+                }
+            }
+        }
+        for (name, value) in [
+            ("the embedding scale", self.style.embedding_scale),
+            ("the attention scale", self.style.attention_scale),
+        ] {
+            if let Some(v) = value {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(format!("{name} must be a positive number, got {v}"));
+                }
+            }
+        }
+        if let Some(moe) = &self.moe {
+            moe.validate()?;
+        }
         if let Some(linear) = &self.linear_attention {
             if !(1..=self.num_layers).contains(&linear.full_attention_interval) {
                 return Err(format!(
@@ -144,6 +216,8 @@ struct Attention {
     scale: f32,
     /// See [`DecoderConfig::attn_output_gate`].
     output_gate: bool,
+    /// A sliding layer's window ([`SlidingWindow`]); `None`: global attention.
+    window: Option<i32>,
 }
 
 /// The query, key and value projections, separate or fused into one (see
@@ -160,11 +234,25 @@ enum Qkv {
 }
 
 impl Attention {
-    fn load(w: &mut Weights, q: &Quantization, path: &str, c: &DecoderConfig) -> Result<Self> {
+    fn load(
+        w: &mut Weights,
+        q: &Quantization,
+        path: &str,
+        c: &DecoderConfig,
+        window: Option<i32>,
+    ) -> Result<Self> {
         let (hidden, hd) = (c.hidden_size, c.head_dim);
         let norm = |w: &mut Weights, name: &str| -> Result<Option<RmsNorm>> {
             c.qk_norm
-                .then(|| RmsNorm::load(w, &format!("{path}.{name}"), hd, c.rms_norm_eps))
+                .then(|| {
+                    RmsNorm::load_with_offset(
+                        w,
+                        &format!("{path}.{name}"),
+                        hd,
+                        c.rms_norm_eps,
+                        c.style.norm_unit_offset,
+                    )
+                })
                 .transpose()
         };
         let gate = if c.attn_output_gate { 2 } else { 1 };
@@ -220,8 +308,9 @@ impl Attention {
             k_norm: norm(w, "k_norm")?,
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
-            scale: (hd as f32).powf(-0.5),
+            scale: c.style.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
             output_gate: c.attn_output_gate,
+            window,
         })
     }
 
@@ -342,6 +431,7 @@ impl Attention {
     /// the sequence in slot `r` from position `step.positions[r]` on → `[rows, tokens, hidden]`.
     /// RoPE, the cache write and attention are one call each for all rows (attention masked
     /// causally from each row's position).
+    /// `window_mask`: [`SlotStep::window_mask`] of this layer's window, for a sliding layer.
     fn forward_slots(
         &self,
         x: &Array,
@@ -349,13 +439,18 @@ impl Attention {
         slots: &mut SlotKvCache,
         layer: usize,
         step: &SlotStep,
+        window_mask: Option<&Array>,
     ) -> Result<Array> {
         let (rows, tokens) = (x.shape()[0], x.shape()[1]);
         let (queries, keys, values, gate) = self.project(x)?;
         let queries = rope.forward_at(&queries, &step.positions)?;
         let keys = rope.forward_at(&keys, &step.positions)?;
         let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
-        let out = masked_attention(&queries, cached, self.scale, &step.mask, step.read)?;
+        let mask = match (self.window, window_mask) {
+            (Some(_), Some(mask)) => mask,
+            _ => &step.mask,
+        };
+        let out = masked_attention(&queries, cached, self.scale, mask, step.read)?;
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[rows, tokens, -1])?;
@@ -375,9 +470,51 @@ impl Attention {
         let offset = cache.offset();
         let queries = rope.forward(queries, offset)?;
         let keys = rope.forward(keys, offset)?;
+        let seq = queries.shape()[2];
         // One new token attends to everything cached: no mask (as mlx-lm passes None).
-        let causal = queries.shape()[2] > 1;
-        match cache.update_and_fetch(&keys, values)? {
+        let causal = seq > 1;
+        let cached = cache.update_and_fetch(&keys, values)?;
+        // A sliding layer whose window leaves positions out reads from the first position its
+        // first query sees, masked by distance for more than one query.
+        if let Some(window) = self.window.filter(|&w| offset + seq > w) {
+            let start = (offset + 1 - window).max(0);
+            let mask = causal
+                .then(|| window_mask(offset, seq, start, window))
+                .transpose()?;
+            let from = |a: &Array| -> Result<Array> {
+                let s = a.shape();
+                Ok(slice(a, &[0, 0, start, 0], &[s[0], s[1], s[2], s[3]])?)
+            };
+            return match cached {
+                CachedKv::Dense { keys, values } => Ok(scaled_dot_product_attention(
+                    &queries,
+                    &from(&keys)?,
+                    &from(&values)?,
+                    self.scale,
+                    mask.as_ref().map(ScaledDotProductAttentionMask::Array),
+                    None,
+                )?),
+                CachedKv::Quantized {
+                    keys,
+                    values,
+                    quantization,
+                } => {
+                    let parts = |p: [Array; 3]| -> Result<[Array; 3]> {
+                        let [a, b, c] = p;
+                        Ok([from(&a)?, from(&b)?, from(&c)?])
+                    };
+                    quantized_scaled_dot_product_attention(
+                        &queries,
+                        &parts(keys)?,
+                        &parts(values)?,
+                        self.scale,
+                        quantization,
+                        mask.as_ref().map_or(KvMask::None, KvMask::Array),
+                    )
+                }
+            };
+        }
+        match cached {
             CachedKv::Dense { keys, values } => {
                 let mask = causal.then_some(ScaledDotProductAttentionMask::Causal);
                 Ok(scaled_dot_product_attention(
@@ -398,6 +535,20 @@ impl Attention {
             ),
         }
     }
+}
+
+/// The sliding-window causal mask `[1, 1, seq, positions]` of `seq` queries at positions
+/// `offset..offset + seq` over keys at positions `start..offset + seq`: true where the key is
+/// at most the query's position and less than `window` before it (mlx_lm's
+/// `create_causal_mask(window_size=window)`).
+fn window_mask(offset: i32, seq: i32, start: i32, window: i32) -> Result<Array> {
+    let q = ops::arange::<_, i32>(offset, offset + seq, None)?.reshape(&[1, 1, seq, 1])?;
+    let k = ops::arange::<_, i32>(start, offset + seq, None)?.reshape(&[1, 1, 1, -1])?;
+    let window = Array::from_int(window);
+    Ok(ops::logical_and(
+        &ops::ge(&q, &k)?,
+        &ops::lt(&q, &ops::add(&k, &window)?)?,
+    )?)
 }
 
 /// Attention over a quantized KV cache, as mlx_lm's `quantized_scaled_dot_product_attention`
@@ -639,12 +790,46 @@ enum Mixer {
     Linear(GatedDeltaNet),
 }
 
+/// A block's feed-forward part: one MLP, or a router over experts.
+#[derive(Clone)]
+enum FeedForward {
+    Dense(Mlp),
+    Sparse(SparseMoe),
+}
+
+impl FeedForward {
+    fn forward(&self, x: &Array) -> Result<Array> {
+        match self {
+            FeedForward::Dense(mlp) => mlp.forward(x),
+            FeedForward::Sparse(moe) => moe.forward(x),
+        }
+    }
+
+    fn use_mlx_kernels(&mut self) {
+        match self {
+            FeedForward::Dense(mlp) => mlp.use_mlx_kernels(),
+            FeedForward::Sparse(moe) => moe.use_mlx_kernels(),
+        }
+    }
+}
+
 #[derive(Clone)]
 struct Block {
     mixer: Mixer,
-    mlp: Mlp,
+    mlp: FeedForward,
     input_layernorm: RmsNorm,
+    /// On the MLP's input, or on attention's output when the block has [`SandwichNorms`].
     post_attention_layernorm: RmsNorm,
+    sandwich: Option<SandwichNorms>,
+    /// Attends within a sliding window (and reads [`Decoder::local_rope`] when there is one).
+    sliding: bool,
+}
+
+/// The MLP's own norms of a [`BlockStyle::sandwich_norms`] block.
+#[derive(Clone)]
+struct SandwichNorms {
+    pre_feedforward_layernorm: RmsNorm,
+    post_feedforward_layernorm: RmsNorm,
 }
 
 /// The decoder: embeddings, `num_layers` blocks, final norm, LM head (tied or not).
@@ -655,6 +840,12 @@ pub struct Decoder {
     norm: RmsNorm,
     lm_head: Option<Linear>,
     rope: Rope,
+    /// The sliding layers' RoPE ([`SlidingWindow::local_rope_theta`]).
+    local_rope: Option<Rope>,
+    /// The sliding layers' window, when there are sliding layers.
+    window: Option<i32>,
+    embedding_scale: Option<f32>,
+    clip_float16_residuals: bool,
     info: ModelInfo,
 }
 
@@ -676,9 +867,21 @@ impl Decoder {
             c.vocab_size,
             c.hidden_size,
         )?;
+        let norm = |weights: &mut Weights, path: &str| {
+            RmsNorm::load_with_offset(
+                weights,
+                path,
+                c.hidden_size,
+                c.rms_norm_eps,
+                c.style.norm_unit_offset,
+            )
+        };
+        let sliding_window = c.style.sliding_window.as_ref();
         let mut layers = Vec::with_capacity(c.num_layers as usize);
         for i in 0..c.num_layers {
             let p = format!("{prefix}model.layers.{i}");
+            let sliding = sliding_window.is_some_and(|s| s.is_sliding_layer(i));
+            let window = sliding_window.filter(|_| sliding).map(|s| s.window);
             let mixer = match &c.linear_attention {
                 Some(linear) if c.is_linear_layer(i) => Mixer::Linear(GatedDeltaNet::load(
                     weights,
@@ -693,38 +896,53 @@ impl Decoder {
                     quantization,
                     &format!("{p}.self_attn"),
                     c,
+                    window,
                 )?),
             };
-            layers.push(Block {
-                mixer,
-                mlp: Mlp::load(
+            let sandwich = if c.style.sandwich_norms {
+                Some(SandwichNorms {
+                    pre_feedforward_layernorm: norm(
+                        weights,
+                        &format!("{p}.pre_feedforward_layernorm"),
+                    )?,
+                    post_feedforward_layernorm: norm(
+                        weights,
+                        &format!("{p}.post_feedforward_layernorm"),
+                    )?,
+                })
+            } else {
+                None
+            };
+            let mlp = match &c.moe {
+                Some(moe) if moe.is_sparse_layer(i) => FeedForward::Sparse(SparseMoe::load(
                     weights,
                     quantization,
                     &format!("{p}.mlp"),
                     c.hidden_size,
-                    c.intermediate_size,
-                    c.mlp_bias,
-                )?,
-                input_layernorm: RmsNorm::load(
-                    weights,
-                    &format!("{p}.input_layernorm"),
-                    c.hidden_size,
-                    c.rms_norm_eps,
-                )?,
-                post_attention_layernorm: RmsNorm::load(
-                    weights,
-                    &format!("{p}.post_attention_layernorm"),
-                    c.hidden_size,
-                    c.rms_norm_eps,
-                )?,
+                    moe,
+                )?),
+                _ => FeedForward::Dense(
+                    Mlp::load(
+                        weights,
+                        quantization,
+                        &format!("{p}.mlp"),
+                        c.hidden_size,
+                        c.intermediate_size,
+                        c.mlp_bias,
+                    )?
+                    .with_activation(c.style.activation),
+                ),
+            };
+            layers.push(Block {
+                mixer,
+                mlp,
+                input_layernorm: norm(weights, &format!("{p}.input_layernorm"))?,
+                post_attention_layernorm: norm(weights, &format!("{p}.post_attention_layernorm"))?,
+                sandwich,
+                sliding,
             });
         }
-        let norm = RmsNorm::load(
-            weights,
-            &format!("{prefix}model.norm"),
-            c.hidden_size,
-            c.rms_norm_eps,
-        )?;
+        let final_norm = norm(weights, &format!("{prefix}model.norm"))?;
         let lm_head = if c.tie_word_embeddings {
             weights.discard(&format!("{prefix}lm_head.weight"));
             None
@@ -746,12 +964,26 @@ impl Decoder {
             head_dim: c.head_dim as usize,
             context_length: c.context_length,
         };
+        let local_rope = sliding_window
+            .and_then(|s| s.local_rope_theta)
+            .map(|theta| Rope {
+                base: theta,
+                scale: 1.0,
+                freqs: None,
+                ..rope.clone()
+            });
         Ok(Self {
             embed_tokens,
             layers,
-            norm,
+            norm: final_norm,
             lm_head,
             rope,
+            local_rope,
+            window: sliding_window
+                .filter(|s| (0..c.num_layers).any(|i| s.is_sliding_layer(i)))
+                .map(|s| s.window),
+            embedding_scale: c.style.embedding_scale,
+            clip_float16_residuals: c.style.clip_float16_residuals,
             info,
         })
     }
@@ -766,24 +998,50 @@ impl Decoder {
         mut mix: impl FnMut(usize, &Mixer, &Array, &Rope) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
+        if let Some(scale) = self.embedding_scale {
+            h = ops::multiply(&h, &Array::from_f32(scale).as_dtype(h.dtype())?)?;
+        }
         for (i, layer) in self.layers.iter().enumerate() {
-            let r = mix(
-                i,
-                &layer.mixer,
-                &layer.input_layernorm.forward(&h)?,
-                &self.rope,
-            )?;
-            let h2 = ops::add(&h, &r)?;
-            let r = layer
-                .mlp
-                .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
-            h = ops::add(&h2, &r)?;
+            let rope = match (&self.local_rope, layer.sliding) {
+                (Some(local), true) => local,
+                _ => &self.rope,
+            };
+            let r = mix(i, &layer.mixer, &layer.input_layernorm.forward(&h)?, rope)?;
+            h = match &layer.sandwich {
+                None => {
+                    let h2 = ops::add(&h, &r)?;
+                    let r = layer
+                        .mlp
+                        .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
+                    ops::add(&h2, &r)?
+                }
+                Some(norms) => {
+                    let h2 = self.residual(&h, &layer.post_attention_layernorm.forward(&r)?)?;
+                    let r = layer
+                        .mlp
+                        .forward(&norms.pre_feedforward_layernorm.forward(&h2)?)?;
+                    self.residual(&h2, &norms.post_feedforward_layernorm.forward(&r)?)?
+                }
+            };
         }
         let h = self.norm.forward(&h)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
             None => self.embed_tokens.as_linear(&h),
         }
+    }
+}
+
+impl Decoder {
+    /// `x + y`, in float32 and clipped to float16's range for float16 when the style says so
+    /// (mlx_lm's `clip_residual`).
+    fn residual(&self, x: &Array, y: &Array) -> Result<Array> {
+        if !self.clip_float16_residuals || x.dtype() != Dtype::Float16 {
+            return Ok(ops::add(x, y)?);
+        }
+        let sum = ops::add(&x.as_dtype(Dtype::Float32)?, &y.as_dtype(Dtype::Float32)?)?;
+        let bound = Array::from_f32(65504.0);
+        Ok(ops::clip(&sum, (&ops::negative(&bound)?, &bound))?.as_dtype(Dtype::Float16)?)
     }
 }
 
@@ -809,8 +1067,11 @@ impl Model for Decoder {
         slots: &mut SlotKvCache,
         step: &SlotStep,
     ) -> Result<Array> {
+        let window_mask = self.window.map(|w| step.window_mask(w)).transpose()?;
         self.run(ids, |i, mixer, x, rope| match mixer {
-            Mixer::Attention(attn) => attn.forward_slots(x, rope, slots, i, step),
+            Mixer::Attention(attn) => {
+                attn.forward_slots(x, rope, slots, i, step, window_mask.as_ref())
+            }
             Mixer::Linear(_) => Err(mlx_rs::error::Exception::from(
                 "linear-attention layers do not run over slot caches yet",
             )
@@ -851,6 +1112,10 @@ impl Model for Decoder {
 
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn has_sliding_window_layers(&self) -> bool {
+        self.window.is_some()
     }
 
     fn has_recurrent_layers(&self) -> bool {

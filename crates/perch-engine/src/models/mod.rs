@@ -5,10 +5,13 @@
 
 pub mod decoder;
 pub mod gated_delta;
+pub mod gemma3;
 pub mod llama;
+pub mod moe;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_5;
+pub mod qwen3_moe;
 
 use std::path::Path;
 
@@ -84,6 +87,12 @@ pub trait Model: Send {
     fn has_recurrent_layers(&self) -> bool {
         false
     }
+    /// Whether some layers attend within a sliding window (Gemma 3). Their caches keep every
+    /// position for now (attention reads the window), so memory grows with the sequence as on
+    /// other layers; prompt caches are refused (mlx_lm writes `RotatingKVCache`s for them).
+    fn has_sliding_window_layers(&self) -> bool {
+        false
+    }
     /// An empty cache, one entry per layer, float or quantized.
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
         (0..self.info().num_layers)
@@ -103,7 +112,8 @@ pub struct LoadContext<'a> {
 impl LoadContext<'_> {
     /// Deserializes the architecture's own config struct, naming the file on error.
     pub fn parse<T: DeserializeOwned>(&self) -> Result<T> {
-        T::deserialize(self.config).map_err(|e| self.error(e.to_string()))
+        // The error names the field (`mlp_only_layers: invalid type: …`).
+        serde_path_to_error::deserialize(self.config).map_err(|e| self.error(e.to_string()))
     }
 
     pub fn error(&self, message: String) -> EngineError {
@@ -136,11 +146,14 @@ type Loader = fn(LoadContext<'_>) -> Result<Box<dyn Model>>;
 
 /// `model_type` → loader. Aliases share a loader.
 const ARCHITECTURES: &[(&str, Loader)] = &[
+    ("gemma3", gemma3::load),
+    ("gemma3_text", gemma3::load),
     ("llama", llama::load),
     ("mistral", llama::load),
     ("qwen2", qwen2::load),
     ("qwen3", qwen3::load),
     ("qwen3_5", qwen3_5::load),
+    ("qwen3_moe", qwen3_moe::load),
 ];
 
 /// The `model_type`s Perch can load.
@@ -295,8 +308,9 @@ mod tests {
     fn unsupported_architectures_are_named_with_the_supported_ones() {
         assert_eq!(unsupported_architecture_note("qwen3"), None);
         assert_eq!(unsupported_architecture_note("llama"), None);
-        let note = unsupported_architecture_note("gemma3").unwrap();
-        assert!(note.starts_with("gemma3 is not supported yet"), "{note}");
+        assert_eq!(unsupported_architecture_note("gemma3"), None);
+        let note = unsupported_architecture_note("mamba").unwrap();
+        assert!(note.starts_with("mamba is not supported yet"), "{note}");
         for name in supported_architectures() {
             assert!(note.contains(name), "{note}");
         }
@@ -334,6 +348,136 @@ mod tests {
             check_config(&with("model_type", "gpt2".into())),
             Err(EngineError::UnsupportedArchitecture { .. })
         ));
+    }
+
+    /// google/gemma-3-1b-it's config.json (Hugging Face, 2025), as mlx-community copies it.
+    const GEMMA3_1B: &str = r#"{"architectures": ["Gemma3ForCausalLM"], "attention_bias": false,
+        "attention_dropout": 0.0, "attn_logit_softcapping": null, "bos_token_id": 2,
+        "cache_implementation": "hybrid", "eos_token_id": [1, 106],
+        "final_logit_softcapping": null, "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "initializer_range": 0.02, "intermediate_size": 6912, "max_position_embeddings": 32768,
+        "model_type": "gemma3_text", "num_attention_heads": 4, "num_hidden_layers": 26,
+        "num_key_value_heads": 1, "pad_token_id": 0, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000, "rope_scaling": null,
+        "rope_theta": 1000000, "sliding_window": 512, "sliding_window_pattern": 6,
+        "torch_dtype": "bfloat16", "vocab_size": 262144,
+        "quantization": {"group_size": 64, "bits": 4}}"#;
+
+    /// The multimodal layout (google/gemma-3-4b-it's text_config, abridged as the Hub has it:
+    /// most fields left to their defaults).
+    const GEMMA3_4B: &str = r#"{"architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3", "boi_token_index": 255999, "eoi_token_index": 256000,
+        "image_token_index": 262144, "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+            "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"}}"#;
+
+    #[test]
+    fn gemma3_configs_are_checked_field_by_field() {
+        assert_eq!(check_config(GEMMA3_1B).unwrap(), "gemma3_text");
+        assert_eq!(check_config(GEMMA3_4B).unwrap(), "gemma3");
+        let text = |field: &str, value: Value| {
+            let mut config: Value = serde_json::from_str(GEMMA3_1B).unwrap();
+            config[field] = value;
+            config.to_string()
+        };
+        let nested = |field: &str, value: Value| {
+            let mut config: Value = serde_json::from_str(GEMMA3_4B).unwrap();
+            config["text_config"][field] = value;
+            config.to_string()
+        };
+        for (text, expected) in [
+            (
+                text("query_pre_attn_scalar", 0.into()),
+                "`query_pre_attn_scalar`",
+            ),
+            (text("sliding_window", 0.into()), "`sliding_window`"),
+            (
+                text("sliding_window_pattern", (-6).into()),
+                "`sliding_window_pattern`",
+            ),
+            (
+                text("rope_local_base_freq", (-1.0).into()),
+                "`rope_local_base_freq`",
+            ),
+            (text("hidden_size", 0.into()), "`hidden_size`"),
+            (
+                text("rope_scaling", serde_json::json!({"rope_type": "yarn"})),
+                "rope_scaling type `yarn`",
+            ),
+            (
+                nested("num_key_value_heads", 3.into()),
+                "multiple of `num_key_value_heads`",
+            ),
+            (
+                serde_json::json!({"model_type": "gemma3", "text_config": [1]}).to_string(),
+                "`text_config` must be an object",
+            ),
+        ] {
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{text}: {e}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
+    /// mlx-community/Qwen3-30B-A3B-4bit's config.json (the router gates kept at 8 bits).
+    const QWEN3_30B_A3B: &str = r#"{"architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": false, "bos_token_id": 151643, "decoder_sparse_step": 1,
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
+        "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+        "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+        "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+        "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+        "output_router_logits": false, "quantization": {"group_size": 64, "bits": 4,
+        "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}}, "rms_norm_eps": 1e-06,
+        "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+        "use_cache": true, "use_sliding_window": false, "vocab_size": 151936}"#;
+
+    #[test]
+    fn qwen3_moe_configs_are_checked_field_by_field() {
+        assert_eq!(check_config(QWEN3_30B_A3B).unwrap(), "qwen3_moe");
+        let with = |field: &str, value: Value| {
+            let mut config: Value = serde_json::from_str(QWEN3_30B_A3B).unwrap();
+            config[field] = value;
+            config.to_string()
+        };
+        for (text, expected) in [
+            (with("num_experts", 0.into()), "`num_experts`"),
+            (with("num_experts", 100_000.into()), "`num_experts`"),
+            (
+                with("num_experts_per_tok", 129.into()),
+                "`num_experts_per_tok`",
+            ),
+            (
+                with("moe_intermediate_size", (-1).into()),
+                "`moe_intermediate_size`",
+            ),
+            (
+                with("decoder_sparse_step", 0.into()),
+                "`decoder_sparse_step`",
+            ),
+            (
+                with("mlp_only_layers", "all".into()),
+                "mlp_only_layers: invalid type",
+            ),
+            (
+                with("norm_topk_prob", Value::Null),
+                "norm_topk_prob: invalid type",
+            ),
+        ] {
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{text}: {e}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
     }
 
     /// Qwen3.5's layout: the text model's fields nested in `text_config`.

@@ -46,6 +46,8 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         linear_attention: None,
         weight_prefix: String::new(),
         context_length: args.max_position_embeddings,
+        style: Default::default(),
+        moe: None,
     };
     config.validate().map_err(|m| cx.error(m))?;
     let rope = Rope::new(

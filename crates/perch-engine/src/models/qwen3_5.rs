@@ -114,6 +114,8 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
             String::new()
         },
         context_length: args.max_position_embeddings,
+        style: Default::default(),
+        moe: None,
     };
     config.validate().map_err(|m| cx.error(m))?;
     // The vision tower and the multi-token-prediction head are not the text model's (mlx_lm's

@@ -8,6 +8,7 @@ model.safetensors, the tokenizer files of TOKENIZER_DIR) and expected.json with
 `mlx_lm.generate.generate_step`.
 """
 
+import copy
 import json
 import shutil
 import sys
@@ -17,7 +18,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama, qwen2, qwen3, qwen3_5
+from mlx_lm.models import gemma3, gemma3_text, llama, qwen2, qwen3, qwen3_5, qwen3_moe
+
+# mlx_lm 0.32.2's quantized expert layer always passes `global_scale=` to mx.gather_qmm, which MLX
+# 0.32.2 does not take (../shared/notes/oracle-quirks.md): drop the keyword when it is None, which
+# leaves the computation as it is.
+_gather_qmm = mx.gather_qmm
+
+
+def _gather_qmm_without_global_scale(*args, global_scale=None, **kwargs):
+    assert global_scale is None, "a global scale would change the computation"
+    return _gather_qmm(*args, **kwargs)
+
+
+mx.gather_qmm = _gather_qmm_without_global_scale
 
 VOCAB = 49152  # the test model's (SmolLM2) tokenizer vocabulary, so the models are complete directories
 
@@ -48,6 +62,42 @@ QWEN3_5_TEXT = {
                         "mrope_section": [11, 11, 10]},
 }
 
+# Sliding window 8 on layers 1 and 3 (of 4), shorter than the 18-token prompt; hidden 96 so that the
+# bfloat16-rounded embedding scale (9.8125) differs from sqrt(96); query_pre_attn_scalar apart from
+# head_dim; linear RoPE scaling on the global layers only.
+GEMMA3_TEXT = {
+    **BASE,
+    "model_type": "gemma3_text",
+    "hidden_size": 96,
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "query_pre_attn_scalar": 48,
+    "sliding_window": 8,
+    "sliding_window_pattern": 2,
+    "rope_scaling": {"factor": 4.0, "rope_type": "linear"},
+}
+
+# Layer 0 dense (mlp_only_layers), layers 1-3 sparse: 8 experts, 4 per token in float32 (18 prompt
+# tokens x 4 = 72 pairs, so mlx_lm sorts them by expert; saved in Hugging Face's per-expert
+# layout, below), 2 at 4 bits without renormalising (mlx-community's stacked switch_mlp layout).
+QWEN3_MOE = {
+    **BASE,
+    "model_type": "qwen3_moe",
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+    "num_experts": 8,
+    "num_experts_per_tok": 4,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [0],
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+}
+
 CASES = {
     "llama3-rope": (llama, {
         **BASE,
@@ -76,6 +126,21 @@ CASES = {
     "qwen3_5": (qwen3_5, {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}, None),
     "qwen3_5-4bit": (qwen3_5, {"model_type": "qwen3_5", "text_config": {**QWEN3_5_TEXT, "tie_word_embeddings": True}},
                      {"group_size": 32, "bits": 4}),
+    "gemma3_text": (gemma3_text, GEMMA3_TEXT, None),
+    "qwen3_moe": (qwen3_moe, QWEN3_MOE, None),
+    "qwen3_moe-4bit": (qwen3_moe, {**QWEN3_MOE, "num_experts_per_tok": 2, "norm_topk_prob": False,
+                                   "tie_word_embeddings": True}, {"group_size": 32, "bits": 4}),
+    # The multimodal layout: text_config (its vocab_size replaced by the top level's, as mlx_lm
+    # does), language_model. weights, a vision tower and projector to ignore, no lm_head (tied).
+    "gemma3-4bit": (gemma3, {"model_type": "gemma3", "vocab_size": VOCAB,
+                             "text_config": {**GEMMA3_TEXT, "vocab_size": 1000}},
+                    {"group_size": 32, "bits": 4}),
+}
+
+# Tensors of a multimodal checkpoint that are not the text model's.
+VISION_EXTRAS = {
+    "vision_tower.vision_model.embeddings.patch_embedding.weight": mx.zeros((8, 3, 2, 2)),
+    "multi_modal_projector.mm_input_projection_weight": mx.zeros((8, 96)),
 }
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712]
@@ -84,17 +149,24 @@ PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 3451
 def main(out_dir: Path, tokenizer_dir: Path):
     for name, (module, config, quant) in CASES.items():
         mx.random.seed(len(name))
-        model = module.Model(module.ModelArgs.from_dict(config))
-        if name.startswith("qwen3_5"):
-            # Norm weights and the time-step bias start at ones: make them random, so that a norm
-            # applied to the wrong tensor (or not at all) shows in the logits.
+        # A copy: mlx_lm's gemma3 args rewrite text_config in place, and config.json must stay as written.
+        model = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config)))
+        if name.startswith("qwen3_5") or name.startswith("gemma3"):
+            # Norm weights and the time-step bias start at constants: make them random, so that a
+            # norm applied to the wrong tensor (or not at all) shows in the logits. (Gemma's are
+            # offsets from one.)
             from mlx.utils import tree_unflatten
+            low, high = (-0.5, 0.5) if name.startswith("gemma3") else (0.5, 1.5)
             perturbed = [
-                (k, mx.random.uniform(0.5, 1.5, v.shape))
+                (k, mx.random.uniform(low, high, v.shape))
                 for k, v in tree_flatten(model.parameters())
                 if k.endswith("norm.weight") or k.endswith("dt_bias")
             ]
             model.update(tree_unflatten(perturbed))
+        if name == "gemma3-4bit":
+            # What mlx_lm's sanitize does for a checkpoint without lm_head.weight.
+            model.language_model.tie_word_embeddings = True
+            model.language_model.pop("lm_head")
         if quant == "bf16":
             model.set_dtype(mx.bfloat16)
             config["torch_dtype"] = "bfloat16"
@@ -116,7 +188,18 @@ def main(out_dir: Path, tokenizer_dir: Path):
 
         case_dir = out_dir / name
         case_dir.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(case_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+        tensors = dict(tree_flatten(model.parameters()))
+        if config.get("model_type") == "gemma3":
+            tensors.update(VISION_EXTRAS)
+        if name == "qwen3_moe":
+            # Hugging Face's layout: one tensor per expert (`mlp.experts.{e}.gate_proj.weight`),
+            # which loaders stack into mlx-community's `switch_mlp` (mlx_lm's sanitize does).
+            for key in [k for k in tensors if ".switch_mlp." in k]:
+                stacked = tensors.pop(key)
+                prefix, proj = key.split(".switch_mlp.")
+                for e in range(stacked.shape[0]):
+                    tensors[f"{prefix}.experts.{e}.{proj}"] = stacked[e]
+        mx.save_safetensors(str(case_dir / "model.safetensors"), tensors)
         (case_dir / "config.json").write_text(json.dumps(config, indent=2))
         for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]:
             shutil.copy(tokenizer_dir / f, case_dir / f)

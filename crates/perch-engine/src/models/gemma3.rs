@@ -1,0 +1,155 @@
+//! Gemma 3 (`gemma3_text`, and `gemma3`, the multimodal checkpoints whose text model is nested in
+//! `text_config` and whose weights sit under `language_model.`; their vision tower and projector
+//! are left unread). Query and key norms, GeGLU feed-forward blocks, norms on each sub-layer's input
+//! and output, RMSNorm weights stored as offsets from one, embeddings scaled by `sqrt(hidden)`
+//! (rounded to bfloat16), scores scaled by `query_pre_attn_scalar^-0.5`, and sliding-window
+//! attention on every layer but each `sliding_window_pattern`-th, with its own RoPE base
+//! (`rope_local_base_freq`); the global layers read `rope_theta` and `rope_scaling`. The LM head
+//! is tied to the embeddings when the checkpoint has no `lm_head.weight` (mlx_lm's `sanitize`).
+//! Reference: mlx-lm `models/gemma3_text.py`, `models/gemma3.py`.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::decoder::{BlockStyle, DecoderConfig, SlidingWindow};
+use super::{LoadContext, Model};
+use crate::error::Result;
+use crate::layers::{Activation, Rope};
+
+/// The text model's config; every field has mlx_lm's `ModelArgs` default, unknown fields are
+/// ignored.
+#[derive(Debug, Deserialize)]
+#[serde(default)]
+pub struct Gemma3Args {
+    pub hidden_size: i32,
+    pub num_hidden_layers: i32,
+    pub intermediate_size: i32,
+    pub num_attention_heads: i32,
+    pub head_dim: i32,
+    pub rms_norm_eps: f32,
+    pub vocab_size: i32,
+    pub num_key_value_heads: i32,
+    pub rope_theta: f32,
+    pub rope_local_base_freq: f32,
+    pub query_pre_attn_scalar: f32,
+    pub sliding_window: i32,
+    pub sliding_window_pattern: i32,
+    pub max_position_embeddings: usize,
+    pub rope_scaling: Option<Value>,
+}
+
+impl Default for Gemma3Args {
+    fn default() -> Self {
+        Self {
+            hidden_size: 1152,
+            num_hidden_layers: 26,
+            intermediate_size: 6912,
+            num_attention_heads: 4,
+            head_dim: 256,
+            rms_norm_eps: 1e-6,
+            vocab_size: 262_144,
+            num_key_value_heads: 1,
+            rope_theta: 1_000_000.0,
+            rope_local_base_freq: 10_000.0,
+            query_pre_attn_scalar: 256.0,
+            sliding_window: 512,
+            sliding_window_pattern: 6,
+            max_position_embeddings: 32_768,
+            rope_scaling: None,
+        }
+    }
+}
+
+/// mlx_lm's `gemma3.ModelArgs`: the top-level `vocab_size` (default 262,208) replaces the text
+/// config's, and the head counts default to 8 and 4 there.
+const MULTIMODAL_VOCAB: i64 = 262_208;
+
+pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+    let nested = cx.config.get("model_type").and_then(Value::as_str) == Some("gemma3");
+    let text = if nested {
+        let mut text = cx
+            .config
+            .get("text_config")
+            .cloned()
+            .unwrap_or_else(|| Value::Object(Default::default()));
+        let Some(fields) = text.as_object_mut() else {
+            return Err(cx.error("`text_config` must be an object".into()));
+        };
+        let vocab = cx
+            .config
+            .get("vocab_size")
+            .cloned()
+            .unwrap_or(Value::from(MULTIMODAL_VOCAB));
+        fields.insert("vocab_size".into(), vocab);
+        fields
+            .entry("num_attention_heads")
+            .or_insert(Value::from(8));
+        fields
+            .entry("num_key_value_heads")
+            .or_insert(Value::from(4));
+        text
+    } else {
+        cx.config.clone()
+    };
+    let args = Gemma3Args::deserialize(&text).map_err(|e| cx.error(e.to_string()))?;
+    let scalar = args.query_pre_attn_scalar;
+    if !(scalar.is_finite() && scalar > 0.0) {
+        return Err(cx.error(format!(
+            "`query_pre_attn_scalar` must be a positive number, got {scalar}"
+        )));
+    }
+    let prefix = if nested { "language_model." } else { "" };
+    // mlx_lm's `mx.array(hidden_size**0.5, mx.bfloat16)`: the scale as bfloat16 holds it.
+    let embedding_scale = mlx_rs::Array::from_f32((args.hidden_size.max(0) as f32).sqrt())
+        .as_dtype(mlx_rs::Dtype::Bfloat16)?
+        .as_dtype(mlx_rs::Dtype::Float32)?
+        .item_exact::<f32>();
+    let config = DecoderConfig {
+        hidden_size: args.hidden_size,
+        intermediate_size: args.intermediate_size,
+        num_layers: args.num_hidden_layers,
+        num_heads: args.num_attention_heads,
+        num_kv_heads: args.num_key_value_heads,
+        head_dim: args.head_dim,
+        vocab_size: args.vocab_size,
+        rms_norm_eps: args.rms_norm_eps,
+        tie_word_embeddings: !cx.weights.contains(&format!("{prefix}lm_head.weight")),
+        qkv_bias: false,
+        o_bias: false,
+        mlp_bias: false,
+        qk_norm: true,
+        attn_output_gate: false,
+        linear_attention: None,
+        weight_prefix: prefix.into(),
+        context_length: args.max_position_embeddings,
+        style: BlockStyle {
+            norm_unit_offset: true,
+            activation: Activation::GeluApprox,
+            sandwich_norms: true,
+            clip_float16_residuals: true,
+            embedding_scale: Some(embedding_scale),
+            attention_scale: Some(scalar.powf(-0.5)),
+            sliding_window: Some(SlidingWindow {
+                window: args.sliding_window,
+                pattern: args.sliding_window_pattern,
+                local_rope_theta: Some(args.rope_local_base_freq),
+            }),
+        },
+        moe: None,
+    };
+    config.validate().map_err(|m| cx.error(m))?;
+    if nested {
+        // Not the text model's (mlx_lm's sanitize drops them too).
+        cx.weights.discard_where(|name| {
+            name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
+        });
+    }
+    let rope = Rope::new(
+        args.head_dim,
+        args.rope_theta,
+        false,
+        args.rope_scaling.as_ref(),
+    );
+    let model_type = if nested { "gemma3" } else { "gemma3_text" };
+    cx.decoder(config, rope, model_type)
+}

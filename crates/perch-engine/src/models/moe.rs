@@ -1,0 +1,268 @@
+//! Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`): a
+//! router picks each token's top-k experts, each a SwiGLU MLP, and their outputs are summed with
+//! the router's softmax weights (renormalised over the k when `norm_topk_prob`). The experts'
+//! weights are stacked per projection, `[experts, out, in]` (mlx-community's `switch_mlp`
+//! layout; Hugging Face's `experts.{e}` tensors are stacked at load, as mlx_lm's `sanitize`
+//! does), and multiplied by MLX's `gather_mm` / `gather_qmm` for the chosen experts only.
+//! Reference: mlx-lm `models/qwen3_moe.py`, `models/switch_layers.py`.
+
+use mlx_rs::{ops, Array};
+
+use crate::error::Result;
+use crate::layers::{Linear, QuantParams, Quantization};
+use crate::weights::Weights;
+
+/// The sizes of a model's sparse blocks, and which layers have one.
+#[derive(Debug, Clone)]
+pub struct MoeConfig {
+    pub num_experts: i32,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: i32,
+    /// Each expert's intermediate size (`moe_intermediate_size`).
+    pub intermediate_size: i32,
+    /// Renormalise the chosen experts' weights to sum to one.
+    pub norm_topk_prob: bool,
+    /// Layer `i` is sparse when `(i + 1) % decoder_sparse_step == 0` and `i` is not in
+    /// `mlp_only_layers`; the others keep a dense MLP of the model's `intermediate_size`.
+    pub decoder_sparse_step: i32,
+    pub mlp_only_layers: Vec<i32>,
+}
+
+impl MoeConfig {
+    /// Largest expert count accepted from a config (published models have up to 512).
+    const MAX_EXPERTS: i32 = 4096;
+
+    pub fn is_sparse_layer(&self, i: i32) -> bool {
+        !self.mlp_only_layers.contains(&i) && (i + 1) % self.decoder_sparse_step == 0
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        use super::decoder::within;
+        within("num_experts", self.num_experts, Self::MAX_EXPERTS)?;
+        within("num_experts_per_tok", self.top_k, self.num_experts)?;
+        within("moe_intermediate_size", self.intermediate_size, 1 << 20)?;
+        within("decoder_sparse_step", self.decoder_sparse_step, 1024)?;
+        Ok(())
+    }
+}
+
+/// One projection of every expert: `[experts, out, in]`, dense or MLX-quantized (packed
+/// `[experts, out, in * bits / 32]`, scales and biases `[experts, out, in / group_size]`).
+/// Quantized experts stay quantized on every backend (a dense copy of all experts would take
+/// 4–8× the memory of the whole quantized model).
+#[derive(Clone)]
+enum SwitchLinear {
+    Dense(Array),
+    Quantized {
+        weight: Array,
+        scales: Array,
+        biases: Array,
+        params: QuantParams,
+    },
+}
+
+impl SwitchLinear {
+    /// Loads `{path}.weight` (and `.scales`/`.biases` when quantized), or stacks Hugging Face's
+    /// per-expert `{experts_path}.{e}.{name}.weight` tensors when the stacked one is absent.
+    fn load(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        (path, experts_path, name): (&str, &str, &str),
+        experts: i32,
+        in_features: i32,
+        out_features: i32,
+    ) -> Result<Self> {
+        let path = format!("{path}.{name}");
+        if let Some(params) = quantization.for_module(&path, weights) {
+            let packed = in_features * params.bits / 32;
+            let groups = in_features / params.group_size;
+            let take = |weights: &mut Weights, part: &str, last: i32| {
+                weights.take_shaped(&format!("{path}.{part}"), &[experts, out_features, last])
+            };
+            return Ok(SwitchLinear::Quantized {
+                weight: take(weights, "weight", packed)?,
+                scales: take(weights, "scales", groups)?,
+                biases: take(weights, "biases", groups)?,
+                params,
+            });
+        }
+        let stacked = format!("{path}.weight");
+        if weights.contains(&stacked)
+            || !weights.contains(&format!("{experts_path}.0.{name}.weight"))
+        {
+            return Ok(SwitchLinear::Dense(
+                weights.take_shaped(&stacked, &[experts, out_features, in_features])?,
+            ));
+        }
+        let parts = (0..experts)
+            .map(|e| {
+                weights.take_shaped(
+                    &format!("{experts_path}.{e}.{name}.weight"),
+                    &[out_features, in_features],
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let weight = ops::stack(&parts, 0)?;
+        weight.eval()?;
+        Ok(SwitchLinear::Dense(weight))
+    }
+
+    /// `x` `[..., rows, in]` times the transposed weights of expert `indices[...]` (broadcast
+    /// against `x`'s leading axes) → `[..., rows, out]`. `sorted`: `indices` are in ascending
+    /// order (MLX then reads each expert's weights once).
+    fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+        Ok(match self {
+            SwitchLinear::Dense(weight) => {
+                ops::gather_mm(x, weight.swap_axes(-1, -2)?, None, indices, sorted)?
+            }
+            SwitchLinear::Quantized {
+                weight,
+                scales,
+                biases,
+                params,
+            } => ops::gather_qmm(
+                x,
+                weight,
+                scales,
+                biases,
+                None,
+                indices,
+                true,
+                params.group_size,
+                params.bits,
+                sorted,
+            )?,
+        })
+    }
+}
+
+/// Every expert's SwiGLU MLP (mlx_lm's `SwitchGLU`).
+#[derive(Clone)]
+struct SwitchGlu {
+    gate_proj: SwitchLinear,
+    up_proj: SwitchLinear,
+    down_proj: SwitchLinear,
+}
+
+impl SwitchGlu {
+    /// Tokens at or above which the (token, expert) pairs are sorted by expert before the
+    /// products (mlx_lm's `indices.size >= 64`).
+    const SORT_FROM: usize = 64;
+
+    /// `x` `[batch, seq, hidden]`, `indices` `[batch, seq, k]` → `[batch, seq, k, hidden]`:
+    /// each token through each of its k experts.
+    fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+        let s = indices.shape().to_vec();
+        let k = s[2];
+        // [batch, seq, 1, 1, hidden]: one row per token, broadcast over its experts.
+        let x = x.expand_dims_axes(&[-2, -3])?;
+        let sort = indices.size() >= Self::SORT_FROM;
+        let (x, idx, inverse) = if sort {
+            // Pairs in expert order: row t * k + j of the flat pairs is token t's j-th expert.
+            let flat = indices.flatten(None, None)?;
+            let order = ops::argsort_axis(&flat, 0)?;
+            let inverse = ops::argsort_axis(&order, 0)?;
+            let hidden = x.shape()[4];
+            let rows = x.reshape(&[-1, 1, hidden])?;
+            let token_of = ops::floor_divide(&order, Array::from_int(k))?;
+            (
+                rows.take_axis(&token_of, 0)?,
+                flat.take_axis(&order, 0)?,
+                Some(inverse),
+            )
+        } else {
+            (x, indices.clone(), None)
+        };
+        let up = self.up_proj.forward(&x, &idx, sort)?;
+        let gate = self.gate_proj.forward(&x, &idx, sort)?;
+        let h = ops::multiply(&mlx_rs::nn::silu(&gate)?, &up)?;
+        let out = self.down_proj.forward(&h, &idx, sort)?;
+        let out = match inverse {
+            Some(inverse) => {
+                let hidden = out.shape()[2];
+                out.take_axis(&inverse, 0)?
+                    .reshape(&[s[0], s[1], k, 1, hidden])?
+            }
+            None => out,
+        };
+        Ok(out.squeeze_axes(&[-2])?)
+    }
+}
+
+/// A sparse feed-forward block: router, top-k experts, weighted sum.
+#[derive(Clone)]
+pub struct SparseMoe {
+    gate: Linear,
+    switch_mlp: SwitchGlu,
+    top_k: i32,
+    norm_topk_prob: bool,
+}
+
+impl SparseMoe {
+    /// The block at `path` (`…mlp`): `{path}.gate` (the router) and `{path}.switch_mlp.*`.
+    pub fn load(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        path: &str,
+        hidden: i32,
+        c: &MoeConfig,
+    ) -> Result<Self> {
+        let gate = Linear::load(
+            weights,
+            quantization,
+            &format!("{path}.gate"),
+            hidden,
+            c.num_experts,
+            false,
+        )?;
+        let switch = format!("{path}.switch_mlp");
+        let experts = format!("{path}.experts");
+        let proj = |weights: &mut Weights, name: &str, i: i32, o: i32| {
+            SwitchLinear::load(
+                weights,
+                quantization,
+                (&switch, &experts, name),
+                c.num_experts,
+                i,
+                o,
+            )
+        };
+        let (h, m) = (hidden, c.intermediate_size);
+        Ok(Self {
+            gate,
+            switch_mlp: SwitchGlu {
+                gate_proj: proj(weights, "gate_proj", h, m)?,
+                up_proj: proj(weights, "up_proj", h, m)?,
+                down_proj: proj(weights, "down_proj", m, h)?,
+            },
+            top_k: c.top_k,
+            norm_topk_prob: c.norm_topk_prob,
+        })
+    }
+
+    /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]; the experts'
+    /// always are).
+    pub fn use_mlx_kernels(&mut self) {
+        self.gate.use_mlx_kernels();
+    }
+
+    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        let gates = ops::softmax_axis(&self.gate.forward(x)?, -1, true)?;
+        let k = self.top_k;
+        let experts = gates.shape()[2];
+        // The k largest (in no particular order), as mlx_lm's argpartition(kth=-k)[..., -k:].
+        let all = ops::argpartition_axis(&gates, experts - k, -1)?;
+        let s = all.shape().to_vec();
+        let indices = crate::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
+        let mut scores = gates.take_along_axis(&indices, -1)?;
+        if self.norm_topk_prob {
+            scores = ops::divide(&scores, &scores.sum_axis(-1, true)?)?;
+        }
+        let y = self.switch_mlp.forward(x, &indices)?;
+        let dtype = y.dtype();
+        Ok(ops::multiply(&y, &scores.expand_dims(-1)?)?
+            .sum_axis(-2, false)?
+            .as_dtype(dtype)?)
+    }
+}

@@ -1,0 +1,51 @@
+"""Writes a random model of a given architecture at a realistic size, 4-bit, with Python mlx_lm, for
+benchmarks of architectures no small real model of which is at hand here (README: Qwen3.5, Gemma 3).
+
+    target/oracle-venv/bin/python scripts/make_random_model.py ARCH OUT_DIR TOKENIZER_DIR [float32|bfloat16]
+
+ARCH: qwen3_5 (Qwen3.5-like: hidden 1024, 24 layers of which 18 Gated DeltaNet) or gemma3_text
+(Gemma-3-1B-like: hidden 1152, 26 layers, 5 of every 6 with a 512-token sliding window).
+TOKENIZER_DIR's tokenizer files are copied beside the weights (its vocabulary must have 49,152 tokens, as the
+default model's has). Then: scripts/bench_vs_mlx_lm.py --model OUT_DIR.
+"""
+import json, shutil, sys
+from pathlib import Path
+import mlx.core as mx, mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import gemma3_text, qwen3_5
+
+QWEN3_5_TEXT = {
+    "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 3584,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6,
+    "vocab_size": 49152, "max_position_embeddings": 32768, "full_attention_interval": 4,
+    "linear_num_value_heads": 16, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}}
+ARCHS = {
+    "qwen3_5": (qwen3_5, {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}),
+    "gemma3_text": (gemma3_text, {
+        "model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26, "intermediate_size": 6912,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
+        "rms_norm_eps": 1e-6, "vocab_size": 49152, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0, "sliding_window": 512, "sliding_window_pattern": 6}),
+}
+arch, out, tok = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+module, config = ARCHS[arch]
+mx.random.seed(0)
+model = module.Model(module.ModelArgs.from_dict(json.loads(json.dumps(config))))
+model.set_dtype(getattr(mx, sys.argv[4] if len(sys.argv) > 4 else "float32"))
+if arch == "gemma3_text":
+    # Gemma's norm weights are offsets from one: zeros (mlx_lm's init of ones would double every norm).
+    from mlx.utils import tree_unflatten
+    model.update(tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(model.parameters())
+                                 if k.endswith("norm.weight")]))
+nn.quantize(model, group_size=64, bits=4)
+config["quantization"] = {"group_size": 64, "bits": 4}
+mx.eval(model.parameters())
+out.mkdir(parents=True, exist_ok=True)
+mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+(out / "config.json").write_text(json.dumps(config, indent=2))
+for name in ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"]:
+    if (tok / name).is_file():
+        shutil.copy(tok / name, out / name)
+print("params", sum(v.size for _, v in tree_flatten(model.parameters())))
