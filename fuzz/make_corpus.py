@@ -295,6 +295,28 @@ CONFIGS = {
                         "num_hidden_layers": 34, "sliding_window": 1024,
                         "rope_scaling": {"factor": 8.0, "rope_type": "linear"}},
         "quantization": {"group_size": 64, "bits": 4}},
+    # Fused projections, partial LongRoPE (per-pair factors).
+    "phi3.json": {
+        "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 24,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "partial_rotary_factor": 0.75,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0, "vocab_size": 200064, "tie_word_embeddings": True,
+        "rope_scaling": {"type": "longrope", "long_factor": [1.0 + i / 8 for i in range(48)],
+                         "short_factor": [1.0] * 48},
+        "quantization": {"group_size": 64, "bits": 4}},
+    # Qwen3.5's hybrid layers with experts and a shared expert.
+    "qwen3_5_moe.json": {
+        "model_type": "qwen3_5_moe",
+        "text_config": {"hidden_size": 2048, "num_hidden_layers": 40,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                        "rms_norm_eps": 1e-06, "vocab_size": 248320, "max_position_embeddings": 262144,
+                        "linear_num_value_heads": 32, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+                        "linear_value_head_dim": 128, "num_experts": 256, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                            "partial_rotary_factor": 0.25}},
+        "quantization": {"group_size": 64, "bits": 4,
+                         "language_model.model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}}},
     # Mixture of experts: expert counts, top-k, which layers are sparse.
     "qwen3_moe.json": {
         "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,

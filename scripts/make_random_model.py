@@ -3,8 +3,12 @@ benchmarks of architectures no small real model of which is at hand here (README
 
     target/oracle-venv/bin/python scripts/make_random_model.py ARCH OUT_DIR TOKENIZER_DIR [float32|bfloat16]
 
-ARCH: qwen3_5 (Qwen3.5-like: hidden 1024, 24 layers of which 18 Gated DeltaNet) or gemma3_text
-(Gemma-3-1B-like: hidden 1152, 26 layers, 5 of every 6 with a 512-token sliding window).
+ARCH: qwen3_5 (Qwen3.5-like: hidden 1024, 24 layers of which 18 Gated DeltaNet), gemma3_text
+(Gemma-3-1B-like: hidden 1152, 26 layers, 5 of every 6 with a 512-token sliding window), qwen3_moe
+(a small Qwen3-30B-A3B: hidden 1024, 16 layers of 64 experts, 8 per token) or qwen3_5_moe (the
+Qwen3.5 model above with 64 experts, 8 per token, and a shared expert in every layer) or phi3 (a
+small Phi-4-mini: hidden 1024, 16 layers, RoPE on 0.75 of each head with LongRoPE). Routers
+are kept at 8 bits, as mlx_lm's convert does.
 TOKENIZER_DIR's tokenizer files are copied beside the weights (its vocabulary must have 49,152 tokens, as the
 default model's has). Then: scripts/bench_vs_mlx_lm.py --model OUT_DIR.
 """
@@ -12,7 +16,7 @@ import json, shutil, sys
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import gemma3_text, qwen3_5
+from mlx_lm.models import gemma3_text, phi3, qwen3_5, qwen3_5_moe, qwen3_moe
 
 QWEN3_5_TEXT = {
     "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 3584,
@@ -21,8 +25,23 @@ QWEN3_5_TEXT = {
     "linear_num_value_heads": 16, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "tie_word_embeddings": True,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}}
+MOE = {"num_experts": 64, "num_experts_per_tok": 8, "moe_intermediate_size": 256, "norm_topk_prob": True}
 ARCHS = {
     "qwen3_5": (qwen3_5, {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}),
+    "qwen3_5_moe": (qwen3_5_moe, {"model_type": "qwen3_5_moe", "text_config": {
+        **QWEN3_5_TEXT, **MOE, "shared_expert_intermediate_size": 512}}),
+    "phi3": (phi3, {
+        "model_type": "phi3", "hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 2816,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "partial_rotary_factor": 0.75, "rms_norm_eps": 1e-5,
+        "vocab_size": 49152, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "rope_theta": 10000.0, "tie_word_embeddings": True,
+        "rope_scaling": {"type": "longrope", "long_factor": [1.0 + i / 4 for i in range(24)],
+                         "short_factor": [1.0] * 24}}),
+    "qwen3_moe": (qwen3_moe, {
+        "model_type": "qwen3_moe", "hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 3072,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6,
+        "vocab_size": 49152, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
+        "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [], **MOE}),
     "gemma3_text": (gemma3_text, {
         "model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26, "intermediate_size": 6912,
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,
@@ -39,8 +58,20 @@ if arch == "gemma3_text":
     from mlx.utils import tree_unflatten
     model.update(tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(model.parameters())
                                  if k.endswith("norm.weight")]))
-nn.quantize(model, group_size=64, bits=4)
 config["quantization"] = {"group_size": 64, "bits": 4}
+chooser = getattr(model, "quant_predicate", None)
+
+
+def predicate(path, module):
+    if not hasattr(module, "to_quantized"):
+        return False
+    chosen = chooser(path, module) if chooser is not None else True
+    if isinstance(chosen, dict):
+        config["quantization"][path] = chosen
+    return chosen
+
+
+nn.quantize(model, group_size=64, bits=4, class_predicate=predicate)
 mx.eval(model.parameters())
 out.mkdir(parents=True, exist_ok=True)
 mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))

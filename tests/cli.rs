@@ -505,10 +505,11 @@ fn search_pull_then_generate_by_repository_id() {
         "architecture: {row}"
     );
     let stderr = String::from_utf8_lossy(&searched.stderr);
-    assert!(
-        stderr.contains("Perch runs these architectures: llama"),
-        "{stderr}"
+    let runs = format!(
+        "Perch runs these architectures: {}",
+        perch_engine::models::supported_architectures().join(", ")
     );
+    assert!(stderr.contains(&runs), "{stderr}");
 
     let pulled = perch_with_env(&["pull", REPO], &env);
     let snapshot = PathBuf::from(stdout(&pulled).trim());

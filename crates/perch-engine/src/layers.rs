@@ -503,7 +503,7 @@ impl RmsNorm {
 
 /// Rotary position embedding (Su et al. 2021) over the first `dims` features of each head, in the
 /// non-interleaved layout unless `traditional`. `freqs` replaces `base` for scaled variants
-/// (Llama 3's `rope_scaling`, see [`llama3_frequencies`]).
+/// (Llama 3's `rope_scaling`, see [`llama3_frequencies`]; LongRoPE, see [`Rope::su_scaled`]).
 #[derive(Clone)]
 pub struct Rope {
     pub dims: i32,
@@ -511,6 +511,9 @@ pub struct Rope {
     pub base: f32,
     pub scale: f32,
     pub freqs: Option<Array>,
+    /// LongRoPE's attention factor: the rotated features are multiplied by it first (1 for
+    /// every other variant).
+    pub mscale: f32,
 }
 
 impl Rope {
@@ -528,6 +531,7 @@ impl Rope {
             base,
             scale: 1.0,
             freqs: None,
+            mscale: 1.0,
         };
         let Some(scaling) = scaling.filter(|v| !v.is_null()) else {
             return Ok(rope);
@@ -562,8 +566,65 @@ impl Rope {
         Ok(rope)
     }
 
+    /// LongRoPE ("su" / "longrope" `rope_scaling`, Phi-3.5 and Phi-4-mini) as mlx_lm's
+    /// `SuScaledRoPE` computes it: per-pair periods `long_factor[i] * base^(2i / dims)` (mlx_lm
+    /// uses the long factors at every length; `short_factor` is never read) and the rotated
+    /// features scaled by `long_mscale`, else `sqrt(1 + ln(s) / ln(original))` with
+    /// `s = max_position_embeddings / original_max_position_embeddings` when `s > 1`.
+    /// `long_factor`: one number, or `dims / 2` of them.
+    pub fn su_scaled(
+        dims: i32,
+        base: f32,
+        long_factor: &[f32],
+        max_position_embeddings: f64,
+        original_max_position_embeddings: f64,
+        long_mscale: Option<f64>,
+    ) -> std::result::Result<Self, String> {
+        let pairs = dims / 2;
+        if long_factor.len() != 1 && long_factor.len() as i32 != pairs {
+            return Err(format!(
+                "rope_scaling `long_factor` has {} values; RoPE over {dims} features needs {pairs}",
+                long_factor.len()
+            ));
+        }
+        if !(original_max_position_embeddings > 1.0 && max_position_embeddings > 0.0) {
+            return Err(
+                "`original_max_position_embeddings` must be above 1 and `max_position_embeddings` \
+                 above 0"
+                    .into(),
+            );
+        }
+        let freqs = (|| -> Result<Array> {
+            let exponents = ops::divide(
+                &ops::arange::<_, f32>(0, dims, 2)?,
+                Array::from_f32(dims as f32),
+            )?;
+            let periods = ops::power(Array::from_f32(base), &exponents)?;
+            let factors = Array::from_slice(long_factor, &[long_factor.len() as i32]);
+            let freqs = ops::multiply(&factors, &periods)?;
+            freqs.eval()?;
+            Ok(freqs)
+        })()
+        .map_err(|e| e.to_string())?;
+        let factor = max_position_embeddings / original_max_position_embeddings;
+        let mscale = long_mscale.unwrap_or(if factor <= 1.0 {
+            1.0
+        } else {
+            (1.0 + factor.ln() / original_max_position_embeddings.ln()).sqrt()
+        });
+        Ok(Rope {
+            dims,
+            traditional: false,
+            base,
+            scale: 1.0,
+            freqs: Some(freqs),
+            mscale: mscale as f32,
+        })
+    }
+
     /// `x` `[batch, heads, seq, head_dim]`, positions starting at `offset`.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
+        let x = &self.pre_scale(x)?;
         Ok(fast::rope(
             x,
             self.dims,
@@ -577,6 +638,27 @@ impl Rope {
 }
 
 impl Rope {
+    /// `x` with its first `dims` features multiplied by `mscale` (a copy of the handle when
+    /// that is 1).
+    fn pre_scale(&self, x: &Array) -> Result<Array> {
+        if self.mscale == 1.0 {
+            return Ok(x.clone());
+        }
+        let mscale = Array::from_f32(self.mscale).as_dtype(x.dtype())?;
+        let shape = x.shape().to_vec();
+        let last = shape.len() - 1;
+        if self.dims >= shape[last] {
+            return Ok(ops::multiply(x, &mscale)?);
+        }
+        let mut start = vec![0; shape.len()];
+        let mut end = shape.clone();
+        end[last] = self.dims;
+        let rotated = ops::multiply(&crate::mlx_ext::slice(x, &start, &end)?, &mscale)?;
+        start[last] = self.dims;
+        let rest = crate::mlx_ext::slice(x, &start, &shape)?;
+        Ok(ops::concatenate(&[rotated, rest], last as i32)?)
+    }
+
     /// MLX's `base` argument: none when `freqs` replaces it.
     fn mlx_base(&self) -> Option<f32> {
         self.freqs.is_none().then_some(self.base)
@@ -585,6 +667,7 @@ impl Rope {
     /// `x` `[batch, heads, seq, head_dim]`, row `b`'s positions starting at `offsets[b]`
     /// (`offsets` `[batch]` int32).
     pub fn forward_at(&self, x: &Array, offsets: &Array) -> Result<Array> {
+        let x = &self.pre_scale(x)?;
         Ok(fast::rope_dynamic(
             x,
             self.dims,
@@ -697,6 +780,43 @@ impl Mlp {
         intermediate: i32,
         bias: bool,
     ) -> Result<Self> {
+        let fused_path = format!("{path}.gate_up_proj");
+        let gate_up = if weights.contains(&format!("{fused_path}.weight")) {
+            // Stored fused (Phi-3's `gate_up_proj`): the gate's outputs, then the up projection's.
+            GateUp::Fused(Linear::load(
+                weights,
+                quantization,
+                &fused_path,
+                hidden,
+                2 * intermediate,
+                bias,
+            )?)
+        } else {
+            Self::load_gate_up(weights, quantization, path, hidden, intermediate, bias)?
+        };
+        Ok(Self {
+            gate_up,
+            down_proj: Linear::load(
+                weights,
+                quantization,
+                &format!("{path}.down_proj"),
+                intermediate,
+                hidden,
+                bias,
+            )?,
+            activation: Activation::Silu,
+        })
+    }
+
+    /// Separate `gate_proj` and `up_proj` (fused at load where that is enabled).
+    fn load_gate_up(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        path: &str,
+        hidden: i32,
+        intermediate: i32,
+        bias: bool,
+    ) -> Result<GateUp> {
         let gate_proj = Linear::load(
             weights,
             quantization,
@@ -713,21 +833,9 @@ impl Mlp {
             intermediate,
             bias,
         )?;
-        let gate_up = match Linear::fuse_if_enabled([gate_proj, up_proj])? {
+        Ok(match Linear::fuse_if_enabled([gate_proj, up_proj])? {
             Ok(proj) => GateUp::Fused(proj),
             Err([gate_proj, up_proj]) => GateUp::Separate { gate_proj, up_proj },
-        };
-        Ok(Self {
-            gate_up,
-            down_proj: Linear::load(
-                weights,
-                quantization,
-                &format!("{path}.down_proj"),
-                intermediate,
-                hidden,
-                bias,
-            )?,
-            activation: Activation::Silu,
         })
     }
 

@@ -1,7 +1,11 @@
-//! Tiny random Llama (with Llama 3 RoPE scaling), Qwen2, Qwen3, Qwen3.5 (hybrid Gated DeltaNet
-//! and gated attention), Gemma 3 (sliding windows of 8 under an 18-token prompt, text-only and
-//! multimodal layouts) and Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer) models — float32, bfloat16, 4-bit, and 8-bit with a per-layer override —
-//! written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`); Perch's logits must match
+//! Tiny random models written by Python mlx_lm 0.32.2 (`tests/oracle/tiny_models.py`): Llama
+//! (with Llama 3 RoPE scaling), Phi-3 (fused projections, partial LongRoPE), Qwen2, Qwen3,
+//! Qwen3.5 (hybrid Gated DeltaNet and gated attention; dense and mixture-of-experts with a shared
+//! expert), Gemma 3 (sliding windows of 8 under an 18-token prompt, text-only and multimodal
+//! layouts), Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer, Hugging Face's
+//! per-expert and mlx-community's stacked layouts) and SmolLM3 (layers without RoPE) — float32,
+//! bfloat16, 4-bit (MoE routers at 8 bits, as mlx_lm converts them), and 8-bit with a per-layer
+//! override. Perch's logits must match
 //! mlx_lm's within 1e-4 and its greedy ids exactly, through `generate` and through the batch
 //! engine (three prompts at once, inserted at different steps), per sequence and, for models
 //! without recurrent layers, over slot caches too.
@@ -56,6 +60,8 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "gemma3-4bit",
             "gemma3_text",
             "llama3-rope",
+            "phi3",
+            "phi3-4bit",
             "qwen2",
             "qwen2-4bit",
             "qwen2-bf16",
@@ -63,8 +69,12 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "qwen3-8bit-mixed",
             "qwen3_5",
             "qwen3_5-4bit",
+            "qwen3_5_moe",
+            "qwen3_5_moe-4bit",
             "qwen3_moe",
-            "qwen3_moe-4bit"
+            "qwen3_moe-4bit",
+            "smollm3",
+            "smollm3-4bit"
         ]
     );
 

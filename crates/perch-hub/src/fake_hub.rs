@@ -418,7 +418,7 @@ async fn search(State(shared): State<SharedState>, Query(params): Query<SearchPa
                 .is_none_or(|a| r.id.starts_with(&format!("{a}/")))
         })
         .collect();
-    found.sort_by(|a, b| b.downloads.cmp(&a.downloads));
+    found.sort_by_key(|r| std::cmp::Reverse(r.downloads));
     found.truncate(params.limit.unwrap_or(1000));
     let hits: Vec<_> = found
         .iter()

@@ -73,6 +73,8 @@ pub struct BlockStyle {
     pub attention_scale: Option<f32>,
     /// Sliding-window attention on some layers (Gemma 3).
     pub sliding_window: Option<SlidingWindow>,
+    /// Layers that attend without RoPE ("NoPE", SmolLM3's `no_rope_layers` zeros).
+    pub no_rope_layers: Vec<i32>,
 }
 
 /// Layers whose queries see only the last `window` positions (their own included), as mlx_lm's
@@ -255,6 +257,43 @@ impl Attention {
                 })
                 .transpose()
         };
+        let fused_path = format!("{path}.qkv_proj");
+        let qkv = if !c.attn_output_gate && w.contains(&format!("{fused_path}.weight")) {
+            // Stored fused (Phi-3's `qkv_proj`): queries, then keys, then values.
+            Qkv::Fused(Linear::load(
+                w,
+                q,
+                &fused_path,
+                hidden,
+                (c.num_heads + 2 * c.num_kv_heads) * hd,
+                c.qkv_bias,
+            )?)
+        } else {
+            Self::load_qkv(w, q, path, c)?
+        };
+        Ok(Self {
+            qkv,
+            o_proj: Linear::load(
+                w,
+                q,
+                &format!("{path}.o_proj"),
+                c.num_heads * hd,
+                hidden,
+                c.o_bias,
+            )?,
+            q_norm: norm(w, "q_norm")?,
+            k_norm: norm(w, "k_norm")?,
+            num_heads: c.num_heads,
+            num_kv_heads: c.num_kv_heads,
+            scale: c.style.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
+            output_gate: c.attn_output_gate,
+            window,
+        })
+    }
+
+    /// Separate `q_proj`, `k_proj` and `v_proj` (fused at load where that is enabled).
+    fn load_qkv(w: &mut Weights, q: &Quantization, path: &str, c: &DecoderConfig) -> Result<Qkv> {
+        let (hidden, hd) = (c.hidden_size, c.head_dim);
         let gate = if c.attn_output_gate { 2 } else { 1 };
         let q_proj = Linear::load(
             w,
@@ -286,31 +325,13 @@ impl Attention {
         } else {
             Linear::fuse_if_enabled([q_proj, k_proj, v_proj])?
         };
-        let qkv = match fused {
+        Ok(match fused {
             Ok(fused) => Qkv::Fused(fused),
             Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             },
-        };
-        Ok(Self {
-            qkv,
-            o_proj: Linear::load(
-                w,
-                q,
-                &format!("{path}.o_proj"),
-                c.num_heads * hd,
-                hidden,
-                c.o_bias,
-            )?,
-            q_norm: norm(w, "q_norm")?,
-            k_norm: norm(w, "k_norm")?,
-            num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
-            scale: c.style.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
-            output_gate: c.attn_output_gate,
-            window,
         })
     }
 
@@ -396,7 +417,12 @@ impl Attention {
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`. Row `b` of the batch is its own
     /// sequence with its own cache (`caches[b]`, at its own position): projections run batched,
     /// RoPE and attention per sequence, so each row computes exactly what it would alone.
-    fn forward(&self, x: &Array, rope: &Rope, caches: &mut [&mut KvCache]) -> Result<Array> {
+    fn forward(
+        &self,
+        x: &Array,
+        rope: Option<&Rope>,
+        caches: &mut [&mut KvCache],
+    ) -> Result<Array> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
         debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
         let (queries, keys, values, gate) = self.project(x)?;
@@ -435,7 +461,7 @@ impl Attention {
     fn forward_slots(
         &self,
         x: &Array,
-        rope: &Rope,
+        rope: Option<&Rope>,
         slots: &mut SlotKvCache,
         layer: usize,
         step: &SlotStep,
@@ -443,8 +469,13 @@ impl Attention {
     ) -> Result<Array> {
         let (rows, tokens) = (x.shape()[0], x.shape()[1]);
         let (queries, keys, values, gate) = self.project(x)?;
-        let queries = rope.forward_at(&queries, &step.positions)?;
-        let keys = rope.forward_at(&keys, &step.positions)?;
+        let (queries, keys) = match rope {
+            Some(rope) => (
+                rope.forward_at(&queries, &step.positions)?,
+                rope.forward_at(&keys, &step.positions)?,
+            ),
+            None => (queries, keys),
+        };
         let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
         let mask = match (self.window, window_mask) {
             (Some(_), Some(mask)) => mask,
@@ -464,12 +495,14 @@ impl Attention {
         queries: &Array,
         keys: &Array,
         values: &Array,
-        rope: &Rope,
+        rope: Option<&Rope>,
         cache: &mut KvCache,
     ) -> Result<Array> {
         let offset = cache.offset();
-        let queries = rope.forward(queries, offset)?;
-        let keys = rope.forward(keys, offset)?;
+        let (queries, keys) = match rope {
+            Some(rope) => (rope.forward(queries, offset)?, rope.forward(keys, offset)?),
+            None => (queries.clone(), keys.clone()),
+        };
         let seq = queries.shape()[2];
         // One new token attends to everything cached: no mask (as mlx-lm passes None).
         let causal = seq > 1;
@@ -794,7 +827,7 @@ enum Mixer {
 #[derive(Clone)]
 enum FeedForward {
     Dense(Mlp),
-    Sparse(SparseMoe),
+    Sparse(Box<SparseMoe>),
 }
 
 impl FeedForward {
@@ -823,6 +856,8 @@ struct Block {
     sandwich: Option<SandwichNorms>,
     /// Attends within a sliding window (and reads [`Decoder::local_rope`] when there is one).
     sliding: bool,
+    /// Applies RoPE to queries and keys ([`BlockStyle::no_rope_layers`]).
+    rope: bool,
 }
 
 /// The MLP's own norms of a [`BlockStyle::sandwich_norms`] block.
@@ -914,13 +949,15 @@ impl Decoder {
                 None
             };
             let mlp = match &c.moe {
-                Some(moe) if moe.is_sparse_layer(i) => FeedForward::Sparse(SparseMoe::load(
-                    weights,
-                    quantization,
-                    &format!("{p}.mlp"),
-                    c.hidden_size,
-                    moe,
-                )?),
+                Some(moe) if moe.is_sparse_layer(i) => {
+                    FeedForward::Sparse(Box::new(SparseMoe::load(
+                        weights,
+                        quantization,
+                        &format!("{p}.mlp"),
+                        c.hidden_size,
+                        moe,
+                    )?))
+                }
                 _ => FeedForward::Dense(
                     Mlp::load(
                         weights,
@@ -940,6 +977,7 @@ impl Decoder {
                 post_attention_layernorm: norm(weights, &format!("{p}.post_attention_layernorm"))?,
                 sandwich,
                 sliding,
+                rope: !c.style.no_rope_layers.contains(&i),
             });
         }
         let final_norm = norm(weights, &format!("{prefix}model.norm"))?;
@@ -970,6 +1008,7 @@ impl Decoder {
                 base: theta,
                 scale: 1.0,
                 freqs: None,
+                mscale: 1.0,
                 ..rope.clone()
             });
         Ok(Self {
@@ -995,7 +1034,7 @@ impl Decoder {
     fn run(
         &self,
         ids: &Array,
-        mut mix: impl FnMut(usize, &Mixer, &Array, &Rope) -> Result<Array>,
+        mut mix: impl FnMut(usize, &Mixer, &Array, Option<&Rope>) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
         if let Some(scale) = self.embedding_scale {
@@ -1003,8 +1042,9 @@ impl Decoder {
         }
         for (i, layer) in self.layers.iter().enumerate() {
             let rope = match (&self.local_rope, layer.sliding) {
-                (Some(local), true) => local,
-                _ => &self.rope,
+                _ if !layer.rope => None,
+                (Some(local), true) => Some(local),
+                _ => Some(&self.rope),
             };
             let r = mix(i, &layer.mixer, &layer.input_layernorm.forward(&h)?, rope)?;
             h = match &layer.sandwich {

@@ -134,6 +134,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
                 pattern: args.sliding_window_pattern,
                 local_rope_theta: Some(args.rope_local_base_freq),
             }),
+            no_rope_layers: Vec::new(),
         },
         moe: None,
     };

@@ -1,5 +1,6 @@
-//! Llama (1/2/3.x, incl. Llama 3.1's `rope_scaling: llama3`), SmolLM2 and Mistral-style models.
-//! Reference: mlx-lm `models/llama.py`.
+//! Llama (1/2/3.x, incl. Llama 3.1's `rope_scaling: llama3`), SmolLM2, Mistral-style models, and
+//! SmolLM3 (Llama with RoPE left out of every `no_rope_layer_interval`-th layer).
+//! Reference: mlx-lm `models/llama.py`, `models/smollm3.py`.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -38,8 +39,64 @@ fn default_rope_theta() -> f32 {
     10000.0
 }
 
+/// SmolLM3's `config.json`: Llama's fields and which layers use RoPE.
+#[derive(Debug, Deserialize)]
+pub struct SmolLm3Args {
+    #[serde(flatten)]
+    pub llama: LlamaArgs,
+    /// Without `no_rope_layers`: every `no_rope_layer_interval`-th layer has no RoPE.
+    #[serde(default = "default_no_rope_layer_interval")]
+    pub no_rope_layer_interval: i32,
+    /// Per layer, 1 to apply RoPE and 0 not to.
+    pub no_rope_layers: Option<Vec<i32>>,
+}
+
+fn default_no_rope_layer_interval() -> i32 {
+    4
+}
+
 pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
     let args: LlamaArgs = cx.parse()?;
+    load_with(cx, args, Vec::new(), "llama")
+}
+
+pub fn load_smollm3(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+    let args: SmolLm3Args = cx.parse()?;
+    let layers = args.llama.num_hidden_layers;
+    let uses_rope: Vec<i32> = match args.no_rope_layers {
+        Some(flags) => {
+            if flags.len() as i64 != layers as i64 {
+                return Err(cx.error(format!(
+                    "`no_rope_layers` has {} entries for {layers} layers",
+                    flags.len()
+                )));
+            }
+            flags
+        }
+        None => {
+            let interval = args.no_rope_layer_interval;
+            if interval < 1 {
+                return Err(cx.error(format!(
+                    "`no_rope_layer_interval` must be at least 1, got {interval}"
+                )));
+            }
+            (0..layers.max(0))
+                .map(|i| i32::from((i + 1) % interval != 0))
+                .collect()
+        }
+    };
+    let no_rope = (0..layers.max(0))
+        .filter(|&i| uses_rope[i as usize] == 0)
+        .collect();
+    load_with(cx, args.llama, no_rope, "smollm3")
+}
+
+fn load_with(
+    cx: LoadContext<'_>,
+    args: LlamaArgs,
+    no_rope_layers: Vec<i32>,
+    model_type: &str,
+) -> Result<Box<dyn Model>> {
     if args.num_attention_heads <= 0
         || args.hidden_size % args.num_attention_heads != 0 && args.head_dim.is_none()
     {
@@ -66,7 +123,10 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         linear_attention: None,
         weight_prefix: String::new(),
         context_length: args.max_position_embeddings.unwrap_or(4096),
-        style: Default::default(),
+        style: super::decoder::BlockStyle {
+            no_rope_layers,
+            ..Default::default()
+        },
         moe: None,
     };
     config.validate().map_err(|m| cx.error(m))?;
@@ -80,5 +140,5 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         cx.weights
             .discard(&format!("model.layers.{i}.self_attn.rotary_emb.inv_freq"));
     }
-    cx.decoder(config, rope, "llama")
+    cx.decoder(config, rope, model_type)
 }

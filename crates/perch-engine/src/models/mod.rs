@@ -8,6 +8,7 @@ pub mod gated_delta;
 pub mod gemma3;
 pub mod llama;
 pub mod moe;
+pub mod phi3;
 pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_5;
@@ -150,10 +151,13 @@ const ARCHITECTURES: &[(&str, Loader)] = &[
     ("gemma3_text", gemma3::load),
     ("llama", llama::load),
     ("mistral", llama::load),
+    ("phi3", phi3::load),
     ("qwen2", qwen2::load),
     ("qwen3", qwen3::load),
     ("qwen3_5", qwen3_5::load),
+    ("qwen3_5_moe", qwen3_5::load),
     ("qwen3_moe", qwen3_moe::load),
+    ("smollm3", llama::load_smollm3),
 ];
 
 /// The `model_type`s Perch can load.
@@ -425,6 +429,65 @@ mod tests {
         }
     }
 
+    /// A Phi-3.5-mini-shaped config (LongRoPE over 96-feature heads: 48 factors each) and
+    /// Phi-4-mini's shape (GQA, RoPE on 0.75 of 128-feature heads: 48 factors again).
+    fn phi3(changes: Value) -> String {
+        let factors: Vec<f64> = (0..48).map(|i| 1.0 + i as f64 * 0.5).collect();
+        let mut config = serde_json::json!({"architectures": ["Phi3ForCausalLM"],
+            "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32,
+            "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "vocab_size": 32064,
+            "rope_scaling": {"type": "longrope", "long_factor": factors,
+                "short_factor": factors}, "tie_word_embeddings": false});
+        for (key, value) in changes.as_object().unwrap() {
+            config[key] = value.clone();
+        }
+        config.to_string()
+    }
+
+    #[test]
+    fn phi3_configs_are_checked_field_by_field() {
+        assert_eq!(check_config(&phi3(serde_json::json!({}))).unwrap(), "phi3");
+        let phi4_mini = serde_json::json!({"num_attention_heads": 24, "num_key_value_heads": 8,
+            "partial_rotary_factor": 0.75, "vocab_size": 200064, "tie_word_embeddings": true});
+        assert_eq!(check_config(&phi3(phi4_mini)).unwrap(), "phi3");
+        let few: Vec<f64> = vec![1.0; 47];
+        for (text, expected) in [
+            (
+                phi3(serde_json::json!({"rope_scaling": {"type": "longrope", "long_factor": few}})),
+                "`long_factor` has 47 values; RoPE over 96 features needs 48",
+            ),
+            (
+                phi3(serde_json::json!({"rope_scaling": {"long_factor": [1.0]}})),
+                "must contain `long_factor` and `type`",
+            ),
+            (
+                phi3(serde_json::json!({"rope_scaling": {"type": "su", "long_factor": [0.0]}})),
+                "must be positive",
+            ),
+            (
+                phi3(serde_json::json!({"partial_rotary_factor": 0.0})),
+                "`partial_rotary_factor`",
+            ),
+            (
+                phi3(serde_json::json!({"num_attention_heads": 7})),
+                "multiple of `num_attention_heads`",
+            ),
+            (
+                phi3(serde_json::json!({"original_max_position_embeddings": 0})),
+                "`original_max_position_embeddings`",
+            ),
+        ] {
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{text}: {e}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
     /// mlx-community/Qwen3-30B-A3B-4bit's config.json (the router gates kept at 8 bits).
     const QWEN3_30B_A3B: &str = r#"{"architectures": ["Qwen3MoeForCausalLM"],
         "attention_bias": false, "bos_token_id": 151643, "decoder_sparse_step": 1,
@@ -502,6 +565,15 @@ mod tests {
             check_config(&qwen3_5(serde_json::json!({}))).unwrap(),
             "qwen3_5"
         );
+        // The mixture-of-experts variant, nested or (as mlx_lm also reads it) at the top level.
+        let moe = serde_json::json!({"num_experts": 256, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512});
+        let mut nested: Value = serde_json::from_str(&qwen3_5(moe)).unwrap();
+        nested["model_type"] = "qwen3_5_moe".into();
+        assert_eq!(check_config(&nested.to_string()).unwrap(), "qwen3_5_moe");
+        let mut flat = nested["text_config"].clone();
+        flat["model_type"] = "qwen3_5_moe".into();
+        assert_eq!(check_config(&flat.to_string()).unwrap(), "qwen3_5_moe");
         for (text, expected) in [
             (
                 qwen3_5(serde_json::json!({"linear_num_key_heads": 3})),
@@ -517,7 +589,18 @@ mod tests {
             ),
             (
                 qwen3_5(serde_json::json!({"num_experts": 8})),
-                "mixture-of-experts",
+                "`num_experts_per_tok` must be between 1 and 8, got 0",
+            ),
+            (
+                qwen3_5(
+                    serde_json::json!({"num_experts": 8, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32}),
+                ),
+                "`shared_expert_intermediate_size`",
+            ),
+            (
+                qwen3_5(serde_json::json!({"num_experts": "8"})),
+                "num_experts: invalid type",
             ),
             (
                 qwen3_5(serde_json::json!({"rope_parameters": {"partial_rotary_factor": 2.0}})),

@@ -1,6 +1,8 @@
-//! Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`): a
-//! router picks each token's top-k experts, each a SwiGLU MLP, and their outputs are summed with
-//! the router's softmax weights (renormalised over the k when `norm_topk_prob`). The experts'
+//! Sparse mixture-of-experts feed-forward blocks (Qwen3-MoE's `Qwen3MoeSparseMoeBlock`,
+//! Qwen3-Next's and Qwen3.5-MoE's `Qwen3NextSparseMoeBlock`): a router picks each token's top-k
+//! experts, each a SwiGLU MLP, and their outputs are summed with the router's softmax weights
+//! (renormalised over the k when `norm_topk_prob`); Qwen3.5-MoE adds a shared expert every token
+//! goes through, scaled by `sigmoid(shared_expert_gate(x))`. The experts'
 //! weights are stacked per projection, `[experts, out, in]` (mlx-community's `switch_mlp`
 //! layout; Hugging Face's `experts.{e}` tensors are stacked at load, as mlx_lm's `sanitize`
 //! does), and multiplied by MLX's `gather_mm` / `gather_qmm` for the chosen experts only.
@@ -9,7 +11,7 @@
 use mlx_rs::{ops, Array};
 
 use crate::error::Result;
-use crate::layers::{Linear, QuantParams, Quantization};
+use crate::layers::{Linear, Mlp, QuantParams, Quantization};
 use crate::weights::Weights;
 
 /// The sizes of a model's sparse blocks, and which layers have one.
@@ -26,6 +28,9 @@ pub struct MoeConfig {
     /// `mlp_only_layers`; the others keep a dense MLP of the model's `intermediate_size`.
     pub decoder_sparse_step: i32,
     pub mlp_only_layers: Vec<i32>,
+    /// The shared expert's intermediate size (`shared_expert_intermediate_size`), when the
+    /// blocks have one.
+    pub shared_expert_intermediate_size: Option<i32>,
 }
 
 impl MoeConfig {
@@ -42,6 +47,9 @@ impl MoeConfig {
         within("num_experts_per_tok", self.top_k, self.num_experts)?;
         within("moe_intermediate_size", self.intermediate_size, 1 << 20)?;
         within("decoder_sparse_step", self.decoder_sparse_step, 1024)?;
+        if let Some(size) = self.shared_expert_intermediate_size {
+            within("shared_expert_intermediate_size", size, 1 << 20)?;
+        }
         Ok(())
     }
 }
@@ -189,13 +197,22 @@ impl SwitchGlu {
     }
 }
 
-/// A sparse feed-forward block: router, top-k experts, weighted sum.
+/// A sparse feed-forward block: router, top-k experts, weighted sum (plus the gated shared
+/// expert, when there is one).
 #[derive(Clone)]
 pub struct SparseMoe {
     gate: Linear,
     switch_mlp: SwitchGlu,
     top_k: i32,
     norm_topk_prob: bool,
+    shared: Option<SharedExpert>,
+}
+
+/// Qwen3-Next's shared expert: a SwiGLU MLP and its scalar gate `Linear(hidden, 1)`.
+#[derive(Clone)]
+struct SharedExpert {
+    mlp: Mlp,
+    gate: Linear,
 }
 
 impl SparseMoe {
@@ -228,6 +245,27 @@ impl SparseMoe {
             )
         };
         let (h, m) = (hidden, c.intermediate_size);
+        let shared = match c.shared_expert_intermediate_size {
+            Some(size) => Some(SharedExpert {
+                mlp: Mlp::load(
+                    weights,
+                    quantization,
+                    &format!("{path}.shared_expert"),
+                    hidden,
+                    size,
+                    false,
+                )?,
+                gate: Linear::load(
+                    weights,
+                    quantization,
+                    &format!("{path}.shared_expert_gate"),
+                    hidden,
+                    1,
+                    false,
+                )?,
+            }),
+            None => None,
+        };
         Ok(Self {
             gate,
             switch_mlp: SwitchGlu {
@@ -237,6 +275,7 @@ impl SparseMoe {
             },
             top_k: c.top_k,
             norm_topk_prob: c.norm_topk_prob,
+            shared,
         })
     }
 
@@ -244,6 +283,10 @@ impl SparseMoe {
     /// always are).
     pub fn use_mlx_kernels(&mut self) {
         self.gate.use_mlx_kernels();
+        if let Some(shared) = &mut self.shared {
+            shared.mlp.use_mlx_kernels();
+            shared.gate.use_mlx_kernels();
+        }
     }
 
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
@@ -261,8 +304,18 @@ impl SparseMoe {
         }
         let y = self.switch_mlp.forward(x, &indices)?;
         let dtype = y.dtype();
-        Ok(ops::multiply(&y, &scores.expand_dims(-1)?)?
+        let y = ops::multiply(&y, &scores.expand_dims(-1)?)?
             .sum_axis(-2, false)?
-            .as_dtype(dtype)?)
+            .as_dtype(dtype)?;
+        match &self.shared {
+            Some(shared) => {
+                let weight = ops::sigmoid(&shared.gate.forward(x)?)?;
+                Ok(ops::add(
+                    &y,
+                    &ops::multiply(&weight, &shared.mlp.forward(x)?)?,
+                )?)
+            }
+            None => Ok(y),
+        }
     }
 }

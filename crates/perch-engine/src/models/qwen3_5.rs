@@ -3,7 +3,10 @@
 //! projection, RoPE on a `partial_rotary_factor` of each head) and the others Gated DeltaNet
 //! linear attention ([`super::gated_delta`]). Multimodal checkpoints nest the text model's config
 //! in `text_config` and its weights under `language_model.`; their vision tower is left unread.
-//! The mixture-of-experts variant (`qwen3_5_moe`) is not supported yet.
+//! The mixture-of-experts variant (`qwen3_5_moe`, or any config with `num_experts` > 0) has a
+//! sparse block with a shared expert ([`super::moe`]) in every layer; its checkpoints keep the
+//! router and shared-expert gates at 8 bits (mlx_lm's `quant_predicate`, written to the config's
+//! `quantization` as per-layer overrides).
 //! Reference: mlx-lm `models/qwen3_5.py`, `models/qwen3_next.py`.
 
 use serde::Deserialize;
@@ -11,6 +14,7 @@ use serde_json::Value;
 
 use super::decoder::{DecoderConfig, LinearAttention};
 use super::gated_delta::GatedDeltaConfig;
+use super::moe::MoeConfig;
 use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
@@ -21,6 +25,9 @@ use crate::layers::Rope;
 pub struct Qwen35Args {
     pub hidden_size: i32,
     pub num_hidden_layers: i32,
+    /// The dense MLP's size; mixture-of-experts checkpoints, whose layers are all sparse, leave
+    /// it out (mlx_lm's default then).
+    #[serde(default = "default_intermediate_size")]
     pub intermediate_size: i32,
     pub num_attention_heads: i32,
     pub num_key_value_heads: i32,
@@ -46,11 +53,22 @@ pub struct Qwen35Args {
     pub full_attention_interval: i32,
     #[serde(default)]
     pub num_experts: i32,
+    #[serde(default)]
+    pub num_experts_per_tok: i32,
+    #[serde(default)]
+    pub moe_intermediate_size: i32,
+    #[serde(default)]
+    pub shared_expert_intermediate_size: i32,
+    #[serde(default = "super::default_true")]
+    pub norm_topk_prob: bool,
     /// RoPE: `rope_theta` (default 100,000), `partial_rotary_factor` (0.25) and the scaling
     /// type (`type` or `rope_type`); mlx_lm reads these from here, not from top-level fields.
     pub rope_parameters: Option<Value>,
 }
 
+fn default_intermediate_size() -> i32 {
+    14336
+}
 fn default_linear_value_heads() -> i32 {
     64
 }
@@ -72,12 +90,26 @@ fn default_full_attention_interval() -> i32 {
 
 pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
     let text = cx.config.get("text_config").unwrap_or(cx.config);
-    let args = Qwen35Args::deserialize(text).map_err(|e| cx.error(e.to_string()))?;
-    if args.num_experts > 0 {
-        return Err(cx.error(
-            "a mixture-of-experts Qwen3.5 (`num_experts` > 0) is not supported yet".into(),
-        ));
-    }
+    let args: Qwen35Args =
+        serde_path_to_error::deserialize(text).map_err(|e| cx.error(e.to_string()))?;
+    // mlx_lm reads `qwen3_5_moe`'s text model from the top level when there is no
+    // `text_config`, but its weights are still the wrapper's `language_model.`.
+    let model_type = cx
+        .config
+        .get("model_type")
+        .and_then(Value::as_str)
+        .unwrap_or("qwen3_5");
+    let moe_wrapper = model_type == "qwen3_5_moe";
+    // mlx_lm makes every layer sparse when `num_experts` > 0 (`decoder_sparse_step` is not read).
+    let moe = (args.num_experts > 0).then(|| MoeConfig {
+        num_experts: args.num_experts,
+        top_k: args.num_experts_per_tok,
+        intermediate_size: args.moe_intermediate_size,
+        norm_topk_prob: args.norm_topk_prob,
+        decoder_sparse_step: 1,
+        mlp_only_layers: Vec::new(),
+        shared_expert_intermediate_size: Some(args.shared_expert_intermediate_size),
+    });
     let head_dim = match args.head_dim {
         Some(d) => d,
         None if args.num_attention_heads > 0 => args.hidden_size / args.num_attention_heads,
@@ -108,14 +140,14 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
                 conv_kernel: args.linear_conv_kernel_dim,
             },
         }),
-        weight_prefix: if cx.config.get("text_config").is_some() {
+        weight_prefix: if moe_wrapper || cx.config.get("text_config").is_some() {
             "language_model.".into()
         } else {
             String::new()
         },
         context_length: args.max_position_embeddings,
         style: Default::default(),
-        moe: None,
+        moe,
     };
     config.validate().map_err(|m| cx.error(m))?;
     // The vision tower and the multi-token-prediction head are not the text model's (mlx_lm's
@@ -152,5 +184,13 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         false,
         (!rope_parameters.is_null()).then_some(&rope_parameters),
     );
-    cx.decoder(config, rope, "qwen3_5")
+    cx.decoder(
+        config,
+        rope,
+        if moe_wrapper {
+            "qwen3_5_moe"
+        } else {
+            "qwen3_5"
+        },
+    )
 }

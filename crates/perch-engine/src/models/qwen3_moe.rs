@@ -64,6 +64,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
             norm_topk_prob: args.norm_topk_prob,
             decoder_sparse_step: args.decoder_sparse_step,
             mlp_only_layers: args.mlp_only_layers,
+            shared_expert_intermediate_size: None,
         }),
     };
     config.validate().map_err(|m| cx.error(m))?;

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3, gemma3_text, llama, qwen2, qwen3, qwen3_5, qwen3_moe
+from mlx_lm.models import gemma3, gemma3_text, llama, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, smollm3
 
 # mlx_lm 0.32.2's quantized expert layer always passes `global_scale=` to mx.gather_qmm, which MLX
 # 0.32.2 does not take (../shared/notes/oracle-quirks.md): drop the keyword when it is None, which
@@ -98,6 +98,29 @@ QWEN3_MOE = {
     "norm_topk_prob": True,
 }
 
+# Qwen3.5's hybrid layers with a sparse block and a gated shared expert in every layer.
+QWEN3_5_MOE_TEXT = {
+    **QWEN3_5_TEXT,
+    "num_experts": 8,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 96,
+}
+
+# Fused qkv_proj and gate_up_proj; head size 16 with RoPE on 12 of its features (Phi-4-mini's
+# partial_rotary_factor 0.75) and LongRoPE: per-pair long factors, attention factor sqrt(1.5)
+# from max / original positions 512 / 64.
+PHI3 = {
+    **BASE,
+    "model_type": "phi3",
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.75,
+    "original_max_position_embeddings": 64,
+    "rope_scaling": {"type": "longrope", "long_factor": [1.0, 1.5, 2.25, 3.0, 5.5, 8.0],
+                     "short_factor": [1.0, 1.0, 1.1, 1.2, 1.3, 1.4]},
+    "tie_word_embeddings": False,
+}
+
 CASES = {
     "llama3-rope": (llama, {
         **BASE,
@@ -112,6 +135,9 @@ CASES = {
             "original_max_position_embeddings": 64,
         },
     }, None),
+    "phi3": (phi3, PHI3, None),
+    "phi3-4bit": (phi3, {**PHI3, "rope_scaling": None, "partial_rotary_factor": 1.0, "tie_word_embeddings": True},
+                  {"group_size": 32, "bits": 4}),
     "qwen2": (qwen2, {**BASE, "model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True}, None),
     "qwen2-4bit": (qwen2, {**BASE, "model_type": "qwen2", "rope_theta": 1000000.0, "tie_word_embeddings": True},
                    {"group_size": 32, "bits": 4}),
@@ -130,6 +156,18 @@ CASES = {
     "qwen3_moe": (qwen3_moe, QWEN3_MOE, None),
     "qwen3_moe-4bit": (qwen3_moe, {**QWEN3_MOE, "num_experts_per_tok": 2, "norm_topk_prob": False,
                                    "tie_word_embeddings": True}, {"group_size": 32, "bits": 4}),
+    # Nested in text_config, float32; then the text model's fields at the top level (mlx_lm reads
+    # them there too), 4-bit with the router and shared-expert gates at 8 bits as mlx_lm converts it.
+    "qwen3_5_moe": (qwen3_5_moe, {"model_type": "qwen3_5_moe", "text_config": QWEN3_5_MOE_TEXT}, None),
+    "qwen3_5_moe-4bit": (qwen3_5_moe, {**QWEN3_5_MOE_TEXT, "model_type": "qwen3_5_moe", "num_experts_per_tok": 2,
+                                       "norm_topk_prob": False, "tie_word_embeddings": True},
+                         {"group_size": 32, "bits": 4}),
+    # Llama with NoPE layers: every 4th by default (layer 3 of 4), or as listed (layers 1 and 3).
+    "smollm3": (smollm3, {**BASE, "model_type": "smollm3", "num_hidden_layers": 4, "rope_theta": 5000000.0,
+                          "tie_word_embeddings": True}, None),
+    "smollm3-4bit": (smollm3, {**BASE, "model_type": "smollm3", "num_hidden_layers": 4, "rope_theta": 5000000.0,
+                               "tie_word_embeddings": False, "no_rope_layers": [1, 0, 1, 0]},
+                     {"group_size": 32, "bits": 4}),
     # The multimodal layout: text_config (its vocab_size replaced by the top level's, as mlx_lm
     # does), language_model. weights, a vision tower and projector to ignore, no lm_head (tied).
     "gemma3-4bit": (gemma3, {"model_type": "gemma3", "vocab_size": VOCAB,
@@ -181,6 +219,22 @@ def main(out_dir: Path, tokenizer_dir: Path):
                     return True
                 nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate)
                 config["quantization"] = {**quant, "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 4}}
+            elif getattr(model, "quant_predicate", None) is not None:
+                # mlx_lm convert's way: the model's predicate picks per-layer overrides, which the
+                # config lists by path.
+                overrides = {}
+
+                def predicate(path, module_):
+                    if not hasattr(module_, "to_quantized"):
+                        return False
+                    chosen = model.quant_predicate(path, module_)
+                    if isinstance(chosen, dict):
+                        overrides[path] = chosen
+                    return chosen
+
+                nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate)
+                assert overrides, "the model's predicate chose no overrides"
+                config["quantization"] = {**quant, **overrides}
             else:
                 nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"])
                 config["quantization"] = dict(quant)
