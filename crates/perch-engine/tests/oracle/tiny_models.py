@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import gemma3, gemma3_text, llama, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, smollm3
 
 # mlx_lm 0.32.2's quantized expert layer always passes `global_scale=` to mx.gather_qmm, which MLX
-# 0.32.2 does not take (../shared/notes/oracle-quirks.md): drop the keyword when it is None, which
+# 0.32.2 does not take (a known quirk of that pair): drop the keyword when it is None, which
 # leaves the computation as it is.
 _gather_qmm = mx.gather_qmm
 
