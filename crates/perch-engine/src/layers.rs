@@ -624,7 +624,8 @@ impl Rope {
 
     /// `x` `[batch, heads, seq, head_dim]`, positions starting at `offset`.
     pub fn forward(&self, x: &Array, offset: i32) -> Result<Array> {
-        let x = &self.pre_scale(x)?;
+        let scaled = self.pre_scale(x)?;
+        let x = scaled.as_ref().unwrap_or(x);
         Ok(fast::rope(
             x,
             self.dims,
@@ -638,25 +639,25 @@ impl Rope {
 }
 
 impl Rope {
-    /// `x` with its first `dims` features multiplied by `mscale` (a copy of the handle when
-    /// that is 1).
-    fn pre_scale(&self, x: &Array) -> Result<Array> {
+    /// `x` with its first `dims` features multiplied by `mscale`; `None` (nothing built, as
+    /// on every decode step of other variants) when that is 1.
+    fn pre_scale(&self, x: &Array) -> Result<Option<Array>> {
         if self.mscale == 1.0 {
-            return Ok(x.clone());
+            return Ok(None);
         }
         let mscale = Array::from_f32(self.mscale).as_dtype(x.dtype())?;
         let shape = x.shape().to_vec();
         let last = shape.len() - 1;
         if self.dims >= shape[last] {
-            return Ok(ops::multiply(x, &mscale)?);
+            return Ok(Some(ops::multiply(x, &mscale)?));
         }
         let mut start = vec![0; shape.len()];
         let mut end = shape.clone();
         end[last] = self.dims;
-        let rotated = ops::multiply(&crate::mlx_ext::slice(x, &start, &end)?, &mscale)?;
+        let rotated = ops::multiply(&slice(x, &start, &end)?, &mscale)?;
         start[last] = self.dims;
-        let rest = crate::mlx_ext::slice(x, &start, &shape)?;
-        Ok(ops::concatenate(&[rotated, rest], last as i32)?)
+        let rest = slice(x, &start, &shape)?;
+        Ok(Some(ops::concatenate(&[rotated, rest], last as i32)?))
     }
 
     /// MLX's `base` argument: none when `freqs` replaces it.
@@ -667,7 +668,8 @@ impl Rope {
     /// `x` `[batch, heads, seq, head_dim]`, row `b`'s positions starting at `offsets[b]`
     /// (`offsets` `[batch]` int32).
     pub fn forward_at(&self, x: &Array, offsets: &Array) -> Result<Array> {
-        let x = &self.pre_scale(x)?;
+        let scaled = self.pre_scale(x)?;
+        let x = scaled.as_ref().unwrap_or(x);
         Ok(fast::rope_dynamic(
             x,
             self.dims,

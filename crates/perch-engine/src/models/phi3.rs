@@ -109,20 +109,15 @@ fn rope(args: &Phi3Args, dims: i32) -> std::result::Result<Rope, String> {
     };
     match kind {
         "longrope" | "su" => {
-            let factors = |key: &str| -> std::result::Result<Vec<f32>, String> {
-                match scaling.get(key) {
-                    Some(Value::Number(n)) => Ok(vec![n.as_f64().unwrap_or(f64::NAN) as f32]),
-                    Some(Value::Array(values)) => values
-                        .iter()
-                        .map(|v| v.as_f64().map(|f| f as f32))
-                        .collect::<Option<Vec<_>>>()
-                        .ok_or_else(|| format!("rope_scaling `{key}` must hold numbers")),
-                    _ => Err(format!(
-                        "rope_scaling `{key}` must be a number or a list of numbers"
-                    )),
-                }
+            let long_factor: Vec<f32> = match &scaling["long_factor"] {
+                Value::Number(n) => vec![n.as_f64().unwrap_or(f64::NAN) as f32],
+                Value::Array(values) => values
+                    .iter()
+                    .map(|v| v.as_f64().map(|f| f as f32))
+                    .collect::<Option<_>>()
+                    .ok_or("rope_scaling `long_factor` must hold numbers")?,
+                _ => return Err("rope_scaling `long_factor` must be a number or a list".into()),
             };
-            let long_factor = factors("long_factor")?;
             if long_factor.iter().any(|f| !f.is_finite() || *f <= 0.0) {
                 return Err("rope_scaling `long_factor` values must be positive".into());
             }
