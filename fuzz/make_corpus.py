@@ -327,6 +327,30 @@ CONFIGS = {
         "max_position_embeddings": 40960, "vocab_size": 151936,
         "quantization": {"group_size": 64, "bits": 4,
                          "model.layers.0.mlp.gate": {"group_size": 64, "bits": 8}}},
+    # Output norms, query / key norms across heads.
+    "olmo2.json": {
+        "model_type": "olmo2", "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 16,
+        "num_hidden_layers": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-06, "rope_theta": 500000,
+        "max_position_embeddings": 4096, "attention_bias": False, "tie_word_embeddings": False,
+        "vocab_size": 100352, "quantization": {"group_size": 64, "bits": 4}},
+    # YaRN and Llama 4 query scaling in rope_parameters; sliding layers listed by type.
+    "ministral3.json": {
+        "model_type": "ministral3", "hidden_size": 3072, "intermediate_size": 9216, "num_hidden_layers": 4,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-05,
+        "vocab_size": 131072, "max_position_embeddings": 262144, "sliding_window": 4096,
+        "layer_types": ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                            "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}},
+    # The multimodal layout with a Llama text model (Mistral Small 3.1).
+    "mistral3.json": {
+        "model_type": "mistral3",
+        "text_config": {"model_type": "mistral", "hidden_size": 5120, "intermediate_size": 32768,
+                        "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+                        "head_dim": 128, "rms_norm_eps": 1e-05, "vocab_size": 131072, "rope_theta": 1e9,
+                        "max_position_embeddings": 131072},
+        "vision_config": {"model_type": "pixtral"},
+        "quantization": {"group_size": 64, "bits": 4}},
 }
 
 # --- Chat templates: the source, a NUL byte, then the messages as JSON.

@@ -7,7 +7,9 @@ ARCH: qwen3_5 (Qwen3.5-like: hidden 1024, 24 layers of which 18 Gated DeltaNet),
 (Gemma-3-1B-like: hidden 1152, 26 layers, 5 of every 6 with a 512-token sliding window), qwen3_moe
 (a small Qwen3-30B-A3B: hidden 1024, 16 layers of 64 experts, 8 per token) or qwen3_5_moe (the
 Qwen3.5 model above with 64 experts, 8 per token, and a shared expert in every layer) or phi3 (a
-small Phi-4-mini: hidden 1024, 16 layers, RoPE on 0.75 of each head with LongRoPE). Routers
+small Phi-4-mini: hidden 1024, 16 layers, RoPE on 0.75 of each head with LongRoPE) or olmo2 (a small
+OLMo 2: hidden 1024, 16 layers) or ministral3 (a small Ministral 3: hidden 1024, 16 layers, YaRN and Llama
+4 query scaling as the published models set them). Routers
 are kept at 8 bits, as mlx_lm's convert does.
 TOKENIZER_DIR's tokenizer files are copied beside the weights (its vocabulary must have 49,152 tokens, as the
 default model's has). Then: scripts/bench_vs_mlx_lm.py --model OUT_DIR.
@@ -16,7 +18,7 @@ import json, shutil, sys
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import gemma3_text, phi3, qwen3_5, qwen3_5_moe, qwen3_moe
+from mlx_lm.models import gemma3_text, ministral3, olmo2, phi3, qwen3_5, qwen3_5_moe, qwen3_moe
 
 QWEN3_5_TEXT = {
     "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 3584,
@@ -42,6 +44,17 @@ ARCHS = {
         "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6,
         "vocab_size": 49152, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [], **MOE}),
+    "olmo2": (olmo2, {
+        "model_type": "olmo2", "hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 4096,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-6, "vocab_size": 49152,
+        "max_position_embeddings": 4096, "rope_theta": 500000.0, "tie_word_embeddings": False}),
+    "ministral3": (ministral3, {
+        "model_type": "ministral3", "hidden_size": 1024, "num_hidden_layers": 16, "intermediate_size": 3072,
+        "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-5,
+        "vocab_size": 49152, "max_position_embeddings": 262144, "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0,
+                            "original_max_position_embeddings": 16384, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}}),
     "gemma3_text": (gemma3_text, {
         "model_type": "gemma3_text", "hidden_size": 1152, "num_hidden_layers": 26, "intermediate_size": 6912,
         "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "query_pre_attn_scalar": 256,

@@ -511,9 +511,12 @@ pub struct Rope {
     pub base: f32,
     pub scale: f32,
     pub freqs: Option<Array>,
-    /// LongRoPE's attention factor: the rotated features are multiplied by it first (1 for
-    /// every other variant).
+    /// LongRoPE's and YaRN's attention factor: the rotated features are multiplied by it first
+    /// (1 for every other variant).
     pub mscale: f32,
+    /// `[head_dim]` float32: `mscale` on the rotated features, 1 on the others, when only some
+    /// are rotated (see [`Rope::for_head_dim`]); one multiply then replaces slicing them out.
+    pub feature_scale: Option<Array>,
 }
 
 impl Rope {
@@ -532,6 +535,7 @@ impl Rope {
             scale: 1.0,
             freqs: None,
             mscale: 1.0,
+            feature_scale: None,
         };
         let Some(scaling) = scaling.filter(|v| !v.is_null()) else {
             return Ok(rope);
@@ -557,13 +561,134 @@ impl Rope {
                 );
                 rope.freqs = Some(Array::from_slice(&freqs, &[freqs.len() as i32]));
             }
+            "yarn" | "deepseek_yarn" => {
+                let factor = scaling
+                    .get("factor")
+                    .and_then(Value::as_f64)
+                    .ok_or("rope_scaling type `yarn` needs a numeric `factor`")?;
+                return Rope::yarn(
+                    dims,
+                    base,
+                    traditional,
+                    Yarn {
+                        factor,
+                        original_max_position_embeddings: number(
+                            "original_max_position_embeddings",
+                            4096.0,
+                        ),
+                        beta_fast: number("beta_fast", 32.0),
+                        beta_slow: number("beta_slow", 1.0),
+                        mscale: number("mscale", 1.0),
+                        mscale_all_dim: number("mscale_all_dim", 0.0),
+                    },
+                );
+            }
             other => {
                 return Err(format!(
-                    "rope_scaling type `{other}` is not supported (none, linear, llama3)"
+                    "rope_scaling type `{other}` is not supported (none, linear, llama3, yarn)"
                 ))
             }
         }
         Ok(rope)
+    }
+
+    /// YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension of Large Language
+    /// Models") as mlx_lm's `YarnRoPE` computes it: per-pair periods blended between
+    /// `base^(2i / dims)` (pairs that rotate fast, below the correction range) and `factor`
+    /// times that (slow ones, above it) over a linear ramp between the pairs that turn
+    /// `beta_fast` and `beta_slow` times in `original_max_position_embeddings` positions; the
+    /// rotated features are multiplied by `m(factor, mscale) / m(factor, mscale_all_dim)` with
+    /// `m(s, a) = 0.1 a ln(s) + 1` (1 when `s <= 1`).
+    pub fn yarn(
+        dims: i32,
+        base: f32,
+        traditional: bool,
+        yarn: Yarn,
+    ) -> std::result::Result<Self, String> {
+        let Yarn {
+            factor,
+            original_max_position_embeddings: original,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+        } = yarn;
+        let finite = [
+            factor,
+            original,
+            beta_fast,
+            beta_slow,
+            mscale,
+            mscale_all_dim,
+        ]
+        .iter()
+        .all(|v| v.is_finite());
+        if !finite || factor <= 0.0 || original <= 0.0 || beta_fast <= 0.0 || beta_slow <= 0.0 {
+            return Err(
+                "rope_scaling `yarn` needs a positive `factor`, `original_max_position_embeddings`, \
+                 `beta_fast` and `beta_slow`"
+                    .into(),
+            );
+        }
+        if !(base.is_finite() && base > 1.0) {
+            return Err(format!("`rope_theta` must be above 1 for YaRN, got {base}"));
+        }
+        // The pair index at which a feature turns `rotations` times in `original` positions.
+        let correction = |rotations: f64| {
+            dims as f64 * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * (base as f64).ln())
+        };
+        let low = correction(beta_fast).floor().max(0.0);
+        let mut high = correction(beta_slow).ceil().min((dims - 1) as f64);
+        if low == high {
+            high += 0.001;
+        }
+        let m = |scale: f64, a: f64| {
+            if scale <= 1.0 {
+                1.0
+            } else {
+                0.1 * a * scale.ln() + 1.0
+            }
+        };
+        let attention_factor = m(factor, mscale) / m(factor, mscale_all_dim);
+        let freqs = (|| -> Result<Array> {
+            let extra = ops::power(
+                Array::from_f32(base),
+                &ops::divide(
+                    &ops::arange::<_, f32>(0, dims, 2)?,
+                    Array::from_f32(dims as f32),
+                )?,
+            )?;
+            let inter = ops::multiply(&extra, Array::from_f32(factor as f32))?;
+            let ramp = ops::clip(
+                &ops::divide(
+                    &ops::subtract(
+                        &ops::arange::<_, f32>(0, dims / 2, None)?,
+                        Array::from_f32(low as f32),
+                    )?,
+                    Array::from_f32((high - low) as f32),
+                )?,
+                (Array::from_f32(0.0), Array::from_f32(1.0)),
+            )?;
+            let mask = ops::subtract(Array::from_f32(1.0), &ramp)?;
+            let blended = ops::add(
+                &ops::multiply(&inter, &mask)?,
+                &ops::multiply(&extra, &ops::subtract(Array::from_f32(1.0), &mask)?)?,
+            )?;
+            let freqs = ops::divide(&ops::multiply(&inter, &extra)?, &blended)?;
+            freqs.eval()?;
+            Ok(freqs)
+        })()
+        .map_err(|e| e.to_string())?;
+        Ok(Rope {
+            dims,
+            traditional,
+            base,
+            scale: 1.0,
+            freqs: Some(freqs),
+            mscale: attention_factor as f32,
+            feature_scale: None,
+        })
     }
 
     /// LongRoPE ("su" / "longrope" `rope_scaling`, Phi-3.5 and Phi-4-mini) as mlx_lm's
@@ -619,6 +744,7 @@ impl Rope {
             scale: 1.0,
             freqs: Some(freqs),
             mscale: mscale as f32,
+            feature_scale: None,
         })
     }
 
@@ -639,11 +765,35 @@ impl Rope {
 }
 
 impl Rope {
-    /// `x` with its first `dims` features multiplied by `mscale`; `None` (nothing built, as
-    /// on every decode step of other variants) when that is 1.
+    /// This RoPE for heads of `head_dim` features: when it scales only the first `dims` of
+    /// them, the `[head_dim]` vector [`Rope::pre_scale`] multiplies by is built here, once.
+    pub fn for_head_dim(mut self, head_dim: i32) -> Result<Self> {
+        if self.mscale != 1.0 && self.dims < head_dim {
+            let mut scale = vec![self.mscale; self.dims.max(0) as usize];
+            scale.resize(head_dim as usize, 1.0);
+            self.feature_scale = Some(Array::from_slice(&scale, &[head_dim]));
+        }
+        Ok(self)
+    }
+
+    /// `x` with its first `dims` features multiplied by `mscale` (in `x`'s dtype, as mlx_lm's
+    /// `x.at[..., :dims].multiply(mscale)`); `None` (nothing built, as on every decode step of
+    /// other variants) when that is 1.
     fn pre_scale(&self, x: &Array) -> Result<Option<Array>> {
         if self.mscale == 1.0 {
             return Ok(None);
+        }
+        if let Some(scale) = self
+            .feature_scale
+            .as_ref()
+            .filter(|v| x.shape().last() == v.shape().last())
+        {
+            let scale = if scale.dtype() == x.dtype() {
+                scale.clone()
+            } else {
+                scale.as_dtype(x.dtype())?
+            };
+            return Ok(Some(ops::multiply(x, &scale)?));
         }
         let mscale = Array::from_f32(self.mscale).as_dtype(x.dtype())?;
         let shape = x.shape().to_vec();
@@ -680,6 +830,19 @@ impl Rope {
             self.freqs.as_ref(),
         )?)
     }
+}
+
+/// YaRN's `rope_scaling` parameters (see [`Rope::yarn`]), with mlx_lm's defaults: `factor`
+/// required, `original_max_position_embeddings` 4096, `beta_fast` 32, `beta_slow` 1, `mscale`
+/// 1, `mscale_all_dim` 0.
+#[derive(Debug, Clone, Copy)]
+pub struct Yarn {
+    pub factor: f64,
+    pub original_max_position_embeddings: f64,
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
 }
 
 /// Llama 3.1's frequency-dependent RoPE scaling (Meta's `apply_scaling`; mlx-lm `Llama3RoPE`):

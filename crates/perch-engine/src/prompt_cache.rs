@@ -49,7 +49,7 @@ pub const RECURRENT_UNSUPPORTED: &str =
 /// Why a model with sliding-window layers has no prompt caches yet (mlx_lm keeps those layers in
 /// `RotatingKVCache`s, a layout Perch neither writes nor reads yet).
 pub const SLIDING_WINDOW_UNSUPPORTED: &str =
-    "prompt caches of models with sliding-window attention (Gemma 3) are not supported yet";
+    "prompt caches of models with sliding-window layers (Gemma 3, Ministral 3 with `layer_types`) are not supported yet";
 
 /// Why `model` cannot have prompt caches, or `None` when it can.
 pub fn unsupported_reason(model: &dyn Model) -> Option<&'static str> {

@@ -122,6 +122,11 @@ impl SlotStep {
         Ok(ops::logical_and(&self.mask, &seen)?)
     }
 
+    /// `[rows, 1, tokens, 1]` int32: each query's position (where its key is written).
+    pub fn query_positions(&self) -> &Array {
+        &self.index
+    }
+
     /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
     /// write index.
     pub(crate) fn arrays(&self) -> [&Array; 3] {

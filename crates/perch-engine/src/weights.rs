@@ -134,6 +134,24 @@ impl Weights {
         self.tensors.retain(|name, _| !unused(name));
     }
 
+    /// Renames every tensor whose name starts with `from` to start with `to` instead (a
+    /// checkpoint layout that nests the same tensors differently, e.g. Hugging Face's
+    /// `model.language_model.` against mlx-community's `language_model.model.`).
+    pub fn rename_prefix(&mut self, from: &str, to: &str) {
+        let names: Vec<String> = self
+            .tensors
+            .keys()
+            .filter(|name| name.starts_with(from))
+            .cloned()
+            .collect();
+        for name in names {
+            if let Some(tensor) = self.tensors.remove(&name) {
+                self.tensors
+                    .insert(format!("{to}{}", &name[from.len()..]), tensor);
+            }
+        }
+    }
+
     /// Names of tensors nobody took, sorted.
     pub fn remaining(&self) -> Vec<String> {
         let mut names: Vec<String> = self.tensors.keys().cloned().collect();

@@ -3,7 +3,10 @@
 //! Qwen3.5 (hybrid Gated DeltaNet and gated attention; dense and mixture-of-experts with a shared
 //! expert), Gemma 3 (sliding windows of 8 under an 18-token prompt, text-only and multimodal
 //! layouts), Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer, Hugging Face's
-//! per-expert and mlx-community's stacked layouts) and SmolLM3 (layers without RoPE) — float32,
+//! per-expert and mlx-community's stacked layouts), SmolLM3 (layers without RoPE), OLMo 2 (output
+//! norms, query / key norms across heads), Ministral 3 (YaRN, Llama 4 query scaling past 8
+//! positions, sliding layers listed in `layer_types`) and Mistral 3's multimodal layouts (a
+//! Ministral 3 or a Llama text model under `language_model.`) — float32,
 //! bfloat16, 4-bit (MoE routers at 8 bits, as mlx_lm converts them), and 8-bit with a per-layer
 //! override. Perch's logits must match
 //! mlx_lm's within 1e-4 and its greedy ids exactly, through `generate` and through the batch
@@ -60,6 +63,11 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "gemma3-4bit",
             "gemma3_text",
             "llama3-rope",
+            "ministral3",
+            "mistral3-4bit",
+            "mistral3-llama",
+            "olmo2",
+            "olmo2-4bit",
             "phi3",
             "phi3-4bit",
             "qwen2",
@@ -122,7 +130,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         // Prompt caches: refused, before anything is computed or written, where Perch cannot
         // write mlx_lm's layout for the model's layers yet.
         let reason = prompt_cache::unsupported_reason(model.as_ref());
-        let expected_reason = if name.starts_with("gemma3") {
+        let expected_reason = if name.starts_with("gemma3") || name == "ministral3" {
             Some(prompt_cache::SLIDING_WINDOW_UNSUPPORTED)
         } else if name.starts_with("qwen3_5") {
             Some(prompt_cache::RECURRENT_UNSUPPORTED)

@@ -17,8 +17,10 @@ use crate::models::{Model, ModelInfo};
 use crate::slot_cache::{SlotKvCache, SlotStep};
 use crate::weights::Weights;
 
-/// Everything the shared decoder needs, resolved from an architecture's config.
-#[derive(Debug, Clone)]
+/// Everything the shared decoder needs, resolved from an architecture's config. `Default` gives
+/// Llama's choices for every switch and zero for every size (which [`DecoderConfig::validate`]
+/// rejects, naming it), so a loader spells out the sizes and only what differs from Llama.
+#[derive(Debug, Clone, Default)]
 pub struct DecoderConfig {
     pub hidden_size: i32,
     pub intermediate_size: i32,
@@ -75,6 +77,40 @@ pub struct BlockStyle {
     pub sliding_window: Option<SlidingWindow>,
     /// Layers that attend without RoPE ("NoPE", SmolLM3's `no_rope_layers` zeros).
     pub no_rope_layers: Vec<i32>,
+    /// No norm on a sub-layer's input, only on its output: `post_attention_layernorm` on
+    /// attention's, `post_feedforward_layernorm` on the MLP's (OLMo 2).
+    pub output_norms_only: bool,
+    /// The query and key norms span all heads' features (`[heads * head_dim]` weights, OLMo 2),
+    /// not each head's (Qwen3, Gemma 3).
+    pub qk_norm_across_heads: bool,
+    /// Queries scaled by their position after RoPE (Ministral 3's Llama 4 attention scaling).
+    pub query_position_scale: Option<QueryPositionScale>,
+}
+
+/// Llama 4's attention temperature as Ministral 3 applies it (mlx_lm `_get_llama_4_attn_scale`):
+/// the query at position `p` is multiplied by `1 + beta * ln(1 + floor(p / original))`, which is
+/// 1 below `original` positions.
+#[derive(Debug, Clone, Copy)]
+pub struct QueryPositionScale {
+    /// `llama_4_scaling_beta`.
+    pub beta: f32,
+    /// `original_max_position_embeddings`.
+    pub original: f32,
+}
+
+impl QueryPositionScale {
+    /// The scales of queries at `positions` (int32, any shape) → float32 of the same shape.
+    pub fn scales(&self, positions: &Array) -> Result<Array> {
+        let blocks = ops::floor(&ops::divide(
+            &positions.as_dtype(Dtype::Float32)?,
+            Array::from_f32(self.original),
+        )?)?;
+        let log = ops::log(&ops::add(&blocks, Array::from_f32(1.0))?)?;
+        Ok(ops::add(
+            &ops::multiply(&log, Array::from_f32(self.beta))?,
+            Array::from_f32(1.0),
+        )?)
+    }
 }
 
 /// Layers whose queries see only the last `window` positions (their own included), as mlx_lm's
@@ -82,17 +118,29 @@ pub struct BlockStyle {
 #[derive(Debug, Clone)]
 pub struct SlidingWindow {
     pub window: i32,
-    /// Layer `i` slides when `(i + 1) % pattern != 0`: every `pattern`-th layer is global
-    /// (Gemma 3's `sliding_window_pattern`; 1: none slides).
-    pub pattern: i32,
+    /// One flag per layer, true for the sliding ones (see [`SlidingWindow::every_but_nth`];
+    /// Ministral 3 lists them in `layer_types`).
+    pub layers: Vec<bool>,
     /// RoPE base of the sliding layers (Gemma 3's `rope_local_base_freq`, unscaled); `None`:
     /// the global layers' RoPE.
     pub local_rope_theta: Option<f32>,
 }
 
 impl SlidingWindow {
+    /// Flags for `num_layers` layers where every `pattern`-th is global and the others slide
+    /// (Gemma 3's `sliding_window_pattern`; 1: none slides). `pattern` must be at least 1.
+    pub fn every_but_nth(num_layers: i32, pattern: i32) -> Vec<bool> {
+        (0..num_layers.max(0))
+            .map(|i| (i + 1) % pattern.max(1) != 0)
+            .collect()
+    }
+
     pub fn is_sliding_layer(&self, i: i32) -> bool {
-        (i + 1) % self.pattern != 0
+        usize::try_from(i)
+            .ok()
+            .and_then(|i| self.layers.get(i))
+            .copied()
+            .unwrap_or(false)
     }
 }
 
@@ -126,7 +174,7 @@ impl DecoderConfig {
     /// Largest sizes accepted from a config file (well above every published model's: the
     /// largest open models have ~130 layers, 128 heads, head_dim 256, hidden 16k–25k,
     /// vocabularies ~260k).
-    const MAX_LAYERS: i32 = 1024;
+    pub(crate) const MAX_LAYERS: i32 = 1024;
     const MAX_HEADS: i32 = 1024;
     const MAX_HEAD_DIM: i32 = 1024;
     const MAX_HIDDEN: i32 = 1 << 17;
@@ -171,7 +219,13 @@ impl DecoderConfig {
         }
         if let Some(sliding) = &self.style.sliding_window {
             within("sliding_window", sliding.window, Self::MAX_CONTEXT as i32)?;
-            within("sliding_window_pattern", sliding.pattern, Self::MAX_LAYERS)?;
+            if sliding.layers.len() != self.num_layers as usize {
+                return Err(format!(
+                    "the sliding-window layer list has {} entries for {} layers",
+                    sliding.layers.len(),
+                    self.num_layers
+                ));
+            }
             if let Some(theta) = sliding.local_rope_theta {
                 if !(theta.is_finite() && theta > 0.0) {
                     return Err(format!(
@@ -213,6 +267,10 @@ struct Attention {
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// See [`BlockStyle::qk_norm_across_heads`].
+    qk_norm_across_heads: bool,
+    /// See [`BlockStyle::query_position_scale`].
+    query_position_scale: Option<QueryPositionScale>,
     num_heads: i32,
     num_kv_heads: i32,
     scale: f32,
@@ -244,13 +302,14 @@ impl Attention {
         window: Option<i32>,
     ) -> Result<Self> {
         let (hidden, hd) = (c.hidden_size, c.head_dim);
-        let norm = |w: &mut Weights, name: &str| -> Result<Option<RmsNorm>> {
+        let across = c.style.qk_norm_across_heads;
+        let norm = |w: &mut Weights, name: &str, heads: i32| -> Result<Option<RmsNorm>> {
             c.qk_norm
                 .then(|| {
                     RmsNorm::load_with_offset(
                         w,
                         &format!("{path}.{name}"),
-                        hd,
+                        if across { heads * hd } else { hd },
                         c.rms_norm_eps,
                         c.style.norm_unit_offset,
                     )
@@ -281,8 +340,10 @@ impl Attention {
                 hidden,
                 c.o_bias,
             )?,
-            q_norm: norm(w, "q_norm")?,
-            k_norm: norm(w, "k_norm")?,
+            q_norm: norm(w, "q_norm", c.num_heads)?,
+            k_norm: norm(w, "k_norm", c.num_kv_heads)?,
+            qk_norm_across_heads: across,
+            query_position_scale: c.style.query_position_scale,
             num_heads: c.num_heads,
             num_kv_heads: c.num_kv_heads,
             scale: c.style.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
@@ -343,6 +404,11 @@ impl Attention {
         // `[batch, seq, n, head_dim]` → normed, `[batch, n, seq, head_dim]`.
         let heads = |h: Array, norm: &Option<RmsNorm>| -> Result<Array> {
             let h = match norm {
+                Some(norm) if self.qk_norm_across_heads => {
+                    let shape = h.shape().to_vec();
+                    norm.forward(&h.reshape(&[batch, seq, -1])?)?
+                        .reshape(&shape)?
+                }
                 Some(norm) => norm.forward(&h)?,
                 None => h,
             };
@@ -457,7 +523,7 @@ impl Attention {
     /// the sequence in slot `r` from position `step.positions[r]` on → `[rows, tokens, hidden]`.
     /// RoPE, the cache write and attention are one call each for all rows (attention masked
     /// causally from each row's position).
-    /// `window_mask`: [`SlotStep::window_mask`] of this layer's window, for a sliding layer.
+    /// `shared`: what the step's layers share (a sliding layer reads its window mask).
     fn forward_slots(
         &self,
         x: &Array,
@@ -465,7 +531,7 @@ impl Attention {
         slots: &mut SlotKvCache,
         layer: usize,
         step: &SlotStep,
-        window_mask: Option<&Array>,
+        shared: &SharedStepArrays,
     ) -> Result<Array> {
         let (rows, tokens) = (x.shape()[0], x.shape()[1]);
         let (queries, keys, values, gate) = self.project(x)?;
@@ -476,8 +542,12 @@ impl Attention {
             ),
             None => (queries, keys),
         };
+        let queries = match &shared.query_scales {
+            Some(scales) => ops::multiply(&queries, &scales.as_dtype(queries.dtype())?)?,
+            None => queries,
+        };
         let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
-        let mask = match (self.window, window_mask) {
+        let mask = match (self.window, &shared.window_mask) {
             (Some(_), Some(mask)) => mask,
             _ => &step.mask,
         };
@@ -504,6 +574,15 @@ impl Attention {
             None => (queries.clone(), keys.clone()),
         };
         let seq = queries.shape()[2];
+        let queries = match self.query_position_scale {
+            // Below `original` positions every scale is 1 (multiplying by it changes nothing).
+            Some(scale) if (offset + seq) as f32 > scale.original => {
+                let positions = ops::arange::<_, i32>(offset, offset + seq, None)?;
+                let scales = scale.scales(&positions.reshape(&[1, 1, seq, 1])?)?;
+                ops::multiply(&queries, &scales.as_dtype(queries.dtype())?)?
+            }
+            _ => queries,
+        };
         // One new token attends to everything cached: no mask (as mlx-lm passes None).
         let causal = seq > 1;
         let cached = cache.update_and_fetch(&keys, values)?;
@@ -816,6 +895,15 @@ fn lowest(dtype: Dtype) -> Result<Array> {
     Ok(Array::from_f32(value).as_dtype(dtype)?)
 }
 
+/// Arrays of one slot step that every layer reads, built once per step.
+struct SharedStepArrays {
+    /// [`SlotStep::window_mask`] of the model's window, when it has sliding layers.
+    window_mask: Option<Array>,
+    /// [`QueryPositionScale::scales`] of the step's query positions, `[rows, 1, tokens, 1]`,
+    /// when the model scales queries by position.
+    query_scales: Option<Array>,
+}
+
 /// What mixes a block's positions: attention, or a Gated DeltaNet (hybrid models).
 #[derive(Clone)]
 enum Mixer {
@@ -850,7 +938,8 @@ impl FeedForward {
 struct Block {
     mixer: Mixer,
     mlp: FeedForward,
-    input_layernorm: RmsNorm,
+    /// `None` for [`BlockStyle::output_norms_only`].
+    input_layernorm: Option<RmsNorm>,
     /// On the MLP's input, or on attention's output when the block has [`SandwichNorms`].
     post_attention_layernorm: RmsNorm,
     sandwich: Option<SandwichNorms>,
@@ -863,7 +952,8 @@ struct Block {
 /// The MLP's own norms of a [`BlockStyle::sandwich_norms`] block.
 #[derive(Clone)]
 struct SandwichNorms {
-    pre_feedforward_layernorm: RmsNorm,
+    /// `None` for [`BlockStyle::output_norms_only`].
+    pre_feedforward_layernorm: Option<RmsNorm>,
     post_feedforward_layernorm: RmsNorm,
 }
 
@@ -881,6 +971,8 @@ pub struct Decoder {
     window: Option<i32>,
     embedding_scale: Option<f32>,
     clip_float16_residuals: bool,
+    /// See [`BlockStyle::query_position_scale`] (computed once per slot step for all layers).
+    query_position_scale: Option<QueryPositionScale>,
     info: ModelInfo,
 }
 
@@ -894,6 +986,7 @@ impl Decoder {
         model_type: &str,
     ) -> Result<Self> {
         let c = &config;
+        let rope = rope.for_head_dim(c.head_dim)?;
         let prefix = &c.weight_prefix;
         let embed_tokens = Embedding::load(
             weights,
@@ -934,12 +1027,12 @@ impl Decoder {
                     window,
                 )?),
             };
-            let sandwich = if c.style.sandwich_norms {
+            let inputs_normed = !c.style.output_norms_only;
+            let sandwich = if c.style.sandwich_norms || c.style.output_norms_only {
                 Some(SandwichNorms {
-                    pre_feedforward_layernorm: norm(
-                        weights,
-                        &format!("{p}.pre_feedforward_layernorm"),
-                    )?,
+                    pre_feedforward_layernorm: inputs_normed
+                        .then(|| norm(weights, &format!("{p}.pre_feedforward_layernorm")))
+                        .transpose()?,
                     post_feedforward_layernorm: norm(
                         weights,
                         &format!("{p}.post_feedforward_layernorm"),
@@ -973,7 +1066,9 @@ impl Decoder {
             layers.push(Block {
                 mixer,
                 mlp,
-                input_layernorm: norm(weights, &format!("{p}.input_layernorm"))?,
+                input_layernorm: inputs_normed
+                    .then(|| norm(weights, &format!("{p}.input_layernorm")))
+                    .transpose()?,
                 post_attention_layernorm: norm(weights, &format!("{p}.post_attention_layernorm"))?,
                 sandwich,
                 sliding,
@@ -1009,6 +1104,7 @@ impl Decoder {
                 scale: 1.0,
                 freqs: None,
                 mscale: 1.0,
+                feature_scale: None,
                 ..rope.clone()
             });
         Ok(Self {
@@ -1023,6 +1119,7 @@ impl Decoder {
                 .map(|s| s.window),
             embedding_scale: c.style.embedding_scale,
             clip_float16_residuals: c.style.clip_float16_residuals,
+            query_position_scale: c.style.query_position_scale,
             info,
         })
     }
@@ -1046,7 +1143,11 @@ impl Decoder {
                 (Some(local), true) => Some(local),
                 _ => Some(&self.rope),
             };
-            let r = mix(i, &layer.mixer, &layer.input_layernorm.forward(&h)?, rope)?;
+            let x = match &layer.input_layernorm {
+                Some(norm) => norm.forward(&h)?,
+                None => h.clone(),
+            };
+            let r = mix(i, &layer.mixer, &x, rope)?;
             h = match &layer.sandwich {
                 None => {
                     let h2 = ops::add(&h, &r)?;
@@ -1057,9 +1158,10 @@ impl Decoder {
                 }
                 Some(norms) => {
                     let h2 = self.residual(&h, &layer.post_attention_layernorm.forward(&r)?)?;
-                    let r = layer
-                        .mlp
-                        .forward(&norms.pre_feedforward_layernorm.forward(&h2)?)?;
+                    let r = match &norms.pre_feedforward_layernorm {
+                        Some(norm) => layer.mlp.forward(&norm.forward(&h2)?)?,
+                        None => layer.mlp.forward(&h2)?,
+                    };
                     self.residual(&h2, &norms.post_feedforward_layernorm.forward(&r)?)?
                 }
             };
@@ -1107,11 +1209,15 @@ impl Model for Decoder {
         slots: &mut SlotKvCache,
         step: &SlotStep,
     ) -> Result<Array> {
-        let window_mask = self.window.map(|w| step.window_mask(w)).transpose()?;
+        let shared = SharedStepArrays {
+            window_mask: self.window.map(|w| step.window_mask(w)).transpose()?,
+            query_scales: self
+                .query_position_scale
+                .map(|scale| scale.scales(step.query_positions()))
+                .transpose()?,
+        };
         self.run(ids, |i, mixer, x, rope| match mixer {
-            Mixer::Attention(attn) => {
-                attn.forward_slots(x, rope, slots, i, step, window_mask.as_ref())
-            }
+            Mixer::Attention(attn) => attn.forward_slots(x, rope, slots, i, step, &shared),
             Mixer::Linear(_) => Err(mlx_rs::error::Exception::from(
                 "linear-attention layers do not run over slot caches yet",
             )

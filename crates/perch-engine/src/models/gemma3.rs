@@ -11,7 +11,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::decoder::{BlockStyle, DecoderConfig, SlidingWindow};
+use super::decoder::{within, BlockStyle, DecoderConfig, SlidingWindow};
 use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::{Activation, Rope};
@@ -98,6 +98,20 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
             "`query_pre_attn_scalar` must be a positive number, got {scalar}"
         )));
     }
+    // Before the per-layer flags are built from them.
+    within(
+        "num_hidden_layers",
+        args.num_hidden_layers,
+        DecoderConfig::MAX_LAYERS,
+    )
+    .and_then(|()| {
+        within(
+            "sliding_window_pattern",
+            args.sliding_window_pattern,
+            DecoderConfig::MAX_LAYERS,
+        )
+    })
+    .map_err(|m| cx.error(m))?;
     let prefix = if nested { "language_model." } else { "" };
     // mlx_lm's `mx.array(hidden_size**0.5, mx.bfloat16)`: the scale as bfloat16 holds it.
     let embedding_scale = mlx_rs::Array::from_f32((args.hidden_size.max(0) as f32).sqrt())
@@ -114,12 +128,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         vocab_size: args.vocab_size,
         rms_norm_eps: args.rms_norm_eps,
         tie_word_embeddings: !cx.weights.contains(&format!("{prefix}lm_head.weight")),
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
         qk_norm: true,
-        attn_output_gate: false,
-        linear_attention: None,
         weight_prefix: prefix.into(),
         context_length: args.max_position_embeddings,
         style: BlockStyle {
@@ -131,12 +140,15 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
             attention_scale: Some(scalar.powf(-0.5)),
             sliding_window: Some(SlidingWindow {
                 window: args.sliding_window,
-                pattern: args.sliding_window_pattern,
+                layers: SlidingWindow::every_but_nth(
+                    args.num_hidden_layers,
+                    args.sliding_window_pattern,
+                ),
                 local_rope_theta: Some(args.rope_local_base_freq),
             }),
-            no_rope_layers: Vec::new(),
+            ..Default::default()
         },
-        moe: None,
+        ..Default::default()
     };
     config.validate().map_err(|m| cx.error(m))?;
     if nested {

@@ -1,6 +1,7 @@
-//! Llama (1/2/3.x, incl. Llama 3.1's `rope_scaling: llama3`), SmolLM2, Mistral-style models, and
-//! SmolLM3 (Llama with RoPE left out of every `no_rope_layer_interval`-th layer).
-//! Reference: mlx-lm `models/llama.py`, `models/smollm3.py`.
+//! Llama (1/2/3.x, incl. Llama 3.1's `rope_scaling: llama3`), SmolLM2, Mistral-style models,
+//! SmolLM3 (Llama with RoPE left out of every `no_rope_layer_interval`-th layer) and OLMo 2
+//! (Llama with output norms and query / key norms).
+//! Reference: mlx-lm `models/llama.py`, `models/smollm3.py`, `models/olmo2.py`.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -91,54 +92,93 @@ pub fn load_smollm3(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
     load_with(cx, args.llama, no_rope, "smollm3")
 }
 
-fn load_with(
-    cx: LoadContext<'_>,
-    args: LlamaArgs,
-    no_rope_layers: Vec<i32>,
-    model_type: &str,
-) -> Result<Box<dyn Model>> {
+/// Llama's decoder config for `args` (not yet validated), nested under `weight_prefix`.
+fn decoder_config(
+    cx: &LoadContext<'_>,
+    args: &LlamaArgs,
+    weight_prefix: &str,
+) -> Result<DecoderConfig> {
     if args.num_attention_heads <= 0
         || args.hidden_size % args.num_attention_heads != 0 && args.head_dim.is_none()
     {
         return Err(cx.error("`hidden_size` must be a multiple of `num_attention_heads`".into()));
     }
-    let head_dim = args
-        .head_dim
-        .unwrap_or(args.hidden_size / args.num_attention_heads);
-    let config = DecoderConfig {
+    Ok(DecoderConfig {
         hidden_size: args.hidden_size,
         intermediate_size: args.intermediate_size,
         num_layers: args.num_hidden_layers,
         num_heads: args.num_attention_heads,
         num_kv_heads: args.num_key_value_heads.unwrap_or(args.num_attention_heads),
-        head_dim,
+        head_dim: args
+            .head_dim
+            .unwrap_or(args.hidden_size / args.num_attention_heads),
         vocab_size: args.vocab_size,
         rms_norm_eps: args.rms_norm_eps,
         tie_word_embeddings: args.tie_word_embeddings,
         qkv_bias: args.attention_bias,
         o_bias: args.attention_bias,
         mlp_bias: args.mlp_bias,
-        qk_norm: false,
-        attn_output_gate: false,
-        linear_attention: None,
-        weight_prefix: String::new(),
+        weight_prefix: weight_prefix.into(),
         context_length: args.max_position_embeddings.unwrap_or(4096),
-        style: super::decoder::BlockStyle {
-            no_rope_layers,
-            ..Default::default()
-        },
-        moe: None,
-    };
+        ..Default::default()
+    })
+}
+
+fn load_with(
+    cx: LoadContext<'_>,
+    args: LlamaArgs,
+    no_rope_layers: Vec<i32>,
+    model_type: &str,
+) -> Result<Box<dyn Model>> {
+    let mut config = decoder_config(&cx, &args, "")?;
+    config.style.no_rope_layers = no_rope_layers;
+    finish(cx, config, &args, model_type)
+}
+
+/// Validates `config`, builds `args`' RoPE and the decoder.
+fn finish(
+    cx: LoadContext<'_>,
+    config: DecoderConfig,
+    args: &LlamaArgs,
+    model_type: &str,
+) -> Result<Box<dyn Model>> {
     config.validate().map_err(|m| cx.error(m))?;
     let rope = Rope::new(
-        head_dim,
+        config.head_dim,
         args.rope_theta,
         args.rope_traditional,
         args.rope_scaling.as_ref(),
     );
+    let prefix = &config.weight_prefix;
     for i in 0..args.num_hidden_layers {
-        cx.weights
-            .discard(&format!("model.layers.{i}.self_attn.rotary_emb.inv_freq"));
+        cx.weights.discard(&format!(
+            "{prefix}model.layers.{i}.self_attn.rotary_emb.inv_freq"
+        ));
     }
     cx.decoder(config, rope, model_type)
+}
+
+/// OLMo 2 (`olmo2`): Llama's config and layers with the norms moved to each sub-layer's output
+/// (no input norms) and query / key RMSNorms over all heads' features before RoPE.
+/// Reference: mlx-lm `models/olmo2.py`.
+pub fn load_olmo2(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+    let args: LlamaArgs = cx.parse()?;
+    let mut config = decoder_config(&cx, &args, "")?;
+    config.qk_norm = true;
+    config.style.qk_norm_across_heads = true;
+    config.style.output_norms_only = true;
+    finish(cx, config, &args, "olmo2")
+}
+
+/// A multimodal Mistral 3 checkpoint's text model when it is Llama's (Mistral Small 3.1 / 3.2:
+/// `text_config.model_type` `mistral`), its weights under `weight_prefix`.
+pub(super) fn load_nested(
+    cx: LoadContext<'_>,
+    text_config: &Value,
+    weight_prefix: &str,
+    model_type: &str,
+) -> Result<Box<dyn Model>> {
+    let args: LlamaArgs = cx.parse_value(text_config, "text_config")?;
+    let config = decoder_config(&cx, &args, weight_prefix)?;
+    finish(cx, config, &args, model_type)
 }

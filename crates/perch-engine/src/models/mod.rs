@@ -7,6 +7,7 @@ pub mod decoder;
 pub mod gated_delta;
 pub mod gemma3;
 pub mod llama;
+pub mod ministral3;
 pub mod moe;
 pub mod phi3;
 pub mod qwen2;
@@ -117,6 +118,12 @@ impl LoadContext<'_> {
         serde_path_to_error::deserialize(self.config).map_err(|e| self.error(e.to_string()))
     }
 
+    /// Deserializes a part of the config (`name`, e.g. `text_config`), naming the file and the
+    /// field on error.
+    pub fn parse_value<T: DeserializeOwned>(&self, value: &Value, name: &str) -> Result<T> {
+        serde_path_to_error::deserialize(value).map_err(|e| self.error(format!("{name}: {e}")))
+    }
+
     pub fn error(&self, message: String) -> EngineError {
         EngineError::Config {
             path: self.config_path.to_path_buf(),
@@ -150,7 +157,10 @@ const ARCHITECTURES: &[(&str, Loader)] = &[
     ("gemma3", gemma3::load),
     ("gemma3_text", gemma3::load),
     ("llama", llama::load),
+    ("ministral3", ministral3::load),
     ("mistral", llama::load),
+    ("mistral3", ministral3::load_mistral3),
+    ("olmo2", llama::load_olmo2),
     ("phi3", phi3::load),
     ("qwen2", qwen2::load),
     ("qwen3", qwen3::load),
@@ -337,8 +347,12 @@ mod tests {
                 "bits=7",
             ),
             (
+                with("rope_scaling", serde_json::json!({"type": "dynamic"})),
+                "rope_scaling type `dynamic` is not supported",
+            ),
+            (
                 with("rope_scaling", serde_json::json!({"type": "yarn"})),
-                "rope_scaling type `yarn`",
+                "`yarn` needs a numeric `factor`",
             ),
         ] {
             match check_config(&text) {
@@ -408,8 +422,11 @@ mod tests {
             ),
             (text("hidden_size", 0.into()), "`hidden_size`"),
             (
-                text("rope_scaling", serde_json::json!({"rope_type": "yarn"})),
-                "rope_scaling type `yarn`",
+                text(
+                    "rope_scaling",
+                    serde_json::json!({"rope_type": "yarn", "factor": -2.0}),
+                ),
+                "`yarn` needs a positive `factor`",
             ),
             (
                 nested("num_key_value_heads", 3.into()),
@@ -609,6 +626,118 @@ mod tests {
             (
                 qwen3_5(serde_json::json!({"head_dim": 6})),
                 "RoPE covers 1 features",
+            ),
+        ] {
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{text}: {e}")
+                }
+                other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
+    /// Shaped like allenai/OLMo-2-0425-1B's config.json (fields abridged).
+    const OLMO2_1B: &str = r#"{"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2",
+        "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 16, "num_key_value_heads": 16, "rms_norm_eps": 1e-6,
+        "rope_theta": 500000, "rope_scaling": null, "max_position_embeddings": 4096,
+        "attention_bias": false, "tie_word_embeddings": false, "vocab_size": 100352}"#;
+
+    /// Shaped like mistralai/Ministral-3-3B-Instruct-2512's config.json: the text model nested
+    /// in `text_config`, YaRN and Llama 4 scaling in `rope_parameters`, a vision tower's config.
+    const MINISTRAL3_3B: &str = r#"{"architectures": ["Mistral3ForConditionalGeneration"],
+        "model_type": "mistral3", "image_token_index": 10,
+        "text_config": {"model_type": "ministral3", "hidden_size": 3072,
+            "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-5,
+            "vocab_size": 131072, "max_position_embeddings": 262144, "sliding_window": null,
+            "tie_word_embeddings": true,
+            "rope_parameters": {"rope_type": "yarn", "type": "yarn", "rope_theta": 1000000.0,
+                "factor": 16.0, "original_max_position_embeddings": 16384, "beta_fast": 32.0,
+                "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.1}},
+        "vision_config": {"model_type": "pixtral", "hidden_size": 1024}}"#;
+
+    #[test]
+    fn olmo2_and_mistral3_configs_are_checked() {
+        assert_eq!(check_config(OLMO2_1B).unwrap(), "olmo2");
+        assert_eq!(check_config(MINISTRAL3_3B).unwrap(), "mistral3");
+        let ministral: Value = serde_json::from_str(MINISTRAL3_3B).unwrap();
+        // The text model alone, as `ministral3`.
+        assert_eq!(
+            check_config(&ministral["text_config"].to_string()).unwrap(),
+            "ministral3"
+        );
+        // Mistral Small 3.1's layout: a Llama (`mistral`) text model.
+        let small = serde_json::json!({"model_type": "mistral3", "text_config": {
+            "model_type": "mistral", "hidden_size": 5120, "intermediate_size": 32768,
+            "num_hidden_layers": 40, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "rms_norm_eps": 1e-5, "vocab_size": 131072,
+            "rope_theta": 1e9, "max_position_embeddings": 131072}});
+        assert_eq!(check_config(&small.to_string()).unwrap(), "mistral3");
+        let text = |key: &str, value: Value| {
+            let mut config = ministral.clone();
+            config["text_config"][key] = value;
+            config.to_string()
+        };
+        let rope = |key: &str, value: Value| {
+            let mut config = ministral.clone();
+            config["text_config"]["rope_parameters"][key] = value;
+            config.to_string()
+        };
+        let layers = |types: Value, window: Value| {
+            let mut config = ministral.clone();
+            config["text_config"]["num_hidden_layers"] = 2.into();
+            config["text_config"]["layer_types"] = types;
+            config["text_config"]["sliding_window"] = window;
+            config.to_string()
+        };
+        for (text, expected) in [
+            (
+                serde_json::json!({"model_type": "mistral3"}).to_string(),
+                "`text_config` must be an object",
+            ),
+            (text("model_type", "mistral4".into()), "`mistral4`"),
+            (
+                text("hidden_size", "3072".into()),
+                "text_config: hidden_size",
+            ),
+            (
+                rope("llama_4_scaling_beta", Value::Null),
+                "`llama_4_scaling_beta`",
+            ),
+            (
+                rope("factor", Value::Null),
+                "`yarn` needs a numeric `factor`",
+            ),
+            (rope("type", "dynamic".into()), "`dynamic` is not supported"),
+            (
+                rope("original_max_position_embeddings", 0.into()),
+                "`original_max_position_embeddings` of at least 1",
+            ),
+            (
+                layers(serde_json::json!(["full_attention", "chunked"]), 8.into()),
+                "`layer_types` lists `chunked`",
+            ),
+            (
+                layers(
+                    serde_json::json!(["full_attention", "sliding_attention"]),
+                    Value::Null,
+                ),
+                "need a `sliding_window`",
+            ),
+            (
+                layers(serde_json::json!(["sliding_attention"]), 8.into()),
+                "sliding-window layer list has 1 entries for 2 layers",
+            ),
+            (
+                {
+                    let mut olmo: Value = serde_json::from_str(OLMO2_1B).unwrap();
+                    olmo["num_key_value_heads"] = 3.into();
+                    olmo.to_string()
+                },
+                "multiple of `num_key_value_heads`",
             ),
         ] {
             match check_config(&text) {

@@ -38,16 +38,9 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         vocab_size: args.vocab_size,
         rms_norm_eps: args.rms_norm_eps,
         tie_word_embeddings: args.tie_word_embeddings,
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
         qk_norm: true,
-        attn_output_gate: false,
-        linear_attention: None,
-        weight_prefix: String::new(),
         context_length: args.max_position_embeddings,
-        style: Default::default(),
-        moe: None,
+        ..Default::default()
     };
     config.validate().map_err(|m| cx.error(m))?;
     let rope = Rope::new(

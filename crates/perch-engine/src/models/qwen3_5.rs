@@ -127,7 +127,6 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         tie_word_embeddings: args.tie_word_embeddings,
         qkv_bias: args.attention_bias,
         o_bias: args.attention_bias,
-        mlp_bias: false,
         qk_norm: true,
         attn_output_gate: true,
         linear_attention: Some(LinearAttention {
@@ -146,8 +145,8 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
             String::new()
         },
         context_length: args.max_position_embeddings,
-        style: Default::default(),
         moe,
+        ..Default::default()
     };
     config.validate().map_err(|m| cx.error(m))?;
     // The vision tower and the multi-token-prediction head are not the text model's (mlx_lm's

@@ -48,15 +48,8 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         vocab_size: args.vocab_size,
         rms_norm_eps: args.rms_norm_eps,
         tie_word_embeddings: args.tie_word_embeddings,
-        qkv_bias: false,
-        o_bias: false,
-        mlp_bias: false,
         qk_norm: true,
-        attn_output_gate: false,
-        linear_attention: None,
-        weight_prefix: String::new(),
         context_length: args.max_position_embeddings,
-        style: Default::default(),
         moe: Some(MoeConfig {
             num_experts: args.num_experts,
             top_k: args.num_experts_per_tok,
@@ -66,6 +59,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
             mlp_only_layers: args.mlp_only_layers,
             shared_expert_intermediate_size: None,
         }),
+        ..Default::default()
     };
     config.validate().map_err(|m| cx.error(m))?;
     // mlx_lm's rope for this model is plain `nn.RoPE(head_dim, base=rope_theta)`: it ignores

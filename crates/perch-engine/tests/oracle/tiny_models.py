@@ -18,7 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3, gemma3_text, llama, phi3, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, smollm3
+from mlx_lm.models import (gemma3, gemma3_text, llama, ministral3, mistral3, olmo2, phi3, qwen2, qwen3, qwen3_5,
+                           qwen3_5_moe, qwen3_moe, smollm3)
 
 # mlx_lm 0.32.2's quantized expert layer always passes `global_scale=` to mx.gather_qmm, which MLX
 # 0.32.2 does not take (a known quirk of that pair): drop the keyword when it is None, which
@@ -121,6 +122,23 @@ PHI3 = {
     "tie_word_embeddings": False,
 }
 
+# Head size 32 with YaRN over RoPE base 10 and 8 original positions (pairs 0-2 blend between
+# extrapolated and interpolated periods, attention factor 1 + 0.1 ln 4), and Llama 4's query scale
+# crossing its 8-position steps four times in the 18-token prompt and 16 generated tokens; layers
+# 1 and 3 slide over 8 positions.
+MINISTRAL3 = {
+    **BASE,
+    "model_type": "ministral3",
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "yarn", "rope_theta": 10.0, "factor": 4.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                        "original_max_position_embeddings": 8, "llama_4_scaling_beta": 0.5},
+    "layer_types": ["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    "sliding_window": 8,
+}
+
 CASES = {
     "llama3-rope": (llama, {
         **BASE,
@@ -168,6 +186,17 @@ CASES = {
     "smollm3-4bit": (smollm3, {**BASE, "model_type": "smollm3", "num_hidden_layers": 4, "rope_theta": 5000000.0,
                                "tie_word_embeddings": False, "no_rope_layers": [1, 0, 1, 0]},
                      {"group_size": 32, "bits": 4}),
+    # Output norms only and query / key norms over all heads; attention biases.
+    "olmo2": (olmo2, {**BASE, "model_type": "olmo2", "rope_theta": 500000.0, "attention_bias": True,
+                      "tie_word_embeddings": False}, None),
+    "olmo2-4bit": (olmo2, {**BASE, "model_type": "olmo2", "rope_theta": 500000.0}, {"group_size": 32, "bits": 4}),
+    "ministral3": (ministral3, MINISTRAL3, None),
+    # Mistral 3's multimodal layouts: a Ministral 3 text model (untied by mistral3's default), and
+    # Mistral Small's Llama text model, each under language_model. beside a vision tower to ignore.
+    "mistral3-4bit": (mistral3, {"model_type": "mistral3", "text_config": {**MINISTRAL3, "layer_types": None}},
+                      {"group_size": 32, "bits": 4}),
+    "mistral3-llama": (mistral3, {"model_type": "mistral3", "text_config": {
+        **BASE, "model_type": "mistral", "head_dim": 32, "rope_theta": 1000000000.0}}, None),
     # The multimodal layout: text_config (its vocab_size replaced by the top level's, as mlx_lm
     # does), language_model. weights, a vision tower and projector to ignore, no lm_head (tied).
     "gemma3-4bit": (gemma3, {"model_type": "gemma3", "vocab_size": VOCAB,
@@ -189,7 +218,7 @@ def main(out_dir: Path, tokenizer_dir: Path):
         mx.random.seed(len(name))
         # A copy: mlx_lm's gemma3 args rewrite text_config in place, and config.json must stay as written.
         model = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config)))
-        if name.startswith("qwen3_5") or name.startswith("gemma3"):
+        if name.startswith(("qwen3_5", "gemma3", "olmo2", "ministral3", "mistral3")):
             # Norm weights and the time-step bias start at constants: make them random, so that a
             # norm applied to the wrong tensor (or not at all) shows in the logits. (Gemma's are
             # offsets from one.)
@@ -243,7 +272,7 @@ def main(out_dir: Path, tokenizer_dir: Path):
         case_dir = out_dir / name
         case_dir.mkdir(parents=True, exist_ok=True)
         tensors = dict(tree_flatten(model.parameters()))
-        if config.get("model_type") == "gemma3":
+        if config.get("model_type") in ("gemma3", "mistral3"):
             tensors.update(VISION_EXTRAS)
         if name == "qwen3_moe":
             # Hugging Face's layout: one tensor per expert (`mlp.experts.{e}.gate_proj.weight`),
