@@ -93,7 +93,7 @@ pub fn load_smollm3(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
 }
 
 /// Llama's decoder config for `args` (not yet validated), nested under `weight_prefix`.
-fn decoder_config(
+pub(super) fn decoder_config(
     cx: &LoadContext<'_>,
     args: &LlamaArgs,
     weight_prefix: &str,

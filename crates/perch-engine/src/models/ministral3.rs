@@ -10,28 +10,21 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::decoder::{DecoderConfig, QueryPositionScale, SlidingWindow};
-use super::{llama, LoadContext, Model};
+use super::decoder::{QueryPositionScale, SlidingWindow};
+use super::llama::{self, LlamaArgs};
+use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
 
-/// Ministral 3's text config; unknown fields are ignored.
+/// Ministral 3's text config: Llama's fields (their RoPE ones unused) and its own; unknown
+/// fields are ignored.
 #[derive(Debug, Deserialize)]
 pub struct Ministral3Args {
-    pub hidden_size: i32,
-    pub num_hidden_layers: i32,
-    pub intermediate_size: i32,
-    pub num_attention_heads: i32,
-    pub rms_norm_eps: f32,
-    pub vocab_size: i32,
-    pub head_dim: Option<i32>,
-    pub max_position_embeddings: Option<usize>,
-    pub num_key_value_heads: Option<i32>,
+    #[serde(flatten)]
+    pub llama: LlamaArgs,
     /// `rope_theta`, the scaling type and its parameters, `llama_4_scaling_beta` and
     /// `original_max_position_embeddings` (all required, as mlx_lm reads them).
     pub rope_parameters: Value,
-    #[serde(default = "super::default_true")]
-    pub tie_word_embeddings: bool,
     /// Per layer, `full_attention` or `sliding_attention`; `None`: all full.
     pub layer_types: Option<Vec<String>>,
     pub sliding_window: Option<i32>,
@@ -91,10 +84,13 @@ fn load_text(
     prefix: &str,
     model_type: &str,
 ) -> Result<Box<dyn Model>> {
-    let args: Ministral3Args = if prefix.is_empty() {
-        cx.parse()?
+    let (llama, args): (LlamaArgs, Ministral3Args) = if prefix.is_empty() {
+        (cx.parse()?, cx.parse()?)
     } else {
-        cx.parse_value(text, "text_config")?
+        (
+            cx.parse_value(text, "text_config")?,
+            cx.parse_value(text, "text_config")?,
+        )
     };
     let rope_parameters = &args.rope_parameters;
     let number = |key: &str| -> Result<f64> {
@@ -112,11 +108,6 @@ fn load_text(
              `original_max_position_embeddings` of at least 1"
                 .into(),
         ));
-    }
-    if args.num_attention_heads <= 0
-        || args.hidden_size % args.num_attention_heads != 0 && args.head_dim.is_none()
-    {
-        return Err(cx.error("`hidden_size` must be a multiple of `num_attention_heads`".into()));
     }
     let sliding_window = match &args.layer_types {
         Some(types) => {
@@ -147,29 +138,20 @@ fn load_text(
         }
         None => None,
     };
-    let head_dim = args
-        .head_dim
-        .unwrap_or(args.hidden_size / args.num_attention_heads);
-    let mut config = DecoderConfig {
-        hidden_size: args.hidden_size,
-        intermediate_size: args.intermediate_size,
-        num_layers: args.num_hidden_layers,
-        num_heads: args.num_attention_heads,
-        num_kv_heads: args.num_key_value_heads.unwrap_or(args.num_attention_heads),
-        head_dim,
-        vocab_size: args.vocab_size,
-        rms_norm_eps: args.rms_norm_eps,
-        tie_word_embeddings: args.tie_word_embeddings,
-        weight_prefix: prefix.into(),
-        context_length: args.max_position_embeddings.unwrap_or(4096),
-        ..Default::default()
-    };
+    // Llama's sizes and block; Ministral 3 has no biases.
+    let mut config = llama::decoder_config(&cx, &llama, prefix)?;
+    (config.qkv_bias, config.o_bias, config.mlp_bias) = (false, false, false);
     config.style.sliding_window = sliding_window;
     config.style.query_position_scale = Some(QueryPositionScale {
         beta: beta as f32,
         original: original as f32,
     });
     config.validate().map_err(|m| cx.error(m))?;
-    let rope = Rope::new(head_dim, rope_theta as f32, false, Some(rope_parameters));
+    let rope = Rope::new(
+        config.head_dim,
+        rope_theta as f32,
+        false,
+        Some(rope_parameters),
+    );
     cx.decoder(config, rope, model_type)
 }
