@@ -29,7 +29,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use mlx_rs::transforms::eval;
+use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{Array, Dtype};
 use serde::Serialize;
 
@@ -601,7 +601,8 @@ impl<'m> BatchGenerator<'m> {
     ) -> Result<Vec<KvCache>> {
         let hit = self.kv.get_computed_blocks(tokens);
         let mut cache = self.make_cache();
-        self.store.load_into(&hit.blocks, &mut cache)?;
+        self.store
+            .load_into(&hit.blocks, &mut cache, self.config.block_size)?;
         for chunk in tokens[hit.num_tokens..].chunks(prefill_step_size.max(1)) {
             self.model.forward(
                 &Array::from_slice(chunk, &[1, chunk.len() as i32]),
@@ -673,7 +674,13 @@ impl<'m> BatchGenerator<'m> {
         for hit in hits {
             let mut seq = self.waiting.pop_front().expect("admitted from the front");
             seq.cache = self.make_cache();
-            self.store.load_into(&hit.blocks, &mut seq.cache)?;
+            if self.config.attention == BatchAttention::PerSequence {
+                // The cached blocks are published already: a sliding layer need not load those
+                // its window cannot reach.
+                allow_release(&mut seq.cache, hit.blocks.len() * block_size);
+            }
+            self.store
+                .load_into(&hit.blocks, &mut seq.cache, block_size)?;
             seq.computed = hit.num_tokens;
             // The partial block after the cached ones, when an earlier sequence left it.
             let tail = match seq.preloaded {
@@ -731,7 +738,7 @@ impl<'m> BatchGenerator<'m> {
             self.times.prefill_passes += 1;
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
-            publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
+            publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
         }
         Ok(())
     }
@@ -791,7 +798,7 @@ impl<'m> BatchGenerator<'m> {
         for (&i, &chunk) in members.iter().zip(&chunks) {
             let seq = &mut self.running[i];
             seq.computed += chunk;
-            publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
+            publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
         }
         Ok(())
     }
@@ -887,6 +894,17 @@ impl<'m> BatchGenerator<'m> {
         self.times.decode_steps += 1;
         self.prompt_throughput.record(first_steps);
         self.read_in_flight(&mut events)?;
+        if self.model.has_sliding_window_layers() {
+            // Decoding sequences in their own caches publish blocks as they fill, so that
+            // sliding layers drop the positions out of their window while the sequence decodes
+            // (the copies run after the step just dispatched; nothing waits for them). Only
+            // tokens already read can be hashed.
+            for seq in &mut self.running {
+                if seq.slot.is_none() && seq.prefill_done() && seq.computed <= seq.tokens.len() {
+                    publish(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
+                }
+            }
+        }
         // Unless every sequence it stepped has just finished.
         if step.ids().any(|id| self.running.iter().any(|s| s.id == id)) {
             self.runner.set_in_flight(step);
@@ -1002,7 +1020,7 @@ impl<'m> BatchGenerator<'m> {
     /// and its cache.
     fn release(&mut self, seq: &mut Sequence) -> Result<()> {
         if !seq.cache.is_empty() || seq.slot.is_some() {
-            publish(&mut self.kv, &mut self.store, &self.runner, seq)?;
+            publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
             // Only next-token-logprobs calls keep their partial block: the next call usually
             // extends them by a token, and the copy (a wait for the device) stays off the path
             // of generating requests.
@@ -1102,13 +1120,26 @@ fn allocate(
     true
 }
 
+/// Lets the sliding-window layers of a sequence's own cache drop the positions before
+/// `published` (those whose blocks were copied out to the prefix cache, or need not be): see
+/// [`KvCache::release_before`].
+fn allow_release(cache: &mut [KvCache], published: usize) {
+    for layer in cache {
+        layer.release_before(published as i32);
+    }
+}
+
 /// Registers the full blocks `seq` has computed since the last call in the prefix cache and
-/// copies the content of those that became cache entries into the store.
+/// copies the content of those that became cache entries into the store. With `wait` false
+/// the copies are dispatched and not waited for (a decode step in flight keeps running).
+/// A sequence computing in its own cache then lets its sliding-window layers drop what was
+/// published ([`allow_release`]).
 fn publish(
     kv: &mut KvCacheManager,
     store: &mut BlockStore,
     runner: &ModelRunner,
     seq: &mut Sequence,
+    wait: bool,
 ) -> Result<()> {
     let full = seq.computed / kv.block_size();
     // An anonymous prefix's placeholder tokens must never be hashed.
@@ -1131,7 +1162,14 @@ fn publish(
         }
     }
     let ids: Vec<BlockId> = entries.iter().map(|&(_, id)| id).collect();
-    eval(store.state(&ids))?;
+    if wait {
+        eval(store.state(&ids))?;
+    } else {
+        async_eval(store.state(&ids))?;
+    }
     seq.published_blocks = full;
+    if seq.slot.is_none() {
+        allow_release(&mut seq.cache, full * block_size);
+    }
     Ok(())
 }

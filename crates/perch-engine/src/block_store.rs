@@ -77,8 +77,15 @@ impl BlockStore {
     }
 
     /// Appends the content of `ids`, in order, to an empty per-layer `cache`. Errors when a
-    /// block holds nothing (a broken invariant: every cached block has content).
-    pub fn load_into(&self, ids: &[BlockId], cache: &mut [KvCache]) -> Result<()> {
+    /// block holds nothing (a broken invariant: every cached block has content). A sliding
+    /// layer's cache that may drop positions skips the leading blocks its window no longer
+    /// reaches from the end of the prefix ([`KvCache::positions_to_skip`]).
+    pub fn load_into(
+        &self,
+        ids: &[BlockId],
+        cache: &mut [KvCache],
+        block_size: usize,
+    ) -> Result<()> {
         if ids.is_empty() {
             return Ok(());
         }
@@ -90,10 +97,17 @@ impl BlockStore {
                     .ok_or_else(|| missing(*id))
             })
             .collect::<Result<Vec<_>>>()?;
+        let positions = (ids.len() * block_size) as i32;
         for (layer, layer_cache) in cache.iter_mut().enumerate() {
-            let parts = (0..blocks[0][layer].len())
+            let skip = layer_cache.positions_to_skip(positions, block_size as i32);
+            layer_cache.start_at(skip);
+            if skip == positions {
+                continue;
+            }
+            let kept = &blocks[skip as usize / block_size..];
+            let parts = (0..kept[0][layer].len())
                 .map(|part| {
-                    let pieces: Vec<&Array> = blocks.iter().map(|b| &b[layer][part]).collect();
+                    let pieces: Vec<&Array> = kept.iter().map(|b| &b[layer][part]).collect();
                     Ok(ops::concatenate(&pieces, 2)?)
                 })
                 .collect::<Result<Vec<Array>>>()?;

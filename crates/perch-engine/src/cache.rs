@@ -114,6 +114,12 @@ pub struct KvCache {
     /// Keys' parts then values' parts (2 or 6 buffers); empty until the first update.
     buffers: Vec<Array>,
     offset: i32,
+    /// Absolute position of the buffers' first entry (positions before it were dropped).
+    base: i32,
+    /// A sliding layer's window: queries see their last `window` positions only.
+    window: Option<i32>,
+    /// Positions before this one may be dropped (see [`KvCache::release_before`]).
+    releasable: i32,
     /// A recurrent layer's state, `None` before its first token; `None` for attention layers.
     recurrent: Option<RecurrentState>,
     is_recurrent: bool,
@@ -143,6 +149,56 @@ impl KvCache {
             quantization,
             ..Self::default()
         }
+    }
+
+    /// The cache of a sliding-window layer, which drops the positions its queries can no longer
+    /// see (once allowed to, see [`KvCache::release_before`]). `window` must be at least 1.
+    pub fn with_window(mut self, window: i32) -> Self {
+        debug_assert!(window >= 1, "a window of {window} positions");
+        self.window = Some(window);
+        self
+    }
+
+    /// A sliding layer's window; `None` for a global attention layer.
+    pub fn window(&self) -> Option<i32> {
+        self.window
+    }
+
+    /// Lets a sliding-window cache drop positions before `position` once no query can see them
+    /// (a query at position `p` sees `p - window + 1 ..= p`). The batch engine raises it as
+    /// blocks are copied out; a cache that is never shared allows `i32::MAX`. No effect on a
+    /// global layer's cache. Dropping happens when the buffers next grow.
+    pub fn release_before(&mut self, position: i32) {
+        self.releasable = self.releasable.max(position);
+    }
+
+    /// How many leading positions of a prefix a cache of this layer need not hold before a
+    /// query at position `next`: those out of a sliding window's reach (and allowed to be
+    /// dropped, see [`KvCache::release_before`]), rounded down to a multiple of `align` (a
+    /// block). 0 for a global layer.
+    pub fn positions_to_skip(&self, next: i32, align: i32) -> i32 {
+        match self.window {
+            Some(window) => {
+                let skip = (next + 1 - window).min(self.releasable).max(0);
+                skip / align.max(1) * align.max(1)
+            }
+            None => 0,
+        }
+    }
+
+    /// Starts an empty cache at `position`, as if the positions before it had been dropped (a
+    /// sliding layer loading only the part of a prefix its window reaches).
+    pub fn start_at(&mut self, position: i32) {
+        debug_assert!(self.offset == 0 && self.buffers.is_empty(), "not empty");
+        self.base = position;
+        self.offset = position;
+    }
+
+    /// The first position still held (0 unless a sliding window dropped earlier ones): reads
+    /// ([`KvCache::parts`]) start at or after it, and [`KvCache::update_and_fetch`] returns the
+    /// positions from it on.
+    pub fn first_position(&self) -> i32 {
+        self.base
     }
 
     /// The cache of a linear-attention layer: a recurrent state, no positions.
@@ -180,12 +236,14 @@ impl KvCache {
     }
 
     /// Appends `keys`/`values` `[batch, kv_heads, new, head_dim]` (quantizing them first when
-    /// this cache is quantized) and returns every cached position.
+    /// this cache is quantized) and returns every held position, from
+    /// [`KvCache::first_position`] (as it is after the append, which may drop positions) to the
+    /// end.
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<CachedKv> {
         self.append_parts(&kv_parts(self.quantization, keys, values)?)?;
         Ok(CachedKv::from_parts(
             self.quantization,
-            self.parts(0, self.offset)?,
+            self.parts(self.base, self.offset)?,
         ))
     }
 
@@ -206,10 +264,18 @@ impl KvCache {
             .into());
         }
         let new = parts[0].shape()[2];
-        let start = self.offset;
+        // Buffer indices: absolute positions less `base`.
+        let start = self.offset - self.base;
         let end = start + new;
         let capacity = self.buffers.first().map_or(0, |b| b.shape()[2]);
         if end > capacity {
+            // The first new query (at `offset`) sees from `offset - window + 1` on; a sliding
+            // cache drops what is before that, as far as it is allowed to.
+            let drop = match self.window {
+                Some(window) => (self.offset + 1 - window).min(self.releasable) - self.base,
+                None => 0,
+            }
+            .clamp(0, start);
             let grow = (new + Self::STEP - 1) / Self::STEP * Self::STEP;
             let old = std::mem::take(&mut self.buffers);
             for (i, part) in parts.iter().enumerate() {
@@ -217,10 +283,10 @@ impl KvCache {
                 let fresh = ops::zeros_dtype(&[s[0], s[1], grow, s[3]], part.dtype())?;
                 self.buffers.push(match old.get(i) {
                     // Drop the unused tail before growing, as mlx-lm does, so sizes stay step
-                    // multiples.
+                    // multiples (plus what a window keeps).
                     Some(buffer) => ops::concatenate(
                         &[
-                            slice(buffer, &[0, 0, 0, 0], &[s[0], s[1], start, s[3]])?,
+                            slice(buffer, &[0, 0, drop, 0], &[s[0], s[1], start, s[3]])?,
                             fresh,
                         ],
                         2,
@@ -228,24 +294,27 @@ impl KvCache {
                     None => fresh,
                 });
             }
+            self.base += drop;
         }
+        let (start, end) = (self.offset - self.base, self.offset - self.base + new);
         for (buffer, part) in self.buffers.iter_mut().zip(parts) {
             let s = part.shape();
             *buffer = slice_update(buffer, part, &[0, 0, start, 0], &[s[0], s[1], end, s[3]])?;
         }
-        self.offset = end;
+        self.offset += new;
         Ok(())
     }
 
-    /// Forgets the last `n` positions (at most `offset`); returns how many were removed.
+    /// Forgets the last `n` positions (at most those held); returns how many were removed.
     pub fn trim(&mut self, n: i32) -> i32 {
-        let n = n.min(self.offset);
+        let n = n.min(self.offset - self.base);
         self.offset -= n;
         n
     }
 
-    /// Positions `[start, end)` (`0 <= start <= end <= offset`) of every buffer, in this cache's
-    /// own format: views, valid for reading until the cache is written again (lazy).
+    /// Positions `[start, end)` (`first_position <= start <= end <= offset`) of every buffer, in
+    /// this cache's own format: views, valid for reading until the cache is written again (lazy).
+    /// Errors for positions a sliding window dropped.
     pub fn parts(&self, start: i32, end: i32) -> Result<Vec<Array>> {
         if self.is_recurrent {
             return Err(mlx_rs::error::Exception::from(
@@ -256,11 +325,23 @@ impl KvCache {
         if self.buffers.is_empty() {
             return Err(mlx_rs::error::Exception::from("positions of an empty KV cache").into());
         }
+        if start < self.base {
+            return Err(mlx_rs::error::Exception::from(
+                format!(
+                    "positions {start}.. of a sliding-window cache that holds {}.. only",
+                    self.base
+                )
+                .as_str(),
+            )
+            .into());
+        }
         debug_assert!(
-            0 <= start && start <= end && end <= self.offset,
-            "range {start}..{end} outside 0..{}",
+            start <= end && end <= self.offset,
+            "range {start}..{end} outside {}..{}",
+            self.base,
             self.offset
         );
+        let (start, end) = (start - self.base, end - self.base);
         let capacity = self.buffers[0].shape()[2];
         self.buffers
             .iter()
@@ -318,5 +399,122 @@ impl KvCache {
     pub fn state(&self) -> Vec<&Array> {
         let recurrent = self.recurrent.iter().flat_map(|r| [&r.conv, &r.ssm]);
         self.buffers.iter().chain(recurrent).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Keys and values `[1, 1, n, dim]` whose every element is its absolute position.
+    fn positions_of(from: i32, n: i32, dim: i32) -> Array {
+        let values: Vec<f32> = (from..from + n)
+            .flat_map(|p| vec![p as f32; dim as usize])
+            .collect();
+        Array::from_slice(&values, &[1, 1, n, dim])
+    }
+
+    fn positions(from: i32, n: i32) -> Array {
+        positions_of(from, n, 4)
+    }
+
+    fn held(cache: &KvCache) -> Vec<f32> {
+        let (keys, _) = cache
+            .positions(cache.first_position(), cache.offset())
+            .unwrap();
+        keys.as_slice::<f32>().iter().step_by(4).copied().collect()
+    }
+
+    #[test]
+    fn a_sliding_cache_holds_about_its_window() {
+        let window = 40;
+        for quantization in [None, Some(KvQuantization::new(8, 32, 64).unwrap())] {
+            let dim = if quantization.is_some() { 64 } else { 4 };
+            let mut bounded = KvCache::with_quantization(quantization).with_window(window);
+            bounded.release_before(i32::MAX);
+            let mut kept = KvCache::with_quantization(quantization).with_window(window);
+            let mut offset = 0;
+            // Prefill chunks, then single tokens, past several growth steps.
+            for n in [100, 100, 100]
+                .into_iter()
+                .chain(std::iter::repeat(1).take(700))
+            {
+                let kv = positions_of(offset, n, dim);
+                bounded.update_and_fetch(&kv, &kv).unwrap();
+                kept.update_and_fetch(&kv, &kv).unwrap();
+                offset += n;
+                let capacity = bounded.buffers[0].shape()[2];
+                assert!(
+                    capacity <= window - 1 + KvCache::STEP + 100,
+                    "{capacity} positions held at {offset}"
+                );
+            }
+            assert_eq!(bounded.offset(), 1000);
+            let first = bounded.first_position();
+            assert!(
+                first > 0 && first <= 1000 - window,
+                "first position {first}"
+            );
+            let expected: Vec<f32> = (first..1000).map(|p| p as f32).collect();
+            if quantization.is_none() {
+                assert_eq!(held(&bounded), expected);
+            }
+            // What a query at the end sees is the same with and without dropping.
+            let (a, _) = bounded.positions(1000 - window, 1000).unwrap();
+            let (b, _) = kept.positions(1000 - window, 1000).unwrap();
+            assert_eq!(a.as_slice::<f32>(), b.as_slice::<f32>());
+            assert!(bounded.nbytes() * 2 < kept.nbytes());
+            assert_eq!(
+                kept.first_position(),
+                0,
+                "no release allowed: nothing dropped"
+            );
+            // Dropped positions are an error, not a wrong read.
+            assert!(bounded.parts(0, 10).is_err());
+        }
+    }
+
+    #[test]
+    fn release_is_bounded_by_what_was_allowed_and_global_layers_keep_all() {
+        let kv = positions(0, 600);
+        let mut sliding = KvCache::new().with_window(16);
+        sliding.release_before(300);
+        sliding.update_and_fetch(&kv, &kv).unwrap();
+        let one = positions(600, 1);
+        for _ in 0..300 {
+            sliding.update_and_fetch(&one, &one).unwrap();
+        }
+        assert_eq!(sliding.first_position(), 300);
+        assert_eq!(held(&sliding)[0], 300.0);
+
+        let mut global = KvCache::new();
+        global.release_before(i32::MAX);
+        global.update_and_fetch(&kv, &kv).unwrap();
+        for _ in 0..300 {
+            global.update_and_fetch(&one, &one).unwrap();
+        }
+        assert_eq!(global.first_position(), 0);
+        assert_eq!(global.offset(), 900);
+    }
+
+    #[test]
+    fn a_cache_started_later_reads_from_there() {
+        let mut cache = KvCache::new().with_window(8);
+        cache.release_before(i32::MAX);
+        assert_eq!(cache.positions_to_skip(100, 16), 80);
+        cache.start_at(80);
+        let kv = positions(80, 20);
+        cache.update_and_fetch(&kv, &kv).unwrap();
+        assert_eq!(cache.offset(), 100);
+        assert_eq!(
+            held(&cache),
+            (80..100).map(|p| p as f32).collect::<Vec<_>>()
+        );
+        assert_eq!(KvCache::new().positions_to_skip(100, 16), 0);
+        assert_eq!(
+            KvCache::new().with_window(8).positions_to_skip(100, 16),
+            0,
+            "not allowed"
+        );
     }
 }

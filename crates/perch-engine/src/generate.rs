@@ -170,6 +170,10 @@ pub fn generate(
     reset_peak_memory();
     let start = Instant::now();
     let mut cache = model.make_cache(None);
+    // Nothing copies positions out of this cache: sliding layers drop what their window left.
+    cache
+        .iter_mut()
+        .for_each(|layer| layer.release_before(i32::MAX));
     let mut sampler = Sampler::new(request.sampling.clone())?;
     let mut history = RecentTokens::new(&request.sampling, prompt);
 

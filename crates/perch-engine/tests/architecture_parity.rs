@@ -34,6 +34,12 @@ struct Expected {
     logits_shape: Vec<usize>,
     logits: Vec<f32>,
     greedy_ids: Vec<u32>,
+    /// Models with sliding-window layers: a prompt far longer than the window, and mlx_lm's
+    /// greedy ids after it.
+    #[serde(default)]
+    long_prompt_ids: Vec<u32>,
+    #[serde(default)]
+    long_greedy_ids: Vec<u32>,
 }
 
 #[test]
@@ -232,5 +238,120 @@ fn logits_and_greedy_ids_match_mlx_lm() {
                 );
             }
         }
+        if !expected.long_prompt_ids.is_empty() {
+            past_the_window(model.as_ref(), &tokenizer, &name, &expected);
+        }
+    }
+}
+
+/// A prompt far longer than the sliding window: `generate` and the batch engine (per sequence
+/// and batched, with a prefix-cache hit that loads only the window of the sliding layers) give
+/// mlx_lm's greedy ids, and the sliding layers' caches hold about a window of positions while
+/// the global layers' hold them all, with logits equal to caches that keep every position.
+fn past_the_window(
+    model: &dyn models::Model,
+    tokenizer: &Tokenizer,
+    name: &str,
+    expected: &Expected,
+) {
+    let prompt = &expected.long_prompt_ids;
+    let long_request = |prompt: Vec<u32>, max_tokens: usize| {
+        let mut request = GenerateRequest::new(prompt);
+        request.max_tokens = max_tokens;
+        request.ignore_eos = true;
+        request.prefill_step_size = 64;
+        request
+    };
+    let request = long_request(prompt.clone(), expected.long_greedy_ids.len());
+    let alone = generate(model, tokenizer, &request, |_| ControlFlow::Continue(()))
+        .unwrap()
+        .token_ids;
+    assert_eq!(
+        alone, expected.long_greedy_ids,
+        "{name}: greedy ids past the window"
+    );
+
+    // Caches that drop what the window left against caches that keep everything.
+    let mut bounded = model.make_cache(None);
+    bounded.iter_mut().for_each(|c| c.release_before(i32::MAX));
+    let mut full = model.make_cache(None);
+    let (mut last_bounded, mut last_full) = (None, None);
+    for chunk in prompt.chunks(64) {
+        let ids = Array::from_slice(chunk, &[1, chunk.len() as i32]);
+        last_bounded = Some(model.forward(&ids, &mut bounded).unwrap());
+        last_full = Some(model.forward(&ids, &mut full).unwrap());
+    }
+    let (a, b) = (last_bounded.unwrap(), last_full.unwrap());
+    let diff = a
+        .as_slice::<f32>()
+        .iter()
+        .zip(b.as_slice::<f32>())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        diff <= 1e-6,
+        "{name}: dropping out-of-window positions changed logits by {diff}"
+    );
+    let n = prompt.len() as i32;
+    let mut sliding = 0;
+    for (i, (b, f)) in bounded.iter().zip(&full).enumerate() {
+        assert_eq!(b.offset(), n, "{name}: layer {i}");
+        match b.window() {
+            Some(window) => {
+                sliding += 1;
+                assert!(
+                    b.first_position() > 0 && b.first_position() <= n - window,
+                    "{name}: sliding layer {i} holds from {}",
+                    b.first_position()
+                );
+                assert!(
+                    b.nbytes() < f.nbytes(),
+                    "{name}: sliding layer {i} holds {} bytes, as many as all positions ({})",
+                    b.nbytes(),
+                    f.nbytes()
+                );
+            }
+            None => assert_eq!(b.first_position(), 0, "{name}: global layer {i}"),
+        }
+    }
+    assert_eq!(sliding > 0, model.has_sliding_window_layers(), "{name}");
+
+    // The batch engine: the long prompt, then (inserted later) one extending it past its
+    // cached blocks, each as `generate` gives it alone.
+    let mut extended = prompt.clone();
+    extended.extend_from_slice(&expected.long_greedy_ids[..5]);
+    let extended_alone = generate(model, tokenizer, &long_request(extended.clone(), 8), |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap()
+    .token_ids;
+    for attention in [BatchAttention::PerSequence, BatchAttention::Batched] {
+        let config = BatchConfig {
+            attention,
+            ..BatchConfig::for_budget(model, 256 << 20, 16, None)
+        };
+        let mut batch = BatchGenerator::new(model, tokenizer, config, name);
+        let outputs = common::drive(
+            &mut batch,
+            vec![(
+                0,
+                long_request(prompt.clone(), expected.long_greedy_ids.len()),
+            )],
+        );
+        assert_eq!(
+            outputs[0].0.token_ids, alone,
+            "{name}: long prompt ({attention:?})"
+        );
+        let outputs = common::drive(&mut batch, vec![(0, long_request(extended.clone(), 8))]);
+        let (output, _) = &outputs[0];
+        assert_eq!(
+            output.token_ids, extended_alone,
+            "{name}: after a long prefix hit ({attention:?})"
+        );
+        assert!(
+            output.stats.cached_prompt_tokens >= prompt.len(),
+            "{name}: {} prompt tokens came from the prefix cache ({attention:?})",
+            output.stats.cached_prompt_tokens
+        );
     }
 }

@@ -587,15 +587,21 @@ impl Attention {
         let causal = seq > 1;
         let cached = cache.update_and_fetch(&keys, values)?;
         // A sliding layer whose window leaves positions out reads from the first position its
-        // first query sees, masked by distance for more than one query.
+        // first query sees, masked by distance for more than one query. (The cache may have
+        // dropped positions before that one: what it returns starts at its first position.)
         if let Some(window) = self.window.filter(|&w| offset + seq > w) {
             let start = (offset + 1 - window).max(0);
             let mask = causal
                 .then(|| window_mask(offset, seq, start, window))
                 .transpose()?;
+            let held_from = cache.first_position();
             let from = |a: &Array| -> Result<Array> {
                 let s = a.shape();
-                Ok(slice(a, &[0, 0, start, 0], &[s[0], s[1], s[2], s[3]])?)
+                Ok(slice(
+                    a,
+                    &[0, 0, start - held_from, 0],
+                    &[s[0], s[1], s[2], s[3]],
+                )?)
             };
             return match cached {
                 CachedKv::Dense { keys, values } => Ok(scaled_dot_product_attention(
@@ -1275,7 +1281,13 @@ impl Model for Decoder {
             .iter()
             .map(|block| match block.mixer {
                 Mixer::Linear(_) => KvCache::recurrent(),
-                Mixer::Attention(_) => KvCache::with_quantization(quantization),
+                Mixer::Attention(ref attention) => {
+                    let cache = KvCache::with_quantization(quantization);
+                    match attention.window {
+                        Some(window) => cache.with_window(window),
+                        None => cache,
+                    }
+                }
             })
             .collect()
     }

@@ -5,7 +5,8 @@ Usage: python tiny_models.py OUT_DIR TOKENIZER_DIR
 For each case, OUT_DIR/<case>/ holds an mlx-community model directory (config.json,
 model.safetensors, the tokenizer files of TOKENIZER_DIR) and expected.json with
 `prompt_ids`, `logits` (all positions, [seq, vocab] flattened) and `greedy_ids` from
-`mlx_lm.generate.generate_step`.
+`mlx_lm.generate.generate_step`; models with sliding-window layers add `long_prompt_ids` and
+`long_greedy_ids` (a prompt far longer than the window).
 """
 
 import copy
@@ -212,6 +213,11 @@ VISION_EXTRAS = {
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712]
 
+# Models with sliding-window layers also run a prompt long enough (400 tokens, within the tiny
+# models' 512-position context) that Perch's caches drop positions out of the window (they do when
+# their buffers grow, every 256 positions), as mlx_lm's RotatingKVCache overwrites them.
+LONG_PROMPT = [(7919 * i + 13) % 30000 + 2 for i in range(400)]
+
 
 def main(out_dir: Path, tokenizer_dir: Path):
     for name, (module, config, quant) in CASES.items():
@@ -298,6 +304,12 @@ def main(out_dir: Path, tokenizer_dir: Path):
             "logits": logits.astype(mx.float32).reshape(-1).tolist(),
             "greedy_ids": greedy,
         }
+        if config.get("sliding_window") or config.get("text_config", {}).get("sliding_window"):
+            long_prompt = mx.array(LONG_PROMPT)
+            expected["long_prompt_ids"] = LONG_PROMPT
+            expected["long_greedy_ids"] = [
+                int(tok) for tok, _ in zip((t for t, _ in generate_step(long_prompt, model, max_tokens=16)), range(16))
+            ]
         (case_dir / "expected.json").write_text(json.dumps(expected))
         print(name, "ok", file=sys.stderr)
 
