@@ -4,7 +4,8 @@ benchmarks of architectures no small real model of which is at hand here (README
     target/oracle-venv/bin/python scripts/make_random_model.py ARCH OUT_DIR TOKENIZER_DIR [float32|bfloat16]
 
 ARCH: qwen3_5 (Qwen3.5-like: hidden 1024, 24 layers of which 18 Gated DeltaNet), gemma3_text
-(Gemma-3-1B-like: hidden 1152, 26 layers, 5 of every 6 with a 512-token sliding window), qwen3_moe
+(Gemma-3-1B-like: hidden 1152, 26 layers, 5 of every 6 with a 512-token sliding window; gemma3_text-kv:
+the same attention on hidden 256, for long prompts), qwen3_moe
 (a small Qwen3-30B-A3B: hidden 1024, 16 layers of 64 experts, 8 per token) or qwen3_5_moe (the
 Qwen3.5 model above with 64 experts, 8 per token, and a shared expert in every layer) or phi3 (a
 small Phi-4-mini: hidden 1024, 16 layers, RoPE on 0.75 of each head with LongRoPE) or olmo2 (a small
@@ -61,12 +62,17 @@ ARCHS = {
         "rms_norm_eps": 1e-6, "vocab_size": 49152, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0, "sliding_window": 512, "sliding_window_pattern": 6}),
 }
+# Gemma-3-1B's attention (26 layers, one 256-wide KV head, 5 of every 6 sliding over 512 tokens) on a
+# narrow model (hidden 256), so that the KV cache, not the weights or the arithmetic, is what a long
+# prompt costs: the sliding-window memory benchmark at 8k tokens.
+ARCHS["gemma3_text-kv"] = (gemma3_text, {**ARCHS["gemma3_text"][1], "hidden_size": 256,
+                                         "intermediate_size": 1024})
 arch, out, tok = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 module, config = ARCHS[arch]
 mx.random.seed(0)
 model = module.Model(module.ModelArgs.from_dict(json.loads(json.dumps(config))))
 model.set_dtype(getattr(mx, sys.argv[4] if len(sys.argv) > 4 else "float32"))
-if arch == "gemma3_text":
+if arch.startswith("gemma3_text"):
     # Gemma's norm weights are offsets from one: zeros (mlx_lm's init of ones would double every norm).
     from mlx.utils import tree_unflatten
     model.update(tree_unflatten([(k, mx.zeros_like(v)) for k, v in tree_flatten(model.parameters())

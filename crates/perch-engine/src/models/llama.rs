@@ -40,11 +40,11 @@ fn default_rope_theta() -> f32 {
     10000.0
 }
 
-/// SmolLM3's `config.json`: Llama's fields and which layers use RoPE.
+/// SmolLM3's own fields of its `config.json`: which layers use RoPE (Llama's are read by
+/// [`LlamaArgs`] from the same object; two parses rather than `serde(flatten)`, under which
+/// errors no longer name the field).
 #[derive(Debug, Deserialize)]
 pub struct SmolLm3Args {
-    #[serde(flatten)]
-    pub llama: LlamaArgs,
     /// Without `no_rope_layers`: every `no_rope_layer_interval`-th layer has no RoPE.
     #[serde(default = "default_no_rope_layer_interval")]
     pub no_rope_layer_interval: i32,
@@ -62,8 +62,8 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
 }
 
 pub fn load_smollm3(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
-    let args: SmolLm3Args = cx.parse()?;
-    let layers = args.llama.num_hidden_layers;
+    let (llama, args): (LlamaArgs, SmolLm3Args) = (cx.parse()?, cx.parse()?);
+    let layers = llama.num_hidden_layers;
     let uses_rope: Vec<i32> = match args.no_rope_layers {
         Some(flags) => {
             if flags.len() as i64 != layers as i64 {
@@ -89,7 +89,7 @@ pub fn load_smollm3(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
     let no_rope = (0..layers.max(0))
         .filter(|&i| uses_rope[i as usize] == 0)
         .collect();
-    load_with(cx, args.llama, no_rope, "smollm3")
+    load_with(cx, llama, no_rope, "smollm3")
 }
 
 /// Llama's decoder config for `args` (not yet validated), nested under `weight_prefix`.

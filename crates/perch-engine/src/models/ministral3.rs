@@ -16,12 +16,10 @@ use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
 
-/// Ministral 3's text config: Llama's fields (their RoPE ones unused) and its own; unknown
-/// fields are ignored.
+/// Ministral 3's own fields of its text config (Llama's are read by [`LlamaArgs`] from the same
+/// object, their RoPE ones unused); unknown fields are ignored.
 #[derive(Debug, Deserialize)]
 pub struct Ministral3Args {
-    #[serde(flatten)]
-    pub llama: LlamaArgs,
     /// `rope_theta`, the scaling type and its parameters, `llama_4_scaling_beta` and
     /// `original_max_position_embeddings` (all required, as mlx_lm reads them).
     pub rope_parameters: Value,

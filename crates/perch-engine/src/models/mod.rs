@@ -660,6 +660,43 @@ mod tests {
         "vision_config": {"model_type": "pixtral", "hidden_size": 1024}}"#;
 
     #[test]
+    fn smollm3_config_errors_name_the_field() {
+        let config = |extra: Value| {
+            let mut config = serde_json::json!({"model_type": "smollm3", "hidden_size": 2048,
+                "num_hidden_layers": 4, "intermediate_size": 11008, "num_attention_heads": 16,
+                "num_key_value_heads": 4, "rms_norm_eps": 1e-6, "vocab_size": 128256});
+            for (key, value) in extra.as_object().unwrap() {
+                config[key] = value.clone();
+            }
+            config.to_string()
+        };
+        assert_eq!(
+            check_config(&config(serde_json::json!({}))).unwrap(),
+            "smollm3"
+        );
+        for (extra, expected) in [
+            (serde_json::json!({"hidden_size": "2048"}), "hidden_size"),
+            (
+                serde_json::json!({"no_rope_layers": "all"}),
+                "no_rope_layers",
+            ),
+            (
+                serde_json::json!({"no_rope_layers": [1, 0]}),
+                "2 entries for 4 layers",
+            ),
+            (
+                serde_json::json!({"no_rope_layer_interval": 0}),
+                "at least 1",
+            ),
+        ] {
+            let err = check_config(&config(extra.clone()))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{extra}: {err}");
+        }
+    }
+
+    #[test]
     fn olmo2_and_mistral3_configs_are_checked() {
         assert_eq!(check_config(OLMO2_1B).unwrap(), "olmo2");
         assert_eq!(check_config(MINISTRAL3_3B).unwrap(), "mistral3");
