@@ -63,9 +63,9 @@ ARCHS = {
         "rope_local_base_freq": 10000.0, "sliding_window": 512, "sliding_window_pattern": 6}),
 }
 # Gemma-3-1B's attention (26 layers, one 256-wide KV head, 5 of every 6 sliding over 512 tokens) on a
-# narrow model (hidden 256), so that the KV cache, not the weights or the arithmetic, is what a long
+# narrow model (hidden 256, one query head), so that the KV cache, not the weights or the arithmetic, is what a long
 # prompt costs: the sliding-window memory benchmark at 8k tokens.
-ARCHS["gemma3_text-kv"] = (gemma3_text, {**ARCHS["gemma3_text"][1], "hidden_size": 256,
+ARCHS["gemma3_text-kv"] = (gemma3_text, {**ARCHS["gemma3_text"][1], "hidden_size": 256, "num_attention_heads": 1,
                                          "intermediate_size": 1024})
 arch, out, tok = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
 module, config = ARCHS[arch]
