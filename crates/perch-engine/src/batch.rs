@@ -604,7 +604,7 @@ impl<'m> BatchGenerator<'m> {
         self.store
             .load_into(&hit.blocks, &mut cache, self.config.block_size)?;
         for chunk in tokens[hit.num_tokens..].chunks(prefill_step_size.max(1)) {
-            self.model.forward(
+            self.model.prefill(
                 &Array::from_slice(chunk, &[1, chunk.len() as i32]),
                 &mut cache,
             )?;

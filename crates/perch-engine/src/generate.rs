@@ -180,7 +180,7 @@ pub fn generate(
     // Prefill all but the last prompt token in chunks; the last one goes through the first step.
     let step = request.prefill_step_size.max(1);
     for chunk in prompt[..prompt.len() - 1].chunks(step) {
-        model.forward(
+        model.prefill(
             &Array::from_slice(chunk, &[1, chunk.len() as i32]),
             &mut cache,
         )?;

@@ -234,7 +234,7 @@ impl<'m> ModelRunner<'m> {
     /// One prefill chunk of one sequence through its own cache, evaluated.
     pub fn prefill_alone(&self, chunk: &[u32], cache: &mut [KvCache]) -> Result<()> {
         self.model
-            .forward(&Array::from_slice(chunk, &[1, chunk.len() as i32]), cache)?;
+            .prefill(&Array::from_slice(chunk, &[1, chunk.len() as i32]), cache)?;
         eval(cache.iter().flat_map(KvCache::state))?;
         Ok(())
     }

@@ -1132,8 +1132,9 @@ impl Decoder {
 }
 
 impl Decoder {
-    /// Embeddings, every block with `mix(layer index, mixer, normed input, rope)` mixing its
-    /// positions, final norm and LM head: token ids `[batch, seq]` → logits `[batch, seq, vocab]`.
+    /// Embeddings and every block with `mix(layer index, mixer, normed input, rope)` mixing its
+    /// positions: token ids `[batch, seq]` → the last block's hidden states `[batch, seq,
+    /// hidden]` (logits come from [`Decoder::head`]).
     fn run(
         &self,
         ids: &Array,
@@ -1172,7 +1173,25 @@ impl Decoder {
                 }
             };
         }
-        let h = self.norm.forward(&h)?;
+        Ok(h)
+    }
+
+    /// The last layer's hidden states `[batch, seq, hidden]` of `ids`, each row with its own
+    /// cache (see [`Model::forward_batch`]).
+    fn hidden_states_of(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
+        self.run(ids, |i, mixer, x, rope| {
+            let mut layer_caches: Vec<&mut KvCache> =
+                caches.iter_mut().map(|c| &mut c[i]).collect();
+            match mixer {
+                Mixer::Attention(attn) => attn.forward(x, rope, &mut layer_caches),
+                Mixer::Linear(net) => net.forward(x, &mut layer_caches),
+            }
+        })
+    }
+
+    /// Final norm and output projection: hidden states → logits `[.., vocab]`.
+    fn head(&self, h: &Array) -> Result<Array> {
+        let h = self.norm.forward(h)?;
         match &self.lm_head {
             Some(head) => head.forward(&h),
             None => self.embed_tokens.as_linear(&h),
@@ -1199,14 +1218,12 @@ impl Model for Decoder {
     }
 
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
-        self.run(ids, |i, mixer, x, rope| {
-            let mut layer_caches: Vec<&mut KvCache> =
-                caches.iter_mut().map(|c| &mut c[i]).collect();
-            match mixer {
-                Mixer::Attention(attn) => attn.forward(x, rope, &mut layer_caches),
-                Mixer::Linear(net) => net.forward(x, &mut layer_caches),
-            }
-        })
+        let h = self.hidden_states_of(ids, caches)?;
+        self.head(&h)
+    }
+
+    fn prefill(&self, ids: &Array, cache: &mut [KvCache]) -> Result<()> {
+        self.hidden_states_of(ids, &mut [cache]).map(drop)
     }
 
     fn forward_slot_step(
@@ -1222,13 +1239,14 @@ impl Model for Decoder {
                 .map(|scale| scale.scales(step.query_positions()))
                 .transpose()?,
         };
-        self.run(ids, |i, mixer, x, rope| match mixer {
+        let h = self.run(ids, |i, mixer, x, rope| match mixer {
             Mixer::Attention(attn) => attn.forward_slots(x, rope, slots, i, step, &shared),
             Mixer::Linear(_) => Err(mlx_rs::error::Exception::from(
                 "linear-attention layers do not run over slot caches yet",
             )
             .into()),
-        })
+        })?;
+        self.head(&h)
     }
 
     fn clone_for_compile(&self) -> Box<dyn Model> {

@@ -50,6 +50,14 @@ pub trait Model: Send {
     /// own position (`caches[b]`, one [`KvCache`] per layer) → logits `[batch, seq, vocab]`. Row
     /// `b` equals what [`Model::forward`] computes for that sequence alone.
     fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array>;
+    /// [`Model::forward`] for a prompt chunk whose logits are never read: fills `cache` and
+    /// skips the final norm and output projection. On CPU Perch's quantized projections run
+    /// eagerly (`crates/perch-qgemm`), so computing logits nobody reads would cost a
+    /// `[seq, vocab]` float32 array (400 MB for a 2,048-token chunk over a 49,152-token
+    /// vocabulary) and its arithmetic; MLX's lazy graph skips them on other backends anyway.
+    fn prefill(&self, ids: &Array, cache: &mut [KvCache]) -> Result<()> {
+        self.forward(ids, cache).map(drop)
+    }
     /// One step of every sequence in `slots` (see [`SlotKvCache`]): token ids `[rows, tokens]`,
     /// row `r` the tokens the sequence in slot `r` feeds, its first `new_tokens[r]` real and the
     /// rest padding (as are padding rows: any ids) → logits `[rows, tokens, vocab]`; slot `r`
