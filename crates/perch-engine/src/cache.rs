@@ -437,7 +437,7 @@ mod tests {
             // Prefill chunks, then single tokens, past several growth steps.
             for n in [100, 100, 100]
                 .into_iter()
-                .chain(std::iter::repeat(1).take(700))
+                .chain(std::iter::repeat_n(1, 700))
             {
                 let kv = positions_of(offset, n, dim);
                 bounded.update_and_fetch(&kv, &kv).unwrap();
