@@ -383,7 +383,12 @@ impl EngineHandle {
                             context_length: model.info().context_length,
                             kv_cache_tokens: pool.num_blocks * pool.block_size,
                         };
-                        let _ = loaded_tx.send(Ok((Arc::clone(&tokenizer), limits)));
+                        let ready = {
+                            let tokenizer = Arc::clone(&tokenizer);
+                            move || {
+                                let _ = loaded_tx.send(Ok((tokenizer, limits)));
+                            }
+                        };
                         EngineThread {
                             model,
                             tokenizer,
@@ -391,7 +396,7 @@ impl EngineHandle {
                             queue,
                             config,
                         }
-                        .run();
+                        .run(ready);
                     }
                     Err(err) => {
                         let _ = loaded_tx.send(Err(err));
@@ -839,7 +844,10 @@ struct EngineThread {
 }
 
 impl EngineThread {
-    fn run(self) {
+    /// Serves until shutdown; `ready` is called once, after the fresh batch's stats are
+    /// published, so a client that sees the load finish reads the real KV pool and memory.
+    fn run(self, ready: impl FnOnce()) {
+        let mut ready = Some(ready);
         let EngineThread {
             model,
             tokenizer,
@@ -880,6 +888,9 @@ impl EngineThread {
             }
             // Stats of the fresh batch, then the failed requests' ends (after a panic).
             queue.publish_and_flush(&mut batch);
+            if let Some(ready) = ready.take() {
+                ready();
+            }
             let served =
                 std::panic::catch_unwind(AssertUnwindSafe(|| pass.serve(&mut batch, &mut queue)));
             let panic = match served {
