@@ -406,12 +406,14 @@ impl<'m> BatchGenerator<'m> {
         prefix: PromptCache,
     ) -> Result<RequestId> {
         match &prefix.tokens {
-            Some(tokens) => {
+            // Blocks hold every layer's positions: a prefix whose sliding layers hold only
+            // their window stays private to this request.
+            Some(tokens) if prefix.layers.iter().all(|l| l.first_position() == 0) => {
                 self.import_prefix(tokens, &prefix.layers)?;
                 request.prompt = [&tokens[..], &request.prompt[..]].concat();
                 self.insert_with(request, None)
             }
-            None => self.insert_with(request, Some(prefix)),
+            _ => self.insert_with(request, Some(prefix)),
         }
     }
 
@@ -539,6 +541,16 @@ impl<'m> BatchGenerator<'m> {
     /// positions) into the prefix cache as free cached blocks, as if a request had computed them.
     /// Takes only as many blocks as are free; returns the tokens now cached.
     pub fn import_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
+        if let Some(layer) = layers.iter().position(|l| l.first_position() > 0) {
+            return Err(EngineError::PromptCache {
+                path: Default::default(),
+                message: format!(
+                    "layer {layer} holds only the positions from {} on (a sliding window), and \
+                     prefix-cache blocks hold every position; continue it as a prompt cache instead",
+                    layers[layer].first_position()
+                ),
+            });
+        }
         let block_size = self.config.block_size;
         // Blocks already cached are reused, not taken (and evicted from) the free queue again.
         let hit = self.kv.cached_prefix(tokens);
@@ -704,6 +716,8 @@ impl<'m> BatchGenerator<'m> {
                 }
                 seq.computed = prefix.offset;
                 seq.sink.output.stats.cached_prompt_tokens = prefix.offset;
+                // Nothing is ever copied out of a private prefix's cache.
+                allow_release(&mut seq.cache, i32::MAX as usize);
             }
             eval(seq.cache.iter().flat_map(KvCache::state))?;
             seq.published_blocks = hit.blocks.len();

@@ -377,16 +377,21 @@ impl KvCache {
         })
     }
 
-    /// Appends the first `end` positions of `other`, converting between float and quantized
-    /// when the two caches differ.
+    /// Appends positions `offset()..end` of `other`, converting between float and quantized
+    /// when the two caches differ. An empty cache starts where `other` does (a sliding layer
+    /// that holds only its window's positions, see [`KvCache::start_at`]).
     pub fn extend_from(&mut self, other: &KvCache, end: i32) -> Result<()> {
-        if end == 0 {
+        if self.offset == 0 && self.buffers.is_empty() {
+            self.start_at(other.first_position().min(end));
+        }
+        let start = self.offset;
+        if start >= end {
             return Ok(());
         }
         if other.quantization == self.quantization {
-            return self.append_parts(&other.parts(0, end)?);
+            return self.append_parts(&other.parts(start, end)?);
         }
-        let (keys, values) = other.positions(0, end)?;
+        let (keys, values) = other.positions(start, end)?;
         self.update_and_fetch(&keys, &values).map(drop)
     }
 

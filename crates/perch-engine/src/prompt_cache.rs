@@ -1,22 +1,36 @@
 //! Prompt caches on disk: the KV state of a prefix as a safetensors file, in the layout of
-//! mlx_lm's `save_prompt_cache` / `load_prompt_cache` (`mlx_lm/models/cache.py`, one `KVCache`
-//! per layer), so files move between Perch and mlx_lm both ways.
+//! mlx_lm's `save_prompt_cache` / `load_prompt_cache` (`mlx_lm/models/cache.py`), so files move
+//! between Perch and mlx_lm both ways.
 //!
-//! Layout (mlx_lm 0.32):
-//! - tensors `"{layer}.0"` keys and `"{layer}.1"` values, `[1, kv_heads, positions, head_dim]`
-//!   (mlx_lm writes its whole buffer, so `positions` may exceed the cached length), and
-//!   `"{layer}.2"` the cached length (`offset`), a scalar;
-//! - metadata `"0.{key}"` free-form strings, `"1.{layer}"` the cache class (`KVCache`), and
-//!   `"2.0" = ""`, `"2.{k}.0" = "{layer}.2"`, `"2.{k}.1" = "scalar"` marking the scalars.
+//! Layout (mlx_lm 0.32), per layer one of:
+//! - `KVCache` (global attention): tensors `"{layer}.0"` keys and `"{layer}.1"` values,
+//!   `[1, kv_heads, positions, head_dim]` (mlx_lm writes its whole buffer, so `positions` may
+//!   exceed the cached length), and `"{layer}.2"` the cached length (`offset`), a scalar;
+//! - `RotatingKVCache` (sliding-window layers, mlx_lm's `state`): `"{layer}.0"` / `"{layer}.1"`
+//!   keys and values, then the scalars `offset`, `keep`, `max_size` (the window) and `_idx` as
+//!   `"{layer}.2"` … `"{layer}.5"`. The buffer may be a ring: mlx_lm's `_temporal_order` puts
+//!   it back in order (as is when `_idx` is its length; `[:keep] + [_idx:] + [keep:_idx]` when
+//!   `_idx < offset`; else `[:_idx]`), after which it holds the last positions before `offset`.
+//! - metadata `"0.{key}"` free-form strings, `"1.{layer}"` the cache class, and `"2.0" = ""`,
+//!   `"2.{k}.0" = "{layer}.{part}"`, `"2.{k}.1" = "scalar"` marking the scalars, `k` counting
+//!   every scalar of the file from 1.
+//!
+//! Perch writes a sliding layer's positions in order, all those the prefix computed (`_idx` =
+//! their number, `keep` = 0), which is the state mlx_lm itself has after one prompt pass; mlx_lm
+//! trims them to its window at its next update. A sliding layer read from mlx_lm may hold only
+//! its last positions: such a prefix serves requests that continue it ([`Prompt::AfterCache`])
+//! but cannot join the prefix cache, whose blocks hold every layer.
 //!
 //! Perch adds its own free-form keys, which mlx_lm carries along and ignores: `perch_model_id`,
 //! `perch_tokens` (the prefix's token ids, JSON), `perch_block_size`, `perch_dtype`. A file from
 //! mlx_lm has none of them: its prefix is used as is, without joining the prefix cache.
 //!
 //! Errors, never panics: a damaged file, another architecture's shapes, another model's id,
-//! another cache class, and an offset that disagrees with the tokens are each reported as
-//! [`EngineError::PromptCache`]. Saving writes a temporary file and renames it, so an existing
-//! file is never left half written.
+//! another cache class or window, positions a layer needs but the file dropped, and an offset
+//! that disagrees with the tokens are each reported as [`EngineError::PromptCache`]. Saving
+//! writes a temporary file and renames it, so an existing file is never left half written.
+//!
+//! [`Prompt::AfterCache`]: crate::Prompt::AfterCache
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -29,6 +43,7 @@ use crate::error::{EngineError, Result};
 use crate::models::Model;
 
 const CLASS: &str = "KVCache";
+const ROTATING_CLASS: &str = "RotatingKVCache";
 
 /// A prefix's KV state, read from or written to a prompt-cache file.
 pub struct PromptCache {
@@ -46,20 +61,11 @@ pub struct PromptCache {
 pub const RECURRENT_UNSUPPORTED: &str =
     "prompt caches of models with linear-attention layers (Qwen3.5) are not supported yet";
 
-/// Why a model with sliding-window layers has no prompt caches yet (mlx_lm keeps those layers in
-/// `RotatingKVCache`s, a layout Perch neither writes nor reads yet).
-pub const SLIDING_WINDOW_UNSUPPORTED: &str =
-    "prompt caches of models with sliding-window layers (Gemma 3, Ministral 3 with `layer_types`) are not supported yet";
-
 /// Why `model` cannot have prompt caches, or `None` when it can.
 pub fn unsupported_reason(model: &dyn Model) -> Option<&'static str> {
-    if model.has_recurrent_layers() {
-        Some(RECURRENT_UNSUPPORTED)
-    } else if model.has_sliding_window_layers() {
-        Some(SLIDING_WINDOW_UNSUPPORTED)
-    } else {
-        None
-    }
+    model
+        .has_recurrent_layers()
+        .then_some(RECURRENT_UNSUPPORTED)
 }
 
 /// Writes `layers` (each holding `tokens.len()` positions) to `path` (must end in
@@ -86,6 +92,7 @@ pub fn save_prompt_cache(
     let mut metadata: HashMap<String, String> = HashMap::new();
     metadata.insert("2.0".into(), String::new());
     let mut dtype = None;
+    let mut scalars = 0;
     for (i, layer) in layers.iter().enumerate() {
         if layer.offset() != offset {
             return Err(error(format!(
@@ -93,14 +100,24 @@ pub fn save_prompt_cache(
                 layer.offset()
             )));
         }
-        let (keys, values) = layer.positions(0, offset)?;
+        let first = layer.first_position();
+        let (keys, values) = layer.positions(first, offset)?;
         dtype.get_or_insert(keys.dtype());
         arrays.push((format!("{i}.0"), keys));
         arrays.push((format!("{i}.1"), values));
-        arrays.push((format!("{i}.2"), Array::from_int(offset)));
-        metadata.insert(format!("1.{i}"), CLASS.into());
-        metadata.insert(format!("2.{}.0", i + 1), format!("{i}.2"));
-        metadata.insert(format!("2.{}.1", i + 1), "scalar".into());
+        let (class, ints) = match layer.window() {
+            // offset, keep, max_size, _idx (the positions held, in order).
+            Some(window) => (ROTATING_CLASS, vec![offset, 0, window, offset - first]),
+            None => (CLASS, vec![offset]),
+        };
+        for (k, value) in ints.into_iter().enumerate() {
+            let name = format!("{i}.{}", k + 2);
+            scalars += 1;
+            metadata.insert(format!("2.{scalars}.0"), name.clone());
+            metadata.insert(format!("2.{scalars}.1"), "scalar".into());
+            arrays.push((name, Array::from_int(value)));
+        }
+        metadata.insert(format!("1.{i}"), class.into());
     }
     let user = [
         ("perch_model_id", model_id.to_string()),
@@ -171,26 +188,32 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
             info.num_layers
         )));
     }
-    if let Some(other) = classes.iter().find(|c| c.as_str() != CLASS) {
+    if let Some(other) = classes
+        .iter()
+        .find(|c| c.as_str() != CLASS && c.as_str() != ROTATING_CLASS)
+    {
         return Err(error(format!(
-            "cache type {other} is not supported (only {CLASS})"
+            "cache type {other} is not supported (only {CLASS} and {ROTATING_CLASS})"
         )));
     }
+    let windows: Vec<Option<i32>> = model.make_cache(None).iter().map(KvCache::window).collect();
     let dtype = Backend::current().compute_dtype(Dtype::Float32);
     let mut layers = Vec::with_capacity(info.num_layers);
     let mut offset = None;
-    for i in 0..info.num_layers {
+    for (i, window) in windows.into_iter().enumerate() {
         let mut take = |part: usize| {
             arrays
                 .remove(&format!("{i}.{part}"))
                 .ok_or_else(|| error(format!("tensor {i}.{part} is missing")))
         };
-        let (keys, values, length) = (take(0)?, take(1)?, take(2)?);
-        let length = length.as_dtype(Dtype::Int64)?;
-        length.eval()?;
-        let length = match length.shape() {
-            [] => length.as_slice::<i64>()[0],
-            _ => return Err(error(format!("tensor {i}.2 is not a scalar offset"))),
+        let (keys, values) = (take(0)?, take(1)?);
+        let mut scalar = |part: usize| -> Result<i64> {
+            let value = take(part)?.as_dtype(Dtype::Int64)?;
+            value.eval()?;
+            match value.shape() {
+                [] => Ok(value.as_slice::<i64>()[0]),
+                _ => Err(error(format!("tensor {i}.{part} is not a scalar"))),
+            }
         };
         let expected = [
             1,
@@ -207,22 +230,93 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
                 info.head_dim
             )));
         }
-        if length < 0 || length > expected[2] as i64 || *offset.get_or_insert(length) != length {
+        let held = expected[2] as i64;
+        // The buffer's positions in temporal order, as ranges of the buffer, and the offset.
+        let (length, order) = if classes[i].as_str() == CLASS {
+            let length = scalar(2)?;
+            if length < 0 || length > held {
+                return Err(error(format!(
+                    "layer {i} has offset {length}, more than its {held} positions"
+                )));
+            }
+            (length, vec![(0, length)])
+        } else {
+            let (length, keep, max_size, idx) = (scalar(2)?, scalar(3)?, scalar(4)?, scalar(5)?);
+            if length < 0 || keep < 0 || idx < keep || idx > held || max_size < 1 {
+                return Err(error(format!(
+                    "layer {i} is a {ROTATING_CLASS} with offset {length}, keep {keep}, \
+                     max_size {max_size} and _idx {idx} over {held} positions: inconsistent"
+                )));
+            }
+            let order = if idx == held {
+                vec![(0, held)]
+            } else if idx < length {
+                vec![(0, keep), (idx, held), (keep, idx)]
+            } else {
+                vec![(0, idx)]
+            };
+            let in_order: i64 = order.iter().map(|(a, b)| b - a).sum();
+            if in_order > length {
+                return Err(error(format!(
+                    "layer {i} holds {in_order} positions after only {length} tokens"
+                )));
+            }
+            if keep > 0 && in_order < length {
+                return Err(error(format!(
+                    "layer {i} keeps its first {keep} positions apart from its last ones \
+                     (mlx_lm's max_kv_size); Perch reads windows without kept positions only"
+                )));
+            }
+            match window {
+                Some(window) if window as i64 != max_size => {
+                    return Err(error(format!(
+                        "layer {i} has a window of {max_size} positions; the model's is {window}"
+                    )));
+                }
+                _ => {}
+            }
+            (length, order)
+        };
+        if *offset.get_or_insert(length) != length {
             return Err(error(format!(
-                "layer {i} has offset {length}, inconsistent with its {} positions or other layers",
-                expected[2]
+                "layer {i} has offset {length}, unlike the layers before it"
             )));
         }
-        let length = length as i32;
+        let kept: i64 = order.iter().map(|(a, b)| b - a).sum();
+        let first = length - kept;
+        // The next query (at `length`) must see every position its layer attends to.
+        let needed = match window {
+            Some(window) => (length + 1 - window as i64).max(0),
+            None => 0,
+        };
+        if first > needed {
+            return Err(error(format!(
+                "layer {i} holds only its last {kept} of {length} positions; the model's \
+                 layer attends to {}",
+                match window {
+                    Some(window) => format!("its last {window}"),
+                    None => "all of them".into(),
+                }
+            )));
+        }
         let mut cache = KvCache::new();
-        if length > 0 {
-            let range = |a: &Array| {
-                crate::mlx_ext::slice(a, &[0, 0, 0, 0], &[1, expected[1], length, expected[3]])
+        cache.start_at(first as i32);
+        if kept > 0 {
+            let in_order = |a: &Array| -> Result<Array> {
+                let pieces = order
+                    .iter()
+                    .filter(|(start, end)| end > start)
+                    .map(|&(start, end)| {
+                        crate::mlx_ext::slice(
+                            a,
+                            &[0, 0, start as i32, 0],
+                            &[1, expected[1], end as i32, expected[3]],
+                        )
+                    })
+                    .collect::<std::result::Result<Vec<Array>, _>>()?;
+                Ok(mlx_rs::ops::concatenate(&pieces, 2)?.as_dtype(dtype)?)
             };
-            cache.update_and_fetch(
-                &range(&keys)?.as_dtype(dtype)?,
-                &range(&values)?.as_dtype(dtype)?,
-            )?;
+            cache.update_and_fetch(&in_order(&keys)?, &in_order(&values)?)?;
         }
         layers.push(cache);
     }

@@ -246,7 +246,10 @@ impl SlotKvCache {
     /// Puts a sequence whose per-layer `cache` holds `len` positions into the first free slot (copying
     /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
     pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
-        self.push_with(len, |layer| cache[layer].parts(0, len as i32))
+        self.push_with(len, |layer| {
+            let first = cache[layer].first_position().min(len as i32);
+            cache[layer].parts(first, len as i32)
+        })
     }
 
     /// Puts a sequence of `len` zeroed positions into the first free slot and returns the slot
@@ -280,9 +283,11 @@ impl SlotKvCache {
         self.push_with(len, |layer| other.slot_parts(slot, layer, 0, len))
     }
 
-    /// Puts a sequence of `len` positions, whose layer `l` parts `[1, kv_heads, len, last]`
+    /// Puts a sequence of `len` positions, whose layer `l` parts `[1, kv_heads, n, last]`
     /// `parts(l)` gives, into the first free slot (its row's stale positions past `len` are
-    /// never read: the mask stops at each row's length).
+    /// never read: the mask stops at each row's length). Parts of `n < len` positions are the
+    /// last ones (a sliding layer holding its window only): the row's positions before them are
+    /// stale, out of that layer's window mask.
     fn push_with(
         &mut self,
         len: usize,
@@ -302,7 +307,7 @@ impl SlotKvCache {
                 self.ensure_buffers(layer, &parts)?;
                 for (buffer, part) in self.layers[layer].iter_mut().zip(&parts) {
                     let s = part.shape();
-                    let start = [slot as i32, 0, 0, 0];
+                    let start = [slot as i32, 0, len as i32 - s[2], 0];
                     let stop = [slot as i32 + 1, s[1], len as i32, s[3]];
                     *buffer = slice_update(buffer, part, &start, &stop)?;
                 }

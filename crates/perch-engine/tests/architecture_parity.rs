@@ -21,11 +21,13 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use mlx_rs::Array;
 use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
 use perch_engine::{
-    generate, models, prompt_cache, EngineConfig, EngineHandle, GenerateRequest, Prompt, Tokenizer,
+    generate, models, prompt_cache, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
+    GenerateRequest, Prompt, Tokenizer,
 };
 
 #[derive(serde::Deserialize)]
@@ -136,9 +138,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         // Prompt caches: refused, before anything is computed or written, where Perch cannot
         // write mlx_lm's layout for the model's layers yet.
         let reason = prompt_cache::unsupported_reason(model.as_ref());
-        let expected_reason = if name.starts_with("gemma3") || name == "ministral3" {
-            Some(prompt_cache::SLIDING_WINDOW_UNSUPPORTED)
-        } else if name.starts_with("qwen3_5") {
+        let expected_reason = if name.starts_with("qwen3_5") {
             Some(prompt_cache::RECURRENT_UNSUPPORTED)
         } else {
             None
@@ -239,7 +239,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             }
         }
         if !expected.long_prompt_ids.is_empty() {
-            past_the_window(model.as_ref(), &tokenizer, &name, &expected);
+            past_the_window(dir, model.as_ref(), &tokenizer, &name, &expected);
         }
     }
 }
@@ -248,7 +248,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
 /// and batched, with a prefix-cache hit that loads only the window of the sliding layers) give
 /// mlx_lm's greedy ids, and the sliding layers' caches hold about a window of positions while
 /// the global layers' hold them all, with logits equal to caches that keep every position.
+/// Prompt caches past the window move between Perch and mlx_lm both ways.
 fn past_the_window(
+    dir: &Path,
     model: &dyn models::Model,
     tokenizer: &Tokenizer,
     name: &str,
@@ -354,4 +356,103 @@ fn past_the_window(
             output.stats.cached_prompt_tokens
         );
     }
+
+    // Prompt caches past the window, both ways with mlx_lm, whose sliding layers are
+    // `RotatingKVCache`s: mlx_lm's file is a wrapped ring (its last 3 ids decoded one at a
+    // time), Perch's holds every position the prefix computed. Each engine continues the
+    // other's file with the ids of the whole prompt.
+    let (prefix, rest) = prompt.split_at(prompt.len() - 5);
+    let json = |ids: &[u32]| serde_json::to_string(ids).unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let (theirs, ours) = (
+        files.path().join("mlx_lm.safetensors"),
+        files.path().join("perch.safetensors"),
+    );
+    let path = |p: &Path| p.to_str().unwrap().to_owned();
+    common::run_oracle(
+        "prompt_cache.py",
+        &["save", &path(dir), &json(prefix), &path(&theirs), "3"],
+    );
+    let classes = |file: &Path| {
+        let (_, metadata) = Array::load_safetensors_with_metadata(file).unwrap();
+        (0..model.info().num_layers)
+            .map(|i| metadata[&format!("1.{i}")].clone())
+            .collect::<Vec<_>>()
+    };
+    let expected_classes: Vec<&str> = model
+        .make_cache(None)
+        .iter()
+        .map(|c| match c.window() {
+            Some(_) => "RotatingKVCache",
+            None => "KVCache",
+        })
+        .collect();
+    assert_eq!(classes(&theirs), expected_classes, "{name}: mlx_lm's file");
+    let run = |engine: &EngineHandle, prompt: Prompt| {
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = alone.len();
+        params.ignore_eos = true;
+        let stream = engine.submit(EngineRequest { prompt, params }).unwrap();
+        let mut ids = Vec::new();
+        loop {
+            match stream
+                .events
+                .recv_timeout(Duration::from_secs(300))
+                .unwrap()
+            {
+                EngineEvent::Token { id, .. } => ids.extend(id),
+                EngineEvent::Finished { stats, error, .. } => {
+                    assert_eq!(error, None, "{name}");
+                    return (ids, stats.cached_prompt_tokens);
+                }
+            }
+        }
+    };
+    for attention in [BatchAttention::PerSequence, BatchAttention::Batched] {
+        let config = EngineConfig {
+            attention,
+            ..EngineConfig::default()
+        };
+        let engine = EngineHandle::load(dir, config).unwrap();
+        let after_theirs = Prompt::AfterCache {
+            cache_file: theirs.clone(),
+            tokens: rest.to_vec(),
+        };
+        assert_eq!(
+            run(&engine, after_theirs),
+            (alone.clone(), prefix.len()),
+            "{name}: Perch continuing mlx_lm's wrapped cache ({attention:?})"
+        );
+        if attention == BatchAttention::PerSequence {
+            engine
+                .save_prompt_cache(Prompt::Tokens(prefix.to_vec()), &ours)
+                .unwrap();
+        }
+        engine.shutdown();
+    }
+    assert_eq!(classes(&ours), expected_classes, "{name}: Perch's file");
+    let out = common::run_oracle(
+        "prompt_cache.py",
+        &[
+            "continue",
+            &path(dir),
+            &path(&ours),
+            &json(rest),
+            &alone.len().to_string(),
+        ],
+    );
+    let ids: Vec<u32> = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(ids, alone, "{name}: mlx_lm continuing Perch's cache");
+    // Perch's own file fills another engine's prefix cache (its sliding layers hold every
+    // position, as blocks must).
+    let engine = EngineHandle::load(dir, EngineConfig::default()).unwrap();
+    let imported = engine.load_prompt_cache(&ours).unwrap();
+    assert!(
+        imported > prefix.len() / 2 && imported <= prefix.len(),
+        "{name}: {imported} tokens imported"
+    );
+    let (ids, cached) = run(&engine, Prompt::Tokens(prompt.clone()));
+    assert_eq!(ids, alone, "{name}: after an imported prefix");
+    assert!(cached >= imported, "{name}: {cached} cached tokens");
+    engine.shutdown();
 }

@@ -1,8 +1,10 @@
 """mlx_lm's side of the prompt-cache interop test (tests/prompt_cache.rs), with mlx_lm 0.32.2.
 
-    prompt_cache.py save MODEL_DIR IDS_JSON OUT.safetensors
-        runs the prompt ids through the model into a fresh cache and writes it with mlx_lm's
-        save_prompt_cache (no token ids recorded, as mlx_lm.cache_prompt does)
+    prompt_cache.py save MODEL_DIR IDS_JSON OUT.safetensors [DECODED [MAX_KV_SIZE]]
+        runs the prompt ids through the model into a fresh cache (mlx_lm's make_prompt_cache,
+        with MAX_KV_SIZE when given) and writes it with mlx_lm's save_prompt_cache (no token ids
+        recorded, as mlx_lm.cache_prompt does); the last DECODED ids (default 0) go in one at a
+        time, as decode steps do, so that rotating caches wrap
     prompt_cache.py continue MODEL_DIR CACHE.safetensors IDS_JSON N
         loads a prompt cache with mlx_lm's load_prompt_cache, feeds the ids after it and prints
         the N greedy token ids that follow, as JSON
@@ -22,8 +24,14 @@ def main():
     model, _ = load(model_dir)
     if command == "save":
         ids = json.loads(sys.argv[3])
-        cache = make_prompt_cache(model)
-        model(mx.array(ids)[None], cache=cache)
+        decoded = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+        max_kv_size = int(sys.argv[6]) if len(sys.argv) > 6 else None
+        cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+        split = len(ids) - decoded
+        model(mx.array(ids[:split])[None], cache=cache)
+        for token in ids[split:]:
+            model(mx.array([[token]]), cache=cache)
+            mx.eval([c.state for c in cache])
         mx.eval([c.state for c in cache])
         save_prompt_cache(sys.argv[4], cache, {"model": model_dir})
     elif command == "continue":
