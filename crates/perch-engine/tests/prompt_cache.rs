@@ -148,6 +148,58 @@ fn files_move_between_perch_and_mlx_lm() {
     );
 }
 
+/// mlx_lm's `max_kv_size` makes `RotatingKVCache`s for every layer: a file that dropped nothing
+/// continues in Perch; one that dropped positions a global layer attends to (keeping its first
+/// 4 apart) is refused with the reason.
+#[test]
+fn mlx_lm_rotating_caches_of_a_model_without_sliding_layers() {
+    let case = case();
+    let dir = tempfile::tempdir().unwrap();
+    let model_dir = common::model_dir();
+    let (prefix, rest) = case.prompt_ids.split_at(40);
+    let ids = serde_json::to_string(prefix).unwrap();
+    let engine = EngineHandle::load(&model_dir, EngineConfig::default()).unwrap();
+    for (max_kv_size, fits) in [("64", true), ("16", false)] {
+        let file = dir.path().join(format!("max_kv_{max_kv_size}.safetensors"));
+        let path = file.to_str().unwrap();
+        oracle(&[
+            "save",
+            model_dir.to_str().unwrap(),
+            &ids,
+            path,
+            "3",
+            max_kv_size,
+        ]);
+        let prompt = Prompt::AfterCache {
+            cache_file: file.clone(),
+            tokens: rest.to_vec(),
+        };
+        if fits {
+            let (ids, reason, stats) = run(&engine, prompt);
+            assert_eq!(stats.cached_prompt_tokens, 40);
+            assert_eq!(ids, common::expected_ids(&case, reason));
+            continue;
+        }
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = 4;
+        let stream = engine.submit(EngineRequest { prompt, params }).unwrap();
+        match stream
+            .events
+            .recv_timeout(Duration::from_secs(300))
+            .unwrap()
+        {
+            EngineEvent::Finished {
+                error: Some(error), ..
+            } => assert!(
+                error.contains("keeps its first 4 positions") && error.contains("max_kv_size"),
+                "{error}"
+            ),
+            other => panic!("max_kv_size {max_kv_size}: {other:?}"),
+        }
+    }
+    engine.shutdown();
+}
+
 #[test]
 fn damaged_files_and_other_models_caches_are_errors() {
     let dir = tempfile::tempdir().unwrap();

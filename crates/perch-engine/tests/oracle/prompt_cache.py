@@ -1,8 +1,9 @@
 """mlx_lm's side of the prompt-cache interop test (tests/prompt_cache.rs), with mlx_lm 0.32.2.
 
     prompt_cache.py save MODEL_DIR IDS_JSON OUT.safetensors [DECODED [MAX_KV_SIZE]]
-        runs the prompt ids through the model into a fresh cache (mlx_lm's make_prompt_cache,
-        with MAX_KV_SIZE when given) and writes it with mlx_lm's save_prompt_cache (no token ids
+        runs the prompt ids through the model into a fresh cache (mlx_lm's make_prompt_cache;
+        with MAX_KV_SIZE, a RotatingKVCache(MAX_KV_SIZE, keep=4) per layer, what
+        make_prompt_cache gives models without their own make_cache) and writes it with mlx_lm's save_prompt_cache (no token ids
         recorded, as mlx_lm.cache_prompt does); the last DECODED ids (default 0) go in one at a
         time, as decode steps do, so that rotating caches wrap
     prompt_cache.py continue MODEL_DIR CACHE.safetensors IDS_JSON N
@@ -16,7 +17,7 @@ import sys
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 
 def main():
@@ -26,7 +27,10 @@ def main():
         ids = json.loads(sys.argv[3])
         decoded = int(sys.argv[5]) if len(sys.argv) > 5 else 0
         max_kv_size = int(sys.argv[6]) if len(sys.argv) > 6 else None
-        cache = make_prompt_cache(model, max_kv_size=max_kv_size)
+        if max_kv_size is None:
+            cache = make_prompt_cache(model)
+        else:
+            cache = [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in model.layers]
         split = len(ids) - decoded
         model(mx.array(ids[:split])[None], cache=cache)
         for token in ids[split:]:
