@@ -209,14 +209,12 @@ def desktop_hooks(session):
     entry = Path(os.environ["HOME"]) / ".config/autostart/Perch.desktop"
     check(not entry.exists(), f"{entry} exists before the setting is on")
     session.click("nav button[data-view=settings]")
-    session.wait_for("return document.querySelector('[data-setting=block_size]').value !== ''",
+    session.wait_for("return document.getElementById('view-settings').dataset.ready === 'true'",
                      what="the settings")
     for on in (True, False):
         session.click("[data-setting=launch_at_login]")
         session.click("#settings-form button[type=submit]")
-        session.wait_for("return document.getElementById('settings-message').textContent.startsWith('Saved')",
-                         timeout=10, what="the settings to save")
-        session.execute("document.getElementById('settings-message').textContent = ''")
+        save_settings_answer(session, "the settings")
         check(entry.exists() == on, f"launch at login {on}: {entry} exists is {entry.exists()}")
         if on:
             check("perch-app" in entry.read_text(), entry.read_text())
@@ -259,9 +257,17 @@ def served_model_id(port):
     return [m["id"] for m in models["data"]]
 
 
+def save_settings_answer(session, what):
+    # The Settings form's answer to a save: "Saved…", or the error it shows instead (reported as is).
+    message = session.wait_for("return document.getElementById('settings-message').textContent",
+                               timeout=30, what=f"an answer to saving {what}")
+    check(message.startswith("Saved"), f"saving {what}: {message}")
+    session.execute("document.getElementById('settings-message').textContent = ''")
+
+
 def enable_server(session, port):
     session.click("nav button[data-view=settings]")
-    session.wait_for("return document.querySelector('[data-setting=block_size]').value !== ''",
+    session.wait_for("return document.getElementById('view-settings').dataset.ready === 'true'",
                      what="the settings")
     check(not session.execute("return document.querySelector(\"[data-setting='server.enabled']\").checked"),
           "the local server is on before it was turned on")
@@ -269,9 +275,7 @@ def enable_server(session, port):
     session.execute("document.querySelector(\"[data-setting='server.port']\").value = arguments[0]", str(port))
     session.type("[data-setting='server.api_key']", API_KEY)
     session.click("#settings-form button[type=submit]")
-    session.wait_for("return document.getElementById('settings-message').textContent.startsWith('Saved')",
-                     timeout=10, what="the server settings to save")
-    session.execute("document.getElementById('settings-message').textContent = ''")
+    save_settings_answer(session, "the server settings")
 
 
 def local_server(session, port):

@@ -86,11 +86,27 @@ export class SettingsView {
     return [...this.root.querySelectorAll("[data-setting]")];
   }
 
+  /**
+   * Reads the saved settings into the form. Until they arrive the form cannot be saved (its
+   * Save button is disabled and the view's `data-ready` is "false"), so that edits made to the
+   * form's previous contents are never overwritten by, or saved over, the settings on disk.
+   */
   async load() {
-    this.view = await this.api.getSettings();
-    this.modelStatus = await this.api.modelStatus?.().catch(() => null);
-    this.fill(this.view.settings);
-    this.message.textContent = "";
+    const submit = this.root.querySelector("#settings-form button[type=submit]");
+    this.root.dataset.ready = "false";
+    submit.disabled = true;
+    try {
+      this.view = await this.api.getSettings();
+      this.modelStatus = await this.api.modelStatus?.().catch(() => null);
+      this.fill(this.view.settings);
+      this.message.textContent = "";
+      this.message.classList.remove("error");
+      submit.disabled = false;
+      this.root.dataset.ready = "true";
+    } catch (error) {
+      this.message.textContent = String(error);
+      this.message.classList.add("error");
+    }
   }
 
   fill(settings) {

@@ -55,6 +55,34 @@ describe("SettingsView", () => {
     expect(saved[1].server.api_key).toBe(null);
   });
 
+  it("cannot be saved until the saved settings are in the form", async () => {
+    loadPage();
+    const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false } };
+    let answer;
+    const api = {
+      getSettings: () => new Promise((resolve) => (answer = resolve)),
+      saveSettings: async () => {
+        throw new Error("saved before the settings were read");
+      },
+    };
+    const root = document.getElementById("view-settings");
+    const submit = root.querySelector("#settings-form button[type=submit]");
+    const view = new SettingsView(root, api);
+    const loading = view.load();
+    expect([submit.disabled, root.dataset.ready]).toEqual([true, "false"]);
+    answer({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 });
+    await loading;
+    expect([submit.disabled, root.dataset.ready]).toEqual([false, "true"]);
+
+    // A settings file that cannot be read: the form says so and stays unsaveable.
+    api.getSettings = async () => {
+      throw "The settings file cannot be read.";
+    };
+    await view.load();
+    expect([submit.disabled, root.dataset.ready]).toEqual([true, "false"]);
+    expect(root.querySelector("#settings-message").textContent).toBe("The settings file cannot be read.");
+  });
+
   it("saves what the form shows and reports the error sentence", async () => {
     loadPage();
     const settings = {
