@@ -213,17 +213,21 @@ def safetensors_seeds():
 # --- Prompt caches (mlx_lm's layout; see crates/perch-engine/src/prompt_cache.rs) for the fuzz
 # target's model: two layers, one KV head of dimension 4, vocabulary 16, context 64.
 
-def prompt_cache(positions, offset, dtype="F32", tokens=None, model_id="model-a"):
-    tensors, metadata = [], {"2.0": ""}
+def prompt_cache(positions, offset, dtype="F32", tokens=None, model_id="model-a", rotating=None):
+    """rotating: (keep, max_size, _idx) for mlx_lm's RotatingKVCache layers, else KVCache."""
+    tensors, metadata, scalars = [], {"2.0": ""}, 0
     for layer in range(2):
         for part in (0, 1):
             values = [b / 256 for b in noise(10 * layer + part, positions * 4)]
             data = struct.pack("<%d%s" % (len(values), "f" if dtype == "F32" else "e"), *values)
             tensors.append(("%d.%d" % (layer, part), dtype, [1, 1, positions, 4], data))
-        tensors.append(("%d.2" % layer, "I32", [], struct.pack("<i", offset)))
-        metadata["1.%d" % layer] = "KVCache"
-        metadata["2.%d.0" % (layer + 1)] = "%d.2" % layer
-        metadata["2.%d.1" % (layer + 1)] = "scalar"
+        metadata["1.%d" % layer] = "RotatingKVCache" if rotating else "KVCache"
+        ints = [offset] + list(rotating or [])
+        for k, value in enumerate(ints):
+            tensors.append(("%d.%d" % (layer, k + 2), "I32", [], struct.pack("<i", value)))
+            scalars += 1
+            metadata["2.%d.0" % scalars] = "%d.%d" % (layer, k + 2)
+            metadata["2.%d.1" % scalars] = "scalar"
     if tokens is not None:
         metadata.update({"0.perch_model_id": model_id, "0.perch_tokens": json.dumps(tokens),
                          "0.perch_block_size": "16", "0.perch_dtype": dtype.lower()})
@@ -235,6 +239,9 @@ def prompt_cache_seeds():
     put("prompt_cache", "perch.safetensors", prompt_cache(3, 2, tokens=[1, 2]))
     put("prompt_cache", "mlx-lm.safetensors", prompt_cache(4, 4, dtype="F16"))
     put("prompt_cache", "empty.safetensors", prompt_cache(0, 0, tokens=[]))
+    # mlx_lm's RotatingKVCache: nothing dropped (in order), and a wrapped ring keeping 2.
+    put("prompt_cache", "rotating.safetensors", prompt_cache(6, 5, rotating=(0, 8, 5)))
+    put("prompt_cache", "rotating-wrapped.safetensors", prompt_cache(4, 9, rotating=(2, 4, 3)))
 
 
 # --- config.json of each architecture (as published on the Hub, trimmed).

@@ -277,6 +277,13 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
             }
             (length, order)
         };
+        // Before any arithmetic on it: a file's offset is untrusted.
+        if length >= info.context_length as i64 {
+            return Err(error(format!(
+                "it caches {length} positions, the model's context is {}",
+                info.context_length
+            )));
+        }
         if *offset.get_or_insert(length) != length {
             return Err(error(format!(
                 "layer {i} has offset {length}, unlike the layers before it"
@@ -340,12 +347,6 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
         }
         None => None,
     };
-    if offset >= info.context_length {
-        return Err(error(format!(
-            "it caches {offset} positions, the model's context is {}",
-            info.context_length
-        )));
-    }
     mlx_rs::transforms::eval(layers.iter().flat_map(KvCache::state))?;
     Ok(PromptCache {
         layers,

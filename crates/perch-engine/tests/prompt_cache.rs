@@ -248,6 +248,26 @@ fn damaged_files_and_other_models_caches_are_errors() {
         message(&other, "model-a")
     );
 
+    // mlx_lm's rotating layout with an offset past the model's context (read before any
+    // arithmetic on it).
+    let (mut arrays, mut metadata) = mlx_rs::Array::load_safetensors_with_metadata(&good).unwrap();
+    metadata.insert("1.0".into(), "RotatingKVCache".into());
+    for (part, value) in [(2, i32::MAX), (3, 0), (4, 8), (5, 4)] {
+        arrays.insert(format!("0.{part}"), mlx_rs::Array::from_int(value));
+    }
+    let rotating = dir.path().join("rotating.safetensors");
+    mlx_rs::Array::save_safetensors(
+        arrays.iter().map(|(k, v)| (k.as_str(), v)),
+        &metadata,
+        &rotating,
+    )
+    .unwrap();
+    assert!(
+        message(&rotating, "model-a").contains("the model's context is"),
+        "{}",
+        message(&rotating, "model-a")
+    );
+
     // Saving never leaves a half-written file: a bad name fails before anything is written.
     assert!(save_prompt_cache(
         &dir.path().join("x.bin"),
@@ -261,5 +281,5 @@ fn damaged_files_and_other_models_caches_are_errors() {
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
-    assert_eq!(names.len(), 4, "{names:?}");
+    assert_eq!(names.len(), 5, "{names:?}");
 }
