@@ -307,7 +307,9 @@ pub struct RequestStream {
 
 impl EngineHandle {
     /// Starts the engine thread and loads the model in `model_dir` there (MLX arrays belong to
-    /// the thread that creates them). Returns once the model is loaded, or the load's error.
+    /// the thread that creates them). Returns once the model is loaded and the engine is ready
+    /// (its KV pool made and its stats published; on GPUs after the warm-up, which compiles the
+    /// decode shapes), or the load's error.
     pub fn load(model_dir: &Path, config: EngineConfig) -> Result<Self> {
         Self::load_with_progress(model_dir, config, |_| {})
     }
