@@ -21,13 +21,12 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
 use mlx_rs::Array;
 use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
 use perch_engine::{
-    generate, models, prompt_cache, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
-    GenerateRequest, Prompt, Tokenizer,
+    generate, models, prompt_cache, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
+    Prompt, Tokenizer,
 };
 
 #[derive(serde::Deserialize)]
@@ -392,21 +391,9 @@ fn past_the_window(
         let mut params = GenerateRequest::new(Vec::new());
         params.max_tokens = alone.len();
         params.ignore_eos = true;
-        let stream = engine.submit(EngineRequest { prompt, params }).unwrap();
-        let mut ids = Vec::new();
-        loop {
-            match stream
-                .events
-                .recv_timeout(Duration::from_secs(300))
-                .unwrap()
-            {
-                EngineEvent::Token { id, .. } => ids.extend(id),
-                EngineEvent::Finished { stats, error, .. } => {
-                    assert_eq!(error, None, "{name}");
-                    return (ids, stats.cached_prompt_tokens);
-                }
-            }
-        }
+        let done = common::finish(&engine.submit(EngineRequest { prompt, params }).unwrap());
+        assert_eq!(done.error, None, "{name}");
+        (done.ids, done.stats.cached_prompt_tokens)
     };
     for attention in [BatchAttention::PerSequence, BatchAttention::Batched] {
         let config = EngineConfig {

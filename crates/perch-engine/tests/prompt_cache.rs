@@ -7,13 +7,12 @@
 mod common;
 
 use std::path::Path;
-use std::time::Duration;
 
 use perch_engine::models;
 use perch_engine::prompt_cache::{load_prompt_cache, save_prompt_cache};
 use perch_engine::{
-    EngineConfig, EngineError, EngineEvent, EngineHandle, EngineRequest, FinishReason,
-    GenerateRequest, GenerationStats, Prompt,
+    EngineConfig, EngineError, EngineHandle, EngineRequest, FinishReason, GenerateRequest,
+    GenerationStats, Prompt,
 };
 
 fn oracle(args: &[&str]) -> String {
@@ -23,26 +22,9 @@ fn oracle(args: &[&str]) -> String {
 fn run(engine: &EngineHandle, prompt: Prompt) -> (Vec<u32>, FinishReason, GenerationStats) {
     let mut params = GenerateRequest::new(Vec::new());
     params.max_tokens = 32;
-    let stream = engine.submit(EngineRequest { prompt, params }).unwrap();
-    let mut ids = Vec::new();
-    loop {
-        match stream
-            .events
-            .recv_timeout(Duration::from_secs(300))
-            .unwrap()
-        {
-            EngineEvent::Token { id, .. } => ids.extend(id),
-            EngineEvent::Finished {
-                finish_reason,
-                stats,
-                error,
-                ..
-            } => {
-                assert_eq!(error, None);
-                return (ids, finish_reason, stats);
-            }
-        }
-    }
+    let done = common::finish(&engine.submit(EngineRequest { prompt, params }).unwrap());
+    assert_eq!(done.error, None);
+    (done.ids, done.reason, done.stats)
 }
 
 /// The reference case used throughout: a chat prompt of 61 tokens.
@@ -182,20 +164,13 @@ fn mlx_lm_rotating_caches_of_a_model_without_sliding_layers() {
         }
         let mut params = GenerateRequest::new(Vec::new());
         params.max_tokens = 4;
-        let stream = engine.submit(EngineRequest { prompt, params }).unwrap();
-        match stream
-            .events
-            .recv_timeout(Duration::from_secs(300))
-            .unwrap()
-        {
-            EngineEvent::Finished {
-                error: Some(error), ..
-            } => assert!(
-                error.contains("keeps its first 4 positions") && error.contains("max_kv_size"),
-                "{error}"
-            ),
-            other => panic!("max_kv_size {max_kv_size}: {other:?}"),
-        }
+        let done = common::finish(&engine.submit(EngineRequest { prompt, params }).unwrap());
+        let error = done.error.expect("max_kv_size 16 refused");
+        assert!(
+            error.contains("keeps its first 4 positions") && error.contains("max_kv_size"),
+            "{error}"
+        );
+        assert!(done.ids.is_empty(), "refused but generated {:?}", done.ids);
     }
     engine.shutdown();
 }

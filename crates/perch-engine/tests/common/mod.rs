@@ -51,6 +51,42 @@ pub fn expected_ids(case: &ReferenceCase, reason: perch_engine::FinishReason) ->
     case.expected_ids(reason == perch_engine::FinishReason::Stop)
 }
 
+/// How a request through the engine ended: its token ids, finish reason, stats and error.
+pub struct Finished {
+    pub ids: Vec<u32>,
+    pub reason: perch_engine::FinishReason,
+    pub stats: perch_engine::GenerationStats,
+    pub error: Option<String>,
+}
+
+/// Reads `stream` to its `Finished` event (each event within 300 s).
+pub fn finish(stream: &perch_engine::RequestStream) -> Finished {
+    use perch_engine::EngineEvent;
+    let mut ids = Vec::new();
+    loop {
+        match stream
+            .events
+            .recv_timeout(std::time::Duration::from_secs(300))
+            .expect("an engine event within 300 s")
+        {
+            EngineEvent::Token { id, .. } => ids.extend(id),
+            EngineEvent::Finished {
+                finish_reason,
+                stats,
+                error,
+                ..
+            } => {
+                return Finished {
+                    ids,
+                    reason: finish_reason,
+                    stats,
+                    error,
+                }
+            }
+        }
+    }
+}
+
 /// Runs `batch` until every request of `schedule` (inserted at its step) has finished; returns
 /// each request's output and the text it streamed, in schedule order.
 pub fn drive(
