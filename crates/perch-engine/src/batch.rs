@@ -406,9 +406,8 @@ impl<'m> BatchGenerator<'m> {
         prefix: PromptCache,
     ) -> Result<RequestId> {
         match &prefix.tokens {
-            // Blocks hold every layer's positions: a prefix whose sliding layers hold only
-            // their window stays private to this request.
-            Some(tokens) if prefix.layers.iter().all(|l| l.first_position() == 0) => {
+            // A prefix whose sliding layers hold only their window stays private to this request.
+            Some(tokens) if prefix.can_join_prefix_cache() => {
                 self.import_prefix(tokens, &prefix.layers)?;
                 request.prompt = [&tokens[..], &request.prompt[..]].concat();
                 self.insert_with(request, None)
@@ -538,19 +537,13 @@ impl<'m> BatchGenerator<'m> {
     }
 
     /// Puts the full blocks of a prefix (`tokens`, with `layers` holding at least that many
-    /// positions) into the prefix cache as free cached blocks, as if a request had computed them.
+    /// positions, every one from 0) into the prefix cache as free cached blocks, as if a request had computed them.
     /// Takes only as many blocks as are free; returns the tokens now cached.
     pub fn import_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
-        if let Some(layer) = layers.iter().position(|l| l.first_position() > 0) {
-            return Err(EngineError::PromptCache {
-                path: Default::default(),
-                message: format!(
-                    "layer {layer} holds only the positions from {} on (a sliding window), and \
-                     prefix-cache blocks hold every position; continue it as a prompt cache instead",
-                    layers[layer].first_position()
-                ),
-            });
-        }
+        debug_assert!(
+            layers.iter().all(|l| l.first_position() == 0),
+            "blocks hold every position (see PromptCache::can_join_prefix_cache)"
+        );
         let block_size = self.config.block_size;
         // Blocks already cached are reused, not taken (and evicted from) the free queue again.
         let hit = self.kv.cached_prefix(tokens);

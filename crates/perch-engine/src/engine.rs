@@ -1050,14 +1050,19 @@ impl Pass<'_> {
                 PromptCacheJob::Load { path, reply } => {
                     let loaded =
                         load_prompt_cache(&path, self.model, self.model_id).and_then(|prefix| {
+                            let refused = |why: &str| EngineError::PromptCache {
+                                path: path.clone(),
+                                message: format!("{why}; submit it as Prompt::AfterCache instead"),
+                            };
                             match &prefix.tokens {
+                                Some(_) if !prefix.can_join_prefix_cache() => Err(refused(
+                                    "its sliding-window layers hold only their last positions, \
+                                     and prefix-cache blocks hold every position",
+                                )),
                                 Some(tokens) => batch.import_prefix(tokens, &prefix.layers),
-                                None => Err(EngineError::PromptCache {
-                                    path: path.clone(),
-                                    message: "it does not record its token ids (an mlx_lm file); \
-                                          submit it as Prompt::AfterCache instead"
-                                        .into(),
-                                }),
+                                None => Err(refused(
+                                    "it does not record its token ids (an mlx_lm file)",
+                                )),
                             }
                         });
                     let _ = reply.send(loaded);

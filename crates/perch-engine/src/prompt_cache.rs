@@ -57,6 +57,14 @@ pub struct PromptCache {
     pub metadata: HashMap<String, String>,
 }
 
+impl PromptCache {
+    /// Whether every layer holds every position from 0, as prefix-cache blocks must (a
+    /// sliding layer read from mlx_lm may hold only its window).
+    pub fn can_join_prefix_cache(&self) -> bool {
+        self.layers.iter().all(|l| l.first_position() == 0)
+    }
+}
+
 /// Why a model with linear-attention layers has no prompt caches yet.
 pub const RECURRENT_UNSUPPORTED: &str =
     "prompt caches of models with linear-attention layers (Qwen3.5) are not supported yet";

@@ -414,6 +414,46 @@ fn past_the_window(
             engine
                 .save_prompt_cache(Prompt::Tokens(prefix.to_vec()), &ours)
                 .unwrap();
+            // mlx_lm's file with the prefix's token ids added: where sliding layers hold only
+            // their window, it continues requests privately and cannot fill the prefix cache
+            // (a model whose layers are all global, as mlx_lm runs mistral3-4bit, can).
+            let (arrays, mut metadata) = Array::load_safetensors_with_metadata(&theirs).unwrap();
+            metadata.insert("0.perch_tokens".into(), json(prefix));
+            let tagged = files.path().join("mlx_lm-tagged.safetensors");
+            Array::save_safetensors(
+                arrays.iter().map(|(k, v)| (k.as_str(), v)),
+                &metadata,
+                &tagged,
+            )
+            .unwrap();
+            // Tokens a request continuing it finds cached: the whole private prefix, or the
+            // prefix cache's full blocks.
+            let cached = match engine.load_prompt_cache(&tagged) {
+                Err(err) => {
+                    assert!(
+                        model.has_sliding_window_layers()
+                            && err.to_string().contains("hold only their last positions"),
+                        "{name}: {err}"
+                    );
+                    prefix.len()
+                }
+                Ok(imported) => {
+                    assert!(
+                        !model.has_sliding_window_layers() && imported > prefix.len() / 2,
+                        "{name}: {imported} tokens imported"
+                    );
+                    imported
+                }
+            };
+            let after_tagged = Prompt::AfterCache {
+                cache_file: tagged,
+                tokens: rest.to_vec(),
+            };
+            assert_eq!(
+                run(&engine, after_tagged),
+                (alone.clone(), cached),
+                "{name}: Perch continuing mlx_lm's wrapped cache with token ids"
+            );
         }
         engine.shutdown();
     }
