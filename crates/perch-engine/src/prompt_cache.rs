@@ -239,15 +239,16 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
             )));
         }
         let held = expected[2] as i64;
-        // The buffer's positions in temporal order, as ranges of the buffer, and the offset.
-        let (length, order) = if classes[i].as_str() == CLASS {
+        // The offset, the buffer's positions in temporal order (as ranges of the buffer) and
+        // how many they are.
+        let (length, order, kept) = if classes[i].as_str() == CLASS {
             let length = scalar(2)?;
             if length < 0 || length > held {
                 return Err(error(format!(
                     "layer {i} has offset {length}, more than its {held} positions"
                 )));
             }
-            (length, vec![(0, length)])
+            (length, vec![(0, length)], length)
         } else {
             let (length, keep, max_size, idx) = (scalar(2)?, scalar(3)?, scalar(4)?, scalar(5)?);
             if length < 0 || keep < 0 || idx < keep || idx > held || max_size < 1 {
@@ -263,13 +264,13 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
             } else {
                 vec![(0, idx)]
             };
-            let in_order: i64 = order.iter().map(|(a, b)| b - a).sum();
-            if in_order > length {
+            let kept: i64 = order.iter().map(|(a, b)| b - a).sum();
+            if kept > length {
                 return Err(error(format!(
-                    "layer {i} holds {in_order} positions after only {length} tokens"
+                    "layer {i} holds {kept} positions after only {length} tokens"
                 )));
             }
-            if keep > 0 && in_order < length {
+            if keep > 0 && kept < length {
                 return Err(error(format!(
                     "layer {i} keeps its first {keep} positions apart from its last ones \
                      (mlx_lm's max_kv_size); Perch reads windows without kept positions only"
@@ -283,7 +284,7 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
                 }
                 _ => {}
             }
-            (length, order)
+            (length, order, kept)
         };
         // Before any arithmetic on it: a file's offset is untrusted.
         if length >= info.context_length as i64 {
@@ -297,7 +298,6 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
                 "layer {i} has offset {length}, unlike the layers before it"
             )));
         }
-        let kept: i64 = order.iter().map(|(a, b)| b - a).sum();
         let first = length - kept;
         // The next query (at `length`) must see every position its layer attends to.
         let needed = match window {
