@@ -146,6 +146,13 @@ impl BatchConfig {
     ) -> Self {
         let block_size = block_size.max(1);
         let per_block = kv_bytes_per_token(model, kv_quantization) * block_size;
+        // A hybrid model's prefix cache also keeps recurrent states at block boundaries: half
+        // the budget is theirs (see `crate::block_store`).
+        let kv_cache_bytes = if model.has_recurrent_layers() {
+            kv_cache_bytes / 2
+        } else {
+            kv_cache_bytes
+        };
         Self {
             max_running: 32,
             prefill_batch_size: Self::default_prefill_batch_size(Backend::current()),
@@ -259,6 +266,10 @@ struct Sequence {
     computed: usize,
     /// Leading full blocks already registered in the prefix cache.
     published_blocks: usize,
+    /// A hybrid model's recurrent states at the last block boundary a decode step crossed:
+    /// `(tokens, per layer what [`KvCache::block_parts`] gives)`, so that the block ending there
+    /// keeps them when it is published (see [`crate::block_store`]).
+    boundary_state: Option<(usize, Vec<Vec<Array>>)>,
     sampler: Sampler,
     history: RecentTokens,
     /// Where a constrained request is in its grammar ([`GenerateRequest::grammar`]).
@@ -334,8 +345,8 @@ impl<'m> BatchGenerator<'m> {
         model_id: &str,
     ) -> Self {
         // Linear-attention layers (hybrid models) keep a recurrent state per sequence, which
-        // neither blocks of the prefix cache nor slot caches hold yet: such models run per
-        // sequence, without prefix caching.
+        // slot caches do not hold yet: such models run per sequence. Their prefix cache keeps
+        // states at block boundaries (see `crate::block_store`).
         let hybrid = model.has_recurrent_layers();
         let config = BatchConfig {
             max_running: config.max_running.max(1),
@@ -355,9 +366,18 @@ impl<'m> BatchGenerator<'m> {
             kv: KvCacheManager::new(
                 BlockPool::new(config.num_blocks, config.block_size),
                 model_id,
-            )
-            .with_caching(!hybrid),
-            store: BlockStore::new(config.num_blocks),
+            ),
+            store: BlockStore::new(config.num_blocks).with_recurrent_layers(
+                model
+                    .make_cache(None)
+                    .iter()
+                    .map(KvCache::is_recurrent)
+                    .collect(),
+                // As many bytes of states as the pool has of KV (see `BatchConfig::for_budget`).
+                config.num_blocks
+                    * config.block_size
+                    * kv_bytes_per_token(model, config.kv_quantization),
+            ),
             tails: TailCache::default(),
             runner: ModelRunner::new(
                 model,
@@ -451,6 +471,7 @@ impl<'m> BatchGenerator<'m> {
             slot: None,
             computed: 0,
             published_blocks: 0,
+            boundary_state: None,
             sampler: Sampler::new(request.sampling.clone())?,
             sink: TokenSink::new(&request, stop_ids, max_tokens),
             admitted_once: false,
@@ -604,7 +625,7 @@ impl<'m> BatchGenerator<'m> {
         tokens: &[u32],
         prefill_step_size: usize,
     ) -> Result<Vec<KvCache>> {
-        let hit = self.kv.get_computed_blocks(tokens);
+        let hit = computed_blocks(&self.kv, &self.store, tokens);
         let mut cache = self.make_cache();
         self.store
             .load_into(&hit.blocks, &mut cache, self.config.block_size)?;
@@ -664,7 +685,7 @@ impl<'m> BatchGenerator<'m> {
                 let seq = &waiting[k];
                 let hit = match seq.preloaded {
                     Some(_) => ComputedBlocks::default(),
-                    None => kv.get_computed_blocks(&seq.tokens),
+                    None => computed_blocks(kv, store, &seq.tokens),
                 };
                 let new_tokens = seq.tokens.len() - hit.num_tokens;
                 let fits = allocate(kv, store, seq.id, hit.num_tokens, new_tokens, Some(&hit));
@@ -693,8 +714,9 @@ impl<'m> BatchGenerator<'m> {
                 None => self.tails.lookup(&seq.tokens, hit.num_tokens, block_size),
             };
             if let Some(tail) = tail {
+                let new = (tail.tokens.len() - seq.computed) as i32;
                 for (cache, parts) in seq.cache.iter_mut().zip(&tail.parts) {
-                    cache.append_parts(parts)?;
+                    cache.append_block_parts(parts, new)?;
                 }
                 seq.computed = tail.tokens.len();
             }
@@ -713,6 +735,9 @@ impl<'m> BatchGenerator<'m> {
                 allow_release(&mut seq.cache, i32::MAX as usize);
             }
             eval(seq.cache.iter().flat_map(KvCache::state))?;
+            if let Some(&last) = hit.blocks.last() {
+                self.store.touch_state(last);
+            }
             seq.published_blocks = hit.blocks.len();
             self.running.push(seq);
         }
@@ -734,8 +759,14 @@ impl<'m> BatchGenerator<'m> {
         let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
         let plan =
             scheduler::plan_prefill_chunks(&progress, self.config.prefill_batch_size, budget);
+        let hybrid = self.store.has_recurrent_layers();
         for (i, len) in plan {
             let seq = &mut self.running[i];
+            let len = if hybrid {
+                scheduler::align_chunk_to_block(seq.computed, len, self.config.block_size)
+            } else {
+                len
+            };
             let end = seq.computed + len;
             let chunk = &seq.tokens[seq.computed..end];
             let start = Instant::now();
@@ -896,6 +927,26 @@ impl<'m> BatchGenerator<'m> {
             });
         }
         let (step, built) = self.runner.dispatch_decode(rows)?;
+        if self.store.has_recurrent_layers() {
+            // States after a block boundary, for the block that ends there (lazy; the step
+            // just dispatched computes them).
+            let block_size = self.config.block_size;
+            for seq in &mut self.running {
+                let stepped = seq.slot.is_none() && seq.prefill_done() && !seq.cache.is_empty();
+                if stepped && seq.computed % block_size == 0 {
+                    let end = seq.computed as i32;
+                    let states = seq
+                        .cache
+                        .iter()
+                        .map(|layer| match layer.is_recurrent() {
+                            true => layer.block_parts(end, end),
+                            false => Ok(Vec::new()),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    seq.boundary_state = Some((seq.computed, states));
+                }
+            }
+        }
         self.times.decode_build_seconds += built;
         self.times.decode_seconds += start.elapsed().as_secs_f64();
         self.times.decode_steps += 1;
@@ -1061,7 +1112,7 @@ impl<'m> BatchGenerator<'m> {
             None => seq
                 .cache
                 .iter()
-                .map(|layer| layer.copy_parts(start as i32, end as i32))
+                .map(|layer| layer.block_parts(start as i32, end as i32))
                 .collect::<Result<Vec<_>>>()?,
         };
         // Copies of their own now, not graphs that keep the sequence's cache alive.
@@ -1100,9 +1151,27 @@ impl<'m> BatchGenerator<'m> {
         self.release(seq)?;
         seq.computed = 0;
         seq.published_blocks = 0;
+        seq.boundary_state = None;
         self.preemptions += 1;
         Ok(())
     }
+}
+
+/// The longest run of cached full blocks at the start of `prompt` that a request may start from
+/// ([`KvCacheManager::get_computed_blocks`]); for a hybrid model, up to the last of them that
+/// holds the recurrent layers' states ([`BlockStore::has_state`]).
+fn computed_blocks(kv: &KvCacheManager, store: &BlockStore, prompt: &[u32]) -> ComputedBlocks {
+    let mut hit = kv.get_computed_blocks(prompt);
+    if store.has_recurrent_layers() {
+        let usable = hit
+            .blocks
+            .iter()
+            .rposition(|id| store.has_state(*id))
+            .map_or(0, |i| i + 1);
+        hit.blocks.truncate(usable);
+        hit.num_tokens = usable * kv.block_size();
+    }
+    hit
 }
 
 /// Grows `request`'s block table for `num_new_tokens` more tokens (see
@@ -1165,7 +1234,25 @@ fn publish(
                     .collect::<Result<Vec<_>>>()?;
                 store.put_parts(id, parts);
             }
-            None => store.put(id, &seq.cache, index, block_size)?,
+            None => {
+                let (start, end) = ((index * block_size) as i32, ((index + 1) * block_size) as i32);
+                let boundary = seq
+                    .boundary_state
+                    .as_ref()
+                    .filter(|(at, _)| *at == end as usize);
+                let parts = seq
+                    .cache
+                    .iter()
+                    .enumerate()
+                    .map(|(layer, cache)| match boundary {
+                        Some((_, states)) if cache.is_recurrent() && end < cache.offset() => {
+                            Ok(states[layer].clone())
+                        }
+                        _ => cache.block_parts(start, end),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                store.put_parts(id, parts);
+            }
         }
     }
     let ids: Vec<BlockId> = entries.iter().map(|&(_, id)| id).collect();

@@ -6,6 +6,21 @@
 //! measurement behind that); the store receives a copy of each full block once, when it is
 //! registered in the prefix cache, and gives copies back when a later request hits it. A block's
 //! content is dropped when the pool hands the block out again (eviction).
+//!
+//! # Hybrid models
+//! A linear-attention layer (Gated DeltaNet) has no positions to split into blocks: its cache is
+//! a recurrent state after the last token computed (mlx_lm's `ArraysCache`). A block keeps that
+//! layer's state only when the sequence's state was exactly at the block's end when the block was
+//! copied out: prefill chunks of hybrid models end on block boundaries
+//! ([`crate::scheduler::align_chunk_to_block`]), and a decoding sequence keeps its state from the
+//! last boundary it crossed. A prefix hit on a hybrid model ends at a block that holds the state
+//! ([`BlockStore::has_state`]); the attention layers' KV before it comes from every block as usual.
+//! States are large (Qwen3-Next's layout: 36 linear layers x `[32 value heads, 128, 128]` float32
+//! = 72 MiB per block that holds them), so their bytes are bounded apart from the pool's blocks:
+//! beyond `max_state_bytes` the least recently used state is dropped (its block keeps its KV and
+//! can still lead to a later block that has a state).
+
+use std::collections::VecDeque;
 
 use mlx_rs::{ops, Array};
 
@@ -21,6 +36,13 @@ pub struct BlockStore {
     blocks: Vec<Option<BlockKv>>,
     /// Bytes of all content held (kept up to date, since stats are read often).
     nbytes: usize,
+    /// Per layer: whether its cache is a recurrent state (see the module docs).
+    recurrent: Vec<bool>,
+    /// Blocks holding recurrent states, least recently used first.
+    states: VecDeque<BlockId>,
+    /// Bytes of those states, at most `max_state_bytes` (but always the newest one).
+    state_bytes: usize,
+    max_state_bytes: usize,
 }
 
 fn kv_nbytes(kv: &BlockKv) -> usize {
@@ -32,7 +54,76 @@ impl BlockStore {
         Self {
             blocks: (0..num_blocks).map(|_| None).collect(),
             nbytes: 0,
+            recurrent: Vec::new(),
+            states: VecDeque::new(),
+            state_bytes: 0,
+            max_state_bytes: 0,
         }
+    }
+
+    /// Marks the layers whose caches are recurrent states (`recurrent[layer]`), keeping at most
+    /// `max_state_bytes` of their states (and always the newest).
+    pub fn with_recurrent_layers(mut self, recurrent: Vec<bool>, max_state_bytes: usize) -> Self {
+        self.recurrent = recurrent;
+        self.max_state_bytes = max_state_bytes;
+        self
+    }
+
+    /// Whether some layer is recurrent: prefix hits must end at a block with a state.
+    pub fn has_recurrent_layers(&self) -> bool {
+        self.recurrent.iter().any(|&r| r)
+    }
+
+    /// Whether a prefix hit may end at block `id`: it holds content, and the recurrent layers'
+    /// states after it when the model has such layers.
+    pub fn has_state(&self, id: BlockId) -> bool {
+        match &self.blocks[id.0 as usize] {
+            Some(kv) => self.state_nbytes(kv).is_some(),
+            None => false,
+        }
+    }
+
+    /// Marks block `id`'s state as used now (a prefix hit ended there), so it is dropped last.
+    pub fn touch_state(&mut self, id: BlockId) {
+        if let Some(i) = self.states.iter().position(|s| *s == id) {
+            self.states.remove(i);
+            self.states.push_back(id);
+        }
+    }
+
+    /// Bytes of the recurrent states in `kv`; `None` when a recurrent layer has none (0 when the
+    /// model has no recurrent layer).
+    fn state_nbytes(&self, kv: &BlockKv) -> Option<usize> {
+        let mut bytes = 0;
+        for (parts, _) in kv.iter().zip(&self.recurrent).filter(|(_, r)| **r) {
+            if parts.is_empty() {
+                return None;
+            }
+            bytes += parts.iter().map(Array::nbytes).sum::<usize>();
+        }
+        Some(bytes)
+    }
+
+    /// Drops the recurrent states of the least recently used blocks beyond `max_state_bytes`,
+    /// keeping the newest.
+    fn bound_states(&mut self) {
+        while self.state_bytes > self.max_state_bytes && self.states.len() > 1 {
+            let id = self.states.pop_front().expect("non-empty");
+            let Some(kv) = self.blocks[id.0 as usize].as_mut() else {
+                continue;
+            };
+            for (parts, _) in kv.iter_mut().zip(&self.recurrent).filter(|(_, r)| **r) {
+                let bytes: usize = parts.iter().map(Array::nbytes).sum();
+                self.state_bytes -= bytes;
+                self.nbytes -= bytes;
+                parts.clear();
+            }
+        }
+    }
+
+    /// Bytes of recurrent states held.
+    pub fn state_bytes(&self) -> usize {
+        self.state_bytes
     }
 
     /// Copies block `index` (positions `index * block_size ..`) of a sequence's `cache` (one
@@ -50,24 +141,35 @@ impl BlockStore {
         );
         let kv = cache
             .iter()
-            .map(|layer| layer.copy_parts(start, end))
+            .map(|layer| layer.block_parts(start, end))
             .collect::<Result<BlockKv>>()?;
         self.put_parts(id, kv);
         Ok(())
     }
 
     /// Keeps `kv` (per layer, the block's parts in buffers of their own, as
-    /// [`KvCache::copy_parts`] returns them) as block `id`'s content.
+    /// [`KvCache::block_parts`] returns them) as block `id`'s content.
     pub fn put_parts(&mut self, id: BlockId, kv: Vec<Vec<Array>>) {
         self.clear(id);
         self.nbytes += kv_nbytes(&kv);
+        if self.has_recurrent_layers() {
+            if let Some(bytes) = self.state_nbytes(&kv) {
+                self.state_bytes += bytes;
+                self.states.push_back(id);
+            }
+        }
         self.blocks[id.0 as usize] = Some(kv);
+        self.bound_states();
     }
 
     /// Drops the content of `id` (the block was handed out again or forgotten).
     pub fn clear(&mut self, id: BlockId) {
         if let Some(kv) = self.blocks[id.0 as usize].take() {
             self.nbytes -= kv_nbytes(&kv);
+            if let Some(i) = self.states.iter().position(|s| *s == id) {
+                self.states.remove(i);
+                self.state_bytes -= self.state_nbytes(&kv).unwrap_or(0);
+            }
         }
     }
 
@@ -77,9 +179,10 @@ impl BlockStore {
     }
 
     /// Appends the content of `ids`, in order, to an empty per-layer `cache`. Errors when a
-    /// block holds nothing (a broken invariant: every cached block has content). A sliding
-    /// layer's cache that may drop positions skips the leading blocks its window no longer
-    /// reaches from the end of the prefix ([`KvCache::positions_to_skip`]).
+    /// block holds nothing (a broken invariant: every cached block has content), or when the
+    /// last one holds no recurrent state for a recurrent layer ([`BlockStore::has_state`]). A
+    /// sliding layer's cache that may drop positions skips the leading blocks its window no
+    /// longer reaches from the end of the prefix ([`KvCache::positions_to_skip`]).
     pub fn load_into(
         &self,
         ids: &[BlockId],
@@ -99,6 +202,21 @@ impl BlockStore {
             .collect::<Result<Vec<_>>>()?;
         let positions = (ids.len() * block_size) as i32;
         for (layer, layer_cache) in cache.iter_mut().enumerate() {
+            if layer_cache.is_recurrent() {
+                let last = blocks.last().expect("non-empty");
+                if last[layer].is_empty() {
+                    return Err(mlx_rs::error::Exception::from(
+                        format!(
+                            "prefix-cache block {} holds no recurrent state for layer {layer}",
+                            ids[ids.len() - 1].0
+                        )
+                        .as_str(),
+                    )
+                    .into());
+                }
+                layer_cache.append_block_parts(&last[layer], positions)?;
+                continue;
+            }
             let skip = layer_cache.positions_to_skip(positions, block_size as i32);
             layer_cache.start_at(skip);
             if skip == positions {

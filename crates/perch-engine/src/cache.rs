@@ -363,6 +363,48 @@ impl KvCache {
             .collect()
     }
 
+    /// What a block of positions `[start, end)` keeps of this layer for the prefix cache: an
+    /// attention layer's [`KvCache::copy_parts`]; a recurrent layer's state `[conv, ssm]` when it
+    /// is the state after `end` (`end == offset`), else nothing (a recurrent state exists only
+    /// after the last token computed, see [`crate::block_store`]).
+    pub fn block_parts(&self, start: i32, end: i32) -> Result<Vec<Array>> {
+        if !self.is_recurrent {
+            return self.copy_parts(start, end);
+        }
+        Ok(match &self.recurrent {
+            Some(state) if end == self.offset => vec![state.conv.clone(), state.ssm.clone()],
+            _ => Vec::new(),
+        })
+    }
+
+    /// Appends what [`KvCache::block_parts`] gave for `new` positions: an attention layer's
+    /// parts, or a recurrent layer's state after them (`[conv, ssm]`, which replaces the state).
+    pub fn append_block_parts(&mut self, parts: &[Array], new: i32) -> Result<()> {
+        if !self.is_recurrent {
+            return self.append_parts(parts);
+        }
+        match parts {
+            [conv, ssm] => {
+                self.set_recurrent_state(
+                    RecurrentState {
+                        conv: conv.clone(),
+                        ssm: ssm.clone(),
+                    },
+                    new,
+                );
+                Ok(())
+            }
+            _ => Err(mlx_rs::error::Exception::from(
+                format!(
+                    "{} arrays given as a linear-attention layer's state (conv, ssm expected)",
+                    parts.len()
+                )
+                .as_str(),
+            )
+            .into()),
+        }
+    }
+
     /// Positions `[start, end)` as float keys and values `[batch, kv_heads, end - start,
     /// head_dim]`, dequantized when the cache is quantized (lazy).
     pub fn positions(&self, start: i32, end: i32) -> Result<(Array, Array)> {

@@ -93,6 +93,21 @@ pub fn plan_prefill_chunks(
     plan
 }
 
+/// A prefill chunk of `chunk` tokens after `num_computed`, shortened to end on the last block
+/// boundary it crosses (a multiple of `block_size`), if it crosses one; else unchanged. For
+/// hybrid models, whose recurrent state exists only after the last token computed: a chunk that
+/// ends on a boundary leaves a state there for the prefix cache (see [`crate::block_store`]).
+/// The rest of the prompt's last partial block is then a chunk of its own.
+pub fn align_chunk_to_block(num_computed: usize, chunk: usize, block_size: usize) -> usize {
+    let block_size = block_size.max(1);
+    let boundary = (num_computed + chunk) / block_size * block_size;
+    if boundary > num_computed {
+        boundary - num_computed
+    } else {
+        chunk
+    }
+}
+
 /// Which running sequences take a prefill slot this step ([`crate::batch::BatchAttention::Batched`]):
 /// those still prefilling and not in a slot (`has_slot`), oldest first, while fewer than
 /// `batch_size` slots are taken (`taken` now). Returns their indices.
@@ -160,6 +175,20 @@ pub fn when_short(num_running: usize, step_in_flight: bool) -> WhenShort {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hybrid_chunks_end_on_the_last_block_boundary_they_cross() {
+        // Block size 16: a chunk 0..19 stops at 16; the rest of the block follows alone.
+        assert_eq!(align_chunk_to_block(0, 19, 16), 16);
+        assert_eq!(align_chunk_to_block(16, 3, 16), 3);
+        // Several boundaries: the last one.
+        assert_eq!(align_chunk_to_block(5, 60, 16), 59);
+        // Already on one, or crossing none.
+        assert_eq!(align_chunk_to_block(0, 32, 16), 32);
+        assert_eq!(align_chunk_to_block(17, 10, 16), 10);
+        // After an unaligned start (a tail hit), the first boundary realigns it.
+        assert_eq!(align_chunk_to_block(20, 512, 16), 508);
+    }
 
     fn prefilling(num_tokens: usize, num_computed: usize, step: usize) -> Progress {
         Progress {

@@ -180,8 +180,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
                 let mut request = GenerateRequest::new(prompt.clone());
                 request.max_tokens = expected.greedy_ids.len();
                 request.ignore_eos = true;
-                // Chunks of 4: the prompt's state carries over between prefill chunks.
-                request.prefill_step_size = 4;
+                // Chunks of 4 (7 for the first prompt, whose chunk 14..21 crosses the block
+                // boundary at 16): the prompt's state carries over between prefill chunks.
+                request.prefill_step_size = if at == 0 { 7 } else { 4 };
                 (at, request)
             })
             .collect();
@@ -229,13 +230,33 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             .token_ids;
             let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
             assert_eq!(output.token_ids, alone, "{name}: after a prefix-cache hit");
-            if !model.has_recurrent_layers() {
-                assert!(
-                    output.stats.cached_prompt_tokens >= 16,
-                    "{name}: {} prompt tokens came from the prefix cache",
-                    output.stats.cached_prompt_tokens
-                );
-            }
+            // Hybrid models too: the first prompt's prefill chunks end on the block boundary,
+            // where the block keeps the recurrent layers' states.
+            assert!(
+                output.stats.cached_prompt_tokens >= 16,
+                "{name}: {} prompt tokens came from the prefix cache",
+                output.stats.cached_prompt_tokens
+            );
+            // A conversation that goes on: the second request's prompt (11 tokens) and its
+            // first 10 generated tokens, then one more. Its first block (16 tokens) was filled
+            // while decoding, so a hybrid model's states there come from that decode step.
+            let mut turn = prompts[1].clone();
+            turn.extend_from_slice(&outputs[1].0.token_ids[..10]);
+            turn.push(expected.prompt_ids[0]);
+            let mut request = GenerateRequest::new(turn);
+            request.max_tokens = 8;
+            request.ignore_eos = true;
+            let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap()
+            .token_ids;
+            let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
+            assert_eq!(output.token_ids, alone, "{name}: after a block filled in decode");
+            assert_eq!(
+                output.stats.cached_prompt_tokens, 16,
+                "{name}: the block filled in decode came from the prefix cache"
+            );
         }
         if !expected.long_prompt_ids.is_empty() {
             past_the_window(dir, model.as_ref(), &tokenizer, &name, &expected);
