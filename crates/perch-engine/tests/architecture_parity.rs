@@ -257,6 +257,30 @@ fn logits_and_greedy_ids_match_mlx_lm() {
                 output.stats.cached_prompt_tokens, 16,
                 "{name}: the block filled in decode came from the prefix cache"
             );
+            // A prompt of 34 tokens prefilled in one chunk (to 32, then the rest of the block):
+            // its first block holds KV but no recurrent states (they exist after 32 only), so a
+            // prompt that shares just that block finds nothing on a hybrid model.
+            // (A sequence no earlier request began with: the prompt reversed, then its start.)
+            let reversed: Vec<u32> = expected.prompt_ids.iter().rev().copied().collect();
+            let long: Vec<u32> = [&reversed[..], &expected.prompt_ids[..16]].concat();
+            let shares_one_block: Vec<u32> =
+                [&long[..16], &expected.prompt_ids[..6]].concat();
+            let mut cached = Vec::new();
+            for prompt in [long, shares_one_block] {
+                let mut request = GenerateRequest::new(prompt);
+                request.max_tokens = 4;
+                request.ignore_eos = true;
+                let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
+                    ControlFlow::Continue(())
+                })
+                .unwrap()
+                .token_ids;
+                let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
+                assert_eq!(output.token_ids, alone, "{name}: {} prompt tokens", alone.len());
+                cached.push(output.stats.cached_prompt_tokens);
+            }
+            let shared = if model.has_recurrent_layers() { 0 } else { 16 };
+            assert_eq!(cached, [0, shared], "{name}: prompt tokens from the prefix cache");
         }
         if !expected.long_prompt_ids.is_empty() {
             past_the_window(dir, model.as_ref(), &tokenizer, &name, &expected);
