@@ -176,7 +176,8 @@ impl BatchConfig {
 /// KV cache bytes one token takes across all layers: keys and values of `layers * kv_heads`
 /// head vectors of `head_dim` values, in the compute dtype or quantized (packed values plus a
 /// scale and bias per group). SmolLM2-135M on CPU: 46,080 bytes in float32, 12,960 with 8-bit
-/// and 7,200 with 4-bit quantization (group size 64).
+/// and 7,200 with 4-bit quantization (group size 64). Linear-attention layers (hybrid models)
+/// hold no KV and are not counted (their states are budgeted apart, see `crate::block_store`).
 pub fn kv_bytes_per_token(model: &dyn Model, kv_quantization: Option<KvQuantization>) -> usize {
     let info = model.info();
     let dtype_bytes = match Backend::current().compute_dtype(Dtype::Float32) {
@@ -187,7 +188,12 @@ pub fn kv_bytes_per_token(model: &dyn Model, kv_quantization: Option<KvQuantizat
         None => info.head_dim * dtype_bytes,
         Some(q) => q.bytes_per_vector(info.head_dim, dtype_bytes),
     };
-    2 * info.num_layers * info.num_kv_heads * per_vector
+    let attention_layers = model
+        .make_cache(None)
+        .iter()
+        .filter(|layer| !layer.is_recurrent())
+        .count();
+    2 * attention_layers * info.num_kv_heads * per_vector
 }
 
 /// The KV block pool's state, for engine stats.
@@ -270,6 +276,10 @@ struct Sequence {
     /// `(tokens, per layer what [`KvCache::block_parts`] gives)`, so that the block ending there
     /// keeps them when it is published (see [`crate::block_store`]).
     boundary_state: Option<(usize, Vec<Vec<Array>>)>,
+    /// A hybrid model's sequence that recomputes shared prefix-cache blocks after the last one
+    /// with recurrent states: the end of those blocks, where a prefill chunk stops and the
+    /// last of them receives the states ([`BlockStore::put_state`]).
+    branch_at: Option<usize>,
     sampler: Sampler,
     history: RecentTokens,
     /// Where a constrained request is in its grammar ([`GenerateRequest::grammar`]).
@@ -472,6 +482,7 @@ impl<'m> BatchGenerator<'m> {
             computed: 0,
             published_blocks: 0,
             boundary_state: None,
+            branch_at: None,
             sampler: Sampler::new(request.sampling.clone())?,
             sink: TokenSink::new(&request, stop_ids, max_tokens),
             admitted_once: false,
@@ -685,7 +696,7 @@ impl<'m> BatchGenerator<'m> {
                 let seq = &waiting[k];
                 let hit = match seq.preloaded {
                     Some(_) => ComputedBlocks::default(),
-                    None => computed_blocks(kv, store, &seq.tokens),
+                    None => kv.get_computed_blocks(&seq.tokens),
                 };
                 let new_tokens = seq.tokens.len() - hit.num_tokens;
                 let fits = allocate(kv, store, seq.id, hit.num_tokens, new_tokens, Some(&hit));
@@ -705,12 +716,18 @@ impl<'m> BatchGenerator<'m> {
                 // its window cannot reach.
                 allow_release(&mut seq.cache, hit.blocks.len() * block_size);
             }
+            // A hybrid model's sequence starts after the last hit block that holds recurrent
+            // states; it shares the blocks after that one and recomputes them up to the end of
+            // the hit, where it leaves its states (`branch_at`).
+            let usable = usable_blocks(&self.store, &hit.blocks);
             self.store
-                .load_into(&hit.blocks, &mut seq.cache, block_size)?;
-            seq.computed = hit.num_tokens;
+                .load_into(&hit.blocks[..usable], &mut seq.cache, block_size)?;
+            seq.computed = usable * block_size;
+            seq.branch_at = (usable < hit.blocks.len()).then_some(hit.num_tokens);
             // The partial block after the cached ones, when an earlier sequence left it.
             let tail = match seq.preloaded {
                 Some(_) => None,
+                None if usable < hit.blocks.len() => None,
                 None => self.tails.lookup(&seq.tokens, hit.num_tokens, block_size),
             };
             if let Some(tail) = tail {
@@ -735,7 +752,7 @@ impl<'m> BatchGenerator<'m> {
                 allow_release(&mut seq.cache, i32::MAX as usize);
             }
             eval(seq.cache.iter().flat_map(KvCache::state))?;
-            if let Some(&last) = hit.blocks.last() {
+            if let Some(&last) = hit.blocks[..usable].last() {
                 self.store.touch_state(last);
             }
             seq.published_blocks = hit.blocks.len();
@@ -763,7 +780,12 @@ impl<'m> BatchGenerator<'m> {
         for (i, len) in plan {
             let seq = &mut self.running[i];
             let len = if hybrid {
-                scheduler::align_chunk_to_block(seq.computed, len, self.config.block_size)
+                let len =
+                    scheduler::align_chunk_to_block(seq.computed, len, self.config.block_size);
+                match seq.branch_at {
+                    Some(at) if seq.computed < at => len.min(at - seq.computed),
+                    _ => len,
+                }
             } else {
                 len
             };
@@ -777,6 +799,14 @@ impl<'m> BatchGenerator<'m> {
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
             publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
+            if seq.branch_at == Some(end) {
+                seq.branch_at = None;
+                let table = self.kv.block_table(seq.id).expect("a running request");
+                let states = recurrent_states(&seq.cache)?;
+                eval(states.iter().flatten())?;
+                self.store
+                    .put_state(table[end / self.config.block_size - 1], states);
+            }
         }
         Ok(())
     }
@@ -934,16 +964,7 @@ impl<'m> BatchGenerator<'m> {
             for seq in &mut self.running {
                 let stepped = seq.slot.is_none() && seq.prefill_done() && !seq.cache.is_empty();
                 if stepped && seq.computed % block_size == 0 {
-                    let end = seq.computed as i32;
-                    let states = seq
-                        .cache
-                        .iter()
-                        .map(|layer| match layer.is_recurrent() {
-                            true => layer.block_parts(end, end),
-                            false => Ok(Vec::new()),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    seq.boundary_state = Some((seq.computed, states));
+                    seq.boundary_state = Some((seq.computed, recurrent_states(&seq.cache)?));
                 }
             }
         }
@@ -1152,26 +1173,44 @@ impl<'m> BatchGenerator<'m> {
         seq.computed = 0;
         seq.published_blocks = 0;
         seq.boundary_state = None;
+        seq.branch_at = None;
         self.preemptions += 1;
         Ok(())
     }
 }
 
-/// The longest run of cached full blocks at the start of `prompt` that a request may start from
-/// ([`KvCacheManager::get_computed_blocks`]); for a hybrid model, up to the last of them that
-/// holds the recurrent layers' states ([`BlockStore::has_state`]).
+/// How many of a prefix hit's `blocks` a sequence can start after: all of them, but for a
+/// hybrid model only up to the last that holds the recurrent layers' states
+/// ([`BlockStore::has_state`]).
+fn usable_blocks(store: &BlockStore, blocks: &[BlockId]) -> usize {
+    if !store.has_recurrent_layers() {
+        return blocks.len();
+    }
+    blocks
+        .iter()
+        .rposition(|id| store.has_state(*id))
+        .map_or(0, |i| i + 1)
+}
+
+/// [`KvCacheManager::get_computed_blocks`] cut to its [`usable_blocks`].
 fn computed_blocks(kv: &KvCacheManager, store: &BlockStore, prompt: &[u32]) -> ComputedBlocks {
     let mut hit = kv.get_computed_blocks(prompt);
-    if store.has_recurrent_layers() {
-        let usable = hit
-            .blocks
-            .iter()
-            .rposition(|id| store.has_state(*id))
-            .map_or(0, |i| i + 1);
-        hit.blocks.truncate(usable);
-        hit.num_tokens = usable * kv.block_size();
-    }
+    let usable = usable_blocks(store, &hit.blocks);
+    hit.blocks.truncate(usable);
+    hit.num_tokens = usable * kv.block_size();
     hit
+}
+
+/// A sequence's recurrent layers' states now, per layer (empty for attention layers), in the
+/// form a block keeps them ([`KvCache::block_parts`]; lazy).
+fn recurrent_states(cache: &[KvCache]) -> Result<Vec<Vec<Array>>> {
+    cache
+        .iter()
+        .map(|layer| match layer.is_recurrent() {
+            true => layer.block_parts(layer.offset(), layer.offset()),
+            false => Ok(Vec::new()),
+        })
+        .collect()
 }
 
 /// Grows `request`'s block table for `num_new_tokens` more tokens (see

@@ -162,6 +162,35 @@ impl BlockStore {
         self.bound_states();
     }
 
+    /// Adds the recurrent layers' states after block `id` (per layer, what
+    /// [`KvCache::block_parts`] gives; attention layers' entries ignored) to a block that holds KV
+    /// but no states: a sequence that recomputed up to the end of a cached block, where its
+    /// prompt leaves a cached chain, leaves the states there for the next prompt that does.
+    pub fn put_state(&mut self, id: BlockId, states: Vec<Vec<Array>>) {
+        let complete = states
+            .iter()
+            .zip(&self.recurrent)
+            .all(|(state, recurrent)| !recurrent || !state.is_empty());
+        if !complete || self.has_state(id) || !self.contains(id) {
+            return;
+        }
+        let kv = self.blocks[id.0 as usize].as_mut().expect("contains");
+        let mut bytes = 0;
+        for ((parts, state), _) in kv
+            .iter_mut()
+            .zip(states)
+            .zip(&self.recurrent)
+            .filter(|(_, r)| **r)
+        {
+            bytes += state.iter().map(Array::nbytes).sum::<usize>();
+            *parts = state;
+        }
+        self.nbytes += bytes;
+        self.state_bytes += bytes;
+        self.states.push_back(id);
+        self.bound_states();
+    }
+
     /// Drops the content of `id` (the block was handed out again or forgotten).
     pub fn clear(&mut self, id: BlockId) {
         if let Some(kv) = self.blocks[id.0 as usize].take() {
@@ -254,4 +283,65 @@ fn missing(id: BlockId) -> crate::error::EngineError {
         format!("prefix-cache block {} has no KV content", id.0).as_str(),
     )
     .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block of a two-layer hybrid model: layer 0 attention (keys, values), layer 1 recurrent
+    /// (conv, ssm of 64 float32 each = 512 bytes) or nothing.
+    fn block(with_state: bool) -> BlockKv {
+        let kv = vec![ops::zeros::<f32>(&[1, 1, 4, 8]).unwrap(); 2];
+        let state = match with_state {
+            true => vec![ops::zeros::<f32>(&[64]).unwrap(); 2],
+            false => Vec::new(),
+        };
+        vec![kv, state]
+    }
+
+    #[test]
+    fn recurrent_states_are_bounded_by_bytes_least_recently_used_first() {
+        let mut store = BlockStore::new(8).with_recurrent_layers(vec![false, true], 1024);
+        let kv_bytes = 2 * 4 * 8 * 4;
+        store.put_parts(BlockId(0), block(true));
+        store.put_parts(BlockId(1), block(false));
+        store.put_parts(BlockId(2), block(true));
+        assert!(store.has_state(BlockId(0)) && store.has_state(BlockId(2)));
+        assert!(!store.has_state(BlockId(1)) && store.contains(BlockId(1)));
+        assert_eq!(store.state_bytes(), 1024);
+        // A hit on block 0 makes block 2's state the least recently used.
+        store.touch_state(BlockId(0));
+        store.put_parts(BlockId(3), block(true));
+        assert!(!store.has_state(BlockId(2)), "least recently used state dropped");
+        assert!(store.contains(BlockId(2)), "its KV stays");
+        assert!(store.has_state(BlockId(0)) && store.has_state(BlockId(3)));
+        assert_eq!(store.state_bytes(), 1024);
+        assert_eq!(store.nbytes(), 4 * kv_bytes + 1024);
+        // Eviction takes the state's bytes with the block.
+        store.clear(BlockId(3));
+        assert_eq!(store.state_bytes(), 512);
+        assert_eq!(store.nbytes(), 3 * kv_bytes + 512);
+        // The newest state stays even when it alone is over the bound.
+        let mut tight = BlockStore::new(2).with_recurrent_layers(vec![false, true], 100);
+        tight.put_parts(BlockId(0), block(true));
+        tight.put_parts(BlockId(1), block(true));
+        assert!(!tight.has_state(BlockId(0)) && tight.has_state(BlockId(1)));
+    }
+
+    #[test]
+    fn a_hit_loads_the_last_blocks_recurrent_state() {
+        let mut store = BlockStore::new(4).with_recurrent_layers(vec![false, true], 1 << 20);
+        store.put_parts(BlockId(0), block(false));
+        store.put_parts(BlockId(1), block(true));
+        let mut cache = vec![KvCache::new(), KvCache::recurrent()];
+        store.load_into(&[BlockId(0), BlockId(1)], &mut cache, 4).unwrap();
+        assert_eq!(cache[0].offset(), 8);
+        assert_eq!(cache[1].offset(), 8, "the state is after both blocks");
+        assert!(cache[1].recurrent_state().is_some());
+        // Ending at a block without states is refused, not loaded with a stale state.
+        let mut cache = vec![KvCache::new(), KvCache::recurrent()];
+        let err = store.load_into(&[BlockId(0)], &mut cache, 4).unwrap_err();
+        assert!(err.to_string().contains("no recurrent state"), "{err}");
+    }
 }

@@ -259,14 +259,17 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             );
             // A prompt of 34 tokens prefilled in one chunk (to 32, then the rest of the block):
             // its first block holds KV but no recurrent states (they exist after 32 only), so a
-            // prompt that shares just that block finds nothing on a hybrid model.
+            // prompt that shares just that block starts from nothing on a hybrid model; it stops
+            // a prefill chunk where it leaves the cached chain (16) and leaves its states in that
+            // block, so a third prompt sharing the block starts from it.
             // (A sequence no earlier request began with: the prompt reversed, then its start.)
             let reversed: Vec<u32> = expected.prompt_ids.iter().rev().copied().collect();
             let long: Vec<u32> = [&reversed[..], &expected.prompt_ids[..16]].concat();
-            let shares_one_block: Vec<u32> =
-                [&long[..16], &expected.prompt_ids[..6]].concat();
+            // (34 tokens: without the stop at 16, its one chunk would end at 32.)
+            let shares_one_block: Vec<u32> = [&long[..16], &expected.prompt_ids[..]].concat();
+            let shares_it_too: Vec<u32> = [&long[..16], &reversed[..7]].concat();
             let mut cached = Vec::new();
-            for prompt in [long, shares_one_block] {
+            for prompt in [long, shares_one_block, shares_it_too] {
                 let mut request = GenerateRequest::new(prompt);
                 request.max_tokens = 4;
                 request.ignore_eos = true;
@@ -280,7 +283,11 @@ fn logits_and_greedy_ids_match_mlx_lm() {
                 cached.push(output.stats.cached_prompt_tokens);
             }
             let shared = if model.has_recurrent_layers() { 0 } else { 16 };
-            assert_eq!(cached, [0, shared], "{name}: prompt tokens from the prefix cache");
+            assert_eq!(
+                cached,
+                [0, shared, 16],
+                "{name}: prompt tokens from the prefix cache"
+            );
         }
         if !expected.long_prompt_ids.is_empty() {
             past_the_window(dir, model.as_ref(), &tokenizer, &name, &expected);
