@@ -1274,7 +1274,10 @@ fn publish(
                 store.put_parts(id, parts);
             }
             None => {
-                let (start, end) = ((index * block_size) as i32, ((index + 1) * block_size) as i32);
+                let (start, end) = (
+                    (index * block_size) as i32,
+                    ((index + 1) * block_size) as i32,
+                );
                 let boundary = seq
                     .boundary_state
                     .as_ref()

@@ -313,7 +313,10 @@ mod tests {
         // A hit on block 0 makes block 2's state the least recently used.
         store.touch_state(BlockId(0));
         store.put_parts(BlockId(3), block(true));
-        assert!(!store.has_state(BlockId(2)), "least recently used state dropped");
+        assert!(
+            !store.has_state(BlockId(2)),
+            "least recently used state dropped"
+        );
         assert!(store.contains(BlockId(2)), "its KV stays");
         assert!(store.has_state(BlockId(0)) && store.has_state(BlockId(3)));
         assert_eq!(store.state_bytes(), 1024);
@@ -335,7 +338,9 @@ mod tests {
         store.put_parts(BlockId(0), block(false));
         store.put_parts(BlockId(1), block(true));
         let mut cache = vec![KvCache::new(), KvCache::recurrent()];
-        store.load_into(&[BlockId(0), BlockId(1)], &mut cache, 4).unwrap();
+        store
+            .load_into(&[BlockId(0), BlockId(1)], &mut cache, 4)
+            .unwrap();
         assert_eq!(cache[0].offset(), 8);
         assert_eq!(cache[1].offset(), 8, "the state is after both blocks");
         assert!(cache[1].recurrent_state().is_some());

@@ -252,7 +252,10 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             .unwrap()
             .token_ids;
             let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
-            assert_eq!(output.token_ids, alone, "{name}: after a block filled in decode");
+            assert_eq!(
+                output.token_ids, alone,
+                "{name}: after a block filled in decode"
+            );
             assert_eq!(
                 output.stats.cached_prompt_tokens, 16,
                 "{name}: the block filled in decode came from the prefix cache"
@@ -279,7 +282,12 @@ fn logits_and_greedy_ids_match_mlx_lm() {
                 .unwrap()
                 .token_ids;
                 let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
-                assert_eq!(output.token_ids, alone, "{name}: {} prompt tokens", alone.len());
+                assert_eq!(
+                    output.token_ids,
+                    alone,
+                    "{name}: {} prompt tokens",
+                    alone.len()
+                );
                 cached.push(output.stats.cached_prompt_tokens);
             }
             let shared = if model.has_recurrent_layers() { 0 } else { 16 };
