@@ -436,8 +436,13 @@ impl<'m> BatchGenerator<'m> {
         prefix: PromptCache,
     ) -> Result<RequestId> {
         match &prefix.tokens {
-            // A prefix whose sliding layers hold only their window stays private to this request.
-            Some(tokens) if prefix.can_join_prefix_cache() => {
+            // A prefix whose sliding layers hold only their window, or whose recurrent states fall
+            // inside a block, stays private to this request.
+            Some(tokens)
+                if prefix
+                    .why_not_in_prefix_cache(self.config.block_size)
+                    .is_none() =>
+            {
                 self.import_prefix(tokens, &prefix.layers)?;
                 request.prompt = [&tokens[..], &request.prompt[..]].concat();
                 self.insert_with(request, None)
@@ -574,7 +579,7 @@ impl<'m> BatchGenerator<'m> {
     pub fn import_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
         debug_assert!(
             layers.iter().all(|l| l.first_position() == 0),
-            "blocks hold every position (see PromptCache::can_join_prefix_cache)"
+            "blocks hold every position (see PromptCache::why_not_in_prefix_cache)"
         );
         let block_size = self.config.block_size;
         // Blocks already cached are reused, not taken (and evicted from) the free queue again.
@@ -607,13 +612,17 @@ impl<'m> BatchGenerator<'m> {
         let converted;
         let layers = if layers
             .iter()
+            .filter(|l| !l.is_recurrent())
             .all(|l| l.quantization() == self.config.kv_quantization)
         {
             layers
         } else {
             let mut cache = self.make_cache();
             for (cache, layer) in cache.iter_mut().zip(layers) {
-                cache.extend_from(layer, num_tokens as i32)?;
+                // A recurrent state exists after the prefix's last token only.
+                if !layer.is_recurrent() || layer.offset() == num_tokens as i32 {
+                    cache.extend_from(layer, num_tokens as i32)?;
+                }
             }
             converted = cache;
             &converted

@@ -123,6 +123,8 @@ pub struct KvCache {
     /// A recurrent layer's state, `None` before its first token; `None` for attention layers.
     recurrent: Option<RecurrentState>,
     is_recurrent: bool,
+    /// A recurrent layer's state shapes for one sequence (conv, ssm), when the model gave them.
+    state_shapes: Option<[Vec<i32>; 2]>,
 }
 
 /// A linear-attention layer's state for one or more sequences (rows on axis 0).
@@ -207,6 +209,17 @@ impl KvCache {
             is_recurrent: true,
             ..Self::default()
         }
+    }
+
+    /// Records one sequence's state shapes (`[conv, ssm]`), for checking states read from files.
+    pub fn with_state_shapes(mut self, shapes: [Vec<i32>; 2]) -> Self {
+        self.state_shapes = Some(shapes);
+        self
+    }
+
+    /// One sequence's state shapes (`[conv, ssm]`) of a recurrent layer, when known.
+    pub fn state_shapes(&self) -> Option<&[Vec<i32>; 2]> {
+        self.state_shapes.as_ref()
     }
 
     /// Whether this is a linear-attention layer's cache ([`KvCache::recurrent`]).
@@ -421,8 +434,27 @@ impl KvCache {
 
     /// Appends positions `offset()..end` of `other`, converting between float and quantized
     /// when the two caches differ. An empty cache starts where `other` does (a sliding layer
-    /// that holds only its window's positions, see [`KvCache::start_at`]).
+    /// that holds only its window's positions, see [`KvCache::start_at`]). A recurrent layer's
+    /// cache takes `other`'s state, which must be the state after `end` tokens.
     pub fn extend_from(&mut self, other: &KvCache, end: i32) -> Result<()> {
+        if self.is_recurrent {
+            // A recurrent state exists after its last token only.
+            let new = end - self.offset;
+            return match other.recurrent_state() {
+                Some(state) if other.is_recurrent && other.offset == end && new >= 0 => {
+                    self.set_recurrent_state(state.clone(), new);
+                    Ok(())
+                }
+                _ => Err(mlx_rs::error::Exception::from(
+                    format!(
+                        "a linear-attention layer's state after {end} tokens, from a cache after {}",
+                        other.offset
+                    )
+                    .as_str(),
+                )
+                .into()),
+            };
+        }
         if self.offset == 0 && self.buffers.is_empty() {
             self.start_at(other.first_position().min(end));
         }

@@ -1054,13 +1054,11 @@ impl Pass<'_> {
                                 path: path.clone(),
                                 message: format!("{why}; submit it as Prompt::AfterCache instead"),
                             };
-                            match &prefix.tokens {
-                                Some(_) if !prefix.can_join_prefix_cache() => Err(refused(
-                                    "its sliding-window layers hold only their last positions, \
-                                     and prefix-cache blocks hold every position",
-                                )),
-                                Some(tokens) => batch.import_prefix(tokens, &prefix.layers),
-                                None => Err(refused(
+                            let block_size = batch.config().block_size;
+                            match (&prefix.tokens, prefix.why_not_in_prefix_cache(block_size)) {
+                                (Some(_), Some(why)) => Err(refused(&why)),
+                                (Some(tokens), None) => batch.import_prefix(tokens, &prefix.layers),
+                                (None, _) => Err(refused(
                                     "it does not record its token ids (an mlx_lm file)",
                                 )),
                             }

@@ -11,9 +11,14 @@
 //!   `"{layer}.2"` … `"{layer}.5"`. The buffer may be a ring: mlx_lm's `_temporal_order` puts
 //!   it back in order (as is when `_idx` is its length; `[:keep] + [_idx:] + [keep:_idx]` when
 //!   `_idx < offset`; else `[:_idx]`), after which it holds the last positions before `offset`.
+//! - `ArraysCache` (a linear-attention layer of a hybrid model, Qwen3.5): `"{layer}.0.0"` the
+//!   convolution's last inputs `[1, kernel - 1, channels]`, `"{layer}.0.1"` the recurrence's
+//!   state `[1, value_heads, value_dim, key_dim]`, and `"{layer}.1"` / `"{layer}.2"` (left padding
+//!   and lengths of a batch) `None`: an empty tensor listed as `"none"`. No offset: the attention
+//!   layers' gives the state's position.
 //! - metadata `"0.{key}"` free-form strings, `"1.{layer}"` the cache class, and `"2.0" = ""`,
-//!   `"2.{k}.0" = "{layer}.{part}"`, `"2.{k}.1" = "scalar"` marking the scalars, `k` counting
-//!   every scalar of the file from 1.
+//!   `"2.{k}.0" = "{layer}.{part}"`, `"2.{k}.1" = "scalar"` (or `"none"`) marking the scalars,
+//!   `k` counting every scalar of the file from 1.
 //!
 //! Perch writes a sliding layer's positions in order, all those the prefix computed (`_idx` =
 //! their number, `keep` = 0), which is the state mlx_lm itself has after one prompt pass; mlx_lm
@@ -37,13 +42,14 @@ use std::path::Path;
 
 use mlx_rs::{Array, Dtype};
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, RecurrentState};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::models::Model;
 
 const CLASS: &str = "KVCache";
 const ROTATING_CLASS: &str = "RotatingKVCache";
+const ARRAYS_CLASS: &str = "ArraysCache";
 
 /// A prefix's KV state, read from or written to a prompt-cache file.
 pub struct PromptCache {
@@ -58,22 +64,33 @@ pub struct PromptCache {
 }
 
 impl PromptCache {
-    /// Whether every layer holds every position from 0, as prefix-cache blocks must (a
-    /// sliding layer read from mlx_lm may hold only its window).
-    pub fn can_join_prefix_cache(&self) -> bool {
-        self.layers.iter().all(|l| l.first_position() == 0)
+    /// Why this prefix cannot join a prefix cache of `block_size`-token blocks, or `None` when
+    /// it can: every layer must hold every position from 0 (a sliding layer read from mlx_lm may
+    /// hold only its window), and linear-attention layers' states, which exist after the last
+    /// token only, must fall at the end of a block (where a hit can start from them).
+    pub fn why_not_in_prefix_cache(&self, block_size: usize) -> Option<String> {
+        if self.layers.iter().any(|l| l.first_position() > 0) {
+            return Some(
+                "its sliding-window layers hold only their last positions, and prefix-cache \
+                 blocks hold every position"
+                    .into(),
+            );
+        }
+        if self.layers.iter().any(KvCache::is_recurrent) && self.offset % block_size.max(1) != 0 {
+            return Some(format!(
+                "its linear-attention layers' states are after {} tokens, not at the end of a \
+                 {block_size}-token block, where the prefix cache keeps such states",
+                self.offset
+            ));
+        }
+        None
     }
 }
 
-/// Why a model with linear-attention layers has no prompt caches yet.
-pub const RECURRENT_UNSUPPORTED: &str =
-    "prompt caches of models with linear-attention layers (Qwen3.5) are not supported yet";
-
-/// Why `model` cannot have prompt caches, or `None` when it can.
-pub fn unsupported_reason(model: &dyn Model) -> Option<&'static str> {
-    model
-        .has_recurrent_layers()
-        .then_some(RECURRENT_UNSUPPORTED)
+/// Why `model` cannot have prompt caches, or `None` when it can (every architecture Perch runs
+/// can now; kept for the engine's check before it computes a prefix).
+pub fn unsupported_reason(_model: &dyn Model) -> Option<&'static str> {
+    None
 }
 
 /// Writes `layers` (each holding `tokens.len()` positions) to `path` (must end in
@@ -89,9 +106,6 @@ pub fn save_prompt_cache(
         path: path.to_path_buf(),
         message,
     };
-    if layers.iter().any(KvCache::is_recurrent) {
-        return Err(error(RECURRENT_UNSUPPORTED.into()));
-    }
     if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
         return Err(error("the file name must end in .safetensors".into()));
     }
@@ -101,12 +115,31 @@ pub fn save_prompt_cache(
     metadata.insert("2.0".into(), String::new());
     let mut dtype = None;
     let mut scalars = 0;
+    let mut scalar_entry = |name: &str, kind: &str, metadata: &mut HashMap<String, String>| {
+        scalars += 1;
+        metadata.insert(format!("2.{scalars}.0"), name.to_string());
+        metadata.insert(format!("2.{scalars}.1"), kind.to_string());
+    };
     for (i, layer) in layers.iter().enumerate() {
         if layer.offset() != offset {
             return Err(error(format!(
                 "layer {i} holds {} positions, not {offset}",
                 layer.offset()
             )));
+        }
+        if layer.is_recurrent() {
+            let state = layer
+                .recurrent_state()
+                .ok_or_else(|| error(format!("layer {i} has no state (an empty prefix)")))?;
+            arrays.push((format!("{i}.0.0"), state.conv.clone()));
+            arrays.push((format!("{i}.0.1"), state.ssm.clone()));
+            for part in [1, 2] {
+                let name = format!("{i}.{part}");
+                scalar_entry(&name, "none", &mut metadata);
+                arrays.push((name, Array::from_slice::<f32>(&[], &[0])));
+            }
+            metadata.insert(format!("1.{i}"), ARRAYS_CLASS.into());
+            continue;
         }
         let first = layer.first_position();
         let (keys, values) = layer.positions(first, offset)?;
@@ -120,9 +153,7 @@ pub fn save_prompt_cache(
         };
         for (k, value) in ints.into_iter().enumerate() {
             let name = format!("{i}.{}", k + 2);
-            scalars += 1;
-            metadata.insert(format!("2.{scalars}.0"), name.clone());
-            metadata.insert(format!("2.{scalars}.1"), "scalar".into());
+            scalar_entry(&name, "scalar", &mut metadata);
             arrays.push((name, Array::from_int(value)));
         }
         metadata.insert(format!("1.{i}"), class.into());
@@ -198,22 +229,79 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
     }
     if let Some(other) = classes
         .iter()
-        .find(|c| c.as_str() != CLASS && c.as_str() != ROTATING_CLASS)
+        .find(|c| ![CLASS, ROTATING_CLASS, ARRAYS_CLASS].contains(&c.as_str()))
     {
         return Err(error(format!(
-            "cache type {other} is not supported (only {CLASS} and {ROTATING_CLASS})"
+            "cache type {other} is not supported (only {CLASS}, {ROTATING_CLASS} and \
+             {ARRAYS_CLASS})"
         )));
     }
-    let windows: Vec<Option<i32>> = model.make_cache(None).iter().map(KvCache::window).collect();
+    // The scalars' kinds by tensor name ("scalar", "none", ...).
+    let scalar_kinds: HashMap<&str, &str> = (1..)
+        .map_while(|k| {
+            Some((
+                raw.get(&format!("2.{k}.0"))?.as_str(),
+                raw.get(&format!("2.{k}.1"))?.as_str(),
+            ))
+        })
+        .collect();
+    let empty = model.make_cache(None);
     let dtype = Backend::current().compute_dtype(Dtype::Float32);
     let mut layers = Vec::with_capacity(info.num_layers);
+    // Recurrent layers' states, set once the attention layers gave the offset.
+    let mut states = Vec::new();
     let mut offset = None;
-    for (i, window) in windows.into_iter().enumerate() {
-        let mut take = |part: usize| {
+    for (i, model_layer) in empty.iter().enumerate() {
+        let window = model_layer.window();
+        let mut take = |part: &str| {
             arrays
                 .remove(&format!("{i}.{part}"))
                 .ok_or_else(|| error(format!("tensor {i}.{part} is missing")))
         };
+        let recurrent_file = classes[i].as_str() == ARRAYS_CLASS;
+        if model_layer.is_recurrent() != recurrent_file {
+            return Err(error(format!(
+                "layer {i} is a {} in the file; the model's layer {i} is {}",
+                classes[i],
+                if model_layer.is_recurrent() {
+                    "a linear-attention layer (ArraysCache)"
+                } else {
+                    "an attention layer"
+                }
+            )));
+        }
+        if recurrent_file {
+            for part in ["1", "2"] {
+                let name = format!("{i}.{part}");
+                if scalar_kinds.get(name.as_str()) != Some(&"none") {
+                    return Err(error(format!(
+                        "layer {i}'s ArraysCache has left padding or lengths (a batch's cache); \
+                         only one sequence's state is read"
+                    )));
+                }
+            }
+            let (conv, ssm) = (take("0.0")?, take("0.1")?);
+            if let Some([conv_shape, ssm_shape]) = model_layer.state_shapes() {
+                if conv.shape() != conv_shape.as_slice() || ssm.shape() != ssm_shape.as_slice() {
+                    return Err(error(format!(
+                        "layer {i} has states {:?} and {:?}; the model needs {conv_shape:?} and \
+                         {ssm_shape:?}",
+                        conv.shape(),
+                        ssm.shape()
+                    )));
+                }
+            }
+            states.push((
+                i,
+                RecurrentState {
+                    conv: conv.as_dtype(dtype)?,
+                    ssm: ssm.as_dtype(Dtype::Float32)?,
+                },
+            ));
+            layers.push(KvCache::recurrent());
+            continue;
+        }
+        let mut take = |part: usize| take(&part.to_string());
         let (keys, values) = (take(0)?, take(1)?);
         let mut scalar = |part: usize| -> Result<i64> {
             let value = take(part)?.as_dtype(Dtype::Int64)?;
@@ -336,6 +424,9 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
         layers.push(cache);
     }
     let offset = offset.unwrap_or(0) as usize;
+    for (i, state) in states {
+        layers[i].set_recurrent_state(state, offset as i32);
+    }
     let tokens = match metadata.get("perch_tokens") {
         Some(json) => {
             let tokens: Vec<u32> = serde_json::from_str(json)

@@ -134,27 +134,12 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale})"
         );
 
-        // Prompt caches: refused, before anything is computed or written, where Perch cannot
-        // write mlx_lm's layout for the model's layers yet.
-        let reason = prompt_cache::unsupported_reason(model.as_ref());
-        let expected_reason = if name.starts_with("qwen3_5") {
-            Some(prompt_cache::RECURRENT_UNSUPPORTED)
-        } else {
-            None
-        };
-        assert_eq!(reason, expected_reason, "{name}");
-        if let Some(reason) = reason {
-            let engine = EngineHandle::load(dir, EngineConfig::default()).unwrap();
-            let file = out.path().join(format!("{name}.safetensors"));
-            let err = engine
-                .save_prompt_cache(Prompt::Tokens(expected.prompt_ids.clone()), &file)
-                .unwrap_err();
-            assert!(err.to_string().contains(reason), "{name}: {err}");
-            assert!(!file.exists(), "{name}: a refused prompt cache was written");
-            let err = engine.load_prompt_cache(&file).unwrap_err();
-            assert!(err.to_string().contains(reason), "{name}: {err}");
-            engine.shutdown();
-        }
+        // Every architecture has prompt caches (mlx_lm's layout for its layers).
+        assert_eq!(
+            prompt_cache::unsupported_reason(model.as_ref()),
+            None,
+            "{name}"
+        );
 
         let tokenizer = Tokenizer::load(dir).unwrap();
         let mut request = GenerateRequest::new(expected.prompt_ids.clone());
@@ -300,7 +285,119 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         if !expected.long_prompt_ids.is_empty() {
             past_the_window(dir, model.as_ref(), &tokenizer, &name, &expected);
         }
+        if model.has_recurrent_layers() {
+            hybrid_prompt_caches(dir, model.as_ref(), &tokenizer, &name, &expected);
+        }
     }
+}
+
+/// Prompt caches of a hybrid model, both ways with mlx_lm: linear-attention layers are
+/// `ArraysCache` entries (the convolution's and the recurrence's states), attention layers
+/// `KVCache`. A file whose states fall at the end of a block (32 tokens, the engine's default
+/// block size) fills the prefix cache; one whose states fall inside a block is refused there
+/// and continues requests privately.
+fn hybrid_prompt_caches(
+    dir: &Path,
+    model: &dyn models::Model,
+    tokenizer: &Tokenizer,
+    name: &str,
+    expected: &Expected,
+) {
+    let whole: Vec<u32> = [&expected.prompt_ids[..], &expected.greedy_ids[..]].concat();
+    let mut request = GenerateRequest::new(whole.clone());
+    request.max_tokens = 8;
+    request.ignore_eos = true;
+    let alone = generate(model, tokenizer, &request, |_| ControlFlow::Continue(()))
+        .unwrap()
+        .token_ids;
+    let json = |ids: &[u32]| serde_json::to_string(ids).unwrap();
+    let files = tempfile::tempdir().unwrap();
+    let file = |name: &str| files.path().join(name);
+    let path = |p: &Path| p.to_str().unwrap().to_owned();
+    let classes = |file: &Path| {
+        let (_, metadata) = Array::load_safetensors_with_metadata(file).unwrap();
+        (0..model.info().num_layers)
+            .map(|i| metadata[&format!("1.{i}")].clone())
+            .collect::<Vec<_>>()
+    };
+    let expected_classes: Vec<&str> = model
+        .make_cache(None)
+        .iter()
+        .map(|c| match c.is_recurrent() {
+            true => "ArraysCache",
+            false => "KVCache",
+        })
+        .collect();
+    let run = |engine: &EngineHandle, prompt: Prompt| {
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = alone.len();
+        params.ignore_eos = true;
+        let done = common::finish(&engine.submit(EngineRequest { prompt, params }).unwrap());
+        assert_eq!(done.error, None, "{name}");
+        (done.ids, done.stats.cached_prompt_tokens)
+    };
+    let after = |cache_file: &Path, cached: usize| Prompt::AfterCache {
+        cache_file: cache_file.to_path_buf(),
+        tokens: whole[cached..].to_vec(),
+    };
+
+    // mlx_lm's file of the first 32 tokens, continued by Perch.
+    let theirs = file("mlx_lm.safetensors");
+    common::run_oracle(
+        "prompt_cache.py",
+        &["save", &path(dir), &json(&whole[..32]), &path(&theirs)],
+    );
+    assert_eq!(classes(&theirs), expected_classes, "{name}: mlx_lm's file");
+    let engine = EngineHandle::load(dir, EngineConfig::default()).unwrap();
+    assert_eq!(
+        run(&engine, after(&theirs, 32)),
+        (alone.clone(), 32),
+        "{name}: Perch continuing mlx_lm's cache"
+    );
+    // Perch's files: at a block's end (32 tokens) and inside one (18).
+    let (ours, ours_18) = (file("perch.safetensors"), file("perch-18.safetensors"));
+    for (file, len) in [(&ours, 32), (&ours_18, 18)] {
+        engine
+            .save_prompt_cache(Prompt::Tokens(whole[..len].to_vec()), file)
+            .unwrap();
+        assert_eq!(classes(file), expected_classes, "{name}: Perch's file");
+        let out = common::run_oracle(
+            "prompt_cache.py",
+            &[
+                "continue",
+                &path(dir),
+                &path(file),
+                &json(&whole[len..]),
+                &alone.len().to_string(),
+            ],
+        );
+        let ids: Vec<u32> = serde_json::from_str(out.trim()).unwrap();
+        assert_eq!(
+            ids, alone,
+            "{name}: mlx_lm continuing Perch's {len}-token cache"
+        );
+    }
+    engine.shutdown();
+
+    let engine = EngineHandle::load(dir, EngineConfig::default()).unwrap();
+    let err = engine.load_prompt_cache(&ours_18).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("not at the end of a 32-token block"),
+        "{name}: {err}"
+    );
+    assert_eq!(
+        run(&engine, after(&ours_18, 18)),
+        (alone.clone(), 18),
+        "{name}: Perch continuing its 18-token cache"
+    );
+    assert_eq!(engine.load_prompt_cache(&ours).unwrap(), 32, "{name}");
+    assert_eq!(
+        run(&engine, Prompt::Tokens(whole.clone())),
+        (alone.clone(), 32),
+        "{name}: after an imported prefix"
+    );
+    engine.shutdown();
 }
 
 /// A prompt far longer than the sliding window: `generate` and the batch engine (per sequence

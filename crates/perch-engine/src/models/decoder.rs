@@ -1298,7 +1298,9 @@ impl Model for Decoder {
         self.layers
             .iter()
             .map(|block| match block.mixer {
-                Mixer::Linear(_) => KvCache::recurrent(),
+                Mixer::Linear(ref linear) => {
+                    KvCache::recurrent().with_state_shapes(linear.config().state_shapes())
+                }
                 Mixer::Attention(ref attention) => {
                     let cache = KvCache::with_quantization(quantization);
                     match attention.window {

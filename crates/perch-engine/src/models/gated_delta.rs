@@ -72,6 +72,20 @@ impl GatedDeltaConfig {
     fn conv_dim(&self) -> i32 {
         2 * self.key_dim() + self.value_dim()
     }
+
+    /// One sequence's state shapes: the convolution's last inputs `[1, kernel - 1, conv_dim]`
+    /// and the recurrence's `[1, value_heads, value_head_dim, key_head_dim]` (float32).
+    pub fn state_shapes(&self) -> [Vec<i32>; 2] {
+        [
+            vec![1, self.conv_kernel - 1, self.conv_dim()],
+            vec![
+                1,
+                self.num_value_heads,
+                self.value_head_dim,
+                self.key_head_dim,
+            ],
+        ]
+    }
 }
 
 /// One Gated DeltaNet layer's weights.
@@ -123,6 +137,10 @@ impl GatedDeltaNet {
             out_proj: linear(w, "out_proj", c.value_dim(), hidden)?,
             c: c.clone(),
         })
+    }
+
+    pub fn config(&self) -> &GatedDeltaConfig {
+        &self.c
     }
 
     /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]).

@@ -15,6 +15,7 @@ import json
 import sys
 
 import mlx.core as mx
+import mlx_lm_quirks  # noqa: F401 (MoE models run in mlx_lm 0.32.2)
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache

@@ -22,18 +22,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import (gemma3, gemma3_text, llama, ministral3, mistral3, olmo2, phi3, qwen2, qwen3, qwen3_5,
                            qwen3_5_moe, qwen3_moe, smollm3)
 
-# mlx_lm 0.32.2's quantized expert layer always passes `global_scale=` to mx.gather_qmm, which MLX
-# 0.32.2 does not take (a known quirk of that pair): drop the keyword when it is None, which
-# leaves the computation as it is.
-_gather_qmm = mx.gather_qmm
-
-
-def _gather_qmm_without_global_scale(*args, global_scale=None, **kwargs):
-    assert global_scale is None, "a global scale would change the computation"
-    return _gather_qmm(*args, **kwargs)
-
-
-mx.gather_qmm = _gather_qmm_without_global_scale
+import mlx_lm_quirks  # noqa: F401 (MoE models run in mlx_lm 0.32.2)
 
 VOCAB = 49152  # the test model's (SmolLM2) tokenizer vocabulary, so the models are complete directories
 
