@@ -1139,17 +1139,18 @@ impl Pass<'_> {
                 }
             }
             Err(err) => {
-                // An MLX failure mid-step leaves the batch's caches unusable: fail its requests.
+                // An MLX failure mid-step leaves the batch's caches unusable: fail its requests,
+                // every one the batch held (a request being admitted when the step failed is in
+                // neither its running nor its waiting list, but still has a job).
                 let message = err.to_string();
-                for id in batch.clear() {
-                    if let Some(job) = self.jobs.remove(&id) {
-                        queue.finish(
-                            &job,
-                            FinishReason::Error,
-                            GenerationStats::default(),
-                            Some(message.clone()),
-                        );
-                    }
+                batch.clear();
+                for (_, job) in self.jobs.drain() {
+                    queue.finish(
+                        &job,
+                        FinishReason::Error,
+                        GenerationStats::default(),
+                        Some(message.clone()),
+                    );
                 }
             }
         }
