@@ -235,6 +235,35 @@ def prompt_cache(positions, offset, dtype="F32", tokens=None, model_id="model-a"
     return safetensors(tensors, metadata)
 
 
+def arrays_cache_layer(tensors, metadata, scalars, layer):
+    """A linear-attention layer as mlx_lm writes its ArraysCache: conv and ssm states, and two
+    None entries (an empty tensor listed as "none"). Returns the scalar count."""
+    for part, shape in (("0.0", [1, 3, 12]), ("0.1", [1, 1, 4, 4])):
+        count = shape[1] * shape[2] * (shape[3] if len(shape) > 3 else 1)
+        values = [b / 256 for b in noise(7 + len(part), count)]
+        tensors.append(("%d.%s" % (layer, part), "F32", shape, struct.pack("<%df" % count, *values)))
+    for part in (1, 2):
+        tensors.append(("%d.%d" % (layer, part), "F32", [0], b""))
+        scalars += 1
+        metadata["2.%d.0" % scalars] = "%d.%d" % (layer, part)
+        metadata["2.%d.1" % scalars] = "none"
+    metadata["1.%d" % layer] = "ArraysCache"
+    return scalars
+
+
+def hybrid_prompt_cache():
+    """Layer 0 a KVCache of 3 positions, layer 1 an ArraysCache (the fuzz model's layer 1 is
+    attention, so this is refused after parsing; mutations reach the ArraysCache branch)."""
+    tensors, metadata = [], {"2.0": "", "1.0": "KVCache", "2.1.0": "0.2", "2.1.1": "scalar"}
+    for part in (0, 1):
+        values = [b / 256 for b in noise(part, 12)]
+        tensors.append(("0.%d" % part, "F32", [1, 1, 3, 4], struct.pack("<12f", *values)))
+    tensors.append(("0.2", "I32", [], struct.pack("<i", 3)))
+    arrays_cache_layer(tensors, metadata, 1, 1)
+    tensors.sort(key=lambda t: t[0])
+    return safetensors(tensors, metadata)
+
+
 def prompt_cache_seeds():
     put("prompt_cache", "perch.safetensors", prompt_cache(3, 2, tokens=[1, 2]))
     put("prompt_cache", "mlx-lm.safetensors", prompt_cache(4, 4, dtype="F16"))
@@ -242,6 +271,8 @@ def prompt_cache_seeds():
     # mlx_lm's RotatingKVCache: nothing dropped (in order), and a wrapped ring keeping 2.
     put("prompt_cache", "rotating.safetensors", prompt_cache(6, 5, rotating=(0, 8, 5)))
     put("prompt_cache", "rotating-wrapped.safetensors", prompt_cache(4, 9, rotating=(2, 4, 3)))
+    # mlx_lm's ArraysCache (hybrid models' linear-attention layers).
+    put("prompt_cache", "arrays.safetensors", hybrid_prompt_cache())
 
 
 # --- config.json of each architecture (as published on the Hub, trimmed).
