@@ -76,7 +76,9 @@ impl PromptCache {
                     .into(),
             );
         }
-        if self.layers.iter().any(KvCache::is_recurrent) && self.offset % block_size.max(1) != 0 {
+        if self.layers.iter().any(KvCache::is_recurrent)
+            && !self.offset.is_multiple_of(block_size.max(1))
+        {
             return Some(format!(
                 "its linear-attention layers' states are after {} tokens, not at the end of a \
                  {block_size}-token block, where the prefix cache keeps such states",
