@@ -134,6 +134,10 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale})"
         );
 
+        if model.has_recurrent_layers() {
+            compiled_recurrence(dir, &name, &expected, &ours);
+        }
+
         // Every architecture has prompt caches (mlx_lm's layout for its layers).
         assert_eq!(
             prompt_cache::unsupported_reason(model.as_ref()),
@@ -289,6 +293,40 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             hybrid_prompt_caches(dir, model.as_ref(), &tokenizer, &name, &expected);
         }
     }
+}
+
+/// A hybrid model with its linear layers' recurrence compiled by MLX (the GPU default; forced
+/// here on CPU): the prompt's logits as uncompiled (`uncompiled`, which equal mlx_lm's), and
+/// mlx_lm's greedy ids through `generate`, whose decode steps run the compiled step at one row.
+fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: &[f32]) {
+    let mut model = models::load(dir).unwrap();
+    model.compile_recurrence(true);
+    let n = expected.prompt_ids.len() as i32;
+    let mut cache = model.make_cache(None);
+    let logits = model
+        .forward(&Array::from_slice(&expected.prompt_ids, &[1, n]), &mut cache)
+        .unwrap()
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap();
+    let diff = logits
+        .as_slice::<f32>()
+        .iter()
+        .zip(uncompiled)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(diff <= 1e-5, "{name}: compiled recurrence changed logits by {diff}");
+    let tokenizer = Tokenizer::load(dir).unwrap();
+    let mut request = GenerateRequest::new(expected.prompt_ids.clone());
+    request.max_tokens = expected.greedy_ids.len();
+    request.ignore_eos = true;
+    let result = generate(model.as_ref(), &tokenizer, &request, |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    assert_eq!(
+        result.token_ids, expected.greedy_ids,
+        "{name}: greedy ids with the compiled recurrence"
+    );
 }
 
 /// Prompt caches of a hybrid model, both ways with mlx_lm: linear-attention layers are

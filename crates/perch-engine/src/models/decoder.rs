@@ -1294,6 +1294,14 @@ impl Model for Decoder {
             .any(|block| matches!(block.mixer, Mixer::Linear(_)))
     }
 
+    fn compile_recurrence(&mut self, on: bool) {
+        for block in &mut self.layers {
+            if let Mixer::Linear(net) = &mut block.mixer {
+                net.compile_recurrence(on);
+            }
+        }
+    }
+
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
         self.layers
             .iter()

@@ -11,9 +11,14 @@
 //! scaled by `key_dim^-½`). The output is RMS-normed, gated by `silu(z)` and projected back.
 //! The state after a sequence's tokens lives in its [`KvCache`] ([`KvCache::recurrent`]).
 
+use std::cell::RefCell;
+
+use mlx_rs::error::Exception;
+use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
 use crate::cache::{KvCache, RecurrentState};
+use crate::device::Backend;
 use crate::error::Result;
 use crate::layers::{Linear, Quantization};
 use crate::mlx_ext::slice;
@@ -104,6 +109,52 @@ pub struct GatedDeltaNet {
     norm_eps: f32,
     out_proj: Linear,
     c: GatedDeltaConfig,
+    /// Run each token's recurrence step through MLX's compiler ([`recurrence_step`]).
+    compiled: bool,
+}
+
+/// One token's recurrence for every row and value head (mlx_lm's `_gated_delta_step_ops`):
+/// inputs `state [B, hv, dv, dk]` (float32), `q`, `k [B, hv, dk]`, `v [B, hv, dv]`, `g`, `beta
+/// [B, hv]`; outputs `y [B, hv, dv]` (in q's dtype) and the new state. The state decays by `g`,
+/// then moves toward `v` along `k` by `beta` (the delta rule), and `q` reads it.
+fn recurrence_step(inputs: &[Array]) -> std::result::Result<Vec<Array>, Exception> {
+    let [state, q, k, v, g, beta] = inputs else {
+        return Err(Exception::custom("a recurrence step takes 6 arrays"));
+    };
+    let &[batch, hv, dv, dk] = state.shape() else {
+        return Err(Exception::custom("a recurrent state is [rows, heads, dv, dk]"));
+    };
+    let state = ops::multiply(state, &g.reshape(&[batch, hv, 1, 1])?)?;
+    let k_row = k.reshape(&[batch, hv, 1, dk])?;
+    let kv_mem = ops::multiply(&state, &k_row)?.sum_axis(-1, None)?;
+    let delta = ops::multiply(
+        &ops::subtract(v, &kv_mem)?,
+        &beta.reshape(&[batch, hv, 1])?,
+    )?;
+    let state = ops::add(
+        &state,
+        &ops::multiply(&k_row, &delta.reshape(&[batch, hv, dv, 1])?)?,
+    )?;
+    let y = ops::multiply(&state, &q.reshape(&[batch, hv, 1, dk])?)?
+        .sum_axis(-1, None)?
+        .as_dtype(q.dtype())?;
+    Ok(vec![y, state])
+}
+
+type StepFn = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
+
+thread_local! {
+    /// [`recurrence_step`] through MLX's compiler: one function for every layer (it captures
+    /// no weights), traced once per shape (rows, heads, head sizes, dtype).
+    static COMPILED_STEP: RefCell<Option<StepFn>> = const { RefCell::new(None) };
+}
+
+fn compiled_recurrence_step(inputs: &[Array]) -> Result<Vec<Array>> {
+    COMPILED_STEP.with(|step| {
+        let mut step = step.borrow_mut();
+        let step = step.get_or_insert_with(|| Box::new(compile(recurrence_step, false)));
+        Ok(step(inputs)?)
+    })
 }
 
 impl GatedDeltaNet {
@@ -136,11 +187,20 @@ impl GatedDeltaNet {
             norm_eps: eps,
             out_proj: linear(w, "out_proj", c.value_dim(), hidden)?,
             c: c.clone(),
+            compiled: Backend::current() != Backend::Cpu,
         })
     }
 
     pub fn config(&self) -> &GatedDeltaConfig {
         &self.c
+    }
+
+    /// Runs each token's recurrence step through MLX's compiler (fused into a few kernels, as
+    /// mlx_lm's `@mx.compile` does) or as separate operations. On by default on GPUs, where
+    /// each operation is a kernel launch; off on CPU, where MLX's compiler would build its fused
+    /// kernels with the system's C++ compiler.
+    pub fn compile_recurrence(&mut self, on: bool) {
+        self.compiled = on;
     }
 
     /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]).
@@ -266,25 +326,20 @@ impl GatedDeltaNet {
         };
         let mut ys = Vec::with_capacity(seq as usize);
         for t in 0..seq {
-            let (q_t, k_t, v_t) = (at(&q, t)?, at(&k, t)?, at(&v, t)?);
-            let (g_t, beta_t) = (at(&g, t)?, at(&beta, t)?);
-            // [batch, hv] → [batch, hv, 1, 1]
-            let decay = g_t.reshape(&[batch, hv, 1, 1])?;
-            state = ops::multiply(&state, &decay)?;
-            let k_row = k_t.reshape(&[batch, hv, 1, dk])?;
-            let kv_mem = ops::multiply(&state, &k_row)?.sum_axis(-1, None)?;
-            let delta = ops::multiply(
-                &ops::subtract(&v_t, &kv_mem)?,
-                &beta_t.reshape(&[batch, hv, 1])?,
-            )?;
-            state = ops::add(
-                &state,
-                &ops::multiply(&k_row, &delta.reshape(&[batch, hv, dv, 1])?)?,
-            )?;
-            let y = ops::multiply(&state, &q_t.reshape(&[batch, hv, 1, dk])?)?
-                .sum_axis(-1, None)?
-                .as_dtype(q.dtype())?;
-            ys.push(y);
+            let inputs = [
+                state,
+                at(&q, t)?,
+                at(&k, t)?,
+                at(&v, t)?,
+                at(&g, t)?,
+                at(&beta, t)?,
+            ];
+            let mut outputs = match self.compiled {
+                true => compiled_recurrence_step(&inputs)?,
+                false => recurrence_step(&inputs)?,
+            };
+            state = outputs.pop().expect("y and the state");
+            ys.push(outputs.pop().expect("y"));
         }
         let y = ops::stack(&ys, 1)?; // [batch, seq, hv, dv]
 

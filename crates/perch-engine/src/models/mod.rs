@@ -92,11 +92,14 @@ pub trait Model: Send {
     fn clone_for_compile(&self) -> Box<dyn Model>;
     fn info(&self) -> &ModelInfo;
     /// Whether some layers keep a recurrent state instead of keys and values (linear
-    /// attention: [`KvCache::recurrent`]). Such models run without prefix caching or slot
-    /// caches for now.
+    /// attention: [`KvCache::recurrent`]). Such models run without slot caches for now; their
+    /// prefix cache keeps states at block boundaries (`crate::block_store`).
     fn has_recurrent_layers(&self) -> bool {
         false
     }
+    /// Runs linear-attention layers' per-token recurrence through MLX's compiler, or not (the
+    /// default depends on the backend: compiled on GPUs). No effect on other models.
+    fn compile_recurrence(&mut self, _on: bool) {}
     /// Whether some layers attend within a sliding window (Gemma 3). Their caches keep every
     /// position for now (attention reads the window), so memory grows with the sequence as on
     /// other layers; prompt caches are refused (mlx_lm writes `RotatingKVCache`s for them).
