@@ -389,6 +389,31 @@ CONFIGS = {
                         "max_position_embeddings": 131072},
         "vision_config": {"model_type": "pixtral"},
         "quantization": {"group_size": 64, "bits": 4}},
+    # Gemma 4 E2B's text model (KV-shared layers, per-layer inputs, proportional RoPE), nested.
+    "gemma4.json": {
+        "model_type": "gemma4",
+        "text_config": {
+            "model_type": "gemma4_text", "hidden_size": 1536, "num_hidden_layers": 35, "intermediate_size": 6144,
+            "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+            "num_kv_shared_layers": 20, "hidden_size_per_layer_input": 256, "vocab_size": 262144,
+            "vocab_size_per_layer_input": 262144, "sliding_window": 512, "use_double_wide_mlp": True,
+            "final_logit_softcapping": 30.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+            "layer_types": (["sliding_attention"] * 4 + ["full_attention"]) * 7,
+            "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                                   "rope_type": "proportional"},
+                                "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}},
+        "vision_config": {"model_type": "gemma4_vision"},
+        "quantization": {"group_size": 64, "bits": 4}},
+    # Gemma 4 26B-A4B's text model: experts beside the MLP, values from the key projection.
+    "gemma4_text.json": {
+        "model_type": "gemma4_text", "hidden_size": 2816, "num_hidden_layers": 30, "intermediate_size": 2112,
+        "num_attention_heads": 16, "num_key_value_heads": 8, "num_global_key_value_heads": 2,
+        "head_dim": 256, "global_head_dim": 512, "attention_k_eq_v": True, "num_kv_shared_layers": 0,
+        "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 128, "top_k_experts": 8,
+        "moe_intermediate_size": 704, "sliding_window": 1024, "max_position_embeddings": 262144,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        "quantization": {"group_size": 64, "bits": 4,
+                         "model.layers.0.router.proj": {"group_size": 64, "bits": 8}}},
 }
 
 # --- Chat templates: the source, a NUL byte, then the messages as JSON.

@@ -10,7 +10,10 @@ the same attention on hidden 256, for long prompts), qwen3_moe
 Qwen3.5 model above with 64 experts, 8 per token, and a shared expert in every layer) or phi3 (a
 small Phi-4-mini: hidden 1024, 16 layers, RoPE on 0.75 of each head with LongRoPE) or olmo2 (a small
 OLMo 2: hidden 1024, 16 layers) or ministral3 (a small Ministral 3: hidden 1024, 16 layers, YaRN and Llama
-4 query scaling as the published models set them). Routers
+4 query scaling as the published models set them) or gemma4_text (a small Gemma 4 E2B: hidden 1024, 15 layers,
+every 5th global with 512-wide heads, the last 5 reading earlier layers' caches, per-layer inputs of 256) or
+gemma4_text-moe (a small Gemma 4 26B-A4B: hidden 1024, 12 layers, 32 experts beside each MLP, 4 per
+token, global layers' values from their keys). Routers
 are kept at 8 bits, as mlx_lm's convert does.
 TOKENIZER_DIR's tokenizer files are copied beside the weights (its vocabulary must have 49,152 tokens, as the
 default model's has). Then: scripts/bench_vs_mlx_lm.py --model OUT_DIR.
@@ -19,7 +22,7 @@ import json, shutil, sys
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import gemma3_text, ministral3, olmo2, phi3, qwen3_5, qwen3_5_moe, qwen3_moe
+from mlx_lm.models import gemma3_text, gemma4_text, ministral3, olmo2, phi3, qwen3_5, qwen3_5_moe, qwen3_moe
 
 QWEN3_5_TEXT = {
     "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 3584,
@@ -62,6 +65,21 @@ ARCHS = {
         "rms_norm_eps": 1e-6, "vocab_size": 49152, "max_position_embeddings": 32768, "rope_theta": 1000000.0,
         "rope_local_base_freq": 10000.0, "sliding_window": 512, "sliding_window_pattern": 6}),
 }
+GEMMA4_LAYERS = (["sliding_attention"] * 4 + ["full_attention"]) * 3
+ARCHS["gemma4_text"] = (gemma4_text, {
+    "model_type": "gemma4_text", "hidden_size": 1024, "num_hidden_layers": 15, "intermediate_size": 4096,
+    "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "global_head_dim": 512,
+    "rms_norm_eps": 1e-6, "vocab_size": 49152, "vocab_size_per_layer_input": 49152, "num_kv_shared_layers": 5,
+    "hidden_size_per_layer_input": 256, "use_double_wide_mlp": True, "sliding_window": 512,
+    "max_position_embeddings": 131072, "final_logit_softcapping": 30.0, "layer_types": GEMMA4_LAYERS,
+    "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                           "rope_type": "proportional"},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}})
+ARCHS["gemma4_text-moe"] = (gemma4_text, {
+    **ARCHS["gemma4_text"][1], "num_hidden_layers": 12, "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2,
+    "intermediate_size": 1024, "num_key_value_heads": 4, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
+    "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "use_double_wide_mlp": False,
+    "enable_moe_block": True, "num_experts": 32, "top_k_experts": 4, "moe_intermediate_size": 256})
 # Gemma-3-1B's attention (26 layers, one 256-wide KV head, 5 of every 6 sliding over 512 tokens) on a
 # narrow model (hidden 256, one query head), so that the KV cache, not the weights or the arithmetic, is what a long
 # prompt costs: the sliding-window memory benchmark at 8k tokens.

@@ -184,16 +184,23 @@ pub fn kv_bytes_per_token(model: &dyn Model, kv_quantization: Option<KvQuantizat
         Dtype::Float32 => 4,
         _ => 2,
     };
-    let per_vector = match kv_quantization {
-        None => info.head_dim * dtype_bytes,
-        Some(q) => q.bytes_per_vector(info.head_dim, dtype_bytes),
-    };
-    let attention_layers = model
+    model
         .make_cache(None)
         .iter()
         .filter(|layer| !layer.is_recurrent())
-        .count();
-    2 * attention_layers * info.num_kv_heads * per_vector
+        .map(|layer| {
+            let [kv_heads, head_dim] = layer
+                .head_shape()
+                .map_or([info.num_kv_heads, info.head_dim], |[h, d]| {
+                    [h as usize, d as usize]
+                });
+            let per_vector = match kv_quantization {
+                None => head_dim * dtype_bytes,
+                Some(q) => q.bytes_per_vector(head_dim, dtype_bytes),
+            };
+            2 * kv_heads * per_vector
+        })
+        .sum()
 }
 
 /// The KV block pool's state, for engine stats.

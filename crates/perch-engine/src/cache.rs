@@ -125,6 +125,9 @@ pub struct KvCache {
     is_recurrent: bool,
     /// A recurrent layer's state shapes for one sequence (conv, ssm), when the model gave them.
     state_shapes: Option<[Vec<i32>; 2]>,
+    /// An attention layer's `[kv_heads, head_dim]`, when the model gave them (layers of one
+    /// model may differ: Gemma 4's global layers have heads of their own size).
+    head_shape: Option<[i32; 2]>,
 }
 
 /// A linear-attention layer's state for one or more sequences (rows on axis 0).
@@ -217,6 +220,17 @@ impl KvCache {
         self
     }
 
+    /// Records an attention layer's keys' and values' shape, `kv_heads` heads of `head_dim`.
+    pub fn with_head_shape(mut self, kv_heads: i32, head_dim: i32) -> Self {
+        self.head_shape = Some([kv_heads, head_dim]);
+        self
+    }
+
+    /// An attention layer's `[kv_heads, head_dim]`, when known.
+    pub fn head_shape(&self) -> Option<[i32; 2]> {
+        self.head_shape
+    }
+
     /// One sequence's state shapes (`[conv, ssm]`) of a recurrent layer, when known.
     pub fn state_shapes(&self) -> Option<&[Vec<i32>; 2]> {
         self.state_shapes.as_ref()
@@ -254,6 +268,15 @@ impl KvCache {
     /// end.
     pub fn update_and_fetch(&mut self, keys: &Array, values: &Array) -> Result<CachedKv> {
         self.append_parts(&kv_parts(self.quantization, keys, values)?)?;
+        Ok(CachedKv::from_parts(
+            self.quantization,
+            self.parts(self.base, self.offset)?,
+        ))
+    }
+
+    /// Every held position, as [`KvCache::update_and_fetch`] returns them, without appending
+    /// (a layer reading another layer's cache: Gemma 4's KV-shared layers).
+    pub fn fetch(&self) -> Result<CachedKv> {
         Ok(CachedKv::from_parts(
             self.quantization,
             self.parts(self.base, self.offset)?,

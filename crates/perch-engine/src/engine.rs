@@ -367,9 +367,14 @@ impl EngineHandle {
             .spawn(move || {
                 let _live = LiveEngine::start();
                 match load().and_then(|loaded| {
-                    // The quantization must fit the model's head dimension.
+                    // The quantization must fit every layer's head size.
                     if let Some(q) = config.kv_quantization {
-                        KvQuantization::new(q.bits, q.group_size, loaded.0.info().head_dim as i32)?;
+                        let info = loaded.0.info();
+                        for layer in loaded.0.make_cache(None) {
+                            let [_, head_dim] =
+                                layer.head_shape().unwrap_or([0, info.head_dim as i32]);
+                            KvQuantization::new(q.bits, q.group_size, head_dim)?;
+                        }
                     }
                     Ok(loaded)
                 }) {

@@ -418,10 +418,38 @@ impl Embedding {
         vocab: i32,
         hidden: i32,
     ) -> Result<Self> {
+        Self::load_as(weights, quantization, path, [vocab, hidden], true)
+    }
+
+    /// [`Embedding::load`] for a table that is only looked up, never multiplied (Gemma 4's
+    /// per-layer embeddings): a quantized one stays quantized on every backend, where a dense
+    /// copy would only take memory (4.7 GB of bfloat16 for E2B's).
+    pub fn load_lookup_only(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        path: &str,
+        vocab: i32,
+        hidden: i32,
+    ) -> Result<Self> {
+        Self::load_as(weights, quantization, path, [vocab, hidden], false)
+    }
+
+    fn load_as(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        path: &str,
+        [vocab, hidden]: [i32; 2],
+        multiplied: bool,
+    ) -> Result<Self> {
         Ok(match quantization.for_module(path, weights) {
             Some(params) => {
                 let table = QuantizedWeight::load(weights, path, vocab, hidden, params)?;
-                match table.dense_copy()? {
+                let dense = if multiplied {
+                    table.dense_copy()?
+                } else {
+                    None
+                };
+                match dense {
                     Some(table) => Embedding::Dense(table),
                     None => Embedding::Quantized(table),
                 }
@@ -465,16 +493,30 @@ impl Embedding {
 /// RMSNorm over the last axis (Zhang & Sennrich 2019), via `mx.fast.rms_norm`.
 #[derive(Clone)]
 pub struct RmsNorm {
-    weight: Array,
+    /// `None`: no scale (Gemma 4's value norm, mlx_lm's `RMSNormNoScale`).
+    weight: Option<Array>,
     eps: f32,
 }
 
 impl RmsNorm {
     pub fn load(weights: &mut Weights, path: &str, dims: i32, eps: f32) -> Result<Self> {
         Ok(Self {
-            weight: weights.take_shaped(&format!("{path}.weight"), &[dims])?,
+            weight: Some(weights.take_shaped(&format!("{path}.weight"), &[dims])?),
             eps,
         })
+    }
+
+    /// A norm without a learned scale.
+    pub fn unweighted(eps: f32) -> Self {
+        Self { weight: None, eps }
+    }
+
+    /// A norm scaling by `weight` (`[dims]`), built rather than loaded.
+    pub fn from_weight(weight: Array, eps: f32) -> Self {
+        Self {
+            weight: Some(weight),
+            eps,
+        }
     }
 
     /// [`RmsNorm::load`], or, when `unit_offset`, a norm whose stored weight is an offset from
@@ -487,17 +529,23 @@ impl RmsNorm {
         eps: f32,
         unit_offset: bool,
     ) -> Result<Self> {
-        let mut norm = Self::load(weights, path, dims, eps)?;
-        if unit_offset {
-            let one = Array::from_f32(1.0).as_dtype(norm.weight.dtype())?;
-            norm.weight = ops::add(&one, &norm.weight)?;
-            norm.weight.eval()?;
+        let norm = Self::load(weights, path, dims, eps)?;
+        match norm.weight {
+            Some(weight) if unit_offset => {
+                let one = Array::from_f32(1.0).as_dtype(weight.dtype())?;
+                let weight = ops::add(&one, &weight)?;
+                weight.eval()?;
+                Ok(Self {
+                    weight: Some(weight),
+                    eps,
+                })
+            }
+            _ => Ok(norm),
         }
-        Ok(norm)
     }
 
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::rms_norm(x, Some(&self.weight), self.eps)?)
+        Ok(fast::rms_norm(x, self.weight.as_ref(), self.eps)?)
     }
 }
 
@@ -583,9 +631,21 @@ impl Rope {
                     },
                 );
             }
+            "proportional" => {
+                rope.freqs = Some(
+                    proportional_frequencies(
+                        dims,
+                        base,
+                        number("partial_rotary_factor", 1.0),
+                        number("factor", 1.0),
+                    )
+                    .map_err(|e| format!("proportional RoPE: {e}"))?,
+                );
+            }
             other => {
                 return Err(format!(
-                    "rope_scaling type `{other}` is not supported (none, linear, llama3, yarn)"
+                    "rope_scaling type `{other}` is not supported (none, linear, llama3, yarn, \
+                     proportional)"
                 ))
             }
         }
@@ -843,6 +903,46 @@ pub struct Yarn {
     pub beta_slow: f64,
     pub mscale: f64,
     pub mscale_all_dim: f64,
+}
+
+/// Gemma 4's "proportional" RoPE (mlx_lm's `ProportionalRoPE`): of a head's `dims` features,
+/// the first `int(dims * partial_rotary_factor)` rotate with periods `factor * base^(2i / dims)`
+/// (exponents over all `dims`, not over the rotated ones) and the others not at all (an infinite
+/// period). Returns the `dims / 2` periods MLX's `freqs` argument expects, float32, computed
+/// with MLX's operations as mlx_lm computes them. Errors for a factor outside `[0, 1]` or an
+/// odd number of rotated features.
+pub fn proportional_frequencies(
+    dims: i32,
+    base: f32,
+    partial_rotary_factor: f64,
+    factor: f64,
+) -> std::result::Result<Array, String> {
+    if !(0.0..=1.0).contains(&partial_rotary_factor) {
+        return Err(format!(
+            "`partial_rotary_factor` must be between 0 and 1, got {partial_rotary_factor}"
+        ));
+    }
+    let rotated = (dims as f64 * partial_rotary_factor) as i32;
+    if rotated % 2 != 0 || dims % 2 != 0 {
+        return Err(format!(
+            "{rotated} rotated features of {dims}: both must be even"
+        ));
+    }
+    let build = || -> Result<Array> {
+        let exponents = ops::divide(
+            &ops::arange::<_, f32>(0.0, rotated as f32, 2.0)?,
+            Array::from_f32(dims as f32),
+        )?;
+        let periods = ops::multiply(
+            Array::from_f32(factor as f32),
+            &ops::power(Array::from_f32(base), &exponents)?,
+        )?;
+        let still = ops::full::<f32>(&[(dims - rotated) / 2], Array::from_f32(f32::INFINITY))?;
+        let freqs = ops::concatenate(&[periods, still], 0)?;
+        freqs.eval()?;
+        Ok(freqs)
+    };
+    build().map_err(|e| e.to_string())
 }
 
 /// Llama 3.1's frequency-dependent RoPE scaling (Meta's `apply_scaling`; mlx-lm `Llama3RoPE`):

@@ -313,19 +313,21 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
                 _ => Err(error(format!("tensor {i}.{part} is not a scalar"))),
             }
         };
+        let [kv_heads, head_dim] = model_layer
+            .head_shape()
+            .unwrap_or([info.num_kv_heads as i32, info.head_dim as i32]);
         let expected = [
             1,
-            info.num_kv_heads as i32,
+            kv_heads,
             keys.shape().get(2).copied().unwrap_or(0),
-            info.head_dim as i32,
+            head_dim,
         ];
         if keys.shape() != expected || values.shape() != expected {
             return Err(error(format!(
-                "layer {i} has keys {:?} and values {:?}; the model needs [1, {}, positions, {}]",
+                "layer {i} has keys {:?} and values {:?}; the model needs [1, {kv_heads}, \
+                 positions, {head_dim}]",
                 keys.shape(),
                 values.shape(),
-                info.num_kv_heads,
-                info.head_dim
             )));
         }
         let held = expected[2] as i64;

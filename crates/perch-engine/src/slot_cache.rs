@@ -470,6 +470,18 @@ impl SlotKvCache {
         Ok(CachedKv::from_parts(self.quantization, buffers.clone()))
     }
 
+    /// Layer `layer`'s buffers as [`SlotKvCache::update_and_fetch`] returns them, without
+    /// writing (a layer reading an earlier layer's cache in the same step, after its write).
+    pub fn fetch(&self, layer: usize) -> Result<CachedKv> {
+        match self.layers.get(layer).filter(|b| !b.is_empty()) {
+            Some(buffers) => Ok(CachedKv::from_parts(self.quantization, buffers.clone())),
+            None => Err(mlx_rs::error::Exception::custom(format!(
+                "slot cache layer {layer} is read before it was written"
+            ))
+            .into()),
+        }
+    }
+
     /// Ends a step: occupied slot `s` holds `new_tokens[s]` more positions (its real tokens of
     /// the step; 1 each in a decode step). One count per slot of [`SlotKvCache::slots`]; free
     /// slots' counts are ignored.

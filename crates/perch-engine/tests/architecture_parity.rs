@@ -2,7 +2,9 @@
 //! (with Llama 3 RoPE scaling), Phi-3 (fused projections, partial LongRoPE), Qwen2, Qwen3,
 //! Qwen3.5 (hybrid Gated DeltaNet and gated attention; dense and mixture-of-experts with a shared
 //! expert), Gemma 3 (sliding windows of 8 under an 18-token prompt, text-only and multimodal
-//! layouts), Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer, Hugging Face's
+//! layouts), Gemma 4 (global heads of their own size with proportional RoPE, KV-shared layers,
+//! per-layer inputs, experts beside the MLP, values from the key projection, soft-capped logits;
+//! text-only and multimodal layouts), Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer, Hugging Face's
 //! per-expert and mlx-community's stacked layouts), SmolLM3 (layers without RoPE), OLMo 2 (output
 //! norms, query / key norms across heads), Ministral 3 (YaRN, Llama 4 query scaling past 8
 //! positions, sliding layers listed in `layer_types`) and Mistral 3's multimodal layouts (a
@@ -69,6 +71,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         [
             "gemma3-4bit",
             "gemma3_text",
+            "gemma4-4bit",
+            "gemma4_text",
+            "gemma4_text-moe-4bit",
             "llama3-rope",
             "ministral3",
             "mistral3-4bit",
@@ -304,7 +309,10 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
     let n = expected.prompt_ids.len() as i32;
     let mut cache = model.make_cache(None);
     let logits = model
-        .forward(&Array::from_slice(&expected.prompt_ids, &[1, n]), &mut cache)
+        .forward(
+            &Array::from_slice(&expected.prompt_ids, &[1, n]),
+            &mut cache,
+        )
         .unwrap()
         .as_dtype(mlx_rs::Dtype::Float32)
         .unwrap();
@@ -314,7 +322,10 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
         .zip(uncompiled)
         .map(|(a, b)| (a - b).abs())
         .fold(0.0f32, f32::max);
-    assert!(diff <= 1e-5, "{name}: compiled recurrence changed logits by {diff}");
+    assert!(
+        diff <= 1e-5,
+        "{name}: compiled recurrence changed logits by {diff}"
+    );
     let tokenizer = Tokenizer::load(dir).unwrap();
     let mut request = GenerateRequest::new(expected.prompt_ids.clone());
     request.max_tokens = expected.greedy_ids.len();

@@ -9,10 +9,10 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::cache::{CachedKv, KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::Result;
-use crate::layers::{Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
+use crate::layers::{gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
 use crate::models::gated_delta::{GatedDeltaConfig, GatedDeltaNet};
-use crate::models::moe::{MoeConfig, SparseMoe};
+use crate::models::moe::{MlpAndExperts, MoeConfig, MoeStyle, SparseMoe};
 use crate::models::{Model, ModelInfo};
 use crate::slot_cache::{SlotKvCache, SlotStep};
 use crate::weights::Weights;
@@ -50,8 +50,43 @@ pub struct DecoderConfig {
     pub context_length: usize,
     /// How the blocks differ from Llama's (`Default`: they don't).
     pub style: BlockStyle,
-    /// Sparse mixture-of-experts feed-forward blocks on some layers (Qwen3-MoE).
+    /// Sparse mixture-of-experts feed-forward blocks on some layers (Qwen3-MoE), or experts
+    /// beside every layer's MLP (Gemma 4, [`MoeStyle::Gemma4`]).
     pub moe: Option<MoeConfig>,
+    /// The global (not sliding) layers' own attention shape, where it differs from the sliding
+    /// layers' `num_kv_heads` heads of `head_dim` (Gemma 4).
+    pub global_attention: Option<GlobalAttention>,
+    /// The last this-many layers compute no keys or values of their own: each attends over the
+    /// cache of the last earlier layer of its kind (sliding or global), as that layer left it
+    /// in the same forward pass (Gemma 4's `num_kv_shared_layers`; mlx_lm makes no cache for
+    /// them). 0: none.
+    pub kv_shared_layers: i32,
+    /// A second embedding per layer (Gemma 4's E2B / E4B), see [`PerLayerInputs`].
+    pub per_layer_inputs: Option<PerLayerInputs>,
+}
+
+/// Gemma 4's global layers: heads of their own size and count, and optionally values taken
+/// from the key projection (`attention_k_eq_v`: no `v_proj`).
+#[derive(Debug, Clone, Copy)]
+pub struct GlobalAttention {
+    pub head_dim: i32,
+    pub num_kv_heads: i32,
+    pub values_from_keys: bool,
+}
+
+/// Gemma 4's per-layer inputs (mlx_lm `gemma4_text.py`): every token has a second embedding
+/// of `layers * hidden` features (`embed_tokens_per_layer`, scaled by `sqrt(hidden)`), which is
+/// averaged (sum times `2^-0.5`) with a normed projection of the scaled token embedding
+/// (`per_layer_model_projection`, times `hidden_size^-0.5`, `per_layer_projection_norm`); layer
+/// `l` reads its `hidden` features after its feed-forward part: `gelu(per_layer_input_gate(h))`
+/// times them, projected back (`per_layer_projection`), normed (`post_per_layer_input_norm`)
+/// and added to `h`.
+#[derive(Debug, Clone, Copy)]
+pub struct PerLayerInputs {
+    /// `hidden_size_per_layer_input`.
+    pub hidden: i32,
+    /// `vocab_size_per_layer_input`: rows of the per-layer embedding (at least the vocabulary).
+    pub vocab_size: i32,
 }
 
 /// What sets a block apart from Llama's, each default being Llama's choice.
@@ -85,6 +120,16 @@ pub struct BlockStyle {
     pub qk_norm_across_heads: bool,
     /// Queries scaled by their position after RoPE (Ministral 3's Llama 4 attention scaling).
     pub query_position_scale: Option<QueryPositionScale>,
+    /// RMSNorm without a weight on each value head (Gemma 4's `v_norm`).
+    pub value_norm: bool,
+    /// Each block's output is multiplied by its own scalar weight, `layer_scalar` (Gemma 4).
+    pub layer_scalar: bool,
+    /// Logits squashed into `(-cap, cap)` as `tanh(logits / cap) * cap` (Gemma 4's
+    /// `final_logit_softcapping`).
+    pub final_logit_softcap: Option<f32>,
+    /// KV-shared layers' MLPs are twice `intermediate_size` wide (Gemma 4's
+    /// `use_double_wide_mlp`).
+    pub double_wide_shared_mlp: bool,
 }
 
 /// Llama 4's attention temperature as Ministral 3 applies it (mlx_lm `_get_llama_4_attn_scale`):
@@ -135,6 +180,21 @@ impl SlidingWindow {
             .collect()
     }
 
+    /// Flags from a config's `layer_types` (`full_attention` or `sliding_attention` per
+    /// layer); an error names any other entry.
+    pub fn layers_from_types(types: &[String]) -> std::result::Result<Vec<bool>, String> {
+        types
+            .iter()
+            .map(|kind| match kind.as_str() {
+                "full_attention" => Ok(false),
+                "sliding_attention" => Ok(true),
+                other => Err(format!(
+                    "`layer_types` lists `{other}` (full_attention or sliding_attention)"
+                )),
+            })
+            .collect()
+    }
+
     pub fn is_sliding_layer(&self, i: i32) -> bool {
         usize::try_from(i)
             .ok()
@@ -167,6 +227,39 @@ impl DecoderConfig {
         self.linear_attention
             .as_ref()
             .is_some_and(|l| (i + 1) % l.full_attention_interval != 0)
+    }
+
+    fn is_sliding_layer(&self, i: i32) -> bool {
+        self.style
+            .sliding_window
+            .as_ref()
+            .is_some_and(|s| s.is_sliding_layer(i))
+    }
+
+    /// The first layer that reads another's cache ([`DecoderConfig::kv_shared_layers`]).
+    fn first_kv_shared_layer(&self) -> i32 {
+        self.num_layers - self.kv_shared_layers
+    }
+
+    /// The layer whose cache layer `i` attends over: itself, or for a KV-shared layer the last
+    /// earlier layer of its kind with a cache of its own (`None` when there is none).
+    fn kv_source(&self, i: i32) -> Option<i32> {
+        let first_shared = self.first_kv_shared_layer();
+        if i < first_shared {
+            return Some(i);
+        }
+        let sliding = self.is_sliding_layer(i);
+        (0..first_shared)
+            .rev()
+            .find(|&j| self.is_sliding_layer(j) == sliding)
+    }
+
+    /// Layer `i`'s attention shape: `[kv_heads, head_dim]`.
+    fn head_shape(&self, i: i32) -> [i32; 2] {
+        match &self.global_attention {
+            Some(g) if !self.is_sliding_layer(i) => [g.num_kv_heads, g.head_dim],
+            _ => [self.num_kv_heads, self.head_dim],
+        }
     }
 }
 
@@ -247,6 +340,55 @@ impl DecoderConfig {
         if let Some(moe) = &self.moe {
             moe.validate()?;
         }
+        if let Some(g) = &self.global_attention {
+            within("global_head_dim", g.head_dim, Self::MAX_HEAD_DIM)?;
+            within(
+                "num_global_key_value_heads",
+                g.num_kv_heads,
+                Self::MAX_HEADS,
+            )?;
+            if self.num_heads % g.num_kv_heads != 0 || g.head_dim % 2 != 0 {
+                return Err(format!(
+                    "global layers' {} KV heads of {} features do not fit {} query heads",
+                    g.num_kv_heads, g.head_dim, self.num_heads
+                ));
+            }
+        }
+        if !(0..self.num_layers).contains(&self.kv_shared_layers) {
+            return Err(format!(
+                "`num_kv_shared_layers` must be below the layer count {}, got {}",
+                self.num_layers, self.kv_shared_layers
+            ));
+        }
+        if let Some(i) = (0..self.num_layers).find(|&i| self.kv_source(i).is_none()) {
+            return Err(format!(
+                "layer {i} shares the keys and values of an earlier layer of its kind, and there \
+                 is none"
+            ));
+        }
+        if let Some(p) = &self.per_layer_inputs {
+            within("hidden_size_per_layer_input", p.hidden, Self::MAX_HIDDEN)?;
+            within("vocab_size_per_layer_input", p.vocab_size, Self::MAX_VOCAB)?;
+            if p.vocab_size < self.vocab_size {
+                return Err(format!(
+                    "`vocab_size_per_layer_input` ({}) is below the vocabulary ({})",
+                    p.vocab_size, self.vocab_size
+                ));
+            }
+            if (self.num_layers as i64) * (p.hidden as i64) > Self::MAX_INTERMEDIATE as i64 {
+                return Err(format!(
+                    "{} layers of {} per-layer input features are too many",
+                    self.num_layers, p.hidden
+                ));
+            }
+        }
+        if let Some(cap) = self.style.final_logit_softcap {
+            if !(cap.is_finite() && cap > 0.0) {
+                return Err(format!(
+                    "`final_logit_softcapping` must be a positive number, got {cap}"
+                ));
+            }
+        }
         if let Some(linear) = &self.linear_attention {
             if !(1..=self.num_layers).contains(&linear.full_attention_interval) {
                 return Err(format!(
@@ -267,12 +409,15 @@ struct Attention {
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
+    /// See [`BlockStyle::value_norm`].
+    v_norm: Option<RmsNorm>,
     /// See [`BlockStyle::qk_norm_across_heads`].
     qk_norm_across_heads: bool,
     /// See [`BlockStyle::query_position_scale`].
     query_position_scale: Option<QueryPositionScale>,
     num_heads: i32,
     num_kv_heads: i32,
+    head_dim: i32,
     scale: f32,
     /// See [`DecoderConfig::attn_output_gate`].
     output_gate: bool,
@@ -291,6 +436,22 @@ enum Qkv {
     },
     /// Outputs `[..., (heads + 2 * kv_heads) * head_dim]`: queries, keys, then values.
     Fused(Linear),
+    /// The values are the key projection's output, before the key norm (Gemma 4's
+    /// `attention_k_eq_v`).
+    KeysAsValues { q_proj: Linear, k_proj: Linear },
+    /// Queries only: the layer attends over an earlier layer's cache
+    /// ([`DecoderConfig::kv_shared_layers`]).
+    QueriesOnly(Linear),
+}
+
+/// How one attention layer is shaped: its KV heads and head size, whether its values are its
+/// keys' projection, whether it reads another layer's cache.
+#[derive(Clone, Copy)]
+struct AttentionShape {
+    num_kv_heads: i32,
+    head_dim: i32,
+    values_from_keys: bool,
+    shares_kv: bool,
 }
 
 impl Attention {
@@ -300,8 +461,9 @@ impl Attention {
         path: &str,
         c: &DecoderConfig,
         window: Option<i32>,
+        shape: AttentionShape,
     ) -> Result<Self> {
-        let (hidden, hd) = (c.hidden_size, c.head_dim);
+        let (hidden, hd, kv_heads) = (c.hidden_size, shape.head_dim, shape.num_kv_heads);
         let across = c.style.qk_norm_across_heads;
         let norm = |w: &mut Weights, name: &str, heads: i32| -> Result<Option<RmsNorm>> {
             c.qk_norm
@@ -316,19 +478,26 @@ impl Attention {
                 })
                 .transpose()
         };
+        let proj = |w: &mut Weights, name: &str, out: i32| {
+            Linear::load(w, q, &format!("{path}.{name}"), hidden, out, c.qkv_bias)
+        };
         let fused_path = format!("{path}.qkv_proj");
-        let qkv = if !c.attn_output_gate && w.contains(&format!("{fused_path}.weight")) {
+        let qkv = if shape.shares_kv {
+            // A checkpoint may still hold the projections nobody reads (mlx_lm's sanitize drops
+            // them).
+            let unread = [".k_proj.", ".v_proj.", ".k_norm."].map(|p| format!("{path}{p}"));
+            w.discard_where(|name| unread.iter().any(|p| name.starts_with(p.as_str())));
+            Qkv::QueriesOnly(proj(w, "q_proj", c.num_heads * hd)?)
+        } else if shape.values_from_keys {
+            Qkv::KeysAsValues {
+                q_proj: proj(w, "q_proj", c.num_heads * hd)?,
+                k_proj: proj(w, "k_proj", kv_heads * hd)?,
+            }
+        } else if !c.attn_output_gate && w.contains(&format!("{fused_path}.weight")) {
             // Stored fused (Phi-3's `qkv_proj`): queries, then keys, then values.
-            Qkv::Fused(Linear::load(
-                w,
-                q,
-                &fused_path,
-                hidden,
-                (c.num_heads + 2 * c.num_kv_heads) * hd,
-                c.qkv_bias,
-            )?)
+            Qkv::Fused(proj(w, "qkv_proj", (c.num_heads + 2 * kv_heads) * hd)?)
         } else {
-            Self::load_qkv(w, q, path, c)?
+            Self::load_qkv(w, q, path, c, shape)?
         };
         Ok(Self {
             qkv,
@@ -341,11 +510,18 @@ impl Attention {
                 c.o_bias,
             )?,
             q_norm: norm(w, "q_norm", c.num_heads)?,
-            k_norm: norm(w, "k_norm", c.num_kv_heads)?,
+            k_norm: if shape.shares_kv {
+                None
+            } else {
+                norm(w, "k_norm", kv_heads)?
+            },
+            v_norm: (c.style.value_norm && !shape.shares_kv)
+                .then(|| RmsNorm::unweighted(c.rms_norm_eps)),
             qk_norm_across_heads: across,
             query_position_scale: c.style.query_position_scale,
             num_heads: c.num_heads,
-            num_kv_heads: c.num_kv_heads,
+            num_kv_heads: kv_heads,
+            head_dim: hd,
             scale: c.style.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
             output_gate: c.attn_output_gate,
             window,
@@ -353,8 +529,14 @@ impl Attention {
     }
 
     /// Separate `q_proj`, `k_proj` and `v_proj` (fused at load where that is enabled).
-    fn load_qkv(w: &mut Weights, q: &Quantization, path: &str, c: &DecoderConfig) -> Result<Qkv> {
-        let (hidden, hd) = (c.hidden_size, c.head_dim);
+    fn load_qkv(
+        w: &mut Weights,
+        q: &Quantization,
+        path: &str,
+        c: &DecoderConfig,
+        shape: AttentionShape,
+    ) -> Result<Qkv> {
+        let (hidden, hd, kv_heads) = (c.hidden_size, shape.head_dim, shape.num_kv_heads);
         let gate = if c.attn_output_gate { 2 } else { 1 };
         let q_proj = Linear::load(
             w,
@@ -369,7 +551,7 @@ impl Attention {
             q,
             &format!("{path}.k_proj"),
             hidden,
-            c.num_kv_heads * hd,
+            kv_heads * hd,
             c.qkv_bias,
         )?;
         let v_proj = Linear::load(
@@ -377,7 +559,7 @@ impl Attention {
             q,
             &format!("{path}.v_proj"),
             hidden,
-            c.num_kv_heads * hd,
+            kv_heads * hd,
             c.qkv_bias,
         )?;
         // A gated query projection stays separate (its heads interleave queries and gates).
@@ -397,9 +579,11 @@ impl Attention {
     }
 
     /// Queries, keys and values of `x` `[batch, seq, hidden]`, each `[batch, heads, seq,
-    /// head_dim]` (query and key norms applied, RoPE not yet), and the output gate `[batch,
-    /// seq, heads * head_dim]` when the attention has one.
-    fn project(&self, x: &Array) -> Result<(Array, Array, Array, Option<Array>)> {
+    /// head_dim]` (query, key and value norms applied, RoPE not yet; no keys and values for a
+    /// layer that reads another's cache), and the output gate `[batch, seq, heads * head_dim]`
+    /// when the attention has one.
+    #[allow(clippy::type_complexity)]
+    fn project(&self, x: &Array) -> Result<(Array, Option<(Array, Array)>, Option<Array>)> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
         // `[batch, seq, n, head_dim]` → normed, `[batch, n, seq, head_dim]`.
         let heads = |h: Array, norm: &Option<RmsNorm>| -> Result<Array> {
@@ -414,17 +598,18 @@ impl Attention {
             };
             Ok(h.transpose_axes(&[0, 2, 1, 3])?)
         };
+        let split = |proj: &Linear, n: i32| -> Result<Array> {
+            Ok(proj.forward(x)?.reshape(&[batch, seq, n, -1])?)
+        };
         let mut gate = None;
-        let (q, k, v) = match &self.qkv {
+        let (q, kv) = match &self.qkv {
             Qkv::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             } => (
                 {
-                    let q = q_proj
-                        .forward(x)?
-                        .reshape(&[batch, seq, self.num_heads, -1])?;
+                    let q = split(q_proj, self.num_heads)?;
                     if self.output_gate {
                         // Each head's features are its query, then its gate (mlx_lm splits the
                         // last axis in two).
@@ -439,12 +624,10 @@ impl Attention {
                         q
                     }
                 },
-                k_proj
-                    .forward(x)?
-                    .reshape(&[batch, seq, self.num_kv_heads, -1])?,
-                v_proj
-                    .forward(x)?
-                    .reshape(&[batch, seq, self.num_kv_heads, -1])?,
+                Some((
+                    split(k_proj, self.num_kv_heads)?,
+                    split(v_proj, self.num_kv_heads)?,
+                )),
             ),
             Qkv::Fused(proj) => {
                 let (nq, nkv) = (self.num_heads, self.num_kv_heads);
@@ -456,17 +639,20 @@ impl Attention {
                     |from: i32, to: i32| slice(&all, &[0, 0, from, 0], &[batch, seq, to, hd]);
                 (
                     part(0, nq)?,
-                    part(nq, nq + nkv)?,
-                    part(nq + nkv, nq + 2 * nkv)?,
+                    Some((part(nq, nq + nkv)?, part(nq + nkv, nq + 2 * nkv)?)),
                 )
             }
+            Qkv::KeysAsValues { q_proj, k_proj } => {
+                let k = split(k_proj, self.num_kv_heads)?;
+                (split(q_proj, self.num_heads)?, Some((k.clone(), k)))
+            }
+            Qkv::QueriesOnly(q_proj) => (split(q_proj, self.num_heads)?, None),
         };
-        Ok((
-            heads(q, &self.q_norm)?,
-            heads(k, &self.k_norm)?,
-            heads(v, &None)?,
-            gate,
-        ))
+        let kv = match kv {
+            Some((k, v)) => Some((heads(k, &self.k_norm)?, heads(v, &self.v_norm)?)),
+            None => None,
+        };
+        Ok((heads(q, &self.q_norm)?, kv, gate))
     }
 
     /// The output projection of attention's output `[batch, seq, heads * head_dim]`, gated
@@ -491,10 +677,10 @@ impl Attention {
     ) -> Result<Array> {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
         debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
-        let (queries, keys, values, gate) = self.project(x)?;
+        let (queries, kv, gate) = self.project(x)?;
 
         let out = if batch == 1 {
-            self.attend(&queries, &keys, &values, rope, caches[0])?
+            self.attend(&queries, kv, rope, caches[0])?
         } else {
             let row = |a: &Array, b: i32| {
                 let s = a.shape();
@@ -503,13 +689,11 @@ impl Attention {
             let mut outs = Vec::with_capacity(batch as usize);
             for (b, cache) in caches.iter_mut().enumerate() {
                 let b = b as i32;
-                outs.push(self.attend(
-                    &row(&queries, b)?,
-                    &row(&keys, b)?,
-                    &row(&values, b)?,
-                    rope,
-                    cache,
-                )?);
+                let kv = match &kv {
+                    Some((keys, values)) => Some((row(keys, b)?, row(values, b)?)),
+                    None => None,
+                };
+                outs.push(self.attend(&row(&queries, b)?, kv, rope, cache)?);
             }
             ops::concatenate(&outs, 0)?
         };
@@ -523,7 +707,8 @@ impl Attention {
     /// the sequence in slot `r` from position `step.positions[r]` on → `[rows, tokens, hidden]`.
     /// RoPE, the cache write and attention are one call each for all rows (attention masked
     /// causally from each row's position).
-    /// `shared`: what the step's layers share (a sliding layer reads its window mask).
+    /// `shared`: what the step's layers share (a sliding layer reads its window mask). A layer
+    /// without keys and values of its own reads cache layer `layer` as the step left it.
     fn forward_slots(
         &self,
         x: &Array,
@@ -534,19 +719,22 @@ impl Attention {
         shared: &SharedStepArrays,
     ) -> Result<Array> {
         let (rows, tokens) = (x.shape()[0], x.shape()[1]);
-        let (queries, keys, values, gate) = self.project(x)?;
-        let (queries, keys) = match rope {
-            Some(rope) => (
-                rope.forward_at(&queries, &step.positions)?,
-                rope.forward_at(&keys, &step.positions)?,
-            ),
-            None => (queries, keys),
+        let (queries, kv, gate) = self.project(x)?;
+        let at = |a: &Array| -> Result<Array> {
+            Ok(match rope {
+                Some(rope) => rope.forward_at(a, &step.positions)?,
+                None => a.clone(),
+            })
         };
+        let queries = at(&queries)?;
         let queries = match &shared.query_scales {
             Some(scales) => ops::multiply(&queries, &scales.as_dtype(queries.dtype())?)?,
             None => queries,
         };
-        let cached = slots.update_and_fetch(layer, step, &keys, &values)?;
+        let cached = match kv {
+            Some((keys, values)) => slots.update_and_fetch(layer, step, &at(&keys)?, &values)?,
+            None => slots.fetch(layer)?,
+        };
         let mask = match (self.window, &shared.window_mask) {
             (Some(_), Some(mask)) => mask,
             _ => &step.mask,
@@ -559,21 +747,27 @@ impl Attention {
     }
 
     /// RoPE at the cache's position, cache update and attention for one sequence:
-    /// `[1, heads, seq, head_dim]` in and out.
+    /// `[1, heads, seq, head_dim]` in and out. Without keys and values (`kv` `None`), `cache` is
+    /// an earlier layer's, already holding this step's positions: it is read as it is.
     fn attend(
         &self,
         queries: &Array,
-        keys: &Array,
-        values: &Array,
+        kv: Option<(Array, Array)>,
         rope: Option<&Rope>,
         cache: &mut KvCache,
     ) -> Result<Array> {
-        let offset = cache.offset();
-        let (queries, keys) = match rope {
-            Some(rope) => (rope.forward(queries, offset)?, rope.forward(keys, offset)?),
-            None => (queries.clone(), keys.clone()),
-        };
         let seq = queries.shape()[2];
+        let offset = match kv {
+            Some(_) => cache.offset(),
+            None => cache.offset() - seq,
+        };
+        let at = |a: &Array| -> Result<Array> {
+            Ok(match rope {
+                Some(rope) => rope.forward(a, offset)?,
+                None => a.clone(),
+            })
+        };
+        let queries = at(queries)?;
         let queries = match self.query_position_scale {
             // Below `original` positions every scale is 1 (multiplying by it changes nothing).
             Some(scale) if (offset + seq) as f32 > scale.original => {
@@ -585,7 +779,10 @@ impl Attention {
         };
         // One new token attends to everything cached: no mask (as mlx-lm passes None).
         let causal = seq > 1;
-        let cached = cache.update_and_fetch(&keys, values)?;
+        let cached = match kv {
+            Some((keys, values)) => cache.update_and_fetch(&at(&keys)?, &values)?,
+            None => cache.fetch()?,
+        };
         // A sliding layer whose window leaves positions out reads from the first position its
         // first query sees, masked by distance for more than one query. (The cache may have
         // dropped positions before that one: what it returns starts at its first position.)
@@ -917,18 +1114,22 @@ enum Mixer {
     Linear(GatedDeltaNet),
 }
 
-/// A block's feed-forward part: one MLP, or a router over experts.
+/// A block's feed-forward part: one MLP, a router over experts, or both side by side.
 #[derive(Clone)]
 enum FeedForward {
     Dense(Mlp),
     Sparse(Box<SparseMoe>),
+    MlpAndExperts(Box<MlpAndExperts>),
 }
 
 impl FeedForward {
-    fn forward(&self, x: &Array) -> Result<Array> {
+    /// `x` normed for the feed-forward part, and `unnormed` (what only
+    /// [`FeedForward::MlpAndExperts`] reads besides).
+    fn forward(&self, x: &Array, unnormed: &Array) -> Result<Array> {
         match self {
             FeedForward::Dense(mlp) => mlp.forward(x),
             FeedForward::Sparse(moe) => moe.forward(x),
+            FeedForward::MlpAndExperts(both) => both.forward(x, unnormed),
         }
     }
 
@@ -936,7 +1137,82 @@ impl FeedForward {
         match self {
             FeedForward::Dense(mlp) => mlp.use_mlx_kernels(),
             FeedForward::Sparse(moe) => moe.use_mlx_kernels(),
+            FeedForward::MlpAndExperts(both) => both.use_mlx_kernels(),
         }
+    }
+}
+
+/// Gemma 4's per-layer input gate of one block (see [`PerLayerInputs`]).
+#[derive(Clone)]
+struct PerLayerGate {
+    per_layer_input_gate: Linear,
+    per_layer_projection: Linear,
+    post_per_layer_input_norm: RmsNorm,
+}
+
+impl PerLayerGate {
+    /// `h + norm(projection(gelu(gate(h)) * input))`: `h` `[batch, seq, hidden]`, `input` the
+    /// layer's `[batch, seq, per_layer_hidden]`.
+    fn forward(&self, h: &Array, input: &Array) -> Result<Array> {
+        let gate = gelu_approx(&self.per_layer_input_gate.forward(h)?)?;
+        let gate = self
+            .per_layer_projection
+            .forward(&ops::multiply(&gate, input)?)?;
+        Ok(ops::add(
+            h,
+            &self.post_per_layer_input_norm.forward(&gate)?,
+        )?)
+    }
+
+    fn use_mlx_kernels(&mut self) {
+        self.per_layer_input_gate.use_mlx_kernels();
+        self.per_layer_projection.use_mlx_kernels();
+    }
+}
+
+/// Gemma 4's per-layer embeddings and their projection (see [`PerLayerInputs`]).
+#[derive(Clone)]
+struct PerLayerEmbedding {
+    embed_tokens_per_layer: Embedding,
+    per_layer_model_projection: Linear,
+    per_layer_projection_norm: RmsNorm,
+    layers: i32,
+    hidden: i32,
+}
+
+impl PerLayerEmbedding {
+    /// Every layer's input `[batch, seq, layers, hidden]` of `ids` `[batch, seq]` and their
+    /// scaled embeddings `h` `[batch, seq, model hidden]`, as mlx_lm's
+    /// `_get_per_layer_inputs` and `_project_per_layer_inputs` compute them (every scale a
+    /// scalar of the activations' dtype, as mlx_lm's Python floats are).
+    fn inputs(&self, ids: &Array, h: &Array) -> Result<Array> {
+        let (batch, seq) = (ids.shape()[0], ids.shape()[1]);
+        let shape = [batch, seq, self.layers, self.hidden];
+        let scalar = |v: f32, like: &Array| Array::from_f32(v).as_dtype(like.dtype());
+        let embedded = self.embed_tokens_per_layer.forward(ids)?;
+        let embedded = ops::multiply(&embedded, &scalar((self.hidden as f32).sqrt(), &embedded)?)?
+            .reshape(&shape)?;
+        let projected = self.per_layer_model_projection.forward(h)?;
+        let model_hidden = h.shape()[2];
+        let projected = ops::multiply(
+            &projected,
+            &scalar((model_hidden as f32).powf(-0.5), &projected)?,
+        )?
+        .reshape(&shape)?;
+        let projected = self.per_layer_projection_norm.forward(&projected)?;
+        let sum = ops::add(&projected, &embedded)?;
+        Ok(ops::multiply(&sum, &scalar(0.5f32.sqrt(), &sum)?)?)
+    }
+
+    /// Layer `layer`'s part of [`PerLayerEmbedding::inputs`]: `[batch, seq, hidden]`.
+    fn layer(inputs: &Array, layer: i32) -> Result<Array> {
+        let s = inputs.shape();
+        Ok(slice(inputs, &[0, 0, layer, 0], &[s[0], s[1], layer + 1, s[3]])?.squeeze_axes(&[2])?)
+    }
+
+    fn use_mlx_kernels(&mut self) {
+        self.embed_tokens_per_layer.use_mlx_kernels();
+        self.per_layer_model_projection.use_mlx_kernels();
     }
 }
 
@@ -953,6 +1229,14 @@ struct Block {
     sliding: bool,
     /// Applies RoPE to queries and keys ([`BlockStyle::no_rope_layers`]).
     rope: bool,
+    /// The cache layer it writes, or reads when it has no keys and values of its own (see
+    /// [`DecoderConfig::kv_shared_layers`]).
+    cache: usize,
+    /// Reads `cache` without writing it.
+    shares_kv: bool,
+    per_layer_gate: Option<PerLayerGate>,
+    /// See [`BlockStyle::layer_scalar`]: `[1]`.
+    layer_scalar: Option<Array>,
 }
 
 /// The MLP's own norms of a [`BlockStyle::sandwich_norms`] block.
@@ -979,6 +1263,8 @@ pub struct Decoder {
     clip_float16_residuals: bool,
     /// See [`BlockStyle::query_position_scale`] (computed once per slot step for all layers).
     query_position_scale: Option<QueryPositionScale>,
+    per_layer: Option<PerLayerEmbedding>,
+    final_logit_softcap: Option<f32>,
     info: ModelInfo,
 }
 
@@ -992,7 +1278,8 @@ impl Decoder {
         model_type: &str,
     ) -> Result<Self> {
         let c = &config;
-        let rope = rope.for_head_dim(c.head_dim)?;
+        let global_head_dim = c.global_attention.map_or(c.head_dim, |g| g.head_dim);
+        let rope = rope.for_head_dim(global_head_dim)?;
         let prefix = &c.weight_prefix;
         let embed_tokens = Embedding::load(
             weights,
@@ -1011,11 +1298,21 @@ impl Decoder {
             )
         };
         let sliding_window = c.style.sliding_window.as_ref();
+        let first_shared = c.first_kv_shared_layer();
         let mut layers = Vec::with_capacity(c.num_layers as usize);
         for i in 0..c.num_layers {
             let p = format!("{prefix}model.layers.{i}");
-            let sliding = sliding_window.is_some_and(|s| s.is_sliding_layer(i));
+            let sliding = c.is_sliding_layer(i);
             let window = sliding_window.filter(|_| sliding).map(|s| s.window);
+            let shares_kv = i >= first_shared;
+            let [num_kv_heads, head_dim] = c.head_shape(i);
+            let shape = AttentionShape {
+                num_kv_heads,
+                head_dim,
+                values_from_keys: !sliding
+                    && c.global_attention.is_some_and(|g| g.values_from_keys),
+                shares_kv,
+            };
             let mixer = match &c.linear_attention {
                 Some(linear) if c.is_linear_layer(i) => Mixer::Linear(GatedDeltaNet::load(
                     weights,
@@ -1031,6 +1328,7 @@ impl Decoder {
                     &format!("{p}.self_attn"),
                     c,
                     window,
+                    shape,
                 )?),
             };
             let inputs_normed = !c.style.output_norms_only;
@@ -1047,7 +1345,21 @@ impl Decoder {
             } else {
                 None
             };
+            let intermediate = if shares_kv && c.style.double_wide_shared_mlp {
+                2 * c.intermediate_size
+            } else {
+                c.intermediate_size
+            };
             let mlp = match &c.moe {
+                Some(moe) if moe.style == MoeStyle::Gemma4 => {
+                    FeedForward::MlpAndExperts(Box::new(MlpAndExperts::load(
+                        weights,
+                        quantization,
+                        &p,
+                        (c.hidden_size, intermediate, c.rms_norm_eps),
+                        moe,
+                    )?))
+                }
                 Some(moe) if moe.is_sparse_layer(i) => {
                     FeedForward::Sparse(Box::new(SparseMoe::load(
                         weights,
@@ -1063,12 +1375,45 @@ impl Decoder {
                         quantization,
                         &format!("{p}.mlp"),
                         c.hidden_size,
-                        c.intermediate_size,
+                        intermediate,
                         c.mlp_bias,
                     )?
                     .with_activation(c.style.activation),
                 ),
             };
+            let per_layer_gate = match c.per_layer_inputs {
+                Some(per_layer) => Some(PerLayerGate {
+                    per_layer_input_gate: Linear::load(
+                        weights,
+                        quantization,
+                        &format!("{p}.per_layer_input_gate"),
+                        c.hidden_size,
+                        per_layer.hidden,
+                        false,
+                    )?,
+                    per_layer_projection: Linear::load(
+                        weights,
+                        quantization,
+                        &format!("{p}.per_layer_projection"),
+                        per_layer.hidden,
+                        c.hidden_size,
+                        false,
+                    )?,
+                    post_per_layer_input_norm: norm(
+                        weights,
+                        &format!("{p}.post_per_layer_input_norm"),
+                    )?,
+                }),
+                None => None,
+            };
+            let layer_scalar = c
+                .style
+                .layer_scalar
+                .then(|| weights.take_shaped(&format!("{p}.layer_scalar"), &[1]))
+                .transpose()?;
+            let cache =
+                c.kv_source(i)
+                    .expect("validated: every layer has a cache to read") as usize;
             layers.push(Block {
                 mixer,
                 mlp,
@@ -1079,8 +1424,44 @@ impl Decoder {
                 sandwich,
                 sliding,
                 rope: !c.style.no_rope_layers.contains(&i),
+                cache,
+                shares_kv,
+                per_layer_gate,
+                layer_scalar,
             });
         }
+        let per_layer = match c.per_layer_inputs {
+            Some(per_layer) => {
+                let width = c.num_layers * per_layer.hidden;
+                Some(PerLayerEmbedding {
+                    embed_tokens_per_layer: Embedding::load_lookup_only(
+                        weights,
+                        quantization,
+                        &format!("{prefix}model.embed_tokens_per_layer"),
+                        per_layer.vocab_size,
+                        width,
+                    )?,
+                    per_layer_model_projection: Linear::load(
+                        weights,
+                        quantization,
+                        &format!("{prefix}model.per_layer_model_projection"),
+                        c.hidden_size,
+                        width,
+                        false,
+                    )?,
+                    per_layer_projection_norm: RmsNorm::load_with_offset(
+                        weights,
+                        &format!("{prefix}model.per_layer_projection_norm"),
+                        per_layer.hidden,
+                        c.rms_norm_eps,
+                        c.style.norm_unit_offset,
+                    )?,
+                    layers: c.num_layers,
+                    hidden: per_layer.hidden,
+                })
+            }
+            None => None,
+        };
         let final_norm = norm(weights, &format!("{prefix}model.norm"))?;
         let lm_head = if c.tie_word_embeddings {
             weights.discard(&format!("{prefix}lm_head.weight"));
@@ -1098,7 +1479,7 @@ impl Decoder {
         let info = ModelInfo {
             model_type: model_type.to_string(),
             vocab_size: c.vocab_size as usize,
-            num_layers: c.num_layers as usize,
+            num_layers: first_shared as usize,
             num_kv_heads: c.num_kv_heads as usize,
             head_dim: c.head_dim as usize,
             context_length: c.context_length,
@@ -1106,6 +1487,9 @@ impl Decoder {
         let local_rope = sliding_window
             .and_then(|s| s.local_rope_theta)
             .map(|theta| Rope {
+                // Over every feature of the sliding layers' heads (Gemma 4's are narrower than
+                // its global ones).
+                dims: c.head_dim,
                 base: theta,
                 scale: 1.0,
                 freqs: None,
@@ -1126,6 +1510,8 @@ impl Decoder {
             embedding_scale: c.style.embedding_scale,
             clip_float16_residuals: c.style.clip_float16_residuals,
             query_position_scale: c.style.query_position_scale,
+            per_layer,
+            final_logit_softcap: c.style.final_logit_softcap,
             info,
         })
     }
@@ -1138,12 +1524,16 @@ impl Decoder {
     fn run(
         &self,
         ids: &Array,
-        mut mix: impl FnMut(usize, &Mixer, &Array, Option<&Rope>) -> Result<Array>,
+        mut mix: impl FnMut(&Block, &Array, Option<&Rope>) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
         if let Some(scale) = self.embedding_scale {
             h = ops::multiply(&h, &Array::from_f32(scale).as_dtype(h.dtype())?)?;
         }
+        let per_layer_inputs = match &self.per_layer {
+            Some(per_layer) => Some(per_layer.inputs(ids, &h)?),
+            None => None,
+        };
         for (i, layer) in self.layers.iter().enumerate() {
             let rope = match (&self.local_rope, layer.sliding) {
                 _ if !layer.rope => None,
@@ -1154,24 +1544,30 @@ impl Decoder {
                 Some(norm) => norm.forward(&h)?,
                 None => h.clone(),
             };
-            let r = mix(i, &layer.mixer, &x, rope)?;
+            let r = mix(layer, &x, rope)?;
             h = match &layer.sandwich {
                 None => {
                     let h2 = ops::add(&h, &r)?;
                     let r = layer
                         .mlp
-                        .forward(&layer.post_attention_layernorm.forward(&h2)?)?;
+                        .forward(&layer.post_attention_layernorm.forward(&h2)?, &h2)?;
                     ops::add(&h2, &r)?
                 }
                 Some(norms) => {
                     let h2 = self.residual(&h, &layer.post_attention_layernorm.forward(&r)?)?;
                     let r = match &norms.pre_feedforward_layernorm {
-                        Some(norm) => layer.mlp.forward(&norm.forward(&h2)?)?,
-                        None => layer.mlp.forward(&h2)?,
+                        Some(norm) => layer.mlp.forward(&norm.forward(&h2)?, &h2)?,
+                        None => layer.mlp.forward(&h2, &h2)?,
                     };
                     self.residual(&h2, &norms.post_feedforward_layernorm.forward(&r)?)?
                 }
             };
+            if let (Some(gate), Some(inputs)) = (&layer.per_layer_gate, &per_layer_inputs) {
+                h = gate.forward(&h, &PerLayerEmbedding::layer(inputs, i as i32)?)?;
+            }
+            if let Some(scalar) = &layer.layer_scalar {
+                h = ops::multiply(&h, scalar)?;
+            }
         }
         Ok(h)
     }
@@ -1179,10 +1575,10 @@ impl Decoder {
     /// The last layer's hidden states `[batch, seq, hidden]` of `ids`, each row with its own
     /// cache (see [`Model::forward_batch`]).
     fn hidden_states_of(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
-        self.run(ids, |i, mixer, x, rope| {
+        self.run(ids, |layer, x, rope| {
             let mut layer_caches: Vec<&mut KvCache> =
-                caches.iter_mut().map(|c| &mut c[i]).collect();
-            match mixer {
+                caches.iter_mut().map(|c| &mut c[layer.cache]).collect();
+            match &layer.mixer {
                 Mixer::Attention(attn) => attn.forward(x, rope, &mut layer_caches),
                 Mixer::Linear(net) => net.forward(x, &mut layer_caches),
             }
@@ -1192,9 +1588,21 @@ impl Decoder {
     /// Final norm and output projection: hidden states → logits `[.., vocab]`.
     fn head(&self, h: &Array) -> Result<Array> {
         let h = self.norm.forward(h)?;
-        match &self.lm_head {
-            Some(head) => head.forward(&h),
-            None => self.embed_tokens.as_linear(&h),
+        let logits = match &self.lm_head {
+            Some(head) => head.forward(&h)?,
+            None => self.embed_tokens.as_linear(&h)?,
+        };
+        match self.final_logit_softcap {
+            // tanh(x / cap) * cap, the cap a scalar of the logits' dtype (mlx_lm's
+            // `logit_softcap`).
+            Some(cap) => {
+                let cap = Array::from_f32(cap).as_dtype(logits.dtype())?;
+                Ok(ops::multiply(
+                    &ops::tanh(&ops::divide(&logits, &cap)?)?,
+                    &cap,
+                )?)
+            }
+            None => Ok(logits),
         }
     }
 }
@@ -1239,8 +1647,10 @@ impl Model for Decoder {
                 .map(|scale| scale.scales(step.query_positions()))
                 .transpose()?,
         };
-        let h = self.run(ids, |i, mixer, x, rope| match mixer {
-            Mixer::Attention(attn) => attn.forward_slots(x, rope, slots, i, step, &shared),
+        let h = self.run(ids, |layer, x, rope| match &layer.mixer {
+            Mixer::Attention(attn) => {
+                attn.forward_slots(x, rope, slots, layer.cache, step, &shared)
+            }
             Mixer::Linear(_) => Err(mlx_rs::error::Exception::from(
                 "linear-attention layers do not run over slot caches yet",
             )
@@ -1255,7 +1665,13 @@ impl Model for Decoder {
         if let Some(head) = &mut copy.lm_head {
             head.use_mlx_kernels();
         }
+        if let Some(per_layer) = &mut copy.per_layer {
+            per_layer.use_mlx_kernels();
+        }
         for block in &mut copy.layers {
+            if let Some(gate) = &mut block.per_layer_gate {
+                gate.use_mlx_kernels();
+            }
             let attention = match &mut block.mixer {
                 Mixer::Attention(attention) => attention,
                 Mixer::Linear(net) => {
@@ -1272,7 +1688,11 @@ impl Model for Decoder {
                 } => [q_proj, k_proj, v_proj]
                     .into_iter()
                     .for_each(Linear::use_mlx_kernels),
-                Qkv::Fused(proj) => proj.use_mlx_kernels(),
+                Qkv::Fused(proj) | Qkv::QueriesOnly(proj) => proj.use_mlx_kernels(),
+                Qkv::KeysAsValues { q_proj, k_proj } => {
+                    q_proj.use_mlx_kernels();
+                    k_proj.use_mlx_kernels();
+                }
             }
             attention.o_proj.use_mlx_kernels();
             block.mlp.use_mlx_kernels();
@@ -1305,12 +1725,14 @@ impl Model for Decoder {
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
         self.layers
             .iter()
+            .filter(|block| !block.shares_kv)
             .map(|block| match block.mixer {
                 Mixer::Linear(ref linear) => {
                     KvCache::recurrent().with_state_shapes(linear.config().state_shapes())
                 }
                 Mixer::Attention(ref attention) => {
-                    let cache = KvCache::with_quantization(quantization);
+                    let cache = KvCache::with_quantization(quantization)
+                        .with_head_shape(attention.num_kv_heads, attention.head_dim);
                     match attention.window {
                         Some(window) => cache.with_window(window),
                         None => cache,

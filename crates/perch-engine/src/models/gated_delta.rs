@@ -122,15 +122,14 @@ fn recurrence_step(inputs: &[Array]) -> std::result::Result<Vec<Array>, Exceptio
         return Err(Exception::custom("a recurrence step takes 6 arrays"));
     };
     let &[batch, hv, dv, dk] = state.shape() else {
-        return Err(Exception::custom("a recurrent state is [rows, heads, dv, dk]"));
+        return Err(Exception::custom(
+            "a recurrent state is [rows, heads, dv, dk]",
+        ));
     };
     let state = ops::multiply(state, &g.reshape(&[batch, hv, 1, 1])?)?;
     let k_row = k.reshape(&[batch, hv, 1, dk])?;
     let kv_mem = ops::multiply(&state, &k_row)?.sum_axis(-1, None)?;
-    let delta = ops::multiply(
-        &ops::subtract(v, &kv_mem)?,
-        &beta.reshape(&[batch, hv, 1])?,
-    )?;
+    let delta = ops::multiply(&ops::subtract(v, &kv_mem)?, &beta.reshape(&[batch, hv, 1])?)?;
     let state = ops::add(
         &state,
         &ops::multiply(&k_row, &delta.reshape(&[batch, hv, dv, 1])?)?,

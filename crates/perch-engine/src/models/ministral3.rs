@@ -109,18 +109,7 @@ fn load_text(
     }
     let sliding_window = match &args.layer_types {
         Some(types) => {
-            let mut layers = Vec::with_capacity(types.len());
-            for kind in types {
-                layers.push(match kind.as_str() {
-                    "full_attention" => false,
-                    "sliding_attention" => true,
-                    other => {
-                        return Err(cx.error(format!(
-                            "`layer_types` lists `{other}` (full_attention or sliding_attention)"
-                        )))
-                    }
-                });
-            }
+            let layers = SlidingWindow::layers_from_types(types).map_err(|m| cx.error(m))?;
             if layers.iter().any(|&s| s) {
                 let window = args.sliding_window.ok_or_else(|| {
                     cx.error("sliding_attention layers need a `sliding_window`".into())

@@ -6,6 +6,7 @@
 pub mod decoder;
 pub mod gated_delta;
 pub mod gemma3;
+pub mod gemma4;
 pub mod llama;
 pub mod ministral3;
 pub mod moe;
@@ -34,7 +35,12 @@ use decoder::{Decoder, DecoderConfig};
 pub struct ModelInfo {
     pub model_type: String,
     pub vocab_size: usize,
+    /// Layers with a cache of their own: every decoder layer, but those that read an earlier
+    /// layer's keys and values (Gemma 4's KV-shared layers). Caches, slot caches and prompt-cache
+    /// files have this many entries, as mlx_lm's `make_cache` does.
     pub num_layers: usize,
+    /// KV heads and head size of the attention layers; where layers differ (Gemma 4's global
+    /// layers), the first layer's, and each cache says its own ([`KvCache::head_shape`]).
     pub num_kv_heads: usize,
     pub head_dim: usize,
     /// Longest sequence (prompt + generation) in tokens, from `max_position_embeddings`.
@@ -106,10 +112,15 @@ pub trait Model: Send {
     fn has_sliding_window_layers(&self) -> bool {
         false
     }
-    /// An empty cache, one entry per layer, float or quantized.
+    /// An empty cache, one entry per KV cache layer ([`ModelInfo::num_layers`]), float or
+    /// quantized, each knowing its layer's head shape.
     fn make_cache(&self, quantization: Option<KvQuantization>) -> Vec<KvCache> {
-        (0..self.info().num_layers)
-            .map(|_| KvCache::with_quantization(quantization))
+        let info = self.info();
+        (0..info.num_layers)
+            .map(|_| {
+                KvCache::with_quantization(quantization)
+                    .with_head_shape(info.num_kv_heads as i32, info.head_dim as i32)
+            })
             .collect()
     }
 }
@@ -167,6 +178,9 @@ type Loader = fn(LoadContext<'_>) -> Result<Box<dyn Model>>;
 const ARCHITECTURES: &[(&str, Loader)] = &[
     ("gemma3", gemma3::load),
     ("gemma3_text", gemma3::load),
+    ("gemma4", gemma4::load),
+    ("gemma4_text", gemma4::load),
+    ("gemma4_unified", gemma4::load),
     ("llama", llama::load),
     ("ministral3", ministral3::load),
     ("mistral", llama::load),
@@ -453,6 +467,132 @@ mod tests {
                     assert!(e.to_string().contains(expected), "{text}: {e}")
                 }
                 other => panic!("{text}: {other:?}"),
+            }
+        }
+    }
+
+    /// Gemma 4 E2B's config as Google publishes it (text model nested, every field set), and
+    /// 26B-A4B's text model.
+    fn gemma4(text_changes: Value) -> String {
+        let layer_types: Vec<&str> = (0..35)
+            .map(|i| {
+                if i % 5 == 4 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect();
+        let mut config = serde_json::json!({"model_type": "gemma4",
+            "architectures": ["Gemma4ForConditionalGeneration"],
+            "text_config": {"model_type": "gemma4_text", "hidden_size": 1536,
+                "num_hidden_layers": 35, "intermediate_size": 6144, "num_attention_heads": 8,
+                "num_key_value_heads": 1, "num_global_key_value_heads": null, "head_dim": 256,
+                "global_head_dim": 512, "num_kv_shared_layers": 20,
+                "hidden_size_per_layer_input": 256, "vocab_size": 262144,
+                "vocab_size_per_layer_input": 262144, "sliding_window": 512,
+                "layer_types": layer_types, "attention_k_eq_v": false,
+                "use_double_wide_mlp": true, "enable_moe_block": false, "num_experts": null,
+                "top_k_experts": null, "moe_intermediate_size": null,
+                "final_logit_softcapping": 30.0, "max_position_embeddings": 131072,
+                "rms_norm_eps": 1e-06, "tie_word_embeddings": true,
+                "rope_parameters": {
+                    "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                        "rope_type": "proportional"},
+                    "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}},
+            "vision_config": {"model_type": "gemma4_vision"}});
+        for (key, value) in text_changes.as_object().unwrap() {
+            config["text_config"][key] = value.clone();
+        }
+        config.to_string()
+    }
+
+    #[test]
+    fn gemma4_configs_are_checked_field_by_field() {
+        assert_eq!(
+            check_config(&gemma4(serde_json::json!({}))).unwrap(),
+            "gemma4"
+        );
+        let layer_types: Vec<&str> = (0..30)
+            .map(|i| {
+                if i % 6 == 5 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect();
+        let moe = serde_json::json!({"model_type": "gemma4_text", "hidden_size": 2816,
+            "num_hidden_layers": 30, "intermediate_size": 2112, "num_attention_heads": 16,
+            "num_key_value_heads": 8, "num_global_key_value_heads": 2, "head_dim": 256,
+            "global_head_dim": 512, "attention_k_eq_v": true, "num_kv_shared_layers": 0,
+            "hidden_size_per_layer_input": 0, "enable_moe_block": true, "num_experts": 128,
+            "top_k_experts": 8, "moe_intermediate_size": 704, "sliding_window": 1024,
+            "layer_types": layer_types, "max_position_embeddings": 262144});
+        assert_eq!(check_config(&moe.to_string()).unwrap(), "gemma4_text");
+        for (changes, expected) in [
+            (
+                serde_json::json!({"num_kv_shared_layers": 35}),
+                "`num_kv_shared_layers`",
+            ),
+            (
+                // Only the last layer is global, and it shares: no earlier global layer.
+                serde_json::json!({"num_hidden_layers": 3, "num_kv_shared_layers": 1,
+                    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}),
+                "layer 2 shares the keys and values of an earlier layer of its kind",
+            ),
+            (
+                serde_json::json!({"vocab_size_per_layer_input": 1000}),
+                "`vocab_size_per_layer_input` (1000) is below the vocabulary",
+            ),
+            (
+                serde_json::json!({"global_head_dim": 511}),
+                "global layers' 1 KV heads of 511",
+            ),
+            (
+                serde_json::json!({"layer_types": ["chunked_attention"]}),
+                "`layer_types` lists",
+            ),
+            (
+                serde_json::json!({"layer_types": ["sliding_attention"]}),
+                "the sliding-window layer list has 1 entries for 35 layers",
+            ),
+            (
+                serde_json::json!({"rope_parameters": {"full_attention": {"rope_type": "proportional",
+                    "partial_rotary_factor": 1.5}}}),
+                "`partial_rotary_factor` must be between 0 and 1",
+            ),
+            (
+                serde_json::json!({"rope_parameters": {"sliding_attention": {"rope_type": "yarn"}}}),
+                "RoPE type `yarn` is not supported",
+            ),
+            (
+                serde_json::json!({"rope_parameters": {"full_attention": {"rope_theta": -1}}}),
+                "`rope_theta` must be a positive number",
+            ),
+            (
+                serde_json::json!({"enable_moe_block": true}),
+                "`enable_moe_block` needs `num_experts`",
+            ),
+            (
+                serde_json::json!({"final_logit_softcapping": 0.0}),
+                "`final_logit_softcapping` must be a positive number",
+            ),
+            (
+                serde_json::json!({"hidden_size_per_layer_input": -4}),
+                "`hidden_size_per_layer_input`",
+            ),
+            (
+                serde_json::json!({"num_hidden_layers": "35"}),
+                "text_config: num_hidden_layers",
+            ),
+        ] {
+            let text = gemma4(changes.clone());
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{changes}: {e}")
+                }
+                other => panic!("{changes}: {other:?}"),
             }
         }
     }

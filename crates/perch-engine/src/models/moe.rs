@@ -6,12 +6,14 @@
 //! weights are stacked per projection, `[experts, out, in]` (mlx-community's `switch_mlp`
 //! layout; Hugging Face's `experts.{e}` tensors are stacked at load, as mlx_lm's `sanitize`
 //! does), and multiplied by MLX's `gather_mm` / `gather_qmm` for the chosen experts only.
-//! Reference: mlx-lm `models/qwen3_moe.py`, `models/switch_layers.py`.
+//! Gemma 4's experts sit beside every layer's dense MLP instead ([`MlpAndExperts`]), with a
+//! router of their own.
+//! Reference: mlx-lm `models/qwen3_moe.py`, `models/gemma4_text.py`, `models/switch_layers.py`.
 
 use mlx_rs::{ops, Array};
 
 use crate::error::Result;
-use crate::layers::{Linear, Mlp, QuantParams, Quantization};
+use crate::layers::{Activation, Linear, Mlp, QuantParams, Quantization, RmsNorm};
 use crate::weights::Weights;
 
 /// The sizes of a model's sparse blocks, and which layers have one.
@@ -31,6 +33,19 @@ pub struct MoeConfig {
     /// The shared expert's intermediate size (`shared_expert_intermediate_size`), when the
     /// blocks have one.
     pub shared_expert_intermediate_size: Option<i32>,
+    pub style: MoeStyle,
+}
+
+/// How a model's experts are routed and where they sit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MoeStyle {
+    /// Qwen3-MoE, Qwen3.5-MoE: a softmax over every expert's score, the top k kept; the sparse
+    /// block replaces the layer's MLP ([`SparseMoe`]).
+    #[default]
+    Qwen,
+    /// Gemma 4: the experts run beside the layer's MLP, each part with its own norms
+    /// ([`MlpAndExperts`]); the top k scores are softmaxed among themselves.
+    Gemma4,
 }
 
 impl MoeConfig {
@@ -144,12 +159,13 @@ impl SwitchLinear {
     }
 }
 
-/// Every expert's SwiGLU MLP (mlx_lm's `SwitchGLU`).
+/// Every expert's gated MLP (mlx_lm's `SwitchGLU`): SwiGLU, or GeGLU for Gemma 4.
 #[derive(Clone)]
 struct SwitchGlu {
     gate_proj: SwitchLinear,
     up_proj: SwitchLinear,
     down_proj: SwitchLinear,
+    activation: Activation,
 }
 
 impl SwitchGlu {
@@ -183,7 +199,7 @@ impl SwitchGlu {
         };
         let up = self.up_proj.forward(&x, &idx, sort)?;
         let gate = self.gate_proj.forward(&x, &idx, sort)?;
-        let h = ops::multiply(&mlx_rs::nn::silu(&gate)?, &up)?;
+        let h = ops::multiply(&self.activation.apply(&gate)?, &up)?;
         let out = self.down_proj.forward(&h, &idx, sort)?;
         let out = match inverse {
             Some(inverse) => {
@@ -272,6 +288,7 @@ impl SparseMoe {
                 gate_proj: proj(weights, "gate_proj", h, m)?,
                 up_proj: proj(weights, "up_proj", h, m)?,
                 down_proj: proj(weights, "down_proj", m, h)?,
+                activation: Activation::Silu,
             },
             top_k: c.top_k,
             norm_topk_prob: c.norm_topk_prob,
@@ -317,5 +334,135 @@ impl SparseMoe {
             }
             None => Ok(y),
         }
+    }
+}
+
+/// Gemma 4's feed-forward part (mlx_lm `gemma4_text.py`, `DecoderLayer` with
+/// `enable_moe_block`): the dense MLP on the pre-feed-forward-normed input, normed again
+/// (`post_feedforward_layernorm_1`), plus the routed experts on the input normed their own way
+/// (`pre_feedforward_layernorm_2`), normed after (`post_feedforward_layernorm_2`). The router
+/// reads the un-normed input: an RMSNorm scaled by `scale * hidden^-0.5`, a score per expert
+/// (`proj`), the top k scores softmaxed among themselves and each multiplied by its expert's
+/// `per_expert_scale`; every expert is a GeGLU MLP.
+#[derive(Clone)]
+pub struct MlpAndExperts {
+    mlp: Mlp,
+    post_feedforward_layernorm_1: RmsNorm,
+    pre_feedforward_layernorm_2: RmsNorm,
+    post_feedforward_layernorm_2: RmsNorm,
+    /// The router's input norm, its weight `scale * hidden^-0.5` (in the weight's dtype).
+    router_norm: RmsNorm,
+    router_proj: Linear,
+    /// `[experts]`.
+    per_expert_scale: Array,
+    experts: SwitchGlu,
+    top_k: i32,
+}
+
+impl MlpAndExperts {
+    /// The layer at `path` (`model.layers.{i}`): `{path}.mlp` (an MLP of `intermediate`
+    /// features), its norms, `{path}.router.*` and `{path}.experts.switch_glu.*` (mlx-community's
+    /// layout; Hugging Face's stacked `experts.gate_up_proj` / `experts.down_proj` are split as
+    /// mlx_lm's `sanitize` does).
+    pub fn load(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        path: &str,
+        (hidden, intermediate, eps): (i32, i32, f32),
+        c: &MoeConfig,
+    ) -> Result<Self> {
+        let norm = |weights: &mut Weights, name: &str| {
+            RmsNorm::load(weights, &format!("{path}.{name}"), hidden, eps)
+        };
+        let scale = weights.take_shaped(&format!("{path}.router.scale"), &[hidden])?;
+        let root = Array::from_f32((hidden as f32).powf(-0.5)).as_dtype(scale.dtype())?;
+        let router_weight = ops::multiply(&scale, &root)?;
+        router_weight.eval()?;
+        let (e, m) = (c.num_experts, c.intermediate_size);
+        let switch = format!("{path}.experts.switch_glu");
+        let stacked_gate_up = format!("{path}.experts.gate_up_proj");
+        let experts = if weights.contains(&stacked_gate_up) {
+            let both = weights.take_shaped(&stacked_gate_up, &[e, 2 * m, hidden])?;
+            let half = |from: i32| -> Result<SwitchLinear> {
+                let part = crate::mlx_ext::slice(&both, &[0, from, 0], &[e, from + m, hidden])?;
+                let part = part.contiguous()?;
+                part.eval()?;
+                Ok(SwitchLinear::Dense(part))
+            };
+            SwitchGlu {
+                gate_proj: half(0)?,
+                up_proj: half(m)?,
+                down_proj: SwitchLinear::Dense(
+                    weights.take_shaped(&format!("{path}.experts.down_proj"), &[e, hidden, m])?,
+                ),
+                activation: Activation::GeluApprox,
+            }
+        } else {
+            let proj = |weights: &mut Weights, name: &str, i: i32, o: i32| {
+                SwitchLinear::load(weights, quantization, (&switch, &switch, name), e, i, o)
+            };
+            SwitchGlu {
+                gate_proj: proj(weights, "gate_proj", hidden, m)?,
+                up_proj: proj(weights, "up_proj", hidden, m)?,
+                down_proj: proj(weights, "down_proj", m, hidden)?,
+                activation: Activation::GeluApprox,
+            }
+        };
+        Ok(Self {
+            mlp: Mlp::load(
+                weights,
+                quantization,
+                &format!("{path}.mlp"),
+                hidden,
+                intermediate,
+                false,
+            )?
+            .with_activation(Activation::GeluApprox),
+            post_feedforward_layernorm_1: norm(weights, "post_feedforward_layernorm_1")?,
+            pre_feedforward_layernorm_2: norm(weights, "pre_feedforward_layernorm_2")?,
+            post_feedforward_layernorm_2: norm(weights, "post_feedforward_layernorm_2")?,
+            router_norm: RmsNorm::from_weight(router_weight, eps),
+            router_proj: Linear::load(
+                weights,
+                quantization,
+                &format!("{path}.router.proj"),
+                hidden,
+                e,
+                false,
+            )?,
+            per_expert_scale: weights
+                .take_shaped(&format!("{path}.router.per_expert_scale"), &[e])?,
+            experts,
+            top_k: c.top_k,
+        })
+    }
+
+    /// Every product through MLX's operations (the experts' always are).
+    pub fn use_mlx_kernels(&mut self) {
+        self.mlp.use_mlx_kernels();
+        self.router_proj.use_mlx_kernels();
+    }
+
+    /// `normed` (the input after `pre_feedforward_layernorm`) and `x` (before it), both
+    /// `[batch, seq, hidden]` → `[batch, seq, hidden]`, before `post_feedforward_layernorm`.
+    pub fn forward(&self, normed: &Array, x: &Array) -> Result<Array> {
+        let dense = self
+            .post_feedforward_layernorm_1
+            .forward(&self.mlp.forward(normed)?)?;
+        let scores = self.router_proj.forward(&self.router_norm.forward(x)?)?;
+        let k = self.top_k;
+        let experts = scores.shape()[2];
+        // The k largest (in no particular order), as mlx_lm's argpartition(kth=-k)[..., -k:].
+        let all = ops::argpartition_axis(&scores, experts - k, -1)?;
+        let s = all.shape().to_vec();
+        let indices = crate::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
+        let weights = ops::softmax_axis(&scores.take_along_axis(&indices, -1)?, -1, false)?;
+        let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
+        let routed = self
+            .experts
+            .forward(&self.pre_feedforward_layernorm_2.forward(x)?, &indices)?;
+        let routed = ops::multiply(&routed, &weights.expand_dims(-1)?)?.sum_axis(-2, false)?;
+        let routed = self.post_feedforward_layernorm_2.forward(&routed)?;
+        Ok(ops::add(&dense, &routed)?)
     }
 }

@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use super::decoder::{DecoderConfig, LinearAttention};
 use super::gated_delta::GatedDeltaConfig;
-use super::moe::MoeConfig;
+use super::moe::{MoeConfig, MoeStyle};
 use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
@@ -109,6 +109,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
         decoder_sparse_step: 1,
         mlp_only_layers: Vec::new(),
         shared_expert_intermediate_size: Some(args.shared_expert_intermediate_size),
+        style: MoeStyle::Qwen,
     });
     let head_dim = match args.head_dim {
         Some(d) => d,

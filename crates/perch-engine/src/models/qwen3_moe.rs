@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::decoder::DecoderConfig;
-use super::moe::MoeConfig;
+use super::moe::{MoeConfig, MoeStyle};
 use super::{LoadContext, Model};
 use crate::error::Result;
 use crate::layers::Rope;
@@ -58,6 +58,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
             decoder_sparse_step: args.decoder_sparse_step,
             mlp_only_layers: args.mlp_only_layers,
             shared_expert_intermediate_size: None,
+            style: MoeStyle::Qwen,
         }),
         ..Default::default()
     };

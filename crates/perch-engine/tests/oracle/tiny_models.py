@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models import (gemma3, gemma3_text, llama, ministral3, mistral3, olmo2, phi3, qwen2, qwen3, qwen3_5,
-                           qwen3_5_moe, qwen3_moe, smollm3)
+from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, llama, ministral3, mistral3, olmo2, phi3, qwen2,
+                           qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, smollm3)
 
 import mlx_lm_quirks  # noqa: F401 (MoE models run in mlx_lm 0.32.2)
 
@@ -69,6 +69,49 @@ GEMMA3_TEXT = {
     "sliding_window": 8,
     "sliding_window_pattern": 2,
     "rope_scaling": {"factor": 4.0, "rope_type": "linear"},
+}
+
+# Gemma 4 as E2B / E4B are shaped: 6 layers (full attention at 2 and 5, the others sliding over
+# 8 positions), global heads twice as wide (32) as sliding ones with proportional RoPE over a
+# quarter of their features, the last 2 layers reading the caches of layers 3 (sliding) and 2
+# (global) with MLPs twice as wide, per-layer inputs of 32 features, logits soft-capped at 5 (so
+# that the cap bends them).
+GEMMA4_TEXT = {
+    **BASE,
+    "model_type": "gemma4_text",
+    "num_hidden_layers": 6,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "rms_norm_eps": 1e-6,
+    "num_kv_shared_layers": 2,
+    "hidden_size_per_layer_input": 32,
+    "vocab_size_per_layer_input": VOCAB,
+    "use_double_wide_mlp": True,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                    "sliding_attention", "sliding_attention", "full_attention"],
+    "final_logit_softcapping": 5.0,
+    "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                           "rope_type": "proportional"},
+                        "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+}
+
+# Gemma 4 as 26B-A4B is shaped: experts beside every layer's MLP (4 experts, 2 per token), global
+# layers whose values are their keys' projection with one KV head, no shared caches or per-layer
+# inputs.
+GEMMA4_MOE_TEXT = {
+    **GEMMA4_TEXT,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+    "use_double_wide_mlp": False,
+    "attention_k_eq_v": True,
+    "num_global_key_value_heads": 1,
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 32,
 }
 
 # Layer 0 dense (mlp_only_layers), layers 1-3 sparse: 8 experts, 4 per token in float32 (18 prompt
@@ -192,6 +235,14 @@ CASES = {
     "gemma3-4bit": (gemma3, {"model_type": "gemma3", "vocab_size": VOCAB,
                              "text_config": {**GEMMA3_TEXT, "vocab_size": 1000}},
                     {"group_size": 32, "bits": 4}),
+    "gemma4_text": (gemma4_text, GEMMA4_TEXT, None),
+    # The multimodal layout, 4-bit; it also holds the projections of the KV-shared layers that
+    # mlx-community's conversions kept (below), which nothing reads.
+    "gemma4-4bit": (gemma4, {"model_type": "gemma4", "vocab_size": VOCAB,
+                             "text_config": {**GEMMA4_TEXT, "vocab_size": 1000}},
+                    {"group_size": 32, "bits": 4}),
+    # 4-bit with the routers at 8 bits, as mlx_lm converts it.
+    "gemma4_text-moe-4bit": (gemma4_text, GEMMA4_MOE_TEXT, {"group_size": 32, "bits": 4}),
 }
 
 # Tensors of a multimodal checkpoint that are not the text model's.
@@ -213,16 +264,16 @@ def main(out_dir: Path, tokenizer_dir: Path):
         mx.random.seed(len(name))
         # A copy: mlx_lm's gemma3 args rewrite text_config in place, and config.json must stay as written.
         model = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config)))
-        if name.startswith(("qwen3_5", "gemma3", "olmo2", "ministral3", "mistral3")):
-            # Norm weights and the time-step bias start at constants: make them random, so that a
-            # norm applied to the wrong tensor (or not at all) shows in the logits. (Gemma's are
-            # offsets from one.)
+        if name.startswith(("qwen3_5", "gemma3", "gemma4", "olmo2", "ministral3", "mistral3")):
+            # Norm weights, the time-step bias and Gemma 4's scales start at constants: make them
+            # random, so that a norm or scale applied to the wrong tensor (or not at all) shows in
+            # the logits. (Gemma 3's norms are offsets from one.)
             from mlx.utils import tree_unflatten
             low, high = (-0.5, 0.5) if name.startswith("gemma3") else (0.5, 1.5)
             perturbed = [
                 (k, mx.random.uniform(low, high, v.shape))
                 for k, v in tree_flatten(model.parameters())
-                if k.endswith("norm.weight") or k.endswith("dt_bias")
+                if k.endswith(("norm.weight", "dt_bias", "layer_scalar", "router.scale", "per_expert_scale"))
             ]
             model.update(tree_unflatten(perturbed))
         if name == "gemma3-4bit":
@@ -257,7 +308,7 @@ def main(out_dir: Path, tokenizer_dir: Path):
                     return chosen
 
                 nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"], class_predicate=predicate)
-                assert overrides, "the model's predicate chose no overrides"
+                assert overrides or "moe" not in name, "the model's predicate chose no overrides"
                 config["quantization"] = {**quant, **overrides}
             else:
                 nn.quantize(model, group_size=quant["group_size"], bits=quant["bits"])
@@ -267,8 +318,14 @@ def main(out_dir: Path, tokenizer_dir: Path):
         case_dir = out_dir / name
         case_dir.mkdir(parents=True, exist_ok=True)
         tensors = dict(tree_flatten(model.parameters()))
-        if config.get("model_type") in ("gemma3", "mistral3"):
+        if config.get("model_type") in ("gemma3", "gemma4", "mistral3"):
             tensors.update(VISION_EXTRAS)
+        if name == "gemma4-4bit":
+            # mlx-community's E2B / E4B conversions keep keys and values for the KV-shared layers.
+            prefix = "language_model.model.layers.5.self_attn"
+            for part, shape in [("k_proj.weight", (64, 8)), ("k_proj.scales", (64, 2)),
+                                ("k_proj.biases", (64, 2)), ("k_norm.weight", (32,))]:
+                tensors[f"{prefix}.{part}"] = mx.zeros(shape)
         if name == "qwen3_moe":
             # Hugging Face's layout: one tensor per expert (`mlp.experts.{e}.gate_proj.weight`),
             # which loaders stack into mlx-community's `switch_mlp` (mlx_lm's sanitize does).
