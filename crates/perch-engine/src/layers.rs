@@ -986,13 +986,33 @@ pub enum Activation {
     Silu,
     /// GELU's tanh approximation (GeGLU: Gemma), see [`gelu_approx`].
     GeluApprox,
+    /// gpt-oss's clamped SwiGLU (mlx_lm's `swiglu_oai`): the gate clipped from above at 7, the
+    /// linear part to ±7 and shifted by one, `(up + 1) * gate * sigmoid(1.702 * gate)`.
+    SwigluOai,
 }
 
 impl Activation {
-    pub fn apply(self, x: &Array) -> Result<Array> {
+    /// gpt-oss's `alpha` and `limit` (mlx_lm's `SwigluOAI` defaults, which its model uses).
+    const OAI_ALPHA: f32 = 1.702;
+    const OAI_LIMIT: f32 = 7.0;
+
+    /// The gated unit: `act(gate) * up`, or [`Activation::SwigluOai`]'s form; every constant a
+    /// scalar of the activations' dtype.
+    pub fn gated(self, gate: &Array, up: &Array) -> Result<Array> {
         match self {
-            Activation::Silu => Ok(mlx_rs::nn::silu(x)?),
-            Activation::GeluApprox => gelu_approx(x),
+            Activation::Silu => Ok(ops::multiply(&mlx_rs::nn::silu(gate)?, up)?),
+            Activation::GeluApprox => Ok(ops::multiply(&gelu_approx(gate)?, up)?),
+            Activation::SwigluOai => {
+                let c = |v: f32| Array::from_f32(v).as_dtype(gate.dtype());
+                let limit = c(Self::OAI_LIMIT)?;
+                let gate = ops::minimum(gate, &limit)?;
+                let up = ops::clip(up, (&ops::negative(&limit)?, &limit))?;
+                let glu = ops::multiply(
+                    &gate,
+                    &ops::sigmoid(&ops::multiply(&c(Self::OAI_ALPHA)?, &gate)?)?,
+                )?;
+                Ok(ops::multiply(&ops::add(&up, &c(1.0)?)?, &glu)?)
+            }
         }
     }
 }
@@ -1138,7 +1158,7 @@ impl Mlp {
                 (gate, slice(&both, &start, &stop)?)
             }
         };
-        let activated = ops::multiply(&self.activation.apply(&gate)?, &up)?;
+        let activated = self.activation.gated(&gate, &up)?;
         self.down_proj.forward(&activated)
     }
 }

@@ -4,7 +4,8 @@
 //! expert), Gemma 3 (sliding windows of 8 under an 18-token prompt, text-only and multimodal
 //! layouts), Gemma 4 (global heads of their own size with proportional RoPE, KV-shared layers,
 //! per-layer inputs, experts beside the MLP, values from the key projection, soft-capped logits;
-//! text-only and multimodal layouts), Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer, Hugging Face's
+//! text-only and multimodal layouts), gpt-oss (attention sinks, biases, alternating sliding
+//! layers, YaRN, clamped-SwiGLU experts with biases), Qwen3-MoE (8 experts, top 4 and top 2, a dense first layer, Hugging Face's
 //! per-expert and mlx-community's stacked layouts), SmolLM3 (layers without RoPE), OLMo 2 (output
 //! norms, query / key norms across heads), Ministral 3 (YaRN, Llama 4 query scaling past 8
 //! positions, sliding layers listed in `layer_types`) and Mistral 3's multimodal layouts (a
@@ -74,6 +75,8 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "gemma4-4bit",
             "gemma4_text",
             "gemma4_text-moe-4bit",
+            "gpt_oss",
+            "gpt_oss-4bit",
             "llama3-rope",
             "ministral3",
             "mistral3-4bit",

@@ -288,6 +288,7 @@ fn masked_quantized_attention_over_padded_slots_is_exact() {
         0.125,
         q,
         KvMask::Array(&mask),
+        None,
     )
     .unwrap();
     for (row, &len) in lengths.iter().enumerate() {
@@ -302,6 +303,7 @@ fn masked_quantized_attention_over_padded_slots_is_exact() {
             0.125,
             q,
             KvMask::None,
+            None,
         )
         .unwrap();
         let worst = largest_difference(&batched.index((r..r + 1, .., .., ..)), &alone);
@@ -328,25 +330,30 @@ fn dequantized_and_packed_reads_of_quantized_slots_agree() {
     let lens = Array::from_slice(&[1, 9, 130, 256], &[rows, 1, 1, 1]);
     let positions = ops::arange::<_, i32>(0, capacity, None).unwrap();
     let mask = ops::lt(positions.reshape(&[1, 1, 1, -1]).unwrap(), &lens).unwrap();
-    let read = |dequantize| {
-        let cached = CachedKv::Quantized {
-            keys: parts(&keys),
-            values: parts(&values),
-            quantization: q,
+    // With attention sinks too (gpt-oss): one logit per query head.
+    let sinks = normal(&[6]);
+    for sinks in [None, Some(&sinks)] {
+        let read = |dequantize| {
+            let cached = CachedKv::Quantized {
+                keys: parts(&keys),
+                values: parts(&values),
+                quantization: q,
+            };
+            let read = SlotRead {
+                explicit: false,
+                dequantize,
+            };
+            masked_attention(&queries, cached, 0.125, &mask, read, sinks).unwrap()
         };
-        let read = SlotRead {
-            explicit: false,
-            dequantize,
-        };
-        masked_attention(&queries, cached, 0.125, &mask, read).unwrap()
-    };
-    let worst = largest_difference(&read(true), &read(false));
-    assert!(worst < 1e-4, "{worst}");
+        let worst = largest_difference(&read(true), &read(false));
+        assert!(worst < 1e-4, "{worst} (sinks: {})", sinks.is_some());
+    }
 }
 
 /// The explicit read of dense slots equals MLX's fused masked attention over the same padded
 /// buffers (stale values past each row's length), one query per row and prompt chunks alike, with
-/// a key/value head shared by three query heads.
+/// a key/value head shared by three query heads, with and without attention sinks (gpt-oss: a
+/// logit per query head that joins the softmax without a value).
 #[test]
 fn explicit_and_fused_reads_of_dense_slots_agree() {
     use perch_engine::cache::CachedKv;
@@ -356,7 +363,10 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
     let keys = normal(&[rows, 2, capacity, 64]);
     let values = normal(&[rows, 2, capacity, 64]);
     let lens = Array::from_slice(&[5, 9, 130, 250], &[rows, 1, 1, 1]);
-    for seq in [1, 5] {
+    // Large enough to take a visible share of each softmax.
+    let sinks = ops::multiply(normal(&[6]), Array::from_f32(4.0)).unwrap();
+    let mut fused_by_sinks = Vec::new();
+    for (seq, sinks) in [(1, None), (5, None), (1, Some(&sinks)), (5, Some(&sinks))] {
         let queries = normal(&[rows, 6, seq, 64]);
         // Row r's query i sits at position lens[r] + i - seq and sees positions up to it.
         let positions = ops::arange::<_, i32>(0, capacity, None).unwrap();
@@ -378,11 +388,21 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
                 explicit,
                 dequantize: false,
             };
-            masked_attention(&queries, cached, 0.125, &mask, read).unwrap()
+            masked_attention(&queries, cached, 0.125, &mask, read, sinks).unwrap()
         };
         let (explicit, fused) = (read(true), read(false));
         assert_eq!(explicit.shape(), &[rows, 6, seq, 64]);
         let worst = largest_difference(&explicit, &fused);
-        assert!(worst < 1e-5, "{seq} queries per row: {worst}");
+        assert!(
+            worst < 1e-5,
+            "{seq} queries per row: {worst} (sinks: {})",
+            sinks.is_some()
+        );
+        fused_by_sinks.push(fused);
+    }
+    // The sinks take their share: outputs with them differ from those without.
+    for seq in 0..2 {
+        let moved = largest_difference(&fused_by_sinks[seq], &fused_by_sinks[seq + 2]);
+        assert!(moved > 1e-3, "sinks changed nothing ({moved})");
     }
 }

@@ -62,6 +62,7 @@ fn quantized_cache_and_attention_are_mlx_lms() {
                 } else {
                     KvMask::None
                 },
+                None,
             )
             .unwrap();
             let expected = get("out");
@@ -110,6 +111,7 @@ fn quantized_attention_keeps_half_precision() {
                 } else {
                     KvMask::None
                 },
+                None,
             )
             .unwrap();
             assert_eq!(out.dtype(), dtype, "{length} queries");

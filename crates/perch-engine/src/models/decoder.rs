@@ -122,6 +122,9 @@ pub struct BlockStyle {
     pub query_position_scale: Option<QueryPositionScale>,
     /// RMSNorm without a weight on each value head (Gemma 4's `v_norm`).
     pub value_norm: bool,
+    /// Attention sinks: a learned logit per query head (`self_attn.sinks`) joins every
+    /// query's softmax as a key without a value, so a query may attend to nothing (gpt-oss).
+    pub attention_sinks: bool,
     /// Each block's output is multiplied by its own scalar weight, `layer_scalar` (Gemma 4).
     pub layer_scalar: bool,
     /// Logits squashed into `(-cap, cap)` as `tanh(logits / cap) * cap` (Gemma 4's
@@ -423,6 +426,9 @@ struct Attention {
     output_gate: bool,
     /// A sliding layer's window ([`SlidingWindow`]); `None`: global attention.
     window: Option<i32>,
+    /// Per query head, a learned logit that joins each query's softmax as one more key with
+    /// no value ([`BlockStyle::attention_sinks`]): `[heads]`.
+    sinks: Option<Array>,
 }
 
 /// The query, key and value projections, separate or fused into one (see
@@ -525,6 +531,11 @@ impl Attention {
             scale: c.style.attention_scale.unwrap_or((hd as f32).powf(-0.5)),
             output_gate: c.attn_output_gate,
             window,
+            sinks: c
+                .style
+                .attention_sinks
+                .then(|| w.take_shaped(&format!("{path}.sinks"), &[c.num_heads]))
+                .transpose()?,
         })
     }
 
@@ -739,7 +750,14 @@ impl Attention {
             (Some(_), Some(mask)) => mask,
             _ => &step.mask,
         };
-        let out = masked_attention(&queries, cached, self.scale, mask, step.read)?;
+        let out = masked_attention(
+            &queries,
+            cached,
+            self.scale,
+            mask,
+            step.read,
+            self.sinks.as_ref(),
+        )?;
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[rows, tokens, -1])?;
@@ -807,7 +825,7 @@ impl Attention {
                     &from(&values)?,
                     self.scale,
                     mask.as_ref().map(ScaledDotProductAttentionMask::Array),
-                    None,
+                    self.sinks.as_ref(),
                 )?),
                 CachedKv::Quantized {
                     keys,
@@ -825,6 +843,7 @@ impl Attention {
                         self.scale,
                         quantization,
                         mask.as_ref().map_or(KvMask::None, KvMask::Array),
+                        self.sinks.as_ref(),
                     )
                 }
             };
@@ -833,7 +852,12 @@ impl Attention {
             CachedKv::Dense { keys, values } => {
                 let mask = causal.then_some(ScaledDotProductAttentionMask::Causal);
                 Ok(scaled_dot_product_attention(
-                    &queries, &keys, &values, self.scale, mask, None,
+                    &queries,
+                    &keys,
+                    &values,
+                    self.scale,
+                    mask,
+                    self.sinks.as_ref(),
                 )?)
             }
             CachedKv::Quantized {
@@ -847,6 +871,7 @@ impl Attention {
                 self.scale,
                 quantization,
                 if causal { KvMask::Causal } else { KvMask::None },
+                self.sinks.as_ref(),
             ),
         }
     }
@@ -877,7 +902,9 @@ fn window_mask(offset: i32, seq: i32, start: i32, window: i32) -> Result<Array> 
 ///
 /// `queries`: `[batch, heads, seq, head_dim]`; `keys`/`values`: packed values, scales and biases
 /// `[batch, kv_heads, positions, …]` as [`crate::cache::KvCache::update_and_fetch`] returns them.
-/// Returns `[batch, heads, seq, head_dim]`. Errors: MLX's, for shapes that do not fit together.
+/// `sinks`: attention sinks `[heads]` (see [`BlockStyle::attention_sinks`]; mlx_lm has none
+/// for quantized caches). Returns `[batch, heads, seq, head_dim]`. Errors: MLX's, for shapes
+/// that do not fit together.
 pub fn quantized_scaled_dot_product_attention(
     queries: &Array,
     keys: &[Array; 3],
@@ -885,6 +912,7 @@ pub fn quantized_scaled_dot_product_attention(
     scale: f32,
     q: KvQuantization,
     mask: KvMask,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     // MLX's CUDA quantized_matmul (v0.32) also takes only whole-contiguous packed matrices, and
     // the cache hands out views of its larger buffers: copy them there (Metal and CPU read views).
@@ -917,7 +945,7 @@ pub fn quantized_scaled_dot_product_attention(
     stacked_attention(
         queries,
         kv_heads,
-        scale,
+        (scale, sinks),
         mask,
         |q| Ok(qmm(q, &keys, true)?),
         |p| Ok(qmm(p, &values, false)?),
@@ -927,21 +955,22 @@ pub fn quantized_scaled_dot_product_attention(
 /// Attention over dense keys and values `[batch, kv_heads, positions, head_dim]` by explicit
 /// operations, as [`quantized_scaled_dot_product_attention`] computes it with `matmul` in place
 /// of `quantized_matmul`: scores, mask, precise softmax, weighted values. What a batched decode
-/// step on CUDA reads its slot cache with (see [`SlotRead`]). Returns
-/// `[batch, heads, seq, head_dim]`.
+/// step on CUDA reads its slot cache with (see [`SlotRead`]). `sinks`: attention sinks
+/// `[heads]`. Returns `[batch, heads, seq, head_dim]`.
 pub fn explicit_scaled_dot_product_attention(
     queries: &Array,
     keys: &Array,
     values: &Array,
     scale: f32,
     mask: KvMask,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     let kv_heads = keys.shape()[1];
     let keys_t = keys.transpose_axes(&[0, 1, 3, 2])?;
     stacked_attention(
         queries,
         kv_heads,
-        scale,
+        (scale, sinks),
         mask,
         |q| Ok(ops::matmul(q, &keys_t)?),
         |p| Ok(ops::matmul(p, values)?),
@@ -953,11 +982,13 @@ pub fn explicit_scaled_dot_product_attention(
 /// dtype), `scores_of` turns them into scores `[batch, kv_heads, repeats * seq, positions]`, the
 /// mask puts the dtype's lowest value where a query may not look (as mlx_lm's
 /// `where(mask, scores, finfo(dtype).min)`), a precise softmax (float32 inside) gives the
-/// weights and `weigh` turns them into `[batch, kv_heads, repeats * seq, head_dim]`.
+/// weights and `weigh` turns them into `[batch, kv_heads, repeats * seq, head_dim]`. Attention
+/// sinks (`[heads]`, when given) join the softmax as one more column of scores, dropped after
+/// it, as MLX's fused attention takes them.
 fn stacked_attention(
     queries: &Array,
     kv_heads: i32,
-    scale: f32,
+    (scale, sinks): (f32, Option<&Array>),
     mask: KvMask,
     scores_of: impl FnOnce(&Array) -> Result<Array>,
     weigh: impl FnOnce(&Array) -> Result<Array>,
@@ -1006,7 +1037,25 @@ fn stacked_attention(
             positions,
         ])?;
     }
-    let weights = ops::softmax_axis(&scores, -1, true)?;
+    let weights = match sinks {
+        None => ops::softmax_axis(&scores, -1, true)?,
+        Some(sinks) => {
+            // Head `k * repeats + r`'s sink beside each of its queries' rows.
+            let column = ops::broadcast_to(
+                sinks
+                    .as_dtype(scores.dtype())?
+                    .reshape(&[1, kv_heads, repeats, 1, 1])?,
+                &[batch, kv_heads, repeats, seq, 1],
+            )?
+            .reshape(&[batch, kv_heads, repeats * seq, 1])?;
+            let all = ops::softmax_axis(&ops::concatenate(&[scores, column], -1)?, -1, true)?;
+            slice(
+                &all,
+                &[0, 0, 0, 0],
+                &[batch, kv_heads, repeats * seq, positions],
+            )?
+        }
+    };
     Ok(weigh(&weights)?.reshape(&[batch, heads, seq, head_dim])?)
 }
 
@@ -1028,13 +1077,15 @@ pub struct SlotRead {
 /// dequantized and read as a dense one: MLX 0.32.2's CUDA quantized_matmul over a batch of
 /// `rows * kv_heads` packed matrices did not finish a 32-sequence benchmark in 120 s on an H100,
 /// where dequantizing one layer's slots at a time ran it at 2,494 tok/s (the cache keeps its
-/// size; the transient copy is one layer's). Returns `[batch, heads, seq, head_dim]`.
+/// size; the transient copy is one layer's). `sinks`: attention sinks `[heads]`. Returns
+/// `[batch, heads, seq, head_dim]`.
 pub fn masked_attention(
     queries: &Array,
     cached: CachedKv,
     scale: f32,
     mask: &Array,
     read: SlotRead,
+    sinks: Option<&Array>,
 ) -> Result<Array> {
     let dense = |keys: &Array, values: &Array| -> Result<Array> {
         Ok(if read.explicit {
@@ -1044,10 +1095,11 @@ pub fn masked_attention(
                 values,
                 scale,
                 KvMask::Array(mask),
+                sinks,
             )?
         } else {
             let mask = ScaledDotProductAttentionMask::Array(mask);
-            scaled_dot_product_attention(queries, keys, values, scale, mask, None)?
+            scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)?
         })
     };
     match cached {
@@ -1072,6 +1124,7 @@ pub fn masked_attention(
             scale,
             quantization,
             KvMask::Array(mask),
+            sinks,
         ),
     }
 }

@@ -7,6 +7,7 @@ pub mod decoder;
 pub mod gated_delta;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gpt_oss;
 pub mod llama;
 pub mod ministral3;
 pub mod moe;
@@ -181,6 +182,7 @@ const ARCHITECTURES: &[(&str, Loader)] = &[
     ("gemma4", gemma4::load),
     ("gemma4_text", gemma4::load),
     ("gemma4_unified", gemma4::load),
+    ("gpt_oss", gpt_oss::load),
     ("llama", llama::load),
     ("ministral3", ministral3::load),
     ("mistral", llama::load),

@@ -46,6 +46,10 @@ pub enum MoeStyle {
     /// Gemma 4: the experts run beside the layer's MLP, each part with its own norms
     /// ([`MlpAndExperts`]); the top k scores are softmaxed among themselves.
     Gemma4,
+    /// gpt-oss: the sparse block replaces the MLP; the router (`router`, with a bias) keeps the
+    /// top k scores and softmaxes them among themselves; experts (`experts.*`) have biases and
+    /// gpt-oss's clamped SwiGLU ([`Activation::SwigluOai`]).
+    GptOss,
 }
 
 impl MoeConfig {
@@ -69,12 +73,19 @@ impl MoeConfig {
     }
 }
 
-/// One projection of every expert: `[experts, out, in]`, dense or MLX-quantized (packed
-/// `[experts, out, in * bits / 32]`, scales and biases `[experts, out, in / group_size]`).
-/// Quantized experts stay quantized on every backend (a dense copy of all experts would take
-/// 4–8× the memory of the whole quantized model).
+/// One projection of every expert: `[experts, out, in]` weights, and a bias `[experts, out]`
+/// per expert where the model has them (gpt-oss).
 #[derive(Clone)]
-enum SwitchLinear {
+struct SwitchLinear {
+    weight: SwitchWeight,
+    bias: Option<Array>,
+}
+
+/// Dense or MLX-quantized expert weights (packed `[experts, out, in * bits / 32]`, scales and
+/// biases `[experts, out, in / group_size]`). Quantized experts stay quantized on every backend
+/// (a dense copy of all experts would take 4–8× the memory of the whole quantized model).
+#[derive(Clone)]
+enum SwitchWeight {
     Dense(Array),
     Quantized {
         weight: Array,
@@ -85,37 +96,54 @@ enum SwitchLinear {
 }
 
 impl SwitchLinear {
+    fn dense(weight: Array) -> Self {
+        Self {
+            weight: SwitchWeight::Dense(weight),
+            bias: None,
+        }
+    }
+
     /// Loads `{path}.weight` (and `.scales`/`.biases` when quantized), or stacks Hugging Face's
-    /// per-expert `{experts_path}.{e}.{name}.weight` tensors when the stacked one is absent.
+    /// per-expert `{experts_path}.{e}.{name}.weight` tensors when the stacked one is absent;
+    /// with `bias`, `{path}.bias` too.
     fn load(
         weights: &mut Weights,
         quantization: &Quantization,
         (path, experts_path, name): (&str, &str, &str),
         experts: i32,
-        in_features: i32,
-        out_features: i32,
+        (in_features, out_features): (i32, i32),
+        bias: bool,
     ) -> Result<Self> {
         let path = format!("{path}.{name}");
+        let bias = bias
+            .then(|| weights.take_shaped(&format!("{path}.bias"), &[experts, out_features]))
+            .transpose()?;
         if let Some(params) = quantization.for_module(&path, weights) {
             let packed = in_features * params.bits / 32;
             let groups = in_features / params.group_size;
             let take = |weights: &mut Weights, part: &str, last: i32| {
                 weights.take_shaped(&format!("{path}.{part}"), &[experts, out_features, last])
             };
-            return Ok(SwitchLinear::Quantized {
-                weight: take(weights, "weight", packed)?,
-                scales: take(weights, "scales", groups)?,
-                biases: take(weights, "biases", groups)?,
-                params,
+            return Ok(Self {
+                weight: SwitchWeight::Quantized {
+                    weight: take(weights, "weight", packed)?,
+                    scales: take(weights, "scales", groups)?,
+                    biases: take(weights, "biases", groups)?,
+                    params,
+                },
+                bias,
             });
         }
         let stacked = format!("{path}.weight");
         if weights.contains(&stacked)
             || !weights.contains(&format!("{experts_path}.0.{name}.weight"))
         {
-            return Ok(SwitchLinear::Dense(
-                weights.take_shaped(&stacked, &[experts, out_features, in_features])?,
-            ));
+            return Ok(Self {
+                weight: SwitchWeight::Dense(
+                    weights.take_shaped(&stacked, &[experts, out_features, in_features])?,
+                ),
+                bias,
+            });
         }
         let parts = (0..experts)
             .map(|e| {
@@ -127,18 +155,21 @@ impl SwitchLinear {
             .collect::<Result<Vec<_>>>()?;
         let weight = ops::stack(&parts, 0)?;
         weight.eval()?;
-        Ok(SwitchLinear::Dense(weight))
+        Ok(Self {
+            weight: SwitchWeight::Dense(weight),
+            bias,
+        })
     }
 
     /// `x` `[..., rows, in]` times the transposed weights of expert `indices[...]` (broadcast
-    /// against `x`'s leading axes) → `[..., rows, out]`. `sorted`: `indices` are in ascending
-    /// order (MLX then reads each expert's weights once).
+    /// against `x`'s leading axes), plus that expert's bias → `[..., rows, out]`. `sorted`:
+    /// `indices` are in ascending order (MLX then reads each expert's weights once).
     fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
-        Ok(match self {
-            SwitchLinear::Dense(weight) => {
+        let y = match &self.weight {
+            SwitchWeight::Dense(weight) => {
                 ops::gather_mm(x, weight.swap_axes(-1, -2)?, None, indices, sorted)?
             }
-            SwitchLinear::Quantized {
+            SwitchWeight::Quantized {
                 weight,
                 scales,
                 biases,
@@ -155,6 +186,10 @@ impl SwitchLinear {
                 params.bits,
                 sorted,
             )?,
+        };
+        Ok(match &self.bias {
+            Some(bias) => ops::add(&y, &bias.take_axis(indices, 0)?.expand_dims(-2)?)?,
+            None => y,
         })
     }
 }
@@ -199,7 +234,7 @@ impl SwitchGlu {
         };
         let up = self.up_proj.forward(&x, &idx, sort)?;
         let gate = self.gate_proj.forward(&x, &idx, sort)?;
-        let h = ops::multiply(&self.activation.apply(&gate)?, &up)?;
+        let h = self.activation.gated(&gate, &up)?;
         let out = self.down_proj.forward(&h, &idx, sort)?;
         let out = match inverse {
             Some(inverse) => {
@@ -222,6 +257,8 @@ pub struct SparseMoe {
     top_k: i32,
     norm_topk_prob: bool,
     shared: Option<SharedExpert>,
+    /// [`MoeStyle::Qwen`] or [`MoeStyle::GptOss`]: how the router's scores become weights.
+    style: MoeStyle,
 }
 
 /// Qwen3-Next's shared expert: a SwiGLU MLP and its scalar gate `Linear(hidden, 1)`.
@@ -232,7 +269,8 @@ struct SharedExpert {
 }
 
 impl SparseMoe {
-    /// The block at `path` (`…mlp`): `{path}.gate` (the router) and `{path}.switch_mlp.*`.
+    /// The block at `path` (`…mlp`): `{path}.gate` (the router) and `{path}.switch_mlp.*`;
+    /// gpt-oss's `{path}.router` and `{path}.experts.*`, with biases.
     pub fn load(
         weights: &mut Weights,
         quantization: &Quantization,
@@ -240,24 +278,29 @@ impl SparseMoe {
         hidden: i32,
         c: &MoeConfig,
     ) -> Result<Self> {
+        let gpt_oss = c.style == MoeStyle::GptOss;
         let gate = Linear::load(
             weights,
             quantization,
-            &format!("{path}.gate"),
+            &format!("{path}.{}", if gpt_oss { "router" } else { "gate" }),
             hidden,
             c.num_experts,
-            false,
+            gpt_oss,
         )?;
-        let switch = format!("{path}.switch_mlp");
         let experts = format!("{path}.experts");
+        let switch = if gpt_oss {
+            experts.clone()
+        } else {
+            format!("{path}.switch_mlp")
+        };
         let proj = |weights: &mut Weights, name: &str, i: i32, o: i32| {
             SwitchLinear::load(
                 weights,
                 quantization,
                 (&switch, &experts, name),
                 c.num_experts,
-                i,
-                o,
+                (i, o),
+                gpt_oss,
             )
         };
         let (h, m) = (hidden, c.intermediate_size);
@@ -288,11 +331,16 @@ impl SparseMoe {
                 gate_proj: proj(weights, "gate_proj", h, m)?,
                 up_proj: proj(weights, "up_proj", h, m)?,
                 down_proj: proj(weights, "down_proj", m, h)?,
-                activation: Activation::Silu,
+                activation: if gpt_oss {
+                    Activation::SwigluOai
+                } else {
+                    Activation::Silu
+                },
             },
             top_k: c.top_k,
             norm_topk_prob: c.norm_topk_prob,
             shared,
+            style: c.style,
         })
     }
 
@@ -308,15 +356,17 @@ impl SparseMoe {
 
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let gates = ops::softmax_axis(&self.gate.forward(x)?, -1, true)?;
-        let k = self.top_k;
-        let experts = gates.shape()[2];
-        // The k largest (in no particular order), as mlx_lm's argpartition(kth=-k)[..., -k:].
-        let all = ops::argpartition_axis(&gates, experts - k, -1)?;
-        let s = all.shape().to_vec();
-        let indices = crate::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
-        let mut scores = gates.take_along_axis(&indices, -1)?;
-        if self.norm_topk_prob {
+        let logits = self.gate.forward(x)?;
+        // Qwen: a softmax over every expert, then the top k; gpt-oss: the top k logits, then
+        // their softmax.
+        let gates = match self.style {
+            MoeStyle::GptOss => logits,
+            _ => ops::softmax_axis(&logits, -1, true)?,
+        };
+        let (indices, mut scores) = top_k(&gates, self.top_k)?;
+        if self.style == MoeStyle::GptOss {
+            scores = ops::softmax_axis(&scores, -1, true)?;
+        } else if self.norm_topk_prob {
             scores = ops::divide(&scores, &scores.sum_axis(-1, true)?)?;
         }
         let y = self.switch_mlp.forward(x, &indices)?;
@@ -387,19 +437,26 @@ impl MlpAndExperts {
                 let part = crate::mlx_ext::slice(&both, &[0, from, 0], &[e, from + m, hidden])?;
                 let part = part.contiguous()?;
                 part.eval()?;
-                Ok(SwitchLinear::Dense(part))
+                Ok(SwitchLinear::dense(part))
             };
             SwitchGlu {
                 gate_proj: half(0)?,
                 up_proj: half(m)?,
-                down_proj: SwitchLinear::Dense(
+                down_proj: SwitchLinear::dense(
                     weights.take_shaped(&format!("{path}.experts.down_proj"), &[e, hidden, m])?,
                 ),
                 activation: Activation::GeluApprox,
             }
         } else {
             let proj = |weights: &mut Weights, name: &str, i: i32, o: i32| {
-                SwitchLinear::load(weights, quantization, (&switch, &switch, name), e, i, o)
+                SwitchLinear::load(
+                    weights,
+                    quantization,
+                    (&switch, &switch, name),
+                    e,
+                    (i, o),
+                    false,
+                )
             };
             SwitchGlu {
                 gate_proj: proj(weights, "gate_proj", hidden, m)?,
@@ -450,13 +507,8 @@ impl MlpAndExperts {
             .post_feedforward_layernorm_1
             .forward(&self.mlp.forward(normed)?)?;
         let scores = self.router_proj.forward(&self.router_norm.forward(x)?)?;
-        let k = self.top_k;
-        let experts = scores.shape()[2];
-        // The k largest (in no particular order), as mlx_lm's argpartition(kth=-k)[..., -k:].
-        let all = ops::argpartition_axis(&scores, experts - k, -1)?;
-        let s = all.shape().to_vec();
-        let indices = crate::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
-        let weights = ops::softmax_axis(&scores.take_along_axis(&indices, -1)?, -1, false)?;
+        let (indices, top) = top_k(&scores, self.top_k)?;
+        let weights = ops::softmax_axis(&top, -1, false)?;
         let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
         let routed = self
             .experts
@@ -465,4 +517,16 @@ impl MlpAndExperts {
         let routed = self.post_feedforward_layernorm_2.forward(&routed)?;
         Ok(ops::add(&dense, &routed)?)
     }
+}
+
+/// The indices of the `k` largest of `scores` `[batch, seq, experts]` along the last axis (in no
+/// particular order, as mlx_lm's `argpartition(kth=-k)[..., -k:]`) and those scores, each
+/// `[batch, seq, k]`.
+fn top_k(scores: &Array, k: i32) -> Result<(Array, Array)> {
+    let experts = scores.shape()[2];
+    let all = ops::argpartition_axis(scores, experts - k, -1)?;
+    let s = all.shape().to_vec();
+    let indices = crate::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
+    let top = scores.take_along_axis(&indices, -1)?;
+    Ok((indices, top))
 }

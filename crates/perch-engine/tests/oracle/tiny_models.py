@@ -19,8 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, llama, ministral3, mistral3, olmo2, phi3, qwen2,
-                           qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, smollm3)
+from mlx_lm.models import (gemma3, gemma3_text, gemma4, gemma4_text, gpt_oss, llama, ministral3, mistral3, olmo2, phi3,
+                           qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, smollm3)
 
 import mlx_lm_quirks  # noqa: F401 (MoE models run in mlx_lm 0.32.2)
 
@@ -112,6 +112,23 @@ GEMMA4_MOE_TEXT = {
     "num_experts": 4,
     "top_k_experts": 2,
     "moe_intermediate_size": 32,
+}
+
+# gpt-oss: sliding (8) and global layers alternating, attention sinks, biases on every attention
+# projection and expert, YaRN over 16 original positions, 4 experts with 2 per token (18 prompt
+# tokens x 2 = 36 pairs: unsorted; the 400-token prompt sorts them).
+GPT_OSS = {
+    **BASE,
+    "model_type": "gpt_oss",
+    "num_hidden_layers": 4,
+    "head_dim": 16,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 32,
+    "sliding_window": 8,
+    "rope_theta": 150000,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 16, "truncate": False},
 }
 
 # Layer 0 dense (mlp_only_layers), layers 1-3 sparse: 8 experts, 4 per token in float32 (18 prompt
@@ -243,6 +260,9 @@ CASES = {
                     {"group_size": 32, "bits": 4}),
     # 4-bit with the routers at 8 bits, as mlx_lm converts it.
     "gemma4_text-moe-4bit": (gemma4_text, GEMMA4_MOE_TEXT, {"group_size": 32, "bits": 4}),
+    "gpt_oss": (gpt_oss, GPT_OSS, None),
+    "gpt_oss-4bit": (gpt_oss, {**GPT_OSS, "layer_types": ["full_attention", "sliding_attention"] * 2},
+                     {"group_size": 32, "bits": 4}),
 }
 
 # Tensors of a multimodal checkpoint that are not the text model's.
@@ -264,7 +284,7 @@ def main(out_dir: Path, tokenizer_dir: Path):
         mx.random.seed(len(name))
         # A copy: mlx_lm's gemma3 args rewrite text_config in place, and config.json must stay as written.
         model = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config)))
-        if name.startswith(("qwen3_5", "gemma3", "gemma4", "olmo2", "ministral3", "mistral3")):
+        if name.startswith(("qwen3_5", "gemma3", "gemma4", "olmo2", "ministral3", "mistral3", "gpt_oss")):
             # Norm weights, the time-step bias and Gemma 4's scales start at constants: make them
             # random, so that a norm or scale applied to the wrong tensor (or not at all) shows in
             # the logits. (Gemma 3's norms are offsets from one.)
@@ -275,6 +295,12 @@ def main(out_dir: Path, tokenizer_dir: Path):
                 for k, v in tree_flatten(model.parameters())
                 if k.endswith(("norm.weight", "dt_bias", "layer_scalar", "router.scale", "per_expert_scale"))
             ]
+            if name.startswith("gpt_oss"):
+                # Attention sinks and biases start at zero: random too (biases small, or they
+                # swamp the tiny model's activations into one repeated token).
+                perturbed += [(k, mx.random.uniform(-0.1, 0.1, v.shape) if k.endswith(".bias")
+                               else mx.random.uniform(-1.0, 1.0, v.shape))
+                              for k, v in tree_flatten(model.parameters()) if k.endswith(("sinks", ".bias"))]
             model.update(tree_unflatten(perturbed))
         if name == "gemma3-4bit":
             # What mlx_lm's sanitize does for a checkpoint without lm_head.weight.
