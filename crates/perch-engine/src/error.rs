@@ -22,6 +22,8 @@ pub enum EngineError {
     CorruptWeights { path: PathBuf, message: String },
     #[error("the model has no weight `{name}` (is the directory complete and of the declared architecture?)")]
     MissingWeight { name: String },
+    #[error("weight `{name}`: {message}")]
+    WeightFormat { name: String, message: String },
     #[error("weight `{name}` has shape {found:?}, but the config implies {expected:?}")]
     ShapeMismatch {
         name: String,

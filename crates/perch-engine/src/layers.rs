@@ -14,11 +14,66 @@ use crate::error::{EngineError, Result};
 use crate::mlx_ext::slice;
 use crate::weights::Weights;
 
-/// Group size and bit width of MLX affine quantization (`w = scale * q + bias` per group).
+/// Group size, bit width and mode of MLX quantization.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QuantParams {
     pub group_size: i32,
     pub bits: i32,
+    pub mode: QuantMode,
+}
+
+/// MLX's quantization modes (`mlx.core.quantize`'s `mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum QuantMode {
+    /// `w = scale * q + bias` per group: packed values, float scales and biases.
+    #[default]
+    Affine,
+    /// OCP microscaling, groups of 32: FP4 (E2M1) values with a power-of-two scale each (E8M0,
+    /// uint8), no biases (gpt-oss's experts).
+    Mxfp4,
+    /// The same with FP8 (E4M3) values.
+    Mxfp8,
+}
+
+impl QuantMode {
+    /// The name MLX takes.
+    pub fn mlx_name(self) -> &'static std::ffi::CStr {
+        match self {
+            QuantMode::Affine => c"affine",
+            QuantMode::Mxfp4 => c"mxfp4",
+            QuantMode::Mxfp8 => c"mxfp8",
+        }
+    }
+
+    /// Whether weights carry `.biases` (zero points).
+    pub fn has_biases(self) -> bool {
+        self == QuantMode::Affine
+    }
+}
+
+impl QuantParams {
+    /// `(group_size, bits)`.
+    pub fn sizes(self) -> (i32, i32) {
+        (self.group_size, self.bits)
+    }
+
+    /// Checks that `scales` (the tensor `name`) is stored as this mode stores them: uint8 for
+    /// the microscaling modes, floats for affine. A config naming the wrong mode is an error
+    /// here rather than garbage later.
+    pub(crate) fn check_scales(self, name: &str, scales: &Array) -> Result<()> {
+        let uint8 = scales.dtype() == Dtype::Uint8;
+        if uint8 == self.mode.has_biases() {
+            return Err(EngineError::WeightFormat {
+                name: name.to_string(),
+                message: format!(
+                    "scales of dtype {:?} do not fit the config's quantization mode `{}`",
+                    scales.dtype(),
+                    self.mode.mlx_name().to_str().unwrap_or("?")
+                ),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// The `quantization` entry of an mlx-community `config.json`: defaults plus per-module overrides
@@ -31,7 +86,11 @@ pub struct Quantization {
 
 impl Quantization {
     /// Parses `config["quantization"]` (or `quantization_config`); absent means unquantized.
-    /// Only `mode: "affine"` is supported; other modes are an error naming the mode.
+    /// Modes `affine` (the default), `mxfp4` and `mxfp8`; an override without a `mode` is
+    /// affine whatever the default's (as mlx_lm reads them: mlx-community's gpt-oss has mxfp4
+    /// experts by default and 8-bit affine routers by override). Other modes, sizes a mode does
+    /// not take, and Hugging Face's own quantization formats (`quant_method`) are errors naming
+    /// them.
     pub fn from_config(config: &Value) -> std::result::Result<Self, String> {
         let Some(section) = config
             .get("quantization")
@@ -42,22 +101,56 @@ impl Quantization {
         let Some(map) = section.as_object() else {
             return Err("`quantization` must be an object".into());
         };
-        if let Some(mode) = map.get("mode").and_then(Value::as_str) {
-            if mode != "affine" {
+        if let Some(method) = map.get("quant_method").and_then(Value::as_str) {
+            if !map.contains_key("bits") {
                 return Err(format!(
-                    "quantization mode `{mode}` is not supported (only `affine`)"
+                    "quantization method `{method}` (the original checkpoint's format) is not \
+                     supported: use an MLX conversion (mlx-community)"
                 ));
             }
         }
         let params = |v: &Value| -> std::result::Result<QuantParams, String> {
-            let group_size = v.get("group_size").and_then(Value::as_i64).unwrap_or(64) as i32;
-            let bits = v.get("bits").and_then(Value::as_i64).unwrap_or(4) as i32;
-            if ![2, 3, 4, 5, 6, 8].contains(&bits) || ![32, 64, 128].contains(&group_size) {
+            let mode = match v.get("mode") {
+                None | Some(Value::Null) => QuantMode::Affine,
+                Some(Value::String(m)) if m == "affine" => QuantMode::Affine,
+                Some(Value::String(m)) if m == "mxfp4" => QuantMode::Mxfp4,
+                Some(Value::String(m)) if m == "mxfp8" => QuantMode::Mxfp8,
+                Some(other) => {
+                    return Err(format!(
+                        "quantization mode {other} is not supported (affine, mxfp4, mxfp8)"
+                    ))
+                }
+            };
+            let (default_group, default_bits): (i32, i32) = match mode {
+                QuantMode::Affine => (64, 4),
+                QuantMode::Mxfp4 => (32, 4),
+                QuantMode::Mxfp8 => (32, 8),
+            };
+            let group_size = v
+                .get("group_size")
+                .and_then(Value::as_i64)
+                .unwrap_or(default_group.into()) as i32;
+            let bits = v
+                .get("bits")
+                .and_then(Value::as_i64)
+                .unwrap_or(default_bits.into()) as i32;
+            let fits = match mode {
+                QuantMode::Affine => {
+                    [2, 3, 4, 5, 6, 8].contains(&bits) && [32, 64, 128].contains(&group_size)
+                }
+                _ => (group_size, bits) == (default_group, default_bits),
+            };
+            if !fits {
                 return Err(format!(
-                    "unsupported quantization bits={bits} group_size={group_size}"
+                    "unsupported quantization bits={bits} group_size={group_size} ({})",
+                    mode.mlx_name().to_str().unwrap_or("?")
                 ));
             }
-            Ok(QuantParams { group_size, bits })
+            Ok(QuantParams {
+                group_size,
+                bits,
+                mode,
+            })
         };
         let mut overrides = HashMap::new();
         for (key, value) in map {
@@ -87,6 +180,7 @@ impl Quantization {
             return Some(self.default.unwrap_or(QuantParams {
                 group_size: 64,
                 bits: 4,
+                mode: QuantMode::Affine,
             }));
         }
         None
@@ -94,12 +188,12 @@ impl Quantization {
 }
 
 /// Quantized weight storage: packed `weight` `[out, in * bits / 32]` (uint32), `scales` and
-/// `biases` `[out, in / group_size]`.
+/// (affine only) `biases` `[out, in / group_size]`.
 #[derive(Clone)]
 pub struct QuantizedWeight {
     pub weight: Array,
     pub scales: Array,
-    pub biases: Array,
+    pub biases: Option<Array>,
     pub params: QuantParams,
     /// Multiply with Perch's CPU kernel instead of MLX's (see [`QuantizedWeight::matmul_transposed`]).
     cpu_kernel: bool,
@@ -115,13 +209,36 @@ impl QuantizedWeight {
     ) -> Result<Self> {
         let packed = cols * params.bits / 32;
         let groups = cols / params.group_size;
+        let affine = params.mode == QuantMode::Affine;
+        let scales_name = format!("{path}.scales");
+        let scales = weights.take_shaped(&scales_name, &[rows, groups])?;
+        params.check_scales(&scales_name, &scales)?;
         Ok(Self {
             weight: weights.take_shaped(&format!("{path}.weight"), &[rows, packed])?,
-            scales: weights.take_shaped(&format!("{path}.scales"), &[rows, groups])?,
-            biases: weights.take_shaped(&format!("{path}.biases"), &[rows, groups])?,
+            scales,
+            biases: affine
+                .then(|| weights.take_shaped(&format!("{path}.biases"), &[rows, groups]))
+                .transpose()?,
             params,
-            cpu_kernel: Backend::current() == Backend::Cpu && matches!(params.bits, 2 | 4 | 8),
+            cpu_kernel: Backend::current() == Backend::Cpu
+                && affine
+                && matches!(params.bits, 2 | 4 | 8),
         })
+    }
+
+    /// The dense matrix `[out, in]` (lazy): in the scales' dtype, or for the microscaling
+    /// modes in the compute dtype.
+    fn dequantized(&self) -> Result<Array> {
+        let dtype = (!self.params.mode.has_biases())
+            .then(|| Backend::current().compute_dtype(Dtype::Float32));
+        Ok(crate::mlx_ext::dequantize(
+            &self.weight,
+            &self.scales,
+            self.biases.as_ref(),
+            self.params.sizes(),
+            self.params.mode.mlx_name(),
+            dtype,
+        )?)
     }
 
     /// The weights dequantized into a dense matrix `[out, in]` in the scales' dtype (evaluated),
@@ -131,13 +248,7 @@ impl QuantizedWeight {
         if !dense_weights() {
             return Ok(None);
         }
-        let dense = ops::dequantize(
-            &self.weight,
-            &self.scales,
-            &self.biases,
-            self.params.group_size,
-            self.params.bits,
-        )?;
+        let dense = self.dequantized()?;
         dense.eval()?;
         Ok(Some(dense))
     }
@@ -170,14 +281,14 @@ impl QuantizedWeight {
         if self.cpu_kernel && x.dtype() == Dtype::Float32 {
             return self.cpu_matmul_transposed(x);
         }
-        Ok(ops::quantized_matmul(
+        Ok(crate::mlx_ext::quantized_matmul(
             x,
             &self.weight,
             &self.scales,
-            &self.biases,
+            self.biases.as_ref(),
             true,
-            self.params.group_size,
-            self.params.bits,
+            self.params.sizes(),
+            self.params.mode.mlx_name(),
         )?)
     }
 
@@ -193,10 +304,14 @@ impl QuantizedWeight {
         }
         let kernel_error = |message: String| EngineError::Kernel(message);
         let slice_error = |e: AsSliceError| kernel_error(e.to_string());
+        let biases = self
+            .biases
+            .as_ref()
+            .ok_or_else(|| kernel_error("Perch's CPU kernel takes affine weights only".into()))?;
         let matrix = QuantizedMatrix::new(
             self.weight.try_as_slice::<u32>().map_err(slice_error)?,
             self.scales.try_as_slice::<f32>().map_err(slice_error)?,
-            self.biases.try_as_slice::<f32>().map_err(slice_error)?,
+            biases.try_as_slice::<f32>().map_err(slice_error)?,
             out as usize,
             cols as usize,
             self.params.group_size as usize,
@@ -362,7 +477,12 @@ impl Linear {
                 weight: QuantizedWeight {
                     weight: stack(q.iter().map(|q| &q.weight).collect())?,
                     scales: stack(q.iter().map(|q| &q.scales).collect())?,
-                    biases: stack(q.iter().map(|q| &q.biases).collect())?,
+                    biases: q
+                        .iter()
+                        .map(|q| q.biases.as_ref())
+                        .collect::<Option<Vec<_>>>()
+                        .map(stack)
+                        .transpose()?,
                     params: q[0].params,
                     cpu_kernel: false,
                 },
@@ -464,13 +584,20 @@ impl Embedding {
     pub fn forward(&self, ids: &Array) -> Result<Array> {
         match self {
             Embedding::Dense(table) => Ok(table.take_axis(ids, 0)?),
-            Embedding::Quantized(q) => Ok(ops::dequantize(
-                q.weight.take_axis(ids, 0)?,
-                q.scales.take_axis(ids, 0)?,
-                &q.biases.take_axis(ids, 0)?,
-                q.params.group_size,
-                q.params.bits,
-            )?),
+            Embedding::Quantized(q) => {
+                let rows = |a: &Array| a.take_axis(ids, 0);
+                let biases = q.biases.as_ref().map(rows).transpose()?;
+                let dtype = (!q.params.mode.has_biases())
+                    .then(|| Backend::current().compute_dtype(Dtype::Float32));
+                Ok(crate::mlx_ext::dequantize(
+                    &rows(&q.weight)?,
+                    &rows(&q.scales)?,
+                    biases.as_ref(),
+                    q.params.sizes(),
+                    q.params.mode.mlx_name(),
+                    dtype,
+                )?)
+            }
         }
     }
 
@@ -1177,8 +1304,12 @@ mod tests {
         QuantizedWeight {
             weight,
             scales,
-            biases,
-            params: QuantParams { group_size, bits },
+            biases: Some(biases),
+            params: QuantParams {
+                group_size,
+                bits,
+                mode: QuantMode::Affine,
+            },
             cpu_kernel: false,
         }
     }
@@ -1193,6 +1324,63 @@ mod tests {
         let diff = ops::abs(ops::subtract(&got, &expected).unwrap()).unwrap();
         let largest = ops::max(&diff, None).unwrap().item_exact::<f32>();
         assert!(largest <= 1e-5, "fused output differs by {largest}");
+    }
+
+    /// mlx-community's gpt-oss MXFP4-Q8 layout: the default is mxfp4 (the experts), the other
+    /// layers are listed by path without a mode and are 8-bit affine; a layer not listed but
+    /// stored with scales takes the default.
+    #[test]
+    fn quantization_modes_by_path() {
+        let config = serde_json::json!({"quantization": {"group_size": 32, "bits": 4,
+            "mode": "mxfp4", "model.layers.0.mlp.router": {"group_size": 64, "bits": 8},
+            "model.embed_tokens": false}});
+        let q = Quantization::from_config(&config).unwrap();
+        let mut weights = Weights::empty(Backend::Cpu);
+        weights.insert_for_test("model.layers.0.mlp.experts.up_proj.scales");
+        let experts = q.for_module("model.layers.0.mlp.experts.up_proj", &weights);
+        assert_eq!(
+            experts,
+            Some(QuantParams {
+                group_size: 32,
+                bits: 4,
+                mode: QuantMode::Mxfp4
+            })
+        );
+        assert_eq!(
+            q.for_module("model.layers.0.mlp.router", &weights),
+            Some(QuantParams {
+                group_size: 64,
+                bits: 8,
+                mode: QuantMode::Affine
+            })
+        );
+        assert_eq!(q.for_module("model.embed_tokens", &weights), None);
+        for (section, expected) in [
+            (
+                serde_json::json!({"mode": "nvfp4"}),
+                "mode \"nvfp4\" is not supported",
+            ),
+            (
+                serde_json::json!({"mode": "mxfp4", "group_size": 64}),
+                "bits=4 group_size=64 (mxfp4)",
+            ),
+            (
+                serde_json::json!({"bits": 4, "model.x": {"mode": "mxfp8", "bits": 4}}),
+                "bits=4 group_size=32 (mxfp8)",
+            ),
+            (
+                serde_json::json!({"quant_method": "mxfp4"}),
+                "method `mxfp4` (the original checkpoint's format) is not supported",
+            ),
+            (
+                serde_json::json!({"bits": 7}),
+                "bits=7 group_size=64 (affine)",
+            ),
+        ] {
+            let err = Quantization::from_config(&serde_json::json!({ "quantization": section }))
+                .unwrap_err();
+            assert!(err.contains(expected), "{section}: {err}");
+        }
     }
 
     #[test]

@@ -65,3 +65,111 @@ pub fn slice_update(
 pub fn owned_copy(a: &Array) -> Result<Array, Exception> {
     mlx_rs::ops::multiply(a, &Array::from_f32(1.0).as_dtype(a.dtype())?)
 }
+
+/// An optional int for mlx-c.
+fn some_int(value: i32) -> mlx_sys::mlx_optional_int {
+    mlx_sys::mlx_optional_int {
+        value,
+        has_value: true,
+    }
+}
+
+/// A null array handle: mlx-c's "none" for an optional array argument.
+fn none_array() -> mlx_sys::mlx_array {
+    // SAFETY: an empty handle, which mlx-c reads as an absent array.
+    unsafe { mlx_sys::mlx_array_new() }
+}
+
+/// `x @ dequantize(w).T` (or `x @ dequantize(w)` without `transpose`) for weights quantized in
+/// MLX mode `mode` (`c"affine"`, `c"mxfp4"`, `c"mxfp8"`): mlx-rs 0.33 wraps only affine.
+/// `biases`: the affine zero points (none for the microscaling modes).
+#[allow(clippy::too_many_arguments)]
+pub fn quantized_matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    transpose: bool,
+    (group_size, bits): (i32, i32),
+    mode: &std::ffi::CStr,
+) -> Result<Array, Exception> {
+    let stream = Stream::thread_local_or_default();
+    from_op("quantized_matmul", |res| unsafe {
+        mlx_sys::mlx_quantized_matmul(
+            res,
+            x.as_ptr(),
+            w.as_ptr(),
+            scales.as_ptr(),
+            biases.map_or_else(none_array, |b| b.as_ptr()),
+            transpose,
+            some_int(group_size),
+            some_int(bits),
+            mode.as_ptr(),
+            stream.as_ref().as_ptr(),
+        )
+    })
+}
+
+/// [`quantized_matmul`] with the weights of expert `rhs_indices[...]` for each row (MLX's
+/// `gather_qmm`, transposed weights).
+#[allow(clippy::too_many_arguments)]
+pub fn gather_qmm(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    rhs_indices: &Array,
+    (group_size, bits): (i32, i32),
+    mode: &std::ffi::CStr,
+    sorted: bool,
+) -> Result<Array, Exception> {
+    let stream = Stream::thread_local_or_default();
+    from_op("gather_qmm", |res| unsafe {
+        mlx_sys::mlx_gather_qmm(
+            res,
+            x.as_ptr(),
+            w.as_ptr(),
+            scales.as_ptr(),
+            biases.map_or_else(none_array, |b| b.as_ptr()),
+            none_array(),
+            rhs_indices.as_ptr(),
+            true,
+            some_int(group_size),
+            some_int(bits),
+            mode.as_ptr(),
+            sorted,
+            stream.as_ref().as_ptr(),
+        )
+    })
+}
+
+/// The dense matrix of weights quantized in MLX mode `mode`, in the scales' dtype for affine
+/// and in `dtype` for the microscaling modes (whose uint8 scales carry none).
+pub fn dequantize(
+    w: &Array,
+    scales: &Array,
+    biases: Option<&Array>,
+    (group_size, bits): (i32, i32),
+    mode: &std::ffi::CStr,
+    dtype: Option<mlx_rs::Dtype>,
+) -> Result<Array, Exception> {
+    let stream = Stream::thread_local_or_default();
+    let dtype = mlx_sys::mlx_optional_dtype {
+        value: dtype.map_or(mlx_sys::mlx_dtype__MLX_FLOAT32, |d| d as mlx_sys::mlx_dtype),
+        has_value: dtype.is_some(),
+    };
+    from_op("dequantize", |res| unsafe {
+        mlx_sys::mlx_dequantize(
+            res,
+            w.as_ptr(),
+            scales.as_ptr(),
+            biases.map_or_else(none_array, |b| b.as_ptr()),
+            some_int(group_size),
+            some_int(bits),
+            mode.as_ptr(),
+            none_array(),
+            dtype,
+            stream.as_ref().as_ptr(),
+        )
+    })
+}

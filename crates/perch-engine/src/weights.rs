@@ -102,6 +102,12 @@ impl Weights {
         }
     }
 
+    /// Adds a one-element tensor named `name` (unit tests of what reads names).
+    #[cfg(test)]
+    pub(crate) fn insert_for_test(&mut self, name: &str) {
+        self.tensors.insert(name.into(), Array::from_f32(0.0));
+    }
+
     /// Whether a tensor of that name exists.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)

@@ -77,6 +77,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "gemma4_text-moe-4bit",
             "gpt_oss",
             "gpt_oss-4bit",
+            "gpt_oss-mxfp4",
             "llama3-rope",
             "ministral3",
             "mistral3-4bit",

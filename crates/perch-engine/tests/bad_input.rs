@@ -97,8 +97,17 @@ fn config_that_disagrees_with_the_weights() {
     let msg = load_err(dir.path()).to_string();
     assert!(msg.contains("num_attention_heads"), "{msg}");
 
+    // Affine weights (float scales) under a config that says mxfp4; a mode MLX has and Perch
+    // does not.
     let dir = variant(|c| c["quantization"]["mode"] = "mxfp4".into(), None);
-    assert!(load_err(dir.path()).to_string().contains("mxfp4"));
+    let msg = load_err(dir.path()).to_string();
+    assert!(
+        msg.contains("do not fit the config's quantization mode `mxfp4`"),
+        "{msg}"
+    );
+    let dir = variant(|c| c["quantization"]["mode"] = "nvfp4".into(), None);
+    let msg = load_err(dir.path()).to_string();
+    assert!(msg.contains("\"nvfp4\" is not supported"), "{msg}");
 }
 
 #[test]

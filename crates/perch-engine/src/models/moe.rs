@@ -81,16 +81,17 @@ struct SwitchLinear {
     bias: Option<Array>,
 }
 
-/// Dense or MLX-quantized expert weights (packed `[experts, out, in * bits / 32]`, scales and
-/// biases `[experts, out, in / group_size]`). Quantized experts stay quantized on every backend
-/// (a dense copy of all experts would take 4–8× the memory of the whole quantized model).
+/// Dense or MLX-quantized expert weights (packed `[experts, out, in * bits / 32]`, scales and,
+/// affine only, biases `[experts, out, in / group_size]`). Quantized experts stay quantized on
+/// every backend (a dense copy of all experts would take 4–8× the memory of the whole quantized
+/// model).
 #[derive(Clone)]
 enum SwitchWeight {
     Dense(Array),
     Quantized {
         weight: Array,
         scales: Array,
-        biases: Array,
+        biases: Option<Array>,
         params: QuantParams,
     },
 }
@@ -124,11 +125,17 @@ impl SwitchLinear {
             let take = |weights: &mut Weights, part: &str, last: i32| {
                 weights.take_shaped(&format!("{path}.{part}"), &[experts, out_features, last])
             };
+            let scales = take(weights, "scales", groups)?;
+            params.check_scales(&format!("{path}.scales"), &scales)?;
             return Ok(Self {
                 weight: SwitchWeight::Quantized {
                     weight: take(weights, "weight", packed)?,
-                    scales: take(weights, "scales", groups)?,
-                    biases: take(weights, "biases", groups)?,
+                    scales,
+                    biases: params
+                        .mode
+                        .has_biases()
+                        .then(|| take(weights, "biases", groups))
+                        .transpose()?,
                     params,
                 },
                 bias,
@@ -174,16 +181,14 @@ impl SwitchLinear {
                 scales,
                 biases,
                 params,
-            } => ops::gather_qmm(
+            } => crate::mlx_ext::gather_qmm(
                 x,
                 weight,
                 scales,
-                biases,
-                None,
+                biases.as_ref(),
                 indices,
-                true,
-                params.group_size,
-                params.bits,
+                params.sizes(),
+                params.mode.mlx_name(),
                 sorted,
             )?,
         };

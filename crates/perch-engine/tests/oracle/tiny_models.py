@@ -263,6 +263,9 @@ CASES = {
     "gpt_oss": (gpt_oss, GPT_OSS, None),
     "gpt_oss-4bit": (gpt_oss, {**GPT_OSS, "layer_types": ["full_attention", "sliding_attention"] * 2},
                      {"group_size": 32, "bits": 4}),
+    # mlx-community's MXFP4-Q8 layout: experts in mxfp4 (the config's default), every other
+    # layer 8-bit affine, listed by path without a mode.
+    "gpt_oss-mxfp4": (gpt_oss, GPT_OSS, "mxfp4"),
 }
 
 # Tensors of a multimodal checkpoint that are not the text model's.
@@ -309,6 +312,18 @@ def main(out_dir: Path, tokenizer_dir: Path):
         if quant == "bf16":
             model.set_dtype(mx.bfloat16)
             config["torch_dtype"] = "bfloat16"
+        elif quant == "mxfp4":
+            affine = {}
+
+            def predicate(path, module_):
+                if not hasattr(module_, "to_quantized"):
+                    return False
+                if ".experts." in path:
+                    return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+                affine[path] = {"group_size": 64, "bits": 8}
+                return affine[path]
+            nn.quantize(model, class_predicate=predicate)
+            config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4", **affine}
         elif quant is not None:
             if name.endswith("mixed"):
                 # Per-layer override: the first layer's MLP down projection stays at 4 bits.
