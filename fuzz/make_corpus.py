@@ -404,6 +404,18 @@ CONFIGS = {
                                 "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}}},
         "vision_config": {"model_type": "gemma4_vision"},
         "quantization": {"group_size": 64, "bits": 4}},
+    # gpt-oss-20b as mlx-community converts it (MXFP4-Q8: mxfp4 experts, 8-bit affine by path).
+    "gpt_oss.json": {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 24, "intermediate_size": 2880,
+        "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "num_experts_per_tok": 4, "experts_per_token": 4, "vocab_size": 201088, "sliding_window": 128,
+        "rope_theta": 150000, "max_position_embeddings": 131072, "swiglu_limit": 7.0,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "tie_word_embeddings": False,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+        "quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4",
+                         "model.embed_tokens": {"group_size": 64, "bits": 8},
+                         "model.layers.0.mlp.router": {"group_size": 64, "bits": 8}}},
     # Gemma 4 26B-A4B's text model: experts beside the MLP, values from the key projection.
     "gemma4_text.json": {
         "model_type": "gemma4_text", "hidden_size": 2816, "num_hidden_layers": 30, "intermediate_size": 2112,

@@ -13,7 +13,9 @@ OLMo 2: hidden 1024, 16 layers) or ministral3 (a small Ministral 3: hidden 1024,
 4 query scaling as the published models set them) or gemma4_text (a small Gemma 4 E2B: hidden 1024, 15 layers,
 every 5th global with 512-wide heads, the last 5 reading earlier layers' caches, per-layer inputs of 256) or
 gemma4_text-moe (a small Gemma 4 26B-A4B: hidden 1024, 12 layers, 32 experts beside each MLP, 4 per
-token, global layers' values from their keys). Routers
+token, global layers' values from their keys) or gpt_oss (a small gpt-oss-20b: hidden 1024, 12 layers alternating
+128-token sliding windows and global attention with sinks, 32 experts, 4 per token, in mlx-community's MXFP4-Q8 form:
+mxfp4 experts, 8-bit affine elsewhere). Routers
 are kept at 8 bits, as mlx_lm's convert does.
 TOKENIZER_DIR's tokenizer files are copied beside the weights (its vocabulary must have 49,152 tokens, as the
 default model's has). Then: scripts/bench_vs_mlx_lm.py --model OUT_DIR.
@@ -22,7 +24,7 @@ import json, shutil, sys
 from pathlib import Path
 import mlx.core as mx, mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import gemma3_text, gemma4_text, ministral3, olmo2, phi3, qwen3_5, qwen3_5_moe, qwen3_moe
+from mlx_lm.models import gemma3_text, gemma4_text, gpt_oss, ministral3, olmo2, phi3, qwen3_5, qwen3_5_moe, qwen3_moe
 
 QWEN3_5_TEXT = {
     "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 3584,
@@ -80,6 +82,14 @@ ARCHS["gemma4_text-moe"] = (gemma4_text, {
     "intermediate_size": 1024, "num_key_value_heads": 4, "num_global_key_value_heads": 1, "attention_k_eq_v": True,
     "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "use_double_wide_mlp": False,
     "enable_moe_block": True, "num_experts": 32, "top_k_experts": 4, "moe_intermediate_size": 256})
+ARCHS["gpt_oss"] = (gpt_oss, {
+    "model_type": "gpt_oss", "hidden_size": 1024, "num_hidden_layers": 12, "intermediate_size": 1024,
+    "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64, "num_local_experts": 32,
+    "num_experts_per_tok": 4, "experts_per_token": 4, "rms_norm_eps": 1e-5, "vocab_size": 49152,
+    "sliding_window": 128, "rope_theta": 150000, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+    "layer_types": ["sliding_attention", "full_attention"] * 6,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 4096, "truncate": False}})
 # Gemma-3-1B's attention (26 layers, one 256-wide KV head, 5 of every 6 sliding over 512 tokens) on a
 # narrow model (hidden 256, one query head), so that the KV cache, not the weights or the arithmetic, is what a long
 # prompt costs: the sliding-window memory benchmark at 8k tokens.
@@ -107,6 +117,18 @@ def predicate(path, module):
         config["quantization"][path] = chosen
     return chosen
 
+
+if arch == "gpt_oss":
+    # mlx-community's MXFP4-Q8: the experts in mxfp4 (the default), every other layer 8-bit affine by path.
+    config["quantization"] = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+    def predicate(path, module):  # noqa: F811
+        if not hasattr(module, "to_quantized"):
+            return False
+        if ".experts." in path:
+            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        config["quantization"][path] = {"group_size": 64, "bits": 8}
+        return config["quantization"][path]
 
 nn.quantize(model, group_size=64, bits=4, class_predicate=predicate)
 mx.eval(model.parameters())

@@ -599,6 +599,55 @@ mod tests {
         }
     }
 
+    #[test]
+    fn gpt_oss_configs_are_checked_field_by_field() {
+        let config = |changes: Value| {
+            let mut config: Value = serde_json::from_str(
+                &std::fs::read_to_string(
+                    Path::new(env!("CARGO_MANIFEST_DIR"))
+                        .join("../../fuzz/corpus/config/gpt_oss.json"),
+                )
+                .unwrap(),
+            )
+            .unwrap();
+            for (key, value) in changes.as_object().unwrap() {
+                config[key] = value.clone();
+            }
+            config.to_string()
+        };
+        assert_eq!(
+            check_config(&config(serde_json::json!({}))).unwrap(),
+            "gpt_oss"
+        );
+        for (changes, expected) in [
+            (
+                serde_json::json!({"num_experts_per_tok": 40}),
+                "`num_experts_per_tok` must be between 1 and 32",
+            ),
+            (
+                serde_json::json!({"layer_types": ["sliding_attention"]}),
+                "the sliding-window layer list has 1 entries for 24 layers",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"rope_type": "yarn"}}),
+                "`yarn` needs a numeric `factor`",
+            ),
+            (
+                serde_json::json!({"rope_theta": 0}),
+                "`rope_theta` must be a positive number",
+            ),
+            (serde_json::json!({"sliding_window": 0}), "`sliding_window`"),
+        ] {
+            let text = config(changes.clone());
+            match check_config(&text) {
+                Err(e @ EngineError::Config { .. }) => {
+                    assert!(e.to_string().contains(expected), "{changes}: {e}")
+                }
+                other => panic!("{changes}: {other:?}"),
+            }
+        }
+    }
+
     /// A Phi-3.5-mini-shaped config (LongRoPE over 96-feature heads: 48 factors each) and
     /// Phi-4-mini's shape (GQA, RoPE on 0.75 of 128-feature heads: 48 factors again).
     fn phi3(changes: Value) -> String {
