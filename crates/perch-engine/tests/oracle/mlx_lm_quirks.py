@@ -1,5 +1,5 @@
 """Workarounds for known quirks of mlx_lm 0.32.2 with MLX 0.32.2, applied on import by the oracle scripts
-(`../shared/notes/oracle-quirks.md` on our machines lists them)."""
+(each is described where it is shimmed, below)."""
 
 import mlx.core as mx
 
