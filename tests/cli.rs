@@ -493,6 +493,18 @@ fn search_pull_then_generate_by_repository_id() {
         "size and fit: {row}"
     );
     assert!(row.ends_with("  llama"), "architecture: {row}");
+    // Its config gives its KV bytes per token (30 layers of 3 KV heads of 64 features, keys and
+    // values, float32 on CPU: 46,080): a 2 GiB budget holds its whole 8,192-token context, a
+    // 1 MiB one 22 tokens.
+    let columns: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(columns[4], "8,192", "context: {row}");
+    let small = stdout(&perch_with_env(
+        &["search", "smollm", "--kv-cache-mib", "1"],
+        &env,
+    ));
+    let row = small.lines().find(|l| l.starts_with(REPO)).expect(&small);
+    let columns: Vec<&str> = row.split_whitespace().collect();
+    assert_eq!(columns[4], "22", "context: {row}");
     // Before anything is downloaded, the search says which models Perch cannot run.
     let searched = perch_with_env(&["search", "mamba"], &env);
     let found = stdout(&searched);

@@ -547,6 +547,9 @@ fn search_download_cancel_and_load_from_the_hub() {
         (&found[0]["fit"], &found[0]["snapshot_dir"]),
         (&json!("fits"), &Value::Null)
     );
+    // From its config.json: 46,080 bytes per token (float32 on CPU), so the 2 GiB budget holds
+    // its whole 8,192-token context.
+    assert_eq!(found[0]["context_tokens"], 8192, "{found}");
 
     // Cancelled mid-file: the command fails with a sentence, and nothing is listed yet.
     hub.configure(|b| b.chunk_delay = Duration::from_millis(20));

@@ -101,6 +101,16 @@ export function describeFit(fit) {
   }
 }
 
+/**
+ * How long a conversation the KV cache budget holds for a model (`context_tokens` of a search
+ * result: from its config's KV bytes per token), as " · holds N tokens" to follow the fit; empty
+ * when unknown.
+ */
+export function describeContext(tokens) {
+  if (tokens == null) return "";
+  return ` · KV cache holds ${tokens.toLocaleString("en-US")} tokens`;
+}
+
 /** A download's progress (`DownloadProgress` from the `download_model` channel). */
 export function describeDownload(progress) {
   if (!progress.bytes_total) return "Starting…";

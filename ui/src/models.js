@@ -3,7 +3,7 @@
 // (`search_models`, mlx-community by default), see size and whether it fits, download with
 // progress and cancel (`download_model`, `cancel_download`) into the Hugging Face cache.
 
-import { decimalBytes, describeFit, describeDownload, mib } from "./format.js";
+import { decimalBytes, describeContext, describeFit, describeDownload, mib } from "./format.js";
 
 /** Where a local model was found (`ModelSource` of perch-hub). */
 const SOURCES = { perch: "Perch's models", hugging_face: "Hugging Face cache" };
@@ -83,7 +83,8 @@ export class ModelsView {
     details.className = `details fit-${model.fit}`;
     const size = model.weights_bytes == null ? "size unknown" : decimalBytes(model.weights_bytes);
     const architecture = model.model_type ? ` · ${model.model_type}` : "";
-    details.textContent = ` ${size} · ${fit} · ${model.downloads.toLocaleString()} downloads${architecture} `;
+    const context = describeContext(model.context_tokens);
+    details.textContent = ` ${size} · ${fit}${context} · ${model.downloads.toLocaleString()} downloads${architecture} `;
     item.append(title, details);
     // Said before any byte is downloaded; downloading stays possible (the cache is mlx-lm's too).
     if (model.architecture_note) item.append(this.architectureNote(model.architecture_note));

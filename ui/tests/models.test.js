@@ -2,7 +2,7 @@ import { describe, expect, it } from "vitest";
 import { ModelsView } from "../src/models.js";
 import { loadPage } from "./page.js";
 
-const QWEN = { id: "mlx-community/Qwen3-0.6B-4bit", downloads: 1234, weights_bytes: 335_000_000, fit: "fits", snapshot_dir: null };
+const QWEN = { id: "mlx-community/Qwen3-0.6B-4bit", downloads: 1234, weights_bytes: 335_000_000, fit: "fits", context_tokens: 18724, snapshot_dir: null };
 const BIG = { id: "mlx-community/Big-70B", downloads: 5, weights_bytes: null, fit: "unknown", snapshot_dir: null };
 
 /** A fake of api.js whose download waits until the test finishes or fails it. */
@@ -50,8 +50,9 @@ describe("ModelsView", () => {
     expect(loaded).toEqual(["/m/SmolLM2"]);
 
     expect(api.calls).toEqual([["search", "", "mlx-community"]]);
-    expect(results()[0].textContent).toContain("335 MB · fits in memory · 1,234 downloads");
-    expect(results()[1].textContent).toContain("size unknown · fit unknown");
+    // The KV budget's tokens for this model, from its config; nothing said when unknown.
+    expect(results()[0].textContent).toContain("335 MB · fits in memory · KV cache holds 18,724 tokens · 1,234 downloads");
+    expect(results()[1].textContent).toContain("size unknown · fit unknown · 5 downloads");
 
     document.getElementById("hub-search").value = " qwen ";
     document.getElementById("hub-author").value = "";

@@ -22,7 +22,7 @@ pub struct SearchArgs {
     /// At most this many results.
     #[arg(long, default_value_t = 20)]
     pub limit: usize,
-    /// The KV cache budget the "fits" column reserves, in MiB.
+    /// The KV cache budget the "fits" and "context" columns reckon with, in MiB.
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: u64,
 }
@@ -54,14 +54,36 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
         .with_context(|| format!("searching {}", client.endpoint()))?;
     let total_memory = perch_hub::total_memory_bytes();
     let kv_cache_bytes = args.kv_cache_mib << 20;
+    // Each runnable model's config, for its KV cache's real size (none for the others).
+    let runnable = |m: &perch_hub::HubModel| {
+        m.model_type
+            .as_deref()
+            .is_none_or(|t| perch_engine::models::unsupported_architecture_note(t).is_none())
+    };
+    let ids: Vec<String> = models
+        .iter()
+        .filter(|m| runnable(m))
+        .map(|m| m.id.clone())
+        .collect();
+    let mut configs = client.config_texts(&ids).into_iter();
     println!(
-        "{:<60} {:>9} {:>9} {:>10}  ARCHITECTURE",
-        "MODEL", "SIZE", "FITS", "DOWNLOADS"
+        "{:<60} {:>9} {:>9} {:>9} {:>10}  ARCHITECTURE",
+        "MODEL", "SIZE", "FITS", "CONTEXT", "DOWNLOADS"
     );
     let mut unsupported = false;
     for model in &models {
         let size = model.weights_bytes.map_or("?".to_owned(), format_bytes);
-        let fit = match memory_fit(model.weights_bytes, kv_cache_bytes, total_memory) {
+        // What the KV budget holds for this model (tokens of one conversation), and the bytes
+        // of it that count against memory; the whole budget when the config is not known.
+        let budget = runnable(model)
+            .then(|| configs.next())
+            .flatten()
+            .and_then(|config| config.ok())
+            .and_then(|text| perch_engine::models::kv_footprint(&text, None).ok())
+            .map(|footprint| footprint.within_budget(kv_cache_bytes));
+        let context = budget.map_or("?".to_owned(), |b| format_count(b.tokens));
+        let kv_bytes = budget.map_or(kv_cache_bytes, |b| b.bytes);
+        let fit = match memory_fit(model.weights_bytes, kv_bytes, total_memory) {
             MemoryFit::Fits => "yes",
             MemoryFit::Tight => "tight",
             MemoryFit::TooLarge => "no",
@@ -80,7 +102,7 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
             }
         };
         println!(
-            "{:<60} {size:>9} {fit:>9} {:>10}  {architecture}",
+            "{:<60} {size:>9} {fit:>9} {context:>9} {:>10}  {architecture}",
             model.id, model.downloads
         );
     }
@@ -139,4 +161,17 @@ fn format_bytes(bytes: u64) -> String {
     } else {
         format!("{value:.1} {}", UNITS[unit])
     }
+}
+
+/// `n` with thousands separators (`131,072`).
+fn format_count(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
 }

@@ -109,6 +109,29 @@ fn logits_and_greedy_ids_match_mlx_lm() {
                 .unwrap();
         let model = models::load(dir).unwrap_or_else(|e| panic!("{name}: {e}"));
 
+        // The picker's KV estimate, from config.json alone, is what the loaded model's caches
+        // take: bytes per token as the block pool counts them, and each cache layer's window.
+        let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let footprint = models::kv_footprint(&config, None).unwrap();
+        assert_eq!(
+            footprint.bytes_per_token() as usize,
+            perch_engine::batch::kv_bytes_per_token(model.as_ref(), None),
+            "{name}: KV bytes per token"
+        );
+        let windows: Vec<Option<u64>> = model
+            .make_cache(None)
+            .iter()
+            .filter(|c| !c.is_recurrent())
+            .map(|c| c.window().map(|w| w as u64))
+            .collect();
+        let estimated: Vec<Option<u64>> = footprint.layers.iter().map(|l| l.window).collect();
+        assert_eq!(estimated, windows, "{name}: sliding windows");
+        assert_eq!(
+            footprint.state_bytes > 0,
+            model.has_recurrent_layers(),
+            "{name}: recurrent states"
+        );
+
         let n = expected.prompt_ids.len() as i32;
         let mut cache = model.make_cache(None);
         let logits = model

@@ -51,6 +51,16 @@ pub const LISTING_TIMEOUT: Duration = Duration::from_secs(120);
 /// Redirects followed per request (as ureq's default).
 const MAX_REDIRECTS: usize = 10;
 
+/// Largest `config.json` [`HubClient::config_text`] reads: published ones are a few KiB
+/// (multimodal ones with their vision config, tens of KiB).
+pub const MAX_CONFIG_TEXT_BYTES: u64 = 1 << 20;
+
+/// How long [`HubClient::config_texts`] waits for all its configs, in all.
+pub const CONFIG_TEXTS_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How many configs [`HubClient::config_texts`] asks for at once.
+const CONFIG_TEXTS_AT_ONCE: usize = 8;
+
 /// Longest revision accepted, in bytes (a file name's limit on common file systems).
 const MAX_REVISION_BYTES: usize = 255;
 
@@ -270,6 +280,71 @@ impl HubClient {
             commit,
             files,
         })
+    }
+
+    /// The text of `repo_id`'s `config.json` at `revision` (`GET /{repo}/resolve/{revision}/
+    /// config.json`): what sizes a model before any weight is downloaded. At most
+    /// [`MAX_CONFIG_TEXT_BYTES`], within the listing timeout.
+    ///
+    /// Errors: [`HubError::InvalidRepoId`] and [`HubError::InvalidRevision`] before any request;
+    /// [`HubError::Status`] (404: no such repository, revision or file); [`HubError::BadResponse`]
+    /// for a file over the limit or not UTF-8; [`HubError::Network`]; [`HubError::TimedOut`];
+    /// [`HubError::Cancelled`].
+    pub fn config_text(&self, repo_id: &str, revision: &str) -> Result<String, HubError> {
+        self.config_text_by(repo_id, revision, self.deadline())
+    }
+
+    fn config_text_by(
+        &self,
+        repo_id: &str,
+        revision: &str,
+        deadline: Instant,
+    ) -> Result<String, HubError> {
+        check_repo_id(repo_id)?;
+        check_revision(revision)?;
+        let url = format!(
+            "{}/{repo_id}/resolve/{}/config.json",
+            self.endpoint,
+            percent_encode(revision)
+        );
+        let mut response = self.get(&url, None, Some(deadline))?;
+        response
+            .body_mut()
+            .with_config()
+            .limit(MAX_CONFIG_TEXT_BYTES)
+            .read_to_string()
+            .map_err(|e| match e {
+                ureq::Error::Timeout(ureq::Timeout::Global) => self.timed_out(&url),
+                e => HubError::BadResponse {
+                    url: url.clone(),
+                    reason: e.to_string(),
+                },
+            })
+    }
+
+    /// [`Self::config_text`] at `main` of each of `repo_ids`, [`CONFIG_TEXTS_AT_ONCE`] requests
+    /// at a time, all within [`CONFIG_TEXTS_TIMEOUT`]: one result per id, in order (a search
+    /// result's config for its fit estimate; one that fails is that model's error alone).
+    pub fn config_texts(&self, repo_ids: &[String]) -> Vec<Result<String, HubError>> {
+        let deadline = Instant::now() + CONFIG_TEXTS_TIMEOUT.min(self.listing_timeout);
+        let mut results = Vec::with_capacity(repo_ids.len());
+        for batch in repo_ids.chunks(CONFIG_TEXTS_AT_ONCE) {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = batch
+                    .iter()
+                    .map(|id| scope.spawn(move || self.config_text_by(id, "main", deadline)))
+                    .collect();
+                for (id, handle) in batch.iter().zip(handles) {
+                    results.push(handle.join().unwrap_or_else(|_| {
+                        Err(HubError::BadResponse {
+                            url: format!("{}/{id}/resolve/main/config.json", self.endpoint),
+                            reason: "reading it panicked".into(),
+                        })
+                    }));
+                }
+            });
+        }
+        results
     }
 
     /// The commit (40 hex digits, or 64 in a SHA-256 repository) that `revision` (a branch, tag

@@ -30,8 +30,9 @@ pub use download::{DownloadProgress, Downloaded};
 pub use error::HubError;
 pub use fit::{memory_fit, total_memory_bytes, MemoryFit, USABLE_MEMORY_FRACTION};
 pub use hub::{
-    HubClient, HubModel, RemoteFile, RemoteSnapshot, SearchQuery, DEFAULT_ENDPOINT,
-    LISTING_TIMEOUT, MAX_LISTING_PAGES, MLX_COMMUNITY, MODEL_FILE_PATTERNS,
+    HubClient, HubModel, RemoteFile, RemoteSnapshot, SearchQuery, CONFIG_TEXTS_TIMEOUT,
+    DEFAULT_ENDPOINT, LISTING_TIMEOUT, MAX_CONFIG_TEXT_BYTES, MAX_LISTING_PAGES, MLX_COMMUNITY,
+    MODEL_FILE_PATTERNS,
 };
 pub use local::{cached_snapshot, local_models, model_name, LocalModel, ModelSource};
 

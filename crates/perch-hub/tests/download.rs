@@ -79,6 +79,47 @@ fn assert_weights(repo: &FakeRepo, done: &Downloaded) {
     );
 }
 
+/// Search results' configs, fetched together before anything is downloaded: each model's own
+/// text, or its own error (no config, one over the size limit), in the order asked.
+#[test]
+fn configs_of_search_results_come_with_their_own_errors() {
+    let config = br#"{"model_type": "llama", "hidden_size": 64}"#.to_vec();
+    let huge = vec![b' '; perch_hub::MAX_CONFIG_TEXT_BYTES as usize + 1];
+    let repos = vec![
+        FakeRepo::new("org/a", vec![("config.json", config.clone())]),
+        FakeRepo::new("org/no-config", vec![("model.safetensors", vec![0; 8])]),
+        FakeRepo::new("org/huge", vec![("config.json", huge)]),
+    ];
+    let hub = FakeHub::start(repos);
+    let cache = tempfile::tempdir().unwrap();
+    let client = client(&hub, cache.path());
+    assert_eq!(
+        client.config_text("org/a", "main").unwrap().as_bytes(),
+        &config[..]
+    );
+    let ids: Vec<String> = ["org/a", "org/no-config", "org/huge", "../etc"]
+        .map(String::from)
+        .to_vec();
+    let results = client.config_texts(&ids);
+    assert_eq!(results.len(), 4);
+    assert_eq!(results[0].as_ref().unwrap().as_bytes(), &config[..]);
+    assert!(
+        matches!(&results[1], Err(HubError::Status { status: 404, .. })),
+        "{:?}",
+        results[1]
+    );
+    assert!(
+        matches!(&results[2], Err(HubError::BadResponse { .. })),
+        "{:?}",
+        results[2]
+    );
+    assert!(
+        matches!(&results[3], Err(HubError::InvalidRepoId(_))),
+        "{:?}",
+        results[3]
+    );
+}
+
 #[test]
 fn search_finds_models_by_author_and_text_with_their_size() {
     let mut qwen = FakeRepo::new("mlx-community/Qwen3-0.6B-4bit", vec![]);

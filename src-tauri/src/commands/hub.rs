@@ -26,8 +26,13 @@ pub struct Downloads(Mutex<HashMap<String, Arc<AtomicBool>>>);
 pub struct HubModelView {
     #[serde(flatten)]
     pub model: HubModel,
-    /// Weights plus the KV cache budget of the settings against RAM (`perch_hub::memory_fit`).
+    /// Weights plus the KV cache they would use of the settings' budget (all of it, or what
+    /// the model's whole context takes when less) against RAM (`perch_hub::memory_fit`).
     pub fit: MemoryFit,
+    /// Tokens of one conversation the settings' KV cache budget holds for this model, from its
+    /// `config.json`'s real KV bytes per token (`perch_engine::models::kv_footprint`), at most
+    /// its context length; `None` when its config is unknown or not one Perch loads.
+    pub context_tokens: Option<u64>,
     /// Its snapshot in the Hugging Face cache (what `load_model` takes), when downloaded.
     pub snapshot_dir: Option<PathBuf>,
     /// When its architecture is one Perch does not run: a sentence naming it and those it runs
@@ -66,16 +71,42 @@ pub async fn search_models(
         let found = client
             .search(&query)
             .map_err(|e| sentence_with_causes(&e))?;
+        // The configs of the models Perch runs (or whose architecture the Hub does not say),
+        // fetched together: their KV cache's real size.
+        let notes: Vec<Option<String>> = found
+            .iter()
+            .map(|m| {
+                m.model_type
+                    .as_deref()
+                    .and_then(perch_engine::models::unsupported_architecture_note)
+            })
+            .collect();
+        let ids: Vec<String> = found
+            .iter()
+            .zip(&notes)
+            .filter(|(_, note)| note.is_none())
+            .map(|(m, _)| m.id.clone())
+            .collect();
+        let mut configs = client.config_texts(&ids).into_iter();
         Ok(found
             .into_iter()
-            .map(|model| HubModelView {
-                fit: memory_fit(model.weights_bytes, kv_cache_bytes, total_memory),
-                snapshot_dir: perch_hub::cached_snapshot(client.cache_dir(), &model.id),
-                architecture_note: model
-                    .model_type
-                    .as_deref()
-                    .and_then(perch_engine::models::unsupported_architecture_note),
-                model,
+            .zip(notes)
+            .map(|(model, architecture_note)| {
+                let budget = architecture_note
+                    .is_none()
+                    .then(|| configs.next())
+                    .flatten()
+                    .and_then(|config| config.ok())
+                    .and_then(|text| perch_engine::models::kv_footprint(&text, None).ok())
+                    .map(|footprint| footprint.within_budget(kv_cache_bytes));
+                let kv_bytes = budget.map_or(kv_cache_bytes, |b| b.bytes);
+                HubModelView {
+                    fit: memory_fit(model.weights_bytes, kv_bytes, total_memory),
+                    context_tokens: budget.map(|b| b.tokens),
+                    snapshot_dir: perch_hub::cached_snapshot(client.cache_dir(), &model.id),
+                    architecture_note,
+                    model,
+                }
             })
             .collect())
     })

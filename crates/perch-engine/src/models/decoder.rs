@@ -257,6 +257,21 @@ impl DecoderConfig {
             .find(|&j| self.is_sliding_layer(j) == sliding)
     }
 
+    /// The cache layer `i` keeps, when it keeps one of its own: its `[kv_heads, head_dim]` and,
+    /// for a sliding layer, its window. `None` for linear-attention and KV-shared layers.
+    pub(crate) fn cache_layer(&self, i: i32) -> Option<([i32; 2], Option<i32>)> {
+        if self.is_linear_layer(i) || i >= self.first_kv_shared_layer() {
+            return None;
+        }
+        let window = self
+            .style
+            .sliding_window
+            .as_ref()
+            .filter(|s| s.is_sliding_layer(i))
+            .map(|s| s.window);
+        Some((self.head_shape(i), window))
+    }
+
     /// Layer `i`'s attention shape: `[kv_heads, head_dim]`.
     fn head_shape(&self, i: i32) -> [i32; 2] {
         match &self.global_attention {

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::decoder::{within, BlockStyle, DecoderConfig, SlidingWindow};
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::{Activation, Rope};
 
@@ -64,7 +64,7 @@ impl Default for Gemma3Args {
 /// config's, and the head counts default to 8 and 4 there.
 const MULTIMODAL_VOCAB: i64 = 262_208;
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let nested = cx.config.get("model_type").and_then(Value::as_str) == Some("gemma3");
     let text = if nested {
         let mut text = cx

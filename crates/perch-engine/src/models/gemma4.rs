@@ -17,7 +17,7 @@ use serde_json::Value;
 
 use super::decoder::{BlockStyle, DecoderConfig, GlobalAttention, PerLayerInputs, SlidingWindow};
 use super::moe::{MoeConfig, MoeStyle};
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::{Activation, Rope};
 
@@ -108,7 +108,7 @@ fn default_rope_parameters() -> Value {
     })
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let model_type = cx
         .config
         .get("model_type")

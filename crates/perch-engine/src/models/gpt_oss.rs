@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use super::decoder::{BlockStyle, DecoderConfig, SlidingWindow};
 use super::moe::{MoeConfig, MoeStyle};
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -59,7 +59,7 @@ impl Default for GptOssArgs {
     }
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let args: GptOssArgs = cx.parse()?;
     let layers = match &args.layer_types {
         Some(types) => SlidingWindow::layers_from_types(types).map_err(|m| cx.error(m))?,

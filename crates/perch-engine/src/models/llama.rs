@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::decoder::DecoderConfig;
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -56,12 +56,12 @@ fn default_no_rope_layer_interval() -> i32 {
     4
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let args: LlamaArgs = cx.parse()?;
     load_with(cx, args, Vec::new(), "llama")
 }
 
-pub fn load_smollm3(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load_smollm3(cx: LoadContext<'_>) -> Result<Resolved> {
     let (llama, args): (LlamaArgs, SmolLm3Args) = (cx.parse()?, cx.parse()?);
     let layers = llama.num_hidden_layers;
     let uses_rope: Vec<i32> = match args.no_rope_layers {
@@ -129,7 +129,7 @@ fn load_with(
     args: LlamaArgs,
     no_rope_layers: Vec<i32>,
     model_type: &str,
-) -> Result<Box<dyn Model>> {
+) -> Result<Resolved> {
     let mut config = decoder_config(&cx, &args, "")?;
     config.style.no_rope_layers = no_rope_layers;
     finish(cx, config, &args, model_type)
@@ -141,7 +141,7 @@ fn finish(
     config: DecoderConfig,
     args: &LlamaArgs,
     model_type: &str,
-) -> Result<Box<dyn Model>> {
+) -> Result<Resolved> {
     config.validate().map_err(|m| cx.error(m))?;
     let rope = Rope::new(
         config.head_dim,
@@ -161,7 +161,7 @@ fn finish(
 /// OLMo 2 (`olmo2`): Llama's config and layers with the norms moved to each sub-layer's output
 /// (no input norms) and query / key RMSNorms over all heads' features before RoPE.
 /// Reference: mlx-lm `models/olmo2.py`.
-pub fn load_olmo2(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load_olmo2(cx: LoadContext<'_>) -> Result<Resolved> {
     let args: LlamaArgs = cx.parse()?;
     let mut config = decoder_config(&cx, &args, "")?;
     config.qk_norm = true;
@@ -177,7 +177,7 @@ pub(super) fn load_nested(
     text_config: &Value,
     weight_prefix: &str,
     model_type: &str,
-) -> Result<Box<dyn Model>> {
+) -> Result<Resolved> {
     let args: LlamaArgs = cx.parse_value(text_config, "text_config")?;
     let config = decoder_config(&cx, &args, weight_prefix)?;
     finish(cx, config, &args, model_type)

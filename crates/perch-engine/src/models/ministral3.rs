@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::decoder::{QueryPositionScale, SlidingWindow};
 use super::llama::{self, LlamaArgs};
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -28,7 +28,7 @@ pub struct Ministral3Args {
     pub sliding_window: Option<i32>,
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let config = cx.config.clone();
     load_text(cx, &config, "", "ministral3")
 }
@@ -37,7 +37,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
 /// otherwise, as mlx_lm's `mistral3.ModelArgs` sets it), weights under `language_model.`
 /// (mlx-community's layout; Hugging Face's `model.language_model.` and top-level `lm_head.` are
 /// read as the same tensors).
-pub fn load_mistral3(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load_mistral3(cx: LoadContext<'_>) -> Result<Resolved> {
     let mut text = match cx.config.get("text_config") {
         Some(text @ Value::Object(_)) => text.clone(),
         _ => return Err(cx.error("`text_config` must be an object".into())),
@@ -81,7 +81,7 @@ fn load_text(
     text: &Value,
     prefix: &str,
     model_type: &str,
-) -> Result<Box<dyn Model>> {
+) -> Result<Resolved> {
     let (llama, args): (LlamaArgs, Ministral3Args) = if prefix.is_empty() {
         (cx.parse()?, cx.parse()?)
     } else {

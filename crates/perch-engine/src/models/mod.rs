@@ -126,12 +126,21 @@ pub trait Model: Send {
     }
 }
 
-/// Everything an architecture loader gets.
+/// Everything an architecture loader gets. Its weights may be none (see [`check_config`]): a
+/// loader reads only the config, and may rename or drop tensors a checkpoint holds beside the
+/// text model's.
 pub struct LoadContext<'a> {
     pub config: &'a Value,
     pub config_path: &'a Path,
-    pub quantization: Quantization,
     pub weights: &'a mut Weights,
+}
+
+/// What a loader makes of its config: the shared decoder's config and RoPE, and the model type
+/// the model reports.
+pub struct Resolved {
+    pub config: DecoderConfig,
+    pub rope: Rope,
+    pub model_type: String,
 }
 
 impl LoadContext<'_> {
@@ -154,26 +163,24 @@ impl LoadContext<'_> {
         }
     }
 
-    /// The shared decoder from an architecture's resolved config and RoPE (whose error, from
-    /// [`Rope::new`], names this config file).
+    /// The shared decoder's config and RoPE (whose error, from [`Rope::new`], names this
+    /// config file): what [`load`] builds the model from.
     pub fn decoder(
         self,
         config: DecoderConfig,
         rope: std::result::Result<Rope, String>,
         model_type: &str,
-    ) -> Result<Box<dyn Model>> {
+    ) -> Result<Resolved> {
         let rope = rope.map_err(|m| self.error(m))?;
-        Ok(Box::new(Decoder::load(
+        Ok(Resolved {
             config,
             rope,
-            &self.quantization,
-            self.weights,
-            model_type,
-        )?))
+            model_type: model_type.to_string(),
+        })
     }
 }
 
-type Loader = fn(LoadContext<'_>) -> Result<Box<dyn Model>>;
+type Loader = fn(LoadContext<'_>) -> Result<Resolved>;
 
 /// `model_type` → loader. Aliases share a loader.
 const ARCHITECTURES: &[(&str, Loader)] = &[
@@ -237,12 +244,18 @@ pub fn load_with_progress(
     let config = read_config(&config_path)?;
     let (model_type, loader, quantization) = resolve_config(&config, &config_path)?;
     let mut weights = Weights::load_with_progress(model_dir, Backend::current(), progress)?;
-    let model = loader(LoadContext {
+    let resolved = loader(LoadContext {
         config: &config,
         config_path: &config_path,
-        quantization,
         weights: &mut weights,
     })?;
+    let model: Box<dyn Model> = Box::new(Decoder::load(
+        resolved.config,
+        resolved.rope,
+        &quantization,
+        &mut weights,
+        &resolved.model_type,
+    )?);
     // Like mlx-lm's strict load: tensors nobody used mean the config does not describe these weights.
     let unused = weights.remaining();
     if !unused.is_empty() {
@@ -289,29 +302,132 @@ fn resolve_config(config: &Value, config_path: &Path) -> Result<(String, Loader,
 /// Checks the text of a `config.json` as [`load`] does before it builds anything: JSON, a
 /// supported `model_type`, the `quantization` section, then the architecture's own fields,
 /// parsed and validated by that architecture's loader ([`DecoderConfig::validate`], RoPE
-/// scaling). The loader runs against no weights, so it stops at the first weight it asks for and
-/// nothing is sized from the config. Returns the `model_type`.
+/// scaling). Nothing is sized from the config and no weight is read. Returns the `model_type`.
 ///
 /// Errors: [`EngineError::Config`] (naming `config.json`), [`EngineError::UnsupportedArchitecture`].
 pub fn check_config(text: &str) -> Result<String> {
+    resolve_text(text).map(|(model_type, _)| model_type)
+}
+
+/// [`check_config`]'s work: the `model_type` and what its loader resolves.
+fn resolve_text(text: &str) -> Result<(String, Resolved)> {
     let config_path = Path::new("config.json");
     let config: Value = serde_json::from_str(text).map_err(|e| EngineError::Config {
         path: config_path.to_path_buf(),
         message: e.to_string(),
     })?;
-    let (model_type, loader, quantization) = resolve_config(&config, config_path)?;
+    let (model_type, loader, _) = resolve_config(&config, config_path)?;
     let mut no_weights = Weights::empty(Backend::current());
-    let loaded = loader(LoadContext {
+    let resolved = loader(LoadContext {
         config: &config,
         config_path,
-        quantization,
         weights: &mut no_weights,
-    });
-    match loaded {
-        // The loader accepted the config and went on to the weights.
-        Ok(_) | Err(EngineError::MissingWeight { .. }) => Ok(model_type),
-        Err(e) => Err(e),
+    })?;
+    Ok((model_type, resolved))
+}
+
+/// How much KV cache one sequence of a model takes, from its `config.json` alone (before any
+/// weight is downloaded): bytes per position of each cache layer in the compute dtype of this
+/// backend (float32 on CPU, 16-bit on GPUs) or, with `kv_quantization`, packed. KV-shared
+/// layers take nothing, linear-attention layers a constant recurrent state. The per-token sum
+/// equals [`crate::batch::kv_bytes_per_token`] of the loaded model (tested against it): Gemma
+/// 4's global layers with their own head size, GQA, KV-shared and hybrid layers all counted as
+/// the engine counts them.
+///
+/// Errors: those of [`check_config`].
+pub fn kv_footprint(
+    config_text: &str,
+    kv_quantization: Option<KvQuantization>,
+) -> Result<KvFootprint> {
+    let (_, resolved) = resolve_text(config_text)?;
+    let c = &resolved.config;
+    let dtype_bytes = match Backend::current().compute_dtype(mlx_rs::Dtype::Float32) {
+        mlx_rs::Dtype::Float32 => 4,
+        _ => 2,
+    };
+    let mut layers = Vec::new();
+    let mut state_bytes = 0u64;
+    for i in 0..c.num_layers {
+        if c.is_linear_layer(i) {
+            if let Some(linear) = &c.linear_attention {
+                let [conv, ssm] = linear.layer.state_shapes();
+                let count = |shape: &[i32]| shape.iter().map(|&d| d.max(0) as u64).product::<u64>();
+                // The convolution's state in the compute dtype, the recurrence's in float32.
+                state_bytes += count(&conv) * dtype_bytes as u64 + count(&ssm) * 4;
+            }
+            continue;
+        }
+        if let Some((head_shape, window)) = c.cache_layer(i) {
+            let [kv_heads, head_dim] = head_shape.map(|d| d.max(0) as usize);
+            let per_vector = match kv_quantization {
+                None => head_dim * dtype_bytes,
+                Some(q) => q.bytes_per_vector(head_dim, dtype_bytes),
+            };
+            layers.push(KvLayerCost {
+                bytes_per_position: (2 * kv_heads * per_vector) as u64,
+                window: window.map(|w| w.max(1) as u64),
+            });
+        }
     }
+    Ok(KvFootprint {
+        layers,
+        state_bytes,
+        context_length: c.context_length as u64,
+    })
+}
+
+/// One cache layer's share of [`KvFootprint`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct KvLayerCost {
+    /// Keys and values of one position.
+    pub bytes_per_position: u64,
+    /// A sliding layer's window (its own cache drops positions before it).
+    pub window: Option<u64>,
+}
+
+/// The KV cache of one sequence of a model, by cache layer (see [`kv_footprint`]).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct KvFootprint {
+    /// One per cache layer, in the order of [`Model::make_cache`]'s attention layers.
+    pub layers: Vec<KvLayerCost>,
+    /// Linear-attention layers' recurrent states of one sequence: the same at every length.
+    pub state_bytes: u64,
+    /// The longest sequence the model takes (`max_position_embeddings`).
+    pub context_length: u64,
+}
+
+impl KvFootprint {
+    /// Bytes each position takes in every cache layer: what the engine's KV block pool
+    /// reserves per token (it counts sliding layers' positions too, so that prefix-cache
+    /// blocks hold every layer; a sliding layer's own cache drops what its window left).
+    pub fn bytes_per_token(&self) -> u64 {
+        self.layers.iter().map(|l| l.bytes_per_position).sum()
+    }
+
+    /// What a KV budget of `budget` bytes means for this model in the engine: the longest
+    /// conversation it holds (at most [`KvFootprint::context_length`]; 0 when not even the
+    /// recurrent states fit) and the bytes that takes (the budget, or less when the model's
+    /// whole context needs less).
+    pub fn within_budget(&self, budget: u64) -> BudgetUse {
+        let per_token = self.bytes_per_token().max(1);
+        let tokens = (budget.saturating_sub(self.state_bytes) / per_token).min(self.context_length);
+        let whole_context = self
+            .state_bytes
+            .saturating_add(per_token.saturating_mul(self.context_length));
+        BudgetUse {
+            tokens: if budget < self.state_bytes { 0 } else { tokens },
+            bytes: budget.min(whole_context),
+        }
+    }
+}
+
+/// See [`KvFootprint::within_budget`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct BudgetUse {
+    /// Tokens of one conversation the budget holds.
+    pub tokens: u64,
+    /// Bytes of the budget those take at most.
+    pub bytes: u64,
 }
 
 /// Serde default for config flags that default to on (`tie_word_embeddings`).
@@ -507,6 +623,44 @@ mod tests {
             config["text_config"][key] = value.clone();
         }
         config.to_string()
+    }
+
+    /// The fit estimate's numbers for Gemma 4 E2B (15 cache layers for 35 layers: 12 sliding of
+    /// one 256-wide KV head, 3 global of one 512-wide head) and for a budget.
+    #[test]
+    fn kv_footprint_of_gemma4_e2b_and_a_budget() {
+        let f = kv_footprint(&gemma4(serde_json::json!({})), None).unwrap();
+        assert_eq!(f.layers.len(), 15);
+        let dtype = match Backend::current().compute_dtype(mlx_rs::Dtype::Float32) {
+            mlx_rs::Dtype::Float32 => 4,
+            _ => 2,
+        };
+        let sliding = f.layers.iter().filter(|l| l.window == Some(512)).count();
+        assert_eq!(sliding, 12);
+        assert_eq!(f.bytes_per_token(), (12 * 2 * 256 + 3 * 2 * 512) * dtype);
+        assert_eq!(f.context_length, 131_072);
+        let per_token = f.bytes_per_token();
+        let budget = 1000 * per_token + 7;
+        assert_eq!(
+            f.within_budget(budget),
+            BudgetUse {
+                tokens: 1000,
+                bytes: budget
+            }
+        );
+        // A budget past the whole context is not all needed.
+        let whole = per_token * 131_072;
+        assert_eq!(
+            f.within_budget(whole * 2),
+            BudgetUse {
+                tokens: 131_072,
+                bytes: whole
+            }
+        );
+        // 8-bit KV: packed values plus a scale and bias per group of 64.
+        let q = KvQuantization::new(8, 64, 256).unwrap();
+        let packed = kv_footprint(&gemma4(serde_json::json!({})), Some(q)).unwrap();
+        assert!(packed.bytes_per_token() < per_token);
     }
 
     #[test]

@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::decoder::DecoderConfig;
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -49,7 +49,7 @@ fn default_original_max_position_embeddings() -> usize {
     4096
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let args: Phi3Args = cx.parse()?;
     // mlx_lm's head size is always hidden_size / heads (a config's `head_dim` is not read).
     if args.num_attention_heads <= 0 || args.hidden_size % args.num_attention_heads != 0 {

@@ -5,7 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::decoder::DecoderConfig;
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -38,7 +38,7 @@ fn default_rope_theta() -> f32 {
     1_000_000.0
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let args: Qwen2Args = cx.parse()?;
     if args.num_attention_heads <= 0 || args.hidden_size % args.num_attention_heads != 0 {
         return Err(cx.error("`hidden_size` must be a multiple of `num_attention_heads`".into()));

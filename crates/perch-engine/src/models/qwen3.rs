@@ -5,7 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::decoder::DecoderConfig;
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -26,7 +26,7 @@ pub struct Qwen3Args {
     pub tie_word_embeddings: bool,
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let args: Qwen3Args = cx.parse()?;
     let config = DecoderConfig {
         hidden_size: args.hidden_size,

@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::decoder::{DecoderConfig, LinearAttention};
 use super::gated_delta::GatedDeltaConfig;
 use super::moe::{MoeConfig, MoeStyle};
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -88,7 +88,7 @@ fn default_full_attention_interval() -> i32 {
     4
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let text = cx.config.get("text_config").unwrap_or(cx.config);
     let args: Qwen35Args =
         serde_path_to_error::deserialize(text).map_err(|e| cx.error(e.to_string()))?;

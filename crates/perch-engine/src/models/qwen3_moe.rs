@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use super::decoder::DecoderConfig;
 use super::moe::{MoeConfig, MoeStyle};
-use super::{LoadContext, Model};
+use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::Rope;
 
@@ -36,7 +36,7 @@ pub struct Qwen3MoeArgs {
     pub rope_scaling: Option<Value>,
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Box<dyn Model>> {
+pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let args: Qwen3MoeArgs = cx.parse()?;
     let config = DecoderConfig {
         hidden_size: args.hidden_size,
