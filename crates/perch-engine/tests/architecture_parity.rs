@@ -167,7 +167,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         );
 
         if model.has_recurrent_layers() {
-            compiled_recurrence(dir, &name, &expected, &ours);
+            compiled_recurrence(dir, &name, &expected, ours);
         }
 
         // Every architecture has prompt caches (mlx_lm's layout for its layers).

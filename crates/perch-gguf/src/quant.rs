@@ -195,7 +195,7 @@ pub(crate) fn convert_affine(
 ) -> Result<AffineTensor, GgufError> {
     let blocks_per_row = cols / BLOCK_ELEMS;
     let src_row_bytes = blocks_per_row * format.block_bytes();
-    if cols % BLOCK_ELEMS != 0 || data.len() != rows * src_row_bytes {
+    if !cols.is_multiple_of(BLOCK_ELEMS) || data.len() != rows * src_row_bytes {
         return Err(GgufError::InvalidTensor {
             tensor: tensor.to_string(),
             reason: format!(
@@ -262,7 +262,7 @@ pub(crate) fn reorder_rows(data: &[u8], row_bytes: usize, order: &[usize]) -> Ve
 /// So HF row `h*head_dim + s*(head_dim/2) + j` sits at GGUF row `h*head_dim + 2j + s`.
 /// `n_head` is the attention head count for q and the KV head count for k.
 pub(crate) fn rope_unpermute_order(rows: usize, n_head: usize) -> Result<Vec<usize>, String> {
-    if n_head == 0 || rows % n_head != 0 || (rows / n_head) % 2 != 0 {
+    if n_head == 0 || !rows.is_multiple_of(n_head) || !(rows / n_head).is_multiple_of(2) {
         return Err(format!(
             "{rows} rows cannot be split into {n_head} heads of even size"
         ));

@@ -626,7 +626,7 @@ impl HeaderReader<'_> {
                 };
                 if count
                     .checked_mul(min_item_bytes)
-                    .map_or(true, |n| n > self.remaining())
+                    .is_none_or(|n| n > self.remaining())
                 {
                     return Err(self.truncated(&what));
                 }

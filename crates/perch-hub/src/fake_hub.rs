@@ -593,6 +593,7 @@ async fn cdn(
 }
 
 /// The file at `path` of `org/name` at `rev`, with the repository's commit; else a 404.
+#[allow(clippy::result_large_err)] // axum's Response is the handler's error type
 fn find_file(
     shared: &SharedState,
     org: &str,

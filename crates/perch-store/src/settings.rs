@@ -305,7 +305,8 @@ mod tests {
 
     #[test]
     fn invalid_values_are_named() {
-        let cases: [(&str, fn(&mut Settings)); 10] = [
+        type Case = (&'static str, fn(&mut Settings));
+        let cases: [Case; 10] = [
             ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
             ("chat.max_tokens", |s| s.chat.max_tokens = 0),
             ("kv_cache_bytes", |s| s.kv_cache_bytes = 1 << 20),
