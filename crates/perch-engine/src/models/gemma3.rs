@@ -67,27 +67,7 @@ const MULTIMODAL_VOCAB: i64 = 262_208;
 pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     let nested = cx.config.get("model_type").and_then(Value::as_str) == Some("gemma3");
     let text = if nested {
-        let mut text = cx
-            .config
-            .get("text_config")
-            .cloned()
-            .unwrap_or_else(|| Value::Object(Default::default()));
-        let Some(fields) = text.as_object_mut() else {
-            return Err(cx.error("`text_config` must be an object".into()));
-        };
-        let vocab = cx
-            .config
-            .get("vocab_size")
-            .cloned()
-            .unwrap_or(Value::from(MULTIMODAL_VOCAB));
-        fields.insert("vocab_size".into(), vocab);
-        fields
-            .entry("num_attention_heads")
-            .or_insert(Value::from(8));
-        fields
-            .entry("num_key_value_heads")
-            .or_insert(Value::from(4));
-        text
+        super::gemma_text_config(&cx, MULTIMODAL_VOCAB, [8, 4])?
     } else {
         cx.config.clone()
     };

@@ -118,25 +118,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     // `gemma4_unified` (the 12B) is read as `gemma4`, as mlx_lm remaps it.
     let nested = model_type != "gemma4_text";
     let text = if nested {
-        let mut text = match cx.config.get("text_config") {
-            None => Value::Object(Default::default()),
-            Some(text @ Value::Object(_)) => text.clone(),
-            Some(_) => return Err(cx.error("`text_config` must be an object".into())),
-        };
-        let fields = text.as_object_mut().expect("an object");
-        let vocab = cx
-            .config
-            .get("vocab_size")
-            .cloned()
-            .unwrap_or(Value::from(MULTIMODAL_VOCAB));
-        fields.insert("vocab_size".into(), vocab);
-        fields
-            .entry("num_attention_heads")
-            .or_insert(Value::from(8));
-        fields
-            .entry("num_key_value_heads")
-            .or_insert(Value::from(1));
-        text
+        super::gemma_text_config(&cx, MULTIMODAL_VOCAB, [8, 1])?
     } else {
         cx.config.clone()
     };

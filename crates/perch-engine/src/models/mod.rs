@@ -182,6 +182,38 @@ impl LoadContext<'_> {
 
 type Loader = fn(LoadContext<'_>) -> Result<Resolved>;
 
+/// The text model's config of a Gemma multimodal checkpoint (mlx_lm's `gemma3.ModelArgs`,
+/// `gemma4.ModelArgs`): `text_config` (absent: all defaults) with the top level's `vocab_size`
+/// (default `vocab`) in place of its own, and the head counts `heads` (query, KV) where it has
+/// none.
+pub(crate) fn gemma_text_config(
+    cx: &LoadContext<'_>,
+    vocab: i64,
+    heads: [i64; 2],
+) -> Result<Value> {
+    let mut text = match cx.config.get("text_config") {
+        None => Value::Object(Default::default()),
+        Some(text @ Value::Object(_)) => text.clone(),
+        Some(_) => return Err(cx.error("`text_config` must be an object".into())),
+    };
+    let fields = text.as_object_mut().expect("an object");
+    let vocab = cx
+        .config
+        .get("vocab_size")
+        .cloned()
+        .unwrap_or(Value::from(vocab));
+    fields.insert("vocab_size".into(), vocab);
+    for (name, default) in ["num_attention_heads", "num_key_value_heads"]
+        .iter()
+        .zip(heads)
+    {
+        fields
+            .entry(name.to_string())
+            .or_insert(Value::from(default));
+    }
+    Ok(text)
+}
+
 /// `model_type` → loader. Aliases share a loader.
 const ARCHITECTURES: &[(&str, Loader)] = &[
     ("gemma3", gemma3::load),
