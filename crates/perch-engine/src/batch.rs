@@ -398,10 +398,13 @@ impl<'m> BatchGenerator<'m> {
             tails: TailCache::default(),
             runner: ModelRunner::new(
                 model,
-                config.attention,
+                (config.attention, config.slot_attention),
                 config.kv_quantization,
-                config.slot_attention,
                 config.compile_decode,
+                (
+                    scheduler::prefill_chunk_bucket(config.prefill_token_budget.max(1)),
+                    config.block_size,
+                ),
             ),
             config,
             running: Vec::new(),
@@ -990,12 +993,14 @@ impl<'m> BatchGenerator<'m> {
         self.prompt_throughput.record(first_steps);
         self.read_in_flight(&mut events)?;
         if self.model.has_sliding_window_layers() {
-            // Decoding sequences in their own caches publish blocks as they fill, so that
-            // sliding layers drop the positions out of their window while the sequence decodes
-            // (the copies run after the step just dispatched; nothing waits for them). Only
-            // tokens already read can be hashed.
+            // Decoding sequences publish blocks as they fill: in their own caches, so that
+            // sliding layers drop the positions out of their window while the sequence
+            // decodes; in slots, before the sliding layers' rings overwrite them (a block's
+            // positions last `R - window` more steps there, see `slot_cache`). The copies run
+            // after the step just dispatched; nothing waits for them. Only tokens already read
+            // can be hashed.
             for seq in &mut self.running {
-                if seq.slot.is_none() && seq.prefill_done() && seq.computed <= seq.tokens.len() {
+                if seq.prefill_done() && seq.computed <= seq.tokens.len() {
                     publish(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
                 }
             }

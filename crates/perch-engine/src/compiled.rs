@@ -57,18 +57,20 @@ impl CompiledSlotForward {
     pub fn new(model: &dyn Model, template: &SlotKvCache) -> Self {
         let model = model.clone_for_compile();
         let template = template.empty_like();
+        let step_arrays = template.step_arrays();
         let failure = Rc::new(RefCell::new(None));
         let failed = Rc::clone(&failure);
         let trace = move |inputs: &[Array]| -> Result<Vec<Array>> {
-            let [ids, positions, mask, index, buffers @ ..] = inputs else {
+            if inputs.len() < 1 + step_arrays {
                 return Err(EngineError::from(Exception::custom(
                     "a compiled slot step takes ids, its step's arrays and buffers",
                 )));
-            };
+            }
+            let (ids, rest) = (&inputs[0], &inputs[1..]);
+            let (step, buffers) = rest.split_at(step_arrays);
             let mut cache = template.over_buffers(buffers);
             let read = cache.read(Backend::current(), ids.shape()[1] as usize);
-            let step = [positions, mask, index].map(Array::clone);
-            let step = SlotStep::with_arrays(step, read);
+            let step = SlotStep::with_arrays(step.to_vec(), read);
             let logits = model.forward_slot_step(ids, &mut cache, &step)?;
             let mut outputs = vec![logits];
             outputs.extend(cache.into_buffers());
@@ -108,11 +110,12 @@ impl CompiledSlotForward {
             return model.forward_slots(ids, slots, new_tokens);
         }
         let step = slots.begin_step(ids.shape()[1] as usize)?;
-        let mut inputs = Vec::with_capacity(4 + slots.num_layers() * 6);
+        let step_arrays = step.arrays();
+        let mut inputs = Vec::with_capacity(1 + step_arrays.len() + slots.num_layers() * 6);
         inputs.push(ids.clone());
-        inputs.extend(step.arrays().into_iter().cloned());
+        inputs.extend(step_arrays.iter().map(|a| (*a).clone()));
         inputs.extend(slots.buffers());
-        let buffers = inputs.len() - 4;
+        let buffers = inputs.len() - 1 - step_arrays.len();
         let mut outputs = (self.step)(&inputs).map_err(|e| match self.failure.take() {
             Some(message) => {
                 Exception::custom(format!("in a compiled slot step: {message}")).into()

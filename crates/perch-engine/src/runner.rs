@@ -96,23 +96,32 @@ pub(crate) struct ModelRunner<'m> {
 }
 
 impl<'m> ModelRunner<'m> {
+    /// `max_prefill_tokens`: the widest prefill chunk a row feeds in one step, and
+    /// `block_size`: the prefix cache's (both size the sliding layers' rings, see
+    /// [`SlotKvCache::with_windows`]).
     pub fn new(
         model: &'m dyn Model,
-        attention: BatchAttention,
+        (attention, slot_attention): (BatchAttention, SlotAttention),
         quantization: Option<KvQuantization>,
-        slot_attention: SlotAttention,
         compile_decode: bool,
+        (max_prefill_tokens, block_size): (usize, usize),
     ) -> Self {
         let num_layers = model.info().num_layers;
-        let cache = || SlotKvCache::new(num_layers, quantization).with_attention(slot_attention);
-        let decode = cache();
+        let windows: Vec<Option<i32>> =
+            model.make_cache(None).iter().map(KvCache::window).collect();
+        let cache = |max_step_tokens| {
+            SlotKvCache::new(num_layers, quantization)
+                .with_attention(slot_attention)
+                .with_windows(&windows, max_step_tokens, block_size)
+        };
+        let decode = cache(1);
         let compiled_decode = (compile_decode && attention == BatchAttention::Batched)
             .then(|| CompiledSlotForward::new(model, &decode));
         Self {
             model,
             attention,
             slots: Slots {
-                prefill: cache(),
+                prefill: cache(max_prefill_tokens),
                 decode,
             },
             compiled_decode,

@@ -19,6 +19,20 @@
 //!
 //! Memory is `rows * capacity` positions per layer, where capacity follows the longest sequence:
 //! like mlx_lm's `BatchKVCache`, a batch of mixed lengths pads the short ones.
+//!
+//! # Sliding-window layers: rings
+//! A sliding layer's queries see their last `window` positions only, so its buffers stop
+//! growing at `R` positions (mlx_lm's `RotatingKVCache` bound): position `p` of a row lives in
+//! entry `p mod R`, overwriting position `p - R`. A query at position `q` reads entry `e` as
+//! the latest position written there, `q - ((q - e) mod R)`, masked when that is negative (not
+//! written yet, or a stale row's) or `window` or more before `q`. With `R >= window + T - 1`
+//! for a step of `T` tokens per row, the entries a step overwrites with later positions read as
+//! positions `R` back, out of every query's window, and nothing a query of the step sees is
+//! overwritten; while the capacity is below `R` no position wraps and the rings read as the
+//! linear buffers do. `R` adds a block's worth of positions for publishing: a block's
+//! positions are copied to the prefix cache before they are overwritten (the batch publishes
+//! sliding models' blocks as they fill). So a long conversation on a sliding-window model takes
+//! `R` positions per row in its sliding layers, whatever its length; global layers keep all.
 
 use mlx_rs::{ops, Array};
 use serde::Serialize;
@@ -108,6 +122,16 @@ pub struct SlotStep {
     pub read: SlotRead,
     /// `[rows, 1, tokens, 1]` int32: the positions every layer's buffers write.
     index: Array,
+    /// The sliding layers' ring entries and mask, when the cache has rings.
+    ring: Option<RingStep>,
+}
+
+/// A step's view of the sliding layers' rings (see the module docs).
+struct RingStep {
+    /// `[rows, 1, tokens, 1]` int32: the entries the step writes, `position mod R`.
+    index: Array,
+    /// `[rows, 1, tokens, R]` bool: the entries each query sees.
+    mask: Array,
 }
 
 impl SlotStep {
@@ -127,22 +151,52 @@ impl SlotStep {
         &self.index
     }
 
-    /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
-    /// write index.
-    pub(crate) fn arrays(&self) -> [&Array; 3] {
-        [&self.positions, &self.mask, &self.index]
+    /// The mask of the sliding layers' rings `[rows, 1, tokens, R]`, when the cache has them
+    /// (what a sliding layer attends with instead of [`SlotStep::window_mask`]).
+    pub fn ring_mask(&self) -> Option<&Array> {
+        self.ring.as_ref().map(|r| &r.mask)
     }
 
-    /// A step over `arrays` (as [`SlotStep::arrays`] lists them; a compiled step's inputs),
-    /// read as `read`.
-    pub(crate) fn with_arrays([positions, mask, index]: [Array; 3], read: SlotRead) -> Self {
+    /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
+    /// write index, then the rings' entries and mask when there are rings.
+    pub(crate) fn arrays(&self) -> Vec<&Array> {
+        let mut arrays = vec![&self.positions, &self.mask, &self.index];
+        if let Some(ring) = &self.ring {
+            arrays.extend([&ring.index, &ring.mask]);
+        }
+        arrays
+    }
+
+    /// A step over `arrays` (as [`SlotStep::arrays`] lists them, 3 or 5; a compiled step's
+    /// inputs), read as `read`.
+    pub(crate) fn with_arrays(arrays: Vec<Array>, read: SlotRead) -> Self {
+        let mut arrays = arrays.into_iter();
+        let mut next = || arrays.next().expect("a step's arrays");
+        let (positions, mask, index) = (next(), next(), next());
+        let ring = arrays.next().map(|index| RingStep {
+            index,
+            mask: arrays.next().expect("the rings' mask"),
+        });
         Self {
             positions,
             mask,
             read,
             index,
+            ring,
         }
     }
+}
+
+/// The sliding-window layers of a slot cache (see the module docs).
+#[derive(Clone, Debug)]
+struct Rings {
+    /// Per cache layer, whether it slides.
+    sliding: Vec<bool>,
+    window: usize,
+    /// Positions a ring keeps at most (`R` once the capacity reaches it).
+    positions: usize,
+    /// The widest step the rings allow (`R >= window + tokens - 1`).
+    max_step_tokens: usize,
 }
 
 /// Slot-major KV buffers of every layer; see the module docs.
@@ -150,6 +204,7 @@ pub struct SlotKvCache {
     quantization: Option<KvQuantization>,
     attention: SlotAttention,
     num_layers: usize,
+    rings: Option<Rings>,
     /// Per layer: keys' parts then values' parts (2 or 6), empty while no slot is occupied.
     layers: Vec<Vec<Array>>,
     /// Positions filled, per slot up to the last occupied one; `None` for a free slot.
@@ -164,6 +219,7 @@ impl SlotKvCache {
             quantization,
             attention: SlotAttention::Auto,
             num_layers,
+            rings: None,
             layers: Vec::new(),
             lengths: Vec::new(),
             rows: 0,
@@ -171,9 +227,83 @@ impl SlotKvCache {
         }
     }
 
-    /// An empty cache with this one's layers, quantization and attention setting.
+    /// An empty cache with this one's layers, quantization, attention setting and rings.
     pub fn empty_like(&self) -> Self {
-        Self::new(self.num_layers, self.quantization).with_attention(self.attention)
+        Self {
+            rings: self.rings.clone(),
+            ..Self::new(self.num_layers, self.quantization).with_attention(self.attention)
+        }
+    }
+
+    /// This cache with rings for the sliding layers: `windows` has one entry per cache layer
+    /// (the window of a sliding one, all alike), steps are at most `max_step_tokens` tokens per
+    /// row, and blocks of `block_size` positions are copied out as they fill (see the module
+    /// docs). No rings when no layer slides.
+    pub fn with_windows(
+        mut self,
+        windows: &[Option<i32>],
+        max_step_tokens: usize,
+        block_size: usize,
+    ) -> Self {
+        debug_assert_eq!(windows.len(), self.num_layers, "one entry per cache layer");
+        let window = windows.iter().flatten().map(|&w| w.max(1) as usize).max();
+        self.rings = window.map(|window| Rings {
+            sliding: windows.iter().map(Option::is_some).collect(),
+            window,
+            positions: capacity_bucket(window + max_step_tokens.max(1) - 1 + block_size),
+            max_step_tokens: max_step_tokens.max(1),
+        });
+        self
+    }
+
+    /// The ring size of a sliding layer at capacity `capacity`: `R`, or the capacity while it is
+    /// smaller (no position wraps then). `None` without rings.
+    fn ring_size(&self, capacity: usize) -> Option<usize> {
+        self.rings.as_ref().map(|r| r.positions.min(capacity))
+    }
+
+    /// Whether layer `layer` keeps a ring.
+    fn is_ring(&self, layer: usize) -> bool {
+        self.rings
+            .as_ref()
+            .is_some_and(|r| r.sliding.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Positions layer `layer`'s buffers hold at capacity `capacity`.
+    fn layer_capacity(&self, layer: usize, capacity: usize) -> usize {
+        match self.ring_size(capacity) {
+            Some(ring) if self.is_ring(layer) => ring,
+            _ => capacity,
+        }
+    }
+
+    /// Positions `[start, end)` of layer `layer` (in a slot) as runs of buffer entries in
+    /// temporal order, `(first entry, count)`: one run, or two where a ring wraps. Errors for
+    /// positions a ring has overwritten (before `len - R`).
+    fn runs(
+        &self,
+        layer: usize,
+        len: usize,
+        (start, end): (usize, usize),
+    ) -> Result<Vec<(usize, usize)>> {
+        if !self.is_ring(layer) {
+            return Ok(vec![(start, end - start)]);
+        }
+        let size = self.layer_capacity(layer, self.capacity);
+        if start + size < len || end > len {
+            return Err(mlx_rs::error::Exception::custom(format!(
+                "positions {start}..{end} of a sliding layer's ring of {size} are not held \
+                 (the row holds {len})"
+            ))
+            .into());
+        }
+        let first = start % size;
+        let count = end - start;
+        Ok(if first + count <= size {
+            vec![(first, count)]
+        } else {
+            vec![(first, size - first), (0, count - (size - first))]
+        })
     }
 
     /// This cache read as `attention` says ([`SlotAttention::Auto`] when not set).
@@ -262,8 +392,14 @@ impl SlotKvCache {
         let shapes: Vec<Vec<([i32; 4], mlx_rs::Dtype)>> = like
             .layers
             .iter()
-            .map(|layer| {
-                let shape = |b: &Array| [1, b.shape()[1], len as i32, b.shape()[3]];
+            .enumerate()
+            .map(|(l, layer)| {
+                // A ring keeps its last positions only (see `push_with`).
+                let held = match &self.rings {
+                    Some(rings) if self.is_ring(l) => len.min(rings.positions),
+                    _ => len,
+                };
+                let shape = |b: &Array| [1, b.shape()[1], held as i32, b.shape()[3]];
                 layer.iter().map(|b| (shape(b), b.dtype())).collect()
             })
             .collect();
@@ -280,7 +416,15 @@ impl SlotKvCache {
     /// keeps its copy until its [`SlotKvCache::remove`]. Lazy, as [`SlotKvCache::push`].
     pub fn push_from(&mut self, other: &SlotKvCache, slot: usize) -> Result<usize> {
         let len = other.slot_len(slot);
-        self.push_with(len, |layer| other.slot_parts(slot, layer, 0, len))
+        self.push_with(len, |layer| {
+            // A ring's last positions (all that its layer sees later), in temporal order.
+            let held = if other.is_ring(layer) {
+                len.min(other.layer_capacity(layer, other.capacity))
+            } else {
+                len
+            };
+            other.slot_parts(slot, layer, len - held, len)
+        })
     }
 
     /// Puts a sequence of `len` positions, whose layer `l` parts `[1, kv_heads, n, last]`
@@ -303,13 +447,44 @@ impl SlotKvCache {
         self.reshape(slots, self.needed_capacity(1).max(len + 1))?;
         if len > 0 {
             for layer in 0..self.num_layers {
-                let parts = parts(layer)?;
+                let mut parts = parts(layer)?;
                 self.ensure_buffers(layer, &parts)?;
+                // A ring keeps the last positions that fit it.
+                let size = self.layer_capacity(layer, self.capacity);
+                let held = parts.first().map_or(0, |p| p.shape()[2] as usize);
+                let kept = if self.is_ring(layer) {
+                    held.min(size)
+                } else {
+                    held
+                };
+                if kept < held {
+                    parts = parts
+                        .iter()
+                        .map(|p| {
+                            let s = p.shape();
+                            Ok(slice(
+                                p,
+                                &[0, 0, (held - kept) as i32, 0],
+                                &[s[0], s[1], s[2], s[3]],
+                            )?)
+                        })
+                        .collect::<Result<_>>()?;
+                }
+                let runs = self.runs(layer, len, (len - kept, len))?;
                 for (buffer, part) in self.layers[layer].iter_mut().zip(&parts) {
                     let s = part.shape();
-                    let start = [slot as i32, 0, len as i32 - s[2], 0];
-                    let stop = [slot as i32 + 1, s[1], len as i32, s[3]];
-                    *buffer = slice_update(buffer, part, &start, &stop)?;
+                    let mut from = 0;
+                    for &(entry, count) in &runs {
+                        let piece = slice(
+                            part,
+                            &[0, 0, from as i32, 0],
+                            &[s[0], s[1], (from + count) as i32, s[3]],
+                        )?;
+                        let start = [slot as i32, 0, entry as i32, 0];
+                        let stop = [slot as i32 + 1, s[1], (entry + count) as i32, s[3]];
+                        *buffer = slice_update(buffer, &piece, &start, &stop)?;
+                        from += count;
+                    }
                 }
             }
         }
@@ -387,14 +562,28 @@ impl SlotKvCache {
             return Ok(());
         }
         let keep_rows = rows.min(self.rows) as i32;
-        let keep_capacity = capacity.min(self.capacity) as i32;
-        for buffer in self.layers.iter_mut().flatten() {
-            let s = buffer.shape();
-            let stop = [keep_rows, s[1], keep_capacity, s[3]];
-            let kept = slice(buffer, &[0, 0, 0, 0], &stop)?;
-            let shape = [rows as i32, s[1], capacity as i32, s[3]];
-            let grown = ops::zeros_dtype(&shape, buffer.dtype())?;
-            *buffer = slice_update(&grown, &kept, &[0, 0, 0, 0], &stop)?;
+        // A ring's entries are positions while the capacity is below its size (nothing wraps
+        // before), and its size only changes then: keeping its first entries keeps them all.
+        let sizes: Vec<(usize, usize)> = (0..self.layers.len())
+            .map(|l| {
+                (
+                    self.layer_capacity(l, self.capacity),
+                    self.layer_capacity(l, capacity),
+                )
+            })
+            .collect();
+        for (buffers, &(old, new)) in self.layers.iter_mut().zip(&sizes) {
+            if rows == self.rows && old == new {
+                continue;
+            }
+            for buffer in buffers.iter_mut() {
+                let s = buffer.shape();
+                let stop = [keep_rows, s[1], old.min(new) as i32, s[3]];
+                let kept = slice(buffer, &[0, 0, 0, 0], &stop)?;
+                let shape = [rows as i32, s[1], new as i32, s[3]];
+                let grown = ops::zeros_dtype(&shape, buffer.dtype())?;
+                *buffer = slice_update(&grown, &kept, &[0, 0, 0, 0], &stop)?;
+            }
         }
         self.rows = rows;
         self.capacity = capacity;
@@ -410,11 +599,12 @@ impl SlotKvCache {
         if !self.layers[layer].is_empty() {
             return Ok(());
         }
+        let size = self.layer_capacity(layer, self.capacity) as i32;
         self.layers[layer] = parts
             .iter()
             .map(|p| {
                 let s = p.shape();
-                let shape = [self.rows as i32, s[1], self.capacity as i32, s[3]];
+                let shape = [self.rows as i32, s[1], size, s[3]];
                 ops::zeros_dtype(&shape, p.dtype())
             })
             .collect::<std::result::Result<_, _>>()?;
@@ -442,11 +632,26 @@ impl SlotKvCache {
         )?;
         let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?;
         let mask = ops::le(&keys.reshape(&[1, 1, 1, -1])?, &index)?;
+        let ring = match (&self.rings, self.ring_size(self.capacity)) {
+            (Some(rings), Some(size)) => {
+                if size < self.capacity && tokens > rings.max_step_tokens {
+                    return Err(mlx_rs::error::Exception::custom(format!(
+                        "a step of {tokens} tokens per row is wider than the sliding layers' \
+                         rings allow ({})",
+                        rings.max_step_tokens
+                    ))
+                    .into());
+                }
+                Some(ring_step(&index, size as i32, rings.window as i32)?)
+            }
+            _ => None,
+        };
         Ok(SlotStep {
             positions,
             mask,
             read: self.read(Backend::current(), tokens),
             index,
+            ring,
         })
     }
 
@@ -462,9 +667,13 @@ impl SlotKvCache {
     ) -> Result<CachedKv> {
         let parts = kv_parts(self.quantization, keys, values)?;
         self.ensure_buffers(layer, &parts)?;
+        let index = match &step.ring {
+            Some(ring) if self.is_ring(layer) => &ring.index,
+            _ => &step.index,
+        };
         let buffers = &mut self.layers[layer];
         for (buffer, part) in buffers.iter_mut().zip(&parts) {
-            let index = ops::broadcast_to(&step.index, part.shape())?;
+            let index = ops::broadcast_to(index, part.shape())?;
             *buffer = buffer.put_along_axis(&index, part, 2)?;
         }
         Ok(CachedKv::from_parts(self.quantization, buffers.clone()))
@@ -517,17 +726,36 @@ impl SlotKvCache {
         start: usize,
         end: usize,
     ) -> Result<Vec<Array>> {
+        let runs = self.runs(layer, self.slot_len(slot), (start, end))?;
         self.layers[layer]
             .iter()
             .map(|b| {
                 let s = b.shape();
-                Ok(slice(
-                    b,
-                    &[slot as i32, 0, start as i32, 0],
-                    &[slot as i32 + 1, s[1], end as i32, s[3]],
-                )?)
+                let pieces = runs
+                    .iter()
+                    .map(|&(entry, count)| {
+                        slice(
+                            b,
+                            &[slot as i32, 0, entry as i32, 0],
+                            &[slot as i32 + 1, s[1], (entry + count) as i32, s[3]],
+                        )
+                    })
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                Ok(match pieces.len() {
+                    1 => pieces.into_iter().next().expect("one run"),
+                    _ => ops::concatenate(&pieces, 2)?,
+                })
             })
             .collect()
+    }
+
+    /// How many arrays a step of this cache has ([`SlotStep::arrays`]): 3, or 5 with rings.
+    pub(crate) fn step_arrays(&self) -> usize {
+        if self.rings.is_some() {
+            5
+        } else {
+            3
+        }
     }
 
     /// Whether every layer's buffers exist (from the first step or sequence that wrote any).
@@ -563,7 +791,12 @@ impl SlotKvCache {
         let mut cache = self.empty_like();
         if let Some(first) = flat.first() {
             cache.rows = first.shape()[0] as usize;
-            cache.capacity = first.shape()[2] as usize;
+            // Rings may be shorter than the global layers' buffers.
+            cache.capacity = flat
+                .iter()
+                .map(|b| b.shape()[2] as usize)
+                .max()
+                .unwrap_or(0);
             let per_layer = (flat.len() / self.num_layers.max(1)).max(1);
             cache.layers = flat.chunks(per_layer).map(<[Array]>::to_vec).collect();
         }
@@ -586,9 +819,85 @@ impl SlotKvCache {
     }
 }
 
+/// The rings' view of a step whose queries sit at `index` `[rows, 1, tokens, 1]`, over rings
+/// of `size` entries for a window of `window` positions (see the module docs).
+fn ring_step(index: &Array, size: i32, window: i32) -> Result<RingStep> {
+    let size_scalar = Array::from_int(size);
+    let entries = ops::arange::<_, i32>(0, size, None)?.reshape(&[1, 1, 1, -1])?;
+    // (q - e) mod R, from non-negative operands.
+    let age = ops::remainder(
+        &ops::add(&ops::subtract(index, &entries)?, &size_scalar)?,
+        &size_scalar,
+    )?;
+    let written = ops::ge(&ops::subtract(index, &age)?, Array::from_int(0))?;
+    let seen = ops::lt(&age, Array::from_int(window))?;
+    Ok(RingStep {
+        index: ops::remainder(index, &size_scalar)?,
+        mask: ops::logical_and(&written, &seen)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sliding layer's ring stops at its size while a global layer's buffers grow with the
+    /// sequence; the ring hands back its last positions in order and refuses overwritten ones.
+    #[test]
+    fn rings_hold_the_last_positions_of_sliding_layers() {
+        let len = 600;
+        let caches: Vec<KvCache> = (0..2)
+            .map(|layer| {
+                let mut cache = KvCache::new();
+                let keys = ops::arange::<_, f32>(0.0, len as f32, None)
+                    .unwrap()
+                    .reshape(&[1, 1, len, 1])
+                    .unwrap();
+                let keys = ops::multiply(&keys, Array::from_f32(layer as f32 + 1.0)).unwrap();
+                cache.update_and_fetch(&keys, &keys).unwrap();
+                cache
+            })
+            .collect();
+        // Layer 0 slides over 8 positions: a ring of 256 (8 + 1 - 1 + 16, bucketed).
+        let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
+        let slot = slots.push(&caches, len as usize).unwrap();
+        let capacities: Vec<i32> = slots.layers.iter().map(|l| l[0].shape()[2]).collect();
+        assert_eq!(capacities, [256, 768]);
+        let positions = |layer: usize, start: usize, end: usize| -> Vec<f32> {
+            let parts = slots.copy_parts(slot, layer, start, end).unwrap();
+            parts[0]
+                .flatten(None, None)
+                .unwrap()
+                .as_slice::<f32>()
+                .to_vec()
+        };
+        // Positions 500..600 cross the ring's wrap at 512 (entries 244..256, then 0..88).
+        let expected: Vec<f32> = (500..600).map(|p| p as f32).collect();
+        assert_eq!(positions(0, 500, 600), expected);
+        assert_eq!(
+            positions(1, 0, 4),
+            [0.0, 2.0, 4.0, 6.0],
+            "the global layer keeps all"
+        );
+        let err = slots.copy_parts(slot, 0, 300, 316).unwrap_err();
+        assert!(err.to_string().contains("not held"), "{err}");
+        // A decode step: the ring writes position 600 at entry 600 mod 256 = 88, and its mask
+        // sees positions 593..=600 only.
+        let step = slots.begin_step(1).unwrap();
+        let ring = step.ring.as_ref().expect("rings");
+        assert_eq!(ring.index.as_slice::<i32>(), [88]);
+        let seen: Vec<usize> = ring
+            .mask
+            .flatten(None, None)
+            .unwrap()
+            .as_slice::<bool>()
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s)
+            .map(|(e, _)| e)
+            .collect();
+        assert_eq!(seen, (81..=88).collect::<Vec<_>>());
+    }
 
     #[test]
     fn buckets_cover_every_size_with_bounded_padding() {

@@ -559,9 +559,20 @@ fn past_the_window(
     })
     .unwrap()
     .token_ids;
-    for attention in [BatchAttention::PerSequence, BatchAttention::Batched] {
+    // Per sequence, in slots, and in slots with compiled decode steps (the GPU default; its
+    // traced step takes the rings' arrays too).
+    for (attention, compile_decode) in [
+        (BatchAttention::PerSequence, false),
+        (BatchAttention::Batched, false),
+        (BatchAttention::Batched, true),
+    ] {
         let config = BatchConfig {
             attention,
+            compile_decode,
+            // Prefill chunks of 64 (the requests' step size too): the prefill slots' rings of
+            // sliding layers are then 256 positions (window 8 + chunk 64 + a block of 16,
+            // bucketed), as are the decode slots', so the 400-token prompt wraps both.
+            prefill_token_budget: 64,
             ..BatchConfig::for_budget(model, 256 << 20, 16, None)
         };
         let mut batch = BatchGenerator::new(model, tokenizer, config, name);
@@ -574,13 +585,18 @@ fn past_the_window(
         );
         assert_eq!(
             outputs[0].0.token_ids, alone,
-            "{name}: long prompt ({attention:?})"
+            "{name}: long prompt ({attention:?}, compiled {compile_decode})"
+        );
+        assert_eq!(
+            batch.compiled_decode_steps() > 0,
+            compile_decode,
+            "{name}: compiled decode steps"
         );
         let outputs = common::drive(&mut batch, vec![(0, long_request(extended.clone(), 8))]);
         let (output, _) = &outputs[0];
         assert_eq!(
             output.token_ids, extended_alone,
-            "{name}: after a long prefix hit ({attention:?})"
+            "{name}: after a long prefix hit ({attention:?}, compiled {compile_decode})"
         );
         assert!(
             output.stats.cached_prompt_tokens >= prompt.len(),

@@ -1168,7 +1168,9 @@ fn lowest(dtype: Dtype) -> Result<Array> {
 
 /// Arrays of one slot step that every layer reads, built once per step.
 struct SharedStepArrays {
-    /// [`SlotStep::window_mask`] of the model's window, when it has sliding layers.
+    /// The sliding layers' mask when the model has them: over the cache's rings
+    /// ([`SlotStep::ring_mask`]), or [`SlotStep::window_mask`] of the model's window over
+    /// linear buffers (a cache made without rings).
     window_mask: Option<Array>,
     /// [`QueryPositionScale::scales`] of the step's query positions, `[rows, 1, tokens, 1]`,
     /// when the model scales queries by position.
@@ -1709,7 +1711,11 @@ impl Model for Decoder {
         step: &SlotStep,
     ) -> Result<Array> {
         let shared = SharedStepArrays {
-            window_mask: self.window.map(|w| step.window_mask(w)).transpose()?,
+            window_mask: match (self.window, step.ring_mask()) {
+                (Some(_), Some(ring)) => Some(ring.clone()),
+                (Some(window), None) => Some(step.window_mask(window)?),
+                (None, _) => None,
+            },
             query_scales: self
                 .query_position_scale
                 .map(|scale| scale.scales(step.query_positions()))
