@@ -22,6 +22,11 @@ export class ModelsView {
     this.downloads = new Map();
     /** repo id → the error sentence of its last failed download. */
     this.failures = new Map();
+    /** repo id → the snapshot directory of a download finished in this window (results of a
+     * search that was answered while it ran do not know it yet). */
+    this.snapshots = new Map();
+    /** Counts searches: only the latest one's answer is shown. */
+    this.searches = 0;
     this.lastResults = [];
     root.querySelector("#hub-form").addEventListener("submit", (event) => {
       event.preventDefault();
@@ -55,16 +60,20 @@ export class ModelsView {
 
   async search() {
     this.searched = true;
+    const search = ++this.searches;
     const text = this.root.querySelector("#hub-search").value.trim();
     const author = this.root.querySelector("#hub-author").value;
     this.message.textContent = "Searching…";
+    let found;
     try {
-      this.lastResults = await this.api.searchModels(text, author);
-      this.message.textContent = this.lastResults.length ? "" : "No models found.";
+      found = await this.api.searchModels(text, author);
     } catch (error) {
-      this.lastResults = [];
-      this.message.textContent = String(error);
+      found = error;
     }
+    // An older search answered late (searches fetch every result's config) changes nothing.
+    if (search !== this.searches) return;
+    this.lastResults = Array.isArray(found) ? found : [];
+    this.message.textContent = Array.isArray(found) ? (found.length ? "" : "No models found.") : String(found);
     this.renderResults();
   }
 
@@ -90,6 +99,7 @@ export class ModelsView {
     if (model.architecture_note) item.append(this.architectureNote(model.architecture_note));
 
     const progress = this.downloads.get(model.id);
+    const snapshot = model.snapshot_dir ?? this.snapshots.get(model.id);
     if (progress) {
       const bar = document.createElement("progress");
       bar.max = 1;
@@ -98,8 +108,8 @@ export class ModelsView {
       text.className = "progress-text";
       text.textContent = ` ${describeDownload(progress)} `;
       item.append(bar, text, this.button("Cancel", () => this.api.cancelDownload(model.id)));
-    } else if (model.snapshot_dir) {
-      item.append(this.button("Load", () => this.onLoad(model.snapshot_dir)));
+    } else if (snapshot) {
+      item.append(this.button("Load", () => this.onLoad(snapshot)));
     } else {
       item.append(this.button("Download", () => this.download(model)));
     }
@@ -122,7 +132,7 @@ export class ModelsView {
         this.downloads.set(model.id, progress);
         this.updateProgress(model.id, progress);
       });
-      model.snapshot_dir = done.snapshot_dir;
+      this.snapshots.set(model.id, done.snapshot_dir);
       await this.refreshLocal();
     } catch (error) {
       this.failures.set(model.id, String(error));

@@ -86,6 +86,43 @@ describe("ModelsView", () => {
     expect(loaded).toEqual([`/hf/${QWEN.id}`]);
   });
 
+  it("shows only the latest search's answer, and Load for a model downloaded while a search ran", async () => {
+    loadPage();
+    const api = fakeApi();
+    const answers = [];
+    api.searchModels = (text, author) =>
+      new Promise((resolve) => {
+        api.calls.push(["search", text, author]);
+        answers.push(resolve);
+      });
+    const loaded = [];
+    const view = new ModelsView(document.getElementById("view-models"), api, (path) => loaded.push(path));
+    // Two searches at once: the older one answers last.
+    const first = view.search();
+    const second = view.search();
+    await tick();
+    expect(answers.length).toBe(2);
+    answers[1]([{ ...QWEN }]);
+    await second;
+    answers[0]([{ ...QWEN }, { ...BIG }]);
+    await first;
+    expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id]);
+
+    // A search answered during a download brings new result objects that do not know it finished.
+    buttonIn(results()[0], "Download").click();
+    await tick();
+    document.getElementById("hub-form").requestSubmit();
+    await tick();
+    answers[2]([{ ...QWEN }]);
+    await tick();
+    expect(buttonIn(results()[0], "Cancel")).toBeDefined();
+    api.finish();
+    await tick();
+    await tick();
+    buttonIn(results()[0], "Load").click();
+    expect(loaded).toEqual([`/hf/${QWEN.id}`]);
+  });
+
   it("says why a download failed and offers it again", async () => {
     loadPage();
     const api = fakeApi();
