@@ -218,6 +218,23 @@ fn messages_file_and_sampling_flags() {
     };
     assert!(!tokens(&a).is_empty());
     assert_eq!(tokens(&a), tokens(&b), "same seed, same sample");
+
+    // XTC on every token (mlx_lm's flags): the top choices are excluded, so the sample changes.
+    let xtc = [
+        &args[..],
+        &["--xtc-probability", "1", "--xtc-threshold", "0.05"],
+    ]
+    .concat();
+    let c = perch(&xtc);
+    assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));
+    assert!(!tokens(&c).is_empty());
+    assert_ne!(tokens(&a), tokens(&c), "XTC changed nothing");
+    let bad = [
+        &args[..],
+        &["--xtc-probability", "0.5", "--xtc-threshold", "0.7"],
+    ]
+    .concat();
+    assert_clean_error(&perch(&bad), "xtc_threshold must be in [0, 0.5]");
 }
 
 #[test]

@@ -909,6 +909,15 @@ fn a_fresh_install_samples_with_the_model_s_defaults_and_says_where_they_came_fr
         .unwrap();
     let conversation = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
     assert_eq!(conversation["settings"]["sampling_source"], "model");
+    // Short answers (sampled answers rarely stop early): the sampling is what is checked.
+    let mut short = conversation["settings"].clone();
+    short["max_tokens"] = json!(24);
+    invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": short}),
+    )
+    .unwrap();
     let turn = run_turn_events(&app, id, send("Write a short poem about the sea."));
     assert_ne!(turn.finished["finish_reason"], "error", "{}", turn.finished);
     let sampling = &turn.sampling;
@@ -963,6 +972,8 @@ fn a_fresh_install_samples_with_the_model_s_defaults_and_says_where_they_came_fr
     settings["sampling_source"] = json!("custom");
     settings["sampling"]["temperature"] = json!(0.25);
     settings["sampling"]["seed"] = json!(7);
+    settings["sampling"]["xtc_probability"] = json!(0.5);
+    settings["sampling"]["presence_penalty"] = json!(0.25);
     invoke(
         &window,
         "set_conversation_settings",
@@ -973,6 +984,18 @@ fn a_fresh_install_samples_with_the_model_s_defaults_and_says_where_they_came_fr
     assert_eq!(turn.sampling["source"], "custom");
     assert_eq!(turn.sampling["params"]["temperature"], 0.25);
     assert_eq!(turn.sampling["params"]["seed"], 7);
+    assert_eq!(turn.sampling["params"]["xtc_probability"], 0.5);
+    assert_eq!(turn.sampling["params"]["xtc_threshold"], 0.1);
+    assert_eq!(turn.sampling["params"]["presence_penalty"], 0.25);
+    // Out of range: refused with the parameter's name, nothing saved.
+    settings["sampling"]["xtc_threshold"] = json!(0.9);
+    let refused = invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": settings}),
+    )
+    .unwrap_err();
+    assert!(refused.to_string().contains("xtc_threshold"), "{refused}");
     invoke(&window, "unload_model", json!({})).unwrap();
 }
 

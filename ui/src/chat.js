@@ -16,6 +16,9 @@ const SAMPLING_FIELDS = [
   ["repetition_penalty", "Repetition penalty", "0.05"],
 ];
 
+/** Sampling fields the conversation always sets itself, whichever the source (index.html). */
+const OWN_SAMPLING_FIELDS = ["presence_penalty", "frequency_penalty", "xtc_probability", "xtc_threshold"];
+
 export class ChatView {
   /** `root`: the element holding the chat view's markup (index.html); `api`: src/api.js. */
   constructor(root, api) {
@@ -357,10 +360,12 @@ export class ChatView {
       wrapper.append(input);
       fields.append(wrapper);
     }
-    // The source select and its note come after the sampling fields.
+    // The source select and its note come after the sampling fields, then the fields the
+    // conversation sets whichever the source.
     const source = this.el.settings.querySelector("[name=sampling_source]");
     const note = this.el.settings.querySelector("#conversation-sampling-note");
-    fields.append(source.closest("label"), note);
+    const own = OWN_SAMPLING_FIELDS.map((name) => this.el.settings.querySelector(`[name=${name}]`).closest("label"));
+    fields.append(source.closest("label"), note, ...own);
     source.addEventListener("change", () => this.showSampling());
   }
 
@@ -384,7 +389,7 @@ export class ChatView {
     form.querySelector("[name=max_tokens]").value = settings?.max_tokens ?? "";
     form.querySelector("[name=seed]").value = settings?.sampling?.seed ?? "";
     form.querySelector("[name=sampling_source]").value = settings?.sampling_source ?? "model";
-    for (const [name] of SAMPLING_FIELDS) {
+    for (const name of [...SAMPLING_FIELDS.map(([name]) => name), ...OWN_SAMPLING_FIELDS]) {
       form.querySelector(`[name=${name}]`).value = settings?.sampling?.[name] ?? "";
     }
     this.showSampling();
@@ -399,6 +404,9 @@ export class ChatView {
     // Values shown read-only from the model are not saved as the conversation's own.
     for (const [name] of SAMPLING_FIELDS) {
       if (!form.querySelector(`[name=${name}]`).disabled) sampling[name] = Number(value(name));
+    }
+    for (const name of OWN_SAMPLING_FIELDS) {
+      if (value(name) !== "") sampling[name] = Number(value(name));
     }
     sampling.seed = value("seed") === "" ? null : Number(value("seed"));
     return {

@@ -40,12 +40,15 @@ export function describeSampling(sampling) {
     if (p.top_p > 0 && p.top_p < 1) parts.push(`top-p ${short(p.top_p)}`);
     if (p.top_k > 0) parts.push(`top-k ${p.top_k}`);
     if (p.min_p > 0) parts.push(`min-p ${short(p.min_p)}`);
+    if (p.xtc_probability > 0) parts.push(`XTC ${short(p.xtc_probability)} above ${short(p.xtc_threshold)}`);
   } else {
     parts.push("greedy");
   }
   if (p.repetition_penalty > 0 && p.repetition_penalty !== 1) {
     parts.push(`repetition penalty ${short(p.repetition_penalty)}`);
   }
+  if (p.presence_penalty) parts.push(`presence penalty ${short(p.presence_penalty)}`);
+  if (p.frequency_penalty) parts.push(`frequency penalty ${short(p.frequency_penalty)}`);
   if (p.seed != null) parts.push(`seed ${p.seed}`);
   const source = {
     model: "the model's defaults",

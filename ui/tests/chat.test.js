@@ -178,11 +178,15 @@ describe("ChatView", () => {
     form.querySelector("[name=system_prompt]").value = "Be brief.";
     form.querySelector("[name=temperature]").value = "0.7";
     form.querySelector("[name=seed]").value = "42";
+    form.querySelector("[name=presence_penalty]").value = "0.5";
+    form.querySelector("[name=xtc_probability]").value = "0.3";
+    form.querySelector("[name=xtc_threshold]").value = "0.12";
     $("save-conversation-settings").click();
     await tick();
     const [id, saved] = api.setConversationSettings.mock.calls[0];
     expect(id).toBe(1);
-    expect(saved).toMatchObject({ system_prompt: "Be brief.", max_tokens: 1024, sampling_source: "custom", sampling: { temperature: 0.7, seed: 42, top_k: 0, logit_bias: {} } });
+    expect(saved).toMatchObject({ system_prompt: "Be brief.", max_tokens: 1024, sampling_source: "custom",
+      sampling: { temperature: 0.7, seed: 42, top_k: 0, logit_bias: {}, presence_penalty: 0.5, xtc_probability: 0.3, xtc_threshold: 0.12 } });
   });
 
   it("shows the model's sampling defaults read-only while the conversation follows the model", async () => {
@@ -194,10 +198,13 @@ describe("ChatView", () => {
     expect(field("sampling_source").value).toBe("model");
     expect([field("temperature").disabled, field("temperature").value, field("top_k").value]).toEqual([true, "0.6", "20"]);
     expect($("conversation-sampling-note").textContent).toBe("From Qwen3-0.6B's generation_config.json.");
+    // Penalties and XTC are the conversation's own whichever the source.
+    expect(field("frequency_penalty").disabled).toBe(false);
+    field("frequency_penalty").value = "0.25";
     // Saved while following the model: the conversation's own values are kept, not the model's.
     $("save-conversation-settings").click();
     await tick();
-    expect(api.setConversationSettings.mock.calls[0][1]).toMatchObject({ sampling_source: "model", sampling: { temperature: 0, top_k: 0 } });
+    expect(api.setConversationSettings.mock.calls[0][1]).toMatchObject({ sampling_source: "model", sampling: { temperature: 0, top_k: 0, frequency_penalty: 0.25 } });
     // A model without sampling in its generation_config.json: Perch's defaults, said so.
     view.setModelStatus({ state: "loaded", name: "SmolLM2", path: "/m",
       sampling_defaults: { temperature: 0.8, top_p: 0.95, top_k: 40, min_p: 0.05, repetition_penalty: 1.1, repetition_context_size: 64, source: "perch" } });

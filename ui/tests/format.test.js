@@ -55,5 +55,11 @@ describe("describeSampling", () => {
     expect(describeSampling({ source: "model", params })).toBe("temperature 0.6, top-k 20 (the model's defaults)");
     expect(describeSampling({ source: "custom", params: { ...params, temperature: 0, repetition_penalty: 1.05, seed: 3 } }))
       .toBe("greedy, repetition penalty 1.05, seed 3 (this conversation's settings)");
+    // XTC while sampling, OpenAI's penalties either way; XTC does nothing when greedy.
+    const xtc = { ...params, xtc_probability: 0.5, xtc_threshold: 0.1, presence_penalty: 0.4, frequency_penalty: -0.2 };
+    expect(describeSampling({ source: "custom", params: xtc }))
+      .toBe("temperature 0.6, top-k 20, XTC 0.5 above 0.1, presence penalty 0.4, frequency penalty -0.2 (this conversation's settings)");
+    expect(describeSampling({ source: "custom", params: { ...xtc, temperature: 0 } }))
+      .toBe("greedy, presence penalty 0.4, frequency penalty -0.2 (this conversation's settings)");
   });
 });

@@ -62,6 +62,13 @@ pub struct GenerationOptions {
     /// Subtract this once per occurrence among the last 20 tokens (OpenAI's frequency penalty).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     pub frequency_penalty: f32,
+    /// XTC: the probability, per token, of excluding every top choice but the least likely
+    /// (mlx_lm's `--xtc-probability`; 0 = off; needs --temp above 0).
+    #[arg(long, default_value_t = 0.0)]
+    pub xtc_probability: f32,
+    /// XTC: the probability above which a token is a top choice, in [0, 0.5].
+    #[arg(long, default_value_t = perch_engine::sampler::DEFAULT_XTC_THRESHOLD)]
+    pub xtc_threshold: f32,
     #[arg(long)]
     pub seed: Option<u64>,
     /// Stop when this string appears (repeatable).
@@ -105,6 +112,8 @@ impl GenerationOptions {
             repetition_context_size: self.repetition_context_size,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
+            xtc_probability: self.xtc_probability,
+            xtc_threshold: self.xtc_threshold,
             seed: self.seed,
             logit_bias: self.logit_bias.iter().copied().collect(),
             ..SamplingParams::default()

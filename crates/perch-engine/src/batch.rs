@@ -498,7 +498,7 @@ impl<'m> BatchGenerator<'m> {
             published_blocks: 0,
             boundary_state: None,
             branch_at: None,
-            sampler: Sampler::new(request.sampling.clone())?,
+            sampler: Sampler::for_tokenizer(request.sampling.clone(), self.tokenizer)?,
             sink: TokenSink::new(&request, stop_ids, max_tokens),
             admitted_once: false,
             request,

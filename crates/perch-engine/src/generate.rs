@@ -174,7 +174,7 @@ pub fn generate(
     cache
         .iter_mut()
         .for_each(|layer| layer.release_before(i32::MAX));
-    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let mut sampler = Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?;
     let mut history = RecentTokens::new(&request.sampling, prompt);
 
     // Prefill all but the last prompt token in chunks; the last one goes through the first step.

@@ -1,7 +1,9 @@
 //! Sampling: logits processors (logit bias; repetition, presence and frequency penalties) and the
-//! sampler (temperature,
-//! top-p, min-p, top-k, seeded categorical; argmax at temperature 0). Same math and order as
-//! mlx-lm's `sample_utils.py`; everything stays on the MLX device, so sampling never forces a sync.
+//! sampler (temperature, top-p, min-p, XTC, top-k, seeded categorical; argmax at temperature 0).
+//! Same math and order as mlx-lm's `sample_utils.py` (its `make_sampler` and
+//! `make_logits_processors`), random draws included: a seeded request draws XTC's uniform and
+//! then the categorical from one key stream, as mlx_lm draws them from MLX's global one after
+//! `mx.random.seed`. Everything stays on the MLX device, so sampling never forces a sync.
 
 use std::collections::HashMap;
 
@@ -11,6 +13,9 @@ use mlx_rs::{ops, random, Array};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
+
+/// mlx_lm's default XTC threshold (`make_sampler`, `--xtc-threshold`).
+pub const DEFAULT_XTC_THRESHOLD: f32 = 0.1;
 
 /// Per-request sampling settings. The defaults are greedy decoding with no processors.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -39,6 +44,15 @@ pub struct SamplingParams {
     pub frequency_context_size: usize,
     /// Added to the logits of the given token ids.
     pub logit_bias: HashMap<u32, f32>,
+    /// XTC ("exclude top choices", Weidmann 2024, as mlx_lm's `apply_xtc`): with this
+    /// probability per token, every token whose probability exceeds `xtc_threshold` except the
+    /// least likely of them is excluded, so a less obvious but still likely token is chosen.
+    /// Special tokens (the tokenizer's end-of-sequence ids and newline, set by the engine) are
+    /// never excluded. 0 disables it; only in effect when sampling (temperature > 0).
+    pub xtc_probability: f32,
+    /// The probability above which XTC counts a token as a top choice, in `[0, 0.5]`
+    /// (mlx_lm's default 0.1; at most one token can exceed 0.5, so nothing would be excluded).
+    pub xtc_threshold: f32,
     /// Seed of this request's random stream; `None` draws from MLX's global generator.
     pub seed: Option<u64>,
 }
@@ -57,6 +71,8 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             frequency_context_size: 20,
             logit_bias: HashMap::new(),
+            xtc_probability: 0.0,
+            xtc_threshold: DEFAULT_XTC_THRESHOLD,
             seed: None,
         }
     }
@@ -121,6 +137,18 @@ impl SamplingParams {
                 self.repetition_penalty
             ));
         }
+        if !(0.0..=1.0).contains(&self.xtc_probability) {
+            return bad(format!(
+                "xtc_probability must be in [0, 1], got {}",
+                self.xtc_probability
+            ));
+        }
+        if !(0.0..=0.5).contains(&self.xtc_threshold) {
+            return bad(format!(
+                "xtc_threshold must be in [0, 0.5], got {}",
+                self.xtc_threshold
+            ));
+        }
         for (name, value) in [
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
@@ -154,6 +182,8 @@ pub struct Sampler {
     params: SamplingParams,
     key: Option<Array>,
     bias: Option<(Array, Array)>,
+    /// Token ids XTC never excludes, `[n]` (none: every token may be).
+    xtc_protected: Option<Array>,
 }
 
 impl Sampler {
@@ -173,7 +203,31 @@ impl Sampler {
                 Array::from_slice(&values, &[1, n]),
             ))
         };
-        Ok(Self { params, key, bias })
+        Ok(Self {
+            params,
+            key,
+            bias,
+            xtc_protected: None,
+        })
+    }
+
+    /// The sampler of a request to a model with `tokenizer`: XTC never excludes its special
+    /// tokens ([`crate::Tokenizer::xtc_special_tokens`], read only when XTC is on).
+    pub fn for_tokenizer(params: SamplingParams, tokenizer: &crate::Tokenizer) -> Result<Self> {
+        let protected = if params.xtc_probability > 0.0 {
+            tokenizer.xtc_special_tokens()
+        } else {
+            Vec::new()
+        };
+        Ok(Self::new(params)?.protecting(&protected))
+    }
+
+    /// The same sampler with `ids` never excluded by XTC: mlx_lm passes the tokenizer's
+    /// encoding of "\n" (with its special tokens) and its end-of-sequence ids
+    /// ([`crate::Tokenizer::xtc_special_tokens`]). Ids outside the vocabulary are ignored.
+    pub fn protecting(mut self, ids: &[u32]) -> Self {
+        self.xtc_protected = (!ids.is_empty()).then(|| Array::from_slice(ids, &[ids.len() as i32]));
+        self
     }
 
     /// Whether this sampler takes the argmax of the logits with no processor: rows of a batch
@@ -241,20 +295,75 @@ impl Sampler {
         if p.min_p > 0.0 {
             logprobs = apply_min_p(&logprobs, p.min_p)?;
         }
-        if p.top_k > 0 {
-            logprobs = apply_top_k(&logprobs, p.top_k as i32)?;
+        if p.xtc_probability > 0.0 {
+            let (probability, threshold) = (p.xtc_probability, p.xtc_threshold);
+            let draw =
+                random::uniform::<f32, f32>(0.0, 1.0, &[] as &[i32], self.next_key()?.as_ref())?;
+            logprobs = apply_xtc(
+                &logprobs,
+                &draw,
+                probability,
+                threshold,
+                self.xtc_protected.as_ref(),
+            )?;
         }
-        let scaled = ops::multiply(&logprobs, Array::from_f32(1.0 / p.temperature))?;
-        let key = match self.key.take() {
+        if self.params.top_k > 0 {
+            logprobs = apply_top_k(&logprobs, self.params.top_k as i32)?;
+        }
+        let scaled = ops::multiply(&logprobs, Array::from_f32(1.0 / self.params.temperature))?;
+        let key = self.next_key()?;
+        Ok(random::categorical(&scaled, -1, None, key.as_ref())?)
+    }
+
+    /// The next key of a seeded request's stream (MLX's `KeySequence`: split, keep the first
+    /// half, use the second); `None` draws from MLX's global generator.
+    fn next_key(&mut self) -> Result<Option<Array>> {
+        Ok(match self.key.take() {
             Some(key) => {
                 let (next, sub) = random::split(&key, 2)?;
                 self.key = Some(next);
                 Some(sub)
             }
             None => None,
-        };
-        Ok(random::categorical(&scaled, -1, None, key.as_ref())?)
+        })
     }
+}
+
+/// XTC on `logprobs` `[1, vocab]` with `draw` a uniform in `[0, 1)` (`[]`): when `draw` is at
+/// most `probability`, every token more likely than the least likely token above `threshold`
+/// becomes `-inf` (nothing when fewer than two are above it), `protected` ids excepted.
+fn apply_xtc(
+    logprobs: &Array,
+    draw: &Array,
+    probability: f32,
+    threshold: f32,
+    protected: Option<&Array>,
+) -> Result<Array> {
+    // Renormalized: top-p and min-p may have dropped tokens before.
+    let probs = ops::softmax_axis(logprobs, -1, None)?;
+    let above = ops::select(
+        &probs.gt(Array::from_f32(threshold))?,
+        &probs,
+        Array::from_f32(f32::INFINITY),
+    )?;
+    let least_above = above.min_axis(-1, true)?;
+    let mut excluded = probs.gt(&least_above)?;
+    if let Some(ids) = protected {
+        let vocab = logprobs.shape()[1];
+        let ids = ops::minimum(ids, Array::from_int(vocab))?;
+        // Out-of-vocabulary ids scatter into a spare column that is dropped again.
+        let padded = ops::concatenate(&[&excluded, &Array::from_bool(false).reshape(&[1, 1])?], 1)?;
+        let keep = ops::broadcast_to(Array::from_bool(false), &[1, ids.shape()[0]])?;
+        let cleared = put_along_axis(
+            &padded,
+            &ids.reshape(&[1, -1])?.as_dtype(mlx_rs::Dtype::Int32)?,
+            &keep,
+            -1,
+        )?;
+        excluded = crate::mlx_ext::slice(&cleared, &[0, 0], &[1, vocab])?;
+    }
+    let applied = ops::logical_and(&draw.le(Array::from_f32(probability))?, &excluded)?;
+    Ok(ops::select(&applied, neg_inf(), logprobs)?)
 }
 
 fn neg_inf() -> Array {

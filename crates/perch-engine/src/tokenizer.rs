@@ -161,6 +161,15 @@ impl Tokenizer {
             })
     }
 
+    /// The ids XTC never excludes, as mlx_lm's `generate` and `server` pass them: the encoding
+    /// of "\n" with the tokenizer's special tokens (a BOS, if it adds one) and the
+    /// end-of-sequence ids.
+    pub fn xtc_special_tokens(&self) -> Vec<u32> {
+        let mut ids = self.encode("\n", true).unwrap_or_default();
+        ids.extend_from_slice(&self.eos_token_ids);
+        ids
+    }
+
     /// Ids that end generation with finish reason `stop`.
     pub fn eos_token_ids(&self) -> &[u32] {
         &self.eos_token_ids

@@ -56,7 +56,13 @@ fn run_with(
         .map(|(case, &at)| {
             let mut request = GenerateRequest::new(case.prompt_ids.clone());
             request.max_tokens = common::reference().max_tokens;
-            request.prefill_step_size = prefill_step_size;
+            // The long prompt (2,432 tokens) in chunks of 256 when the others take 16: ten
+            // chunks still interleave with the other rows' steps, where 152 would only make
+            // the test slower.
+            request.prefill_step_size = match case.prompt_ids.len() {
+                n if n > 256 => prefill_step_size.max(256),
+                _ => prefill_step_size,
+            };
             (at, request)
         })
         .collect();
@@ -143,7 +149,7 @@ fn staggered_inserts_with_chunked_prefill_compiled_decode() {
     );
 }
 
-/// Seeded sampling with repetition, presence and frequency penalties, and log-probabilities, run in the batch (whose
+/// Seeded sampling with XTC, repetition, presence and frequency penalties, and log-probabilities, run in the batch (whose
 /// decode steps are pipelined: each row's next input, sampler key and penalty window come from
 /// the device before the host reads the token) give each request the tokens and log-probabilities
 /// it gets alone through `generate` (request 2 also asks for log-probabilities, which ride along).
@@ -166,6 +172,11 @@ fn seeded_sampling_matches_generate_alone(attention: BatchAttention) {
                 request.sampling.top_p = 0.95;
                 request.sampling.repetition_penalty = 1.3;
                 request.sampling.seed = Some(7 + i as u64);
+            }
+            if i == 0 {
+                // XTC (its uniform draw and the categorical share the request's key stream).
+                request.sampling.xtc_probability = 0.5;
+                request.sampling.xtc_threshold = 0.05;
             }
             if i == 2 {
                 request.logprobs = Some(3);

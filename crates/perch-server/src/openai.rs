@@ -58,6 +58,11 @@ pub(crate) struct Sampling {
     logit_bias: Option<HashMap<String, f32>>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
+    /// XTC (mlx_lm's server extension, `perch_engine::sampler`): the probability per token of
+    /// excluding the top choices, 0..1 (0: off).
+    xtc_probability: Option<f32>,
+    /// XTC's threshold for a top choice, 0..0.5 (mlx_lm's default 0.1).
+    xtc_threshold: Option<f32>,
     #[serde(default)]
     pub stream: bool,
     stream_options: Option<StreamOptions>,
@@ -129,6 +134,14 @@ impl Sampling {
             0.0,
             (-2.0, 2.0),
             "frequency_penalty",
+        )?;
+        params.sampling.xtc_probability =
+            ApiError::in_range(self.xtc_probability, 0.0, (0.0, 1.0), "xtc_probability")?;
+        params.sampling.xtc_threshold = ApiError::in_range(
+            self.xtc_threshold,
+            perch_engine::sampler::DEFAULT_XTC_THRESHOLD,
+            (0.0, 0.5),
+            "xtc_threshold",
         )?;
         params.sampling.presence_context_size = PENALTY_WINDOW;
         params.sampling.frequency_context_size = PENALTY_WINDOW;

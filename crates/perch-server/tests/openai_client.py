@@ -72,6 +72,11 @@ penalized = client.chat.completions.create(model=model, messages=messages, max_t
                                            presence_penalty=1.5, frequency_penalty=1.0)
 out["penalized"] = penalized.choices[0].message.content
 
+# XTC, mlx_lm's server extension (sent in the body, as its clients do), on a seeded sample.
+xtc = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=1.0, seed=5,
+                                     extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.05})
+out["xtc"] = xtc.choices[0].message.content
+
 # The legacy Completions endpoint: text or token ids, echo, log-probabilities, several prompts.
 def completion(**kwargs):
     done = client.completions.create(model=model, max_tokens=10, temperature=0, **kwargs)
@@ -130,6 +135,8 @@ out["too_long_streamed"] = error_of(lambda: client.chat.completions.create(model
                                                                            stream=True))
 out["bad_penalty"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
                                                                     presence_penalty=3))
+out["bad_xtc"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
+                                                                temperature=1.0, extra_body={"xtc_threshold": 0.7}))
 out["top_logprobs_alone"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
                                                                             top_logprobs=2))
 out["no_tool_support"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages, tools=[

@@ -122,6 +122,17 @@ fn the_openai_sdk_gets_chat_completions() {
         p.sampling.frequency_context_size = perch_server::PENALTY_WINDOW;
     });
     assert_ne!(penalized, expected, "the penalties change this answer");
+    let seeded = |p: &mut GenerateRequest| {
+        p.sampling.temperature = 1.0;
+        p.sampling.seed = Some(5);
+    };
+    let (sampled, _) = direct_answer(&engine, chat(), 24, seeded);
+    let (xtc, _) = direct_answer(&engine, chat(), 24, |p| {
+        seeded(p);
+        p.sampling.xtc_probability = 1.0;
+        p.sampling.xtc_threshold = 0.05;
+    });
+    assert_ne!(xtc, sampled, "XTC changes this sample");
     let tokenizer = engine.tokenizer().clone();
     let text_ids = tokenizer.encode(TEXT, true).unwrap();
     let (continued, _) = direct_answer(&engine, Prompt::Tokens(text_ids.clone()), 10, |_| {});
@@ -175,6 +186,7 @@ fn the_openai_sdk_gets_chat_completions() {
 
     check_logprobs(&seen);
     assert_eq!(seen["penalized"], penalized.as_str());
+    assert_eq!(seen["xtc"], xtc.as_str());
     check_completions(&seen, &continued, &france, text_ids.len());
     // Echo with logprobs: the prompt's tokens scored as the engine scores them.
     let echoed = &seen["completion_echo_logprobs"]["logprobs"][0];
@@ -201,6 +213,7 @@ fn the_openai_sdk_gets_chat_completions() {
     for (case, status, param) in [
         ("n2", 400, Value::from("n")),
         ("bad_penalty", 400, Value::from("presence_penalty")),
+        ("bad_xtc", 400, Value::from("xtc_threshold")),
         ("top_logprobs_alone", 400, Value::from("top_logprobs")),
         ("no_tool_support", 400, Value::from("tools")),
         ("unknown_model", 404, Value::from("model")),
