@@ -1265,14 +1265,14 @@ fn allow_release(cache: &mut [KvCache], published: usize) {
     }
 }
 
+/// Most blocks one copy of a slot sequence's KV serves when it is published (see [`publish`]).
+const PUBLISH_RUN_BLOCKS: usize = 16;
+
 /// Registers the full blocks `seq` has computed since the last call in the prefix cache and
 /// copies the content of those that became cache entries into the store. With `wait` false
 /// the copies are dispatched and not waited for (a decode step in flight keeps running).
 /// A sequence computing in its own cache then lets its sliding-window layers drop what was
 /// published ([`allow_release`]).
-/// Most blocks one copy of a slot sequence's KV serves when it is published (see [`publish`]).
-const PUBLISH_RUN_BLOCKS: usize = 16;
-
 fn publish(
     kv: &mut KvCacheManager,
     store: &mut BlockStore,
@@ -1327,29 +1327,30 @@ fn publish(
                 store.put_parts(id, views);
             }
         }
-    }
-    // A sequence in its own cache: a copy per block (cheap on the CPU, where this path runs).
-    for &(index, id) in entries.iter().filter(|_| seq.slot.is_none()) {
-        let (start, end) = (
-            (index * block_size) as i32,
-            ((index + 1) * block_size) as i32,
-        );
-        let boundary = seq
-            .boundary_state
-            .as_ref()
-            .filter(|(at, _)| *at == end as usize);
-        let parts = seq
-            .cache
-            .iter()
-            .enumerate()
-            .map(|(layer, cache)| match boundary {
-                Some((_, states)) if cache.is_recurrent() && end < cache.offset() => {
-                    Ok(states[layer].clone())
-                }
-                _ => cache.block_parts(start, end),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        store.put_parts(id, parts);
+    } else {
+        // A sequence in its own cache: a copy per block (cheap on the CPU, where this path runs).
+        for &(index, id) in &entries {
+            let (start, end) = (
+                (index * block_size) as i32,
+                ((index + 1) * block_size) as i32,
+            );
+            let boundary = seq
+                .boundary_state
+                .as_ref()
+                .filter(|(at, _)| *at == end as usize);
+            let parts = seq
+                .cache
+                .iter()
+                .enumerate()
+                .map(|(layer, cache)| match boundary {
+                    Some((_, states)) if cache.is_recurrent() && end < cache.offset() => {
+                        Ok(states[layer].clone())
+                    }
+                    _ => cache.block_parts(start, end),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            store.put_parts(id, parts);
+        }
     }
     let ids: Vec<BlockId> = entries.iter().map(|&(_, id)| id).collect();
     if wait {

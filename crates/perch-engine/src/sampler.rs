@@ -182,8 +182,11 @@ pub struct Sampler {
     params: SamplingParams,
     key: Option<Array>,
     bias: Option<(Array, Array)>,
-    /// Token ids XTC never excludes, `[n]` (none: every token may be).
-    xtc_protected: Option<Array>,
+    /// Token ids XTC never excludes (empty: every token may be).
+    xtc_protected: Vec<u32>,
+    /// `[1, vocab]` bool, false at the protected ids: built at the first XTC step (the vocabulary
+    /// is known then), with its vocabulary size.
+    xtc_allowed: Option<(i32, Array)>,
 }
 
 impl Sampler {
@@ -207,7 +210,8 @@ impl Sampler {
             params,
             key,
             bias,
-            xtc_protected: None,
+            xtc_protected: Vec::new(),
+            xtc_allowed: None,
         })
     }
 
@@ -217,17 +221,40 @@ impl Sampler {
         let protected = if params.xtc_probability > 0.0 {
             tokenizer.xtc_special_tokens()
         } else {
-            Vec::new()
+            &[]
         };
-        Ok(Self::new(params)?.protecting(&protected))
+        Ok(Self::new(params)?.protecting(protected))
     }
 
     /// The same sampler with `ids` never excluded by XTC: mlx_lm passes the tokenizer's
     /// encoding of "\n" (with its special tokens) and its end-of-sequence ids
     /// ([`crate::Tokenizer::xtc_special_tokens`]). Ids outside the vocabulary are ignored.
     pub fn protecting(mut self, ids: &[u32]) -> Self {
-        self.xtc_protected = (!ids.is_empty()).then(|| Array::from_slice(ids, &[ids.len() as i32]));
+        self.xtc_protected = ids.to_vec();
+        self.xtc_allowed = None;
         self
+    }
+
+    /// Where XTC may exclude tokens in a vocabulary of `vocab` (see `xtc_allowed`); `None`
+    /// when nothing is protected.
+    fn xtc_allowed(&mut self, vocab: i32) -> Option<Array> {
+        if self.xtc_protected.is_empty() {
+            return None;
+        }
+        match &self.xtc_allowed {
+            Some((size, allowed)) if *size == vocab => Some(allowed.clone()),
+            _ => {
+                let mut host = vec![true; vocab as usize];
+                for &id in &self.xtc_protected {
+                    if let Some(allowed) = host.get_mut(id as usize) {
+                        *allowed = false;
+                    }
+                }
+                let allowed = Array::from_slice(&host, &[1, vocab]);
+                self.xtc_allowed = Some((vocab, allowed.clone()));
+                Some(allowed)
+            }
+        }
     }
 
     /// Whether this sampler takes the argmax of the logits with no processor: rows of a batch
@@ -284,33 +311,40 @@ impl Sampler {
 
     /// Draws a token from `logprobs` `[1, vocab]` (log-softmax of processed logits) → `[1]` uint32.
     pub fn sample(&mut self, logprobs: &Array) -> Result<Array> {
-        let p = &self.params;
-        if p.temperature == 0.0 {
+        let SamplingParams {
+            temperature,
+            top_p,
+            min_p,
+            top_k,
+            xtc_probability,
+            xtc_threshold,
+            ..
+        } = self.params;
+        if temperature == 0.0 {
             return Ok(argmax_axis(logprobs, -1, None)?);
         }
         let mut logprobs = logprobs.clone();
-        if p.top_p > 0.0 && p.top_p < 1.0 {
-            logprobs = apply_top_p(&logprobs, p.top_p)?;
+        if top_p > 0.0 && top_p < 1.0 {
+            logprobs = apply_top_p(&logprobs, top_p)?;
         }
-        if p.min_p > 0.0 {
-            logprobs = apply_min_p(&logprobs, p.min_p)?;
+        if min_p > 0.0 {
+            logprobs = apply_min_p(&logprobs, min_p)?;
         }
-        if p.xtc_probability > 0.0 {
-            let (probability, threshold) = (p.xtc_probability, p.xtc_threshold);
+        if xtc_probability > 0.0 {
             let draw =
                 random::uniform::<f32, f32>(0.0, 1.0, &[] as &[i32], self.next_key()?.as_ref())?;
+            let allowed = self.xtc_allowed(logprobs.shape()[1]);
             logprobs = apply_xtc(
                 &logprobs,
                 &draw,
-                probability,
-                threshold,
-                self.xtc_protected.as_ref(),
+                (xtc_probability, xtc_threshold),
+                allowed.as_ref(),
             )?;
         }
-        if self.params.top_k > 0 {
-            logprobs = apply_top_k(&logprobs, self.params.top_k as i32)?;
+        if top_k > 0 {
+            logprobs = apply_top_k(&logprobs, top_k as i32)?;
         }
-        let scaled = ops::multiply(&logprobs, Array::from_f32(1.0 / self.params.temperature))?;
+        let scaled = ops::multiply(&logprobs, Array::from_f32(1.0 / temperature))?;
         let key = self.next_key()?;
         Ok(random::categorical(&scaled, -1, None, key.as_ref())?)
     }
@@ -331,13 +365,13 @@ impl Sampler {
 
 /// XTC on `logprobs` `[1, vocab]` with `draw` a uniform in `[0, 1)` (`[]`): when `draw` is at
 /// most `probability`, every token more likely than the least likely token above `threshold`
-/// becomes `-inf` (nothing when fewer than two are above it), `protected` ids excepted.
+/// becomes `-inf` (nothing when fewer than two are above it), except where `allowed`
+/// (`[1, vocab]` bool) is false.
 fn apply_xtc(
     logprobs: &Array,
     draw: &Array,
-    probability: f32,
-    threshold: f32,
-    protected: Option<&Array>,
+    (probability, threshold): (f32, f32),
+    allowed: Option<&Array>,
 ) -> Result<Array> {
     // Renormalized: top-p and min-p may have dropped tokens before.
     let probs = ops::softmax_axis(logprobs, -1, None)?;
@@ -348,19 +382,8 @@ fn apply_xtc(
     )?;
     let least_above = above.min_axis(-1, true)?;
     let mut excluded = probs.gt(&least_above)?;
-    if let Some(ids) = protected {
-        let vocab = logprobs.shape()[1];
-        let ids = ops::minimum(ids, Array::from_int(vocab))?;
-        // Out-of-vocabulary ids scatter into a spare column that is dropped again.
-        let padded = ops::concatenate(&[&excluded, &Array::from_bool(false).reshape(&[1, 1])?], 1)?;
-        let keep = ops::broadcast_to(Array::from_bool(false), &[1, ids.shape()[0]])?;
-        let cleared = put_along_axis(
-            &padded,
-            &ids.reshape(&[1, -1])?.as_dtype(mlx_rs::Dtype::Int32)?,
-            &keep,
-            -1,
-        )?;
-        excluded = crate::mlx_ext::slice(&cleared, &[0, 0], &[1, vocab])?;
+    if let Some(allowed) = allowed {
+        excluded = ops::logical_and(&excluded, allowed)?;
     }
     let applied = ops::logical_and(&draw.le(Array::from_f32(probability))?, &excluded)?;
     Ok(ops::select(&applied, neg_inf(), logprobs)?)

@@ -21,6 +21,8 @@ pub struct Tokenizer {
     grammar_env: std::sync::OnceLock<std::result::Result<std::sync::Arc<GrammarEnv>, String>>,
     /// Every token's bytes ([`crate::grammar::token_bytes`]), read on first use.
     token_bytes: std::sync::OnceLock<std::result::Result<Vec<Vec<u8>>, String>>,
+    /// [`Tokenizer::xtc_special_tokens`], encoded once.
+    xtc_special_tokens: std::sync::OnceLock<Vec<u32>>,
 }
 
 impl Tokenizer {
@@ -87,6 +89,7 @@ impl Tokenizer {
             sampling_defaults,
             grammar_env: std::sync::OnceLock::new(),
             token_bytes: std::sync::OnceLock::new(),
+            xtc_special_tokens: std::sync::OnceLock::new(),
         })
     }
 
@@ -164,10 +167,12 @@ impl Tokenizer {
     /// The ids XTC never excludes, as mlx_lm's `generate` and `server` pass them: the encoding
     /// of "\n" with the tokenizer's special tokens (a BOS, if it adds one) and the
     /// end-of-sequence ids.
-    pub fn xtc_special_tokens(&self) -> Vec<u32> {
-        let mut ids = self.encode("\n", true).unwrap_or_default();
-        ids.extend_from_slice(&self.eos_token_ids);
-        ids
+    pub fn xtc_special_tokens(&self) -> &[u32] {
+        self.xtc_special_tokens.get_or_init(|| {
+            let mut ids = self.encode("\n", true).unwrap_or_default();
+            ids.extend_from_slice(&self.eos_token_ids);
+            ids
+        })
     }
 
     /// Ids that end generation with finish reason `stop`.
