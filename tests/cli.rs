@@ -315,6 +315,83 @@ fn logit_bias_changes_the_greedy_token() {
     );
 }
 
+/// mlx_lm's KV cache flags reach generation (their numerics are checked against mlx_lm in
+/// `crates/perch-engine/tests/kv_cache_options.rs`): a cache bounded below the prompt, and a
+/// cache quantized to 2 bits from the start, each change the greedy answer; the two together are
+/// refused, as `perch bench --concurrency` refuses the bound.
+#[test]
+fn kv_cache_flags_change_generation() {
+    let model = test_model();
+    let tokens = |extra: &[&str]| -> Vec<u64> {
+        let mut args = vec![
+            "generate",
+            "--model",
+            &model,
+            "--raw",
+            "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
+            "--max-tokens",
+            "8",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = perch(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["token"].as_u64())
+            .collect()
+    };
+    let plain = tokens(&[]);
+    assert_eq!(plain.len(), 8);
+    assert_ne!(
+        tokens(&["--max-kv-size", "8"]),
+        plain,
+        "--max-kv-size changed nothing"
+    );
+    assert_ne!(
+        tokens(&[
+            "--kv-bits",
+            "2",
+            "--kv-group-size",
+            "32",
+            "--quantized-kv-start",
+            "0"
+        ]),
+        plain,
+        "--kv-bits changed nothing"
+    );
+    assert_clean_error(
+        &perch(&[
+            "generate",
+            "--model",
+            &model,
+            "--raw",
+            "x",
+            "--max-kv-size",
+            "64",
+            "--kv-bits",
+            "8",
+        ]),
+        "cannot be combined",
+    );
+    assert_clean_error(
+        &perch(&[
+            "bench",
+            "--model",
+            &model,
+            "--concurrency",
+            "2",
+            "--max-kv-size",
+            "64",
+        ]),
+        "without --concurrency",
+    );
+}
+
 #[test]
 fn batch_bench_reports_every_field() {
     let out = perch(&[

@@ -52,12 +52,19 @@ pub struct BenchArgs {
     /// With --concurrency: the engine's KV cache budget in MiB (default: the engine's).
     #[arg(long)]
     pub kv_cache_mib: Option<usize>,
-    /// With --concurrency: quantize the KV cache to this many bits (8 or 4; MLX affine).
+    /// Quantize the KV cache to this many bits (8 or 4; MLX affine): with --concurrency the
+    /// engine's whole pool, else the sequence's cache from --quantized-kv-start positions on.
     #[arg(long)]
     pub kv_bits: Option<i32>,
     /// With --kv-bits: elements per quantization group.
     #[arg(long, default_value_t = KvQuantization::DEFAULT_GROUP_SIZE)]
     pub kv_group_size: i32,
+    /// Without --concurrency, with --kv-bits: positions kept in full precision first.
+    #[arg(long, default_value_t = perch_engine::GenerateRequest::DEFAULT_QUANTIZED_KV_START)]
+    pub quantized_kv_start: usize,
+    /// Without --concurrency: bound the KV cache to N positions (mlx_lm's --max-kv-size).
+    #[arg(long)]
+    pub max_kv_size: Option<usize>,
     /// With --concurrency: sequences prefilled in one step (default: the engine's for this
     /// backend).
     #[arg(long)]
@@ -139,6 +146,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut request = perch_engine::GenerateRequest::new(prompt);
     request.max_tokens = args.gen_tokens;
     request.ignore_eos = true;
+    crate::generate::KvCacheOptions {
+        max_kv_size: args.max_kv_size,
+        kv_bits: args.kv_bits,
+        kv_group_size: args.kv_group_size,
+        quantized_kv_start: args.quantized_kv_start,
+    }
+    .apply(&mut request);
 
     let mut runs: Vec<GenerationStats> = Vec::new();
     let mut last_ids = Vec::new();

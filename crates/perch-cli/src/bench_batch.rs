@@ -101,6 +101,10 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         args.json_requests <= concurrency && (args.json_requests == 0 || !args.http),
         "--json-requests must be at most --concurrency, and not with --http"
     );
+    anyhow::ensure!(
+        args.max_kv_size.is_none(),
+        "--max-kv-size bounds one sequence's cache: run it without --concurrency"
+    );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
     let mut config = EngineConfig {

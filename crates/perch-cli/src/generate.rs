@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use perch_engine::sampler::SamplingParams;
-use perch_engine::{generate, ChatMessage, GenerateRequest, Tokenizer};
+use perch_engine::{generate, ChatMessage, GenerateRequest, KvQuantization, Tokenizer};
 use serde_json::json;
 
 use crate::model_dir;
@@ -80,6 +80,39 @@ pub struct GenerationOptions {
     /// With --json: each token's log-probability and those of the N most likely tokens.
     #[arg(long)]
     pub logprobs: Option<usize>,
+    #[command(flatten)]
+    pub kv: KvCacheOptions,
+}
+
+/// mlx_lm's KV cache flags for one sequence (`generate`, `chat`, `bench` without --concurrency).
+#[derive(Args, Clone)]
+pub struct KvCacheOptions {
+    /// Bound each layer's KV cache to N positions: the first 4 and the most recent (mlx_lm's
+    /// --max-kv-size, a rotating cache): memory stays bounded, older context is forgotten.
+    #[arg(long)]
+    pub max_kv_size: Option<usize>,
+    /// Quantize the KV cache to this many bits (2-8; MLX affine) once it holds
+    /// --quantized-kv-start positions.
+    #[arg(long)]
+    pub kv_bits: Option<i32>,
+    /// With --kv-bits: elements per quantization group (32, 64 or 128).
+    #[arg(long, default_value_t = KvQuantization::DEFAULT_GROUP_SIZE)]
+    pub kv_group_size: i32,
+    /// With --kv-bits: positions kept in full precision before the cache is quantized.
+    #[arg(long, default_value_t = GenerateRequest::DEFAULT_QUANTIZED_KV_START)]
+    pub quantized_kv_start: usize,
+}
+
+impl KvCacheOptions {
+    /// Sets the request's KV cache options (checked against the model by `generate`).
+    pub fn apply(&self, request: &mut GenerateRequest) {
+        request.max_kv_size = self.max_kv_size;
+        request.kv_quantization = self.kv_bits.map(|bits| KvQuantization {
+            bits,
+            group_size: self.kv_group_size,
+        });
+        request.quantized_kv_start = self.quantized_kv_start;
+    }
 }
 
 fn parse_logit_bias(arg: &str) -> Result<(u32, f32), String> {
@@ -118,6 +151,7 @@ impl GenerationOptions {
             logit_bias: self.logit_bias.iter().copied().collect(),
             ..SamplingParams::default()
         };
+        self.kv.apply(&mut request);
         request
     }
 }

@@ -471,6 +471,14 @@ impl<'m> BatchGenerator<'m> {
         let continuation = std::mem::take(&mut request.prompt);
         request.prompt = [vec![0; prefix_len], continuation].concat();
         let (max_tokens, stop_ids) = check_request(self.model, self.tokenizer, &request)?;
+        if request.has_single_stream_kv_options() {
+            return Err(EngineError::Request(
+                "max_kv_size and per-request KV quantization run in single-stream generation \
+                 (`perch generate`, `perch chat`); the batch engine's KV cache is its block pool \
+                 (quantized for every request with the engine's --kv-bits)"
+                    .into(),
+            ));
+        }
         let capacity_tokens = self.config.num_blocks * self.config.block_size;
         if request.prompt.len() >= capacity_tokens {
             return Err(EngineError::KvCacheTooSmall {

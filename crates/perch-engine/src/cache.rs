@@ -128,6 +128,50 @@ pub struct KvCache {
     /// An attention layer's `[kv_heads, head_dim]`, when the model gave them (layers of one
     /// model may differ: Gemma 4's global layers have heads of their own size).
     head_shape: Option<[i32; 2]>,
+    /// A bound on the positions attention reads ([`KvCache::limit_to`]), `None` for none.
+    limit: Option<KvLimit>,
+    /// With a limit: the parts of positions `[0, keep)`, copied before the buffers drop them.
+    sinks: Option<Vec<Array>>,
+}
+
+/// mlx_lm's `RotatingKVCache(max_size, keep)` (what `--max-kv-size` makes): attention reads the
+/// first `keep` positions and the most recent ones, `max_size` positions in all, so a sequence's
+/// cache stays bounded however long it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvLimit {
+    pub max_size: i32,
+    pub keep: i32,
+}
+
+impl KvLimit {
+    /// The positions mlx_lm keeps at the front (`make_prompt_cache`'s `keep=4`).
+    pub const KEEP: i32 = 4;
+
+    /// Errors unless `max_size` leaves room for one recent position beside the `keep` ones.
+    pub fn new(max_size: usize, keep: i32) -> Result<Self> {
+        let max_size = i32::try_from(max_size).unwrap_or(i32::MAX);
+        if max_size <= keep {
+            return Err(EngineError::Request(format!(
+                "max_kv_size {max_size} must be more than the {keep} positions kept at the start"
+            )));
+        }
+        Ok(Self { max_size, keep })
+    }
+
+    /// Recent positions read by one new token: `max_size - keep`.
+    fn recent(&self) -> i32 {
+        self.max_size - self.keep
+    }
+}
+
+/// What attention reads from a cache with a [`KvLimit`] for `new` queries (see
+/// [`KvCache::limited_fetch`]).
+pub struct LimitedKv {
+    pub keys: Array,
+    pub values: Array,
+    /// `[1, 1, new, positions]`, true where a query may look; `None` for causal attention over
+    /// everything (one query, or nothing out of reach yet).
+    pub mask: Option<Array>,
 }
 
 /// A linear-attention layer's state for one or more sequences (rows on axis 0).
@@ -167,6 +211,113 @@ impl KvCache {
     /// A sliding layer's window; `None` for a global attention layer.
     pub fn window(&self) -> Option<i32> {
         self.window
+    }
+
+    /// Bounds what attention reads as mlx_lm's `RotatingKVCache(max_size, keep)` does, and lets
+    /// the cache drop what it will not read again (for a cache nothing copies positions from:
+    /// [`crate::generate`]'s). Attention must then read through [`KvCache::limited_fetch`].
+    pub fn limit_to(&mut self, limit: KvLimit) {
+        self.limit = Some(limit);
+        self.releasable = i32::MAX;
+    }
+
+    /// The bound set by [`KvCache::limit_to`].
+    pub fn limit(&self) -> Option<KvLimit> {
+        self.limit
+    }
+
+    /// For a cache with a [`KvLimit`], after `new` positions were appended (or, for a layer
+    /// sharing this cache, for its `new` queries at the last positions): the keys and values
+    /// attention reads and its mask, as mlx_lm's `RotatingKVCache` gives them. mlx_lm's cache
+    /// holds, before an update of `new` tokens at position `t`, the first `keep` positions and
+    /// the most recent ones: `max_size - 1` in all for more than one new token (so each sees at
+    /// least `max_size` positions), `max_size - 1 - keep` recent ones for one new token; its
+    /// mask for several tokens is over that list's indices, each query seeing the `max_size`
+    /// entries up to its own (so the kept first positions leave the view first, then the
+    /// oldest recent ones), and one token sees every held entry.
+    pub fn limited_fetch(&self, new: i32) -> Result<LimitedKv> {
+        let limit = self.limit.expect("a cache with a limit");
+        let end = self.offset;
+        let start = end - new;
+        let keep_end = limit.keep.min(start);
+        let recent_from = (start + 1 - limit.recent())
+            .max(limit.keep)
+            .min(start)
+            .max(keep_end);
+        let mut keys = Vec::with_capacity(3);
+        let mut values = Vec::with_capacity(3);
+        let dense = |parts: Vec<Array>| -> Result<(Array, Array)> {
+            match (self.quantization, parts.as_slice()) {
+                (None, [k, v]) => Ok((k.clone(), v.clone())),
+                _ => Err(EngineError::Request(
+                    "a KV cache with max_kv_size cannot be quantized (mlx_lm's neither)".into(),
+                )),
+            }
+        };
+        // The kept first positions apart from the recent ones: when positions between them are
+        // out of reach, or the buffers dropped them (then the copy made before holds them).
+        let split = self.base > 0 || keep_end < recent_from;
+        if split {
+            let (k, v) = if self.base == 0 {
+                dense(self.parts(0, keep_end)?)?
+            } else {
+                let sinks = self
+                    .sinks
+                    .as_ref()
+                    .expect("kept positions copied before dropping");
+                // Dropping happens only once all `keep` positions are held (see append_parts).
+                dense(sinks.clone())?
+            };
+            keys.push(k);
+            values.push(v);
+        }
+        let from = if split { recent_from } else { 0 };
+        let (k, v) = dense(self.parts(from, end)?)?;
+        keys.push(k);
+        values.push(v);
+        let (keys, values) = if keys.len() == 1 {
+            (keys.pop().unwrap(), values.pop().unwrap())
+        } else {
+            (ops::concatenate(&keys, 2)?, ops::concatenate(&values, 2)?)
+        };
+        // Entries before the new ones, and whether a query cannot see them all.
+        let held = if split {
+            keep_end + start - recent_from
+        } else {
+            start
+        };
+        let mask = (new > 1 && held + new > limit.max_size)
+            .then(|| -> Result<Array> {
+                let q = ops::arange::<_, i32>(held, held + new, None)?.reshape(&[1, 1, new, 1])?;
+                let k = ops::arange::<_, i32>(0, held + new, None)?.reshape(&[1, 1, 1, -1])?;
+                let size = Array::from_int(limit.max_size);
+                Ok(ops::logical_and(
+                    &ops::ge(&q, &k)?,
+                    &ops::lt(&q, &ops::add(&k, &size)?)?,
+                )?)
+            })
+            .transpose()?;
+        Ok(LimitedKv { keys, values, mask })
+    }
+
+    /// Quantizes what the cache holds and everything appended after (mlx_lm's
+    /// `KVCache.to_quantized`, which `--quantized-kv-start` applies once a cache holds that many
+    /// positions). No effect on a quantized or recurrent cache, or an empty one but its format.
+    pub fn quantize(&mut self, quantization: KvQuantization) -> Result<()> {
+        if self.quantization.is_some() || self.is_recurrent {
+            return Ok(());
+        }
+        if self.limit.is_some() {
+            return Err(EngineError::Request(
+                "a KV cache with max_kv_size cannot be quantized (mlx_lm's neither)".into(),
+            ));
+        }
+        let buffers = std::mem::take(&mut self.buffers);
+        if let [keys, values] = buffers.as_slice() {
+            self.buffers = kv_parts(Some(quantization), keys, values)?;
+        }
+        self.quantization = Some(quantization);
+        Ok(())
     }
 
     /// Lets a sliding-window cache drop positions before `position` once no query can see them
@@ -307,11 +458,21 @@ impl KvCache {
         if end > capacity {
             // The first new query (at `offset`) sees from `offset - window + 1` on; a sliding
             // cache drops what is before that, as far as it is allowed to.
-            let drop = match self.window {
+            let window = self.window.or(self.limit.map(|l| l.recent()));
+            let mut drop = match window {
                 Some(window) => (self.offset + 1 - window).min(self.releasable) - self.base,
                 None => 0,
             }
             .clamp(0, start);
+            // A limited cache keeps its first positions apart before the buffers drop them
+            // (and drops nothing until it has them all).
+            if let Some(limit) = self.limit.filter(|_| drop > 0 && self.sinks.is_none()) {
+                if self.offset < limit.keep {
+                    drop = 0;
+                } else {
+                    self.sinks = Some(self.copy_parts(0, limit.keep)?);
+                }
+            }
             let grow = (new + Self::STEP - 1) / Self::STEP * Self::STEP;
             let old = std::mem::take(&mut self.buffers);
             for (i, part) in parts.iter().enumerate() {
@@ -573,6 +734,116 @@ mod tests {
             );
             // Dropped positions are an error, not a wrong read.
             assert!(bounded.parts(0, 10).is_err());
+        }
+    }
+
+    /// What a limited cache gives attention: the positions (each key holds its position) and
+    /// the mask rows as the positions each query sees.
+    fn limited(cache: &KvCache, new: i32) -> (Vec<i32>, Option<Vec<Vec<i32>>>) {
+        let view = cache.limited_fetch(new).unwrap();
+        let keys: Vec<i32> = view
+            .keys
+            .as_slice::<f32>()
+            .iter()
+            .step_by(4)
+            .map(|&p| p as i32)
+            .collect();
+        let mask = view.mask.map(|m| {
+            let m = m.as_slice::<bool>().to_vec();
+            m.chunks(keys.len())
+                .map(|row| {
+                    row.iter()
+                        .zip(&keys)
+                        .filter(|(&seen, _)| seen)
+                        .map(|(_, &p)| p)
+                        .collect()
+                })
+                .collect()
+        });
+        (keys, mask)
+    }
+
+    #[test]
+    fn a_limited_cache_reads_its_first_and_recent_positions_as_mlx_lm_rotates_them() {
+        let limit = KvLimit::new(10, KvLimit::KEEP).unwrap();
+        let mut cache = KvCache::new();
+        cache.limit_to(limit);
+        let append = |cache: &mut KvCache, from: i32, n: i32| {
+            let kv = positions(from, n);
+            cache.update_and_fetch(&kv, &kv).unwrap();
+        };
+        // Within the bound: everything, causal.
+        append(&mut cache, 0, 6);
+        assert_eq!(limited(&cache, 6), ((0..6).collect(), None));
+        // A chunk that crosses it: 9 held before (the bound less one), then each query sees the
+        // 10 entries up to its own, so the first positions leave the view first.
+        append(&mut cache, 6, 5);
+        let (keys, mask) = limited(&cache, 5);
+        assert_eq!(keys, (0..11).collect::<Vec<_>>());
+        let mask = mask.expect("a mask past the bound");
+        assert_eq!(mask[0], (0..7).collect::<Vec<_>>());
+        assert_eq!(mask[4], (1..11).collect::<Vec<_>>());
+        // One token: the 4 first positions and the 6 most recent, itself included.
+        append(&mut cache, 11, 1);
+        assert_eq!(
+            limited(&cache, 1),
+            (vec![0, 1, 2, 3, 6, 7, 8, 9, 10, 11], None)
+        );
+        // A chunk after decoding: 4 first + 5 recent held, then the new ones.
+        append(&mut cache, 12, 3);
+        let (keys, mask) = limited(&cache, 3);
+        assert_eq!(keys, vec![0, 1, 2, 3, 7, 8, 9, 10, 11, 12, 13, 14]);
+        let mask = mask.unwrap();
+        assert_eq!(mask[0], vec![0, 1, 2, 3, 7, 8, 9, 10, 11, 12]);
+        assert_eq!(mask[2], vec![2, 3, 7, 8, 9, 10, 11, 12, 13, 14]);
+        // Far past a growth step the buffers have dropped the middle; the first positions stay.
+        for p in 15..700 {
+            append(&mut cache, p, 1);
+        }
+        assert!(cache.first_position() > 4, "nothing dropped");
+        let (keys, _) = limited(&cache, 1);
+        assert_eq!(
+            keys,
+            [0, 1, 2, 3].into_iter().chain(694..700).collect::<Vec<_>>()
+        );
+        assert!(cache.buffers[0].shape()[2] <= 10 + KvCache::STEP);
+        append(&mut cache, 700, 2);
+        let (keys, mask) = limited(&cache, 2);
+        assert_eq!(
+            keys,
+            [0, 1, 2, 3].into_iter().chain(695..702).collect::<Vec<_>>()
+        );
+        assert_eq!(
+            mask.unwrap()[1],
+            [1, 2, 3].into_iter().chain(695..702).collect::<Vec<_>>()
+        );
+
+        assert!(KvLimit::new(4, KvLimit::KEEP).is_err());
+        let q = KvQuantization::new(8, 32, 64).unwrap();
+        assert!(
+            cache.quantize(q).is_err(),
+            "a rotating cache is not quantized"
+        );
+    }
+
+    #[test]
+    fn quantizing_a_cache_keeps_its_positions() {
+        let q = KvQuantization::new(8, 32, 64).unwrap();
+        let mut cache = KvCache::new();
+        let kv = positions_of(0, 20, 64);
+        cache.update_and_fetch(&kv, &kv).unwrap();
+        cache.quantize(q).unwrap();
+        assert_eq!(cache.quantization(), Some(q));
+        let one = positions_of(20, 1, 64);
+        let CachedKv::Quantized { keys, .. } = cache.update_and_fetch(&one, &one).unwrap() else {
+            panic!("quantized parts after quantize")
+        };
+        assert_eq!(keys[0].shape()[2], 21);
+        let (keys, _) = cache.positions(0, 21).unwrap();
+        let firsts: Vec<f32> = keys.as_slice::<f32>().iter().step_by(64).copied().collect();
+        let expected: Vec<f32> = (0..21).map(|p| p as f32).collect();
+        for (a, b) in firsts.iter().zip(&expected) {
+            assert!((a - b).abs() <= b * 0.01 + 0.01, "{firsts:?}");
         }
     }
 

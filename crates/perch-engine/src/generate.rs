@@ -9,7 +9,7 @@ use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array};
 use serde::{Deserialize, Serialize};
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, KvLimit, KvQuantization};
 use crate::device::{memory_stats, reset_peak_memory};
 use crate::error::{EngineError, Result};
 use crate::models::Model;
@@ -58,11 +58,26 @@ pub struct GenerateRequest {
     /// Constrain the output to a grammar (JSON, see [`crate::grammar`]); batch engine only
     /// ([`crate::EngineHandle`]); [`generate`] refuses it.
     pub grammar: Option<crate::grammar::Grammar>,
+    /// Bound each attention layer's KV cache to this many positions: the first
+    /// [`KvLimit::KEEP`] and the most recent ones (mlx_lm's `--max-kv-size`, a
+    /// `RotatingKVCache(max_kv_size, keep=4)` per layer). Sliding-window layers keep their own
+    /// window. [`generate`] only; the batch engine refuses it.
+    pub max_kv_size: Option<usize>,
+    /// Quantize the KV cache once it holds [`GenerateRequest::quantized_kv_start`] positions
+    /// (mlx_lm's `--kv-bits`, `--kv-group-size`). [`generate`] only: the batch engine's pool is
+    /// quantized as a whole (`EngineConfig`'s KV quantization).
+    pub kv_quantization: Option<KvQuantization>,
+    /// With `kv_quantization`: positions kept in full precision before the cache is quantized
+    /// (mlx_lm's `--quantized-kv-start`; a cache is converted after the forward pass that takes
+    /// it to this many positions, as mlx_lm's `maybe_quantize_kv_cache`).
+    pub quantized_kv_start: usize,
 }
 
 impl GenerateRequest {
     /// Prompt tokens per forward pass unless a request says otherwise (mlx-lm's default).
     pub const DEFAULT_PREFILL_STEP_SIZE: usize = 2048;
+    /// mlx_lm's `--quantized-kv-start` default.
+    pub const DEFAULT_QUANTIZED_KV_START: usize = 5000;
 
     pub fn new(prompt: Vec<u32>) -> Self {
         Self {
@@ -76,7 +91,15 @@ impl GenerateRequest {
             logprobs: None,
             next_token_logprobs: false,
             grammar: None,
+            max_kv_size: None,
+            kv_quantization: None,
+            quantized_kv_start: Self::DEFAULT_QUANTIZED_KV_START,
         }
+    }
+
+    /// Whether the request asks for a KV cache option only [`generate`] runs.
+    pub fn has_single_stream_kv_options(&self) -> bool {
+        self.max_kv_size.is_some() || self.kv_quantization.is_some()
     }
 }
 
@@ -174,6 +197,23 @@ pub fn generate(
     cache
         .iter_mut()
         .for_each(|layer| layer.release_before(i32::MAX));
+    let limit = kv_options(model, request)?;
+    if let Some(limit) = limit {
+        cache
+            .iter_mut()
+            .filter(|layer| !layer.is_recurrent() && layer.window().is_none())
+            .for_each(|layer| layer.limit_to(limit));
+    }
+    let quantize = |cache: &mut [KvCache]| -> Result<()> {
+        if let Some(q) = request.kv_quantization {
+            for layer in cache.iter_mut() {
+                if layer.offset() as usize >= request.quantized_kv_start {
+                    layer.quantize(q)?;
+                }
+            }
+        }
+        Ok(())
+    };
     let mut sampler = Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?;
     let mut history = RecentTokens::new(&request.sampling, prompt);
 
@@ -184,6 +224,7 @@ pub fn generate(
             &Array::from_slice(chunk, &[1, chunk.len() as i32]),
             &mut cache,
         )?;
+        quantize(&mut cache)?;
         eval(cache.iter().flat_map(KvCache::state))?;
     }
 
@@ -203,6 +244,7 @@ pub fn generate(
     }
     let top = request.logprobs;
     let mut pending = decode_step(model, &mut cache, &mut sampler, &last, &mut history, top)?;
+    quantize(&mut cache)?;
     async_eval(pending.arrays().chain(history.state()))?;
     let mut first_token_at = None;
     loop {
@@ -216,6 +258,7 @@ pub fn generate(
                 &mut history,
                 top,
             )?;
+            quantize(&mut cache)?;
             async_eval(next.arrays().chain(history.state()))?;
             Some(next)
         } else {
@@ -296,6 +339,34 @@ pub(crate) fn check_request(
         stop_ids.extend_from_slice(tokenizer.eos_token_ids());
     }
     Ok((max_tokens, stop_ids))
+}
+
+/// Checks a request's KV cache options against the model; returns the bound each attention
+/// layer's cache gets from `max_kv_size`.
+fn kv_options(model: &dyn Model, request: &GenerateRequest) -> Result<Option<KvLimit>> {
+    if let Some(q) = request.kv_quantization {
+        if request.max_kv_size.is_some() {
+            return Err(EngineError::Request(
+                "max_kv_size and kv_bits cannot be combined: a bounded (rotating) KV cache is not \
+                 quantized (mlx_lm's RotatingKVCache neither)"
+                    .into(),
+            ));
+        }
+        // Each layer's head size must be whole groups (Gemma 4's layers differ).
+        for head_dim in model
+            .make_cache(None)
+            .iter()
+            .filter_map(|c| c.head_shape())
+            .map(|[_, d]| d)
+            .chain(std::iter::once(model.info().head_dim as i32))
+        {
+            KvQuantization::new(q.bits, q.group_size, head_dim)?;
+        }
+    }
+    request
+        .max_kv_size
+        .map(|size| KvLimit::new(size, KvLimit::KEEP))
+        .transpose()
 }
 
 /// What [`TokenSink::push`] made of a token.
@@ -452,12 +523,16 @@ impl Sampled {
             .as_ref()
             .map(|[chosen, ids, values]| TokenLogprobs {
                 logprob: chosen.as_slice::<f32>()[0],
-                top: ids
-                    .as_slice::<u32>()
-                    .iter()
-                    .copied()
-                    .zip(values.as_slice::<f32>().iter().copied())
-                    .collect(),
+                // No alternatives asked (`Some(0)`): empty arrays have no data to read.
+                top: if ids.size() == 0 {
+                    Vec::new()
+                } else {
+                    ids.as_slice::<u32>()
+                        .iter()
+                        .copied()
+                        .zip(values.as_slice::<f32>().iter().copied())
+                        .collect()
+                },
             });
         (id, logprobs)
     }

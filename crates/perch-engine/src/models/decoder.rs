@@ -816,6 +816,22 @@ impl Attention {
             Some((keys, values)) => cache.update_and_fetch(&at(&keys)?, &values)?,
             None => cache.fetch()?,
         };
+        // A cache bounded by max_kv_size reads its first and its recent positions.
+        if cache.limit().is_some() && self.window.is_none() {
+            let limited = cache.limited_fetch(seq)?;
+            let mask = match &limited.mask {
+                Some(mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
+                None => causal.then_some(ScaledDotProductAttentionMask::Causal),
+            };
+            return Ok(scaled_dot_product_attention(
+                &queries,
+                &limited.keys,
+                &limited.values,
+                self.scale,
+                mask,
+                self.sinks.as_ref(),
+            )?);
+        }
         // A sliding layer whose window leaves positions out reads from the first position its
         // first query sees, masked by distance for more than one query. (The cache may have
         // dropped positions before that one: what it returns starts at its first position.)

@@ -1,0 +1,162 @@
+//! mlx_lm's KV cache options for one sequence, against mlx_lm 0.32.2's `generate_step` on a tiny
+//! random Qwen3 (`tests/oracle/kv_cache_options.py`): `max_kv_size` (a rotating cache keeping
+//! the first 4 positions) wrapping while decoding, within one prefill chunk, across chunks and
+//! with chunks shorter than the kept positions; `kv_bits` with `quantized_kv_start` converting
+//! while decoding, between prefill chunks and after the first chunk. Each run is greedy under a
+//! repetition penalty, so the cache holds varied tokens: each step's log-probability must be
+//! within 1e-4 of mlx_lm's and the ids mlx_lm's; and where mlx_lm's log-probabilities differ from
+//! a plain cache's, Perch's must differ too (the option took effect). Needs the oracle.
+
+mod common;
+
+use std::ops::ControlFlow;
+
+use perch_engine::batch::{BatchConfig, BatchGenerator};
+use perch_engine::sampler::SamplingParams;
+use perch_engine::{generate, models, GenerateRequest, KvQuantization, Tokenizer};
+
+#[derive(serde::Deserialize)]
+struct Case {
+    name: String,
+    prompt: Vec<u32>,
+    options: Options,
+    ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    plain_logprobs: Vec<f32>,
+}
+
+#[derive(serde::Deserialize)]
+struct Options {
+    max_kv_size: Option<usize>,
+    prefill_step_size: Option<usize>,
+    kv_bits: Option<i32>,
+    kv_group_size: Option<i32>,
+    quantized_kv_start: Option<usize>,
+}
+
+/// The oracle's: greedy under it, a random model's ids vary.
+const PENALTY: f32 = 3.0;
+
+#[test]
+fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
+    let out = tempfile::tempdir().unwrap();
+    let json = common::run_oracle(
+        "kv_cache_options.py",
+        &[
+            out.path().to_str().unwrap(),
+            common::model_dir().to_str().unwrap(),
+        ],
+    );
+    let cases: Vec<Case> = serde_json::from_str(&json).unwrap();
+    assert_eq!(cases.len(), 7);
+    let dir = out.path().join("qwen3");
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    for case in &cases {
+        let name = &case.name;
+        let mut request = GenerateRequest::new(case.prompt.clone());
+        request.max_tokens = case.ids.len();
+        request.ignore_eos = true;
+        request.logprobs = Some(0);
+        request.sampling = SamplingParams {
+            repetition_penalty: PENALTY,
+            repetition_context_size: 20,
+            ..SamplingParams::default()
+        };
+        let o = &case.options;
+        request.max_kv_size = o.max_kv_size;
+        if let Some(step) = o.prefill_step_size {
+            request.prefill_step_size = step;
+        }
+        request.kv_quantization = o.kv_bits.map(|bits| KvQuantization {
+            bits,
+            group_size: o.kv_group_size.unwrap(),
+        });
+        if let Some(start) = o.quantized_kv_start {
+            request.quantized_kv_start = start;
+        }
+        let mut logprobs = Vec::new();
+        let output = generate(model.as_ref(), &tokenizer, &request, |event| {
+            logprobs.extend(event.logprobs.as_ref().map(|l| l.logprob));
+            ControlFlow::Continue(())
+        })
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(logprobs.len(), case.logprobs.len(), "{name}");
+        let mut changed = 0;
+        for (step, ((perch, mlx), plain)) in logprobs
+            .iter()
+            .zip(&case.logprobs)
+            .zip(&case.plain_logprobs)
+            .enumerate()
+        {
+            assert!(
+                (perch - mlx).abs() < 1e-4,
+                "{name}, step {step}: log-probability {perch} against mlx_lm's {mlx}"
+            );
+            if (mlx - plain).abs() > 1e-3 {
+                assert!((perch - plain).abs() > 1e-3, "{name}, step {step}");
+                changed += 1;
+            }
+        }
+        assert!(changed > 0, "{name}: the option changed nothing");
+        assert_eq!(output.token_ids, case.ids, "{name}: ids");
+    }
+}
+
+#[test]
+fn kv_cache_options_are_checked() {
+    let dir = common::model_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let prompt = tokenizer.encode("Hello", true).unwrap();
+    let run = |edit: &dyn Fn(&mut GenerateRequest)| {
+        let mut request = GenerateRequest::new(prompt.clone());
+        request.max_tokens = 2;
+        edit(&mut request);
+        generate(model.as_ref(), &tokenizer, &request, |_| {
+            ControlFlow::Continue(())
+        })
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    };
+    let error = run(&|r| r.max_kv_size = Some(4)).unwrap_err();
+    assert!(error.contains("max_kv_size 4"), "{error}");
+    let error = run(&|r| {
+        r.max_kv_size = Some(64);
+        r.kv_quantization = Some(KvQuantization {
+            bits: 8,
+            group_size: 64,
+        });
+    })
+    .unwrap_err();
+    assert!(error.contains("cannot be combined"), "{error}");
+    let error = run(&|r| {
+        r.kv_quantization = Some(KvQuantization {
+            bits: 8,
+            group_size: 48,
+        })
+    })
+    .unwrap_err();
+    assert!(error.contains("group size 48"), "{error}");
+    let error = run(&|r| {
+        r.kv_quantization = Some(KvQuantization {
+            bits: 7,
+            group_size: 64,
+        })
+    })
+    .unwrap_err();
+    assert!(error.contains("7 bits"), "{error}");
+    run(&|r| r.max_kv_size = Some(5)).unwrap();
+
+    // The batch engine's cache is its block pool: it refuses them, naming where they run.
+    let mut batch = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None),
+        "test",
+    );
+    let mut request = GenerateRequest::new(prompt.clone());
+    request.max_kv_size = Some(64);
+    let error = batch.insert(request).unwrap_err().to_string();
+    assert!(error.contains("perch generate"), "{error}");
+}
