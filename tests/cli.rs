@@ -392,6 +392,65 @@ fn kv_cache_flags_change_generation() {
     );
 }
 
+/// Speculative decoding from the command line (its numerics: `crates/perch-engine/tests/
+/// speculative.rs`): greedy with the model as its own draft answers what it answers alone, the
+/// accepted tokens say so, and the stats count the proposals.
+#[test]
+fn draft_model_flag_speculates() {
+    let model = test_model();
+    let lines = |extra: &[&str]| -> Vec<serde_json::Value> {
+        let mut args = vec![
+            "generate",
+            "--model",
+            &model,
+            "--prompt",
+            "Name three colours.",
+            "--max-tokens",
+            "10",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = perch(&args);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let ids = |lines: &[serde_json::Value]| -> Vec<u64> {
+        lines.iter().filter_map(|l| l["token"].as_u64()).collect()
+    };
+    let plain = lines(&[]);
+    let drafted = lines(&["--draft-model", &model, "--num-draft-tokens", "2"]);
+    assert_eq!(ids(&drafted), ids(&plain));
+    assert!(drafted
+        .iter()
+        .filter(|l| l["token"].is_u64())
+        .any(|l| l["from_draft"] == true));
+    let stats = &drafted.last().unwrap()["stats"];
+    assert!(stats["draft_tokens"].as_u64().unwrap() > 0);
+    assert!(stats["accepted_draft_tokens"].as_u64().unwrap() > 0);
+    assert!(plain.iter().all(|l| l.get("from_draft").is_none()));
+    assert_clean_error(
+        &perch(&[
+            "generate",
+            "--model",
+            &model,
+            "--raw",
+            "x",
+            "--draft-model",
+            &model,
+            "--num-draft-tokens",
+            "0",
+        ]),
+        "num_draft_tokens must be 1 to 64",
+    );
+}
+
 #[test]
 fn batch_bench_reports_every_field() {
     let out = perch(&[

@@ -11,7 +11,7 @@ use clap::Args;
 use mlx_rs::Array;
 use perch_engine::device::{memory_stats, Backend};
 use perch_engine::slot_cache::SlotAttention;
-use perch_engine::{generate, GenerationStats, KvQuantization};
+use perch_engine::{GenerationStats, KvQuantization};
 use serde::Serialize;
 
 use crate::model_dir;
@@ -65,6 +65,9 @@ pub struct BenchArgs {
     /// Without --concurrency: bound the KV cache to N positions (mlx_lm's --max-kv-size).
     #[arg(long)]
     pub max_kv_size: Option<usize>,
+    /// Without --concurrency: speculative decoding with this draft model.
+    #[command(flatten)]
+    pub draft: crate::generate::DraftOptions,
     /// With --concurrency: sequences prefilled in one step (default: the engine's for this
     /// backend).
     #[arg(long)]
@@ -127,6 +130,9 @@ struct BenchReport {
     peak_memory_bytes: usize,
     /// float32 1024x1024 matmul throughput: what the BLAS behind libmlx delivers.
     gemm_gflops: f64,
+    /// With --draft-model: the share of proposed tokens the model accepted (all runs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    acceptance_rate: Option<f64>,
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
@@ -134,6 +140,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         return crate::bench_batch::run(&args, concurrency);
     }
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
+    let draft = args.draft.load()?;
     let prompt = match &args.prompt_ids {
         Some(path) => {
             let text = std::fs::read_to_string(path)
@@ -157,9 +164,13 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let mut runs: Vec<GenerationStats> = Vec::new();
     let mut last_ids = Vec::new();
     for i in 0..=args.runs.max(1) {
-        let out = generate(model.as_ref(), &tokenizer, &request, |_| {
-            ControlFlow::Continue(())
-        })?;
+        let out = crate::generate::run_generation(
+            model.as_ref(),
+            draft.as_ref(),
+            &tokenizer,
+            &request,
+            |_| ControlFlow::Continue(()),
+        )?;
         last_ids = out.token_ids;
         if i > 0 {
             eprintln!(
@@ -191,6 +202,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         ttft_ms: median(|s| s.ttft_s * 1e3),
         peak_memory_bytes: runs.iter().map(|s| s.peak_memory_bytes).max().unwrap_or(0),
         gemm_gflops: gemm_gflops()?,
+        acceptance_rate: draft.as_ref().map(|_| {
+            let proposed: usize = runs.iter().map(|s| s.draft_tokens).sum();
+            let accepted: usize = runs.iter().map(|s| s.accepted_draft_tokens).sum();
+            accepted as f64 / proposed.max(1) as f64
+        }),
     };
     println!(
         "prompt: {:.1} tok/s | generation: {:.1} tok/s | TTFT: {:.0} ms | peak memory: {:.1} MB | f32 GEMM: {:.1} GFLOP/s | active now: {:.1} MB",
@@ -201,6 +217,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         report.gemm_gflops,
         memory_stats().active_bytes as f64 / 1e6
     );
+    if let Some(rate) = report.acceptance_rate {
+        println!("draft tokens accepted: {:.1}%", rate * 100.0);
+    }
     if args.json {
         println!("{}", serde_json::to_string(&report)?);
     }

@@ -105,6 +105,10 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         args.max_kv_size.is_none(),
         "--max-kv-size bounds one sequence's cache: run it without --concurrency"
     );
+    anyhow::ensure!(
+        args.draft.draft_model.is_none(),
+        "--draft-model runs one sequence (speculative decoding): run it without --concurrency"
+    );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
     let mut config = EngineConfig {

@@ -5,9 +5,9 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 use clap::Args;
-use perch_engine::{generate, ChatMessage};
+use perch_engine::ChatMessage;
 
-use crate::generate::GenerationOptions;
+use crate::generate::{run_generation, GenerationOptions};
 use crate::model_dir;
 
 #[derive(Args)]
@@ -24,6 +24,7 @@ pub struct ChatArgs {
 
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
+    let draft = args.options.draft.load()?;
     let mut messages: Vec<ChatMessage> = args
         .system
         .iter()
@@ -58,10 +59,16 @@ pub fn run(args: ChatArgs) -> anyhow::Result<()> {
         let request = args.options.request(prompt);
         let stdout = std::io::stdout();
         let mut out = stdout.lock();
-        let result = generate(model.as_ref(), &tokenizer, &request, |event| {
-            let _ = write!(out, "{}", event.text).and_then(|_| out.flush());
-            ControlFlow::Continue(())
-        });
+        let result = run_generation(
+            model.as_ref(),
+            draft.as_ref(),
+            &tokenizer,
+            &request,
+            |event| {
+                let _ = write!(out, "{}", event.text).and_then(|_| out.flush());
+                ControlFlow::Continue(())
+            },
+        );
         writeln!(out)?;
         match result {
             Ok(reply) => {

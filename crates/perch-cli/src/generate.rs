@@ -6,8 +6,12 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use clap::Args;
+use perch_engine::models::Model;
 use perch_engine::sampler::SamplingParams;
-use perch_engine::{generate, ChatMessage, GenerateRequest, KvQuantization, Tokenizer};
+use perch_engine::{
+    generate, generate_speculative, ChatMessage, Draft, GenerateOutput, GenerateRequest,
+    KvQuantization, TokenEvent, Tokenizer,
+};
 use serde_json::json;
 
 use crate::model_dir;
@@ -82,6 +86,67 @@ pub struct GenerationOptions {
     pub logprobs: Option<usize>,
     #[command(flatten)]
     pub kv: KvCacheOptions,
+    #[command(flatten)]
+    pub draft: DraftOptions,
+}
+
+/// Speculative decoding (mlx_lm's flags).
+#[derive(Args, Clone)]
+pub struct DraftOptions {
+    /// A smaller model with the same tokenizer (directory or downloaded Hub id) that proposes
+    /// tokens for the model to verify in one forward pass (speculative decoding).
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
+    /// With --draft-model: tokens proposed per step.
+    #[arg(long, default_value_t = Draft::DEFAULT_NUM_DRAFT_TOKENS)]
+    pub num_draft_tokens: usize,
+}
+
+/// A loaded draft model and its tokenizer.
+pub struct LoadedDraft {
+    model: Box<dyn Model>,
+    tokenizer: Tokenizer,
+    num_draft_tokens: usize,
+}
+
+impl DraftOptions {
+    /// Loads --draft-model, if given.
+    pub fn load(&self) -> anyhow::Result<Option<LoadedDraft>> {
+        let Some(path) = &self.draft_model else {
+            return Ok(None);
+        };
+        let (model, tokenizer) = model_dir::load(Some(path.clone()))
+            .with_context(|| format!("loading the draft model {}", path.display()))?;
+        Ok(Some(LoadedDraft {
+            model,
+            tokenizer,
+            num_draft_tokens: self.num_draft_tokens,
+        }))
+    }
+}
+
+/// [`generate`], or [`generate_speculative`] with `draft`.
+pub fn run_generation(
+    model: &dyn Model,
+    draft: Option<&LoadedDraft>,
+    tokenizer: &Tokenizer,
+    request: &GenerateRequest,
+    on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
+) -> perch_engine::Result<GenerateOutput> {
+    match draft {
+        None => generate(model, tokenizer, request, on_token),
+        Some(draft) => generate_speculative(
+            model,
+            &Draft {
+                model: draft.model.as_ref(),
+                tokenizer: &draft.tokenizer,
+                num_draft_tokens: draft.num_draft_tokens,
+            },
+            tokenizer,
+            request,
+            on_token,
+        ),
+    }
 }
 
 /// mlx_lm's KV cache flags for one sequence (`generate`, `chat`, `bench` without --concurrency).
@@ -158,35 +223,46 @@ impl GenerationOptions {
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
+    let draft = args.options.draft.load()?;
     let prompt = prompt_ids(&args, &tokenizer)?;
     let request = args.options.request(prompt);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut write_error = None;
-    let result = generate(model.as_ref(), &tokenizer, &request, |event| {
-        let written = if args.json {
-            let line = match event.id {
-                Some(id) => match &event.logprobs {
-                    Some(logprobs) => {
-                        json!({ "token": id, "text": event.text, "logprobs": logprobs })
-                    }
-                    None => json!({ "token": id, "text": event.text }),
-                },
-                None => json!({ "text": event.text }),
+    let drafting = draft.is_some();
+    let result = run_generation(
+        model.as_ref(),
+        draft.as_ref(),
+        &tokenizer,
+        &request,
+        |event| {
+            let written = if args.json {
+                let mut line = match event.id {
+                    Some(id) => match &event.logprobs {
+                        Some(logprobs) => {
+                            json!({ "token": id, "text": event.text, "logprobs": logprobs })
+                        }
+                        None => json!({ "token": id, "text": event.text }),
+                    },
+                    None => json!({ "text": event.text }),
+                };
+                if drafting && event.id.is_some() {
+                    line["from_draft"] = json!(event.from_draft);
+                }
+                writeln!(out, "{line}")
+            } else {
+                write!(out, "{}", event.text).and_then(|_| out.flush())
             };
-            writeln!(out, "{line}")
-        } else {
-            write!(out, "{}", event.text).and_then(|_| out.flush())
-        };
-        match written {
-            Ok(()) => ControlFlow::Continue(()),
-            Err(e) => {
-                // A closed pipe (e.g. `| head`) ends generation quietly.
-                write_error = Some(e);
-                ControlFlow::Break(())
+            match written {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(e) => {
+                    // A closed pipe (e.g. `| head`) ends generation quietly.
+                    write_error = Some(e);
+                    ControlFlow::Break(())
+                }
             }
-        }
-    })?;
+        },
+    )?;
     if write_error.is_some() {
         return Ok(());
     }
@@ -209,6 +285,14 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             s.peak_memory_bytes as f64 / 1e6,
             result.finish_reason
         );
+        if s.draft_tokens > 0 {
+            eprintln!(
+                "[draft: {} of {} proposed tokens accepted ({:.0}%)]",
+                s.accepted_draft_tokens,
+                s.draft_tokens,
+                100.0 * s.accepted_draft_tokens as f64 / s.draft_tokens as f64
+            );
+        }
     }
     Ok(())
 }

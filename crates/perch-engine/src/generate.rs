@@ -118,6 +118,12 @@ pub struct GenerationStats {
     pub total_s: f64,
     /// MLX's peak memory during the request, in bytes.
     pub peak_memory_bytes: usize,
+    /// Speculative decoding ([`generate_speculative`]): tokens the draft model proposed, and
+    /// those of them the model accepted (each an emitted token with `from_draft`).
+    #[serde(default)]
+    pub draft_tokens: usize,
+    #[serde(default)]
+    pub accepted_draft_tokens: usize,
 }
 
 impl GenerationStats {
@@ -146,6 +152,8 @@ pub struct TokenEvent {
     pub text: String,
     /// When the request asked for them ([`GenerateRequest::logprobs`]).
     pub logprobs: Option<TokenLogprobs>,
+    /// A draft model's token the model accepted ([`generate_speculative`]; mlx_lm's `from_draft`).
+    pub from_draft: bool,
 }
 
 /// Natural-log probabilities of one generated token and of the most likely alternatives.
@@ -343,7 +351,7 @@ pub(crate) fn check_request(
 
 /// Checks a request's KV cache options against the model; returns the bound each attention
 /// layer's cache gets from `max_kv_size`.
-fn kv_options(model: &dyn Model, request: &GenerateRequest) -> Result<Option<KvLimit>> {
+pub(crate) fn kv_options(model: &dyn Model, request: &GenerateRequest) -> Result<Option<KvLimit>> {
     if let Some(q) = request.kv_quantization {
         if request.max_kv_size.is_some() {
             return Err(EngineError::Request(
@@ -438,6 +446,7 @@ impl TokenSink {
             id: Some(id),
             text,
             logprobs,
+            from_draft: false,
         };
         if stopped {
             self.output.finish_reason = FinishReason::Stop;
@@ -473,6 +482,7 @@ impl TokenSink {
             id: None,
             text: rest,
             logprobs: None,
+            from_draft: false,
         }))
     }
 }
@@ -546,23 +556,64 @@ pub(crate) fn sample_next(
     history: &mut RecentTokens,
     top_logprobs: Option<usize>,
 ) -> Result<Sampled> {
-    let logits = sampler.process_logits(logits, history.tokens.as_ref())?;
+    let sampled = sample_after(logits, sampler, history.tokens.as_ref(), top_logprobs)?;
+    history.push(&sampled.token)?;
+    Ok(sampled)
+}
+
+/// [`sample_next`] after the tokens `history` (the logits processors' window), which it leaves
+/// as it is.
+pub(crate) fn sample_after(
+    logits: &Array,
+    sampler: &mut Sampler,
+    history: Option<&Array>,
+    top_logprobs: Option<usize>,
+) -> Result<Sampled> {
+    let logits = sampler.process_logits(logits, history)?;
     let logprobs = ops::subtract(&logits, &logits.logsumexp_axis(-1, true)?)?;
     let token = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
-    history.push(&token)?;
-    let logprobs = match top_logprobs {
-        None => None,
-        Some(n) => {
-            let logprobs = logprobs.as_dtype(mlx_rs::Dtype::Float32)?;
-            let chosen = logprobs.take_along_axis(token.reshape(&[1, 1])?, -1)?;
-            let n = (n as i32).min(logprobs.shape()[1]);
-            let order = ops::argsort_axis(&ops::negative(&logprobs)?, -1)?;
-            let ids = crate::mlx_ext::slice(&order, &[0, 0], &[1, n])?;
-            let values = logprobs.take_along_axis(&ids, -1)?;
-            Some([chosen, ids.as_dtype(mlx_rs::Dtype::Uint32)?, values])
-        }
-    };
+    let logprobs = top_logprobs
+        .map(|n| top_of(&logprobs, &token, n))
+        .transpose()?;
     Ok(Sampled { token, logprobs })
+}
+
+/// Samples every row of `logits` `[rows, vocab]` with one sampler call (one random key for all,
+/// as mlx_lm samples a multi-token step without logits processors); the sampler must have none
+/// ([`Sampler::has_logits_processors`]). One [`Sampled`] per row.
+pub(crate) fn sample_rows(
+    logits: &Array,
+    sampler: &mut Sampler,
+    top_logprobs: Option<usize>,
+) -> Result<Vec<Sampled>> {
+    debug_assert!(!sampler.has_logits_processors());
+    let logprobs = ops::subtract(logits, &logits.logsumexp_axis(-1, true)?)?;
+    let tokens = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+    let (rows, vocab) = (logits.shape()[0], logits.shape()[1]);
+    (0..rows)
+        .map(|r| {
+            let token = crate::mlx_ext::slice(&tokens, &[r], &[r + 1])?;
+            let logprobs = top_logprobs
+                .map(|n| {
+                    let row = crate::mlx_ext::slice(&logprobs, &[r, 0], &[r + 1, vocab])?;
+                    top_of(&row, &token, n)
+                })
+                .transpose()?;
+            Ok(Sampled { token, logprobs })
+        })
+        .collect()
+}
+
+/// The sampled `token`'s log-probability `[1, 1]` and the `n` most likely ids and theirs
+/// `[1, n]`, from `logprobs` `[1, vocab]`.
+fn top_of(logprobs: &Array, token: &Array, n: usize) -> Result<[Array; 3]> {
+    let logprobs = logprobs.as_dtype(mlx_rs::Dtype::Float32)?;
+    let chosen = logprobs.take_along_axis(token.reshape(&[1, 1])?, -1)?;
+    let n = (n as i32).min(logprobs.shape()[1]);
+    let order = ops::argsort_axis(&ops::negative(&logprobs)?, -1)?;
+    let ids = crate::mlx_ext::slice(&order, &[0, 0], &[1, n])?;
+    let values = logprobs.take_along_axis(&ids, -1)?;
+    Ok([chosen, ids.as_dtype(mlx_rs::Dtype::Uint32)?, values])
 }
 
 /// The last `repetition_context_size` token ids, kept on the device only when a repetition

@@ -29,6 +29,7 @@ mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod slot_cache;
+pub mod speculative;
 pub mod stop;
 mod tail_cache;
 pub mod throughput;
@@ -50,5 +51,6 @@ pub use generate::{
     TokenLogprobs,
 };
 pub use grammar::Grammar;
+pub use speculative::{generate_speculative, Draft};
 pub use tokenizer::Tokenizer;
 pub use weights::LoadProgress;

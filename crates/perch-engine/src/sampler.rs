@@ -264,6 +264,12 @@ impl Sampler {
         p.temperature == 0.0 && self.bias.is_none() && p.history_window() == 0
     }
 
+    /// Whether logits processors change the logits (a logit bias, or penalties that read recent
+    /// tokens): mlx_lm then processes and samples the rows of a multi-token step one by one.
+    pub fn has_logits_processors(&self) -> bool {
+        self.bias.is_some() || self.params.history_window() > 0
+    }
+
     /// Applies the logits processors in mlx_lm's order (logit bias, then the repetition,
     /// presence and frequency penalties): `logits` `[1, vocab]`, `history` the recent token ids
     /// (1-D; read by the penalties only) → processed logits `[1, vocab]`.

@@ -93,6 +93,13 @@ impl Tokenizer {
         })
     }
 
+    /// Whether `other` maps the same tokens to the same ids (added tokens included): what a draft
+    /// model's tokenizer must do for speculative decoding.
+    pub fn same_vocabulary(&self, other: &Tokenizer) -> bool {
+        self.inner.get_vocab_size(true) == other.inner.get_vocab_size(true)
+            && self.inner.get_vocab(true) == other.inner.get_vocab(true)
+    }
+
     /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (e.g. BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let encoding = self

@@ -1,0 +1,282 @@
+//! Speculative decoding of one sequence, as mlx_lm's `speculative_generate_step` does it: a small
+//! draft model proposes `num_draft_tokens` tokens one at a time, the model scores the last
+//! accepted token and all the proposals in one forward pass and samples a token at each of those
+//! positions; the proposals are accepted while they equal the model's own tokens, then the
+//! model's token at the first difference (or after the last proposal) is emitted too, and both
+//! caches are trimmed back to what was accepted.
+//!
+//! Every emitted token is the model's own sample given the tokens before it, so the output's
+//! distribution is the model's, with any sampler and logits processors: with greedy sampling it
+//! is generation without a draft, token for token (up to the reduction order of a multi-token
+//! forward pass), and a seeded request draws its keys in mlx_lm's order (the draft's samples,
+//! then the model's, one per position). This acceptance rule is mlx_lm's, not the rejection
+//! rule of Leviathan et al. (accept a proposal with probability `min(1, p/q)`): that rule
+//! accepts more often, but needs both samplers' final distributions, which top-p, min-p, XTC and
+//! top-k truncation make sampler-specific.
+
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+use mlx_rs::transforms::eval;
+use mlx_rs::Array;
+
+use crate::cache::KvCache;
+use crate::device::{memory_stats, reset_peak_memory};
+use crate::error::{EngineError, Result};
+use crate::generate::{
+    check_request, kv_options, sample_after, sample_rows, FinishReason, GenerateOutput,
+    GenerateRequest, Pushed, Sampled, TokenEvent, TokenSink,
+};
+use crate::mlx_ext::slice;
+use crate::models::Model;
+use crate::sampler::Sampler;
+use crate::tokenizer::Tokenizer;
+
+/// A draft model for [`generate_speculative`].
+pub struct Draft<'a> {
+    pub model: &'a dyn Model,
+    /// Its tokenizer, which must map tokens to the ids the model's does.
+    pub tokenizer: &'a Tokenizer,
+    /// Tokens proposed per step (mlx_lm's `--num-draft-tokens`, default 3).
+    pub num_draft_tokens: usize,
+}
+
+impl Draft<'_> {
+    /// mlx_lm's command-line default.
+    pub const DEFAULT_NUM_DRAFT_TOKENS: usize = 3;
+    /// The most tokens one step may propose.
+    pub const MAX_NUM_DRAFT_TOKENS: usize = 64;
+}
+
+/// Runs `request` as [`crate::generate()`] does, with `draft` proposing tokens. Events carry
+/// `from_draft` for accepted proposals; the stats count proposed and accepted tokens.
+///
+/// Errors, besides [`crate::generate()`]'s: a draft whose tokenizer differs from the model's,
+/// whose vocabulary is larger than the model's, `num_draft_tokens` of 0 or above
+/// [`Draft::MAX_NUM_DRAFT_TOKENS`], models with linear-attention layers (their recurrent state
+/// cannot be rewound), `max_kv_size` (a rotating cache neither), grammars and next-token
+/// log-probabilities.
+pub fn generate_speculative(
+    model: &dyn Model,
+    draft: &Draft<'_>,
+    tokenizer: &Tokenizer,
+    request: &GenerateRequest,
+    mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
+) -> Result<GenerateOutput> {
+    let (max_tokens, stop_ids) = check_request(model, tokenizer, request)?;
+    check_draft(model, draft, tokenizer, request)?;
+    kv_options(model, request)?;
+    kv_options(draft.model, request)?;
+    let prompt = &request.prompt;
+
+    reset_peak_memory();
+    let start = Instant::now();
+    let mut cache = model.make_cache(None);
+    let mut draft_cache = draft.model.make_cache(None);
+    for layer in cache.iter_mut().chain(draft_cache.iter_mut()) {
+        layer.release_before(i32::MAX);
+    }
+    let quantize = |cache: &mut [KvCache]| -> Result<()> {
+        if let Some(q) = request.kv_quantization {
+            for layer in cache.iter_mut() {
+                if layer.offset() as usize >= request.quantized_kv_start {
+                    layer.quantize(q)?;
+                }
+            }
+        }
+        Ok(())
+    };
+    let mut sampler = Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?;
+
+    // Both models prefill all but the last prompt token (the draft first, as mlx_lm).
+    let step = request.prefill_step_size.max(1);
+    for (m, c) in [(draft.model, &mut draft_cache), (model, &mut cache)] {
+        for chunk in prompt[..prompt.len() - 1].chunks(step) {
+            m.prefill(&ids(chunk), c)?;
+            quantize(c)?;
+            eval(c.iter().flat_map(KvCache::state))?;
+        }
+    }
+
+    let window = request.sampling.history_window();
+    // Every token so far (for the logits processors' window).
+    let mut tokens = prompt.clone();
+    let mut sink = TokenSink::new(request, stop_ids, max_tokens);
+    let last = prompt[prompt.len() - 1];
+    // What each model reads next: the model the last emitted token, the draft that one too, or
+    // the last proposal before it when every proposal was accepted (the draft never read it).
+    let mut draft_input = vec![last];
+    let mut input = last;
+    let mut first_token_at = None;
+    let top = request.logprobs;
+    'generation: loop {
+        let k = (max_tokens - sink.generated).min(draft.num_draft_tokens);
+        let mut proposed: Vec<u32> = Vec::with_capacity(k);
+        let mut feed = draft_input.clone();
+        for _ in 0..k {
+            let logits = last_rows(&draft.model.forward(&ids(&feed), &mut draft_cache)?, 1)?;
+            quantize(&mut draft_cache)?;
+            let history = recent(&tokens, &proposed, window);
+            let sampled = sample_after(&logits, &mut sampler, history.as_ref(), None)?;
+            let token = sampled.read().0;
+            proposed.push(token);
+            feed = vec![token];
+        }
+        sink.output.stats.draft_tokens += k;
+
+        let verify: Vec<u32> = std::iter::once(input)
+            .chain(proposed.iter().copied())
+            .collect();
+        let logits = model.forward(&ids(&verify), &mut cache)?;
+        quantize(&mut cache)?;
+        let rows = last_rows(&logits, k + 1)?;
+        // As mlx_lm: without logits processors one sampler call for every position (one random
+        // key), with them position by position, each after the tokens before it.
+        let samples: Vec<Sampled> = if sampler.has_logits_processors() {
+            let mut samples = Vec::with_capacity(k + 1);
+            for i in 0..=k {
+                let row = slice(&rows, &[i as i32, 0], &[i as i32 + 1, rows.shape()[1]])?;
+                let history = recent(&tokens, &proposed[..i], window);
+                samples.push(sample_after(&row, &mut sampler, history.as_ref(), top)?);
+            }
+            samples
+        } else {
+            sample_rows(&rows, &mut sampler, top)?
+        };
+        eval(samples.iter().flat_map(Sampled::arrays))?;
+
+        let mut accepted = 0;
+        let mut ended = false;
+        for (i, sample) in samples.iter().enumerate() {
+            let (id, logprobs) = sample.read();
+            let from_draft = i < k && id == proposed[i];
+            first_token_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
+            tokens.push(id);
+            let pushed = sink.push(tokenizer, id, logprobs)?;
+            if from_draft {
+                accepted += 1;
+            }
+            match pushed {
+                Pushed::Token(mut event) => {
+                    event.from_draft = from_draft;
+                    if on_token(&event).is_break() {
+                        sink.output.finish_reason = FinishReason::Cancelled;
+                        ended = true;
+                        break;
+                    }
+                }
+                Pushed::Last(event) => {
+                    if let Some(mut event) = event {
+                        event.from_draft = from_draft;
+                        let _ = on_token(&event);
+                    }
+                    ended = true;
+                    break;
+                }
+            }
+            if !from_draft {
+                break;
+            }
+        }
+        sink.output.stats.accepted_draft_tokens += accepted;
+        if ended {
+            break 'generation;
+        }
+        // Keep what was accepted: the model read `input` and every proposal, the draft its
+        // input and every proposal but the last.
+        let emitted = tokens[tokens.len() - 1];
+        trim(&mut cache, (k - accepted) as i32);
+        trim(&mut draft_cache, (k - accepted).saturating_sub(1) as i32);
+        input = emitted;
+        draft_input = if accepted == k {
+            vec![proposed[k - 1], emitted]
+        } else {
+            vec![emitted]
+        };
+    }
+    if let Some(tail) = sink.finish(tokenizer)? {
+        let _ = on_token(&tail);
+    }
+    let n = sink.generated;
+    let mut output = sink.output;
+    let total = start.elapsed().as_secs_f64();
+    output
+        .stats
+        .set_timings(n, first_token_at.unwrap_or(total), total);
+    output.stats.peak_memory_bytes = memory_stats().peak_bytes;
+    Ok(output)
+}
+
+fn check_draft(
+    model: &dyn Model,
+    draft: &Draft<'_>,
+    tokenizer: &Tokenizer,
+    request: &GenerateRequest,
+) -> Result<()> {
+    let refuse = |message: &str| Err(EngineError::Request(message.to_string()));
+    if !(1..=Draft::MAX_NUM_DRAFT_TOKENS).contains(&draft.num_draft_tokens) {
+        return Err(EngineError::Request(format!(
+            "num_draft_tokens must be 1 to {}, not {}",
+            Draft::MAX_NUM_DRAFT_TOKENS,
+            draft.num_draft_tokens
+        )));
+    }
+    if !tokenizer.same_vocabulary(draft.tokenizer) {
+        return refuse(
+            "the draft model's tokenizer does not match the model's: speculative decoding needs \
+             a draft of the same family (the same tokens and ids)",
+        );
+    }
+    if draft.model.info().vocab_size > model.info().vocab_size {
+        return Err(EngineError::Request(format!(
+            "the draft model's vocabulary ({}) is larger than the model's ({})",
+            draft.model.info().vocab_size,
+            model.info().vocab_size
+        )));
+    }
+    if model.has_recurrent_layers() || draft.model.has_recurrent_layers() {
+        return refuse(
+            "speculative decoding needs caches it can rewind: models with linear-attention \
+             layers (a recurrent state) cannot draft or be drafted for",
+        );
+    }
+    if request.max_kv_size.is_some() {
+        return refuse("speculative decoding cannot rewind a cache bounded by max_kv_size");
+    }
+    if request.grammar.is_some() || request.next_token_logprobs {
+        return refuse(
+            "speculative decoding generates plain tokens: no response format or next-token \
+             log-probabilities",
+        );
+    }
+    Ok(())
+}
+
+/// Token ids `[1, n]`.
+fn ids(tokens: &[u32]) -> Array {
+    Array::from_slice(tokens, &[1, tokens.len() as i32])
+}
+
+/// The last `n` positions' logits `[n, vocab]` of logits `[1, seq, vocab]`.
+fn last_rows(logits: &Array, n: usize) -> Result<Array> {
+    let s = logits.shape();
+    let rows = slice(logits, &[0, s[1] - n as i32, 0], &[1, s[1], s[2]])?;
+    Ok(rows.reshape(&[n as i32, s[2]])?)
+}
+
+/// The logits processors' window over `tokens` then `more`: their last `window` ids, `None`
+/// without processors that read them.
+fn recent(tokens: &[u32], more: &[u32], window: usize) -> Option<Array> {
+    if window == 0 {
+        return None;
+    }
+    let all: Vec<u32> = tokens.iter().chain(more).copied().collect();
+    let tail = &all[all.len().saturating_sub(window)..];
+    Some(Array::from_slice(tail, &[tail.len() as i32]))
+}
+
+fn trim(cache: &mut [KvCache], n: i32) {
+    for layer in cache {
+        layer.trim(n);
+    }
+}
