@@ -29,6 +29,13 @@ pub struct ServeArgs {
     /// Let web pages from ORIGIN (e.g. http://localhost:3000, or * for any) call the API (repeatable).
     #[arg(long = "cors-origin", value_name = "ORIGIN", value_parser = parse_origin)]
     pub cors_origins: Vec<HeaderValue>,
+    /// A draft model (directory or downloaded Hub id, the model's tokenizer): requests then use
+    /// speculative decoding unless they set `num_draft_tokens` to 0.
+    #[arg(long)]
+    pub draft_model: Option<PathBuf>,
+    /// With --draft-model: tokens proposed per step unless a request says.
+    #[arg(long, default_value_t = perch_engine::Draft::DEFAULT_NUM_DRAFT_TOKENS)]
+    pub num_draft_tokens: usize,
 }
 
 fn parse_max_requests(arg: &str) -> Result<usize, String> {
@@ -70,9 +77,20 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             )
         })?;
     eprintln!("loading {}", dir.display());
-    let engine = EngineHandle::load(&dir, EngineConfig::default())
-        .with_context(|| format!("loading {}", dir.display()))?;
+    let draft_model = args
+        .draft_model
+        .map(|draft| model_dir::resolve(Some(draft)))
+        .transpose()?;
+    let engine = EngineHandle::load(
+        &dir,
+        EngineConfig {
+            draft_model,
+            ..EngineConfig::default()
+        },
+    )
+    .with_context(|| format!("loading {}", dir.display()))?;
     let config = ServerConfig {
+        num_draft_tokens: args.num_draft_tokens,
         api_key: args.api_key,
         max_requests: args.max_requests,
         cors_origins: args.cors_origins,

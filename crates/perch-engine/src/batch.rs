@@ -471,6 +471,11 @@ impl<'m> BatchGenerator<'m> {
         let continuation = std::mem::take(&mut request.prompt);
         request.prompt = [vec![0; prefix_len], continuation].concat();
         let (max_tokens, stop_ids) = check_request(self.model, self.tokenizer, &request)?;
+        if request.num_draft_tokens.is_some() {
+            return Err(EngineError::Request(
+                "speculative requests run beside the batch (EngineHandle), not in it".into(),
+            ));
+        }
         if request.has_single_stream_kv_options() {
             return Err(EngineError::Request(
                 "max_kv_size and per-request KV quantization run in single-stream generation \

@@ -16,6 +16,7 @@
 //! drops cancelled ones; each step is admission, prefill chunks and one batched decode step.
 
 use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -33,11 +34,12 @@ use crate::cache::KvQuantization;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, Backend, MemoryStats};
 use crate::error::{EngineError, Result};
-use crate::generate::{FinishReason, GenerateRequest, GenerationStats, TokenLogprobs};
+use crate::generate::{FinishReason, GenerateRequest, GenerationStats, TokenEvent, TokenLogprobs};
 use crate::kv_cache_manager::RequestId;
 use crate::models::{self, Model};
 use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
 use crate::slot_cache::SlotAttention;
+use crate::speculative::{Draft, SpeculativeSequence};
 use crate::tokenizer::Tokenizer;
 use crate::weights::LoadProgress;
 
@@ -86,6 +88,11 @@ pub struct EngineConfig {
     /// max_queued_requests` requests in the engine, [`EngineHandle::submit`] answers
     /// [`EngineError::Busy`] at once.
     pub max_queued_requests: usize,
+    /// A draft model (a directory in the mlx-community layout) loaded beside the model, for
+    /// requests with [`GenerateRequest::num_draft_tokens`] (speculative decoding). Its tokenizer
+    /// must be the model's; loading fails otherwise. Such requests run beside the batch, one
+    /// round of proposals each per engine step (see [`crate::speculative`]).
+    pub draft_model: Option<PathBuf>,
     /// Faults on purpose, for tests of what clients do when the engine is slow or fails.
     #[doc(hidden)]
     pub fault_injection: FaultInjection,
@@ -136,6 +143,7 @@ impl Default for EngineConfig {
             logprobs_batch_timeout: std::time::Duration::from_millis(1),
             arrival_window: Self::default_arrival_window(Backend::current()),
             max_queued_requests: Self::DEFAULT_MAX_QUEUED_REQUESTS,
+            draft_model: None,
             fault_injection: FaultInjection::default(),
         }
     }
@@ -297,6 +305,8 @@ pub struct EngineHandle {
     /// Requests submitted and not finished; bounded by `max_requests`.
     outstanding: Arc<AtomicUsize>,
     max_requests: usize,
+    /// Whether a draft model is loaded ([`EngineConfig::draft_model`]).
+    draft_model: bool,
 }
 
 /// A submitted request: its id (for `cancel`) and its event stream.
@@ -349,6 +359,7 @@ impl EngineHandle {
         let max_requests = config
             .max_running
             .saturating_add(config.max_queued_requests);
+        let draft_model = config.draft_model.is_some();
         let queue = Queue {
             inbox,
             submitted: Vec::new(),
@@ -360,6 +371,7 @@ impl EngineHandle {
             stats: Arc::clone(&stats),
             published_at: Instant::now(),
             outstanding: Arc::clone(&outstanding),
+            speculating: HashSet::new(),
         };
         let (loaded_tx, loaded_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -376,9 +388,13 @@ impl EngineHandle {
                             KvQuantization::new(q.bits, q.group_size, head_dim)?;
                         }
                     }
-                    Ok(loaded)
+                    let draft = match &config.draft_model {
+                        Some(dir) => Some(load_draft(dir, loaded.0.as_ref(), &loaded.1)?),
+                        None => None,
+                    };
+                    Ok((loaded, draft))
                 }) {
-                    Ok((model, tokenizer)) => {
+                    Ok(((model, tokenizer), draft)) => {
                         let tokenizer = Arc::new(tokenizer);
                         let pool = BatchConfig::for_budget(
                             model.as_ref(),
@@ -398,6 +414,7 @@ impl EngineHandle {
                         };
                         EngineThread {
                             model,
+                            draft,
                             tokenizer,
                             model_id,
                             queue,
@@ -425,6 +442,7 @@ impl EngineHandle {
             stats,
             outstanding,
             max_requests,
+            draft_model,
         })
     }
 
@@ -433,6 +451,12 @@ impl EngineHandle {
     /// prompt, token counting) without a round trip through the engine.
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
         &self.tokenizer
+    }
+
+    /// Whether a draft model is loaded, for requests with
+    /// [`GenerateRequest::num_draft_tokens`].
+    pub fn has_draft_model(&self) -> bool {
+        self.draft_model
     }
 
     /// The model's context and the KV pool's size in tokens.
@@ -660,6 +684,8 @@ struct Queue {
     /// When `stats` was last replaced.
     published_at: Instant,
     outstanding: Arc<AtomicUsize>,
+    /// Ids of the speculative requests running (beside the batch).
+    speculating: HashSet<RequestId>,
 }
 
 impl Queue {
@@ -683,7 +709,8 @@ impl Queue {
             }),
             Command::PromptCache(job) => self.prompt_cache_jobs.push(job),
             Command::Cancel(id) => {
-                let known = jobs.values().chain(&self.submitted).any(|job| job.id == id);
+                let known = jobs.values().chain(&self.submitted).any(|job| job.id == id)
+                    || self.speculating.contains(&id);
                 if !known {
                     // Not in the engine: it already finished (a submit always reaches the thread
                     // before a cancel of the id it returned), so drop the mark.
@@ -765,7 +792,7 @@ impl Queue {
     fn publish(&mut self, batch: &mut BatchGenerator<'_>) {
         self.published_at = Instant::now();
         let stats = EngineStats {
-            running: batch.num_running(),
+            running: batch.num_running() + self.speculating.len(),
             waiting: batch.num_waiting() + self.submitted.len(),
             finished_requests: self.finished_requests,
             prompt_tps: batch.prompt_throughput.rate(),
@@ -842,8 +869,35 @@ impl Queue {
     }
 }
 
+/// Loads a draft model and checks it against the model (see [`crate::speculative::Draft`]).
+fn load_draft(
+    dir: &Path,
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+) -> Result<(Box<dyn Model>, Tokenizer)> {
+    let draft = models::load(dir)?;
+    let draft_tokenizer = Tokenizer::load(dir)?;
+    if !tokenizer.same_vocabulary(&draft_tokenizer) {
+        return Err(EngineError::Request(format!(
+            "the draft model {} has another tokenizer than the model: speculative decoding needs \
+             a draft of the same family (the same tokens and ids)",
+            dir.display()
+        )));
+    }
+    if draft.info().vocab_size > model.info().vocab_size || draft.has_recurrent_layers() {
+        return Err(EngineError::Request(format!(
+            "the draft model {} cannot draft for this model (a larger vocabulary, or \
+             linear-attention layers, whose state cannot be rewound)",
+            dir.display()
+        )));
+    }
+    Ok((draft, draft_tokenizer))
+}
+
 struct EngineThread {
     model: Box<dyn Model>,
+    /// The draft model and its tokenizer, when [`EngineConfig::draft_model`] is set.
+    draft: Option<(Box<dyn Model>, Tokenizer)>,
     tokenizer: Arc<Tokenizer>,
     model_id: String,
     queue: Queue,
@@ -857,6 +911,7 @@ impl EngineThread {
         let mut ready = Some(ready);
         let EngineThread {
             model,
+            draft,
             tokenizer,
             model_id,
             mut queue,
@@ -878,6 +933,8 @@ impl EngineThread {
         };
         let mut pass = Pass {
             model: model.as_ref(),
+            draft: draft.as_ref().map(|(m, t)| (m.as_ref(), t)),
+            speculating: Vec::new(),
             tokenizer: &tokenizer,
             model_id: &model_id,
             config: &config,
@@ -912,7 +969,12 @@ impl EngineThread {
                  restarted",
                 panic_message(panic.as_ref())
             );
-            for (_, job) in std::mem::take(&mut pass.jobs) {
+            let speculating = std::mem::take(&mut pass.speculating).into_iter();
+            queue.speculating.clear();
+            for job in std::mem::take(&mut pass.jobs)
+                .into_values()
+                .chain(speculating.map(|(job, _)| job))
+            {
                 queue.finish(
                     &job,
                     FinishReason::Error,
@@ -937,6 +999,10 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// in the batch (batch request id -> the submitted job it serves, waiting or running).
 struct Pass<'m> {
     model: &'m dyn Model,
+    /// The draft model and its tokenizer, when loaded.
+    draft: Option<(&'m dyn Model, &'m Tokenizer)>,
+    /// Speculative requests: each runs beside the batch, a step of its own per engine step.
+    speculating: Vec<(Job, SpeculativeSequence<'m>)>,
     tokenizer: &'m Tokenizer,
     model_id: &'m str,
     config: &'m EngineConfig,
@@ -951,6 +1017,7 @@ impl Pass<'_> {
         let config = self.config;
         loop {
             if batch.is_empty()
+                && self.speculating.is_empty()
                 && queue.submitted.is_empty()
                 && queue.prompt_cache_jobs.is_empty()
                 && !queue.shutting_down
@@ -1005,6 +1072,18 @@ impl Pass<'_> {
                     ),
                 }
             }
+            for (job, sequence) in std::mem::take(&mut self.speculating) {
+                if queue.shutting_down || queue.is_cancelled(job.id) {
+                    queue.speculating.remove(&job.id);
+                    let stats = sequence
+                        .finish(self.tokenizer, &mut |_| ControlFlow::Continue(()))
+                        .map(|o| o.stats)
+                        .unwrap_or_default();
+                    queue.finish(&job, FinishReason::Cancelled, stats, None);
+                } else {
+                    self.speculating.push((job, sequence));
+                }
+            }
             if queue.shutting_down {
                 queue.publish_and_flush(batch);
                 return;
@@ -1018,6 +1097,7 @@ impl Pass<'_> {
             if !batch.is_empty() {
                 self.step(batch, queue);
             }
+            self.speculate(batch, queue);
             let moved = queues(batch) != before;
             queue.publish_if_due_and_flush(batch, moved);
         }
@@ -1077,6 +1157,16 @@ impl Pass<'_> {
     /// Hands the submitted requests to the batch (or refuses them).
     fn admit(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
         for job in std::mem::take(&mut queue.submitted) {
+            if let Some(num_draft_tokens) = job.request.params.num_draft_tokens {
+                match self.start_speculating(&job, num_draft_tokens) {
+                    Ok(sequence) => {
+                        queue.speculating.insert(job.id);
+                        self.speculating.push((job, sequence));
+                    }
+                    Err(err) => queue.refuse(&job, err.to_string()),
+                }
+                continue;
+            }
             let inserted = match &job.request.prompt {
                 Prompt::AfterCache { cache_file, tokens } => {
                     load_prompt_cache(cache_file, self.model, self.model_id).and_then(|prefix| {
@@ -1096,6 +1186,108 @@ impl Pass<'_> {
                     self.jobs.insert(id, job);
                 }
                 Err(err) => queue.refuse(&job, err.to_string()),
+            }
+        }
+    }
+}
+
+impl<'m> Pass<'m> {
+    /// A speculative request's sequence (checked; nothing runs yet).
+    fn start_speculating(
+        &self,
+        job: &Job,
+        num_draft_tokens: usize,
+    ) -> Result<SpeculativeSequence<'m>> {
+        let Some((draft, draft_tokenizer)) = self.draft else {
+            return Err(EngineError::Request(
+                "no draft model is loaded: speculative decoding needs one (the engine's \
+                 draft_model, `perch serve --draft-model`)"
+                    .into(),
+            ));
+        };
+        let mut request = job.request.params.clone();
+        request.prompt = match &job.request.prompt {
+            Prompt::AfterCache { cache_file, .. } => {
+                return Err(EngineError::PromptCache {
+                    path: cache_file.clone(),
+                    message: "a speculative request cannot start from a prompt cache".into(),
+                })
+            }
+            prompt => tokens_of(prompt, self.tokenizer)?,
+        };
+        // Its prompt goes in chunks no larger than the batch's prefill budget, one per step,
+        // so that running streams keep their pace.
+        request.prefill_step_size = request
+            .prefill_step_size
+            .min(self.config.prefill_token_budget.max(1));
+        SpeculativeSequence::new(
+            self.model,
+            &Draft {
+                model: draft,
+                tokenizer: draft_tokenizer,
+                num_draft_tokens,
+            },
+            self.tokenizer,
+            &request,
+        )
+    }
+
+    /// One step of every speculative request (a prompt chunk, or a round of proposals); their
+    /// events go to the outbox.
+    fn speculate(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        for (job, sequence) in std::mem::take(&mut self.speculating) {
+            let mut sequence = Some(sequence);
+            let mut tokens = 0;
+            let mut send = |event: &TokenEvent| {
+                tokens += event.id.is_some() as usize;
+                queue.send(
+                    &job,
+                    EngineEvent::Token {
+                        id: event.id,
+                        text: event.text.clone(),
+                        logprobs: event.logprobs.clone(),
+                    },
+                );
+                ControlFlow::Continue(())
+            };
+            let running = sequence.as_mut().expect("not finished yet");
+            let ended = match running.step(self.tokenizer, &mut send) {
+                Ok(false) => None,
+                Ok(true) => Some(
+                    sequence
+                        .take()
+                        .expect("not finished yet")
+                        .finish(self.tokenizer, &mut send),
+                ),
+                Err(err) => Some(Err(err)),
+            };
+            batch.generation_throughput.record(tokens);
+            match ended {
+                None => self
+                    .speculating
+                    .push((job, sequence.expect("still running"))),
+                Some(output) => {
+                    queue.speculating.remove(&job.id);
+                    match output {
+                        Ok(output) => queue.end(
+                            &job,
+                            EngineEvent::Finished {
+                                finish_reason: output.finish_reason,
+                                stats: output.stats,
+                                error: None,
+                                refused: false,
+                                stop_string: output.stop_string,
+                                next_token_logprobs: None,
+                            },
+                        ),
+                        Err(err) => queue.finish(
+                            &job,
+                            FinishReason::Error,
+                            GenerationStats::default(),
+                            Some(err.to_string()),
+                        ),
+                    }
+                }
             }
         }
     }

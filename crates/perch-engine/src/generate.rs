@@ -71,6 +71,10 @@ pub struct GenerateRequest {
     /// (mlx_lm's `--quantized-kv-start`; a cache is converted after the forward pass that takes
     /// it to this many positions, as mlx_lm's `maybe_quantize_kv_cache`).
     pub quantized_kv_start: usize,
+    /// Speculative decoding with the engine's draft model ([`crate::EngineConfig::draft_model`]),
+    /// proposing this many tokens a step (see [`crate::speculative`]). [`generate`] refuses it
+    /// (the CLI calls [`crate::generate_speculative`] with its draft).
+    pub num_draft_tokens: Option<usize>,
 }
 
 impl GenerateRequest {
@@ -94,6 +98,7 @@ impl GenerateRequest {
             max_kv_size: None,
             kv_quantization: None,
             quantized_kv_start: Self::DEFAULT_QUANTIZED_KV_START,
+            num_draft_tokens: None,
         }
     }
 
@@ -195,6 +200,11 @@ pub fn generate(
     if request.grammar.is_some() {
         return Err(EngineError::InvalidGrammar(
             "constrained output runs in the batch engine (EngineHandle), not in generate".into(),
+        ));
+    }
+    if request.num_draft_tokens.is_some() {
+        return Err(EngineError::Request(
+            "a draft model is given to generate_speculative, not generate".into(),
         ));
     }
 
@@ -419,6 +429,11 @@ impl TokenSink {
                 },
             },
         }
+    }
+
+    /// The most tokens this request may generate.
+    pub(crate) fn max_tokens(&self) -> usize {
+        self.max_tokens
     }
 
     pub(crate) fn push(

@@ -63,20 +63,83 @@ pub fn generate_speculative(
     request: &GenerateRequest,
     mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
 ) -> Result<GenerateOutput> {
-    let (max_tokens, stop_ids) = check_request(model, tokenizer, request)?;
-    check_draft(model, draft, tokenizer, request)?;
-    kv_options(model, request)?;
-    kv_options(draft.model, request)?;
-    let prompt = &request.prompt;
-
+    let mut sequence = SpeculativeSequence::new(model, draft, tokenizer, request)?;
     reset_peak_memory();
-    let start = Instant::now();
-    let mut cache = model.make_cache(None);
-    let mut draft_cache = draft.model.make_cache(None);
-    for layer in cache.iter_mut().chain(draft_cache.iter_mut()) {
-        layer.release_before(i32::MAX);
+    while !sequence.step(tokenizer, &mut on_token)? {}
+    sequence.finish(tokenizer, &mut on_token)
+}
+
+/// One sequence of speculative decoding, advanced a step at a time (the engine interleaves
+/// such steps with its batch's): a prompt chunk of each model, or one round of proposals and
+/// their verification.
+pub(crate) struct SpeculativeSequence<'m> {
+    model: &'m dyn Model,
+    draft: &'m dyn Model,
+    num_draft_tokens: usize,
+    request: GenerateRequest,
+    cache: Vec<KvCache>,
+    draft_cache: Vec<KvCache>,
+    sampler: Sampler,
+    /// Prompt tokens (all but the last) both models have read.
+    prefilled: usize,
+    /// Every token so far (for the logits processors' window).
+    tokens: Vec<u32>,
+    sink: TokenSink,
+    /// What each model reads next: the model the last emitted token, the draft that one too,
+    /// or the last proposal before it when every proposal was accepted (the draft never read
+    /// it).
+    input: u32,
+    draft_input: Vec<u32>,
+    start: Instant,
+    first_token_at: Option<f64>,
+    done: bool,
+}
+
+impl<'m> SpeculativeSequence<'m> {
+    /// Checks the request and the draft; nothing runs yet.
+    pub(crate) fn new(
+        model: &'m dyn Model,
+        draft: &Draft<'m>,
+        tokenizer: &Tokenizer,
+        request: &GenerateRequest,
+    ) -> Result<Self> {
+        let (max_tokens, stop_ids) = check_request(model, tokenizer, request)?;
+        check_draft(model, draft, tokenizer, request)?;
+        kv_options(model, request)?;
+        kv_options(draft.model, request)?;
+        let mut cache = model.make_cache(None);
+        let mut draft_cache = draft.model.make_cache(None);
+        for layer in cache.iter_mut().chain(draft_cache.iter_mut()) {
+            layer.release_before(i32::MAX);
+        }
+        let last = request.prompt[request.prompt.len() - 1];
+        Ok(Self {
+            model,
+            draft: draft.model,
+            num_draft_tokens: draft.num_draft_tokens,
+            cache,
+            draft_cache,
+            sampler: Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?,
+            prefilled: 0,
+            tokens: request.prompt.clone(),
+            sink: TokenSink::new(request, stop_ids, max_tokens),
+            input: last,
+            draft_input: vec![last],
+            start: Instant::now(),
+            first_token_at: None,
+            done: false,
+            request: request.clone(),
+        })
     }
-    let quantize = |cache: &mut [KvCache]| -> Result<()> {
+
+    /// Prompt tokens still to prefill (all but the last one go through prefill).
+    pub(crate) fn prefill_left(&self) -> usize {
+        self.request.prompt.len() - 1 - self.prefilled
+    }
+
+    /// Quantizes caches that reached the request's `quantized_kv_start` (mlx_lm's order: after
+    /// each forward pass).
+    fn quantize(request: &GenerateRequest, cache: &mut [KvCache]) -> Result<()> {
         if let Some(q) = request.kv_quantization {
             for layer in cache.iter_mut() {
                 if layer.offset() as usize >= request.quantized_kv_start {
@@ -85,63 +148,85 @@ pub fn generate_speculative(
             }
         }
         Ok(())
-    };
-    let mut sampler = Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?;
-
-    // Both models prefill all but the last prompt token (the draft first, as mlx_lm).
-    let step = request.prefill_step_size.max(1);
-    for (m, c) in [(draft.model, &mut draft_cache), (model, &mut cache)] {
-        for chunk in prompt[..prompt.len() - 1].chunks(step) {
-            m.prefill(&ids(chunk), c)?;
-            quantize(c)?;
-            eval(c.iter().flat_map(KvCache::state))?;
-        }
     }
 
-    let window = request.sampling.history_window();
-    // Every token so far (for the logits processors' window).
-    let mut tokens = prompt.clone();
-    let mut sink = TokenSink::new(request, stop_ids, max_tokens);
-    let last = prompt[prompt.len() - 1];
-    // What each model reads next: the model the last emitted token, the draft that one too, or
-    // the last proposal before it when every proposal was accepted (the draft never read it).
-    let mut draft_input = vec![last];
-    let mut input = last;
-    let mut first_token_at = None;
-    let top = request.logprobs;
-    'generation: loop {
-        let k = (max_tokens - sink.generated).min(draft.num_draft_tokens);
+    /// One step: the next prompt chunk of both models (the draft first, as mlx_lm), or one
+    /// round of proposals and verification, whose tokens go to `on_token`. True when the
+    /// sequence has ended (then call [`SpeculativeSequence::finish`]).
+    pub(crate) fn step(
+        &mut self,
+        tokenizer: &Tokenizer,
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<bool> {
+        if self.done {
+            return Ok(true);
+        }
+        let left = self.prefill_left();
+        if left > 0 {
+            let n = left.min(self.request.prefill_step_size.max(1));
+            let chunk = &self.request.prompt[self.prefilled..self.prefilled + n];
+            for (m, c) in [
+                (self.draft, &mut self.draft_cache),
+                (self.model, &mut self.cache),
+            ] {
+                m.prefill(&ids(chunk), c)?;
+                Self::quantize(&self.request, c)?;
+                eval(c.iter().flat_map(KvCache::state))?;
+            }
+            self.prefilled += n;
+            return Ok(false);
+        }
+        self.done = self.round(tokenizer, on_token)?;
+        Ok(self.done)
+    }
+
+    /// Proposals, their verification, the emitted tokens and the caches trimmed back.
+    fn round(
+        &mut self,
+        tokenizer: &Tokenizer,
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<bool> {
+        let request = &self.request;
+        let window = request.sampling.history_window();
+        let top = request.logprobs;
+        let max_tokens = self.sink.max_tokens();
+        let k = (max_tokens - self.sink.generated).min(self.num_draft_tokens);
         let mut proposed: Vec<u32> = Vec::with_capacity(k);
-        let mut feed = draft_input.clone();
+        let mut feed = self.draft_input.clone();
         for _ in 0..k {
-            let logits = last_rows(&draft.model.forward(&ids(&feed), &mut draft_cache)?, 1)?;
-            quantize(&mut draft_cache)?;
-            let history = recent(&tokens, &proposed, window);
-            let sampled = sample_after(&logits, &mut sampler, history.as_ref(), None)?;
+            let logits = last_rows(&self.draft.forward(&ids(&feed), &mut self.draft_cache)?, 1)?;
+            Self::quantize(request, &mut self.draft_cache)?;
+            let history = recent(&self.tokens, &proposed, window);
+            let sampled = sample_after(&logits, &mut self.sampler, history.as_ref(), None)?;
             let token = sampled.read().0;
             proposed.push(token);
             feed = vec![token];
         }
-        sink.output.stats.draft_tokens += k;
+        self.sink.output.stats.draft_tokens += k;
 
-        let verify: Vec<u32> = std::iter::once(input)
+        let verify: Vec<u32> = std::iter::once(self.input)
             .chain(proposed.iter().copied())
             .collect();
-        let logits = model.forward(&ids(&verify), &mut cache)?;
-        quantize(&mut cache)?;
+        let logits = self.model.forward(&ids(&verify), &mut self.cache)?;
+        Self::quantize(request, &mut self.cache)?;
         let rows = last_rows(&logits, k + 1)?;
         // As mlx_lm: without logits processors one sampler call for every position (one random
         // key), with them position by position, each after the tokens before it.
-        let samples: Vec<Sampled> = if sampler.has_logits_processors() {
+        let samples: Vec<Sampled> = if self.sampler.has_logits_processors() {
             let mut samples = Vec::with_capacity(k + 1);
             for i in 0..=k {
                 let row = slice(&rows, &[i as i32, 0], &[i as i32 + 1, rows.shape()[1]])?;
-                let history = recent(&tokens, &proposed[..i], window);
-                samples.push(sample_after(&row, &mut sampler, history.as_ref(), top)?);
+                let history = recent(&self.tokens, &proposed[..i], window);
+                samples.push(sample_after(
+                    &row,
+                    &mut self.sampler,
+                    history.as_ref(),
+                    top,
+                )?);
             }
             samples
         } else {
-            sample_rows(&rows, &mut sampler, top)?
+            sample_rows(&rows, &mut self.sampler, top)?
         };
         eval(samples.iter().flat_map(Sampled::arrays))?;
 
@@ -150,9 +235,10 @@ pub fn generate_speculative(
         for (i, sample) in samples.iter().enumerate() {
             let (id, logprobs) = sample.read();
             let from_draft = i < k && id == proposed[i];
-            first_token_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
-            tokens.push(id);
-            let pushed = sink.push(tokenizer, id, logprobs)?;
+            self.first_token_at
+                .get_or_insert_with(|| self.start.elapsed().as_secs_f64());
+            self.tokens.push(id);
+            let pushed = self.sink.push(tokenizer, id, logprobs)?;
             if from_draft {
                 accepted += 1;
             }
@@ -160,7 +246,7 @@ pub fn generate_speculative(
                 Pushed::Token(mut event) => {
                     event.from_draft = from_draft;
                     if on_token(&event).is_break() {
-                        sink.output.finish_reason = FinishReason::Cancelled;
+                        self.sink.output.finish_reason = FinishReason::Cancelled;
                         ended = true;
                         break;
                     }
@@ -178,33 +264,46 @@ pub fn generate_speculative(
                 break;
             }
         }
-        sink.output.stats.accepted_draft_tokens += accepted;
+        self.sink.output.stats.accepted_draft_tokens += accepted;
         if ended {
-            break 'generation;
+            return Ok(true);
         }
         // Keep what was accepted: the model read `input` and every proposal, the draft its
         // input and every proposal but the last.
-        let emitted = tokens[tokens.len() - 1];
-        trim(&mut cache, (k - accepted) as i32);
-        trim(&mut draft_cache, (k - accepted).saturating_sub(1) as i32);
-        input = emitted;
-        draft_input = if accepted == k {
+        let emitted = self.tokens[self.tokens.len() - 1];
+        trim(&mut self.cache, (k - accepted) as i32);
+        trim(
+            &mut self.draft_cache,
+            (k - accepted).saturating_sub(1) as i32,
+        );
+        self.input = emitted;
+        self.draft_input = if accepted == k {
             vec![proposed[k - 1], emitted]
         } else {
             vec![emitted]
         };
+        Ok(false)
     }
-    if let Some(tail) = sink.finish(tokenizer)? {
-        let _ = on_token(&tail);
+
+    /// Ends the sequence (early, for a cancel): the text held back goes to `on_token`, and the
+    /// output with its stats is returned.
+    pub(crate) fn finish(
+        mut self,
+        tokenizer: &Tokenizer,
+        on_token: &mut dyn FnMut(&TokenEvent) -> ControlFlow<()>,
+    ) -> Result<GenerateOutput> {
+        if let Some(tail) = self.sink.finish(tokenizer)? {
+            let _ = on_token(&tail);
+        }
+        let n = self.sink.generated;
+        let mut output = self.sink.output;
+        let total = self.start.elapsed().as_secs_f64();
+        output
+            .stats
+            .set_timings(n, self.first_token_at.unwrap_or(total), total);
+        output.stats.peak_memory_bytes = memory_stats().peak_bytes;
+        Ok(output)
     }
-    let n = sink.generated;
-    let mut output = sink.output;
-    let total = start.elapsed().as_secs_f64();
-    output
-        .stats
-        .set_timings(n, first_token_at.unwrap_or(total), total);
-    output.stats.peak_memory_bytes = memory_stats().peak_bytes;
-    Ok(output)
 }
 
 fn check_draft(

@@ -208,3 +208,96 @@ fn bad_drafts_are_refused() {
     );
     assert!(error.contains("tokenizer does not match"), "{error}");
 }
+
+/// Through the engine: speculative requests (the engine's draft, here the model itself) run
+/// beside a plain one and each answers mlx_lm's greedy ids; their stats count the proposals, the
+/// engine counts them running, a cancel ends one, and an engine without a draft refuses them.
+#[test]
+fn the_engine_runs_speculative_requests_beside_the_batch() {
+    use perch_engine::{EngineConfig, EngineHandle, EngineRequest, Prompt};
+    let dir = common::model_dir();
+    let engine = EngineHandle::load(
+        &dir,
+        EngineConfig {
+            draft_model: Some(dir.clone()),
+            // Prompts in several chunks, one per engine step.
+            prefill_token_budget: 16,
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let reference = common::reference();
+    let cases = common::short_reference_cases();
+    let submit = |case: &common::ReferenceCase, draft: Option<usize>| {
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = reference.max_tokens;
+        params.num_draft_tokens = draft;
+        engine
+            .submit(EngineRequest {
+                prompt: Prompt::Tokens(case.prompt_ids.clone()),
+                params,
+            })
+            .unwrap()
+    };
+    let streams: Vec<_> = cases
+        .iter()
+        .take(3)
+        .enumerate()
+        .map(|(i, case)| (case, submit(case, (i != 1).then_some(3))))
+        .collect();
+    // A long speculative request, cancelled while it runs.
+    let mut long = GenerateRequest::new(Vec::new());
+    long.max_tokens = 500;
+    long.ignore_eos = true;
+    long.num_draft_tokens = Some(2);
+    let cancelled = engine
+        .submit(EngineRequest {
+            prompt: Prompt::Tokens(cases[0].prompt_ids.clone()),
+            params: long,
+        })
+        .unwrap();
+    let first = cancelled
+        .events
+        .recv_timeout(std::time::Duration::from_secs(300))
+        .unwrap();
+    assert!(matches!(first, perch_engine::EngineEvent::Token { .. }));
+    assert!(engine.stats().unwrap().running >= 1);
+    engine.cancel(cancelled.id);
+    let ended = common::finish(&cancelled);
+    assert_eq!(ended.reason, FinishReason::Cancelled);
+    assert!(ended.ids.len() < 499);
+
+    for (i, (case, stream)) in streams.iter().enumerate() {
+        let done = common::finish(stream);
+        assert_eq!(done.error, None, "case {}", case.id);
+        assert_eq!(
+            done.ids,
+            common::expected_ids(case, done.reason),
+            "case {} ({})",
+            case.id,
+            if i == 1 { "plain" } else { "speculative" }
+        );
+        if i == 1 {
+            assert_eq!(done.stats.draft_tokens, 0);
+        } else {
+            assert!(done.stats.draft_tokens > 0 && done.stats.accepted_draft_tokens > 0);
+        }
+    }
+
+    let plain = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
+    let mut params = GenerateRequest::new(Vec::new());
+    params.num_draft_tokens = Some(3);
+    let refused = common::finish(
+        &plain
+            .submit(EngineRequest {
+                prompt: Prompt::Tokens(cases[0].prompt_ids.clone()),
+                params,
+            })
+            .unwrap(),
+    );
+    assert!(
+        refused.error.as_deref().unwrap().contains("no draft model"),
+        "{:?}",
+        refused.error
+    );
+}

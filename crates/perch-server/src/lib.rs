@@ -57,6 +57,10 @@ pub struct ServerConfig {
     pub cors_origins: Vec<HeaderValue>,
     /// The live counts, shared with whoever shows them (the app's dashboard).
     pub activity: ServerActivity,
+    /// Tokens a draft model proposes per step, when the engine has one
+    /// ([`EngineHandle::has_draft_model`]) and a request does not say (its `num_draft_tokens`,
+    /// mlx_lm's server extension; 0 turns speculative decoding off for it).
+    pub num_draft_tokens: usize,
 }
 
 impl ServerConfig {
@@ -71,6 +75,7 @@ impl ServerConfig {
             max_requests: Self::DEFAULT_MAX_REQUESTS,
             cors_origins: Vec::new(),
             activity: ServerActivity::default(),
+            num_draft_tokens: perch_engine::Draft::DEFAULT_NUM_DRAFT_TOKENS,
         }
     }
 }

@@ -63,6 +63,9 @@ pub(crate) struct Sampling {
     xtc_probability: Option<f32>,
     /// XTC's threshold for a top choice, 0..0.5 (mlx_lm's default 0.1).
     xtc_threshold: Option<f32>,
+    /// Tokens the draft model proposes per step (mlx_lm's server extension; 0: no speculative
+    /// decoding; default: the server's when it has a draft model).
+    num_draft_tokens: Option<usize>,
     #[serde(default)]
     pub stream: bool,
     stream_options: Option<StreamOptions>,
@@ -135,6 +138,7 @@ impl Sampling {
             (-2.0, 2.0),
             "frequency_penalty",
         )?;
+        params.num_draft_tokens = self.num_draft_tokens;
         params.sampling.xtc_probability =
             ApiError::in_range(self.xtc_probability, 0.0, (0.0, 1.0), "xtc_probability")?;
         params.sampling.xtc_threshold = ApiError::in_range(

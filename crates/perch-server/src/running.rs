@@ -65,9 +65,14 @@ impl Running {
     /// longer than the context, …) is the client's error, a 400 with the engine's message (which
     /// names what is wrong, e.g. both lengths) before any stream starts. A 503 when the server
     /// already has as many requests in the engine as it admits.
-    pub async fn start(state: &AppState, request: EngineRequest) -> Result<Self, ApiError> {
+    pub async fn start(state: &AppState, mut request: EngineRequest) -> Result<Self, ApiError> {
         let admitted = state.admit()?;
         let engine = &state.engine;
+        request.params.num_draft_tokens = draft_tokens(
+            &request,
+            engine.has_draft_model(),
+            state.config.num_draft_tokens,
+        );
         let stream = engine.submit(request).map_err(|e| match e {
             // Other clients of the engine (the app's chat) fill its queue too.
             perch_engine::EngineError::Busy { limit } => ApiError::overloaded(limit),
@@ -201,5 +206,49 @@ impl Drop for Running {
         if !self.finished {
             self.engine.cancel(self.id);
         }
+    }
+}
+
+/// How many tokens a draft proposes for `request`: what it asked (`Some(0)`: none), else the
+/// server's default when the engine has a draft; none for what speculative decoding does not
+/// run (a response format, next-token log-probabilities, a prompt cache) unless asked for.
+fn draft_tokens(request: &EngineRequest, has_draft: bool, default: usize) -> Option<usize> {
+    let params = &request.params;
+    match params.num_draft_tokens {
+        Some(0) => None,
+        Some(n) => Some(n),
+        None if !has_draft || default == 0 => None,
+        None => {
+            let speculative = params.grammar.is_none()
+                && !params.next_token_logprobs
+                && !matches!(request.prompt, perch_engine::Prompt::AfterCache { .. });
+            speculative.then_some(default)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use perch_engine::{GenerateRequest, Prompt};
+
+    #[test]
+    fn requests_speculate_by_default_when_a_draft_is_loaded() {
+        let request = |n: Option<usize>, scoring: bool| {
+            let mut params = GenerateRequest::new(Vec::new());
+            params.num_draft_tokens = n;
+            params.next_token_logprobs = scoring;
+            EngineRequest {
+                prompt: Prompt::Tokens(vec![1]),
+                params,
+            }
+        };
+        assert_eq!(draft_tokens(&request(None, false), true, 3), Some(3));
+        assert_eq!(draft_tokens(&request(None, false), false, 3), None);
+        assert_eq!(draft_tokens(&request(Some(5), false), true, 3), Some(5));
+        assert_eq!(draft_tokens(&request(Some(0), false), true, 3), None);
+        assert_eq!(draft_tokens(&request(None, true), true, 3), None);
+        // Asked without a draft: the engine refuses it with its reason.
+        assert_eq!(draft_tokens(&request(Some(2), false), false, 3), Some(2));
     }
 }
