@@ -99,14 +99,30 @@ impl Store {
         Ok(())
     }
 
-    /// The engine configuration the settings ask for (KV budget, block size).
+    /// The engine configuration the settings ask for (KV budget, block size, draft model).
+    /// Errors when the draft model is neither a model directory nor a downloaded Hub id.
     pub fn engine_config(&self) -> Result<EngineConfig, String> {
         let settings = self.lock_settings()?;
+        let draft_model = match settings.draft_model.as_deref() {
+            None => None,
+            Some(draft) => Some(resolve_model(draft).ok_or_else(|| {
+                format!(
+                    "The draft model {draft} is neither a model directory nor a downloaded \
+                     model: change it in Settings."
+                )
+            })?),
+        };
         Ok(EngineConfig {
             kv_cache_bytes: settings.kv_cache_bytes,
             block_size: settings.block_size,
+            draft_model,
             ..EngineConfig::default()
         })
+    }
+
+    /// Tokens the draft model proposes per step (the setting).
+    pub fn num_draft_tokens(&self) -> Result<usize, String> {
+        Ok(self.lock_settings()?.num_draft_tokens)
     }
 
     /// Perch's models directory: the setting, else `perch_hub::models_dir()`.
@@ -140,4 +156,14 @@ impl Store {
             .lock()
             .map_err(|_| super::commands::poisoned())
     }
+}
+
+/// A model directory (with `config.json`), or the snapshot of a Hub id (`org/name`) in the
+/// Hugging Face cache.
+fn resolve_model(model: &str) -> Option<PathBuf> {
+    let dir = PathBuf::from(model);
+    if dir.join("config.json").is_file() {
+        return Some(dir);
+    }
+    perch_hub::hf_cache_dir().and_then(|cache| perch_hub::cached_snapshot(&cache, model))
 }

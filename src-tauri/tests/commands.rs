@@ -1090,3 +1090,52 @@ fn without_a_display_the_app_says_so_and_exits() {
         assert!(!stderr.contains("panicked"), "{display:?}: {stderr}");
     }
 }
+
+/// Speculative decoding from Settings: a draft model (here the model itself, by directory) is
+/// loaded with the next model and chats use it (the answer's stats count its proposals, the
+/// saved answer keeps them); a draft that is not a model fails the load with a sentence, and the
+/// number of draft tokens is checked.
+#[test]
+fn a_draft_model_in_settings_drafts_for_chats() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (app, window) = app(data.path());
+    let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
+    assert_eq!(settings["draft_model"], Value::Null);
+    settings["num_draft_tokens"] = json!(0);
+    let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
+    assert!(
+        error.as_str().unwrap().contains("num_draft_tokens"),
+        "{error}"
+    );
+
+    settings["num_draft_tokens"] = json!(2);
+    settings["draft_model"] = json!("/nonexistent/draft");
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    let error = invoke(&window, "load_model", json!({"path": model_dir()})).unwrap_err();
+    assert!(
+        error
+            .as_str()
+            .unwrap()
+            .contains("draft model /nonexistent/draft"),
+        "{error}"
+    );
+
+    settings["draft_model"] = json!(model_dir());
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    invoke(&window, "load_model", json!({"path": model_dir()})).unwrap();
+    let id = conversation_with(&window, 12);
+    let (text, finished) = run_turn(&app, id, send("Name three colours."));
+    assert!(!text.is_empty());
+    let stats = &finished["stats"];
+    assert!(stats["draft_tokens"].as_u64().unwrap() > 0, "{stats}");
+    assert!(
+        stats["accepted_draft_tokens"].as_u64().unwrap() > 0,
+        "{stats}"
+    );
+    let saved = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(
+        saved["messages"][1]["stats"]["draft_tokens"],
+        stats["draft_tokens"]
+    );
+}

@@ -7,8 +7,9 @@ export function mib(bytes) {
 }
 
 /**
- * One line under an answer: tokens, TTFT, decode tok/s, prompt tokens from the prefix cache, and
- * the finish reason when it is not a normal end. `stats` is the engine's GenerationStats.
+ * One line under an answer: tokens, TTFT, decode tok/s, prompt tokens from the prefix cache, the
+ * share of a draft model's proposals accepted (speculative decoding), and the finish reason when
+ * it is not a normal end. `stats` is the engine's GenerationStats.
  */
 export function describeStats(stats, finishReason) {
   const parts = [`${stats.generation_tokens} tokens`];
@@ -16,6 +17,10 @@ export function describeStats(stats, finishReason) {
   parts.push(`${stats.generation_tps.toFixed(1)} tok/s`);
   if (stats.cached_prompt_tokens) {
     parts.push(`${stats.cached_prompt_tokens} of ${stats.prompt_tokens} prompt tokens cached`);
+  }
+  if (stats.draft_tokens) {
+    const rate = (100 * stats.accepted_draft_tokens) / stats.draft_tokens;
+    parts.push(`draft ${rate.toFixed(0)}% accepted`);
   }
   if (finishReason === "cancelled") parts.push("stopped");
   else if (finishReason === "length") parts.push("hit the token limit");

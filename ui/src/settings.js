@@ -143,7 +143,7 @@ export class SettingsView {
     try {
       this.view = await this.api.saveSettings(this.read());
       this.fill(this.view.settings);
-      this.message.textContent = "Saved. The KV cache budget and block size apply when a model is next loaded.";
+      this.message.textContent = "Saved. The KV cache budget, block size and draft model apply when a model is next loaded.";
       this.message.classList.remove("error");
     } catch (error) {
       this.message.textContent = String(error);

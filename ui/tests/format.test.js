@@ -18,6 +18,11 @@ describe("describeStats", () => {
     expect(describeStats(plain, "cancelled")).toBe("12 tokens · TTFT 250 ms · 10.4 tok/s · stopped");
     expect(describeStats(plain, "length")).toMatch(/hit the token limit$/);
   });
+  it("gives the share of a draft model's proposals accepted", () => {
+    const drafted = { ...stats, cached_prompt_tokens: 0, draft_tokens: 12, accepted_draft_tokens: 9 };
+    expect(describeStats(drafted, "stop")).toBe("12 tokens · TTFT 250 ms · 10.4 tok/s · draft 75% accepted");
+    expect(describeStats({ ...drafted, draft_tokens: 0, accepted_draft_tokens: 0 }, "stop")).not.toMatch(/draft/);
+  });
 });
 
 describe("mib and model status", () => {

@@ -48,6 +48,12 @@ pub struct Settings {
     pub shortcut: String,
     /// The local API server the app runs over its loaded model (`perch-server`).
     pub server: ServerSettings,
+    /// Speculative decoding: a smaller model with the model's tokenizer (a directory or a
+    /// downloaded Hub id) loaded beside it (`EngineConfig::draft_model`); chats then use it.
+    /// `None`: no draft.
+    pub draft_model: Option<String>,
+    /// Tokens the draft model proposes per step (1 to 64).
+    pub num_draft_tokens: usize,
 }
 
 /// The app's local server: OpenAI- and Anthropic-compatible endpoints over the model the app
@@ -116,6 +122,8 @@ impl Default for Settings {
             launch_at_login: false,
             shortcut: "CommandOrControl+Shift+Space".into(),
             server: ServerSettings::default(),
+            draft_model: None,
+            num_draft_tokens: 3,
         }
     }
 }
@@ -192,6 +200,22 @@ impl Settings {
                     format!("must be an absolute path, got {}", dir.display()),
                 );
             }
+        }
+        if !(1..=64).contains(&self.num_draft_tokens) {
+            return invalid(
+                "num_draft_tokens",
+                format!("must be 1 to 64, got {}", self.num_draft_tokens),
+            );
+        }
+        if self
+            .draft_model
+            .as_deref()
+            .is_some_and(|d| d.trim().is_empty())
+        {
+            return invalid(
+                "draft_model",
+                "is empty; leave it unset for no draft".into(),
+            );
         }
         self.server.validate()
     }
@@ -306,8 +330,11 @@ mod tests {
     #[test]
     fn invalid_values_are_named() {
         type Case = (&'static str, fn(&mut Settings));
-        let cases: [Case; 10] = [
+        let cases: [Case; 13] = [
             ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
+            ("num_draft_tokens", |s| s.num_draft_tokens = 0),
+            ("num_draft_tokens", |s| s.num_draft_tokens = 65),
+            ("draft_model", |s| s.draft_model = Some(" ".into())),
             ("chat.max_tokens", |s| s.chat.max_tokens = 0),
             ("kv_cache_bytes", |s| s.kv_cache_bytes = 1 << 20),
             ("kv_cache_bytes", |s| s.kv_cache_bytes = 32 << 30),

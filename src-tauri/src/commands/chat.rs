@@ -166,6 +166,9 @@ pub fn start_chat(
     let sampling = settings.effective_sampling(engine.tokenizer().sampling_defaults());
     params.sampling = sampling.params.clone();
     params.max_tokens = settings.max_tokens;
+    if engine.has_draft_model() {
+        params.num_draft_tokens = Some(store.num_draft_tokens()?);
+    }
     let stream = engine
         .submit(EngineRequest {
             prompt: Prompt::Tokens(prompt),
