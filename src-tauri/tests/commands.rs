@@ -1138,4 +1138,28 @@ fn a_draft_model_in_settings_drafts_for_chats() {
         saved["messages"][1]["stats"]["draft_tokens"],
         stats["draft_tokens"]
     );
+
+    // A conversation's own KV cache options: checked, and a bounded cache answers without
+    // the draft (it cannot be rewound).
+    let mut conversation = saved["settings"].clone();
+    conversation["kv_bits"] = json!(7);
+    let error = invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": conversation}),
+    )
+    .unwrap_err();
+    assert!(error.as_str().unwrap().contains("chat.kv_bits"), "{error}");
+    conversation["kv_bits"] = Value::Null;
+    conversation["max_kv_size"] = json!(8);
+    invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": conversation}),
+    )
+    .unwrap();
+    let (text, finished) = run_turn(&app, id, send("And three animals?"));
+    assert!(!text.is_empty());
+    assert_eq!(finished["stats"]["draft_tokens"], 0);
+    assert_eq!(finished["finish_reason"], "length");
 }

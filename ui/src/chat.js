@@ -18,6 +18,8 @@ const SAMPLING_FIELDS = [
 
 /** Sampling fields the conversation always sets itself, whichever the source (index.html). */
 const OWN_SAMPLING_FIELDS = ["presence_penalty", "frequency_penalty", "xtc_probability", "xtc_threshold"];
+/** The conversation's KV cache options (ConversationSettings' names; empty: none). */
+const KV_FIELDS = ["max_kv_size", "kv_bits", "quantized_kv_start"];
 
 export class ChatView {
   /** `root`: the element holding the chat view's markup (index.html); `api`: src/api.js. */
@@ -387,6 +389,7 @@ export class ChatView {
     const form = this.el.settings;
     form.querySelector("[name=system_prompt]").value = settings?.system_prompt ?? "";
     form.querySelector("[name=max_tokens]").value = settings?.max_tokens ?? "";
+    for (const name of KV_FIELDS) form.querySelector(`[name=${name}]`).value = settings?.[name] ?? "";
     form.querySelector("[name=seed]").value = settings?.sampling?.seed ?? "";
     form.querySelector("[name=sampling_source]").value = settings?.sampling_source ?? "model";
     for (const name of [...SAMPLING_FIELDS.map(([name]) => name), ...OWN_SAMPLING_FIELDS]) {
@@ -409,11 +412,15 @@ export class ChatView {
       if (value(name) !== "") sampling[name] = Number(value(name));
     }
     sampling.seed = value("seed") === "" ? null : Number(value("seed"));
+    const optional = (name) => (value(name) === "" ? null : Number(value(name)));
     return {
       ...this.conversation.settings,
       sampling_source: value("sampling_source"),
       system_prompt: value("system_prompt"),
       max_tokens: Number(value("max_tokens")),
+      max_kv_size: optional("max_kv_size"),
+      kv_bits: optional("kv_bits"),
+      quantized_kv_start: optional("quantized_kv_start") ?? this.conversation.settings.quantized_kv_start,
       sampling,
     };
   }

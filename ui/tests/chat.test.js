@@ -181,11 +181,14 @@ describe("ChatView", () => {
     form.querySelector("[name=presence_penalty]").value = "0.5";
     form.querySelector("[name=xtc_probability]").value = "0.3";
     form.querySelector("[name=xtc_threshold]").value = "0.12";
+    form.querySelector("[name=kv_bits]").value = "8";
+    form.querySelector("[name=quantized_kv_start]").value = "256";
     $("save-conversation-settings").click();
     await tick();
     const [id, saved] = api.setConversationSettings.mock.calls[0];
     expect(id).toBe(1);
     expect(saved).toMatchObject({ system_prompt: "Be brief.", max_tokens: 1024, sampling_source: "custom",
+      max_kv_size: null, kv_bits: 8, quantized_kv_start: 256,
       sampling: { temperature: 0.7, seed: 42, top_k: 0, logit_bias: {}, presence_penalty: 0.5, xtc_probability: 0.3, xtc_threshold: 0.12 } });
   });
 

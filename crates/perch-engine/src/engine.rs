@@ -39,7 +39,7 @@ use crate::kv_cache_manager::RequestId;
 use crate::models::{self, Model};
 use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
 use crate::slot_cache::SlotAttention;
-use crate::speculative::{Draft, SpeculativeSequence};
+use crate::speculative::{Draft, SoloSequence};
 use crate::tokenizer::Tokenizer;
 use crate::weights::LoadProgress;
 
@@ -371,7 +371,7 @@ impl EngineHandle {
             stats: Arc::clone(&stats),
             published_at: Instant::now(),
             outstanding: Arc::clone(&outstanding),
-            speculating: HashSet::new(),
+            solo: HashSet::new(),
         };
         let (loaded_tx, loaded_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -684,8 +684,9 @@ struct Queue {
     /// When `stats` was last replaced.
     published_at: Instant,
     outstanding: Arc<AtomicUsize>,
-    /// Ids of the speculative requests running (beside the batch).
-    speculating: HashSet<RequestId>,
+    /// Ids of the requests running beside the batch (speculative ones, and those with their own
+    /// KV cache options; see [`SoloSequence`]).
+    solo: HashSet<RequestId>,
 }
 
 impl Queue {
@@ -710,7 +711,7 @@ impl Queue {
             Command::PromptCache(job) => self.prompt_cache_jobs.push(job),
             Command::Cancel(id) => {
                 let known = jobs.values().chain(&self.submitted).any(|job| job.id == id)
-                    || self.speculating.contains(&id);
+                    || self.solo.contains(&id);
                 if !known {
                     // Not in the engine: it already finished (a submit always reaches the thread
                     // before a cancel of the id it returned), so drop the mark.
@@ -792,7 +793,7 @@ impl Queue {
     fn publish(&mut self, batch: &mut BatchGenerator<'_>) {
         self.published_at = Instant::now();
         let stats = EngineStats {
-            running: batch.num_running() + self.speculating.len(),
+            running: batch.num_running() + self.solo.len(),
             waiting: batch.num_waiting() + self.submitted.len(),
             finished_requests: self.finished_requests,
             prompt_tps: batch.prompt_throughput.rate(),
@@ -934,7 +935,7 @@ impl EngineThread {
         let mut pass = Pass {
             model: model.as_ref(),
             draft: draft.as_ref().map(|(m, t)| (m.as_ref(), t)),
-            speculating: Vec::new(),
+            solo: Vec::new(),
             tokenizer: &tokenizer,
             model_id: &model_id,
             config: &config,
@@ -969,11 +970,11 @@ impl EngineThread {
                  restarted",
                 panic_message(panic.as_ref())
             );
-            let speculating = std::mem::take(&mut pass.speculating).into_iter();
-            queue.speculating.clear();
+            let solo = std::mem::take(&mut pass.solo).into_iter();
+            queue.solo.clear();
             for job in std::mem::take(&mut pass.jobs)
                 .into_values()
-                .chain(speculating.map(|(job, _)| job))
+                .chain(solo.map(|(job, _)| job))
             {
                 queue.finish(
                     &job,
@@ -1001,8 +1002,9 @@ struct Pass<'m> {
     model: &'m dyn Model,
     /// The draft model and its tokenizer, when loaded.
     draft: Option<(&'m dyn Model, &'m Tokenizer)>,
-    /// Speculative requests: each runs beside the batch, a step of its own per engine step.
-    speculating: Vec<(Job, SpeculativeSequence<'m>)>,
+    /// Requests the batch cannot run (speculative ones, per-sequence KV cache options): each
+    /// runs beside it, a step of its own per engine step.
+    solo: Vec<(Job, SoloSequence<'m>)>,
     tokenizer: &'m Tokenizer,
     model_id: &'m str,
     config: &'m EngineConfig,
@@ -1017,7 +1019,7 @@ impl Pass<'_> {
         let config = self.config;
         loop {
             if batch.is_empty()
-                && self.speculating.is_empty()
+                && self.solo.is_empty()
                 && queue.submitted.is_empty()
                 && queue.prompt_cache_jobs.is_empty()
                 && !queue.shutting_down
@@ -1072,16 +1074,16 @@ impl Pass<'_> {
                     ),
                 }
             }
-            for (job, sequence) in std::mem::take(&mut self.speculating) {
+            for (job, sequence) in std::mem::take(&mut self.solo) {
                 if queue.shutting_down || queue.is_cancelled(job.id) {
-                    queue.speculating.remove(&job.id);
+                    queue.solo.remove(&job.id);
                     let stats = sequence
                         .finish(self.tokenizer, &mut |_| ControlFlow::Continue(()))
                         .map(|o| o.stats)
                         .unwrap_or_default();
                     queue.finish(&job, FinishReason::Cancelled, stats, None);
                 } else {
-                    self.speculating.push((job, sequence));
+                    self.solo.push((job, sequence));
                 }
             }
             if queue.shutting_down {
@@ -1097,7 +1099,7 @@ impl Pass<'_> {
             if !batch.is_empty() {
                 self.step(batch, queue);
             }
-            self.speculate(batch, queue);
+            self.step_solo(batch, queue);
             let moved = queues(batch) != before;
             queue.publish_if_due_and_flush(batch, moved);
         }
@@ -1157,11 +1159,12 @@ impl Pass<'_> {
     /// Hands the submitted requests to the batch (or refuses them).
     fn admit(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
         for job in std::mem::take(&mut queue.submitted) {
-            if let Some(num_draft_tokens) = job.request.params.num_draft_tokens {
-                match self.start_speculating(&job, num_draft_tokens) {
+            let params = &job.request.params;
+            if params.num_draft_tokens.is_some() || params.has_single_stream_kv_options() {
+                match self.start_solo(&job) {
                     Ok(sequence) => {
-                        queue.speculating.insert(job.id);
-                        self.speculating.push((job, sequence));
+                        queue.solo.insert(job.id);
+                        self.solo.push((job, sequence));
                     }
                     Err(err) => queue.refuse(&job, err.to_string()),
                 }
@@ -1192,25 +1195,32 @@ impl Pass<'_> {
 }
 
 impl<'m> Pass<'m> {
-    /// A speculative request's sequence (checked; nothing runs yet).
-    fn start_speculating(
-        &self,
-        job: &Job,
-        num_draft_tokens: usize,
-    ) -> Result<SpeculativeSequence<'m>> {
-        let Some((draft, draft_tokenizer)) = self.draft else {
-            return Err(EngineError::Request(
-                "no draft model is loaded: speculative decoding needs one (the engine's \
-                 draft_model, `perch serve --draft-model`)"
-                    .into(),
-            ));
+    /// The sequence of a request that runs beside the batch (checked; nothing runs yet): a
+    /// speculative one, or one with per-sequence KV cache options.
+    fn start_solo(&self, job: &Job) -> Result<SoloSequence<'m>> {
+        let draft = match (job.request.params.num_draft_tokens, self.draft) {
+            (None, _) => None,
+            (Some(num_draft_tokens), Some((model, tokenizer))) => Some(Draft {
+                model,
+                tokenizer,
+                num_draft_tokens,
+            }),
+            (Some(_), None) => {
+                return Err(EngineError::Request(
+                    "no draft model is loaded: speculative decoding needs one (the engine's \
+                     draft_model, `perch serve --draft-model`)"
+                        .into(),
+                ))
+            }
         };
         let mut request = job.request.params.clone();
         request.prompt = match &job.request.prompt {
             Prompt::AfterCache { cache_file, .. } => {
                 return Err(EngineError::PromptCache {
                     path: cache_file.clone(),
-                    message: "a speculative request cannot start from a prompt cache".into(),
+                    message: "a speculative request, or one with its own KV cache options, cannot \
+                              start from a prompt cache"
+                        .into(),
                 })
             }
             prompt => tokens_of(prompt, self.tokenizer)?,
@@ -1220,74 +1230,56 @@ impl<'m> Pass<'m> {
         request.prefill_step_size = request
             .prefill_step_size
             .min(self.config.prefill_token_budget.max(1));
-        SpeculativeSequence::new(
-            self.model,
-            &Draft {
-                model: draft,
-                tokenizer: draft_tokenizer,
-                num_draft_tokens,
-            },
-            self.tokenizer,
-            &request,
-        )
+        SoloSequence::new(self.model, draft.as_ref(), self.tokenizer, &request)
     }
 
-    /// One step of every speculative request (a prompt chunk, or a round of proposals); their
-    /// events go to the outbox.
-    fn speculate(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
-        for (job, sequence) in std::mem::take(&mut self.speculating) {
-            let mut sequence = Some(sequence);
+    /// One step of every request beside the batch (a prompt chunk, a token, or a round of
+    /// proposals); their events go to the outbox.
+    fn step_solo(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        // By index, the sequences staying in `self.solo` while they step: a panic mid-step
+        // finds every request there (see `EngineThread::run`).
+        let mut i = 0;
+        while i < self.solo.len() {
+            let (job, sequence) = &mut self.solo[i];
+            let job = &*job;
             let mut tokens = 0;
             let mut send = |event: &TokenEvent| {
                 tokens += event.id.is_some() as usize;
-                queue.send(
-                    &job,
-                    EngineEvent::Token {
-                        id: event.id,
-                        text: event.text.clone(),
-                        logprobs: event.logprobs.clone(),
-                    },
-                );
+                queue.send(job, token_message(event));
                 ControlFlow::Continue(())
             };
-            let running = sequence.as_mut().expect("not finished yet");
-            let ended = match running.step(self.tokenizer, &mut send) {
-                Ok(false) => None,
-                Ok(true) => Some(
-                    sequence
-                        .take()
-                        .expect("not finished yet")
-                        .finish(self.tokenizer, &mut send),
-                ),
-                Err(err) => Some(Err(err)),
-            };
+            let stepped = sequence.step(self.tokenizer, &mut send);
+            drop(send);
             batch.generation_throughput.record(tokens);
-            match ended {
-                None => self
-                    .speculating
-                    .push((job, sequence.expect("still running"))),
-                Some(output) => {
-                    queue.speculating.remove(&job.id);
-                    match output {
-                        Ok(output) => queue.end(
-                            &job,
-                            EngineEvent::Finished {
-                                finish_reason: output.finish_reason,
-                                stats: output.stats,
-                                error: None,
-                                refused: false,
-                                stop_string: output.stop_string,
-                                next_token_logprobs: None,
-                            },
-                        ),
-                        Err(err) => queue.finish(
-                            &job,
-                            FinishReason::Error,
-                            GenerationStats::default(),
-                            Some(err.to_string()),
-                        ),
-                    }
-                }
+            if let Ok(false) = stepped {
+                i += 1;
+                continue;
+            }
+            let (job, sequence) = self.solo.remove(i);
+            queue.solo.remove(&job.id);
+            let mut send = |event: &TokenEvent| {
+                queue.send(&job, token_message(event));
+                ControlFlow::Continue(())
+            };
+            let output = stepped.and_then(|_| sequence.finish(self.tokenizer, &mut send));
+            match output {
+                Ok(output) => queue.end(
+                    &job,
+                    EngineEvent::Finished {
+                        finish_reason: output.finish_reason,
+                        stats: output.stats,
+                        error: None,
+                        refused: false,
+                        stop_string: output.stop_string,
+                        next_token_logprobs: None,
+                    },
+                ),
+                Err(err) => queue.finish(
+                    &job,
+                    FinishReason::Error,
+                    GenerationStats::default(),
+                    Some(err.to_string()),
+                ),
             }
         }
     }
@@ -1351,6 +1343,15 @@ impl<'m> Pass<'m> {
                 }
             }
         }
+    }
+}
+
+/// A generated token's event for its stream.
+fn token_message(event: &TokenEvent) -> EngineEvent {
+    EngineEvent::Token {
+        id: event.id,
+        text: event.text.clone(),
+        logprobs: event.logprobs.clone(),
     }
 }
 

@@ -61,11 +61,11 @@ pub struct GenerateRequest {
     /// Bound each attention layer's KV cache to this many positions: the first
     /// [`KvLimit::KEEP`] and the most recent ones (mlx_lm's `--max-kv-size`, a
     /// `RotatingKVCache(max_kv_size, keep=4)` per layer). Sliding-window layers keep their own
-    /// window. [`generate`] only; the batch engine refuses it.
+    /// window. [`generate`], and the engine beside its batch (see [`crate::EngineHandle`]).
     pub max_kv_size: Option<usize>,
     /// Quantize the KV cache once it holds [`GenerateRequest::quantized_kv_start`] positions
-    /// (mlx_lm's `--kv-bits`, `--kv-group-size`). [`generate`] only: the batch engine's pool is
-    /// quantized as a whole (`EngineConfig`'s KV quantization).
+    /// (mlx_lm's `--kv-bits`, `--kv-group-size`). [`generate`], and the engine beside its batch
+    /// (whose pool is quantized as a whole by `EngineConfig`'s KV quantization).
     pub kv_quantization: Option<KvQuantization>,
     /// With `kv_quantization`: positions kept in full precision before the cache is quantized
     /// (mlx_lm's `--quantized-kv-start`; a cache is converted after the forward pass that takes

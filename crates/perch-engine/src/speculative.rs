@@ -63,18 +63,22 @@ pub fn generate_speculative(
     request: &GenerateRequest,
     mut on_token: impl FnMut(&TokenEvent) -> ControlFlow<()>,
 ) -> Result<GenerateOutput> {
-    let mut sequence = SpeculativeSequence::new(model, draft, tokenizer, request)?;
+    let mut sequence = SoloSequence::new(model, Some(draft), tokenizer, request)?;
     reset_peak_memory();
     while !sequence.step(tokenizer, &mut on_token)? {}
     sequence.finish(tokenizer, &mut on_token)
 }
 
-/// One sequence of speculative decoding, advanced a step at a time (the engine interleaves
-/// such steps with its batch's): a prompt chunk of each model, or one round of proposals and
-/// their verification.
-pub(crate) struct SpeculativeSequence<'m> {
+/// One sequence with KV caches of its own, advanced a step at a time (the engine interleaves
+/// such steps with its batch's): a prompt chunk, or one decode step, which with a draft model is
+/// a round of proposals and their verification (speculative decoding). The engine runs requests
+/// this way that its batch cannot: speculative ones, and those with per-sequence KV cache
+/// options (`max_kv_size`, `kv_quantization` from `quantized_kv_start`), exactly as
+/// [`crate::generate()`] runs them.
+pub(crate) struct SoloSequence<'m> {
     model: &'m dyn Model,
-    draft: &'m dyn Model,
+    /// The draft model, for speculative decoding; `None`: one token per step.
+    draft: Option<&'m dyn Model>,
     num_draft_tokens: usize,
     request: GenerateRequest,
     cache: Vec<KvCache>,
@@ -95,28 +99,44 @@ pub(crate) struct SpeculativeSequence<'m> {
     done: bool,
 }
 
-impl<'m> SpeculativeSequence<'m> {
-    /// Checks the request and the draft; nothing runs yet.
+impl<'m> SoloSequence<'m> {
+    /// Checks the request (and the draft, if any); nothing runs yet.
     pub(crate) fn new(
         model: &'m dyn Model,
-        draft: &Draft<'m>,
+        draft: Option<&Draft<'m>>,
         tokenizer: &Tokenizer,
         request: &GenerateRequest,
     ) -> Result<Self> {
         let (max_tokens, stop_ids) = check_request(model, tokenizer, request)?;
-        check_draft(model, draft, tokenizer, request)?;
-        kv_options(model, request)?;
-        kv_options(draft.model, request)?;
+        if request.grammar.is_some() || request.next_token_logprobs {
+            return Err(EngineError::Request(
+                "constrained output and next-token log-probabilities run in the batch, without \
+                 per-sequence KV cache options or a draft"
+                    .into(),
+            ));
+        }
+        let limit = kv_options(model, request)?;
         let mut cache = model.make_cache(None);
-        let mut draft_cache = draft.model.make_cache(None);
+        let mut draft_cache = Vec::new();
+        if let Some(draft) = draft {
+            check_draft(model, draft, tokenizer, request)?;
+            kv_options(draft.model, request)?;
+            draft_cache = draft.model.make_cache(None);
+        }
         for layer in cache.iter_mut().chain(draft_cache.iter_mut()) {
             layer.release_before(i32::MAX);
+        }
+        if let Some(limit) = limit {
+            cache
+                .iter_mut()
+                .filter(|layer| !layer.is_recurrent() && layer.window().is_none())
+                .for_each(|layer| layer.limit_to(limit));
         }
         let last = request.prompt[request.prompt.len() - 1];
         Ok(Self {
             model,
-            draft: draft.model,
-            num_draft_tokens: draft.num_draft_tokens,
+            draft: draft.map(|d| d.model),
+            num_draft_tokens: draft.map_or(0, |d| d.num_draft_tokens),
             cache,
             draft_cache,
             sampler: Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?,
@@ -152,7 +172,7 @@ impl<'m> SpeculativeSequence<'m> {
 
     /// One step: the next prompt chunk of both models (the draft first, as mlx_lm), or one
     /// round of proposals and verification, whose tokens go to `on_token`. True when the
-    /// sequence has ended (then call [`SpeculativeSequence::finish`]).
+    /// sequence has ended (then call [`SoloSequence::finish`]).
     pub(crate) fn step(
         &mut self,
         tokenizer: &Tokenizer,
@@ -165,10 +185,8 @@ impl<'m> SpeculativeSequence<'m> {
         if left > 0 {
             let n = left.min(self.request.prefill_step_size.max(1));
             let chunk = &self.request.prompt[self.prefilled..self.prefilled + n];
-            for (m, c) in [
-                (self.draft, &mut self.draft_cache),
-                (self.model, &mut self.cache),
-            ] {
+            let draft = self.draft.map(|d| (d, &mut self.draft_cache));
+            for (m, c) in draft.into_iter().chain([(self.model, &mut self.cache)]) {
                 m.prefill(&ids(chunk), c)?;
                 Self::quantize(&self.request, c)?;
                 eval(c.iter().flat_map(KvCache::state))?;
@@ -194,7 +212,8 @@ impl<'m> SpeculativeSequence<'m> {
         let mut proposed: Vec<u32> = Vec::with_capacity(k);
         let mut feed = self.draft_input.clone();
         for _ in 0..k {
-            let logits = last_rows(&self.draft.forward(&ids(&feed), &mut self.draft_cache)?, 1)?;
+            let draft = self.draft.expect("proposals come from a draft");
+            let logits = last_rows(&draft.forward(&ids(&feed), &mut self.draft_cache)?, 1)?;
             Self::quantize(request, &mut self.draft_cache)?;
             let history = recent(&self.tokens, &proposed, window);
             let sampled = sample_after(&logits, &mut self.sampler, history.as_ref(), None)?;
@@ -277,7 +296,7 @@ impl<'m> SpeculativeSequence<'m> {
             (k - accepted).saturating_sub(1) as i32,
         );
         self.input = emitted;
-        self.draft_input = if accepted == k {
+        self.draft_input = if k > 0 && accepted == k {
             vec![proposed[k - 1], emitted]
         } else {
             vec![emitted]
@@ -341,12 +360,6 @@ fn check_draft(
     }
     if request.max_kv_size.is_some() {
         return refuse("speculative decoding cannot rewind a cache bounded by max_kv_size");
-    }
-    if request.grammar.is_some() || request.next_token_logprobs {
-        return refuse(
-            "speculative decoding generates plain tokens: no response format or next-token \
-             log-probabilities",
-        );
     }
     Ok(())
 }

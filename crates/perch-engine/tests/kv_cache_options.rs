@@ -160,3 +160,68 @@ fn kv_cache_options_are_checked() {
     let error = batch.insert(request).unwrap_err().to_string();
     assert!(error.contains("perch generate"), "{error}");
 }
+
+/// Through the engine: requests with their own KV cache options run beside the batch (with a
+/// plain request in it) and answer what `generate` answers with the same options.
+#[test]
+fn the_engine_runs_kv_cache_options_beside_the_batch() {
+    use perch_engine::{EngineConfig, EngineHandle, EngineRequest, Prompt};
+    let dir = common::model_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let engine = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
+    let prompt = tokenizer
+        .encode(
+            "The capital of France is Paris. The capital of Germany is",
+            true,
+        )
+        .unwrap();
+    let options: [fn(&mut GenerateRequest); 3] = [
+        |r| r.max_kv_size = Some(8),
+        |r| {
+            r.kv_quantization = Some(KvQuantization {
+                bits: 4,
+                group_size: 32,
+            });
+            r.quantized_kv_start = 4;
+        },
+        |_| {},
+    ];
+    let requests: Vec<GenerateRequest> = options
+        .iter()
+        .map(|edit| {
+            let mut request = GenerateRequest::new(prompt.clone());
+            request.max_tokens = 16;
+            request.ignore_eos = true;
+            edit(&mut request);
+            request
+        })
+        .collect();
+    let streams: Vec<_> = requests
+        .iter()
+        .map(|request| {
+            engine
+                .submit(EngineRequest {
+                    prompt: Prompt::Tokens(prompt.clone()),
+                    params: request.clone(),
+                })
+                .unwrap()
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for (request, stream) in requests.iter().zip(&streams) {
+        let done = common::finish(stream);
+        assert_eq!(done.error, None);
+        let alone = generate(model.as_ref(), &tokenizer, request, |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(done.ids, alone.token_ids);
+        answers.push(done.ids);
+    }
+    assert_ne!(answers[0], answers[2], "max_kv_size 8 changed nothing");
+    assert_ne!(
+        answers[1], answers[2],
+        "4-bit KV from position 4 changed nothing"
+    );
+}

@@ -121,6 +121,15 @@ pub struct ConversationSettings {
     pub sampling: SamplingParams,
     /// Most tokens per answer.
     pub max_tokens: usize,
+    /// Bound the answer's KV cache to this many positions, the first 4 and the most recent
+    /// (mlx_lm's `--max-kv-size`); `None`: unbounded.
+    #[serde(default)]
+    pub max_kv_size: Option<usize>,
+    /// Quantize the answer's KV cache to this many bits (group size 64) once it holds
+    /// `quantized_kv_start` positions (mlx_lm's `--kv-bits`); `None`: full precision.
+    #[serde(default)]
+    pub kv_bits: Option<i32>,
+    pub quantized_kv_start: usize,
 }
 
 /// Where a conversation's temperature, top-p, top-k, min-p and repetition penalty come from.
@@ -162,6 +171,9 @@ impl Default for ConversationSettings {
             sampling_source: SamplingSource::Model,
             sampling: SamplingParams::default(),
             max_tokens: 1024,
+            max_kv_size: None,
+            kv_bits: None,
+            quantized_kv_start: 5000,
         }
     }
 }
@@ -198,6 +210,9 @@ struct StoredConversationSettings {
     sampling_source: Option<SamplingSource>,
     sampling: SamplingParams,
     max_tokens: usize,
+    max_kv_size: Option<usize>,
+    kv_bits: Option<i32>,
+    quantized_kv_start: usize,
 }
 
 impl Default for StoredConversationSettings {
@@ -208,6 +223,9 @@ impl Default for StoredConversationSettings {
             sampling_source: None,
             sampling: settings.sampling,
             max_tokens: settings.max_tokens,
+            max_kv_size: settings.max_kv_size,
+            kv_bits: settings.kv_bits,
+            quantized_kv_start: settings.quantized_kv_start,
         }
     }
 }
@@ -230,6 +248,9 @@ impl From<StoredConversationSettings> for ConversationSettings {
             sampling_source,
             sampling: stored.sampling,
             max_tokens: stored.max_tokens,
+            max_kv_size: stored.max_kv_size,
+            kv_bits: stored.kv_bits,
+            quantized_kv_start: stored.quantized_kv_start,
         }
     }
 }

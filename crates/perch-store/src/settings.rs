@@ -149,6 +149,29 @@ impl ConversationSettings {
                 ),
             );
         }
+        if let Some(size) = self.max_kv_size {
+            if size <= 4 {
+                return invalid(
+                    "chat.max_kv_size",
+                    format!("must be more than the 4 positions always kept, got {size}"),
+                );
+            }
+            if self.kv_bits.is_some() {
+                return invalid(
+                    "chat.kv_bits",
+                    "cannot be combined with max_kv_size (a bounded KV cache is not quantized)"
+                        .into(),
+                );
+            }
+        }
+        if let Some(bits) = self.kv_bits {
+            if ![2, 3, 4, 5, 6, 8].contains(&bits) {
+                return invalid(
+                    "chat.kv_bits",
+                    format!("must be 2, 3, 4, 5, 6 or 8, got {bits}"),
+                );
+            }
+        }
         Ok(())
     }
 }
@@ -330,8 +353,14 @@ mod tests {
     #[test]
     fn invalid_values_are_named() {
         type Case = (&'static str, fn(&mut Settings));
-        let cases: [Case; 13] = [
+        let cases: [Case; 16] = [
             ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
+            ("chat.max_kv_size", |s| s.chat.max_kv_size = Some(4)),
+            ("chat.kv_bits", |s| s.chat.kv_bits = Some(7)),
+            ("chat.kv_bits", |s| {
+                s.chat.max_kv_size = Some(64);
+                s.chat.kv_bits = Some(8);
+            }),
             ("num_draft_tokens", |s| s.num_draft_tokens = 0),
             ("num_draft_tokens", |s| s.num_draft_tokens = 65),
             ("draft_model", |s| s.draft_model = Some(" ".into())),

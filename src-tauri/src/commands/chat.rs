@@ -166,7 +166,15 @@ pub fn start_chat(
     let sampling = settings.effective_sampling(engine.tokenizer().sampling_defaults());
     params.sampling = sampling.params.clone();
     params.max_tokens = settings.max_tokens;
-    if engine.has_draft_model() {
+    // A bounded or late-quantized KV cache runs the answer beside the batch (see
+    // `perch_engine::speculative`); a bounded one cannot be rewound, so it takes no draft.
+    params.max_kv_size = settings.max_kv_size;
+    params.kv_quantization = settings.kv_bits.map(|bits| perch_engine::KvQuantization {
+        bits,
+        group_size: perch_engine::KvQuantization::DEFAULT_GROUP_SIZE,
+    });
+    params.quantized_kv_start = settings.quantized_kv_start;
+    if engine.has_draft_model() && settings.max_kv_size.is_none() {
         params.num_draft_tokens = Some(store.num_draft_tokens()?);
     }
     let stream = engine
