@@ -1249,7 +1249,6 @@ impl<'m> Pass<'m> {
                 ControlFlow::Continue(())
             };
             let stepped = sequence.step(self.tokenizer, &mut send);
-            drop(send);
             batch.generation_throughput.record(tokens);
             if let Ok(false) = stepped {
                 i += 1;
