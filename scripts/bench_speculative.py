@@ -9,7 +9,8 @@ share of tokens that came from the draft.
 The default pair is issue 15's: the default model at 4 bits (`--draft`, default the test model) as
 the draft for a float32 copy of itself (`--model`; without it, mlx_lm's `convert --dequantize
 --dtype float32` of the draft, made in a temporary directory). The prompt is a chat-templated
-request for a story (greedy; end of sequence ignored by both). mlx_lm runs `generate_step` and
+request for a story (plain text for a tokenizer without a chat template; greedy; end of sequence
+ignored by both). mlx_lm runs `generate_step` and
 `speculative_generate_step` (its `--draft-model` path) and is timed as `stream_generate` reports:
 generation tok/s over the tokens after the first. Perch runs `perch bench` with and without
 `--draft-model` (the median of `--runs` runs after a warm-up).
@@ -76,7 +77,10 @@ def main():
             convert(str(args.draft), mlx_path=str(main_dir), dequantize=True, dtype="float32")
         model, tokenizer = load(str(main_dir))
         draft, _ = load(str(args.draft))
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": REQUEST}], add_generation_prompt=True)
+        if tokenizer.chat_template is not None:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": REQUEST}], add_generation_prompt=True)
+        else:
+            prompt = tokenizer.encode(REQUEST)
         prompt_file = Path(tmp) / "prompt.json"
         prompt_file.write_text(json.dumps(prompt))
         k, n = args.num_draft_tokens, args.gen_tokens
