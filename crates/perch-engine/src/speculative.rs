@@ -17,8 +17,8 @@
 use std::ops::ControlFlow;
 use std::time::Instant;
 
-use mlx_rs::transforms::eval;
-use mlx_rs::Array;
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array};
 
 use crate::cache::KvCache;
 use crate::device::{memory_stats, reset_peak_memory};
@@ -209,24 +209,41 @@ impl<'m> SoloSequence<'m> {
         let top = request.logprobs;
         let max_tokens = self.sink.max_tokens();
         let k = (max_tokens - self.sink.generated).min(self.num_draft_tokens);
+        // Proposals stay on the device, each feeding the next draft step and then the model's
+        // pass, so a round waits for the device once (as mlx_lm's `async_eval`s). Logits
+        // processors read the proposals before them, so with processors each is read first.
+        let lazy = !self.sampler.has_logits_processors();
+        let mut proposals: Vec<Array> = Vec::with_capacity(k);
         let mut proposed: Vec<u32> = Vec::with_capacity(k);
-        let mut feed = self.draft_input.clone();
+        let mut feed = ids(&self.draft_input);
         for _ in 0..k {
             let draft = self.draft.expect("proposals come from a draft");
-            let logits = last_rows(&draft.forward(&ids(&feed), &mut self.draft_cache)?, 1)?;
+            let logits = last_rows(&draft.forward(&feed, &mut self.draft_cache)?, 1)?;
             Self::quantize(request, &mut self.draft_cache)?;
-            let history = recent(&self.tokens, &proposed, window);
+            let history = (!lazy)
+                .then(|| recent(&self.tokens, &proposed, window))
+                .flatten();
             let sampled = sample_after(&logits, &mut self.sampler, history.as_ref(), None)?;
-            let token = sampled.read().0;
-            proposed.push(token);
-            feed = vec![token];
+            if lazy {
+                async_eval([&sampled.token])?;
+            } else {
+                proposed.push(sampled.read().0);
+            }
+            feed = sampled.token.reshape(&[1, 1])?;
+            proposals.push(sampled.token);
         }
         self.sink.output.stats.draft_tokens += k;
 
-        let verify: Vec<u32> = std::iter::once(self.input)
-            .chain(proposed.iter().copied())
-            .collect();
-        let logits = self.model.forward(&ids(&verify), &mut self.cache)?;
+        let input = Array::from_slice(&[self.input], &[1]);
+        let verify = ops::concatenate(
+            &std::iter::once(input)
+                .chain(proposals.iter().cloned())
+                .collect::<Vec<_>>(),
+            0,
+        )?;
+        let logits = self
+            .model
+            .forward(&verify.reshape(&[1, k as i32 + 1])?, &mut self.cache)?;
         Self::quantize(request, &mut self.cache)?;
         let rows = last_rows(&logits, k + 1)?;
         // As mlx_lm: without logits processors one sampler call for every position (one random
@@ -247,7 +264,10 @@ impl<'m> SoloSequence<'m> {
         } else {
             sample_rows(&rows, &mut self.sampler, top)?
         };
-        eval(samples.iter().flat_map(Sampled::arrays))?;
+        eval(samples.iter().flat_map(Sampled::arrays).chain(&proposals))?;
+        if lazy {
+            proposed = proposals.iter().map(|p| p.as_slice::<u32>()[0]).collect();
+        }
 
         let mut accepted = 0;
         let mut ended = false;
