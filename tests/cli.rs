@@ -315,6 +315,36 @@ fn logit_bias_changes_the_greedy_token() {
     );
 }
 
+/// `perch generate --model MODEL INPUT.. --max-tokens N --json EXTRA..`'s lines, parsed; it
+/// must succeed.
+fn generate_json(
+    model: &str,
+    input: &[&str],
+    max_tokens: usize,
+    extra: &[&str],
+) -> Vec<serde_json::Value> {
+    let max_tokens = max_tokens.to_string();
+    let mut args = vec!["generate", "--model", model];
+    args.extend_from_slice(input);
+    args.extend_from_slice(&["--max-tokens", &max_tokens, "--json"]);
+    args.extend_from_slice(extra);
+    let out = perch(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The token ids of [`generate_json`]'s lines.
+fn generated_ids(lines: &[serde_json::Value]) -> Vec<u64> {
+    lines.iter().filter_map(|l| l["token"].as_u64()).collect()
+}
+
 /// mlx_lm's KV cache flags reach generation (their numerics are checked against mlx_lm in
 /// `crates/perch-engine/tests/kv_cache_options.rs`): a cache bounded below the prompt, and a
 /// cache quantized to 2 bits from the start, each change the greedy answer; the two together are
@@ -323,27 +353,11 @@ fn logit_bias_changes_the_greedy_token() {
 fn kv_cache_flags_change_generation() {
     let model = test_model();
     let tokens = |extra: &[&str]| -> Vec<u64> {
-        let mut args = vec![
-            "generate",
-            "--model",
-            &model,
+        let input = [
             "--raw",
             "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is",
-            "--max-tokens",
-            "8",
-            "--json",
         ];
-        args.extend_from_slice(extra);
-        let out = perch(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["token"].as_u64())
-            .collect()
+        generated_ids(&generate_json(&model, &input, 8, extra))
     };
     let plain = tokens(&[]);
     assert_eq!(plain.len(), 8);
@@ -398,32 +412,9 @@ fn kv_cache_flags_change_generation() {
 #[test]
 fn draft_model_flag_speculates() {
     let model = test_model();
-    let lines = |extra: &[&str]| -> Vec<serde_json::Value> {
-        let mut args = vec![
-            "generate",
-            "--model",
-            &model,
-            "--prompt",
-            "Name three colours.",
-            "--max-tokens",
-            "10",
-            "--json",
-        ];
-        args.extend_from_slice(extra);
-        let out = perch(&args);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect()
-    };
-    let ids = |lines: &[serde_json::Value]| -> Vec<u64> {
-        lines.iter().filter_map(|l| l["token"].as_u64()).collect()
-    };
+    let lines =
+        |extra: &[&str]| generate_json(&model, &["--prompt", "Name three colours."], 10, extra);
+    let ids = generated_ids;
     let plain = lines(&[]);
     let drafted = lines(&["--draft-model", &model, "--num-draft-tokens", "2"]);
     assert_eq!(ids(&drafted), ids(&plain));

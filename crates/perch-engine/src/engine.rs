@@ -1262,17 +1262,7 @@ impl<'m> Pass<'m> {
             };
             let output = stepped.and_then(|_| sequence.finish(self.tokenizer, &mut send));
             match output {
-                Ok(output) => queue.end(
-                    &job,
-                    EngineEvent::Finished {
-                        finish_reason: output.finish_reason,
-                        stats: output.stats,
-                        error: None,
-                        refused: false,
-                        stop_string: output.stop_string,
-                        next_token_logprobs: None,
-                    },
-                ),
+                Ok(output) => queue.end(&job, finished_event(output)),
                 Err(err) => queue.finish(
                     &job,
                     FinishReason::Error,
@@ -1311,17 +1301,7 @@ impl<'m> Pass<'m> {
                                 .jobs
                                 .remove(&request)
                                 .expect("finished request was running");
-                            queue.end(
-                                &job,
-                                EngineEvent::Finished {
-                                    finish_reason: output.finish_reason,
-                                    stats: output.stats,
-                                    error: None,
-                                    refused: false,
-                                    stop_string: output.stop_string,
-                                    next_token_logprobs: output.next_token_logprobs,
-                                },
-                            );
+                            queue.end(&job, finished_event(output));
                         }
                     }
                 }
@@ -1342,6 +1322,18 @@ impl<'m> Pass<'m> {
                 }
             }
         }
+    }
+}
+
+/// The end of a request that ran to its end (stopped, cut or cancelled).
+fn finished_event(output: crate::GenerateOutput) -> EngineEvent {
+    EngineEvent::Finished {
+        finish_reason: output.finish_reason,
+        stats: output.stats,
+        error: None,
+        refused: false,
+        stop_string: output.stop_string,
+        next_token_logprobs: output.next_token_logprobs,
     }
 }
 
