@@ -66,6 +66,14 @@ pub(crate) struct Sampling {
     /// Tokens the draft model proposes per step (mlx_lm's server extension; 0: no speculative
     /// decoding; default: the server's when it has a draft model).
     num_draft_tokens: Option<usize>,
+    /// mlx_lm's generation KV options, per request (Perch's extension): bound the KV cache to
+    /// this many positions (`--max-kv-size`), or quantize it to `kv_bits` (group `kv_group_size`,
+    /// default 64) from `quantized_kv_start` positions on (default 5,000). Such a request runs
+    /// beside the batch with caches of its own; the engine checks the values.
+    max_kv_size: Option<usize>,
+    kv_bits: Option<i32>,
+    kv_group_size: Option<i32>,
+    quantized_kv_start: Option<usize>,
     #[serde(default)]
     pub stream: bool,
     stream_options: Option<StreamOptions>,
@@ -139,6 +147,16 @@ impl Sampling {
             "frequency_penalty",
         )?;
         params.num_draft_tokens = self.num_draft_tokens;
+        params.max_kv_size = self.max_kv_size;
+        params.kv_quantization = self.kv_bits.map(|bits| perch_engine::KvQuantization {
+            bits,
+            group_size: self
+                .kv_group_size
+                .unwrap_or(perch_engine::KvQuantization::DEFAULT_GROUP_SIZE),
+        });
+        if let Some(start) = self.quantized_kv_start {
+            params.quantized_kv_start = start;
+        }
         params.sampling.xtc_probability =
             ApiError::in_range(self.xtc_probability, 0.0, (0.0, 1.0), "xtc_probability")?;
         params.sampling.xtc_threshold = ApiError::in_range(

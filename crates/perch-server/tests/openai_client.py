@@ -76,6 +76,10 @@ out["penalized"] = penalized.choices[0].message.content
 xtc = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=1.0, seed=5,
                                      extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.05})
 out["xtc"] = xtc.choices[0].message.content
+# Perch's per-request KV cache options (mlx_lm's generation flags), in extra_body.
+bounded = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                         extra_body={"max_kv_size": 8})
+out["bounded"] = bounded.choices[0].message.content
 
 # The legacy Completions endpoint: text or token ids, echo, log-probabilities, several prompts.
 def completion(**kwargs):
@@ -135,6 +139,8 @@ out["too_long_streamed"] = error_of(lambda: client.chat.completions.create(model
                                                                            stream=True))
 out["bad_penalty"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
                                                                     presence_penalty=3))
+out["bad_kv"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages, temperature=0,
+                                                               extra_body={"max_kv_size": 64, "kv_bits": 8}))
 out["bad_xtc"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,
                                                                 temperature=1.0, extra_body={"xtc_threshold": 0.7}))
 out["top_logprobs_alone"] = error_of(lambda: client.chat.completions.create(model=model, messages=messages,

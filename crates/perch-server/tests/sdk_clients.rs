@@ -133,6 +133,7 @@ fn the_openai_sdk_gets_chat_completions() {
         p.sampling.xtc_threshold = 0.05;
     });
     assert_ne!(xtc, sampled, "XTC changes this sample");
+    let (bounded, _) = direct_answer(&engine, chat(), 24, |p| p.max_kv_size = Some(8));
     let tokenizer = engine.tokenizer().clone();
     let text_ids = tokenizer.encode(TEXT, true).unwrap();
     let (continued, _) = direct_answer(&engine, Prompt::Tokens(text_ids.clone()), 10, |_| {});
@@ -187,6 +188,8 @@ fn the_openai_sdk_gets_chat_completions() {
     check_logprobs(&seen);
     assert_eq!(seen["penalized"], penalized.as_str());
     assert_eq!(seen["xtc"], xtc.as_str());
+    assert_eq!(seen["bounded"], bounded.as_str());
+    assert_ne!(bounded, expected, "max_kv_size 8 changes the answer");
     check_completions(&seen, &continued, &france, text_ids.len());
     // Echo with logprobs: the prompt's tokens scored as the engine scores them.
     let echoed = &seen["completion_echo_logprobs"]["logprobs"][0];
@@ -222,6 +225,7 @@ fn the_openai_sdk_gets_chat_completions() {
         ("too_long", 400, Value::Null),
         ("too_long_streamed", 400, Value::Null),
         ("bad_schema", 400, Value::Null),
+        ("bad_kv", 400, Value::Null),
     ] {
         let error = &seen[case];
         assert_eq!(error["status"], status, "{case}: {error}");
@@ -242,6 +246,8 @@ fn the_openai_sdk_gets_chat_completions() {
             "{case}: {message}"
         );
     }
+    let message = seen["bad_kv"]["body"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("cannot be combined"), "{message}");
     let message = seen["bad_schema"]["body"]["message"]
         .as_str()
         .unwrap_or_default();
