@@ -246,7 +246,9 @@ fn the_openai_sdk_gets_chat_completions() {
             "{case}: {message}"
         );
     }
-    let message = seen["bad_kv"]["body"]["message"].as_str().unwrap_or_default();
+    let message = seen["bad_kv"]["body"]["message"]
+        .as_str()
+        .unwrap_or_default();
     assert!(message.contains("cannot be combined"), "{message}");
     let message = seen["bad_schema"]["body"]["message"]
         .as_str()
