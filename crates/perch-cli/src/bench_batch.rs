@@ -106,6 +106,11 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         "--max-kv-size bounds one sequence's cache: run it without --concurrency"
     );
     anyhow::ensure!(
+        args.quantized_kv_start == perch_engine::GenerateRequest::DEFAULT_QUANTIZED_KV_START,
+        "--quantized-kv-start applies to one sequence's cache: with --concurrency, --kv-bits \
+         quantizes the engine's whole pool from the start"
+    );
+    anyhow::ensure!(
         args.draft.draft_model.is_none(),
         "--draft-model runs one sequence (speculative decoding): run it without --concurrency"
     );
