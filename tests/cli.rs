@@ -426,6 +426,11 @@ fn draft_model_flag_speculates() {
     assert!(stats["draft_tokens"].as_u64().unwrap() > 0);
     assert!(stats["accepted_draft_tokens"].as_u64().unwrap() > 0);
     assert!(plain.iter().all(|l| l.get("from_draft").is_none()));
+    // With a logits processor each position is processed after the tokens before it: still the
+    // answer without a draft.
+    let penalty = ["--repetition-penalty", "1.5"];
+    let drafted = lines(&[&penalty[..], &["--draft-model", &model]].concat());
+    assert_eq!(ids(&drafted), ids(&lines(&penalty)));
     assert_clean_error(
         &perch(&[
             "generate",

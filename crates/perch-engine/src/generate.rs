@@ -210,28 +210,8 @@ pub fn generate(
 
     reset_peak_memory();
     let start = Instant::now();
-    let mut cache = model.make_cache(None);
-    // Nothing copies positions out of this cache: sliding layers drop what their window left.
-    cache
-        .iter_mut()
-        .for_each(|layer| layer.release_before(i32::MAX));
-    let limit = kv_options(model, request)?;
-    if let Some(limit) = limit {
-        cache
-            .iter_mut()
-            .filter(|layer| !layer.is_recurrent() && layer.window().is_none())
-            .for_each(|layer| layer.limit_to(limit));
-    }
-    let quantize = |cache: &mut [KvCache]| -> Result<()> {
-        if let Some(q) = request.kv_quantization {
-            for layer in cache.iter_mut() {
-                if layer.offset() as usize >= request.quantized_kv_start {
-                    layer.quantize(q)?;
-                }
-            }
-        }
-        Ok(())
-    };
+    let mut cache = own_cache(model, request)?;
+    let quantize = |cache: &mut [KvCache]| quantize_reached(request, cache);
     let mut sampler = Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?;
     let mut history = RecentTokens::new(&request.sampling, prompt);
 
@@ -357,6 +337,34 @@ pub(crate) fn check_request(
         stop_ids.extend_from_slice(tokenizer.eos_token_ids());
     }
     Ok((max_tokens, stop_ids))
+}
+
+/// A cache of `model` for one sequence that nothing copies positions out of (sliding layers
+/// drop what their window left), bounded as the request's `max_kv_size` says (global layers;
+/// sliding ones keep their window). Errors for KV options that do not fit the model.
+pub(crate) fn own_cache(model: &dyn Model, request: &GenerateRequest) -> Result<Vec<KvCache>> {
+    let limit = kv_options(model, request)?;
+    let mut cache = model.make_cache(None);
+    for layer in cache.iter_mut() {
+        layer.release_before(i32::MAX);
+        if let Some(limit) = limit.filter(|_| !layer.is_recurrent() && layer.window().is_none()) {
+            layer.limit_to(limit);
+        }
+    }
+    Ok(cache)
+}
+
+/// Quantizes the layers of `cache` that hold the request's `quantized_kv_start` positions
+/// (mlx_lm's `maybe_quantize_kv_cache`, after each forward pass); nothing without KV bits.
+pub(crate) fn quantize_reached(request: &GenerateRequest, cache: &mut [KvCache]) -> Result<()> {
+    if let Some(q) = request.kv_quantization {
+        for layer in cache.iter_mut() {
+            if layer.offset() as usize >= request.quantized_kv_start {
+                layer.quantize(q)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks a request's KV cache options against the model; returns the bound each attention

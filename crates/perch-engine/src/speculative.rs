@@ -24,8 +24,8 @@ use crate::cache::KvCache;
 use crate::device::{memory_stats, reset_peak_memory};
 use crate::error::{EngineError, Result};
 use crate::generate::{
-    check_request, kv_options, sample_after, sample_rows, FinishReason, GenerateOutput,
-    GenerateRequest, Pushed, Sampled, TokenEvent, TokenSink,
+    check_request, own_cache, quantize_reached, sample_after, sample_rows, FinishReason,
+    GenerateOutput, GenerateRequest, Pushed, Sampled, TokenEvent, TokenSink,
 };
 use crate::mlx_ext::slice;
 use crate::models::Model;
@@ -115,22 +115,11 @@ impl<'m> SoloSequence<'m> {
                     .into(),
             ));
         }
-        let limit = kv_options(model, request)?;
-        let mut cache = model.make_cache(None);
+        let cache = own_cache(model, request)?;
         let mut draft_cache = Vec::new();
         if let Some(draft) = draft {
             check_draft(model, draft, tokenizer, request)?;
-            kv_options(draft.model, request)?;
-            draft_cache = draft.model.make_cache(None);
-        }
-        for layer in cache.iter_mut().chain(draft_cache.iter_mut()) {
-            layer.release_before(i32::MAX);
-        }
-        if let Some(limit) = limit {
-            cache
-                .iter_mut()
-                .filter(|layer| !layer.is_recurrent() && layer.window().is_none())
-                .for_each(|layer| layer.limit_to(limit));
+            draft_cache = own_cache(draft.model, request)?;
         }
         let last = request.prompt[request.prompt.len() - 1];
         Ok(Self {
@@ -157,19 +146,6 @@ impl<'m> SoloSequence<'m> {
         self.request.prompt.len() - 1 - self.prefilled
     }
 
-    /// Quantizes caches that reached the request's `quantized_kv_start` (mlx_lm's order: after
-    /// each forward pass).
-    fn quantize(request: &GenerateRequest, cache: &mut [KvCache]) -> Result<()> {
-        if let Some(q) = request.kv_quantization {
-            for layer in cache.iter_mut() {
-                if layer.offset() as usize >= request.quantized_kv_start {
-                    layer.quantize(q)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
     /// One step: the next prompt chunk of both models (the draft first, as mlx_lm), or one
     /// round of proposals and verification, whose tokens go to `on_token`. True when the
     /// sequence has ended (then call [`SoloSequence::finish`]).
@@ -188,7 +164,7 @@ impl<'m> SoloSequence<'m> {
             let draft = self.draft.map(|d| (d, &mut self.draft_cache));
             for (m, c) in draft.into_iter().chain([(self.model, &mut self.cache)]) {
                 m.prefill(&ids(chunk), c)?;
-                Self::quantize(&self.request, c)?;
+                quantize_reached(&self.request, c)?;
                 eval(c.iter().flat_map(KvCache::state))?;
             }
             self.prefilled += n;
@@ -219,7 +195,7 @@ impl<'m> SoloSequence<'m> {
         for _ in 0..k {
             let draft = self.draft.expect("proposals come from a draft");
             let logits = last_rows(&draft.forward(&feed, &mut self.draft_cache)?, 1)?;
-            Self::quantize(request, &mut self.draft_cache)?;
+            quantize_reached(request, &mut self.draft_cache)?;
             let history = (!lazy)
                 .then(|| recent(&self.tokens, &proposed, window))
                 .flatten();
@@ -244,7 +220,7 @@ impl<'m> SoloSequence<'m> {
         let logits = self
             .model
             .forward(&verify.reshape(&[1, k as i32 + 1])?, &mut self.cache)?;
-        Self::quantize(request, &mut self.cache)?;
+        quantize_reached(request, &mut self.cache)?;
         let rows = last_rows(&logits, k + 1)?;
         // As mlx_lm: without logits processors one sampler call for every position (one random
         // key), with them position by position, each after the tokens before it.
@@ -402,9 +378,14 @@ fn recent(tokens: &[u32], more: &[u32], window: usize) -> Option<Array> {
     if window == 0 {
         return None;
     }
-    let all: Vec<u32> = tokens.iter().chain(more).copied().collect();
-    let tail = &all[all.len().saturating_sub(window)..];
-    Some(Array::from_slice(tail, &[tail.len() as i32]))
+    // Only the window's tail is copied, however long the sequence.
+    let from_tokens = window.saturating_sub(more.len()).min(tokens.len());
+    let tail: Vec<u32> = tokens[tokens.len() - from_tokens..]
+        .iter()
+        .chain(&more[more.len().saturating_sub(window)..])
+        .copied()
+        .collect();
+    Some(Array::from_slice(&tail, &[tail.len() as i32]))
 }
 
 fn trim(cache: &mut [KvCache], n: i32) {
