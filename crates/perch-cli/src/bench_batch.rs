@@ -129,6 +129,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     if let Some(n) = args.prefill_token_budget {
         config.prefill_token_budget = n;
     }
+    config.attention = args.batch_attention.or_backend();
     config.slot_attention = args.slot_attention.into();
     if let Some(on) = args.compile_decode {
         config.compile_decode = on;

@@ -847,7 +847,9 @@ impl<'m> BatchGenerator<'m> {
     /// a prefill slot (up to `prefill_batch_size` of them, oldest first) and keep it until their
     /// prompt is cached; every slot's next chunk runs in one forward pass, padded to a bucketed
     /// length ([`scheduler::prefill_chunk_bucket`]). Each row's chunk is at most its request's
-    /// `prefill_step_size` and the budget's share per row ([`scheduler::plan_slot_chunks`]).
+    /// `prefill_step_size` and the budget's share per row, and never wider than the budget, even
+    /// with no sequence decoding: the slot caches' rings are sized by it
+    /// ([`scheduler::plan_slot_chunks`]).
     fn prefill_slots(&mut self) -> Result<()> {
         let progress = self.progress();
         let entering = scheduler::take_prefill_slots(
@@ -874,7 +876,11 @@ impl<'m> BatchGenerator<'m> {
         let members: Vec<usize> = slots.iter().flatten().copied().collect();
         let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
         let row_progress: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
-        let chunks = scheduler::plan_slot_chunks(&row_progress, budget);
+        let chunks = scheduler::plan_slot_chunks(
+            &row_progress,
+            budget,
+            self.config.prefill_token_budget.max(1),
+        );
         let width = scheduler::prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
         // Members and their chunks come in slot order.
         let mut chunk = chunks.iter();

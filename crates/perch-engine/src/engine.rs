@@ -297,7 +297,8 @@ pub struct EngineHandle {
     /// Cancels are also recorded here so the running request sees them between tokens, while
     /// the engine thread is busy generating and not reading commands.
     cancelled: Arc<Mutex<HashSet<RequestId>>>,
-    thread: Arc<Mutex<Option<JoinHandle<()>>>>,
+    /// The engine thread, joined by [`EngineHandle::shutdown`] or when the last handle goes.
+    thread: Arc<EngineThreadGuard>,
     tokenizer: Arc<Tokenizer>,
     limits: EngineLimits,
     /// Published by the engine thread after every step.
@@ -421,6 +422,9 @@ impl EngineHandle {
                             config,
                         }
                         .run(ready);
+                        // The model and every array are gone; no kernel may outlive the
+                        // thread (see `EngineThreadGuard`).
+                        let _ = crate::mlx_ext::synchronize();
                     }
                     Err(err) => {
                         let _ = loaded_tx.send(Err(err));
@@ -433,12 +437,15 @@ impl EngineHandle {
             })?;
         let (tokenizer, limits) = loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
         Ok(Self {
+            thread: Arc::new(EngineThreadGuard {
+                commands: commands.clone(),
+                thread: Mutex::new(Some(thread)),
+            }),
             commands,
             tokenizer,
             limits,
             next_id: Arc::new(AtomicU64::new(1)),
             cancelled,
-            thread: Arc::new(Mutex::new(Some(thread))),
             stats,
             outstanding,
             max_requests,
@@ -582,6 +589,7 @@ impl EngineHandle {
     pub fn stats(&self) -> Result<EngineStats, EngineError> {
         if self
             .thread
+            .thread
             .lock()
             .map_or(true, |t| t.as_ref().is_none_or(|t| t.is_finished()))
         {
@@ -642,10 +650,34 @@ impl EngineHandle {
     /// Stops the thread after the running request's current token and waits for it; waiting
     /// requests finish as cancelled.
     pub fn shutdown(&self) {
+        self.thread.shut_down();
+    }
+}
+
+/// Owns the engine thread for all of an engine's handles: the last handle dropped stops the
+/// thread and waits for it, as [`EngineHandle::shutdown`] does. A process that returns from
+/// `main` (after an error, say) must not exit while the engine thread still runs MLX work: on
+/// CUDA, the driver's teardown then fails the thread's next stream call and the process aborts
+/// ("driver shutting down", exit 134).
+struct EngineThreadGuard {
+    commands: Sender<Command>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl EngineThreadGuard {
+    fn shut_down(&self) {
         let _ = self.commands.send(Command::Shutdown);
-        if let Some(thread) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+        let thread = self.thread.lock().ok().and_then(|mut t| t.take());
+        // Never from the engine thread itself (it would wait for itself).
+        if let Some(thread) = thread.filter(|t| t.thread().id() != std::thread::current().id()) {
             let _ = thread.join();
         }
+    }
+}
+
+impl Drop for EngineThreadGuard {
+    fn drop(&mut self) {
+        self.shut_down();
     }
 }
 

@@ -173,3 +173,15 @@ pub fn dequantize(
         )
     })
 }
+
+/// Waits until the default device's stream has finished all work queued on it (MLX's
+/// `synchronize`): what an engine thread does before it ends, so that no kernel is still
+/// running when the process exits.
+pub fn synchronize() -> Result<(), Exception> {
+    let stream = Stream::thread_local_or_default();
+    // SAFETY: the stream handle is valid for the call.
+    match unsafe { mlx_sys::mlx_synchronize(stream.as_ref().as_ptr()) } {
+        0 => Ok(()),
+        _ => Err(Exception::from("mlx synchronize failed")),
+    }
+}

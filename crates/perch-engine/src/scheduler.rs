@@ -124,12 +124,14 @@ pub fn take_prefill_slots(
 }
 
 /// Chunk lengths for the rows of one batched prefill pass: each row its next chunk, within an
-/// equal share of `budget` (at least one token each, so every row advances).
-pub fn plan_slot_chunks(rows: &[Progress], budget: usize) -> Vec<usize> {
+/// equal share of `budget` (at least one token each, so every row advances) and at most
+/// `widest` tokens (the widest step the slot caches were made for: sliding layers' rings hold a
+/// window plus one step, see [`crate::slot_cache::SlotKvCache::with_windows`]).
+pub fn plan_slot_chunks(rows: &[Progress], budget: usize, widest: usize) -> Vec<usize> {
     if rows.is_empty() {
         return Vec::new();
     }
-    let share = (budget / rows.len()).max(1);
+    let share = (budget / rows.len()).clamp(1, widest.max(1));
     rows.iter().map(|row| row.next_chunk(share)).collect()
 }
 
@@ -290,12 +292,15 @@ mod tests {
             prefilling(40, 0, 512),
             prefilling(1000, 100, 64),
         ];
-        assert_eq!(plan_slot_chunks(&rows, usize::MAX), [512, 39, 64]);
+        assert_eq!(plan_slot_chunks(&rows, usize::MAX, 2048), [512, 39, 64]);
         // 300 tokens over three rows: 100 each at most.
-        assert_eq!(plan_slot_chunks(&rows, 300), [100, 39, 64]);
+        assert_eq!(plan_slot_chunks(&rows, 300, 2048), [100, 39, 64]);
         // A budget smaller than the rows still moves each by one token.
-        assert_eq!(plan_slot_chunks(&rows, 2), [1, 1, 1]);
-        assert_eq!(plan_slot_chunks(&[], 100), Vec::<usize>::new());
+        assert_eq!(plan_slot_chunks(&rows, 2, 2048), [1, 1, 1]);
+        assert_eq!(plan_slot_chunks(&[], 100, 2048), Vec::<usize>::new());
+        // Unbounded (nothing decoding), a row's chunk is still no wider than the caches' step,
+        // whatever its request's step size.
+        assert_eq!(plan_slot_chunks(&rows, usize::MAX, 48), [48, 39, 48]);
     }
 
     #[test]

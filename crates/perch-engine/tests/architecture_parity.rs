@@ -569,20 +569,18 @@ fn past_the_window(
         let config = BatchConfig {
             attention,
             compile_decode,
-            // Prefill chunks of 64 (the requests' step size too): the prefill slots' rings of
+            // Prefill chunks of 64: the prefill slots' rings of
             // sliding layers are then 256 positions (window 8 + chunk 64 + a block of 16,
             // bucketed), as are the decode slots', so the 400-token prompt wraps both.
             prefill_token_budget: 64,
             ..BatchConfig::for_budget(model, 256 << 20, 16, None)
         };
         let mut batch = BatchGenerator::new(model, tokenizer, config, name);
-        let outputs = common::drive(
-            &mut batch,
-            vec![(
-                0,
-                long_request(prompt.clone(), expected.long_greedy_ids.len()),
-            )],
-        );
+        // The request's own step size is wider than the budget: each row's chunk still stays
+        // within the budget the rings were made for (a wider chunk failed in slots).
+        let mut wide = long_request(prompt.clone(), expected.long_greedy_ids.len());
+        wide.prefill_step_size = 512;
+        let outputs = common::drive(&mut batch, vec![(0, wide)]);
         assert_eq!(
             outputs[0].0.token_ids, alone,
             "{name}: long prompt ({attention:?}, compiled {compile_decode})"

@@ -131,6 +131,48 @@ fn cancel_running_and_waiting_requests() {
 }
 
 #[test]
+fn dropping_the_last_handle_stops_the_engine_thread_first() {
+    // A process that returns from `main` without `shutdown` (after an error, say) must not exit
+    // with the engine thread mid-step (on CUDA the driver's teardown then aborts it).
+    let engine = engine();
+    let stream = engine
+        .submit(request(Prompt::Tokens(vec![1, 504, 2988, 288]), 500))
+        .unwrap();
+    assert!(matches!(
+        stream
+            .events
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap(),
+        EngineEvent::Token { .. }
+    ));
+    let clone = engine.clone();
+    drop(engine);
+    // Another handle is left: the engine goes on.
+    assert!(matches!(
+        stream
+            .events
+            .recv_timeout(Duration::from_secs(120))
+            .unwrap(),
+        EngineEvent::Token { .. }
+    ));
+    drop(clone);
+    // The thread has ended by now: what it sent is there, ending with the request cancelled,
+    // and nothing more can come (no wait: the channel is closed).
+    let mut finished = None;
+    loop {
+        match stream.events.try_recv() {
+            Ok(EngineEvent::Token { .. }) => {}
+            Ok(EngineEvent::Finished { finish_reason, .. }) => finished = Some(finish_reason),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
+            Err(std::sync::mpsc::TryRecvError::Empty) => {
+                panic!("the engine thread still runs after its last handle was dropped")
+            }
+        }
+    }
+    assert_eq!(finished, Some(FinishReason::Cancelled));
+}
+
+#[test]
 fn bad_requests_end_with_an_error_event() {
     let engine = engine();
     let (ids, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![]), 8)).unwrap());
