@@ -83,7 +83,8 @@ pub struct BenchArgs {
     #[arg(long, value_enum, default_value_t = BatchAttentionArg::Auto)]
     pub batch_attention: BatchAttentionArg,
     /// With --concurrency: how batched steps read their slot caches (auto: the backend's
-    /// choice; fused: MLX's fused attention with a mask; explicit: matmul, mask, softmax, matmul).
+    /// choice; fused: MLX's fused attention with a boolean mask; explicit: matmul, mask,
+    /// softmax, matmul).
     #[arg(long, value_enum, default_value_t = SlotAttentionArg::Auto)]
     pub slot_attention: SlotAttentionArg,
     /// With --concurrency: run batched decode steps through MLX's compiler (default: on for a

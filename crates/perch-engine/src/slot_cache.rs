@@ -71,10 +71,11 @@ use crate::models::decoder::SlotRead;
 pub enum SlotAttention {
     /// The backend decides per step: explicit on CUDA for steps of fewer than 4 queries per row
     /// (where MLX needs its vector kernel) over at least
-    /// [`SlotAttention::EXPLICIT_FROM_POSITIONS`] positions in all, fused otherwise.
+    /// [`SlotAttention::EXPLICIT_FROM_POSITIONS`] positions in all, fused otherwise; CUDA's
+    /// prompt chunks pass the mask as an additive one ([`SlotRead::additive_mask`]).
     #[default]
     Auto,
-    /// MLX's fused `scaled_dot_product_attention` with the mask.
+    /// MLX's fused `scaled_dot_product_attention` with the boolean mask.
     Fused,
     /// Scores by matmul, mask, precise softmax, matmul.
     Explicit,
@@ -328,6 +329,10 @@ impl SlotKvCache {
         SlotRead {
             explicit,
             dequantize: cuda,
+            additive_mask: cuda
+                && self.attention == SlotAttention::Auto
+                && !explicit
+                && queries_per_row > 1,
         }
     }
 
@@ -943,6 +948,15 @@ mod tests {
         assert!(!read(&auto, Backend::Cpu, 1));
         assert!(auto.read(Backend::Cuda, 1).dequantize);
         assert!(!auto.read(Backend::Metal, 1).dequantize);
+        // CUDA's prompt chunks hand cuDNN an additive mask (a boolean one is broadcast to
+        // every head first); Metal reads boolean masks natively.
+        let additive = |backend, queries| auto.read(backend, queries).additive_mask;
+        assert!(additive(Backend::Cuda, 256));
+        assert!(!additive(Backend::Cuda, 1));
+        assert!(!additive(Backend::Metal, 256));
+        assert!(!additive(Backend::Cpu, 256));
+        let fused = SlotKvCache::new(2, None).with_attention(SlotAttention::Fused);
+        assert!(!fused.read(Backend::Cuda, 256).additive_mask);
         let explicit = SlotKvCache::new(2, None).with_attention(SlotAttention::Explicit);
         assert!(read(&explicit, Backend::Cpu, 256));
         let fused = SlotKvCache::new(2, None).with_attention(SlotAttention::Fused);

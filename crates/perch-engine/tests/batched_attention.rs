@@ -342,6 +342,7 @@ fn dequantized_and_packed_reads_of_quantized_slots_agree() {
             let read = SlotRead {
                 explicit: false,
                 dequantize,
+                additive_mask: false,
             };
             masked_attention(&queries, cached, 0.125, &mask, read, sinks).unwrap()
         };
@@ -379,7 +380,7 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
         )
         .unwrap();
         let mask = ops::le(positions.reshape(&[1, 1, 1, -1]).unwrap(), &query_at).unwrap();
-        let read = |explicit| {
+        let read = |explicit, additive_mask, mask: &Array| {
             let cached = CachedKv::Dense {
                 keys: keys.clone(),
                 values: values.clone(),
@@ -387,10 +388,11 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
             let read = SlotRead {
                 explicit,
                 dequantize: false,
+                additive_mask,
             };
-            masked_attention(&queries, cached, 0.125, &mask, read, sinks).unwrap()
+            masked_attention(&queries, cached, 0.125, mask, read, sinks).unwrap()
         };
-        let (explicit, fused) = (read(true), read(false));
+        let (explicit, fused) = (read(true, false, &mask), read(false, false, &mask));
         assert_eq!(explicit.shape(), &[rows, 6, seq, 64]);
         let worst = largest_difference(&explicit, &fused);
         assert!(
@@ -398,6 +400,30 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
             "{seq} queries per row: {worst} (sinks: {})",
             sinks.is_some()
         );
+        // The mask as an additive one (CUDA's prompt chunks) reads the same.
+        let worst = largest_difference(&read(false, true, &mask), &fused);
+        assert!(
+            worst < 1e-5,
+            "additive mask, {seq} queries per row: {worst} (sinks: {})",
+            sinks.is_some()
+        );
+        // A row that may attend to nothing (a padding row) still reads finite values.
+        let nothing = ops::logical_and(
+            &mask,
+            &ops::gt(
+                Array::from_slice(&[1, 1, 1, 0], &[rows, 1, 1, 1]),
+                Array::from_int(0),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        let padded = read(false, true, &nothing);
+        let bad =
+            ops::logical_or(ops::is_nan(&padded).unwrap(), ops::is_inf(&padded).unwrap()).unwrap();
+        let bad = ops::sum(bad.as_dtype(mlx_rs::Dtype::Float32).unwrap(), None)
+            .unwrap()
+            .item_exact::<f32>();
+        assert_eq!(bad, 0.0, "a fully masked row read non-finite values");
         fused_by_sinks.push(fused);
     }
     // The sinks take their share: outputs with them differ from those without.
