@@ -410,7 +410,7 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
         // A row that may attend to nothing (a padding row) still reads finite values.
         let nothing = ops::logical_and(
             &mask,
-            &ops::gt(
+            ops::gt(
                 Array::from_slice(&[1, 1, 1, 0], &[rows, 1, 1, 1]),
                 Array::from_int(0),
             )
