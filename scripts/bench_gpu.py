@@ -62,6 +62,10 @@ def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) ->
     from mlx_lm import batch_generate, generate
     from mlx_lm.generate import BatchGenerator, stream_generate
     base = tokenizer.encode("The history of science is long and full of surprises. " * 64)
+    # ~770 tokens: repeated so that every prompt has `prompt_tokens` (before, longer prompts were cut
+    # to the text's length, and mlx_lm's "8,192-token" runs read ~770-token prompts).
+    while len(base) < prompt_tokens + 7:
+        base = base + base
     if n == 1:
         prompt = base[:prompt_tokens]
         generate(model, tokenizer, prompt, max_tokens=8)
@@ -72,6 +76,7 @@ def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) ->
         return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
                 "peak_bytes": int(last.peak_memory * 1e9)}
     prompts = [base[i % 7: i % 7 + prompt_tokens] for i in range(n)]
+    assert all(len(p) == prompt_tokens for p in prompts), "a prompt shorter than --prompt-tokens"
     batch_generate(model, tokenizer, prompts[: min(n, 8)], max_tokens=8)
     mx.reset_peak_memory()
     # batch_generate's loop, with every token timestamped as `perch bench` does (no stop tokens: Perch ignores EOS).

@@ -1211,6 +1211,22 @@ fn lowest(dtype: Dtype) -> Result<Array> {
     Ok(Array::from_f32(value).as_dtype(dtype)?)
 }
 
+/// Layers of a large batched prompt pass dispatched at a time ([`PREFILL_EVAL_TOKENS`] tokens or
+/// more), each part waited for once the next is dispatched: MLX keeps a graph's intermediate
+/// arrays alive until the device has run the command buffers holding them, so one evaluation
+/// of a whole pass over four rows of 2,048 tokens held every layer's projections, MLP
+/// activations and attention temporaries at once. H200, four 7,936-token prompts, peak memory
+/// and wall-clock prompt tok/s (two rounds each, README's GPU section): 1.07B Llama 15.3 GB and
+/// 109k in one evaluation, 10.6 GB and 97–101k in parts (7.3 GB and 99–104k waiting for each
+/// part before building the next, which leaves the device idle meanwhile); `gemma3_text-kv` 4.6–5.0 GB and
+/// 135–151k, 3.0 GB and 148–173k (2.2 GB and 118–121k).
+const PREFILL_EVAL_LAYERS: usize = 4;
+
+/// Tokens (rows times chunk width) from which a batched prompt pass is evaluated
+/// [`PREFILL_EVAL_LAYERS`] layers at a time; smaller passes (short prompts) keep one
+/// evaluation, whose waits would cost more than their memory.
+const PREFILL_EVAL_TOKENS: usize = 4096;
+
 /// Arrays of one slot step that every layer reads, built once per step.
 struct SharedStepArrays {
     /// The sliding layers' mask when the model has them: over the cache's rings
@@ -1766,9 +1782,23 @@ impl Model for Decoder {
                 .map(|scale| scale.scales(step.query_positions()))
                 .transpose()?,
         };
+        // A large prompt pass is evaluated a few layers at a time (see PREFILL_EVAL_LAYERS);
+        // never a decode step (one token a row), which MLX may be tracing (`compiled.rs`).
+        let (rows, tokens) = (ids.shape()[0] as usize, ids.shape()[1] as usize);
+        let in_parts = tokens > 1 && rows * tokens >= PREFILL_EVAL_TOKENS;
+        // The last part dispatched: waited for once the next one is dispatched, so the device
+        // always has a part to run while the host builds the next.
+        let mut dispatched: Option<Array> = None;
         let h = self.run(ids, |layer, x, rope| match &layer.mixer {
             Mixer::Attention(attn) => {
-                attn.forward_slots(x, rope, slots, layer.cache, step, &shared)
+                let out = attn.forward_slots(x, rope, slots, layer.cache, step, &shared)?;
+                if in_parts && (layer.cache + 1) % PREFILL_EVAL_LAYERS == 0 {
+                    mlx_rs::transforms::async_eval([&out])?;
+                    if let Some(previous) = dispatched.replace(out.clone()) {
+                        mlx_rs::transforms::eval([&previous])?;
+                    }
+                }
+                Ok(out)
             }
             Mixer::Linear(_) => Err(mlx_rs::error::Exception::from(
                 "linear-attention layers do not run over slot caches yet",
