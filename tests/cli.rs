@@ -514,6 +514,51 @@ fn batch_bench_reports_every_field() {
     }
 }
 
+/// `--batch-attention` picks the engine's path: the GPU's slot caches on this CPU generate the
+/// same greedy ids as the CPU's per-sequence caches (`--output-ids`; the paths' numerics:
+/// `crates/perch-engine/tests/batch_parity.rs`), and the report says which ran.
+#[test]
+fn batch_bench_runs_either_attention_path() {
+    let model = test_model();
+    let dir = tempfile::tempdir().unwrap();
+    let ids = |attention: &str| {
+        let path = dir.path().join(format!("{attention}.json"));
+        let out = perch(&[
+            "bench",
+            "--model",
+            &model,
+            "--concurrency",
+            "3",
+            "--prompt-tokens",
+            "20",
+            "--gen-tokens",
+            "6",
+            "--runs",
+            "1",
+            "--batch-attention",
+            attention,
+            "--output-ids",
+            path.to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{attention}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let report: serde_json::Value =
+            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(report["batch_attention"], attention.replace('-', "_"));
+        let ids: Vec<Vec<u32>> =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(ids.len(), 3, "{attention}");
+        assert!(ids.iter().all(|r| r.len() == 6), "{attention}: {ids:?}");
+        ids
+    };
+    assert_eq!(ids("batched"), ids("per-sequence"));
+}
+
 /// `--http` runs the same workload through the local API (an in-process server) and reports both
 /// runs; every request of both generated all its tokens.
 #[test]

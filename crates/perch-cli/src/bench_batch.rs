@@ -21,6 +21,8 @@ use crate::model_dir;
 #[derive(Serialize)]
 struct BatchReport {
     backend: Backend,
+    /// How the engine ran attention (`--batch-attention`, else the backend's choice).
+    batch_attention: perch_engine::batch::BatchAttention,
     concurrency: usize,
     prompt_tokens: usize,
     shared_prefix_tokens: usize,
@@ -514,6 +516,7 @@ fn report(
     let per_step_ms = |seconds: f64| seconds * 1e3 / decode_steps.max(1) as f64;
     BatchReport {
         backend: Backend::current(),
+        batch_attention: args.batch_attention.or_backend(),
         concurrency,
         prompt_tokens: prompts[0].len(),
         shared_prefix_tokens: args.shared_prefix_tokens,
