@@ -1308,12 +1308,13 @@ fn publish(
     let block_size = kv.block_size();
     if let Some(slot) = seq.slot {
         // One copy per layer part for each run of up to PUBLISH_RUN_BLOCKS consecutive blocks
-        // (of a prefill chunk), each block a view of it: a 2,048-token chunk in blocks of 32
-        // is 64 blocks, and copying each apart made 64 small arrays per layer part (on an
-        // H100, four 8,192-token prompts spent 70% of their prefill on them). A run's copy
-        // lives while any of its blocks does, so evicting part of a run frees its memory with
-        // the last of them: the store counts each block's own bytes, and the cap bounds what
-        // it does not see to PUBLISH_RUN_BLOCKS - 1 blocks per partly evicted run.
+        // (of a prefill chunk), its blocks kept as places in it (`BlockStore::put_run`): a
+        // 2,048-token chunk in blocks of 32 is 64 blocks, and copying each apart made 64 small
+        // arrays per layer part (on an H100, four 8,192-token prompts spent 70% of their
+        // prefill on them), a view of the run per block as many again. A run's copy lives while
+        // any of its blocks does, so evicting part of a run frees its memory with the last of
+        // them: the store counts each block's share, and the cap bounds what it does not see
+        // to PUBLISH_RUN_BLOCKS - 1 blocks per partly evicted run.
         let (slots, row) = runner.slot_cache(slot);
         let runs = entries
             .chunk_by(|a, b| b.0 == a.0 + 1)
@@ -1325,26 +1326,8 @@ fn publish(
                     slots.copy_parts(row, layer, first * block_size, (last + 1) * block_size)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            for (k, &(_, id)) in run.iter().enumerate() {
-                let views = copies
-                    .iter()
-                    .map(|parts| {
-                        parts
-                            .iter()
-                            .map(|p| {
-                                let s = p.shape();
-                                let from = (k * block_size) as i32;
-                                Ok(crate::mlx_ext::slice(
-                                    p,
-                                    &[0, 0, from, 0],
-                                    &[s[0], s[1], from + block_size as i32, s[3]],
-                                )?)
-                            })
-                            .collect::<Result<Vec<_>>>()
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                store.put_parts(id, views);
-            }
+            let ids: Vec<BlockId> = run.iter().map(|&(_, id)| id).collect();
+            store.put_run(&ids, copies);
         }
     } else {
         // A sequence in its own cache: a copy per block (cheap on the CPU, where this path runs).

@@ -21,6 +21,7 @@
 //! can still lead to a later block that has a state).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use mlx_rs::{ops, Array};
 
@@ -31,9 +32,32 @@ use crate::error::Result;
 /// The KV parts of one block, one list per layer ([`KvCache::parts`]).
 type BlockKv = Vec<Vec<Array>>;
 
+/// What the store holds for one block.
+enum Content {
+    /// The block's own parts.
+    Own(BlockKv),
+    /// Block `index` of `len` consecutive blocks copied out at once ([`BlockStore::put_run`]):
+    /// each part `[1, kv_heads, len * block_size, head_dim]`. The copy lives while any of its
+    /// blocks does; a block's share of its bytes is counted as its own.
+    InRun {
+        run: Arc<BlockKv>,
+        index: usize,
+        len: usize,
+    },
+}
+
+impl Content {
+    fn nbytes(&self) -> usize {
+        match self {
+            Content::Own(kv) => kv_nbytes(kv),
+            Content::InRun { run, len, .. } => kv_nbytes(run) / len,
+        }
+    }
+}
+
 /// KV content per block id; `None` for blocks that hold nothing worth keeping.
 pub struct BlockStore {
-    blocks: Vec<Option<BlockKv>>,
+    blocks: Vec<Option<Content>>,
     /// Bytes of all content held (kept up to date, since stats are read often).
     nbytes: usize,
     /// Per layer: whether its cache is a recurrent state (see the module docs).
@@ -78,7 +102,9 @@ impl BlockStore {
     /// states after it when the model has such layers.
     pub fn has_state(&self, id: BlockId) -> bool {
         match &self.blocks[id.0 as usize] {
-            Some(kv) => self.state_nbytes(kv).is_some(),
+            Some(Content::Own(kv)) => self.state_nbytes(kv).is_some(),
+            // Runs come from slot caches, which hybrid models do not use: no states.
+            Some(Content::InRun { .. }) => !self.has_recurrent_layers(),
             None => false,
         }
     }
@@ -109,7 +135,7 @@ impl BlockStore {
     fn bound_states(&mut self) {
         while self.state_bytes > self.max_state_bytes && self.states.len() > 1 {
             let id = self.states.pop_front().expect("non-empty");
-            let Some(kv) = self.blocks[id.0 as usize].as_mut() else {
+            let Some(Content::Own(kv)) = self.blocks[id.0 as usize].as_mut() else {
                 continue;
             };
             for (parts, _) in kv.iter_mut().zip(&self.recurrent).filter(|(_, r)| **r) {
@@ -158,8 +184,28 @@ impl BlockStore {
                 self.states.push_back(id);
             }
         }
-        self.blocks[id.0 as usize] = Some(kv);
+        self.blocks[id.0 as usize] = Some(Content::Own(kv));
         self.bound_states();
+    }
+
+    /// Keeps `run` (per layer, parts of `ids.len()` consecutive blocks in buffers of their own,
+    /// `[1, kv_heads, ids.len() * block_size, head_dim]` each) as the content of `ids`, in order,
+    /// without an array per block: a slot sequence's prefill chunk copies out up to 16 blocks
+    /// at once, and a view per block and layer part cost the host more than the copies (four
+    /// 8,192-token prompts on a GPU made 13,000 views a step). Never for hybrid models' blocks,
+    /// which keep states.
+    pub fn put_run(&mut self, ids: &[BlockId], run: BlockKv) {
+        let run = Arc::new(run);
+        for (index, &id) in ids.iter().enumerate() {
+            self.clear(id);
+            let content = Content::InRun {
+                run: Arc::clone(&run),
+                index,
+                len: ids.len(),
+            };
+            self.nbytes += content.nbytes();
+            self.blocks[id.0 as usize] = Some(content);
+        }
     }
 
     /// Adds the recurrent layers' states after block `id` (per layer, what
@@ -174,7 +220,9 @@ impl BlockStore {
         if !complete || self.has_state(id) || !self.contains(id) {
             return;
         }
-        let kv = self.blocks[id.0 as usize].as_mut().expect("contains");
+        let Some(Content::Own(kv)) = self.blocks[id.0 as usize].as_mut() else {
+            return;
+        };
         let mut bytes = 0;
         for ((parts, state), _) in kv
             .iter_mut()
@@ -193,11 +241,13 @@ impl BlockStore {
 
     /// Drops the content of `id` (the block was handed out again or forgotten).
     pub fn clear(&mut self, id: BlockId) {
-        if let Some(kv) = self.blocks[id.0 as usize].take() {
-            self.nbytes -= kv_nbytes(&kv);
+        if let Some(content) = self.blocks[id.0 as usize].take() {
+            self.nbytes -= content.nbytes();
             if let Some(i) = self.states.iter().position(|s| *s == id) {
                 self.states.remove(i);
-                self.state_bytes -= self.state_nbytes(&kv).unwrap_or(0);
+                if let Content::Own(kv) = &content {
+                    self.state_bytes -= self.state_nbytes(kv).unwrap_or(0);
+                }
             }
         }
     }
@@ -232,8 +282,11 @@ impl BlockStore {
         let positions = (ids.len() * block_size) as i32;
         for (layer, layer_cache) in cache.iter_mut().enumerate() {
             if layer_cache.is_recurrent() {
-                let last = blocks.last().expect("non-empty");
-                if last[layer].is_empty() {
+                let last = match blocks.last().expect("non-empty") {
+                    Content::Own(kv) => &kv[layer],
+                    Content::InRun { .. } => &Vec::new(),
+                };
+                if last.is_empty() {
                     return Err(mlx_rs::error::Exception::from(
                         format!(
                             "prefix-cache block {} holds no recurrent state for layer {layer}",
@@ -243,7 +296,7 @@ impl BlockStore {
                     )
                     .into());
                 }
-                layer_cache.append_block_parts(&last[layer], positions)?;
+                layer_cache.append_block_parts(last, positions)?;
                 continue;
             }
             let skip = layer_cache.positions_to_skip(positions, block_size as i32);
@@ -252,11 +305,10 @@ impl BlockStore {
                 continue;
             }
             let kept = &blocks[skip as usize / block_size..];
-            let parts = (0..kept[0][layer].len())
-                .map(|part| {
-                    let pieces: Vec<&Array> = kept.iter().map(|b| &b[layer][part]).collect();
-                    Ok(ops::concatenate(&pieces, 2)?)
-                })
+            let pieces = pieces(kept, layer, block_size)?;
+            let parts = pieces
+                .into_iter()
+                .map(|pieces| Ok(ops::concatenate(&pieces, 2)?))
                 .collect::<Result<Vec<Array>>>()?;
             layer_cache.append_parts(&parts)?;
         }
@@ -266,16 +318,80 @@ impl BlockStore {
     /// Arrays to evaluate after [`BlockStore::put`] so the copies hold data, not graphs that
     /// keep a sequence's whole cache alive.
     pub fn state(&self, ids: &[BlockId]) -> Vec<&Array> {
-        ids.iter()
+        let mut arrays = Vec::new();
+        let mut last_run: Option<&Arc<BlockKv>> = None;
+        for content in ids
+            .iter()
             .filter_map(|id| self.blocks[id.0 as usize].as_ref())
-            .flat_map(|kv| kv.iter().flatten())
-            .collect()
+        {
+            match content {
+                Content::Own(kv) => arrays.extend(kv.iter().flatten()),
+                // A run's arrays once, however many of its blocks are asked for.
+                Content::InRun { run, .. } => {
+                    if !last_run.is_some_and(|last| Arc::ptr_eq(last, run)) {
+                        arrays.extend(run.iter().flatten());
+                        last_run = Some(run);
+                    }
+                }
+            }
+        }
+        arrays
     }
 
     /// Bytes of KV content held.
     pub fn nbytes(&self) -> usize {
         self.nbytes
     }
+}
+
+/// Layer `layer`'s content of consecutive blocks, per part: the pieces to concatenate along the
+/// positions, a block's own array or one slice for each stretch of blocks of the same run.
+fn pieces(blocks: &[&Content], layer: usize, block_size: usize) -> Result<Vec<Vec<Array>>> {
+    let num_parts = match blocks[0] {
+        Content::Own(kv) => kv[layer].len(),
+        Content::InRun { run, .. } => run[layer].len(),
+    };
+    let mut pieces: Vec<Vec<Array>> = vec![Vec::new(); num_parts];
+    let mut i = 0;
+    while i < blocks.len() {
+        match blocks[i] {
+            Content::Own(kv) => {
+                for (piece, part) in pieces.iter_mut().zip(&kv[layer]) {
+                    piece.push(part.clone());
+                }
+                i += 1;
+            }
+            Content::InRun { run, index, .. } => {
+                // The following blocks that are the run's next ones.
+                let mut count = 1;
+                while let Some(Content::InRun {
+                    run: next,
+                    index: next_index,
+                    ..
+                }) = blocks.get(i + count)
+                {
+                    if !Arc::ptr_eq(run, next) || *next_index != index + count {
+                        break;
+                    }
+                    count += 1;
+                }
+                let (from, to) = (
+                    (index * block_size) as i32,
+                    ((index + count) * block_size) as i32,
+                );
+                for (piece, part) in pieces.iter_mut().zip(&run[layer]) {
+                    let s = part.shape();
+                    piece.push(crate::mlx_ext::slice(
+                        part,
+                        &[0, 0, from, 0],
+                        &[s[0], s[1], to, s[3]],
+                    )?);
+                }
+                i += count;
+            }
+        }
+    }
+    Ok(pieces)
 }
 
 fn missing(id: BlockId) -> crate::error::EngineError {
@@ -288,6 +404,7 @@ fn missing(id: BlockId) -> crate::error::EngineError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mlx_rs::ops::indexing::IndexOp;
 
     /// A block of a two-layer hybrid model: layer 0 attention (keys, values), layer 1 recurrent
     /// (conv, ssm of 64 float32 each = 512 bytes) or nothing.
@@ -330,6 +447,46 @@ mod tests {
         tight.put_parts(BlockId(0), block(true));
         tight.put_parts(BlockId(1), block(true));
         assert!(!tight.has_state(BlockId(0)) && tight.has_state(BlockId(1)));
+    }
+
+    /// Blocks kept as places in a run copy load as blocks of their own do (any stretch of them,
+    /// mixed with owned blocks), count their share of its bytes, and evaluate it once.
+    #[test]
+    fn blocks_of_a_run_load_and_count_as_their_own() {
+        let block_size = 4;
+        // One layer of keys and values over 12 positions: position p holds p in every feature.
+        let positions = |from: i32, to: i32| {
+            let p = ops::arange::<_, f32>(from as f32, to as f32, None).unwrap();
+            ops::broadcast_to(p.reshape(&[1, 1, -1, 1]).unwrap(), &[1, 2, to - from, 8]).unwrap()
+        };
+        let mut store = BlockStore::new(8);
+        store.put_parts(BlockId(5), vec![vec![positions(0, 4), positions(0, 4)]]);
+        store.put_run(
+            &[BlockId(1), BlockId(2), BlockId(3)],
+            vec![vec![positions(4, 16), positions(4, 16)]],
+        );
+        let block_bytes = 2 * (2 * 4 * 8) * 4;
+        assert_eq!(store.nbytes(), 4 * block_bytes);
+        assert_eq!(store.state(&[BlockId(1), BlockId(2), BlockId(5)]).len(), 4);
+        let loaded = |ids: &[BlockId]| {
+            let mut cache = vec![KvCache::new()];
+            store.load_into(ids, &mut cache, block_size).unwrap();
+            let keys = match cache[0].fetch().unwrap() {
+                crate::cache::CachedKv::Dense { keys, .. } => keys,
+                _ => unreachable!("a float cache"),
+            };
+            keys.index((.., 0, .., 0)).flatten(None, None).unwrap()
+        };
+        let expected = ops::arange::<_, f32>(0.0, 16.0, None).unwrap();
+        let all = loaded(&[BlockId(5), BlockId(1), BlockId(2), BlockId(3)]);
+        assert_eq!(all.as_slice::<f32>(), expected.as_slice::<f32>());
+        // The run's first block alone, after an owned block: positions 0..8.
+        let two = loaded(&[BlockId(5), BlockId(1)]);
+        assert_eq!(two.as_slice::<f32>(), &expected.as_slice::<f32>()[..8]);
+        // Evicting part of a run keeps the rest readable and takes that block's share.
+        store.clear(BlockId(2));
+        assert_eq!(store.nbytes(), 3 * block_bytes);
+        assert!(store.contains(BlockId(3)) && store.has_state(BlockId(3)));
     }
 
     #[test]
