@@ -21,7 +21,7 @@
 //! can still lead to a later block that has a state).
 
 use std::collections::VecDeque;
-use std::sync::Arc;
+use std::rc::Rc;
 
 use mlx_rs::{ops, Array};
 
@@ -40,7 +40,7 @@ enum Content {
     /// each part `[1, kv_heads, len * block_size, head_dim]`. The copy lives while any of its
     /// blocks does; a block's share of its bytes is counted as its own.
     InRun {
-        run: Arc<BlockKv>,
+        run: Rc<BlockKv>,
         index: usize,
         len: usize,
     },
@@ -195,11 +195,11 @@ impl BlockStore {
     /// 8,192-token prompts on a GPU made 13,000 views a step). Never for hybrid models' blocks,
     /// which keep states.
     pub fn put_run(&mut self, ids: &[BlockId], run: BlockKv) {
-        let run = Arc::new(run);
+        let run = Rc::new(run);
         for (index, &id) in ids.iter().enumerate() {
             self.clear(id);
             let content = Content::InRun {
-                run: Arc::clone(&run),
+                run: Rc::clone(&run),
                 index,
                 len: ids.len(),
             };
@@ -319,7 +319,7 @@ impl BlockStore {
     /// keep a sequence's whole cache alive.
     pub fn state(&self, ids: &[BlockId]) -> Vec<&Array> {
         let mut arrays = Vec::new();
-        let mut last_run: Option<&Arc<BlockKv>> = None;
+        let mut last_run: Option<&Rc<BlockKv>> = None;
         for content in ids
             .iter()
             .filter_map(|id| self.blocks[id.0 as usize].as_ref())
@@ -328,7 +328,7 @@ impl BlockStore {
                 Content::Own(kv) => arrays.extend(kv.iter().flatten()),
                 // A run's arrays once, however many of its blocks are asked for.
                 Content::InRun { run, .. } => {
-                    if !last_run.is_some_and(|last| Arc::ptr_eq(last, run)) {
+                    if !last_run.is_some_and(|last| Rc::ptr_eq(last, run)) {
                         arrays.extend(run.iter().flatten());
                         last_run = Some(run);
                     }
@@ -370,7 +370,7 @@ fn pieces(blocks: &[&Content], layer: usize, block_size: usize) -> Result<Vec<Ve
                     ..
                 }) = blocks.get(i + count)
                 {
-                    if !Arc::ptr_eq(run, next) || *next_index != index + count {
+                    if !Rc::ptr_eq(run, next) || *next_index != index + count {
                         break;
                     }
                     count += 1;
