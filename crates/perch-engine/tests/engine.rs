@@ -44,6 +44,17 @@ fn collect(stream: RequestStream) -> (Vec<u32>, FinishReason, Option<String>) {
     }
 }
 
+/// Whether the stream's next event (within two minutes) is a token.
+fn next_is_token(stream: &RequestStream) -> bool {
+    matches!(
+        stream
+            .events
+            .recv_timeout(Duration::from_secs(120))
+            .expect("engine answered"),
+        EngineEvent::Token { .. }
+    )
+}
+
 #[test]
 fn concurrent_submissions_match_the_reference() {
     let engine = engine();
@@ -100,13 +111,7 @@ fn cancel_running_and_waiting_requests() {
     let waiting = engine.submit(long(500)).unwrap();
     // Wait for the first request to produce two tokens, then look at the queue.
     for _ in 0..2 {
-        assert!(matches!(
-            running
-                .events
-                .recv_timeout(Duration::from_secs(120))
-                .unwrap(),
-            EngineEvent::Token { .. }
-        ));
+        assert!(next_is_token(&running));
     }
     let stats = engine.stats().unwrap();
     assert_eq!((stats.running, stats.waiting), (1, 1));
@@ -138,23 +143,11 @@ fn dropping_the_last_handle_stops_the_engine_thread_first() {
     let stream = engine
         .submit(request(Prompt::Tokens(vec![1, 504, 2988, 288]), 500))
         .unwrap();
-    assert!(matches!(
-        stream
-            .events
-            .recv_timeout(Duration::from_secs(120))
-            .unwrap(),
-        EngineEvent::Token { .. }
-    ));
+    assert!(next_is_token(&stream));
     let clone = engine.clone();
     drop(engine);
     // Another handle is left: the engine goes on.
-    assert!(matches!(
-        stream
-            .events
-            .recv_timeout(Duration::from_secs(120))
-            .unwrap(),
-        EngineEvent::Token { .. }
-    ));
+    assert!(next_is_token(&stream));
     drop(clone);
     // The thread has ended by now: what it sent is there, ending with the request cancelled,
     // and nothing more can come (no wait: the channel is closed).
@@ -240,10 +233,7 @@ fn requests_run_together_and_leave_when_done() {
     let long = engine
         .submit(request(Prompt::Tokens(vec![1, 788, 260]), 40))
         .unwrap();
-    assert!(matches!(
-        long.events.recv_timeout(Duration::from_secs(120)).unwrap(),
-        EngineEvent::Token { .. }
-    ));
+    assert!(next_is_token(&long));
     let (ids, reason, _) = collect(short);
     assert_eq!((ids.len(), reason), (3, FinishReason::Length));
     // The short request has left; the long one is still generating, nothing waits.
