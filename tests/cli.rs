@@ -514,51 +514,6 @@ fn batch_bench_reports_every_field() {
     }
 }
 
-/// `--batch-attention` picks the engine's path: the GPU's slot caches on this CPU generate the
-/// same greedy ids as the CPU's per-sequence caches (`--output-ids`; the paths' numerics:
-/// `crates/perch-engine/tests/batch_parity.rs`), and the report says which ran.
-#[test]
-fn batch_bench_runs_either_attention_path() {
-    let model = test_model();
-    let dir = tempfile::tempdir().unwrap();
-    let ids = |attention: &str| {
-        let path = dir.path().join(format!("{attention}.json"));
-        let out = perch(&[
-            "bench",
-            "--model",
-            &model,
-            "--concurrency",
-            "3",
-            "--prompt-tokens",
-            "20",
-            "--gen-tokens",
-            "6",
-            "--runs",
-            "1",
-            "--batch-attention",
-            attention,
-            "--output-ids",
-            path.to_str().unwrap(),
-            "--json",
-        ]);
-        assert!(
-            out.status.success(),
-            "{attention}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8(out.stdout).unwrap();
-        let report: serde_json::Value =
-            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-        assert_eq!(report["batch_attention"], attention.replace('-', "_"));
-        let ids: Vec<Vec<u32>> =
-            serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        assert_eq!(ids.len(), 3, "{attention}");
-        assert!(ids.iter().all(|r| r.len() == 6), "{attention}: {ids:?}");
-        ids
-    };
-    assert_eq!(ids("batched"), ids("per-sequence"));
-}
-
 /// `--http` runs the same workload through the local API (an in-process server) and reports both
 /// runs; every request of both generated all its tokens.
 #[test]
@@ -597,7 +552,9 @@ fn batch_bench_through_http_reports_both_runs() {
 }
 
 /// `--output-ids` writes what each path generated (scripts/parity_gpu.py compares them on a GPU):
-/// on CPU the batch engine's greedy ids equal the single-stream ones.
+/// on CPU the batch engine's greedy ids equal the single-stream ones, through either attention
+/// path (`--batch-attention`: the GPU's slot caches on this CPU too; the paths' numerics:
+/// `crates/perch-engine/tests/batch_parity.rs`), and the report names the path it ran.
 #[test]
 fn bench_output_ids_match_between_single_stream_and_batch() {
     let dir = tempfile::tempdir().unwrap();
@@ -616,40 +573,49 @@ fn bench_output_ids_match_between_single_stream_and_batch() {
             "{}",
             String::from_utf8_lossy(&out.stderr)
         );
+        String::from_utf8(out.stdout).unwrap()
     };
     let model = test_model();
     let common = ["bench", "--model", &model, "--gen-tokens", "5"];
-    let (one, single, all, batch) = (
-        path("one.json"),
-        path("single.json"),
-        path("all.json"),
-        path("batch.json"),
-    );
+    let (one, single, all) = (path("one.json"), path("single.json"), path("all.json"));
     run(&[
         &common[..],
         &["--prompt-ids", &one, "--runs", "1", "--output-ids", &single],
     ]
     .concat());
-    run(&[
-        &common[..],
-        &[
-            "--concurrency",
-            "2",
-            "--prompt-ids",
-            &all,
-            "--output-ids",
-            &batch,
-        ],
-    ]
-    .concat());
     let read = |p: &str| -> serde_json::Value {
         serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
     };
-    let (single, batch) = (read(&single), read(&batch));
+    let single = read(&single);
     assert_eq!(single.as_array().map(Vec::len), Some(5), "{single}");
-    assert_eq!(batch.as_array().map(Vec::len), Some(2), "{batch}");
-    assert_eq!(batch[1].as_array().map(Vec::len), Some(5), "{batch}");
-    assert_eq!(batch[0], single);
+    let mut batches = Vec::new();
+    for attention in ["per-sequence", "batched"] {
+        let batch = path(&format!("{attention}.json"));
+        let stdout = run(&[
+            &common[..],
+            &[
+                "--concurrency",
+                "2",
+                "--prompt-ids",
+                &all,
+                "--output-ids",
+                &batch,
+                "--batch-attention",
+                attention,
+                "--json",
+            ],
+        ]
+        .concat());
+        let report: serde_json::Value =
+            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        assert_eq!(report["batch_attention"], attention.replace('-', "_"));
+        let batch = read(&batch);
+        assert_eq!(batch.as_array().map(Vec::len), Some(2), "{batch}");
+        assert_eq!(batch[1].as_array().map(Vec::len), Some(5), "{batch}");
+        assert_eq!(batch[0], single, "{attention}");
+        batches.push(batch);
+    }
+    assert_eq!(batches[0], batches[1]);
 }
 
 #[test]

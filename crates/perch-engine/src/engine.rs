@@ -292,12 +292,12 @@ impl EngineLimits {
 /// A cloneable, thread-safe handle to the engine thread.
 #[derive(Clone)]
 pub struct EngineHandle {
-    commands: Sender<Command>,
     next_id: Arc<AtomicU64>,
     /// Cancels are also recorded here so the running request sees them between tokens, while
     /// the engine thread is busy generating and not reading commands.
     cancelled: Arc<Mutex<HashSet<RequestId>>>,
-    /// The engine thread, joined by [`EngineHandle::shutdown`] or when the last handle goes.
+    /// The engine thread and its command channel; the thread is joined by
+    /// [`EngineHandle::shutdown`] or when the last handle goes.
     thread: Arc<EngineThreadGuard>,
     tokenizer: Arc<Tokenizer>,
     limits: EngineLimits,
@@ -438,10 +438,9 @@ impl EngineHandle {
         let (tokenizer, limits) = loaded_rx.recv().map_err(|_| EngineError::EngineStopped)??;
         Ok(Self {
             thread: Arc::new(EngineThreadGuard {
-                commands: commands.clone(),
+                commands,
                 thread: Mutex::new(Some(thread)),
             }),
-            commands,
             tokenizer,
             limits,
             next_id: Arc::new(AtomicU64::new(1)),
@@ -498,7 +497,8 @@ impl EngineHandle {
                 (n < limit).then_some(n + 1)
             })
             .map_err(|_| EngineError::Busy { limit })?;
-        self.commands
+        self.thread
+            .commands
             .send(Command::Submit {
                 id,
                 request: Box::new(request),
@@ -517,7 +517,7 @@ impl EngineHandle {
         if let Ok(mut set) = self.cancelled.lock() {
             set.insert(id);
         }
-        let _ = self.commands.send(Command::Cancel(id));
+        let _ = self.thread.commands.send(Command::Cancel(id));
     }
 
     /// The log-probabilities of every vocabulary token for the position after `token_ids`:
@@ -577,7 +577,8 @@ impl EngineHandle {
     /// for extension), as genlm's `clear_cache`. Answered between steps.
     pub fn clear_cache(&self) -> Result<()> {
         let (tx, rx) = mpsc::channel();
-        self.commands
+        self.thread
+            .commands
             .send(Command::ClearCache(tx))
             .map_err(|_| EngineError::EngineStopped)?;
         rx.recv().map_err(|_| EngineError::EngineStopped)
@@ -641,7 +642,8 @@ impl EngineHandle {
         job: PromptCacheJob,
         answer: Receiver<Result<usize>>,
     ) -> Result<usize> {
-        self.commands
+        self.thread
+            .commands
             .send(Command::PromptCache(job))
             .map_err(|_| EngineError::EngineStopped)?;
         answer.recv().map_err(|_| EngineError::EngineStopped)?

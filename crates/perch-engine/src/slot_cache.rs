@@ -204,6 +204,8 @@ struct Rings {
 pub struct SlotKvCache {
     quantization: Option<KvQuantization>,
     attention: SlotAttention,
+    /// Prompt chunks take additive masks on every backend, not only CUDA's (tests).
+    additive_masks: bool,
     num_layers: usize,
     rings: Option<Rings>,
     /// Per layer: keys' parts then values' parts (2 or 6), empty while no slot is occupied.
@@ -219,6 +221,7 @@ impl SlotKvCache {
         Self {
             quantization,
             attention: SlotAttention::Auto,
+            additive_masks: false,
             num_layers,
             rings: None,
             layers: Vec::new(),
@@ -232,6 +235,7 @@ impl SlotKvCache {
     pub fn empty_like(&self) -> Self {
         Self {
             rings: self.rings.clone(),
+            additive_masks: self.additive_masks,
             ..Self::new(self.num_layers, self.quantization).with_attention(self.attention)
         }
     }
@@ -313,6 +317,14 @@ impl SlotKvCache {
         self
     }
 
+    /// This cache with its fused prompt-chunk reads taking additive masks on any backend, as
+    /// [`SlotAttention::Auto`] has them on CUDA ([`SlotRead::additive_mask`]): what lets a CPU
+    /// run that path.
+    pub fn with_additive_masks(mut self) -> Self {
+        self.additive_masks = true;
+        self
+    }
+
     /// How a step of `queries_per_row` queries per row on `backend` reads this cache: as
     /// [`SlotAttention`] says, a quantized cache dequantized on CUDA (see
     /// [`crate::models::decoder::masked_attention`]).
@@ -329,8 +341,7 @@ impl SlotKvCache {
         SlotRead {
             explicit,
             dequantize: cuda,
-            additive_mask: cuda
-                && self.attention == SlotAttention::Auto
+            additive_mask: ((cuda && self.attention == SlotAttention::Auto) || self.additive_masks)
                 && !explicit
                 && queries_per_row > 1,
         }

@@ -10,7 +10,7 @@ use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array};
 use perch_engine::cache::KvCache;
-use perch_engine::models::decoder::SlotRead;
+use perch_engine::models::decoder::{additive_mask, SlotRead};
 use perch_engine::models::{self, Model};
 use perch_engine::slot_cache::{SlotAttention, SlotKvCache};
 use perch_engine::KvQuantization;
@@ -147,10 +147,29 @@ fn run(q: Option<KvQuantization>, attention: SlotAttention) -> f32 {
 /// sequence's own cache, and the sequences then decode from a second slot cache they moved into.
 #[test]
 fn prefill_chunks_in_slots_match_per_sequence_prefill() {
+    prefill_chunks_in_slots(false);
+}
+
+/// The same with the additive masks CUDA's prompt chunks take (made once a step, see
+/// `SlotRead::additive_mask`), forced on here.
+#[test]
+fn prefill_chunks_with_additive_masks_match_per_sequence_prefill() {
+    prefill_chunks_in_slots(true);
+}
+
+fn prefill_chunks_in_slots(additive: bool) {
     let model = models::load(&common::model_dir()).unwrap();
     let model = model.as_ref();
     let cases = common::short_reference_cases();
     let mut prefill = SlotKvCache::new(model.info().num_layers, None);
+    if additive {
+        prefill = prefill.with_additive_masks();
+        assert!(
+            prefill
+                .read(perch_engine::device::Backend::Cpu, 5)
+                .additive_mask
+        );
+    }
     // (prompt, tokens cached before the first step, chunk length per step)
     let plans: [(&[u32], usize, usize); 3] = [
         (&cases[0].prompt_ids, 0, 5),
@@ -401,7 +420,8 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
             sinks.is_some()
         );
         // The mask as an additive one (CUDA's prompt chunks) reads the same.
-        let worst = largest_difference(&read(false, true, &mask), &fused);
+        let additive = additive_mask(&mask, mlx_rs::Dtype::Float32).unwrap();
+        let worst = largest_difference(&read(false, true, &additive), &fused);
         assert!(
             worst < 1e-5,
             "additive mask, {seq} queries per row: {worst} (sinks: {})",
@@ -417,6 +437,7 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
             .unwrap(),
         )
         .unwrap();
+        let nothing = additive_mask(&nothing, mlx_rs::Dtype::Float32).unwrap();
         let padded = read(false, true, &nothing);
         let bad =
             ops::logical_or(ops::is_nan(&padded).unwrap(), ops::is_inf(&padded).unwrap()).unwrap();

@@ -761,10 +761,7 @@ impl Attention {
             Some((keys, values)) => slots.update_and_fetch(layer, step, &at(&keys)?, &values)?,
             None => slots.fetch(layer)?,
         };
-        let mask = match (self.window, &shared.window_mask) {
-            (Some(_), Some(mask)) => mask,
-            _ => &step.mask,
-        };
+        let mask = shared.mask(step, self.window.is_some(), queries.dtype())?;
         let out = masked_attention(
             &queries,
             cached,
@@ -1117,18 +1114,15 @@ pub struct SlotRead {
 /// nothing, a padding row, gets finite weights instead of NaN, and adding a score cannot
 /// overflow to -inf).
 pub fn additive_mask(mask: &Array, dtype: Dtype) -> Result<Array> {
-    let lowest = match dtype {
-        Dtype::Float16 => -65504.0f32,
-        Dtype::Bfloat16 | Dtype::Float32 => f32::MIN,
-        _ => f32::MIN,
-    };
-    let blocked = Array::from_f32(lowest / 2.0).as_dtype(dtype)?;
+    let blocked = Array::from_f32(lowest_value(dtype) / 2.0).as_dtype(dtype)?;
     let open = Array::from_f32(0.0).as_dtype(dtype)?;
     Ok(ops::select(mask, &open, &blocked)?)
 }
 
 /// Attention of `queries` `[batch, heads, seq, head_dim]` over `cached` positions where `mask`
-/// (boolean, `[batch, 1 or heads, seq, positions]`) is true, read as `read` says. A quantized
+/// (boolean, `[batch, 1 or heads, seq, positions]`) is true, read as `read` says; with
+/// `read.additive_mask`, `mask` is that mask made additive ([`additive_mask`], in the queries'
+/// dtype), read by MLX's fused attention. A quantized
 /// cache is read by [`quantized_scaled_dot_product_attention`], or, when `read.dequantize`,
 /// dequantized and read as a dense one: MLX 0.32.2's CUDA quantized_matmul over a batch of
 /// `rows * kv_heads` packed matrices did not finish a 32-sequence benchmark in 120 s on an H100,
@@ -1153,10 +1147,6 @@ pub fn masked_attention(
                 KvMask::Array(mask),
                 sinks,
             )?
-        } else if read.additive_mask {
-            let mask = additive_mask(mask, queries.dtype())?;
-            let mask = ScaledDotProductAttentionMask::Array(&mask);
-            scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)?
         } else {
             let mask = ScaledDotProductAttentionMask::Array(mask);
             scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)?
@@ -1200,15 +1190,19 @@ pub enum KvMask<'a> {
     Array(&'a Array),
 }
 
-/// The lowest finite value of a float dtype, as a scalar of it (`mx.finfo(dtype).min`).
-fn lowest(dtype: Dtype) -> Result<Array> {
-    let value = match dtype {
+/// The lowest finite value of a float dtype (`mx.finfo(dtype).min`).
+fn lowest_value(dtype: Dtype) -> f32 {
+    match dtype {
         Dtype::Float16 => -65504.0,
         // bfloat16 keeps float32's exponent with 8 bits of significand: (2 - 2^-7) * 2^127.
         Dtype::Bfloat16 => -3.389_531_4e38,
         _ => f32::MIN,
-    };
-    Ok(Array::from_f32(value).as_dtype(dtype)?)
+    }
+}
+
+/// [`lowest_value`] as a scalar of `dtype`.
+fn lowest(dtype: Dtype) -> Result<Array> {
+    Ok(Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?)
 }
 
 /// Layers of a large batched prompt pass dispatched at a time ([`PREFILL_EVAL_TOKENS`] tokens or
@@ -1236,6 +1230,38 @@ struct SharedStepArrays {
     /// [`QueryPositionScale::scales`] of the step's query positions, `[rows, 1, tokens, 1]`,
     /// when the model scales queries by position.
     query_scales: Option<Array>,
+    /// The step's mask and `window_mask` made additive in the activations' dtype, when the
+    /// step reads with additive masks ([`SlotRead::additive_mask`]): made once, by the first
+    /// layer, for all of them.
+    additive: std::cell::OnceCell<(Array, Option<Array>)>,
+}
+
+impl SharedStepArrays {
+    /// The mask a layer reads: the window's for a sliding layer (when the model has one),
+    /// else the step's; additive in `dtype` when the step reads that way.
+    fn mask<'a>(&'a self, step: &'a SlotStep, sliding: bool, dtype: Dtype) -> Result<&'a Array> {
+        if !step.read.additive_mask {
+            return Ok(match (sliding, &self.window_mask) {
+                (true, Some(window)) => window,
+                _ => &step.mask,
+            });
+        }
+        if self.additive.get().is_none() {
+            let window = self
+                .window_mask
+                .as_ref()
+                .map(|w| additive_mask(w, dtype))
+                .transpose()?;
+            let _ = self
+                .additive
+                .set((additive_mask(&step.mask, dtype)?, window));
+        }
+        let (global, window) = self.additive.get().expect("just made");
+        Ok(match (sliding, window) {
+            (true, Some(window)) => window,
+            _ => global,
+        })
+    }
 }
 
 /// What mixes a block's positions: attention, or a Gated DeltaNet (hybrid models).
@@ -1781,6 +1807,7 @@ impl Model for Decoder {
                 .query_position_scale
                 .map(|scale| scale.scales(step.query_positions()))
                 .transpose()?,
+            additive: std::cell::OnceCell::new(),
         };
         // A large prompt pass is evaluated a few layers at a time (see PREFILL_EVAL_LAYERS);
         // never a decode step (one token a row), which MLX may be tracing (`compiled.rs`).
