@@ -517,6 +517,45 @@ fn batch_bench_reports_every_field() {
 /// `--http` runs the same workload through the local API (an in-process server) and reports both
 /// runs; every request of both generated all its tokens.
 #[test]
+fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
+    // The GPU path on CPU, with the idle prefill warm-up on: it runs before the first request.
+    let out = perch(&[
+        "bench",
+        "--model",
+        &test_model(),
+        "--concurrency",
+        "2",
+        "--batch-attention",
+        "batched",
+        "--prefill-token-budget",
+        "32",
+        "--warm-up-prefill",
+        "true",
+        "--first-prompts",
+        "5,40",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    // Budget 32 over up to 2 rows: widths 16 and 32 alone, 16 in pairs, a long prompt's next
+    // three chunks, then the decode shapes.
+    assert!(report["warm_up_shapes"].as_u64() > Some(6), "{report}");
+    let rows = report["first_prompts"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{report}");
+    for (row, len) in rows.iter().zip([5, 40]) {
+        assert_eq!(row["prompt_tokens"], len);
+        for key in ["ttft_ms_first", "ttft_ms_again"] {
+            assert!(row[key].as_f64() > Some(0.0), "{key}: {report}");
+        }
+    }
+}
+
+#[test]
 fn batch_bench_through_http_reports_both_runs() {
     let out = perch(&[
         "bench",

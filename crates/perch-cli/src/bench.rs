@@ -100,6 +100,16 @@ pub struct BenchArgs {
     /// end of sequence is ignored), to measure what a constrained request costs the batch.
     #[arg(long, default_value_t = 0)]
     pub json_requests: usize,
+    /// With --concurrency: run the engine's idle prefill warm-up (default: the engine's for
+    /// this backend, on for CUDA).
+    #[arg(long)]
+    pub warm_up_prefill: Option<bool>,
+    /// With --concurrency: instead of the workload, wait for the engine's idle warm-up, then send
+    /// one request of each of these prompt lengths (in tokens, comma-separated), one at a time,
+    /// twice (the prefix cache cleared between), and print each one's TTFT: the first time the
+    /// engine meets its prompt's shapes, and again.
+    #[arg(long, value_delimiter = ',')]
+    pub first_prompts: Vec<usize>,
     /// With --concurrency: then run the same workload through the local API (an in-process
     /// `perch serve`, streamed completions over 127.0.0.1) and print both.
     #[arg(long)]

@@ -7,6 +7,8 @@
 use std::sync::mpsc::RecvTimeoutError;
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
+
 use perch_engine::batch::StepTimes;
 use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
 use perch_engine::{
@@ -139,12 +141,21 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     if let Some(us) = args.arrival_window_us {
         config.arrival_window = Duration::from_micros(us);
     }
+    if let Some(on) = args.warm_up_prefill {
+        config.warm_up_prefill = on;
+    }
     config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
         bits,
         group_size: args.kv_group_size,
     });
     let engine = EngineHandle::load(&dir, config)?;
+    if !args.first_prompts.is_empty() {
+        let result = first_requests(&engine, &tokenizer, &args.first_prompts, args.json);
+        engine.shutdown();
+        return result;
+    }
     let prompts = make_prompts(args, &tokenizer, concurrency)?;
+    wait_for_warm_up(&engine)?;
     // Warm-up through the same path, as bench_gpu.py warms mlx_lm: min(N, 8) prompts of the
     // measured length at once, 8 tokens each, so the measured run meets compiled shapes (MLX's
     // CUDA backend spends ~80 ms on the first call of each shape). Their text shares no block
@@ -244,6 +255,89 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
             "http_generation_ratio": ratio,
         });
         println!("{both}");
+    }
+    Ok(())
+}
+
+/// Waits until the engine's idle prefill warm-up has run (so that measured requests do not wait
+/// for its passes); returns the step times then.
+fn wait_for_warm_up(engine: &EngineHandle) -> anyhow::Result<StepTimes> {
+    let waiting = Instant::now();
+    loop {
+        let stats = engine.stats()?;
+        if stats.warm_ups_left == 0 {
+            return Ok(stats.step_times);
+        }
+        anyhow::ensure!(
+            waiting.elapsed() < Duration::from_secs(600),
+            "the engine's warm-up did not end within 10 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `--first-prompts`: waits for the engine's idle warm-up, then sends a request of each length
+/// in `lengths`, one at a time, twice (the prefix cache cleared between, so both rounds prefill
+/// every prompt), and prints each one's time to first token: the first round meets the
+/// engine's prefill shapes (unless warm-up met them), the second round meets them again.
+fn first_requests(
+    engine: &EngineHandle,
+    tokenizer: &Tokenizer,
+    lengths: &[usize],
+    json: bool,
+) -> anyhow::Result<()> {
+    let warm_up = wait_for_warm_up(engine)?;
+    println!(
+        "warm-up: {} shapes in {:.2} s",
+        warm_up.warm_up_shapes, warm_up.warm_up_seconds
+    );
+    let mut ttft_ms = vec![Vec::new(), Vec::new()];
+    for round in &mut ttft_ms {
+        engine.clear_cache()?;
+        for (i, &len) in lengths.iter().enumerate() {
+            anyhow::ensure!(len > 0, "--first-prompts lengths must be at least 1");
+            let prompt = filler_tokens(tokenizer, 1 + 3 * i, len)?;
+            let start = Instant::now();
+            let stream = engine.submit(bench_request(prompt, 2))?;
+            let mut first = None;
+            loop {
+                match stream.events.recv()? {
+                    EngineEvent::Token { .. } => {
+                        first.get_or_insert_with(|| start.elapsed().as_secs_f64() * 1e3);
+                    }
+                    EngineEvent::Finished { error, .. } => {
+                        if let Some(error) = error {
+                            anyhow::bail!("a {len}-token request failed: {error}");
+                        }
+                        break;
+                    }
+                }
+            }
+            round.push(first.context("a request ended without a token")?);
+        }
+    }
+    println!("prompt tokens | TTFT first ms | TTFT again ms");
+    for (i, len) in lengths.iter().enumerate() {
+        println!("{len} | {:.1} | {:.1}", ttft_ms[0][i], ttft_ms[1][i]);
+    }
+    if json {
+        let rows: Vec<_> = lengths
+            .iter()
+            .enumerate()
+            .map(|(i, len)| {
+                serde_json::json!({
+                    "prompt_tokens": len,
+                    "ttft_ms_first": ttft_ms[0][i],
+                    "ttft_ms_again": ttft_ms[1][i],
+                })
+            })
+            .collect();
+        let report = serde_json::json!({
+            "warm_up_shapes": warm_up.warm_up_shapes,
+            "warm_up_seconds": warm_up.warm_up_seconds,
+            "first_prompts": rows,
+        });
+        println!("{report}");
     }
     Ok(())
 }

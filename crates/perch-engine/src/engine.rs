@@ -69,6 +69,12 @@ pub struct EngineConfig {
     /// Batched decode steps compiled by MLX (see [`BatchConfig::compile_decode`]); on by
     /// default on GPUs.
     pub compile_decode: bool,
+    /// While idle, run the prefill passes requests meet most, one at a time, before a request
+    /// does (see [`crate::scheduler::prefill_warm_up_shapes`]); a request that arrives waits
+    /// for one pass at most. On by default on CUDA, where each new prefill shape costs tens of
+    /// milliseconds the first time (a cuDNN plan and a CUDA graph); off elsewhere (Metal's cost
+    /// per shape is unmeasured here). Needs [`BatchAttention::Batched`].
+    pub warm_up_prefill: bool,
     /// Next-token-logprobs calls that arrive at an idle engine are gathered into one batch
     /// until this many are waiting or [`EngineConfig::logprobs_batch_timeout`] has passed since
     /// the first (genlm's `AsyncMlxLM(batch_size=5, timeout=0.001)`). Calls arriving while the
@@ -139,6 +145,7 @@ impl Default for EngineConfig {
             attention: BatchAttention::for_backend(Backend::current()),
             slot_attention: SlotAttention::Auto,
             compile_decode: BatchConfig::default_compile_decode(Backend::current()),
+            warm_up_prefill: Backend::current() == Backend::Cuda,
             logprobs_batch_size: 5,
             logprobs_batch_timeout: std::time::Duration::from_millis(1),
             arrival_window: Self::default_arrival_window(Backend::current()),
@@ -229,6 +236,8 @@ pub struct EngineStats {
     /// Where the batch's steps spent their time since the model loaded.
     pub step_times: StepTimes,
     pub memory: MemoryStats,
+    /// Prefill warm-up passes still queued, run while idle ([`EngineConfig::warm_up_prefill`]).
+    pub warm_ups_left: usize,
 }
 
 enum Command {
@@ -835,6 +844,7 @@ impl Queue {
             kv_cache: batch.kv_stats(),
             step_times: batch.step_times(),
             memory: memory_stats(),
+            warm_ups_left: batch.prefill_warm_ups_left(),
         };
         if let Ok(mut published) = self.stats.lock() {
             *published = stats;
@@ -976,14 +986,19 @@ impl EngineThread {
             jobs: HashMap::new(),
             steps: 0,
         };
-        let mut warm_up = Backend::current() != Backend::Cpu;
+        let mut warm_up = true;
         loop {
             let mut batch =
                 BatchGenerator::new(model.as_ref(), &tokenizer, batch_config.clone(), &model_id);
             if std::mem::take(&mut warm_up) {
                 // A warm-up that fails leaves nothing behind; the first request that meets the
                 // same failure reports it.
-                let _ = batch.warm_up();
+                if Backend::current() != Backend::Cpu {
+                    let _ = batch.warm_up();
+                }
+                if config.warm_up_prefill {
+                    batch.queue_prefill_warm_up();
+                }
             }
             // Stats of the fresh batch, then the failed requests' ends (after a panic).
             queue.publish_and_flush(&mut batch);
@@ -1060,9 +1075,24 @@ impl Pass<'_> {
             {
                 // Idle: sleep until a command arrives; a dropped last handle ends the thread.
                 queue.publish_and_flush(batch);
-                match queue.inbox.recv() {
-                    Ok(command) => queue.handle(command, batch, &self.jobs),
-                    Err(_) => return,
+                // Queued warm-up passes run one at a time while no command waits.
+                let command = loop {
+                    if batch.prefill_warm_ups_left() == 0 {
+                        break queue.inbox.recv().ok();
+                    }
+                    match queue.inbox.try_recv() {
+                        Ok(command) => break Some(command),
+                        Err(mpsc::TryRecvError::Empty) => {
+                            // A failed pass ends the warm-up; requests meet the failure anew.
+                            let _ = batch.warm_up_idle();
+                            queue.publish_and_flush(batch);
+                        }
+                        Err(mpsc::TryRecvError::Disconnected) => break None,
+                    }
+                };
+                match command {
+                    Some(command) => queue.handle(command, batch, &self.jobs),
+                    None => return,
                 }
                 // A next-token-logprobs call waits briefly for others to share its step.
                 let timeout = config.logprobs_batch_timeout;

@@ -26,6 +26,7 @@ use crate::kv_cache_manager::RequestId;
 use crate::mlx_ext::slice;
 use crate::models::Model;
 use crate::sampler::Sampler;
+use crate::scheduler::PrefillShape;
 use crate::slot_cache::{row_bucket, SlotAttention, SlotKvCache};
 
 /// Where a sequence's KV lives with [`BatchAttention::Batched`].
@@ -93,6 +94,8 @@ pub(crate) struct ModelRunner<'m> {
     compiled_decode: Option<CompiledSlotForward>,
     /// The decode step dispatched and not read yet.
     in_flight: Option<InFlight>,
+    /// The widest chunk a prefill row feeds (the prefill cache's step).
+    max_prefill_tokens: usize,
 }
 
 impl<'m> ModelRunner<'m> {
@@ -126,6 +129,7 @@ impl<'m> ModelRunner<'m> {
             },
             compiled_decode,
             in_flight: None,
+            max_prefill_tokens,
         }
     }
 
@@ -186,6 +190,37 @@ impl<'m> ModelRunner<'m> {
             }
         }
         Ok(shapes)
+    }
+
+    /// Runs one batched prefill pass of `shape` over a scratch prefill cache (rows of zeros
+    /// when it starts after `computed` positions), evaluated, so that MLX meets that shape
+    /// before a request does (see [`crate::scheduler::prefill_warm_up_shapes`]); changes nothing
+    /// in the batch. Does nothing without [`BatchAttention::Batched`] or for a shape wider than
+    /// the prefill cache's step.
+    pub fn warm_up_prefill(&mut self, shape: PrefillShape) -> Result<()> {
+        if self.attention != BatchAttention::Batched || shape.width > self.max_prefill_tokens {
+            return Ok(());
+        }
+        let mut slots = self.slots.prefill.empty_like();
+        if shape.computed > 0 {
+            // Zeros shaped as the cache's buffers: a one-token pass makes them first.
+            let mut first = self.slots.prefill.empty_like();
+            first.push(&[], 0)?;
+            self.model
+                .forward_slots(&Array::from_slice(&[0u32], &[1, 1]), &mut first, &[1])?;
+            for _ in 0..shape.rows {
+                slots.push_zeros(&first, shape.computed)?;
+            }
+        } else {
+            for _ in 0..shape.rows {
+                slots.push(&[], 0)?;
+            }
+        }
+        let ids = ops::zeros_dtype(&[shape.rows as i32, shape.width as i32], Dtype::Uint32)?;
+        self.model
+            .forward_slots(&ids, &mut slots, &vec![shape.width; shape.rows])?;
+        eval(slots.state())?;
+        Ok(())
     }
 
     /// One decode step of warm-up over the scratch cache `slots` (its sequences keep their

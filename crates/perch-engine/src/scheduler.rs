@@ -142,6 +142,63 @@ pub fn prefill_chunk_bucket(n: usize) -> usize {
     crate::slot_cache::quarter_step_bucket(n, 16)
 }
 
+/// A batched prefill pass's shape: `rows` slots (a [`crate::slot_cache::row_bucket`]), each
+/// chunk padded to `width` tokens ([`prefill_chunk_bucket`]), over rows that hold `computed`
+/// positions before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillShape {
+    pub rows: usize,
+    pub width: usize,
+    pub computed: usize,
+}
+
+/// The prefill shapes an idle engine meets ahead of requests (MLX's CUDA backend builds a
+/// cuDNN attention plan and a CUDA graph for each new shape, tens of milliseconds the first
+/// time), most common first: one row at every chunk width up to `widest` (a lone prompt's first
+/// chunk); then, for bursts of up to `batch_size` prompts, each row bucket at the widths whose
+/// padded tokens stay within `widest`; then a lone long prompt's next chunks (full width, after
+/// 1, 2 and 3 full chunks) while their positions fit `context_length`. At most `widest` tokens a
+/// pass and 4 widest passes' positions in all: warm-up's compute stays small.
+pub fn prefill_warm_up_shapes(
+    widest: usize,
+    batch_size: usize,
+    context_length: usize,
+) -> Vec<PrefillShape> {
+    let widest = widest.max(1);
+    let widths: Vec<usize> = {
+        let mut widths: Vec<usize> = (1..=widest).map(prefill_chunk_bucket).collect();
+        widths.dedup();
+        widths
+    };
+    let mut rows: Vec<usize> = (1..=batch_size.max(1))
+        .map(crate::slot_cache::row_bucket)
+        .collect();
+    rows.dedup();
+    let mut shapes = Vec::new();
+    for &r in &rows {
+        for &width in &widths {
+            if r == 1 || r * width <= widest {
+                shapes.push(PrefillShape {
+                    rows: r,
+                    width,
+                    computed: 0,
+                });
+            }
+        }
+    }
+    let full = *widths.last().expect("at least one width");
+    for chunks in 1..=3 {
+        if (chunks + 1) * full <= context_length {
+            shapes.push(PrefillShape {
+                rows: 1,
+                width: full,
+                computed: chunks * full,
+            });
+        }
+    }
+    shapes
+}
+
 /// The running sequences that decode this step: those whose prompt is cached, in order.
 pub fn decode_ready(running: &[Progress]) -> Vec<usize> {
     (0..running.len())
@@ -314,6 +371,54 @@ mod tests {
         }
         assert_eq!(prefill_chunk_bucket(1), 16);
         assert!(widths.len() <= 32, "{} widths: {widths:?}", widths.len());
+    }
+
+    #[test]
+    fn warm_up_meets_every_lone_chunk_width_and_bursts_within_the_budget() {
+        let shapes = prefill_warm_up_shapes(2048, 8, 8192);
+        // Every width a lone prompt's chunk can take, first.
+        let lone: std::collections::BTreeSet<usize> =
+            (1..=2048).map(prefill_chunk_bucket).collect();
+        let first: Vec<usize> = shapes[..lone.len()].iter().map(|s| s.width).collect();
+        assert_eq!(first, lone.iter().copied().collect::<Vec<_>>());
+        assert!(shapes[..lone.len()]
+            .iter()
+            .all(|s| s.rows == 1 && s.computed == 0));
+        // Bursts: 8 rows of 128-token prompts are met; no burst pass exceeds the budget.
+        let burst = PrefillShape {
+            rows: 8,
+            width: 128,
+            computed: 0,
+        };
+        assert!(shapes.contains(&burst));
+        for s in &shapes {
+            assert!(s.rows == 1 || s.rows * s.width <= 2048, "{s:?}");
+            assert!([1, 2, 4, 8].contains(&s.rows), "{s:?}");
+        }
+        // Distinct shapes; a long prompt's chunks after 2,048, 4,096 and 6,144 positions.
+        let distinct: std::collections::HashSet<_> = shapes
+            .iter()
+            .map(|s| (s.rows, s.width, s.computed))
+            .collect();
+        assert_eq!(distinct.len(), shapes.len());
+        let long: Vec<usize> = shapes
+            .iter()
+            .map(|s| s.computed)
+            .filter(|&c| c > 0)
+            .collect();
+        assert_eq!(long, [2048, 4096, 6144]);
+        // A short context stops them; a budget of one token still warms one shape.
+        assert!(prefill_warm_up_shapes(2048, 8, 4095)
+            .iter()
+            .all(|s| s.computed == 0));
+        assert_eq!(
+            prefill_warm_up_shapes(1, 1, 16),
+            [PrefillShape {
+                rows: 1,
+                width: 16,
+                computed: 0
+            }]
+        );
     }
 
     #[test]

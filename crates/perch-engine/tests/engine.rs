@@ -166,6 +166,55 @@ fn dropping_the_last_handle_stops_the_engine_thread_first() {
 }
 
 #[test]
+fn idle_prefill_warm_up_changes_no_output_and_no_cache() {
+    // The GPU path (slot caches) with prefill warm-up forced on: a request submitted at once
+    // runs while passes are still queued, and one after they all ran reads the same tokens.
+    let config = EngineConfig {
+        attention: perch_engine::batch::BatchAttention::Batched,
+        warm_up_prefill: true,
+        prefill_token_budget: 64,
+        prefill_batch_size: 2,
+        max_running: 4,
+        ..EngineConfig::default()
+    };
+    let shapes = perch_engine::scheduler::prefill_warm_up_shapes(64, 2, 8192).len();
+    let engine = engine_with(config);
+    let case = common::reference_cases()
+        .into_iter()
+        .find(|c| c.id == "multi-turn")
+        .unwrap();
+    let messages = || Prompt::Chat(common::chat_messages(&case).unwrap());
+    let max_tokens = common::reference().max_tokens;
+    let (ids, reason, error) = collect(engine.submit(request(messages(), max_tokens)).unwrap());
+    assert_eq!(error, None);
+    assert_eq!(ids, common::expected_ids(&case, reason));
+    let blocks = engine.stats().unwrap().kv_cache.blocks_cached_free;
+    // The rest of the queue runs while idle (each pass is a few milliseconds on CPU).
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let stats = loop {
+        let stats = engine.stats().unwrap();
+        if stats.warm_ups_left == 0 {
+            break stats;
+        }
+        assert!(std::time::Instant::now() < deadline, "warm-up never ended");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    // Every queued prefill pass, then the decode shapes again (at least one).
+    assert!(
+        stats.step_times.warm_up_shapes > shapes as u64,
+        "{} shapes warmed, {shapes} prefill passes queued",
+        stats.step_times.warm_up_shapes
+    );
+    assert!(stats.step_times.warm_up_seconds > 0.0);
+    // Warm-up passes ran on scratch caches: the prefix cache holds the request's blocks only.
+    assert_eq!(stats.kv_cache.blocks_cached_free, blocks);
+    let (again, reason, _) = collect(engine.submit(request(messages(), max_tokens)).unwrap());
+    assert_eq!(again, common::expected_ids(&case, reason));
+    assert_eq!(again, ids);
+    engine.shutdown();
+}
+
+#[test]
 fn bad_requests_end_with_an_error_event() {
     let engine = engine();
     let (ids, reason, error) = collect(engine.submit(request(Prompt::Tokens(vec![]), 8)).unwrap());
