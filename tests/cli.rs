@@ -542,8 +542,8 @@ fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
     );
     let stdout = String::from_utf8(out.stdout).unwrap();
     let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    // Budget 32 over up to 2 rows: widths 16 and 32 alone, 16 in pairs, a long prompt's next
-    // three chunks, then the decode shapes.
+    // Budget 32, one prompt a pass (the CPU's prefill batch size): widths 16 and 32, a long
+    // prompt's next three chunks (5 passes), then the decode shapes of 1 and 2 rows.
     assert!(report["warm_up_shapes"].as_u64() > Some(6), "{report}");
     let rows = report["first_prompts"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{report}");
