@@ -518,7 +518,7 @@ fn batch_bench_reports_every_field() {
 /// runs; every request of both generated all its tokens.
 #[test]
 fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
-    // The GPU path on CPU, with the idle prefill warm-up on: it runs before the first request.
+    // The GPU path on CPU, with the idle warm-up on: it runs before the first request.
     let out = perch(&[
         "bench",
         "--model",
@@ -529,8 +529,10 @@ fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
         "batched",
         "--prefill-token-budget",
         "32",
-        "--warm-up-prefill",
+        "--idle-warm-up",
         "true",
+        "--kv-cache-mib",
+        "256",
         "--first-prompts",
         "5,40",
         "--json",
@@ -542,9 +544,10 @@ fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
     );
     let stdout = String::from_utf8(out.stdout).unwrap();
     let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-    // Budget 32, one prompt a pass (the CPU's prefill batch size): widths 16 and 32, a long
-    // prompt's next three chunks (5 passes), then the decode shapes of 1 and 2 rows.
-    assert!(report["warm_up_shapes"].as_u64() > Some(6), "{report}");
+    // Budget 32, one prompt a pass (the CPU's prefill batch size): widths 16 and 32, a decode
+    // step at capacities 512 to 1,280 (a quarter of the 256 MiB pool's 5,825 float32 tokens),
+    // a long prompt's next three chunks (9 passes), then the load's decode shapes (1 and 2 rows).
+    assert!(report["warm_up_shapes"].as_u64() > Some(9), "{report}");
     let rows = report["first_prompts"].as_array().unwrap();
     assert_eq!(rows.len(), 2, "{report}");
     for (row, len) in rows.iter().zip([5, 40]) {

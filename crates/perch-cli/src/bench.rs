@@ -100,10 +100,10 @@ pub struct BenchArgs {
     /// end of sequence is ignored), to measure what a constrained request costs the batch.
     #[arg(long, default_value_t = 0)]
     pub json_requests: usize,
-    /// With --concurrency: run the engine's idle prefill warm-up (default: the engine's for
-    /// this backend, on for CUDA).
+    /// With --concurrency: run the engine's idle warm-up (prefill passes and decode steps
+    /// of the shapes requests meet most; default: the engine's for this backend, on for CUDA).
     #[arg(long)]
-    pub warm_up_prefill: Option<bool>,
+    pub idle_warm_up: Option<bool>,
     /// With --concurrency: instead of the workload, wait for the engine's idle warm-up, then send
     /// one request of each of these prompt lengths (in tokens, comma-separated), one at a time,
     /// twice (the prefix cache cleared between), and print each one's TTFT: the first time the

@@ -141,8 +141,8 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     if let Some(us) = args.arrival_window_us {
         config.arrival_window = Duration::from_micros(us);
     }
-    if let Some(on) = args.warm_up_prefill {
-        config.warm_up_prefill = on;
+    if let Some(on) = args.idle_warm_up {
+        config.idle_warm_up = on;
     }
     config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
         bits,

@@ -256,6 +256,16 @@ pub struct StepTimes {
     pub warm_up_seconds: f64,
 }
 
+/// One pass of the idle warm-up ([`BatchGenerator::queue_idle_warm_up`]).
+#[derive(Clone, Copy, Debug)]
+enum IdleWarmUp {
+    Prefill(PrefillShape),
+    /// A decode step of one sequence of this many positions.
+    Decode {
+        positions: usize,
+    },
+}
+
 /// What a step produced for one request.
 #[derive(Debug)]
 pub enum BatchEvent {
@@ -351,8 +361,8 @@ pub struct BatchGenerator<'m> {
     next_id: RequestId,
     preemptions: u64,
     times: StepTimes,
-    /// Prefill shapes still to run while idle ([`BatchGenerator::warm_up_idle`]).
-    prefill_warm_ups: VecDeque<PrefillShape>,
+    /// Passes still to run while idle ([`BatchGenerator::warm_up_idle`]).
+    idle_warm_ups: VecDeque<IdleWarmUp>,
     /// Prompt tokens processed, over the last seconds.
     pub prompt_throughput: ThroughputWindow,
     /// Tokens generated, over the last seconds.
@@ -418,7 +428,7 @@ impl<'m> BatchGenerator<'m> {
             next_id: 1,
             preemptions: 0,
             times: StepTimes::default(),
-            prefill_warm_ups: VecDeque::new(),
+            idle_warm_ups: VecDeque::new(),
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
@@ -715,27 +725,46 @@ impl<'m> BatchGenerator<'m> {
         Ok(shapes)
     }
 
-    /// Queues the prefill passes a batch meets most ([`scheduler::prefill_warm_up_shapes`]) for
-    /// [`BatchGenerator::warm_up_idle`]; none with [`BatchAttention::PerSequence`].
-    pub fn queue_prefill_warm_up(&mut self) {
-        if self.config.attention == BatchAttention::Batched {
-            self.prefill_warm_ups = scheduler::prefill_warm_up_shapes(
-                self.config.prefill_token_budget,
-                self.config.prefill_batch_size,
-                self.model.info().context_length,
-            )
-            .into();
+    /// Queues the passes a batch meets most for [`BatchGenerator::warm_up_idle`]: a lone
+    /// prompt's prefill chunk of every width, then a lone sequence's decode step at every
+    /// capacity bucket ([`scheduler::decode_warm_up_positions`]), then bursts' and long prompts'
+    /// prefill passes ([`scheduler::prefill_warm_up_shapes`]). Positions stay within the context
+    /// and a quarter of the pool's tokens (warm-up's zeros are that much KV for a moment). None
+    /// with [`BatchAttention::PerSequence`].
+    pub fn queue_idle_warm_up(&mut self) {
+        if self.config.attention != BatchAttention::Batched {
+            return;
         }
+        let max_positions = (self.config.num_blocks * self.config.block_size / 4)
+            .min(self.model.info().context_length);
+        let prefill = scheduler::prefill_warm_up_shapes(
+            self.config.prefill_token_budget,
+            self.config.prefill_batch_size,
+            max_positions,
+        );
+        let (lone, rest): (Vec<_>, Vec<_>) = prefill
+            .into_iter()
+            .partition(|s| s.rows == 1 && s.computed == 0);
+        self.idle_warm_ups = lone
+            .into_iter()
+            .map(IdleWarmUp::Prefill)
+            .chain(
+                scheduler::decode_warm_up_positions(max_positions)
+                    .into_iter()
+                    .map(|positions| IdleWarmUp::Decode { positions }),
+            )
+            .chain(rest.into_iter().map(IdleWarmUp::Prefill))
+            .collect();
     }
 
-    /// Prefill shapes queued and not run yet.
-    pub fn prefill_warm_ups_left(&self) -> usize {
-        self.prefill_warm_ups.len()
+    /// Idle warm-up passes queued and not run yet.
+    pub fn idle_warm_ups_left(&self) -> usize {
+        self.idle_warm_ups.len()
     }
 
-    /// Runs the next queued prefill shape on a scratch cache (one forward pass, evaluated;
-    /// nothing in the batch or the prefix cache changes), and after the last one the decode
-    /// shapes of [`BatchGenerator::warm_up`] again. The engine calls it while no request runs
+    /// Runs the next queued pass on a scratch cache (one forward pass, evaluated; nothing in
+    /// the batch or the prefix cache changes), and after the last one the decode shapes of
+    /// [`BatchGenerator::warm_up`] again. The engine calls it while no request runs
     /// and none is waiting to be read, so a request that arrives waits one pass at most. An
     /// error drops the rest of the queue and is returned.
     ///
@@ -746,14 +775,17 @@ impl<'m> BatchGenerator<'m> {
     /// 2.5–2.8 ms in 9 of 14, 3.4–4.7 in the rest). Clearing MLX's buffer cache instead did not
     /// help (3.8–4.0 ms).
     pub fn warm_up_idle(&mut self) -> Result<()> {
-        let Some(shape) = self.prefill_warm_ups.pop_front() else {
+        let Some(pass) = self.idle_warm_ups.pop_front() else {
             return Ok(());
         };
         let start = Instant::now();
-        let mut result = self.runner.warm_up_prefill(shape);
+        let mut result = match pass {
+            IdleWarmUp::Prefill(shape) => self.runner.warm_up_prefill(shape),
+            IdleWarmUp::Decode { positions } => self.runner.warm_up_decode_at(positions),
+        };
         if result.is_ok() {
             self.times.warm_up_shapes += 1;
-            if self.prefill_warm_ups.is_empty() {
+            if self.idle_warm_ups.is_empty() {
                 result = self
                     .runner
                     .warm_up(self.config.max_running)
@@ -762,7 +794,7 @@ impl<'m> BatchGenerator<'m> {
         }
         self.times.warm_up_seconds += start.elapsed().as_secs_f64();
         if result.is_err() {
-            self.prefill_warm_ups.clear();
+            self.idle_warm_ups.clear();
         }
         result
     }

@@ -69,12 +69,12 @@ pub struct EngineConfig {
     /// Batched decode steps compiled by MLX (see [`BatchConfig::compile_decode`]); on by
     /// default on GPUs.
     pub compile_decode: bool,
-    /// While idle, run the prefill passes requests meet most, one at a time, before a request
-    /// does (see [`crate::scheduler::prefill_warm_up_shapes`]); a request that arrives waits
-    /// for one pass at most. On by default on CUDA, where each new prefill shape costs tens of
-    /// milliseconds the first time (a cuDNN plan and a CUDA graph); off elsewhere (Metal's cost
-    /// per shape is unmeasured here). Needs [`BatchAttention::Batched`].
-    pub warm_up_prefill: bool,
+    /// While idle, run the prefill passes and decode steps requests meet most, one at a time,
+    /// before a request does (see [`BatchGenerator::queue_idle_warm_up`]); a request that
+    /// arrives waits for one pass at most. On by default on CUDA, where each new shape costs
+    /// tens of milliseconds the first time (a cuDNN plan and a CUDA graph); off elsewhere
+    /// (Metal's cost per shape is unmeasured here). Needs [`BatchAttention::Batched`].
+    pub idle_warm_up: bool,
     /// Next-token-logprobs calls that arrive at an idle engine are gathered into one batch
     /// until this many are waiting or [`EngineConfig::logprobs_batch_timeout`] has passed since
     /// the first (genlm's `AsyncMlxLM(batch_size=5, timeout=0.001)`). Calls arriving while the
@@ -145,7 +145,7 @@ impl Default for EngineConfig {
             attention: BatchAttention::for_backend(Backend::current()),
             slot_attention: SlotAttention::Auto,
             compile_decode: BatchConfig::default_compile_decode(Backend::current()),
-            warm_up_prefill: Backend::current() == Backend::Cuda,
+            idle_warm_up: Backend::current() == Backend::Cuda,
             logprobs_batch_size: 5,
             logprobs_batch_timeout: std::time::Duration::from_millis(1),
             arrival_window: Self::default_arrival_window(Backend::current()),
@@ -236,7 +236,7 @@ pub struct EngineStats {
     /// Where the batch's steps spent their time since the model loaded.
     pub step_times: StepTimes,
     pub memory: MemoryStats,
-    /// Prefill warm-up passes still queued, run while idle ([`EngineConfig::warm_up_prefill`]).
+    /// Warm-up passes still queued, run while idle ([`EngineConfig::idle_warm_up`]).
     pub warm_ups_left: usize,
 }
 
@@ -844,7 +844,7 @@ impl Queue {
             kv_cache: batch.kv_stats(),
             step_times: batch.step_times(),
             memory: memory_stats(),
-            warm_ups_left: batch.prefill_warm_ups_left(),
+            warm_ups_left: batch.idle_warm_ups_left(),
         };
         if let Ok(mut published) = self.stats.lock() {
             *published = stats;
@@ -996,8 +996,8 @@ impl EngineThread {
                 if Backend::current() != Backend::Cpu {
                     let _ = batch.warm_up();
                 }
-                if config.warm_up_prefill {
-                    batch.queue_prefill_warm_up();
+                if config.idle_warm_up {
+                    batch.queue_idle_warm_up();
                 }
             }
             // Stats of the fresh batch, then the failed requests' ends (after a panic).
@@ -1077,7 +1077,7 @@ impl Pass<'_> {
                 queue.publish_and_flush(batch);
                 // Queued warm-up passes run one at a time while no command waits.
                 let command = loop {
-                    if batch.prefill_warm_ups_left() == 0 {
+                    if batch.idle_warm_ups_left() == 0 {
                         break queue.inbox.recv().ok();
                     }
                     match queue.inbox.try_recv() {

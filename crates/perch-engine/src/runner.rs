@@ -223,6 +223,23 @@ impl<'m> ModelRunner<'m> {
         Ok(())
     }
 
+    /// Runs one decode step of a lone sequence of `positions` zeroed positions over a scratch
+    /// decode cache, argmax included, evaluated (see
+    /// [`crate::scheduler::decode_warm_up_positions`]); changes nothing in the batch. Does
+    /// nothing without [`BatchAttention::Batched`].
+    pub fn warm_up_decode_at(&mut self, positions: usize) -> Result<()> {
+        if self.attention != BatchAttention::Batched {
+            return Ok(());
+        }
+        // A first step makes buffers to shape the zeros like (the load's warm-up shape).
+        let mut first = self.slots.decode.empty_like();
+        first.push(&[], 0)?;
+        self.warm_up_step(&mut first)?;
+        let mut long = first.empty_like();
+        long.push_zeros(&first, positions)?;
+        self.warm_up_step(&mut long)
+    }
+
     /// One decode step of warm-up over the scratch cache `slots` (its sequences keep their
     /// lengths), argmax included, evaluated.
     fn warm_up_step(&mut self, slots: &mut SlotKvCache) -> Result<()> {

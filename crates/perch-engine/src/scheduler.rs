@@ -157,12 +157,12 @@ pub struct PrefillShape {
 /// time), most common first: one row at every chunk width up to `widest` (a lone prompt's first
 /// chunk); then, for bursts of up to `batch_size` prompts, each row bucket at the widths whose
 /// padded tokens stay within `widest`; then a lone long prompt's next chunks (full width, after
-/// 1, 2 and 3 full chunks) while their positions fit `context_length`. At most `widest` tokens a
-/// pass and 4 widest passes' positions in all: warm-up's compute stays small.
+/// 1, 2 and 3 full chunks) while their positions stay within `max_positions` (the context
+/// length, or less to bound warm-up's memory). At most `widest` tokens a pass.
 pub fn prefill_warm_up_shapes(
     widest: usize,
     batch_size: usize,
-    context_length: usize,
+    max_positions: usize,
 ) -> Vec<PrefillShape> {
     let widest = widest.max(1);
     let widths: Vec<usize> = {
@@ -188,7 +188,7 @@ pub fn prefill_warm_up_shapes(
     }
     let full = *widths.last().expect("at least one width");
     for chunks in 1..=3 {
-        if (chunks + 1) * full <= context_length {
+        if (chunks + 1) * full <= max_positions {
             shapes.push(PrefillShape {
                 rows: 1,
                 width: full,
@@ -197,6 +197,20 @@ pub fn prefill_warm_up_shapes(
         }
     }
     shapes
+}
+
+/// Positions of a lone decoding sequence at which an idle engine steps it ahead of requests:
+/// one per capacity bucket of the slot caches after the first (which load warms), up to
+/// `max_positions` (each `C - 1`, whose step fills capacity `C`). A conversation's decode steps
+/// meet each bucket as it grows; on CUDA the first step at a new capacity costs what a new
+/// shape does.
+pub fn decode_warm_up_positions(max_positions: usize) -> Vec<usize> {
+    let mut capacities: Vec<usize> = (crate::cache::KvCache::STEP as usize + 1..=max_positions)
+        .map(crate::slot_cache::capacity_bucket)
+        .filter(|&c| c <= max_positions)
+        .collect();
+    capacities.dedup();
+    capacities.into_iter().map(|c| c - 1).collect()
 }
 
 /// The running sequences that decode this step: those whose prompt is cached, in order.
@@ -419,6 +433,22 @@ mod tests {
                 computed: 0
             }]
         );
+    }
+
+    #[test]
+    fn decode_warm_up_meets_every_capacity_bucket_after_the_first() {
+        let positions = decode_warm_up_positions(2048);
+        assert_eq!(
+            positions,
+            [511, 767, 1023, 1279, 1535, 1791, 2047],
+            "one step filling each bucket"
+        );
+        for &p in &positions {
+            assert_eq!(crate::slot_cache::capacity_bucket(p + 1), p + 1);
+        }
+        assert!(decode_warm_up_positions(256).is_empty());
+        // Buckets past the bound are left out.
+        assert_eq!(decode_warm_up_positions(600), [511]);
     }
 
     #[test]

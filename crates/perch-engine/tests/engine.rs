@@ -166,18 +166,20 @@ fn dropping_the_last_handle_stops_the_engine_thread_first() {
 }
 
 #[test]
-fn idle_prefill_warm_up_changes_no_output_and_no_cache() {
+fn idle_warm_up_changes_no_output_and_no_cache() {
     // The GPU path (slot caches) with prefill warm-up forced on: a request submitted at once
     // runs while passes are still queued, and one after they all ran reads the same tokens.
     let config = EngineConfig {
         attention: perch_engine::batch::BatchAttention::Batched,
-        warm_up_prefill: true,
+        idle_warm_up: true,
         prefill_token_budget: 64,
         prefill_batch_size: 2,
         max_running: 4,
         ..EngineConfig::default()
     };
-    let shapes = perch_engine::scheduler::prefill_warm_up_shapes(64, 2, 8192).len();
+    // The pool's quarter (2 GiB of float32 SmolLM2 KV: 11,650 tokens) exceeds the context.
+    let shapes = perch_engine::scheduler::prefill_warm_up_shapes(64, 2, 8192).len()
+        + perch_engine::scheduler::decode_warm_up_positions(8192).len();
     let engine = engine_with(config);
     let case = common::reference_cases()
         .into_iter()
@@ -199,7 +201,7 @@ fn idle_prefill_warm_up_changes_no_output_and_no_cache() {
         assert!(std::time::Instant::now() < deadline, "warm-up never ended");
         std::thread::sleep(Duration::from_millis(10));
     };
-    // Every queued prefill pass, then the decode shapes again (at least one).
+    // Every queued pass, then the load's decode shapes again (at least one).
     assert!(
         stats.step_times.warm_up_shapes > shapes as u64,
         "{} shapes warmed, {shapes} prefill passes queued",
