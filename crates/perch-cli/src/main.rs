@@ -47,6 +47,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    perch_engine::device::prepare_mlx_environment();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(args) => generate::run(args),

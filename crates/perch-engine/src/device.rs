@@ -48,6 +48,38 @@ impl Backend {
     }
 }
 
+/// MLX's switch for its CUDA caches' thrashing check (see [`prepare_mlx_environment`]).
+pub const CACHE_THRASHING_CHECK: &str = "MLX_ENABLE_CACHE_THRASHING_CHECK";
+
+/// The value [`prepare_mlx_environment`] gives [`CACHE_THRASHING_CHECK`] when the variable is
+/// `current`: `Some("0")` (off) when unset, `None` (leave it) when the user set it.
+pub fn cache_thrashing_check_setting(current: Option<&str>) -> Option<&'static str> {
+    match current {
+        None => Some("0"),
+        Some(_) => None,
+    }
+}
+
+/// Sets, for this process, what MLX reads from the environment before its first GPU call; call
+/// it first thing in `main`, before other threads start (it sets environment variables).
+///
+/// MLX 0.32's CUDA backend keeps its cuDNN attention plans (256), CUDA graphs (400) and
+/// convolution plans (128) in LRU caches that throw "Cache thrashing is happening" once a
+/// process has missed twice a cache's capacity in all, evictions included: a process that
+/// meets 512 distinct prompt-chunk attention shapes over its life fails every new one after
+/// (measured on an H200, 2026-11-26: `scripts/probe_thrash.py` fails at the 513th shape with
+/// the check on, runs 600 with it off). Perch buckets shapes so that a run meets few, but a
+/// menu-bar app or server lives for days of prompts of every length: the check goes off unless
+/// the user set [`CACHE_THRASHING_CHECK`]. The caches stay bounded; a shape met again after its
+/// eviction is planned again (tens of milliseconds), as a new one is. No effect on CPU or Metal.
+pub fn prepare_mlx_environment() {
+    if let Some(value) =
+        cache_thrashing_check_setting(std::env::var(CACHE_THRASHING_CHECK).ok().as_deref())
+    {
+        std::env::set_var(CACHE_THRASHING_CHECK, value);
+    }
+}
+
 /// MLX's allocator counters, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct MemoryStats {
@@ -103,6 +135,13 @@ pub fn set_wired_limit(bytes: usize) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_thrashing_check_goes_off_unless_the_user_set_it() {
+        assert_eq!(super::cache_thrashing_check_setting(None), Some("0"));
+        assert_eq!(super::cache_thrashing_check_setting(Some("1")), None);
+        assert_eq!(super::cache_thrashing_check_setting(Some("")), None);
+    }
+
     use super::*;
 
     #[test]
