@@ -11,6 +11,20 @@ fn perch(args: &[&str]) -> Output {
     perch_with_env(args, &[])
 }
 
+/// Runs `perch` with `args` (ending in `--json`), checks it succeeded, and returns its stdout and
+/// the JSON object on its last line.
+fn perch_report(args: &[&str]) -> (String, serde_json::Value) {
+    let out = perch(args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let report = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+    (stdout, report)
+}
+
 fn perch_with_env(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_perch"))
         .args(args)
@@ -449,7 +463,7 @@ fn draft_model_flag_speculates() {
 
 #[test]
 fn batch_bench_reports_every_field() {
-    let out = perch(&[
+    let (_, report) = perch_report(&[
         "bench",
         "--model",
         &test_model(),
@@ -465,13 +479,6 @@ fn batch_bench_reports_every_field() {
         "1",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     for key in [
         "prompt_tps",
         "generation_tps",
@@ -514,12 +521,11 @@ fn batch_bench_reports_every_field() {
     }
 }
 
-/// `--http` runs the same workload through the local API (an in-process server) and reports both
-/// runs; every request of both generated all its tokens.
+/// `--first-prompts` waits for the idle warm-up and reports each prompt length's TTFT twice.
 #[test]
 fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
     // The GPU path on CPU, with the idle warm-up on: it runs before the first request.
-    let out = perch(&[
+    let (_, report) = perch_report(&[
         "bench",
         "--model",
         &test_model(),
@@ -537,13 +543,6 @@ fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
         "5,40",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    let report: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     // Budget 32, one prompt a pass (the CPU's prefill batch size): widths 16 and 32, a decode
     // step at capacities 512 to 1,280 (a quarter of the 256 MiB pool's 5,825 float32 tokens),
     // a long prompt's next three chunks (9 passes), then the load's decode shapes (1 and 2 rows).
@@ -558,9 +557,11 @@ fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
     }
 }
 
+/// `--http` runs the same workload through the local API (an in-process server) and reports both
+/// runs; every request of both generated all its tokens.
 #[test]
 fn batch_bench_through_http_reports_both_runs() {
-    let out = perch(&[
+    let (stdout, both) = perch_report(&[
         "bench",
         "--model",
         &test_model(),
@@ -573,14 +574,7 @@ fn batch_bench_through_http_reports_both_runs() {
         "--http",
         "--json",
     ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8(out.stdout).unwrap();
     assert!(stdout.contains("through HTTP, 3 concurrent"), "{stdout}");
-    let both: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
     for run in ["direct", "http"] {
         let report = &both[run];
         assert_eq!(report["concurrency"], 3, "{both}");
