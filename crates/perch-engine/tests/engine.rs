@@ -167,7 +167,7 @@ fn dropping_the_last_handle_stops_the_engine_thread_first() {
 
 #[test]
 fn idle_warm_up_changes_no_output_and_no_cache() {
-    // The GPU path (slot caches) with prefill warm-up forced on: a request submitted at once
+    // The GPU path (slot caches) with the idle warm-up forced on: a request submitted at once
     // runs while passes are still queued, and one after they all ran reads the same tokens.
     let config = EngineConfig {
         attention: perch_engine::batch::BatchAttention::Batched,
@@ -175,11 +175,13 @@ fn idle_warm_up_changes_no_output_and_no_cache() {
         prefill_token_budget: 64,
         prefill_batch_size: 2,
         max_running: 4,
+        kv_cache_bytes: 256 << 20,
         ..EngineConfig::default()
     };
-    // The pool's quarter (2 GiB of float32 SmolLM2 KV: 11,650 tokens) exceeds the context.
-    let shapes = perch_engine::scheduler::prefill_warm_up_shapes(64, 2, 8192).len()
-        + perch_engine::scheduler::decode_warm_up_positions(8192).len();
+    // Positions within a quarter of the pool: 256 MiB of float32 SmolLM2 KV is 182 blocks of 32
+    // tokens, so 1,456 positions (prefill passes up to 4 x 64, decode steps at 512 to 1,280).
+    let shapes = perch_engine::scheduler::prefill_warm_up_shapes(64, 2, 1456).len()
+        + perch_engine::scheduler::decode_warm_up_positions(1456).len();
     let engine = engine_with(config);
     let case = common::reference_cases()
         .into_iter()
