@@ -159,6 +159,10 @@ pub struct PrefillShape {
 /// padded tokens stay within `widest`; then a lone long prompt's next chunks (full width, after
 /// 1, 2 and 3 full chunks) while their positions stay within `max_positions` (the context
 /// length, or less to bound warm-up's memory). At most `widest` tokens a pass.
+///
+/// The set stays well under MLX's cuDNN attention plan cache (256 entries on CUDA, one plan per
+/// distinct attention shape: 79 passes for a 2,048-token budget and 8 rows, each one shape, two
+/// for models with sliding layers), or its later passes would evict the plans of its first.
 pub fn prefill_warm_up_shapes(
     widest: usize,
     batch_size: usize,
