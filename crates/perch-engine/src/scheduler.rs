@@ -161,7 +161,7 @@ pub struct PrefillShape {
 /// length, or less to bound warm-up's memory). At most `widest` tokens a pass.
 ///
 /// The set stays well under MLX's cuDNN attention plan cache (256 entries on CUDA, one plan per
-/// distinct attention shape: 79 passes for a 2,048-token budget and 8 rows, each one shape, two
+/// distinct attention shape: 75 passes for a 2,048-token budget and 8 rows, each one shape, two
 /// for models with sliding layers), or its later passes would evict the plans of its first.
 pub fn prefill_warm_up_shapes(
     widest: usize,
