@@ -297,23 +297,12 @@ fn first_requests(
         for (i, &len) in lengths.iter().enumerate() {
             anyhow::ensure!(len > 0, "--first-prompts lengths must be at least 1");
             let prompt = filler_tokens(tokenizer, 1 + 3 * i, len)?;
-            let start = Instant::now();
-            let stream = engine.submit(bench_request(prompt, 2))?;
-            let mut first = None;
-            loop {
-                match stream.events.recv()? {
-                    EngineEvent::Token { .. } => {
-                        first.get_or_insert_with(|| start.elapsed().as_secs_f64() * 1e3);
-                    }
-                    EngineEvent::Finished { error, .. } => {
-                        if let Some(error) = error {
-                            anyhow::bail!("a {len}-token request failed: {error}");
-                        }
-                        break;
-                    }
-                }
-            }
-            round.push(first.context("a request ended without a token")?);
+            let timeline = direct(engine, &[prompt], 2, 0, Instant::now())?.remove(0);
+            let first = timeline
+                .tokens
+                .first()
+                .context("a request ended without a token")?;
+            round.push(first.duration_since(timeline.submitted).as_secs_f64() * 1e3);
         }
     }
     println!("prompt tokens | TTFT first ms | TTFT again ms");

@@ -203,13 +203,9 @@ impl<'m> ModelRunner<'m> {
         }
         let mut slots = self.slots.prefill.empty_like();
         if shape.computed > 0 {
-            // Zeros shaped as the cache's buffers: a one-token pass makes them first.
-            let mut first = self.slots.prefill.empty_like();
-            first.push(&[], 0)?;
-            self.model
-                .forward_slots(&Array::from_slice(&[0u32], &[1, 1]), &mut first, &[1])?;
+            let like = self.shaped_like(&self.slots.prefill)?;
             for _ in 0..shape.rows {
-                slots.push_zeros(&first, shape.computed)?;
+                slots.push_zeros(&like, shape.computed)?;
             }
         } else {
             for _ in 0..shape.rows {
@@ -231,13 +227,20 @@ impl<'m> ModelRunner<'m> {
         if self.attention != BatchAttention::Batched {
             return Ok(());
         }
-        // A first step makes buffers to shape the zeros like (the load's warm-up shape).
-        let mut first = self.slots.decode.empty_like();
-        first.push(&[], 0)?;
-        self.warm_up_step(&mut first)?;
-        let mut long = first.empty_like();
-        long.push_zeros(&first, positions)?;
+        let mut long = self.slots.decode.empty_like();
+        long.push_zeros(&self.shaped_like(&self.slots.decode)?, positions)?;
         self.warm_up_step(&mut long)
+    }
+
+    /// An empty cache like `cache` holding one empty sequence whose buffers a one-token step
+    /// made (built, never evaluated): what warm-up's zeroed sequences are shaped like
+    /// ([`SlotKvCache::push_zeros`]).
+    fn shaped_like(&self, cache: &SlotKvCache) -> Result<SlotKvCache> {
+        let mut shaped = cache.empty_like();
+        shaped.push(&[], 0)?;
+        self.model
+            .forward_slots(&Array::from_slice(&[0u32], &[1, 1]), &mut shaped, &[1])?;
+        Ok(shaped)
     }
 
     /// One decode step of warm-up over the scratch cache `slots` (its sequences keep their

@@ -169,11 +169,7 @@ pub fn prefill_warm_up_shapes(
     max_positions: usize,
 ) -> Vec<PrefillShape> {
     let widest = widest.max(1);
-    let widths: Vec<usize> = {
-        let mut widths: Vec<usize> = (1..=widest).map(prefill_chunk_bucket).collect();
-        widths.dedup();
-        widths
-    };
+    let widths = buckets_up_to(1, widest, prefill_chunk_bucket);
     let mut rows: Vec<usize> = (1..=batch_size.max(1))
         .map(crate::slot_cache::row_bucket)
         .collect();
@@ -209,12 +205,25 @@ pub fn prefill_warm_up_shapes(
 /// meet each bucket as it grows; on CUDA the first step at a new capacity costs what a new
 /// shape does.
 pub fn decode_warm_up_positions(max_positions: usize) -> Vec<usize> {
-    let mut capacities: Vec<usize> = (crate::cache::KvCache::STEP as usize + 1..=max_positions)
-        .map(crate::slot_cache::capacity_bucket)
+    let first = crate::cache::KvCache::STEP as usize + 1;
+    buckets_up_to(first, max_positions, crate::slot_cache::capacity_bucket)
+        .into_iter()
         .filter(|&c| c <= max_positions)
-        .collect();
-    capacities.dedup();
-    capacities.into_iter().map(|c| c - 1).collect()
+        .map(|c| c - 1)
+        .collect()
+}
+
+/// The distinct values of `bucket(n)` for `n` in `from..=to`, in order (`bucket` nondecreasing
+/// with `bucket(n) >= n`): one call per bucket, not per `n`.
+fn buckets_up_to(from: usize, to: usize, bucket: impl Fn(usize) -> usize) -> Vec<usize> {
+    let mut buckets = Vec::new();
+    let mut n = from;
+    while n <= to {
+        let b = bucket(n);
+        buckets.push(b);
+        n = b + 1;
+    }
+    buckets
 }
 
 /// The running sequences that decode this step: those whose prompt is cached, in order.
