@@ -43,7 +43,7 @@ use crate::generate::{
     TokenSink,
 };
 use crate::grammar::GrammarState;
-use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
+use crate::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId, WindowCost};
 use crate::models::Model;
 use crate::prompt_cache::PromptCache;
 use crate::runner::{DecodeRow, ModelRunner, Slot};
@@ -72,6 +72,11 @@ pub struct BatchConfig {
     pub block_size: usize,
     /// Blocks in the pool: with the block size, the KV cache capacity in tokens.
     pub num_blocks: usize,
+    /// Bytes the prefix cache keeps of the layers whose cache per sequence is bounded
+    /// (sliding-window layers' KV, linear-attention layers' recurrent states), least recently
+    /// used dropped first: beyond them a cached block keeps its full-attention layers' KV only
+    /// (see `crate::block_store`). 0 for models without such layers.
+    pub bounded_layer_bytes: usize,
     /// Quantize every KV cache (running sequences and cached blocks); `None` keeps the compute
     /// dtype.
     pub kv_quantization: Option<KvQuantization>,
@@ -145,20 +150,15 @@ impl BatchConfig {
         kv_quantization: Option<KvQuantization>,
     ) -> Self {
         let block_size = block_size.max(1);
-        let per_block = kv_bytes_per_token(model, kv_quantization) * block_size;
-        // A hybrid model's prefix cache also keeps recurrent states at block boundaries: half
-        // the budget is theirs (see `crate::block_store`).
-        let kv_cache_bytes = if model.has_recurrent_layers() {
-            kv_cache_bytes / 2
-        } else {
-            kv_cache_bytes
-        };
+        let budget = KvBudget::for_model(model, kv_quantization, kv_cache_bytes);
+        let num_blocks = budget.pool_bytes / (budget.block_bytes_per_token * block_size).max(1);
         Self {
             max_running: 32,
             prefill_batch_size: Self::default_prefill_batch_size(Backend::current()),
             prefill_token_budget: Self::default_prefill_token_budget(Backend::current()),
             block_size,
-            num_blocks: kv_cache_bytes / per_block.max(1),
+            num_blocks,
+            bounded_layer_bytes: budget.bounded_bytes,
             kv_quantization,
             attention: BatchAttention::for_backend(Backend::current()),
             slot_attention: SlotAttention::Auto,
@@ -179,6 +179,144 @@ impl BatchConfig {
 /// and 7,200 with 4-bit quantization (group size 64). Linear-attention layers (hybrid models)
 /// hold no KV and are not counted (their states are budgeted apart, see `crate::block_store`).
 pub fn kv_bytes_per_token(model: &dyn Model, kv_quantization: Option<KvQuantization>) -> usize {
+    kv_bytes_by_layer(model, kv_quantization)
+        .iter()
+        .map(|(bytes, _)| bytes)
+        .sum()
+}
+
+/// How the batch engine spends a KV budget (`BatchConfig::for_budget`): on the block pool, whose
+/// blocks cost the KV of the layers that keep every position, and on the prefix cache's copies
+/// of the bounded layers' parts ([`BatchConfig::bounded_layer_bytes`], see
+/// `crate::block_store`).
+/// - Full attention only: the pool takes the whole budget.
+/// - Hybrid (linear-attention layers): half each; the pool's blocks cost every attention layer.
+/// - Sliding-window layers beside global ones (Gemma 3: 5 of 6 sliding; gpt-oss: 1 of 2): the
+///   pool takes the whole budget, and a block costs the global layers only. A running sequence
+///   holds its sliding layers' KV too, for at most [`KvBudget::window_tokens`] positions (window,
+///   one default prefill chunk and a cache growth step, see `KvCache::with_window`): it is
+///   charged that in extra pool blocks ([`KvCacheManager::with_window_cost`]). The prefix
+///   cache's copies of sliding layers' blocks take pool blocks too, and give them up, least
+///   recently used first, when the pool is short ([`BlockStore::with_pool_charge`]). A long
+///   conversation then takes pool memory at the global layers' rate, not every layer's; a
+///   sequence shorter than the window's bound costs what it did when blocks counted every
+///   layer.
+/// - Every layer sliding: the pool counts every layer, as if they kept every position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvBudget {
+    /// Bytes of the pool's blocks.
+    pub pool_bytes: usize,
+    /// What a token of a block costs.
+    pub block_bytes_per_token: usize,
+    /// [`BatchConfig::bounded_layer_bytes`].
+    pub bounded_bytes: usize,
+    /// What a running sequence's sliding layers hold per position, charged apart from its
+    /// blocks (0 when blocks count them).
+    pub window_bytes_per_token: usize,
+    /// Positions a running sequence's sliding layers hold at most.
+    pub window_tokens: usize,
+}
+
+impl KvBudget {
+    /// The split of `budget` for a model whose caches take `full` bytes per position in layers
+    /// that keep every position and `sliding` in sliding-window layers (the widest window
+    /// `window`), with or without `recurrent` layers.
+    pub fn split(
+        budget: usize,
+        full: usize,
+        sliding: usize,
+        window: Option<usize>,
+        recurrent: bool,
+    ) -> Self {
+        let every_layer = Self {
+            pool_bytes: budget,
+            block_bytes_per_token: full + sliding,
+            bounded_bytes: 0,
+            window_bytes_per_token: 0,
+            window_tokens: 0,
+        };
+        match window {
+            _ if recurrent => Self {
+                pool_bytes: budget / 2,
+                bounded_bytes: budget / 2,
+                ..every_layer
+            },
+            Some(window) if full > 0 => Self {
+                pool_bytes: budget,
+                block_bytes_per_token: full,
+                bounded_bytes: budget,
+                window_bytes_per_token: sliding,
+                window_tokens: window
+                    + GenerateRequest::DEFAULT_PREFILL_STEP_SIZE
+                    + KvCache::STEP as usize,
+            },
+            Some(_) => Self {
+                bounded_bytes: budget,
+                ..every_layer
+            },
+            None => every_layer,
+        }
+    }
+
+    /// [`KvBudget::split`] for `model`'s caches.
+    pub fn for_model(
+        model: &dyn Model,
+        kv_quantization: Option<KvQuantization>,
+        budget: usize,
+    ) -> Self {
+        let layers = kv_bytes_by_layer(model, kv_quantization);
+        let bytes = |sliding: bool| -> usize {
+            layers
+                .iter()
+                .filter(|(_, window)| window.is_some() == sliding)
+                .map(|(bytes, _)| bytes)
+                .sum()
+        };
+        let window = layers.iter().filter_map(|(_, w)| *w).max();
+        Self::split(
+            budget,
+            bytes(false),
+            bytes(true),
+            window.map(|w| w.max(1) as usize),
+            model.has_recurrent_layers(),
+        )
+    }
+
+    /// Pool bytes a running sequence of `tokens` positions takes: its blocks and its sliding
+    /// layers' window.
+    pub fn sequence_bytes(&self, tokens: usize) -> usize {
+        tokens * self.block_bytes_per_token
+            + tokens.min(self.window_tokens) * self.window_bytes_per_token
+    }
+
+    /// What a running sequence's sliding layers cost in pool blocks; `None` when blocks count
+    /// every layer.
+    pub fn window_cost(&self) -> Option<WindowCost> {
+        (self.window_bytes_per_token > 0).then_some(WindowCost {
+            tokens: self.window_tokens,
+            bytes_per_token: self.window_bytes_per_token,
+            block_bytes_per_token: self.block_bytes_per_token,
+        })
+    }
+
+    /// The longest sequence `pool_bytes` hold (one alone), ignoring block rounding.
+    pub fn max_tokens(&self) -> usize {
+        let all = self.block_bytes_per_token + self.window_bytes_per_token;
+        if self.pool_bytes <= self.window_tokens * all {
+            self.pool_bytes / all.max(1)
+        } else {
+            (self.pool_bytes - self.window_tokens * self.window_bytes_per_token)
+                / self.block_bytes_per_token.max(1)
+        }
+    }
+}
+
+/// [`kv_bytes_per_token`] by cache layer that holds positions (linear-attention layers left
+/// out), with each layer's sliding window.
+fn kv_bytes_by_layer(
+    model: &dyn Model,
+    kv_quantization: Option<KvQuantization>,
+) -> Vec<(usize, Option<i32>)> {
     let info = model.info();
     let dtype_bytes = match Backend::current().compute_dtype(Dtype::Float32) {
         Dtype::Float32 => 4,
@@ -198,9 +336,9 @@ pub fn kv_bytes_per_token(model: &dyn Model, kv_quantization: Option<KvQuantizat
                 None => head_dim * dtype_bytes,
                 Some(q) => q.bytes_per_vector(head_dim, dtype_bytes),
             };
-            2 * kv_heads * per_vector
+            (2 * kv_heads * per_vector, layer.window())
         })
-        .sum()
+        .collect()
 }
 
 /// The KV block pool's state, for engine stats.
@@ -209,9 +347,11 @@ pub struct KvCacheStats {
     /// Tokens per block.
     pub block_size: usize,
     pub blocks_total: usize,
-    /// Blocks in some running sequence's block table.
+    /// Blocks in some running sequence's block table, or held for its sliding layers' window
+    /// (see [`KvBudget`]).
     pub blocks_used: usize,
-    /// Free blocks that still hold a cached prefix (reusable until evicted).
+    /// Free blocks that still hold a cached prefix (reusable until evicted), and blocks the
+    /// prefix cache's copies of sliding layers' KV hold (given up before any sequence waits).
     pub blocks_cached_free: usize,
     /// Free blocks holding nothing.
     pub blocks_empty: usize,
@@ -299,7 +439,7 @@ struct Sequence {
     boundary_state: Option<(usize, Vec<Vec<Array>>)>,
     /// A hybrid model's sequence that recomputes shared prefix-cache blocks after the last one
     /// with recurrent states: the end of those blocks, where a prefill chunk stops and the
-    /// last of them receives the states ([`BlockStore::put_state`]).
+    /// last of them receives the states ([`BlockStore::put_bounded`]).
     branch_at: Option<usize>,
     sampler: Sampler,
     history: RecentTokens,
@@ -399,18 +539,17 @@ impl<'m> BatchGenerator<'m> {
             kv: KvCacheManager::new(
                 BlockPool::new(config.num_blocks, config.block_size),
                 model_id,
-            ),
-            store: BlockStore::new(config.num_blocks).with_recurrent_layers(
-                model
-                    .make_cache(None)
-                    .iter()
-                    .map(KvCache::is_recurrent)
-                    .collect(),
-                // As many bytes of states as the pool has of KV (see `BatchConfig::for_budget`).
-                config.num_blocks
-                    * config.block_size
-                    * kv_bytes_per_token(model, config.kv_quantization),
-            ),
+            )
+            .with_window_cost(KvBudget::for_model(model, config.kv_quantization, 0).window_cost()),
+            store: {
+                let budget = KvBudget::for_model(model, config.kv_quantization, 0);
+                BlockStore::new(config.num_blocks)
+                    .with_layers(&model.make_cache(None), config.bounded_layer_bytes)
+                    .with_pool_charge(match budget.window_cost() {
+                        Some(_) => budget.block_bytes_per_token * config.block_size,
+                        None => 0,
+                    })
+            },
             tails: TailCache::default(),
             runner: ModelRunner::new(
                 model,
@@ -501,7 +640,7 @@ impl<'m> BatchGenerator<'m> {
                     .into(),
             ));
         }
-        let capacity_tokens = self.config.num_blocks * self.config.block_size;
+        let capacity_tokens = self.kv.max_tokens();
         if request.prompt.len() >= capacity_tokens {
             return Err(EngineError::KvCacheTooSmall {
                 prompt_tokens: request.prompt.len(),
@@ -592,11 +731,12 @@ impl<'m> BatchGenerator<'m> {
     pub fn kv_stats(&self) -> KvCacheStats {
         let pool = self.kv.pool();
         let cached_free = pool.num_cached_free_blocks();
+        let held = self.store.held_blocks();
         KvCacheStats {
             block_size: pool.block_size(),
             blocks_total: pool.num_blocks(),
-            blocks_used: pool.num_used_blocks(),
-            blocks_cached_free: cached_free,
+            blocks_used: pool.num_used_blocks() - held,
+            blocks_cached_free: cached_free + held,
             blocks_empty: pool.num_free_blocks() - cached_free,
             prefix_cache_hit_rate: pool.stats().hit_rate(),
             prefix_cache_bytes: self.store.nbytes() + self.tails.nbytes(),
@@ -610,6 +750,7 @@ impl<'m> BatchGenerator<'m> {
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
         }
+        charge_pool(&mut self.kv, &mut self.store);
         self.tails.clear();
     }
 
@@ -671,9 +812,28 @@ impl<'m> BatchGenerator<'m> {
         for &(index, block) in &entries {
             self.store.put(block, layers, index, block_size)?;
         }
-        let ids: Vec<BlockId> = entries.iter().map(|&(_, block)| block).collect();
+        let mut ids: Vec<BlockId> = entries.iter().map(|&(_, block)| block).collect();
+        // Cached blocks whose sliding layers' KV was dropped get it back.
+        if !self.store.has_recurrent_layers() {
+            for (index, &block) in hit.blocks.iter().enumerate() {
+                if !self.store.holds_every_layer(block) {
+                    let (start, end) = block_range(index, block_size);
+                    let parts = layers
+                        .iter()
+                        .enumerate()
+                        .map(|(l, layer)| match self.store.is_bounded(l) {
+                            true => layer.block_parts(start, end),
+                            false => Ok(Vec::new()),
+                        })
+                        .collect::<Result<Vec<_>>>()?;
+                    self.store.put_bounded(block, parts);
+                    ids.push(block);
+                }
+            }
+        }
         eval(self.store.state(&ids))?;
         self.kv.free(id);
+        charge_pool(&mut self.kv, &mut self.store);
         Ok(num_tokens)
     }
 
@@ -838,19 +998,21 @@ impl<'m> BatchGenerator<'m> {
         for hit in hits {
             let mut seq = self.waiting.pop_front().expect("admitted from the front");
             seq.cache = self.make_cache();
-            if self.config.attention == BatchAttention::PerSequence {
-                // The cached blocks are published already: a sliding layer need not load those
-                // its window cannot reach.
-                allow_release(&mut seq.cache, hit.blocks.len() * block_size);
-            }
-            // A hybrid model's sequence starts after the last hit block that holds recurrent
-            // states; it shares the blocks after that one and recomputes them up to the end of
-            // the hit, where it leaves its states (`branch_at`).
-            let usable = usable_blocks(&self.store, &hit.blocks);
+            // A sequence starts after the last hit block whose bounded layers' parts it can
+            // load: for a hybrid model the last that holds recurrent states, for a sliding one
+            // the last whose window's blocks hold the sliding layers' KV. It shares the blocks
+            // after that one and recomputes them up to the end of the hit: a hybrid sequence
+            // leaves its states at the end (`branch_at`), a sliding one republishes them
+            // (`publish` gives them their sliding parts back).
+            let usable = self.store.usable_blocks(&hit.blocks, block_size);
+            // The blocks it loads are published already: a sliding layer need not load those its
+            // window cannot reach.
+            allow_release(&mut seq.cache, usable * block_size);
             self.store
                 .load_into(&hit.blocks[..usable], &mut seq.cache, block_size)?;
             seq.computed = usable * block_size;
-            seq.branch_at = (usable < hit.blocks.len()).then_some(hit.num_tokens);
+            let hybrid = self.store.has_recurrent_layers();
+            seq.branch_at = (hybrid && usable < hit.blocks.len()).then_some(hit.num_tokens);
             // The partial block after the cached ones, when an earlier sequence left it.
             let tail = match seq.preloaded {
                 Some(_) => None,
@@ -879,10 +1041,8 @@ impl<'m> BatchGenerator<'m> {
                 allow_release(&mut seq.cache, i32::MAX as usize);
             }
             eval(seq.cache.iter().flat_map(KvCache::state))?;
-            if let Some(&last) = hit.blocks[..usable].last() {
-                self.store.touch_state(last);
-            }
-            seq.published_blocks = hit.blocks.len();
+            self.store.touch(&hit.blocks[..usable], block_size);
+            seq.published_blocks = if hybrid { hit.blocks.len() } else { usable };
             self.running.push(seq);
         }
         Ok(())
@@ -932,7 +1092,7 @@ impl<'m> BatchGenerator<'m> {
                 let states = recurrent_states(&seq.cache)?;
                 eval(states.iter().flatten())?;
                 self.store
-                    .put_state(table[end / self.config.block_size - 1], states);
+                    .put_bounded(table[end / self.config.block_size - 1], states);
             }
         }
         Ok(())
@@ -1314,23 +1474,11 @@ impl<'m> BatchGenerator<'m> {
     }
 }
 
-/// How many of a prefix hit's `blocks` a sequence can start after: all of them, but for a
-/// hybrid model only up to the last that holds the recurrent layers' states
-/// ([`BlockStore::has_state`]).
-fn usable_blocks(store: &BlockStore, blocks: &[BlockId]) -> usize {
-    if !store.has_recurrent_layers() {
-        return blocks.len();
-    }
-    blocks
-        .iter()
-        .rposition(|id| store.has_state(*id))
-        .map_or(0, |i| i + 1)
-}
-
-/// [`KvCacheManager::get_computed_blocks`] cut to its [`usable_blocks`].
+/// [`KvCacheManager::get_computed_blocks`] cut to the blocks a cache that keeps every position
+/// can load ([`BlockStore::complete_blocks`]).
 fn computed_blocks(kv: &KvCacheManager, store: &BlockStore, prompt: &[u32]) -> ComputedBlocks {
     let mut hit = kv.get_computed_blocks(prompt);
-    let usable = usable_blocks(store, &hit.blocks);
+    let usable = store.complete_blocks(&hit.blocks);
     hit.blocks.truncate(usable);
     hit.num_tokens = usable * kv.block_size();
     hit
@@ -1361,13 +1509,54 @@ fn allocate(
 ) -> bool {
     let held =
         kv.block_table(request).map_or(0, <[BlockId]>::len) + hit.map_or(0, |h| h.blocks.len());
-    let Some(table) = kv.allocate_slots(request, num_computed, num_new_tokens, hit) else {
-        return false;
-    };
-    for &id in &table[held..] {
+    let window_held = kv.window_blocks(request).len();
+    // The prefix cache's sliding layers' KV gives its pool blocks back before a sequence waits.
+    while kv
+        .allocate_slots(request, num_computed, num_new_tokens, hit)
+        .is_none()
+    {
+        if !store.drop_least_recent() {
+            return false;
+        }
+        charge_pool(kv, store);
+    }
+    for &id in &kv.block_table(request).expect("just allocated")[held..] {
         store.clear(id);
     }
+    for &id in &kv.window_blocks(request)[window_held..] {
+        store.clear(id);
+    }
+    // Blocks handed out may have held sliding layers' KV: fewer blocks are charged for it.
+    charge_pool(kv, store);
     true
+}
+
+/// Takes from the pool, or gives back, the blocks the prefix cache's bounded parts take
+/// ([`BlockStore::with_pool_charge`]); when the pool has too few free blocks, the least
+/// recently used parts are dropped until it has enough.
+fn charge_pool(kv: &mut KvCacheManager, store: &mut BlockStore) {
+    loop {
+        let more = store.blocks_to_charge();
+        if more <= 0 {
+            kv.give_back_blocks(store.release_blocks(more.unsigned_abs()));
+            return;
+        }
+        match kv.take_blocks(more as usize) {
+            Some(ids) => {
+                // Cached blocks evicted for them lose their content (and maybe some parts, so
+                // fewer blocks are needed: the loop gives those back).
+                for &id in &ids {
+                    store.clear(id);
+                }
+                store.hold_blocks(ids);
+            }
+            None => {
+                if !store.drop_least_recent() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 /// Lets the sliding-window layers of a sequence's own cache drop the positions before
@@ -1401,6 +1590,29 @@ fn publish(
     }
     let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);
     let block_size = kv.block_size();
+    // Blocks of the prefix hit that this sequence recomputed because their sliding layers' KV
+    // was dropped (see `BlockStore::usable_blocks`): they get it back from this sequence.
+    let table = kv.block_table(seq.id).expect("a running request");
+    let refill: Vec<(usize, BlockId)> = (seq.published_blocks..full)
+        .map(|index| (index, table[index]))
+        .filter(|&(_, id)| {
+            !store.has_recurrent_layers() && store.contains(id) && !store.holds_every_layer(id)
+        })
+        .collect();
+    for &(index, id) in &refill {
+        let (start, end) = block_range(index, block_size);
+        let parts = (0..store.num_layers())
+            .map(|layer| match (store.is_bounded(layer), seq.slot) {
+                (false, _) => Ok(Vec::new()),
+                (true, Some(slot)) => {
+                    let (slots, row) = runner.slot_cache(slot);
+                    slots.copy_parts(row, layer, start as usize, end as usize)
+                }
+                (true, None) => seq.cache[layer].block_parts(start, end),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        store.put_bounded(id, parts);
+    }
     if let Some(slot) = seq.slot {
         // One copy per layer part for each run of up to PUBLISH_RUN_BLOCKS consecutive blocks
         // (of a prefill chunk), its blocks kept as places in it (`BlockStore::put_run`): a
@@ -1449,7 +1661,7 @@ fn publish(
             store.put_parts(id, parts);
         }
     }
-    let ids: Vec<BlockId> = entries.iter().map(|&(_, id)| id).collect();
+    let ids: Vec<BlockId> = entries.iter().chain(&refill).map(|&(_, id)| id).collect();
     if wait {
         eval(store.state(&ids))?;
     } else {
@@ -1459,5 +1671,14 @@ fn publish(
     if seq.slot.is_none() {
         allow_release(&mut seq.cache, full * block_size);
     }
+    charge_pool(kv, store);
     Ok(())
+}
+
+/// Positions `start..end` of block `index`.
+fn block_range(index: usize, block_size: usize) -> (i32, i32) {
+    (
+        (index * block_size) as i32,
+        ((index + 1) * block_size) as i32,
+    )
 }

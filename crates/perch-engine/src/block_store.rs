@@ -7,20 +7,31 @@
 //! registered in the prefix cache, and gives copies back when a later request hits it. A block's
 //! content is dropped when the pool hands the block out again (eviction).
 //!
-//! # Hybrid models
-//! A linear-attention layer (Gated DeltaNet) has no positions to split into blocks: its cache is
-//! a recurrent state after the last token computed (mlx_lm's `ArraysCache`). A block keeps that
-//! layer's state only when the sequence's state was exactly at the block's end when the block was
-//! copied out: prefill chunks of hybrid models end on block boundaries
-//! ([`crate::scheduler::align_chunk_to_block`]), and a decoding sequence keeps its state from the
-//! last boundary it crossed. A prefix hit on a hybrid model ends at a block that holds the state
-//! ([`BlockStore::has_state`]); the attention layers' KV before it comes from every block as usual.
-//! States are large (Qwen3-Next's layout: 36 linear layers x `[32 value heads, 128, 128]` float32
-//! = 72 MiB per block that holds them), so their bytes are bounded apart from the pool's blocks:
-//! beyond `max_state_bytes` the least recently used state is dropped (its block keeps its KV and
-//! can still lead to a later block that has a state).
+//! # Bounded layers: sliding windows and recurrent states
+//! A block's content is two parts, as vLLM's hybrid KV cache manager keeps a group of blocks per
+//! kind of layer: the full-attention layers' KV, kept while the block is cached, and the
+//! *bounded* layers' (those whose cache per sequence does not grow with its length), kept for
+//! a bounded number of bytes, least recently used dropped first (`max_bounded_bytes`): a
+//! dropped block keeps its full-attention KV and still serves hits that do not need the rest.
+//! - A sliding-window layer (window `W`) attends to its last `W` positions: a hit ending at
+//!   position `P` reads only the blocks from position `P - W + 1` on in that layer
+//!   ([`KvCache::positions_to_skip`]). A long conversation's early blocks are only ever read by
+//!   hits that end near them, so keeping every layer of every block would make the prefix cache
+//!   grow with all layers (Gemma 3: 5 of 6 sliding) where the sequences themselves grow with the
+//!   global layers only. A hit ends at the last block whose window's blocks all hold their
+//!   sliding parts ([`BlockStore::usable_blocks`]); a sequence that recomputes blocks after that
+//!   end gives them their sliding parts back ([`BlockStore::put_bounded`]).
+//! - A linear-attention layer (Gated DeltaNet) has no positions to split into blocks: its cache
+//!   is a recurrent state after the last token computed (mlx_lm's `ArraysCache`). A block keeps
+//!   that layer's state only when the sequence's state was exactly at the block's end when the
+//!   block was copied out: prefill chunks of hybrid models end on block boundaries
+//!   ([`crate::scheduler::align_chunk_to_block`]), and a decoding sequence keeps its state from
+//!   the last boundary it crossed. A prefix hit on a hybrid model ends at a block that holds the
+//!   state; the attention layers' KV before it comes from every block as usual. States are large
+//!   (Qwen3-Next's layout: 36 linear layers x `[32 value heads, 128, 128]` float32 = 72 MiB per
+//!   block that holds them).
 
-use std::collections::VecDeque;
+use std::collections::BTreeMap;
 use std::rc::Rc;
 
 use mlx_rs::{ops, Array};
@@ -29,15 +40,16 @@ use crate::block_pool::BlockId;
 use crate::cache::KvCache;
 use crate::error::Result;
 
-/// The KV parts of one block, one list per layer ([`KvCache::parts`]).
+/// The KV parts of one block, one list per layer ([`KvCache::parts`]); a layer kept in the
+/// other part of the block ([`Content`]) has an empty list.
 type BlockKv = Vec<Vec<Array>>;
 
-/// What the store holds for one block.
-enum Content {
-    /// The block's own parts.
+/// One part of a block's content.
+enum Piece {
+    /// The block's own arrays.
     Own(BlockKv),
     /// Block `index` of `len` consecutive blocks copied out at once ([`BlockStore::put_run`]):
-    /// each part `[1, kv_heads, len * block_size, head_dim]`. The copy lives while any of its
+    /// each array `[1, kv_heads, len * block_size, head_dim]`. The copy lives while any of its
     /// blocks does; a block's share of its bytes is counted as its own.
     InRun {
         run: Rc<BlockKv>,
@@ -46,13 +58,44 @@ enum Content {
     },
 }
 
-impl Content {
+impl Piece {
     fn nbytes(&self) -> usize {
         match self {
-            Content::Own(kv) => kv_nbytes(kv),
-            Content::InRun { run, len, .. } => kv_nbytes(run) / len,
+            Piece::Own(kv) => kv_nbytes(kv),
+            Piece::InRun { run, len, .. } => kv_nbytes(run) / len,
         }
     }
+
+    /// Layer `layer`'s arrays (of the whole run for a block of one).
+    fn layer(&self, layer: usize) -> &[Array] {
+        match self {
+            Piece::Own(kv) => &kv[layer],
+            Piece::InRun { run, .. } => &run[layer],
+        }
+    }
+}
+
+/// What the store holds for one block.
+struct Content {
+    /// The full-attention layers' parts.
+    full: Piece,
+    /// The bounded layers' parts, and when they were last used (the LRU order's key); `None`
+    /// when dropped, never held, or the model has no bounded layer.
+    bounded: Option<(Piece, u64)>,
+}
+
+impl Content {
+    fn nbytes(&self) -> usize {
+        self.full.nbytes() + self.bounded.as_ref().map_or(0, |(piece, _)| piece.nbytes())
+    }
+}
+
+/// How a layer's cache grows with a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LayerKind {
+    Full,
+    Sliding,
+    Recurrent,
 }
 
 /// KV content per block id; `None` for blocks that hold nothing worth keeping.
@@ -60,13 +103,19 @@ pub struct BlockStore {
     blocks: Vec<Option<Content>>,
     /// Bytes of all content held (kept up to date, since stats are read often).
     nbytes: usize,
-    /// Per layer: whether its cache is a recurrent state (see the module docs).
-    recurrent: Vec<bool>,
-    /// Blocks holding recurrent states, least recently used first.
-    states: VecDeque<BlockId>,
-    /// Bytes of those states, at most `max_state_bytes` (but always the newest one).
-    state_bytes: usize,
-    max_state_bytes: usize,
+    /// Per cache layer: its kind (see the module docs).
+    kinds: Vec<LayerKind>,
+    /// The widest sliding window; `None` without sliding layers.
+    window: Option<usize>,
+    /// Blocks holding bounded parts, by last use (oldest first).
+    lru: BTreeMap<u64, BlockId>,
+    next_use: u64,
+    /// Bytes of bounded parts held, at most `max_bounded_bytes` (but always the newest).
+    bounded_bytes: usize,
+    max_bounded_bytes: usize,
+    /// With [`BlockStore::with_pool_charge`]: the bytes one pool block stands for, and the
+    /// blocks the store holds for its bounded bytes.
+    charge: Option<(usize, Vec<BlockId>)>,
 }
 
 fn kv_nbytes(kv: &BlockKv) -> usize {
@@ -74,82 +123,254 @@ fn kv_nbytes(kv: &BlockKv) -> usize {
 }
 
 impl BlockStore {
+    /// A store for `num_blocks` blocks of a model whose layers all keep every position.
     pub fn new(num_blocks: usize) -> Self {
         Self {
             blocks: (0..num_blocks).map(|_| None).collect(),
             nbytes: 0,
-            recurrent: Vec::new(),
-            states: VecDeque::new(),
-            state_bytes: 0,
-            max_state_bytes: 0,
+            kinds: Vec::new(),
+            window: None,
+            lru: BTreeMap::new(),
+            next_use: 0,
+            bounded_bytes: 0,
+            max_bounded_bytes: 0,
+            charge: None,
         }
     }
 
-    /// Marks the layers whose caches are recurrent states (`recurrent[layer]`), keeping at most
-    /// `max_state_bytes` of their states (and always the newest).
-    pub fn with_recurrent_layers(mut self, recurrent: Vec<bool>, max_state_bytes: usize) -> Self {
-        self.recurrent = recurrent;
-        self.max_state_bytes = max_state_bytes;
+    /// Makes the bounded parts take blocks of the pool: one for each `block_bytes` bytes of
+    /// them (rounded up), which the engine takes from the pool and gives back
+    /// ([`BlockStore::blocks_to_charge`]) and which the parts give up, least recently used
+    /// first, when a sequence needs blocks ([`BlockStore::drop_least_recent`]). Sliding layers'
+    /// blocks then compete for the pool with every other cached block, instead of a share of
+    /// the budget of their own.
+    pub fn with_pool_charge(mut self, block_bytes: usize) -> Self {
+        self.charge = (block_bytes > 0).then(|| (block_bytes, Vec::new()));
         self
+    }
+
+    /// With a pool charge: how many more blocks the bounded parts need from the pool (`> 0`),
+    /// or how many of those held they no longer need (`< 0`); 0 without one.
+    pub fn blocks_to_charge(&self) -> isize {
+        match &self.charge {
+            Some((block_bytes, held)) => {
+                self.bounded_bytes.div_ceil(*block_bytes) as isize - held.len() as isize
+            }
+            None => 0,
+        }
+    }
+
+    /// Adds `ids` (taken from the pool) to the blocks held for the bounded parts.
+    pub fn hold_blocks(&mut self, ids: Vec<BlockId>) {
+        if let Some((_, held)) = &mut self.charge {
+            held.extend(ids);
+        }
+    }
+
+    /// Gives up `n` of the blocks held for the bounded parts (to return to the pool).
+    pub fn release_blocks(&mut self, n: usize) -> Vec<BlockId> {
+        match &mut self.charge {
+            Some((_, held)) => held.split_off(held.len() - n.min(held.len())),
+            None => Vec::new(),
+        }
+    }
+
+    /// Blocks held for the bounded parts.
+    pub fn held_blocks(&self) -> usize {
+        self.charge.as_ref().map_or(0, |(_, held)| held.len())
+    }
+
+    /// Drops the least recently used block's bounded parts; false when none is held.
+    pub fn drop_least_recent(&mut self) -> bool {
+        let Some((_, id)) = self.lru.pop_first() else {
+            return false;
+        };
+        let content = self.blocks[id.0 as usize]
+            .as_mut()
+            .expect("a block in the LRU order holds content");
+        if let Some((piece, _)) = content.bounded.take() {
+            let bytes = piece.nbytes();
+            self.bounded_bytes -= bytes;
+            self.nbytes -= bytes;
+        }
+        true
+    }
+
+    /// Marks the bounded layers of a model whose caches are `layers` (one per cache layer:
+    /// sliding-window and recurrent ones, see the module docs), keeping at most
+    /// `max_bounded_bytes` of their parts (and always the newest block's).
+    pub fn with_layers(mut self, layers: &[KvCache], max_bounded_bytes: usize) -> Self {
+        // A hybrid model's blocks keep states only at some boundaries: its sliding layers (if
+        // it had any) keep every block, as full-attention layers do.
+        let hybrid = layers.iter().any(KvCache::is_recurrent);
+        self.kinds = layers
+            .iter()
+            .map(|layer| match (layer.is_recurrent(), layer.window()) {
+                (true, _) => LayerKind::Recurrent,
+                (false, Some(_)) if !hybrid => LayerKind::Sliding,
+                (false, _) => LayerKind::Full,
+            })
+            .collect();
+        self.window = layers
+            .iter()
+            .filter(|_| !hybrid)
+            .filter_map(|l| l.window())
+            .map(|w| w.max(1) as usize)
+            .max();
+        self.max_bounded_bytes = max_bounded_bytes;
+        self
+    }
+
+    /// Cache layers the store knows the kinds of (0 for [`BlockStore::new`]).
+    pub fn num_layers(&self) -> usize {
+        self.kinds.len()
     }
 
     /// Whether some layer is recurrent: prefix hits must end at a block with a state.
     pub fn has_recurrent_layers(&self) -> bool {
-        self.recurrent.iter().any(|&r| r)
+        self.kinds.contains(&LayerKind::Recurrent)
     }
 
-    /// Whether a prefix hit may end at block `id`: it holds content, and the recurrent layers'
-    /// states after it when the model has such layers.
-    pub fn has_state(&self, id: BlockId) -> bool {
+    fn has_bounded_layers(&self) -> bool {
+        self.kinds.iter().any(|k| *k != LayerKind::Full)
+    }
+
+    /// Whether cache layer `layer` is a sliding-window or recurrent layer, kept in a block's
+    /// bounded part.
+    pub fn is_bounded(&self, layer: usize) -> bool {
+        self.kinds.get(layer).is_some_and(|k| *k != LayerKind::Full)
+    }
+
+    /// Whether block `id` holds content in every layer: its full-attention KV, and the bounded
+    /// layers' parts when the model has such layers (a recurrent state after the block, a
+    /// sliding layer's KV).
+    pub fn holds_every_layer(&self, id: BlockId) -> bool {
         match &self.blocks[id.0 as usize] {
-            Some(Content::Own(kv)) => self.state_nbytes(kv).is_some(),
-            // Runs come from slot caches, which hybrid models do not use: no states.
-            Some(Content::InRun { .. }) => !self.has_recurrent_layers(),
+            Some(content) => content.bounded.is_some() || !self.has_bounded_layers(),
             None => false,
         }
     }
 
-    /// Marks block `id`'s state as used now (a prefix hit ended there), so it is dropped last.
-    pub fn touch_state(&mut self, id: BlockId) {
-        if let Some(i) = self.states.iter().position(|s| *s == id) {
-            self.states.remove(i);
-            self.states.push_back(id);
+    /// How many of a prefix hit's `blocks` (consecutive from the first prompt token, all
+    /// holding content) a sequence can start after, loading only what its layers read
+    /// ([`BlockStore::load_into`] into caches that allow dropping what a window left,
+    /// [`KvCache::release_before`]): all of them without bounded layers; with recurrent layers,
+    /// up to the last block that holds their states; with sliding layers, up to the last end
+    /// whose window's blocks all hold their sliding parts.
+    pub fn usable_blocks(&self, blocks: &[BlockId], block_size: usize) -> usize {
+        if self.has_recurrent_layers() {
+            return blocks
+                .iter()
+                .rposition(|id| self.holds_every_layer(*id))
+                .map_or(0, |i| i + 1);
         }
-    }
-
-    /// Bytes of the recurrent states in `kv`; `None` when a recurrent layer has none (0 when the
-    /// model has no recurrent layer).
-    fn state_nbytes(&self, kv: &BlockKv) -> Option<usize> {
-        let mut bytes = 0;
-        for (parts, _) in kv.iter().zip(&self.recurrent).filter(|(_, r)| **r) {
-            if parts.is_empty() {
-                return None;
-            }
-            bytes += parts.iter().map(Array::nbytes).sum::<usize>();
-        }
-        Some(bytes)
-    }
-
-    /// Drops the recurrent states of the least recently used blocks beyond `max_state_bytes`,
-    /// keeping the newest.
-    fn bound_states(&mut self) {
-        while self.state_bytes > self.max_state_bytes && self.states.len() > 1 {
-            let id = self.states.pop_front().expect("non-empty");
-            let Some(Content::Own(kv)) = self.blocks[id.0 as usize].as_mut() else {
-                continue;
+        let Some(window) = self.window else {
+            return blocks.len();
+        };
+        // Blocks in a row holding every layer, ending at each block.
+        let mut held = Vec::with_capacity(blocks.len());
+        let mut run = 0;
+        for id in blocks {
+            run = if self.holds_every_layer(*id) {
+                run + 1
+            } else {
+                0
             };
-            for (parts, _) in kv.iter_mut().zip(&self.recurrent).filter(|(_, r)| **r) {
-                let bytes: usize = parts.iter().map(Array::nbytes).sum();
-                self.state_bytes -= bytes;
-                self.nbytes -= bytes;
-                parts.clear();
+            held.push(run);
+        }
+        (1..=blocks.len())
+            .rev()
+            .find(|&end| {
+                let first = (end * block_size + 1).saturating_sub(window) / block_size;
+                held[end - 1] >= end - first
+            })
+            .unwrap_or(0)
+    }
+
+    /// How many of `blocks` from the first hold every layer: what a cache that keeps every
+    /// position can load (a prompt-cache file's state, see `BatchGenerator::compute_prefix`).
+    pub fn complete_blocks(&self, blocks: &[BlockId]) -> usize {
+        if self.has_recurrent_layers() {
+            return self.usable_blocks(blocks, 1);
+        }
+        blocks
+            .iter()
+            .position(|id| !self.holds_every_layer(*id))
+            .unwrap_or(blocks.len())
+    }
+
+    /// Marks as used now the bounded parts that a hit ending after `blocks` reads (the last
+    /// block's states, the sliding window's blocks), so they are dropped last.
+    pub fn touch(&mut self, blocks: &[BlockId], block_size: usize) {
+        let first = match self.window {
+            Some(window) if !self.has_recurrent_layers() => {
+                (blocks.len() * block_size + 1).saturating_sub(window) / block_size
+            }
+            _ => blocks.len().saturating_sub(1),
+        };
+        for id in &blocks[first.min(blocks.len())..] {
+            let next = self.next_use;
+            if let Some(Some(Content {
+                bounded: Some((_, used)),
+                ..
+            })) = self.blocks.get_mut(id.0 as usize)
+            {
+                self.lru.remove(used);
+                *used = next;
+                self.lru.insert(next, *id);
+                self.next_use += 1;
             }
         }
     }
 
-    /// Bytes of recurrent states held.
-    pub fn state_bytes(&self) -> usize {
-        self.state_bytes
+    /// Drops the bounded parts of the least recently used blocks beyond `max_bounded_bytes`,
+    /// keeping the newest.
+    fn bound(&mut self) {
+        while self.bounded_bytes > self.max_bounded_bytes && self.lru.len() > 1 {
+            self.drop_least_recent();
+        }
+    }
+
+    /// Bytes of bounded layers' parts held (sliding layers' KV, recurrent states).
+    pub fn bounded_bytes(&self) -> usize {
+        self.bounded_bytes
+    }
+
+    /// Splits a block's per-layer `kv` into its full-attention part and its bounded part
+    /// (`None` when a bounded layer has nothing, or the model has no bounded layer).
+    fn split(&self, kv: BlockKv) -> (BlockKv, Option<BlockKv>) {
+        if !self.has_bounded_layers() {
+            return (kv, None);
+        }
+        let mut full = Vec::with_capacity(kv.len());
+        let mut bounded = Vec::with_capacity(kv.len());
+        let mut complete = true;
+        for (layer, parts) in kv.into_iter().enumerate() {
+            if self.is_bounded(layer) {
+                complete &= !parts.is_empty();
+                bounded.push(parts);
+                full.push(Vec::new());
+            } else {
+                full.push(parts);
+                bounded.push(Vec::new());
+            }
+        }
+        (full, complete.then_some(bounded))
+    }
+
+    /// Keeps `content` as block `id`'s, its bounded part (if any) the most recently used.
+    fn insert(&mut self, id: BlockId, full: Piece, bounded: Option<Piece>) {
+        self.clear(id);
+        let bounded = bounded.map(|piece| {
+            let used = self.next_use;
+            self.next_use += 1;
+            self.lru.insert(used, id);
+            self.bounded_bytes += piece.nbytes();
+            (piece, used)
+        });
+        let content = Content { full, bounded };
+        self.nbytes += content.nbytes();
+        self.blocks[id.0 as usize] = Some(content);
     }
 
     /// Copies block `index` (positions `index * block_size ..`) of a sequence's `cache` (one
@@ -176,16 +397,9 @@ impl BlockStore {
     /// Keeps `kv` (per layer, the block's parts in buffers of their own, as
     /// [`KvCache::block_parts`] returns them) as block `id`'s content.
     pub fn put_parts(&mut self, id: BlockId, kv: Vec<Vec<Array>>) {
-        self.clear(id);
-        self.nbytes += kv_nbytes(&kv);
-        if self.has_recurrent_layers() {
-            if let Some(bytes) = self.state_nbytes(&kv) {
-                self.state_bytes += bytes;
-                self.states.push_back(id);
-            }
-        }
-        self.blocks[id.0 as usize] = Some(Content::Own(kv));
-        self.bound_states();
+        let (full, bounded) = self.split(kv);
+        self.insert(id, Piece::Own(full), bounded.map(Piece::Own));
+        self.bound();
     }
 
     /// Keeps `run` (per layer, parts of `ids.len()` consecutive blocks in buffers of their own,
@@ -195,59 +409,45 @@ impl BlockStore {
     /// 8,192-token prompts on a GPU made 13,000 views a step). Never for hybrid models' blocks,
     /// which keep states.
     pub fn put_run(&mut self, ids: &[BlockId], run: BlockKv) {
-        let run = Rc::new(run);
+        let (full, bounded) = self.split(run);
+        let (full, bounded) = (Rc::new(full), bounded.map(Rc::new));
+        let len = ids.len();
         for (index, &id) in ids.iter().enumerate() {
-            self.clear(id);
-            let content = Content::InRun {
-                run: Rc::clone(&run),
+            let piece = |run: &Rc<BlockKv>| Piece::InRun {
+                run: Rc::clone(run),
                 index,
-                len: ids.len(),
+                len,
             };
-            self.nbytes += content.nbytes();
-            self.blocks[id.0 as usize] = Some(content);
+            self.insert(id, piece(&full), bounded.as_ref().map(piece));
         }
+        self.bound();
     }
 
-    /// Adds the recurrent layers' states after block `id` (per layer, what
-    /// [`KvCache::block_parts`] gives; attention layers' entries ignored) to a block that holds KV
-    /// but no states: a sequence that recomputed up to the end of a cached block, where its
-    /// prompt leaves a cached chain, leaves the states there for the next prompt that does.
-    pub fn put_state(&mut self, id: BlockId, states: Vec<Vec<Array>>) {
-        let complete = states
-            .iter()
-            .zip(&self.recurrent)
-            .all(|(state, recurrent)| !recurrent || !state.is_empty());
-        if !complete || self.has_state(id) || !self.contains(id) {
+    /// Gives block `id`, which holds its full-attention KV but not its bounded layers' parts,
+    /// those parts (per layer, what [`KvCache::block_parts`] gives; full-attention layers'
+    /// entries ignored): a sequence that recomputed blocks of its prefix hit (the hit ended
+    /// before them, see [`BlockStore::usable_blocks`]) leaves their sliding layers' KV, or a
+    /// hybrid model's states at the end of the hit, for the next prompt that shares them.
+    pub fn put_bounded(&mut self, id: BlockId, parts: Vec<Vec<Array>>) {
+        if self.holds_every_layer(id) || !self.contains(id) {
             return;
         }
-        let Some(Content::Own(kv)) = self.blocks[id.0 as usize].as_mut() else {
+        let (_, Some(bounded)) = self.split(parts) else {
             return;
         };
-        let mut bytes = 0;
-        for ((parts, state), _) in kv
-            .iter_mut()
-            .zip(states)
-            .zip(&self.recurrent)
-            .filter(|(_, r)| **r)
-        {
-            bytes += state.iter().map(Array::nbytes).sum::<usize>();
-            *parts = state;
-        }
-        self.nbytes += bytes;
-        self.state_bytes += bytes;
-        self.states.push_back(id);
-        self.bound_states();
+        let content = self.blocks[id.0 as usize].take().expect("held");
+        self.nbytes -= content.nbytes();
+        self.insert(id, content.full, Some(Piece::Own(bounded)));
+        self.bound();
     }
 
     /// Drops the content of `id` (the block was handed out again or forgotten).
     pub fn clear(&mut self, id: BlockId) {
         if let Some(content) = self.blocks[id.0 as usize].take() {
             self.nbytes -= content.nbytes();
-            if let Some(i) = self.states.iter().position(|s| *s == id) {
-                self.states.remove(i);
-                if let Content::Own(kv) = &content {
-                    self.state_bytes -= self.state_nbytes(kv).unwrap_or(0);
-                }
+            if let Some((piece, used)) = &content.bounded {
+                self.lru.remove(used);
+                self.bounded_bytes -= piece.nbytes();
             }
         }
     }
@@ -257,11 +457,12 @@ impl BlockStore {
         self.blocks[id.0 as usize].is_some()
     }
 
-    /// Appends the content of `ids`, in order, to an empty per-layer `cache`. Errors when a
-    /// block holds nothing (a broken invariant: every cached block has content), or when the
-    /// last one holds no recurrent state for a recurrent layer ([`BlockStore::has_state`]). A
-    /// sliding layer's cache that may drop positions skips the leading blocks its window no
-    /// longer reaches from the end of the prefix ([`KvCache::positions_to_skip`]).
+    /// Appends the content of `ids`, in order, to an empty per-layer `cache`. A sliding layer's
+    /// cache that may drop positions skips the leading blocks its window no longer reaches from
+    /// the end of the prefix ([`KvCache::positions_to_skip`]); a recurrent layer takes the last
+    /// block's state. Errors when a block holds nothing (a broken invariant: every cached block
+    /// has content), or lacks a bounded layer's part that the load needs (ask
+    /// [`BlockStore::usable_blocks`] first).
     pub fn load_into(
         &self,
         ids: &[BlockId],
@@ -276,37 +477,35 @@ impl BlockStore {
             .map(|id| {
                 self.blocks[id.0 as usize]
                     .as_ref()
-                    .ok_or_else(|| missing(*id))
+                    .ok_or_else(|| missing(*id, "no KV content"))
             })
             .collect::<Result<Vec<_>>>()?;
         let positions = (ids.len() * block_size) as i32;
         for (layer, layer_cache) in cache.iter_mut().enumerate() {
-            if layer_cache.is_recurrent() {
-                let last = match blocks.last().expect("non-empty") {
-                    Content::Own(kv) => &kv[layer],
-                    Content::InRun { .. } => &Vec::new(),
-                };
-                if last.is_empty() {
-                    return Err(mlx_rs::error::Exception::from(
-                        format!(
-                            "prefix-cache block {} holds no recurrent state for layer {layer}",
-                            ids[ids.len() - 1].0
-                        )
-                        .as_str(),
-                    )
-                    .into());
-                }
-                layer_cache.append_block_parts(last, positions)?;
-                continue;
-            }
             let skip = layer_cache.positions_to_skip(positions, block_size as i32);
-            layer_cache.start_at(skip);
-            if skip == positions {
+            let first = match layer_cache.is_recurrent() {
+                true => ids.len() - 1,
+                false => skip as usize / block_size,
+            };
+            let pieces = (first..ids.len())
+                .map(|i| match (self.is_bounded(layer), &blocks[i].bounded) {
+                    (false, _) => Ok(&blocks[i].full),
+                    (true, Some((piece, _))) => Ok(piece),
+                    (true, None) => Err(missing(
+                        ids[i],
+                        &format!("no KV or recurrent state for layer {layer}"),
+                    )),
+                })
+                .collect::<Result<Vec<&Piece>>>()?;
+            if layer_cache.is_recurrent() {
+                layer_cache.append_block_parts(pieces[0].layer(layer), positions)?;
                 continue;
             }
-            let kept = &blocks[skip as usize / block_size..];
-            let pieces = pieces(kept, layer, block_size)?;
-            let parts = pieces
+            layer_cache.start_at(skip);
+            if pieces.is_empty() {
+                continue;
+            }
+            let parts = layer_pieces(&pieces, layer, block_size)?
                 .into_iter()
                 .map(|pieces| Ok(ops::concatenate(&pieces, 2)?))
                 .collect::<Result<Vec<Array>>>()?;
@@ -319,19 +518,26 @@ impl BlockStore {
     /// keep a sequence's whole cache alive.
     pub fn state(&self, ids: &[BlockId]) -> Vec<&Array> {
         let mut arrays = Vec::new();
-        let mut last_run: Option<&Rc<BlockKv>> = None;
+        // A run's arrays once, however many of its blocks are asked for.
+        let mut last_runs: [Option<&Rc<BlockKv>>; 2] = [None, None];
         for content in ids
             .iter()
             .filter_map(|id| self.blocks[id.0 as usize].as_ref())
         {
-            match content {
-                Content::Own(kv) => arrays.extend(kv.iter().flatten()),
-                // A run's arrays once, however many of its blocks are asked for.
-                Content::InRun { run, .. } => {
-                    if !last_run.is_some_and(|last| Rc::ptr_eq(last, run)) {
-                        arrays.extend(run.iter().flatten());
-                        last_run = Some(run);
+            let pieces = [
+                Some(&content.full),
+                content.bounded.as_ref().map(|(p, _)| p),
+            ];
+            for (piece, last) in pieces.into_iter().zip(&mut last_runs) {
+                match piece {
+                    Some(Piece::Own(kv)) => arrays.extend(kv.iter().flatten()),
+                    Some(Piece::InRun { run, .. }) => {
+                        if !last.is_some_and(|last| Rc::ptr_eq(last, run)) {
+                            arrays.extend(run.iter().flatten());
+                            *last = Some(run);
+                        }
                     }
+                    None => {}
                 }
             }
         }
@@ -344,27 +550,24 @@ impl BlockStore {
     }
 }
 
-/// Layer `layer`'s content of consecutive blocks, per part: the pieces to concatenate along the
-/// positions, a block's own array or one slice for each stretch of blocks of the same run.
-fn pieces(blocks: &[&Content], layer: usize, block_size: usize) -> Result<Vec<Vec<Array>>> {
-    let num_parts = match blocks[0] {
-        Content::Own(kv) => kv[layer].len(),
-        Content::InRun { run, .. } => run[layer].len(),
-    };
-    let mut pieces: Vec<Vec<Array>> = vec![Vec::new(); num_parts];
+/// Layer `layer`'s content of consecutive blocks' pieces, per part: the arrays to concatenate
+/// along the positions, a block's own array or one slice for each stretch of blocks of the
+/// same run.
+fn layer_pieces(blocks: &[&Piece], layer: usize, block_size: usize) -> Result<Vec<Vec<Array>>> {
+    let mut pieces: Vec<Vec<Array>> = vec![Vec::new(); blocks[0].layer(layer).len()];
     let mut i = 0;
     while i < blocks.len() {
         match blocks[i] {
-            Content::Own(kv) => {
+            Piece::Own(kv) => {
                 for (piece, part) in pieces.iter_mut().zip(&kv[layer]) {
                     piece.push(part.clone());
                 }
                 i += 1;
             }
-            Content::InRun { run, index, .. } => {
+            Piece::InRun { run, index, .. } => {
                 // The following blocks that are the run's next ones.
                 let mut count = 1;
-                while let Some(Content::InRun {
+                while let Some(Piece::InRun {
                     run: next,
                     index: next_index,
                     ..
@@ -394,11 +597,9 @@ fn pieces(blocks: &[&Content], layer: usize, block_size: usize) -> Result<Vec<Ve
     Ok(pieces)
 }
 
-fn missing(id: BlockId) -> crate::error::EngineError {
-    mlx_rs::error::Exception::from(
-        format!("prefix-cache block {} has no KV content", id.0).as_str(),
-    )
-    .into()
+fn missing(id: BlockId, what: &str) -> crate::error::EngineError {
+    mlx_rs::error::Exception::from(format!("prefix-cache block {} has {what}", id.0).as_str())
+        .into()
 }
 
 #[cfg(test)]
@@ -417,36 +618,144 @@ mod tests {
         vec![kv, state]
     }
 
+    fn hybrid(max_bounded_bytes: usize, num_blocks: usize) -> BlockStore {
+        BlockStore::new(num_blocks)
+            .with_layers(&[KvCache::new(), KvCache::recurrent()], max_bounded_bytes)
+    }
+
     #[test]
     fn recurrent_states_are_bounded_by_bytes_least_recently_used_first() {
-        let mut store = BlockStore::new(8).with_recurrent_layers(vec![false, true], 1024);
+        let mut store = hybrid(1024, 8);
         let kv_bytes = 2 * 4 * 8 * 4;
         store.put_parts(BlockId(0), block(true));
         store.put_parts(BlockId(1), block(false));
         store.put_parts(BlockId(2), block(true));
-        assert!(store.has_state(BlockId(0)) && store.has_state(BlockId(2)));
-        assert!(!store.has_state(BlockId(1)) && store.contains(BlockId(1)));
-        assert_eq!(store.state_bytes(), 1024);
-        // A hit on block 0 makes block 2's state the least recently used.
-        store.touch_state(BlockId(0));
+        assert!(store.holds_every_layer(BlockId(0)) && store.holds_every_layer(BlockId(2)));
+        assert!(!store.holds_every_layer(BlockId(1)) && store.contains(BlockId(1)));
+        assert_eq!(store.bounded_bytes(), 1024);
+        // A hit ending at block 0 makes block 2's state the least recently used.
+        store.touch(&[BlockId(0)], 4);
         store.put_parts(BlockId(3), block(true));
         assert!(
-            !store.has_state(BlockId(2)),
+            !store.holds_every_layer(BlockId(2)),
             "least recently used state dropped"
         );
         assert!(store.contains(BlockId(2)), "its KV stays");
-        assert!(store.has_state(BlockId(0)) && store.has_state(BlockId(3)));
-        assert_eq!(store.state_bytes(), 1024);
+        assert!(store.holds_every_layer(BlockId(0)) && store.holds_every_layer(BlockId(3)));
+        assert_eq!(store.bounded_bytes(), 1024);
         assert_eq!(store.nbytes(), 4 * kv_bytes + 1024);
+        // Hits end at the last block with a state.
+        let chain = [BlockId(0), BlockId(1), BlockId(2), BlockId(3)];
+        assert_eq!(store.usable_blocks(&chain[..3], 4), 1);
+        assert_eq!(store.usable_blocks(&chain, 4), 4);
         // Eviction takes the state's bytes with the block.
         store.clear(BlockId(3));
-        assert_eq!(store.state_bytes(), 512);
+        assert_eq!(store.bounded_bytes(), 512);
         assert_eq!(store.nbytes(), 3 * kv_bytes + 512);
+        // A state given back to a block that has none (a sequence recomputed up to it).
+        store.put_bounded(BlockId(1), block(true));
+        assert!(store.holds_every_layer(BlockId(1)));
+        assert_eq!(store.nbytes(), 3 * kv_bytes + 1024);
         // The newest state stays even when it alone is over the bound.
-        let mut tight = BlockStore::new(2).with_recurrent_layers(vec![false, true], 100);
+        let mut tight = hybrid(100, 2);
         tight.put_parts(BlockId(0), block(true));
         tight.put_parts(BlockId(1), block(true));
-        assert!(!tight.has_state(BlockId(0)) && tight.has_state(BlockId(1)));
+        assert!(!tight.holds_every_layer(BlockId(0)) && tight.holds_every_layer(BlockId(1)));
+    }
+
+    /// One layer's keys and values over positions `from..to`: position p holds p in every
+    /// feature, `[1, 1, to - from, 8]` each.
+    fn positions(from: i32, to: i32) -> Array {
+        let p = ops::arange::<_, f32>(from as f32, to as f32, None).unwrap();
+        ops::broadcast_to(p.reshape(&[1, 1, -1, 1]).unwrap(), &[1, 1, to - from, 8]).unwrap()
+    }
+
+    /// The positions a cache layer holds, from its keys' first feature.
+    fn held(cache: &KvCache) -> Vec<f32> {
+        let keys = match cache.fetch().unwrap() {
+            crate::cache::CachedKv::Dense { keys, .. } => keys,
+            _ => unreachable!("a float cache"),
+        };
+        let keys = keys.index((.., 0, .., 0)).flatten(None, None).unwrap();
+        keys.as_slice::<f32>().to_vec()
+    }
+
+    /// A sliding layer's blocks are kept for a bounded number of bytes, oldest use dropped first,
+    /// while the global layer keeps every block; hits end where the window's blocks are all
+    /// held, load only those, and blocks given their sliding parts back serve hits again.
+    #[test]
+    fn sliding_layers_blocks_are_bounded_and_hits_end_where_the_window_is_held() {
+        let block_size = 4;
+        // Layer 0 global, layer 1 sliding over 8 positions: a hit ending at position 4e reads
+        // the sliding layer's blocks from (4e + 1 - 8) / 4 on, two blocks.
+        let layers = || vec![KvCache::new(), KvCache::new().with_window(8)];
+        let part_bytes = 2 * 4 * 8 * 4;
+        let mut store = BlockStore::new(8).with_layers(&layers(), 3 * part_bytes);
+        let kv = |b: i32| {
+            let p = positions(4 * b, 4 * b + 4);
+            vec![vec![p.clone(), p.clone()], vec![p.clone(), p]]
+        };
+        let chain: Vec<BlockId> = (0..6).map(BlockId).collect();
+        for (b, &id) in chain[..2].iter().enumerate() {
+            store.put_parts(id, kv(b as i32));
+        }
+        // Blocks 2..6 as one run copy.
+        let run = |from: i32, to: i32| {
+            let p = positions(4 * from, 4 * to);
+            vec![vec![p.clone(), p.clone()], vec![p.clone(), p]]
+        };
+        store.put_run(&chain[2..6], run(2, 6));
+        // The sliding parts of blocks 3, 4, 5 stay (three blocks' worth); every global part does.
+        let holding: Vec<bool> = chain
+            .iter()
+            .map(|id| store.holds_every_layer(*id))
+            .collect();
+        assert_eq!(holding, [false, false, false, true, true, true]);
+        assert!(chain.iter().all(|id| store.contains(*id)));
+        assert_eq!(store.bounded_bytes(), 3 * part_bytes);
+        assert_eq!(store.nbytes(), 9 * part_bytes);
+        assert_eq!(store.usable_blocks(&chain, block_size), 6);
+        assert_eq!(store.usable_blocks(&chain[..3], block_size), 0);
+        assert_eq!(store.complete_blocks(&chain), 0);
+        // A sequence that recomputed blocks 1 and 2 gives them their sliding parts back; the
+        // least recently used (3, 4) go.
+        store.put_bounded(BlockId(1), kv(1));
+        store.put_bounded(BlockId(2), kv(2));
+        assert_eq!(store.usable_blocks(&chain[..3], block_size), 3);
+        assert_eq!(store.usable_blocks(&chain, block_size), 3);
+        // A hit touching blocks 1 and 2 keeps them over block 5 when more come.
+        store.touch(&chain[..3], block_size);
+        store.put_bounded(BlockId(4), kv(4));
+        assert!(!store.holds_every_layer(BlockId(5)));
+        assert!(store.holds_every_layer(BlockId(1)) && store.holds_every_layer(BlockId(2)));
+        // The hit loads every global position and the sliding layer's window blocks only.
+        let mut cache = layers();
+        for layer in &mut cache {
+            layer.release_before(12);
+        }
+        store
+            .load_into(&chain[..3], &mut cache, block_size)
+            .unwrap();
+        assert_eq!(
+            held(&cache[0]),
+            (0..12).map(|p| p as f32).collect::<Vec<_>>()
+        );
+        assert_eq!(cache[1].first_position(), 4);
+        assert_eq!(
+            held(&cache[1]),
+            (4..12).map(|p| p as f32).collect::<Vec<_>>()
+        );
+        // A cache that keeps every position cannot load blocks without their sliding parts.
+        let mut whole = layers();
+        let err = store
+            .load_into(&chain[..3], &mut whole, block_size)
+            .unwrap_err();
+        assert!(err.to_string().contains("block 0 has no KV"), "{err}");
+        // Evicting every block leaves nothing counted (run shares included).
+        for id in &chain {
+            store.clear(*id);
+        }
+        assert_eq!((store.nbytes(), store.bounded_bytes()), (0, 0));
     }
 
     /// Blocks kept as places in a run copy load as blocks of their own do (any stretch of them,
@@ -454,7 +763,7 @@ mod tests {
     #[test]
     fn blocks_of_a_run_load_and_count_as_their_own() {
         let block_size = 4;
-        // One layer of keys and values over 12 positions: position p holds p in every feature.
+        // One layer of keys and values over 16 positions: position p holds p in every feature.
         let positions = |from: i32, to: i32| {
             let p = ops::arange::<_, f32>(from as f32, to as f32, None).unwrap();
             ops::broadcast_to(p.reshape(&[1, 1, -1, 1]).unwrap(), &[1, 2, to - from, 8]).unwrap()
@@ -471,27 +780,23 @@ mod tests {
         let loaded = |ids: &[BlockId]| {
             let mut cache = vec![KvCache::new()];
             store.load_into(ids, &mut cache, block_size).unwrap();
-            let keys = match cache[0].fetch().unwrap() {
-                crate::cache::CachedKv::Dense { keys, .. } => keys,
-                _ => unreachable!("a float cache"),
-            };
-            keys.index((.., 0, .., 0)).flatten(None, None).unwrap()
+            held(&cache[0])
         };
-        let expected = ops::arange::<_, f32>(0.0, 16.0, None).unwrap();
+        let expected: Vec<f32> = (0..16).map(|p| p as f32).collect();
         let all = loaded(&[BlockId(5), BlockId(1), BlockId(2), BlockId(3)]);
-        assert_eq!(all.as_slice::<f32>(), expected.as_slice::<f32>());
+        assert_eq!(all, expected);
         // The run's first block alone, after an owned block: positions 0..8.
         let two = loaded(&[BlockId(5), BlockId(1)]);
-        assert_eq!(two.as_slice::<f32>(), &expected.as_slice::<f32>()[..8]);
+        assert_eq!(two, &expected[..8]);
         // Evicting part of a run keeps the rest readable and takes that block's share.
         store.clear(BlockId(2));
         assert_eq!(store.nbytes(), 3 * block_bytes);
-        assert!(store.contains(BlockId(3)) && store.has_state(BlockId(3)));
+        assert!(store.contains(BlockId(3)) && store.holds_every_layer(BlockId(3)));
     }
 
     #[test]
     fn a_hit_loads_the_last_blocks_recurrent_state() {
-        let mut store = BlockStore::new(4).with_recurrent_layers(vec![false, true], 1 << 20);
+        let mut store = hybrid(1 << 20, 4);
         store.put_parts(BlockId(0), block(false));
         store.put_parts(BlockId(1), block(true));
         let mut cache = vec![KvCache::new(), KvCache::recurrent()];
@@ -504,6 +809,6 @@ mod tests {
         // Ending at a block without states is refused, not loaded with a stale state.
         let mut cache = vec![KvCache::new(), KvCache::recurrent()];
         let err = store.load_into(&[BlockId(0)], &mut cache, 4).unwrap_err();
-        assert!(err.to_string().contains("no recurrent state"), "{err}");
+        assert!(err.to_string().contains("recurrent state"), "{err}");
     }
 }

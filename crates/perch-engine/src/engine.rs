@@ -414,7 +414,16 @@ impl EngineHandle {
                         );
                         let limits = EngineLimits {
                             context_length: model.info().context_length,
-                            kv_cache_tokens: pool.num_blocks * pool.block_size,
+                            kv_cache_tokens: crate::kv_cache_manager::max_sequence_tokens(
+                                pool.num_blocks,
+                                pool.block_size,
+                                crate::batch::KvBudget::for_model(
+                                    model.as_ref(),
+                                    config.kv_quantization,
+                                    0,
+                                )
+                                .window_cost(),
+                            ),
                         };
                         let ready = {
                             let tokenizer = Arc::clone(&tokenizer);

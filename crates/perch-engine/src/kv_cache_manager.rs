@@ -43,6 +43,54 @@ struct RequestBlocks {
     num_cached: usize,
     /// Hash of each full block registered so far (the chain continues from the last one).
     hashes: Vec<BlockHash>,
+    /// Blocks held for the sliding layers' KV ([`KvCacheManager::with_window_cost`]): never
+    /// cached, released with the request.
+    window_blocks: Vec<BlockId>,
+}
+
+/// What a running request's sliding-window layers cost in blocks (see `crate::batch::KvBudget`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowCost {
+    /// Positions the sliding layers hold at most.
+    pub tokens: usize,
+    /// Their bytes per position.
+    pub bytes_per_token: usize,
+    /// What a block's position costs.
+    pub block_bytes_per_token: usize,
+}
+
+impl WindowCost {
+    /// Blocks of `block_size` positions a request of `num_tokens` tokens holds for its sliding
+    /// layers.
+    pub fn blocks_for(&self, num_tokens: usize, block_size: usize) -> usize {
+        (num_tokens.min(self.tokens) * self.bytes_per_token)
+            .div_ceil((self.block_bytes_per_token * block_size).max(1))
+    }
+}
+
+/// The longest request a pool of `num_blocks` blocks of `block_size` tokens holds: its block
+/// table and, with a `window_cost`, its sliding layers' blocks.
+pub fn max_sequence_tokens(
+    num_blocks: usize,
+    block_size: usize,
+    window_cost: Option<WindowCost>,
+) -> usize {
+    let block_size = block_size.max(1);
+    let fits = |tokens: usize| {
+        tokens.div_ceil(block_size) + window_cost.map_or(0, |c| c.blocks_for(tokens, block_size))
+            <= num_blocks
+    };
+    // The blocks needed grow with the tokens: the last that fits, by bisection.
+    let (mut lo, mut hi) = (0, num_blocks * block_size);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
 }
 
 /// Block tables of the running requests.
@@ -53,6 +101,7 @@ pub struct KvCacheManager {
     requests: HashMap<RequestId, RequestBlocks>,
     /// Prefix caching (vLLM's `enable_caching`): off, no block is ever registered or found.
     enable_caching: bool,
+    window_cost: Option<WindowCost>,
 }
 
 impl KvCacheManager {
@@ -63,7 +112,36 @@ impl KvCacheManager {
             root: BlockHash::root(model_id),
             requests: HashMap::new(),
             enable_caching: true,
+            window_cost: None,
         }
+    }
+
+    /// Makes each request hold, beside its block table, blocks for its sliding layers' KV: for
+    /// `n` tokens, the bytes of `min(n, cost.tokens)` positions in those layers, in blocks of
+    /// `block_size` positions at `cost.block_bytes_per_token` (rounded up). For models whose
+    /// blocks count only the layers that keep every position.
+    pub fn with_window_cost(mut self, cost: Option<WindowCost>) -> Self {
+        self.window_cost = cost.filter(|c| c.block_bytes_per_token > 0);
+        self
+    }
+
+    /// Blocks a request of `num_tokens` tokens holds for its sliding layers.
+    pub fn window_blocks_for(&self, num_tokens: usize) -> usize {
+        self.window_cost
+            .map_or(0, |c| c.blocks_for(num_tokens, self.block_size()))
+    }
+
+    /// The longest request the whole pool holds, in tokens.
+    pub fn max_tokens(&self) -> usize {
+        max_sequence_tokens(self.pool.num_blocks(), self.block_size(), self.window_cost)
+    }
+
+    /// The blocks `request` holds for its sliding layers (see
+    /// [`KvCacheManager::with_window_cost`]).
+    pub fn window_blocks(&self, request: RequestId) -> &[BlockId] {
+        self.requests
+            .get(&request)
+            .map_or(&[][..], |r| &r.window_blocks[..])
     }
 
     /// Turns prefix caching off (or on): off, [`KvCacheManager::cached_prefix`] finds nothing
@@ -142,17 +220,23 @@ impl KvCacheManager {
         let needed = self
             .blocks_for(num_computed + num_new_tokens)
             .saturating_sub(held + hit.len());
+        let window_held = self.window_blocks(request).len();
+        let window_needed = self
+            .window_blocks_for(num_computed + num_new_tokens)
+            .saturating_sub(window_held);
         // Touching a cached-free hit takes it out of the free queue too.
         let hit_from_free = hit
             .iter()
             .filter(|id| self.pool.block(**id).ref_cnt() == 0)
             .count();
-        if needed + hit_from_free > self.pool.num_free_blocks() {
+        if needed + window_needed + hit_from_free > self.pool.num_free_blocks() {
             return None;
         }
         self.pool.touch(hit);
         let fresh = self.pool.get_new_blocks(needed)?;
+        let window = self.pool.get_new_blocks(window_needed)?;
         let entry = self.requests.entry(request).or_default();
+        entry.window_blocks.extend(window);
         if !hit.is_empty() {
             entry.blocks.extend_from_slice(hit);
             entry.num_cached = hit.len();
@@ -202,9 +286,22 @@ impl KvCacheManager {
         entries
     }
 
+    /// Takes `n` blocks from the free queue for a holder outside any request (the prefix
+    /// cache's sliding layers' KV), evicting cached free blocks as allocation does: the caller
+    /// drops their content. `None` when fewer are free.
+    pub fn take_blocks(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        self.pool.get_new_blocks(n)
+    }
+
+    /// Gives back blocks from [`KvCacheManager::take_blocks`].
+    pub fn give_back_blocks(&mut self, ids: Vec<BlockId>) {
+        self.pool.free_blocks(ids);
+    }
+
     /// Releases every block of `request` (last block first, so its tail is evicted first).
     pub fn free(&mut self, request: RequestId) {
         if let Some(entry) = self.requests.remove(&request) {
+            self.pool.free_blocks(entry.window_blocks);
             self.pool.free_blocks(entry.blocks.into_iter().rev());
         }
     }
@@ -258,6 +355,42 @@ mod tests {
         m.free(2);
         assert_eq!(m.pool().num_free_blocks(), 16);
         m.pool().check_invariants();
+    }
+
+    /// A sliding model's request holds blocks for its sliding layers up to their bound, then
+    /// grows by its block table alone; all are released with it.
+    #[test]
+    fn sliding_layers_cost_blocks_up_to_their_window() {
+        // Sliding layers: 10 bytes per position for 12 positions at most; a block position
+        // costs 2 bytes (blocks of 4 positions: 8 bytes).
+        let cost = WindowCost {
+            tokens: 12,
+            bytes_per_token: 10,
+            block_bytes_per_token: 2,
+        };
+        let mut m = manager(40).with_window_cost(Some(cost));
+        assert_eq!((m.window_blocks_for(1), m.window_blocks_for(8)), (2, 10));
+        assert_eq!(m.window_blocks_for(12), 15);
+        assert_eq!(m.window_blocks_for(1000), 15);
+        // 40 blocks: 15 for the window, 25 of table: 100 tokens.
+        assert_eq!(m.max_tokens(), 100);
+        let prompt: Vec<u32> = (0..8).collect();
+        admit(&mut m, 1, &prompt).unwrap();
+        assert_eq!(m.window_blocks(1).len(), 10);
+        assert_eq!(m.pool().num_free_blocks(), 40 - 2 - 10);
+        // Decoding to 100 tokens takes table blocks only past the window's bound.
+        m.allocate_slots(1, 8, 92, None).unwrap();
+        assert_eq!(m.window_blocks(1).len(), 15);
+        assert_eq!(m.pool().num_free_blocks(), 0);
+        assert!(
+            m.allocate_slots(1, 100, 1, None).is_none(),
+            "the pool is full"
+        );
+        m.free(1);
+        assert_eq!(m.pool().num_free_blocks(), 40);
+        m.pool().check_invariants();
+        // Without a window cost a request holds its table alone.
+        assert_eq!(max_sequence_tokens(40, 4, None), 160);
     }
 
     #[test]

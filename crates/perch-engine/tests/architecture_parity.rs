@@ -321,6 +321,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         if !expected.long_prompt_ids.is_empty() {
             past_the_window(dir, model.as_ref(), &tokenizer, &name, &expected);
         }
+        if name == "gemma3_text" {
+            long_conversation(dir, &expected.long_prompt_ids);
+        }
         if model.has_recurrent_layers() {
             hybrid_prompt_caches(dir, model.as_ref(), &tokenizer, &name, &expected);
         }
@@ -476,6 +479,70 @@ fn hybrid_prompt_caches(
     engine.shutdown();
 }
 
+/// A conversation far past the sliding layers' bound in the batch engine, under a KV budget
+/// that holds 5,000 tokens in every layer: its blocks cost the global layers only (a running
+/// sequence's sliding layers a window), so a 6,000-token turn runs, gives `generate`'s ids, and
+/// the next turn starts after all of it (the prefix cache kept the sliding KV of the newest
+/// blocks within the pool), the cache within the budget.
+fn long_conversation(dir: &Path, prompt: &[u32]) {
+    // The tiny model with a context long enough for the conversation.
+    let long = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, long.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let config_path = long.path().join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["max_position_embeddings"] = 8192.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let model = models::load(long.path()).unwrap();
+    let tokenizer = Tokenizer::load(long.path()).unwrap();
+    let model = model.as_ref();
+    assert!(model.has_sliding_window_layers());
+
+    let request = |prompt: Vec<u32>| {
+        let mut request = GenerateRequest::new(prompt);
+        request.max_tokens = 8;
+        request.ignore_eos = true;
+        request.prefill_step_size = 256;
+        request
+    };
+    let alone = |prompt: &[u32]| {
+        generate(model, &tokenizer, &request(prompt.to_vec()), |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap()
+        .token_ids
+    };
+    let every_layer = perch_engine::batch::kv_bytes_per_token(model, None);
+    let config = BatchConfig {
+        attention: BatchAttention::PerSequence,
+        compile_decode: false,
+        ..BatchConfig::for_budget(model, 5000 * every_layer, 16, None)
+    };
+    let mut batch = BatchGenerator::new(model, &tokenizer, config, "long");
+    let turn1: Vec<u32> = prompt.iter().cycle().take(6000).copied().collect();
+    let outputs = common::drive(&mut batch, vec![(0, request(turn1.clone()))]);
+    let answer = &outputs[0].0.token_ids;
+    assert_eq!(answer, &alone(&turn1), "a 6,000-token turn");
+    let mut turn2 = [&turn1[..], answer].concat();
+    turn2.extend_from_slice(&prompt[..20]);
+    let outputs = common::drive(&mut batch, vec![(0, request(turn2.clone()))]);
+    assert_eq!(outputs[0].0.token_ids, alone(&turn2), "the next turn");
+    let cached = outputs[0].0.stats.cached_prompt_tokens;
+    assert!(cached >= 6000, "the next turn found {cached} tokens cached");
+    // Every layer of its 376 blocks would be 6,016 tokens' worth: the cache dropped the oldest
+    // blocks' sliding KV to stay within the budget (and a partial block kept whole).
+    let stats = batch.kv_stats();
+    assert!(
+        stats.prefix_cache_bytes <= (5000 + 16) * every_layer,
+        "the prefix cache holds {} bytes, {} tokens' worth in every layer",
+        stats.prefix_cache_bytes,
+        stats.prefix_cache_bytes / every_layer
+    );
+}
+
 /// A prompt far longer than the sliding window: `generate` and the batch engine (per sequence
 /// and batched, with a prefix-cache hit that loads only the window of the sliding layers) give
 /// mlx_lm's greedy ids, and the sliding layers' caches hold about a window of positions while
@@ -559,6 +626,13 @@ fn past_the_window(
     })
     .unwrap()
     .token_ids;
+    let half = prompt[..200].to_vec();
+    // Four tokens: the sequence ends before its thirteenth block fills.
+    let half_alone = generate(model, tokenizer, &long_request(half.clone(), 4), |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap()
+    .token_ids;
     // Per sequence, in slots, and in slots with compiled decode steps (the GPU default; its
     // traced step takes the rings' arrays too).
     for (attention, compile_decode) in [
@@ -575,7 +649,7 @@ fn past_the_window(
             prefill_token_budget: 64,
             ..BatchConfig::for_budget(model, 256 << 20, 16, None)
         };
-        let mut batch = BatchGenerator::new(model, tokenizer, config, name);
+        let mut batch = BatchGenerator::new(model, tokenizer, config.clone(), name);
         // The request's own step size is wider than the budget: each row's chunk still stays
         // within the budget the rings were made for (a wider chunk failed in slots).
         let mut wide = long_request(prompt.clone(), expected.long_greedy_ids.len());
@@ -601,6 +675,42 @@ fn past_the_window(
             "{name}: {} prompt tokens came from the prefix cache ({attention:?})",
             output.stats.cached_prompt_tokens
         );
+        if compile_decode {
+            continue;
+        }
+        // A prefix cache that keeps the sliding layers' KV of one block only (the newest, the
+        // 15th of a 240-token prompt): a hit on the prompt's first 200 tokens finds its 12
+        // blocks but not the sliding KV its window reads, so it starts from nothing; recomputing those blocks gives them their
+        // sliding KV back, and the same prompt then starts after all 12.
+        let tight = BatchConfig {
+            bounded_layer_bytes: 1,
+            ..config
+        };
+        let mut tight = BatchGenerator::new(model, tokenizer, tight, name);
+        common::drive(
+            &mut tight,
+            vec![(0, long_request(prompt[..240].to_vec(), 4))],
+        );
+        // At most the rest of the prompt from the partial block after the hit (tail cache).
+        // Without sliding layers every block holds every layer.
+        let first = match model.has_sliding_window_layers() {
+            true => 0..=0,
+            false => 192..=199,
+        };
+        for cached in [first, 192..=199] {
+            let outputs = common::drive(&mut tight, vec![(0, long_request(half.clone(), 4))]);
+            let (output, _) = &outputs[0];
+            assert_eq!(
+                output.token_ids, half_alone,
+                "{name}: a hit cut to its held window ({attention:?})"
+            );
+            let found = output.stats.cached_prompt_tokens;
+            assert!(
+                cached.contains(&found),
+                "{name}: {found} prompt tokens came from the prefix cache, expected {cached:?} \
+                 ({attention:?})"
+            );
+        }
     }
 
     // Prompt caches past the window, both ways with mlx_lm, whose sliding layers are

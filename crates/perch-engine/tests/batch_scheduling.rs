@@ -29,6 +29,7 @@ fn config_with(num_blocks: usize, block_size: usize, attention: BatchAttention) 
         prefill_token_budget: 256,
         block_size,
         num_blocks,
+        bounded_layer_bytes: 0,
         kv_quantization: None,
         attention,
         slot_attention: Default::default(),

@@ -36,6 +36,7 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
         prefill_token_budget: 256,
         block_size: 16,
         num_blocks: 96,
+        bounded_layer_bytes: 0,
         kv_quantization: None,
         attention: BatchAttention::PerSequence,
         slot_attention: Default::default(),

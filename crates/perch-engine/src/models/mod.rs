@@ -429,20 +429,35 @@ pub struct KvFootprint {
 }
 
 impl KvFootprint {
-    /// Bytes each position takes in every cache layer: what the engine's KV block pool
-    /// reserves per token (it counts sliding layers' positions too, so that prefix-cache
-    /// blocks hold every layer; a sliding layer's own cache drops what its window left).
+    /// Bytes each position takes in every cache layer (a sliding layer's own cache drops what
+    /// its window left: see [`KvFootprint::within_budget`] for what the engine counts).
     pub fn bytes_per_token(&self) -> u64 {
         self.layers.iter().map(|l| l.bytes_per_position).sum()
     }
 
     /// What a KV budget of `budget` bytes means for this model in the engine: the longest
     /// conversation it holds (at most [`KvFootprint::context_length`]; 0 when not even the
-    /// recurrent states fit) and the bytes that takes (the budget, or less when the model's
-    /// whole context needs less).
+    /// recurrent states fit) as the engine splits the budget ([`crate::batch::KvBudget`]:
+    /// sliding layers cost a window per sequence, not every position), and the bytes that
+    /// takes (the budget, or less when the model's whole context in every layer needs less).
     pub fn within_budget(&self, budget: u64) -> BudgetUse {
         let per_token = self.bytes_per_token().max(1);
-        let tokens = (budget.saturating_sub(self.state_bytes) / per_token).min(self.context_length);
+        let bytes = |sliding: bool| -> usize {
+            self.layers
+                .iter()
+                .filter(|l| l.window.is_some() == sliding)
+                .map(|l| l.bytes_per_position as usize)
+                .sum()
+        };
+        let window = self.layers.iter().filter_map(|l| l.window).max();
+        let split = crate::batch::KvBudget::split(
+            usize::try_from(budget.saturating_sub(self.state_bytes)).unwrap_or(usize::MAX),
+            bytes(false),
+            bytes(true),
+            window.map(|w| w as usize),
+            self.state_bytes > 0,
+        );
+        let tokens = (split.max_tokens() as u64).min(self.context_length);
         let whole_context = self
             .state_bytes
             .saturating_add(per_token.saturating_mul(self.context_length));
@@ -672,6 +687,8 @@ mod tests {
         assert_eq!(f.bytes_per_token(), (12 * 2 * 256 + 3 * 2 * 512) * dtype);
         assert_eq!(f.context_length, 131_072);
         let per_token = f.bytes_per_token();
+        // Within what a sequence's sliding layers hold (512 + a 2,048-token chunk + 256), a
+        // token costs every layer.
         let budget = 1000 * per_token + 7;
         assert_eq!(
             f.within_budget(budget),
@@ -680,6 +697,10 @@ mod tests {
                 bytes: budget
             }
         );
+        // Past it, the 3 global layers only.
+        let (global, window) = (3 * 2 * 512 * dtype, 512 + 2048 + 256);
+        let budget = window * per_token + 10_000 * global;
+        assert_eq!(f.within_budget(budget).tokens, window + 10_000);
         // A budget past the whole context is not all needed.
         let whole = per_token * 131_072;
         assert_eq!(
