@@ -531,13 +531,13 @@ impl BlockStore {
             for (piece, last) in pieces.into_iter().zip(&mut last_runs) {
                 match piece {
                     Some(Piece::Own(kv)) => arrays.extend(kv.iter().flatten()),
-                    Some(Piece::InRun { run, .. }) => {
-                        if !last.is_some_and(|last| Rc::ptr_eq(last, run)) {
-                            arrays.extend(run.iter().flatten());
-                            *last = Some(run);
-                        }
+                    Some(Piece::InRun { run, .. })
+                        if !last.is_some_and(|last| Rc::ptr_eq(last, run)) =>
+                    {
+                        arrays.extend(run.iter().flatten());
+                        *last = Some(run);
                     }
-                    None => {}
+                    Some(Piece::InRun { .. }) | None => {}
                 }
             }
         }
