@@ -1515,7 +1515,8 @@ fn allocate(
         .allocate_slots(request, num_computed, num_new_tokens, hit)
         .is_none()
     {
-        if !store.drop_least_recent() {
+        // (Only parts that hold pool blocks: a hybrid model's states have a budget apart.)
+        if store.held_blocks() == 0 || !store.drop_least_recent() {
             return false;
         }
         charge_pool(kv, store);
