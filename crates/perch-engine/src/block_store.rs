@@ -20,7 +20,10 @@
 //!   grow with all layers (Gemma 3: 5 of 6 sliding) where the sequences themselves grow with the
 //!   global layers only. A hit ends at the last block whose window's blocks all hold their
 //!   sliding parts ([`BlockStore::usable_blocks`]); a sequence that recomputes blocks after that
-//!   end gives them their sliding parts back ([`BlockStore::put_bounded`]).
+//!   end gives them their sliding parts back ([`BlockStore::put_bounded`]). Sliding parts take
+//!   blocks of the pool ([`BlockStore::with_pool_charge`]; the pool's own blocks count the
+//!   global layers only, see `crate::batch::KvBudget`) and give them up first when a sequence
+//!   needs blocks.
 //! - A linear-attention layer (Gated DeltaNet) has no positions to split into blocks: its cache
 //!   is a recurrent state after the last token computed (mlx_lm's `ArraysCache`). A block keeps
 //!   that layer's state only when the sequence's state was exactly at the block's end when the

@@ -675,7 +675,7 @@ fn past_the_window(
             "{name}: {} prompt tokens came from the prefix cache ({attention:?})",
             output.stats.cached_prompt_tokens
         );
-        if compile_decode {
+        if compile_decode || !model.has_sliding_window_layers() {
             continue;
         }
         // A prefix cache that keeps the sliding layers' KV of one block only (the newest, the
@@ -692,12 +692,7 @@ fn past_the_window(
             vec![(0, long_request(prompt[..240].to_vec(), 4))],
         );
         // At most the rest of the prompt from the partial block after the hit (tail cache).
-        // Without sliding layers every block holds every layer.
-        let first = match model.has_sliding_window_layers() {
-            true => 0..=0,
-            false => 192..=199,
-        };
-        for cached in [first, 192..=199] {
+        for cached in [0..=0, 192..=199] {
             let outputs = common::drive(&mut tight, vec![(0, long_request(half.clone(), 4))]);
             let (output, _) = &outputs[0];
             assert_eq!(
