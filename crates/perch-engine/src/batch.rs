@@ -441,6 +441,9 @@ struct Sequence {
     /// with recurrent states: the end of those blocks, where a prefill chunk stops and the
     /// last of them receives the states ([`BlockStore::put_bounded`]).
     branch_at: Option<usize>,
+    /// Blocks of its prefix hit whose sliding KV (or states) it keeps from being dropped while
+    /// it runs ([`BlockStore::pin`]).
+    pinned: Vec<BlockId>,
     sampler: Sampler,
     history: RecentTokens,
     /// Where a constrained request is in its grammar ([`GenerateRequest::grammar`]).
@@ -667,6 +670,7 @@ impl<'m> BatchGenerator<'m> {
             published_blocks: 0,
             boundary_state: None,
             branch_at: None,
+            pinned: Vec::new(),
             sampler: Sampler::for_tokenizer(request.sampling.clone(), self.tokenizer)?,
             sink: TokenSink::new(&request, stop_ids, max_tokens),
             admitted_once: false,
@@ -707,6 +711,7 @@ impl<'m> BatchGenerator<'m> {
         ids.sort_unstable();
         for seq in self.running.drain(..) {
             self.kv.free(seq.id);
+            self.store.unpin(&seq.pinned);
         }
         self.runner.clear();
         self.waiting.clear();
@@ -986,17 +991,27 @@ impl<'m> BatchGenerator<'m> {
                     None => kv.get_computed_blocks(&seq.tokens),
                 };
                 let new_tokens = seq.tokens.len() - hit.num_tokens;
+                // What the hit reads of the bounded layers is kept from the allocations from
+                // here on (its own, and the next admissions', which could drop it otherwise).
+                let usable = store.usable_blocks(&hit.blocks, kv.block_size());
+                let pinned = store
+                    .read_by_hit(&hit.blocks[..usable], kv.block_size())
+                    .to_vec();
+                store.pin(&pinned);
                 let fits = allocate(kv, store, seq.id, hit.num_tokens, new_tokens, Some(&hit));
                 if fits {
-                    hits.push(hit);
+                    hits.push((hit, pinned));
+                } else {
+                    store.unpin(&pinned);
                 }
                 fits
             },
         );
         debug_assert_eq!(admitted, hits.len());
         let block_size = self.config.block_size;
-        for hit in hits {
+        for (hit, pinned) in hits {
             let mut seq = self.waiting.pop_front().expect("admitted from the front");
+            seq.pinned = pinned;
             seq.cache = self.make_cache();
             // A sequence starts after the last hit block whose bounded layers' parts it can
             // load: for a hybrid model the last that holds recurrent states, for a sliding one
@@ -1403,6 +1418,7 @@ impl<'m> BatchGenerator<'m> {
             }
         }
         self.kv.free(seq.id);
+        self.store.unpin(&std::mem::take(&mut seq.pinned));
         seq.cache = Vec::new();
         if let Some(slot) = seq.slot.take() {
             self.free_slot(slot)?;

@@ -112,6 +112,8 @@ pub struct BlockStore {
     window: Option<usize>,
     /// Blocks holding bounded parts, by last use (oldest first).
     lru: BTreeMap<u64, BlockId>,
+    /// Per block: the pins keeping its bounded parts ([`BlockStore::pin`]).
+    pins: Vec<u32>,
     next_use: u64,
     /// Bytes of bounded parts held, at most `max_bounded_bytes` (but always the newest).
     bounded_bytes: usize,
@@ -134,6 +136,7 @@ impl BlockStore {
             kinds: Vec::new(),
             window: None,
             lru: BTreeMap::new(),
+            pins: vec![0; num_blocks],
             next_use: 0,
             bounded_bytes: 0,
             max_bounded_bytes: 0,
@@ -183,11 +186,17 @@ impl BlockStore {
         self.charge.as_ref().map_or(0, |(_, held)| held.len())
     }
 
-    /// Drops the least recently used block's bounded parts; false when none is held.
+    /// Drops the least recently used block's bounded parts, pinned ones
+    /// ([`BlockStore::pin`]) left; false when none is left to drop.
     pub fn drop_least_recent(&mut self) -> bool {
-        let Some((_, id)) = self.lru.pop_first() else {
+        let Some((&used, &id)) = self
+            .lru
+            .iter()
+            .find(|(_, id)| self.pins[id.0 as usize] == 0)
+        else {
             return false;
         };
+        self.lru.remove(&used);
         let content = self.blocks[id.0 as usize]
             .as_mut()
             .expect("a block in the LRU order holds content");
@@ -302,16 +311,42 @@ impl BlockStore {
             .unwrap_or(blocks.len())
     }
 
-    /// Marks as used now the bounded parts that a hit ending after `blocks` reads (the last
-    /// block's states, the sliding window's blocks), so they are dropped last.
-    pub fn touch(&mut self, blocks: &[BlockId], block_size: usize) {
+    /// The blocks of `blocks` (a hit's, from the first) whose bounded parts a hit ending after
+    /// them reads: the last block's states, or the sliding window's blocks.
+    pub fn read_by_hit<'a>(&self, blocks: &'a [BlockId], block_size: usize) -> &'a [BlockId] {
         let first = match self.window {
             Some(window) if !self.has_recurrent_layers() => {
                 (blocks.len() * block_size + 1).saturating_sub(window) / block_size
             }
             _ => blocks.len().saturating_sub(1),
         };
-        for id in &blocks[first.min(blocks.len())..] {
+        &blocks[first.min(blocks.len())..]
+    }
+
+    /// Keeps the bounded parts of `ids` from being dropped until as many
+    /// [`BlockStore::unpin`]s: a sequence admitted with a hit that reads them holds them while
+    /// it runs, so that the allocations after it (its own included) cannot take them from it,
+    /// and the next prompt that shares its prefix finds them (under a pool too small for
+    /// everything, unpinned parts go first).
+    pub fn pin(&mut self, ids: &[BlockId]) {
+        for id in ids {
+            self.pins[id.0 as usize] += 1;
+        }
+    }
+
+    /// Undoes a [`BlockStore::pin`] of `ids`.
+    pub fn unpin(&mut self, ids: &[BlockId]) {
+        for id in ids {
+            let pins = &mut self.pins[id.0 as usize];
+            *pins = pins.saturating_sub(1);
+        }
+    }
+
+    /// Marks as used now the bounded parts that a hit ending after `blocks` reads
+    /// ([`BlockStore::read_by_hit`]), so they are dropped last.
+    pub fn touch(&mut self, blocks: &[BlockId], block_size: usize) {
+        let read = self.read_by_hit(blocks, block_size);
+        for id in read {
             let next = self.next_use;
             if let Some(Some(Content {
                 bounded: Some((_, used)),
@@ -330,7 +365,9 @@ impl BlockStore {
     /// keeping the newest.
     fn bound(&mut self) {
         while self.bounded_bytes > self.max_bounded_bytes && self.lru.len() > 1 {
-            self.drop_least_recent();
+            if !self.drop_least_recent() {
+                break;
+            }
         }
     }
 
@@ -759,6 +796,28 @@ mod tests {
             store.clear(*id);
         }
         assert_eq!((store.nbytes(), store.bounded_bytes()), (0, 0));
+    }
+
+    /// Pinned bounded parts (a running sequence's hit reads them) are passed over when parts
+    /// must go; unpinned, they are the least recently used again.
+    #[test]
+    fn pinned_parts_are_not_dropped() {
+        let mut store = hybrid(usize::MAX, 4);
+        for id in 0..3 {
+            store.put_parts(BlockId(id), block(true));
+        }
+        store.pin(&[BlockId(0)]);
+        assert!(store.drop_least_recent());
+        assert!(store.holds_every_layer(BlockId(0)), "pinned: kept");
+        assert!(
+            !store.holds_every_layer(BlockId(1)),
+            "the next least recent went"
+        );
+        assert!(store.drop_least_recent());
+        assert!(!store.drop_least_recent(), "only the pinned one is left");
+        store.unpin(&[BlockId(0)]);
+        assert!(store.drop_least_recent());
+        assert_eq!(store.bounded_bytes(), 0);
     }
 
     /// Blocks kept as places in a run copy load as blocks of their own do (any stretch of them,
