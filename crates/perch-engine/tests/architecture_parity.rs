@@ -483,7 +483,8 @@ fn hybrid_prompt_caches(
 /// that holds 5,000 tokens in every layer: its blocks cost the global layers only (a running
 /// sequence's sliding layers a window), so a 6,000-token turn runs, gives `generate`'s ids, and
 /// the next turn starts after all of it (the prefix cache kept the sliding KV of the newest
-/// blocks within the pool), the cache within the budget.
+/// blocks within the pool), the cache within the budget. Then admissions under a pool with no
+/// room to spare keep each other's hits (pins).
 fn long_conversation(dir: &Path, prompt: &[u32]) {
     // The tiny model with a context long enough for the conversation.
     let long = tempfile::tempdir().unwrap();
@@ -541,6 +542,31 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
         stats.prefix_cache_bytes,
         stats.prefix_cache_bytes / every_layer
     );
+
+    // Two requests sharing 12 cached blocks, arriving together, under a pool that holds them
+    // both at admission and nothing else: the second's allocation must drop every unpinned
+    // sliding block the cache holds, the last prefix block's included, unless the first
+    // admission pinned what its hit reads. Both start after the prefix.
+    let cost = perch_engine::batch::KvBudget::for_model(model, None, 0)
+        .window_cost()
+        .expect("a sliding model's window cost");
+    let need = |tokens: usize| tokens.div_ceil(16) + cost.blocks_for(tokens, 16);
+    let shared = prompt[..200].to_vec();
+    let ask = |suffix: u32| [&shared[..], &[suffix; 4]].concat();
+    let config = BatchConfig {
+        attention: BatchAttention::PerSequence,
+        compile_decode: false,
+        num_blocks: 2 * need(204) - 12,
+        ..BatchConfig::for_budget(model, 1 << 30, 16, None)
+    };
+    let mut batch = BatchGenerator::new(model, &tokenizer, config, "pins");
+    common::drive(&mut batch, vec![(0, request(shared.clone()))]);
+    let outputs = common::drive(&mut batch, vec![(0, request(ask(7))), (0, request(ask(9)))]);
+    for ((output, _), suffix) in outputs.iter().zip([7, 9]) {
+        assert_eq!(output.token_ids, alone(&ask(suffix)), "suffix {suffix}");
+        let cached = output.stats.cached_prompt_tokens;
+        assert!(cached >= 192, "suffix {suffix}: {cached} tokens cached");
+    }
 }
 
 /// A prompt far longer than the sliding window: `generate` and the batch engine (per sequence
