@@ -34,7 +34,7 @@ use mlx_rs::{Array, Dtype};
 use serde::Serialize;
 
 use crate::block_pool::{BlockId, BlockPool};
-use crate::block_store::BlockStore;
+use crate::block_store::{block_range, BlockStore};
 use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
@@ -280,13 +280,6 @@ impl KvBudget {
             window.map(|w| w.max(1) as usize),
             model.has_recurrent_layers(),
         )
-    }
-
-    /// Pool bytes a running sequence of `tokens` positions takes: its blocks and its sliding
-    /// layers' window.
-    pub fn sequence_bytes(&self, tokens: usize) -> usize {
-        tokens * self.block_bytes_per_token
-            + tokens.min(self.window_tokens) * self.window_bytes_per_token
     }
 
     /// What a running sequence's sliding layers cost in pool blocks; `None` when blocks count
@@ -536,6 +529,7 @@ impl<'m> BatchGenerator<'m> {
             compile_decode: config.compile_decode && !hybrid,
             ..config
         };
+        let budget = KvBudget::for_model(model, config.kv_quantization, 0);
         Self {
             model,
             tokenizer,
@@ -543,16 +537,13 @@ impl<'m> BatchGenerator<'m> {
                 BlockPool::new(config.num_blocks, config.block_size),
                 model_id,
             )
-            .with_window_cost(KvBudget::for_model(model, config.kv_quantization, 0).window_cost()),
-            store: {
-                let budget = KvBudget::for_model(model, config.kv_quantization, 0);
-                BlockStore::new(config.num_blocks)
-                    .with_layers(&model.make_cache(None), config.bounded_layer_bytes)
-                    .with_pool_charge(match budget.window_cost() {
-                        Some(_) => budget.block_bytes_per_token * config.block_size,
-                        None => 0,
-                    })
-            },
+            .with_window_cost(budget.window_cost()),
+            store: BlockStore::new(config.num_blocks)
+                .with_layers(&model.make_cache(None), config.bounded_layer_bytes)
+                .with_pool_charge(match budget.window_cost() {
+                    Some(_) => budget.block_bytes_per_token * config.block_size,
+                    None => 0,
+                }),
             tails: TailCache::default(),
             runner: ModelRunner::new(
                 model,
@@ -822,16 +813,8 @@ impl<'m> BatchGenerator<'m> {
         if !self.store.has_recurrent_layers() {
             for (index, &block) in hit.blocks.iter().enumerate() {
                 if !self.store.holds_every_layer(block) {
-                    let (start, end) = block_range(index, block_size);
-                    let parts = layers
-                        .iter()
-                        .enumerate()
-                        .map(|(l, layer)| match self.store.is_bounded(l) {
-                            true => layer.block_parts(start, end),
-                            false => Ok(Vec::new()),
-                        })
-                        .collect::<Result<Vec<_>>>()?;
-                    self.store.put_bounded(block, parts);
+                    self.store
+                        .put_bounded_from(block, layers, index, block_size)?;
                     ids.push(block);
                 }
             }
@@ -1617,15 +1600,16 @@ fn publish(
         })
         .collect();
     for &(index, id) in &refill {
-        let (start, end) = block_range(index, block_size);
+        let Some(slot) = seq.slot else {
+            store.put_bounded_from(id, &seq.cache, index, block_size)?;
+            continue;
+        };
+        let (slots, row) = runner.slot_cache(slot);
+        let (start, end) = (index * block_size, (index + 1) * block_size);
         let parts = (0..store.num_layers())
-            .map(|layer| match (store.is_bounded(layer), seq.slot) {
-                (false, _) => Ok(Vec::new()),
-                (true, Some(slot)) => {
-                    let (slots, row) = runner.slot_cache(slot);
-                    slots.copy_parts(row, layer, start as usize, end as usize)
-                }
-                (true, None) => seq.cache[layer].block_parts(start, end),
+            .map(|layer| match store.is_bounded(layer) {
+                true => slots.copy_parts(row, layer, start, end),
+                false => Ok(Vec::new()),
             })
             .collect::<Result<Vec<_>>>()?;
         store.put_bounded(id, parts);
@@ -1656,10 +1640,7 @@ fn publish(
     } else {
         // A sequence in its own cache: a copy per block (cheap on the CPU, where this path runs).
         for &(index, id) in &entries {
-            let (start, end) = (
-                (index * block_size) as i32,
-                ((index + 1) * block_size) as i32,
-            );
+            let (start, end) = block_range(index, block_size);
             let boundary = seq
                 .boundary_state
                 .as_ref()
@@ -1690,12 +1671,4 @@ fn publish(
     }
     charge_pool(kv, store);
     Ok(())
-}
-
-/// Positions `start..end` of block `index`.
-fn block_range(index: usize, block_size: usize) -> (i32, i32) {
-    (
-        (index * block_size) as i32,
-        ((index + 1) * block_size) as i32,
-    )
 }

@@ -422,10 +422,7 @@ impl BlockStore {
         index: usize,
         block_size: usize,
     ) -> Result<()> {
-        let (start, end) = (
-            (index * block_size) as i32,
-            ((index + 1) * block_size) as i32,
-        );
+        let (start, end) = block_range(index, block_size);
         let kv = cache
             .iter()
             .map(|layer| layer.block_parts(start, end))
@@ -479,6 +476,29 @@ impl BlockStore {
         self.nbytes -= content.nbytes();
         self.insert(id, content.full, Some(Piece::Own(bounded)));
         self.bound();
+    }
+
+    /// [`BlockStore::put_bounded`] with block `index`'s bounded layers' parts copied from a
+    /// sequence's `cache` (one [`KvCache`] per layer, holding those positions). Lazy, as
+    /// [`BlockStore::put`].
+    pub fn put_bounded_from(
+        &mut self,
+        id: BlockId,
+        cache: &[KvCache],
+        index: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        let (start, end) = block_range(index, block_size);
+        let parts = cache
+            .iter()
+            .enumerate()
+            .map(|(layer, cache)| match self.is_bounded(layer) {
+                true => cache.block_parts(start, end),
+                false => Ok(Vec::new()),
+            })
+            .collect::<Result<BlockKv>>()?;
+        self.put_bounded(id, parts);
+        Ok(())
     }
 
     /// Drops the content of `id` (the block was handed out again or forgotten).
@@ -635,6 +655,14 @@ fn layer_pieces(blocks: &[&Piece], layer: usize, block_size: usize) -> Result<Ve
         }
     }
     Ok(pieces)
+}
+
+/// Positions `start..end` of block `index` of a sequence.
+pub(crate) fn block_range(index: usize, block_size: usize) -> (i32, i32) {
+    (
+        (index * block_size) as i32,
+        ((index + 1) * block_size) as i32,
+    )
 }
 
 fn missing(id: BlockId, what: &str) -> crate::error::EngineError {
