@@ -46,6 +46,8 @@ struct BatchReport {
     /// Prefill forward passes in the measured run, and their milliseconds in all.
     engine_prefill_passes: u64,
     engine_prefill_ms: f64,
+    /// Milliseconds in all after prefill passes putting their blocks into the prefix cache.
+    engine_publish_ms: f64,
     /// Milliseconds per decode step building and dispatching its forward pass and sampling,
     /// plus waiting for its tokens.
     engine_decode_step_ms: f64,
@@ -626,6 +628,7 @@ fn report(
             / prefill_seconds.max(1e-9),
         engine_prefill_passes: after.prefill_passes - before.prefill_passes,
         engine_prefill_ms: prefill_seconds * 1e3,
+        engine_publish_ms: (after.publish_seconds - before.publish_seconds) * 1e3,
         engine_decode_step_ms: per_step_ms(decode_seconds),
         engine_decode_wait_ms: per_step_ms(after.decode_wait_seconds - before.decode_wait_seconds),
         engine_token_ms: per_step_ms(after.token_seconds - before.token_seconds),
@@ -651,11 +654,12 @@ fn print_report(label: &str, report: &BatchReport) {
         report.prefix_cache_hit_rate * 100.0
     );
     println!(
-        "engine: {} steps, prefill {:.1} tok/s in its forward passes ({} passes, {:.1} ms), decode step {:.2} ms (building {:.2} ms, waiting {:.2} ms), tokens to requests {:.2} ms a step, {:.0}% of step time outside forward passes",
+        "engine: {} steps, prefill {:.1} tok/s in its forward passes ({} passes, {:.1} ms; publishing their blocks {:.1} ms), decode step {:.2} ms (building {:.2} ms, waiting {:.2} ms), tokens to requests {:.2} ms a step, {:.0}% of step time outside forward passes",
         report.engine_steps,
         report.engine_prefill_tps,
         report.engine_prefill_passes,
         report.engine_prefill_ms,
+        report.engine_publish_ms,
         report.engine_decode_step_ms,
         report.engine_decode_build_ms,
         report.engine_decode_wait_ms,

@@ -368,6 +368,9 @@ pub struct StepTimes {
     pub prefill_seconds: f64,
     /// Prompt tokens those passes computed (padding excluded).
     pub prefill_tokens: u64,
+    /// Seconds after prefill passes putting their full blocks into the prefix cache (copies
+    /// dispatched and waited for): host time in which the device idles between passes.
+    pub publish_seconds: f64,
     /// Prefill forward passes (one per sequence's chunk per step, or one per step for all the
     /// prefill slots with [`BatchAttention::Batched`]).
     pub prefill_passes: u64,
@@ -1083,7 +1086,9 @@ impl<'m> BatchGenerator<'m> {
             self.times.prefill_passes += 1;
             self.prompt_throughput.record(chunk.len());
             seq.computed = end;
+            let start = Instant::now();
             publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
+            self.times.publish_seconds += start.elapsed().as_secs_f64();
             if seq.branch_at == Some(end) {
                 seq.branch_at = None;
                 let table = self.kv.block_table(seq.id).expect("a running request");
@@ -1154,11 +1159,15 @@ impl<'m> BatchGenerator<'m> {
         self.times.prefill_tokens += chunks.iter().sum::<usize>() as u64;
         self.times.prefill_passes += 1;
         self.prompt_throughput.record(chunks.iter().sum());
+        let start = Instant::now();
         for (&i, &chunk) in members.iter().zip(&chunks) {
             let seq = &mut self.running[i];
             seq.computed += chunk;
-            publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
+            // Not waited for: the copies follow the pass in flight (see `prefill_step`).
+            publish(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
         }
+        self.runner.end_prefill_step()?;
+        self.times.publish_seconds += start.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -1568,8 +1577,14 @@ fn allow_release(cache: &mut [KvCache], published: usize) {
     }
 }
 
-/// Most blocks one copy of a slot sequence's KV serves when it is published (see [`publish`]).
-const PUBLISH_RUN_BLOCKS: usize = 16;
+/// Most positions one copy of a slot sequence's KV serves when it is published (see
+/// [`publish`]): a whole default prefill chunk (`prefill_step_size`), so a pass publishes one
+/// copy per row and layer part. Runs of 16 blocks of 32 positions cost four times as many
+/// copies, each a launch for the host: on an H100 (2026-11-26, `perch bench`, 7,936-token
+/// prompts, two rounds each) publishing four prompts' `gemma3_text-kv` blocks took 62–65 ms of
+/// their 130 ms of prefill with runs of 512 positions, 18–19 ms with runs of 2,048 (prompt
+/// 184–190k against 256–265k tok/s), one prompt's 12–15 against 3.5–4.3 ms.
+const PUBLISH_RUN_TOKENS: usize = 2048;
 
 /// Registers the full blocks `seq` has computed since the last call in the prefix cache and
 /// copies the content of those that became cache entries into the store. With `wait` false
@@ -1615,18 +1630,21 @@ fn publish(
         store.put_bounded(id, parts);
     }
     if let Some(slot) = seq.slot {
-        // One copy per layer part for each run of up to PUBLISH_RUN_BLOCKS consecutive blocks
-        // (of a prefill chunk), its blocks kept as places in it (`BlockStore::put_run`): a
-        // 2,048-token chunk in blocks of 32 is 64 blocks, and copying each apart made 64 small
-        // arrays per layer part (on an H100, four 8,192-token prompts spent 70% of their
-        // prefill on them), a view of the run per block as many again. A run's copy lives while
-        // any of its blocks does, so evicting part of a run frees its memory with the last of
-        // them: the store counts each block's share, and the cap bounds what it does not see
-        // to PUBLISH_RUN_BLOCKS - 1 blocks per partly evicted run.
+        // One copy per layer part for each run of consecutive blocks (of a prefill chunk, up to
+        // PUBLISH_RUN_TOKENS positions), its blocks kept as places in it
+        // (`BlockStore::put_run`): a 2,048-token chunk in blocks of 32 is 64 blocks, and
+        // copying each apart made 64 small arrays per layer part (on an H100, four
+        // 8,192-token prompts spent 70% of their prefill on them), a view of the run per block
+        // as many again. A run's copy lives while any of its blocks does, so evicting part of
+        // a run frees its memory with the last of them: the store counts each block's share,
+        // and does not see the rest of a partly evicted run (at most PUBLISH_RUN_TOKENS less a
+        // block). The pool evicts a finished sequence's blocks last first, so a run stays
+        // partly evicted only where a prefix that other prompts hit ends inside it (a shared
+        // system prompt's last run, one per such prefix).
         let (slots, row) = runner.slot_cache(slot);
         let runs = entries
             .chunk_by(|a, b| b.0 == a.0 + 1)
-            .flat_map(|run| run.chunks(PUBLISH_RUN_BLOCKS));
+            .flat_map(|run| run.chunks((PUBLISH_RUN_TOKENS / block_size).max(1)));
         for run in runs {
             let (first, last) = (run[0].0, run[run.len() - 1].0);
             let copies = (0..slots.num_layers())

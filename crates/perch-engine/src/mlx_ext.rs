@@ -61,9 +61,25 @@ pub fn slice_update(
 
 /// `a` in a buffer of its own. A slice is a view that keeps its whole source alive, and MLX's
 /// `copy`/`contiguous` may share the source's buffer, so this multiplies by one (exact for every
-/// float, `-0.0` and infinities included), which always writes a new array.
+/// float, `-0.0` and infinities included), which always writes a new array. The one is made and
+/// evaluated once per dtype and thread, so a copy launches one kernel, not a cast besides (the
+/// prefix cache copies hundreds of block runs per prefill pass on GPUs).
 pub fn owned_copy(a: &Array) -> Result<Array, Exception> {
-    mlx_rs::ops::multiply(a, &Array::from_f32(1.0).as_dtype(a.dtype())?)
+    thread_local! {
+        static ONES: std::cell::RefCell<Vec<Array>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    let dtype = a.dtype();
+    let one = ONES.with(|ones| -> Result<Array, Exception> {
+        let mut ones = ones.borrow_mut();
+        if let Some(one) = ones.iter().find(|one| one.dtype() == dtype) {
+            return Ok(one.clone());
+        }
+        let one = Array::from_f32(1.0).as_dtype(dtype)?;
+        one.eval()?;
+        ones.push(one.clone());
+        Ok(one)
+    })?;
+    mlx_rs::ops::multiply(a, &one)
 }
 
 /// An optional int for mlx-c.
@@ -183,5 +199,44 @@ pub fn synchronize() -> Result<(), Exception> {
     match unsafe { mlx_sys::mlx_synchronize(stream.as_ref().as_ptr()) } {
         0 => Ok(()),
         _ => Err(Exception::from("mlx synchronize failed")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::{Array, Dtype};
+
+    use super::{owned_copy, slice};
+
+    /// A copy is exact in every float dtype (the one it multiplies by is cached per dtype), and
+    /// owns its data: the slice it was made from can go.
+    #[test]
+    fn owned_copies_are_exact_in_every_float_dtype() {
+        let values = [1.5f32, -0.0, -3.25, f32::INFINITY, f32::NEG_INFINITY, 7.0];
+        for dtype in [
+            Dtype::Float32,
+            Dtype::Bfloat16,
+            Dtype::Float16,
+            Dtype::Float32,
+        ] {
+            let source = Array::from_slice(&values, &[2, 3]).as_dtype(dtype).unwrap();
+            let copy = {
+                let view = slice(&source, &[0, 1], &[2, 3]).unwrap();
+                owned_copy(&view).unwrap()
+            };
+            assert_eq!(copy.dtype(), dtype);
+            let copied: Vec<f32> = copy.as_dtype(Dtype::Float32).unwrap().as_slice().to_vec();
+            // Columns 1..3 of both rows, exact in every dtype here.
+            let expected = [-0.0f32, -3.25, f32::NEG_INFINITY, 7.0];
+            assert_eq!(copied.len(), 4);
+            assert_eq!(
+                copied[0].to_bits(),
+                (-0.0f32).to_bits(),
+                "{dtype:?}: -0.0 kept"
+            );
+            for (a, b) in copied.iter().zip(&expected) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{dtype:?}");
+            }
+        }
     }
 }

@@ -9,6 +9,9 @@
 //! Decode steps are pipelined: [`ModelRunner::dispatch_decode`] builds a step and dispatches it
 //! (`async_eval`) before the previous step's tokens are read ([`ModelRunner::read_in_flight`]);
 //! a sequence whose token from the previous step is not read yet feeds it from the device.
+//! Prefill passes over the slot caches are pipelined too ([`ModelRunner::prefill_step`]): a pass
+//! is dispatched, and the one before it waited for, so the host publishes a pass's blocks and
+//! builds the next while the device runs it.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -310,7 +313,18 @@ impl<'m> ModelRunner<'m> {
 
     /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
     /// [`ModelRunner::prefill_slot_span`]; empty for a free one), all padded to `width` tokens in
-    /// one forward pass; evaluated.
+    /// one forward pass; dispatched (`async_eval`), not waited for. Nothing reads a prefill pass
+    /// on the host (a prompt's last token is sampled by its first decode step), so the host
+    /// copies a pass's blocks into the prefix cache ([`ModelRunner::end_prefill_step`] after
+    /// them) and builds the next pass while the device runs it; the next pass waits for this
+    /// one before it dispatches anything ([`SlotKvCache::wait_for_pass_in_flight`], inside
+    /// the forward for a pass run in parts), so at most one pass is in flight. On an H100
+    /// (2026-11-26, `perch bench`, 7,936-token prompts, two rounds each, before the copies per
+    /// chunk of `batch::PUBLISH_RUN_TOKENS`), one prompt's prefill 93–126k tok/s waiting for
+    /// each pass against 109–157k pipelined (1.07B Llama, `gemma3_text-kv`), four prompts
+    /// 115–190k against 130–245k. Dispatching the next pass before the last one was done
+    /// (without that wait) raised the Llama's peak by 1.7 GB in some runs: its writes copied
+    /// the buffers the pass in flight still read.
     pub fn prefill_step(&mut self, chunks: &[&[u32]], width: usize) -> Result<()> {
         let mut ids = vec![0u32; self.slots.prefill.rows() * width];
         for (row, chunk) in chunks.iter().enumerate() {
@@ -320,8 +334,15 @@ impl<'m> ModelRunner<'m> {
         let lengths: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
         self.model
             .forward_slots(&ids, &mut self.slots.prefill, &lengths)?;
-        eval(self.slots.prefill.state())?;
+        self.slots.prefill.wait_for_pass_in_flight()?;
+        async_eval(self.slots.prefill.state())?;
         Ok(())
+    }
+
+    /// Marks the last [`ModelRunner::prefill_step`], and what was dispatched after it (the
+    /// copies of its blocks), as the pass in flight.
+    pub fn end_prefill_step(&mut self) -> Result<()> {
+        self.slots.prefill.mark_pass_in_flight()
     }
 
     /// Puts a sequence into a decode slot: from its prefill slot (freed; see

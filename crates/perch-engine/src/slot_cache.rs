@@ -214,6 +214,10 @@ pub struct SlotKvCache {
     lengths: Vec<Option<usize>>,
     rows: usize,
     capacity: usize,
+    /// The last pass over these buffers dispatched and not waited for, with what followed it
+    /// (the prefix cache's copies of its blocks): a one-element copy of a buffer, dispatched
+    /// after them ([`SlotKvCache::mark_pass_in_flight`]).
+    pass_in_flight: Option<Array>,
 }
 
 impl SlotKvCache {
@@ -228,6 +232,7 @@ impl SlotKvCache {
             lengths: Vec::new(),
             rows: 0,
             capacity: 0,
+            pass_in_flight: None,
         }
     }
 
@@ -387,6 +392,31 @@ impl SlotKvCache {
         self.lengths.clear();
         self.rows = 0;
         self.capacity = 0;
+        self.pass_in_flight = None;
+    }
+
+    /// Marks what was dispatched over the buffers so far (a pass, and the copies of its blocks
+    /// after it) as the pass in flight: one element of a buffer, copied and dispatched now, so
+    /// done when everything before it on the stream is. Nothing when no buffer exists.
+    pub fn mark_pass_in_flight(&mut self) -> Result<()> {
+        let Some(last) = self.state().last() else {
+            return Ok(());
+        };
+        let marker = crate::mlx_ext::owned_copy(&slice(last, &[0, 0, 0, 0], &[1, 1, 1, 1])?)?;
+        mlx_rs::transforms::async_eval([&marker])?;
+        self.pass_in_flight = Some(marker);
+        Ok(())
+    }
+
+    /// Waits for the pass marked by [`SlotKvCache::mark_pass_in_flight`], if any: called before
+    /// the next pass dispatches anything, so that its writes update the buffers in place (MLX
+    /// copies a buffer that work in flight still reads) and at most one pass's temporaries are
+    /// alive. Errors of that pass surface here.
+    pub fn wait_for_pass_in_flight(&mut self) -> Result<()> {
+        if let Some(marker) = self.pass_in_flight.take() {
+            mlx_rs::transforms::eval([&marker])?;
+        }
+        Ok(())
     }
 
     /// Puts a sequence whose per-layer `cache` holds `len` positions into the first free slot (copying

@@ -1218,8 +1218,12 @@ const PREFILL_EVAL_LAYERS: usize = 4;
 
 /// Tokens (rows times chunk width) from which a batched prompt pass is evaluated
 /// [`PREFILL_EVAL_LAYERS`] layers at a time; smaller passes (short prompts) keep one
-/// evaluation, whose waits would cost more than their memory.
-const PREFILL_EVAL_TOKENS: usize = 4096;
+/// evaluation, whose waits would cost more than their memory. One long prompt's 2,048-token
+/// chunks run in parts too: prefill passes are pipelined (`ModelRunner::prefill_step`), and a
+/// pass encoded whole while the one before still runs held both passes' temporaries (H100,
+/// 2026-11-26, one 7,936-token prompt on the 1.07B Llama: peak 5.4 GB waiting for each pass,
+/// 5.5–6.7 GB pipelined with the threshold at 4,096 tokens, 5.3–5.4 GB at 2,048).
+const PREFILL_EVAL_TOKENS: usize = 2048;
 
 /// Arrays of one slot step that every layer reads, built once per step.
 struct SharedStepArrays {
@@ -1820,6 +1824,10 @@ impl Model for Decoder {
             Mixer::Attention(attn) => {
                 let out = attn.forward_slots(x, rope, slots, layer.cache, step, &shared)?;
                 if in_parts && (layer.cache + 1) % PREFILL_EVAL_LAYERS == 0 {
+                    if dispatched.is_none() {
+                        // The pass before (pipelined prefill) is done before this one writes.
+                        slots.wait_for_pass_in_flight()?;
+                    }
                     mlx_rs::transforms::async_eval([&out])?;
                     if let Some(previous) = dispatched.replace(out.clone()) {
                         mlx_rs::transforms::eval([&previous])?;
