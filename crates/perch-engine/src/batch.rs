@@ -195,7 +195,9 @@ pub fn kv_bytes_per_token(model: &dyn Model, kv_quantization: Option<KvQuantizat
 ///   pool takes the whole budget, and a block costs the global layers only. A running sequence
 ///   holds its sliding layers' KV too, for at most [`KvBudget::window_tokens`] positions (window,
 ///   one default prefill chunk and a cache growth step, see `KvCache::with_window`): it is
-///   charged that in extra pool blocks ([`KvCacheManager::with_window_cost`]). The prefix
+///   charged that in extra pool blocks ([`KvCacheManager::with_window_cost`]), and only its
+///   decode ring's positions once it decodes in the slot cache of [`BatchAttention::Batched`]
+///   ([`KvCacheManager::bound_window`]). The prefix
 ///   cache's copies of sliding layers' blocks take pool blocks too, and give them up, least
 ///   recently used first, when the pool is short ([`BlockStore::with_pool_charge`]). A long
 ///   conversation then takes pool memory at the global layers' rate, not every layer's; a
@@ -1317,6 +1319,11 @@ impl<'m> BatchGenerator<'m> {
             let seq = &mut self.running[i];
             seq.slot = Some(slot);
             seq.cache = Vec::new();
+            // Its sliding layers now hold a decode ring, not a prefill chunk's worth more
+            // (`KvBudget::window_tokens`): the pool gets the difference back.
+            if let Some(ring) = self.runner.decode_ring_positions() {
+                self.kv.bound_window(seq.id, ring);
+            }
         }
         Ok(())
     }

@@ -46,6 +46,9 @@ struct RequestBlocks {
     /// Blocks held for the sliding layers' KV ([`KvCacheManager::with_window_cost`]): never
     /// cached, released with the request.
     window_blocks: Vec<BlockId>,
+    /// Positions its sliding layers hold at most from now on, when fewer than the cost's
+    /// ([`KvCacheManager::bound_window`]).
+    window_tokens: Option<usize>,
 }
 
 /// What a running request's sliding-window layers cost in blocks (see `crate::batch::KvBudget`).
@@ -221,8 +224,9 @@ impl KvCacheManager {
             .blocks_for(num_computed + num_new_tokens)
             .saturating_sub(held + hit.len());
         let window_held = self.window_blocks(request).len();
+        let bound = self.requests.get(&request).and_then(|r| r.window_tokens);
         let window_needed = self
-            .window_blocks_for(num_computed + num_new_tokens)
+            .window_blocks_for((num_computed + num_new_tokens).min(bound.unwrap_or(usize::MAX)))
             .saturating_sub(window_held);
         // Touching a cached-free hit takes it out of the free queue too.
         let hit_from_free = hit
@@ -296,6 +300,27 @@ impl KvCacheManager {
     /// Gives back blocks from [`KvCacheManager::take_blocks`].
     pub fn give_back_blocks(&mut self, ids: Vec<BlockId>) {
         self.pool.free_blocks(ids);
+    }
+
+    /// Bounds what `request`'s sliding layers hold from now on to `tokens` positions (a
+    /// sequence that moved into a cache whose sliding layers keep fewer positions than the
+    /// cost's, e.g. the decode slot cache's rings after prefill) and gives the window blocks
+    /// beyond that back to the pool. Without a window cost, or for an unknown request, nothing.
+    pub fn bound_window(&mut self, request: RequestId, tokens: usize) {
+        let Some(cost) = self.window_cost else {
+            return;
+        };
+        let block_size = self.block_size();
+        let Some(entry) = self.requests.get_mut(&request) else {
+            return;
+        };
+        let tokens = entry.window_tokens.map_or(tokens, |t| t.min(tokens));
+        entry.window_tokens = Some(tokens);
+        let keep = cost.blocks_for(tokens, block_size);
+        if entry.window_blocks.len() > keep {
+            let extra = entry.window_blocks.split_off(keep);
+            self.pool.free_blocks(extra);
+        }
     }
 
     /// Releases every block of `request` (last block first, so its tail is evicted first).
@@ -386,6 +411,14 @@ mod tests {
             m.allocate_slots(1, 100, 1, None).is_none(),
             "the pool is full"
         );
+        // A bound (a sequence now in a cache with smaller rings) gives the extra blocks back and
+        // keeps them back as the request grows.
+        m.bound_window(1, 4);
+        assert_eq!(m.window_blocks(1).len(), 5);
+        assert_eq!(m.pool().num_free_blocks(), 10);
+        m.allocate_slots(1, 100, 20, None).unwrap();
+        assert_eq!(m.window_blocks(1).len(), 5, "bounded while it grows");
+        assert_eq!(m.pool().num_free_blocks(), 5);
         m.free(1);
         assert_eq!(m.pool().num_free_blocks(), 40);
         m.pool().check_invariants();

@@ -292,6 +292,12 @@ impl<'m> ModelRunner<'m> {
         self.slots.prefill.len()
     }
 
+    /// Positions a decoding sequence's sliding layers hold in the decode slot cache's rings (the
+    /// window, a block and bucket rounding); `None` without sliding layers.
+    pub fn decode_ring_positions(&self) -> Option<usize> {
+        self.slots.decode.ring_positions()
+    }
+
     /// Prefill slots up to the last occupied one, free ones included (the rows of
     /// [`ModelRunner::prefill_step`]'s chunks).
     pub fn prefill_slot_span(&self) -> usize {

@@ -266,6 +266,11 @@ impl SlotKvCache {
         self
     }
 
+    /// Positions a sliding layer's ring holds at most (`R`); `None` without rings.
+    pub fn ring_positions(&self) -> Option<usize> {
+        self.rings.as_ref().map(|r| r.positions)
+    }
+
     /// The ring size of a sliding layer at capacity `capacity`: `R`, or the capacity while it is
     /// smaller (no position wraps then). `None` without rings.
     fn ring_size(&self, capacity: usize) -> Option<usize> {

@@ -567,6 +567,36 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
         let cached = output.stats.cached_prompt_tokens;
         assert!(cached >= 192, "suffix {suffix}: {cached} tokens cached");
     }
+
+    // In the slot caches a decoding sequence's sliding layers hold a ring, not a prefill chunk
+    // more: under a pool one block short of both requests' admission charge, the second is
+    // admitted once the first decodes and gives back what its ring does not need, so the two
+    // run at once (they used to take turns), and both give `generate`'s ids.
+    let first: Vec<u32> = prompt.iter().cycle().take(700).copied().collect();
+    let second: Vec<u32> = first.iter().rev().copied().collect();
+    let config = BatchConfig {
+        attention: BatchAttention::Batched,
+        compile_decode: false,
+        num_blocks: 2 * need(700) - 1,
+        ..BatchConfig::for_budget(model, 1 << 30, 16, None)
+    };
+    let mut batch = BatchGenerator::new(model, &tokenizer, config, "rings");
+    batch.insert(request(first.clone())).unwrap();
+    batch.insert(request(second.clone())).unwrap();
+    let (mut outputs, mut most_running) = (Vec::new(), 0);
+    while !batch.is_empty() {
+        for event in batch.step().unwrap() {
+            if let perch_engine::batch::BatchEvent::Finished { output, .. } = event {
+                outputs.push(output.token_ids);
+            }
+        }
+        most_running = most_running.max(batch.num_running());
+    }
+    assert_eq!(most_running, 2, "the second request ran beside the first");
+    outputs.sort();
+    let mut expected = vec![alone(&first), alone(&second)];
+    expected.sort();
+    assert_eq!(outputs, expected);
 }
 
 /// A prompt far longer than the sliding window: `generate` and the batch engine (per sequence
