@@ -370,8 +370,9 @@ pub struct StepTimes {
     pub prefill_seconds: f64,
     /// Prompt tokens those passes computed (padding excluded).
     pub prefill_tokens: u64,
-    /// Seconds after prefill passes putting their full blocks into the prefix cache (copies
-    /// dispatched and waited for): host time in which the device idles between passes.
+    /// Seconds after prefill passes putting their full blocks into the prefix cache: host time
+    /// (building and dispatching the copies; waiting for them too on the per-sequence path, in
+    /// which the device idles between passes).
     pub publish_seconds: f64,
     /// Prefill forward passes (one per sequence's chunk per step, or one per step for all the
     /// prefill slots with [`BatchAttention::Batched`]).

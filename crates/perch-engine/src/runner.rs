@@ -10,8 +10,8 @@
 //! (`async_eval`) before the previous step's tokens are read ([`ModelRunner::read_in_flight`]);
 //! a sequence whose token from the previous step is not read yet feeds it from the device.
 //! Prefill passes over the slot caches are pipelined too ([`ModelRunner::prefill_step`]): a pass
-//! is dispatched, and the one before it waited for, so the host publishes a pass's blocks and
-//! builds the next while the device runs it.
+//! is dispatched and not waited for, so the host publishes its blocks and builds the next pass
+//! while the device runs it; the next pass waits for it before dispatching anything.
 
 use std::collections::HashMap;
 use std::time::Instant;
