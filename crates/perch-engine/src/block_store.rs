@@ -422,13 +422,29 @@ impl BlockStore {
         index: usize,
         block_size: usize,
     ) -> Result<()> {
-        let (start, end) = block_range(index, block_size);
-        let kv = cache
-            .iter()
-            .map(|layer| layer.block_parts(start, end))
-            .collect::<Result<BlockKv>>()?;
+        let kv = self.copy_block(cache, index, block_size, |_| true)?;
         self.put_parts(id, kv);
         Ok(())
+    }
+
+    /// Block `index` of a sequence's `cache` (one [`KvCache`] per layer), copied out of the
+    /// layers `copied` keeps ([`KvCache::block_parts`]; an empty list for the others). Lazy.
+    fn copy_block(
+        &self,
+        cache: &[KvCache],
+        index: usize,
+        block_size: usize,
+        copied: impl Fn(usize) -> bool,
+    ) -> Result<BlockKv> {
+        let (start, end) = block_range(index, block_size);
+        cache
+            .iter()
+            .enumerate()
+            .map(|(layer, cache)| match copied(layer) {
+                true => cache.block_parts(start, end),
+                false => Ok(Vec::new()),
+            })
+            .collect()
     }
 
     /// Keeps `kv` (per layer, the block's parts in buffers of their own, as
@@ -441,9 +457,10 @@ impl BlockStore {
 
     /// Keeps `run` (per layer, parts of `ids.len()` consecutive blocks in buffers of their own,
     /// `[1, kv_heads, ids.len() * block_size, head_dim]` each) as the content of `ids`, in order,
-    /// without an array per block: a slot sequence's prefill chunk copies out up to 16 blocks
-    /// at once, and a view per block and layer part cost the host more than the copies (four
-    /// 8,192-token prompts on a GPU made 13,000 views a step). Never for hybrid models' blocks,
+    /// without an array per block: a slot sequence's prefill chunk copies out its blocks at
+    /// once (up to `batch::PUBLISH_RUN_TOKENS` positions), and a view per block and layer part
+    /// cost the host more than the copies (four 8,192-token prompts on a GPU made 13,000 views
+    /// a step). Never for hybrid models' blocks,
     /// which keep states.
     pub fn put_run(&mut self, ids: &[BlockId], run: BlockKv) {
         let (full, bounded) = self.split(run);
@@ -488,15 +505,7 @@ impl BlockStore {
         index: usize,
         block_size: usize,
     ) -> Result<()> {
-        let (start, end) = block_range(index, block_size);
-        let parts = cache
-            .iter()
-            .enumerate()
-            .map(|(layer, cache)| match self.is_bounded(layer) {
-                true => cache.block_parts(start, end),
-                false => Ok(Vec::new()),
-            })
-            .collect::<Result<BlockKv>>()?;
+        let parts = self.copy_block(cache, index, block_size, |layer| self.is_bounded(layer))?;
         self.put_bounded(id, parts);
         Ok(())
     }
