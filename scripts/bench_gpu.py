@@ -9,10 +9,13 @@ single-stream bench for N = 1) on the same prompt length and generation length, 
 measurement and tables of the ratios: wall-clock rates and TTFT with the same definitions for both engines, then
 each engine's own counters of time in forward passes, and the floor: MLX's bare batched decode step on the
 same model with its weights dequantized to dense bfloat16 (Perch's weights path on CUDA), mlx_lm's KV cache,
-greedy argmax, pipelined with async_eval, no scheduler (`--no-floor` skips it).
+greedy argmax, pipelined with async_eval, no scheduler (`--no-floor` skips it). `--single-through-engine` also runs
+the single stream through the batch engine (`perch bench --concurrency 1`, as the app and the local API run one
+request), printed as the row "1 (engine)" beside `generate`'s.
 
     python scripts/bench_gpu.py PERCH_BINARY TOKENIZER_DIR [--concurrency 1 8 32 128] [--prompt-tokens 128]
-        [--gen-tokens 256] [--model-dir /tmp/models/llama-1b] [--perch-only] [--extra-perch-args ...]
+        [--gen-tokens 256] [--model-dir /tmp/models/llama-1b] [--perch-only] [--single-through-engine]
+        [--extra-perch-args ...]
 
 Perch runs as a child process so both engines start cold; mlx_lm runs in this process, after a warm-up of each
 shape. Units: tokens per second, milliseconds, bytes (MLX's peak memory, as each engine reports it).
@@ -175,6 +178,9 @@ def main() -> None:
                         metavar=("HIDDEN", "LAYERS", "HEADS", "KV_HEADS", "INTERMEDIATE"))
     parser.add_argument("--perch-only", action="store_true")
     parser.add_argument("--no-floor", action="store_true")
+    parser.add_argument("--single-through-engine", action="store_true",
+                        help="for N = 1 also run `perch bench --concurrency 1` (the batch engine, as the app and the "
+                             "local API run one request) and print it as the row '1 (engine)'")
     parser.add_argument("--extra-perch-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
     import mlx_lm
@@ -193,6 +199,11 @@ def main() -> None:
             theirs = mlx_lm_run(model, tokenizer, n, args.prompt_tokens, args.gen_tokens)
             print(json.dumps({"engine": "mlx_lm", "concurrency": n, **theirs}), flush=True)
         rows.append((n, ours, theirs))
+        if n == 1 and args.single_through_engine:
+            engine = perch_run(args.perch, model_dir, n, args.prompt_tokens, args.gen_tokens,
+                               ["--concurrency", "1", *args.extra_perch_args])
+            print(json.dumps({"engine": "perch (batch engine)", "concurrency": n, **engine}), flush=True)
+            rows.append(("1 (engine)", engine, theirs))
     if not args.perch_only and not args.no_floor:
         # Last, so that the dense copy's memory is in no engine's peak.
         from mlx_lm.utils import dequantize_model
@@ -201,7 +212,7 @@ def main() -> None:
         dense = dequantize_model(mlx_lm.load(str(model_dir))[0])
         mx.eval(dense.parameters())
         for n, _, theirs in rows:
-            if n > 1:
+            if isinstance(n, int) and "floor_step_ms" not in theirs:
                 theirs.update(floor_run(dense, n, args.prompt_tokens, args.gen_tokens))
                 print(json.dumps({"engine": "mlx floor (dense bf16)", "concurrency": n,
                                   "floor_step_ms": theirs["floor_step_ms"]}), flush=True)
@@ -224,7 +235,7 @@ def main() -> None:
           "| perch time outside forward passes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n, ours, theirs in rows:
-        if n > 1:
+        if n != 1:
             print(f"| {n} | {fmt(ours.get('own_prompt_tps'), ',.0f')} | {fmt(theirs.get('own_prompt_tps'), ',.0f')} "
                   f"| {fmt(theirs.get('own_generation_tps'), ',.0f')} | {fmt(ours.get('decode_step_ms'), '.2f')} "
                   f"| {fmt(ours.get('decode_build_ms'), '.2f')} | {fmt(ours.get('decode_wait_ms'), '.2f')} "

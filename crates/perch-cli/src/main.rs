@@ -44,6 +44,10 @@ enum Command {
     /// Run minutes of mixed traffic (streams, cancels, shared prefixes, long prompts) and print
     /// memory and the KV pool as it goes (a benchmark: memory should stay flat once warm).
     Soak(soak::SoakArgs),
+    /// Check Perch's own GPU kernels against MLX's operations on random inputs (CUDA only; prints
+    /// the largest error of each case).
+    #[command(hide = true)]
+    CheckKernels,
 }
 
 fn main() -> ExitCode {
@@ -57,6 +61,9 @@ fn main() -> ExitCode {
         Command::Search(args) => hub::search(args),
         Command::Pull(args) => hub::pull(args),
         Command::Serve(args) => serve::run(args),
+        Command::CheckKernels => perch_engine::decode_kernel::check()
+            .map(|lines| lines.iter().for_each(|line| println!("ok: {line}")))
+            .map_err(anyhow::Error::from),
         Command::Soak(args) => soak::run(args),
     };
     match result {

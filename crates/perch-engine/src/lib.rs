@@ -13,6 +13,7 @@ pub mod block_store;
 pub mod cache;
 pub mod chat_template;
 mod compiled;
+pub mod decode_kernel;
 pub mod device;
 pub mod engine;
 pub mod error;

@@ -362,6 +362,7 @@ fn dequantized_and_packed_reads_of_quantized_slots_agree() {
                 explicit: false,
                 dequantize,
                 additive_mask: false,
+                decode_kernel: false,
             };
             masked_attention(&queries, cached, 0.125, &mask, read, sinks).unwrap()
         };
@@ -408,6 +409,7 @@ fn explicit_and_fused_reads_of_dense_slots_agree() {
                 explicit,
                 dequantize: false,
                 additive_mask,
+                decode_kernel: false,
             };
             masked_attention(&queries, cached, 0.125, mask, read, sinks).unwrap()
         };

@@ -1107,6 +1107,9 @@ pub struct SlotRead {
     /// way) 1.60 against 0.51 ms. Head sizes above 128 have no fused kernel on CUDA and cost
     /// the same either way. Metal's kernels read boolean masks natively.
     pub additive_mask: bool,
+    /// One query per row on CUDA is read by [`crate::decode_kernel`] (one fused kernel with the
+    /// mask) where it applies, instead of MLX's unfused fallback for masked single queries.
+    pub decode_kernel: bool,
 }
 
 /// `mask` (boolean, true where a query may attend) as an additive mask of `dtype`: 0 where
@@ -1147,6 +1150,10 @@ pub fn masked_attention(
                 KvMask::Array(mask),
                 sinks,
             )?
+        } else if read.decode_kernel
+            && crate::decode_kernel::applies(queries, keys, values, mask, sinks)
+        {
+            crate::decode_kernel::masked_decode_attention(queries, keys, values, mask, scale)?
         } else {
             let mask = ScaledDotProductAttentionMask::Array(mask);
             scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)?
