@@ -15,14 +15,16 @@
 //! Metal needs no such kernel: MLX's Metal vector kernel reads boolean masks itself, so a
 //! masked decode step is one fused kernel there already. This kernel is the CUDA backend's
 //! equivalent, written with MLX's custom-kernel API (`mx.fast.cuda_kernel`), compiled by MLX
-//! at run time (NVRTC), and used only where [`applies`] holds; it cannot run on this CPU, so
-//! its tests run on the device (`perch check-kernels`, see README).
+//! at run time (NVRTC), and used only where [`applies`] holds (up to [`max_positions`], 2,048
+//! positions: it pays below and loses beyond); it cannot run on this CPU, so its tests run on
+//! the device (`perch check-kernels`, see README).
 //!
 //! The computation (the standard "online softmax" of one query over many positions, as in
 //! Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"): a thread block
-//! per (row, query head); each of its warps walks every `WARPS`th position, its lanes holding
-//! `head_dim / 32` components, and keeps a running maximum, normalizer and weighted sum of
-//! values in float32; the warps' partial results are then combined. Masked positions are
+//! per (row, query head) of 8 warps (32 past 1,024 positions); each warp walks every `WARPS`th
+//! position, its lanes holding `head_dim / 32` components, and keeps a running maximum,
+//! normalizer and weighted sum of values in float32; the warps' partial results are then
+//! combined. Masked positions are
 //! skipped; a row with no readable position gets zeros (MLX's fallback gives NaN there; such
 //! rows are free slots whose output nothing reads).
 
@@ -32,11 +34,19 @@ use std::ffi::CString;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype, Stream};
 
-/// Warps per thread block (8 × 32 threads).
-const WARPS: i32 = 8;
+/// Warps per thread block: 8 (256 threads), or 32 over more than [`MANY_POSITIONS`] positions,
+/// so a long context is walked by more warps at once (one block per row and head).
+fn warps(positions: i32) -> i32 {
+    if positions > MANY_POSITIONS {
+        32
+    } else {
+        8
+    }
+}
+
+const MANY_POSITIONS: i32 = 1024;
 
 const SOURCE: &str = r#"
-  constexpr int WARPS = 8;
   constexpr int PER_LANE = D / 32;
   const float scale = __int_as_float(SCALE_BITS);
   const float lowest = __int_as_float(0xff800000);  // -infinity
@@ -152,6 +162,7 @@ pub fn applies(
         && (m[1] == 1 || m[1] == q[1])
         && m[2] == 1
         && m[3] == k[2]
+        && k[2] <= max_positions()
 }
 
 /// The kernel, made once per thread (the engine thread owns MLX's arrays) and freed with it.
@@ -219,11 +230,13 @@ pub fn masked_decode_attention(
     }
     let shape = queries.shape().to_vec();
     let (rows, heads, head_dim) = (shape[0], shape[1], shape[3]);
+    let warps = warps(keys.shape()[2]);
     let dtype = queries.dtype() as mlx_sys::mlx_dtype;
     let stream = Stream::thread_local_or_default();
     let t = CString::new("T").expect("no NUL");
     let d = CString::new("D").expect("no NUL");
     let scale_bits = CString::new("SCALE_BITS").expect("no NUL");
+    let warps_name = CString::new("WARPS").expect("no NUL");
     KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(new_kernel);
@@ -237,8 +250,13 @@ pub fn masked_decode_attention(
                 shape.len(),
                 dtype,
             );
-            mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * WARPS * 32, rows, 1);
-            mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, WARPS * 32, 1, 1);
+            mlx_sys::mlx_fast_cuda_kernel_config_set_grid(config, heads * warps * 32, rows, 1);
+            mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, warps * 32, 1, 1);
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                config,
+                warps_name.as_ptr(),
+                warps,
+            );
             mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, t.as_ptr(), dtype);
             mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, d.as_ptr(), head_dim);
             mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
@@ -285,6 +303,21 @@ pub fn enabled() -> bool {
     std::env::var("PERCH_DECODE_KERNEL").as_deref() != Ok("0")
 }
 
+/// The most positions (the slot cache's capacity) a step reads through the kernel; longer ones
+/// go to MLX. The kernel walks a row's positions with the warps of one block, which pays below
+/// a few thousand positions and loses beyond: on an H100, one request with a 7,900-token prompt
+/// decoded at 5.8 ms a step through it against 3.15 ms through MLX's unfused attention (a block
+/// per row and head leaves most of the GPU idle there; splitting positions across blocks would
+/// fix that). `PERCH_DECODE_KERNEL_MAX_POSITIONS` overrides it (for benchmarks).
+pub fn max_positions() -> i32 {
+    std::env::var("PERCH_DECODE_KERNEL_MAX_POSITIONS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(MAX_POSITIONS)
+}
+
+const MAX_POSITIONS: i32 = 2048;
+
 /// Checks [`masked_decode_attention`] against MLX's own masked attention (computed in float32)
 /// on random inputs of several shapes, dtypes and masks: per-row lengths, a broadcast mask, a
 /// mask per head, holes (a sliding window's ring), a row that reads nothing (zeros expected).
@@ -303,6 +336,8 @@ pub fn check() -> crate::Result<Vec<String>> {
     // (rows, heads, kv_heads, head_dim, positions, dtype, mask kind)
     let cases = [
         (1, 32, 8, 64, 384, Dtype::Bfloat16, "lengths"),
+        (1, 32, 8, 64, 2048, Dtype::Bfloat16, "lengths"),
+        (2, 8, 2, 128, 1536, Dtype::Float32, "ring"),
         (8, 32, 8, 64, 512, Dtype::Bfloat16, "lengths"),
         (128, 32, 8, 64, 512, Dtype::Bfloat16, "lengths"),
         (3, 8, 8, 128, 1000, Dtype::Float16, "lengths"),
@@ -382,10 +417,32 @@ pub fn check() -> crate::Result<Vec<String>> {
                 .item_exact::<f32>();
             (error, false)
         };
+        // A call of each alone, evaluated: the kernel against MLX's masked attention in the
+        // inputs' dtype (what the engine runs without the kernel).
+        let time = |f: &dyn Fn() -> crate::Result<Array>| -> crate::Result<f64> {
+            f()?.eval()?;
+            let start = std::time::Instant::now();
+            for _ in 0..20 {
+                f()?.eval()?;
+            }
+            Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
+        };
+        let kernel_ms = time(&|| Ok(masked_decode_attention(&q, &k, &v, &mask, scale)?))?;
+        let mlx_ms = time(&|| {
+            Ok(mlx_rs::fast::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                scale,
+                mlx_rs::fast::ScaledDotProductAttentionMask::Array(&mask),
+                None,
+            )?)
+        })?;
         let line =
             format!(
             "rows {rows}, heads {heads}/{kv_heads}, head size {head_dim}, {positions} positions, \
-             {dtype:?}, mask {kind}: max |error| {error:.2e} (tolerance {tolerance:.0e}){}",
+             {dtype:?}, mask {kind}: max |error| {error:.2e} (tolerance {tolerance:.0e}){}; \
+             {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3}",
             if empty_ok { ", the empty row zeros" } else { "" }
         );
         if error.is_nan() || error > tolerance {
@@ -455,5 +512,14 @@ mod tests {
         ));
         let three = zeros(&[4, 3, 512, 64], bf);
         assert!(!applies(&q, &three, &three, &mask, None));
+        // Past the positions where the kernel pays (read from the environment; unset in tests).
+        let long = zeros(&[4, 2, 4096, 64], bf);
+        assert!(!applies(
+            &q,
+            &long,
+            &long,
+            &zeros(&[4, 1, 1, 4096], Dtype::Bool),
+            None
+        ));
     }
 }

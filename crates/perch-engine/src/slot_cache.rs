@@ -67,9 +67,9 @@ use crate::models::decoder::SlotRead;
 /// ([`crate::EngineConfig::arrival_window`]). Metal's vector kernel takes masks, so Metal and
 /// the CPU read fused. Below the explicit read's threshold, CUDA decode steps read through
 /// Perch's own fused kernel for masked single queries ([`crate::decode_kernel`], `SlotRead::
-/// decode_kernel`), not MLX's unfused fallback: on an H200, four rounds alternating, 298 → 427
-/// tok/s at one request and 1,891 → 2,427 at eight; at 128 rows it equals the explicit read
-/// (15,372 against 15,259 tok/s), which stays.
+/// decode_kernel`), not MLX's unfused fallback, up to 2,048 positions: on an H200, four rounds
+/// alternating, 298 → 427 tok/s at one request and 1,891 → 2,427 at eight; at 128 rows it
+/// equals the explicit read (15,372 against 15,259 tok/s), which stays.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SlotAttention {
