@@ -79,7 +79,8 @@ pub enum SlotAttention {
     /// prompt chunks pass the mask as an additive one ([`SlotRead::additive_mask`]).
     #[default]
     Auto,
-    /// MLX's fused `scaled_dot_product_attention` with the boolean mask.
+    /// MLX's fused `scaled_dot_product_attention` with the boolean mask (on CUDA, a decode step
+    /// up to 2,048 positions reads through [`crate::decode_kernel`] instead).
     Fused,
     /// Scores by matmul, mask, precise softmax, matmul.
     Explicit,
