@@ -188,18 +188,16 @@ fn strings(names: &[&str]) -> mlx_sys::mlx_vector_string {
 }
 
 fn new_kernel() -> Kernel {
-    let name = CString::new("perch_masked_decode_attention").expect("no NUL");
     let source = CString::new(SOURCE).expect("no NUL in the source");
-    let header = CString::new("").expect("no NUL");
     let (inputs, outputs) = (strings(&["q", "k", "v", "mask"]), strings(&["out"]));
     // SAFETY: every argument is valid for the call; mlx-c copies the strings.
     unsafe {
         let kernel = mlx_sys::mlx_fast_cuda_kernel_new(
-            name.as_ptr(),
+            c"perch_masked_decode_attention".as_ptr(),
             inputs,
             outputs,
             source.as_ptr(),
-            header.as_ptr(),
+            c"".as_ptr(),
             false,
             0,
         );
@@ -233,10 +231,6 @@ pub fn masked_decode_attention(
     let warps = warps(keys.shape()[2]);
     let dtype = queries.dtype() as mlx_sys::mlx_dtype;
     let stream = Stream::thread_local_or_default();
-    let t = CString::new("T").expect("no NUL");
-    let d = CString::new("D").expect("no NUL");
-    let scale_bits = CString::new("SCALE_BITS").expect("no NUL");
-    let warps_name = CString::new("WARPS").expect("no NUL");
     KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(new_kernel);
@@ -254,14 +248,22 @@ pub fn masked_decode_attention(
             mlx_sys::mlx_fast_cuda_kernel_config_set_thread_group(config, warps * 32, 1, 1);
             mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
                 config,
-                warps_name.as_ptr(),
+                c"WARPS".as_ptr(),
                 warps,
             );
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(config, t.as_ptr(), dtype);
-            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(config, d.as_ptr(), head_dim);
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                config,
+                c"T".as_ptr(),
+                dtype,
+            );
             mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
                 config,
-                scale_bits.as_ptr(),
+                c"D".as_ptr(),
+                head_dim,
+            );
+            mlx_sys::mlx_fast_cuda_kernel_config_add_template_arg_int(
+                config,
+                c"SCALE_BITS".as_ptr(),
                 scale.to_bits() as i32,
             );
             let inputs = mlx_sys::mlx_vector_array_new();
@@ -300,7 +302,8 @@ pub fn masked_decode_attention(
 /// Whether decode steps over slot caches use [`masked_decode_attention`] on CUDA: yes unless
 /// `PERCH_DECODE_KERNEL=0` (for benchmarks against MLX's own masked attention).
 pub fn enabled() -> bool {
-    std::env::var("PERCH_DECODE_KERNEL").as_deref() != Ok("0")
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("PERCH_DECODE_KERNEL").as_deref() != Ok("0"))
 }
 
 /// The most positions (the slot cache's capacity) a step reads through the kernel; longer ones
@@ -310,10 +313,13 @@ pub fn enabled() -> bool {
 /// per row and head leaves most of the GPU idle there; splitting positions across blocks would
 /// fix that). `PERCH_DECODE_KERNEL_MAX_POSITIONS` overrides it (for benchmarks).
 pub fn max_positions() -> i32 {
-    std::env::var("PERCH_DECODE_KERNEL_MAX_POSITIONS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(MAX_POSITIONS)
+    static MAX: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("PERCH_DECODE_KERNEL_MAX_POSITIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(MAX_POSITIONS)
+    })
 }
 
 const MAX_POSITIONS: i32 = 2048;
@@ -377,12 +383,11 @@ pub fn check() -> crate::Result<Vec<String>> {
             }
             _ => ops::lt(&index, &lengths)?,
         };
-        let mask = if kind == "empty row" {
-            let keep: Vec<bool> = (0..rows).map(|r| r != 1).collect();
-            ops::logical_and(&mask, Array::from_slice(&keep, &[rows, 1, 1, 1]))?
-        } else {
-            mask
-        };
+        // Which rows read anything: all but row 1 of the "empty row" case, which must get zeros.
+        let empty_row = kind == "empty row";
+        let reading: Vec<bool> = (0..rows).map(|r| !empty_row || r != 1).collect();
+        let reading = Array::from_slice(&reading, &[rows, 1, 1, 1]);
+        let mask = ops::logical_and(&mask, &reading)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let ours = masked_decode_attention(&q, &k, &v, &mask, scale)?.as_dtype(Dtype::Float32)?;
         ours.eval()?;
@@ -400,23 +405,11 @@ pub fn check() -> crate::Result<Vec<String>> {
             Dtype::Float16 => 4e-3,
             _ => 3e-2,
         };
-        let (error, empty_ok) = if kind == "empty row" {
-            let read: Vec<bool> = (0..rows).map(|r| r != 1).collect();
-            let read = Array::from_slice(&read, &[rows, 1, 1, 1]);
-            let zeros = ops::zeros_like(&reference)?;
-            let error = ops::abs(&ops::subtract(
-                &ours,
-                &ops::select(&read, &reference, &zeros)?,
-            )?)?
+        // MLX gives NaN for a row that reads nothing; the kernel must give zeros.
+        let expected = ops::select(&reading, &reference, &ops::zeros_like(&reference)?)?;
+        let error = ops::abs(&ops::subtract(&ours, &expected)?)?
             .max(None)?
             .item_exact::<f32>();
-            (error, true)
-        } else {
-            let error = ops::abs(&ops::subtract(&ours, &reference)?)?
-                .max(None)?
-                .item_exact::<f32>();
-            (error, false)
-        };
         // A call of each alone, evaluated: the kernel against MLX's masked attention in the
         // inputs' dtype (what the engine runs without the kernel).
         let time = |f: &dyn Fn() -> crate::Result<Array>| -> crate::Result<f64> {
@@ -443,7 +436,7 @@ pub fn check() -> crate::Result<Vec<String>> {
             "rows {rows}, heads {heads}/{kv_heads}, head size {head_dim}, {positions} positions, \
              {dtype:?}, mask {kind}: max |error| {error:.2e} (tolerance {tolerance:.0e}){}; \
              {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3}",
-            if empty_ok { ", the empty row zeros" } else { "" }
+            if empty_row { ", the empty row zeros" } else { "" }
         );
         if error.is_nan() || error > tolerance {
             return Err(crate::EngineError::Kernel(format!(
