@@ -13,6 +13,7 @@ pub mod block_store;
 pub mod cache;
 pub mod chat_template;
 mod compiled;
+mod cuda_kernel;
 pub mod decode_kernel;
 pub mod device;
 pub mod engine;

@@ -67,9 +67,10 @@ use crate::models::decoder::SlotRead;
 /// ([`crate::EngineConfig::arrival_window`]). Metal's vector kernel takes masks, so Metal and
 /// the CPU read fused. Below the explicit read's threshold, CUDA decode steps read through
 /// Perch's own fused kernel for masked single queries ([`crate::decode_kernel`], `SlotRead::
-/// decode_kernel`), not MLX's unfused fallback, up to 2,048 positions: on an H200, four rounds
-/// alternating, 298 → 427 tok/s at one request and 1,891 → 2,427 at eight; at 128 rows it
-/// equals the explicit read (15,372 against 15,259 tok/s), which stays.
+/// decode_kernel`), not MLX's unfused fallback, up to 8,192 positions: on an H200, four rounds
+/// alternating, 298 → 427 tok/s at one request and 1,891 → 2,427 at eight (128-token prompts;
+/// 3,700-token ones 380–401 → 546–587); at 128 rows it equals the explicit read (15,372
+/// against 15,259 tok/s), which stays.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SlotAttention {
@@ -80,7 +81,7 @@ pub enum SlotAttention {
     #[default]
     Auto,
     /// MLX's fused `scaled_dot_product_attention` with the boolean mask (on CUDA, a decode step
-    /// up to 2,048 positions reads through [`crate::decode_kernel`] instead).
+    /// up to 8,192 positions reads through [`crate::decode_kernel`] instead).
     Fused,
     /// Scores by matmul, mask, precise softmax, matmul.
     Explicit,
