@@ -5,7 +5,9 @@ The single-stream question of issue 11: a decode step of one row on MLX's CUDA b
 the decode step `scripts/probe_compiled_step.py` describes (the model `scripts/bench_gpu.py` makes, weights
 dequantized to bfloat16, fused q/k/v and gate/up projections, slot caches of 512 positions written by
 `put_along_axis`, `mx.compile`, steps dispatched with `async_eval` before the previous tokens are read), with
-attention through the masked decode kernel of `crates/perch-engine/src/decode_kernel.rs`, in four variants:
+attention through the masked decode kernel of `crates/perch-engine/src/decode_kernel.rs` (its source read
+from there; the README's numbers were taken with the kernel before it read 4 positions a warp at a time), in
+four variants:
 
 - `base`: as Perch's CUDA decode step is today (14 kernels a layer: norm, q/k/v, RoPE q, RoPE k, two cache
   writes, attention, output projection, add, norm, gate/up, SwiGLU, down, add);
@@ -26,6 +28,7 @@ import json
 import struct
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import load
@@ -60,10 +63,15 @@ def bits(x):
     return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
+def rust_string(source, name):
+    return source.split(f'const {name}: &str = r#"')[1].split('"#;')[0]
+
+
+_rust = open(Path(__file__).resolve().parent.parent / "crates/perch-engine/src/decode_kernel.rs").read()
 ATTENTION = mx.fast.cuda_kernel(
     name="probe_masked_decode_attention", input_names=["q", "k", "v", "mask"], output_names=["out"],
-    ensure_row_contiguous=False, source=open(__file__.replace("probe_fused_step.py", "probe_fused_step.cu"))
-    .read().split("// ---- attention\n")[1].split("// ----")[0])
+    ensure_row_contiguous=False,
+    source=rust_string(_rust, "SOURCE").replace("/*EPILOGUE*/", rust_string(_rust, "WHOLE")))
 ADD_NORM = mx.fast.cuda_kernel(
     name="probe_add_rms_norm", input_names=["x", "r", "w"], output_names=["h", "normed"],
     source=open(__file__.replace("probe_fused_step.py", "probe_fused_step.cu"))
@@ -77,7 +85,7 @@ ROPE = mx.fast.cuda_kernel(
 def attention(q, k, v, mask):
     rows = q.shape[0]
     return ATTENTION(inputs=[q, k, v, mask],
-                     template=[("T", q.dtype), ("D", D), ("SCALE_BITS", bits(SCALE)), ("WARPS", 8)],
+                     template=[("T", q.dtype), ("D", D), ("SCALE_BITS", bits(SCALE)), ("WARPS", 8), ("STEP", 4)],
                      grid=(H * 8 * 32, rows, 1), threadgroup=(8 * 32, 1, 1),
                      output_shapes=[q.shape], output_dtypes=[q.dtype])[0]
 
