@@ -19,8 +19,10 @@ four variants:
 First it checks each variant's logits against `base` after the same steps; then it alternates the variants
 (rounds), printing one JSON line per run: milliseconds a step (steps 20 to N).
 
-    python scripts/probe_fused_step.py MODEL_DIR [ROWS ...] [--host-delay]
+    python scripts/probe_fused_step.py MODEL_DIR [ROWS ...] [--host-delay | --views]
 
+With `--views`, it compares `base` with `views`: the same kernels with fewer views (weights transposed once
+outside the step, one token's heads sliced without transposes).
 With `--host-delay`, it runs `base` only, with 0 to 2 ms of host time spent before each step's dispatch: a
 host-bound step grows by all of it, a device-bound one absorbs it up to the device's slack.
 """
@@ -111,7 +113,20 @@ def silu(x):
     return x * mx.sigmoid(x)
 
 
+def evaluated_t(a):
+    """`a.T` evaluated: a leaf array with transposed strides (no transpose in a traced step)."""
+    t = a.T
+    mx.eval(t)
+    return t
+
+
+WT = [{k: evaluated_t(w[k]) for k in ("qkv", "o", "gu", "d")} for w in W]
+ET = evaluated_t(E)
+
+
 def make_step(variant, return_logits=False):
+    if variant == "views":
+        return make_views_step(return_logits)
     fused_norm = variant != "base"
     fused_rope = "rope" in variant
     packed = variant.endswith("+kv")
@@ -172,7 +187,42 @@ def make_step(variant, return_logits=False):
     return step
 
 
+def make_views_step(return_logits=False):
+    """`base` with fewer views: weights transposed once outside the step (evaluated views, so
+    the same matmul kernels), one token's heads sliced from `[rows, heads, 1, D]` directly (no
+    transposes), the attention's output and the last position reshaped instead of transposed
+    and sliced."""
+
+    def step(tokens, positions, index, mask, *caches):
+        rows = tokens.shape[0]
+        h = E[tokens]
+        out = []
+        for i, (w, wt) in enumerate(zip(W, WT)):
+            x = mx.fast.rms_norm(h, w["n1"], EPS)
+            qkv = (x @ wt["qkv"]).reshape(rows, H + 2 * KV, 1, D)
+            q = mx.fast.rope(qkv[:, :H], D, traditional=False, base=THETA, scale=1.0, offset=positions)
+            k = mx.fast.rope(qkv[:, H:H + KV], D, traditional=False, base=THETA, scale=1.0, offset=positions)
+            v = qkv[:, H + KV:]
+            idx = mx.broadcast_to(index, k.shape)
+            K = mx.put_along_axis(caches[2 * i], idx, k, axis=2)
+            V = mx.put_along_axis(caches[2 * i + 1], idx, v, axis=2)
+            out += [K, V]
+            o = attention(q, K, V, mask)
+            h = h + o.reshape(rows, 1, -1) @ wt["o"]
+            x = mx.fast.rms_norm(h, w["n2"], EPS)
+            gu = x @ wt["gu"]
+            h = h + (silu(gu[..., :I]) * gu[..., I:]) @ wt["d"]
+        h = mx.fast.rms_norm(h, NW, EPS)
+        logits = (h @ ET).reshape(rows, -1)
+        first = logits if return_logits else mx.argmax(logits, axis=-1).astype(mx.uint32)
+        return [first] + out
+
+    return step
+
+
 VARIANTS = ["base", "addnorm", "addnorm+rope", "addnorm+rope+kv"]
+if "--views" in sys.argv:
+    VARIANTS = ["base", "views"]
 
 
 def caches_for(variant, rows, cap, fill=None):
