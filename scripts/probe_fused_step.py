@@ -225,34 +225,19 @@ if "--views" in sys.argv:
     VARIANTS = ["base", "views"]
 
 
-def caches_for(variant, rows, cap, fill=None):
-    key = mx.random.key(7)
-    if variant.endswith("+kv"):
-        shape = (rows, 2 * KV, cap, D)
-        made = [mx.random.normal(shape, key=mx.random.split(key, 2 * L_ + 1)[i]).astype(mx.bfloat16)
-                for i in range(L_)]
-    else:
-        shape = (rows, KV, cap, D)
-        made = [mx.random.normal(shape, key=mx.random.split(key, 2 * L_ + 1)[i]).astype(mx.bfloat16)
-                for i in range(2 * L_)]
-    return made
-
-
-L_ = len(W)
-
-
-def split_packed(caches):
-    # packed [rows, 2KV, cap, D] per layer -> K, V per layer
-    out = []
-    for c in caches:
-        out += [c[:, :KV], c[:, KV:]]
-    return out
+def caches_for(variant, rows, cap):
+    """Random bfloat16 caches: one `[rows, 2 KV, cap, D]` buffer a layer for `+kv`, else keys and values
+    `[rows, KV, cap, D]` apart."""
+    packed = variant.endswith("+kv")
+    count, heads = (len(W), 2 * KV) if packed else (2 * len(W), KV)
+    keys = mx.random.split(mx.random.key(7), count)
+    return [mx.random.normal((rows, heads, cap, D), key=keys[i]).astype(mx.bfloat16) for i in range(count)]
 
 
 def check(rows=3, cap=512):
     """Logits of each variant against `base`, from the same cache contents, over 3 steps."""
     base_caches = caches_for("base", rows, cap)
-    packed_caches = [mx.concatenate([base_caches[2 * i], base_caches[2 * i + 1]], axis=1) for i in range(L_)]
+    packed_caches = [mx.concatenate([base_caches[2 * i], base_caches[2 * i + 1]], axis=1) for i in range(len(W))]
     mx.eval(base_caches, packed_caches)
     results = {}
     for variant in VARIANTS:

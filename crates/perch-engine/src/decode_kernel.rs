@@ -45,12 +45,12 @@ use mlx_rs::{Array, Dtype};
 
 use crate::cuda_kernel::{time_call, CudaKernel, TemplateArg};
 
-/// Warps per thread block: 8 (256 threads), or 16 over more than [`MANY_POSITIONS`] positions,
-/// so a long context is walked by more warps at once (one block per row and head). Not 32: a
-/// block of 1,024 threads leaves each 64 registers, fewer than [`STEP`] positions at a time
-/// take at the larger head sizes.
-fn warps(positions: i32) -> i32 {
-    if positions > MANY_POSITIONS {
+/// Warps per thread block: 8 (256 threads), or 16 when one block walks more than
+/// [`MANY_POSITIONS`] positions (one part), so a long context is walked by more warps at once.
+/// Not 32: a block of 1,024 threads leaves each 64 registers, fewer than [`STEP`] positions at
+/// a time take at the larger head sizes.
+fn warps(positions: i32, parts: i32) -> i32 {
+    if parts == 1 && positions > MANY_POSITIONS {
         16
     } else {
         8
@@ -306,23 +306,14 @@ pub fn applies(
 
 /// The kernels: [`WHOLE`]'s, [`PART`]'s and [`COMBINE`].
 fn new_kernels() -> [CudaKernel; 3] {
-    let inputs = ["q", "k", "v", "mask"];
     let parts = ["part_sums", "part_maxima", "part_normalizers"];
+    let attention = |name, outputs: &[&str], epilogue| {
+        let source = SOURCE.replace("/*EPILOGUE*/", epilogue);
+        CudaKernel::new(name, &["q", "k", "v", "mask"], outputs, &source, false)
+    };
     [
-        CudaKernel::new(
-            c"perch_masked_decode_attention",
-            &inputs,
-            &["out"],
-            &SOURCE.replace("/*EPILOGUE*/", WHOLE),
-            false,
-        ),
-        CudaKernel::new(
-            c"perch_masked_decode_attention_part",
-            &inputs,
-            &parts,
-            &SOURCE.replace("/*EPILOGUE*/", PART),
-            false,
-        ),
+        attention(c"perch_masked_decode_attention", &["out"], WHOLE),
+        attention(c"perch_masked_decode_attention_part", &parts, PART),
         CudaKernel::new(
             c"perch_masked_decode_attention_combine",
             &parts,
@@ -376,7 +367,7 @@ pub fn masked_decode_attention(
     let (rows, heads, head_dim) = (shape[0], shape[1], shape[3]);
     let positions = keys.shape()[2];
     let parts = parts(rows, heads, positions);
-    let warps = if parts > 1 { 8 } else { warps(positions) };
+    let warps = warps(positions, parts);
     let dtype = queries.dtype();
     let template = [
         TemplateArg::Int(c"WARPS", warps),
