@@ -78,8 +78,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub prefill_token_budget: Option<usize>,
     /// With --concurrency: how steps run attention over the sequences (auto: the backend's
-    /// choice, per sequence on CPU, batched over slot caches on a GPU; to run the GPU's path on
-    /// a CPU, or the CPU's on a GPU).
+    /// choice, batched over slot caches on every backend today; per-sequence: each sequence
+    /// with its own KV cache, its prompt chunks a forward pass each).
     #[arg(long, value_enum, default_value_t = BatchAttentionArg::Auto)]
     pub batch_attention: BatchAttentionArg,
     /// With --concurrency: how batched steps read their slot caches (auto: the backend's

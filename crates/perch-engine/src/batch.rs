@@ -109,12 +109,16 @@ pub enum BatchAttention {
 }
 
 impl BatchAttention {
-    /// Per sequence on CPU, batched on a GPU (Metal, CUDA).
-    pub fn for_backend(backend: Backend) -> Self {
-        match backend {
-            Backend::Cpu => Self::PerSequence,
-            Backend::Metal | Backend::Cuda => Self::Batched,
-        }
+    /// Batched on every backend: on a GPU (Metal, CUDA) for its launches and shapes; on CPU
+    /// because it also prefills several short prompts in one pass, whose matmuls keep both
+    /// cores busy where one 32-token chunk does not (the 2-core dev machine, `perch bench` on
+    /// the default 135M model, 2026-11-27, runs alternating: 32 requests of 32 prompt tokens
+    /// and 16 generated 55.0 / 56.3 tok/s against 24.0 / 24.6 per sequence, prompt 147 / 150
+    /// against 59 / 61; one 1,500-token prompt prefilled at 121 against 101 tok/s (256-token
+    /// chunks against one pass), its decode step 135 against 128 ms). Per sequence stays for
+    /// models with linear-attention layers (see [`BatchGenerator::new`]) and by choice.
+    pub fn for_backend(_backend: Backend) -> Self {
+        Self::Batched
     }
 }
 
@@ -123,13 +127,11 @@ impl BatchConfig {
     /// small enough that a slice costs a few decode steps.
     pub const DEFAULT_PREFILL_TOKEN_BUDGET: usize = 256;
 
-    /// Sequences that prefill in one step: 1 on CPU (one chunk already fills both cores), 8 on a
-    /// GPU (mlx_lm's `prefill_batch_size`), where one sequence's chunk leaves the device idle.
-    pub fn default_prefill_batch_size(backend: Backend) -> usize {
-        match backend {
-            Backend::Cpu => 1,
-            Backend::Metal | Backend::Cuda => 8,
-        }
+    /// Sequences that prefill in one step: 8 (mlx_lm's `prefill_batch_size`) on every backend,
+    /// within the step's token budget: short prompts share a pass, which fills a GPU and, on CPU,
+    /// gives the matmuls enough rows (see [`BatchAttention::for_backend`]).
+    pub fn default_prefill_batch_size(_backend: Backend) -> usize {
+        8
     }
 
     /// [`BatchConfig::DEFAULT_PREFILL_TOKEN_BUDGET`] on CPU; 2,048 on a GPU, where a step of a
