@@ -845,7 +845,12 @@ fn tool_calls_through_both_sdks() {
         script,
     };
     let tokenizer_dir = dir.path().to_path_buf();
-    let engine = EngineHandle::spawn_with(EngineConfig::default(), "scripted".into(), move || {
+    // The scripted model answers per sequence only (it has no slot-cache forward pass).
+    let per_sequence = EngineConfig {
+        attention: perch_engine::batch::BatchAttention::PerSequence,
+        ..EngineConfig::default()
+    };
+    let engine = EngineHandle::spawn_with(per_sequence, "scripted".into(), move || {
         Ok((
             Box::new(model) as Box<dyn perch_engine::models::Model>,
             perch_engine::Tokenizer::load(&tokenizer_dir)?,
