@@ -68,6 +68,13 @@ pub struct BatchConfig {
     /// While some sequence is decoding, the most prompt tokens one step prefills (over all
     /// chunks): the bound on how long a prompt arriving makes running streams wait.
     pub prefill_token_budget: usize,
+    /// With [`BatchAttention::Batched`]: a sequence takes a prefill slot only while the prompt
+    /// tokens left of every sequence in a slot fit `prefill_token_budget` (the first one
+    /// excepted; [`scheduler::take_prefill_slots`]), so a long prompt prefills alone and is
+    /// answered first. On by default on CPU, where a pass of the budget's tokens already keeps
+    /// the cores busy and more rows only make every prompt wait for all of them; off on GPUs,
+    /// whose passes gain from more rows.
+    pub prefill_fits_budget: bool,
     /// Tokens per KV block.
     pub block_size: usize,
     /// Blocks in the pool: with the block size, the KV cache capacity in tokens.
@@ -134,6 +141,11 @@ impl BatchConfig {
         8
     }
 
+    /// On CPU only (see [`BatchConfig::prefill_fits_budget`]).
+    pub fn default_prefill_fits_budget(backend: Backend) -> bool {
+        backend == Backend::Cpu
+    }
+
     /// [`BatchConfig::DEFAULT_PREFILL_TOKEN_BUDGET`] on CPU; 2,048 on a GPU, where a step of a
     /// 1B model over 2,048 prompt tokens takes milliseconds.
     pub fn default_prefill_token_budget(backend: Backend) -> usize {
@@ -158,6 +170,7 @@ impl BatchConfig {
             max_running: 32,
             prefill_batch_size: Self::default_prefill_batch_size(Backend::current()),
             prefill_token_budget: Self::default_prefill_token_budget(Backend::current()),
+            prefill_fits_budget: Self::default_prefill_fits_budget(Backend::current()),
             block_size,
             num_blocks,
             bounded_layer_bytes: budget.bounded_bytes,
@@ -1115,11 +1128,22 @@ impl<'m> BatchGenerator<'m> {
     /// ([`scheduler::plan_slot_chunks`]).
     fn prefill_slots(&mut self) -> Result<()> {
         let progress = self.progress();
+        let fit = self.config.prefill_fits_budget.then(|| scheduler::SlotFit {
+            budget: self.config.prefill_token_budget,
+            left_in_slots: self
+                .running
+                .iter()
+                .zip(&progress)
+                .filter(|(seq, _)| matches!(seq.slot, Some(Slot::Prefill(_))))
+                .map(|(_, p)| p.prompt_left())
+                .sum(),
+        });
         let entering = scheduler::take_prefill_slots(
             &progress,
             |i| self.running[i].slot.is_some(),
             self.runner.prefill_slots(),
             self.config.prefill_batch_size,
+            fit,
         );
         for i in entering {
             let seq = &mut self.running[i];
