@@ -27,6 +27,8 @@ fn config_with(num_blocks: usize, block_size: usize, attention: BatchAttention) 
             BatchAttention::Batched => 4,
         },
         prefill_token_budget: 256,
+        // Every free prefill slot taken (the GPU's policy), whatever the prompts' lengths.
+        prefill_fits_budget: false,
         block_size,
         num_blocks,
         bounded_layer_bytes: 0,

@@ -34,6 +34,7 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
         max_running: 32,
         prefill_batch_size: 4,
         prefill_token_budget: 256,
+        prefill_fits_budget: false,
         block_size: 16,
         num_blocks: 96,
         bounded_layer_bytes: 0,
