@@ -123,21 +123,20 @@ pub fn take_prefill_slots(
     batch_size: usize,
     fit: Option<SlotFit>,
 ) -> Vec<usize> {
-    let mut taken = taken;
     let mut tokens = fit.map_or(0, |f| f.left_in_slots);
     let mut entering = Vec::new();
     for i in (0..running.len()).filter(|&i| !has_slot(i) && !running[i].prefill_done()) {
-        if taken >= batch_size {
+        let slots = taken + entering.len();
+        if slots >= batch_size {
             break;
         }
         if let Some(fit) = fit {
             tokens += running[i].prompt_left();
-            if taken > 0 && tokens > fit.budget {
+            if slots > 0 && tokens > fit.budget {
                 break;
             }
         }
         entering.push(i);
-        taken += 1;
     }
     entering
 }
