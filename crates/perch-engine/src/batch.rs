@@ -1128,22 +1128,14 @@ impl<'m> BatchGenerator<'m> {
     /// ([`scheduler::plan_slot_chunks`]).
     fn prefill_slots(&mut self) -> Result<()> {
         let progress = self.progress();
-        let fit = self.config.prefill_fits_budget.then(|| scheduler::SlotFit {
-            budget: self.config.prefill_token_budget,
-            left_in_slots: self
-                .running
-                .iter()
-                .zip(&progress)
-                .filter(|(seq, _)| matches!(seq.slot, Some(Slot::Prefill(_))))
-                .map(|(_, p)| p.prompt_left())
-                .sum(),
-        });
         let entering = scheduler::take_prefill_slots(
             &progress,
             |i| self.running[i].slot.is_some(),
             self.runner.prefill_slots(),
             self.config.prefill_batch_size,
-            fit,
+            self.config
+                .prefill_fits_budget
+                .then_some(self.config.prefill_token_budget),
         );
         for i in entering {
             let seq = &mut self.running[i];

@@ -110,10 +110,10 @@ pub fn align_chunk_to_block(num_computed: usize, chunk: usize, block_size: usize
 
 /// Which running sequences take a prefill slot this step ([`crate::batch::BatchAttention::Batched`]):
 /// those still prefilling and not in a slot (`has_slot`), oldest first, while fewer than
-/// `batch_size` slots are taken (`taken` now). With `fit` (a CPU's prefill, see
+/// `batch_size` slots are taken (`taken` now). With `fit_budget` (a CPU's prefill, see
 /// [`crate::batch::BatchConfig::prefill_fits_budget`]) also only while the prompt tokens left
-/// of every sequence in a slot fit `fit.budget`, except for the first slot taken: a long prompt
-/// then prefills alone, a budget-wide chunk a pass, and is answered before the next one starts,
+/// of every sequence in a slot fit it, except for the first slot taken: a long prompt then
+/// prefills alone, a budget-wide chunk a pass, and is answered before the next one starts,
 /// while short prompts still share a pass. No later sequence overtakes one that does not fit.
 /// Returns their indices.
 pub fn take_prefill_slots(
@@ -121,32 +121,28 @@ pub fn take_prefill_slots(
     has_slot: impl Fn(usize) -> bool,
     taken: usize,
     batch_size: usize,
-    fit: Option<SlotFit>,
+    fit_budget: Option<usize>,
 ) -> Vec<usize> {
-    let mut tokens = fit.map_or(0, |f| f.left_in_slots);
+    // Sequences in a decode slot have no prompt left: this is the prefill slots' share.
+    let mut tokens: usize = (0..running.len())
+        .filter(|&i| has_slot(i))
+        .map(|i| running[i].prompt_left())
+        .sum();
     let mut entering = Vec::new();
     for i in (0..running.len()).filter(|&i| !has_slot(i) && !running[i].prefill_done()) {
         let slots = taken + entering.len();
         if slots >= batch_size {
             break;
         }
-        if let Some(fit) = fit {
+        if let Some(budget) = fit_budget {
             tokens += running[i].prompt_left();
-            if slots > 0 && tokens > fit.budget {
+            if slots > 0 && tokens > budget {
                 break;
             }
         }
         entering.push(i);
     }
     entering
-}
-
-/// What [`take_prefill_slots`] fits prompts into: the prompt tokens one pass may hold, and those
-/// the sequences already in a prefill slot have left.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SlotFit {
-    pub budget: usize,
-    pub left_in_slots: usize,
 }
 
 /// Chunk lengths for the rows of one batched prefill pass: each row its next chunk, within an
@@ -400,29 +396,21 @@ mod tests {
 
     #[test]
     fn prefill_slots_fitted_to_the_budget_let_a_long_prompt_prefill_alone() {
-        let fit = |left_in_slots| {
-            Some(SlotFit {
-                budget: 256,
-                left_in_slots,
-            })
-        };
+        let fit = Some(256);
         // Short prompts (31 tokens left each) share a pass up to the budget: 8 of them.
         let short = [prefilling(32, 0, 512); 12];
-        let entering = take_prefill_slots(&short, |_| false, 0, 16, fit(0));
+        let entering = take_prefill_slots(&short, |_| false, 0, 16, fit);
         assert_eq!(entering, (0..8).collect::<Vec<_>>());
         // The batch size still bounds them.
-        assert_eq!(
-            take_prefill_slots(&short, |_| false, 0, 3, fit(0)),
-            [0, 1, 2]
-        );
+        assert_eq!(take_prefill_slots(&short, |_| false, 0, 3, fit), [0, 1, 2]);
         // A long prompt takes the first slot alone; the next waits for it to finish.
         let long = [
             prefilling(2048, 0, 512),
             prefilling(2048, 0, 512),
             prefilling(32, 0, 512),
         ];
-        assert_eq!(take_prefill_slots(&long, |_| false, 0, 8, fit(0)), [0]);
-        assert!(take_prefill_slots(&long, |i| i == 0, 1, 8, fit(2047)).is_empty());
+        assert_eq!(take_prefill_slots(&long, |_| false, 0, 8, fit), [0]);
+        assert!(take_prefill_slots(&long, |i| i == 0, 1, 8, fit).is_empty());
         // Once the first is decoding the second long one goes alone, and the short one behind
         // it does not overtake it.
         let next = [
@@ -430,10 +418,10 @@ mod tests {
             prefilling(2048, 0, 512),
             prefilling(32, 0, 512),
         ];
-        assert_eq!(take_prefill_slots(&next, |_| false, 0, 8, fit(0)), [1]);
+        assert_eq!(take_prefill_slots(&next, |_| false, 0, 8, fit), [1]);
         // The last chunk of a long prompt leaves room for what follows.
         let tail = [prefilling(2048, 2000, 512), prefilling(32, 0, 512)];
-        assert_eq!(take_prefill_slots(&tail, |i| i == 0, 1, 8, fit(47)), [1]);
+        assert_eq!(take_prefill_slots(&tail, |i| i == 0, 1, 8, fit), [1]);
         // Without a fit (a GPU), every free slot is taken.
         assert_eq!(take_prefill_slots(&long, |_| false, 0, 8, None), [0, 1, 2]);
     }
