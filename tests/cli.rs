@@ -531,8 +531,6 @@ fn batch_bench_first_prompts_reports_each_length_after_the_warm_up() {
         &test_model(),
         "--concurrency",
         "2",
-        "--batch-attention",
-        "batched",
         "--prefill-token-budget",
         "32",
         "--idle-warm-up",
@@ -588,9 +586,8 @@ fn batch_bench_through_http_reports_both_runs() {
 }
 
 /// `--output-ids` writes what each path generated (scripts/parity_gpu.py compares them on a GPU):
-/// on CPU the batch engine's greedy ids equal the single-stream ones, through either attention
-/// path (`--batch-attention`: the GPU's slot caches on this CPU too; the paths' numerics:
-/// `crates/perch-engine/tests/batch_parity.rs`), and the report names the path it ran.
+/// on CPU the batch engine's greedy ids equal the single-stream ones (the numerics:
+/// `crates/perch-engine/tests/batch_parity.rs`).
 #[test]
 fn bench_output_ids_match_between_single_stream_and_batch() {
     let dir = tempfile::tempdir().unwrap();
@@ -624,34 +621,24 @@ fn bench_output_ids_match_between_single_stream_and_batch() {
     };
     let single = read(&single);
     assert_eq!(single.as_array().map(Vec::len), Some(5), "{single}");
-    let mut batches = Vec::new();
-    for attention in ["per-sequence", "batched"] {
-        let batch = path(&format!("{attention}.json"));
-        let stdout = run(&[
-            &common[..],
-            &[
-                "--concurrency",
-                "2",
-                "--prompt-ids",
-                &all,
-                "--output-ids",
-                &batch,
-                "--batch-attention",
-                attention,
-                "--json",
-            ],
-        ]
-        .concat());
-        let report: serde_json::Value =
-            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
-        assert_eq!(report["batch_attention"], attention.replace('-', "_"));
-        let batch = read(&batch);
-        assert_eq!(batch.as_array().map(Vec::len), Some(2), "{batch}");
-        assert_eq!(batch[1].as_array().map(Vec::len), Some(5), "{batch}");
-        assert_eq!(batch[0], single, "{attention}");
-        batches.push(batch);
-    }
-    assert_eq!(batches[0], batches[1]);
+    let batch = path("batch.json");
+    run(&[
+        &common[..],
+        &[
+            "--concurrency",
+            "2",
+            "--prompt-ids",
+            &all,
+            "--output-ids",
+            &batch,
+            "--json",
+        ],
+    ]
+    .concat());
+    let batch = read(&batch);
+    assert_eq!(batch.as_array().map(Vec::len), Some(2), "{batch}");
+    assert_eq!(batch[1].as_array().map(Vec::len), Some(5), "{batch}");
+    assert_eq!(batch[0], single);
 }
 
 #[test]

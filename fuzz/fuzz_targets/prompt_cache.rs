@@ -6,10 +6,9 @@
 
 use libfuzzer_sys::fuzz_target;
 use mlx_rs::Array;
-use perch_engine::cache::KvCache;
-use perch_engine::models::{Model, ModelInfo};
+use perch_engine::layer_caches::LayerCaches;
+use perch_engine::models::{Model, ModelInfo, Output};
 use perch_engine::prompt_cache::load_prompt_cache;
-use perch_engine::slot_cache::{SlotKvCache, SlotStep};
 use perch_engine::{EngineError, Result};
 
 /// Two layers, one KV head of dimension 4, 16 tokens, a context of 64 (the seed corpus's files
@@ -18,13 +17,7 @@ use perch_engine::{EngineError, Result};
 struct InfoOnly(ModelInfo);
 
 impl Model for InfoOnly {
-    fn forward(&self, _: &Array, _: &mut [KvCache]) -> Result<Array> {
-        Err(EngineError::Request("not a real model".into()))
-    }
-    fn forward_batch(&self, _: &Array, _: &mut [&mut [KvCache]]) -> Result<Array> {
-        Err(EngineError::Request("not a real model".into()))
-    }
-    fn forward_slot_step(&self, _: &Array, _: &mut SlotKvCache, _: &SlotStep) -> Result<Array> {
+    fn forward(&self, _: &Array, _: &mut LayerCaches<'_>, _: Output) -> Result<Option<Array>> {
         Err(EngineError::Request("not a real model".into()))
     }
     fn clone_for_compile(&self) -> Box<dyn Model> {

@@ -9,7 +9,6 @@ use std::time::Instant;
 use anyhow::Context;
 use clap::Args;
 use mlx_rs::Array;
-use perch_engine::batch::BatchAttention;
 use perch_engine::device::{memory_stats, Backend};
 use perch_engine::slot_cache::SlotAttention;
 use perch_engine::{GenerationStats, KvQuantization};
@@ -77,11 +76,6 @@ pub struct BenchArgs {
     /// (default: the engine's for this backend).
     #[arg(long)]
     pub prefill_token_budget: Option<usize>,
-    /// With --concurrency: how steps run attention over the sequences (auto: the backend's
-    /// choice, batched over slot caches on every backend today; per-sequence: each sequence
-    /// with its own KV cache, its prompt chunks a forward pass each).
-    #[arg(long, value_enum, default_value_t = BatchAttentionArg::Auto)]
-    pub batch_attention: BatchAttentionArg,
     /// With --concurrency: how batched steps read their slot caches (auto: the backend's
     /// choice; fused: MLX's fused attention with a boolean mask; explicit: matmul, mask,
     /// softmax, matmul).
@@ -122,24 +116,6 @@ pub enum SlotAttentionArg {
     Auto,
     Fused,
     Explicit,
-}
-
-/// [`BatchAttention`] as a command-line value; `Auto` is the backend's.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
-pub enum BatchAttentionArg {
-    Auto,
-    PerSequence,
-    Batched,
-}
-
-impl BatchAttentionArg {
-    pub fn or_backend(self) -> BatchAttention {
-        match self {
-            Self::Auto => BatchAttention::for_backend(Backend::current()),
-            Self::PerSequence => BatchAttention::PerSequence,
-            Self::Batched => BatchAttention::Batched,
-        }
-    }
 }
 
 impl From<SlotAttentionArg> for SlotAttention {

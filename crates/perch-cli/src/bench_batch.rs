@@ -23,8 +23,6 @@ use crate::model_dir;
 #[derive(Serialize)]
 struct BatchReport {
     backend: Backend,
-    /// How the engine ran attention (`--batch-attention`, else the backend's choice).
-    batch_attention: perch_engine::batch::BatchAttention,
     concurrency: usize,
     prompt_tokens: usize,
     shared_prefix_tokens: usize,
@@ -135,7 +133,6 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     if let Some(n) = args.prefill_token_budget {
         config.prefill_token_budget = n;
     }
-    config.attention = args.batch_attention.or_backend();
     config.slot_attention = args.slot_attention.into();
     if let Some(on) = args.compile_decode {
         config.compile_decode = on;
@@ -601,7 +598,6 @@ fn report(
     let per_step_ms = |seconds: f64| seconds * 1e3 / decode_steps.max(1) as f64;
     BatchReport {
         backend: Backend::current(),
-        batch_attention: args.batch_attention.or_backend(),
         concurrency,
         prompt_tokens: prompts[0].len(),
         shared_prefix_tokens: args.shared_prefix_tokens,

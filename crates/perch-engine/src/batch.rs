@@ -11,11 +11,11 @@
 //! sequences and the pool, and the model runner (`runner.rs`: forward passes, slot caches,
 //! sampling, the decode step in flight) executes the steps.
 //!
-//! Each sequence computes in its own contiguous KV cache, so a row of the batch computes exactly
-//! what the sequence computes alone (projections are batched, attention is per sequence; see
-//! `kv_cache_manager.rs` for why the pool is not read on every step). The block tables account
-//! for that memory; full blocks are copied into the [`BlockStore`] once, when registered in the
-//! prefix cache, and copied out on a hit.
+//! Sequences compute in the runner's slot caches (`slot_cache.rs`: a prefill one for prompt
+//! chunks, a decode one for a token per row), each row at its own positions, so a row of the
+//! batch computes what the sequence computes alone (see `kv_cache_manager.rs` for why the pool is
+//! not read on every step). The block tables account for that memory; full blocks are copied
+//! into the [`BlockStore`] once, when registered in the prefix cache, and copied out on a hit.
 //!
 //! Inter-token latency: while any sequence is decoding, a step prefills at most
 //! `prefill_token_budget` prompt tokens in all (vLLM's chunked-prefill token budget), so a long
@@ -34,7 +34,7 @@ use mlx_rs::{Array, Dtype};
 use serde::Serialize;
 
 use crate::block_pool::{BlockId, BlockPool};
-use crate::block_store::{block_range, BlockStore};
+use crate::block_store::BlockStore;
 use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
@@ -68,7 +68,7 @@ pub struct BatchConfig {
     /// While some sequence is decoding, the most prompt tokens one step prefills (over all
     /// chunks): the bound on how long a prompt arriving makes running streams wait.
     pub prefill_token_budget: usize,
-    /// With [`BatchAttention::Batched`]: a sequence takes a prefill slot only while the prompt
+    /// A sequence takes a prefill slot only while the prompt
     /// tokens left of every sequence in a slot fit `prefill_token_budget` (the first one
     /// excepted; [`scheduler::take_prefill_slots`]), so a long prompt prefills alone and is
     /// answered first. On by default on CPU, where a pass of the budget's tokens already keeps
@@ -87,46 +87,11 @@ pub struct BatchConfig {
     /// Quantize every KV cache (running sequences and cached blocks); `None` keeps the compute
     /// dtype.
     pub kv_quantization: Option<KvQuantization>,
-    /// How steps run attention over the batch ([`BatchAttention::for_backend`] by default).
-    pub attention: BatchAttention,
-    /// With [`BatchAttention::Batched`]: how steps read the slot caches (the backend decides by
-    /// default).
+    /// How steps read the slot caches (the backend decides by default).
     pub slot_attention: SlotAttention,
-    /// With [`BatchAttention::Batched`]: run decode steps through MLX's compiler
-    /// ([`crate::compiled`]); on by default on GPUs, where a decode step is bound by the host.
+    /// Run decode steps through MLX's compiler ([`crate::compiled`]); on by default on GPUs,
+    /// where a decode step is bound by the host.
     pub compile_decode: bool,
-}
-
-/// How a step runs attention over the running sequences.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum BatchAttention {
-    /// Each sequence keeps its own contiguous [`KvCache`]: projections run batched, RoPE and
-    /// attention once per sequence and layer, and each prefilling sequence's chunk is a forward
-    /// pass of its own. Each row computes exactly what it would alone, and on a CPU the loops
-    /// cost nothing next to the arithmetic.
-    PerSequence,
-    /// Sequences live in slot-major [`SlotKvCache`]s, one for prefill and one for decode: a
-    /// prefill step runs every prefilling sequence's chunk (padded to one bucketed length) in
-    /// one forward pass, a decode step every decoding sequence's token; RoPE, the cache write
-    /// and attention are one call per layer, in shapes bucketed so that a run meets few of
-    /// them. What an accelerator needs, where every call is a kernel launch and every new shape
-    /// a new graph.
-    Batched,
-}
-
-impl BatchAttention {
-    /// Batched on every backend: on a GPU (Metal, CUDA) for its launches and shapes; on CPU
-    /// because it also prefills several short prompts in one pass, whose matmuls keep both
-    /// cores busy where one 32-token chunk does not (the 2-core dev machine, `perch bench` on
-    /// the default 135M model, 2026-11-27, runs alternating: 32 requests of 32 prompt tokens
-    /// and 16 generated 55.0 / 56.3 tok/s against 24.0 / 24.6 per sequence, prompt 147 / 150
-    /// against 59 / 61; one 1,500-token prompt prefilled at 121 against 101 tok/s (256-token
-    /// chunks against one pass), its decode step 135 against 128 ms). Per sequence stays for
-    /// models with linear-attention layers (see [`BatchGenerator::new`]) and by choice.
-    pub fn for_backend(_backend: Backend) -> Self {
-        Self::Batched
-    }
 }
 
 impl BatchConfig {
@@ -136,7 +101,7 @@ impl BatchConfig {
 
     /// Sequences that prefill in one step: 8 (mlx_lm's `prefill_batch_size`) on every backend,
     /// within the step's token budget: short prompts share a pass, which fills a GPU and, on CPU,
-    /// gives the matmuls enough rows (see [`BatchAttention::for_backend`]).
+    /// gives the matmuls enough rows (a 32-token chunk alone leaves one of two cores idle).
     pub fn default_prefill_batch_size(_backend: Backend) -> usize {
         8
     }
@@ -175,14 +140,13 @@ impl BatchConfig {
             num_blocks,
             bounded_layer_bytes: budget.bounded_bytes,
             kv_quantization,
-            attention: BatchAttention::for_backend(Backend::current()),
             slot_attention: SlotAttention::Auto,
             compile_decode: Self::default_compile_decode(Backend::current()),
         }
     }
 
-    /// Compiled decode steps on a GPU (Metal, CUDA); on CPU the per-sequence path runs, and
-    /// MLX's CPU compiler would build its fused kernels with the system's C++ compiler.
+    /// Compiled decode steps on a GPU (Metal, CUDA); not on CPU, where MLX's compiler would
+    /// build its fused kernels with the system's C++ compiler.
     pub fn default_compile_decode(backend: Backend) -> bool {
         backend != Backend::Cpu
     }
@@ -211,7 +175,7 @@ pub fn kv_bytes_per_token(model: &dyn Model, kv_quantization: Option<KvQuantizat
 ///   holds its sliding layers' KV too, for at most [`KvBudget::window_tokens`] positions (window,
 ///   one default prefill chunk and a cache growth step, see `KvCache::with_window`): it is
 ///   charged that in extra pool blocks ([`KvCacheManager::with_window_cost`]), and only its
-///   decode ring's positions once it decodes in the slot cache of [`BatchAttention::Batched`]
+///   decode ring's positions once it decodes in the decode slot cache
 ///   ([`KvCacheManager::bound_window`]). The prefix
 ///   cache's copies of sliding layers' blocks take pool blocks too, and give them up, least
 ///   recently used first, when the pool is short ([`BlockStore::with_pool_charge`]). A long
@@ -386,11 +350,9 @@ pub struct StepTimes {
     /// Prompt tokens those passes computed (padding excluded).
     pub prefill_tokens: u64,
     /// Seconds after prefill passes putting their full blocks into the prefix cache: host time
-    /// (building and dispatching the copies; waiting for them too on the per-sequence path, in
-    /// which the device idles between passes).
+    /// (building and dispatching the copies).
     pub publish_seconds: f64,
-    /// Prefill forward passes (one per sequence's chunk per step, or one per step for all the
-    /// prefill slots with [`BatchAttention::Batched`]).
+    /// Prefill forward passes (one per step, for all the prefill slots).
     pub prefill_passes: u64,
     /// Seconds building and dispatching decode steps (forward pass and sampling) plus the waits
     /// for their tokens to reach the host.
@@ -441,7 +403,7 @@ struct Sequence {
     tokens: Vec<u32>,
     /// One per layer; empty while waiting, and while the sequence is in a slot.
     cache: Vec<KvCache>,
-    /// Its row of one of the batch's [`SlotKvCache`]s ([`BatchAttention::Batched`]).
+    /// Its row of one of the batch's slot caches (`None` until it takes one).
     slot: Option<Slot>,
     /// Tokens in `cache` (all but the last of `tokens` once prefill is done).
     computed: usize,
@@ -534,20 +496,10 @@ impl<'m> BatchGenerator<'m> {
         config: BatchConfig,
         model_id: &str,
     ) -> Self {
-        // Linear-attention layers (hybrid models) keep a recurrent state per sequence, which
-        // slot caches do not hold yet: such models run per sequence. Their prefix cache keeps
-        // states at block boundaries (see `crate::block_store`).
-        let hybrid = model.has_recurrent_layers();
         let config = BatchConfig {
             max_running: config.max_running.max(1),
             prefill_batch_size: config.prefill_batch_size.max(1),
             prefill_token_budget: config.prefill_token_budget.max(1),
-            attention: if hybrid {
-                BatchAttention::PerSequence
-            } else {
-                config.attention
-            },
-            compile_decode: config.compile_decode && !hybrid,
             ..config
         };
         let budget = KvBudget::for_model(model, config.kv_quantization, 0);
@@ -568,7 +520,7 @@ impl<'m> BatchGenerator<'m> {
             tails: TailCache::default(),
             runner: ModelRunner::new(
                 model,
-                (config.attention, config.slot_attention),
+                config.slot_attention,
                 config.kv_quantization,
                 config.compile_decode,
                 (
@@ -859,7 +811,7 @@ impl<'m> BatchGenerator<'m> {
         self.store
             .load_into(&hit.blocks, &mut cache, self.config.block_size)?;
         for chunk in tokens[hit.num_tokens..].chunks(prefill_step_size.max(1)) {
-            self.model.prefill(
+            self.model.prefill_sequence(
                 &Array::from_slice(chunk, &[1, chunk.len() as i32]),
                 &mut cache,
             )?;
@@ -884,8 +836,8 @@ impl<'m> BatchGenerator<'m> {
 
     /// Runs a decode step of every row bucket up to `max_running` on scratch caches, so that a
     /// GPU backend compiles those graphs now rather than during the first requests (see
-    /// `ModelRunner::warm_up`); changes nothing in the batch. Returns the number of shapes run
-    /// (none with [`BatchAttention::PerSequence`]). The engine calls it at load on GPUs.
+    /// `ModelRunner::warm_up`); changes nothing in the batch. Returns the number of shapes run.
+    /// The engine calls it at load on GPUs.
     pub fn warm_up(&mut self) -> Result<usize> {
         let start = Instant::now();
         let shapes = self.runner.warm_up(self.config.max_running)?;
@@ -898,12 +850,8 @@ impl<'m> BatchGenerator<'m> {
     /// prompt's prefill chunk of every width, then a lone sequence's decode step at every
     /// capacity bucket ([`scheduler::decode_warm_up_positions`]), then bursts' and long prompts'
     /// prefill passes ([`scheduler::prefill_warm_up_shapes`]). Positions stay within the context
-    /// and a quarter of the pool's tokens (warm-up's zeros are that much KV for a moment). None
-    /// with [`BatchAttention::PerSequence`].
+    /// and a quarter of the pool's tokens (warm-up's zeros are that much KV for a moment).
     pub fn queue_idle_warm_up(&mut self) {
-        if self.config.attention != BatchAttention::Batched {
-            return;
-        }
         let max_positions = (self.config.num_blocks * self.config.block_size / 4)
             .min(self.model.info().context_length);
         let prefill = scheduler::prefill_warm_up_shapes(
@@ -1072,61 +1020,16 @@ impl<'m> BatchGenerator<'m> {
         self.running.iter().map(Sequence::progress).collect()
     }
 
-    /// One prefill chunk for each of the first `prefill_batch_size` sequences still prefilling,
-    /// within `prefill_token_budget` tokens in all while some sequence is decoding.
-    fn prefill(&mut self) -> Result<()> {
-        if self.config.attention == BatchAttention::Batched {
-            return self.prefill_slots();
-        }
-        let progress = self.progress();
-        let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
-        let plan =
-            scheduler::plan_prefill_chunks(&progress, self.config.prefill_batch_size, budget);
-        let hybrid = self.store.has_recurrent_layers();
-        for (i, len) in plan {
-            let seq = &mut self.running[i];
-            let len = if hybrid {
-                let len =
-                    scheduler::align_chunk_to_block(seq.computed, len, self.config.block_size);
-                match seq.branch_at {
-                    Some(at) if seq.computed < at => len.min(at - seq.computed),
-                    _ => len,
-                }
-            } else {
-                len
-            };
-            let end = seq.computed + len;
-            let chunk = &seq.tokens[seq.computed..end];
-            let start = Instant::now();
-            self.runner.prefill_alone(chunk, &mut seq.cache)?;
-            self.times.prefill_seconds += start.elapsed().as_secs_f64();
-            self.times.prefill_tokens += chunk.len() as u64;
-            self.times.prefill_passes += 1;
-            self.prompt_throughput.record(chunk.len());
-            seq.computed = end;
-            let start = Instant::now();
-            publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
-            self.times.publish_seconds += start.elapsed().as_secs_f64();
-            if seq.branch_at == Some(end) {
-                seq.branch_at = None;
-                let table = self.kv.block_table(seq.id).expect("a running request");
-                let states = recurrent_states(&seq.cache)?;
-                eval(states.iter().flatten())?;
-                self.store
-                    .put_bounded(table[end / self.config.block_size - 1], states);
-            }
-        }
-        Ok(())
-    }
-
-    /// [`BatchGenerator::prefill`] over the prefill slot cache: sequences still prefilling take
-    /// a prefill slot (up to `prefill_batch_size` of them, oldest first) and keep it until their
-    /// prompt is cached; every slot's next chunk runs in one forward pass, padded to a bucketed
-    /// length ([`scheduler::prefill_chunk_bucket`]). Each row's chunk is at most its request's
+    /// One prefill chunk for each sequence in a prefill slot, within `prefill_token_budget`
+    /// tokens in all while some sequence is decoding: sequences still prefilling take a prefill
+    /// slot (up to `prefill_batch_size` of them, oldest first) and keep it until their prompt is
+    /// cached; every slot's next chunk runs in one forward pass, padded to a bucketed length
+    /// ([`scheduler::prefill_chunk_bucket`]). Each row's chunk is at most its request's
     /// `prefill_step_size` and the budget's share per row, and never wider than the budget, even
     /// with no sequence decoding: the slot caches' rings are sized by it
-    /// ([`scheduler::plan_slot_chunks`]).
-    fn prefill_slots(&mut self) -> Result<()> {
+    /// ([`scheduler::plan_slot_chunks`]). A hybrid model's chunks end on block boundaries, where
+    /// the prefix cache keeps recurrent states ([`scheduler::align_chunk_to_block`]).
+    fn prefill(&mut self) -> Result<()> {
         let progress = self.progress();
         let entering = scheduler::take_prefill_slots(
             &progress,
@@ -1155,11 +1058,22 @@ impl<'m> BatchGenerator<'m> {
         let members: Vec<usize> = slots.iter().flatten().copied().collect();
         let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
         let row_progress: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
-        let chunks = scheduler::plan_slot_chunks(
+        let mut chunks = scheduler::plan_slot_chunks(
             &row_progress,
             budget,
             self.config.prefill_token_budget.max(1),
         );
+        let hybrid = self.store.has_recurrent_layers();
+        if hybrid {
+            let block_size = self.config.block_size;
+            for (chunk, &i) in chunks.iter_mut().zip(&members) {
+                let seq = &self.running[i];
+                *chunk = scheduler::align_chunk_to_block(seq.computed, *chunk, block_size);
+                if let Some(at) = seq.branch_at.filter(|&at| seq.computed < at) {
+                    *chunk = (*chunk).min(at - seq.computed);
+                }
+            }
+        }
         let width = scheduler::prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
         // Members and their chunks come in slot order.
         let mut chunk = chunks.iter();
@@ -1186,6 +1100,15 @@ impl<'m> BatchGenerator<'m> {
             seq.computed += chunk;
             // Not waited for: the copies follow the pass in flight (see `prefill_step`).
             publish(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
+            if hybrid && seq.branch_at == Some(seq.computed) {
+                // The recomputed shared blocks' last one gets the states at its end.
+                seq.branch_at = None;
+                let table = self.kv.block_table(seq.id).expect("a running request");
+                let id = table[seq.computed / self.config.block_size - 1];
+                let states = slot_states(&self.runner, seq.slot.expect("in a prefill slot"))?;
+                async_eval(states.iter().flatten())?;
+                self.store.put_bounded(id, states);
+            }
         }
         self.runner.end_prefill_step()?;
         self.times.publish_seconds += start.elapsed().as_secs_f64();
@@ -1244,32 +1167,26 @@ impl<'m> BatchGenerator<'m> {
             return Ok(events);
         }
         let start = Instant::now();
-        if self.config.attention == BatchAttention::Batched {
-            self.enter_decode_slots(&ready)?;
-        }
+        self.enter_decode_slots(&ready)?;
         let mut first_steps = 0;
         let vocab = self.model.info().vocab_size;
         let mut rows = Vec::with_capacity(ready.len());
-        let mut next = ready.iter().enumerate().peekable();
+        let mut next = ready.iter().peekable();
         for (i, seq) in self.running.iter_mut().enumerate() {
-            let Some(&(k, _)) = next.peek().filter(|(_, &r)| r == i) else {
+            if next.next_if(|&&r| r == i).is_none() {
                 continue;
-            };
-            next.next();
+            }
             // A sequence's first decode step also processes its last prompt token.
             first_steps +=
                 usize::from(seq.computed + 1 == seq.tokens.len() && seq.first_token_at.is_none());
             seq.computed += 1;
-            let (row, cache) = match seq.slot {
-                Some(Slot::Decode(row)) => (row, None),
-                Some(Slot::Prefill(_)) => unreachable!("a ready sequence left its prefill slot"),
-                None => (k, Some(&mut seq.cache[..])),
+            let Some(Slot::Decode(row)) = seq.slot else {
+                unreachable!("a ready sequence is in a decode slot")
             };
             rows.push(DecodeRow {
                 id: seq.id,
                 row,
                 last_token: *seq.tokens.last().expect("non-empty"),
-                cache,
                 sampler: &mut seq.sampler,
                 history: &mut seq.history,
                 logprobs: seq.request.logprobs,
@@ -1282,10 +1199,13 @@ impl<'m> BatchGenerator<'m> {
             // States after a block boundary, for the block that ends there (lazy; the step
             // just dispatched computes them).
             let block_size = self.config.block_size;
-            for seq in &mut self.running {
-                let stepped = seq.slot.is_none() && seq.prefill_done() && !seq.cache.is_empty();
-                if stepped && seq.computed % block_size == 0 {
-                    seq.boundary_state = Some((seq.computed, recurrent_states(&seq.cache)?));
+            for &i in &ready {
+                let seq = &mut self.running[i];
+                if seq.computed % block_size == 0 {
+                    let slot = seq.slot.expect("a decoding sequence is in a slot");
+                    let states = slot_states(&self.runner, slot)?;
+                    async_eval(states.iter().flatten())?;
+                    seq.boundary_state = Some((seq.computed, states));
                 }
             }
         }
@@ -1295,10 +1215,9 @@ impl<'m> BatchGenerator<'m> {
         self.prompt_throughput.record(first_steps);
         self.read_in_flight(&mut events)?;
         if self.model.has_sliding_window_layers() {
-            // Decoding sequences publish blocks as they fill: in their own caches, so that
-            // sliding layers drop the positions out of their window while the sequence
-            // decodes; in slots, before the sliding layers' rings overwrite them (a block's
-            // positions last `R - window` more steps there, see `slot_cache`). The copies run
+            // Decoding sequences publish blocks as they fill, before the sliding layers' rings
+            // overwrite them (a block's positions last `R - window` more steps there, see
+            // `slot_cache`). The copies run
             // after the step just dispatched; nothing waits for them. Only tokens already read
             // can be hashed.
             for seq in &mut self.running {
@@ -1518,13 +1437,14 @@ fn computed_blocks(kv: &KvCacheManager, store: &BlockStore, prompt: &[u32]) -> C
     hit
 }
 
-/// A sequence's recurrent layers' states now, per layer (empty for attention layers), in the
-/// form a block keeps them ([`KvCache::block_parts`]; lazy).
-fn recurrent_states(cache: &[KvCache]) -> Result<Vec<Vec<Array>>> {
-    cache
-        .iter()
-        .map(|layer| match layer.is_recurrent() {
-            true => layer.block_parts(layer.offset(), layer.offset()),
+/// The recurrent layers' states of the sequence in `slot` now, per layer (empty for attention
+/// layers), copied out in the form a block keeps them ([`KvCache::block_parts`]; lazy).
+fn slot_states(runner: &ModelRunner, slot: Slot) -> Result<Vec<Vec<Array>>> {
+    let (slots, row) = runner.slot_cache(slot);
+    let len = slots.slot_len(row);
+    (0..slots.num_layers())
+        .map(|layer| match slots.is_recurrent(layer) {
+            true => slots.copy_parts(row, layer, len, len),
             false => Ok(Vec::new()),
         })
         .collect()
@@ -1605,18 +1525,14 @@ fn allow_release(cache: &mut [KvCache], published: usize) {
 
 /// Most positions one copy of a slot sequence's KV serves when it is published (see
 /// [`publish`]): a whole default prefill chunk (`prefill_step_size`), so a pass publishes one
-/// copy per row and layer part. Runs of 16 blocks of 32 positions cost four times as many
-/// copies, each a launch for the host: on an H100 (2026-11-26, `perch bench`, 7,936-token
-/// prompts, two rounds each) publishing four prompts' `gemma3_text-kv` blocks took 62–65 ms of
-/// their 130 ms of prefill with runs of 512 positions, 18–19 ms with runs of 2,048 (prompt
-/// 184–190k against 256–265k tok/s), one prompt's 12–15 against 3.5–4.3 ms.
+/// copy per row and layer part (each copy is a launch for the host; runs of 512 positions made
+/// publishing a third of a long prompt's prefill on an H100).
 const PUBLISH_RUN_TOKENS: usize = 2048;
 
 /// Registers the full blocks `seq` has computed since the last call in the prefix cache and
-/// copies the content of those that became cache entries into the store. With `wait` false
-/// the copies are dispatched and not waited for (a decode step in flight keeps running).
-/// A sequence computing in its own cache then lets its sliding-window layers drop what was
-/// published ([`allow_release`]).
+/// copies the content of those that became cache entries into the store, from its slot. With
+/// `wait` false the copies are dispatched and not waited for (a decode step in flight keeps
+/// running).
 fn publish(
     kv: &mut KvCacheManager,
     store: &mut BlockStore,
@@ -1625,27 +1541,26 @@ fn publish(
     wait: bool,
 ) -> Result<()> {
     let full = seq.computed / kv.block_size();
-    // An anonymous prefix's placeholder tokens must never be hashed.
+    // An anonymous prefix's placeholder tokens must never be hashed. A sequence computes only in
+    // a slot: one without a slot holds what it loaded from the prefix cache, published already.
+    let Some(slot) = seq.slot else {
+        return Ok(());
+    };
     if full <= seq.published_blocks || seq.preloaded.is_some() {
         return Ok(());
     }
     let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);
     let block_size = kv.block_size();
+    let (slots, row) = runner.slot_cache(slot);
+    let hybrid = store.has_recurrent_layers();
     // Blocks of the prefix hit that this sequence recomputed because their sliding layers' KV
     // was dropped (see `BlockStore::usable_blocks`): they get it back from this sequence.
     let table = kv.block_table(seq.id).expect("a running request");
     let refill: Vec<(usize, BlockId)> = (seq.published_blocks..full)
         .map(|index| (index, table[index]))
-        .filter(|&(_, id)| {
-            !store.has_recurrent_layers() && store.contains(id) && !store.holds_every_layer(id)
-        })
+        .filter(|&(_, id)| !hybrid && store.contains(id) && !store.holds_every_layer(id))
         .collect();
     for &(index, id) in &refill {
-        let Some(slot) = seq.slot else {
-            store.put_bounded_from(id, &seq.cache, index, block_size)?;
-            continue;
-        };
-        let (slots, row) = runner.slot_cache(slot);
         let (start, end) = (index * block_size, (index + 1) * block_size);
         let parts = (0..store.num_layers())
             .map(|layer| match store.is_bounded(layer) {
@@ -1655,52 +1570,44 @@ fn publish(
             .collect::<Result<Vec<_>>>()?;
         store.put_bounded(id, parts);
     }
-    if let Some(slot) = seq.slot {
-        // One copy per layer part for each run of consecutive blocks (of a prefill chunk, up to
-        // PUBLISH_RUN_TOKENS positions), its blocks kept as places in it
-        // (`BlockStore::put_run`): a 2,048-token chunk in blocks of 32 is 64 blocks, and
-        // copying each apart made 64 small arrays per layer part (on an H100, four
-        // 8,192-token prompts spent 70% of their prefill on them), a view of the run per block
-        // as many again. A run's copy lives while any of its blocks does, so evicting part of
-        // a run frees its memory with the last of them: the store counts each block's share,
-        // and does not see the rest of a partly evicted run (at most PUBLISH_RUN_TOKENS less a
-        // block). The pool evicts a finished sequence's blocks last first, so a run stays
-        // partly evicted only where a prefix that other prompts hit ends inside it (a shared
-        // system prompt's last run, one per such prefix).
-        let (slots, row) = runner.slot_cache(slot);
-        let runs = entries
-            .chunk_by(|a, b| b.0 == a.0 + 1)
-            .flat_map(|run| run.chunks((PUBLISH_RUN_TOKENS / block_size).max(1)));
-        for run in runs {
-            let (first, last) = (run[0].0, run[run.len() - 1].0);
-            let copies = (0..slots.num_layers())
-                .map(|layer| {
-                    slots.copy_parts(row, layer, first * block_size, (last + 1) * block_size)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let ids: Vec<BlockId> = run.iter().map(|&(_, id)| id).collect();
-            store.put_run(&ids, copies);
-        }
-    } else {
-        // A sequence in its own cache: a copy per block (cheap on the CPU, where this path runs).
+    // One copy per layer part for each run of consecutive blocks (of a prefill chunk, up to
+    // PUBLISH_RUN_TOKENS positions), its blocks kept as places in it (`BlockStore::put_run`):
+    // a 2,048-token chunk in blocks of 32 is 64 blocks, and a copy and a view per block and
+    // layer part cost the host more than the copies themselves. A run's copy lives (and
+    // counts in the prefix cache's bytes) while any of its blocks does, so evicting part of a
+    // run frees its memory with the last of them. The pool evicts a finished sequence's blocks
+    // last first, so a run stays partly evicted only where a prefix that other prompts hit ends
+    // inside it (a shared system prompt's last run, one per such prefix). A recurrent layer
+    // has no positions: a block keeps its state only where the sequence's state was at the
+    // block's end (now, or at the last boundary a decode step crossed; see `crate::block_store`).
+    let runs = entries
+        .chunk_by(|a, b| b.0 == a.0 + 1)
+        .flat_map(|run| run.chunks((PUBLISH_RUN_TOKENS / block_size).max(1)));
+    for run in runs {
+        let (first, last) = (run[0].0, run[run.len() - 1].0);
+        let copies = (0..slots.num_layers())
+            .map(|layer| match slots.is_recurrent(layer) {
+                true => Ok(Vec::new()),
+                false => slots.copy_parts(row, layer, first * block_size, (last + 1) * block_size),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ids: Vec<BlockId> = run.iter().map(|&(_, id)| id).collect();
+        store.put_run(&ids, copies);
+    }
+    if hybrid {
         for &(index, id) in &entries {
-            let (start, end) = block_range(index, block_size);
-            let boundary = seq
-                .boundary_state
-                .as_ref()
-                .filter(|(at, _)| *at == end as usize);
-            let parts = seq
-                .cache
-                .iter()
-                .enumerate()
-                .map(|(layer, cache)| match boundary {
-                    Some((_, states)) if cache.is_recurrent() && end < cache.offset() => {
-                        Ok(states[layer].clone())
-                    }
-                    _ => cache.block_parts(start, end),
-                })
-                .collect::<Result<Vec<_>>>()?;
-            store.put_parts(id, parts);
+            let end = (index + 1) * block_size;
+            let states = if end == slots.slot_len(row) {
+                Some(slot_states(runner, slot)?)
+            } else {
+                seq.boundary_state
+                    .as_ref()
+                    .filter(|(at, _)| *at == end)
+                    .map(|(_, states)| states.clone())
+            };
+            if let Some(states) = states {
+                store.put_bounded(id, states);
+            }
         }
     }
     let ids: Vec<BlockId> = entries.iter().chain(&refill).map(|&(_, id)| id).collect();
@@ -1710,9 +1617,6 @@ fn publish(
         async_eval(store.state(&ids))?;
     }
     seq.published_blocks = full;
-    if seq.slot.is_none() {
-        allow_release(&mut seq.cache, full * block_size);
-    }
     charge_pool(kv, store);
     Ok(())
 }

@@ -9,63 +9,20 @@
 //! growing, writing and slicing are the same code for both; "parts" below means these buffers'
 //! contents in this order.
 
+use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array};
 
+use crate::attention::{
+    quantized_scaled_dot_product_attention, window_mask, AttentionSpec, KvMask,
+};
+pub use crate::attention::{CachedKv, KvQuantization};
 use crate::error::{EngineError, Result};
 use crate::mlx_ext::{owned_copy, slice, slice_update};
 
-/// KV cache quantization (MLX affine, as mlx_lm's `--kv-bits` / `--kv-group-size`): keys and
-/// values are stored with `bits` per element plus a float scale and bias per `group_size`
-/// elements of each head vector. 8 bits is close to lossless; 4 bits halves the memory again.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct KvQuantization {
-    pub bits: i32,
-    pub group_size: i32,
-}
-
-impl KvQuantization {
-    /// mlx_lm's default group size.
-    pub const DEFAULT_GROUP_SIZE: i32 = 64;
-
-    /// Checks `bits` (2, 3, 4, 5, 6 or 8) and `group_size` (32, 64 or 128), and that the group
-    /// size divides `head_dim`.
-    pub fn new(bits: i32, group_size: i32, head_dim: i32) -> Result<Self> {
-        let invalid = |message: String| EngineError::InvalidKvQuantization(message);
-        if ![2, 3, 4, 5, 6, 8].contains(&bits) {
-            return Err(invalid(format!(
-                "{bits} bits is not an MLX quantization width (2, 3, 4, 5, 6 or 8)"
-            )));
-        }
-        if ![32, 64, 128].contains(&group_size) {
-            return Err(invalid(format!(
-                "group size {group_size} is not 32, 64 or 128"
-            )));
-        }
-        if head_dim % group_size != 0 {
-            return Err(invalid(format!(
-                "group size {group_size} does not divide the model's head dimension {head_dim}"
-            )));
-        }
-        Ok(Self { bits, group_size })
-    }
-
-    /// Bytes one head vector of `head_dim` elements takes: packed values plus a scale and a bias
-    /// per group in the compute dtype (`dtype_bytes`).
-    pub fn bytes_per_vector(&self, head_dim: usize, dtype_bytes: usize) -> usize {
-        head_dim * self.bits as usize / 8 + 2 * (head_dim / self.group_size as usize) * dtype_bytes
-    }
-}
-
-/// What attention reads after an update: every cached position, float or quantized.
-pub enum CachedKv {
-    /// Keys and values `[batch, kv_heads, positions, head_dim]`.
-    Dense { keys: Array, values: Array },
-    /// Packed values, scales and biases of keys and of values (see the module docs).
-    Quantized {
-        keys: [Array; 3],
-        values: [Array; 3],
-        quantization: KvQuantization,
-    },
+/// A mask [`KvCache::attend`] chose: causal, or an array it made.
+enum KvMaskOwned {
+    Causal,
+    Array(Array),
 }
 
 /// Keys and values `[batch, kv_heads, new, head_dim]` as a cache of format `quantization` stores
@@ -83,25 +40,6 @@ pub(crate) fn kv_parts(
             vec![kw, ks, kb, vw, vs, vb]
         }
     })
-}
-
-impl CachedKv {
-    /// Parts in the order [`kv_parts`] makes them (2, or 6 when `quantization` is set).
-    pub(crate) fn from_parts(quantization: Option<KvQuantization>, parts: Vec<Array>) -> Self {
-        let mut all = parts.into_iter();
-        let mut next = || all.next().expect("one part per buffer");
-        match quantization {
-            None => CachedKv::Dense {
-                keys: next(),
-                values: next(),
-            },
-            Some(quantization) => CachedKv::Quantized {
-                keys: [next(), next(), next()],
-                values: [next(), next(), next()],
-                quantization,
-            },
-        }
-    }
 }
 
 /// The cache of one layer of one sequence. An attention layer's: the first `offset` positions of
@@ -423,6 +361,113 @@ impl KvCache {
             self.quantization,
             self.parts(self.base, self.offset)?,
         ))
+    }
+
+    /// Attention of `queries` `[1, heads, seq, head_dim]` (rotated, at the `seq` positions after
+    /// those held before this pass) over this layer's cache, after appending `kv` (rotated keys
+    /// and values `[1, kv_heads, seq, head_dim]`; `None` for a layer that reads this cache as an
+    /// earlier layer left it in the same pass: Gemma 4's KV-shared layers) → `[1, heads, seq,
+    /// head_dim]`. How it reads is the cache's business, as mlx_lm's caches decide it: causal
+    /// over every position (fused, or quantized as mlx_lm's
+    /// `quantized_scaled_dot_product_attention`), a bounded cache's first and recent positions
+    /// ([`KvCache::limited_fetch`]), a sliding window's last positions.
+    pub fn attend(
+        &mut self,
+        queries: &Array,
+        kv: Option<(Array, Array)>,
+        spec: &AttentionSpec<'_>,
+    ) -> Result<Array> {
+        let seq = queries.shape()[2];
+        let offset = match kv {
+            Some(_) => self.offset,
+            None => self.offset - seq,
+        };
+        // One new token attends to everything cached: no mask (as mlx-lm passes None).
+        let causal = seq > 1;
+        let cached = match kv {
+            Some((keys, values)) => self.update_and_fetch(&keys, &values)?,
+            None => self.fetch()?,
+        };
+        // A cache bounded by max_kv_size reads its first and its recent positions.
+        if self.limit.is_some() && spec.window.is_none() {
+            let limited = self.limited_fetch(seq)?;
+            let mask = match &limited.mask {
+                Some(mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
+                None => causal.then_some(ScaledDotProductAttentionMask::Causal),
+            };
+            return Ok(scaled_dot_product_attention(
+                queries,
+                &limited.keys,
+                &limited.values,
+                spec.scale,
+                mask,
+                spec.sinks,
+            )?);
+        }
+        // A sliding layer whose window leaves positions out reads from the first position its
+        // first query sees, masked by distance for more than one query. (The cache may have
+        // dropped positions before that one: what it returns starts at its first position.)
+        let (cached, mask) = match spec.window.filter(|&w| offset + seq > w) {
+            Some(window) => {
+                let start = (offset + 1 - window).max(0);
+                let mask = causal
+                    .then(|| window_mask(offset, seq, start, window))
+                    .transpose()?;
+                let skip = start - self.base;
+                let from = |a: Array| -> Result<Array> {
+                    let s = a.shape();
+                    Ok(slice(&a, &[0, 0, skip, 0], &[s[0], s[1], s[2], s[3]])?)
+                };
+                let cached = match cached {
+                    CachedKv::Dense { keys, values } => CachedKv::Dense {
+                        keys: from(keys)?,
+                        values: from(values)?,
+                    },
+                    CachedKv::Quantized {
+                        keys: [kw, ks, kb],
+                        values: [vw, vs, vb],
+                        quantization,
+                    } => CachedKv::Quantized {
+                        keys: [from(kw)?, from(ks)?, from(kb)?],
+                        values: [from(vw)?, from(vs)?, from(vb)?],
+                        quantization,
+                    },
+                };
+                (cached, mask.map(KvMaskOwned::Array))
+            }
+            None => (cached, causal.then_some(KvMaskOwned::Causal)),
+        };
+        match cached {
+            CachedKv::Dense { keys, values } => {
+                let mask = match &mask {
+                    Some(KvMaskOwned::Array(mask)) => {
+                        Some(ScaledDotProductAttentionMask::Array(mask))
+                    }
+                    Some(KvMaskOwned::Causal) => Some(ScaledDotProductAttentionMask::Causal),
+                    None => None,
+                };
+                Ok(scaled_dot_product_attention(
+                    queries, &keys, &values, spec.scale, mask, spec.sinks,
+                )?)
+            }
+            CachedKv::Quantized {
+                keys,
+                values,
+                quantization,
+            } => quantized_scaled_dot_product_attention(
+                queries,
+                &keys,
+                &values,
+                spec.scale,
+                quantization,
+                match &mask {
+                    Some(KvMaskOwned::Array(mask)) => KvMask::Array(mask),
+                    Some(KvMaskOwned::Causal) => KvMask::Causal,
+                    None => KvMask::None,
+                },
+                spec.sinks,
+            ),
+        }
     }
 
     /// Every held position, as [`KvCache::update_and_fetch`] returns them, without appending

@@ -1,5 +1,5 @@
 //! A slot-cache step compiled by MLX (`mx.compile`): the forward pass of
-//! [`Model::forward_slot_step`] traced once per input shape and replayed after that, instead of
+//! [`Model::forward`] over slot caches traced once per input shape and replayed after that, instead of
 //! building its graph op by op from Rust every step.
 //!
 //! Why: a decode step of a small model on a GPU is bound by the host, not the device (the step
@@ -36,12 +36,13 @@ use mlx_rs::Array;
 
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
-use crate::models::Model;
+use crate::layer_caches::LayerCaches;
+use crate::models::{Model, Output};
 use crate::slot_cache::{SlotKvCache, SlotStep};
 
 type StepFn = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Exception>>;
 
-/// [`Model::forward_slots`] through MLX's compiler, for the slot caches of one setting (the
+/// `forward_slots` through MLX's compiler, for the slot caches of one setting (the
 /// template's layers, quantization and attention setting).
 pub(crate) struct CompiledSlotForward {
     step: StepFn,
@@ -71,7 +72,16 @@ impl CompiledSlotForward {
             let mut cache = template.over_buffers(buffers);
             let read = cache.read(Backend::current(), ids.shape()[1] as usize);
             let step = SlotStep::with_arrays(step.to_vec(), read);
-            let logits = model.forward_slot_step(ids, &mut cache, &step)?;
+            let logits = model
+                .forward(
+                    ids,
+                    &mut LayerCaches::Slots {
+                        cache: &mut cache,
+                        step: &step,
+                    },
+                    Output::Logits,
+                )?
+                .expect("logits were asked for");
             let mut outputs = vec![logits];
             outputs.extend(cache.into_buffers());
             Ok(outputs)
@@ -96,7 +106,7 @@ impl CompiledSlotForward {
         self.steps
     }
 
-    /// As [`Model::forward_slots`]: token ids `[rows, tokens]` → logits `[rows, tokens,
+    /// As `forward_slots`: token ids `[rows, tokens]` → logits `[rows, tokens,
     /// vocab]`, slot `r` holding `new_tokens[r]` more positions afterwards. A cache with no
     /// buffers yet (nothing written) runs `model`'s step uncompiled, which creates them.
     pub fn forward(
@@ -109,7 +119,7 @@ impl CompiledSlotForward {
         if !slots.has_buffers() {
             return model.forward_slots(ids, slots, new_tokens);
         }
-        let step = slots.begin_step(ids.shape()[1] as usize)?;
+        let step = slots.begin_step(ids.shape()[1] as usize, new_tokens)?;
         let step_arrays = step.arrays();
         let mut inputs = Vec::with_capacity(1 + step_arrays.len() + slots.num_layers() * 6);
         inputs.push(ids.clone());

@@ -27,9 +27,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::batch::{
-    BatchAttention, BatchConfig, BatchEvent, BatchGenerator, KvCacheStats, StepTimes,
-};
+use crate::batch::{BatchConfig, BatchEvent, BatchGenerator, KvCacheStats, StepTimes};
 use crate::cache::KvQuantization;
 use crate::chat_template::ChatMessage;
 use crate::device::{memory_stats, Backend, MemoryStats};
@@ -60,9 +58,6 @@ pub struct EngineConfig {
     /// the tokens (float32, head dimension 64); `None` keeps the compute dtype. Loading fails
     /// with [`EngineError::InvalidKvQuantization`] when it does not fit the model.
     pub kv_quantization: Option<KvQuantization>,
-    /// How decode steps attend: per sequence or batched over slot caches (see
-    /// [`BatchAttention`]); the backend decides by default (batched on GPUs).
-    pub attention: BatchAttention,
     /// How batched steps read their slot caches (see [`SlotAttention`]); the backend decides by
     /// default.
     pub slot_attention: SlotAttention,
@@ -73,7 +68,7 @@ pub struct EngineConfig {
     /// before a request does (see [`BatchGenerator::queue_idle_warm_up`]); a request that
     /// arrives waits for one pass at most. On by default on CUDA, where each new shape costs
     /// tens of milliseconds the first time (a cuDNN plan and a CUDA graph); off elsewhere
-    /// (Metal's cost per shape is unmeasured here). Needs [`BatchAttention::Batched`].
+    /// (Metal's cost per shape is unmeasured here).
     pub idle_warm_up: bool,
     /// Next-token-logprobs calls that arrive at an idle engine are gathered into one batch
     /// until this many are waiting or [`EngineConfig::logprobs_batch_timeout`] has passed since
@@ -142,7 +137,6 @@ impl Default for EngineConfig {
             kv_cache_bytes: Self::DEFAULT_KV_CACHE_BYTES,
             block_size: Self::DEFAULT_BLOCK_SIZE,
             kv_quantization: None,
-            attention: BatchAttention::for_backend(Backend::current()),
             slot_attention: SlotAttention::Auto,
             compile_decode: BatchConfig::default_compile_decode(Backend::current()),
             idle_warm_up: Backend::current() == Backend::Cuda,
@@ -975,7 +969,6 @@ impl EngineThread {
             max_running: config.max_running,
             prefill_batch_size: config.prefill_batch_size,
             prefill_token_budget: config.prefill_token_budget,
-            attention: config.attention,
             slot_attention: config.slot_attention,
             compile_decode: config.compile_decode,
             ..BatchConfig::for_budget(

@@ -218,7 +218,7 @@ pub fn generate(
     // Prefill all but the last prompt token in chunks; the last one goes through the first step.
     let step = request.prefill_step_size.max(1);
     for chunk in prompt[..prompt.len() - 1].chunks(step) {
-        model.prefill(
+        model.prefill_sequence(
             &Array::from_slice(chunk, &[1, chunk.len() as i32]),
             &mut cache,
         )?;
@@ -230,7 +230,7 @@ pub fn generate(
 
     let last = Array::from_slice(&prompt[prompt.len() - 1..], &[1]);
     if request.next_token_logprobs {
-        let logits = model.forward(&last.reshape(&[1, 1])?, &mut cache)?;
+        let logits = model.forward_sequence(&last.reshape(&[1, 1])?, &mut cache)?;
         let vocab = logits.shape()[2];
         let distribution = log_softmax_f32(&logits.reshape(&[vocab])?)?;
         let mut output = sink.output;
@@ -525,7 +525,7 @@ fn decode_step(
     history: &mut RecentTokens,
     top_logprobs: Option<usize>,
 ) -> Result<Sampled> {
-    let logits = model.forward(&token.reshape(&[1, 1])?, cache)?;
+    let logits = model.forward_sequence(&token.reshape(&[1, 1])?, cache)?;
     let vocab = logits.shape()[2];
     sample_next(
         &logits.reshape(&[1, vocab])?,

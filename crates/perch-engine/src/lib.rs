@@ -7,6 +7,7 @@
 //! (choosing tokens, ending); [`generate`] (the loop); [`engine`] (the engine thread and
 //! [`EngineHandle`]); [`device`] (backend, dtype, memory).
 
+pub mod attention;
 pub mod batch;
 pub mod block_pool;
 pub mod block_store;
@@ -22,6 +23,7 @@ pub mod generate;
 pub mod generation_config;
 pub mod grammar;
 pub mod kv_cache_manager;
+pub mod layer_caches;
 pub mod layers;
 pub mod limits;
 mod mlx_ext;

@@ -1,7 +1,6 @@
 //! The batch's model runner: executes the steps [`crate::batch::BatchGenerator`] schedules (vLLM
 //! v1's split of scheduler and model runner). It owns the model's side of the batch: the slot
-//! caches of [`BatchAttention::Batched`], the forward passes, sampling, and the decode step in
-//! flight. The generator decides which sequences step and with how many tokens (through the
+//! caches, the forward passes, sampling, and the decode step in flight. The generator decides which sequences step and with how many tokens (through the
 //! plain functions of [`crate::scheduler`]), owns the sequences, their block tables and the
 //! prefix cache, and hands the runner what one step needs: token chunks, per-sequence caches,
 //! samplers.
@@ -19,7 +18,6 @@ use std::time::Instant;
 use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{ops, Array, Dtype};
 
-use crate::batch::BatchAttention;
 use crate::cache::{KvCache, KvQuantization};
 use crate::compiled::CompiledSlotForward;
 use crate::device::Backend;
@@ -32,7 +30,7 @@ use crate::sampler::Sampler;
 use crate::scheduler::PrefillShape;
 use crate::slot_cache::{row_bucket, SlotAttention, SlotKvCache};
 
-/// Where a sequence's KV lives with [`BatchAttention::Batched`].
+/// Which slot cache a sequence's KV (and recurrent state) lives in, and its row there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Slot {
     /// A row of the prefill slot cache, while its prompt is prefilled.
@@ -61,13 +59,10 @@ impl Slots {
 /// One sequence's part in a decode step.
 pub(crate) struct DecodeRow<'a> {
     pub id: RequestId,
-    /// Its row of the step's logits: its decode slot with [`BatchAttention::Batched`], its
-    /// index among the step's rows otherwise.
+    /// Its row of the step's logits: its decode slot.
     pub row: usize,
     /// Its last known token, fed unless the step in flight sampled a newer one.
     pub last_token: u32,
-    /// Its own cache ([`BatchAttention::PerSequence`]; `None` in a slot).
-    pub cache: Option<&'a mut [KvCache]>,
     pub sampler: &'a mut Sampler,
     pub history: &'a mut RecentTokens,
     /// Top log-probabilities asked for.
@@ -91,9 +86,8 @@ pub(crate) struct StepToken {
 /// Runs the batch's forward passes; see the module docs.
 pub(crate) struct ModelRunner<'m> {
     model: &'m dyn Model,
-    attention: BatchAttention,
     slots: Slots,
-    /// Decode steps through MLX's compiler, when enabled (with [`BatchAttention::Batched`]).
+    /// Decode steps through MLX's compiler, when enabled.
     compiled_decode: Option<CompiledSlotForward>,
     /// The decode step dispatched and not read yet.
     in_flight: Option<InFlight>,
@@ -107,25 +101,25 @@ impl<'m> ModelRunner<'m> {
     /// [`SlotKvCache::with_windows`]).
     pub fn new(
         model: &'m dyn Model,
-        (attention, slot_attention): (BatchAttention, SlotAttention),
+        slot_attention: SlotAttention,
         quantization: Option<KvQuantization>,
         compile_decode: bool,
         (max_prefill_tokens, block_size): (usize, usize),
     ) -> Self {
         let num_layers = model.info().num_layers;
-        let windows: Vec<Option<i32>> =
-            model.make_cache(None).iter().map(KvCache::window).collect();
+        let layers = model.make_cache(None);
+        let windows: Vec<Option<i32>> = layers.iter().map(KvCache::window).collect();
+        let recurrent: Vec<bool> = layers.iter().map(KvCache::is_recurrent).collect();
         let cache = |max_step_tokens| {
             SlotKvCache::new(num_layers, quantization)
                 .with_attention(slot_attention)
                 .with_windows(&windows, max_step_tokens, block_size)
+                .with_recurrent_layers(&recurrent)
         };
         let decode = cache(1);
-        let compiled_decode = (compile_decode && attention == BatchAttention::Batched)
-            .then(|| CompiledSlotForward::new(model, &decode));
+        let compiled_decode = compile_decode.then(|| CompiledSlotForward::new(model, &decode));
         Self {
             model,
-            attention,
             slots: Slots {
                 prefill: cache(max_prefill_tokens),
                 decode,
@@ -137,7 +131,7 @@ impl<'m> ModelRunner<'m> {
     }
 
     /// One decode step over the decode slot cache `slots` (the runner's or a scratch one set up
-    /// as it): compiled when enabled, as [`Model::forward_slots`] otherwise.
+    /// as it): compiled when enabled, as `forward_slots` otherwise.
     fn forward_decode(
         model: &dyn Model,
         compiled: Option<&mut CompiledSlotForward>,
@@ -157,11 +151,8 @@ impl<'m> ModelRunner<'m> {
     /// each new one (a first-call cost a running stream would otherwise see as one slow token),
     /// and compiled steps are traced. Then, where long sequences at the largest row bucket are
     /// read another way (CUDA's explicit read), one step of that shape. Returns the number of
-    /// shapes run; none without [`BatchAttention::Batched`].
+    /// shapes run.
     pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
-        if self.attention != BatchAttention::Batched {
-            return Ok(0);
-        }
         let mut slots = self.slots.decode.empty_like();
         let mut shapes = 0;
         for n in 1..=max_rows.max(1) {
@@ -198,10 +189,9 @@ impl<'m> ModelRunner<'m> {
     /// Runs one batched prefill pass of `shape` over a scratch prefill cache (rows of zeros
     /// when it starts after `computed` positions), evaluated, so that MLX meets that shape
     /// before a request does (see [`crate::scheduler::prefill_warm_up_shapes`]); changes nothing
-    /// in the batch. Does nothing without [`BatchAttention::Batched`] or for a shape wider than
-    /// the prefill cache's step.
+    /// in the batch. Does nothing for a shape wider than the prefill cache's step.
     pub fn warm_up_prefill(&mut self, shape: PrefillShape) -> Result<()> {
-        if self.attention != BatchAttention::Batched || shape.width > self.max_prefill_tokens {
+        if shape.width > self.max_prefill_tokens {
             return Ok(());
         }
         let mut slots = self.slots.prefill.empty_like();
@@ -224,12 +214,8 @@ impl<'m> ModelRunner<'m> {
 
     /// Runs one decode step of a lone sequence of `positions` zeroed positions over a scratch
     /// decode cache, argmax included, evaluated (see
-    /// [`crate::scheduler::decode_warm_up_positions`]); changes nothing in the batch. Does
-    /// nothing without [`BatchAttention::Batched`].
+    /// [`crate::scheduler::decode_warm_up_positions`]); changes nothing in the batch.
     pub fn warm_up_decode_at(&mut self, positions: usize) -> Result<()> {
-        if self.attention != BatchAttention::Batched {
-            return Ok(());
-        }
         let mut long = self.slots.decode.empty_like();
         long.push_zeros(&self.shaped_like(&self.slots.decode)?, positions)?;
         self.warm_up_step(&mut long)
@@ -302,14 +288,6 @@ impl<'m> ModelRunner<'m> {
     /// [`ModelRunner::prefill_step`]'s chunks).
     pub fn prefill_slot_span(&self) -> usize {
         self.slots.prefill.slots()
-    }
-
-    /// One prefill chunk of one sequence through its own cache, evaluated.
-    pub fn prefill_alone(&self, chunk: &[u32], cache: &mut [KvCache]) -> Result<()> {
-        self.model
-            .prefill(&Array::from_slice(chunk, &[1, chunk.len() as i32]), cache)?;
-        eval(cache.iter().flat_map(KvCache::state))?;
-        Ok(())
     }
 
     /// Puts a sequence whose `cache` holds `computed` positions into the next prefill slot.
@@ -388,15 +366,6 @@ impl<'m> ModelRunner<'m> {
             .collect())
     }
 
-    /// Rows of a decode step over `ready` sequences: the decode slot cache's (padding included)
-    /// with [`BatchAttention::Batched`], one per sequence otherwise.
-    pub fn decode_rows(&self, ready: usize) -> usize {
-        match self.attention {
-            BatchAttention::PerSequence => ready,
-            BatchAttention::Batched => self.slots.decode.rows(),
-        }
-    }
-
     /// Builds one decode step of `rows` (in the order they were scheduled) and dispatches it
     /// (`async_eval`) without waiting; the step in flight so far stays to be read. Rows with a
     /// plain greedy sampler and no log-probabilities asked share one argmax; the others are
@@ -404,28 +373,18 @@ impl<'m> ModelRunner<'m> {
     /// spent building its graph.
     pub fn dispatch_decode(&mut self, mut rows: Vec<DecodeRow>) -> Result<(InFlight, f64)> {
         let start = Instant::now();
-        let num_rows = self.decode_rows(rows.len());
+        // Every row of the decode slot cache (padding and free slots included).
+        let num_rows = self.slots.decode.rows();
         let ids = self.decode_inputs(&rows, num_rows)?;
-        let logits = match self.attention {
-            BatchAttention::PerSequence => {
-                let mut caches: Vec<&mut [KvCache]> = rows
-                    .iter_mut()
-                    .map(|r| r.cache.take().expect("a sequence's own cache"))
-                    .collect();
-                self.model.forward_batch(&ids, &mut caches)?
-            }
-            BatchAttention::Batched => {
-                let decode = &mut self.slots.decode;
-                let one_each = vec![1; decode.slots()];
-                Self::forward_decode(
-                    self.model,
-                    self.compiled_decode.as_mut(),
-                    &ids,
-                    decode,
-                    &one_each,
-                )?
-            }
-        };
+        let decode = &mut self.slots.decode;
+        let one_each = vec![1; decode.slots()];
+        let logits = Self::forward_decode(
+            self.model,
+            self.compiled_decode.as_mut(),
+            &ids,
+            decode,
+            &one_each,
+        )?;
         let vocab = logits.shape()[2];
         let logits = logits.reshape(&[num_rows as i32, vocab])?;
         let plain: Vec<bool> = rows

@@ -66,33 +66,6 @@ pub fn admit(
     (0..room).take_while(|&k| try_admit(k)).count()
 }
 
-/// Prefill chunks for sequences that prefill one forward pass each
-/// ([`crate::batch::BatchAttention::PerSequence`]): the first `batch_size` running sequences still
-/// prefilling, oldest first, each its next chunk, until `budget` tokens are planned. Returns
-/// `(index in running, tokens)` pairs, none empty.
-pub fn plan_prefill_chunks(
-    running: &[Progress],
-    batch_size: usize,
-    budget: usize,
-) -> Vec<(usize, usize)> {
-    let mut left = budget;
-    let mut plan = Vec::new();
-    for (i, seq) in running
-        .iter()
-        .enumerate()
-        .filter(|(_, s)| !s.prefill_done())
-        .take(batch_size)
-    {
-        if left == 0 {
-            break;
-        }
-        let chunk = seq.next_chunk(left);
-        left -= chunk;
-        plan.push((i, chunk));
-    }
-    plan
-}
-
 /// A prefill chunk of `chunk` tokens after `num_computed`, shortened to end on the last block
 /// boundary it crosses (a multiple of `block_size`), if it crosses one; else unchanged. For
 /// hybrid models, whose recurrent state exists only after the last token computed: a chunk that
@@ -108,7 +81,7 @@ pub fn align_chunk_to_block(num_computed: usize, chunk: usize, block_size: usize
     }
 }
 
-/// Which running sequences take a prefill slot this step ([`crate::batch::BatchAttention::Batched`]):
+/// Which running sequences take a prefill slot this step:
 /// those still prefilling and not in a slot (`has_slot`), oldest first, while fewer than
 /// `batch_size` slots are taken (`taken` now). With `fit_budget` (a CPU's prefill, see
 /// [`crate::batch::BatchConfig::prefill_fits_budget`]) also only while the prompt tokens left
@@ -350,30 +323,6 @@ mod tests {
         // A full batch admits nobody and asks nothing.
         assert_eq!(admit(5, 8, 8, |_| panic!("no room")), 0);
         assert_eq!(admit(5, 9, 8, |_| panic!("no room")), 0);
-    }
-
-    #[test]
-    fn per_sequence_chunks_respect_step_size_budget_and_batch_size() {
-        let running = [
-            decoding(30),
-            prefilling(1000, 0, 512),
-            prefilling(100, 90, 512),
-            prefilling(700, 0, 128),
-            prefilling(700, 0, 128),
-        ];
-        // Unbounded: each of the first two prefilling sequences its next chunk.
-        assert_eq!(
-            plan_prefill_chunks(&running, 2, usize::MAX),
-            [(1, 512), (2, 9)]
-        );
-        // A budget of 600 over three: 512, the 9 left of the second, then 79 of a 128 chunk.
-        assert_eq!(
-            plan_prefill_chunks(&running, 3, 600),
-            [(1, 512), (2, 9), (3, 79)]
-        );
-        // A spent budget stops the plan; no empty chunks.
-        assert_eq!(plan_prefill_chunks(&running, 4, 512), [(1, 512)]);
-        assert!(plan_prefill_chunks(&[decoding(4)], 4, 512).is_empty());
     }
 
     #[test]

@@ -33,15 +33,25 @@
 //! positions are copied to the prefix cache before they are overwritten (the batch publishes
 //! sliding models' blocks as they fill). So a long conversation on a sliding-window model takes
 //! `R` positions per row in its sliding layers, whatever its length; global layers keep all.
+//!
+//! # Linear-attention layers: recurrent states
+//! A Gated DeltaNet layer (hybrid models) keeps no positions: its buffers are the recurrent state
+//! of every row, the convolution's last inputs `[rows, kernel - 1, channels]` and the
+//! recurrence's `[rows, value_heads, value_dim, key_dim]` (float32), as mlx_lm's `ArraysCache`
+//! holds them for a batch. A step replaces them with the states after each row's real tokens
+//! ([`SlotStep::real_tokens`]: a prompt chunk's padding leaves a row's state as it was). A
+//! sequence entering a slot brings its state (or zeros); nothing reads a free row's.
 
-use mlx_rs::{ops, Array};
+use std::cell::OnceCell;
+
+use mlx_rs::{ops, Array, Dtype};
 use serde::Serialize;
 
-use crate::cache::{kv_parts, CachedKv, KvCache, KvQuantization};
+use crate::attention::{additive_mask, masked_attention, AttentionSpec, SlotRead};
+use crate::cache::{kv_parts, CachedKv, KvCache, KvQuantization, RecurrentState};
 use crate::device::Backend;
 use crate::error::Result;
 use crate::mlx_ext::{slice, slice_update};
-use crate::models::decoder::SlotRead;
 
 /// How a step's attention reads the slot cache's dense keys and values, with the mask of each
 /// row's length.
@@ -50,7 +60,7 @@ use crate::models::decoder::SlotRead;
 /// vector kernel and cuDNN's decode path refuse such masks) and falls back to an unfused
 /// attention: on an H100 at 128 rows of 512 positions (16 layers, 32/8 heads, head_dim 64,
 /// bfloat16), 10.2 ms a step against 3.1 ms for the explicit form
-/// ([`crate::models::decoder::explicit_scaled_dot_product_attention`]), and 2.1 ms for the fused
+/// ([`crate::attention::explicit_scaled_dot_product_attention`]), and 2.1 ms for the fused
 /// kernel with no mask at all, which rows of different lengths cannot use. In Perch's batch on
 /// that model (`perch bench`, 128-token prompts, 256 generated, two rounds each in one session),
 /// the explicit read took the decode step from 11.4 to 9.9–10.5 ms at 128 rows (8,540–9,055
@@ -131,6 +141,31 @@ pub struct SlotStep {
     index: Array,
     /// The sliding layers' ring entries and mask, when the cache has rings.
     ring: Option<RingStep>,
+    /// Which of a prompt chunk's tokens are real, when the cache has recurrent layers (they
+    /// must not advance a row's state past its real tokens); `None`: every token is.
+    real: Option<RealTokens>,
+    /// The sliding layers' mask, made by the first sliding layer for all of them.
+    window_mask: OnceCell<Array>,
+    /// The step's mask and the sliding layers' made additive in the activations' dtype, when
+    /// the step reads with additive masks ([`SlotRead::additive_mask`]): made once each.
+    additive: [OnceCell<Array>; 2],
+}
+
+/// The array in `cell`, made by `make` the first time.
+fn once(cell: &OnceCell<Array>, make: impl FnOnce() -> Result<Array>) -> Result<&Array> {
+    if let Some(array) = cell.get() {
+        return Ok(array);
+    }
+    let array = make()?;
+    Ok(cell.get_or_init(|| array))
+}
+
+/// The real (not padding) tokens of a step's rows: row `r`'s first `counts[r]` tokens.
+pub struct RealTokens {
+    /// `[rows]` int32.
+    pub counts: Array,
+    /// `[rows, tokens]` bool: token `t` of row `r` is real.
+    pub mask: Array,
 }
 
 /// A step's view of the sliding layers' rings (see the module docs).
@@ -164,8 +199,15 @@ impl SlotStep {
         self.ring.as_ref().map(|r| &r.mask)
     }
 
+    /// Which tokens of each row are real, for a step with padding over recurrent layers (see
+    /// [`RealTokens`]); `None` when every token is.
+    pub fn real_tokens(&self) -> Option<&RealTokens> {
+        self.real.as_ref()
+    }
+
     /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
-    /// write index, then the rings' entries and mask when there are rings.
+    /// write index, then the rings' entries and mask when there are rings. (A compiled step is a
+    /// decode step: every token real.)
     pub(crate) fn arrays(&self) -> Vec<&Array> {
         let mut arrays = vec![&self.positions, &self.mask, &self.index];
         if let Some(ring) = &self.ring {
@@ -190,6 +232,30 @@ impl SlotStep {
             read,
             index,
             ring,
+            real: None,
+            window_mask: OnceCell::new(),
+            additive: Default::default(),
+        }
+    }
+
+    /// The mask a layer reads: for a sliding layer (`window`), the rings' or, over linear
+    /// buffers, [`SlotStep::window_mask`]; else the step's. Additive in `dtype` when the step
+    /// reads that way ([`SlotRead::additive_mask`]). Each is made once per step.
+    fn mask_for(&self, window: Option<i32>, dtype: Dtype) -> Result<&Array> {
+        let additive = self.read.additive_mask;
+        match window {
+            None if !additive => Ok(&self.mask),
+            None => once(&self.additive[0], || additive_mask(&self.mask, dtype)),
+            Some(window) => {
+                let sliding = once(&self.window_mask, || match &self.ring {
+                    Some(ring) => Ok(ring.mask.clone()),
+                    None => self.window_mask(window),
+                })?;
+                match additive {
+                    false => Ok(sliding),
+                    true => once(&self.additive[1], || additive_mask(sliding, dtype)),
+                }
+            }
         }
     }
 }
@@ -214,7 +280,10 @@ pub struct SlotKvCache {
     additive_masks: bool,
     num_layers: usize,
     rings: Option<Rings>,
-    /// Per layer: keys' parts then values' parts (2 or 6), empty while no slot is occupied.
+    /// Per cache layer, whether it keeps a recurrent state instead of positions.
+    recurrent: Vec<bool>,
+    /// Per layer: keys' parts then values' parts (2 or 6), or a recurrent layer's state (conv,
+    /// ssm); empty until written.
     layers: Vec<Vec<Array>>,
     /// Positions filled, per slot up to the last occupied one; `None` for a free slot.
     lengths: Vec<Option<usize>>,
@@ -234,6 +303,7 @@ impl SlotKvCache {
             additive_masks: false,
             num_layers,
             rings: None,
+            recurrent: vec![false; num_layers],
             layers: Vec::new(),
             lengths: Vec::new(),
             rows: 0,
@@ -246,6 +316,7 @@ impl SlotKvCache {
     pub fn empty_like(&self) -> Self {
         Self {
             rings: self.rings.clone(),
+            recurrent: self.recurrent.clone(),
             additive_masks: self.additive_masks,
             ..Self::new(self.num_layers, self.quantization).with_attention(self.attention)
         }
@@ -270,6 +341,37 @@ impl SlotKvCache {
             max_step_tokens: max_step_tokens.max(1),
         });
         self
+    }
+
+    /// This cache with recurrent states for the layers `recurrent` marks (one entry per cache
+    /// layer; see the module docs).
+    pub fn with_recurrent_layers(mut self, recurrent: &[bool]) -> Self {
+        debug_assert_eq!(
+            recurrent.len(),
+            self.num_layers,
+            "one entry per cache layer"
+        );
+        self.recurrent = recurrent.to_vec();
+        self
+    }
+
+    /// Whether layer `layer` keeps a recurrent state.
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        self.recurrent.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Whether some layer keeps a recurrent state.
+    pub fn has_recurrent_layers(&self) -> bool {
+        self.recurrent.contains(&true)
+    }
+
+    /// Buffers layer `layer` has once written: a recurrent state's two, or 2 (6 quantized)
+    /// KV parts.
+    fn parts_per_layer(&self, layer: usize) -> usize {
+        match (self.is_recurrent(layer), self.quantization) {
+            (true, _) | (false, None) => 2,
+            (false, Some(_)) => 6,
+        }
     }
 
     /// Positions a sliding layer's ring holds at most (`R`); `None` without rings.
@@ -343,7 +445,7 @@ impl SlotKvCache {
 
     /// How a step of `queries_per_row` queries per row on `backend` reads this cache: as
     /// [`SlotAttention`] says, a quantized cache dequantized on CUDA (see
-    /// [`crate::models::decoder::masked_attention`]).
+    /// [`crate::attention::masked_attention`]).
     pub fn read(&self, backend: Backend, queries_per_row: usize) -> SlotRead {
         let cuda = backend == Backend::Cuda;
         let explicit = match self.attention {
@@ -417,7 +519,8 @@ impl SlotKvCache {
         let Some(last) = self.state().last() else {
             return Ok(());
         };
-        let marker = crate::mlx_ext::owned_copy(&slice(last, &[0, 0, 0, 0], &[1, 1, 1, 1])?)?;
+        let rank = last.ndim();
+        let marker = crate::mlx_ext::owned_copy(&slice(last, &vec![0; rank], &vec![1; rank])?)?;
         mlx_rs::transforms::async_eval([&marker])?;
         self.pass_in_flight = Some(marker);
         Ok(())
@@ -438,8 +541,18 @@ impl SlotKvCache {
     /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
     pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
         self.push_with(len, |layer| {
-            let first = cache[layer].first_position().min(len as i32);
-            cache[layer].parts(first, len as i32)
+            let Some(layer_cache) = cache.get(layer) else {
+                return Ok(Vec::new()); // An empty sequence given no caches.
+            };
+            if layer_cache.is_recurrent() {
+                // The state after `len` tokens (none before the first).
+                return Ok(layer_cache
+                    .recurrent_state()
+                    .map(|s| vec![s.conv.clone(), s.ssm.clone()])
+                    .unwrap_or_default());
+            }
+            let first = layer_cache.first_position().min(len as i32);
+            layer_cache.parts(first, len as i32)
         })
     }
 
@@ -455,6 +568,10 @@ impl SlotKvCache {
             .iter()
             .enumerate()
             .map(|(l, layer)| {
+                if self.is_recurrent(l) {
+                    // A zeroed state: no buffer of its own needed.
+                    return Vec::new();
+                }
                 // A ring keeps its last positions only (see `push_with`).
                 let held = match &self.rings {
                     Some(rings) if self.is_ring(l) => len.min(rings.positions),
@@ -478,6 +595,9 @@ impl SlotKvCache {
     pub fn push_from(&mut self, other: &SlotKvCache, slot: usize) -> Result<usize> {
         let len = other.slot_len(slot);
         self.push_with(len, |layer| {
+            if other.is_recurrent(layer) {
+                return other.row_state(layer, slot);
+            }
             // A ring's last positions (all that its layer sees later), in temporal order.
             let held = if other.is_ring(layer) {
                 len.min(other.layer_capacity(layer, other.capacity))
@@ -506,8 +626,15 @@ impl SlotKvCache {
         // Room for the token this sequence feeds next, as every occupied slot has.
         let slots = self.lengths.len().max(slot + 1);
         self.reshape(slots, self.needed_capacity(1).max(len + 1))?;
+        // A recurrent layer's row gets the sequence's state, or zeros: a free row's state is
+        // whatever its last occupant or padding left.
+        let recurrent = self.recurrent.clone();
+        for layer in (0..self.num_layers).filter(|&l| recurrent[l]) {
+            let parts = parts(layer)?;
+            self.put_row_state(layer, slot, &parts)?;
+        }
         if len > 0 {
-            for layer in 0..self.num_layers {
+            for layer in (0..self.num_layers).filter(|&l| !recurrent[l]) {
                 let mut parts = parts(layer)?;
                 self.ensure_buffers(layer, &parts)?;
                 // A ring keeps the last positions that fit it.
@@ -633,7 +760,15 @@ impl SlotKvCache {
                 )
             })
             .collect();
-        for (buffers, &(old, new)) in self.layers.iter_mut().zip(&sizes) {
+        for (l, (buffers, &(old, new))) in self.layers.iter_mut().zip(&sizes).enumerate() {
+            if self.recurrent.get(l).copied().unwrap_or(false) {
+                if rows != self.rows {
+                    for buffer in buffers.iter_mut() {
+                        *buffer = resize_rows(buffer, rows)?;
+                    }
+                }
+                continue;
+            }
             if rows == self.rows && old == new {
                 continue;
             }
@@ -661,14 +796,89 @@ impl SlotKvCache {
             return Ok(());
         }
         let size = self.layer_capacity(layer, self.capacity) as i32;
+        let recurrent = self.is_recurrent(layer);
         self.layers[layer] = parts
             .iter()
             .map(|p| {
-                let s = p.shape();
-                let shape = [self.rows as i32, s[1], size, s[3]];
+                let mut shape = p.shape().to_vec();
+                shape[0] = self.rows as i32;
+                if !recurrent {
+                    shape[2] = size;
+                }
                 ops::zeros_dtype(&shape, p.dtype())
             })
             .collect::<std::result::Result<_, _>>()?;
+        Ok(())
+    }
+
+    /// Recurrent layer `layer`'s state of every row, `[conv, ssm]` `[rows, ..]`; `None` until
+    /// written (every row's state is zeros then).
+    pub fn recurrent_state(&self, layer: usize) -> Option<RecurrentState> {
+        match self.layers.get(layer).map(Vec::as_slice) {
+            Some([conv, ssm]) if self.is_recurrent(layer) => Some(RecurrentState {
+                conv: conv.clone(),
+                ssm: ssm.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Replaces recurrent layer `layer`'s state of every row with `state` (`[rows, ..]`, as
+    /// [`SlotKvCache::recurrent_state`] gives it): what a step computed.
+    pub fn set_recurrent_state(&mut self, layer: usize, state: RecurrentState) {
+        debug_assert!(self.is_recurrent(layer), "a state for an attention layer");
+        if self.layers.len() < self.num_layers {
+            self.layers.resize_with(self.num_layers, Vec::new);
+        }
+        self.layers[layer] = vec![state.conv, state.ssm];
+    }
+
+    /// Recurrent layer `layer`'s state of `slot`, `[conv, ssm]` `[1, ..]` (views); empty when
+    /// nothing was written yet (a zero state).
+    fn row_state(&self, layer: usize, slot: usize) -> Result<Vec<Array>> {
+        let Some(buffers) = self.layers.get(layer).filter(|b| !b.is_empty()) else {
+            return Ok(Vec::new());
+        };
+        buffers
+            .iter()
+            .map(|b| {
+                let mut start = vec![0; b.ndim()];
+                let mut stop = b.shape().to_vec();
+                start[0] = slot as i32;
+                stop[0] = slot as i32 + 1;
+                Ok(slice(b, &start, &stop)?)
+            })
+            .collect()
+    }
+
+    /// Writes `state` (`[conv, ssm]` of one sequence, `[1, ..]`; empty for zeros) into row
+    /// `slot` of recurrent layer `layer`, creating the buffers from it when needed.
+    fn put_row_state(&mut self, layer: usize, slot: usize, state: &[Array]) -> Result<()> {
+        let exists = self.layers.get(layer).is_some_and(|b| !b.is_empty());
+        if state.is_empty() && !exists {
+            return Ok(()); // No buffers: every row reads as zeros when the layer first runs.
+        }
+        if !exists {
+            self.ensure_buffers(layer, state)?;
+        }
+        for (i, buffer) in self.layers[layer].iter_mut().enumerate() {
+            let mut start = vec![0; buffer.ndim()];
+            let mut stop = buffer.shape().to_vec();
+            start[0] = slot as i32;
+            stop[0] = slot as i32 + 1;
+            let row = match state.get(i) {
+                Some(part) => part.as_dtype(buffer.dtype())?,
+                None => ops::zeros_dtype(
+                    &stop
+                        .iter()
+                        .zip(&start)
+                        .map(|(b, a)| b - a)
+                        .collect::<Vec<_>>(),
+                    buffer.dtype(),
+                )?,
+            };
+            *buffer = slice_update(buffer, &row, &start, &stop)?;
+        }
         Ok(())
     }
 
@@ -677,8 +887,10 @@ impl SlotKvCache {
     /// [`SlotKvCache::update_and_fetch`]. Row `r`'s token `i` sits at position `len(r) + i` and
     /// attends to positions `0..=len(r) + i` (causal within the chunk). A row with fewer real
     /// tokens pads its chunk: the padding writes past the row's length, where nothing reads
-    /// (the row's next tokens overwrite it). Call [`SlotKvCache::end_step`] after the forward.
-    pub fn begin_step(&mut self, tokens: usize) -> Result<SlotStep> {
+    /// (the row's next tokens overwrite it). `new_tokens`: each slot's real tokens (as
+    /// [`SlotKvCache::end_step`] takes them), which recurrent layers need when some row pads.
+    /// Call [`SlotKvCache::end_step`] after the forward.
+    pub fn begin_step(&mut self, tokens: usize, new_tokens: &[usize]) -> Result<SlotStep> {
         let tokens = tokens.max(1);
         self.reshape(self.lengths.len(), self.needed_capacity(tokens))?;
         let mut positions = vec![0i32; self.rows];
@@ -707,13 +919,37 @@ impl SlotKvCache {
             }
             _ => None,
         };
+        let real = match self.has_recurrent_layers() {
+            true if tokens > 1 => Some(self.real_tokens(tokens, new_tokens)?),
+            _ => None,
+        };
         Ok(SlotStep {
             positions,
             mask,
             read: self.read(Backend::current(), tokens),
             index,
             ring,
+            real,
+            window_mask: OnceCell::new(),
+            additive: Default::default(),
         })
+    }
+
+    /// Each row's real tokens of a step of `tokens` per row: `new_tokens[slot]` for an
+    /// occupied slot, none for free slots and padding rows.
+    fn real_tokens(&self, tokens: usize, new_tokens: &[usize]) -> Result<RealTokens> {
+        let mut counts = vec![0i32; self.rows];
+        for (slot, (count, len)) in counts.iter_mut().zip(&self.lengths).enumerate() {
+            if len.is_some() {
+                *count = new_tokens.get(slot).copied().unwrap_or(0).min(tokens) as i32;
+            }
+        }
+        let counts = Array::from_slice(&counts, &[self.rows as i32]);
+        let mask = ops::lt(
+            &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, -1])?,
+            &counts.reshape(&[-1, 1])?,
+        )?;
+        Ok(RealTokens { counts, mask })
     }
 
     /// Writes layer `layer`'s new keys and values `[rows, kv_heads, tokens, head_dim]` at each
@@ -738,6 +974,28 @@ impl SlotKvCache {
             *buffer = buffer.put_along_axis(&index, part, 2)?;
         }
         Ok(CachedKv::from_parts(self.quantization, buffers.clone()))
+    }
+
+    /// Attention of `queries` `[rows, heads, tokens, head_dim]` (rotated, each row at its
+    /// positions of `step`) over layer `layer`, after writing `kv` (rotated keys and values
+    /// `[rows, kv_heads, tokens, head_dim]`; `None` for a layer that reads this layer as an
+    /// earlier one left it in the same step) → `[rows, heads, tokens, head_dim]`: every row's
+    /// buffer masked by its own length (and a sliding layer's window), read as the step says
+    /// ([`SlotStep::read`], [`masked_attention`]).
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        step: &SlotStep,
+        queries: &Array,
+        kv: Option<(Array, Array)>,
+        spec: &AttentionSpec<'_>,
+    ) -> Result<Array> {
+        let cached = match kv {
+            Some((keys, values)) => self.update_and_fetch(layer, step, &keys, &values)?,
+            None => self.fetch(layer)?,
+        };
+        let mask = step.mask_for(spec.window, queries.dtype())?;
+        masked_attention(queries, cached, spec.scale, mask, step.read, spec.sinks)
     }
 
     /// Layer `layer`'s buffers as [`SlotKvCache::update_and_fetch`] returns them, without
@@ -765,7 +1023,9 @@ impl SlotKvCache {
     }
 
     /// Positions `[start, end)` of `slot` in layer `layer`, in buffers of their own, shaped as
-    /// [`KvCache::copy_parts`] returns them (`[1, kv_heads, end - start, last]`; lazy).
+    /// [`KvCache::copy_parts`] returns them (`[1, kv_heads, end - start, last]`; lazy). For a
+    /// recurrent layer, as [`KvCache::block_parts`]: its state `[conv, ssm]` when `end` is the
+    /// slot's length (the state exists after the last token only), else nothing.
     pub fn copy_parts(
         &self,
         slot: usize,
@@ -773,7 +1033,12 @@ impl SlotKvCache {
         start: usize,
         end: usize,
     ) -> Result<Vec<Array>> {
-        self.slot_parts(slot, layer, start, end)?
+        let parts = match self.is_recurrent(layer) {
+            true if end == self.slot_len(slot) => self.row_state(layer, slot)?,
+            true => Vec::new(),
+            false => self.slot_parts(slot, layer, start, end)?,
+        };
+        parts
             .iter()
             .map(|part| Ok(crate::mlx_ext::owned_copy(part)?))
             .collect()
@@ -833,10 +1098,10 @@ impl SlotKvCache {
     /// compiled step's outputs).
     pub(crate) fn set_buffers(&mut self, flat: Vec<Array>) {
         debug_assert_eq!(flat.len(), self.buffers_len(), "one array per buffer");
-        let per_layer = flat.len() / self.num_layers.max(1);
+        let counts: Vec<usize> = self.layers.iter().map(Vec::len).collect();
         let mut flat = flat.into_iter();
-        for layer in &mut self.layers {
-            *layer = flat.by_ref().take(per_layer).collect();
+        for (layer, count) in self.layers.iter_mut().zip(counts) {
+            *layer = flat.by_ref().take(count).collect();
         }
     }
 
@@ -852,14 +1117,21 @@ impl SlotKvCache {
         let mut cache = self.empty_like();
         if let Some(first) = flat.first() {
             cache.rows = first.shape()[0] as usize;
-            // Rings may be shorter than the global layers' buffers.
-            cache.capacity = flat
-                .iter()
+            let mut rest = flat;
+            cache.layers = (0..self.num_layers)
+                .map(|layer| {
+                    let (parts, after) = rest.split_at(self.parts_per_layer(layer).min(rest.len()));
+                    rest = after;
+                    parts.to_vec()
+                })
+                .collect();
+            // Rings may be shorter than the global layers' buffers; states have no positions.
+            cache.capacity = (0..self.num_layers)
+                .filter(|&l| !self.is_recurrent(l))
+                .filter_map(|l| cache.layers[l].first())
                 .map(|b| b.shape()[2] as usize)
                 .max()
                 .unwrap_or(0);
-            let per_layer = (flat.len() / self.num_layers.max(1)).max(1);
-            cache.layers = flat.chunks(per_layer).map(<[Array]>::to_vec).collect();
         }
         cache
     }
@@ -878,6 +1150,19 @@ impl SlotKvCache {
     pub fn nbytes(&self) -> usize {
         self.state().map(Array::nbytes).sum()
     }
+}
+
+/// `buffer` `[rows, ..]` with `rows` rows: its first ones kept, zeros after them.
+fn resize_rows(buffer: &Array, rows: usize) -> Result<Array> {
+    let s = buffer.shape();
+    let keep = (rows as i32).min(s[0]);
+    let mut stop = s.to_vec();
+    stop[0] = keep;
+    let kept = slice(buffer, &vec![0; s.len()], &stop)?;
+    let mut shape = s.to_vec();
+    shape[0] = rows as i32;
+    let grown = ops::zeros_dtype(&shape, buffer.dtype())?;
+    Ok(slice_update(&grown, &kept, &vec![0; s.len()], &stop)?)
 }
 
 /// The rings' view of a step whose queries sit at `index` `[rows, 1, tokens, 1]`, over rings
@@ -944,7 +1229,7 @@ mod tests {
         assert!(err.to_string().contains("not held"), "{err}");
         // A decode step: the ring writes position 600 at entry 600 mod 256 = 88, and its mask
         // sees positions 593..=600 only.
-        let step = slots.begin_step(1).unwrap();
+        let step = slots.begin_step(1, &[1]).unwrap();
         let ring = step.ring.as_ref().expect("rings");
         assert_eq!(ring.index.as_slice::<i32>(), [88]);
         let seen: Vec<usize> = ring

@@ -163,7 +163,7 @@ impl<'m> SoloSequence<'m> {
             let chunk = &self.request.prompt[self.prefilled..self.prefilled + n];
             let draft = self.draft.map(|d| (d, &mut self.draft_cache));
             for (m, c) in draft.into_iter().chain([(self.model, &mut self.cache)]) {
-                m.prefill(&ids(chunk), c)?;
+                m.prefill_sequence(&ids(chunk), c)?;
                 quantize_reached(&self.request, c)?;
                 eval(c.iter().flat_map(KvCache::state))?;
             }
@@ -194,7 +194,7 @@ impl<'m> SoloSequence<'m> {
         let mut feed = ids(&self.draft_input);
         for _ in 0..k {
             let draft = self.draft.expect("proposals come from a draft");
-            let logits = last_rows(&draft.forward(&feed, &mut self.draft_cache)?, 1)?;
+            let logits = last_rows(&draft.forward_sequence(&feed, &mut self.draft_cache)?, 1)?;
             quantize_reached(request, &mut self.draft_cache)?;
             let history = (!lazy)
                 .then(|| recent(&self.tokens, &proposed, window))
@@ -219,7 +219,7 @@ impl<'m> SoloSequence<'m> {
         )?;
         let logits = self
             .model
-            .forward(&verify.reshape(&[1, k as i32 + 1])?, &mut self.cache)?;
+            .forward_sequence(&verify.reshape(&[1, k as i32 + 1])?, &mut self.cache)?;
         quantize_reached(request, &mut self.cache)?;
         let rows = last_rows(&logits, k + 1)?;
         // As mlx_lm: without logits processors one sampler call for every position (one random

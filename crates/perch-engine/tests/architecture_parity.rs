@@ -26,7 +26,7 @@ use std::path::Path;
 use std::process::Command;
 
 use mlx_rs::Array;
-use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::{
     generate, models, prompt_cache, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
     Prompt, Tokenizer,
@@ -135,7 +135,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         let n = expected.prompt_ids.len() as i32;
         let mut cache = model.make_cache(None);
         let logits = model
-            .forward(
+            .forward_sequence(
                 &Array::from_slice(&expected.prompt_ids, &[1, n]),
                 &mut cache,
             )
@@ -218,24 +218,12 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             })
             .collect();
         assert_eq!(alone[0], expected.greedy_ids, "{name}: chunked prefill");
-        // Hybrid models always run per sequence (BatchGenerator::new says so).
-        let modes: &[BatchAttention] = if model.has_recurrent_layers() {
-            &[BatchAttention::PerSequence]
-        } else {
-            &[BatchAttention::PerSequence, BatchAttention::Batched]
-        };
-        for &attention in modes {
-            let config = BatchConfig {
-                attention,
-                ..BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None)
-            };
+        {
+            let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
             let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, &name);
             let outputs = common::drive(&mut batch, schedule.clone());
             for (i, ((output, _), alone)) in outputs.iter().zip(&alone).enumerate() {
-                assert_eq!(
-                    &output.token_ids, alone,
-                    "{name}: batched request {i} ({attention:?})"
-                );
+                assert_eq!(&output.token_ids, alone, "{name}: batched request {i}");
             }
             // The prefix cache: a longer prompt sharing the first one's full block (16 tokens,
             // twice Gemma's sliding window) starts from it and still generates as it would alone.
@@ -339,7 +327,7 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
     let n = expected.prompt_ids.len() as i32;
     let mut cache = model.make_cache(None);
     let logits = model
-        .forward(
+        .forward_sequence(
             &Array::from_slice(&expected.prompt_ids, &[1, n]),
             &mut cache,
         )
@@ -518,7 +506,6 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
     };
     let every_layer = perch_engine::batch::kv_bytes_per_token(model, None);
     let config = BatchConfig {
-        attention: BatchAttention::PerSequence,
         compile_decode: false,
         ..BatchConfig::for_budget(model, 5000 * every_layer, 16, None)
     };
@@ -554,7 +541,6 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
     let shared = prompt[..200].to_vec();
     let ask = |suffix: u32| [&shared[..], &[suffix; 4]].concat();
     let config = BatchConfig {
-        attention: BatchAttention::PerSequence,
         compile_decode: false,
         num_blocks: 2 * need(204) - 12,
         ..BatchConfig::for_budget(model, 1 << 30, 16, None)
@@ -575,7 +561,6 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
     let first: Vec<u32> = prompt.iter().cycle().take(700).copied().collect();
     let second: Vec<u32> = first.iter().rev().copied().collect();
     let config = BatchConfig {
-        attention: BatchAttention::Batched,
         compile_decode: false,
         num_blocks: 2 * need(700) - 1,
         ..BatchConfig::for_budget(model, 1 << 30, 16, None)
@@ -635,8 +620,8 @@ fn past_the_window(
     let (mut last_bounded, mut last_full) = (None, None);
     for chunk in prompt.chunks(64) {
         let ids = Array::from_slice(chunk, &[1, chunk.len() as i32]);
-        last_bounded = Some(model.forward(&ids, &mut bounded).unwrap());
-        last_full = Some(model.forward(&ids, &mut full).unwrap());
+        last_bounded = Some(model.forward_sequence(&ids, &mut bounded).unwrap());
+        last_full = Some(model.forward_sequence(&ids, &mut full).unwrap());
     }
     let (a, b) = (last_bounded.unwrap(), last_full.unwrap());
     let diff = a
@@ -689,15 +674,10 @@ fn past_the_window(
     })
     .unwrap()
     .token_ids;
-    // Per sequence, in slots, and in slots with compiled decode steps (the GPU default; its
-    // traced step takes the rings' arrays too).
-    for (attention, compile_decode) in [
-        (BatchAttention::PerSequence, false),
-        (BatchAttention::Batched, false),
-        (BatchAttention::Batched, true),
-    ] {
+    // In slots, and in slots with compiled decode steps (the GPU default; its traced step takes
+    // the rings' arrays too).
+    for compile_decode in [false, true] {
         let config = BatchConfig {
-            attention,
             compile_decode,
             // Prefill chunks of 64: the prefill slots' rings of
             // sliding layers are then 256 positions (window 8 + chunk 64 + a block of 16,
@@ -713,7 +693,7 @@ fn past_the_window(
         let outputs = common::drive(&mut batch, vec![(0, wide)]);
         assert_eq!(
             outputs[0].0.token_ids, alone,
-            "{name}: long prompt ({attention:?}, compiled {compile_decode})"
+            "{name}: long prompt (compiled {compile_decode})"
         );
         assert_eq!(
             batch.compiled_decode_steps() > 0,
@@ -724,11 +704,11 @@ fn past_the_window(
         let (output, _) = &outputs[0];
         assert_eq!(
             output.token_ids, extended_alone,
-            "{name}: after a long prefix hit ({attention:?}, compiled {compile_decode})"
+            "{name}: after a long prefix hit (compiled {compile_decode})"
         );
         assert!(
             output.stats.cached_prompt_tokens >= prompt.len(),
-            "{name}: {} prompt tokens came from the prefix cache ({attention:?})",
+            "{name}: {} prompt tokens came from the prefix cache",
             output.stats.cached_prompt_tokens
         );
         if compile_decode || !model.has_sliding_window_layers() {
@@ -753,13 +733,12 @@ fn past_the_window(
             let (output, _) = &outputs[0];
             assert_eq!(
                 output.token_ids, half_alone,
-                "{name}: a hit cut to its held window ({attention:?})"
+                "{name}: a hit cut to its held window"
             );
             let found = output.stats.cached_prompt_tokens;
             assert!(
                 cached.contains(&found),
-                "{name}: {found} prompt tokens came from the prefix cache, expected {cached:?} \
-                 ({attention:?})"
+                "{name}: {found} prompt tokens came from the prefix cache, expected {cached:?}"
             );
         }
     }
@@ -803,12 +782,8 @@ fn past_the_window(
         assert_eq!(done.error, None, "{name}");
         (done.ids, done.stats.cached_prompt_tokens)
     };
-    for attention in [BatchAttention::PerSequence, BatchAttention::Batched] {
-        let config = EngineConfig {
-            attention,
-            ..EngineConfig::default()
-        };
-        let engine = EngineHandle::load(dir, config).unwrap();
+    {
+        let engine = EngineHandle::load(dir, EngineConfig::default()).unwrap();
         let after_theirs = Prompt::AfterCache {
             cache_file: theirs.clone(),
             tokens: rest.to_vec(),
@@ -816,9 +791,9 @@ fn past_the_window(
         assert_eq!(
             run(&engine, after_theirs),
             (alone.clone(), prefix.len()),
-            "{name}: Perch continuing mlx_lm's wrapped cache ({attention:?})"
+            "{name}: Perch continuing mlx_lm's wrapped cache"
         );
-        if attention == BatchAttention::PerSequence {
+        {
             engine
                 .save_prompt_cache(Prompt::Tokens(prefix.to_vec()), &ours)
                 .unwrap();

@@ -220,7 +220,9 @@ fn sharded_weights_load_like_a_single_file() {
     let ids = Array::from_slice(&[1u32, 9690, 198, 2683, 359, 253], &[1, 6]);
     let logits = |dir: &Path| {
         let model = models::load(dir).unwrap();
-        let out = model.forward(&ids, &mut model.make_cache(None)).unwrap();
+        let out = model
+            .forward_sequence(&ids, &mut model.make_cache(None))
+            .unwrap();
         out.as_slice::<f32>().to_vec()
     };
     assert_eq!(logits(dir.path()), logits(&src));

@@ -1,23 +1,21 @@
 //! Continuous batching reproduces single-request generation exactly: every reference case (the
-//! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids,
-//! with attention per sequence (the CPU's default) and batched over slot caches (a GPU's: prefill
-//! chunks of several sequences in one forward pass, decode steps in another), with the slot caches
-//! read by MLX's fused attention and by the explicit one CUDA's decode steps use, and with decode
-//! steps compiled by MLX.
+//! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids
+//! over the slot caches (prefill chunks of several sequences in one forward pass, decode steps in
+//! another), read by MLX's fused attention and by the explicit one CUDA's decode steps use, and
+//! with decode steps compiled by MLX.
 
 mod common;
 
-use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::slot_cache::SlotAttention;
 use perch_engine::{models, GenerateRequest, Tokenizer};
 
 /// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
-fn run(insert_at: &[usize], prefill_step_size: usize, attention: BatchAttention) {
+fn run(insert_at: &[usize], prefill_step_size: usize) {
     run_with(
         common::reference_cases(),
         insert_at,
         prefill_step_size,
-        attention,
         SlotAttention::Fused,
         false,
     );
@@ -27,7 +25,6 @@ fn run_with(
     cases: Vec<common::ReferenceCase>,
     insert_at: &[usize],
     prefill_step_size: usize,
-    attention: BatchAttention,
     slot_attention: SlotAttention,
     compile_decode: bool,
 ) {
@@ -36,7 +33,6 @@ fn run_with(
     let tokenizer = Tokenizer::load(&dir).unwrap();
     assert_eq!(insert_at.len(), cases.len(), "one insertion step per case");
     let config = BatchConfig {
-        attention,
         slot_attention,
         compile_decode,
         // Several sequences prefill per step (one forward pass of padded chunks when batched).
@@ -47,10 +43,7 @@ fn run_with(
     // Warm-up (what the engine runs at load on GPUs) leaves nothing behind: the ids below stay
     // exact and every block free. One decode step per row bucket up to 32: 1, 2, 4, 8, 12, …, 32.
     let shapes = batch.warm_up().unwrap();
-    match attention {
-        BatchAttention::Batched => assert_eq!(shapes, 10),
-        BatchAttention::PerSequence => assert_eq!(shapes, 0),
-    }
+    assert_eq!(shapes, 10);
     let schedule = cases
         .iter()
         .zip(insert_at)
@@ -73,7 +66,7 @@ fn run_with(
         assert_eq!(
             output.token_ids,
             common::expected_ids(case, output.finish_reason),
-            "case {} ({attention:?}, {slot_attention:?}, compiled decode {compile_decode})",
+            "case {} ({slot_attention:?}, compiled decode {compile_decode})",
             case.id
         );
         assert_eq!(streamed, &output.text, "case {}", case.id);
@@ -104,24 +97,14 @@ fn run_with(
 
 #[test]
 fn all_reference_cases_at_once() {
-    run(&[0; 7], 2048, BatchAttention::PerSequence);
-}
-
-#[test]
-fn all_reference_cases_at_once_batched_attention() {
-    run(&[0; 7], 2048, BatchAttention::Batched);
-}
-
-#[test]
-fn staggered_inserts_with_chunked_prefill() {
-    run(&[0, 3, 5, 9, 17, 30, 31], 16, BatchAttention::PerSequence);
+    run(&[0; 7], 2048);
 }
 
 /// Sequences join and leave the slot cache at different steps: slots are refilled, rows and
 /// capacity change bucket, and every case still yields mlx_lm's ids.
 #[test]
-fn staggered_inserts_with_chunked_prefill_batched_attention() {
-    run(&[0, 3, 5, 9, 17, 30, 31], 16, BatchAttention::Batched);
+fn staggered_inserts_with_chunked_prefill() {
+    run(&[0, 3, 5, 9, 17, 30, 31], 16);
 }
 
 /// The same with every step reading the slots by explicit operations (matmul, mask, softmax,
@@ -133,7 +116,6 @@ fn staggered_inserts_with_chunked_prefill_explicit_slot_attention() {
         common::short_reference_cases(),
         &[0, 3, 5, 9, 17, 30],
         16,
-        BatchAttention::Batched,
         SlotAttention::Explicit,
         false,
     );
@@ -147,7 +129,6 @@ fn staggered_inserts_with_chunked_prefill_compiled_decode() {
         common::short_reference_cases(),
         &[0, 3, 5, 9, 17, 30],
         16,
-        BatchAttention::Batched,
         SlotAttention::Fused,
         true,
     );
@@ -157,7 +138,8 @@ fn staggered_inserts_with_chunked_prefill_compiled_decode() {
 /// decode steps are pipelined: each row's next input, sampler key and penalty window come from
 /// the device before the host reads the token) give each request the tokens and log-probabilities
 /// it gets alone through `generate` (request 2 also asks for log-probabilities, which ride along).
-fn seeded_sampling_matches_generate_alone(attention: BatchAttention) {
+#[test]
+fn seeded_sampling_matches_generate_alone() {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -206,7 +188,6 @@ fn seeded_sampling_matches_generate_alone(attention: BatchAttention) {
         })
         .collect();
     let config = BatchConfig {
-        attention,
         prefill_batch_size: 4,
         ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
     };
@@ -218,10 +199,7 @@ fn seeded_sampling_matches_generate_alone(attention: BatchAttention) {
         .collect();
     let outputs = common::drive(&mut batch, schedule);
     for (i, ((batched, _), alone)) in outputs.iter().zip(&alone).enumerate() {
-        assert_eq!(
-            batched.token_ids, alone.token_ids,
-            "request {i} ({attention:?})"
-        );
+        assert_eq!(batched.token_ids, alone.token_ids, "request {i}");
         assert_eq!(batched.token_ids.len(), 12);
     }
     // Sampling happened: the seeded requests leave the greedy path (their ids differ from the
@@ -231,14 +209,4 @@ fn seeded_sampling_matches_generate_alone(attention: BatchAttention) {
     })
     .unwrap();
     assert_ne!(greedy.token_ids, alone[0].token_ids, "request 0 sampled");
-}
-
-#[test]
-fn seeded_sampling_matches_generate_alone_per_sequence() {
-    seeded_sampling_matches_generate_alone(BatchAttention::PerSequence);
-}
-
-#[test]
-fn seeded_sampling_matches_generate_alone_batched_attention() {
-    seeded_sampling_matches_generate_alone(BatchAttention::Batched);
 }

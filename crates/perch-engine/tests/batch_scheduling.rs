@@ -5,7 +5,7 @@
 
 mod common;
 
-use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::models::{self, Model};
 use perch_engine::{ChatMessage, EngineError, FinishReason, GenerateRequest, Tokenizer};
 
@@ -15,17 +15,10 @@ fn load() -> (Box<dyn Model>, Tokenizer) {
 }
 
 fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
-    config_with(num_blocks, block_size, BatchAttention::PerSequence)
-}
-
-fn config_with(num_blocks: usize, block_size: usize, attention: BatchAttention) -> BatchConfig {
     BatchConfig {
         max_running: 32,
-        // Batched runs prefill several sequences per step: that is the path's multi-row forward.
-        prefill_batch_size: match attention {
-            BatchAttention::PerSequence => 1,
-            BatchAttention::Batched => 4,
-        },
+        // Several sequences prefill per step: the path's multi-row forward.
+        prefill_batch_size: 4,
         prefill_token_budget: 256,
         // Every free prefill slot taken (the GPU's policy), whatever the prompts' lengths.
         prefill_fits_budget: false,
@@ -33,7 +26,6 @@ fn config_with(num_blocks: usize, block_size: usize, attention: BatchAttention) 
         num_blocks,
         bounded_layer_bytes: 0,
         kv_quantization: None,
-        attention,
         slot_attention: Default::default(),
         compile_decode: false,
     }
@@ -73,31 +65,21 @@ fn assert_reference(
     }
 }
 
+/// Blocks are published from their slots, and a leaving sequence's slot is refilled by another.
 #[test]
 fn prefix_cache_hits_give_the_cold_tokens() {
-    prefix_cache_hits_give_the_cold_tokens_with(BatchAttention::PerSequence);
-}
-
-/// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
-/// published from their slots, and a leaving sequence's slot is refilled by another.
-#[test]
-fn prefix_cache_hits_give_the_cold_tokens_batched() {
-    prefix_cache_hits_give_the_cold_tokens_with(BatchAttention::Batched);
-}
-
-fn prefix_cache_hits_give_the_cold_tokens_with(mode: BatchAttention) {
     let (model, tokenizer) = load();
-    // The long prompt (its hits span prefill chunks) once: its cold prefill costs half a minute
-    // of CPU, and the slot path's publishing is the same for short prompts.
-    let cases = match mode {
-        BatchAttention::PerSequence => common::reference_cases(),
-        BatchAttention::Batched => common::short_reference_cases(),
-    };
+    // The short prompts (the long one's cold prefill costs half a minute of CPU), in prefill
+    // chunks of 16 tokens: hits span chunks.
+    let cases = common::short_reference_cases();
     let block_size = 8;
     let mut batch = BatchGenerator::new(
         model.as_ref(),
         &tokenizer,
-        config_with(512, block_size, mode),
+        BatchConfig {
+            prefill_token_budget: 16,
+            ..config(512, block_size)
+        },
         "smollm",
     );
     let cold = common::drive(&mut batch, reference_schedule(&cases, 0));
@@ -175,27 +157,12 @@ fn every_turn_of_a_chat_hits_the_previous_one() {
     }
 }
 
+/// Blocks are published from their slots, and a leaving sequence's slot is refilled by another.
 #[test]
 fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
-    cancel_mid_prefill_and_mid_decode_frees_every_block_with(BatchAttention::PerSequence);
-}
-
-/// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
-/// published from their slots, and a leaving sequence's slot is refilled by another.
-#[test]
-fn cancel_mid_prefill_and_mid_decode_frees_every_block_batched() {
-    cancel_mid_prefill_and_mid_decode_frees_every_block_with(BatchAttention::Batched);
-}
-
-fn cancel_mid_prefill_and_mid_decode_frees_every_block_with(mode: BatchAttention) {
     let (model, tokenizer) = load();
     let cases = common::short_reference_cases();
-    let mut batch = BatchGenerator::new(
-        model.as_ref(),
-        &tokenizer,
-        config_with(64, 8, mode),
-        "smollm",
-    );
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
     let long: Vec<u32> = cases[1..]
         .iter()
         .flat_map(|c| c.prompt_ids.iter().copied())
@@ -240,30 +207,13 @@ fn cancel_mid_prefill_and_mid_decode_frees_every_block_with(mode: BatchAttention
     );
 }
 
+/// Preempted sequences leave their slots and come back through the prefix cache.
 #[test]
 fn a_tiny_pool_preempts_and_still_completes_every_request_exactly() {
-    a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(
-        BatchAttention::PerSequence,
-    );
-}
-
-/// The same with decoding sequences in one slot-major cache (what a GPU runs): blocks are
-/// published from their slots, and a leaving sequence's slot is refilled by another.
-#[test]
-fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_batched() {
-    a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(BatchAttention::Batched);
-}
-
-fn a_tiny_pool_preempts_and_still_completes_every_request_exactly_with(mode: BatchAttention) {
     let (model, tokenizer) = load();
     let cases = common::short_reference_cases();
     // 20 blocks of 8 tokens hold the largest request (61 + 32 tokens) but not all six at once.
-    let mut batch = BatchGenerator::new(
-        model.as_ref(),
-        &tokenizer,
-        config_with(20, 8, mode),
-        "smollm",
-    );
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(20, 8), "smollm");
     let outputs = common::drive(&mut batch, reference_schedule(&cases, 0));
     assert_reference(&cases, &outputs);
     for (output, streamed) in &outputs {

@@ -9,8 +9,8 @@ mod common;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array};
+use perch_engine::attention::{additive_mask, SlotRead};
 use perch_engine::cache::KvCache;
-use perch_engine::models::decoder::{additive_mask, SlotRead};
 use perch_engine::models::{self, Model};
 use perch_engine::slot_cache::{SlotAttention, SlotKvCache};
 use perch_engine::KvQuantization;
@@ -38,7 +38,7 @@ fn start(
     let fed = &prompt[..prompt.len() - 1];
     if !fed.is_empty() {
         model
-            .forward(&Array::from_slice(fed, &[1, fed.len() as i32]), &mut cache)
+            .forward_sequence(&Array::from_slice(fed, &[1, fed.len() as i32]), &mut cache)
             .unwrap();
     }
     eval(cache.iter().flat_map(KvCache::state)).unwrap();
@@ -115,7 +115,7 @@ fn run(q: Option<KvQuantization>, attention: SlotAttention) -> f32 {
         let batched = model.forward_slots(&ids, &mut slots, &one_each).unwrap();
         for seq in &mut running {
             let alone = model
-                .forward(&Array::from_slice(&[seq.next], &[1, 1]), &mut seq.cache)
+                .forward_sequence(&Array::from_slice(&[seq.next], &[1, 1]), &mut seq.cache)
                 .unwrap();
             let row = seq.slot as i32;
             let row = batched.index((row..row + 1, .., ..));
@@ -181,7 +181,7 @@ fn prefill_chunks_in_slots(additive: bool) {
         let mut cache = model.make_cache(None);
         if cached > 0 {
             let ids = Array::from_slice(&prompt[..cached], &[1, cached as i32]);
-            model.forward(&ids, &mut cache).unwrap();
+            model.forward_sequence(&ids, &mut cache).unwrap();
         }
         eval(cache.iter().flat_map(KvCache::state)).unwrap();
         assert_eq!(prefill.push(&cache, cached).unwrap(), slot);
@@ -213,7 +213,7 @@ fn prefill_chunks_in_slots(additive: bool) {
         {
             if n > 0 {
                 let chunk = Array::from_slice(&prompt[*done..*done + n], &[1, n as i32]);
-                let alone = model.forward(&chunk, cache).unwrap();
+                let alone = model.forward_sequence(&chunk, cache).unwrap();
                 let (r, n) = (row as i32, n as i32);
                 let mine = batched.index((r..r + 1, 0..n, ..));
                 worst = worst.max(largest_difference(&mine, &alone));
@@ -250,7 +250,7 @@ fn prefill_chunks_in_slots(additive: bool) {
     let batched = model.forward_slots(&ids, &mut decode, &[1, 1, 1]).unwrap();
     for (slot, (&(prompt, _, _), (cache, _))) in plans.iter().zip(&mut seqs).rev().enumerate() {
         let last = Array::from_slice(&[*prompt.last().unwrap()], &[1, 1]);
-        let alone = model.forward(&last, cache).unwrap();
+        let alone = model.forward_sequence(&last, cache).unwrap();
         let s = slot as i32;
         let diff = largest_difference(&batched.index((s..s + 1, .., ..)), &alone);
         assert!(diff < 1e-4, "decode slot {slot}: {diff}");
@@ -288,7 +288,7 @@ fn quantized_slots_give_the_per_sequence_tokens() {
 /// as a moved or reused slot holds) equals the unmasked one over the row's own positions.
 #[test]
 fn masked_quantized_attention_over_padded_slots_is_exact() {
-    use perch_engine::models::decoder::{quantized_scaled_dot_product_attention, KvMask};
+    use perch_engine::attention::{quantized_scaled_dot_product_attention, KvMask};
     let q = KvQuantization::new(8, 64, 64).unwrap();
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
     let (rows, kv_heads, heads, capacity) = (3, 2, 6, 256);
@@ -334,8 +334,8 @@ fn masked_quantized_attention_over_padded_slots_is_exact() {
 /// attention, as CUDA does) agree, masked positions excluded, to float32 rounding.
 #[test]
 fn dequantized_and_packed_reads_of_quantized_slots_agree() {
+    use perch_engine::attention::masked_attention;
     use perch_engine::cache::CachedKv;
-    use perch_engine::models::decoder::masked_attention;
     let q = KvQuantization::new(8, 64, 64).unwrap();
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
     let (rows, capacity) = (4, 256);
@@ -377,8 +377,8 @@ fn dequantized_and_packed_reads_of_quantized_slots_agree() {
 /// logit per query head that joins the softmax without a value).
 #[test]
 fn explicit_and_fused_reads_of_dense_slots_agree() {
+    use perch_engine::attention::masked_attention;
     use perch_engine::cache::CachedKv;
-    use perch_engine::models::decoder::masked_attention;
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
     let (rows, capacity) = (4, 256);
     let keys = normal(&[rows, 2, capacity, 64]);

@@ -170,7 +170,6 @@ fn idle_warm_up_changes_no_output_and_no_cache() {
     // The GPU path (slot caches) with the idle warm-up forced on: a request submitted at once
     // runs while passes are still queued, and one after they all ran reads the same tokens.
     let config = EngineConfig {
-        attention: perch_engine::batch::BatchAttention::Batched,
         idle_warm_up: true,
         prefill_token_budget: 64,
         prefill_batch_size: 2,
@@ -412,7 +411,6 @@ fn a_burst_reaching_an_idle_engine_is_prefilled_in_one_pass() {
     // Four requests submitted 2 ms apart, as a client's fan-out arrives: with an arrival window
     // longer than the gaps they share one prefill pass; the window's cap (4x) is 80 ms here.
     let engine = engine_with(EngineConfig {
-        attention: perch_engine::batch::BatchAttention::Batched,
         prefill_batch_size: 8,
         arrival_window: Duration::from_millis(20),
         ..EngineConfig::default()

@@ -11,7 +11,7 @@ mod common;
 use std::ops::ControlFlow;
 
 use mlx_rs::{ops, Array};
-use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::models::{self, Model};
 use perch_engine::{generate, GenerateRequest, Tokenizer};
 
@@ -39,7 +39,7 @@ fn fused_projections_compute_what_separate_ones_do() {
     let ids = Array::from_slice(prompt, &[1, prompt.len() as i32]);
     let logits = |model: &dyn Model| {
         let mut cache = model.make_cache(None);
-        model.forward(&ids, &mut cache).unwrap()
+        model.forward_sequence(&ids, &mut cache).unwrap()
     };
     let (a, b) = (logits(separate.as_ref()), logits(fused.as_ref()));
     assert_eq!(a.shape(), b.shape());
@@ -68,7 +68,6 @@ fn fused_projections_compute_what_separate_ones_do() {
     }
 
     let mut config = BatchConfig::for_budget(fused.as_ref(), 64 << 20, 16, None);
-    config.attention = BatchAttention::Batched;
     config.prefill_batch_size = 4;
     let mut batch = BatchGenerator::new(fused.as_ref(), &tokenizer, config, "fused");
     let schedule = cases

@@ -7,7 +7,7 @@
 
 mod common;
 
-use perch_engine::batch::{kv_bytes_per_token, BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::batch::{kv_bytes_per_token, BatchConfig, BatchGenerator};
 use perch_engine::models::{self, Model};
 use perch_engine::{
     EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, KvQuantization,
@@ -34,8 +34,8 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
 
 #[test]
 fn quantized_cache_and_attention_are_mlx_lms() {
+    use perch_engine::attention::{quantized_scaled_dot_product_attention, KvMask};
     use perch_engine::cache::{CachedKv, KvCache};
-    use perch_engine::models::decoder::{quantized_scaled_dot_product_attention, KvMask};
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("attention.safetensors");
     common::run_oracle("kv_attention.py", &[file.to_str().unwrap()]);
@@ -82,8 +82,8 @@ fn quantized_cache_and_attention_are_mlx_lms() {
 #[test]
 fn quantized_attention_keeps_half_precision() {
     use mlx_rs::Dtype;
+    use perch_engine::attention::{quantized_scaled_dot_product_attention, KvMask};
     use perch_engine::cache::{CachedKv, KvCache};
-    use perch_engine::models::decoder::{quantized_scaled_dot_product_attention, KvMask};
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         let q = KvQuantization::new(8, 64, 64).unwrap();
         let mut cache = KvCache::with_quantization(Some(q));
@@ -172,12 +172,11 @@ fn quantized_runs_follow_mlx_lm_until_a_near_tie() {
     let default = BatchConfig::for_budget(model.as_ref(), 64 << 20, 32, Some(q));
     // The CPU's path, and a GPU's: slot caches read dequantized, decode steps compiled by MLX.
     let gpu_like = BatchConfig {
-        attention: BatchAttention::Batched,
         compile_decode: true,
         ..default.clone()
     };
     for config in [default, gpu_like] {
-        let label = format!("{:?}, compiled {}", config.attention, config.compile_decode);
+        let label = format!("compiled {}", config.compile_decode);
         let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
         batch.warm_up().unwrap();
         // All at once, so decode steps are batched across sequences.

@@ -6,7 +6,6 @@
 
 mod common;
 
-use perch_engine::batch::BatchAttention;
 use perch_engine::{EngineConfig, EngineError, EngineHandle, GenerateRequest};
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -91,7 +90,6 @@ fn next_token_logprobs_match_mlx_lm_and_share_steps() {
     let batched_engine = EngineHandle::load(
         &common::model_dir(),
         EngineConfig {
-            attention: BatchAttention::Batched,
             prefill_batch_size: 8,
             max_running: 64,
             logprobs_batch_size: 64,

@@ -8,7 +8,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use perch_engine::batch::{BatchAttention, BatchConfig, BatchGenerator};
+use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::device::{clear_cache, memory_stats};
 use perch_engine::{models, FinishReason, GenerateRequest, Tokenizer};
 
@@ -39,7 +39,6 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
         num_blocks: 96,
         bounded_layer_bytes: 0,
         kv_quantization: None,
-        attention: BatchAttention::PerSequence,
         slot_attention: Default::default(),
         compile_decode: false,
     };

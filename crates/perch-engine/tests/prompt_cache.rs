@@ -182,7 +182,7 @@ fn damaged_files_and_other_models_caches_are_errors() {
     let model = models::load(&model_dir).unwrap();
     let mut cache = model.make_cache(None);
     model
-        .forward(
+        .forward_sequence(
             &mlx_rs::Array::from_slice(&[1u32, 504, 2988, 288], &[1, 4]),
             &mut cache,
         )

@@ -752,46 +752,37 @@ impl perch_engine::models::Model for ScriptedModel {
     fn forward(
         &self,
         ids: &mlx_rs::Array,
-        cache: &mut [perch_engine::cache::KvCache],
-    ) -> perch_engine::Result<mlx_rs::Array> {
-        let n = ids.shape()[1];
-        let last = cache[0].offset() as usize + n as usize - 1;
-        Self::remember(cache, n)?;
-        // Only the last position's logits are ever read.
+        caches: &mut perch_engine::layer_caches::LayerCaches<'_>,
+        _output: perch_engine::models::Output,
+    ) -> perch_engine::Result<Option<mlx_rs::Array>> {
+        use perch_engine::layer_caches::LayerCaches;
+        let (rows, tokens) = (ids.shape()[0], ids.shape()[1]);
+        // Only each row's last position's logits are ever read (a decode step's).
+        let last: Vec<usize> = match caches {
+            LayerCaches::Sequence(cache) => {
+                let last = cache[0].offset() as usize + tokens as usize - 1;
+                Self::remember(cache, tokens)?;
+                vec![last]
+            }
+            LayerCaches::Slots { cache, step } => {
+                // Something in the cache, for the prefix cache to copy out.
+                let zeros = mlx_rs::Array::zeros::<f32>(&[rows, 1, tokens, 8])?;
+                cache.update_and_fetch(0, step, &zeros, &zeros)?;
+                step.positions
+                    .as_slice::<i32>()
+                    .iter()
+                    .map(|&p| p as usize + tokens as usize - 1)
+                    .collect()
+            }
+        };
+        let next: Vec<u32> = last.iter().map(|&p| self.next_after(p)).collect();
         let vocab = self.info.vocab_size as i32;
-        let before = mlx_rs::Array::zeros::<f32>(&[1, n - 1, vocab])?;
-        let last = self
-            .one_hot(&[self.next_after(last)])
-            .reshape(&[1, 1, vocab])?;
-        Ok(mlx_rs::ops::concatenate(&[before, last], 1)?)
-    }
-
-    fn forward_batch(
-        &self,
-        ids: &mlx_rs::Array,
-        caches: &mut [&mut [perch_engine::cache::KvCache]],
-    ) -> perch_engine::Result<mlx_rs::Array> {
-        assert_eq!(ids.shape()[1], 1, "decode steps feed one token a row");
-        let mut next = Vec::new();
-        for cache in caches.iter_mut() {
-            next.push(self.next_after(cache[0].offset() as usize));
-            Self::remember(cache, 1)?;
+        let last = self.one_hot(&next).reshape(&[rows, 1, vocab])?;
+        if tokens == 1 {
+            return Ok(Some(last));
         }
-        let vocab = self.info.vocab_size as i32;
-        Ok(self
-            .one_hot(&next)
-            .reshape(&[next.len() as i32, 1, vocab])?)
-    }
-
-    fn forward_slot_step(
-        &self,
-        _ids: &mlx_rs::Array,
-        _slots: &mut perch_engine::slot_cache::SlotKvCache,
-        _step: &perch_engine::slot_cache::SlotStep,
-    ) -> perch_engine::Result<mlx_rs::Array> {
-        Err(perch_engine::EngineError::Request(
-            "the scripted model runs per sequence".into(),
-        ))
+        let before = mlx_rs::Array::zeros::<f32>(&[rows, tokens - 1, vocab])?;
+        Ok(Some(mlx_rs::ops::concatenate(&[before, last], 1)?))
     }
 
     fn clone_for_compile(&self) -> Box<dyn perch_engine::models::Model> {
@@ -845,12 +836,7 @@ fn tool_calls_through_both_sdks() {
         script,
     };
     let tokenizer_dir = dir.path().to_path_buf();
-    // The scripted model answers per sequence only (it has no slot-cache forward pass).
-    let per_sequence = EngineConfig {
-        attention: perch_engine::batch::BatchAttention::PerSequence,
-        ..EngineConfig::default()
-    };
-    let engine = EngineHandle::spawn_with(per_sequence, "scripted".into(), move || {
+    let engine = EngineHandle::spawn_with(EngineConfig::default(), "scripted".into(), move || {
         Ok((
             Box::new(model) as Box<dyn perch_engine::models::Model>,
             perch_engine::Tokenizer::load(&tokenizer_dir)?,

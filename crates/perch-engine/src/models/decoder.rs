@@ -3,18 +3,17 @@
 //! pass, written op for op like mlx-lm's `models/llama.py` (and `gemma3_text.py` for what
 //! [`BlockStyle`] changes) so that logits match mlx_lm exactly.
 
-use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};
 
-use crate::cache::{CachedKv, KvCache, KvQuantization};
-use crate::device::Backend;
+use crate::attention::AttentionSpec;
+use crate::cache::{KvCache, KvQuantization};
 use crate::error::Result;
+use crate::layer_caches::{LayerCaches, Positions};
 use crate::layers::{gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
 use crate::mlx_ext::slice;
 use crate::models::gated_delta::{GatedDeltaConfig, GatedDeltaNet};
 use crate::models::moe::{MlpAndExperts, MoeConfig, MoeStyle, SparseMoe};
-use crate::models::{Model, ModelInfo};
-use crate::slot_cache::{SlotKvCache, SlotStep};
+use crate::models::{within, Model, ModelInfo, Output};
 use crate::weights::Weights;
 
 /// Everything the shared decoder needs, resolved from an architecture's config. `Default` gives
@@ -213,15 +212,6 @@ pub struct LinearAttention {
     /// Layer `i` is full attention when `(i + 1) % full_attention_interval == 0`.
     pub full_attention_interval: i32,
     pub layer: GatedDeltaConfig,
-}
-
-/// `Ok` when a config size `value` is in `1..=max`; otherwise a sentence naming the field `name`.
-pub(crate) fn within(name: &str, value: i32, max: i32) -> std::result::Result<(), String> {
-    if (1..=max).contains(&value) {
-        Ok(())
-    } else {
-        Err(format!("`{name}` must be between 1 and {max}, got {value}"))
-    }
 }
 
 impl DecoderConfig {
@@ -431,8 +421,6 @@ struct Attention {
     v_norm: Option<RmsNorm>,
     /// See [`BlockStyle::qk_norm_across_heads`].
     qk_norm_across_heads: bool,
-    /// See [`BlockStyle::query_position_scale`].
-    query_position_scale: Option<QueryPositionScale>,
     num_heads: i32,
     num_kv_heads: i32,
     head_dim: i32,
@@ -539,7 +527,6 @@ impl Attention {
             v_norm: (c.style.value_norm && !shape.shares_kv)
                 .then(|| RmsNorm::unweighted(c.rms_norm_eps)),
             qk_norm_across_heads: across,
-            query_position_scale: c.style.query_position_scale,
             num_heads: c.num_heads,
             num_kv_heads: kv_heads,
             head_dim: hd,
@@ -692,524 +679,47 @@ impl Attention {
         }
     }
 
-    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`. Row `b` of the batch is its own
-    /// sequence with its own cache (`caches[b]`, at its own position): projections run batched,
-    /// RoPE and attention per sequence, so each row computes exactly what it would alone.
+    /// `x` `[rows, tokens, hidden]` → `[rows, tokens, hidden]`: queries, keys and values
+    /// projected, rotated at the pass's `positions`, queries scaled by `query_scales`
+    /// (`[rows, 1, tokens, 1]`, [`QueryPositionScale`]) when given, then cache layer `layer` of
+    /// `caches` takes the keys and values (none for a layer that reads another's) and decides
+    /// how attention reads it ([`LayerCaches::attend`]).
     fn forward(
         &self,
         x: &Array,
         rope: Option<&Rope>,
-        caches: &mut [&mut KvCache],
-    ) -> Result<Array> {
-        let (batch, seq) = (x.shape()[0], x.shape()[1]);
-        debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
-        let (queries, kv, gate) = self.project(x)?;
-
-        let out = if batch == 1 {
-            self.attend(&queries, kv, rope, caches[0])?
-        } else {
-            let row = |a: &Array, b: i32| {
-                let s = a.shape();
-                slice(a, &[b, 0, 0, 0], &[b + 1, s[1], s[2], s[3]])
-            };
-            let mut outs = Vec::with_capacity(batch as usize);
-            for (b, cache) in caches.iter_mut().enumerate() {
-                let b = b as i32;
-                let kv = match &kv {
-                    Some((keys, values)) => Some((row(keys, b)?, row(values, b)?)),
-                    None => None,
-                };
-                outs.push(self.attend(&row(&queries, b)?, kv, rope, cache)?);
-            }
-            ops::concatenate(&outs, 0)?
-        };
-        let out = out
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[batch, seq, -1])?;
-        self.output(&out, gate)
-    }
-
-    /// One step of a whole batch over a slot-major cache: `x` `[rows, tokens, hidden]`, row `r`
-    /// the sequence in slot `r` from position `step.positions[r]` on → `[rows, tokens, hidden]`.
-    /// RoPE, the cache write and attention are one call each for all rows (attention masked
-    /// causally from each row's position).
-    /// `shared`: what the step's layers share (a sliding layer reads its window mask). A layer
-    /// without keys and values of its own reads cache layer `layer` as the step left it.
-    fn forward_slots(
-        &self,
-        x: &Array,
-        rope: Option<&Rope>,
-        slots: &mut SlotKvCache,
+        (positions, query_scales): (&Positions, Option<&Array>),
+        caches: &mut LayerCaches<'_>,
         layer: usize,
-        step: &SlotStep,
-        shared: &SharedStepArrays,
     ) -> Result<Array> {
         let (rows, tokens) = (x.shape()[0], x.shape()[1]);
         let (queries, kv, gate) = self.project(x)?;
         let at = |a: &Array| -> Result<Array> {
-            Ok(match rope {
-                Some(rope) => rope.forward_at(a, &step.positions)?,
-                None => a.clone(),
-            })
+            match rope {
+                Some(rope) => positions.rope(rope, a),
+                None => Ok(a.clone()),
+            }
         };
         let queries = at(&queries)?;
-        let queries = match &shared.query_scales {
+        let queries = match query_scales {
             Some(scales) => ops::multiply(&queries, &scales.as_dtype(queries.dtype())?)?,
             None => queries,
         };
-        let cached = match kv {
-            Some((keys, values)) => slots.update_and_fetch(layer, step, &at(&keys)?, &values)?,
-            None => slots.fetch(layer)?,
+        let kv = match kv {
+            Some((keys, values)) => Some((at(&keys)?, values)),
+            None => None,
         };
-        let mask = shared.mask(step, self.window.is_some(), queries.dtype())?;
-        let out = masked_attention(
-            &queries,
-            cached,
-            self.scale,
-            mask,
-            step.read,
-            self.sinks.as_ref(),
-        )?;
+        let spec = AttentionSpec {
+            scale: self.scale,
+            sinks: self.sinks.as_ref(),
+            window: self.window,
+        };
+        let out = caches.attend(layer, &queries, kv, &spec)?;
         let out = out
             .transpose_axes(&[0, 2, 1, 3])?
             .reshape(&[rows, tokens, -1])?;
         self.output(&out, gate)
     }
-
-    /// RoPE at the cache's position, cache update and attention for one sequence:
-    /// `[1, heads, seq, head_dim]` in and out. Without keys and values (`kv` `None`), `cache` is
-    /// an earlier layer's, already holding this step's positions: it is read as it is.
-    fn attend(
-        &self,
-        queries: &Array,
-        kv: Option<(Array, Array)>,
-        rope: Option<&Rope>,
-        cache: &mut KvCache,
-    ) -> Result<Array> {
-        let seq = queries.shape()[2];
-        let offset = match kv {
-            Some(_) => cache.offset(),
-            None => cache.offset() - seq,
-        };
-        let at = |a: &Array| -> Result<Array> {
-            Ok(match rope {
-                Some(rope) => rope.forward(a, offset)?,
-                None => a.clone(),
-            })
-        };
-        let queries = at(queries)?;
-        let queries = match self.query_position_scale {
-            // Below `original` positions every scale is 1 (multiplying by it changes nothing).
-            Some(scale) if (offset + seq) as f32 > scale.original => {
-                let positions = ops::arange::<_, i32>(offset, offset + seq, None)?;
-                let scales = scale.scales(&positions.reshape(&[1, 1, seq, 1])?)?;
-                ops::multiply(&queries, &scales.as_dtype(queries.dtype())?)?
-            }
-            _ => queries,
-        };
-        // One new token attends to everything cached: no mask (as mlx-lm passes None).
-        let causal = seq > 1;
-        let cached = match kv {
-            Some((keys, values)) => cache.update_and_fetch(&at(&keys)?, &values)?,
-            None => cache.fetch()?,
-        };
-        // A cache bounded by max_kv_size reads its first and its recent positions.
-        if cache.limit().is_some() && self.window.is_none() {
-            let limited = cache.limited_fetch(seq)?;
-            let mask = match &limited.mask {
-                Some(mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
-                None => causal.then_some(ScaledDotProductAttentionMask::Causal),
-            };
-            return Ok(scaled_dot_product_attention(
-                &queries,
-                &limited.keys,
-                &limited.values,
-                self.scale,
-                mask,
-                self.sinks.as_ref(),
-            )?);
-        }
-        // A sliding layer whose window leaves positions out reads from the first position its
-        // first query sees, masked by distance for more than one query. (The cache may have
-        // dropped positions before that one: what it returns starts at its first position.)
-        if let Some(window) = self.window.filter(|&w| offset + seq > w) {
-            let start = (offset + 1 - window).max(0);
-            let mask = causal
-                .then(|| window_mask(offset, seq, start, window))
-                .transpose()?;
-            let held_from = cache.first_position();
-            let from = |a: &Array| -> Result<Array> {
-                let s = a.shape();
-                Ok(slice(
-                    a,
-                    &[0, 0, start - held_from, 0],
-                    &[s[0], s[1], s[2], s[3]],
-                )?)
-            };
-            return match cached {
-                CachedKv::Dense { keys, values } => Ok(scaled_dot_product_attention(
-                    &queries,
-                    &from(&keys)?,
-                    &from(&values)?,
-                    self.scale,
-                    mask.as_ref().map(ScaledDotProductAttentionMask::Array),
-                    self.sinks.as_ref(),
-                )?),
-                CachedKv::Quantized {
-                    keys,
-                    values,
-                    quantization,
-                } => {
-                    let parts = |p: [Array; 3]| -> Result<[Array; 3]> {
-                        let [a, b, c] = p;
-                        Ok([from(&a)?, from(&b)?, from(&c)?])
-                    };
-                    quantized_scaled_dot_product_attention(
-                        &queries,
-                        &parts(keys)?,
-                        &parts(values)?,
-                        self.scale,
-                        quantization,
-                        mask.as_ref().map_or(KvMask::None, KvMask::Array),
-                        self.sinks.as_ref(),
-                    )
-                }
-            };
-        }
-        match cached {
-            CachedKv::Dense { keys, values } => {
-                let mask = causal.then_some(ScaledDotProductAttentionMask::Causal);
-                Ok(scaled_dot_product_attention(
-                    &queries,
-                    &keys,
-                    &values,
-                    self.scale,
-                    mask,
-                    self.sinks.as_ref(),
-                )?)
-            }
-            CachedKv::Quantized {
-                keys,
-                values,
-                quantization,
-            } => quantized_scaled_dot_product_attention(
-                &queries,
-                &keys,
-                &values,
-                self.scale,
-                quantization,
-                if causal { KvMask::Causal } else { KvMask::None },
-                self.sinks.as_ref(),
-            ),
-        }
-    }
-}
-
-/// The sliding-window causal mask `[1, 1, seq, positions]` of `seq` queries at positions
-/// `offset..offset + seq` over keys at positions `start..offset + seq`: true where the key is
-/// at most the query's position and less than `window` before it (mlx_lm's
-/// `create_causal_mask(window_size=window)`).
-fn window_mask(offset: i32, seq: i32, start: i32, window: i32) -> Result<Array> {
-    let q = ops::arange::<_, i32>(offset, offset + seq, None)?.reshape(&[1, 1, seq, 1])?;
-    let k = ops::arange::<_, i32>(start, offset + seq, None)?.reshape(&[1, 1, 1, -1])?;
-    let window = Array::from_int(window);
-    Ok(ops::logical_and(
-        &ops::ge(&q, &k)?,
-        &ops::lt(&q, &ops::add(&k, &window)?)?,
-    )?)
-}
-
-/// Attention over a quantized KV cache, as mlx_lm's `quantized_scaled_dot_product_attention`
-/// (`mlx_lm/models/base.py`) computes it: queries scaled by `scale`, scores by `quantized_matmul`
-/// against the packed keys, a mask (causal for more than one query, as
-/// `where(q_pos >= k_pos, scores, finfo(dtype).min)`, or a boolean array), a precise softmax, and `quantized_matmul`
-/// against the packed values. The query heads that share a KV head are stacked along the rows,
-/// `[batch, kv_heads, repeats * seq, head_dim]`, where mlx_lm broadcasts the keys over a repeats
-/// axis instead: every score is the same dot product (bit for bit on CPU, tested), and MLX's CUDA
-/// quantized_matmul (v0.32) has no kernel for packed matrices broadcast over a batch axis.
-///
-/// `queries`: `[batch, heads, seq, head_dim]`; `keys`/`values`: packed values, scales and biases
-/// `[batch, kv_heads, positions, …]` as [`crate::cache::KvCache::update_and_fetch`] returns them.
-/// `sinks`: attention sinks `[heads]` (see [`BlockStyle::attention_sinks`]; mlx_lm has none
-/// for quantized caches). Returns `[batch, heads, seq, head_dim]`. Errors: MLX's, for shapes
-/// that do not fit together.
-pub fn quantized_scaled_dot_product_attention(
-    queries: &Array,
-    keys: &[Array; 3],
-    values: &[Array; 3],
-    scale: f32,
-    q: KvQuantization,
-    mask: KvMask,
-    sinks: Option<&Array>,
-) -> Result<Array> {
-    // MLX's CUDA quantized_matmul (v0.32) also takes only whole-contiguous packed matrices, and
-    // the cache hands out views of its larger buffers: copy them there (Metal and CPU read views).
-    let contiguous = Backend::current() == Backend::Cuda;
-    let packed = |parts: &[Array; 3]| -> Result<Vec<Array>> {
-        parts
-            .iter()
-            .map(|p| {
-                Ok(if contiguous {
-                    p.contiguous()?
-                } else {
-                    p.clone()
-                })
-            })
-            .collect()
-    };
-    let (keys, values) = (packed(keys)?, packed(values)?);
-    let qmm = |x: &Array, parts: &[Array], transpose: bool| {
-        ops::quantized_matmul(
-            x,
-            &parts[0],
-            &parts[1],
-            &parts[2],
-            transpose,
-            q.group_size,
-            q.bits,
-        )
-    };
-    let kv_heads = keys[0].shape()[1];
-    stacked_attention(
-        queries,
-        kv_heads,
-        (scale, sinks),
-        mask,
-        |q| Ok(qmm(q, &keys, true)?),
-        |p| Ok(qmm(p, &values, false)?),
-    )
-}
-
-/// Attention over dense keys and values `[batch, kv_heads, positions, head_dim]` by explicit
-/// operations, as [`quantized_scaled_dot_product_attention`] computes it with `matmul` in place
-/// of `quantized_matmul`: scores, mask, precise softmax, weighted values. What a batched decode
-/// step on CUDA reads its slot cache with (see [`SlotRead`]). `sinks`: attention sinks
-/// `[heads]`. Returns `[batch, heads, seq, head_dim]`.
-pub fn explicit_scaled_dot_product_attention(
-    queries: &Array,
-    keys: &Array,
-    values: &Array,
-    scale: f32,
-    mask: KvMask,
-    sinks: Option<&Array>,
-) -> Result<Array> {
-    let kv_heads = keys.shape()[1];
-    let keys_t = keys.transpose_axes(&[0, 1, 3, 2])?;
-    stacked_attention(
-        queries,
-        kv_heads,
-        (scale, sinks),
-        mask,
-        |q| Ok(ops::matmul(q, &keys_t)?),
-        |p| Ok(ops::matmul(p, values)?),
-    )
-}
-
-/// The attention both explicit forms share. The query heads that share a KV head are stacked
-/// along the rows, `[batch, kv_heads, repeats * seq, head_dim]` (scaled by `scale` in their own
-/// dtype), `scores_of` turns them into scores `[batch, kv_heads, repeats * seq, positions]`, the
-/// mask puts the dtype's lowest value where a query may not look (as mlx_lm's
-/// `where(mask, scores, finfo(dtype).min)`), a precise softmax (float32 inside) gives the
-/// weights and `weigh` turns them into `[batch, kv_heads, repeats * seq, head_dim]`. Attention
-/// sinks (`[heads]`, when given) join the softmax as one more column of scores, dropped after
-/// it, as MLX's fused attention takes them.
-fn stacked_attention(
-    queries: &Array,
-    kv_heads: i32,
-    (scale, sinks): (f32, Option<&Array>),
-    mask: KvMask,
-    scores_of: impl FnOnce(&Array) -> Result<Array>,
-    weigh: impl FnOnce(&Array) -> Result<Array>,
-) -> Result<Array> {
-    let s = queries.shape();
-    let (batch, heads, seq, head_dim) = (s[0], s[1], s[2], s[3]);
-    let repeats = heads / kv_heads;
-    // Scalars in the activations' dtype: a float32 one would promote bfloat16 activations to
-    // float32, for which MLX's CUDA quantized_matmul has no kernel (mlx_lm's Python scalars are
-    // weakly typed and never promote).
-    let dtype = queries.dtype();
-    let queries = ops::multiply(queries, &Array::from_f32(scale).as_dtype(dtype)?)?.reshape(&[
-        batch,
-        kv_heads,
-        repeats * seq,
-        head_dim,
-    ])?;
-    let mut scores = scores_of(&queries)?;
-    let positions = *scores.shape().last().expect("scores have a key axis");
-    let mask = match mask {
-        KvMask::None => None,
-        // [batch, 1 or heads, seq, positions] → broadcast over the heads stacked per KV head.
-        KvMask::Array(mask) => {
-            let m = mask.shape();
-            Some(if m[1] == 1 {
-                mask.reshape(&[m[0], 1, 1, m[2], m[3]])?
-            } else {
-                mask.reshape(&[m[0], kv_heads, repeats, m[2], m[3]])?
-            })
-        }
-        KvMask::Causal => {
-            let q_positions = ops::arange::<_, i32>(positions - seq, positions, None)?;
-            let k_positions = ops::arange::<_, i32>(0, positions, None)?;
-            Some(ops::ge(
-                &q_positions.expand_dims(1)?,
-                &k_positions.expand_dims(0)?,
-            )?)
-        }
-    };
-    if let Some(mask) = mask {
-        let by_head = scores.reshape(&[batch, kv_heads, repeats, seq, positions])?;
-        scores = ops::select(&mask, &by_head, &lowest(scores.dtype())?)?.reshape(&[
-            batch,
-            kv_heads,
-            repeats * seq,
-            positions,
-        ])?;
-    }
-    let weights = match sinks {
-        None => ops::softmax_axis(&scores, -1, true)?,
-        Some(sinks) => {
-            // Head `k * repeats + r`'s sink beside each of its queries' rows.
-            let column = ops::broadcast_to(
-                sinks
-                    .as_dtype(scores.dtype())?
-                    .reshape(&[1, kv_heads, repeats, 1, 1])?,
-                &[batch, kv_heads, repeats, seq, 1],
-            )?
-            .reshape(&[batch, kv_heads, repeats * seq, 1])?;
-            let all = ops::softmax_axis(&ops::concatenate(&[scores, column], -1)?, -1, true)?;
-            slice(
-                &all,
-                &[0, 0, 0, 0],
-                &[batch, kv_heads, repeats * seq, positions],
-            )?
-        }
-    };
-    Ok(weigh(&weights)?.reshape(&[batch, heads, seq, head_dim])?)
-}
-
-/// How one batched step's attention reads its slot cache (see
-/// [`crate::slot_cache::SlotAttention`] for the choice and its measurements).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SlotRead {
-    /// Dense keys and values are read by [`explicit_scaled_dot_product_attention`] instead of
-    /// MLX's fused attention.
-    pub explicit: bool,
-    /// A quantized cache is dequantized (one layer at a time) and read as a dense one, instead
-    /// of by [`quantized_scaled_dot_product_attention`] (see [`masked_attention`]).
-    pub dequantize: bool,
-    /// MLX's fused attention takes the mask as an additive one in the queries' dtype
-    /// ([`additive_mask`]) instead of a boolean one: on CUDA, MLX 0.32.2 turns a boolean mask
-    /// into cuDNN's bias by broadcasting it to every head first, `[batch, heads, seq,
-    /// positions]` in the compute dtype, while an additive `[batch, 1, seq, positions]` mask goes
-    /// to cuDNN as it is. Measured on an H200 (`probe_sdpa_mem.py`: 4 rows of 2,048 queries over
-    /// 8,192 positions, 4 heads, bfloat16): head size 128, 1.90 ms and 1,032 MB transient with
-    /// the boolean mask, 0.74 ms and 8 MB with the additive one; head size 64 (no copy either
-    /// way) 1.60 against 0.51 ms. Head sizes above 128 have no fused kernel on CUDA and cost
-    /// the same either way. Metal's kernels read boolean masks natively.
-    pub additive_mask: bool,
-    /// One query per row on CUDA is read by [`crate::decode_kernel`] (one fused kernel with the
-    /// mask) where it applies, instead of MLX's unfused fallback for masked single queries.
-    pub decode_kernel: bool,
-}
-
-/// `mask` (boolean, true where a query may attend) as an additive mask of `dtype`: 0 where
-/// true, half the dtype's lowest value where false (finite, so a query that may attend to
-/// nothing, a padding row, gets finite weights instead of NaN, and adding a score cannot
-/// overflow to -inf).
-pub fn additive_mask(mask: &Array, dtype: Dtype) -> Result<Array> {
-    let blocked = Array::from_f32(lowest_value(dtype) / 2.0).as_dtype(dtype)?;
-    let open = Array::from_f32(0.0).as_dtype(dtype)?;
-    Ok(ops::select(mask, &open, &blocked)?)
-}
-
-/// Attention of `queries` `[batch, heads, seq, head_dim]` over `cached` positions where `mask`
-/// (boolean, `[batch, 1 or heads, seq, positions]`) is true, read as `read` says; with
-/// `read.additive_mask`, `mask` is that mask made additive ([`additive_mask`], in the queries'
-/// dtype), read by MLX's fused attention. A quantized
-/// cache is read by [`quantized_scaled_dot_product_attention`], or, when `read.dequantize`,
-/// dequantized and read as a dense one: MLX 0.32.2's CUDA quantized_matmul over a batch of
-/// `rows * kv_heads` packed matrices did not finish a 32-sequence benchmark in 120 s on an H100,
-/// where dequantizing one layer's slots at a time ran it at 2,494 tok/s (the cache keeps its
-/// size; the transient copy is one layer's). `sinks`: attention sinks `[heads]`. Returns
-/// `[batch, heads, seq, head_dim]`.
-pub fn masked_attention(
-    queries: &Array,
-    cached: CachedKv,
-    scale: f32,
-    mask: &Array,
-    read: SlotRead,
-    sinks: Option<&Array>,
-) -> Result<Array> {
-    let dense = |keys: &Array, values: &Array| -> Result<Array> {
-        Ok(if read.explicit {
-            explicit_scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                scale,
-                KvMask::Array(mask),
-                sinks,
-            )?
-        } else if read.decode_kernel
-            && crate::decode_kernel::applies(queries, keys, values, mask, sinks)
-        {
-            crate::decode_kernel::masked_decode_attention(queries, keys, values, mask, scale)?
-        } else {
-            let mask = ScaledDotProductAttentionMask::Array(mask);
-            scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)?
-        })
-    };
-    match cached {
-        CachedKv::Dense { keys, values } => dense(&keys, &values),
-        CachedKv::Quantized {
-            keys,
-            values,
-            quantization: q,
-        } if read.dequantize => {
-            let dequantized =
-                |[w, s, b]: [Array; 3]| ops::dequantize(&w, &s, &b, q.group_size, q.bits);
-            dense(&dequantized(keys)?, &dequantized(values)?)
-        }
-        CachedKv::Quantized {
-            keys,
-            values,
-            quantization,
-        } => quantized_scaled_dot_product_attention(
-            queries,
-            &keys,
-            &values,
-            scale,
-            quantization,
-            KvMask::Array(mask),
-            sinks,
-        ),
-    }
-}
-
-/// Which positions a query of [`quantized_scaled_dot_product_attention`] may attend to.
-#[derive(Clone, Copy)]
-pub enum KvMask<'a> {
-    /// All of them (one new token attends to everything cached).
-    None,
-    /// Those up to its own position (a prompt chunk at the end of the cache).
-    Causal,
-    /// Where the boolean array `[batch, 1 or heads, seq, positions]` is true.
-    Array(&'a Array),
-}
-
-/// The lowest finite value of a float dtype (`mx.finfo(dtype).min`).
-fn lowest_value(dtype: Dtype) -> f32 {
-    match dtype {
-        Dtype::Float16 => -65504.0,
-        // bfloat16 keeps float32's exponent with 8 bits of significand: (2 - 2^-7) * 2^127.
-        Dtype::Bfloat16 => -3.389_531_4e38,
-        _ => f32::MIN,
-    }
-}
-
-/// [`lowest_value`] as a scalar of `dtype`.
-fn lowest(dtype: Dtype) -> Result<Array> {
-    Ok(Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?)
 }
 
 /// Layers of a large batched prompt pass dispatched at a time ([`PREFILL_EVAL_TOKENS`] tokens or
@@ -1231,49 +741,6 @@ const PREFILL_EVAL_LAYERS: usize = 4;
 /// 2026-11-26, one 7,936-token prompt on the 1.07B Llama: peak 5.4 GB waiting for each pass,
 /// 5.5–6.7 GB pipelined with the threshold at 4,096 tokens, 5.3–5.4 GB at 2,048).
 const PREFILL_EVAL_TOKENS: usize = 2048;
-
-/// Arrays of one slot step that every layer reads, built once per step.
-struct SharedStepArrays {
-    /// The sliding layers' mask when the model has them: over the cache's rings
-    /// ([`SlotStep::ring_mask`]), or [`SlotStep::window_mask`] of the model's window over
-    /// linear buffers (a cache made without rings).
-    window_mask: Option<Array>,
-    /// [`QueryPositionScale::scales`] of the step's query positions, `[rows, 1, tokens, 1]`,
-    /// when the model scales queries by position.
-    query_scales: Option<Array>,
-    /// The step's mask and `window_mask` made additive in the activations' dtype, when the
-    /// step reads with additive masks ([`SlotRead::additive_mask`]): made once, by the first
-    /// layer, for all of them.
-    additive: std::cell::OnceCell<(Array, Option<Array>)>,
-}
-
-impl SharedStepArrays {
-    /// The mask a layer reads: the window's for a sliding layer (when the model has one),
-    /// else the step's; additive in `dtype` when the step reads that way.
-    fn mask<'a>(&'a self, step: &'a SlotStep, sliding: bool, dtype: Dtype) -> Result<&'a Array> {
-        if !step.read.additive_mask {
-            return Ok(match (sliding, &self.window_mask) {
-                (true, Some(window)) => window,
-                _ => &step.mask,
-            });
-        }
-        if self.additive.get().is_none() {
-            let window = self
-                .window_mask
-                .as_ref()
-                .map(|w| additive_mask(w, dtype))
-                .transpose()?;
-            let _ = self
-                .additive
-                .set((additive_mask(&step.mask, dtype)?, window));
-        }
-        let (global, window) = self.additive.get().expect("just made");
-        Ok(match (sliding, window) {
-            (true, Some(window)) => window,
-            _ => global,
-        })
-    }
-}
 
 /// What mixes a block's positions: attention, or a Gated DeltaNet (hybrid models).
 #[derive(Clone)]
@@ -1429,7 +896,7 @@ pub struct Decoder {
     window: Option<i32>,
     embedding_scale: Option<f32>,
     clip_float16_residuals: bool,
-    /// See [`BlockStyle::query_position_scale`] (computed once per slot step for all layers).
+    /// See [`BlockStyle::query_position_scale`] (computed once per pass for all layers).
     query_position_scale: Option<QueryPositionScale>,
     per_layer: Option<PerLayerEmbedding>,
     final_logit_softcap: Option<f32>,
@@ -1740,19 +1207,6 @@ impl Decoder {
         Ok(h)
     }
 
-    /// The last layer's hidden states `[batch, seq, hidden]` of `ids`, each row with its own
-    /// cache (see [`Model::forward_batch`]).
-    fn hidden_states_of(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
-        self.run(ids, |layer, x, rope| {
-            let mut layer_caches: Vec<&mut KvCache> =
-                caches.iter_mut().map(|c| &mut c[layer.cache]).collect();
-            match &layer.mixer {
-                Mixer::Attention(attn) => attn.forward(x, rope, &mut layer_caches),
-                Mixer::Linear(net) => net.forward(x, &mut layer_caches),
-            }
-        })
-    }
-
     /// Final norm and output projection: hidden states → logits `[.., vocab]`.
     fn head(&self, h: &Array) -> Result<Array> {
         let h = self.norm.forward(h)?;
@@ -1789,65 +1243,58 @@ impl Decoder {
 }
 
 impl Model for Decoder {
-    fn forward(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        self.forward_batch(ids, &mut [cache])
-    }
-
-    fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array> {
-        let h = self.hidden_states_of(ids, caches)?;
-        self.head(&h)
-    }
-
-    fn prefill(&self, ids: &Array, cache: &mut [KvCache]) -> Result<()> {
-        self.hidden_states_of(ids, &mut [cache]).map(drop)
-    }
-
-    fn forward_slot_step(
+    fn forward(
         &self,
         ids: &Array,
-        slots: &mut SlotKvCache,
-        step: &SlotStep,
-    ) -> Result<Array> {
-        let shared = SharedStepArrays {
-            window_mask: match (self.window, step.ring_mask()) {
-                (Some(_), Some(ring)) => Some(ring.clone()),
-                (Some(window), None) => Some(step.window_mask(window)?),
-                (None, _) => None,
-            },
-            query_scales: self
-                .query_position_scale
-                .map(|scale| scale.scales(step.query_positions()))
-                .transpose()?,
-            additive: std::cell::OnceCell::new(),
+        caches: &mut LayerCaches<'_>,
+        output: Output,
+    ) -> Result<Option<Array>> {
+        let (rows, tokens) = (ids.shape()[0], ids.shape()[1]);
+        let positions = caches.positions();
+        let query_scales = match (self.query_position_scale, positions.last(tokens)) {
+            // Below `original` positions every scale is 1 (multiplying by it changes nothing).
+            (Some(scale), Some(last)) if last as f32 + 1.0 <= scale.original => None,
+            (Some(scale), _) => Some(scale.scales(&positions.queries(tokens)?)?),
+            (None, _) => None,
         };
-        // A large prompt pass is evaluated a few layers at a time (see PREFILL_EVAL_LAYERS);
-        // never a decode step (one token a row), which MLX may be tracing (`compiled.rs`).
-        let (rows, tokens) = (ids.shape()[0] as usize, ids.shape()[1] as usize);
-        let in_parts = tokens > 1 && rows * tokens >= PREFILL_EVAL_TOKENS;
+        // A large batched prompt pass is evaluated a few layers at a time (see
+        // PREFILL_EVAL_LAYERS); never a decode step (one token a row), which MLX may be tracing
+        // (`compiled.rs`).
+        let in_parts = matches!(caches, LayerCaches::Slots { .. })
+            && tokens > 1
+            && (rows * tokens) as usize >= PREFILL_EVAL_TOKENS;
         // The last part dispatched: waited for once the next one is dispatched, so the device
         // always has a part to run while the host builds the next.
         let mut dispatched: Option<Array> = None;
-        let h = self.run(ids, |layer, x, rope| match &layer.mixer {
-            Mixer::Attention(attn) => {
-                let out = attn.forward_slots(x, rope, slots, layer.cache, step, &shared)?;
-                if in_parts && (layer.cache + 1) % PREFILL_EVAL_LAYERS == 0 {
-                    if dispatched.is_none() {
-                        // The pass before (pipelined prefill) is done before this one writes.
+        let h = self.run(ids, |layer, x, rope| {
+            let out = match &layer.mixer {
+                Mixer::Attention(attn) => attn.forward(
+                    x,
+                    rope,
+                    (&positions, query_scales.as_ref()),
+                    caches,
+                    layer.cache,
+                )?,
+                Mixer::Linear(net) => net.forward(x, caches, layer.cache)?,
+            };
+            if in_parts && (layer.cache + 1) % PREFILL_EVAL_LAYERS == 0 {
+                if dispatched.is_none() {
+                    // The pass before (pipelined prefill) is done before this one writes.
+                    if let Some(slots) = caches.slots() {
                         slots.wait_for_pass_in_flight()?;
                     }
-                    mlx_rs::transforms::async_eval([&out])?;
-                    if let Some(previous) = dispatched.replace(out.clone()) {
-                        mlx_rs::transforms::eval([&previous])?;
-                    }
                 }
-                Ok(out)
+                mlx_rs::transforms::async_eval([&out])?;
+                if let Some(previous) = dispatched.replace(out.clone()) {
+                    mlx_rs::transforms::eval([&previous])?;
+                }
             }
-            Mixer::Linear(_) => Err(mlx_rs::error::Exception::from(
-                "linear-attention layers do not run over slot caches yet",
-            )
-            .into()),
+            Ok(out)
         })?;
-        self.head(&h)
+        match output {
+            Output::Logits => Ok(Some(self.head(&h)?)),
+            Output::CacheOnly => Ok(None),
+        }
     }
 
     fn clone_for_compile(&self) -> Box<dyn Model> {
@@ -1867,6 +1314,8 @@ impl Model for Decoder {
                 Mixer::Attention(attention) => attention,
                 Mixer::Linear(net) => {
                     net.use_mlx_kernels();
+                    // The whole step is traced: its recurrence too, not a compiled call inside.
+                    net.compile_recurrence(false);
                     block.mlp.use_mlx_kernels();
                     continue;
                 }

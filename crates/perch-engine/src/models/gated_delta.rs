@@ -9,7 +9,8 @@
 //! and `β = sigmoid(b)` come from the input, and `q`, `k`, `v` from a short causal depthwise
 //! convolution (`kernel` taps) over the projected input, `q` and `k` L2-normalised (q also
 //! scaled by `key_dim^-½`). The output is RMS-normed, gated by `silu(z)` and projected back.
-//! The state after a sequence's tokens lives in its [`KvCache`] ([`KvCache::recurrent`]).
+//! The state after a sequence's tokens lives in its cache ([`crate::cache::KvCache::recurrent`], or
+//! a row of a slot cache).
 
 use std::cell::RefCell;
 
@@ -17,12 +18,14 @@ use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
-use crate::cache::{KvCache, RecurrentState};
+use crate::cache::RecurrentState;
 use crate::device::Backend;
 use crate::error::Result;
+use crate::layer_caches::LayerCaches;
 use crate::layers::{Linear, Quantization};
 use crate::mlx_ext::slice;
-use crate::models::decoder::within;
+use crate::models::within;
+use crate::slot_cache::RealTokens;
 use crate::weights::Weights;
 
 /// The sizes of a Gated DeltaNet layer (Qwen3.5's `linear_*` config fields).
@@ -215,43 +218,58 @@ impl GatedDeltaNet {
         }
     }
 
-    /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`; row `b` is its own sequence, whose
-    /// state before these tokens is in `caches[b]` (none yet: zeros) and after them is written
-    /// back there. Every row feeds `seq` real tokens (no padding).
-    pub fn forward(&self, x: &Array, caches: &mut [&mut KvCache]) -> Result<Array> {
+    /// `x` `[rows, tokens, hidden]` → `[rows, tokens, hidden]`: each row's state before these
+    /// tokens is cache layer `layer`'s of `caches` (none yet: zeros), and the state after its real
+    /// tokens replaces it (a padded row's padding leaves it as it was,
+    /// [`LayerCaches::real_tokens`]).
+    pub fn forward(&self, x: &Array, caches: &mut LayerCaches<'_>, layer: usize) -> Result<Array> {
+        let state = match caches.recurrent_state(layer) {
+            Some(state) => state,
+            None => {
+                let (conv, ssm) = self.state_shapes(x.shape()[0]);
+                RecurrentState {
+                    conv: ops::zeros_dtype(&conv, x.dtype())?,
+                    ssm: ops::zeros_dtype(&ssm, Dtype::Float32)?,
+                }
+            }
+        };
+        let (out, state) = self.mix(x, state, caches.real_tokens())?;
+        caches.set_recurrent_state(layer, state, x.shape()[1]);
+        Ok(out)
+    }
+
+    /// The state shapes of `rows` rows: the convolution's `[rows, kernel - 1, conv_dim]` and the
+    /// recurrence's `[rows, value_heads, value_dim, key_dim]`.
+    fn state_shapes(&self, rows: i32) -> (Vec<i32>, Vec<i32>) {
+        let c = &self.c;
+        (
+            vec![rows, c.conv_kernel - 1, c.conv_dim()],
+            vec![rows, c.num_value_heads, c.value_head_dim, c.key_head_dim],
+        )
+    }
+
+    /// The layer over `x` `[batch, seq, hidden]` from `state` (`[batch, ..]`) → its output
+    /// `[batch, seq, hidden]` and the state after each row's real tokens: all `seq` of them, or
+    /// with `real` the first `counts[r]` of row `r` (the padding after them neither moves the
+    /// convolution's window nor updates the recurrence: a padded step's decay is 1 and its
+    /// delta 0).
+    fn mix(
+        &self,
+        x: &Array,
+        state: RecurrentState,
+        real: Option<&RealTokens>,
+    ) -> Result<(Array, RecurrentState)> {
         let s = x.shape();
         let (batch, seq) = (s[0], s[1]);
-        debug_assert_eq!(batch as usize, caches.len(), "one cache per sequence");
         let c = &self.c;
         let dtype = x.dtype();
         let (hv, dv) = (c.num_value_heads, c.value_head_dim);
         let (hk, dk) = (c.num_key_heads, c.key_head_dim);
         let keep = c.conv_kernel - 1;
-
-        // The rows' states, stacked on axis 0 (zeros for a row with none yet).
-        let mut conv_states = Vec::with_capacity(caches.len());
-        let mut ssm_states = Vec::with_capacity(caches.len());
-        for cache in caches.iter() {
-            match cache.recurrent_state() {
-                Some(state) => {
-                    conv_states.push(state.conv.clone());
-                    ssm_states.push(state.ssm.clone());
-                }
-                None => {
-                    conv_states.push(ops::zeros_dtype(&[1, keep, c.conv_dim()], dtype)?);
-                    ssm_states.push(ops::zeros_dtype(&[1, hv, dv, dk], Dtype::Float32)?);
-                }
-            }
-        }
-        let stacked = |states: Vec<Array>| -> Result<Array> {
-            Ok(if states.len() == 1 {
-                states.into_iter().next().expect("one state")
-            } else {
-                ops::concatenate(&states, 0)?
-            })
-        };
-        let conv_state = stacked(conv_states)?;
-        let mut state = stacked(ssm_states)?;
+        let RecurrentState {
+            conv: conv_state,
+            ssm: mut state,
+        } = state;
 
         let qkv = self.in_proj_qkv.forward(x)?;
         let z = self.in_proj_z.forward(x)?.reshape(&[batch, seq, hv, dv])?;
@@ -260,12 +278,23 @@ impl GatedDeltaNet {
 
         let conv_input = ops::concatenate(&[conv_state, qkv], 1)?;
         let total = seq + keep;
-        let new_conv = slice(
-            &conv_input,
-            &[0, total - keep, 0],
-            &[batch, total, c.conv_dim()],
-        )?
-        .contiguous()?;
+        let new_conv = match real {
+            // Each row's last `keep` inputs up to its real tokens: entries counts[r]..+keep.
+            Some(real) => {
+                let index = ops::add(
+                    &real.counts.reshape(&[-1, 1, 1])?,
+                    &ops::arange::<_, i32>(0, keep, None)?.reshape(&[1, -1, 1])?,
+                )?;
+                let index = ops::broadcast_to(&index, &[batch, keep, c.conv_dim()])?;
+                conv_input.take_along_axis(&index, 1)?
+            }
+            None => slice(
+                &conv_input,
+                &[0, total - keep, 0],
+                &[batch, total, c.conv_dim()],
+            )?
+            .contiguous()?,
+        };
         let conv_out = nn::silu(ops::conv1d(
             &conv_input,
             &self.conv1d,
@@ -299,6 +328,17 @@ impl GatedDeltaNet {
             &ops::negative(&decay_rate)?,
             &nn::softplus(ops::add(&a, &self.dt_bias)?)?,
         )?)?;
+        // Padding keeps the state: decay 1, delta 0.
+        let (g, beta) = match real {
+            Some(real) => {
+                let mask = real.mask.reshape(&[batch, seq, 1])?;
+                (
+                    ops::select(&mask, &g, &Array::from_f32(1.0).as_dtype(g.dtype())?)?,
+                    ops::select(&mask, &beta, &Array::from_f32(0.0).as_dtype(beta.dtype())?)?,
+                )
+            }
+            None => (g, beta),
+        };
 
         // Key heads serve `hv / hk` value heads each, consecutively (mlx_lm's mx.repeat).
         let repeat = hv / hk;
@@ -341,23 +381,10 @@ impl GatedDeltaNet {
             ys.push(outputs.pop().expect("y"));
         }
         let y = ops::stack(&ys, 1)?; // [batch, seq, hv, dv]
-
-        // Write each row's state back.
-        for (row, cache) in caches.iter_mut().enumerate() {
-            let row = row as i32;
-            let state_row = if batch == 1 {
-                RecurrentState {
-                    conv: new_conv.clone(),
-                    ssm: state.clone(),
-                }
-            } else {
-                RecurrentState {
-                    conv: slice(&new_conv, &[row, 0, 0], &[row + 1, keep, c.conv_dim()])?,
-                    ssm: slice(&state, &[row, 0, 0, 0], &[row + 1, hv, dv, dk])?,
-                }
-            };
-            cache.set_recurrent_state(state_row, seq);
-        }
+        let new_state = RecurrentState {
+            conv: new_conv,
+            ssm: state,
+        };
 
         // RMSNormGated: rms_norm(y) · silu(z), both in float32, back in y's dtype.
         let normed = fast::rms_norm(&y, Some(&self.norm_weight), self.norm_eps)?;
@@ -366,7 +393,9 @@ impl GatedDeltaNet {
             &normed.as_dtype(Dtype::Float32)?,
         )?
         .as_dtype(y.dtype())?;
-        self.out_proj
-            .forward(&gated.reshape(&[batch, seq, c.value_dim()])?)
+        let out = self
+            .out_proj
+            .forward(&gated.reshape(&[batch, seq, c.value_dim()])?)?;
+        Ok((out, new_state))
     }
 }

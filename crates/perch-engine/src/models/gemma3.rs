@@ -11,7 +11,8 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::decoder::{within, BlockStyle, DecoderConfig, SlidingWindow};
+use super::decoder::{BlockStyle, DecoderConfig, SlidingWindow};
+use super::within;
 use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::layers::{Activation, Rope};

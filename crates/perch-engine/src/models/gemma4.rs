@@ -124,12 +124,12 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
     };
     let args: Gemma4Args = cx.parse_value(&text, if nested { "text_config" } else { "config" })?;
     let layers = args.num_hidden_layers;
-    super::decoder::within("num_hidden_layers", layers, DecoderConfig::MAX_LAYERS)
+    super::within("num_hidden_layers", layers, DecoderConfig::MAX_LAYERS)
         .map_err(|m| cx.error(m))?;
     let sliding = match &args.layer_types {
         Some(types) => SlidingWindow::layers_from_types(types).map_err(|m| cx.error(m))?,
         None => {
-            super::decoder::within(
+            super::within(
                 "sliding_window_pattern",
                 args.sliding_window_pattern,
                 DecoderConfig::MAX_LAYERS,

@@ -26,10 +26,20 @@ use serde_json::Value;
 use crate::cache::{KvCache, KvQuantization};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
+use crate::layer_caches::LayerCaches;
 use crate::layers::{Quantization, Rope};
-use crate::slot_cache::{SlotKvCache, SlotStep};
+use crate::slot_cache::SlotKvCache;
 use crate::weights::{LoadProgress, Weights};
 use decoder::{Decoder, DecoderConfig};
+
+/// `Ok` when a config size `value` is in `1..=max`; otherwise a sentence naming the field `name`.
+pub(crate) fn within(name: &str, value: i32, max: i32) -> std::result::Result<(), String> {
+    if (1..=max).contains(&value) {
+        Ok(())
+    } else {
+        Err(format!("`{name}` must be between 1 and {max}, got {value}"))
+    }
+}
 
 /// What callers need to know about a loaded model.
 #[derive(Debug, Clone)]
@@ -48,68 +58,49 @@ pub struct ModelInfo {
     pub context_length: usize,
 }
 
+/// What a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Logits `[rows, tokens, vocab]`.
+    Logits,
+    /// Nothing: the pass only fills the caches (a prompt chunk whose logits nobody reads). On
+    /// CPU Perch's quantized projections run eagerly (`crates/perch-qgemm`), so computing logits
+    /// nobody reads would cost a `[tokens, vocab]` float32 array (400 MB for a 2,048-token chunk
+    /// over a 49,152-token vocabulary) and its arithmetic; MLX's lazy graph skips them on other
+    /// backends anyway.
+    CacheOnly,
+}
+
 /// A causal language model.
 pub trait Model: Send {
-    /// Token ids `[1, seq]` of one sequence → logits `[1, seq, vocab]`, appending to its cache
-    /// (one [`KvCache`] per layer).
-    fn forward(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array>;
-    /// Token ids `[batch, seq]` of `batch` independent sequences, each with its own cache at its
-    /// own position (`caches[b]`, one [`KvCache`] per layer) → logits `[batch, seq, vocab]`. Row
-    /// `b` equals what [`Model::forward`] computes for that sequence alone.
-    fn forward_batch(&self, ids: &Array, caches: &mut [&mut [KvCache]]) -> Result<Array>;
-    /// [`Model::forward`] for a prompt chunk whose logits are never read: fills `cache` and
-    /// skips the final norm and output projection. On CPU Perch's quantized projections run
-    /// eagerly (`crates/perch-qgemm`), so computing logits nobody reads would cost a
-    /// `[seq, vocab]` float32 array (400 MB for a 2,048-token chunk over a 49,152-token
-    /// vocabulary) and its arithmetic; MLX's lazy graph skips them on other backends anyway.
-    fn prefill(&self, ids: &Array, cache: &mut [KvCache]) -> Result<()> {
-        self.forward(ids, cache).map(drop)
-    }
-    /// One step of every sequence in `slots` (see [`SlotKvCache`]): token ids `[rows, tokens]`,
-    /// row `r` the tokens the sequence in slot `r` feeds, its first `new_tokens[r]` real and the
-    /// rest padding (as are padding rows: any ids) → logits `[rows, tokens, vocab]`; slot `r`
-    /// holds `new_tokens[r]` more positions afterwards. A decode step feeds one token per row, a
-    /// prefill step a prompt chunk. The real positions of row `r` equal what [`Model::forward`]
-    /// computes for that sequence alone, up to reduction order.
-    fn forward_slots(
+    /// The forward pass, the only one: token ids `[rows, tokens]` → logits `[rows, tokens,
+    /// vocab]` (`None` for [`Output::CacheOnly`]), each row's tokens appended to its caches in
+    /// `caches` (one sequence's, or a batch's rows in slot caches: [`LayerCaches`], which
+    /// decides positions and what attention reads). A row's real positions compute what its
+    /// sequence computes alone, up to reduction order. Builds its graph from `ids`, the caches'
+    /// arrays and the weights only, so that MLX can trace it ([`crate::compiled`]).
+    fn forward(
         &self,
         ids: &Array,
-        slots: &mut SlotKvCache,
-        new_tokens: &[usize],
-    ) -> Result<Array> {
-        let step = slots.begin_step(ids.shape()[1] as usize)?;
-        let logits = self.forward_slot_step(ids, slots, &step)?;
-        slots.end_step(new_tokens);
-        Ok(logits)
-    }
-    /// The forward pass of [`Model::forward_slots`] for a step `slots` began
-    /// ([`SlotKvCache::begin_step`]), writing the step's keys and values into `slots`'
-    /// buffers and leaving its lengths as they were. Builds the graph only from `ids`, the
-    /// step's arrays, the buffers and the weights, so that MLX can compile it (see
-    /// [`crate::compiled`]).
-    fn forward_slot_step(
-        &self,
-        ids: &Array,
-        slots: &mut SlotKvCache,
-        step: &SlotStep,
-    ) -> Result<Array>;
+        caches: &mut LayerCaches<'_>,
+        output: Output,
+    ) -> Result<Option<Array>>;
     /// A copy sharing this model's weights (MLX arrays are reference-counted) whose forward
     /// passes MLX can trace (every product through MLX's operations, none read on the host):
     /// what a compiled step owns.
     fn clone_for_compile(&self) -> Box<dyn Model>;
     fn info(&self) -> &ModelInfo;
     /// Whether some layers keep a recurrent state instead of keys and values (linear
-    /// attention: [`KvCache::recurrent`]). Such models run without slot caches for now; their
-    /// prefix cache keeps states at block boundaries (`crate::block_store`).
+    /// attention: [`KvCache::recurrent`]); their prefix cache keeps states at block boundaries
+    /// (`crate::block_store`).
     fn has_recurrent_layers(&self) -> bool {
         false
     }
     /// Runs linear-attention layers' per-token recurrence through MLX's compiler, or not (the
     /// default depends on the backend: compiled on GPUs). No effect on other models.
     fn compile_recurrence(&mut self, _on: bool) {}
-    /// Whether some layers attend within a sliding window (Gemma 3). Their caches keep every
-    /// position for now (attention reads the window), so memory grows with the sequence as on
-    /// other layers; prompt caches are refused (mlx_lm writes `RotatingKVCache`s for them).
+    /// Whether some layers attend within a sliding window (Gemma 3, gpt-oss): their caches keep
+    /// about a window of positions (see [`KvCache::with_window`] and the slot caches' rings).
     fn has_sliding_window_layers(&self) -> bool {
         false
     }
@@ -123,6 +114,46 @@ pub trait Model: Send {
                     .with_head_shape(info.num_kv_heads as i32, info.head_dim as i32)
             })
             .collect()
+    }
+}
+
+impl dyn Model + '_ {
+    /// [`Model::forward`] over one sequence's caches (one per layer): ids `[1, seq]` → logits
+    /// `[1, seq, vocab]`.
+    pub fn forward_sequence(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array> {
+        let logits = self.forward(ids, &mut LayerCaches::Sequence(cache), Output::Logits)?;
+        Ok(logits.expect("logits were asked for"))
+    }
+
+    /// [`Model::forward`] over one sequence's caches for a prompt chunk whose logits are never
+    /// read: fills the caches only ([`Output::CacheOnly`]).
+    pub fn prefill_sequence(&self, ids: &Array, cache: &mut [KvCache]) -> Result<()> {
+        self.forward(ids, &mut LayerCaches::Sequence(cache), Output::CacheOnly)
+            .map(drop)
+    }
+
+    /// One step of every sequence in `slots` ([`SlotKvCache`]): token ids `[rows, tokens]`, row
+    /// `r` the tokens the sequence in slot `r` feeds, its first `new_tokens[r]` real and the rest
+    /// padding (as are padding rows: any ids) → logits `[rows, tokens, vocab]`; slot `r` holds
+    /// `new_tokens[r]` more positions afterwards. A decode step feeds one token per row, a
+    /// prefill step a prompt chunk.
+    pub fn forward_slots(
+        &self,
+        ids: &Array,
+        slots: &mut SlotKvCache,
+        new_tokens: &[usize],
+    ) -> Result<Array> {
+        let step = slots.begin_step(ids.shape()[1] as usize, new_tokens)?;
+        let logits = self.forward(
+            ids,
+            &mut LayerCaches::Slots {
+                cache: slots,
+                step: &step,
+            },
+            Output::Logits,
+        )?;
+        slots.end_step(new_tokens);
+        Ok(logits.expect("logits were asked for"))
     }
 }
 

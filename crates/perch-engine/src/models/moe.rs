@@ -61,7 +61,7 @@ impl MoeConfig {
     }
 
     pub fn validate(&self) -> std::result::Result<(), String> {
-        use super::decoder::within;
+        use super::within;
         within("num_experts", self.num_experts, Self::MAX_EXPERTS)?;
         within("num_experts_per_tok", self.top_k, self.num_experts)?;
         within("moe_intermediate_size", self.intermediate_size, 1 << 20)?;
