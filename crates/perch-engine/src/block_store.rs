@@ -34,7 +34,7 @@
 //!   (Qwen3-Next's layout: 36 linear layers x `[32 value heads, 128, 128]` float32 = 72 MiB per
 //!   block that holds them).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::rc::Rc;
 
 use mlx_rs::{ops, Array};
@@ -53,7 +53,8 @@ enum Piece {
     Own(BlockKv),
     /// Block `index` of `len` consecutive blocks copied out at once ([`BlockStore::put_run`]):
     /// each array `[1, kv_heads, len * block_size, head_dim]`. The copy lives while any of its
-    /// blocks does; a block's share of its bytes is counted as its own.
+    /// blocks does: the store's bytes count it once while any of its blocks holds it; the bounded
+    /// parts' budget counts each block's share of it.
     InRun {
         run: Rc<BlockKv>,
         index: usize,
@@ -87,12 +88,6 @@ struct Content {
     bounded: Option<(Piece, u64)>,
 }
 
-impl Content {
-    fn nbytes(&self) -> usize {
-        self.full.nbytes() + self.bounded.as_ref().map_or(0, |(piece, _)| piece.nbytes())
-    }
-}
-
 /// How a layer's cache grows with a sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum LayerKind {
@@ -104,8 +99,11 @@ enum LayerKind {
 /// KV content per block id; `None` for blocks that hold nothing worth keeping.
 pub struct BlockStore {
     blocks: Vec<Option<Content>>,
-    /// Bytes of all content held (kept up to date, since stats are read often).
+    /// Bytes of all content held: blocks' own arrays, and each run copy's once while any block
+    /// holds it (kept up to date, since stats are read often).
     nbytes: usize,
+    /// Per run copy held (by address): how many blocks' pieces hold it.
+    run_refs: HashMap<*const BlockKv, usize>,
     /// Per cache layer: its kind (see the module docs).
     kinds: Vec<LayerKind>,
     /// The widest sliding window; `None` without sliding layers.
@@ -133,6 +131,7 @@ impl BlockStore {
         Self {
             blocks: (0..num_blocks).map(|_| None).collect(),
             nbytes: 0,
+            run_refs: HashMap::new(),
             kinds: Vec::new(),
             window: None,
             lru: BTreeMap::new(),
@@ -201,11 +200,43 @@ impl BlockStore {
             .as_mut()
             .expect("a block in the LRU order holds content");
         if let Some((piece, _)) = content.bounded.take() {
-            let bytes = piece.nbytes();
-            self.bounded_bytes -= bytes;
-            self.nbytes -= bytes;
+            self.bounded_bytes -= piece.nbytes();
+            self.account(&piece, false);
         }
         true
+    }
+
+    /// Counts `piece` in [`BlockStore::nbytes`] as held (`add`) or let go: its own arrays, or
+    /// its run copy's once, from the first block that holds it to the last.
+    fn account(&mut self, piece: &Piece, add: bool) {
+        match piece {
+            Piece::Own(kv) if add => self.nbytes += kv_nbytes(kv),
+            Piece::Own(kv) => self.nbytes -= kv_nbytes(kv),
+            Piece::InRun { run, .. } => {
+                let key = Rc::as_ptr(run);
+                let refs = self.run_refs.entry(key).or_insert(0);
+                if add {
+                    *refs += 1;
+                    if *refs == 1 {
+                        self.nbytes += kv_nbytes(run);
+                    }
+                } else {
+                    *refs -= 1;
+                    if *refs == 0 {
+                        self.run_refs.remove(&key);
+                        self.nbytes -= kv_nbytes(run);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`BlockStore::account`] for both parts of a block's content.
+    fn account_content(&mut self, content: &Content, add: bool) {
+        self.account(&content.full, add);
+        if let Some((piece, _)) = &content.bounded {
+            self.account(piece, add);
+        }
     }
 
     /// Marks the bounded layers of a model whose caches are `layers` (one per cache layer:
@@ -409,7 +440,7 @@ impl BlockStore {
             (piece, used)
         });
         let content = Content { full, bounded };
-        self.nbytes += content.nbytes();
+        self.account_content(&content, true);
         self.blocks[id.0 as usize] = Some(content);
     }
 
@@ -490,7 +521,7 @@ impl BlockStore {
             return;
         };
         let content = self.blocks[id.0 as usize].take().expect("held");
-        self.nbytes -= content.nbytes();
+        self.account_content(&content, false);
         self.insert(id, content.full, Some(Piece::Own(bounded)));
         self.bound();
     }
@@ -513,7 +544,7 @@ impl BlockStore {
     /// Drops the content of `id` (the block was handed out again or forgotten).
     pub fn clear(&mut self, id: BlockId) {
         if let Some(content) = self.blocks[id.0 as usize].take() {
-            self.nbytes -= content.nbytes();
+            self.account_content(&content, false);
             if let Some((piece, used)) = &content.bounded {
                 self.lru.remove(used);
                 self.bounded_bytes -= piece.nbytes();
@@ -790,7 +821,9 @@ mod tests {
         assert_eq!(holding, [false, false, false, true, true, true]);
         assert!(chain.iter().all(|id| store.contains(*id)));
         assert_eq!(store.bounded_bytes(), 3 * part_bytes);
-        assert_eq!(store.nbytes(), 9 * part_bytes);
+        // Every global part, and the sliding run copy whole (block 2's share of it lives on in
+        // the copy that blocks 3..6 hold), as the memory is.
+        assert_eq!(store.nbytes(), 10 * part_bytes);
         assert_eq!(store.usable_blocks(&chain, block_size), 6);
         assert_eq!(store.usable_blocks(&chain[..3], block_size), 0);
         assert_eq!(store.complete_blocks(&chain), 0);
@@ -858,7 +891,7 @@ mod tests {
     }
 
     /// Blocks kept as places in a run copy load as blocks of their own do (any stretch of them,
-    /// mixed with owned blocks), count their share of its bytes, and evaluate it once.
+    /// mixed with owned blocks), and evaluate it once; its bytes count once.
     #[test]
     fn blocks_of_a_run_load_and_count_as_their_own() {
         let block_size = 4;
@@ -887,10 +920,15 @@ mod tests {
         // The run's first block alone, after an owned block: positions 0..8.
         let two = loaded(&[BlockId(5), BlockId(1)]);
         assert_eq!(two, &expected[..8]);
-        // Evicting part of a run keeps the rest readable and takes that block's share.
+        // Evicting part of a run keeps the rest readable, and its memory held (and counted)
+        // until its last block goes.
         store.clear(BlockId(2));
-        assert_eq!(store.nbytes(), 3 * block_bytes);
+        assert_eq!(store.nbytes(), 4 * block_bytes);
         assert!(store.contains(BlockId(3)) && store.holds_every_layer(BlockId(3)));
+        store.clear(BlockId(1));
+        assert_eq!(store.nbytes(), 4 * block_bytes);
+        store.clear(BlockId(3));
+        assert_eq!(store.nbytes(), block_bytes);
     }
 
     #[test]
