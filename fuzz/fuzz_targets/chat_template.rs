@@ -6,7 +6,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use perch_engine::chat_template::{ChatMessage, ChatTemplate, TEMPLATE_FUEL};
+use perch_engine::text::chat_template::{ChatMessage, ChatTemplate, TEMPLATE_FUEL};
 
 fuzz_target!(|data: &[u8]| {
     let (source, rest) = match data.iter().position(|&b| b == 0) {

@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use mlx_rs::Array;
-use perch_engine::layer_caches::LayerCaches;
+use perch_engine::kv::LayerCaches;
 use perch_engine::models::{Model, ModelInfo, Output};
 use perch_engine::prompt_cache::load_prompt_cache;
 use perch_engine::{EngineError, Result};

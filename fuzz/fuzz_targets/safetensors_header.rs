@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use perch_engine::device::Backend;
-use perch_engine::weights::{check_safetensors_header, Weights};
+use perch_engine::nn::weights::{check_safetensors_header, Weights};
 
 fuzz_target!(|data: &[u8]| {
     if check_safetensors_header(data).is_err() {

@@ -5,6 +5,7 @@
 //! The plugins are added by [`crate::run`] only: they need a real desktop session. On Tauri's mock
 //! runtime (the command tests) [`apply`] finds neither and only validates.
 
+use crate::commands::CommandError;
 use std::str::FromStr;
 
 use perch_store::Settings;
@@ -32,13 +33,15 @@ pub fn plugins<R: Runtime>(builder: tauri::Builder<R>) -> tauri::Builder<R> {
 
 /// The shortcut in `text` (Tauri's accelerator syntax, e.g. `CommandOrControl+Shift+Space`);
 /// `None` when empty. The error is a sentence for the UI.
-pub fn parse_shortcut(text: &str) -> Result<Option<Shortcut>, String> {
+pub fn parse_shortcut(text: &str) -> Result<Option<Shortcut>, CommandError> {
     let text = text.trim();
     if text.is_empty() {
         return Ok(None);
     }
     Shortcut::from_str(text).map(Some).map_err(|err| {
-        format!("The shortcut {text:?} is not valid ({err}); write it like CommandOrControl+Shift+Space.")
+        CommandError::invalid(&format!(
+            "The shortcut {text:?} is not valid ({err}); write it like CommandOrControl+Shift+Space."
+        ))
     })
 }
 
@@ -48,7 +51,7 @@ pub fn apply<R: Runtime>(
     app: &AppHandle<R>,
     old: Option<&Settings>,
     new: &Settings,
-) -> Result<(), String> {
+) -> Result<(), CommandError> {
     let shortcut = parse_shortcut(&new.shortcut)?;
     let previous = old
         .map(|o| parse_shortcut(&o.shortcut))
@@ -64,10 +67,10 @@ pub fn apply<R: Runtime>(
                     if let Some(previous) = previous {
                         let _ = shortcuts.register(previous);
                     }
-                    return Err(format!(
+                    return Err(CommandError::invalid(&format!(
                         "The shortcut {} could not be registered ({err}); another app may use it.",
                         new.shortcut.trim()
-                    ));
+                    )));
                 }
             }
         }
@@ -100,8 +103,10 @@ mod tests {
             parse_shortcut(" control+alt+k ").unwrap()
         );
         let err = parse_shortcut("Ctrl+Nope").unwrap_err();
+        assert_eq!(err.kind, crate::commands::CommandErrorKind::InvalidInput);
         assert!(
-            err.starts_with("The shortcut \"Ctrl+Nope\" is not valid"),
+            err.message
+                .starts_with("The shortcut \"Ctrl+Nope\" is not valid"),
             "{err}"
         );
     }

@@ -142,7 +142,7 @@ fn setup(app: &mut tauri::App) -> Result<(), Box<dyn std::error::Error>> {
         app.state::<commands::server::LocalServer>()
             .apply(&settings.server)
     }) {
-        store.add_notice(problem);
+        store.add_notice(problem.message);
     }
     load_default_model(app.handle().clone());
     Ok(())

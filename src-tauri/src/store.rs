@@ -1,6 +1,7 @@
 //! What the app keeps between runs, opened once at start: the chat history and the settings
 //! (`perch-store`), in Perch's data directory.
 
+use crate::commands::CommandError;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -69,7 +70,7 @@ impl Store {
     }
 
     /// The history, locked; other threads (saving answers) wait.
-    pub fn history(&self) -> Result<MutexGuard<'_, History>, String> {
+    pub fn history(&self) -> Result<MutexGuard<'_, History>, CommandError> {
         self.history.lock().map_err(|_| super::commands::poisoned())
     }
 
@@ -78,38 +79,41 @@ impl Store {
         Arc::clone(&self.history)
     }
 
-    pub fn settings(&self) -> Result<Settings, String> {
+    pub fn settings(&self) -> Result<Settings, CommandError> {
         Ok(self.lock_settings()?.clone())
     }
 
     /// Checks `settings` without saving them (the same rules as [`Store::save_settings`]).
-    pub fn validate_settings(&self, settings: &Settings) -> Result<(), String> {
+    pub fn validate_settings(&self, settings: &Settings) -> Result<(), CommandError> {
         settings
             .validate(self.total_memory_bytes)
-            .map_err(|e| sentence(&e))
+            .map_err(|e| CommandError::invalid(&e))
     }
 
     /// Validates and saves `settings`; on error nothing changes.
-    pub fn save_settings(&self, settings: Settings) -> Result<(), String> {
+    pub fn save_settings(&self, settings: Settings) -> Result<(), CommandError> {
         let mut current = self.lock_settings()?;
         settings
             .save(&self.settings_path, self.total_memory_bytes)
-            .map_err(|e| sentence(&e))?;
+            .map_err(|e| match e {
+                perch_store::SettingsError::Invalid { .. } => CommandError::invalid(&e),
+                _ => CommandError::storage(&e),
+            })?;
         *current = settings;
         Ok(())
     }
 
     /// The engine configuration the settings ask for (KV budget, block size, draft model).
     /// Errors when the draft model is neither a model directory nor a downloaded Hub id.
-    pub fn engine_config(&self) -> Result<EngineConfig, String> {
+    pub fn engine_config(&self) -> Result<EngineConfig, CommandError> {
         let settings = self.lock_settings()?;
         let draft_model = match settings.draft_model.as_deref() {
             None => None,
             Some(draft) => Some(resolve_model(draft).ok_or_else(|| {
-                format!(
+                CommandError::invalid(&format!(
                     "The draft model {draft} is neither a model directory nor a downloaded \
                      model: change it in Settings."
-                )
+                ))
             })?),
         };
         Ok(EngineConfig {
@@ -121,12 +125,12 @@ impl Store {
     }
 
     /// Tokens the draft model proposes per step (the setting).
-    pub fn num_draft_tokens(&self) -> Result<usize, String> {
+    pub fn num_draft_tokens(&self) -> Result<usize, CommandError> {
         Ok(self.lock_settings()?.num_draft_tokens)
     }
 
     /// Perch's models directory: the setting, else `perch_hub::models_dir()`.
-    pub fn models_dir(&self) -> Result<PathBuf, String> {
+    pub fn models_dir(&self) -> Result<PathBuf, CommandError> {
         Ok(self
             .lock_settings()?
             .models_dir
@@ -151,7 +155,7 @@ impl Store {
         }
     }
 
-    fn lock_settings(&self) -> Result<MutexGuard<'_, Settings>, String> {
+    fn lock_settings(&self) -> Result<MutexGuard<'_, Settings>, CommandError> {
         self.settings
             .lock()
             .map_err(|_| super::commands::poisoned())

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use perch_app::commands::chat::{self as chat_commands, ChatEvent};
 use perch_app::commands::hub as hub_commands;
+use perch_app::commands::CommandErrorKind;
 use perch_app::store::Store;
 use perch_app::AppState;
 use perch_store::Turn;
@@ -74,7 +75,8 @@ fn model_lifecycle_through_ipc() {
 
     // A directory that holds no model: one clear sentence, and the status says so.
     let error = invoke(&window, "load_model", json!({"path": "/nonexistent/model"})).unwrap_err();
-    let error = error.as_str().expect("a string").to_owned();
+    assert_eq!(error["kind"], "invalid_model", "{error}");
+    let error = error["message"].as_str().expect("a sentence").to_owned();
     assert!(
         error.starts_with(char::is_uppercase) && error.ends_with('.'),
         "{error}"
@@ -131,7 +133,10 @@ fn model_lifecycle_through_ipc() {
         Ok(json!({"state": "not_loaded"}))
     );
     let error = invoke(&window, "stop", json!({"requestId": 1})).unwrap_err();
-    assert_eq!(error, json!("No model is loaded; choose one under Models."));
+    assert_eq!(
+        error,
+        json!({"kind": "model_not_loaded", "message": "No model is loaded; choose one under Models."})
+    );
 }
 
 #[test]
@@ -199,7 +204,11 @@ fn conversations_through_ipc() {
         json!({"id": second["id"], "settings": bad}),
     )
     .unwrap_err();
-    assert!(error.as_str().unwrap().contains("temperature"), "{error}");
+    assert_eq!(error["kind"], "invalid_input", "{error}");
+    assert!(
+        error["message"].as_str().unwrap().contains("temperature"),
+        "{error}"
+    );
     let good = json!({"system_prompt": "You are a poet.", "sampling": {"temperature": 0.5}, "max_tokens": 10});
     invoke(
         &window,
@@ -214,7 +223,10 @@ fn conversations_through_ipc() {
 
     // Without a model a message is refused, and not saved.
     let error = invoke(&window, "delete_conversation", json!({"id": 999})).unwrap_err();
-    assert_eq!(error, json!("Conversation 999 does not exist."));
+    assert_eq!(
+        error,
+        json!({"kind": "invalid_input", "message": "Conversation 999 does not exist."})
+    );
     invoke(&window, "delete_conversation", json!({"id": first["id"]})).unwrap();
     let all = invoke(&window, "list_conversations", json!({"search": ""})).unwrap();
     assert_eq!(all.as_array().unwrap().len(), 1);
@@ -232,8 +244,9 @@ fn settings_are_validated_saved_and_applied() {
     let mut settings = view["settings"].clone();
     settings["block_size"] = json!(48);
     let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
+    assert_eq!(error["kind"], "invalid_input", "{error}");
     assert!(
-        error
+        error["message"]
             .as_str()
             .unwrap()
             .starts_with("Setting block_size: must be a power of two"),
@@ -245,7 +258,7 @@ fn settings_are_validated_saved_and_applied() {
     settings["shortcut"] = json!("Ctrl+Nope");
     let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
     assert!(
-        error
+        error["message"]
             .as_str()
             .unwrap()
             .contains("\"Ctrl+Nope\" is not valid"),
@@ -574,7 +587,7 @@ fn search_download_cancel_and_load_from_the_hub() {
         REPO.to_owned(),
         channel().0,
     ));
-    assert!(twice.unwrap_err().contains("already downloading"));
+    assert!(twice.unwrap_err().message.contains("already downloading"));
     while reports
         .recv_timeout(Duration::from_secs(60))
         .expect("progress")["file"]
@@ -584,7 +597,7 @@ fn search_download_cancel_and_load_from_the_hub() {
         invoke(&window, "cancel_download", json!({"repoId": REPO})),
         Ok(json!(true))
     );
-    let error = running.join().unwrap().unwrap_err();
+    let error = running.join().unwrap().unwrap_err().message;
     assert!(
         error.contains("cancelled") && error.ends_with('.'),
         "{error}"
@@ -626,6 +639,8 @@ fn search_download_cancel_and_load_from_the_hub() {
         channel().0,
     ))
     .unwrap_err();
+    assert_eq!(unknown.kind, CommandErrorKind::Network);
+    let unknown = unknown.message;
     assert!(
         unknown.contains("no such repository") && unknown.ends_with('.'),
         "{unknown}"
@@ -711,7 +726,10 @@ fn the_local_server_follows_its_settings_and_the_loaded_model() {
     busy["server"]["port"] = json!(port);
     let error = invoke(&window, "save_settings", json!({"settings": busy})).unwrap_err();
     assert!(
-        error.as_str().unwrap().contains(&format!("port {port}")),
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("port {port}")),
         "{error}"
     );
     assert_eq!(status()["url"], url.as_str());
@@ -893,7 +911,7 @@ fn model_with_generation_config(dir: &Path, extra: Value) -> PathBuf {
 
 #[test]
 fn a_fresh_install_samples_with_the_model_s_defaults_and_says_where_they_came_from() {
-    use perch_engine::generation_config as defaults;
+    use perch_engine::sample::generation_config as defaults;
     let _turn = serial();
     let data = tempfile::tempdir().unwrap();
     let (app, window) = app(data.path());
@@ -1104,8 +1122,12 @@ fn a_draft_model_in_settings_drafts_for_chats() {
     assert_eq!(settings["draft_model"], Value::Null);
     settings["num_draft_tokens"] = json!(0);
     let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
+    assert_eq!(error["kind"], "invalid_input", "{error}");
     assert!(
-        error.as_str().unwrap().contains("num_draft_tokens"),
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("num_draft_tokens"),
         "{error}"
     );
 
@@ -1113,8 +1135,9 @@ fn a_draft_model_in_settings_drafts_for_chats() {
     settings["draft_model"] = json!("/nonexistent/draft");
     invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
     let error = invoke(&window, "load_model", json!({"path": model_dir()})).unwrap_err();
+    assert_eq!(error["kind"], "invalid_input", "{error}");
     assert!(
-        error
+        error["message"]
             .as_str()
             .unwrap()
             .contains("draft model /nonexistent/draft"),
@@ -1149,7 +1172,11 @@ fn a_draft_model_in_settings_drafts_for_chats() {
         json!({"id": id, "settings": conversation}),
     )
     .unwrap_err();
-    assert!(error.as_str().unwrap().contains("chat.kv_bits"), "{error}");
+    assert_eq!(error["kind"], "invalid_input", "{error}");
+    assert!(
+        error["message"].as_str().unwrap().contains("chat.kv_bits"),
+        "{error}"
+    );
     conversation["kv_bits"] = Value::Null;
     conversation["max_kv_size"] = json!(8);
     invoke(

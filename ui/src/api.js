@@ -1,8 +1,38 @@
 // The Rust commands of src-tauri/src/commands/, one function each. Views take this object as a
 // parameter, so tests can hand them a fake.
 
-import { invoke, Channel } from "@tauri-apps/api/core";
+import { invoke as tauriInvoke, Channel } from "@tauri-apps/api/core";
 import { listen } from "@tauri-apps/api/event";
+
+/**
+ * A command's failure: the Rust side rejects with {kind, message} (CommandError in
+ * src-tauri/src/commands/mod.rs): `kind` says what failed ("invalid_input", "model_not_loaded", "invalid_model",
+ * "context_length_exceeded", "overloaded", "network", "storage", "internal"), `message` is one
+ * sentence for the user. String(error) is the sentence.
+ */
+export class CommandError extends Error {
+  constructor({ kind, message }) {
+    super(message);
+    this.name = "CommandError";
+    this.kind = kind;
+  }
+
+  toString() {
+    return this.message;
+  }
+}
+
+/** `invoke`, its rejections as CommandErrors when the command sent one. */
+export async function invoke(command, args) {
+  try {
+    return await tauriInvoke(command, args);
+  } catch (error) {
+    if (error && typeof error === "object" && typeof error.message === "string" && "kind" in error) {
+      throw new CommandError(error);
+    }
+    throw error;
+  }
+}
 
 export const api = {
   // Models (commands/model.rs)

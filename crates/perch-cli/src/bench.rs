@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::Args;
 use mlx_rs::Array;
 use perch_engine::device::{memory_stats, Backend};
-use perch_engine::slot_cache::SlotAttention;
+use perch_engine::SlotAttention;
 use perch_engine::{GenerationStats, KvQuantization};
 use serde::Serialize;
 

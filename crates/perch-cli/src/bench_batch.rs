@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 
-use perch_engine::batch::StepTimes;
 use perch_engine::device::{memory_stats, reset_peak_memory, Backend};
+use perch_engine::StepTimes;
 use perch_engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest, Grammar,
     KvQuantization, Prompt, Tokenizer,
@@ -455,7 +455,7 @@ fn direct(
                             }) => {
                                 anyhow::bail!(
                                     "a benchmark request failed: {}",
-                                    error.unwrap_or_default()
+                                    error.map(|e| e.message).unwrap_or_default()
                                 )
                             }
                             Ok(EngineEvent::Finished { stats, .. }) => {
@@ -672,7 +672,10 @@ fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> 
                 error,
                 ..
             } => {
-                anyhow::bail!("warm-up failed: {}", error.unwrap_or_default())
+                anyhow::bail!(
+                    "warm-up failed: {}",
+                    error.map(|e| e.message).unwrap_or_default()
+                )
             }
             EngineEvent::Finished { .. } => return Ok(()),
             EngineEvent::Token { .. } => {}

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context};
 use clap::Args;
 use perch_engine::models::Model;
-use perch_engine::sampler::SamplingParams;
+use perch_engine::sample::sampler::SamplingParams;
 use perch_engine::{
     generate, generate_speculative, ChatMessage, Draft, GenerateOutput, GenerateRequest,
     KvQuantization, TokenEvent, Tokenizer,
@@ -71,7 +71,7 @@ pub struct GenerationOptions {
     #[arg(long, default_value_t = 0.0)]
     pub xtc_probability: f32,
     /// XTC: the probability above which a token is a top choice, in [0, 0.5].
-    #[arg(long, default_value_t = perch_engine::sampler::DEFAULT_XTC_THRESHOLD)]
+    #[arg(long, default_value_t = perch_engine::sample::sampler::DEFAULT_XTC_THRESHOLD)]
     pub xtc_threshold: f32,
     #[arg(long)]
     pub seed: Option<u64>,

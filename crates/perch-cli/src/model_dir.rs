@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use perch_engine::models::{self, Model};
+use perch_engine::models;
+use perch_engine::models::Model;
 use perch_engine::Tokenizer;
 
 pub use perch_hub::{models_dir, DEFAULT_MODEL_NAME};

@@ -337,7 +337,10 @@ fn client_request(
                 let counter = match finish_reason {
                     FinishReason::Cancelled => &counters.cancelled,
                     FinishReason::Error => {
-                        eprintln!("soak: a request failed: {}", error.unwrap_or_default());
+                        eprintln!(
+                            "soak: a request failed: {}",
+                            error.map(|e| e.message).unwrap_or_default()
+                        );
                         &counters.errors
                     }
                     _ => &counters.finished,

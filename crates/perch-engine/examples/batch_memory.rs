@@ -10,8 +10,8 @@
 
 use std::error::Error;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::device::{memory_stats, reset_peak_memory};
+use perch_engine::testing::{BatchConfig, BatchGenerator};
 use perch_engine::{models, EngineConfig, GenerateRequest, Tokenizer};
 
 fn main() -> Result<(), Box<dyn Error>> {

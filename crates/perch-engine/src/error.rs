@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use serde::{Deserialize, Serialize};
+
 /// Everything that can go wrong while loading a model or generating.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -83,6 +85,93 @@ pub enum EngineError {
     Kernel(String),
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
+}
+
+impl EngineError {
+    /// What kind of failure this is for a request that met it ([`ErrorKind`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            EngineError::PromptTooLong { .. } | EngineError::KvCacheTooSmall { .. } => {
+                ErrorKind::ContextLengthExceeded
+            }
+            EngineError::EmptyPrompt
+            | EngineError::TokenOutOfVocabulary { .. }
+            | EngineError::InvalidSampling(_)
+            | EngineError::InvalidGrammar(_)
+            | EngineError::InvalidKvQuantization(_)
+            | EngineError::ChatTemplate(_)
+            | EngineError::PromptCache { .. }
+            | EngineError::Request(_) => ErrorKind::InvalidRequest,
+            EngineError::Busy { .. } => ErrorKind::Overloaded,
+            EngineError::EngineStopped => ErrorKind::ModelNotLoaded,
+            EngineError::Io { .. }
+            | EngineError::FileTooLarge { .. }
+            | EngineError::Config { .. }
+            | EngineError::UnsupportedArchitecture { .. }
+            | EngineError::CorruptWeights { .. }
+            | EngineError::MissingWeight { .. }
+            | EngineError::WeightFormat { .. }
+            | EngineError::ShapeMismatch { .. }
+            | EngineError::Tokenizer(_)
+            | EngineError::Kernel(_)
+            | EngineError::Mlx(_) => ErrorKind::Internal,
+        }
+    }
+
+    /// This error as a request's ([`RequestError`]): its kind and its sentence.
+    pub fn to_request_error(&self) -> RequestError {
+        RequestError::new(self.kind(), self.to_string())
+    }
+
+    /// As [`EngineError::to_request_error`], for a request the engine refused before running it:
+    /// whatever went wrong is about the request (a prompt-cache file it names that cannot be
+    /// read, a chat template that fails on its messages), never an internal failure.
+    pub fn to_refusal(&self) -> RequestError {
+        let kind = match self.kind() {
+            ErrorKind::Internal => ErrorKind::InvalidRequest,
+            kind => kind,
+        };
+        RequestError::new(kind, self.to_string())
+    }
+}
+
+/// What kind of failure ended a request: how the HTTP API (status, OpenAI's and Anthropic's
+/// error types and codes) and the app report it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorKind {
+    /// The prompt, with one token to generate, does not fit the model's context or the KV cache
+    /// budget (OpenAI's `context_length_exceeded`).
+    ContextLengthExceeded,
+    /// The request itself is wrong: an empty prompt, a token outside the vocabulary, invalid
+    /// sampling or KV settings, a response format that does not compile, a chat template or
+    /// prompt-cache file that fails.
+    InvalidRequest,
+    /// The engine already holds as many requests as it queues; retry shortly.
+    Overloaded,
+    /// The request was cancelled.
+    Cancelled,
+    /// No model is loaded: the engine stopped, or a model is still loading.
+    ModelNotLoaded,
+    /// The engine failed while running the request (MLX, a kernel); not the request's fault.
+    Internal,
+}
+
+/// Why a request failed: its kind and one sentence a user can act on.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[error("{message}")]
+pub struct RequestError {
+    pub kind: ErrorKind,
+    pub message: String,
+}
+
+impl RequestError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
 }
 
 /// Result alias for the engine.

@@ -1,60 +1,65 @@
-//! Perch's generation engine on MLX: loading mlx-community models, tokenization and chat
-//! templates, sampling, generation with streaming text and per-request stats.
+//! Perch's generation engine on MLX: continuous batching over a block-pool KV cache with prefix
+//! caching, one sequence's generation and speculative decoding beside it, the models, their
+//! tokenizers and chat templates, and sampling.
 //!
-//! Layout: [`models`] (architectures and their registry) built from [`layers`] and [`weights`];
-//! [`cache`] (KV cache of one sequence), [`block_pool`] and [`kv_cache_manager`] (paged KV blocks
-//! with prefix caching, for the batch engine); [`tokenizer`] and [`chat_template`] (text); [`sampler`] and [`stop`]
-//! (choosing tokens, ending); [`generate`] (the loop); [`engine`] (the engine thread and
-//! [`EngineHandle`]); [`device`] (backend, dtype, memory).
+//! Clients (the app, the CLI, the HTTP server) talk to the engine thread through
+//! [`EngineHandle`]; everything else here is what that thread runs. The modules, each depending
+//! only on those listed after it (`tests/module_graph.rs` checks there is no circle):
+//!
+//! - [`engine`]: the handle, the engine thread and its loop over the batch
+//!   ([`engine::batch`]: admission, prefill chunks and decode steps, as `perch_sched` decides
+//!   them, over the block pool and the prefix cache);
+//! - [`sequence`]: one sequence with caches of its own (`generate`, speculative decoding);
+//! - [`worker`]: the batch's model runner (forward passes over the slot caches, compiled decode
+//!   steps, CUDA's decode attention kernel);
+//! - [`prompt_cache`]: prompt-cache files (mlx_lm's layout);
+//! - [`models`]: the architectures, each one forward over [`kv::LayerCaches`];
+//! - [`kv`]: the caches a forward reads and writes (one sequence's [`kv::cache::KvCache`]s, a
+//!   batch's slot caches) and the prefix cache's block store;
+//! - [`attention`]: scaled dot-product attention over what a cache holds;
+//! - [`text`]: tokenizer, detokenizer, chat templates, stop strings, tool calls;
+//! - [`sample`]: the sampler, logits processors, grammars, generation configs;
+//! - [`nn`]: layers and weights; [`device`]: backend and memory; [`api`]: the request, event and
+//!   stats types clients see; [`error`]: the error type.
+//!
+//! Scheduling decisions (block pool, KV cache manager, scheduler, budgets, step shapes) live in
+//! the `perch-sched` crate, which knows nothing of MLX.
 
-pub mod attention;
-pub mod batch;
-pub mod block_pool;
-pub mod block_store;
-pub mod cache;
-pub mod chat_template;
-mod compiled;
-mod cuda_kernel;
-pub mod decode_kernel;
+pub mod api;
+pub(crate) mod attention;
 pub mod device;
 pub mod engine;
 pub mod error;
-pub mod generate;
-pub mod generation_config;
-pub mod grammar;
-pub mod kv_cache_manager;
-pub mod layer_caches;
-pub mod layers;
+pub mod kv;
 pub mod limits;
-mod mlx_ext;
 pub mod models;
+pub mod nn;
+pub(crate) mod output;
 pub mod prompt_cache;
-mod runner;
-pub mod sampler;
-pub mod scheduler;
-pub mod slot_cache;
-pub mod speculative;
-pub mod stop;
-mod tail_cache;
-pub mod throughput;
-pub mod tokenizer;
-pub mod tool_calls;
-pub mod weights;
+pub mod sample;
+pub(crate) mod sequence;
+pub mod text;
+pub(crate) mod worker;
 
-pub use cache::KvQuantization;
-pub use chat_template::ChatMessage;
+#[doc(hidden)]
+pub mod testing;
+
+pub use api::{
+    EngineEvent, EngineLimits, EngineRequest, EngineStats, FinishReason, GenerateOutput,
+    GenerateRequest, GenerationStats, KvCacheStats, Prompt, StepTimes, TokenEvent, TokenLogprobs,
+};
+pub use attention::decode_kernel::check as check_decode_kernel;
+pub use attention::KvQuantization;
 #[doc(hidden)]
 pub use engine::FaultInjection;
-pub use engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineLimits, EngineRequest, EngineStats, Prompt,
-    RequestStream,
-};
+pub use engine::{EngineConfig, EngineHandle, RequestStream};
 pub use error::{EngineError, Result};
-pub use generate::{
-    generate, FinishReason, GenerateOutput, GenerateRequest, GenerationStats, TokenEvent,
-    TokenLogprobs,
-};
-pub use grammar::Grammar;
-pub use speculative::{generate_speculative, Draft};
-pub use tokenizer::Tokenizer;
-pub use weights::LoadProgress;
+pub use kv::slot_cache::SlotAttention;
+pub use nn::weights::LoadProgress;
+pub use perch_sched::RequestId;
+pub use sample::grammar::Grammar;
+pub use sample::sampler::SamplingParams;
+pub use sequence::generate::generate;
+pub use sequence::speculative::{generate_speculative, Draft};
+pub use text::chat_template::ChatMessage;
+pub use text::tokenizer::Tokenizer;

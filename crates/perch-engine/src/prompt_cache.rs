@@ -42,9 +42,9 @@ use std::path::Path;
 
 use mlx_rs::{Array, Dtype};
 
-use crate::cache::{KvCache, RecurrentState};
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
+use crate::kv::cache::{KvCache, RecurrentState};
 use crate::models::Model;
 
 const CLASS: &str = "KVCache";
@@ -200,7 +200,7 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
     if let Some(reason) = unsupported_reason(model) {
         return Err(error(reason.into()));
     }
-    crate::weights::validate_safetensors(path).map_err(|e| match e {
+    crate::nn::weights::validate_safetensors(path).map_err(|e| match e {
         EngineError::CorruptWeights { message, .. } => {
             error(format!("damaged or not a safetensors file: {message}"))
         }
@@ -414,7 +414,7 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
                     .iter()
                     .filter(|(start, end)| end > start)
                     .map(|&(start, end)| {
-                        crate::mlx_ext::slice(
+                        crate::nn::mlx_ext::slice(
                             a,
                             &[0, 0, start as i32, 0],
                             &[1, expected[1], end as i32, expected[3]],

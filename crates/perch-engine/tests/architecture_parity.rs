@@ -26,7 +26,7 @@ use std::path::Path;
 use std::process::Command;
 
 use mlx_rs::Array;
-use perch_engine::batch::{BatchConfig, BatchGenerator};
+use perch_engine::testing::{BatchConfig, BatchGenerator};
 use perch_engine::{
     generate, models, prompt_cache, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
     Prompt, Tokenizer,
@@ -115,7 +115,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         let footprint = models::kv_footprint(&config, None).unwrap();
         assert_eq!(
             footprint.bytes_per_token() as usize,
-            perch_engine::batch::kv_bytes_per_token(model.as_ref(), None),
+            perch_engine::testing::kv_bytes_per_token(model.as_ref(), None),
             "{name}: KV bytes per token"
         );
         let windows: Vec<Option<u64>> = model
@@ -504,7 +504,7 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
         .unwrap()
         .token_ids
     };
-    let every_layer = perch_engine::batch::kv_bytes_per_token(model, None);
+    let every_layer = perch_engine::testing::kv_bytes_per_token(model, None);
     let config = BatchConfig {
         compile_decode: false,
         ..BatchConfig::for_budget(model, 5000 * every_layer, 16, None)
@@ -534,7 +534,7 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
     // both at admission and nothing else: the second's allocation must drop every unpinned
     // sliding block the cache holds, the last prefix block's included, unless the first
     // admission pinned what its hit reads. Both start after the prefix.
-    let cost = perch_engine::batch::KvBudget::for_model(model, None, 0)
+    let cost = perch_engine::testing::kv_budget_for_model(model, None, 0)
         .window_cost()
         .expect("a sliding model's window cost");
     let need = |tokens: usize| tokens.div_ceil(16) + cost.blocks_for(tokens, 16);
@@ -571,7 +571,7 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
     let (mut outputs, mut most_running) = (Vec::new(), 0);
     while !batch.is_empty() {
         for event in batch.step().unwrap() {
-            if let perch_engine::batch::BatchEvent::Finished { output, .. } = event {
+            if let perch_engine::testing::BatchEvent::Finished { output, .. } = event {
                 outputs.push(output.token_ids);
             }
         }

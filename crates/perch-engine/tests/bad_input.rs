@@ -6,6 +6,7 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::Path;
 
+use perch_engine::api::ErrorKind;
 use perch_engine::{generate, models, EngineError, GenerateRequest, Tokenizer};
 use serde_json::Value;
 
@@ -312,23 +313,30 @@ fn a_hostile_chat_template_fails_its_request_and_the_engine_goes_on() {
                 EngineEvent::Finished {
                     finish_reason,
                     error,
-                    refused,
                     ..
-                } => return (tokens, finish_reason, error, refused),
+                } => {
+                    let kind = error.as_ref().map(|e| e.kind);
+                    return (tokens, finish_reason, error.map(|e| e.message), kind);
+                }
             }
         }
     };
-    let (tokens, reason, error, refused) =
-        finish(Prompt::Chat(vec![ChatMessage::new("user", "hi")]));
-    assert_eq!((tokens, reason, refused), (0, FinishReason::Error, true));
+    let (tokens, reason, error, kind) = finish(Prompt::Chat(vec![ChatMessage::new("user", "hi")]));
+    assert_eq!(
+        (tokens, reason, kind),
+        (0, FinishReason::Error, Some(ErrorKind::InvalidRequest))
+    );
     let error = error.unwrap();
     assert!(
         error.contains("chat template") && error.contains("instructions"),
         "{error}"
     );
     // A token id past the vocabulary, through the engine: refused too.
-    let (_, reason, error, refused) = finish(Prompt::Tokens(vec![1, 1_000_000]));
-    assert_eq!((reason, refused), (FinishReason::Error, true));
+    let (_, reason, error, kind) = finish(Prompt::Tokens(vec![1, 1_000_000]));
+    assert_eq!(
+        (reason, kind),
+        (FinishReason::Error, Some(ErrorKind::InvalidRequest))
+    );
     assert!(error.unwrap().contains("outside the vocabulary"));
     // The engine serves the next request.
     let (tokens, reason, error, _) = finish(Prompt::Tokens(vec![1, 504, 2988]));

@@ -5,8 +5,9 @@
 
 mod common;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator};
-use perch_engine::models::{self, Model};
+use perch_engine::models;
+use perch_engine::models::Model;
+use perch_engine::testing::{BatchConfig, BatchGenerator};
 use perch_engine::{ChatMessage, EngineError, FinishReason, GenerateRequest, Tokenizer};
 
 fn load() -> (Box<dyn Model>, Tokenizer) {
@@ -286,7 +287,7 @@ fn importing_a_cached_prefix_again_evicts_nothing() {
 
 #[test]
 fn a_long_prompt_is_prefilled_in_budget_slices_while_others_decode() {
-    use perch_engine::batch::BatchEvent;
+    use perch_engine::testing::BatchEvent;
     let (model, tokenizer) = load();
     let mut config = config(64, 16);
     config.prefill_token_budget = 64;

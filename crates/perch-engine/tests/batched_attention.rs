@@ -9,11 +9,13 @@ mod common;
 use mlx_rs::ops::indexing::IndexOp;
 use mlx_rs::transforms::eval;
 use mlx_rs::{ops, Array};
-use perch_engine::attention::{additive_mask, SlotRead};
-use perch_engine::cache::KvCache;
-use perch_engine::models::{self, Model};
-use perch_engine::slot_cache::{SlotAttention, SlotKvCache};
+use perch_engine::models;
+use perch_engine::models::Model;
+use perch_engine::testing::KvCache;
+use perch_engine::testing::SlotKvCache;
+use perch_engine::testing::{additive_mask, SlotRead};
 use perch_engine::KvQuantization;
+use perch_engine::SlotAttention;
 
 /// A sequence decoding both ways: its own cache, and the slot it holds in the slot cache.
 struct Sequence {
@@ -288,7 +290,7 @@ fn quantized_slots_give_the_per_sequence_tokens() {
 /// as a moved or reused slot holds) equals the unmasked one over the row's own positions.
 #[test]
 fn masked_quantized_attention_over_padded_slots_is_exact() {
-    use perch_engine::attention::{quantized_scaled_dot_product_attention, KvMask};
+    use perch_engine::testing::{quantized_scaled_dot_product_attention, KvMask};
     let q = KvQuantization::new(8, 64, 64).unwrap();
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
     let (rows, kv_heads, heads, capacity) = (3, 2, 6, 256);
@@ -334,8 +336,8 @@ fn masked_quantized_attention_over_padded_slots_is_exact() {
 /// attention, as CUDA does) agree, masked positions excluded, to float32 rounding.
 #[test]
 fn dequantized_and_packed_reads_of_quantized_slots_agree() {
-    use perch_engine::attention::masked_attention;
-    use perch_engine::cache::CachedKv;
+    use perch_engine::testing::masked_attention;
+    use perch_engine::testing::CachedKv;
     let q = KvQuantization::new(8, 64, 64).unwrap();
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
     let (rows, capacity) = (4, 256);
@@ -377,8 +379,8 @@ fn dequantized_and_packed_reads_of_quantized_slots_agree() {
 /// logit per query head that joins the softmax without a value).
 #[test]
 fn explicit_and_fused_reads_of_dense_slots_agree() {
-    use perch_engine::attention::masked_attention;
-    use perch_engine::cache::CachedKv;
+    use perch_engine::testing::masked_attention;
+    use perch_engine::testing::CachedKv;
     let normal = |shape: &[i32]| mlx_rs::random::normal::<f32>(shape, None, None, None).unwrap();
     let (rows, capacity) = (4, 256);
     let keys = normal(&[rows, 2, capacity, 64]);

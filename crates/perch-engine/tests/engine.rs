@@ -6,6 +6,7 @@ mod common;
 
 use std::time::Duration;
 
+use perch_engine::api::ErrorKind;
 use perch_engine::{
     EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest, Prompt,
     RequestStream,
@@ -39,7 +40,7 @@ fn collect(stream: RequestStream) -> (Vec<u32>, FinishReason, Option<String>) {
                 finish_reason,
                 error,
                 ..
-            } => return (ids, finish_reason, error),
+            } => return (ids, finish_reason, error.map(|e| e.message)),
         }
     }
 }
@@ -179,8 +180,8 @@ fn idle_warm_up_changes_no_output_and_no_cache() {
     };
     // Positions within a quarter of the pool: 256 MiB of float32 SmolLM2 KV is 182 blocks of 32
     // tokens, so 1,456 positions (prefill passes up to 4 x 64, decode steps at 512 to 1,280).
-    let shapes = perch_engine::scheduler::prefill_warm_up_shapes(64, 2, 1456).len()
-        + perch_engine::scheduler::decode_warm_up_positions(1456).len();
+    let shapes = perch_engine::testing::prefill_warm_up_shapes(64, 2, 1456).len()
+        + perch_engine::testing::decode_warm_up_positions(1456).len();
     let engine = engine_with(config);
     let case = common::reference_cases()
         .into_iter()
@@ -230,9 +231,9 @@ fn bad_requests_end_with_an_error_event() {
     );
     assert_eq!(reason, FinishReason::Error);
     assert!(error.unwrap().contains("9000 tokens"));
-    // Both were refused before running: errors about the request (an API answers 400), which a
-    // normal end is not.
-    let refused = |prompt: Prompt| {
+    // Both were refused before running, with the kind of the request's fault (an API answers
+    // 400 and OpenAI's `context_length_exceeded` for the second), which a normal end has none of.
+    let kind = |prompt: Prompt| {
         let stream = engine.submit(request(prompt, 3)).unwrap();
         loop {
             match stream
@@ -240,14 +241,20 @@ fn bad_requests_end_with_an_error_event() {
                 .recv_timeout(Duration::from_secs(300))
                 .unwrap()
             {
-                EngineEvent::Finished { refused, .. } => return refused,
+                EngineEvent::Finished { error, .. } => return error.map(|e| e.kind),
                 EngineEvent::Token { .. } => {}
             }
         }
     };
-    assert!(refused(Prompt::Tokens(vec![])));
-    assert!(refused(Prompt::Tokens(vec![1; 9000])));
-    assert!(!refused(Prompt::Tokens(vec![1, 504])));
+    assert_eq!(
+        kind(Prompt::Tokens(vec![])),
+        Some(ErrorKind::InvalidRequest)
+    );
+    assert_eq!(
+        kind(Prompt::Tokens(vec![1; 9000])),
+        Some(ErrorKind::ContextLengthExceeded)
+    );
+    assert_eq!(kind(Prompt::Tokens(vec![1, 504])), None);
     // The engine keeps serving after errors.
     let (ids, reason, _) = collect(
         engine

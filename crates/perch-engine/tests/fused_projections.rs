@@ -11,8 +11,9 @@ mod common;
 use std::ops::ControlFlow;
 
 use mlx_rs::{ops, Array};
-use perch_engine::batch::{BatchConfig, BatchGenerator};
-use perch_engine::models::{self, Model};
+use perch_engine::models;
+use perch_engine::models::Model;
+use perch_engine::testing::{BatchConfig, BatchGenerator};
 use perch_engine::{generate, GenerateRequest, Tokenizer};
 
 fn load(fused: bool) -> Box<dyn Model> {

@@ -48,7 +48,7 @@ fn collect(stream: RequestStream) -> Result<(String, Vec<u32>, FinishReason), St
                 ..
             } => {
                 return match error {
-                    Some(error) => Err(error),
+                    Some(error) => Err(error.message),
                     None => Ok((text, ids, finish_reason)),
                 }
             }

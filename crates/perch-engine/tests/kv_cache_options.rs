@@ -11,8 +11,8 @@ mod common;
 
 use std::ops::ControlFlow;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator};
-use perch_engine::sampler::SamplingParams;
+use perch_engine::sample::sampler::SamplingParams;
+use perch_engine::testing::{BatchConfig, BatchGenerator};
 use perch_engine::{generate, models, GenerateRequest, KvQuantization, Tokenizer};
 
 #[derive(serde::Deserialize)]

@@ -7,8 +7,9 @@
 
 mod common;
 
-use perch_engine::batch::{kv_bytes_per_token, BatchConfig, BatchGenerator};
-use perch_engine::models::{self, Model};
+use perch_engine::models;
+use perch_engine::models::Model;
+use perch_engine::testing::{kv_bytes_per_token, BatchConfig, BatchGenerator};
 use perch_engine::{
     EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, KvQuantization,
     Tokenizer,
@@ -34,8 +35,8 @@ fn request(prompt: Vec<u32>) -> GenerateRequest {
 
 #[test]
 fn quantized_cache_and_attention_are_mlx_lms() {
-    use perch_engine::attention::{quantized_scaled_dot_product_attention, KvMask};
-    use perch_engine::cache::{CachedKv, KvCache};
+    use perch_engine::testing::{quantized_scaled_dot_product_attention, KvMask};
+    use perch_engine::testing::{CachedKv, KvCache};
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("attention.safetensors");
     common::run_oracle("kv_attention.py", &[file.to_str().unwrap()]);
@@ -82,8 +83,8 @@ fn quantized_cache_and_attention_are_mlx_lms() {
 #[test]
 fn quantized_attention_keeps_half_precision() {
     use mlx_rs::Dtype;
-    use perch_engine::attention::{quantized_scaled_dot_product_attention, KvMask};
-    use perch_engine::cache::{CachedKv, KvCache};
+    use perch_engine::testing::{quantized_scaled_dot_product_attention, KvMask};
+    use perch_engine::testing::{CachedKv, KvCache};
     for dtype in [Dtype::Bfloat16, Dtype::Float16] {
         let q = KvQuantization::new(8, 64, 64).unwrap();
         let mut cache = KvCache::with_quantization(Some(q));

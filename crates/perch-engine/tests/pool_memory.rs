@@ -8,8 +8,8 @@ mod common;
 
 use std::collections::HashMap;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator};
 use perch_engine::device::{clear_cache, memory_stats};
+use perch_engine::testing::{BatchConfig, BatchGenerator};
 use perch_engine::{models, FinishReason, GenerateRequest, Tokenizer};
 
 /// A small deterministic generator (64-bit LCG), so the mix is the same on every run.
@@ -105,7 +105,7 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
             }
         }
         for event in batch.step().unwrap() {
-            if let perch_engine::batch::BatchEvent::Finished { request, output } = event {
+            if let perch_engine::testing::BatchEvent::Finished { request, output } = event {
                 cancel_at.remove(&request);
                 *reasons.entry(output.finish_reason).or_default() += 1;
                 finished += 1;

@@ -91,7 +91,7 @@ fn streaming_never_splits_a_character() {
         .find(|ids| tokenizer.decode(ids).unwrap().ends_with('\u{FFFD}'))
         .expect("the unicode reference holds a character of several tokens");
     let full = tokenizer.decode(ids).unwrap();
-    let mut detok = perch_engine::tokenizer::StreamingDetokenizer::new();
+    let mut detok = perch_engine::text::tokenizer::StreamingDetokenizer::new();
     let mut text = String::new();
     let mut empty_steps = 0;
     for id in ids {

@@ -7,7 +7,7 @@
 mod common;
 
 use mlx_rs::{ops, Array};
-use perch_engine::sampler::{Sampler, SamplingParams};
+use perch_engine::sample::sampler::{Sampler, SamplingParams};
 use perch_engine::Tokenizer;
 use serde_json::{json, Value};
 

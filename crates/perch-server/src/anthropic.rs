@@ -10,7 +10,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use perch_engine::tool_calls::{ToolCall, ToolOutput};
+use perch_engine::text::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
     ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
 };

@@ -6,6 +6,7 @@ use axum::http::header::RETRY_AFTER;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use perch_engine::api::{ErrorKind, RequestError};
 use serde_json::json;
 
 /// An error answer: status, OpenAI error type, message, and the parameter and code when known.
@@ -144,6 +145,38 @@ impl ApiError {
             "param": self.param,
             "code": self.code,
         }})
+    }
+}
+
+/// The one place an engine error becomes an HTTP answer: the status, OpenAI's error type and
+/// code for its kind (Anthropic's type follows from the status, [`AnthropicError`]).
+impl From<&RequestError> for ApiError {
+    fn from(error: &RequestError) -> Self {
+        let message = error.message.clone();
+        match error.kind {
+            ErrorKind::ContextLengthExceeded => Self {
+                code: Some("context_length_exceeded"),
+                ..Self::invalid(message, None)
+            },
+            ErrorKind::InvalidRequest => Self::invalid(message, None),
+            ErrorKind::Overloaded => Self {
+                message,
+                ..Self::overloaded(0)
+            },
+            ErrorKind::Cancelled => Self {
+                status: StatusCode::from_u16(499).expect("a valid status"),
+                kind: "invalid_request_error",
+                message,
+                param: None,
+                code: Some("cancelled"),
+                retry_after: None,
+            },
+            ErrorKind::ModelNotLoaded => Self {
+                message,
+                ..Self::no_model()
+            },
+            ErrorKind::Internal => Self::engine(message),
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
-use perch_engine::tool_calls::{ToolCall, ToolOutput};
+use perch_engine::text::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
     ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Grammar, Prompt,
     TokenLogprobs, Tokenizer,
@@ -58,7 +58,7 @@ pub(crate) struct Sampling {
     logit_bias: Option<HashMap<String, f32>>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
-    /// XTC (mlx_lm's server extension, `perch_engine::sampler`): the probability per token of
+    /// XTC (mlx_lm's server extension, `perch_engine::sample::sampler`): the probability per token of
     /// excluding the top choices, 0..1 (0: off).
     xtc_probability: Option<f32>,
     /// XTC's threshold for a top choice, 0..0.5 (mlx_lm's default 0.1).
@@ -84,7 +84,7 @@ pub(crate) struct Sampling {
 }
 
 /// OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema
-/// (generation constrained to it; see `perch_engine::grammar`).
+/// (generation constrained to it; see `perch_engine::sample::grammar`).
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 enum ResponseFormat {
@@ -161,7 +161,7 @@ impl Sampling {
             ApiError::in_range(self.xtc_probability, 0.0, (0.0, 1.0), "xtc_probability")?;
         params.sampling.xtc_threshold = ApiError::in_range(
             self.xtc_threshold,
-            perch_engine::sampler::DEFAULT_XTC_THRESHOLD,
+            perch_engine::sample::sampler::DEFAULT_XTC_THRESHOLD,
             (0.0, 0.5),
             "xtc_threshold",
         )?;

@@ -2,7 +2,7 @@
 //! refusals turned into 400s, and a cancel in the engine when the client goes away.
 
 use futures_util::stream::{self, Stream};
-use perch_engine::kv_cache_manager::RequestId;
+use perch_engine::RequestId;
 use perch_engine::{
     EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerationStats, TokenLogprobs,
 };
@@ -51,7 +51,7 @@ pub(crate) struct Running {
     pub id: RequestId,
     engine: EngineHandle,
     events: mpsc::UnboundedReceiver<EngineEvent>,
-    /// An event read ahead by [`Running::check_refused`], handed out first.
+    /// An event read ahead by [`Running::start`], handed out first.
     peeked: Option<EngineEvent>,
     finished: bool,
     /// [`Running::step`] has handed out the end.
@@ -73,11 +73,11 @@ impl Running {
             engine.has_draft_model(),
             state.config.num_draft_tokens,
         );
-        let stream = engine.submit(request).map_err(|e| match e {
-            // Other clients of the engine (the app's chat) fill its queue too.
-            perch_engine::EngineError::Busy { limit } => ApiError::overloaded(limit),
-            e => ApiError::engine(e.to_string()),
-        })?;
+        // Other clients of the engine (the app's chat) fill its queue too: 503, as the server's
+        // own limit.
+        let stream = engine
+            .submit(request)
+            .map_err(|e| ApiError::from(&e.to_request_error()))?;
         let (tx, events) = mpsc::unbounded_channel();
         let receiver = stream.events;
         // The engine's events arrive on a blocking channel; a blocking task moves them over.
@@ -98,14 +98,12 @@ impl Running {
             _admitted: admitted,
         };
         let first = running.event().await;
+        // A request that fails before anything streamed is answered with its error's status.
         if let Some(EngineEvent::Finished {
-            refused: true,
-            error,
-            ..
+            error: Some(error), ..
         }) = &first
         {
-            let message = error.clone().unwrap_or_else(|| "refused".into());
-            return Err(ApiError::invalid(message, None));
+            return Err(ApiError::from(error));
         }
         running.peeked = first;
         Ok(running)
@@ -133,9 +131,10 @@ impl Running {
                 finish_reason: FinishReason::Error,
                 error,
                 ..
-            }) => Step::Failed(ApiError::engine(
-                error.unwrap_or_else(|| "generation failed".into()),
-            )),
+            }) => Step::Failed(match &error {
+                Some(error) => ApiError::from(error),
+                None => ApiError::engine("generation failed"),
+            }),
             Some(EngineEvent::Finished {
                 finish_reason,
                 stats,

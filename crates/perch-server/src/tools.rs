@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use perch_engine::tool_calls::{ToolCall, ToolCallFormat, ToolCallParser, ToolOutput};
+use perch_engine::text::tool_calls::{ToolCall, ToolCallFormat, ToolCallParser, ToolOutput};
 use perch_engine::{ChatMessage, Grammar, Tokenizer};
 use serde_json::{json, Value};
 

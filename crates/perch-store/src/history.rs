@@ -4,8 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
-use perch_engine::generation_config::{SamplingDefaults, SamplingDefaultsSource};
-use perch_engine::sampler::SamplingParams;
+use perch_engine::sample::generation_config::{SamplingDefaults, SamplingDefaultsSource};
+use perch_engine::sample::sampler::SamplingParams;
 use perch_engine::{ChatMessage, FinishReason, GenerationStats};
 use rusqlite::{params, Connection, ErrorCode, OptionalExtension, Transaction};
 use serde::{Deserialize, Serialize};

@@ -2,11 +2,13 @@
 //! conversation through the engine, streams the tokens to the UI and saves the answer before it
 //! reports it finished (so nothing shown as finished is lost, even to `kill -9`).
 
+use super::CommandError;
 use perch_engine::{
     EngineEvent, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
 };
 use perch_store::{
-    AnswerSampling, Conversation, ConversationSettings, ConversationSummary, History, Turn,
+    AnswerSampling, Conversation, ConversationSettings, ConversationSummary, History, HistoryError,
+    Turn,
 };
 use serde::Serialize;
 use tauri::ipc::Channel;
@@ -22,7 +24,7 @@ use crate::store::Store;
 pub async fn list_conversations<R: Runtime>(
     app: AppHandle<R>,
     search: Option<String>,
-) -> Result<Vec<ConversationSummary>, String> {
+) -> Result<Vec<ConversationSummary>, CommandError> {
     with_history(app, move |history| {
         history.conversations(search.as_deref().unwrap_or(""))
     })
@@ -33,7 +35,7 @@ pub async fn list_conversations<R: Runtime>(
 #[tauri::command]
 pub async fn create_conversation<R: Runtime>(
     app: AppHandle<R>,
-) -> Result<ConversationSummary, String> {
+) -> Result<ConversationSummary, CommandError> {
     let defaults = app.state::<Store>().settings()?.chat;
     with_history(app, move |history| history.create_conversation(&defaults)).await
 }
@@ -42,7 +44,7 @@ pub async fn create_conversation<R: Runtime>(
 pub async fn get_conversation<R: Runtime>(
     app: AppHandle<R>,
     id: i64,
-) -> Result<Conversation, String> {
+) -> Result<Conversation, CommandError> {
     with_history(app, move |history| history.conversation(id)).await
 }
 
@@ -52,12 +54,15 @@ pub async fn rename_conversation<R: Runtime>(
     app: AppHandle<R>,
     id: i64,
     title: String,
-) -> Result<ConversationSummary, String> {
+) -> Result<ConversationSummary, CommandError> {
     with_history(app, move |history| history.rename(id, &title)).await
 }
 
 #[tauri::command]
-pub async fn delete_conversation<R: Runtime>(app: AppHandle<R>, id: i64) -> Result<(), String> {
+pub async fn delete_conversation<R: Runtime>(
+    app: AppHandle<R>,
+    id: i64,
+) -> Result<(), CommandError> {
     with_history(app, move |history| history.delete(id)).await
 }
 
@@ -67,20 +72,31 @@ pub async fn set_conversation_settings<R: Runtime>(
     app: AppHandle<R>,
     id: i64,
     settings: ConversationSettings,
-) -> Result<(), String> {
-    settings.validate().map_err(|e| sentence(&e))?;
+) -> Result<(), CommandError> {
+    settings.validate().map_err(|e| CommandError::invalid(&e))?;
     with_history(app, move |history| history.set_settings(id, &settings)).await
 }
 
 /// Runs `work` on the history off the main thread (SQLite reads and fsync'd writes).
-async fn with_history<R: Runtime, T: Send + 'static, E: std::fmt::Display>(
+async fn with_history<R: Runtime, T: Send + 'static>(
     app: AppHandle<R>,
-    work: impl FnOnce(&mut History) -> Result<T, E> + Send + 'static,
-) -> Result<T, String> {
+    work: impl FnOnce(&mut History) -> Result<T, HistoryError> + Send + 'static,
+) -> Result<T, CommandError> {
     off_main_thread(app, move |app| {
-        work(&mut *app.state::<Store>().history()?).map_err(|e| sentence(&e))
+        work(&mut *app.state::<Store>().history()?).map_err(|e| history_error(&e))
     })
     .await
+}
+
+/// A history error's kind: what the user asked for does not exist or is empty, or the history's
+/// file failed.
+fn history_error(err: &HistoryError) -> CommandError {
+    match err {
+        HistoryError::NoSuchConversation(_)
+        | HistoryError::EmptyMessage
+        | HistoryError::NoUserMessage => CommandError::invalid(err),
+        _ => CommandError::storage(err),
+    }
 }
 
 /// What a chat request streams to the UI.
@@ -119,7 +135,7 @@ pub async fn chat<R: Runtime>(
     conversation_id: i64,
     turn: Turn,
     on_event: Channel<ChatEvent>,
-) -> Result<u64, String> {
+) -> Result<u64, CommandError> {
     off_main_thread(app, move |app| {
         start_chat(
             &app.state::<AppState>(),
@@ -143,13 +159,13 @@ pub fn start_chat(
     conversation_id: i64,
     turn: Turn,
     on_event: Channel<ChatEvent>,
-) -> Result<u64, String> {
+) -> Result<u64, CommandError> {
     // No model, no turn: the user's message is not saved without an answer to come.
     let engine = state.engine()?;
     let (settings, messages) = store
         .history()?
         .begin_turn(conversation_id, &turn)
-        .map_err(|e| sentence(&e))?;
+        .map_err(|e| history_error(&e))?;
     // Room for the answer: its max_tokens, but at most a quarter of the context, so that a
     // long conversation keeps most of its history.
     let limits = engine.limits();
@@ -158,7 +174,7 @@ pub fn start_chat(
     let (prompt, dropped_messages) = engine
         .tokenizer()
         .encode_chat_fitting(&messages, limits.max_prompt_tokens(answer_room))
-        .map_err(|e| sentence(&e))?;
+        .map_err(|e| CommandError::engine(&e))?;
     if dropped_messages > 0 {
         let _ = on_event.send(ChatEvent::ContextTrimmed { dropped_messages });
     }
@@ -167,7 +183,7 @@ pub fn start_chat(
     params.sampling = sampling.params.clone();
     params.max_tokens = settings.max_tokens;
     // A bounded or late-quantized KV cache runs the answer beside the batch (see
-    // `perch_engine::speculative`); a bounded one cannot be rewound, so it takes no draft.
+    // `perch_engine::sequence::speculative`); a bounded one cannot be rewound, so it takes no draft.
     params.max_kv_size = settings.max_kv_size;
     params.kv_quantization = settings.kv_bits.map(|bits| perch_engine::KvQuantization {
         bits,
@@ -182,7 +198,7 @@ pub fn start_chat(
             prompt: Prompt::Tokens(prompt),
             params,
         })
-        .map_err(|e| sentence(&e))?;
+        .map_err(|e| CommandError::engine(&e))?;
     let id = stream.id;
     let _ = on_event.send(ChatEvent::Started {
         sampling: sampling.clone(),
@@ -219,10 +235,13 @@ pub fn start_chat(
             (
                 FinishReason::Error,
                 GenerationStats::default(),
-                Some("the engine stopped before the answer ended".into()),
+                Some(perch_engine::api::RequestError::new(
+                    perch_engine::api::ErrorKind::ModelNotLoaded,
+                    "the engine stopped before the answer ended",
+                )),
             )
         });
-        let error = error.map(|e| sentence(&e));
+        let error = error.map(|e| sentence(&e.message));
         let saved = history
             .lock()
             .map_err(|_| super::poisoned())
@@ -235,8 +254,9 @@ pub fn start_chat(
                     error.as_deref(),
                     Some(&sampling),
                 )
-                .map_err(|e| sentence(&e))
+                .map_err(|e| history_error(&e))
             });
+        let saved = saved.map_err(|e| e.message);
         let (message_id, save_error) = match saved {
             Ok(message) => (Some(message.id), None),
             Err(err) => (None, Some(err)),
@@ -255,7 +275,7 @@ pub fn start_chat(
 /// Cancels request `request_id` in the engine at once (it finishes as `cancelled`, and what was
 /// generated is saved).
 #[tauri::command]
-pub fn stop(state: State<'_, AppState>, request_id: u64) -> Result<(), String> {
+pub fn stop(state: State<'_, AppState>, request_id: u64) -> Result<(), CommandError> {
     state.engine()?.cancel(request_id);
     Ok(())
 }

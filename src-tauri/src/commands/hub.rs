@@ -2,6 +2,7 @@
 //! (where `list_models` and mlx-lm find it), cancel a download. The endpoint and token come
 //! from the environment as for `huggingface_hub` (`HF_ENDPOINT`, `HF_TOKEN`).
 
+use super::CommandError;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,7 +15,7 @@ use serde::Serialize;
 use tauri::ipc::Channel;
 use tauri::{AppHandle, Manager, Runtime, State};
 
-use super::{poisoned, sentence_with_causes};
+use super::poisoned;
 use crate::store::Store;
 
 /// The downloads in progress: repository id → its cancel flag.
@@ -41,7 +42,7 @@ pub struct HubModelView {
     pub architecture_note: Option<String>,
 }
 
-fn client() -> Result<HubClient, String> {
+fn client() -> Result<HubClient, CommandError> {
     let cache = perch_hub::hf_cache_dir()
         .ok_or("No Hugging Face cache directory is known; set HF_HUB_CACHE.")?;
     Ok(HubClient::from_env(cache))
@@ -54,7 +55,7 @@ pub async fn search_models(
     store: State<'_, Store>,
     text: String,
     author: Option<String>,
-) -> Result<Vec<HubModelView>, String> {
+) -> Result<Vec<HubModelView>, CommandError> {
     let kv_cache_bytes = store.settings()?.kv_cache_bytes as u64;
     let total_memory = store.total_memory_bytes();
     let query = SearchQuery {
@@ -70,7 +71,7 @@ pub async fn search_models(
     tauri::async_runtime::spawn_blocking(move || {
         let found = client
             .search(&query)
-            .map_err(|e| sentence_with_causes(&e))?;
+            .map_err(|e| CommandError::network(&e))?;
         // The configs of the models Perch runs (or whose architecture the Hub does not say),
         // fetched together: their KV cache's real size.
         let notes: Vec<Option<String>> = found
@@ -122,14 +123,16 @@ pub async fn download_model<R: Runtime>(
     app: AppHandle<R>,
     repo_id: String,
     on_progress: Channel<DownloadProgress>,
-) -> Result<Downloaded, String> {
+) -> Result<Downloaded, CommandError> {
     let client = client()?;
     let cancel = Arc::new(AtomicBool::new(false));
     {
         let state = app.state::<Downloads>();
         let mut downloads = state.0.lock().map_err(|_| poisoned())?;
         if downloads.contains_key(&repo_id) {
-            return Err(format!("{repo_id} is already downloading."));
+            return Err(CommandError::invalid(&format!(
+                "{repo_id} is already downloading."
+            )));
         }
         downloads.insert(repo_id.clone(), Arc::clone(&cancel));
     }
@@ -139,16 +142,16 @@ pub async fn download_model<R: Runtime>(
     let result = tauri::async_runtime::spawn_blocking(move || {
         let snapshot = client
             .snapshot(&id, "main")
-            .map_err(|e| sentence_with_causes(&e))?;
+            .map_err(|e| CommandError::network(&e))?;
         client
             .download(&snapshot, &cancel, &mut |progress| {
                 // A closed channel (the window went away) does not stop the download.
                 let _ = on_progress.send(progress.clone());
             })
-            .map_err(|e| sentence_with_causes(&e))
+            .map_err(|e| CommandError::network(&e))
     })
     .await
-    .map_err(|_| "The download crashed.".to_string())
+    .map_err(|_| CommandError::from("The download crashed."))
     .and_then(|r| r);
     if let Ok(mut downloads) = app.state::<Downloads>().0.lock() {
         downloads.remove(&repo_id);
@@ -158,7 +161,10 @@ pub async fn download_model<R: Runtime>(
 
 /// Stops the download of `repo_id` within one read; `false` when none is running.
 #[tauri::command]
-pub fn cancel_download(downloads: State<'_, Downloads>, repo_id: String) -> Result<bool, String> {
+pub fn cancel_download(
+    downloads: State<'_, Downloads>,
+    repo_id: String,
+) -> Result<bool, CommandError> {
     let downloads = downloads.0.lock().map_err(|_| poisoned())?;
     Ok(match downloads.get(&repo_id) {
         Some(cancel) => {

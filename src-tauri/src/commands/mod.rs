@@ -1,6 +1,6 @@
 //! The commands the web UI calls, by domain. Each is thin: it calls `perch-engine` (through the
-//! [`perch_engine::EngineHandle`]), `perch-hub` or `perch-store` and turns any error into one
-//! sentence for the UI.
+//! [`perch_engine::EngineHandle`]), `perch-hub` or `perch-store` and turns any error into a
+//! [`CommandError`]: its kind and one sentence for the UI.
 
 pub mod chat;
 pub mod hub;
@@ -8,6 +8,96 @@ pub mod model;
 pub mod server;
 pub mod settings;
 pub mod system;
+
+/// A command's error as the web view receives it, `{"kind": …, "message": …}`: what kind of
+/// failure (for the view to choose what to offer: a retry, the model picker, Settings) and one
+/// sentence a user can act on.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct CommandError {
+    pub kind: CommandErrorKind,
+    pub message: String,
+}
+
+/// What failed, for [`CommandError`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CommandErrorKind {
+    /// What the user entered or chose is not valid: a setting, a conversation that is gone.
+    InvalidInput,
+    /// No model is loaded.
+    ModelNotLoaded,
+    /// The chosen model cannot be loaded: missing or damaged files, a config Perch cannot
+    /// read, an architecture it does not run.
+    InvalidModel,
+    /// The conversation does not fit the model's context or KV cache.
+    ContextLengthExceeded,
+    /// The engine holds as many requests as it takes; try again shortly.
+    Overloaded,
+    /// The Hugging Face Hub could not be reached or answered with an error.
+    Network,
+    /// Perch's files (history, settings, models) could not be read or written.
+    Storage,
+    /// Anything else: an engine failure or a bug.
+    Internal,
+}
+
+impl CommandError {
+    /// An error of `kind` with `message` made one [`sentence`].
+    pub fn new(kind: CommandErrorKind, message: &dyn std::fmt::Display) -> Self {
+        Self {
+            kind,
+            message: sentence(message),
+        }
+    }
+
+    /// An engine error, of the kind its requests meet ([`perch_engine::api::ErrorKind`]).
+    pub fn engine(err: &perch_engine::EngineError) -> Self {
+        use perch_engine::api::ErrorKind;
+        let kind = match err.kind() {
+            ErrorKind::ContextLengthExceeded => CommandErrorKind::ContextLengthExceeded,
+            ErrorKind::InvalidRequest => CommandErrorKind::InvalidInput,
+            ErrorKind::Overloaded => CommandErrorKind::Overloaded,
+            ErrorKind::ModelNotLoaded => CommandErrorKind::ModelNotLoaded,
+            ErrorKind::Cancelled | ErrorKind::Internal => CommandErrorKind::Internal,
+        };
+        Self::new(kind, err)
+    }
+
+    pub fn invalid(message: &dyn std::fmt::Display) -> Self {
+        Self::new(CommandErrorKind::InvalidInput, message)
+    }
+
+    pub fn storage(message: &dyn std::fmt::Display) -> Self {
+        Self::new(CommandErrorKind::Storage, message)
+    }
+
+    /// A Hub error, with its causes (`cannot reach …: connection refused.`).
+    pub fn network(err: &dyn std::error::Error) -> Self {
+        Self {
+            kind: CommandErrorKind::Network,
+            message: sentence_with_causes(err),
+        }
+    }
+}
+
+/// A sentence with no kind of its own: an internal failure.
+impl From<String> for CommandError {
+    fn from(message: String) -> Self {
+        Self::new(CommandErrorKind::Internal, &message)
+    }
+}
+
+impl From<&str> for CommandError {
+    fn from(message: &str) -> Self {
+        Self::new(CommandErrorKind::Internal, &message)
+    }
+}
+
+impl std::fmt::Display for CommandError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
 
 /// An error as one sentence: capitalised, ending with a full stop.
 pub fn sentence(err: &dyn std::fmt::Display) -> String {
@@ -39,13 +129,19 @@ pub fn sentence_with_causes(err: &dyn std::error::Error) -> String {
 /// non-async command.
 pub(crate) async fn off_main_thread<R: tauri::Runtime, T: Send + 'static>(
     app: tauri::AppHandle<R>,
-    work: impl FnOnce(&tauri::AppHandle<R>) -> Result<T, String> + Send + 'static,
-) -> Result<T, String> {
+    work: impl FnOnce(&tauri::AppHandle<R>) -> Result<T, CommandError> + Send + 'static,
+) -> Result<T, CommandError> {
     tauri::async_runtime::spawn_blocking(move || work(&app))
         .await
-        .map_err(|_| "Perch hit an internal error; the last action did not complete.".to_string())?
+        .map_err(|_| {
+            CommandError::from(
+                "Perch hit an internal error; the last action did not complete.".to_string(),
+            )
+        })?
 }
 
-pub(crate) fn poisoned() -> String {
-    "Perch's state is broken after an earlier crash; restart the app.".into()
+pub(crate) fn poisoned() -> CommandError {
+    "Perch's state is broken after an earlier crash; restart the app."
+        .to_string()
+        .into()
 }

@@ -1,17 +1,18 @@
 //! Model commands: the local list, load and unload, the engine's stats, MLX memory.
 
+use super::{CommandError, CommandErrorKind};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
-use perch_engine::generation_config::SamplingDefaults;
+use perch_engine::sample::generation_config::SamplingDefaults;
 use perch_engine::{EngineConfig, EngineHandle, EngineStats, LoadProgress};
 use perch_hub::LocalModel;
 use perch_server::{Served, ServedModel};
 use serde::Serialize;
 use tauri::{AppHandle, Manager, Runtime, State};
 
-use super::{off_main_thread, poisoned, sentence};
+use super::{off_main_thread, poisoned};
 use crate::store::Store;
 
 /// The loaded model, if any, and what is happening to it.
@@ -66,17 +67,23 @@ impl AppState {
         self.served.clone()
     }
 
-    fn slot(&self) -> Result<std::sync::MutexGuard<'_, ModelSlot>, String> {
+    fn slot(&self) -> Result<std::sync::MutexGuard<'_, ModelSlot>, CommandError> {
         self.model.lock().map_err(|_| poisoned())
     }
 
     /// The loaded model's engine, or the sentence saying why there is none.
-    pub fn engine(&self) -> Result<EngineHandle, String> {
+    pub fn engine(&self) -> Result<EngineHandle, CommandError> {
         let slot = self.slot()?;
         match (&slot.engine, &slot.status) {
             (Some(engine), _) => Ok(engine.clone()),
-            (None, ModelStatus::Loading { name, .. }) => Err(format!("{name} is still loading.")),
-            (None, _) => Err("No model is loaded; choose one under Models.".into()),
+            (None, ModelStatus::Loading { name, .. }) => Err(CommandError::new(
+                CommandErrorKind::ModelNotLoaded,
+                &format!("{name} is still loading."),
+            )),
+            (None, _) => Err(CommandError::new(
+                CommandErrorKind::ModelNotLoaded,
+                &"No model is loaded; choose one under Models.",
+            )),
         }
     }
 
@@ -91,7 +98,7 @@ impl AppState {
     /// Loads the model in `path` on an engine thread with `config` (replacing the loaded
     /// model) and waits for it, after any load already running; blocking, so commands call it
     /// off the UI thread.
-    pub fn load(&self, path: PathBuf, config: EngineConfig) -> Result<ModelStatus, String> {
+    pub fn load(&self, path: PathBuf, config: EngineConfig) -> Result<ModelStatus, CommandError> {
         let _one_at_a_time = self.loads.lock().map_err(|_| poisoned())?;
         let name = perch_hub::model_name(&path);
         let previous = std::mem::replace(
@@ -135,11 +142,11 @@ impl AppState {
                 (slot, Ok(status))
             }
             Err(err) => {
-                let error = sentence(&err);
+                let error = CommandError::new(CommandErrorKind::InvalidModel, &err);
                 let slot = ModelSlot {
                     status: ModelStatus::Failed {
                         name,
-                        error: error.clone(),
+                        error: error.message.clone(),
                     },
                     engine: None,
                 };
@@ -151,7 +158,7 @@ impl AppState {
     }
 
     /// Shuts the loaded model's engine down (after any load running) and frees MLX's cache.
-    pub fn unload(&self) -> Result<(), String> {
+    pub fn unload(&self) -> Result<(), CommandError> {
         let _one_at_a_time = self.loads.lock().map_err(|_| poisoned())?;
         self.served.replace(None);
         let previous = std::mem::take(&mut *self.slot()?);
@@ -165,7 +172,9 @@ impl AppState {
 
 /// Models in Perch's models directory (from the settings) and in the Hugging Face cache.
 #[tauri::command]
-pub async fn list_models<R: Runtime>(app: AppHandle<R>) -> Result<Vec<LocalModelView>, String> {
+pub async fn list_models<R: Runtime>(
+    app: AppHandle<R>,
+) -> Result<Vec<LocalModelView>, CommandError> {
     off_main_thread(app, |app| {
         Ok(perch_hub::local_models(
             &app.state::<Store>().models_dir()?,
@@ -199,7 +208,7 @@ pub struct LocalModelView {
 pub async fn load_model<R: Runtime>(
     app: AppHandle<R>,
     path: PathBuf,
-) -> Result<ModelStatus, String> {
+) -> Result<ModelStatus, CommandError> {
     let config = app.state::<Store>().engine_config()?;
     // Loading takes seconds: keep it off the async runtime's workers.
     tauri::async_runtime::spawn_blocking(move || app.state::<AppState>().load(path, config))
@@ -209,7 +218,7 @@ pub async fn load_model<R: Runtime>(
 
 /// Unloads the model (waits for its engine thread to end, off the UI thread).
 #[tauri::command]
-pub async fn unload_model<R: Runtime>(app: AppHandle<R>) -> Result<(), String> {
+pub async fn unload_model<R: Runtime>(app: AppHandle<R>) -> Result<(), CommandError> {
     off_main_thread(app, |app| app.state::<AppState>().unload()).await
 }
 
@@ -221,9 +230,12 @@ pub fn model_status(state: State<'_, AppState>) -> ModelStatus {
 /// The engine's stats (requests, tok/s, KV blocks, MLX memory), or `None` with no model: the
 /// snapshot of the engine's last step, so it never waits for the engine.
 #[tauri::command]
-pub fn engine_stats(state: State<'_, AppState>) -> Result<Option<EngineStats>, String> {
+pub fn engine_stats(state: State<'_, AppState>) -> Result<Option<EngineStats>, CommandError> {
     match state.engine() {
-        Ok(engine) => engine.stats().map(Some).map_err(|e| sentence(&e)),
+        Ok(engine) => engine
+            .stats()
+            .map(Some)
+            .map_err(|e| CommandError::engine(&e)),
         Err(_) => Ok(None),
     }
 }

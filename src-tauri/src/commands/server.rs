@@ -4,6 +4,7 @@
 //! settings change, and at start when they say so. The dashboard shows its address and live
 //! request count ([`server_status`]).
 
+use super::CommandError;
 use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::sync::Mutex;
 
@@ -59,7 +60,7 @@ impl LocalServer {
     /// that cannot be bound is an error: a new port leaves the running server as it was; on the
     /// same port (another key or interface) the old server was stopped to free it, and the
     /// caller restores it by applying the old settings (as `save_settings` does).
-    pub fn apply(&self, settings: &ServerSettings) -> Result<(), String> {
+    pub fn apply(&self, settings: &ServerSettings) -> Result<(), CommandError> {
         let mut running = self.running.lock().map_err(|_| poisoned())?;
         if !settings.enabled {
             *running = None;
@@ -80,15 +81,15 @@ impl LocalServer {
         let previous = if same_port { running.take() } else { None };
         drop(previous);
         let listener = bind_retrying((host, settings.port).into(), same_port).map_err(|e| {
-            format!(
+            CommandError::invalid(&format!(
                 "The local server cannot listen on port {}: {e}. Choose another port.",
                 settings.port
-            )
+            ))
         })?;
         let address = listener.local_addr().map_err(|e| e.to_string())?;
         listener
             .set_nonblocking(true)
-            .map_err(|e| format!("The local server cannot start: {e}."))?;
+            .map_err(|e| CommandError::invalid(&format!("The local server cannot start: {e}.")))?;
         let config = ServerConfig {
             api_key: settings.api_key.clone(),
             ..ServerConfig::new()

@@ -1,5 +1,6 @@
 //! The settings: read, validated and saved, and problems found at start.
 
+use super::CommandError;
 use std::path::PathBuf;
 
 use perch_store::Settings;
@@ -23,7 +24,7 @@ pub struct SettingsView {
     pub defaults: Settings,
 }
 
-fn view(store: &Store) -> Result<SettingsView, String> {
+fn view(store: &Store) -> Result<SettingsView, CommandError> {
     Ok(SettingsView {
         settings: store.settings()?,
         models_dir: store.models_dir()?,
@@ -33,7 +34,7 @@ fn view(store: &Store) -> Result<SettingsView, String> {
 }
 
 #[tauri::command]
-pub fn get_settings(store: State<'_, Store>) -> Result<SettingsView, String> {
+pub fn get_settings(store: State<'_, Store>) -> Result<SettingsView, CommandError> {
     view(&store)
 }
 
@@ -46,7 +47,7 @@ pub fn get_settings(store: State<'_, Store>) -> Result<SettingsView, String> {
 pub async fn save_settings<R: Runtime>(
     app: AppHandle<R>,
     settings: Settings,
-) -> Result<SettingsView, String> {
+) -> Result<SettingsView, CommandError> {
     off_main_thread(app, move |app| {
         let store = app.state::<Store>();
         store.validate_settings(&settings)?;

@@ -1,5 +1,6 @@
 //! What the machine reports: system RAM and this process's resident memory (`sysinfo`).
 
+use super::CommandError;
 use std::sync::Mutex;
 
 use serde::Serialize;
@@ -21,7 +22,7 @@ pub struct SystemStats {
 pub struct SystemMonitor(Mutex<sysinfo::System>);
 
 #[tauri::command]
-pub fn system_stats(monitor: State<'_, SystemMonitor>) -> Result<SystemStats, String> {
+pub fn system_stats(monitor: State<'_, SystemMonitor>) -> Result<SystemStats, CommandError> {
     use sysinfo::{ProcessRefreshKind, ProcessesToUpdate};
     let mut system = monitor.0.lock().map_err(|_| poisoned())?;
     system.refresh_memory();

@@ -6,15 +6,18 @@
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::attention::AttentionSpec;
-use crate::cache::{KvCache, KvQuantization};
+use crate::attention::KvQuantization;
 use crate::error::Result;
-use crate::layer_caches::{LayerCaches, Positions};
-use crate::layers::{gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope};
-use crate::mlx_ext::slice;
+use crate::kv::cache::KvCache;
+use crate::kv::{LayerCaches, Positions};
 use crate::models::gated_delta::{GatedDeltaConfig, GatedDeltaNet};
 use crate::models::moe::{MlpAndExperts, MoeConfig, MoeStyle, SparseMoe};
 use crate::models::{within, Model, ModelInfo, Output};
-use crate::weights::Weights;
+use crate::nn::layers::{
+    gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope,
+};
+use crate::nn::mlx_ext::slice;
+use crate::nn::weights::Weights;
 
 /// Everything the shared decoder needs, resolved from an architecture's config. `Default` gives
 /// Llama's choices for every switch and zero for every size (which [`DecoderConfig::validate`]
@@ -435,7 +438,7 @@ struct Attention {
 }
 
 /// The query, key and value projections, separate or fused into one (see
-/// [`crate::layers::fused_projections`]).
+/// [`crate::nn::layers::fused_projections`]).
 #[derive(Clone)]
 enum Qkv {
     Separate {

@@ -9,7 +9,7 @@
 //! and `β = sigmoid(b)` come from the input, and `q`, `k`, `v` from a short causal depthwise
 //! convolution (`kernel` taps) over the projected input, `q` and `k` L2-normalised (q also
 //! scaled by `key_dim^-½`). The output is RMS-normed, gated by `silu(z)` and projected back.
-//! The state after a sequence's tokens lives in its cache ([`crate::cache::KvCache::recurrent`], or
+//! The state after a sequence's tokens lives in its cache ([`crate::kv::cache::KvCache::recurrent`], or
 //! a row of a slot cache).
 
 use std::cell::RefCell;
@@ -18,15 +18,15 @@ use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
-use crate::cache::RecurrentState;
 use crate::device::Backend;
 use crate::error::Result;
-use crate::layer_caches::LayerCaches;
-use crate::layers::{Linear, Quantization};
-use crate::mlx_ext::slice;
+use crate::kv::cache::RecurrentState;
+use crate::kv::slot_cache::RealTokens;
+use crate::kv::LayerCaches;
 use crate::models::within;
-use crate::slot_cache::RealTokens;
-use crate::weights::Weights;
+use crate::nn::layers::{Linear, Quantization};
+use crate::nn::mlx_ext::slice;
+use crate::nn::weights::Weights;
 
 /// The sizes of a Gated DeltaNet layer (Qwen3.5's `linear_*` config fields).
 #[derive(Debug, Clone, PartialEq)]

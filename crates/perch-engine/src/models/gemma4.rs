@@ -19,7 +19,7 @@ use super::decoder::{BlockStyle, DecoderConfig, GlobalAttention, PerLayerInputs,
 use super::moe::{MoeConfig, MoeStyle};
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::{Activation, Rope};
+use crate::nn::layers::{Activation, Rope};
 
 /// The text model's config; every field has mlx_lm's `ModelArgs` default, unknown fields are
 /// ignored.

@@ -13,7 +13,7 @@ use super::decoder::{BlockStyle, DecoderConfig, SlidingWindow};
 use super::moe::{MoeConfig, MoeStyle};
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::Rope;
+use crate::nn::layers::Rope;
 
 /// The config's fields, with mlx_lm's `ModelArgs` defaults; unknown fields are ignored.
 #[derive(Debug, Deserialize)]

@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::decoder::DecoderConfig;
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::Rope;
+use crate::nn::layers::Rope;
 
 /// `config.json` as Hugging Face writes it for `LlamaForCausalLM`; unknown fields are ignored.
 #[derive(Debug, Deserialize)]

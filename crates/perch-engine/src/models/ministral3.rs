@@ -14,7 +14,7 @@ use super::decoder::{QueryPositionScale, SlidingWindow};
 use super::llama::{self, LlamaArgs};
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::Rope;
+use crate::nn::layers::Rope;
 
 /// Ministral 3's own fields of its text config (Llama's are read by [`LlamaArgs`] from the same
 /// object, their RoPE ones unused); unknown fields are ignored.

@@ -23,13 +23,14 @@ use mlx_rs::Array;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::cache::{KvCache, KvQuantization};
+use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
-use crate::layer_caches::LayerCaches;
-use crate::layers::{Quantization, Rope};
-use crate::slot_cache::SlotKvCache;
-use crate::weights::{LoadProgress, Weights};
+use crate::kv::cache::KvCache;
+use crate::kv::slot_cache::SlotKvCache;
+use crate::kv::LayerCaches;
+use crate::nn::layers::{Quantization, Rope};
+use crate::nn::weights::{LoadProgress, Weights};
 use decoder::{Decoder, DecoderConfig};
 
 /// `Ok` when a config size `value` is in `1..=max`; otherwise a sentence naming the field `name`.
@@ -78,7 +79,7 @@ pub trait Model: Send {
     /// `caches` (one sequence's, or a batch's rows in slot caches: [`LayerCaches`], which
     /// decides positions and what attention reads). A row's real positions compute what its
     /// sequence computes alone, up to reduction order. Builds its graph from `ids`, the caches'
-    /// arrays and the weights only, so that MLX can trace it ([`crate::compiled`]).
+    /// arrays and the weights only, so that MLX can trace it ([`crate::worker::compiled`]).
     fn forward(
         &self,
         ids: &Array,
@@ -92,7 +93,7 @@ pub trait Model: Send {
     fn info(&self) -> &ModelInfo;
     /// Whether some layers keep a recurrent state instead of keys and values (linear
     /// attention: [`KvCache::recurrent`]); their prefix cache keeps states at block boundaries
-    /// (`crate::block_store`).
+    /// (`crate::kv::block_store`).
     fn has_recurrent_layers(&self) -> bool {
         false
     }
@@ -393,7 +394,7 @@ fn resolve_text(text: &str) -> Result<(String, Resolved)> {
 /// weight is downloaded): bytes per position of each cache layer in the compute dtype of this
 /// backend (float32 on CPU, 16-bit on GPUs) or, with `kv_quantization`, packed. KV-shared
 /// layers take nothing, linear-attention layers a constant recurrent state. The per-token sum
-/// equals [`crate::batch::kv_bytes_per_token`] of the loaded model (tested against it): Gemma
+/// equals [`crate::engine::batch::kv_bytes_per_token`] of the loaded model (tested against it): Gemma
 /// 4's global layers with their own head size, GQA, KV-shared and hybrid layers all counted as
 /// the engine counts them.
 ///
@@ -468,7 +469,7 @@ impl KvFootprint {
 
     /// What a KV budget of `budget` bytes means for this model in the engine: the longest
     /// conversation it holds (at most [`KvFootprint::context_length`]; 0 when not even the
-    /// recurrent states fit) as the engine splits the budget ([`crate::batch::KvBudget`]:
+    /// recurrent states fit) as the engine splits the budget ([`perch_sched::budget::KvBudget`]:
     /// sliding layers cost a window per sequence, not every position), and the bytes that
     /// takes (the budget, or less when the model's whole context in every layer needs less).
     pub fn within_budget(&self, budget: u64) -> BudgetUse {
@@ -481,7 +482,7 @@ impl KvFootprint {
                 .sum()
         };
         let window = self.layers.iter().filter_map(|l| l.window).max();
-        let split = crate::batch::KvBudget::split(
+        let split = perch_sched::budget::KvBudget::split(
             usize::try_from(budget.saturating_sub(self.state_bytes)).unwrap_or(usize::MAX),
             bytes(false),
             bytes(true),

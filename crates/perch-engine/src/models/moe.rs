@@ -13,8 +13,8 @@
 use mlx_rs::{ops, Array};
 
 use crate::error::Result;
-use crate::layers::{Activation, Linear, Mlp, QuantParams, Quantization, RmsNorm};
-use crate::weights::Weights;
+use crate::nn::layers::{Activation, Linear, Mlp, QuantParams, Quantization, RmsNorm};
+use crate::nn::weights::Weights;
 
 /// The sizes of a model's sparse blocks, and which layers have one.
 #[derive(Debug, Clone)]
@@ -181,7 +181,7 @@ impl SwitchLinear {
                 scales,
                 biases,
                 params,
-            } => crate::mlx_ext::gather_qmm(
+            } => crate::nn::mlx_ext::gather_qmm(
                 x,
                 weight,
                 scales,
@@ -439,7 +439,7 @@ impl MlpAndExperts {
         let experts = if weights.contains(&stacked_gate_up) {
             let both = weights.take_shaped(&stacked_gate_up, &[e, 2 * m, hidden])?;
             let half = |from: i32| -> Result<SwitchLinear> {
-                let part = crate::mlx_ext::slice(&both, &[0, from, 0], &[e, from + m, hidden])?;
+                let part = crate::nn::mlx_ext::slice(&both, &[0, from, 0], &[e, from + m, hidden])?;
                 let part = part.contiguous()?;
                 part.eval()?;
                 Ok(SwitchLinear::dense(part))
@@ -531,7 +531,7 @@ fn top_k(scores: &Array, k: i32) -> Result<(Array, Array)> {
     let experts = scores.shape()[2];
     let all = ops::argpartition_axis(scores, experts - k, -1)?;
     let s = all.shape().to_vec();
-    let indices = crate::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
+    let indices = crate::nn::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
     let top = scores.take_along_axis(&indices, -1)?;
     Ok((indices, top))
 }

@@ -9,7 +9,7 @@ use serde_json::Value;
 use super::decoder::DecoderConfig;
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::Rope;
+use crate::nn::layers::Rope;
 
 /// `config.json` of `Phi3ForCausalLM`; unknown fields are ignored. Defaults are mlx_lm's.
 #[derive(Debug, Deserialize)]

@@ -7,7 +7,7 @@ use serde_json::Value;
 use super::decoder::DecoderConfig;
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::Rope;
+use crate::nn::layers::Rope;
 
 /// `config.json` of `Qwen3ForCausalLM`; unknown fields are ignored.
 #[derive(Debug, Deserialize)]

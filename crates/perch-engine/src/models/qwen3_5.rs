@@ -17,7 +17,7 @@ use super::gated_delta::GatedDeltaConfig;
 use super::moe::{MoeConfig, MoeStyle};
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::Rope;
+use crate::nn::layers::Rope;
 
 /// The text model's config (`text_config`, or the top level when there is none); unknown fields
 /// are ignored. Defaults are mlx_lm's `TextModelArgs`'.

@@ -10,7 +10,7 @@ use super::decoder::DecoderConfig;
 use super::moe::{MoeConfig, MoeStyle};
 use super::{LoadContext, Resolved};
 use crate::error::Result;
-use crate::layers::Rope;
+use crate::nn::layers::Rope;
 
 /// `config.json` of `Qwen3MoeForCausalLM`; unknown fields are ignored. mlx_lm requires every
 /// field but `rope_scaling`.

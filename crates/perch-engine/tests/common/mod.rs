@@ -80,7 +80,7 @@ pub fn finish(stream: &perch_engine::RequestStream) -> Finished {
                     ids,
                     reason: finish_reason,
                     stats,
-                    error,
+                    error: error.map(|e| e.message),
                 }
             }
         }
@@ -90,10 +90,10 @@ pub fn finish(stream: &perch_engine::RequestStream) -> Finished {
 /// Runs `batch` until every request of `schedule` (inserted at its step) has finished; returns
 /// each request's output and the text it streamed, in schedule order.
 pub fn drive(
-    batch: &mut perch_engine::batch::BatchGenerator<'_>,
+    batch: &mut perch_engine::testing::BatchGenerator<'_>,
     schedule: Vec<(usize, perch_engine::GenerateRequest)>,
 ) -> Vec<(perch_engine::GenerateOutput, String)> {
-    use perch_engine::batch::BatchEvent;
+    use perch_engine::testing::BatchEvent;
     use std::collections::HashMap;
     let mut pending: Vec<Option<(usize, perch_engine::GenerateRequest)>> =
         schedule.into_iter().map(Some).collect();

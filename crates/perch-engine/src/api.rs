@@ -1,0 +1,327 @@
+//! What clients of the engine see: requests and their settings, the events a request's stream
+//! carries, outputs and per-request stats, and the engine's live stats. Plain data (serde where
+//! it crosses a process or the web view), no MLX.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::attention::KvQuantization;
+use crate::device::MemoryStats;
+pub use crate::error::{ErrorKind, RequestError};
+use crate::sample::sampler::SamplingParams;
+pub use crate::sample::TokenLogprobs;
+use crate::text::chat_template::ChatMessage;
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the model's context length was reached.
+    Length,
+    /// The caller asked to stop.
+    Cancelled,
+    /// The request failed (reported by the engine; [`generate`] returns `Err` instead).
+    Error,
+}
+
+/// One generation job.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    /// Prompt token ids (already chat-templated when it is a chat).
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Token ids that end generation, besides the tokenizer's EOS ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation; the text is cut where the first one begins.
+    pub stop_strings: Vec<String>,
+    /// Prompt tokens per forward pass during prefill (bounds prefill memory).
+    pub prefill_step_size: usize,
+    /// Keep generating through EOS (benchmarks); `stop_token_ids` still apply.
+    pub ignore_eos: bool,
+    /// Report log-probabilities with each token: the sampled token's and those of the `n` most
+    /// likely tokens (`Some(0)`: the sampled token's only), as OpenAI's `logprobs` /
+    /// `top_logprobs`. They are taken after logits processors (bias, repetition penalty) and
+    /// before temperature and truncation, as mlx_lm's `generate_step` yields them.
+    pub logprobs: Option<usize>,
+    /// Generate nothing: return the log-probabilities of every vocabulary token for the position
+    /// after the prompt ([`GenerateOutput::next_token_logprobs`]; `log_softmax` of the model's
+    /// last logits in float32, no logits processors), as genlm's `next_token_logprobs`.
+    pub next_token_logprobs: bool,
+    /// Constrain the output to a grammar (JSON, see [`crate::sample::grammar`]); batch engine only
+    /// ([`crate::EngineHandle`]); [`generate`] refuses it.
+    pub grammar: Option<crate::sample::grammar::Grammar>,
+    /// Bound each attention layer's KV cache to this many positions: the first
+    /// [`KvLimit::KEEP`] and the most recent ones (mlx_lm's `--max-kv-size`, a
+    /// `RotatingKVCache(max_kv_size, keep=4)` per layer). Sliding-window layers keep their own
+    /// window. [`generate`], and the engine beside its batch (see [`crate::EngineHandle`]).
+    pub max_kv_size: Option<usize>,
+    /// Quantize the KV cache once it holds [`GenerateRequest::quantized_kv_start`] positions
+    /// (mlx_lm's `--kv-bits`, `--kv-group-size`). [`generate`], and the engine beside its batch
+    /// (whose pool is quantized as a whole by `EngineConfig`'s KV quantization).
+    pub kv_quantization: Option<KvQuantization>,
+    /// With `kv_quantization`: positions kept in full precision before the cache is quantized
+    /// (mlx_lm's `--quantized-kv-start`; a cache is converted after the forward pass that takes
+    /// it to this many positions, as mlx_lm's `maybe_quantize_kv_cache`).
+    pub quantized_kv_start: usize,
+    /// Speculative decoding with the engine's draft model ([`crate::EngineConfig::draft_model`]),
+    /// proposing this many tokens a step (see [`crate::sequence::speculative`]). [`generate`] refuses it
+    /// (the CLI calls [`crate::generate_speculative`] with its draft).
+    pub num_draft_tokens: Option<usize>,
+}
+
+impl GenerateRequest {
+    /// Prompt tokens per forward pass unless a request says otherwise (mlx-lm's default).
+    pub const DEFAULT_PREFILL_STEP_SIZE: usize = 2048;
+    /// mlx_lm's `--quantized-kv-start` default.
+    pub const DEFAULT_QUANTIZED_KV_START: usize = 5000;
+
+    pub fn new(prompt: Vec<u32>) -> Self {
+        Self {
+            prompt,
+            sampling: SamplingParams::default(),
+            max_tokens: 256,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            prefill_step_size: Self::DEFAULT_PREFILL_STEP_SIZE,
+            ignore_eos: false,
+            logprobs: None,
+            next_token_logprobs: false,
+            grammar: None,
+            max_kv_size: None,
+            kv_quantization: None,
+            quantized_kv_start: Self::DEFAULT_QUANTIZED_KV_START,
+            num_draft_tokens: None,
+        }
+    }
+
+    /// Whether the request asks for a KV cache option only [`generate`] runs.
+    pub fn has_single_stream_kv_options(&self) -> bool {
+        self.max_kv_size.is_some() || self.kv_quantization.is_some()
+    }
+}
+
+/// Timings and counts of one request. Rates are in tokens per second, times in seconds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache instead of being computed.
+    pub cached_prompt_tokens: usize,
+    pub prompt_tps: f64,
+    pub generation_tokens: usize,
+    /// Decode rate over the tokens after the first.
+    pub generation_tps: f64,
+    /// Time to first token: from the request's start until the first token is known.
+    pub ttft_s: f64,
+    pub total_s: f64,
+    /// MLX's peak memory during the request, in bytes.
+    pub peak_memory_bytes: usize,
+    /// Speculative decoding ([`generate_speculative`]): tokens the draft model proposed, and
+    /// those of them the model accepted (each an emitted token with `from_draft`).
+    #[serde(default)]
+    pub draft_tokens: usize,
+    #[serde(default)]
+    pub accepted_draft_tokens: usize,
+}
+
+impl GenerationStats {
+    /// Fills the timing fields from `generated` tokens, the time to the first one and the total
+    /// time (seconds); the decode rate counts the tokens after the first.
+    pub(crate) fn set_timings(&mut self, generated: usize, ttft_s: f64, total_s: f64) {
+        self.generation_tokens = generated;
+        self.ttft_s = ttft_s;
+        self.total_s = total_s;
+        self.prompt_tps = self.prompt_tokens as f64 / ttft_s.max(1e-9);
+        self.generation_tps = if generated > 1 {
+            (generated - 1) as f64 / (total_s - ttft_s).max(1e-9)
+        } else {
+            0.0
+        };
+    }
+}
+
+/// A streamed piece of output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenEvent {
+    /// The generated token, or `None` for text released when generation ends (the tail of a
+    /// character or of a possible stop string that was held back).
+    pub id: Option<u32>,
+    /// Text this token completes; may be empty (mid-character, or held back as a possible stop string).
+    pub text: String,
+    /// When the request asked for them ([`GenerateRequest::logprobs`]).
+    pub logprobs: Option<TokenLogprobs>,
+    /// A draft model's token the model accepted ([`generate_speculative`]; mlx_lm's `from_draft`).
+    pub from_draft: bool,
+}
+
+/// The outcome of a finished request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GenerateOutput {
+    pub token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    /// The stop string that ended generation (finish reason `Stop` without it: a stop token).
+    pub stop_string: Option<String>,
+    /// For a [`GenerateRequest::next_token_logprobs`] request: `[vocab]` natural-log
+    /// probabilities of the next token.
+    pub next_token_logprobs: Option<Vec<f32>>,
+    pub stats: GenerationStats,
+}
+
+/// What to generate from: token ids, or a conversation rendered with the chat template.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    Tokens(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+    /// Continue from a prompt-cache file (Perch's or mlx_lm's, see [`crate::prompt_cache`]) with
+    /// these tokens after its prefix, as `mlx_lm.generate --prompt-cache-file` does.
+    AfterCache {
+        cache_file: PathBuf,
+        tokens: Vec<u32>,
+    },
+}
+
+/// A request as submitted: the prompt plus every per-request setting of [`GenerateRequest`]
+/// (whose own `prompt` field is filled in by the engine).
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    pub prompt: Prompt,
+    pub params: GenerateRequest,
+}
+
+/// What a request's stream carries, in order: tokens, then exactly one `Finished`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// A generated token and the text it completes (may be empty); `id` is `None` for text held
+    /// back until the end (see [`crate::TokenEvent`]); `logprobs` when the request asked.
+    Token {
+        id: Option<u32>,
+        text: String,
+        logprobs: Option<TokenLogprobs>,
+    },
+    /// The request ended. `error` is set when `finish_reason` is `Error`: what kind of failure
+    /// (a request the engine refused before running it, as a prompt longer than the context, or
+    /// a failure while running it) and a sentence.
+    Finished {
+        finish_reason: FinishReason,
+        stats: GenerationStats,
+        error: Option<RequestError>,
+        /// The request's stop string that ended it, when one did.
+        stop_string: Option<String>,
+        /// A [`GenerateRequest::next_token_logprobs`] request's answer: `[vocab]` natural-log
+        /// probabilities of the token after the prompt.
+        next_token_logprobs: Option<Vec<f32>>,
+    },
+}
+
+impl EngineEvent {
+    /// The `Finished` of a request that failed with `error` before producing anything.
+    pub(crate) fn failed(error: RequestError) -> Self {
+        EngineEvent::Finished {
+            finish_reason: FinishReason::Error,
+            stats: GenerationStats::default(),
+            error: Some(error),
+            stop_string: None,
+            next_token_logprobs: None,
+        }
+    }
+}
+
+/// The engine's state as of its last step (see [`EngineHandle::stats`]).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct EngineStats {
+    /// Requests admitted (prefilling or decoding).
+    pub running: usize,
+    /// Requests queued: not admitted yet, or preempted and waiting for recompute.
+    pub waiting: usize,
+    pub finished_requests: u64,
+    /// Prompt tokens per second over the last [`crate::engine::batch::THROUGHPUT_WINDOW`].
+    pub prompt_tps: f64,
+    /// Generated tokens per second over the same window.
+    pub generation_tps: f64,
+    /// The KV block pool and prefix cache.
+    pub kv_cache: KvCacheStats,
+    /// Where the batch's steps spent their time since the model loaded.
+    pub step_times: StepTimes,
+    pub memory: MemoryStats,
+    /// Warm-up passes still queued, run while idle ([`EngineConfig::idle_warm_up`]).
+    pub warm_ups_left: usize,
+}
+
+/// How many tokens a request can hold, fixed at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct EngineLimits {
+    /// The model's context (`max_position_embeddings`): prompt plus generated tokens.
+    pub context_length: usize,
+    /// Tokens the KV block pool holds (all requests together).
+    pub kv_cache_tokens: usize,
+}
+
+impl EngineLimits {
+    /// The longest prompt that can run with room for `generate` tokens after it.
+    pub fn max_prompt_tokens(&self, generate: usize) -> usize {
+        self.context_length
+            .min(self.kv_cache_tokens)
+            .saturating_sub(generate.max(1))
+    }
+}
+
+/// The KV block pool's state, for engine stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct KvCacheStats {
+    /// Tokens per block.
+    pub block_size: usize,
+    pub blocks_total: usize,
+    /// Blocks in some running sequence's block table, or held for its sliding layers' window
+    /// (see [`KvBudget`]).
+    pub blocks_used: usize,
+    /// Free blocks that still hold a cached prefix (reusable until evicted), and blocks the
+    /// prefix cache's copies of sliding layers' KV hold (given up before any sequence waits).
+    pub blocks_cached_free: usize,
+    /// Free blocks holding nothing.
+    pub blocks_empty: usize,
+    /// Share of admitted prompt tokens found in the prefix cache, 0..=1.
+    pub prefix_cache_hit_rate: f64,
+    /// Bytes of KV content kept for cached blocks.
+    pub prefix_cache_bytes: usize,
+    /// Requests preempted (sent back to the queue for recompute) since start.
+    pub preemptions: u64,
+}
+
+/// Where the batch's steps spent their time since start (cumulative), as mlx_lm's
+/// `BatchGenerator` counts its prompt and decode time: forward passes and the waits for their
+/// results, against the whole steps (admission, slot moves, prefix-cache copies, detokenizing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct StepTimes {
+    pub steps: u64,
+    /// Seconds inside [`BatchGenerator::step`].
+    pub step_seconds: f64,
+    /// Seconds in prefill forward passes until their KV was computed.
+    pub prefill_seconds: f64,
+    /// Prompt tokens those passes computed (padding excluded).
+    pub prefill_tokens: u64,
+    /// Seconds after prefill passes putting their full blocks into the prefix cache: host time
+    /// (building and dispatching the copies).
+    pub publish_seconds: f64,
+    /// Prefill forward passes (one per step, for all the prefill slots).
+    pub prefill_passes: u64,
+    /// Seconds building and dispatching decode steps (forward pass and sampling) plus the waits
+    /// for their tokens to reach the host.
+    pub decode_seconds: f64,
+    /// The waits alone: near zero when the host is the bottleneck (the device finished each
+    /// step before the host asked), most of `decode_seconds` when the device is.
+    pub decode_wait_seconds: f64,
+    /// Building the steps' graphs (until `async_eval` is called); the rest of `decode_seconds`
+    /// less the waits is MLX encoding and launching them.
+    pub decode_build_seconds: f64,
+    pub decode_steps: u64,
+    /// Seconds handing decoded tokens to their requests (detokenizing, stop rules, finishing).
+    pub token_seconds: f64,
+    /// Shapes run ahead of requests so that MLX meets them first (decode steps at load,
+    /// prefill passes while idle; see [`BatchGenerator::warm_up`]), and the seconds they took.
+    pub warm_up_shapes: u64,
+    pub warm_up_seconds: f64,
+}

@@ -1,0 +1,639 @@
+//! A fused attention kernel for decode steps over slot caches on CUDA: one query per row,
+//! keys and values `[rows, kv_heads, positions, head_dim]`, and a boolean mask of the positions
+//! each row may read — what MLX's `scaled_dot_product_attention` computes with such a mask,
+//! in one kernel launch per layer.
+//!
+//! Why: MLX 0.32.2's CUDA backend has a fused vector kernel for one query per row only without
+//! an array mask; with one (a slot cache's per-row lengths) it falls back to an unfused
+//! attention of about five kernels a layer (scale, scores, mask, softmax, weighted sum). A
+//! decode step of a small model on a GPU is bound by the host encoding its kernels, so those
+//! launches are most of what a masked step costs more: mlx_lm's own forward of a random Llama
+//! 1.07B (dense bfloat16, 16 layers) on an H100, pipelined as `generate_step` is, took 2.53 ms
+//! a step at one row and 4.44 ms at eight without a mask, against 3.76 and 5.75 ms with an
+//! all-true boolean mask (`probe2` of the 2026-11-26 session; README "On a GPU").
+//!
+//! Metal needs no such kernel: MLX's Metal vector kernel reads boolean masks itself, so a
+//! masked decode step is one fused kernel there already. This kernel is the CUDA backend's
+//! equivalent, written with MLX's custom-kernel API (`mx.fast.cuda_kernel`, through
+//! [`crate::attention::cuda_kernel`]), compiled by MLX at run time (NVRTC), and used only where [`applies`]
+//! holds (up to [`max_positions`], 8,192 positions, the longest measured); it cannot run on
+//! this CPU, so its tests run on the device (`perch check-kernels`, see README).
+//!
+//! The computation (the standard "online softmax" of one query over many positions, as in
+//! Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"): a thread block
+//! per (row, query head) of 8 warps (16 past 1,024 positions); each warp walks its share of
+//! the positions [`STEP`] at a time, its lanes holding `head_dim / 32` components, and keeps a
+//! running maximum, normalizer and weighted sum of values in float32; the warps' partial
+//! results are then combined. Where a step has few rows and heads over many positions, each
+//! (row, head) gets several blocks, each over its part of the positions, and a second kernel
+//! combines the parts' results the same way ([`parts`]; "split-K" or flash-decoding, as in Dao
+//! et al. 2023, "Flash-Decoding for long-context inference"). Masked positions are skipped; a
+//! row with no readable position gets zeros (MLX's fallback gives NaN there; such rows are free
+//! slots whose output nothing reads).
+//!
+//! Measured on an H200 (random Llama 1.07B, bfloat16, one request, 256 generated, `perch bench`
+//! rounds alternating with `PERCH_DECODE_KERNEL=0`, MLX's unfused attention): 1,700-token
+//! prompts 472 / 393 tok/s against 345 / 264; 3,700: 546 / 587 against 401 / 380; 7,900: 395 /
+//! 386 against 315 / 360; eight requests of 3,700: 1,905 / 1,790 against 1,374 / 1,361. Before
+//! the parts and the steps of several positions, one block walked every position one at a time
+//! and lost to MLX past about 2,000 positions (7,900: 186 tok/s, 5.4 ms a step).
+
+use std::cell::RefCell;
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+
+use crate::attention::cuda_kernel::{time_call, CudaKernel, TemplateArg};
+
+/// Warps per thread block: 8 (256 threads), or 16 when one block walks more than
+/// [`MANY_POSITIONS`] positions (one part), so a long context is walked by more warps at once.
+/// Not 32: a block of 1,024 threads leaves each 64 registers, fewer than [`STEP`] positions at
+/// a time take at the larger head sizes.
+fn warps(positions: i32, parts: i32) -> i32 {
+    if parts == 1 && positions > MANY_POSITIONS {
+        16
+    } else {
+        8
+    }
+}
+
+/// Positions a warp reads at a time: their key and value loads are issued together, so their
+/// latencies overlap instead of adding up position after position.
+const STEP: i32 = 4;
+
+const MANY_POSITIONS: i32 = 1024;
+
+const SOURCE: &str = r#"
+  constexpr int PER_LANE = D / 32;
+  const float scale = __int_as_float(SCALE_BITS);
+  const float lowest = __int_as_float(0xff800000);  // -infinity
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int head = blockIdx.x;
+  const int row = blockIdx.y;
+  const int heads = q_shape[1];
+  const int kv_head = head / (heads / k_shape[1]);
+  const int positions = k_shape[2];
+  const T* qp = q + row * q_strides[0] + head * q_strides[1];
+  const T* kp = k + row * k_strides[0] + kv_head * k_strides[1];
+  const T* vp = v + row * v_strides[0] + kv_head * v_strides[1];
+  const bool* mp = mask + (mask_shape[0] == 1 ? 0 : row * mask_strides[0])
+      + (mask_shape[1] == 1 ? 0 : head * mask_strides[1]);
+  const auto mask_step = mask_strides[3];
+
+  float query[PER_LANE];
+  float acc[PER_LANE];
+  for (int i = 0; i < PER_LANE; ++i) {
+    query[i] = static_cast<float>(qp[(lane + 32 * i) * q_strides[3]]) * scale;
+    acc[i] = 0.0f;
+  }
+  float running_max = lowest;
+  float normalizer = 0.0f;
+  // STEP positions a warp at a time (its loads issued together, so their latencies overlap).
+  // This block's part of the positions: all of them, or the `blockIdx.z`th of `gridDim.z`
+  // parts (whole STEPs) in the split variant.
+  const int part = ((positions + gridDim.z - 1) / gridDim.z + STEP - 1) / STEP * STEP;
+  const int first = blockIdx.z * part;
+  const int end = min(positions, first + part);
+  for (int base = first + warp * STEP; base < end; base += WARPS * STEP) {
+    bool valid[STEP];
+    float keys[STEP][PER_LANE];
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) {
+      const int p = base + j;
+      valid[j] = p < end && mp[p * mask_step];
+      const T* key = kp + (long)p * k_strides[2];
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        keys[j][i] = valid[j] ? static_cast<float>(key[(lane + 32 * i) * k_strides[3]]) : 0.0f;
+      }
+    }
+    float scores[STEP];
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) {
+      scores[j] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        scores[j] += query[i] * keys[j][i];
+      }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int j = 0; j < STEP; ++j) {
+        scores[j] += __shfl_xor_sync(0xffffffff, scores[j], offset);
+      }
+    }
+    float new_max = running_max;
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) {
+      if (valid[j]) {
+        new_max = fmaxf(new_max, scores[j]);
+      }
+    }
+    if (new_max == lowest) {
+      continue;  // nothing readable yet
+    }
+    const float rescale = expf(running_max - new_max);
+    float values[STEP][PER_LANE];
+    float weights[STEP];
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) {
+      weights[j] = valid[j] ? expf(scores[j] - new_max) : 0.0f;
+      const T* value = vp + (long)(base + j) * v_strides[2];
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        values[j][i] = valid[j] ? static_cast<float>(value[(lane + 32 * i) * v_strides[3]]) : 0.0f;
+      }
+    }
+    normalizer *= rescale;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      acc[i] *= rescale;
+    }
+#pragma unroll
+    for (int j = 0; j < STEP; ++j) {
+      normalizer += weights[j];
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        acc[i] += weights[j] * values[j][i];
+      }
+    }
+    running_max = new_max;
+  }
+
+  __shared__ float maxima[WARPS];
+  __shared__ float normalizers[WARPS];
+  __shared__ float sums[WARPS][D];
+  if (lane == 0) {
+    maxima[warp] = running_max;
+    normalizers[warp] = normalizer;
+  }
+  for (int i = 0; i < PER_LANE; ++i) {
+    sums[warp][lane + 32 * i] = acc[i];
+  }
+  __syncthreads();
+  float overall = lowest;
+  for (int w = 0; w < WARPS; ++w) {
+    overall = fmaxf(overall, maxima[w]);
+  }
+  /*EPILOGUE*/
+"#;
+
+/// The end of [`SOURCE`] for one block per row and head: the attention's output.
+const WHOLE: &str = r#"
+  T* result = out + (row * heads + head) * D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float numerator = 0.0f;
+    float denominator = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (normalizers[w] > 0.0f) {
+        const float c = expf(maxima[w] - overall);
+        numerator += c * sums[w][d];
+        denominator += c * normalizers[w];
+      }
+    }
+    result[d] = static_cast<T>(denominator > 0.0f ? numerator / denominator : 0.0f);
+  }
+"#;
+
+/// The end of [`SOURCE`] for several blocks per row and head (the split variant): each block's
+/// maximum score, normalizer and weighted sum of values relative to that maximum (float32),
+/// combined by [`COMBINE`].
+const PART: &str = r#"
+  const long slot = ((long)row * heads + head) * gridDim.z + blockIdx.z;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float numerator = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (normalizers[w] > 0.0f) {
+        numerator += expf(maxima[w] - overall) * sums[w][d];
+      }
+    }
+    part_sums[slot * D + d] = numerator;
+  }
+  if (threadIdx.x == 0) {
+    float denominator = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+      if (normalizers[w] > 0.0f) {
+        denominator += expf(maxima[w] - overall) * normalizers[w];
+      }
+    }
+    part_maxima[slot] = overall;
+    part_normalizers[slot] = denominator;
+  }
+"#;
+
+/// The split variant's second kernel: one block per (row, query head) of `D` threads combines
+/// the parts' results as the warps' are combined above.
+const COMBINE: &str = r#"
+  const int head = blockIdx.x;
+  const int row = blockIdx.y;
+  const int heads = part_maxima_shape[1];
+  const int parts = part_maxima_shape[2];
+  const long first = ((long)row * heads + head) * parts;
+  float overall = __int_as_float(0xff800000);
+  for (int s = 0; s < parts; ++s) {
+    if (part_normalizers[first + s] > 0.0f) {
+      overall = fmaxf(overall, part_maxima[first + s]);
+    }
+  }
+  float denominator = 0.0f;
+  for (int s = 0; s < parts; ++s) {
+    if (part_normalizers[first + s] > 0.0f) {
+      denominator += expf(part_maxima[first + s] - overall) * part_normalizers[first + s];
+    }
+  }
+  const int d = threadIdx.x;
+  float numerator = 0.0f;
+  for (int s = 0; s < parts; ++s) {
+    if (part_normalizers[first + s] > 0.0f) {
+      numerator += expf(part_maxima[first + s] - overall) * part_sums[(first + s) * D + d];
+    }
+  }
+  out[((long)row * heads + head) * D + d] =
+      static_cast<T>(denominator > 0.0f ? numerator / denominator : 0.0f);
+"#;
+
+/// Whether [`masked_decode_attention`] computes this attention: one query per row, keys and
+/// values of one head size (a multiple of 32 up to 256) in the queries' float dtype, a
+/// boolean mask `[rows or 1, heads or 1, 1, positions]`, no attention sinks, and whole heads
+/// of queries per key head.
+pub fn computes(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    mask: &Array,
+    sinks: Option<&Array>,
+) -> bool {
+    let (q, k, v, m) = (queries.shape(), keys.shape(), values.shape(), mask.shape());
+    let float = matches!(
+        queries.dtype(),
+        Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32
+    );
+    sinks.is_none()
+        && float
+        && keys.dtype() == queries.dtype()
+        && values.dtype() == queries.dtype()
+        && mask.dtype() == Dtype::Bool
+        && q.len() == 4
+        && k.len() == 4
+        && v.len() == 4
+        && m.len() == 4
+        && q[2] == 1
+        && k == v
+        && q[0] == k[0]
+        && q[3] == k[3]
+        && q[3] % 32 == 0
+        && q[3] <= 256
+        && k[1] > 0
+        && q[1] % k[1] == 0
+        && (m[0] == 1 || m[0] == q[0])
+        && (m[1] == 1 || m[1] == q[1])
+        && m[2] == 1
+        && m[3] == k[2]
+}
+
+/// [`computes`] up to [`max_positions`] positions: where the engine reads through the kernel.
+pub fn applies(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    mask: &Array,
+    sinks: Option<&Array>,
+) -> bool {
+    computes(queries, keys, values, mask, sinks) && keys.shape()[2] <= max_positions()
+}
+
+/// The kernels: [`WHOLE`]'s, [`PART`]'s and [`COMBINE`].
+fn new_kernels() -> [CudaKernel; 3] {
+    let parts = ["part_sums", "part_maxima", "part_normalizers"];
+    let attention = |name, outputs: &[&str], epilogue| {
+        let source = SOURCE.replace("/*EPILOGUE*/", epilogue);
+        CudaKernel::new(name, &["q", "k", "v", "mask"], outputs, &source, false)
+    };
+    [
+        attention(c"perch_masked_decode_attention", &["out"], WHOLE),
+        attention(c"perch_masked_decode_attention_part", &parts, PART),
+        CudaKernel::new(
+            c"perch_masked_decode_attention_combine",
+            &parts,
+            &["out"],
+            COMBINE,
+            true,
+        ),
+    ]
+}
+
+/// Blocks per (row, query head): 1 where a step has many of those or reads few positions (a
+/// second kernel would cost the host more than it saves the device), else enough parts of at
+/// least [`MIN_PART`] positions for about [`TARGET_BLOCKS`] blocks, at most [`MAX_PARTS`].
+/// One block walking thousands of positions leaves most of the GPU idle: on an H200, one
+/// request with a 7,900-token prompt decoded at 4.2 ms a step through one block per head
+/// against 2.4–2.9 ms through MLX's unfused attention.
+fn parts(rows: i32, heads: i32, positions: i32) -> i32 {
+    let blocks = rows * heads;
+    if positions <= SPLIT_FROM || blocks >= TARGET_BLOCKS {
+        return 1;
+    }
+    let wanted = (TARGET_BLOCKS + blocks - 1) / blocks;
+    wanted.min(positions / MIN_PART).clamp(1, MAX_PARTS)
+}
+
+const SPLIT_FROM: i32 = 2048;
+const TARGET_BLOCKS: i32 = 256;
+const MIN_PART: i32 = 512;
+const MAX_PARTS: i32 = 16;
+
+/// `softmax(scale · q kᵀ, masked) v` for one query per row: `queries` `[rows, heads, 1, D]`,
+/// `keys`/`values` `[rows, kv_heads, positions, D]`, `mask` bool `[rows or 1, heads or 1, 1,
+/// positions]` (true where a row reads) → `[rows, heads, 1, D]` in the queries' dtype. Only
+/// where [`computes`] holds, and only on MLX's CUDA backend (the kernel is CUDA source).
+pub fn masked_decode_attention(
+    queries: &Array,
+    keys: &Array,
+    values: &Array,
+    mask: &Array,
+    scale: f32,
+) -> Result<Array, Exception> {
+    thread_local! {
+        static KERNELS: RefCell<Option<[CudaKernel; 3]>> = const { RefCell::new(None) };
+    }
+    if !computes(queries, keys, values, mask, None) {
+        return Err(Exception::custom(
+            "masked_decode_attention: shapes or dtypes it does not take",
+        ));
+    }
+    let shape = queries.shape().to_vec();
+    let (rows, heads, head_dim) = (shape[0], shape[1], shape[3]);
+    let positions = keys.shape()[2];
+    let parts = parts(rows, heads, positions);
+    let warps = warps(positions, parts);
+    let dtype = queries.dtype();
+    let template = [
+        TemplateArg::Int(c"WARPS", warps),
+        TemplateArg::Int(c"STEP", STEP),
+        TemplateArg::Dtype(c"T", dtype),
+        TemplateArg::Int(c"D", head_dim),
+        TemplateArg::Int(c"SCALE_BITS", scale.to_bits() as i32),
+    ];
+    let inputs = [queries, keys, values, mask];
+    let grid = (heads * warps * 32, rows, parts);
+    let block = (warps * 32, 1, 1);
+    KERNELS.with(|kernels| {
+        let mut kernels = kernels.borrow_mut();
+        let [whole, part, combine] = kernels.get_or_insert_with(new_kernels);
+        if parts == 1 {
+            let mut out = whole.apply(&inputs, &[(&shape, dtype)], grid, block, &template)?;
+            return Ok(out.remove(0));
+        }
+        let f32 = Dtype::Float32;
+        let partials = part.apply(
+            &inputs,
+            &[
+                (&[rows, heads, parts, head_dim], f32),
+                (&[rows, heads, parts], f32),
+                (&[rows, heads, parts], f32),
+            ],
+            grid,
+            block,
+            &template,
+        )?;
+        let mut out = combine.apply(
+            &partials.iter().collect::<Vec<_>>(),
+            &[(&shape, dtype)],
+            (heads * head_dim, rows, 1),
+            (head_dim, 1, 1),
+            &[
+                TemplateArg::Dtype(c"T", dtype),
+                TemplateArg::Int(c"D", head_dim),
+            ],
+        )?;
+        Ok(out.remove(0))
+    })
+}
+
+/// Whether decode steps over slot caches use [`masked_decode_attention`] on CUDA: yes unless
+/// `PERCH_DECODE_KERNEL=0` (for benchmarks against MLX's own masked attention).
+pub fn enabled() -> bool {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("PERCH_DECODE_KERNEL").as_deref() != Ok("0"))
+}
+
+/// The most positions (the slot cache's capacity) a step reads through the kernel; longer ones
+/// go to MLX. 8,192: the longest measured (a 7,900-token prompt, above); beyond it the kernel
+/// has not been compared with MLX. `PERCH_DECODE_KERNEL_MAX_POSITIONS` overrides it (for
+/// benchmarks).
+pub fn max_positions() -> i32 {
+    static MAX: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("PERCH_DECODE_KERNEL_MAX_POSITIONS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(MAX_POSITIONS)
+    })
+}
+
+const MAX_POSITIONS: i32 = 8192;
+
+/// Checks [`masked_decode_attention`] against MLX's own masked attention (computed in float32)
+/// on random inputs of several shapes, dtypes and masks: per-row lengths, a broadcast mask, a
+/// mask per head, holes (a sliding window's ring), a row that reads nothing (zeros expected).
+/// Returns one line per case; an error names the first case outside its tolerance. Runs on
+/// MLX's CUDA backend only (`perch check-kernels` on the device).
+pub fn check() -> crate::Result<Vec<String>> {
+    use mlx_rs::ops;
+    if crate::device::Backend::current() != crate::device::Backend::Cuda {
+        return Err(crate::EngineError::Request(
+            "the decode attention kernel is CUDA source: run this where MLX has its CUDA backend"
+                .into(),
+        ));
+    }
+    mlx_rs::random::seed(7)?;
+    let mut lines = Vec::new();
+    // (rows, heads, kv_heads, head_dim, positions, dtype, mask kind)
+    let cases = [
+        (1, 32, 8, 64, 384, Dtype::Bfloat16, "lengths"),
+        (1, 32, 8, 64, 2048, Dtype::Bfloat16, "lengths"),
+        (2, 8, 2, 128, 1536, Dtype::Float32, "ring"),
+        (8, 32, 8, 64, 512, Dtype::Bfloat16, "lengths"),
+        (128, 32, 8, 64, 512, Dtype::Bfloat16, "lengths"),
+        (3, 8, 8, 128, 1000, Dtype::Float16, "lengths"),
+        (2, 8, 1, 256, 700, Dtype::Bfloat16, "ring"),
+        (1, 32, 8, 64, 7937, Dtype::Bfloat16, "lengths"),
+        (2, 8, 1, 256, 3000, Dtype::Bfloat16, "ring"),
+        (3, 16, 8, 128, 4096, Dtype::Float16, "lengths"),
+        (4, 16, 4, 64, 256, Dtype::Float32, "per head"),
+        (5, 4, 2, 128, 300, Dtype::Float32, "broadcast"),
+        (4, 8, 2, 64, 512, Dtype::Bfloat16, "empty row"),
+        (4, 8, 2, 64, 3000, Dtype::Bfloat16, "empty row"),
+    ];
+    for (rows, heads, kv_heads, head_dim, positions, dtype, kind) in cases {
+        let normal = |shape: &[i32]| -> crate::Result<Array> {
+            Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?.as_dtype(dtype)?)
+        };
+        let q = normal(&[rows, heads, 1, head_dim])?;
+        let k = normal(&[rows, kv_heads, positions, head_dim])?;
+        let v = normal(&[rows, kv_heads, positions, head_dim])?;
+        let index = ops::arange::<_, i32>(0, positions, None)?.reshape(&[1, 1, 1, positions])?;
+        let lengths: Vec<i32> = (0..rows).map(|r| 1 + (r * 37 + 11) % positions).collect();
+        let lengths = Array::from_slice(&lengths, &[rows, 1, 1, 1]);
+        let mask = match kind {
+            "per head" => {
+                let per_head: Vec<i32> = (0..rows * heads)
+                    .map(|i| 1 + (i * 29) % positions)
+                    .collect();
+                ops::lt(&index, Array::from_slice(&per_head, &[rows, heads, 1, 1]))?
+            }
+            "broadcast" => ops::lt(&index, Array::from_int(positions / 2 + 3))?,
+            "ring" => {
+                // Entries older than a window of a third of the ring, by each row's position.
+                let age = ops::remainder(
+                    &ops::add(
+                        &ops::subtract(&lengths, &index)?,
+                        Array::from_int(positions),
+                    )?,
+                    Array::from_int(positions),
+                )?;
+                ops::lt(&age, Array::from_int(positions / 3))?
+            }
+            _ => ops::lt(&index, &lengths)?,
+        };
+        // Which rows read anything: all but row 1 of the "empty row" case, which must get zeros.
+        let empty_row = kind == "empty row";
+        let reading: Vec<bool> = (0..rows).map(|r| !empty_row || r != 1).collect();
+        let reading = Array::from_slice(&reading, &[rows, 1, 1, 1]);
+        let mask = ops::logical_and(&mask, &reading)?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let ours = masked_decode_attention(&q, &k, &v, &mask, scale)?.as_dtype(Dtype::Float32)?;
+        ours.eval()?;
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
+        let reference = mlx_rs::fast::scaled_dot_product_attention(
+            f32(&q)?,
+            f32(&k)?,
+            f32(&v)?,
+            scale,
+            mlx_rs::fast::ScaledDotProductAttentionMask::Array(&mask),
+            None,
+        )?;
+        let tolerance = match dtype {
+            Dtype::Float32 => 1e-4,
+            Dtype::Float16 => 4e-3,
+            _ => 3e-2,
+        };
+        // MLX gives NaN for a row that reads nothing; the kernel must give zeros.
+        let expected = ops::select(&reading, &reference, &ops::zeros_like(&reference)?)?;
+        let error = ops::abs(&ops::subtract(&ours, &expected)?)?
+            .max(None)?
+            .item_exact::<f32>();
+        // A call of each alone, evaluated: the kernel against MLX's masked attention in the
+        // inputs' dtype (what the engine runs without the kernel).
+        let kernel_ms = time_call(&|| Ok(masked_decode_attention(&q, &k, &v, &mask, scale)?))?;
+        let mlx_ms = time_call(&|| {
+            Ok(mlx_rs::fast::scaled_dot_product_attention(
+                &q,
+                &k,
+                &v,
+                scale,
+                mlx_rs::fast::ScaledDotProductAttentionMask::Array(&mask),
+                None,
+            )?)
+        })?;
+        let line =
+            format!(
+            "rows {rows}, heads {heads}/{kv_heads}, head size {head_dim}, {positions} positions, \
+             {dtype:?}, mask {kind}: max |error| {error:.2e} (tolerance {tolerance:.0e}){}; \
+             {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3}",
+            if empty_row { ", the empty row zeros" } else { "" }
+        );
+        if error.is_nan() || error > tolerance {
+            return Err(crate::EngineError::Kernel(format!(
+                "decode attention kernel: {line}"
+            )));
+        }
+        lines.push(line);
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::{Array, Dtype};
+
+    use super::{applies, computes, parts};
+
+    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
+        mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
+    }
+
+    /// The kernel is only chosen for what it computes: one query a row, a boolean mask per row
+    /// over every position, whole query heads per key head, no sinks.
+    #[test]
+    fn applies_only_to_what_the_kernel_computes() {
+        let bf = Dtype::Bfloat16;
+        let q = zeros(&[4, 8, 1, 64], bf);
+        let kv = zeros(&[4, 2, 512, 64], bf);
+        let mask = zeros(&[4, 1, 1, 512], Dtype::Bool);
+        assert!(applies(&q, &kv, &kv, &mask, None));
+        assert!(applies(
+            &q,
+            &kv,
+            &kv,
+            &zeros(&[1, 1, 1, 512], Dtype::Bool),
+            None
+        ));
+        // Two queries a row (a prompt chunk), an additive mask, sinks, a short mask, an odd
+        // head size, mixed dtypes, key heads that do not divide the query heads: not taken.
+        let chunk = zeros(&[4, 8, 2, 64], bf);
+        assert!(!applies(
+            &chunk,
+            &kv,
+            &kv,
+            &zeros(&[4, 1, 2, 512], Dtype::Bool),
+            None
+        ));
+        assert!(!applies(&q, &kv, &kv, &zeros(&[4, 1, 1, 512], bf), None));
+        assert!(!applies(&q, &kv, &kv, &mask, Some(&zeros(&[8], bf))));
+        assert!(!applies(
+            &q,
+            &kv,
+            &kv,
+            &zeros(&[4, 1, 1, 256], Dtype::Bool),
+            None
+        ));
+        let odd = zeros(&[4, 8, 1, 80], bf);
+        let odd_kv = zeros(&[4, 2, 512, 80], bf);
+        assert!(!applies(&odd, &odd_kv, &odd_kv, &mask, None));
+        assert!(!applies(
+            &q,
+            &zeros(&[4, 2, 512, 64], Dtype::Float32),
+            &kv,
+            &mask,
+            None
+        ));
+        let three = zeros(&[4, 3, 512, 64], bf);
+        assert!(!applies(&q, &three, &three, &mask, None));
+        // Up to the positions measured (read from the environment; unset in tests), computed
+        // past them.
+        let long = zeros(&[4, 2, 8192, 64], bf);
+        let long_mask = zeros(&[4, 1, 1, 8192], Dtype::Bool);
+        assert!(applies(&q, &long, &long, &long_mask, None));
+        let longer = zeros(&[4, 2, 8704, 64], bf);
+        let longer_mask = zeros(&[4, 1, 1, 8704], Dtype::Bool);
+        assert!(!applies(&q, &longer, &longer, &longer_mask, None));
+        assert!(computes(&q, &longer, &longer, &longer_mask, None));
+    }
+
+    /// Several blocks per row and head only where few of them would walk many positions: from
+    /// 2,049 positions, fewer than 256 (row, head) pairs, parts of at least 512 positions, at
+    /// most 16.
+    #[test]
+    fn parts_split_only_long_reads_of_few_rows() {
+        assert_eq!(parts(1, 32, 2048), 1);
+        assert_eq!(parts(1, 32, 2049), 4);
+        assert_eq!(parts(1, 32, 7937), 8);
+        assert_eq!(parts(2, 8, 3000), 5);
+        assert_eq!(parts(3, 16, 4096), 6);
+        assert_eq!(parts(8, 32, 8192), 1);
+        assert_eq!(parts(1, 4, 100_000), 16);
+    }
+}

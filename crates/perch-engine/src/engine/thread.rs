@@ -1,0 +1,796 @@
+//! The engine thread: its command queue, its loop over the batch and the requests it runs beside
+//! the batch, and how it ends requests.
+
+use std::collections::{HashMap, HashSet};
+use std::ops::ControlFlow;
+use std::panic::AssertUnwindSafe;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::config::*;
+use crate::api::EngineEvent;
+use crate::api::EngineRequest;
+use crate::api::EngineStats;
+use crate::api::Prompt;
+use crate::api::{
+    ErrorKind, FinishReason, GenerateRequest, GenerationStats, RequestError, TokenEvent,
+};
+use crate::device::{memory_stats, Backend};
+use crate::engine::batch::{BatchConfig, BatchEvent, BatchGenerator};
+use crate::error::{EngineError, Result};
+use crate::models;
+use crate::models::Model;
+use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
+use crate::sequence::speculative::{Draft, SoloSequence};
+use crate::text::tokenizer::Tokenizer;
+use perch_sched::kv_cache_manager::RequestId;
+
+pub(super) struct Job {
+    pub(super) id: RequestId,
+    pub(super) request: EngineRequest,
+    pub(super) events: Sender<EngineEvent>,
+}
+
+/// Everything the engine thread keeps besides the model and the batch, so it can be borrowed
+/// while the batch steps (commands are handled between steps).
+pub(super) struct Queue {
+    pub(super) inbox: Receiver<Command>,
+    /// Submitted since the last step; they join the batch before the next one.
+    pub(super) submitted: Vec<Job>,
+    pub(super) prompt_cache_jobs: Vec<PromptCacheJob>,
+    pub(super) cancelled: Arc<Mutex<HashSet<RequestId>>>,
+    pub(super) finished_requests: u64,
+    pub(super) shutting_down: bool,
+    /// Events of this pass, sent after the pass's stats are published.
+    pub(super) outbox: Vec<(RequestId, Sender<EngineEvent>, EngineEvent)>,
+    pub(super) stats: Arc<Mutex<EngineStats>>,
+    /// When `stats` was last replaced.
+    pub(super) published_at: Instant,
+    pub(super) outstanding: Arc<AtomicUsize>,
+    /// Ids of the requests running beside the batch (speculative ones, and those with their own
+    /// KV cache options; see [`SoloSequence`]).
+    pub(super) solo: HashSet<RequestId>,
+}
+
+impl Queue {
+    /// Applies one command; `batch` and `jobs` (batch request id -> job) are read for stats and
+    /// cancels, only when such a command comes.
+    fn handle(
+        &mut self,
+        command: Command,
+        batch: &mut BatchGenerator<'_>,
+        jobs: &HashMap<RequestId, Job>,
+    ) {
+        match command {
+            Command::Submit {
+                id,
+                request,
+                events,
+            } => self.submitted.push(Job {
+                id,
+                request: *request,
+                events,
+            }),
+            Command::PromptCache(job) => self.prompt_cache_jobs.push(job),
+            Command::Cancel(id) => {
+                let known = jobs.values().chain(&self.submitted).any(|job| job.id == id)
+                    || self.solo.contains(&id);
+                if !known {
+                    // Not in the engine: it already finished (a submit always reaches the thread
+                    // before a cancel of the id it returned), so drop the mark.
+                    if let Ok(mut set) = self.cancelled.lock() {
+                        set.remove(&id);
+                    }
+                }
+            }
+            Command::ClearCache(reply) => {
+                batch.reset_prefix_cache();
+                self.publish(batch);
+                let _ = reply.send(());
+            }
+            Command::Shutdown => self.shutting_down = true,
+        }
+    }
+
+    /// Submitted next-token-logprobs calls not in the batch yet.
+    fn scoring(&self) -> usize {
+        self.submitted
+            .iter()
+            .filter(|job| job.request.params.next_token_logprobs)
+            .count()
+    }
+
+    /// Handles commands while `wanted` holds, for at most `limit`, until none arrives for `gap`.
+    /// False when every handle is gone.
+    fn gather(
+        &mut self,
+        batch: &mut BatchGenerator<'_>,
+        jobs: &HashMap<RequestId, Job>,
+        limit: std::time::Duration,
+        gap: std::time::Duration,
+        wanted: impl Fn(&Queue) -> bool,
+    ) -> bool {
+        let deadline = Instant::now() + limit;
+        while wanted(self) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.inbox.recv_timeout(gap.min(left)) {
+                Ok(command) => self.handle(command, batch, jobs),
+                Err(mpsc::RecvTimeoutError::Timeout) => break,
+                Err(mpsc::RecvTimeoutError::Disconnected) => return false,
+            }
+        }
+        true
+    }
+
+    /// Handles every command already sent, without waiting.
+    fn drain(&mut self, batch: &mut BatchGenerator<'_>, jobs: &HashMap<RequestId, Job>) {
+        while let Ok(command) = self.inbox.try_recv() {
+            self.handle(command, batch, jobs);
+        }
+    }
+
+    fn mark_cancelled(&self, id: RequestId) {
+        if let Ok(mut set) = self.cancelled.lock() {
+            set.insert(id);
+        }
+    }
+
+    fn is_cancelled(&self, id: RequestId) -> bool {
+        self.cancelled
+            .lock()
+            .map(|set| set.contains(&id))
+            .unwrap_or(false)
+    }
+
+    /// Ends a request the engine refused before running it (see [`EngineEvent::Finished`]).
+    fn refuse(&mut self, job: &Job, error: &EngineError) {
+        self.end(job, EngineEvent::failed(error.to_refusal()));
+    }
+
+    /// Queues a token event of `job` for [`Queue::flush`].
+    fn send(&mut self, job: &Job, event: EngineEvent) {
+        self.outbox.push((job.id, job.events.clone(), event));
+    }
+
+    /// Replaces the published stats with the engine's state now.
+    fn publish(&mut self, batch: &mut BatchGenerator<'_>) {
+        self.published_at = Instant::now();
+        let stats = EngineStats {
+            running: batch.num_running() + self.solo.len(),
+            waiting: batch.num_waiting() + self.submitted.len(),
+            finished_requests: self.finished_requests,
+            prompt_tps: batch.prompt_throughput.rate(),
+            generation_tps: batch.generation_throughput.rate(),
+            kv_cache: batch.kv_stats(),
+            step_times: batch.step_times(),
+            memory: memory_stats(),
+            warm_ups_left: batch.idle_warm_ups_left(),
+        };
+        if let Ok(mut published) = self.stats.lock() {
+            *published = stats;
+        }
+    }
+
+    /// Publishes the stats, then sends the pass's events: a client that sees a request end
+    /// sees it counted.
+    fn publish_and_flush(&mut self, batch: &mut BatchGenerator<'_>) {
+        self.publish(batch);
+        self.flush();
+    }
+
+    /// [`Queue::publish_and_flush`] after a step: the stats are published when requests `moved`
+    /// (were admitted, preempted or left), a request ended (its `Finished` is in the outbox) or
+    /// [`STATS_INTERVAL`] has passed; else only the tokens are sent.
+    fn publish_if_due_and_flush(&mut self, batch: &mut BatchGenerator<'_>, moved: bool) {
+        let ended = self
+            .outbox
+            .iter()
+            .any(|(_, _, event)| matches!(event, EngineEvent::Finished { .. }));
+        if moved || ended || self.published_at.elapsed() >= STATS_INTERVAL {
+            self.publish(batch);
+        }
+        self.flush();
+    }
+
+    /// Sends the outbox.
+    fn flush(&mut self) {
+        for (id, events, event) in std::mem::take(&mut self.outbox) {
+            let is_token = matches!(event, EngineEvent::Token { .. });
+            // Nobody listens any more: treat as cancelled at the next step.
+            if events.send(event).is_err() && is_token {
+                self.mark_cancelled(id);
+            }
+        }
+    }
+
+    fn finish(
+        &mut self,
+        job: &Job,
+        finish_reason: FinishReason,
+        stats: GenerationStats,
+        error: Option<RequestError>,
+    ) {
+        self.end(
+            job,
+            EngineEvent::Finished {
+                finish_reason,
+                stats,
+                error,
+                stop_string: None,
+                next_token_logprobs: None,
+            },
+        );
+    }
+
+    /// Queues a request's `Finished` (see [`Queue::publish_and_flush`]) and forgets it.
+    fn end(&mut self, job: &Job, finished: EngineEvent) {
+        self.outbox.push((job.id, job.events.clone(), finished));
+        if let Ok(mut set) = self.cancelled.lock() {
+            set.remove(&job.id);
+        }
+        self.finished_requests += 1;
+        self.outstanding.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Loads a draft model and checks it against the model (see [`crate::sequence::speculative::Draft`]).
+pub(super) fn load_draft(
+    dir: &Path,
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+) -> Result<(Box<dyn Model>, Tokenizer)> {
+    let draft = models::load(dir)?;
+    let draft_tokenizer = Tokenizer::load(dir)?;
+    if !tokenizer.same_vocabulary(&draft_tokenizer) {
+        return Err(EngineError::Request(format!(
+            "the draft model {} has another tokenizer than the model: speculative decoding needs \
+             a draft of the same family (the same tokens and ids)",
+            dir.display()
+        )));
+    }
+    if draft.info().vocab_size > model.info().vocab_size || draft.has_recurrent_layers() {
+        return Err(EngineError::Request(format!(
+            "the draft model {} cannot draft for this model (a larger vocabulary, or \
+             linear-attention layers, whose state cannot be rewound)",
+            dir.display()
+        )));
+    }
+    Ok((draft, draft_tokenizer))
+}
+
+pub(super) struct EngineThread {
+    pub(super) model: Box<dyn Model>,
+    /// The draft model and its tokenizer, when [`EngineConfig::draft_model`] is set.
+    pub(super) draft: Option<(Box<dyn Model>, Tokenizer)>,
+    pub(super) tokenizer: Arc<Tokenizer>,
+    pub(super) model_id: String,
+    pub(super) queue: Queue,
+    pub(super) config: EngineConfig,
+}
+
+impl EngineThread {
+    /// Serves until shutdown; `ready` is called once, after the fresh batch's stats are
+    /// published, so a client that sees the load finish reads the real KV pool and memory.
+    pub(super) fn run(self, ready: impl FnOnce()) {
+        let mut ready = Some(ready);
+        let EngineThread {
+            model,
+            draft,
+            tokenizer,
+            model_id,
+            mut queue,
+            config,
+        } = self;
+        let batch_config = BatchConfig {
+            max_running: config.max_running,
+            prefill_batch_size: config.prefill_batch_size,
+            prefill_token_budget: config.prefill_token_budget,
+            slot_attention: config.slot_attention,
+            compile_decode: config.compile_decode,
+            ..BatchConfig::for_budget(
+                model.as_ref(),
+                config.kv_cache_bytes,
+                config.block_size,
+                config.kv_quantization,
+            )
+        };
+        let mut pass = Pass {
+            model: model.as_ref(),
+            draft: draft.as_ref().map(|(m, t)| (m.as_ref(), t)),
+            solo: Vec::new(),
+            tokenizer: &tokenizer,
+            model_id: &model_id,
+            config: &config,
+            jobs: HashMap::new(),
+            steps: 0,
+        };
+        let mut warm_up = true;
+        loop {
+            let mut batch =
+                BatchGenerator::new(model.as_ref(), &tokenizer, batch_config.clone(), &model_id);
+            if std::mem::take(&mut warm_up) {
+                // A warm-up that fails leaves nothing behind; the first request that meets the
+                // same failure reports it.
+                if Backend::current() != Backend::Cpu {
+                    let _ = batch.warm_up();
+                }
+                if config.idle_warm_up {
+                    batch.queue_idle_warm_up();
+                }
+            }
+            // Stats of the fresh batch, then the failed requests' ends (after a panic).
+            queue.publish_and_flush(&mut batch);
+            if let Some(ready) = ready.take() {
+                ready();
+            }
+            let served =
+                std::panic::catch_unwind(AssertUnwindSafe(|| pass.serve(&mut batch, &mut queue)));
+            let panic = match served {
+                Ok(()) => return,
+                Err(panic) => panic,
+            };
+            // A panic mid-pass: the batch's state is unknown. Its requests end with the panic's
+            // message (sent once the next batch is up); the next loop starts a fresh batch (and
+            // prefix cache) on the same model.
+            let message = format!(
+                "the engine failed while running this request ({}); it was stopped and the engine \
+                 restarted",
+                panic_message(panic.as_ref())
+            );
+            let solo = std::mem::take(&mut pass.solo).into_iter();
+            queue.solo.clear();
+            for job in std::mem::take(&mut pass.jobs)
+                .into_values()
+                .chain(solo.map(|(job, _)| job))
+            {
+                queue.finish(
+                    &job,
+                    FinishReason::Error,
+                    GenerationStats::default(),
+                    Some(RequestError::new(ErrorKind::Internal, message.clone())),
+                );
+            }
+        }
+    }
+}
+
+/// What a panic carried, as text.
+pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
+/// The engine thread's state that outlives a batch: the model, the settings and the requests
+/// in the batch (batch request id -> the submitted job it serves, waiting or running).
+pub(super) struct Pass<'m> {
+    pub(super) model: &'m dyn Model,
+    /// The draft model and its tokenizer, when loaded.
+    pub(super) draft: Option<(&'m dyn Model, &'m Tokenizer)>,
+    /// Requests the batch cannot run (speculative ones, per-sequence KV cache options): each
+    /// runs beside it, a step of its own per engine step.
+    pub(super) solo: Vec<(Job, SoloSequence<'m>)>,
+    pub(super) tokenizer: &'m Tokenizer,
+    pub(super) model_id: &'m str,
+    pub(super) config: &'m EngineConfig,
+    pub(super) jobs: HashMap<RequestId, Job>,
+    /// Steps run since the model loaded (for [`FaultInjection::panic_at_step`]).
+    pub(super) steps: u64,
+}
+
+impl Pass<'_> {
+    /// Serves commands and steps the batch until shutdown or the last handle is dropped.
+    fn serve(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        let config = self.config;
+        loop {
+            if batch.is_empty()
+                && self.solo.is_empty()
+                && queue.submitted.is_empty()
+                && queue.prompt_cache_jobs.is_empty()
+                && !queue.shutting_down
+            {
+                // Idle: sleep until a command arrives; a dropped last handle ends the thread.
+                queue.publish_and_flush(batch);
+                // Queued warm-up passes run one at a time while no command waits.
+                let command = loop {
+                    if batch.idle_warm_ups_left() == 0 {
+                        break queue.inbox.recv().ok();
+                    }
+                    match queue.inbox.try_recv() {
+                        Ok(command) => break Some(command),
+                        Err(mpsc::TryRecvError::Empty) => {
+                            // A failed pass ends the warm-up; requests meet the failure anew.
+                            let _ = batch.warm_up_idle();
+                            queue.publish_and_flush(batch);
+                        }
+                        Err(mpsc::TryRecvError::Disconnected) => break None,
+                    }
+                };
+                match command {
+                    Some(command) => queue.handle(command, batch, &self.jobs),
+                    None => return,
+                }
+                // A next-token-logprobs call waits briefly for others to share its step.
+                let timeout = config.logprobs_batch_timeout;
+                let scoring = |q: &Queue| (1..config.logprobs_batch_size).contains(&q.scoring());
+                // A burst of requests starts together (see `EngineConfig::arrival_window`).
+                let window = config.arrival_window;
+                let burst = |q: &Queue| {
+                    !window.is_zero() && (1..config.max_running).contains(&q.submitted.len())
+                };
+                if !queue.gather(batch, &self.jobs, timeout, timeout, scoring)
+                    || !queue.gather(batch, &self.jobs, window * 4, window, burst)
+                {
+                    return;
+                }
+            }
+            queue.drain(batch, &self.jobs);
+            self.prompt_cache_jobs(batch, queue);
+            // New requests count as running (or waiting) before their first step ends.
+            let arrived = !queue.submitted.is_empty();
+            self.admit(batch, queue);
+
+            // Cancelled (or no longer listened to) requests leave before the next step.
+            let leaving: Vec<RequestId> = self
+                .jobs
+                .iter()
+                .filter(|(_, job)| queue.shutting_down || queue.is_cancelled(job.id))
+                .map(|(id, _)| *id)
+                .collect();
+            for id in leaving {
+                let job = self.jobs.remove(&id).expect("listed above");
+                match batch.remove(id) {
+                    Ok(output) => queue.finish(
+                        &job,
+                        FinishReason::Cancelled,
+                        output.map(|o| o.stats).unwrap_or_default(),
+                        None,
+                    ),
+                    Err(err) => queue.finish(
+                        &job,
+                        FinishReason::Error,
+                        GenerationStats::default(),
+                        Some(err.to_request_error()),
+                    ),
+                }
+            }
+            for (job, sequence) in std::mem::take(&mut self.solo) {
+                if queue.shutting_down || queue.is_cancelled(job.id) {
+                    queue.solo.remove(&job.id);
+                    let stats = sequence
+                        .finish(self.tokenizer, &mut |_| ControlFlow::Continue(()))
+                        .map(|o| o.stats)
+                        .unwrap_or_default();
+                    queue.finish(&job, FinishReason::Cancelled, stats, None);
+                } else {
+                    self.solo.push((job, sequence));
+                }
+            }
+            if queue.shutting_down {
+                queue.publish_and_flush(batch);
+                return;
+            }
+            // Refused and cancelled requests hear of it now, not after the step.
+            if arrived || !queue.outbox.is_empty() {
+                queue.publish_and_flush(batch);
+            }
+            let queues = |b: &BatchGenerator<'_>| (b.num_running(), b.num_waiting());
+            let before = queues(batch);
+            if !batch.is_empty() {
+                self.step(batch, queue);
+            }
+            self.step_solo(batch, queue);
+            let moved = queues(batch) != before;
+            queue.publish_if_due_and_flush(batch, moved);
+        }
+    }
+
+    fn prompt_cache_jobs(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        for job in std::mem::take(&mut queue.prompt_cache_jobs) {
+            match job {
+                PromptCacheJob::Save {
+                    prompt,
+                    path,
+                    reply,
+                } => {
+                    let saved = tokens_of(&prompt, self.tokenizer).and_then(|tokens| {
+                        // Checked before the prefix is computed for nothing.
+                        if let Some(reason) = crate::prompt_cache::unsupported_reason(self.model) {
+                            return Err(EngineError::PromptCache {
+                                path: path.clone(),
+                                message: reason.into(),
+                            });
+                        }
+                        let cache = batch
+                            .compute_prefix(&tokens, GenerateRequest::DEFAULT_PREFILL_STEP_SIZE)?;
+                        save_prompt_cache(
+                            &path,
+                            &cache,
+                            &tokens,
+                            self.model_id,
+                            batch.config().block_size,
+                        )?;
+                        Ok(tokens.len())
+                    });
+                    let _ = reply.send(saved);
+                }
+                PromptCacheJob::Load { path, reply } => {
+                    let loaded =
+                        load_prompt_cache(&path, self.model, self.model_id).and_then(|prefix| {
+                            let refused = |why: &str| EngineError::PromptCache {
+                                path: path.clone(),
+                                message: format!("{why}; submit it as Prompt::AfterCache instead"),
+                            };
+                            let block_size = batch.config().block_size;
+                            match (&prefix.tokens, prefix.why_not_in_prefix_cache(block_size)) {
+                                (Some(_), Some(why)) => Err(refused(&why)),
+                                (Some(tokens), None) => batch.import_prefix(tokens, &prefix.layers),
+                                (None, _) => Err(refused(
+                                    "it does not record its token ids (an mlx_lm file)",
+                                )),
+                            }
+                        });
+                    let _ = reply.send(loaded);
+                }
+            }
+        }
+    }
+
+    /// Hands the submitted requests to the batch (or refuses them).
+    fn admit(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        for job in std::mem::take(&mut queue.submitted) {
+            let params = &job.request.params;
+            if params.num_draft_tokens.is_some() || params.has_single_stream_kv_options() {
+                match self.start_solo(&job) {
+                    Ok(sequence) => {
+                        queue.solo.insert(job.id);
+                        self.solo.push((job, sequence));
+                    }
+                    Err(err) => queue.refuse(&job, &err),
+                }
+                continue;
+            }
+            let inserted = match &job.request.prompt {
+                Prompt::AfterCache { cache_file, tokens } => {
+                    load_prompt_cache(cache_file, self.model, self.model_id).and_then(|prefix| {
+                        let mut request = job.request.params.clone();
+                        request.prompt = tokens.clone();
+                        batch.insert_after_prefix(request, prefix)
+                    })
+                }
+                prompt => tokens_of(prompt, self.tokenizer).and_then(|tokens| {
+                    let mut request = job.request.params.clone();
+                    request.prompt = tokens;
+                    batch.insert(request)
+                }),
+            };
+            match inserted {
+                Ok(id) => {
+                    self.jobs.insert(id, job);
+                }
+                Err(err) => queue.refuse(&job, &err),
+            }
+        }
+    }
+}
+
+impl<'m> Pass<'m> {
+    /// The sequence of a request that runs beside the batch (checked; nothing runs yet): a
+    /// speculative one, or one with per-sequence KV cache options.
+    fn start_solo(&self, job: &Job) -> Result<SoloSequence<'m>> {
+        let draft = match (job.request.params.num_draft_tokens, self.draft) {
+            (None, _) => None,
+            (Some(num_draft_tokens), Some((model, tokenizer))) => Some(Draft {
+                model,
+                tokenizer,
+                num_draft_tokens,
+            }),
+            (Some(_), None) => {
+                return Err(EngineError::Request(
+                    "no draft model is loaded: speculative decoding needs one (the engine's \
+                     draft_model, `perch serve --draft-model`)"
+                        .into(),
+                ))
+            }
+        };
+        let mut request = job.request.params.clone();
+        request.prompt = match &job.request.prompt {
+            Prompt::AfterCache { cache_file, .. } => {
+                return Err(EngineError::PromptCache {
+                    path: cache_file.clone(),
+                    message: "a speculative request, or one with its own KV cache options, cannot \
+                              start from a prompt cache"
+                        .into(),
+                })
+            }
+            prompt => tokens_of(prompt, self.tokenizer)?,
+        };
+        // Its prompt goes in chunks no larger than the batch's prefill budget, one per step,
+        // so that running streams keep their pace.
+        request.prefill_step_size = request
+            .prefill_step_size
+            .min(self.config.prefill_token_budget.max(1));
+        SoloSequence::new(self.model, draft.as_ref(), self.tokenizer, &request)
+    }
+
+    /// One step of every request beside the batch (a prompt chunk, a token, or a round of
+    /// proposals); their events go to the outbox.
+    fn step_solo(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        // By index, the sequences staying in `self.solo` while they step: a panic mid-step
+        // finds every request there (see `EngineThread::run`).
+        let mut i = 0;
+        while i < self.solo.len() {
+            let (job, sequence) = &mut self.solo[i];
+            let job = &*job;
+            let mut tokens = 0;
+            let mut send = |event: &TokenEvent| {
+                tokens += event.id.is_some() as usize;
+                queue.send(job, token_message(event));
+                ControlFlow::Continue(())
+            };
+            let stepped = sequence.step(self.tokenizer, &mut send);
+            batch.generation_throughput.record(tokens);
+            if let Ok(false) = stepped {
+                i += 1;
+                continue;
+            }
+            let (job, sequence) = self.solo.remove(i);
+            queue.solo.remove(&job.id);
+            let mut send = |event: &TokenEvent| {
+                queue.send(&job, token_message(event));
+                ControlFlow::Continue(())
+            };
+            let output = stepped.and_then(|_| sequence.finish(self.tokenizer, &mut send));
+            match output {
+                Ok(output) => queue.end(&job, finished_event(output)),
+                Err(err) => queue.finish(
+                    &job,
+                    FinishReason::Error,
+                    GenerationStats::default(),
+                    Some(err.to_request_error()),
+                ),
+            }
+        }
+    }
+
+    /// One batch step; its events go to the outbox.
+    fn step(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+        self.steps += 1;
+        let faults = &self.config.fault_injection;
+        if !faults.step_delay.is_zero() {
+            std::thread::sleep(faults.step_delay);
+        }
+        if faults.panic_at_step == Some(self.steps) {
+            panic!("fault injected at step {}", self.steps);
+        }
+        match batch.step() {
+            Ok(events) => {
+                for event in events {
+                    match event {
+                        BatchEvent::Token { request, event } => {
+                            let job = self.jobs.get(&request).expect("event of a running request");
+                            let message = EngineEvent::Token {
+                                id: event.id,
+                                text: event.text,
+                                logprobs: event.logprobs,
+                            };
+                            queue.send(job, message);
+                        }
+                        BatchEvent::Finished { request, output } => {
+                            let job = self
+                                .jobs
+                                .remove(&request)
+                                .expect("finished request was running");
+                            queue.end(&job, finished_event(output));
+                        }
+                    }
+                }
+            }
+            Err(err) => {
+                // An MLX failure mid-step leaves the batch's caches unusable: fail its requests,
+                // every one the batch held (a request being admitted when the step failed is in
+                // neither its running nor its waiting list, but still has a job).
+                let error = err.to_request_error();
+                batch.clear();
+                for (_, job) in self.jobs.drain() {
+                    queue.finish(
+                        &job,
+                        FinishReason::Error,
+                        GenerationStats::default(),
+                        Some(error.clone()),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The end of a request that ran to its end (stopped, cut or cancelled).
+pub(super) fn finished_event(output: crate::GenerateOutput) -> EngineEvent {
+    EngineEvent::Finished {
+        finish_reason: output.finish_reason,
+        stats: output.stats,
+        error: None,
+        stop_string: output.stop_string,
+        next_token_logprobs: output.next_token_logprobs,
+    }
+}
+
+/// A generated token's event for its stream.
+pub(super) fn token_message(event: &TokenEvent) -> EngineEvent {
+    EngineEvent::Token {
+        id: event.id,
+        text: event.text.clone(),
+        logprobs: event.logprobs.clone(),
+    }
+}
+
+/// The token ids of a prompt given as tokens or as a chat.
+pub(super) fn tokens_of(prompt: &Prompt, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    match prompt {
+        Prompt::Tokens(ids) => Ok(ids.clone()),
+        Prompt::Chat(messages) => tokenizer.encode_chat(messages),
+        Prompt::AfterCache { cache_file, .. } => Err(EngineError::PromptCache {
+            path: cache_file.clone(),
+            message: "only token ids or a chat can be saved as a prompt cache".into(),
+        }),
+    }
+}
+
+pub(super) enum Command {
+    Submit {
+        id: RequestId,
+        request: Box<EngineRequest>,
+        events: Sender<EngineEvent>,
+    },
+    PromptCache(PromptCacheJob),
+    Cancel(RequestId),
+    ClearCache(Sender<()>),
+    Shutdown,
+}
+
+/// How stale the published stats may get while requests only stream tokens.
+pub const STATS_INTERVAL: std::time::Duration = std::time::Duration::from_millis(20);
+
+/// Engine threads alive in this process: loading or holding a model.
+pub(super) static LIVE_ENGINES: AtomicUsize = AtomicUsize::new(0);
+
+/// How many engine threads are alive in this process (each loads or holds one model): what
+/// shows two models resident at once.
+pub fn live_engines() -> usize {
+    LIVE_ENGINES.load(Ordering::Acquire)
+}
+
+/// Counts an engine thread from its start to its end (panics included).
+pub(super) struct LiveEngine;
+
+impl LiveEngine {
+    pub(super) fn start() -> Self {
+        LIVE_ENGINES.fetch_add(1, Ordering::AcqRel);
+        LiveEngine
+    }
+}
+
+impl Drop for LiveEngine {
+    fn drop(&mut self) {
+        LIVE_ENGINES.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// A prompt-cache file to write or read, answered with the number of tokens it holds.
+pub(super) enum PromptCacheJob {
+    Save {
+        prompt: Prompt,
+        path: PathBuf,
+        reply: Sender<Result<usize>>,
+    },
+    Load {
+        path: PathBuf,
+        reply: Sender<Result<usize>>,
+    },
+}

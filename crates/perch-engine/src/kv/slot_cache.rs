@@ -1,0 +1,1262 @@
+//! The KV cache of a whole batch, slot-major: per layer, one set of buffers
+//! `[rows, kv_heads, capacity, last]` (the same float or quantized parts as [`KvCache`], see
+//! `cache.rs`) in which row `r` holds the sequence in slot `r`, its first `len(r)` positions
+//! filled. A step writes every row's new keys and values at that row's own positions (one
+//! `put_along_axis` per buffer) and attends over the whole buffer with a causal mask offset by
+//! each row's length: one attention call per layer for the whole batch, where [`KvCache`] needs
+//! one per sequence. The batch engine keeps two: one for decode steps (a token per row) and one
+//! for prefill steps (a prompt chunk per row).
+//!
+//! A leaving sequence leaves a free slot (a hole) that the next sequence to enter takes; nothing
+//! moves. Moving a row would rewrite every layer's buffers while the decode step in flight still
+//! reads them, and MLX then copies each whole buffer instead of updating it in place: on an H100
+//! at 128 rows that took the peak from 5.2 to 11.1 GB in the steps where sequences finished.
+//! Rows are compacted only when the occupied slots fit a row bucket half as large (one gather
+//! into the smaller buffers). Both `rows` and `capacity` are bucketed ([`row_bucket`], [`capacity_bucket`]) so that a run
+//! meets few distinct shapes: MLX's CUDA backend caches a graph per shape and thrashes (then
+//! fails) past a few hundred. Padding rows and free slots compute garbage that nobody reads; their
+//! position is 0, so their mask is never empty and softmax never divides by zero.
+//!
+//! Memory is `rows * capacity` positions per layer, where capacity follows the longest sequence:
+//! like mlx_lm's `BatchKVCache`, a batch of mixed lengths pads the short ones.
+//!
+//! # Sliding-window layers: rings
+//! A sliding layer's queries see their last `window` positions only, so its buffers stop
+//! growing at `R` positions (mlx_lm's `RotatingKVCache` bound): position `p` of a row lives in
+//! entry `p mod R`, overwriting position `p - R`. A query at position `q` reads entry `e` as
+//! the latest position written there, `q - ((q - e) mod R)`, masked when that is negative (not
+//! written yet, or a stale row's) or `window` or more before `q`. With `R >= window + T - 1`
+//! for a step of `T` tokens per row, the entries a step overwrites with later positions read as
+//! positions `R` back, out of every query's window, and nothing a query of the step sees is
+//! overwritten; while the capacity is below `R` no position wraps and the rings read as the
+//! linear buffers do. `R` adds a block's worth of positions for publishing: a block's
+//! positions are copied to the prefix cache before they are overwritten (the batch publishes
+//! sliding models' blocks as they fill). So a long conversation on a sliding-window model takes
+//! `R` positions per row in its sliding layers, whatever its length; global layers keep all.
+//!
+//! # Linear-attention layers: recurrent states
+//! A Gated DeltaNet layer (hybrid models) keeps no positions: its buffers are the recurrent state
+//! of every row, the convolution's last inputs `[rows, kernel - 1, channels]` and the
+//! recurrence's `[rows, value_heads, value_dim, key_dim]` (float32), as mlx_lm's `ArraysCache`
+//! holds them for a batch. A step replaces them with the states after each row's real tokens
+//! ([`SlotStep::real_tokens`]: a prompt chunk's padding leaves a row's state as it was). A
+//! sequence entering a slot brings its state (or zeros); nothing reads a free row's.
+
+use std::cell::OnceCell;
+
+use mlx_rs::{ops, Array, Dtype};
+use serde::Serialize;
+
+use crate::attention::{additive_mask, masked_attention, AttentionSpec, SlotRead};
+use crate::attention::{CachedKv, KvQuantization};
+use crate::device::Backend;
+use crate::error::Result;
+use crate::kv::cache::{kv_parts, KvCache, RecurrentState};
+use crate::nn::mlx_ext::{slice, slice_update};
+use perch_sched::shapes::{capacity_bucket, row_bucket};
+
+/// How a step's attention reads the slot cache's dense keys and values, with the mask of each
+/// row's length.
+///
+/// MLX 0.32's CUDA backend has no fused kernel for one query per row with an array mask (its
+/// vector kernel and cuDNN's decode path refuse such masks) and falls back to an unfused
+/// attention: on an H100 at 128 rows of 512 positions (16 layers, 32/8 heads, head_dim 64,
+/// bfloat16), 10.2 ms a step against 3.1 ms for the explicit form
+/// ([`crate::attention::explicit_scaled_dot_product_attention`]), and 2.1 ms for the fused
+/// kernel with no mask at all, which rows of different lengths cannot use. In Perch's batch on
+/// that model (`perch bench`, 128-token prompts, 256 generated, two rounds each in one session),
+/// the explicit read took the decode step from 11.4 to 9.9–10.5 ms at 128 rows (8,540–9,055
+/// against 7,592–7,995 tok/s) but from 8.0–8.7 to 9.0–9.2 ms at 64 rows, where the step is
+/// bound by the host launching its kernels and the explicit form launches more; hence
+/// [`SlotAttention::EXPLICIT_FROM_POSITIONS`]. Prompt
+/// chunks (more than one query per row) reach cuDNN with their mask and stay fused. cuDNN
+/// builds a plan for each new shape on its first call in a process: 43–79 ms on the H100 for
+/// 1–8 rows of 112–2,048 queries over 256–8,192 positions, against 2–15 ms for the explicit
+/// form's first call, whose steady time is 10–25% longer (`scripts/probe_attention_shapes.py`, 2026-11-24). Reading
+/// small prompt steps explicitly was tried in the engine and did not shorten the first token
+/// at 8 concurrent (one prefill pass: 117 and 58 ms against 41 and 48 fused), so they stay
+/// fused; what keeps new shapes away is a burst prefilled in one pass
+/// ([`crate::EngineConfig::arrival_window`]). Metal's vector kernel takes masks, so Metal and
+/// the CPU read fused. Below the explicit read's threshold, CUDA decode steps read through
+/// Perch's own fused kernel for masked single queries ([`crate::attention::decode_kernel`], `SlotRead::
+/// decode_kernel`), not MLX's unfused fallback, up to 8,192 positions: on an H200, four rounds
+/// alternating, 298 → 427 tok/s at one request and 1,891 → 2,427 at eight (128-token prompts;
+/// 3,700-token ones 380–401 → 546–587); at 128 rows it equals the explicit read (15,372
+/// against 15,259 tok/s), which stays.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlotAttention {
+    /// The backend decides per step: explicit on CUDA for steps of fewer than 4 queries per row
+    /// (where MLX needs its vector kernel) over at least
+    /// [`SlotAttention::EXPLICIT_FROM_POSITIONS`] positions in all, fused otherwise; CUDA's
+    /// prompt chunks pass the mask as an additive one ([`SlotRead::additive_mask`]).
+    #[default]
+    Auto,
+    /// MLX's fused `scaled_dot_product_attention` with the boolean mask (on CUDA, a decode step
+    /// up to 8,192 positions reads through [`crate::attention::decode_kernel`] instead).
+    Fused,
+    /// Scores by matmul, mask, precise softmax, matmul.
+    Explicit,
+}
+
+impl SlotAttention {
+    /// Rows times capacity from which [`SlotAttention::Auto`] reads a CUDA decode step
+    /// explicitly: 128 rows of 512 positions, where the explicit read was faster (at 64 rows of
+    /// 512 the fused one was; H100, see above).
+    pub const EXPLICIT_FROM_POSITIONS: usize = 128 * 512;
+}
+
+/// The per-step inputs every layer shares, for a step of `tokens` tokens per row: positions
+/// `[rows]` int32 (where each row's first new token goes; RoPE's offsets), the attention mask
+/// `[rows, 1, tokens, capacity]` bool, and how attention reads the buffers.
+pub struct SlotStep {
+    pub positions: Array,
+    pub mask: Array,
+    pub read: SlotRead,
+    /// `[rows, 1, tokens, 1]` int32: the positions every layer's buffers write.
+    index: Array,
+    /// The sliding layers' ring entries and mask, when the cache has rings.
+    ring: Option<RingStep>,
+    /// Which of a prompt chunk's tokens are real, when the cache has recurrent layers (they
+    /// must not advance a row's state past its real tokens); `None`: every token is.
+    real: Option<RealTokens>,
+    /// The sliding layers' mask, made by the first sliding layer for all of them.
+    window_mask: OnceCell<Array>,
+    /// The step's mask and the sliding layers' made additive in the activations' dtype, when
+    /// the step reads with additive masks ([`SlotRead::additive_mask`]): made once each.
+    additive: [OnceCell<Array>; 2],
+}
+
+/// The array in `cell`, made by `make` the first time.
+fn once(cell: &OnceCell<Array>, make: impl FnOnce() -> Result<Array>) -> Result<&Array> {
+    if let Some(array) = cell.get() {
+        return Ok(array);
+    }
+    let array = make()?;
+    Ok(cell.get_or_init(|| array))
+}
+
+/// The real (not padding) tokens of a step's rows: row `r`'s first `counts[r]` tokens.
+pub struct RealTokens {
+    /// `[rows]` int32.
+    pub counts: Array,
+    /// `[rows, tokens]` bool: token `t` of row `r` is real.
+    pub mask: Array,
+}
+
+/// A step's view of the sliding layers' rings (see the module docs).
+struct RingStep {
+    /// `[rows, 1, tokens, 1]` int32: the entries the step writes, `position mod R`.
+    index: Array,
+    /// `[rows, 1, tokens, R]` bool: the entries each query sees.
+    mask: Array,
+}
+
+impl SlotStep {
+    /// [`SlotStep::mask`] narrowed to a sliding window of `window` positions: row `r`'s query
+    /// at position `p` sees positions `p - window + 1 ..= p` (mlx_lm's
+    /// `create_causal_mask(window_size=window)`). Built from the step's arrays only, so a
+    /// compiled step traces it.
+    pub fn window_mask(&self, window: i32) -> Result<Array> {
+        let capacity = self.mask.shape()[3];
+        let keys = ops::arange::<_, i32>(0, capacity, None)?.reshape(&[1, 1, 1, -1])?;
+        let seen = ops::gt(&ops::add(&keys, Array::from_int(window))?, &self.index)?;
+        Ok(ops::logical_and(&self.mask, &seen)?)
+    }
+
+    /// `[rows, 1, tokens, 1]` int32: each query's position (where its key is written).
+    pub fn query_positions(&self) -> &Array {
+        &self.index
+    }
+
+    /// The mask of the sliding layers' rings `[rows, 1, tokens, R]`, when the cache has them
+    /// (what a sliding layer attends with instead of [`SlotStep::window_mask`]).
+    pub fn ring_mask(&self) -> Option<&Array> {
+        self.ring.as_ref().map(|r| &r.mask)
+    }
+
+    /// Which tokens of each row are real, for a step with padding over recurrent layers (see
+    /// [`RealTokens`]); `None` when every token is.
+    pub fn real_tokens(&self) -> Option<&RealTokens> {
+        self.real.as_ref()
+    }
+
+    /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
+    /// write index, then the rings' entries and mask when there are rings. (A compiled step is a
+    /// decode step: every token real.)
+    pub(crate) fn arrays(&self) -> Vec<&Array> {
+        let mut arrays = vec![&self.positions, &self.mask, &self.index];
+        if let Some(ring) = &self.ring {
+            arrays.extend([&ring.index, &ring.mask]);
+        }
+        arrays
+    }
+
+    /// A step over `arrays` (as [`SlotStep::arrays`] lists them, 3 or 5; a compiled step's
+    /// inputs), read as `read`.
+    pub(crate) fn with_arrays(arrays: Vec<Array>, read: SlotRead) -> Self {
+        let mut arrays = arrays.into_iter();
+        let mut next = || arrays.next().expect("a step's arrays");
+        let (positions, mask, index) = (next(), next(), next());
+        let ring = arrays.next().map(|index| RingStep {
+            index,
+            mask: arrays.next().expect("the rings' mask"),
+        });
+        Self {
+            positions,
+            mask,
+            read,
+            index,
+            ring,
+            real: None,
+            window_mask: OnceCell::new(),
+            additive: Default::default(),
+        }
+    }
+
+    /// The mask a layer reads: for a sliding layer (`window`), the rings' or, over linear
+    /// buffers, [`SlotStep::window_mask`]; else the step's. Additive in `dtype` when the step
+    /// reads that way ([`SlotRead::additive_mask`]). Each is made once per step.
+    fn mask_for(&self, window: Option<i32>, dtype: Dtype) -> Result<&Array> {
+        let additive = self.read.additive_mask;
+        match window {
+            None if !additive => Ok(&self.mask),
+            None => once(&self.additive[0], || additive_mask(&self.mask, dtype)),
+            Some(window) => {
+                let sliding = once(&self.window_mask, || match &self.ring {
+                    Some(ring) => Ok(ring.mask.clone()),
+                    None => self.window_mask(window),
+                })?;
+                match additive {
+                    false => Ok(sliding),
+                    true => once(&self.additive[1], || additive_mask(sliding, dtype)),
+                }
+            }
+        }
+    }
+}
+
+/// The sliding-window layers of a slot cache (see the module docs).
+#[derive(Clone, Debug)]
+struct Rings {
+    /// Per cache layer, whether it slides.
+    sliding: Vec<bool>,
+    window: usize,
+    /// Positions a ring keeps at most (`R` once the capacity reaches it).
+    positions: usize,
+    /// The widest step the rings allow (`R >= window + tokens - 1`).
+    max_step_tokens: usize,
+}
+
+/// Slot-major KV buffers of every layer; see the module docs.
+pub struct SlotKvCache {
+    quantization: Option<KvQuantization>,
+    attention: SlotAttention,
+    /// Prompt chunks take additive masks on every backend, not only CUDA's (tests).
+    additive_masks: bool,
+    num_layers: usize,
+    rings: Option<Rings>,
+    /// Per cache layer, whether it keeps a recurrent state instead of positions.
+    recurrent: Vec<bool>,
+    /// Per layer: keys' parts then values' parts (2 or 6), or a recurrent layer's state (conv,
+    /// ssm); empty until written.
+    layers: Vec<Vec<Array>>,
+    /// Positions filled, per slot up to the last occupied one; `None` for a free slot.
+    lengths: Vec<Option<usize>>,
+    rows: usize,
+    capacity: usize,
+    /// The last pass over these buffers dispatched and not waited for, with what followed it
+    /// (the prefix cache's copies of its blocks): a one-element copy of a buffer, dispatched
+    /// after them ([`SlotKvCache::mark_pass_in_flight`]).
+    pass_in_flight: Option<Array>,
+}
+
+impl SlotKvCache {
+    pub fn new(num_layers: usize, quantization: Option<KvQuantization>) -> Self {
+        Self {
+            quantization,
+            attention: SlotAttention::Auto,
+            additive_masks: false,
+            num_layers,
+            rings: None,
+            recurrent: vec![false; num_layers],
+            layers: Vec::new(),
+            lengths: Vec::new(),
+            rows: 0,
+            capacity: 0,
+            pass_in_flight: None,
+        }
+    }
+
+    /// An empty cache with this one's layers, quantization, attention setting and rings.
+    pub fn empty_like(&self) -> Self {
+        Self {
+            rings: self.rings.clone(),
+            recurrent: self.recurrent.clone(),
+            additive_masks: self.additive_masks,
+            ..Self::new(self.num_layers, self.quantization).with_attention(self.attention)
+        }
+    }
+
+    /// This cache with rings for the sliding layers: `windows` has one entry per cache layer
+    /// (the window of a sliding one, all alike), steps are at most `max_step_tokens` tokens per
+    /// row, and blocks of `block_size` positions are copied out as they fill (see the module
+    /// docs). No rings when no layer slides.
+    pub fn with_windows(
+        mut self,
+        windows: &[Option<i32>],
+        max_step_tokens: usize,
+        block_size: usize,
+    ) -> Self {
+        debug_assert_eq!(windows.len(), self.num_layers, "one entry per cache layer");
+        let window = windows.iter().flatten().map(|&w| w.max(1) as usize).max();
+        self.rings = window.map(|window| Rings {
+            sliding: windows.iter().map(Option::is_some).collect(),
+            window,
+            positions: capacity_bucket(window + max_step_tokens.max(1) - 1 + block_size),
+            max_step_tokens: max_step_tokens.max(1),
+        });
+        self
+    }
+
+    /// This cache with recurrent states for the layers `recurrent` marks (one entry per cache
+    /// layer; see the module docs).
+    pub fn with_recurrent_layers(mut self, recurrent: &[bool]) -> Self {
+        debug_assert_eq!(
+            recurrent.len(),
+            self.num_layers,
+            "one entry per cache layer"
+        );
+        self.recurrent = recurrent.to_vec();
+        self
+    }
+
+    /// Whether layer `layer` keeps a recurrent state.
+    pub fn is_recurrent(&self, layer: usize) -> bool {
+        self.recurrent.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Whether some layer keeps a recurrent state.
+    pub fn has_recurrent_layers(&self) -> bool {
+        self.recurrent.contains(&true)
+    }
+
+    /// Buffers layer `layer` has once written: a recurrent state's two, or 2 (6 quantized)
+    /// KV parts.
+    fn parts_per_layer(&self, layer: usize) -> usize {
+        match (self.is_recurrent(layer), self.quantization) {
+            (true, _) | (false, None) => 2,
+            (false, Some(_)) => 6,
+        }
+    }
+
+    /// Positions a sliding layer's ring holds at most (`R`); `None` without rings.
+    pub fn ring_positions(&self) -> Option<usize> {
+        self.rings.as_ref().map(|r| r.positions)
+    }
+
+    /// The ring size of a sliding layer at capacity `capacity`: `R`, or the capacity while it is
+    /// smaller (no position wraps then). `None` without rings.
+    fn ring_size(&self, capacity: usize) -> Option<usize> {
+        self.rings.as_ref().map(|r| r.positions.min(capacity))
+    }
+
+    /// Whether layer `layer` keeps a ring.
+    fn is_ring(&self, layer: usize) -> bool {
+        self.rings
+            .as_ref()
+            .is_some_and(|r| r.sliding.get(layer).copied().unwrap_or(false))
+    }
+
+    /// Positions layer `layer`'s buffers hold at capacity `capacity`.
+    fn layer_capacity(&self, layer: usize, capacity: usize) -> usize {
+        match self.ring_size(capacity) {
+            Some(ring) if self.is_ring(layer) => ring,
+            _ => capacity,
+        }
+    }
+
+    /// Positions `[start, end)` of layer `layer` (in a slot) as runs of buffer entries in
+    /// temporal order, `(first entry, count)`: one run, or two where a ring wraps. Errors for
+    /// positions a ring has overwritten (before `len - R`).
+    fn runs(
+        &self,
+        layer: usize,
+        len: usize,
+        (start, end): (usize, usize),
+    ) -> Result<Vec<(usize, usize)>> {
+        if !self.is_ring(layer) {
+            return Ok(vec![(start, end - start)]);
+        }
+        let size = self.layer_capacity(layer, self.capacity);
+        if start + size < len || end > len {
+            return Err(mlx_rs::error::Exception::custom(format!(
+                "positions {start}..{end} of a sliding layer's ring of {size} are not held \
+                 (the row holds {len})"
+            ))
+            .into());
+        }
+        let first = start % size;
+        let count = end - start;
+        Ok(if first + count <= size {
+            vec![(first, count)]
+        } else {
+            vec![(first, size - first), (0, count - (size - first))]
+        })
+    }
+
+    /// This cache read as `attention` says ([`SlotAttention::Auto`] when not set).
+    pub fn with_attention(mut self, attention: SlotAttention) -> Self {
+        self.attention = attention;
+        self
+    }
+
+    /// This cache with its fused prompt-chunk reads taking additive masks on any backend, as
+    /// [`SlotAttention::Auto`] has them on CUDA ([`SlotRead::additive_mask`]): what lets a CPU
+    /// run that path.
+    pub fn with_additive_masks(mut self) -> Self {
+        self.additive_masks = true;
+        self
+    }
+
+    /// How a step of `queries_per_row` queries per row on `backend` reads this cache: as
+    /// [`SlotAttention`] says, a quantized cache dequantized on CUDA (see
+    /// [`crate::attention::masked_attention`]).
+    pub fn read(&self, backend: Backend, queries_per_row: usize) -> SlotRead {
+        let cuda = backend == Backend::Cuda;
+        let explicit = match self.attention {
+            SlotAttention::Auto => {
+                cuda && queries_per_row < 4
+                    && self.rows * self.capacity >= SlotAttention::EXPLICIT_FROM_POSITIONS
+            }
+            SlotAttention::Fused => false,
+            SlotAttention::Explicit => true,
+        };
+        SlotRead {
+            explicit,
+            dequantize: cuda,
+            additive_mask: ((cuda && self.attention == SlotAttention::Auto) || self.additive_masks)
+                && !explicit
+                && queries_per_row > 1,
+            decode_kernel: cuda
+                && queries_per_row == 1
+                && !explicit
+                && crate::attention::decode_kernel::enabled(),
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.num_layers
+    }
+
+    /// Occupied slots.
+    pub fn len(&self) -> usize {
+        self.lengths.iter().flatten().count()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Slots up to the last occupied one, free ones included: the length of a step's
+    /// per-slot token counts ([`SlotKvCache::end_step`]).
+    pub fn slots(&self) -> usize {
+        self.lengths.len()
+    }
+
+    /// Whether `slot` holds a sequence.
+    pub fn is_occupied(&self, slot: usize) -> bool {
+        self.lengths.get(slot).is_some_and(Option::is_some)
+    }
+
+    /// Rows of the buffers, the batch size of a decode step (occupied slots plus padding).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Positions filled in `slot`.
+    pub fn slot_len(&self, slot: usize) -> usize {
+        self.lengths[slot].expect("an occupied slot")
+    }
+
+    /// Gives up every slot and the buffers.
+    pub fn clear(&mut self) {
+        self.layers.clear();
+        self.lengths.clear();
+        self.rows = 0;
+        self.capacity = 0;
+        self.pass_in_flight = None;
+    }
+
+    /// Marks what was dispatched over the buffers so far (a pass, and the copies of its blocks
+    /// after it) as the pass in flight: one element of a buffer, copied and dispatched now, so
+    /// done when everything before it on the stream is. Nothing when no buffer exists.
+    pub fn mark_pass_in_flight(&mut self) -> Result<()> {
+        let Some(last) = self.state().last() else {
+            return Ok(());
+        };
+        let rank = last.ndim();
+        let marker = crate::nn::mlx_ext::owned_copy(&slice(last, &vec![0; rank], &vec![1; rank])?)?;
+        mlx_rs::transforms::async_eval([&marker])?;
+        self.pass_in_flight = Some(marker);
+        Ok(())
+    }
+
+    /// Waits for the pass marked by [`SlotKvCache::mark_pass_in_flight`], if any: called before
+    /// the next pass dispatches anything, so that its writes update the buffers in place (MLX
+    /// copies a buffer that work in flight still reads) and at most one pass's temporaries are
+    /// alive. Errors of that pass surface here.
+    pub fn wait_for_pass_in_flight(&mut self) -> Result<()> {
+        if let Some(marker) = self.pass_in_flight.take() {
+            mlx_rs::transforms::eval([&marker])?;
+        }
+        Ok(())
+    }
+
+    /// Puts a sequence whose per-layer `cache` holds `len` positions into the first free slot (copying
+    /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
+    pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
+        self.push_with(len, |layer| {
+            let Some(layer_cache) = cache.get(layer) else {
+                return Ok(Vec::new()); // An empty sequence given no caches.
+            };
+            if layer_cache.is_recurrent() {
+                // The state after `len` tokens (none before the first).
+                return Ok(layer_cache
+                    .recurrent_state()
+                    .map(|s| vec![s.conv.clone(), s.ssm.clone()])
+                    .unwrap_or_default());
+            }
+            let first = layer_cache.first_position().min(len as i32);
+            layer_cache.parts(first, len as i32)
+        })
+    }
+
+    /// Puts a sequence of `len` zeroed positions into the first free slot and returns the slot
+    /// (warm-up's stand-in for a long sequence), its buffers shaped as `like`'s. Errors when
+    /// `like` has no buffers.
+    pub(crate) fn push_zeros(&mut self, like: &SlotKvCache, len: usize) -> Result<usize> {
+        if !like.has_buffers() {
+            return Err(mlx_rs::error::Exception::custom("no buffers to shape zeros like").into());
+        }
+        let shapes: Vec<Vec<([i32; 4], mlx_rs::Dtype)>> = like
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                if self.is_recurrent(l) {
+                    // A zeroed state: no buffer of its own needed.
+                    return Vec::new();
+                }
+                // A ring keeps its last positions only (see `push_with`).
+                let held = match &self.rings {
+                    Some(rings) if self.is_ring(l) => len.min(rings.positions),
+                    _ => len,
+                };
+                let shape = |b: &Array| [1, b.shape()[1], held as i32, b.shape()[3]];
+                layer.iter().map(|b| (shape(b), b.dtype())).collect()
+            })
+            .collect();
+        self.push_with(len, |layer| {
+            shapes[layer]
+                .iter()
+                .map(|(shape, dtype)| Ok(ops::zeros_dtype(shape, *dtype)?))
+                .collect()
+        })
+    }
+
+    /// Moves the first `len` positions of `other`'s `slot` into the first free slot of this cache (a
+    /// sequence whose prefill is done joins the decode batch) and returns that slot; `other`
+    /// keeps its copy until its [`SlotKvCache::remove`]. Lazy, as [`SlotKvCache::push`].
+    pub fn push_from(&mut self, other: &SlotKvCache, slot: usize) -> Result<usize> {
+        let len = other.slot_len(slot);
+        self.push_with(len, |layer| {
+            if other.is_recurrent(layer) {
+                return other.row_state(layer, slot);
+            }
+            // A ring's last positions (all that its layer sees later), in temporal order.
+            let held = if other.is_ring(layer) {
+                len.min(other.layer_capacity(layer, other.capacity))
+            } else {
+                len
+            };
+            other.slot_parts(slot, layer, len - held, len)
+        })
+    }
+
+    /// Puts a sequence of `len` positions, whose layer `l` parts `[1, kv_heads, n, last]`
+    /// `parts(l)` gives, into the first free slot (its row's stale positions past `len` are
+    /// never read: the mask stops at each row's length). Parts of `n < len` positions are the
+    /// last ones (a sliding layer holding its window only): the row's positions before them are
+    /// stale, out of that layer's window mask.
+    fn push_with(
+        &mut self,
+        len: usize,
+        mut parts: impl FnMut(usize) -> Result<Vec<Array>>,
+    ) -> Result<usize> {
+        let slot = self
+            .lengths
+            .iter()
+            .position(Option::is_none)
+            .unwrap_or(self.lengths.len());
+        // Room for the token this sequence feeds next, as every occupied slot has.
+        let slots = self.lengths.len().max(slot + 1);
+        self.reshape(slots, self.needed_capacity(1).max(len + 1))?;
+        // A recurrent layer's row gets the sequence's state, or zeros: a free row's state is
+        // whatever its last occupant or padding left.
+        let recurrent = self.recurrent.clone();
+        for layer in (0..self.num_layers).filter(|&l| recurrent[l]) {
+            let parts = parts(layer)?;
+            self.put_row_state(layer, slot, &parts)?;
+        }
+        if len > 0 {
+            for layer in (0..self.num_layers).filter(|&l| !recurrent[l]) {
+                let mut parts = parts(layer)?;
+                self.ensure_buffers(layer, &parts)?;
+                // A ring keeps the last positions that fit it.
+                let size = self.layer_capacity(layer, self.capacity);
+                let held = parts.first().map_or(0, |p| p.shape()[2] as usize);
+                let kept = if self.is_ring(layer) {
+                    held.min(size)
+                } else {
+                    held
+                };
+                if kept < held {
+                    parts = parts
+                        .iter()
+                        .map(|p| {
+                            let s = p.shape();
+                            Ok(slice(
+                                p,
+                                &[0, 0, (held - kept) as i32, 0],
+                                &[s[0], s[1], s[2], s[3]],
+                            )?)
+                        })
+                        .collect::<Result<_>>()?;
+                }
+                let runs = self.runs(layer, len, (len - kept, len))?;
+                for (buffer, part) in self.layers[layer].iter_mut().zip(&parts) {
+                    let s = part.shape();
+                    let mut from = 0;
+                    for &(entry, count) in &runs {
+                        let piece = slice(
+                            part,
+                            &[0, 0, from as i32, 0],
+                            &[s[0], s[1], (from + count) as i32, s[3]],
+                        )?;
+                        let start = [slot as i32, 0, entry as i32, 0];
+                        let stop = [slot as i32 + 1, s[1], (entry + count) as i32, s[3]];
+                        *buffer = slice_update(buffer, &piece, &start, &stop)?;
+                        from += count;
+                    }
+                }
+            }
+        }
+        if slot == self.lengths.len() {
+            self.lengths.push(Some(len));
+        } else {
+            self.lengths[slot] = Some(len);
+        }
+        Ok(slot)
+    }
+
+    /// Frees `slot`; nothing moves, unless the occupied slots now fit a row bucket half as
+    /// large: then they are compacted to `0..len` (one gather per buffer, into the smaller
+    /// buffers) and the moves are returned, `(from, to)` for each sequence whose slot changed.
+    pub fn remove(&mut self, slot: usize) -> Result<Vec<(usize, usize)>> {
+        assert!(self.is_occupied(slot), "slot {slot} is not occupied");
+        self.lengths[slot] = None;
+        while self.lengths.last() == Some(&None) {
+            self.lengths.pop();
+        }
+        let occupied = self.len();
+        if occupied == 0 {
+            self.clear();
+            return Ok(Vec::new());
+        }
+        let mut moves = Vec::new();
+        if row_bucket(occupied) * 2 <= self.rows {
+            let order: Vec<usize> = (0..self.lengths.len())
+                .filter(|&s| self.lengths[s].is_some())
+                .collect();
+            moves = order
+                .iter()
+                .enumerate()
+                .filter(|&(to, &from)| from != to)
+                .map(|(to, &from)| (from, to))
+                .collect();
+            // The new rows: the occupied slots in order, then padding (copies of row 0).
+            let rows = row_bucket(occupied);
+            let mut gather: Vec<i32> = order.iter().map(|&s| s as i32).collect();
+            gather.resize(rows, 0);
+            let gather = Array::from_slice(&gather, &[rows as i32]);
+            for buffer in self.layers.iter_mut().flatten() {
+                *buffer = buffer.take_axis(&gather, 0)?;
+            }
+            self.lengths = order.iter().map(|&s| self.lengths[s]).collect();
+            self.rows = rows;
+        }
+        self.reshape(self.lengths.len(), self.needed_capacity(1))?;
+        Ok(moves)
+    }
+
+    /// Capacity every occupied slot needs for `tokens` more positions.
+    fn needed_capacity(&self, tokens: usize) -> usize {
+        self.lengths
+            .iter()
+            .flatten()
+            .map(|l| l + tokens)
+            .max()
+            .unwrap_or(tokens)
+    }
+
+    /// Resizes the buffers to the buckets of `slots` rows and `positions` positions: grows when
+    /// short, shrinks when a smaller bucket fits in half (so a run does not flip between two
+    /// sizes).
+    fn reshape(&mut self, slots: usize, positions: usize) -> Result<()> {
+        let rows = match row_bucket(slots) {
+            r if r > self.rows || r * 2 <= self.rows => r,
+            _ => self.rows,
+        };
+        let capacity = match capacity_bucket(positions) {
+            c if c > self.capacity || c * 2 <= self.capacity => c,
+            _ => self.capacity,
+        };
+        if rows == self.rows && capacity == self.capacity {
+            return Ok(());
+        }
+        let keep_rows = rows.min(self.rows) as i32;
+        // A ring's entries are positions while the capacity is below its size (nothing wraps
+        // before), and its size only changes then: keeping its first entries keeps them all.
+        let sizes: Vec<(usize, usize)> = (0..self.layers.len())
+            .map(|l| {
+                (
+                    self.layer_capacity(l, self.capacity),
+                    self.layer_capacity(l, capacity),
+                )
+            })
+            .collect();
+        for (l, (buffers, &(old, new))) in self.layers.iter_mut().zip(&sizes).enumerate() {
+            if self.recurrent.get(l).copied().unwrap_or(false) {
+                if rows != self.rows {
+                    for buffer in buffers.iter_mut() {
+                        *buffer = resize_rows(buffer, rows)?;
+                    }
+                }
+                continue;
+            }
+            if rows == self.rows && old == new {
+                continue;
+            }
+            for buffer in buffers.iter_mut() {
+                let s = buffer.shape();
+                let stop = [keep_rows, s[1], old.min(new) as i32, s[3]];
+                let kept = slice(buffer, &[0, 0, 0, 0], &stop)?;
+                let shape = [rows as i32, s[1], new as i32, s[3]];
+                let grown = ops::zeros_dtype(&shape, buffer.dtype())?;
+                *buffer = slice_update(&grown, &kept, &[0, 0, 0, 0], &stop)?;
+            }
+        }
+        self.rows = rows;
+        self.capacity = capacity;
+        Ok(())
+    }
+
+    /// Creates layer `layer`'s buffers, zeroed, `[rows, kv_heads, capacity, last]` with the
+    /// dtypes and head shapes of `parts` (one per buffer), unless they exist.
+    fn ensure_buffers(&mut self, layer: usize, parts: &[Array]) -> Result<()> {
+        if self.layers.len() < self.num_layers {
+            self.layers.resize_with(self.num_layers, Vec::new);
+        }
+        if !self.layers[layer].is_empty() {
+            return Ok(());
+        }
+        let size = self.layer_capacity(layer, self.capacity) as i32;
+        let recurrent = self.is_recurrent(layer);
+        self.layers[layer] = parts
+            .iter()
+            .map(|p| {
+                let mut shape = p.shape().to_vec();
+                shape[0] = self.rows as i32;
+                if !recurrent {
+                    shape[2] = size;
+                }
+                ops::zeros_dtype(&shape, p.dtype())
+            })
+            .collect::<std::result::Result<_, _>>()?;
+        Ok(())
+    }
+
+    /// Recurrent layer `layer`'s state of every row, `[conv, ssm]` `[rows, ..]`; `None` until
+    /// written (every row's state is zeros then).
+    pub fn recurrent_state(&self, layer: usize) -> Option<RecurrentState> {
+        match self.layers.get(layer).map(Vec::as_slice) {
+            Some([conv, ssm]) if self.is_recurrent(layer) => Some(RecurrentState {
+                conv: conv.clone(),
+                ssm: ssm.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// Replaces recurrent layer `layer`'s state of every row with `state` (`[rows, ..]`, as
+    /// [`SlotKvCache::recurrent_state`] gives it): what a step computed.
+    pub fn set_recurrent_state(&mut self, layer: usize, state: RecurrentState) {
+        debug_assert!(self.is_recurrent(layer), "a state for an attention layer");
+        if self.layers.len() < self.num_layers {
+            self.layers.resize_with(self.num_layers, Vec::new);
+        }
+        self.layers[layer] = vec![state.conv, state.ssm];
+    }
+
+    /// Recurrent layer `layer`'s state of `slot`, `[conv, ssm]` `[1, ..]` (views); empty when
+    /// nothing was written yet (a zero state).
+    fn row_state(&self, layer: usize, slot: usize) -> Result<Vec<Array>> {
+        let Some(buffers) = self.layers.get(layer).filter(|b| !b.is_empty()) else {
+            return Ok(Vec::new());
+        };
+        buffers
+            .iter()
+            .map(|b| {
+                let mut start = vec![0; b.ndim()];
+                let mut stop = b.shape().to_vec();
+                start[0] = slot as i32;
+                stop[0] = slot as i32 + 1;
+                Ok(slice(b, &start, &stop)?)
+            })
+            .collect()
+    }
+
+    /// Writes `state` (`[conv, ssm]` of one sequence, `[1, ..]`; empty for zeros) into row
+    /// `slot` of recurrent layer `layer`, creating the buffers from it when needed.
+    fn put_row_state(&mut self, layer: usize, slot: usize, state: &[Array]) -> Result<()> {
+        let exists = self.layers.get(layer).is_some_and(|b| !b.is_empty());
+        if state.is_empty() && !exists {
+            return Ok(()); // No buffers: every row reads as zeros when the layer first runs.
+        }
+        if !exists {
+            self.ensure_buffers(layer, state)?;
+        }
+        for (i, buffer) in self.layers[layer].iter_mut().enumerate() {
+            let mut start = vec![0; buffer.ndim()];
+            let mut stop = buffer.shape().to_vec();
+            start[0] = slot as i32;
+            stop[0] = slot as i32 + 1;
+            let row = match state.get(i) {
+                Some(part) => part.as_dtype(buffer.dtype())?,
+                None => ops::zeros_dtype(
+                    &stop
+                        .iter()
+                        .zip(&start)
+                        .map(|(b, a)| b - a)
+                        .collect::<Vec<_>>(),
+                    buffer.dtype(),
+                )?,
+            };
+            *buffer = slice_update(buffer, &row, &start, &stop)?;
+        }
+        Ok(())
+    }
+
+    /// Starts a step in which every row feeds `tokens` tokens (1 for a decode step, a prompt
+    /// chunk's length for a prefill step): positions and mask for
+    /// [`SlotKvCache::update_and_fetch`]. Row `r`'s token `i` sits at position `len(r) + i` and
+    /// attends to positions `0..=len(r) + i` (causal within the chunk). A row with fewer real
+    /// tokens pads its chunk: the padding writes past the row's length, where nothing reads
+    /// (the row's next tokens overwrite it). `new_tokens`: each slot's real tokens (as
+    /// [`SlotKvCache::end_step`] takes them), which recurrent layers need when some row pads.
+    /// Call [`SlotKvCache::end_step`] after the forward.
+    pub fn begin_step(&mut self, tokens: usize, new_tokens: &[usize]) -> Result<SlotStep> {
+        let tokens = tokens.max(1);
+        self.reshape(self.lengths.len(), self.needed_capacity(tokens))?;
+        let mut positions = vec![0i32; self.rows];
+        for (p, len) in positions.iter_mut().zip(&self.lengths) {
+            *p = len.unwrap_or(0) as i32;
+        }
+        let positions = Array::from_slice(&positions, &[self.rows as i32]);
+        // [rows, 1, tokens, 1]: where each row's tokens go.
+        let index = ops::add(
+            &positions.reshape(&[-1, 1, 1, 1])?,
+            &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, 1, -1, 1])?,
+        )?;
+        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?;
+        let mask = ops::le(&keys.reshape(&[1, 1, 1, -1])?, &index)?;
+        let ring = match (&self.rings, self.ring_size(self.capacity)) {
+            (Some(rings), Some(size)) => {
+                if size < self.capacity && tokens > rings.max_step_tokens {
+                    return Err(mlx_rs::error::Exception::custom(format!(
+                        "a step of {tokens} tokens per row is wider than the sliding layers' \
+                         rings allow ({})",
+                        rings.max_step_tokens
+                    ))
+                    .into());
+                }
+                Some(ring_step(&index, size as i32, rings.window as i32)?)
+            }
+            _ => None,
+        };
+        let real = match self.has_recurrent_layers() {
+            true if tokens > 1 => Some(self.real_tokens(tokens, new_tokens)?),
+            _ => None,
+        };
+        Ok(SlotStep {
+            positions,
+            mask,
+            read: self.read(Backend::current(), tokens),
+            index,
+            ring,
+            real,
+            window_mask: OnceCell::new(),
+            additive: Default::default(),
+        })
+    }
+
+    /// Each row's real tokens of a step of `tokens` per row: `new_tokens[slot]` for an
+    /// occupied slot, none for free slots and padding rows.
+    fn real_tokens(&self, tokens: usize, new_tokens: &[usize]) -> Result<RealTokens> {
+        let mut counts = vec![0i32; self.rows];
+        for (slot, (count, len)) in counts.iter_mut().zip(&self.lengths).enumerate() {
+            if len.is_some() {
+                *count = new_tokens.get(slot).copied().unwrap_or(0).min(tokens) as i32;
+            }
+        }
+        let counts = Array::from_slice(&counts, &[self.rows as i32]);
+        let mask = ops::lt(
+            &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, -1])?,
+            &counts.reshape(&[-1, 1])?,
+        )?;
+        Ok(RealTokens { counts, mask })
+    }
+
+    /// Writes layer `layer`'s new keys and values `[rows, kv_heads, tokens, head_dim]` at each
+    /// row's positions (quantizing them first when this cache is quantized) and returns the
+    /// whole buffers (attention masks the unfilled positions with [`SlotStep::mask`]).
+    pub fn update_and_fetch(
+        &mut self,
+        layer: usize,
+        step: &SlotStep,
+        keys: &Array,
+        values: &Array,
+    ) -> Result<CachedKv> {
+        let parts = kv_parts(self.quantization, keys, values)?;
+        self.ensure_buffers(layer, &parts)?;
+        let index = match &step.ring {
+            Some(ring) if self.is_ring(layer) => &ring.index,
+            _ => &step.index,
+        };
+        let buffers = &mut self.layers[layer];
+        for (buffer, part) in buffers.iter_mut().zip(&parts) {
+            let index = ops::broadcast_to(index, part.shape())?;
+            *buffer = buffer.put_along_axis(&index, part, 2)?;
+        }
+        Ok(CachedKv::from_parts(self.quantization, buffers.clone()))
+    }
+
+    /// Attention of `queries` `[rows, heads, tokens, head_dim]` (rotated, each row at its
+    /// positions of `step`) over layer `layer`, after writing `kv` (rotated keys and values
+    /// `[rows, kv_heads, tokens, head_dim]`; `None` for a layer that reads this layer as an
+    /// earlier one left it in the same step) → `[rows, heads, tokens, head_dim]`: every row's
+    /// buffer masked by its own length (and a sliding layer's window), read as the step says
+    /// ([`SlotStep::read`], [`masked_attention`]).
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        step: &SlotStep,
+        queries: &Array,
+        kv: Option<(Array, Array)>,
+        spec: &AttentionSpec<'_>,
+    ) -> Result<Array> {
+        let cached = match kv {
+            Some((keys, values)) => self.update_and_fetch(layer, step, &keys, &values)?,
+            None => self.fetch(layer)?,
+        };
+        let mask = step.mask_for(spec.window, queries.dtype())?;
+        masked_attention(queries, cached, spec.scale, mask, step.read, spec.sinks)
+    }
+
+    /// Layer `layer`'s buffers as [`SlotKvCache::update_and_fetch`] returns them, without
+    /// writing (a layer reading an earlier layer's cache in the same step, after its write).
+    pub fn fetch(&self, layer: usize) -> Result<CachedKv> {
+        match self.layers.get(layer).filter(|b| !b.is_empty()) {
+            Some(buffers) => Ok(CachedKv::from_parts(self.quantization, buffers.clone())),
+            None => Err(mlx_rs::error::Exception::custom(format!(
+                "slot cache layer {layer} is read before it was written"
+            ))
+            .into()),
+        }
+    }
+
+    /// Ends a step: occupied slot `s` holds `new_tokens[s]` more positions (its real tokens of
+    /// the step; 1 each in a decode step). One count per slot of [`SlotKvCache::slots`]; free
+    /// slots' counts are ignored.
+    pub fn end_step(&mut self, new_tokens: &[usize]) {
+        debug_assert_eq!(new_tokens.len(), self.lengths.len(), "one count per slot");
+        for (len, new) in self.lengths.iter_mut().zip(new_tokens) {
+            if let Some(len) = len {
+                *len += new;
+            }
+        }
+    }
+
+    /// Positions `[start, end)` of `slot` in layer `layer`, in buffers of their own, shaped as
+    /// [`KvCache::copy_parts`] returns them (`[1, kv_heads, end - start, last]`; lazy). For a
+    /// recurrent layer, as [`KvCache::block_parts`]: its state `[conv, ssm]` when `end` is the
+    /// slot's length (the state exists after the last token only), else nothing.
+    pub fn copy_parts(
+        &self,
+        slot: usize,
+        layer: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<Array>> {
+        let parts = match self.is_recurrent(layer) {
+            true if end == self.slot_len(slot) => self.row_state(layer, slot)?,
+            true => Vec::new(),
+            false => self.slot_parts(slot, layer, start, end)?,
+        };
+        parts
+            .iter()
+            .map(|part| Ok(crate::nn::mlx_ext::owned_copy(part)?))
+            .collect()
+    }
+
+    /// Views of positions `[start, end)` of `slot` in layer `layer`'s buffers.
+    fn slot_parts(
+        &self,
+        slot: usize,
+        layer: usize,
+        start: usize,
+        end: usize,
+    ) -> Result<Vec<Array>> {
+        let runs = self.runs(layer, self.slot_len(slot), (start, end))?;
+        self.layers[layer]
+            .iter()
+            .map(|b| {
+                let s = b.shape();
+                let pieces = runs
+                    .iter()
+                    .map(|&(entry, count)| {
+                        slice(
+                            b,
+                            &[slot as i32, 0, entry as i32, 0],
+                            &[slot as i32 + 1, s[1], (entry + count) as i32, s[3]],
+                        )
+                    })
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                Ok(match pieces.len() {
+                    1 => pieces.into_iter().next().expect("one run"),
+                    _ => ops::concatenate(&pieces, 2)?,
+                })
+            })
+            .collect()
+    }
+
+    /// How many arrays a step of this cache has ([`SlotStep::arrays`]): 3, or 5 with rings.
+    pub(crate) fn step_arrays(&self) -> usize {
+        if self.rings.is_some() {
+            5
+        } else {
+            3
+        }
+    }
+
+    /// Whether every layer's buffers exist (from the first step or sequence that wrote any).
+    pub(crate) fn has_buffers(&self) -> bool {
+        self.layers.len() == self.num_layers && self.layers.iter().all(|l| !l.is_empty())
+    }
+
+    /// Every layer's buffers, layer by layer (handles, not copies): a compiled step's inputs.
+    pub(crate) fn buffers(&self) -> Vec<Array> {
+        self.layers.iter().flatten().cloned().collect()
+    }
+
+    /// Replaces the buffers with `flat`, in the order [`SlotKvCache::buffers`] lists them (a
+    /// compiled step's outputs).
+    pub(crate) fn set_buffers(&mut self, flat: Vec<Array>) {
+        debug_assert_eq!(flat.len(), self.buffers_len(), "one array per buffer");
+        let counts: Vec<usize> = self.layers.iter().map(Vec::len).collect();
+        let mut flat = flat.into_iter();
+        for (layer, count) in self.layers.iter_mut().zip(counts) {
+            *layer = flat.by_ref().take(count).collect();
+        }
+    }
+
+    fn buffers_len(&self) -> usize {
+        self.layers.iter().map(Vec::len).sum()
+    }
+
+    /// A cache with this one's layers, quantization and attention setting whose buffers are
+    /// `flat` (as [`SlotKvCache::buffers`] lists them; a compiled function's traced inputs):
+    /// rows and capacity from their shape, no slot lengths (for
+    /// [`SlotKvCache::update_and_fetch`] and [`SlotKvCache::read`] only).
+    pub(crate) fn over_buffers(&self, flat: &[Array]) -> Self {
+        let mut cache = self.empty_like();
+        if let Some(first) = flat.first() {
+            cache.rows = first.shape()[0] as usize;
+            let mut rest = flat;
+            cache.layers = (0..self.num_layers)
+                .map(|layer| {
+                    let (parts, after) = rest.split_at(self.parts_per_layer(layer).min(rest.len()));
+                    rest = after;
+                    parts.to_vec()
+                })
+                .collect();
+            // Rings may be shorter than the global layers' buffers; states have no positions.
+            cache.capacity = (0..self.num_layers)
+                .filter(|&l| !self.is_recurrent(l))
+                .filter_map(|l| cache.layers[l].first())
+                .map(|b| b.shape()[2] as usize)
+                .max()
+                .unwrap_or(0);
+        }
+        cache
+    }
+
+    /// The buffers, as [`SlotKvCache::buffers`] lists them.
+    pub(crate) fn into_buffers(self) -> Vec<Array> {
+        self.layers.into_iter().flatten().collect()
+    }
+
+    /// The arrays to evaluate so the buffers hold data, not graphs.
+    pub fn state(&self) -> impl Iterator<Item = &Array> {
+        self.layers.iter().flatten()
+    }
+
+    /// Bytes held by the buffers.
+    pub fn nbytes(&self) -> usize {
+        self.state().map(Array::nbytes).sum()
+    }
+}
+
+/// `buffer` `[rows, ..]` with `rows` rows: its first ones kept, zeros after them.
+fn resize_rows(buffer: &Array, rows: usize) -> Result<Array> {
+    let s = buffer.shape();
+    let keep = (rows as i32).min(s[0]);
+    let mut stop = s.to_vec();
+    stop[0] = keep;
+    let kept = slice(buffer, &vec![0; s.len()], &stop)?;
+    let mut shape = s.to_vec();
+    shape[0] = rows as i32;
+    let grown = ops::zeros_dtype(&shape, buffer.dtype())?;
+    Ok(slice_update(&grown, &kept, &vec![0; s.len()], &stop)?)
+}
+
+/// The rings' view of a step whose queries sit at `index` `[rows, 1, tokens, 1]`, over rings
+/// of `size` entries for a window of `window` positions (see the module docs).
+fn ring_step(index: &Array, size: i32, window: i32) -> Result<RingStep> {
+    let size_scalar = Array::from_int(size);
+    let entries = ops::arange::<_, i32>(0, size, None)?.reshape(&[1, 1, 1, -1])?;
+    // (q - e) mod R, from non-negative operands.
+    let age = ops::remainder(
+        &ops::add(&ops::subtract(index, &entries)?, &size_scalar)?,
+        &size_scalar,
+    )?;
+    let written = ops::ge(&ops::subtract(index, &age)?, Array::from_int(0))?;
+    let seen = ops::lt(&age, Array::from_int(window))?;
+    Ok(RingStep {
+        index: ops::remainder(index, &size_scalar)?,
+        mask: ops::logical_and(&written, &seen)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sliding layer's ring stops at its size while a global layer's buffers grow with the
+    /// sequence; the ring hands back its last positions in order and refuses overwritten ones.
+    #[test]
+    fn rings_hold_the_last_positions_of_sliding_layers() {
+        let len = 600;
+        let caches: Vec<KvCache> = (0..2)
+            .map(|layer| {
+                let mut cache = KvCache::new();
+                let keys = ops::arange::<_, f32>(0.0, len as f32, None)
+                    .unwrap()
+                    .reshape(&[1, 1, len, 1])
+                    .unwrap();
+                let keys = ops::multiply(&keys, Array::from_f32(layer as f32 + 1.0)).unwrap();
+                cache.update_and_fetch(&keys, &keys).unwrap();
+                cache
+            })
+            .collect();
+        // Layer 0 slides over 8 positions: a ring of 256 (8 + 1 - 1 + 16, bucketed).
+        let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
+        let slot = slots.push(&caches, len as usize).unwrap();
+        let capacities: Vec<i32> = slots.layers.iter().map(|l| l[0].shape()[2]).collect();
+        assert_eq!(capacities, [256, 768]);
+        let positions = |layer: usize, start: usize, end: usize| -> Vec<f32> {
+            let parts = slots.copy_parts(slot, layer, start, end).unwrap();
+            parts[0]
+                .flatten(None, None)
+                .unwrap()
+                .as_slice::<f32>()
+                .to_vec()
+        };
+        // Positions 500..600 cross the ring's wrap at 512 (entries 244..256, then 0..88).
+        let expected: Vec<f32> = (500..600).map(|p| p as f32).collect();
+        assert_eq!(positions(0, 500, 600), expected);
+        assert_eq!(
+            positions(1, 0, 4),
+            [0.0, 2.0, 4.0, 6.0],
+            "the global layer keeps all"
+        );
+        let err = slots.copy_parts(slot, 0, 300, 316).unwrap_err();
+        assert!(err.to_string().contains("not held"), "{err}");
+        // A decode step: the ring writes position 600 at entry 600 mod 256 = 88, and its mask
+        // sees positions 593..=600 only.
+        let step = slots.begin_step(1, &[1]).unwrap();
+        let ring = step.ring.as_ref().expect("rings");
+        assert_eq!(ring.index.as_slice::<i32>(), [88]);
+        let seen: Vec<usize> = ring
+            .mask
+            .flatten(None, None)
+            .unwrap()
+            .as_slice::<bool>()
+            .iter()
+            .enumerate()
+            .filter(|(_, &s)| s)
+            .map(|(e, _)| e)
+            .collect();
+        assert_eq!(seen, (81..=88).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn cuda_reads_large_decode_steps_explicitly_and_the_setting_overrides() {
+        let mut small = SlotKvCache::new(2, None);
+        small.reshape(64, 512).unwrap();
+        assert!(
+            !small.read(Backend::Cuda, 1).explicit,
+            "64 rows of 512 read fused"
+        );
+        let mut auto = SlotKvCache::new(2, None);
+        auto.reshape(128, 300).unwrap();
+        assert_eq!((auto.rows(), auto.capacity), (128, 512));
+        let read = |cache: &SlotKvCache, backend, queries| cache.read(backend, queries).explicit;
+        assert!(read(&auto, Backend::Cuda, 1));
+        assert!(
+            !read(&auto, Backend::Cuda, 256),
+            "prompt chunks reach cuDNN"
+        );
+        assert!(
+            !read(&auto, Backend::Metal, 1),
+            "Metal's vector kernel takes masks"
+        );
+        assert!(!read(&auto, Backend::Cpu, 1));
+        assert!(auto.read(Backend::Cuda, 1).dequantize);
+        assert!(!auto.read(Backend::Metal, 1).dequantize);
+        // CUDA's prompt chunks hand cuDNN an additive mask (a boolean one is broadcast to
+        // every head first); Metal reads boolean masks natively.
+        let additive = |backend, queries| auto.read(backend, queries).additive_mask;
+        assert!(additive(Backend::Cuda, 256));
+        assert!(!additive(Backend::Cuda, 1));
+        assert!(!additive(Backend::Metal, 256));
+        assert!(!additive(Backend::Cpu, 256));
+        let fused = SlotKvCache::new(2, None).with_attention(SlotAttention::Fused);
+        assert!(!fused.read(Backend::Cuda, 256).additive_mask);
+        let explicit = SlotKvCache::new(2, None).with_attention(SlotAttention::Explicit);
+        assert!(read(&explicit, Backend::Cpu, 256));
+        let fused = SlotKvCache::new(2, None).with_attention(SlotAttention::Fused);
+        assert!(!read(&fused, Backend::Cuda, 1));
+    }
+}

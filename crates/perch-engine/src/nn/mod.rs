@@ -1,0 +1,6 @@
+//! Neural-network building blocks on MLX: layers (linear, quantized, embeddings, norms, RoPE, MLP),
+//! the weights they load from safetensors files, and small helpers over mlx-rs.
+
+pub mod layers;
+pub(crate) mod mlx_ext;
+pub mod weights;

@@ -1,0 +1,577 @@
+//! The batch's model runner: executes the steps [`crate::engine::batch::BatchGenerator`] schedules (vLLM
+//! v1's split of scheduler and model runner). It owns the model's side of the batch: the slot
+//! caches, the forward passes, sampling, and the decode step in flight. The generator decides which sequences step and with how many tokens (through the
+//! plain functions of [`perch_sched::scheduler`]), owns the sequences, their block tables and the
+//! prefix cache, and hands the runner what one step needs: token chunks, per-sequence caches,
+//! samplers.
+//!
+//! Decode steps are pipelined: [`ModelRunner::dispatch_decode`] builds a step and dispatches it
+//! (`async_eval`) before the previous step's tokens are read ([`ModelRunner::read_in_flight`]);
+//! a sequence whose token from the previous step is not read yet feeds it from the device.
+//! Prefill passes over the slot caches are pipelined too ([`ModelRunner::prefill_step`]): a pass
+//! is dispatched and not waited for, so the host publishes its blocks and builds the next pass
+//! while the device runs it; the next pass waits for it before dispatching anything.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use mlx_rs::transforms::{async_eval, eval};
+use mlx_rs::{ops, Array, Dtype};
+
+use crate::attention::KvQuantization;
+use crate::device::Backend;
+use crate::error::Result;
+use crate::kv::cache::KvCache;
+use crate::kv::slot_cache::{SlotAttention, SlotKvCache};
+use crate::models::Model;
+use crate::nn::mlx_ext::slice;
+use crate::sample::sampler::Sampler;
+use crate::sample::{log_softmax_f32, sample_next, RecentTokens, Sampled, TokenLogprobs};
+use crate::worker::compiled::CompiledSlotForward;
+use perch_sched::kv_cache_manager::RequestId;
+use perch_sched::scheduler::PrefillShape;
+use perch_sched::shapes::row_bucket;
+
+/// Which slot cache a sequence's KV (and recurrent state) lives in, and its row there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// A row of the prefill slot cache, while its prompt is prefilled.
+    Prefill(usize),
+    /// A row of the decode slot cache, from its first decode step on.
+    Decode(usize),
+}
+
+/// The batch's two slot caches: a sequence prefills in one and moves to the other when its
+/// prompt is cached, so a prefill step's rows are prompt chunks only and a decode step's rows one
+/// token each (a forward pass over both would pad every decode row to the chunk length).
+struct Slots {
+    prefill: SlotKvCache,
+    decode: SlotKvCache,
+}
+
+impl Slots {
+    fn get(&self, slot: Slot) -> (&SlotKvCache, usize) {
+        match slot {
+            Slot::Prefill(row) => (&self.prefill, row),
+            Slot::Decode(row) => (&self.decode, row),
+        }
+    }
+}
+
+/// One sequence's part in a decode step.
+pub(crate) struct DecodeRow<'a> {
+    pub id: RequestId,
+    /// Its row of the step's logits: its decode slot.
+    pub row: usize,
+    /// Its last known token, fed unless the step in flight sampled a newer one.
+    pub last_token: u32,
+    pub sampler: &'a mut Sampler,
+    pub history: &'a mut RecentTokens,
+    /// Top log-probabilities asked for.
+    pub logprobs: Option<usize>,
+    /// The whole next-token distribution asked for ([`crate::GenerateRequest::next_token_logprobs`]).
+    pub distribution: bool,
+    /// A constrained sequence's logit bias `[1, vocab]` (0 or −∞, see [`crate::sample::grammar`]),
+    /// added before its processors and sampler.
+    pub mask: Option<Array>,
+}
+
+/// A token a read step produced.
+pub(crate) struct StepToken {
+    pub id: RequestId,
+    pub token: u32,
+    pub logprobs: Option<TokenLogprobs>,
+    /// `[vocab]` log-probabilities, when the row asked for them.
+    pub distribution: Option<Vec<f32>>,
+}
+
+/// Runs the batch's forward passes; see the module docs.
+pub(crate) struct ModelRunner<'m> {
+    model: &'m dyn Model,
+    slots: Slots,
+    /// Decode steps through MLX's compiler, when enabled.
+    compiled_decode: Option<CompiledSlotForward>,
+    /// The decode step dispatched and not read yet.
+    in_flight: Option<InFlight>,
+    /// The widest chunk a prefill row feeds (the prefill cache's step).
+    max_prefill_tokens: usize,
+}
+
+impl<'m> ModelRunner<'m> {
+    /// `max_prefill_tokens`: the widest prefill chunk a row feeds in one step, and
+    /// `block_size`: the prefix cache's (both size the sliding layers' rings, see
+    /// [`SlotKvCache::with_windows`]).
+    pub fn new(
+        model: &'m dyn Model,
+        slot_attention: SlotAttention,
+        quantization: Option<KvQuantization>,
+        compile_decode: bool,
+        (max_prefill_tokens, block_size): (usize, usize),
+    ) -> Self {
+        let num_layers = model.info().num_layers;
+        let layers = model.make_cache(None);
+        let windows: Vec<Option<i32>> = layers.iter().map(KvCache::window).collect();
+        let recurrent: Vec<bool> = layers.iter().map(KvCache::is_recurrent).collect();
+        let cache = |max_step_tokens| {
+            SlotKvCache::new(num_layers, quantization)
+                .with_attention(slot_attention)
+                .with_windows(&windows, max_step_tokens, block_size)
+                .with_recurrent_layers(&recurrent)
+        };
+        let decode = cache(1);
+        let compiled_decode = compile_decode.then(|| CompiledSlotForward::new(model, &decode));
+        Self {
+            model,
+            slots: Slots {
+                prefill: cache(max_prefill_tokens),
+                decode,
+            },
+            compiled_decode,
+            in_flight: None,
+            max_prefill_tokens,
+        }
+    }
+
+    /// One decode step over the decode slot cache `slots` (the runner's or a scratch one set up
+    /// as it): compiled when enabled, as `forward_slots` otherwise.
+    fn forward_decode(
+        model: &dyn Model,
+        compiled: Option<&mut CompiledSlotForward>,
+        ids: &Array,
+        slots: &mut SlotKvCache,
+        new_tokens: &[usize],
+    ) -> Result<Array> {
+        match compiled {
+            Some(compiled) => compiled.forward(model, ids, slots, new_tokens),
+            None => model.forward_slots(ids, slots, new_tokens),
+        }
+    }
+
+    /// Runs, over a scratch slot cache, one decode step of every row bucket up to `max_rows`
+    /// (sequences of no positions: the first capacity bucket), argmax included, so that MLX
+    /// meets those shapes before requests do: its CUDA backend spends tens of milliseconds on
+    /// each new one (a first-call cost a running stream would otherwise see as one slow token),
+    /// and compiled steps are traced. Then, where long sequences at the largest row bucket are
+    /// read another way (CUDA's explicit read), one step of that shape. Returns the number of
+    /// shapes run.
+    pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
+        let mut slots = self.slots.decode.empty_like();
+        let mut shapes = 0;
+        for n in 1..=max_rows.max(1) {
+            slots.push(&[], 0)?;
+            if n < max_rows && row_bucket(n + 1) == row_bucket(n) {
+                continue;
+            }
+            // A cache with no buffers steps uncompiled, which creates them: the first shape
+            // steps twice so that its compiled form is met too.
+            if self.compiled_decode.is_some() && !slots.has_buffers() {
+                self.warm_up_step(&mut slots)?;
+            }
+            self.warm_up_step(&mut slots)?;
+            shapes += 1;
+        }
+        // Long sequences at the largest row bucket may be read another way (explicitly on
+        // CUDA, see `SlotAttention`): one step there meets that graph's kernels now too, which
+        // MLX's CUDA backend builds at run time (seconds, the first time, for fused ones).
+        let len = SlotAttention::EXPLICIT_FROM_POSITIONS.div_ceil(slots.rows().max(1));
+        if slots.has_buffers() && len < self.model.info().context_length {
+            let mut long = slots.empty_like();
+            for _ in 0..slots.len() {
+                long.push_zeros(&slots, len)?;
+            }
+            let backend = Backend::current();
+            if long.read(backend, 1) != slots.read(backend, 1) {
+                self.warm_up_step(&mut long)?;
+                shapes += 1;
+            }
+        }
+        Ok(shapes)
+    }
+
+    /// Runs one batched prefill pass of `shape` over a scratch prefill cache (rows of zeros
+    /// when it starts after `computed` positions), evaluated, so that MLX meets that shape
+    /// before a request does (see [`perch_sched::scheduler::prefill_warm_up_shapes`]); changes nothing
+    /// in the batch. Does nothing for a shape wider than the prefill cache's step.
+    pub fn warm_up_prefill(&mut self, shape: PrefillShape) -> Result<()> {
+        if shape.width > self.max_prefill_tokens {
+            return Ok(());
+        }
+        let mut slots = self.slots.prefill.empty_like();
+        if shape.computed > 0 {
+            let like = self.shaped_like(&self.slots.prefill)?;
+            for _ in 0..shape.rows {
+                slots.push_zeros(&like, shape.computed)?;
+            }
+        } else {
+            for _ in 0..shape.rows {
+                slots.push(&[], 0)?;
+            }
+        }
+        let ids = ops::zeros_dtype(&[shape.rows as i32, shape.width as i32], Dtype::Uint32)?;
+        self.model
+            .forward_slots(&ids, &mut slots, &vec![shape.width; shape.rows])?;
+        eval(slots.state())?;
+        Ok(())
+    }
+
+    /// Runs one decode step of a lone sequence of `positions` zeroed positions over a scratch
+    /// decode cache, argmax included, evaluated (see
+    /// [`perch_sched::scheduler::decode_warm_up_positions`]); changes nothing in the batch.
+    pub fn warm_up_decode_at(&mut self, positions: usize) -> Result<()> {
+        let mut long = self.slots.decode.empty_like();
+        long.push_zeros(&self.shaped_like(&self.slots.decode)?, positions)?;
+        self.warm_up_step(&mut long)
+    }
+
+    /// An empty cache like `cache` holding one empty sequence whose buffers a one-token step
+    /// made (built, never evaluated): what warm-up's zeroed sequences are shaped like
+    /// ([`SlotKvCache::push_zeros`]).
+    fn shaped_like(&self, cache: &SlotKvCache) -> Result<SlotKvCache> {
+        let mut shaped = cache.empty_like();
+        shaped.push(&[], 0)?;
+        self.model
+            .forward_slots(&Array::from_slice(&[0u32], &[1, 1]), &mut shaped, &[1])?;
+        Ok(shaped)
+    }
+
+    /// One decode step of warm-up over the scratch cache `slots` (its sequences keep their
+    /// lengths), argmax included, evaluated.
+    fn warm_up_step(&mut self, slots: &mut SlotKvCache) -> Result<()> {
+        let rows = slots.rows() as i32;
+        let ids = Array::from_slice(&vec![0u32; slots.rows()], &[rows, 1]);
+        let unchanged = vec![0; slots.slots()];
+        let logits = Self::forward_decode(
+            self.model,
+            self.compiled_decode.as_mut(),
+            &ids,
+            slots,
+            &unchanged,
+        )?;
+        let greedy = greedy_tokens(&logits.reshape(&[rows, -1])?)?;
+        eval(std::iter::once(&greedy).chain(slots.state()))?;
+        Ok(())
+    }
+
+    /// Decode steps run through MLX's compiler so far.
+    pub fn compiled_decode_steps(&self) -> usize {
+        self.compiled_decode
+            .as_ref()
+            .map_or(0, CompiledSlotForward::steps)
+    }
+
+    /// Forgets every slot and the step in flight (after an MLX failure).
+    pub fn clear(&mut self) {
+        self.slots.prefill.clear();
+        self.slots.decode.clear();
+        self.in_flight = None;
+    }
+
+    pub fn has_in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// The slot cache `slot` is in, and its row there.
+    pub fn slot_cache(&self, slot: Slot) -> (&SlotKvCache, usize) {
+        self.slots.get(slot)
+    }
+
+    /// Prefill slots occupied.
+    pub fn prefill_slots(&self) -> usize {
+        self.slots.prefill.len()
+    }
+
+    /// Positions a decoding sequence's sliding layers hold in the decode slot cache's rings (the
+    /// window, a block and bucket rounding); `None` without sliding layers.
+    pub fn decode_ring_positions(&self) -> Option<usize> {
+        self.slots.decode.ring_positions()
+    }
+
+    /// Prefill slots up to the last occupied one, free ones included (the rows of
+    /// [`ModelRunner::prefill_step`]'s chunks).
+    pub fn prefill_slot_span(&self) -> usize {
+        self.slots.prefill.slots()
+    }
+
+    /// Puts a sequence whose `cache` holds `computed` positions into the next prefill slot.
+    pub fn enter_prefill(&mut self, cache: &[KvCache], computed: usize) -> Result<Slot> {
+        Ok(Slot::Prefill(self.slots.prefill.push(cache, computed)?))
+    }
+
+    /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
+    /// [`ModelRunner::prefill_slot_span`]; empty for a free one), all padded to `width` tokens in
+    /// one forward pass; dispatched (`async_eval`), not waited for. Nothing reads a prefill pass
+    /// on the host (a prompt's last token is sampled by its first decode step), so the host
+    /// copies a pass's blocks into the prefix cache ([`ModelRunner::end_prefill_step`] after
+    /// them) and builds the next pass while the device runs it; the next pass waits for this
+    /// one before it dispatches anything ([`SlotKvCache::wait_for_pass_in_flight`], inside
+    /// the forward for a pass run in parts), so at most one pass is in flight. On an H100
+    /// (2026-11-26, `perch bench`, 7,936-token prompts, two rounds each, before the copies per
+    /// chunk of `batch::PUBLISH_RUN_TOKENS`), one prompt's prefill 93–126k tok/s waiting for
+    /// each pass against 109–157k pipelined (1.07B Llama, `gemma3_text-kv`), four prompts
+    /// 115–190k against 130–245k. Dispatching the next pass before the last one was done
+    /// (without that wait) raised the Llama's peak by 1.7 GB in some runs: its writes copied
+    /// the buffers the pass in flight still read.
+    pub fn prefill_step(&mut self, chunks: &[&[u32]], width: usize) -> Result<()> {
+        let mut ids = vec![0u32; self.slots.prefill.rows() * width];
+        for (row, chunk) in chunks.iter().enumerate() {
+            ids[row * width..row * width + chunk.len()].copy_from_slice(chunk);
+        }
+        let ids = Array::from_slice(&ids, &[(ids.len() / width) as i32, width as i32]);
+        let lengths: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        self.model
+            .forward_slots(&ids, &mut self.slots.prefill, &lengths)?;
+        self.slots.prefill.wait_for_pass_in_flight()?;
+        async_eval(self.slots.prefill.state())?;
+        Ok(())
+    }
+
+    /// Marks the last [`ModelRunner::prefill_step`], and what was dispatched after it (the
+    /// copies of its blocks), as the pass in flight.
+    pub fn end_prefill_step(&mut self) -> Result<()> {
+        self.slots.prefill.mark_pass_in_flight()
+    }
+
+    /// Puts a sequence into a decode slot: from its prefill slot (freed; see
+    /// [`ModelRunner::free_slot`] for the moves returned) or, with `None`, from its own `cache`
+    /// of `computed` positions.
+    pub fn enter_decode(
+        &mut self,
+        from: Option<Slot>,
+        cache: &[KvCache],
+        computed: usize,
+    ) -> Result<(Slot, Vec<(Slot, Slot)>)> {
+        match from {
+            Some(Slot::Decode(_)) => unreachable!("a decoding sequence is in its slot"),
+            Some(Slot::Prefill(row)) => {
+                let slot = self.slots.decode.push_from(&self.slots.prefill, row)?;
+                let moves = self.free_slot(Slot::Prefill(row))?;
+                Ok((Slot::Decode(slot), moves))
+            }
+            None => Ok((
+                Slot::Decode(self.slots.decode.push(cache, computed)?),
+                Vec::new(),
+            )),
+        }
+    }
+
+    /// Frees `slot`. Returns the sequences that moved, `(from, to)` (when its cache compacted
+    /// its rows; see [`SlotKvCache::remove`]).
+    pub fn free_slot(&mut self, slot: Slot) -> Result<Vec<(Slot, Slot)>> {
+        let (cache, row, kind): (_, _, fn(usize) -> Slot) = match slot {
+            Slot::Prefill(row) => (&mut self.slots.prefill, row, Slot::Prefill),
+            Slot::Decode(row) => (&mut self.slots.decode, row, Slot::Decode),
+        };
+        Ok(cache
+            .remove(row)?
+            .into_iter()
+            .map(|(from, to)| (kind(from), kind(to)))
+            .collect())
+    }
+
+    /// Builds one decode step of `rows` (in the order they were scheduled) and dispatches it
+    /// (`async_eval`) without waiting; the step in flight so far stays to be read. Rows with a
+    /// plain greedy sampler and no log-probabilities asked share one argmax; the others are
+    /// sampled one by one with their own processors and keys. Returns the step and the seconds
+    /// spent building its graph.
+    pub fn dispatch_decode(&mut self, mut rows: Vec<DecodeRow>) -> Result<(InFlight, f64)> {
+        let start = Instant::now();
+        // Every row of the decode slot cache (padding and free slots included).
+        let num_rows = self.slots.decode.rows();
+        let ids = self.decode_inputs(&rows, num_rows)?;
+        let decode = &mut self.slots.decode;
+        let one_each = vec![1; decode.slots()];
+        let logits = Self::forward_decode(
+            self.model,
+            self.compiled_decode.as_mut(),
+            &ids,
+            decode,
+            &one_each,
+        )?;
+        let vocab = logits.shape()[2];
+        let logits = logits.reshape(&[num_rows as i32, vocab])?;
+        let plain: Vec<bool> = rows
+            .iter()
+            .map(|r| r.sampler.is_plain_greedy() && r.logprobs.is_none() && r.mask.is_none())
+            .collect();
+        let greedy = if plain.contains(&true) {
+            Some(greedy_tokens(&logits)?)
+        } else {
+            None
+        };
+        let mut entries = Vec::with_capacity(rows.len());
+        for (r, &plain) in rows.iter_mut().zip(&plain) {
+            let at = r.row as i32;
+            let row_logits = || slice(&logits, &[at, 0], &[at + 1, vocab]);
+            let sampled = if plain {
+                None
+            } else {
+                let mut masked = row_logits()?;
+                if let Some(mask) = &r.mask {
+                    masked = ops::add(&masked, &mask.as_dtype(masked.dtype())?)?;
+                }
+                Some(sample_next(&masked, r.sampler, r.history, r.logprobs)?)
+            };
+            let distribution = if r.distribution {
+                Some(log_softmax_f32(&row_logits()?.reshape(&[vocab])?)?)
+            } else {
+                None
+            };
+            entries.push(StepEntry {
+                id: r.id,
+                row: r.row,
+                sampled,
+                distribution,
+            });
+        }
+        let step = InFlight { entries, greedy };
+        let built = start.elapsed().as_secs_f64();
+        async_eval(
+            step.arrays()
+                .chain(rows.iter().flat_map(|r| r.history.state())),
+        )?;
+        Ok((step, built))
+    }
+
+    /// Makes `step` the step in flight (after the previous one was read).
+    pub fn set_in_flight(&mut self, step: InFlight) {
+        self.in_flight = Some(step);
+    }
+
+    /// Token ids `[num_rows, 1]` for a decode step: each row feeds its sequence's last known
+    /// token or, when the step in flight sampled one not read yet, that one (gathered on the
+    /// device); other rows feed 0 (padding).
+    fn decode_inputs(&self, rows: &[DecodeRow], num_rows: usize) -> Result<Array> {
+        let mut host = vec![0u32; num_rows];
+        for r in rows {
+            host[r.row] = r.last_token;
+        }
+        let host = Array::from_slice(&host, &[num_rows as i32]);
+        let Some(step) = &self.in_flight else {
+            return Ok(host.reshape(&[num_rows as i32, 1])?);
+        };
+        let pending: HashMap<RequestId, usize> = step
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| (e.id, k))
+            .collect();
+        let mut from_device = vec![false; num_rows];
+        let mut source = vec![0u32; num_rows];
+        for r in rows {
+            if let Some(&k) = pending.get(&r.id) {
+                from_device[r.row] = true;
+                source[r.row] = k as u32;
+            }
+        }
+        if !from_device.contains(&true) {
+            return Ok(host.reshape(&[num_rows as i32, 1])?);
+        }
+        let previous = step.tokens()?;
+        let gathered = previous.take_axis(Array::from_slice(&source, &[num_rows as i32]), 0)?;
+        let mask = Array::from_slice(&from_device, &[num_rows as i32]);
+        Ok(ops::select(&mask, &gathered, &host)?.reshape(&[num_rows as i32, 1])?)
+    }
+
+    /// Waits for the step in flight, if any, and returns its tokens (in the order its rows were
+    /// scheduled) with the seconds waited.
+    pub fn read_in_flight(&mut self) -> Result<Option<(Vec<StepToken>, f64)>> {
+        let Some(step) = self.in_flight.take() else {
+            return Ok(None);
+        };
+        let start = Instant::now();
+        eval(step.arrays())?;
+        let waited = start.elapsed().as_secs_f64();
+        let greedy: Vec<u32> = step
+            .greedy
+            .as_ref()
+            .map(|g| g.as_slice::<u32>().to_vec())
+            .unwrap_or_default();
+        let tokens = step
+            .entries
+            .iter()
+            .map(|entry| {
+                let (token, logprobs) = match &entry.sampled {
+                    Some(sampled) => sampled.read(),
+                    None => (greedy[entry.row], None),
+                };
+                StepToken {
+                    id: entry.id,
+                    token,
+                    logprobs,
+                    distribution: entry
+                        .distribution
+                        .as_ref()
+                        .map(|d| d.as_slice::<f32>().to_vec()),
+                }
+            })
+            .collect();
+        Ok(Some((tokens, waited)))
+    }
+}
+
+/// The greedy token of every row of `logits` `[rows, vocab]`: `[rows]` uint32, the argmax of
+/// the log-probabilities as a lone sequence's sampler takes it (lazy).
+fn greedy_tokens(logits: &Array) -> Result<Array> {
+    let logprobs = ops::subtract(logits, &logits.logsumexp_axis(-1, true)?)?;
+    Ok(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
+}
+
+/// A decode step dispatched and not read yet.
+pub(crate) struct InFlight {
+    /// One per stepped sequence, in the order they were stepped.
+    entries: Vec<StepEntry>,
+    /// The argmax of every row `[rows]` (uint32), when some row is plain greedy.
+    greedy: Option<Array>,
+}
+
+struct StepEntry {
+    id: RequestId,
+    /// Its row of the step's logits.
+    row: usize,
+    /// Its token when sampled on its own; `None`: `greedy[row]`.
+    sampled: Option<Sampled>,
+    /// Its `[vocab]` log-probabilities, when asked.
+    distribution: Option<Array>,
+}
+
+impl InFlight {
+    /// The requests it stepped.
+    pub fn ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.entries.iter().map(|e| e.id)
+    }
+
+    /// The arrays to evaluate.
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        self.greedy.iter().chain(self.entries.iter().flat_map(|e| {
+            e.sampled
+                .iter()
+                .flat_map(Sampled::arrays)
+                .chain(e.distribution.iter())
+        }))
+    }
+
+    /// Every entry's token, `[entries]` uint32, lazy.
+    fn tokens(&self) -> Result<Array> {
+        let rows: Vec<u32> = self.entries.iter().map(|e| e.row as u32).collect();
+        let from_greedy = match &self.greedy {
+            Some(greedy) => {
+                Some(greedy.take_axis(Array::from_slice(&rows, &[rows.len() as i32]), 0)?)
+            }
+            None => None,
+        };
+        if self.entries.iter().all(|e| e.sampled.is_none()) {
+            return Ok(from_greedy.expect("plain greedy rows have the argmax"));
+        }
+        let pieces: Vec<Array> = self
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(k, e)| match (&e.sampled, &from_greedy) {
+                (Some(sampled), _) => Ok(sampled.token.reshape(&[1])?),
+                (None, Some(g)) => Ok(slice(g, &[k as i32], &[k as i32 + 1])?),
+                (None, None) => unreachable!("plain greedy rows have the argmax"),
+            })
+            .collect::<Result<_>>()?;
+        Ok(ops::concatenate(&pieces, 0)?)
+    }
+}

@@ -1,0 +1,486 @@
+//! Per-request block tables over the [`BlockPool`], with prefix-cache lookups: what the scheduler
+//! calls to admit a request (`get_computed_blocks`, `allocate_slots`), to grow it during decode
+//! (`allocate_slots`), to publish finished blocks (`cache_blocks`) and to release it (`free`).
+//! Same roles as vLLM v1's `KVCacheManager`.
+//!
+//! Only full blocks are shared. A cache hit is whole blocks and always leaves at least one prompt
+//! token to compute (its logits start generation), so a shared block is never written to.
+//!
+//! # How attention will read the pool (decided by `scripts/bench_kv_read_path.py`)
+//! Measured on the 2-core x86_64 dev machine, MLX 0.32.2 CPU + OpenBLAS, one decode step of one
+//! layer, 32 sequences x 1024 tokens, SmolLM2-135M head shapes, block size 16:
+//!
+//! | read path | ms per layer |
+//! |---|---|
+//! | SDPA over a contiguous per-batch KV buffer | 18.7 |
+//! | gather every sequence's blocks from the pool, then SDPA | 85.1 (+2.0 s per step over 30 layers) |
+//!
+//! So the batch engine keeps a contiguous working KV buffer per running batch and uses the pool as
+//! the prefix store: blocks are copied into the buffer when a request is admitted with a cache hit,
+//! and a request's full blocks are copied out to the pool once, when they fill. Gathering on every
+//! step would cost 4.5x the attention itself. (There is no paged-attention kernel in MLX 0.32.)
+//! The same script shows why batching needs dense projections on CPU: a 576x1536 4-bit
+//! `quantized_matmul` takes 30.1 ms at batch 32 versus 0.66 ms as a float32 GEMM (45x; 3x at batch 1).
+
+use std::collections::HashMap;
+
+use crate::block_pool::{full_block_hashes, BlockHash, BlockId, BlockPool};
+
+/// Identifies a request inside the engine.
+pub type RequestId = u64;
+
+/// Blocks found in the prefix cache for a prompt, and how many tokens they hold.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ComputedBlocks {
+    pub blocks: Vec<BlockId>,
+    pub num_tokens: usize,
+}
+
+#[derive(Debug, Default)]
+struct RequestBlocks {
+    blocks: Vec<BlockId>,
+    /// Leading blocks already registered in the prefix cache.
+    num_cached: usize,
+    /// Hash of each full block registered so far (the chain continues from the last one).
+    hashes: Vec<BlockHash>,
+    /// Blocks held for the sliding layers' KV ([`KvCacheManager::with_window_cost`]): never
+    /// cached, released with the request.
+    window_blocks: Vec<BlockId>,
+    /// Positions its sliding layers hold at most from now on, when fewer than the cost's
+    /// ([`KvCacheManager::bound_window`]).
+    window_tokens: Option<usize>,
+}
+
+/// What a running request's sliding-window layers cost in blocks (see [`crate::budget::KvBudget`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowCost {
+    /// Positions the sliding layers hold at most.
+    pub tokens: usize,
+    /// Their bytes per position.
+    pub bytes_per_token: usize,
+    /// What a block's position costs.
+    pub block_bytes_per_token: usize,
+}
+
+impl WindowCost {
+    /// Blocks of `block_size` positions a request of `num_tokens` tokens holds for its sliding
+    /// layers.
+    pub fn blocks_for(&self, num_tokens: usize, block_size: usize) -> usize {
+        (num_tokens.min(self.tokens) * self.bytes_per_token)
+            .div_ceil((self.block_bytes_per_token * block_size).max(1))
+    }
+}
+
+/// The longest request a pool of `num_blocks` blocks of `block_size` tokens holds: its block
+/// table and, with a `window_cost`, its sliding layers' blocks.
+pub fn max_sequence_tokens(
+    num_blocks: usize,
+    block_size: usize,
+    window_cost: Option<WindowCost>,
+) -> usize {
+    let block_size = block_size.max(1);
+    let fits = |tokens: usize| {
+        tokens.div_ceil(block_size) + window_cost.map_or(0, |c| c.blocks_for(tokens, block_size))
+            <= num_blocks
+    };
+    // The blocks needed grow with the tokens: the last that fits, by bisection.
+    let (mut lo, mut hi) = (0, num_blocks * block_size);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+/// Block tables of the running requests.
+#[derive(Debug)]
+pub struct KvCacheManager {
+    pool: BlockPool,
+    root: BlockHash,
+    requests: HashMap<RequestId, RequestBlocks>,
+    /// Prefix caching (vLLM's `enable_caching`): off, no block is ever registered or found.
+    enable_caching: bool,
+    window_cost: Option<WindowCost>,
+}
+
+impl KvCacheManager {
+    /// `model_id` seeds the hash chain so different models never share blocks.
+    pub fn new(pool: BlockPool, model_id: &str) -> Self {
+        Self {
+            pool,
+            root: BlockHash::root(model_id),
+            requests: HashMap::new(),
+            enable_caching: true,
+            window_cost: None,
+        }
+    }
+
+    /// Makes each request hold, beside its block table, blocks for its sliding layers' KV: for
+    /// `n` tokens, the bytes of `min(n, cost.tokens)` positions in those layers, in blocks of
+    /// `block_size` positions at `cost.block_bytes_per_token` (rounded up). For models whose
+    /// blocks count only the layers that keep every position.
+    pub fn with_window_cost(mut self, cost: Option<WindowCost>) -> Self {
+        self.window_cost = cost.filter(|c| c.block_bytes_per_token > 0);
+        self
+    }
+
+    /// Blocks a request of `num_tokens` tokens holds for its sliding layers.
+    pub fn window_blocks_for(&self, num_tokens: usize) -> usize {
+        self.window_cost
+            .map_or(0, |c| c.blocks_for(num_tokens, self.block_size()))
+    }
+
+    /// The longest request the whole pool holds, in tokens.
+    pub fn max_tokens(&self) -> usize {
+        max_sequence_tokens(self.pool.num_blocks(), self.block_size(), self.window_cost)
+    }
+
+    /// The blocks `request` holds for its sliding layers (see
+    /// [`KvCacheManager::with_window_cost`]).
+    pub fn window_blocks(&self, request: RequestId) -> &[BlockId] {
+        self.requests
+            .get(&request)
+            .map_or(&[][..], |r| &r.window_blocks[..])
+    }
+
+    /// Turns prefix caching off (or on): off, [`KvCacheManager::cached_prefix`] finds nothing
+    /// and [`KvCacheManager::cache_blocks`] registers nothing. For models whose layers are not
+    /// all attention (a linear-attention layer's state is not split into blocks).
+    pub fn with_caching(mut self, enable: bool) -> Self {
+        self.enable_caching = enable;
+        self
+    }
+
+    pub fn caching_enabled(&self) -> bool {
+        self.enable_caching
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
+    /// Blocks needed to hold `num_tokens` tokens.
+    pub fn blocks_for(&self, num_tokens: usize) -> usize {
+        num_tokens.div_ceil(self.block_size())
+    }
+
+    /// The longest run of cached full blocks at the start of `prompt`, leaving at least one token
+    /// to compute.
+    pub fn get_computed_blocks(&self, prompt: &[u32]) -> ComputedBlocks {
+        self.cached_prefix(&prompt[..prompt.len().saturating_sub(1)])
+    }
+
+    /// The longest run of cached full blocks at the start of `tokens`, all of them usable.
+    pub fn cached_prefix(&self, tokens: &[u32]) -> ComputedBlocks {
+        if !self.enable_caching {
+            return ComputedBlocks::default();
+        }
+        let hashes = full_block_hashes(self.root, tokens, self.block_size(), &[]);
+        let blocks: Vec<BlockId> = hashes
+            .iter()
+            .map_while(|h| self.pool.get_cached_block(*h))
+            .collect();
+        let num_tokens = blocks.len() * self.block_size();
+        ComputedBlocks { blocks, num_tokens }
+    }
+
+    /// Counts an admitted prompt of `prompt_tokens` tokens, `hit_tokens` of them found in the
+    /// prefix cache, toward the hit rate.
+    pub fn record_prefix_lookup(&mut self, prompt_tokens: usize, hit_tokens: usize) {
+        self.pool.record_lookup(prompt_tokens, hit_tokens);
+    }
+
+    /// Forgets every cached prefix; returns the blocks whose content is no longer needed.
+    pub fn reset_prefix_cache(&mut self) -> Vec<BlockId> {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Makes room for `num_new_tokens` more tokens of `request`, which holds `num_computed` tokens
+    /// already (from `computed`, on its first call). Returns the request's block table, or `None`
+    /// when the pool is short of blocks, in which case nothing changed: the scheduler preempts or
+    /// waits.
+    pub fn allocate_slots(
+        &mut self,
+        request: RequestId,
+        num_computed: usize,
+        num_new_tokens: usize,
+        computed: Option<&ComputedBlocks>,
+    ) -> Option<&[BlockId]> {
+        let held = self.requests.get(&request).map_or(0, |r| r.blocks.len());
+        let hit = computed.map_or(&[][..], |c| &c.blocks[..]);
+        debug_assert!(
+            held == 0 || hit.is_empty(),
+            "a prefix hit is only applied on admission"
+        );
+        let needed = self
+            .blocks_for(num_computed + num_new_tokens)
+            .saturating_sub(held + hit.len());
+        let window_held = self.window_blocks(request).len();
+        let bound = self.requests.get(&request).and_then(|r| r.window_tokens);
+        let window_needed = self
+            .window_blocks_for((num_computed + num_new_tokens).min(bound.unwrap_or(usize::MAX)))
+            .saturating_sub(window_held);
+        // Touching a cached-free hit takes it out of the free queue too.
+        let hit_from_free = hit
+            .iter()
+            .filter(|id| self.pool.block(**id).ref_cnt() == 0)
+            .count();
+        if needed + window_needed + hit_from_free > self.pool.num_free_blocks() {
+            return None;
+        }
+        self.pool.touch(hit);
+        let fresh = self.pool.get_new_blocks(needed)?;
+        let window = self.pool.get_new_blocks(window_needed)?;
+        let entry = self.requests.entry(request).or_default();
+        entry.window_blocks.extend(window);
+        if !hit.is_empty() {
+            entry.blocks.extend_from_slice(hit);
+            entry.num_cached = hit.len();
+            entry.hashes = hit
+                .iter()
+                .map(|id| {
+                    self.pool
+                        .block(*id)
+                        .hash()
+                        .expect("cached block has a hash")
+                })
+                .collect();
+        }
+        entry.blocks.extend(fresh);
+        Some(&entry.blocks)
+    }
+
+    /// Registers the blocks of `request` that `tokens[..num_computed]` has filled, so later
+    /// requests with the same prefix can reuse them. Returns the newly registered blocks that
+    /// became cache entries, with their index in the request's block table: the caller keeps
+    /// their KV content (a block whose content another block already holds is not listed).
+    pub fn cache_blocks(
+        &mut self,
+        request: RequestId,
+        tokens: &[u32],
+        num_computed: usize,
+    ) -> Vec<(usize, BlockId)> {
+        let block_size = self.block_size();
+        let Some(entry) = self
+            .requests
+            .get_mut(&request)
+            .filter(|_| self.enable_caching)
+        else {
+            return Vec::new();
+        };
+        let full = (num_computed.min(tokens.len()) / block_size).min(entry.blocks.len());
+        let mut parent = entry.hashes.last().copied().unwrap_or(self.root);
+        let mut entries = Vec::new();
+        for i in entry.num_cached..full {
+            parent = parent.chain(&tokens[i * block_size..(i + 1) * block_size], &[]);
+            if self.pool.cache_full_block(entry.blocks[i], parent) {
+                entries.push((i, entry.blocks[i]));
+            }
+            entry.hashes.push(parent);
+        }
+        entry.num_cached = entry.num_cached.max(full);
+        entries
+    }
+
+    /// Takes `n` blocks from the free queue for a holder outside any request (the prefix
+    /// cache's sliding layers' KV), evicting cached free blocks as allocation does: the caller
+    /// drops their content. `None` when fewer are free.
+    pub fn take_blocks(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        self.pool.get_new_blocks(n)
+    }
+
+    /// Gives back blocks from [`KvCacheManager::take_blocks`].
+    pub fn give_back_blocks(&mut self, ids: Vec<BlockId>) {
+        self.pool.free_blocks(ids);
+    }
+
+    /// Bounds what `request`'s sliding layers hold from now on to `tokens` positions (a
+    /// sequence that moved into a cache whose sliding layers keep fewer positions than the
+    /// cost's, e.g. the decode slot cache's rings after prefill) and gives the window blocks
+    /// beyond that back to the pool. Without a window cost, or for an unknown request, nothing.
+    pub fn bound_window(&mut self, request: RequestId, tokens: usize) {
+        let Some(cost) = self.window_cost else {
+            return;
+        };
+        let block_size = self.block_size();
+        let Some(entry) = self.requests.get_mut(&request) else {
+            return;
+        };
+        let tokens = entry.window_tokens.map_or(tokens, |t| t.min(tokens));
+        entry.window_tokens = Some(tokens);
+        let keep = cost.blocks_for(tokens, block_size);
+        if entry.window_blocks.len() > keep {
+            let extra = entry.window_blocks.split_off(keep);
+            self.pool.free_blocks(extra);
+        }
+    }
+
+    /// Releases every block of `request` (last block first, so its tail is evicted first).
+    pub fn free(&mut self, request: RequestId) {
+        if let Some(entry) = self.requests.remove(&request) {
+            self.pool.free_blocks(entry.window_blocks);
+            self.pool.free_blocks(entry.blocks.into_iter().rev());
+        }
+    }
+
+    pub fn block_table(&self, request: RequestId) -> Option<&[BlockId]> {
+        self.requests.get(&request).map(|r| &r.blocks[..])
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.requests.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manager(blocks: usize) -> KvCacheManager {
+        KvCacheManager::new(BlockPool::new(blocks, 4), "test-model")
+    }
+
+    /// Admits a prompt the way the scheduler will: look up, allocate, "compute", publish.
+    fn admit(m: &mut KvCacheManager, id: RequestId, prompt: &[u32]) -> Option<usize> {
+        let hit = m.get_computed_blocks(prompt);
+        m.allocate_slots(
+            id,
+            hit.num_tokens,
+            prompt.len() - hit.num_tokens,
+            Some(&hit),
+        )?;
+        m.record_prefix_lookup(prompt.len(), hit.num_tokens);
+        m.cache_blocks(id, prompt, prompt.len());
+        Some(hit.num_tokens)
+    }
+
+    #[test]
+    fn multi_turn_chat_hits_the_previous_turn() {
+        let mut m = manager(16);
+        let turn1: Vec<u32> = (0..10).collect();
+        assert_eq!(admit(&mut m, 1, &turn1), Some(0));
+        // The assistant answers 3 tokens; then the conversation goes on with the same prefix.
+        let mut convo = turn1.clone();
+        convo.extend([100, 101, 102]);
+        m.allocate_slots(1, 10, 3, None).unwrap();
+        m.cache_blocks(1, &convo, convo.len());
+        m.free(1);
+        convo.extend([7, 7, 7, 7, 7]);
+        // 18 tokens: blocks 0..4 of the 13 computed ones are full and cached (3 blocks = 12 tokens).
+        assert_eq!(admit(&mut m, 2, &convo), Some(12));
+        assert!(m.pool().stats().hit_rate() > 0.4);
+        m.free(2);
+        assert_eq!(m.pool().num_free_blocks(), 16);
+        m.pool().check_invariants();
+    }
+
+    /// A sliding model's request holds blocks for its sliding layers up to their bound, then
+    /// grows by its block table alone; all are released with it.
+    #[test]
+    fn sliding_layers_cost_blocks_up_to_their_window() {
+        // Sliding layers: 10 bytes per position for 12 positions at most; a block position
+        // costs 2 bytes (blocks of 4 positions: 8 bytes).
+        let cost = WindowCost {
+            tokens: 12,
+            bytes_per_token: 10,
+            block_bytes_per_token: 2,
+        };
+        let mut m = manager(40).with_window_cost(Some(cost));
+        assert_eq!((m.window_blocks_for(1), m.window_blocks_for(8)), (2, 10));
+        assert_eq!(m.window_blocks_for(12), 15);
+        assert_eq!(m.window_blocks_for(1000), 15);
+        // 40 blocks: 15 for the window, 25 of table: 100 tokens.
+        assert_eq!(m.max_tokens(), 100);
+        let prompt: Vec<u32> = (0..8).collect();
+        admit(&mut m, 1, &prompt).unwrap();
+        assert_eq!(m.window_blocks(1).len(), 10);
+        assert_eq!(m.pool().num_free_blocks(), 40 - 2 - 10);
+        // Decoding to 100 tokens takes table blocks only past the window's bound.
+        m.allocate_slots(1, 8, 92, None).unwrap();
+        assert_eq!(m.window_blocks(1).len(), 15);
+        assert_eq!(m.pool().num_free_blocks(), 0);
+        assert!(
+            m.allocate_slots(1, 100, 1, None).is_none(),
+            "the pool is full"
+        );
+        // A bound (a sequence now in a cache with smaller rings) gives the extra blocks back and
+        // keeps them back as the request grows.
+        m.bound_window(1, 4);
+        assert_eq!(m.window_blocks(1).len(), 5);
+        assert_eq!(m.pool().num_free_blocks(), 10);
+        m.allocate_slots(1, 100, 20, None).unwrap();
+        assert_eq!(m.window_blocks(1).len(), 5, "bounded while it grows");
+        assert_eq!(m.pool().num_free_blocks(), 5);
+        m.free(1);
+        assert_eq!(m.pool().num_free_blocks(), 40);
+        m.pool().check_invariants();
+        // Without a window cost a request holds its table alone.
+        assert_eq!(max_sequence_tokens(40, 4, None), 160);
+    }
+
+    #[test]
+    fn a_fully_cached_prompt_still_computes_its_last_token() {
+        let mut m = manager(8);
+        let prompt: Vec<u32> = (0..8).collect();
+        admit(&mut m, 1, &prompt).unwrap();
+        m.free(1);
+        let hit = m.get_computed_blocks(&prompt);
+        assert_eq!(
+            hit.num_tokens, 4,
+            "the block holding the last token is recomputed"
+        );
+    }
+
+    #[test]
+    fn shared_prefix_blocks_are_shared_not_copied() {
+        let mut m = manager(8);
+        let a: Vec<u32> = (0..9).collect();
+        let mut b: Vec<u32> = (0..8).collect();
+        b.extend([50, 51, 52]);
+        admit(&mut m, 1, &a).unwrap();
+        assert_eq!(admit(&mut m, 2, &b), Some(8));
+        let (ta, tb) = (m.block_table(1).unwrap(), m.block_table(2).unwrap());
+        assert_eq!(ta[..2], tb[..2]);
+        assert_ne!(ta[2], tb[2]);
+        assert_eq!(m.pool().block(ta[0]).ref_cnt(), 2);
+        assert_eq!(m.pool().num_used_blocks(), 4);
+    }
+
+    #[test]
+    fn running_out_changes_nothing() {
+        let mut m = manager(3);
+        admit(&mut m, 1, &(0..8).collect::<Vec<_>>()).unwrap();
+        let before = m.pool().num_free_blocks();
+        assert!(m.allocate_slots(2, 0, 9, None).is_none());
+        assert_eq!(m.pool().num_free_blocks(), before);
+        assert!(m.block_table(2).is_none());
+        // Growing request 1 by one token needs a third block: fits.
+        assert_eq!(m.allocate_slots(1, 8, 1, None).unwrap().len(), 3);
+        assert!(
+            m.allocate_slots(1, 9, 4, None).is_none(),
+            "a fourth block does not exist"
+        );
+        m.free(1);
+        assert_eq!(m.pool().num_free_blocks(), 3);
+    }
+
+    #[test]
+    fn a_hit_on_cached_free_blocks_counts_them_as_taken() {
+        let mut m = manager(3);
+        let prompt: Vec<u32> = (0..9).collect();
+        admit(&mut m, 1, &prompt).unwrap();
+        m.free(1);
+        // 3 free blocks, 2 of them hold the hit; the request needs 1 more block: fits exactly.
+        assert_eq!(admit(&mut m, 2, &prompt), Some(8));
+        assert_eq!(m.pool().num_free_blocks(), 0);
+        m.pool().check_invariants();
+    }
+}
