@@ -6,8 +6,8 @@
 
 mod common;
 
-use perch_engine::batch::{BatchConfig, BatchGenerator};
-use perch_engine::slot_cache::SlotAttention;
+use perch_engine::testing::{BatchConfig, BatchGenerator};
+use perch_engine::SlotAttention;
 use perch_engine::{models, GenerateRequest, Tokenizer};
 
 /// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
@@ -101,10 +101,17 @@ fn all_reference_cases_at_once() {
 }
 
 /// Sequences join and leave the slot cache at different steps: slots are refilled, rows and
-/// capacity change bucket, and every case still yields mlx_lm's ids.
+/// capacity change bucket, and every case still yields mlx_lm's ids (the short cases: the long
+/// prompt's chunks beside decoding rows are the test above's).
 #[test]
 fn staggered_inserts_with_chunked_prefill() {
-    run(&[0, 3, 5, 9, 17, 30, 31], 16);
+    run_with(
+        common::short_reference_cases(),
+        &[0, 3, 5, 9, 17, 30],
+        16,
+        SlotAttention::Fused,
+        false,
+    );
 }
 
 /// The same with every step reading the slots by explicit operations (matmul, mask, softmax,
