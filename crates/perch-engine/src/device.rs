@@ -66,12 +66,11 @@ pub fn cache_thrashing_check_setting(current: Option<&str>) -> Option<&'static s
 /// MLX 0.32's CUDA backend keeps its cuDNN attention plans (256), CUDA graphs (400) and
 /// convolution plans (128) in LRU caches that throw "Cache thrashing is happening" once a
 /// process has missed twice a cache's capacity in all, evictions included: a process that
-/// meets 512 distinct prompt-chunk attention shapes over its life fails every new one after
-/// (measured on an H200, 2026-11-26: `scripts/probe_thrash.py` fails at the 513th shape with
-/// the check on, runs 600 with it off). Perch buckets shapes so that a run meets few, but a
-/// menu-bar app or server lives for days of prompts of every length: the check goes off unless
-/// the user set [`CACHE_THRASHING_CHECK`]. The caches stay bounded; a shape met again after its
-/// eviction is planned again (tens of milliseconds), as a new one is. No effect on CPU or Metal.
+/// meets 512 distinct prompt-chunk attention shapes over its life fails every new one after.
+/// Perch buckets shapes so that a run meets few, but a menu-bar app or server lives for days of
+/// prompts of every length: the check goes off unless the user set [`CACHE_THRASHING_CHECK`].
+/// The caches stay bounded; a shape met again after its eviction is planned again (tens of
+/// milliseconds), as a new one is. No effect on CPU or Metal.
 pub fn prepare_mlx_environment() {
     if let Some(value) =
         cache_thrashing_check_setting(std::env::var(CACHE_THRASHING_CHECK).ok().as_deref())

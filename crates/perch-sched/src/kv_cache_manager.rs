@@ -6,21 +6,14 @@
 //! Only full blocks are shared. A cache hit is whole blocks and always leaves at least one prompt
 //! token to compute (its logits start generation), so a shared block is never written to.
 //!
-//! # How attention will read the pool (decided by `scripts/bench_kv_read_path.py`)
-//! Measured on the 2-core x86_64 dev machine, MLX 0.32.2 CPU + OpenBLAS, one decode step of one
-//! layer, 32 sequences x 1024 tokens, SmolLM2-135M head shapes, block size 16:
-//!
-//! | read path | ms per layer |
-//! |---|---|
-//! | SDPA over a contiguous per-batch KV buffer | 18.7 |
-//! | gather every sequence's blocks from the pool, then SDPA | 85.1 (+2.0 s per step over 30 layers) |
-//!
-//! So the batch engine keeps a contiguous working KV buffer per running batch and uses the pool as
+//! # How attention will read the pool
+//! The batch engine keeps a contiguous working KV buffer per running batch and uses the pool as
 //! the prefix store: blocks are copied into the buffer when a request is admitted with a cache hit,
-//! and a request's full blocks are copied out to the pool once, when they fill. Gathering on every
-//! step would cost 4.5x the attention itself. (There is no paged-attention kernel in MLX 0.32.)
-//! The same script shows why batching needs dense projections on CPU: a 576x1536 4-bit
-//! `quantized_matmul` takes 30.1 ms at batch 32 versus 0.66 ms as a float32 GEMM (45x; 3x at batch 1).
+//! and a request's full blocks are copied out to the pool once, when they fill. Gathering every
+//! sequence's blocks from the pool on every step would cost 4.5x the attention itself (32
+//! sequences of 1,024 tokens on CPU); there is no paged-attention kernel in MLX 0.32. Batching
+//! also needs dense projections on CPU: MLX's CPU 4-bit `quantized_matmul` of a 576x1536 weight
+//! takes 45x a float32 GEMM's time at batch 32.
 
 use std::collections::HashMap;
 

@@ -7,16 +7,14 @@
 //! an array mask; with one (a slot cache's per-row lengths) it falls back to an unfused
 //! attention of about five kernels a layer (scale, scores, mask, softmax, weighted sum). A
 //! decode step of a small model on a GPU is bound by the host encoding its kernels, so those
-//! launches are most of what a masked step costs more: mlx_lm's own forward of a random Llama
-//! 1.07B (dense bfloat16, 16 layers) on an H100, pipelined as `generate_step` is, took 2.53 ms
-//! a step at one row and 4.44 ms at eight without a mask, against 3.76 and 5.75 ms with an
-//! all-true boolean mask (`probe2` of the 2026-11-26 session; README "On a GPU").
+//! launches are most of what a masked step costs more (mlx_lm's own forward of a 1.07B Llama at
+//! one row: 2.5 ms a step without a mask, 3.8 ms with an all-true boolean mask).
 //!
 //! Metal needs no such kernel: MLX's Metal vector kernel reads boolean masks itself, so a
 //! masked decode step is one fused kernel there already. This kernel is the CUDA backend's
 //! equivalent, written with MLX's custom-kernel API (`mx.fast.cuda_kernel`, through
 //! [`crate::attention::cuda_kernel`]), compiled by MLX at run time (NVRTC), and used only where [`applies`]
-//! holds (up to [`max_positions`], 8,192 positions, the longest measured); it cannot run on
+//! holds (up to [`max_positions`], 8,192 positions by default); it cannot run on
 //! this CPU, so its tests run on the device (`perch check-kernels`, see README).
 //!
 //! The computation (the standard "online softmax" of one query over many positions, as in
@@ -30,13 +28,6 @@
 //! et al. 2023, "Flash-Decoding for long-context inference"). Masked positions are skipped; a
 //! row with no readable position gets zeros (MLX's fallback gives NaN there; such rows are free
 //! slots whose output nothing reads).
-//!
-//! Measured on an H200 (random Llama 1.07B, bfloat16, one request, 256 generated, `perch bench`
-//! rounds alternating with `PERCH_DECODE_KERNEL=0`, MLX's unfused attention): 1,700-token
-//! prompts 472 / 393 tok/s against 345 / 264; 3,700: 546 / 587 against 401 / 380; 7,900: 395 /
-//! 386 against 315 / 360; eight requests of 3,700: 1,905 / 1,790 against 1,374 / 1,361. Before
-//! the parts and the steps of several positions, one block walked every position one at a time
-//! and lost to MLX past about 2,000 positions (7,900: 186 tok/s, 5.4 ms a step).
 
 use std::cell::RefCell;
 
@@ -327,9 +318,8 @@ fn new_kernels() -> [CudaKernel; 3] {
 /// Blocks per (row, query head): 1 where a step has many of those or reads few positions (a
 /// second kernel would cost the host more than it saves the device), else enough parts of at
 /// least [`MIN_PART`] positions for about [`TARGET_BLOCKS`] blocks, at most [`MAX_PARTS`].
-/// One block walking thousands of positions leaves most of the GPU idle: on an H200, one
-/// request with a 7,900-token prompt decoded at 4.2 ms a step through one block per head
-/// against 2.4–2.9 ms through MLX's unfused attention.
+/// One block walking thousands of positions leaves most of the GPU idle: one block per (row,
+/// head), a position at a time, lost to MLX's unfused attention past about 2,000 positions.
 fn parts(rows: i32, heads: i32, positions: i32) -> i32 {
     let blocks = rows * heads;
     if positions <= SPLIT_FROM || blocks >= TARGET_BLOCKS {
@@ -420,9 +410,8 @@ pub fn enabled() -> bool {
 }
 
 /// The most positions (the slot cache's capacity) a step reads through the kernel; longer ones
-/// go to MLX. 8,192: the longest measured (a 7,900-token prompt, above); beyond it the kernel
-/// has not been compared with MLX. `PERCH_DECODE_KERNEL_MAX_POSITIONS` overrides it (for
-/// benchmarks).
+/// go to MLX. 8,192: beyond it the kernel has not been compared with MLX.
+/// `PERCH_DECODE_KERNEL_MAX_POSITIONS` overrides it (for benchmarks).
 pub fn max_positions() -> i32 {
     static MAX: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| {
@@ -612,8 +601,8 @@ mod tests {
         ));
         let three = zeros(&[4, 3, 512, 64], bf);
         assert!(!applies(&q, &three, &three, &mask, None));
-        // Up to the positions measured (read from the environment; unset in tests), computed
-        // past them.
+        // Up to `max_positions` (read from the environment; unset in tests), computed past
+        // them.
         let long = zeros(&[4, 2, 8192, 64], bf);
         let long_mask = zeros(&[4, 1, 1, 8192], Dtype::Bool);
         assert!(applies(&q, &long, &long, &long_mask, None));

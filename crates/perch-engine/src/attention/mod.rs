@@ -282,7 +282,7 @@ fn stacked_attention(
 }
 
 /// How one batched step's attention reads its slot cache (see
-/// [`crate::kv::slot_cache::SlotAttention`] for the choice and its measurements).
+/// [`crate::kv::slot_cache::SlotAttention`] for the choice).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SlotRead {
     /// Dense keys and values are read by [`explicit_scaled_dot_product_attention`] instead of
@@ -295,11 +295,10 @@ pub struct SlotRead {
     /// ([`additive_mask`]) instead of a boolean one: on CUDA, MLX 0.32.2 turns a boolean mask
     /// into cuDNN's bias by broadcasting it to every head first, `[batch, heads, seq,
     /// positions]` in the compute dtype, while an additive `[batch, 1, seq, positions]` mask goes
-    /// to cuDNN as it is. Measured on an H200 (`probe_sdpa_mem.py`: 4 rows of 2,048 queries over
-    /// 8,192 positions, 4 heads, bfloat16): head size 128, 1.90 ms and 1,032 MB transient with
-    /// the boolean mask, 0.74 ms and 8 MB with the additive one; head size 64 (no copy either
-    /// way) 1.60 against 0.51 ms. Head sizes above 128 have no fused kernel on CUDA and cost
-    /// the same either way. Metal's kernels read boolean masks natively.
+    /// to cuDNN as it is (4 rows of 2,048 queries over 8,192 positions at head size 128: 8 MB
+    /// transient instead of 1 GB); the additive mask is also faster at head size 64, where
+    /// neither copies. Head sizes above 128 have no fused kernel on CUDA and cost the same
+    /// either way. Metal's kernels read boolean masks natively.
     pub additive_mask: bool,
     /// One query per row on CUDA is read by [`crate::attention::decode_kernel`] (one fused kernel with the
     /// mask) where it applies, instead of MLX's unfused fallback for masked single queries.
@@ -321,11 +320,10 @@ pub fn additive_mask(mask: &Array, dtype: Dtype) -> Result<Array> {
 /// `read.additive_mask`, `mask` is that mask made additive ([`additive_mask`], in the queries'
 /// dtype), read by MLX's fused attention. A quantized
 /// cache is read by [`quantized_scaled_dot_product_attention`], or, when `read.dequantize`,
-/// dequantized and read as a dense one: MLX 0.32.2's CUDA quantized_matmul over a batch of
-/// `rows * kv_heads` packed matrices did not finish a 32-sequence benchmark in 120 s on an H100,
-/// where dequantizing one layer's slots at a time ran it at 2,494 tok/s (the cache keeps its
-/// size; the transient copy is one layer's). `sinks`: attention sinks `[heads]`. Returns
-/// `[batch, heads, seq, head_dim]`.
+/// dequantized and read as a dense one, one layer's slots at a time: MLX 0.32.2's CUDA
+/// quantized_matmul over a batch of `rows * kv_heads` packed matrices did not finish 32
+/// sequences' generation in 120 s. The cache keeps its size; the transient copy is one layer's.
+/// `sinks`: attention sinks `[heads]`. Returns `[batch, heads, seq, head_dim]`.
 pub fn masked_attention(
     queries: &Array,
     cached: CachedKv,

@@ -47,9 +47,8 @@ pub struct EngineConfig {
     /// so a burst (a client's fan-out, a benchmark's N requests) is prefilled in one pass
     /// instead of racing the first step. Zero (the CPU default) starts at once. On GPUs the
     /// first pass over a new batch shape is what a burst split in two pays: MLX's CUDA backend
-    /// builds a cuDNN attention plan and loads kernels for each new shape (60–110 ms on an H100
-    /// at 8 × 128 tokens; `perch bench --concurrency 8` there: TTFT p50 32–49 ms in one pass,
-    /// 90–230 ms split in two, 2026-11-24).
+    /// builds a cuDNN attention plan and loads kernels for each new shape (60 ms or more at 8 ×
+    /// 128 tokens).
     pub arrival_window: std::time::Duration,
     /// Requests that may wait beyond the `max_running` that run: past `max_running +
     /// max_queued_requests` requests in the engine, [`EngineHandle::submit`] answers

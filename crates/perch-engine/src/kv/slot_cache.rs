@@ -9,8 +9,8 @@
 //!
 //! A leaving sequence leaves a free slot (a hole) that the next sequence to enter takes; nothing
 //! moves. Moving a row would rewrite every layer's buffers while the decode step in flight still
-//! reads them, and MLX then copies each whole buffer instead of updating it in place: on an H100
-//! at 128 rows that took the peak from 5.2 to 11.1 GB in the steps where sequences finished.
+//! reads them, and MLX then copies each whole buffer instead of updating it in place (at 128 rows
+//! that doubled the peak memory in the steps where sequences finished).
 //! Rows are compacted only when the occupied slots fit a row bucket half as large (one gather
 //! into the smaller buffers). Both `rows` and `capacity` are bucketed ([`row_bucket`], [`capacity_bucket`]) so that a run
 //! meets few distinct shapes: MLX's CUDA backend caches a graph per shape and thrashes (then
@@ -60,29 +60,21 @@ use perch_sched::shapes::{capacity_bucket, row_bucket};
 ///
 /// MLX 0.32's CUDA backend has no fused kernel for one query per row with an array mask (its
 /// vector kernel and cuDNN's decode path refuse such masks) and falls back to an unfused
-/// attention: on an H100 at 128 rows of 512 positions (16 layers, 32/8 heads, head_dim 64,
-/// bfloat16), 10.2 ms a step against 3.1 ms for the explicit form
-/// ([`crate::attention::explicit_scaled_dot_product_attention`]), and 2.1 ms for the fused
-/// kernel with no mask at all, which rows of different lengths cannot use. In Perch's batch on
-/// that model (`perch bench`, 128-token prompts, 256 generated, two rounds each in one session),
-/// the explicit read took the decode step from 11.4 to 9.9–10.5 ms at 128 rows (8,540–9,055
-/// against 7,592–7,995 tok/s) but from 8.0–8.7 to 9.0–9.2 ms at 64 rows, where the step is
-/// bound by the host launching its kernels and the explicit form launches more; hence
-/// [`SlotAttention::EXPLICIT_FROM_POSITIONS`]. Prompt
-/// chunks (more than one query per row) reach cuDNN with their mask and stay fused. cuDNN
-/// builds a plan for each new shape on its first call in a process: 43–79 ms on the H100 for
-/// 1–8 rows of 112–2,048 queries over 256–8,192 positions, against 2–15 ms for the explicit
-/// form's first call, whose steady time is 10–25% longer (`scripts/probe_attention_shapes.py`, 2026-11-24). Reading
-/// small prompt steps explicitly was tried in the engine and did not shorten the first token
-/// at 8 concurrent (one prefill pass: 117 and 58 ms against 41 and 48 fused), so they stay
-/// fused; what keeps new shapes away is a burst prefilled in one pass
-/// ([`crate::EngineConfig::arrival_window`]). Metal's vector kernel takes masks, so Metal and
-/// the CPU read fused. Below the explicit read's threshold, CUDA decode steps read through
-/// Perch's own fused kernel for masked single queries ([`crate::attention::decode_kernel`], `SlotRead::
-/// decode_kernel`), not MLX's unfused fallback, up to 8,192 positions: on an H200, four rounds
-/// alternating, 298 → 427 tok/s at one request and 1,891 → 2,427 at eight (128-token prompts;
-/// 3,700-token ones 380–401 → 546–587); at 128 rows it equals the explicit read (15,372
-/// against 15,259 tok/s), which stays.
+/// attention, about three times as slow at 128 rows of 512 positions as the explicit form
+/// ([`crate::attention::explicit_scaled_dot_product_attention`]); the fused kernel without a
+/// mask, which rows of different lengths cannot use, is faster still. The explicit form
+/// launches more kernels, so it pays off only where the device, not the host launching them,
+/// bounds the step: from about 128 rows of 512 positions
+/// ([`SlotAttention::EXPLICIT_FROM_POSITIONS`]). Below that threshold, CUDA decode steps read
+/// through Perch's own fused kernel for masked single queries
+/// ([`crate::attention::decode_kernel`], [`SlotRead::decode_kernel`]), not MLX's unfused
+/// fallback, up to 8,192 positions; at 128 rows it equals the explicit read, which stays.
+/// Prompt chunks (more than one query per row) reach cuDNN with their mask and stay fused.
+/// cuDNN builds a plan for each new shape on its first call in a process (tens of
+/// milliseconds); reading small prompt steps explicitly, cheaper on a first call but slower
+/// after, did not shorten the first token, so what keeps new shapes away is a burst prefilled
+/// in one pass ([`crate::EngineConfig::arrival_window`]). Metal's vector kernel takes masks, so
+/// Metal and the CPU read fused.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SlotAttention {
@@ -101,8 +93,8 @@ pub enum SlotAttention {
 
 impl SlotAttention {
     /// Rows times capacity from which [`SlotAttention::Auto`] reads a CUDA decode step
-    /// explicitly: 128 rows of 512 positions, where the explicit read was faster (at 64 rows of
-    /// 512 the fused one was; H100, see above).
+    /// explicitly: 128 rows of 512 positions, where the explicit read is faster (at 64 rows of
+    /// 512 the fused one is: the step is bound by the host, see above).
     pub const EXPLICIT_FROM_POSITIONS: usize = 128 * 512;
 }
 

@@ -648,8 +648,8 @@ impl Attention {
             Qkv::Fused(proj) => {
                 let (nq, nkv) = (self.num_heads, self.num_kv_heads);
                 let all = proj.forward(x)?.reshape(&[batch, seq, nq + 2 * nkv, -1])?;
-                // Slices (views), as measured on the H100. A build using MLX's `split` here ended
-                // `perch bench --concurrency 8` there in cuDNN's teardown (one run, not isolated).
+                // Slices (views), not MLX's `split`: a build using `split` here once ended a run
+                // in cuDNN's teardown (not isolated).
                 let hd = all.shape()[3];
                 let part =
                     |from: i32, to: i32| slice(&all, &[0, 0, from, 0], &[batch, seq, to, hd]);
@@ -726,23 +726,20 @@ impl Attention {
 }
 
 /// Layers of a large batched prompt pass dispatched at a time ([`PREFILL_EVAL_TOKENS`] tokens or
-/// more), each part waited for once the next is dispatched: MLX keeps a graph's intermediate
-/// arrays alive until the device has run the command buffers holding them, so one evaluation
-/// of a whole pass over four rows of 2,048 tokens held every layer's projections, MLP
-/// activations and attention temporaries at once. H200, four 7,936-token prompts, peak memory
-/// and wall-clock prompt tok/s (two rounds each, README's GPU section): 1.07B Llama 15.3 GB and
-/// 109k in one evaluation, 10.6 GB and 97–101k in parts (7.3 GB and 99–104k waiting for each
-/// part before building the next, which leaves the device idle meanwhile); `gemma3_text-kv` 4.6–5.0 GB and
-/// 135–151k, 3.0 GB and 148–173k (2.2 GB and 118–121k).
+/// more), each part waited for once the next is dispatched (waiting before building the next
+/// would leave the device idle meanwhile): MLX keeps a graph's intermediate arrays alive until
+/// the device has run the command buffers holding them, so one evaluation of a whole pass over
+/// four rows of 2,048 tokens held every layer's projections, MLP activations and attention
+/// temporaries at once (in parts, a 1.07B Llama's peak over four 7,936-token prompts fell from
+/// 15.3 to 10.6 GB).
 const PREFILL_EVAL_LAYERS: usize = 4;
 
 /// Tokens (rows times chunk width) from which a batched prompt pass is evaluated
 /// [`PREFILL_EVAL_LAYERS`] layers at a time; smaller passes (short prompts) keep one
 /// evaluation, whose waits would cost more than their memory. One long prompt's 2,048-token
 /// chunks run in parts too: prefill passes are pipelined (`ModelRunner::prefill_step`), and a
-/// pass encoded whole while the one before still runs held both passes' temporaries (H100,
-/// 2026-11-26, one 7,936-token prompt on the 1.07B Llama: peak 5.4 GB waiting for each pass,
-/// 5.5–6.7 GB pipelined with the threshold at 4,096 tokens, 5.3–5.4 GB at 2,048).
+/// pass encoded whole while the one before still runs held both passes' temporaries (at 2,048
+/// tokens, a pipelined long prompt peaks no higher than one waited for pass by pass).
 const PREFILL_EVAL_TOKENS: usize = 2048;
 
 /// What mixes a block's positions: attention, or a Gated DeltaNet (hybrid models).

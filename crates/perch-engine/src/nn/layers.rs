@@ -264,16 +264,6 @@ impl QuantizedWeight {
     /// On MLX's CPU backend, 2/4/8-bit weights go through `perch_qgemm` (dequantize a cache-sized
     /// tile, float32 GEMM, all cores), because MLX's CPU `quantized_matmul` is scalar code whose
     /// cost grows with every row. This evaluates `x` first: the projection leaves MLX's lazy graph.
-    /// ms per call on the 2-core dev machine, 4-bit, group size 64. The MLX columns (MLX 0.32.2 +
-    /// OpenBLAS) and the `perch_qgemm` column (`cargo run --release -p perch-qgemm --example
-    /// qgemm_bench`) come from separate runs on a noisy machine (±30%), so read them as orders of
-    /// magnitude; the end-to-end comparisons against mlx_lm in one run are
-    /// `scripts/bench_vs_mlx_lm.py` and `scripts/bench_batch_vs_mlx_lm.py` (README).
-    ///
-    /// | weight | rows | MLX `quantized_matmul` | MLX `dequantize` + matmul | `perch_qgemm` |
-    /// |---|---|---|---|---|
-    /// | 1536x576 | 1 / 4 / 32 / 512 | 1.0 / 3.6 / 31 / 491 | 2.0 / 2.1 / 3.8 / 12 | 0.25 / 0.40 / 0.75 / 7.7 |
-    /// | 49152x576 (output projection) | 1 / 32 | 28 / 905 | 200 / 209 | 7 / 22 |
     ///
     /// Results differ from `quantized_matmul` by float32 rounding only; every parity test passes
     /// either way. Other backends and bit widths use MLX's `quantized_matmul`.
@@ -333,10 +323,9 @@ impl QuantizedWeight {
 }
 
 /// Whether quantized weights are dequantized at load and multiplied dense: on CUDA by default,
-/// where MLX 0.32.2's 4-bit kernels bound a batch's decode step (measured on an H100 with a
-/// random Llama 1.07B, 4-bit g64, mlx_lm's own batched forward: 59 ms a step at 128 rows, 4.9 ms
-/// with the same weights dequantized to bfloat16; a lone 2048x8192 projection 0.06 to 0.10 ms
-/// quantized, 0.04 to 0.05 ms dense at 1 to 128 rows), for 3.6x the weights' memory at 4 bits.
+/// where MLX 0.32.2's 4-bit kernels bound a batch's decode step (mlx_lm's own batched forward of
+/// a 1.07B Llama: 59 ms a step at 128 rows, 4.9 ms with the same weights dequantized to
+/// bfloat16), for 3.6x the weights' memory at 4 bits.
 /// On Metal MLX's quantized kernels are its best-tuned path and on CPU `perch_qgemm` is used:
 /// both keep the weights quantized. `PERCH_WEIGHTS=quantized` or `=dense` overrides the default
 /// (for benchmarks).
@@ -350,10 +339,8 @@ pub fn dense_weights() -> bool {
 
 /// Whether projections that read the same input (a layer's query/key/value projections, an
 /// MLP's gate and up projections) are fused at load into one matmul each ([`Linear::fuse`]): on
-/// GPUs, where a decode step is bound by the host launching its kernels. On an H100 with a random
-/// Llama 1.07B (dense bfloat16 weights), in one session: single stream 612 tok/s fused against
-/// 329 separate, 8 concurrent 1,875 against 1,171 (inter-token latency 3.8 ms against 6.3), 32
-/// concurrent 4,202 against 3,994 (`scripts/bench_gpu.py`). Not on CPU, where the projections are
+/// GPUs, where a decode step is bound by the host launching its kernels (a 1.07B Llama's single
+/// stream runs at about 1.9x the tok/s fused). Not on CPU, where the projections are
 /// arithmetic-bound and separate ones keep mlx_lm's exact numerics. `PERCH_FUSED_PROJECTIONS=1` or `=0` overrides the
 /// default (for tests and benchmarks).
 pub fn fused_projections() -> bool {
@@ -1273,7 +1260,7 @@ impl Mlp {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate_proj, up_proj } => (gate_proj.forward(x)?, up_proj.forward(x)?),
             GateUp::Fused(proj) => {
-                // Slices (views) of the last axis, as measured on the H100.
+                // Slices (views) of the last axis.
                 let both = proj.forward(x)?;
                 let shape = both.shape().to_vec();
                 let (last, half) = (shape.len() - 1, shape[shape.len() - 1] / 2);

@@ -7,11 +7,9 @@
 //!
 //! The token set is computed on the host from the token sampled last, so a constrained sequence
 //! is stepped with its previous token read first (the batch does not pipeline its steps while
-//! one is running; see [`crate::engine::batch`]). What that costs, measured with `perch bench
-//! --concurrency 32 --json-requests K` on an H100 (random Llama 1.07B, 128k-token vocabulary,
-//! 2026-11-24, two rounds): one constrained request among 32 took generation from 4,228–4,603
-//! to 3,488–3,881 tok/s (−16%; the step waits ~1 ms for the one before it), all 32 constrained
-//! to 1,722–1,794 tok/s (−60%; 16–17 ms a step, on the host: a mask per row per step).
+//! one is running; see [`crate::engine::batch`]). So one constrained request makes every step
+//! of its batch wait for the one before it, and each constrained row costs the host a token
+//! mask per step.
 
 use std::sync::Arc;
 

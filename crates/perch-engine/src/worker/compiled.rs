@@ -3,17 +3,12 @@
 //! building its graph op by op from Rust every step.
 //!
 //! Why: a decode step of a small model on a GPU is bound by the host, not the device (the step
-//! in flight finishes before the next is dispatched). On an H100 (random Llama 1.07B, bfloat16,
-//! slot caches of 512 positions, `async_eval` pipelining; a Python probe of the same graph) the
-//! compiled step took 2.1 ms at 1 row, 3.2 ms at 8 and 3.3–4.4 ms at 32, against 2.7–4.2, 3.9–5.6
-//! and 4.2–5.2 ms built op by op: MLX replays the traced graph in C++ and fuses its elementwise
-//! chains (SwiGLU's `silu(gate) * up`, the mask and softmax of an explicit read) into single
-//! kernels, so there is less to build and fewer kernels to launch
-//! (`scripts/probe_compiled_step.py`). In `perch bench` there (`--compile-decode`, rounds
-//! alternating): 128 concurrent 10,640–14,452 against 11,175–11,997 tok/s, 32 concurrent
-//! 4,148–4,713 against 3,590–4,930, 8 concurrent 1,488–2,192 against 1,250–1,696; building a
-//! step's graph fell from 1.1–1.7 to 0.5–1.1 ms. MLX's CUDA backend compiles fused kernels at run
-//! time (seconds, once per machine), which is why warm-up meets every read a run will use.
+//! in flight finishes before the next is dispatched). MLX replays the traced graph in C++ and
+//! fuses its elementwise chains (SwiGLU's `silu(gate) * up`, the mask and softmax of an explicit
+//! read) into single kernels, so there is less to build and fewer kernels to launch (a 1.07B
+//! Llama's step at one row: 2.1 ms compiled, 2.7 ms or more built op by op). MLX's CUDA backend
+//! compiles fused kernels at run time (seconds, once per machine), which is why warm-up meets
+//! every read a run will use.
 //!
 //! The function's inputs are the step's token ids, its arrays ([`SlotStep::arrays`]) and every
 //! layer's buffers; its outputs the logits and the updated buffers, which replace the cache's
