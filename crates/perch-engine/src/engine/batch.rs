@@ -1,17 +1,17 @@
 //! Continuous batching over a block-pool KV cache (mlx-lm's `BatchGenerator`: `insert`, `step`,
 //! `remove`; vLLM v1's scheduler for admission, prefix caching and preemption).
 //!
-//! Each step: admit waiting requests while the batch has room and the [`BlockPool`] has blocks
-//! for their prompts (reusing the longest cached prefix), run one prefill chunk for each of up to
+//! Each step: admit waiting requests while the batch has room and the block pool has blocks for
+//! their prompts (reusing the longest cached prefix), run one prefill pass over up to
 //! `prefill_batch_size` sequences still prefilling, then one batched decode step of every
 //! sequence whose prompt is in its cache. A sequence that needs a block when none is free
 //! preempts the newest running request, which goes back to the front of the queue and is
 //! recomputed later (mostly from the prefix cache, since its full blocks are published first).
-//! Those decisions are plain functions in [`perch_sched::scheduler`]; this module applies them to the
-//! sequences and the pool, and the model runner (`runner.rs`: forward passes, slot caches,
-//! sampling, the decode step in flight) executes the steps.
+//! Those decisions are plain functions in [`perch_sched::scheduler`]; this module applies them to
+//! the sequences and the pool, and the model runner (`worker::runner`: forward passes, slot
+//! caches, sampling, the decode step in flight) executes the steps.
 //!
-//! Sequences compute in the runner's slot caches (`slot_cache.rs`: a prefill one for prompt
+//! Sequences compute in the runner's slot caches (`kv::slot_cache`: a prefill one for prompt
 //! chunks, a decode one for a token per row), each row at its own positions, so a row of the
 //! batch computes what the sequence computes alone (see `kv_cache_manager.rs` for why the pool is
 //! not read on every step). The block tables account for that memory; full blocks are copied
@@ -20,11 +20,10 @@
 //! Inter-token latency: while any sequence is decoding, a step prefills at most
 //! `prefill_token_budget` prompt tokens in all (vLLM's chunked-prefill token budget), so a long
 //! prompt delays running streams by one such slice per token, never by the whole prompt; with
-//! nobody decoding, prefill runs in whole `prefill_step_size` chunks. On the 2-core dev machine
-//! with SmolLM2-135M, four 2048-token prompts arriving together: ITL p50 / p95 2.8 s / 4.9 s with
-//! the default budget of 256, against 0.43 s / 36.5 s with whole 2048-token chunks (as mlx_lm's
-//! `BatchGenerator` prefills). The bound is one decode step plus one budget-sized slice of prefill
-//! at the deepest context being prefilled.
+//! nobody decoding, prefill runs in whole `prefill_step_size` chunks. The bound on a running
+//! stream's wait is one decode step plus one budget-sized slice of prefill at the deepest context
+//! being prefilled (mlx_lm's `BatchGenerator` prefills whole 2,048-token chunks: on a CPU, a p95
+//! ITL seven times longer with four long prompts arriving).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -735,12 +734,9 @@ impl<'m> BatchGenerator<'m> {
     /// and none is waiting to be read, so a request that arrives waits one pass at most. An
     /// error drops the rest of the queue and is returned.
     ///
-    /// Why the decode shapes again: on an H200 (2026-11-26, `perch bench --concurrency 8`, 128
-    /// tokens, 1.07B Llama; the step time varies between processes there), decode steps after
-    /// the prefill passes alone took 3.3–4.2 ms in 7 of 10 processes (2.7–2.8 in the others);
-    /// with the decode shapes met last, 2.6–3.0 ms in 10 of 12 (without any prefill warm-up:
-    /// 2.5–2.8 ms in 9 of 14, 3.4–4.7 in the rest). Clearing MLX's buffer cache instead did not
-    /// help (3.8–4.0 ms).
+    /// Why the decode shapes again: on CUDA, decode steps run after the prefill passes alone were
+    /// often slower (by a third) than with the decode shapes met last; clearing MLX's buffer
+    /// cache instead did not help.
     pub fn warm_up_idle(&mut self) -> Result<()> {
         let Some(pass) = self.idle_warm_ups.pop_front() else {
             return Ok(());

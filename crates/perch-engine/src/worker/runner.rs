@@ -304,13 +304,10 @@ impl<'m> ModelRunner<'m> {
     /// copies a pass's blocks into the prefix cache ([`ModelRunner::end_prefill_step`] after
     /// them) and builds the next pass while the device runs it; the next pass waits for this
     /// one before it dispatches anything ([`SlotKvCache::wait_for_pass_in_flight`], inside
-    /// the forward for a pass run in parts), so at most one pass is in flight. On an H100
-    /// (2026-11-26, `perch bench`, 7,936-token prompts, two rounds each, before the copies per
-    /// chunk of `batch::PUBLISH_RUN_TOKENS`), one prompt's prefill 93–126k tok/s waiting for
-    /// each pass against 109–157k pipelined (1.07B Llama, `gemma3_text-kv`), four prompts
-    /// 115–190k against 130–245k. Dispatching the next pass before the last one was done
-    /// (without that wait) raised the Llama's peak by 1.7 GB in some runs: its writes copied
-    /// the buffers the pass in flight still read.
+    /// the forward for a pass run in parts), so at most one pass is in flight: pipelined, long
+    /// prompts prefill about a quarter faster on a GPU than waiting for each pass, and a pass
+    /// dispatched before the last one was done would copy the buffers that one still reads
+    /// instead of writing them in place (gigabytes more at the peak).
     pub fn prefill_step(&mut self, chunks: &[&[u32]], width: usize) -> Result<()> {
         let mut ids = vec![0u32; self.slots.prefill.rows() * width];
         for (row, chunk) in chunks.iter().enumerate() {
