@@ -103,6 +103,42 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
     }
 }
 
+#[derive(serde::Deserialize)]
+struct BoundedCase {
+    prompt: Vec<u32>,
+    max_kv_size: usize,
+    ids: Vec<u32>,
+    plain_ids: Vec<u32>,
+}
+
+/// `max_kv_size` on the test model (a Llama) with prompts longer than the bound, greedy: the ids
+/// of mlx_lm's `RotatingKVCache(max_size, keep=4)` layers (`tests/oracle/kv_bounded_llama.py`
+/// builds them: mlx_lm's own `make_prompt_cache` ignores the bound for Llama, whose model makes
+/// plain caches), and not the plain cache's (the bound took effect).
+#[test]
+fn max_kv_size_on_llama_matches_mlx_lm_rotating_caches() {
+    let dir = common::model_dir();
+    let json = common::run_oracle("kv_bounded_llama.py", &[dir.to_str().unwrap()]);
+    let cases: Vec<BoundedCase> = serde_json::from_str(&json).unwrap();
+    assert_eq!(cases.len(), 2);
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    for case in &cases {
+        let n = case.prompt.len();
+        assert!(n > case.max_kv_size, "a prompt longer than the bound");
+        let mut request = GenerateRequest::new(case.prompt.clone());
+        request.max_tokens = case.ids.len();
+        request.ignore_eos = true;
+        request.max_kv_size = Some(case.max_kv_size);
+        let output = generate(model.as_ref(), &tokenizer, &request, |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        assert_eq!(output.token_ids, case.ids, "{n}-token prompt");
+        assert_ne!(case.ids, case.plain_ids, "{n}-token prompt: the bound changed nothing");
+    }
+}
+
 #[test]
 fn kv_cache_options_are_checked() {
     let dir = common::model_dir();

@@ -216,13 +216,6 @@ fn buckets_up_to(from: usize, to: usize, bucket: impl Fn(usize) -> usize) -> Vec
     buckets
 }
 
-/// The running sequences that decode this step: those whose prompt is cached, in order.
-pub fn decode_ready(running: &[Progress]) -> Vec<usize> {
-    (0..running.len())
-        .filter(|&i| running[i].prefill_done())
-        .collect()
-}
-
 /// What to do when a decoding sequence finds no free block for its next token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WhenShort {
@@ -463,17 +456,6 @@ mod tests {
         assert!(decode_warm_up_positions(256).is_empty());
         // Buckets past the bound are left out.
         assert_eq!(decode_warm_up_positions(600), [511]);
-    }
-
-    #[test]
-    fn decoding_sequences_are_those_with_a_cached_prompt() {
-        let running = [
-            decoding(5),
-            prefilling(9, 3, 4),
-            decoding(7),
-            prefilling(1, 0, 4),
-        ];
-        assert_eq!(decode_ready(&running), [0, 2, 3]);
     }
 
     #[test]

@@ -7,9 +7,11 @@
 //! sequence whose prompt is in its cache. A sequence that needs a block when none is free
 //! preempts the newest running request, which goes back to the front of the queue and is
 //! recomputed later (mostly from the prefix cache, since its full blocks are published first).
-//! Those decisions are plain functions in [`perch_sched::scheduler`]; this module applies them to
-//! the sequences and the pool, and the model runner (`worker::runner`: forward passes, slot
-//! caches, sampling, the decode step in flight) executes the steps.
+//! Those decisions are plain functions in [`perch_sched::scheduler`]; after admission, a step's
+//! prefill and decode are one value, a [`StepPlan`] ([`perch_sched::plan::plan_step`], vLLM v1's
+//! `SchedulerOutput`), which this module executes through the model runner (`worker::runner`:
+//! forward passes, slot caches, sampling, the decode step in flight) and joins with the
+//! sequences, the block pool and the prefix cache.
 //!
 //! Sequences compute in the runner's slot caches (`kv::slot_cache`: a prefill one for prompt
 //! chunks, a decode one for a token per row), each row at its own positions, so a row of the
@@ -54,6 +56,7 @@ use perch_sched::block_pool::{BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
 use perch_sched::scheduler;
+use perch_sched::plan::{self, SlotKind, StepLimits, StepPlan};
 use perch_sched::scheduler::{PrefillShape, Progress, WhenShort};
 use perch_sched::throughput::ThroughputWindow;
 
@@ -676,8 +679,9 @@ impl<'m> BatchGenerator<'m> {
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
         let start = Instant::now();
         self.admit()?;
-        self.prefill()?;
-        let events = self.decode();
+        let plan = plan::plan_step(&self.planned(), &self.step_limits());
+        self.prefill(&plan)?;
+        let events = self.decode(&plan);
         self.times.steps += 1;
         self.times.step_seconds += start.elapsed().as_secs_f64();
         events
@@ -861,88 +865,74 @@ impl<'m> BatchGenerator<'m> {
         Ok(())
     }
 
-    /// Every running sequence's progress, in order.
-    fn progress(&self) -> Vec<Progress> {
-        self.running.iter().map(Sequence::progress).collect()
+    /// The running sequences as the scheduler plans a step for them, in order.
+    fn planned(&self) -> Vec<plan::Running> {
+        self.running
+            .iter()
+            .map(|seq| plan::Running {
+                id: seq.id,
+                progress: seq.progress(),
+                slot: match seq.slot {
+                    None => SlotKind::None,
+                    Some(Slot::Prefill(_)) => SlotKind::Prefill,
+                    Some(Slot::Decode(_)) => SlotKind::Decode,
+                },
+                scored: seq.scored(),
+                branch_at: seq.branch_at,
+            })
+            .collect()
     }
 
-    /// One prefill chunk for each sequence in a prefill slot, within `prefill_token_budget`
-    /// tokens in all while some sequence is decoding: sequences still prefilling take a prefill
-    /// slot (up to `prefill_batch_size` of them, oldest first) and keep it until their prompt is
-    /// cached; every slot's next chunk runs in one forward pass, padded to a bucketed length
-    /// ([`scheduler::prefill_chunk_bucket`]). Each row's chunk is at most its request's
-    /// `prefill_step_size` and the budget's share per row, and never wider than the budget, even
-    /// with no sequence decoding: the slot caches' rings are sized by it
-    /// ([`scheduler::plan_slot_chunks`]). A hybrid model's chunks end on block boundaries, where
-    /// the prefix cache keeps recurrent states ([`scheduler::align_chunk_to_block`]).
-    fn prefill(&mut self) -> Result<()> {
-        let progress = self.progress();
-        let entering = scheduler::take_prefill_slots(
-            &progress,
-            |i| self.running[i].slot.is_some(),
-            self.runner.prefill_slots(),
-            self.config.prefill_batch_size,
-            self.config
-                .prefill_fits_budget
-                .then_some(self.config.prefill_token_budget),
-        );
-        for i in entering {
+    /// The limits [`plan::plan_step`] plans within.
+    fn step_limits(&self) -> StepLimits {
+        StepLimits {
+            prefill_batch_size: self.config.prefill_batch_size,
+            prefill_token_budget: self.config.prefill_token_budget,
+            prefill_fits_budget: self.config.prefill_fits_budget,
+            block_size: self.config.block_size,
+            align_chunks_to_blocks: self.store.has_recurrent_layers(),
+        }
+    }
+
+    /// The index of running request `id`, if it still runs.
+    fn position(&self, id: RequestId) -> Option<usize> {
+        self.running.iter().position(|s| s.id == id)
+    }
+
+    /// Runs the plan's prefill: its sequences entering take a prefill slot, and every slot's
+    /// chunk runs in one forward pass padded to the plan's width (`ModelRunner::prefill_step`);
+    /// then the pass's full blocks are published to the prefix cache (not waited for), and a
+    /// hybrid sequence that reached its `branch_at` leaves its recurrent states in the block
+    /// that ends there.
+    fn prefill(&mut self, plan: &StepPlan) -> Result<()> {
+        for &id in &plan.enter_prefill {
+            let i = self.position(id).expect("planned from the running");
             let seq = &mut self.running[i];
             seq.slot = Some(self.runner.enter_prefill(&seq.cache, seq.computed)?);
             seq.cache = Vec::new();
         }
-        if self.runner.prefill_slots() == 0 {
+        let Some(pass) = &plan.prefill else {
             return Ok(());
+        };
+        // The chunk of each prefill slot (empty for a free one).
+        let mut tokens: Vec<&[u32]> = vec![&[][..]; self.runner.prefill_slot_span()];
+        for &(id, chunk) in &pass.chunks {
+            let seq = &self.running[self.position(id).expect("planned from the running")];
+            let Some(Slot::Prefill(row)) = seq.slot else {
+                unreachable!("a sequence in the prefill pass is in a prefill slot")
+            };
+            tokens[row] = &seq.tokens[seq.computed..seq.computed + chunk];
         }
-        // The running sequence in each prefill slot (`None`: a free slot).
-        let mut slots: Vec<Option<usize>> = vec![None; self.runner.prefill_slot_span()];
-        for (i, seq) in self.running.iter().enumerate() {
-            if let Some(Slot::Prefill(row)) = seq.slot {
-                slots[row] = Some(i);
-            }
-        }
-        let members: Vec<usize> = slots.iter().flatten().copied().collect();
-        let budget = scheduler::prefill_budget(&progress, self.config.prefill_token_budget);
-        let row_progress: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
-        let mut chunks = scheduler::plan_slot_chunks(
-            &row_progress,
-            budget,
-            self.config.prefill_token_budget.max(1),
-        );
-        let hybrid = self.store.has_recurrent_layers();
-        if hybrid {
-            let block_size = self.config.block_size;
-            for (chunk, &i) in chunks.iter_mut().zip(&members) {
-                let seq = &self.running[i];
-                *chunk = scheduler::align_chunk_to_block(seq.computed, *chunk, block_size);
-                if let Some(at) = seq.branch_at.filter(|&at| seq.computed < at) {
-                    *chunk = (*chunk).min(at - seq.computed);
-                }
-            }
-        }
-        let width =
-            perch_sched::shapes::prefill_chunk_bucket(chunks.iter().copied().max().unwrap_or(1));
-        // Members and their chunks come in slot order.
-        let mut chunk = chunks.iter();
-        let tokens: Vec<&[u32]> = slots
-            .iter()
-            .map(|member| match member {
-                Some(i) => {
-                    let seq = &self.running[*i];
-                    let len = *chunk.next().expect("a chunk per member");
-                    &seq.tokens[seq.computed..seq.computed + len]
-                }
-                None => &[][..],
-            })
-            .collect();
         let start = Instant::now();
-        self.runner.prefill_step(&tokens, width)?;
+        self.runner.prefill_step(&tokens, pass.width)?;
         self.times.prefill_seconds += start.elapsed().as_secs_f64();
-        self.times.prefill_tokens += chunks.iter().sum::<usize>() as u64;
+        self.times.prefill_tokens += pass.num_tokens() as u64;
         self.times.prefill_passes += 1;
-        self.prompt_throughput.record(chunks.iter().sum());
+        self.prompt_throughput.record(pass.num_tokens());
         let start = Instant::now();
-        for (&i, &chunk) in members.iter().zip(&chunks) {
+        let hybrid = self.store.has_recurrent_layers();
+        for &(id, chunk) in &pass.chunks {
+            let i = self.position(id).expect("planned from the running");
             let seq = &mut self.running[i];
             seq.computed += chunk;
             // Not waited for: the copies follow the pass in flight (see `prefill_step`).
@@ -969,25 +959,26 @@ impl<'m> BatchGenerator<'m> {
     /// device. Each first gets a slot for the token it feeds, preempting the newest sequences
     /// when the pool is short. Returns the previous step's tokens and finished requests: a
     /// sequence that finished there also ran in this step, whose row is dropped unread.
-    fn decode(&mut self) -> Result<Vec<BatchEvent>> {
+    fn decode(&mut self, plan: &StepPlan) -> Result<Vec<BatchEvent>> {
         let mut events = Vec::new();
-        let mut i = 0;
-        while i < self.running.len() {
-            if !self.running[i].prefill_done() || self.running[i].scored() {
-                i += 1;
+        let mut k = 0;
+        while k < plan.decode.len() {
+            // Preempted or finished since the plan was made: it does not decode.
+            let Some(i) = self.position(plan.decode[k]) else {
+                k += 1;
                 continue;
-            }
+            };
             // The fed token's slot; the sampled token gets its slot at the next step.
             let (id, held) = (self.running[i].id, self.running[i].computed);
             if allocate(&mut self.kv, &mut self.store, id, held, 1, None) {
-                i += 1;
+                k += 1;
                 continue;
             }
             match scheduler::when_short(self.running.len(), self.runner.has_in_flight()) {
                 WhenShort::ReadInFlight => {
                     // Then allocate again from the start (allocation is idempotent).
                     self.read_in_flight(&mut events)?;
-                    i = 0;
+                    k = 0;
                 }
                 WhenShort::FinishAlone => {
                     let seq = self.running.remove(0);
@@ -1002,12 +993,12 @@ impl<'m> BatchGenerator<'m> {
             }
         }
 
-        let mut ready = self.decode_ready();
+        let mut ready = self.decode_rows(plan);
         // A constrained sequence's next mask needs its last token on the host: the step in
         // flight is read first (no pipelining while one runs; see `crate::sample::grammar`).
         if self.runner.has_in_flight() && ready.iter().any(|&i| self.running[i].grammar.is_some()) {
             self.read_in_flight(&mut events)?;
-            ready = self.decode_ready();
+            ready = self.decode_rows(plan);
         }
         if ready.is_empty() {
             self.read_in_flight(&mut events)?;
@@ -1080,12 +1071,10 @@ impl<'m> BatchGenerator<'m> {
         Ok(events)
     }
 
-    /// The running sequences that decode this step (prompt cached, not a scored call waiting).
-    fn decode_ready(&self) -> Vec<usize> {
-        scheduler::decode_ready(&self.progress())
-            .into_iter()
-            .filter(|&i| !self.running[i].scored())
-            .collect()
+    /// The indices of the plan's decode rows still running (in order: the plan's rows follow the
+    /// running sequences' order, which removals keep).
+    fn decode_rows(&self, plan: &StepPlan) -> Vec<usize> {
+        plan.decode.iter().filter_map(|&id| self.position(id)).collect()
     }
 
     /// Moves every ready sequence not decoding in a slot yet into the decode slot cache: from its

@@ -275,11 +275,6 @@ impl<'m> ModelRunner<'m> {
         self.slots.get(slot)
     }
 
-    /// Prefill slots occupied.
-    pub fn prefill_slots(&self) -> usize {
-        self.slots.prefill.len()
-    }
-
     /// Positions a decoding sequence's sliding layers hold in the decode slot cache's rings (the
     /// window, a block and bucket rounding); `None` without sliding layers.
     pub fn decode_ring_positions(&self) -> Option<usize> {
