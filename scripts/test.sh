@@ -46,8 +46,9 @@ set +e
 # Build first: the test inputs are imported with the `perch` this builds.
 cargo test --workspace --no-run "$@" && PERCH_BIN="${CARGO_TARGET_DIR:-target}/debug/perch" bash scripts/test-inputs.sh >/dev/null
 status=$?
+# The test binaries run two at a time on two cores (scripts/run-tests.sh), each one's output whole.
 if [ "$status" = 0 ]; then
-  cargo test --workspace "$@" 2>&1 | tee "$log"
+  bash scripts/run-tests.sh --workspace "$@" 2>&1 | tee "$log"
   status=${PIPESTATUS[0]}
 fi
 # The app in its real web view (Xvfb, tauri-driver), on the binary cargo test just built.
