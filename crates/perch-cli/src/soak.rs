@@ -255,6 +255,13 @@ pub fn run(args: SoakArgs) -> anyhow::Result<()> {
             .join()
             .map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
     }
+    // Each client ends the request it had when time ran out: these are all of them.
+    println!(
+        "requests: {} finished, {} cancelled, {} errors",
+        counters.finished.load(Ordering::Relaxed),
+        counters.cancelled.load(Ordering::Relaxed),
+        counters.errors.load(Ordering::Relaxed),
+    );
 
     // Flatness: the run's second half (the prefix cache fills its share of the pool in the
     // first); the KV bound: the peak above what the model held after loading, against the
