@@ -135,7 +135,10 @@ fn max_kv_size_on_llama_matches_mlx_lm_rotating_caches() {
         })
         .unwrap();
         assert_eq!(output.token_ids, case.ids, "{n}-token prompt");
-        assert_ne!(case.ids, case.plain_ids, "{n}-token prompt: the bound changed nothing");
+        assert_ne!(
+            case.ids, case.plain_ids,
+            "{n}-token prompt: the bound changed nothing"
+        );
     }
 }
 

@@ -52,7 +52,7 @@ fn code(path: &Path) -> String {
 fn strip(text: &str) -> String {
     let text = match text.find("#[cfg(test)]\nmod tests") {
         Some(at) => &text[..at],
-        None => &text[..],
+        None => text,
     };
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();

@@ -246,7 +246,13 @@ mod tests {
         };
         // 0..100 of a 200-token prompt alone: 100 tokens stop at 96, the last boundary crossed.
         let mut first = row(1, 200, 0, SlotKind::Prefill);
-        let plan = plan_step(&[first], &StepLimits { prefill_token_budget: 100, ..limits });
+        let plan = plan_step(
+            &[first],
+            &StepLimits {
+                prefill_token_budget: 100,
+                ..limits
+            },
+        );
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 96)]);
         // Recomputing shared blocks up to 40: the chunk stops there.
         first.progress.num_computed = 16;

@@ -55,8 +55,8 @@ use crate::worker::runner::{DecodeRow, ModelRunner, Slot};
 use perch_sched::block_pool::{BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
-use perch_sched::scheduler;
 use perch_sched::plan::{self, SlotKind, StepLimits, StepPlan};
+use perch_sched::scheduler;
 use perch_sched::scheduler::{PrefillShape, Progress, WhenShort};
 use perch_sched::throughput::ThroughputWindow;
 
@@ -1039,7 +1039,7 @@ impl<'m> BatchGenerator<'m> {
             let block_size = self.config.block_size;
             for &i in &ready {
                 let seq = &mut self.running[i];
-                if seq.computed % block_size == 0 {
+                if seq.computed.is_multiple_of(block_size) {
                     let slot = seq.slot.expect("a decoding sequence is in a slot");
                     let states = slot_states(&self.runner, slot)?;
                     async_eval(states.iter().flatten())?;
@@ -1074,7 +1074,10 @@ impl<'m> BatchGenerator<'m> {
     /// The indices of the plan's decode rows still running (in order: the plan's rows follow the
     /// running sequences' order, which removals keep).
     fn decode_rows(&self, plan: &StepPlan) -> Vec<usize> {
-        plan.decode.iter().filter_map(|&id| self.position(id)).collect()
+        plan.decode
+            .iter()
+            .filter_map(|&id| self.position(id))
+            .collect()
     }
 
     /// Moves every ready sequence not decoding in a slot yet into the decode slot cache: from its
