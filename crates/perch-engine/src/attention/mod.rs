@@ -85,6 +85,62 @@ impl CachedKv {
             },
         }
     }
+
+    /// Each array (keys and values, or each of their quantized parts) through `f`.
+    pub(crate) fn map(self, f: impl Fn(Array) -> Result<Array>) -> Result<Self> {
+        Ok(match self {
+            CachedKv::Dense { keys, values } => CachedKv::Dense {
+                keys: f(keys)?,
+                values: f(values)?,
+            },
+            CachedKv::Quantized {
+                keys: [kw, ks, kb],
+                values: [vw, vs, vb],
+                quantization,
+            } => CachedKv::Quantized {
+                keys: [f(kw)?, f(ks)?, f(kb)?],
+                values: [f(vw)?, f(vs)?, f(vb)?],
+                quantization,
+            },
+        })
+    }
+}
+
+/// Attention of `queries` over what a cache holds, in its format: MLX's fused attention for dense
+/// keys and values, [`quantized_scaled_dot_product_attention`] for quantized ones. Shapes and
+/// `sinks` as [`masked_attention`]'s.
+pub fn cached_attention(
+    queries: &Array,
+    cached: CachedKv,
+    scale: f32,
+    mask: KvMask,
+    sinks: Option<&Array>,
+) -> Result<Array> {
+    match cached {
+        CachedKv::Dense { keys, values } => {
+            let mask = match mask {
+                KvMask::None => None,
+                KvMask::Causal => Some(ScaledDotProductAttentionMask::Causal),
+                KvMask::Array(mask) => Some(ScaledDotProductAttentionMask::Array(mask)),
+            };
+            Ok(scaled_dot_product_attention(
+                queries, &keys, &values, scale, mask, sinks,
+            )?)
+        }
+        CachedKv::Quantized {
+            keys,
+            values,
+            quantization,
+        } => quantized_scaled_dot_product_attention(
+            queries,
+            &keys,
+            &values,
+            scale,
+            quantization,
+            mask,
+            sinks,
+        ),
+    }
 }
 
 /// What one attention layer reads besides its queries, keys and values.
@@ -364,19 +420,7 @@ pub fn masked_attention(
                 |[w, s, b]: [Array; 3]| ops::dequantize(&w, &s, &b, q.group_size, q.bits);
             dense(&dequantized(keys)?, &dequantized(values)?)
         }
-        CachedKv::Quantized {
-            keys,
-            values,
-            quantization,
-        } => quantized_scaled_dot_product_attention(
-            queries,
-            &keys,
-            &values,
-            scale,
-            quantization,
-            KvMask::Array(mask),
-            sinks,
-        ),
+        quantized => cached_attention(queries, quantized, scale, KvMask::Array(mask), sinks),
     }
 }
 

@@ -12,9 +12,7 @@
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array};
 
-use crate::attention::{
-    quantized_scaled_dot_product_attention, window_mask, AttentionSpec, KvMask,
-};
+use crate::attention::{cached_attention, window_mask, AttentionSpec, KvMask};
 pub use crate::attention::{CachedKv, KvQuantization};
 use crate::error::{EngineError, Result};
 use crate::nn::mlx_ext::{owned_copy, slice, slice_update};
@@ -414,60 +412,20 @@ impl KvCache {
                     .then(|| window_mask(offset, seq, start, window))
                     .transpose()?;
                 let skip = start - self.base;
-                let from = |a: Array| -> Result<Array> {
+                let cached = cached.map(|a| {
                     let s = a.shape();
                     Ok(slice(&a, &[0, 0, skip, 0], &[s[0], s[1], s[2], s[3]])?)
-                };
-                let cached = match cached {
-                    CachedKv::Dense { keys, values } => CachedKv::Dense {
-                        keys: from(keys)?,
-                        values: from(values)?,
-                    },
-                    CachedKv::Quantized {
-                        keys: [kw, ks, kb],
-                        values: [vw, vs, vb],
-                        quantization,
-                    } => CachedKv::Quantized {
-                        keys: [from(kw)?, from(ks)?, from(kb)?],
-                        values: [from(vw)?, from(vs)?, from(vb)?],
-                        quantization,
-                    },
-                };
+                })?;
                 (cached, mask.map(KvMaskOwned::Array))
             }
             None => (cached, causal.then_some(KvMaskOwned::Causal)),
         };
-        match cached {
-            CachedKv::Dense { keys, values } => {
-                let mask = match &mask {
-                    Some(KvMaskOwned::Array(mask)) => {
-                        Some(ScaledDotProductAttentionMask::Array(mask))
-                    }
-                    Some(KvMaskOwned::Causal) => Some(ScaledDotProductAttentionMask::Causal),
-                    None => None,
-                };
-                Ok(scaled_dot_product_attention(
-                    queries, &keys, &values, spec.scale, mask, spec.sinks,
-                )?)
-            }
-            CachedKv::Quantized {
-                keys,
-                values,
-                quantization,
-            } => quantized_scaled_dot_product_attention(
-                queries,
-                &keys,
-                &values,
-                spec.scale,
-                quantization,
-                match &mask {
-                    Some(KvMaskOwned::Array(mask)) => KvMask::Array(mask),
-                    Some(KvMaskOwned::Causal) => KvMask::Causal,
-                    None => KvMask::None,
-                },
-                spec.sinks,
-            ),
-        }
+        let mask = match &mask {
+            Some(KvMaskOwned::Array(mask)) => KvMask::Array(mask),
+            Some(KvMaskOwned::Causal) => KvMask::Causal,
+            None => KvMask::None,
+        };
+        cached_attention(queries, cached, spec.scale, mask, spec.sinks)
     }
 
     /// Every held position, as [`KvCache::update_and_fetch`] returns them, without appending
