@@ -22,6 +22,40 @@ use crate::block_pool::{full_block_hashes, BlockHash, BlockId, BlockPool};
 /// Identifies a request inside the engine.
 pub type RequestId = u64;
 
+/// What the prefix cache's blocks hold besides their hashes, as allocation and admission need to
+/// know it (the engine's `kv::BlockStore`, which keeps the KV content): for models with bounded
+/// layers (sliding windows, recurrent states), which blocks still hold those layers' parts, the
+/// pins and least-recently-used order that decide which are dropped, and the pool blocks those
+/// parts are charged. A model without bounded layers answers trivially (every hit block usable,
+/// nothing held, nothing to drop).
+pub trait BlockContents {
+    /// How many leading blocks of a prefix hit `blocks` a sequence can start after, loading
+    /// what its layers read.
+    fn usable_blocks(&self, blocks: &[BlockId], block_size: usize) -> usize;
+    /// The blocks of `blocks` (a hit's, from the first) whose bounded parts a hit ending after
+    /// them reads.
+    fn read_by_hit<'a>(&self, blocks: &'a [BlockId], block_size: usize) -> &'a [BlockId];
+    /// Keeps the bounded parts of `ids` from being dropped until as many unpins.
+    fn pin(&mut self, ids: &[BlockId]);
+    /// Undoes a pin of `ids`.
+    fn unpin(&mut self, ids: &[BlockId]);
+    /// Whether some layer is recurrent (hits end at a block that holds the states).
+    fn has_recurrent_layers(&self) -> bool;
+    /// Drops the content of block `id`: the pool handed it out again.
+    fn clear(&mut self, id: BlockId);
+    /// Drops the least recently used unpinned block's bounded parts; false when none is left.
+    fn drop_least_recent(&mut self) -> bool;
+    /// Pool blocks held for the bounded parts.
+    fn held_blocks(&self) -> usize;
+    /// How many more pool blocks the bounded parts need (`> 0`), or how many of those held
+    /// they no longer need (`< 0`).
+    fn blocks_to_charge(&self) -> isize;
+    /// Adds `ids`, taken from the pool, to the blocks held for the bounded parts.
+    fn hold_blocks(&mut self, ids: Vec<BlockId>);
+    /// Gives up `n` of the blocks held for the bounded parts, to return to the pool.
+    fn release_blocks(&mut self, n: usize) -> Vec<BlockId>;
+}
+
 /// Blocks found in the prefix cache for a prompt, and how many tokens they hold.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ComputedBlocks {
@@ -249,6 +283,70 @@ impl KvCacheManager {
         }
         entry.blocks.extend(fresh);
         Some(&entry.blocks)
+    }
+
+    /// [`KvCacheManager::allocate_slots`] that makes room first by dropping the prefix cache's
+    /// bounded parts, least recently used first, while the pool is short; blocks handed out
+    /// lose the content they cached (`contents.clear`). Returns false, changing no block
+    /// table, when the pool is short even so.
+    pub fn allocate(
+        &mut self,
+        contents: &mut impl BlockContents,
+        request: RequestId,
+        num_computed: usize,
+        num_new_tokens: usize,
+        hit: Option<&ComputedBlocks>,
+    ) -> bool {
+        let held = self.block_table(request).map_or(0, <[BlockId]>::len)
+            + hit.map_or(0, |h| h.blocks.len());
+        let window_held = self.window_blocks(request).len();
+        while self
+            .allocate_slots(request, num_computed, num_new_tokens, hit)
+            .is_none()
+        {
+            // (Only parts that hold pool blocks: a hybrid model's states have a budget apart.)
+            if contents.held_blocks() == 0 || !contents.drop_least_recent() {
+                return false;
+            }
+            self.charge_pool(contents);
+        }
+        for &id in &self.block_table(request).expect("just allocated")[held..] {
+            contents.clear(id);
+        }
+        for &id in &self.window_blocks(request)[window_held..] {
+            contents.clear(id);
+        }
+        // Blocks handed out may have held sliding layers' KV: fewer blocks are charged for it.
+        self.charge_pool(contents);
+        true
+    }
+
+    /// Takes from the pool, or gives back, the blocks the prefix cache's bounded parts are
+    /// charged ([`BlockContents::blocks_to_charge`]); when the pool has too few free blocks,
+    /// the least recently used parts are dropped until it has enough.
+    pub fn charge_pool(&mut self, contents: &mut impl BlockContents) {
+        loop {
+            let more = contents.blocks_to_charge();
+            if more <= 0 {
+                self.give_back_blocks(contents.release_blocks(more.unsigned_abs()));
+                return;
+            }
+            match self.take_blocks(more as usize) {
+                Some(ids) => {
+                    // Cached blocks evicted for them lose their content (and maybe some parts,
+                    // so fewer blocks are needed: the loop gives those back).
+                    for &id in &ids {
+                        contents.clear(id);
+                    }
+                    contents.hold_blocks(ids);
+                }
+                None => {
+                    if !contents.drop_least_recent() {
+                        return;
+                    }
+                }
+            }
+        }
     }
 
     /// Registers the blocks of `request` that `tokens[..num_computed]` has filled, so later

@@ -1,13 +1,14 @@
-//! One step of the batch as a value (vLLM v1's `SchedulerOutput`): from the running sequences
-//! as the scheduler sees them ([`Running`]), [`plan_step`] decides which sequences take a
-//! prefill slot, the chunk each prefilling sequence computes in this step's one prefill pass and
-//! its padded width, and which sequences decode. The engine's batch executes the plan (its model
-//! runner runs the pass and the decode step) and reports the tokens back; admission and
-//! preemption ([`crate::scheduler::admit`], [`crate::scheduler::when_short`]) are decided where
-//! the block pool is consulted, before and while the plan's decode rows get their blocks.
+//! One step of the batch as a value (vLLM v1's `SchedulerOutput`). [`schedule`] makes every
+//! decision of a step before anything runs: the decode rows' blocks for their next token (the
+//! newest sequence preempted when the pool is short), the waiting requests admitted with the
+//! prefix-cache blocks each loads, then [`plan_step`]: which sequences take a prefill slot, the
+//! chunk each prefilling sequence computes in the step's one prefill pass and its padded width,
+//! and which sequences decode. The engine's batch executes the plan (loads, the pass, the decode
+//! step through its model runner) and reports the tokens back.
 
-use crate::kv_cache_manager::RequestId;
-use crate::scheduler::{self, Progress};
+use crate::block_pool::BlockId;
+use crate::kv_cache_manager::{BlockContents, ComputedBlocks, KvCacheManager, RequestId};
+use crate::scheduler::{self, Progress, WhenShort};
 
 /// Which of the batch's slot caches a running sequence computes in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -38,6 +39,8 @@ pub struct Running {
 /// The limits a step is planned within (the engine's `BatchConfig`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StepLimits {
+    /// Most sequences running (admitted) at once.
+    pub max_running: usize,
     /// Most sequences in prefill slots (mlx-lm's `prefill_batch_size`).
     pub prefill_batch_size: usize,
     /// While some sequence decodes, the most prompt tokens one step prefills; also the widest
@@ -76,17 +79,176 @@ impl PrefillPass {
     }
 }
 
+/// A waiting request as the scheduler sees it (queue order: new requests and preempted ones
+/// back at the front).
+#[derive(Clone, Copy, Debug)]
+pub struct Waiting<'a> {
+    pub id: RequestId,
+    /// What its KV cache must hold up to the last one: the prompt, then the tokens generated
+    /// before a preemption.
+    pub tokens: &'a [u32],
+    /// Its request's prefill chunk size.
+    pub prefill_step_size: usize,
+    /// For a request that continues from a private prefix state (a prompt-cache file without
+    /// token ids): the prefix's length. It starts after it and never looks up the prefix cache.
+    pub preloaded: Option<usize>,
+}
+
+/// A request admitted in a step, and what it starts from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Admission {
+    pub id: RequestId,
+    /// Its whole prefix-cache hit (its block table's first blocks).
+    pub hit: ComputedBlocks,
+    /// The leading blocks of `hit` it loads ([`BlockContents::usable_blocks`]); it shares the
+    /// others and recomputes them.
+    pub load: usize,
+    /// Blocks whose bounded parts it pins while it runs ([`BlockContents::read_by_hit`]).
+    pub pinned: Vec<BlockId>,
+    /// Whether it then extends the loaded blocks with a kept partial block (a tail of an earlier
+    /// sequence's KV, looked up by its tokens).
+    pub tail: bool,
+    /// Tokens in its cache when it starts: the loaded blocks, then the tail or its preloaded
+    /// prefix.
+    pub num_computed: usize,
+    /// See [`Running::branch_at`].
+    pub branch_at: Option<usize>,
+}
+
+/// What [`schedule`] decides.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// A decode row is short of blocks while a decode step is in flight: read that step (its
+    /// tokens may finish sequences, freeing blocks, and a sequence about to be preempted must
+    /// not lose its last token), then schedule again.
+    ReadInFlight,
+    /// Preempt this running sequence (the newest): free its blocks (full ones stay cached) and
+    /// put it back at the front of the waiting queue; then schedule again, admitting nobody.
+    Preempt(RequestId),
+    /// This sequence is alone and still short of blocks (the insert-time capacity check makes
+    /// this unreachable): it finishes as if it reached its length; then schedule again.
+    FinishOutOfBlocks(RequestId),
+    /// The step to run.
+    Run(StepPlan),
+}
+
+/// The batch as [`schedule`] sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch<'a> {
+    /// Running sequences, oldest first.
+    pub running: &'a [Running],
+    pub waiting: &'a [Waiting<'a>],
+    /// Whether a decode step's tokens are not read yet.
+    pub step_in_flight: bool,
+    /// Whether waiting requests may be admitted (not in a step that preempted).
+    pub admit: bool,
+}
+
+/// Decides a step, vLLM v1's order: first every running sequence whose prompt is cached gets a
+/// block for the token it feeds, oldest first ([`KvCacheManager::allocate`]); a row the pool is
+/// short for asks to read the step in flight, else to preempt the newest sequence
+/// ([`scheduler::when_short`]). Then waiting requests are admitted front first while the batch
+/// has room and the pool has blocks for their prompts ([`scheduler::admit`]), each with its
+/// prefix-cache hit, the blocks of it it loads and pins, and a kept partial block after them
+/// where `tail_tokens(tokens, hit_tokens)` finds one (its length). Then [`plan_step`] over all of
+/// them. Changes `kv`'s block tables and `contents`' pins as decided; the caller applies a
+/// decision other than [`Decision::Run`] and calls again (allocation is idempotent).
+pub fn schedule(
+    kv: &mut KvCacheManager,
+    contents: &mut impl BlockContents,
+    batch: &Batch,
+    limits: &StepLimits,
+    mut tail_tokens: impl FnMut(&[u32], usize) -> Option<usize>,
+) -> Decision {
+    let block_size = kv.block_size();
+    for row in batch.running {
+        if row.scored || !row.progress.prefill_done() {
+            continue;
+        }
+        // The fed token's slot; the sampled token gets its slot at the next step.
+        if kv.allocate(contents, row.id, row.progress.num_computed, 1, None) {
+            continue;
+        }
+        return match scheduler::when_short(batch.running.len(), batch.step_in_flight) {
+            WhenShort::ReadInFlight => Decision::ReadInFlight,
+            WhenShort::Preempt(victim) => Decision::Preempt(batch.running[victim].id),
+            WhenShort::FinishAlone => Decision::FinishOutOfBlocks(row.id),
+        };
+    }
+    let mut running = batch.running.to_vec();
+    let mut admitted = Vec::new();
+    if batch.admit {
+        let waiting = batch.waiting;
+        scheduler::admit(waiting.len(), running.len(), limits.max_running, |k| {
+            let request = &waiting[k];
+            let hit = match request.preloaded {
+                Some(_) => ComputedBlocks::default(),
+                None => kv.get_computed_blocks(request.tokens),
+            };
+            // What the hit reads of the bounded layers is kept from the allocations from
+            // here on (its own, and the next admissions', which could drop it otherwise).
+            let load = contents.usable_blocks(&hit.blocks, block_size);
+            let pinned = contents
+                .read_by_hit(&hit.blocks[..load], block_size)
+                .to_vec();
+            contents.pin(&pinned);
+            let new_tokens = request.tokens.len() - hit.num_tokens;
+            if !kv.allocate(contents, request.id, hit.num_tokens, new_tokens, Some(&hit)) {
+                contents.unpin(&pinned);
+                return false;
+            }
+            // A sequence starts after the last hit block whose bounded layers' parts it can
+            // load, shares the blocks after it and recomputes them up to the end of the hit;
+            // a hybrid one leaves its states at that end (`branch_at`).
+            let branch_at = (contents.has_recurrent_layers() && load < hit.blocks.len())
+                .then_some(hit.num_tokens);
+            let tail = match request.preloaded {
+                None if load == hit.blocks.len() => tail_tokens(request.tokens, hit.num_tokens),
+                _ => None,
+            };
+            let num_computed = request.preloaded.or(tail).unwrap_or(load * block_size);
+            running.push(Running {
+                id: request.id,
+                progress: Progress {
+                    num_tokens: request.tokens.len(),
+                    num_computed,
+                    prefill_step_size: request.prefill_step_size,
+                },
+                slot: SlotKind::None,
+                scored: false,
+                branch_at,
+            });
+            admitted.push(Admission {
+                id: request.id,
+                hit,
+                load,
+                pinned,
+                tail: tail.is_some(),
+                num_computed,
+                branch_at,
+            });
+            true
+        });
+    }
+    Decision::Run(StepPlan {
+        admitted,
+        ..plan_step(&running, limits)
+    })
+}
+
 /// What one step runs.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct StepPlan {
+    /// Requests admitted now, from the front of the waiting queue (they run after the running
+    /// ones, in this order).
+    pub admitted: Vec<Admission>,
     /// Sequences that take a prefill slot now, oldest first.
     pub enter_prefill: Vec<RequestId>,
     /// The step's prefill pass; `None` when no sequence is in a prefill slot.
     pub prefill: Option<PrefillPass>,
     /// Sequences that decode after the pass, in the input's order: those whose prompt is cached
-    /// by then (a prompt the pass completes decodes in the same step), scored ones left out. Each
-    /// needs a block for the token it feeds; one the pool cannot give leads to
-    /// [`scheduler::when_short`] while the plan runs, so a row may not run.
+    /// by then (a prompt the pass completes decodes in the same step), scored ones left out.
+    /// [`schedule`] has given each the block for the token it feeds.
     pub decode: Vec<RequestId>,
 }
 
@@ -152,6 +314,7 @@ pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
         .map(|row| row.id)
         .collect();
     StepPlan {
+        admitted: Vec::new(),
         enter_prefill: entering.iter().map(|&i| running[i].id).collect(),
         prefill,
         decode,
@@ -164,6 +327,7 @@ mod tests {
 
     fn limits() -> StepLimits {
         StepLimits {
+            max_running: 8,
             prefill_batch_size: 2,
             prefill_token_budget: 256,
             prefill_fits_budget: false,
@@ -280,5 +444,262 @@ mod tests {
         );
         assert_eq!(plan.enter_prefill, vec![1]);
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 256)]);
+    }
+
+    /// A prefix cache's contents for a model without bounded layers, or (with `usable`) one
+    /// whose hits can load only their first blocks, like a hybrid model's.
+    #[derive(Default)]
+    struct Contents {
+        usable: Option<usize>,
+        pins: Vec<BlockId>,
+        cleared: Vec<BlockId>,
+    }
+
+    impl BlockContents for Contents {
+        fn usable_blocks(&self, blocks: &[BlockId], _: usize) -> usize {
+            self.usable.map_or(blocks.len(), |n| n.min(blocks.len()))
+        }
+        fn read_by_hit<'a>(&self, blocks: &'a [BlockId], _: usize) -> &'a [BlockId] {
+            &blocks[blocks.len().saturating_sub(1)..]
+        }
+        fn pin(&mut self, ids: &[BlockId]) {
+            self.pins.extend(ids);
+        }
+        fn unpin(&mut self, ids: &[BlockId]) {
+            self.pins.retain(|id| !ids.contains(id));
+        }
+        fn has_recurrent_layers(&self) -> bool {
+            self.usable.is_some()
+        }
+        fn clear(&mut self, id: BlockId) {
+            self.cleared.push(id);
+        }
+        fn drop_least_recent(&mut self) -> bool {
+            false
+        }
+        fn held_blocks(&self) -> usize {
+            0
+        }
+        fn blocks_to_charge(&self) -> isize {
+            0
+        }
+        fn hold_blocks(&mut self, _: Vec<BlockId>) {}
+        fn release_blocks(&mut self, _: usize) -> Vec<BlockId> {
+            Vec::new()
+        }
+    }
+
+    fn manager(num_blocks: usize) -> KvCacheManager {
+        KvCacheManager::new(crate::BlockPool::new(num_blocks, 16), "test")
+    }
+
+    /// Runs `request` over `tokens` (all computed), caches its full blocks and frees it.
+    fn cache_prefix(kv: &mut KvCacheManager, request: RequestId, tokens: &[u32]) {
+        kv.allocate(&mut Contents::default(), request, 0, tokens.len(), None);
+        kv.cache_blocks(request, tokens, tokens.len());
+        kv.free(request);
+    }
+
+    fn waiting(id: RequestId, tokens: &[u32]) -> Waiting<'_> {
+        Waiting {
+            id,
+            tokens,
+            prefill_step_size: 512,
+            preloaded: None,
+        }
+    }
+
+    fn run(decision: Decision) -> StepPlan {
+        match decision {
+            Decision::Run(plan) => plan,
+            other => panic!("expected a plan, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn admission_loads_the_prefix_hit_and_plans_the_rest() {
+        let mut kv = manager(16);
+        let shared: Vec<u32> = (0..40).collect();
+        cache_prefix(&mut kv, 100, &shared);
+        let (a, b) = ([&shared[..], &[7; 10]].concat(), vec![9; 20]);
+        let queue = [waiting(1, &a), waiting(2, &b)];
+        let batch = Batch {
+            running: &[],
+            waiting: &queue,
+            step_in_flight: false,
+            admit: true,
+        };
+        let mut contents = Contents::default();
+        let plan = run(schedule(
+            &mut kv,
+            &mut contents,
+            &batch,
+            &limits(),
+            |_, _| None,
+        ));
+        let hit = &plan.admitted[0];
+        // Two full blocks of the 40 shared tokens are cached.
+        assert_eq!(
+            (hit.id, hit.load, hit.hit.num_tokens, hit.num_computed),
+            (1, 2, 32, 32)
+        );
+        assert_eq!(plan.admitted[1].num_computed, 0);
+        assert_eq!(plan.enter_prefill, vec![1, 2]);
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 17), (2, 19)]);
+        // The hit's blocks are shared; the rest are new (and lost any cached content).
+        assert_eq!(kv.block_table(1).unwrap()[..2], hit.hit.blocks[..]);
+        assert_eq!(contents.cleared.len(), 2 + 2);
+        assert!(contents.pins.is_empty() || contents.pins == hit.hit.blocks[1..]);
+    }
+
+    #[test]
+    fn admission_is_first_come_first_served_within_the_pool_and_the_batch() {
+        let mut kv = manager(4);
+        let (long, short) = (vec![1; 60], vec![2; 10]);
+        // The long prompt needs 4 blocks of 16 and the pool has 4: the short one waits behind it.
+        let queue = [waiting(1, &long), waiting(2, &short)];
+        let batch = Batch {
+            running: &[],
+            waiting: &queue,
+            step_in_flight: false,
+            admit: true,
+        };
+        let plan = run(schedule(
+            &mut kv,
+            &mut Contents::default(),
+            &batch,
+            &limits(),
+            |_, _| None,
+        ));
+        assert_eq!(plan.admitted.iter().map(|a| a.id).collect::<Vec<_>>(), [1]);
+        // A full batch, or a step that preempted, admits nobody.
+        let mut kv = manager(16);
+        let running = [row(5, 10, 9, SlotKind::Decode)];
+        for (max_running, admit) in [(1, true), (8, false)] {
+            let batch = Batch {
+                running: &running,
+                waiting: &queue,
+                step_in_flight: false,
+                admit,
+            };
+            let limits = StepLimits {
+                max_running,
+                ..limits()
+            };
+            let plan = run(schedule(
+                &mut kv,
+                &mut Contents::default(),
+                &batch,
+                &limits,
+                |_, _| None,
+            ));
+            assert!(plan.admitted.is_empty());
+            assert_eq!(plan.decode, vec![5]);
+        }
+    }
+
+    #[test]
+    fn a_short_pool_reads_the_step_in_flight_then_preempts_the_newest() {
+        let mut kv = manager(4);
+        let mut contents = Contents::default();
+        // Two decoding sequences hold a full block each, the third is prefilling, one is free.
+        kv.allocate(&mut contents, 1, 0, 16, None);
+        kv.allocate(&mut contents, 2, 0, 16, None);
+        kv.allocate(&mut contents, 3, 0, 5, None);
+        let running = [
+            row(1, 17, 16, SlotKind::Decode),
+            row(2, 17, 16, SlotKind::Decode),
+            row(3, 6, 0, SlotKind::Prefill),
+        ];
+        let mut batch = Batch {
+            running: &running,
+            waiting: &[],
+            step_in_flight: true,
+            admit: true,
+        };
+        let decide = |kv: &mut KvCacheManager, contents: &mut Contents, batch: &Batch| {
+            schedule(kv, contents, batch, &limits(), |_, _| None)
+        };
+        assert_eq!(
+            decide(&mut kv, &mut contents, &batch),
+            Decision::ReadInFlight
+        );
+        batch.step_in_flight = false;
+        assert_eq!(decide(&mut kv, &mut contents, &batch), Decision::Preempt(3));
+        kv.free(3);
+        // Sequence 1 got its block on the first call; 2 now gets the freed one.
+        let plan = run(decide(
+            &mut kv,
+            &mut contents,
+            &Batch {
+                running: &running[..2],
+                admit: false,
+                ..batch
+            },
+        ));
+        assert_eq!(plan.decode, vec![1, 2]);
+        assert_eq!(kv.block_table(2).unwrap().len(), 2);
+        // Alone and short: it finishes.
+        let mut kv = manager(1);
+        kv.allocate(&mut contents, 1, 0, 16, None);
+        let batch = Batch {
+            running: &running[..1],
+            ..batch
+        };
+        assert_eq!(
+            decide(&mut kv, &mut contents, &batch),
+            Decision::FinishOutOfBlocks(1)
+        );
+    }
+
+    #[test]
+    fn a_hit_past_the_last_state_branches_and_a_tail_extends_a_whole_hit() {
+        let mut kv = manager(16);
+        let prompt: Vec<u32> = (0..60).collect();
+        cache_prefix(&mut kv, 100, &prompt);
+        // Only the first of three cached blocks holds recurrent states.
+        let mut contents = Contents {
+            usable: Some(1),
+            ..Contents::default()
+        };
+        let queue = [waiting(1, &prompt)];
+        let batch = Batch {
+            running: &[],
+            waiting: &queue,
+            step_in_flight: false,
+            admit: true,
+        };
+        let limits = StepLimits {
+            align_chunks_to_blocks: true,
+            ..limits()
+        };
+        let plan = run(schedule(&mut kv, &mut contents, &batch, &limits, |_, _| {
+            Some(50)
+        }));
+        let admission = &plan.admitted[0];
+        assert_eq!((admission.load, admission.num_computed), (1, 16));
+        assert_eq!((admission.branch_at, admission.tail), (Some(48), false));
+        assert_eq!(contents.pins, admission.hit.blocks[..1]);
+        // The chunk stops at the branch point, where the block ending there gets the states.
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 32)]);
+        // Every block usable: a kept partial block after them is loaded too.
+        let mut kv = manager(16);
+        cache_prefix(&mut kv, 100, &prompt);
+        let plan = run(schedule(
+            &mut kv,
+            &mut Contents::default(),
+            &batch,
+            &limits,
+            |tokens, from| {
+                assert_eq!((tokens.len(), from), (60, 48));
+                Some(55)
+            },
+        ));
+        let admission = &plan.admitted[0];
+        assert_eq!(
+            (admission.load, admission.tail, admission.num_computed),
+            (3, true, 55)
+        );
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 4)]);
     }
 }

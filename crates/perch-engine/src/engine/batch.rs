@@ -1,17 +1,17 @@
 //! Continuous batching over a block-pool KV cache (mlx-lm's `BatchGenerator`: `insert`, `step`,
 //! `remove`; vLLM v1's scheduler for admission, prefix caching and preemption).
 //!
-//! Each step: admit waiting requests while the batch has room and the block pool has blocks for
-//! their prompts (reusing the longest cached prefix), run one prefill pass over up to
-//! `prefill_batch_size` sequences still prefilling, then one batched decode step of every
-//! sequence whose prompt is in its cache. A sequence that needs a block when none is free
-//! preempts the newest running request, which goes back to the front of the queue and is
-//! recomputed later (mostly from the prefix cache, since its full blocks are published first).
-//! Those decisions are plain functions in [`perch_sched::scheduler`]; after admission, a step's
-//! prefill and decode are one value, a [`StepPlan`] ([`perch_sched::plan::plan_step`], vLLM v1's
-//! `SchedulerOutput`), which this module executes through the model runner (`worker::runner`:
-//! forward passes, slot caches, sampling, the decode step in flight) and joins with the
-//! sequences, the block pool and the prefix cache.
+//! Each step: every sequence whose prompt is in its cache gets a block for the token it feeds
+//! (when none is free, the newest running request is preempted: it goes back to the front of the
+//! queue and is recomputed later, mostly from the prefix cache, since its full blocks are
+//! published first); waiting requests are admitted while the batch has room and the block pool
+//! has blocks for their prompts (reusing the longest cached prefix); one prefill pass runs over
+//! up to `prefill_batch_size` sequences still prefilling; then one batched decode step of every
+//! sequence whose prompt is in its cache. The scheduler ([`perch_sched::plan::schedule`]) makes
+//! all of those decisions before anything runs and returns them as one value, a [`StepPlan`]
+//! (vLLM v1's `SchedulerOutput`), which this module executes through the model runner
+//! (`worker::runner`: forward passes, slot caches, sampling, the decode step in flight) and joins
+//! with the sequences, the block pool and the prefix cache.
 //!
 //! Sequences compute in the runner's slot caches (`kv::slot_cache`: a prefill one for prompt
 //! chunks, a decode one for a token per row), each row at its own positions, so a row of the
@@ -54,10 +54,10 @@ use crate::text::tokenizer::Tokenizer;
 use crate::worker::runner::{DecodeRow, ModelRunner, Slot};
 use perch_sched::block_pool::{BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
-use perch_sched::kv_cache_manager::{ComputedBlocks, KvCacheManager, RequestId};
-use perch_sched::plan::{self, SlotKind, StepLimits, StepPlan};
+use perch_sched::kv_cache_manager::{BlockContents, ComputedBlocks, KvCacheManager, RequestId};
+use perch_sched::plan::{self, Admission, Decision, SlotKind, StepLimits, StepPlan};
 use perch_sched::scheduler;
-use perch_sched::scheduler::{PrefillShape, Progress, WhenShort};
+use perch_sched::scheduler::{PrefillShape, Progress};
 use perch_sched::throughput::ThroughputWindow;
 
 /// Span of the engine's tok/s rates.
@@ -571,7 +571,7 @@ impl<'m> BatchGenerator<'m> {
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
         }
-        charge_pool(&mut self.kv, &mut self.store);
+        self.kv.charge_pool(&mut self.store);
         self.tails.clear();
     }
 
@@ -600,8 +600,7 @@ impl<'m> BatchGenerator<'m> {
         }
         let id = self.next_id;
         self.next_id += 1;
-        if !allocate(
-            &mut self.kv,
+        if !self.kv.allocate(
             &mut self.store,
             id,
             hit.num_tokens,
@@ -646,7 +645,7 @@ impl<'m> BatchGenerator<'m> {
         }
         eval(self.store.state(&ids))?;
         self.kv.free(id);
-        charge_pool(&mut self.kv, &mut self.store);
+        self.kv.charge_pool(&mut self.store);
         Ok(num_tokens)
     }
 
@@ -674,17 +673,75 @@ impl<'m> BatchGenerator<'m> {
         Ok(cache)
     }
 
-    /// One step: admission, prefill chunks, one batched decode step. Returns the tokens and
-    /// finished requests it produced.
+    /// One step: the scheduler's decisions ([`plan::schedule`]: blocks for the decode rows,
+    /// preemption, admission, the prefill pass's chunks), then the plan: admitted requests load
+    /// their prefix hits, the prefill pass runs, then one batched decode step. Returns the tokens
+    /// and finished requests it produced.
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
         let start = Instant::now();
-        self.admit()?;
-        let plan = plan::plan_step(&self.planned(), &self.step_limits());
+        let mut events = Vec::new();
+        let plan = self.schedule(&mut events)?;
+        self.admit(&plan.admitted)?;
         self.prefill(&plan)?;
-        let events = self.decode(&plan);
+        self.decode(&plan, &mut events)?;
         self.times.steps += 1;
         self.times.step_seconds += start.elapsed().as_secs_f64();
-        events
+        Ok(events)
+    }
+
+    /// Asks the scheduler for the step's plan, applying what it decides first (reading the step
+    /// in flight, preempting, finishing a sequence the pool cannot hold) until it returns one.
+    fn schedule(&mut self, events: &mut Vec<BatchEvent>) -> Result<StepPlan> {
+        let limits = self.step_limits();
+        let mut preempted = false;
+        loop {
+            let running = self.planned();
+            let waiting: Vec<plan::Waiting> = self
+                .waiting
+                .iter()
+                .map(|seq| plan::Waiting {
+                    id: seq.id,
+                    tokens: &seq.tokens,
+                    prefill_step_size: seq.request.prefill_step_size,
+                    preloaded: seq.preloaded.as_ref().map(|p| p.offset),
+                })
+                .collect();
+            let batch = plan::Batch {
+                running: &running,
+                waiting: &waiting,
+                step_in_flight: self.runner.has_in_flight(),
+                admit: !preempted,
+            };
+            let tails = &mut self.tails;
+            let block_size = self.config.block_size;
+            let decision = plan::schedule(
+                &mut self.kv,
+                &mut self.store,
+                &batch,
+                &limits,
+                |tokens, from| {
+                    tails
+                        .lookup(tokens, from, block_size)
+                        .map(|tail| tail.tokens.len())
+                },
+            );
+            match decision {
+                Decision::Run(plan) => return Ok(plan),
+                Decision::ReadInFlight => self.read_in_flight(events)?,
+                Decision::Preempt(id) => {
+                    let i = self.position(id).expect("scheduled from the running");
+                    let mut victim = self.running.remove(i);
+                    self.preempt(&mut victim)?;
+                    self.waiting.push_front(victim);
+                    preempted = true;
+                }
+                Decision::FinishOutOfBlocks(id) => {
+                    let i = self.position(id).expect("scheduled from the running");
+                    let seq = self.running.remove(i);
+                    self.finish(seq, events)?;
+                }
+            }
+        }
     }
 
     /// Runs a decode step of every row bucket up to `max_running` on scratch caches, so that a
@@ -777,66 +834,32 @@ impl<'m> BatchGenerator<'m> {
         self.times
     }
 
-    /// Admits waiting requests, oldest first, while the batch has room and the pool has blocks
-    /// for their tokens; a hit on the prefix cache is copied into the new sequence's cache.
-    fn admit(&mut self) -> Result<()> {
-        let mut hits = Vec::new();
-        let (kv, store, waiting) = (&mut self.kv, &mut self.store, &self.waiting);
-        let admitted = scheduler::admit(
-            waiting.len(),
-            self.running.len(),
-            self.config.max_running,
-            |k| {
-                let seq = &waiting[k];
-                let hit = match seq.preloaded {
-                    Some(_) => ComputedBlocks::default(),
-                    None => kv.get_computed_blocks(&seq.tokens),
-                };
-                let new_tokens = seq.tokens.len() - hit.num_tokens;
-                // What the hit reads of the bounded layers is kept from the allocations from
-                // here on (its own, and the next admissions', which could drop it otherwise).
-                let usable = store.usable_blocks(&hit.blocks, kv.block_size());
-                let pinned = store
-                    .read_by_hit(&hit.blocks[..usable], kv.block_size())
-                    .to_vec();
-                store.pin(&pinned);
-                let fits = allocate(kv, store, seq.id, hit.num_tokens, new_tokens, Some(&hit));
-                if fits {
-                    hits.push((hit, pinned));
-                } else {
-                    store.unpin(&pinned);
-                }
-                fits
-            },
-        );
-        debug_assert_eq!(admitted, hits.len());
+    /// Starts the requests the plan admits (the front of the waiting queue, in order): each
+    /// loads the blocks of its prefix hit the plan lists ([`BlockStore::load_into`]), then a kept
+    /// partial block or its preloaded prefix, and joins the running sequences.
+    fn admit(&mut self, admitted: &[Admission]) -> Result<()> {
         let block_size = self.config.block_size;
-        for (hit, pinned) in hits {
+        let hybrid = self.store.has_recurrent_layers();
+        for admission in admitted {
             let mut seq = self.waiting.pop_front().expect("admitted from the front");
-            seq.pinned = pinned;
+            debug_assert_eq!(seq.id, admission.id, "admitted in queue order");
+            let (hit, load) = (&admission.hit, admission.load);
+            seq.pinned = admission.pinned.clone();
             seq.cache = self.make_cache();
-            // A sequence starts after the last hit block whose bounded layers' parts it can
-            // load: for a hybrid model the last that holds recurrent states, for a sliding one
-            // the last whose window's blocks hold the sliding layers' KV. It shares the blocks
-            // after that one and recomputes them up to the end of the hit: a hybrid sequence
-            // leaves its states at the end (`branch_at`), a sliding one republishes them
-            // (`publish` gives them their sliding parts back).
-            let usable = self.store.usable_blocks(&hit.blocks, block_size);
             // The blocks it loads are published already: a sliding layer need not load those its
             // window cannot reach.
-            allow_release(&mut seq.cache, usable * block_size);
+            allow_release(&mut seq.cache, load * block_size);
             self.store
-                .load_into(&hit.blocks[..usable], &mut seq.cache, block_size)?;
-            seq.computed = usable * block_size;
-            let hybrid = self.store.has_recurrent_layers();
-            seq.branch_at = (hybrid && usable < hit.blocks.len()).then_some(hit.num_tokens);
-            // The partial block after the cached ones, when an earlier sequence left it.
-            let tail = match seq.preloaded {
-                Some(_) => None,
-                None if usable < hit.blocks.len() => None,
-                None => self.tails.lookup(&seq.tokens, hit.num_tokens, block_size),
-            };
-            if let Some(tail) = tail {
+                .load_into(&hit.blocks[..load], &mut seq.cache, block_size)?;
+            seq.computed = load * block_size;
+            // A hybrid sequence that recomputes shared blocks leaves its states at their end; a
+            // sliding one republishes them (`publish` gives them their sliding parts back).
+            seq.branch_at = admission.branch_at;
+            if admission.tail {
+                let tail = self
+                    .tails
+                    .lookup(&seq.tokens, hit.num_tokens, block_size)
+                    .expect("the tail the plan found");
                 let new = (tail.tokens.len() - seq.computed) as i32;
                 for (cache, parts) in seq.cache.iter_mut().zip(&tail.parts) {
                     cache.append_block_parts(parts, new)?;
@@ -857,9 +880,10 @@ impl<'m> BatchGenerator<'m> {
                 // Nothing is ever copied out of a private prefix's cache.
                 allow_release(&mut seq.cache, i32::MAX as usize);
             }
+            debug_assert_eq!(seq.computed, admission.num_computed);
             eval(seq.cache.iter().flat_map(KvCache::state))?;
-            self.store.touch(&hit.blocks[..usable], block_size);
-            seq.published_blocks = if hybrid { hit.blocks.len() } else { usable };
+            self.store.touch(&hit.blocks[..load], block_size);
+            seq.published_blocks = if hybrid { hit.blocks.len() } else { load };
             self.running.push(seq);
         }
         Ok(())
@@ -886,6 +910,7 @@ impl<'m> BatchGenerator<'m> {
     /// The limits [`plan::plan_step`] plans within.
     fn step_limits(&self) -> StepLimits {
         StepLimits {
+            max_running: self.config.max_running,
             prefill_batch_size: self.config.prefill_batch_size,
             prefill_token_budget: self.config.prefill_token_budget,
             prefill_fits_budget: self.config.prefill_fits_budget,
@@ -956,53 +981,20 @@ impl<'m> BatchGenerator<'m> {
     /// and dispatched (`async_eval`) before the previous step's tokens are read, so the host
     /// builds step N+1 while the device runs step N (as [`crate::sequence::generate`] does for one
     /// sequence). A sequence whose token from the previous step is not read yet feeds it from the
-    /// device. Each first gets a slot for the token it feeds, preempting the newest sequences
-    /// when the pool is short. Returns the previous step's tokens and finished requests: a
-    /// sequence that finished there also ran in this step, whose row is dropped unread.
-    fn decode(&mut self, plan: &StepPlan) -> Result<Vec<BatchEvent>> {
-        let mut events = Vec::new();
-        let mut k = 0;
-        while k < plan.decode.len() {
-            // Preempted or finished since the plan was made: it does not decode.
-            let Some(i) = self.position(plan.decode[k]) else {
-                k += 1;
-                continue;
-            };
-            // The fed token's slot; the sampled token gets its slot at the next step.
-            let (id, held) = (self.running[i].id, self.running[i].computed);
-            if allocate(&mut self.kv, &mut self.store, id, held, 1, None) {
-                k += 1;
-                continue;
-            }
-            match scheduler::when_short(self.running.len(), self.runner.has_in_flight()) {
-                WhenShort::ReadInFlight => {
-                    // Then allocate again from the start (allocation is idempotent).
-                    self.read_in_flight(&mut events)?;
-                    k = 0;
-                }
-                WhenShort::FinishAlone => {
-                    let seq = self.running.remove(0);
-                    self.finish(seq, &mut events)?;
-                    break;
-                }
-                WhenShort::Preempt(victim) => {
-                    let mut victim = self.running.remove(victim);
-                    self.preempt(&mut victim)?;
-                    self.waiting.push_front(victim);
-                }
-            }
-        }
-
+    /// device ([`plan::schedule`] gave each the block for the token it feeds). Adds the previous
+    /// step's tokens and finished requests to `events`: a sequence that finished there also ran
+    /// in this step, whose row is dropped unread.
+    fn decode(&mut self, plan: &StepPlan, events: &mut Vec<BatchEvent>) -> Result<()> {
         let mut ready = self.decode_rows(plan);
         // A constrained sequence's next mask needs its last token on the host: the step in
         // flight is read first (no pipelining while one runs; see `crate::sample::grammar`).
         if self.runner.has_in_flight() && ready.iter().any(|&i| self.running[i].grammar.is_some()) {
-            self.read_in_flight(&mut events)?;
+            self.read_in_flight(events)?;
             ready = self.decode_rows(plan);
         }
         if ready.is_empty() {
-            self.read_in_flight(&mut events)?;
-            return Ok(events);
+            self.read_in_flight(events)?;
+            return Ok(());
         }
         let start = Instant::now();
         self.enter_decode_slots(&ready)?;
@@ -1051,7 +1043,7 @@ impl<'m> BatchGenerator<'m> {
         self.times.decode_seconds += start.elapsed().as_secs_f64();
         self.times.decode_steps += 1;
         self.prompt_throughput.record(first_steps);
-        self.read_in_flight(&mut events)?;
+        self.read_in_flight(events)?;
         if self.model.has_sliding_window_layers() {
             // Decoding sequences publish blocks as they fill, before the sliding layers' rings
             // overwrite them (a block's positions last `R - window` more steps there, see
@@ -1068,7 +1060,7 @@ impl<'m> BatchGenerator<'m> {
         if step.ids().any(|id| self.running.iter().any(|s| s.id == id)) {
             self.runner.set_in_flight(step);
         }
-        Ok(events)
+        Ok(())
     }
 
     /// The indices of the plan's decode rows still running (in order: the plan's rows follow the
@@ -1289,70 +1281,6 @@ fn slot_states(runner: &ModelRunner, slot: Slot) -> Result<Vec<Vec<Array>>> {
         .collect()
 }
 
-/// Grows `request`'s block table for `num_new_tokens` more tokens (see
-/// [`KvCacheManager::allocate_slots`]); blocks handed out again lose the content they cached.
-/// Returns false, changing nothing, when the pool is short.
-fn allocate(
-    kv: &mut KvCacheManager,
-    store: &mut BlockStore,
-    request: RequestId,
-    num_computed: usize,
-    num_new_tokens: usize,
-    hit: Option<&ComputedBlocks>,
-) -> bool {
-    let held =
-        kv.block_table(request).map_or(0, <[BlockId]>::len) + hit.map_or(0, |h| h.blocks.len());
-    let window_held = kv.window_blocks(request).len();
-    // The prefix cache's sliding layers' KV gives its pool blocks back before a sequence waits.
-    while kv
-        .allocate_slots(request, num_computed, num_new_tokens, hit)
-        .is_none()
-    {
-        // (Only parts that hold pool blocks: a hybrid model's states have a budget apart.)
-        if store.held_blocks() == 0 || !store.drop_least_recent() {
-            return false;
-        }
-        charge_pool(kv, store);
-    }
-    for &id in &kv.block_table(request).expect("just allocated")[held..] {
-        store.clear(id);
-    }
-    for &id in &kv.window_blocks(request)[window_held..] {
-        store.clear(id);
-    }
-    // Blocks handed out may have held sliding layers' KV: fewer blocks are charged for it.
-    charge_pool(kv, store);
-    true
-}
-
-/// Takes from the pool, or gives back, the blocks the prefix cache's bounded parts take
-/// ([`BlockStore::with_pool_charge`]); when the pool has too few free blocks, the least
-/// recently used parts are dropped until it has enough.
-fn charge_pool(kv: &mut KvCacheManager, store: &mut BlockStore) {
-    loop {
-        let more = store.blocks_to_charge();
-        if more <= 0 {
-            kv.give_back_blocks(store.release_blocks(more.unsigned_abs()));
-            return;
-        }
-        match kv.take_blocks(more as usize) {
-            Some(ids) => {
-                // Cached blocks evicted for them lose their content (and maybe some parts, so
-                // fewer blocks are needed: the loop gives those back).
-                for &id in &ids {
-                    store.clear(id);
-                }
-                store.hold_blocks(ids);
-            }
-            None => {
-                if !store.drop_least_recent() {
-                    return;
-                }
-            }
-        }
-    }
-}
-
 /// Lets the sliding-window layers of a sequence's own cache drop the positions before
 /// `published` (those whose blocks were copied out to the prefix cache, or need not be): see
 /// [`KvCache::release_before`].
@@ -1456,6 +1384,6 @@ fn publish(
         async_eval(store.state(&ids))?;
     }
     seq.published_blocks = full;
-    charge_pool(kv, store);
+    kv.charge_pool(store);
     Ok(())
 }

@@ -42,6 +42,7 @@ use mlx_rs::{ops, Array};
 use crate::error::Result;
 use crate::kv::cache::KvCache;
 use perch_sched::block_pool::BlockId;
+use perch_sched::kv_cache_manager::BlockContents;
 
 /// The KV parts of one block, one list per layer ([`KvCache::parts`]); a layer kept in the
 /// other part of the block ([`Content`]) has an empty list.
@@ -154,58 +155,6 @@ impl BlockStore {
         self
     }
 
-    /// With a pool charge: how many more blocks the bounded parts need from the pool (`> 0`),
-    /// or how many of those held they no longer need (`< 0`); 0 without one.
-    pub fn blocks_to_charge(&self) -> isize {
-        match &self.charge {
-            Some((block_bytes, held)) => {
-                self.bounded_bytes.div_ceil(*block_bytes) as isize - held.len() as isize
-            }
-            None => 0,
-        }
-    }
-
-    /// Adds `ids` (taken from the pool) to the blocks held for the bounded parts.
-    pub fn hold_blocks(&mut self, ids: Vec<BlockId>) {
-        if let Some((_, held)) = &mut self.charge {
-            held.extend(ids);
-        }
-    }
-
-    /// Gives up `n` of the blocks held for the bounded parts (to return to the pool).
-    pub fn release_blocks(&mut self, n: usize) -> Vec<BlockId> {
-        match &mut self.charge {
-            Some((_, held)) => held.split_off(held.len() - n.min(held.len())),
-            None => Vec::new(),
-        }
-    }
-
-    /// Blocks held for the bounded parts.
-    pub fn held_blocks(&self) -> usize {
-        self.charge.as_ref().map_or(0, |(_, held)| held.len())
-    }
-
-    /// Drops the least recently used block's bounded parts, pinned ones
-    /// ([`BlockStore::pin`]) left; false when none is left to drop.
-    pub fn drop_least_recent(&mut self) -> bool {
-        let Some((&used, &id)) = self
-            .lru
-            .iter()
-            .find(|(_, id)| self.pins[id.0 as usize] == 0)
-        else {
-            return false;
-        };
-        self.lru.remove(&used);
-        let content = self.blocks[id.0 as usize]
-            .as_mut()
-            .expect("a block in the LRU order holds content");
-        if let Some((piece, _)) = content.bounded.take() {
-            self.bounded_bytes -= piece.nbytes();
-            self.account(&piece, false);
-        }
-        true
-    }
-
     /// Counts `piece` in [`BlockStore::nbytes`] as held (`add`) or let go: its own arrays, or
     /// its run copy's once, from the first block that holds it to the last.
     fn account(&mut self, piece: &Piece, add: bool) {
@@ -269,11 +218,6 @@ impl BlockStore {
         self.kinds.len()
     }
 
-    /// Whether some layer is recurrent: prefix hits must end at a block with a state.
-    pub fn has_recurrent_layers(&self) -> bool {
-        self.kinds.contains(&LayerKind::Recurrent)
-    }
-
     fn has_bounded_layers(&self) -> bool {
         self.kinds.iter().any(|k| *k != LayerKind::Full)
     }
@@ -294,42 +238,6 @@ impl BlockStore {
         }
     }
 
-    /// How many of a prefix hit's `blocks` (consecutive from the first prompt token, all
-    /// holding content) a sequence can start after, loading only what its layers read
-    /// ([`BlockStore::load_into`] into caches that allow dropping what a window left,
-    /// [`KvCache::release_before`]): all of them without bounded layers; with recurrent layers,
-    /// up to the last block that holds their states; with sliding layers, up to the last end
-    /// whose window's blocks all hold their sliding parts.
-    pub fn usable_blocks(&self, blocks: &[BlockId], block_size: usize) -> usize {
-        if self.has_recurrent_layers() {
-            return blocks
-                .iter()
-                .rposition(|id| self.holds_every_layer(*id))
-                .map_or(0, |i| i + 1);
-        }
-        let Some(window) = self.window else {
-            return blocks.len();
-        };
-        // Blocks in a row holding every layer, ending at each block.
-        let mut held = Vec::with_capacity(blocks.len());
-        let mut run = 0;
-        for id in blocks {
-            run = if self.holds_every_layer(*id) {
-                run + 1
-            } else {
-                0
-            };
-            held.push(run);
-        }
-        (1..=blocks.len())
-            .rev()
-            .find(|&end| {
-                let first = (end * block_size + 1).saturating_sub(window) / block_size;
-                held[end - 1] >= end - first
-            })
-            .unwrap_or(0)
-    }
-
     /// How many of `blocks` from the first hold every layer: what a cache that keeps every
     /// position can load (a prompt-cache file's state, see `BatchGenerator::compute_prefix`).
     pub fn complete_blocks(&self, blocks: &[BlockId]) -> usize {
@@ -340,37 +248,6 @@ impl BlockStore {
             .iter()
             .position(|id| !self.holds_every_layer(*id))
             .unwrap_or(blocks.len())
-    }
-
-    /// The blocks of `blocks` (a hit's, from the first) whose bounded parts a hit ending after
-    /// them reads: the last block's states, or the sliding window's blocks.
-    pub fn read_by_hit<'a>(&self, blocks: &'a [BlockId], block_size: usize) -> &'a [BlockId] {
-        let first = match self.window {
-            Some(window) if !self.has_recurrent_layers() => {
-                (blocks.len() * block_size + 1).saturating_sub(window) / block_size
-            }
-            _ => blocks.len().saturating_sub(1),
-        };
-        &blocks[first.min(blocks.len())..]
-    }
-
-    /// Keeps the bounded parts of `ids` from being dropped until as many
-    /// [`BlockStore::unpin`]s: a sequence admitted with a hit that reads them holds them while
-    /// it runs, so that the allocations after it (its own included) cannot take them from it,
-    /// and the next prompt that shares its prefix finds them (under a pool too small for
-    /// everything, unpinned parts go first).
-    pub fn pin(&mut self, ids: &[BlockId]) {
-        for id in ids {
-            self.pins[id.0 as usize] += 1;
-        }
-    }
-
-    /// Undoes a [`BlockStore::pin`] of `ids`.
-    pub fn unpin(&mut self, ids: &[BlockId]) {
-        for id in ids {
-            let pins = &mut self.pins[id.0 as usize];
-            *pins = pins.saturating_sub(1);
-        }
     }
 
     /// Marks as used now the bounded parts that a hit ending after `blocks` reads
@@ -542,17 +419,6 @@ impl BlockStore {
         Ok(())
     }
 
-    /// Drops the content of `id` (the block was handed out again or forgotten).
-    pub fn clear(&mut self, id: BlockId) {
-        if let Some(content) = self.blocks[id.0 as usize].take() {
-            self.account_content(&content, false);
-            if let Some((piece, used)) = &content.bounded {
-                self.lru.remove(used);
-                self.bounded_bytes -= piece.nbytes();
-            }
-        }
-    }
-
     /// Whether `id` holds content.
     pub fn contains(&self, id: BlockId) -> bool {
         self.blocks[id.0 as usize].is_some()
@@ -709,6 +575,143 @@ pub(crate) fn block_range(index: usize, block_size: usize) -> (i32, i32) {
 fn missing(id: BlockId, what: &str) -> crate::error::EngineError {
     mlx_rs::error::Exception::from(format!("prefix-cache block {} has {what}", id.0).as_str())
         .into()
+}
+
+impl BlockContents for BlockStore {
+    /// How many of a prefix hit's `blocks` (consecutive from the first prompt token, all
+    /// holding content) a sequence can start after, loading only what its layers read
+    /// ([`BlockStore::load_into`] into caches that allow dropping what a window left,
+    /// [`KvCache::release_before`]): all of them without bounded layers; with recurrent layers,
+    /// up to the last block that holds their states; with sliding layers, up to the last end
+    /// whose window's blocks all hold their sliding parts.
+    fn usable_blocks(&self, blocks: &[BlockId], block_size: usize) -> usize {
+        if self.has_recurrent_layers() {
+            return blocks
+                .iter()
+                .rposition(|id| self.holds_every_layer(*id))
+                .map_or(0, |i| i + 1);
+        }
+        let Some(window) = self.window else {
+            return blocks.len();
+        };
+        // Blocks in a row holding every layer, ending at each block.
+        let mut held = Vec::with_capacity(blocks.len());
+        let mut run = 0;
+        for id in blocks {
+            run = if self.holds_every_layer(*id) {
+                run + 1
+            } else {
+                0
+            };
+            held.push(run);
+        }
+        (1..=blocks.len())
+            .rev()
+            .find(|&end| {
+                let first = (end * block_size + 1).saturating_sub(window) / block_size;
+                held[end - 1] >= end - first
+            })
+            .unwrap_or(0)
+    }
+
+    /// The blocks of `blocks` (a hit's, from the first) whose bounded parts a hit ending after
+    /// them reads: the last block's states, or the sliding window's blocks.
+    fn read_by_hit<'a>(&self, blocks: &'a [BlockId], block_size: usize) -> &'a [BlockId] {
+        let first = match self.window {
+            Some(window) if !self.has_recurrent_layers() => {
+                (blocks.len() * block_size + 1).saturating_sub(window) / block_size
+            }
+            _ => blocks.len().saturating_sub(1),
+        };
+        &blocks[first.min(blocks.len())..]
+    }
+
+    /// Keeps the bounded parts of `ids` from being dropped until as many
+    /// [`BlockStore::unpin`]s: a sequence admitted with a hit that reads them holds them while
+    /// it runs, so that the allocations after it (its own included) cannot take them from it,
+    /// and the next prompt that shares its prefix finds them (under a pool too small for
+    /// everything, unpinned parts go first).
+    fn pin(&mut self, ids: &[BlockId]) {
+        for id in ids {
+            self.pins[id.0 as usize] += 1;
+        }
+    }
+
+    /// Undoes a [`BlockStore::pin`] of `ids`.
+    fn unpin(&mut self, ids: &[BlockId]) {
+        for id in ids {
+            let pins = &mut self.pins[id.0 as usize];
+            *pins = pins.saturating_sub(1);
+        }
+    }
+
+    /// Whether some layer is recurrent: prefix hits must end at a block with a state.
+    fn has_recurrent_layers(&self) -> bool {
+        self.kinds.contains(&LayerKind::Recurrent)
+    }
+
+    /// Drops the content of `id` (the block was handed out again or forgotten).
+    fn clear(&mut self, id: BlockId) {
+        if let Some(content) = self.blocks[id.0 as usize].take() {
+            self.account_content(&content, false);
+            if let Some((piece, used)) = &content.bounded {
+                self.lru.remove(used);
+                self.bounded_bytes -= piece.nbytes();
+            }
+        }
+    }
+
+    /// Drops the least recently used block's bounded parts, pinned ones
+    /// ([`BlockStore::pin`]) left; false when none is left to drop.
+    fn drop_least_recent(&mut self) -> bool {
+        let Some((&used, &id)) = self
+            .lru
+            .iter()
+            .find(|(_, id)| self.pins[id.0 as usize] == 0)
+        else {
+            return false;
+        };
+        self.lru.remove(&used);
+        let content = self.blocks[id.0 as usize]
+            .as_mut()
+            .expect("a block in the LRU order holds content");
+        if let Some((piece, _)) = content.bounded.take() {
+            self.bounded_bytes -= piece.nbytes();
+            self.account(&piece, false);
+        }
+        true
+    }
+
+    /// Blocks held for the bounded parts.
+    fn held_blocks(&self) -> usize {
+        self.charge.as_ref().map_or(0, |(_, held)| held.len())
+    }
+
+    /// With a pool charge: how many more blocks the bounded parts need from the pool (`> 0`),
+    /// or how many of those held they no longer need (`< 0`); 0 without one.
+    fn blocks_to_charge(&self) -> isize {
+        match &self.charge {
+            Some((block_bytes, held)) => {
+                self.bounded_bytes.div_ceil(*block_bytes) as isize - held.len() as isize
+            }
+            None => 0,
+        }
+    }
+
+    /// Adds `ids` (taken from the pool) to the blocks held for the bounded parts.
+    fn hold_blocks(&mut self, ids: Vec<BlockId>) {
+        if let Some((_, held)) = &mut self.charge {
+            held.extend(ids);
+        }
+    }
+
+    /// Gives up `n` of the blocks held for the bounded parts (to return to the pool).
+    fn release_blocks(&mut self, n: usize) -> Vec<BlockId> {
+        match &mut self.charge {
+            Some((_, held)) => held.split_off(held.len() - n.min(held.len())),
+            None => Vec::new(),
+        }
+    }
 }
 
 #[cfg(test)]
