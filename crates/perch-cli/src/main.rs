@@ -61,7 +61,7 @@ fn main() -> ExitCode {
         Command::Search(args) => hub::search(args),
         Command::Pull(args) => hub::pull(args),
         Command::Serve(args) => serve::run(args),
-        Command::CheckKernels => perch_engine::check_decode_kernel()
+        Command::CheckKernels => perch_engine::check_kernels()
             .map(|lines| lines.iter().for_each(|line| println!("ok: {line}")))
             .map_err(anyhow::Error::from),
         Command::Soak(args) => soak::run(args),

@@ -48,7 +48,6 @@ pub use api::{
     EngineEvent, EngineLimits, EngineRequest, EngineStats, FinishReason, GenerateOutput,
     GenerateRequest, GenerationStats, KvCacheStats, Prompt, StepTimes, TokenEvent, TokenLogprobs,
 };
-pub use attention::decode_kernel::check as check_decode_kernel;
 pub use attention::KvQuantization;
 #[doc(hidden)]
 pub use engine::FaultInjection;
@@ -63,3 +62,12 @@ pub use sequence::generate::generate;
 pub use sequence::speculative::{generate_speculative, Draft};
 pub use text::chat_template::ChatMessage;
 pub use text::tokenizer::Tokenizer;
+
+/// Checks Perch's CUDA kernels (the masked decode attention, the Gated DeltaNet recurrence)
+/// against MLX's own operations on random inputs; one line per case, an error at the first case
+/// outside its tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
+pub fn check_kernels() -> Result<Vec<String>> {
+    let mut lines = attention::decode_kernel::check()?;
+    lines.extend(models::gated_delta::check_kernel()?);
+    Ok(lines)
+}

@@ -6,6 +6,7 @@
 
 pub(crate) mod cuda_kernel;
 pub mod decode_kernel;
+pub mod gated_delta_kernel;
 
 use mlx_rs::fast::{scaled_dot_product_attention, ScaledDotProductAttentionMask};
 use mlx_rs::{ops, Array, Dtype};

@@ -18,6 +18,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
 use mlx_rs::{fast, nn, ops, Array, Dtype};
 
+use crate::attention::gated_delta_kernel;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::kv::cache::RecurrentState;
@@ -159,6 +160,186 @@ fn compiled_recurrence_step(inputs: &[Array]) -> Result<Vec<Array>> {
     })
 }
 
+/// The recurrence over a pass's tokens: `q`, `k` `[B, T, hk, dk]`, `v` `[B, T, hv, dv]`, `g`,
+/// `beta` `[B, T, hv]`, `state` `[B, hv, dv, dk]` float32 → `y` `[B, T, hv, dv]` and the state
+/// after the last token. In one kernel launch where [`gated_delta_kernel::applies`] (CUDA),
+/// else a step per token ([`recurrence_step`], through MLX's compiler with `compiled`), as
+/// mlx_lm's `gated_delta_ops`.
+fn recurrence(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    state: Array,
+    compiled: bool,
+) -> Result<(Array, Array)> {
+    if gated_delta_kernel::applies(&q, &v, &state) {
+        return Ok(gated_delta_kernel::gated_delta(
+            &q, &k, &v, &g, &beta, &state,
+        )?);
+    }
+    recurrence_steps(q, k, v, g, beta, state, compiled)
+}
+
+/// [`recurrence`] a step per token.
+fn recurrence_steps(
+    q: Array,
+    k: Array,
+    v: Array,
+    g: Array,
+    beta: Array,
+    mut state: Array,
+    compiled: bool,
+) -> Result<(Array, Array)> {
+    let [batch, seq, hk, dk] = q.shape()[..] else {
+        unreachable!("q is [B, T, hk, dk]")
+    };
+    let hv = v.shape()[2];
+    // Key heads serve `hv / hk` value heads each, consecutively (mlx_lm's mx.repeat).
+    let repeat = hv / hk;
+    let widen = |t: Array| -> Result<Array> {
+        if repeat == 1 {
+            return Ok(t);
+        }
+        Ok(
+            ops::broadcast_to(t.expand_dims(3)?, &[batch, seq, hk, repeat, dk])?
+                .reshape(&[batch, seq, hv, dk])?,
+        )
+    };
+    let (q, k) = (widen(q)?, widen(k)?);
+    let at = |t: &Array, i: i32| -> Result<Array> {
+        let s = t.shape();
+        let mut start = vec![0; s.len()];
+        let mut stop = s.to_vec();
+        start[1] = i;
+        stop[1] = i + 1;
+        let mut squeezed = s.to_vec();
+        squeezed.remove(1);
+        Ok(slice(t, &start, &stop)?.reshape(&squeezed)?)
+    };
+    let mut ys = Vec::with_capacity(seq as usize);
+    for t in 0..seq {
+        let inputs = [
+            state,
+            at(&q, t)?,
+            at(&k, t)?,
+            at(&v, t)?,
+            at(&g, t)?,
+            at(&beta, t)?,
+        ];
+        let mut outputs = match compiled {
+            true => compiled_recurrence_step(&inputs)?,
+            false => recurrence_step(&inputs)?,
+        };
+        state = outputs.pop().expect("y and the state");
+        ys.push(outputs.pop().expect("y"));
+    }
+    Ok((ops::stack(&ys, 1)?, state))
+}
+
+/// Checks [`gated_delta_kernel::gated_delta`] against the step-per-token form (float32) on
+/// random inputs: decode and prefill shapes, value heads sharing key heads, padded tokens
+/// (`g = 1`, `beta = 0`), strided `v`. Returns one line per case; an error names the first case
+/// outside its tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
+pub fn check_kernel() -> Result<Vec<String>> {
+    use crate::attention::cuda_kernel::time_call;
+    if Backend::current() != Backend::Cuda {
+        return Err(crate::EngineError::Request(
+            "the Gated DeltaNet kernel is CUDA source: run this where MLX has its CUDA backend"
+                .into(),
+        ));
+    }
+    mlx_rs::random::seed(11)?;
+    let mut lines = Vec::new();
+    // (rows, tokens, key heads, value heads, dk, dv, dtype)
+    let cases = [
+        (1, 1, 16, 16, 128, 128, Dtype::Bfloat16),
+        (32, 1, 16, 32, 128, 128, Dtype::Bfloat16),
+        (4, 37, 8, 16, 128, 128, Dtype::Float32),
+        (2, 300, 16, 16, 128, 128, Dtype::Bfloat16),
+        (3, 20, 4, 8, 64, 96, Dtype::Float16),
+    ];
+    for (rows, tokens, hk, hv, dk, dv, dtype) in cases {
+        let normal = |shape: &[i32]| -> Result<Array> {
+            Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?.as_dtype(dtype)?)
+        };
+        let unit = |t: Array| -> Result<Array> {
+            Ok(fast::rms_norm(&t, None, 1e-6)?
+                .multiply(Array::from_f32((dk as f32).powf(-0.5)))?
+                .as_dtype(dtype)?)
+        };
+        let (q, k) = (
+            unit(normal(&[rows, tokens, hk, dk])?)?,
+            unit(normal(&[rows, tokens, hk, dk])?)?,
+        );
+        // v as the model has it: a strided view of wider rows.
+        let wide = normal(&[rows, tokens, hv, 2 * dv])?;
+        let v = slice(&wide, &[0, 0, 0, 0], &[rows, tokens, hv, dv])?;
+        let uniform = |shape: &[i32]| mlx_rs::random::uniform::<_, f32>(0.0, 1.0, shape, None);
+        // The last token of every row but the first is padding.
+        let real: Vec<bool> = (0..rows * tokens)
+            .map(|i| i % tokens != tokens - 1 || i < tokens || tokens == 1)
+            .collect();
+        let real = Array::from_slice(&real, &[rows, tokens, 1]);
+        let g = ops::select(&real, &uniform(&[rows, tokens, hv])?, Array::from_f32(1.0))?;
+        let beta = ops::select(
+            &real,
+            &uniform(&[rows, tokens, hv])?.as_dtype(dtype)?,
+            Array::from_f32(0.0).as_dtype(dtype)?,
+        )?;
+        let state = mlx_rs::random::normal::<f32>(&[rows, hv, dv, dk], None, None, None)?;
+        let (y, s) = gated_delta_kernel::gated_delta(&q, &k, &v, &g, &beta, &state)?;
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
+        let (y_ref, s_ref) = recurrence_steps(
+            f32(&q)?,
+            f32(&k)?,
+            f32(&v)?,
+            g.clone(),
+            f32(&beta)?,
+            state.clone(),
+            false,
+        )?;
+        let error = |a: &Array, b: &Array| -> Result<f32> {
+            Ok(ops::abs(&ops::subtract(&f32(a)?, b)?)?
+                .max(None)?
+                .item_exact::<f32>())
+        };
+        let (y_error, s_error) = (error(&y, &y_ref)?, error(&s, &s_ref)?);
+        let tolerance = match dtype {
+            Dtype::Float32 => 1e-3,
+            Dtype::Float16 => 1e-2,
+            _ => 5e-2,
+        };
+        let kernel_ms =
+            time_call(&|| Ok(gated_delta_kernel::gated_delta(&q, &k, &v, &g, &beta, &state)?.0))?;
+        let steps_ms = time_call(&|| {
+            Ok(recurrence_steps(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                g.clone(),
+                beta.clone(),
+                state.clone(),
+                true,
+            )?
+            .0)
+        })?;
+        let line = format!(
+            "rows {rows}, {tokens} tokens, heads {hk}/{hv}, dk {dk}, dv {dv}, {dtype:?}: max |error| \
+             y {y_error:.2e}, state {s_error:.2e} (tolerance {tolerance:.0e}); {kernel_ms:.3} ms a \
+             call against the compiled steps' {steps_ms:.3}"
+        );
+        if y_error.is_nan() || s_error.is_nan() || y_error > tolerance || s_error > tolerance {
+            return Err(crate::EngineError::Kernel(format!(
+                "Gated DeltaNet kernel: {line}"
+            )));
+        }
+        lines.push(line);
+    }
+    Ok(lines)
+}
+
 impl GatedDeltaNet {
     /// Loads `{path}.*` (mlx-community names: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
     /// `in_proj_a`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`).
@@ -268,7 +449,7 @@ impl GatedDeltaNet {
         let keep = c.conv_kernel - 1;
         let RecurrentState {
             conv: conv_state,
-            ssm: mut state,
+            ssm: state,
         } = state;
 
         let qkv = self.in_proj_qkv.forward(x)?;
@@ -340,47 +521,7 @@ impl GatedDeltaNet {
             None => (g, beta),
         };
 
-        // Key heads serve `hv / hk` value heads each, consecutively (mlx_lm's mx.repeat).
-        let repeat = hv / hk;
-        let widen = |t: Array| -> Result<Array> {
-            if repeat == 1 {
-                return Ok(t);
-            }
-            Ok(
-                ops::broadcast_to(t.expand_dims(3)?, &[batch, seq, hk, repeat, dk])?
-                    .reshape(&[batch, seq, hv, dk])?,
-            )
-        };
-        let (q, k) = (widen(q)?, widen(k)?);
-
-        let at = |t: &Array, i: i32| -> Result<Array> {
-            let s = t.shape();
-            let mut start = vec![0; s.len()];
-            let mut stop = s.to_vec();
-            start[1] = i;
-            stop[1] = i + 1;
-            let mut squeezed = s.to_vec();
-            squeezed.remove(1);
-            Ok(slice(t, &start, &stop)?.reshape(&squeezed)?)
-        };
-        let mut ys = Vec::with_capacity(seq as usize);
-        for t in 0..seq {
-            let inputs = [
-                state,
-                at(&q, t)?,
-                at(&k, t)?,
-                at(&v, t)?,
-                at(&g, t)?,
-                at(&beta, t)?,
-            ];
-            let mut outputs = match self.compiled {
-                true => compiled_recurrence_step(&inputs)?,
-                false => recurrence_step(&inputs)?,
-            };
-            state = outputs.pop().expect("y and the state");
-            ys.push(outputs.pop().expect("y"));
-        }
-        let y = ops::stack(&ys, 1)?; // [batch, seq, hv, dv]
+        let (y, state) = recurrence(q, k, v, g, beta, state, self.compiled)?;
         let new_state = RecurrentState {
             conv: new_conv,
             ssm: state,
