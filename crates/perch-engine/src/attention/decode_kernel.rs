@@ -13,7 +13,7 @@
 //! Metal needs no such kernel: MLX's Metal vector kernel reads boolean masks itself, so a
 //! masked decode step is one fused kernel there already. This kernel is the CUDA backend's
 //! equivalent, written with MLX's custom-kernel API (`mx.fast.cuda_kernel`, through
-//! [`crate::attention::cuda_kernel`]), compiled by MLX at run time (NVRTC), and used only where [`applies`]
+//! [`crate::attention::custom_kernel`]), compiled by MLX at run time (NVRTC), and used only where [`applies`]
 //! holds (up to [`max_positions`], 8,192 positions by default); it cannot run on
 //! this CPU, so its tests run on the device (`perch check-kernels`, see README).
 //!
@@ -34,7 +34,8 @@ use std::cell::RefCell;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::attention::cuda_kernel::{time_call, CudaKernel, TemplateArg};
+use crate::attention::custom_kernel::{time_call, CustomKernel, TemplateArg};
+use crate::device::Backend;
 
 /// Warps per thread block: 8 (256 threads), or 16 when one block walks more than
 /// [`MANY_POSITIONS`] positions (one part), so a long context is walked by more warps at once.
@@ -296,16 +297,24 @@ pub fn applies(
 }
 
 /// The kernels: [`WHOLE`]'s, [`PART`]'s and [`COMBINE`].
-fn new_kernels() -> [CudaKernel; 3] {
+fn new_kernels() -> [CustomKernel; 3] {
     let parts = ["part_sums", "part_maxima", "part_normalizers"];
     let attention = |name, outputs: &[&str], epilogue| {
         let source = SOURCE.replace("/*EPILOGUE*/", epilogue);
-        CudaKernel::new(name, &["q", "k", "v", "mask"], outputs, &source, false)
+        CustomKernel::new(
+            Backend::Cuda,
+            name,
+            &["q", "k", "v", "mask"],
+            outputs,
+            &source,
+            false,
+        )
     };
     [
         attention(c"perch_masked_decode_attention", &["out"], WHOLE),
         attention(c"perch_masked_decode_attention_part", &parts, PART),
-        CudaKernel::new(
+        CustomKernel::new(
+            Backend::Cuda,
             c"perch_masked_decode_attention_combine",
             &parts,
             &["out"],
@@ -346,7 +355,7 @@ pub fn masked_decode_attention(
     scale: f32,
 ) -> Result<Array, Exception> {
     thread_local! {
-        static KERNELS: RefCell<Option<[CudaKernel; 3]>> = const { RefCell::new(None) };
+        static KERNELS: RefCell<Option<[CustomKernel; 3]>> = const { RefCell::new(None) };
     }
     if !computes(queries, keys, values, mask, None) {
         return Err(Exception::custom(

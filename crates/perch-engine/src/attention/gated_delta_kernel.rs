@@ -1,11 +1,17 @@
 //! The Gated DeltaNet recurrence (see `models::gated_delta`) over all of a pass's tokens in one
-//! CUDA kernel launch per layer, written with MLX's custom-kernel API (through
-//! [`crate::attention::cuda_kernel`]).
+//! GPU kernel launch per layer, CUDA or Metal, written with MLX's custom-kernel API (through
+//! [`crate::attention::custom_kernel`]).
 //!
 //! Why: without it the recurrence runs a step per token (mlx_lm's `gated_delta_ops`, the form
 //! it runs on CPU and CUDA): a prefill chunk of `T` tokens is `T` compiled steps of a few kernels
 //! each, per linear-attention layer, and a decode step is one such step. mlx_lm has a kernel
 //! for Metal (`gated_delta_kernel`); MLX 0.32.2 has none for CUDA.
+//!
+//! The CUDA source is checked against the step-per-token form on an NVIDIA GPU (`perch
+//! check-kernels`). The Metal source is the same algorithm in the Metal Shading Language
+//! (`simd_sum` for the warp reductions) and has not run on a Mac here: the engine uses either
+//! only after it has passed a small check at model load (`models::gated_delta`), and falls back
+//! to the step-per-token form otherwise.
 //!
 //! The computation, per row `b` and value head `h`, from the state `S [dv, dk]` (float32) and
 //! for each token `t` in order: `S ← g·S`, `m = S·k`, `S ← S + β·(v − m) ⊗ k`, `y = S·q`
@@ -19,13 +25,13 @@ use std::cell::RefCell;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::attention::cuda_kernel::{CudaKernel, TemplateArg};
+use crate::attention::custom_kernel::{CustomKernel, TemplateArg};
 use crate::device::Backend;
 
 /// Value rows (`dv` indices, one warp each) per thread block.
 const ROWS_PER_BLOCK: i32 = 4;
 
-const SOURCE: &str = r#"
+const CUDA_SOURCE: &str = r#"
   constexpr int PER_LANE = DK / 32;
   const int lane = threadIdx.x;
   const int row = blockIdx.y * blockDim.y + threadIdx.y;
@@ -89,15 +95,82 @@ const SOURCE: &str = r#"
   }
 "#;
 
-/// Whether [`gated_delta`] computes this recurrence: on MLX's CUDA backend (unless
-/// `PERCH_GATED_DELTA_KERNEL=0`), `q`/`k` `[rows, tokens, key_heads, dk]` in a float dtype with
-/// `dk` a multiple of 32 up to 256, `v` `[rows, tokens, value_heads, dv]` with `dv` a multiple
-/// of [`ROWS_PER_BLOCK`], whole value heads per key head, a float32 state.
-pub fn applies(q: &Array, v: &Array, state: &Array) -> bool {
+/// [`CUDA_SOURCE`]'s algorithm in the Metal Shading Language: a simdgroup of 32 threads per
+/// state row.
+const METAL_SOURCE: &str = r#"
+  constexpr int PER_LANE = DK / 32;
+  const uint lane = thread_index_in_simdgroup;
+  const int row = thread_position_in_grid.y;
+  const int heads = state_shape[1];
+  const int b = thread_position_in_grid.z / heads;
+  const int h = thread_position_in_grid.z % heads;
+  const int key_head = h / (heads / q_shape[2]);
+  const int steps = q_shape[1];
+  const int rows = state_shape[2];
+
+  const device float* s_in =
+      state + b * state_strides[0] + h * state_strides[1] + row * state_strides[2];
+  float s[PER_LANE];
+  for (int i = 0; i < PER_LANE; ++i) {
+    s[i] = s_in[(lane + 32 * i) * state_strides[3]];
+  }
+  for (int t = 0; t < steps; ++t) {
+    const device T* qt = q + b * q_strides[0] + t * q_strides[1] + key_head * q_strides[2];
+    const device T* kt = k + b * k_strides[0] + t * k_strides[1] + key_head * k_strides[2];
+    float keys[PER_LANE];
+    float queries[PER_LANE];
+    for (int i = 0; i < PER_LANE; ++i) {
+      keys[i] = static_cast<float>(kt[(lane + 32 * i) * k_strides[3]]);
+      queries[i] = static_cast<float>(qt[(lane + 32 * i) * q_strides[3]]);
+    }
+    const float decay =
+        static_cast<float>(g[b * g_strides[0] + t * g_strides[1] + h * g_strides[2]]);
+    const float rate =
+        static_cast<float>(beta[b * beta_strides[0] + t * beta_strides[1] + h * beta_strides[2]]);
+    const float value = static_cast<float>(
+        v[b * v_strides[0] + t * v_strides[1] + h * v_strides[2] + row * v_strides[3]]);
+    float memory = 0.0f;
+    for (int i = 0; i < PER_LANE; ++i) {
+      s[i] *= decay;
+      memory += s[i] * keys[i];
+    }
+    memory = simd_sum(memory);
+    const float delta = (value - memory) * rate;
+    float out = 0.0f;
+    for (int i = 0; i < PER_LANE; ++i) {
+      s[i] += keys[i] * delta;
+      out += s[i] * queries[i];
+    }
+    out = simd_sum(out);
+    if (lane == 0) {
+      y[((b * steps + t) * heads + h) * rows + row] = static_cast<T>(out);
+    }
+  }
+  device float* s_out = state_out + ((b * heads + h) * rows + row) * DK;
+  for (int i = 0; i < PER_LANE; ++i) {
+    s_out[lane + 32 * i] = s[i];
+  }
+"#;
+
+/// The GPU backend the kernel runs on here: CUDA or Metal, unless `PERCH_GATED_DELTA_KERNEL=0`
+/// (for benchmarks against the step-per-token form); `None` on CPU.
+pub fn backend() -> Option<Backend> {
+    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let enabled =
+        *ENABLED.get_or_init(|| std::env::var("PERCH_GATED_DELTA_KERNEL").as_deref() != Ok("0"));
+    match Backend::current() {
+        backend @ (Backend::Cuda | Backend::Metal) if enabled => Some(backend),
+        _ => None,
+    }
+}
+
+/// Whether [`gated_delta`] computes this recurrence: `q`/`k` `[rows, tokens, key_heads, dk]` in
+/// a float dtype with `dk` a multiple of 32 up to 256, `v` `[rows, tokens, value_heads, dv]`
+/// with `dv` a multiple of [`ROWS_PER_BLOCK`], whole value heads per key head, a float32 state
+/// `[rows, value_heads, dv, dk]`.
+pub fn computes(q: &Array, v: &Array, state: &Array) -> bool {
     let (qs, vs, ss) = (q.shape(), v.shape(), state.shape());
-    Backend::current() == Backend::Cuda
-        && enabled()
-        && qs.len() == 4
+    qs.len() == 4
         && vs.len() == 4
         && ss.len() == 4
         && matches!(q.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
@@ -106,14 +179,13 @@ pub fn applies(q: &Array, v: &Array, state: &Array) -> bool {
         && qs[3] <= 256
         && vs[3] % ROWS_PER_BLOCK == 0
         && vs[2] % qs[2] == 0
+        && vs[..2] == qs[..2]
         && ss == [qs[0], vs[2], vs[3], qs[3]]
 }
 
-/// Whether the engine runs the recurrence through [`gated_delta`] where it [`applies`]: yes
-/// unless `PERCH_GATED_DELTA_KERNEL=0` (for benchmarks against the step-per-token form).
-pub fn enabled() -> bool {
-    static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("PERCH_GATED_DELTA_KERNEL").as_deref() != Ok("0"))
+/// [`computes`] on a GPU backend ([`backend`]).
+pub fn applies(q: &Array, v: &Array, state: &Array) -> bool {
+    backend().is_some() && computes(q, v, state)
 }
 
 /// The recurrence over every token of the pass: `q`, `k` `[rows, tokens, key_heads, dk]`, `v`
@@ -131,7 +203,7 @@ pub fn gated_delta(
     state: &Array,
 ) -> Result<(Array, Array), Exception> {
     thread_local! {
-        static KERNEL: RefCell<Option<CudaKernel>> = const { RefCell::new(None) };
+        static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
     if !applies(q, v, state) || k.shape() != q.shape() || k.dtype() != q.dtype() {
         return Err(Exception::custom(
@@ -147,11 +219,17 @@ pub fn gated_delta(
     KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
-            CudaKernel::new(
+            let backend = backend().unwrap_or(Backend::Cuda);
+            let source = match backend {
+                Backend::Metal => METAL_SOURCE,
+                _ => CUDA_SOURCE,
+            };
+            CustomKernel::new(
+                backend,
                 c"perch_gated_delta",
                 &["q", "k", "v", "g", "beta", "state"],
                 &["y", "state_out"],
-                SOURCE,
+                source,
                 false,
             )
         });
@@ -168,4 +246,61 @@ pub fn gated_delta(
         let state = outputs.pop().expect("two outputs");
         Ok((outputs.pop().expect("two outputs"), state))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::{Array, Dtype};
+
+    use super::{applies, computes};
+
+    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
+        mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
+    }
+
+    /// The kernel is chosen only for what it computes, and never on the CPU.
+    #[test]
+    fn computes_only_whole_heads_of_supported_sizes() {
+        let bf16 = Dtype::Bfloat16;
+        let state = zeros(&[2, 32, 128, 128], Dtype::Float32);
+        let q = zeros(&[2, 5, 16, 128], bf16);
+        let v = zeros(&[2, 5, 32, 128], bf16);
+        assert!(computes(&q, &v, &state));
+        assert!(!applies(&q, &v, &state), "no GPU backend on this machine");
+        // dk not a multiple of 32, or over 256.
+        let (q80, s80) = (
+            zeros(&[2, 5, 16, 80], bf16),
+            zeros(&[2, 32, 128, 80], Dtype::Float32),
+        );
+        assert!(!computes(&q80, &v, &s80));
+        let (q512, s512) = (
+            zeros(&[2, 5, 16, 512], bf16),
+            zeros(&[2, 32, 128, 512], Dtype::Float32),
+        );
+        assert!(!computes(&q512, &v, &s512));
+        // dv not a multiple of 4; value heads not a multiple of key heads.
+        let (v6, s6) = (
+            zeros(&[2, 5, 32, 6], bf16),
+            zeros(&[2, 32, 6, 128], Dtype::Float32),
+        );
+        assert!(!computes(&q, &v6, &s6));
+        let (v24, s24) = (
+            zeros(&[2, 5, 24, 128], bf16),
+            zeros(&[2, 24, 128, 128], Dtype::Float32),
+        );
+        assert!(!computes(&q, &v24, &s24));
+        // A state in bfloat16, a state of other rows, an integer q, tokens that differ.
+        assert!(!computes(&q, &v, &zeros(&[2, 32, 128, 128], bf16)));
+        assert!(!computes(
+            &q,
+            &v,
+            &zeros(&[3, 32, 128, 128], Dtype::Float32)
+        ));
+        assert!(!computes(
+            &zeros(&[2, 5, 16, 128], Dtype::Int32),
+            &v,
+            &state
+        ));
+        assert!(!computes(&q, &zeros(&[2, 4, 32, 128], bf16), &state));
+    }
 }

@@ -13,6 +13,7 @@
 //! a row of a slot cache).
 
 use std::cell::RefCell;
+use std::sync::OnceLock;
 
 use mlx_rs::error::Exception;
 use mlx_rs::transforms::compile::compile;
@@ -115,6 +116,8 @@ pub struct GatedDeltaNet {
     c: GatedDeltaConfig,
     /// Run each token's recurrence step through MLX's compiler ([`recurrence_step`]).
     compiled: bool,
+    /// Run the recurrence through [`gated_delta_kernel`] where it applies ([`kernel_usable`]).
+    kernel: bool,
 }
 
 /// One token's recurrence for every row and value head (mlx_lm's `_gated_delta_step_ops`):
@@ -160,29 +163,7 @@ fn compiled_recurrence_step(inputs: &[Array]) -> Result<Vec<Array>> {
     })
 }
 
-/// The recurrence over a pass's tokens: `q`, `k` `[B, T, hk, dk]`, `v` `[B, T, hv, dv]`, `g`,
-/// `beta` `[B, T, hv]`, `state` `[B, hv, dv, dk]` float32 → `y` `[B, T, hv, dv]` and the state
-/// after the last token. In one kernel launch where [`gated_delta_kernel::applies`] (CUDA),
-/// else a step per token ([`recurrence_step`], through MLX's compiler with `compiled`), as
-/// mlx_lm's `gated_delta_ops`.
-fn recurrence(
-    q: Array,
-    k: Array,
-    v: Array,
-    g: Array,
-    beta: Array,
-    state: Array,
-    compiled: bool,
-) -> Result<(Array, Array)> {
-    if gated_delta_kernel::applies(&q, &v, &state) {
-        return Ok(gated_delta_kernel::gated_delta(
-            &q, &k, &v, &g, &beta, &state,
-        )?);
-    }
-    recurrence_steps(q, k, v, g, beta, state, compiled)
-}
-
-/// [`recurrence`] a step per token.
+/// [`GatedDeltaNet::recurrence`] a step per token.
 fn recurrence_steps(
     q: Array,
     k: Array,
@@ -238,57 +219,59 @@ fn recurrence_steps(
     Ok((ops::stack(&ys, 1)?, state))
 }
 
-/// Checks [`gated_delta_kernel::gated_delta`] against the step-per-token form (float32) on
-/// random inputs: decode and prefill shapes, value heads sharing key heads, padded tokens
-/// (`g = 1`, `beta = 0`), strided `v`. Returns one line per case; an error names the first case
-/// outside its tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
-pub fn check_kernel() -> Result<Vec<String>> {
-    use crate::attention::cuda_kernel::time_call;
-    if Backend::current() != Backend::Cuda {
-        return Err(crate::EngineError::Request(
-            "the Gated DeltaNet kernel is CUDA source: run this where MLX has its CUDA backend"
-                .into(),
-        ));
-    }
-    mlx_rs::random::seed(11)?;
-    let mut lines = Vec::new();
-    // (rows, tokens, key heads, value heads, dk, dv, dtype)
-    let cases = [
-        (1, 1, 16, 16, 128, 128, Dtype::Bfloat16),
-        (32, 1, 16, 32, 128, 128, Dtype::Bfloat16),
-        (4, 37, 8, 16, 128, 128, Dtype::Float32),
-        (2, 300, 16, 16, 128, 128, Dtype::Bfloat16),
-        (3, 20, 4, 8, 64, 96, Dtype::Float16),
-    ];
-    for (rows, tokens, hk, hv, dk, dv, dtype) in cases {
-        let normal = |shape: &[i32]| -> Result<Array> {
-            Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?.as_dtype(dtype)?)
+/// One random case of the recurrence through [`gated_delta_kernel::gated_delta`] and a step
+/// per token in float32: padded tokens (`g = 1`, `beta = 0`: the last token of every row but the
+/// first), a strided `v` (as the model slices it), value heads sharing key heads.
+struct KernelCase {
+    /// `q`, `k`, `v`, `g`, `beta`, `state`.
+    inputs: [Array; 6],
+    /// Largest |error| of the output and of the final state.
+    y_error: f32,
+    state_error: f32,
+}
+
+impl KernelCase {
+    /// (rows, tokens, key heads, value heads, dk, dv): random inputs from `seed` (MLX's global
+    /// random state is left as it was).
+    fn run(sizes: (i32, i32, i32, i32, i32, i32), dtype: Dtype, seed: u64) -> Result<Self> {
+        let (rows, tokens, hk, hv, dk, dv) = sizes;
+        let key = |i: u64| mlx_rs::random::key(seed * 8 + i);
+        let normal = |shape: &[i32], i: u64| -> Result<Array> {
+            Ok(mlx_rs::random::normal::<f32>(
+                shape,
+                None,
+                None,
+                Some(&key(i)?),
+            )?)
         };
         let unit = |t: Array| -> Result<Array> {
             Ok(fast::rms_norm(&t, None, 1e-6)?
                 .multiply(Array::from_f32((dk as f32).powf(-0.5)))?
                 .as_dtype(dtype)?)
         };
-        let (q, k) = (
-            unit(normal(&[rows, tokens, hk, dk])?)?,
-            unit(normal(&[rows, tokens, hk, dk])?)?,
-        );
-        // v as the model has it: a strided view of wider rows.
-        let wide = normal(&[rows, tokens, hv, 2 * dv])?;
+        let q = unit(normal(&[rows, tokens, hk, dk], 0)?)?;
+        let k = unit(normal(&[rows, tokens, hk, dk], 1)?)?;
+        let wide = normal(&[rows, tokens, hv, 2 * dv], 2)?.as_dtype(dtype)?;
         let v = slice(&wide, &[0, 0, 0, 0], &[rows, tokens, hv, dv])?;
-        let uniform = |shape: &[i32]| mlx_rs::random::uniform::<_, f32>(0.0, 1.0, shape, None);
-        // The last token of every row but the first is padding.
+        let uniform = |i: u64| -> Result<Array> {
+            Ok(mlx_rs::random::uniform::<_, f32>(
+                0.0,
+                1.0,
+                &[rows, tokens, hv],
+                Some(&key(i)?),
+            )?)
+        };
         let real: Vec<bool> = (0..rows * tokens)
             .map(|i| i % tokens != tokens - 1 || i < tokens || tokens == 1)
             .collect();
         let real = Array::from_slice(&real, &[rows, tokens, 1]);
-        let g = ops::select(&real, &uniform(&[rows, tokens, hv])?, Array::from_f32(1.0))?;
+        let g = ops::select(&real, &uniform(3)?, Array::from_f32(1.0))?;
         let beta = ops::select(
             &real,
-            &uniform(&[rows, tokens, hv])?.as_dtype(dtype)?,
+            &uniform(4)?.as_dtype(dtype)?,
             Array::from_f32(0.0).as_dtype(dtype)?,
         )?;
-        let state = mlx_rs::random::normal::<f32>(&[rows, hv, dv, dk], None, None, None)?;
+        let state = normal(&[rows, hv, dv, dk], 5)?;
         let (y, s) = gated_delta_kernel::gated_delta(&q, &k, &v, &g, &beta, &state)?;
         let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
         let (y_ref, s_ref) = recurrence_steps(
@@ -305,32 +288,98 @@ pub fn check_kernel() -> Result<Vec<String>> {
                 .max(None)?
                 .item_exact::<f32>())
         };
-        let (y_error, s_error) = (error(&y, &y_ref)?, error(&s, &s_ref)?);
+        Ok(Self {
+            y_error: error(&y, &y_ref)?,
+            state_error: error(&s, &s_ref)?,
+            inputs: [q, k, v, g, beta, state],
+        })
+    }
+
+    fn within(&self, tolerance: f32) -> bool {
+        self.y_error <= tolerance && self.state_error <= tolerance
+    }
+}
+
+/// Whether the recurrence runs through [`gated_delta_kernel`] in this process: on a GPU backend
+/// where it is on ([`gated_delta_kernel::backend`]), once it has given the step-per-token form's
+/// results on a small float32 case ([`kernel_self_test`]).
+pub fn kernel_usable() -> bool {
+    kernel_self_test().is_ok()
+}
+
+/// The small check behind [`kernel_usable`], run once per process at the first model load (2
+/// rows of 3 tokens, 2 key and 4 value heads, dk 32, dv 8, tolerance 1e-3): `Err` says why the
+/// kernel is not used (no GPU backend, turned off, a failure to compile or run, or results
+/// outside the tolerance). The Metal source has not run on a Mac in this project's tests: this
+/// is what keeps a broken build of it from serving wrong tokens there.
+pub fn kernel_self_test() -> &'static std::result::Result<(), String> {
+    static RESULT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    RESULT.get_or_init(|| {
+        if gated_delta_kernel::backend().is_none() {
+            return Err("no GPU backend, or PERCH_GATED_DELTA_KERNEL=0".into());
+        }
+        match KernelCase::run((2, 3, 2, 4, 32, 8), Dtype::Float32, 3) {
+            Ok(case) if case.within(1e-3) => Ok(()),
+            Ok(case) => Err(format!(
+                "largest errors y {:.2e}, state {:.2e} against the step-per-token form",
+                case.y_error, case.state_error
+            )),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+}
+
+/// Checks [`gated_delta_kernel::gated_delta`] against the step-per-token form (float32) on
+/// random inputs ([`KernelCase`]): decode and prefill shapes, several dtypes. Returns the load
+/// check's result, then one line per case; an error names the first case outside its
+/// tolerance. On a GPU backend only (`perch check-kernels` on the device).
+pub fn check_kernel() -> Result<Vec<String>> {
+    use crate::attention::custom_kernel::time_call;
+    if gated_delta_kernel::backend().is_none() {
+        return Err(crate::EngineError::Request(
+            "the Gated DeltaNet kernel runs on MLX's CUDA or Metal backend, with \
+             PERCH_GATED_DELTA_KERNEL unset"
+                .into(),
+        ));
+    }
+    let mut lines = vec![match kernel_self_test() {
+        Ok(()) => "Gated DeltaNet kernel: the load check passed".to_string(),
+        Err(why) => {
+            return Err(crate::EngineError::Kernel(format!(
+                "Gated DeltaNet kernel: the load check failed: {why}"
+            )))
+        }
+    }];
+    let cases = [
+        ((1, 1, 16, 16, 128, 128), Dtype::Bfloat16),
+        ((32, 1, 16, 32, 128, 128), Dtype::Bfloat16),
+        ((4, 37, 8, 16, 128, 128), Dtype::Float32),
+        ((2, 300, 16, 16, 128, 128), Dtype::Bfloat16),
+        ((3, 20, 4, 8, 64, 96), Dtype::Float16),
+    ];
+    for (seed, (sizes, dtype)) in cases.into_iter().enumerate() {
+        let case = KernelCase::run(sizes, dtype, seed as u64)?;
         let tolerance = match dtype {
             Dtype::Float32 => 1e-3,
             Dtype::Float16 => 1e-2,
             _ => 5e-2,
         };
+        let [q, k, v, g, beta, state] = &case.inputs;
         let kernel_ms =
-            time_call(&|| Ok(gated_delta_kernel::gated_delta(&q, &k, &v, &g, &beta, &state)?.0))?;
+            time_call(&|| Ok(gated_delta_kernel::gated_delta(q, k, v, g, beta, state)?.0))?;
         let steps_ms = time_call(&|| {
-            Ok(recurrence_steps(
-                q.clone(),
-                k.clone(),
-                v.clone(),
-                g.clone(),
-                beta.clone(),
-                state.clone(),
-                true,
-            )?
-            .0)
+            let inputs = case.inputs.clone();
+            let [q, k, v, g, beta, state] = inputs;
+            Ok(recurrence_steps(q, k, v, g, beta, state, true)?.0)
         })?;
+        let (rows, tokens, hk, hv, dk, dv) = sizes;
         let line = format!(
-            "rows {rows}, {tokens} tokens, heads {hk}/{hv}, dk {dk}, dv {dv}, {dtype:?}: max |error| \
-             y {y_error:.2e}, state {s_error:.2e} (tolerance {tolerance:.0e}); {kernel_ms:.3} ms a \
-             call against the compiled steps' {steps_ms:.3}"
+            "rows {rows}, {tokens} tokens, heads {hk}/{hv}, dk {dk}, dv {dv}, {dtype:?}: max \
+             |error| y {:.2e}, state {:.2e} (tolerance {tolerance:.0e}); {kernel_ms:.3} ms a \
+             call against the compiled steps' {steps_ms:.3}",
+            case.y_error, case.state_error
         );
-        if y_error.is_nan() || s_error.is_nan() || y_error > tolerance || s_error > tolerance {
+        if !case.within(tolerance) || case.y_error.is_nan() || case.state_error.is_nan() {
             return Err(crate::EngineError::Kernel(format!(
                 "Gated DeltaNet kernel: {line}"
             )));
@@ -371,6 +420,7 @@ impl GatedDeltaNet {
             out_proj: linear(w, "out_proj", c.value_dim(), hidden)?,
             c: c.clone(),
             compiled: Backend::current() != Backend::Cpu,
+            kernel: kernel_usable(),
         })
     }
 
@@ -427,6 +477,29 @@ impl GatedDeltaNet {
             vec![rows, c.conv_kernel - 1, c.conv_dim()],
             vec![rows, c.num_value_heads, c.value_head_dim, c.key_head_dim],
         )
+    }
+
+    /// The recurrence over a pass's tokens: `q`, `k` `[B, T, hk, dk]`, `v` `[B, T, hv, dv]`, `g`,
+    /// `beta` `[B, T, hv]`, `state` `[B, hv, dv, dk]` float32 → `y` `[B, T, hv, dv]` and the state
+    /// after the last token. In one kernel launch where this process can ([`kernel_usable`]) and
+    /// [`gated_delta_kernel::applies`], else a step per token ([`recurrence_step`], through
+    /// MLX's compiler where [`GatedDeltaNet::compile_recurrence`] says), as mlx_lm's
+    /// `gated_delta_ops`.
+    fn recurrence(
+        &self,
+        q: Array,
+        k: Array,
+        v: Array,
+        g: Array,
+        beta: Array,
+        state: Array,
+    ) -> Result<(Array, Array)> {
+        if self.kernel && gated_delta_kernel::applies(&q, &v, &state) {
+            return Ok(gated_delta_kernel::gated_delta(
+                &q, &k, &v, &g, &beta, &state,
+            )?);
+        }
+        recurrence_steps(q, k, v, g, beta, state, self.compiled)
     }
 
     /// The layer over `x` `[batch, seq, hidden]` from `state` (`[batch, ..]`) → its output
@@ -521,7 +594,7 @@ impl GatedDeltaNet {
             None => (g, beta),
         };
 
-        let (y, state) = recurrence(q, k, v, g, beta, state, self.compiled)?;
+        let (y, state) = self.recurrence(q, k, v, g, beta, state)?;
         let new_state = RecurrentState {
             conv: new_conv,
             ssm: state,

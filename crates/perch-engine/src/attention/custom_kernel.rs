@@ -1,0 +1,288 @@
+//! Perch's own GPU kernels through MLX's custom-kernel API (`mx.fast.cuda_kernel` and
+//! `mx.fast.metal_kernel`, called through mlx-c): MLX compiles the source at its first use
+//! (NVRTC on CUDA, the Metal compiler on Metal; cached per process), launches it as one node of
+//! its graph, and traces it into compiled steps like any op. Used by
+//! [`crate::attention::decode_kernel`] (CUDA, where MLX 0.32.2's CUDA backend has no fused
+//! kernel) and [`crate::attention::gated_delta_kernel`] (CUDA and Metal).
+
+use std::ffi::{CStr, CString};
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype, Stream};
+
+use crate::device::Backend;
+
+/// A kernel made by `mlx_fast_cuda_kernel_new` or `mlx_fast_metal_kernel_new`, freed when
+/// dropped. Each module keeps its kernels per thread (the engine thread owns MLX's arrays).
+pub(crate) struct CustomKernel {
+    handle: Handle,
+    name: &'static str,
+}
+
+enum Handle {
+    Cuda(mlx_sys::mlx_fast_cuda_kernel),
+    Metal(mlx_sys::mlx_fast_metal_kernel),
+}
+
+impl Drop for CustomKernel {
+    fn drop(&mut self) {
+        // SAFETY: made by the matching `_new`, freed once.
+        unsafe {
+            match self.handle {
+                Handle::Cuda(handle) => mlx_sys::mlx_fast_cuda_kernel_free(handle),
+                Handle::Metal(handle) => mlx_sys::mlx_fast_metal_kernel_free(handle),
+            };
+        }
+    }
+}
+
+/// A template argument of a launch: an integer or a dtype (`T`).
+pub(crate) enum TemplateArg {
+    Int(&'static CStr, i32),
+    Dtype(&'static CStr, Dtype),
+}
+
+fn strings(names: &[&str]) -> mlx_sys::mlx_vector_string {
+    // SAFETY: a new vector; each name is copied by mlx-c.
+    unsafe {
+        let vector = mlx_sys::mlx_vector_string_new();
+        for name in names {
+            let name = CString::new(*name).expect("no NUL in a name");
+            mlx_sys::mlx_vector_string_append_value(vector, name.as_ptr());
+        }
+        vector
+    }
+}
+
+/// A launch's configuration, for the kernel's backend.
+enum Config {
+    Cuda(mlx_sys::mlx_fast_cuda_kernel_config),
+    Metal(mlx_sys::mlx_fast_metal_kernel_config),
+}
+
+impl Config {
+    /// A configuration with `outputs`, the grid, the thread group and the template arguments.
+    ///
+    /// # Safety
+    /// Freed by [`Config::free`] only.
+    unsafe fn new(
+        handle: &Handle,
+        outputs: &[(&[i32], Dtype)],
+        grid: (i32, i32, i32),
+        group: (i32, i32, i32),
+        template: &[TemplateArg],
+    ) -> Self {
+        match handle {
+            Handle::Cuda(_) => {
+                use mlx_sys::*;
+                let config = mlx_fast_cuda_kernel_config_new();
+                for (shape, dtype) in outputs {
+                    mlx_fast_cuda_kernel_config_add_output_arg(
+                        config,
+                        shape.as_ptr(),
+                        shape.len(),
+                        *dtype as mlx_dtype,
+                    );
+                }
+                mlx_fast_cuda_kernel_config_set_grid(config, grid.0, grid.1, grid.2);
+                mlx_fast_cuda_kernel_config_set_thread_group(config, group.0, group.1, group.2);
+                for arg in template {
+                    match arg {
+                        TemplateArg::Int(name, value) => {
+                            mlx_fast_cuda_kernel_config_add_template_arg_int(
+                                config,
+                                name.as_ptr(),
+                                *value,
+                            )
+                        }
+                        TemplateArg::Dtype(name, dtype) => {
+                            mlx_fast_cuda_kernel_config_add_template_arg_dtype(
+                                config,
+                                name.as_ptr(),
+                                *dtype as mlx_dtype,
+                            )
+                        }
+                    };
+                }
+                Config::Cuda(config)
+            }
+            Handle::Metal(_) => {
+                use mlx_sys::*;
+                let config = mlx_fast_metal_kernel_config_new();
+                for (shape, dtype) in outputs {
+                    mlx_fast_metal_kernel_config_add_output_arg(
+                        config,
+                        shape.as_ptr(),
+                        shape.len(),
+                        *dtype as mlx_dtype,
+                    );
+                }
+                mlx_fast_metal_kernel_config_set_grid(config, grid.0, grid.1, grid.2);
+                mlx_fast_metal_kernel_config_set_thread_group(config, group.0, group.1, group.2);
+                for arg in template {
+                    match arg {
+                        TemplateArg::Int(name, value) => {
+                            mlx_fast_metal_kernel_config_add_template_arg_int(
+                                config,
+                                name.as_ptr(),
+                                *value,
+                            )
+                        }
+                        TemplateArg::Dtype(name, dtype) => {
+                            mlx_fast_metal_kernel_config_add_template_arg_dtype(
+                                config,
+                                name.as_ptr(),
+                                *dtype as mlx_dtype,
+                            )
+                        }
+                    };
+                }
+                Config::Metal(config)
+            }
+        }
+    }
+
+    /// # Safety
+    /// Once, for a configuration made by [`Config::new`].
+    unsafe fn free(self) {
+        match self {
+            Config::Cuda(config) => mlx_sys::mlx_fast_cuda_kernel_config_free(config),
+            Config::Metal(config) => mlx_sys::mlx_fast_metal_kernel_config_free(config),
+        };
+    }
+}
+
+impl CustomKernel {
+    /// A kernel for `backend` (CUDA or Metal source) `name` whose body is `source`, reading
+    /// `inputs` and writing `outputs` (the parameter names the source uses; `<name>_shape` /
+    /// `<name>_strides` of an input are passed where the source reads them). With
+    /// `row_contiguous`, MLX copies inputs that are not row-contiguous first; without, the
+    /// source must follow their strides.
+    pub fn new(
+        backend: Backend,
+        name: &'static CStr,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        row_contiguous: bool,
+    ) -> Self {
+        let source = CString::new(source).expect("no NUL in the source");
+        let (input_names, output_names) = (strings(inputs), strings(outputs));
+        // SAFETY: every argument is valid for the call; mlx-c copies the strings.
+        let handle = unsafe {
+            let handle = match backend {
+                Backend::Metal => Handle::Metal(mlx_sys::mlx_fast_metal_kernel_new(
+                    name.as_ptr(),
+                    input_names,
+                    output_names,
+                    source.as_ptr(),
+                    c"".as_ptr(),
+                    row_contiguous,
+                    false,
+                )),
+                _ => Handle::Cuda(mlx_sys::mlx_fast_cuda_kernel_new(
+                    name.as_ptr(),
+                    input_names,
+                    output_names,
+                    source.as_ptr(),
+                    c"".as_ptr(),
+                    row_contiguous,
+                    0,
+                )),
+            };
+            mlx_sys::mlx_vector_string_free(input_names);
+            mlx_sys::mlx_vector_string_free(output_names);
+            handle
+        };
+        Self {
+            handle,
+            name: name.to_str().unwrap_or("a custom kernel"),
+        }
+    }
+
+    /// Launches the kernel lazily (as an op of MLX's graph) on `inputs`, `threads_per_group`
+    /// threads a group over a grid of `grid` threads (MLX's convention: threads, not groups, in
+    /// all), giving one array per `outputs` entry (shape and dtype).
+    pub fn apply(
+        &self,
+        inputs: &[&Array],
+        outputs: &[(&[i32], Dtype)],
+        grid: (i32, i32, i32),
+        threads_per_group: (i32, i32, i32),
+        template: &[TemplateArg],
+    ) -> Result<Vec<Array>, Exception> {
+        let stream = Stream::thread_local_or_default();
+        // SAFETY: handles made here are freed here; the arrays outlive the call; each result
+        // array is copied out of the vector with a reference of its own.
+        unsafe {
+            let config = Config::new(&self.handle, outputs, grid, threads_per_group, template);
+            let input_vector = mlx_sys::mlx_vector_array_new();
+            for a in inputs {
+                mlx_sys::mlx_vector_array_append_value(input_vector, a.as_ptr());
+            }
+            let mut output_vector = mlx_sys::mlx_vector_array_new();
+            let stream = stream.as_ref().as_ptr();
+            let status = match (&self.handle, &config) {
+                (Handle::Cuda(handle), Config::Cuda(config)) => {
+                    mlx_sys::mlx_fast_cuda_kernel_apply(
+                        &mut output_vector,
+                        *handle,
+                        input_vector,
+                        *config,
+                        stream,
+                    )
+                }
+                (Handle::Metal(handle), Config::Metal(config)) => {
+                    mlx_sys::mlx_fast_metal_kernel_apply(
+                        &mut output_vector,
+                        *handle,
+                        input_vector,
+                        *config,
+                        stream,
+                    )
+                }
+                _ => unreachable!("a configuration is made for its kernel's backend"),
+            };
+            mlx_sys::mlx_vector_array_free(input_vector);
+            config.free();
+            let result =
+                if status == 0 && mlx_sys::mlx_vector_array_size(output_vector) == outputs.len() {
+                    let mut arrays = Vec::with_capacity(outputs.len());
+                    for i in 0..outputs.len() {
+                        let mut out = mlx_sys::mlx_array_new();
+                        if mlx_sys::mlx_vector_array_get(&mut out, output_vector, i) != 0 {
+                            mlx_sys::mlx_array_free(out);
+                            break;
+                        }
+                        arrays.push(Array::from_ptr(out));
+                    }
+                    if arrays.len() == outputs.len() {
+                        Ok(arrays)
+                    } else {
+                        Err(Exception::custom(format!(
+                            "{}: an output is missing",
+                            self.name
+                        )))
+                    }
+                } else {
+                    Err(Exception::custom(format!(
+                        "{}: MLX's custom kernel failed",
+                        self.name
+                    )))
+                };
+            mlx_sys::mlx_vector_array_free(output_vector);
+            result
+        }
+    }
+}
+
+/// Milliseconds one evaluated call of `f` takes, averaged over 20 after a first (for the
+/// device checks' timings against MLX).
+pub(crate) fn time_call(f: &dyn Fn() -> crate::Result<Array>) -> crate::Result<f64> {
+    f()?.eval()?;
+    let start = std::time::Instant::now();
+    for _ in 0..20 {
+        f()?.eval()?;
+    }
+    Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
+}
