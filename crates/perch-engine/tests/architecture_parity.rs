@@ -168,6 +168,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
 
         if model.has_recurrent_layers() {
             compiled_recurrence(dir, &name, &expected, ours);
+            fused_input_projections(dir, &name, &expected);
         }
 
         // Every architecture has prompt caches (mlx_lm's layout for its layers).
@@ -355,6 +356,37 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
     assert_eq!(
         result.token_ids, expected.greedy_ids,
         "{name}: greedy ids with the compiled recurrence"
+    );
+}
+
+/// A hybrid model with its projections fused at load (the GPU default, forced here: each
+/// Gated DeltaNet layer's four input projections in one matmul, attention's q/k/v in another)
+/// computes mlx_lm's logits too. Quantized tiny models keep Perch's CPU kernel, which is never
+/// fused, so only the float ones fuse.
+fn fused_input_projections(dir: &Path, name: &str, expected: &Expected) {
+    std::env::set_var("PERCH_FUSED_PROJECTIONS", "1");
+    let model = models::load(dir);
+    std::env::remove_var("PERCH_FUSED_PROJECTIONS");
+    let model = model.unwrap();
+    let n = expected.prompt_ids.len() as i32;
+    let mut cache = model.make_cache(None);
+    let logits = model
+        .forward_sequence(
+            &Array::from_slice(&expected.prompt_ids, &[1, n]),
+            &mut cache,
+        )
+        .unwrap()
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap();
+    let diff = logits
+        .as_slice::<f32>()
+        .iter()
+        .zip(&expected.logits)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        diff <= 1e-4,
+        "{name}: with fused projections, logits differ from mlx_lm by {diff}"
     );
 }
 

@@ -101,10 +101,7 @@ impl GatedDeltaConfig {
 /// One Gated DeltaNet layer's weights.
 #[derive(Clone)]
 pub struct GatedDeltaNet {
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    in_proj_a: Linear,
+    in_proj: InputProjections,
     /// `[conv_dim, kernel, 1]` (MLX's layout: out channels, taps, in channels per group).
     conv1d: Array,
     dt_bias: Array,
@@ -118,6 +115,64 @@ pub struct GatedDeltaNet {
     compiled: bool,
     /// Run the recurrence through [`gated_delta_kernel`] where it applies ([`kernel_usable`]).
     kernel: bool,
+}
+
+/// A layer's four input projections — queries, keys and values (`in_proj_qkv`), the output
+/// gate (`in_proj_z`), `b` and `a` — separate, or fused at load into one matmul where
+/// [`Linear::fuse_if_enabled`] does (GPUs: a decode step is bound by launching its kernels).
+#[derive(Clone)]
+enum InputProjections {
+    Separate([Linear; 4]),
+    /// Outputs side by side, in that order; `widths` are each part's.
+    Fused {
+        proj: Linear,
+        widths: [i32; 4],
+    },
+}
+
+impl InputProjections {
+    /// `parts` of `widths` outputs each.
+    fn load(parts: [Linear; 4], widths: [i32; 4]) -> Result<Self> {
+        Ok(match Linear::fuse_if_enabled(parts)? {
+            Ok(proj) => InputProjections::Fused { proj, widths },
+            Err(parts) => InputProjections::Separate(parts),
+        })
+    }
+
+    fn use_mlx_kernels(&mut self) {
+        match self {
+            InputProjections::Separate(parts) => parts.iter_mut().for_each(Linear::use_mlx_kernels),
+            InputProjections::Fused { proj, .. } => proj.use_mlx_kernels(),
+        }
+    }
+
+    /// `x` `[..., hidden]` → the four projections, `[..., width]` each (slices, views, of one
+    /// product when fused).
+    fn forward(&self, x: &Array) -> Result<[Array; 4]> {
+        match self {
+            InputProjections::Separate([qkv, z, b, a]) => {
+                Ok([qkv.forward(x)?, z.forward(x)?, b.forward(x)?, a.forward(x)?])
+            }
+            InputProjections::Fused { proj, widths } => {
+                let all = proj.forward(x)?;
+                let shape = all.shape().to_vec();
+                let last = shape.len() - 1;
+                let mut from = 0;
+                let mut part = |width: i32| -> Result<Array> {
+                    let (mut start, mut stop) = (vec![0; shape.len()], shape.clone());
+                    (start[last], stop[last]) = (from, from + width);
+                    from += width;
+                    Ok(slice(&all, &start, &stop)?)
+                };
+                Ok([
+                    part(widths[0])?,
+                    part(widths[1])?,
+                    part(widths[2])?,
+                    part(widths[3])?,
+                ])
+            }
+        }
+    }
 }
 
 /// One token's recurrence for every row and value head (mlx_lm's `_gated_delta_step_ops`):
@@ -405,10 +460,15 @@ impl GatedDeltaNet {
         };
         let hv = c.num_value_heads;
         Ok(Self {
-            in_proj_qkv: linear(w, "in_proj_qkv", hidden, c.conv_dim())?,
-            in_proj_z: linear(w, "in_proj_z", hidden, c.value_dim())?,
-            in_proj_b: linear(w, "in_proj_b", hidden, hv)?,
-            in_proj_a: linear(w, "in_proj_a", hidden, hv)?,
+            in_proj: InputProjections::load(
+                [
+                    linear(w, "in_proj_qkv", hidden, c.conv_dim())?,
+                    linear(w, "in_proj_z", hidden, c.value_dim())?,
+                    linear(w, "in_proj_b", hidden, hv)?,
+                    linear(w, "in_proj_a", hidden, hv)?,
+                ],
+                [c.conv_dim(), c.value_dim(), hv, hv],
+            )?,
             conv1d: w.take_shaped(
                 &format!("{path}.conv1d.weight"),
                 &[c.conv_dim(), c.conv_kernel, 1],
@@ -438,15 +498,8 @@ impl GatedDeltaNet {
 
     /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]).
     pub fn use_mlx_kernels(&mut self) {
-        for linear in [
-            &mut self.in_proj_qkv,
-            &mut self.in_proj_z,
-            &mut self.in_proj_b,
-            &mut self.in_proj_a,
-            &mut self.out_proj,
-        ] {
-            linear.use_mlx_kernels();
-        }
+        self.in_proj.use_mlx_kernels();
+        self.out_proj.use_mlx_kernels();
     }
 
     /// `x` `[rows, tokens, hidden]` → `[rows, tokens, hidden]`: each row's state before these
@@ -525,10 +578,8 @@ impl GatedDeltaNet {
             ssm: state,
         } = state;
 
-        let qkv = self.in_proj_qkv.forward(x)?;
-        let z = self.in_proj_z.forward(x)?.reshape(&[batch, seq, hv, dv])?;
-        let b = self.in_proj_b.forward(x)?;
-        let a = self.in_proj_a.forward(x)?;
+        let [qkv, z, b, a] = self.in_proj.forward(x)?;
+        let z = z.reshape(&[batch, seq, hv, dv])?;
 
         let conv_input = ops::concatenate(&[conv_state, qkv], 1)?;
         let total = seq + keep;
