@@ -34,6 +34,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+# mlx_lm 0.32.2's quantized expert layers on MLX 0.32.2 (the oracle's shim: see mlx_lm_quirks.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "crates/perch-engine/tests/oracle"))
+import mlx_lm_quirks  # noqa: E402,F401
+
 
 def make_model(path: Path, tokenizer_dir: Path, hidden: int, layers: int, heads: int, kv_heads: int,
                intermediate: int) -> Path:

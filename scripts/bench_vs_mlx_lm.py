@@ -20,6 +20,10 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+
+# mlx_lm 0.32.2's quantized expert layers on MLX 0.32.2 (the oracle's shim: see mlx_lm_quirks.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "crates/perch-engine/tests/oracle"))
+import mlx_lm_quirks  # noqa: E402,F401
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
