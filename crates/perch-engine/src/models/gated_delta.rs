@@ -105,8 +105,9 @@ pub struct GatedDeltaNet {
     /// `[conv_dim, kernel, 1]` (MLX's layout: out channels, taps, in channels per group).
     conv1d: Array,
     dt_bias: Array,
-    /// Kept in its stored dtype (see [`Weights`]); read as float32.
-    a_log: Array,
+    /// `-exp(A_log)` in float32, `[value_heads]`, computed at load (the same number mlx_lm
+    /// computes every call; two operations fewer a layer and step).
+    neg_decay_rate: Array,
     norm_weight: Array,
     norm_eps: f32,
     out_proj: Linear,
@@ -474,7 +475,12 @@ impl GatedDeltaNet {
                 &[c.conv_dim(), c.conv_kernel, 1],
             )?,
             dt_bias: w.take_shaped(&format!("{path}.dt_bias"), &[hv])?,
-            a_log: w.take_shaped(&format!("{path}.A_log"), &[hv])?,
+            neg_decay_rate: {
+                let a_log = w.take_shaped(&format!("{path}.A_log"), &[hv])?;
+                let rate = ops::negative(&ops::exp(&a_log.as_dtype(Dtype::Float32)?)?)?;
+                rate.eval()?;
+                rate
+            },
             norm_weight: w.take_shaped(&format!("{path}.norm.weight"), &[c.value_head_dim])?,
             norm_eps: eps,
             out_proj: linear(w, "out_proj", c.value_dim(), hidden)?,
@@ -628,9 +634,8 @@ impl GatedDeltaNet {
 
         let beta = ops::sigmoid(&b)?;
         // g = exp(-exp(A_log) * softplus(a + dt_bias)), float32 (mlx_lm's compute_g).
-        let decay_rate = ops::exp(&self.a_log.as_dtype(Dtype::Float32)?)?;
         let g = ops::exp(&ops::multiply(
-            &ops::negative(&decay_rate)?,
+            &self.neg_decay_rate,
             &nn::softplus(ops::add(&a, &self.dt_bias)?)?,
         )?)?;
         // Padding keeps the state: decay 1, delta 0.
