@@ -325,22 +325,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
 fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: &[f32]) {
     let mut model = models::load(dir).unwrap();
     model.compile_recurrence(true);
-    let n = expected.prompt_ids.len() as i32;
-    let mut cache = model.make_cache(None);
-    let logits = model
-        .forward_sequence(
-            &Array::from_slice(&expected.prompt_ids, &[1, n]),
-            &mut cache,
-        )
-        .unwrap()
-        .as_dtype(mlx_rs::Dtype::Float32)
-        .unwrap();
-    let diff = logits
-        .as_slice::<f32>()
-        .iter()
-        .zip(uncompiled)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
+    let diff = largest_difference(&prompt_logits(model.as_ref(), expected), uncompiled);
     assert!(
         diff <= 1e-5,
         "{name}: compiled recurrence changed logits by {diff}"
@@ -367,27 +352,39 @@ fn fused_input_projections(dir: &Path, name: &str, expected: &Expected) {
     std::env::set_var("PERCH_FUSED_PROJECTIONS", "1");
     let model = models::load(dir);
     std::env::remove_var("PERCH_FUSED_PROJECTIONS");
-    let model = model.unwrap();
+    let diff = largest_difference(
+        &prompt_logits(model.unwrap().as_ref(), expected),
+        &expected.logits,
+    );
+    assert!(
+        diff <= 1e-4,
+        "{name}: with fused projections, logits differ from mlx_lm by {diff}"
+    );
+}
+
+/// `model`'s logits over the expected prompt, every position, float32, flattened.
+fn prompt_logits(model: &dyn models::Model, expected: &Expected) -> Vec<f32> {
     let n = expected.prompt_ids.len() as i32;
     let mut cache = model.make_cache(None);
-    let logits = model
+    model
         .forward_sequence(
             &Array::from_slice(&expected.prompt_ids, &[1, n]),
             &mut cache,
         )
         .unwrap()
         .as_dtype(mlx_rs::Dtype::Float32)
-        .unwrap();
-    let diff = logits
+        .unwrap()
         .as_slice::<f32>()
-        .iter()
-        .zip(&expected.logits)
+        .to_vec()
+}
+
+/// The largest |a - b| over two equally long lists.
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "logits of different shapes");
+    a.iter()
+        .zip(b)
         .map(|(a, b)| (a - b).abs())
-        .fold(0.0f32, f32::max);
-    assert!(
-        diff <= 1e-4,
-        "{name}: with fused projections, logits differ from mlx_lm by {diff}"
-    );
+        .fold(0.0f32, f32::max)
 }
 
 /// Prompt caches of a hybrid model, both ways with mlx_lm: linear-attention layers are

@@ -72,73 +72,52 @@ impl Config {
         group: (i32, i32, i32),
         template: &[TemplateArg],
     ) -> Self {
+        // The same calls for either backend, through its own mlx-c functions.
+        macro_rules! configure {
+            ($variant:ident, $new:ident, $output:ident, $grid:ident, $group:ident, $int:ident, $dtype:ident) => {{
+                let config = mlx_sys::$new();
+                for (shape, dtype) in outputs {
+                    mlx_sys::$output(
+                        config,
+                        shape.as_ptr(),
+                        shape.len(),
+                        *dtype as mlx_sys::mlx_dtype,
+                    );
+                }
+                mlx_sys::$grid(config, grid.0, grid.1, grid.2);
+                mlx_sys::$group(config, group.0, group.1, group.2);
+                for arg in template {
+                    match arg {
+                        TemplateArg::Int(name, value) => {
+                            mlx_sys::$int(config, name.as_ptr(), *value)
+                        }
+                        TemplateArg::Dtype(name, dtype) => {
+                            mlx_sys::$dtype(config, name.as_ptr(), *dtype as mlx_sys::mlx_dtype)
+                        }
+                    };
+                }
+                Config::$variant(config)
+            }};
+        }
         match handle {
-            Handle::Cuda(_) => {
-                use mlx_sys::*;
-                let config = mlx_fast_cuda_kernel_config_new();
-                for (shape, dtype) in outputs {
-                    mlx_fast_cuda_kernel_config_add_output_arg(
-                        config,
-                        shape.as_ptr(),
-                        shape.len(),
-                        *dtype as mlx_dtype,
-                    );
-                }
-                mlx_fast_cuda_kernel_config_set_grid(config, grid.0, grid.1, grid.2);
-                mlx_fast_cuda_kernel_config_set_thread_group(config, group.0, group.1, group.2);
-                for arg in template {
-                    match arg {
-                        TemplateArg::Int(name, value) => {
-                            mlx_fast_cuda_kernel_config_add_template_arg_int(
-                                config,
-                                name.as_ptr(),
-                                *value,
-                            )
-                        }
-                        TemplateArg::Dtype(name, dtype) => {
-                            mlx_fast_cuda_kernel_config_add_template_arg_dtype(
-                                config,
-                                name.as_ptr(),
-                                *dtype as mlx_dtype,
-                            )
-                        }
-                    };
-                }
-                Config::Cuda(config)
-            }
-            Handle::Metal(_) => {
-                use mlx_sys::*;
-                let config = mlx_fast_metal_kernel_config_new();
-                for (shape, dtype) in outputs {
-                    mlx_fast_metal_kernel_config_add_output_arg(
-                        config,
-                        shape.as_ptr(),
-                        shape.len(),
-                        *dtype as mlx_dtype,
-                    );
-                }
-                mlx_fast_metal_kernel_config_set_grid(config, grid.0, grid.1, grid.2);
-                mlx_fast_metal_kernel_config_set_thread_group(config, group.0, group.1, group.2);
-                for arg in template {
-                    match arg {
-                        TemplateArg::Int(name, value) => {
-                            mlx_fast_metal_kernel_config_add_template_arg_int(
-                                config,
-                                name.as_ptr(),
-                                *value,
-                            )
-                        }
-                        TemplateArg::Dtype(name, dtype) => {
-                            mlx_fast_metal_kernel_config_add_template_arg_dtype(
-                                config,
-                                name.as_ptr(),
-                                *dtype as mlx_dtype,
-                            )
-                        }
-                    };
-                }
-                Config::Metal(config)
-            }
+            Handle::Cuda(_) => configure!(
+                Cuda,
+                mlx_fast_cuda_kernel_config_new,
+                mlx_fast_cuda_kernel_config_add_output_arg,
+                mlx_fast_cuda_kernel_config_set_grid,
+                mlx_fast_cuda_kernel_config_set_thread_group,
+                mlx_fast_cuda_kernel_config_add_template_arg_int,
+                mlx_fast_cuda_kernel_config_add_template_arg_dtype
+            ),
+            Handle::Metal(_) => configure!(
+                Metal,
+                mlx_fast_metal_kernel_config_new,
+                mlx_fast_metal_kernel_config_add_output_arg,
+                mlx_fast_metal_kernel_config_set_grid,
+                mlx_fast_metal_kernel_config_set_thread_group,
+                mlx_fast_metal_kernel_config_add_template_arg_int,
+                mlx_fast_metal_kernel_config_add_template_arg_dtype
+            ),
         }
     }
 
