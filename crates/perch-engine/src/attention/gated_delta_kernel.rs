@@ -183,17 +183,12 @@ pub fn computes(q: &Array, v: &Array, state: &Array) -> bool {
         && ss == [qs[0], vs[2], vs[3], qs[3]]
 }
 
-/// [`computes`] on a GPU backend ([`backend`]).
-pub fn applies(q: &Array, v: &Array, state: &Array) -> bool {
-    backend().is_some() && computes(q, v, state)
-}
-
 /// The recurrence over every token of the pass: `q`, `k` `[rows, tokens, key_heads, dk]`, `v`
 /// `[rows, tokens, value_heads, dv]`, `g` and `beta` `[rows, tokens, value_heads]` (any float
 /// dtype; a padded token has `g = 1`, `beta = 0` and leaves the state as it was), `state`
 /// `[rows, value_heads, dv, dk]` float32 → `y` `[rows, tokens, value_heads, dv]` in `q`'s dtype
 /// and the state after the last token. Value head `h` reads key head `h / (value_heads /
-/// key_heads)`. Only where [`applies`] holds.
+/// key_heads)`. Only where [`computes`] holds, on a GPU backend ([`backend`]).
 pub fn gated_delta(
     q: &Array,
     k: &Array,
@@ -205,7 +200,11 @@ pub fn gated_delta(
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
-    if !applies(q, v, state) || k.shape() != q.shape() || k.dtype() != q.dtype() {
+    if backend().is_none()
+        || !computes(q, v, state)
+        || k.shape() != q.shape()
+        || k.dtype() != q.dtype()
+    {
         return Err(Exception::custom(
             "gated_delta: shapes or dtypes it does not take",
         ));
@@ -252,7 +251,7 @@ pub fn gated_delta(
 mod tests {
     use mlx_rs::{Array, Dtype};
 
-    use super::{applies, computes};
+    use super::{backend, computes};
 
     fn zeros(shape: &[i32], dtype: Dtype) -> Array {
         mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
@@ -266,7 +265,7 @@ mod tests {
         let q = zeros(&[2, 5, 16, 128], bf16);
         let v = zeros(&[2, 5, 32, 128], bf16);
         assert!(computes(&q, &v, &state));
-        assert!(!applies(&q, &v, &state), "no GPU backend on this machine");
+        assert!(backend().is_none(), "no GPU backend on this machine");
         // dk not a multiple of 32, or over 256.
         let (q80, s80) = (
             zeros(&[2, 5, 16, 80], bf16),

@@ -696,9 +696,12 @@ impl<'m> BatchGenerator<'m> {
         let mut preempted = false;
         loop {
             let running = self.planned();
+            // Only those the batch has room for can be admitted (the queue may be long).
+            let room = self.config.max_running.saturating_sub(self.running.len());
             let waiting: Vec<plan::Waiting> = self
                 .waiting
                 .iter()
+                .take(room)
                 .map(|seq| plan::Waiting {
                     id: seq.id,
                     tokens: &seq.tokens,

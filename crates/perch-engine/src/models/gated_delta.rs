@@ -541,7 +541,7 @@ impl GatedDeltaNet {
     /// The recurrence over a pass's tokens: `q`, `k` `[B, T, hk, dk]`, `v` `[B, T, hv, dv]`, `g`,
     /// `beta` `[B, T, hv]`, `state` `[B, hv, dv, dk]` float32 → `y` `[B, T, hv, dv]` and the state
     /// after the last token. In one kernel launch where this process can ([`kernel_usable`]) and
-    /// [`gated_delta_kernel::applies`], else a step per token ([`recurrence_step`], through
+    /// [`gated_delta_kernel::computes`] it, else a step per token ([`recurrence_step`], through
     /// MLX's compiler where [`GatedDeltaNet::compile_recurrence`] says), as mlx_lm's
     /// `gated_delta_ops`.
     fn recurrence(
@@ -553,7 +553,8 @@ impl GatedDeltaNet {
         beta: Array,
         state: Array,
     ) -> Result<(Array, Array)> {
-        if self.kernel && gated_delta_kernel::applies(&q, &v, &state) {
+        // `kernel` already holds only on a GPU backend where the kernel passed its load check.
+        if self.kernel && gated_delta_kernel::computes(&q, &v, &state) {
             return Ok(gated_delta_kernel::gated_delta(
                 &q, &k, &v, &g, &beta, &state,
             )?);
