@@ -1,24 +1,41 @@
-//! The Gated DeltaNet recurrence (see `models::gated_delta`) over all of a pass's tokens in one
-//! GPU kernel launch per layer, CUDA or Metal, written with MLX's custom-kernel API (through
-//! [`crate::attention::custom_kernel`]).
+//! The core of a Gated DeltaNet layer (see `models::gated_delta`) over all of a pass's tokens in
+//! one GPU kernel launch per layer, CUDA or Metal, written with MLX's custom-kernel API (through
+//! [`crate::attention::custom_kernel`]): from the projected `qkv`, `a` and `b` and the layer's
+//! two states to its output `y` and the states after the pass — the causal depthwise
+//! convolution and its SiLU, the L2 normalisation of queries and keys, the gates `g` and `β`,
+//! and the recurrence.
 //!
-//! Why: without it the recurrence runs a step per token (mlx_lm's `gated_delta_ops`, the form
-//! it runs on CPU and CUDA): a prefill chunk of `T` tokens is `T` compiled steps of a few kernels
-//! each, per linear-attention layer, and a decode step is one such step. mlx_lm has a kernel
-//! for Metal (`gated_delta_kernel`); MLX 0.32.2 has none for CUDA.
+//! Why: a decode step of a small hybrid model on a GPU is bound by launching its kernels (the
+//! host), and the same work as separate operations is about a dozen kernels per layer
+//! (concatenation, convolution, SiLU, two norms and their scales, the gates, the recurrence
+//! step); as ops, a prefill chunk of `T` tokens is also `T` recurrence steps (mlx_lm's
+//! `gated_delta_ops`, the form it runs on CPU and CUDA). mlx_lm fuses the recurrence with the
+//! gates for Metal (`gated_delta_kernel`); SGLang and vLLM fuse the norms and gates into their
+//! recurrent kernels the same way. MLX 0.32.2 has none for CUDA.
 //!
-//! The CUDA source is checked against the step-per-token form on an NVIDIA GPU (`perch
-//! check-kernels`). The Metal source is the same algorithm in the Metal Shading Language
-//! (`simd_sum` for the warp reductions) and has not run on a Mac here: the engine uses either
-//! only after it has passed a small check at model load (`models::gated_delta`), and falls back
-//! to the step-per-token form otherwise.
+//! The CUDA source is checked against the operations on an NVIDIA GPU (`perch check-kernels`).
+//! The Metal source is the same algorithm in the Metal Shading Language (`simd_sum` for the warp
+//! reductions) and has not run on a Mac here: the engine uses either only after it has passed a
+//! small check at model load (`models::gated_delta`), and runs the operations otherwise.
 //!
-//! The computation, per row `b` and value head `h`, from the state `S [dv, dk]` (float32) and
-//! for each token `t` in order: `S ← g·S`, `m = S·k`, `S ← S + β·(v − m) ⊗ k`, `y = S·q`
-//! (Yang, Kautz and Hatamizadeh 2024, "Gated Delta Networks"). A warp owns one row of `S`
-//! (one `dv` index), its lanes `dk / 32` components each, in registers for the whole pass; the
-//! two dot products per token are warp reductions. Four warps (four `dv` rows) make a block, so
-//! a block reads each token's `q` and `k` once for four rows.
+//! The computation, per row `n` and value head `h` of `value_heads`, key head `kh = h /
+//! (value_heads / key_heads)`, for each token `t` in order (Yang, Kautz and Hatamizadeh 2024,
+//! "Gated Delta Networks"; the normalisations and gates as mlx_lm's `qwen3_5.py`):
+//! - convolution input `x(p)`: the conv state's entry `p` for `p < taps - 1`, else the pass's
+//!   `qkv` at token `p - (taps - 1)`; channel `c`'s output `silu(Σ_j w[c, j] · x(t + j)[c])`;
+//!   queries are channels `kh·dk ..`, keys `key_heads·dk + kh·dk ..`, values `2·key_heads·dk +
+//!   h·dv ..`;
+//! - `q ← q / (√dk · ‖q‖)`, `k ← k / ‖k‖` (each `‖·‖` with 1e-6 added under the root);
+//! - `g = exp(neg_rate[h] · softplus(a + dt_bias[h]))`, `β = sigmoid(b)`; a padded token
+//!   (`t ≥ counts[n]`) has `g = 1`, `β = 0` and leaves the state as it was;
+//! - from the state `S [dv, dk]` (float32): `S ← g·S`, `m = S·k`, `S ← S + β·(v − m) ⊗ k`,
+//!   `y = S·q`.
+//!
+//! The new conv state is `x(real) .. x(real + taps - 2)`, `real` the row's real tokens. A warp
+//! owns four rows of `S` (`dv` indices), its lanes `dk / 32` components of each, in registers
+//! for the whole pass; the dot products and the two norms per token are warp reductions. Four
+//! warps (sixteen `dv` rows) make a block, which computes each token's queries and keys once
+//! into shared memory for its rows.
 
 use std::cell::RefCell;
 
@@ -28,132 +45,300 @@ use mlx_rs::{Array, Dtype};
 use crate::attention::custom_kernel::{CustomKernel, TemplateArg};
 use crate::device::Backend;
 
-/// Value rows (`dv` indices, one warp each) per thread block.
-const ROWS_PER_BLOCK: i32 = 4;
+/// Warps per thread block.
+const WARPS_PER_BLOCK: i32 = 4;
+
+/// State rows (`dv` indices) per warp: a block computes each token's queries and keys for
+/// `WARPS_PER_BLOCK * ROWS_PER_WARP` rows, and each warp's loads for its rows overlap.
+const ROWS_PER_WARP: i32 = 4;
+
+/// The most convolution taps the kernel takes (Qwen3.5 and Qwen3-Next have 4).
+const MAX_TAPS: i32 = 16;
 
 const CUDA_SOURCE: &str = r#"
   constexpr int PER_LANE = DK / 32;
+  constexpr int R = ROWS_PER_WARP;
+  __shared__ float q_shared[DK];
+  __shared__ float k_shared[DK];
   const int lane = threadIdx.x;
-  const int row = blockIdx.y * blockDim.y + threadIdx.y;
+  const int tid = threadIdx.y * 32 + lane;
+  const int threads = blockDim.y * 32;
+  const int first_row = (blockIdx.y * blockDim.y + threadIdx.y) * R;
   const int heads = state_shape[1];
-  const int b = blockIdx.z / heads;
-  const int h = blockIdx.z % heads;
-  const int key_head = h / (heads / q_shape[2]);
-  const int steps = q_shape[1];
   const int rows = state_shape[2];
+  const int n = blockIdx.z / heads;
+  const int h = blockIdx.z % heads;
+  const int kh = h / (heads / HK);
+  const int steps = qkv_shape[1];
+  const int channels = qkv_shape[2];
+  const int taps = conv_weight_shape[1];
+  const int keep = taps - 1;
+  const int key_dim = HK * DK;
+  const int real = PADDED ? counts[n] : steps;
+  const int v_channel = 2 * key_dim + h * rows + first_row;
+// Convolution input p of channel c (the conv state, then the pass's tokens), and output t.
+#define PERCH_X(p, c) ((p) < keep \
+    ? static_cast<float>(conv_state[n * conv_state_strides[0] + (p) * conv_state_strides[1] \
+                                    + (c) * conv_state_strides[2]]) \
+    : static_cast<float>(qkv[n * qkv_strides[0] + ((p) - keep) * qkv_strides[1] + (c) * qkv_strides[2]]))
+#define PERCH_CONV(t, c, out) { \
+    float acc_ = 0.0f; \
+    for (int j_ = 0; j_ < taps; ++j_) { \
+      acc_ += static_cast<float>(conv_weight[(c) * conv_weight_strides[0] + j_ * conv_weight_strides[1]]) \
+          * PERCH_X((t) + j_, (c)); \
+    } \
+    out = acc_ / (1.0f + expf(-acc_)); }
 
-  const float* s_in = state + b * state_strides[0] + h * state_strides[1] + row * state_strides[2];
-  float s[PER_LANE];
+  float s[R][PER_LANE];
 #pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) {
-    s[i] = s_in[(lane + 32 * i) * state_strides[3]];
+  for (int r = 0; r < R; ++r) {
+    const float* s_in =
+        state + n * state_strides[0] + h * state_strides[1] + (first_row + r) * state_strides[2];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      s[r][i] = s_in[(lane + 32 * i) * state_strides[3]];
+    }
   }
+  const float dt = static_cast<float>(dt_bias[h * dt_bias_strides[0]]);
+  const float rate_h = static_cast<float>(neg_rate[h * neg_rate_strides[0]]);
   for (int t = 0; t < steps; ++t) {
-    const T* qt = q + b * q_strides[0] + t * q_strides[1] + key_head * q_strides[2];
-    const T* kt = k + b * k_strides[0] + t * k_strides[1] + key_head * k_strides[2];
+    // The gates and values first: their loads overlap the queries' and keys'.
+    float decay = 1.0f;
+    float rate = 0.0f;
+    if (t < real) {
+      const float x = static_cast<float>(
+          a_proj[n * a_proj_strides[0] + t * a_proj_strides[1] + h * a_proj_strides[2]]) + dt;
+      decay = expf(rate_h * (x > 20.0f ? x : log1pf(expf(x))));
+      const float logit = static_cast<float>(
+          b_proj[n * b_proj_strides[0] + t * b_proj_strides[1] + h * b_proj_strides[2]]);
+      rate = 1.0f / (1.0f + expf(-logit));
+    }
+    float values[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      PERCH_CONV(t, v_channel + r, values[r]);
+    }
+    for (int i = tid; i < DK; i += threads) {
+      float qc, kc;
+      PERCH_CONV(t, kh * DK + i, qc);
+      PERCH_CONV(t, key_dim + kh * DK + i, kc);
+      q_shared[i] = qc;
+      k_shared[i] = kc;
+    }
+    __syncthreads();
     float keys[PER_LANE];
     float queries[PER_LANE];
+    float qq = 0.0f;
+    float kk = 0.0f;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
-      keys[i] = static_cast<float>(kt[(lane + 32 * i) * k_strides[3]]);
-      queries[i] = static_cast<float>(qt[(lane + 32 * i) * q_strides[3]]);
-    }
-    const float decay = static_cast<float>(g[b * g_strides[0] + t * g_strides[1] + h * g_strides[2]]);
-    const float rate =
-        static_cast<float>(beta[b * beta_strides[0] + t * beta_strides[1] + h * beta_strides[2]]);
-    const float value = static_cast<float>(
-        v[b * v_strides[0] + t * v_strides[1] + h * v_strides[2] + row * v_strides[3]]);
-    float memory = 0.0f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      s[i] *= decay;
-      memory += s[i] * keys[i];
+      queries[i] = q_shared[lane + 32 * i];
+      keys[i] = k_shared[lane + 32 * i];
+      qq += queries[i] * queries[i];
+      kk += keys[i] * keys[i];
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) {
-      memory += __shfl_xor_sync(0xffffffff, memory, offset);
+      qq += __shfl_xor_sync(0xffffffff, qq, offset);
+      kk += __shfl_xor_sync(0xffffffff, kk, offset);
     }
-    const float delta = (value - memory) * rate;
-    float out = 0.0f;
+    const float q_scale = rsqrtf(qq + 1e-6f) * rsqrtf(static_cast<float>(DK));
+    const float k_scale = rsqrtf(kk + 1e-6f);
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
-      s[i] += keys[i] * delta;
-      out += s[i] * queries[i];
+      keys[i] *= k_scale;
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      out += __shfl_xor_sync(0xffffffff, out, offset);
-    }
-    if (lane == 0) {
-      y[(((long)b * steps + t) * heads + h) * rows + row] = static_cast<T>(out);
-    }
-  }
-  float* s_out = state_out + (((long)b * heads + h) * rows + row) * DK;
+    for (int r = 0; r < R; ++r) {
+      float memory = 0.0f;
 #pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) {
-    s_out[lane + 32 * i] = s[i];
+      for (int i = 0; i < PER_LANE; ++i) {
+        s[r][i] *= decay;
+        memory += s[r][i] * keys[i];
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        memory += __shfl_xor_sync(0xffffffff, memory, offset);
+      }
+      const float delta = (values[r] - memory) * rate;
+      float out = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PER_LANE; ++i) {
+        s[r][i] += keys[i] * delta;
+        out += s[r][i] * queries[i];
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) {
+        out += __shfl_xor_sync(0xffffffff, out, offset);
+      }
+      if (lane == 0) {
+        y[(((long)n * steps + t) * heads + h) * rows + first_row + r] =
+            static_cast<T>(out * q_scale);
+      }
+    }
+    __syncthreads();
   }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float* s_out = state_out + (((long)n * heads + h) * rows + first_row + r) * DK;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      s_out[lane + 32 * i] = s[r][i];
+    }
+  }
+  // The conv state after the row's real tokens: each warp its rows' value channels, the first
+  // block of each key head its query and key channels.
+  T* conv_out = conv_state_out + (long)n * keep * channels;
+  for (int j = lane; j < keep * R; j += 32) {
+    const int c = v_channel + j / keep;
+    conv_out[(j % keep) * channels + c] = static_cast<T>(PERCH_X(real + j % keep, c));
+  }
+  if (h % (heads / HK) == 0 && blockIdx.y == 0) {
+    for (int i = tid; i < DK; i += threads) {
+      for (int j = 0; j < keep; ++j) {
+        const int qc = kh * DK + i;
+        const int kc = key_dim + qc;
+        conv_out[j * channels + qc] = static_cast<T>(PERCH_X(real + j, qc));
+        conv_out[j * channels + kc] = static_cast<T>(PERCH_X(real + j, kc));
+      }
+    }
+  }
+#undef PERCH_CONV
+#undef PERCH_X
 "#;
 
 /// [`CUDA_SOURCE`]'s algorithm in the Metal Shading Language: a simdgroup of 32 threads per
 /// state row.
 const METAL_SOURCE: &str = r#"
   constexpr int PER_LANE = DK / 32;
-  const uint lane = thread_index_in_simdgroup;
-  const int row = thread_position_in_grid.y;
+  constexpr int R = ROWS_PER_WARP;
+  threadgroup float q_shared[DK];
+  threadgroup float k_shared[DK];
+  const int lane = thread_index_in_simdgroup;
+  const int tid = thread_position_in_threadgroup.y * 32 + thread_position_in_threadgroup.x;
+  const int threads = threads_per_threadgroup.y * 32;
+  const int first_row = thread_position_in_grid.y * R;
   const int heads = state_shape[1];
-  const int b = thread_position_in_grid.z / heads;
-  const int h = thread_position_in_grid.z % heads;
-  const int key_head = h / (heads / q_shape[2]);
-  const int steps = q_shape[1];
   const int rows = state_shape[2];
+  const int n = thread_position_in_grid.z / heads;
+  const int h = thread_position_in_grid.z % heads;
+  const int kh = h / (heads / HK);
+  const int steps = qkv_shape[1];
+  const int channels = qkv_shape[2];
+  const int taps = conv_weight_shape[1];
+  const int keep = taps - 1;
+  const int key_dim = HK * DK;
+  const int real = PADDED ? counts[n] : steps;
+  const int v_channel = 2 * key_dim + h * rows + first_row;
+#define PERCH_X(p, c) ((p) < keep \
+    ? static_cast<float>(conv_state[n * conv_state_strides[0] + (p) * conv_state_strides[1] \
+                                    + (c) * conv_state_strides[2]]) \
+    : static_cast<float>(qkv[n * qkv_strides[0] + ((p) - keep) * qkv_strides[1] + (c) * qkv_strides[2]]))
+#define PERCH_CONV(t, c, out) { \
+    float acc_ = 0.0f; \
+    for (int j_ = 0; j_ < taps; ++j_) { \
+      acc_ += static_cast<float>(conv_weight[(c) * conv_weight_strides[0] + j_ * conv_weight_strides[1]]) \
+          * PERCH_X((t) + j_, (c)); \
+    } \
+    out = acc_ / (1.0f + metal::exp(-acc_)); }
 
-  const device float* s_in =
-      state + b * state_strides[0] + h * state_strides[1] + row * state_strides[2];
-  float s[PER_LANE];
-  for (int i = 0; i < PER_LANE; ++i) {
-    s[i] = s_in[(lane + 32 * i) * state_strides[3]];
+  float s[R][PER_LANE];
+  for (int r = 0; r < R; ++r) {
+    const device float* s_in =
+        state + n * state_strides[0] + h * state_strides[1] + (first_row + r) * state_strides[2];
+    for (int i = 0; i < PER_LANE; ++i) {
+      s[r][i] = s_in[(lane + 32 * i) * state_strides[3]];
+    }
   }
+  const float dt = static_cast<float>(dt_bias[h * dt_bias_strides[0]]);
+  const float rate_h = static_cast<float>(neg_rate[h * neg_rate_strides[0]]);
   for (int t = 0; t < steps; ++t) {
-    const device T* qt = q + b * q_strides[0] + t * q_strides[1] + key_head * q_strides[2];
-    const device T* kt = k + b * k_strides[0] + t * k_strides[1] + key_head * k_strides[2];
+    float decay = 1.0f;
+    float rate = 0.0f;
+    if (t < real) {
+      const float x = static_cast<float>(
+          a_proj[n * a_proj_strides[0] + t * a_proj_strides[1] + h * a_proj_strides[2]]) + dt;
+      decay = metal::exp(rate_h * (x > 20.0f ? x : metal::log(1.0f + metal::exp(x))));
+      const float logit = static_cast<float>(
+          b_proj[n * b_proj_strides[0] + t * b_proj_strides[1] + h * b_proj_strides[2]]);
+      rate = 1.0f / (1.0f + metal::exp(-logit));
+    }
+    float values[R];
+    for (int r = 0; r < R; ++r) {
+      PERCH_CONV(t, v_channel + r, values[r]);
+    }
+    for (int i = tid; i < DK; i += threads) {
+      float qc, kc;
+      PERCH_CONV(t, kh * DK + i, qc);
+      PERCH_CONV(t, key_dim + kh * DK + i, kc);
+      q_shared[i] = qc;
+      k_shared[i] = kc;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
     float keys[PER_LANE];
     float queries[PER_LANE];
+    float qq = 0.0f;
+    float kk = 0.0f;
     for (int i = 0; i < PER_LANE; ++i) {
-      keys[i] = static_cast<float>(kt[(lane + 32 * i) * k_strides[3]]);
-      queries[i] = static_cast<float>(qt[(lane + 32 * i) * q_strides[3]]);
+      queries[i] = q_shared[lane + 32 * i];
+      keys[i] = k_shared[lane + 32 * i];
+      qq += queries[i] * queries[i];
+      kk += keys[i] * keys[i];
     }
-    const float decay =
-        static_cast<float>(g[b * g_strides[0] + t * g_strides[1] + h * g_strides[2]]);
-    const float rate =
-        static_cast<float>(beta[b * beta_strides[0] + t * beta_strides[1] + h * beta_strides[2]]);
-    const float value = static_cast<float>(
-        v[b * v_strides[0] + t * v_strides[1] + h * v_strides[2] + row * v_strides[3]]);
-    float memory = 0.0f;
+    qq = simd_sum(qq);
+    kk = simd_sum(kk);
+    const float q_scale = metal::rsqrt(qq + 1e-6f) * metal::rsqrt(static_cast<float>(DK));
+    const float k_scale = metal::rsqrt(kk + 1e-6f);
     for (int i = 0; i < PER_LANE; ++i) {
-      s[i] *= decay;
-      memory += s[i] * keys[i];
+      keys[i] *= k_scale;
     }
-    memory = simd_sum(memory);
-    const float delta = (value - memory) * rate;
-    float out = 0.0f;
+    for (int r = 0; r < R; ++r) {
+      float memory = 0.0f;
+      for (int i = 0; i < PER_LANE; ++i) {
+        s[r][i] *= decay;
+        memory += s[r][i] * keys[i];
+      }
+      memory = simd_sum(memory);
+      const float delta = (values[r] - memory) * rate;
+      float out = 0.0f;
+      for (int i = 0; i < PER_LANE; ++i) {
+        s[r][i] += keys[i] * delta;
+        out += s[r][i] * queries[i];
+      }
+      out = simd_sum(out);
+      if (lane == 0) {
+        y[((n * steps + t) * heads + h) * rows + first_row + r] = static_cast<T>(out * q_scale);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (int r = 0; r < R; ++r) {
+    device float* s_out = state_out + ((n * heads + h) * rows + first_row + r) * DK;
     for (int i = 0; i < PER_LANE; ++i) {
-      s[i] += keys[i] * delta;
-      out += s[i] * queries[i];
-    }
-    out = simd_sum(out);
-    if (lane == 0) {
-      y[((b * steps + t) * heads + h) * rows + row] = static_cast<T>(out);
+      s_out[lane + 32 * i] = s[r][i];
     }
   }
-  device float* s_out = state_out + ((b * heads + h) * rows + row) * DK;
-  for (int i = 0; i < PER_LANE; ++i) {
-    s_out[lane + 32 * i] = s[i];
+  device T* conv_out = conv_state_out + n * keep * channels;
+  for (int j = lane; j < keep * R; j += 32) {
+    const int c = v_channel + j / keep;
+    conv_out[(j % keep) * channels + c] = static_cast<T>(PERCH_X(real + j % keep, c));
   }
+  if (h % (heads / HK) == 0 && thread_position_in_grid.y < threads_per_threadgroup.y) {
+    for (int i = tid; i < DK; i += threads) {
+      for (int j = 0; j < keep; ++j) {
+        const int qc = kh * DK + i;
+        const int kc = key_dim + qc;
+        conv_out[j * channels + qc] = static_cast<T>(PERCH_X(real + j, qc));
+        conv_out[j * channels + kc] = static_cast<T>(PERCH_X(real + j, kc));
+      }
+    }
+  }
+#undef PERCH_CONV
+#undef PERCH_X
 "#;
 
 /// The GPU backend the kernel runs on here: CUDA or Metal, unless `PERCH_GATED_DELTA_KERNEL=0`
-/// (for benchmarks against the step-per-token form); `None` on CPU.
+/// (for benchmarks against the operations); `None` on CPU.
 pub fn backend() -> Option<Backend> {
     static ENABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let enabled =
@@ -164,57 +349,118 @@ pub fn backend() -> Option<Backend> {
     }
 }
 
-/// Whether [`gated_delta`] computes this recurrence: `q`/`k` `[rows, tokens, key_heads, dk]` in
-/// a float dtype with `dk` a multiple of 32 up to 256, `v` `[rows, tokens, value_heads, dv]`
-/// with `dv` a multiple of [`ROWS_PER_BLOCK`], whole value heads per key head, a float32 state
-/// `[rows, value_heads, dv, dk]`.
-pub fn computes(q: &Array, v: &Array, state: &Array) -> bool {
-    let (qs, vs, ss) = (q.shape(), v.shape(), state.shape());
-    qs.len() == 4
-        && vs.len() == 4
-        && ss.len() == 4
-        && matches!(q.dtype(), Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
-        && state.dtype() == Dtype::Float32
-        && qs[3] % 32 == 0
-        && qs[3] <= 256
-        && vs[3] % ROWS_PER_BLOCK == 0
-        && vs[2] % qs[2] == 0
-        && vs[..2] == qs[..2]
-        && ss == [qs[0], vs[2], vs[3], qs[3]]
+/// A pass's inputs to a layer's core ([`gated_delta`]).
+pub struct CoreInputs<'a> {
+    /// `[rows, tokens, conv_dim]`: the input projection's queries, keys and values, `conv_dim =
+    /// 2·key_heads·dk + value_heads·dv` (any strides).
+    pub qkv: &'a Array,
+    /// `[rows, tokens, value_heads]` each: the decay's and the update rate's projections.
+    pub a: &'a Array,
+    pub b: &'a Array,
+    /// `[rows, taps - 1, conv_dim]`: the convolution's last inputs before the pass.
+    pub conv_state: &'a Array,
+    /// `[rows, value_heads, dv, dk]` float32: the recurrent state before the pass.
+    pub state: &'a Array,
+    /// `[rows]` int32: real tokens per row when some row pads (the rest are padding); `None`
+    /// when every token is real.
+    pub counts: Option<&'a Array>,
 }
 
-/// The recurrence over every token of the pass: `q`, `k` `[rows, tokens, key_heads, dk]`, `v`
-/// `[rows, tokens, value_heads, dv]`, `g` and `beta` `[rows, tokens, value_heads]` (any float
-/// dtype; a padded token has `g = 1`, `beta = 0` and leaves the state as it was), `state`
-/// `[rows, value_heads, dv, dk]` float32 → `y` `[rows, tokens, value_heads, dv]` in `q`'s dtype
-/// and the state after the last token. Value head `h` reads key head `h / (value_heads /
-/// key_heads)`. Only where [`computes`] holds, on a GPU backend ([`backend`]).
-pub fn gated_delta(
-    q: &Array,
-    k: &Array,
-    v: &Array,
-    g: &Array,
-    beta: &Array,
-    state: &Array,
-) -> Result<(Array, Array), Exception> {
+/// A layer's weights that its core reads.
+pub struct CoreWeights<'a> {
+    /// `[conv_dim, taps, 1]`.
+    pub conv_weight: &'a Array,
+    /// `[value_heads]`.
+    pub dt_bias: &'a Array,
+    /// `[value_heads]` float32: `-exp(A_log)`.
+    pub neg_rate: &'a Array,
+    pub key_heads: i32,
+    pub key_head_dim: i32,
+}
+
+/// Whether [`gated_delta`] computes this core: a float `qkv` `[rows, tokens, conv_dim]` with
+/// `dk` a multiple of 32 up to 256, `dv` a multiple of 16 (rows per block), whole value heads
+/// per key head, 2 to [`MAX_TAPS`] taps, and every shape consistent.
+pub fn computes(inputs: &CoreInputs, weights: &CoreWeights) -> bool {
+    let (qs, ss, cs, ws) = (
+        inputs.qkv.shape(),
+        inputs.state.shape(),
+        inputs.conv_state.shape(),
+        weights.conv_weight.shape(),
+    );
+    let (hk, dk) = (weights.key_heads, weights.key_head_dim);
+    if qs.len() != 3 || ss.len() != 4 || cs.len() != 3 || ws.len() != 3 || hk < 1 {
+        return false;
+    }
+    let (rows, tokens, channels) = (qs[0], qs[1], qs[2]);
+    let (hv, dv) = (ss[1], ss[2]);
+    let taps = ws[1];
+    let gates = [rows, tokens, hv];
+    matches!(
+        inputs.qkv.dtype(),
+        Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
+    ) && inputs.state.dtype() == Dtype::Float32
+        && inputs.conv_state.dtype() == inputs.qkv.dtype()
+        && weights.neg_rate.dtype() == Dtype::Float32
+        && dk % 32 == 0
+        && dk <= 256
+        && dv % (WARPS_PER_BLOCK * ROWS_PER_WARP) == 0
+        && hv % hk == 0
+        && (2..=MAX_TAPS).contains(&taps)
+        && channels == 2 * hk * dk + hv * dv
+        && ss == [rows, hv, dv, dk]
+        && cs == [rows, taps - 1, channels]
+        && ws == [channels, taps, 1]
+        && inputs.a.shape() == gates
+        && inputs.b.shape() == gates
+        && weights.dt_bias.shape() == [hv]
+        && weights.neg_rate.shape() == [hv]
+        && inputs
+            .counts
+            .is_none_or(|c| c.shape() == [rows] && c.dtype() == Dtype::Int32)
+}
+
+/// What [`gated_delta`] returns.
+pub struct CoreOutputs {
+    /// `[rows, tokens, value_heads, dv]` in `qkv`'s dtype (a padded token's is undefined).
+    pub y: Array,
+    /// `[rows, taps - 1, conv_dim]`: the convolution's last inputs up to each row's real tokens.
+    pub conv_state: Array,
+    /// `[rows, value_heads, dv, dk]` float32: the state after each row's real tokens.
+    pub state: Array,
+}
+
+/// The core over every token of the pass (see the module docs), in one launch. Only where
+/// [`computes`] holds, on a GPU backend ([`backend`]).
+pub fn gated_delta(inputs: &CoreInputs, weights: &CoreWeights) -> Result<CoreOutputs, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
+        /// What the kernel reads as `counts` when no row pads (it reads none).
+        static NO_COUNTS: Array = Array::from_slice(&[0i32], &[1]);
     }
-    if backend().is_none()
-        || !computes(q, v, state)
-        || k.shape() != q.shape()
-        || k.dtype() != q.dtype()
-    {
+    if backend().is_none() || !computes(inputs, weights) {
         return Err(Exception::custom(
             "gated_delta: shapes or dtypes it does not take",
         ));
     }
-    let (rows, tokens) = (q.shape()[0], q.shape()[1]);
-    let (heads, dv, dk) = (v.shape()[2], v.shape()[3], q.shape()[3]);
+    let qs = inputs.qkv.shape();
+    let (rows, tokens, channels) = (qs[0], qs[1], qs[2]);
+    let (hv, dv, dk) = (
+        inputs.state.shape()[1],
+        inputs.state.shape()[2],
+        weights.key_head_dim,
+    );
+    let keep = weights.conv_weight.shape()[1] - 1;
+    let dtype = inputs.qkv.dtype();
     let template = [
-        TemplateArg::Dtype(c"T", q.dtype()),
+        TemplateArg::Dtype(c"T", dtype),
         TemplateArg::Int(c"DK", dk),
+        TemplateArg::Int(c"HK", weights.key_heads),
+        TemplateArg::Int(c"PADDED", inputs.counts.is_some() as i32),
+        TemplateArg::Int(c"ROWS_PER_WARP", ROWS_PER_WARP),
     ];
+    let no_counts = NO_COUNTS.with(Array::clone);
+    let counts = inputs.counts.unwrap_or(&no_counts);
     KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
@@ -226,24 +472,51 @@ pub fn gated_delta(
             CustomKernel::new(
                 backend,
                 c"perch_gated_delta",
-                &["q", "k", "v", "g", "beta", "state"],
-                &["y", "state_out"],
+                &[
+                    "qkv",
+                    "conv_state",
+                    "conv_weight",
+                    "a_proj",
+                    "b_proj",
+                    "dt_bias",
+                    "neg_rate",
+                    "counts",
+                    "state",
+                ],
+                &["y", "state_out", "conv_state_out"],
                 source,
                 false,
             )
         });
         let mut outputs = kernel.apply(
-            &[q, k, v, g, beta, state],
             &[
-                (&[rows, tokens, heads, dv], q.dtype()),
-                (&[rows, heads, dv, dk], Dtype::Float32),
+                inputs.qkv,
+                inputs.conv_state,
+                weights.conv_weight,
+                inputs.a,
+                inputs.b,
+                weights.dt_bias,
+                weights.neg_rate,
+                counts,
+                inputs.state,
             ],
-            (32, dv, rows * heads),
-            (32, ROWS_PER_BLOCK, 1),
+            &[
+                (&[rows, tokens, hv, dv], dtype),
+                (&[rows, hv, dv, dk], Dtype::Float32),
+                (&[rows, keep, channels], dtype),
+            ],
+            (32, dv / ROWS_PER_WARP, rows * hv),
+            (32, WARPS_PER_BLOCK, 1),
             &template,
         )?;
-        let state = outputs.pop().expect("two outputs");
-        Ok((outputs.pop().expect("two outputs"), state))
+        let conv_state = outputs.pop().expect("three outputs");
+        let state = outputs.pop().expect("three outputs");
+        let y = outputs.pop().expect("three outputs");
+        Ok(CoreOutputs {
+            y,
+            conv_state,
+            state,
+        })
     })
 }
 
@@ -251,55 +524,94 @@ pub fn gated_delta(
 mod tests {
     use mlx_rs::{Array, Dtype};
 
-    use super::{backend, computes};
+    use super::{backend, computes, CoreInputs, CoreWeights};
 
     fn zeros(shape: &[i32], dtype: Dtype) -> Array {
         mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
     }
 
+    /// Arrays of a core with `hk` key heads of `dk`, `hv` value heads of `dv` and `taps` taps
+    /// (2 rows, 5 tokens, bfloat16).
+    struct Case {
+        qkv: Array,
+        a: Array,
+        conv_state: Array,
+        state: Array,
+        conv_weight: Array,
+        dt_bias: Array,
+        neg_rate: Array,
+        hk: i32,
+        dk: i32,
+    }
+
+    impl Case {
+        fn new(hk: i32, dk: i32, hv: i32, dv: i32, taps: i32) -> Self {
+            let channels = 2 * hk * dk + hv * dv;
+            let bf16 = Dtype::Bfloat16;
+            Self {
+                qkv: zeros(&[2, 5, channels], bf16),
+                a: zeros(&[2, 5, hv], bf16),
+                conv_state: zeros(&[2, taps - 1, channels], bf16),
+                state: zeros(&[2, hv, dv, dk], Dtype::Float32),
+                conv_weight: zeros(&[channels, taps, 1], bf16),
+                dt_bias: zeros(&[hv], bf16),
+                neg_rate: zeros(&[hv], Dtype::Float32),
+                hk,
+                dk,
+            }
+        }
+
+        fn computes(&self, counts: Option<&Array>) -> bool {
+            computes(
+                &CoreInputs {
+                    qkv: &self.qkv,
+                    a: &self.a,
+                    b: &self.a,
+                    conv_state: &self.conv_state,
+                    state: &self.state,
+                    counts,
+                },
+                &CoreWeights {
+                    conv_weight: &self.conv_weight,
+                    dt_bias: &self.dt_bias,
+                    neg_rate: &self.neg_rate,
+                    key_heads: self.hk,
+                    key_head_dim: self.dk,
+                },
+            )
+        }
+    }
+
     /// The kernel is chosen only for what it computes, and never on the CPU.
     #[test]
     fn computes_only_whole_heads_of_supported_sizes() {
-        let bf16 = Dtype::Bfloat16;
-        let state = zeros(&[2, 32, 128, 128], Dtype::Float32);
-        let q = zeros(&[2, 5, 16, 128], bf16);
-        let v = zeros(&[2, 5, 32, 128], bf16);
-        assert!(computes(&q, &v, &state));
+        let case = Case::new(16, 128, 32, 128, 4);
+        assert!(case.computes(None));
+        assert!(case.computes(Some(&Array::from_slice(&[5i32, 3], &[2]))));
         assert!(backend().is_none(), "no GPU backend on this machine");
-        // dk not a multiple of 32, or over 256.
-        let (q80, s80) = (
-            zeros(&[2, 5, 16, 80], bf16),
-            zeros(&[2, 32, 128, 80], Dtype::Float32),
-        );
-        assert!(!computes(&q80, &v, &s80));
-        let (q512, s512) = (
-            zeros(&[2, 5, 16, 512], bf16),
-            zeros(&[2, 32, 128, 512], Dtype::Float32),
-        );
-        assert!(!computes(&q512, &v, &s512));
-        // dv not a multiple of 4; value heads not a multiple of key heads.
-        let (v6, s6) = (
-            zeros(&[2, 5, 32, 6], bf16),
-            zeros(&[2, 32, 6, 128], Dtype::Float32),
-        );
-        assert!(!computes(&q, &v6, &s6));
-        let (v24, s24) = (
-            zeros(&[2, 5, 24, 128], bf16),
-            zeros(&[2, 24, 128, 128], Dtype::Float32),
-        );
-        assert!(!computes(&q, &v24, &s24));
-        // A state in bfloat16, a state of other rows, an integer q, tokens that differ.
-        assert!(!computes(&q, &v, &zeros(&[2, 32, 128, 128], bf16)));
-        assert!(!computes(
-            &q,
-            &v,
-            &zeros(&[3, 32, 128, 128], Dtype::Float32)
-        ));
-        assert!(!computes(
-            &zeros(&[2, 5, 16, 128], Dtype::Int32),
-            &v,
-            &state
-        ));
-        assert!(!computes(&q, &zeros(&[2, 4, 32, 128], bf16), &state));
+        // Counts of other rows or dtype.
+        assert!(!case.computes(Some(&Array::from_slice(&[5i32], &[1]))));
+        assert!(!case.computes(Some(&Array::from_slice(&[5.0f32, 3.0], &[2]))));
+        // dk not a multiple of 32, or over 256; dv not a multiple of 4; value heads not a
+        // multiple of key heads; one tap, or too many.
+        assert!(!Case::new(16, 80, 32, 128, 4).computes(None));
+        assert!(!Case::new(16, 512, 32, 128, 4).computes(None));
+        assert!(!Case::new(16, 128, 32, 6, 4).computes(None));
+        assert!(!Case::new(16, 128, 24, 128, 4).computes(None));
+        assert!(!Case::new(16, 128, 32, 128, 1).computes(None));
+        assert!(!Case::new(16, 128, 32, 128, 17).computes(None));
+        // A state in bfloat16, of other rows; an integer qkv; qkv of other channels.
+        let mut bad = Case::new(16, 128, 32, 128, 4);
+        bad.state = zeros(&[2, 32, 128, 128], Dtype::Bfloat16);
+        assert!(!bad.computes(None));
+        let mut bad = Case::new(16, 128, 32, 128, 4);
+        bad.state = zeros(&[3, 32, 128, 128], Dtype::Float32);
+        assert!(!bad.computes(None));
+        let mut bad = Case::new(4, 32, 8, 16, 4);
+        bad.qkv = zeros(&[2, 5, 2 * 4 * 32 + 8 * 16], Dtype::Int32);
+        assert!(!bad.computes(None));
+        let mut bad = Case::new(4, 32, 8, 16, 4);
+        bad.qkv = zeros(&[2, 5, 2 * 4 * 32 + 8 * 16 + 1], Dtype::Bfloat16);
+        assert!(!bad.computes(None));
     }
 }

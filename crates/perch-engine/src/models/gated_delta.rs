@@ -102,19 +102,27 @@ impl GatedDeltaConfig {
 #[derive(Clone)]
 pub struct GatedDeltaNet {
     in_proj: InputProjections,
+    core: Core,
+    norm_weight: Array,
+    norm_eps: f32,
+    out_proj: Linear,
+}
+
+/// The part of a layer between its input projections and its output gate (mlx_lm's
+/// `GatedDeltaNet.__call__` from the convolution through the recurrence): in one kernel where
+/// it can ([`gated_delta_kernel`]), as operations otherwise.
+#[derive(Clone)]
+struct Core {
     /// `[conv_dim, kernel, 1]` (MLX's layout: out channels, taps, in channels per group).
     conv1d: Array,
     dt_bias: Array,
     /// `-exp(A_log)` in float32, `[value_heads]`, computed at load (the same number mlx_lm
     /// computes every call; two operations fewer a layer and step).
     neg_decay_rate: Array,
-    norm_weight: Array,
-    norm_eps: f32,
-    out_proj: Linear,
     c: GatedDeltaConfig,
     /// Run each token's recurrence step through MLX's compiler ([`recurrence_step`]).
     compiled: bool,
-    /// Run the recurrence through [`gated_delta_kernel`] where it applies ([`kernel_usable`]).
+    /// Run the core through [`gated_delta_kernel`] where it applies ([`kernel_usable`]).
     kernel: bool,
 }
 
@@ -219,7 +227,9 @@ fn compiled_recurrence_step(inputs: &[Array]) -> Result<Vec<Array>> {
     })
 }
 
-/// [`GatedDeltaNet::recurrence`] a step per token.
+/// The recurrence a step per token ([`Core::run_ops`]): `q`, `k` `[B, T, hk, dk]`, `v` `[B, T,
+/// hv, dv]`, `g`, `beta` `[B, T, hv]`, `state` `[B, hv, dv, dk]` float32 → `y` `[B, T, hv, dv]`
+/// and the state after the last token.
 fn recurrence_steps(
     q: Array,
     k: Array,
@@ -275,120 +285,159 @@ fn recurrence_steps(
     Ok((ops::stack(&ys, 1)?, state))
 }
 
-/// One random case of the recurrence through [`gated_delta_kernel::gated_delta`] and a step
-/// per token in float32: padded tokens (`g = 1`, `beta = 0`: the last token of every row but the
-/// first), a strided `v` (as the model slices it), value heads sharing key heads.
+/// One random case of a layer's core through [`gated_delta_kernel::gated_delta`] and through
+/// the operations in float32: padded tokens (the last token of every row but the first), `qkv`,
+/// `a` and `b` strided (slices of one product, as the fused projection gives them), value heads
+/// sharing key heads.
 struct KernelCase {
-    /// `q`, `k`, `v`, `g`, `beta`, `state`.
-    inputs: [Array; 6],
-    /// Largest |error| of the output and of the final state.
+    /// Largest |error| of the output, the recurrent state and the conv state.
     y_error: f32,
     state_error: f32,
+    conv_error: f32,
+    /// The case's core (in `dtype`) and inputs, for timing.
+    core: Core,
+    inputs: [Array; 3],
+    state: RecurrentState,
+    real: Option<RealTokens>,
 }
 
 impl KernelCase {
-    /// (rows, tokens, key heads, value heads, dk, dv): random inputs from `seed` (MLX's global
-    /// random state is left as it was).
-    fn run(sizes: (i32, i32, i32, i32, i32, i32), dtype: Dtype, seed: u64) -> Result<Self> {
-        let (rows, tokens, hk, hv, dk, dv) = sizes;
+    /// (rows, tokens, key heads, value heads, dk, dv, taps): random inputs from `seed` (MLX's
+    /// global random state is left as it was).
+    fn run(sizes: (i32, i32, i32, i32, i32, i32, i32), dtype: Dtype, seed: u64) -> Result<Self> {
+        let (rows, tokens, hk, hv, dk, dv, taps) = sizes;
         let key = |i: u64| mlx_rs::random::key(seed * 8 + i);
-        let normal = |shape: &[i32], i: u64| -> Result<Array> {
-            Ok(mlx_rs::random::normal::<f32>(
-                shape,
-                None,
-                None,
-                Some(&key(i)?),
-            )?)
+        let normal = |shape: &[i32], scale: f32, i: u64| -> Result<Array> {
+            Ok(
+                mlx_rs::random::normal::<f32>(shape, None, None, Some(&key(i)?))?
+                    .multiply(Array::from_f32(scale))?,
+            )
         };
-        let unit = |t: Array| -> Result<Array> {
-            Ok(fast::rms_norm(&t, None, 1e-6)?
-                .multiply(Array::from_f32((dk as f32).powf(-0.5)))?
-                .as_dtype(dtype)?)
+        let c = GatedDeltaConfig {
+            num_value_heads: hv,
+            num_key_heads: hk,
+            key_head_dim: dk,
+            value_head_dim: dv,
+            conv_kernel: taps,
         };
-        let q = unit(normal(&[rows, tokens, hk, dk], 0)?)?;
-        let k = unit(normal(&[rows, tokens, hk, dk], 1)?)?;
-        let wide = normal(&[rows, tokens, hv, 2 * dv], 2)?.as_dtype(dtype)?;
-        let v = slice(&wide, &[0, 0, 0, 0], &[rows, tokens, hv, dv])?;
-        let uniform = |i: u64| -> Result<Array> {
-            Ok(mlx_rs::random::uniform::<_, f32>(
-                0.0,
-                1.0,
-                &[rows, tokens, hv],
-                Some(&key(i)?),
-            )?)
+        let channels = c.conv_dim();
+        let wide = normal(&[rows, tokens, channels + 2 * hv], 1.0, 0)?;
+        let part = |from: i32, to: i32| slice(&wide, &[0, 0, from], &[rows, tokens, to]);
+        let inputs = [
+            part(0, channels)?,
+            part(channels, channels + hv)?,
+            part(channels + hv, channels + 2 * hv)?,
+        ];
+        let core = Core {
+            conv1d: normal(&[channels, taps, 1], 0.5, 1)?,
+            dt_bias: normal(&[hv], 1.0, 2)?,
+            neg_decay_rate: ops::negative(&ops::exp(&normal(&[hv], 0.5, 3)?)?)?,
+            c,
+            compiled: false,
+            kernel: false,
         };
-        let real: Vec<bool> = (0..rows * tokens)
-            .map(|i| i % tokens != tokens - 1 || i < tokens || tokens == 1)
-            .collect();
-        let real = Array::from_slice(&real, &[rows, tokens, 1]);
-        let g = ops::select(&real, &uniform(3)?, Array::from_f32(1.0))?;
-        let beta = ops::select(
-            &real,
-            &uniform(4)?.as_dtype(dtype)?,
-            Array::from_f32(0.0).as_dtype(dtype)?,
-        )?;
-        let state = normal(&[rows, hv, dv, dk], 5)?;
-        let (y, s) = gated_delta_kernel::gated_delta(&q, &k, &v, &g, &beta, &state)?;
-        let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
-        let (y_ref, s_ref) = recurrence_steps(
-            f32(&q)?,
-            f32(&k)?,
-            f32(&v)?,
-            g.clone(),
-            f32(&beta)?,
+        let state = RecurrentState {
+            conv: normal(&[rows, taps - 1, channels], 1.0, 4)?,
+            ssm: normal(&[rows, hv, dv, dk], 0.1, 5)?,
+        };
+        let real = (tokens > 1).then(|| -> Result<RealTokens> {
+            let counts: Vec<i32> = (0..rows).map(|r| tokens - (r > 0) as i32).collect();
+            let counts = Array::from_slice(&counts, &[rows]);
+            let mask = ops::lt(
+                &ops::arange::<_, i32>(0, tokens, None)?.reshape(&[1, -1])?,
+                &counts.reshape(&[-1, 1])?,
+            )?;
+            Ok(RealTokens { counts, mask })
+        });
+        let real = real.transpose()?;
+        let (y_ref, state_ref) = core.run_ops(
+            &inputs[0],
+            &inputs[1],
+            &inputs[2],
             state.clone(),
-            false,
+            real.as_ref(),
         )?;
+        // The same numbers in `dtype` (the recurrent state stays float32), through the kernel.
+        let cast = |a: &Array| a.as_dtype(dtype);
+        let core = Core {
+            conv1d: cast(&core.conv1d)?,
+            dt_bias: cast(&core.dt_bias)?,
+            kernel: true,
+            ..core
+        };
+        let wide = cast(&wide)?;
+        let part = |from: i32, to: i32| slice(&wide, &[0, 0, from], &[rows, tokens, to]);
+        let inputs = [
+            part(0, channels)?,
+            part(channels, channels + hv)?,
+            part(channels + hv, channels + 2 * hv)?,
+        ];
+        let state = RecurrentState {
+            conv: cast(&state.conv)?,
+            ssm: state.ssm,
+        };
+        let out = gated_delta_kernel::gated_delta(
+            &core.kernel_inputs(&inputs[0], &inputs[1], &inputs[2], &state, real.as_ref()),
+            &core.kernel_weights(),
+        )?;
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
         let error = |a: &Array, b: &Array| -> Result<f32> {
-            Ok(ops::abs(&ops::subtract(&f32(a)?, b)?)?
+            Ok(ops::abs(&ops::subtract(&f32(a)?, &f32(b)?)?)?
                 .max(None)?
                 .item_exact::<f32>())
         };
         Ok(Self {
-            y_error: error(&y, &y_ref)?,
-            state_error: error(&s, &s_ref)?,
-            inputs: [q, k, v, g, beta, state],
+            y_error: error(&out.y, &y_ref)?,
+            state_error: error(&out.state, &state_ref.ssm)?,
+            conv_error: error(&out.conv_state, &state_ref.conv)?,
+            core,
+            inputs,
+            state,
+            real,
         })
     }
 
     fn within(&self, tolerance: f32) -> bool {
-        self.y_error <= tolerance && self.state_error <= tolerance
+        // NaN is never within.
+        [self.y_error, self.state_error, self.conv_error]
+            .iter()
+            .all(|e| *e <= tolerance)
     }
 }
 
-/// Whether the recurrence runs through [`gated_delta_kernel`] in this process: on a GPU backend
-/// where it is on ([`gated_delta_kernel::backend`]), once it has given the step-per-token form's
-/// results on a small float32 case ([`kernel_self_test`]).
+/// Whether a layer's core runs through [`gated_delta_kernel`] in this process: on a GPU backend
+/// where it is on ([`gated_delta_kernel::backend`]), once it has given the operations' results
+/// on a small float32 case ([`kernel_self_test`]).
 pub fn kernel_usable() -> bool {
     kernel_self_test().is_ok()
 }
 
 /// The small check behind [`kernel_usable`], run once per process at the first model load (2
-/// rows of 3 tokens, 2 key and 4 value heads, dk 32, dv 8, tolerance 1e-3): `Err` says why the
-/// kernel is not used (no GPU backend, turned off, a failure to compile or run, or results
-/// outside the tolerance). The Metal source has not run on a Mac in this project's tests: this
-/// is what keeps a broken build of it from serving wrong tokens there.
+/// rows of 3 tokens, 2 key and 4 value heads, dk 32, dv 16, 4 taps, tolerance 1e-3): `Err` says
+/// why the kernel is not used (no GPU backend, turned off, a failure to compile or run, or
+/// results outside the tolerance). The Metal source has not run on a Mac in this project's
+/// tests: this is what keeps a broken build of it from serving wrong tokens there.
 pub fn kernel_self_test() -> &'static std::result::Result<(), String> {
     static RESULT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     RESULT.get_or_init(|| {
         if gated_delta_kernel::backend().is_none() {
             return Err("no GPU backend, or PERCH_GATED_DELTA_KERNEL=0".into());
         }
-        match KernelCase::run((2, 3, 2, 4, 32, 8), Dtype::Float32, 3) {
+        match KernelCase::run((2, 3, 2, 4, 32, 16, 4), Dtype::Float32, 3) {
             Ok(case) if case.within(1e-3) => Ok(()),
             Ok(case) => Err(format!(
-                "largest errors y {:.2e}, state {:.2e} against the step-per-token form",
-                case.y_error, case.state_error
+                "largest errors y {:.2e}, state {:.2e}, conv state {:.2e} against the operations",
+                case.y_error, case.state_error, case.conv_error
             )),
             Err(e) => Err(e.to_string()),
         }
     })
 }
 
-/// Checks [`gated_delta_kernel::gated_delta`] against the step-per-token form (float32) on
-/// random inputs ([`KernelCase`]): decode and prefill shapes, several dtypes. Returns the load
-/// check's result, then one line per case; an error names the first case outside its
-/// tolerance. On a GPU backend only (`perch check-kernels` on the device).
+/// Checks [`gated_delta_kernel::gated_delta`] against the operations (float32) on random inputs
+/// ([`KernelCase`]): decode and prefill shapes, several dtypes. Returns the load check's
+/// result, then one line per case; an error names the first case outside its tolerance. On a
+/// GPU backend only (`perch check-kernels` on the device).
 pub fn check_kernel() -> Result<Vec<String>> {
     use crate::attention::custom_kernel::time_call;
     if gated_delta_kernel::backend().is_none() {
@@ -407,11 +456,11 @@ pub fn check_kernel() -> Result<Vec<String>> {
         }
     }];
     let cases = [
-        ((1, 1, 16, 16, 128, 128), Dtype::Bfloat16),
-        ((32, 1, 16, 32, 128, 128), Dtype::Bfloat16),
-        ((4, 37, 8, 16, 128, 128), Dtype::Float32),
-        ((2, 300, 16, 16, 128, 128), Dtype::Bfloat16),
-        ((3, 20, 4, 8, 64, 96), Dtype::Float16),
+        ((1, 1, 16, 16, 128, 128, 4), Dtype::Bfloat16),
+        ((32, 1, 16, 32, 128, 128, 4), Dtype::Bfloat16),
+        ((4, 37, 8, 16, 128, 128, 4), Dtype::Float32),
+        ((2, 300, 16, 16, 128, 128, 4), Dtype::Bfloat16),
+        ((3, 20, 4, 8, 64, 96, 3), Dtype::Float16),
     ];
     for (seed, (sizes, dtype)) in cases.into_iter().enumerate() {
         let case = KernelCase::run(sizes, dtype, seed as u64)?;
@@ -420,22 +469,30 @@ pub fn check_kernel() -> Result<Vec<String>> {
             Dtype::Float16 => 1e-2,
             _ => 5e-2,
         };
-        let [q, k, v, g, beta, state] = &case.inputs;
-        let kernel_ms =
-            time_call(&|| Ok(gated_delta_kernel::gated_delta(q, k, v, g, beta, state)?.0))?;
-        let steps_ms = time_call(&|| {
-            let inputs = case.inputs.clone();
-            let [q, k, v, g, beta, state] = inputs;
-            Ok(recurrence_steps(q, k, v, g, beta, state, true)?.0)
+        let [qkv, a, b] = &case.inputs;
+        let kernel_ms = time_call(&|| {
+            let core = &case.core;
+            let inputs = core.kernel_inputs(qkv, a, b, &case.state, case.real.as_ref());
+            Ok(gated_delta_kernel::gated_delta(&inputs, &core.kernel_weights())?.y)
         })?;
-        let (rows, tokens, hk, hv, dk, dv) = sizes;
+        let ops_ms = time_call(&|| {
+            let core = Core {
+                compiled: true,
+                ..case.core.clone()
+            };
+            Ok(core
+                .run_ops(qkv, a, b, case.state.clone(), case.real.as_ref())?
+                .0)
+        })?;
+        let (rows, tokens, hk, hv, dk, dv, taps) = sizes;
         let line = format!(
-            "rows {rows}, {tokens} tokens, heads {hk}/{hv}, dk {dk}, dv {dv}, {dtype:?}: max \
-             |error| y {:.2e}, state {:.2e} (tolerance {tolerance:.0e}); {kernel_ms:.3} ms a \
-             call against the compiled steps' {steps_ms:.3}",
-            case.y_error, case.state_error
+            "rows {rows}, {tokens} tokens, heads {hk}/{hv}, dk {dk}, dv {dv}, {taps} taps, \
+             {dtype:?}: max |error| y {:.2e}, state {:.2e}, conv state {:.2e} (tolerance \
+             {tolerance:.0e}); {kernel_ms:.3} ms a call against the operations' {ops_ms:.3} \
+             (compiled recurrence steps)",
+            case.y_error, case.state_error, case.conv_error
         );
-        if !case.within(tolerance) || case.y_error.is_nan() || case.state_error.is_nan() {
+        if !case.within(tolerance) {
             return Err(crate::EngineError::Kernel(format!(
                 "Gated DeltaNet kernel: {line}"
             )));
@@ -445,138 +502,81 @@ pub fn check_kernel() -> Result<Vec<String>> {
     Ok(lines)
 }
 
-impl GatedDeltaNet {
-    /// Loads `{path}.*` (mlx-community names: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
-    /// `in_proj_a`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`).
-    pub fn load(
-        w: &mut Weights,
-        q: &Quantization,
-        path: &str,
-        hidden: i32,
-        eps: f32,
-        c: &GatedDeltaConfig,
-    ) -> Result<Self> {
-        let linear = |w: &mut Weights, name: &str, inputs: i32, outputs: i32| {
-            Linear::load(w, q, &format!("{path}.{name}"), inputs, outputs, false)
-        };
-        let hv = c.num_value_heads;
-        Ok(Self {
-            in_proj: InputProjections::load(
-                [
-                    linear(w, "in_proj_qkv", hidden, c.conv_dim())?,
-                    linear(w, "in_proj_z", hidden, c.value_dim())?,
-                    linear(w, "in_proj_b", hidden, hv)?,
-                    linear(w, "in_proj_a", hidden, hv)?,
-                ],
-                [c.conv_dim(), c.value_dim(), hv, hv],
-            )?,
-            conv1d: w.take_shaped(
-                &format!("{path}.conv1d.weight"),
-                &[c.conv_dim(), c.conv_kernel, 1],
-            )?,
-            dt_bias: w.take_shaped(&format!("{path}.dt_bias"), &[hv])?,
-            neg_decay_rate: {
-                let a_log = w.take_shaped(&format!("{path}.A_log"), &[hv])?;
-                let rate = ops::negative(&ops::exp(&a_log.as_dtype(Dtype::Float32)?)?)?;
-                rate.eval()?;
-                rate
-            },
-            norm_weight: w.take_shaped(&format!("{path}.norm.weight"), &[c.value_head_dim])?,
-            norm_eps: eps,
-            out_proj: linear(w, "out_proj", c.value_dim(), hidden)?,
-            c: c.clone(),
-            compiled: Backend::current() != Backend::Cpu,
-            kernel: kernel_usable(),
-        })
-    }
-
-    pub fn config(&self) -> &GatedDeltaConfig {
-        &self.c
-    }
-
-    /// Runs each token's recurrence step through MLX's compiler (fused into a few kernels, as
-    /// mlx_lm's `@mx.compile` does) or as separate operations. On by default on GPUs, where
-    /// each operation is a kernel launch; off on CPU, where MLX's compiler would build its fused
-    /// kernels with the system's C++ compiler.
-    pub fn compile_recurrence(&mut self, on: bool) {
-        self.compiled = on;
-    }
-
-    /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]).
-    pub fn use_mlx_kernels(&mut self) {
-        self.in_proj.use_mlx_kernels();
-        self.out_proj.use_mlx_kernels();
-    }
-
-    /// `x` `[rows, tokens, hidden]` → `[rows, tokens, hidden]`: each row's state before these
-    /// tokens is cache layer `layer`'s of `caches` (none yet: zeros), and the state after its real
-    /// tokens replaces it (a padded row's padding leaves it as it was,
-    /// [`LayerCaches::real_tokens`]).
-    pub fn forward(&self, x: &Array, caches: &mut LayerCaches<'_>, layer: usize) -> Result<Array> {
-        let state = match caches.recurrent_state(layer) {
-            Some(state) => state,
-            None => {
-                let (conv, ssm) = self.state_shapes(x.shape()[0]);
-                RecurrentState {
-                    conv: ops::zeros_dtype(&conv, x.dtype())?,
-                    ssm: ops::zeros_dtype(&ssm, Dtype::Float32)?,
-                }
-            }
-        };
-        let (out, state) = self.mix(x, state, caches.real_tokens())?;
-        caches.set_recurrent_state(layer, state, x.shape()[1]);
-        Ok(out)
-    }
-
-    /// The state shapes of `rows` rows: the convolution's `[rows, kernel - 1, conv_dim]` and the
-    /// recurrence's `[rows, value_heads, value_dim, key_dim]`.
-    fn state_shapes(&self, rows: i32) -> (Vec<i32>, Vec<i32>) {
-        let c = &self.c;
-        (
-            vec![rows, c.conv_kernel - 1, c.conv_dim()],
-            vec![rows, c.num_value_heads, c.value_head_dim, c.key_head_dim],
-        )
-    }
-
-    /// The recurrence over a pass's tokens: `q`, `k` `[B, T, hk, dk]`, `v` `[B, T, hv, dv]`, `g`,
-    /// `beta` `[B, T, hv]`, `state` `[B, hv, dv, dk]` float32 → `y` `[B, T, hv, dv]` and the state
-    /// after the last token. In one kernel launch where this process can ([`kernel_usable`]) and
-    /// [`gated_delta_kernel::computes`] it, else a step per token ([`recurrence_step`], through
-    /// MLX's compiler where [`GatedDeltaNet::compile_recurrence`] says), as mlx_lm's
-    /// `gated_delta_ops`.
-    fn recurrence(
+impl Core {
+    /// The kernel's view of a pass ([`gated_delta_kernel::CoreInputs`]).
+    fn kernel_inputs<'a>(
         &self,
-        q: Array,
-        k: Array,
-        v: Array,
-        g: Array,
-        beta: Array,
-        state: Array,
-    ) -> Result<(Array, Array)> {
-        // `kernel` already holds only on a GPU backend where the kernel passed its load check.
-        if self.kernel && gated_delta_kernel::computes(&q, &v, &state) {
-            return Ok(gated_delta_kernel::gated_delta(
-                &q, &k, &v, &g, &beta, &state,
-            )?);
+        qkv: &'a Array,
+        a: &'a Array,
+        b: &'a Array,
+        state: &'a RecurrentState,
+        real: Option<&'a RealTokens>,
+    ) -> gated_delta_kernel::CoreInputs<'a> {
+        gated_delta_kernel::CoreInputs {
+            qkv,
+            a,
+            b,
+            conv_state: &state.conv,
+            state: &state.ssm,
+            counts: real.map(|r| &r.counts),
         }
-        recurrence_steps(q, k, v, g, beta, state, self.compiled)
     }
 
-    /// The layer over `x` `[batch, seq, hidden]` from `state` (`[batch, ..]`) → its output
-    /// `[batch, seq, hidden]` and the state after each row's real tokens: all `seq` of them, or
-    /// with `real` the first `counts[r]` of row `r` (the padding after them neither moves the
-    /// convolution's window nor updates the recurrence: a padded step's decay is 1 and its
-    /// delta 0).
-    fn mix(
+    fn kernel_weights(&self) -> gated_delta_kernel::CoreWeights<'_> {
+        gated_delta_kernel::CoreWeights {
+            conv_weight: &self.conv1d,
+            dt_bias: &self.dt_bias,
+            neg_rate: &self.neg_decay_rate,
+            key_heads: self.c.num_key_heads,
+            key_head_dim: self.c.key_head_dim,
+        }
+    }
+
+    /// `qkv` `[batch, seq, conv_dim]`, `a`, `b` `[batch, seq, value_heads]` from `state` → `y`
+    /// `[batch, seq, value_heads, value_dim]` and the state after each row's real tokens (all
+    /// `seq`, or with `real` the first `counts[r]` of row `r`: the padding after them neither
+    /// moves the convolution's window nor updates the recurrence, a padded step's decay being
+    /// 1 and its delta 0). In one kernel launch where this process can ([`kernel_usable`]) and
+    /// [`gated_delta_kernel::computes`] it, as operations otherwise ([`Core::run_ops`]).
+    fn run(
         &self,
-        x: &Array,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
         state: RecurrentState,
         real: Option<&RealTokens>,
     ) -> Result<(Array, RecurrentState)> {
-        let s = x.shape();
+        // `kernel` already holds only on a GPU backend where the kernel passed its load check.
+        if self.kernel {
+            let inputs = self.kernel_inputs(qkv, a, b, &state, real);
+            let weights = self.kernel_weights();
+            if gated_delta_kernel::computes(&inputs, &weights) {
+                let out = gated_delta_kernel::gated_delta(&inputs, &weights)?;
+                let state = RecurrentState {
+                    conv: out.conv_state,
+                    ssm: out.state,
+                };
+                return Ok((out.y, state));
+            }
+        }
+        self.run_ops(qkv, a, b, state, real)
+    }
+
+    /// [`Core::run`] as operations, op for op like mlx_lm: the convolution, the normalisations
+    /// and gates, then the recurrence a step per token ([`recurrence_step`], through MLX's
+    /// compiler where [`GatedDeltaNet::compile_recurrence`] says), as its `gated_delta_ops`.
+    fn run_ops(
+        &self,
+        qkv: &Array,
+        a: &Array,
+        b: &Array,
+        state: RecurrentState,
+        real: Option<&RealTokens>,
+    ) -> Result<(Array, RecurrentState)> {
+        let s = qkv.shape();
         let (batch, seq) = (s[0], s[1]);
         let c = &self.c;
-        let dtype = x.dtype();
+        let dtype = qkv.dtype();
         let (hv, dv) = (c.num_value_heads, c.value_head_dim);
         let (hk, dk) = (c.num_key_heads, c.key_head_dim);
         let keep = c.conv_kernel - 1;
@@ -585,10 +585,7 @@ impl GatedDeltaNet {
             ssm: state,
         } = state;
 
-        let [qkv, z, b, a] = self.in_proj.forward(x)?;
-        let z = z.reshape(&[batch, seq, hv, dv])?;
-
-        let conv_input = ops::concatenate(&[conv_state, qkv], 1)?;
+        let conv_input = ops::concatenate(&[&conv_state, qkv], 1)?;
         let total = seq + keep;
         let new_conv = match real {
             // Each row's last `keep` inputs up to its real tokens: entries counts[r]..+keep.
@@ -633,11 +630,11 @@ impl GatedDeltaNet {
         )?;
         let k = ops::multiply(&scalar(inv_scale)?, &fast::rms_norm(&k, None, rms_eps)?)?;
 
-        let beta = ops::sigmoid(&b)?;
+        let beta = ops::sigmoid(b)?;
         // g = exp(-exp(A_log) * softplus(a + dt_bias)), float32 (mlx_lm's compute_g).
         let g = ops::exp(&ops::multiply(
             &self.neg_decay_rate,
-            &nn::softplus(ops::add(&a, &self.dt_bias)?)?,
+            &nn::softplus(ops::add(a, &self.dt_bias)?)?,
         )?)?;
         // Padding keeps the state: decay 1, delta 0.
         let (g, beta) = match real {
@@ -651,11 +648,128 @@ impl GatedDeltaNet {
             None => (g, beta),
         };
 
-        let (y, state) = self.recurrence(q, k, v, g, beta, state)?;
-        let new_state = RecurrentState {
-            conv: new_conv,
-            ssm: state,
+        let (y, state) = recurrence_steps(q, k, v, g, beta, state, self.compiled)?;
+        Ok((
+            y,
+            RecurrentState {
+                conv: new_conv,
+                ssm: state,
+            },
+        ))
+    }
+}
+
+impl GatedDeltaNet {
+    /// Loads `{path}.*` (mlx-community names: `in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+    /// `in_proj_a`, `conv1d.weight`, `dt_bias`, `A_log`, `norm.weight`, `out_proj`).
+    pub fn load(
+        w: &mut Weights,
+        q: &Quantization,
+        path: &str,
+        hidden: i32,
+        eps: f32,
+        c: &GatedDeltaConfig,
+    ) -> Result<Self> {
+        let linear = |w: &mut Weights, name: &str, inputs: i32, outputs: i32| {
+            Linear::load(w, q, &format!("{path}.{name}"), inputs, outputs, false)
         };
+        let hv = c.num_value_heads;
+        Ok(Self {
+            in_proj: InputProjections::load(
+                [
+                    linear(w, "in_proj_qkv", hidden, c.conv_dim())?,
+                    linear(w, "in_proj_z", hidden, c.value_dim())?,
+                    linear(w, "in_proj_b", hidden, hv)?,
+                    linear(w, "in_proj_a", hidden, hv)?,
+                ],
+                [c.conv_dim(), c.value_dim(), hv, hv],
+            )?,
+            core: Core {
+                conv1d: w.take_shaped(
+                    &format!("{path}.conv1d.weight"),
+                    &[c.conv_dim(), c.conv_kernel, 1],
+                )?,
+                dt_bias: w.take_shaped(&format!("{path}.dt_bias"), &[hv])?,
+                neg_decay_rate: {
+                    let a_log = w.take_shaped(&format!("{path}.A_log"), &[hv])?;
+                    let rate = ops::negative(&ops::exp(&a_log.as_dtype(Dtype::Float32)?)?)?;
+                    rate.eval()?;
+                    rate
+                },
+                c: c.clone(),
+                compiled: Backend::current() != Backend::Cpu,
+                kernel: kernel_usable(),
+            },
+            norm_weight: w.take_shaped(&format!("{path}.norm.weight"), &[c.value_head_dim])?,
+            norm_eps: eps,
+            out_proj: linear(w, "out_proj", c.value_dim(), hidden)?,
+        })
+    }
+
+    pub fn config(&self) -> &GatedDeltaConfig {
+        &self.core.c
+    }
+
+    /// Runs each token's recurrence step through MLX's compiler (fused into a few kernels, as
+    /// mlx_lm's `@mx.compile` does) or as separate operations. On by default on GPUs, where
+    /// each operation is a kernel launch; off on CPU, where MLX's compiler would build its fused
+    /// kernels with the system's C++ compiler.
+    pub fn compile_recurrence(&mut self, on: bool) {
+        self.core.compiled = on;
+    }
+
+    /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]).
+    pub fn use_mlx_kernels(&mut self) {
+        self.in_proj.use_mlx_kernels();
+        self.out_proj.use_mlx_kernels();
+    }
+
+    /// `x` `[rows, tokens, hidden]` → `[rows, tokens, hidden]`: each row's state before these
+    /// tokens is cache layer `layer`'s of `caches` (none yet: zeros), and the state after its real
+    /// tokens replaces it (a padded row's padding leaves it as it was,
+    /// [`LayerCaches::real_tokens`]).
+    pub fn forward(&self, x: &Array, caches: &mut LayerCaches<'_>, layer: usize) -> Result<Array> {
+        let state = match caches.recurrent_state(layer) {
+            Some(state) => state,
+            None => {
+                let (conv, ssm) = self.state_shapes(x.shape()[0]);
+                RecurrentState {
+                    conv: ops::zeros_dtype(&conv, x.dtype())?,
+                    ssm: ops::zeros_dtype(&ssm, Dtype::Float32)?,
+                }
+            }
+        };
+        let (out, state) = self.mix(x, state, caches.real_tokens())?;
+        caches.set_recurrent_state(layer, state, x.shape()[1]);
+        Ok(out)
+    }
+
+    /// The state shapes of `rows` rows: the convolution's `[rows, kernel - 1, conv_dim]` and the
+    /// recurrence's `[rows, value_heads, value_dim, key_dim]`.
+    fn state_shapes(&self, rows: i32) -> (Vec<i32>, Vec<i32>) {
+        let c = &self.core.c;
+        (
+            vec![rows, c.conv_kernel - 1, c.conv_dim()],
+            vec![rows, c.num_value_heads, c.value_head_dim, c.key_head_dim],
+        )
+    }
+
+    /// The layer over `x` `[batch, seq, hidden]` from `state` (`[batch, ..]`) → its output
+    /// `[batch, seq, hidden]` and the state after each row's real tokens ([`Core::run`]).
+    fn mix(
+        &self,
+        x: &Array,
+        state: RecurrentState,
+        real: Option<&RealTokens>,
+    ) -> Result<(Array, RecurrentState)> {
+        let s = x.shape();
+        let (batch, seq) = (s[0], s[1]);
+        let c = &self.core.c;
+        let (hv, dv) = (c.num_value_heads, c.value_head_dim);
+
+        let [qkv, z, b, a] = self.in_proj.forward(x)?;
+        let z = z.reshape(&[batch, seq, hv, dv])?;
+        let (y, new_state) = self.core.run(&qkv, &a, &b, state, real)?;
 
         // RMSNormGated: rms_norm(y) · silu(z), both in float32, back in y's dtype.
         let normed = fast::rms_norm(&y, Some(&self.norm_weight), self.norm_eps)?;
