@@ -48,9 +48,20 @@ use crate::device::Backend;
 /// Warps per thread block.
 const WARPS_PER_BLOCK: i32 = 4;
 
-/// State rows (`dv` indices) per warp: a block computes each token's queries and keys for
-/// `WARPS_PER_BLOCK * ROWS_PER_WARP` rows, and each warp's loads for its rows overlap.
-const ROWS_PER_WARP: i32 = 4;
+/// State rows (`dv` indices) per warp for a pass of `tokens` tokens: a block computes each
+/// token's queries and keys for `WARPS_PER_BLOCK` times as many rows, and a warp's loads for its
+/// rows overlap. Four for a decode step (its blocks are many and short: fewer of them compute
+/// the same queries and keys), two for a prefill pass (few rows of many tokens: more blocks keep
+/// the GPU busy). On an H200 (`perch check-kernels`, see docs/benchmarks.md): 32 rows of one
+/// token 0.214 ms with four against 0.295 with two; 2 rows of 300 tokens 1.158 ms with two
+/// against 1.472 with four.
+fn rows_per_warp(tokens: i32) -> i32 {
+    if tokens == 1 {
+        4
+    } else {
+        2
+    }
+}
 
 /// The most convolution taps the kernel takes (Qwen3.5 and Qwen3-Next have 4).
 const MAX_TAPS: i32 = 16;
@@ -379,7 +390,8 @@ pub struct CoreWeights<'a> {
 }
 
 /// Whether [`gated_delta`] computes this core: a float `qkv` `[rows, tokens, conv_dim]` with
-/// `dk` a multiple of 32 up to 256, `dv` a multiple of 16 (rows per block), whole value heads
+/// `dk` a multiple of 32 up to 256, `dv` a multiple of the rows a block computes (16 for one
+/// token, 8 for more), whole value heads
 /// per key head, 2 to [`MAX_TAPS`] taps, and every shape consistent.
 pub fn computes(inputs: &CoreInputs, weights: &CoreWeights) -> bool {
     let (qs, ss, cs, ws) = (
@@ -404,7 +416,7 @@ pub fn computes(inputs: &CoreInputs, weights: &CoreWeights) -> bool {
         && weights.neg_rate.dtype() == Dtype::Float32
         && dk % 32 == 0
         && dk <= 256
-        && dv % (WARPS_PER_BLOCK * ROWS_PER_WARP) == 0
+        && dv % (WARPS_PER_BLOCK * rows_per_warp(tokens)) == 0
         && hv % hk == 0
         && (2..=MAX_TAPS).contains(&taps)
         && channels == 2 * hk * dk + hv * dv
@@ -457,7 +469,7 @@ pub fn gated_delta(inputs: &CoreInputs, weights: &CoreWeights) -> Result<CoreOut
         TemplateArg::Int(c"DK", dk),
         TemplateArg::Int(c"HK", weights.key_heads),
         TemplateArg::Int(c"PADDED", inputs.counts.is_some() as i32),
-        TemplateArg::Int(c"ROWS_PER_WARP", ROWS_PER_WARP),
+        TemplateArg::Int(c"ROWS_PER_WARP", rows_per_warp(tokens)),
     ];
     let no_counts = NO_COUNTS.with(Array::clone);
     let counts = inputs.counts.unwrap_or(&no_counts);
@@ -505,7 +517,7 @@ pub fn gated_delta(inputs: &CoreInputs, weights: &CoreWeights) -> Result<CoreOut
                 (&[rows, hv, dv, dk], Dtype::Float32),
                 (&[rows, keep, channels], dtype),
             ],
-            (32, dv / ROWS_PER_WARP, rows * hv),
+            (32, dv / rows_per_warp(tokens), rows * hv),
             (32, WARPS_PER_BLOCK, 1),
             &template,
         )?;
@@ -546,11 +558,15 @@ mod tests {
 
     impl Case {
         fn new(hk: i32, dk: i32, hv: i32, dv: i32, taps: i32) -> Self {
+            Self::with_tokens(hk, dk, hv, dv, taps, 5)
+        }
+
+        fn with_tokens(hk: i32, dk: i32, hv: i32, dv: i32, taps: i32, tokens: i32) -> Self {
             let channels = 2 * hk * dk + hv * dv;
             let bf16 = Dtype::Bfloat16;
             Self {
-                qkv: zeros(&[2, 5, channels], bf16),
-                a: zeros(&[2, 5, hv], bf16),
+                qkv: zeros(&[2, tokens, channels], bf16),
+                a: zeros(&[2, tokens, hv], bf16),
                 conv_state: zeros(&[2, taps - 1, channels], bf16),
                 state: zeros(&[2, hv, dv, dk], Dtype::Float32),
                 conv_weight: zeros(&[channels, taps, 1], bf16),
@@ -597,6 +613,10 @@ mod tests {
         assert!(!Case::new(16, 80, 32, 128, 4).computes(None));
         assert!(!Case::new(16, 512, 32, 128, 4).computes(None));
         assert!(!Case::new(16, 128, 32, 6, 4).computes(None));
+        // A block computes 8 rows of a multi-token pass, 16 of a decode step.
+        assert!(Case::new(16, 128, 32, 8, 4).computes(None));
+        assert!(!Case::with_tokens(16, 128, 32, 8, 4, 1).computes(None));
+        assert!(Case::with_tokens(16, 128, 32, 16, 4, 1).computes(None));
         assert!(!Case::new(16, 128, 24, 128, 4).computes(None));
         assert!(!Case::new(16, 128, 32, 128, 1).computes(None));
         assert!(!Case::new(16, 128, 32, 128, 17).computes(None));
