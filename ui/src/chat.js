@@ -3,6 +3,7 @@
 // the last user message). The history lives in Rust (SQLite); this view shows it and streams
 // the answer being generated.
 
+import { errorElement } from "./errors.js";
 import { describeSampling, describeStats } from "./format.js";
 import { renderMarkdown, copyText } from "./markdown.js";
 import { showSamplingSource } from "./settings.js";
@@ -62,7 +63,10 @@ export class ChatView {
     this.el.stop.addEventListener("click", () => this.stop());
     $("new-chat").addEventListener("click", () => this.newConversation());
     $("cancel-edit").addEventListener("click", () => this.setEditing(false));
-    $("toggle-conversations").addEventListener("click", () => this.el.sidebar.classList.toggle("open"));
+    $("toggle-conversations").addEventListener("click", (event) => {
+      const open = this.el.sidebar.classList.toggle("open");
+      event.currentTarget.setAttribute("aria-expanded", String(open));
+    });
     this.el.search.addEventListener("input", () => this.refreshList());
     this.el.rename.addEventListener("click", () => this.startRename());
     this.el.remove.addEventListener("click", () => this.confirmDelete());
@@ -76,9 +80,10 @@ export class ChatView {
     else this.render();
   }
 
-  showError(message) {
-    this.el.error.textContent = message ?? "";
-    this.el.error.hidden = !message;
+  /** Shows `error` (a CommandError, an Error or a sentence) in plain words; `null` hides it. */
+  showError(error) {
+    this.el.error.replaceChildren(...(error ? [errorElement(this.root.ownerDocument, error, "span")] : []));
+    this.el.error.hidden = !error;
   }
 
   /** A line about the answer being generated (e.g. older messages left out of its prompt). */
@@ -279,7 +284,7 @@ export class ChatView {
     } catch (error) {
       this.running = null;
       this.el.send.disabled = false;
-      this.showError(String(error));
+      this.showError(error);
       this.conversation = await this.api.getConversation(id).catch(() => null);
       this.render();
       return;
@@ -314,7 +319,7 @@ export class ChatView {
         this.el.title.textContent = summary.title;
         await this.refreshList();
       } catch (error) {
-        this.showError(String(error));
+        this.showError(error);
       }
     };
     input.addEventListener("keydown", (event) => {

@@ -8,14 +8,15 @@ import { Dashboard } from "./dashboard.js";
 import { SettingsView } from "./settings.js";
 import { ModelsView } from "./models.js";
 import { describeModelStatus } from "./format.js";
+import { errorElement } from "./errors.js";
 
 const $ = (id) => document.getElementById(id);
 
-/** Shows `text` above the views until dismissed. */
-function notice(text) {
-  const item = document.createElement("p");
+/** Shows `content` (a sentence or an element) above the views until dismissed. */
+function notice(content) {
+  const item = document.createElement("div");
   item.className = "notice";
-  item.textContent = text;
+  item.append(content);
   const close = document.createElement("button");
   close.textContent = "Dismiss";
   close.onclick = () => item.remove();
@@ -24,8 +25,8 @@ function notice(text) {
 }
 
 // A failure no view handled is still said, not lost in a console nobody sees.
-window.addEventListener("unhandledrejection", (event) => notice(String(event.reason)));
-window.addEventListener("error", (event) => notice(event.message));
+window.addEventListener("unhandledrejection", (event) => notice(errorElement(document, event.reason, "span")));
+window.addEventListener("error", (event) => notice(errorElement(document, event.error ?? event.message, "span")));
 const chat = new ChatView($("view-chat"), api);
 const dashboard = new Dashboard($("view-dashboard"), api);
 const settings = new SettingsView($("view-settings"), api);
@@ -36,7 +37,10 @@ function show(view) {
     section.hidden = section.id !== `view-${view}`;
   }
   for (const button of document.querySelectorAll("nav button")) {
-    button.classList.toggle("active", button.dataset.view === view);
+    const current = button.dataset.view === view;
+    button.classList.toggle("active", current);
+    if (current) button.setAttribute("aria-current", "page");
+    else button.removeAttribute("aria-current");
   }
   dashboard.setVisible(view === "dashboard");
   if (view === "models") models.show();
@@ -77,7 +81,7 @@ $("unload").onclick = () => api.unloadModel().then(refreshStatus);
 api.onNavigate(show);
 
 api.startupNotices().then((notices) => notices.forEach(notice));
-chat.init().catch((error) => chat.showError(String(error)));
+chat.init().catch((error) => chat.showError(error));
 dashboard.start();
 refreshStatus();
 setInterval(refreshStatus, 1000);

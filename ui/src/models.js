@@ -3,6 +3,7 @@
 // (`search_models`, mlx-community by default), see size and whether it fits, download with
 // progress and cancel (`download_model`, `cancel_download`) into the Hugging Face cache.
 
+import { errorElement } from "./errors.js";
 import { decimalBytes, describeContext, describeFit, describeDownload, mib } from "./format.js";
 
 /** Where a local model was found (`ModelSource` of perch-hub). */
@@ -20,7 +21,7 @@ export class ModelsView {
     this.searched = false;
     /** repo id → {bytes_done, bytes_total, ...} of the downloads running in this window. */
     this.downloads = new Map();
-    /** repo id → the error sentence of its last failed download. */
+    /** repo id → the error of its last failed download. */
     this.failures = new Map();
     /** repo id → the snapshot directory of a download finished in this window (results of a
      * search that was answered while it ran do not know it yet). */
@@ -73,7 +74,8 @@ export class ModelsView {
     // An older search answered late (searches fetch every result's config) changes nothing.
     if (search !== this.searches) return;
     this.lastResults = Array.isArray(found) ? found : [];
-    this.message.textContent = Array.isArray(found) ? (found.length ? "" : "No models found.") : String(found);
+    if (Array.isArray(found)) this.message.textContent = found.length ? "" : "No models found.";
+    else this.message.replaceChildren(errorElement(document, found));
     this.renderResults();
   }
 
@@ -113,13 +115,7 @@ export class ModelsView {
     } else {
       item.append(this.button("Download", () => this.download(model)));
     }
-    const failure = this.failures.get(model.id);
-    if (failure) {
-      const error = document.createElement("p");
-      error.className = "error";
-      error.textContent = failure;
-      item.append(error);
-    }
+    if (this.failures.has(model.id)) item.append(errorElement(document, this.failures.get(model.id)));
     return item;
   }
 
@@ -135,7 +131,7 @@ export class ModelsView {
       this.snapshots.set(model.id, done.snapshot_dir);
       await this.refreshLocal();
     } catch (error) {
-      this.failures.set(model.id, String(error));
+      this.failures.set(model.id, error);
     } finally {
       this.downloads.delete(model.id);
       this.renderResults();

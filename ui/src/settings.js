@@ -3,6 +3,8 @@
 // Each input names its setting with data-setting="path.in.settings"; data-scale turns the
 // shown unit into the stored one (MiB into bytes).
 
+import { errorElement } from "./errors.js";
+
 /** The value at dotted `path` of `object`. */
 export function getPath(object, path) {
   return path.split(".").reduce((value, key) => value?.[key], object);
@@ -100,12 +102,10 @@ export class SettingsView {
       this.modelStatus = await this.api.modelStatus?.().catch(() => null);
       this.fill(this.view.settings);
       this.message.textContent = "";
-      this.message.classList.remove("error");
       submit.disabled = false;
       this.root.dataset.ready = "true";
     } catch (error) {
-      this.message.textContent = String(error);
-      this.message.classList.add("error");
+      this.message.replaceChildren(errorElement(document, error, "span"));
     }
   }
 
@@ -144,10 +144,8 @@ export class SettingsView {
       this.view = await this.api.saveSettings(this.read());
       this.fill(this.view.settings);
       this.message.textContent = "Saved. The KV cache budget, block size and draft model apply when a model is next loaded.";
-      this.message.classList.remove("error");
     } catch (error) {
-      this.message.textContent = String(error);
-      this.message.classList.add("error");
+      this.message.replaceChildren(errorElement(document, error, "span"));
     }
   }
 }

@@ -1,4 +1,5 @@
 import { describe, expect, it } from "vitest";
+import { CommandError } from "../src/api.js";
 import { ModelsView } from "../src/models.js";
 import { loadPage } from "./page.js";
 
@@ -172,10 +173,13 @@ describe("ModelsView", () => {
 
   it("reports a search that fails", async () => {
     loadPage();
-    const api = { ...fakeApi(), searchModels: async () => Promise.reject("Cannot reach https://huggingface.co/api/models.") };
+    const raw = "cannot reach https://huggingface.co/api/models: io: failed to lookup address information.";
+    const api = { ...fakeApi(), searchModels: async () => Promise.reject(new CommandError({ kind: "network", message: raw })) };
     const view = new ModelsView(document.getElementById("view-models"), api, () => {});
     await view.show();
-    expect(document.getElementById("hub-message").textContent).toContain("Cannot reach");
+    const message = document.getElementById("hub-message");
+    expect(message.textContent).toContain("Perch can't reach the Hugging Face Hub. Check your internet connection");
+    expect(message.querySelector("details code").textContent).toBe(raw);
     expect(results().length).toBe(0);
   });
 });
