@@ -4,6 +4,7 @@
 // shown unit into the stored one (MiB into bytes).
 
 import { errorElement } from "./errors.js";
+import { SAMPLING_PRESETS, presetOf } from "./presets.js";
 
 /** The value at dotted `path` of `object`. */
 export function getPath(object, path) {
@@ -77,6 +78,9 @@ export class SettingsView {
     this.message = root.querySelector("#settings-message");
     this.samplingSource = root.querySelector("[data-setting='chat.sampling_source']");
     this.samplingSource.addEventListener("change", () => this.showSampling());
+    this.preset = root.querySelector("#settings-preset");
+    this.preset.addEventListener("change", () => this.choosePreset(this.preset.value));
+    for (const [, input] of this.samplingInputs()) input.addEventListener("input", () => this.showPreset());
     root.querySelector("#settings-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.save();
@@ -118,13 +122,40 @@ export class SettingsView {
     this.showSampling();
   }
 
+  /** [name, input] of the sampling fields that a preset or the model's defaults set. */
+  samplingInputs() {
+    return SAMPLING_DEFAULT_FIELDS.map((name) => [name, this.root.querySelector(`[data-setting='chat.sampling.${name}']`)]);
+  }
+
   /** The sampling inputs follow the source select (read-only model defaults, or custom). */
   showSampling() {
-    const inputs = SAMPLING_DEFAULT_FIELDS.map((name) => [
-      name,
-      this.root.querySelector(`[data-setting='chat.sampling.${name}']`),
-    ]);
-    showSamplingSource(this.samplingSource.value, inputs, this.root.querySelector("#settings-sampling-note"), this.modelStatus);
+    showSamplingSource(this.samplingSource.value, this.samplingInputs(), this.root.querySelector("#settings-sampling-note"), this.modelStatus);
+    this.showPreset();
+  }
+
+  /** The Sampling choice shows the model's defaults, the preset the values hold, or Custom. */
+  showPreset() {
+    if (this.samplingSource.value === "model") {
+      this.preset.value = "model";
+      return;
+    }
+    const values = Object.fromEntries(this.samplingInputs().map(([name, input]) => [name, input.value === "" ? null : Number(input.value)]));
+    this.preset.value = presetOf(values) ?? "custom";
+  }
+
+  /**
+   * "model": the model's defaults; a preset's name: custom sampling with its values; "custom":
+   * custom sampling from the values shown, with the Advanced fields open to edit them.
+   */
+  choosePreset(name) {
+    this.samplingSource.value = name === "model" ? "model" : "custom";
+    const preset = SAMPLING_PRESETS[name];
+    if (preset) {
+      for (const [field, input] of this.samplingInputs()) writeInput(input, preset.values[field]);
+    }
+    if (name === "custom") this.root.querySelector("#settings-advanced").open = true;
+    showSamplingSource(this.samplingSource.value, this.samplingInputs(), this.root.querySelector("#settings-sampling-note"), this.modelStatus);
+    if (!preset) this.showPreset();
   }
 
   /**
