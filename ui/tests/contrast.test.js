@@ -39,6 +39,8 @@ const pairs = [
     ["danger", s, 4.5],
   ]),
   ["accent-text", "accent-soft", 4.5],
+  // Highlighted code, on the code blocks' background.
+  ...["code-keyword", "code-string", "code-number", "code-title", "code-type", "code-comment", "text"].map((fg) => [fg, "surface-2", 4.5]),
   ["warning-text", "bg", 4.5],
   ["warning-text", "warning-bg", 4.5],
   ["on-accent", "accent", 4.5],

@@ -33,4 +33,19 @@ describe("markdown", () => {
     await vi.waitFor(() => expect(writeText).toHaveBeenCalledWith("let x = 1;\n"));
     await vi.waitFor(() => expect(buttons[0].textContent).toBe("Copied"));
   });
+
+  it("highlights code in the languages it knows, and leaves the rest plain", () => {
+    const element = document.createElement("div");
+    renderMarkdown(element, "```python\ndef f(x):\n    return \"<b>\" # hi\n```\n\n```brainfuck\n+[-]\n```\n\n```\nplain\n```");
+    const [python, unknown, none] = element.querySelectorAll("pre code");
+    expect(python.classList.contains("hljs")).toBe(true);
+    expect(python.querySelector(".hljs-keyword").textContent).toBe("def");
+    expect(python.querySelector(".hljs-string").textContent).toBe('"<b>"');
+    expect(python.querySelector(".hljs-comment").textContent).toBe("# hi");
+    // The text is unchanged (the copy button copies it) and the model's markup stays text.
+    expect(python.textContent).toBe('def f(x):\n    return "<b>" # hi\n');
+    expect(python.querySelector("b")).toBe(null);
+    expect(unknown.innerHTML).toBe("+[-]\n");
+    expect(none.classList.contains("hljs")).toBe(false);
+  });
 });
