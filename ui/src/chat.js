@@ -48,6 +48,7 @@ export class ChatView {
       sidebar: $("conversations"),
       rename: $("rename"),
       remove: $("delete"),
+      empty: $("chat-empty"),
     };
     this.buildSettingsForm();
     $("composer").addEventListener("submit", (event) => {
@@ -137,6 +138,7 @@ export class ChatView {
     this.fillSettingsForm(conversation?.settings);
     this.el.messages.replaceChildren();
     const messages = conversation?.messages ?? [];
+    this.el.empty.hidden = messages.length > 0;
     const lastUser = messages.findLastIndex((m) => m.role === "user");
     messages.forEach((message, index) => {
       const { item } = this.addMessage(message.role, message.content);
@@ -159,6 +161,7 @@ export class ChatView {
     item.append(body);
     this.setBody(role, body, text);
     this.el.messages.append(item);
+    this.el.empty.hidden = true;
     item.scrollIntoView?.({ block: "end" });
     return { item, body };
   }

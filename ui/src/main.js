@@ -7,6 +7,7 @@ import { ChatView } from "./chat.js";
 import { Dashboard } from "./dashboard.js";
 import { SettingsView } from "./settings.js";
 import { ModelsView } from "./models.js";
+import { ModelSwitcher } from "./model-switcher.js";
 import { describeModelStatus } from "./format.js";
 import { errorElement } from "./errors.js";
 
@@ -31,6 +32,7 @@ const chat = new ChatView($("view-chat"), api);
 const dashboard = new Dashboard($("view-dashboard"), api);
 const settings = new SettingsView($("view-settings"), api);
 const models = new ModelsView($("view-models"), api, loadModel);
+const switcher = new ModelSwitcher($("chat-model"), api, loadModel);
 
 function show(view) {
   for (const section of document.querySelectorAll(".view")) {
@@ -44,6 +46,7 @@ function show(view) {
   }
   dashboard.setVisible(view === "dashboard");
   if (view === "models") models.show();
+  if (view === "chat") switcher.refresh().catch(() => {});
   if (view === "settings") settings.load();
 }
 
@@ -55,6 +58,7 @@ async function refreshStatus() {
   const seconds = loadingSince ? (Date.now() - loadingSince) / 1000 : 0;
   $("model-status").textContent = describeModelStatus(status, seconds);
   chat.setModelStatus(status);
+  switcher.setStatus(status);
   $("model-status").classList.toggle("loading", status.state === "loading");
   const bar = $("model-progress");
   bar.hidden = !(status.state === "loading" && status.bytes_total > 0);
@@ -71,6 +75,7 @@ async function loadModel(path) {
   } finally {
     clearInterval(poll);
     refreshStatus();
+    switcher.refresh().catch(() => {});
   }
 }
 
@@ -82,6 +87,7 @@ api.onNavigate(show);
 
 api.startupNotices().then((notices) => notices.forEach(notice));
 chat.init().catch((error) => chat.showError(error));
+switcher.refresh().catch(() => {}); // the Models view says why the list is unavailable
 dashboard.start();
 refreshStatus();
 setInterval(refreshStatus, 1000);

@@ -241,4 +241,14 @@ describe("ChatView", () => {
     expect($("chat-error").textContent).toBe("No model is loaded; choose one under Models.");
     expect($("send").disabled).toBe(false);
   });
+
+  it("shows an empty state until the conversation has a message", async () => {
+    await view.init();
+    expect($("chat-empty").hidden).toBe(false);
+    const { done } = await type("Hi");
+    expect($("chat-empty").hidden).toBe(true);
+    api.stream.finish("Hello.");
+    await done;
+    expect($("chat-empty").hidden).toBe(true);
+  });
 });

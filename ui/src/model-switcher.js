@@ -1,0 +1,69 @@
+// The chat header's model switcher: the models on this machine (`list_models`) with their size,
+// whether they fit in memory and whether Perch runs them; choosing one loads it (main.js shows
+// the progress in the status line).
+
+import { decimalBytes } from "./format.js";
+
+/** The share of RAM a model's weights may take to "fit": about what macOS lets the GPU wire. */
+export const FIT_SHARE = 0.75;
+
+/** "fits", "too_large", or null when the size or the RAM is unknown. */
+export function localFit(sizeBytes, ramBytes) {
+  if (!(sizeBytes > 0) || !(ramBytes > 0)) return null;
+  return sizeBytes <= FIT_SHARE * ramBytes ? "fits" : "too_large";
+}
+
+/** One option's text: "SmolLM2-135M · 104 MB · fits", "… · too large for this machine", "… · not supported". */
+export function optionLabel(model, ramBytes) {
+  const parts = [model.name, decimalBytes(model.size_bytes)];
+  if (model.architecture_note) parts.push("not supported");
+  else if (localFit(model.size_bytes, ramBytes) === "too_large") parts.push("too large for this machine");
+  else if (localFit(model.size_bytes, ramBytes) === "fits") parts.push("fits");
+  return parts.join(" · ");
+}
+
+export class ModelSwitcher {
+  /** `select`: the header's <select>; `onLoad(path)` loads a model. */
+  constructor(select, api, onLoad) {
+    this.select = select;
+    this.api = api;
+    this.path = null; // the loaded model's directory, from model_status
+    select.addEventListener("change", () => {
+      if (select.value && select.value !== this.path) onLoad(select.value);
+    });
+  }
+
+  /** Lists the models on this machine again (after a download, a load, a new models directory). */
+  async refresh() {
+    const [models, system] = await Promise.all([this.api.listModels(), this.api.systemStats?.().catch(() => null)]);
+    const doc = this.select.ownerDocument;
+    const options = models.map((model) => {
+      const option = doc.createElement("option");
+      option.value = model.path;
+      option.textContent = optionLabel(model, system?.ram_total_bytes);
+      option.disabled = Boolean(model.architecture_note);
+      if (model.architecture_note) option.title = model.architecture_note;
+      return option;
+    });
+    const none = doc.createElement("option");
+    none.value = "";
+    none.textContent = models.length ? "Choose a model" : "No models on this machine: see Models";
+    none.disabled = true;
+    this.select.replaceChildren(none, ...options);
+    this.show();
+  }
+
+  /** Follows `status` (model_status): the loaded model selected, the switcher off while loading. */
+  setStatus(status) {
+    const path = status?.state === "loaded" ? status.path : null;
+    this.select.disabled = status?.state === "loading";
+    if (path === this.path) return; // polled every second: leave an open menu alone
+    this.path = path;
+    this.show();
+  }
+
+  show() {
+    const known = [...this.select.options].some((o) => o.value === this.path);
+    this.select.value = this.path && known ? this.path : "";
+  }
+}
