@@ -1,7 +1,8 @@
 """End-to-end test of the app in its real web view (WebKitGTK), driven through tauri-driver and
 WebKitWebDriver under Xvfb, with the imported default model loaded:
 
-1. the model loads at start; on this fresh install the first answer is sampled with the model's
+1. the first-run screen says what Perch is and this machine's memory, offers models, and is skipped;
+   the model loads at start; on this fresh install the first answer is sampled with the model's
    defaults (the test model names none in its generation_config.json: Perch's, said under the
    answer, kept with it, and in the conversation's settings); in a second conversation set to
    greedy in its settings, a message is sent and its answer streams into the page token by
@@ -103,7 +104,23 @@ def greedy_conversation(session):
     )
 
 
+def onboarding(session):
+    """The first-run screen: what Perch is, this machine's memory, models to start with; Skip."""
+    session.wait_for("return !document.getElementById('onboarding').hidden", what="the first-run screen")
+    machine = session.wait_for("return document.getElementById('onboarding-machine').textContent || null",
+                               what="the machine's memory")
+    check("of memory" in machine, machine)
+    check(text(session, "#onboarding-title") == "Welcome to Perch", text(session, "#onboarding-title"))
+    session.wait_for("return document.querySelectorAll('#onboarding-models > li').length > 0"
+                     " || document.getElementById('onboarding-message').textContent !== ''",
+                     what="models to start with")
+    session.screenshot(OUT / "first-run.png")
+    session.click("#onboarding-skip")
+    session.wait_for("return document.getElementById('onboarding').hidden", what="the first-run screen to close")
+
+
 def first_run(session, port):
+    onboarding(session)
     model = loaded_model(session)
     enable_server(session, port)
     session.click("nav button[data-view=chat]")
@@ -346,7 +363,7 @@ def main():
         raise
     finally:
         session.close()
-    print("e2e: 5 passed (streaming, dashboard graphs and Stop; the model picker's download and load;"
+    print("e2e: 5 passed (the first-run screen; streaming, dashboard graphs and Stop; the model picker's download and load;"
           " global shortcut and launch at login; the local server from Settings and the dashboard;"
           " the conversation and the server after a restart)")
 

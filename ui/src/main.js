@@ -8,6 +8,7 @@ import { Dashboard } from "./dashboard.js";
 import { SettingsView } from "./settings.js";
 import { ModelsView } from "./models.js";
 import { ModelSwitcher } from "./model-switcher.js";
+import { Onboarding } from "./onboarding.js";
 import { describeModelStatus } from "./format.js";
 import { errorElement } from "./errors.js";
 
@@ -33,6 +34,11 @@ const dashboard = new Dashboard($("view-dashboard"), api);
 const settings = new SettingsView($("view-settings"), api);
 const models = new ModelsView($("view-models"), api, loadModel);
 const switcher = new ModelSwitcher($("chat-model"), api, loadModel);
+const onboarding = new Onboarding($("onboarding"), api, {
+  onLoad: loadModel,
+  onDone: () => show("chat"),
+  storage: window.localStorage,
+});
 
 function show(view) {
   for (const section of document.querySelectorAll(".view")) {
@@ -88,6 +94,7 @@ api.onNavigate(show);
 api.startupNotices().then((notices) => notices.forEach(notice));
 chat.init().catch((error) => chat.showError(error));
 switcher.refresh().catch(() => {}); // the Models view says why the list is unavailable
+if (onboarding.pending()) onboarding.open().catch((error) => notice(errorElement(document, error, "span")));
 dashboard.start();
 refreshStatus();
 setInterval(refreshStatus, 1000);

@@ -4,6 +4,7 @@ import { beforeEach, describe, expect, it } from "vitest";
 import axe from "axe-core";
 import { ChatView } from "../src/chat.js";
 import { ModelsView } from "../src/models.js";
+import { Onboarding } from "../src/onboarding.js";
 import { loadPage } from "./page.js";
 
 const views = ["chat", "dashboard", "models", "settings"];
@@ -76,6 +77,17 @@ describe("accessibility", () => {
 
   it("the model loading bar has a name when shown", async () => {
     $("model-progress").hidden = false;
+    expect(await violations()).toEqual([]);
+  });
+
+  it("the first-run screen has no violations", async () => {
+    const api = {
+      systemStats: async () => ({ ram_total_bytes: 16e9 }),
+      listModels: async () => [{ name: "SmolLM2-135M", path: "/m/smol", size_bytes: 1e8 }],
+      searchModels: async () => [{ id: "mlx-community/Qwen3-4B-4bit", fit: "fits", weights_bytes: 2.3e9, downloads: 5000 }],
+    };
+    const view = new Onboarding($("onboarding"), api, { onLoad: async () => {}, onDone: () => {}, storage: null });
+    await view.open();
     expect(await violations()).toEqual([]);
   });
 });

@@ -1,0 +1,140 @@
+// First run: what Perch is, what this machine can run (its memory), models that fit — the ones
+// already here, and the Hub's most downloaded mlx-community models when it is reachable — a
+// download with progress and cancel, and then the chat. Shown until it is finished or skipped
+// once (remembered in the web view's storage).
+
+import { errorElement } from "./errors.js";
+import { decimalBytes, describeDownload } from "./format.js";
+import { FIT_SHARE, localFit } from "./model-switcher.js";
+
+const DONE_KEY = "perch.onboarded";
+
+/** How many of the Hub's models that fit are offered. */
+const HUB_OFFERS = 4;
+
+/** "This machine has 16 GB of memory: models up to about 12 GB fit." */
+export function describeMachine(ramBytes) {
+  if (!(ramBytes > 0)) return "Perch could not read this machine's memory; the sizes below tell what each model needs.";
+  return `This machine has ${decimalBytes(ramBytes)} of memory: models up to about ${decimalBytes(FIT_SHARE * ramBytes)} fit.`;
+}
+
+export class Onboarding {
+  /**
+   * `root`: the #onboarding element; `onLoad(path)` loads a model (resolves when it is loaded);
+   * `onDone()` shows the chat; `storage`: where "finished" is remembered (localStorage).
+   */
+  constructor(root, api, { onLoad, onDone, storage }) {
+    this.root = root;
+    this.api = api;
+    this.onLoad = onLoad;
+    this.onDone = onDone;
+    this.storage = storage;
+    this.downloading = null; // repo id
+    this.$ = (id) => root.querySelector(`#${id}`);
+    this.$("onboarding-skip").addEventListener("click", () => this.finish());
+    this.$("onboarding-start").addEventListener("click", () => this.finish());
+  }
+
+  /** Whether the first run is still to be shown. */
+  pending() {
+    return this.storage?.getItem(DONE_KEY) !== "1";
+  }
+
+  /** Shows the first-run screen and fills it (the machine, then the models). */
+  async open() {
+    this.root.hidden = false;
+    this.$("onboarding-title").focus?.();
+    const system = await this.api.systemStats().catch(() => null);
+    const ram = system?.ram_total_bytes;
+    this.$("onboarding-machine").textContent = describeMachine(ram);
+    const list = this.$("onboarding-models");
+    const message = this.$("onboarding-message");
+    list.replaceChildren();
+    message.replaceChildren();
+    const local = await this.api.listModels().catch(() => []);
+    for (const model of local.filter((m) => !m.architecture_note && localFit(m.size_bytes, ram) !== "too_large")) {
+      list.append(this.item(model.name, `${decimalBytes(model.size_bytes)} · on this machine`, "Use", () => this.use(model.path)));
+    }
+    let offers = [];
+    try {
+      const found = await this.api.searchModels("", "mlx-community");
+      const here = new Set(local.map((m) => m.name));
+      offers = found.filter((m) => m.fit === "fits" && !m.architecture_note && !here.has(m.id)).slice(0, HUB_OFFERS);
+    } catch (error) {
+      message.append(errorElement(this.root.ownerDocument, error));
+      if (local.length) message.append("The models already on this machine are ready to use.");
+    }
+    for (const model of offers) {
+      const details = `${decimalBytes(model.weights_bytes)} · ${model.downloads.toLocaleString()} downloads`;
+      list.append(this.item(model.id, details, "Download", (item) => this.download(model, item)));
+    }
+    if (!list.children.length && !message.children.length) message.textContent = "No model that fits was found; you can pick one under Models later.";
+  }
+
+  item(title, details, action, onClick) {
+    const doc = this.root.ownerDocument;
+    const item = doc.createElement("li");
+    const name = doc.createElement("span");
+    name.className = "repo";
+    name.textContent = title;
+    const about = doc.createElement("span");
+    about.className = "details";
+    about.textContent = ` ${details} `;
+    const button = doc.createElement("button");
+    button.type = "button";
+    button.textContent = action;
+    button.setAttribute("aria-label", `${action} ${title}`);
+    button.addEventListener("click", () => onClick(item));
+    item.append(name, about, button);
+    return item;
+  }
+
+  /** Loads a model already here, then opens the chat. */
+  async use(path) {
+    await this.onLoad(path);
+    this.finish();
+  }
+
+  /** Downloads `model` with progress and Cancel, then loads it and opens the chat. */
+  async download(model, item) {
+    if (this.downloading) return;
+    this.downloading = model.id;
+    const doc = this.root.ownerDocument;
+    const bar = doc.createElement("progress");
+    bar.max = 1;
+    bar.value = 0;
+    bar.setAttribute("aria-label", `Downloading ${model.id}`);
+    const text = doc.createElement("span");
+    text.className = "progress-text";
+    const cancel = doc.createElement("button");
+    cancel.type = "button";
+    cancel.textContent = "Cancel";
+    cancel.addEventListener("click", () => this.api.cancelDownload(model.id));
+    const action = item.querySelector("button");
+    action.hidden = true;
+    item.querySelector(".error")?.remove();
+    item.append(bar, text, cancel);
+    try {
+      const done = await this.api.downloadModel(model.id, (progress) => {
+        bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
+        text.textContent = ` ${describeDownload(progress)} `;
+      });
+      await this.use(done.snapshot_dir);
+    } catch (error) {
+      item.append(errorElement(doc, error));
+      action.hidden = false;
+    } finally {
+      bar.remove();
+      text.remove();
+      cancel.remove();
+      this.downloading = null;
+    }
+  }
+
+  /** Remembers that the first run is done and shows the chat. */
+  finish() {
+    this.storage?.setItem(DONE_KEY, "1");
+    this.root.hidden = true;
+    this.onDone();
+  }
+}

@@ -1,0 +1,121 @@
+import { describe, expect, it } from "vitest";
+import { CommandError } from "../src/api.js";
+import { Onboarding, describeMachine } from "../src/onboarding.js";
+import { loadPage } from "./page.js";
+
+const GB = 1e9;
+const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
+const $ = (id) => document.getElementById(id);
+const items = () => [...document.querySelectorAll("#onboarding-models > li")];
+const buttonIn = (item, label) => [...item.querySelectorAll("button")].find((b) => b.textContent === label);
+
+function memoryStorage() {
+  const values = new Map();
+  return { getItem: (k) => values.get(k) ?? null, setItem: (k, v) => values.set(k, String(v)) };
+}
+
+function fakeApi({ offline = false } = {}) {
+  const api = {
+    calls: [],
+    systemStats: async () => ({ ram_total_bytes: 16 * GB }),
+    listModels: async () => [
+      { name: "SmolLM2-135M", path: "/m/smol", size_bytes: 0.1 * GB },
+      { name: "Huge", path: "/m/huge", size_bytes: 40 * GB },
+      { name: "mamba", path: "/m/mamba", size_bytes: 1 * GB, architecture_note: "not supported" },
+    ],
+    searchModels: async () => {
+      if (offline) throw new CommandError({ kind: "network", message: "cannot reach https://huggingface.co/api/models: dns error" });
+      return [
+        { id: "mlx-community/Qwen3-4B-4bit", fit: "fits", weights_bytes: 2.3 * GB, downloads: 5000 },
+        { id: "mlx-community/Llama-70B-4bit", fit: "too_large", weights_bytes: 40 * GB, downloads: 900 },
+        { id: "mlx-community/Mamba-4bit", fit: "fits", weights_bytes: 1 * GB, downloads: 80, architecture_note: "not supported" },
+      ];
+    },
+    downloadModel: (repo, onProgress) =>
+      new Promise((resolve, reject) => {
+        api.calls.push(["download", repo]);
+        api.progress = onProgress;
+        api.finish = () => resolve({ snapshot_dir: `/hf/${repo}` });
+        api.fail = reject;
+      }),
+    cancelDownload: async (repo) => api.calls.push(["cancel", repo]),
+  };
+  return api;
+}
+
+function setUp(api) {
+  loadPage();
+  const loads = [];
+  let done = 0;
+  const storage = memoryStorage();
+  const view = new Onboarding($("onboarding"), api, {
+    onLoad: async (path) => loads.push(path),
+    onDone: () => (done += 1),
+    storage,
+  });
+  return { view, loads, storage, done: () => done };
+}
+
+describe("first run", () => {
+  it("describes the machine's memory", () => {
+    expect(describeMachine(16 * GB)).toBe("This machine has 16 GB of memory: models up to about 12 GB fit.");
+    expect(describeMachine(null)).toMatch(/could not read/);
+  });
+
+  it("offers the models here and the Hub's that fit, downloads one with progress, loads it and opens the chat", async () => {
+    const api = fakeApi();
+    const { view, loads, storage, done } = setUp(api);
+    expect(view.pending()).toBe(true);
+    await view.open();
+    expect($("onboarding").hidden).toBe(false);
+    expect($("onboarding-machine").textContent).toContain("16 GB of memory");
+    // Here: the one that fits and runs; the Hub: the one that fits, runs and is not here.
+    expect(items().map((li) => li.querySelector(".repo").textContent)).toEqual(["SmolLM2-135M", "mlx-community/Qwen3-4B-4bit"]);
+    const offer = items()[1];
+    expect(offer.textContent).toContain("2.3 GB · 5,000 downloads");
+    buttonIn(offer, "Download").click();
+    await tick();
+    api.progress({ bytes_done: 1, bytes_total: 4, files_done: 0, files_total: 2 });
+    expect(offer.querySelector("progress").value).toBe(0.25);
+    expect(offer.querySelector(".progress-text").textContent).toContain("25%");
+    buttonIn(offer, "Cancel").click();
+    expect(api.calls).toContainEqual(["cancel", "mlx-community/Qwen3-4B-4bit"]);
+    api.finish();
+    await tick();
+    await tick();
+    expect(loads).toEqual(["/hf/mlx-community/Qwen3-4B-4bit"]);
+    expect($("onboarding").hidden).toBe(true);
+    expect(done()).toBe(1);
+    expect(view.pending()).toBe(false);
+    expect(storage.getItem("perch.onboarded")).toBe("1");
+  });
+
+  it("offline: says so in plain words and offers the models already here", async () => {
+    const { view, loads } = setUp(fakeApi({ offline: true }));
+    await view.open();
+    expect($("onboarding-message").textContent).toContain("Perch can't reach the Hugging Face Hub");
+    expect($("onboarding-message").textContent).toContain("already on this machine are ready");
+    expect(items().length).toBe(1);
+    buttonIn(items()[0], "Use").click();
+    await tick();
+    expect(loads).toEqual(["/m/smol"]);
+    expect($("onboarding").hidden).toBe(true);
+  });
+
+  it("a failed download says why and can be tried again; Skip ends the first run", async () => {
+    const api = fakeApi();
+    const { view, done } = setUp(api);
+    await view.open();
+    const offer = items()[1];
+    buttonIn(offer, "Download").click();
+    await tick();
+    api.fail(new CommandError({ kind: "storage", message: "No space left on device (os error 28)" }));
+    await tick();
+    expect(offer.querySelector(".error").textContent).toContain("The disk is full.");
+    expect(offer.querySelector("progress")).toBe(null);
+    expect(buttonIn(offer, "Download").hidden).toBe(false);
+    $("onboarding-skip").click();
+    expect(done()).toBe(1);
+    expect(view.pending()).toBe(false);
+  });
+});
