@@ -7,6 +7,7 @@ import { errorElement } from "./errors.js";
 import { describeSampling, describeStats } from "./format.js";
 import { renderMarkdown, copyText } from "./markdown.js";
 import { showSamplingSource } from "./settings.js";
+import { bindPresets } from "./presets.js";
 
 /** Sampling fields of the conversation settings form: [name in SamplingParams, label, step]. */
 const SAMPLING_FIELDS = [
@@ -373,18 +374,26 @@ export class ChatView {
     // The source select and its note come after the sampling fields, then the fields the
     // conversation sets whichever the source.
     const source = this.el.settings.querySelector("[name=sampling_source]");
+    const preset = this.el.settings.querySelector("#conversation-preset");
     const note = this.el.settings.querySelector("#conversation-sampling-note");
     const own = OWN_SAMPLING_FIELDS.map((name) => this.el.settings.querySelector(`[name=${name}]`).closest("label"));
+    fields.prepend(preset.closest("label"));
     fields.append(source.closest("label"), note, ...own);
     source.addEventListener("change", () => this.showSampling());
+    this.showPreset = bindPresets(preset, source, () => this.samplingInputs(), () => this.showSampling());
+  }
+
+  /** [name, input] of the sampling fields that a preset or the model's defaults set. */
+  samplingInputs() {
+    return SAMPLING_FIELDS.map(([name]) => [name, this.el.settings.querySelector(`[name=${name}]`)]);
   }
 
   /** The sampling inputs follow the source select (read-only model defaults, or custom). */
   showSampling() {
     const form = this.el.settings;
-    const inputs = SAMPLING_FIELDS.map(([name]) => [name, form.querySelector(`[name=${name}]`)]);
     const source = form.querySelector("[name=sampling_source]").value;
-    showSamplingSource(source, inputs, form.querySelector("#conversation-sampling-note"), this.modelStatus);
+    showSamplingSource(source, this.samplingInputs(), form.querySelector("#conversation-sampling-note"), this.modelStatus);
+    this.showPreset?.();
   }
 
   /** The model's status (main.js passes each one it reads): its sampling defaults are shown. */

@@ -19,3 +19,35 @@ export function presetOf(values) {
   }
   return null;
 }
+
+/**
+ * Ties a form's Sampling choice (`preset`: a <select> of "model", the presets' names and
+ * "custom") to its source select (`source`: "model" or "custom") and its sampling inputs
+ * (`inputs()`: [field, input] pairs). Choosing a preset makes the source "custom" and writes its
+ * values; "custom" keeps the values shown and calls `onCustom` (to show the fields); then
+ * `apply()` applies the source to the inputs (read-only model defaults, or editable). Returns
+ * `show()`, which sets the choice from the form: "model", the preset its values hold, or
+ * "custom" (call it whenever the form is filled).
+ */
+export function bindPresets(preset, source, inputs, apply, onCustom) {
+  const show = () => {
+    if (source.value === "model") {
+      preset.value = "model";
+      return;
+    }
+    const values = Object.fromEntries(inputs().map(([field, input]) => [field, input.value === "" ? null : Number(input.value)]));
+    preset.value = presetOf(values) ?? "custom";
+  };
+  preset.addEventListener("change", () => {
+    const name = preset.value;
+    source.value = name === "model" ? "model" : "custom";
+    const chosen = SAMPLING_PRESETS[name];
+    if (chosen) for (const [field, input] of inputs()) input.value = String(chosen.values[field]);
+    if (name === "custom") onCustom?.();
+    apply();
+    show();
+  });
+  for (const [, input] of inputs()) input.addEventListener("input", show);
+  source.addEventListener("change", show);
+  return show;
+}

@@ -4,7 +4,7 @@
 // shown unit into the stored one (MiB into bytes).
 
 import { errorElement } from "./errors.js";
-import { SAMPLING_PRESETS, presetOf } from "./presets.js";
+import { bindPresets } from "./presets.js";
 
 /** The value at dotted `path` of `object`. */
 export function getPath(object, path) {
@@ -78,9 +78,13 @@ export class SettingsView {
     this.message = root.querySelector("#settings-message");
     this.samplingSource = root.querySelector("[data-setting='chat.sampling_source']");
     this.samplingSource.addEventListener("change", () => this.showSampling());
-    this.preset = root.querySelector("#settings-preset");
-    this.preset.addEventListener("change", () => this.choosePreset(this.preset.value));
-    for (const [, input] of this.samplingInputs()) input.addEventListener("input", () => this.showPreset());
+    this.showPreset = bindPresets(
+      root.querySelector("#settings-preset"),
+      this.samplingSource,
+      () => this.samplingInputs(),
+      () => this.showSampling(),
+      () => (root.querySelector("#settings-advanced").open = true),
+    );
     root.querySelector("#settings-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.save();
@@ -131,31 +135,6 @@ export class SettingsView {
   showSampling() {
     showSamplingSource(this.samplingSource.value, this.samplingInputs(), this.root.querySelector("#settings-sampling-note"), this.modelStatus);
     this.showPreset();
-  }
-
-  /** The Sampling choice shows the model's defaults, the preset the values hold, or Custom. */
-  showPreset() {
-    if (this.samplingSource.value === "model") {
-      this.preset.value = "model";
-      return;
-    }
-    const values = Object.fromEntries(this.samplingInputs().map(([name, input]) => [name, input.value === "" ? null : Number(input.value)]));
-    this.preset.value = presetOf(values) ?? "custom";
-  }
-
-  /**
-   * "model": the model's defaults; a preset's name: custom sampling with its values; "custom":
-   * custom sampling from the values shown, with the Advanced fields open to edit them.
-   */
-  choosePreset(name) {
-    this.samplingSource.value = name === "model" ? "model" : "custom";
-    const preset = SAMPLING_PRESETS[name];
-    if (preset) {
-      for (const [field, input] of this.samplingInputs()) writeInput(input, preset.values[field]);
-    }
-    if (name === "custom") this.root.querySelector("#settings-advanced").open = true;
-    showSamplingSource(this.samplingSource.value, this.samplingInputs(), this.root.querySelector("#settings-sampling-note"), this.modelStatus);
-    if (!preset) this.showPreset();
   }
 
   /**

@@ -192,6 +192,24 @@ describe("ChatView", () => {
       sampling: { temperature: 0.7, seed: 42, top_k: 0, logit_bias: {}, presence_penalty: 0.5, xtc_probability: 0.3, xtc_threshold: 0.12 } });
   });
 
+  it("sets the conversation's sampling from a preset", async () => {
+    await view.newConversation();
+    const form = $("conversation-settings");
+    const preset = $("conversation-preset");
+    expect(preset.value).toBe("model");
+    preset.value = "precise";
+    preset.dispatchEvent(new Event("change"));
+    expect(form.querySelector("[name=sampling_source]").value).toBe("custom");
+    expect(form.querySelector("[name=temperature]").disabled).toBe(false);
+    $("save-conversation-settings").click();
+    await tick();
+    expect(api.setConversationSettings.mock.calls[0][1]).toMatchObject({ sampling_source: "custom",
+      sampling: { temperature: 0.2, top_p: 0.9, top_k: 40, min_p: 0.05, repetition_penalty: 1 } });
+    form.querySelector("[name=top_k]").value = "0";
+    form.querySelector("[name=top_k]").dispatchEvent(new Event("input"));
+    expect(preset.value).toBe("custom");
+  });
+
   it("shows the model's sampling defaults read-only while the conversation follows the model", async () => {
     await view.newConversation();
     const form = $("conversation-settings");
