@@ -11,8 +11,10 @@ import { ModelSwitcher } from "./model-switcher.js";
 import { Onboarding } from "./onboarding.js";
 import { describeModelStatus } from "./format.js";
 import { errorElement } from "./errors.js";
+import { addIcons } from "./icons.js";
 
 const $ = (id) => document.getElementById(id);
+addIcons(document);
 
 /** Shows `content` (a sentence or an element) above the views until dismissed. */
 function notice(content) {

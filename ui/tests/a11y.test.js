@@ -3,6 +3,7 @@
 import { beforeEach, describe, expect, it } from "vitest";
 import axe from "axe-core";
 import { ChatView } from "../src/chat.js";
+import { addIcons } from "../src/icons.js";
 import { ModelsView } from "../src/models.js";
 import { Onboarding } from "../src/onboarding.js";
 import { loadPage } from "./page.js";
@@ -29,7 +30,10 @@ async function violations() {
 }
 
 describe("accessibility", () => {
-  beforeEach(() => loadPage());
+  beforeEach(() => {
+    loadPage();
+    addIcons(document);
+  });
 
   for (const view of views) {
     it(`the ${view} screen has no violations`, async () => {
