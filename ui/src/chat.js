@@ -57,9 +57,13 @@ export class ChatView {
       this.submit();
     });
     this.el.input.addEventListener("keydown", (event) => {
-      if (event.key === "Enter" && !event.shiftKey) {
+      if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
         event.preventDefault();
         this.submit();
+      } else if (event.key === "Escape" && this.running) {
+        // Escape stops the answer being generated, as Stop does.
+        event.preventDefault();
+        this.stop();
       }
     });
     this.el.stop.addEventListener("click", () => this.stop());

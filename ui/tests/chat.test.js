@@ -122,6 +122,18 @@ describe("ChatView", () => {
     expect(texts("#messages li.assistant .meta")[0]).toMatch(/stopped$/);
   });
 
+  it("Escape in the composer stops the answer being generated", async () => {
+    const { done } = await type("Count to 500.");
+    api.stream.token("1, 2");
+    $("input").dispatchEvent(new KeyboardEvent("keydown", { key: "Escape", bubbles: true }));
+    expect(api.stop).toHaveBeenCalledWith(7);
+    api.stream.finish("1, 2", "cancelled");
+    await done;
+    // With nothing generating, Escape does nothing.
+    $("input").dispatchEvent(new KeyboardEvent("keydown", { key: "Escape", bubbles: true }));
+    expect(api.stop).toHaveBeenCalledTimes(1);
+  });
+
   it("regenerates the last answer and edits the last user message", async () => {
     let { done } = await type("First");
     api.stream.finish("A1");
