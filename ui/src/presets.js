@@ -21,8 +21,8 @@ export function presetOf(values) {
 }
 
 /**
- * Ties a form's Sampling choice (`preset`: a <select> of "model", the presets' names and
- * "custom") to its source select (`source`: "model" or "custom") and its sampling inputs
+ * Ties a form's Sampling choice (`preset`: an empty <select>, given the options "model", the
+ * presets' names and "custom") to its source select (`source`: "model" or "custom") and its sampling inputs
  * (`inputs()`: [field, input] pairs). Choosing a preset makes the source "custom" and writes its
  * values; "custom" keeps the values shown and calls `onCustom` (to show the fields); then
  * `apply()` applies the source to the inputs (read-only model defaults, or editable). Returns
@@ -30,6 +30,16 @@ export function presetOf(values) {
  * "custom" (call it whenever the form is filled).
  */
 export function bindPresets(preset, source, inputs, apply, onCustom) {
+  const doc = preset.ownerDocument;
+  const choices = [["model", "The model's defaults"], ...Object.entries(SAMPLING_PRESETS).map(([name, p]) => [name, p.label]), ["custom", "Custom"]];
+  preset.replaceChildren(
+    ...choices.map(([value, label]) => {
+      const option = doc.createElement("option");
+      option.value = value;
+      option.textContent = label;
+      return option;
+    }),
+  );
   const show = () => {
     if (source.value === "model") {
       preset.value = "model";
