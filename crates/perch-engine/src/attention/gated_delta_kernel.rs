@@ -13,10 +13,12 @@
 //! gates for Metal (`gated_delta_kernel`); SGLang and vLLM fuse the norms and gates into their
 //! recurrent kernels the same way. MLX 0.32.2 has none for CUDA.
 //!
-//! The CUDA source is checked against the operations on an NVIDIA GPU (`perch check-kernels`).
-//! The Metal source is the same algorithm in the Metal Shading Language (`simd_sum` for the warp
-//! reductions) and has not run on a Mac here: the engine uses either only after it has passed a
-//! small check at model load (`models::gated_delta`), and runs the operations otherwise.
+//! One body serves both backends ([`BODY`]), after a prelude that names each one's thread
+//! indices, shared memory, barriers, warp sums and math functions ([`CUDA_PRELUDE`],
+//! [`METAL_PRELUDE`]: `simd_sum` is Metal's warp sum). The CUDA build is checked against the
+//! operations on an NVIDIA GPU (`perch check-kernels`); the Metal build has not run on a Mac
+//! here: the engine uses either only after it has passed a small check at model load
+//! (`models::gated_delta`), and runs the operations otherwise.
 //!
 //! The computation, per row `n` and value head `h` of `value_heads`, key head `kh = h /
 //! (value_heads / key_heads)`, for each token `t` in order (Yang, Kautz and Hatamizadeh 2024,
@@ -66,19 +68,59 @@ fn rows_per_warp(tokens: i32) -> i32 {
 /// The most convolution taps the kernel takes (Qwen3.5 and Qwen3-Next have 4).
 const MAX_TAPS: i32 = 16;
 
-const CUDA_SOURCE: &str = r#"
-  constexpr int PER_LANE = DK / 32;
-  constexpr int R = ROWS_PER_WARP;
-  __shared__ float q_shared[DK];
-  __shared__ float k_shared[DK];
+/// What the CUDA build of [`BODY`] names: thread indices, shared memory, barriers, warp sums,
+/// math functions.
+const CUDA_PRELUDE: &str = r#"
+#define PERCH_SHARED __shared__
+#define PERCH_DEVICE
+#define PERCH_BARRIER() __syncthreads()
+#define PERCH_WARP_SUM(x) { for (int o_ = 16; o_ > 0; o_ /= 2) x += __shfl_xor_sync(0xffffffff, x, o_); }
+#define PERCH_EXP(x) expf(x)
+#define PERCH_SOFTPLUS(x) ((x) > 20.0f ? (x) : log1pf(expf(x)))
+#define PERCH_RSQRT(x) rsqrtf(x)
+#define PERCH_INDEX long long
+#define PERCH_UNROLL _Pragma("unroll")
   const int lane = threadIdx.x;
   const int tid = threadIdx.y * 32 + lane;
   const int threads = blockDim.y * 32;
-  const int first_row = (blockIdx.y * blockDim.y + threadIdx.y) * R;
+  const int warp_in_grid = blockIdx.y * blockDim.y + threadIdx.y;
+  const int grid_z = blockIdx.z;
+  const bool first_block = blockIdx.y == 0;
+"#;
+
+/// The same names in the Metal Shading Language, where a simdgroup of 32 threads is the warp
+/// (MLX adds the thread-position arguments the source names).
+const METAL_PRELUDE: &str = r#"
+#define PERCH_SHARED threadgroup
+#define PERCH_DEVICE device
+#define PERCH_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define PERCH_WARP_SUM(x) { x = simd_sum(x); }
+#define PERCH_EXP(x) metal::exp(x)
+#define PERCH_SOFTPLUS(x) ((x) > 20.0f ? (x) : metal::log(1.0f + metal::exp(x)))
+#define PERCH_RSQRT(x) metal::rsqrt(x)
+#define PERCH_INDEX int64_t
+#define PERCH_UNROLL
+  const int lane = thread_index_in_simdgroup;
+  const int tid = thread_position_in_threadgroup.y * 32 + thread_position_in_threadgroup.x;
+  const int threads = threads_per_threadgroup.y * 32;
+  const int warp_in_grid = thread_position_in_grid.y;
+  const int grid_z = thread_position_in_grid.z;
+  const bool first_block = thread_position_in_grid.y < threads_per_threadgroup.y;
+"#;
+
+/// The kernel's body on either backend, after its prelude: blocks of four warps of 32 threads
+/// (`tid` a block's thread, `lane` its lane in the warp), the warp at `warp_in_grid` along the
+/// grid's y axis owning `R` state rows, `grid_z` the row and value head.
+const BODY: &str = r#"
+  constexpr int PER_LANE = DK / 32;
+  constexpr int R = ROWS_PER_WARP;
+  PERCH_SHARED float q_shared[DK];
+  PERCH_SHARED float k_shared[DK];
+  const int first_row = warp_in_grid * R;
+  const int n = grid_z / state_shape[1];
+  const int h = grid_z % state_shape[1];
   const int heads = state_shape[1];
   const int rows = state_shape[2];
-  const int n = blockIdx.z / heads;
-  const int h = blockIdx.z % heads;
   const int kh = h / (heads / HK);
   const int steps = qkv_shape[1];
   const int channels = qkv_shape[2];
@@ -98,14 +140,14 @@ const CUDA_SOURCE: &str = r#"
       acc_ += static_cast<float>(conv_weight[(c) * conv_weight_strides[0] + j_ * conv_weight_strides[1]]) \
           * PERCH_X((t) + j_, (c)); \
     } \
-    out = acc_ / (1.0f + expf(-acc_)); }
+    out = acc_ / (1.0f + PERCH_EXP(-acc_)); }
 
   float s[R][PER_LANE];
-#pragma unroll
+PERCH_UNROLL
   for (int r = 0; r < R; ++r) {
-    const float* s_in =
+    const PERCH_DEVICE float* s_in =
         state + n * state_strides[0] + h * state_strides[1] + (first_row + r) * state_strides[2];
-#pragma unroll
+PERCH_UNROLL
     for (int i = 0; i < PER_LANE; ++i) {
       s[r][i] = s_in[(lane + 32 * i) * state_strides[3]];
     }
@@ -119,13 +161,13 @@ const CUDA_SOURCE: &str = r#"
     if (t < real) {
       const float x = static_cast<float>(
           a_proj[n * a_proj_strides[0] + t * a_proj_strides[1] + h * a_proj_strides[2]]) + dt;
-      decay = expf(rate_h * (x > 20.0f ? x : log1pf(expf(x))));
+      decay = PERCH_EXP(rate_h * PERCH_SOFTPLUS(x));
       const float logit = static_cast<float>(
           b_proj[n * b_proj_strides[0] + t * b_proj_strides[1] + h * b_proj_strides[2]]);
-      rate = 1.0f / (1.0f + expf(-logit));
+      rate = 1.0f / (1.0f + PERCH_EXP(-logit));
     }
     float values[R];
-#pragma unroll
+PERCH_UNROLL
     for (int r = 0; r < R; ++r) {
       PERCH_CONV(t, v_channel + r, values[r]);
     }
@@ -136,75 +178,68 @@ const CUDA_SOURCE: &str = r#"
       q_shared[i] = qc;
       k_shared[i] = kc;
     }
-    __syncthreads();
+    PERCH_BARRIER();
     float keys[PER_LANE];
     float queries[PER_LANE];
     float qq = 0.0f;
     float kk = 0.0f;
-#pragma unroll
+PERCH_UNROLL
     for (int i = 0; i < PER_LANE; ++i) {
       queries[i] = q_shared[lane + 32 * i];
       keys[i] = k_shared[lane + 32 * i];
       qq += queries[i] * queries[i];
       kk += keys[i] * keys[i];
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      qq += __shfl_xor_sync(0xffffffff, qq, offset);
-      kk += __shfl_xor_sync(0xffffffff, kk, offset);
-    }
-    const float q_scale = rsqrtf(qq + 1e-6f) * rsqrtf(static_cast<float>(DK));
-    const float k_scale = rsqrtf(kk + 1e-6f);
-#pragma unroll
+    PERCH_WARP_SUM(qq);
+    PERCH_WARP_SUM(kk);
+    const float q_scale = PERCH_RSQRT(qq + 1e-6f) * PERCH_RSQRT(static_cast<float>(DK));
+    const float k_scale = PERCH_RSQRT(kk + 1e-6f);
+PERCH_UNROLL
     for (int i = 0; i < PER_LANE; ++i) {
       keys[i] *= k_scale;
     }
-#pragma unroll
+PERCH_UNROLL
     for (int r = 0; r < R; ++r) {
       float memory = 0.0f;
-#pragma unroll
+PERCH_UNROLL
       for (int i = 0; i < PER_LANE; ++i) {
         s[r][i] *= decay;
         memory += s[r][i] * keys[i];
       }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        memory += __shfl_xor_sync(0xffffffff, memory, offset);
-      }
+      PERCH_WARP_SUM(memory);
       const float delta = (values[r] - memory) * rate;
       float out = 0.0f;
-#pragma unroll
+PERCH_UNROLL
       for (int i = 0; i < PER_LANE; ++i) {
-        s[r][i] += keys[i] * delta;
+        // A padded token leaves the state as it was, even where its inputs are not finite.
+        if (t < real) s[r][i] += keys[i] * delta;
         out += s[r][i] * queries[i];
       }
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-        out += __shfl_xor_sync(0xffffffff, out, offset);
-      }
+      PERCH_WARP_SUM(out);
       if (lane == 0) {
-        y[(((long)n * steps + t) * heads + h) * rows + first_row + r] =
+        y[((static_cast<PERCH_INDEX>(n) * steps + t) * heads + h) * rows + first_row + r] =
             static_cast<T>(out * q_scale);
       }
     }
-    __syncthreads();
+    PERCH_BARRIER();
   }
-#pragma unroll
+PERCH_UNROLL
   for (int r = 0; r < R; ++r) {
-    float* s_out = state_out + (((long)n * heads + h) * rows + first_row + r) * DK;
-#pragma unroll
+    PERCH_DEVICE float* s_out =
+        state_out + ((static_cast<PERCH_INDEX>(n) * heads + h) * rows + first_row + r) * DK;
+PERCH_UNROLL
     for (int i = 0; i < PER_LANE; ++i) {
       s_out[lane + 32 * i] = s[r][i];
     }
   }
   // The conv state after the row's real tokens: each warp its rows' value channels, the first
   // block of each key head its query and key channels.
-  T* conv_out = conv_state_out + (long)n * keep * channels;
+  PERCH_DEVICE T* conv_out = conv_state_out + static_cast<PERCH_INDEX>(n) * keep * channels;
   for (int j = lane; j < keep * R; j += 32) {
     const int c = v_channel + j / keep;
     conv_out[(j % keep) * channels + c] = static_cast<T>(PERCH_X(real + j % keep, c));
   }
-  if (h % (heads / HK) == 0 && blockIdx.y == 0) {
+  if (h % (heads / HK) == 0 && first_block) {
     for (int i = tid; i < DK; i += threads) {
       for (int j = 0; j < keep; ++j) {
         const int qc = kh * DK + i;
@@ -216,136 +251,15 @@ const CUDA_SOURCE: &str = r#"
   }
 #undef PERCH_CONV
 #undef PERCH_X
-"#;
-
-/// [`CUDA_SOURCE`]'s algorithm in the Metal Shading Language: a simdgroup of 32 threads per
-/// state row.
-const METAL_SOURCE: &str = r#"
-  constexpr int PER_LANE = DK / 32;
-  constexpr int R = ROWS_PER_WARP;
-  threadgroup float q_shared[DK];
-  threadgroup float k_shared[DK];
-  const int lane = thread_index_in_simdgroup;
-  const int tid = thread_position_in_threadgroup.y * 32 + thread_position_in_threadgroup.x;
-  const int threads = threads_per_threadgroup.y * 32;
-  const int first_row = thread_position_in_grid.y * R;
-  const int heads = state_shape[1];
-  const int rows = state_shape[2];
-  const int n = thread_position_in_grid.z / heads;
-  const int h = thread_position_in_grid.z % heads;
-  const int kh = h / (heads / HK);
-  const int steps = qkv_shape[1];
-  const int channels = qkv_shape[2];
-  const int taps = conv_weight_shape[1];
-  const int keep = taps - 1;
-  const int key_dim = HK * DK;
-  const int real = PADDED ? counts[n] : steps;
-  const int v_channel = 2 * key_dim + h * rows + first_row;
-#define PERCH_X(p, c) ((p) < keep \
-    ? static_cast<float>(conv_state[n * conv_state_strides[0] + (p) * conv_state_strides[1] \
-                                    + (c) * conv_state_strides[2]]) \
-    : static_cast<float>(qkv[n * qkv_strides[0] + ((p) - keep) * qkv_strides[1] + (c) * qkv_strides[2]]))
-#define PERCH_CONV(t, c, out) { \
-    float acc_ = 0.0f; \
-    for (int j_ = 0; j_ < taps; ++j_) { \
-      acc_ += static_cast<float>(conv_weight[(c) * conv_weight_strides[0] + j_ * conv_weight_strides[1]]) \
-          * PERCH_X((t) + j_, (c)); \
-    } \
-    out = acc_ / (1.0f + metal::exp(-acc_)); }
-
-  float s[R][PER_LANE];
-  for (int r = 0; r < R; ++r) {
-    const device float* s_in =
-        state + n * state_strides[0] + h * state_strides[1] + (first_row + r) * state_strides[2];
-    for (int i = 0; i < PER_LANE; ++i) {
-      s[r][i] = s_in[(lane + 32 * i) * state_strides[3]];
-    }
-  }
-  const float dt = static_cast<float>(dt_bias[h * dt_bias_strides[0]]);
-  const float rate_h = static_cast<float>(neg_rate[h * neg_rate_strides[0]]);
-  for (int t = 0; t < steps; ++t) {
-    float decay = 1.0f;
-    float rate = 0.0f;
-    if (t < real) {
-      const float x = static_cast<float>(
-          a_proj[n * a_proj_strides[0] + t * a_proj_strides[1] + h * a_proj_strides[2]]) + dt;
-      decay = metal::exp(rate_h * (x > 20.0f ? x : metal::log(1.0f + metal::exp(x))));
-      const float logit = static_cast<float>(
-          b_proj[n * b_proj_strides[0] + t * b_proj_strides[1] + h * b_proj_strides[2]]);
-      rate = 1.0f / (1.0f + metal::exp(-logit));
-    }
-    float values[R];
-    for (int r = 0; r < R; ++r) {
-      PERCH_CONV(t, v_channel + r, values[r]);
-    }
-    for (int i = tid; i < DK; i += threads) {
-      float qc, kc;
-      PERCH_CONV(t, kh * DK + i, qc);
-      PERCH_CONV(t, key_dim + kh * DK + i, kc);
-      q_shared[i] = qc;
-      k_shared[i] = kc;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    float keys[PER_LANE];
-    float queries[PER_LANE];
-    float qq = 0.0f;
-    float kk = 0.0f;
-    for (int i = 0; i < PER_LANE; ++i) {
-      queries[i] = q_shared[lane + 32 * i];
-      keys[i] = k_shared[lane + 32 * i];
-      qq += queries[i] * queries[i];
-      kk += keys[i] * keys[i];
-    }
-    qq = simd_sum(qq);
-    kk = simd_sum(kk);
-    const float q_scale = metal::rsqrt(qq + 1e-6f) * metal::rsqrt(static_cast<float>(DK));
-    const float k_scale = metal::rsqrt(kk + 1e-6f);
-    for (int i = 0; i < PER_LANE; ++i) {
-      keys[i] *= k_scale;
-    }
-    for (int r = 0; r < R; ++r) {
-      float memory = 0.0f;
-      for (int i = 0; i < PER_LANE; ++i) {
-        s[r][i] *= decay;
-        memory += s[r][i] * keys[i];
-      }
-      memory = simd_sum(memory);
-      const float delta = (values[r] - memory) * rate;
-      float out = 0.0f;
-      for (int i = 0; i < PER_LANE; ++i) {
-        s[r][i] += keys[i] * delta;
-        out += s[r][i] * queries[i];
-      }
-      out = simd_sum(out);
-      if (lane == 0) {
-        y[((n * steps + t) * heads + h) * rows + first_row + r] = static_cast<T>(out * q_scale);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  for (int r = 0; r < R; ++r) {
-    device float* s_out = state_out + ((n * heads + h) * rows + first_row + r) * DK;
-    for (int i = 0; i < PER_LANE; ++i) {
-      s_out[lane + 32 * i] = s[r][i];
-    }
-  }
-  device T* conv_out = conv_state_out + n * keep * channels;
-  for (int j = lane; j < keep * R; j += 32) {
-    const int c = v_channel + j / keep;
-    conv_out[(j % keep) * channels + c] = static_cast<T>(PERCH_X(real + j % keep, c));
-  }
-  if (h % (heads / HK) == 0 && thread_position_in_grid.y < threads_per_threadgroup.y) {
-    for (int i = tid; i < DK; i += threads) {
-      for (int j = 0; j < keep; ++j) {
-        const int qc = kh * DK + i;
-        const int kc = key_dim + qc;
-        conv_out[j * channels + qc] = static_cast<T>(PERCH_X(real + j, qc));
-        conv_out[j * channels + kc] = static_cast<T>(PERCH_X(real + j, kc));
-      }
-    }
-  }
-#undef PERCH_CONV
-#undef PERCH_X
+#undef PERCH_SHARED
+#undef PERCH_DEVICE
+#undef PERCH_BARRIER
+#undef PERCH_WARP_SUM
+#undef PERCH_EXP
+#undef PERCH_SOFTPLUS
+#undef PERCH_RSQRT
+#undef PERCH_INDEX
+#undef PERCH_UNROLL
 "#;
 
 /// The GPU backend the kernel runs on here: CUDA or Metal, unless `PERCH_GATED_DELTA_KERNEL=0`
@@ -392,7 +306,8 @@ pub struct CoreWeights<'a> {
 /// Whether [`gated_delta`] computes this core: a float `qkv` `[rows, tokens, conv_dim]` with
 /// `dk` a multiple of 32 up to 256, `dv` a multiple of the rows a block computes (16 for one
 /// token, 8 for more), whole value heads
-/// per key head, 2 to [`MAX_TAPS`] taps, and every shape consistent.
+/// per key head, 2 to [`MAX_TAPS`] taps, at most 65,535 rows × value heads, and every shape
+/// consistent.
 pub fn computes(inputs: &CoreInputs, weights: &CoreWeights) -> bool {
     let (qs, ss, cs, ws) = (
         inputs.qkv.shape(),
@@ -408,7 +323,13 @@ pub fn computes(inputs: &CoreInputs, weights: &CoreWeights) -> bool {
     let (hv, dv) = (ss[1], ss[2]);
     let taps = ws[1];
     let gates = [rows, tokens, hv];
-    matches!(
+    rows > 0
+        && tokens > 0
+        && hv > 0
+        && dv > 0
+        // CUDA's grid: at most 65,535 blocks along z (one per row and value head).
+        && i64::from(rows) * i64::from(hv) <= 65_535
+        && matches!(
         inputs.qkv.dtype(),
         Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
     ) && inputs.state.dtype() == Dtype::Float32
@@ -477,10 +398,11 @@ pub fn gated_delta(inputs: &CoreInputs, weights: &CoreWeights) -> Result<CoreOut
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
             let backend = backend().unwrap_or(Backend::Cuda);
-            let source = match backend {
-                Backend::Metal => METAL_SOURCE,
-                _ => CUDA_SOURCE,
+            let prelude = match backend {
+                Backend::Metal => METAL_PRELUDE,
+                _ => CUDA_PRELUDE,
             };
+            let source = format!("{prelude}{BODY}");
             CustomKernel::new(
                 backend,
                 c"perch_gated_delta",
@@ -496,7 +418,7 @@ pub fn gated_delta(inputs: &CoreInputs, weights: &CoreWeights) -> Result<CoreOut
                     "state",
                 ],
                 &["y", "state_out", "conv_state_out"],
-                source,
+                &source,
                 false,
             )
         });
@@ -608,7 +530,7 @@ mod tests {
         // Counts of other rows or dtype.
         assert!(!case.computes(Some(&Array::from_slice(&[5i32], &[1]))));
         assert!(!case.computes(Some(&Array::from_slice(&[5.0f32, 3.0], &[2]))));
-        // dk not a multiple of 32, or over 256; dv not a multiple of 4; value heads not a
+        // dk not a multiple of 32, or over 256; dv not a multiple of 16; value heads not a
         // multiple of key heads; one tap, or too many.
         assert!(!Case::new(16, 80, 32, 128, 4).computes(None));
         assert!(!Case::new(16, 512, 32, 128, 4).computes(None));
@@ -617,6 +539,8 @@ mod tests {
         assert!(Case::new(16, 128, 32, 8, 4).computes(None));
         assert!(!Case::with_tokens(16, 128, 32, 8, 4, 1).computes(None));
         assert!(Case::with_tokens(16, 128, 32, 16, 4, 1).computes(None));
+        // A pass of no tokens.
+        assert!(!Case::with_tokens(16, 128, 32, 128, 4, 0).computes(None));
         assert!(!Case::new(16, 128, 24, 128, 4).computes(None));
         assert!(!Case::new(16, 128, 32, 128, 1).computes(None));
         assert!(!Case::new(16, 128, 32, 128, 17).computes(None));

@@ -322,12 +322,16 @@ impl KernelCase {
         };
         let channels = c.conv_dim();
         let wide = normal(&[rows, tokens, channels + 2 * hv], 1.0, 0)?;
-        let part = |from: i32, to: i32| slice(&wide, &[0, 0, from], &[rows, tokens, to]);
-        let inputs = [
-            part(0, channels)?,
-            part(channels, channels + hv)?,
-            part(channels + hv, channels + 2 * hv)?,
-        ];
+        // `qkv`, `b` and `a`: strided slices of one product, as the fused projection gives them.
+        let split = |wide: &Array| -> Result<[Array; 3]> {
+            let part = |from: i32, to: i32| slice(wide, &[0, 0, from], &[rows, tokens, to]);
+            Ok([
+                part(0, channels)?,
+                part(channels, channels + hv)?,
+                part(channels + hv, channels + 2 * hv)?,
+            ])
+        };
+        let inputs = split(&wide)?;
         let core = Core {
             conv1d: normal(&[channels, taps, 1], 0.5, 1)?,
             dt_bias: normal(&[hv], 1.0, 2)?,
@@ -365,13 +369,7 @@ impl KernelCase {
             kernel: true,
             ..core
         };
-        let wide = cast(&wide)?;
-        let part = |from: i32, to: i32| slice(&wide, &[0, 0, from], &[rows, tokens, to]);
-        let inputs = [
-            part(0, channels)?,
-            part(channels, channels + hv)?,
-            part(channels + hv, channels + 2 * hv)?,
-        ];
+        let inputs = split(&cast(&wide)?)?;
         let state = RecurrentState {
             conv: cast(&state.conv)?,
             ssm: state.ssm,
@@ -412,25 +410,37 @@ pub fn kernel_usable() -> bool {
     kernel_self_test().is_ok()
 }
 
-/// The small check behind [`kernel_usable`], run once per process at the first model load (2
-/// rows of 3 tokens, 2 key and 4 value heads, dk 32, dv 16, 4 taps, tolerance 1e-3): `Err` says
-/// why the kernel is not used (no GPU backend, turned off, a failure to compile or run, or
-/// results outside the tolerance). The Metal source has not run on a Mac in this project's
-/// tests: this is what keeps a broken build of it from serving wrong tokens there.
+/// The small check behind [`kernel_usable`], run once per process at the first model load: 2
+/// rows of 3 tokens in float32, the second row padded (a prefill pass), and 2 rows of one token
+/// in bfloat16 (a decode step); 2 key and 4 value heads, dk 32, dv 16, 4 taps; tolerances 1e-3
+/// and 5e-2. `Err` says why the kernel is not used (no GPU backend, turned off, a failure to
+/// compile or run, or results outside the tolerance). The Metal source has not run on a Mac in
+/// this project's tests: this is what keeps a broken build of it from serving wrong tokens
+/// there. (Other dtypes of each form compile at their first use.)
 pub fn kernel_self_test() -> &'static std::result::Result<(), String> {
     static RESULT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     RESULT.get_or_init(|| {
         if gated_delta_kernel::backend().is_none() {
             return Err("no GPU backend, or PERCH_GATED_DELTA_KERNEL=0".into());
         }
-        match KernelCase::run((2, 3, 2, 4, 32, 16, 4), Dtype::Float32, 3) {
-            Ok(case) if case.within(1e-3) => Ok(()),
-            Ok(case) => Err(format!(
-                "largest errors y {:.2e}, state {:.2e}, conv state {:.2e} against the operations",
-                case.y_error, case.state_error, case.conv_error
-            )),
-            Err(e) => Err(e.to_string()),
+        let cases = [
+            ((2, 3, 2, 4, 32, 16, 4), Dtype::Float32, 1e-3),
+            ((2, 1, 2, 4, 32, 16, 4), Dtype::Bfloat16, 5e-2),
+        ];
+        for (sizes, dtype, tolerance) in cases {
+            match KernelCase::run(sizes, dtype, 3) {
+                Ok(case) if case.within(tolerance) => {}
+                Ok(case) => {
+                    return Err(format!(
+                        "{dtype:?}, {} tokens: largest errors y {:.2e}, state {:.2e}, conv state \
+                         {:.2e} against the operations",
+                        sizes.1, case.y_error, case.state_error, case.conv_error
+                    ))
+                }
+                Err(e) => return Err(e.to_string()),
+            }
         }
+        Ok(())
     })
 }
 
