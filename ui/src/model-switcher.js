@@ -59,11 +59,20 @@ export class ModelSwitcher {
     this.select.disabled = status?.state === "loading";
     if (path === this.path) return; // polled every second: leave an open menu alone
     this.path = path;
+    this.name = status?.name ?? path;
     this.show();
   }
 
+  /** Selects the loaded model: listed, or added (one loaded from elsewhere, e.g. $PERCH_MODEL). */
   show() {
-    const known = [...this.select.options].some((o) => o.value === this.path);
-    this.select.value = this.path && known ? this.path : "";
+    if (this.path && ![...this.select.options].some((o) => o.value === this.path)) {
+      const option = this.select.ownerDocument.createElement("option");
+      option.value = this.path;
+      option.textContent = this.name;
+      this.select.append(option);
+      const none = this.select.options[0];
+      if (none?.value === "" && this.select.options.length === 2) none.textContent = "Choose a model";
+    }
+    this.select.value = this.path ?? "";
   }
 }

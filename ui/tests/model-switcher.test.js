@@ -52,4 +52,18 @@ describe("model switcher", () => {
     await switcher.refresh();
     expect(select.options[0].textContent).toBe("No models on this machine: see Models");
   });
+
+  it("shows a loaded model that is not in the list (loaded from elsewhere)", async () => {
+    loadPage();
+    const select = document.getElementById("chat-model");
+    const switcher = new ModelSwitcher(select, { listModels: async () => [], systemStats: async () => null }, () => {});
+    await switcher.refresh();
+    switcher.setStatus({ state: "loaded", name: "SmolLM2-135M-Instruct-Q4_1", path: "/pypi/smollm2" });
+    expect(select.value).toBe("/pypi/smollm2");
+    expect(select.selectedOptions[0].textContent).toBe("SmolLM2-135M-Instruct-Q4_1");
+    expect(select.options[0].textContent).toBe("Choose a model");
+    // Listed again after a refresh.
+    await switcher.refresh();
+    expect(select.value).toBe("/pypi/smollm2");
+  });
 });
