@@ -60,7 +60,7 @@ export class ChatView {
       if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
         event.preventDefault();
         this.submit();
-      } else if (event.key === "Escape" && this.running) {
+      } else if (event.key === "Escape" && this.running && !event.isComposing) {
         // Escape stops the answer being generated, as Stop does.
         event.preventDefault();
         this.stop();
@@ -69,14 +69,17 @@ export class ChatView {
     this.el.stop.addEventListener("click", () => this.stop());
     $("new-chat").addEventListener("click", () => this.newConversation());
     $("cancel-edit").addEventListener("click", () => this.setEditing(false));
-    $("toggle-conversations").addEventListener("click", (event) => {
-      const open = this.el.sidebar.classList.toggle("open");
-      event.currentTarget.setAttribute("aria-expanded", String(open));
-    });
+    $("toggle-conversations").addEventListener("click", () => this.setSidebar(!this.el.sidebar.classList.contains("open")));
     this.el.search.addEventListener("input", () => this.refreshList());
     this.el.rename.addEventListener("click", () => this.startRename());
     this.el.remove.addEventListener("click", () => this.confirmDelete());
     $("save-conversation-settings").addEventListener("click", () => this.saveSettings());
+  }
+
+  /** Opens or closes the conversations list over the chat (narrow windows), saying so to its button. */
+  setSidebar(open) {
+    this.el.sidebar.classList.toggle("open", open);
+    this.root.querySelector("#toggle-conversations").setAttribute("aria-expanded", String(open));
   }
 
   /** Lists the conversations and opens the most recent one. */
@@ -109,7 +112,7 @@ export class ChatView {
         button.dataset.id = summary.id;
         if (summary.id === this.conversation?.id) item.classList.add("current");
         button.addEventListener("click", () => {
-          this.el.sidebar.classList.remove("open");
+          this.setSidebar(false);
           this.select(summary.id);
         });
         item.append(button);
@@ -381,10 +384,11 @@ export class ChatView {
     const preset = this.el.settings.querySelector("#conversation-preset");
     const note = this.el.settings.querySelector("#conversation-sampling-note");
     const own = OWN_SAMPLING_FIELDS.map((name) => this.el.settings.querySelector(`[name=${name}]`).closest("label"));
-    fields.prepend(preset.closest("label"));
+    this.el.settings.querySelector("[name=system_prompt]").closest("label").after(preset.closest("label"));
     fields.append(source.closest("label"), note, ...own);
     source.addEventListener("change", () => this.showSampling());
-    this.showPreset = bindPresets(preset, source, () => this.samplingInputs(), () => this.showSampling());
+    this.showPreset = bindPresets(preset, source, () => this.samplingInputs(), () => this.showSampling(), undefined,
+      () => this.conversation?.settings?.sampling);
   }
 
   /** [name, input] of the sampling fields that a preset or the model's defaults set. */

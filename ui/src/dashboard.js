@@ -83,6 +83,28 @@ export class Dashboard {
     this.samples = 0;
     root.querySelector("#clear-cache").addEventListener("click", () => this.api.clearCache().then(() => this.tick()));
     root.querySelector("#reset-peak").addEventListener("click", () => this.api.resetPeakMemory().then(() => this.tick()));
+    // The axes are drawn in the design tokens' colours: a change of scheme rebuilds the charts.
+    root.ownerDocument.defaultView?.matchMedia?.("(prefers-color-scheme: dark)")?.addEventListener?.("change", () => this.rebuild());
+  }
+
+  /** Drops the charts; the next draw makes them again (in the current colours). */
+  rebuild() {
+    for (const plot of this.plots.values()) {
+      plot.root.closest("figure")?.remove();
+      plot.destroy();
+    }
+    this.plots.clear();
+    if (this.visible) this.draw();
+  }
+
+  /** uPlot's axes in the tokens' colours (canvas text does not inherit CSS). */
+  axisColours() {
+    const doc = this.root.ownerDocument;
+    const css = doc.defaultView?.getComputedStyle?.(doc.documentElement);
+    const token = (name, fallback) => css?.getPropertyValue(name)?.trim() || fallback;
+    const text = token("--text-muted", "#545c69");
+    const line = token("--border", "#d5d9e0");
+    return { stroke: text, grid: { stroke: line, width: 1 }, ticks: { stroke: line, width: 1 } };
   }
 
   /** Starts sampling every `periodMs` (1 s). */
@@ -131,7 +153,7 @@ export class Dashboard {
             scales: { x: { time: true } },
             series: [{}, ...chart.series.map(([, label], i) => ({ label, stroke: COLORS[i], width: 1.5, points: { show: false } }))],
             legend: { live: false },
-            axes: [{}, { size: 50 }],
+            axes: [{ ...this.axisColours() }, { ...this.axisColours(), size: 50 }],
           },
           data,
           holder,

@@ -38,7 +38,10 @@ const models = new ModelsView($("view-models"), api, loadModel);
 const switcher = new ModelSwitcher($("chat-model"), api, loadModel);
 const onboarding = new Onboarding($("onboarding"), api, {
   onLoad: loadModel,
-  onDone: () => show("chat"),
+  onDone: () => {
+    show("chat");
+    $("input").focus();
+  },
   storage: window.localStorage,
 });
 
@@ -96,7 +99,7 @@ api.onNavigate(show);
 api.startupNotices().then((notices) => notices.forEach(notice));
 chat.init().catch((error) => chat.showError(error));
 switcher.refresh().catch(() => {}); // the Models view says why the list is unavailable
-if (onboarding.pending()) onboarding.open().catch((error) => notice(errorElement(document, error, "span")));
+if (onboarding.pending()) onboarding.open().catch((error) => onboarding.showError(error));
 dashboard.start();
 refreshStatus();
 setInterval(refreshStatus, 1000);

@@ -30,6 +30,7 @@ export class Onboarding {
     this.onDone = onDone;
     this.storage = storage;
     this.downloading = null; // repo id
+    this.finished = false;
     this.$ = (id) => root.querySelector(`#${id}`);
     this.$("onboarding-skip").addEventListener("click", () => this.finish());
     this.$("onboarding-start").addEventListener("click", () => this.finish());
@@ -42,7 +43,12 @@ export class Onboarding {
 
   /** Shows the first-run screen and fills it (the machine, then the models). */
   async open() {
+    this.finished = false;
     this.root.hidden = false;
+    // A modal screen: the rest of the page cannot be reached (tab, screen readers) behind it.
+    for (const element of this.root.ownerDocument.body.children) {
+      if (element !== this.root) element.setAttribute("inert", "");
+    }
     this.$("onboarding-title").focus?.();
     const system = await this.api.systemStats().catch(() => null);
     const ram = system?.ram_total_bytes;
@@ -89,10 +95,22 @@ export class Onboarding {
     return item;
   }
 
-  /** Loads a model already here, then opens the chat. */
+  /** Loads a model already here, then opens the chat (its buttons off meanwhile). */
   async use(path) {
-    await this.onLoad(path);
+    if (this.finished) return;
+    this.setBusy(true);
+    this.$("onboarding-message").textContent = "Loading the model…";
+    try {
+      await this.onLoad(path);
+    } finally {
+      this.setBusy(false);
+    }
     this.finish();
+  }
+
+  /** Turns the models' buttons off while a model downloads or loads (one at a time). */
+  setBusy(busy) {
+    for (const button of this.$("onboarding-models").querySelectorAll("button:not(.cancel)")) button.disabled = busy;
   }
 
   /** Downloads `model` with progress and Cancel, then loads it and opens the chat. */
@@ -108,33 +126,50 @@ export class Onboarding {
     text.className = "progress-text";
     const cancel = doc.createElement("button");
     cancel.type = "button";
+    cancel.className = "cancel";
     cancel.textContent = "Cancel";
     cancel.addEventListener("click", () => this.api.cancelDownload(model.id));
     const action = item.querySelector("button");
     action.hidden = true;
     item.querySelector(".error")?.remove();
     item.append(bar, text, cancel);
+    this.setBusy(true);
+    cancel.focus?.();
     try {
       const done = await this.api.downloadModel(model.id, (progress) => {
         bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
         text.textContent = ` ${describeDownload(progress)} `;
       });
-      await this.use(done.snapshot_dir);
+      this.downloading = null;
+      this.setBusy(false);
+      // Skipped meanwhile: the download stays in the cache, nothing is loaded.
+      if (!this.finished) await this.use(done.snapshot_dir);
     } catch (error) {
-      item.append(errorElement(doc, error));
+      if (!this.finished) item.append(errorElement(doc, error));
       action.hidden = false;
+      action.focus?.();
     } finally {
       bar.remove();
       text.remove();
       cancel.remove();
       this.downloading = null;
+      this.setBusy(false);
     }
   }
 
   /** Remembers that the first run is done and shows the chat. */
   finish() {
+    if (this.finished) return;
+    this.finished = true;
+    if (this.downloading) this.api.cancelDownload(this.downloading).catch(() => {});
     this.storage?.setItem(DONE_KEY, "1");
     this.root.hidden = true;
+    for (const element of this.root.ownerDocument.body.querySelectorAll(":scope > [inert]")) element.removeAttribute("inert");
     this.onDone();
+  }
+
+  /** Errors of the first run itself, said on its screen (notices are behind it). */
+  showError(error) {
+    this.$("onboarding-message").replaceChildren(errorElement(this.root.ownerDocument, error));
   }
 }

@@ -24,12 +24,13 @@ export function presetOf(values) {
  * Ties a form's Sampling choice (`preset`: an empty <select>, given the options "model", the
  * presets' names and "custom") to its source select (`source`: "model" or "custom") and its sampling inputs
  * (`inputs()`: [field, input] pairs). Choosing a preset makes the source "custom" and writes its
- * values; "custom" keeps the values shown and calls `onCustom` (to show the fields); then
- * `apply()` applies the source to the inputs (read-only model defaults, or editable). Returns
+ * values; "custom" keeps the values shown (blank ones from `saved()`, the saved sampling) and
+ * calls `onCustom` (to show the fields); `apply()` applies the source to the inputs (read-only
+ * model defaults, or editable). Returns
  * `show()`, which sets the choice from the form: "model", the preset its values hold, or
  * "custom" (call it whenever the form is filled).
  */
-export function bindPresets(preset, source, inputs, apply, onCustom) {
+export function bindPresets(preset, source, inputs, apply, onCustom, saved) {
   const doc = preset.ownerDocument;
   const choices = [["model", "The model's defaults"], ...Object.entries(SAMPLING_PRESETS).map(([name, p]) => [name, p.label]), ["custom", "Custom"]];
   preset.replaceChildren(
@@ -53,9 +54,13 @@ export function bindPresets(preset, source, inputs, apply, onCustom) {
     source.value = name === "model" ? "model" : "custom";
     const chosen = SAMPLING_PRESETS[name];
     if (chosen) for (const [field, input] of inputs()) input.value = String(chosen.values[field]);
-    if (name === "custom") onCustom?.();
     apply();
-    show();
+    if (name === "custom") {
+      // Blank fields (no model loaded to show its defaults) start from the saved values, never 0.
+      const values = saved?.() ?? {};
+      for (const [field, input] of inputs()) if (input.value === "" && values[field] != null) input.value = String(values[field]);
+      onCustom?.();
+    } else show();
   });
   for (const [, input] of inputs()) input.addEventListener("input", show);
   source.addEventListener("change", show);

@@ -84,6 +84,7 @@ export class SettingsView {
       () => this.samplingInputs(),
       () => this.showSampling(),
       () => (root.querySelector("#settings-advanced").open = true),
+      () => this.view?.settings?.chat?.sampling,
     );
     root.querySelector("#settings-form").addEventListener("submit", (event) => {
       event.preventDefault();

@@ -281,4 +281,14 @@ describe("ChatView", () => {
     await done;
     expect($("chat-empty").hidden).toBe(true);
   });
+
+  it("the conversations button says whether the list is open", async () => {
+    await view.newConversation();
+    const toggle = $("toggle-conversations");
+    toggle.click();
+    expect(toggle.getAttribute("aria-expanded")).toBe("true");
+    document.querySelector("#conversation-list button").click();
+    expect(toggle.getAttribute("aria-expanded")).toBe("false");
+    expect($("conversations").classList.contains("open")).toBe(false);
+  });
 });

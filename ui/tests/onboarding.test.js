@@ -118,4 +118,43 @@ describe("first run", () => {
     expect(done()).toBe(1);
     expect(view.pending()).toBe(false);
   });
+
+  it("Skip during a download cancels it, loads nothing and ends the first run once", async () => {
+    const api = fakeApi();
+    const { view, loads, done } = setUp(api);
+    await view.open();
+    expect(document.querySelector("nav").hasAttribute("inert")).toBe(true);
+    const [local, offer] = items();
+    buttonIn(offer, "Download").click();
+    await tick();
+    // One at a time: the other models' buttons are off while it downloads.
+    expect(buttonIn(local, "Use").disabled).toBe(true);
+    $("onboarding-skip").click();
+    expect(api.calls).toContainEqual(["cancel", "mlx-community/Qwen3-4B-4bit"]);
+    expect(document.querySelector("nav").hasAttribute("inert")).toBe(false);
+    api.finish(); // the download ended anyway
+    await tick();
+    await tick();
+    expect(loads).toEqual([]);
+    $("onboarding-start").click();
+    expect(done()).toBe(1);
+  });
+
+  it("says it is loading while a model here loads", async () => {
+    const api = fakeApi();
+    loadPage();
+    let release;
+    const view = new Onboarding($("onboarding"), api, {
+      onLoad: () => new Promise((resolve) => (release = resolve)),
+      onDone: () => {},
+      storage: memoryStorage(),
+    });
+    await view.open();
+    buttonIn(items()[0], "Use").click();
+    expect($("onboarding-message").textContent).toBe("Loading the model…");
+    expect(buttonIn(items()[1], "Download").disabled).toBe(true);
+    release();
+    await tick();
+    expect($("onboarding").hidden).toBe(true);
+  });
 });

@@ -59,4 +59,22 @@ describe("sampling presets", () => {
     expect($("#settings-advanced").open).toBe(true);
     expect(field("temperature").disabled).toBe(false);
   });
+
+  it("Custom with no model loaded starts from the saved values, never zeros, and stays Custom", async () => {
+    loadPage();
+    const sampling = { temperature: 0.7, top_p: 0.9, top_k: 40, min_p: 0.05, repetition_penalty: 1.05, presence_penalty: 0,
+      frequency_penalty: 0, xtc_probability: 0, xtc_threshold: 0.1 };
+    const settings = { chat: { sampling_source: "model", sampling, max_tokens: 512 }, server: {} };
+    const api = { getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }) };
+    const view = new SettingsView(document.getElementById("view-settings"), api);
+    await view.load();
+    const field = (name) => document.querySelector(`[data-setting='chat.sampling.${name}']`);
+    expect(field("temperature").value).toBe(""); // following a model that is not loaded
+    const preset = document.getElementById("settings-preset");
+    preset.value = "custom";
+    preset.dispatchEvent(new Event("change"));
+    expect([field("temperature").value, field("top_k").value]).toEqual(["0.7", "40"]);
+    // These happen to be Balanced's values, but the choice made was Custom.
+    expect(preset.value).toBe("custom");
+  });
 });
