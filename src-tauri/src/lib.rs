@@ -150,9 +150,13 @@ fn setup(app: &mut tauri::App) -> Result<(), Box<dyn std::error::Error>> {
 
 fn build_tray<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
     let item = |id: &str, text: &str| MenuItem::with_id(app, id, text, true, None::<&str>);
+    // What the engine is doing, as the menu's first line (not clickable) and the tooltip.
+    let status = MenuItem::with_id(app, "status", "Perch", false, None::<&str>)?;
     let menu = Menu::with_items(
         app,
         &[
+            &status,
+            &PredefinedMenuItem::separator(app)?,
             &item("chat", "Chat")?,
             &item("dashboard", "Dashboard")?,
             &item("models", "Models")?,
@@ -192,8 +196,36 @@ fn build_tray<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
     if let Some(icon) = app.default_window_icon() {
         tray = tray.icon(icon.clone());
     }
-    tray.build(app)?;
+    let tray = tray.build(app)?;
+    follow_engine_in_tray(app.clone(), tray, status);
     Ok(())
+}
+
+/// Every 2 s, on a thread of its own (reading the engine's stats waits on the engine thread),
+/// puts the model and what the engine is doing in the tray's status line and tooltip, when it
+/// changed ([`commands::model::tray_line`]).
+fn follow_engine_in_tray<R: Runtime>(
+    app: AppHandle<R>,
+    tray: tauri::tray::TrayIcon<R>,
+    status: MenuItem<R>,
+) {
+    let spawned = std::thread::Builder::new()
+        .name("perch-tray".into())
+        .spawn(move || {
+            let mut shown = String::new();
+            loop {
+                let line = app.state::<commands::model::AppState>().tray_line();
+                if line != shown {
+                    let _ = status.set_text(&line);
+                    let _ = tray.set_tooltip(Some(format!("Perch — {line}")));
+                    shown = line;
+                }
+                std::thread::sleep(std::time::Duration::from_secs(2));
+            }
+        });
+    if let Err(err) = spawned {
+        eprintln!("perch: the tray will not show the engine's state: {err}");
+    }
 }
 
 /// Shows the window on `view` (one of [`VIEWS`]).

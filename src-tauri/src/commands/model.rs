@@ -87,6 +87,17 @@ impl AppState {
         }
     }
 
+    /// One line for the tray (its status item and tooltip): the model and what the engine is
+    /// doing ([`tray_line`]). Asks the engine thread for its stats: not for the UI thread.
+    pub fn tray_line(&self) -> String {
+        let status = self.status();
+        let stats = match status {
+            ModelStatus::Loaded { .. } => self.engine().ok().and_then(|e| e.stats().ok()),
+            _ => None,
+        };
+        tray_line(&status, stats.as_ref())
+    }
+
     fn status(&self) -> ModelStatus {
         let mut status = self.slot().map(|s| s.status.clone()).unwrap_or_default();
         if let ModelStatus::Loading { progress, .. } = &mut status {
@@ -252,4 +263,78 @@ pub fn clear_cache() -> usize {
     let before = memory_stats().cache_bytes;
     mlx_clear_cache();
     before.saturating_sub(memory_stats().cache_bytes)
+}
+
+/// The tray's line for `status` and the engine's `stats`: "No model loaded", "Loading
+/// SmolLM2… 40%", "SmolLM2 · idle", "SmolLM2 · 2 generating, 1 waiting · 85 tok/s", "SmolLM2
+/// failed to load".
+pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
+    match status {
+        ModelStatus::NotLoaded => "No model loaded".into(),
+        ModelStatus::Loading { name, progress } if progress.bytes_total > 0 => format!(
+            "Loading {name}… {}%",
+            100 * progress.bytes_read.min(progress.bytes_total) / progress.bytes_total
+        ),
+        ModelStatus::Loading { name, .. } => format!("Loading {name}…"),
+        ModelStatus::Failed { name, .. } => format!("{name} failed to load"),
+        ModelStatus::Loaded { name, .. } => match stats {
+            Some(s) if s.running + s.waiting > 0 => {
+                let waiting = match s.waiting {
+                    0 => String::new(),
+                    n => format!(", {n} waiting"),
+                };
+                format!(
+                    "{name} · {} generating{waiting} · {:.0} tok/s",
+                    s.running, s.generation_tps
+                )
+            }
+            _ => format!("{name} · idle"),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tray_tests {
+    use super::*;
+
+    #[test]
+    fn the_tray_says_what_the_engine_is_doing() {
+        let name = "SmolLM2".to_string();
+        let loaded = ModelStatus::Loaded {
+            name: name.clone(),
+            path: "/m".into(),
+            sampling_defaults: SamplingDefaults::from_generation_config(None, "/m".as_ref())
+                .unwrap(),
+        };
+        assert_eq!(tray_line(&ModelStatus::NotLoaded, None), "No model loaded");
+        let loading = |bytes_read, bytes_total| ModelStatus::Loading {
+            name: name.clone(),
+            progress: LoadProgress {
+                bytes_read,
+                bytes_total,
+            },
+        };
+        assert_eq!(tray_line(&loading(40, 100), None), "Loading SmolLM2… 40%");
+        assert_eq!(tray_line(&loading(0, 0), None), "Loading SmolLM2…");
+        assert_eq!(tray_line(&loading(200, 100), None), "Loading SmolLM2… 100%");
+        let failed = ModelStatus::Failed {
+            name: name.clone(),
+            error: "no config.json".into(),
+        };
+        assert_eq!(tray_line(&failed, None), "SmolLM2 failed to load");
+        assert_eq!(tray_line(&loaded, None), "SmolLM2 · idle");
+        let mut stats = EngineStats::default();
+        assert_eq!(tray_line(&loaded, Some(&stats)), "SmolLM2 · idle");
+        stats.running = 2;
+        stats.generation_tps = 84.6;
+        assert_eq!(
+            tray_line(&loaded, Some(&stats)),
+            "SmolLM2 · 2 generating · 85 tok/s"
+        );
+        stats.waiting = 1;
+        assert_eq!(
+            tray_line(&loaded, Some(&stats)),
+            "SmolLM2 · 2 generating, 1 waiting · 85 tok/s"
+        );
+    }
 }
