@@ -286,6 +286,8 @@ def enable_server(session, port):
     session.click("nav button[data-view=settings]")
     session.wait_for("return document.getElementById('view-settings').dataset.ready === 'true'",
                      what="the settings")
+    # The local server's settings are under Advanced.
+    session.execute("document.getElementById('settings-advanced').open = true")
     check(not session.execute("return document.querySelector(\"[data-setting='server.enabled']\").checked"),
           "the local server is on before it was turned on")
     session.click("[data-setting='server.enabled']")
