@@ -157,6 +157,7 @@ fn build_tray<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
         &[
             &status,
             &PredefinedMenuItem::separator(app)?,
+            &item("new-chat", "New chat")?,
             &item("chat", "Chat")?,
             &item("dashboard", "Dashboard")?,
             &item("models", "Models")?,
@@ -172,6 +173,12 @@ fn build_tray<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
         .icon_as_template(true)
         .on_menu_event(|app, event| match event.id().as_ref() {
             "quit" => app.exit(0),
+            "new-chat" => {
+                open_view(app, "chat");
+                if let Some(window) = app.get_webview_window(WINDOW) {
+                    let _ = window.emit("new-chat", ());
+                }
+            }
             view => open_view(app, view),
         })
         .on_tray_icon_event(|tray, event| {

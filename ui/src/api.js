@@ -80,4 +80,6 @@ export const api = {
   startupNotices: () => invoke("startup_notices"),
   // The tray menu's "open this view".
   onNavigate: (handler) => listen("navigate", (event) => handler(event.payload)),
+  // The tray menu's "New chat".
+  onNewChat: (handler) => listen("new-chat", () => handler()),
 };

@@ -29,6 +29,9 @@ export class ModelsView {
     /** Counts searches: only the latest one's answer is shown. */
     this.searches = 0;
     this.lastResults = [];
+    for (const id of ["hub-only-fits", "hub-only-supported"]) {
+      root.querySelector(`#${id}`).addEventListener("change", () => this.renderResults());
+    }
     root.querySelector("#hub-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.search();
@@ -57,6 +60,10 @@ export class ModelsView {
       this.local.append(item);
     }
     if (!models.length) this.local.textContent = "No models found in Perch's models directory or the Hugging Face cache.";
+    const total = models.reduce((sum, model) => sum + (model.size_bytes ?? 0), 0);
+    this.root.querySelector("#models-disk").textContent = models.length
+      ? `${models.length} ${models.length === 1 ? "model" : "models"}, ${decimalBytes(total)} on disk`
+      : "";
   }
 
   async search() {
@@ -79,8 +86,26 @@ export class ModelsView {
     this.renderResults();
   }
 
+  /** The results the filters keep ("Fits in memory", "Runs in Perch"); a download under way always shows. */
+  shownResults() {
+    const onlyFits = this.root.querySelector("#hub-only-fits").checked;
+    const onlySupported = this.root.querySelector("#hub-only-supported").checked;
+    return this.lastResults.filter(
+      (model) =>
+        this.downloads.has(model.id) ||
+        ((!onlyFits || model.fit === "fits") && (!onlySupported || !model.architecture_note)),
+    );
+  }
+
   renderResults() {
-    this.results.replaceChildren(...this.lastResults.map((model) => this.resultItem(model)));
+    const shown = this.shownResults();
+    this.results.replaceChildren(...shown.map((model) => this.resultItem(model)));
+    const hidden = this.lastResults.length - shown.length;
+    if (hidden > 0 && !this.message.querySelector(".error")) {
+      this.message.textContent = `${hidden} more hidden by the filters.`;
+    } else if (!this.message.querySelector(".error") && this.message.textContent.endsWith("hidden by the filters.")) {
+      this.message.textContent = "";
+    }
   }
 
   resultItem(model) {

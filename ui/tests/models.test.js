@@ -182,4 +182,34 @@ describe("ModelsView", () => {
     expect(message.querySelector("details code").textContent).toBe(raw);
     expect(results().length).toBe(0);
   });
+
+  it("filters the results by fit and support, and shows the disk the local models take", async () => {
+    loadPage();
+    const api = {
+      ...fakeApi(),
+      searchModels: async () => [
+        { ...QWEN, model_type: "qwen3", architecture_note: null },
+        { ...BIG, fit: "too_large" },
+        { id: "mlx-community/mamba", downloads: 9, weights_bytes: 3e9, fit: "fits", snapshot_dir: null, architecture_note: "mamba is not supported yet" },
+      ],
+    };
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    expect(document.getElementById("models-disk").textContent).toBe("1 model, 134 MB on disk");
+    expect(results().length).toBe(3);
+    const check = (id, on) => {
+      const box = document.getElementById(id);
+      box.checked = on;
+      box.dispatchEvent(new Event("change"));
+    };
+    check("hub-only-fits", true);
+    expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id, "mlx-community/mamba"]);
+    check("hub-only-supported", true);
+    expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id]);
+    expect(document.getElementById("hub-message").textContent).toBe("2 more hidden by the filters.");
+    check("hub-only-fits", false);
+    check("hub-only-supported", false);
+    expect(results().length).toBe(3);
+    expect(document.getElementById("hub-message").textContent).toBe("");
+  });
 });

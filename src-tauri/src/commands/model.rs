@@ -266,8 +266,8 @@ pub fn clear_cache() -> usize {
 }
 
 /// The tray's line for `status` and the engine's `stats`: "No model loaded", "Loading
-/// SmolLM2… 40%", "SmolLM2 · idle", "SmolLM2 · 2 generating, 1 waiting · 85 tok/s", "SmolLM2
-/// failed to load".
+/// SmolLM2… 40%", "SmolLM2 · idle · 0.3 GB", "SmolLM2 · 2 generating, 1 waiting · 85 tok/s ·
+/// 0.4 GB" (MLX's memory in use), "SmolLM2 failed to load".
 pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
     match status {
         ModelStatus::NotLoaded => "No model loaded".into(),
@@ -277,19 +277,24 @@ pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
         ),
         ModelStatus::Loading { name, .. } => format!("Loading {name}…"),
         ModelStatus::Failed { name, .. } => format!("{name} failed to load"),
-        ModelStatus::Loaded { name, .. } => match stats {
-            Some(s) if s.running + s.waiting > 0 => {
-                let waiting = match s.waiting {
-                    0 => String::new(),
-                    n => format!(", {n} waiting"),
-                };
-                format!(
-                    "{name} · {} generating{waiting} · {:.0} tok/s",
-                    s.running, s.generation_tps
-                )
+        ModelStatus::Loaded { name, .. } => {
+            let Some(s) = stats else {
+                return format!("{name} · idle");
+            };
+            // MLX's memory in use (weights, KV cache, activations), in decimal GB.
+            let memory = format!("{:.1} GB", s.memory.active_bytes as f64 / 1e9);
+            if s.running + s.waiting == 0 {
+                return format!("{name} · idle · {memory}");
             }
-            _ => format!("{name} · idle"),
-        },
+            let waiting = match s.waiting {
+                0 => String::new(),
+                n => format!(", {n} waiting"),
+            };
+            format!(
+                "{name} · {} generating{waiting} · {:.0} tok/s · {memory}",
+                s.running, s.generation_tps
+            )
+        }
     }
 }
 
@@ -324,17 +329,18 @@ mod tray_tests {
         assert_eq!(tray_line(&failed, None), "SmolLM2 failed to load");
         assert_eq!(tray_line(&loaded, None), "SmolLM2 · idle");
         let mut stats = EngineStats::default();
-        assert_eq!(tray_line(&loaded, Some(&stats)), "SmolLM2 · idle");
+        stats.memory.active_bytes = 345_000_000;
+        assert_eq!(tray_line(&loaded, Some(&stats)), "SmolLM2 · idle · 0.3 GB");
         stats.running = 2;
         stats.generation_tps = 84.6;
         assert_eq!(
             tray_line(&loaded, Some(&stats)),
-            "SmolLM2 · 2 generating · 85 tok/s"
+            "SmolLM2 · 2 generating · 85 tok/s · 0.3 GB"
         );
         stats.waiting = 1;
         assert_eq!(
             tray_line(&loaded, Some(&stats)),
-            "SmolLM2 · 2 generating, 1 waiting · 85 tok/s"
+            "SmolLM2 · 2 generating, 1 waiting · 85 tok/s · 0.3 GB"
         );
     }
 }
