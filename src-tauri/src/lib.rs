@@ -42,6 +42,7 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
         .manage(store)
         .invoke_handler(tauri::generate_handler![
             model::list_models,
+            model::delete_model,
             model::load_model,
             model::unload_model,
             model::model_status,

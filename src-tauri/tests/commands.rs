@@ -88,6 +88,17 @@ fn model_lifecycle_through_ipc() {
 
     let status = invoke(&window, "load_model", json!({"path": model_dir()})).unwrap();
     assert_eq!(status["state"], "loaded", "{status}");
+    // The loaded model cannot be deleted.
+    let error = invoke(&window, "delete_model", json!({"path": model_dir()})).unwrap_err();
+    assert_eq!(error["kind"], "invalid_input", "{error}");
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("is loaded: unload it"),
+        "{error}"
+    );
+    assert!(model_dir().join("config.json").is_file());
     let stats = invoke(&window, "engine_stats", json!({})).unwrap();
     assert_eq!(stats["running"], 0);
     assert!(
@@ -169,6 +180,32 @@ fn list_models_finds_perch_and_hugging_face_models() {
     assert_eq!(models[1]["model_type"], "llama");
     assert_eq!(models[1]["quantization_bits"], 4);
     assert_eq!(models[1]["architecture_note"], Value::Null);
+
+    // Deleting: a path that is not a listed model is refused; a model's directory goes (its
+    // bytes freed); a link to a model elsewhere loses only the link.
+    let error = invoke(&window, "delete_model", json!({"path": perch})).unwrap_err();
+    assert_eq!(error["kind"], "invalid_input", "{error}");
+    let freed = invoke(
+        &window,
+        "delete_model",
+        json!({"path": perch.join("mamba")}),
+    )
+    .unwrap();
+    assert_eq!(freed, json!(r#"{"model_type": "mamba"}"#.len()));
+    assert!(!perch.join("mamba").exists());
+    let freed = invoke(
+        &window,
+        "delete_model",
+        json!({"path": perch.join("smollm")}),
+    )
+    .unwrap();
+    assert_eq!(freed, json!(0));
+    assert!(
+        model_dir().join("config.json").is_file(),
+        "the link's target stays"
+    );
+    let models = invoke(&window, "list_models", json!({})).unwrap();
+    assert_eq!(models, json!([]));
 }
 
 #[test]

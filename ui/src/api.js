@@ -38,6 +38,8 @@ export const api = {
   // Models (commands/model.rs)
   modelStatus: () => invoke("model_status"),
   listModels: () => invoke("list_models"),
+  /** Deletes a model on this machine (not the loaded one); resolves to the bytes freed. */
+  deleteModel: (path) => invoke("delete_model", { path }),
   loadModel: (path) => invoke("load_model", { path }),
   unloadModel: () => invoke("unload_model"),
   engineStats: () => invoke("engine_stats"),

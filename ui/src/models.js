@@ -55,7 +55,7 @@ export class ModelsView {
       const load = this.button("Load", () => this.onLoad(model.path));
       // A model of an architecture Perch does not run says so, and which ones it runs.
       load.disabled = Boolean(model.architecture_note);
-      item.append(load);
+      item.append(load, " ", this.deleteButton(model));
       if (model.architecture_note) item.append(this.architectureNote(model.architecture_note));
       this.local.append(item);
     }
@@ -182,6 +182,35 @@ export class ModelsView {
     why.textContent = `(${sentence}) `;
     note.append(why);
     return note;
+  }
+
+  /** "Delete", then "Confirm delete" for 4 s; deleting says the space freed (or why not). */
+  deleteButton(model) {
+    const button = this.button("Delete", async () => {
+      if (button.textContent === "Delete") {
+        button.textContent = "Confirm delete";
+        button.setAttribute("aria-label", `Confirm delete ${model.name}`);
+        button.classList.add("confirm");
+        setTimeout(() => {
+          button.textContent = "Delete";
+          button.setAttribute("aria-label", `Delete ${model.name}`);
+          button.classList.remove("confirm");
+        }, 4000);
+        return;
+      }
+      button.disabled = true;
+      const status = this.root.querySelector("#models-deleted");
+      try {
+        const freed = await this.api.deleteModel(model.path);
+        status.textContent = `Deleted ${model.name}: ${decimalBytes(freed)} freed.`;
+        await this.refreshLocal();
+      } catch (error) {
+        status.replaceChildren(errorElement(document, error));
+        button.disabled = false;
+      }
+    });
+    button.setAttribute("aria-label", `Delete ${model.name}`);
+    return button;
   }
 
   button(label, onClick) {

