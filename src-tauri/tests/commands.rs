@@ -132,6 +132,10 @@ fn model_lifecycle_through_ipc() {
         system["ram_total_bytes"].as_u64().unwrap(),
     );
     assert!(0 < used && used < total, "{system}");
+    assert_eq!(
+        system["usable_memory_bytes"].as_u64().unwrap(),
+        (total as f64 * 0.75) as u64
+    );
     // The model's weights are resident in this process.
     assert!(
         system["process_rss_bytes"].as_u64().unwrap() > 50 << 20,
@@ -180,6 +184,8 @@ fn list_models_finds_perch_and_hugging_face_models() {
     assert_eq!(models[1]["model_type"], "llama");
     assert_eq!(models[1]["quantization_bits"], 4);
     assert_eq!(models[1]["architecture_note"], Value::Null);
+    // A 100 MB model and the default KV budget in 16 GiB of RAM.
+    assert_eq!(models[1]["fit"], "fits");
 
     // Deleting: a path that is not a listed model is refused; a model's directory goes (its
     // bytes freed); a link to a model elsewhere loses only the link.

@@ -1,24 +1,15 @@
 // The chat header's model switcher: the models on this machine (`list_models`) with their size,
-// whether they fit in memory and whether Perch runs them; choosing one loads it (main.js shows
+// whether they fit in memory (its `fit`) and whether Perch runs them; choosing one loads it (main.js shows
 // the progress in the status line).
 
-import { decimalBytes } from "./format.js";
+import { decimalBytes, describeFit } from "./format.js";
 
-/** The share of RAM a model's weights may take to "fit": about what macOS lets the GPU wire. */
-export const FIT_SHARE = 0.75;
-
-/** "fits", "too_large", or null when the size or the RAM is unknown. */
-export function localFit(sizeBytes, ramBytes) {
-  if (!(sizeBytes > 0) || !(ramBytes > 0)) return null;
-  return sizeBytes <= FIT_SHARE * ramBytes ? "fits" : "too_large";
-}
-
-/** One option's text: "SmolLM2-135M · 104 MB · fits", "… · too large for this machine", "… · not supported". */
-export function optionLabel(model, ramBytes) {
+/** One option's text: "SmolLM2-135M · 104 MB · fits in memory", "… · too large for this machine",
+ * "… · not supported" (`fit`: list_models' rule, the Hub search's). */
+export function optionLabel(model) {
   const parts = [model.name, decimalBytes(model.size_bytes)];
   if (model.architecture_note) parts.push("not supported");
-  else if (localFit(model.size_bytes, ramBytes) === "too_large") parts.push("too large for this machine");
-  else if (localFit(model.size_bytes, ramBytes) === "fits") parts.push("fits");
+  else if (model.fit && model.fit !== "unknown") parts.push(describeFit(model.fit));
   return parts.join(" · ");
 }
 
@@ -35,12 +26,12 @@ export class ModelSwitcher {
 
   /** Lists the models on this machine again (after a download, a load, a new models directory). */
   async refresh() {
-    const [models, system] = await Promise.all([this.api.listModels(), this.api.systemStats?.().catch(() => null)]);
+    const models = await this.api.listModels();
     const doc = this.select.ownerDocument;
     const options = models.map((model) => {
       const option = doc.createElement("option");
       option.value = model.path;
-      option.textContent = optionLabel(model, system?.ram_total_bytes);
+      option.textContent = optionLabel(model);
       option.disabled = Boolean(model.architecture_note);
       if (model.architecture_note) option.title = model.architecture_note;
       return option;

@@ -101,11 +101,7 @@ export class ModelsView {
     const shown = this.shownResults();
     this.results.replaceChildren(...shown.map((model) => this.resultItem(model)));
     const hidden = this.lastResults.length - shown.length;
-    if (hidden > 0 && !this.message.querySelector(".error")) {
-      this.message.textContent = `${hidden} more hidden by the filters.`;
-    } else if (!this.message.querySelector(".error") && this.message.textContent.endsWith("hidden by the filters.")) {
-      this.message.textContent = "";
-    }
+    this.root.querySelector("#hub-hidden").textContent = hidden > 0 ? `${hidden} more hidden by the filters.` : "";
   }
 
   resultItem(model) {

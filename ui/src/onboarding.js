@@ -5,17 +5,16 @@
 
 import { errorElement } from "./errors.js";
 import { decimalBytes, describeDownload } from "./format.js";
-import { FIT_SHARE, localFit } from "./model-switcher.js";
 
 const DONE_KEY = "perch.onboarded";
 
 /** How many of the Hub's models that fit are offered. */
 const HUB_OFFERS = 4;
 
-/** "This machine has 16 GB of memory: models up to about 12 GB fit." */
-export function describeMachine(ramBytes) {
-  if (!(ramBytes > 0)) return "Perch could not read this machine's memory; the sizes below tell what each model needs.";
-  return `This machine has ${decimalBytes(ramBytes)} of memory: models up to about ${decimalBytes(FIT_SHARE * ramBytes)} fit.`;
+/** "This machine has 16 GB of memory: models up to about 12 GB fit." (system_stats' usable memory) */
+export function describeMachine(system) {
+  if (!(system?.ram_total_bytes > 0)) return "Perch could not read this machine's memory; the sizes below tell what each model needs.";
+  return `This machine has ${decimalBytes(system.ram_total_bytes)} of memory: models up to about ${decimalBytes(system.usable_memory_bytes)} fit.`;
 }
 
 export class Onboarding {
@@ -50,15 +49,13 @@ export class Onboarding {
       if (element !== this.root) element.setAttribute("inert", "");
     }
     this.$("onboarding-title").focus?.();
-    const system = await this.api.systemStats().catch(() => null);
-    const ram = system?.ram_total_bytes;
-    this.$("onboarding-machine").textContent = describeMachine(ram);
+    this.$("onboarding-machine").textContent = describeMachine(await this.api.systemStats().catch(() => null));
     const list = this.$("onboarding-models");
     const message = this.$("onboarding-message");
     list.replaceChildren();
     message.replaceChildren();
     const local = await this.api.listModels().catch(() => []);
-    for (const model of local.filter((m) => !m.architecture_note && localFit(m.size_bytes, ram) !== "too_large")) {
+    for (const model of local.filter((m) => !m.architecture_note && m.fit !== "too_large")) {
       list.append(this.item(model.name, `${decimalBytes(model.size_bytes)} · on this machine`, "Use", () => this.use(model.path)));
     }
     let offers = [];

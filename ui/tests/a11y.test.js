@@ -86,8 +86,8 @@ describe("accessibility", () => {
 
   it("the first-run screen has no violations", async () => {
     const api = {
-      systemStats: async () => ({ ram_total_bytes: 16e9 }),
-      listModels: async () => [{ name: "SmolLM2-135M", path: "/m/smol", size_bytes: 1e8 }],
+      systemStats: async () => ({ ram_total_bytes: 16e9, usable_memory_bytes: 12e9 }),
+      listModels: async () => [{ name: "SmolLM2-135M", path: "/m/smol", size_bytes: 1e8, fit: "fits" }],
       searchModels: async () => [{ id: "mlx-community/Qwen3-4B-4bit", fit: "fits", weights_bytes: 2.3e9, downloads: 5000 }],
     };
     const view = new Onboarding($("onboarding"), api, { onLoad: async () => {}, onDone: () => {}, storage: null });

@@ -1,30 +1,27 @@
 import { describe, expect, it } from "vitest";
-import { ModelSwitcher, localFit, optionLabel } from "../src/model-switcher.js";
+import { ModelSwitcher, optionLabel } from "../src/model-switcher.js";
 import { loadPage } from "./page.js";
 
 const GB = 1e9;
 const MODELS = [
-  { name: "SmolLM2-135M", path: "/m/smol", size_bytes: 0.1 * GB, model_type: "llama" },
-  { name: "Big-70B", path: "/m/big", size_bytes: 40 * GB, model_type: "llama" },
-  { name: "mamba", path: "/m/mamba", size_bytes: 1 * GB, model_type: "mamba", architecture_note: "mamba is not supported yet" },
+  { name: "SmolLM2-135M", path: "/m/smol", size_bytes: 0.1 * GB, model_type: "llama", fit: "fits" },
+  { name: "Big-70B", path: "/m/big", size_bytes: 40 * GB, model_type: "llama", fit: "too_large" },
+  { name: "mamba", path: "/m/mamba", size_bytes: 1 * GB, model_type: "mamba", fit: "fits", architecture_note: "mamba is not supported yet" },
 ];
 
 describe("model switcher", () => {
-  it("says each model's size, whether it fits in 75% of RAM and whether Perch runs it", () => {
-    expect(localFit(12 * GB, 16 * GB)).toBe("fits");
-    expect(localFit(12.1 * GB, 16 * GB)).toBe("too_large");
-    expect(localFit(1, null)).toBe(null);
-    expect(localFit(null, 16 * GB)).toBe(null);
-    expect(optionLabel(MODELS[0], 16 * GB)).toBe("SmolLM2-135M · 100 MB · fits");
-    expect(optionLabel(MODELS[1], 16 * GB)).toBe("Big-70B · 40 GB · too large for this machine");
-    expect(optionLabel(MODELS[2], 16 * GB)).toBe("mamba · 1.0 GB · not supported");
-    expect(optionLabel(MODELS[0], null)).toBe("SmolLM2-135M · 100 MB");
+  it("says each model's size, whether it fits (list_models' fit) and whether Perch runs it", () => {
+    expect(optionLabel(MODELS[0])).toBe("SmolLM2-135M · 100 MB · fits in memory");
+    expect(optionLabel(MODELS[1])).toBe("Big-70B · 40 GB · too large for this machine");
+    expect(optionLabel(MODELS[2])).toBe("mamba · 1.0 GB · not supported");
+    expect(optionLabel({ ...MODELS[0], fit: "tight" })).toBe("SmolLM2-135M · 100 MB · fits with a smaller KV cache");
+    expect(optionLabel({ ...MODELS[0], fit: "unknown" })).toBe("SmolLM2-135M · 100 MB");
   });
 
   it("lists the models, follows the loaded one and loads the one chosen", async () => {
     loadPage();
     const loads = [];
-    const api = { listModels: async () => MODELS, systemStats: async () => ({ ram_total_bytes: 16 * GB }) };
+    const api = { listModels: async () => MODELS };
     const select = document.getElementById("chat-model");
     const switcher = new ModelSwitcher(select, api, (path) => loads.push(path));
     switcher.setStatus({ state: "loaded", name: "SmolLM2-135M", path: "/m/smol" });
@@ -48,7 +45,7 @@ describe("model switcher", () => {
   it("says where to get a model when there is none", async () => {
     loadPage();
     const select = document.getElementById("chat-model");
-    const switcher = new ModelSwitcher(select, { listModels: async () => [], systemStats: async () => null }, () => {});
+    const switcher = new ModelSwitcher(select, { listModels: async () => [] }, () => {});
     await switcher.refresh();
     expect(select.options[0].textContent).toBe("No models on this machine: see Models");
   });
@@ -56,7 +53,7 @@ describe("model switcher", () => {
   it("shows a loaded model that is not in the list (loaded from elsewhere)", async () => {
     loadPage();
     const select = document.getElementById("chat-model");
-    const switcher = new ModelSwitcher(select, { listModels: async () => [], systemStats: async () => null }, () => {});
+    const switcher = new ModelSwitcher(select, { listModels: async () => [] }, () => {});
     await switcher.refresh();
     switcher.setStatus({ state: "loaded", name: "SmolLM2-135M-Instruct-Q4_1", path: "/pypi/smollm2" });
     expect(select.value).toBe("/pypi/smollm2");

@@ -206,11 +206,11 @@ describe("ModelsView", () => {
     expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id, "mlx-community/mamba"]);
     check("hub-only-supported", true);
     expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id]);
-    expect(document.getElementById("hub-message").textContent).toBe("2 more hidden by the filters.");
+    expect(document.getElementById("hub-hidden").textContent).toBe("2 more hidden by the filters.");
     check("hub-only-fits", false);
     check("hub-only-supported", false);
     expect(results().length).toBe(3);
-    expect(document.getElementById("hub-message").textContent).toBe("");
+    expect(document.getElementById("hub-hidden").textContent).toBe("");
   });
 
   it("deletes a local model after a confirmation, saying the space freed or why not", async () => {

@@ -17,11 +17,11 @@ function memoryStorage() {
 function fakeApi({ offline = false } = {}) {
   const api = {
     calls: [],
-    systemStats: async () => ({ ram_total_bytes: 16 * GB }),
+    systemStats: async () => ({ ram_total_bytes: 16 * GB, usable_memory_bytes: 12 * GB }),
     listModels: async () => [
-      { name: "SmolLM2-135M", path: "/m/smol", size_bytes: 0.1 * GB },
-      { name: "Huge", path: "/m/huge", size_bytes: 40 * GB },
-      { name: "mamba", path: "/m/mamba", size_bytes: 1 * GB, architecture_note: "not supported" },
+      { name: "SmolLM2-135M", path: "/m/smol", size_bytes: 0.1 * GB, fit: "fits" },
+      { name: "Huge", path: "/m/huge", size_bytes: 40 * GB, fit: "too_large" },
+      { name: "mamba", path: "/m/mamba", size_bytes: 1 * GB, fit: "fits", architecture_note: "not supported" },
     ],
     searchModels: async () => {
       if (offline) throw new CommandError({ kind: "network", message: "cannot reach https://huggingface.co/api/models: dns error" });
@@ -58,7 +58,9 @@ function setUp(api) {
 
 describe("first run", () => {
   it("describes the machine's memory", () => {
-    expect(describeMachine(16 * GB)).toBe("This machine has 16 GB of memory: models up to about 12 GB fit.");
+    expect(describeMachine({ ram_total_bytes: 16 * GB, usable_memory_bytes: 12 * GB })).toBe(
+      "This machine has 16 GB of memory: models up to about 12 GB fit.",
+    );
     expect(describeMachine(null)).toMatch(/could not read/);
   });
 

@@ -187,19 +187,26 @@ pub async fn list_models<R: Runtime>(
     app: AppHandle<R>,
 ) -> Result<Vec<LocalModelView>, CommandError> {
     off_main_thread(app, |app| {
-        Ok(perch_hub::local_models(
-            &app.state::<Store>().models_dir()?,
-            perch_hub::hf_cache_dir().as_deref(),
+        let store = app.state::<Store>();
+        let kv_cache_bytes = store.settings()?.kv_cache_bytes as u64;
+        let total_memory = store.total_memory_bytes();
+        Ok(
+            perch_hub::local_models(&store.models_dir()?, perch_hub::hf_cache_dir().as_deref())
+                .into_iter()
+                .map(|model| LocalModelView {
+                    architecture_note: model
+                        .model_type
+                        .as_deref()
+                        .and_then(perch_engine::models::unsupported_architecture_note),
+                    fit: perch_hub::memory_fit(
+                        Some(model.size_bytes),
+                        kv_cache_bytes,
+                        total_memory,
+                    ),
+                    model,
+                })
+                .collect(),
         )
-        .into_iter()
-        .map(|model| LocalModelView {
-            architecture_note: model
-                .model_type
-                .as_deref()
-                .and_then(perch_engine::models::unsupported_architecture_note),
-            model,
-        })
-        .collect())
     })
     .await
 }
@@ -243,6 +250,9 @@ pub struct LocalModelView {
     pub model: LocalModel,
     /// When its `model_type` is one Perch does not run: a sentence naming it and those it runs.
     pub architecture_note: Option<String>,
+    /// Its weights and the settings' KV cache budget against the usable memory (the Hub
+    /// search's rule, [`perch_hub::memory_fit`]).
+    pub fit: perch_hub::MemoryFit,
 }
 
 /// Loads the model directory `path` (replacing the loaded model), with the KV cache budget and

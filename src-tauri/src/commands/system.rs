@@ -13,6 +13,8 @@ use super::poisoned;
 pub struct SystemStats {
     pub ram_used_bytes: u64,
     pub ram_total_bytes: u64,
+    /// What a model and its KV cache may take: [`perch_hub::USABLE_MEMORY_FRACTION`] of RAM.
+    pub usable_memory_bytes: u64,
     /// `None` when the OS does not report it.
     pub process_rss_bytes: Option<u64>,
 }
@@ -37,6 +39,8 @@ pub fn system_stats(monitor: State<'_, SystemMonitor>) -> Result<SystemStats, Co
     Ok(SystemStats {
         ram_used_bytes: system.used_memory(),
         ram_total_bytes: system.total_memory(),
+        usable_memory_bytes: (system.total_memory() as f64 * perch_hub::USABLE_MEMORY_FRACTION)
+            as u64,
         process_rss_bytes: pid.and_then(|pid| system.process(pid)).map(|p| p.memory()),
     })
 }
