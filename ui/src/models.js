@@ -4,7 +4,8 @@
 // progress and cancel (`download_model`, `cancel_download`) into the Hugging Face cache.
 
 import { errorElement } from "./errors.js";
-import { decimalBytes, describeContext, describeFit, describeDownload, mib } from "./format.js";
+import { downloadProgress } from "./download-progress.js";
+import { decimalBytes, describeContext, describeFit, mib } from "./format.js";
 
 /** Where a local model was found (`ModelSource` of perch-hub). */
 const SOURCES = { perch: "Perch's models", hugging_face: "Hugging Face cache" };
@@ -21,6 +22,8 @@ export class ModelsView {
     this.searched = false;
     /** repo id → {bytes_done, bytes_total, ...} of the downloads running in this window. */
     this.downloads = new Map();
+    /** repo id → the shown bar of its download ({show(progress)}: download-progress.js). */
+    this.progressViews = new Map();
     /** repo id → the error of its last failed download. */
     this.failures = new Map();
     /** repo id → the snapshot directory of a download finished in this window (results of a
@@ -98,6 +101,7 @@ export class ModelsView {
   }
 
   renderResults() {
+    this.progressViews.clear();
     const shown = this.shownResults();
     this.results.replaceChildren(...shown.map((model) => this.resultItem(model)));
     const hidden = this.lastResults.length - shown.length;
@@ -124,13 +128,9 @@ export class ModelsView {
     const progress = this.downloads.get(model.id);
     const snapshot = model.snapshot_dir ?? this.snapshots.get(model.id);
     if (progress) {
-      const bar = document.createElement("progress");
-      bar.max = 1;
-      bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
-      const text = document.createElement("span");
-      text.className = "progress-text";
-      text.textContent = ` ${describeDownload(progress)} `;
-      item.append(bar, text, this.button("Cancel", () => this.api.cancelDownload(model.id)));
+      const view = downloadProgress(document, model.id, progress);
+      this.progressViews.set(model.id, view);
+      item.append(view.bar, view.text, this.button("Cancel", () => this.api.cancelDownload(model.id)));
     } else if (snapshot) {
       item.append(this.button("Load", () => this.onLoad(snapshot)));
     } else {
@@ -161,11 +161,7 @@ export class ModelsView {
 
   /** Moves one result's bar without rebuilding the list (it updates ten times a second). */
   updateProgress(repo, progress) {
-    const item = [...this.results.children].find((li) => li.dataset.repo === repo);
-    const bar = item?.querySelector("progress");
-    if (!bar) return;
-    bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
-    item.querySelector(".progress-text").textContent = ` ${describeDownload(progress)} `;
+    this.progressViews.get(repo)?.show(progress);
   }
 
   /** "Not supported yet", with the sentence that names the architecture and those Perch runs. */

@@ -4,7 +4,8 @@
 // once (remembered in the web view's storage).
 
 import { errorElement } from "./errors.js";
-import { decimalBytes, describeDownload } from "./format.js";
+import { downloadProgress } from "./download-progress.js";
+import { decimalBytes } from "./format.js";
 
 const DONE_KEY = "perch.onboarded";
 
@@ -115,12 +116,7 @@ export class Onboarding {
     if (this.downloading) return;
     this.downloading = model.id;
     const doc = this.root.ownerDocument;
-    const bar = doc.createElement("progress");
-    bar.max = 1;
-    bar.value = 0;
-    bar.setAttribute("aria-label", `Downloading ${model.id}`);
-    const text = doc.createElement("span");
-    text.className = "progress-text";
+    const { bar, text, show } = downloadProgress(doc, model.id);
     const cancel = doc.createElement("button");
     cancel.type = "button";
     cancel.className = "cancel";
@@ -133,10 +129,7 @@ export class Onboarding {
     this.setBusy(true);
     cancel.focus?.();
     try {
-      const done = await this.api.downloadModel(model.id, (progress) => {
-        bar.value = progress.bytes_total ? progress.bytes_done / progress.bytes_total : 0;
-        text.textContent = ` ${describeDownload(progress)} `;
-      });
+      const done = await this.api.downloadModel(model.id, show);
       this.downloading = null;
       this.setBusy(false);
       // Skipped meanwhile: the download stays in the cache, nothing is loaded.
