@@ -107,7 +107,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     );
     anyhow::ensure!(
         args.max_kv_size.is_none(),
-        "--max-kv-size bounds one sequence's cache: run it without --concurrency"
+        "--max-kv-size is measured on one sequence: run it without --concurrency"
     );
     anyhow::ensure!(
         args.quantized_kv_start == perch_engine::GenerateRequest::DEFAULT_QUANTIZED_KV_START,

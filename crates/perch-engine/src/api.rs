@@ -57,7 +57,10 @@ pub struct GenerateRequest {
     /// Bound each attention layer's KV cache to this many positions: the first
     /// [`KvLimit::KEEP`] and the most recent ones (mlx_lm's `--max-kv-size`, a
     /// `RotatingKVCache(max_kv_size, keep=4)` per layer). Sliding-window layers keep their own
-    /// window. [`generate`], and the engine beside its batch (see [`crate::EngineHandle`]).
+    /// window. [`generate`], and the engine's batch (bounded rows of its slot caches; such a
+    /// request shares no prefix-cache blocks, and its prompt chunks are its own
+    /// `prefill_step_size` within the batch's prefill budget, since what a bounded cache reads
+    /// depends on where they end).
     pub max_kv_size: Option<usize>,
     /// Quantize the KV cache once it holds [`GenerateRequest::quantized_kv_start`] positions
     /// (mlx_lm's `--kv-bits`, `--kv-group-size`). [`generate`], and the engine beside its batch
@@ -98,9 +101,11 @@ impl GenerateRequest {
         }
     }
 
-    /// Whether the request asks for a KV cache option only [`generate`] runs.
-    pub fn has_single_stream_kv_options(&self) -> bool {
-        self.max_kv_size.is_some() || self.kv_quantization.is_some()
+    /// Whether the engine runs the request beside its batch, with caches of its own
+    /// (see [`crate::EngineHandle`]): speculative decoding, or a KV cache quantized from
+    /// `quantized_kv_start` on.
+    pub fn runs_beside_batch(&self) -> bool {
+        self.num_draft_tokens.is_some() || self.kv_quantization.is_some()
     }
 }
 

@@ -5,15 +5,54 @@
 //! while decoding, between prefill chunks and after the first chunk. Each run is greedy under a
 //! repetition penalty, so the cache holds varied tokens: each step's log-probability must be
 //! within 1e-4 of mlx_lm's and the ids mlx_lm's; and where mlx_lm's log-probabilities differ from
-//! a plain cache's, Perch's must differ too (the option took effect). Needs the oracle.
+//! a plain cache's, Perch's must differ too (the option took effect). The `max_kv_size` cases run
+//! again through the batch engine, all at once beside plain requests, and must give mlx_lm's
+//! log-probabilities and ids there too. Needs the oracle.
 
 mod common;
 
+use std::collections::HashMap;
 use std::ops::ControlFlow;
 
 use perch_engine::sample::sampler::SamplingParams;
-use perch_engine::testing::{BatchConfig, BatchGenerator};
+use perch_engine::testing::{BatchConfig, BatchEvent, BatchGenerator};
 use perch_engine::{generate, models, GenerateRequest, KvQuantization, Tokenizer};
+
+/// Inserts every request into `batch` at once and steps it until all have finished; returns
+/// each one's ids and the log-probability of each (when asked for), in order.
+fn run_together(
+    batch: &mut BatchGenerator<'_>,
+    requests: &[GenerateRequest],
+) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let ids: Vec<u64> = requests
+        .iter()
+        .map(|r| batch.insert(r.clone()).expect("accepted"))
+        .collect();
+    let mut logprobs: HashMap<u64, Vec<f32>> = HashMap::new();
+    let mut done: HashMap<u64, Vec<u32>> = HashMap::new();
+    for _ in 0..5000 {
+        if done.len() == ids.len() {
+            break;
+        }
+        for event in batch.step().expect("step") {
+            match event {
+                BatchEvent::Token { request, event } => logprobs
+                    .entry(request)
+                    .or_default()
+                    .extend(event.logprobs.map(|l| l.logprob)),
+                BatchEvent::Finished { request, output } => {
+                    done.insert(request, output.token_ids);
+                }
+            }
+        }
+    }
+    ids.iter()
+        .map(|id| {
+            let tokens = done.remove(id).expect("finished");
+            (tokens, logprobs.remove(id).unwrap_or_default())
+        })
+        .collect()
+}
 
 #[derive(serde::Deserialize)]
 struct Case {
@@ -52,6 +91,7 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
     let dir = out.path().join("qwen3");
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
+    let mut bounded = Vec::new();
     for case in &cases {
         let name = &case.name;
         let mut request = GenerateRequest::new(case.prompt.clone());
@@ -100,6 +140,44 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
         }
         assert!(changed > 0, "{name}: the option changed nothing");
         assert_eq!(output.token_ids, case.ids, "{name}: ids");
+        if request.max_kv_size.is_some() {
+            bounded.push((case, request));
+        }
+    }
+
+    // The bounded cases in one batch, each beside a plain request of the same prompt: bounded
+    // rows of the slot caches, each with its own chunks, give what mlx_lm's rotating cache
+    // gives.
+    assert_eq!(bounded.len(), 4);
+    let mut requests = Vec::new();
+    for (_, request) in &bounded {
+        requests.push(request.clone());
+        requests.push(GenerateRequest {
+            max_kv_size: None,
+            ..request.clone()
+        });
+    }
+    let mut batch = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None),
+        "test",
+    );
+    let answers = run_together(&mut batch, &requests);
+    for ((case, _), answer) in bounded.iter().zip(answers.chunks(2)) {
+        let (name, (ids, logprobs)) = (&case.name, &answer[0]);
+        assert_eq!(logprobs.len(), case.logprobs.len(), "{name} in the batch");
+        for (step, (perch, mlx)) in logprobs.iter().zip(&case.logprobs).enumerate() {
+            assert!(
+                (perch - mlx).abs() < 1e-4,
+                "{name} in the batch, step {step}: log-probability {perch} against mlx_lm's {mlx}"
+            );
+        }
+        assert_eq!(ids, &case.ids, "{name} in the batch: ids");
+        assert_ne!(
+            ids, &answer[1].0,
+            "{name}: the plain request beside it answers otherwise"
+        );
     }
 }
 
@@ -138,6 +216,33 @@ fn max_kv_size_on_llama_matches_mlx_lm_rotating_caches() {
         assert_ne!(
             case.ids, case.plain_ids,
             "{n}-token prompt: the bound changed nothing"
+        );
+    }
+    // In the batch, the two bounded requests beside plain ones of the same prompts: each gets
+    // what it gets alone.
+    let mut requests = Vec::new();
+    for case in &cases {
+        let mut request = GenerateRequest::new(case.prompt.clone());
+        request.max_tokens = case.ids.len();
+        request.ignore_eos = true;
+        request.max_kv_size = Some(case.max_kv_size);
+        requests.push(request.clone());
+        request.max_kv_size = None;
+        requests.push(request);
+    }
+    let mut batch = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None),
+        "test",
+    );
+    let answers = run_together(&mut batch, &requests);
+    for (case, answer) in cases.iter().zip(answers.chunks(2)) {
+        let n = case.prompt.len();
+        assert_eq!(answer[0].0, case.ids, "{n}-token prompt in the batch");
+        assert_eq!(
+            answer[1].0, case.plain_ids,
+            "{n}-token prompt, unbounded, in the batch"
         );
     }
 }
@@ -187,7 +292,8 @@ fn kv_cache_options_are_checked() {
     assert!(error.contains("7 bits"), "{error}");
     run(&|r| r.max_kv_size = Some(5)).unwrap();
 
-    // The batch engine's cache is its block pool: it refuses them, naming where they run.
+    // The batch runs bounded requests, checked as `generate` checks them; a quantized pool
+    // cannot hold them, and per-request KV quantization runs beside the batch.
     let mut batch = BatchGenerator::new(
         model.as_ref(),
         &tokenizer,
@@ -195,15 +301,36 @@ fn kv_cache_options_are_checked() {
         "test",
     );
     let mut request = GenerateRequest::new(prompt.clone());
+    request.max_kv_size = Some(4);
+    let error = batch.insert(request.clone()).unwrap_err().to_string();
+    assert!(error.contains("max_kv_size 4"), "{error}");
     request.max_kv_size = Some(64);
+    batch.insert(request.clone()).unwrap();
+    let q8 = KvQuantization {
+        bits: 8,
+        group_size: 64,
+    };
+    let mut quantized_pool = BatchGenerator::new(
+        model.as_ref(),
+        &tokenizer,
+        BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, Some(q8)),
+        "test",
+    );
+    let error = quantized_pool
+        .insert(request.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(error.contains("cannot be combined"), "{error}");
+    request.max_kv_size = None;
+    request.kv_quantization = Some(q8);
     let error = batch.insert(request).unwrap_err().to_string();
-    assert!(error.contains("perch generate"), "{error}");
+    assert!(error.contains("beside the batch"), "{error}");
 }
 
-/// Through the engine: requests with their own KV cache options run beside the batch (with a
-/// plain request in it) and answer what `generate` answers with the same options.
+/// Through the engine: a bounded request in the batch and a late-quantized one beside it, with a
+/// plain request, answer what `generate` answers with the same options.
 #[test]
-fn the_engine_runs_kv_cache_options_beside_the_batch() {
+fn the_engine_runs_kv_cache_options() {
     use perch_engine::{EngineConfig, EngineHandle, EngineRequest, Prompt};
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();

@@ -76,6 +76,9 @@ struct RequestBlocks {
     /// Positions its sliding layers hold at most from now on, when fewer than the cost's
     /// ([`KvCacheManager::bound_window`]).
     window_tokens: Option<usize>,
+    /// Positions its cache holds at most, for a request whose KV cache is bounded
+    /// ([`KvCacheManager::bound_request`]); its blocks are never cached.
+    max_tokens: Option<usize>,
 }
 
 /// What a running request's sliding-window layers cost in blocks (see [`crate::budget::KvBudget`]).
@@ -247,8 +250,9 @@ impl KvCacheManager {
             held == 0 || hit.is_empty(),
             "a prefix hit is only applied on admission"
         );
+        let bound = self.requests.get(&request).and_then(|r| r.max_tokens);
         let needed = self
-            .blocks_for(num_computed + num_new_tokens)
+            .blocks_for((num_computed + num_new_tokens).min(bound.unwrap_or(usize::MAX)))
             .saturating_sub(held + hit.len());
         let window_held = self.window_blocks(request).len();
         let bound = self.requests.get(&request).and_then(|r| r.window_tokens);
@@ -363,7 +367,7 @@ impl KvCacheManager {
         let Some(entry) = self
             .requests
             .get_mut(&request)
-            .filter(|_| self.enable_caching)
+            .filter(|r| self.enable_caching && r.max_tokens.is_none())
         else {
             return Vec::new();
         };
@@ -412,6 +416,14 @@ impl KvCacheManager {
             let extra = entry.window_blocks.split_off(keep);
             self.pool.free_blocks(extra);
         }
+    }
+
+    /// Makes `request`, before its first allocation, one whose cache holds at most `tokens`
+    /// positions (a bounded KV cache, `max_kv_size`: it forgets older ones): its block table
+    /// stops growing there, and none of its blocks joins the prefix cache (what they stand for
+    /// is not a prefix's KV). Undone by [`KvCacheManager::free`].
+    pub fn bound_request(&mut self, request: RequestId, tokens: usize) {
+        self.requests.entry(request).or_default().max_tokens = Some(tokens.max(1));
     }
 
     /// Releases every block of `request` (last block first, so its tail is evicted first).

@@ -34,6 +34,10 @@ pub struct Running {
     /// those blocks, where a prefill chunk must stop (the block ending there receives the
     /// recurrent states).
     pub branch_at: Option<usize>,
+    /// A request whose KV cache is bounded (`max_kv_size`): what it reads depends on where its
+    /// chunks end (mlx_lm's rotating cache), so each of its chunks is its own
+    /// `prefill_step_size` within the widest step, whatever else the pass holds.
+    pub bounded: bool,
 }
 
 /// The limits a step is planned within (the engine's `BatchConfig`).
@@ -92,6 +96,9 @@ pub struct Waiting<'a> {
     /// For a request that continues from a private prefix state (a prompt-cache file without
     /// token ids): the prefix's length. It starts after it and never looks up the prefix cache.
     pub preloaded: Option<usize>,
+    /// For a request whose KV cache is bounded (`max_kv_size`): the positions its cache holds
+    /// at most ([`KvCacheManager::bound_request`]). It never looks up the prefix cache.
+    pub bounded: Option<usize>,
 }
 
 /// A request admitted in a step, and what it starts from.
@@ -181,10 +188,13 @@ pub fn schedule(
         let waiting = batch.waiting;
         scheduler::admit(waiting.len(), running.len(), limits.max_running, |k| {
             let request = &waiting[k];
-            let hit = match request.preloaded {
-                Some(_) => ComputedBlocks::default(),
-                None => kv.get_computed_blocks(request.tokens),
+            let hit = match (request.preloaded, request.bounded) {
+                (None, None) => kv.get_computed_blocks(request.tokens),
+                _ => ComputedBlocks::default(),
             };
+            if let Some(tokens) = request.bounded {
+                kv.bound_request(request.id, tokens);
+            }
             // What the hit reads of the bounded layers is kept from the allocations from
             // here on (its own, and the next admissions', which could drop it otherwise).
             let load = contents.usable_blocks(&hit.blocks, block_size);
@@ -195,6 +205,7 @@ pub fn schedule(
             let new_tokens = request.tokens.len() - hit.num_tokens;
             if !kv.allocate(contents, request.id, hit.num_tokens, new_tokens, Some(&hit)) {
                 contents.unpin(&pinned);
+                kv.free(request.id);
                 return false;
             }
             // A sequence starts after the last hit block whose bounded layers' parts it can
@@ -202,8 +213,10 @@ pub fn schedule(
             // a hybrid one leaves its states at that end (`branch_at`).
             let branch_at = (contents.has_recurrent_layers() && load < hit.blocks.len())
                 .then_some(hit.num_tokens);
-            let tail = match request.preloaded {
-                None if load == hit.blocks.len() => tail_tokens(request.tokens, hit.num_tokens),
+            let tail = match (request.preloaded, request.bounded) {
+                (None, None) if load == hit.blocks.len() => {
+                    tail_tokens(request.tokens, hit.num_tokens)
+                }
                 _ => None,
             };
             let num_computed = request.preloaded.or(tail).unwrap_or(load * block_size);
@@ -217,6 +230,7 @@ pub fn schedule(
                 slot: SlotKind::None,
                 scored: false,
                 branch_at,
+                bounded: request.bounded.is_some(),
             });
             admitted.push(Admission {
                 id: request.id,
@@ -253,10 +267,11 @@ pub struct StepPlan {
 }
 
 /// Plans a step over `running` (oldest first): sequences still prefilling take free prefill slots
-/// ([`scheduler::take_prefill_slots`]); every sequence in a prefill slot gets its next chunk, an
-/// equal share of the step's prefill budget ([`scheduler::prefill_budget`],
-/// [`scheduler::plan_slot_chunks`]), aligned to blocks where the limits ask and stopped at its
-/// `branch_at`; then every sequence whose prompt is cached after the pass decodes.
+/// ([`scheduler::take_prefill_slots`]); every sequence in a prefill slot gets its next chunk: a
+/// bounded one its own ([`Running::bounded`]), the others an equal share of what is left of the
+/// step's prefill budget ([`scheduler::prefill_budget`], [`scheduler::plan_slot_chunks`]),
+/// aligned to blocks where the limits ask and stopped at its `branch_at`; then every sequence
+/// whose prompt is cached after the pass decodes.
 pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
     let progress: Vec<Progress> = running.iter().map(|r| r.progress).collect();
     let taken = running
@@ -276,14 +291,28 @@ pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
         .filter(|&i| running[i].slot == SlotKind::Prefill || entering.contains(&i))
         .collect();
     let prefill = (!members.is_empty()).then(|| {
-        let budget = scheduler::prefill_budget(&progress, limits.prefill_token_budget);
-        let rows: Vec<Progress> = members.iter().map(|&i| progress[i]).collect();
-        let chunks = scheduler::plan_slot_chunks(&rows, budget, limits.prefill_token_budget.max(1));
+        let widest = limits.prefill_token_budget.max(1);
+        let (bounded, shared): (Vec<usize>, Vec<usize>) =
+            members.iter().partition(|&&i| running[i].bounded);
+        let own = |i: usize| {
+            progress[i]
+                .prompt_left()
+                .min(progress[i].prefill_step_size.max(1))
+                .min(widest)
+        };
+        let budget = scheduler::prefill_budget(&progress, limits.prefill_token_budget)
+            .saturating_sub(bounded.iter().map(|&i| own(i)).sum());
+        let rows: Vec<Progress> = shared.iter().map(|&i| progress[i]).collect();
+        // `shared` follows `members`' order, so their shares come in that order too.
+        let mut shares = scheduler::plan_slot_chunks(&rows, budget, widest).into_iter();
         let chunks: Vec<(RequestId, usize)> = members
             .iter()
-            .zip(chunks)
-            .map(|(&i, mut chunk)| {
+            .map(|&i| {
                 let row = &running[i];
+                if row.bounded {
+                    return (row.id, own(i));
+                }
+                let mut chunk = shares.next().expect("a share for each shared row");
                 let computed = row.progress.num_computed;
                 if limits.align_chunks_to_blocks {
                     chunk = scheduler::align_chunk_to_block(computed, chunk, limits.block_size);
@@ -347,6 +376,7 @@ mod tests {
             slot,
             scored: false,
             branch_at: None,
+            bounded: false,
         }
     }
 
@@ -446,6 +476,62 @@ mod tests {
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 256)]);
     }
 
+    #[test]
+    fn a_bounded_request_prefills_its_own_chunks_whatever_the_pass_holds() {
+        let limits = StepLimits {
+            align_chunks_to_blocks: true,
+            ..limits()
+        };
+        let mut bounded = row(2, 1000, 0, SlotKind::Prefill);
+        bounded.bounded = true;
+        bounded.progress.prefill_step_size = 100;
+        let running = [
+            row(1, 40, 39, SlotKind::Decode),
+            bounded,
+            row(3, 1000, 0, SlotKind::Prefill),
+        ];
+        // Its chunk is its prefill_step_size, not aligned to blocks; the other row gets what is
+        // left of the budget (aligned: 156 → 144).
+        let pass = plan_step(&running, &limits).prefill.unwrap();
+        assert_eq!(pass.chunks, vec![(2, 100), (3, 144)]);
+        // Alone, still its own step, never the whole budget.
+        let pass = plan_step(&[bounded], &limits).prefill.unwrap();
+        assert_eq!(pass.chunks, vec![(2, 100)]);
+    }
+
+    #[test]
+    fn a_bounded_request_skips_the_prefix_cache_and_its_blocks_stop_at_the_bound() {
+        let mut kv = manager(64);
+        let prompt: Vec<u32> = (0..100).collect();
+        cache_prefix(&mut kv, 100, &prompt);
+        let queue = [Waiting {
+            bounded: Some(40),
+            ..waiting(1, &prompt)
+        }];
+        let batch = Batch {
+            running: &[],
+            waiting: &queue,
+            step_in_flight: false,
+            admit: true,
+        };
+        let plan = run(schedule(
+            &mut kv,
+            &mut Contents::default(),
+            &batch,
+            &limits(),
+            |_, _| panic!("a bounded request looks up no tail"),
+        ));
+        assert_eq!(plan.admitted[0].hit, ComputedBlocks::default());
+        assert_eq!(plan.admitted[0].num_computed, 0);
+        // 40 positions in blocks of 16, however long it runs; none of them cached.
+        assert_eq!(kv.block_table(1).unwrap().len(), 3);
+        assert!(kv.allocate(&mut Contents::default(), 1, 100, 1000, None));
+        assert_eq!(kv.block_table(1).unwrap().len(), 3);
+        assert!(kv.cache_blocks(1, &prompt, 100).is_empty());
+        kv.free(1);
+        assert_eq!(kv.pool().num_free_blocks(), 64);
+    }
+
     /// A prefix cache's contents for a model without bounded layers, or (with `usable`) one
     /// whose hits can load only their first blocks, like a hybrid model's.
     #[derive(Default)]
@@ -506,6 +592,7 @@ mod tests {
             tokens,
             prefill_step_size: 512,
             preloaded: None,
+            bounded: None,
         }
     }
 

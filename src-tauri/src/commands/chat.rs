@@ -182,7 +182,7 @@ pub fn start_chat(
     let sampling = settings.effective_sampling(engine.tokenizer().sampling_defaults());
     params.sampling = sampling.params.clone();
     params.max_tokens = settings.max_tokens;
-    // A bounded or late-quantized KV cache runs the answer beside the batch (see
+    // A bounded KV cache runs in the batch, a late-quantized one beside it (see
     // `perch_engine::sequence::speculative`); a bounded one cannot be rewound, so it takes no draft.
     params.max_kv_size = settings.max_kv_size;
     params.kv_quantization = settings.kv_bits.map(|bits| perch_engine::KvQuantization {

@@ -40,7 +40,7 @@ use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::kv::block_store::BlockStore;
-use crate::kv::cache::KvCache;
+use crate::kv::cache::{KvCache, KvLimit};
 use crate::kv::slot_cache::SlotAttention;
 use crate::kv::tail_cache::{Tail, TailCache};
 use crate::models::Model;
@@ -49,7 +49,7 @@ use crate::prompt_cache::PromptCache;
 use crate::sample::grammar::GrammarState;
 use crate::sample::sampler::Sampler;
 use crate::sample::RecentTokens;
-use crate::sequence::generate::check_request;
+use crate::sequence::generate::{check_request, kv_options};
 use crate::text::tokenizer::Tokenizer;
 use crate::worker::runner::{DecodeRow, ModelRunner, Slot};
 use perch_sched::block_pool::{BlockId, BlockPool};
@@ -255,6 +255,9 @@ struct Sequence {
     tokens: Vec<u32>,
     /// One per layer; empty while waiting, and while the sequence is in a slot.
     cache: Vec<KvCache>,
+    /// The bound of its KV cache (`max_kv_size`): it computes in bounded rows of the slot
+    /// caches and shares no block with the prefix cache.
+    limit: Option<KvLimit>,
     /// Its row of one of the batch's slot caches (`None` until it takes one).
     slot: Option<Slot>,
     /// Tokens in `cache` (all but the last of `tokens` once prefill is done).
@@ -392,6 +395,13 @@ impl<'m> BatchGenerator<'m> {
         }
     }
 
+    /// Positions the block table of a request bounded by `limit` holds at most: its bound and a
+    /// prefill step (what its rows of the slot caches hold at most, see `kv::slot_cache`).
+    fn bounded_tokens(&self, limit: KvLimit) -> usize {
+        limit.max_size as usize
+            + perch_sched::shapes::prefill_chunk_bucket(self.config.prefill_token_budget.max(1))
+    }
+
     /// Empty caches for one sequence, one per layer, in the configured format.
     fn make_cache(&self) -> Vec<KvCache> {
         self.model.make_cache(self.config.kv_quantization)
@@ -451,22 +461,42 @@ impl<'m> BatchGenerator<'m> {
                 "speculative requests run beside the batch (EngineHandle), not in it".into(),
             ));
         }
-        if request.has_single_stream_kv_options() {
+        if request.kv_quantization.is_some() {
             return Err(EngineError::Request(
-                "max_kv_size and per-request KV quantization run in single-stream generation \
-                 (`perch generate`, `perch chat`); the batch engine's KV cache is its block pool \
-                 (quantized for every request with the engine's --kv-bits)"
+                "per-request KV quantization runs beside the batch (EngineHandle); the batch's \
+                 pool is quantized for every request by the engine's KV quantization"
                     .into(),
             ));
         }
+        let limit = kv_options(self.model, &request)?;
+        if limit.is_some() && self.config.kv_quantization.is_some() {
+            return Err(EngineError::Request(
+                "max_kv_size cannot be combined with the engine's quantized KV cache: a bounded \
+                 (rotating) KV cache is not quantized (mlx_lm's RotatingKVCache neither)"
+                    .into(),
+            ));
+        }
+        if limit.is_some() && preloaded.is_some() {
+            return Err(EngineError::Request(
+                "a request with max_kv_size cannot start from a prompt cache".into(),
+            ));
+        }
+        // A bounded cache holds at most its bound and a prefill step's worth more.
+        let held = |tokens: usize| match limit {
+            Some(limit) => tokens.min(self.bounded_tokens(limit)),
+            None => tokens,
+        };
         let capacity_tokens = self.kv.max_tokens();
-        if request.prompt.len() >= capacity_tokens {
+        if held(request.prompt.len()) >= capacity_tokens {
             return Err(EngineError::KvCacheTooSmall {
                 prompt_tokens: request.prompt.len(),
                 capacity_tokens,
             });
         }
-        let max_tokens = max_tokens.min(capacity_tokens - request.prompt.len());
+        let max_tokens = match limit {
+            Some(_) => max_tokens,
+            None => max_tokens.min(capacity_tokens - request.prompt.len()),
+        };
         let id = self.next_id;
         self.next_id += 1;
         let history = RecentTokens::new(&request.sampling, &request.prompt[prefix_len..]);
@@ -481,6 +511,7 @@ impl<'m> BatchGenerator<'m> {
             grammar,
             tokens: request.prompt.clone(),
             cache: Vec::new(),
+            limit,
             slot: None,
             computed: 0,
             published_blocks: 0,
@@ -707,6 +738,7 @@ impl<'m> BatchGenerator<'m> {
                     tokens: &seq.tokens,
                     prefill_step_size: seq.request.prefill_step_size,
                     preloaded: seq.preloaded.as_ref().map(|p| p.offset),
+                    bounded: seq.limit.map(|limit| self.bounded_tokens(limit)),
                 })
                 .collect();
             let batch = plan::Batch {
@@ -906,6 +938,7 @@ impl<'m> BatchGenerator<'m> {
                 },
                 scored: seq.scored(),
                 branch_at: seq.branch_at,
+                bounded: seq.limit.is_some(),
             })
             .collect()
     }
@@ -936,7 +969,10 @@ impl<'m> BatchGenerator<'m> {
         for &id in &plan.enter_prefill {
             let i = self.position(id).expect("planned from the running");
             let seq = &mut self.running[i];
-            seq.slot = Some(self.runner.enter_prefill(&seq.cache, seq.computed)?);
+            seq.slot = Some(
+                self.runner
+                    .enter_prefill(&seq.cache, seq.computed, seq.limit)?,
+            );
             seq.cache = Vec::new();
         }
         let Some(pass) = &plan.prefill else {
@@ -1034,7 +1070,7 @@ impl<'m> BatchGenerator<'m> {
             let block_size = self.config.block_size;
             for &i in &ready {
                 let seq = &mut self.running[i];
-                if seq.computed.is_multiple_of(block_size) {
+                if seq.computed.is_multiple_of(block_size) && seq.limit.is_none() {
                     let slot = seq.slot.expect("a decoding sequence is in a slot");
                     let states = slot_states(&self.runner, slot)?;
                     async_eval(states.iter().flatten())?;
@@ -1084,9 +1120,9 @@ impl<'m> BatchGenerator<'m> {
             if let Some(Slot::Decode(_)) = seq.slot {
                 continue;
             }
-            let (slot, moves) = self
-                .runner
-                .enter_decode(seq.slot, &seq.cache, seq.computed)?;
+            let (slot, moves) =
+                self.runner
+                    .enter_decode(seq.slot, &seq.cache, seq.computed, seq.limit)?;
             self.slots_moved(&moves);
             let seq = &mut self.running[i];
             seq.slot = Some(slot);
@@ -1184,7 +1220,7 @@ impl<'m> BatchGenerator<'m> {
             // Only next-token-logprobs calls keep their partial block: the next call usually
             // extends them by a token, and the copy (a wait for the device) stays off the path
             // of generating requests.
-            if seq.request.next_token_logprobs && self.kv.caching_enabled() {
+            if seq.request.next_token_logprobs && self.kv.caching_enabled() && seq.limit.is_none() {
                 self.keep_tail(seq)?;
             }
         }
@@ -1316,7 +1352,8 @@ fn publish(
     let Some(slot) = seq.slot else {
         return Ok(());
     };
-    if full <= seq.published_blocks || seq.preloaded.is_some() {
+    // Nor are a bounded cache's: it does not hold a prefix's KV.
+    if full <= seq.published_blocks || seq.preloaded.is_some() || seq.limit.is_some() {
         return Ok(());
     }
     let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);

@@ -98,6 +98,20 @@ impl KvLimit {
     fn recent(&self) -> i32 {
         self.max_size - self.keep
     }
+
+    /// What an update of new tokens at position `start` reads besides them, as mlx_lm's
+    /// `RotatingKVCache` holds it then: positions `[0, keep_end)` and `[recent_from, start)`,
+    /// `max_size - 1` at most (so each new token sees at least `max_size` positions with its
+    /// own). Returns `(keep_end, recent_from)`; `keep_end == recent_from` when nothing between
+    /// them is left out.
+    pub fn held_before(&self, start: i32) -> (i32, i32) {
+        let keep_end = self.keep.min(start);
+        let recent_from = (start + 1 - self.recent())
+            .max(self.keep)
+            .min(start)
+            .max(keep_end);
+        (keep_end, recent_from)
+    }
 }
 
 /// What attention reads from a cache with a [`KvLimit`] for `new` queries (see
@@ -175,11 +189,7 @@ impl KvCache {
         let limit = self.limit.expect("a cache with a limit");
         let end = self.offset;
         let start = end - new;
-        let keep_end = limit.keep.min(start);
-        let recent_from = (start + 1 - limit.recent())
-            .max(limit.keep)
-            .min(start)
-            .max(keep_end);
+        let (keep_end, recent_from) = limit.held_before(start);
         let mut keys = Vec::with_capacity(3);
         let mut values = Vec::with_capacity(3);
         let dense = |parts: Vec<Array>| -> Result<(Array, Array)> {

@@ -34,6 +34,18 @@
 //! sliding models' blocks as they fill). So a long conversation on a sliding-window model takes
 //! `R` positions per row in its sliding layers, whatever its length; global layers keep all.
 //!
+//! # Bounded rows: `max_kv_size`
+//! A sequence whose request bounds its KV cache (mlx_lm's `--max-kv-size`, a
+//! `RotatingKVCache(max_size, keep)` per attention layer, see [`KvLimit`]) holds, in the
+//! layers that keep every position, its first `keep` positions in entries `0..keep` and the
+//! later ones in a ring of `W = max_size - keep - 1 + T` entries after them (`T` the widest step
+//! this cache takes): position `p >= keep` lives in entry `keep + (p - keep) mod W`. Its mask
+//! gives each query what mlx_lm's rotating cache gives it ([`KvLimit::held_before`]): the kept
+//! positions and the most recent ones, `max_size - 1` before a step, each query seeing the
+//! `max_size` entries up to its own in that list's order. A step's `T` writes overwrite only
+//! positions older than that list. Other rows of the same buffers keep every position; sliding
+//! layers keep their own rings and recurrent layers their states.
+//!
 //! # Linear-attention layers: recurrent states
 //! A Gated DeltaNet layer (hybrid models) keeps no positions: its buffers are the recurrent state
 //! of every row, the convolution's last inputs `[rows, kernel - 1, channels]` and the
@@ -51,7 +63,7 @@ use crate::attention::{additive_mask, masked_attention, AttentionSpec, SlotRead}
 use crate::attention::{CachedKv, KvQuantization};
 use crate::device::Backend;
 use crate::error::Result;
-use crate::kv::cache::{kv_parts, KvCache, RecurrentState};
+use crate::kv::cache::{kv_parts, KvCache, KvLimit, RecurrentState};
 use crate::nn::mlx_ext::{slice, slice_update};
 use perch_sched::shapes::{capacity_bucket, row_bucket};
 
@@ -105,8 +117,11 @@ pub struct SlotStep {
     pub positions: Array,
     pub mask: Array,
     pub read: SlotRead,
-    /// `[rows, 1, tokens, 1]` int32: the positions every layer's buffers write.
+    /// `[rows, 1, tokens, 1]` int32: each query's position.
     index: Array,
+    /// `[rows, 1, tokens, 1]` int32: the entries the layers that keep every position write: the
+    /// positions, or a bounded row's ring entries (see the module docs).
+    write: Array,
     /// The sliding layers' ring entries and mask, when the cache has rings.
     ring: Option<RingStep>,
     /// Which of a prompt chunk's tokens are real, when the cache has recurrent layers (they
@@ -174,22 +189,22 @@ impl SlotStep {
     }
 
     /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
-    /// write index, then the rings' entries and mask when there are rings. (A compiled step is a
-    /// decode step: every token real.)
+    /// query positions, write entries, then the rings' entries and mask when there are rings.
+    /// (A compiled step is a decode step: every token real.)
     pub(crate) fn arrays(&self) -> Vec<&Array> {
-        let mut arrays = vec![&self.positions, &self.mask, &self.index];
+        let mut arrays = vec![&self.positions, &self.mask, &self.index, &self.write];
         if let Some(ring) = &self.ring {
             arrays.extend([&ring.index, &ring.mask]);
         }
         arrays
     }
 
-    /// A step over `arrays` (as [`SlotStep::arrays`] lists them, 3 or 5; a compiled step's
+    /// A step over `arrays` (as [`SlotStep::arrays`] lists them, 4 or 6; a compiled step's
     /// inputs), read as `read`.
     pub(crate) fn with_arrays(arrays: Vec<Array>, read: SlotRead) -> Self {
         let mut arrays = arrays.into_iter();
         let mut next = || arrays.next().expect("a step's arrays");
-        let (positions, mask, index) = (next(), next(), next());
+        let (positions, mask, index, write) = (next(), next(), next(), next());
         let ring = arrays.next().map(|index| RingStep {
             index,
             mask: arrays.next().expect("the rings' mask"),
@@ -199,6 +214,7 @@ impl SlotStep {
             mask,
             read,
             index,
+            write,
             ring,
             real: None,
             window_mask: OnceCell::new(),
@@ -255,6 +271,10 @@ pub struct SlotKvCache {
     layers: Vec<Vec<Array>>,
     /// Positions filled, per slot up to the last occupied one; `None` for a free slot.
     lengths: Vec<Option<usize>>,
+    /// Per slot (as `lengths`), the bound of a bounded row (see the module docs).
+    limits: Vec<Option<KvLimit>>,
+    /// The widest step this cache takes, in tokens per row (what a bounded row's ring adds).
+    max_step_tokens: usize,
     rows: usize,
     capacity: usize,
     /// The last pass over these buffers dispatched and not waited for, with what followed it
@@ -274,6 +294,8 @@ impl SlotKvCache {
             recurrent: vec![false; num_layers],
             layers: Vec::new(),
             lengths: Vec::new(),
+            limits: Vec::new(),
+            max_step_tokens: 1,
             rows: 0,
             capacity: 0,
             pass_in_flight: None,
@@ -286,14 +308,15 @@ impl SlotKvCache {
             rings: self.rings.clone(),
             recurrent: self.recurrent.clone(),
             additive_masks: self.additive_masks,
+            max_step_tokens: self.max_step_tokens,
             ..Self::new(self.num_layers, self.quantization).with_attention(self.attention)
         }
     }
 
     /// This cache with rings for the sliding layers: `windows` has one entry per cache layer
     /// (the window of a sliding one, all alike), steps are at most `max_step_tokens` tokens per
-    /// row, and blocks of `block_size` positions are copied out as they fill (see the module
-    /// docs). No rings when no layer slides.
+    /// row (as [`SlotKvCache::with_max_step_tokens`]), and blocks of `block_size` positions are
+    /// copied out as they fill (see the module docs). No rings when no layer slides.
     pub fn with_windows(
         mut self,
         windows: &[Option<i32>],
@@ -301,6 +324,7 @@ impl SlotKvCache {
         block_size: usize,
     ) -> Self {
         debug_assert_eq!(windows.len(), self.num_layers, "one entry per cache layer");
+        self.max_step_tokens = max_step_tokens.max(1);
         let window = windows.iter().flatten().map(|&w| w.max(1) as usize).max();
         self.rings = window.map(|window| Rings {
             sliding: windows.iter().map(Option::is_some).collect(),
@@ -308,6 +332,13 @@ impl SlotKvCache {
             positions: capacity_bucket(window + max_step_tokens.max(1) - 1 + block_size),
             max_step_tokens: max_step_tokens.max(1),
         });
+        self
+    }
+
+    /// This cache taking steps of at most `max_step_tokens` tokens per row (1 by default): the
+    /// bounded rows' rings are sized for it (see the module docs).
+    pub fn with_max_step_tokens(mut self, max_step_tokens: usize) -> Self {
+        self.max_step_tokens = max_step_tokens.max(1);
         self
     }
 
@@ -368,15 +399,62 @@ impl SlotKvCache {
         }
     }
 
-    /// Positions `[start, end)` of layer `layer` (in a slot) as runs of buffer entries in
-    /// temporal order, `(first entry, count)`: one run, or two where a ring wraps. Errors for
-    /// positions a ring has overwritten (before `len - R`).
+    /// Whether layer `layer` keeps every position (neither a sliding ring nor a recurrent
+    /// state): the layers a bounded row bounds.
+    fn is_bounded_layer(&self, layer: usize) -> bool {
+        !self.is_recurrent(layer) && !self.is_ring(layer)
+    }
+
+    /// The ring a row bounded by `limit` keeps its positions from `limit.keep` on in: `W` entries
+    /// (see the module docs).
+    fn bounded_ring(&self, limit: KvLimit) -> usize {
+        (limit.max_size - limit.keep - 1) as usize + self.max_step_tokens
+    }
+
+    /// Entries of the layers that keep every position that a row of `len` positions (bounded
+    /// by `limit`, if any) needs for a step of `tokens` more.
+    fn row_entries(&self, limit: Option<KvLimit>, len: usize, tokens: usize) -> usize {
+        match limit {
+            Some(limit) => (len + tokens).min(limit.keep as usize + self.bounded_ring(limit)),
+            None => len + tokens,
+        }
+    }
+
+    /// The bound of the row in `slot`, if it is bounded.
+    pub fn slot_limit(&self, slot: usize) -> Option<KvLimit> {
+        self.limits.get(slot).copied().flatten()
+    }
+
+    /// The positions a row of `len` positions bounded by `limit` holds in layer `layer` for its
+    /// next step (what it reads, [`KvLimit::held_before`]), as ranges `[start, end)`; `None`
+    /// for a layer the bound does not apply to (or no bound).
+    fn held_ranges(
+        &self,
+        layer: usize,
+        limit: Option<KvLimit>,
+        len: usize,
+    ) -> Option<Vec<(usize, usize)>> {
+        let limit = limit.filter(|_| self.is_bounded_layer(layer))?;
+        let (keep_end, recent_from) = limit.held_before(len as i32);
+        let ranges = [(0, keep_end as usize), (recent_from as usize, len)];
+        Some(ranges.into_iter().filter(|(a, b)| a < b).collect())
+    }
+
+    /// Positions `[start, end)` of layer `layer` in a slot of `len` positions bounded by `limit`
+    /// (if any) as runs of buffer entries in temporal order, `(first entry, count)`: one run, or
+    /// two or three where a ring wraps. Errors for positions a ring has overwritten (before
+    /// `len - R` in a sliding layer; a bounded row's before its last `max_size - keep - 1`
+    /// other than its kept ones).
     fn runs(
         &self,
         layer: usize,
+        limit: Option<KvLimit>,
         len: usize,
         (start, end): (usize, usize),
     ) -> Result<Vec<(usize, usize)>> {
+        if let Some(limit) = limit.filter(|_| self.is_bounded_layer(layer)) {
+            return self.bounded_runs(limit, len, (start, end));
+        }
         if !self.is_ring(layer) {
             return Ok(vec![(start, end - start)]);
         }
@@ -395,6 +473,47 @@ impl SlotKvCache {
         } else {
             vec![(first, size - first), (0, count - (size - first))]
         })
+    }
+
+    /// [`SlotKvCache::runs`] for a bounded row.
+    fn bounded_runs(
+        &self,
+        limit: KvLimit,
+        len: usize,
+        (start, end): (usize, usize),
+    ) -> Result<Vec<(usize, usize)>> {
+        let keep = limit.keep as usize;
+        let size = self.bounded_ring(limit);
+        // Positions no step of this cache has overwritten: the kept ones, and the most recent
+        // that any later step reads.
+        let recent = (limit.max_size - limit.keep - 1) as usize;
+        let held_from = len.saturating_sub(recent).max(keep);
+        let dropped = (keep.min(len), held_from);
+        if end > len || start.max(dropped.0) < end.min(dropped.1) {
+            return Err(mlx_rs::error::Exception::custom(format!(
+                "positions {start}..{end} of a row bounded to {} positions are not held (the row \
+                 holds its first {keep} and {held_from}..{len})",
+                limit.max_size
+            ))
+            .into());
+        }
+        let mut runs = Vec::with_capacity(3);
+        if start < keep {
+            runs.push((start, end.min(keep) - start));
+        }
+        let from = start.max(keep);
+        if from < end {
+            let first = keep + (from - keep) % size;
+            let count = end - from;
+            if first + count <= keep + size {
+                runs.push((first, count));
+            } else {
+                let before_wrap = keep + size - first;
+                runs.push((first, before_wrap));
+                runs.push((keep, count - before_wrap));
+            }
+        }
+        Ok(runs)
     }
 
     /// This cache read as `attention` says ([`SlotAttention::Auto`] when not set).
@@ -475,6 +594,7 @@ impl SlotKvCache {
     pub fn clear(&mut self) {
         self.layers.clear();
         self.lengths.clear();
+        self.limits.clear();
         self.rows = 0;
         self.capacity = 0;
         self.pass_in_flight = None;
@@ -506,9 +626,10 @@ impl SlotKvCache {
     }
 
     /// Puts a sequence whose per-layer `cache` holds `len` positions into the first free slot (copying
-    /// them) and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
-    pub fn push(&mut self, cache: &[KvCache], len: usize) -> Result<usize> {
-        self.push_with(len, |layer| {
+    /// them), bounded by `limit` when its request bounds its KV cache (see the module docs), and
+    /// returns the slot. Lazy: evaluate [`SlotKvCache::state`].
+    pub fn push(&mut self, cache: &[KvCache], len: usize, limit: Option<KvLimit>) -> Result<usize> {
+        self.push_with(len, limit, |layer, ranges| {
             let Some(layer_cache) = cache.get(layer) else {
                 return Ok(Vec::new()); // An empty sequence given no caches.
             };
@@ -519,8 +640,13 @@ impl SlotKvCache {
                     .map(|s| vec![s.conv.clone(), s.ssm.clone()])
                     .unwrap_or_default());
             }
-            let first = layer_cache.first_position().min(len as i32);
-            layer_cache.parts(first, len as i32)
+            match ranges {
+                Some(ranges) => concat_ranges(ranges, |a, b| layer_cache.parts(a as i32, b as i32)),
+                None => {
+                    let first = layer_cache.first_position().min(len as i32);
+                    layer_cache.parts(first, len as i32)
+                }
+            }
         })
     }
 
@@ -549,7 +675,7 @@ impl SlotKvCache {
                 layer.iter().map(|b| (shape(b), b.dtype())).collect()
             })
             .collect();
-        self.push_with(len, |layer| {
+        self.push_with(len, None, |layer, _| {
             shapes[layer]
                 .iter()
                 .map(|(shape, dtype)| Ok(ops::zeros_dtype(shape, *dtype)?))
@@ -558,13 +684,17 @@ impl SlotKvCache {
     }
 
     /// Moves the first `len` positions of `other`'s `slot` into the first free slot of this cache (a
-    /// sequence whose prefill is done joins the decode batch) and returns that slot; `other`
-    /// keeps its copy until its [`SlotKvCache::remove`]. Lazy, as [`SlotKvCache::push`].
+    /// sequence whose prefill is done joins the decode batch), with its bound, and returns that
+    /// slot; `other` keeps its copy until its [`SlotKvCache::remove`]. Lazy, as
+    /// [`SlotKvCache::push`].
     pub fn push_from(&mut self, other: &SlotKvCache, slot: usize) -> Result<usize> {
         let len = other.slot_len(slot);
-        self.push_with(len, |layer| {
+        self.push_with(len, other.slot_limit(slot), |layer, ranges| {
             if other.is_recurrent(layer) {
                 return other.row_state(layer, slot);
+            }
+            if let Some(ranges) = ranges {
+                return concat_ranges(ranges, |a, b| other.slot_parts(slot, layer, a, b));
             }
             // A ring's last positions (all that its layer sees later), in temporal order.
             let held = if other.is_ring(layer) {
@@ -576,15 +706,18 @@ impl SlotKvCache {
         })
     }
 
-    /// Puts a sequence of `len` positions, whose layer `l` parts `[1, kv_heads, n, last]`
-    /// `parts(l)` gives, into the first free slot (its row's stale positions past `len` are
-    /// never read: the mask stops at each row's length). Parts of `n < len` positions are the
-    /// last ones (a sliding layer holding its window only): the row's positions before them are
-    /// stale, out of that layer's window mask.
+    /// Puts a sequence of `len` positions bounded by `limit` (if any) into the first free slot,
+    /// layer `l`'s parts `[1, kv_heads, n, last]` given by `parts(l, ranges)`: for a layer the
+    /// bound applies to, the positions of `ranges` (what the row reads next,
+    /// [`SlotKvCache::held_ranges`]) one after the other; otherwise (`None`) the row's positions
+    /// or its last `n < len` (a sliding layer holding its window only: the row's positions
+    /// before them are stale, out of that layer's window mask). A row's stale positions past
+    /// `len` are never read: the mask stops at each row's length.
     fn push_with(
         &mut self,
         len: usize,
-        mut parts: impl FnMut(usize) -> Result<Vec<Array>>,
+        limit: Option<KvLimit>,
+        mut parts: impl FnMut(usize, Option<&[(usize, usize)]>) -> Result<Vec<Array>>,
     ) -> Result<usize> {
         let slot = self
             .lengths
@@ -593,40 +726,51 @@ impl SlotKvCache {
             .unwrap_or(self.lengths.len());
         // Room for the token this sequence feeds next, as every occupied slot has.
         let slots = self.lengths.len().max(slot + 1);
-        self.reshape(slots, self.needed_capacity(1).max(len + 1))?;
+        let entries = self.row_entries(limit, len, 1);
+        self.reshape(slots, self.needed_capacity(1).max(entries))?;
         // A recurrent layer's row gets the sequence's state, or zeros: a free row's state is
         // whatever its last occupant or padding left.
         let recurrent = self.recurrent.clone();
         for layer in (0..self.num_layers).filter(|&l| recurrent[l]) {
-            let parts = parts(layer)?;
+            let parts = parts(layer, None)?;
             self.put_row_state(layer, slot, &parts)?;
         }
         if len > 0 {
             for layer in (0..self.num_layers).filter(|&l| !recurrent[l]) {
-                let mut parts = parts(layer)?;
+                let bounded = self.held_ranges(layer, limit, len);
+                let mut parts = parts(layer, bounded.as_deref())?;
                 self.ensure_buffers(layer, &parts)?;
-                // A ring keeps the last positions that fit it.
-                let size = self.layer_capacity(layer, self.capacity);
                 let held = parts.first().map_or(0, |p| p.shape()[2] as usize);
-                let kept = if self.is_ring(layer) {
-                    held.min(size)
-                } else {
-                    held
+                let ranges = match bounded {
+                    Some(ranges) => ranges,
+                    None => {
+                        // A ring keeps the last positions that fit it.
+                        let size = self.layer_capacity(layer, self.capacity);
+                        let kept = if self.is_ring(layer) {
+                            held.min(size)
+                        } else {
+                            held
+                        };
+                        if kept < held {
+                            parts = parts
+                                .iter()
+                                .map(|p| {
+                                    let s = p.shape();
+                                    Ok(slice(
+                                        p,
+                                        &[0, 0, (held - kept) as i32, 0],
+                                        &[s[0], s[1], s[2], s[3]],
+                                    )?)
+                                })
+                                .collect::<Result<_>>()?;
+                        }
+                        vec![(len - kept, len)]
+                    }
                 };
-                if kept < held {
-                    parts = parts
-                        .iter()
-                        .map(|p| {
-                            let s = p.shape();
-                            Ok(slice(
-                                p,
-                                &[0, 0, (held - kept) as i32, 0],
-                                &[s[0], s[1], s[2], s[3]],
-                            )?)
-                        })
-                        .collect::<Result<_>>()?;
+                let mut runs = Vec::new();
+                for &range in &ranges {
+                    runs.extend(self.runs(layer, limit, len, range)?);
                 }
-                let runs = self.runs(layer, len, (len - kept, len))?;
                 for (buffer, part) in self.layers[layer].iter_mut().zip(&parts) {
                     let s = part.shape();
                     let mut from = 0;
@@ -646,8 +790,10 @@ impl SlotKvCache {
         }
         if slot == self.lengths.len() {
             self.lengths.push(Some(len));
+            self.limits.push(limit);
         } else {
             self.lengths[slot] = Some(len);
+            self.limits[slot] = limit;
         }
         Ok(slot)
     }
@@ -658,8 +804,10 @@ impl SlotKvCache {
     pub fn remove(&mut self, slot: usize) -> Result<Vec<(usize, usize)>> {
         assert!(self.is_occupied(slot), "slot {slot} is not occupied");
         self.lengths[slot] = None;
+        self.limits[slot] = None;
         while self.lengths.last() == Some(&None) {
             self.lengths.pop();
+            self.limits.pop();
         }
         let occupied = self.len();
         if occupied == 0 {
@@ -686,18 +834,20 @@ impl SlotKvCache {
                 *buffer = buffer.take_axis(&gather, 0)?;
             }
             self.lengths = order.iter().map(|&s| self.lengths[s]).collect();
+            self.limits = order.iter().map(|&s| self.limits[s]).collect();
             self.rows = rows;
         }
         self.reshape(self.lengths.len(), self.needed_capacity(1))?;
         Ok(moves)
     }
 
-    /// Capacity every occupied slot needs for `tokens` more positions.
+    /// Capacity every occupied slot needs for `tokens` more positions (a bounded row: its kept
+    /// positions and ring at most).
     fn needed_capacity(&self, tokens: usize) -> usize {
         self.lengths
             .iter()
-            .flatten()
-            .map(|l| l + tokens)
+            .zip(&self.limits)
+            .filter_map(|(len, limit)| Some(self.row_entries(*limit, (*len)?, tokens)))
             .max()
             .unwrap_or(tokens)
     }
@@ -871,8 +1021,20 @@ impl SlotKvCache {
             &positions.reshape(&[-1, 1, 1, 1])?,
             &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, 1, -1, 1])?,
         )?;
-        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?;
-        let mask = ops::le(&keys.reshape(&[1, 1, 1, -1])?, &index)?;
+        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;
+        let (mask, write) = if self.limits.iter().any(Option::is_some) {
+            if tokens > self.max_step_tokens {
+                return Err(mlx_rs::error::Exception::custom(format!(
+                    "a step of {tokens} tokens per row is wider than bounded rows' rings allow \
+                     ({})",
+                    self.max_step_tokens
+                ))
+                .into());
+            }
+            self.bounded_step(&index, &keys)?
+        } else {
+            (ops::le(&keys, &index)?, index.clone())
+        };
         let ring = match (&self.rings, self.ring_size(self.capacity)) {
             (Some(rings), Some(size)) => {
                 if size < self.capacity && tokens > rings.max_step_tokens {
@@ -896,11 +1058,66 @@ impl SlotKvCache {
             mask,
             read: self.read(Backend::current(), tokens),
             index,
+            write,
             ring,
             real,
             window_mask: OnceCell::new(),
             additive: Default::default(),
         })
+    }
+
+    /// The mask `[rows, 1, tokens, capacity]` and write entries `[rows, 1, tokens, 1]` of the
+    /// layers that keep every position, for a step whose queries sit at `index`
+    /// `[rows, 1, tokens, 1]` over entries `keys` `[1, 1, 1, capacity]`, when some row is
+    /// bounded (see the module docs). A query at `q` of a row bounded to `max_size` positions
+    /// reads entry `e` as the latest position `p <= q` written there (`e` itself below `keep`,
+    /// `q - ((q - e) mod W)` in the ring), and sees it when `p` is in the list the row held
+    /// before the step ([`KvLimit::held_before`]) or is one of the step's, less than `max_size`
+    /// places before `q` in that list. An unbounded row takes `keep = 0` and `W`, `max_size`
+    /// beyond any position, which leaves its plain causal mask.
+    fn bounded_step(&self, index: &Array, keys: &Array) -> Result<(Array, Array)> {
+        const UNBOUNDED: i32 = 1 << 30;
+        // Per row: keep, W, max_size, and the list before the step (keep_end, recent_from).
+        let mut params = [0, UNBOUNDED, UNBOUNDED, 0, 0].map(|v| vec![v; self.rows]);
+        for (r, (len, limit)) in self.lengths.iter().zip(&self.limits).enumerate() {
+            if let (Some(len), Some(limit)) = (len, limit) {
+                let (keep_end, recent_from) = limit.held_before(*len as i32);
+                let ring = self.bounded_ring(*limit) as i32;
+                let values = [limit.keep, ring, limit.max_size, keep_end, recent_from];
+                for (param, value) in params.iter_mut().zip(values) {
+                    param[r] = value;
+                }
+            }
+        }
+        let [keep, ring, max_size, keep_end, recent_from] =
+            params.map(|p| Array::from_slice(&p, &[self.rows as i32, 1, 1, 1]));
+        let q = index;
+        // The latest position <= q in each entry: the entry below `keep`, else in the ring.
+        let rq = ops::subtract(q, &keep)?;
+        let re = ops::subtract(keys, &keep)?;
+        let age = ops::remainder(&ops::add(&ops::subtract(&rq, &re)?, &ring)?, &ring)?;
+        let in_ring = ops::subtract(&ops::add(&keep, &rq)?, &age)?;
+        let kept = ops::lt(keys, &keep)?;
+        let p = ops::select(&kept, keys, &in_ring)?;
+        let written = ops::select(
+            &kept,
+            &ops::le(keys, q)?,
+            &ops::logical_and(&ops::lt(&re, &ring)?, &ops::ge(&in_ring, &keep)?)?,
+        )?;
+        // Places in the list the row reads: the kept positions, then the recent ones.
+        let early = ops::lt(&p, &keep_end)?;
+        let listed = ops::logical_or(&early, &ops::ge(&p, &recent_from)?)?;
+        let shift = ops::subtract(&keep_end, &recent_from)?;
+        let place = ops::select(&early, &p, &ops::add(&p, &shift)?)?;
+        let query_place = ops::add(q, &shift)?;
+        let near = ops::lt(&ops::subtract(&query_place, &place)?, &max_size)?;
+        let mask = ops::logical_and(&ops::logical_and(&written, &listed)?, &near)?;
+        let write = ops::select(
+            &ops::lt(&rq, Array::from_int(0))?,
+            q,
+            &ops::add(&keep, &ops::remainder(&rq, &ring)?)?,
+        )?;
+        Ok((mask, write))
     }
 
     /// Each row's real tokens of a step of `tokens` per row: `new_tokens[slot]` for an
@@ -934,7 +1151,7 @@ impl SlotKvCache {
         self.ensure_buffers(layer, &parts)?;
         let index = match &step.ring {
             Some(ring) if self.is_ring(layer) => &ring.index,
-            _ => &step.index,
+            _ => &step.write,
         };
         let buffers = &mut self.layers[layer];
         for (buffer, part) in buffers.iter_mut().zip(&parts) {
@@ -1020,7 +1237,12 @@ impl SlotKvCache {
         start: usize,
         end: usize,
     ) -> Result<Vec<Array>> {
-        let runs = self.runs(layer, self.slot_len(slot), (start, end))?;
+        let runs = self.runs(
+            layer,
+            self.slot_limit(slot),
+            self.slot_len(slot),
+            (start, end),
+        )?;
         self.layers[layer]
             .iter()
             .map(|b| {
@@ -1043,12 +1265,12 @@ impl SlotKvCache {
             .collect()
     }
 
-    /// How many arrays a step of this cache has ([`SlotStep::arrays`]): 3, or 5 with rings.
+    /// How many arrays a step of this cache has ([`SlotStep::arrays`]): 4, or 6 with rings.
     pub(crate) fn step_arrays(&self) -> usize {
         if self.rings.is_some() {
-            5
+            6
         } else {
-            3
+            4
         }
     }
 
@@ -1120,6 +1342,27 @@ impl SlotKvCache {
     }
 }
 
+/// The parts of each range of positions `[a, b)` (`parts(a, b)`, `[1, kv_heads, b - a, last]`),
+/// one after the other along the positions' axis.
+fn concat_ranges(
+    ranges: &[(usize, usize)],
+    mut parts: impl FnMut(usize, usize) -> Result<Vec<Array>>,
+) -> Result<Vec<Array>> {
+    let pieces: Vec<Vec<Array>> = ranges
+        .iter()
+        .map(|&(a, b)| parts(a, b))
+        .collect::<Result<_>>()?;
+    match pieces.len() {
+        1 => Ok(pieces.into_iter().next().expect("one range")),
+        _ => (0..pieces.first().map_or(0, Vec::len))
+            .map(|i| {
+                let column: Vec<&Array> = pieces.iter().map(|p| &p[i]).collect();
+                Ok(ops::concatenate(&column, 2)?)
+            })
+            .collect(),
+    }
+}
+
 /// `buffer` `[rows, ..]` with `rows` rows: its first ones kept, zeros after them.
 fn resize_rows(buffer: &Array, rows: usize) -> Result<Array> {
     let s = buffer.shape();
@@ -1174,7 +1417,7 @@ mod tests {
             .collect();
         // Layer 0 slides over 8 positions: a ring of 256 (8 + 1 - 1 + 16, bucketed).
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
-        let slot = slots.push(&caches, len as usize).unwrap();
+        let slot = slots.push(&caches, len as usize, None).unwrap();
         let capacities: Vec<i32> = slots.layers.iter().map(|l| l[0].shape()[2]).collect();
         assert_eq!(capacities, [256, 768]);
         let positions = |layer: usize, start: usize, end: usize| -> Vec<f32> {
@@ -1211,6 +1454,108 @@ mod tests {
             .map(|(e, _)| e)
             .collect();
         assert_eq!(seen, (81..=88).collect::<Vec<_>>());
+    }
+
+    /// The positions each query of a step sees, from the keys' values (each key holds its
+    /// position) where `mask` `[1, 1, tokens, n]` is true.
+    fn seen(keys: &Array, mask: &Array) -> Vec<Vec<i32>> {
+        let keys: Vec<f32> = keys.flatten(None, None).unwrap().as_slice::<f32>().to_vec();
+        let shape = mask.shape().to_vec();
+        let mask = mask.flatten(None, None).unwrap();
+        let mask = mask.as_slice::<bool>();
+        let n = shape[3] as usize;
+        (0..shape[2] as usize)
+            .map(|i| {
+                let mut seen: Vec<i32> = (0..n)
+                    .filter(|&k| mask[i * n + k])
+                    .map(|k| keys[k] as i32)
+                    .collect();
+                seen.sort_unstable();
+                seen
+            })
+            .collect()
+    }
+
+    /// A bounded row beside an unbounded one: at every step, prefill chunks of several widths
+    /// (wrapping the ring within a chunk and across chunks) then decode steps after moving to a
+    /// cache of one-token steps, each query sees exactly the positions mlx_lm's rotating cache
+    /// gives it (Perch's one-sequence `KvCache` with the same bound, tested against mlx_lm),
+    /// and the unbounded row sees every position up to its own.
+    #[test]
+    fn bounded_rows_see_what_a_rotating_cache_gives() {
+        let limit = KvLimit::new(10, KvLimit::KEEP).unwrap();
+        let mut own = KvCache::new();
+        own.limit_to(limit);
+        let mut prefill = SlotKvCache::new(1, None).with_max_step_tokens(8);
+        let bounded = prefill.push(&[], 0, Some(limit)).unwrap();
+        let plain = prefill.push(&[], 0, None).unwrap();
+        let mut decode = SlotKvCache::new(1, None);
+        let mut len = 0;
+        let positions = |from: i32, n: i32| {
+            ops::arange::<_, f32>(from as f32, (from + n) as f32, None)
+                .unwrap()
+                .reshape(&[1, 1, n, 1])
+                .unwrap()
+        };
+        for (i, &tokens) in [3, 8, 5, 1, 7, 2, 8, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+            .iter()
+            .enumerate()
+        {
+            let decoding = i >= 7;
+            if i == 7 {
+                assert_eq!(decode.push_from(&prefill, bounded).unwrap(), 0);
+                assert_eq!(decode.slot_limit(0), Some(limit));
+            }
+            let slots = if decoding { &mut decode } else { &mut prefill };
+            let counts = vec![tokens as usize; slots.slots()];
+            let step = slots.begin_step(tokens as usize, &counts).unwrap();
+            // Every row writes its positions (both rows are at the same length).
+            let rows = slots.rows() as i32;
+            let keys = ops::broadcast_to(positions(len, tokens), &[rows, 1, tokens, 1]).unwrap();
+            let cached = slots.update_and_fetch(0, &step, &keys, &keys).unwrap();
+            let buffer = match cached {
+                CachedKv::Dense { keys, .. } => keys,
+                _ => unreachable!("a float cache"),
+            };
+            let row = |a: &Array, r: i32| {
+                let s = a.shape().to_vec();
+                slice(a, &[r, 0, 0, 0], &[r + 1, s[1], s[2], s[3]]).unwrap()
+            };
+            let got = seen(&row(&buffer, 0), &row(&step.mask, 0));
+            own.update_and_fetch(&positions(len, tokens), &positions(len, tokens))
+                .unwrap();
+            let view = own.limited_fetch(tokens).unwrap();
+            let held = view.keys.shape()[2];
+            let mask = match view.mask {
+                Some(mask) => mask,
+                None => {
+                    // Causal over the list (a token sees what is before it in the list).
+                    let q = ops::arange::<_, i32>(held - tokens, held, None).unwrap();
+                    let k = ops::arange::<_, i32>(0, held, None).unwrap();
+                    ops::le(
+                        k.reshape(&[1, 1, 1, -1]).unwrap(),
+                        q.reshape(&[1, 1, -1, 1]).unwrap(),
+                    )
+                    .unwrap()
+                }
+            };
+            let expected = seen(&view.keys, &mask);
+            assert_eq!(got, expected, "step {i} ({tokens} tokens from {len})");
+            if !decoding {
+                let got = seen(&row(&buffer, plain as i32), &row(&step.mask, plain as i32));
+                let all: Vec<Vec<i32>> = (0..tokens).map(|t| (0..=len + t).collect()).collect();
+                assert_eq!(got, all, "step {i}: the unbounded row sees everything");
+            }
+            slots.end_step(&counts);
+            len += tokens;
+        }
+        // The bounded row's entries stop at its kept positions and ring; the unbounded one grows.
+        assert_eq!(decode.needed_capacity(1), 4 + 6);
+        assert_eq!(prefill.needed_capacity(1), 34 + 1);
+        let ring = prefill.bounded_ring(limit);
+        assert_eq!(ring, 10 - 4 - 1 + 8);
+        let err = prefill.copy_parts(bounded, 0, 5, 8).unwrap_err();
+        assert!(err.to_string().contains("not held"), "{err}");
     }
 
     #[test]

@@ -21,7 +21,7 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::error::Result;
-use crate::kv::cache::KvCache;
+use crate::kv::cache::{KvCache, KvLimit};
 use crate::kv::slot_cache::{SlotAttention, SlotKvCache};
 use crate::models::Model;
 use crate::nn::mlx_ext::slice;
@@ -158,7 +158,7 @@ impl<'m> ModelRunner<'m> {
         let mut slots = self.slots.decode.empty_like();
         let mut shapes = 0;
         for n in 1..=max_rows.max(1) {
-            slots.push(&[], 0)?;
+            slots.push(&[], 0, None)?;
             if n < max_rows && row_bucket(n + 1) == row_bucket(n) {
                 continue;
             }
@@ -204,7 +204,7 @@ impl<'m> ModelRunner<'m> {
             }
         } else {
             for _ in 0..shape.rows {
-                slots.push(&[], 0)?;
+                slots.push(&[], 0, None)?;
             }
         }
         let ids = ops::zeros_dtype(&[shape.rows as i32, shape.width as i32], Dtype::Uint32)?;
@@ -228,7 +228,7 @@ impl<'m> ModelRunner<'m> {
     /// ([`SlotKvCache::push_zeros`]).
     fn shaped_like(&self, cache: &SlotKvCache) -> Result<SlotKvCache> {
         let mut shaped = cache.empty_like();
-        shaped.push(&[], 0)?;
+        shaped.push(&[], 0, None)?;
         self.model
             .forward_slots(&Array::from_slice(&[0u32], &[1, 1]), &mut shaped, &[1])?;
         Ok(shaped)
@@ -287,9 +287,17 @@ impl<'m> ModelRunner<'m> {
         self.slots.prefill.slots()
     }
 
-    /// Puts a sequence whose `cache` holds `computed` positions into the next prefill slot.
-    pub fn enter_prefill(&mut self, cache: &[KvCache], computed: usize) -> Result<Slot> {
-        Ok(Slot::Prefill(self.slots.prefill.push(cache, computed)?))
+    /// Puts a sequence whose `cache` holds `computed` positions into the next prefill slot,
+    /// bounded by `limit` when its request bounds its KV cache (`max_kv_size`).
+    pub fn enter_prefill(
+        &mut self,
+        cache: &[KvCache],
+        computed: usize,
+        limit: Option<KvLimit>,
+    ) -> Result<Slot> {
+        Ok(Slot::Prefill(
+            self.slots.prefill.push(cache, computed, limit)?,
+        ))
     }
 
     /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
@@ -324,13 +332,14 @@ impl<'m> ModelRunner<'m> {
     }
 
     /// Puts a sequence into a decode slot: from its prefill slot (freed; see
-    /// [`ModelRunner::free_slot`] for the moves returned) or, with `None`, from its own `cache`
-    /// of `computed` positions.
+    /// [`ModelRunner::free_slot`] for the moves returned; its bound goes with it) or, with
+    /// `None`, from its own `cache` of `computed` positions, bounded by `limit`.
     pub fn enter_decode(
         &mut self,
         from: Option<Slot>,
         cache: &[KvCache],
         computed: usize,
+        limit: Option<KvLimit>,
     ) -> Result<(Slot, Vec<(Slot, Slot)>)> {
         match from {
             Some(Slot::Decode(_)) => unreachable!("a decoding sequence is in its slot"),
@@ -340,7 +349,7 @@ impl<'m> ModelRunner<'m> {
                 Ok((Slot::Decode(slot), moves))
             }
             None => Ok((
-                Slot::Decode(self.slots.decode.push(cache, computed)?),
+                Slot::Decode(self.slots.decode.push(cache, computed, limit)?),
                 Vec::new(),
             )),
         }
