@@ -292,21 +292,34 @@ pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
         .collect();
     let prefill = (!members.is_empty()).then(|| {
         let widest = limits.prefill_token_budget.max(1);
-        let (bounded, shared): (Vec<usize>, Vec<usize>) =
-            members.iter().partition(|&&i| running[i].bounded);
         let own = |i: usize| {
             progress[i]
                 .prompt_left()
                 .min(progress[i].prefill_step_size.max(1))
                 .min(widest)
         };
-        let budget = scheduler::prefill_budget(&progress, limits.prefill_token_budget)
-            .saturating_sub(bounded.iter().map(|&i| own(i)).sum());
+        // Bounded rows take their own chunks, oldest first, while they fit the budget (the
+        // first always does: a chunk is at most the budget); one that does not waits for a
+        // step with room. The other rows share what is left.
+        let mut budget = scheduler::prefill_budget(&progress, limits.prefill_token_budget);
+        let mut bounded = Vec::new();
+        for &i in members.iter().filter(|&&i| running[i].bounded) {
+            if own(i) <= budget {
+                budget -= own(i);
+                bounded.push(i);
+            }
+        }
+        let shared: Vec<usize> = members
+            .iter()
+            .copied()
+            .filter(|&i| !running[i].bounded)
+            .collect();
         let rows: Vec<Progress> = shared.iter().map(|&i| progress[i]).collect();
         // `shared` follows `members`' order, so their shares come in that order too.
         let mut shares = scheduler::plan_slot_chunks(&rows, budget, widest).into_iter();
         let chunks: Vec<(RequestId, usize)> = members
             .iter()
+            .filter(|&&i| !running[i].bounded || bounded.contains(&i))
             .map(|&i| {
                 let row = &running[i];
                 if row.bounded {
@@ -496,6 +509,13 @@ mod tests {
         assert_eq!(pass.chunks, vec![(2, 100), (3, 144)]);
         // Alone, still its own step, never the whole budget.
         let pass = plan_step(&[bounded], &limits).prefill.unwrap();
+        assert_eq!(pass.chunks, vec![(2, 100)]);
+        // A second bounded row whose chunk does not fit what is left waits for the next step.
+        let mut second = bounded;
+        second.id = 4;
+        second.progress.prefill_step_size = 200;
+        let running = [running[0], bounded, second];
+        let pass = plan_step(&running, &limits).prefill.unwrap();
         assert_eq!(pass.chunks, vec![(2, 100)]);
     }
 

@@ -468,7 +468,17 @@ impl<'m> BatchGenerator<'m> {
                     .into(),
             ));
         }
-        let limit = kv_options(self.model, &request)?;
+        // A bound the sequence never reaches changes nothing (mlx_lm's rotating cache trims
+        // nothing then): the request runs unbounded, with the prefix cache.
+        let limit = kv_options(self.model, &request)?
+            .filter(|l| (l.max_size as usize) < request.prompt.len() + max_tokens);
+        if let Some(limit) = limit.filter(|l| l.max_size > KvLimit::MAX_SIZE) {
+            return Err(EngineError::Request(format!(
+                "max_kv_size {} is more than the {} positions a bounded KV cache holds at most",
+                limit.max_size,
+                KvLimit::MAX_SIZE
+            )));
+        }
         if limit.is_some() && self.config.kv_quantization.is_some() {
             return Err(EngineError::Request(
                 "max_kv_size cannot be combined with the engine's quantized KV cache: a bounded \
@@ -493,9 +503,10 @@ impl<'m> BatchGenerator<'m> {
                 capacity_tokens,
             });
         }
+        // A bounded request whose bound the pool holds may run past the pool's size.
         let max_tokens = match limit {
-            Some(_) => max_tokens,
-            None => max_tokens.min(capacity_tokens - request.prompt.len()),
+            Some(limit) if self.bounded_tokens(limit) < capacity_tokens => max_tokens,
+            _ => max_tokens.min(capacity_tokens - request.prompt.len()),
         };
         let id = self.next_id;
         self.next_id += 1;

@@ -82,6 +82,8 @@ pub struct KvLimit {
 impl KvLimit {
     /// The positions mlx_lm keeps at the front (`make_prompt_cache`'s `keep=4`).
     pub const KEEP: i32 = 4;
+    /// The largest bound the batch engine's bounded rows take (their ring arithmetic is int32).
+    pub const MAX_SIZE: i32 = 1 << 28;
 
     /// Errors unless `max_size` leaves room for one recent position beside the `keep` ones.
     pub fn new(max_size: usize, keep: i32) -> Result<Self> {

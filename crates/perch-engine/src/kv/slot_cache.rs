@@ -411,11 +411,16 @@ impl SlotKvCache {
         (limit.max_size - limit.keep - 1) as usize + self.max_step_tokens
     }
 
-    /// Entries of the layers that keep every position that a row of `len` positions (bounded
-    /// by `limit`, if any) needs for a step of `tokens` more.
+    /// Entries a row of `len` positions (bounded by `limit`, if any) needs for a step of
+    /// `tokens` more: a bounded row's kept positions and ring in the layers that keep every
+    /// position, but never less than the sliding layers' rings while the row is longer (their
+    /// ring is the capacity until that reaches `R`, and must not wrap sooner).
     fn row_entries(&self, limit: Option<KvLimit>, len: usize, tokens: usize) -> usize {
         match limit {
-            Some(limit) => (len + tokens).min(limit.keep as usize + self.bounded_ring(limit)),
+            Some(limit) => {
+                let bounded = limit.keep as usize + self.bounded_ring(limit);
+                (len + tokens).min(bounded.max(self.ring_positions().unwrap_or(0)))
+            }
             None => len + tokens,
         }
     }
@@ -1031,7 +1036,7 @@ impl SlotKvCache {
                 ))
                 .into());
             }
-            self.bounded_step(&index, &keys)?
+            self.bounded_step(&index, &keys, tokens)?
         } else {
             (ops::le(&keys, &index)?, index.clone())
         };
@@ -1067,19 +1072,28 @@ impl SlotKvCache {
     }
 
     /// The mask `[rows, 1, tokens, capacity]` and write entries `[rows, 1, tokens, 1]` of the
-    /// layers that keep every position, for a step whose queries sit at `index`
-    /// `[rows, 1, tokens, 1]` over entries `keys` `[1, 1, 1, capacity]`, when some row is
-    /// bounded (see the module docs). A query at `q` of a row bounded to `max_size` positions
-    /// reads entry `e` as the latest position `p <= q` written there (`e` itself below `keep`,
-    /// `q - ((q - e) mod W)` in the ring), and sees it when `p` is in the list the row held
-    /// before the step ([`KvLimit::held_before`]) or is one of the step's, less than `max_size`
-    /// places before `q` in that list. An unbounded row takes `keep = 0` and `W`, `max_size`
-    /// beyond any position, which leaves its plain causal mask.
-    fn bounded_step(&self, index: &Array, keys: &Array) -> Result<(Array, Array)> {
+    /// layers that keep every position, for a step of `tokens` per row whose queries sit at
+    /// `index` `[rows, 1, tokens, 1]`, over entries `keys` `[1, 1, 1, capacity]`, when some row
+    /// is bounded (see the module docs).
+    ///
+    /// Per entry `e` of a bounded row, `P(e)`: the latest position written there by the end of
+    /// the step (`e` itself below `keep`; in the ring, `last - ((last - e) mod W)` counted from
+    /// `keep`). A query at `q` sees `e` when `P(e) <= q` (an entry the step overwrites later held
+    /// a position older than anything the row reads, see the module docs) and `P(e)` is in the
+    /// list mlx_lm's rotating cache gives it ([`KvLimit::held_before`]: kept positions before
+    /// `keep_end`, recent ones from `recent_from`), fewer than `max_size` places before `q` in that
+    /// list: a recent position from `max(recent_from, q - max_size + 1)`, a kept one from
+    /// `q - recent_from + keep_end - max_size + 1`. An unbounded row takes `keep = 0` and `W`,
+    /// `max_size` beyond any position, which leaves its plain causal mask. Only a few operations
+    /// run over the whole `[rows, 1, tokens, capacity]`; the rest are per entry or per query.
+    fn bounded_step(&self, index: &Array, keys: &Array, tokens: usize) -> Result<(Array, Array)> {
         const UNBOUNDED: i32 = 1 << 30;
-        // Per row: keep, W, max_size, and the list before the step (keep_end, recent_from).
-        let mut params = [0, UNBOUNDED, UNBOUNDED, 0, 0].map(|v| vec![v; self.rows]);
+        // Per row: keep, W, max_size, the list before the step (keep_end, recent_from), and the
+        // last position the step writes.
+        let mut params = [0, UNBOUNDED, UNBOUNDED, 0, 0, 0].map(|v| vec![v; self.rows]);
         for (r, (len, limit)) in self.lengths.iter().zip(&self.limits).enumerate() {
+            let last = (len.unwrap_or(0) + tokens - 1) as i32;
+            params[5][r] = last;
             if let (Some(len), Some(limit)) = (len, limit) {
                 let (keep_end, recent_from) = limit.held_before(*len as i32);
                 let ring = self.bounded_ring(*limit) as i32;
@@ -1089,34 +1103,45 @@ impl SlotKvCache {
                 }
             }
         }
-        let [keep, ring, max_size, keep_end, recent_from] =
+        let [keep, ring, max_size, keep_end, recent_from, last] =
             params.map(|p| Array::from_slice(&p, &[self.rows as i32, 1, 1, 1]));
-        let q = index;
-        // The latest position <= q in each entry: the entry below `keep`, else in the ring.
-        let rq = ops::subtract(q, &keep)?;
-        let re = ops::subtract(keys, &keep)?;
-        let age = ops::remainder(&ops::add(&ops::subtract(&rq, &re)?, &ring)?, &ring)?;
-        let in_ring = ops::subtract(&ops::add(&keep, &rq)?, &age)?;
+        let zero = Array::from_int(0);
+        // `a mod W` in `[0, W)` whatever the sign of `a`.
+        let modulo = |a: &Array| -> Result<Array> {
+            let m = ops::remainder(a, &ring)?;
+            Ok(ops::select(
+                &ops::lt(&m, &zero)?,
+                &ops::add(&m, &ring)?,
+                &m,
+            )?)
+        };
+        // Per entry, [rows, 1, 1, capacity].
         let kept = ops::lt(keys, &keep)?;
-        let p = ops::select(&kept, keys, &in_ring)?;
-        let written = ops::select(
+        let re = ops::subtract(keys, &keep)?;
+        let r_last = ops::subtract(&last, &keep)?;
+        let in_ring = ops::subtract(
+            &ops::add(&keep, &r_last)?,
+            &modulo(&ops::subtract(&r_last, &re)?)?,
+        )?;
+        let position = ops::select(&kept, keys, &in_ring)?;
+        let held = ops::logical_or(
             &kept,
-            &ops::le(keys, q)?,
             &ops::logical_and(&ops::lt(&re, &ring)?, &ops::ge(&in_ring, &keep)?)?,
         )?;
-        // Places in the list the row reads: the kept positions, then the recent ones.
-        let early = ops::lt(&p, &keep_end)?;
-        let listed = ops::logical_or(&early, &ops::ge(&p, &recent_from)?)?;
-        let shift = ops::subtract(&keep_end, &recent_from)?;
-        let place = ops::select(&early, &p, &ops::add(&p, &shift)?)?;
-        let query_place = ops::add(q, &shift)?;
-        let near = ops::lt(&ops::subtract(&query_place, &place)?, &max_size)?;
-        let mask = ops::logical_and(&ops::logical_and(&written, &listed)?, &near)?;
-        let write = ops::select(
-            &ops::lt(&rq, Array::from_int(0))?,
-            q,
-            &ops::add(&keep, &ops::remainder(&rq, &ring)?)?,
+        // Per query, [rows, 1, tokens, 1]: the first position of each part of the list it sees.
+        let q = index;
+        let one = Array::from_int(1);
+        let reach = ops::add(&ops::subtract(q, &max_size)?, &one)?;
+        let recent_lo = ops::maximum(&recent_from, &reach)?;
+        let kept_lo = ops::add(&ops::subtract(&reach, &recent_from)?, &keep_end)?;
+        // [rows, 1, tokens, capacity].
+        let lo = ops::select(&kept, &kept_lo, &recent_lo)?;
+        let mask = ops::logical_and(
+            &ops::logical_and(&held, &ops::le(&position, q)?)?,
+            &ops::ge(&position, &lo)?,
         )?;
+        let rq = ops::subtract(q, &keep)?;
+        let write = ops::select(&ops::lt(&rq, &zero)?, q, &ops::add(&keep, &modulo(&rq)?)?)?;
         Ok((mask, write))
     }
 
@@ -1556,6 +1581,55 @@ mod tests {
         assert_eq!(ring, 10 - 4 - 1 + 8);
         let err = prefill.copy_parts(bounded, 0, 5, 8).unwrap_err();
         assert!(err.to_string().contains("not held"), "{err}");
+    }
+
+    /// A bounded row of a sliding model: its global layer keeps its kept positions and ring,
+    /// while its sliding layer's ring (larger here) still holds the window's last positions,
+    /// the capacity reaching that ring's size.
+    #[test]
+    fn a_bounded_row_keeps_the_sliding_layers_ring() {
+        let len = 600;
+        let caches: Vec<KvCache> = (0..2)
+            .map(|_| {
+                let mut cache = KvCache::new();
+                let keys = ops::arange::<_, f32>(0.0, len as f32, None)
+                    .unwrap()
+                    .reshape(&[1, 1, len, 1])
+                    .unwrap();
+                cache.update_and_fetch(&keys, &keys).unwrap();
+                cache
+            })
+            .collect();
+        let limit = KvLimit::new(10, KvLimit::KEEP).unwrap();
+        let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(300), None], 1, 16);
+        let slot = slots.push(&caches, len as usize, Some(limit)).unwrap();
+        let ring = slots.ring_positions().unwrap();
+        assert!(
+            ring > 300 && slots.capacity >= ring,
+            "{ring} {}",
+            slots.capacity
+        );
+        let positions = |layer: usize, start: usize, end: usize| -> Vec<f32> {
+            let parts = slots.copy_parts(slot, layer, start, end).unwrap();
+            parts[0]
+                .flatten(None, None)
+                .unwrap()
+                .as_slice::<f32>()
+                .to_vec()
+        };
+        let last: Vec<f32> = (300..600).map(|p| p as f32).collect();
+        assert_eq!(positions(0, 300, 600), last, "the sliding layer's window");
+        assert_eq!(
+            positions(1, 0, 4),
+            [0.0, 1.0, 2.0, 3.0],
+            "the kept positions"
+        );
+        let recent: Vec<f32> = (595..600).map(|p| p as f32).collect();
+        assert_eq!(positions(1, 595, 600), recent, "the recent ones");
+        assert!(
+            slots.copy_parts(slot, 1, 590, 600).is_err(),
+            "older ones are not held"
+        );
     }
 
     #[test]
