@@ -168,6 +168,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
 
         if model.has_recurrent_layers() {
             compiled_recurrence(dir, &name, &expected, ours);
+        }
+        // Experts' gate and up projections fuse too, quantized ones included.
+        if model.has_recurrent_layers() || name.contains("moe") || name.starts_with("gpt_oss") {
             fused_input_projections(dir, &name, &expected);
         }
 
@@ -344,10 +347,11 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
     );
 }
 
-/// A hybrid model with its projections fused at load (the GPU default, forced here: each
-/// Gated DeltaNet layer's four input projections in one matmul, attention's q/k/v in another)
-/// computes mlx_lm's logits too. Quantized tiny models keep Perch's CPU kernel, which is never
-/// fused, so only the float ones fuse.
+/// A hybrid or mixture-of-experts model with its projections fused at load (the GPU default,
+/// forced here: each Gated DeltaNet layer's four input projections in one matmul, attention's
+/// q/k/v in another, the experts' gate and up projections in one gather) computes mlx_lm's
+/// logits too. Quantized tiny models keep Perch's CPU kernel for their dense projections, which
+/// is never fused; their experts (MLX's `gather_qmm`) fuse.
 fn fused_input_projections(dir: &Path, name: &str, expected: &Expected) {
     std::env::set_var("PERCH_FUSED_PROJECTIONS", "1");
     let model = models::load(dir);

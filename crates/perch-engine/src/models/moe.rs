@@ -199,16 +199,94 @@ impl SwitchLinear {
     }
 }
 
+impl SwitchLinear {
+    /// One projection computing `gate`'s and `up`'s outputs side by side (`[..., 2 * out]`),
+    /// their weights (scales, quantization biases, biases) stacked along the output axis, when
+    /// both are dense in one dtype or quantized with the same parameters, each with a bias or
+    /// neither; otherwise both back. Evaluated here, so the parts' memory is freed as they drop.
+    fn fuse(gate: Self, up: Self) -> Result<std::result::Result<Self, (Self, Self)>> {
+        let cat = |a: &Array, b: &Array| -> Result<Array> {
+            let both = ops::concatenate(&[a, b], 1)?;
+            both.eval()?;
+            Ok(both)
+        };
+        let weight = match (&gate.weight, &up.weight) {
+            (SwitchWeight::Dense(a), SwitchWeight::Dense(b)) if a.dtype() == b.dtype() => {
+                SwitchWeight::Dense(cat(a, b)?)
+            }
+            (
+                SwitchWeight::Quantized {
+                    weight: wa,
+                    scales: sa,
+                    biases: ba,
+                    params: pa,
+                },
+                SwitchWeight::Quantized {
+                    weight: wb,
+                    scales: sb,
+                    biases: bb,
+                    params: pb,
+                },
+            ) if pa == pb && ba.is_some() == bb.is_some() => SwitchWeight::Quantized {
+                weight: cat(wa, wb)?,
+                scales: cat(sa, sb)?,
+                biases: match (ba, bb) {
+                    (Some(a), Some(b)) => Some(cat(a, b)?),
+                    _ => None,
+                },
+                params: *pa,
+            },
+            _ => return Ok(Err((gate, up))),
+        };
+        let bias = match (&gate.bias, &up.bias) {
+            (None, None) => None,
+            (Some(a), Some(b)) => Some(cat(a, b)?),
+            _ => return Ok(Err((gate, up))),
+        };
+        Ok(Ok(Self { weight, bias }))
+    }
+}
+
 /// Every expert's gated MLP (mlx_lm's `SwitchGLU`): SwiGLU, or GeGLU for Gemma 4.
 #[derive(Clone)]
 struct SwitchGlu {
-    gate_proj: SwitchLinear,
-    up_proj: SwitchLinear,
+    gate_up: GateUp,
     down_proj: SwitchLinear,
     activation: Activation,
 }
 
+/// The experts' gate and up projections: separate, or one product of twice the width where
+/// [`crate::nn::layers::fused_projections`] says so (GPUs: one gather kernel fewer a layer).
+#[derive(Clone)]
+enum GateUp {
+    Separate {
+        gate: SwitchLinear,
+        up: SwitchLinear,
+    },
+    Fused(SwitchLinear),
+}
+
 impl SwitchGlu {
+    fn new(
+        gate: SwitchLinear,
+        up: SwitchLinear,
+        down_proj: SwitchLinear,
+        activation: Activation,
+    ) -> Result<Self> {
+        let gate_up = match crate::nn::layers::fused_projections() {
+            true => match SwitchLinear::fuse(gate, up)? {
+                Ok(fused) => GateUp::Fused(fused),
+                Err((gate, up)) => GateUp::Separate { gate, up },
+            },
+            false => GateUp::Separate { gate, up },
+        };
+        Ok(Self {
+            gate_up,
+            down_proj,
+            activation,
+        })
+    }
+
     /// Tokens at or above which the (token, expert) pairs are sorted by expert before the
     /// products (mlx_lm's `indices.size >= 64`).
     const SORT_FROM: usize = 64;
@@ -237,8 +315,12 @@ impl SwitchGlu {
         } else {
             (x, indices.clone(), None)
         };
-        let up = self.up_proj.forward(&x, &idx, sort)?;
-        let gate = self.gate_proj.forward(&x, &idx, sort)?;
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } => {
+                (gate.forward(&x, &idx, sort)?, up.forward(&x, &idx, sort)?)
+            }
+            GateUp::Fused(both) => crate::nn::layers::halves(&both.forward(&x, &idx, sort)?)?,
+        };
         let h = self.activation.gated(&gate, &up)?;
         let out = self.down_proj.forward(&h, &idx, sort)?;
         let out = match inverse {
@@ -332,16 +414,16 @@ impl SparseMoe {
         };
         Ok(Self {
             gate,
-            switch_mlp: SwitchGlu {
-                gate_proj: proj(weights, "gate_proj", h, m)?,
-                up_proj: proj(weights, "up_proj", h, m)?,
-                down_proj: proj(weights, "down_proj", m, h)?,
-                activation: if gpt_oss {
+            switch_mlp: SwitchGlu::new(
+                proj(weights, "gate_proj", h, m)?,
+                proj(weights, "up_proj", h, m)?,
+                proj(weights, "down_proj", m, h)?,
+                if gpt_oss {
                     Activation::SwigluOai
                 } else {
                     Activation::Silu
                 },
-            },
+            )?,
             top_k: c.top_k,
             norm_topk_prob: c.norm_topk_prob,
             shared,
@@ -444,14 +526,14 @@ impl MlpAndExperts {
                 part.eval()?;
                 Ok(SwitchLinear::dense(part))
             };
-            SwitchGlu {
-                gate_proj: half(0)?,
-                up_proj: half(m)?,
-                down_proj: SwitchLinear::dense(
+            SwitchGlu::new(
+                half(0)?,
+                half(m)?,
+                SwitchLinear::dense(
                     weights.take_shaped(&format!("{path}.experts.down_proj"), &[e, hidden, m])?,
                 ),
-                activation: Activation::GeluApprox,
-            }
+                Activation::GeluApprox,
+            )?
         } else {
             let proj = |weights: &mut Weights, name: &str, i: i32, o: i32| {
                 SwitchLinear::load(
@@ -463,12 +545,12 @@ impl MlpAndExperts {
                     false,
                 )
             };
-            SwitchGlu {
-                gate_proj: proj(weights, "gate_proj", hidden, m)?,
-                up_proj: proj(weights, "up_proj", hidden, m)?,
-                down_proj: proj(weights, "down_proj", m, hidden)?,
-                activation: Activation::GeluApprox,
-            }
+            SwitchGlu::new(
+                proj(weights, "gate_proj", hidden, m)?,
+                proj(weights, "up_proj", hidden, m)?,
+                proj(weights, "down_proj", m, hidden)?,
+                Activation::GeluApprox,
+            )?
         };
         Ok(Self {
             mlp: Mlp::load(

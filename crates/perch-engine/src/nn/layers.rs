@@ -337,6 +337,19 @@ pub fn dense_weights() -> bool {
     }
 }
 
+/// The two halves of `both`'s last axis (a fused gate and up projection's output), as slices
+/// (views).
+pub(crate) fn halves(both: &Array) -> Result<(Array, Array)> {
+    let shape = both.shape().to_vec();
+    let (last, half) = (shape.len() - 1, shape[shape.len() - 1] / 2);
+    let mut start = vec![0; shape.len()];
+    let mut stop = shape.clone();
+    stop[last] = half;
+    let first = slice(both, &start, &stop)?;
+    (start[last], stop[last]) = (half, shape[last]);
+    Ok((first, slice(both, &start, &stop)?))
+}
+
 /// Whether projections that read the same input (a layer's query/key/value projections, an
 /// MLP's gate and up projections) are fused at load into one matmul each ([`Linear::fuse`]): on
 /// GPUs, where a decode step is bound by the host launching its kernels (a 1.07B Llama's single
@@ -1259,18 +1272,7 @@ impl Mlp {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate_proj, up_proj } => (gate_proj.forward(x)?, up_proj.forward(x)?),
-            GateUp::Fused(proj) => {
-                // Slices (views) of the last axis.
-                let both = proj.forward(x)?;
-                let shape = both.shape().to_vec();
-                let (last, half) = (shape.len() - 1, shape[shape.len() - 1] / 2);
-                let mut start = vec![0; shape.len()];
-                let mut stop = shape.clone();
-                stop[last] = half;
-                let gate = slice(&both, &start, &stop)?;
-                (start[last], stop[last]) = (half, shape[last]);
-                (gate, slice(&both, &start, &stop)?)
-            }
+            GateUp::Fused(proj) => halves(&proj.forward(x)?)?,
         };
         let activated = self.activation.gated(&gate, &up)?;
         self.down_proj.forward(&activated)
