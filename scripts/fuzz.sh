@@ -8,7 +8,8 @@
 # many as fit in SECONDS): CI checks what was checked here, and exploring is for runs without
 # one. Prints the
 # inputs each target ran, and exits 1 if any target crashed or panicked, ran out of memory
-# (2 GiB RSS, or one allocation that large), or took over 10 s on one input. What it found is in
+# (2 GiB RSS, or one allocation that large), or took over 10 s on one input. Targets run as many at
+# a time as there are cores. What it found is in
 # target/fuzz/<target>/ (crash-*, oom-*, timeout-*, slow-unit-*), with the target's log; replay
 # one with `cargo +nightly fuzz run <target> <file>`, and keep it in fuzz/corpus/<target>/ once
 # fixed. Needs what scripts/test.sh sets up (libclang, Python with pip for the MLX wheel); installs
@@ -25,7 +26,8 @@ done
 rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
 export PATH="$PWD/target/tools/bin:$PATH"
 if ! cargo fuzz --version 2>/dev/null | grep -q '0\.13\.2'; then
-  cargo install cargo-fuzz@0.13.2 --locked --root target/tools --quiet
+  # A command-line tool: an unoptimized build is as good and builds in about half the time.
+  cargo install cargo-fuzz@0.13.2 --locked --debug --root target/tools --quiet
 fi
 
 # Builds into fuzz/target (the fuzz crate is a workspace of its own).
@@ -38,21 +40,36 @@ mkdir -p "$work/tmp"
 # cleaning up, so they go where this script can remove them.
 export TMPDIR="$PWD/$work/tmp"
 
-failed=()
-summary=()
-for target in $(cargo +nightly fuzz list); do
-  dir="$work/$target"
+# Runs one target for SECONDS (libFuzzer is single-threaded); its exit status lands in its folder.
+fuzz_target() {
+  local target=$1 dir="$work/$1"
   mkdir -p "$dir/corpus"
   cp -R "fuzz/corpus/$target/." "$dir/corpus/"
   # -seed=0 is libFuzzer's "pick one".
-  args=(-max_total_time="$seconds" -seed="$seed" -rss_limit_mb=2048 -timeout=10
+  local args=(-max_total_time="$seconds" -seed="$seed" -rss_limit_mb=2048 -timeout=10
     -print_final_stats=1 -artifact_prefix="$dir/")
   [ -f "fuzz/$target.dict" ] && args+=(-dict="fuzz/$target.dict")
   echo "== $target: ${seconds}s"
   set +e
   cargo +nightly fuzz run -O "$target" "$dir/corpus" -- "${args[@]}" >"$dir/log" 2>&1
-  status=$?
+  echo $? >"$dir/status"
   set -e
+}
+
+# The targets run as many at a time as there are cores (PERCH_FUZZ_JOBS overrides).
+targets=$(cargo +nightly fuzz list)
+jobs=${PERCH_FUZZ_JOBS:-$(nproc)}
+for target in $targets; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  fuzz_target "$target" &
+done
+wait
+
+failed=()
+summary=()
+for target in $targets; do
+  dir="$work/$target"
+  status=$(cat "$dir/status" 2>/dev/null || echo 1)
   runs=$(awk '/stat::number_of_executed_units:/ { n = $2 } END { print n + 0 }' "$dir/log")
   if [ "$status" = 0 ]; then
     summary+=("$(printf '%-20s %10s runs  ok' "$target" "$runs")")

@@ -273,7 +273,10 @@ impl SwitchGlu {
         down_proj: SwitchLinear,
         activation: Activation,
     ) -> Result<Self> {
-        let gate_up = match crate::nn::layers::fused_projections() {
+        // `PERCH_FUSED_EXPERTS=0` keeps them apart (benchmarks).
+        let fuse = crate::nn::layers::fused_projections()
+            && std::env::var("PERCH_FUSED_EXPERTS").as_deref() != Ok("0");
+        let gate_up = match fuse {
             true => match SwitchLinear::fuse(gate, up)? {
                 Ok(fused) => GateUp::Fused(fused),
                 Err((gate, up)) => GateUp::Separate { gate, up },
@@ -291,6 +294,33 @@ impl SwitchGlu {
     /// products (mlx_lm's `indices.size >= 64`).
     const SORT_FROM: usize = 64;
 
+    /// Whether sorting the (token, expert) pairs by expert helps the products: on Metal and the
+    /// CPU MLX then reads each expert's weights once (`gather_qmm_rhs`, `gather_mm_rhs`); MLX
+    /// 0.32's CUDA `gather_qmm` ignores the order, so there the sort and unsort are only more
+    /// kernels to launch. `PERCH_MOE_SORT=1` or `=0` overrides (benchmarks).
+    fn sorting_pays(&self) -> bool {
+        static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+        let forced = FORCED.get_or_init(|| match std::env::var("PERCH_MOE_SORT").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        });
+        match *forced {
+            Some(forced) => forced,
+            None => {
+                let quantized =
+                    |l: &SwitchLinear| matches!(l.weight, SwitchWeight::Quantized { .. });
+                let all_quantized = quantized(&self.down_proj)
+                    && match &self.gate_up {
+                        GateUp::Separate { gate, up } => quantized(gate) && quantized(up),
+                        GateUp::Fused(both) => quantized(both),
+                    };
+                !(all_quantized
+                    && crate::device::Backend::current() == crate::device::Backend::Cuda)
+            }
+        }
+    }
+
     /// `x` `[batch, seq, hidden]`, `indices` `[batch, seq, k]` → `[batch, seq, k, hidden]`:
     /// each token through each of its k experts.
     fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
@@ -298,7 +328,7 @@ impl SwitchGlu {
         let k = s[2];
         // [batch, seq, 1, 1, hidden]: one row per token, broadcast over its experts.
         let x = x.expand_dims_axes(&[-2, -3])?;
-        let sort = indices.size() >= Self::SORT_FROM;
+        let sort = indices.size() >= Self::SORT_FROM && self.sorting_pays();
         let (x, idx, inverse) = if sort {
             // Pairs in expert order: row t * k + j of the flat pairs is token t's j-th expert.
             let flat = indices.flatten(None, None)?;
