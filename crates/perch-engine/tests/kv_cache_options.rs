@@ -18,12 +18,20 @@ use perch_engine::sample::sampler::SamplingParams;
 use perch_engine::testing::{BatchConfig, BatchEvent, BatchGenerator};
 use perch_engine::{generate, models, GenerateRequest, KvQuantization, Tokenizer};
 
-/// Inserts every request into `batch` at once and steps it until all have finished; returns
-/// each one's ids and the log-probability of each (when asked for), in order.
+/// Inserts every request at once into a batch of `model` (a 64 MiB pool of 16-token blocks)
+/// and steps it until all have finished; returns each one's ids and the log-probability of each
+/// (when asked for), in order.
 fn run_together(
-    batch: &mut BatchGenerator<'_>,
+    model: &dyn models::Model,
+    tokenizer: &Tokenizer,
     requests: &[GenerateRequest],
 ) -> Vec<(Vec<u32>, Vec<f32>)> {
+    let batch = &mut BatchGenerator::new(
+        model,
+        tokenizer,
+        BatchConfig::for_budget(model, 64 << 20, 16, None),
+        "test",
+    );
     let ids: Vec<u64> = requests
         .iter()
         .map(|r| batch.insert(r.clone()).expect("accepted"))
@@ -157,13 +165,7 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
             ..request.clone()
         });
     }
-    let mut batch = BatchGenerator::new(
-        model.as_ref(),
-        &tokenizer,
-        BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None),
-        "test",
-    );
-    let answers = run_together(&mut batch, &requests);
+    let answers = run_together(model.as_ref(), &tokenizer, &requests);
     for ((case, _), answer) in bounded.iter().zip(answers.chunks(2)) {
         let (name, (ids, logprobs)) = (&case.name, &answer[0]);
         assert_eq!(logprobs.len(), case.logprobs.len(), "{name} in the batch");
@@ -230,13 +232,7 @@ fn max_kv_size_on_llama_matches_mlx_lm_rotating_caches() {
         request.max_kv_size = None;
         requests.push(request);
     }
-    let mut batch = BatchGenerator::new(
-        model.as_ref(),
-        &tokenizer,
-        BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None),
-        "test",
-    );
-    let answers = run_together(&mut batch, &requests);
+    let answers = run_together(model.as_ref(), &tokenizer, &requests);
     for (case, answer) in cases.iter().zip(answers.chunks(2)) {
         let n = case.prompt.len();
         assert_eq!(answer[0].0, case.ids, "{n}-token prompt in the batch");

@@ -528,12 +528,7 @@ mod tests {
             bounded: Some(40),
             ..waiting(1, &prompt)
         }];
-        let batch = Batch {
-            running: &[],
-            waiting: &queue,
-            step_in_flight: false,
-            admit: true,
-        };
+        let batch = admitting(&queue);
         let plan = run(schedule(
             &mut kv,
             &mut Contents::default(),
@@ -616,6 +611,16 @@ mod tests {
         }
     }
 
+    /// A batch with nothing running and `queue` waiting to be admitted.
+    fn admitting<'a>(queue: &'a [Waiting<'a>]) -> Batch<'a> {
+        Batch {
+            running: &[],
+            waiting: queue,
+            step_in_flight: false,
+            admit: true,
+        }
+    }
+
     fn run(decision: Decision) -> StepPlan {
         match decision {
             Decision::Run(plan) => plan,
@@ -630,12 +635,7 @@ mod tests {
         cache_prefix(&mut kv, 100, &shared);
         let (a, b) = ([&shared[..], &[7; 10]].concat(), vec![9; 20]);
         let queue = [waiting(1, &a), waiting(2, &b)];
-        let batch = Batch {
-            running: &[],
-            waiting: &queue,
-            step_in_flight: false,
-            admit: true,
-        };
+        let batch = admitting(&queue);
         let mut contents = Contents::default();
         let plan = run(schedule(
             &mut kv,
@@ -665,12 +665,7 @@ mod tests {
         let (long, short) = (vec![1; 60], vec![2; 10]);
         // The long prompt needs 4 blocks of 16 and the pool has 4: the short one waits behind it.
         let queue = [waiting(1, &long), waiting(2, &short)];
-        let batch = Batch {
-            running: &[],
-            waiting: &queue,
-            step_in_flight: false,
-            admit: true,
-        };
+        let batch = admitting(&queue);
         let plan = run(schedule(
             &mut kv,
             &mut Contents::default(),
@@ -770,12 +765,7 @@ mod tests {
             ..Contents::default()
         };
         let queue = [waiting(1, &prompt)];
-        let batch = Batch {
-            running: &[],
-            waiting: &queue,
-            step_in_flight: false,
-            admit: true,
-        };
+        let batch = admitting(&queue);
         let limits = StepLimits {
             align_chunks_to_blocks: true,
             ..limits()

@@ -1423,23 +1423,29 @@ fn ring_step(index: &Array, size: i32, window: i32) -> Result<RingStep> {
 mod tests {
     use super::*;
 
-    /// A sliding layer's ring stops at its size while a global layer's buffers grow with the
-    /// sequence; the ring hands back its last positions in order and refuses overwritten ones.
-    #[test]
-    fn rings_hold_the_last_positions_of_sliding_layers() {
-        let len = 600;
-        let caches: Vec<KvCache> = (0..2)
+    /// Two layers' caches of `len` positions whose keys and values are each position times
+    /// `factor(layer)` (`[1, 1, len, 1]`).
+    fn counting_caches(len: i32, factor: impl Fn(usize) -> f32) -> Vec<KvCache> {
+        (0..2)
             .map(|layer| {
                 let mut cache = KvCache::new();
                 let keys = ops::arange::<_, f32>(0.0, len as f32, None)
                     .unwrap()
                     .reshape(&[1, 1, len, 1])
                     .unwrap();
-                let keys = ops::multiply(&keys, Array::from_f32(layer as f32 + 1.0)).unwrap();
+                let keys = ops::multiply(&keys, Array::from_f32(factor(layer))).unwrap();
                 cache.update_and_fetch(&keys, &keys).unwrap();
                 cache
             })
-            .collect();
+            .collect()
+    }
+
+    /// A sliding layer's ring stops at its size while a global layer's buffers grow with the
+    /// sequence; the ring hands back its last positions in order and refuses overwritten ones.
+    #[test]
+    fn rings_hold_the_last_positions_of_sliding_layers() {
+        let len = 600;
+        let caches = counting_caches(len, |layer| layer as f32 + 1.0);
         // Layer 0 slides over 8 positions: a ring of 256 (8 + 1 - 1 + 16, bucketed).
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
         let slot = slots.push(&caches, len as usize, None).unwrap();
@@ -1589,17 +1595,7 @@ mod tests {
     #[test]
     fn a_bounded_row_keeps_the_sliding_layers_ring() {
         let len = 600;
-        let caches: Vec<KvCache> = (0..2)
-            .map(|_| {
-                let mut cache = KvCache::new();
-                let keys = ops::arange::<_, f32>(0.0, len as f32, None)
-                    .unwrap()
-                    .reshape(&[1, 1, len, 1])
-                    .unwrap();
-                cache.update_and_fetch(&keys, &keys).unwrap();
-                cache
-            })
-            .collect();
+        let caches = counting_caches(len, |_| 1.0);
         let limit = KvLimit::new(10, KvLimit::KEEP).unwrap();
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(300), None], 1, 16);
         let slot = slots.push(&caches, len as usize, Some(limit)).unwrap();
