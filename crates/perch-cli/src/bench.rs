@@ -62,7 +62,8 @@ pub struct BenchArgs {
     /// Without --concurrency, with --kv-bits: positions kept in full precision first.
     #[arg(long, default_value_t = perch_engine::GenerateRequest::DEFAULT_QUANTIZED_KV_START)]
     pub quantized_kv_start: usize,
-    /// Without --concurrency: bound the KV cache to N positions (mlx_lm's --max-kv-size).
+    /// Bound the KV cache to N positions (mlx_lm's --max-kv-size): the request's, or with
+    /// --concurrency every request's (bounded rows of the batch).
     #[arg(long)]
     pub max_kv_size: Option<usize>,
     /// Without --concurrency: speculative decoding with this draft model.

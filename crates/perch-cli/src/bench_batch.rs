@@ -87,10 +87,12 @@ impl Timeline {
 
 /// How the measured requests reach the engine.
 enum Client<'a> {
-    /// The engine itself; the first `json_requests` prompts constrained to a JSON object.
+    /// The engine itself; the first `json_requests` prompts constrained to a JSON object, every
+    /// one's KV cache bounded to `max_kv_size` positions when set.
     Direct {
         engine: &'a EngineHandle,
         json_requests: usize,
+        max_kv_size: Option<usize>,
     },
     /// `POST /v1/completions` of a server at this base URL, streamed.
     Http(String),
@@ -106,8 +108,8 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         "--json-requests must be at most --concurrency, and not with --http"
     );
     anyhow::ensure!(
-        args.max_kv_size.is_none(),
-        "--max-kv-size is measured on one sequence: run it without --concurrency"
+        args.max_kv_size.is_none() || !args.http,
+        "--max-kv-size with --concurrency is measured on the engine directly, not with --http"
     );
     anyhow::ensure!(
         args.quantized_kv_start == perch_engine::GenerateRequest::DEFAULT_QUANTIZED_KV_START,
@@ -164,6 +166,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         .map(|i| {
             let tail = warm_up_tokens(&tokenizer, 3 * i, prompts[0].len() - shared)?;
             let mut request = bench_request([&prompts[0][..shared], &tail[..]].concat(), 8);
+            request.params.max_kv_size = args.max_kv_size;
             // The first constrained request builds the vocabulary's token trie: not measured.
             if i == 0 && args.json_requests > 0 {
                 request.params.grammar = Some(Grammar::JsonObject);
@@ -203,6 +206,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     let direct_client = Client::Direct {
         engine: &engine,
         json_requests: args.json_requests,
+        max_kv_size: args.max_kv_size,
     };
     // The warm-up's blocks would otherwise stay in the prefix cache and count in the measured
     // peak (four 8,192-token warm-ups hold as much KV as the measured prompts).
@@ -296,7 +300,7 @@ fn first_requests(
         for (i, &len) in lengths.iter().enumerate() {
             anyhow::ensure!(len > 0, "--first-prompts lengths must be at least 1");
             let prompt = filler_tokens(tokenizer, 1 + 3 * i, len)?;
-            let timeline = direct(engine, &[prompt], 2, 0, Instant::now())?.remove(0);
+            let timeline = direct(engine, &[prompt], 2, (0, None), Instant::now())?.remove(0);
             let first = timeline
                 .tokens
                 .first()
@@ -390,7 +394,14 @@ fn measure(
         Client::Direct {
             engine,
             json_requests,
-        } => direct(engine, prompts, gen_tokens, *json_requests, start)?,
+            max_kv_size,
+        } => direct(
+            engine,
+            prompts,
+            gen_tokens,
+            (*json_requests, *max_kv_size),
+            start,
+        )?,
         Client::Http(url) => over_http(url, prompts, gen_tokens, start)?,
     };
     let peak = memory_stats().peak_bytes;
@@ -420,7 +431,7 @@ fn direct(
     engine: &EngineHandle,
     prompts: &[Vec<u32>],
     gen_tokens: usize,
-    json_requests: usize,
+    (json_requests, max_kv_size): (usize, Option<usize>),
     start: Instant,
 ) -> anyhow::Result<Vec<Timeline>> {
     let streams = prompts
@@ -428,6 +439,7 @@ fn direct(
         .enumerate()
         .map(|(i, p)| {
             let mut request = bench_request(p.clone(), gen_tokens);
+            request.params.max_kv_size = max_kv_size;
             if i < json_requests {
                 request.params.grammar = Some(Grammar::JsonObject);
             }
