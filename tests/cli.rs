@@ -415,8 +415,9 @@ fn kv_cache_flags_change_generation() {
             "2",
             "--max-kv-size",
             "64",
+            "--http",
         ]),
-        "without --concurrency",
+        "not with --http",
     );
 }
 
