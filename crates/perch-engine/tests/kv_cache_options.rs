@@ -181,6 +181,62 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
             "{name}: the plain request beside it answers otherwise"
         );
     }
+
+    // A model with sliding layers (Gemma 3, its window widened to 300 so that the decode cache's
+    // rings outgrow a bounded row's entries): a bounded row's global layers keep their kept
+    // positions and ring while its sliding layers keep their own rings, over a prompt longer
+    // than both; the batch gives what one sequence gives with the same chunks.
+    let dir = out.path().join("gemma3_text");
+    let config_path = dir.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["sliding_window"] = 300.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
+    let gemma = models::load(&dir).unwrap();
+    let prompt: Vec<u32> = (0..400)
+        .map(|i| ((7919 * i + 13) % 30000 + 2) as u32)
+        .collect();
+    let mut request = GenerateRequest::new(prompt);
+    request.max_tokens = 24;
+    request.ignore_eos = true;
+    request.logprobs = Some(0);
+    request.max_kv_size = Some(24);
+    request.prefill_step_size = 256;
+    request.sampling = SamplingParams {
+        repetition_penalty: PENALTY,
+        repetition_context_size: 20,
+        ..SamplingParams::default()
+    };
+    let plain = GenerateRequest {
+        max_kv_size: None,
+        ..request.clone()
+    };
+    let answers = run_together(
+        gemma.as_ref(),
+        &tokenizer,
+        &[request.clone(), plain.clone()],
+    );
+    for (request, (ids, logprobs)) in [request, plain].iter().zip(&answers) {
+        let mut alone_logprobs = Vec::new();
+        let alone = generate(gemma.as_ref(), &tokenizer, request, |event| {
+            alone_logprobs.extend(event.logprobs.as_ref().map(|l| l.logprob));
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+        let what = format!("gemma3_text, max_kv_size {:?}", request.max_kv_size);
+        assert_eq!(logprobs.len(), alone_logprobs.len(), "{what}");
+        for (step, (batch, one)) in logprobs.iter().zip(&alone_logprobs).enumerate() {
+            assert!(
+                (batch - one).abs() < 1e-4,
+                "{what}, step {step}: {batch} against {one}"
+            );
+        }
+        assert_eq!(ids, &alone.token_ids, "{what}: ids in the batch and alone");
+    }
+    assert_ne!(
+        answers[0].0, answers[1].0,
+        "gemma3_text: the bound changed nothing"
+    );
 }
 
 #[derive(serde::Deserialize)]

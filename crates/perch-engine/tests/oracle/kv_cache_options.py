@@ -3,7 +3,9 @@ as mlx_lm 0.32.2's generate_step applies them.
 
     kv_cache_options.py OUT_DIR TOKENIZER_DIR
 
-Writes tiny_models.py's float32 Qwen3 model to OUT_DIR/qwen3 (Qwen3 has no make_cache of its own,
+Writes tiny_models.py's float32 Qwen3 model to OUT_DIR/qwen3 (and its Gemma 3, with sliding layers, to
+OUT_DIR/gemma3_text, for a check of Perch's batch against Perch's own one-sequence bounded cache: mlx_lm
+ignores max_kv_size for Gemma) (Qwen3 has no make_cache of its own,
 so mlx_lm's make_prompt_cache gives it RotatingKVCache(max_kv_size, keep=4) layers; for Llama it
 would ignore max_kv_size), then prints one JSON list with, for each case of CASES: its options,
 mlx_lm's greedy ids under a repetition penalty of PENALTY and each step's log-probability of the chosen token, and those ids' log-probabilities
@@ -55,7 +57,7 @@ def run(model, prompt, options, n):
 
 
 def main(out_dir: Path, tokenizer_dir: Path):
-    tiny_models.CASES = {"qwen3": tiny_models.CASES["qwen3"]}
+    tiny_models.CASES = {name: tiny_models.CASES[name] for name in ("qwen3", "gemma3_text")}
     tiny_models.main(out_dir, tokenizer_dir)
     model, _ = load(str(out_dir / "qwen3"))
     results = []
