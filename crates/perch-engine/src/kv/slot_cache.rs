@@ -1423,6 +1423,17 @@ fn ring_step(index: &Array, size: i32, window: i32) -> Result<RingStep> {
 mod tests {
     use super::*;
 
+    /// The keys' values of positions `[start, end)` of `slot` in `layer` (each a position when
+    /// the caches came from [`counting_caches`]).
+    fn held(slots: &SlotKvCache, slot: usize, layer: usize, start: usize, end: usize) -> Vec<f32> {
+        let parts = slots.copy_parts(slot, layer, start, end).unwrap();
+        parts[0]
+            .flatten(None, None)
+            .unwrap()
+            .as_slice::<f32>()
+            .to_vec()
+    }
+
     /// Two layers' caches of `len` positions whose keys and values are each position times
     /// `factor(layer)` (`[1, 1, len, 1]`).
     fn counting_caches(len: i32, factor: impl Fn(usize) -> f32) -> Vec<KvCache> {
@@ -1451,14 +1462,7 @@ mod tests {
         let slot = slots.push(&caches, len as usize, None).unwrap();
         let capacities: Vec<i32> = slots.layers.iter().map(|l| l[0].shape()[2]).collect();
         assert_eq!(capacities, [256, 768]);
-        let positions = |layer: usize, start: usize, end: usize| -> Vec<f32> {
-            let parts = slots.copy_parts(slot, layer, start, end).unwrap();
-            parts[0]
-                .flatten(None, None)
-                .unwrap()
-                .as_slice::<f32>()
-                .to_vec()
-        };
+        let positions = |layer, start, end| held(&slots, slot, layer, start, end);
         // Positions 500..600 cross the ring's wrap at 512 (entries 244..256, then 0..88).
         let expected: Vec<f32> = (500..600).map(|p| p as f32).collect();
         assert_eq!(positions(0, 500, 600), expected);
@@ -1605,14 +1609,7 @@ mod tests {
             "{ring} {}",
             slots.capacity
         );
-        let positions = |layer: usize, start: usize, end: usize| -> Vec<f32> {
-            let parts = slots.copy_parts(slot, layer, start, end).unwrap();
-            parts[0]
-                .flatten(None, None)
-                .unwrap()
-                .as_slice::<f32>()
-                .to_vec()
-        };
+        let positions = |layer, start, end| held(&slots, slot, layer, start, end);
         let last: Vec<f32> = (300..600).map(|p| p as f32).collect();
         assert_eq!(positions(0, 300, 600), last, "the sliding layer's window");
         assert_eq!(
