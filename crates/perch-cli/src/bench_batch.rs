@@ -87,15 +87,32 @@ impl Timeline {
 
 /// How the measured requests reach the engine.
 enum Client<'a> {
-    /// The engine itself; the first `json_requests` prompts constrained to a JSON object, every
-    /// one's KV cache bounded to `max_kv_size` positions when set.
+    /// The engine itself, each request shaped by `options`.
     Direct {
         engine: &'a EngineHandle,
-        json_requests: usize,
-        max_kv_size: Option<usize>,
+        options: RequestOptions,
     },
     /// `POST /v1/completions` of a server at this base URL, streamed.
     Http(String),
+}
+
+/// What the measured requests ask for besides their prompt and length.
+#[derive(Clone, Copy, Default)]
+struct RequestOptions {
+    /// The first this many prompts are constrained to a JSON object.
+    json_requests: usize,
+    /// Every request's KV cache is bounded to this many positions.
+    max_kv_size: Option<usize>,
+}
+
+impl RequestOptions {
+    /// Shapes the `i`-th measured request.
+    fn apply(&self, i: usize, request: &mut EngineRequest) {
+        if i < self.json_requests {
+            request.params.grammar = Some(Grammar::JsonObject);
+        }
+        request.params.max_kv_size = self.max_kv_size;
+    }
 }
 
 /// The model id the in-process server serves.
@@ -205,8 +222,10 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     };
     let direct_client = Client::Direct {
         engine: &engine,
-        json_requests: args.json_requests,
-        max_kv_size: args.max_kv_size,
+        options: RequestOptions {
+            json_requests: args.json_requests,
+            max_kv_size: args.max_kv_size,
+        },
     };
     // The warm-up's blocks would otherwise stay in the prefix cache and count in the measured
     // peak (four 8,192-token warm-ups hold as much KV as the measured prompts).
@@ -300,7 +319,14 @@ fn first_requests(
         for (i, &len) in lengths.iter().enumerate() {
             anyhow::ensure!(len > 0, "--first-prompts lengths must be at least 1");
             let prompt = filler_tokens(tokenizer, 1 + 3 * i, len)?;
-            let timeline = direct(engine, &[prompt], 2, (0, None), Instant::now())?.remove(0);
+            let timeline = direct(
+                engine,
+                &[prompt],
+                2,
+                RequestOptions::default(),
+                Instant::now(),
+            )?
+            .remove(0);
             let first = timeline
                 .tokens
                 .first()
@@ -391,17 +417,7 @@ fn measure(
     reset_peak_memory();
     let start = Instant::now();
     let timelines = match client {
-        Client::Direct {
-            engine,
-            json_requests,
-            max_kv_size,
-        } => direct(
-            engine,
-            prompts,
-            gen_tokens,
-            (*json_requests, *max_kv_size),
-            start,
-        )?,
+        Client::Direct { engine, options } => direct(engine, prompts, gen_tokens, *options, start)?,
         Client::Http(url) => over_http(url, prompts, gen_tokens, start)?,
     };
     let peak = memory_stats().peak_bytes;
@@ -431,7 +447,7 @@ fn direct(
     engine: &EngineHandle,
     prompts: &[Vec<u32>],
     gen_tokens: usize,
-    (json_requests, max_kv_size): (usize, Option<usize>),
+    options: RequestOptions,
     start: Instant,
 ) -> anyhow::Result<Vec<Timeline>> {
     let streams = prompts
@@ -439,10 +455,7 @@ fn direct(
         .enumerate()
         .map(|(i, p)| {
             let mut request = bench_request(p.clone(), gen_tokens);
-            request.params.max_kv_size = max_kv_size;
-            if i < json_requests {
-                request.params.grammar = Some(Grammar::JsonObject);
-            }
+            options.apply(i, &mut request);
             engine.submit(request)
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -378,6 +378,14 @@ mod tests {
         }
     }
 
+    /// [`limits`] with chunks aligned to blocks (a hybrid model's).
+    fn aligned_limits() -> StepLimits {
+        StepLimits {
+            align_chunks_to_blocks: true,
+            ..limits()
+        }
+    }
+
     fn row(id: RequestId, num_tokens: usize, num_computed: usize, slot: SlotKind) -> Running {
         Running {
             id,
@@ -447,10 +455,7 @@ mod tests {
 
     #[test]
     fn hybrid_chunks_end_on_blocks_and_at_a_branch() {
-        let limits = StepLimits {
-            align_chunks_to_blocks: true,
-            ..limits()
-        };
+        let limits = aligned_limits();
         // 0..100 of a 200-token prompt alone: 100 tokens stop at 96, the last boundary crossed.
         let mut first = row(1, 200, 0, SlotKind::Prefill);
         let plan = plan_step(
@@ -491,10 +496,7 @@ mod tests {
 
     #[test]
     fn a_bounded_request_prefills_its_own_chunks_whatever_the_pass_holds() {
-        let limits = StepLimits {
-            align_chunks_to_blocks: true,
-            ..limits()
-        };
+        let limits = aligned_limits();
         let mut bounded = row(2, 1000, 0, SlotKind::Prefill);
         bounded.bounded = true;
         bounded.progress.prefill_step_size = 100;
@@ -766,10 +768,7 @@ mod tests {
         };
         let queue = [waiting(1, &prompt)];
         let batch = admitting(&queue);
-        let limits = StepLimits {
-            align_chunks_to_blocks: true,
-            ..limits()
-        };
+        let limits = aligned_limits();
         let plan = run(schedule(&mut kv, &mut contents, &batch, &limits, |_, _| {
             Some(50)
         }));

@@ -253,6 +253,9 @@ struct SwitchGlu {
     gate_up: GateUp,
     down_proj: SwitchLinear,
     activation: Activation,
+    /// Whether the (token, expert) pairs are sorted by expert when many tokens route
+    /// ([`SwitchGlu::sorting_pays`]).
+    sort: bool,
 }
 
 /// The experts' gate and up projections: separate, or one product of twice the width where
@@ -283,10 +286,12 @@ impl SwitchGlu {
             },
             false => GateUp::Separate { gate, up },
         };
+        let sort = Self::sorting_pays(&gate_up, &down_proj);
         Ok(Self {
             gate_up,
             down_proj,
             activation,
+            sort,
         })
     }
 
@@ -298,20 +303,15 @@ impl SwitchGlu {
     /// CPU MLX then reads each expert's weights once (`gather_qmm_rhs`, `gather_mm_rhs`); MLX
     /// 0.32's CUDA `gather_qmm` ignores the order, so there the sort and unsort are only more
     /// kernels to launch. `PERCH_MOE_SORT=1` or `=0` overrides (benchmarks).
-    fn sorting_pays(&self) -> bool {
-        static FORCED: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
-        let forced = FORCED.get_or_init(|| match std::env::var("PERCH_MOE_SORT").as_deref() {
-            Ok("1") => Some(true),
-            Ok("0") => Some(false),
-            _ => None,
-        });
-        match *forced {
-            Some(forced) => forced,
-            None => {
+    fn sorting_pays(gate_up: &GateUp, down_proj: &SwitchLinear) -> bool {
+        match std::env::var("PERCH_MOE_SORT").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => {
                 let quantized =
                     |l: &SwitchLinear| matches!(l.weight, SwitchWeight::Quantized { .. });
-                let all_quantized = quantized(&self.down_proj)
-                    && match &self.gate_up {
+                let all_quantized = quantized(down_proj)
+                    && match gate_up {
                         GateUp::Separate { gate, up } => quantized(gate) && quantized(up),
                         GateUp::Fused(both) => quantized(both),
                     };
@@ -328,7 +328,7 @@ impl SwitchGlu {
         let k = s[2];
         // [batch, seq, 1, 1, hidden]: one row per token, broadcast over its experts.
         let x = x.expand_dims_axes(&[-2, -3])?;
-        let sort = indices.size() >= Self::SORT_FROM && self.sorting_pays();
+        let sort = self.sort && indices.size() >= Self::SORT_FROM;
         let (x, idx, inverse) = if sort {
             // Pairs in expert order: row t * k + j of the flat pairs is token t's j-th expert.
             let flat = indices.flatten(None, None)?;
