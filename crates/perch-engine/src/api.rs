@@ -63,8 +63,11 @@ pub struct GenerateRequest {
     /// depends on where they end).
     pub max_kv_size: Option<usize>,
     /// Quantize the KV cache once it holds [`GenerateRequest::quantized_kv_start`] positions
-    /// (mlx_lm's `--kv-bits`, `--kv-group-size`). [`generate`], and the engine beside its batch
-    /// (whose pool is quantized as a whole by `EngineConfig`'s KV quantization).
+    /// (mlx_lm's `--kv-bits`, `--kv-group-size`). [`generate`], and the engine's batch: quantized
+    /// rows of its float slot caches, which compute what a quantized cache gives but take a
+    /// full-precision row's memory (the memory is saved by `EngineConfig`'s KV quantization,
+    /// which quantizes the whole pool and then refuses a request's own); such a request shares
+    /// no prefix-cache blocks and its prompt chunks are its own, as a bounded one's.
     pub kv_quantization: Option<KvQuantization>,
     /// With `kv_quantization`: positions kept in full precision before the cache is quantized
     /// (mlx_lm's `--quantized-kv-start`; a cache is converted after the forward pass that takes
@@ -102,10 +105,9 @@ impl GenerateRequest {
     }
 
     /// Whether the engine runs the request beside its batch, with caches of its own
-    /// (see [`crate::EngineHandle`]): speculative decoding, or a KV cache quantized from
-    /// `quantized_kv_start` on.
+    /// (see [`crate::EngineHandle`]): speculative decoding.
     pub fn runs_beside_batch(&self) -> bool {
-        self.num_draft_tokens.is_some() || self.kv_quantization.is_some()
+        self.num_draft_tokens.is_some()
     }
 }
 

@@ -5,9 +5,11 @@
 //! while decoding, between prefill chunks and after the first chunk. Each run is greedy under a
 //! repetition penalty, so the cache holds varied tokens: each step's log-probability must be
 //! within 1e-4 of mlx_lm's and the ids mlx_lm's; and where mlx_lm's log-probabilities differ from
-//! a plain cache's, Perch's must differ too (the option took effect). The `max_kv_size` cases run
-//! again through the batch engine, all at once beside plain requests, and must give mlx_lm's
-//! log-probabilities and ids there too. Needs the oracle.
+//! a plain cache's, Perch's must differ too (the option took effect). Every case runs again through
+//! the batch engine, all at once, each beside a plain request of its prompt (bounded and quantized
+//! rows of the slot caches among plain ones), and must give mlx_lm's log-probabilities and ids
+//! there too, and differ from the plain request beside it where mlx_lm's differ from a plain
+//! cache's. Needs the oracle.
 
 mod common;
 
@@ -99,7 +101,7 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
     let dir = out.path().join("qwen3");
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let mut bounded = Vec::new();
+    let mut all = Vec::new();
     for case in &cases {
         let name = &case.name;
         let mut request = GenerateRequest::new(case.prompt.clone());
@@ -148,38 +150,46 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
         }
         assert!(changed > 0, "{name}: the option changed nothing");
         assert_eq!(output.token_ids, case.ids, "{name}: ids");
-        if request.max_kv_size.is_some() {
-            bounded.push((case, request));
-        }
+        all.push((case, request));
     }
 
-    // The bounded cases in one batch, each beside a plain request of the same prompt: bounded
-    // rows of the slot caches, each with its own chunks, give what mlx_lm's rotating cache
-    // gives.
-    assert_eq!(bounded.len(), 4);
+    // Every case in one batch, each beside a plain request of the same prompt: bounded and
+    // quantized rows of the slot caches, each with its own chunks, give what mlx_lm's rotating
+    // and quantized caches give.
     let mut requests = Vec::new();
-    for (_, request) in &bounded {
+    for (_, request) in &all {
         requests.push(request.clone());
         requests.push(GenerateRequest {
             max_kv_size: None,
+            kv_quantization: None,
             ..request.clone()
         });
     }
     let answers = run_together(model.as_ref(), &tokenizer, &requests);
-    for ((case, _), answer) in bounded.iter().zip(answers.chunks(2)) {
+    for ((case, _), answer) in all.iter().zip(answers.chunks(2)) {
         let (name, (ids, logprobs)) = (&case.name, &answer[0]);
+        let plain = &answer[1].1;
         assert_eq!(logprobs.len(), case.logprobs.len(), "{name} in the batch");
+        let mut changed = 0;
         for (step, (perch, mlx)) in logprobs.iter().zip(&case.logprobs).enumerate() {
             assert!(
                 (perch - mlx).abs() < 1e-4,
                 "{name} in the batch, step {step}: log-probability {perch} against mlx_lm's {mlx}"
             );
+            // The plain request beside it runs as mlx_lm's plain cache ran.
+            if (mlx - case.plain_logprobs[step]).abs() > 2e-3 {
+                assert!(
+                    (perch - plain[step]).abs() > 1e-3,
+                    "{name} in the batch, step {step}: the plain row beside it gives the same"
+                );
+                changed += 1;
+            }
         }
-        assert_eq!(ids, &case.ids, "{name} in the batch: ids");
-        assert_ne!(
-            ids, &answer[1].0,
-            "{name}: the plain request beside it answers otherwise"
+        assert!(
+            changed > 0,
+            "{name} in the batch: the option changed nothing"
         );
+        assert_eq!(ids, &case.ids, "{name} in the batch: ids");
     }
 
     // A model with sliding layers (Gemma 3, its window widened to 300 so that the decode cache's
@@ -344,8 +354,8 @@ fn kv_cache_options_are_checked() {
     assert!(error.contains("7 bits"), "{error}");
     run(&|r| r.max_kv_size = Some(5)).unwrap();
 
-    // The batch runs bounded requests, checked as `generate` checks them; a quantized pool
-    // cannot hold them, and per-request KV quantization runs beside the batch.
+    // The batch runs bounded and quantized requests, checked as `generate` checks them; a
+    // quantized pool holds neither.
     let mut batch = BatchGenerator::new(
         model.as_ref(),
         &tokenizer,
@@ -375,11 +385,13 @@ fn kv_cache_options_are_checked() {
     assert!(error.contains("cannot be combined"), "{error}");
     request.max_kv_size = None;
     request.kv_quantization = Some(q8);
-    let error = batch.insert(request).unwrap_err().to_string();
-    assert!(error.contains("beside the batch"), "{error}");
+    request.quantized_kv_start = 0;
+    batch.insert(request.clone()).unwrap();
+    let error = quantized_pool.insert(request).unwrap_err().to_string();
+    assert!(error.contains("engine's quantized KV cache"), "{error}");
 }
 
-/// Through the engine: a bounded request in the batch and a late-quantized one beside it, with a
+/// Through the engine: a bounded request and a late-quantized one in the batch, with a
 /// plain request, answer what `generate` answers with the same options.
 #[test]
 fn the_engine_runs_kv_cache_options() {

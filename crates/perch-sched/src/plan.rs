@@ -34,10 +34,11 @@ pub struct Running {
     /// those blocks, where a prefill chunk must stop (the block ending there receives the
     /// recurrent states).
     pub branch_at: Option<usize>,
-    /// A request whose KV cache is bounded (`max_kv_size`): what it reads depends on where its
-    /// chunks end (mlx_lm's rotating cache), so each of its chunks is its own
-    /// `prefill_step_size` within the widest step, whatever else the pass holds.
-    pub bounded: bool,
+    /// A request whose KV cache is its own ([`Waiting::private`]): what it holds depends on
+    /// where its chunks end (mlx_lm's rotating cache, or its cache quantized after the chunk
+    /// that reaches `quantized_kv_start`), so each of its chunks is its own `prefill_step_size`
+    /// within the widest step, whatever else the pass holds.
+    pub own_chunks: bool,
 }
 
 /// The limits a step is planned within (the engine's `BatchConfig`).
@@ -97,8 +98,11 @@ pub struct Waiting<'a> {
     /// token ids): the prefix's length. It starts after it and never looks up the prefix cache.
     pub preloaded: Option<usize>,
     /// For a request whose KV cache is bounded (`max_kv_size`): the positions its cache holds
-    /// at most ([`KvCacheManager::bound_request`]). It never looks up the prefix cache.
+    /// at most ([`KvCacheManager::bound_request`]). Such a request is private too.
     pub bounded: Option<usize>,
+    /// A request whose KV cache is its own (bounded, or quantized from some position on): it
+    /// never looks up the prefix cache and takes its own chunks ([`Running::own_chunks`]).
+    pub private: bool,
 }
 
 /// A request admitted in a step, and what it starts from.
@@ -188,8 +192,9 @@ pub fn schedule(
         let waiting = batch.waiting;
         scheduler::admit(waiting.len(), running.len(), limits.max_running, |k| {
             let request = &waiting[k];
-            let hit = match (request.preloaded, request.bounded) {
-                (None, None) => kv.get_computed_blocks(request.tokens),
+            let private = request.private || request.bounded.is_some();
+            let hit = match (request.preloaded, private) {
+                (None, false) => kv.get_computed_blocks(request.tokens),
                 _ => ComputedBlocks::default(),
             };
             if let Some(tokens) = request.bounded {
@@ -213,8 +218,8 @@ pub fn schedule(
             // a hybrid one leaves its states at that end (`branch_at`).
             let branch_at = (contents.has_recurrent_layers() && load < hit.blocks.len())
                 .then_some(hit.num_tokens);
-            let tail = match (request.preloaded, request.bounded) {
-                (None, None) if load == hit.blocks.len() => {
+            let tail = match (request.preloaded, private) {
+                (None, false) if load == hit.blocks.len() => {
                     tail_tokens(request.tokens, hit.num_tokens)
                 }
                 _ => None,
@@ -230,7 +235,7 @@ pub fn schedule(
                 slot: SlotKind::None,
                 scored: false,
                 branch_at,
-                bounded: request.bounded.is_some(),
+                own_chunks: private,
             });
             admitted.push(Admission {
                 id: request.id,
@@ -268,7 +273,7 @@ pub struct StepPlan {
 
 /// Plans a step over `running` (oldest first): sequences still prefilling take free prefill slots
 /// ([`scheduler::take_prefill_slots`]); every sequence in a prefill slot gets its next chunk: a
-/// bounded one its own ([`Running::bounded`]), the others an equal share of what is left of the
+/// private one its own ([`Running::own_chunks`]), the others an equal share of what is left of the
 /// step's prefill budget ([`scheduler::prefill_budget`], [`scheduler::plan_slot_chunks`]),
 /// aligned to blocks where the limits ask and stopped at its `branch_at`; then every sequence
 /// whose prompt is cached after the pass decodes.
@@ -298,31 +303,31 @@ pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
                 .min(progress[i].prefill_step_size.max(1))
                 .min(widest)
         };
-        // Bounded rows take their own chunks, oldest first, while they fit the budget (the
+        // Private rows take their own chunks, oldest first, while they fit the budget (the
         // first always does: a chunk is at most the budget); one that does not waits for a
         // step with room. The other rows share what is left.
         let mut budget = scheduler::prefill_budget(&progress, limits.prefill_token_budget);
-        let mut bounded = Vec::new();
-        for &i in members.iter().filter(|&&i| running[i].bounded) {
+        let mut own_chunks = Vec::new();
+        for &i in members.iter().filter(|&&i| running[i].own_chunks) {
             if own(i) <= budget {
                 budget -= own(i);
-                bounded.push(i);
+                own_chunks.push(i);
             }
         }
         let shared: Vec<usize> = members
             .iter()
             .copied()
-            .filter(|&i| !running[i].bounded)
+            .filter(|&i| !running[i].own_chunks)
             .collect();
         let rows: Vec<Progress> = shared.iter().map(|&i| progress[i]).collect();
         // `shared` follows `members`' order, so their shares come in that order too.
         let mut shares = scheduler::plan_slot_chunks(&rows, budget, widest).into_iter();
         let chunks: Vec<(RequestId, usize)> = members
             .iter()
-            .filter(|&&i| !running[i].bounded || bounded.contains(&i))
+            .filter(|&&i| !running[i].own_chunks || own_chunks.contains(&i))
             .map(|&i| {
                 let row = &running[i];
-                if row.bounded {
+                if row.own_chunks {
                     return (row.id, own(i));
                 }
                 let mut chunk = shares.next().expect("a share for each shared row");
@@ -397,7 +402,7 @@ mod tests {
             slot,
             scored: false,
             branch_at: None,
-            bounded: false,
+            own_chunks: false,
         }
     }
 
@@ -495,10 +500,10 @@ mod tests {
     }
 
     #[test]
-    fn a_bounded_request_prefills_its_own_chunks_whatever_the_pass_holds() {
+    fn a_private_request_prefills_its_own_chunks_whatever_the_pass_holds() {
         let limits = aligned_limits();
         let mut bounded = row(2, 1000, 0, SlotKind::Prefill);
-        bounded.bounded = true;
+        bounded.own_chunks = true;
         bounded.progress.prefill_step_size = 100;
         let running = [
             row(1, 40, 39, SlotKind::Decode),
@@ -547,6 +552,30 @@ mod tests {
         assert!(kv.cache_blocks(1, &prompt, 100).is_empty());
         kv.free(1);
         assert_eq!(kv.pool().num_free_blocks(), 64);
+    }
+
+    #[test]
+    fn a_private_request_skips_the_prefix_cache_and_takes_its_own_chunks() {
+        let mut kv = manager(64);
+        let prompt: Vec<u32> = (0..100).collect();
+        cache_prefix(&mut kv, 100, &prompt);
+        let queue = [Waiting {
+            private: true,
+            ..waiting(1, &prompt)
+        }];
+        let batch = admitting(&queue);
+        let plan = run(schedule(
+            &mut kv,
+            &mut Contents::default(),
+            &batch,
+            &limits(),
+            |_, _| panic!("a private request looks up no tail"),
+        ));
+        assert_eq!(plan.admitted[0].hit, ComputedBlocks::default());
+        assert_eq!(plan.admitted[0].num_computed, 0);
+        // Unbounded: its table grows with it.
+        assert!(kv.allocate(&mut Contents::default(), 1, 100, 100, None));
+        assert_eq!(kv.block_table(1).unwrap().len(), 13);
     }
 
     /// A prefix cache's contents for a model without bounded layers, or (with `usable`) one
@@ -610,6 +639,7 @@ mod tests {
             prefill_step_size: 512,
             preloaded: None,
             bounded: None,
+            private: false,
         }
     }
 

@@ -68,8 +68,8 @@ pub(crate) struct Sampling {
     num_draft_tokens: Option<usize>,
     /// mlx_lm's generation KV options, per request (Perch's extension): bound the KV cache to
     /// this many positions (`--max-kv-size`), or quantize it to `kv_bits` (group `kv_group_size`,
-    /// default 64) from `quantized_kv_start` positions on (default 5,000). Such a request runs
-    /// beside the batch with caches of its own; the engine checks the values.
+    /// default 64) from `quantized_kv_start` positions on (default 5,000). Such a request runs in
+    /// the batch without the prefix cache; the engine checks the values.
     max_kv_size: Option<usize>,
     kv_bits: Option<i32>,
     kv_group_size: Option<i32>,

@@ -41,7 +41,7 @@ use crate::device::Backend;
 use crate::error::{EngineError, Result};
 use crate::kv::block_store::BlockStore;
 use crate::kv::cache::{KvCache, KvLimit};
-use crate::kv::slot_cache::SlotAttention;
+use crate::kv::slot_cache::{RowKv, RowQuantization, SlotAttention};
 use crate::kv::tail_cache::{Tail, TailCache};
 use crate::models::Model;
 use crate::output::{Pushed, TokenSink};
@@ -255,9 +255,11 @@ struct Sequence {
     tokens: Vec<u32>,
     /// One per layer; empty while waiting, and while the sequence is in a slot.
     cache: Vec<KvCache>,
-    /// The bound of its KV cache (`max_kv_size`): it computes in bounded rows of the slot
-    /// caches and shares no block with the prefix cache.
-    limit: Option<KvLimit>,
+    /// What it asks of its KV cache: a bound (`max_kv_size`) or a quantization (`kv_bits` from
+    /// `quantized_kv_start`). Either makes its rows of the slot caches bounded or quantized ones
+    /// (see `kv::slot_cache`), and its KV then is its own: it shares no block with the prefix
+    /// cache and its prompt goes in its own chunks (where they end decides what it holds).
+    kv: RowKv,
     /// Its row of one of the batch's slot caches (`None` until it takes one).
     slot: Option<Slot>,
     /// Tokens in `cache` (all but the last of `tokens` once prefill is done).
@@ -461,13 +463,6 @@ impl<'m> BatchGenerator<'m> {
                 "speculative requests run beside the batch (EngineHandle), not in it".into(),
             ));
         }
-        if request.kv_quantization.is_some() {
-            return Err(EngineError::Request(
-                "per-request KV quantization runs beside the batch (EngineHandle); the batch's \
-                 pool is quantized for every request by the engine's KV quantization"
-                    .into(),
-            ));
-        }
         // A bound the sequence never reaches changes nothing (mlx_lm's rotating cache trims
         // nothing then): the request runs unbounded, with the prefix cache.
         let limit = kv_options(self.model, &request)?
@@ -489,6 +484,27 @@ impl<'m> BatchGenerator<'m> {
         if limit.is_some() && preloaded.is_some() {
             return Err(EngineError::Request(
                 "a request with max_kv_size cannot start from a prompt cache".into(),
+            ));
+        }
+        // A start the sequence never reaches changes nothing either: the last step starts
+        // before `prompt + max_tokens - 1` positions.
+        let quantization = request
+            .kv_quantization
+            .map(|quantization| RowQuantization {
+                quantization,
+                start: request.quantized_kv_start,
+            })
+            .filter(|q| q.start.max(1) + 1 < request.prompt.len() + max_tokens);
+        if quantization.is_some() && self.config.kv_quantization.is_some() {
+            return Err(EngineError::Request(
+                "kv_bits cannot be combined with the engine's quantized KV cache: its pool is \
+                 quantized for every request already"
+                    .into(),
+            ));
+        }
+        if quantization.is_some() && preloaded.is_some() {
+            return Err(EngineError::Request(
+                "a request with kv_bits cannot start from a prompt cache".into(),
             ));
         }
         // A bounded cache holds at most its bound and a prefill step's worth more.
@@ -522,7 +538,10 @@ impl<'m> BatchGenerator<'m> {
             grammar,
             tokens: request.prompt.clone(),
             cache: Vec::new(),
-            limit,
+            kv: RowKv {
+                limit,
+                quantization,
+            },
             slot: None,
             computed: 0,
             published_blocks: 0,
@@ -749,7 +768,8 @@ impl<'m> BatchGenerator<'m> {
                     tokens: &seq.tokens,
                     prefill_step_size: seq.request.prefill_step_size,
                     preloaded: seq.preloaded.as_ref().map(|p| p.offset),
-                    bounded: seq.limit.map(|limit| self.bounded_tokens(limit)),
+                    bounded: seq.kv.limit.map(|limit| self.bounded_tokens(limit)),
+                    private: !seq.kv.is_plain(),
                 })
                 .collect();
             let batch = plan::Batch {
@@ -949,7 +969,7 @@ impl<'m> BatchGenerator<'m> {
                 },
                 scored: seq.scored(),
                 branch_at: seq.branch_at,
-                bounded: seq.limit.is_some(),
+                own_chunks: !seq.kv.is_plain(),
             })
             .collect()
     }
@@ -982,7 +1002,7 @@ impl<'m> BatchGenerator<'m> {
             let seq = &mut self.running[i];
             seq.slot = Some(
                 self.runner
-                    .enter_prefill(&seq.cache, seq.computed, seq.limit)?,
+                    .enter_prefill(&seq.cache, seq.computed, seq.kv)?,
             );
             seq.cache = Vec::new();
         }
@@ -1081,7 +1101,7 @@ impl<'m> BatchGenerator<'m> {
             let block_size = self.config.block_size;
             for &i in &ready {
                 let seq = &mut self.running[i];
-                if seq.computed.is_multiple_of(block_size) && seq.limit.is_none() {
+                if seq.computed.is_multiple_of(block_size) && seq.kv.is_plain() {
                     let slot = seq.slot.expect("a decoding sequence is in a slot");
                     let states = slot_states(&self.runner, slot)?;
                     async_eval(states.iter().flatten())?;
@@ -1133,7 +1153,7 @@ impl<'m> BatchGenerator<'m> {
             }
             let (slot, moves) =
                 self.runner
-                    .enter_decode(seq.slot, &seq.cache, seq.computed, seq.limit)?;
+                    .enter_decode(seq.slot, &seq.cache, seq.computed, seq.kv)?;
             self.slots_moved(&moves);
             let seq = &mut self.running[i];
             seq.slot = Some(slot);
@@ -1231,7 +1251,7 @@ impl<'m> BatchGenerator<'m> {
             // Only next-token-logprobs calls keep their partial block: the next call usually
             // extends them by a token, and the copy (a wait for the device) stays off the path
             // of generating requests.
-            if seq.request.next_token_logprobs && self.kv.caching_enabled() && seq.limit.is_none() {
+            if seq.request.next_token_logprobs && self.kv.caching_enabled() && seq.kv.is_plain() {
                 self.keep_tail(seq)?;
             }
         }
@@ -1363,8 +1383,8 @@ fn publish(
     let Some(slot) = seq.slot else {
         return Ok(());
     };
-    // Nor are a bounded cache's: it does not hold a prefix's KV.
-    if full <= seq.published_blocks || seq.preloaded.is_some() || seq.limit.is_some() {
+    // Nor are a bounded or quantized cache's: it does not hold a prefix's plain KV.
+    if full <= seq.published_blocks || seq.preloaded.is_some() || !seq.kv.is_plain() {
         return Ok(());
     }
     let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);

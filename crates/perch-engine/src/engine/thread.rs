@@ -50,8 +50,7 @@ pub(super) struct Queue {
     /// When `stats` was last replaced.
     pub(super) published_at: Instant,
     pub(super) outstanding: Arc<AtomicUsize>,
-    /// Ids of the requests running beside the batch (speculative ones, and those that quantize
-    /// their own KV cache; see [`SoloSequence`]).
+    /// Ids of the requests running beside the batch (speculative ones; see [`SoloSequence`]).
     pub(super) solo: HashSet<RequestId>,
 }
 
@@ -372,8 +371,8 @@ pub(super) struct Pass<'m> {
     pub(super) model: &'m dyn Model,
     /// The draft model and its tokenizer, when loaded.
     pub(super) draft: Option<(&'m dyn Model, &'m Tokenizer)>,
-    /// Requests the batch cannot run (speculative ones, those that quantize their own KV cache
-    /// from `quantized_kv_start`): each runs beside it, a step of its own per engine step.
+    /// Requests the batch cannot run (speculative ones): each runs beside it, a step of its own
+    /// per engine step.
     pub(super) solo: Vec<(Job, SoloSequence<'m>)>,
     pub(super) tokenizer: &'m Tokenizer,
     pub(super) model_id: &'m str,
@@ -581,7 +580,7 @@ impl Pass<'_> {
 
 impl<'m> Pass<'m> {
     /// The sequence of a request that runs beside the batch (checked; nothing runs yet): a
-    /// speculative one, or one that quantizes its own KV cache.
+    /// speculative one (which may quantize its own KV cache too).
     fn start_solo(&self, job: &Job) -> Result<SoloSequence<'m>> {
         let draft = match (job.request.params.num_draft_tokens, self.draft) {
             (None, _) => None,
@@ -603,9 +602,7 @@ impl<'m> Pass<'m> {
             Prompt::AfterCache { cache_file, .. } => {
                 return Err(EngineError::PromptCache {
                     path: cache_file.clone(),
-                    message: "a speculative request, or one that quantizes its own KV cache, \
-                              cannot start from a prompt cache"
-                        .into(),
+                    message: "a speculative request cannot start from a prompt cache".into(),
                 })
             }
             prompt => tokens_of(prompt, self.tokenizer)?,

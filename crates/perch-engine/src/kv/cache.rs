@@ -40,6 +40,19 @@ pub(crate) fn kv_parts(
     })
 }
 
+/// `x` through MLX's affine quantization and back, in `x`'s dtype: the values attention over a
+/// cache quantized as `quantization` multiplies with.
+pub(crate) fn quantize_round_trip(x: &Array, quantization: KvQuantization) -> Result<Array> {
+    let (w, scales, biases) = ops::quantize(x, quantization.group_size, quantization.bits)?;
+    Ok(ops::dequantize(
+        &w,
+        &scales,
+        &biases,
+        quantization.group_size,
+        quantization.bits,
+    )?)
+}
+
 /// The cache of one layer of one sequence. An attention layer's: the first `offset` positions of
 /// its key and value buffers are filled. A linear-attention layer's (Gated DeltaNet, see
 /// [`KvCache::recurrent`]): the recurrent state after `offset` tokens, with no positions to read

@@ -46,6 +46,20 @@
 //! positions older than that list. Other rows of the same buffers keep every position; sliding
 //! layers keep their own rings and recurrent layers their states.
 //!
+//! # Quantized rows: `kv_bits`
+//! A sequence whose request quantizes its KV cache (mlx_lm's `--kv-bits` from
+//! `--quantized-kv-start`: a `QuantizedKVCache` once a forward pass leaves the cache holding that
+//! many positions, [`RowQuantization`]) keeps a row of the float buffers like any other, but once
+//! quantized, what it holds and writes is the affine quantization's round trip
+//! (`dequantize(quantize(x))` per head vector, in groups), the values mlx_lm's quantized
+//! attention multiplies with: when a step leaves the row at its start or more, the row's entries
+//! in every layer that keeps positions are replaced by their round trip, and later steps write
+//! round-tripped keys and values ([`SlotStep`]'s quantized rows). Attention reads it as any row,
+//! so its outputs are the quantized cache's while its memory is a full-precision row's; the
+//! memory a quantized cache saves comes from a quantized cache (`SlotKvCache::new` with a
+//! quantization: every row's parts packed), which such rows do not join. Decode steps with
+//! quantized rows run uncompiled (the round trip's settings are not among a trace's inputs).
+//!
 //! # Linear-attention layers: recurrent states
 //! A Gated DeltaNet layer (hybrid models) keeps no positions: its buffers are the recurrent state
 //! of every row, the convolution's last inputs `[rows, kernel - 1, channels]` and the
@@ -63,9 +77,48 @@ use crate::attention::{additive_mask, masked_attention, AttentionSpec, SlotRead}
 use crate::attention::{CachedKv, KvQuantization};
 use crate::device::Backend;
 use crate::error::Result;
-use crate::kv::cache::{kv_parts, KvCache, KvLimit, RecurrentState};
+use crate::kv::cache::{kv_parts, quantize_round_trip, KvCache, KvLimit, RecurrentState};
 use crate::nn::mlx_ext::{slice, slice_update};
 use perch_sched::shapes::{capacity_bucket, row_bucket};
+
+/// What a request asks of its own KV cache, carried by its row of the slot caches: a bound
+/// (`max_kv_size`, see the module docs) or a quantization from some position on (`kv_bits`),
+/// never both (mlx_lm's rotating cache is not quantized). The default is a plain row.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RowKv {
+    pub limit: Option<KvLimit>,
+    pub quantization: Option<RowQuantization>,
+}
+
+/// A row quantized from `start` positions on (mlx_lm's `kv_bits` with `quantized_kv_start`; see
+/// the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowQuantization {
+    pub quantization: KvQuantization,
+    pub start: usize,
+}
+
+impl RowKv {
+    /// A plain row: every position kept, in the cache's format.
+    pub const PLAIN: RowKv = RowKv {
+        limit: None,
+        quantization: None,
+    };
+
+    /// Whether the row holds a plain cache's KV (what the prefix cache can share).
+    pub fn is_plain(&self) -> bool {
+        *self == Self::PLAIN
+    }
+
+    /// The quantization a row of `len` positions reads and writes with: once a forward pass
+    /// has left it at its start or more (mlx_lm quantizes after each model call, so a first
+    /// pass always computes in full precision).
+    pub fn quantized_at(&self, len: usize) -> Option<KvQuantization> {
+        self.quantization
+            .filter(|q| len >= q.start.max(1))
+            .map(|q| q.quantization)
+    }
+}
 
 /// How a step's attention reads the slot cache's dense keys and values, with the mask of each
 /// row's length.
@@ -127,6 +180,10 @@ pub struct SlotStep {
     /// Which of a prompt chunk's tokens are real, when the cache has recurrent layers (they
     /// must not advance a row's state past its real tokens); `None`: every token is.
     real: Option<RealTokens>,
+    /// The quantized rows' settings, each with `[rows, 1, 1, 1]` bool marking its rows: their
+    /// new keys and values are written round-tripped (see the module docs). Empty when no row
+    /// is quantized.
+    quantized: Vec<(KvQuantization, Array)>,
     /// The sliding layers' mask, made by the first sliding layer for all of them.
     window_mask: OnceCell<Array>,
     /// The step's mask and the sliding layers' made additive in the activations' dtype, when
@@ -217,9 +274,20 @@ impl SlotStep {
             write,
             ring,
             real: None,
+            quantized: Vec::new(),
             window_mask: OnceCell::new(),
             additive: Default::default(),
         }
+    }
+
+    /// `x` `[rows, kv_heads, tokens, head_dim]` with each quantized row's part replaced by its
+    /// quantization's round trip (see the module docs).
+    fn round_trip_quantized_rows(&self, x: &Array) -> Result<Array> {
+        let mut out = x.clone();
+        for (quantization, rows) in &self.quantized {
+            out = ops::select(rows, &quantize_round_trip(x, *quantization)?, &out)?;
+        }
+        Ok(out)
     }
 
     /// The mask a layer reads: for a sliding layer (`window`), the rings' or, over linear
@@ -271,8 +339,8 @@ pub struct SlotKvCache {
     layers: Vec<Vec<Array>>,
     /// Positions filled, per slot up to the last occupied one; `None` for a free slot.
     lengths: Vec<Option<usize>>,
-    /// Per slot (as `lengths`), the bound of a bounded row (see the module docs).
-    limits: Vec<Option<KvLimit>>,
+    /// Per slot (as `lengths`), what its request asks of its KV cache (see the module docs).
+    row_kv: Vec<RowKv>,
     /// The widest step this cache takes, in tokens per row (what a bounded row's ring adds).
     max_step_tokens: usize,
     rows: usize,
@@ -294,7 +362,7 @@ impl SlotKvCache {
             recurrent: vec![false; num_layers],
             layers: Vec::new(),
             lengths: Vec::new(),
-            limits: Vec::new(),
+            row_kv: Vec::new(),
             max_step_tokens: 1,
             rows: 0,
             capacity: 0,
@@ -427,7 +495,39 @@ impl SlotKvCache {
 
     /// The bound of the row in `slot`, if it is bounded.
     pub fn slot_limit(&self, slot: usize) -> Option<KvLimit> {
-        self.limits.get(slot).copied().flatten()
+        self.slot_kv(slot).limit
+    }
+
+    /// What the request of the row in `slot` asks of its KV cache.
+    pub fn slot_kv(&self, slot: usize) -> RowKv {
+        self.row_kv.get(slot).copied().unwrap_or_default()
+    }
+
+    /// Whether an occupied row is quantized, or will be (see the module docs).
+    pub fn has_quantized_rows(&self) -> bool {
+        self.lengths
+            .iter()
+            .zip(&self.row_kv)
+            .any(|(len, kv)| len.is_some() && kv.quantization.is_some())
+    }
+
+    /// Replaces every entry of `slot`'s row, in each layer that keeps positions, by its round
+    /// trip through `quantization` (a row that became quantized; see the module docs). Lazy.
+    fn quantize_row(&mut self, slot: usize, quantization: KvQuantization) -> Result<()> {
+        let layers: Vec<usize> = (0..self.layers.len())
+            .filter(|&l| !self.is_recurrent(l))
+            .collect();
+        for layer in layers {
+            for buffer in self.layers[layer].iter_mut() {
+                let s = buffer.shape().to_vec();
+                let start = [slot as i32, 0, 0, 0];
+                let stop = [slot as i32 + 1, s[1], s[2], s[3]];
+                let row = slice(buffer, &start, &stop)?;
+                let row = quantize_round_trip(&row, quantization)?;
+                *buffer = slice_update(buffer, &row, &start, &stop)?;
+            }
+        }
+        Ok(())
     }
 
     /// The positions a row of `len` positions bounded by `limit` holds in layer `layer` for its
@@ -599,7 +699,7 @@ impl SlotKvCache {
     pub fn clear(&mut self) {
         self.layers.clear();
         self.lengths.clear();
-        self.limits.clear();
+        self.row_kv.clear();
         self.rows = 0;
         self.capacity = 0;
         self.pass_in_flight = None;
@@ -631,10 +731,10 @@ impl SlotKvCache {
     }
 
     /// Puts a sequence whose per-layer `cache` holds `len` positions into the first free slot (copying
-    /// them), bounded by `limit` when its request bounds its KV cache (see the module docs), and
-    /// returns the slot. Lazy: evaluate [`SlotKvCache::state`].
-    pub fn push(&mut self, cache: &[KvCache], len: usize, limit: Option<KvLimit>) -> Result<usize> {
-        self.push_with(len, limit, |layer, ranges| {
+    /// them), with what its request asks of its KV cache (`kv`: a bound, a quantization; see the
+    /// module docs), and returns the slot. Lazy: evaluate [`SlotKvCache::state`].
+    pub fn push(&mut self, cache: &[KvCache], len: usize, kv: RowKv) -> Result<usize> {
+        let slot = self.push_with(len, kv, |layer, ranges| {
             let Some(layer_cache) = cache.get(layer) else {
                 return Ok(Vec::new()); // An empty sequence given no caches.
             };
@@ -652,7 +752,12 @@ impl SlotKvCache {
                     layer_cache.parts(first, len as i32)
                 }
             }
-        })
+        })?;
+        // Positions computed in full precision, for a row quantized already.
+        if let Some(quantization) = kv.quantized_at(len) {
+            self.quantize_row(slot, quantization)?;
+        }
+        Ok(slot)
     }
 
     /// Puts a sequence of `len` zeroed positions into the first free slot and returns the slot
@@ -680,7 +785,7 @@ impl SlotKvCache {
                 layer.iter().map(|b| (shape(b), b.dtype())).collect()
             })
             .collect();
-        self.push_with(len, None, |layer, _| {
+        self.push_with(len, RowKv::PLAIN, |layer, _| {
             shapes[layer]
                 .iter()
                 .map(|(shape, dtype)| Ok(ops::zeros_dtype(shape, *dtype)?))
@@ -689,12 +794,13 @@ impl SlotKvCache {
     }
 
     /// Moves the first `len` positions of `other`'s `slot` into the first free slot of this cache (a
-    /// sequence whose prefill is done joins the decode batch), with its bound, and returns that
+    /// sequence whose prefill is done joins the decode batch), with its KV options (a quantized
+    /// row's entries are round-tripped already), and returns that
     /// slot; `other` keeps its copy until its [`SlotKvCache::remove`]. Lazy, as
     /// [`SlotKvCache::push`].
     pub fn push_from(&mut self, other: &SlotKvCache, slot: usize) -> Result<usize> {
         let len = other.slot_len(slot);
-        self.push_with(len, other.slot_limit(slot), |layer, ranges| {
+        self.push_with(len, other.slot_kv(slot), |layer, ranges| {
             if other.is_recurrent(layer) {
                 return other.row_state(layer, slot);
             }
@@ -711,7 +817,7 @@ impl SlotKvCache {
         })
     }
 
-    /// Puts a sequence of `len` positions bounded by `limit` (if any) into the first free slot,
+    /// Puts a sequence of `len` positions with KV options `kv` (bounded by its limit, if any) into the first free slot,
     /// layer `l`'s parts `[1, kv_heads, n, last]` given by `parts(l, ranges)`: for a layer the
     /// bound applies to, the positions of `ranges` (what the row reads next,
     /// [`SlotKvCache::held_ranges`]) one after the other; otherwise (`None`) the row's positions
@@ -721,7 +827,7 @@ impl SlotKvCache {
     fn push_with(
         &mut self,
         len: usize,
-        limit: Option<KvLimit>,
+        kv: RowKv,
         mut parts: impl FnMut(usize, Option<&[(usize, usize)]>) -> Result<Vec<Array>>,
     ) -> Result<usize> {
         let slot = self
@@ -731,6 +837,7 @@ impl SlotKvCache {
             .unwrap_or(self.lengths.len());
         // Room for the token this sequence feeds next, as every occupied slot has.
         let slots = self.lengths.len().max(slot + 1);
+        let limit = kv.limit;
         let entries = self.row_entries(limit, len, 1);
         self.reshape(slots, self.needed_capacity(1).max(entries))?;
         // A recurrent layer's row gets the sequence's state, or zeros: a free row's state is
@@ -795,10 +902,10 @@ impl SlotKvCache {
         }
         if slot == self.lengths.len() {
             self.lengths.push(Some(len));
-            self.limits.push(limit);
+            self.row_kv.push(kv);
         } else {
             self.lengths[slot] = Some(len);
-            self.limits[slot] = limit;
+            self.row_kv[slot] = kv;
         }
         Ok(slot)
     }
@@ -809,10 +916,10 @@ impl SlotKvCache {
     pub fn remove(&mut self, slot: usize) -> Result<Vec<(usize, usize)>> {
         assert!(self.is_occupied(slot), "slot {slot} is not occupied");
         self.lengths[slot] = None;
-        self.limits[slot] = None;
+        self.row_kv[slot] = RowKv::PLAIN;
         while self.lengths.last() == Some(&None) {
             self.lengths.pop();
-            self.limits.pop();
+            self.row_kv.pop();
         }
         let occupied = self.len();
         if occupied == 0 {
@@ -839,7 +946,7 @@ impl SlotKvCache {
                 *buffer = buffer.take_axis(&gather, 0)?;
             }
             self.lengths = order.iter().map(|&s| self.lengths[s]).collect();
-            self.limits = order.iter().map(|&s| self.limits[s]).collect();
+            self.row_kv = order.iter().map(|&s| self.row_kv[s]).collect();
             self.rows = rows;
         }
         self.reshape(self.lengths.len(), self.needed_capacity(1))?;
@@ -851,8 +958,8 @@ impl SlotKvCache {
     fn needed_capacity(&self, tokens: usize) -> usize {
         self.lengths
             .iter()
-            .zip(&self.limits)
-            .filter_map(|(len, limit)| Some(self.row_entries(*limit, (*len)?, tokens)))
+            .zip(&self.row_kv)
+            .filter_map(|(len, kv)| Some(self.row_entries(kv.limit, (*len)?, tokens)))
             .max()
             .unwrap_or(tokens)
     }
@@ -1027,7 +1134,7 @@ impl SlotKvCache {
             &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, 1, -1, 1])?,
         )?;
         let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;
-        let (mask, write) = if self.limits.iter().any(Option::is_some) {
+        let (mask, write) = if self.row_kv.iter().any(|kv| kv.limit.is_some()) {
             if tokens > self.max_step_tokens {
                 return Err(mlx_rs::error::Exception::custom(format!(
                     "a step of {tokens} tokens per row is wider than bounded rows' rings allow \
@@ -1058,6 +1165,25 @@ impl SlotKvCache {
             true if tokens > 1 => Some(self.real_tokens(tokens, new_tokens)?),
             _ => None,
         };
+        // The rows quantized already, by setting (a float cache's only: see `RowKv`).
+        let mut quantized: Vec<(KvQuantization, Vec<bool>)> = Vec::new();
+        for (slot, (len, kv)) in self.lengths.iter().zip(&self.row_kv).enumerate() {
+            let Some(q) = len.and_then(|len| kv.quantized_at(len)) else {
+                continue;
+            };
+            let group = match quantized.iter().position(|(setting, _)| *setting == q) {
+                Some(group) => group,
+                None => {
+                    quantized.push((q, vec![false; self.rows]));
+                    quantized.len() - 1
+                }
+            };
+            quantized[group].1[slot] = true;
+        }
+        let quantized = quantized
+            .into_iter()
+            .map(|(q, rows)| (q, Array::from_slice(&rows, &[self.rows as i32, 1, 1, 1])))
+            .collect();
         Ok(SlotStep {
             positions,
             mask,
@@ -1066,6 +1192,7 @@ impl SlotKvCache {
             write,
             ring,
             real,
+            quantized,
             window_mask: OnceCell::new(),
             additive: Default::default(),
         })
@@ -1091,7 +1218,8 @@ impl SlotKvCache {
         // Per row: keep, W, max_size, the list before the step (keep_end, recent_from), and the
         // last position the step writes.
         let mut params = [0, UNBOUNDED, UNBOUNDED, 0, 0, 0].map(|v| vec![v; self.rows]);
-        for (r, (len, limit)) in self.lengths.iter().zip(&self.limits).enumerate() {
+        for (r, (len, kv)) in self.lengths.iter().zip(&self.row_kv).enumerate() {
+            let limit = &kv.limit;
             let last = (len.unwrap_or(0) + tokens - 1) as i32;
             params[5][r] = last;
             if let (Some(len), Some(limit)) = (len, limit) {
@@ -1172,7 +1300,14 @@ impl SlotKvCache {
         keys: &Array,
         values: &Array,
     ) -> Result<CachedKv> {
-        let parts = kv_parts(self.quantization, keys, values)?;
+        // A quantized cache holds no quantized rows (see `RowKv`).
+        let parts = match step.quantized.is_empty() || self.quantization.is_some() {
+            true => kv_parts(self.quantization, keys, values)?,
+            false => vec![
+                step.round_trip_quantized_rows(keys)?,
+                step.round_trip_quantized_rows(values)?,
+            ],
+        };
         self.ensure_buffers(layer, &parts)?;
         let index = match &step.ring {
             Some(ring) if self.is_ring(layer) => &ring.index,
@@ -1222,14 +1357,24 @@ impl SlotKvCache {
 
     /// Ends a step: occupied slot `s` holds `new_tokens[s]` more positions (its real tokens of
     /// the step; 1 each in a decode step). One count per slot of [`SlotKvCache::slots`]; free
-    /// slots' counts are ignored.
-    pub fn end_step(&mut self, new_tokens: &[usize]) {
+    /// slots' counts are ignored. A row the step leaves quantized for the first time is
+    /// round-tripped whole (see the module docs; lazy).
+    pub fn end_step(&mut self, new_tokens: &[usize]) -> Result<()> {
         debug_assert_eq!(new_tokens.len(), self.lengths.len(), "one count per slot");
-        for (len, new) in self.lengths.iter_mut().zip(new_tokens) {
+        let mut quantized = Vec::new();
+        for (slot, (len, new)) in self.lengths.iter_mut().zip(new_tokens).enumerate() {
             if let Some(len) = len {
+                let kv = self.row_kv[slot];
+                if kv.quantized_at(*len).is_none() {
+                    quantized.extend(kv.quantized_at(*len + new).map(|q| (slot, q)));
+                }
                 *len += new;
             }
         }
+        for (slot, quantization) in quantized {
+            self.quantize_row(slot, quantization)?;
+        }
+        Ok(())
     }
 
     /// Positions `[start, end)` of `slot` in layer `layer`, in buffers of their own, shaped as
@@ -1459,7 +1604,7 @@ mod tests {
         let caches = counting_caches(len, |layer| layer as f32 + 1.0);
         // Layer 0 slides over 8 positions: a ring of 256 (8 + 1 - 1 + 16, bucketed).
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
-        let slot = slots.push(&caches, len as usize, None).unwrap();
+        let slot = slots.push(&caches, len as usize, RowKv::PLAIN).unwrap();
         let capacities: Vec<i32> = slots.layers.iter().map(|l| l[0].shape()[2]).collect();
         assert_eq!(capacities, [256, 768]);
         let positions = |layer, start, end| held(&slots, slot, layer, start, end);
@@ -1522,8 +1667,17 @@ mod tests {
         let mut own = KvCache::new();
         own.limit_to(limit);
         let mut prefill = SlotKvCache::new(1, None).with_max_step_tokens(8);
-        let bounded = prefill.push(&[], 0, Some(limit)).unwrap();
-        let plain = prefill.push(&[], 0, None).unwrap();
+        let bounded = prefill
+            .push(
+                &[],
+                0,
+                RowKv {
+                    limit: Some(limit),
+                    ..RowKv::PLAIN
+                },
+            )
+            .unwrap();
+        let plain = prefill.push(&[], 0, RowKv::PLAIN).unwrap();
         let mut decode = SlotKvCache::new(1, None);
         let mut len = 0;
         let positions = |from: i32, n: i32| {
@@ -1581,7 +1735,7 @@ mod tests {
                 let all: Vec<Vec<i32>> = (0..tokens).map(|t| (0..=len + t).collect()).collect();
                 assert_eq!(got, all, "step {i}: the unbounded row sees everything");
             }
-            slots.end_step(&counts);
+            slots.end_step(&counts).unwrap();
             len += tokens;
         }
         // The bounded row's entries stop at its kept positions and ring; the unbounded one grows.
@@ -1602,7 +1756,16 @@ mod tests {
         let caches = counting_caches(len, |_| 1.0);
         let limit = KvLimit::new(10, KvLimit::KEEP).unwrap();
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(300), None], 1, 16);
-        let slot = slots.push(&caches, len as usize, Some(limit)).unwrap();
+        let slot = slots
+            .push(
+                &caches,
+                len as usize,
+                RowKv {
+                    limit: Some(limit),
+                    ..RowKv::PLAIN
+                },
+            )
+            .unwrap();
         let ring = slots.ring_positions().unwrap();
         assert!(
             ring > 300 && slots.capacity >= ring,

@@ -153,7 +153,7 @@ impl dyn Model + '_ {
             },
             Output::Logits,
         )?;
-        slots.end_step(new_tokens);
+        slots.end_step(new_tokens)?;
         Ok(logits.expect("logits were asked for"))
     }
 }

@@ -137,7 +137,7 @@ impl CompiledSlotForward {
         let logits = outputs.remove(0);
         // The old buffers are now the graph's alone, so MLX may update them in place.
         slots.set_buffers(outputs);
-        slots.end_step(new_tokens);
+        slots.end_step(new_tokens)?;
         self.steps += 1;
         Ok(logits)
     }

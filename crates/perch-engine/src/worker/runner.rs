@@ -21,8 +21,8 @@ use mlx_rs::{ops, Array, Dtype};
 use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::error::Result;
-use crate::kv::cache::{KvCache, KvLimit};
-use crate::kv::slot_cache::{SlotAttention, SlotKvCache};
+use crate::kv::cache::KvCache;
+use crate::kv::slot_cache::{RowKv, SlotAttention, SlotKvCache};
 use crate::models::Model;
 use crate::nn::mlx_ext::slice;
 use crate::sample::sampler::Sampler;
@@ -141,7 +141,8 @@ impl<'m> ModelRunner<'m> {
         slots: &mut SlotKvCache,
         new_tokens: &[usize],
     ) -> Result<Array> {
-        match compiled {
+        // Quantized rows' round trips are not among a trace's inputs (see `SlotKvCache`).
+        match compiled.filter(|_| !slots.has_quantized_rows()) {
             Some(compiled) => compiled.forward(model, ids, slots, new_tokens),
             None => model.forward_slots(ids, slots, new_tokens),
         }
@@ -158,7 +159,7 @@ impl<'m> ModelRunner<'m> {
         let mut slots = self.slots.decode.empty_like();
         let mut shapes = 0;
         for n in 1..=max_rows.max(1) {
-            slots.push(&[], 0, None)?;
+            slots.push(&[], 0, RowKv::PLAIN)?;
             if n < max_rows && row_bucket(n + 1) == row_bucket(n) {
                 continue;
             }
@@ -204,7 +205,7 @@ impl<'m> ModelRunner<'m> {
             }
         } else {
             for _ in 0..shape.rows {
-                slots.push(&[], 0, None)?;
+                slots.push(&[], 0, RowKv::PLAIN)?;
             }
         }
         let ids = ops::zeros_dtype(&[shape.rows as i32, shape.width as i32], Dtype::Uint32)?;
@@ -228,7 +229,7 @@ impl<'m> ModelRunner<'m> {
     /// ([`SlotKvCache::push_zeros`]).
     fn shaped_like(&self, cache: &SlotKvCache) -> Result<SlotKvCache> {
         let mut shaped = cache.empty_like();
-        shaped.push(&[], 0, None)?;
+        shaped.push(&[], 0, RowKv::PLAIN)?;
         self.model
             .forward_slots(&Array::from_slice(&[0u32], &[1, 1]), &mut shaped, &[1])?;
         Ok(shaped)
@@ -289,15 +290,8 @@ impl<'m> ModelRunner<'m> {
 
     /// Puts a sequence whose `cache` holds `computed` positions into the next prefill slot,
     /// bounded by `limit` when its request bounds its KV cache (`max_kv_size`).
-    pub fn enter_prefill(
-        &mut self,
-        cache: &[KvCache],
-        computed: usize,
-        limit: Option<KvLimit>,
-    ) -> Result<Slot> {
-        Ok(Slot::Prefill(
-            self.slots.prefill.push(cache, computed, limit)?,
-        ))
+    pub fn enter_prefill(&mut self, cache: &[KvCache], computed: usize, kv: RowKv) -> Result<Slot> {
+        Ok(Slot::Prefill(self.slots.prefill.push(cache, computed, kv)?))
     }
 
     /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
@@ -339,7 +333,7 @@ impl<'m> ModelRunner<'m> {
         from: Option<Slot>,
         cache: &[KvCache],
         computed: usize,
-        limit: Option<KvLimit>,
+        kv: RowKv,
     ) -> Result<(Slot, Vec<(Slot, Slot)>)> {
         match from {
             Some(Slot::Decode(_)) => unreachable!("a decoding sequence is in its slot"),
@@ -349,7 +343,7 @@ impl<'m> ModelRunner<'m> {
                 Ok((Slot::Decode(slot), moves))
             }
             None => Ok((
-                Slot::Decode(self.slots.decode.push(cache, computed, limit)?),
+                Slot::Decode(self.slots.decode.push(cache, computed, kv)?),
                 Vec::new(),
             )),
         }
