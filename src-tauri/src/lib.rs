@@ -14,9 +14,8 @@
 pub mod commands;
 pub mod desktop;
 pub mod store;
+pub mod tray;
 
-use tauri::menu::{Menu, MenuItem, PredefinedMenuItem};
-use tauri::tray::{MouseButton, MouseButtonState, TrayIconBuilder, TrayIconEvent};
 use tauri::{AppHandle, Emitter, Manager, PhysicalPosition, Rect, Runtime, WebviewWindow};
 
 pub use commands::model::AppState;
@@ -64,6 +63,8 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
             hub::search_models,
             hub::download_model,
             hub::cancel_download,
+            hub::partial_downloads,
+            hub::discard_partial_download,
             server::server_status,
         ])
 }
@@ -124,7 +125,7 @@ fn missing_display() -> Option<String> {
 fn setup(app: &mut tauri::App) -> Result<(), Box<dyn std::error::Error>> {
     #[cfg(target_os = "macos")]
     app.set_activation_policy(tauri::ActivationPolicy::Accessory);
-    build_tray(app.handle())?;
+    tray::build(app.handle())?;
     if let Some(window) = app.get_webview_window(WINDOW) {
         if cfg!(target_os = "macos") {
             let popover = window.clone();
@@ -149,93 +150,6 @@ fn setup(app: &mut tauri::App) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
-fn build_tray<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
-    let item = |id: &str, text: &str| MenuItem::with_id(app, id, text, true, None::<&str>);
-    // What the engine is doing, as the menu's first line (not clickable) and the tooltip.
-    let status = MenuItem::with_id(app, "status", "Perch", false, None::<&str>)?;
-    let menu = Menu::with_items(
-        app,
-        &[
-            &status,
-            &PredefinedMenuItem::separator(app)?,
-            &item("new-chat", "New chat")?,
-            &item("chat", "Chat")?,
-            &item("dashboard", "Dashboard")?,
-            &item("models", "Models")?,
-            &item("settings", "Settings…")?,
-            &PredefinedMenuItem::separator(app)?,
-            &item("quit", "Quit Perch")?,
-        ],
-    )?;
-    let mut tray = TrayIconBuilder::with_id("perch")
-        .tooltip("Perch")
-        .menu(&menu)
-        .show_menu_on_left_click(false)
-        .icon_as_template(true)
-        .on_menu_event(|app, event| match event.id().as_ref() {
-            "quit" => app.exit(0),
-            "new-chat" => {
-                open_view(app, "chat");
-                if let Some(window) = app.get_webview_window(WINDOW) {
-                    let _ = window.emit("new-chat", ());
-                }
-            }
-            view => open_view(app, view),
-        })
-        .on_tray_icon_event(|tray, event| {
-            // Delivered on macOS and Windows only.
-            if let TrayIconEvent::Click {
-                button: MouseButton::Left,
-                button_state: MouseButtonState::Up,
-                rect,
-                ..
-            } = event
-            {
-                if let Some(window) = tray.app_handle().get_webview_window(WINDOW) {
-                    if window.is_visible().unwrap_or(false) {
-                        let _ = window.hide();
-                    } else {
-                        place_under(&window, rect);
-                        show(&window);
-                    }
-                }
-            }
-        });
-    if let Some(icon) = app.default_window_icon() {
-        tray = tray.icon(icon.clone());
-    }
-    let tray = tray.build(app)?;
-    follow_engine_in_tray(app.clone(), tray, status);
-    Ok(())
-}
-
-/// Every 2 s, on a thread of its own (reading the engine's stats waits on the engine thread),
-/// puts the model and what the engine is doing in the tray's status line and tooltip, when it
-/// changed ([`commands::model::tray_line`]).
-fn follow_engine_in_tray<R: Runtime>(
-    app: AppHandle<R>,
-    tray: tauri::tray::TrayIcon<R>,
-    status: MenuItem<R>,
-) {
-    let spawned = std::thread::Builder::new()
-        .name("perch-tray".into())
-        .spawn(move || {
-            let mut shown = String::new();
-            loop {
-                let line = app.state::<commands::model::AppState>().tray_line();
-                if line != shown {
-                    let _ = status.set_text(&line);
-                    let _ = tray.set_tooltip(Some(format!("Perch — {line}")));
-                    shown = line;
-                }
-                std::thread::sleep(std::time::Duration::from_secs(2));
-            }
-        });
-    if let Err(err) = spawned {
-        eprintln!("perch: the tray will not show the engine's state: {err}");
-    }
-}
-
 /// Shows the window on `view` (one of [`VIEWS`]).
 pub fn open_view<R: Runtime>(app: &AppHandle<R>, view: &str) {
     if let Some(window) = app.get_webview_window(WINDOW) {
@@ -246,14 +160,14 @@ pub fn open_view<R: Runtime>(app: &AppHandle<R>, view: &str) {
     }
 }
 
-fn show<R: Runtime>(window: &WebviewWindow<R>) {
+pub(crate) fn show<R: Runtime>(window: &WebviewWindow<R>) {
     let _ = window.show();
     let _ = window.unminimize();
     let _ = window.set_focus();
 }
 
 /// Centres the window horizontally under the tray icon's rectangle.
-fn place_under<R: Runtime>(window: &WebviewWindow<R>, icon: Rect) {
+pub(crate) fn place_under<R: Runtime>(window: &WebviewWindow<R>, icon: Rect) {
     let scale = window.scale_factor().unwrap_or(1.0);
     let icon_position = icon.position.to_physical::<f64>(scale);
     let icon_size = icon.size.to_physical::<f64>(scale);

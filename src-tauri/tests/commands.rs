@@ -585,6 +585,7 @@ fn search_download_cancel_and_load_from_the_hub() {
     let root = tempfile::tempdir().unwrap();
     let mut repo = FakeRepo::from_dir(REPO, &model_dir()).unwrap();
     repo.safetensors_parameters = [("U32".to_owned(), 1 << 30)].into(); // 4 GiB of weights
+    let commit = repo.commit.clone();
     let hub = FakeHub::start(vec![repo]);
     std::env::set_var("HF_ENDPOINT", hub.url());
     std::env::set_var("HF_HUB_CACHE", root.path().join("hub"));
@@ -615,6 +616,7 @@ fn search_download_cancel_and_load_from_the_hub() {
             tauri::async_runtime::block_on(hub_commands::download_model(
                 handle,
                 REPO.to_owned(),
+                None,
                 progress,
             ))
         })
@@ -628,6 +630,7 @@ fn search_download_cancel_and_load_from_the_hub() {
     let twice = tauri::async_runtime::block_on(hub_commands::download_model(
         app.handle().clone(),
         REPO.to_owned(),
+        None,
         channel().0,
     ));
     assert!(twice.unwrap_err().message.contains("already downloading"));
@@ -650,6 +653,17 @@ fn search_download_cancel_and_load_from_the_hub() {
         invoke(&window, "cancel_download", json!({"repoId": REPO})),
         Ok(json!(false))
     );
+    // Listed as stopped, with what it fetched, until it resumes.
+    let stopped = invoke(&window, "partial_downloads", json!({})).unwrap();
+    assert_eq!(stopped.as_array().unwrap().len(), 1, "{stopped}");
+    assert_eq!(
+        (&stopped[0]["repo_id"], &stopped[0]["has_snapshot"]),
+        (&json!(REPO), &json!(false))
+    );
+    assert!(
+        stopped[0]["bytes_present"].as_u64().unwrap() > 0,
+        "{stopped}"
+    );
 
     // Again at full speed: it resumes, and the model is listed and loads under its id.
     hub.configure(|b| b.chunk_delay = Duration::ZERO);
@@ -661,6 +675,56 @@ fn search_download_cancel_and_load_from_the_hub() {
     assert!(
         resumed.range.as_deref().is_some_and(|r| r != "bytes=0-"),
         "{resumed:?}"
+    );
+    assert_eq!(
+        invoke(&window, "partial_downloads", json!({})),
+        Ok(json!([]))
+    );
+    // A revision by its commit is the same snapshot, nothing fetched again; an unknown one is a
+    // sentence.
+    let at_commit = tauri::async_runtime::block_on(hub_commands::download_model(
+        app.handle().clone(),
+        REPO.to_owned(),
+        Some(commit.clone()),
+        channel().0,
+    ))
+    .expect("download at a commit");
+    assert_eq!(at_commit.snapshot_dir, done.snapshot_dir);
+    assert!(at_commit.snapshot_dir.ends_with(&commit));
+    assert_eq!(at_commit.bytes_fetched, 0);
+    let no_such = tauri::async_runtime::block_on(hub_commands::download_model(
+        app.handle().clone(),
+        REPO.to_owned(),
+        Some("v9".into()),
+        channel().0,
+    ))
+    .unwrap_err()
+    .message;
+    assert!(no_such.ends_with('.'), "{no_such}");
+
+    // A stopped download given up: its partial files go, and a second discard is a sentence.
+    let other = root.path().join("hub/models--org--stopped/blobs");
+    std::fs::create_dir_all(&other).unwrap();
+    std::fs::write(other.join("abc.incomplete"), [0u8; 100]).unwrap();
+    assert_eq!(
+        invoke(
+            &window,
+            "discard_partial_download",
+            json!({"repoId": "org/stopped"})
+        ),
+        Ok(json!(100))
+    );
+    let again = invoke(
+        &window,
+        "discard_partial_download",
+        json!({"repoId": "org/stopped"}),
+    )
+    .unwrap_err();
+    assert!(
+        again["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no stopped download")),
+        "{again}"
     );
     let models = invoke(&window, "list_models", json!({})).unwrap();
     assert_eq!(models[0]["name"], REPO, "{models}");
@@ -679,6 +743,7 @@ fn search_download_cancel_and_load_from_the_hub() {
     let unknown = tauri::async_runtime::block_on(hub_commands::download_model(
         app.handle().clone(),
         "mlx-community/Missing".into(),
+        None,
         channel().0,
     ))
     .unwrap_err();
@@ -1232,4 +1297,59 @@ fn a_draft_model_in_settings_drafts_for_chats() {
     assert!(!text.is_empty());
     assert_eq!(finished["stats"]["draft_tokens"], 0);
     assert_eq!(finished["finish_reason"], "length");
+}
+
+/// The tray's actions without a tray: the models it offers to switch to (those Perch runs, the
+/// loaded one marked) and the local server's switch (saved in the settings, as Settings would).
+#[test]
+fn the_trays_model_list_and_server_switch() {
+    use perch_app::commands::model::switchable_models;
+    use perch_app::commands::settings::set_server_enabled;
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let models = data.path().join("models");
+    std::fs::create_dir_all(models.join("mamba")).unwrap();
+    std::fs::write(
+        models.join("mamba/config.json"),
+        r#"{"model_type": "mamba"}"#,
+    )
+    .unwrap();
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(model_dir(), models.join("test-model")).unwrap();
+    std::env::set_var("PERCH_MODELS_DIR", &models);
+    std::env::set_var("HF_HUB_CACHE", data.path().join("hub"));
+    let (app, window) = app(data.path());
+    let handle = app.handle().clone();
+    let offered = switchable_models(&handle, 12).unwrap();
+    assert_eq!(
+        offered,
+        vec![("test-model".into(), models.join("test-model"), false)]
+    );
+    invoke(
+        &window,
+        "load_model",
+        json!({"path": models.join("test-model")}),
+    )
+    .unwrap();
+    let offered = switchable_models(&handle, 12).unwrap();
+    assert!(offered[0].2, "the loaded model is marked: {offered:?}");
+    assert!(switchable_models(&handle, 0).unwrap().is_empty());
+    invoke(&window, "unload_model", json!({})).unwrap();
+
+    let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
+    settings["server"] = json!({"enabled": false, "port": 0, "api_key": null, "allow_lan": false});
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    set_server_enabled(&handle, true).unwrap();
+    assert_eq!(
+        invoke(&window, "server_status", json!({})).unwrap()["running"],
+        true
+    );
+    let saved = invoke(&window, "get_settings", json!({})).unwrap();
+    assert_eq!(saved["settings"]["server"]["enabled"], true);
+    set_server_enabled(&handle, false).unwrap();
+    assert_eq!(
+        invoke(&window, "server_status", json!({})).unwrap()["running"],
+        false
+    );
+    std::env::remove_var("PERCH_MODELS_DIR");
 }

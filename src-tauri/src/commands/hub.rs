@@ -1,5 +1,6 @@
 //! Hub commands: search the Hugging Face Hub, download a model into the Hugging Face cache
-//! (where `list_models` and mlx-lm find it), cancel a download. The endpoint and token come
+//! (where `list_models` and mlx-lm find it) at a revision, cancel a download, list the downloads
+//! that stopped before their end and resume or discard them. The endpoint and token come
 //! from the environment as for `huggingface_hub` (`HF_ENDPOINT`, `HF_TOKEN`).
 
 use super::CommandError;
@@ -115,15 +116,21 @@ pub async fn search_models(
     .map_err(|_| "The search crashed.".to_string())?
 }
 
-/// Downloads `repo_id` at `main` into the Hugging Face cache, sending progress on `on_progress`
-/// (at most every 100 ms), and returns where it is. Resumes what an earlier download (Perch's or
-/// mlx-lm's) left; `cancel_download` stops it, keeping what was fetched.
+/// Downloads `repo_id` at `revision` (a branch, tag or commit; `main` when none or empty) into
+/// the Hugging Face cache, sending progress on `on_progress` (at most every 100 ms), and returns
+/// where it is. Resumes what an earlier download (Perch's or mlx-lm's) left; `cancel_download`
+/// stops it, keeping what was fetched (`partial_downloads` lists it then).
 #[tauri::command]
 pub async fn download_model<R: Runtime>(
     app: AppHandle<R>,
     repo_id: String,
+    revision: Option<String>,
     on_progress: Channel<DownloadProgress>,
 ) -> Result<Downloaded, CommandError> {
+    let revision = revision
+        .map(|r| r.trim().to_owned())
+        .filter(|r| !r.is_empty())
+        .unwrap_or_else(|| "main".into());
     let client = client()?;
     let cancel = Arc::new(AtomicBool::new(false));
     {
@@ -141,7 +148,7 @@ pub async fn download_model<R: Runtime>(
     let client = client.with_cancel(Arc::clone(&cancel));
     let result = tauri::async_runtime::spawn_blocking(move || {
         let snapshot = client
-            .snapshot(&id, "main")
+            .snapshot(&id, &revision)
             .map_err(|e| CommandError::network(&e))?;
         client
             .download(&snapshot, &cancel, &mut |progress| {
@@ -173,4 +180,59 @@ pub fn cancel_download(
         }
         None => false,
     })
+}
+
+/// The downloads in the Hugging Face cache that stopped before their end (`perch_hub::partial_downloads`),
+/// those running in this app left out.
+#[tauri::command]
+pub async fn partial_downloads<R: Runtime>(
+    app: AppHandle<R>,
+) -> Result<Vec<perch_hub::PartialDownload>, CommandError> {
+    let Some(cache) = perch_hub::hf_cache_dir() else {
+        return Ok(Vec::new());
+    };
+    let running: Vec<String> = {
+        let downloads = app.state::<Downloads>();
+        let downloads = downloads.0.lock().map_err(|_| poisoned())?;
+        downloads.keys().cloned().collect()
+    };
+    tauri::async_runtime::spawn_blocking(move || {
+        perch_hub::partial_downloads(&cache)
+            .into_iter()
+            .filter(|d| !running.contains(&d.repo_id))
+            .collect()
+    })
+    .await
+    .map_err(|_| CommandError::from("Listing the stopped downloads crashed."))
+}
+
+/// Deletes what a stopped download of `repo_id` fetched (its partial files; complete files and
+/// snapshots stay) and returns the bytes freed. A running download is refused: cancel it first.
+#[tauri::command]
+pub async fn discard_partial_download<R: Runtime>(
+    app: AppHandle<R>,
+    repo_id: String,
+) -> Result<u64, CommandError> {
+    {
+        let downloads = app.state::<Downloads>();
+        let downloads = downloads.0.lock().map_err(|_| poisoned())?;
+        if downloads.contains_key(&repo_id) {
+            return Err(CommandError::invalid(&format!(
+                "{repo_id} is downloading: cancel it before discarding what it fetched."
+            )));
+        }
+    }
+    let cache = perch_hub::hf_cache_dir()
+        .ok_or_else(|| CommandError::invalid(&"There is no Hugging Face cache on this machine."))?;
+    tauri::async_runtime::spawn_blocking(move || {
+        perch_hub::discard_partial_download(&cache, &repo_id).map_err(|err| match err {
+            perch_hub::HubError::NotLocalModel(_) => {
+                CommandError::invalid(&format!("{repo_id} has no stopped download to discard."))
+            }
+            other => CommandError::storage(&other),
+        })
+    })
+    .await
+    .map_err(|_| CommandError::from("Discarding the download crashed."))
+    .and_then(|r| r)
 }

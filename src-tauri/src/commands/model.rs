@@ -98,7 +98,7 @@ impl AppState {
         tray_line(&status, stats.as_ref())
     }
 
-    fn status(&self) -> ModelStatus {
+    pub fn status(&self) -> ModelStatus {
         let mut status = self.slot().map(|s| s.status.clone()).unwrap_or_default();
         if let ModelStatus::Loading { progress, .. } = &mut status {
             *progress = self.load_progress.lock().map(|p| *p).unwrap_or_default();
@@ -179,6 +179,34 @@ impl AppState {
         mlx_clear_cache();
         Ok(())
     }
+}
+
+/// The models the tray offers to switch to: those of [`list_models`] Perch runs, at most
+/// `limit`, as (name, directory), with whether each is the loaded one. Reads the disk.
+pub fn switchable_models<R: Runtime>(
+    app: &AppHandle<R>,
+    limit: usize,
+) -> Result<Vec<(String, PathBuf, bool)>, CommandError> {
+    let loaded = match app.state::<AppState>().status() {
+        ModelStatus::Loaded { path, .. } => Some(path),
+        _ => None,
+    };
+    let models_dir = app.state::<Store>().models_dir()?;
+    Ok(
+        perch_hub::local_models(&models_dir, perch_hub::hf_cache_dir().as_deref())
+            .into_iter()
+            .filter(|model| {
+                model.model_type.as_deref().is_some_and(|t| {
+                    perch_engine::models::unsupported_architecture_note(t).is_none()
+                })
+            })
+            .take(limit)
+            .map(|model| {
+                let current = loaded.as_ref() == Some(&model.path);
+                (model.name, model.path, current)
+            })
+            .collect(),
+    )
 }
 
 /// Models in Perch's models directory (from the settings) and in the Hugging Face cache.

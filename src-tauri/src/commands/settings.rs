@@ -49,22 +49,43 @@ pub async fn save_settings<R: Runtime>(
     settings: Settings,
 ) -> Result<SettingsView, CommandError> {
     off_main_thread(app, move |app| {
-        let store = app.state::<Store>();
-        store.validate_settings(&settings)?;
-        let old = store.settings()?;
-        desktop::apply(app, Some(&old), &settings)?;
-        let server = app.state::<LocalServer>();
-        let saved = server
-            .apply(&settings.server)
-            .and_then(|()| store.save_settings(settings.clone()));
-        if let Err(err) = saved {
-            let _ = server.apply(&old.server);
-            let _ = desktop::apply(app, Some(&settings), &old);
-            return Err(err);
-        }
-        view(&store)
+        apply_and_save(app, settings)?;
+        view(&app.state::<Store>())
     })
     .await
+}
+
+/// What [`save_settings`] does, blocking (it writes a file and binds a port): validate, apply,
+/// save, or change nothing.
+pub fn apply_and_save<R: Runtime>(
+    app: &AppHandle<R>,
+    settings: Settings,
+) -> Result<(), CommandError> {
+    let store = app.state::<Store>();
+    store.validate_settings(&settings)?;
+    let old = store.settings()?;
+    desktop::apply(app, Some(&old), &settings)?;
+    let server = app.state::<LocalServer>();
+    let saved = server
+        .apply(&settings.server)
+        .and_then(|()| store.save_settings(settings.clone()));
+    if let Err(err) = saved {
+        let _ = server.apply(&old.server);
+        let _ = desktop::apply(app, Some(&settings), &old);
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Turns the local server on or off and saves that in the settings (the tray's switch), as
+/// [`save_settings`] would with only `server.enabled` changed. Blocking.
+pub fn set_server_enabled<R: Runtime>(
+    app: &AppHandle<R>,
+    enabled: bool,
+) -> Result<(), CommandError> {
+    let mut settings = app.state::<Store>().settings()?;
+    settings.server.enabled = enabled;
+    apply_and_save(app, settings)
 }
 
 /// Problems found at start (a damaged history or settings file set aside, …), one sentence each.
