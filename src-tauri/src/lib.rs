@@ -59,6 +59,7 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
             settings::get_settings,
             settings::save_settings,
             settings::startup_notices,
+            settings::finish_first_run,
             system::system_stats,
             hub::search_models,
             hub::download_model,

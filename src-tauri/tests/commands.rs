@@ -1353,3 +1353,25 @@ fn the_trays_model_list_and_server_switch() {
     );
     std::env::remove_var("PERCH_MODELS_DIR");
 }
+
+/// The first run is remembered in the settings: `finish_first_run` sets it, and a settings form
+/// read before it (saved with `false`) does not bring the first run back.
+#[test]
+fn the_first_run_is_remembered_in_the_settings() {
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (_app, window) = app(data.path());
+    let before = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
+    assert_eq!(before["first_run_done"], false);
+    invoke(&window, "finish_first_run", json!({})).unwrap();
+    let done = invoke(&window, "get_settings", json!({})).unwrap();
+    assert_eq!(done["settings"]["first_run_done"], true);
+    invoke(&window, "save_settings", json!({"settings": before})).unwrap();
+    let kept = invoke(&window, "get_settings", json!({})).unwrap();
+    assert_eq!(kept["settings"]["first_run_done"], true);
+    // Saved on disk: a new app over the same data directory knows it.
+    drop(window);
+    let (_app, window) = app(data.path());
+    let reopened = invoke(&window, "get_settings", json!({})).unwrap();
+    assert_eq!(reopened["settings"]["first_run_done"], true);
+}

@@ -85,6 +85,7 @@ export const api = {
   getSettings: () => invoke("get_settings"),
   saveSettings: (settings) => invoke("save_settings", { settings }),
   startupNotices: () => invoke("startup_notices"),
+  finishFirstRun: () => invoke("finish_first_run"),
   // The tray menu's "open this view".
   onNavigate: (handler) => listen("navigate", (event) => handler(event.payload)),
   // The tray menu's "New chat".

@@ -101,7 +101,10 @@ api.onNotice((error) => notice(errorElement(document, error, "span")));
 api.startupNotices().then((notices) => notices.forEach(notice));
 chat.init().catch((error) => chat.showError(error));
 switcher.refresh().catch(() => {}); // the Models view says why the list is unavailable
-if (onboarding.pending()) onboarding.open().catch((error) => onboarding.showError(error));
+onboarding
+  .pending()
+  .then((pending) => pending && onboarding.open())
+  .catch((error) => onboarding.showError(error));
 dashboard.start();
 refreshStatus();
 setInterval(refreshStatus, 1000);

@@ -1,7 +1,7 @@
 // First run: what Perch is, what this machine can run (its memory), models that fit — the ones
 // already here, and the Hub's most downloaded mlx-community models when it is reachable — a
 // download with progress and cancel, and then the chat. Shown until it is finished or skipped
-// once (remembered in the web view's storage).
+// once (remembered in the settings, `finish_first_run`).
 
 import { errorElement } from "./errors.js";
 import { downloadProgress } from "./download-progress.js";
@@ -21,7 +21,8 @@ export function describeMachine(system) {
 export class Onboarding {
   /**
    * `root`: the #onboarding element; `onLoad(path)` loads a model (resolves when it is loaded);
-   * `onDone()` shows the chat; `storage`: where "finished" is remembered (localStorage).
+   * `onDone()` shows the chat; `storage`: the web view's storage, where earlier versions
+   * remembered "finished" (read once, to move it to the settings).
    */
   constructor(root, api, { onLoad, onDone, storage }) {
     this.root = root;
@@ -36,9 +37,16 @@ export class Onboarding {
     this.$("onboarding-start").addEventListener("click", () => this.finish());
   }
 
-  /** Whether the first run is still to be shown. */
-  pending() {
-    return this.storage?.getItem(DONE_KEY) !== "1";
+  /** Whether the first run is still to be shown: not when the settings say it was done, nor
+   * when the web view's storage does (where earlier versions kept it: moved to the settings). */
+  async pending() {
+    const view = await this.api.getSettings();
+    if (view.settings.first_run_done) return false;
+    if (this.storage?.getItem(DONE_KEY) === "1") {
+      await this.api.finishFirstRun();
+      return false;
+    }
+    return true;
   }
 
   /** Shows the first-run screen and fills it (the machine, then the models). */
@@ -152,7 +160,8 @@ export class Onboarding {
     if (this.finished) return;
     this.finished = true;
     if (this.downloading) this.api.cancelDownload(this.downloading).catch(() => {});
-    this.storage?.setItem(DONE_KEY, "1");
+    // Kept in the settings; if that fails the screen comes back at the next start, nothing more.
+    this.api.finishFirstRun().catch(() => {});
     this.root.hidden = true;
     for (const element of this.root.ownerDocument.body.querySelectorAll(":scope > [inert]")) element.removeAttribute("inert");
     this.onDone();

@@ -17,6 +17,12 @@ function memoryStorage() {
 function fakeApi({ offline = false } = {}) {
   const api = {
     calls: [],
+    firstRunDone: false,
+    getSettings: async () => ({ settings: { first_run_done: api.firstRunDone } }),
+    finishFirstRun: async () => {
+      api.calls.push(["finish"]);
+      api.firstRunDone = true;
+    },
     systemStats: async () => ({ ram_total_bytes: 16 * GB, usable_memory_bytes: 12 * GB }),
     listModels: async () => [
       { name: "SmolLM2-135M", path: "/m/smol", size_bytes: 0.1 * GB, fit: "fits" },
@@ -67,7 +73,7 @@ describe("first run", () => {
   it("offers the models here and the Hub's that fit, downloads one with progress, loads it and opens the chat", async () => {
     const api = fakeApi();
     const { view, loads, storage, done } = setUp(api);
-    expect(view.pending()).toBe(true);
+    expect(await view.pending()).toBe(true);
     await view.open();
     expect($("onboarding").hidden).toBe(false);
     expect($("onboarding-machine").textContent).toContain("16 GB of memory");
@@ -88,8 +94,20 @@ describe("first run", () => {
     expect(loads).toEqual(["/hf/mlx-community/Qwen3-4B-4bit"]);
     expect($("onboarding").hidden).toBe(true);
     expect(done()).toBe(1);
-    expect(view.pending()).toBe(false);
-    expect(storage.getItem("perch.onboarded")).toBe("1");
+    expect(await view.pending()).toBe(false);
+    expect(api.calls.filter(([call]) => call === "finish").length).toBe(1);
+    expect(storage.getItem("perch.onboarded")).toBe(null);
+  });
+
+  it("is remembered in the settings, and where earlier versions remembered it is moved there", async () => {
+    const api = fakeApi();
+    const { view, storage } = setUp(api);
+    api.firstRunDone = true;
+    expect(await view.pending()).toBe(false);
+    api.firstRunDone = false;
+    storage.setItem("perch.onboarded", "1");
+    expect(await view.pending()).toBe(false);
+    expect(api.firstRunDone).toBe(true);
   });
 
   it("offline: says so in plain words and offers the models already here", async () => {
@@ -118,7 +136,7 @@ describe("first run", () => {
     expect(buttonIn(offer, "Download").hidden).toBe(false);
     $("onboarding-skip").click();
     expect(done()).toBe(1);
-    expect(view.pending()).toBe(false);
+    expect(await view.pending()).toBe(false);
   });
 
   it("Skip during a download cancels it, loads nothing and ends the first run once", async () => {

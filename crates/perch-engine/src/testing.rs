@@ -10,7 +10,7 @@ pub use crate::engine::batch::{
     kv_budget_for_model, kv_bytes_per_token, BatchConfig, BatchEvent, BatchGenerator,
 };
 pub use crate::kv::cache::{KvCache, KvLimit, RecurrentState};
-pub use crate::kv::slot_cache::{SlotKvCache, SlotStep};
+pub use crate::kv::slot_cache::{RowKv, SlotKvCache, SlotStep};
 pub use crate::kv::LayerCaches;
 pub use perch_sched::budget::KvBudget;
 pub use perch_sched::scheduler::{decode_warm_up_positions, prefill_warm_up_shapes};

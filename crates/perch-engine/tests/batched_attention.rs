@@ -12,8 +12,8 @@ use mlx_rs::{ops, Array};
 use perch_engine::models;
 use perch_engine::models::Model;
 use perch_engine::testing::KvCache;
-use perch_engine::testing::SlotKvCache;
 use perch_engine::testing::{additive_mask, SlotRead};
+use perch_engine::testing::{RowKv, SlotKvCache};
 use perch_engine::KvQuantization;
 use perch_engine::SlotAttention;
 
@@ -44,7 +44,7 @@ fn start(
             .unwrap();
     }
     eval(cache.iter().flat_map(KvCache::state)).unwrap();
-    let slot = slots.push(&cache, fed.len(), None).unwrap();
+    let slot = slots.push(&cache, fed.len(), RowKv::PLAIN).unwrap();
     Sequence {
         cache,
         slot,
@@ -186,7 +186,7 @@ fn prefill_chunks_in_slots(additive: bool) {
             model.forward_sequence(&ids, &mut cache).unwrap();
         }
         eval(cache.iter().flat_map(KvCache::state)).unwrap();
-        assert_eq!(prefill.push(&cache, cached, None).unwrap(), slot);
+        assert_eq!(prefill.push(&cache, cached, RowKv::PLAIN).unwrap(), slot);
         seqs.push((cache, cached));
     }
     let mut worst = 0f32;

@@ -54,6 +54,9 @@ pub struct Settings {
     pub draft_model: Option<String>,
     /// Tokens the draft model proposes per step (1 to 64).
     pub num_draft_tokens: usize,
+    /// The app's first-run screen was finished or skipped once: it is not shown again. Set by
+    /// the app alone (a settings form saved with `false` does not bring it back).
+    pub first_run_done: bool,
 }
 
 /// The app's local server: OpenAI- and Anthropic-compatible endpoints over the model the app
@@ -124,6 +127,7 @@ impl Default for Settings {
             server: ServerSettings::default(),
             draft_model: None,
             num_draft_tokens: 3,
+            first_run_done: false,
         }
     }
 }

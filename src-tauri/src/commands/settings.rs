@@ -59,11 +59,13 @@ pub async fn save_settings<R: Runtime>(
 /// save, or change nothing.
 pub fn apply_and_save<R: Runtime>(
     app: &AppHandle<R>,
-    settings: Settings,
+    mut settings: Settings,
 ) -> Result<(), CommandError> {
     let store = app.state::<Store>();
     store.validate_settings(&settings)?;
     let old = store.settings()?;
+    // Only `finish_first_run` sets it; a form read before the first run ended keeps it.
+    settings.first_run_done |= old.first_run_done;
     desktop::apply(app, Some(&old), &settings)?;
     let server = app.state::<LocalServer>();
     let saved = server
@@ -86,6 +88,22 @@ pub fn set_server_enabled<R: Runtime>(
     let mut settings = app.state::<Store>().settings()?;
     settings.server.enabled = enabled;
     apply_and_save(app, settings)
+}
+
+/// Remembers that the first-run screen was finished or skipped (`Settings::first_run_done`),
+/// off the UI thread (it writes the settings file).
+#[tauri::command]
+pub async fn finish_first_run<R: Runtime>(app: AppHandle<R>) -> Result<(), CommandError> {
+    off_main_thread(app, |app| {
+        let store = app.state::<Store>();
+        let mut settings = store.settings()?;
+        if !settings.first_run_done {
+            settings.first_run_done = true;
+            store.save_settings(settings)?;
+        }
+        Ok(())
+    })
+    .await
 }
 
 /// Problems found at start (a damaged history or settings file set aside, …), one sentence each.
