@@ -526,25 +526,32 @@ mod tests {
         assert_eq!(pass.chunks, vec![(2, 100)]);
     }
 
-    #[test]
-    fn a_bounded_request_skips_the_prefix_cache_and_its_blocks_stop_at_the_bound() {
+    /// Admits `request` (the prompt 0..100, cached by an earlier request) alone and checks
+    /// that it was not looked up in the prefix cache; returns the manager.
+    fn admitted_without_the_prefix_cache(request: Waiting<'_>) -> KvCacheManager {
         let mut kv = manager(64);
-        let prompt: Vec<u32> = (0..100).collect();
-        cache_prefix(&mut kv, 100, &prompt);
-        let queue = [Waiting {
-            bounded: Some(40),
-            ..waiting(1, &prompt)
-        }];
+        cache_prefix(&mut kv, 100, request.tokens);
+        let queue = [request];
         let batch = admitting(&queue);
         let plan = run(schedule(
             &mut kv,
             &mut Contents::default(),
             &batch,
             &limits(),
-            |_, _| panic!("a bounded request looks up no tail"),
+            |_, _| panic!("a bounded or private request looks up no tail"),
         ));
         assert_eq!(plan.admitted[0].hit, ComputedBlocks::default());
         assert_eq!(plan.admitted[0].num_computed, 0);
+        kv
+    }
+
+    #[test]
+    fn a_bounded_request_skips_the_prefix_cache_and_its_blocks_stop_at_the_bound() {
+        let prompt: Vec<u32> = (0..100).collect();
+        let mut kv = admitted_without_the_prefix_cache(Waiting {
+            bounded: Some(40),
+            ..waiting(1, &prompt)
+        });
         // 40 positions in blocks of 16, however long it runs; none of them cached.
         assert_eq!(kv.block_table(1).unwrap().len(), 3);
         assert!(kv.allocate(&mut Contents::default(), 1, 100, 1000, None));
@@ -555,24 +562,12 @@ mod tests {
     }
 
     #[test]
-    fn a_private_request_skips_the_prefix_cache_and_takes_its_own_chunks() {
-        let mut kv = manager(64);
+    fn a_private_request_skips_the_prefix_cache_and_its_table_grows() {
         let prompt: Vec<u32> = (0..100).collect();
-        cache_prefix(&mut kv, 100, &prompt);
-        let queue = [Waiting {
+        let mut kv = admitted_without_the_prefix_cache(Waiting {
             private: true,
             ..waiting(1, &prompt)
-        }];
-        let batch = admitting(&queue);
-        let plan = run(schedule(
-            &mut kv,
-            &mut Contents::default(),
-            &batch,
-            &limits(),
-            |_, _| panic!("a private request looks up no tail"),
-        ));
-        assert_eq!(plan.admitted[0].hit, ComputedBlocks::default());
-        assert_eq!(plan.admitted[0].num_computed, 0);
+        });
         // Unbounded: its table grows with it.
         assert!(kv.allocate(&mut Contents::default(), 1, 100, 100, None));
         assert_eq!(kv.block_table(1).unwrap().len(), 13);
