@@ -50,6 +50,11 @@ export HOME="$data/home"
 mkdir -p "$HOME"
 export PERCH_MODEL="${PERCH_E2E_MODEL:-$inputs/SmolLM2-135M-Instruct-Q4_1}"
 export PERCH_E2E_OUT="$PWD/target/e2e"
+# PERCH_E2E_DARK=1: the same tour under a dark GTK theme, which WebKitGTK reports to the page as
+# `prefers-color-scheme: dark` (screenshots in target/e2e-dark).
+if [ -n "${PERCH_E2E_DARK:-}" ]; then
+  export GTK_THEME=Adwaita:dark PERCH_E2E_OUT="$PWD/target/e2e-dark"
+fi
 # The Hub the model picker talks to, and the cache it downloads into. The fake slows each 64 KiB
 # so that the download's progress can be seen.
 export HF_HUB_CACHE="$data/hf-hub"

@@ -19,7 +19,8 @@ WebKitWebDriver under Xvfb, with the imported default model loaded:
    stopped answer exactly as it was shown, and the local server is back on with the model the
    app loaded at start.
 
-Screenshots of the chat, the dashboard and the models view go to $PERCH_E2E_OUT (default target/e2e).
+Screenshots of every screen (first run, chat, dashboard, models, settings) go to $PERCH_E2E_OUT
+(default target/e2e; scripts/screenshots.sh copies a light and a dark tour into docs/screenshots).
 
 Run by scripts/e2e.sh (which starts Xvfb and tauri-driver); needs the debug app binary.
 """
@@ -228,6 +229,7 @@ def desktop_hooks(session):
     session.click("nav button[data-view=settings]")
     session.wait_for("return document.getElementById('view-settings').dataset.ready === 'true'",
                      what="the settings")
+    session.screenshot(OUT / "settings.png")
     for on in (True, False):
         session.click("[data-setting=launch_at_login]")
         session.click("#settings-form button[type=submit]")
