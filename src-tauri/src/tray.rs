@@ -5,8 +5,7 @@
 //! server's port, reading the engine's stats or the disk) runs on threads of its own, never on
 //! the thread that delivers the menu's events; a failure is sent to the window as a `notice`.
 
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use tauri::menu::{CheckMenuItem, Menu, MenuItem, PredefinedMenuItem, Submenu};
@@ -28,13 +27,18 @@ pub const SWITCH_MODELS: usize = 12;
 const REFRESH: Duration = Duration::from_secs(2);
 const MODELS_EVERY: u32 = 5;
 
-/// The menu's items that change while the app runs.
+/// The id of a "Switch model" item: the model's directory after this prefix, so that a click
+/// needs nothing shared with the thread that rebuilds the submenu.
+const MODEL_ID: &str = "model:";
+
+/// The menu's items that change while the app runs (owned by the refresh thread).
 struct Live<R: Runtime> {
     status: MenuItem<R>,
     switch: Submenu<R>,
     server: CheckMenuItem<R>,
-    /// The submenu's models, by their position (`model:{i}` items).
-    models: Arc<Mutex<Vec<(String, PathBuf, bool)>>>,
+    /// The submenu's models (name, directory) and their items.
+    models: Vec<(String, PathBuf)>,
+    items: Vec<CheckMenuItem<R>>,
 }
 
 pub fn build<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
@@ -64,15 +68,15 @@ pub fn build<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
         status,
         switch,
         server,
-        models: Arc::new(Mutex::new(Vec::new())),
+        models: Vec::new(),
+        items: Vec::new(),
     };
-    let models = Arc::clone(&live.models);
     let mut tray = TrayIconBuilder::with_id("perch")
         .tooltip("Perch")
         .menu(&menu)
         .show_menu_on_left_click(false)
         .icon_as_template(true)
-        .on_menu_event(move |app, event| match event.id().as_ref() {
+        .on_menu_event(|app, event| match event.id().as_ref() {
             "quit" => app.exit(0),
             "new-chat" => {
                 open_view(app, "chat");
@@ -81,19 +85,8 @@ pub fn build<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
                 }
             }
             "server" => toggle_server(app),
-            id => match id
-                .strip_prefix("model:")
-                .and_then(|i| i.parse::<usize>().ok())
-            {
-                Some(i) => {
-                    let path = models
-                        .lock()
-                        .ok()
-                        .and_then(|m| m.get(i).map(|m| m.1.clone()));
-                    if let Some(path) = path {
-                        switch_model(app, path);
-                    }
-                }
+            id => match id.strip_prefix(MODEL_ID) {
+                Some(path) => switch_model(app, PathBuf::from(path)),
                 None => open_view(app, id),
             },
         })
@@ -124,10 +117,14 @@ pub fn build<R: Runtime>(app: &AppHandle<R>) -> tauri::Result<()> {
     Ok(())
 }
 
-/// Loads `path` in the background (replacing the loaded model), as the Models view's Load.
+/// Loads `path` in the background (replacing the loaded model), as the Models view's Load; the
+/// loaded model itself is left as it is (its requests keep running).
 fn switch_model<R: Runtime>(app: &AppHandle<R>, path: PathBuf) {
     let app = app.clone();
     std::thread::spawn(move || {
+        if loaded_model(&app).as_deref() == Some(path.as_path()) {
+            return;
+        }
         let loaded = app
             .state::<Store>()
             .engine_config()
@@ -149,6 +146,14 @@ fn toggle_server<R: Runtime>(app: &AppHandle<R>) {
     });
 }
 
+/// The loaded model's directory, if one is loaded.
+fn loaded_model<R: Runtime>(app: &AppHandle<R>) -> Option<PathBuf> {
+    match app.state::<AppState>().status() {
+        crate::commands::model::ModelStatus::Loaded { path, .. } => Some(path),
+        _ => None,
+    }
+}
+
 /// Shows the window with the failure of a tray action.
 fn tell<R: Runtime>(app: &AppHandle<R>, err: CommandError) {
     if let Some(window) = app.get_webview_window(WINDOW) {
@@ -161,7 +166,7 @@ fn tell<R: Runtime>(app: &AppHandle<R>, err: CommandError) {
 /// the status line and tooltip when it changed ([`crate::commands::model::tray_line`]; reading
 /// the engine's stats waits on the engine thread), and every [`MODELS_EVERY`] refreshes sets
 /// the submenu's models and the server's switch to what they are.
-fn follow<R: Runtime>(app: AppHandle<R>, tray: TrayIcon<R>, live: Live<R>) {
+fn follow<R: Runtime>(app: AppHandle<R>, tray: TrayIcon<R>, mut live: Live<R>) {
     let spawned = std::thread::Builder::new()
         .name("perch-tray".into())
         .spawn(move || {
@@ -177,8 +182,13 @@ fn follow<R: Runtime>(app: AppHandle<R>, tray: TrayIcon<R>, live: Live<R>) {
                     let running = app.state::<LocalServer>().status().running;
                     let _ = live.server.set_checked(running);
                     if let Ok(models) = switchable_models(&app, SWITCH_MODELS) {
-                        let _ = set_models(&app, &live, models);
+                        let _ = set_models(&app, &mut live, models);
                     }
+                }
+                // A click flips an item's check by itself: every refresh puts them back.
+                let loaded = loaded_model(&app);
+                for ((_, path), item) in live.models.iter().zip(&live.items) {
+                    let _ = item.set_checked(loaded.as_deref() == Some(path.as_path()));
                 }
                 std::thread::sleep(REFRESH);
             }
@@ -188,30 +198,36 @@ fn follow<R: Runtime>(app: AppHandle<R>, tray: TrayIcon<R>, live: Live<R>) {
     }
 }
 
-/// Replaces the submenu's items with `models` (the loaded one checked) when they changed.
+/// Replaces the submenu's items with `models` when they changed (the caller sets their checks).
 fn set_models<R: Runtime>(
     app: &AppHandle<R>,
-    live: &Live<R>,
+    live: &mut Live<R>,
     models: Vec<(String, PathBuf, bool)>,
 ) -> tauri::Result<()> {
-    let Ok(mut current) = live.models.lock() else {
-        return Ok(());
-    };
-    if *current == models {
+    let models: Vec<(String, PathBuf)> = models.into_iter().map(|(n, p, _)| (n, p)).collect();
+    if live.models == models && !live.switch.items()?.is_empty() {
         return Ok(());
     }
     for item in live.switch.items()? {
         live.switch.remove(&item)?;
     }
+    live.items.clear();
     if models.is_empty() {
         let none = MenuItem::with_id(app, "no-models", "No models here yet", false, None::<&str>)?;
         live.switch.append(&none)?;
     }
-    for (i, (name, _, loaded)) in models.iter().enumerate() {
-        let id = format!("model:{i}");
-        let item = CheckMenuItem::with_id(app, id, name, true, *loaded, None::<&str>)?;
+    for (name, path) in &models {
+        let id = format!("{MODEL_ID}{}", path_text(path));
+        let item = CheckMenuItem::with_id(app, id, name, true, false, None::<&str>)?;
         live.switch.append(&item)?;
+        live.items.push(item);
     }
-    *current = models;
+    live.models = models;
     Ok(())
+}
+
+/// A directory as the text of a menu id (lossy for a path that is not UTF-8: such a model's
+/// load then fails with a sentence).
+fn path_text(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
 }

@@ -90,6 +90,8 @@ export const api = {
   onNavigate: (handler) => listen("navigate", (event) => handler(event.payload)),
   // The tray menu's "New chat".
   onNewChat: (handler) => listen("new-chat", () => handler()),
+  // The settings changed outside the Settings form (the tray's local server switch).
+  onSettingsChanged: (handler) => listen("settings-changed", () => handler()),
   // A failure of a tray action (switching the model, the local server), as a CommandError.
   onNotice: (handler) => listen("notice", (event) => handler(new CommandError(event.payload))),
 };

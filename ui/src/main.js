@@ -97,6 +97,8 @@ $("unload").onclick = () => api.unloadModel().then(refreshStatus);
 api.onNavigate(show);
 api.onNewChat(() => chat.newConversation().catch((error) => chat.showError(error)));
 api.onNotice((error) => notice(errorElement(document, error, "span")));
+// The tray switched the local server: the form shows it, so a later Save keeps it.
+api.onSettingsChanged(() => settings.load());
 
 api.startupNotices().then((notices) => notices.forEach(notice));
 chat.init().catch((error) => chat.showError(error));

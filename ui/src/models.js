@@ -78,8 +78,10 @@ export class ModelsView {
 
   /** Lists the downloads that stopped before their end (a failed listing shows as none). */
   async refreshPartials() {
+    const status = this.root.querySelector("#partial-status");
     try {
       this.partialList = await this.api.partialDownloads();
+      if (status.querySelector(".error")) status.replaceChildren();
     } catch (error) {
       this.partialList = [];
       this.root.querySelector("#partial-status").replaceChildren(errorElement(document, error));
@@ -89,7 +91,9 @@ export class ModelsView {
 
   renderPartials() {
     this.partialViews.clear();
-    this.root.querySelector("#partial-section").hidden = this.partialList.length === 0;
+    const status = this.root.querySelector("#partial-status");
+    // Shown while there are some, or a listing's failure to say.
+    this.root.querySelector("#partial-section").hidden = this.partialList.length === 0 && !status.hasChildNodes();
     this.partials.replaceChildren(...this.partialList.map((download) => this.partialItem(download)));
   }
 
@@ -108,7 +112,10 @@ export class ModelsView {
       item.append(view.bar, view.text, this.button("Cancel", () => this.api.cancelDownload(id)));
     } else {
       const resume = this.button("Resume", () => this.download({ id }));
-      resume.setAttribute("aria-label", `Resume downloading ${id}`);
+      // The revision it started at is not recorded: it resumes at the one in the field.
+      const revision = this.root.querySelector("#hub-revision").value.trim() || "main";
+      resume.setAttribute("aria-label", `Resume downloading ${id} at ${revision}`);
+      resume.title = `Resumes at ${revision} (the revision field)`;
       const discard = this.button("Discard", () => this.discard(id, discard));
       discard.setAttribute("aria-label", `Discard what was fetched of ${id}`);
       item.append(resume, " ", discard);
@@ -221,9 +228,13 @@ export class ModelsView {
       this.failures.set(model.id, error);
     } finally {
       this.downloads.delete(model.id);
-      // A cancelled or failed download is listed as stopped now; a finished one as local.
-      await this.refreshLocal();
       this.renderResults();
+    }
+    // A cancelled or failed download is listed as stopped now; a finished one as local.
+    try {
+      await this.refreshLocal();
+    } catch (error) {
+      this.local.replaceChildren(errorElement(document, error));
     }
   }
 

@@ -286,6 +286,27 @@ describe("ModelsView", () => {
     expect(section.hidden).toBe(true);
   });
 
+  it("a listing that fails after a download leaves no bar behind, and a failed stopped-download listing is said", async () => {
+    loadPage();
+    const api = fakeApi();
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    buttonIn(results()[0], "Download").click();
+    await tick();
+    api.listModels = async () => Promise.reject(new CommandError({ kind: "storage", message: "permission denied" }));
+    api.finish();
+    await tick();
+    await tick();
+    expect(results()[0].querySelector("progress")).toBe(null);
+    expect(buttonIn(results()[0], "Cancel")).toBeUndefined();
+    expect(document.querySelector("#models .error")).not.toBe(null);
+
+    api.partialDownloads = async () => Promise.reject(new CommandError({ kind: "storage", message: "permission denied" }));
+    await view.refreshPartials();
+    expect(document.getElementById("partial-section").hidden).toBe(false);
+    expect(document.querySelector("#partial-status .error")).not.toBe(null);
+  });
+
   it("deletes a local model after a confirmation, saying the space freed or why not", async () => {
     loadPage();
     let local = [

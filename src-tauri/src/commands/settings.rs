@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use perch_store::Settings;
 use serde::Serialize;
-use tauri::{AppHandle, Manager, Runtime, State};
+use tauri::{AppHandle, Emitter, Manager, Runtime, State};
 
 use super::off_main_thread;
 use super::server::LocalServer;
@@ -61,6 +61,7 @@ pub fn apply_and_save<R: Runtime>(
     app: &AppHandle<R>,
     mut settings: Settings,
 ) -> Result<(), CommandError> {
+    let _turn = SAVING.lock().unwrap_or_else(|p| p.into_inner());
     let store = app.state::<Store>();
     store.validate_settings(&settings)?;
     let old = store.settings()?;
@@ -79,15 +80,21 @@ pub fn apply_and_save<R: Runtime>(
     Ok(())
 }
 
+/// Saves of the settings take turns: each reads what it merges with and writes it back.
+static SAVING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Turns the local server on or off and saves that in the settings (the tray's switch), as
-/// [`save_settings`] would with only `server.enabled` changed. Blocking.
+/// [`save_settings`] would with only `server.enabled` changed; then tells the window
+/// (`settings-changed`), whose Settings form reloads. Blocking.
 pub fn set_server_enabled<R: Runtime>(
     app: &AppHandle<R>,
     enabled: bool,
 ) -> Result<(), CommandError> {
     let mut settings = app.state::<Store>().settings()?;
     settings.server.enabled = enabled;
-    apply_and_save(app, settings)
+    apply_and_save(app, settings)?;
+    let _ = app.emit("settings-changed", ());
+    Ok(())
 }
 
 /// Remembers that the first-run screen was finished or skipped (`Settings::first_run_done`),
@@ -95,6 +102,7 @@ pub fn set_server_enabled<R: Runtime>(
 #[tauri::command]
 pub async fn finish_first_run<R: Runtime>(app: AppHandle<R>) -> Result<(), CommandError> {
     off_main_thread(app, |app| {
+        let _turn = SAVING.lock().unwrap_or_else(|p| p.into_inner());
         let store = app.state::<Store>();
         let mut settings = store.settings()?;
         if !settings.first_run_done {
