@@ -17,12 +17,15 @@ pub struct Store {
     settings_path: PathBuf,
     total_memory_bytes: u64,
     notices: Mutex<Vec<String>>,
+    /// `downloads.json`: the revision each download that has not completed asked for.
+    downloads: Mutex<PathBuf>,
 }
 
 impl Store {
     /// File names inside the data directory.
     pub const HISTORY_FILE: &'static str = "history.sqlite3";
     pub const SETTINGS_FILE: &'static str = "settings.json";
+    pub const DOWNLOADS_FILE: &'static str = "downloads.json";
 
     /// Opens `dir/history.sqlite3` and `dir/settings.json`. Never fails: a damaged file is set
     /// aside, a history that cannot be opened at all is kept in memory for this run, unreadable
@@ -66,6 +69,39 @@ impl Store {
             settings_path,
             total_memory_bytes,
             notices: Mutex::new(notices),
+            downloads: Mutex::new(dir.join(Self::DOWNLOADS_FILE)),
+        }
+    }
+
+    /// The revision the download of `repo_id` asked for, while it has not completed (what a
+    /// stopped download resumes at); `None` when unknown (never started here, or a damaged file).
+    pub fn download_revision(&self, repo_id: &str) -> Option<String> {
+        let path = self.downloads.lock().ok()?;
+        let text = std::fs::read_to_string(&*path).ok()?;
+        let map: std::collections::BTreeMap<String, String> = serde_json::from_str(&text).ok()?;
+        map.get(repo_id).cloned()
+    }
+
+    /// Records the revision a download of `repo_id` asks for (`Some`), or forgets it once the
+    /// download completed (`None`). Best effort: a file that cannot be written only loses the
+    /// revision a stopped download resumes at (it then resumes at the picker's).
+    pub fn set_download_revision(&self, repo_id: &str, revision: Option<&str>) {
+        let Ok(path) = self.downloads.lock() else {
+            return;
+        };
+        let mut map: std::collections::BTreeMap<String, String> = std::fs::read_to_string(&*path)
+            .ok()
+            .and_then(|text| serde_json::from_str(&text).ok())
+            .unwrap_or_default();
+        match revision {
+            Some(revision) => map.insert(repo_id.to_owned(), revision.to_owned()),
+            None => map.remove(repo_id),
+        };
+        if let Ok(text) = serde_json::to_string_pretty(&map) {
+            let temporary = path.with_extension("json.tmp");
+            if std::fs::write(&temporary, text).is_ok() {
+                let _ = std::fs::rename(&temporary, &*path);
+            }
         }
     }
 

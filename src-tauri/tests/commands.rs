@@ -660,6 +660,10 @@ fn search_download_cancel_and_load_from_the_hub() {
         (&stopped[0]["repo_id"], &stopped[0]["has_snapshot"]),
         (&json!(REPO), &json!(false))
     );
+    assert_eq!(
+        stopped[0]["revision"], "main",
+        "the revision it asked for: {stopped}"
+    );
     assert!(
         stopped[0]["bytes_present"].as_u64().unwrap() > 0,
         "{stopped}"

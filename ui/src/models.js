@@ -104,18 +104,18 @@ export class ModelsView {
     item.dataset.repo = id;
     const fetched = `${decimalBytes(download.bytes_present)} fetched`;
     const snapshot = download.has_snapshot ? ", another revision complete" : "";
-    item.textContent = `${id} (${fetched}${snapshot}) `;
+    const at = download.revision && download.revision !== "main" ? `, at ${download.revision}` : "";
+    item.textContent = `${id} (${fetched}${at}${snapshot}) `;
     const progress = this.downloads.get(id);
     if (progress) {
       const view = downloadProgress(document, id, progress);
       this.partialViews.set(id, view);
       item.append(view.bar, view.text, this.button("Cancel", () => this.api.cancelDownload(id)));
     } else {
-      const resume = this.button("Resume", () => this.download({ id }));
-      // The revision it started at is not recorded: it resumes at the one in the field.
-      const revision = this.root.querySelector("#hub-revision").value.trim() || "main";
+      // At the revision it asked for; one not started here (mlx-lm's) at the field's.
+      const revision = download.revision ?? (this.root.querySelector("#hub-revision").value.trim() || "main");
+      const resume = this.button("Resume", () => this.download({ id }, revision));
       resume.setAttribute("aria-label", `Resume downloading ${id} at ${revision}`);
-      resume.title = `Resumes at ${revision} (the revision field)`;
       const discard = this.button("Discard", () => this.discard(id, discard));
       discard.setAttribute("aria-label", `Discard what was fetched of ${id}`);
       item.append(resume, " ", discard);
@@ -208,12 +208,13 @@ export class ModelsView {
     return item;
   }
 
-  async download(model) {
+  /** Downloads `model` at `revision`, else at the revision field's (`main` when empty). */
+  async download(model, revision) {
     this.failures.delete(model.id);
     this.downloads.set(model.id, { bytes_done: 0, bytes_total: 0, files_done: 0, files_total: 0 });
     this.renderResults();
     this.renderPartials();
-    const revision = this.root.querySelector("#hub-revision").value.trim();
+    revision ??= this.root.querySelector("#hub-revision").value.trim();
     try {
       const done = await this.api.downloadModel(
         model.id,

@@ -238,7 +238,7 @@ describe("ModelsView", () => {
     const api = fakeApi();
     api.partial = [
       { repo_id: "org/paused", bytes_present: 12e6, has_snapshot: false },
-      { repo_id: "org/older", bytes_present: 5e6, has_snapshot: true },
+      { repo_id: "org/older", bytes_present: 5e6, has_snapshot: true, revision: "v2" },
       { repo_id: "org/locked", bytes_present: 1, has_snapshot: false },
     ];
     const view = new ModelsView(document.getElementById("view-models"), api, () => {});
@@ -248,14 +248,14 @@ describe("ModelsView", () => {
     expect(section.hidden).toBe(false);
     expect(stopped().map((li) => li.textContent)).toEqual([
       "org/paused (12 MB fetched) Resume Discard",
-      "org/older (5.0 MB fetched, another revision complete) Resume Discard",
+      "org/older (5.0 MB fetched, at v2, another revision complete) Resume Discard",
       "org/locked (1 B fetched) Resume Discard",
     ]);
 
     // Resume: its bar shows in the list while it runs; once done it is listed as local.
     buttonIn(stopped()[0], "Resume").click();
     await tick();
-    expect(api.calls.at(-1)).toEqual(["download", "org/paused"]);
+    expect(api.calls.at(-1)).toEqual(["download", "org/paused", "main"]);
     api.progress({ repo_id: "org/paused", file: "model.safetensors", bytes_done: 500, bytes_total: 1000, files_done: 0, files_total: 1 });
     expect(stopped()[0].querySelector("progress").value).toBe(0.5);
     expect(buttonIn(stopped()[0], "Cancel")).toBeDefined();
@@ -284,6 +284,22 @@ describe("ModelsView", () => {
     api.partial = [];
     await view.refreshPartials();
     expect(section.hidden).toBe(true);
+  });
+
+  it("resumes a stopped download at the revision it asked for, whatever the field says", async () => {
+    loadPage();
+    const api = fakeApi();
+    api.partial = [{ repo_id: "org/older", bytes_present: 5e6, has_snapshot: false, revision: "v2" }];
+    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
+    await view.show();
+    document.getElementById("hub-revision").value = "v9";
+    const item = document.querySelector("#partial-downloads > li");
+    expect(buttonIn(item, "Resume").getAttribute("aria-label")).toBe("Resume downloading org/older at v2");
+    buttonIn(item, "Resume").click();
+    await tick();
+    expect(api.calls.at(-1)).toEqual(["download", "org/older", "v2"]);
+    api.fail("stopped");
+    await tick();
   });
 
   it("a listing that fails after a download leaves no bar behind, and a failed stopped-download listing is said", async () => {

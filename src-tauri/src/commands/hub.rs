@@ -146,6 +146,8 @@ pub async fn download_model<R: Runtime>(
     let id = repo_id.clone();
     // Cancel stops the file listing too, between its pages.
     let client = client.with_cancel(Arc::clone(&cancel));
+    app.state::<Store>()
+        .set_download_revision(&repo_id, Some(&revision));
     let result = tauri::async_runtime::spawn_blocking(move || {
         let snapshot = client
             .snapshot(&id, &revision)
@@ -162,6 +164,9 @@ pub async fn download_model<R: Runtime>(
     .and_then(|r| r);
     if let Ok(mut downloads) = app.state::<Downloads>().0.lock() {
         downloads.remove(&repo_id);
+    }
+    if result.is_ok() {
+        app.state::<Store>().set_download_revision(&repo_id, None);
     }
     result
 }
@@ -182,12 +187,21 @@ pub fn cancel_download(
     })
 }
 
+/// A stopped download, with the revision it asked for when it started here.
+#[derive(Clone, Debug, Serialize)]
+pub struct PartialDownloadView {
+    #[serde(flatten)]
+    pub download: perch_hub::PartialDownload,
+    /// `None`: not started by this app (mlx-lm's), or not recorded.
+    pub revision: Option<String>,
+}
+
 /// The downloads in the Hugging Face cache that stopped before their end (`perch_hub::partial_downloads`),
-/// those running in this app left out.
+/// those running in this app left out, each with the revision it asked for.
 #[tauri::command]
 pub async fn partial_downloads<R: Runtime>(
     app: AppHandle<R>,
-) -> Result<Vec<perch_hub::PartialDownload>, CommandError> {
+) -> Result<Vec<PartialDownloadView>, CommandError> {
     let Some(cache) = perch_hub::hf_cache_dir() else {
         return Ok(Vec::new());
     };
@@ -197,9 +211,14 @@ pub async fn partial_downloads<R: Runtime>(
         downloads.keys().cloned().collect()
     };
     tauri::async_runtime::spawn_blocking(move || {
+        let store = app.state::<Store>();
         perch_hub::partial_downloads(&cache)
             .into_iter()
             .filter(|d| !running.contains(&d.repo_id))
+            .map(|download| PartialDownloadView {
+                revision: store.download_revision(&download.repo_id),
+                download,
+            })
             .collect()
     })
     .await
@@ -225,7 +244,11 @@ pub async fn discard_partial_download<R: Runtime>(
     let cache = perch_hub::hf_cache_dir()
         .ok_or_else(|| CommandError::invalid(&"There is no Hugging Face cache on this machine."))?;
     tauri::async_runtime::spawn_blocking(move || {
-        perch_hub::discard_partial_download(&cache, &repo_id).map_err(|err| match err {
+        let discarded = perch_hub::discard_partial_download(&cache, &repo_id);
+        if discarded.is_ok() {
+            app.state::<Store>().set_download_revision(&repo_id, None);
+        }
+        discarded.map_err(|err| match err {
             perch_hub::HubError::NotLocalModel(_) => {
                 CommandError::invalid(&format!("{repo_id} has no stopped download to discard."))
             }
