@@ -49,6 +49,11 @@ export PERCH_DATA_DIR="$data/perch"
 export HOME="$data/home"
 mkdir -p "$HOME"
 export PERCH_MODEL="${PERCH_E2E_MODEL:-$inputs/SmolLM2-135M-Instruct-Q4_1}"
+# Perch's models directory holds the same model (a link), so the chat's model switcher can go
+# back to it after the model picker loaded another.
+mkdir -p "$data/models"
+ln -s "$PERCH_MODEL" "$data/models/$(basename "$PERCH_MODEL")"
+export PERCH_MODELS_DIR="$data/models"
 export PERCH_E2E_OUT="$PWD/target/e2e"
 # PERCH_E2E_DARK=1: the same tour under a dark GTK theme, which WebKitGTK reports to the page as
 # `prefers-color-scheme: dark` (screenshots in target/e2e-dark).

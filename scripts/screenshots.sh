@@ -10,7 +10,7 @@ for scheme in light dark; do
   from=target/e2e; [ "$scheme" = dark ] && from=target/e2e-dark
   mkdir -p "docs/screenshots/$scheme"
   rm -f "docs/screenshots/$scheme"/*.png
-  for shot in first-run chat-streaming chat-stopped dashboard models-downloading models settings chat-after-restart; do
+  for shot in first-run chat-streaming chat-stopped dashboard models-downloading models chat-switched settings chat-after-restart; do
     cp "$from/$shot.png" "docs/screenshots/$scheme/$shot.png"
   done
 done

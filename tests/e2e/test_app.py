@@ -9,6 +9,8 @@ WebKitWebDriver under Xvfb, with the imported default model loaded:
    token; the dashboard's graphs redraw while it generates; Stop ends it mid-answer;
 2. the model picker finds the test model on the fake hub (scripts/e2e.sh starts it), shows its
    download's progress, lists it under "On this machine" once downloaded, and loads it by its id;
+   at the end of the first run the chat's model switcher loads the model in Perch's models
+   directory again, and the local server follows;
 3. the global shortcut (Ctrl+Shift+Space, sent by xdotool) brings the chat back from another view,
    and "Launch at login" in Settings writes and removes the XDG autostart entry;
 4. Settings → Local server turns the API server on (a free port, a key) before the first message:
@@ -318,6 +320,23 @@ def local_server(session, port):
     session.click("nav button[data-view=chat]")
 
 
+def switch_model(session, port):
+    """The chat header's model switcher loads the model in Perch's models directory again."""
+    name = Path(os.environ["PERCH_MODEL"]).name
+    session.click("nav button[data-view=chat]")
+    session.wait_for(
+        "return [...document.getElementById('chat-model').options]"
+        f".some(o => o.textContent.startsWith({json.dumps(name)}))", what="the model in the switcher")
+    session.execute(
+        "const s = document.getElementById('chat-model');"
+        " s.value = [...s.options].find(o => o.textContent.startsWith(arguments[0])).value;"
+        " s.dispatchEvent(new Event('change'));", name)
+    session.wait_for(f"return document.getElementById('model-status').textContent === 'Model: {name}'",
+                     timeout=60, what="the switched model to load")
+    session.screenshot(OUT / "chat-switched.png")
+    check(served_model_id(port) == [name], f"the server does not follow the switch to {name}")
+
+
 def second_run(session, shown, port):
     titles = session.wait_for(
         "const b = [...document.querySelectorAll('#conversation-list button')];"
@@ -354,6 +373,7 @@ def main():
         model_picker(session)
         desktop_hooks(session)
         local_server(session, port)
+        switch_model(session, port)
     except Exception:
         session.screenshot(OUT / "failure-first-run.png")
         raise
@@ -367,7 +387,7 @@ def main():
         raise
     finally:
         session.close()
-    print("e2e: 5 passed (the first-run screen; streaming, dashboard graphs and Stop; the model picker's download and load;"
+    print("e2e: 5 passed (the first-run screen; streaming, dashboard graphs and Stop; the model picker's download and load; the chat's model switcher;"
           " global shortcut and launch at login; the local server from Settings and the dashboard;"
           " the conversation and the server after a restart)")
 
