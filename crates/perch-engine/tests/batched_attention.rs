@@ -44,7 +44,7 @@ fn start(
             .unwrap();
     }
     eval(cache.iter().flat_map(KvCache::state)).unwrap();
-    let slot = slots.push(&cache, fed.len(), RowKv::PLAIN).unwrap();
+    let slot = slots.push(&cache, fed.len(), RowKv::Plain).unwrap();
     Sequence {
         cache,
         slot,
@@ -186,7 +186,7 @@ fn prefill_chunks_in_slots(additive: bool) {
             model.forward_sequence(&ids, &mut cache).unwrap();
         }
         eval(cache.iter().flat_map(KvCache::state)).unwrap();
-        assert_eq!(prefill.push(&cache, cached, RowKv::PLAIN).unwrap(), slot);
+        assert_eq!(prefill.push(&cache, cached, RowKv::Plain).unwrap(), slot);
         seqs.push((cache, cached));
     }
     let mut worst = 0f32;

@@ -494,7 +494,7 @@ impl<'m> BatchGenerator<'m> {
                 quantization,
                 start: request.quantized_kv_start,
             })
-            .filter(|q| q.start.max(1) + 1 < request.prompt.len() + max_tokens);
+            .filter(|q| q.from_len() + 1 < request.prompt.len() + max_tokens);
         if quantization.is_some() && self.config.kv_quantization.is_some() {
             return Err(EngineError::Request(
                 "kv_bits cannot be combined with the engine's quantized KV cache: its pool is \
@@ -538,9 +538,11 @@ impl<'m> BatchGenerator<'m> {
             grammar,
             tokens: request.prompt.clone(),
             cache: Vec::new(),
-            kv: RowKv {
-                limit,
-                quantization,
+            // `kv_options` refused a bound and a quantization together.
+            kv: match (limit, quantization) {
+                (Some(limit), _) => RowKv::Bounded(limit),
+                (None, Some(quantization)) => RowKv::Quantized(quantization),
+                (None, None) => RowKv::Plain,
             },
             slot: None,
             computed: 0,
@@ -768,7 +770,7 @@ impl<'m> BatchGenerator<'m> {
                     tokens: &seq.tokens,
                     prefill_step_size: seq.request.prefill_step_size,
                     preloaded: seq.preloaded.as_ref().map(|p| p.offset),
-                    bounded: seq.kv.limit.map(|limit| self.bounded_tokens(limit)),
+                    bounded: seq.kv.limit().map(|limit| self.bounded_tokens(limit)),
                     private: !seq.kv.is_plain(),
                 })
                 .collect();

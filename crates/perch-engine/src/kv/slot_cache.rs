@@ -81,13 +81,16 @@ use crate::kv::cache::{kv_parts, quantize_round_trip, KvCache, KvLimit, Recurren
 use crate::nn::mlx_ext::{slice, slice_update};
 use perch_sched::shapes::{capacity_bucket, row_bucket};
 
-/// What a request asks of its own KV cache, carried by its row of the slot caches: a bound
-/// (`max_kv_size`, see the module docs) or a quantization from some position on (`kv_bits`),
-/// never both (mlx_lm's rotating cache is not quantized). The default is a plain row.
+/// What a request asks of its own KV cache, carried by its row of the slot caches: nothing, a
+/// bound (`max_kv_size`, see the module docs) or a quantization from some position on
+/// (`kv_bits`); never both, as mlx_lm's rotating cache is not quantized.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RowKv {
-    pub limit: Option<KvLimit>,
-    pub quantization: Option<RowQuantization>,
+pub enum RowKv {
+    /// Every position kept, in the cache's format.
+    #[default]
+    Plain,
+    Bounded(KvLimit),
+    Quantized(RowQuantization),
 }
 
 /// A row quantized from `start` positions on (mlx_lm's `kv_bits` with `quantized_kv_start`; see
@@ -98,25 +101,36 @@ pub struct RowQuantization {
     pub start: usize,
 }
 
-impl RowKv {
-    /// A plain row: every position kept, in the cache's format.
-    pub const PLAIN: RowKv = RowKv {
-        limit: None,
-        quantization: None,
-    };
+impl RowQuantization {
+    /// The row length from which the row is quantized: after a forward pass that left it at
+    /// `start` positions or more (mlx_lm quantizes after each model call, so a first pass
+    /// always computes in full precision).
+    pub fn from_len(&self) -> usize {
+        self.start.max(1)
+    }
+}
 
+impl RowKv {
     /// Whether the row holds a plain cache's KV (what the prefix cache can share).
     pub fn is_plain(&self) -> bool {
-        *self == Self::PLAIN
+        *self == Self::Plain
     }
 
-    /// The quantization a row of `len` positions reads and writes with: once a forward pass
-    /// has left it at its start or more (mlx_lm quantizes after each model call, so a first
-    /// pass always computes in full precision).
+    /// The bound of a bounded row.
+    pub fn limit(&self) -> Option<KvLimit> {
+        match self {
+            Self::Bounded(limit) => Some(*limit),
+            _ => None,
+        }
+    }
+
+    /// The quantization a row of `len` positions reads and writes with
+    /// ([`RowQuantization::from_len`]).
     pub fn quantized_at(&self, len: usize) -> Option<KvQuantization> {
-        self.quantization
-            .filter(|q| len >= q.start.max(1))
-            .map(|q| q.quantization)
+        match self {
+            Self::Quantized(q) if len >= q.from_len() => Some(q.quantization),
+            _ => None,
+        }
     }
 }
 
@@ -495,7 +509,7 @@ impl SlotKvCache {
 
     /// The bound of the row in `slot`, if it is bounded.
     pub fn slot_limit(&self, slot: usize) -> Option<KvLimit> {
-        self.slot_kv(slot).limit
+        self.slot_kv(slot).limit()
     }
 
     /// What the request of the row in `slot` asks of its KV cache.
@@ -508,7 +522,7 @@ impl SlotKvCache {
         self.lengths
             .iter()
             .zip(&self.row_kv)
-            .any(|(len, kv)| len.is_some() && kv.quantization.is_some())
+            .any(|(len, kv)| len.is_some() && matches!(kv, RowKv::Quantized(_)))
     }
 
     /// Replaces every entry of `slot`'s row, in each layer that keeps positions, by its round
@@ -785,7 +799,7 @@ impl SlotKvCache {
                 layer.iter().map(|b| (shape(b), b.dtype())).collect()
             })
             .collect();
-        self.push_with(len, RowKv::PLAIN, |layer, _| {
+        self.push_with(len, RowKv::Plain, |layer, _| {
             shapes[layer]
                 .iter()
                 .map(|(shape, dtype)| Ok(ops::zeros_dtype(shape, *dtype)?))
@@ -837,7 +851,7 @@ impl SlotKvCache {
             .unwrap_or(self.lengths.len());
         // Room for the token this sequence feeds next, as every occupied slot has.
         let slots = self.lengths.len().max(slot + 1);
-        let limit = kv.limit;
+        let limit = kv.limit();
         let entries = self.row_entries(limit, len, 1);
         self.reshape(slots, self.needed_capacity(1).max(entries))?;
         // A recurrent layer's row gets the sequence's state, or zeros: a free row's state is
@@ -916,7 +930,7 @@ impl SlotKvCache {
     pub fn remove(&mut self, slot: usize) -> Result<Vec<(usize, usize)>> {
         assert!(self.is_occupied(slot), "slot {slot} is not occupied");
         self.lengths[slot] = None;
-        self.row_kv[slot] = RowKv::PLAIN;
+        self.row_kv[slot] = RowKv::Plain;
         while self.lengths.last() == Some(&None) {
             self.lengths.pop();
             self.row_kv.pop();
@@ -959,7 +973,7 @@ impl SlotKvCache {
         self.lengths
             .iter()
             .zip(&self.row_kv)
-            .filter_map(|(len, kv)| Some(self.row_entries(kv.limit, (*len)?, tokens)))
+            .filter_map(|(len, kv)| Some(self.row_entries(kv.limit(), (*len)?, tokens)))
             .max()
             .unwrap_or(tokens)
     }
@@ -1134,7 +1148,7 @@ impl SlotKvCache {
             &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, 1, -1, 1])?,
         )?;
         let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;
-        let (mask, write) = if self.row_kv.iter().any(|kv| kv.limit.is_some()) {
+        let (mask, write) = if self.row_kv.iter().any(|kv| kv.limit().is_some()) {
             if tokens > self.max_step_tokens {
                 return Err(mlx_rs::error::Exception::custom(format!(
                     "a step of {tokens} tokens per row is wider than bounded rows' rings allow \
@@ -1219,7 +1233,7 @@ impl SlotKvCache {
         // last position the step writes.
         let mut params = [0, UNBOUNDED, UNBOUNDED, 0, 0, 0].map(|v| vec![v; self.rows]);
         for (r, (len, kv)) in self.lengths.iter().zip(&self.row_kv).enumerate() {
-            let limit = &kv.limit;
+            let limit = &kv.limit();
             let last = (len.unwrap_or(0) + tokens - 1) as i32;
             params[5][r] = last;
             if let (Some(len), Some(limit)) = (len, limit) {
@@ -1604,7 +1618,7 @@ mod tests {
         let caches = counting_caches(len, |layer| layer as f32 + 1.0);
         // Layer 0 slides over 8 positions: a ring of 256 (8 + 1 - 1 + 16, bucketed).
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
-        let slot = slots.push(&caches, len as usize, RowKv::PLAIN).unwrap();
+        let slot = slots.push(&caches, len as usize, RowKv::Plain).unwrap();
         let capacities: Vec<i32> = slots.layers.iter().map(|l| l[0].shape()[2]).collect();
         assert_eq!(capacities, [256, 768]);
         let positions = |layer, start, end| held(&slots, slot, layer, start, end);
@@ -1667,17 +1681,8 @@ mod tests {
         let mut own = KvCache::new();
         own.limit_to(limit);
         let mut prefill = SlotKvCache::new(1, None).with_max_step_tokens(8);
-        let bounded = prefill
-            .push(
-                &[],
-                0,
-                RowKv {
-                    limit: Some(limit),
-                    ..RowKv::PLAIN
-                },
-            )
-            .unwrap();
-        let plain = prefill.push(&[], 0, RowKv::PLAIN).unwrap();
+        let bounded = prefill.push(&[], 0, RowKv::Bounded(limit)).unwrap();
+        let plain = prefill.push(&[], 0, RowKv::Plain).unwrap();
         let mut decode = SlotKvCache::new(1, None);
         let mut len = 0;
         let positions = |from: i32, n: i32| {
@@ -1757,14 +1762,7 @@ mod tests {
         let limit = KvLimit::new(10, KvLimit::KEEP).unwrap();
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(300), None], 1, 16);
         let slot = slots
-            .push(
-                &caches,
-                len as usize,
-                RowKv {
-                    limit: Some(limit),
-                    ..RowKv::PLAIN
-                },
-            )
+            .push(&caches, len as usize, RowKv::Bounded(limit))
             .unwrap();
         let ring = slots.ring_positions().unwrap();
         assert!(

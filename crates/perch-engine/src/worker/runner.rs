@@ -159,7 +159,7 @@ impl<'m> ModelRunner<'m> {
         let mut slots = self.slots.decode.empty_like();
         let mut shapes = 0;
         for n in 1..=max_rows.max(1) {
-            slots.push(&[], 0, RowKv::PLAIN)?;
+            slots.push(&[], 0, RowKv::Plain)?;
             if n < max_rows && row_bucket(n + 1) == row_bucket(n) {
                 continue;
             }
@@ -205,7 +205,7 @@ impl<'m> ModelRunner<'m> {
             }
         } else {
             for _ in 0..shape.rows {
-                slots.push(&[], 0, RowKv::PLAIN)?;
+                slots.push(&[], 0, RowKv::Plain)?;
             }
         }
         let ids = ops::zeros_dtype(&[shape.rows as i32, shape.width as i32], Dtype::Uint32)?;
@@ -229,7 +229,7 @@ impl<'m> ModelRunner<'m> {
     /// ([`SlotKvCache::push_zeros`]).
     fn shaped_like(&self, cache: &SlotKvCache) -> Result<SlotKvCache> {
         let mut shaped = cache.empty_like();
-        shaped.push(&[], 0, RowKv::PLAIN)?;
+        shaped.push(&[], 0, RowKv::Plain)?;
         self.model
             .forward_slots(&Array::from_slice(&[0u32], &[1, 1]), &mut shaped, &[1])?;
         Ok(shaped)
