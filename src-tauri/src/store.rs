@@ -73,13 +73,13 @@ impl Store {
         }
     }
 
-    /// The revision the download of `repo_id` asked for, while it has not completed (what a
-    /// stopped download resumes at); `None` when unknown (never started here, or a damaged file).
-    pub fn download_revision(&self, repo_id: &str) -> Option<String> {
-        let path = self.downloads.lock().ok()?;
-        let text = std::fs::read_to_string(&*path).ok()?;
-        let map: std::collections::BTreeMap<String, String> = serde_json::from_str(&text).ok()?;
-        map.get(repo_id).cloned()
+    /// Repository id → the revision its download asked for, for the downloads that have not
+    /// completed (what a stopped download resumes at); empty when the file is missing or damaged.
+    pub fn download_revisions(&self) -> std::collections::BTreeMap<String, String> {
+        self.downloads
+            .lock()
+            .map(|path| read_revisions(&path))
+            .unwrap_or_default()
     }
 
     /// Records the revision a download of `repo_id` asks for (`Some`), or forgets it once the
@@ -89,10 +89,7 @@ impl Store {
         let Ok(path) = self.downloads.lock() else {
             return;
         };
-        let mut map: std::collections::BTreeMap<String, String> = std::fs::read_to_string(&*path)
-            .ok()
-            .and_then(|text| serde_json::from_str(&text).ok())
-            .unwrap_or_default();
+        let mut map = read_revisions(&path);
         match revision {
             Some(revision) => map.insert(repo_id.to_owned(), revision.to_owned()),
             None => map.remove(repo_id),
@@ -206,4 +203,12 @@ fn resolve_model(model: &str) -> Option<PathBuf> {
         return Some(dir);
     }
     perch_hub::hf_cache_dir().and_then(|cache| perch_hub::cached_snapshot(&cache, model))
+}
+
+/// The revisions `downloads.json` at `path` records; empty when it is missing or damaged.
+fn read_revisions(path: &Path) -> std::collections::BTreeMap<String, String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .and_then(|text| serde_json::from_str(&text).ok())
+        .unwrap_or_default()
 }

@@ -78,9 +78,7 @@ pub fn delete_local_model(
         .ok_or_else(|| HubError::NotLocalModel(path.to_path_buf()))?;
     let dir = match (model.source, hf_cache) {
         (ModelSource::Perch, _) => model.path,
-        (ModelSource::HuggingFace, Some(cache)) => {
-            cache.join(format!("models--{}", model.name.replacen('/', "--", 1)))
-        }
+        (ModelSource::HuggingFace, Some(cache)) => repo_folder(cache, &model.name),
         (ModelSource::HuggingFace, None) => return Err(HubError::NotLocalModel(path.into())),
     };
     // A link to a model elsewhere: the link goes, what it points to stays (nothing freed).
@@ -133,16 +131,15 @@ pub fn partial_downloads(hf_cache: &Path) -> Vec<PartialDownload> {
 /// download given up) and returns the bytes freed; complete blobs and snapshots stay. A
 /// repository with none is refused ([`HubError::NotLocalModel`]) before anything is touched.
 pub fn discard_partial_download(hf_cache: &Path, repo_id: &str) -> Result<u64, HubError> {
-    let download = partial_downloads(hf_cache)
-        .into_iter()
-        .find(|d| d.repo_id == repo_id)
-        .ok_or_else(|| HubError::NotLocalModel(hf_cache.join(repo_id)))?;
-    let dir = hf_cache.join(format!(
-        "models--{}",
-        download.repo_id.replacen('/', "--", 1)
-    ));
+    let none = || HubError::NotLocalModel(hf_cache.join(repo_id));
+    // An id that is no repository's names no folder (nothing outside the cache is reached).
+    crate::hub::check_repo_id(repo_id).map_err(|_| none())?;
+    let partial = partial_blobs(&repo_folder(hf_cache, repo_id));
+    if partial.is_empty() {
+        return Err(none());
+    }
     let mut freed = 0;
-    for (path, len) in partial_blobs(&dir) {
+    for (path, len) in partial {
         fs::remove_file(&path).map_err(|source| HubError::Io { path, source })?;
         freed += len;
     }
@@ -191,7 +188,7 @@ pub fn cached_snapshot(hf_cache: &Path, repo_id: &str) -> Option<PathBuf> {
         .get("config.json")
         .and_then(|config| Some(config.parent()?.to_path_buf()));
     main.or_else(|| {
-        let repo = hf_cache.join(format!("models--{}", repo_id.replacen('/', "--", 1)));
+        let repo = repo_folder(hf_cache, repo_id);
         let mut refs: Vec<PathBuf> = fs::read_dir(repo.join("refs"))
             .ok()?
             .filter_map(|e| e.ok().map(|e| e.path()))
@@ -222,6 +219,11 @@ pub fn model_name(path: &Path) -> String {
         }
     }
     last.map_or_else(|| path.display().to_string(), |l| l.into_owned())
+}
+
+/// The cache folder `models--org--name` of `repo_id` in `hf_cache` (`hf_hub::Repo::folder_name`).
+fn repo_folder(hf_cache: &Path, repo_id: &str) -> PathBuf {
+    hf_cache.join(format!("models--{}", repo_id.replacen('/', "--", 1)))
 }
 
 /// `org/name` for a cache folder `models--org--name` (the inverse of `hf_hub::Repo::folder_name`).
@@ -306,10 +308,12 @@ mod tests {
                 has_snapshot: false,
             }]
         );
-        assert!(matches!(
-            discard_partial_download(cache, "org/done"),
-            Err(HubError::NotLocalModel(_))
-        ));
+        for nothing_to_discard in ["org/done", "../models--org--paused", "org/../x"] {
+            assert!(matches!(
+                discard_partial_download(cache, nothing_to_discard),
+                Err(HubError::NotLocalModel(_))
+            ));
+        }
         assert_eq!(discard_partial_download(cache, "org/paused").unwrap(), 8);
         assert!(partial_downloads(cache).is_empty());
         assert!(repo.join("blobs/ccc").is_file(), "complete blobs stay");

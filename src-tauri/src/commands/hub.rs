@@ -211,12 +211,12 @@ pub async fn partial_downloads<R: Runtime>(
         downloads.keys().cloned().collect()
     };
     tauri::async_runtime::spawn_blocking(move || {
-        let store = app.state::<Store>();
+        let revisions = app.state::<Store>().download_revisions();
         perch_hub::partial_downloads(&cache)
             .into_iter()
             .filter(|d| !running.contains(&d.repo_id))
             .map(|download| PartialDownloadView {
-                revision: store.download_revision(&download.repo_id),
+                revision: revisions.get(&download.repo_id).cloned(),
                 download,
             })
             .collect()
