@@ -1,5 +1,6 @@
 // Errors in plain words: one sentence that says what happened and what to do, the raw detail
-// (the command's own message: a URL, an OS error) behind a "Details" disclosure.
+// (the command's own message: a URL, an OS error) behind a "Details" disclosure
+// (<ErrorMessage>, src/error-message.jsx, shows it).
 
 /** Sentences for the kinds of CommandError (src/api.js) whose own message is technical. */
 const PLAIN = {
@@ -25,22 +26,4 @@ export function describeError(error) {
   }
   const plain = PLAIN[error?.kind];
   return plain ? { sentence: plain, detail: raw } : { sentence: raw, detail: null };
-}
-
-/** The error as an element: its sentence, then a closed "Details" disclosure when there is one. */
-export function errorElement(doc, error, tag = "div") {
-  const { sentence, detail } = describeError(error);
-  const element = doc.createElement(tag);
-  element.className = "error";
-  element.append(sentence);
-  if (detail && detail !== sentence) {
-    const details = doc.createElement("details");
-    const summary = doc.createElement("summary");
-    summary.textContent = "Details";
-    const code = doc.createElement("code");
-    code.textContent = detail;
-    details.append(summary, code);
-    element.append(" ", details);
-  }
-  return element;
 }

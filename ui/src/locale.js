@@ -1,6 +1,6 @@
 // WebKitGTK reports the POSIX locale "C" as navigator.language when LANG is unset or C, and
 // Intl rejects "C" as a language tag; uPlot builds an Intl.NumberFormat for navigator.language
-// when it loads, so the whole UI would fail to start. Imported first (see main.js): where the
+// when it loads, so the whole UI would fail to start. Imported first (see main.jsx): where the
 // page's language is not a valid tag, Intl.NumberFormat falls back to the default locale.
 
 const Native = Intl.NumberFormat;

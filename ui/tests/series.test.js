@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { TimeSeries } from "../src/series.js";
-import { sample } from "../src/dashboard.js";
+import { sample } from "../src/stats.js";
 
 describe("TimeSeries", () => {
   it("keeps the last five minutes in uPlot's column layout", () => {

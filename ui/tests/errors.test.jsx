@@ -1,6 +1,11 @@
 import { describe, expect, it } from "vitest";
+import { render } from "@testing-library/preact";
 import { CommandError } from "../src/api.js";
-import { describeError, errorElement } from "../src/errors.js";
+import { ErrorMessage } from "../src/error-message.jsx";
+import { describeError } from "../src/errors.js";
+
+/** The element <ErrorMessage> draws for `error`. */
+const shown = (error, as) => render(<ErrorMessage error={error} as={as} />).container.firstChild;
 
 describe("errors in plain words", () => {
   it("says an unreachable Hub in one sentence, the raw error behind Details", () => {
@@ -10,11 +15,13 @@ describe("errors in plain words", () => {
       sentence: "Perch can't reach the Hugging Face Hub. Check your internet connection, then try again.",
       detail: raw,
     });
-    const element = errorElement(document, error);
+    const element = shown(error);
+    expect([element.tagName, element.className]).toEqual(["DIV", "error"]);
     expect(element.firstChild.textContent).not.toContain("https://");
     expect(element.querySelector("details").open).toBe(false);
     expect(element.querySelector("summary").textContent).toBe("Details");
     expect(element.querySelector("details code").textContent).toBe(raw);
+    expect(shown(error, "span").tagName).toBe("SPAN");
   });
 
   it("says a full disk whatever the kind", () => {
@@ -31,10 +38,12 @@ describe("errors in plain words", () => {
   it("keeps sentences meant for the user as they are, without Details", () => {
     const fits = new CommandError({ kind: "invalid_model", message: "This model needs 9.1 GB and this Mac has 8 GB." });
     expect(describeError(fits)).toEqual({ sentence: "This model needs 9.1 GB and this Mac has 8 GB.", detail: null });
-    expect(errorElement(document, fits).querySelector("details")).toBe(null);
+    expect(shown(fits).querySelector("details")).toBe(null);
+    expect(shown(fits).textContent).toBe("This model needs 9.1 GB and this Mac has 8 GB.");
     expect(describeError("Cannot reach the server.")).toEqual({ sentence: "Cannot reach the server.", detail: null });
     expect(describeError(new Error("boom")).sentence).toBe("boom");
     expect(describeError(undefined).sentence).toBe("Unknown error.");
+    expect(shown(undefined).textContent).toBe("Unknown error.");
   });
 
   it("gives the other technical kinds a sentence that says what to do", () => {

@@ -1,7 +1,8 @@
-import { describe, expect, it } from "vitest";
+import { describe, expect, it, vi } from "vitest";
+import { createRef } from "preact";
+import { act, fireEvent, render } from "@testing-library/preact";
 import { CommandError } from "../src/api.js";
-import { ModelsView } from "../src/models.js";
-import { loadPage } from "./page.js";
+import { ModelsView } from "../src/models.jsx";
 
 const QWEN = { id: "mlx-community/Qwen3-0.6B-4bit", downloads: 1234, weights_bytes: 335_000_000, fit: "fits", context_tokens: 18724, snapshot_dir: null };
 const BIG = { id: "mlx-community/Big-70B", downloads: 5, weights_bytes: null, fit: "unknown", snapshot_dir: null };
@@ -44,13 +45,19 @@ const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
 const results = () => [...document.querySelectorAll("#hub-results > li")];
 const buttonIn = (item, label) => [...item.querySelectorAll("button")].find((b) => b.textContent === label);
 
+/** The models view, with `handle.current.show()` as app.jsx calls it when the view is shown. */
+function setUp(api, onLoad = () => {}) {
+  const handle = createRef();
+  render(<ModelsView api={api} visible onLoad={onLoad} handle={handle} />);
+  return { show: () => act(() => handle.current.show()) };
+}
+
 describe("ModelsView", () => {
   it("lists local models and the Hub's mlx-community models with size and fit", async () => {
-    loadPage();
     const api = fakeApi();
     const loaded = [];
-    const view = new ModelsView(document.getElementById("view-models"), api, (path) => loaded.push(path));
-    await view.show();
+    const { show } = setUp(api, (path) => loaded.push(path));
+    await show();
 
     const local = document.querySelectorAll("#models > li");
     expect(local.length).toBe(1);
@@ -68,21 +75,26 @@ describe("ModelsView", () => {
     document.getElementById("hub-form").requestSubmit();
     await tick();
     expect(api.calls.at(-1)).toEqual(["search", "qwen", ""]);
+    // Shown a second time: the local list again, not the search.
+    await show();
+    expect(api.calls.filter(([call]) => call === "search").length).toBe(2);
   });
 
   it("shows download progress, cancels, and lists and loads the model once downloaded", async () => {
-    loadPage();
     const api = fakeApi();
     const loaded = [];
-    const view = new ModelsView(document.getElementById("view-models"), api, (path) => loaded.push(path));
-    await view.show();
+    const { show } = setUp(api, (path) => loaded.push(path));
+    await show();
 
     buttonIn(results()[0], "Download").click();
     await tick();
     expect(api.calls.at(-1)).toEqual(["download", QWEN.id]);
+    expect(results()[0].textContent).toContain("Starting…");
     api.progress({ repo_id: QWEN.id, file: "model.safetensors", bytes_done: 250, bytes_total: 1000, files_done: 1, files_total: 4 });
+    await tick();
     const item = results()[0];
     expect(item.querySelector("progress").value).toBe(0.25);
+    expect(item.querySelector("progress").getAttribute("aria-label")).toBe(`Downloading ${QWEN.id}`);
     expect(item.textContent).toContain("25% of 1.0 kB (file 2 of 4)");
     buttonIn(item, "Cancel").click();
     expect(api.calls.at(-1)).toEqual(["cancel", QWEN.id]);
@@ -91,12 +103,12 @@ describe("ModelsView", () => {
     await tick();
     await tick();
     expect(document.querySelectorAll("#models > li").length).toBe(2);
+    expect(results()[0].querySelector("progress")).toBe(null);
     buttonIn(results()[0], "Load").click();
     expect(loaded).toEqual([`/hf/${QWEN.id}`]);
   });
 
   it("shows only the latest search's answer, and Load for a model downloaded while a search ran", async () => {
-    loadPage();
     const api = fakeApi();
     const answers = [];
     api.searchModels = (text, author) =>
@@ -105,22 +117,24 @@ describe("ModelsView", () => {
         answers.push(resolve);
       });
     const loaded = [];
-    const view = new ModelsView(document.getElementById("view-models"), api, (path) => loaded.push(path));
+    setUp(api, (path) => loaded.push(path));
     // Two searches at once: the older one answers last.
-    const first = view.search();
-    const second = view.search();
+    const form = document.getElementById("hub-form");
+    form.requestSubmit();
+    form.requestSubmit();
     await tick();
     expect(answers.length).toBe(2);
+    expect(document.getElementById("hub-message").textContent).toBe("Searching…");
     answers[1]([{ ...QWEN }]);
-    await second;
+    await tick();
     answers[0]([{ ...QWEN }, { ...BIG }]);
-    await first;
+    await tick();
     expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id]);
 
     // A search answered during a download brings new result objects that do not know it finished.
     buttonIn(results()[0], "Download").click();
     await tick();
-    document.getElementById("hub-form").requestSubmit();
+    form.requestSubmit();
     await tick();
     answers[2]([{ ...QWEN }]);
     await tick();
@@ -133,10 +147,9 @@ describe("ModelsView", () => {
   });
 
   it("says why a download failed and offers it again", async () => {
-    loadPage();
     const api = fakeApi();
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     buttonIn(results()[1], "Download").click();
     await tick();
     api.fail("Not enough disk space in /hf: the download needs 9 more bytes, 1 are free.");
@@ -154,10 +167,10 @@ describe("ModelsView", () => {
       ["download", BIG.id],
     ]);
     expect(results()[1].querySelector("progress")).not.toBe(null);
+    expect(results()[1].querySelector(".error")).toBe(null);
   });
 
   it("says which models Perch does not run yet, before downloading and on this machine", async () => {
-    loadPage();
     const note = "mamba is not supported yet (Perch runs gemma3, gemma3_text, llama, mistral, qwen2, qwen3, qwen3_5, qwen3_moe)";
     const api = {
       partialDownloads: async () => [],
@@ -169,8 +182,8 @@ describe("ModelsView", () => {
         { id: "mlx-community/mamba-130m-hf-f32", downloads: 9, weights_bytes: 3e9, fit: "fits", snapshot_dir: null, model_type: "mamba", architecture_note: note },
       ],
     };
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     const local = document.querySelector("#models > li");
     expect(local.querySelector(".unsupported").textContent).toBe(`Not supported yet (${note}) `);
     expect(buttonIn(local, "Load").disabled).toBe(true);
@@ -180,20 +193,22 @@ describe("ModelsView", () => {
     expect(buttonIn(results()[1], "Download").disabled).toBe(false);
   });
 
-  it("reports a search that fails", async () => {
-    loadPage();
+  it("reports a search that fails, and an empty one", async () => {
     const raw = "cannot reach https://huggingface.co/api/models: io: failed to lookup address information.";
     const api = { ...fakeApi(), searchModels: async () => Promise.reject(new CommandError({ kind: "network", message: raw })) };
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     const message = document.getElementById("hub-message");
     expect(message.textContent).toContain("Perch can't reach the Hugging Face Hub. Check your internet connection");
     expect(message.querySelector("details code").textContent).toBe(raw);
     expect(results().length).toBe(0);
+    api.searchModels = async () => [];
+    document.getElementById("hub-form").requestSubmit();
+    await tick();
+    expect(message.textContent).toBe("No models found.");
   });
 
   it("filters the results by fit and support, and shows the disk the local models take", async () => {
-    loadPage();
     const api = {
       ...fakeApi(),
       searchModels: async () => [
@@ -202,14 +217,14 @@ describe("ModelsView", () => {
         { id: "mlx-community/mamba", downloads: 9, weights_bytes: 3e9, fit: "fits", snapshot_dir: null, architecture_note: "mamba is not supported yet" },
       ],
     };
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     expect(document.getElementById("models-disk").textContent).toBe("1 model, 134 MB on disk");
     expect(results().length).toBe(3);
     const check = (id, on) => {
       const box = document.getElementById(id);
       box.checked = on;
-      box.dispatchEvent(new Event("change"));
+      fireEvent.change(box);
     };
     check("hub-only-fits", true);
     expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id, "mlx-community/mamba"]);
@@ -223,10 +238,9 @@ describe("ModelsView", () => {
   });
 
   it("downloads the revision asked for", async () => {
-    loadPage();
     const api = fakeApi();
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     document.getElementById("hub-revision").value = " v1.1 ";
     buttonIn(results()[0], "Download").click();
     await tick();
@@ -234,15 +248,14 @@ describe("ModelsView", () => {
   });
 
   it("lists stopped downloads, resumes one with its progress and discards another", async () => {
-    loadPage();
     const api = fakeApi();
     api.partial = [
       { repo_id: "org/paused", bytes_present: 12e6, has_snapshot: false },
       { repo_id: "org/older", bytes_present: 5e6, has_snapshot: true, revision: "v2" },
       { repo_id: "org/locked", bytes_present: 1, has_snapshot: false },
     ];
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     const section = document.getElementById("partial-section");
     const stopped = () => [...document.querySelectorAll("#partial-downloads > li")];
     expect(section.hidden).toBe(false);
@@ -257,6 +270,7 @@ describe("ModelsView", () => {
     await tick();
     expect(api.calls.at(-1)).toEqual(["download", "org/paused", "main"]);
     api.progress({ repo_id: "org/paused", file: "model.safetensors", bytes_done: 500, bytes_total: 1000, files_done: 0, files_total: 1 });
+    await tick();
     expect(stopped()[0].querySelector("progress").value).toBe(0.5);
     expect(buttonIn(stopped()[0], "Cancel")).toBeDefined();
     api.partial = api.partial.slice(1);
@@ -282,16 +296,15 @@ describe("ModelsView", () => {
     expect(locked.disabled).toBe(false);
 
     api.partial = [];
-    await view.refreshPartials();
+    await show();
     expect(section.hidden).toBe(true);
   });
 
   it("resumes a stopped download at the revision it asked for, whatever the field says", async () => {
-    loadPage();
     const api = fakeApi();
     api.partial = [{ repo_id: "org/older", bytes_present: 5e6, has_snapshot: false, revision: "v2" }];
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     document.getElementById("hub-revision").value = "v9";
     const item = document.querySelector("#partial-downloads > li");
     expect(buttonIn(item, "Resume").getAttribute("aria-label")).toBe("Resume downloading org/older at v2");
@@ -303,10 +316,9 @@ describe("ModelsView", () => {
   });
 
   it("a listing that fails after a download leaves no bar behind, and a failed stopped-download listing is said", async () => {
-    loadPage();
     const api = fakeApi();
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     buttonIn(results()[0], "Download").click();
     await tick();
     api.listModels = async () => Promise.reject(new CommandError({ kind: "storage", message: "permission denied" }));
@@ -315,16 +327,15 @@ describe("ModelsView", () => {
     await tick();
     expect(results()[0].querySelector("progress")).toBe(null);
     expect(buttonIn(results()[0], "Cancel")).toBeUndefined();
-    expect(document.querySelector("#models .error")).not.toBe(null);
+    expect(document.querySelector("#models > li > .error")).not.toBe(null);
 
     api.partialDownloads = async () => Promise.reject(new CommandError({ kind: "storage", message: "permission denied" }));
-    await view.refreshPartials();
+    await expect(show()).rejects.toBeInstanceOf(CommandError);
     expect(document.getElementById("partial-section").hidden).toBe(false);
     expect(document.querySelector("#partial-status .error")).not.toBe(null);
   });
 
   it("deletes a local model after a confirmation, saying the space freed or why not", async () => {
-    loadPage();
     let local = [
       { name: "SmolLM2", path: "/m/SmolLM2", model_type: "llama", size_bytes: 2 ** 27, source: "perch" },
       { name: "Loaded", path: "/m/Loaded", model_type: "llama", size_bytes: 1, source: "perch" },
@@ -340,14 +351,17 @@ describe("ModelsView", () => {
         return 2 ** 27;
       },
     };
-    const view = new ModelsView(document.getElementById("view-models"), api, () => {});
-    await view.show();
+    const { show } = setUp(api);
+    await show();
     const item = () => [...document.querySelectorAll("#models > li")];
     const button = buttonIn(item()[0], "Delete");
-    button.click();
+    expect(button.getAttribute("aria-label")).toBe("Delete SmolLM2");
+    fireEvent.click(button);
     expect(deleted).toEqual([]); // the first click asks for a confirmation
     expect(button.textContent).toBe("Confirm delete");
-    button.click();
+    expect(button.getAttribute("aria-label")).toBe("Confirm delete SmolLM2");
+    expect(button.classList.contains("confirm")).toBe(true);
+    fireEvent.click(button);
     await tick();
     await tick();
     expect(deleted).toEqual(["/m/SmolLM2"]);
@@ -355,11 +369,35 @@ describe("ModelsView", () => {
     expect(item().length).toBe(1);
     expect(document.getElementById("models-disk").textContent).toBe("1 model, 1 B on disk");
 
+    // Two clicks before a redraw still ask, then delete (here refused: it is loaded).
     const refused = buttonIn(item()[0], "Delete");
     refused.click();
     refused.click();
     await tick();
     expect(document.getElementById("models-deleted").textContent).toContain("unload it or load another model");
     expect(refused.disabled).toBe(false);
+  });
+
+  it("the confirmation of a delete lapses after 4 seconds", async () => {
+    vi.useFakeTimers();
+    try {
+      const api = { ...fakeApi(), deleteModel: async () => 1 };
+      const { show } = setUp(api);
+      await show();
+      const button = buttonIn(document.querySelector("#models > li"), "Delete");
+      fireEvent.click(button);
+      expect(button.textContent).toBe("Confirm delete");
+      await act(() => vi.advanceTimersByTimeAsync(4000));
+      expect(button.textContent).toBe("Delete");
+    } finally {
+      vi.useRealTimers();
+    }
+  });
+
+  it("says when no model is on this machine", async () => {
+    const { show } = setUp({ ...fakeApi(), listModels: async () => [] });
+    await show();
+    expect(document.getElementById("models").textContent).toBe("No models found in Perch's models directory or the Hugging Face cache.");
+    expect(document.getElementById("models-disk").textContent).toBe("");
   });
 });

@@ -1,6 +1,22 @@
 import { describe, expect, it } from "vitest";
-import { getPath, readInput, setPath, writeInput, SettingsView } from "../src/settings.js";
-import { loadPage } from "./page.js";
+import { createRef } from "preact";
+import { act, fireEvent, render } from "@testing-library/preact";
+import { getPath, readInput, setPath, writeInput } from "../src/form.js";
+import { SettingsView } from "../src/settings.jsx";
+
+/** The Settings view shown, with `handle.current.load()` as app.jsx calls it. */
+function setUp(api) {
+  const handle = createRef();
+  render(<SettingsView api={api} visible handle={handle} />);
+  return { load: () => act(() => handle.current.load()) };
+}
+
+const field = (path) => document.querySelector(`[data-setting='${path}']`);
+/** Submits the form, as its Save button does, and waits for the answer to be shown. */
+const save = () => act(async () => {
+  fireEvent.submit(document.getElementById("settings-form"));
+  await new Promise((resolve) => setTimeout(resolve, 0));
+});
 
 describe("setting paths", () => {
   it("reads and writes nested values without changing the original", () => {
@@ -25,12 +41,12 @@ describe("inputs", () => {
     const bs = document.getElementById("bs");
     writeInput(bs, 64);
     expect(readInput(bs)).toBe(64);
+    document.body.innerHTML = "";
   });
 });
 
 describe("SettingsView", () => {
   it("turns the local server on with a port and key, and back to no key", async () => {
-    loadPage();
     const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false } };
     const saved = [];
     const api = {
@@ -40,23 +56,21 @@ describe("SettingsView", () => {
         return { settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 };
       },
     };
-    const view = new SettingsView(document.getElementById("view-settings"), api);
-    await view.load();
-    const field = (path) => document.querySelector(`[data-setting='${path}']`);
+    const { load } = setUp(api);
+    await load();
     expect([field("server.enabled").checked, field("server.port").value, field("server.api_key").value]).toEqual([false, "8080", ""]);
     field("server.enabled").checked = true;
     field("server.port").value = "1234";
     field("server.api_key").value = "sk-local";
     field("server.allow_lan").checked = true;
-    await view.save();
+    await save();
     expect(saved[0].server).toEqual({ enabled: true, port: 1234, api_key: "sk-local", allow_lan: true });
     field("server.api_key").value = "  ";
-    await view.save();
+    await save();
     expect(saved[1].server.api_key).toBe(null);
   });
 
   it("cannot be saved until the saved settings are in the form", async () => {
-    loadPage();
     const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false } };
     let answer;
     const api = {
@@ -65,26 +79,35 @@ describe("SettingsView", () => {
         throw new Error("saved before the settings were read");
       },
     };
+    const handle = createRef();
+    render(<SettingsView api={api} visible handle={handle} />);
     const root = document.getElementById("view-settings");
     const submit = root.querySelector("#settings-form button[type=submit]");
-    const view = new SettingsView(root, api);
-    const loading = view.load();
     expect([submit.disabled, root.dataset.ready]).toEqual([true, "false"]);
-    answer({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 });
-    await loading;
-    expect([submit.disabled, root.dataset.ready]).toEqual([false, "true"]);
+    // Loaded, and loaded again (the view shown again): not saveable from the moment it starts.
+    for (const round of ["first load", "loaded again"]) {
+      let loading;
+      act(() => {
+        loading = handle.current.load();
+      });
+      expect([submit.disabled, root.dataset.ready], round).toEqual([true, "false"]);
+      await act(async () => {
+        answer({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 });
+        await loading;
+      });
+      expect([submit.disabled, root.dataset.ready], round).toEqual([false, "true"]);
+    }
 
     // A settings file that cannot be read: the form says so and stays unsaveable.
     api.getSettings = async () => {
       throw "The settings file cannot be read.";
     };
-    await view.load();
+    await act(() => handle.current.load());
     expect([submit.disabled, root.dataset.ready]).toEqual([true, "false"]);
     expect(root.querySelector("#settings-message").textContent).toBe("The settings file cannot be read.");
   });
 
   it("saves what the form shows and reports the error sentence", async () => {
-    loadPage();
     const settings = {
       chat: { system_prompt: "", sampling_source: "custom", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
       kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "CommandOrControl+Shift+Space",
@@ -99,13 +122,14 @@ describe("SettingsView", () => {
         return { settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 };
       },
     };
-    const view = new SettingsView(document.getElementById("view-settings"), api);
-    await view.load();
+    const { load } = setUp(api);
+    await load();
     expect(document.querySelector("[data-setting=kv_cache_bytes]").value).toBe("2048");
+    expect(document.querySelector("[data-setting=kv_cache_bytes]").max).toBe("16384");
     expect(document.querySelector("[data-setting=models_dir]").placeholder).toContain("perch/models");
     document.querySelector("[data-setting='chat.sampling.temperature']").value = "0.7";
     document.querySelector("[data-setting=block_size]").value = "64";
-    await view.save();
+    await save();
     expect(saved[0].chat.sampling.temperature).toBe(0.7);
     expect(saved[0].block_size).toBe(64);
     expect(saved[0].chat.sampling.logit_bias).toEqual({});
@@ -113,17 +137,34 @@ describe("SettingsView", () => {
     expect(saved[0].server).toEqual(settings.server);
     expect(document.getElementById("settings-message").textContent).toMatch(/^Saved/);
     document.querySelector("[data-setting=block_size]").value = "8";
-    await view.save();
+    await save();
     expect(document.getElementById("settings-message").textContent).toMatch(/^Setting block_size/);
   });
 
+  it("says Saved again after the message was emptied (as the end-to-end test does between saves)", async () => {
+    const settings = { chat: {}, launch_at_login: false, server: { enabled: false, port: 8080, api_key: null, allow_lan: false } };
+    const api = {
+      getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+      saveSettings: async (s) => ({ settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+    };
+    const { load } = setUp(api);
+    await load();
+    const message = document.getElementById("settings-message");
+    for (const on of [true, false]) {
+      fireEvent.click(field("launch_at_login"));
+      await save();
+      expect(field("launch_at_login").checked).toBe(on);
+      expect(message.textContent).toMatch(/^Saved\. /);
+      message.textContent = "";
+    }
+  });
+
   it("shows the loaded model's sampling defaults read-only and saves the user's values only when custom", async () => {
-    loadPage();
     const sampling = { temperature: 0.3, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null };
     const settings = { chat: { system_prompt: "", sampling_source: "model", sampling, max_tokens: 1024 },
       kv_cache_bytes: 2 ** 31, block_size: 32, server: { enabled: false, port: 8080, api_key: null, allow_lan: false } };
     const saved = [];
-    const view = new SettingsView(document.getElementById("view-settings"), {
+    const { load } = setUp({
       getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
       modelStatus: async () => ({ state: "loaded", name: "SmolLM2", path: "/m",
         sampling_defaults: { temperature: 0.8, top_p: 0.95, top_k: 40, min_p: 0.05, repetition_penalty: 1.1, repetition_context_size: 64, source: "perch" } }),
@@ -132,18 +173,38 @@ describe("SettingsView", () => {
         return { settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 };
       },
     });
-    await view.load();
-    const field = (path) => document.querySelector(`[data-setting='${path}']`);
+    await load();
     expect([field("chat.sampling.temperature").disabled, field("chat.sampling.temperature").value]).toEqual([true, "0.8"]);
     expect(document.getElementById("settings-sampling-note").textContent).toBe("Perch's defaults: SmolLM2's generation_config.json names none.");
-    await view.save();
+    await save();
     expect(saved[0].chat.sampling_source).toBe("model");
     expect(saved[0].chat.sampling.temperature).toBe(0.3); // the user's own value, kept
+    // Read-only again after the save, still showing the model's value.
+    expect([field("chat.sampling.temperature").disabled, field("chat.sampling.temperature").value]).toEqual([true, "0.8"]);
+    field("chat.sampling_source").value = "custom";
+    fireEvent.change(field("chat.sampling_source"));
+    expect(field("chat.sampling.temperature").disabled).toBe(false);
+    expect(document.getElementById("settings-sampling-note").textContent).toBe("");
+    field("chat.sampling.temperature").value = "0.5";
+    await save();
+    expect(saved[1].chat).toMatchObject({ sampling_source: "custom", sampling: { temperature: 0.5, top_k: 40 } });
+  });
+
+  it("saves a custom source chosen in the same moment as the values, before any redraw", async () => {
+    const sampling = { temperature: 0.3, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null };
+    const settings = { chat: { sampling_source: "model", sampling, max_tokens: 1024 }, server: {} };
+    const saved = [];
+    const { load } = setUp({
+      getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+      saveSettings: async (s) => (saved.push(s), { settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+    });
+    await load();
+    // As a script (the end-to-end test) does it: no redraw between these lines.
     field("chat.sampling_source").value = "custom";
     field("chat.sampling_source").dispatchEvent(new Event("change"));
-    expect(field("chat.sampling.temperature").disabled).toBe(false);
-    field("chat.sampling.temperature").value = "0.5";
-    await view.save();
-    expect(saved[1].chat).toMatchObject({ sampling_source: "custom", sampling: { temperature: 0.5, top_k: 40 } });
+    field("chat.sampling.temperature").value = "0";
+    document.querySelector("#settings-form button[type=submit]").click();
+    await act(() => new Promise((resolve) => setTimeout(resolve, 0)));
+    expect(saved[0].chat).toMatchObject({ sampling_source: "custom", sampling: { temperature: 0 } });
   });
 });

@@ -1,7 +1,8 @@
 import { describe, expect, it } from "vitest";
+import { useState } from "preact/hooks";
+import { act, fireEvent, render } from "@testing-library/preact";
 import { CommandError } from "../src/api.js";
-import { Onboarding, describeMachine } from "../src/onboarding.js";
-import { loadPage } from "./page.js";
+import { Onboarding, describeMachine, firstRunPending } from "../src/onboarding.jsx";
 
 const GB = 1e9;
 const tick = () => new Promise((resolve) => setTimeout(resolve, 0));
@@ -49,17 +50,21 @@ function fakeApi({ offline = false } = {}) {
   return api;
 }
 
-function setUp(api) {
-  loadPage();
+/** The first-run screen opened as app.jsx opens it; closed by its onDone, as app.jsx does. */
+async function setUp(api, onLoad) {
   const loads = [];
   let done = 0;
-  const storage = memoryStorage();
-  const view = new Onboarding($("onboarding"), api, {
-    onLoad: async (path) => loads.push(path),
-    onDone: () => (done += 1),
-    storage,
-  });
-  return { view, loads, storage, done: () => done };
+  function Harness() {
+    const [open, setOpen] = useState(true);
+    const close = () => {
+      done += 1;
+      setOpen(false);
+    };
+    return <Onboarding api={api} open={open} onLoad={onLoad ?? (async (path) => loads.push(path))} onDone={close} />;
+  }
+  render(<Harness />);
+  await act(tick);
+  return { loads, done: () => done };
 }
 
 describe("first run", () => {
@@ -72,18 +77,22 @@ describe("first run", () => {
 
   it("offers the models here and the Hub's that fit, downloads one with progress, loads it and opens the chat", async () => {
     const api = fakeApi();
-    const { view, loads, storage, done } = setUp(api);
-    expect(await view.pending()).toBe(true);
-    await view.open();
+    const storage = memoryStorage();
+    expect(await firstRunPending(api, storage)).toBe(true);
+    const { loads, done } = await setUp(api);
     expect($("onboarding").hidden).toBe(false);
+    expect(document.activeElement).toBe($("onboarding-title"));
     expect($("onboarding-machine").textContent).toContain("16 GB of memory");
     // Here: the one that fits and runs; the Hub: the one that fits, runs and is not here.
     expect(items().map((li) => li.querySelector(".repo").textContent)).toEqual(["SmolLM2-135M", "mlx-community/Qwen3-4B-4bit"]);
     const offer = items()[1];
     expect(offer.textContent).toContain("2.3 GB · 5,000 downloads");
-    buttonIn(offer, "Download").click();
+    expect(buttonIn(offer, "Download").getAttribute("aria-label")).toBe("Download mlx-community/Qwen3-4B-4bit");
+    fireEvent.click(buttonIn(offer, "Download"));
+    expect(document.activeElement).toBe(buttonIn(offer, "Cancel"));
     await tick();
     api.progress({ bytes_done: 1, bytes_total: 4, files_done: 0, files_total: 2 });
+    await tick();
     expect(offer.querySelector("progress").value).toBe(0.25);
     expect(offer.querySelector(".progress-text").textContent).toContain("25%");
     buttonIn(offer, "Cancel").click();
@@ -94,25 +103,24 @@ describe("first run", () => {
     expect(loads).toEqual(["/hf/mlx-community/Qwen3-4B-4bit"]);
     expect($("onboarding").hidden).toBe(true);
     expect(done()).toBe(1);
-    expect(await view.pending()).toBe(false);
+    expect(await firstRunPending(api, storage)).toBe(false);
     expect(api.calls.filter(([call]) => call === "finish").length).toBe(1);
     expect(storage.getItem("perch.onboarded")).toBe(null);
   });
 
   it("is remembered in the settings, and where earlier versions remembered it is moved there", async () => {
     const api = fakeApi();
-    const { view, storage } = setUp(api);
+    const storage = memoryStorage();
     api.firstRunDone = true;
-    expect(await view.pending()).toBe(false);
+    expect(await firstRunPending(api, storage)).toBe(false);
     api.firstRunDone = false;
     storage.setItem("perch.onboarded", "1");
-    expect(await view.pending()).toBe(false);
+    expect(await firstRunPending(api, storage)).toBe(false);
     expect(api.firstRunDone).toBe(true);
   });
 
   it("offline: says so in plain words and offers the models already here", async () => {
-    const { view, loads } = setUp(fakeApi({ offline: true }));
-    await view.open();
+    const { loads } = await setUp(fakeApi({ offline: true }));
     expect($("onboarding-message").textContent).toContain("Perch can't reach the Hugging Face Hub");
     expect($("onboarding-message").textContent).toContain("already on this machine are ready");
     expect(items().length).toBe(1);
@@ -122,10 +130,16 @@ describe("first run", () => {
     expect($("onboarding").hidden).toBe(true);
   });
 
+  it("says when no model fits", async () => {
+    const api = { ...fakeApi(), listModels: async () => [], searchModels: async () => [] };
+    await setUp(api);
+    expect(items().length).toBe(0);
+    expect($("onboarding-message").textContent).toBe("No model that fits was found; you can pick one under Models later.");
+  });
+
   it("a failed download says why and can be tried again; Skip ends the first run", async () => {
     const api = fakeApi();
-    const { view, done } = setUp(api);
-    await view.open();
+    const { done } = await setUp(api);
     const offer = items()[1];
     buttonIn(offer, "Download").click();
     await tick();
@@ -134,16 +148,21 @@ describe("first run", () => {
     expect(offer.querySelector(".error").textContent).toContain("The disk is full.");
     expect(offer.querySelector("progress")).toBe(null);
     expect(buttonIn(offer, "Download").hidden).toBe(false);
+    expect(buttonIn(offer, "Download").disabled).toBe(false);
+    expect(document.activeElement).toBe(buttonIn(offer, "Download"));
+    // Tried again: the error goes while it downloads.
+    buttonIn(offer, "Download").click();
+    await tick();
+    expect(offer.querySelector(".error")).toBe(null);
+    expect(api.calls.filter(([call]) => call === "download").length).toBe(2);
     $("onboarding-skip").click();
     expect(done()).toBe(1);
-    expect(await view.pending()).toBe(false);
+    expect(await firstRunPending(api, null)).toBe(false);
   });
 
   it("Skip during a download cancels it, loads nothing and ends the first run once", async () => {
     const api = fakeApi();
-    const { view, loads, done } = setUp(api);
-    await view.open();
-    expect(document.querySelector("nav").hasAttribute("inert")).toBe(true);
+    const { loads, done } = await setUp(api);
     const [local, offer] = items();
     buttonIn(offer, "Download").click();
     await tick();
@@ -151,7 +170,6 @@ describe("first run", () => {
     expect(buttonIn(local, "Use").disabled).toBe(true);
     $("onboarding-skip").click();
     expect(api.calls).toContainEqual(["cancel", "mlx-community/Qwen3-4B-4bit"]);
-    expect(document.querySelector("nav").hasAttribute("inert")).toBe(false);
     api.finish(); // the download ended anyway
     await tick();
     await tick();
@@ -161,16 +179,9 @@ describe("first run", () => {
   });
 
   it("says it is loading while a model here loads", async () => {
-    const api = fakeApi();
-    loadPage();
     let release;
-    const view = new Onboarding($("onboarding"), api, {
-      onLoad: () => new Promise((resolve) => (release = resolve)),
-      onDone: () => {},
-      storage: memoryStorage(),
-    });
-    await view.open();
-    buttonIn(items()[0], "Use").click();
+    await setUp(fakeApi(), () => new Promise((resolve) => (release = resolve)));
+    fireEvent.click(buttonIn(items()[0], "Use"));
     expect($("onboarding-message").textContent).toBe("Loading the model…");
     expect(buttonIn(items()[1], "Download").disabled).toBe(true);
     release();

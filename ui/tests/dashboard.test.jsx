@@ -1,6 +1,8 @@
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { CHARTS, Dashboard } from "../src/dashboard.js";
-import { loadPage } from "./page.js";
+import { act, fireEvent, render } from "@testing-library/preact";
+import { Dashboard } from "../src/dashboard.jsx";
+import { CHARTS, StatsSampler } from "../src/stats.js";
+import { stubCanvas } from "./canvas.js";
 
 const MiB = 2 ** 20;
 
@@ -54,19 +56,15 @@ function numbers() {
 }
 
 const flush = () => new Promise((resolve) => setTimeout(resolve, 0));
+/** A sample taken, and the dashboard drawn again with it. */
+const tick = (sampler) => act(() => sampler.tick());
 
 describe("Dashboard", () => {
   let drawn;
   beforeEach(() => {
-    loadPage();
-    // jsdom has no 2D canvas: uPlot gets a context and paths whose every method does nothing.
     drawn = 0;
-    const noop = (target) => new Proxy(target, { get: (t, key) => (key in t ? t[key] : () => ({ width: 0 })) });
-    const context = noop({});
-    vi.stubGlobal("Path2D", function Path2D() { return noop({}); });
-    vi.spyOn(HTMLCanvasElement.prototype, "getContext").mockImplementation(() => {
+    stubCanvas(() => {
       drawn += 1;
-      return context;
     });
   });
   afterEach(() => {
@@ -77,35 +75,40 @@ describe("Dashboard", () => {
   it("samples both commands into every chart's series, in MiB", async () => {
     const api = fakeApi();
     let t = 100;
-    const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => t);
-    await dashboard.tick();
+    const sampler = new StatsSampler(api, () => t);
+    render(<Dashboard api={api} sampler={sampler} visible={false} />);
+    await tick(sampler);
     t = 101;
     api.stats = engineStats({ running: 3, memory: { ...engineStats().memory, active_bytes: 310 * MiB } });
-    await dashboard.tick();
+    await tick(sampler);
 
-    expect(dashboard.samples).toBe(2);
+    expect(sampler.samples).toBe(2);
     expect(api.calls.filter((c) => c === "engine_stats").length).toBe(2);
-    const [times, active, peak, cache, rss, ram] = dashboard.series.get("memory").data();
+    const [times, active, peak, cache, rss, ram] = sampler.series.get("memory").data();
     expect(times).toEqual([100, 101]);
     expect(active).toEqual([300, 310]);
     expect(peak).toEqual([420, 420]);
     expect(cache).toEqual([12, 12]);
     expect(rss).toEqual([512, 512]);
     expect(ram).toEqual([2048, 2048]);
-    expect(dashboard.series.get("requests").data()).toEqual([[100, 101], [1, 3], [2, 2]]);
-    expect(dashboard.series.get("hit_rate").data()[1]).toEqual([25, 25]);
+    expect(sampler.series.get("requests").data()).toEqual([[100, 101], [1, 3], [2, 2]]);
+    expect(sampler.series.get("hit_rate").data()[1]).toEqual([25, 25]);
     // Not shown yet: nothing drawn.
     expect(document.querySelectorAll("#charts figure").length).toBe(0);
+    expect(drawn).toBe(0);
   });
 
   it("draws one chart per graph when shown, and the numbers", async () => {
     const api = fakeApi();
-    const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => 5);
-    await dashboard.tick();
-    dashboard.setVisible(true);
+    const sampler = new StatsSampler(api, () => 5);
+    await sampler.tick();
+    const { rerender } = render(<Dashboard api={api} sampler={sampler} visible={false} />);
+    rerender(<Dashboard api={api} sampler={sampler} visible />);
     const figures = [...document.querySelectorAll("#charts figure")];
     expect(figures.map((f) => f.dataset.chart)).toEqual(CHARTS.map((c) => c.id));
     expect(drawn).toBeGreaterThan(0);
+    expect(document.querySelectorAll("#charts canvas").length).toBe(CHARTS.length);
+    expect(document.getElementById("charts").textContent).toContain("Decode");
     expect(numbers()).toEqual({
       Model: "loaded",
       "Metal wired limit": "not available on this machine",
@@ -117,7 +120,14 @@ describe("Dashboard", () => {
       "Local server": "http://127.0.0.1:8080/v1 · 2 in progress, 9 served · API key required",
     });
     // A second sample while shown redraws the same charts, not new ones.
-    await dashboard.tick();
+    const canvases = [...document.querySelectorAll("#charts canvas")];
+    await tick(sampler);
+    expect(document.querySelectorAll("#charts figure").length).toBe(CHARTS.length);
+    expect([...document.querySelectorAll("#charts canvas")]).toEqual(canvases);
+    // Hidden, the graphs go; shown again, they are drawn once more from the whole window.
+    rerender(<Dashboard api={api} sampler={sampler} visible={false} />);
+    expect(document.querySelectorAll("#charts figure").length).toBe(0);
+    rerender(<Dashboard api={api} sampler={sampler} visible />);
     expect(document.querySelectorAll("#charts figure").length).toBe(CHARTS.length);
   });
 
@@ -125,10 +135,10 @@ describe("Dashboard", () => {
     const api = fakeApi();
     api.stats = null;
     api.system = { ...SYSTEM, process_rss_bytes: null, wired_limit_bytes: undefined };
-    const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => 9);
-    dashboard.setVisible(true);
-    await dashboard.tick();
-    const [, active, , , rss, ram] = dashboard.series.get("memory").data();
+    const sampler = new StatsSampler(api, () => 9);
+    render(<Dashboard api={api} sampler={sampler} visible />);
+    await tick(sampler);
+    const [, active, , , rss, ram] = sampler.series.get("memory").data();
     expect([active, rss, ram]).toEqual([[null], [null], [2048]]);
     const shown = numbers();
     expect(shown.Model).toBe("none loaded");
@@ -139,49 +149,51 @@ describe("Dashboard", () => {
 
   it("shows the local server off, on other devices, and without a key", async () => {
     const api = fakeApi();
-    const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => 1);
+    const sampler = new StatsSampler(api, () => 1);
+    render(<Dashboard api={api} sampler={sampler} visible={false} />);
     api.server = { running: false, url: null, requests: 0, served: 0, api_key: false, allow_lan: false };
-    await dashboard.tick();
-    dashboard.drawNumbers();
+    await tick(sampler);
     expect(numbers()["Local server"]).toBe("off (Settings → Local server)");
     api.server = { running: true, url: "http://0.0.0.0:1234/v1", requests: 0, served: 0, api_key: false, allow_lan: true };
-    await dashboard.tick();
-    dashboard.drawNumbers();
+    await tick(sampler);
     expect(numbers()["Local server"]).toBe("http://0.0.0.0:1234/v1 · 0 in progress, 0 served · open to other devices on the network");
   });
 
   it("shows the Metal wired limit where the engine reports one", async () => {
     const api = fakeApi();
     api.stats = engineStats({ memory: { ...engineStats().memory, wired_limit_bytes: 6144 * MiB } });
-    const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => 1);
-    await dashboard.tick();
-    dashboard.drawNumbers();
+    const sampler = new StatsSampler(api, () => 1);
+    render(<Dashboard api={api} sampler={sampler} visible={false} />);
+    await tick(sampler);
     expect(numbers()["Metal wired limit"]).toBe("6144 MiB");
   });
 
   it("frees the MLX cache and resets the peak, then samples again at once", async () => {
     const api = fakeApi();
-    const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => 1);
-    document.getElementById("clear-cache").click();
+    const sampler = new StatsSampler(api, () => 1);
+    render(<Dashboard api={api} sampler={sampler} visible={false} />);
+    fireEvent.click(document.getElementById("clear-cache"));
     await flush();
     await flush();
     expect(api.calls).toEqual(["clear_cache", "engine_stats", "system_stats", "server_status"]);
-    document.getElementById("reset-peak").click();
+    fireEvent.click(document.getElementById("reset-peak"));
     await flush();
     await flush();
     expect(api.calls.slice(4)).toEqual(["reset_peak_memory", "engine_stats", "system_stats", "server_status"]);
-    expect(dashboard.samples).toBe(2);
+    expect(sampler.samples).toBe(2);
   });
 
-  it("samples once a second from start", async () => {
+  it("samples once a second from start, and stops", async () => {
     vi.useFakeTimers();
     try {
       const api = fakeApi();
-      const dashboard = new Dashboard(document.getElementById("view-dashboard"), api, () => 1);
-      dashboard.start();
+      const sampler = new StatsSampler(api, () => 1);
+      sampler.start();
       await vi.advanceTimersByTimeAsync(3000);
-      expect(dashboard.samples).toBe(4);
-      clearInterval(dashboard.timer);
+      expect(sampler.samples).toBe(4);
+      sampler.stop();
+      await vi.advanceTimersByTimeAsync(3000);
+      expect(sampler.samples).toBe(4);
     } finally {
       vi.useRealTimers();
     }

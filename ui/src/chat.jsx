@@ -1,0 +1,482 @@
+// The chat view: the conversations list (search, new, rename, delete), the messages of the
+// selected conversation, its settings, and the composer (send, Stop, regenerate, edit and resend
+// the last user message). The history lives in Rust (SQLite); this view shows it and streams
+// the answer being generated.
+
+import { useEffect, useImperativeHandle, useLayoutEffect, useRef, useState } from "preact/hooks";
+import { ErrorMessage } from "./error-message.jsx";
+import { SAMPLING_DEFAULT_FIELDS } from "./form.js";
+import { describeSampling, describeStats } from "./format.js";
+import { useConfirm } from "./hooks.js";
+import { Icon } from "./icons.jsx";
+import { copyText } from "./markdown.js";
+import { Markdown } from "./markdown-view.jsx";
+import { PRESET_CHOICES } from "./presets.js";
+import { useSampling } from "./sampling.js";
+
+/** Sampling fields of the conversation settings form: [name in SamplingParams, label, step]. */
+const SAMPLING_FIELDS = [
+  ["temperature", "Temperature", "0.05"],
+  ["top_p", "Top-p", "0.05"],
+  ["top_k", "Top-k", "1"],
+  ["min_p", "Min-p", "0.01"],
+  ["repetition_penalty", "Repetition penalty", "0.05"],
+];
+
+/** Sampling fields the conversation always sets itself, whichever the source. */
+const OWN_SAMPLING_FIELDS = ["presence_penalty", "frequency_penalty", "xtc_probability", "xtc_threshold"];
+/** The conversation's KV cache options (ConversationSettings' names; empty: none). */
+const KV_FIELDS = ["max_kv_size", "kv_bits", "quantized_kv_start"];
+
+/**
+ * The conversation's settings (a <details> under the header): `conversation` is the selected one
+ * (or null); its form is filled whenever its settings are read from the history again; `status`
+ * is the last model_status (its sampling defaults); `onSaved(settings)` is told what was saved.
+ * The inputs hold the values (the end-to-end test and users alike edit them), read when saved.
+ */
+function ConversationSettings({ api, conversation, status, onSaved }) {
+  const form = useRef(null);
+  // The answer to the last save, shown while the form shows the settings it was about.
+  const [said, setSaid] = useState(null);
+  const sampling = useSampling({ status, saved: () => conversation?.settings?.sampling });
+  const settings = conversation?.settings;
+  const field = (name) => form.current.querySelector(`[name=${name}]`);
+
+  useLayoutEffect(() => {
+    field("system_prompt").value = settings?.system_prompt ?? "";
+    field("max_tokens").value = settings?.max_tokens ?? "";
+    for (const name of KV_FIELDS) field(name).value = settings?.[name] ?? "";
+    field("seed").value = settings?.sampling?.seed ?? "";
+    for (const name of [...SAMPLING_DEFAULT_FIELDS, ...OWN_SAMPLING_FIELDS]) field(name).value = settings?.sampling?.[name] ?? "";
+    field("sampling_source").value = settings?.sampling_source ?? "model";
+    sampling.filled(settings?.sampling_source ?? "model");
+  }, [settings]);
+
+  /** Reads the form into ConversationSettings, keeping fields the form does not show. */
+  function read(base) {
+    const value = (name) => field(name).value;
+    const sampled = { ...base.sampling };
+    // Values shown read-only from the model are not saved as the conversation's own.
+    if (value("sampling_source") !== "model") {
+      for (const name of SAMPLING_DEFAULT_FIELDS) sampled[name] = Number(value(name));
+    }
+    for (const name of OWN_SAMPLING_FIELDS) {
+      if (value(name) !== "") sampled[name] = Number(value(name));
+    }
+    sampled.seed = value("seed") === "" ? null : Number(value("seed"));
+    const optional = (name) => (value(name) === "" ? null : Number(value(name)));
+    return {
+      ...base,
+      sampling_source: value("sampling_source"),
+      system_prompt: value("system_prompt"),
+      max_tokens: Number(value("max_tokens")),
+      max_kv_size: optional("max_kv_size"),
+      kv_bits: optional("kv_bits"),
+      quantized_kv_start: optional("quantized_kv_start") ?? base.quantized_kv_start,
+      sampling: sampled,
+    };
+  }
+
+  async function save() {
+    if (!conversation) return;
+    const next = read(conversation.settings);
+    try {
+      await api.setConversationSettings(conversation.id, next);
+      onSaved(next);
+      setSaid({ text: "Saved.", about: next });
+    } catch (error) {
+      setSaid({ text: String(error), about: conversation.settings });
+    }
+  }
+
+  const own = (name) => ({ ref: sampling.refs[name], disabled: sampling.source === "model", onInput: sampling.onFieldInput });
+  return (
+    <details id="conversation-settings" ref={form}>
+      <summary>Conversation settings</summary>
+      <div class="fields">
+        <label class="wide">System prompt <textarea name="system_prompt" rows="2"></textarea></label>
+        <label>Sampling
+          <select id="conversation-preset" aria-describedby="conversation-sampling-note" value={sampling.choice} onChange={sampling.onPresetChange}>
+            {PRESET_CHOICES.map(([value, label]) => <option value={value}>{label}</option>)}
+          </select>
+        </label>
+        <label>Max tokens <input type="number" name="max_tokens" min="1" step="1" /></label>
+        <label>Seed <input type="number" name="seed" min="0" step="1" placeholder="random" /></label>
+        <label>KV cache limit (tokens) <input type="number" name="max_kv_size" min="5" step="1" placeholder="none" /></label>
+        <label>KV cache bits <select name="kv_bits"><option value="">full precision</option><option>8</option><option>4</option></select></label>
+        <label>Quantize KV after (tokens) <input type="number" name="quantized_kv_start" min="0" step="1" /></label>
+        {SAMPLING_FIELDS.map(([name, label, step]) => (
+          <label>{label}<input type="number" step={step} min="0" name={name} {...own(name)} /></label>
+        ))}
+        <label>Source
+          <select name="sampling_source" class="sampling-source" value={sampling.source} onChange={sampling.onSourceChange}>
+            <option value="model">The model's defaults</option><option value="custom">Custom</option>
+          </select>
+        </label>
+        <p class="wide sampling-note" id="conversation-sampling-note">{sampling.note}</p>
+        <label>Presence penalty <input type="number" name="presence_penalty" min="-2" max="2" step="0.1" /></label>
+        <label>Frequency penalty <input type="number" name="frequency_penalty" min="-2" max="2" step="0.1" /></label>
+        <label>XTC probability <input type="number" name="xtc_probability" min="0" max="1" step="0.05" /></label>
+        <label>XTC threshold <input type="number" name="xtc_threshold" min="0" max="0.5" step="0.01" /></label>
+      </div>
+      <button type="button" id="save-conversation-settings" onClick={save}>Save</button>
+      <span id="conversation-settings-error">{said && said.about === settings ? said.text : ""}</span>
+    </details>
+  );
+}
+
+/** A message of the history: its body, an answer's stats and sampling, and its actions. */
+function Message({ message, actions, running }) {
+  const assistant = message.role === "assistant";
+  const classes = [message.role, message.error ? "error" : null].filter(Boolean).join(" ");
+  return (
+    <li class={classes}>
+      {/* Answers are Markdown (sanitized); what the user typed is shown as typed. */}
+      {assistant ? <Markdown text={message.content} /> : <div class="body">{message.content}</div>}
+      {assistant && <span class="meta">{message.error ?? (message.stats ? describeStats(message.stats, message.finish_reason) : "")}</span>}
+      {assistant && message.sampling && <span class="sampling">{describeSampling(message.sampling)}</span>}
+      {actions.map(([label, onClick]) => (
+        <button type="button" class="action" disabled={running} onClick={onClick}>{label}</button>
+      ))}
+    </li>
+  );
+}
+
+/**
+ * The #view-chat section. `status`: the last model_status (for the model's sampling defaults);
+ * `switcher`: the header's model switcher. `handle.current` has newConversation(), showError(error)
+ * and focusInput() for app.jsx (the tray's New chat, the end of the first run).
+ */
+export function ChatView({ api, status, visible, inert, switcher, handle }) {
+  const [list, setList] = useState([]);
+  // What get_conversation returned (with the turn being generated added); also in a ref, read by
+  // the turn's code as it goes on.
+  const [conversation, setShown] = useState(null);
+  const current = useRef(null);
+  const setConversation = (next) => {
+    current.current = next;
+    setShown(next);
+  };
+  // {requestId} while an answer streams (requestId null until the command answered).
+  const [running, setRunningShown] = useState(null);
+  const runningNow = useRef(null);
+  const setRunning = (next) => {
+    runningNow.current = next;
+    setRunningShown(next);
+  };
+  const [stream, setStream] = useState(null); // the answer being generated: {text, sampling}
+  const [editing, setEditingShown] = useState(false);
+  const editingNow = useRef(false);
+  const [error, setError] = useState(null);
+  const [notice, setNotice] = useState(null);
+  const [sidebar, setSidebar] = useState(false);
+  const [renaming, setRenaming] = useState(false);
+  const renamingNow = useRef(false);
+  const [deleteArmed, confirmDelete] = useConfirm(3000);
+  const input = useRef(null);
+  const search = useRef(null);
+  const rename = useRef(null);
+  const messagesEnd = useRef(null);
+
+  async function refreshList() {
+    const found = await api.listConversations(search.current.value);
+    setList(found);
+    return found;
+  }
+
+  function setEditing(on, content = "") {
+    editingNow.current = on;
+    setEditingShown(on);
+    if (on) {
+      input.current.value = content;
+      input.current.focus();
+    }
+  }
+
+  async function select(id) {
+    if (runningNow.current) return; // one answer at a time: switching would hide the stream
+    setEditing(false);
+    setError(null);
+    setConversation(await api.getConversation(id));
+    await refreshList();
+  }
+
+  async function newConversation() {
+    if (runningNow.current) return;
+    const summary = await api.createConversation();
+    await select(summary.id);
+    input.current.focus();
+  }
+
+  /** Lists the conversations and opens the most recent one. */
+  async function init() {
+    const found = await refreshList();
+    if (found.length) await select(found[0].id);
+  }
+
+  function submit() {
+    const text = input.current.value.trim();
+    if (!text || runningNow.current) return;
+    input.current.value = "";
+    const turn = editingNow.current ? { kind: "edit_last", content: text } : { kind: "send", content: text };
+    setEditing(false);
+    return startTurn(turn);
+  }
+
+  /**
+   * Runs `turn`: the answer streams into a new message; when it is finished (and saved, see
+   * commands/chat.rs) the conversation is read back from the history and drawn again.
+   */
+  async function startTurn(turn) {
+    setError(null);
+    setNotice(null);
+    if (!current.current) {
+      const summary = await api.createConversation();
+      setConversation(await api.getConversation(summary.id));
+    }
+    const id = current.current.id;
+    // Show the turn at once, as the history will have it.
+    const messages = [...current.current.messages];
+    const lastUser = messages.findLastIndex((m) => m.role === "user");
+    if (turn.kind === "send") messages.push({ role: "user", content: turn.content });
+    else {
+      messages.splice(lastUser + 1);
+      if (turn.kind === "edit_last") messages[lastUser] = { ...messages[lastUser], content: turn.content };
+    }
+    setConversation({ ...current.current, messages });
+    const run = { requestId: null };
+    setRunning(run);
+    setStream({ text: "", sampling: null });
+    let answer = "";
+    let drawPending = false;
+    let onEvent;
+    const finished = new Promise((resolve) => {
+      onEvent = (event) => {
+        if (event.event === "token") {
+          answer += event.text;
+          // Markdown is parsed at most once per frame, however fast tokens come.
+          if (!drawPending) {
+            drawPending = true;
+            const draw = () => {
+              drawPending = false;
+              setStream((now) => now && { ...now, text: answer });
+            };
+            const frame = globalThis.requestAnimationFrame;
+            frame ? frame(draw) : draw();
+          }
+        } else if (event.event === "started") {
+          setStream((now) => now && { ...now, sampling: event.sampling });
+        } else if (event.event === "context_trimmed") {
+          const n = event.dropped_messages;
+          setNotice(
+            `This conversation is longer than the model's context: its first ${n} message${n === 1 ? "" : "s"} ` +
+              "(after the system prompt) were left out of this answer. They stay in the history.",
+          );
+        } else if (event.event === "finished") {
+          resolve(event);
+        }
+      };
+    });
+    try {
+      const requestId = await api.chat(id, turn, (event) => onEvent(event));
+      setRunning({ requestId });
+      // The turn is in the history now: a first message also names the conversation.
+      const found = await refreshList();
+      const title = found.find((c) => c.id === id)?.title;
+      if (title && current.current?.id === id) setConversation({ ...current.current, title });
+    } catch (failure) {
+      setRunning(null);
+      setStream(null);
+      setError(failure);
+      setConversation(await api.getConversation(id).catch(() => null));
+      return;
+    }
+    const event = await finished;
+    setRunning(null);
+    if (event.save_error) setError(event.save_error);
+    const saved = await api.getConversation(id);
+    setStream(null);
+    setConversation(saved);
+    await refreshList();
+  }
+
+  /** Stops the answer being generated (the engine cancels it at once; the part shown is kept). */
+  function stop() {
+    const requestId = runningNow.current?.requestId;
+    if (requestId != null) return api.stop(requestId);
+  }
+
+  function startRename() {
+    if (!current.current) return;
+    renamingNow.current = true;
+    setRenaming(true);
+  }
+
+  async function finishRename(save) {
+    if (!renamingNow.current) return; // once: Enter, Escape or leaving the field
+    renamingNow.current = false;
+    const title = rename.current.value;
+    setRenaming(false);
+    if (!save) return;
+    try {
+      const summary = await api.renameConversation(current.current.id, title);
+      setConversation({ ...current.current, title: summary.title });
+      await refreshList();
+    } catch (failure) {
+      setError(failure);
+    }
+  }
+
+  useLayoutEffect(() => {
+    if (!renaming) return;
+    rename.current.value = current.current.title;
+    rename.current.focus();
+  }, [renaming]);
+
+  /** Deletes after a second click on the same button within 3 s. */
+  async function remove() {
+    if (!current.current || runningNow.current) return;
+    if (!confirmDelete()) return;
+    await api.deleteConversation(current.current.id);
+    setConversation(null);
+    const found = await refreshList();
+    if (found.length) await select(found[0].id);
+  }
+
+  useImperativeHandle(handle, () => ({
+    newConversation,
+    showError: setError,
+    focusInput: () => input.current.focus(),
+  }));
+
+  useEffect(() => {
+    init().catch(setError);
+  }, []);
+
+  // The newest message (or the answer as it grows) is scrolled into view.
+  const messages = conversation?.messages ?? [];
+  useLayoutEffect(() => {
+    messagesEnd.current?.lastElementChild?.scrollIntoView?.({ block: "end" });
+  }, [messages.length, stream?.text, stream !== null]);
+
+  const lastUser = messages.findLastIndex((m) => m.role === "user");
+  const actions = (message, index) => {
+    if (message.role === "assistant") {
+      return [
+        ...(index === messages.length - 1 ? [["Regenerate", () => startTurn({ kind: "regenerate" })]] : []),
+        ["Copy", () => copyText(message.content)],
+      ];
+    }
+    return index === lastUser ? [["Edit", () => setEditing(true, message.content)]] : [];
+  };
+  return (
+    <section id="view-chat" class="view" hidden={!visible} inert={inert}>
+      <aside id="conversations" class={sidebar ? "open" : undefined}>
+        <div class="row">
+          <input id="search" type="search" ref={search} placeholder="Search chats" aria-label="Search chats" onInput={() => refreshList()} />
+          <button type="button" id="new-chat" data-icon="new-chat" onClick={() => newConversation()}>
+            <Icon name="new-chat" />New chat
+          </button>
+        </div>
+        <ul id="conversation-list">
+          {list.map((summary) => (
+            <li key={summary.id} class={summary.id === conversation?.id ? "current" : undefined}>
+              <button
+                type="button"
+                data-id={summary.id}
+                onClick={() => {
+                  setSidebar(false);
+                  select(summary.id);
+                }}
+              >
+                {summary.title}
+              </button>
+            </li>
+          ))}
+        </ul>
+      </aside>
+      <div class="chat-main">
+        <header class="row chat-header">
+          <button type="button" id="toggle-conversations" title="Chats" aria-label="Show chats" aria-controls="conversations" aria-expanded={String(sidebar)} data-icon="menu" onClick={() => setSidebar(!sidebar)}>
+            <Icon name="menu" />
+          </button>
+          {renaming ? (
+            <input
+              class="rename"
+              aria-label="Chat title"
+              ref={rename}
+              onKeyDown={(event) => {
+                if (event.key === "Enter") finishRename(true);
+                if (event.key === "Escape") finishRename(false);
+              }}
+              onBlur={() => finishRename(true)}
+            />
+          ) : (
+            <h2 id="chat-title">{conversation?.title ?? "New chat"}</h2>
+          )}
+          {switcher}
+          <button type="button" id="rename" disabled={!conversation} onClick={startRename}>Rename</button>
+          <button type="button" id="delete" class={deleteArmed ? "confirm" : undefined} disabled={!conversation} onClick={remove}>
+            {deleteArmed ? "Delete?" : "Delete"}
+          </button>
+        </header>
+        <ConversationSettings api={api} conversation={conversation} status={status} onSaved={(settings) => setConversation({ ...current.current, settings })} />
+        <div id="chat-empty" class="empty-state" hidden={messages.length > 0 || stream !== null}>
+          <h3>Start a conversation</h3>
+          <p>Type a message below. The model runs on this machine: what you write stays here.</p>
+        </div>
+        <ol id="messages" ref={messagesEnd}>
+          {messages.map((message, index) => (
+            <Message key={index} message={message} actions={actions(message, index)} running={running !== null} />
+          ))}
+          {stream && (
+            <li class="assistant streaming">
+              <Markdown text={stream.text} />
+              {stream.sampling && <span class="sampling">{describeSampling(stream.sampling)}</span>}
+            </li>
+          )}
+        </ol>
+        <p id="chat-notice" class="notice" hidden={!notice}>{notice ?? ""}</p>
+        <div id="chat-error" role="alert" hidden={!error}>
+          {error && <ErrorMessage error={error} as="span" />}
+        </div>
+        <form
+          id="composer"
+          onSubmit={(event) => {
+            event.preventDefault();
+            submit();
+          }}
+        >
+          <p id="editing" hidden={!editing}>
+            Editing your last message. <button type="button" id="cancel-edit" onClick={() => setEditing(false)}>Cancel</button>
+          </p>
+          <textarea
+            id="input"
+            rows="3"
+            ref={input}
+            aria-label="Message"
+            placeholder="Message the model (Enter sends, Shift+Enter breaks the line)"
+            onKeyDown={(event) => {
+              if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+                event.preventDefault();
+                submit();
+              } else if (event.key === "Escape" && runningNow.current && !event.isComposing) {
+                // Escape stops the answer being generated, as Stop does.
+                event.preventDefault();
+                stop();
+              }
+            }}
+          />
+          <div class="row">
+            <button type="submit" id="send" data-icon="send" disabled={running !== null}>
+              <Icon name="send" />Send
+            </button>
+            <button type="button" id="stop" data-icon="stop" disabled={running?.requestId == null} onClick={stop}>
+              <Icon name="stop" />Stop
+            </button>
+          </div>
+        </form>
+      </div>
+    </section>
+  );
+}

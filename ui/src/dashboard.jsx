@@ -1,0 +1,68 @@
+// The dashboard: live graphs (uPlot, src/chart.jsx) of the sampler's series (src/stats.js) and
+// the latest numbers. The graphs are drawn while the view is shown; their axes are in the design
+// tokens' colours, and a change of colour scheme draws them again.
+
+import { useEffect, useLayoutEffect, useReducer, useRef } from "preact/hooks";
+import { Chart } from "./chart.jsx";
+import { mib } from "./format.js";
+import { CHARTS, serverLine } from "./stats.js";
+
+/** uPlot's axes in the tokens' colours (canvas text does not inherit CSS). */
+function axisColours() {
+  const css = globalThis.getComputedStyle?.(document.documentElement);
+  const token = (name, fallback) => css?.getPropertyValue(name)?.trim() || fallback;
+  const text = token("--text-muted", "#545c69");
+  const line = token("--border", "#d5d9e0");
+  return { stroke: text, grid: { stroke: line, width: 1 }, ticks: { stroke: line, width: 1 } };
+}
+
+/** The numbers under the graphs, [name, value], from the last sample. */
+export function numbers({ stats, system, server }) {
+  return [
+    ["Model", stats ? "loaded" : "none loaded"],
+    ["Metal wired limit", stats?.memory.wired_limit_bytes != null ? mib(stats.memory.wired_limit_bytes) : "not available on this machine"],
+    ["MLX active / peak / cache", stats ? [stats.memory.active_bytes, stats.memory.peak_bytes, stats.memory.cache_bytes].map(mib).join(" / ") : "—"],
+    ["System RAM used / total", system ? `${mib(system.ram_used_bytes)} / ${mib(system.ram_total_bytes)}` : "—"],
+    ["Perch resident", system?.process_rss_bytes != null ? mib(system.process_rss_bytes) : "not reported"],
+    ["KV blocks total", stats ? `${stats.kv_cache.blocks_total} × ${stats.kv_cache.block_size} tokens` : "—"],
+    ["Finished requests", stats ? String(stats.finished_requests) : "—"],
+    ["Local server", serverLine(server)],
+  ];
+}
+
+/** `sampler`: a StatsSampler (started by the app); `visible`: whether the view is shown. */
+export function Dashboard({ api, sampler, visible, inert }) {
+  const section = useRef(null);
+  const [, redraw] = useReducer((n) => n + 1, 0);
+  useLayoutEffect(() => sampler.subscribe(redraw), [sampler]);
+  // A change of colour scheme makes the graphs again (in the new colours).
+  const [scheme, rebuild] = useReducer((n) => n + 1, 0);
+  useEffect(() => {
+    const media = globalThis.matchMedia?.("(prefers-color-scheme: dark)");
+    media?.addEventListener?.("change", rebuild);
+    return () => media?.removeEventListener?.("change", rebuild);
+  }, []);
+  const width = () => Math.max(280, (section.current.clientWidth || 400) - 24);
+  const axes = visible ? axisColours() : null;
+  return (
+    <section id="view-dashboard" class="view" hidden={!visible} inert={inert} ref={section}>
+      <div id="charts">
+        {visible &&
+          CHARTS.map((chart) => (
+            <Chart key={`${chart.id}-${scheme}`} chart={chart} data={sampler.series.get(chart.id).data()} version={sampler.samples} width={width} axes={axes} />
+          ))}
+      </div>
+      <dl id="stats">
+        {numbers(sampler.last).map(([name, value]) => [<dt key={`t-${name}`}>{name}</dt>, <dd key={`d-${name}`}>{value}</dd>])}
+      </dl>
+      <div class="row">
+        <button type="button" id="clear-cache" onClick={() => api.clearCache().then(() => sampler.tick())}>
+          Free MLX cache
+        </button>
+        <button type="button" id="reset-peak" onClick={() => api.resetPeakMemory().then(() => sampler.tick())}>
+          Reset peak
+        </button>
+      </div>
+    </section>
+  );
+}
