@@ -39,7 +39,10 @@ export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}" no_proxy="127.0.0.1
 # The web UI: built into ui/dist (embedded by src-tauri) and its unit tests (vitest).
 bash scripts/build-ui.sh --test
 
-# Keep cargo's output, and close with one total line over every test binary.
+# Keep cargo's output, and close with one total line over every test binary. Tests that cannot
+# run on this machine (e.g. without writable memory cgroups) append their reason to $skips.
+skips="${CARGO_TARGET_DIR:-target}/tmp/skipped-tests.txt"
+rm -f "$skips"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
@@ -64,4 +67,8 @@ if [ "$status" = 0 ] && [ "${PERCH_TEST_FUZZ:-1}" != 0 ]; then
 fi
 set -e
 awk '/^test result:/ { p += $4; f += $6 } END { printf "all Rust tests: %d passed, %d failed\n", p, f }' "$log"
+if [ -s "$skips" ]; then
+  echo "skipped on this machine:"
+  sed 's/^/  /' "$skips"
+fi
 exit "$status"

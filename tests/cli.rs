@@ -864,3 +864,161 @@ fn soak_runs_mixed_traffic_and_reports_memory() {
     assert!(stdout.contains("KV and activations at peak"), "{stdout}");
     assert!(stdout.contains("second half: MLX active"), "{stdout}");
 }
+
+/// A memory cgroup of `limit` bytes made for one test (v1's memory hierarchy or v2's, as root),
+/// removed when dropped; `None`, with the reason, where cgroups are not writable.
+struct MemoryCgroup {
+    dir: PathBuf,
+    procs: PathBuf,
+}
+
+impl MemoryCgroup {
+    fn new(limit: u64) -> Result<Self, String> {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
+            .map_err(|e| format!("no /proc/self/mountinfo: {e}"))?;
+        let name = format!("perch-test-{}", std::process::id());
+        // `ID PARENT MAJ:MIN ROOT MOUNT_POINT ... - FSTYPE SOURCE SUPER_OPTIONS`
+        let mounts: Vec<(String, String, String)> = mountinfo
+            .lines()
+            .filter_map(|line| {
+                let (before, after) = line.split_once(" - ")?;
+                let mut after = after.split(' ');
+                let fstype = after.next()?.to_owned();
+                let options = after.nth(1).unwrap_or("").to_owned();
+                Some((before.split(' ').nth(4)?.to_owned(), fstype, options))
+            })
+            .collect();
+        let mut reasons = Vec::new();
+        for (mount, fstype, options) in &mounts {
+            let v1 = fstype == "cgroup" && options.split(',').any(|o| o == "memory");
+            let v2 = fstype == "cgroup2";
+            if !v1 && !v2 {
+                continue;
+            }
+            let root = PathBuf::from(mount);
+            if v2 {
+                let enabled = std::fs::read_to_string(root.join("cgroup.subtree_control"))
+                    .unwrap_or_default();
+                if !enabled.split_whitespace().any(|c| c == "memory")
+                    && std::fs::write(root.join("cgroup.subtree_control"), "+memory").is_err()
+                {
+                    reasons.push(format!("{mount}: cannot enable the memory controller"));
+                    continue;
+                }
+            }
+            let dir = root.join(&name);
+            if let Err(e) = std::fs::create_dir(&dir) {
+                reasons.push(format!("{}: {e}", dir.display()));
+                continue;
+            }
+            let group = Self {
+                procs: dir.join("cgroup.procs"),
+                dir: dir.clone(),
+            };
+            let file = if v1 {
+                "memory.limit_in_bytes"
+            } else {
+                "memory.max"
+            };
+            if let Err(e) = std::fs::write(dir.join(file), limit.to_string()) {
+                reasons.push(format!("{}: {e}", dir.join(file).display()));
+                continue;
+            }
+            // No swap to spill into: over the limit means the OOM killer, as on a full machine.
+            let swap = if v1 {
+                "memory.memsw.limit_in_bytes"
+            } else {
+                "memory.swap.max"
+            };
+            let _ = std::fs::write(dir.join(swap), limit.to_string());
+            return Ok(group);
+        }
+        Err(if reasons.is_empty() {
+            "no memory cgroup hierarchy is mounted".to_owned()
+        } else {
+            reasons.join("; ")
+        })
+    }
+
+    /// `perch args` run inside this cgroup.
+    fn perch(&self, args: &[&str]) -> Output {
+        Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "echo $$ > '{}' && exec \"$0\" \"$@\"",
+                self.procs.display()
+            ))
+            .arg(env!("CARGO_BIN_EXE_perch"))
+            .args(args)
+            .output()
+            .expect("run perch in a cgroup")
+    }
+}
+
+impl Drop for MemoryCgroup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// A test that cannot run here says so where `scripts/test.sh` prints it at the end.
+fn record_skip(test: &str, reason: &str) {
+    use std::io::Write;
+    eprintln!("SKIPPED {test}: {reason}");
+    let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("skipped-tests.txt");
+    if let Ok(mut file) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+    {
+        let _ = writeln!(file, "{test}: {reason}");
+    }
+}
+
+/// In a 64 MiB memory cgroup the test model (115 MB of weights) is refused before its weights
+/// are read: exit code 1 and one sentence naming the memory, not the OOM killer's exit 137.
+#[test]
+fn a_model_larger_than_the_memory_limit_is_refused() {
+    let group = match MemoryCgroup::new(64 << 20) {
+        Ok(group) => group,
+        Err(reason) => {
+            return record_skip(
+                "a_model_larger_than_the_memory_limit_is_refused",
+                &format!("memory cgroups are not writable here ({reason})"),
+            )
+        }
+    };
+    let model = test_model();
+    let out = group.perch(&[
+        "generate",
+        "--model",
+        &model,
+        "--raw",
+        "Hello",
+        "--max-tokens",
+        "4",
+    ]);
+    assert_clean_error(&out, "of memory and");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("the memory limit of the cgroup"),
+        "{stderr}"
+    );
+    // The same model runs in a cgroup with room for it.
+    drop(group);
+    let group = MemoryCgroup::new(1 << 30).unwrap();
+    let out = group.perch(&[
+        "generate",
+        "--model",
+        &model,
+        "--raw",
+        "Hello",
+        "--max-tokens",
+        "4",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

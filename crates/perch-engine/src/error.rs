@@ -16,6 +16,22 @@ pub enum EngineError {
     /// A model file larger than Perch reads (see [`crate::limits`]).
     #[error("{path} is larger than {} MiB, more than any real model's; Perch does not read it", limit >> 20)]
     FileTooLarge { path: PathBuf, limit: u64 },
+    /// Too little memory for what was asked (checked before allocating it; see
+    /// [`crate::memory`]).
+    #[error(
+        "{what} needs {} of memory and {} is available{}; close other apps or choose a smaller model",
+        crate::memory::describe_bytes(*needed),
+        crate::memory::describe_bytes(available.bytes),
+        match available.bound {
+            crate::memory::MemoryBound::System => "",
+            crate::memory::MemoryBound::Cgroup => " (the memory limit of the cgroup Perch runs in)",
+        }
+    )]
+    OutOfMemory {
+        what: String,
+        needed: u64,
+        available: crate::memory::Available,
+    },
     #[error("{path} is not a valid model config: {message}")]
     Config { path: PathBuf, message: String },
     #[error("model_type `{found}` is not supported; Perch supports: {supported}")]
@@ -102,7 +118,7 @@ impl EngineError {
             | EngineError::ChatTemplate(_)
             | EngineError::PromptCache { .. }
             | EngineError::Request(_) => ErrorKind::InvalidRequest,
-            EngineError::Busy { .. } => ErrorKind::Overloaded,
+            EngineError::Busy { .. } | EngineError::OutOfMemory { .. } => ErrorKind::Overloaded,
             EngineError::EngineStopped => ErrorKind::ModelNotLoaded,
             EngineError::Io { .. }
             | EngineError::FileTooLarge { .. }

@@ -32,6 +32,7 @@ pub mod engine;
 pub mod error;
 pub mod kv;
 pub mod limits;
+pub mod memory;
 pub mod models;
 pub mod nn;
 pub(crate) mod output;

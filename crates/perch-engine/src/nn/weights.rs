@@ -62,6 +62,7 @@ impl Weights {
             bytes_read: 0,
             bytes_total: sizes.iter().sum(),
         };
+        check_room(model_dir, report.bytes_total, backend)?;
         progress(report);
         let mut files_done = 0;
         for (file, size) in files.iter().zip(sizes) {
@@ -273,6 +274,29 @@ pub fn check_safetensors_header(bytes: &[u8]) -> std::result::Result<(), String>
     safetensors::SafeTensors::read_metadata(bytes)
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// Refuses to read `bytes` of weights that the process's memory cannot hold
+/// ([`crate::memory::available`]): the files' size is what the tensors take at least (casts
+/// and dense copies come on top). On CUDA the weights live in the GPU's own memory, which this
+/// does not judge.
+fn check_room(model_dir: &Path, bytes: u64, backend: Backend) -> Result<()> {
+    if backend == Backend::Cuda {
+        return Ok(());
+    }
+    let available = crate::memory::available();
+    if bytes > available.bytes {
+        let name = model_dir.file_name().map_or_else(
+            || model_dir.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+        return Err(EngineError::OutOfMemory {
+            what: format!("the model {name}"),
+            needed: bytes,
+            available,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,294 @@
+//! How much memory this process can still take, asked before an allocation that matters (a
+//! model's weights), so that too little memory is a sentence instead of the kernel's OOM killer.
+//!
+//! The answer is the smaller of the system's available memory (`MemAvailable` on Linux, through
+//! `sysinfo`) and, on Linux, the room left under every memory cgroup the process runs in: its
+//! own and each ancestor, cgroup v1 (`memory.limit_in_bytes` − the working set) and v2
+//! (`memory.max` − the working set), the working set being usage less the inactive file cache
+//! the kernel reclaims first (`memory.stat`'s `inactive_file`, `total_inactive_file` in v1), as
+//! the kernel's OOM decision and container runtimes count it. `sysinfo`'s own cgroup reading
+//! looks only at the root of the cgroup mount, which is not the process's cgroup outside a
+//! container. The cgroup files: <https://docs.kernel.org/admin-guide/cgroup-v2.html>,
+//! <https://docs.kernel.org/admin-guide/cgroup-v1/memory.html>.
+
+use std::path::{Path, PathBuf};
+
+/// What bounds the memory available to the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryBound {
+    /// The machine's available memory.
+    System,
+    /// A memory cgroup's limit (a container's, a service's or a test's).
+    Cgroup,
+}
+
+/// Bytes the process can still allocate, and what bounds them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Available {
+    pub bytes: u64,
+    pub bound: MemoryBound,
+}
+
+/// The memory this process can take now ([module docs](self)).
+pub fn available() -> Available {
+    let mut system = sysinfo::System::new();
+    system.refresh_memory();
+    let mut answer = Available {
+        bytes: system.available_memory(),
+        bound: MemoryBound::System,
+    };
+    if let Some(room) = cgroup_room() {
+        if room < answer.bytes {
+            answer = Available {
+                bytes: room,
+                bound: MemoryBound::Cgroup,
+            };
+        }
+    }
+    answer
+}
+
+/// The least room left under the memory cgroups this process is in (`None`: no limited
+/// cgroup, or not Linux).
+fn cgroup_room() -> Option<u64> {
+    if !cfg!(target_os = "linux") {
+        return None;
+    }
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    memory_cgroup_dirs(&mountinfo, &membership)
+        .into_iter()
+        .filter_map(|(dir, version)| {
+            let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
+            let (limit, usage) = match version {
+                CgroupVersion::V1 => ("memory.limit_in_bytes", "memory.usage_in_bytes"),
+                CgroupVersion::V2 => ("memory.max", "memory.current"),
+            };
+            room(
+                &read(limit)?,
+                &read(usage)?,
+                read("memory.stat").as_deref().unwrap_or(""),
+                version,
+            )
+        })
+        .min()
+}
+
+/// Which interface a cgroup directory speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CgroupVersion {
+    V1,
+    V2,
+}
+
+/// The memory cgroup directories that limit this process, its own first and then each ancestor
+/// up to the mount's root, from `/proc/self/mountinfo` and `/proc/self/cgroup`: the v1 memory
+/// hierarchy's and the v2 unified hierarchy's (a machine may mount both).
+fn memory_cgroup_dirs(mountinfo: &str, membership: &str) -> Vec<(PathBuf, CgroupVersion)> {
+    let mut dirs = Vec::new();
+    for line in membership.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let version = if id == "0" && controllers.is_empty() {
+            CgroupVersion::V2
+        } else if controllers.split(',').any(|c| c == "memory") {
+            CgroupVersion::V1
+        } else {
+            continue;
+        };
+        let Some((root, mount)) = cgroup_mount(mountinfo, version) else {
+            continue;
+        };
+        // The mount shows the hierarchy from `root` on (a container sees its own cgroup as `/`).
+        let Ok(inside) = Path::new(path).strip_prefix(&root) else {
+            continue;
+        };
+        let mut dir = mount.join(inside);
+        loop {
+            dirs.push((dir.clone(), version));
+            if dir == mount || !dir.pop() || !dir.starts_with(&mount) {
+                break;
+            }
+        }
+    }
+    dirs
+}
+
+/// The root and mount point of the v1 memory hierarchy's or the v2 hierarchy's mount.
+fn cgroup_mount(mountinfo: &str, version: CgroupVersion) -> Option<(PathBuf, PathBuf)> {
+    mountinfo.lines().find_map(|line| {
+        // `ID PARENT MAJ:MIN ROOT MOUNT_POINT OPTIONS [OPTIONAL...] - FSTYPE SOURCE SUPER_OPTIONS`
+        let (before, after) = line.split_once(" - ")?;
+        let fields: Vec<&str> = before.split(' ').collect();
+        let mut after = after.split(' ');
+        let fstype = after.next()?;
+        let super_options = after.nth(1).unwrap_or("");
+        let wanted = match version {
+            CgroupVersion::V2 => fstype == "cgroup2",
+            CgroupVersion::V1 => {
+                fstype == "cgroup" && super_options.split(',').any(|o| o == "memory")
+            }
+        };
+        (wanted && fields.len() >= 5).then(|| {
+            (
+                PathBuf::from(unescape(fields[3])),
+                PathBuf::from(unescape(fields[4])),
+            )
+        })
+    })
+}
+
+/// mountinfo's octal escapes (`\040` for a space) undone.
+fn unescape(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let octal = bytes
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|b| (b'0'..=b'7').contains(b)));
+        match (bytes[i], octal) {
+            (b'\\', Some(d)) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Room left under one cgroup from its files' text: the limit less the working set (usage less
+/// the inactive file cache). `None` when it has no limit (v2's `max`, or v1's near-`u64::MAX`
+/// "unlimited") or a file does not parse.
+fn room(limit: &str, usage: &str, stat: &str, version: CgroupVersion) -> Option<u64> {
+    let limit: u64 = limit.trim().parse().ok()?;
+    // v1 writes "unlimited" as the largest page-aligned i64.
+    if limit >= (i64::MAX as u64) & !0xfff {
+        return None;
+    }
+    let usage: u64 = usage.trim().parse().ok()?;
+    let inactive_key = match version {
+        CgroupVersion::V1 => "total_inactive_file",
+        CgroupVersion::V2 => "inactive_file",
+    };
+    let inactive = stat
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(inactive_key)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0u64);
+    Some(limit.saturating_sub(usage.saturating_sub(inactive)))
+}
+
+/// `bytes` in the largest unit that keeps a whole number in front (`1.5 GB`, `96 MB`), decimal
+/// units as the OS's memory displays give them.
+pub fn describe_bytes(bytes: u64) -> String {
+    const UNITS: [(&str, f64); 3] = [("GB", 1e9), ("MB", 1e6), ("kB", 1e3)];
+    for (unit, size) in UNITS {
+        let value = bytes as f64 / size;
+        if value >= 1.0 {
+            return match value < 10.0 {
+                true => format!("{value:.1} {unit}"),
+                false => format!("{value:.0} {unit}"),
+            };
+        }
+    }
+    format!("{bytes} bytes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MOUNTINFO: &str = "\
+24 30 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
+35 24 0:30 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755
+36 35 0:31 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw
+40 35 0:35 / /sys/fs/cgroup/cpu rw,nosuid,nodev,noexec,relatime shared:15 - cgroup cgroup rw,cpu
+41 35 0:36 /outer /sys/fs/cgroup/memory rw,nosuid,nodev,noexec,relatime shared:16 - cgroup cgroup rw,memory
+";
+
+    #[test]
+    fn finds_the_process_cgroup_and_its_ancestors_in_both_hierarchies() {
+        let membership = "\
+9:name=systemd:/
+4:memory:/outer/job/test
+1:cpu:/
+0::/user.slice/app
+";
+        let dirs = memory_cgroup_dirs(MOUNTINFO, membership);
+        let v1 = |p: &str| (PathBuf::from(p), CgroupVersion::V1);
+        let v2 = |p: &str| (PathBuf::from(p), CgroupVersion::V2);
+        assert_eq!(
+            dirs,
+            vec![
+                v1("/sys/fs/cgroup/memory/job/test"),
+                v1("/sys/fs/cgroup/memory/job"),
+                v1("/sys/fs/cgroup/memory"),
+                v2("/sys/fs/cgroup/unified/user.slice/app"),
+                v2("/sys/fs/cgroup/unified/user.slice"),
+                v2("/sys/fs/cgroup/unified"),
+            ]
+        );
+        // A cgroup outside what the mount shows, and no memory controller: nothing to read.
+        assert!(memory_cgroup_dirs(MOUNTINFO, "4:memory:/elsewhere\n1:cpu:/x\n").is_empty());
+        assert!(memory_cgroup_dirs("", membership).is_empty());
+    }
+
+    #[test]
+    fn mount_points_with_escaped_spaces() {
+        let line = "41 35 0:36 / /mnt/my\\040cgroups rw - cgroup2 cgroup2 rw\n";
+        assert_eq!(
+            cgroup_mount(line, CgroupVersion::V2),
+            Some((PathBuf::from("/"), PathBuf::from("/mnt/my cgroups")))
+        );
+        assert_eq!(cgroup_mount(line, CgroupVersion::V1), None);
+    }
+
+    #[test]
+    fn room_is_the_limit_less_the_working_set() {
+        let stat_v1 = "cache 100\ntotal_inactive_file 30000000\ninactive_file 5\n";
+        assert_eq!(
+            room("67108864\n", "50000000\n", stat_v1, CgroupVersion::V1),
+            Some(67_108_864 - (50_000_000 - 30_000_000))
+        );
+        assert_eq!(
+            room("1000\n", "400\n", "inactive_file 100\n", CgroupVersion::V2),
+            Some(700)
+        );
+        // Over the limit (usage can pass it briefly): no room, not an underflow.
+        assert_eq!(room("1000", "1500", "", CgroupVersion::V2), Some(0));
+        // No limit: v2's `max`, v1's page-aligned i64::MAX.
+        assert_eq!(room("max\n", "400\n", "", CgroupVersion::V2), None);
+        assert_eq!(
+            room("9223372036854771712\n", "4", "", CgroupVersion::V1),
+            None
+        );
+        assert_eq!(room("1000", "garbage", "", CgroupVersion::V2), None);
+    }
+
+    #[test]
+    fn bytes_in_words() {
+        assert_eq!(describe_bytes(1_500_000_000), "1.5 GB");
+        assert_eq!(describe_bytes(96_000_000), "96 MB");
+        assert_eq!(describe_bytes(67_108_864), "67 MB");
+        assert_eq!(describe_bytes(512), "512 bytes");
+    }
+
+    #[test]
+    fn available_memory_is_known_here() {
+        let now = available();
+        assert!(now.bytes > 0, "{now:?}");
+    }
+}
