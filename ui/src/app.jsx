@@ -5,7 +5,7 @@
 import { useEffect, useLayoutEffect, useMemo, useRef, useState } from "preact/hooks";
 import { ChatView } from "./chat.jsx";
 import { Dashboard } from "./dashboard.jsx";
-import { ErrorMessage } from "./error-message.jsx";
+import { Boundary, ErrorMessage } from "./error-message.jsx";
 import { describeModelStatus } from "./format.js";
 import { Icon } from "./icons.jsx";
 import { ModelSwitcher } from "./model-switcher.jsx";
@@ -22,6 +22,9 @@ const VIEWS = [
 ];
 
 let notices = 0;
+
+/** What a notice says, to tell repeats apart. */
+const noticeText = (said) => ("error" in said ? String(said.error?.message ?? said.error) : said.text);
 
 /**
  * `api`: src/api.js (tests pass a fake); `storage`: the web view's storage (where earlier
@@ -44,7 +47,9 @@ export function App({ api, storage, sampler: given }) {
   const focusChat = useRef(false);
 
   /** Says `notice` ({text} or {error}) above the views until dismissed. */
-  const notice = (said) => setNotices((now) => [...now, { id: ++notices, ...said }]);
+  // A notice already shown is not added again (a failure that repeats says so once).
+  const notice = (said) =>
+    setNotices((now) => (now.some((n) => noticeText(n) === noticeText(said)) ? now : [...now, { id: ++notices, ...said }]));
 
   function show(next) {
     setView(next);
@@ -160,17 +165,25 @@ export function App({ api, storage, sampler: given }) {
         {status ? describeModelStatus(status, loadingFor) : "No model loaded."}
       </p>
       <progress id="model-progress" max={1} value={bar ? status.bytes_read / status.bytes_total : 0} aria-label="Loading the model" hidden={!bar} inert={inert} />
-      <ChatView
-        api={api}
-        status={status}
-        visible={view === "chat"}
-        inert={inert}
-        handle={chat}
-        switcher={<ModelSwitcher api={api} status={status} onLoad={loadModel} handle={switcher} />}
-      />
-      <Dashboard api={api} sampler={sampler} visible={view === "dashboard"} inert={inert} />
-      <ModelsView api={api} visible={view === "models"} inert={inert} onLoad={loadModel} onUnload={() => api.unloadModel().then(refreshStatus)} handle={models} />
-      <SettingsView api={api} visible={view === "settings"} inert={inert} handle={settings} />
+      <Boundary>
+        <ChatView
+          api={api}
+          status={status}
+          visible={view === "chat"}
+          inert={inert}
+          handle={chat}
+          switcher={<ModelSwitcher api={api} status={status} onLoad={loadModel} handle={switcher} />}
+        />
+      </Boundary>
+      <Boundary>
+        <Dashboard api={api} sampler={sampler} visible={view === "dashboard"} inert={inert} />
+      </Boundary>
+      <Boundary>
+        <ModelsView api={api} visible={view === "models"} inert={inert} onLoad={loadModel} onUnload={() => api.unloadModel().then(refreshStatus)} handle={models} />
+      </Boundary>
+      <Boundary>
+        <SettingsView api={api} visible={view === "settings"} inert={inert} handle={settings} />
+      </Boundary>
     </>
   );
 }

@@ -3,6 +3,7 @@
 // the last user message). The history lives in Rust (SQLite); this view shows it and streams
 // the answer being generated.
 
+import { Component } from "preact";
 import { useEffect, useImperativeHandle, useLayoutEffect, useRef, useState } from "preact/hooks";
 import { ErrorMessage } from "./error-message.jsx";
 import { SAMPLING_DEFAULT_FIELDS } from "./form.js";
@@ -126,7 +127,22 @@ function ConversationSettings({ api, conversation, status, onSaved }) {
 }
 
 /** A message of the history: its body, an answer's stats and sampling, and its actions. */
-function Message({ message, actions, running }) {
+/** A message, redrawn only when it, the running flag or its actions' labels change (a streamed
+ * frame redraws the view, not every message); the actions' handlers read refs, so an older
+ * render's are as good. */
+class Message extends Component {
+  shouldComponentUpdate(next) {
+    const labels = (actions) => actions.map(([label]) => label).join("\n");
+    const { message, running, actions } = this.props;
+    return next.message !== message || next.running !== running || labels(next.actions) !== labels(actions);
+  }
+
+  render(props) {
+    return <MessageItem {...props} />;
+  }
+}
+
+function MessageItem({ message, actions, running }) {
   const assistant = message.role === "assistant";
   const classes = [message.role, message.error ? "error" : null].filter(Boolean).join(" ");
   return (
@@ -197,6 +213,7 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
     if (runningNow.current) return; // one answer at a time: switching would hide the stream
     setEditing(false);
     setError(null);
+    setStream(null);
     setConversation(await api.getConversation(id));
     await refreshList();
   }
@@ -294,9 +311,14 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
     const event = await finished;
     setRunning(null);
     if (event.save_error) setError(event.save_error);
-    const saved = await api.getConversation(id);
-    setStream(null);
-    setConversation(saved);
+    try {
+      setConversation(await api.getConversation(id));
+    } catch (failure) {
+      setError(failure);
+    } finally {
+      // The saved answer replaces the streamed one; if it cannot be read, the stream goes too.
+      setStream(null);
+    }
     await refreshList();
   }
 
@@ -338,9 +360,10 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
     if (!current.current || runningNow.current) return;
     if (!confirmDelete()) return;
     await api.deleteConversation(current.current.id);
-    setConversation(null);
+    // The next conversation replaces the deleted one (the button, focused, stays enabled).
     const found = await refreshList();
     if (found.length) await select(found[0].id);
+    else setConversation(null);
   }
 
   useImperativeHandle(handle, () => ({
@@ -357,7 +380,7 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
   const messages = conversation?.messages ?? [];
   useLayoutEffect(() => {
     messagesEnd.current?.lastElementChild?.scrollIntoView?.({ block: "end" });
-  }, [messages.length, stream?.text, stream !== null]);
+  }, [conversation?.id, messages.length, stream?.text, stream !== null]);
 
   const lastUser = messages.findLastIndex((m) => m.role === "user");
   const actions = (message, index) => {

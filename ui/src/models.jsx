@@ -105,7 +105,7 @@ function Stopped({ download, progress, failed, failure, discarding, revision, on
         </>
       ) : (
         <>
-          <button type="button" aria-label={`Resume downloading ${id} at ${resumeAt}`} onClick={() => onResume(download.revision ?? revision())}>Resume</button>{" "}
+          <button type="button" aria-label={`Resume downloading ${id} at ${resumeAt}`} onClick={() => onResume(resumeAt)}>Resume</button>{" "}
           <button type="button" aria-label={`Discard what was fetched of ${id}`} disabled={discarding} onClick={onDiscard}>Discard</button>
         </>
       )}

@@ -137,6 +137,26 @@ describe("App", () => {
     fireEvent.click([...notices()[0].querySelectorAll("button")].find((b) => b.textContent === "Dismiss"));
     expect(notices().length).toBe(2);
     expect(notices()[1].textContent).toBe("The engine stopped. Dismiss");
+    // The same failure again is not a second notice.
+    act(() => window.dispatchEvent(Object.assign(new Event("unhandledrejection"), { reason: "The engine stopped." })));
+    expect(notices().length).toBe(2);
+  });
+
+  it("a view that fails to draw says so in its place, once, with Try again", async () => {
+    // A saved answer whose sampling record lacks its parameters: drawing it throws.
+    const broken = { role: "assistant", content: "Hi", finish_reason: "stop", stats: null, error: null, sampling: { params: null } };
+    const api = fakeApi({
+      listConversations: async () => [{ id: 1, title: "Old chat" }],
+      getConversation: async (id) => ({ id, title: "Old chat", settings: {}, messages: [broken] }),
+    });
+    await open(api);
+    await tick(50);
+    const alert = document.querySelector("[role=alert].notice");
+    expect(alert).not.toBe(null);
+    expect([...alert.querySelectorAll("button")].map((b) => b.textContent)).toEqual(["Try again"]);
+    // The other views still draw, and no notice repeats the failure.
+    expect(document.getElementById("view-settings")).not.toBe(null);
+    expect(document.querySelectorAll("#notices > .notice").length).toBeLessThanOrEqual(1);
   });
 
   it("follows the tray: a view to show, a new chat, settings changed elsewhere", async () => {

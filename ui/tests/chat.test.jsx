@@ -112,6 +112,39 @@ describe("ChatView", () => {
     expect($("stop").disabled).toBe(true);
   });
 
+  it("drops the streamed answer when the saved one cannot be read back, and says why", async () => {
+    await type("Hello?");
+    api.stream.token("Hi");
+    await tick();
+    api.getConversation.mockImplementationOnce(async () => {
+      throw "The history cannot be read.";
+    });
+    api.stream.finish("Hi");
+    await done();
+    expect($("chat-error").textContent).toContain("The history cannot be read.");
+    // A new chat starts empty: nothing of the earlier stream is carried over.
+    await newConversation();
+    await tick();
+    expect(document.querySelectorAll("#messages > li").length).toBe(0);
+    expect($("chat-empty").hidden).toBe(false);
+  });
+
+  it("an earlier answer loses Regenerate once a later one follows (messages redraw when their actions change)", async () => {
+    await type("Hello?");
+    api.stream.finish("First answer");
+    await done();
+    const buttons = (li) => [...li.querySelectorAll("button")].map((b) => b.textContent.trim());
+    expect(buttons(document.querySelectorAll("#messages li.assistant")[0])).toContain("Regenerate");
+    await type("Again?");
+    api.stream.token("Second");
+    await tick();
+    api.stream.finish("Second answer");
+    await done();
+    const answers = document.querySelectorAll("#messages li.assistant");
+    expect(buttons(answers[0])).not.toContain("Regenerate");
+    expect(buttons(answers[1])).toContain("Regenerate");
+  });
+
   it("sends with Enter, and Shift+Enter does not", async () => {
     $("input").value = "Line one";
     fireEvent.keyDown($("input"), { key: "Enter", shiftKey: true });
