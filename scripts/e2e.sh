@@ -75,7 +75,8 @@ export LANG="${LANG:-C.UTF-8}"
 xvfb-run -a -s "-screen 0 1280x900x24" bash -c '
   "$0" --port 4444 --native-port 4445 >"$PERCH_E2E_OUT.driver.log" 2>&1 &
   driver=$!
-  for _ in $(seq 50); do (exec 3<>/dev/tcp/127.0.0.1/4444) 2>/dev/null && break; sleep 0.1; done
+  # Up to 30 s for the driver to listen (a loaded machine starts it slowly).
+  for _ in $(seq 300); do (exec 3<>/dev/tcp/127.0.0.1/4444) 2>/dev/null && break; sleep 0.1; done
   python3 tests/e2e/test_app.py
   status=$?
   kill "$driver" 2>/dev/null

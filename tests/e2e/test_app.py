@@ -359,6 +359,11 @@ def second_run(session, shown, port):
     check(served_model_id(port) == [model], f"after the restart the server does not list {model}")
 
 
+def drawn(session):
+    """The page's script has drawn the window (Preact draws it into the empty body after load)."""
+    session.wait_for("return document.getElementById('view-chat') !== null", what="the page drawn")
+
+
 def main():
     check(APP.is_file(), f"{APP} is missing: build the app first (cargo build -p perch-app)")
     # The app inherits tauri-driver's environment, where scripts/e2e.sh points PERCH_DATA_DIR
@@ -369,6 +374,7 @@ def main():
     port = free_port()
     session = Session(DRIVER, APP)
     try:
+        drawn(session)
         shown = first_run(session, port)
         model_picker(session)
         desktop_hooks(session)
@@ -381,6 +387,7 @@ def main():
         session.close()
     session = Session(DRIVER, APP)
     try:
+        drawn(session)
         second_run(session, shown, port)
     except Exception:
         session.screenshot(OUT / "failure-second-run.png")

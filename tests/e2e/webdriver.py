@@ -66,14 +66,23 @@ class Session:
             out.write(base64.b64decode(self.call("GET", "/screenshot")))
 
     def wait_for(self, script, timeout=120, interval=0.2, what=None):
-        """Polls `script` until it returns something truthy; returns that."""
+        """Polls `script` until it returns something truthy; returns that. A script that throws
+        (an element the page has not drawn yet) counts as not yet; its last error is in the
+        timeout's message."""
         deadline = time.monotonic() + timeout
+        last_error = None
         while True:
-            value = self.execute(script)
+            try:
+                value = self.execute(script)
+            except WebDriverError as err:
+                if "javascript error" not in str(err):
+                    raise
+                value, last_error = None, err
             if value:
                 return value
             if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out after {timeout} s waiting for {what or script}")
+                raise TimeoutError(f"timed out after {timeout} s waiting for {what or script}"
+                                   + (f" (last: {last_error})" if last_error else ""))
             time.sleep(interval)
 
     def close(self):
