@@ -989,7 +989,7 @@ fn a_model_larger_than_the_memory_limit_is_refused() {
         }
     };
     let model = test_model();
-    let out = group.perch(&[
+    let args = [
         "generate",
         "--model",
         &model,
@@ -997,7 +997,8 @@ fn a_model_larger_than_the_memory_limit_is_refused() {
         "Hello",
         "--max-tokens",
         "4",
-    ]);
+    ];
+    let out = group.perch(&args);
     assert_clean_error(&out, "of memory and");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -1007,15 +1008,7 @@ fn a_model_larger_than_the_memory_limit_is_refused() {
     // The same model runs in a cgroup with room for it.
     drop(group);
     let group = MemoryCgroup::new(1 << 30).unwrap();
-    let out = group.perch(&[
-        "generate",
-        "--model",
-        &model,
-        "--raw",
-        "Hello",
-        "--max-tokens",
-        "4",
-    ]);
+    let out = group.perch(&args);
     assert!(
         out.status.success(),
         "{}",
