@@ -1015,3 +1015,56 @@ fn a_model_larger_than_the_memory_limit_is_refused() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// In a memory cgroup that holds the model with a few hundred MB to spare, a 2 GiB KV cache budget
+/// is lowered to what that memory allows (at most 0.3 of what is left after loading), and the
+/// batch still runs; with memory to spare the configured budget stands.
+#[test]
+fn the_kv_budget_fits_the_memory_left() {
+    let bench = |group: Option<&MemoryCgroup>, mib: &str| {
+        let model = test_model();
+        let args = [
+            "bench",
+            "--model",
+            &model,
+            "--concurrency",
+            "2",
+            "--prompt-tokens",
+            "6",
+            "--gen-tokens",
+            "2",
+            "--kv-cache-mib",
+            mib,
+            "--json",
+        ];
+        let out = match group {
+            Some(group) => group.perch(&args),
+            None => perch(&args),
+        };
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let report: serde_json::Value =
+            serde_json::from_str(stdout.lines().last().unwrap()).unwrap();
+        report["kv_cache_bytes"].as_u64().unwrap()
+    };
+    assert_eq!(bench(None, "64"), 64 << 20);
+    let limit: u64 = 768 << 20;
+    let group = match MemoryCgroup::new(limit) {
+        Ok(group) => group,
+        Err(reason) => {
+            return record_skip(
+                "the_kv_budget_fits_the_memory_left",
+                &format!("memory cgroups are not writable here ({reason})"),
+            )
+        }
+    };
+    let lowered = bench(Some(&group), "2048");
+    assert!(
+        lowered > 0 && lowered as f64 <= 0.3 * limit as f64,
+        "a 2 GiB budget in a {limit}-byte cgroup ran with {lowered} bytes"
+    );
+}

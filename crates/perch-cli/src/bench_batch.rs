@@ -36,6 +36,9 @@ struct BatchReport {
     itl_ms_p50: f64,
     itl_ms_p95: f64,
     peak_memory_bytes: usize,
+    /// The KV cache budget the engine runs with (the configured one, or less where memory is
+    /// short: `EngineLimits::kv_cache_bytes`).
+    kv_cache_bytes: usize,
     /// Share of the measured requests' prompt tokens served from the prefix cache.
     prefix_cache_hit_rate: f64,
     /// Prompt tokens over the seconds spent in prefill forward passes only (mlx_lm's
@@ -248,7 +251,8 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         let ids: Vec<&[u32]> = direct.timelines.iter().map(|t| &t.ids[..]).collect();
         write_ids(path, &ids)?;
     }
-    let report = report(args, concurrency, &prompts, &direct);
+    let kv_cache_bytes = engine.limits().kv_cache_bytes;
+    let report = report(args, kv_cache_bytes, concurrency, &prompts, &direct);
     print_report("", &report);
     let Some(http) = http else {
         if args.json {
@@ -256,7 +260,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         }
         return Ok(());
     };
-    let through_http = self::report(args, concurrency, &prompts, &http);
+    let through_http = self::report(args, kv_cache_bytes, concurrency, &prompts, &http);
     print_report("through HTTP, ", &through_http);
     let ratio = through_http.generation_tps / report.generation_tps.max(1e-9);
     println!(
@@ -576,6 +580,7 @@ fn over_http(
 /// The numbers of one measured run.
 fn report(
     args: &BenchArgs,
+    kv_cache_bytes: usize,
     concurrency: usize,
     prompts: &[Vec<u32>],
     measured: &Measured,
@@ -623,6 +628,7 @@ fn report(
     let per_step_ms = |seconds: f64| seconds * 1e3 / decode_steps.max(1) as f64;
     BatchReport {
         backend: Backend::current(),
+        kv_cache_bytes,
         concurrency,
         prompt_tokens: prompts[0].len(),
         shared_prefix_tokens: args.shared_prefix_tokens,

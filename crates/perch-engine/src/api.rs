@@ -265,6 +265,9 @@ pub struct EngineLimits {
     pub context_length: usize,
     /// Tokens the KV block pool holds (all requests together).
     pub kv_cache_tokens: usize,
+    /// The KV cache budget in bytes the pool was sized for: the configured one, or less where
+    /// the memory left after loading the model is short ([`crate::memory::kv_budget_within`]).
+    pub kv_cache_bytes: usize,
 }
 
 impl EngineLimits {

@@ -191,6 +191,18 @@ fn room(limit: &str, usage: &str, stat: &str, version: CgroupVersion) -> Option<
     Some(limit.saturating_sub(usage.saturating_sub(inactive)))
 }
 
+/// The largest share of the memory available once the model is loaded that the KV cache budget
+/// takes: the pool's real use reaches about 2.5× its budget (the prefix cache's copies beside the
+/// running sequences' own caches; docs/reliability.md, "The KV cache's real bound"), and a step's
+/// activations come on top.
+pub const KV_SHARE_OF_AVAILABLE: f64 = 0.3;
+
+/// A KV cache budget of `configured` bytes, lowered to [`KV_SHARE_OF_AVAILABLE`] of `available`
+/// bytes where that is less.
+pub fn kv_budget_within(configured: usize, available: u64) -> usize {
+    configured.min((available as f64 * KV_SHARE_OF_AVAILABLE) as usize)
+}
+
 /// `bytes` in the largest unit that keeps a whole number in front (`1.5 GB`, `96 MB`), decimal
 /// units as the OS's memory displays give them.
 pub fn describe_bytes(bytes: u64) -> String {
@@ -276,6 +288,13 @@ mod tests {
             None
         );
         assert_eq!(room("1000", "garbage", "", CgroupVersion::V2), None);
+    }
+
+    #[test]
+    fn the_kv_budget_leaves_room_for_its_real_use() {
+        assert_eq!(kv_budget_within(2 << 30, 64 << 30), 2 << 30);
+        assert_eq!(kv_budget_within(2 << 30, 1_000_000_000), 300_000_000);
+        assert_eq!(kv_budget_within(2 << 30, 0), 0);
     }
 
     #[test]

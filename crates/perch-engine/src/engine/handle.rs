@@ -116,6 +116,7 @@ impl EngineHandle {
             .name("perch-engine".into())
             .spawn(move || {
                 let _live = LiveEngine::start();
+                let mut config = config;
                 match load().and_then(|loaded| {
                     // The quantization must fit every layer's head size.
                     if let Some(q) = config.kv_quantization {
@@ -134,6 +135,15 @@ impl EngineHandle {
                 }) {
                     Ok(((model, tokenizer), draft)) => {
                         let tokenizer = Arc::new(tokenizer);
+                        // On CPU and Metal the KV cache takes the memory the model was just
+                        // loaded into: its budget leaves room for what it really takes. (On
+                        // CUDA it is the GPU's memory, not judged.)
+                        if crate::device::Backend::current() != crate::device::Backend::Cuda {
+                            config.kv_cache_bytes = crate::memory::kv_budget_within(
+                                config.kv_cache_bytes,
+                                crate::memory::available().bytes,
+                            );
+                        }
                         let pool = BatchConfig::for_budget(
                             model.as_ref(),
                             config.kv_cache_bytes,
@@ -152,6 +162,7 @@ impl EngineHandle {
                                 )
                                 .window_cost(),
                             ),
+                            kv_cache_bytes: config.kv_cache_bytes,
                         };
                         let ready = {
                             let tokenizer = Arc::clone(&tokenizer);
