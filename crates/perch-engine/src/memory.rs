@@ -29,6 +29,13 @@ pub struct Available {
     pub bound: MemoryBound,
 }
 
+/// The memory the weights and KV cache of `backend` are allocated from can take now: host memory
+/// on CPU and Metal (unified memory), [`available`]; `None` on CUDA, whose device memory this
+/// module does not judge.
+pub fn available_for(backend: crate::device::Backend) -> Option<Available> {
+    (backend != crate::device::Backend::Cuda).then(available)
+}
+
 /// The memory this process can take now ([module docs](self)).
 pub fn available() -> Available {
     let mut system = sysinfo::System::new();

@@ -138,10 +138,12 @@ impl EngineHandle {
                         // On CPU and Metal the KV cache takes the memory the model was just
                         // loaded into: its budget leaves room for what it really takes. (On
                         // CUDA it is the GPU's memory, not judged.)
-                        if crate::device::Backend::current() != crate::device::Backend::Cuda {
+                        if let Some(available) =
+                            crate::memory::available_for(crate::device::Backend::current())
+                        {
                             config.kv_cache_bytes = crate::memory::kv_budget_within(
                                 config.kv_cache_bytes,
-                                crate::memory::available().bytes,
+                                available.bytes,
                             );
                         }
                         let pool = BatchConfig::for_budget(

@@ -281,10 +281,9 @@ pub fn check_safetensors_header(bytes: &[u8]) -> std::result::Result<(), String>
 /// and dense copies come on top). On CUDA the weights live in the GPU's own memory, which this
 /// does not judge.
 fn check_room(model_dir: &Path, bytes: u64, backend: Backend) -> Result<()> {
-    if backend == Backend::Cuda {
+    let Some(available) = crate::memory::available_for(backend) else {
         return Ok(());
-    }
-    let available = crate::memory::available();
+    };
     if bytes > available.bytes {
         let name = model_dir.file_name().map_or_else(
             || model_dir.display().to_string(),
