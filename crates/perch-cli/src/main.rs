@@ -47,7 +47,11 @@ enum Command {
     /// Check Perch's own GPU kernels against MLX's operations on random inputs (CUDA only; prints
     /// the largest error of each case).
     #[command(hide = true)]
-    CheckKernels,
+    CheckKernels {
+        /// The kernels to check (all when none is named).
+        #[arg(value_parser = clap::builder::PossibleValuesParser::new(perch_engine::KERNELS))]
+        kernels: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
@@ -61,7 +65,7 @@ fn main() -> ExitCode {
         Command::Search(args) => hub::search(args),
         Command::Pull(args) => hub::pull(args),
         Command::Serve(args) => serve::run(args),
-        Command::CheckKernels => perch_engine::check_kernels()
+        Command::CheckKernels { kernels } => perch_engine::check_kernels(&kernels)
             .map(|lines| lines.iter().for_each(|line| println!("ok: {line}")))
             .map_err(anyhow::Error::from),
         Command::Soak(args) => soak::run(args),

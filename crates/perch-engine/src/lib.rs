@@ -64,11 +64,24 @@ pub use sequence::speculative::{generate_speculative, Draft};
 pub use text::chat_template::ChatMessage;
 pub use text::tokenizer::Tokenizer;
 
-/// Checks Perch's CUDA kernels (the masked decode attention, the Gated DeltaNet recurrence)
-/// against MLX's own operations on random inputs; one line per case, an error at the first case
-/// outside its tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
-pub fn check_kernels() -> Result<Vec<String>> {
-    let mut lines = attention::decode_kernel::check()?;
-    lines.extend(models::gated_delta::check_kernel()?);
+/// The kernels [`check_kernels`] checks, by name.
+pub const KERNELS: [&str; 3] = ["decode-attention", "gated-delta", "experts"];
+
+/// Checks Perch's CUDA kernels named in `only` ([`KERNELS`]; all when it is empty) — the masked
+/// decode attention, the Gated DeltaNet recurrence, the experts' quantized products — against
+/// MLX's own operations on random inputs; one line per case, an error at the first case outside
+/// its tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
+pub fn check_kernels(only: &[String]) -> Result<Vec<String>> {
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|o| o == name);
+    let mut lines = Vec::new();
+    if wanted(KERNELS[0]) {
+        lines.extend(attention::decode_kernel::check()?);
+    }
+    if wanted(KERNELS[1]) {
+        lines.extend(models::gated_delta::check_kernel()?);
+    }
+    if wanted(KERNELS[2]) {
+        lines.extend(nn::expert_kernel::check()?);
+    }
     Ok(lines)
 }

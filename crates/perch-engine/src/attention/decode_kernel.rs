@@ -13,7 +13,7 @@
 //! Metal needs no such kernel: MLX's Metal vector kernel reads boolean masks itself, so a
 //! masked decode step is one fused kernel there already. This kernel is the CUDA backend's
 //! equivalent, written with MLX's custom-kernel API (`mx.fast.cuda_kernel`, through
-//! [`crate::attention::custom_kernel`]), compiled by MLX at run time (NVRTC), and used only where [`applies`]
+//! [`crate::nn::custom_kernel`]), compiled by MLX at run time (NVRTC), and used only where [`applies`]
 //! holds (up to [`max_positions`], 8,192 positions by default); it cannot run on
 //! this CPU, so its tests run on the device (`perch check-kernels`, see README).
 //!
@@ -34,8 +34,8 @@ use std::cell::RefCell;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::attention::custom_kernel::{time_call, CustomKernel, TemplateArg};
 use crate::device::Backend;
+use crate::nn::custom_kernel::{time_call, CustomKernel, TemplateArg};
 
 /// Warps per thread block: 8 (256 threads), or 16 when one block walks more than
 /// [`MANY_POSITIONS`] positions (one part), so a long context is walked by more warps at once.

@@ -1,6 +1,6 @@
 //! The core of a Gated DeltaNet layer (see `models::gated_delta`) over all of a pass's tokens in
 //! one GPU kernel launch per layer, CUDA or Metal, written with MLX's custom-kernel API (through
-//! [`crate::attention::custom_kernel`]): from the projected `qkv`, `a` and `b` and the layer's
+//! [`crate::nn::custom_kernel`]): from the projected `qkv`, `a` and `b` and the layer's
 //! two states to its output `y` and the states after the pass — the causal depthwise
 //! convolution and its SiLU, the L2 normalisation of queries and keys, the gates `g` and `β`,
 //! and the recurrence.
@@ -44,8 +44,8 @@ use std::cell::RefCell;
 use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
-use crate::attention::custom_kernel::{CustomKernel, TemplateArg};
 use crate::device::Backend;
+use crate::nn::custom_kernel::{CustomKernel, TemplateArg};
 
 /// Warps per thread block.
 const WARPS_PER_BLOCK: i32 = 4;

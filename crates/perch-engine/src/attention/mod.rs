@@ -4,7 +4,6 @@
 //! The caches decide which form reads them ([`crate::kv::cache::KvCache::attend`],
 //! [`crate::kv::slot_cache::SlotKvCache::attend`]); models only project and rotate.
 
-pub(crate) mod custom_kernel;
 pub mod decode_kernel;
 pub mod gated_delta_kernel;
 

@@ -449,7 +449,7 @@ pub fn kernel_self_test() -> &'static std::result::Result<(), String> {
 /// result, then one line per case; an error names the first case outside its tolerance. On a
 /// GPU backend only (`perch check-kernels` on the device).
 pub fn check_kernel() -> Result<Vec<String>> {
-    use crate::attention::custom_kernel::time_call;
+    use crate::nn::custom_kernel::time_call;
     if gated_delta_kernel::backend().is_none() {
         return Err(crate::EngineError::Request(
             "the Gated DeltaNet kernel runs on MLX's CUDA or Metal backend, with \

@@ -13,6 +13,7 @@
 use mlx_rs::{ops, Array};
 
 use crate::error::Result;
+use crate::nn::expert_kernel;
 use crate::nn::layers::{Activation, Linear, Mlp, QuantParams, Quantization, RmsNorm};
 use crate::nn::weights::Weights;
 
@@ -171,7 +172,9 @@ impl SwitchLinear {
     /// `x` `[..., rows, in]` times the transposed weights of expert `indices[...]` (broadcast
     /// against `x`'s leading axes), plus that expert's bias → `[..., rows, out]`. `sorted`:
     /// `indices` are in ascending order (MLX then reads each expert's weights once).
-    fn forward(&self, x: &Array, indices: &Array, sorted: bool) -> Result<Array> {
+    /// `kernel`: quantized products of a decode step's few pairs go through Perch's CUDA kernel
+    /// ([`expert_kernel::gather_qmv`]) where it takes them.
+    fn forward(&self, x: &Array, indices: &Array, sorted: bool, kernel: bool) -> Result<Array> {
         let y = match &self.weight {
             SwitchWeight::Dense(weight) => {
                 ops::gather_mm(x, weight.swap_axes(-1, -2)?, None, indices, sorted)?
@@ -181,16 +184,33 @@ impl SwitchLinear {
                 scales,
                 biases,
                 params,
-            } => crate::nn::mlx_ext::gather_qmm(
-                x,
-                weight,
-                scales,
-                biases.as_ref(),
-                indices,
-                params.sizes(),
-                params.mode.mlx_name(),
-                sorted,
-            )?,
+            } => {
+                let operands = expert_kernel::Operands {
+                    x,
+                    weight,
+                    scales,
+                    biases: biases.as_ref(),
+                    indices,
+                    params: *params,
+                };
+                if kernel
+                    && indices.size() <= expert_kernel::MAX_PAIRS
+                    && operands.x_per_row().is_some()
+                {
+                    expert_kernel::gather_qmv(&operands)?
+                } else {
+                    crate::nn::mlx_ext::gather_qmm(
+                        x,
+                        weight,
+                        scales,
+                        biases.as_ref(),
+                        indices,
+                        params.sizes(),
+                        params.mode.mlx_name(),
+                        sorted,
+                    )?
+                }
+            }
         };
         Ok(match &self.bias {
             Some(bias) => ops::add(&y, &bias.take_axis(indices, 0)?.expand_dims(-2)?)?,
@@ -256,6 +276,9 @@ struct SwitchGlu {
     /// Whether the (token, expert) pairs are sorted by expert when many tokens route
     /// ([`SwitchGlu::sorting_pays`]).
     sort: bool,
+    /// Whether a decode step's quantized products go through [`expert_kernel::gather_qmv`]
+    /// (CUDA, once its load check has passed).
+    kernel: bool,
 }
 
 /// The experts' gate and up projections: separate, or one product of twice the width where
@@ -292,6 +315,7 @@ impl SwitchGlu {
             down_proj,
             activation,
             sort,
+            kernel: expert_kernel::usable(),
         })
     }
 
@@ -345,14 +369,18 @@ impl SwitchGlu {
         } else {
             (x, indices.clone(), None)
         };
+        let kernel = self.kernel;
         let (gate, up) = match &self.gate_up {
-            GateUp::Separate { gate, up } => {
-                (gate.forward(&x, &idx, sort)?, up.forward(&x, &idx, sort)?)
+            GateUp::Separate { gate, up } => (
+                gate.forward(&x, &idx, sort, kernel)?,
+                up.forward(&x, &idx, sort, kernel)?,
+            ),
+            GateUp::Fused(both) => {
+                crate::nn::layers::halves(&both.forward(&x, &idx, sort, kernel)?)?
             }
-            GateUp::Fused(both) => crate::nn::layers::halves(&both.forward(&x, &idx, sort)?)?,
         };
         let h = self.activation.gated(&gate, &up)?;
-        let out = self.down_proj.forward(&h, &idx, sort)?;
+        let out = self.down_proj.forward(&h, &idx, sort, kernel)?;
         let out = match inverse {
             Some(inverse) => {
                 let hidden = out.shape()[2];

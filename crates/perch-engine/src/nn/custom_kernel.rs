@@ -3,7 +3,8 @@
 //! (NVRTC on CUDA, the Metal compiler on Metal; cached per process), launches it as one node of
 //! its graph, and traces it into compiled steps like any op. Used by
 //! [`crate::attention::decode_kernel`] (CUDA, where MLX 0.32.2's CUDA backend has no fused
-//! kernel) and [`crate::attention::gated_delta_kernel`] (CUDA and Metal).
+//! kernel), [`crate::attention::gated_delta_kernel`] (CUDA and Metal) and
+//! [`crate::nn::expert_kernel`] (CUDA).
 
 use std::ffi::{CStr, CString};
 
