@@ -1068,3 +1068,74 @@ fn the_kv_budget_fits_the_memory_left() {
         "a 2 GiB budget in a {limit}-byte cgroup ran with {lowered} bytes"
     );
 }
+
+/// The resident memory of process `pid` in bytes (`VmRSS` of `/proc/PID/status`).
+fn resident_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/PID/status");
+    kib * 1024
+}
+
+/// `perch serve --keep-alive 1s` gives the model's memory back once idle and loads it again
+/// for the next request, which answers as the first did.
+#[test]
+fn serve_unloads_an_idle_model_and_gives_its_memory_back() {
+    use std::io::BufRead;
+    let model = test_model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(["serve", "--model", &model, "--port", "0", "--api-key", "k"])
+        .args(["--keep-alive", "1s"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run perch serve");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines
+        .next()
+        .expect("perch serve prints its address")
+        .unwrap();
+    let addr = line
+        .split("http://")
+        .nth(1)
+        .and_then(|rest| rest.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("no address in `{line}`"))
+        .to_owned();
+    let request = serde_json::json!({
+        "model": model, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Hello"}],
+    })
+    .to_string();
+    let ask = || {
+        let (status, body) = http(&addr, "POST /v1/chat/completions", "k", &request);
+        assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+        let completion: serde_json::Value = serde_json::from_str(&body).unwrap();
+        completion["choices"][0]["message"]["content"].clone()
+    };
+    let first = ask();
+    let loaded = resident_bytes(child.id());
+    let weights: u64 = std::fs::read_dir(&model)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .map(|p| p.metadata().unwrap().len())
+        .sum();
+    // Within a minute of idling, at least half the weights' size is given back.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let mut idle = resident_bytes(child.id());
+    while idle + weights / 2 > loaded && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        idle = resident_bytes(child.id());
+    }
+    assert!(
+        idle + weights / 2 <= loaded,
+        "resident {loaded} B loaded, {idle} B idle, weights {weights} B"
+    );
+    eprintln!("resident {loaded} B loaded, {idle} B idle, weights {weights} B");
+    assert_eq!(ask(), first, "loaded again, the same answer");
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

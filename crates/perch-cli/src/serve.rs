@@ -36,6 +36,11 @@ pub struct ServeArgs {
     /// With --draft-model: tokens proposed per step unless a request says.
     #[arg(long, default_value_t = perch_engine::Draft::DEFAULT_NUM_DRAFT_TOKENS)]
     pub num_draft_tokens: usize,
+    /// Unload the model after this long with no request (Ollama's keep_alive: 30m, 1h, 300 for
+    /// seconds, 0 once each request ends, -1 never); the next request loads it again. Requests
+    /// may set their own `keep_alive`.
+    #[arg(long, env = "PERCH_KEEP_ALIVE", default_value = "1h", value_parser = perch_engine::KeepAlive::parse, allow_hyphen_values = true)]
+    pub keep_alive: perch_engine::KeepAlive,
 }
 
 fn parse_max_requests(arg: &str) -> Result<usize, String> {
@@ -85,6 +90,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         &dir,
         EngineConfig {
             draft_model,
+            keep_alive: args.keep_alive,
             ..EngineConfig::default()
         },
     )

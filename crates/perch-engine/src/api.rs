@@ -77,6 +77,80 @@ pub struct GenerateRequest {
     /// proposing this many tokens a step (see [`crate::sequence::speculative`]). [`generate`] refuses it
     /// (the CLI calls [`crate::generate_speculative`] with its draft).
     pub num_draft_tokens: Option<usize>,
+    /// How long the engine keeps the model's weights in memory once it is idle, from this
+    /// request on (Ollama's per-request `keep_alive`: the last request's value stands until
+    /// another request says otherwise); `None` leaves the engine's as it is
+    /// ([`crate::EngineConfig::keep_alive`]).
+    pub keep_alive: Option<KeepAlive>,
+}
+
+/// How long an idle engine keeps its model's weights (and draft model, KV pool and prefix
+/// cache) in memory before it unloads them; the next request loads them again (Ollama's
+/// `keep_alive`, LM Studio's idle TTL). An unloaded engine keeps its thread, tokenizer and
+/// limits: its handle stays valid.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KeepAlive {
+    /// Unload after this long with no request (zero: as soon as the last request ends).
+    Idle(std::time::Duration),
+    /// Never unload.
+    Forever,
+}
+
+impl KeepAlive {
+    /// LM Studio's default idle time-to-live: an hour.
+    pub const DEFAULT_IDLE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+    /// Ollama's forms: a number of seconds (`300`, `0`), a duration (`5m`, `1h30m`, `90s`;
+    /// parsed by `humantime`), and any negative value (`-1`, `-1m`) for never. Errors name the
+    /// value and the forms.
+    pub fn parse(text: &str) -> std::result::Result<Self, String> {
+        let text = text.trim();
+        if let Ok(seconds) = text.parse::<f64>() {
+            return Self::from_seconds(seconds);
+        }
+        if text.starts_with('-') {
+            return Ok(Self::Forever);
+        }
+        humantime::parse_duration(text)
+            .map(Self::Idle)
+            .map_err(|_| {
+                format!(
+                    "keep_alive {text:?} is not a duration: give seconds (300), a duration (5m, \
+                 1h30m), 0 to unload at once or -1 to keep the model loaded"
+                )
+            })
+    }
+
+    /// `seconds` as Ollama reads a number: negative keeps the model loaded.
+    pub fn from_seconds(seconds: f64) -> std::result::Result<Self, String> {
+        if seconds.is_nan() {
+            return Err("keep_alive is not a number".into());
+        }
+        if seconds < 0.0 {
+            return Ok(Self::Forever);
+        }
+        std::time::Duration::try_from_secs_f64(seconds)
+            .map(Self::Idle)
+            .map_err(|_| {
+                format!("keep_alive {seconds} s is too long; give -1 to keep the model loaded")
+            })
+    }
+}
+
+/// Whether the engine's model is in memory ([`EngineStats::residency`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum Residency {
+    #[default]
+    Loaded,
+    /// Unloaded after [`KeepAlive`]'s idle time; the next request loads it again.
+    Unloaded,
+    /// Being loaded again for a request.
+    Loading {
+        #[serde(flatten)]
+        progress: crate::nn::weights::LoadProgress,
+    },
 }
 
 impl GenerateRequest {
@@ -101,6 +175,7 @@ impl GenerateRequest {
             kv_quantization: None,
             quantized_kv_start: Self::DEFAULT_QUANTIZED_KV_START,
             num_draft_tokens: None,
+            keep_alive: None,
         }
     }
 
@@ -256,6 +331,8 @@ pub struct EngineStats {
     pub memory: MemoryStats,
     /// Warm-up passes still queued, run while idle ([`EngineConfig::idle_warm_up`]).
     pub warm_ups_left: usize,
+    /// Whether the model is in memory, unloaded while idle, or loading again.
+    pub residency: Residency,
 }
 
 /// How many tokens a request can hold, fixed at load.

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use perch_engine::api::ErrorKind;
 use perch_engine::{
-    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest, Prompt,
-    RequestStream,
+    EngineConfig, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerateRequest,
+    KeepAlive, Prompt, RequestStream, Residency,
 };
 
 fn engine() -> EngineHandle {
@@ -542,4 +542,115 @@ fn a_full_queue_answers_busy_at_once() {
     );
     assert_eq!((ids.len(), reason), (2, FinishReason::Length));
     engine.shutdown();
+}
+
+/// Waits up to a minute for the engine's published residency to be `want`.
+fn reaches(engine: &EngineHandle, want: Residency) -> bool {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
+        if engine.stats().unwrap().residency == want {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+fn with_keep_alive(prompt: Prompt, max_tokens: usize, keep_alive: KeepAlive) -> EngineRequest {
+    let mut request = request(prompt, max_tokens);
+    request.params.keep_alive = Some(keep_alive);
+    request
+}
+
+#[test]
+fn an_idle_engine_unloads_its_model_and_loads_it_again_for_the_next_request() {
+    let engine = engine_with(EngineConfig {
+        keep_alive: KeepAlive::Idle(Duration::from_secs(1)),
+        ..EngineConfig::default()
+    });
+    let prompt = Prompt::Tokens(vec![1, 504, 2988]);
+    let (first, reason, error) = collect(engine.submit(request(prompt.clone(), 8)).unwrap());
+    assert_eq!((reason, error), (FinishReason::Length, None));
+    assert!(
+        reaches(&engine, Residency::Unloaded),
+        "unloaded after an idle second"
+    );
+    // The handle still serves: the next request loads the model again and gets the same ids.
+    let (again, reason, error) = collect(engine.submit(request(prompt, 8)).unwrap());
+    assert_eq!((reason, error), (FinishReason::Length, None));
+    assert_eq!(again, first);
+    assert!(reaches(&engine, Residency::Unloaded), "and unloads again");
+    engine.shutdown();
+}
+
+#[test]
+fn a_request_keep_alive_of_zero_unloads_at_once_and_a_negative_one_keeps_the_model() {
+    let engine = engine();
+    let prompt = Prompt::Tokens(vec![1, 504, 2988]);
+    let unload_now = KeepAlive::parse("0").unwrap();
+    let (first, _, error) = collect(
+        engine
+            .submit(with_keep_alive(prompt.clone(), 4, unload_now))
+            .unwrap(),
+    );
+    assert_eq!(error, None);
+    assert!(reaches(&engine, Residency::Unloaded));
+    let forever = KeepAlive::parse("-1").unwrap();
+    let (again, _, error) = collect(engine.submit(with_keep_alive(prompt, 4, forever)).unwrap());
+    assert_eq!((again, error), (first, None));
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(engine.stats().unwrap().residency, Residency::Loaded);
+    engine.shutdown();
+}
+
+#[test]
+fn a_reload_that_fails_ends_the_waiting_request_with_its_reason_and_the_next_one_loads() {
+    // A copy of the model whose weights go missing while it is unloaded.
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(common::model_dir()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let engine = EngineHandle::load(dir.path(), EngineConfig::default()).unwrap();
+    let prompt = Prompt::Tokens(vec![1, 504, 2988]);
+    let unload_now = KeepAlive::Idle(Duration::ZERO);
+    let (first, _, _) = collect(
+        engine
+            .submit(with_keep_alive(prompt.clone(), 4, unload_now))
+            .unwrap(),
+    );
+    assert!(reaches(&engine, Residency::Unloaded));
+    let weights = dir.path().join("model.safetensors");
+    let aside = dir.path().join("aside");
+    std::fs::rename(&weights, &aside).unwrap();
+    let (ids, reason, error) = collect(engine.submit(request(prompt.clone(), 4)).unwrap());
+    assert_eq!((ids.len(), reason), (0, FinishReason::Error));
+    let error = error.unwrap();
+    assert!(error.contains("safetensors"), "{error}");
+    assert_eq!(engine.stats().unwrap().residency, Residency::Unloaded);
+    std::fs::rename(&aside, &weights).unwrap();
+    let (again, reason, error) = collect(engine.submit(request(prompt, 4)).unwrap());
+    assert_eq!((again, reason, error), (first, FinishReason::Length, None));
+    engine.shutdown();
+}
+
+#[test]
+fn keep_alive_reads_ollamas_forms() {
+    let minutes = |m: u64| KeepAlive::Idle(Duration::from_secs(m * 60));
+    assert_eq!(KeepAlive::parse("5m"), Ok(minutes(5)));
+    assert_eq!(KeepAlive::parse("1h30m"), Ok(minutes(90)));
+    assert_eq!(KeepAlive::parse("300"), Ok(minutes(5)));
+    assert_eq!(KeepAlive::parse("0"), Ok(KeepAlive::Idle(Duration::ZERO)));
+    assert_eq!(KeepAlive::parse("-1"), Ok(KeepAlive::Forever));
+    assert_eq!(KeepAlive::parse("-5m"), Ok(KeepAlive::Forever));
+    assert_eq!(KeepAlive::from_seconds(-1.0), Ok(KeepAlive::Forever));
+    let error = KeepAlive::parse("soon").unwrap_err();
+    assert!(
+        error.contains("\"soon\"") && error.contains("-1"),
+        "{error}"
+    );
+    assert!(KeepAlive::from_seconds(f64::NAN).is_err());
+    assert!(KeepAlive::from_seconds(1e300).is_err());
 }

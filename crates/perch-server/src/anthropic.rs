@@ -42,6 +42,8 @@ pub(crate) struct MessagesRequest {
     tools: Vec<Tool>,
     /// `{"type": "auto" | "any" | "tool" | "none"}`; `none` leaves the tools out.
     tool_choice: Option<Value>,
+    /// Ollama's `keep_alive` (Perch's extension, as on the OpenAI endpoints).
+    keep_alive: Option<crate::openai::KeepAliveField>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -270,6 +272,11 @@ impl MessagesRequest {
         params.sampling.temperature = temperature;
         params.sampling.top_p = top_p;
         params.sampling.top_k = self.top_k.unwrap_or(0);
+        params.keep_alive = self
+            .keep_alive
+            .as_ref()
+            .map(crate::openai::KeepAliveField::parse)
+            .transpose()?;
         params.stop_strings = self.stop_sequences.clone().unwrap_or_default();
         params.stop_strings.retain(|s| !s.is_empty());
         Ok(params)

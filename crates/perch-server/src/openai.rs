@@ -81,6 +81,29 @@ pub(crate) struct Sampling {
     #[serde(default)]
     ignore_eos: bool,
     response_format: Option<ResponseFormat>,
+    /// How long the model stays in memory once idle, from this request on (Ollama's
+    /// `keep_alive`, Perch's extension; see [`KeepAliveField`]).
+    keep_alive: Option<KeepAliveField>,
+}
+
+/// Ollama's `keep_alive`: seconds (`300`, `0` to unload once idle, `-1` to keep) or a duration
+/// (`"5m"`, `"1h30m"`, `"-1"`), parsed by [`perch_engine::KeepAlive`].
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum KeepAliveField {
+    Seconds(f64),
+    Text(String),
+}
+
+impl KeepAliveField {
+    /// The engine's value, or a 400 naming `keep_alive`.
+    pub fn parse(&self) -> Result<perch_engine::KeepAlive, ApiError> {
+        match self {
+            KeepAliveField::Seconds(seconds) => perch_engine::KeepAlive::from_seconds(*seconds),
+            KeepAliveField::Text(text) => perch_engine::KeepAlive::parse(text),
+        }
+        .map_err(|message| ApiError::invalid(message, Some("keep_alive")))
+    }
 }
 
 /// OpenAI's `response_format`: free text, any JSON object, or JSON valid against a schema
@@ -147,6 +170,11 @@ impl Sampling {
             "frequency_penalty",
         )?;
         params.num_draft_tokens = self.num_draft_tokens;
+        params.keep_alive = self
+            .keep_alive
+            .as_ref()
+            .map(KeepAliveField::parse)
+            .transpose()?;
         params.max_kv_size = self.max_kv_size;
         params.kv_quantization = self.kv_bits.map(|bits| perch_engine::KvQuantization {
             bits,

@@ -836,7 +836,12 @@ fn tool_calls_through_both_sdks() {
         script,
     };
     let tokenizer_dir = dir.path().to_path_buf();
-    let engine = EngineHandle::spawn_with(EngineConfig::default(), "scripted".into(), move || {
+    // The engine never unloads it (keep-alive forever), so it loads once.
+    let mut model = Some(model);
+    let engine = EngineHandle::spawn_with(EngineConfig::default(), "scripted".into(), move |_| {
+        let model = model.take().ok_or_else(|| {
+            perch_engine::EngineError::Request("the scripted model loads once".into())
+        })?;
         Ok((
             Box::new(model) as Box<dyn perch_engine::models::Model>,
             perch_engine::Tokenizer::load(&tokenizer_dir)?,
@@ -1150,5 +1155,69 @@ fn sixteen_streaming_clients_are_served_batched() {
         (steps as usize) * 2 < tokens,
         "{steps} decode steps for {tokens} tokens: not batched"
     );
+    engine.shutdown();
+}
+
+/// Waits up to a minute for `engine`'s residency to be `want`.
+fn reaches(engine: &EngineHandle, want: perch_engine::Residency) -> bool {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
+        if engine.stats().unwrap().residency == want {
+            return true;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    false
+}
+
+#[test]
+fn keep_alive_over_http_unloads_the_model_and_the_next_request_loads_it() {
+    use perch_engine::Residency;
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let (_runtime, addr) = start_server(&engine, config());
+    let addr = addr.to_string();
+    let auth = [
+        ("Authorization", "Bearer test-key"),
+        ("Content-Type", "application/json"),
+    ];
+    let chat = |keep_alive: Value| {
+        let mut body = serde_json::json!({"model": MODEL, "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "user", "content": "Hi"}]});
+        if !keep_alive.is_null() {
+            body["keep_alive"] = keep_alive;
+        }
+        let (status, _, body) = http(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            &auth,
+            &body.to_string(),
+        );
+        let body: Value = serde_json::from_str(&body).unwrap();
+        (status, body)
+    };
+    let (status, first) = chat(Value::Null);
+    assert_eq!(status, 200, "{first}");
+    // Ollama's `keep_alive: 0`: unloaded once the request ends.
+    let (status, body) = chat(serde_json::json!(0));
+    assert_eq!(status, 200, "{body}");
+    assert!(reaches(&engine, Residency::Unloaded));
+    // The next request loads it again and answers the same; "-1" keeps it loaded.
+    let (status, again) = chat(serde_json::json!("-1"));
+    assert_eq!(status, 200, "{again}");
+    let text = |b: &Value| b["choices"][0]["message"]["content"].clone();
+    assert_eq!(text(&again), text(&first));
+    assert_eq!(engine.stats().unwrap().residency, Residency::Loaded);
+    // Anthropic's endpoint takes it too, as a duration.
+    let message = serde_json::json!({"model": MODEL, "max_tokens": 2, "keep_alive": "0s",
+        "messages": [{"role": "user", "content": "Hi"}]});
+    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &message.to_string());
+    assert_eq!(status, 200, "{body}");
+    assert!(reaches(&engine, Residency::Unloaded));
+    // A value that is not a duration is the client's error, naming the field.
+    let (status, body) = chat(serde_json::json!("soon"));
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "keep_alive", "{body}");
     engine.shutdown();
 }

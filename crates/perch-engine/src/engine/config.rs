@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use crate::api::KeepAlive;
 use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::engine::batch::BatchConfig;
@@ -59,6 +60,11 @@ pub struct EngineConfig {
     /// must be the model's; loading fails otherwise. Such requests run beside the batch, one
     /// round of proposals each per engine step (see [`crate::sequence::speculative`]).
     pub draft_model: Option<PathBuf>,
+    /// How long the engine keeps the model in memory once idle ([`KeepAlive`]); requests may
+    /// change it ([`crate::GenerateRequest::keep_alive`]). Never unloads by default (the CLI's
+    /// one-off commands); `perch serve` and the app unload after an idle hour unless told
+    /// otherwise.
+    pub keep_alive: KeepAlive,
     /// Faults on purpose, for tests of what clients do when the engine is slow or fails.
     #[doc(hidden)]
     pub fault_injection: FaultInjection,
@@ -110,6 +116,7 @@ impl Default for EngineConfig {
             arrival_window: Self::default_arrival_window(Backend::current()),
             max_queued_requests: Self::DEFAULT_MAX_QUEUED_REQUESTS,
             draft_model: None,
+            keep_alive: KeepAlive::Forever,
             fault_injection: FaultInjection::default(),
         }
     }

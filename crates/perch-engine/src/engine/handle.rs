@@ -75,20 +75,28 @@ impl EngineHandle {
             .unwrap_or_else(|_| dir.clone())
             .display()
             .to_string();
-        Self::spawn_with(config, model_id, move || {
+        Self::spawn_with(config, model_id, move |report| {
+            let mut both = |p: LoadProgress| {
+                progress(p);
+                report(p);
+            };
             Ok((
-                models::load_with_progress(&dir, &mut progress)?,
+                models::load_with_progress(&dir, &mut both)?,
                 Tokenizer::load(&dir)?,
             ))
         })
     }
 
-    /// Starts the engine thread with whatever `load` returns, called on that thread; `model_id`
-    /// seeds the prefix cache's block hashes.
+    /// Starts the engine thread with whatever `load` returns, called on that thread (again
+    /// after an idle unload, see [`crate::KeepAlive`], with a progress sink the engine
+    /// publishes; the tokenizer it returns then is not used); `model_id` seeds the prefix
+    /// cache's block hashes.
     pub fn spawn_with(
         config: EngineConfig,
         model_id: String,
-        load: impl FnOnce() -> Result<(Box<dyn Model>, Tokenizer)> + Send + 'static,
+        mut load: impl FnMut(&mut dyn FnMut(LoadProgress)) -> Result<(Box<dyn Model>, Tokenizer)>
+            + Send
+            + 'static,
     ) -> Result<Self> {
         let (commands, inbox) = mpsc::channel();
         let cancelled = Arc::new(Mutex::new(HashSet::new()));
@@ -110,6 +118,7 @@ impl EngineHandle {
             published_at: Instant::now(),
             outstanding: Arc::clone(&outstanding),
             solo: HashSet::new(),
+            keep_alive: config.keep_alive,
         };
         let (loaded_tx, loaded_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -117,7 +126,7 @@ impl EngineHandle {
             .spawn(move || {
                 let _live = LiveEngine::start();
                 let mut config = config;
-                match load().and_then(|loaded| {
+                match load(&mut |_| {}).and_then(|loaded| {
                     // The quantization must fit every layer's head size.
                     if let Some(q) = config.kv_quantization {
                         let info = loaded.0.info();
@@ -172,9 +181,18 @@ impl EngineHandle {
                                 let _ = loaded_tx.send(Ok((tokenizer, limits)));
                             }
                         };
+                        let draft_dir = config.draft_model.clone();
+                        let loader: Loader = Box::new(move |report| {
+                            let (model, tokenizer) = load(report)?;
+                            let draft = match &draft_dir {
+                                Some(dir) => Some(load_draft(dir, model.as_ref(), &tokenizer)?),
+                                None => None,
+                            };
+                            Ok(Loaded { model, draft })
+                        });
                         EngineThread {
-                            model,
-                            draft,
+                            loaded: Loaded { model, draft },
+                            loader,
                             tokenizer,
                             model_id,
                             queue,

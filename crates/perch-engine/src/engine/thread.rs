@@ -18,11 +18,13 @@ use crate::api::Prompt;
 use crate::api::{
     ErrorKind, FinishReason, GenerateRequest, GenerationStats, RequestError, TokenEvent,
 };
+use crate::api::{KeepAlive, Residency};
 use crate::device::{memory_stats, Backend};
 use crate::engine::batch::{BatchConfig, BatchEvent, BatchGenerator};
 use crate::error::{EngineError, Result};
 use crate::models;
 use crate::models::Model;
+use crate::nn::weights::LoadProgress;
 use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
 use crate::sequence::speculative::{Draft, SoloSequence};
 use crate::text::tokenizer::Tokenizer;
@@ -52,6 +54,9 @@ pub(super) struct Queue {
     pub(super) outstanding: Arc<AtomicUsize>,
     /// Ids of the requests running beside the batch (speculative ones; see [`SoloSequence`]).
     pub(super) solo: HashSet<RequestId>,
+    /// How long the model stays loaded once idle: the config's, then the last request's that
+    /// set one.
+    pub(super) keep_alive: KeepAlive,
 }
 
 impl Queue {
@@ -60,7 +65,7 @@ impl Queue {
     fn handle(
         &mut self,
         command: Command,
-        batch: &mut BatchGenerator<'_>,
+        batch: Option<&mut BatchGenerator<'_>>,
         jobs: &HashMap<RequestId, Job>,
     ) {
         match command {
@@ -68,11 +73,17 @@ impl Queue {
                 id,
                 request,
                 events,
-            } => self.submitted.push(Job {
-                id,
-                request: *request,
-                events,
-            }),
+            } => {
+                // The last request's keep-alive stands (Ollama's).
+                if let Some(keep_alive) = request.params.keep_alive {
+                    self.keep_alive = keep_alive;
+                }
+                self.submitted.push(Job {
+                    id,
+                    request: *request,
+                    events,
+                })
+            }
             Command::PromptCache(job) => self.prompt_cache_jobs.push(job),
             Command::Cancel(id) => {
                 let known = jobs.values().chain(&self.submitted).any(|job| job.id == id)
@@ -86,8 +97,11 @@ impl Queue {
                 }
             }
             Command::ClearCache(reply) => {
-                batch.reset_prefix_cache();
-                self.publish(batch);
+                // An unloaded engine has no prefix cache.
+                if let Some(batch) = batch {
+                    batch.reset_prefix_cache();
+                    self.publish(batch);
+                }
                 let _ = reply.send(());
             }
             Command::Shutdown => self.shutting_down = true,
@@ -116,7 +130,7 @@ impl Queue {
         while wanted(self) {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.inbox.recv_timeout(gap.min(left)) {
-                Ok(command) => self.handle(command, batch, jobs),
+                Ok(command) => self.handle(command, Some(&mut *batch), jobs),
                 Err(mpsc::RecvTimeoutError::Timeout) => break,
                 Err(mpsc::RecvTimeoutError::Disconnected) => return false,
             }
@@ -127,7 +141,7 @@ impl Queue {
     /// Handles every command already sent, without waiting.
     fn drain(&mut self, batch: &mut BatchGenerator<'_>, jobs: &HashMap<RequestId, Job>) {
         while let Ok(command) = self.inbox.try_recv() {
-            self.handle(command, batch, jobs);
+            self.handle(command, Some(&mut *batch), jobs);
         }
     }
 
@@ -167,9 +181,73 @@ impl Queue {
             step_times: batch.step_times(),
             memory: memory_stats(),
             warm_ups_left: batch.idle_warm_ups_left(),
+            residency: Residency::Loaded,
         };
         if let Ok(mut published) = self.stats.lock() {
             *published = stats;
+        }
+    }
+
+    /// Publishes the stats of an engine without a model in memory: unloaded, or `Loading`
+    /// again.
+    fn publish_residency(&mut self, residency: Residency) {
+        self.published_at = Instant::now();
+        let stats = EngineStats {
+            waiting: self.submitted.len(),
+            finished_requests: self.finished_requests,
+            memory: memory_stats(),
+            residency,
+            ..EngineStats::default()
+        };
+        if let Ok(mut published) = self.stats.lock() {
+            *published = stats;
+        }
+    }
+
+    /// While unloaded: handles commands until a request or prompt-cache job needs the model,
+    /// then loads it with `loader`, the progress published as [`Residency::Loading`]. A load
+    /// that fails ends the waiting requests and jobs with its error and waits again. `None`
+    /// at shutdown or when every handle is gone.
+    fn reload(&mut self, loader: &mut Loader) -> Option<Loaded> {
+        let no_jobs = HashMap::new();
+        loop {
+            match self.inbox.recv() {
+                Ok(command) => self.handle(command, None, &no_jobs),
+                Err(_) => return None,
+            }
+            if self.shutting_down {
+                let error = EngineError::EngineStopped;
+                for job in std::mem::take(&mut self.submitted) {
+                    self.refuse(&job, &error);
+                }
+                self.flush();
+                return None;
+            }
+            if self.submitted.is_empty() && self.prompt_cache_jobs.is_empty() {
+                continue;
+            }
+            self.publish_residency(Residency::Loading {
+                progress: LoadProgress::default(),
+            });
+            let stats = Arc::clone(&self.stats);
+            let loaded = loader(&mut |progress| {
+                if let Ok(mut published) = stats.lock() {
+                    published.residency = Residency::Loading { progress };
+                }
+            });
+            match loaded {
+                Ok(loaded) => return Some(loaded),
+                Err(error) => {
+                    for job in std::mem::take(&mut self.submitted) {
+                        self.refuse(&job, &error);
+                    }
+                    for job in std::mem::take(&mut self.prompt_cache_jobs) {
+                        job.fail(&error);
+                    }
+                    self.publish_residency(Residency::Unloaded);
+                    self.flush();
+                }
+            }
         }
     }
 
@@ -260,98 +338,148 @@ pub(super) fn load_draft(
     Ok((draft, draft_tokenizer))
 }
 
-pub(super) struct EngineThread {
+/// A model in memory and its draft model (with the draft's tokenizer), when one is configured.
+pub(super) struct Loaded {
     pub(super) model: Box<dyn Model>,
-    /// The draft model and its tokenizer, when [`EngineConfig::draft_model`] is set.
     pub(super) draft: Option<(Box<dyn Model>, Tokenizer)>,
+}
+
+/// Loads the model (and draft) again after an idle unload, reporting the weights read.
+pub(super) type Loader = Box<dyn FnMut(&mut dyn FnMut(LoadProgress)) -> Result<Loaded> + Send>;
+
+pub(super) struct EngineThread {
+    /// The model as first loaded.
+    pub(super) loaded: Loaded,
+    pub(super) loader: Loader,
     pub(super) tokenizer: Arc<Tokenizer>,
     pub(super) model_id: String,
     pub(super) queue: Queue,
     pub(super) config: EngineConfig,
 }
 
+/// Why [`Pass::serve`] returned.
+enum Ended {
+    /// Shutdown, or every handle is gone.
+    Stopped,
+    /// Idle past the keep-alive time ([`KeepAlive`]): unload the model.
+    Idle,
+}
+
 impl EngineThread {
     /// Serves until shutdown; `ready` is called once, after the fresh batch's stats are
     /// published, so a client that sees the load finish reads the real KV pool and memory.
+    /// Idle past [`Queue::keep_alive`], the model, its KV pool and prefix cache are dropped and
+    /// MLX's buffer cache emptied; the next request (or prompt-cache job) loads it again.
     pub(super) fn run(self, ready: impl FnOnce()) {
         let mut ready = Some(ready);
         let EngineThread {
-            model,
-            draft,
+            loaded,
+            mut loader,
             tokenizer,
             model_id,
             mut queue,
             config,
         } = self;
-        let batch_config = BatchConfig {
-            max_running: config.max_running,
-            prefill_batch_size: config.prefill_batch_size,
-            prefill_token_budget: config.prefill_token_budget,
-            slot_attention: config.slot_attention,
-            compile_decode: config.compile_decode,
-            ..BatchConfig::for_budget(
-                model.as_ref(),
-                config.kv_cache_bytes,
-                config.block_size,
-                config.kv_quantization,
-            )
-        };
-        let mut pass = Pass {
-            model: model.as_ref(),
-            draft: draft.as_ref().map(|(m, t)| (m.as_ref(), t)),
-            solo: Vec::new(),
-            tokenizer: &tokenizer,
-            model_id: &model_id,
-            config: &config,
-            jobs: HashMap::new(),
-            steps: 0,
-        };
-        let mut warm_up = true;
+        let mut loaded = Some(loaded);
         loop {
-            let mut batch =
-                BatchGenerator::new(model.as_ref(), &tokenizer, batch_config.clone(), &model_id);
-            if std::mem::take(&mut warm_up) {
-                // A warm-up that fails leaves nothing behind; the first request that meets the
-                // same failure reports it.
-                if Backend::current() != Backend::Cpu {
-                    let _ = batch.warm_up();
-                }
-                if config.idle_warm_up {
-                    batch.queue_idle_warm_up();
-                }
-            }
-            // Stats of the fresh batch, then the failed requests' ends (after a panic).
-            queue.publish_and_flush(&mut batch);
-            if let Some(ready) = ready.take() {
-                ready();
-            }
-            let served =
-                std::panic::catch_unwind(AssertUnwindSafe(|| pass.serve(&mut batch, &mut queue)));
-            let panic = match served {
-                Ok(()) => return,
-                Err(panic) => panic,
+            let model = match loaded.take() {
+                Some(model) => model,
+                None => match queue.reload(&mut loader) {
+                    Some(model) => model,
+                    None => return,
+                },
             };
-            // A panic mid-pass: the batch's state is unknown. Its requests end with the panic's
-            // message (sent once the next batch is up); the next loop starts a fresh batch (and
-            // prefix cache) on the same model.
-            let message = format!(
-                "the engine failed while running this request ({}); it was stopped and the engine \
-                 restarted",
-                panic_message(panic.as_ref())
+            let ended = serve_model(
+                &model, &tokenizer, &model_id, &mut queue, &config, &mut ready,
             );
-            let solo = std::mem::take(&mut pass.solo).into_iter();
-            queue.solo.clear();
-            for job in std::mem::take(&mut pass.jobs)
-                .into_values()
-                .chain(solo.map(|(job, _)| job))
-            {
-                queue.finish(
-                    &job,
-                    FinishReason::Error,
-                    GenerationStats::default(),
-                    Some(RequestError::new(ErrorKind::Internal, message.clone())),
-                );
+            match ended {
+                Ended::Stopped => return,
+                Ended::Idle => {
+                    drop(model);
+                    crate::device::clear_cache();
+                    queue.publish_residency(Residency::Unloaded);
+                }
             }
+        }
+    }
+}
+
+/// Serves `loaded` until shutdown or an idle unload, restarting a fresh batch after a panic.
+fn serve_model(
+    loaded: &Loaded,
+    tokenizer: &Tokenizer,
+    model_id: &str,
+    queue: &mut Queue,
+    config: &EngineConfig,
+    ready: &mut Option<impl FnOnce()>,
+) -> Ended {
+    let model = loaded.model.as_ref();
+    let batch_config = BatchConfig {
+        max_running: config.max_running,
+        prefill_batch_size: config.prefill_batch_size,
+        prefill_token_budget: config.prefill_token_budget,
+        slot_attention: config.slot_attention,
+        compile_decode: config.compile_decode,
+        ..BatchConfig::for_budget(
+            model,
+            config.kv_cache_bytes,
+            config.block_size,
+            config.kv_quantization,
+        )
+    };
+    let mut pass = Pass {
+        model,
+        draft: loaded.draft.as_ref().map(|(m, t)| (m.as_ref(), t)),
+        solo: Vec::new(),
+        tokenizer,
+        model_id,
+        config,
+        jobs: HashMap::new(),
+        steps: 0,
+    };
+    let mut warm_up = true;
+    loop {
+        let mut batch = BatchGenerator::new(model, tokenizer, batch_config.clone(), model_id);
+        if std::mem::take(&mut warm_up) {
+            // A warm-up that fails leaves nothing behind; the first request that meets the
+            // same failure reports it.
+            if Backend::current() != Backend::Cpu {
+                let _ = batch.warm_up();
+            }
+            if config.idle_warm_up {
+                batch.queue_idle_warm_up();
+            }
+        }
+        // Stats of the fresh batch, then the failed requests' ends (after a panic).
+        queue.publish_and_flush(&mut batch);
+        if let Some(ready) = ready.take() {
+            ready();
+        }
+        let served = std::panic::catch_unwind(AssertUnwindSafe(|| pass.serve(&mut batch, queue)));
+        let panic = match served {
+            Ok(ended) => return ended,
+            Err(panic) => panic,
+        };
+        // A panic mid-pass: the batch's state is unknown. Its requests end with the panic's
+        // message (sent once the next batch is up); the next loop starts a fresh batch (and
+        // prefix cache) on the same model.
+        let message = format!(
+            "the engine failed while running this request ({}); it was stopped and the engine \
+             restarted",
+            panic_message(panic.as_ref())
+        );
+        let solo = std::mem::take(&mut pass.solo).into_iter();
+        queue.solo.clear();
+        for job in std::mem::take(&mut pass.jobs)
+            .into_values()
+            .chain(solo.map(|(job, _)| job))
+        {
+            queue.finish(
+                &job,
+                FinishReason::Error,
+                GenerationStats::default(),
+                Some(RequestError::new(ErrorKind::Internal, message.clone())),
+            );
         }
     }
 }
@@ -384,7 +512,7 @@ pub(super) struct Pass<'m> {
 
 impl Pass<'_> {
     /// Serves commands and steps the batch until shutdown or the last handle is dropped.
-    fn serve(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
+    fn serve(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) -> Ended {
         let config = self.config;
         loop {
             if batch.is_empty()
@@ -393,12 +521,28 @@ impl Pass<'_> {
                 && queue.prompt_cache_jobs.is_empty()
                 && !queue.shutting_down
             {
-                // Idle: sleep until a command arrives; a dropped last handle ends the thread.
+                // Idle: sleep until a command arrives or the keep-alive time has passed; a
+                // dropped last handle ends the thread.
                 queue.publish_and_flush(batch);
+                let unload_at = match queue.keep_alive {
+                    KeepAlive::Idle(time) => Some(Instant::now() + time),
+                    KeepAlive::Forever => None,
+                };
                 // Queued warm-up passes run one at a time while no command waits.
                 let command = loop {
+                    let left = unload_at.map(|at| at.saturating_duration_since(Instant::now()));
+                    if left.is_some_and(|left| left.is_zero()) {
+                        return Ended::Idle;
+                    }
                     if batch.idle_warm_ups_left() == 0 {
-                        break queue.inbox.recv().ok();
+                        match left {
+                            None => break queue.inbox.recv().ok(),
+                            Some(left) => match queue.inbox.recv_timeout(left) {
+                                Ok(command) => break Some(command),
+                                Err(mpsc::RecvTimeoutError::Timeout) => return Ended::Idle,
+                                Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+                            },
+                        }
                     }
                     match queue.inbox.try_recv() {
                         Ok(command) => break Some(command),
@@ -411,8 +555,8 @@ impl Pass<'_> {
                     }
                 };
                 match command {
-                    Some(command) => queue.handle(command, batch, &self.jobs),
-                    None => return,
+                    Some(command) => queue.handle(command, Some(batch), &self.jobs),
+                    None => return Ended::Stopped,
                 }
                 // A next-token-logprobs call waits briefly for others to share its step.
                 let timeout = config.logprobs_batch_timeout;
@@ -425,7 +569,7 @@ impl Pass<'_> {
                 if !queue.gather(batch, &self.jobs, timeout, timeout, scoring)
                     || !queue.gather(batch, &self.jobs, window * 4, window, burst)
                 {
-                    return;
+                    return Ended::Stopped;
                 }
             }
             queue.drain(batch, &self.jobs);
@@ -472,7 +616,7 @@ impl Pass<'_> {
             }
             if queue.shutting_down {
                 queue.publish_and_flush(batch);
-                return;
+                return Ended::Stopped;
             }
             // Refused and cancelled requests hear of it now, not after the step.
             if arrived || !queue.outbox.is_empty() {
@@ -790,4 +934,19 @@ pub(super) enum PromptCacheJob {
         path: PathBuf,
         reply: Sender<Result<usize>>,
     },
+}
+
+impl PromptCacheJob {
+    /// Answers the job with `error` (the model it needed could not be loaded).
+    fn fail(self, error: &EngineError) {
+        let (path, reply) = match self {
+            PromptCacheJob::Save { path, reply, .. } | PromptCacheJob::Load { path, reply } => {
+                (path, reply)
+            }
+        };
+        let _ = reply.send(Err(EngineError::PromptCache {
+            path,
+            message: format!("the model could not be loaded again: {error}"),
+        }));
+    }
 }
