@@ -5,7 +5,7 @@ use crate::commands::CommandError;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use perch_engine::EngineConfig;
+use perch_engine::{EngineConfig, KeepAlive};
 use perch_store::{History, SetAside, Settings};
 
 use crate::commands::sentence;
@@ -136,7 +136,8 @@ impl Store {
         Ok(())
     }
 
-    /// The engine configuration the settings ask for (KV budget, block size, draft model).
+    /// The engine configuration the settings ask for (KV budget, block size, draft model, idle
+    /// unload).
     /// Errors when the draft model is neither a model directory nor a downloaded Hub id.
     pub fn engine_config(&self) -> Result<EngineConfig, CommandError> {
         let settings = self.lock_settings()?;
@@ -153,6 +154,10 @@ impl Store {
             kv_cache_bytes: settings.kv_cache_bytes,
             block_size: settings.block_size,
             draft_model,
+            keep_alive: match settings.unload_after_idle_secs {
+                Some(secs) => KeepAlive::Idle(std::time::Duration::from_secs(secs)),
+                None => KeepAlive::Forever,
+            },
             ..EngineConfig::default()
         })
     }

@@ -1379,3 +1379,43 @@ fn the_first_run_is_remembered_in_the_settings() {
     let reopened = invoke(&window, "get_settings", json!({})).unwrap();
     assert_eq!(reopened["settings"]["first_run_done"], true);
 }
+
+/// The idle-unload setting: checked on save (a minute at least), given to the engine as its
+/// keep-alive at the next load, and the engine's residency shown in its stats.
+#[test]
+fn the_idle_unload_setting_reaches_the_engine() {
+    use tauri::Manager;
+    let _turn = serial();
+    let data = tempfile::tempdir().unwrap();
+    let (app, window) = app(data.path());
+    let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
+    assert_eq!(
+        settings["unload_after_idle_secs"],
+        json!(3600),
+        "an hour by default"
+    );
+    settings["unload_after_idle_secs"] = json!(30);
+    let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("unload_after_idle_secs"),
+        "{error}"
+    );
+    settings["unload_after_idle_secs"] = json!(120);
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    let config = app.state::<Store>().engine_config().unwrap();
+    assert_eq!(
+        config.keep_alive,
+        perch_engine::KeepAlive::Idle(std::time::Duration::from_secs(120))
+    );
+    settings["unload_after_idle_secs"] = Value::Null;
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    let config = app.state::<Store>().engine_config().unwrap();
+    assert_eq!(config.keep_alive, perch_engine::KeepAlive::Forever);
+    invoke(&window, "load_model", json!({"path": model_dir()})).unwrap();
+    let stats = invoke(&window, "engine_stats", json!({})).unwrap();
+    assert_eq!(stats["residency"], json!({"state": "loaded"}), "{stats}");
+    invoke(&window, "unload_model", json!({})).unwrap();
+}

@@ -16,10 +16,25 @@ function axisColours() {
   return { stroke: text, grid: { stroke: line, width: 1 }, ticks: { stroke: line, width: 1 } };
 }
 
+/**
+ * Whether the engine's model is in memory, from its stats' `residency` (perch-engine's
+ * `Residency`): unloaded after the idle time in Settings, loading again for a request.
+ */
+export function residencyLine(stats) {
+  if (!stats) return "none loaded";
+  const residency = stats.residency ?? { state: "loaded" };
+  if (residency.state === "unloaded") return "unloaded while idle; the next message loads it again";
+  if (residency.state === "loading") {
+    const { bytes_read: read, bytes_total: total } = residency;
+    return total > 0 ? `loading again… ${Math.floor((100 * Math.min(read, total)) / total)}%` : "loading again…";
+  }
+  return "loaded";
+}
+
 /** The numbers under the graphs, [name, value], from the last sample. */
 export function numbers({ stats, system, server }) {
   return [
-    ["Model", stats ? "loaded" : "none loaded"],
+    ["Model", residencyLine(stats)],
     ["Metal wired limit", stats?.memory.wired_limit_bytes != null ? mib(stats.memory.wired_limit_bytes) : "not available on this machine"],
     ["MLX active / peak / cache", stats ? [stats.memory.active_bytes, stats.memory.peak_bytes, stats.memory.cache_bytes].map(mib).join(" / ") : "—"],
     ["System RAM used / total", system ? `${mib(system.ram_used_bytes)} / ${mib(system.ram_total_bytes)}` : "—"],

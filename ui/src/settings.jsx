@@ -9,7 +9,7 @@ import { getPath, readInput, setPath, writeInput, SAMPLING_DEFAULT_FIELDS } from
 import { PRESET_CHOICES } from "./presets.js";
 import { useSampling } from "./sampling.js";
 
-const SAVED = "Saved. The KV cache budget, block size and draft model apply when a model is next loaded.";
+const SAVED = "Saved. The idle unload, KV cache budget, block size and draft model apply when a model is next loaded.";
 const SAMPLING_SETTINGS = new Set(SAMPLING_DEFAULT_FIELDS.map((name) => `chat.sampling.${name}`));
 
 let messages = 0;
@@ -114,6 +114,7 @@ export function SettingsView({ api, visible, inert, handle }) {
         <h3 class="wide">App</h3>
         <label>Global shortcut <input type="text" data-setting="shortcut" placeholder="none" /></label>
         <label class="check"><input type="checkbox" data-setting="launch_at_login" /> Launch at login</label>
+        <label>Unload the model after idle (minutes) <input type="number" step="1" min="1" max="43200" data-scale="60" data-optional data-setting="unload_after_idle_secs" placeholder="never" /></label>
         <details class="wide advanced" id="settings-advanced" ref={advanced}>
           <summary>Advanced</summary>
           <div class="fields">

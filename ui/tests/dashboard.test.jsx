@@ -147,6 +147,24 @@ describe("Dashboard", () => {
     expect(shown["System RAM used / total"]).toBe("2048 MiB / 8192 MiB");
   });
 
+  it("says when the model was unloaded while idle and how far it has loaded again", async () => {
+    const api = fakeApi();
+    const sampler = new StatsSampler(api, () => 1);
+    render(<Dashboard api={api} sampler={sampler} visible={false} />);
+    api.stats = engineStats({ residency: { state: "unloaded" } });
+    await tick(sampler);
+    expect(numbers().Model).toBe("unloaded while idle; the next message loads it again");
+    api.stats = engineStats({ residency: { state: "loading", bytes_read: 30, bytes_total: 120 } });
+    await tick(sampler);
+    expect(numbers().Model).toBe("loading again… 25%");
+    api.stats = engineStats({ residency: { state: "loading", bytes_read: 0, bytes_total: 0 } });
+    await tick(sampler);
+    expect(numbers().Model).toBe("loading again…");
+    api.stats = engineStats({ residency: { state: "loaded" } });
+    await tick(sampler);
+    expect(numbers().Model).toBe("loaded");
+  });
+
   it("shows the local server off, on other devices, and without a key", async () => {
     const api = fakeApi();
     const sampler = new StatsSampler(api, () => 1);

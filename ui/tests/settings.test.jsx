@@ -111,7 +111,7 @@ describe("SettingsView", () => {
     const settings = {
       chat: { system_prompt: "", sampling_source: "custom", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
       kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "CommandOrControl+Shift+Space",
-      server: { enabled: false, port: 8080, api_key: null, allow_lan: false },
+      server: { enabled: false, port: 8080, api_key: null, allow_lan: false }, unload_after_idle_secs: 3600,
     };
     const saved = [];
     const api = {
@@ -135,7 +135,16 @@ describe("SettingsView", () => {
     expect(saved[0].chat.sampling.logit_bias).toEqual({});
     expect(saved[0].models_dir).toBe(null);
     expect(saved[0].server).toEqual(settings.server);
+    expect(saved[0].unload_after_idle_secs).toBe(3600); // shown as 60 minutes, saved as it was
     expect(document.getElementById("settings-message").textContent).toMatch(/^Saved/);
+    // Minutes in the form, seconds in the file; empty is never.
+    expect(field("unload_after_idle_secs").value).toBe("60");
+    field("unload_after_idle_secs").value = "5";
+    await save();
+    expect(saved[1].unload_after_idle_secs).toBe(300);
+    field("unload_after_idle_secs").value = "";
+    await save();
+    expect(saved[2].unload_after_idle_secs).toBe(null);
     document.querySelector("[data-setting=block_size]").value = "8";
     await save();
     expect(document.getElementById("settings-message").textContent).toMatch(/^Setting block_size/);

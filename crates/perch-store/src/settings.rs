@@ -54,6 +54,9 @@ pub struct Settings {
     pub draft_model: Option<String>,
     /// Tokens the draft model proposes per step (1 to 64).
     pub num_draft_tokens: usize,
+    /// Unload the model after this many seconds with no request (`EngineConfig::keep_alive`;
+    /// LM Studio's idle TTL); the next chat or request loads it again. `None`: keep it loaded.
+    pub unload_after_idle_secs: Option<u64>,
     /// The app's first-run screen was finished or skipped once: it is not shown again. Set by
     /// the app alone (a settings form saved with `false` does not bring it back).
     pub first_run_done: bool,
@@ -127,6 +130,7 @@ impl Default for Settings {
             server: ServerSettings::default(),
             draft_model: None,
             num_draft_tokens: 3,
+            unload_after_idle_secs: Some(perch_engine::KeepAlive::DEFAULT_IDLE.as_secs()),
             first_run_done: false,
         }
     }
@@ -183,6 +187,8 @@ impl ConversationSettings {
 impl Settings {
     /// Smallest KV budget accepted: 16 MiB, ~360 tokens of SmolLM2-135M in float32.
     pub const MIN_KV_CACHE_BYTES: usize = 16 << 20;
+    /// Idle times accepted for [`Settings::unload_after_idle_secs`]: a minute to 30 days.
+    pub const IDLE_UNLOAD_SECS: std::ops::RangeInclusive<u64> = 60..=30 * 24 * 3600;
     /// Block sizes accepted: powers of two in this range.
     pub const BLOCK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
     /// Checks every value; `total_memory_bytes` (the machine's RAM) bounds the KV budget.
@@ -225,6 +231,19 @@ impl Settings {
                 return invalid(
                     "models_dir",
                     format!("must be an absolute path, got {}", dir.display()),
+                );
+            }
+        }
+        if let Some(secs) = self.unload_after_idle_secs {
+            if !Self::IDLE_UNLOAD_SECS.contains(&secs) {
+                return invalid(
+                    "unload_after_idle_secs",
+                    format!(
+                        "must be {} to {} seconds (a minute to 30 days), got {secs}; leave it \
+                         unset to keep the model loaded",
+                        Self::IDLE_UNLOAD_SECS.start(),
+                        Self::IDLE_UNLOAD_SECS.end()
+                    ),
                 );
             }
         }
@@ -357,8 +376,14 @@ mod tests {
     #[test]
     fn invalid_values_are_named() {
         type Case = (&'static str, fn(&mut Settings));
-        let cases: [Case; 16] = [
+        let cases: [Case; 18] = [
             ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
+            ("unload_after_idle_secs", |s| {
+                s.unload_after_idle_secs = Some(5)
+            }),
+            ("unload_after_idle_secs", |s| {
+                s.unload_after_idle_secs = Some(u64::MAX)
+            }),
             ("chat.max_kv_size", |s| s.chat.max_kv_size = Some(4)),
             ("chat.kv_bits", |s| s.chat.kv_bits = Some(7)),
             ("chat.kv_bits", |s| {

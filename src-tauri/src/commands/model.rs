@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use perch_engine::device::{clear_cache as mlx_clear_cache, memory_stats};
 use perch_engine::sample::generation_config::SamplingDefaults;
-use perch_engine::{EngineConfig, EngineHandle, EngineStats, LoadProgress};
+use perch_engine::{EngineConfig, EngineHandle, EngineStats, LoadProgress, Residency};
 use perch_hub::LocalModel;
 use perch_server::{Served, ServedModel};
 use serde::Serialize;
@@ -337,7 +337,8 @@ pub fn clear_cache() -> usize {
 
 /// The tray's line for `status` and the engine's `stats`: "No model loaded", "Loading
 /// SmolLM2… 40%", "SmolLM2 · idle · 0.3 GB", "SmolLM2 · 2 generating, 1 waiting · 85 tok/s ·
-/// 0.4 GB" (MLX's memory in use), "SmolLM2 failed to load".
+/// 0.4 GB" (MLX's memory in use), "SmolLM2 · unloaded while idle", "Loading SmolLM2 again…
+/// 40%", "SmolLM2 failed to load".
 pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
     match status {
         ModelStatus::NotLoaded => "No model loaded".into(),
@@ -351,6 +352,17 @@ pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
             let Some(s) = stats else {
                 return format!("{name} · idle");
             };
+            match s.residency {
+                Residency::Loaded => {}
+                Residency::Unloaded => return format!("{name} · unloaded while idle"),
+                Residency::Loading { progress } if progress.bytes_total > 0 => {
+                    return format!(
+                        "Loading {name} again… {}%",
+                        100 * progress.bytes_read.min(progress.bytes_total) / progress.bytes_total
+                    )
+                }
+                Residency::Loading { .. } => return format!("Loading {name} again…"),
+            }
             // MLX's memory in use (weights, KV cache, activations), in decimal GB.
             let memory = format!("{:.1} GB", s.memory.active_bytes as f64 / 1e9);
             if s.running + s.waiting == 0 {
@@ -411,6 +423,22 @@ mod tray_tests {
         assert_eq!(
             tray_line(&loaded, Some(&stats)),
             "SmolLM2 · 2 generating, 1 waiting · 85 tok/s · 0.3 GB"
+        );
+        // Unloaded after the idle time, and loading again for the next request.
+        stats.residency = Residency::Unloaded;
+        assert_eq!(
+            tray_line(&loaded, Some(&stats)),
+            "SmolLM2 · unloaded while idle"
+        );
+        stats.residency = Residency::Loading {
+            progress: LoadProgress {
+                bytes_read: 30,
+                bytes_total: 120,
+            },
+        };
+        assert_eq!(
+            tray_line(&loaded, Some(&stats)),
+            "Loading SmolLM2 again… 25%"
         );
     }
 }
