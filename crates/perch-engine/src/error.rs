@@ -68,13 +68,17 @@ pub enum EngineError {
     /// The prompt alone does not fit in the KV block pool. (A prompt that fits with room for
     /// fewer tokens than `max_tokens` runs with `max_tokens` lowered to what fits, and finishes
     /// with reason `length`.)
+    /// When the budget was lowered to fit the memory left after loading ([`crate::memory`]),
+    /// the sentence says so and asks for memory rather than a larger budget.
     #[error(
         "the prompt needs {prompt_tokens} tokens of KV cache and one more to generate, but the KV cache budget holds \
-         {capacity_tokens}; shorten the prompt or raise the KV cache budget"
+         {capacity_tokens}{}",
+        kv_advice(lowered)
     )]
     KvCacheTooSmall {
         prompt_tokens: usize,
         capacity_tokens: usize,
+        lowered: Option<crate::memory::LoweredBudget>,
     },
     /// The engine already holds as many requests as it queues (see
     /// [`crate::EngineConfig::max_queued_requests`]); try again when some have finished.
@@ -199,5 +203,19 @@ impl From<mlx_rs::error::IoError> for EngineError {
             path: PathBuf::new(),
             message: err.to_string(),
         }
+    }
+}
+
+/// The end of [`EngineError::KvCacheTooSmall`]'s sentence: what to change.
+fn kv_advice(lowered: &Option<crate::memory::LoweredBudget>) -> String {
+    use crate::memory::describe_bytes;
+    match lowered {
+        None => "; shorten the prompt or raise the KV cache budget".into(),
+        Some(l) => format!(
+            " (the budget was lowered from {} to fit the {} of memory left after loading the \
+             model); shorten the prompt, close other apps or choose a smaller model",
+            describe_bytes(l.configured_bytes as u64),
+            describe_bytes(l.available_bytes)
+        ),
     }
 }

@@ -210,6 +210,75 @@ pub fn kv_budget_within(configured: usize, available: u64) -> usize {
     configured.min((available as f64 * KV_SHARE_OF_AVAILABLE) as usize)
 }
 
+/// The share of the memory available once the model is loaded that MLX may keep in its cache of
+/// freed buffers (which it reuses instead of allocating; resident all the same). MLX's own
+/// default is its memory limit, about the machine's RAM: under a tight limit the cache alone
+/// pushed a batch over it.
+pub const CACHE_SHARE_OF_AVAILABLE: f64 = 0.1;
+
+/// MLX's buffer-cache limit within `available` bytes ([`CACHE_SHARE_OF_AVAILABLE`]).
+pub fn cache_limit_within(available: u64) -> usize {
+    (available as f64 * CACHE_SHARE_OF_AVAILABLE) as usize
+}
+
+/// Watches the memory left while the engine runs (CPU and Metal): [`PressureGuard::low`] says
+/// when it has fallen under a floor, so the engine frees what it can (MLX's buffer cache, the
+/// prefix cache's free blocks) and stops admitting requests until memory is back, rather than
+/// growing into the OOM killer. Reads the memory at most every [`PressureGuard::INTERVAL`].
+#[derive(Debug)]
+pub struct PressureGuard {
+    floor: u64,
+    checked: Option<std::time::Instant>,
+    low: bool,
+}
+
+impl PressureGuard {
+    /// How often the memory is read (each read costs a few system calls).
+    pub const INTERVAL: std::time::Duration = std::time::Duration::from_millis(50);
+    /// The floor: this share of the memory available once the model was loaded, and at least
+    /// [`PressureGuard::MIN_FLOOR`].
+    pub const FLOOR_SHARE: f64 = 0.2;
+    pub const MIN_FLOOR: u64 = 32 << 20;
+
+    /// A guard for an engine that had `available_after_load` bytes left once its model loaded.
+    pub fn new(available_after_load: u64) -> Self {
+        Self {
+            floor: ((available_after_load as f64 * Self::FLOOR_SHARE) as u64).max(Self::MIN_FLOOR),
+            checked: None,
+            low: false,
+        }
+    }
+
+    /// Whether the memory available is under the floor, and whether that was read just now
+    /// (it is read again when the last reading is older than [`PressureGuard::INTERVAL`]).
+    pub fn low(&mut self) -> (bool, bool) {
+        let fresh = self.checked.is_none_or(|at| at.elapsed() >= Self::INTERVAL);
+        if fresh {
+            self.checked = Some(std::time::Instant::now());
+            self.low = available().bytes < self.floor;
+        }
+        (self.low, fresh)
+    }
+}
+
+/// A KV cache budget lowered to fit the memory left after loading the model
+/// ([`kv_budget_within`]): what was configured and what was available.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoweredBudget {
+    pub configured_bytes: usize,
+    pub available_bytes: u64,
+}
+
+impl LoweredBudget {
+    /// `Some` when [`kv_budget_within`] lowers `configured` for `available`.
+    pub fn of(configured: usize, available: u64) -> Option<Self> {
+        (kv_budget_within(configured, available) < configured).then_some(Self {
+            configured_bytes: configured,
+            available_bytes: available,
+        })
+    }
+}
+
 /// `bytes` in the largest unit that keeps a whole number in front (`1.5 GB`, `96 MB`), decimal
 /// units as the OS's memory displays give them.
 pub fn describe_bytes(bytes: u64) -> String {

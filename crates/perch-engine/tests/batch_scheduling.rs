@@ -29,6 +29,7 @@ fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
         kv_quantization: None,
         slot_attention: Default::default(),
         compile_decode: false,
+        lowered_for_memory: None,
     }
 }
 
@@ -242,7 +243,8 @@ fn a_prompt_larger_than_the_pool_is_rejected_and_max_tokens_is_clamped_to_the_po
             err,
             EngineError::KvCacheTooSmall {
                 prompt_tokens: 32,
-                capacity_tokens: 32
+                capacity_tokens: 32,
+                lowered: None,
             }
         ),
         "{err}"
@@ -262,6 +264,73 @@ fn a_prompt_larger_than_the_pool_is_rejected_and_max_tokens_is_clamped_to_the_po
     assert_eq!(output.finish_reason, FinishReason::Length);
     assert_eq!(output.token_ids.len(), 12, "{output:?}");
     assert_eq!(batch.kv_stats().blocks_used, 0);
+}
+
+/// A pool whose budget was lowered to fit memory says so, and asks for memory, not a budget.
+#[test]
+fn a_budget_lowered_for_memory_says_so_when_a_prompt_does_not_fit() {
+    let (model, tokenizer) = load();
+    let lowered = perch_engine::memory::LoweredBudget {
+        configured_bytes: 2 << 30,
+        available_bytes: 140_000_000,
+    };
+    let config = BatchConfig {
+        lowered_for_memory: Some(lowered),
+        ..config(4, 8)
+    };
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+    let err = batch
+        .insert(request(vec![1; 32], 4))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("the budget was lowered from 2.1 GB to fit the 140 MB of memory left")
+            && err.contains("close other apps")
+            && !err.contains("raise the KV cache budget"),
+        "{err}"
+    );
+}
+
+/// Under memory pressure (`hold_admissions`), a waiting request starts only once nothing runs;
+/// released, admission is as before. Every request still gets its tokens.
+#[test]
+fn held_admissions_wait_while_a_request_runs() {
+    let (model, tokenizer) = load();
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
+    let mut first = request(vec![1, 504, 2988], 6);
+    first.ignore_eos = true;
+    batch.insert(first.clone()).unwrap();
+    batch.step().unwrap();
+    assert_eq!(batch.num_running(), 1);
+    batch.hold_admissions(true);
+    batch.insert(first.clone()).unwrap();
+    let mut waited = 0;
+    while batch.num_running() == 1 && batch.num_waiting() == 1 {
+        batch.step().unwrap();
+        waited += 1;
+        assert!(waited < 20, "the first request never finished");
+    }
+    assert!(
+        waited >= 4,
+        "the second waited for the first: {waited} steps"
+    );
+    assert_eq!((batch.num_running(), batch.num_waiting()), (0, 1));
+    // Nothing runs: it starts at the next step, held or not.
+    batch.step().unwrap();
+    assert_eq!(
+        (batch.num_running(), batch.num_waiting()),
+        (1, 0),
+        "then it ran alone"
+    );
+    // Released: two more start together.
+    batch.hold_admissions(false);
+    batch.insert(first.clone()).unwrap();
+    batch.insert(first).unwrap();
+    batch.step().unwrap();
+    assert_eq!(batch.num_waiting(), 0);
+    while !batch.is_empty() {
+        batch.step().unwrap();
+    }
 }
 
 #[test]

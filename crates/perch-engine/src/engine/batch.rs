@@ -98,6 +98,8 @@ pub struct BatchConfig {
     /// Run decode steps through MLX's compiler ([`crate::worker::compiled`]); on by default on GPUs,
     /// where a decode step is bound by the host.
     pub compile_decode: bool,
+    /// The budget was lowered to fit the memory left after loading (errors say so).
+    pub lowered_for_memory: Option<crate::memory::LoweredBudget>,
 }
 
 impl BatchConfig {
@@ -148,6 +150,7 @@ impl BatchConfig {
             kv_quantization,
             slot_attention: SlotAttention::Auto,
             compile_decode: Self::default_compile_decode(Backend::current()),
+            lowered_for_memory: None,
         }
     }
 
@@ -328,6 +331,8 @@ pub struct BatchGenerator<'m> {
     /// Admitted sequences, oldest first (the newest is preempted first).
     running: Vec<Sequence>,
     waiting: VecDeque<Sequence>,
+    /// See [`BatchGenerator::hold_admissions`].
+    admissions_held: bool,
     kv: KvCacheManager,
     store: BlockStore,
     /// Partial last blocks of sequences that left, for prompts that extend them.
@@ -392,6 +397,7 @@ impl<'m> BatchGenerator<'m> {
             preemptions: 0,
             times: StepTimes::default(),
             idle_warm_ups: VecDeque::new(),
+            admissions_held: false,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
@@ -517,6 +523,7 @@ impl<'m> BatchGenerator<'m> {
             return Err(EngineError::KvCacheTooSmall {
                 prompt_tokens: request.prompt.len(),
                 capacity_tokens,
+                lowered: self.config.lowered_for_memory,
             });
         }
         // A bounded request whose bound the pool holds may run past the pool's size.
@@ -630,6 +637,17 @@ impl<'m> BatchGenerator<'m> {
 
     /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
     /// content.
+    /// While `held`, waiting requests are not admitted as long as one runs (the engine's answer
+    /// to memory pressure, [`crate::memory::PressureGuard`]): they wait instead of adding their
+    /// caches to a process short of memory; a request still starts when none runs.
+    pub fn hold_admissions(&mut self, held: bool) {
+        self.admissions_held = held;
+    }
+
+    pub fn admissions_held(&self) -> bool {
+        self.admissions_held
+    }
+
     pub fn reset_prefix_cache(&mut self) {
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
@@ -774,11 +792,13 @@ impl<'m> BatchGenerator<'m> {
                     private: !seq.kv.is_plain(),
                 })
                 .collect();
+            // Under memory pressure nothing new starts while something runs.
+            let held = self.admissions_held && !self.running.is_empty();
             let batch = plan::Batch {
                 running: &running,
                 waiting: &waiting,
                 step_in_flight: self.runner.has_in_flight(),
-                admit: !preempted,
+                admit: !preempted && !held,
             };
             let tails = &mut self.tails;
             let block_size = self.config.block_size;

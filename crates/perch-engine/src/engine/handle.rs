@@ -147,12 +147,21 @@ impl EngineHandle {
                         // On CPU and Metal the KV cache takes the memory the model was just
                         // loaded into: its budget leaves room for what it really takes. (On
                         // CUDA it is the GPU's memory, not judged.)
+                        let mut memory = MemoryAtLoad::default();
                         if let Some(available) =
                             crate::memory::available_for(crate::device::Backend::current())
                         {
+                            memory.available = Some(available.bytes);
+                            memory.lowered = crate::memory::LoweredBudget::of(
+                                config.kv_cache_bytes,
+                                available.bytes,
+                            );
                             config.kv_cache_bytes = crate::memory::kv_budget_within(
                                 config.kv_cache_bytes,
                                 available.bytes,
+                            );
+                            let _ = mlx_rs::memory::set_cache_limit(
+                                crate::memory::cache_limit_within(available.bytes),
                             );
                         }
                         let pool = BatchConfig::for_budget(
@@ -193,6 +202,7 @@ impl EngineHandle {
                         EngineThread {
                             loaded: Loaded { model, draft },
                             loader,
+                            memory,
                             tokenizer,
                             model_id,
                             queue,

@@ -351,10 +351,20 @@ pub(super) struct EngineThread {
     /// The model as first loaded.
     pub(super) loaded: Loaded,
     pub(super) loader: Loader,
+    pub(super) memory: MemoryAtLoad,
     pub(super) tokenizer: Arc<Tokenizer>,
     pub(super) model_id: String,
     pub(super) queue: Queue,
     pub(super) config: EngineConfig,
+}
+
+/// The memory left once the model first loaded, on CPU and Metal (`None` on CUDA, see
+/// [`crate::memory::available_for`]), and whether the KV budget was lowered for it.
+#[derive(Clone, Copy, Default)]
+pub(super) struct MemoryAtLoad {
+    pub(super) available: Option<u64>,
+    /// See [`BatchConfig::lowered_for_memory`].
+    pub(super) lowered: Option<crate::memory::LoweredBudget>,
 }
 
 /// Why [`Pass::serve`] returned.
@@ -375,6 +385,7 @@ impl EngineThread {
         let EngineThread {
             loaded,
             mut loader,
+            memory,
             tokenizer,
             model_id,
             mut queue,
@@ -390,13 +401,17 @@ impl EngineThread {
                 },
             };
             let ended = serve_model(
-                &model, &tokenizer, &model_id, &mut queue, &config, &mut ready,
+                &model,
+                (&tokenizer, &model_id),
+                &mut queue,
+                (&config, memory),
+                &mut ready,
             );
             match ended {
                 Ended::Stopped => return,
                 Ended::Idle => {
                     drop(model);
-                    crate::device::clear_cache();
+                    crate::device::release_freed_memory();
                     queue.publish_residency(Residency::Unloaded);
                 }
             }
@@ -407,10 +422,9 @@ impl EngineThread {
 /// Serves `loaded` until shutdown or an idle unload, restarting a fresh batch after a panic.
 fn serve_model(
     loaded: &Loaded,
-    tokenizer: &Tokenizer,
-    model_id: &str,
+    (tokenizer, model_id): (&Tokenizer, &str),
     queue: &mut Queue,
-    config: &EngineConfig,
+    (config, memory): (&EngineConfig, MemoryAtLoad),
     ready: &mut Option<impl FnOnce()>,
 ) -> Ended {
     let model = loaded.model.as_ref();
@@ -420,6 +434,7 @@ fn serve_model(
         prefill_token_budget: config.prefill_token_budget,
         slot_attention: config.slot_attention,
         compile_decode: config.compile_decode,
+        lowered_for_memory: memory.lowered,
         ..BatchConfig::for_budget(
             model,
             config.kv_cache_bytes,
@@ -436,6 +451,7 @@ fn serve_model(
         config,
         jobs: HashMap::new(),
         steps: 0,
+        pressure: memory.available.map(crate::memory::PressureGuard::new),
     };
     let mut warm_up = true;
     loop {
@@ -508,9 +524,29 @@ pub(super) struct Pass<'m> {
     pub(super) jobs: HashMap<RequestId, Job>,
     /// Steps run since the model loaded (for [`FaultInjection::panic_at_step`]).
     pub(super) steps: u64,
+    /// Watches the memory left (CPU and Metal); see [`Pass::relieve_memory`].
+    pub(super) pressure: Option<crate::memory::PressureGuard>,
 }
 
 impl Pass<'_> {
+    /// Under memory pressure ([`crate::memory::PressureGuard`]): on entering it, drops the
+    /// prefix cache's free blocks; at each reading under the floor, gives freed memory back
+    /// ([`crate::device::release_freed_memory`]); while it lasts, admits no request beside
+    /// those running (they wait in line).
+    fn relieve_memory(&mut self, batch: &mut BatchGenerator<'_>) {
+        let Some(guard) = &mut self.pressure else {
+            return;
+        };
+        let (low, fresh) = guard.low();
+        if low && !batch.admissions_held() {
+            batch.reset_prefix_cache();
+        }
+        if low && fresh {
+            crate::device::release_freed_memory();
+        }
+        batch.hold_admissions(low);
+    }
+
     /// Serves commands and steps the batch until shutdown or the last handle is dropped.
     fn serve(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) -> Ended {
         let config = self.config;
@@ -625,6 +661,7 @@ impl Pass<'_> {
             let queues = |b: &BatchGenerator<'_>| (b.num_running(), b.num_waiting());
             let before = queues(batch);
             if !batch.is_empty() {
+                self.relieve_memory(batch);
                 self.step(batch, queue);
             }
             self.step_solo(batch, queue);
