@@ -763,11 +763,25 @@ fn http(addr: &str, request_line: &str, key: &str, body: &str) -> (String, Strin
     )
 }
 
+/// The `host:port` a `perch serve` child prints on its first line.
+fn serve_address(child: &mut std::process::Child) -> String {
+    use std::io::BufRead;
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = lines
+        .next()
+        .expect("perch serve prints its address")
+        .unwrap();
+    line.split("http://")
+        .nth(1)
+        .and_then(|rest| rest.strip_suffix("/v1"))
+        .unwrap_or_else(|| panic!("no address in `{line}`"))
+        .to_owned()
+}
+
 /// `perch serve` prints where it listens, answers `/v1/models` and a chat completion with the
 /// key, refuses a request without it, and reports a bad address as one line.
 #[test]
 fn serve_answers_over_http() {
-    use std::io::BufRead;
     let model = test_model();
     let mut child = Command::new(env!("CARGO_BIN_EXE_perch"))
         .args(["serve", "--model", &model, "--port", "0", "--api-key", "k"])
@@ -775,17 +789,7 @@ fn serve_answers_over_http() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("run perch serve");
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines
-        .next()
-        .expect("perch serve prints its address")
-        .unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.strip_suffix("/v1"))
-        .unwrap_or_else(|| panic!("no address in `{line}`"))
-        .to_owned();
+    let addr = serve_address(&mut child);
 
     let (status, body) = http(&addr, "GET /v1/models", "k", "");
     assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
@@ -1070,6 +1074,7 @@ fn the_kv_budget_fits_the_memory_left() {
 }
 
 /// The resident memory of process `pid` in bytes (`VmRSS` of `/proc/PID/status`).
+#[cfg(target_os = "linux")]
 fn resident_bytes(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kib: u64 = status
@@ -1081,10 +1086,10 @@ fn resident_bytes(pid: u32) -> u64 {
 }
 
 /// `perch serve --keep-alive 1s` gives the model's memory back once idle and loads it again
-/// for the next request, which answers as the first did.
+/// for the next request, which answers as the first did (resident memory read from `/proc`).
+#[cfg(target_os = "linux")]
 #[test]
 fn serve_unloads_an_idle_model_and_gives_its_memory_back() {
-    use std::io::BufRead;
     let model = test_model();
     let mut child = Command::new(env!("CARGO_BIN_EXE_perch"))
         .args(["serve", "--model", &model, "--port", "0", "--api-key", "k"])
@@ -1093,17 +1098,7 @@ fn serve_unloads_an_idle_model_and_gives_its_memory_back() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("run perch serve");
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = lines
-        .next()
-        .expect("perch serve prints its address")
-        .unwrap();
-    let addr = line
-        .split("http://")
-        .nth(1)
-        .and_then(|rest| rest.strip_suffix("/v1"))
-        .unwrap_or_else(|| panic!("no address in `{line}`"))
-        .to_owned();
+    let addr = serve_address(&mut child);
     let request = serde_json::json!({
         "model": model, "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "user", "content": "Hello"}],

@@ -77,10 +77,9 @@ pub struct GenerateRequest {
     /// proposing this many tokens a step (see [`crate::sequence::speculative`]). [`generate`] refuses it
     /// (the CLI calls [`crate::generate_speculative`] with its draft).
     pub num_draft_tokens: Option<usize>,
-    /// How long the engine keeps the model's weights in memory once it is idle, from this
-    /// request on (Ollama's per-request `keep_alive`: the last request's value stands until
-    /// another request says otherwise); `None` leaves the engine's as it is
-    /// ([`crate::EngineConfig::keep_alive`]).
+    /// How long the engine keeps the model's weights in memory once it is idle after this
+    /// request (Ollama's per-request `keep_alive`); `None`: the engine's
+    /// ([`crate::EngineConfig::keep_alive`]). The last request submitted decides.
     pub keep_alive: Option<KeepAlive>,
 }
 
@@ -109,32 +108,43 @@ impl KeepAlive {
         if let Ok(seconds) = text.parse::<f64>() {
             return Self::from_seconds(seconds);
         }
-        if text.starts_with('-') {
-            return Ok(Self::Forever);
+        if let Some(magnitude) = text.strip_prefix('-') {
+            return humantime::parse_duration(magnitude)
+                .map(|_| Self::Forever)
+                .map_err(|_| Self::not_a_duration(text));
         }
         humantime::parse_duration(text)
-            .map(Self::Idle)
-            .map_err(|_| {
-                format!(
-                    "keep_alive {text:?} is not a duration: give seconds (300), a duration (5m, \
-                 1h30m), 0 to unload at once or -1 to keep the model loaded"
-                )
-            })
+            .map(Self::capped)
+            .map_err(|_| Self::not_a_duration(text))
     }
 
-    /// `seconds` as Ollama reads a number: negative keeps the model loaded.
+    /// `seconds` as Ollama reads a number: negative keeps the model loaded; so does anything
+    /// longer than [`KeepAlive::NEVER_AFTER`].
     pub fn from_seconds(seconds: f64) -> std::result::Result<Self, String> {
         if seconds.is_nan() {
             return Err("keep_alive is not a number".into());
         }
-        if seconds < 0.0 {
+        if seconds < 0.0 || seconds > Self::NEVER_AFTER.as_secs_f64() {
             return Ok(Self::Forever);
         }
-        std::time::Duration::try_from_secs_f64(seconds)
-            .map(Self::Idle)
-            .map_err(|_| {
-                format!("keep_alive {seconds} s is too long; give -1 to keep the model loaded")
-            })
+        Ok(Self::Idle(std::time::Duration::from_secs_f64(seconds)))
+    }
+
+    /// Longer than this is never: a century.
+    pub const NEVER_AFTER: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
+
+    fn capped(time: std::time::Duration) -> Self {
+        match time > Self::NEVER_AFTER {
+            true => Self::Forever,
+            false => Self::Idle(time),
+        }
+    }
+
+    fn not_a_duration(text: &str) -> String {
+        format!(
+            "keep_alive {text:?} is not a duration: give seconds (300), a duration (5m, \
+             1h30m), 0 to unload at once or -1 to keep the model loaded"
+        )
     }
 }
 

@@ -625,10 +625,20 @@ fn a_reload_that_fails_ends_the_waiting_request_with_its_reason_and_the_next_one
     let weights = dir.path().join("model.safetensors");
     let aside = dir.path().join("aside");
     std::fs::rename(&weights, &aside).unwrap();
-    let (ids, reason, error) = collect(engine.submit(request(prompt.clone(), 4)).unwrap());
-    assert_eq!((ids.len(), reason), (0, FinishReason::Error));
-    let error = error.unwrap();
-    assert!(error.contains("safetensors"), "{error}");
+    // Two requests meet the failed load; each ends with its reason (one load, not one each).
+    let streams = [
+        engine.submit(request(prompt.clone(), 4)).unwrap(),
+        engine.submit(request(prompt.clone(), 4)).unwrap(),
+    ];
+    for stream in streams {
+        let (ids, reason, error) = collect(stream);
+        assert_eq!((ids.len(), reason), (0, FinishReason::Error));
+        let error = error.unwrap();
+        assert!(
+            error.contains("could not be loaded again") && error.contains("safetensors"),
+            "{error}"
+        );
+    }
     assert_eq!(engine.stats().unwrap().residency, Residency::Unloaded);
     std::fs::rename(&aside, &weights).unwrap();
     let (again, reason, error) = collect(engine.submit(request(prompt, 4)).unwrap());
@@ -651,6 +661,29 @@ fn keep_alive_reads_ollamas_forms() {
         error.contains("\"soon\"") && error.contains("-1"),
         "{error}"
     );
+    assert!(KeepAlive::parse("-soon").is_err());
     assert!(KeepAlive::from_seconds(f64::NAN).is_err());
-    assert!(KeepAlive::from_seconds(1e300).is_err());
+    // Past a century (or what a clock holds) is never.
+    assert_eq!(KeepAlive::from_seconds(1e19), Ok(KeepAlive::Forever));
+    assert_eq!(
+        KeepAlive::from_seconds(f64::INFINITY),
+        Ok(KeepAlive::Forever)
+    );
+    assert_eq!(KeepAlive::parse("300000000000y"), Ok(KeepAlive::Forever));
+}
+
+/// A keep-alive past what a clock holds is never, not a panic that stops the engine.
+#[test]
+fn an_enormous_keep_alive_keeps_the_model_and_the_engine_serving() {
+    let engine = engine_with(EngineConfig {
+        keep_alive: KeepAlive::Idle(Duration::MAX),
+        ..EngineConfig::default()
+    });
+    let prompt = Prompt::Tokens(vec![1, 504, 2988]);
+    for _ in 0..2 {
+        let (_, reason, error) = collect(engine.submit(request(prompt.clone(), 3)).unwrap());
+        assert_eq!((reason, error), (FinishReason::Length, None));
+    }
+    assert_eq!(engine.stats().unwrap().residency, Residency::Loaded);
+    engine.shutdown();
 }

@@ -635,11 +635,9 @@ impl<'m> BatchGenerator<'m> {
         }
     }
 
-    /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
-    /// content.
-    /// While `held`, waiting requests are not admitted as long as one runs (the engine's answer
-    /// to memory pressure, [`crate::memory::PressureGuard`]): they wait instead of adding their
-    /// caches to a process short of memory; a request still starts when none runs.
+    /// While `held`, waiting requests are not admitted as long as one runs, and one at a time
+    /// when none does (the engine's answer to memory pressure, [`crate::memory::PressureGuard`]):
+    /// they wait instead of adding their caches to a process short of memory.
     pub fn hold_admissions(&mut self, held: bool) {
         self.admissions_held = held;
     }
@@ -648,6 +646,8 @@ impl<'m> BatchGenerator<'m> {
         self.admissions_held
     }
 
+    /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
+    /// content.
     pub fn reset_prefix_cache(&mut self) {
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
@@ -777,8 +777,13 @@ impl<'m> BatchGenerator<'m> {
         let mut preempted = false;
         loop {
             let running = self.planned();
-            // Only those the batch has room for can be admitted (the queue may be long).
-            let room = self.config.max_running.saturating_sub(self.running.len());
+            // Only those the batch has room for can be admitted (the queue may be long); under
+            // memory pressure, none while one runs and one at a time otherwise.
+            let room = match (self.admissions_held, self.running.is_empty()) {
+                (false, _) => self.config.max_running.saturating_sub(self.running.len()),
+                (true, true) => 1,
+                (true, false) => 0,
+            };
             let waiting: Vec<plan::Waiting> = self
                 .waiting
                 .iter()
@@ -792,13 +797,11 @@ impl<'m> BatchGenerator<'m> {
                     private: !seq.kv.is_plain(),
                 })
                 .collect();
-            // Under memory pressure nothing new starts while something runs.
-            let held = self.admissions_held && !self.running.is_empty();
             let batch = plan::Batch {
                 running: &running,
                 waiting: &waiting,
                 step_in_flight: self.runner.has_in_flight(),
-                admit: !preempted && !held,
+                admit: !preempted,
             };
             let tails = &mut self.tails;
             let block_size = self.config.block_size;

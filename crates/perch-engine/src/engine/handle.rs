@@ -119,6 +119,7 @@ impl EngineHandle {
             outstanding: Arc::clone(&outstanding),
             solo: HashSet::new(),
             keep_alive: config.keep_alive,
+            default_keep_alive: config.keep_alive,
         };
         let (loaded_tx, loaded_rx) = mpsc::channel();
         let thread = std::thread::Builder::new()

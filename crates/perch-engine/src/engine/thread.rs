@@ -54,9 +54,10 @@ pub(super) struct Queue {
     pub(super) outstanding: Arc<AtomicUsize>,
     /// Ids of the requests running beside the batch (speculative ones; see [`SoloSequence`]).
     pub(super) solo: HashSet<RequestId>,
-    /// How long the model stays loaded once idle: the config's, then the last request's that
-    /// set one.
+    /// How long the model stays loaded once idle: the last request's `keep_alive`, or
+    /// `default_keep_alive` ([`EngineConfig::keep_alive`]) when it set none.
     pub(super) keep_alive: KeepAlive,
+    pub(super) default_keep_alive: KeepAlive,
 }
 
 impl Queue {
@@ -74,10 +75,8 @@ impl Queue {
                 request,
                 events,
             } => {
-                // The last request's keep-alive stands (Ollama's).
-                if let Some(keep_alive) = request.params.keep_alive {
-                    self.keep_alive = keep_alive;
-                }
+                // Ollama's rule: each request's keep-alive, or the engine's when it sets none.
+                self.keep_alive = request.params.keep_alive.unwrap_or(self.default_keep_alive);
                 self.submitted.push(Job {
                     id,
                     request: *request,
@@ -215,12 +214,12 @@ impl Queue {
                 Ok(command) => self.handle(command, None, &no_jobs),
                 Err(_) => return None,
             }
+            // Everything already sent too: a shutdown or cancel queued behind it counts now.
+            while let Ok(command) = self.inbox.try_recv() {
+                self.handle(command, None, &no_jobs);
+            }
             if self.shutting_down {
-                let error = EngineError::EngineStopped;
-                for job in std::mem::take(&mut self.submitted) {
-                    self.refuse(&job, &error);
-                }
-                self.flush();
+                self.fail_waiting(&EngineError::EngineStopped);
                 return None;
             }
             if self.submitted.is_empty() && self.prompt_cache_jobs.is_empty() {
@@ -230,25 +229,58 @@ impl Queue {
                 progress: LoadProgress::default(),
             });
             let stats = Arc::clone(&self.stats);
-            let loaded = loader(&mut |progress| {
-                if let Ok(mut published) = stats.lock() {
-                    published.residency = Residency::Loading { progress };
-                }
+            let loaded = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                loader(&mut |progress| {
+                    if let Ok(mut published) = stats.lock() {
+                        published.residency = Residency::Loading { progress };
+                    }
+                })
+            }))
+            .unwrap_or_else(|panic| {
+                Err(EngineError::Request(format!(
+                    "loading the model failed ({})",
+                    panic_message(panic.as_ref())
+                )))
             });
             match loaded {
                 Ok(loaded) => return Some(loaded),
                 Err(error) => {
-                    for job in std::mem::take(&mut self.submitted) {
-                        self.refuse(&job, &error);
+                    // Requests sent while it loaded meet the same failure.
+                    while let Ok(command) = self.inbox.try_recv() {
+                        self.handle(command, None, &no_jobs);
                     }
-                    for job in std::mem::take(&mut self.prompt_cache_jobs) {
-                        job.fail(&error);
+                    self.fail_waiting(&error);
+                    if self.shutting_down {
+                        return None;
                     }
-                    self.publish_residency(Residency::Unloaded);
-                    self.flush();
                 }
             }
         }
+    }
+
+    /// Ends every waiting request and prompt-cache job of an unloaded engine with `error` (the
+    /// model could not be loaded again, or the engine stops): 503 for too little memory or a
+    /// stopped engine, the model-not-loaded kind otherwise, with the load's sentence.
+    fn fail_waiting(&mut self, error: &EngineError) {
+        let kind = match error.kind() {
+            ErrorKind::Overloaded => ErrorKind::Overloaded,
+            _ => ErrorKind::ModelNotLoaded,
+        };
+        let message = match error {
+            EngineError::EngineStopped => error.to_string(),
+            _ => format!("the model could not be loaded again: {error}"),
+        };
+        for job in std::mem::take(&mut self.submitted) {
+            self.end(
+                &job,
+                EngineEvent::failed(RequestError::new(kind, message.clone())),
+            );
+        }
+        for job in std::mem::take(&mut self.prompt_cache_jobs) {
+            job.fail(error);
+        }
+        self.publish_residency(Residency::Unloaded);
+        self.flush();
     }
 
     /// Publishes the stats, then sends the pass's events: a client that sees a request end
@@ -560,15 +592,21 @@ impl Pass<'_> {
                 // Idle: sleep until a command arrives or the keep-alive time has passed; a
                 // dropped last handle ends the thread.
                 queue.publish_and_flush(batch);
+                // A time past what an `Instant` holds is never.
                 let unload_at = match queue.keep_alive {
-                    KeepAlive::Idle(time) => Some(Instant::now() + time),
+                    KeepAlive::Idle(time) => Instant::now().checked_add(time),
                     KeepAlive::Forever => None,
                 };
                 // Queued warm-up passes run one at a time while no command waits.
                 let command = loop {
                     let left = unload_at.map(|at| at.saturating_duration_since(Instant::now()));
                     if left.is_some_and(|left| left.is_zero()) {
-                        return Ended::Idle;
+                        // Not while a command already waits.
+                        match queue.inbox.try_recv() {
+                            Ok(command) => break Some(command),
+                            Err(mpsc::TryRecvError::Empty) => return Ended::Idle,
+                            Err(mpsc::TryRecvError::Disconnected) => break None,
+                        }
                     }
                     if batch.idle_warm_ups_left() == 0 {
                         match left {

@@ -149,10 +149,8 @@ impl Operands<'_> {
                     && self
                         .biases
                         .is_some_and(|b| b.shape() == ss && b.dtype() == self.scales.dtype())
-                    && matches!(
-                        self.scales.dtype(),
-                        Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
-                    )
+                    // gather_qmm's output is in the promoted dtype, the kernel's in x's.
+                    && self.scales.dtype() == self.x.dtype()
             }
             QuantMode::Mxfp4 => {
                 p.bits == 4
@@ -179,8 +177,23 @@ impl Operands<'_> {
             )
             && (1..=MAX_GRID_Z).contains(&pairs)
             && rows > 0
-            && pairs % rows == 0;
-        fits.then_some(pairs / rows)
+            && pairs % rows == 0
+            && self.broadcasts_as_gather_qmm();
+        fits.then(|| pairs / rows)
+    }
+
+    /// Whether `x`'s leading axes meet `indices`' as the kernel reads them: the same axes, the
+    /// last of `x`'s 1 (a row per token, its experts on `indices`' last axis) or equal (a row
+    /// per pair).
+    fn broadcasts_as_gather_qmm(&self) -> bool {
+        let (xs, is) = (self.x.shape(), self.indices.shape());
+        let lead = &xs[..xs.len() - 2];
+        lead.len() == is.len()
+            && lead
+                .iter()
+                .zip(is)
+                .enumerate()
+                .all(|(axis, (&x, &i))| x == i || (axis + 1 == is.len() && x == 1))
     }
 }
 
@@ -253,7 +266,8 @@ pub fn self_test() -> &'static Result<(), String> {
         }
         for case in &CASES[..3] {
             let run = Case::run(case).map_err(|e| e.to_string())?;
-            if run.error > case.tolerance {
+            // NaN fails too.
+            if run.error.is_nan() || run.error > case.tolerance {
                 return Err(format!("{}: largest error {:.2e}", case.name, run.error));
             }
         }
@@ -507,7 +521,7 @@ pub fn check() -> crate::Result<Vec<String>> {
              call against gather_qmm's {mlx:.3}",
             spec.name, spec.dtype, case.error, spec.tolerance
         );
-        if case.error > spec.tolerance {
+        if case.error.is_nan() || case.error > spec.tolerance {
             return Err(crate::EngineError::Kernel(line));
         }
         lines.push(line);
@@ -525,22 +539,44 @@ mod tests {
         mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
     }
 
-    /// The operands of one product: `rows` rows of `x`, `pairs` pairs, `(in, out)` features.
+    /// The operands of one product as the experts give them: `tokens` tokens of `k` experts,
+    /// `x` a row per token (`[tokens, 1, 1, in]`) or per pair (`[tokens, k, 1, in]`), `(in, out)`
+    /// features, affine `bits` (or MXFP4) in bfloat16.
     fn accepts(
-        rows: i32,
-        pairs: i32,
+        (tokens, k, per_pair): (i32, i32, bool),
         (input, out): (i32, i32),
         bits: i32,
         mxfp4: bool,
     ) -> Option<i32> {
+        let x_shape = [tokens, if per_pair { k } else { 1 }, 1, input];
+        operands(
+            &x_shape,
+            &[tokens, k],
+            (input, out),
+            bits,
+            mxfp4,
+            Dtype::Bfloat16,
+        )
+    }
+
+    fn operands(
+        x_shape: &[i32],
+        indices_shape: &[i32],
+        (input, out): (i32, i32),
+        bits: i32,
+        mxfp4: bool,
+        scale_dtype: Dtype,
+    ) -> Option<i32> {
         let params = if mxfp4 { MXFP4 } else { affine(bits, 64) };
         let groups = input / params.group_size;
-        let x = zeros(&[rows, 1, input], Dtype::Bfloat16);
+        let x = zeros(x_shape, Dtype::Bfloat16);
         let weight = zeros(&[8, out, input * bits / 32], Dtype::Uint32);
-        let scale_dtype = if mxfp4 { Dtype::Uint8 } else { Dtype::Bfloat16 };
-        let scales = zeros(&[8, out, groups], scale_dtype);
-        let biases = zeros(&[8, out, groups], Dtype::Bfloat16);
-        let indices = zeros(&[pairs], Dtype::Uint32);
+        let scales = zeros(
+            &[8, out, groups],
+            if mxfp4 { Dtype::Uint8 } else { scale_dtype },
+        );
+        let biases = zeros(&[8, out, groups], scale_dtype);
+        let indices = zeros(indices_shape, Dtype::Uint32);
         Operands {
             x: &x,
             weight: &weight,
@@ -558,18 +594,60 @@ mod tests {
     fn takes_only_the_shapes_it_computes() {
         assert!(backend().is_none(), "no CUDA on this machine");
         // A row per token of 8 experts, a row per pair; MXFP4; 8-bit.
-        assert_eq!(accepts(4, 32, (1024, 512), 4, false), Some(8));
-        assert_eq!(accepts(32, 32, (256, 1024), 4, false), Some(1));
-        assert_eq!(accepts(4, 16, (1024, 2048), 4, true), Some(4));
-        assert_eq!(accepts(4, 16, (1024, 512), 8, false), Some(4));
-        // Rows that do not divide the pairs; out not a multiple of 16; in over the staged
-        // width; bits MLX has but the kernel does not.
-        assert_eq!(accepts(3, 32, (1024, 512), 4, false), None);
-        assert_eq!(accepts(4, 32, (1024, 520), 4, false), None);
-        assert_eq!(accepts(4, 32, (8192, 512), 4, false), None);
-        assert_eq!(accepts(4, 32, (1024, 512), 3, false), None);
+        assert_eq!(accepts((4, 8, false), (1024, 512), 4, false), Some(8));
+        assert_eq!(accepts((4, 8, true), (256, 1024), 4, false), Some(1));
+        assert_eq!(accepts((4, 4, false), (1024, 2048), 4, true), Some(4));
+        assert_eq!(accepts((4, 4, false), (1024, 512), 8, false), Some(4));
+        // Sorted pairs: a row each, flat.
+        let sorted = operands(
+            &[32, 1, 1024],
+            &[32],
+            (1024, 512),
+            4,
+            false,
+            Dtype::Bfloat16,
+        );
+        assert_eq!(sorted, Some(1));
+        // out not a multiple of 16; in over the staged width; bits MLX has but the kernel does
+        // not; scales in another dtype than x (gather_qmm would promote).
+        assert_eq!(accepts((4, 8, false), (1024, 520), 4, false), None);
+        assert_eq!(accepts((4, 8, false), (8192, 512), 4, false), None);
+        assert_eq!(accepts((4, 8, false), (1024, 512), 3, false), None);
+        let float32_scales = operands(
+            &[4, 1, 1, 1024],
+            &[4, 8],
+            (1024, 512),
+            4,
+            false,
+            Dtype::Float32,
+        );
+        assert_eq!(float32_scales, None);
+        // x's axes not those of the indices (a batch of k rows against [tokens, k]; rows
+        // that do not divide the pairs).
+        assert_eq!(
+            operands(
+                &[8, 1, 1024],
+                &[4, 8],
+                (1024, 512),
+                4,
+                false,
+                Dtype::Bfloat16
+            ),
+            None
+        );
+        assert_eq!(
+            operands(
+                &[3, 1, 1, 1024],
+                &[4, 8],
+                (1024, 512),
+                4,
+                false,
+                Dtype::Bfloat16
+            ),
+            None
+        );
         // No pairs; more pairs than a grid takes.
-        assert_eq!(accepts(1, 0, (1024, 512), 4, false), None);
-        assert_eq!(accepts(1, 70_000, (1024, 512), 4, false), None);
+        assert_eq!(accepts((0, 8, false), (1024, 512), 4, false), None);
+        assert_eq!(accepts((8_750, 8, false), (1024, 512), 4, false), None);
     }
 }
