@@ -38,13 +38,19 @@ pub fn available_for(backend: crate::device::Backend) -> Option<Available> {
 
 /// The memory this process can take now ([module docs](self)).
 pub fn available() -> Available {
+    available_under(&memory_cgroups())
+}
+
+/// [`available`], with the memory cgroups that limit the process already found
+/// ([`memory_cgroups`]): what a caller that asks often reads again, without the mount tables.
+fn available_under(cgroups: &[(PathBuf, CgroupVersion)]) -> Available {
     let mut system = sysinfo::System::new();
     system.refresh_memory();
     let mut answer = Available {
         bytes: system.available_memory(),
         bound: MemoryBound::System,
     };
-    if let Some(room) = cgroup_room() {
+    if let Some(room) = cgroup_room(cgroups) {
         if room < answer.bytes {
             answer = Available {
                 bytes: room,
@@ -55,17 +61,22 @@ pub fn available() -> Available {
     answer
 }
 
-/// The least room left under the memory cgroups this process is in (`None`: no limited
-/// cgroup, or not Linux).
-fn cgroup_room() -> Option<u64> {
+/// The memory cgroup directories this process is in and each ancestor (none outside Linux or
+/// where the tables cannot be read).
+fn memory_cgroups() -> Vec<(PathBuf, CgroupVersion)> {
     if !cfg!(target_os = "linux") {
-        return None;
+        return Vec::new();
     }
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    let membership = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    memory_cgroup_dirs(&mountinfo, &membership)
-        .into_iter()
+    let read = |path| std::fs::read_to_string(path).unwrap_or_default();
+    memory_cgroup_dirs(&read("/proc/self/mountinfo"), &read("/proc/self/cgroup"))
+}
+
+/// The least room left under `cgroups` (`None`: none of them is limited).
+fn cgroup_room(cgroups: &[(PathBuf, CgroupVersion)]) -> Option<u64> {
+    cgroups
+        .iter()
         .filter_map(|(dir, version)| {
+            let (dir, version) = (dir, *version);
             let read = |name: &str| std::fs::read_to_string(dir.join(name)).ok();
             let (limit, usage) = match version {
                 CgroupVersion::V1 => ("memory.limit_in_bytes", "memory.usage_in_bytes"),
@@ -228,6 +239,8 @@ pub fn cache_limit_within(available: u64) -> usize {
 #[derive(Debug)]
 pub struct PressureGuard {
     floor: u64,
+    /// The process's memory cgroups, found once.
+    cgroups: Vec<(PathBuf, CgroupVersion)>,
     checked: Option<std::time::Instant>,
     low: bool,
 }
@@ -244,6 +257,7 @@ impl PressureGuard {
     pub fn new(available_after_load: u64) -> Self {
         Self {
             floor: ((available_after_load as f64 * Self::FLOOR_SHARE) as u64).max(Self::MIN_FLOOR),
+            cgroups: memory_cgroups(),
             checked: None,
             low: false,
         }
@@ -255,7 +269,7 @@ impl PressureGuard {
         let fresh = self.checked.is_none_or(|at| at.elapsed() >= Self::INTERVAL);
         if fresh {
             self.checked = Some(std::time::Instant::now());
-            self.low = available().bytes < self.floor;
+            self.low = available_under(&self.cgroups).bytes < self.floor;
         }
         (self.low, fresh)
     }

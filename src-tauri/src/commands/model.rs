@@ -342,11 +342,7 @@ pub fn clear_cache() -> usize {
 pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
     match status {
         ModelStatus::NotLoaded => "No model loaded".into(),
-        ModelStatus::Loading { name, progress } if progress.bytes_total > 0 => format!(
-            "Loading {name}… {}%",
-            100 * progress.bytes_read.min(progress.bytes_total) / progress.bytes_total
-        ),
-        ModelStatus::Loading { name, .. } => format!("Loading {name}…"),
+        ModelStatus::Loading { name, progress } => format!("Loading {name}…{}", percent(progress)),
         ModelStatus::Failed { name, .. } => format!("{name} failed to load"),
         ModelStatus::Loaded { name, .. } => {
             let Some(s) = stats else {
@@ -355,13 +351,9 @@ pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
             match s.residency {
                 Residency::Loaded => {}
                 Residency::Unloaded => return format!("{name} · unloaded while idle"),
-                Residency::Loading { progress } if progress.bytes_total > 0 => {
-                    return format!(
-                        "Loading {name} again… {}%",
-                        100 * progress.bytes_read.min(progress.bytes_total) / progress.bytes_total
-                    )
+                Residency::Loading { progress } => {
+                    return format!("Loading {name} again…{}", percent(&progress))
                 }
-                Residency::Loading { .. } => return format!("Loading {name} again…"),
             }
             // MLX's memory in use (weights, KV cache, activations), in decimal GB.
             let memory = format!("{:.1} GB", s.memory.active_bytes as f64 / 1e9);
@@ -377,6 +369,14 @@ pub fn tray_line(status: &ModelStatus, stats: Option<&EngineStats>) -> String {
                 s.running, s.generation_tps
             )
         }
+    }
+}
+
+/// " 40%" of a load's progress, or nothing before its size is known.
+fn percent(progress: &LoadProgress) -> String {
+    match progress.bytes_total {
+        0 => String::new(),
+        total => format!(" {}%", 100 * progress.bytes_read.min(total) / total),
     }
 }
 
