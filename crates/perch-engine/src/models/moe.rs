@@ -15,6 +15,7 @@ use mlx_rs::{ops, Array};
 use crate::error::Result;
 use crate::nn::expert_kernel;
 use crate::nn::layers::{Activation, Linear, Mlp, QuantParams, Quantization, RmsNorm};
+use crate::nn::mlx_ext::top_k;
 use crate::nn::weights::Weights;
 
 /// The sizes of a model's sparse blocks, and which layers have one.
@@ -175,6 +176,11 @@ impl SwitchLinear {
     /// `kernel`: quantized products of a decode step's few pairs go through Perch's CUDA kernel
     /// ([`expert_kernel::gather_qmv`]) where it takes them.
     fn forward(&self, x: &Array, indices: &Array, sorted: bool, kernel: bool) -> Result<Array> {
+        if kernel {
+            if let Some(y) = self.through_kernel(x, indices, expert_kernel::Epilogue::Plain)? {
+                return Ok(y);
+            }
+        }
         let y = match &self.weight {
             SwitchWeight::Dense(weight) => {
                 ops::gather_mm(x, weight.swap_axes(-1, -2)?, None, indices, sorted)?
@@ -184,38 +190,55 @@ impl SwitchLinear {
                 scales,
                 biases,
                 params,
-            } => {
-                let operands = expert_kernel::Operands {
-                    x,
-                    weight,
-                    scales,
-                    biases: biases.as_ref(),
-                    indices,
-                    params: *params,
-                };
-                if kernel
-                    && indices.size() <= expert_kernel::MAX_PAIRS
-                    && operands.x_per_row().is_some()
-                {
-                    expert_kernel::gather_qmv(&operands)?
-                } else {
-                    crate::nn::mlx_ext::gather_qmm(
-                        x,
-                        weight,
-                        scales,
-                        biases.as_ref(),
-                        indices,
-                        params.sizes(),
-                        params.mode.mlx_name(),
-                        sorted,
-                    )?
-                }
-            }
+            } => crate::nn::mlx_ext::gather_qmm(
+                x,
+                weight,
+                scales,
+                biases.as_ref(),
+                indices,
+                params.sizes(),
+                params.mode.mlx_name(),
+                sorted,
+            )?,
         };
         Ok(match &self.bias {
             Some(bias) => ops::add(&y, &bias.take_axis(indices, 0)?.expand_dims(-2)?)?,
             None => y,
         })
+    }
+
+    /// The product, bias and `epilogue` in one launch of [`expert_kernel::gather_qmv`], when the
+    /// weights are quantized, the pairs at most [`expert_kernel::MAX_PAIRS`] and the kernel
+    /// takes the operands; `None` otherwise.
+    fn through_kernel(
+        &self,
+        x: &Array,
+        indices: &Array,
+        epilogue: expert_kernel::Epilogue,
+    ) -> Result<Option<Array>> {
+        let SwitchWeight::Quantized {
+            weight,
+            scales,
+            biases,
+            params,
+        } = &self.weight
+        else {
+            return Ok(None);
+        };
+        let operands = expert_kernel::Operands {
+            x,
+            weight,
+            scales,
+            biases: biases.as_ref(),
+            indices,
+            params: *params,
+            bias: self.bias.as_ref(),
+            epilogue,
+        };
+        if indices.size() > expert_kernel::MAX_PAIRS || operands.x_per_row().is_none() {
+            return Ok(None);
+        }
+        Ok(Some(expert_kernel::gather_qmv(&operands)?))
     }
 }
 
@@ -279,6 +302,10 @@ struct SwitchGlu {
     /// Whether a decode step's quantized products go through [`expert_kernel::gather_qmv`]
     /// (CUDA, once its load check has passed).
     kernel: bool,
+    /// Whether, with `kernel`, the router, the activation and the weighted sum run inside
+    /// Perch's kernels too ([`expert_kernel::route`], [`expert_kernel::Epilogue`]);
+    /// `PERCH_EXPERT_EPILOGUES=0` keeps them in MLX's operations (benchmarks).
+    fused: bool,
 }
 
 /// The experts' gate and up projections: separate, or one product of twice the width where
@@ -310,12 +337,14 @@ impl SwitchGlu {
             false => GateUp::Separate { gate, up },
         };
         let sort = Self::sorting_pays(&gate_up, &down_proj);
+        let kernel = expert_kernel::usable();
         Ok(Self {
             gate_up,
             down_proj,
             activation,
             sort,
-            kernel: expert_kernel::usable(),
+            kernel,
+            fused: kernel && std::env::var("PERCH_EXPERT_EPILOGUES").as_deref() != Ok("0"),
         })
     }
 
@@ -343,6 +372,48 @@ impl SwitchGlu {
                     && crate::device::Backend::current() == crate::device::Backend::Cuda)
             }
         }
+    }
+
+    /// `x` `[batch, seq, hidden]`, `indices` and `scores` `[batch, seq, k]` → `[batch, seq,
+    /// hidden]`: each token through each of its k experts, summed with its weights; the sum in
+    /// the experts' dtype with `keep_dtype` (mlx_lm's `.astype(y.dtype)` of Qwen and gpt-oss),
+    /// else in the promoted one (Gemma 4). Perch's kernels give `x`'s dtype.
+    fn forward_weighted(
+        &self,
+        x: &Array,
+        indices: &Array,
+        scores: &Array,
+        keep_dtype: bool,
+    ) -> Result<Array> {
+        if let Some(y) = self.through_kernels(x, indices, scores)? {
+            return Ok(y);
+        }
+        weighted_sum(&self.forward(x, indices)?, scores, keep_dtype)
+    }
+
+    /// At decode on CUDA: the fused gate and up product with the activation in one launch, the
+    /// down product with the weighted sum in another ([`expert_kernel::Epilogue`]); `None`
+    /// where the kernel is off, the pairs are sorted or the projections are not fused and
+    /// quantized.
+    fn through_kernels(&self, x: &Array, indices: &Array, scores: &Array) -> Result<Option<Array>> {
+        let GateUp::Fused(gate_up) = &self.gate_up else {
+            return Ok(None);
+        };
+        if !self.fused || (self.sort && indices.size() >= Self::SORT_FROM) {
+            return Ok(None);
+        }
+        // [batch, seq, 1, 1, hidden]: one row per token, broadcast over its experts.
+        let rows = x.expand_dims_axes(&[-2, -3])?;
+        let gated = expert_kernel::Epilogue::Gated(self.activation);
+        let Some(h) = gate_up.through_kernel(&rows, indices, gated)? else {
+            return Ok(None);
+        };
+        let weighted = expert_kernel::Epilogue::Weighted(scores);
+        if let Some(y) = self.down_proj.through_kernel(&h, indices, weighted)? {
+            return Ok(Some(y));
+        }
+        let y = self.down_proj.forward(&h, indices, false, true)?;
+        Ok(Some(weighted_sum(&y.squeeze_axes(&[-2])?, scores, true)?))
     }
 
     /// `x` `[batch, seq, hidden]`, `indices` `[batch, seq, k]` → `[batch, seq, k, hidden]`:
@@ -501,24 +572,10 @@ impl SparseMoe {
 
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let logits = self.gate.forward(x)?;
-        // Qwen: a softmax over every expert, then the top k; gpt-oss: the top k logits, then
-        // their softmax.
-        let gates = match self.style {
-            MoeStyle::GptOss => logits,
-            _ => ops::softmax_axis(&logits, -1, true)?,
-        };
-        let (indices, mut scores) = top_k(&gates, self.top_k)?;
-        if self.style == MoeStyle::GptOss {
-            scores = ops::softmax_axis(&scores, -1, true)?;
-        } else if self.norm_topk_prob {
-            scores = ops::divide(&scores, &scores.sum_axis(-1, true)?)?;
-        }
-        let y = self.switch_mlp.forward(x, &indices)?;
-        let dtype = y.dtype();
-        let y = ops::multiply(&y, &scores.expand_dims(-1)?)?
-            .sum_axis(-2, false)?
-            .as_dtype(dtype)?;
+        let (indices, scores) = self.route(&self.gate.forward(x)?)?;
+        let y = self
+            .switch_mlp
+            .forward_weighted(x, &indices, &scores, true)?;
         match &self.shared {
             Some(shared) => {
                 let weight = ops::sigmoid(&shared.gate.forward(x)?)?;
@@ -529,6 +586,34 @@ impl SparseMoe {
             }
             None => Ok(y),
         }
+    }
+}
+
+impl SparseMoe {
+    /// The router's `logits` `[batch, seq, experts]` → each token's top k experts and their
+    /// weights, `[batch, seq, k]` each. Qwen: a softmax over every expert, then the top k
+    /// (renormalised with `norm_topk_prob`); gpt-oss: the top k logits, then their softmax. In
+    /// one launch on CUDA ([`expert_kernel::route`]).
+    fn route(&self, logits: &Array) -> Result<(Array, Array)> {
+        let normalize = match (self.style, self.norm_topk_prob) {
+            (MoeStyle::Qwen, false) => expert_kernel::Normalize::All,
+            _ => expert_kernel::Normalize::TopK,
+        };
+        if self.switch_mlp.fused {
+            if let Some(routed) = expert_kernel::route(logits, self.top_k, normalize, None)? {
+                return Ok(routed);
+            }
+        }
+        if self.style == MoeStyle::GptOss {
+            let (indices, top) = top_k(logits, self.top_k)?;
+            return Ok((indices, ops::softmax_axis(&top, -1, true)?));
+        }
+        let (indices, scores) = top_k(&ops::softmax_axis(logits, -1, true)?, self.top_k)?;
+        let scores = match self.norm_topk_prob {
+            true => ops::divide(&scores, &scores.sum_axis(-1, true)?)?,
+            false => scores,
+        };
+        Ok((indices, scores))
     }
 }
 
@@ -652,26 +737,39 @@ impl MlpAndExperts {
             .post_feedforward_layernorm_1
             .forward(&self.mlp.forward(normed)?)?;
         let scores = self.router_proj.forward(&self.router_norm.forward(x)?)?;
-        let (indices, top) = top_k(&scores, self.top_k)?;
-        let weights = ops::softmax_axis(&top, -1, false)?;
-        let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
+        let routed = match self.experts.fused {
+            true => expert_kernel::route(
+                &scores,
+                self.top_k,
+                expert_kernel::Normalize::TopK,
+                Some(&self.per_expert_scale),
+            )?,
+            false => None,
+        };
+        let (indices, weights) = match routed {
+            Some(routed) => routed,
+            None => {
+                let (indices, top) = top_k(&scores, self.top_k)?;
+                let weights = ops::softmax_axis(&top, -1, false)?;
+                let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
+                (indices, weights)
+            }
+        };
+        let normed = self.pre_feedforward_layernorm_2.forward(x)?;
         let routed = self
             .experts
-            .forward(&self.pre_feedforward_layernorm_2.forward(x)?, &indices)?;
-        let routed = ops::multiply(&routed, &weights.expand_dims(-1)?)?.sum_axis(-2, false)?;
+            .forward_weighted(&normed, &indices, &weights, false)?;
         let routed = self.post_feedforward_layernorm_2.forward(&routed)?;
         Ok(ops::add(&dense, &routed)?)
     }
 }
 
-/// The indices of the `k` largest of `scores` `[batch, seq, experts]` along the last axis (in no
-/// particular order, as mlx_lm's `argpartition(kth=-k)[..., -k:]`) and those scores, each
-/// `[batch, seq, k]`.
-fn top_k(scores: &Array, k: i32) -> Result<(Array, Array)> {
-    let experts = scores.shape()[2];
-    let all = ops::argpartition_axis(scores, experts - k, -1)?;
-    let s = all.shape().to_vec();
-    let indices = crate::nn::mlx_ext::slice(&all, &[0, 0, experts - k], &[s[0], s[1], s[2]])?;
-    let top = scores.take_along_axis(&indices, -1)?;
-    Ok((indices, top))
+/// `y` `[..., k, hidden]` summed over its k experts, each times its weight in `scores` `[...,
+/// k]`; in `y`'s dtype with `keep_dtype`.
+fn weighted_sum(y: &Array, scores: &Array, keep_dtype: bool) -> Result<Array> {
+    let sum = ops::multiply(y, &scores.expand_dims(-1)?)?.sum_axis(-2, false)?;
+    Ok(match keep_dtype {
+        true => sum.as_dtype(y.dtype())?,
+        false => sum,
+    })
 }

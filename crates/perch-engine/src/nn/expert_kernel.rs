@@ -1,23 +1,30 @@
-//! The experts' quantized products at decode (few tokens) in one CUDA kernel launch: for each
-//! (token, expert) pair `p`, `y[p] = W[indices[p]] · x[p / x_per_row]` with `W` MLX-quantized
-//! (affine 4- or 8-bit, or MXFP4), written with MLX's custom-kernel API
-//! ([`crate::nn::custom_kernel`]).
+//! The experts' work at decode (few tokens) in CUDA kernels of Perch's own, written with MLX's
+//! custom-kernel API ([`crate::nn::custom_kernel`]):
+//! - [`gather_qmv`]: for each (token, expert) pair `p`, `y[p] = W[indices[p]] · x[p / x_per_row]`
+//!   (plus the expert's bias) with `W` MLX-quantized (affine 4- or 8-bit, or MXFP4); optionally
+//!   with the gated activation of the fused gate and up projections applied to the two halves
+//!   ([`Epilogue::Gated`]), or with a token's k pairs summed with the router's weights
+//!   ([`Epilogue::Weighted`]) — so a sparse block's experts are two launches.
+//! - [`route`]: the router's top k of each token's expert scores and their softmax weights in
+//!   one launch.
 //!
 //! Why: MLX 0.32's CUDA `gather_qmm` runs a CUTLASS GEMM kernel (`qmm_sm80`) for every shape,
 //! also when each pair is one row; on an H200 a `qwen3_moe` decode step at 16 rows spends 28% of
-//! its device time there, about 36 µs a product for weights that take a few µs to read (see
-//! docs/benchmarks.md). A matrix-vector product per pair reads each weight once per pair (the
-//! repeats of an expert come from L2) and does no padded arithmetic. On Metal MLX's own
-//! `gather_qmm` has such a path (`gather_qmv`), so the kernel is built for CUDA only; the CPU
-//! runs MLX's operations.
+//! its device time there, about 36 µs a product for weights that take a few µs to read, and
+//! MLX's top k is a block sort per layer (see docs/benchmarks.md). A decode step is bound by the
+//! host launching its kernels, so each launch saved shortens it. A matrix-vector product per
+//! pair reads each weight once per pair (the repeats of an expert come from L2) and does no
+//! padded arithmetic. On Metal MLX's own `gather_qmm` has such a path (`gather_qmv`), so the
+//! kernels are built for CUDA only; the CPU runs MLX's operations.
 //!
-//! Layout: a block of [`WARPS`] warps computes [`ROWS`]·[`WARPS`] output features of one pair;
-//! the pair's input row is staged in shared memory as float32; each lane reads every 32nd
-//! packed word of its warp's rows (32-bit words, coalesced across the warp), dequantizes it in
-//! registers and accumulates in float32; a warp sum gives each output. Dequantization as MLX's
-//! (`mlx/backend/*/quantized`): affine `w = scale·q + bias` per group, the word's values low
-//! bits first; MXFP4 values are E2M1 (`±{0, 0.5, 1, 1.5, 2, 3, 4, 6}`) times `2^(s − 127)` of
-//! the group's E8M0 scale `s` (OCP Microscaling Formats v1.0).
+//! Layout of [`gather_qmv`]: a block of [`WARPS`] warps computes [`ROWS`]·[`WARPS`] output
+//! features of one pair (or, weighted, of one token, its pairs in turn); the pair's input row is
+//! staged in shared memory as float32; each lane reads every 32nd packed word of its warp's rows
+//! (32-bit words, coalesced across the warp), dequantizes it in registers and accumulates in
+//! float32; a warp sum gives each output. Dequantization as MLX's (`mlx/backend/*/quantized`):
+//! affine `w = scale·q + bias` per group, the word's values low bits first; MXFP4 values are
+//! E2M1 (`±{0, 0.5, 1, 1.5, 2, 3, 4, 6}`) times `2^(s − 127)` of the group's E8M0 scale `s` (OCP
+//! Microscaling Formats v1.0). Activations as [`Activation::gated`] computes them, in float32.
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -27,7 +34,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::device::Backend;
 use crate::nn::custom_kernel::{time_call, CustomKernel, TemplateArg};
-use crate::nn::layers::{QuantMode, QuantParams};
+use crate::nn::layers::{Activation, QuantMode, QuantParams};
 
 /// Warps per block.
 const WARPS: i32 = 4;
@@ -35,79 +42,186 @@ const WARPS: i32 = 4;
 const ROWS: i32 = 4;
 /// The widest input row staged in shared memory (float32: 28 KiB).
 const MAX_IN: i32 = 7168;
-/// The most pairs a launch takes (CUDA's grid z); above [`MAX_PAIRS`] the engine keeps MLX's
-/// `gather_qmm`, whose GEMM reuses each expert's weights across its tokens (prefill).
+/// The most items (pairs, or tokens when weighted) a launch takes (CUDA's grid z).
 const MAX_GRID_Z: i32 = 65_535;
 /// The most (token, expert) pairs the engine sends to the kernel: a decode step of up to 128
-/// rows at 8 experts a token. Above it, `gather_qmm`.
+/// rows at 8 experts a token. Above it MLX's `gather_qmm`, whose GEMM reuses each expert's
+/// weights across its tokens (prefill).
 pub const MAX_PAIRS: usize = 1024;
+/// The most experts [`route`] takes (32 scores a lane of one warp).
+const MAX_EXPERTS: i32 = 1024;
+/// The most experts a token [`route`] picks.
+const MAX_TOP_K: i32 = 32;
 
 const SOURCE: &str = r#"
   constexpr int PER_WORD = 32 / BITS;
   constexpr int WORDS = IN / PER_WORD;
   constexpr int GROUPS = IN / GROUP;
   constexpr unsigned MASK = (1u << BITS) - 1u;
+  // Weight rows an output reads (gate and up when gated), pairs an output sums (weighted).
+  constexpr int PARTS = ACT > 0 ? 2 : 1;
+  constexpr int PAIRS = WEIGHTED ? K : 1;
+  constexpr int ACCS = PARTS * ROWS;
   __shared__ float xs[IN];
   const int lane = threadIdx.x;
   const int tid = threadIdx.y * 32 + lane;
   const int threads = blockDim.y * 32;
-  const int pair = blockIdx.z;
-  const int out = w_shape[1];
+  const int item = blockIdx.z;
+  const int rows = w_shape[1];
+  const int out = rows / PARTS;
   const int first = (blockIdx.y * blockDim.y + threadIdx.y) * ROWS;
-  const long long x_row = static_cast<long long>(pair / X_PER_ROW) * IN;
-  for (int i = tid; i < IN; i += threads) {
-    xs[i] = static_cast<float>(x[x_row + i]);
+  float total[ACCS];
+#pragma unroll
+  for (int r = 0; r < ACCS; ++r) total[r] = 0.0f;
+  for (int j = 0; j < PAIRS; ++j) {
+    const int pair = item * PAIRS + j;
+    if (j > 0) __syncthreads();
+    const long long x_row = static_cast<long long>(pair / X_PER_ROW) * IN;
+    for (int i = tid; i < IN; i += threads) {
+      xs[i] = static_cast<float>(x[x_row + i]);
+    }
+    __syncthreads();
+    const long long row0 = static_cast<long long>(indices[pair]) * rows + first;
+    float acc[ACCS];
+#pragma unroll
+    for (int r = 0; r < ACCS; ++r) acc[r] = 0.0f;
+    for (int word = lane; word < WORDS; word += 32) {
+      const int base = word * PER_WORD;
+      const int g = base / GROUP;
+      float xv[PER_WORD];
+      float xsum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < PER_WORD; ++i) {
+        xv[i] = xs[base + i];
+        xsum += xv[i];
+      }
+#pragma unroll
+      for (int r = 0; r < ACCS; ++r) {
+        const long long row = row0 + (r / ROWS) * out + (r % ROWS);
+        const unsigned q = w[row * WORDS + word];
+        float dot = 0.0f;
+        if (MXFP4) {
+          // E2M1 magnitudes times two, a nibble each: 0, 1, 2, 3, 4, 6, 8, 12.
+#pragma unroll
+          for (int i = 0; i < PER_WORD; ++i) {
+            const unsigned code = (q >> (4 * i)) & 15u;
+            const float v = static_cast<float>((0xC8643210u >> (4 * (code & 7u))) & 15u) * 0.5f;
+            dot += ((code & 8u) ? -v : v) * xv[i];
+          }
+          acc[r] += exp2f(static_cast<float>(scales[row * GROUPS + g]) - 127.0f) * dot;
+        } else {
+#pragma unroll
+          for (int i = 0; i < PER_WORD; ++i) {
+            dot += static_cast<float>((q >> (BITS * i)) & MASK) * xv[i];
+          }
+          acc[r] += static_cast<float>(scales[row * GROUPS + g]) * dot
+              + static_cast<float>(biases[row * GROUPS + g]) * xsum;
+        }
+      }
+    }
+    const float weight = WEIGHTED ? static_cast<float>(coef[pair]) : 1.0f;
+#pragma unroll
+    for (int r = 0; r < ACCS; ++r) total[r] += weight * acc[r];
   }
-  __syncthreads();
-  const long long row0 = static_cast<long long>(indices[pair]) * out + first;
-  float acc[ROWS];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-  for (int word = lane; word < WORDS; word += 32) {
-    const int base = word * PER_WORD;
-    const int g = base / GROUP;
-    float xv[PER_WORD];
-    float xsum = 0.0f;
+  for (int r = 0; r < ACCS; ++r) {
+    for (int o = 16; o > 0; o /= 2) total[r] += __shfl_xor_sync(0xffffffff, total[r], o);
+  }
+  if (lane == 0) {
+    if (HAS_BIAS) {
+      for (int j = 0; j < PAIRS; ++j) {
+        const int pair = item * PAIRS + j;
+        const float weight = WEIGHTED ? static_cast<float>(coef[pair]) : 1.0f;
+        const long long row0 = static_cast<long long>(indices[pair]) * rows + first;
 #pragma unroll
-    for (int j = 0; j < PER_WORD; ++j) {
-      xv[j] = xs[base + j];
-      xsum += xv[j];
+        for (int r = 0; r < ACCS; ++r) {
+          total[r] += weight * static_cast<float>(bias[row0 + (r / ROWS) * out + (r % ROWS)]);
+        }
+      }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const long long row = row0 + r;
-      const unsigned q = w[row * WORDS + word];
-      float dot = 0.0f;
-      if (MXFP4) {
-        // E2M1 magnitudes times two, a nibble each: 0, 1, 2, 3, 4, 6, 8, 12.
-#pragma unroll
-        for (int j = 0; j < PER_WORD; ++j) {
-          const unsigned code = (q >> (4 * j)) & 15u;
-          const float v = static_cast<float>((0xC8643210u >> (4 * (code & 7u))) & 15u) * 0.5f;
-          dot += ((code & 8u) ? -v : v) * xv[j];
-        }
-        acc[r] += exp2f(static_cast<float>(scales[row * GROUPS + g]) - 127.0f) * dot;
-      } else {
-#pragma unroll
-        for (int j = 0; j < PER_WORD; ++j) {
-          dot += static_cast<float>((q >> (BITS * j)) & MASK) * xv[j];
-        }
-        acc[r] += static_cast<float>(scales[row * GROUPS + g]) * dot
-            + static_cast<float>(biases[row * GROUPS + g]) * xsum;
+      float v = total[r];
+      if (ACT == 1) {
+        v = v / (1.0f + expf(-v)) * total[ROWS + r];
+      } else if (ACT == 2) {
+        v = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)))
+            * total[ROWS + r];
+      } else if (ACT == 3) {
+        const float gate = fminf(v, 7.0f);
+        const float up = fminf(fmaxf(total[ROWS + r], -7.0f), 7.0f);
+        v = (up + 1.0f) * gate / (1.0f + expf(-1.702f * gate));
       }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    float sum = acc[r];
-    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-    if (lane == 0) {
-      y[static_cast<long long>(pair) * out + first + r] = static_cast<T>(sum);
+      y[static_cast<long long>(item) * out + first + r] = static_cast<T>(v);
     }
   }
 "#;
 
-/// CUDA, unless `PERCH_EXPERT_KERNEL=0` (benchmarks against `gather_qmm`); `None` elsewhere.
+/// One warp a token: its `E` scores, NaN read as −∞, the `K` largest picked in turn (ties to the
+/// lower expert), then their softmax weights, over all `E` scores (`ALL`) or over the `K`, each
+/// times `scale[expert]` (`SCALED`).
+const ROUTE_SOURCE: &str = r#"
+  constexpr int PER_LANE = (E + 31) / 32;
+  const float neg_inf = __int_as_float(0xff800000);
+  const int lane = threadIdx.x;
+  const long long row = blockIdx.y;
+  float v[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = lane + 32 * i;
+    const float s = e < E ? static_cast<float>(logits[row * E + e]) : neg_inf;
+    v[i] = s != s ? neg_inf : s;
+  }
+  unsigned taken = 0u;
+  float top[K];
+  int chosen[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    float best = neg_inf;
+    int best_e = -1;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) {
+      const int e = lane + 32 * i;
+      if (e < E && !((taken >> i) & 1u) && (best_e < 0 || v[i] > best)) {
+        best = v[i];
+        best_e = e;
+      }
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      const float other = __shfl_xor_sync(0xffffffff, best, o);
+      const int other_e = __shfl_xor_sync(0xffffffff, best_e, o);
+      if (other_e >= 0
+          && (best_e < 0 || other > best || (other == best && other_e < best_e))) {
+        best = other;
+        best_e = other_e;
+      }
+    }
+    if (best_e >= 0 && (best_e & 31) == lane) taken |= 1u << (best_e >> 5);
+    top[k] = best;
+    chosen[k] = best_e < 0 ? 0 : best_e;
+  }
+  const float m = top[0];
+  float denom = 0.0f;
+  if (ALL) {
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) denom += expf(v[i] - m);
+    for (int o = 16; o > 0; o /= 2) denom += __shfl_xor_sync(0xffffffff, denom, o);
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k) denom += expf(top[k] - m);
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      float s = expf(top[k] - m) / denom;
+      if (SCALED) s *= static_cast<float>(scale[chosen[k]]);
+      indices[row * K + k] = static_cast<uint32_t>(chosen[k]);
+      scores[row * K + k] = static_cast<T>(s);
+    }
+  }
+"#;
+
+/// CUDA, unless `PERCH_EXPERT_KERNEL=0` (benchmarks against MLX's operations); `None` elsewhere.
 pub fn backend() -> Option<Backend> {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     let enabled =
@@ -115,9 +229,26 @@ pub fn backend() -> Option<Backend> {
     (enabled && Backend::current() == Backend::Cuda).then_some(Backend::Cuda)
 }
 
+/// What [`gather_qmv`] does with a pair's product before writing it.
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a> {
+    /// Written as it is: `y` `[indices.shape, 1, out]`.
+    Plain,
+    /// The weights' rows are the gate's then the up projection's (`out` each, as
+    /// [`crate::nn::layers::halves`] splits them); `y` `[indices.shape, 1, out]` is the gated
+    /// activation of the two ([`Activation::gated`]).
+    Gated(Activation),
+    /// `x` has a row per pair; each token's pairs (the last axis of `indices`) are summed,
+    /// each times its weight in `scores` (the shape of `indices`): `y` `[indices.shape[..-1],
+    /// out]`.
+    Weighted(&'a Array),
+}
+
 /// One product's operands: `x` `[..., 1, in]` (a row per token, or per pair), `indices` the
-/// pairs' experts (any shape, int32 or uint32), the weights `[experts, out, in · bits / 32]`
-/// uint32 with their scales (and, affine, biases) `[experts, out, in / group_size]`.
+/// pairs' experts (any shape, int32 or uint32), the weights `[experts, rows, in · bits / 32]`
+/// uint32 with their scales (and, affine, biases) `[experts, rows, in / group_size]`, and the
+/// experts' own bias `[experts, rows]` where they have one.
+#[derive(Clone, Copy)]
 pub struct Operands<'a> {
     pub x: &'a Array,
     pub weight: &'a Array,
@@ -125,23 +256,30 @@ pub struct Operands<'a> {
     pub biases: Option<&'a Array>,
     pub indices: &'a Array,
     pub params: QuantParams,
+    pub bias: Option<&'a Array>,
+    pub epilogue: Epilogue<'a>,
+}
+
+fn is_float(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
 }
 
 impl Operands<'_> {
     /// Pairs sharing one row of `x`, when the kernel computes this product: a float `x` whose
-    /// rows divide the pairs, `in` a multiple of the group and at most [`MAX_IN`], `out` a
-    /// multiple of a block's features, affine 4/8-bit with groups of 32, 64 or 128 or MXFP4
-    /// (groups of 32, uint8 scales), at most [`MAX_GRID_Z`] pairs, and every shape consistent.
+    /// rows divide the pairs (one a pair when weighted), `in` a multiple of the group and at
+    /// most [`MAX_IN`], the outputs a multiple of a block's features, affine 4/8-bit with
+    /// groups of 32, 64 or 128 or MXFP4 (groups of 32, uint8 scales), at most [`MAX_GRID_Z`]
+    /// items, and every shape consistent.
     pub fn x_per_row(&self) -> Option<i32> {
         let (ws, ss, xs) = (self.weight.shape(), self.scales.shape(), self.x.shape());
         if ws.len() != 3 || xs.len() < 2 || xs[xs.len() - 2] != 1 {
             return None;
         }
-        let (experts, out, words) = (ws[0], ws[1], ws[2]);
+        let (experts, rows, words) = (ws[0], ws[1], ws[2]);
         let p = self.params;
         let input = *xs.last()?;
         let pairs = i32::try_from(self.indices.size()).ok()?;
-        let rows = i32::try_from(self.x.size()).ok()? / input.max(1);
+        let x_rows = i32::try_from(self.x.size()).ok()? / input.max(1);
         let formats = match p.mode {
             QuantMode::Affine => {
                 matches!(p.bits, 4 | 8)
@@ -160,26 +298,48 @@ impl Operands<'_> {
             }
             QuantMode::Mxfp8 => false,
         };
+        let parts = match self.epilogue {
+            Epilogue::Gated(_) => 2,
+            _ => 1,
+        };
+        let out = rows / parts;
+        let items = match self.epilogue {
+            Epilogue::Weighted(scores) => {
+                let k = self.indices.shape().last().copied().unwrap_or(0);
+                let fits = scores.shape() == self.indices.shape()
+                    && is_float(scores.dtype())
+                    && k > 0
+                    && x_rows == pairs
+                    && xs[..xs.len() - 2] == *self.indices.shape();
+                if !fits {
+                    return None;
+                }
+                pairs / k
+            }
+            _ => pairs,
+        };
+        let bias_fits = self
+            .bias
+            .is_none_or(|b| b.shape() == [experts, rows] && is_float(b.dtype()));
         let fits = formats
+            && bias_fits
             && experts > 0
+            && rows % parts == 0
             && out > 0
             && out % (ROWS * WARPS) == 0
             && input > 0
             && input <= MAX_IN
             && input % p.group_size == 0
             && words * 32 == input * p.bits
-            && ss == [experts, out, input / p.group_size]
+            && ss == [experts, rows, input / p.group_size]
             && self.weight.dtype() == Dtype::Uint32
             && matches!(self.indices.dtype(), Dtype::Int32 | Dtype::Uint32)
-            && matches!(
-                self.x.dtype(),
-                Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16
-            )
-            && (1..=MAX_GRID_Z).contains(&pairs)
-            && rows > 0
-            && pairs % rows == 0
+            && is_float(self.x.dtype())
+            && (1..=MAX_GRID_Z).contains(&items)
+            && x_rows > 0
+            && pairs % x_rows == 0
             && self.broadcasts_as_gather_qmm();
-        fits.then(|| pairs / rows)
+        fits.then(|| pairs / x_rows)
     }
 
     /// Whether `x`'s leading axes meet `indices`' as the kernel reads them: the same axes, the
@@ -197,10 +357,10 @@ impl Operands<'_> {
     }
 }
 
-/// `y` `[indices.shape, 1, out]` in `x`'s dtype, as `gather_qmm(x, w, scales, biases, indices,
-/// transpose = true)` gives it when `x`'s leading axes broadcast against `indices`' (a row per
-/// token, or per pair). `Err` where [`Operands::x_per_row`] refuses the operands or there is no
-/// backend ([`backend`]).
+/// The product as `gather_qmm(x, w, scales, biases, indices, transpose = true)` gives it when
+/// `x`'s leading axes broadcast against `indices`' (a row per token, or per pair), plus the
+/// experts' bias, then the [`Epilogue`]; in `x`'s dtype. `Err` where [`Operands::x_per_row`]
+/// refuses the operands or there is no backend ([`backend`]).
 pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
@@ -209,74 +369,192 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
         return Err(Exception::custom("gather_qmv: operands it does not take"));
     };
     let input = *o.x.shape().last().expect("x has axes");
-    let out = o.weight.shape()[1];
+    let rows = o.weight.shape()[1];
     let pairs = o.indices.size() as i32;
-    let mxfp4 = o.params.mode == QuantMode::Mxfp4;
+    let k = *o.indices.shape().last().unwrap_or(&1);
+    let (act, out, items, shape) = match o.epilogue {
+        Epilogue::Plain => (0, rows, pairs, [o.indices.shape(), &[1, rows]].concat()),
+        Epilogue::Gated(activation) => {
+            let act = match activation {
+                Activation::Silu => 1,
+                Activation::GeluApprox => 2,
+                Activation::SwigluOai => 3,
+            };
+            let out = rows / 2;
+            (act, out, pairs, [o.indices.shape(), &[1, out]].concat())
+        }
+        Epilogue::Weighted(_) => {
+            let lead = &o.indices.shape()[..o.indices.ndim() - 1];
+            (0, rows, pairs / k, [lead, &[rows]].concat())
+        }
+    };
+    let weighted = matches!(o.epilogue, Epilogue::Weighted(_));
     let template = [
         TemplateArg::Dtype(c"T", o.x.dtype()),
         TemplateArg::Int(c"IN", input),
         TemplateArg::Int(c"BITS", o.params.bits),
         TemplateArg::Int(c"GROUP", o.params.group_size),
         TemplateArg::Int(c"X_PER_ROW", x_per_row),
-        TemplateArg::Int(c"MXFP4", mxfp4 as i32),
+        TemplateArg::Int(c"MXFP4", (o.params.mode == QuantMode::Mxfp4) as i32),
         TemplateArg::Int(c"ROWS", ROWS),
+        TemplateArg::Int(c"ACT", act),
+        TemplateArg::Int(c"WEIGHTED", weighted as i32),
+        TemplateArg::Int(c"K", k),
+        TemplateArg::Int(c"HAS_BIAS", o.bias.is_some() as i32),
     ];
-    // MXFP4 has no biases; the kernel reads none, but every launch passes five inputs.
+    // Every launch passes seven inputs; the kernel reads none of those its template leaves out
+    // (MXFP4's biases, the experts' bias, the weights of an unweighted product).
     let biases = o.biases.unwrap_or(o.scales);
+    let bias = o.bias.unwrap_or(o.scales);
+    let coef = match o.epilogue {
+        Epilogue::Weighted(scores) => scores,
+        _ => o.scales,
+    };
     let y = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
             CustomKernel::new(
                 backend,
                 c"perch_gather_qmv",
-                &["x", "w", "scales", "biases", "indices"],
+                &["x", "w", "scales", "biases", "indices", "bias", "coef"],
                 &["y"],
                 SOURCE,
                 true,
             )
         });
         kernel.apply(
-            &[o.x, o.weight, o.scales, biases, o.indices],
-            &[(&[pairs, out], o.x.dtype())],
-            (32, out / ROWS, pairs),
+            &[o.x, o.weight, o.scales, biases, o.indices, bias, coef],
+            &[(&[items, out], o.x.dtype())],
+            (32, out / ROWS, items),
             (32, WARPS, 1),
             &template,
         )
     })?;
-    let y = y.into_iter().next().expect("one output");
-    let mut shape = o.indices.shape().to_vec();
-    shape.extend([1, out]);
-    y.reshape(&shape)
+    y.into_iter().next().expect("one output").reshape(&shape)
 }
 
-/// Whether the engine uses [`gather_qmv`]: on CUDA ([`backend`]) once it has passed
-/// [`self_test`] (asked at model load).
+/// How [`route`] turns the chosen experts' scores into weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Normalize {
+    /// A softmax over every expert's score, kept for the top k (Qwen3-MoE without
+    /// `norm_topk_prob`).
+    All,
+    /// A softmax over the top k scores alone (gpt-oss, Gemma 4; Qwen with `norm_topk_prob`,
+    /// whose renormalised top k of the full softmax is the same).
+    TopK,
+}
+
+/// The `k` largest of `logits` `[..., experts]` (float) and their weights, each `[..., k]`:
+/// indices uint32 in descending order of score, weights in `logits`' dtype, each times
+/// `scale[expert]` (`[experts]`) when given. `Ok(None)` where the kernel does not take it (no
+/// [`backend`], more than [`MAX_EXPERTS`] experts, `k` above [`MAX_TOP_K`] or the experts).
+pub fn route(
+    logits: &Array,
+    k: i32,
+    normalize: Normalize,
+    scale: Option<&Array>,
+) -> Result<Option<(Array, Array)>, Exception> {
+    thread_local! {
+        static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
+    }
+    let shape = logits.shape();
+    let (Some(backend), Some(&experts)) = (backend(), shape.last()) else {
+        return Ok(None);
+    };
+    let fits = (1..=MAX_EXPERTS).contains(&experts)
+        && (1..=MAX_TOP_K.min(experts)).contains(&k)
+        && is_float(logits.dtype())
+        && logits.size() > 0
+        && logits.size() / experts as usize <= MAX_GRID_Z as usize
+        && scale.is_none_or(|s| s.shape() == [experts] && is_float(s.dtype()));
+    if !fits {
+        return Ok(None);
+    }
+    let tokens = (logits.size() / experts as usize) as i32;
+    let template = [
+        TemplateArg::Dtype(c"T", logits.dtype()),
+        TemplateArg::Int(c"E", experts),
+        TemplateArg::Int(c"K", k),
+        TemplateArg::Int(c"ALL", (normalize == Normalize::All) as i32),
+        TemplateArg::Int(c"SCALED", scale.is_some() as i32),
+    ];
+    let out = KERNEL.with(|kernel| {
+        let mut kernel = kernel.borrow_mut();
+        let kernel = kernel.get_or_insert_with(|| {
+            CustomKernel::new(
+                backend,
+                c"perch_route",
+                &["logits", "scale"],
+                &["indices", "scores"],
+                ROUTE_SOURCE,
+                true,
+            )
+        });
+        kernel.apply(
+            &[logits, scale.unwrap_or(logits)],
+            &[
+                (&[tokens, k], Dtype::Uint32),
+                (&[tokens, k], logits.dtype()),
+            ],
+            (32, tokens, 1),
+            (32, 1, 1),
+            &template,
+        )
+    })?;
+    let out_shape = [&shape[..shape.len() - 1], &[k]].concat();
+    let mut out = out.into_iter();
+    let (indices, scores) = (out.next().expect("two"), out.next().expect("two"));
+    Ok(Some((
+        indices.reshape(&out_shape)?,
+        scores.reshape(&out_shape)?,
+    )))
+}
+
+/// Whether the engine uses [`gather_qmv`] and [`route`]: on CUDA ([`backend`]) once they have
+/// passed [`self_test`] (asked at model load).
 pub fn usable() -> bool {
     backend().is_some() && self_test().is_ok()
 }
 
-/// The small check behind [`usable`], once per process: a decode-shaped case of each format
-/// (affine 4-bit, affine 8-bit, MXFP4; a row per token and a row per pair) against MLX's
-/// `gather_qmm`. `Err` says why the kernel is not used.
+/// The small check behind [`usable`], once per process: decode-shaped cases of each format
+/// (affine 4-bit, affine 8-bit, MXFP4; a row per token and a row per pair) and each epilogue
+/// against MLX's `gather_qmm` and operations, and the router against MLX's top k and softmax.
+/// `Err` says why the kernels are not used.
 pub fn self_test() -> &'static Result<(), String> {
     static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
     RESULT.get_or_init(|| {
         if backend().is_none() {
             return Err("not on CUDA, or PERCH_EXPERT_KERNEL=0".into());
         }
-        for case in &CASES[..3] {
+        let within =
+            |name: &str, error: f32, tolerance: f32| match error.is_nan() || error > tolerance {
+                // NaN fails too.
+                true => Err(format!("{name}: largest error {error:.2e}")),
+                false => Ok(()),
+            };
+        for case in &CASES[..SELF_TEST_CASES] {
             let run = Case::run(case).map_err(|e| e.to_string())?;
-            // NaN fails too.
-            if run.error.is_nan() || run.error > case.tolerance {
-                return Err(format!("{}: largest error {:.2e}", case.name, run.error));
-            }
+            within(case.name, run.error, case.tolerance)?;
+        }
+        for case in &ROUTE_CASES[..SELF_TEST_ROUTES] {
+            let run = RouteCase::run(case).map_err(|e| e.to_string())?;
+            within(case.name, run.error, case.tolerance)?;
         }
         Ok(())
     })
 }
 
-/// A check case: `tokens` tokens of `k` experts each out of `experts`, `(in, out)` features;
-/// `per_pair`: `x` has a row per pair (the down projection) rather than per token.
+/// What a check case's product does after the gather ([`Epilogue`]).
+#[derive(Clone, Copy)]
+enum Kind {
+    /// `x` a row per token (`false`) or per pair.
+    Plain(bool),
+    Gated(Activation),
+    Weighted,
+}
+
+/// A check case: `tokens` tokens of `k` experts each out of `experts`, `(in, out)` features
+/// (`out` each for the gate and the up projection when gated); `bias`: the experts have one.
 struct CaseSpec {
     name: &'static str,
     tokens: i32,
@@ -284,7 +562,8 @@ struct CaseSpec {
     experts: i32,
     features: (i32, i32),
     params: QuantParams,
-    per_pair: bool,
+    kind: Kind,
+    bias: bool,
     dtype: Dtype,
     tolerance: f32,
 }
@@ -303,88 +582,138 @@ const MXFP4: QuantParams = QuantParams {
     mode: QuantMode::Mxfp4,
 };
 
-const CASES: [CaseSpec; 7] = [
+/// The first cases, small and in float32, are also the load check's.
+const SELF_TEST_CASES: usize = 7;
+
+const fn case(
+    name: &'static str,
+    (tokens, k, experts): (i32, i32, i32),
+    features: (i32, i32),
+    params: QuantParams,
+    (kind, bias): (Kind, bool),
+    dtype: Dtype,
+) -> CaseSpec {
     CaseSpec {
-        name: "affine 4-bit g64, 2 tokens × 4 of 8 experts, 256 → 64",
-        tokens: 2,
-        k: 4,
-        experts: 8,
-        features: (256, 64),
-        params: affine(4, 64),
-        per_pair: false,
-        dtype: Dtype::Float32,
-        tolerance: 1e-3,
-    },
-    CaseSpec {
-        name: "affine 8-bit g32, a row per pair, 3 tokens × 2 of 4 experts, 128 → 32",
-        tokens: 3,
-        k: 2,
-        experts: 4,
-        features: (128, 32),
-        params: affine(8, 32),
-        per_pair: true,
-        dtype: Dtype::Float32,
-        tolerance: 1e-3,
-    },
-    CaseSpec {
-        name: "MXFP4, 2 tokens × 2 of 4 experts, 128 → 32",
-        tokens: 2,
-        k: 2,
-        experts: 4,
-        features: (128, 32),
-        params: MXFP4,
-        per_pair: false,
-        dtype: Dtype::Float32,
-        tolerance: 1e-3,
-    },
-    CaseSpec {
-        name: "qwen3_moe gate+up, 16 rows × 8 of 64 experts, 1024 → 512, 4-bit g64",
-        tokens: 16,
-        k: 8,
-        experts: 64,
-        features: (1024, 512),
-        params: affine(4, 64),
-        per_pair: false,
-        dtype: Dtype::Bfloat16,
-        tolerance: 5e-2,
-    },
-    CaseSpec {
-        name: "qwen3_moe down, 16 rows × 8 of 64 experts, 256 → 1024, 4-bit g64",
-        tokens: 16,
-        k: 8,
-        experts: 64,
-        features: (256, 1024),
-        params: affine(4, 64),
-        per_pair: true,
-        dtype: Dtype::Bfloat16,
-        tolerance: 5e-2,
-    },
-    CaseSpec {
-        name: "qwen3_moe gate+up, 128 rows × 8 of 64 experts, 1024 → 512, 4-bit g64",
-        tokens: 128,
-        k: 8,
-        experts: 64,
-        features: (1024, 512),
-        params: affine(4, 64),
-        per_pair: false,
-        dtype: Dtype::Bfloat16,
-        tolerance: 5e-2,
-    },
-    CaseSpec {
-        name: "gpt_oss gate+up, 32 rows × 4 of 32 experts, 1024 → 2048, MXFP4",
-        tokens: 32,
-        k: 4,
-        experts: 32,
-        features: (1024, 2048),
-        params: MXFP4,
-        per_pair: false,
-        dtype: Dtype::Bfloat16,
-        tolerance: 5e-2,
-    },
+        name,
+        tokens,
+        k,
+        experts,
+        features,
+        params,
+        kind,
+        bias,
+        dtype,
+        tolerance: match dtype {
+            Dtype::Float32 => 1e-3,
+            _ => 5e-2,
+        },
+    }
+}
+
+const F32: Dtype = Dtype::Float32;
+const BF16: Dtype = Dtype::Bfloat16;
+
+const CASES: [CaseSpec; 12] = [
+    case(
+        "affine 4-bit g64, 2 tokens × 4 of 8 experts, 256 → 64",
+        (2, 4, 8),
+        (256, 64),
+        affine(4, 64),
+        (Kind::Plain(false), false),
+        F32,
+    ),
+    case(
+        "affine 8-bit g32, a row per pair, 3 tokens × 2 of 4 experts, 128 → 32",
+        (3, 2, 4),
+        (128, 32),
+        affine(8, 32),
+        (Kind::Plain(true), false),
+        F32,
+    ),
+    case(
+        "MXFP4 with biases, 2 tokens × 2 of 4 experts, 128 → 32",
+        (2, 2, 4),
+        (128, 32),
+        MXFP4,
+        (Kind::Plain(false), true),
+        F32,
+    ),
+    case(
+        "affine 4-bit g64 gated SiLU, 2 tokens × 4 of 8 experts, 256 → 2 × 32",
+        (2, 4, 8),
+        (256, 32),
+        affine(4, 64),
+        (Kind::Gated(Activation::Silu), false),
+        F32,
+    ),
+    case(
+        "affine 8-bit g128 gated GELU, 2 tokens × 2 of 4 experts, 256 → 2 × 16",
+        (2, 2, 4),
+        (256, 16),
+        affine(8, 128),
+        (Kind::Gated(Activation::GeluApprox), false),
+        F32,
+    ),
+    case(
+        "MXFP4 with biases gated clamped SwiGLU, 3 tokens × 2 of 4 experts, 128 → 2 × 32",
+        (3, 2, 4),
+        (128, 32),
+        MXFP4,
+        (Kind::Gated(Activation::SwigluOai), true),
+        F32,
+    ),
+    case(
+        "affine 4-bit g32 with biases weighted, 3 tokens × 4 of 8 experts, 128 → 32",
+        (3, 4, 8),
+        (128, 32),
+        affine(4, 32),
+        (Kind::Weighted, true),
+        F32,
+    ),
+    case(
+        "qwen3_moe gate+up gated, 16 rows × 8 of 64 experts, 1024 → 2 × 256, 4-bit g64",
+        (16, 8, 64),
+        (1024, 256),
+        affine(4, 64),
+        (Kind::Gated(Activation::Silu), false),
+        BF16,
+    ),
+    case(
+        "qwen3_moe down weighted, 16 rows × 8 of 64 experts, 256 → 1024, 4-bit g64",
+        (16, 8, 64),
+        (256, 1024),
+        affine(4, 64),
+        (Kind::Weighted, false),
+        BF16,
+    ),
+    case(
+        "qwen3_moe gate+up gated, 128 rows × 8 of 64 experts, 1024 → 2 × 256, 4-bit g64",
+        (128, 8, 64),
+        (1024, 256),
+        affine(4, 64),
+        (Kind::Gated(Activation::Silu), false),
+        BF16,
+    ),
+    case(
+        "gpt_oss gate+up gated, 32 rows × 4 of 32 experts, 1024 → 2 × 1024, MXFP4",
+        (32, 4, 32),
+        (1024, 1024),
+        MXFP4,
+        (Kind::Gated(Activation::SwigluOai), true),
+        BF16,
+    ),
+    case(
+        "gpt_oss down weighted, 32 rows × 4 of 32 experts, 1024 → 1024, MXFP4",
+        (32, 4, 32),
+        (1024, 1024),
+        MXFP4,
+        (Kind::Weighted, true),
+        BF16,
+    ),
 ];
 
-/// One random case through [`gather_qmv`] and MLX's `gather_qmm`: the largest |difference|
-/// relative to the largest |reference| value, and both operands kept for timing.
+/// One random case through [`gather_qmv`] and MLX's `gather_qmm` and operations: the largest
+/// |difference| relative to the largest |reference| value, and the operands kept for timing.
 struct Case {
     error: f32,
     x: Array,
@@ -392,21 +721,42 @@ struct Case {
     scales: Array,
     biases: Option<Array>,
     indices: Array,
+    bias: Option<Array>,
+    scores: Array,
+    params: QuantParams,
+    kind: Kind,
+}
+
+/// The largest |`ours` − `reference`| over the largest |`reference`|.
+fn relative_error(ours: &Array, reference: &Array) -> crate::Result<f32> {
+    let (ours, reference) = (ours.as_dtype(F32)?, reference.as_dtype(F32)?);
+    let largest = ops::abs(&reference)?
+        .max(None)?
+        .item_exact::<f32>()
+        .max(1e-6);
+    Ok(ops::abs(&ops::subtract(&ours, &reference)?)?
+        .max(None)?
+        .item_exact::<f32>()
+        / largest)
 }
 
 impl Case {
     fn run(spec: &CaseSpec) -> crate::Result<Self> {
-        use mlx_rs::random::{key, normal, randint};
+        use mlx_rs::random::{key, normal, randint, uniform};
         let (input, out) = spec.features;
+        let rows = match spec.kind {
+            Kind::Gated(_) => 2 * out,
+            _ => out,
+        };
         let p = spec.params;
         let words = input * p.bits / 32;
         let groups = input / p.group_size;
         let e = spec.experts;
-        let seed = (spec.tokens * 131 + input) as u64;
+        let seed = (spec.tokens * 131 + input + rows) as u64;
         let k = |i: u64| key(seed * 8 + i);
         let half = |i: u64| -> crate::Result<Array> {
             Ok(
-                randint::<_, i32>(0, 1 << 16, &[e, out, words], Some(&k(i)?))?
+                randint::<_, i32>(0, 1 << 16, &[e, rows, words], Some(&k(i)?))?
                     .as_dtype(Dtype::Uint32)?,
             )
         };
@@ -416,16 +766,16 @@ impl Case {
         )?;
         let (scales, biases) = match p.mode {
             QuantMode::Mxfp4 => (
-                randint::<_, i32>(120, 130, &[e, out, groups], Some(&k(2)?))?
+                randint::<_, i32>(120, 130, &[e, rows, groups], Some(&k(2)?))?
                     .as_dtype(Dtype::Uint8)?,
                 None,
             ),
             _ => {
                 let scale = 1.0 / (1 << p.bits) as f32;
-                let s = normal::<f32>(&[e, out, groups], None, None, Some(&k(2)?))?
+                let s = normal::<f32>(&[e, rows, groups], None, None, Some(&k(2)?))?
                     .multiply(Array::from_f32(scale))?
                     .as_dtype(spec.dtype)?;
-                let b = normal::<f32>(&[e, out, groups], None, None, Some(&k(3)?))?
+                let b = normal::<f32>(&[e, rows, groups], None, None, Some(&k(3)?))?
                     .multiply(Array::from_f32(0.1))?
                     .as_dtype(spec.dtype)?;
                 (s, Some(b))
@@ -433,12 +783,17 @@ impl Case {
         };
         let indices = randint::<_, i32>(0, e, &[spec.tokens, spec.k], Some(&k(4)?))?
             .as_dtype(Dtype::Uint32)?;
-        let x_shape: &[i32] = if spec.per_pair {
-            &[spec.tokens, spec.k, 1, input]
-        } else {
-            &[spec.tokens, 1, 1, input]
-        };
-        let x = normal::<f32>(x_shape, None, None, Some(&k(5)?))?.as_dtype(spec.dtype)?;
+        let per_pair = matches!(spec.kind, Kind::Plain(true) | Kind::Weighted);
+        let x_shape = [spec.tokens, if per_pair { spec.k } else { 1 }, 1, input];
+        let x = normal::<f32>(&x_shape, None, None, Some(&k(5)?))?.as_dtype(spec.dtype)?;
+        let bias = spec
+            .bias
+            .then(|| -> crate::Result<Array> {
+                Ok(normal::<f32>(&[e, rows], None, None, Some(&k(6)?))?.as_dtype(spec.dtype)?)
+            })
+            .transpose()?;
+        let scores = uniform::<_, f32>(0.0, 1.0, &[spec.tokens, spec.k], Some(&k(7)?))?
+            .as_dtype(spec.dtype)?;
         let case = Self {
             error: 0.0,
             x,
@@ -446,49 +801,36 @@ impl Case {
             scales,
             biases,
             indices,
+            bias,
+            scores,
+            params: p,
+            kind: spec.kind,
         };
-        let ours = case.kernel()?.as_dtype(Dtype::Float32)?;
-        let reference = case.mlx()?.as_dtype(Dtype::Float32)?;
-        let largest = ops::abs(&reference)?
-            .max(None)?
-            .item_exact::<f32>()
-            .max(1e-6);
-        let error = ops::abs(&ops::subtract(&ours, &reference)?)?
-            .max(None)?
-            .item_exact::<f32>()
-            / largest;
+        let error = relative_error(&case.kernel()?, &case.mlx()?)?;
         Ok(Self { error, ..case })
     }
 
-    fn operands(&self, params: QuantParams) -> Operands<'_> {
-        Operands {
+    fn kernel(&self) -> crate::Result<Array> {
+        Ok(gather_qmv(&Operands {
             x: &self.x,
             weight: &self.weight,
             scales: &self.scales,
             biases: self.biases.as_ref(),
             indices: &self.indices,
-            params,
-        }
+            params: self.params,
+            bias: self.bias.as_ref(),
+            epilogue: match self.kind {
+                Kind::Plain(_) => Epilogue::Plain,
+                Kind::Gated(activation) => Epilogue::Gated(activation),
+                Kind::Weighted => Epilogue::Weighted(&self.scores),
+            },
+        })?)
     }
 
-    fn params(&self) -> QuantParams {
-        match self.biases {
-            None => MXFP4,
-            Some(_) => {
-                let (words, groups) = (self.weight.shape()[2], self.scales.shape()[2]);
-                let input = *self.x.shape().last().expect("x has axes");
-                affine(words * 32 / input, input / groups)
-            }
-        }
-    }
-
-    fn kernel(&self) -> crate::Result<Array> {
-        Ok(gather_qmv(&self.operands(self.params()))?)
-    }
-
+    /// The same through MLX: `gather_qmm`, the bias, then the activation or the weighted sum.
     fn mlx(&self) -> crate::Result<Array> {
-        let p = self.params();
-        Ok(crate::nn::mlx_ext::gather_qmm(
+        let p = self.params;
+        let y = crate::nn::mlx_ext::gather_qmm(
             &self.x,
             &self.weight,
             &self.scales,
@@ -497,34 +839,199 @@ impl Case {
             p.sizes(),
             p.mode.mlx_name(),
             false,
-        )?)
+        )?;
+        let y = match &self.bias {
+            Some(bias) => ops::add(&y, &bias.take_axis(&self.indices, 0)?.expand_dims(-2)?)?,
+            None => y,
+        };
+        Ok(match self.kind {
+            Kind::Plain(_) => y,
+            Kind::Gated(activation) => {
+                let (gate, up) = crate::nn::layers::halves(&y)?;
+                activation.gated(&gate, &up)?
+            }
+            Kind::Weighted => {
+                ops::multiply(&y.squeeze_axes(&[-2])?, &self.scores.expand_dims(-1)?)?
+                    .sum_axis(1, false)?
+            }
+        })
     }
 }
 
-/// Checks [`gather_qmv`] against MLX's `gather_qmm` on random operands of each format and of the
-/// experts' shapes at decode, with each one's time a call: one line per case, an error at the
-/// first case outside its tolerance (relative to the largest reference value). CUDA only
+/// A router check case: `tokens` tokens' scores over `experts`, the top `k` kept.
+struct RouteSpec {
+    name: &'static str,
+    tokens: i32,
+    experts: i32,
+    k: i32,
+    normalize: Normalize,
+    scaled: bool,
+    dtype: Dtype,
+    tolerance: f32,
+}
+
+/// The first are also the load check's.
+const SELF_TEST_ROUTES: usize = 2;
+
+const ROUTE_CASES: [RouteSpec; 4] = [
+    RouteSpec {
+        name: "router, 3 tokens, top 4 of 40 experts, softmax over all",
+        tokens: 3,
+        experts: 40,
+        k: 4,
+        normalize: Normalize::All,
+        scaled: false,
+        dtype: F32,
+        tolerance: 1e-5,
+    },
+    RouteSpec {
+        name: "router, 5 tokens, top 2 of 8 experts, softmax over the top, scaled",
+        tokens: 5,
+        experts: 8,
+        k: 2,
+        normalize: Normalize::TopK,
+        scaled: true,
+        dtype: F32,
+        tolerance: 1e-5,
+    },
+    RouteSpec {
+        name: "qwen3_moe router, 32 rows, top 8 of 128 experts",
+        tokens: 32,
+        experts: 128,
+        k: 8,
+        normalize: Normalize::TopK,
+        scaled: false,
+        dtype: BF16,
+        tolerance: 2e-2,
+    },
+    RouteSpec {
+        name: "router, 128 rows, top 10 of 256 experts, softmax over all",
+        tokens: 128,
+        experts: 256,
+        k: 10,
+        normalize: Normalize::All,
+        scaled: false,
+        dtype: BF16,
+        tolerance: 2e-2,
+    },
+];
+
+/// One random router case through [`route`] and MLX's operations (softmax, top k, softmax),
+/// compared as each token's weights scattered over its experts.
+struct RouteCase {
+    error: f32,
+    logits: Array,
+    scale: Option<Array>,
+    k: i32,
+    normalize: Normalize,
+}
+
+impl RouteCase {
+    fn run(spec: &RouteSpec) -> crate::Result<Self> {
+        use mlx_rs::random::{key, normal, uniform};
+        let (t, e) = (spec.tokens, spec.experts);
+        let k = |i: u64| key((t * 1009 + e) as u64 * 4 + i);
+        // Distinct scores (a permutation of multiples of 1/16, exact in bfloat16), so the top k
+        // has no ties to break either way.
+        let order = ops::argsort_axis(&normal::<f32>(&[t, e], None, None, Some(&k(0)?))?, -1)?;
+        let logits = ops::multiply(&order.as_dtype(F32)?, Array::from_f32(1.0 / 16.0))?
+            .as_dtype(spec.dtype)?;
+        let scale = spec
+            .scaled
+            .then(|| uniform::<_, f32>(0.5, 2.0, &[e], Some(&k(1).unwrap())))
+            .transpose()?
+            .map(|s| s.as_dtype(spec.dtype))
+            .transpose()?;
+        let case = Self {
+            error: 0.0,
+            logits,
+            scale,
+            k: spec.k,
+            normalize: spec.normalize,
+        };
+        let (ours, reference) = (case.kernel()?, case.mlx()?);
+        let dense = |(indices, scores): (Array, Array)| -> crate::Result<Array> {
+            let experts = Array::from_iter(0..e, &[e]);
+            let hot = ops::eq(&indices.as_dtype(Dtype::Int32)?.expand_dims(-1)?, &experts)?;
+            Ok(
+                ops::multiply(&hot.as_dtype(F32)?, &scores.as_dtype(F32)?.expand_dims(-1)?)?
+                    .sum_axis(-2, false)?,
+            )
+        };
+        let error = relative_error(&dense(ours)?, &dense(reference)?)?;
+        Ok(Self { error, ..case })
+    }
+
+    fn kernel(&self) -> crate::Result<(Array, Array)> {
+        route(&self.logits, self.k, self.normalize, self.scale.as_ref())?
+            .ok_or_else(|| crate::EngineError::Kernel("the router kernel refused its case".into()))
+    }
+
+    fn mlx(&self) -> crate::Result<(Array, Array)> {
+        let (indices, scores) = match self.normalize {
+            Normalize::All => {
+                let probabilities = ops::softmax_axis(&self.logits, -1, true)?;
+                crate::nn::mlx_ext::top_k(&probabilities, self.k)?
+            }
+            Normalize::TopK => {
+                let (indices, top) = crate::nn::mlx_ext::top_k(&self.logits, self.k)?;
+                (indices, ops::softmax_axis(&top, -1, true)?)
+            }
+        };
+        let scores = match &self.scale {
+            Some(scale) => ops::multiply(&scores, &scale.take(&indices)?)?,
+            None => scores,
+        };
+        Ok((indices, scores))
+    }
+}
+
+/// Checks [`gather_qmv`] against MLX's `gather_qmm` (with the same bias, activation or weighted
+/// sum) on random operands of each format and of the experts' shapes at decode, and [`route`]
+/// against MLX's softmax and top k, with each one's time a call: one line per case, an error at
+/// the first case outside its tolerance (relative to the largest reference value). CUDA only
 /// (`perch check-kernels` on the device).
 pub fn check() -> crate::Result<Vec<String>> {
     if backend().is_none() {
         return Err(crate::EngineError::Request(
-            "the experts' kernel runs on MLX's CUDA backend, with PERCH_EXPERT_KERNEL unset".into(),
+            "the experts' kernels run on MLX's CUDA backend, with PERCH_EXPERT_KERNEL unset".into(),
         ));
     }
     let mut lines = Vec::new();
+    let mut report = |name: &str, dtype: Dtype, (error, tolerance): (f32, f32), ours, mlx| {
+        let line = format!(
+            "experts' kernels, {name}, {dtype:?}: relative error {error:.2e} (tolerance \
+             {tolerance:.0e}); {ours:.3} ms a call against MLX's {mlx:.3}"
+        );
+        if error.is_nan() || error > tolerance {
+            return Err(crate::EngineError::Kernel(line));
+        }
+        lines.push(line);
+        Ok(())
+    };
     for spec in &CASES {
         let case = Case::run(spec)?;
         let ours = time_call(&|| case.kernel())?;
         let mlx = time_call(&|| case.mlx())?;
-        let line = format!(
-            "experts' kernel, {}, {:?}: relative error {:.2e} (tolerance {:.0e}); {ours:.3} ms a \
-             call against gather_qmm's {mlx:.3}",
-            spec.name, spec.dtype, case.error, spec.tolerance
-        );
-        if case.error.is_nan() || case.error > spec.tolerance {
-            return Err(crate::EngineError::Kernel(line));
-        }
-        lines.push(line);
+        report(
+            spec.name,
+            spec.dtype,
+            (case.error, spec.tolerance),
+            ours,
+            mlx,
+        )?;
+    }
+    for spec in &ROUTE_CASES {
+        let case = RouteCase::run(spec)?;
+        let ours = time_call(&|| Ok(case.kernel()?.1))?;
+        let mlx = time_call(&|| Ok(case.mlx()?.1))?;
+        report(
+            spec.name,
+            spec.dtype,
+            (case.error, spec.tolerance),
+            ours,
+            mlx,
+        )?;
     }
     Ok(lines)
 }
@@ -533,7 +1040,8 @@ pub fn check() -> crate::Result<Vec<String>> {
 mod tests {
     use mlx_rs::{Array, Dtype};
 
-    use super::{affine, backend, Operands, MXFP4};
+    use super::{affine, backend, route, Epilogue, Normalize, Operands, MXFP4};
+    use crate::nn::layers::Activation;
 
     fn zeros(shape: &[i32], dtype: Dtype) -> Array {
         mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
@@ -584,6 +1092,8 @@ mod tests {
             biases: (!mxfp4).then_some(&biases),
             indices: &indices,
             params,
+            bias: None,
+            epilogue: Epilogue::Plain,
         }
         .x_per_row()
     }
@@ -649,5 +1159,63 @@ mod tests {
         // No pairs; more pairs than a grid takes.
         assert_eq!(accepts((0, 8, false), (1024, 512), 4, false), None);
         assert_eq!(accepts((8_750, 8, false), (1024, 512), 4, false), None);
+    }
+
+    /// The epilogues' own conditions: gated weights of two halves, each a multiple of a block's
+    /// features; weighted products a row per pair with a weight per pair; the experts' bias a
+    /// row per expert.
+    #[test]
+    fn epilogues_take_only_their_shapes() {
+        let params = affine(4, 64);
+        let (tokens, k, input) = (4, 8, 256);
+        let weight = |rows: i32| zeros(&[8, rows, input / 8], Dtype::Uint32);
+        let groups = |rows: i32| zeros(&[8, rows, input / 64], Dtype::Bfloat16);
+        let per_token = zeros(&[tokens, 1, 1, input], Dtype::Bfloat16);
+        let per_pair = zeros(&[tokens, k, 1, input], Dtype::Bfloat16);
+        let indices = zeros(&[tokens, k], Dtype::Uint32);
+        let scores = zeros(&[tokens, k], Dtype::Bfloat16);
+        let wrong_scores = zeros(&[tokens, k, 1], Dtype::Bfloat16);
+        let accepts = |x: &Array, rows: i32, bias: Option<&Array>, epilogue| {
+            let (w, s, b) = (weight(rows), groups(rows), groups(rows));
+            Operands {
+                x,
+                weight: &w,
+                scales: &s,
+                biases: Some(&b),
+                indices: &indices,
+                params,
+                bias,
+                epilogue,
+            }
+            .x_per_row()
+        };
+        let gated = Epilogue::Gated(Activation::Silu);
+        assert_eq!(accepts(&per_token, 64, None, gated), Some(k));
+        // Halves of 24 features: not a multiple of a block's 16.
+        assert_eq!(accepts(&per_token, 48, None, gated), None);
+        assert_eq!(
+            accepts(&per_pair, 32, None, Epilogue::Weighted(&scores)),
+            Some(1)
+        );
+        // A row per token, or weights of another shape.
+        assert_eq!(
+            accepts(&per_token, 32, None, Epilogue::Weighted(&scores)),
+            None
+        );
+        assert_eq!(
+            accepts(&per_pair, 32, None, Epilogue::Weighted(&wrong_scores)),
+            None
+        );
+        let bias = zeros(&[8, 64], Dtype::Bfloat16);
+        let short_bias = zeros(&[8, 32], Dtype::Bfloat16);
+        assert_eq!(accepts(&per_token, 64, Some(&bias), gated), Some(k));
+        assert_eq!(accepts(&per_token, 64, Some(&short_bias), gated), None);
+    }
+
+    /// The router's kernel is never chosen on the CPU: the engine keeps MLX's operations.
+    #[test]
+    fn router_kernel_only_on_cuda() {
+        let logits = zeros(&[2, 1, 64], Dtype::Float32);
+        assert!(route(&logits, 8, Normalize::TopK, None).unwrap().is_none());
     }
 }

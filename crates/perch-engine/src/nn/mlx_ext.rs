@@ -34,6 +34,19 @@ pub fn slice(a: &Array, start: &[i32], stop: &[i32]) -> Result<Array, Exception>
     })
 }
 
+/// The indices of the `k` largest of `scores` along the last axis (in no particular order, as
+/// mlx_lm's `argpartition(kth=-k)[..., -k:]`) and those scores, each `[..., k]`.
+pub fn top_k(scores: &Array, k: i32) -> Result<(Array, Array), Exception> {
+    let shape = scores.shape();
+    let last = shape.len() - 1;
+    let all = mlx_rs::ops::argpartition_axis(scores, shape[last] - k, -1)?;
+    let mut start = vec![0; shape.len()];
+    start[last] = shape[last] - k;
+    let indices = slice(&all, &start, shape)?;
+    let top = scores.take_along_axis(&indices, -1)?;
+    Ok((indices, top))
+}
+
 /// A copy of `src` with `src[start:stop] = update` (functional; MLX reuses the buffer when it can).
 pub fn slice_update(
     src: &Array,
