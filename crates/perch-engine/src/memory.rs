@@ -243,6 +243,8 @@ pub struct PressureGuard {
     cgroups: Vec<(PathBuf, CgroupVersion)>,
     checked: Option<std::time::Instant>,
     low: bool,
+    /// The last reading's bytes available.
+    available: u64,
 }
 
 impl PressureGuard {
@@ -260,6 +262,7 @@ impl PressureGuard {
             cgroups: memory_cgroups(),
             checked: None,
             low: false,
+            available: u64::MAX,
         }
     }
 
@@ -269,9 +272,16 @@ impl PressureGuard {
         let fresh = self.checked.is_none_or(|at| at.elapsed() >= Self::INTERVAL);
         if fresh {
             self.checked = Some(std::time::Instant::now());
-            self.low = available_under(&self.cgroups).bytes < self.floor;
+            self.available = available_under(&self.cgroups).bytes;
+            self.low = self.available < self.floor;
         }
         (self.low, fresh)
+    }
+
+    /// Bytes the last reading had above the floor: what the engine may still take before it
+    /// is under pressure.
+    pub fn headroom(&self) -> u64 {
+        self.available.saturating_sub(self.floor)
     }
 }
 

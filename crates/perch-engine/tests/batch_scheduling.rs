@@ -333,6 +333,40 @@ fn held_admissions_wait_while_a_request_runs() {
     }
 }
 
+/// With a memory headroom (`set_memory_headroom`), waiting requests are admitted only while
+/// the slot caches' buffers they make grow fit it (a growing cache's new buffers in whole); one
+/// is admitted when none runs, whatever it takes; the headroom is spent by what was admitted
+/// until the next reading; without one, all are admitted together.
+#[test]
+fn admissions_fit_the_memory_headroom() {
+    let (model, tokenizer) = load();
+    let row = perch_engine::testing::kv_bytes_per_token(model.as_ref(), None) * 256;
+    let mut first = request(vec![1, 504, 2988], 4);
+    first.ignore_eos = true;
+    let run = |headroom: Option<usize>, requests: usize| {
+        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
+        for _ in 0..requests {
+            batch.insert(first.clone()).unwrap();
+        }
+        batch.set_memory_headroom(headroom);
+        batch.step().unwrap();
+        let admitted = batch.num_running();
+        while !batch.is_empty() {
+            batch.step().unwrap();
+        }
+        admitted
+    };
+    // Two requests: two rows of 256 positions in each of the prefill and decode caches.
+    assert_eq!(run(Some(4 * row), 4), 2);
+    // Three or four make each cache four rows (the row buckets are 1, 2, 4, 8, ...); five,
+    // eight.
+    assert_eq!(run(Some(8 * row - 1), 4), 2);
+    assert_eq!(run(Some(8 * row), 6), 4);
+    // Nothing runs: one starts whatever it takes.
+    assert_eq!(run(Some(0), 4), 1);
+    assert_eq!(run(None, 4), 4);
+}
+
 #[test]
 fn importing_a_cached_prefix_again_evicts_nothing() {
     let (model, tokenizer) = load();

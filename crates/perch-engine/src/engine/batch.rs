@@ -333,6 +333,10 @@ pub struct BatchGenerator<'m> {
     waiting: VecDeque<Sequence>,
     /// See [`BatchGenerator::hold_admissions`].
     admissions_held: bool,
+    /// See [`BatchGenerator::set_memory_headroom`].
+    memory_headroom: Option<usize>,
+    /// A slot cache row's bytes per position ([`kv_bytes_per_token`]).
+    row_bytes_per_position: usize,
     kv: KvCacheManager,
     store: BlockStore,
     /// Partial last blocks of sequences that left, for prompts that extend them.
@@ -365,6 +369,7 @@ impl<'m> BatchGenerator<'m> {
             ..config
         };
         let budget = kv_budget_for_model(model, config.kv_quantization, 0);
+        let row_bytes_per_position = kv_bytes_per_token(model, config.kv_quantization);
         Self {
             model,
             tokenizer,
@@ -398,6 +403,8 @@ impl<'m> BatchGenerator<'m> {
             times: StepTimes::default(),
             idle_warm_ups: VecDeque::new(),
             admissions_held: false,
+            memory_headroom: None,
+            row_bytes_per_position,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
@@ -646,6 +653,51 @@ impl<'m> BatchGenerator<'m> {
         self.admissions_held
     }
 
+    /// Bytes the process may still take (`None`: no bound, as on CUDA, which has no guard):
+    /// waiting requests are admitted, front first, only while the slot caches' buffers they
+    /// make grow fit it ([`BatchGenerator::admissible`]), and each admission's growth is taken
+    /// off it until the next reading. One is admitted when none runs, whatever it takes.
+    pub fn set_memory_headroom(&mut self, headroom: Option<usize>) {
+        self.memory_headroom = headroom;
+    }
+
+    /// How many of the first `room` waiting requests can be admitted within `headroom` bytes,
+    /// and the bytes that takes. Each admitted sequence takes a row of the prefill slot cache,
+    /// then of the decode one, at the capacity of the longest sequence
+    /// ([`SlotKvCache`](crate::kv::slot_cache::SlotKvCache): rows and capacity bucketed); a
+    /// cache that must grow allocates its new buffers while the old ones are still read, so
+    /// growing costs the new buffers' whole size. Hybrid models' recurrent states and
+    /// activations are not counted (the floor under the headroom is for them).
+    fn admissible(&self, room: usize, headroom: usize) -> (usize, usize) {
+        use perch_sched::shapes::{capacity_bucket, row_bucket};
+        let [decode, prefill] = self.runner.slot_shapes();
+        let prefilling = self.running.iter().filter(|s| !s.prefill_done()).count();
+        let mut longest = self.running.iter().map(|s| s.tokens.len() + 1).max();
+        let mut taken = 0;
+        for (k, seq) in self.waiting.iter().take(room).enumerate() {
+            longest = Some(longest.unwrap_or(0).max(seq.tokens.len() + 1));
+            let capacity = capacity_bucket(longest.unwrap_or(1));
+            let grown = |(rows, held): (usize, usize), wanted: usize| -> usize {
+                let rows_wanted = row_bucket(wanted);
+                match rows_wanted <= rows && capacity <= held {
+                    true => 0,
+                    false => rows_wanted.max(rows) * capacity.max(held),
+                }
+            };
+            let positions = grown(decode, self.running.len() + k + 1)
+                + grown(
+                    prefill,
+                    (prefilling + k + 1).min(self.config.prefill_batch_size),
+                );
+            let bytes = positions.saturating_mul(self.row_bytes_per_position);
+            if bytes > headroom {
+                return (k, taken);
+            }
+            taken = bytes;
+        }
+        (room.min(self.waiting.len()), taken)
+    }
+
     /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
     /// content.
     pub fn reset_prefix_cache(&mut self) {
@@ -779,11 +831,20 @@ impl<'m> BatchGenerator<'m> {
             let running = self.planned();
             // Only those the batch has room for can be admitted (the queue may be long); under
             // memory pressure, none while one runs and one at a time otherwise.
-            let room = match (self.admissions_held, self.running.is_empty()) {
+            let mut room = match (self.admissions_held, self.running.is_empty()) {
                 (false, _) => self.config.max_running.saturating_sub(self.running.len()),
                 (true, true) => 1,
                 (true, false) => 0,
             };
+            let mut growth = 0;
+            if let Some(headroom) = self.memory_headroom.filter(|_| room > 0) {
+                let (fits, bytes) = self.admissible(room, headroom);
+                room = match self.running.is_empty() {
+                    true => fits.max(1),
+                    false => fits,
+                };
+                growth = bytes;
+            }
             let waiting: Vec<plan::Waiting> = self
                 .waiting
                 .iter()
@@ -817,7 +878,13 @@ impl<'m> BatchGenerator<'m> {
                 },
             );
             match decision {
-                Decision::Run(plan) => return Ok(plan),
+                Decision::Run(plan) => {
+                    if !plan.admitted.is_empty() {
+                        self.memory_headroom =
+                            self.memory_headroom.map(|h| h.saturating_sub(growth));
+                    }
+                    return Ok(plan);
+                }
                 Decision::ReadInFlight => self.read_in_flight(events)?,
                 Decision::Preempt(id) => {
                     let i = self.position(id).expect("scheduled from the running");

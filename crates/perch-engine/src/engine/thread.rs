@@ -564,7 +564,8 @@ impl Pass<'_> {
     /// Under memory pressure ([`crate::memory::PressureGuard`]): on entering it, drops the
     /// prefix cache's free blocks; at each reading under the floor, gives freed memory back
     /// ([`crate::device::release_freed_memory`]); while it lasts, admits no request beside
-    /// those running (they wait in line).
+    /// those running (they wait in line). Above the floor, each fresh reading's headroom bounds
+    /// what admissions may add to the slot caches ([`BatchGenerator::set_memory_headroom`]).
     fn relieve_memory(&mut self, batch: &mut BatchGenerator<'_>) {
         let Some(guard) = &mut self.pressure else {
             return;
@@ -575,6 +576,9 @@ impl Pass<'_> {
         }
         if low && fresh {
             crate::device::release_freed_memory();
+        }
+        if fresh {
+            batch.set_memory_headroom(Some(guard.headroom() as usize));
         }
         batch.hold_admissions(low);
     }

@@ -704,6 +704,11 @@ impl SlotKvCache {
         self.rows
     }
 
+    /// Positions the buffers hold per row (layers that keep every position; rings hold fewer).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Positions filled in `slot`.
     pub fn slot_len(&self, slot: usize) -> usize {
         self.lengths[slot].expect("an occupied slot")

@@ -282,6 +282,13 @@ impl<'m> ModelRunner<'m> {
         self.slots.decode.ring_positions()
     }
 
+    /// The rows and capacity of the decode and of the prefill slot cache's buffers, in that
+    /// order.
+    pub fn slot_shapes(&self) -> [(usize, usize); 2] {
+        let shape = |cache: &SlotKvCache| (cache.rows(), cache.capacity());
+        [shape(&self.slots.decode), shape(&self.slots.prefill)]
+    }
+
     /// Prefill slots up to the last occupied one, free ones included (the rows of
     /// [`ModelRunner::prefill_step`]'s chunks).
     pub fn prefill_slot_span(&self) -> usize {
