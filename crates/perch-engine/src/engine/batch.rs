@@ -655,47 +655,54 @@ impl<'m> BatchGenerator<'m> {
 
     /// Bytes the process may still take (`None`: no bound, as on CUDA, which has no guard):
     /// waiting requests are admitted, front first, only while the slot caches' buffers they
-    /// make grow fit it ([`BatchGenerator::admissible`]), and each admission's growth is taken
-    /// off it until the next reading. One is admitted when none runs, whatever it takes.
+    /// make grow fit it ([`BatchGenerator::admission_growth`]), and each admission's growth is
+    /// taken off it until the next reading. One is admitted when none runs, whatever it takes.
     pub fn set_memory_headroom(&mut self, headroom: Option<usize>) {
         self.memory_headroom = headroom;
     }
 
-    /// How many of the first `room` waiting requests can be admitted within `headroom` bytes,
-    /// and the bytes that takes. Each admitted sequence takes a row of the prefill slot cache,
-    /// then of the decode one, at the capacity of the longest sequence
+    /// The bytes the slot caches' buffers grow by if the first 1, 2, … `room` waiting requests
+    /// are admitted (entry `k - 1` for `k`). Each admitted sequence takes a row of the prefill
+    /// slot cache, whose capacity follows the longest prompt in it, then of the decode one,
+    /// whose capacity follows the longest sequence of all
     /// ([`SlotKvCache`](crate::kv::slot_cache::SlotKvCache): rows and capacity bucketed); a
     /// cache that must grow allocates its new buffers while the old ones are still read, so
     /// growing costs the new buffers' whole size. Hybrid models' recurrent states and
-    /// activations are not counted (the floor under the headroom is for them).
-    fn admissible(&self, room: usize, headroom: usize) -> (usize, usize) {
+    /// activations are not counted (the floor under the headroom is for them), nor a running
+    /// sequence's later growth.
+    fn admission_growth(&self, room: usize) -> Vec<usize> {
         use perch_sched::shapes::{capacity_bucket, row_bucket};
         let [decode, prefill] = self.runner.slot_shapes();
-        let prefilling = self.running.iter().filter(|s| !s.prefill_done()).count();
-        let mut longest = self.running.iter().map(|s| s.tokens.len() + 1).max();
-        let mut taken = 0;
-        for (k, seq) in self.waiting.iter().take(room).enumerate() {
-            longest = Some(longest.unwrap_or(0).max(seq.tokens.len() + 1));
-            let capacity = capacity_bucket(longest.unwrap_or(1));
-            let grown = |(rows, held): (usize, usize), wanted: usize| -> usize {
-                let rows_wanted = row_bucket(wanted);
-                match rows_wanted <= rows && capacity <= held {
-                    true => 0,
-                    false => rows_wanted.max(rows) * capacity.max(held),
-                }
-            };
-            let positions = grown(decode, self.running.len() + k + 1)
-                + grown(
-                    prefill,
-                    (prefilling + k + 1).min(self.config.prefill_batch_size),
-                );
-            let bytes = positions.saturating_mul(self.row_bytes_per_position);
-            if bytes > headroom {
-                return (k, taken);
+        let prefilling = self.running.iter().filter(|s| !s.prefill_done());
+        let mut longest_prefill = prefilling
+            .clone()
+            .map(|s| s.tokens.len())
+            .max()
+            .unwrap_or(0);
+        let prefilling = prefilling.count();
+        let mut longest = self
+            .running
+            .iter()
+            .map(|s| s.tokens.len() + 1)
+            .max()
+            .unwrap_or(0);
+        let grown = |(rows, held): (usize, usize), wanted: usize, positions: usize| -> usize {
+            let (rows_wanted, capacity) = (row_bucket(wanted), capacity_bucket(positions));
+            match rows_wanted <= rows && capacity <= held {
+                true => 0,
+                false => rows_wanted.max(rows) * capacity.max(held),
             }
-            taken = bytes;
+        };
+        let mut growth = Vec::new();
+        for (k, seq) in self.waiting.iter().take(room).enumerate() {
+            longest_prefill = longest_prefill.max(seq.tokens.len());
+            longest = longest.max(seq.tokens.len() + 1);
+            let prefill_rows = (prefilling + k + 1).min(self.config.prefill_batch_size);
+            let positions = grown(decode, self.running.len() + k + 1, longest)
+                + grown(prefill, prefill_rows, longest_prefill);
+            growth.push(positions.saturating_mul(self.row_bytes_per_position));
         }
-        (room.min(self.waiting.len()), taken)
+        growth
     }
 
     /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
@@ -836,14 +843,17 @@ impl<'m> BatchGenerator<'m> {
                 (true, true) => 1,
                 (true, false) => 0,
             };
-            let mut growth = 0;
+            let mut growth = Vec::new();
             if let Some(headroom) = self.memory_headroom.filter(|_| room > 0) {
-                let (fits, bytes) = self.admissible(room, headroom);
+                growth = self.admission_growth(room);
+                let fits = growth
+                    .iter()
+                    .take_while(|&&bytes| bytes <= headroom)
+                    .count();
                 room = match self.running.is_empty() {
                     true => fits.max(1),
                     false => fits,
                 };
-                growth = bytes;
             }
             let waiting: Vec<plan::Waiting> = self
                 .waiting
@@ -879,9 +889,11 @@ impl<'m> BatchGenerator<'m> {
             );
             match decision {
                 Decision::Run(plan) => {
-                    if !plan.admitted.is_empty() {
+                    // What was admitted is spent until the next reading.
+                    let admitted = plan.admitted.len().checked_sub(1);
+                    if let Some(&spent) = admitted.and_then(|k| growth.get(k)) {
                         self.memory_headroom =
-                            self.memory_headroom.map(|h| h.saturating_sub(growth));
+                            self.memory_headroom.map(|h| h.saturating_sub(spent));
                     }
                     return Ok(plan);
                 }

@@ -385,7 +385,7 @@ impl SwitchGlu {
         scores: &Array,
         keep_dtype: bool,
     ) -> Result<Array> {
-        if let Some(y) = self.through_kernels(x, indices, scores)? {
+        if let Some(y) = self.through_kernels(x, indices, scores, keep_dtype)? {
             return Ok(y);
         }
         weighted_sum(&self.forward(x, indices)?, scores, keep_dtype)
@@ -395,7 +395,13 @@ impl SwitchGlu {
     /// down product with the weighted sum in another ([`expert_kernel::Epilogue`]); `None`
     /// where the kernel is off, the pairs are sorted or the projections are not fused and
     /// quantized.
-    fn through_kernels(&self, x: &Array, indices: &Array, scores: &Array) -> Result<Option<Array>> {
+    fn through_kernels(
+        &self,
+        x: &Array,
+        indices: &Array,
+        scores: &Array,
+        keep_dtype: bool,
+    ) -> Result<Option<Array>> {
         let GateUp::Fused(gate_up) = &self.gate_up else {
             return Ok(None);
         };
@@ -413,7 +419,11 @@ impl SwitchGlu {
             return Ok(Some(y));
         }
         let y = self.down_proj.forward(&h, indices, false, true)?;
-        Ok(Some(weighted_sum(&y.squeeze_axes(&[-2])?, scores, true)?))
+        Ok(Some(weighted_sum(
+            &y.squeeze_axes(&[-2])?,
+            scores,
+            keep_dtype,
+        )?))
     }
 
     /// `x` `[batch, seq, hidden]`, `indices` `[batch, seq, k]` → `[batch, seq, k, hidden]`:
@@ -737,17 +747,21 @@ impl MlpAndExperts {
             .post_feedforward_layernorm_1
             .forward(&self.mlp.forward(normed)?)?;
         let scores = self.router_proj.forward(&self.router_norm.forward(x)?)?;
+        // The kernel scales in the scores' dtype; a scale in another one is applied as MLX
+        // promotes it.
+        let scale = Some(&self.per_expert_scale).filter(|s| s.dtype() == scores.dtype());
         let routed = match self.experts.fused {
-            true => expert_kernel::route(
-                &scores,
-                self.top_k,
-                expert_kernel::Normalize::TopK,
-                Some(&self.per_expert_scale),
-            )?,
+            true => {
+                expert_kernel::route(&scores, self.top_k, expert_kernel::Normalize::TopK, scale)?
+            }
             false => None,
         };
         let (indices, weights) = match routed {
-            Some(routed) => routed,
+            Some((indices, weights)) if scale.is_some() => (indices, weights),
+            Some((indices, weights)) => {
+                let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
+                (indices, weights)
+            }
             None => {
                 let (indices, top) = top_k(&scores, self.top_k)?;
                 let weights = ops::softmax_axis(&top, -1, false)?;

@@ -399,16 +399,28 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
         TemplateArg::Int(c"ROWS", ROWS),
         TemplateArg::Int(c"ACT", act),
         TemplateArg::Int(c"WEIGHTED", weighted as i32),
-        TemplateArg::Int(c"K", k),
+        // Only a weighted product reads K: one value otherwise, so as not to compile a kernel per
+        // pair count.
+        TemplateArg::Int(c"K", if weighted { k } else { 1 }),
         TemplateArg::Int(c"HAS_BIAS", o.bias.is_some() as i32),
     ];
     // Every launch passes seven inputs; the kernel reads none of those its template leaves out
-    // (MXFP4's biases, the experts' bias, the weights of an unweighted product).
+    // (MXFP4's biases, the experts' bias, the weights of an unweighted product). MLX keys a
+    // compiled kernel by its name and template only, so inputs whose dtype the template does
+    // not name come in fixed dtypes: `x`'s for the bias and weights, uint32 for the indices.
     let biases = o.biases.unwrap_or(o.scales);
-    let bias = o.bias.unwrap_or(o.scales);
+    let in_dtype = |a: &Array, dtype: Dtype| match a.dtype() == dtype {
+        true => Ok(a.clone()),
+        false => a.as_dtype(dtype),
+    };
+    let indices = in_dtype(o.indices, Dtype::Uint32)?;
+    let bias = match o.bias {
+        Some(bias) => in_dtype(bias, o.x.dtype())?,
+        None => o.x.clone(),
+    };
     let coef = match o.epilogue {
-        Epilogue::Weighted(scores) => scores,
-        _ => o.scales,
+        Epilogue::Weighted(scores) => in_dtype(scores, o.x.dtype())?,
+        _ => o.x.clone(),
     };
     let y = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
@@ -423,7 +435,7 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
             )
         });
         kernel.apply(
-            &[o.x, o.weight, o.scales, biases, o.indices, bias, coef],
+            &[o.x, o.weight, o.scales, biases, &indices, &bias, &coef],
             &[(&[items, out], o.x.dtype())],
             (32, out / ROWS, items),
             (32, WARPS, 1),
@@ -471,12 +483,20 @@ pub fn route(
         return Ok(None);
     }
     let tokens = (logits.size() / experts as usize) as i32;
+    let scaled = scale.is_some();
+    // The template names the logits' dtype only (MLX keys compiled kernels by it): the scale
+    // comes in that dtype.
+    let scale = match scale {
+        Some(s) if s.dtype() != logits.dtype() => s.as_dtype(logits.dtype())?,
+        Some(s) => s.clone(),
+        None => logits.clone(),
+    };
     let template = [
         TemplateArg::Dtype(c"T", logits.dtype()),
         TemplateArg::Int(c"E", experts),
         TemplateArg::Int(c"K", k),
         TemplateArg::Int(c"ALL", (normalize == Normalize::All) as i32),
-        TemplateArg::Int(c"SCALED", scale.is_some() as i32),
+        TemplateArg::Int(c"SCALED", scaled as i32),
     ];
     let out = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
@@ -491,7 +511,7 @@ pub fn route(
             )
         });
         kernel.apply(
-            &[logits, scale.unwrap_or(logits)],
+            &[logits, &scale],
             &[
                 (&[tokens, k], Dtype::Uint32),
                 (&[tokens, k], logits.dtype()),
