@@ -944,18 +944,23 @@ impl MemoryCgroup {
         })
     }
 
-    /// `perch args` run inside this cgroup.
-    fn perch(&self, args: &[&str]) -> Output {
-        Command::new("sh")
+    /// `perch args` to run inside this cgroup.
+    fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new("sh");
+        command
             .arg("-c")
             .arg(format!(
                 "echo $$ > '{}' && exec \"$0\" \"$@\"",
                 self.procs.display()
             ))
             .arg(env!("CARGO_BIN_EXE_perch"))
-            .args(args)
-            .output()
-            .expect("run perch in a cgroup")
+            .args(args);
+        command
+    }
+
+    /// `perch args` run inside this cgroup.
+    fn perch(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run perch in a cgroup")
     }
 }
 
@@ -1071,6 +1076,78 @@ fn the_kv_budget_fits_the_memory_left() {
         lowered > 0 && lowered as f64 <= 0.3 * limit as f64,
         "a 2 GiB budget in a {limit}-byte cgroup ran with {lowered} bytes"
     );
+}
+
+/// `perch serve` in a 400 MiB memory cgroup (the test model, its runtime and about 100 MB more)
+/// meets 16 requests of ~340 prompt tokens and two of ~1,570 at once: each one finishes or is
+/// refused with a reason, the server is not OOM-killed, and it keeps serving after. Before
+/// admissions were bounded by the memory left, the same traffic was killed at 400 and at 700
+/// MiB; before a request that does not fit alone was refused, the long ones were admitted when
+/// nothing ran and their KV caches grew into the limit.
+#[test]
+fn many_long_requests_under_a_tight_memory_limit_finish_or_are_refused() {
+    let group = match MemoryCgroup::new(400 << 20) {
+        Ok(group) => group,
+        Err(reason) => {
+            return record_skip(
+                "many_long_requests_under_a_tight_memory_limit_finish_or_are_refused",
+                &format!("memory cgroups are not writable here ({reason})"),
+            )
+        }
+    };
+    let model = test_model();
+    let mut child = group
+        .command(&["serve", "--model", &model, "--port", "0", "--api-key", "k"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run perch serve in a cgroup");
+    let addr = serve_address(&mut child);
+    let request = |sentences: usize| {
+        let text = "The history of science is long and full of surprises. ".repeat(sentences);
+        serde_json::json!({
+            "model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": text}],
+        })
+        .to_string()
+    };
+    let answers: Vec<(String, String)> = std::thread::scope(|scope| {
+        let asks: Vec<_> = (0..18)
+            .map(|i| {
+                let body = request(if i % 9 == 4 { 140 } else { 28 });
+                let addr = &addr;
+                scope.spawn(move || http(addr, "POST /v1/chat/completions", "k", &body))
+            })
+            .collect();
+        asks.into_iter()
+            .map(|ask| ask.join().expect("an answer, not a dropped connection"))
+            .collect()
+    });
+    let exited = child.try_wait().unwrap();
+    let statuses: Vec<&str> = answers.iter().map(|(status, _)| status.as_str()).collect();
+    assert!(
+        exited.is_none(),
+        "perch serve ended ({exited:?}): {statuses:?}"
+    );
+    let mut finished = 0;
+    for (status, body) in &answers {
+        if status == "HTTP/1.1 200 OK" {
+            finished += 1;
+            continue;
+        }
+        // Refused: a status that says why and a sentence in OpenAI's error shape.
+        let error: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        let message = error["error"]["message"].as_str().unwrap_or("");
+        assert!(
+            (status.contains(" 400 ") || status.contains(" 503 ")) && message.len() > 20,
+            "{status}: {body}"
+        );
+    }
+    assert!(finished >= 16, "{finished} of 18 finished: {answers:?}");
+    let (status, body) = http(&addr, "POST /v1/chat/completions", "k", &request(2));
+    assert_eq!(status, "HTTP/1.1 200 OK", "still serving: {body}");
+    child.kill().unwrap();
+    child.wait().unwrap();
 }
 
 /// The resident memory of process `pid` in bytes (`VmRSS` of `/proc/PID/status`).

@@ -32,6 +32,22 @@ pub enum EngineError {
         needed: u64,
         available: crate::memory::Available,
     },
+    /// A request whose KV cache does not fit in the memory left with nothing else running
+    /// (`BatchGenerator::set_memory_headroom`).
+    #[error(
+        "a prompt of {prompt_tokens} tokens needs {} of memory for its KV cache and {} is available{}; shorten the prompt, close other apps or choose a smaller model",
+        crate::memory::describe_bytes(*needed),
+        crate::memory::describe_bytes(available.bytes),
+        match available.bound {
+            crate::memory::MemoryBound::System => "",
+            crate::memory::MemoryBound::Cgroup => " (the memory limit of the cgroup Perch runs in)",
+        }
+    )]
+    PromptOutOfMemory {
+        prompt_tokens: usize,
+        needed: u64,
+        available: crate::memory::Available,
+    },
     #[error("{path} is not a valid model config: {message}")]
     Config { path: PathBuf, message: String },
     #[error("model_type `{found}` is not supported; Perch supports: {supported}")]
@@ -122,7 +138,9 @@ impl EngineError {
             | EngineError::ChatTemplate(_)
             | EngineError::PromptCache { .. }
             | EngineError::Request(_) => ErrorKind::InvalidRequest,
-            EngineError::Busy { .. } | EngineError::OutOfMemory { .. } => ErrorKind::Overloaded,
+            EngineError::Busy { .. }
+            | EngineError::OutOfMemory { .. }
+            | EngineError::PromptOutOfMemory { .. } => ErrorKind::Overloaded,
             EngineError::EngineStopped => ErrorKind::ModelNotLoaded,
             EngineError::Io { .. }
             | EngineError::FileTooLarge { .. }

@@ -243,8 +243,8 @@ pub struct PressureGuard {
     cgroups: Vec<(PathBuf, CgroupVersion)>,
     checked: Option<std::time::Instant>,
     low: bool,
-    /// The last reading's bytes available.
-    available: u64,
+    /// The last reading.
+    available: Available,
 }
 
 impl PressureGuard {
@@ -262,7 +262,10 @@ impl PressureGuard {
             cgroups: memory_cgroups(),
             checked: None,
             low: false,
-            available: u64::MAX,
+            available: Available {
+                bytes: u64::MAX,
+                bound: MemoryBound::System,
+            },
         }
     }
 
@@ -272,16 +275,19 @@ impl PressureGuard {
         let fresh = self.checked.is_none_or(|at| at.elapsed() >= Self::INTERVAL);
         if fresh {
             self.checked = Some(std::time::Instant::now());
-            self.available = available_under(&self.cgroups).bytes;
-            self.low = self.available < self.floor;
+            self.available = available_under(&self.cgroups);
+            self.low = self.available.bytes < self.floor;
         }
         (self.low, fresh)
     }
 
-    /// Bytes the last reading had above the floor: what the engine may still take before it
-    /// is under pressure.
-    pub fn headroom(&self) -> u64 {
-        self.available.saturating_sub(self.floor)
+    /// What the last reading had above the floor (and what bounded it): what the engine may
+    /// still take before it is under pressure.
+    pub fn headroom(&self) -> Available {
+        Available {
+            bytes: self.available.bytes.saturating_sub(self.floor),
+            bound: self.available.bound,
+        }
     }
 }
 

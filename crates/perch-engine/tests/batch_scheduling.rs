@@ -334,37 +334,76 @@ fn held_admissions_wait_while_a_request_runs() {
 }
 
 /// With a memory headroom (`set_memory_headroom`), waiting requests are admitted only while
-/// the slot caches' buffers they make grow fit it (a growing cache's new buffers in whole); one
-/// is admitted when none runs, whatever it takes; the headroom is spent by what was admitted
-/// until the next reading; without one, all are admitted together.
+/// the slot caches' buffers they make grow fit it (a growing cache's new buffers in whole); the
+/// headroom is spent by what was admitted until the next reading; without one, all are admitted
+/// together. When nothing runs and the first does not fit, it waits for the next reading (the
+/// prefix cache dropped meanwhile) and is then refused with the memory it needs, the others
+/// judged in turn.
 #[test]
 fn admissions_fit_the_memory_headroom() {
     let (model, tokenizer) = load();
     let row = perch_engine::testing::kv_bytes_per_token(model.as_ref(), None) * 256;
     let mut first = request(vec![1, 504, 2988], 4);
     first.ignore_eos = true;
-    let run = |headroom: Option<usize>, requests: usize| {
+    let room = |bytes: usize| {
+        Some(perch_engine::memory::Available {
+            bytes: bytes as u64,
+            bound: perch_engine::memory::MemoryBound::Cgroup,
+        })
+    };
+    let new_batch = |requests: usize| {
         let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
         for _ in 0..requests {
             batch.insert(first.clone()).unwrap();
         }
+        batch
+    };
+    let run = |headroom: Option<perch_engine::memory::Available>, requests: usize| {
+        let mut batch = new_batch(requests);
         batch.set_memory_headroom(headroom);
         batch.step().unwrap();
         let admitted = batch.num_running();
+        // Memory back: the rest runs.
+        batch.set_memory_headroom(None);
         while !batch.is_empty() {
             batch.step().unwrap();
         }
         admitted
     };
     // Two requests: two rows of 256 positions in each of the prefill and decode caches.
-    assert_eq!(run(Some(4 * row), 4), 2);
+    assert_eq!(run(room(4 * row), 4), 2);
     // Three or four make each cache four rows (the row buckets are 1, 2, 4, 8, ...); five,
     // eight.
-    assert_eq!(run(Some(8 * row - 1), 4), 2);
-    assert_eq!(run(Some(8 * row), 6), 4);
-    // Nothing runs: one starts whatever it takes.
-    assert_eq!(run(Some(0), 4), 1);
+    assert_eq!(run(room(8 * row - 1), 4), 2);
+    assert_eq!(run(room(8 * row), 6), 4);
     assert_eq!(run(None, 4), 4);
+
+    // Nothing runs and one request does not fit: it waits for a reading, then is refused.
+    let mut batch = new_batch(2);
+    batch.set_memory_headroom(room(2 * row - 1));
+    assert!(batch.step().unwrap().is_empty());
+    assert_eq!((batch.num_running(), batch.num_waiting()), (0, 2));
+    batch.set_memory_headroom(room(2 * row - 1));
+    let events = batch.step().unwrap();
+    let refused: Vec<String> = events
+        .iter()
+        .filter_map(|event| match event {
+            perch_engine::testing::BatchEvent::Refused { error, .. } => Some(error.to_string()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused.len(), 1, "{refused:?}");
+    assert!(
+        refused[0].starts_with("a prompt of 3 tokens needs ")
+            && refused[0].contains("(the memory limit of the cgroup Perch runs in)"),
+        "{}",
+        refused[0]
+    );
+    // The second is judged anew (it waits for a reading), and runs once memory is back.
+    assert_eq!((batch.num_running(), batch.num_waiting()), (0, 1));
+    batch.set_memory_headroom(room(2 * row));
+    batch.step().unwrap();
+    assert_eq!(batch.num_running(), 1);
 }
 
 #[test]

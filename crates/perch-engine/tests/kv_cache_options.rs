@@ -53,6 +53,7 @@ fn run_together(
                 BatchEvent::Finished { request, output } => {
                     done.insert(request, output.token_ids);
                 }
+                BatchEvent::Refused { request, error } => panic!("{request} refused: {error}"),
             }
         }
     }

@@ -249,6 +249,12 @@ pub enum BatchEvent {
         request: RequestId,
         output: GenerateOutput,
     },
+    /// The request left the batch unfinished: its KV cache does not fit in the memory left
+    /// with nothing else running ([`BatchGenerator::set_memory_headroom`]).
+    Refused {
+        request: RequestId,
+        error: EngineError,
+    },
 }
 
 struct Sequence {
@@ -334,7 +340,11 @@ pub struct BatchGenerator<'m> {
     /// See [`BatchGenerator::hold_admissions`].
     admissions_held: bool,
     /// See [`BatchGenerator::set_memory_headroom`].
-    memory_headroom: Option<usize>,
+    memory_headroom: Option<crate::memory::Available>,
+    /// The waiting request that did not fit with nothing running, for which the prefix cache
+    /// was dropped and freed memory given back, and whether memory was read since: then it is
+    /// refused if it still does not fit.
+    relieved_for: Option<(RequestId, bool)>,
     /// A slot cache row's bytes per position ([`kv_bytes_per_token`]).
     row_bytes_per_position: usize,
     kv: KvCacheManager,
@@ -404,6 +414,7 @@ impl<'m> BatchGenerator<'m> {
             idle_warm_ups: VecDeque::new(),
             admissions_held: false,
             memory_headroom: None,
+            relieved_for: None,
             row_bytes_per_position,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
@@ -653,21 +664,28 @@ impl<'m> BatchGenerator<'m> {
         self.admissions_held
     }
 
-    /// Bytes the process may still take (`None`: no bound, as on CUDA, which has no guard):
-    /// waiting requests are admitted, front first, only while the slot caches' buffers they
-    /// make grow fit it ([`BatchGenerator::admission_growth`]), and each admission's growth is
-    /// taken off it until the next reading. One is admitted when none runs, whatever it takes.
-    pub fn set_memory_headroom(&mut self, headroom: Option<usize>) {
+    /// What the process may still take, read just now (`None`: no bound, as on CUDA, which has
+    /// no guard): waiting requests are admitted, front first, only while the KV memory they
+    /// add fits it ([`BatchGenerator::admission_growth`]), and each admission's growth is
+    /// taken off it until the next reading. When nothing runs and the first waiting request
+    /// does not fit, the prefix cache is dropped and freed memory given back; if it still does
+    /// not fit at the next reading, it is refused ([`BatchEvent::Refused`],
+    /// [`EngineError::PromptOutOfMemory`]) rather than run into the memory limit.
+    pub fn set_memory_headroom(&mut self, headroom: Option<crate::memory::Available>) {
         self.memory_headroom = headroom;
+        if let Some((_, read)) = &mut self.relieved_for {
+            *read = true;
+        }
     }
 
-    /// The bytes the slot caches' buffers grow by if the first 1, 2, … `room` waiting requests
-    /// are admitted (entry `k - 1` for `k`). Each admitted sequence takes a row of the prefill
-    /// slot cache, whose capacity follows the longest prompt in it, then of the decode one,
-    /// whose capacity follows the longest sequence of all
+    /// The bytes of KV memory added if the first 1, 2, … `room` waiting requests are admitted
+    /// (entry `k - 1` for `k`). Each admitted sequence takes a row of the prefill slot cache,
+    /// whose capacity follows the longest prompt in it, then of the decode one, whose capacity
+    /// follows the longest sequence of all
     /// ([`SlotKvCache`](crate::kv::slot_cache::SlotKvCache): rows and capacity bucketed); a
     /// cache that must grow allocates its new buffers while the old ones are still read, so
-    /// growing costs the new buffers' whole size. Hybrid models' recurrent states and
+    /// growing costs the new buffers' whole size. The prompts' full blocks are then copied into
+    /// the prefix cache's store, up to the pool's size. Hybrid models' recurrent states and
     /// activations are not counted (the floor under the headroom is for them), nor a running
     /// sequence's later growth.
     fn admission_growth(&self, room: usize) -> Vec<usize> {
@@ -693,13 +711,20 @@ impl<'m> BatchGenerator<'m> {
                 false => rows_wanted.max(rows) * capacity.max(held),
             }
         };
+        let block = self.config.block_size.max(1);
+        let bytes_per_position = self.row_bytes_per_position.max(1);
+        let store_room = (self.config.num_blocks * block)
+            .saturating_sub(self.store.nbytes() / bytes_per_position);
+        let mut published = 0;
         let mut growth = Vec::new();
         for (k, seq) in self.waiting.iter().take(room).enumerate() {
             longest_prefill = longest_prefill.max(seq.tokens.len());
             longest = longest.max(seq.tokens.len() + 1);
+            published += seq.tokens.len() / block * block;
             let prefill_rows = (prefilling + k + 1).min(self.config.prefill_batch_size);
             let positions = grown(decode, self.running.len() + k + 1, longest)
-                + grown(prefill, prefill_rows, longest_prefill);
+                + grown(prefill, prefill_rows, longest_prefill)
+                + published.min(store_room);
             growth.push(positions.saturating_mul(self.row_bytes_per_position));
         }
         growth
@@ -848,12 +873,19 @@ impl<'m> BatchGenerator<'m> {
                 growth = self.admission_growth(room);
                 let fits = growth
                     .iter()
-                    .take_while(|&&bytes| bytes <= headroom)
+                    .take_while(|&&bytes| bytes as u64 <= headroom.bytes)
                     .count();
-                room = match self.running.is_empty() {
-                    true => fits.max(1),
-                    false => fits,
+                room = fits;
+                // A refused request leaves the queue: the next one is judged.
+                let unfit_alone = match growth.first() {
+                    Some(&needed) if fits == 0 && self.running.is_empty() => Some(needed),
+                    _ => None,
                 };
+                if unfit_alone
+                    .is_some_and(|needed| self.relieve_or_refuse(needed, headroom, events))
+                {
+                    continue;
+                }
             }
             let waiting: Vec<plan::Waiting> = self
                 .waiting
@@ -892,8 +924,12 @@ impl<'m> BatchGenerator<'m> {
                     // What was admitted is spent until the next reading.
                     let admitted = plan.admitted.len().checked_sub(1);
                     if let Some(&spent) = admitted.and_then(|k| growth.get(k)) {
-                        self.memory_headroom =
-                            self.memory_headroom.map(|h| h.saturating_sub(spent));
+                        if let Some(headroom) = &mut self.memory_headroom {
+                            headroom.bytes = headroom.bytes.saturating_sub(spent as u64);
+                        }
+                    }
+                    if !plan.admitted.is_empty() {
+                        self.relieved_for = None;
                     }
                     return Ok(plan);
                 }
@@ -910,6 +946,41 @@ impl<'m> BatchGenerator<'m> {
                     let seq = self.running.remove(i);
                     self.finish(seq, events)?;
                 }
+            }
+        }
+    }
+
+    /// Nothing runs and the first waiting request's KV memory (`needed` bytes) does not fit
+    /// `headroom`: the first time, drops the prefix cache and gives freed memory back, and the
+    /// request waits for the next reading; if it still does not fit then, it is refused
+    /// (returns true).
+    fn relieve_or_refuse(
+        &mut self,
+        needed: usize,
+        headroom: crate::memory::Available,
+        events: &mut Vec<BatchEvent>,
+    ) -> bool {
+        let front = self.waiting.front().map(|seq| seq.id);
+        match self.relieved_for {
+            Some((id, true)) if Some(id) == front => {
+                let seq = self.waiting.pop_front().expect("the first waiting request");
+                self.relieved_for = None;
+                events.push(BatchEvent::Refused {
+                    request: seq.id,
+                    error: EngineError::PromptOutOfMemory {
+                        prompt_tokens: seq.request.prompt.len(),
+                        needed: needed as u64,
+                        available: headroom,
+                    },
+                });
+                true
+            }
+            Some((id, false)) if Some(id) == front => false,
+            _ => {
+                self.reset_prefix_cache();
+                crate::device::release_freed_memory();
+                self.relieved_for = front.map(|id| (id, false));
+                false
             }
         }
     }

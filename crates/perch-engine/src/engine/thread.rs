@@ -578,7 +578,7 @@ impl Pass<'_> {
             crate::device::release_freed_memory();
         }
         if fresh {
-            batch.set_memory_headroom(Some(guard.headroom() as usize));
+            batch.set_memory_headroom(Some(guard.headroom()));
         }
         batch.hold_admissions(low);
     }
@@ -907,6 +907,13 @@ impl<'m> Pass<'m> {
                                 .remove(&request)
                                 .expect("finished request was running");
                             queue.end(&job, finished_event(output));
+                        }
+                        BatchEvent::Refused { request, error } => {
+                            let job = self
+                                .jobs
+                                .remove(&request)
+                                .expect("refused request was queued");
+                            queue.end(&job, EngineEvent::failed(error.to_request_error()));
                         }
                     }
                 }

@@ -118,6 +118,7 @@ pub fn drive(
                     let text = streamed.remove(&request).unwrap_or_default();
                     outputs[index_of[&request]] = Some((output, text));
                 }
+                BatchEvent::Refused { request, error } => panic!("{request} refused: {error}"),
             }
         }
         step += 1;
