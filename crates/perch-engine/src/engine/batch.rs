@@ -655,7 +655,8 @@ impl<'m> BatchGenerator<'m> {
 
     /// While `held`, waiting requests are not admitted as long as one runs, and one at a time
     /// when none does (the engine's answer to memory pressure, [`crate::memory::PressureGuard`]):
-    /// they wait instead of adding their caches to a process short of memory.
+    /// they wait instead of adding their caches to a process short of memory. With a memory
+    /// headroom set, that one is judged against it ([`BatchGenerator::set_memory_headroom`]).
     pub fn hold_admissions(&mut self, held: bool) {
         self.admissions_held = held;
     }
