@@ -19,13 +19,8 @@ pub enum EngineError {
     /// Too little memory for what was asked (checked before allocating it; see
     /// [`crate::memory`]).
     #[error(
-        "{what} needs {} of memory and {} is available{}; close other apps or choose a smaller model",
-        crate::memory::describe_bytes(*needed),
-        crate::memory::describe_bytes(available.bytes),
-        match available.bound {
-            crate::memory::MemoryBound::System => "",
-            crate::memory::MemoryBound::Cgroup => " (the memory limit of the cgroup Perch runs in)",
-        }
+        "{what} needs {} of memory and {available}; close other apps or choose a smaller model",
+        crate::memory::describe_bytes(*needed)
     )]
     OutOfMemory {
         what: String,
@@ -35,13 +30,8 @@ pub enum EngineError {
     /// A request whose KV cache does not fit in the memory left with nothing else running
     /// (`BatchGenerator::set_memory_headroom`).
     #[error(
-        "a prompt of {prompt_tokens} tokens needs {} of memory for its KV cache and {} is available{}; shorten the prompt, close other apps or choose a smaller model",
-        crate::memory::describe_bytes(*needed),
-        crate::memory::describe_bytes(available.bytes),
-        match available.bound {
-            crate::memory::MemoryBound::System => "",
-            crate::memory::MemoryBound::Cgroup => " (the memory limit of the cgroup Perch runs in)",
-        }
+        "a prompt of {prompt_tokens} tokens needs {} of memory for its KV cache and {available}; shorten the prompt, close other apps or choose a smaller model",
+        crate::memory::describe_bytes(*needed)
     )]
     PromptOutOfMemory {
         prompt_tokens: usize,

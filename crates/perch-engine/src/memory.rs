@@ -29,6 +29,17 @@ pub struct Available {
     pub bound: MemoryBound,
 }
 
+/// "N MB is available", with what bounds it when that is not the machine (error messages).
+impl std::fmt::Display for Available {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} is available", describe_bytes(self.bytes))?;
+        match self.bound {
+            MemoryBound::System => Ok(()),
+            MemoryBound::Cgroup => write!(f, " (the memory limit of the cgroup Perch runs in)"),
+        }
+    }
+}
+
 /// The memory the weights and KV cache of `backend` are allocated from can take now: host memory
 /// on CPU and Metal (unified memory), [`available`]; `None` on CUDA, whose device memory this
 /// module does not judge.
