@@ -292,6 +292,12 @@ impl PressureGuard {
         (self.low, fresh)
     }
 
+    /// Makes the next [`PressureGuard::low`] read the memory again, however recent the last
+    /// reading (after memory was given back, to judge on what is left now).
+    pub fn read_again(&mut self) {
+        self.checked = None;
+    }
+
     /// What the last reading had above the floor (and what bounded it): what the engine may
     /// still take before it is under pressure.
     pub fn headroom(&self) -> Available {

@@ -679,6 +679,13 @@ impl<'m> BatchGenerator<'m> {
         }
     }
 
+    /// Whether a waiting request is judged at the next memory reading
+    /// ([`BatchGenerator::set_memory_headroom`]): the engine then reads memory at once rather
+    /// than stepping an idle batch until its next reading.
+    pub fn awaits_memory_reading(&self) -> bool {
+        matches!(self.relieved_for, Some((_, false)))
+    }
+
     /// The bytes of KV memory added if the first 1, 2, … `room` waiting requests are admitted
     /// (entry `k - 1` for `k`). Each admitted sequence takes a row of the prefill slot cache,
     /// whose capacity follows the longest prompt in it, then of the decode one, whose capacity

@@ -570,6 +570,9 @@ impl Pass<'_> {
         let Some(guard) = &mut self.pressure else {
             return;
         };
+        if batch.awaits_memory_reading() {
+            guard.read_again();
+        }
         let (low, fresh) = guard.low();
         if low && !batch.admissions_held() {
             batch.reset_prefix_cache();
