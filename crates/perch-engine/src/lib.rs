@@ -66,10 +66,17 @@ pub use text::chat_template::ChatMessage;
 pub use text::tokenizer::Tokenizer;
 
 /// The kernels [`check_kernels`] checks, by name.
-pub const KERNELS: [&str; 3] = ["decode-attention", "gated-delta", "experts"];
+pub const KERNELS: [&str; 5] = [
+    "decode-attention",
+    "gated-delta",
+    "experts",
+    "add-norm",
+    "norm-rope",
+];
 
 /// Checks Perch's CUDA kernels named in `only` ([`KERNELS`]; all when it is empty) — the masked
-/// decode attention, the Gated DeltaNet recurrence, the experts' quantized products — against
+/// decode attention, the Gated DeltaNet recurrence, the experts' quantized products, the residual
+/// add with the RMS norm after it, the queries' and keys' norms and RoPE — against
 /// MLX's own operations on random inputs; one line per case, an error at the first case outside
 /// its tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
 pub fn check_kernels(only: &[String]) -> Result<Vec<String>> {
@@ -83,6 +90,12 @@ pub fn check_kernels(only: &[String]) -> Result<Vec<String>> {
     }
     if wanted(KERNELS[2]) {
         lines.extend(nn::expert_kernel::check()?);
+    }
+    if wanted(KERNELS[3]) {
+        lines.extend(nn::norm_kernel::check()?);
+    }
+    if wanted(KERNELS[4]) {
+        lines.extend(nn::rope_kernel::check()?);
     }
     Ok(lines)
 }

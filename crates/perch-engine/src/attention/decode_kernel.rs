@@ -175,9 +175,10 @@ const SOURCE: &str = r#"
 /// The end of [`SOURCE`] for one block per row and head: the attention's output.
 const WHOLE: &str = r#"
   T* result = out + (row * heads + head) * D;
+  /*SINK*/
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float numerator = 0.0f;
-    float denominator = 0.0f;
+    float denominator = sink_weight;
     for (int w = 0; w < WARPS; ++w) {
       if (normalizers[w] > 0.0f) {
         const float c = expf(maxima[w] - overall);
@@ -229,7 +230,8 @@ const COMBINE: &str = r#"
       overall = fmaxf(overall, part_maxima[first + s]);
     }
   }
-  float denominator = 0.0f;
+  /*SINK*/
+  float denominator = sink_weight;
   for (int s = 0; s < parts; ++s) {
     if (part_normalizers[first + s] > 0.0f) {
       denominator += expf(part_maxima[first + s] - overall) * part_normalizers[first + s];
@@ -248,8 +250,8 @@ const COMBINE: &str = r#"
 
 /// Whether [`masked_decode_attention`] computes this attention: one query per row, keys and
 /// values of one head size (a multiple of 32 up to 256) in the queries' float dtype, a
-/// boolean mask `[rows or 1, heads or 1, 1, positions]`, no attention sinks, and whole heads
-/// of queries per key head.
+/// boolean mask `[rows or 1, heads or 1, 1, positions]`, attention sinks (if any) `[heads]` of a
+/// float dtype, and whole heads of queries per key head.
 pub fn computes(
     queries: &Array,
     keys: &Array,
@@ -262,8 +264,7 @@ pub fn computes(
         queries.dtype(),
         Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32
     );
-    sinks.is_none()
-        && float
+    float
         && keys.dtype() == queries.dtype()
         && values.dtype() == queries.dtype()
         && mask.dtype() == Dtype::Bool
@@ -283,6 +284,10 @@ pub fn computes(
         && (m[1] == 1 || m[1] == q[1])
         && m[2] == 1
         && m[3] == k[2]
+        && sinks.is_none_or(|s| {
+            s.shape() == [q[1]]
+                && matches!(s.dtype(), Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32)
+        })
 }
 
 /// [`computes`] up to [`max_positions`] positions: where the engine reads through the kernel.
@@ -296,32 +301,74 @@ pub fn applies(
     computes(queries, keys, values, mask, sinks) && keys.shape()[2] <= max_positions()
 }
 
-/// The kernels: [`WHOLE`]'s, [`PART`]'s and [`COMBINE`].
-fn new_kernels() -> [CustomKernel; 3] {
+/// What replaces `/*SINK*/` without attention sinks: nothing joins the softmax.
+const NO_SINK: &str = "const float sink_weight = 0.0f;";
+
+/// What replaces `/*SINK*/` with attention sinks (`sinks`, `[heads]`, any float dtype): the
+/// head's sink joins the softmax as one more score without a value, so it raises the maximum
+/// and the denominator only (MLX's `scaled_dot_product_attention` with `sinks`: one more column
+/// of scores, softmaxed with the others and dropped before the weighted sum).
+const SINK: &str = r#"
+  const float sink = static_cast<float>(sinks[head * sinks_strides[0]]);
+  overall = fmaxf(overall, sink);
+  const float sink_weight = expf(sink - overall);
+"#;
+
+/// The kernels, without and with attention sinks: [`WHOLE`]'s, [`PART`]'s and [`COMBINE`]
+/// (the parts need no sinks: they join where the parts are combined).
+struct Kernels {
+    whole: [CustomKernel; 2],
+    part: CustomKernel,
+    combine: [CustomKernel; 2],
+}
+
+fn new_kernels() -> Kernels {
     let parts = ["part_sums", "part_maxima", "part_normalizers"];
-    let attention = |name, outputs: &[&str], epilogue| {
-        let source = SOURCE.replace("/*EPILOGUE*/", epilogue);
+    let with_sinks = |names: &[&'static str], sinks: bool| {
+        let mut names = names.to_vec();
+        if sinks {
+            names.push("sinks");
+        }
+        names
+    };
+    let attention = |name, outputs: &[&str], epilogue: &str, sinks: bool| {
+        let epilogue = epilogue.replace("/*SINK*/", if sinks { SINK } else { NO_SINK });
+        let source = SOURCE.replace("/*EPILOGUE*/", &epilogue);
         CustomKernel::new(
             Backend::Cuda,
             name,
-            &["q", "k", "v", "mask"],
+            &with_sinks(&["q", "k", "v", "mask"], sinks),
             outputs,
             &source,
             false,
         )
     };
-    [
-        attention(c"perch_masked_decode_attention", &["out"], WHOLE),
-        attention(c"perch_masked_decode_attention_part", &parts, PART),
+    let combine = |name, sinks: bool| {
         CustomKernel::new(
             Backend::Cuda,
-            c"perch_masked_decode_attention_combine",
-            &parts,
+            name,
+            &with_sinks(&parts, sinks),
             &["out"],
-            COMBINE,
+            &COMBINE.replace("/*SINK*/", if sinks { SINK } else { NO_SINK }),
             true,
-        ),
-    ]
+        )
+    };
+    Kernels {
+        whole: [
+            attention(c"perch_masked_decode_attention", &["out"], WHOLE, false),
+            attention(
+                c"perch_masked_decode_attention_sinks",
+                &["out"],
+                WHOLE,
+                true,
+            ),
+        ],
+        part: attention(c"perch_masked_decode_attention_part", &parts, PART, false),
+        combine: [
+            combine(c"perch_masked_decode_attention_combine", false),
+            combine(c"perch_masked_decode_attention_combine_sinks", true),
+        ],
+    }
 }
 
 /// Blocks per (row, query head): 1 where a step has many of those or reads few positions (a
@@ -345,7 +392,8 @@ const MAX_PARTS: i32 = 16;
 
 /// `softmax(scale · q kᵀ, masked) v` for one query per row: `queries` `[rows, heads, 1, D]`,
 /// `keys`/`values` `[rows, kv_heads, positions, D]`, `mask` bool `[rows or 1, heads or 1, 1,
-/// positions]` (true where a row reads) → `[rows, heads, 1, D]` in the queries' dtype. Only
+/// positions]` (true where a row reads), `sinks` (attention sinks, `[heads]`: each head's joins
+/// its softmax as a score without a value) → `[rows, heads, 1, D]` in the queries' dtype. Only
 /// where [`computes`] holds, and only on MLX's CUDA backend (the kernel is CUDA source).
 pub fn masked_decode_attention(
     queries: &Array,
@@ -353,11 +401,12 @@ pub fn masked_decode_attention(
     values: &Array,
     mask: &Array,
     scale: f32,
+    sinks: Option<&Array>,
 ) -> Result<Array, Exception> {
     thread_local! {
-        static KERNELS: RefCell<Option<[CustomKernel; 3]>> = const { RefCell::new(None) };
+        static KERNELS: RefCell<Option<Kernels>> = const { RefCell::new(None) };
     }
-    if !computes(queries, keys, values, mask, None) {
+    if !computes(queries, keys, values, mask, sinks) {
         return Err(Exception::custom(
             "masked_decode_attention: shapes or dtypes it does not take",
         ));
@@ -375,18 +424,21 @@ pub fn masked_decode_attention(
         TemplateArg::Int(c"D", head_dim),
         TemplateArg::Int(c"SCALE_BITS", scale.to_bits() as i32),
     ];
-    let inputs = [queries, keys, values, mask];
+    let with_sinks = usize::from(sinks.is_some());
     let grid = (heads * warps * 32, rows, parts);
     let block = (warps * 32, 1, 1);
     KERNELS.with(|kernels| {
         let mut kernels = kernels.borrow_mut();
-        let [whole, part, combine] = kernels.get_or_insert_with(new_kernels);
+        let kernels = kernels.get_or_insert_with(new_kernels);
+        let mut inputs = vec![queries, keys, values, mask];
         if parts == 1 {
+            inputs.extend(sinks);
+            let whole = &kernels.whole[with_sinks];
             let mut out = whole.apply(&inputs, &[(&shape, dtype)], grid, block, &template)?;
             return Ok(out.remove(0));
         }
         let f32 = Dtype::Float32;
-        let partials = part.apply(
+        let partials = kernels.part.apply(
             &inputs,
             &[
                 (&[rows, heads, parts, head_dim], f32),
@@ -397,8 +449,10 @@ pub fn masked_decode_attention(
             block,
             &template,
         )?;
-        let mut out = combine.apply(
-            &partials.iter().collect::<Vec<_>>(),
+        let mut inputs: Vec<&Array> = partials.iter().collect();
+        inputs.extend(sinks);
+        let mut out = kernels.combine[with_sinks].apply(
+            &inputs,
             &[(&shape, dtype)],
             (heads * head_dim, rows, 1),
             (head_dim, 1, 1),
@@ -448,7 +502,8 @@ pub fn check() -> crate::Result<Vec<String>> {
     }
     mlx_rs::random::seed(7)?;
     let mut lines = Vec::new();
-    // (rows, heads, kv_heads, head_dim, positions, dtype, mask kind)
+    // (rows, heads, kv_heads, head_dim, positions, dtype, mask kind); "… sinks": with
+    // attention sinks
     let cases = [
         (1, 32, 8, 64, 384, Dtype::Bfloat16, "lengths"),
         (1, 32, 8, 64, 2048, Dtype::Bfloat16, "lengths"),
@@ -464,8 +519,16 @@ pub fn check() -> crate::Result<Vec<String>> {
         (5, 4, 2, 128, 300, Dtype::Float32, "broadcast"),
         (4, 8, 2, 64, 512, Dtype::Bfloat16, "empty row"),
         (4, 8, 2, 64, 3000, Dtype::Bfloat16, "empty row"),
+        (32, 64, 8, 64, 384, Dtype::Bfloat16, "ring sinks"),
+        (8, 64, 8, 64, 300, Dtype::Float32, "lengths sinks"),
+        (1, 64, 8, 64, 4096, Dtype::Bfloat16, "lengths sinks"),
+        (4, 8, 2, 64, 3000, Dtype::Bfloat16, "empty row sinks"),
     ];
-    for (rows, heads, kv_heads, head_dim, positions, dtype, kind) in cases {
+    for (rows, heads, kv_heads, head_dim, positions, dtype, case) in cases {
+        let (kind, with_sinks) = match case.strip_suffix(" sinks") {
+            Some(kind) => (kind, true),
+            None => (case, false),
+        };
         let normal = |shape: &[i32]| -> crate::Result<Array> {
             Ok(mlx_rs::random::normal::<f32>(shape, None, None, None)?.as_dtype(dtype)?)
         };
@@ -502,7 +565,16 @@ pub fn check() -> crate::Result<Vec<String>> {
         let reading = Array::from_slice(&reading, &[rows, 1, 1, 1]);
         let mask = ops::logical_and(&mask, &reading)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let ours = masked_decode_attention(&q, &k, &v, &mask, scale)?.as_dtype(Dtype::Float32)?;
+        // Sinks of the size of scaled scores (gpt-oss's are learned logits of a few units).
+        let sinks = match with_sinks {
+            true => Some(ops::multiply(
+                &normal(&[heads])?,
+                Array::from_f32(2.0).as_dtype(dtype)?,
+            )?),
+            false => None,
+        };
+        let ours = masked_decode_attention(&q, &k, &v, &mask, scale, sinks.as_ref())?
+            .as_dtype(Dtype::Float32)?;
         ours.eval()?;
         let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
         let reference = mlx_rs::fast::scaled_dot_product_attention(
@@ -511,7 +583,7 @@ pub fn check() -> crate::Result<Vec<String>> {
             f32(&v)?,
             scale,
             mlx_rs::fast::ScaledDotProductAttentionMask::Array(&mask),
-            None,
+            sinks.as_ref().map(f32).transpose()?.as_ref(),
         )?;
         let tolerance = match dtype {
             Dtype::Float32 => 1e-4,
@@ -525,7 +597,16 @@ pub fn check() -> crate::Result<Vec<String>> {
             .item_exact::<f32>();
         // A call of each alone, evaluated: the kernel against MLX's masked attention in the
         // inputs' dtype (what the engine runs without the kernel).
-        let kernel_ms = time_call(&|| Ok(masked_decode_attention(&q, &k, &v, &mask, scale)?))?;
+        let kernel_ms = time_call(&|| {
+            Ok(masked_decode_attention(
+                &q,
+                &k,
+                &v,
+                &mask,
+                scale,
+                sinks.as_ref(),
+            )?)
+        })?;
         let mlx_ms = time_call(&|| {
             Ok(mlx_rs::fast::scaled_dot_product_attention(
                 &q,
@@ -533,13 +614,13 @@ pub fn check() -> crate::Result<Vec<String>> {
                 &v,
                 scale,
                 mlx_rs::fast::ScaledDotProductAttentionMask::Array(&mask),
-                None,
+                sinks.as_ref(),
             )?)
         })?;
         let line =
             format!(
             "rows {rows}, heads {heads}/{kv_heads}, head size {head_dim}, {positions} positions, \
-             {dtype:?}, mask {kind}: max |error| {error:.2e} (tolerance {tolerance:.0e}){}; \
+             {dtype:?}, mask {case}: max |error| {error:.2e} (tolerance {tolerance:.0e}){}; \
              {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3}",
             if empty_row { ", the empty row zeros" } else { "" }
         );
@@ -564,7 +645,7 @@ mod tests {
     }
 
     /// The kernel is only chosen for what it computes: one query a row, a boolean mask per row
-    /// over every position, whole query heads per key head, no sinks.
+    /// over every position, whole query heads per key head, a sink (if any) per query head.
     #[test]
     fn applies_only_to_what_the_kernel_computes() {
         let bf = Dtype::Bfloat16;
@@ -579,8 +660,11 @@ mod tests {
             &zeros(&[1, 1, 1, 512], Dtype::Bool),
             None
         ));
-        // Two queries a row (a prompt chunk), an additive mask, sinks, a short mask, an odd
-        // head size, mixed dtypes, key heads that do not divide the query heads: not taken.
+        // Attention sinks, one per query head: taken.
+        assert!(applies(&q, &kv, &kv, &mask, Some(&zeros(&[8], bf))));
+        // Two queries a row (a prompt chunk), an additive mask, sinks not one per query head,
+        // a short mask, an odd head size, mixed dtypes, key heads that do not divide the query
+        // heads: not taken.
         let chunk = zeros(&[4, 8, 2, 64], bf);
         assert!(!applies(
             &chunk,
@@ -590,7 +674,8 @@ mod tests {
             None
         ));
         assert!(!applies(&q, &kv, &kv, &zeros(&[4, 1, 1, 512], bf), None));
-        assert!(!applies(&q, &kv, &kv, &mask, Some(&zeros(&[8], bf))));
+        assert!(!applies(&q, &kv, &kv, &mask, Some(&zeros(&[2], bf))));
+        assert!(!applies(&q, &kv, &kv, &mask, Some(&zeros(&[1, 8], bf))));
         assert!(!applies(
             &q,
             &kv,

@@ -402,7 +402,7 @@ pub fn masked_attention(
             && crate::attention::decode_kernel::applies(queries, keys, values, mask, sinks)
         {
             crate::attention::decode_kernel::masked_decode_attention(
-                queries, keys, values, mask, scale,
+                queries, keys, values, mask, scale, sinks,
             )?
         } else {
             let mask = ScaledDotProductAttentionMask::Array(mask);

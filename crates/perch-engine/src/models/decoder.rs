@@ -17,6 +17,7 @@ use crate::nn::layers::{
     gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope,
 };
 use crate::nn::mlx_ext::slice;
+use crate::nn::rope_kernel;
 use crate::nn::weights::Weights;
 
 /// Everything the shared decoder needs, resolved from an architecture's config. `Default` gives
@@ -671,6 +672,62 @@ impl Attention {
         Ok((heads(q, &self.q_norm)?, kv, gate))
     }
 
+    /// A decode step's queries, keys and values (`[rows, heads or kv_heads, 1, head_dim]`), the
+    /// queries and keys normed and rotated in one kernel ([`rope_kernel::norm_rope`]), where
+    /// it computes what [`Attention::project`] and RoPE would: CUDA, one token a row at
+    /// per-row positions, fused projections, query and key norms per head or none, RoPE in
+    /// the non-interleaved layout without a feature scale, no query scales, gate or value
+    /// norm. `None` elsewhere.
+    fn decode_norm_rope(
+        &self,
+        x: &Array,
+        rope: Option<&Rope>,
+        positions: &Positions,
+        query_scales: Option<&Array>,
+    ) -> Result<Option<(Array, Array, Array)>> {
+        let (Qkv::Fused(proj), Some(rope), Positions::Rows { offsets, .. }) =
+            (&self.qkv, rope, positions)
+        else {
+            return Ok(None);
+        };
+        let norms = match (&self.q_norm, &self.k_norm) {
+            (Some(q), Some(k)) => match (q.weight(), k.weight()) {
+                (Some(qw), Some(kw)) if q.eps() == k.eps() => Some((qw, kw, q.eps())),
+                _ => return Ok(None),
+            },
+            (None, None) => None,
+            _ => return Ok(None),
+        };
+        let (batch, seq) = (x.shape()[0], x.shape()[1]);
+        if seq != 1
+            || query_scales.is_some()
+            || self.output_gate
+            || self.v_norm.is_some()
+            || self.qk_norm_across_heads
+            || rope.traditional
+            || rope.mscale != 1.0
+            || !rope_kernel::enabled()
+        {
+            return Ok(None);
+        }
+        let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let spec = rope_kernel::RopeSpec {
+            dims: rope.dims,
+            base: rope.base,
+            scale: rope.scale,
+            freqs: rope.freqs.as_ref(),
+        };
+        let all = proj.forward(x)?.reshape(&[batch, 1, nq + 2 * nkv, hd])?;
+        let weights = norms.map(|(q, k, _)| (q, k));
+        if !rope_kernel::computes(&all, (nq, nkv), weights, offsets, &spec) {
+            return Ok(None);
+        }
+        let (queries, keys) = rope_kernel::norm_rope(&all, (nq, nkv), norms, offsets, &spec)?;
+        let values = slice(&all, &[0, 0, nq + nkv, 0], &[batch, 1, nq + 2 * nkv, hd])?
+            .transpose_axes(&[0, 2, 1, 3])?;
+        Ok(Some((queries, keys, values)))
+    }
+
     /// The output projection of attention's output `[batch, seq, heads * head_dim]`, gated
     /// first when the attention has a gate.
     fn output(&self, out: &Array, gate: Option<Array>) -> Result<Array> {
@@ -696,21 +753,27 @@ impl Attention {
         layer: usize,
     ) -> Result<Array> {
         let (rows, tokens) = (x.shape()[0], x.shape()[1]);
-        let (queries, kv, gate) = self.project(x)?;
-        let at = |a: &Array| -> Result<Array> {
-            match rope {
-                Some(rope) => positions.rope(rope, a),
-                None => Ok(a.clone()),
+        let (queries, kv, gate) = match self.decode_norm_rope(x, rope, positions, query_scales)? {
+            Some((queries, keys, values)) => (queries, Some((keys, values)), None),
+            None => {
+                let (queries, kv, gate) = self.project(x)?;
+                let at = |a: &Array| -> Result<Array> {
+                    match rope {
+                        Some(rope) => positions.rope(rope, a),
+                        None => Ok(a.clone()),
+                    }
+                };
+                let queries = at(&queries)?;
+                let queries = match query_scales {
+                    Some(scales) => ops::multiply(&queries, &scales.as_dtype(queries.dtype())?)?,
+                    None => queries,
+                };
+                let kv = match kv {
+                    Some((keys, values)) => Some((at(&keys)?, values)),
+                    None => None,
+                };
+                (queries, kv, gate)
             }
-        };
-        let queries = at(&queries)?;
-        let queries = match query_scales {
-            Some(scales) => ops::multiply(&queries, &scales.as_dtype(queries.dtype())?)?,
-            None => queries,
-        };
-        let kv = match kv {
-            Some((keys, values)) => Some((at(&keys)?, values)),
-            None => None,
         };
         let spec = AttentionSpec {
             scale: self.scale,
@@ -1169,24 +1232,34 @@ impl Decoder {
             Some(per_layer) => Some(per_layer.inputs(ids, &h)?),
             None => None,
         };
+        // The last block's feed-forward output not yet added to `h`: added by the next block's
+        // input norm in one kernel where there is one (`RmsNorm::add_forward`).
+        let mut pending: Option<Array> = None;
         for (i, layer) in self.layers.iter().enumerate() {
             let rope = match (&self.local_rope, layer.sliding) {
                 _ if !layer.rope => None,
                 (Some(local), true) => Some(local),
                 _ => Some(&self.rope),
             };
-            let x = match &layer.input_layernorm {
-                Some(norm) => norm.forward(&h)?,
-                None => h.clone(),
+            let x = match (&layer.input_layernorm, pending.take()) {
+                (Some(norm), Some(r)) => {
+                    let (sum, normed) = norm.add_forward(&h, &r)?;
+                    h = sum;
+                    normed
+                }
+                (Some(norm), None) => norm.forward(&h)?,
+                (None, Some(r)) => {
+                    h = ops::add(&h, &r)?;
+                    h.clone()
+                }
+                (None, None) => h.clone(),
             };
             let r = mix(layer, &x, rope)?;
             h = match &layer.sandwich {
                 None => {
-                    let h2 = ops::add(&h, &r)?;
-                    let r = layer
-                        .mlp
-                        .forward(&layer.post_attention_layernorm.forward(&h2)?, &h2)?;
-                    ops::add(&h2, &r)?
+                    let (h2, x) = layer.post_attention_layernorm.add_forward(&h, &r)?;
+                    pending = Some(layer.mlp.forward(&x, &h2)?);
+                    h2
                 }
                 Some(norms) => {
                     let h2 = self.residual(&h, &layer.post_attention_layernorm.forward(&r)?)?;
@@ -1197,12 +1270,21 @@ impl Decoder {
                     self.residual(&h2, &norms.post_feedforward_layernorm.forward(&r)?)?
                 }
             };
-            if let (Some(gate), Some(inputs)) = (&layer.per_layer_gate, &per_layer_inputs) {
+            let per_layer_gate = layer.per_layer_gate.as_ref().zip(per_layer_inputs.as_ref());
+            if per_layer_gate.is_some() || layer.layer_scalar.is_some() {
+                if let Some(r) = pending.take() {
+                    h = ops::add(&h, &r)?;
+                }
+            }
+            if let Some((gate, inputs)) = per_layer_gate {
                 h = gate.forward(&h, &PerLayerEmbedding::layer(inputs, i as i32)?)?;
             }
             if let Some(scalar) = &layer.layer_scalar {
                 h = ops::multiply(&h, scalar)?;
             }
+        }
+        if let Some(r) = pending {
+            h = ops::add(&h, &r)?;
         }
         Ok(h)
     }

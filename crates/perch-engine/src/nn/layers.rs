@@ -674,6 +674,29 @@ impl RmsNorm {
     pub fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::rms_norm(x, self.weight.as_ref(), self.eps)?)
     }
+
+    /// The learned scale `[dims]`, when the norm has one.
+    pub fn weight(&self) -> Option<&Array> {
+        self.weight.as_ref()
+    }
+
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+
+    /// `x + residual` and the norm of that sum: (`sum`, `normed`). One kernel on CUDA
+    /// ([`crate::nn::norm_kernel`]), MLX's add and norm elsewhere.
+    pub fn add_forward(&self, x: &Array, residual: &Array) -> Result<(Array, Array)> {
+        use crate::nn::norm_kernel;
+        if let Some(weight) = &self.weight {
+            if norm_kernel::enabled() && norm_kernel::computes(x, residual, weight) {
+                return Ok(norm_kernel::add_rms_norm(x, residual, weight, self.eps)?);
+            }
+        }
+        let sum = ops::add(x, residual)?;
+        let normed = self.forward(&sum)?;
+        Ok((sum, normed))
+    }
 }
 
 /// Rotary position embedding (Su et al. 2021) over the first `dims` features of each head, in the

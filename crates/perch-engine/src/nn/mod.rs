@@ -5,4 +5,6 @@ pub(crate) mod custom_kernel;
 pub mod expert_kernel;
 pub mod layers;
 pub(crate) mod mlx_ext;
+pub mod norm_kernel;
+pub mod rope_kernel;
 pub mod weights;

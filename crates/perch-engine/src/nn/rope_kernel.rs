@@ -1,0 +1,415 @@
+//! A decode step's queries and keys, normed and rotated, in one CUDA kernel ([`norm_rope`]),
+//! written with MLX's custom-kernel API ([`crate::nn::custom_kernel`]): from the fused query,
+//! key and value projection's output, each query and key head's RMS norm (when the model has
+//! query and key norms, as Qwen3 and Qwen3.5 do) and its rotary embedding at its row's
+//! position — what MLX runs as four launches a layer (two `fast::rms_norm`, two
+//! `fast::rope`), or two without norms (Llama).
+//!
+//! Why: a decode step of a small model on a GPU is bound by the host launching its kernels
+//! (see docs/benchmarks.md), so launches saved in every attention layer shorten it. On Metal
+//! and the CPU the engine keeps MLX's operations.
+//!
+//! The computation, as MLX 0.32's CUDA `rms_norm` and `rope` do it
+//! (`mlx/backend/cuda/rms_norm.cu`, `rope.cu`): one block per (row, head) of `head_dim`
+//! threads; the norm's sum of squares in float32, each normed feature `weight · T(x ·
+//! rsqrt(mean + eps))` in the dtype `T`; RoPE (Su et al. 2021) in the non-interleaved layout
+//! over the first `dims` features, feature `i` of each half turned by `position · scale ·
+//! inv_freq(i)` with `inv_freq(i) = base^(−i / (dims / 2))`, or `1 / freqs[i]` when the model
+//! gives its periods; the rest of the features passed through.
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use mlx_rs::error::Exception;
+use mlx_rs::{Array, Dtype};
+
+use crate::device::Backend;
+use crate::nn::custom_kernel::{time_call, CustomKernel, TemplateArg};
+
+const SOURCE: &str = r#"
+  const int head = blockIdx.x;
+  const int row = blockIdx.y;
+  const int d = threadIdx.x;
+  const bool is_query = head < NQ;
+  const T* source = qkv + ((long)row * (NQ + 2 * NKV) + head) * D;
+  float value = static_cast<float>(source[d]);
+  /*NORM*/
+  __shared__ float features[D];
+  features[d] = value;
+  __syncthreads();
+  constexpr int HALF = DIMS / 2;
+  float result = value;
+  if (d < DIMS) {
+    const int i = d < HALF ? d : d - HALF;
+    /*INV_FREQ*/
+    const float position = __int_as_float(SCALE_BITS) * static_cast<float>(offsets[row]);
+    const float theta = position * inv_freq;
+    const float c = cos(theta);
+    const float s = sin(theta);
+    const float x1 = features[i];
+    const float x2 = features[i + HALF];
+    result = d < HALF ? x1 * c - x2 * s : x1 * s + x2 * c;
+  }
+  if (is_query) {
+    queries[((long)row * NQ + head) * D + d] = static_cast<T>(result);
+  } else {
+    keys[((long)row * NKV + head - NQ) * D + d] = static_cast<T>(result);
+  }
+"#;
+
+/// The norm, for models with query and key norms (`q_weight`, `k_weight` `[D]`).
+const NORM: &str = r#"
+  float squares = value * value;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    squares += __shfl_xor_sync(0xffffffff, squares, offset);
+  }
+  __shared__ float partial[D / 32];
+  if (d % 32 == 0) {
+    partial[d / 32] = squares;
+  }
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < D / 32; ++w) {
+    total += partial[w];
+  }
+  const float normalizer = rsqrtf(total / D + __int_as_float(EPS_BITS));
+  const T* weight = is_query ? q_weight : k_weight;
+  value = static_cast<float>(weight[d] * static_cast<T>(value * normalizer));
+"#;
+
+/// Frequencies from the base (`LOG2_BASE_BITS`: log2 of it), as MLX's `rope` kernel.
+const FROM_BASE: &str = r#"
+    const float inv_freq =
+        exp2(-(static_cast<float>(i) / static_cast<float>(HALF)) * __int_as_float(LOG2_BASE_BITS));
+"#;
+
+/// Frequencies from the model's periods (`freqs` `[DIMS / 2]` float32), as MLX's `rope_freqs`.
+const FROM_FREQS: &str = r#"
+    const float inv_freq = 1.0 / freqs[i];
+"#;
+
+/// What a layer's RoPE is, as far as the kernel is concerned.
+#[derive(Clone, Copy)]
+pub struct RopeSpec<'a> {
+    /// Rotated features (even, at most the head size).
+    pub dims: i32,
+    pub base: f32,
+    pub scale: f32,
+    /// The periods `[dims / 2]` float32 replacing `base`, for scaled variants.
+    pub freqs: Option<&'a Array>,
+}
+
+/// Whether [`norm_rope`] computes this: `qkv` `[rows, 1, heads + 2 · kv_heads, head_dim]` of a
+/// float dtype (one token a row), the head size a multiple of 32 up to 1,024, norms (if any)
+/// `[head_dim]` of that dtype, `offsets` `[rows]` int32, RoPE over an even number of features
+/// up to the head size, `freqs` (if any) `[dims / 2]` float32.
+pub fn computes(
+    qkv: &Array,
+    heads: (i32, i32),
+    norms: Option<(&Array, &Array)>,
+    offsets: &Array,
+    rope: &RopeSpec,
+) -> bool {
+    let s = qkv.shape();
+    let float = matches!(
+        qkv.dtype(),
+        Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32
+    );
+    float
+        && s.len() == 4
+        && s[1] == 1
+        && heads.0 > 0
+        && heads.1 > 0
+        && s[2] == heads.0 + 2 * heads.1
+        && s[3] % 32 == 0
+        && (32..=1024).contains(&s[3])
+        && offsets.shape() == [s[0]]
+        && offsets.dtype() == Dtype::Int32
+        && rope.dims > 0
+        && rope.dims % 2 == 0
+        && rope.dims <= s[3]
+        && norms.is_none_or(|(q, k)| {
+            q.shape() == [s[3]]
+                && k.shape() == [s[3]]
+                && q.dtype() == qkv.dtype()
+                && k.dtype() == qkv.dtype()
+        })
+        && rope
+            .freqs
+            .is_none_or(|f| f.shape() == [rope.dims / 2] && f.dtype() == Dtype::Float32)
+}
+
+/// Whether decode steps use [`norm_rope`]: on MLX's CUDA backend unless `PERCH_ROPE_KERNEL=0`
+/// (for benchmarks against MLX's operations).
+pub fn enabled() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("PERCH_ROPE_KERNEL").as_deref() != Ok("0"))
+        && Backend::current() == Backend::Cuda
+}
+
+/// The queries `[rows, heads, 1, head_dim]` and keys `[rows, kv_heads, 1, head_dim]` of `qkv`
+/// `[rows, 1, heads + 2 · kv_heads, head_dim]` (queries, keys, then values, a row's one token
+/// at position `offsets[row]`), each head normed by `norms` (query, key weights; `eps`) when
+/// given and rotated by `rope`. Only where [`computes`] holds, on MLX's CUDA backend.
+pub fn norm_rope(
+    qkv: &Array,
+    (heads, kv_heads): (i32, i32),
+    norms: Option<(&Array, &Array, f32)>,
+    offsets: &Array,
+    rope: &RopeSpec,
+) -> Result<(Array, Array), Exception> {
+    thread_local! {
+        // By (norms, freqs): their inputs differ.
+        static KERNELS: RefCell<[[Option<CustomKernel>; 2]; 2]> = const {
+            RefCell::new([[None, None], [None, None]])
+        };
+    }
+    let weights = norms.map(|(q, k, _)| (q, k));
+    if !computes(qkv, (heads, kv_heads), weights, offsets, rope) {
+        return Err(Exception::custom(
+            "norm_rope: shapes or dtypes it does not take",
+        ));
+    }
+    let (rows, head_dim) = (qkv.shape()[0], qkv.shape()[3]);
+    let dtype = qkv.dtype();
+    let mut inputs = vec![qkv, offsets];
+    if let Some((q, k)) = weights {
+        inputs.extend([q, k]);
+    }
+    inputs.extend(rope.freqs);
+    let template = [
+        TemplateArg::Dtype(c"T", dtype),
+        TemplateArg::Int(c"D", head_dim),
+        TemplateArg::Int(c"NQ", heads),
+        TemplateArg::Int(c"NKV", kv_heads),
+        TemplateArg::Int(c"DIMS", rope.dims),
+        TemplateArg::Int(
+            c"EPS_BITS",
+            norms.map_or(0.0f32, |(_, _, eps)| eps).to_bits() as i32,
+        ),
+        TemplateArg::Int(c"LOG2_BASE_BITS", rope.base.log2().to_bits() as i32),
+        TemplateArg::Int(c"SCALE_BITS", rope.scale.to_bits() as i32),
+    ];
+    let (with_norms, with_freqs) = (norms.is_some(), rope.freqs.is_some());
+    KERNELS.with(|kernels| {
+        let mut kernels = kernels.borrow_mut();
+        let kernel = kernels[usize::from(with_norms)][usize::from(with_freqs)]
+            .get_or_insert_with(|| new_kernel(with_norms, with_freqs));
+        let mut out = kernel.apply(
+            &inputs,
+            &[
+                (&[rows, heads, 1, head_dim], dtype),
+                (&[rows, kv_heads, 1, head_dim], dtype),
+            ],
+            ((heads + kv_heads) * head_dim, rows, 1),
+            (head_dim, 1, 1),
+            &template,
+        )?;
+        let keys = out.pop().expect("two outputs");
+        let queries = out.pop().expect("two outputs");
+        Ok((queries, keys))
+    })
+}
+
+fn new_kernel(norms: bool, freqs: bool) -> CustomKernel {
+    let source = SOURCE
+        .replace("/*NORM*/", if norms { NORM } else { "" })
+        .replace("/*INV_FREQ*/", if freqs { FROM_FREQS } else { FROM_BASE });
+    let mut inputs = vec!["qkv", "offsets"];
+    if norms {
+        inputs.extend(["q_weight", "k_weight"]);
+    }
+    if freqs {
+        inputs.push("freqs");
+    }
+    let name = match (norms, freqs) {
+        (true, true) => c"perch_norm_rope_freqs",
+        (true, false) => c"perch_norm_rope",
+        (false, true) => c"perch_rope_freqs",
+        (false, false) => c"perch_rope",
+    };
+    CustomKernel::new(
+        Backend::Cuda,
+        name,
+        &inputs,
+        &["queries", "keys"],
+        &source,
+        true,
+    )
+}
+
+/// Checks [`norm_rope`] against MLX's `fast::rms_norm` and `fast::rope_dynamic` on random inputs:
+/// with and without norms, periods from the base and given, partial rotation, several head
+/// sizes, dtypes and row counts. One line per case; an error at the first case outside its
+/// tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
+pub fn check() -> crate::Result<Vec<String>> {
+    use crate::nn::mlx_ext::slice;
+    use mlx_rs::{fast, ops};
+    if Backend::current() != Backend::Cuda {
+        return Err(crate::EngineError::Request(
+            "the norm and RoPE kernel is CUDA source: run this where MLX has its CUDA backend"
+                .into(),
+        ));
+    }
+    mlx_rs::random::seed(13)?;
+    let mut lines = Vec::new();
+    // (rows, heads, kv_heads, head_dim, rotated dims, norms, freqs, dtype)
+    let cases = [
+        (1, 16, 8, 128, 128, true, false, Dtype::Bfloat16),
+        (32, 16, 4, 128, 128, true, false, Dtype::Bfloat16),
+        (8, 32, 8, 64, 64, false, false, Dtype::Bfloat16),
+        (4, 8, 2, 256, 64, true, false, Dtype::Bfloat16),
+        (5, 8, 2, 64, 64, false, true, Dtype::Float16),
+        (3, 4, 4, 128, 128, true, true, Dtype::Float32),
+        (128, 16, 8, 128, 128, true, false, Dtype::Bfloat16),
+    ];
+    for (rows, heads, kv_heads, head_dim, dims, with_norms, with_freqs, dtype) in cases {
+        let normal = |shape: &[i32], std: f32| -> crate::Result<Array> {
+            Ok(mlx_rs::random::normal::<f32>(shape, None, Some(std), None)?.as_dtype(dtype)?)
+        };
+        let qkv = normal(&[rows, 1, heads + 2 * kv_heads, head_dim], 3.0)?;
+        let q_weight = normal(&[head_dim], 0.5)?;
+        let k_weight = normal(&[head_dim], 0.5)?;
+        let eps = 1e-6;
+        let offsets: Vec<i32> = (0..rows).map(|r| (r * 997 + 13) % 40_000).collect();
+        let offsets = Array::from_slice(&offsets, &[rows]);
+        let freqs = match with_freqs {
+            true => {
+                let periods: Vec<f32> = (0..dims / 2)
+                    .map(|i| 10_000f32.powf(2.0 * i as f32 / dims as f32) * (1.0 + i as f32 / 7.0))
+                    .collect();
+                Some(Array::from_slice(&periods, &[dims / 2]))
+            }
+            false => None,
+        };
+        let rope = RopeSpec {
+            dims,
+            base: 1_000_000.0,
+            scale: 1.0,
+            freqs: freqs.as_ref(),
+        };
+        let norms = with_norms.then_some((&q_weight, &k_weight, eps));
+        let run = || norm_rope(&qkv, (heads, kv_heads), norms, &offsets, &rope);
+        let (queries, keys) = run()?;
+        // MLX's operations, as the engine runs them without the kernel.
+        let part = |from: i32, to: i32| -> crate::Result<Array> {
+            Ok(slice(&qkv, &[0, 0, from, 0], &[rows, 1, to, head_dim])?)
+        };
+        let reference = |x: Array, weight: &Array| -> crate::Result<Array> {
+            let x = match with_norms {
+                true => fast::rms_norm(&x, Some(weight), eps)?,
+                false => x,
+            };
+            let x = x.transpose_axes(&[0, 2, 1, 3])?;
+            Ok(fast::rope_dynamic(
+                &x,
+                dims,
+                false,
+                rope.freqs.is_none().then_some(rope.base),
+                rope.scale,
+                &offsets,
+                rope.freqs,
+            )?)
+        };
+        let expected_queries = reference(part(0, heads)?, &q_weight)?;
+        let expected_keys = reference(part(heads, heads + kv_heads)?, &k_weight)?;
+        let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
+        let max_error = |a: &Array, b: &Array| -> crate::Result<f32> {
+            Ok(ops::abs(&ops::subtract(&f32(a)?, &f32(b)?)?)?
+                .max(None)?
+                .item_exact::<f32>())
+        };
+        let error = max_error(&queries, &expected_queries)?.max(max_error(&keys, &expected_keys)?);
+        // A unit or two in the last place of the largest output (cos and sin of large angles
+        // may round differently).
+        let largest = ops::abs(&f32(&expected_queries)?)?
+            .max(None)?
+            .item_exact::<f32>();
+        let ulp = match dtype {
+            Dtype::Float32 => 1e-5,
+            Dtype::Float16 => 2f32.powi(-10),
+            _ => 2f32.powi(-7),
+        };
+        let tolerance = 2.0 * largest * ulp;
+        let kernel_ms = time_call(&|| Ok(run()?.0))?;
+        let mlx_ms = time_call(&|| {
+            let q = reference(part(0, heads)?, &q_weight)?;
+            let k = reference(part(heads, heads + kv_heads)?, &k_weight)?;
+            Ok(ops::add(&q.sum(None)?, &k.sum(None)?)?)
+        })?;
+        let line = format!(
+            "rows {rows}, heads {heads}/{kv_heads}, head size {head_dim}, {dims} rotated, norms \
+             {with_norms}, periods given {with_freqs}, {dtype:?}: max |error| {error:.2e} \
+             (tolerance {tolerance:.1e}); {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3} \
+             (with two sums)"
+        );
+        if error.is_nan() || error > tolerance {
+            return Err(crate::EngineError::Kernel(format!(
+                "norm and RoPE kernel: {line}"
+            )));
+        }
+        lines.push(line);
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use mlx_rs::{Array, Dtype};
+
+    use super::{computes, RopeSpec};
+
+    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
+        mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
+    }
+
+    /// Taken only for one token a row of the fused projection's layout, whole warps of
+    /// features, matching norms and int32 positions.
+    #[test]
+    fn computes_only_what_the_kernel_takes() {
+        let bf = Dtype::Bfloat16;
+        let qkv = zeros(&[4, 1, 16 + 2 * 8, 128], bf);
+        let offsets = zeros(&[4], Dtype::Int32);
+        let w = zeros(&[128], bf);
+        let rope = RopeSpec {
+            dims: 128,
+            base: 1e6,
+            scale: 1.0,
+            freqs: None,
+        };
+        assert!(computes(&qkv, (16, 8), Some((&w, &w)), &offsets, &rope));
+        assert!(computes(&qkv, (16, 8), None, &offsets, &rope));
+        // Two tokens a row, heads that do not add up, float32 norms on bfloat16, positions
+        // not per row, an odd rotation, periods of the wrong length: not taken.
+        let chunk = zeros(&[4, 2, 32, 128], bf);
+        assert!(!computes(&chunk, (16, 8), None, &offsets, &rope));
+        assert!(!computes(&qkv, (16, 4), None, &offsets, &rope));
+        let w32 = zeros(&[128], Dtype::Float32);
+        assert!(!computes(
+            &qkv,
+            (16, 8),
+            Some((&w32, &w32)),
+            &offsets,
+            &rope
+        ));
+        assert!(!computes(
+            &qkv,
+            (16, 8),
+            None,
+            &zeros(&[1], Dtype::Int32),
+            &rope
+        ));
+        let odd = RopeSpec { dims: 63, ..rope };
+        assert!(!computes(&qkv, (16, 8), None, &offsets, &odd));
+        let periods = zeros(&[32], Dtype::Float32);
+        let short = RopeSpec {
+            freqs: Some(&periods),
+            ..rope
+        };
+        assert!(!computes(&qkv, (16, 8), None, &offsets, &short));
+        let head_80 = zeros(&[4, 1, 32, 80], bf);
+        assert!(!computes(&head_80, (16, 8), None, &offsets, &rope));
+    }
+}
