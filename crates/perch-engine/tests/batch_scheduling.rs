@@ -406,6 +406,66 @@ fn admissions_fit_the_memory_headroom() {
     assert_eq!(batch.num_running(), 1);
 }
 
+/// A sequence preempted after streaming tokens that then cannot come back for memory ends
+/// with what it has (`length`), not with an error that would leave its client without it.
+#[test]
+fn a_preempted_sequence_that_no_longer_fits_finishes_with_its_tokens() {
+    use perch_engine::testing::BatchEvent;
+    let (model, tokenizer) = load();
+    // 6 blocks of 8: two sequences of 3 + 30 tokens cannot both stay.
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(6, 8), "smollm");
+    let mut ids = Vec::new();
+    for prompt in [vec![1, 504, 2988], vec![1, 504, 3000]] {
+        let mut r = request(prompt, 30);
+        r.ignore_eos = true;
+        ids.push(batch.insert(r).unwrap());
+    }
+    let mut events = Vec::new();
+    while batch.kv_stats().preemptions == 0 {
+        events.extend(batch.step().unwrap());
+        assert!(!batch.is_empty(), "finished without a preemption");
+    }
+    assert_eq!((batch.num_running(), batch.num_waiting()), (1, 1));
+    // From now on no memory is left for a request alone: the one running ends first; the
+    // preempted one is then judged, waits for a reading, and leaves the queue.
+    let none = perch_engine::memory::Available {
+        bytes: 0,
+        bound: perch_engine::memory::MemoryBound::Cgroup,
+    };
+    for _ in 0..200 {
+        if batch.is_empty() {
+            break;
+        }
+        batch.set_memory_headroom(Some(none));
+        events.extend(batch.step().unwrap());
+    }
+    assert!(batch.is_empty(), "the preempted sequence stays queued");
+    assert!(
+        !events
+            .iter()
+            .any(|e| matches!(e, BatchEvent::Refused { .. })),
+        "nothing is refused"
+    );
+    let finished: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            BatchEvent::Finished { request, output } => Some((*request, output)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(finished.len(), 2);
+    let generated: Vec<usize> = finished.iter().map(|(_, o)| o.token_ids.len()).collect();
+    // One ran to its 30 tokens; the preempted one ended with fewer, but some.
+    assert!(generated.contains(&30), "{generated:?}");
+    assert!(
+        generated.iter().any(|&n| (1..30).contains(&n)),
+        "{generated:?}"
+    );
+    for (_, output) in &finished {
+        assert_eq!(output.finish_reason, FinishReason::Length);
+    }
+}
+
 #[test]
 fn importing_a_cached_prefix_again_evicts_nothing() {
     let (model, tokenizer) = load();

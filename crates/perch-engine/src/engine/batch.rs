@@ -889,10 +889,10 @@ impl<'m> BatchGenerator<'m> {
                     Some(&needed) if fits == 0 && self.running.is_empty() => Some(needed),
                     _ => None,
                 };
-                if unfit_alone
-                    .is_some_and(|needed| self.relieve_or_refuse(needed, headroom, events))
-                {
-                    continue;
+                if let Some(needed) = unfit_alone {
+                    if self.relieve_or_refuse(needed, headroom, events)? {
+                        continue;
+                    }
                 }
             }
             let waiting: Vec<plan::Waiting> = self
@@ -960,35 +960,41 @@ impl<'m> BatchGenerator<'m> {
 
     /// Nothing runs and the first waiting request's KV memory (`needed` bytes) does not fit
     /// `headroom`: the first time, drops the prefix cache and gives freed memory back, and the
-    /// request waits for the next reading; if it still does not fit then, it is refused
-    /// (returns true).
+    /// request waits for the next reading; if it still does not fit then, it leaves the queue
+    /// (returns true): refused, or, when it was preempted after streaming tokens, finished
+    /// with what it has (`length`, as a sequence the pool cannot hold ends), so a client keeps
+    /// the text it was sent.
     fn relieve_or_refuse(
         &mut self,
         needed: usize,
         headroom: crate::memory::Available,
         events: &mut Vec<BatchEvent>,
-    ) -> bool {
+    ) -> Result<bool> {
         let front = self.waiting.front().map(|seq| seq.id);
         match self.relieved_for {
             Some((id, true)) if Some(id) == front => {
                 let seq = self.waiting.pop_front().expect("the first waiting request");
                 self.relieved_for = None;
-                events.push(BatchEvent::Refused {
-                    request: seq.id,
-                    error: EngineError::PromptOutOfMemory {
-                        prompt_tokens: seq.request.prompt.len(),
-                        needed: needed as u64,
-                        available: headroom,
-                    },
-                });
-                true
+                if seq.sink.generated > 0 {
+                    self.finish(seq, events)?;
+                } else {
+                    events.push(BatchEvent::Refused {
+                        request: seq.id,
+                        error: EngineError::PromptOutOfMemory {
+                            prompt_tokens: seq.request.prompt.len(),
+                            needed: needed as u64,
+                            available: headroom,
+                        },
+                    });
+                }
+                Ok(true)
             }
-            Some((id, false)) if Some(id) == front => false,
+            Some((id, false)) if Some(id) == front => Ok(false),
             _ => {
                 self.reset_prefix_cache();
                 crate::device::release_freed_memory();
                 self.relieved_for = front.map(|id| (id, false));
-                false
+                Ok(false)
             }
         }
     }
