@@ -120,6 +120,12 @@ impl EngineError {
             EngineError::PromptTooLong { .. } | EngineError::KvCacheTooSmall { .. } => {
                 ErrorKind::ContextLengthExceeded
             }
+            // Refused with nothing running and the prefix cache dropped: with some memory left,
+            // the prompt is what does not fit (retrying it cannot help; a shorter one may fit);
+            // with none, the machine is at its floor and may recover.
+            EngineError::PromptOutOfMemory { available, .. } if available.bytes > 0 => {
+                ErrorKind::ContextLengthExceeded
+            }
             EngineError::EmptyPrompt
             | EngineError::TokenOutOfVocabulary { .. }
             | EngineError::InvalidSampling(_)
@@ -225,5 +231,30 @@ fn kv_advice(lowered: &Option<crate::memory::LoweredBudget>) -> String {
             describe_bytes(l.configured_bytes as u64),
             describe_bytes(l.available_bytes)
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{EngineError, ErrorKind};
+    use crate::memory::{Available, MemoryBound};
+
+    /// A prompt refused for memory with some left is the prompt's fault (a client error that
+    /// retrying cannot mend); with none left, the server is overloaded and may recover.
+    #[test]
+    fn a_prompt_out_of_memory_is_a_client_error_unless_nothing_is_left() {
+        let refused = |bytes| EngineError::PromptOutOfMemory {
+            prompt_tokens: 1241,
+            needed: 174_000_000,
+            available: Available {
+                bytes,
+                bound: MemoryBound::Cgroup,
+            },
+        };
+        assert_eq!(
+            refused(173_000_000).kind(),
+            ErrorKind::ContextLengthExceeded
+        );
+        assert_eq!(refused(0).kind(), ErrorKind::Overloaded);
     }
 }
