@@ -153,15 +153,73 @@ pub fn release_freed_memory() {
 /// Sets the Metal wired limit in bytes (memory kept resident so weights are not paged out).
 /// A no-op returning `false` on backends without one (CPU, CUDA).
 pub fn set_wired_limit(bytes: usize) -> bool {
+    swap_wired_limit(bytes).is_some()
+}
+
+/// [`set_wired_limit`], returning the limit it replaced (`None`: not set).
+fn swap_wired_limit(bytes: usize) -> Option<usize> {
     if Backend::current() != Backend::Metal {
-        return false;
+        return None;
     }
-    match mlx_rs::memory::set_wired_limit(bytes) {
-        Ok(_) => {
-            WIRED_LIMIT.store(bytes, Ordering::Relaxed);
-            true
+    let previous = mlx_rs::memory::set_wired_limit(bytes).ok()?;
+    WIRED_LIMIT.store(bytes, Ordering::Relaxed);
+    Some(previous)
+}
+
+/// A size entry (bytes) of MLX's device info for the default device, e.g. Metal's
+/// `max_recommended_working_set_size`; `None` where the device has no such entry (the CPU's
+/// info holds only its name and architecture).
+pub fn device_info_size(key: &str) -> Option<usize> {
+    let key = std::ffi::CString::new(key).ok()?;
+    // SAFETY: the device and info objects are made and freed here; `value` is written by mlx-c
+    // only on success.
+    unsafe {
+        let mut device = mlx_sys::mlx_device_new();
+        let mut info = mlx_sys::mlx_device_info_new();
+        let mut value = 0usize;
+        let found = mlx_sys::mlx_get_default_device(&mut device) == 0
+            && mlx_sys::mlx_device_info_get(&mut info, device) == 0
+            && mlx_sys::mlx_device_info_get_size(&mut value, info, key.as_ptr()) == 0;
+        mlx_sys::mlx_device_info_free(info);
+        mlx_sys::mlx_device_free(device);
+        found.then_some(value)
+    }
+}
+
+/// The wired limit raised to the GPU's recommended working set while a model is loaded, as
+/// mlx_lm's `wired_limit` does around generation, so macOS keeps the weights and KV cache
+/// resident instead of paging them out under pressure; the limit it replaced is restored when
+/// this is dropped (an idle unload, the engine stopping). Metal only: elsewhere it does nothing
+/// (not testable on the Linux machines this project has; see docs/reliability.md).
+pub struct WiredLimit {
+    previous: Option<usize>,
+}
+
+impl WiredLimit {
+    pub fn raise() -> Self {
+        let previous = match Backend::current() {
+            Backend::Metal => {
+                device_info_size("max_recommended_working_set_size").and_then(swap_wired_limit)
+            }
+            _ => None,
+        };
+        Self { previous }
+    }
+
+    /// Whether a limit was set (and will be restored).
+    pub fn is_set(&self) -> bool {
+        self.previous.is_some()
+    }
+}
+
+impl Drop for WiredLimit {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous.take() {
+            // Dropped after serving ends: nothing is running on the device.
+            if mlx_rs::memory::set_wired_limit(previous).is_ok() {
+                WIRED_LIMIT.store(previous, Ordering::Relaxed);
+            }
         }
-        Err(_) => false,
     }
 }
 
@@ -192,6 +250,17 @@ mod tests {
         assert!(after.active_bytes < during.active_bytes);
         assert_eq!(after.wired_limit_bytes, None, "no wired limit on CPU");
         assert!(!set_wired_limit(1 << 30), "CPU has no wired limit to set");
+        assert!(!super::WiredLimit::raise().is_set(), "nor one to raise");
+        assert_eq!(
+            super::device_info_size("max_recommended_working_set_size"),
+            None,
+            "the CPU's device info has no working set"
+        );
+        assert_eq!(
+            super::device_info_size("device_name"),
+            None,
+            "a string, not a size"
+        );
     }
 
     #[test]

@@ -432,6 +432,8 @@ impl EngineThread {
                     None => return,
                 },
             };
+            // Kept resident while the model is loaded (Metal), restored once it is dropped.
+            let wired = crate::device::WiredLimit::raise();
             let ended = serve_model(
                 &model,
                 (&tokenizer, &model_id),
@@ -443,6 +445,7 @@ impl EngineThread {
                 Ended::Stopped => return,
                 Ended::Idle => {
                     drop(model);
+                    drop(wired);
                     crate::device::release_freed_memory();
                     queue.publish_residency(Residency::Unloaded);
                 }
