@@ -62,11 +62,16 @@ impl Weights {
             bytes_read: 0,
             bytes_total: sizes.iter().sum(),
         };
-        check_room(model_dir, report.bytes_total, backend)?;
+        // Every header is checked, and what the tensors take once cast counted, before any
+        // tensor is read.
+        let mut resident = 0;
+        for file in &files {
+            resident += validated_resident_bytes(file, backend)?;
+        }
+        check_room(model_dir, resident, backend)?;
         progress(report);
         let mut files_done = 0;
         for (file, size) in files.iter().zip(sizes) {
-            validate_safetensors(file)?;
             let corrupt = |e: &dyn std::fmt::Display| EngineError::CorruptWeights {
                 path: file.clone(),
                 message: e.to_string(),
@@ -251,11 +256,26 @@ fn is_plain_file_name(name: &str) -> bool {
 /// Checks the header and that the file holds every byte the header promises. MLX reads tensor
 /// data lazily, so without this a truncated download would fail (or read garbage) mid-generation.
 pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
+    checked_map(path).map(drop)
+}
+
+/// [`validate_safetensors`], then what the file's tensors take once loaded on `backend`
+/// ([`resident_bytes`]).
+fn validated_resident_bytes(path: &Path, backend: Backend) -> Result<u64> {
+    let map = checked_map(path)?;
+    resident_bytes(&map, backend).map_err(|message| EngineError::CorruptWeights {
+        path: path.to_path_buf(),
+        message,
+    })
+}
+
+/// The file mapped read-only, its header checked ([`check_safetensors_header`]).
+fn checked_map(path: &Path) -> Result<memmap2::Mmap> {
     let file = File::open(path).map_err(|source| EngineError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    // SAFETY: the map is read-only and dropped before returning; a concurrent truncation by another
+    // SAFETY: the map is read-only and dropped by the caller; a concurrent truncation by another
     // process could fault, as with any reader of a file being rewritten.
     let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io {
         path: path.to_path_buf(),
@@ -264,7 +284,8 @@ pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
     check_safetensors_header(&map).map_err(|message| EngineError::CorruptWeights {
         path: path.to_path_buf(),
         message,
-    })
+    })?;
+    Ok(map)
 }
 
 /// The check [`Weights::load`] makes on every weight file, on the file's bytes: a well-formed
@@ -276,10 +297,42 @@ pub fn check_safetensors_header(bytes: &[u8]) -> std::result::Result<(), String>
         .map_err(|e| e.to_string())
 }
 
+/// Bytes the tensors of a safetensors file (`bytes`, its header checked) take once loaded on
+/// `backend`: floating-point tensors in the backend's compute dtype
+/// ([`Backend::compute_dtype`]: float32 on CPU, twice a bfloat16 file's size), except those
+/// [`Weights::load`] keeps as stored (`A_log`); the others (packed quantized weights, integer
+/// tables) as stored.
+fn resident_bytes(bytes: &[u8], backend: Backend) -> std::result::Result<u64, String> {
+    use safetensors::Dtype as Stored;
+    let (_, metadata) =
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
+    let mut total = 0u64;
+    for (name, info) in metadata.tensors() {
+        let elements = info.shape.iter().map(|&d| d as u64).product::<u64>();
+        let stored = (info.data_offsets.1 - info.data_offsets.0) as u64;
+        let float = match info.dtype {
+            Stored::F16 => Some(Dtype::Float16),
+            Stored::BF16 => Some(Dtype::Bfloat16),
+            Stored::F32 => Some(Dtype::Float32),
+            _ => None,
+        };
+        total += match float {
+            Some(dtype) if !name.ends_with("A_log") => {
+                let width = match backend.compute_dtype(dtype) {
+                    Dtype::Float32 => 4,
+                    _ => 2,
+                };
+                elements * width
+            }
+            _ => stored,
+        };
+    }
+    Ok(total)
+}
+
 /// Refuses to read `bytes` of weights that the process's memory cannot hold
-/// ([`crate::memory::available`]): the files' size is what the tensors take at least (casts
-/// and dense copies come on top). On CUDA the weights live in the GPU's own memory, which this
-/// does not judge.
+/// ([`crate::memory::available`]): what the tensors take once cast ([`resident_bytes`]). On
+/// CUDA the weights live in the GPU's own memory, which this does not judge.
 fn check_room(model_dir: &Path, bytes: u64, backend: Backend) -> Result<()> {
     let Some(available) = crate::memory::available_for(backend) else {
         return Ok(());
@@ -343,5 +396,47 @@ mod tests {
                 model.join("model-00002-of-00002.safetensors")
             ]
         );
+    }
+
+    /// The load's memory check counts floating-point tensors in the backend's compute dtype
+    /// (float32 on CPU: twice a bfloat16 file's bytes), `A_log` and packed integers as stored.
+    #[test]
+    fn resident_bytes_count_the_cast_to_the_compute_dtype() {
+        use safetensors::tensor::TensorView;
+        use safetensors::Dtype as Stored;
+        let bf16 = vec![0u8; 2 * 100];
+        let packed = vec![0u8; 4 * 64];
+        let decay = vec![0u8; 2 * 8];
+        let f32 = vec![0u8; 4 * 10];
+        let tensors = [
+            (
+                "embed.weight",
+                TensorView::new(Stored::BF16, vec![10, 10], &bf16).unwrap(),
+            ),
+            (
+                "proj.weight",
+                TensorView::new(Stored::U32, vec![8, 8], &packed).unwrap(),
+            ),
+            (
+                "mixer.A_log",
+                TensorView::new(Stored::BF16, vec![8], &decay).unwrap(),
+            ),
+            (
+                "norm.weight",
+                TensorView::new(Stored::F32, vec![10], &f32).unwrap(),
+            ),
+        ];
+        let bytes = safetensors::serialize(tensors, None).unwrap();
+        // CPU: 100 floats at 4 bytes, 256 packed bytes, A_log's 16 as stored, 10 floats at 4.
+        assert_eq!(
+            resident_bytes(&bytes, Backend::Cpu),
+            Ok(400 + 256 + 16 + 40)
+        );
+        // GPUs keep bfloat16 and make float32 bfloat16.
+        assert_eq!(
+            resident_bytes(&bytes, Backend::Cuda),
+            Ok(200 + 256 + 16 + 20)
+        );
+        assert!(resident_bytes(&bytes[..bytes.len() / 2], Backend::Cpu).is_err());
     }
 }
