@@ -460,9 +460,7 @@ mod tests {
 
     use super::{backend, computes, CoreInputs, CoreWeights};
 
-    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
-        mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
-    }
+    use crate::nn::custom_kernel::zeros;
 
     /// Arrays of a core with `hk` key heads of `dk`, `hv` value heads of `dv` and `taps` taps
     /// (2 rows, 5 tokens, bfloat16).

@@ -266,3 +266,43 @@ pub(crate) fn time_call(f: &dyn Fn() -> crate::Result<Array>) -> crate::Result<f
     }
     Ok(start.elapsed().as_secs_f64() * 1e3 / 20.0)
 }
+
+/// The largest `|a − b|` over two arrays of one shape, compared in float32 (the device checks).
+pub(crate) fn max_abs_error(a: &Array, b: &Array) -> crate::Result<f32> {
+    let f32 = |x: &Array| x.as_dtype(Dtype::Float32);
+    Ok(
+        mlx_rs::ops::abs(&mlx_rs::ops::subtract(&f32(a)?, &f32(b)?)?)?
+            .max(None)?
+            .item_exact::<f32>(),
+    )
+}
+
+/// One unit in the last place relative to 1 in `dtype` (float32: 1e-5, for sums reduced in
+/// another order): a device check's tolerance is a few of these times its largest output.
+pub(crate) fn unit_in_last_place(dtype: Dtype) -> f32 {
+    match dtype {
+        Dtype::Float32 => 1e-5,
+        Dtype::Float16 => 2f32.powi(-10),
+        _ => 2f32.powi(-7),
+    }
+}
+
+/// A device check's case `line` as its report, or the kernel's error when `error` is NaN or
+/// past `tolerance`.
+pub(crate) fn judged(
+    kernel: &str,
+    line: String,
+    error: f32,
+    tolerance: f32,
+) -> crate::Result<String> {
+    if error.is_nan() || error > tolerance {
+        return Err(crate::EngineError::Kernel(format!("{kernel}: {line}")));
+    }
+    Ok(line)
+}
+
+/// Zeros of `shape` and `dtype` (the kernels' unit tests of what they take).
+#[cfg(test)]
+pub(crate) fn zeros(shape: &[i32], dtype: Dtype) -> Array {
+    mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
+}

@@ -1063,9 +1063,7 @@ mod tests {
     use super::{affine, backend, route, Epilogue, Normalize, Operands, MXFP4};
     use crate::nn::layers::Activation;
 
-    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
-        mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
-    }
+    use crate::nn::custom_kernel::zeros;
 
     /// The operands of one product as the experts give them: `tokens` tokens of `k` experts,
     /// `x` a row per token (`[tokens, 1, 1, in]`) or per pair (`[tokens, k, 1, in]`), `(in, out)`

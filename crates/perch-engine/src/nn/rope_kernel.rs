@@ -24,7 +24,9 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use crate::device::Backend;
-use crate::nn::custom_kernel::{time_call, CustomKernel, TemplateArg};
+use crate::nn::custom_kernel::{
+    judged, max_abs_error, time_call, unit_in_last_place, CustomKernel, TemplateArg,
+};
 
 const SOURCE: &str = r#"
   const int head = blockIdx.x;
@@ -315,24 +317,14 @@ pub fn check() -> crate::Result<Vec<String>> {
         };
         let expected_queries = reference(part(0, heads)?, &q_weight)?;
         let expected_keys = reference(part(heads, heads + kv_heads)?, &k_weight)?;
-        let f32 = |a: &Array| a.as_dtype(Dtype::Float32);
-        let max_error = |a: &Array, b: &Array| -> crate::Result<f32> {
-            Ok(ops::abs(&ops::subtract(&f32(a)?, &f32(b)?)?)?
-                .max(None)?
-                .item_exact::<f32>())
-        };
-        let error = max_error(&queries, &expected_queries)?.max(max_error(&keys, &expected_keys)?);
+        let error =
+            max_abs_error(&queries, &expected_queries)?.max(max_abs_error(&keys, &expected_keys)?);
         // A unit or two in the last place of the largest output (cos and sin of large angles
         // may round differently).
-        let largest = ops::abs(&f32(&expected_queries)?)?
+        let largest = ops::abs(&expected_queries.as_dtype(Dtype::Float32)?)?
             .max(None)?
             .item_exact::<f32>();
-        let ulp = match dtype {
-            Dtype::Float32 => 1e-5,
-            Dtype::Float16 => 2f32.powi(-10),
-            _ => 2f32.powi(-7),
-        };
-        let tolerance = 2.0 * largest * ulp;
+        let tolerance = 2.0 * largest * unit_in_last_place(dtype);
         let kernel_ms = time_call(&|| Ok(run()?.0))?;
         let mlx_ms = time_call(&|| {
             let q = reference(part(0, heads)?, &q_weight)?;
@@ -345,25 +337,18 @@ pub fn check() -> crate::Result<Vec<String>> {
              (tolerance {tolerance:.1e}); {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3} \
              (with two sums)"
         );
-        if error.is_nan() || error > tolerance {
-            return Err(crate::EngineError::Kernel(format!(
-                "norm and RoPE kernel: {line}"
-            )));
-        }
-        lines.push(line);
+        lines.push(judged("norm and RoPE kernel", line, error, tolerance)?);
     }
     Ok(lines)
 }
 
 #[cfg(test)]
 mod tests {
-    use mlx_rs::{Array, Dtype};
+    use mlx_rs::Dtype;
 
     use super::{computes, RopeSpec};
 
-    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
-        mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
-    }
+    use crate::nn::custom_kernel::zeros;
 
     /// Taken only for one token a row of the fused projection's layout, whole warps of
     /// features, matching norms and int32 positions.
