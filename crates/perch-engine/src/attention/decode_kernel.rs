@@ -250,8 +250,8 @@ const COMBINE: &str = r#"
 
 /// Whether [`masked_decode_attention`] computes this attention: one query per row, keys and
 /// values of one head size (a multiple of 32 up to 256) in the queries' float dtype, a
-/// boolean mask `[rows or 1, heads or 1, 1, positions]`, attention sinks (if any) `[heads]` of a
-/// float dtype, and whole heads of queries per key head.
+/// boolean mask `[rows or 1, heads or 1, 1, positions]`, attention sinks (if any) `[heads]` in
+/// the queries' dtype, and whole heads of queries per key head.
 pub fn computes(
     queries: &Array,
     keys: &Array,
@@ -284,10 +284,9 @@ pub fn computes(
         && (m[1] == 1 || m[1] == q[1])
         && m[2] == 1
         && m[3] == k[2]
-        && sinks.is_none_or(|s| {
-            s.shape() == [q[1]]
-                && matches!(s.dtype(), Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32)
-        })
+        // Sinks in the queries' dtype: MLX keys a compiled kernel by its name and template
+        // arguments, not its inputs' dtypes.
+        && sinks.is_none_or(|s| s.shape() == [q[1]] && s.dtype() == queries.dtype())
 }
 
 /// [`computes`] up to [`max_positions`] positions: where the engine reads through the kernel.
@@ -304,7 +303,7 @@ pub fn applies(
 /// What replaces `/*SINK*/` without attention sinks: nothing joins the softmax.
 const NO_SINK: &str = "const float sink_weight = 0.0f;";
 
-/// What replaces `/*SINK*/` with attention sinks (`sinks`, `[heads]`, any float dtype): the
+/// What replaces `/*SINK*/` with attention sinks (`sinks`, `[heads]`, the queries' dtype): the
 /// head's sink joins the softmax as one more score without a value, so it raises the maximum
 /// and the denominator only (MLX's `scaled_dot_product_attention` with `sinks`: one more column
 /// of scores, softmaxed with the others and dropped before the weighted sum).
@@ -667,6 +666,13 @@ mod tests {
         assert!(!applies(&q, &kv, &kv, &zeros(&[4, 1, 1, 512], bf), None));
         assert!(!applies(&q, &kv, &kv, &mask, Some(&zeros(&[2], bf))));
         assert!(!applies(&q, &kv, &kv, &mask, Some(&zeros(&[1, 8], bf))));
+        assert!(!applies(
+            &q,
+            &kv,
+            &kv,
+            &mask,
+            Some(&zeros(&[8], Dtype::Float32))
+        ));
         assert!(!applies(
             &q,
             &kv,

@@ -717,8 +717,14 @@ impl Attention {
             scale: rope.scale,
             freqs: rope.freqs.as_ref(),
         };
-        let all = proj.forward(x)?.reshape(&[batch, 1, nq + 2 * nkv, hd])?;
         let weights = norms.map(|(q, k, _)| (q, k));
+        let shape = [batch, 1, nq + 2 * nkv, hd];
+        // Judged before the projection is built (so a layer the kernel does not take builds it
+        // once), and again on it (its dtype could differ from the input's).
+        if !rope_kernel::takes((&shape, x.dtype()), (nq, nkv), weights, offsets, &spec) {
+            return Ok(None);
+        }
+        let all = proj.forward(x)?.reshape(&shape)?;
         if !rope_kernel::computes(&all, (nq, nkv), weights, offsets, &spec) {
             return Ok(None);
         }

@@ -3,8 +3,10 @@
 //! (NVRTC on CUDA, the Metal compiler on Metal; cached per process), launches it as one node of
 //! its graph, and traces it into compiled steps like any op. Used by
 //! [`crate::attention::decode_kernel`] (CUDA, where MLX 0.32.2's CUDA backend has no fused
-//! kernel), [`crate::attention::gated_delta_kernel`] (CUDA and Metal) and
-//! [`crate::nn::expert_kernel`] (CUDA).
+//! kernel), [`crate::attention::gated_delta_kernel`] (CUDA and Metal),
+//! [`crate::nn::expert_kernel`], [`crate::nn::norm_kernel`] and [`crate::nn::rope_kernel`]
+//! (CUDA). MLX caches a compiled kernel by its name and template arguments, so an input whose
+//! dtype is not fixed by a template argument must have one dtype per kernel name.
 
 use std::ffi::{CStr, CString};
 

@@ -1,7 +1,7 @@
 //! A decode step's queries and keys, normed and rotated, in one CUDA kernel ([`norm_rope`]),
 //! written with MLX's custom-kernel API ([`crate::nn::custom_kernel`]): from the fused query,
 //! key and value projection's output, each query and key head's RMS norm (when the model has
-//! query and key norms, as Qwen3 and Qwen3.5 do) and its rotary embedding at its row's
+//! query and key norms per head, as Qwen3 and Qwen3-MoE do) and its rotary embedding at its row's
 //! position — what MLX runs as four launches a layer (two `fast::rms_norm`, two
 //! `fast::rope`), or two without norms (Llama).
 //!
@@ -114,11 +114,18 @@ pub fn computes(
     offsets: &Array,
     rope: &RopeSpec,
 ) -> bool {
-    let s = qkv.shape();
-    let float = matches!(
-        qkv.dtype(),
-        Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32
-    );
+    takes((qkv.shape(), qkv.dtype()), heads, norms, offsets, rope)
+}
+
+/// [`computes`] for a `qkv` of this shape and dtype, before it is built.
+pub fn takes(
+    (s, dtype): (&[i32], Dtype),
+    heads: (i32, i32),
+    norms: Option<(&Array, &Array)>,
+    offsets: &Array,
+    rope: &RopeSpec,
+) -> bool {
+    let float = matches!(dtype, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
     float
         && s.len() == 4
         && s[1] == 1
@@ -133,10 +140,7 @@ pub fn computes(
         && rope.dims % 2 == 0
         && rope.dims <= s[3]
         && norms.is_none_or(|(q, k)| {
-            q.shape() == [s[3]]
-                && k.shape() == [s[3]]
-                && q.dtype() == qkv.dtype()
-                && k.dtype() == qkv.dtype()
+            q.shape() == [s[3]] && k.shape() == [s[3]] && q.dtype() == dtype && k.dtype() == dtype
         })
         && rope
             .freqs
