@@ -378,12 +378,16 @@ fn admissions_fit_the_memory_headroom() {
     assert_eq!(run(room(8 * row), 6), 4);
     assert_eq!(run(None, 4), 4);
 
-    // Nothing runs and one request does not fit: it waits for a reading, then is refused.
+    // Nothing runs and one request does not fit: it waits for a fresh reading, then (the
+    // prefix cache dropped) for another, then is refused.
     let mut batch = new_batch(2);
     batch.set_memory_headroom(room(2 * row - 1));
-    assert!(batch.step().unwrap().is_empty());
-    assert_eq!((batch.num_running(), batch.num_waiting()), (0, 2));
-    batch.set_memory_headroom(room(2 * row - 1));
+    for _ in 0..2 {
+        assert!(batch.step().unwrap().is_empty());
+        assert!(batch.awaits_memory_reading());
+        assert_eq!((batch.num_running(), batch.num_waiting()), (0, 2));
+        batch.set_memory_headroom(room(2 * row - 1));
+    }
     let events = batch.step().unwrap();
     let refused: Vec<String> = events
         .iter()
@@ -404,6 +408,24 @@ fn admissions_fit_the_memory_headroom() {
     batch.set_memory_headroom(room(2 * row));
     batch.step().unwrap();
     assert_eq!(batch.num_running(), 1);
+
+    // A reading too low for the next request alone, as one taken while others still ran, drops
+    // nothing: the request waits for a fresh reading and runs at it, the prefix cache kept.
+    let mut batch = new_batch(0);
+    batch.insert(request((100..120).collect(), 4)).unwrap();
+    while !batch.is_empty() {
+        batch.step().unwrap();
+    }
+    let cached = batch.kv_stats().blocks_cached_free;
+    assert!(cached > 0, "the first request's blocks stay cached");
+    batch.insert(request(vec![1, 700, 701], 4)).unwrap();
+    batch.set_memory_headroom(room(2 * row - 1));
+    assert!(batch.step().unwrap().is_empty());
+    assert!(batch.awaits_memory_reading());
+    batch.set_memory_headroom(room(2 * row));
+    batch.step().unwrap();
+    assert_eq!(batch.num_running(), 1);
+    assert_eq!(batch.kv_stats().blocks_cached_free, cached);
 }
 
 /// A sequence preempted after streaming tokens that then cannot come back for memory ends

@@ -329,6 +329,24 @@ impl Sequence {
     }
 }
 
+/// A waiting request that does not fit the memory left with nothing running, being judged at
+/// the readings after ([`BatchGenerator::relieve_or_refuse`]).
+#[derive(Clone, Copy, Debug)]
+struct Relief {
+    request: RequestId,
+    stage: ReliefStage,
+    /// Memory was read since the stage began.
+    read: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ReliefStage {
+    /// Waits for a fresh reading; nothing dropped yet.
+    Fresh,
+    /// The prefix cache was dropped and freed memory given back.
+    Relieved,
+}
+
 /// Runs many requests over one model, one step at a time.
 pub struct BatchGenerator<'m> {
     model: &'m dyn Model,
@@ -341,10 +359,9 @@ pub struct BatchGenerator<'m> {
     admissions_held: bool,
     /// See [`BatchGenerator::set_memory_headroom`].
     memory_headroom: Option<crate::memory::Available>,
-    /// The waiting request that did not fit with nothing running, for which the prefix cache
-    /// was dropped and freed memory given back, and whether memory was read since: then it is
-    /// refused if it still does not fit.
-    relieved_for: Option<(RequestId, bool)>,
+    /// The waiting request that did not fit with nothing running, how far it has been judged,
+    /// and whether memory was read since ([`BatchGenerator::relieve_or_refuse`]).
+    relief: Option<Relief>,
     /// A slot cache row's bytes per position ([`kv_bytes_per_token`]).
     row_bytes_per_position: usize,
     kv: KvCacheManager,
@@ -414,7 +431,7 @@ impl<'m> BatchGenerator<'m> {
             idle_warm_ups: VecDeque::new(),
             admissions_held: false,
             memory_headroom: None,
-            relieved_for: None,
+            relief: None,
             row_bytes_per_position,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
@@ -669,13 +686,14 @@ impl<'m> BatchGenerator<'m> {
     /// no guard): waiting requests are admitted, front first, only while the KV memory they
     /// add fits it ([`BatchGenerator::admission_growth`]), and each admission's growth is
     /// taken off it until the next reading. When nothing runs and the first waiting request
-    /// does not fit, the prefix cache is dropped and freed memory given back; if it still does
-    /// not fit at the next reading, it is refused ([`BatchEvent::Refused`],
-    /// [`EngineError::PromptOutOfMemory`]) rather than run into the memory limit.
+    /// does not fit at a fresh reading, the prefix cache is dropped and freed memory given
+    /// back; if it still does not fit at the next reading, it is refused
+    /// ([`BatchEvent::Refused`], [`EngineError::PromptOutOfMemory`]) rather than run into the
+    /// memory limit.
     pub fn set_memory_headroom(&mut self, headroom: Option<crate::memory::Available>) {
         self.memory_headroom = headroom;
-        if let Some((_, read)) = &mut self.relieved_for {
-            *read = true;
+        if let Some(relief) = &mut self.relief {
+            relief.read = true;
         }
     }
 
@@ -683,7 +701,7 @@ impl<'m> BatchGenerator<'m> {
     /// ([`BatchGenerator::set_memory_headroom`]): the engine then reads memory at once rather
     /// than stepping an idle batch until its next reading.
     pub fn awaits_memory_reading(&self) -> bool {
-        matches!(self.relieved_for, Some((_, false)))
+        self.relief.is_some_and(|relief| !relief.read)
     }
 
     /// The bytes of KV memory added if the first 1, 2, … `room` waiting requests are admitted
@@ -937,7 +955,7 @@ impl<'m> BatchGenerator<'m> {
                         }
                     }
                     if !plan.admitted.is_empty() {
-                        self.relieved_for = None;
+                        self.relief = None;
                     }
                     return Ok(plan);
                 }
@@ -959,44 +977,57 @@ impl<'m> BatchGenerator<'m> {
     }
 
     /// Nothing runs and the first waiting request's KV memory (`needed` bytes) does not fit
-    /// `headroom`: the first time, drops the prefix cache and gives freed memory back, and the
-    /// request waits for the next reading; if it still does not fit then, it leaves the queue
-    /// (returns true): refused, or, when it was preempted after streaming tokens, finished
-    /// with what it has (`length`, as a sequence the pool cannot hold ends), so a client keeps
-    /// the text it was sent.
+    /// `headroom`. It is judged at readings taken after this: first at a fresh one (the
+    /// headroom may have been read while others still ran); if it does not fit that either, the
+    /// prefix cache is dropped and freed memory given back; if it still does not fit at the
+    /// reading after, it leaves the queue (returns true): refused, or, when it was preempted
+    /// after streaming tokens, finished with what it has (`length`, as a sequence the pool
+    /// cannot hold ends), so a client keeps the text it was sent.
     fn relieve_or_refuse(
         &mut self,
         needed: usize,
         headroom: crate::memory::Available,
         events: &mut Vec<BatchEvent>,
     ) -> Result<bool> {
-        let front = self.waiting.front().map(|seq| seq.id);
-        match self.relieved_for {
-            Some((id, true)) if Some(id) == front => {
-                let seq = self.waiting.pop_front().expect("the first waiting request");
-                self.relieved_for = None;
-                if seq.sink.generated > 0 {
-                    self.finish(seq, events)?;
-                } else {
-                    events.push(BatchEvent::Refused {
-                        request: seq.id,
-                        error: EngineError::PromptOutOfMemory {
-                            prompt_tokens: seq.request.prompt.len(),
-                            needed: needed as u64,
-                            available: headroom,
-                        },
-                    });
-                }
-                Ok(true)
-            }
-            Some((id, false)) if Some(id) == front => Ok(false),
-            _ => {
+        let Some(front) = self.waiting.front().map(|seq| seq.id) else {
+            return Ok(false);
+        };
+        let stage = self
+            .relief
+            .filter(|relief| relief.request == front)
+            .map(|relief| (relief.stage, relief.read));
+        let (next, leaves) = match stage {
+            Some((_, false)) => return Ok(false),
+            None => (Some(ReliefStage::Fresh), false),
+            Some((ReliefStage::Fresh, true)) => {
                 self.reset_prefix_cache();
                 crate::device::release_freed_memory();
-                self.relieved_for = front.map(|id| (id, false));
-                Ok(false)
+                (Some(ReliefStage::Relieved), false)
             }
+            Some((ReliefStage::Relieved, true)) => (None, true),
+        };
+        self.relief = next.map(|stage| Relief {
+            request: front,
+            stage,
+            read: false,
+        });
+        if !leaves {
+            return Ok(false);
         }
+        let seq = self.waiting.pop_front().expect("the first waiting request");
+        if seq.sink.generated > 0 {
+            self.finish(seq, events)?;
+        } else {
+            events.push(BatchEvent::Refused {
+                request: seq.id,
+                error: EngineError::PromptOutOfMemory {
+                    prompt_tokens: seq.request.prompt.len(),
+                    needed: needed as u64,
+                    available: headroom,
+                },
+            });
+        }
+        Ok(true)
     }
 
     /// Runs a decode step of every row bucket up to `max_running` on scratch caches, so that a
