@@ -171,6 +171,9 @@ fn swap_wired_limit(bytes: usize) -> Option<usize> {
 /// info holds only its name and architecture).
 pub fn device_info_size(key: &str) -> Option<usize> {
     let key = std::ffi::CString::new(key).ok()?;
+    // Through mlx-rs first, which installs its error handler (mlx-c's own exits the process
+    // on an error).
+    Device::try_default().ok()?;
     // SAFETY: the device and info objects are made and freed here; `value` is written by mlx-c
     // only on success.
     unsafe {
@@ -215,7 +218,9 @@ impl WiredLimit {
 impl Drop for WiredLimit {
     fn drop(&mut self) {
         if let Some(previous) = self.previous.take() {
-            // Dropped after serving ends: nothing is running on the device.
+            // As mlx_lm does, never changed while the device still runs work of the model's
+            // (a step dispatched and never read, copies under way).
+            let _ = crate::nn::mlx_ext::synchronize();
             if mlx_rs::memory::set_wired_limit(previous).is_ok() {
                 WIRED_LIMIT.store(previous, Ordering::Relaxed);
             }

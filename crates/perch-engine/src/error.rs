@@ -37,6 +37,9 @@ pub enum EngineError {
         prompt_tokens: usize,
         needed: u64,
         available: crate::memory::Available,
+        /// `needed` is more than the engine had with the model loaded and nothing else running
+        /// ([`crate::memory::PressureGuard::capacity`]): retrying the prompt cannot help.
+        beyond_capacity: bool,
     },
     #[error("{path} is not a valid model config: {message}")]
     Config { path: PathBuf, message: String },
@@ -120,12 +123,13 @@ impl EngineError {
             EngineError::PromptTooLong { .. } | EngineError::KvCacheTooSmall { .. } => {
                 ErrorKind::ContextLengthExceeded
             }
-            // Refused with nothing running and the prefix cache dropped: with some memory left,
-            // the prompt is what does not fit (retrying it cannot help; a shorter one may fit);
-            // with none, the machine is at its floor and may recover.
-            EngineError::PromptOutOfMemory { available, .. } if available.bytes > 0 => {
-                ErrorKind::ContextLengthExceeded
-            }
+            // More than the engine had at load with nothing else running: the prompt is what
+            // does not fit (retrying it cannot help; a shorter one may fit). Otherwise memory
+            // held elsewhere (other apps, requests beside the batch) may come back.
+            EngineError::PromptOutOfMemory {
+                beyond_capacity: true,
+                ..
+            } => ErrorKind::ContextLengthExceeded,
             EngineError::EmptyPrompt
             | EngineError::TokenOutOfVocabulary { .. }
             | EngineError::InvalidSampling(_)
@@ -174,14 +178,16 @@ impl EngineError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorKind {
-    /// The prompt, with one token to generate, does not fit the model's context or the KV cache
-    /// budget (OpenAI's `context_length_exceeded`).
+    /// The prompt, with one token to generate, does not fit the model's context, the KV cache
+    /// budget, or the memory the engine had once the model loaded (OpenAI's
+    /// `context_length_exceeded`).
     ContextLengthExceeded,
     /// The request itself is wrong: an empty prompt, a token outside the vocabulary, invalid
     /// sampling or KV settings, a response format that does not compile, a chat template or
     /// prompt-cache file that fails.
     InvalidRequest,
-    /// The engine already holds as many requests as it queues; retry shortly.
+    /// The engine already holds as many requests as it queues, or the memory a prompt needs is
+    /// held for now; retry shortly.
     Overloaded,
     /// The request was cancelled.
     Cancelled,
@@ -239,22 +245,21 @@ mod tests {
     use super::{EngineError, ErrorKind};
     use crate::memory::{Available, MemoryBound};
 
-    /// A prompt refused for memory with some left is the prompt's fault (a client error that
-    /// retrying cannot mend); with none left, the server is overloaded and may recover.
+    /// A prompt refused for memory beyond what the engine had at load is the prompt's fault (a
+    /// client error that retrying cannot mend); within it, the server is overloaded and may
+    /// recover.
     #[test]
-    fn a_prompt_out_of_memory_is_a_client_error_unless_nothing_is_left() {
-        let refused = |bytes| EngineError::PromptOutOfMemory {
+    fn a_prompt_out_of_memory_is_a_client_error_only_beyond_the_capacity() {
+        let refused = |beyond_capacity| EngineError::PromptOutOfMemory {
             prompt_tokens: 1241,
             needed: 174_000_000,
             available: Available {
-                bytes,
+                bytes: 173_000_000,
                 bound: MemoryBound::Cgroup,
             },
+            beyond_capacity,
         };
-        assert_eq!(
-            refused(173_000_000).kind(),
-            ErrorKind::ContextLengthExceeded
-        );
-        assert_eq!(refused(0).kind(), ErrorKind::Overloaded);
+        assert_eq!(refused(true).kind(), ErrorKind::ContextLengthExceeded);
+        assert_eq!(refused(false).kind(), ErrorKind::Overloaded);
     }
 }

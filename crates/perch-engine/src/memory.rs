@@ -249,6 +249,8 @@ pub fn cache_limit_within(available: u64) -> usize {
 /// growing into the OOM killer. Reads the memory at most every [`PressureGuard::INTERVAL`].
 #[derive(Debug)]
 pub struct PressureGuard {
+    /// What was available once the model loaded.
+    available_after_load: u64,
     floor: u64,
     /// The process's memory cgroups, found once.
     cgroups: Vec<(PathBuf, CgroupVersion)>,
@@ -269,6 +271,7 @@ impl PressureGuard {
     /// A guard for an engine that had `available_after_load` bytes left once its model loaded.
     pub fn new(available_after_load: u64) -> Self {
         Self {
+            available_after_load,
             floor: ((available_after_load as f64 * Self::FLOOR_SHARE) as u64).max(Self::MIN_FLOOR),
             cgroups: memory_cgroups(),
             checked: None,
@@ -296,6 +299,13 @@ impl PressureGuard {
     /// reading (after memory was given back, to judge on what is left now).
     pub fn read_again(&mut self) {
         self.checked = None;
+    }
+
+    /// What the engine had above the floor once its model loaded, with nothing else running:
+    /// more than this no request can take however long it waits (unless other processes
+    /// give memory back).
+    pub fn capacity(&self) -> u64 {
+        self.available_after_load.saturating_sub(self.floor)
     }
 
     /// What the last reading had above the floor (and what bounded it): what the engine may

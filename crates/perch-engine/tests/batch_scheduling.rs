@@ -382,6 +382,9 @@ fn admissions_fit_the_memory_headroom() {
     // prefix cache dropped) for another, then is refused.
     let mut batch = new_batch(2);
     batch.set_memory_headroom(room(2 * row - 1));
+    // As much as the engine had at load: more would never come, so the refusal is the
+    // prompt's (a client error).
+    batch.set_memory_capacity(Some(2 * row as u64 - 1));
     for _ in 0..2 {
         assert!(batch.step().unwrap().is_empty());
         assert!(batch.awaits_memory_reading());
@@ -392,7 +395,13 @@ fn admissions_fit_the_memory_headroom() {
     let refused: Vec<String> = events
         .iter()
         .filter_map(|event| match event {
-            perch_engine::testing::BatchEvent::Refused { error, .. } => Some(error.to_string()),
+            perch_engine::testing::BatchEvent::Refused { error, .. } => {
+                assert_eq!(
+                    error.kind(),
+                    perch_engine::api::ErrorKind::ContextLengthExceeded
+                );
+                Some(error.to_string())
+            }
             _ => None,
         })
         .collect();
@@ -483,8 +492,19 @@ fn a_preempted_sequence_that_no_longer_fits_finishes_with_its_tokens() {
         generated.iter().any(|&n| (1..30).contains(&n)),
         "{generated:?}"
     );
-    for (_, output) in &finished {
+    for (request, output) in &finished {
         assert_eq!(output.finish_reason, FinishReason::Length);
+        // What was streamed is the output's text: nothing repeated or dropped.
+        let streamed: String = events
+            .iter()
+            .filter_map(|e| match e {
+                BatchEvent::Token { request: r, event } if r == request => {
+                    Some(event.text.as_str())
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(streamed, output.text);
     }
 }
 

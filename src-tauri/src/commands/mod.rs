@@ -29,9 +29,11 @@ pub enum CommandErrorKind {
     /// The chosen model cannot be loaded: missing or damaged files, a config Perch cannot
     /// read, an architecture it does not run.
     InvalidModel,
-    /// The conversation does not fit the model's context or KV cache.
+    /// The conversation does not fit the model's context, its KV cache, or the memory the
+    /// model left.
     ContextLengthExceeded,
-    /// The engine holds as many requests as it takes; try again shortly.
+    /// The engine holds as many requests as it takes, or the memory a request needs is held for
+    /// now; try again shortly.
     Overloaded,
     /// The Hugging Face Hub could not be reached or answered with an error.
     Network,

@@ -359,6 +359,8 @@ pub struct BatchGenerator<'m> {
     admissions_held: bool,
     /// See [`BatchGenerator::set_memory_headroom`].
     memory_headroom: Option<crate::memory::Available>,
+    /// See [`BatchGenerator::set_memory_capacity`].
+    memory_capacity: Option<u64>,
     /// The waiting request that did not fit with nothing running, how far it has been judged,
     /// and whether memory was read since ([`BatchGenerator::relieve_or_refuse`]).
     relief: Option<Relief>,
@@ -431,6 +433,7 @@ impl<'m> BatchGenerator<'m> {
             idle_warm_ups: VecDeque::new(),
             admissions_held: false,
             memory_headroom: None,
+            memory_capacity: None,
             relief: None,
             row_bytes_per_position,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
@@ -695,6 +698,14 @@ impl<'m> BatchGenerator<'m> {
         if let Some(relief) = &mut self.relief {
             relief.read = true;
         }
+    }
+
+    /// What the engine had above the memory floor once the model loaded, when nothing else
+    /// holds memory beside the batch (`None` otherwise, or where nothing is read): a request
+    /// refused for memory that needs more than this is told so as a client error
+    /// ([`EngineError::PromptOutOfMemory`]'s `beyond_capacity`), others as an overload.
+    pub fn set_memory_capacity(&mut self, capacity: Option<u64>) {
+        self.memory_capacity = capacity;
     }
 
     /// Whether a waiting request is judged at the next memory reading
@@ -1024,6 +1035,9 @@ impl<'m> BatchGenerator<'m> {
                     prompt_tokens: seq.request.prompt.len(),
                     needed: needed as u64,
                     available: headroom,
+                    beyond_capacity: self
+                        .memory_capacity
+                        .is_some_and(|capacity| needed as u64 > capacity),
                 },
             });
         }

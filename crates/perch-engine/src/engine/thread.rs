@@ -442,7 +442,12 @@ impl EngineThread {
                 &mut ready,
             );
             match ended {
-                Ended::Stopped => return,
+                Ended::Stopped => {
+                    // The model first, then the wired limit it was held under.
+                    drop(model);
+                    drop(wired);
+                    return;
+                }
                 Ended::Idle => {
                     drop(model);
                     drop(wired);
@@ -585,6 +590,9 @@ impl Pass<'_> {
         }
         if fresh {
             batch.set_memory_headroom(Some(guard.headroom()));
+            // Requests beside the batch (speculative, late-quantized) hold memory that comes
+            // back: no refusal is then beyond what the engine can ever give.
+            batch.set_memory_capacity(self.solo.is_empty().then(|| guard.capacity()));
         }
         batch.hold_admissions(low);
     }

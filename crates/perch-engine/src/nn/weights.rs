@@ -64,11 +64,14 @@ impl Weights {
         };
         // Every header is checked, and what the tensors take once cast counted, before any
         // tensor is read.
-        let mut resident = 0;
+        // The peak: everything kept, and the largest tensor's stored copy while it is cast.
+        let (mut resident, mut largest_cast) = (0, 0);
         for file in &files {
-            resident += validated_resident_bytes(file, backend)?;
+            let (kept, cast) = validated_resident_bytes(file, backend)?;
+            resident += kept;
+            largest_cast = largest_cast.max(cast);
         }
-        check_room(model_dir, resident, backend)?;
+        check_room(model_dir, resident + largest_cast, backend)?;
         progress(report);
         let mut files_done = 0;
         for (file, size) in files.iter().zip(sizes) {
@@ -259,9 +262,9 @@ pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
     checked_map(path).map(drop)
 }
 
-/// [`validate_safetensors`], then what the file's tensors take once loaded on `backend`
-/// ([`resident_bytes`]).
-fn validated_resident_bytes(path: &Path, backend: Backend) -> Result<u64> {
+/// [`validate_safetensors`], then what the file's tensors take once loaded on `backend` and
+/// its largest cast tensor's stored bytes ([`resident_bytes`]).
+fn validated_resident_bytes(path: &Path, backend: Backend) -> Result<(u64, u64)> {
     let map = checked_map(path)?;
     resident_bytes(&map, backend).map_err(|message| EngineError::CorruptWeights {
         path: path.to_path_buf(),
@@ -301,12 +304,13 @@ pub fn check_safetensors_header(bytes: &[u8]) -> std::result::Result<(), String>
 /// `backend`: floating-point tensors in the backend's compute dtype
 /// ([`Backend::compute_dtype`]: float32 on CPU, twice a bfloat16 file's size), except those
 /// [`Weights::load`] keeps as stored (`A_log`); the others (packed quantized weights, integer
-/// tables) as stored.
-fn resident_bytes(bytes: &[u8], backend: Backend) -> std::result::Result<u64, String> {
+/// tables) as stored. Also the stored bytes of its largest tensor that is cast: while it is,
+/// both copies are held (the load's peak beyond what stays).
+fn resident_bytes(bytes: &[u8], backend: Backend) -> std::result::Result<(u64, u64), String> {
     use safetensors::Dtype as Stored;
     let (_, metadata) =
         safetensors::SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
-    let mut total = 0u64;
+    let (mut total, mut largest_cast) = (0u64, 0u64);
     for (name, info) in metadata.tensors() {
         let elements = info.shape.iter().map(|&d| d as u64).product::<u64>();
         let stored = (info.data_offsets.1 - info.data_offsets.0) as u64;
@@ -318,7 +322,11 @@ fn resident_bytes(bytes: &[u8], backend: Backend) -> std::result::Result<u64, St
         };
         total += match float {
             Some(dtype) if !name.ends_with("A_log") => {
-                let width = match backend.compute_dtype(dtype) {
+                let compute = backend.compute_dtype(dtype);
+                if compute != dtype {
+                    largest_cast = largest_cast.max(stored);
+                }
+                let width = match compute {
                     Dtype::Float32 => 4,
                     _ => 2,
                 };
@@ -327,7 +335,7 @@ fn resident_bytes(bytes: &[u8], backend: Backend) -> std::result::Result<u64, St
             _ => stored,
         };
     }
-    Ok(total)
+    Ok((total, largest_cast))
 }
 
 /// Refuses to read `bytes` of weights that the process's memory cannot hold
@@ -399,7 +407,8 @@ mod tests {
     }
 
     /// The load's memory check counts floating-point tensors in the backend's compute dtype
-    /// (float32 on CPU: twice a bfloat16 file's bytes), `A_log` and packed integers as stored.
+    /// (float32 on CPU: twice a bfloat16 file's bytes), `A_log` and packed integers as stored,
+    /// and the largest cast tensor's stored bytes.
     #[test]
     fn resident_bytes_count_the_cast_to_the_compute_dtype() {
         use safetensors::tensor::TensorView;
@@ -427,15 +436,16 @@ mod tests {
             ),
         ];
         let bytes = safetensors::serialize(tensors, None).unwrap();
-        // CPU: 100 floats at 4 bytes, 256 packed bytes, A_log's 16 as stored, 10 floats at 4.
+        // CPU: 100 floats at 4 bytes, 256 packed bytes, A_log's 16 as stored, 10 floats at 4;
+        // the largest cast is the embedding's 200 stored bytes.
         assert_eq!(
             resident_bytes(&bytes, Backend::Cpu),
-            Ok(400 + 256 + 16 + 40)
+            Ok((400 + 256 + 16 + 40, 200))
         );
-        // GPUs keep bfloat16 and make float32 bfloat16.
+        // GPUs keep bfloat16 and make float32 bfloat16 (the norm's 40 bytes cast).
         assert_eq!(
             resident_bytes(&bytes, Backend::Cuda),
-            Ok(200 + 256 + 16 + 20)
+            Ok((200 + 256 + 16 + 20, 40))
         );
         assert!(resident_bytes(&bytes[..bytes.len() / 2], Backend::Cpu).is_err());
     }
