@@ -880,7 +880,13 @@ impl MemoryCgroup {
     fn new(limit: u64) -> Result<Self, String> {
         let mountinfo = std::fs::read_to_string("/proc/self/mountinfo")
             .map_err(|e| format!("no /proc/self/mountinfo: {e}"))?;
-        let name = format!("perch-test-{}", std::process::id());
+        // One per test: tests of this binary run at once in one process.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let name = format!(
+            "perch-test-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
         // `ID PARENT MAJ:MIN ROOT MOUNT_POINT ... - FSTYPE SOURCE SUPER_OPTIONS`
         let mounts: Vec<(String, String, String)> = mountinfo
             .lines()

@@ -220,7 +220,9 @@ impl Drop for WiredLimit {
         if let Some(previous) = self.previous.take() {
             // As mlx_lm does, never changed while the device still runs work of the model's
             // (a step dispatched and never read, copies under way).
-            let _ = crate::nn::mlx_ext::synchronize();
+            let stream = mlx_rs::Stream::thread_local_or_default();
+            // SAFETY: the stream handle is valid for the call.
+            let _ = unsafe { mlx_sys::mlx_synchronize(stream.as_ref().as_ptr()) };
             if mlx_rs::memory::set_wired_limit(previous).is_ok() {
                 WIRED_LIMIT.store(previous, Ordering::Relaxed);
             }
