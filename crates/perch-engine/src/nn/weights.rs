@@ -259,36 +259,33 @@ fn is_plain_file_name(name: &str) -> bool {
 /// Checks the header and that the file holds every byte the header promises. MLX reads tensor
 /// data lazily, so without this a truncated download would fail (or read garbage) mid-generation.
 pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
-    checked_map(path).map(drop)
-}
-
-/// [`validate_safetensors`], then what the file's tensors take once loaded on `backend` and
-/// its largest cast tensor's stored bytes ([`resident_bytes`]).
-fn validated_resident_bytes(path: &Path, backend: Backend) -> Result<(u64, u64)> {
-    let map = checked_map(path)?;
-    resident_bytes(&map, backend).map_err(|message| EngineError::CorruptWeights {
+    check_safetensors_header(&map_file(path)?).map_err(|message| EngineError::CorruptWeights {
         path: path.to_path_buf(),
         message,
     })
 }
 
-/// The file mapped read-only, its header checked ([`check_safetensors_header`]).
-fn checked_map(path: &Path) -> Result<memmap2::Mmap> {
+/// [`validate_safetensors`] and what the file's tensors take once loaded on `backend` with
+/// its largest cast tensor's stored bytes ([`resident_bytes`]), from one reading of the header.
+fn validated_resident_bytes(path: &Path, backend: Backend) -> Result<(u64, u64)> {
+    resident_bytes(&map_file(path)?, backend).map_err(|message| EngineError::CorruptWeights {
+        path: path.to_path_buf(),
+        message,
+    })
+}
+
+/// The file mapped read-only.
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
     let file = File::open(path).map_err(|source| EngineError::Io {
         path: path.to_path_buf(),
         source,
     })?;
     // SAFETY: the map is read-only and dropped by the caller; a concurrent truncation by another
     // process could fault, as with any reader of a file being rewritten.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io {
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
-    check_safetensors_header(&map).map_err(|message| EngineError::CorruptWeights {
-        path: path.to_path_buf(),
-        message,
-    })?;
-    Ok(map)
+    })
 }
 
 /// The check [`Weights::load`] makes on every weight file, on the file's bytes: a well-formed
@@ -300,7 +297,8 @@ pub fn check_safetensors_header(bytes: &[u8]) -> std::result::Result<(), String>
         .map_err(|e| e.to_string())
 }
 
-/// Bytes the tensors of a safetensors file (`bytes`, its header checked) take once loaded on
+/// Bytes the tensors of a safetensors file (`bytes`; its header checked here as
+/// [`check_safetensors_header`] does: an error is the reason) take once loaded on
 /// `backend`: floating-point tensors in the backend's compute dtype
 /// ([`Backend::compute_dtype`]: float32 on CPU, twice a bfloat16 file's size), except those
 /// [`Weights::load`] keeps as stored (`A_log`); the others (packed quantized weights, integer
