@@ -392,8 +392,10 @@ const MAX_PARTS: i32 = 16;
 /// `softmax(scale · q kᵀ, masked) v` for one query per row: `queries` `[rows, heads, 1, D]`,
 /// `keys`/`values` `[rows, kv_heads, positions, D]`, `mask` bool `[rows or 1, heads or 1, 1,
 /// positions]` (true where a row reads), `sinks` (attention sinks, `[heads]`: each head's joins
-/// its softmax as a score without a value) → `[rows, heads, 1, D]` in the queries' dtype. Only
-/// where [`computes`] holds, and only on MLX's CUDA backend (the kernel is CUDA source).
+/// its softmax as a score without a value) → `[rows, 1, heads · D]` in the queries' dtype: the
+/// heads side by side, as the output projection reads them (with one query a row, the same
+/// memory as `[rows, heads, 1, D]`). Only where [`computes`] holds, and only on MLX's CUDA
+/// backend (the kernel is CUDA source).
 pub fn masked_decode_attention(
     queries: &Array,
     keys: &Array,
@@ -410,8 +412,8 @@ pub fn masked_decode_attention(
             "masked_decode_attention: shapes or dtypes it does not take",
         ));
     }
-    let shape = queries.shape().to_vec();
-    let (rows, heads, head_dim) = (shape[0], shape[1], shape[3]);
+    let (rows, heads, head_dim) = (queries.shape()[0], queries.shape()[1], queries.shape()[3]);
+    let shape = [rows, 1, heads * head_dim];
     let positions = keys.shape()[2];
     let parts = parts(rows, heads, positions);
     let warps = warps(positions, parts);
@@ -589,8 +591,10 @@ pub fn check() -> crate::Result<Vec<String>> {
             Dtype::Float16 => 4e-3,
             _ => 3e-2,
         };
-        // MLX gives NaN for a row that reads nothing; the kernel must give zeros.
+        // MLX gives NaN for a row that reads nothing; the kernel must give zeros. The kernel's
+        // heads come side by side.
         let expected = ops::select(&reading, &reference, &ops::zeros_like(&reference)?)?;
+        let expected = crate::attention::merge_heads(&expected)?;
         let error = max_abs_error(&ours, &expected)?;
         // A call of each alone, evaluated: the kernel against MLX's masked attention in the
         // inputs' dtype (what the engine runs without the kernel).

@@ -379,7 +379,9 @@ pub fn additive_mask(mask: &Array, dtype: Dtype) -> Result<Array> {
 /// dequantized and read as a dense one, one layer's slots at a time: MLX 0.32.2's CUDA
 /// quantized_matmul over a batch of `rows * kv_heads` packed matrices did not finish 32
 /// sequences' generation in 120 s. The cache keeps its size; the transient copy is one layer's.
-/// `sinks`: attention sinks `[heads]`. Returns `[batch, heads, seq, head_dim]`.
+/// `sinks`: attention sinks `[heads]`. Returns `[batch, seq, heads * head_dim]`, the heads merged
+/// as the output projection reads them ([`merge_heads`]; the decode kernel writes that layout
+/// directly, which saves the graph a transpose and a reshape a layer).
 pub fn masked_attention(
     queries: &Array,
     cached: CachedKv,
@@ -401,13 +403,14 @@ pub fn masked_attention(
         } else if read.decode_kernel
             && crate::attention::decode_kernel::applies(queries, keys, values, mask, sinks)
         {
-            crate::attention::decode_kernel::masked_decode_attention(
+            return Ok(crate::attention::decode_kernel::masked_decode_attention(
                 queries, keys, values, mask, scale, sinks,
-            )?
+            )?);
         } else {
             let mask = ScaledDotProductAttentionMask::Array(mask);
             scaled_dot_product_attention(queries, keys, values, scale, mask, sinks)?
         })
+        .and_then(|out| merge_heads(&out))
     };
     match cached {
         CachedKv::Dense { keys, values } => dense(&keys, &values),
@@ -420,8 +423,24 @@ pub fn masked_attention(
                 |[w, s, b]: [Array; 3]| ops::dequantize(&w, &s, &b, q.group_size, q.bits);
             dense(&dequantized(keys)?, &dequantized(values)?)
         }
-        quantized => cached_attention(queries, quantized, scale, KvMask::Array(mask), sinks),
+        quantized => merge_heads(&cached_attention(
+            queries,
+            quantized,
+            scale,
+            KvMask::Array(mask),
+            sinks,
+        )?),
     }
+}
+
+/// Attention's output `[batch, heads, seq, head_dim]` → `[batch, seq, heads * head_dim]`, each
+/// position's heads side by side (what the output projection reads).
+pub fn merge_heads(out: &Array) -> Result<Array> {
+    let s = out.shape();
+    let (batch, seq) = (s[0], s[2]);
+    Ok(out
+        .transpose_axes(&[0, 2, 1, 3])?
+        .reshape(&[batch, seq, -1])?)
 }
 
 /// Which positions a query of [`quantized_scaled_dot_product_attention`] may attend to.

@@ -84,7 +84,9 @@ impl LayerCaches<'_> {
     }
 
     /// Attention over cache layer `layer` after it takes `kv`; see [`KvCache::attend`] and
-    /// [`SlotKvCache::attend`]. `queries` `[rows, heads, tokens, head_dim]` → the same shape.
+    /// [`SlotKvCache::attend`]. `queries` `[rows, heads, tokens, head_dim]` → `[rows, tokens,
+    /// heads * head_dim]` (each position's heads side by side, as the output projection reads
+    /// them).
     pub fn attend(
         &mut self,
         layer: usize,
@@ -93,7 +95,9 @@ impl LayerCaches<'_> {
         spec: &AttentionSpec<'_>,
     ) -> Result<Array> {
         match self {
-            LayerCaches::Sequence(cache) => cache[layer].attend(queries, kv, spec),
+            LayerCaches::Sequence(cache) => {
+                crate::attention::merge_heads(&cache[layer].attend(queries, kv, spec)?)
+            }
             LayerCaches::Slots { cache, step } => cache.attend(layer, step, queries, kv, spec),
         }
     }

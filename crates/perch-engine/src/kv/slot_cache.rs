@@ -1343,7 +1343,7 @@ impl SlotKvCache {
     /// Attention of `queries` `[rows, heads, tokens, head_dim]` (rotated, each row at its
     /// positions of `step`) over layer `layer`, after writing `kv` (rotated keys and values
     /// `[rows, kv_heads, tokens, head_dim]`; `None` for a layer that reads this layer as an
-    /// earlier one left it in the same step) → `[rows, heads, tokens, head_dim]`: every row's
+    /// earlier one left it in the same step) → `[rows, tokens, heads * head_dim]`: every row's
     /// buffer masked by its own length (and a sliding layer's window), read as the step says
     /// ([`SlotStep::read`], [`masked_attention`]).
     pub fn attend(

@@ -718,20 +718,22 @@ impl Attention {
             freqs: rope.freqs.as_ref(),
         };
         let weights = norms.map(|(q, k, _)| (q, k));
-        let shape = [batch, 1, nq + 2 * nkv, hd];
-        // Judged before the projection is built (so a layer the kernel does not take builds it
-        // once), and again on it (its dtype could differ from the input's).
-        if !rope_kernel::takes((&shape, x.dtype()), (nq, nkv), weights, offsets, &spec) {
+        let heads = (nq, nkv, hd);
+        // The projection's output `[batch, 1, (nq + 2 · nkv) · hd]`, taken as it comes (a
+        // reshape would be one more operation in every step). Judged before the projection is
+        // built (so a layer the kernel does not take builds it once), and again on it (its
+        // dtype could differ from the input's).
+        let shape = [batch, 1, (nq + 2 * nkv) * hd];
+        if !rope_kernel::takes((&shape, x.dtype()), heads, weights, offsets, &spec) {
             return Ok(None);
         }
-        let all = proj.forward(x)?.reshape(&shape)?;
-        if !rope_kernel::computes(&all, (nq, nkv), weights, offsets, &spec) {
+        let all = proj.forward(x)?;
+        if !rope_kernel::computes(&all, heads, weights, offsets, &spec) {
             return Ok(None);
         }
-        let (queries, keys) = rope_kernel::norm_rope(&all, (nq, nkv), norms, offsets, &spec)?;
-        let values = slice(&all, &[0, 0, nq + nkv, 0], &[batch, 1, nq + 2 * nkv, hd])?
-            .transpose_axes(&[0, 2, 1, 3])?;
-        Ok(Some((queries, keys, values)))
+        Ok(Some(rope_kernel::norm_rope(
+            &all, heads, norms, offsets, &spec,
+        )?))
     }
 
     /// The output projection of attention's output `[batch, seq, heads * head_dim]`, gated
@@ -758,7 +760,6 @@ impl Attention {
         caches: &mut LayerCaches<'_>,
         layer: usize,
     ) -> Result<Array> {
-        let (rows, tokens) = (x.shape()[0], x.shape()[1]);
         let (queries, kv, gate) = match self.decode_norm_rope(x, rope, positions, query_scales)? {
             Some((queries, keys, values)) => (queries, Some((keys, values)), None),
             None => {
@@ -787,9 +788,6 @@ impl Attention {
             window: self.window,
         };
         let out = caches.attend(layer, &queries, kv, &spec)?;
-        let out = out
-            .transpose_axes(&[0, 2, 1, 3])?
-            .reshape(&[rows, tokens, -1])?;
         self.output(&out, gate)
     }
 }

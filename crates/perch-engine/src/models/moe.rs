@@ -408,10 +408,9 @@ impl SwitchGlu {
         if !self.fused || (self.sort && indices.size() >= Self::SORT_FROM) {
             return Ok(None);
         }
-        // [batch, seq, 1, 1, hidden]: one row per token, broadcast over its experts.
-        let rows = x.expand_dims_axes(&[-2, -3])?;
+        // [batch, seq, hidden]: one row per token, read for each of its experts.
         let gated = expert_kernel::Epilogue::Gated(self.activation);
-        let Some(h) = gate_up.through_kernel(&rows, indices, gated)? else {
+        let Some(h) = gate_up.through_kernel(x, indices, gated)? else {
             return Ok(None);
         };
         let weighted = expert_kernel::Epilogue::Weighted(scores);

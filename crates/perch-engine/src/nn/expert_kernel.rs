@@ -244,8 +244,9 @@ pub enum Epilogue<'a> {
     Weighted(&'a Array),
 }
 
-/// One product's operands: `x` `[..., 1, in]` (a row per token, or per pair), `indices` the
-/// pairs' experts (any shape, int32 or uint32), the weights `[experts, rows, in · bits / 32]`
+/// One product's operands: `x` `[..., 1, in]` (a row per token, or per pair; or `[tokens...,
+/// in]` for `indices` `[tokens..., k]`, a row per token), `indices` the pairs' experts (any
+/// shape, int32 or uint32), the weights `[experts, rows, in · bits / 32]`
 /// uint32 with their scales (and, affine, biases) `[experts, rows, in / group_size]`, and the
 /// experts' own bias `[experts, rows]` where they have one.
 #[derive(Clone, Copy)]
@@ -272,7 +273,8 @@ impl Operands<'_> {
     /// items, and every shape consistent.
     pub fn x_per_row(&self) -> Option<i32> {
         let (ws, ss, xs) = (self.weight.shape(), self.scales.shape(), self.x.shape());
-        if ws.len() != 3 || xs.len() < 2 || xs[xs.len() - 2] != 1 {
+        let per_token = self.row_per_token();
+        if ws.len() != 3 || xs.len() < 2 || (xs[xs.len() - 2] != 1 && !per_token) {
             return None;
         }
         let (experts, rows, words) = (ws[0], ws[1], ws[2]);
@@ -338,8 +340,16 @@ impl Operands<'_> {
             && (1..=MAX_GRID_Z).contains(&items)
             && x_rows > 0
             && pairs % x_rows == 0
-            && self.broadcasts_as_gather_qmm();
+            && (per_token || self.broadcasts_as_gather_qmm());
         fits.then(|| pairs / x_rows)
+    }
+
+    /// Whether `x` is `[tokens..., in]` for `indices` `[tokens..., k]`: a row per token as
+    /// gather_qmm's broadcast reads `[tokens..., 1, 1, in]`, without the two unit axes (each a
+    /// reshape in every step's graph).
+    fn row_per_token(&self) -> bool {
+        let (xs, is) = (self.x.shape(), self.indices.shape());
+        !is.is_empty() && xs.len() == is.len() && xs[..xs.len() - 1] == is[..is.len() - 1]
     }
 
     /// Whether `x`'s leading axes meet `indices`' as the kernel reads them: the same axes, the
@@ -434,15 +444,17 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
                 true,
             )
         });
+        // Declared in the shape the caller reads (the kernel writes `[items, out]` row-major,
+        // the same memory): a reshape after it would be one more operation in every step.
         kernel.apply(
             &[o.x, o.weight, o.scales, biases, &indices, &bias, &coef],
-            &[(&[items, out], o.x.dtype())],
+            &[(&shape, o.x.dtype())],
             (32, out / ROWS, items),
             (32, WARPS, 1),
             &template,
         )
     })?;
-    y.into_iter().next().expect("one output").reshape(&shape)
+    Ok(y.into_iter().next().expect("one output"))
 }
 
 /// How [`route`] turns the chosen experts' scores into weights.
@@ -498,6 +510,8 @@ pub fn route(
         TemplateArg::Int(c"ALL", (normalize == Normalize::All) as i32),
         TemplateArg::Int(c"SCALED", scaled as i32),
     ];
+    // `[tokens, k]` row-major, declared in the logits' leading shape (see `gather_qmv`).
+    let out_shape = [&shape[..shape.len() - 1], &[k]].concat();
     let out = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
@@ -512,22 +526,14 @@ pub fn route(
         });
         kernel.apply(
             &[logits, &scale],
-            &[
-                (&[tokens, k], Dtype::Uint32),
-                (&[tokens, k], logits.dtype()),
-            ],
+            &[(&out_shape, Dtype::Uint32), (&out_shape, logits.dtype())],
             (32, tokens, 1),
             (32, 1, 1),
             &template,
         )
     })?;
-    let out_shape = [&shape[..shape.len() - 1], &[k]].concat();
     let mut out = out.into_iter();
-    let (indices, scores) = (out.next().expect("two"), out.next().expect("two"));
-    Ok(Some((
-        indices.reshape(&out_shape)?,
-        scores.reshape(&out_shape)?,
-    )))
+    Ok(Some((out.next().expect("two"), out.next().expect("two"))))
 }
 
 /// Whether the engine uses [`gather_qmv`] and [`route`]: on CUDA ([`backend`]) once they have

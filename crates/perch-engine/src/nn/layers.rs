@@ -364,11 +364,62 @@ pub fn fused_projections() -> bool {
     }
 }
 
+/// A dense layer's weight `W` `[out, in]` and its transpose `[in, out]` as an evaluated view of
+/// the same memory (and, on GPUs, that view with a leading unit axis `[1, in, out]`).
+///
+/// Why: MLX records `W.t()` as an operation of its own, and a product with a 3-D input as a
+/// flatten, the product and an unflatten, each replayed and evaluated in every step of a
+/// compiled graph, where a decode step on a GPU is bound by the host
+/// (docs/benchmarks.md). With the transpose evaluated at load no operation makes it, and a
+/// `[rows, tokens, in]` input times the `[1, in, out]` view is a broadcast and one product:
+/// MLX's GPU backends fold a batch over a broadcast matrix into one GEMM's rows (`M`), the
+/// same GEMM (or, at one row, the same GEMV) as before. The CPU keeps the flattened product
+/// (its batched product runs one GEMM per batch entry, with other rounding).
+#[derive(Clone)]
+pub struct DenseWeight {
+    weight: Array,
+    transposed: Array,
+    transposed_batched: Option<Array>,
+}
+
+impl DenseWeight {
+    /// `weight` `[out, in]`; evaluates it and its transposed views (no copy).
+    pub fn new(weight: Array) -> Result<Self> {
+        let transposed = weight.t();
+        let transposed_batched = match Backend::current() {
+            Backend::Cpu => None,
+            Backend::Metal | Backend::Cuda => Some(transposed.expand_dims(0)?),
+        };
+        let mut all = vec![&weight, &transposed];
+        all.extend(transposed_batched.as_ref());
+        mlx_rs::transforms::eval(all)?;
+        Ok(Self {
+            weight,
+            transposed,
+            transposed_batched,
+        })
+    }
+
+    /// `W` `[out, in]`.
+    pub fn weight(&self) -> &Array {
+        &self.weight
+    }
+
+    /// `x` `[..., in]` → `x W^T` `[..., out]`, plus `bias` `[out]` when given.
+    fn forward(&self, x: &Array, bias: Option<&Array>) -> Result<Array> {
+        match (bias, &self.transposed_batched) {
+            (Some(bias), _) => Ok(ops::addmm(bias, x, &self.transposed, None, None)?),
+            (None, Some(batched)) if x.ndim() == 3 => Ok(ops::matmul(x, batched)?),
+            (None, _) => Ok(ops::matmul(x, &self.transposed)?),
+        }
+    }
+}
+
 /// A linear layer `y = x W^T (+ b)` with `W` `[out, in]`, dense or quantized.
 #[derive(Clone)]
 pub enum Linear {
     Dense {
-        weight: Array,
+        weight: DenseWeight,
         bias: Option<Array>,
     },
     Quantized {
@@ -404,13 +455,17 @@ impl Linear {
                 let weight =
                     QuantizedWeight::load(weights, path, out_features, in_features, params)?;
                 match weight.dense_copy()? {
-                    Some(weight) => Linear::Dense { weight, bias },
+                    Some(weight) => Linear::Dense {
+                        weight: DenseWeight::new(weight)?,
+                        bias,
+                    },
                     None => Linear::Quantized { weight, bias },
                 }
             }
             None => Linear::Dense {
-                weight: weights
-                    .take_shaped(&format!("{path}.weight"), &[out_features, in_features])?,
+                weight: DenseWeight::new(
+                    weights.take_shaped(&format!("{path}.weight"), &[out_features, in_features])?,
+                )?,
                 bias,
             },
         })
@@ -449,9 +504,9 @@ impl Linear {
             .iter()
             .map(|p| match (p, &parts[0]) {
                 (Linear::Dense { weight, .. }, Linear::Dense { weight: first, .. })
-                    if weight.dtype() == first.dtype() =>
+                    if weight.weight().dtype() == first.weight().dtype() =>
                 {
-                    Some(weight)
+                    Some(weight.weight())
                 }
                 _ => None,
             })
@@ -470,7 +525,7 @@ impl Linear {
         let bias = bias.map(stack).transpose()?;
         let fused = match (dense, quantized) {
             (Some(weights), _) => Linear::Dense {
-                weight: stack(weights)?,
+                weight: DenseWeight::new(stack(weights)?)?,
                 bias,
             },
             (None, Some(q)) => Linear::Quantized {
@@ -506,11 +561,7 @@ impl Linear {
     /// `[..., in]` → `[..., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match self {
-            Linear::Dense {
-                weight,
-                bias: Some(bias),
-            } => Ok(ops::addmm(bias, x, weight.t(), None, None)?),
-            Linear::Dense { weight, bias: None } => Ok(ops::matmul(x, weight.t())?),
+            Linear::Dense { weight, bias } => weight.forward(x, bias.as_ref()),
             Linear::Quantized { weight, bias } => {
                 let y = weight.matmul_transposed(x)?;
                 match bias {
@@ -1399,7 +1450,7 @@ mod tests {
     fn fused_dense_projections_with_biases_equal_the_separate_ones() {
         let x = random(&[2, 3, 64], 1);
         let parts = [(96, 2), (32, 3), (32, 4)].map(|(out, seed)| Linear::Dense {
-            weight: random(&[out, 64], seed),
+            weight: DenseWeight::new(random(&[out, 64], seed)).unwrap(),
             bias: Some(random(&[out], seed + 10)),
         });
         assert_fused_matches(parts, &x);
@@ -1418,7 +1469,7 @@ mod tests {
     #[test]
     fn parts_that_cannot_fuse_are_handed_back() {
         let dense = |bias: bool, seed| Linear::Dense {
-            weight: random(&[16, 64], seed),
+            weight: DenseWeight::new(random(&[16, 64], seed)).unwrap(),
             bias: bias.then(|| random(&[16], seed + 1)),
         };
         let kept = Linear::fuse([dense(true, 1), dense(false, 2)]).unwrap();

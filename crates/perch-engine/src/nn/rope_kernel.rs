@@ -3,7 +3,8 @@
 //! key and value projection's output, each query and key head's RMS norm (when the model has
 //! query and key norms per head, as Qwen3 and Qwen3-MoE do) and its rotary embedding at its row's
 //! position — what MLX runs as four launches a layer (two `fast::rms_norm`, two
-//! `fast::rope`), or two without norms (Llama).
+//! `fast::rope`), or two without norms (Llama) — and the values copied out in the heads-first
+//! layout the cache takes (which would otherwise be a slice and a transpose in the graph).
 //!
 //! Why: a decode step of a small model on a GPU is bound by the host launching its kernels
 //! (see docs/benchmarks.md), so launches saved in every attention layer shorten it. On Metal
@@ -34,6 +35,11 @@ const SOURCE: &str = r#"
   const int d = threadIdx.x;
   const bool is_query = head < NQ;
   const T* source = qkv + ((long)row * (NQ + 2 * NKV) + head) * D;
+  if (head >= NQ + NKV) {
+    // A value head: copied (the whole block returns here, before any barrier).
+    values[((long)row * NKV + head - NQ - NKV) * D + d] = source[d];
+    return;
+  }
   float value = static_cast<float>(source[d]);
   /*NORM*/
   __shared__ float features[D];
@@ -103,13 +109,17 @@ pub struct RopeSpec<'a> {
     pub freqs: Option<&'a Array>,
 }
 
-/// Whether [`norm_rope`] computes this: `qkv` `[rows, 1, heads + 2 · kv_heads, head_dim]` of a
-/// float dtype (one token a row), the head size a multiple of 32 up to 1,024, norms (if any)
+/// A layer's attention heads: query heads, key and value heads, features a head.
+pub type Heads = (i32, i32, i32);
+
+/// Whether [`norm_rope`] computes this: `qkv` `[rows, 1, (heads + 2 · kv_heads) · head_dim]`
+/// (the fused projection's output) or `[rows, 1, heads + 2 · kv_heads, head_dim]` of a float
+/// dtype (one token a row), the head size a multiple of 32 up to 1,024, norms (if any)
 /// `[head_dim]` of that dtype, `offsets` `[rows]` int32, RoPE over an even number of features
 /// up to the head size, `freqs` (if any) `[dims / 2]` float32.
 pub fn computes(
     qkv: &Array,
-    heads: (i32, i32),
+    heads: Heads,
     norms: Option<(&Array, &Array)>,
     offsets: &Array,
     rope: &RopeSpec,
@@ -120,27 +130,34 @@ pub fn computes(
 /// [`computes`] for a `qkv` of this shape and dtype, before it is built.
 pub fn takes(
     (s, dtype): (&[i32], Dtype),
-    heads: (i32, i32),
+    (nq, nkv, head_dim): Heads,
     norms: Option<(&Array, &Array)>,
     offsets: &Array,
     rope: &RopeSpec,
 ) -> bool {
     let float = matches!(dtype, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
+    let all = nq + 2 * nkv;
+    let layout = match s {
+        [_, 1, features] => *features == all * head_dim,
+        [_, 1, n, d] => *n == all && *d == head_dim,
+        _ => false,
+    };
     float
-        && s.len() == 4
-        && s[1] == 1
-        && heads.0 > 0
-        && heads.1 > 0
-        && s[2] == heads.0 + 2 * heads.1
-        && s[3] % 32 == 0
-        && (32..=1024).contains(&s[3])
+        && layout
+        && nq > 0
+        && nkv > 0
+        && head_dim % 32 == 0
+        && (32..=1024).contains(&head_dim)
         && offsets.shape() == [s[0]]
         && offsets.dtype() == Dtype::Int32
         && rope.dims > 0
         && rope.dims % 2 == 0
-        && rope.dims <= s[3]
+        && rope.dims <= head_dim
         && norms.is_none_or(|(q, k)| {
-            q.shape() == [s[3]] && k.shape() == [s[3]] && q.dtype() == dtype && k.dtype() == dtype
+            q.shape() == [head_dim]
+                && k.shape() == [head_dim]
+                && q.dtype() == dtype
+                && k.dtype() == dtype
         })
         && rope
             .freqs
@@ -155,17 +172,18 @@ pub fn enabled() -> bool {
         && Backend::current() == Backend::Cuda
 }
 
-/// The queries `[rows, heads, 1, head_dim]` and keys `[rows, kv_heads, 1, head_dim]` of `qkv`
-/// `[rows, 1, heads + 2 · kv_heads, head_dim]` (queries, keys, then values, a row's one token
-/// at position `offsets[row]`), each head normed by `norms` (query, key weights; `eps`) when
-/// given and rotated by `rope`. Only where [`computes`] holds, on MLX's CUDA backend.
+/// The queries `[rows, heads, 1, head_dim]`, keys and values `[rows, kv_heads, 1, head_dim]` of
+/// `qkv` (queries, keys, then values, a row's one token at position `offsets[row]`; see
+/// [`computes`]), each query and key head normed by `norms` (query, key weights; `eps`) when
+/// given and rotated by `rope`, the values as they are. Only where [`computes`] holds, on MLX's
+/// CUDA backend.
 pub fn norm_rope(
     qkv: &Array,
-    (heads, kv_heads): (i32, i32),
+    (heads, kv_heads, head_dim): Heads,
     norms: Option<(&Array, &Array, f32)>,
     offsets: &Array,
     rope: &RopeSpec,
-) -> Result<(Array, Array), Exception> {
+) -> Result<(Array, Array, Array), Exception> {
     thread_local! {
         // By (norms, freqs): their inputs differ.
         static KERNELS: RefCell<[[Option<CustomKernel>; 2]; 2]> = const {
@@ -173,12 +191,12 @@ pub fn norm_rope(
         };
     }
     let weights = norms.map(|(q, k, _)| (q, k));
-    if !computes(qkv, (heads, kv_heads), weights, offsets, rope) {
+    if !computes(qkv, (heads, kv_heads, head_dim), weights, offsets, rope) {
         return Err(Exception::custom(
             "norm_rope: shapes or dtypes it does not take",
         ));
     }
-    let (rows, head_dim) = (qkv.shape()[0], qkv.shape()[3]);
+    let rows = qkv.shape()[0];
     let dtype = qkv.dtype();
     let mut inputs = vec![qkv, offsets];
     if let Some((q, k)) = weights {
@@ -208,14 +226,16 @@ pub fn norm_rope(
             &[
                 (&[rows, heads, 1, head_dim], dtype),
                 (&[rows, kv_heads, 1, head_dim], dtype),
+                (&[rows, kv_heads, 1, head_dim], dtype),
             ],
-            ((heads + kv_heads) * head_dim, rows, 1),
+            ((heads + 2 * kv_heads) * head_dim, rows, 1),
             (head_dim, 1, 1),
             &template,
         )?;
-        let keys = out.pop().expect("two outputs");
-        let queries = out.pop().expect("two outputs");
-        Ok((queries, keys))
+        let values = out.pop().expect("three outputs");
+        let keys = out.pop().expect("three outputs");
+        let queries = out.pop().expect("three outputs");
+        Ok((queries, keys, values))
     })
 }
 
@@ -240,7 +260,7 @@ fn new_kernel(norms: bool, freqs: bool) -> CustomKernel {
         Backend::Cuda,
         name,
         &inputs,
-        &["queries", "keys"],
+        &["queries", "keys", "values"],
         &source,
         true,
     )
@@ -275,7 +295,8 @@ pub fn check() -> crate::Result<Vec<String>> {
         let normal = |shape: &[i32], std: f32| -> crate::Result<Array> {
             Ok(mlx_rs::random::normal::<f32>(shape, None, Some(std), None)?.as_dtype(dtype)?)
         };
-        let qkv = normal(&[rows, 1, heads + 2 * kv_heads, head_dim], 3.0)?;
+        // The projection's output as it comes: `[rows, 1, (heads + 2 · kv_heads) · head_dim]`.
+        let qkv = normal(&[rows, 1, (heads + 2 * kv_heads) * head_dim], 3.0)?;
         let q_weight = normal(&[head_dim], 0.5)?;
         let k_weight = normal(&[head_dim], 0.5)?;
         let eps = 1e-6;
@@ -297,12 +318,26 @@ pub fn check() -> crate::Result<Vec<String>> {
             freqs: freqs.as_ref(),
         };
         let norms = with_norms.then_some((&q_weight, &k_weight, eps));
-        let run = || norm_rope(&qkv, (heads, kv_heads), norms, &offsets, &rope);
-        let (queries, keys) = run()?;
+        let run = || norm_rope(&qkv, (heads, kv_heads, head_dim), norms, &offsets, &rope);
+        let (queries, keys, values) = run()?;
         // MLX's operations, as the engine runs them without the kernel.
+        let heads_of = qkv.reshape(&[rows, 1, heads + 2 * kv_heads, head_dim])?;
         let part = |from: i32, to: i32| -> crate::Result<Array> {
-            Ok(slice(&qkv, &[0, 0, from, 0], &[rows, 1, to, head_dim])?)
+            Ok(slice(
+                &heads_of,
+                &[0, 0, from, 0],
+                &[rows, 1, to, head_dim],
+            )?)
         };
+        let expected_values =
+            part(heads + kv_heads, heads + 2 * kv_heads)?.transpose_axes(&[0, 2, 1, 3])?;
+        // Copied: exact.
+        let value_error = max_abs_error(&values, &expected_values)?;
+        if value_error != 0.0 {
+            return Err(crate::EngineError::Request(format!(
+                "norm and RoPE kernel: values differ from the projection's by {value_error:e}"
+            )));
+        }
         let reference = |x: Array, weight: &Array| -> crate::Result<Array> {
             let x = match with_norms {
                 true => fast::rms_norm(&x, Some(weight), eps)?,
@@ -360,6 +395,7 @@ mod tests {
     fn computes_only_what_the_kernel_takes() {
         let bf = Dtype::Bfloat16;
         let qkv = zeros(&[4, 1, 16 + 2 * 8, 128], bf);
+        let flat = zeros(&[4, 1, (16 + 2 * 8) * 128], bf);
         let offsets = zeros(&[4], Dtype::Int32);
         let w = zeros(&[128], bf);
         let rope = RopeSpec {
@@ -368,37 +404,45 @@ mod tests {
             scale: 1.0,
             freqs: None,
         };
-        assert!(computes(&qkv, (16, 8), Some((&w, &w)), &offsets, &rope));
-        assert!(computes(&qkv, (16, 8), None, &offsets, &rope));
+        assert!(computes(
+            &qkv,
+            (16, 8, 128),
+            Some((&w, &w)),
+            &offsets,
+            &rope
+        ));
+        assert!(computes(&qkv, (16, 8, 128), None, &offsets, &rope));
+        assert!(computes(&flat, (16, 8, 128), None, &offsets, &rope));
+        assert!(!computes(&flat, (16, 8, 64), None, &offsets, &rope));
         // Two tokens a row, heads that do not add up, float32 norms on bfloat16, positions
         // not per row, an odd rotation, periods of the wrong length: not taken.
         let chunk = zeros(&[4, 2, 32, 128], bf);
-        assert!(!computes(&chunk, (16, 8), None, &offsets, &rope));
-        assert!(!computes(&qkv, (16, 4), None, &offsets, &rope));
+        assert!(!computes(&chunk, (16, 8, 128), None, &offsets, &rope));
+        assert!(!computes(&qkv, (16, 4, 128), None, &offsets, &rope));
         let w32 = zeros(&[128], Dtype::Float32);
         assert!(!computes(
             &qkv,
-            (16, 8),
+            (16, 8, 128),
             Some((&w32, &w32)),
             &offsets,
             &rope
         ));
         assert!(!computes(
             &qkv,
-            (16, 8),
+            (16, 8, 128),
             None,
             &zeros(&[1], Dtype::Int32),
             &rope
         ));
         let odd = RopeSpec { dims: 63, ..rope };
-        assert!(!computes(&qkv, (16, 8), None, &offsets, &odd));
+        assert!(!computes(&qkv, (16, 8, 128), None, &offsets, &odd));
         let periods = zeros(&[32], Dtype::Float32);
         let short = RopeSpec {
             freqs: Some(&periods),
             ..rope
         };
-        assert!(!computes(&qkv, (16, 8), None, &offsets, &short));
+        assert!(!computes(&qkv, (16, 8, 128), None, &offsets, &short));
         let head_80 = zeros(&[4, 1, 32, 80], bf);
-        assert!(!computes(&head_80, (16, 8), None, &offsets, &rope));
+        assert!(!computes(&head_80, (16, 8, 80), None, &offsets, &rope));
     }
 }
