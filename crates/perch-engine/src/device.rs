@@ -137,12 +137,18 @@ pub fn clear_cache() {
     let _ = mlx_rs::memory::clear_cache();
 }
 
-/// [`clear_cache`], and on Linux with glibc `malloc_trim(0)`: the heap's free memory goes back
-/// to the system. MLX's CPU backend keeps no buffer cache of its own; its freed arrays stay in
-/// malloc's heap (tens of MB after one 300-token prompt on the default model), which the process
-/// holds until trimmed.
+/// [`clear_cache`] and [`trim_heap`]: MLX's buffer cache and the heap's free memory go back to
+/// the system.
 pub fn release_freed_memory() {
     clear_cache();
+    trim_heap();
+}
+
+/// On Linux with glibc, `malloc_trim(0)`: the free pages of every malloc arena go back to the
+/// system (elsewhere nothing). MLX's CPU backend takes arrays below [`MMAP_THRESHOLD`] from
+/// malloc's heap; freed ones leave MLX's counters but stay resident, scattered between live
+/// ones (a prefix cache's block copies and a step's activations interleave), until trimmed.
+pub fn trim_heap() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim only returns free heap pages to the system.
     unsafe {
