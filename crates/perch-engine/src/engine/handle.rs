@@ -161,9 +161,11 @@ impl EngineHandle {
                                 config.kv_cache_bytes,
                                 available.bytes,
                             );
-                            let _ = mlx_rs::memory::set_cache_limit(
-                                crate::memory::cache_limit_within(available.bytes),
-                            );
+                            let _ =
+                                mlx_rs::memory::set_cache_limit(crate::memory::cache_limit_within(
+                                    available.bytes,
+                                    config.kv_cache_bytes,
+                                ));
                         }
                         let pool = BatchConfig::for_budget(
                             model.as_ref(),
