@@ -239,13 +239,18 @@ pub fn kv_budget_within(configured: usize, available: u64) -> usize {
 pub const CACHE_SHARE_OF_AVAILABLE: f64 = 0.1;
 
 /// MLX's buffer-cache limit: [`CACHE_SHARE_OF_AVAILABLE`] of `available` bytes, and no more
-/// than the KV cache budget `kv_budget` (what a step's buffers and the caches' growth come to
-/// is of that order). Without that bound a small budget on a large machine kept the cache at
-/// its share whatever it served: the soak's process (256 MiB budget, 23 GB available) held
-/// 2.3 GB of freed buffers beside 0.9 GB of live ones (docs/reliability.md).
+/// than the KV cache budget `kv_budget` or [`CACHE_FLOOR`], whichever is more (what a step's
+/// buffers and the caches' growth come to is of that order). Without that bound a small budget
+/// on a large machine kept the cache at its share whatever it served: the soak's process (256
+/// MiB budget, 23 GB available) held 2.3 GB of freed buffers beside 0.9 GB of live ones
+/// (docs/reliability.md).
 pub fn cache_limit_within(available: u64, kv_budget: usize) -> usize {
-    ((available as f64 * CACHE_SHARE_OF_AVAILABLE) as usize).min(kv_budget)
+    ((available as f64 * CACHE_SHARE_OF_AVAILABLE) as usize).min(kv_budget.max(CACHE_FLOOR))
 }
+
+/// The cache a small KV budget still gets: a long prompt's prefill chunk allocates buffers of
+/// this order every step, which a smaller cache would free and allocate again each time.
+pub const CACHE_FLOOR: usize = 256 << 20;
 
 /// Watches the memory left while the engine runs (CPU and Metal): [`PressureGuard::low`] says
 /// when it has fallen under a floor, so the engine frees what it can (MLX's buffer cache, the
@@ -448,11 +453,14 @@ mod tests {
         assert!(now.bytes > 0, "{now:?}");
     }
 
-    /// The cache takes its share of what is available, never more than the KV budget.
+    /// The cache takes its share of what is available, never more than the KV budget (or the
+    /// floor).
     #[test]
     fn the_buffer_cache_is_bounded_by_the_kv_budget() {
         const GIB: u64 = 1 << 30;
-        assert_eq!(cache_limit_within(23 * GIB, 256 << 20), 256 << 20);
+        assert_eq!(cache_limit_within(23 * GIB, 512 << 20), 512 << 20);
+        // A small budget: the floor.
+        assert_eq!(cache_limit_within(23 * GIB, 64 << 20), CACHE_FLOOR);
         assert_eq!(
             cache_limit_within(4 * GIB, 2 << 30),
             (4 * GIB / 10) as usize

@@ -107,8 +107,8 @@ impl CachedKv {
 }
 
 /// Attention of `queries` over what a cache holds, in its format: MLX's fused attention for dense
-/// keys and values, [`quantized_scaled_dot_product_attention`] for quantized ones. Shapes and
-/// `sinks` as [`masked_attention`]'s.
+/// keys and values, [`quantized_scaled_dot_product_attention`] for quantized ones. Inputs and
+/// `sinks` as [`masked_attention`]'s; returns `[batch, heads, seq, head_dim]` (heads not merged).
 pub fn cached_attention(
     queries: &Array,
     cached: CachedKv,

@@ -492,7 +492,7 @@ fn serve_model(
         jobs: HashMap::new(),
         steps: 0,
         pressure: memory.available.map(crate::memory::PressureGuard::new),
-        heap_trimmed: (Instant::now(), 0),
+        heap_trimmed: (Instant::now(), false),
     };
     let mut warm_up = true;
     loop {
@@ -567,8 +567,9 @@ pub(super) struct Pass<'m> {
     pub(super) steps: u64,
     /// Watches the memory left (CPU and Metal); see [`Pass::relieve_memory`].
     pub(super) pressure: Option<crate::memory::PressureGuard>,
-    /// When the heap was last trimmed ([`HEAP_TRIM_EVERY`]), and after which step.
-    pub(super) heap_trimmed: (Instant, u64),
+    /// When the heap was last trimmed ([`HEAP_TRIM_EVERY`]), and whether work (a batch or solo
+    /// step) ran since.
+    pub(super) heap_trimmed: (Instant, bool),
 }
 
 /// How often a busy engine gives the heap's free pages back ([`crate::device::trim_heap`]),
@@ -620,9 +621,7 @@ impl Pass<'_> {
                 // Idle: sleep until a command arrives or the keep-alive time has passed; a
                 // dropped last handle ends the thread.
                 queue.publish_and_flush(batch);
-                if self.heap_trimmed.1 != self.steps {
-                    self.trim_heap(Duration::ZERO);
-                }
+                self.trim_heap(Duration::ZERO);
                 // A time past what an `Instant` holds is never.
                 let unload_at = match queue.keep_alive {
                     KeepAlive::Idle(time) => Instant::now().checked_add(time),
@@ -729,11 +728,15 @@ impl Pass<'_> {
             }
             let queues = |b: &BatchGenerator<'_>| (b.num_running(), b.num_waiting());
             let before = queues(batch);
+            let stepped = !batch.is_empty() || !self.solo.is_empty();
             if !batch.is_empty() {
                 self.relieve_memory(batch);
                 self.step(batch, queue);
             }
             self.step_solo(batch, queue);
+            if stepped {
+                self.worked();
+            }
             let moved = queues(batch) != before;
             queue.publish_if_due_and_flush(batch, moved);
         }
@@ -905,18 +908,25 @@ impl<'m> Pass<'m> {
         }
     }
 
-    /// Gives the heap's free pages back when `after` has passed since the last time.
+    /// Gives the heap's free pages back when work ran since the last time and `after` has
+    /// passed since it.
     fn trim_heap(&mut self, after: Duration) {
-        if self.heap_trimmed.0.elapsed() >= after {
+        let (at, worked) = self.heap_trimmed;
+        if worked && at.elapsed() >= after {
             crate::device::trim_heap();
-            self.heap_trimmed = (Instant::now(), self.steps);
+            self.heap_trimmed = (Instant::now(), false);
         }
+    }
+
+    /// Counts a step's work toward the next heap trim, trimming when one is due.
+    fn worked(&mut self) {
+        self.heap_trimmed.1 = true;
+        self.trim_heap(HEAP_TRIM_EVERY);
     }
 
     /// One batch step; its events go to the outbox.
     fn step(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
         self.steps += 1;
-        self.trim_heap(HEAP_TRIM_EVERY);
         let faults = &self.config.fault_injection;
         if !faults.step_delay.is_zero() {
             std::thread::sleep(faults.step_delay);

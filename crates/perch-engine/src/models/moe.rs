@@ -177,7 +177,8 @@ impl SwitchLinear {
     /// ([`expert_kernel::gather_qmv`]) where it takes them.
     fn forward(&self, x: &Array, indices: &Array, sorted: bool, kernel: bool) -> Result<Array> {
         if kernel {
-            if let Some(y) = self.through_kernel(x, indices, expert_kernel::Epilogue::Plain)? {
+            let plain = expert_kernel::Epilogue::Plain;
+            if let Some(y) = self.through_kernel(x, indices, plain, false)? {
                 return Ok(y);
             }
         }
@@ -209,12 +210,14 @@ impl SwitchLinear {
 
     /// The product, bias and `epilogue` in one launch of [`expert_kernel::gather_qmv`], when the
     /// weights are quantized, the pairs at most [`expert_kernel::MAX_PAIRS`] and the kernel
-    /// takes the operands; `None` otherwise.
+    /// takes the operands; `None` otherwise. `per_token`: `x` is `[tokens..., in]`, a row per
+    /// token ([`expert_kernel::Operands::per_token`]).
     fn through_kernel(
         &self,
         x: &Array,
         indices: &Array,
         epilogue: expert_kernel::Epilogue,
+        per_token: bool,
     ) -> Result<Option<Array>> {
         let SwitchWeight::Quantized {
             weight,
@@ -234,6 +237,7 @@ impl SwitchLinear {
             params: *params,
             bias: self.bias.as_ref(),
             epilogue,
+            per_token,
         };
         if indices.size() > expert_kernel::MAX_PAIRS || operands.x_per_row().is_none() {
             return Ok(None);
@@ -410,11 +414,14 @@ impl SwitchGlu {
         }
         // [batch, seq, hidden]: one row per token, read for each of its experts.
         let gated = expert_kernel::Epilogue::Gated(self.activation);
-        let Some(h) = gate_up.through_kernel(x, indices, gated)? else {
+        let Some(h) = gate_up.through_kernel(x, indices, gated, true)? else {
             return Ok(None);
         };
         let weighted = expert_kernel::Epilogue::Weighted(scores);
-        if let Some(y) = self.down_proj.through_kernel(&h, indices, weighted)? {
+        if let Some(y) = self
+            .down_proj
+            .through_kernel(&h, indices, weighted, false)?
+        {
             return Ok(Some(y));
         }
         let y = self.down_proj.forward(&h, indices, false, true)?;

@@ -244,9 +244,9 @@ pub enum Epilogue<'a> {
     Weighted(&'a Array),
 }
 
-/// One product's operands: `x` `[..., 1, in]` (a row per token, or per pair; or `[tokens...,
-/// in]` for `indices` `[tokens..., k]`, a row per token), `indices` the pairs' experts (any
-/// shape, int32 or uint32), the weights `[experts, rows, in · bits / 32]`
+/// One product's operands: `x` `[..., 1, in]` (a row per token, or per pair; or, with
+/// `per_token`, `[tokens..., in]` for `indices` `[tokens..., k]`), `indices` the pairs' experts
+/// (any shape, int32 or uint32), the weights `[experts, rows, in · bits / 32]`
 /// uint32 with their scales (and, affine, biases) `[experts, rows, in / group_size]`, and the
 /// experts' own bias `[experts, rows]` where they have one.
 #[derive(Clone, Copy)]
@@ -259,6 +259,10 @@ pub struct Operands<'a> {
     pub params: QuantParams,
     pub bias: Option<&'a Array>,
     pub epilogue: Epilogue<'a>,
+    /// `x` is `[tokens..., in]` for `indices` `[tokens..., k]`: a row per token, read by each of
+    /// its pairs (what gather_qmm reads from `[tokens..., 1, 1, in]`; without the two unit axes,
+    /// each a reshape in every step's graph). Off: `x` broadcasts as gather_qmm's.
+    pub per_token: bool,
 }
 
 fn is_float(dtype: Dtype) -> bool {
@@ -273,7 +277,7 @@ impl Operands<'_> {
     /// items, and every shape consistent.
     pub fn x_per_row(&self) -> Option<i32> {
         let (ws, ss, xs) = (self.weight.shape(), self.scales.shape(), self.x.shape());
-        let per_token = self.row_per_token();
+        let per_token = self.per_token && self.row_per_token();
         if ws.len() != 3 || xs.len() < 2 || (xs[xs.len() - 2] != 1 && !per_token) {
             return None;
         }
@@ -344,9 +348,8 @@ impl Operands<'_> {
         fits.then(|| pairs / x_rows)
     }
 
-    /// Whether `x` is `[tokens..., in]` for `indices` `[tokens..., k]`: a row per token as
-    /// gather_qmm's broadcast reads `[tokens..., 1, 1, in]`, without the two unit axes (each a
-    /// reshape in every step's graph).
+    /// Whether `x` is `[tokens..., in]` for `indices` `[tokens..., k]` (see
+    /// [`Operands::per_token`]).
     fn row_per_token(&self) -> bool {
         let (xs, is) = (self.x.shape(), self.indices.shape());
         !is.is_empty() && xs.len() == is.len() && xs[..xs.len() - 1] == is[..is.len() - 1]
@@ -850,6 +853,7 @@ impl Case {
                 Kind::Gated(activation) => Epilogue::Gated(activation),
                 Kind::Weighted => Epilogue::Weighted(&self.scores),
             },
+            per_token: false,
         })?)
     }
 
@@ -1118,6 +1122,7 @@ mod tests {
             params,
             bias: None,
             epilogue: Epilogue::Plain,
+            per_token: false,
         }
         .x_per_row()
     }
@@ -1199,7 +1204,7 @@ mod tests {
         let indices = zeros(&[tokens, k], Dtype::Uint32);
         let scores = zeros(&[tokens, k], Dtype::Bfloat16);
         let wrong_scores = zeros(&[tokens, k, 1], Dtype::Bfloat16);
-        let accepts = |x: &Array, rows: i32, bias: Option<&Array>, epilogue| {
+        let operands = |x: &Array, rows: i32, bias: Option<&Array>, epilogue, per_token| {
             let (w, s, b) = (weight(rows), groups(rows), groups(rows));
             Operands {
                 x,
@@ -1210,9 +1215,12 @@ mod tests {
                 params,
                 bias,
                 epilogue,
+                per_token,
             }
             .x_per_row()
         };
+        let accepts =
+            |x: &Array, rows: i32, bias, epilogue| operands(x, rows, bias, epilogue, false);
         let gated = Epilogue::Gated(Activation::Silu);
         assert_eq!(accepts(&per_token, 64, None, gated), Some(k));
         // Halves of 24 features: not a multiple of a block's 16.
@@ -1234,6 +1242,16 @@ mod tests {
         let short_bias = zeros(&[8, 32], Dtype::Bfloat16);
         assert_eq!(accepts(&per_token, 64, Some(&bias), gated), Some(k));
         assert_eq!(accepts(&per_token, 64, Some(&short_bias), gated), None);
+        // A row per token without the unit axes `[tokens, in]`: only when asked for (the same
+        // array broadcasts otherwise as gather_qmm's `[tokens, in]` matrix for every pair), and
+        // never for a weighted product (a row per pair).
+        let rows = zeros(&[tokens, input], Dtype::Bfloat16);
+        assert_eq!(operands(&rows, 64, None, gated, true), Some(k));
+        assert_eq!(operands(&rows, 64, None, gated, false), None);
+        assert_eq!(
+            operands(&rows, 32, None, Epilogue::Weighted(&scores), true),
+            None
+        );
     }
 
     /// The router's kernel is never chosen on the CPU: the engine keeps MLX's operations.

@@ -372,9 +372,10 @@ pub fn fused_projections() -> bool {
 /// compiled graph, where a decode step on a GPU is bound by the host
 /// (docs/benchmarks.md). With the transpose evaluated at load no operation makes it, and a
 /// `[rows, tokens, in]` input times the `[1, in, out]` view is a broadcast and one product:
-/// MLX's GPU backends fold a batch over a broadcast matrix into one GEMM's rows (`M`), the
-/// same GEMM (or, at one row, the same GEMV) as before. The CPU keeps the flattened product
-/// (its batched product runs one GEMM per batch entry, with other rounding).
+/// MLX's GPU backends fold a batch over a broadcast matrix into one GEMM's rows (`M`) when the
+/// input is row-contiguous, the same GEMM (or, at one row, the same GEMV) as before. The CPU
+/// keeps the flattened product (its batched product runs one GEMM per batch entry, with other
+/// rounding), and a product with a bias stays MLX's `addmm` (which flattens).
 #[derive(Clone)]
 pub struct DenseWeight {
     weight: Array,
