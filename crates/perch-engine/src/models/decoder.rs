@@ -676,8 +676,8 @@ impl Attention {
     /// queries and keys normed and rotated in one kernel ([`rope_kernel::norm_rope`]), where
     /// it computes what [`Attention::project`] and RoPE would: CUDA, one token a row at
     /// per-row positions, fused projections, query and key norms per head or none, RoPE in
-    /// the non-interleaved layout without a feature scale, no query scales, gate or value
-    /// norm. `None` elsewhere.
+    /// the non-interleaved layout (with YaRN's attention factor, if any), no query scales,
+    /// gate or value norm. `None` elsewhere.
     fn decode_norm_rope(
         &self,
         x: &Array,
@@ -705,7 +705,6 @@ impl Attention {
             || self.v_norm.is_some()
             || self.qk_norm_across_heads
             || rope.traditional
-            || rope.mscale != 1.0
             || !rope_kernel::enabled()
         {
             return Ok(None);
@@ -716,6 +715,7 @@ impl Attention {
             base: rope.base,
             scale: rope.scale,
             freqs: rope.freqs.as_ref(),
+            mscale: rope.mscale,
         };
         let weights = norms.map(|(q, k, _)| (q, k));
         let heads = (nq, nkv, hd);

@@ -588,7 +588,7 @@ impl SparseMoe {
 
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let (indices, scores) = self.route(&self.gate.forward(x)?)?;
+        let (indices, scores) = self.route(x)?;
         let y = self
             .switch_mlp
             .forward_weighted(x, &indices, &scores, true)?;
@@ -606,15 +606,27 @@ impl SparseMoe {
 }
 
 impl SparseMoe {
-    /// The router's `logits` `[batch, seq, experts]` → each token's top k experts and their
-    /// weights, `[batch, seq, k]` each. Qwen: a softmax over every expert, then the top k
-    /// (renormalised with `norm_topk_prob`); gpt-oss: the top k logits, then their softmax. In
-    /// one launch on CUDA ([`expert_kernel::route`]).
-    fn route(&self, logits: &Array) -> Result<(Array, Array)> {
+    /// `x` `[batch, seq, hidden]` → each token's top k experts and their weights, `[batch, seq,
+    /// k]` each, from the router's logits (`gate`). Qwen: a softmax over every expert, then the
+    /// top k (renormalised with `norm_topk_prob`); gpt-oss: the top k logits, then their
+    /// softmax. On CUDA in one launch ([`expert_kernel::route`]), at decode with the router's
+    /// product in it too ([`expert_kernel::route_from_hidden`]).
+    fn route(&self, x: &Array) -> Result<(Array, Array)> {
         let normalize = match (self.style, self.norm_topk_prob) {
             (MoeStyle::Qwen, false) => expert_kernel::Normalize::All,
             _ => expert_kernel::Normalize::TopK,
         };
+        if self.switch_mlp.fused {
+            if let Some(gate) = self.gate.dense() {
+                let routed =
+                    expert_kernel::route_from_hidden(x, gate, self.top_k, normalize, None)?;
+                if let Some(routed) = routed {
+                    return Ok(routed);
+                }
+            }
+        }
+        let logits = self.gate.forward(x)?;
+        let logits = &logits;
         if self.switch_mlp.fused {
             if let Some(routed) = expert_kernel::route(logits, self.top_k, normalize, None)? {
                 return Ok(routed);
@@ -752,27 +764,45 @@ impl MlpAndExperts {
         let dense = self
             .post_feedforward_layernorm_1
             .forward(&self.mlp.forward(normed)?)?;
-        let scores = self.router_proj.forward(&self.router_norm.forward(x)?)?;
+        let router_input = self.router_norm.forward(x)?;
         // The kernel scales in the scores' dtype; a scale in another one is applied as MLX
         // promotes it.
-        let scale = Some(&self.per_expert_scale).filter(|s| s.dtype() == scores.dtype());
-        let routed = match self.experts.fused {
-            true => {
-                expert_kernel::route(&scores, self.top_k, expert_kernel::Normalize::TopK, scale)?
+        let scale = Some(&self.per_expert_scale).filter(|s| s.dtype() == router_input.dtype());
+        let normalize = expert_kernel::Normalize::TopK;
+        // What a kernel routed, times the experts' scales unless it applied them.
+        let scaled = |(indices, weights): (Array, Array)| -> Result<(Array, Array)> {
+            match scale {
+                Some(_) => Ok((indices, weights)),
+                None => {
+                    let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
+                    Ok((indices, weights))
+                }
             }
-            false => None,
         };
-        let (indices, weights) = match routed {
-            Some((indices, weights)) if scale.is_some() => (indices, weights),
-            Some((indices, weights)) => {
-                let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
-                (indices, weights)
+        let from_hidden = match (self.experts.fused, self.router_proj.dense()) {
+            (true, Some(proj)) => {
+                expert_kernel::route_from_hidden(&router_input, proj, self.top_k, normalize, scale)?
             }
+            _ => None,
+        };
+        let (indices, weights) = match from_hidden {
+            Some(routed) => scaled(routed)?,
             None => {
-                let (indices, top) = top_k(&scores, self.top_k)?;
-                let weights = ops::softmax_axis(&top, -1, false)?;
-                let weights = ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
-                (indices, weights)
+                let scores = self.router_proj.forward(&router_input)?;
+                let routed = match self.experts.fused {
+                    true => expert_kernel::route(&scores, self.top_k, normalize, scale)?,
+                    false => None,
+                };
+                match routed {
+                    Some(routed) => scaled(routed)?,
+                    None => {
+                        let (indices, top) = top_k(&scores, self.top_k)?;
+                        let weights = ops::softmax_axis(&top, -1, false)?;
+                        let weights =
+                            ops::multiply(&weights, &self.per_expert_scale.take(&indices)?)?;
+                        (indices, weights)
+                    }
+                }
             }
         };
         let normed = self.pre_feedforward_layernorm_2.forward(x)?;

@@ -157,19 +157,59 @@ const SOURCE: &str = r#"
   }
 "#;
 
-/// One warp a token: its `E` scores, NaN read as −∞, the `K` largest picked in turn (ties to the
-/// lower expert), then their softmax weights, over all `E` scores (`ALL`) or over the `K`, each
-/// times `scale[expert]` (`SCALED`).
+/// A block a token. With `FROM_X`, `logits` is the token's input `[H]` and its `E` scores are
+/// first computed by the block's warps (`W` `[E, H]`, a warp an expert in turn, float32 sums plus
+/// `bias[e]` with `HAS_BIAS`, each rounded to `T` as MLX's product in `T` is) into shared memory;
+/// otherwise `logits` is the scores `[E]`. Then one warp: NaN read as −∞, the `K` largest picked in
+/// turn (ties to the lower expert), then their softmax weights, over all `E` scores (`ALL`) or
+/// over the `K`, each times `scale[expert]` (`SCALED`).
 const ROUTE_SOURCE: &str = r#"
   constexpr int PER_LANE = (E + 31) / 32;
   const float neg_inf = __int_as_float(0xff800000);
   const int lane = threadIdx.x;
   const long long row = blockIdx.y;
+  __shared__ float computed[FROM_X ? E : 1];
+  if (FROM_X) {
+    // The token's input staged as float32; each lane reads 16-byte pieces of a weight row
+    // (`H` a multiple of 8) and the matching input features.
+    constexpr int VEC = 16 / sizeof(T);
+    constexpr int PIECES = H / VEC;
+    __shared__ float4 staged[FROM_X ? H / 4 : 1];
+    float* xs = reinterpret_cast<float*>(staged);
+    const T* x = logits + row * H;
+    for (int h = threadIdx.y * 32 + lane; h < H; h += blockDim.y * 32) {
+      xs[h] = static_cast<float>(x[h]);
+    }
+    __syncthreads();
+    for (int e = threadIdx.y; e < E; e += blockDim.y) {
+      const uint4* we = reinterpret_cast<const uint4*>(w + static_cast<long long>(e) * H);
+      float acc = 0.0f;
+#pragma unroll 4
+      for (int c = lane; c < PIECES; c += 32) {
+        const uint4 piece = we[c];
+        const T* p = reinterpret_cast<const T*>(&piece);
+#pragma unroll
+        for (int j = 0; j < VEC; j += 4) {
+          const float4 xv = staged[(c * VEC + j) / 4];
+          acc += xv.x * static_cast<float>(p[j]) + xv.y * static_cast<float>(p[j + 1])
+              + xv.z * static_cast<float>(p[j + 2]) + xv.w * static_cast<float>(p[j + 3]);
+        }
+      }
+      for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
+      if (lane == 0) {
+        if (HAS_BIAS) acc += static_cast<float>(bias[e]);
+        computed[e] = static_cast<float>(static_cast<T>(acc));
+      }
+    }
+    __syncthreads();
+    if (threadIdx.y != 0) return;
+  }
   float v[PER_LANE];
 #pragma unroll
   for (int i = 0; i < PER_LANE; ++i) {
     const int e = lane + 32 * i;
-    const float s = e < E ? static_cast<float>(logits[row * E + e]) : neg_inf;
+    float s = neg_inf;
+    if (e < E) s = FROM_X ? computed[e] : static_cast<float>(logits[row * E + e]);
     v[i] = s != s ? neg_inf : s;
   }
   unsigned taken = 0u;
@@ -481,57 +521,139 @@ pub fn route(
     normalize: Normalize,
     scale: Option<&Array>,
 ) -> Result<Option<(Array, Array)>, Exception> {
+    let Some(&experts) = logits.shape().last() else {
+        return Ok(None);
+    };
+    launch_route(RouterInput::Scores(logits), experts, k, normalize, scale)
+}
+
+/// [`route`] of the router's scores `x W^T (+ bias)` computed in the same launch, for `x`
+/// `[..., hidden]` and the router's dense weight `W` `[experts, hidden]` (and `bias`
+/// `[experts]`) in `x`'s dtype: one launch a layer fewer at decode. `Ok(None)` where
+/// [`route`] would refuse, for other dtypes, hidden sizes that are not a multiple of 8 or above
+/// [`MAX_IN`], and above [`MAX_ROUTER_TOKENS`] tokens (a prefill, whose scores are one GEMM).
+pub fn route_from_hidden(
+    x: &Array,
+    (weight, bias): (&Array, Option<&Array>),
+    k: i32,
+    normalize: Normalize,
+    scale: Option<&Array>,
+) -> Result<Option<(Array, Array)>, Exception> {
+    let (Some(&hidden), [experts, width]) = (x.shape().last(), weight.shape()) else {
+        return Ok(None);
+    };
+    let fits = *width == hidden
+        && hidden > 0
+        && hidden % 8 == 0
+        && hidden <= MAX_IN
+        && weight.dtype() == x.dtype()
+        && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
+        && bias.is_none_or(|b| b.shape() == [*experts] && is_float(b.dtype()));
+    if !fits {
+        return Ok(None);
+    }
+    launch_route(
+        RouterInput::Hidden { x, weight, bias },
+        *experts,
+        k,
+        normalize,
+        scale,
+    )
+}
+
+/// The most tokens [`route_from_hidden`] takes: each block reads the router's whole weight,
+/// which pays against a separate GEMM's launch at decode only.
+pub const MAX_ROUTER_TOKENS: usize = 256;
+
+/// What [`launch_route`] reads a token's scores from.
+enum RouterInput<'a> {
+    /// `[..., experts]`.
+    Scores(&'a Array),
+    /// `x` `[..., hidden]`, the scores `x W^T (+ bias)`.
+    Hidden {
+        x: &'a Array,
+        weight: &'a Array,
+        bias: Option<&'a Array>,
+    },
+}
+
+/// Warps a block computing scores ([`RouterInput::Hidden`]): each takes every 32nd expert.
+const ROUTER_WARPS: i32 = 32;
+
+fn launch_route(
+    input: RouterInput,
+    experts: i32,
+    k: i32,
+    normalize: Normalize,
+    scale: Option<&Array>,
+) -> Result<Option<(Array, Array)>, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
-    let shape = logits.shape();
-    let (Some(backend), Some(&experts)) = (backend(), shape.last()) else {
+    let (lead, width) = match &input {
+        RouterInput::Scores(logits) => (logits, experts),
+        RouterInput::Hidden { x, weight, .. } => (x, weight.shape()[1]),
+    };
+    let Some(backend) = backend() else {
         return Ok(None);
     };
+    let dtype = lead.dtype();
     let fits = (1..=MAX_EXPERTS).contains(&experts)
         && (1..=MAX_TOP_K.min(experts)).contains(&k)
-        && is_float(logits.dtype())
-        && logits.size() > 0
-        && logits.size() / experts as usize <= MAX_GRID_Z as usize
+        && is_float(dtype)
+        && lead.size() > 0
+        && lead.size() / width as usize <= MAX_GRID_Z as usize
         && scale.is_none_or(|s| s.shape() == [experts] && is_float(s.dtype()));
     if !fits {
         return Ok(None);
     }
-    let tokens = (logits.size() / experts as usize) as i32;
+    let tokens = (lead.size() / width as usize) as i32;
+    // The template names the leading input's dtype only (MLX keys compiled kernels by it): the
+    // scale and the bias come in that dtype, unused inputs as the leading one.
+    let in_dtype = |a: Option<&Array>| match a {
+        Some(a) if a.dtype() != dtype => a.as_dtype(dtype),
+        Some(a) => Ok(a.clone()),
+        None => Ok((*lead).clone()),
+    };
     let scaled = scale.is_some();
-    // The template names the logits' dtype only (MLX keys compiled kernels by it): the scale
-    // comes in that dtype.
-    let scale = match scale {
-        Some(s) if s.dtype() != logits.dtype() => s.as_dtype(logits.dtype())?,
-        Some(s) => s.clone(),
-        None => logits.clone(),
+    let scale = in_dtype(scale)?;
+    let (from_x, weight, bias, has_bias) = match &input {
+        RouterInput::Scores(_) => (false, (*lead).clone(), (*lead).clone(), false),
+        RouterInput::Hidden { weight, bias, .. } => {
+            (true, (*weight).clone(), in_dtype(*bias)?, bias.is_some())
+        }
     };
     let template = [
-        TemplateArg::Dtype(c"T", logits.dtype()),
+        TemplateArg::Dtype(c"T", dtype),
         TemplateArg::Int(c"E", experts),
         TemplateArg::Int(c"K", k),
         TemplateArg::Int(c"ALL", (normalize == Normalize::All) as i32),
         TemplateArg::Int(c"SCALED", scaled as i32),
+        TemplateArg::Int(c"FROM_X", from_x as i32),
+        TemplateArg::Int(c"H", if from_x { width } else { 1 }),
+        TemplateArg::Int(c"HAS_BIAS", has_bias as i32),
     ];
-    // `[tokens, k]` row-major, declared in the logits' leading shape (see `gather_qmv`).
+    // `[tokens, k]` row-major, declared in the input's leading shape (see `gather_qmv`).
+    let shape = lead.shape();
     let out_shape = [&shape[..shape.len() - 1], &[k]].concat();
+    let warps = if from_x { ROUTER_WARPS } else { 1 };
     let out = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
             CustomKernel::new(
                 backend,
                 c"perch_route",
-                &["logits", "scale"],
+                &["logits", "scale", "w", "bias"],
                 &["indices", "scores"],
                 ROUTE_SOURCE,
                 true,
             )
         });
         kernel.apply(
-            &[logits, &scale],
-            &[(&out_shape, Dtype::Uint32), (&out_shape, logits.dtype())],
-            (32, tokens, 1),
-            (32, 1, 1),
+            &[lead, &scale, &weight, &bias],
+            &[(&out_shape, Dtype::Uint32), (&out_shape, dtype)],
+            (32, tokens * warps, 1),
+            (32, warps, 1),
             &template,
         )
     })?;
@@ -888,7 +1010,9 @@ impl Case {
     }
 }
 
-/// A router check case: `tokens` tokens' scores over `experts`, the top `k` kept.
+/// A router check case: `tokens` tokens' scores over `experts`, the top `k` kept; with `hidden`
+/// the scores are computed in the kernel from an input of `hidden` features
+/// ([`route_from_hidden`]), with a router bias when `bias`.
 struct RouteSpec {
     name: &'static str,
     tokens: i32,
@@ -896,61 +1020,113 @@ struct RouteSpec {
     k: i32,
     normalize: Normalize,
     scaled: bool,
+    hidden: Option<(i32, bool)>,
     dtype: Dtype,
     tolerance: f32,
 }
 
 /// The first are also the load check's.
-const SELF_TEST_ROUTES: usize = 2;
+const SELF_TEST_ROUTES: usize = 3;
 
-const ROUTE_CASES: [RouteSpec; 4] = [
+const fn route_case(
+    name: &'static str,
+    (tokens, experts, k): (i32, i32, i32),
+    normalize: Normalize,
+    scaled: bool,
+    hidden: Option<(i32, bool)>,
+    dtype: Dtype,
+) -> RouteSpec {
     RouteSpec {
-        name: "router, 3 tokens, top 4 of 40 experts, softmax over all",
-        tokens: 3,
-        experts: 40,
-        k: 4,
-        normalize: Normalize::All,
-        scaled: false,
-        dtype: F32,
-        tolerance: 1e-5,
-    },
-    RouteSpec {
-        name: "router, 5 tokens, top 2 of 8 experts, softmax over the top, scaled",
-        tokens: 5,
-        experts: 8,
-        k: 2,
-        normalize: Normalize::TopK,
-        scaled: true,
-        dtype: F32,
-        tolerance: 1e-5,
-    },
-    RouteSpec {
-        name: "qwen3_moe router, 32 rows, top 8 of 128 experts",
-        tokens: 32,
-        experts: 128,
-        k: 8,
-        normalize: Normalize::TopK,
-        scaled: false,
-        dtype: BF16,
-        tolerance: 2e-2,
-    },
-    RouteSpec {
-        name: "router, 128 rows, top 10 of 256 experts, softmax over all",
-        tokens: 128,
-        experts: 256,
-        k: 10,
-        normalize: Normalize::All,
-        scaled: false,
-        dtype: BF16,
-        tolerance: 2e-2,
-    },
+        name,
+        tokens,
+        experts,
+        k,
+        normalize,
+        scaled,
+        hidden,
+        dtype,
+        tolerance: match dtype {
+            Dtype::Float32 => 1e-5,
+            _ => 2e-2,
+        },
+    }
+}
+
+const ROUTE_CASES: [RouteSpec; 8] = [
+    route_case(
+        "router, 3 tokens, top 4 of 40 experts, softmax over all",
+        (3, 40, 4),
+        Normalize::All,
+        false,
+        None,
+        F32,
+    ),
+    route_case(
+        "router, 5 tokens, top 2 of 8 experts, softmax over the top, scaled",
+        (5, 8, 2),
+        Normalize::TopK,
+        true,
+        None,
+        F32,
+    ),
+    route_case(
+        "router with its product and bias, 4 tokens, top 4 of 40 experts, 128 features",
+        (4, 40, 4),
+        Normalize::TopK,
+        false,
+        Some((128, true)),
+        F32,
+    ),
+    route_case(
+        "qwen3_moe router, 32 rows, top 8 of 128 experts",
+        (32, 128, 8),
+        Normalize::TopK,
+        false,
+        None,
+        BF16,
+    ),
+    route_case(
+        "router, 128 rows, top 10 of 256 experts, softmax over all",
+        (128, 256, 10),
+        Normalize::All,
+        false,
+        None,
+        BF16,
+    ),
+    route_case(
+        "qwen3_moe router with its product, 32 rows, top 8 of 128 experts, 2048 features",
+        (32, 128, 8),
+        Normalize::All,
+        false,
+        Some((2048, false)),
+        BF16,
+    ),
+    route_case(
+        "gpt_oss router with its product and bias, 32 rows, top 4 of 32 experts, 2880 features",
+        (32, 32, 4),
+        Normalize::TopK,
+        false,
+        Some((2880, true)),
+        BF16,
+    ),
+    route_case(
+        "gemma4 router with its product, scaled, 32 rows, top 8 of 128 experts, 2816 features",
+        (32, 128, 8),
+        Normalize::TopK,
+        true,
+        Some((2816, false)),
+        BF16,
+    ),
 ];
 
-/// One random router case through [`route`] and MLX's operations (softmax, top k, softmax),
-/// compared as each token's weights scattered over its experts.
+/// One random router case through [`route`] (or [`route_from_hidden`]) and MLX's operations
+/// (product, softmax, top k, softmax), compared as each token's weights scattered over its
+/// experts.
 struct RouteCase {
     error: f32,
     logits: Array,
+    /// `x`, `W` and the bias, when the kernel computes the scores.
+    hidden: Option<(Array, Array, Option<Array>)>,
     scale: Option<Array>,
     k: i32,
     normalize: Normalize,
@@ -964,17 +1140,21 @@ impl RouteCase {
         // Distinct scores (a permutation of multiples of 1/16, exact in bfloat16), so the top k
         // has no ties to break either way.
         let order = ops::argsort_axis(&normal::<f32>(&[t, e], None, None, Some(&k(0)?))?, -1)?;
-        let logits = ops::multiply(&order.as_dtype(F32)?, Array::from_f32(1.0 / 16.0))?
-            .as_dtype(spec.dtype)?;
+        let logits = ops::multiply(&order.as_dtype(F32)?, Array::from_f32(1.0 / 16.0))?;
         let scale = spec
             .scaled
             .then(|| uniform::<_, f32>(0.5, 2.0, &[e], Some(&k(1).unwrap())))
             .transpose()?
             .map(|s| s.as_dtype(spec.dtype))
             .transpose()?;
+        let hidden = match spec.hidden {
+            Some((h, bias)) => Some(exact_product(&logits, h, bias, spec.dtype)?),
+            None => None,
+        };
         let case = Self {
             error: 0.0,
-            logits,
+            logits: logits.as_dtype(spec.dtype)?,
+            hidden,
             scale,
             k: spec.k,
             normalize: spec.normalize,
@@ -993,18 +1173,33 @@ impl RouteCase {
     }
 
     fn kernel(&self) -> crate::Result<(Array, Array)> {
-        route(&self.logits, self.k, self.normalize, self.scale.as_ref())?
+        let routed = match &self.hidden {
+            Some((x, w, b)) => route_from_hidden(
+                x,
+                (w, b.as_ref()),
+                self.k,
+                self.normalize,
+                self.scale.as_ref(),
+            )?,
+            None => route(&self.logits, self.k, self.normalize, self.scale.as_ref())?,
+        };
+        routed
             .ok_or_else(|| crate::EngineError::Kernel("the router kernel refused its case".into()))
     }
 
     fn mlx(&self) -> crate::Result<(Array, Array)> {
+        let logits = match &self.hidden {
+            Some((x, w, Some(b))) => ops::addmm(b, x, &w.t(), None, None)?,
+            Some((x, w, None)) => ops::matmul(x, &w.t())?,
+            None => self.logits.clone(),
+        };
         let (indices, scores) = match self.normalize {
             Normalize::All => {
-                let probabilities = ops::softmax_axis(&self.logits, -1, true)?;
+                let probabilities = ops::softmax_axis(&logits, -1, true)?;
                 crate::nn::mlx_ext::top_k(&probabilities, self.k)?
             }
             Normalize::TopK => {
-                let (indices, top) = crate::nn::mlx_ext::top_k(&self.logits, self.k)?;
+                let (indices, top) = crate::nn::mlx_ext::top_k(&logits, self.k)?;
                 (indices, ops::softmax_axis(&top, -1, true)?)
             }
         };
@@ -1014,6 +1209,77 @@ impl RouteCase {
         };
         Ok((indices, scores))
     }
+}
+
+/// An input `x` `[tokens, hidden]`, a weight `W` `[experts, hidden]` and (with `bias`) a bias
+/// `[experts]` in `dtype` whose product `x W^T + b` is exactly `logits` `[tokens, experts]`
+/// (multiples of 1/16 below 16), however its sums are ordered: `x`'s row `t` is the unit vector
+/// `t` then small integers `r` twice (`[1_t | r | r]`), `W`'s row `e` is that expert's column of
+/// `logits − b` then multiples of 1/16 `z` and `−z` (`[l_e − b_e | z | −z]`), so the `r·z` terms
+/// cancel exactly, every partial sum a multiple of 1/16 well within float32's precision.
+fn exact_product(
+    logits: &Array,
+    hidden: i32,
+    bias: bool,
+    dtype: Dtype,
+) -> crate::Result<(Array, Array, Option<Array>)> {
+    let [tokens, experts] = logits.shape() else {
+        return Err(crate::EngineError::Kernel(
+            "router logits must be 2-D".into(),
+        ));
+    };
+    let (tokens, experts) = (*tokens, *experts);
+    let half = (hidden - tokens) / 2;
+    if half < 1 || tokens + 2 * half != hidden {
+        return Err(crate::EngineError::Kernel(format!(
+            "a router case of {hidden} features takes an even number above {tokens} tokens"
+        )));
+    }
+    // A fixed small-integer sequence (a linear congruential generator's high bits) in −3..=3.
+    let mut state = (tokens * 7919 + experts * 104_729 + hidden) as u32;
+    let mut small = move || {
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        ((state >> 24) % 7) as f32 - 3.0
+    };
+    let r: Vec<f32> = (0..tokens * half).map(|_| small()).collect();
+    let z: Vec<f32> = (0..experts * half).map(|_| small() / 16.0).collect();
+    let b: Vec<f32> = (0..experts)
+        .map(|_| if bias { (small() + 3.0) / 16.0 } else { 0.0 })
+        .collect();
+    let l = logits.as_dtype(F32)?;
+    l.eval()?;
+    let l = l.as_slice::<f32>().to_vec();
+    let (t, e, h, m) = (
+        tokens as usize,
+        experts as usize,
+        hidden as usize,
+        half as usize,
+    );
+    let mut x = vec![0f32; t * h];
+    for row in 0..t {
+        x[row * h + row] = 1.0;
+        for j in 0..m {
+            x[row * h + t + j] = r[row * m + j];
+            x[row * h + t + m + j] = r[row * m + j];
+        }
+    }
+    let mut w = vec![0f32; e * h];
+    for expert in 0..e {
+        for row in 0..t {
+            w[expert * h + row] = l[row * e + expert] - b[expert];
+        }
+        for j in 0..m {
+            w[expert * h + t + j] = z[expert * m + j];
+            w[expert * h + t + m + j] = -z[expert * m + j];
+        }
+    }
+    let x = Array::from_slice(&x, &[tokens, hidden]).as_dtype(dtype)?;
+    let w = Array::from_slice(&w, &[experts, hidden]).as_dtype(dtype)?;
+    let b = match bias {
+        true => Some(Array::from_slice(&b, &[experts]).as_dtype(dtype)?),
+        false => None,
+    };
+    Ok((x, w, b))
 }
 
 /// Checks [`gather_qmv`] against MLX's `gather_qmm` (with the same bias, activation or weighted
@@ -1070,7 +1336,10 @@ pub fn check() -> crate::Result<Vec<String>> {
 mod tests {
     use mlx_rs::{Array, Dtype};
 
-    use super::{affine, backend, route, Epilogue, Normalize, Operands, MXFP4};
+    use super::{
+        affine, backend, exact_product, route, route_from_hidden, Epilogue, Normalize, Operands,
+        MXFP4,
+    };
     use crate::nn::layers::Activation;
 
     use crate::nn::custom_kernel::zeros;
@@ -1259,5 +1528,34 @@ mod tests {
     fn router_kernel_only_on_cuda() {
         let logits = zeros(&[2, 1, 64], Dtype::Float32);
         assert!(route(&logits, 8, Normalize::TopK, None).unwrap().is_none());
+        let x = zeros(&[2, 1, 128], Dtype::Float32);
+        let w = zeros(&[64, 128], Dtype::Float32);
+        let routed = route_from_hidden(&x, (&w, None), 8, Normalize::TopK, None).unwrap();
+        assert!(routed.is_none());
+    }
+
+    /// The router check's operands give exactly the scores asked for (in bfloat16, with and
+    /// without a bias), so the kernel and MLX see no ties either way.
+    #[test]
+    fn router_check_operands_multiply_exactly() {
+        let order: Vec<f32> = (0..4 * 40).map(|i| ((i * 37) % 40) as f32 / 16.0).collect();
+        let logits = Array::from_slice(&order, &[4, 40]);
+        for bias in [false, true] {
+            let (x, w, b) = exact_product(&logits, 128, bias, Dtype::Bfloat16).unwrap();
+            assert_eq!(b.is_some(), bias);
+            let x = x.as_dtype(Dtype::Float32).unwrap();
+            let w = w.as_dtype(Dtype::Float32).unwrap();
+            let mut product = mlx_rs::ops::matmul(&x, &w.t()).unwrap();
+            if let Some(b) = b {
+                product = mlx_rs::ops::add(&product, &b.as_dtype(Dtype::Float32).unwrap()).unwrap();
+            }
+            let product = product.as_dtype(Dtype::Bfloat16).unwrap();
+            product.eval().unwrap();
+            let got = product.as_dtype(Dtype::Float32).unwrap();
+            got.eval().unwrap();
+            assert_eq!(got.as_slice::<f32>(), &order[..], "bias {bias}");
+        }
+        // An odd number of features beside the tokens' unit vectors is refused.
+        assert!(exact_product(&logits, 127, false, Dtype::Float32).is_err());
     }
 }

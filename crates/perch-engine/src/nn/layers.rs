@@ -559,6 +559,14 @@ impl Linear {
         }
     }
 
+    /// The dense weight `[out, in]` and bias; `None` when quantized.
+    pub fn dense(&self) -> Option<(&Array, Option<&Array>)> {
+        match self {
+            Linear::Dense { weight, bias } => Some((weight.weight(), bias.as_ref())),
+            Linear::Quantized { .. } => None,
+        }
+    }
+
     /// `[..., in]` → `[..., out]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
         match self {

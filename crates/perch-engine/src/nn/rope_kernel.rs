@@ -16,7 +16,9 @@
 //! rsqrt(mean + eps))` in the dtype `T`; RoPE (Su et al. 2021) in the non-interleaved layout
 //! over the first `dims` features, feature `i` of each half turned by `position · scale ·
 //! inv_freq(i)` with `inv_freq(i) = base^(−i / (dims / 2))`, or `1 / freqs[i]` when the model
-//! gives its periods; the rest of the features passed through.
+//! gives its periods; the rest of the features passed through. With YaRN's attention factor
+//! (gpt-oss), the rotated features are first multiplied by it in the dtype `T`, as mlx_lm's
+//! `YarnRoPE` does.
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -42,6 +44,12 @@ const SOURCE: &str = r#"
   }
   float value = static_cast<float>(source[d]);
   /*NORM*/
+  if (MSCALE_BITS != 0x3f800000 && d < DIMS) {
+    // YaRN's attention factor on the rotated features, in T (a product of two T values is
+    // exact in float32, so this is T's rounded product).
+    const float mscale = static_cast<float>(static_cast<T>(__int_as_float(MSCALE_BITS)));
+    value = static_cast<float>(static_cast<T>(value * mscale));
+  }
   __shared__ float features[D];
   features[d] = value;
   __syncthreads();
@@ -107,6 +115,9 @@ pub struct RopeSpec<'a> {
     pub scale: f32,
     /// The periods `[dims / 2]` float32 replacing `base`, for scaled variants.
     pub freqs: Option<&'a Array>,
+    /// A factor on the rotated features before the rotation, in the features' dtype (YaRN's
+    /// attention factor, [`crate::nn::layers::Rope::mscale`]); 1 for none.
+    pub mscale: f32,
 }
 
 /// A layer's attention heads: query heads, key and value heads, features a head.
@@ -153,6 +164,7 @@ pub fn takes(
         && rope.dims > 0
         && rope.dims % 2 == 0
         && rope.dims <= head_dim
+        && rope.mscale.is_finite()
         && norms.is_none_or(|(q, k)| {
             q.shape() == [head_dim]
                 && k.shape() == [head_dim]
@@ -215,6 +227,7 @@ pub fn norm_rope(
         ),
         TemplateArg::Int(c"LOG2_BASE_BITS", rope.base.log2().to_bits() as i32),
         TemplateArg::Int(c"SCALE_BITS", rope.scale.to_bits() as i32),
+        TemplateArg::Int(c"MSCALE_BITS", rope.mscale.to_bits() as i32),
     ];
     let (with_norms, with_freqs) = (norms.is_some(), rope.freqs.is_some());
     KERNELS.with(|kernels| {
@@ -281,17 +294,20 @@ pub fn check() -> crate::Result<Vec<String>> {
     }
     mlx_rs::random::seed(13)?;
     let mut lines = Vec::new();
-    // (rows, heads, kv_heads, head_dim, rotated dims, norms, freqs, dtype)
+    // (rows, heads, kv_heads, head_dim, rotated dims, norms, freqs, mscale, dtype)
     let cases = [
-        (1, 16, 8, 128, 128, true, false, Dtype::Bfloat16),
-        (32, 16, 4, 128, 128, true, false, Dtype::Bfloat16),
-        (8, 32, 8, 64, 64, false, false, Dtype::Bfloat16),
-        (4, 8, 2, 256, 64, true, false, Dtype::Bfloat16),
-        (5, 8, 2, 64, 64, false, true, Dtype::Float16),
-        (3, 4, 4, 128, 128, true, true, Dtype::Float32),
-        (128, 16, 8, 128, 128, true, false, Dtype::Bfloat16),
+        (1, 16, 8, 128, 128, true, false, 1.0, Dtype::Bfloat16),
+        (32, 16, 4, 128, 128, true, false, 1.0, Dtype::Bfloat16),
+        (8, 32, 8, 64, 64, false, false, 1.0, Dtype::Bfloat16),
+        (4, 8, 2, 256, 64, true, false, 1.0, Dtype::Bfloat16),
+        (5, 8, 2, 64, 64, false, true, 1.0, Dtype::Float16),
+        (3, 4, 4, 128, 128, true, true, 1.0, Dtype::Float32),
+        (128, 16, 8, 128, 128, true, false, 1.0, Dtype::Bfloat16),
+        // gpt-oss: YaRN's periods and attention factor (0.1 ln 32 + 1).
+        (32, 64, 8, 64, 64, false, true, 1.346_574, Dtype::Bfloat16),
+        (4, 8, 2, 128, 64, true, true, 1.2, Dtype::Float32),
     ];
-    for (rows, heads, kv_heads, head_dim, dims, with_norms, with_freqs, dtype) in cases {
+    for (rows, heads, kv_heads, head_dim, dims, with_norms, with_freqs, mscale, dtype) in cases {
         let normal = |shape: &[i32], std: f32| -> crate::Result<Array> {
             Ok(mlx_rs::random::normal::<f32>(shape, None, Some(std), None)?.as_dtype(dtype)?)
         };
@@ -316,6 +332,7 @@ pub fn check() -> crate::Result<Vec<String>> {
             base: 1_000_000.0,
             scale: 1.0,
             freqs: freqs.as_ref(),
+            mscale,
         };
         let norms = with_norms.then_some((&q_weight, &k_weight, eps));
         let run = || norm_rope(&qkv, (heads, kv_heads, head_dim), norms, &offsets, &rope);
@@ -344,6 +361,18 @@ pub fn check() -> crate::Result<Vec<String>> {
                 false => x,
             };
             let x = x.transpose_axes(&[0, 2, 1, 3])?;
+            // mlx_lm's YaRN: the first `dims` features times the factor, in x's dtype.
+            let x = match mscale == 1.0 {
+                true => x,
+                false => {
+                    let shape = x.shape().to_vec();
+                    let rotated = slice(&x, &[0, 0, 0, 0], &[shape[0], shape[1], shape[2], dims])?;
+                    let rotated =
+                        ops::multiply(&rotated, &Array::from_f32(mscale).as_dtype(dtype)?)?;
+                    let rest = slice(&x, &[0, 0, 0, dims], &shape)?;
+                    ops::concatenate(&[rotated, rest], 3)?
+                }
+            };
             Ok(fast::rope_dynamic(
                 &x,
                 dims,
@@ -372,7 +401,8 @@ pub fn check() -> crate::Result<Vec<String>> {
         })?;
         let line = format!(
             "rows {rows}, heads {heads}/{kv_heads}, head size {head_dim}, {dims} rotated, norms \
-             {with_norms}, periods given {with_freqs}, {dtype:?}: max |error| {error:.2e} \
+             {with_norms}, periods given {with_freqs}, factor {mscale}, {dtype:?}: max |error| \
+             {error:.2e} \
              (tolerance {tolerance:.1e}); {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3} \
              (with two sums)"
         );
@@ -403,6 +433,7 @@ mod tests {
             base: 1e6,
             scale: 1.0,
             freqs: None,
+            mscale: 1.0,
         };
         assert!(computes(
             &qkv,
@@ -442,6 +473,16 @@ mod tests {
             ..rope
         };
         assert!(!computes(&qkv, (16, 8, 128), None, &offsets, &short));
+        let unbounded = RopeSpec {
+            mscale: f32::INFINITY,
+            ..rope
+        };
+        assert!(!computes(&qkv, (16, 8, 128), None, &offsets, &unbounded));
+        let yarn = RopeSpec {
+            mscale: 1.35,
+            ..rope
+        };
+        assert!(computes(&qkv, (16, 8, 128), None, &offsets, &yarn));
         let head_80 = zeros(&[4, 1, 32, 80], bf);
         assert!(!computes(&head_80, (16, 8, 80), None, &offsets, &rope));
     }
