@@ -437,6 +437,51 @@ fn admissions_fit_the_memory_headroom() {
     assert_eq!(batch.kv_stats().blocks_cached_free, cached);
 }
 
+/// Admission counts the copies a prompt's full blocks add to the prefix cache's store only
+/// for blocks that become new entries: not a prefix already cached, nor one the request
+/// admitted just before shares.
+#[test]
+fn admission_counts_only_new_prefix_cache_blocks() {
+    let (model, tokenizer) = load();
+    let position = perch_engine::testing::kv_bytes_per_token(model.as_ref(), None);
+    let row = position * 256;
+    let room = |bytes: usize| {
+        Some(perch_engine::memory::Available {
+            bytes: bytes as u64,
+            bound: perch_engine::memory::MemoryBound::Cgroup,
+        })
+    };
+    // 40 tokens: five full blocks of 8.
+    let prompt: Vec<u32> = (200..240).collect();
+    let admitted = |batch: &mut BatchGenerator, bytes: usize| {
+        for _ in 0..2 {
+            batch.insert(request(prompt.clone(), 2)).unwrap();
+        }
+        batch.set_memory_headroom(room(bytes));
+        batch.step().unwrap();
+        let admitted = batch.num_running();
+        batch.set_memory_headroom(None);
+        while !batch.is_empty() {
+            batch.step().unwrap();
+        }
+        admitted
+    };
+    // Two rows of 256 positions in each of the prefill and decode caches (4 rows), and the
+    // prompt's five blocks published once (40 positions): its twin shares them.
+    let fresh = || BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
+    assert_eq!(admitted(&mut fresh(), 4 * row + 40 * position), 2);
+    assert_eq!(admitted(&mut fresh(), 4 * row + 40 * position - 1), 1);
+    // Once those blocks are cached, nothing is published: the rows alone.
+    let mut batch = fresh();
+    batch.insert(request(prompt.clone(), 2)).unwrap();
+    while !batch.is_empty() {
+        batch.step().unwrap();
+    }
+    assert!(batch.kv_stats().blocks_cached_free >= 5);
+    assert_eq!(admitted(&mut batch, 4 * row), 2);
+    assert_eq!(admitted(&mut batch, 4 * row - 1), 1);
+}
+
 /// A sequence preempted after streaming tokens that then cannot come back for memory ends
 /// with what it has (`length`), not with an error that would leave its client without it.
 #[test]

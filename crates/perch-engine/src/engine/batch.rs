@@ -721,10 +721,13 @@ impl<'m> BatchGenerator<'m> {
     /// follows the longest sequence of all
     /// ([`SlotKvCache`](crate::kv::slot_cache::SlotKvCache): rows and capacity bucketed); a
     /// cache that must grow allocates its new buffers while the old ones are still read, so
-    /// growing costs the new buffers' whole size. The prompts' full blocks are then copied into
-    /// the prefix cache's store, up to the pool's size. Hybrid models' recurrent states and
-    /// activations are not counted (the floor under the headroom is for them), nor a running
-    /// sequence's later growth.
+    /// growing costs the new buffers' whole size. The prompts' full blocks that become prefix
+    /// cache entries are then copied into its store, up to the pool's size: not those already
+    /// cached, nor those a prompt shares with the one admitted just before it (a block whose
+    /// content the cache holds is not copied again), nor any of a bounded, quantized or
+    /// preloaded sequence (never published). Hybrid models' recurrent states and activations
+    /// are not counted (the floor under the headroom is for them), nor a running sequence's
+    /// later growth.
     fn admission_growth(&self, room: usize) -> Vec<usize> {
         use perch_sched::shapes::{capacity_bucket, row_bucket};
         let [decode, prefill] = self.runner.slot_shapes();
@@ -754,10 +757,16 @@ impl<'m> BatchGenerator<'m> {
             .saturating_sub(self.store.nbytes() / bytes_per_position);
         let mut published = 0;
         let mut growth = Vec::new();
+        let mut previous: Option<&[u32]> = None;
         for (k, seq) in self.waiting.iter().take(room).enumerate() {
             longest_prefill = longest_prefill.max(seq.tokens.len());
             longest = longest.max(seq.tokens.len() + 1);
-            published += seq.tokens.len() / block * block;
+            if self.kv.caching_enabled() && seq.kv.is_plain() && seq.preloaded.is_none() {
+                let cached = self.kv.cached_prefix(&seq.tokens).num_tokens;
+                let shared = previous.map_or(0, |p| common_prefix(p, &seq.tokens) / block * block);
+                published += (seq.tokens.len() / block * block).saturating_sub(cached.max(shared));
+                previous = Some(&seq.tokens);
+            }
             let prefill_rows = (prefilling + k + 1).min(self.config.prefill_batch_size);
             let positions = grown(decode, self.running.len() + k + 1, longest)
                 + grown(prefill, prefill_rows, longest_prefill)
@@ -1599,6 +1608,11 @@ fn allow_release(cache: &mut [KvCache], published: usize) {
 /// copy per row and layer part (each copy is a launch for the host; runs of 512 positions made
 /// publishing a third of a long prompt's prefill on an H100).
 const PUBLISH_RUN_TOKENS: usize = 2048;
+
+/// How many leading tokens `a` and `b` have in common.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
 
 /// Registers the full blocks `seq` has computed since the last call in the prefix cache and
 /// copies the content of those that became cache entries into the store, from its slot. With
