@@ -23,6 +23,7 @@ export function describeStats(stats, finishReason) {
     parts.push(`draft ${rate.toFixed(0)}% accepted`);
   }
   if (finishReason === "cancelled") parts.push("stopped");
+  else if (finishReason === "length" && stats.cut_for_memory) parts.push("cut short: out of KV memory");
   else if (finishReason === "length") parts.push("hit the token limit");
   return parts.join(" · ");
 }

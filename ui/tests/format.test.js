@@ -17,6 +17,7 @@ describe("describeStats", () => {
     const plain = { ...stats, cached_prompt_tokens: 0 };
     expect(describeStats(plain, "cancelled")).toBe("12 tokens · TTFT 250 ms · 10.4 tok/s · stopped");
     expect(describeStats(plain, "length")).toMatch(/hit the token limit$/);
+    expect(describeStats({ ...plain, cut_for_memory: true }, "length")).toMatch(/cut short: out of KV memory$/);
   });
   it("gives the share of a draft model's proposals accepted", () => {
     const drafted = { ...stats, cached_prompt_tokens: 0, draft_tokens: 12, accepted_draft_tokens: 9 };

@@ -217,6 +217,11 @@ pub struct GenerationStats {
     pub draft_tokens: usize,
     #[serde(default)]
     pub accepted_draft_tokens: usize,
+    /// The engine ended generation before `max_tokens` (finish reason `Length`) for lack of KV
+    /// memory: the request's tokens filled the KV pool, or it was preempted and memory did not
+    /// come back for it.
+    #[serde(default)]
+    pub cut_for_memory: bool,
 }
 
 impl GenerationStats {

@@ -263,6 +263,7 @@ fn a_prompt_larger_than_the_pool_is_rejected_and_max_tokens_is_clamped_to_the_po
     let (output, _) = &outputs[0];
     assert_eq!(output.finish_reason, FinishReason::Length);
     assert_eq!(output.token_ids.len(), 12, "{output:?}");
+    assert!(output.stats.cut_for_memory, "{output:?}");
     assert_eq!(batch.kv_stats().blocks_used, 0);
 }
 
@@ -539,6 +540,12 @@ fn a_preempted_sequence_that_no_longer_fits_finishes_with_its_tokens() {
     );
     for (request, output) in &finished {
         assert_eq!(output.finish_reason, FinishReason::Length);
+        // The one cut short says so; the one that reached its max_tokens does not.
+        assert_eq!(
+            output.stats.cut_for_memory,
+            output.token_ids.len() < 30,
+            "{output:?}"
+        );
         // What was streamed is the output's text: nothing repeated or dropped.
         let streamed: String = events
             .iter()

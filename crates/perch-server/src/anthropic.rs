@@ -393,12 +393,14 @@ fn stop_reason(
 /// Anthropic's `usage`: `input_tokens` counts only the prompt tokens not read from the prefix
 /// cache, `cache_read_input_tokens` those read (Anthropic's definitions).
 fn usage(stats: &GenerationStats) -> Value {
-    json!({
+    let mut usage = json!({
         "input_tokens": stats.prompt_tokens - stats.cached_prompt_tokens,
         "cache_read_input_tokens": stats.cached_prompt_tokens,
         "cache_creation_input_tokens": 0,
         "output_tokens": stats.generation_tokens,
-    })
+    });
+    crate::openai::cut_for_memory(&mut usage, stats);
+    usage
 }
 
 /// Calls in `content` so far: the next call's number.

@@ -494,12 +494,22 @@ pub(crate) fn finish_reason(reason: FinishReason) -> &'static str {
 
 /// The `usage` object: prompt tokens with those read from the prefix cache, generated tokens.
 pub(crate) fn usage(stats: &GenerationStats) -> Value {
-    json!({
+    let mut usage = json!({
         "prompt_tokens": stats.prompt_tokens,
         "completion_tokens": stats.generation_tokens,
         "total_tokens": stats.prompt_tokens + stats.generation_tokens,
         "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
-    })
+    });
+    cut_for_memory(&mut usage, stats);
+    usage
+}
+
+/// Perch's extension of a `usage` object: `"cut_for_memory": true` when the engine ended the
+/// answer early for lack of KV memory (its finish reason is then the token limit's).
+pub(crate) fn cut_for_memory(usage: &mut Value, stats: &GenerationStats) {
+    if stats.cut_for_memory {
+        usage["cut_for_memory"] = Value::Bool(true);
+    }
 }
 
 /// A log-probability as JSON: `-inf` (a token the processors ruled out) has no JSON number, so
@@ -623,4 +633,26 @@ fn deltas(completion: &str, calls_before: usize, outputs: Vec<ToolOutput>) -> Ve
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use perch_engine::GenerationStats;
+
+    use super::usage;
+
+    /// `cut_for_memory` appears in `usage` only when the engine cut the answer short.
+    #[test]
+    fn usage_says_when_an_answer_was_cut_for_memory() {
+        let mut stats = GenerationStats {
+            prompt_tokens: 7,
+            generation_tokens: 3,
+            ..Default::default()
+        };
+        let plain = usage(&stats);
+        assert_eq!(plain["total_tokens"], 10);
+        assert!(plain.get("cut_for_memory").is_none(), "{plain}");
+        stats.cut_for_memory = true;
+        assert_eq!(usage(&stats)["cut_for_memory"], true);
+    }
 }

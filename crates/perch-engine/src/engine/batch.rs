@@ -293,6 +293,9 @@ struct Sequence {
     sink: TokenSink,
     /// Whether this request was admitted before (its prefix lookup is counted once).
     admitted_once: bool,
+    /// Its `max_tokens` was lowered to what the KV pool holds: reaching it is a cut for memory
+    /// ([`GenerationStats::cut_for_memory`](crate::api::GenerationStats)).
+    pool_bound: bool,
     /// A prefix state from a prompt-cache file without token ids: the sequence starts from it
     /// (`tokens` begins with placeholders for it) and its blocks never join the prefix cache.
     preloaded: Option<PromptCache>,
@@ -565,6 +568,7 @@ impl<'m> BatchGenerator<'m> {
             });
         }
         // A bounded request whose bound the pool holds may run past the pool's size.
+        let asked = max_tokens;
         let max_tokens = match limit {
             Some(limit) if self.bounded_tokens(limit) < capacity_tokens => max_tokens,
             _ => max_tokens.min(capacity_tokens - request.prompt.len()),
@@ -598,6 +602,7 @@ impl<'m> BatchGenerator<'m> {
             sampler: Sampler::for_tokenizer(request.sampling.clone(), self.tokenizer)?,
             sink: TokenSink::new(&request, stop_ids, max_tokens),
             admitted_once: false,
+            pool_bound: max_tokens < asked,
             request,
             start: Instant::now(),
             first_token_at: None,
@@ -989,7 +994,8 @@ impl<'m> BatchGenerator<'m> {
                 }
                 Decision::FinishOutOfBlocks(id) => {
                     let i = self.position(id).expect("scheduled from the running");
-                    let seq = self.running.remove(i);
+                    let mut seq = self.running.remove(i);
+                    seq.sink.output.stats.cut_for_memory = true;
                     self.finish(seq, events)?;
                 }
             }
@@ -1034,8 +1040,9 @@ impl<'m> BatchGenerator<'m> {
         if !leaves {
             return Ok(false);
         }
-        let seq = self.waiting.pop_front().expect("the first waiting request");
+        let mut seq = self.waiting.pop_front().expect("the first waiting request");
         if seq.sink.generated > 0 {
+            seq.sink.output.stats.cut_for_memory = true;
             self.finish(seq, events)?;
         } else {
             events.push(BatchEvent::Refused {
@@ -1471,6 +1478,9 @@ impl<'m> BatchGenerator<'m> {
     /// Takes a sequence that is done out of the batch: frees its blocks, flushes held-back text
     /// and reports it finished.
     fn finish(&mut self, mut seq: Sequence, events: &mut Vec<BatchEvent>) -> Result<()> {
+        if seq.pool_bound && seq.sink.output.finish_reason == FinishReason::Length {
+            seq.sink.output.stats.cut_for_memory = true;
+        }
         self.release(&mut seq)?;
         if let Some(event) = seq.sink.finish(self.tokenizer)? {
             events.push(BatchEvent::Token {
