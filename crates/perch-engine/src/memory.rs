@@ -10,6 +10,13 @@
 //! looks only at the root of the cgroup mount, which is not the process's cgroup outside a
 //! container. The cgroup files: <https://docs.kernel.org/admin-guide/cgroup-v2.html>,
 //! <https://docs.kernel.org/admin-guide/cgroup-v1/memory.html>.
+//!
+//! On macOS the answer also follows the kernel's memory pressure level (the
+//! `kern.memorystatus_vm_pressure_level` sysctl, the level `DISPATCH_SOURCE_TYPE_MEMORYPRESSURE`
+//! reports): under a warning, half of what `sysinfo` counts as available (the system is already
+//! compressing memory, and what it counts as available would come from swap); at critical,
+//! nothing ([`under_pressure`]). Not run here (no Mac): the mapping is unit-tested, the sysctl
+//! read is not.
 
 use std::path::{Path, PathBuf};
 
@@ -20,6 +27,69 @@ pub enum MemoryBound {
     System,
     /// A memory cgroup's limit (a container's, a service's or a test's).
     Cgroup,
+    /// macOS's memory pressure ([`PressureLevel`]).
+    Pressure,
+}
+
+/// macOS's memory pressure level (`kern.memorystatus_vm_pressure_level`: 1, 2, 4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PressureLevel {
+    Normal,
+    Warning,
+    Critical,
+}
+
+impl PressureLevel {
+    /// The sysctl's value; `None` for one it does not define.
+    pub fn from_sysctl(value: u32) -> Option<Self> {
+        match value {
+            1 => Some(Self::Normal),
+            2 => Some(Self::Warning),
+            4 => Some(Self::Critical),
+            _ => None,
+        }
+    }
+}
+
+/// `available` as the pressure `level` leaves it: all of it when normal (or unknown), half under
+/// a warning, nothing at critical (bounded by [`MemoryBound::Pressure`] when that is less).
+pub fn under_pressure(available: Available, level: Option<PressureLevel>) -> Available {
+    let bytes = match level {
+        None | Some(PressureLevel::Normal) => return available,
+        Some(PressureLevel::Warning) => available.bytes / 2,
+        Some(PressureLevel::Critical) => 0,
+    };
+    Available {
+        bytes,
+        bound: MemoryBound::Pressure,
+    }
+}
+
+/// macOS's memory pressure level now; `None` where it cannot be read.
+#[cfg(target_os = "macos")]
+fn pressure_level() -> Option<PressureLevel> {
+    let mut value: u32 = 0;
+    let mut size = std::mem::size_of::<u32>();
+    // SAFETY: the name is NUL-terminated, `value` and `size` outlive the call and `size` is
+    // `value`'s size; no new value is set.
+    let status = unsafe {
+        libc::sysctlbyname(
+            c"kern.memorystatus_vm_pressure_level".as_ptr(),
+            (&mut value as *mut u32).cast(),
+            &mut size,
+            std::ptr::null_mut(),
+            0,
+        )
+    };
+    (status == 0 && size == std::mem::size_of::<u32>())
+        .then(|| PressureLevel::from_sysctl(value))
+        .flatten()
+}
+
+/// Only macOS reports a pressure level.
+#[cfg(not(target_os = "macos"))]
+fn pressure_level() -> Option<PressureLevel> {
+    None
 }
 
 /// Bytes the process can still allocate, and what bounds them.
@@ -36,6 +106,7 @@ impl std::fmt::Display for Available {
         match self.bound {
             MemoryBound::System => Ok(()),
             MemoryBound::Cgroup => write!(f, " (the memory limit of the cgroup Perch runs in)"),
+            MemoryBound::Pressure => write!(f, " (macOS reports memory pressure)"),
         }
     }
 }
@@ -69,7 +140,7 @@ fn available_under(cgroups: &[(PathBuf, CgroupVersion)]) -> Available {
             };
         }
     }
-    answer
+    under_pressure(answer, pressure_level())
 }
 
 /// The memory cgroup directories this process is in and each ancestor (none outside Linux or
@@ -364,6 +435,40 @@ pub fn describe_bytes(bytes: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A warning halves what is available and critical leaves nothing, said in the sentence;
+    /// normal, unknown or undefined levels change nothing.
+    #[test]
+    fn memory_pressure_lowers_what_is_available() {
+        let system = Available {
+            bytes: 8_000_000_000,
+            bound: MemoryBound::System,
+        };
+        assert_eq!(under_pressure(system, None), system);
+        assert_eq!(
+            under_pressure(system, PressureLevel::from_sysctl(1)),
+            system
+        );
+        assert_eq!(PressureLevel::from_sysctl(3), None);
+        let warning = under_pressure(system, PressureLevel::from_sysctl(2));
+        assert_eq!(
+            warning,
+            Available {
+                bytes: 4_000_000_000,
+                bound: MemoryBound::Pressure,
+            }
+        );
+        assert_eq!(
+            warning.to_string(),
+            "4.0 GB is available (macOS reports memory pressure)"
+        );
+        let critical = under_pressure(system, PressureLevel::from_sysctl(4));
+        assert_eq!((critical.bytes, critical.bound), (0, MemoryBound::Pressure));
+        // Elsewhere there is no level to read.
+        if !cfg!(target_os = "macos") {
+            assert_eq!(pressure_level(), None);
+        }
+    }
 
     const MOUNTINFO: &str = "\
 24 30 0:22 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
