@@ -153,6 +153,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
     let draft = args.draft.load()?;
+    // Metal: the models stay resident while the command runs (mlx_lm's `wired_limit` around
+    // generation); the engine does the same for `serve`, the app and `bench --concurrency`.
+    let _wired = perch_engine::device::WiredLimit::raise();
     let prompt = match &args.prompt_ids {
         Some(path) => {
             let text = std::fs::read_to_string(path)

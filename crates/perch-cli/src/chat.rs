@@ -25,6 +25,9 @@ pub struct ChatArgs {
 pub fn run(args: ChatArgs) -> anyhow::Result<()> {
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
     let draft = args.options.draft.load()?;
+    // Metal: the models stay resident while the command runs (mlx_lm's `wired_limit` around
+    // generation); the engine does the same for `serve`, the app and `bench --concurrency`.
+    let _wired = perch_engine::device::WiredLimit::raise();
     let mut messages: Vec<ChatMessage> = args
         .system
         .iter()

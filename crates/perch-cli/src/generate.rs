@@ -224,6 +224,9 @@ impl GenerationOptions {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
     let draft = args.options.draft.load()?;
+    // Metal: the models stay resident while the command runs (mlx_lm's `wired_limit` around
+    // generation); the engine does the same for `serve`, the app and `bench --concurrency`.
+    let _wired = perch_engine::device::WiredLimit::raise();
     let prompt = prompt_ids(&args, &tokenizer)?;
     let request = args.options.request(prompt);
     let stdout = std::io::stdout();
