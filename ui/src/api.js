@@ -7,7 +7,7 @@ import { listen } from "@tauri-apps/api/event";
 /**
  * A command's failure: the Rust side rejects with {kind, message} (CommandError in
  * src-tauri/src/commands/mod.rs): `kind` says what failed ("invalid_input", "model_not_loaded", "invalid_model",
- * "context_length_exceeded", "overloaded", "network", "storage", "internal"), `message` is one
+ * "context_length_exceeded", "overloaded", "out_of_memory", "network", "storage", "internal"), `message` is one
  * sentence for the user. String(error) is the sentence.
  */
 export class CommandError extends Error {

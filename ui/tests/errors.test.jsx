@@ -41,6 +41,9 @@ describe("errors in plain words", () => {
     expect(shown(fits).querySelector("details")).toBe(null);
     expect(shown(fits).textContent).toBe("This model needs 9.1 GB and this Mac has 8 GB.");
     expect(describeError("Cannot reach the server.")).toEqual({ sentence: "Cannot reach the server.", detail: null });
+    // A request refused for memory: the engine's sentence (what it needs, what is free, what to do).
+    const memory = "A prompt of 1241 tokens needs 174 MB of memory for its KV cache and 173 MB is available; shorten the prompt, close other apps or choose a smaller model.";
+    expect(describeError(new CommandError({ kind: "out_of_memory", message: memory }))).toEqual({ sentence: memory, detail: null });
     expect(describeError(new Error("boom")).sentence).toBe("boom");
     expect(describeError(undefined).sentence).toBe("Unknown error.");
     expect(shown(undefined).textContent).toBe("Unknown error.");

@@ -32,9 +32,11 @@ pub enum CommandErrorKind {
     /// The conversation does not fit the model's context, its KV cache, or the memory the
     /// model left.
     ContextLengthExceeded,
-    /// The engine holds as many requests as it takes, or the memory a request needs is held for
-    /// now; try again shortly.
+    /// The engine holds as many requests as it takes; try again shortly.
     Overloaded,
+    /// The memory a request needs is not free now (held by other apps or other requests): the
+    /// message says how much it needs, how much is available and what to do.
+    OutOfMemory,
     /// The Hugging Face Hub could not be reached or answered with an error.
     Network,
     /// Perch's files (history, settings, models) could not be read or written.
@@ -55,9 +57,19 @@ impl CommandError {
     /// An engine error, of the kind its requests meet ([`perch_engine::api::ErrorKind`]).
     pub fn engine(err: &perch_engine::EngineError) -> Self {
         use perch_engine::api::ErrorKind;
+        use perch_engine::EngineError;
         let kind = match err.kind() {
             ErrorKind::ContextLengthExceeded => CommandErrorKind::ContextLengthExceeded,
             ErrorKind::InvalidRequest => CommandErrorKind::InvalidInput,
+            // The engine's sentence says what to do (its API answers 503 for both).
+            ErrorKind::Overloaded
+                if matches!(
+                    err,
+                    EngineError::OutOfMemory { .. } | EngineError::PromptOutOfMemory { .. }
+                ) =>
+            {
+                CommandErrorKind::OutOfMemory
+            }
             ErrorKind::Overloaded => CommandErrorKind::Overloaded,
             ErrorKind::ModelNotLoaded => CommandErrorKind::ModelNotLoaded,
             ErrorKind::Cancelled | ErrorKind::Internal => CommandErrorKind::Internal,
@@ -146,4 +158,45 @@ pub(crate) fn poisoned() -> CommandError {
     "Perch's state is broken after an earlier crash; restart the app."
         .to_string()
         .into()
+}
+
+#[cfg(test)]
+mod tests {
+    use perch_engine::memory::{Available, MemoryBound};
+    use perch_engine::EngineError;
+
+    use super::{CommandError, CommandErrorKind};
+
+    /// A request refused for memory that may come back is said as the engine says it (how much
+    /// it needs, how much is free, what to do), not as a busy engine; one beyond what the model
+    /// left is the conversation's length.
+    #[test]
+    fn memory_refusals_keep_their_sentence() {
+        let refused = |beyond_capacity| EngineError::PromptOutOfMemory {
+            prompt_tokens: 1241,
+            needed: 174_000_000,
+            available: Available {
+                bytes: 173_000_000,
+                bound: MemoryBound::System,
+            },
+            beyond_capacity,
+        };
+        let now = CommandError::engine(&refused(false));
+        assert_eq!(now.kind, CommandErrorKind::OutOfMemory);
+        assert!(
+            now.message
+                .starts_with("A prompt of 1241 tokens needs 174 MB of memory for its KV cache"),
+            "{}",
+            now.message
+        );
+        assert_eq!(
+            CommandError::engine(&refused(true)).kind,
+            CommandErrorKind::ContextLengthExceeded
+        );
+        let busy = EngineError::Busy { limit: 1024 };
+        assert_eq!(
+            CommandError::engine(&busy).kind,
+            CommandErrorKind::Overloaded
+        );
+    }
 }
