@@ -626,17 +626,16 @@ impl SparseMoe {
             }
         }
         let logits = self.gate.forward(x)?;
-        let logits = &logits;
         if self.switch_mlp.fused {
-            if let Some(routed) = expert_kernel::route(logits, self.top_k, normalize, None)? {
+            if let Some(routed) = expert_kernel::route(&logits, self.top_k, normalize, None)? {
                 return Ok(routed);
             }
         }
         if self.style == MoeStyle::GptOss {
-            let (indices, top) = top_k(logits, self.top_k)?;
+            let (indices, top) = top_k(&logits, self.top_k)?;
             return Ok((indices, ops::softmax_axis(&top, -1, true)?));
         }
-        let (indices, scores) = top_k(&ops::softmax_axis(logits, -1, true)?, self.top_k)?;
+        let (indices, scores) = top_k(&ops::softmax_axis(&logits, -1, true)?, self.top_k)?;
         let scores = match self.norm_topk_prob {
             true => ops::divide(&scores, &scores.sum_axis(-1, true)?)?,
             false => scores,

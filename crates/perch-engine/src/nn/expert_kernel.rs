@@ -181,19 +181,27 @@ const ROUTE_SOURCE: &str = r#"
       xs[h] = static_cast<float>(x[h]);
     }
     __syncthreads();
+    // A weight that starts off a 16-byte boundary (a view into another buffer) is read a value
+    // at a time.
+    const bool aligned = (reinterpret_cast<unsigned long long>(w) & 15ull) == 0;
     for (int e = threadIdx.y; e < E; e += blockDim.y) {
-      const uint4* we = reinterpret_cast<const uint4*>(w + static_cast<long long>(e) * H);
+      const T* row_w = w + static_cast<long long>(e) * H;
       float acc = 0.0f;
+      if (aligned) {
+        const uint4* we = reinterpret_cast<const uint4*>(row_w);
 #pragma unroll 4
-      for (int c = lane; c < PIECES; c += 32) {
-        const uint4 piece = we[c];
-        const T* p = reinterpret_cast<const T*>(&piece);
+        for (int c = lane; c < PIECES; c += 32) {
+          const uint4 piece = we[c];
+          const T* p = reinterpret_cast<const T*>(&piece);
 #pragma unroll
-        for (int j = 0; j < VEC; j += 4) {
-          const float4 xv = staged[(c * VEC + j) / 4];
-          acc += xv.x * static_cast<float>(p[j]) + xv.y * static_cast<float>(p[j + 1])
-              + xv.z * static_cast<float>(p[j + 2]) + xv.w * static_cast<float>(p[j + 3]);
+          for (int j = 0; j < VEC; j += 4) {
+            const float4 xv = staged[(c * VEC + j) / 4];
+            acc += xv.x * static_cast<float>(p[j]) + xv.y * static_cast<float>(p[j + 1])
+                + xv.z * static_cast<float>(p[j + 2]) + xv.w * static_cast<float>(p[j + 3]);
+          }
         }
+      } else {
+        for (int h = lane; h < H; h += 32) acc += xs[h] * static_cast<float>(row_w[h]);
       }
       for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
       if (lane == 0) {
