@@ -39,6 +39,30 @@ fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
     request
 }
 
+/// `bytes` of memory left, bounded by a cgroup (what a test's headroom reads).
+fn cgroup_room(bytes: usize) -> Option<perch_engine::memory::Available> {
+    Some(perch_engine::memory::Available {
+        bytes: bytes as u64,
+        bound: perch_engine::memory::MemoryBound::Cgroup,
+    })
+}
+
+/// How many of `batch`'s waiting requests one step admits with `headroom`; then, memory back,
+/// the batch runs to its end.
+fn admitted_then_drained(
+    batch: &mut BatchGenerator,
+    headroom: Option<perch_engine::memory::Available>,
+) -> usize {
+    batch.set_memory_headroom(headroom);
+    batch.step().unwrap();
+    let admitted = batch.num_running();
+    batch.set_memory_headroom(None);
+    while !batch.is_empty() {
+        batch.step().unwrap();
+    }
+    admitted
+}
+
 fn reference_schedule(
     cases: &[common::ReferenceCase],
     stagger: usize,
@@ -346,12 +370,6 @@ fn admissions_fit_the_memory_headroom() {
     let row = perch_engine::testing::kv_bytes_per_token(model.as_ref(), None) * 256;
     let mut first = request(vec![1, 504, 2988], 4);
     first.ignore_eos = true;
-    let room = |bytes: usize| {
-        Some(perch_engine::memory::Available {
-            bytes: bytes as u64,
-            bound: perch_engine::memory::MemoryBound::Cgroup,
-        })
-    };
     let new_batch = |requests: usize| {
         let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
         for _ in 0..requests {
@@ -360,29 +378,20 @@ fn admissions_fit_the_memory_headroom() {
         batch
     };
     let run = |headroom: Option<perch_engine::memory::Available>, requests: usize| {
-        let mut batch = new_batch(requests);
-        batch.set_memory_headroom(headroom);
-        batch.step().unwrap();
-        let admitted = batch.num_running();
-        // Memory back: the rest runs.
-        batch.set_memory_headroom(None);
-        while !batch.is_empty() {
-            batch.step().unwrap();
-        }
-        admitted
+        admitted_then_drained(&mut new_batch(requests), headroom)
     };
     // Two requests: two rows of 256 positions in each of the prefill and decode caches.
-    assert_eq!(run(room(4 * row), 4), 2);
+    assert_eq!(run(cgroup_room(4 * row), 4), 2);
     // Three or four make each cache four rows (the row buckets are 1, 2, 4, 8, ...); five,
     // eight.
-    assert_eq!(run(room(8 * row - 1), 4), 2);
-    assert_eq!(run(room(8 * row), 6), 4);
+    assert_eq!(run(cgroup_room(8 * row - 1), 4), 2);
+    assert_eq!(run(cgroup_room(8 * row), 6), 4);
     assert_eq!(run(None, 4), 4);
 
     // Nothing runs and one request does not fit: it waits for a fresh reading, then (the
     // prefix cache dropped) for another, then is refused.
     let mut batch = new_batch(2);
-    batch.set_memory_headroom(room(2 * row - 1));
+    batch.set_memory_headroom(cgroup_room(2 * row - 1));
     // As much as the engine had at load: more would never come, so the refusal is the
     // prompt's (a client error).
     batch.set_memory_capacity(Some(2 * row as u64 - 1));
@@ -390,7 +399,7 @@ fn admissions_fit_the_memory_headroom() {
         assert!(batch.step().unwrap().is_empty());
         assert!(batch.awaits_memory_reading());
         assert_eq!((batch.num_running(), batch.num_waiting()), (0, 2));
-        batch.set_memory_headroom(room(2 * row - 1));
+        batch.set_memory_headroom(cgroup_room(2 * row - 1));
     }
     let events = batch.step().unwrap();
     let refused: Vec<String> = events
@@ -415,7 +424,7 @@ fn admissions_fit_the_memory_headroom() {
     );
     // The second is judged anew (it waits for a reading), and runs once memory is back.
     assert_eq!((batch.num_running(), batch.num_waiting()), (0, 1));
-    batch.set_memory_headroom(room(2 * row));
+    batch.set_memory_headroom(cgroup_room(2 * row));
     batch.step().unwrap();
     assert_eq!(batch.num_running(), 1);
 
@@ -429,10 +438,10 @@ fn admissions_fit_the_memory_headroom() {
     let cached = batch.kv_stats().blocks_cached_free;
     assert!(cached > 0, "the first request's blocks stay cached");
     batch.insert(request(vec![1, 700, 701], 4)).unwrap();
-    batch.set_memory_headroom(room(2 * row - 1));
+    batch.set_memory_headroom(cgroup_room(2 * row - 1));
     assert!(batch.step().unwrap().is_empty());
     assert!(batch.awaits_memory_reading());
-    batch.set_memory_headroom(room(2 * row));
+    batch.set_memory_headroom(cgroup_room(2 * row));
     batch.step().unwrap();
     assert_eq!(batch.num_running(), 1);
     assert_eq!(batch.kv_stats().blocks_cached_free, cached);
@@ -446,26 +455,13 @@ fn admission_counts_only_new_prefix_cache_blocks() {
     let (model, tokenizer) = load();
     let position = perch_engine::testing::kv_bytes_per_token(model.as_ref(), None);
     let row = position * 256;
-    let room = |bytes: usize| {
-        Some(perch_engine::memory::Available {
-            bytes: bytes as u64,
-            bound: perch_engine::memory::MemoryBound::Cgroup,
-        })
-    };
     // 40 tokens: five full blocks of 8.
     let prompt: Vec<u32> = (200..240).collect();
     let admitted = |batch: &mut BatchGenerator, bytes: usize| {
         for _ in 0..2 {
             batch.insert(request(prompt.clone(), 2)).unwrap();
         }
-        batch.set_memory_headroom(room(bytes));
-        batch.step().unwrap();
-        let admitted = batch.num_running();
-        batch.set_memory_headroom(None);
-        while !batch.is_empty() {
-            batch.step().unwrap();
-        }
-        admitted
+        admitted_then_drained(batch, cgroup_room(bytes))
     };
     // Two rows of 256 positions in each of the prefill and decode caches (4 rows), and the
     // prompt's five blocks published once (40 positions): its twin shares them.
