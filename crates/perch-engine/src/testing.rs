@@ -7,7 +7,8 @@ pub use crate::attention::{
     quantized_scaled_dot_product_attention, CachedKv, KvMask, SlotRead,
 };
 pub use crate::engine::batch::{
-    kv_budget_for_model, kv_bytes_per_token, BatchConfig, BatchEvent, BatchGenerator,
+    kv_budget_for_model, kv_bytes_per_token, step_activation_bytes, BatchConfig, BatchEvent,
+    BatchGenerator,
 };
 pub use crate::kv::cache::{KvCache, KvLimit, RecurrentState};
 pub use crate::kv::slot_cache::{RowKv, SlotKvCache, SlotStep};

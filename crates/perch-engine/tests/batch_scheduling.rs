@@ -380,12 +380,19 @@ fn admissions_fit_the_memory_headroom() {
     let run = |headroom: Option<perch_engine::memory::Available>, requests: usize| {
         admitted_then_drained(&mut new_batch(requests), headroom)
     };
-    // Two requests: two rows of 256 positions in each of the prefill and decode caches.
-    assert_eq!(run(cgroup_room(4 * row), 4), 2);
+    // The activations of the step that admits `rows` of these prompts (3 tokens each, over 4
+    // positions at most).
+    let step = |rows: usize| {
+        perch_engine::testing::step_activation_bytes(model.as_ref(), (3 * rows, rows, 4))
+    };
+    // Two requests: two rows of 256 positions in each of the prefill and decode caches, and
+    // the step's activations.
+    assert_eq!(run(cgroup_room(4 * row + step(2)), 4), 2);
+    assert_eq!(run(cgroup_room(4 * row + step(2) - 1), 4), 1);
     // Three or four make each cache four rows (the row buckets are 1, 2, 4, 8, ...); five,
     // eight.
     assert_eq!(run(cgroup_room(8 * row - 1), 4), 2);
-    assert_eq!(run(cgroup_room(8 * row), 6), 4);
+    assert_eq!(run(cgroup_room(8 * row + step(4)), 6), 4);
     assert_eq!(run(None, 4), 4);
 
     // Nothing runs and one request does not fit: it waits for a fresh reading, then (the
@@ -424,7 +431,7 @@ fn admissions_fit_the_memory_headroom() {
     );
     // The second is judged anew (it waits for a reading), and runs once memory is back.
     assert_eq!((batch.num_running(), batch.num_waiting()), (0, 1));
-    batch.set_memory_headroom(cgroup_room(2 * row));
+    batch.set_memory_headroom(cgroup_room(2 * row + step(1)));
     batch.step().unwrap();
     assert_eq!(batch.num_running(), 1);
 
@@ -441,7 +448,7 @@ fn admissions_fit_the_memory_headroom() {
     batch.set_memory_headroom(cgroup_room(2 * row - 1));
     assert!(batch.step().unwrap().is_empty());
     assert!(batch.awaits_memory_reading());
-    batch.set_memory_headroom(cgroup_room(2 * row));
+    batch.set_memory_headroom(cgroup_room(2 * row + step(1)));
     batch.step().unwrap();
     assert_eq!(batch.num_running(), 1);
     assert_eq!(batch.kv_stats().blocks_cached_free, cached);
@@ -463,11 +470,16 @@ fn admission_counts_only_new_prefix_cache_blocks() {
         }
         admitted_then_drained(batch, cgroup_room(bytes))
     };
-    // Two rows of 256 positions in each of the prefill and decode caches (4 rows), and the
-    // prompt's five blocks published once (40 positions): its twin shares them.
+    // Two rows of 256 positions in each of the prefill and decode caches (4 rows), the step's
+    // activations (80 tokens over 41 positions), and the prompt's five blocks published once
+    // (40 positions): its twin shares them.
+    let step = perch_engine::testing::step_activation_bytes(model.as_ref(), (80, 2, 41));
     let fresh = || BatchGenerator::new(model.as_ref(), &tokenizer, config(64, 8), "smollm");
-    assert_eq!(admitted(&mut fresh(), 4 * row + 40 * position), 2);
-    assert_eq!(admitted(&mut fresh(), 4 * row + 40 * position - 1), 1);
+    assert_eq!(admitted(&mut fresh(), 4 * row + step + 40 * position), 2);
+    assert_eq!(
+        admitted(&mut fresh(), 4 * row + step + 40 * position - 1),
+        1
+    );
     // Once those blocks are cached, nothing is published: the rows alone.
     let mut batch = fresh();
     batch.insert(request(prompt.clone(), 2)).unwrap();
@@ -475,8 +487,8 @@ fn admission_counts_only_new_prefix_cache_blocks() {
         batch.step().unwrap();
     }
     assert!(batch.kv_stats().blocks_cached_free >= 5);
-    assert_eq!(admitted(&mut batch, 4 * row), 2);
-    assert_eq!(admitted(&mut batch, 4 * row - 1), 1);
+    assert_eq!(admitted(&mut batch, 4 * row + step), 2);
+    assert_eq!(admitted(&mut batch, 4 * row + step - 1), 1);
 }
 
 /// A sequence preempted after streaming tokens that then cannot come back for memory ends

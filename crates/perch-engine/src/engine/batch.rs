@@ -227,6 +227,36 @@ fn kv_bytes_by_layer(
         .collect()
 }
 
+/// The bytes a forward pass's activations take at their peak, estimated from `model`'s shapes
+/// ([`crate::models::ModelInfo`]) for `tokens` new tokens over `rows` rows, each attending over
+/// at most `context` positions: per token, the residual stream and its normed copies (4 ×
+/// hidden), the query, key and value projections and the feed-forward hidden (3 × its width:
+/// gate, up and their product), one layer's at a time, in the compute dtype; attention's float32
+/// scores and their softmax for every query head (2 × 4 bytes × heads × tokens × context),
+/// as MLX materializes them where its fused attention does not run (the CPU always; counted
+/// everywhere); and float32 logits of each row's last position. An estimate for admission, not
+/// a measurement: MLX's allocator rounds buffers up and a graph may hold more at once.
+pub fn step_activation_bytes(
+    model: &dyn Model,
+    (tokens, rows, context): (usize, usize, usize),
+) -> usize {
+    let info = model.info();
+    let dtype_bytes = match Backend::current().compute_dtype(Dtype::Float32) {
+        Dtype::Float32 => 4,
+        _ => 2,
+    };
+    let projections = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim;
+    let per_token = dtype_bytes * (4 * info.hidden_size + projections + 3 * info.mlp_width);
+    let scores = 8usize
+        .saturating_mul(info.num_heads)
+        .saturating_mul(tokens)
+        .saturating_mul(context);
+    tokens
+        .saturating_mul(per_token)
+        .saturating_add(scores)
+        .saturating_add(4 * rows * info.vocab_size)
+}
+
 /// One pass of the idle warm-up ([`BatchGenerator::queue_idle_warm_up`]).
 #[derive(Clone, Copy, Debug)]
 enum IdleWarmUp {
@@ -730,9 +760,11 @@ impl<'m> BatchGenerator<'m> {
     /// cache entries are then copied into its store, up to the pool's size: not those already
     /// cached, nor those a prompt shares with the one admitted just before it (a block whose
     /// content the cache holds is not copied again), nor any of a bounded, quantized or
-    /// preloaded sequence (never published). Hybrid models' recurrent states and activations
-    /// are not counted (the floor under the headroom is for them), nor a running sequence's
-    /// later growth.
+    /// preloaded sequence (never published). And the activations of the step that admits them
+    /// ([`step_activation_bytes`]: the prompt tokens left of every prefilling row, within the
+    /// prefill budget, and a token of every decoding row, over the longest sequence). Hybrid
+    /// models' recurrent states are not counted (the floor under the headroom is for them), nor
+    /// a running sequence's later growth.
     fn admission_growth(&self, room: usize) -> Vec<usize> {
         use perch_sched::shapes::{capacity_bucket, row_bucket};
         let [decode, prefill] = self.runner.slot_shapes();
@@ -742,7 +774,12 @@ impl<'m> BatchGenerator<'m> {
             .map(|s| s.tokens.len())
             .max()
             .unwrap_or(0);
+        let mut prefill_tokens: usize = prefilling
+            .clone()
+            .map(|s| s.tokens.len().saturating_sub(s.computed))
+            .sum();
         let prefilling = prefilling.count();
+        let decoding = self.running.len() - prefilling;
         let mut longest = self
             .running
             .iter()
@@ -776,7 +813,17 @@ impl<'m> BatchGenerator<'m> {
             let positions = grown(decode, self.running.len() + k + 1, longest)
                 + grown(prefill, prefill_rows, longest_prefill)
                 + published.min(store_room);
-            growth.push(positions.saturating_mul(self.row_bytes_per_position));
+            prefill_tokens += seq.tokens.len();
+            let step_tokens = prefill_tokens.min(self.config.prefill_token_budget) + decoding;
+            let activations = step_activation_bytes(
+                self.model,
+                (step_tokens, self.running.len() + k + 1, longest),
+            );
+            growth.push(
+                positions
+                    .saturating_mul(self.row_bytes_per_position)
+                    .saturating_add(activations),
+            );
         }
         growth
     }

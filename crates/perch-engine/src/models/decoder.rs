@@ -233,6 +233,28 @@ impl DecoderConfig {
             .is_some_and(|s| s.is_sliding_layer(i))
     }
 
+    /// [`ModelInfo::mlp_width`]: the widest feed-forward hidden of one token (Gemma 4's
+    /// KV-shared layers' MLPs are twice as wide; experts beside the MLP add theirs).
+    fn mlp_width(&self) -> usize {
+        let dense = match self.kv_shared_layers {
+            0 => self.intermediate_size,
+            _ => 2 * self.intermediate_size,
+        };
+        let experts = self.moe.as_ref().map_or(0, |m| {
+            m.top_k * m.intermediate_size + m.shared_expert_intermediate_size.unwrap_or(0)
+        });
+        let beside = self
+            .moe
+            .as_ref()
+            .is_some_and(|m| m.style == crate::models::moe::MoeStyle::Gemma4);
+        (if beside {
+            dense + experts
+        } else {
+            dense.max(experts)
+        })
+        .max(0) as usize
+    }
+
     /// The first layer that reads another's cache ([`DecoderConfig::kv_shared_layers`]).
     fn first_kv_shared_layer(&self) -> i32 {
         self.num_layers - self.kv_shared_layers
@@ -1185,6 +1207,9 @@ impl Decoder {
             num_kv_heads: c.num_kv_heads as usize,
             head_dim: c.head_dim as usize,
             context_length: c.context_length,
+            hidden_size: c.hidden_size as usize,
+            num_heads: c.num_heads as usize,
+            mlp_width: c.mlp_width(),
         };
         let local_rope = sliding_window
             .and_then(|s| s.local_rope_theta)

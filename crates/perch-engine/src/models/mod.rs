@@ -57,6 +57,15 @@ pub struct ModelInfo {
     pub head_dim: usize,
     /// Longest sequence (prompt + generation) in tokens, from `max_position_embeddings`.
     pub context_length: usize,
+    /// The residual stream's width and the attention layers' query heads (the first layer's,
+    /// as `num_kv_heads`): with [`ModelInfo::mlp_width`], what a step's activations take
+    /// ([`crate::memory::step_activation_bytes`]).
+    pub hidden_size: usize,
+    pub num_heads: usize,
+    /// The widest feed-forward hidden of a token: the MLP's intermediate size or, in
+    /// mixture-of-experts layers, its experts' (times the experts a token takes, plus the
+    /// shared expert), whichever is larger.
+    pub mlp_width: usize,
 }
 
 /// What a forward pass returns.

@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Draws the memory of a `perch soak` run (its printed table) as an SVG line chart.
+
+Usage: python3 scripts/soak_graph.py SOAK_OUTPUT.txt OUT.svg
+Needs matplotlib (`pip install matplotlib`; not part of the tests). Plots, per minute, the process's
+resident memory, MLX's live arrays (active) and MLX's cache of freed buffers, in MiB, and prints the
+second half's change in resident memory.
+"""
+
+import re
+import sys
+
+import matplotlib
+
+matplotlib.use("svg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+# A row: minute, finished, cancelled, errors, gen tok/s, then "N MiB" for active, peak, cache, RSS.
+ROW = re.compile(
+    r"^\s*(\d+(?:\.\d+)?)\s+\d+\s+\d+\s+\d+\s+[\d.]+\s+(\d+) MiB\s+\d+ MiB\s+(\d+) MiB\s+(\d+) MiB"
+)
+
+
+def read(path):
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            m = ROW.match(line)
+            if m:
+                minute, active, cache, rss = m.groups()
+                rows.append((float(minute), int(active), int(cache), int(rss)))
+    if not rows:
+        sys.exit(f"{path}: no rows of a perch soak table")
+    return rows
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    rows = read(sys.argv[1])
+    minutes = [r[0] for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for column, label in [(3, "resident memory (RSS)"), (1, "MLX active"), (2, "MLX cache")]:
+        ax.plot(minutes, [r[column] for r in rows], label=label, linewidth=1.6)
+    ax.set_xlabel("minute")
+    ax.set_ylabel("MiB")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center right", framealpha=0.9)
+    ax.set_title("perch soak: memory each minute")
+    fig.tight_layout()
+    fig.savefig(sys.argv[2], metadata={"Date": None})
+    half = [r for r in rows if r[0] >= minutes[-1] / 2]
+    first, last = half[0][3], half[-1][3]
+    print(f"RSS over the second half: {first} -> {last} MiB ({100 * (last - first) / first:+.1f}%); "
+          f"range {min(r[3] for r in rows)}-{max(r[3] for r in rows)} MiB")
+
+
+if __name__ == "__main__":
+    main()
