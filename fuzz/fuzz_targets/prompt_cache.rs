@@ -36,6 +36,9 @@ fuzz_target!(|data: &[u8]| {
         num_kv_heads: 1,
         head_dim: 4,
         context_length: 64,
+        hidden_size: 4,
+        num_heads: 1,
+        mlp_width: 4,
     });
     let path = perch_fuzz::scratch_file("cache.safetensors", data);
     if let Ok(cache) = load_prompt_cache(&path, &model, "model-a") {

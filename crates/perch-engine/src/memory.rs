@@ -555,7 +555,11 @@ mod tests {
     #[test]
     fn available_memory_is_known_here() {
         let now = available();
-        assert!(now.bytes > 0, "{now:?}");
+        // A Mac at critical memory pressure reads 0, and says so.
+        assert!(
+            now.bytes > 0 || now.bound == MemoryBound::Pressure,
+            "{now:?}"
+        );
     }
 
     /// The cache takes its share of what is available, never more than the KV budget (or the

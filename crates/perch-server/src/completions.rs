@@ -193,6 +193,7 @@ pub(crate) async fn completions(
             total.prompt_tokens += done.stats.prompt_tokens;
             total.cached_prompt_tokens += done.stats.cached_prompt_tokens;
             total.generation_tokens += done.stats.generation_tokens;
+            total.cut_for_memory |= done.stats.cut_for_memory;
             let echoed = echo(prompt);
             let logprobs = request.logprobs.map(|_| {
                 let mut logprobs = LegacyLogprobs::new(0);

@@ -231,11 +231,11 @@ fn kv_bytes_by_layer(
 /// ([`crate::models::ModelInfo`]) for `tokens` new tokens over `rows` rows, each attending over
 /// at most `context` positions: per token, the residual stream and its normed copies (4 ×
 /// hidden), the query, key and value projections and the feed-forward hidden (3 × its width:
-/// gate, up and their product), one layer's at a time, in the compute dtype; attention's float32
-/// scores and their softmax for every query head (2 × 4 bytes × heads × tokens × context),
-/// as MLX materializes them where its fused attention does not run (the CPU always; counted
-/// everywhere); and float32 logits of each row's last position. An estimate for admission, not
-/// a measurement: MLX's allocator rounds buffers up and a graph may hold more at once.
+/// gate, up and their product), one layer's at a time, in the compute dtype; attention's scores
+/// and their softmax for every query head (2 × heads × tokens × context in the compute dtype)
+/// where MLX materializes them ([`attention_materializes_scores`]); and float32 logits of each
+/// row's last position. An estimate for admission, not a measurement: MLX's allocator rounds
+/// buffers up and a graph may hold more at once.
 pub fn step_activation_bytes(
     model: &dyn Model,
     (tokens, rows, context): (usize, usize, usize),
@@ -247,14 +247,29 @@ pub fn step_activation_bytes(
     };
     let projections = (info.num_heads + 2 * info.num_kv_heads) * info.head_dim;
     let per_token = dtype_bytes * (4 * info.hidden_size + projections + 3 * info.mlp_width);
-    let scores = 8usize
-        .saturating_mul(info.num_heads)
-        .saturating_mul(tokens)
-        .saturating_mul(context);
+    let scores = match attention_materializes_scores(Backend::current(), info.head_dim) {
+        true => (2 * dtype_bytes)
+            .saturating_mul(info.num_heads)
+            .saturating_mul(tokens)
+            .saturating_mul(context),
+        false => 0,
+    };
     tokens
         .saturating_mul(per_token)
         .saturating_add(scores)
         .saturating_add(4 * rows * info.vocab_size)
+}
+
+/// Whether a prompt chunk's attention builds its scores in memory: on the CPU (MLX's
+/// `scaled_dot_product_attention` has no CPU kernel and runs its unfused fallback) and on Metal
+/// for head sizes its fused prompt kernel lacks (MLX 0.32: it has 64, 80 and 128); CUDA's
+/// prompt chunks stay fused in cuDNN (and its device memory is not judged here).
+pub fn attention_materializes_scores(backend: Backend, head_dim: usize) -> bool {
+    match backend {
+        Backend::Cpu => true,
+        Backend::Metal => !matches!(head_dim, 64 | 80 | 128),
+        Backend::Cuda => false,
+    }
 }
 
 /// One pass of the idle warm-up ([`BatchGenerator::queue_idle_warm_up`]).
@@ -1525,9 +1540,6 @@ impl<'m> BatchGenerator<'m> {
     /// Takes a sequence that is done out of the batch: frees its blocks, flushes held-back text
     /// and reports it finished.
     fn finish(&mut self, mut seq: Sequence, events: &mut Vec<BatchEvent>) -> Result<()> {
-        if seq.pool_bound && seq.sink.output.finish_reason == FinishReason::Length {
-            seq.sink.output.stats.cut_for_memory = true;
-        }
         self.release(&mut seq)?;
         if let Some(event) = seq.sink.finish(self.tokenizer)? {
             events.push(BatchEvent::Token {
@@ -1535,6 +1547,11 @@ impl<'m> BatchGenerator<'m> {
                 event,
             });
         }
+        // Cut for memory only where it ended by length (held-back text can still complete a
+        // stop string): at its out-of-blocks or relief end, or at a max_tokens the pool lowered.
+        let output = &mut seq.sink.output;
+        output.stats.cut_for_memory = output.finish_reason == FinishReason::Length
+            && (output.stats.cut_for_memory || seq.pool_bound);
         seq.set_timings();
         events.push(BatchEvent::Finished {
             request: seq.id,
@@ -1762,4 +1779,21 @@ fn publish(
     seq.published_blocks = full;
     kv.charge_pool(store);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::attention_materializes_scores;
+    use crate::device::Backend;
+
+    /// Admission counts attention scores on the CPU whatever the head size, and on Metal only
+    /// for head sizes MLX's fused prompt kernel lacks (Gemma 3's 256 among them).
+    #[test]
+    fn scores_are_counted_where_mlx_builds_them() {
+        assert!(attention_materializes_scores(Backend::Cpu, 64));
+        assert!(!attention_materializes_scores(Backend::Metal, 128));
+        assert!(!attention_materializes_scores(Backend::Metal, 64));
+        assert!(attention_materializes_scores(Backend::Metal, 256));
+        assert!(!attention_materializes_scores(Backend::Cuda, 256));
+    }
 }

@@ -698,7 +698,7 @@ impl Attention {
     /// queries and keys normed and rotated in one kernel ([`rope_kernel::norm_rope`]), where
     /// it computes what [`Attention::project`] and RoPE would: CUDA, one token a row at
     /// per-row positions, fused projections, query and key norms per head or none, RoPE in
-    /// the non-interleaved layout (with YaRN's attention factor, if any), no query scales,
+    /// the non-interleaved layout (with YaRN's or LongRoPE's attention factor, if any), no query scales,
     /// gate or value norm. `None` elsewhere.
     fn decode_norm_rope(
         &self,

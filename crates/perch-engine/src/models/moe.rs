@@ -764,8 +764,8 @@ impl MlpAndExperts {
             .post_feedforward_layernorm_1
             .forward(&self.mlp.forward(normed)?)?;
         let router_input = self.router_norm.forward(x)?;
-        // The kernel scales in the scores' dtype; a scale in another one is applied as MLX
-        // promotes it.
+        // The kernel scales in the scores' dtype (the router input's); a scale in another one
+        // is applied as MLX promotes it.
         let scale = Some(&self.per_expert_scale).filter(|s| s.dtype() == router_input.dtype());
         let normalize = expert_kernel::Normalize::TopK;
         // What a kernel routed, times the experts' scales unless it applied them.

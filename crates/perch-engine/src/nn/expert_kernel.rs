@@ -539,7 +539,8 @@ pub fn route(
 /// `[..., hidden]` and the router's dense weight `W` `[experts, hidden]` (and `bias`
 /// `[experts]`) in `x`'s dtype: one launch a layer fewer at decode. `Ok(None)` where
 /// [`route`] would refuse, for other dtypes, hidden sizes that are not a multiple of 8 or above
-/// [`MAX_IN`], and above [`MAX_ROUTER_TOKENS`] tokens (a prefill, whose scores are one GEMM).
+/// [`MAX_IN`], above [`MAX_ROUTER_TOKENS`] tokens (a prefill, whose scores are one GEMM), and
+/// for more than 128 experts or 8 a token.
 pub fn route_from_hidden(
     x: &Array,
     (weight, bias): (&Array, Option<&Array>),
@@ -554,6 +555,8 @@ pub fn route_from_hidden(
         && hidden > 0
         && hidden % 8 == 0
         && hidden <= MAX_IN
+        && *experts <= MAX_ROUTER_PRODUCT_EXPERTS
+        && k <= MAX_ROUTER_PRODUCT_TOP_K
         && weight.dtype() == x.dtype()
         && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
         && bias.is_none_or(|b| b.shape() == [*experts] && is_float(b.dtype()));
@@ -572,6 +575,12 @@ pub fn route_from_hidden(
 /// The most tokens [`route_from_hidden`] takes: each block reads the router's whole weight,
 /// which pays against a separate GEMM's launch at decode only.
 pub const MAX_ROUTER_TOKENS: usize = 256;
+/// The most experts and experts a token [`route_from_hidden`] takes: its blocks are 1,024
+/// threads, which CUDA launches only while the kernel needs at most 64 registers a thread, and
+/// the picking warp's registers grow with both (checked on a GPU up to 128 and 8; larger
+/// routers take the router's GEMM and [`route`]).
+const MAX_ROUTER_PRODUCT_EXPERTS: i32 = 128;
+const MAX_ROUTER_PRODUCT_TOP_K: i32 = 8;
 
 /// What [`launch_route`] reads a token's scores from.
 enum RouterInput<'a> {

@@ -16,9 +16,9 @@
 //! rsqrt(mean + eps))` in the dtype `T`; RoPE (Su et al. 2021) in the non-interleaved layout
 //! over the first `dims` features, feature `i` of each half turned by `position · scale ·
 //! inv_freq(i)` with `inv_freq(i) = base^(−i / (dims / 2))`, or `1 / freqs[i]` when the model
-//! gives its periods; the rest of the features passed through. With YaRN's attention factor
-//! (gpt-oss), the rotated features are first multiplied by it in the dtype `T`, as mlx_lm's
-//! `YarnRoPE` does.
+//! gives its periods; the rest of the features passed through. With an attention factor (YaRN's:
+//! gpt-oss; LongRoPE's: Phi-3.5), the rotated features are first multiplied by it in the dtype
+//! `T`, as mlx_lm's `YarnRoPE` and `SuScaledRoPE` do.
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -115,8 +115,8 @@ pub struct RopeSpec<'a> {
     pub scale: f32,
     /// The periods `[dims / 2]` float32 replacing `base`, for scaled variants.
     pub freqs: Option<&'a Array>,
-    /// A factor on the rotated features before the rotation, in the features' dtype (YaRN's
-    /// attention factor, [`crate::nn::layers::Rope::mscale`]); 1 for none.
+    /// A factor on the rotated features before the rotation, in the features' dtype (YaRN's or
+    /// LongRoPE's attention factor, [`crate::nn::layers::Rope::mscale`]); 1 for none.
     pub mscale: f32,
 }
 
