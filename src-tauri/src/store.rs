@@ -217,3 +217,35 @@ fn read_revisions(path: &Path) -> std::collections::BTreeMap<String, String> {
         .and_then(|text| serde_json::from_str(&text).ok())
         .unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use perch_engine::KeepAlive;
+
+    use super::Store;
+
+    /// The app's "unload the model after idle" setting is the engine's keep-alive: saved, it
+    /// is what the next engine runs with; cleared, the model stays.
+    #[test]
+    fn the_idle_unload_setting_is_the_engines_keep_alive() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 16 << 30);
+        let mut settings = store.settings().unwrap();
+        settings.unload_after_idle_secs = Some(300);
+        store.save_settings(settings.clone()).unwrap();
+        assert_eq!(
+            store.engine_config().unwrap().keep_alive,
+            KeepAlive::Idle(std::time::Duration::from_secs(300))
+        );
+        settings.unload_after_idle_secs = None;
+        store.save_settings(settings).unwrap();
+        assert_eq!(
+            store.engine_config().unwrap().keep_alive,
+            KeepAlive::Forever
+        );
+        // Kept across runs.
+        drop(store);
+        let again = Store::open(dir.path(), 16 << 30);
+        assert_eq!(again.settings().unwrap().unload_after_idle_secs, None);
+    }
+}
