@@ -1206,8 +1206,8 @@ impl RouteCase {
 
     fn mlx(&self) -> crate::Result<(Array, Array)> {
         let logits = match &self.hidden {
-            Some((x, w, Some(b))) => ops::addmm(b, x, &w.t(), None, None)?,
-            Some((x, w, None)) => ops::matmul(x, &w.t())?,
+            Some((x, w, Some(b))) => ops::addmm(b, x, w.t(), None, None)?,
+            Some((x, w, None)) => ops::matmul(x, w.t())?,
             None => self.logits.clone(),
         };
         let (indices, scores) = match self.normalize {
@@ -1562,9 +1562,9 @@ mod tests {
             assert_eq!(b.is_some(), bias);
             let x = x.as_dtype(Dtype::Float32).unwrap();
             let w = w.as_dtype(Dtype::Float32).unwrap();
-            let mut product = mlx_rs::ops::matmul(&x, &w.t()).unwrap();
+            let mut product = mlx_rs::ops::matmul(&x, w.t()).unwrap();
             if let Some(b) = b {
-                product = mlx_rs::ops::add(&product, &b.as_dtype(Dtype::Float32).unwrap()).unwrap();
+                product = mlx_rs::ops::add(&product, b.as_dtype(Dtype::Float32).unwrap()).unwrap();
             }
             let product = product.as_dtype(Dtype::Bfloat16).unwrap();
             product.eval().unwrap();
