@@ -213,13 +213,31 @@ impl KvCacheManager {
         if !self.enable_caching {
             return ComputedBlocks::default();
         }
-        let hashes = full_block_hashes(self.root, tokens, self.block_size(), &[]);
-        let blocks: Vec<BlockId> = hashes
+        let blocks: Vec<BlockId> = self
+            .block_hashes(tokens)
             .iter()
             .map_while(|h| self.pool.get_cached_block(*h))
             .collect();
         let num_tokens = blocks.len() * self.block_size();
         ComputedBlocks { blocks, num_tokens }
+    }
+
+    /// The hashes of `tokens`' full blocks, chained as the prefix cache keys them: what a caller
+    /// that asks [`KvCacheManager::cached_blocks`] again for the same tokens keeps.
+    pub fn block_hashes(&self, tokens: &[u32]) -> Vec<BlockHash> {
+        full_block_hashes(self.root, tokens, self.block_size(), &[])
+    }
+
+    /// How many of the full blocks with these `hashes` ([`KvCacheManager::block_hashes`]) are
+    /// cached, from the first on: [`KvCacheManager::cached_prefix`] without hashing again.
+    pub fn cached_blocks(&self, hashes: &[BlockHash]) -> usize {
+        match self.enable_caching {
+            true => hashes
+                .iter()
+                .take_while(|h| self.pool.get_cached_block(**h).is_some())
+                .count(),
+            false => 0,
+        }
     }
 
     /// Counts an admitted prompt of `prompt_tokens` tokens, `hit_tokens` of them found in the
@@ -463,6 +481,23 @@ mod tests {
         m.record_prefix_lookup(prompt.len(), hit.num_tokens);
         m.cache_blocks(id, prompt, prompt.len());
         Some(hit.num_tokens)
+    }
+
+    /// Hashes kept from `block_hashes` find the blocks `cached_prefix` finds, as the cache
+    /// changes under them; none with caching off.
+    #[test]
+    fn kept_block_hashes_find_what_cached_prefix_finds() {
+        let mut m = manager(16);
+        let prompt: Vec<u32> = (0..14).collect();
+        let hashes = m.block_hashes(&prompt);
+        assert_eq!(hashes.len(), 3);
+        assert_eq!(m.cached_blocks(&hashes), 0);
+        admit(&mut m, 1, &prompt[..9]).unwrap();
+        assert_eq!(m.cached_prefix(&prompt).num_tokens, 8);
+        assert_eq!(m.cached_blocks(&hashes), 2);
+        m.free(1);
+        let off = manager(16).with_caching(false);
+        assert_eq!(off.cached_blocks(&off.block_hashes(&prompt)), 0);
     }
 
     #[test]

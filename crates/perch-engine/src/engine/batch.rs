@@ -52,7 +52,7 @@ use crate::sample::RecentTokens;
 use crate::sequence::generate::{check_request, kv_options};
 use crate::text::tokenizer::Tokenizer;
 use crate::worker::runner::{DecodeRow, ModelRunner, Slot};
-use perch_sched::block_pool::{BlockId, BlockPool};
+use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::kv_cache_manager::{BlockContents, ComputedBlocks, KvCacheManager, RequestId};
 use perch_sched::plan::{self, Admission, Decision, SlotKind, StepLimits, StepPlan};
@@ -338,6 +338,9 @@ struct Sequence {
     sink: TokenSink,
     /// Whether this request was admitted before (its prefix lookup is counted once).
     admitted_once: bool,
+    /// Its tokens' full-block hashes and how many tokens they were taken from (admission asks
+    /// every step while it waits; the tokens do not change meanwhile).
+    block_hashes: Option<(usize, Vec<BlockHash>)>,
     /// Its `max_tokens` was lowered to what the KV pool holds: reaching it is a cut for memory
     /// ([`GenerationStats::cut_for_memory`](crate::api::GenerationStats)).
     pool_bound: bool,
@@ -368,6 +371,15 @@ impl Sequence {
 
     fn prefill_done(&self) -> bool {
         self.progress().prefill_done()
+    }
+
+    /// Its full blocks' hashes as `kv` keys them, hashed again only when its tokens grew.
+    fn block_hashes(&mut self, kv: &KvCacheManager) -> &[BlockHash] {
+        let len = self.tokens.len();
+        if self.block_hashes.as_ref().is_none_or(|(at, _)| *at != len) {
+            self.block_hashes = Some((len, kv.block_hashes(&self.tokens)));
+        }
+        &self.block_hashes.as_ref().expect("set just above").1
     }
 
     /// A next-token-logprobs request whose one decode step has run: it waits for its result and
@@ -647,6 +659,7 @@ impl<'m> BatchGenerator<'m> {
             sampler: Sampler::for_tokenizer(request.sampling.clone(), self.tokenizer)?,
             sink: TokenSink::new(&request, stop_ids, max_tokens),
             admitted_once: false,
+            block_hashes: None,
             pool_bound: max_tokens < asked,
             request,
             start: Instant::now(),
@@ -780,7 +793,7 @@ impl<'m> BatchGenerator<'m> {
     /// prefill budget, and a token of every decoding row, over the longest sequence). Hybrid
     /// models' recurrent states are not counted (the floor under the headroom is for them), nor
     /// a running sequence's later growth.
-    fn admission_growth(&self, room: usize) -> Vec<usize> {
+    fn admission_growth(&mut self, room: usize) -> Vec<usize> {
         use perch_sched::shapes::{capacity_bucket, row_bucket};
         let [decode, prefill] = self.runner.slot_shapes();
         let prefilling = self.running.iter().filter(|s| !s.prefill_done());
@@ -815,11 +828,17 @@ impl<'m> BatchGenerator<'m> {
         let mut published = 0;
         let mut growth = Vec::new();
         let mut previous: Option<&[u32]> = None;
-        for (k, seq) in self.waiting.iter().take(room).enumerate() {
+        for (k, seq) in self.waiting.iter_mut().take(room).enumerate() {
+            let publishes =
+                self.kv.caching_enabled() && seq.kv.is_plain() && seq.preloaded.is_none();
+            let cached = match publishes {
+                true => self.kv.cached_blocks(seq.block_hashes(&self.kv)) * block,
+                false => 0,
+            };
+            let seq: &Sequence = seq;
             longest_prefill = longest_prefill.max(seq.tokens.len());
             longest = longest.max(seq.tokens.len() + 1);
-            if self.kv.caching_enabled() && seq.kv.is_plain() && seq.preloaded.is_none() {
-                let cached = self.kv.cached_prefix(&seq.tokens).num_tokens;
+            if publishes {
                 let shared = previous.map_or(0, |p| common_prefix(p, &seq.tokens) / block * block);
                 published += (seq.tokens.len() / block * block).saturating_sub(cached.max(shared));
                 previous = Some(&seq.tokens);
