@@ -148,26 +148,50 @@ impl CustomKernel {
         source: &str,
         row_contiguous: bool,
     ) -> Self {
+        Self::with_header(backend, name, inputs, outputs, source, "", row_contiguous)
+    }
+
+    /// [`CustomKernel::new`] with `header` (device functions, includes) placed before the
+    /// kernel's function.
+    pub fn with_header(
+        backend: Backend,
+        name: &'static CStr,
+        inputs: &[&str],
+        outputs: &[&str],
+        source: &str,
+        header: &str,
+        row_contiguous: bool,
+    ) -> Self {
+        // MLX's CUDA backend keeps compiled kernels on disk by name and template arguments
+        // (`$MLX_PTX_CACHE_DIR`, else a temporary folder per MLX version): the name carries a
+        // hash of the code, so a Perch with another kernel body never loads the old one.
+        let mlx_name = CString::new(format!(
+            "{}_{:016x}",
+            name.to_str().expect("an ASCII kernel name"),
+            fnv1a(&[header.as_bytes(), source.as_bytes()])
+        ))
+        .expect("no NUL in the name");
         let source = CString::new(source).expect("no NUL in the source");
+        let header = CString::new(header).expect("no NUL in the header");
         let (input_names, output_names) = (strings(inputs), strings(outputs));
         // SAFETY: every argument is valid for the call; mlx-c copies the strings.
         let handle = unsafe {
             let handle = match backend {
                 Backend::Metal => Handle::Metal(mlx_sys::mlx_fast_metal_kernel_new(
-                    name.as_ptr(),
+                    mlx_name.as_ptr(),
                     input_names,
                     output_names,
                     source.as_ptr(),
-                    c"".as_ptr(),
+                    header.as_ptr(),
                     row_contiguous,
                     false,
                 )),
                 _ => Handle::Cuda(mlx_sys::mlx_fast_cuda_kernel_new(
-                    name.as_ptr(),
+                    mlx_name.as_ptr(),
                     input_names,
                     output_names,
                     source.as_ptr(),
-                    c"".as_ptr(),
+                    header.as_ptr(),
                     row_contiguous,
                     0,
                 )),
@@ -258,6 +282,17 @@ impl CustomKernel {
     }
 }
 
+/// The 64-bit FNV-1a hash of `parts` in turn (a kernel's name suffix: stable across builds and
+/// platforms, unlike `std`'s hasher).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    parts
+        .iter()
+        .flat_map(|part| part.iter())
+        .fold(0xcbf2_9ce4_8422_2325, |hash, &byte| {
+            (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+}
+
 /// Milliseconds one evaluated call of `f` takes, averaged over 20 after a first (for the
 /// device checks' timings against MLX).
 pub(crate) fn time_call(f: &dyn Fn() -> crate::Result<Array>) -> crate::Result<f64> {
@@ -307,4 +342,20 @@ pub(crate) fn judged(
 #[cfg(test)]
 pub(crate) fn zeros(shape: &[i32], dtype: Dtype) -> Array {
     mlx_rs::ops::zeros_dtype(shape, dtype).unwrap()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fnv1a;
+
+    #[test]
+    fn kernel_names_hash_their_code() {
+        // FNV-1a's published 64-bit vectors.
+        assert_eq!(fnv1a(&[]), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(&[b"a"]), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(&[b"foobar"]), 0x8594_4171_f739_67e8);
+        // Split anywhere, the same bytes hash alike; one changed byte does not.
+        assert_eq!(fnv1a(&[b"foo", b"bar"]), fnv1a(&[b"foobar"]));
+        assert_ne!(fnv1a(&[b"", b"y[i] = x[i];"]), fnv1a(&[b"", b"y[i] = x[j];"]));
+    }
 }

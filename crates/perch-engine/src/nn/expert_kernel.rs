@@ -21,7 +21,10 @@
 //! features of one pair (or, weighted, of one token, its pairs in turn); the pair's input row is
 //! staged in shared memory as float32; each lane reads every 32nd packed word of its warp's rows
 //! (32-bit words, coalesced across the warp), dequantizes it in registers and accumulates in
-//! float32; a warp sum gives each output. Dequantization as MLX's (`mlx/backend/*/quantized`):
+//! float32; a warp sum gives each output. Each value becomes a float by placing its bits in a
+//! float's (integer and float instructions only: CUDA's conversion instructions run at an
+//! eighth of their rate, and with one a value they bounded the kernel — a gpt-oss-20b-shaped
+//! gated product at 32 rows took 1.45 ms with them, 0.93 ms without, on an H200). Dequantization as MLX's (`mlx/backend/*/quantized`):
 //! affine `w = scale·q + bias` per group, the word's values low bits first; MXFP4 values are
 //! E2M1 (`±{0, 0.5, 1, 1.5, 2, 3, 4, 6}`) times `2^(s − 127)` of the group's E8M0 scale `s` (OCP
 //! Microscaling Formats v1.0). Activations as [`Activation::gated`] computes them, in float32.
@@ -53,11 +56,56 @@ const MAX_EXPERTS: i32 = 1024;
 /// The most experts a token [`route`] picks.
 const MAX_TOP_K: i32 = 32;
 
+/// Device functions of [`SOURCE`]: a packed word's values dequantized (before the group's scale)
+/// times `xv`, and the gated activation of `ACT` (0: none, the gate's value).
+const HEADER: &str = r#"
+template <int BITS, int MXFP4>
+__device__ __forceinline__ float perch_qdot(unsigned q, const float* xv) {
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  float dot = 0.0f;
+  if (MXFP4) {
+    // A nibble's E2M1 code in a float's bits: its exponent and mantissa bits at the float's
+    // lowest exponent bits and top mantissa bit, its sign at the sign: the value times 2^-126
+    // exactly (0.5 a subnormal), then times 2^126. Integer and float operations only (a
+    // conversion instruction runs at a fraction of their rate).
+#pragma unroll
+    for (int i = 0; i < PER_WORD; ++i) {
+      const int at = 22 - 4 * i;
+      const unsigned mag = (at >= 0 ? q << at : q >> -at) & 0x01C00000u;
+      const unsigned sign = (q << (28 - 4 * i)) & 0x80000000u;
+      dot += __uint_as_float(mag | sign) * __uint_as_float(0x7E800000u) * xv[i];
+    }
+  } else {
+    // The value n in a float's mantissa under the exponent of 2^23: 2^23 + n, less 2^23.
+#pragma unroll
+    for (int i = 0; i < PER_WORD; ++i) {
+      const unsigned n = (q >> (BITS * i)) & MASK;
+      dot += (__uint_as_float(0x4B000000u | n) - 8388608.0f) * xv[i];
+    }
+  }
+  return dot;
+}
+
+template <int ACT>
+__device__ __forceinline__ float perch_gated(float v, float up) {
+  if (ACT == 1) {
+    return v / (1.0f + expf(-v)) * up;
+  } else if (ACT == 2) {
+    return 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v))) * up;
+  } else if (ACT == 3) {
+    const float gate = fminf(v, 7.0f);
+    const float clamped = fminf(fmaxf(up, -7.0f), 7.0f);
+    return (clamped + 1.0f) * gate / (1.0f + expf(-1.702f * gate));
+  }
+  return v;
+}
+"#;
+
 const SOURCE: &str = r#"
   constexpr int PER_WORD = 32 / BITS;
   constexpr int WORDS = IN / PER_WORD;
   constexpr int GROUPS = IN / GROUP;
-  constexpr unsigned MASK = (1u << BITS) - 1u;
   // Weight rows an output reads (gate and up when gated), pairs an output sums (weighted).
   constexpr int PARTS = ACT > 0 ? 2 : 1;
   constexpr int PAIRS = WEIGHTED ? K : 1;
@@ -98,22 +146,10 @@ const SOURCE: &str = r#"
 #pragma unroll
       for (int r = 0; r < ACCS; ++r) {
         const long long row = row0 + (r / ROWS) * out + (r % ROWS);
-        const unsigned q = w[row * WORDS + word];
-        float dot = 0.0f;
+        const float dot = perch_qdot<BITS, MXFP4>(w[row * WORDS + word], xv);
         if (MXFP4) {
-          // E2M1 magnitudes times two, a nibble each: 0, 1, 2, 3, 4, 6, 8, 12.
-#pragma unroll
-          for (int i = 0; i < PER_WORD; ++i) {
-            const unsigned code = (q >> (4 * i)) & 15u;
-            const float v = static_cast<float>((0xC8643210u >> (4 * (code & 7u))) & 15u) * 0.5f;
-            dot += ((code & 8u) ? -v : v) * xv[i];
-          }
           acc[r] += exp2f(static_cast<float>(scales[row * GROUPS + g]) - 127.0f) * dot;
         } else {
-#pragma unroll
-          for (int i = 0; i < PER_WORD; ++i) {
-            dot += static_cast<float>((q >> (BITS * i)) & MASK) * xv[i];
-          }
           acc[r] += static_cast<float>(scales[row * GROUPS + g]) * dot
               + static_cast<float>(biases[row * GROUPS + g]) * xsum;
         }
@@ -141,17 +177,7 @@ const SOURCE: &str = r#"
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      float v = total[r];
-      if (ACT == 1) {
-        v = v / (1.0f + expf(-v)) * total[ROWS + r];
-      } else if (ACT == 2) {
-        v = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)))
-            * total[ROWS + r];
-      } else if (ACT == 3) {
-        const float gate = fminf(v, 7.0f);
-        const float up = fminf(fmaxf(total[ROWS + r], -7.0f), 7.0f);
-        v = (up + 1.0f) * gate / (1.0f + expf(-1.702f * gate));
-      }
+      const float v = perch_gated<ACT>(total[r], total[PARTS == 2 ? ROWS + r : r]);
       y[static_cast<long long>(item) * out + first + r] = static_cast<T>(v);
     }
   }
@@ -429,6 +455,7 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
     let (Some(backend), Some(x_per_row)) = (backend(), o.x_per_row()) else {
         return Err(Exception::custom("gather_qmv: operands it does not take"));
     };
+    let weighted = matches!(o.epilogue, Epilogue::Weighted(_));
     let input = *o.x.shape().last().expect("x has axes");
     let rows = o.weight.shape()[1];
     let pairs = o.indices.size() as i32;
@@ -449,7 +476,6 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
             (0, rows, pairs / k, [lead, &[rows]].concat())
         }
     };
-    let weighted = matches!(o.epilogue, Epilogue::Weighted(_));
     let template = [
         TemplateArg::Dtype(c"T", o.x.dtype()),
         TemplateArg::Int(c"IN", input),
@@ -486,12 +512,13 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
     let y = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
-            CustomKernel::new(
+            CustomKernel::with_header(
                 backend,
                 c"perch_gather_qmv",
                 &["x", "w", "scales", "biases", "indices", "bias", "coef"],
                 &["y"],
                 SOURCE,
+                HEADER,
                 true,
             )
         });
@@ -781,7 +808,7 @@ const fn case(
 const F32: Dtype = Dtype::Float32;
 const BF16: Dtype = Dtype::Bfloat16;
 
-const CASES: [CaseSpec; 12] = [
+const CASES: [CaseSpec; 13] = [
     case(
         "affine 4-bit g64, 2 tokens × 4 of 8 experts, 256 → 64",
         (2, 4, 8),
@@ -876,6 +903,14 @@ const CASES: [CaseSpec; 12] = [
         (1024, 1024),
         MXFP4,
         (Kind::Weighted, true),
+        BF16,
+    ),
+    case(
+        "gpt-oss-20b gate+up gated, 32 rows × 4 of 32 experts, 2880 → 2 × 2880, MXFP4",
+        (32, 4, 32),
+        (2880, 2880),
+        MXFP4,
+        (Kind::Gated(Activation::SwigluOai), true),
         BF16,
     ),
 ];
