@@ -29,6 +29,11 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import mlx_lm" 2>/dev
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2"
 fi
+# mlx-vlm, the vision oracle (crates/perch-engine/tests/vision_parity.rs): 0.7.6 is the newest release
+# that runs on the MLX Perch links (0.32.2).
+if ! "$venv/bin/python" -c "import mlx_vlm" 2>/dev/null; then
+  "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2" "mlx-vlm==0.7.6"
+fi
 # The official API clients the server's tests drive (crates/perch-server/tests).
 if ! "$venv/bin/python" -c "import openai, anthropic" 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet "openai==3.54.0" "anthropic==2.12.0"

@@ -356,6 +356,9 @@ mod tests {
         assert_eq!(fnv1a(&[b"foobar"]), 0x8594_4171_f739_67e8);
         // Split anywhere, the same bytes hash alike; one changed byte does not.
         assert_eq!(fnv1a(&[b"foo", b"bar"]), fnv1a(&[b"foobar"]));
-        assert_ne!(fnv1a(&[b"", b"y[i] = x[i];"]), fnv1a(&[b"", b"y[i] = x[j];"]));
+        assert_ne!(
+            fnv1a(&[b"", b"y[i] = x[i];"]),
+            fnv1a(&[b"", b"y[i] = x[j];"])
+        );
     }
 }

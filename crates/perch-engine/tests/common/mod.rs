@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+#[allow(unused_imports)]
 pub use perch_test_support::{model_dir, oracle_python, reference, reference_cases, ReferenceCase};
 
 /// Runs `tests/oracle/{script}` with the oracle Python and returns its stdout; panics with its

@@ -1,0 +1,69 @@
+"""Writes a tiny random Gemma 3 vision-language model with Python mlx-vlm 0.7.6, plus what mlx-vlm
+computes on it, for `tests/vision_parity.rs`.
+
+Usage: python tiny_vision.py OUT_DIR
+OUT_DIR/gemma3/ holds the model directory (config.json, model.safetensors as mlx-vlm saves them);
+beside it, gemma3-inputs.safetensors (`pixel_values` [images, channels, height, width] float32, as the
+processor hands them to the model) and gemma3-expected.safetensors (`image_features` [images, tokens,
+text hidden]: the vision tower and projector's output,
+`Model.multi_modal_projector(Model.vision_tower(...))`).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+GEMMA3 = {
+    "model_type": "gemma3",
+    "hidden_size": 64,
+    "image_token_index": 500, "vocab_size": 512,
+    "mm_tokens_per_image": 16,
+    "text_config": {
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
+        "sliding_window": 8, "mm_tokens_per_image": 16,
+    },
+    # SigLIP: 32x32 images in 4x4 patches (64 patches), pooled to 4x4 = 16 image tokens.
+    "vision_config": {
+        "model_type": "siglip_vision_model", "hidden_size": 32, "num_hidden_layers": 2,
+        "intermediate_size": 48, "num_attention_heads": 2, "patch_size": 4, "image_size": 32,
+        "layer_norm_eps": 1e-6,
+    },
+}
+
+
+def build(config):
+    arch, _ = get_model_and_args(config)
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model = arch.Model(model_config)
+    # Random parameters of a moderate size (the norms' weights near their neutral value).
+    mx.random.seed(7)
+    params = tree_map(lambda p: mx.random.uniform(-0.5, 0.5, p.shape).astype(mx.float32), model.parameters())
+    model.update(params)
+    mx.eval(model.parameters())
+    return model
+
+
+def main():
+    out = Path(sys.argv[1]) / "gemma3"
+    out.mkdir(parents=True, exist_ok=True)
+    model = build(GEMMA3)
+    (out / "config.json").write_text(json.dumps(GEMMA3, indent=1))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    mx.random.seed(11)
+    pixel_values = mx.random.uniform(-1.0, 1.0, (2, 3, 32, 32)).astype(mx.float32)
+    hidden, _, _ = model.vision_tower(pixel_values.transpose(0, 2, 3, 1), output_hidden_states=True)
+    features = model.multi_modal_projector(hidden)
+    mx.save_safetensors(str(out.parent / "gemma3-inputs.safetensors"), {"pixel_values": pixel_values})
+    mx.save_safetensors(str(out.parent / "gemma3-expected.safetensors"), {"image_features": features})
+
+
+if __name__ == "__main__":
+    main()
