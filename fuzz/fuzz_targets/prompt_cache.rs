@@ -7,7 +7,7 @@
 use libfuzzer_sys::fuzz_target;
 use mlx_rs::Array;
 use perch_engine::kv::LayerCaches;
-use perch_engine::models::{Model, ModelInfo, Output};
+use perch_engine::models::{Model, ModelInfo, Output, Spliced};
 use perch_engine::prompt_cache::load_prompt_cache;
 use perch_engine::{EngineError, Result};
 
@@ -17,7 +17,13 @@ use perch_engine::{EngineError, Result};
 struct InfoOnly(ModelInfo);
 
 impl Model for InfoOnly {
-    fn forward(&self, _: &Array, _: &mut LayerCaches<'_>, _: Output) -> Result<Option<Array>> {
+    fn forward(
+        &self,
+        _: &Array,
+        _: Option<&Spliced>,
+        _: &mut LayerCaches<'_>,
+        _: Output,
+    ) -> Result<Option<Array>> {
         Err(EngineError::Request("not a real model".into()))
     }
     fn clone_for_compile(&self) -> Box<dyn Model> {

@@ -47,8 +47,8 @@ pub mod testing;
 
 pub use api::{
     EngineEvent, EngineLimits, EngineRequest, EngineStats, FinishReason, GenerateOutput,
-    GenerateRequest, GenerationStats, KeepAlive, KvCacheStats, Prompt, Residency, StepTimes,
-    TokenEvent, TokenLogprobs,
+    GenerateRequest, GenerationStats, ImageInput, KeepAlive, KvCacheStats, Prompt, Residency,
+    StepTimes, TokenEvent, TokenLogprobs,
 };
 pub use attention::KvQuantization;
 #[doc(hidden)]

@@ -752,6 +752,7 @@ impl perch_engine::models::Model for ScriptedModel {
     fn forward(
         &self,
         ids: &mlx_rs::Array,
+        _spliced: Option<&perch_engine::models::Spliced>,
         caches: &mut perch_engine::kv::LayerCaches<'_>,
         _output: perch_engine::models::Output,
     ) -> perch_engine::Result<Option<mlx_rs::Array>> {

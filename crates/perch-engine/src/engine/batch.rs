@@ -38,6 +38,7 @@ use crate::api::StepTimes;
 use crate::api::{FinishReason, GenerateOutput, GenerateRequest, TokenEvent};
 use crate::attention::KvQuantization;
 use crate::device::Backend;
+use crate::engine::images::{self, SequenceImage};
 use crate::error::{EngineError, Result};
 use crate::kv::block_store::BlockStore;
 use crate::kv::cache::{KvCache, KvLimit};
@@ -349,6 +350,8 @@ struct Sequence {
     preloaded: Option<PromptCache>,
     start: Instant,
     first_token_at: Option<f64>,
+    /// Its images' features and places ([`images`]); their tokens in `tokens` are placeholders.
+    images: Vec<SequenceImage>,
 }
 
 impl Sequence {
@@ -630,6 +633,11 @@ impl<'m> BatchGenerator<'m> {
             Some(limit) if self.bounded_tokens(limit) < capacity_tokens => max_tokens,
             _ => max_tokens.min(capacity_tokens - request.prompt.len()),
         };
+        let mut tokens = request.prompt.clone();
+        let images = match request.images.is_empty() {
+            true => Vec::new(),
+            false => images::prepare(self.model, &mut tokens, &request.images)?,
+        };
         let id = self.next_id;
         self.next_id += 1;
         let history = RecentTokens::new(&request.sampling, &request.prompt[prefix_len..]);
@@ -642,7 +650,8 @@ impl<'m> BatchGenerator<'m> {
             preloaded,
             history,
             grammar,
-            tokens: request.prompt.clone(),
+            tokens,
+            images,
             cache: Vec::new(),
             // `kv_options` refused a bound and a quantization together.
             kv: match (limit, quantization) {
@@ -1340,17 +1349,42 @@ impl<'m> BatchGenerator<'m> {
         let Some(pass) = &plan.prefill else {
             return Ok(());
         };
-        // The chunk of each prefill slot (empty for a free one).
-        let mut tokens: Vec<&[u32]> = vec![&[][..]; self.runner.prefill_slot_span()];
+        // The chunk of each prefill slot (empty for a free one); a sequence with images feeds
+        // its placeholders as the image token, with the images' features ([`images`]).
+        let span = self.runner.prefill_slot_span();
+        let mut with_images: Vec<Option<Vec<u32>>> = vec![None; span];
+        let mut pieces: Vec<Vec<images::Piece>> = vec![Vec::new(); span];
+        let mut rows = vec![None; span];
         for &(id, chunk) in &pass.chunks {
-            let seq = &self.running[self.position(id).expect("planned from the running")];
+            let i = self.position(id).expect("planned from the running");
+            let seq = &self.running[i];
             let Some(Slot::Prefill(row)) = seq.slot else {
                 unreachable!("a sequence in the prefill pass is in a prefill slot")
             };
-            tokens[row] = &seq.tokens[seq.computed..seq.computed + chunk];
+            rows[row] = Some((i, chunk));
+            if !seq.images.is_empty() {
+                let fed = &seq.tokens[seq.computed..seq.computed + chunk];
+                let (ids, mine) = images::chunk_inputs(self.model, &seq.images, fed, seq.computed)?;
+                with_images[row] = Some(ids);
+                pieces[row] = mine;
+            }
         }
+        let tokens: Vec<&[u32]> = rows
+            .iter()
+            .zip(&with_images)
+            .map(|(row, ids)| match (row, ids) {
+                (_, Some(ids)) => &ids[..],
+                (Some((i, chunk)), None) => {
+                    let seq = &self.running[*i];
+                    &seq.tokens[seq.computed..seq.computed + chunk]
+                }
+                (None, None) => &[][..],
+            })
+            .collect();
+        let spliced = images::spliced(&pieces, pass.width)?;
         let start = Instant::now();
-        self.runner.prefill_step(&tokens, pass.width)?;
+        self.runner
+            .prefill_step(&tokens, pass.width, spliced.as_ref())?;
         self.times.prefill_seconds += start.elapsed().as_secs_f64();
         self.times.prefill_tokens += pass.num_tokens() as u64;
         self.times.prefill_passes += 1;

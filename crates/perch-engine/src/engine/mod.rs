@@ -18,6 +18,7 @@
 pub(crate) mod batch;
 mod config;
 mod handle;
+mod images;
 mod thread;
 
 pub use config::{EngineConfig, FaultInjection};

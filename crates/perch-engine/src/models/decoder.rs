@@ -12,7 +12,8 @@ use crate::kv::cache::KvCache;
 use crate::kv::{LayerCaches, Positions};
 use crate::models::gated_delta::{GatedDeltaConfig, GatedDeltaNet};
 use crate::models::moe::{MlpAndExperts, MoeConfig, MoeStyle, SparseMoe};
-use crate::models::{within, Model, ModelInfo, Output};
+use crate::models::vision::VisionTower;
+use crate::models::{within, Model, ModelInfo, Output, Spliced};
 use crate::nn::layers::{
     gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope,
 };
@@ -990,6 +991,8 @@ pub struct Decoder {
     per_layer: Option<PerLayerEmbedding>,
     final_logit_softcap: Option<f32>,
     info: ModelInfo,
+    /// A vision-language checkpoint's vision tower (or why it was not loaded).
+    vision: Option<std::result::Result<VisionTower, String>>,
 }
 
 impl Decoder {
@@ -1240,7 +1243,15 @@ impl Decoder {
             per_layer,
             final_logit_softcap: c.style.final_logit_softcap,
             info,
+            vision: None,
         })
+    }
+
+    /// This decoder with a vision-language checkpoint's vision tower, or the reason it was not
+    /// loaded ([`super::Resolved::vision`]).
+    pub fn with_vision(mut self, vision: Option<std::result::Result<VisionTower, String>>) -> Self {
+        self.vision = vision;
+        self
     }
 }
 
@@ -1251,9 +1262,21 @@ impl Decoder {
     fn run(
         &self,
         ids: &Array,
+        spliced: Option<&Spliced>,
         mut mix: impl FnMut(&Block, &Array, Option<&Rope>) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
+        if let Some(spliced) = spliced {
+            // The features replace their tokens' embeddings, then take the embedding scale
+            // with them (mlx-vlm's `prepare_inputs_for_multimodal`, then the text model).
+            let shape = h.shape().to_vec();
+            let hidden = shape[2];
+            let n = spliced.positions.size() as i32;
+            let flat = h.reshape(&[-1, hidden])?;
+            let at = ops::broadcast_to(&spliced.positions.reshape(&[n, 1])?, &[n, hidden])?;
+            let features = spliced.features.as_dtype(h.dtype())?;
+            h = mlx_rs::ops::indexing::put_along_axis(&flat, &at, &features, 0)?.reshape(&shape)?;
+        }
         if let Some(scale) = self.embedding_scale {
             h = ops::multiply(&h, &Array::from_f32(scale).as_dtype(h.dtype())?)?;
         }
@@ -1357,6 +1380,7 @@ impl Model for Decoder {
     fn forward(
         &self,
         ids: &Array,
+        spliced: Option<&Spliced>,
         caches: &mut LayerCaches<'_>,
         output: Output,
     ) -> Result<Option<Array>> {
@@ -1377,7 +1401,7 @@ impl Model for Decoder {
         // The last part dispatched: waited for once the next one is dispatched, so the device
         // always has a part to run while the host builds the next.
         let mut dispatched: Option<Array> = None;
-        let h = self.run(ids, |layer, x, rope| {
+        let h = self.run(ids, spliced, |layer, x, rope| {
             let out = match &layer.mixer {
                 Mixer::Attention(attn) => attn.forward(
                     x,
@@ -1449,6 +1473,10 @@ impl Model for Decoder {
             block.mlp.use_mlx_kernels();
         }
         Box::new(copy)
+    }
+
+    fn vision(&self) -> Option<&VisionTower> {
+        self.vision.as_ref().and_then(|v| v.as_ref().ok())
     }
 
     fn info(&self) -> &ModelInfo {

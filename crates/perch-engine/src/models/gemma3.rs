@@ -1,6 +1,6 @@
 //! Gemma 3 (`gemma3_text`, and `gemma3`, the multimodal checkpoints whose text model is nested in
-//! `text_config` and whose weights sit under `language_model.`; their vision tower and projector
-//! are left unread). Query and key norms, GeGLU feed-forward blocks, norms on each sub-layer's input
+//! `text_config` and whose weights sit under `language_model.`, with their vision tower and
+//! projector: [`super::vision`]). Query and key norms, GeGLU feed-forward blocks, norms on each sub-layer's input
 //! and output, RMSNorm weights stored as offsets from one, embeddings scaled by `sqrt(hidden)`
 //! (rounded to bfloat16), scores scaled by `query_pre_attn_scalar^-0.5`, and sliding-window
 //! attention on every layer but each `sliding_window_pattern`-th, with its own RoPE base
@@ -12,6 +12,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::decoder::{BlockStyle, DecoderConfig, SlidingWindow};
+use super::vision::VisionTower;
 use super::within;
 use super::{LoadContext, Resolved};
 use crate::error::Result;
@@ -65,7 +66,7 @@ impl Default for Gemma3Args {
 /// config's, and the head counts default to 8 and 4 there.
 const MULTIMODAL_VOCAB: i64 = 262_208;
 
-pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
+pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
     let nested = cx.config.get("model_type").and_then(Value::as_str) == Some("gemma3");
     let text = if nested {
         super::gemma_text_config(&cx, MULTIMODAL_VOCAB, [8, 4])?
@@ -132,11 +133,33 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
         ..Default::default()
     };
     config.validate().map_err(|m| cx.error(m))?;
-    if nested {
-        // Not the text model's (mlx_lm's sanitize drops them too).
-        cx.weights.discard_where(|name| {
-            name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
+    let is_vision = |name: &str| {
+        name.starts_with("vision_tower.") || name.starts_with("multi_modal_projector.")
+    };
+    let mut vision = None;
+    if nested
+        && cx
+            .weights
+            .contains("vision_tower.vision_model.embeddings.patch_embedding.weight")
+    {
+        let tower = VisionTower::load_gemma3(&mut cx).map_err(|e| e.to_string());
+        let left: Vec<String> = cx
+            .weights
+            .remaining()
+            .into_iter()
+            .filter(|name| is_vision(name))
+            .collect();
+        vision = Some(match tower {
+            Ok(_) if !left.is_empty() => Err(format!(
+                "the checkpoint's vision tower has weights Perch does not read, e.g. {}",
+                left[0]
+            )),
+            tower => tower,
         });
+    }
+    if nested {
+        // Whatever the text model does not read (mlx_lm's sanitize drops them too).
+        cx.weights.discard_where(is_vision);
     }
     let rope = Rope::new(
         args.head_dim,
@@ -145,5 +168,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
         args.rope_scaling.as_ref(),
     );
     let model_type = if nested { "gemma3" } else { "gemma3_text" };
-    cx.decoder(config, rope, model_type)
+    let mut resolved = cx.decoder(config, rope, model_type)?;
+    resolved.vision = vision;
+    Ok(resolved)
 }

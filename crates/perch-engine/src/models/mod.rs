@@ -82,6 +82,15 @@ pub enum Output {
     CacheOnly,
 }
 
+/// Features fed in place of some tokens' embeddings in a forward pass: an image's, at its image
+/// tokens ([`vision::VisionTower::encode`]). `positions` `[n]` int32 index the pass's tokens
+/// row-major (`row · tokens + token`); `features` `[n, hidden]` are what the embedding layer's
+/// output holds there, before the model's embedding scale.
+pub struct Spliced {
+    pub positions: Array,
+    pub features: Array,
+}
+
 /// A causal language model.
 pub trait Model: Send {
     /// The forward pass, the only one: token ids `[rows, tokens]` → logits `[rows, tokens,
@@ -90,12 +99,18 @@ pub trait Model: Send {
     /// decides positions and what attention reads). A row's real positions compute what its
     /// sequence computes alone, up to reduction order. Builds its graph from `ids`, the caches'
     /// arrays and the weights only, so that MLX can trace it ([`crate::worker::compiled`]).
+    /// `spliced`: features that replace some tokens' embeddings (images', see [`Spliced`]).
     fn forward(
         &self,
         ids: &Array,
+        spliced: Option<&Spliced>,
         caches: &mut LayerCaches<'_>,
         output: Output,
     ) -> Result<Option<Array>>;
+    /// The vision tower of a vision-language model whose checkpoint has one.
+    fn vision(&self) -> Option<&vision::VisionTower> {
+        None
+    }
     /// A copy sharing this model's weights (MLX arrays are reference-counted) whose forward
     /// passes MLX can trace (every product through MLX's operations, none read on the host):
     /// what a compiled step owns.
@@ -132,15 +147,20 @@ impl dyn Model + '_ {
     /// [`Model::forward`] over one sequence's caches (one per layer): ids `[1, seq]` → logits
     /// `[1, seq, vocab]`.
     pub fn forward_sequence(&self, ids: &Array, cache: &mut [KvCache]) -> Result<Array> {
-        let logits = self.forward(ids, &mut LayerCaches::Sequence(cache), Output::Logits)?;
+        let logits = self.forward(ids, None, &mut LayerCaches::Sequence(cache), Output::Logits)?;
         Ok(logits.expect("logits were asked for"))
     }
 
     /// [`Model::forward`] over one sequence's caches for a prompt chunk whose logits are never
     /// read: fills the caches only ([`Output::CacheOnly`]).
     pub fn prefill_sequence(&self, ids: &Array, cache: &mut [KvCache]) -> Result<()> {
-        self.forward(ids, &mut LayerCaches::Sequence(cache), Output::CacheOnly)
-            .map(drop)
+        self.forward(
+            ids,
+            None,
+            &mut LayerCaches::Sequence(cache),
+            Output::CacheOnly,
+        )
+        .map(drop)
     }
 
     /// One step of every sequence in `slots` ([`SlotKvCache`]): token ids `[rows, tokens]`, row
@@ -154,9 +174,21 @@ impl dyn Model + '_ {
         slots: &mut SlotKvCache,
         new_tokens: &[usize],
     ) -> Result<Array> {
+        self.forward_slots_spliced(ids, None, slots, new_tokens)
+    }
+
+    /// [`forward_slots`](Self::forward_slots) with some tokens' embeddings replaced ([`Spliced`]).
+    pub fn forward_slots_spliced(
+        &self,
+        ids: &Array,
+        spliced: Option<&Spliced>,
+        slots: &mut SlotKvCache,
+        new_tokens: &[usize],
+    ) -> Result<Array> {
         let step = slots.begin_step(ids.shape()[1] as usize, new_tokens)?;
         let logits = self.forward(
             ids,
+            spliced,
             &mut LayerCaches::Slots {
                 cache: slots,
                 step: &step,
@@ -183,6 +215,9 @@ pub struct Resolved {
     pub config: DecoderConfig,
     pub rope: Rope,
     pub model_type: String,
+    /// A vision-language checkpoint's vision tower, or why it was not loaded (the text model
+    /// still runs; requests with images are refused with the reason).
+    pub vision: Option<std::result::Result<vision::VisionTower, String>>,
 }
 
 impl LoadContext<'_> {
@@ -218,6 +253,7 @@ impl LoadContext<'_> {
             config,
             rope,
             model_type: model_type.to_string(),
+            vision: None,
         })
     }
 }
@@ -323,13 +359,16 @@ pub fn load_with_progress(
         config_path: &config_path,
         weights: &mut weights,
     })?;
-    let model: Box<dyn Model> = Box::new(Decoder::load(
-        resolved.config,
-        resolved.rope,
-        &quantization,
-        &mut weights,
-        &resolved.model_type,
-    )?);
+    let model: Box<dyn Model> = Box::new(
+        Decoder::load(
+            resolved.config,
+            resolved.rope,
+            &quantization,
+            &mut weights,
+            &resolved.model_type,
+        )?
+        .with_vision(resolved.vision),
+    );
     // Like mlx-lm's strict load: tensors nobody used mean the config does not describe these weights.
     let unused = weights.remaining();
     if !unused.is_empty() {

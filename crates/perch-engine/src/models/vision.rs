@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::nn::layers::{gelu_approx, Linear, Quantization, RmsNorm};
 
 /// A vision config's fields (`vision_config`), mlx-vlm's `VisionConfig` defaults.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(default)]
 pub struct VisionArgs {
     pub hidden_size: i32,
@@ -105,6 +105,7 @@ impl VisionArgs {
 }
 
 /// `LayerNorm` with a learned scale and shift.
+#[derive(Clone)]
 struct LayerNorm {
     weight: Array,
     bias: Array,
@@ -126,6 +127,7 @@ impl LayerNorm {
 }
 
 /// One pre-norm SigLIP encoder layer.
+#[derive(Clone)]
 struct EncoderLayer {
     layer_norm1: LayerNorm,
     q_proj: Linear,
@@ -162,6 +164,7 @@ impl EncoderLayer {
 }
 
 /// The SigLIP encoder.
+#[derive(Clone)]
 struct Siglip {
     args: VisionArgs,
     /// The patch embedding's weight as `[patch · patch · channels, hidden]`.
@@ -261,6 +264,7 @@ impl Siglip {
 }
 
 /// Gemma 3's multimodal projector.
+#[derive(Clone)]
 struct Gemma3Projector {
     norm: RmsNorm,
     /// `[vision hidden, text hidden]`.
@@ -271,9 +275,16 @@ struct Gemma3Projector {
 }
 
 /// Gemma 3's vision tower and projector.
+#[derive(Clone)]
 pub struct VisionTower {
     siglip: Siglip,
     projector: Gemma3Projector,
+    /// The token a prompt holds at each image feature's place (`image_token_index`).
+    image_token_id: u32,
+    /// What the features are multiplied by before they replace their tokens' embeddings:
+    /// Gemma's text model scales every embedding by `sqrt(hidden)`, so mlx-vlm divides the
+    /// image features by it first.
+    splice_scale: f32,
 }
 
 impl VisionTower {
@@ -318,6 +329,16 @@ impl VisionTower {
                 "text_config.hidden_size must be between 1 and {MAX_HIDDEN}, got {text_hidden}"
             )));
         }
+        // mlx-vlm's ModelConfig default.
+        let image_token_id = match cx.config.get("image_token_index") {
+            None => 262_144,
+            Some(id) => id
+                .as_u64()
+                .and_then(|id| u32::try_from(id).ok())
+                .ok_or_else(|| {
+                    cx.error(format!("image_token_index must be a token id, got {id}"))
+                })?,
+        };
         let (vision_hidden, eps) = (args.hidden_size, args.layer_norm_eps);
         let siglip = Siglip::load(cx, args, "vision_tower.vision_model.")?;
         let norm = RmsNorm::load_with_offset(
@@ -339,7 +360,27 @@ impl VisionTower {
                 kernel: (grid / tokens_per_side) as i32,
                 tokens_per_side: tokens_per_side as i32,
             },
+            image_token_id,
+            splice_scale: (text_hidden as f32).sqrt().recip(),
         })
+    }
+
+    /// The token id a prompt holds at each of an image's [`tokens_per_image`](Self::tokens_per_image)
+    /// places.
+    pub fn image_token_id(&self) -> u32 {
+        self.image_token_id
+    }
+
+    /// [`encode`](Self::encode)'s features as the text model's embedding layer holds them at the
+    /// image tokens (before its embedding scale): what [`super::Spliced`] carries.
+    pub fn embed(&self, pixels: &Array) -> Result<Array> {
+        let features = self.encode(pixels)?;
+        // mlx-vlm divides by the Python float `hidden ** 0.5`: in the features' dtype.
+        let scale = 1.0 / self.splice_scale;
+        Ok(ops::divide(
+            &features,
+            &Array::from_f32(scale).as_dtype(features.dtype())?,
+        )?)
     }
 
     /// The square side, in pixels, the tower takes.

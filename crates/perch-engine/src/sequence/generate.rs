@@ -49,6 +49,11 @@ pub fn generate(
             "a draft model is given to generate_speculative, not generate".into(),
         ));
     }
+    if !request.images.is_empty() {
+        return Err(EngineError::Request(
+            "images run in the batch engine (EngineHandle), not in generate".into(),
+        ));
+    }
 
     reset_peak_memory();
     let start = Instant::now();

@@ -115,6 +115,12 @@ impl<'m> SoloSequence<'m> {
                     .into(),
             ));
         }
+        if !request.images.is_empty() {
+            return Err(EngineError::Request(
+                "speculative decoding takes no images: they run in the batch without a draft"
+                    .into(),
+            ));
+        }
         let cache = own_cache(model, request)?;
         let mut draft_cache = Vec::new();
         if let Some(draft) = draft {

@@ -70,6 +70,7 @@ impl CompiledSlotForward {
             let logits = model
                 .forward(
                     ids,
+                    None,
                     &mut LayerCaches::Slots {
                         cache: &mut cache,
                         step: &step,

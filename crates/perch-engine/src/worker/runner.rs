@@ -23,7 +23,7 @@ use crate::device::Backend;
 use crate::error::Result;
 use crate::kv::cache::KvCache;
 use crate::kv::slot_cache::{RowKv, SlotAttention, SlotKvCache};
-use crate::models::Model;
+use crate::models::{Model, Spliced};
 use crate::nn::mlx_ext::slice;
 use crate::sample::sampler::Sampler;
 use crate::sample::{log_softmax_f32, sample_next, RecentTokens, Sampled, TokenLogprobs};
@@ -303,7 +303,7 @@ impl<'m> ModelRunner<'m> {
 
     /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
     /// [`ModelRunner::prefill_slot_span`]; empty for a free one), all padded to `width` tokens in
-    /// one forward pass; dispatched (`async_eval`), not waited for. Nothing reads a prefill pass
+    /// one forward pass, `spliced` replacing some tokens' embeddings (images'); dispatched (`async_eval`), not waited for. Nothing reads a prefill pass
     /// on the host (a prompt's last token is sampled by its first decode step), so the host
     /// copies a pass's blocks into the prefix cache ([`ModelRunner::end_prefill_step`] after
     /// them) and builds the next pass while the device runs it; the next pass waits for this
@@ -312,7 +312,12 @@ impl<'m> ModelRunner<'m> {
     /// prompts prefill about a quarter faster on a GPU than waiting for each pass, and a pass
     /// dispatched before the last one was done would copy the buffers that one still reads
     /// instead of writing them in place (gigabytes more at the peak).
-    pub fn prefill_step(&mut self, chunks: &[&[u32]], width: usize) -> Result<()> {
+    pub fn prefill_step(
+        &mut self,
+        chunks: &[&[u32]],
+        width: usize,
+        spliced: Option<&Spliced>,
+    ) -> Result<()> {
         let mut ids = vec![0u32; self.slots.prefill.rows() * width];
         for (row, chunk) in chunks.iter().enumerate() {
             ids[row * width..row * width + chunk.len()].copy_from_slice(chunk);
@@ -320,7 +325,7 @@ impl<'m> ModelRunner<'m> {
         let ids = Array::from_slice(&ids, &[(ids.len() / width) as i32, width as i32]);
         let lengths: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
         self.model
-            .forward_slots(&ids, &mut self.slots.prefill, &lengths)?;
+            .forward_slots_spliced(&ids, spliced, &mut self.slots.prefill, &lengths)?;
         self.slots.prefill.wait_for_pass_in_flight()?;
         async_eval(self.slots.prefill.state())?;
         Ok(())

@@ -6,7 +6,10 @@ OUT_DIR/gemma3/ holds the model directory (config.json, model.safetensors as mlx
 beside it, gemma3-inputs.safetensors (`pixel_values` [images, channels, height, width] float32, as the
 processor hands them to the model) and gemma3-expected.safetensors (`image_features` [images, tokens,
 text hidden]: the vision tower and projector's output,
-`Model.multi_modal_projector(Model.vision_tower(...))`).
+`Model.multi_modal_projector(Model.vision_tower(...))`), and gemma3-prompts.json: for prompts with one and
+with two images (`prompt_ids`, the images by index into `pixel_values`), the log-softmax of the last
+position's logits and 8 greedy ids, as mlx-vlm's model computes them (`get_input_embeddings`, then the
+language model over its prompt cache).
 """
 
 import json
@@ -16,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
+import numpy as np
 from mlx_vlm.utils import get_model_and_args, update_module_configs
 
 GEMMA3 = {
@@ -26,7 +30,7 @@ GEMMA3 = {
     "text_config": {
         "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512,
-        "sliding_window": 8, "mm_tokens_per_image": 16,
+        "sliding_window": 8, "sliding_window_pattern": 2, "mm_tokens_per_image": 16,
     },
     # SigLIP: 32x32 images in 4x4 patches (64 patches), pooled to 4x4 = 16 image tokens.
     "vision_config": {
@@ -63,6 +67,29 @@ def main():
     features = model.multi_modal_projector(hidden)
     mx.save_safetensors(str(out.parent / "gemma3-inputs.safetensors"), {"pixel_values": pixel_values})
     mx.save_safetensors(str(out.parent / "gemma3-expected.safetensors"), {"image_features": features})
+
+    image = [GEMMA3["image_token_index"]] * GEMMA3["mm_tokens_per_image"]
+    prompts = [
+        ([2, 10, 11, 12] + image + [20, 21, 22], [0]),
+        ([2, 30] + image + [31, 32] + image + [33, 34, 35], [1, 0]),
+    ]
+    cases = []
+    for ids, images in prompts:
+        ids_array = mx.array([ids])
+        pixels = pixel_values[mx.array(images)]
+        embeds = model.get_input_embeddings(ids_array, pixels, mask=mx.ones(ids_array.shape)).inputs_embeds
+        cache = model.language_model.make_cache()
+        logits = model.language_model(ids_array, inputs_embeds=embeds, cache=cache).logits[0, -1]
+        logprobs = logits - mx.logsumexp(logits)
+        greedy = []
+        token = int(mx.argmax(logits))
+        for _ in range(8):
+            greedy.append(token)
+            logits = model.language_model(mx.array([[token]]), cache=cache).logits[0, -1]
+            token = int(mx.argmax(logits))
+        cases.append({"prompt_ids": ids, "images": images,
+                      "logprobs": np.array(logprobs.astype(mx.float32)).tolist(), "greedy_ids": greedy})
+    (out.parent / "gemma3-prompts.json").write_text(json.dumps(cases))
 
 
 if __name__ == "__main__":
