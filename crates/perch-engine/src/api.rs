@@ -86,72 +86,7 @@ pub struct GenerateRequest {
     /// image tokens ([`VisionTower::image_token_id`](crate::models::vision::VisionTower::image_token_id))
     /// in a row, whose embeddings its features replace. The engine's batch only ([`generate`]
     /// and speculative requests refuse them).
-    pub images: Vec<ImageInput>,
-}
-
-/// An image as a vision tower takes it: pixel values `[height, width, channels]` (float32,
-/// channels last), resized and normalized as the model's processor does. Its digest (SHA-256
-/// of the values and shape) identifies it: the prefix cache keys its tokens' blocks by it, so
-/// a second request about the same image reuses them and another image never does.
-#[derive(Clone)]
-pub struct ImageInput {
-    pixels: std::sync::Arc<Vec<f32>>,
-    shape: [usize; 3],
-    digest: [u8; 32],
-}
-
-impl ImageInput {
-    /// `Err` when `pixels` does not hold `shape`'s values or one is not finite.
-    pub fn new(pixels: Vec<f32>, shape: [usize; 3]) -> crate::Result<Self> {
-        use sha2::{Digest, Sha256};
-        let expected = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
-        if expected != Some(pixels.len()) || pixels.is_empty() {
-            return Err(crate::EngineError::Request(format!(
-                "an image of {} values cannot have the shape {shape:?}",
-                pixels.len()
-            )));
-        }
-        if pixels.iter().any(|v| !v.is_finite()) {
-            return Err(crate::EngineError::Request(
-                "an image's pixel values must be finite numbers".into(),
-            ));
-        }
-        let mut hasher = Sha256::new();
-        for d in shape {
-            hasher.update((d as u64).to_le_bytes());
-        }
-        for v in &pixels {
-            hasher.update(v.to_le_bytes());
-        }
-        Ok(Self {
-            pixels: std::sync::Arc::new(pixels),
-            shape,
-            digest: hasher.finalize().into(),
-        })
-    }
-
-    pub fn pixels(&self) -> &[f32] {
-        &self.pixels
-    }
-
-    /// `[height, width, channels]`.
-    pub fn shape(&self) -> [usize; 3] {
-        self.shape
-    }
-
-    pub fn digest(&self) -> &[u8; 32] {
-        &self.digest
-    }
-}
-
-impl std::fmt::Debug for ImageInput {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let digest: String = self.digest[..6]
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        write!(f, "ImageInput({:?}, {digest}…)", self.shape)
-    }
+    pub images: Vec<crate::image_processor::ImageInput>,
 }
 
 /// How long an idle engine keeps its model's weights (and draft model, KV pool and prefix

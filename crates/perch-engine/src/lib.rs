@@ -30,6 +30,7 @@ pub(crate) mod attention;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod image_processor;
 pub mod kv;
 pub mod limits;
 pub mod memory;
@@ -47,14 +48,15 @@ pub mod testing;
 
 pub use api::{
     EngineEvent, EngineLimits, EngineRequest, EngineStats, FinishReason, GenerateOutput,
-    GenerateRequest, GenerationStats, ImageInput, KeepAlive, KvCacheStats, Prompt, Residency,
-    StepTimes, TokenEvent, TokenLogprobs,
+    GenerateRequest, GenerationStats, KeepAlive, KvCacheStats, Prompt, Residency, StepTimes,
+    TokenEvent, TokenLogprobs,
 };
 pub use attention::KvQuantization;
 #[doc(hidden)]
 pub use engine::FaultInjection;
 pub use engine::{EngineConfig, EngineHandle, RequestStream};
 pub use error::{EngineError, Result};
+pub use image_processor::{ImageInput, ImageProcessor};
 pub use kv::slot_cache::SlotAttention;
 pub use nn::weights::LoadProgress;
 pub use perch_sched::RequestId;
@@ -62,7 +64,7 @@ pub use sample::grammar::Grammar;
 pub use sample::sampler::SamplingParams;
 pub use sequence::generate::generate;
 pub use sequence::speculative::{generate_speculative, Draft};
-pub use text::chat_template::ChatMessage;
+pub use text::chat_template::{ChatMessage, ContentPart};
 pub use text::tokenizer::Tokenizer;
 
 /// The kernels [`check_kernels`] checks, by name.

@@ -17,7 +17,22 @@ use perch_engine::models::vision::VisionTower;
 use perch_engine::models::LoadContext;
 use perch_engine::nn::weights::Weights;
 use perch_engine::testing::{BatchConfig, BatchGenerator};
-use perch_engine::{generate, GenerateRequest, ImageInput};
+use perch_engine::{
+    generate, ChatMessage, ContentPart, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
+    ImageInput, ImageProcessor, Prompt,
+};
+
+/// Writes the oracle's gemma3 and its references into `out`.
+fn oracle(out: &std::path::Path) {
+    let tokenizer = common::model_dir();
+    common::run_oracle(
+        "tiny_vision.py",
+        &[out.to_str().unwrap(), tokenizer.to_str().unwrap()],
+    );
+}
+
+/// Gemma 3's image token in the oracle's model.
+const IMAGE: u32 = 49153;
 
 /// The largest |value| of `a`.
 fn largest_abs(a: &Array) -> f32 {
@@ -31,7 +46,7 @@ fn largest_abs(a: &Array) -> f32 {
 #[test]
 fn gemma3_image_features_match_mlx_vlm() {
     let out = tempfile::tempdir().unwrap();
-    common::run_oracle("tiny_vision.py", &[out.path().to_str().unwrap()]);
+    oracle(out.path());
     let dir = out.path().join("gemma3");
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
@@ -86,7 +101,7 @@ fn gemma3_image_features_match_mlx_vlm() {
 #[test]
 fn hostile_vision_configs_are_refused() {
     let out = tempfile::tempdir().unwrap();
-    common::run_oracle("tiny_vision.py", &[out.path().to_str().unwrap()]);
+    oracle(out.path());
     let dir = out.path().join("gemma3");
     let base: serde_json::Value =
         serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
@@ -155,7 +170,7 @@ struct PromptCase {
     greedy_ids: Vec<u32>,
 }
 
-/// The oracle's gemma3 as a model directory Perch loads (the test model's tokenizer beside it),
+/// The oracle's gemma3 as a model directory Perch loads (the test model's tokenizer in it),
 /// its two images as the engine takes them, and mlx-vlm's prompt cases.
 fn gemma3_model() -> (
     tempfile::TempDir,
@@ -165,11 +180,8 @@ fn gemma3_model() -> (
     Vec<PromptCase>,
 ) {
     let out = tempfile::tempdir().unwrap();
-    common::run_oracle("tiny_vision.py", &[out.path().to_str().unwrap()]);
+    oracle(out.path());
     let dir = out.path().join("gemma3");
-    for file in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(common::model_dir().join(file), dir.join(file)).unwrap();
-    }
     let model = perch_engine::models::load(&dir).unwrap();
     let tokenizer = perch_engine::Tokenizer::load(&dir).unwrap();
     let inputs = Array::load_safetensors(out.path().join("gemma3-inputs.safetensors")).unwrap();
@@ -337,16 +349,16 @@ fn bad_image_requests_are_refused() {
     let cut: Vec<u32> = one
         .iter()
         .copied()
-        .filter(|&t| t != 500)
-        .chain([500; 9])
+        .filter(|&t| t != IMAGE)
+        .chain([IMAGE; 9])
         .collect();
     let message = refused(&mut batch, request(&cut, images[..1].to_vec(), 4));
     assert!(message.contains("run of 9 image tokens"), "{message}");
     let ends: Vec<u32> = one
         .iter()
         .copied()
-        .take_while(|&t| t != 500)
-        .chain([500; 16])
+        .take_while(|&t| t != IMAGE)
+        .chain([IMAGE; 16])
         .collect();
     let message = refused(&mut batch, request(&ends, images[..1].to_vec(), 4));
     assert!(message.contains("ends inside an image"), "{message}");
@@ -381,4 +393,201 @@ fn bad_image_requests_are_refused() {
         outputs[0].0.token_ids, cases[0].greedy_ids,
         "the batch goes on"
     );
+}
+
+/// CRC-32 (ISO 3309, as PNG's chunks carry it).
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for &byte in bytes {
+        crc ^= u32::from(byte);
+        for _ in 0..8 {
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+/// `bytes` as a data URL of `kind` (`image/png`).
+fn data_url(kind: &str, bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    format!(
+        "data:{kind};base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+/// A `side × side` image of varied pixels, encoded as `format`.
+fn encoded(side: u32, format: image::ImageFormat) -> Vec<u8> {
+    let image = image::RgbImage::from_fn(side, side, |x, y| {
+        image::Rgb([(x * 7 + y) as u8, (y * 13) as u8, (x * y) as u8])
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    image.write_to(&mut out, format).unwrap();
+    out.into_inner()
+}
+
+/// Image files as transformers' Gemma3ImageProcessor prepares them: a 48 × 40 PNG resized to the
+/// tower's 32 × 32 (bilinear, antialiased: within two steps of 255 of PIL's), and a 32 × 32 one
+/// not resized (exactly `(v / 255 − 0.5) / 0.5`); the four formats read; bad files refused with
+/// a sentence.
+#[test]
+fn image_files_are_prepared_as_transformers_does() {
+    let out = tempfile::tempdir().unwrap();
+    oracle(out.path());
+    let processor = ImageProcessor::load(&out.path().join("gemma3"), 32, 16).unwrap();
+    let png = std::fs::read(out.path().join("gemma3-image.png")).unwrap();
+    let ours = processor.process(&png).unwrap();
+    assert_eq!(ours.shape(), [32, 32, 3]);
+    let theirs = Array::load_safetensors(out.path().join("gemma3-image-pixels.safetensors"))
+        .unwrap()["pixel_values"]
+        .transpose_axes(&[0, 2, 3, 1])
+        .unwrap()
+        .reshape(&[-1])
+        .unwrap();
+    let theirs = theirs.as_slice::<f32>();
+    let error = ours
+        .pixels()
+        .iter()
+        .zip(theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(
+        error <= 2.0 * 2.0 / 255.0 + 1e-6,
+        "resized pixels differ by {error}"
+    );
+
+    let square =
+        image::RgbImage::from_fn(32, 32, |x, y| image::Rgb([x as u8 * 8, y as u8 * 8, 200]));
+    let mut png = std::io::Cursor::new(Vec::new());
+    square.write_to(&mut png, image::ImageFormat::Png).unwrap();
+    let exact = processor.process(png.get_ref()).unwrap();
+    let expected: Vec<f32> = square
+        .pixels()
+        .flat_map(|p| p.0.map(|v| (f32::from(v) / 255.0 - 0.5) / 0.5))
+        .collect();
+    let error = exact
+        .pixels()
+        .iter()
+        .zip(&expected)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(error <= 1e-6, "an image of the tower's size: {error}");
+
+    for format in [
+        image::ImageFormat::Png,
+        image::ImageFormat::Jpeg,
+        image::ImageFormat::WebP,
+        image::ImageFormat::Gif,
+    ] {
+        let image = processor.process(&encoded(40, format)).unwrap();
+        assert_eq!(image.shape(), [32, 32, 3], "{format:?}");
+    }
+    let url = data_url("image/png", png.get_ref());
+    assert_eq!(
+        processor.process_url(&url).unwrap().digest(),
+        exact.digest()
+    );
+
+    let png = encoded(40, image::ImageFormat::Png);
+    let refused = |bytes: &[u8]| processor.process(bytes).unwrap_err().to_string();
+    assert!(refused(&png[..png.len() / 2]).contains("damaged"));
+    assert!(refused(b"hello, not an image").contains("not an image"));
+    assert!(
+        refused(b"BM\x00\x00\x00\x00\x00\x00\x00\x00\x36\x00\x00\x00").contains("not supported")
+    );
+    // A PNG whose header claims 60,000 × 60,000 pixels: refused before anything is decoded.
+    let mut ihdr = b"IHDR".to_vec();
+    ihdr.extend_from_slice(&60_000u32.to_be_bytes());
+    ihdr.extend_from_slice(&60_000u32.to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    let mut huge = b"\x89PNG\r\n\x1a\n".to_vec();
+    huge.extend_from_slice(&13u32.to_be_bytes());
+    huge.extend_from_slice(&ihdr);
+    huge.extend_from_slice(&crc32(&ihdr).to_be_bytes());
+    for chunk in [&b"IDAT"[..], &b"IEND"[..]] {
+        huge.extend_from_slice(&0u32.to_be_bytes());
+        huge.extend_from_slice(chunk);
+        huge.extend_from_slice(&crc32(chunk).to_be_bytes());
+    }
+    assert!(
+        refused(&huge).contains("60000 × 60000"),
+        "{}",
+        refused(&huge)
+    );
+    let url = |u: &str| processor.process_url(u).unwrap_err().to_string();
+    assert!(url("https://example.com/cat.png").contains("does not fetch"));
+    assert!(url("data:image/png,rawbytes").contains("base64"));
+    assert!(url("data:image/png;base64,@@@@").contains("base64"));
+}
+
+/// A chat whose user message holds an image, through the engine's handle: the prompt the
+/// template and the processor make (each image a run of 16 image tokens between Gemma 3's
+/// markers), answered as the batch answers those tokens and pixels; the same chat to a text-only
+/// model, with too many images, or a remote URL is a request error.
+#[test]
+fn chats_with_images_through_the_engine() {
+    let out = tempfile::tempdir().unwrap();
+    oracle(out.path());
+    let dir = out.path().join("gemma3");
+    let engine = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
+    let tokenizer = engine.tokenizer();
+    let square = encoded(32, image::ImageFormat::Png);
+    let messages = vec![ChatMessage::from_parts(
+        "user",
+        vec![
+            ContentPart::Image(data_url("image/png", &square)),
+            ContentPart::Text("What is this?".into()),
+        ],
+    )];
+    let (ids, images) = tokenizer.encode_chat_with_images(&messages, None).unwrap();
+    let expected_text = format!(
+        "<|im_start|><start_of_turn>user\n\n\n<start_of_image>{}<end_of_image>\n\nWhat is \
+         this?<end_of_turn>\n<start_of_turn>model\n",
+        "<image_soft_token>".repeat(16)
+    );
+    assert_eq!(ids, tokenizer.encode(&expected_text, false).unwrap());
+    assert_eq!(ids.iter().filter(|&&t| t == IMAGE).count(), 16);
+    assert_eq!(images.len(), 1);
+
+    let mut params = GenerateRequest::new(Vec::new());
+    params.max_tokens = 6;
+    params.ignore_eos = true;
+    let stream = engine
+        .submit(EngineRequest {
+            prompt: Prompt::Chat(messages.clone()),
+            params: params.clone(),
+        })
+        .unwrap();
+    let answer = common::finish(&stream);
+    let model = perch_engine::models::load(&dir).unwrap();
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut batch = BatchGenerator::new(model.as_ref(), tokenizer, config, "direct");
+    let direct = common::drive(&mut batch, vec![(0, request(&ids, images, 6))]);
+    assert_eq!(answer.ids, direct[0].0.token_ids);
+
+    let refusal = |engine: &EngineHandle, messages: Vec<ChatMessage>| {
+        let stream = engine
+            .submit(EngineRequest {
+                prompt: Prompt::Chat(messages),
+                params: params.clone(),
+            })
+            .unwrap();
+        common::finish(&stream).error.expect("refused")
+    };
+    let many = vec![ChatMessage::from_parts(
+        "user",
+        vec![ContentPart::Image(data_url("image/png", &square)); 17],
+    )];
+    assert!(refusal(&engine, many).contains("17 images"));
+    let remote = vec![ChatMessage::from_parts(
+        "user",
+        vec![ContentPart::Image("https://example.com/a.png".into())],
+    )];
+    assert!(refusal(&engine, remote).contains("does not fetch"));
+    let text = EngineHandle::load(&common::model_dir(), EngineConfig::default()).unwrap();
+    assert!(refusal(&text, messages).contains("takes no images"));
 }

@@ -12,7 +12,7 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use perch_engine::text::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
-    ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
+    ChatMessage, ContentPart, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -81,6 +81,18 @@ struct Block {
     input: Option<Value>,
     tool_use_id: Option<String>,
     content: Option<Content>,
+    /// An `image` block's `{"type": "base64", "media_type", "data"}` (or `{"type": "url",
+    /// "url"}`, which Perch refuses: it fetches no remote images).
+    source: Option<ImageSource>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ImageSource {
+    #[serde(rename = "type")]
+    kind: String,
+    media_type: Option<String>,
+    data: Option<String>,
+    url: Option<String>,
 }
 
 impl Content {
@@ -115,6 +127,54 @@ impl Content {
     }
 }
 
+impl Content {
+    /// The content's text and image blocks in order (text blocks a newline apart, as
+    /// [`Content::text`] joins them); tool blocks are skipped; other blocks are a 400.
+    fn parts(&self, param: &'static str) -> Result<Vec<ContentPart>, ApiError> {
+        let blocks = match self {
+            Content::Text(text) => return Ok(vec![ContentPart::Text(text.clone())]),
+            Content::Blocks(blocks) => blocks,
+        };
+        let mut parts = Vec::new();
+        let mut last_text = false;
+        for block in blocks {
+            match (block.kind.as_str(), &block.text, &block.source) {
+                ("text", Some(text), _) => {
+                    if last_text {
+                        parts.push(ContentPart::Text("\n".into()));
+                    }
+                    parts.push(ContentPart::Text(text.clone()));
+                    last_text = true;
+                }
+                ("image", _, Some(source)) => {
+                    let url = match (source.kind.as_str(), &source.media_type, &source.data) {
+                        ("base64", Some(kind), Some(data)) => format!("data:{kind};base64,{data}"),
+                        ("url", _, _) => source.url.clone().unwrap_or_default(),
+                        _ => {
+                            return Err(ApiError::invalid(
+                                "an image block's source must be `{\"type\": \"base64\", \"media_type\", \"data\"}`",
+                                Some(param),
+                            ))
+                        }
+                    };
+                    parts.push(ContentPart::Image(url));
+                    last_text = false;
+                }
+                ("tool_use" | "tool_result" | "thinking" | "redacted_thinking", _, _) => {}
+                (kind, _, _) => {
+                    return Err(ApiError::invalid(
+                        format!(
+                        "content blocks of type `{kind}` are not supported; send text or images"
+                    ),
+                        Some(param),
+                    ))
+                }
+            }
+        }
+        Ok(parts)
+    }
+}
+
 impl MessagesRequest {
     /// The conversation as chat-template messages, the system prompt first.
     fn conversation(&self, served: &str) -> Result<Vec<ChatMessage>, ApiError> {
@@ -134,7 +194,11 @@ impl MessagesRequest {
         // Tool names by call id, for the tool messages that answer them.
         let mut names = std::collections::HashMap::new();
         for message in &self.messages {
-            let text = message.content.text("messages")?;
+            let text = match message.role.as_str() {
+                // A user's images go with its text (below).
+                "user" => String::new(),
+                _ => message.content.text("messages")?,
+            };
             match message.role.as_str() {
                 "assistant" => {
                     let calls: Vec<Value> = message
@@ -180,7 +244,8 @@ impl MessagesRequest {
                             .iter()
                             .all(|b| b.kind == "tool_result");
                     if !only_results {
-                        conversation.push(ChatMessage::new("user", text));
+                        let parts = message.content.parts("messages")?;
+                        conversation.push(ChatMessage::from_parts("user", parts));
                     }
                 }
                 role => {
@@ -297,7 +362,7 @@ pub(crate) async fn count_tokens(
     let request = parse(body)?;
     let conversation = request.conversation(&state.model_id)?;
     let tools = request.offered_tools()?;
-    let ids = tools::render(state.engine.tokenizer(), conversation, tools).await?;
+    let (ids, _) = tools::render(state.engine.tokenizer(), conversation, tools).await?;
     Ok(Json(json!({"input_tokens": ids.len()})))
 }
 
@@ -315,8 +380,9 @@ pub(crate) async fn messages(
         params.grammar = Some(tools::forced_grammar(&tools, forced)?);
     }
     let tokenizer = Arc::clone(state.engine.tokenizer());
-    let ids = tools::render(&tokenizer, conversation, tools.clone()).await?;
+    let (ids, images) = tools::render(&tokenizer, conversation, tools.clone()).await?;
     params.prompt = ids.clone();
+    params.images = images;
     let prompt_tokens = ids.len();
     let running = Running::start(
         &state,

@@ -26,18 +26,25 @@ use crate::running::{Running, Step};
 use crate::tools::{self, Answer, Forced};
 use crate::{AppState, Shared};
 
-/// `GET /v1/models`: the one model this server serves, or none while none is loaded.
+/// `GET /v1/models`: the one model this server serves, or none while none is loaded. Beside
+/// OpenAI's fields, `capabilities` as Ollama's `/api/show` lists them: `"completion"`, and
+/// `"vision"` for a model that takes images.
 pub(crate) async fn models(State(shared): State<Shared>) -> Json<Value> {
     let data: Vec<Value> = shared
         .served
         .current()
         .into_iter()
         .map(|served| {
+            let mut capabilities = vec!["completion"];
+            if served.engine.tokenizer().image_processor().is_some() {
+                capabilities.push("vision");
+            }
             json!({
                 "id": served.model_id,
                 "object": "model",
                 "created": 0,
                 "owned_by": "perch",
+                "capabilities": capabilities,
             })
         })
         .collect();
@@ -373,8 +380,9 @@ pub(crate) async fn chat_completions(
     if let Some(forced) = &forced {
         params.grammar = Some(tools::forced_grammar(&tools, forced)?);
     }
-    let ids = tools::render(&tokenizer, messages, tools.clone()).await?;
+    let (ids, images) = tools::render(&tokenizer, messages, tools.clone()).await?;
     params.prompt = ids.clone();
+    params.images = images;
     let engine_request = EngineRequest {
         prompt: Prompt::Tokens(ids),
         params,

@@ -5,20 +5,22 @@
 use std::sync::Arc;
 
 use perch_engine::text::tool_calls::{ToolCall, ToolCallFormat, ToolCallParser, ToolOutput};
-use perch_engine::{ChatMessage, Grammar, Tokenizer};
+use perch_engine::{ChatMessage, Grammar, ImageInput, Tokenizer};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
 
-/// The conversation's prompt tokens: the chat template applied with `tools` (OpenAI's shape) and
-/// the assistant's turn header. Rendering runs on a blocking thread (a chat template is a
-/// program). Errors: 400 when tools are given to a model whose template has no tool support, or
-/// the template fails on these messages.
+/// The conversation's prompt tokens and images: the chat template applied with `tools` (OpenAI's
+/// shape) and the assistant's turn header, the messages' images read and their tokens written
+/// ([`Tokenizer::encode_chat_with_images`]). Rendering and decoding run on a blocking thread (a
+/// chat template is a program, an image a decoder's work). Errors: 400 when tools are given to a
+/// model whose template has no tool support, the template fails on these messages, or an image
+/// cannot be used (a text-only model, a remote URL, a damaged or too large image, too many).
 pub(crate) async fn render(
     tokenizer: &Arc<Tokenizer>,
     messages: Vec<ChatMessage>,
     tools: Vec<Value>,
-) -> Result<Vec<u32>, ApiError> {
+) -> Result<(Vec<u32>, Vec<ImageInput>), ApiError> {
     if !tools.is_empty() && format(tokenizer).is_none() {
         return Err(ApiError::invalid(
             "this model's chat template has no tool support: send the request without `tools`",
@@ -28,7 +30,7 @@ pub(crate) async fn render(
     let tokenizer = Arc::clone(tokenizer);
     tokio::task::spawn_blocking(move || {
         let tools = (!tools.is_empty()).then_some(tools.as_slice());
-        tokenizer.encode_chat_with_tools(&messages, tools)
+        tokenizer.encode_chat_with_images(&messages, tools)
     })
     .await
     .map_err(|e| ApiError::engine(e.to_string()))?

@@ -15,7 +15,8 @@ use std::collections::HashMap;
 use std::process::Command;
 
 use perch_engine::{
-    ChatMessage, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenerateRequest, Prompt,
+    ChatMessage, ContentPart, EngineConfig, EngineEvent, EngineHandle, EngineRequest,
+    GenerateRequest, Prompt,
 };
 use perch_server::{router, serve, Served, ServedModel, ServerConfig};
 use perch_test_support::http;
@@ -1224,4 +1225,98 @@ fn keep_alive_over_http_unloads_the_model_and_the_next_request_loads_it() {
     assert_eq!(status, 400, "{body}");
     assert_eq!(body["error"]["param"], "keep_alive", "{body}");
     engine.shutdown();
+}
+
+/// Images through both SDKs (OpenAI's `image_url` data URLs, Anthropic's base64 `image` blocks)
+/// to a tiny random Gemma 3 with its vision tower (written by mlx-vlm: perch-engine's
+/// `tests/oracle/tiny_vision.py`): each answers as the engine answers the same chat, streamed or
+/// not; `/v1/models` lists it with `vision`; a remote URL and a damaged image are 400s; the
+/// default (text-only) model answers an image with a 400 and lists no `vision`.
+#[test]
+fn images_through_both_sdks() {
+    let out = tempfile::tempdir().unwrap();
+    let script = format!(
+        "{}/../perch-engine/tests/oracle/tiny_vision.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let status = Command::new(perch_test_support::oracle_python())
+        .arg(script)
+        .arg(out.path())
+        .arg(perch_test_support::model_dir())
+        .status()
+        .unwrap();
+    assert!(status.success(), "tiny_vision.py failed");
+    let dir = out.path().join("gemma3");
+    // A 32 × 32 image (the tower's size, so no resampling) of varied pixels.
+    let image = image::RgbImage::from_fn(32, 32, |x, y| {
+        image::Rgb([(x * 8) as u8, (y * 8) as u8, 90])
+    });
+    let png = out.path().join("square.png");
+    image.save(&png).unwrap();
+    let url = format!(
+        "data:image/png;base64,{}",
+        base64::Engine::encode(
+            &base64::engine::general_purpose::STANDARD,
+            std::fs::read(&png).unwrap()
+        )
+    );
+    let engine = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
+    let chat = Prompt::Chat(vec![ChatMessage::from_parts(
+        "user",
+        vec![
+            ContentPart::Image(url),
+            ContentPart::Text("What is this?".into()),
+        ],
+    )]);
+    let (expected, prompt_tokens) =
+        direct_answer(&engine, chat, 6, |p| p.sampling.temperature = 0.0);
+    let (_runtime, addr) = start_server(&engine, config());
+    let args = [
+        format!("http://{addr}"),
+        KEY.into(),
+        MODEL.into(),
+        png.display().to_string(),
+    ];
+    let seen = run_client("vision_client.py", &args);
+    assert_eq!(
+        seen["models"][0]["capabilities"],
+        serde_json::json!(["completion", "vision"])
+    );
+    assert_eq!(seen["openai"]["content"], expected.as_str());
+    assert_eq!(seen["openai"]["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(seen["openai_stream"], expected.as_str());
+    assert_eq!(seen["anthropic"]["content"], expected.as_str());
+    for (case, says) in [("remote", "does not fetch"), ("damaged", "damaged")] {
+        assert_eq!(seen[case]["status"], 400, "{case}");
+        let message = seen[case]["message"].as_str().unwrap();
+        assert!(message.contains(says), "{case}: {message}");
+    }
+
+    // The text-only default model: a 400 that says so.
+    let text =
+        EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default()).unwrap();
+    let (_runtime, addr) = start_server(&text, config());
+    let body = serde_json::json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "text", "text": "Hi"}]}]});
+    let addr = addr.to_string();
+    let auth = [
+        ("Authorization", "Bearer test-key"),
+        ("Content-Type", "application/json"),
+    ];
+    let (status, _, reply) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &auth,
+        &body.to_string(),
+    );
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply.contains("takes no images"), "{reply}");
+    let (_, _, models) = http(&addr, "GET", "/v1/models", &auth, "");
+    let models: Value = serde_json::from_str(&models).unwrap();
+    assert_eq!(
+        models["data"][0]["capabilities"],
+        serde_json::json!(["completion"])
+    );
 }

@@ -80,10 +80,12 @@ impl EngineHandle {
                 progress(p);
                 report(p);
             };
-            Ok((
-                models::load_with_progress(&dir, &mut both)?,
-                Tokenizer::load(&dir)?,
-            ))
+            let model = models::load_with_progress(&dir, &mut both)?;
+            let mut tokenizer = Tokenizer::load(&dir)?;
+            if let Some(images) = image_processor(&dir, model.as_ref()) {
+                tokenizer.set_image_processor(images);
+            }
+            Ok((model, tokenizer))
         })
     }
 
@@ -273,8 +275,11 @@ impl EngineHandle {
             events: receiver,
         };
         if let Prompt::Chat(messages) = &request.prompt {
-            match self.tokenizer.encode_chat(messages) {
-                Ok(tokens) => request.prompt = Prompt::Tokens(tokens),
+            match self.tokenizer.encode_chat_with_images(messages, None) {
+                Ok((tokens, images)) => {
+                    request.prompt = Prompt::Tokens(tokens);
+                    request.params.images = images;
+                }
                 Err(err) => {
                     let _ = events.send(EngineEvent::failed(err.to_refusal()));
                     return Ok(stream);
@@ -471,4 +476,24 @@ impl Drop for EngineThreadGuard {
     fn drop(&mut self) {
         self.shut_down();
     }
+}
+
+/// The image processor of a vision-language model in `dir` (`Err`: why it takes no images), or
+/// `None` for a text model.
+fn image_processor(
+    dir: &Path,
+    model: &dyn Model,
+) -> Option<std::result::Result<crate::image_processor::ImageProcessor, String>> {
+    if let Some(why) = model.vision_unavailable() {
+        return Some(Err(why.to_string()));
+    }
+    let tower = model.vision()?;
+    Some(
+        crate::image_processor::ImageProcessor::load(
+            dir,
+            tower.image_size() as u32,
+            tower.tokens_per_image() as usize,
+        )
+        .map_err(|e| e.to_string()),
+    )
 }

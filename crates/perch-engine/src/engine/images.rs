@@ -13,8 +13,8 @@
 use mlx_rs::{ops, Array};
 use sha2::{Digest, Sha256};
 
-use crate::api::ImageInput;
 use crate::error::{EngineError, Result};
+use crate::image_processor::ImageInput;
 use crate::models::{Model, Spliced};
 
 /// The bit every placeholder id has set (vocabularies are far smaller).

@@ -1479,6 +1479,12 @@ impl Model for Decoder {
         self.vision.as_ref().and_then(|v| v.as_ref().ok())
     }
 
+    fn vision_unavailable(&self) -> Option<&str> {
+        self.vision
+            .as_ref()
+            .and_then(|v| v.as_ref().err().map(String::as_str))
+    }
+
     fn info(&self) -> &ModelInfo {
         &self.info
     }

@@ -111,6 +111,10 @@ pub trait Model: Send {
     fn vision(&self) -> Option<&vision::VisionTower> {
         None
     }
+    /// Why a vision-language checkpoint's tower was not loaded (the text model runs).
+    fn vision_unavailable(&self) -> Option<&str> {
+        None
+    }
     /// A copy sharing this model's weights (MLX arrays are reference-counted) whose forward
     /// passes MLX can trace (every product through MLX's operations, none read on the host):
     /// what a compiled step owns.

@@ -22,23 +22,34 @@ use crate::error::{EngineError, Result};
 use crate::text::tool_calls::ToolCallFormat;
 
 /// One message of a conversation, OpenAI style. `content` is a string or a list of parts of
-/// which the `text` parts are joined (missing or null: empty). The tool fields are rendered by
-/// templates that support tools, as transformers passes them.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// which the `text` parts are joined (missing or null: empty); `image_url` parts (`{"url": …}` or
+/// the URL itself) are kept in [`ChatMessage::parts`] with the text, in order. The tool fields are
+/// rendered by templates that support tools, as transformers passes them.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(from = "WireMessage")]
 pub struct ChatMessage {
     pub role: String,
-    #[serde(deserialize_with = "content_text", default)]
     pub content: String,
+    /// The content's parts in order when it holds an image (empty otherwise). Templates then see
+    /// `content` as a list of `{"type": "text", "text": …}` and `{"type": "image"}` parts, as
+    /// transformers passes a multimodal message.
+    pub parts: Vec<ContentPart>,
     /// An assistant's tool calls: `{"id", "type": "function", "function": {"name",
     /// "arguments"}}` with `arguments` an object (what chat templates expect).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<serde_json::Value>>,
     /// A `tool` message: the id of the call it answers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
     /// A `tool` message: the function's name, for templates that show it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+}
+
+/// A part of a message's content.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ContentPart {
+    Text(String),
+    /// An image by URL: a `data:` URL is what Perch reads
+    /// ([`crate::image_processor::ImageProcessor::process_url`]).
+    Image(String),
 }
 
 impl ChatMessage {
@@ -46,37 +57,137 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            parts: Vec::new(),
             tool_calls: None,
             tool_call_id: None,
             name: None,
         }
     }
+
+    /// A message of `parts` in order: `content` their text joined, `parts` kept when one is an
+    /// image.
+    pub fn from_parts(role: impl Into<String>, parts: Vec<ContentPart>) -> Self {
+        let content = parts
+            .iter()
+            .filter_map(|p| match p {
+                ContentPart::Text(text) => Some(text.as_str()),
+                ContentPart::Image(_) => None,
+            })
+            .collect::<Vec<_>>()
+            .join("");
+        let images = parts.iter().any(|p| matches!(p, ContentPart::Image(_)));
+        Self {
+            parts: if images { parts } else { Vec::new() },
+            ..Self::new(role, content)
+        }
+    }
+
+    /// The URLs of its images, in order.
+    pub fn image_urls(&self) -> impl Iterator<Item = &str> {
+        self.parts.iter().filter_map(|p| match p {
+            ContentPart::Image(url) => Some(url.as_str()),
+            ContentPart::Text(_) => None,
+        })
+    }
 }
 
-fn content_text<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<String, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Content {
-        Text(String),
-        Parts(Vec<Part>),
-        Null(()),
+impl Serialize for ChatMessage {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(None)?;
+        map.serialize_entry("role", &self.role)?;
+        if self.parts.is_empty() {
+            map.serialize_entry("content", &self.content)?;
+        } else {
+            let parts: Vec<serde_json::Value> = self
+                .parts
+                .iter()
+                .map(|p| match p {
+                    ContentPart::Text(text) => serde_json::json!({"type": "text", "text": text}),
+                    ContentPart::Image(_) => serde_json::json!({"type": "image"}),
+                })
+                .collect();
+            map.serialize_entry("content", &parts)?;
+        }
+        if let Some(calls) = &self.tool_calls {
+            map.serialize_entry("tool_calls", calls)?;
+        }
+        if let Some(id) = &self.tool_call_id {
+            map.serialize_entry("tool_call_id", id)?;
+        }
+        if let Some(name) = &self.name {
+            map.serialize_entry("name", name)?;
+        }
+        map.end()
     }
-    #[derive(Deserialize)]
-    struct Part {
-        #[serde(rename = "type")]
-        kind: String,
-        text: Option<String>,
+}
+
+/// A message as clients send it.
+#[derive(Deserialize)]
+struct WireMessage {
+    role: String,
+    #[serde(default)]
+    content: WireContent,
+    #[serde(default)]
+    tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+#[derive(Default, Deserialize)]
+#[serde(untagged)]
+enum WireContent {
+    Text(String),
+    Parts(Vec<WirePart>),
+    #[default]
+    Null,
+}
+
+#[derive(Deserialize)]
+struct WirePart {
+    #[serde(rename = "type")]
+    kind: String,
+    text: Option<String>,
+    image_url: Option<WireImageUrl>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum WireImageUrl {
+    Url(String),
+    Object { url: String },
+}
+
+impl From<WireMessage> for ChatMessage {
+    fn from(wire: WireMessage) -> Self {
+        let parts = match wire.content {
+            WireContent::Text(text) => vec![ContentPart::Text(text)],
+            WireContent::Null => Vec::new(),
+            WireContent::Parts(parts) => parts
+                .into_iter()
+                .filter_map(|p| match (p.kind.as_str(), p.text, p.image_url) {
+                    ("text", Some(text), _) => Some(ContentPart::Text(text)),
+                    (
+                        "image_url",
+                        _,
+                        Some(WireImageUrl::Url(url) | WireImageUrl::Object { url }),
+                    ) => Some(ContentPart::Image(url)),
+                    _ => None,
+                })
+                .collect(),
+        };
+        Self {
+            tool_calls: wire.tool_calls,
+            tool_call_id: wire.tool_call_id,
+            name: wire.name,
+            ..Self::from_parts(wire.role, parts)
+        }
     }
-    Ok(match Content::deserialize(d)? {
-        Content::Text(s) => s,
-        Content::Parts(parts) => parts
-            .into_iter()
-            .filter(|p| p.kind == "text")
-            .filter_map(|p| p.text)
-            .collect::<Vec<_>>()
-            .join(""),
-        Content::Null(()) => String::new(),
-    })
 }
 
 /// Instructions one render may execute (minijinja fuel). A 1,000-message conversation with the

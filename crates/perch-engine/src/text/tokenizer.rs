@@ -7,6 +7,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use crate::error::{EngineError, Result};
+use crate::image_processor::{ImageInput, ImageProcessor, MAX_IMAGES};
 use crate::sample::generation_config::SamplingDefaults;
 use crate::sample::grammar::GrammarEnv;
 use crate::text::chat_template::{ChatMessage, ChatTemplate};
@@ -14,6 +15,9 @@ use crate::text::chat_template::{ChatMessage, ChatTemplate};
 /// A model's tokenizer and the text conventions that come with it.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// A vision-language model's image processor, or why the model takes no images (see
+    /// [`Tokenizer::encode_chat_with_images`]).
+    images: Option<std::result::Result<ImageProcessor, String>>,
     eos_token_ids: Vec<u32>,
     chat_template: Option<ChatTemplate>,
     sampling_defaults: SamplingDefaults,
@@ -84,6 +88,7 @@ impl Tokenizer {
             .transpose()?;
         Ok(Self {
             inner,
+            images: None,
             eos_token_ids: eos.into_iter().collect(),
             chat_template,
             sampling_defaults,
@@ -210,13 +215,91 @@ impl Tokenizer {
         messages: &[ChatMessage],
         tools: Option<&[Value]>,
     ) -> Result<Vec<u32>> {
+        if messages.iter().any(|m| m.image_urls().next().is_some()) {
+            return Err(EngineError::Request(
+                "this model takes no images: send the messages without image parts".into(),
+            ));
+        }
+        let text = self.render_chat(messages, tools)?;
+        self.encode(&text, false)
+    }
+
+    /// The chat template applied to `messages` (with `tools`) and the assistant's turn header:
+    /// the prompt's text, image parts written as the template writes them (see
+    /// [`crate::image_processor::ImageProcessor::encode_chat`]).
+    pub fn render_chat(&self, messages: &[ChatMessage], tools: Option<&[Value]>) -> Result<String> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             EngineError::ChatTemplate(
                 "the model has no chat template; pass raw text instead".into(),
             )
         })?;
-        let text = template.render_with_tools(messages, tools, true)?;
-        self.encode(&text, false)
+        template.render_with_tools(messages, tools, true)
+    }
+
+    /// Gives the tokenizer the model's image processor (`Ok`), or the reason a vision-language
+    /// model takes no images (`Err`: its tower or processor did not load).
+    pub fn set_image_processor(&mut self, images: std::result::Result<ImageProcessor, String>) {
+        self.images = Some(images);
+    }
+
+    /// The model's image processor, when it takes images.
+    pub fn image_processor(&self) -> Option<&ImageProcessor> {
+        self.images.as_ref().and_then(|i| i.as_ref().ok())
+    }
+
+    /// The conversation's prompt tokens and images: the chat template applied (with `tools`)
+    /// to messages whose image parts it writes as begin-of-image tokens, each expanded to the
+    /// image's run of image tokens ([`ImageProcessor::expand`]), then tokenized; the images read
+    /// from their data URLs in order ([`ImageProcessor::process_url`]). Messages without images:
+    /// [`Tokenizer::encode_chat_with_tools`]. `Err`: the model takes no images (and why), the
+    /// template's, an image's, more than [`MAX_IMAGES`], an image token this tokenizer does not
+    /// have.
+    pub fn encode_chat_with_images(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+    ) -> Result<(Vec<u32>, Vec<ImageInput>)> {
+        let urls: Vec<&str> = messages.iter().flat_map(ChatMessage::image_urls).collect();
+        if urls.is_empty() {
+            return Ok((self.encode_chat_with_tools(messages, tools)?, Vec::new()));
+        }
+        let processor = match &self.images {
+            Some(Ok(processor)) => processor,
+            Some(Err(why)) => {
+                return Err(EngineError::Request(format!(
+                    "this model's images cannot be read: {why}"
+                )))
+            }
+            None => {
+                return Err(EngineError::Request(
+                    "this model takes no images: send the messages without image parts".into(),
+                ))
+            }
+        };
+        if urls.len() > MAX_IMAGES {
+            return Err(EngineError::Request(format!(
+                "{} images in one request; the most accepted is {MAX_IMAGES}",
+                urls.len()
+            )));
+        }
+        if self.token_id(processor.image_token()).is_none() {
+            return Err(EngineError::Request(format!(
+                "the tokenizer has no {} token for images",
+                processor.image_token()
+            )));
+        }
+        let images = urls
+            .iter()
+            .map(|url| processor.process_url(url))
+            .collect::<Result<Vec<_>>>()?;
+        let text = self.render_chat(messages, tools)?;
+        let text = processor.expand(&text, images.len())?;
+        Ok((self.encode(&text, false)?, images))
+    }
+
+    /// The id of a token written as `text` (a special or added token, or one vocabulary entry).
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.inner.token_to_id(text)
     }
 
     /// [`Tokenizer::encode_chat`] of as much of the conversation as fits in `max_prompt_tokens`,

@@ -1,0 +1,334 @@
+//! Image files to what a vision tower takes, as the model's image processor does (transformers'
+//! `Gemma3ImageProcessor` for Gemma 3): decoded with the `image` crate (PNG, JPEG, WebP, GIF's
+//! first frame), converted to RGB (an alpha channel is dropped, as PIL's `convert("RGB")` does),
+//! resized to the tower's square with `preprocessor_config.json`'s filter (`resample`: 2 bilinear,
+//! 3 bicubic, 1 Lanczos, 0 nearest), rescaled by `rescale_factor` and normalized by `image_mean` /
+//! `image_std`, channels last. The `image` crate's filters are PIL's kinds with an antialiasing
+//! support as wide as the downscale, computed in floating point where PIL uses fixed point: pixel
+//! values may differ from transformers' by one step of 255 after resizing (an image already the
+//! tower's size is not resampled by either). Pan-and-scan crops (`do_pan_and_scan`) are not made.
+//!
+//! Untrusted input: the encoded size, the decoded width, height and allocation are bounded before
+//! anything is decoded ([`MAX_IMAGE_BYTES`], [`MAX_SIDE`], [`MAX_PIXELS`]); a request takes at
+//! most [`MAX_IMAGES`]. Every refusal is an [`EngineError::Request`] sentence.
+//!
+//! Prompts: a chat template writes an image as the tokenizer's begin-of-image token (Gemma 3's
+//! `<start_of_image>`); [`ImageProcessor::expand`] replaces each with the run of image tokens the
+//! tower fills (`\n\n<start_of_image>` + `<image_soft_token>` × tokens per image +
+//! `<end_of_image>\n\n`, as `Gemma3Processor` does).
+
+use std::io::Cursor;
+use std::path::Path;
+
+use base64::Engine as _;
+use image::imageops::FilterType;
+use image::{ImageFormat, ImageReader, Limits};
+use serde_json::Value;
+
+use crate::error::{EngineError, Result};
+
+/// The largest encoded image accepted, in bytes (OpenAI's limit).
+pub const MAX_IMAGE_BYTES: usize = 20 << 20;
+/// The widest and tallest image decoded, in pixels.
+pub const MAX_SIDE: u32 = 16_384;
+/// The most pixels an image may have (about 8,000 × 6,000).
+pub const MAX_PIXELS: u64 = 50_000_000;
+/// The most images one request may carry.
+pub const MAX_IMAGES: usize = 16;
+
+fn refuse(message: impl Into<String>) -> EngineError {
+    EngineError::Request(message.into())
+}
+
+/// How a model's images are prepared and written into its prompts.
+#[derive(Clone, Debug)]
+pub struct ImageProcessor {
+    /// The square side the tower takes.
+    side: u32,
+    filter: FilterType,
+    rescale: f32,
+    mean: [f32; 3],
+    std: [f32; 3],
+    /// What a chat template writes for an image, and the tokens it becomes.
+    begin_image: String,
+    image_token: String,
+    end_image: String,
+    tokens_per_image: usize,
+}
+
+impl ImageProcessor {
+    /// The processor of the model in `model_dir` whose vision tower takes `side`-pixel squares
+    /// and fills `tokens_per_image` image tokens: `preprocessor_config.json` where there is one
+    /// (else Gemma 3's values: bilinear, `1/255`, mean and std 0.5), the image tokens from
+    /// `tokenizer_config.json` (`boi_token`, `image_token`, `eoi_token`; else Gemma 3's).
+    /// `Err` for a config that cannot describe these steps.
+    pub fn load(model_dir: &Path, side: u32, tokens_per_image: usize) -> Result<Self> {
+        let read = |name: &str| -> Result<Option<Value>> {
+            let path = model_dir.join(name);
+            match std::fs::read(&path) {
+                Ok(bytes) => {
+                    serde_json::from_slice(&bytes)
+                        .map(Some)
+                        .map_err(|e| EngineError::Config {
+                            path: path.clone(),
+                            message: e.to_string(),
+                        })
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(source) => Err(EngineError::Io { path, source }),
+            }
+        };
+        let config = read("preprocessor_config.json")?.unwrap_or(Value::Null);
+        let bad = |message: String| EngineError::Config {
+            path: model_dir.join("preprocessor_config.json"),
+            message,
+        };
+        let triple = |name: &str| -> Result<[f32; 3]> {
+            match config.get(name) {
+                None | Some(Value::Null) => Ok([0.5; 3]),
+                Some(Value::Array(values)) if values.len() == 3 => {
+                    let mut out = [0f32; 3];
+                    for (o, v) in out.iter_mut().zip(values) {
+                        *o = v
+                            .as_f64()
+                            .ok_or_else(|| bad(format!("{name} must hold numbers")))?
+                            as f32;
+                    }
+                    Ok(out)
+                }
+                Some(Value::Number(n)) => Ok([n.as_f64().unwrap_or(0.5) as f32; 3]),
+                Some(other) => Err(bad(format!("{name} must be three numbers, got {other}"))),
+            }
+        };
+        let (mean, std) = (triple("image_mean")?, triple("image_std")?);
+        if std.iter().any(|s| !(s.is_finite() && *s > 0.0)) || mean.iter().any(|m| !m.is_finite()) {
+            return Err(bad(
+                "image_std must be positive and image_mean finite".into()
+            ));
+        }
+        let rescale = match config.get("rescale_factor") {
+            None | Some(Value::Null) => 1.0 / 255.0,
+            Some(v) => v
+                .as_f64()
+                .filter(|f| f.is_finite() && *f > 0.0)
+                .ok_or_else(|| bad(format!("rescale_factor must be a positive number, got {v}")))?
+                as f32,
+        };
+        let filter = match config.get("resample").and_then(Value::as_i64).unwrap_or(2) {
+            0 => FilterType::Nearest,
+            1 => FilterType::Lanczos3,
+            2 => FilterType::Triangle,
+            3 => FilterType::CatmullRom,
+            other => return Err(bad(format!("resample {other} is not a filter Perch has"))),
+        };
+        let tokens = read("tokenizer_config.json")?.unwrap_or(Value::Null);
+        let token = |name: &str, default: &str| {
+            tokens
+                .get(name)
+                .and_then(Value::as_str)
+                .unwrap_or(default)
+                .to_string()
+        };
+        Ok(Self {
+            side,
+            filter,
+            rescale,
+            mean,
+            std,
+            begin_image: token("boi_token", "<start_of_image>"),
+            image_token: token("image_token", "<image_soft_token>"),
+            end_image: token("eoi_token", "<end_of_image>"),
+            tokens_per_image,
+        })
+    }
+
+    /// The image token as the tokenizer writes it.
+    pub fn image_token(&self) -> &str {
+        &self.image_token
+    }
+
+    /// An encoded image (PNG, JPEG, WebP, GIF) as the tower takes it. `Err`: too large a file,
+    /// an unknown or damaged format, too many pixels.
+    pub fn process(&self, bytes: &[u8]) -> Result<ImageInput> {
+        if bytes.len() > MAX_IMAGE_BYTES {
+            return Err(refuse(format!(
+                "an image of {} MB; the most accepted is {} MB",
+                bytes.len() >> 20,
+                MAX_IMAGE_BYTES >> 20
+            )));
+        }
+        let open = || {
+            ImageReader::new(Cursor::new(bytes))
+                .with_guessed_format()
+                .map_err(|e| refuse(format!("the image cannot be read: {e}")))
+        };
+        let reader = open()?;
+        match reader.format() {
+            Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP | ImageFormat::Gif) => {}
+            Some(other) => {
+                return Err(refuse(format!(
+                    "images in {other:?} format are not supported: send PNG, JPEG, WebP or GIF"
+                )))
+            }
+            None => {
+                return Err(refuse(
+                    "the data is not an image Perch reads: send PNG, JPEG, WebP or GIF",
+                ))
+            }
+        }
+        // The header only: nothing is decoded before the size is known.
+        let (width, height) = reader
+            .into_dimensions()
+            .map_err(|e| refuse(format!("the image is damaged: {e}")))?;
+        if width == 0 || height == 0 {
+            return Err(refuse("the image is empty (0 pixels wide or tall)"));
+        }
+        if width > MAX_SIDE
+            || height > MAX_SIDE
+            || u64::from(width) * u64::from(height) > MAX_PIXELS
+        {
+            return Err(refuse(format!(
+                "an image of {width} × {height} pixels; the most accepted is {MAX_SIDE} on a side \
+                 and {} megapixels",
+                MAX_PIXELS / 1_000_000
+            )));
+        }
+        let mut reader = open()?;
+        let mut limits = Limits::default();
+        limits.max_image_width = Some(MAX_SIDE);
+        limits.max_image_height = Some(MAX_SIDE);
+        limits.max_alloc = Some(MAX_PIXELS * 4 + (64 << 20));
+        reader.limits(limits);
+        let decoded = reader
+            .decode()
+            .map_err(|e| refuse(format!("the image is damaged: {e}")))?
+            .to_rgb8();
+        let resized = match decoded.dimensions() == (self.side, self.side) {
+            true => decoded,
+            false => image::imageops::resize(&decoded, self.side, self.side, self.filter),
+        };
+        let mut pixels = Vec::with_capacity((self.side * self.side * 3) as usize);
+        for pixel in resized.pixels() {
+            for c in 0..3 {
+                let v = f32::from(pixel.0[c]) * self.rescale;
+                pixels.push((v - self.mean[c]) / self.std[c]);
+            }
+        }
+        ImageInput::new(pixels, [self.side as usize, self.side as usize, 3])
+    }
+
+    /// [`ImageProcessor::process`] of an image URL: `data:image/…;base64,…` only (a remote URL
+    /// is refused: Perch does not fetch them).
+    pub fn process_url(&self, url: &str) -> Result<ImageInput> {
+        let Some(rest) = url.strip_prefix("data:") else {
+            let shown: String = url.chars().take(40).collect();
+            return Err(refuse(format!(
+                "image URLs must be data URLs (data:image/png;base64,…); Perch does not fetch \
+                 remote images ({shown}…)"
+            )));
+        };
+        let Some((kind, data)) = rest.split_once(',') else {
+            return Err(refuse("a data URL without a comma before its data"));
+        };
+        if !kind.ends_with(";base64") {
+            return Err(refuse(
+                "image data URLs must be base64 (data:image/png;base64,…)",
+            ));
+        }
+        if data.len() > MAX_IMAGE_BYTES / 3 * 4 + 4 {
+            return Err(refuse(format!(
+                "an image larger than {} MB; the most accepted is {} MB",
+                MAX_IMAGE_BYTES >> 20,
+                MAX_IMAGE_BYTES >> 20
+            )));
+        }
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(data.trim())
+            .map_err(|e| refuse(format!("the image's base64 data is damaged: {e}")))?;
+        self.process(&bytes)
+    }
+
+    /// `text` (a rendered prompt) with each begin-of-image token replaced by an image's run of
+    /// image tokens; `Err` unless there are exactly `images` of them.
+    pub fn expand(&self, text: &str, images: usize) -> Result<String> {
+        let found = text.matches(&self.begin_image).count();
+        if found != images {
+            return Err(refuse(format!(
+                "the chat template wrote {found} image(s) ({}) for the {images} the messages hold",
+                self.begin_image
+            )));
+        }
+        let run = format!(
+            "\n\n{}{}{}\n\n",
+            self.begin_image,
+            self.image_token.repeat(self.tokens_per_image),
+            self.end_image
+        );
+        Ok(text.replace(&self.begin_image, &run))
+    }
+}
+
+/// An image as a vision tower takes it: pixel values `[height, width, channels]` (float32,
+/// channels last), resized and normalized as the model's processor does. Its digest (SHA-256
+/// of the values and shape) identifies it: the prefix cache keys its tokens' blocks by it, so
+/// a second request about the same image reuses them and another image never does.
+#[derive(Clone)]
+pub struct ImageInput {
+    pixels: std::sync::Arc<Vec<f32>>,
+    shape: [usize; 3],
+    digest: [u8; 32],
+}
+
+impl ImageInput {
+    /// `Err` when `pixels` does not hold `shape`'s values or one is not finite.
+    pub fn new(pixels: Vec<f32>, shape: [usize; 3]) -> Result<Self> {
+        use sha2::{Digest, Sha256};
+        let expected = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if expected != Some(pixels.len()) || pixels.is_empty() {
+            return Err(EngineError::Request(format!(
+                "an image of {} values cannot have the shape {shape:?}",
+                pixels.len()
+            )));
+        }
+        if pixels.iter().any(|v| !v.is_finite()) {
+            return Err(EngineError::Request(
+                "an image's pixel values must be finite numbers".into(),
+            ));
+        }
+        let mut hasher = Sha256::new();
+        for d in shape {
+            hasher.update((d as u64).to_le_bytes());
+        }
+        for v in &pixels {
+            hasher.update(v.to_le_bytes());
+        }
+        Ok(Self {
+            pixels: std::sync::Arc::new(pixels),
+            shape,
+            digest: hasher.finalize().into(),
+        })
+    }
+
+    pub fn pixels(&self) -> &[f32] {
+        &self.pixels
+    }
+
+    /// `[height, width, channels]`.
+    pub fn shape(&self) -> [usize; 3] {
+        self.shape
+    }
+
+    pub fn digest(&self) -> &[u8; 32] {
+        &self.digest
+    }
+}
+
+impl std::fmt::Debug for ImageInput {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let digest: String = self.digest[..6]
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        write!(f, "ImageInput({:?}, {digest}…)", self.shape)
+    }
+}
