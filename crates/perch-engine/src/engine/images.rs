@@ -43,8 +43,8 @@ fn placeholder(digest: &[u8; 32], index: usize) -> u32 {
 }
 
 /// Checks `images` against the prompt in `tokens` and the model's vision tower, computes their
-/// features (one pass of the tower for all of them) and puts each image's placeholders in its
-/// tokens' places. `Err` (a sentence, nothing changed) when the model takes no images, the
+/// features (a pass of the tower each) and puts each image's placeholders in its tokens'
+/// places. `Err` (a sentence, nothing changed) when the model takes no images, the
 /// prompt's image tokens do not make one run of the tower's length per image, the prompt ends
 /// inside an image, or an image has another shape than the tower's.
 pub fn prepare(
@@ -101,25 +101,26 @@ pub fn prepare(
             image.shape()
         )));
     }
-    let pixels: Vec<f32> = images
-        .iter()
-        .flat_map(|im| im.pixels().iter().copied())
-        .collect();
-    let stacked = Array::from_slice(&pixels, &[images.len() as i32, side as i32, side as i32, 3]);
-    let features = tower.embed(&stacked)?;
-    features.eval()?;
+    // One image a pass, each evaluated before the next: a tower's activations (on the CPU its
+    // attention scores, heads × patches² floats) are one image's at a time.
     let mut out = Vec::with_capacity(images.len());
-    for (k, (&start, image)) in starts.iter().zip(images).enumerate() {
-        for (j, token) in tokens[start..start + per_image].iter_mut().enumerate() {
-            *token = placeholder(image.digest(), j);
-        }
-        let mine = features.take_axis(Array::from_slice(&[k as i32], &[1]), 0)?;
-        out.push(SequenceImage {
-            start,
-            features: mine.reshape(&[per_image as i32, -1])?,
-        });
+    for image in images {
+        let pixels = Array::from_slice(image.pixels(), &[1, side as i32, side as i32, 3]);
+        let features = tower.embed(&pixels)?.reshape(&[per_image as i32, -1])?;
+        features.eval()?;
+        out.push(features);
     }
-    Ok(out)
+    Ok(starts
+        .iter()
+        .zip(images)
+        .zip(out)
+        .map(|((&start, image), features)| {
+            for (j, token) in tokens[start..start + per_image].iter_mut().enumerate() {
+                *token = placeholder(image.digest(), j);
+            }
+            SequenceImage { start, features }
+        })
+        .collect())
 }
 
 /// Features of some of a chunk's tokens: (offset in the chunk, features `[n, hidden]`).
