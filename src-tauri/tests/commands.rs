@@ -426,6 +426,7 @@ fn run_turn_events(app: &tauri::App<MockRuntime>, conversation: i64, turn: Turn)
 fn send(content: &str) -> Turn {
     Turn::Send {
         content: content.into(),
+        images: Vec::new(),
     }
 }
 
@@ -1418,4 +1419,96 @@ fn the_idle_unload_setting_reaches_the_engine() {
     let stats = invoke(&window, "engine_stats", json!({})).unwrap();
     assert_eq!(stats["residency"], json!({"state": "loaded"}), "{stats}");
     invoke(&window, "unload_model", json!({})).unwrap();
+}
+
+/// A chat turn with an image on a model that sees images (a tiny random Gemma 3 with its vision
+/// tower, written by mlx-vlm: perch-engine's `tests/oracle/tiny_vision.py`): answered, saved with
+/// its image, and the conversation read back with it; the same turn on the text-only default
+/// model is refused before anything is saved, in one sentence.
+#[test]
+fn a_turn_with_an_image_is_answered_and_kept_with_its_image() {
+    let _turn = serial();
+    let models = tempfile::tempdir().unwrap();
+    let script = format!(
+        "{}/../crates/perch-engine/tests/oracle/tiny_vision.py",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let status = std::process::Command::new(perch_test_support::oracle_python())
+        .arg(script)
+        .arg(models.path())
+        .arg(model_dir())
+        .status()
+        .unwrap();
+    assert!(status.success(), "tiny_vision.py failed");
+    let png = std::fs::read(models.path().join("gemma3-image.png")).unwrap();
+    let data = {
+        use base64::Engine as _;
+        base64::engine::general_purpose::STANDARD.encode(&png)
+    };
+    let turn = || Turn::Send {
+        content: "What is this?".into(),
+        images: vec![perch_store::Attachment {
+            media_type: "image/png".into(),
+            data: data.clone(),
+        }],
+    };
+
+    let data_dir = tempfile::tempdir().unwrap();
+    let (app, window) = app(data_dir.path());
+    app.state::<AppState>()
+        .load(
+            models.path().join("gemma3"),
+            perch_engine::EngineConfig::default(),
+        )
+        .expect("the vision model loads");
+    let status = invoke(&window, "model_status", json!({})).unwrap();
+    assert_eq!(status["vision"], true);
+    let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"]
+        .as_i64()
+        .unwrap();
+    let settings = json!({"max_tokens": 5, "sampling_source": "custom"});
+    invoke(
+        &window,
+        "set_conversation_settings",
+        json!({"id": id, "settings": settings}),
+    )
+    .unwrap();
+    let (_, finished) = run_turn(&app, id, turn());
+    assert_eq!(finished["finish_reason"], "length", "{finished}");
+    assert!(
+        finished["stats"]["prompt_tokens"].as_u64().unwrap() > 16,
+        "the image's 16 tokens"
+    );
+    let conversation = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    let messages = conversation["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 2);
+    assert_eq!(
+        messages[0]["images"],
+        json!([format!("data:image/png;base64,{data}")])
+    );
+    assert_eq!(messages[1]["role"], "assistant");
+    // Regenerating reads the saved image again.
+    let (_, again) = run_turn(&app, id, Turn::Regenerate);
+    assert_eq!(
+        again["stats"]["prompt_tokens"],
+        finished["stats"]["prompt_tokens"]
+    );
+
+    // The text-only default model: refused before the message is saved.
+    app.state::<AppState>()
+        .load(model_dir(), perch_engine::EngineConfig::default())
+        .expect("the default model loads");
+    let id = invoke(&window, "create_conversation", json!({})).unwrap()["id"]
+        .as_i64()
+        .unwrap();
+    let (events, _) = channel::<ChatEvent>();
+    let refused = chat_commands::start_chat(&app.state(), &app.state(), id, turn(), events)
+        .expect_err("refused");
+    assert!(
+        refused.message.contains("takes no images"),
+        "{}",
+        refused.message
+    );
+    let conversation = invoke(&window, "get_conversation", json!({"id": id})).unwrap();
+    assert_eq!(conversation["messages"], json!([]));
 }

@@ -142,11 +142,37 @@ class Message extends Component {
   }
 }
 
+/** What the composer attaches: the formats the engine reads, up to 16 images of 20 MB each. */
+export const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
+const MAX_IMAGES = 16;
+const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
+
+/** `file` as {media_type, data (base64), url (a data URL), name}. */
+function readImage(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => {
+      const url = String(reader.result);
+      resolve({ media_type: file.type, data: url.slice(url.indexOf(",") + 1), url, name: file.name || "pasted image" });
+    };
+    reader.onerror = () => reject(new Error(`${file.name || "The image"} could not be read.`));
+    reader.readAsDataURL(file);
+  });
+}
+
 function MessageItem({ message, actions, running }) {
   const assistant = message.role === "assistant";
   const classes = [message.role, message.error ? "error" : null].filter(Boolean).join(" ");
+  const images = message.images ?? [];
   return (
     <li class={classes}>
+      {images.length > 0 && (
+        <div class="images">
+          {images.map((url, i) => (
+            <img src={url} alt={`Attached image ${i + 1}`} />
+          ))}
+        </div>
+      )}
       {/* Answers are Markdown (sanitized); what the user typed is shown as typed. */}
       {assistant ? <Markdown text={message.content} /> : <div class="body">{message.content}</div>}
       {assistant && <span class="meta">{message.error ?? (message.stats ? describeStats(message.stats, message.finish_reason) : "")}</span>}
@@ -188,11 +214,22 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
   const [sidebar, setSidebar] = useState(false);
   const [renaming, setRenaming] = useState(false);
   const renamingNow = useRef(false);
+  // Images attached to the next message: [{media_type, data, url, name}].
+  const [attached, setAttachedShown] = useState([]);
+  const attachedNow = useRef([]);
+  const setAttached = (next) => {
+    attachedNow.current = next;
+    setAttachedShown(next);
+  };
+  const fileInput = useRef(null);
   const [deleteArmed, confirmDelete] = useConfirm(3000);
   const input = useRef(null);
   const search = useRef(null);
   const rename = useRef(null);
   const messagesEnd = useRef(null);
+  // Images are attached but the loaded model reads none: Send waits until they go or a model that
+  // sees images is loaded.
+  const takesNoImages = attached.length > 0 && status?.state === "loaded" && !status.vision;
 
   async function refreshList() {
     const found = await api.listConversations(search.current.value);
@@ -231,11 +268,40 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
     if (found.length) await select(found[0].id);
   }
 
+  /** Attaches the image files among `files` (the file picker's, a paste's, a drop's); others say why not. */
+  async function attach(files) {
+    const images = [...files].filter((file) => file.type.startsWith("image/"));
+    if (files.length > 0 && images.length === 0) return;
+    const refused = images.find((file) => !IMAGE_TYPES.includes(file.type) || file.size > MAX_IMAGE_BYTES);
+    if (refused) {
+      setError(
+        IMAGE_TYPES.includes(refused.type)
+          ? `${refused.name} is larger than 20 MB.`
+          : `${refused.name || "That image"} is not a PNG, JPEG, WebP or GIF image.`,
+      );
+      return;
+    }
+    if (attachedNow.current.length + images.length > MAX_IMAGES) {
+      setError(`A message takes at most ${MAX_IMAGES} images.`);
+      return;
+    }
+    try {
+      const read = await Promise.all(images.map(readImage));
+      setAttached([...attachedNow.current, ...read]);
+      setError(null);
+    } catch (failure) {
+      setError(failure);
+    }
+  }
+
   function submit() {
     const text = input.current.value.trim();
-    if (!text || runningNow.current) return;
+    const images = editingNow.current ? [] : attachedNow.current;
+    if ((!text && images.length === 0) || runningNow.current || takesNoImages) return;
     input.current.value = "";
     const turn = editingNow.current ? { kind: "edit_last", content: text } : { kind: "send", content: text };
+    if (images.length > 0) turn.images = images.map(({ media_type, data }) => ({ media_type, data }));
+    setAttached([]);
     setEditing(false);
     return startTurn(turn);
   }
@@ -255,7 +321,10 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
     // Show the turn at once, as the history will have it.
     const messages = [...current.current.messages];
     const lastUser = messages.findLastIndex((m) => m.role === "user");
-    if (turn.kind === "send") messages.push({ role: "user", content: turn.content });
+    if (turn.kind === "send") {
+      const images = (turn.images ?? []).map(({ media_type, data }) => `data:${media_type};base64,${data}`);
+      messages.push({ role: "user", content: turn.content, images });
+    }
     else {
       messages.splice(lastUser + 1);
       if (turn.kind === "edit_last") messages[lastUser] = { ...messages[lastUser], content: turn.content };
@@ -469,9 +538,32 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
             event.preventDefault();
             submit();
           }}
+          onDragOver={(event) => {
+            if ([...(event.dataTransfer?.types ?? [])].includes("Files")) event.preventDefault();
+          }}
+          onDrop={(event) => {
+            if (!event.dataTransfer?.files?.length) return;
+            event.preventDefault();
+            attach(event.dataTransfer.files);
+          }}
         >
           <p id="editing" hidden={!editing}>
             Editing your last message. <button type="button" id="cancel-edit" onClick={() => setEditing(false)}>Cancel</button>
+          </p>
+          {attached.length > 0 && (
+            <ul id="attachments" aria-label="Attached images">
+              {attached.map((image, i) => (
+                <li>
+                  <img src={image.url} alt={image.name} />
+                  <button type="button" aria-label={`Remove ${image.name}`} onClick={() => setAttached(attachedNow.current.filter((_, j) => j !== i))}>
+                    ×
+                  </button>
+                </li>
+              ))}
+            </ul>
+          )}
+          <p id="attach-note" class="notice" hidden={!takesNoImages}>
+            {status?.name ?? "This model"} takes no images: load a model marked “sees images”, or remove them.
           </p>
           <textarea
             id="input"
@@ -479,6 +571,13 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
             ref={input}
             aria-label="Message"
             placeholder="Message the model (Enter sends, Shift+Enter breaks the line)"
+            onPaste={(event) => {
+              const files = event.clipboardData?.files;
+              if (files && [...files].some((file) => file.type.startsWith("image/"))) {
+                event.preventDefault();
+                attach(files);
+              }
+            }}
             onKeyDown={(event) => {
               if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
                 event.preventDefault();
@@ -491,9 +590,24 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
             }}
           />
           <div class="row">
-            <button type="submit" id="send" data-icon="send" disabled={running !== null}>
+            <button type="submit" id="send" data-icon="send" disabled={running !== null || takesNoImages}>
               <Icon name="send" />Send
             </button>
+            <button type="button" id="attach" data-icon="attach" disabled={editing} onClick={() => fileInput.current.click()}>
+              <Icon name="attach" />Attach image
+            </button>
+            <input
+              type="file"
+              id="attach-file"
+              ref={fileInput}
+              hidden
+              multiple
+              accept={IMAGE_TYPES.join(",")}
+              onChange={(event) => {
+                attach(event.currentTarget.files);
+                event.currentTarget.value = "";
+              }}
+            />
             <button type="button" id="stop" data-icon="stop" disabled={running?.requestId == null} onClick={stop}>
               <Icon name="stop" />Stop
             </button>

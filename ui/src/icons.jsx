@@ -2,7 +2,7 @@
 // decorative: each control keeps its text (or aria-label) as its name, the SVG is hidden from
 // screen readers. The controls that have one are marked data-icon="name" (style.css lays them out).
 
-import { Activity, Boxes, Menu, MessageSquare, Plus, Send, Settings, Square } from "lucide-preact";
+import { Activity, Boxes, ImagePlus, Menu, MessageSquare, Plus, Send, Settings, Square } from "lucide-preact";
 
 export const ICONS = {
   chat: MessageSquare,
@@ -13,6 +13,7 @@ export const ICONS = {
   send: Send,
   stop: Square,
   menu: Menu,
+  attach: ImagePlus,
 };
 
 /** The icon called `name` (a key of ICONS), 16 px. */

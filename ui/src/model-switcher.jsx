@@ -6,9 +6,11 @@ import { useEffect, useImperativeHandle, useLayoutEffect, useRef, useState } fro
 import { decimalBytes, describeFit } from "./format.js";
 
 /** One option's text: "SmolLM2-135M · 104 MB · fits in memory", "… · too large for this machine",
- * "… · not supported" (`fit`: list_models' rule, the Hub search's). */
+ * "… · not supported" (`fit`: list_models' rule, the Hub search's); "sees images" for a model that
+ * takes them. */
 export function optionLabel(model) {
   const parts = [model.name, decimalBytes(model.size_bytes)];
+  if (model.vision && !model.architecture_note) parts.push("sees images");
   if (model.architecture_note) parts.push("not supported");
   else if (model.fit && model.fit !== "unknown") parts.push(describeFit(model.fit));
   return parts.join(" · ");

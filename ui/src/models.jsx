@@ -51,6 +51,7 @@ function LocalModel({ model, onLoad, onDelete }) {
   return (
     <li>
       {`${model.name} (${model.model_type ?? "?"}${bits}, ${mib(model.size_bytes)}, ${source}) `}
+      {model.vision && <span class="badge vision">Sees images</span>}{model.vision && " "}
       {/* A model of an architecture Perch does not run says so, and which ones it runs. */}
       <button type="button" disabled={Boolean(model.architecture_note)} onClick={() => onLoad(model.path)}>Load</button>{" "}
       <button type="button" class={armed ? "confirm" : undefined} aria-label={`${armed ? "Confirm delete" : "Delete"} ${model.name}`} disabled={deleting} onClick={remove}>

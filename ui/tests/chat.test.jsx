@@ -33,7 +33,10 @@ function fakeApi() {
     chat: vi.fn(async (id, turn, onEvent) => {
       const c = conversations.get(id);
       const lastUser = c.messages.findLastIndex((m) => m.role === "user");
-      if (turn.kind === "send") c.messages.push({ id: nextId++, role: "user", content: turn.content });
+      if (turn.kind === "send") {
+        const images = (turn.images ?? []).map((i) => `data:${i.media_type};base64,${i.data}`);
+        c.messages.push({ id: nextId++, role: "user", content: turn.content, images });
+      }
       else {
         c.messages.splice(lastUser + 1);
         if (turn.kind === "edit_last") c.messages[lastUser].content = turn.content;
@@ -439,5 +442,66 @@ describe("ChatView", () => {
     fireEvent.click(document.querySelector("#conversation-list button"));
     expect(toggle.getAttribute("aria-expanded")).toBe("false");
     expect($("conversations").classList.contains("open")).toBe(false);
+  });
+
+  describe("images", () => {
+    const png = (name = "cat.png") => new File([new Uint8Array([0x89, 0x50, 0x4e, 0x47, 1, 2, 3])], name, { type: "image/png" });
+    const pick = async (...files) => {
+      Object.defineProperty($("attach-file"), "files", { value: files, configurable: true });
+      fireEvent.change($("attach-file"));
+      await vi.waitFor(() => expect(document.querySelectorAll("#attachments img").length).toBeGreaterThan(0));
+    };
+
+    it("attaches picked images as thumbnails and sends them with the message", async () => {
+      showStatus({ state: "loaded", name: "Gemma 3", vision: true });
+      await pick(png("a.png"), png("b.png"));
+      expect([...document.querySelectorAll("#attachments img")].map((i) => i.alt)).toEqual(["a.png", "b.png"]);
+      // One removed before sending.
+      fireEvent.click(document.querySelector('#attachments button[aria-label="Remove a.png"]'));
+      expect([...document.querySelectorAll("#attachments img")].map((i) => i.alt)).toEqual(["b.png"]);
+      await type("What is this?");
+      const data = btoa(String.fromCharCode(0x89, 0x50, 0x4e, 0x47, 1, 2, 3));
+      expect(api.chat).toHaveBeenCalledWith(
+        1,
+        { kind: "send", content: "What is this?", images: [{ media_type: "image/png", data }] },
+        expect.any(Function),
+      );
+      expect($("attachments")).toBe(null);
+      expect([...document.querySelectorAll("#messages li.user .images img")].map((i) => i.src)).toEqual([`data:image/png;base64,${data}`]);
+      api.stream.finish("A cat.");
+      await done();
+      // Saved, the message keeps its image.
+      expect(document.querySelectorAll("#messages li.user .images img").length).toBe(1);
+    });
+
+    it("takes a pasted or dropped image, and sends an image alone", async () => {
+      showStatus({ state: "loaded", name: "Gemma 3", vision: true });
+      fireEvent.paste($("input"), { clipboardData: { files: [png("pasted.png")] } });
+      await vi.waitFor(() => expect(document.querySelectorAll("#attachments img").length).toBe(1));
+      fireEvent.drop($("composer"), { dataTransfer: { files: [png("dropped.png")], types: ["Files"] } });
+      await vi.waitFor(() => expect(document.querySelectorAll("#attachments img").length).toBe(2));
+      await type("");
+      expect(api.chat.mock.calls[0][1].images.length).toBe(2);
+      expect(api.chat.mock.calls[0][1].content).toBe("");
+    });
+
+    it("says when the loaded model takes no images, and refuses other files", async () => {
+      showStatus({ state: "loaded", name: "SmolLM2", vision: false });
+      await pick(png());
+      expect($("attach-note").hidden).toBe(false);
+      expect($("attach-note").textContent).toContain("SmolLM2 takes no images");
+      expect($("send").disabled).toBe(true);
+      fireEvent.click(document.querySelector('#attachments button[aria-label="Remove cat.png"]'));
+      expect($("attach-note").hidden).toBe(true);
+      expect($("send").disabled).toBe(false);
+      Object.defineProperty($("attach-file"), "files", {
+        value: [new File(["BM"], "old.bmp", { type: "image/bmp" })],
+        configurable: true,
+      });
+      fireEvent.change($("attach-file"));
+      await tick();
+      expect($("chat-error").textContent).toContain("old.bmp is not a PNG, JPEG, WebP or GIF image.");
+      expect($("attachments")).toBe(null);
+    });
   });
 });

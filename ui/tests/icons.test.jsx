@@ -14,7 +14,7 @@ describe("icons", () => {
       const icons = control.querySelectorAll(":scope > svg.icon");
       expect(icons.length, control.outerHTML).toBe(1);
       expect(control.firstElementChild).toBe(icons[0]);
-      expect(icons[0].classList.contains(`lucide-${{ chat: "message-square", dashboard: "activity", models: "boxes", settings: "settings", "new-chat": "plus", send: "send", stop: "square", menu: "menu" }[control.dataset.icon]}`)).toBe(true);
+      expect(icons[0].classList.contains(`lucide-${{ chat: "message-square", dashboard: "activity", models: "boxes", settings: "settings", "new-chat": "plus", send: "send", stop: "square", menu: "menu", attach: "image-plus" }[control.dataset.icon]}`)).toBe(true);
     }
     for (const svg of document.querySelectorAll("svg.icon")) {
       expect(svg.getAttribute("aria-hidden")).toBe("true");
@@ -27,7 +27,7 @@ describe("icons", () => {
   });
 
   it("has one for every name the controls use", () => {
-    expect(Object.keys(ICONS).sort()).toEqual(["chat", "dashboard", "menu", "models", "new-chat", "send", "settings", "stop"]);
+    expect(Object.keys(ICONS).sort()).toEqual(["attach", "chat", "dashboard", "menu", "models", "new-chat", "send", "settings", "stop"]);
     const { container } = render(<Icon name="send" />);
     expect(container.querySelector("svg.icon.lucide-send")).not.toBe(null);
   });

@@ -26,6 +26,7 @@ async function setUp(api, status, onLoad = () => {}) {
 describe("model switcher", () => {
   it("says each model's size, whether it fits (list_models' fit) and whether Perch runs it", () => {
     expect(optionLabel(MODELS[0])).toBe("SmolLM2-135M · 100 MB · fits in memory");
+    expect(optionLabel({ ...MODELS[0], name: "gemma-3-4b", vision: true })).toBe("gemma-3-4b · 100 MB · sees images · fits in memory");
     expect(optionLabel(MODELS[1])).toBe("Big-70B · 40 GB · too large for this machine");
     expect(optionLabel(MODELS[2])).toBe("mamba · 1.0 GB · not supported");
     expect(optionLabel({ ...MODELS[0], fit: "tight" })).toBe("SmolLM2-135M · 100 MB · fits with a smaller KV cache");

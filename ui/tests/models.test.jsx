@@ -53,6 +53,18 @@ function setUp(api, onLoad = () => {}) {
 }
 
 describe("ModelsView", () => {
+  it("marks the models that see images", async () => {
+    const api = fakeApi();
+    const gemma = { name: "gemma-3-4b", path: "/m/gemma", model_type: "gemma3", quantization_bits: 4, size_bytes: 2 ** 27, source: "perch", vision: true };
+    const plain = await api.listModels();
+    api.listModels = async () => [...plain, gemma];
+    const { show } = setUp(api);
+    await show();
+    const local = document.querySelectorAll("#models > li");
+    expect(local[0].querySelector(".badge.vision")).toBe(null);
+    expect(local[1].querySelector(".badge.vision").textContent).toBe("Sees images");
+  });
+
   it("lists local models and the Hub's mlx-community models with size and fit", async () => {
     const api = fakeApi();
     const loaded = [];
@@ -62,6 +74,7 @@ describe("ModelsView", () => {
     const local = document.querySelectorAll("#models > li");
     expect(local.length).toBe(1);
     expect(local[0].textContent).toContain("SmolLM2 (llama, 4-bit, 128 MiB, Perch's models)");
+    expect(local[0].querySelector(".badge.vision")).toBe(null);
     buttonIn(local[0], "Load").click();
     expect(loaded).toEqual(["/m/SmolLM2"]);
 

@@ -362,14 +362,15 @@ fn a_conversation_longer_than_the_context_drops_its_oldest_turns() {
     messages.push(ChatMessage::new("user", "And twelve times seven?"));
     let whole = tokenizer.encode_chat(&messages).unwrap();
     // Everything fits: nothing dropped.
-    let (tokens, dropped) = tokenizer
+    let fitted = tokenizer
         .encode_chat_fitting(&messages, whole.len())
         .unwrap();
-    assert_eq!((tokens, dropped), (whole.clone(), 0));
+    assert_eq!((fitted.tokens, fitted.dropped_messages), (whole.clone(), 0));
     // Half the room: whole turns go, oldest first, the system prompt stays, and no earlier
     // start would have fit.
     let room = whole.len() / 2;
-    let (tokens, dropped) = tokenizer.encode_chat_fitting(&messages, room).unwrap();
+    let fitted = tokenizer.encode_chat_fitting(&messages, room).unwrap();
+    let (tokens, dropped) = (fitted.tokens, fitted.dropped_messages);
     assert!(dropped > 0 && dropped % 2 == 0, "whole turns: {dropped}");
     assert!(tokens.len() <= room);
     let kept = |dropped: usize| {

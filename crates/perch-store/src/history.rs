@@ -6,15 +6,15 @@ use std::path::{Path, PathBuf};
 
 use perch_engine::sample::generation_config::{SamplingDefaults, SamplingDefaultsSource};
 use perch_engine::sample::sampler::SamplingParams;
-use perch_engine::{ChatMessage, FinishReason, GenerationStats};
+use perch_engine::{ChatMessage, ContentPart, FinishReason, GenerationStats};
 use rusqlite::{params, Connection, ErrorCode, OptionalExtension, Transaction};
 use serde::{Deserialize, Serialize};
 
 use crate::{set_aside, unix_millis, SetAside};
 
 /// The layout this code reads and writes (SQLite's `user_version`).
-/// 2 added `messages.sampling`.
-const SCHEMA_VERSION: i32 = 2;
+/// 2 added `messages.sampling`, 3 the `images` table.
+const SCHEMA_VERSION: i32 = 3;
 
 const SCHEMA: &str = "
 CREATE TABLE conversations (
@@ -36,7 +36,33 @@ CREATE TABLE messages (
     sampling TEXT                -- answers only: AnswerSampling as JSON (layout 2 on)
 );
 CREATE INDEX messages_by_conversation ON messages (conversation_id, id);
+CREATE TABLE images (
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,   -- its order among the message's images
+    digest TEXT NOT NULL,        -- SHA-256 of the file's bytes, hex: its name in the images folder
+    media_type TEXT NOT NULL,    -- image/png | image/jpeg | image/webp | image/gif
+    PRIMARY KEY (message_id, position)
+);
+CREATE INDEX images_by_digest ON images (digest);
 ";
+
+/// Layout 2 → 3.
+const IMAGES_TABLE: &str = "
+CREATE TABLE images (
+    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,
+    digest TEXT NOT NULL,
+    media_type TEXT NOT NULL,
+    PRIMARY KEY (message_id, position)
+);
+CREATE INDEX images_by_digest ON images (digest);
+";
+
+/// The image formats a message may carry.
+const IMAGE_TYPES: [&str; 4] = ["image/png", "image/jpeg", "image/webp", "image/gif"];
+/// The most images one message may carry, and the largest one (as the engine takes them).
+const MAX_IMAGES: usize = perch_engine::image_processor::MAX_IMAGES;
+const MAX_IMAGE_BYTES: usize = perch_engine::image_processor::MAX_IMAGE_BYTES;
 
 /// Title shown for a conversation with no title and no user message yet.
 const UNTITLED: &str = "New chat";
@@ -72,6 +98,13 @@ pub enum HistoryError {
     NoSuchConversation(i64),
     #[error("a message cannot be empty")]
     EmptyMessage,
+    #[error("{0}")]
+    BadImage(String),
+    #[error("cannot keep an attached image in {path}: {source}")]
+    ImageFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("the conversation has no user message to answer")]
     NoUserMessage,
     #[error("stored {what} is not valid JSON: {source}")]
@@ -288,23 +321,62 @@ pub struct Message {
     /// Answers only: the sampling it was generated with (`None` for answers saved before
     /// Perch recorded it).
     pub sampling: Option<AnswerSampling>,
+    /// The images the user attached, in order, as data URLs (`data:image/png;base64,…`).
+    pub images: Vec<String>,
+}
+
+/// An image attached to a message, as the app sends it: its media type (`image/png`,
+/// `image/jpeg`, `image/webp`, `image/gif`) and its bytes in base64.
+#[derive(Clone, Debug, PartialEq, Deserialize, Serialize)]
+pub struct Attachment {
+    pub media_type: String,
+    pub data: String,
 }
 
 /// What the user asks for next in a conversation.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Turn {
-    /// A new user message.
-    Send { content: String },
+    /// A new user message, with the images attached to it.
+    Send {
+        content: String,
+        #[serde(default)]
+        images: Vec<Attachment>,
+    },
     /// Answer the last user message again (the answers after it are deleted).
     Regenerate,
     /// Replace the last user message (and delete the answers after it), then answer it.
     EditLast { content: String },
 }
 
-/// The chat history of the app: conversations and their messages.
+/// The chat history of the app: conversations and their messages, and the images attached to
+/// them as files named by their SHA-256 in a folder beside the database (`images/`), each kept
+/// once however many messages carry it and removed with the last of them.
 pub struct History {
     conn: Connection,
+    images: ImageFiles,
+}
+
+/// Where a history keeps its images.
+enum ImageFiles {
+    Dir(PathBuf),
+    /// An in-memory history's, gone with it.
+    Temp(tempfile::TempDir),
+}
+
+impl ImageFiles {
+    /// The folder beside the database at `path`.
+    fn beside(path: &Path) -> Self {
+        let parent = path.parent().filter(|d| !d.as_os_str().is_empty());
+        ImageFiles::Dir(parent.unwrap_or(Path::new(".")).join("images"))
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            ImageFiles::Dir(dir) => dir,
+            ImageFiles::Temp(dir) => dir.path(),
+        }
+    }
 }
 
 /// Why an existing file cannot be used as the history, when setting it aside is the fix.
@@ -363,7 +435,14 @@ impl History {
         let conn = Connection::open_in_memory()?;
         conn.execute_batch("PRAGMA foreign_keys = ON;")?;
         conn.execute_batch(SCHEMA)?;
-        Ok(History { conn })
+        let dir = tempfile::tempdir().map_err(|source| HistoryError::ImageFile {
+            path: std::env::temp_dir(),
+            source,
+        })?;
+        Ok(History {
+            conn,
+            images: ImageFiles::Temp(dir),
+        })
     }
 
     fn open_checked(path: &Path) -> std::result::Result<History, OpenFailure> {
@@ -412,16 +491,28 @@ impl History {
                 "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
             ))
             .map_err(fatal)?;
-        } else if version == 1 {
-            // Layout 1 → 2: answers saved before have no sampling recorded.
-            conn.execute_batch(
-                "BEGIN; ALTER TABLE messages ADD COLUMN sampling TEXT; PRAGMA user_version = 2; COMMIT;",
-            )
-            .map_err(|e| classify(e, path))?;
+        } else {
+            if version == 1 {
+                // Layout 1 → 2: answers saved before have no sampling recorded.
+                conn.execute_batch(
+                    "BEGIN; ALTER TABLE messages ADD COLUMN sampling TEXT; PRAGMA user_version = 2; COMMIT;",
+                )
+                .map_err(|e| classify(e, path))?;
+            }
+            if version <= 2 {
+                // Layout 2 → 3: messages saved before have no images.
+                conn.execute_batch(&format!(
+                    "BEGIN; {IMAGES_TABLE} PRAGMA user_version = 3; COMMIT;"
+                ))
+                .map_err(|e| classify(e, path))?;
+            }
         }
-        let history = History { conn };
+        let history = History {
+            conn,
+            images: ImageFiles::beside(path),
+        };
         // Every query this code runs must compile against the tables found.
-        for sql in [LIST_SQL, MESSAGES_SQL, SETTINGS_SQL] {
+        for sql in [LIST_SQL, MESSAGES_SQL, SETTINGS_SQL, IMAGES_SQL] {
             if let Err(err) = history.conn.prepare(sql) {
                 return Err(OpenFailure::Damaged(Damage(format!(
                     "its tables do not have Perch's layout ({err})"
@@ -461,9 +552,12 @@ impl History {
         let summary = self.summary(id)?;
         let settings = self.settings(id)?;
         let mut statement = self.conn.prepare(MESSAGES_SQL)?;
-        let messages = statement
+        let mut messages: Vec<Message> = statement
             .query_map([id], message_from_row)?
             .collect::<rusqlite::Result<_>>()?;
+        for message in messages.iter_mut().filter(|m| m.role == Role::User) {
+            message.images = self.images_of(message.id)?;
+        }
         Ok(Conversation {
             summary,
             settings,
@@ -498,13 +592,115 @@ impl History {
 
     /// Deletes conversation `id` and its messages.
     pub fn delete(&mut self, id: i64) -> Result<()> {
+        let digests = self.digests_of(id)?;
         let changed = self
             .conn
             .execute("DELETE FROM conversations WHERE id = ?1", [id])?;
         if changed == 0 {
             return Err(HistoryError::NoSuchConversation(id));
         }
+        self.remove_unused_images(&digests)
+    }
+
+    /// The digests of the images conversation `id`'s messages carry.
+    fn digests_of(&self, id: i64) -> Result<Vec<String>> {
+        let mut statement = self.conn.prepare(
+            "SELECT DISTINCT i.digest FROM images i JOIN messages m ON m.id = i.message_id
+             WHERE m.conversation_id = ?1",
+        )?;
+        let rows = statement.query_map([id], |row| row.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<_>>()?)
+    }
+
+    /// Removes the files of those of `digests` no message carries any more (a file that
+    /// cannot be removed stays: it is unreferenced, not lost).
+    fn remove_unused_images(&self, digests: &[String]) -> Result<()> {
+        for digest in digests {
+            let used: i64 = self.conn.query_row(
+                "SELECT count(*) FROM images WHERE digest = ?1",
+                [digest],
+                |row| row.get(0),
+            )?;
+            if used == 0 {
+                let _ = std::fs::remove_file(self.images.dir().join(digest));
+            }
+        }
         Ok(())
+    }
+
+    /// Writes `attachments` to the images folder (each under its SHA-256; a file already there
+    /// is that image already) after checking each; returns their digests. On disk (synced) when
+    /// this returns.
+    fn keep_images(&self, attachments: &[Attachment]) -> Result<Vec<String>> {
+        use base64::Engine as _;
+        use sha2::{Digest, Sha256};
+        if attachments.len() > MAX_IMAGES {
+            return Err(HistoryError::BadImage(format!(
+                "{} images in one message; the most is {MAX_IMAGES}",
+                attachments.len()
+            )));
+        }
+        let dir = self.images.dir();
+        let file_error = |path: &Path| {
+            let path = path.to_owned();
+            move |source| HistoryError::ImageFile { path, source }
+        };
+        let mut digests = Vec::with_capacity(attachments.len());
+        for attachment in attachments {
+            if !IMAGE_TYPES.contains(&attachment.media_type.as_str()) {
+                return Err(HistoryError::BadImage(format!(
+                    "images of type {} cannot be attached: use PNG, JPEG, WebP or GIF",
+                    attachment.media_type
+                )));
+            }
+            if attachment.data.len() > MAX_IMAGE_BYTES / 3 * 4 + 4 {
+                return Err(HistoryError::BadImage(format!(
+                    "an image larger than {} MB cannot be attached",
+                    MAX_IMAGE_BYTES >> 20
+                )));
+            }
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(attachment.data.trim())
+                .map_err(|e| HistoryError::BadImage(format!("the image's data is damaged: {e}")))?;
+            let digest: String = Sha256::digest(&bytes)
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect();
+            let path = dir.join(&digest);
+            if !path.exists() {
+                std::fs::create_dir_all(dir).map_err(file_error(dir))?;
+                let mut file = tempfile::NamedTempFile::new_in(dir).map_err(file_error(dir))?;
+                std::io::Write::write_all(&mut file, &bytes).map_err(file_error(&path))?;
+                file.as_file().sync_all().map_err(file_error(&path))?;
+                file.persist(&path).map_err(|e| HistoryError::ImageFile {
+                    path: path.clone(),
+                    source: e.error,
+                })?;
+            }
+            digests.push(digest);
+        }
+        Ok(digests)
+    }
+
+    /// The images message `id` carries, as data URLs.
+    fn images_of(&self, id: i64) -> Result<Vec<String>> {
+        use base64::Engine as _;
+        let mut statement = self.conn.prepare(IMAGES_SQL)?;
+        let rows = statement.query_map([id], |row| {
+            Ok((row.get::<_, String>(0)?, row.get::<_, String>(1)?))
+        })?;
+        let mut urls = Vec::new();
+        for row in rows {
+            let (digest, media_type) = row?;
+            let path = self.images.dir().join(&digest);
+            let bytes =
+                std::fs::read(&path).map_err(|source| HistoryError::ImageFile { path, source })?;
+            urls.push(format!(
+                "data:{media_type};base64,{}",
+                base64::engine::general_purpose::STANDARD.encode(bytes)
+            ));
+        }
+        Ok(urls)
     }
 
     /// Applies `turn` to conversation `id` in one transaction and returns its settings and the
@@ -514,6 +710,11 @@ impl History {
         id: i64,
         turn: &Turn,
     ) -> Result<(ConversationSettings, Vec<ChatMessage>)> {
+        // The files first: a message is never saved without its images.
+        let digests = match turn {
+            Turn::Send { images, .. } => self.keep_images(images)?,
+            _ => Vec::new(),
+        };
         let tx = self.conn.transaction()?;
         let last_user: Option<i64> = tx
             .query_row(
@@ -525,8 +726,20 @@ impl History {
             .flatten();
         let now = unix_millis();
         match turn {
-            Turn::Send { content } => {
-                insert_message(&tx, id, Role::User, non_empty(content)?, now)?;
+            Turn::Send { content, images } => {
+                // A message of images only is not empty.
+                let content = match images.is_empty() {
+                    true => non_empty(content)?,
+                    false => content.as_str(),
+                };
+                let message = insert_message(&tx, id, Role::User, content, now)?;
+                for (position, (digest, image)) in digests.iter().zip(images).enumerate() {
+                    tx.execute(
+                        "INSERT INTO images (message_id, position, digest, media_type)
+                         VALUES (?1, ?2, ?3, ?4)",
+                        params![message, position as i64, digest, image.media_type],
+                    )?;
+                }
             }
             Turn::Regenerate => {
                 let last_user = last_user.ok_or(HistoryError::NoUserMessage)?;
@@ -555,7 +768,18 @@ impl History {
                     .messages
                     .iter()
                     .filter(|m| m.finish_reason != Some(FinishReason::Error))
-                    .map(|m| ChatMessage::new(m.role.as_str(), m.content.clone())),
+                    .map(|m| match m.images.is_empty() {
+                        true => ChatMessage::new(m.role.as_str(), m.content.clone()),
+                        // The images before the text, as chat apps send them.
+                        false => ChatMessage::from_parts(
+                            m.role.as_str(),
+                            m.images
+                                .iter()
+                                .map(|url| ContentPart::Image(url.clone()))
+                                .chain([ContentPart::Text(m.content.clone())])
+                                .collect(),
+                        ),
+                    }),
             )
             .collect();
         Ok((conversation.settings, messages))
@@ -597,6 +821,7 @@ impl History {
             error: error.map(str::to_owned),
             created_at_ms: now,
             sampling: sampling.cloned(),
+            images: Vec::new(),
         })
     }
 
@@ -640,6 +865,9 @@ SELECT id, role, content, finish_reason, stats, error, created_at, sampling
 FROM messages WHERE conversation_id = ?1 ORDER BY id";
 
 const SETTINGS_SQL: &str = "SELECT settings FROM conversations WHERE id = ?1";
+
+const IMAGES_SQL: &str =
+    "SELECT digest, media_type FROM images WHERE message_id = ?1 ORDER BY position";
 
 fn summary_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<ConversationSummary> {
     let title: Option<String> = row.get(1)?;
@@ -685,6 +913,7 @@ fn message_from_row(row: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
             .map(|json| serde_json::from_str(&json))
             .transpose()
             .map_err(|e| bad(7, format!("sampling is not valid JSON: {e}")))?,
+        images: Vec::new(),
     })
 }
 
@@ -817,6 +1046,7 @@ mod tests {
     fn send(history: &mut History, id: i64, text: &str) -> Vec<ChatMessage> {
         let turn = Turn::Send {
             content: text.into(),
+            images: Vec::new(),
         };
         history.begin_turn(id, &turn).unwrap().1
     }
@@ -830,6 +1060,102 @@ mod tests {
         history
             .save_answer(id, text, reason, &stats, None, None)
             .unwrap()
+    }
+
+    fn attachment(media_type: &str, bytes: &[u8]) -> Attachment {
+        use base64::Engine as _;
+        Attachment {
+            media_type: media_type.into(),
+            data: base64::engine::general_purpose::STANDARD.encode(bytes),
+        }
+    }
+
+    /// The image files in the history's folder.
+    fn image_files(history: &History) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(history.images.dir())
+            .map(|dir| {
+                dir.map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn images_are_kept_once_by_content_and_removed_with_their_last_conversation() {
+        use base64::Engine as _;
+        let (_dir, path, mut history) = open_temp();
+        let settings = ConversationSettings::default();
+        let first = history.create_conversation(&settings).unwrap().id;
+        let second = history.create_conversation(&settings).unwrap().id;
+        let (png, jpeg) = (
+            b"\x89PNG pretend".as_slice(),
+            b"\xff\xd8 pretend".as_slice(),
+        );
+        let turn = Turn::Send {
+            content: "What are these?".into(),
+            images: vec![attachment("image/png", png), attachment("image/jpeg", jpeg)],
+        };
+        let (_, messages) = history.begin_turn(first, &turn).unwrap();
+        let user = messages.last().unwrap();
+        let urls: Vec<&str> = user.image_urls().collect();
+        let encode = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+        assert_eq!(
+            urls,
+            [
+                format!("data:image/png;base64,{}", encode(png)),
+                format!("data:image/jpeg;base64,{}", encode(jpeg)),
+            ]
+        );
+        assert_eq!(user.content, "What are these?");
+        // The same image in another conversation, alone and without text: one file for both.
+        let only_image = Turn::Send {
+            content: String::new(),
+            images: vec![attachment("image/png", png)],
+        };
+        history.begin_turn(second, &only_image).unwrap();
+        assert_eq!(image_files(&history).len(), 2);
+        // Read back after reopening, in order, answers carrying none.
+        answer(&mut history, first, "Two images.", FinishReason::Stop);
+        drop(history);
+        let (mut history, _) = History::open(&path).unwrap();
+        let messages = history.conversation(first).unwrap().messages;
+        assert_eq!(messages[0].images.len(), 2);
+        assert!(messages[0].images[1].starts_with("data:image/jpeg;base64,"));
+        assert!(messages[1].images.is_empty());
+        // Deleting the first conversation keeps the PNG the second still shows.
+        history.delete(first).unwrap();
+        assert_eq!(image_files(&history).len(), 1);
+        assert_eq!(
+            history.conversation(second).unwrap().messages[0]
+                .images
+                .len(),
+            1
+        );
+        history.delete(second).unwrap();
+        assert!(image_files(&history).is_empty());
+
+        // Refused before anything is saved: another type, damaged data, too many.
+        let id = history.create_conversation(&settings).unwrap().id;
+        let refused = |history: &mut History, images: Vec<Attachment>| {
+            let turn = Turn::Send {
+                content: "x".into(),
+                images,
+            };
+            history.begin_turn(id, &turn).unwrap_err().to_string()
+        };
+        assert!(refused(&mut history, vec![attachment("image/bmp", png)]).contains("PNG, JPEG"));
+        let damaged = Attachment {
+            media_type: "image/png".into(),
+            data: "@@not base64".into(),
+        };
+        assert!(refused(&mut history, vec![damaged]).contains("damaged"));
+        assert!(
+            refused(&mut history, vec![attachment("image/png", png); 17]).contains("17 images")
+        );
+        assert!(history.conversation(id).unwrap().messages.is_empty());
+        assert!(image_files(&history).is_empty());
     }
 
     #[test]
@@ -977,6 +1303,7 @@ mod tests {
             .id;
         let blank = Turn::Send {
             content: " \n".into(),
+            images: Vec::new(),
         };
         assert!(matches!(
             history.begin_turn(id, &blank),
@@ -995,6 +1322,7 @@ mod tests {
         ));
         let send = Turn::Send {
             content: "x".into(),
+            images: Vec::new(),
         };
         assert!(matches!(
             history.begin_turn(id + 1, &send),
@@ -1195,6 +1523,7 @@ mod tests {
                 1,
                 &Turn::Send {
                     content: "Again".into(),
+                    images: Vec::new(),
                 },
             )
             .unwrap();

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 pub use history::{
-    AnswerSampling, AnswerSamplingSource, Conversation, ConversationSettings, ConversationSummary,
-    History, HistoryError, Message, Role, SamplingSource, Turn,
+    AnswerSampling, AnswerSamplingSource, Attachment, Conversation, ConversationSettings,
+    ConversationSummary, History, HistoryError, Message, Role, SamplingSource, Turn,
 };
 pub use settings::{ServerSettings, Settings, SettingsError};
 

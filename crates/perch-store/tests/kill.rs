@@ -25,6 +25,7 @@ fn writer_child() {
     for i in 0.. {
         let question = Turn::Send {
             content: format!("question {i}"),
+            images: Vec::new(),
         };
         history.begin_turn(id, &question).unwrap();
         let answer = format!("answer {i} {}", "y".repeat(i % 500));

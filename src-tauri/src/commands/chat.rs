@@ -94,6 +94,7 @@ fn history_error(err: &HistoryError) -> CommandError {
     match err {
         HistoryError::NoSuchConversation(_)
         | HistoryError::EmptyMessage
+        | HistoryError::BadImage(_)
         | HistoryError::NoUserMessage => CommandError::invalid(err),
         _ => CommandError::storage(err),
     }
@@ -162,6 +163,15 @@ pub fn start_chat(
 ) -> Result<u64, CommandError> {
     // No model, no turn: the user's message is not saved without an answer to come.
     let engine = state.engine()?;
+    // A text-only model says so before the message is saved.
+    if matches!(&turn, Turn::Send { images, .. } if !images.is_empty())
+        && engine.tokenizer().image_processor().is_none()
+    {
+        return Err(CommandError::invalid(
+            &"The loaded model takes no images: choose a model marked as seeing images, or send \
+              the message without them.",
+        ));
+    }
     let (settings, messages) = store
         .history()?
         .begin_turn(conversation_id, &turn)
@@ -171,14 +181,16 @@ pub fn start_chat(
     let limits = engine.limits();
     let room = limits.context_length.min(limits.kv_cache_tokens);
     let answer_room = settings.max_tokens.clamp(1, (room / 4).max(1));
-    let (prompt, dropped_messages) = engine
+    let fitted = engine
         .tokenizer()
         .encode_chat_fitting(&messages, limits.max_prompt_tokens(answer_room))
         .map_err(|e| CommandError::engine(&e))?;
+    let (prompt, dropped_messages) = (fitted.tokens, fitted.dropped_messages);
     if dropped_messages > 0 {
         let _ = on_event.send(ChatEvent::ContextTrimmed { dropped_messages });
     }
     let mut params = GenerateRequest::new(Vec::new());
+    params.images = fitted.images;
     let sampling = settings.effective_sampling(engine.tokenizer().sampling_defaults());
     params.sampling = sampling.params.clone();
     params.max_tokens = settings.max_tokens;
@@ -190,7 +202,8 @@ pub fn start_chat(
         group_size: perch_engine::KvQuantization::DEFAULT_GROUP_SIZE,
     });
     params.quantized_kv_start = settings.quantized_kv_start;
-    if engine.has_draft_model() && settings.max_kv_size.is_none() {
+    // Speculative decoding takes no images (see `perch_engine::sequence::speculative`).
+    if engine.has_draft_model() && settings.max_kv_size.is_none() && params.images.is_empty() {
         params.num_draft_tokens = Some(store.num_draft_tokens()?);
     }
     let stream = engine

@@ -54,6 +54,8 @@ pub enum ModelStatus {
         /// What conversations that follow the model sample with (its `generation_config.json`'s
         /// values, else Perch's), shown by the settings forms.
         sampling_defaults: SamplingDefaults,
+        /// Whether it takes images (its vision tower and image processor loaded).
+        vision: bool,
     },
     Failed {
         name: String,
@@ -145,6 +147,7 @@ impl AppState {
                     name,
                     path,
                     sampling_defaults: engine.tokenizer().sampling_defaults().clone(),
+                    vision: engine.tokenizer().image_processor().is_some(),
                 };
                 let slot = ModelSlot {
                     status: status.clone(),
@@ -222,6 +225,10 @@ pub async fn list_models<R: Runtime>(
             perch_hub::local_models(&store.models_dir()?, perch_hub::hf_cache_dir().as_deref())
                 .into_iter()
                 .map(|model| LocalModelView {
+                    vision: std::fs::read(model.path.join("config.json"))
+                        .ok()
+                        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
+                        .is_some_and(|config| perch_engine::models::takes_images(&config)),
                     architecture_note: model
                         .model_type
                         .as_deref()
@@ -281,6 +288,8 @@ pub struct LocalModelView {
     /// Its weights and the settings' KV cache budget against the usable memory (the Hub
     /// search's rule, [`perch_hub::memory_fit`]).
     pub fit: perch_hub::MemoryFit,
+    /// Whether it takes images ([`perch_engine::models::takes_images`]).
+    pub vision: bool,
 }
 
 /// Loads the model directory `path` (replacing the loaded model), with the KV cache budget and
@@ -392,6 +401,7 @@ mod tray_tests {
             path: "/m".into(),
             sampling_defaults: SamplingDefaults::from_generation_config(None, "/m".as_ref())
                 .unwrap(),
+            vision: false,
         };
         assert_eq!(tray_line(&ModelStatus::NotLoaded, None), "No model loaded");
         let loading = |bytes_read, bytes_total| ModelStatus::Loading {

@@ -336,6 +336,14 @@ pub fn unsupported_architecture_note(model_type: &str) -> Option<String> {
     ))
 }
 
+/// Whether the model whose `config.json` is `config` takes images: an architecture whose vision
+/// tower Perch runs ([`vision`]: Gemma 3's `gemma3`) with its `vision_config`. For the model
+/// picker, before anything is loaded (a tower that then fails to load leaves a text model).
+pub fn takes_images(config: &Value) -> bool {
+    config.get("model_type").and_then(Value::as_str) == Some("gemma3")
+        && config.get("vision_config").is_some_and(Value::is_object)
+}
+
 /// Loads the model in `model_dir` (mlx-community layout: `config.json` + `*.safetensors`).
 ///
 /// Floating-point weights are cast for the backend: float32 on CPU; on GPU float32 becomes

@@ -259,9 +259,19 @@ impl Tokenizer {
         messages: &[ChatMessage],
         tools: Option<&[Value]>,
     ) -> Result<(Vec<u32>, Vec<ImageInput>)> {
+        let images = self.read_images(messages)?;
+        Ok((
+            self.encode_with_images(messages, tools, images.len())?,
+            images,
+        ))
+    }
+
+    /// The images of `messages`, in order, as the model's processor prepares them. `Err`: the
+    /// model takes no images (and why), more than [`MAX_IMAGES`], an image the processor refuses.
+    fn read_images(&self, messages: &[ChatMessage]) -> Result<Vec<ImageInput>> {
         let urls: Vec<&str> = messages.iter().flat_map(ChatMessage::image_urls).collect();
         if urls.is_empty() {
-            return Ok((self.encode_chat_with_tools(messages, tools)?, Vec::new()));
+            return Ok(Vec::new());
         }
         let processor = match &self.images {
             Some(Ok(processor)) => processor,
@@ -288,13 +298,23 @@ impl Tokenizer {
                 processor.image_token()
             )));
         }
-        let images = urls
-            .iter()
-            .map(|url| processor.process_url(url))
-            .collect::<Result<Vec<_>>>()?;
+        urls.iter().map(|url| processor.process_url(url)).collect()
+    }
+
+    /// The prompt tokens of `messages` holding `images` images (read by
+    /// [`Tokenizer::read_images`]): each written by the template, then expanded.
+    fn encode_with_images(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Value]>,
+        images: usize,
+    ) -> Result<Vec<u32>> {
+        let processor = match self.image_processor() {
+            Some(processor) if images > 0 => processor,
+            _ => return self.encode_chat_with_tools(messages, tools),
+        };
         let text = self.render_chat(messages, tools)?;
-        let text = processor.expand(&text, images.len())?;
-        Ok((self.encode(&text, false)?, images))
+        self.encode(&processor.expand(&text, images)?, false)
     }
 
     /// The id of a token written as `text` (a special or added token, or one vocabulary entry).
@@ -302,36 +322,59 @@ impl Tokenizer {
         self.inner.token_to_id(text)
     }
 
-    /// [`Tokenizer::encode_chat`] of as much of the conversation as fits in `max_prompt_tokens`,
-    /// as chat apps keep a long conversation going (LM Studio's "truncate middle", Ollama's
-    /// context shift): the system messages at the start are always kept, and whole turns (a user
-    /// message and everything up to the next one) are dropped oldest first. Returns the tokens
-    /// and how many messages were dropped (0 when all fit). Each try renders the template;
-    /// about log2(turns) tries.
+    /// [`Tokenizer::encode_chat_with_images`] of as much of the conversation as fits in
+    /// `max_prompt_tokens`, as chat apps keep a long conversation going (LM Studio's "truncate
+    /// middle", Ollama's context shift): the system messages at the start are always kept, and
+    /// whole turns (a user message and everything up to the next one) are dropped oldest first,
+    /// with their images. Each try renders the template; about log2(turns) tries; the images
+    /// are read once.
     ///
-    /// Errors: the template's, and [`EngineError::PromptTooLong`] (with `max_prompt_tokens` as
-    /// the context) when the system messages and the last turn alone do not fit.
+    /// Errors: the template's, the images' ([`Tokenizer::encode_chat_with_images`]), and
+    /// [`EngineError::PromptTooLong`] (with `max_prompt_tokens` as the context) when the system
+    /// messages and the last turn alone do not fit.
     pub fn encode_chat_fitting(
         &self,
         messages: &[ChatMessage],
         max_prompt_tokens: usize,
-    ) -> Result<(Vec<u32>, usize)> {
+    ) -> Result<FittedChat> {
+        let images = self.read_images(messages)?;
+        // Each message's first image among `images`.
+        let mut first_image = Vec::with_capacity(messages.len() + 1);
+        let mut seen = 0;
+        for message in messages {
+            first_image.push(seen);
+            seen += message.image_urls().count();
+        }
+        first_image.push(seen);
         let system = messages.iter().take_while(|m| m.role == "system").count();
         // Where the kept part may start: the first message after the system ones, then each
         // later user message.
         let mut starts = vec![system];
         starts.extend((system + 1..messages.len()).filter(|&i| messages[i].role == "user"));
+        // The system messages' images, then those from `start` on.
+        let kept_images = |start: usize| {
+            images[..first_image[system]]
+                .iter()
+                .chain(&images[first_image[start]..])
+                .cloned()
+                .collect::<Vec<_>>()
+        };
         let encode_from = |start: usize| {
             let kept: Vec<ChatMessage> = messages[..system]
                 .iter()
                 .chain(&messages[start..])
                 .cloned()
                 .collect();
-            self.encode_chat(&kept)
+            let count = first_image[system] + (seen - first_image[start]);
+            self.encode_with_images(&kept, None, count)
         };
         let whole = encode_from(system)?;
         if whole.len() <= max_prompt_tokens {
-            return Ok((whole, 0));
+            return Ok(FittedChat {
+                tokens: whole,
+                images,
+                dropped_messages: 0,
+            });
         }
         let last = *starts.last().expect("starts holds at least one index");
         let shortest = encode_from(last)?;
@@ -354,8 +397,22 @@ impl Tokenizer {
                 lo = mid;
             }
         }
-        Ok((best, starts[hi] - system))
+        Ok(FittedChat {
+            tokens: best,
+            images: kept_images(starts[hi]),
+            dropped_messages: starts[hi] - system,
+        })
     }
+}
+
+/// What [`Tokenizer::encode_chat_fitting`] kept of a conversation.
+#[derive(Debug)]
+pub struct FittedChat {
+    pub tokens: Vec<u32>,
+    /// The kept messages' images, in the order their tokens hold them.
+    pub images: Vec<ImageInput>,
+    /// Messages left out (0 when all fit).
+    pub dropped_messages: usize,
 }
 
 fn read_json_if_exists(path: &Path) -> Result<Option<Value>> {
