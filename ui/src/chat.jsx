@@ -229,7 +229,7 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
   const messagesEnd = useRef(null);
   // Images are attached but the loaded model reads none: Send waits until they go or a model that
   // sees images is loaded.
-  const takesNoImages = attached.length > 0 && status?.state === "loaded" && !status.vision;
+  const takesNoImages = attached.length > 0 && !editing && status?.state === "loaded" && !status.vision;
 
   async function refreshList() {
     const found = await api.listConversations(search.current.value);
@@ -272,6 +272,10 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
   async function attach(files) {
     const images = [...files].filter((file) => file.type.startsWith("image/"));
     if (files.length > 0 && images.length === 0) return;
+    if (editingNow.current) {
+      setError("Images go with a new message: an edit changes the last message's text only.");
+      return;
+    }
     const refused = images.find((file) => !IMAGE_TYPES.includes(file.type) || file.size > MAX_IMAGE_BYTES);
     if (refused) {
       setError(
@@ -287,6 +291,11 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
     }
     try {
       const read = await Promise.all(images.map(readImage));
+      // Checked again: another paste may have attached some meanwhile.
+      if (attachedNow.current.length + read.length > MAX_IMAGES) {
+        setError(`A message takes at most ${MAX_IMAGES} images.`);
+        return;
+      }
       setAttached([...attachedNow.current, ...read]);
       setError(null);
     } catch (failure) {
@@ -303,7 +312,10 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
     if (images.length > 0) turn.images = images.map(({ media_type, data }) => ({ media_type, data }));
     setAttached([]);
     setEditing(false);
-    return startTurn(turn);
+    // A turn the command refused gives its images back to the composer.
+    return startTurn(turn).then((started) => {
+      if (!started && images.length > 0 && attachedNow.current.length === 0) setAttached(images);
+    });
   }
 
   /**
@@ -375,7 +387,7 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
       setStream(null);
       setError(failure);
       setConversation(await api.getConversation(id).catch(() => null));
-      return;
+      return false;
     }
     const event = await finished;
     setRunning(null);
@@ -389,6 +401,7 @@ export function ChatView({ api, status, visible, inert, switcher, handle }) {
       setStream(null);
     }
     await refreshList();
+    return true;
   }
 
   /** Stops the answer being generated (the engine cancels it at once; the part shown is kept). */

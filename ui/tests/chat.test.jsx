@@ -485,6 +485,17 @@ describe("ChatView", () => {
       expect(api.chat.mock.calls[0][1].content).toBe("");
     });
 
+    it("gives a refused turn's images back to the composer", async () => {
+      showStatus({ state: "loaded", name: "Gemma 3", vision: true });
+      api.chat.mockImplementationOnce(async () => {
+        throw new Error("The image is damaged.");
+      });
+      await pick(png("photo.png"));
+      await type("Look");
+      await vi.waitFor(() => expect($("chat-error").textContent).toContain("The image is damaged."));
+      expect([...document.querySelectorAll("#attachments img")].map((i) => i.alt)).toEqual(["photo.png"]);
+    });
+
     it("says when the loaded model takes no images, and refuses other files", async () => {
       showStatus({ state: "loaded", name: "SmolLM2", vision: false });
       await pick(png());

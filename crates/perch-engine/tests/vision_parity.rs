@@ -524,6 +524,16 @@ fn image_files_are_prepared_as_transformers_does() {
     assert!(url("data:image/png;base64,@@@@").contains("base64"));
 }
 
+/// The digest of the PNG `png` as `tokenizer`'s processor prepares it.
+fn images_digest(png: &[u8], tokenizer: &perch_engine::Tokenizer) -> [u8; 32] {
+    *tokenizer
+        .image_processor()
+        .unwrap()
+        .process(png)
+        .unwrap()
+        .digest()
+}
+
 /// A chat whose user message holds an image, through the engine's handle: the prompt the
 /// template and the processor make (each image a run of 16 image tokens between Gemma 3's
 /// markers), answered as the batch answers those tokens and pixels; the same chat to a text-only
@@ -582,7 +592,31 @@ fn chats_with_images_through_the_engine() {
         "user",
         vec![ContentPart::Image(data_url("image/png", &square)); 17],
     )];
-    assert!(refusal(&engine, many).contains("17 images"));
+    assert!(refusal(&engine, many.clone()).contains("17 images"));
+    // A conversation holding 17 images (an app's history) keeps its latest 16, in order.
+    let mut history = vec![ChatMessage::from_parts(
+        "user",
+        vec![ContentPart::Image(data_url(
+            "image/png",
+            &encoded(40, image::ImageFormat::Png),
+        ))],
+    )];
+    history.push(ChatMessage::new("assistant", "A pattern."));
+    history.push(ChatMessage::from_parts(
+        "user",
+        vec![ContentPart::Image(data_url("image/png", &square)); 16],
+    ));
+    let fitted = tokenizer.encode_chat_fitting(&history, 4096).unwrap();
+    assert_eq!(fitted.dropped_messages, 0);
+    assert_eq!(fitted.images.len(), 16);
+    assert!(fitted
+        .images
+        .iter()
+        .all(|i| *i.digest() == images_digest(&square, tokenizer)));
+    assert_eq!(
+        fitted.tokens.iter().filter(|&&t| t == IMAGE).count(),
+        16 * 16
+    );
     let remote = vec![ChatMessage::from_parts(
         "user",
         vec![ContentPart::Image("https://example.com/a.png".into())],

@@ -139,13 +139,18 @@ impl Content {
         let mut last_text = false;
         for block in blocks {
             match (block.kind.as_str(), &block.text, &block.source) {
-                ("text", Some(text), _) => {
-                    if last_text {
-                        parts.push(ContentPart::Text("\n".into()));
+                ("text", Some(text), _) => match parts.last_mut() {
+                    // Adjacent text blocks are one part, a newline apart (a template may trim
+                    // each part).
+                    Some(ContentPart::Text(last)) if last_text => {
+                        last.push('\n');
+                        last.push_str(text);
                     }
-                    parts.push(ContentPart::Text(text.clone()));
-                    last_text = true;
-                }
+                    _ => {
+                        parts.push(ContentPart::Text(text.clone()));
+                        last_text = true;
+                    }
+                },
                 ("image", _, Some(source)) => {
                     let url = match (source.kind.as_str(), &source.media_type, &source.data) {
                         ("base64", Some(kind), Some(data)) => format!("data:{kind};base64,{data}"),

@@ -27,7 +27,7 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
-use axum::extract::{FromRequestParts, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequestParts, Request, State};
 use axum::http::header::{AUTHORIZATION, CONTENT_TYPE};
 use axum::http::request::Parts;
 use axum::http::{HeaderName, Method};
@@ -210,6 +210,11 @@ fn in_shape_of(path: &str, error: ApiError) -> Response {
     }
 }
 
+/// The largest request body read, in bytes: room for a few images at their largest (20 MB
+/// each, a third more as base64) beside the text; axum's default (2 MB) would refuse a phone's
+/// photo.
+pub const MAX_BODY_BYTES: usize = 96 << 20;
+
 /// The API's routes over `served`, to serve with [`serve`] (or any axum server).
 pub fn router(served: ServedModel, config: ServerConfig) -> Router {
     let cors = cors(&config.cors_origins);
@@ -228,6 +233,7 @@ pub fn router(served: ServedModel, config: ServerConfig) -> Router {
             post(logprobs::next_token_logprobs),
         )
         .fallback(|| async { ApiError::not_found("no such endpoint") })
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(state.clone(), authorize))
         .with_state(state);
     // Outermost, so a browser's preflight (which carries no key) is answered here.

@@ -210,7 +210,8 @@ impl Drop for Running {
 
 /// How many tokens a draft proposes for `request`: what it asked (`Some(0)`: none), else the
 /// server's default when the engine has a draft; none for what speculative decoding does not
-/// run (a response format, next-token log-probabilities, a prompt cache) unless asked for.
+/// run (a response format, next-token log-probabilities, images, a prompt cache) unless asked
+/// for.
 fn draft_tokens(request: &EngineRequest, has_draft: bool, default: usize) -> Option<usize> {
     let params = &request.params;
     match params.num_draft_tokens {
@@ -220,6 +221,7 @@ fn draft_tokens(request: &EngineRequest, has_draft: bool, default: usize) -> Opt
         None => {
             let speculative = params.grammar.is_none()
                 && !params.next_token_logprobs
+                && params.images.is_empty()
                 && !matches!(request.prompt, perch_engine::Prompt::AfterCache { .. });
             speculative.then_some(default)
         }
@@ -249,5 +251,10 @@ mod tests {
         assert_eq!(draft_tokens(&request(None, true), true, 3), None);
         // Asked without a draft: the engine refuses it with its reason.
         assert_eq!(draft_tokens(&request(Some(2), false), false, 3), Some(2));
+        // A request with images runs in the batch, without the draft.
+        let mut with_image = request(None, false);
+        with_image.params.images =
+            vec![perch_engine::ImageInput::new(vec![0.0; 12], [2, 2, 3]).unwrap()];
+        assert_eq!(draft_tokens(&with_image, true, 3), None);
     }
 }

@@ -1291,6 +1291,33 @@ fn images_through_both_sdks() {
         let message = seen[case]["message"].as_str().unwrap();
         assert!(message.contains(says), "{case}: {message}");
     }
+    // A photo-sized image (a 1,024 × 1,024 PNG of noise, over 3 MB): past axum's default body
+    // limit, within the server's.
+    let mut state = 1u32;
+    let noise = image::RgbImage::from_fn(1024, 1024, |_, _| {
+        state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+        image::Rgb([(state >> 24) as u8, (state >> 16) as u8, (state >> 8) as u8])
+    });
+    let big = out.path().join("big.png");
+    noise.save(&big).unwrap();
+    let bytes = std::fs::read(&big).unwrap();
+    assert!(bytes.len() > 3 << 20);
+    let body = serde_json::json!({"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, &bytes))}},
+        {"type": "text", "text": "Hi"}]}]});
+    let auth = [
+        ("Authorization", "Bearer test-key"),
+        ("Content-Type", "application/json"),
+    ];
+    let (status, _, reply) = http(
+        &addr.to_string(),
+        "POST",
+        "/v1/chat/completions",
+        &auth,
+        &body.to_string(),
+    );
+    assert_eq!(status, 200, "{reply}");
 
     // The text-only default model: a 400 that says so.
     let text =

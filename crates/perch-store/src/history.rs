@@ -621,17 +621,17 @@ impl History {
                 [digest],
                 |row| row.get(0),
             )?;
-            if used == 0 {
-                let _ = std::fs::remove_file(self.images.dir().join(digest));
+            if let Some(path) = self.image_path(digest).filter(|_| used == 0) {
+                let _ = std::fs::remove_file(path);
             }
         }
         Ok(())
     }
 
     /// Writes `attachments` to the images folder (each under its SHA-256; a file already there
-    /// is that image already) after checking each; returns their digests. On disk (synced) when
-    /// this returns.
-    fn keep_images(&self, attachments: &[Attachment]) -> Result<Vec<String>> {
+    /// is that image already) after checking them all; returns their digests and those of the
+    /// files this call wrote. On disk (files and folder synced) when this returns.
+    fn keep_images(&self, attachments: &[Attachment]) -> Result<(Vec<String>, Vec<String>)> {
         use base64::Engine as _;
         use sha2::{Digest, Sha256};
         if attachments.len() > MAX_IMAGES {
@@ -640,12 +640,8 @@ impl History {
                 attachments.len()
             )));
         }
-        let dir = self.images.dir();
-        let file_error = |path: &Path| {
-            let path = path.to_owned();
-            move |source| HistoryError::ImageFile { path, source }
-        };
-        let mut digests = Vec::with_capacity(attachments.len());
+        // Every image checked before any is written.
+        let mut decoded = Vec::with_capacity(attachments.len());
         for attachment in attachments {
             if !IMAGE_TYPES.contains(&attachment.media_type.as_str()) {
                 return Err(HistoryError::BadImage(format!(
@@ -666,20 +662,54 @@ impl History {
                 .iter()
                 .map(|b| format!("{b:02x}"))
                 .collect();
-            let path = dir.join(&digest);
-            if !path.exists() {
+            decoded.push((digest, bytes));
+        }
+        let dir = self.images.dir();
+        let file_error = |path: &Path| {
+            let path = path.to_owned();
+            move |source| HistoryError::ImageFile { path, source }
+        };
+        let mut written = Vec::new();
+        let mut write_all = || -> Result<()> {
+            for (digest, bytes) in &decoded {
+                let path = dir.join(digest);
+                if path.exists() {
+                    continue;
+                }
                 std::fs::create_dir_all(dir).map_err(file_error(dir))?;
                 let mut file = tempfile::NamedTempFile::new_in(dir).map_err(file_error(dir))?;
-                std::io::Write::write_all(&mut file, &bytes).map_err(file_error(&path))?;
+                std::io::Write::write_all(&mut file, bytes).map_err(file_error(&path))?;
                 file.as_file().sync_all().map_err(file_error(&path))?;
                 file.persist(&path).map_err(|e| HistoryError::ImageFile {
                     path: path.clone(),
                     source: e.error,
                 })?;
+                written.push(digest.clone());
             }
-            digests.push(digest);
+            // The names too, before the rows that point at them are committed.
+            #[cfg(unix)]
+            if !written.is_empty() {
+                std::fs::File::open(dir)
+                    .and_then(|d| d.sync_all())
+                    .map_err(file_error(dir))?;
+            }
+            Ok(())
+        };
+        if let Err(err) = write_all() {
+            let _ = self.remove_unused_images(&written);
+            return Err(err);
         }
-        Ok(digests)
+        Ok((decoded.into_iter().map(|(d, _)| d).collect(), written))
+    }
+
+    /// The file of the image whose digest is `digest`, when it is one (64 lowercase hex digits:
+    /// a name inside the folder, whatever the database holds).
+    fn image_path(&self, digest: &str) -> Option<PathBuf> {
+        let hex = digest.len() == 64
+            && digest
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        hex.then(|| self.images.dir().join(digest))
     }
 
     /// The images message `id` carries, as data URLs.
@@ -692,9 +722,16 @@ impl History {
         let mut urls = Vec::new();
         for row in rows {
             let (digest, media_type) = row?;
-            let path = self.images.dir().join(&digest);
-            let bytes =
-                std::fs::read(&path).map_err(|source| HistoryError::ImageFile { path, source })?;
+            let Some(path) = self.image_path(&digest) else {
+                continue;
+            };
+            // A file gone (removed by hand, lost in a crash) is an image the message no longer
+            // shows, not a conversation that cannot be read.
+            let bytes = match std::fs::read(&path) {
+                Ok(bytes) => bytes,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(source) => return Err(HistoryError::ImageFile { path, source }),
+            };
             urls.push(format!(
                 "data:{media_type};base64,{}",
                 base64::engine::general_purpose::STANDARD.encode(bytes)
@@ -703,18 +740,8 @@ impl History {
         Ok(urls)
     }
 
-    /// Applies `turn` to conversation `id` in one transaction and returns its settings and the
-    /// messages to answer (the system prompt first; answers that failed are left out).
-    pub fn begin_turn(
-        &mut self,
-        id: i64,
-        turn: &Turn,
-    ) -> Result<(ConversationSettings, Vec<ChatMessage>)> {
-        // The files first: a message is never saved without its images.
-        let digests = match turn {
-            Turn::Send { images, .. } => self.keep_images(images)?,
-            _ => Vec::new(),
-        };
+    /// The rows of `turn` in one transaction (`digests`: the sent message's images' files).
+    fn apply_turn(&mut self, id: i64, turn: &Turn, digests: &[String]) -> Result<()> {
         let tx = self.conn.transaction()?;
         let last_user: Option<i64> = tx
             .query_row(
@@ -757,6 +784,26 @@ impl History {
         }
         touch(&tx, id, now)?;
         tx.commit()?;
+        Ok(())
+    }
+
+    /// Applies `turn` to conversation `id` in one transaction and returns its settings and the
+    /// messages to answer (the system prompt first; answers that failed are left out).
+    pub fn begin_turn(
+        &mut self,
+        id: i64,
+        turn: &Turn,
+    ) -> Result<(ConversationSettings, Vec<ChatMessage>)> {
+        // The files first: a message is never saved without its images. A turn that fails after
+        // them removes those it wrote.
+        let (digests, written) = match turn {
+            Turn::Send { images, .. } => self.keep_images(images)?,
+            _ => (Vec::new(), Vec::new()),
+        };
+        if let Err(err) = self.apply_turn(id, turn, &digests) {
+            let _ = self.remove_unused_images(&written);
+            return Err(err);
+        }
         let conversation = self.conversation(id)?;
         let system = Some(conversation.settings.system_prompt.trim())
             .filter(|s| !s.is_empty())
@@ -1154,8 +1201,38 @@ mod tests {
         assert!(
             refused(&mut history, vec![attachment("image/png", png); 17]).contains("17 images")
         );
+        // A good image before a bad one: neither is written.
+        let mixed = vec![attachment("image/png", png), attachment("image/bmp", jpeg)];
+        assert!(refused(&mut history, mixed).contains("PNG, JPEG"));
         assert!(history.conversation(id).unwrap().messages.is_empty());
         assert!(image_files(&history).is_empty());
+        // Written, then the turn fails (no such conversation): the files go again.
+        let lost = Turn::Send {
+            content: "x".into(),
+            images: vec![attachment("image/png", png)],
+        };
+        assert!(history.begin_turn(id + 100, &lost).is_err());
+        assert!(image_files(&history).is_empty());
+
+        // A file gone from the folder, and a row naming a path outside it: the conversation
+        // still reads, without them.
+        history.begin_turn(id, &lost).unwrap();
+        for file in image_files(&history) {
+            std::fs::remove_file(history.images.dir().join(file)).unwrap();
+        }
+        history
+            .conn
+            .execute(
+                "INSERT INTO images (message_id, position, digest, media_type)
+                 SELECT id, 1, '../history.sqlite3', 'image/png' FROM messages",
+                [],
+            )
+            .unwrap();
+        let messages = history.conversation(id).unwrap().messages;
+        assert_eq!(messages.len(), 1);
+        assert!(messages[0].images.is_empty());
+        history.delete(id).unwrap();
+        assert!(path.exists(), "a digest is never a path out of the folder");
     }
 
     #[test]

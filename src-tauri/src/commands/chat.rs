@@ -4,7 +4,7 @@
 
 use super::CommandError;
 use perch_engine::{
-    EngineEvent, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
+    ChatMessage, EngineEvent, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
 };
 use perch_store::{
     AnswerSampling, Conversation, ConversationSettings, ConversationSummary, History, HistoryError,
@@ -181,6 +181,15 @@ pub fn start_chat(
     let limits = engine.limits();
     let room = limits.context_length.min(limits.kv_cache_tokens);
     let answer_room = settings.max_tokens.clamp(1, (room / 4).max(1));
+    // A text-only model reads the conversation's text: images attached earlier (with a model
+    // that sees them) are left out of its prompt, and stay in the history.
+    let messages: Vec<ChatMessage> = match engine.tokenizer().image_processor() {
+        Some(_) => messages,
+        None => messages
+            .into_iter()
+            .map(|m| ChatMessage::new(m.role, m.content))
+            .collect(),
+    };
     let fitted = engine
         .tokenizer()
         .encode_chat_fitting(&messages, limits.max_prompt_tokens(answer_room))

@@ -638,6 +638,8 @@ impl<'m> BatchGenerator<'m> {
             true => Vec::new(),
             false => images::prepare(self.model, &mut tokens, &request.images)?,
         };
+        // Their features are all the sequence needs of them from here on.
+        request.images = Vec::new();
         let id = self.next_id;
         self.next_id += 1;
         let history = RecentTokens::new(&request.sampling, &request.prompt[prefix_len..]);

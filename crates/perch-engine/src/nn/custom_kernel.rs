@@ -165,10 +165,12 @@ impl CustomKernel {
         // MLX's CUDA backend keeps compiled kernels on disk by name and template arguments
         // (`$MLX_PTX_CACHE_DIR`, else a temporary folder per MLX version): the name carries a
         // hash of the code, so a Perch with another kernel body never loads the old one.
+        // MLX writes the kernel's signature from the inputs' and outputs' names: they count too.
+        let signature = format!("{inputs:?}{outputs:?}{row_contiguous}");
         let mlx_name = CString::new(format!(
             "{}_{:016x}",
             name.to_str().expect("an ASCII kernel name"),
-            fnv1a(&[header.as_bytes(), source.as_bytes()])
+            fnv1a(&[signature.as_bytes(), header.as_bytes(), source.as_bytes()])
         ))
         .expect("no NUL in the name");
         let source = CString::new(source).expect("no NUL in the source");

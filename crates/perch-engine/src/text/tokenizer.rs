@@ -10,7 +10,7 @@ use crate::error::{EngineError, Result};
 use crate::image_processor::{ImageInput, ImageProcessor, MAX_IMAGES};
 use crate::sample::generation_config::SamplingDefaults;
 use crate::sample::grammar::GrammarEnv;
-use crate::text::chat_template::{ChatMessage, ChatTemplate};
+use crate::text::chat_template::{ChatMessage, ChatTemplate, ContentPart};
 
 /// A model's tokenizer and the text conventions that come with it.
 pub struct Tokenizer {
@@ -326,8 +326,9 @@ impl Tokenizer {
     /// `max_prompt_tokens`, as chat apps keep a long conversation going (LM Studio's "truncate
     /// middle", Ollama's context shift): the system messages at the start are always kept, and
     /// whole turns (a user message and everything up to the next one) are dropped oldest first,
-    /// with their images. Each try renders the template; about log2(turns) tries; the images
-    /// are read once.
+    /// with their images; of a conversation holding more than [`MAX_IMAGES`] images, the latest
+    /// are kept (the older ones' messages keep their text). Each try renders the template;
+    /// about log2(turns) tries; the images are read once.
     ///
     /// Errors: the template's, the images' ([`Tokenizer::encode_chat_with_images`]), and
     /// [`EngineError::PromptTooLong`] (with `max_prompt_tokens` as the context) when the system
@@ -337,6 +338,16 @@ impl Tokenizer {
         messages: &[ChatMessage],
         max_prompt_tokens: usize,
     ) -> Result<FittedChat> {
+        // A conversation holding more images than a request takes keeps its latest ones.
+        let total: usize = messages.iter().map(|m| m.image_urls().count()).sum();
+        let latest;
+        let messages = match total > MAX_IMAGES {
+            false => messages,
+            true => {
+                latest = without_oldest_images(messages, total - MAX_IMAGES);
+                &latest[..]
+            }
+        };
         let images = self.read_images(messages)?;
         // Each message's first image among `images`.
         let mut first_image = Vec::with_capacity(messages.len() + 1);
@@ -403,6 +414,33 @@ impl Tokenizer {
             dropped_messages: starts[hi] - system,
         })
     }
+}
+
+/// `messages` with their first `drop` images left out (their text kept).
+fn without_oldest_images(messages: &[ChatMessage], mut drop: usize) -> Vec<ChatMessage> {
+    messages
+        .iter()
+        .map(|m| {
+            let images = m.image_urls().count();
+            if drop == 0 || images == 0 {
+                return m.clone();
+            }
+            let mut parts = m.parts.clone();
+            parts.retain(|p| match p {
+                ContentPart::Image(_) if drop > 0 => {
+                    drop -= 1;
+                    false
+                }
+                _ => true,
+            });
+            ChatMessage {
+                tool_calls: m.tool_calls.clone(),
+                tool_call_id: m.tool_call_id.clone(),
+                name: m.name.clone(),
+                ..ChatMessage::from_parts(m.role.clone(), parts)
+            }
+        })
+        .collect()
 }
 
 /// What [`Tokenizer::encode_chat_fitting`] kept of a conversation.
