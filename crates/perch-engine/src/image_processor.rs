@@ -63,20 +63,19 @@ impl ImageProcessor {
     /// `tokenizer_config.json` (`boi_token`, `image_token`, `eoi_token`; else Gemma 3's).
     /// `Err` for a config that cannot describe these steps.
     pub fn load(model_dir: &Path, side: u32, tokens_per_image: usize) -> Result<Self> {
+        // Read as every config is: capped in size ([`crate::limits`]).
         let read = |name: &str| -> Result<Option<Value>> {
             let path = model_dir.join(name);
-            match std::fs::read(&path) {
-                Ok(bytes) => {
-                    serde_json::from_slice(&bytes)
-                        .map(Some)
-                        .map_err(|e| EngineError::Config {
-                            path: path.clone(),
-                            message: e.to_string(),
-                        })
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-                Err(source) => Err(EngineError::Io { path, source }),
+            if !path.is_file() {
+                return Ok(None);
             }
+            let text = crate::limits::read_text_capped(&path, crate::limits::MAX_CONFIG_BYTES)?;
+            serde_json::from_str(&text)
+                .map(Some)
+                .map_err(|e| EngineError::Config {
+                    path,
+                    message: e.to_string(),
+                })
         };
         let config = read("preprocessor_config.json")?.unwrap_or(Value::Null);
         let bad = |message: String| EngineError::Config {

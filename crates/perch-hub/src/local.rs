@@ -32,6 +32,9 @@ pub struct LocalModel {
     pub model_type: Option<String>,
     /// Bits of its `quantization` entry, when quantized.
     pub quantization_bits: Option<u32>,
+    /// Its `config.json`, when readable (read once here, for callers that judge more of it).
+    #[serde(skip)]
+    pub config: Option<serde_json::Value>,
 }
 
 /// Every model in `perch_dir` and in the Hugging Face cache `hf_cache` (either may be missing),
@@ -274,6 +277,7 @@ fn describe(name: String, path: PathBuf, source: ModelSource) -> Option<LocalMod
         size_bytes,
         model_type,
         quantization_bits,
+        config,
     })
 }
 

@@ -136,20 +136,16 @@ impl Content {
             Content::Blocks(blocks) => blocks,
         };
         let mut parts = Vec::new();
-        let mut last_text = false;
         for block in blocks {
             match (block.kind.as_str(), &block.text, &block.source) {
                 ("text", Some(text), _) => match parts.last_mut() {
                     // Adjacent text blocks are one part, a newline apart (a template may trim
                     // each part).
-                    Some(ContentPart::Text(last)) if last_text => {
+                    Some(ContentPart::Text(last)) => {
                         last.push('\n');
                         last.push_str(text);
                     }
-                    _ => {
-                        parts.push(ContentPart::Text(text.clone()));
-                        last_text = true;
-                    }
+                    _ => parts.push(ContentPart::Text(text.clone())),
                 },
                 ("image", _, Some(source)) => {
                     let url = match (source.kind.as_str(), &source.media_type, &source.data) {
@@ -163,7 +159,6 @@ impl Content {
                         }
                     };
                     parts.push(ContentPart::Image(url));
-                    last_text = false;
                 }
                 ("tool_use" | "tool_result" | "thinking" | "redacted_thinking", _, _) => {}
                 (kind, _, _) => {

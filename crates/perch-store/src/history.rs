@@ -36,23 +36,15 @@ CREATE TABLE messages (
     sampling TEXT                -- answers only: AnswerSampling as JSON (layout 2 on)
 );
 CREATE INDEX messages_by_conversation ON messages (conversation_id, id);
+";
+
+/// The images attached to messages (layout 3 on; a fresh history gets it after [`SCHEMA`]).
+const IMAGES_TABLE: &str = "
 CREATE TABLE images (
     message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
     position INTEGER NOT NULL,   -- its order among the message's images
     digest TEXT NOT NULL,        -- SHA-256 of the file's bytes, hex: its name in the images folder
     media_type TEXT NOT NULL,    -- image/png | image/jpeg | image/webp | image/gif
-    PRIMARY KEY (message_id, position)
-);
-CREATE INDEX images_by_digest ON images (digest);
-";
-
-/// Layout 2 → 3.
-const IMAGES_TABLE: &str = "
-CREATE TABLE images (
-    message_id INTEGER NOT NULL REFERENCES messages(id) ON DELETE CASCADE,
-    position INTEGER NOT NULL,
-    digest TEXT NOT NULL,
-    media_type TEXT NOT NULL,
     PRIMARY KEY (message_id, position)
 );
 CREATE INDEX images_by_digest ON images (digest);
@@ -435,6 +427,7 @@ impl History {
         let conn = Connection::open_in_memory()?;
         conn.execute_batch("PRAGMA foreign_keys = ON;")?;
         conn.execute_batch(SCHEMA)?;
+        conn.execute_batch(IMAGES_TABLE)?;
         let dir = tempfile::tempdir().map_err(|source| HistoryError::ImageFile {
             path: std::env::temp_dir(),
             source,
@@ -488,7 +481,7 @@ impl History {
         .map_err(|e| classify(e, path))?;
         if version == 0 {
             conn.execute_batch(&format!(
-                "BEGIN; {SCHEMA} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+                "BEGIN; {SCHEMA} {IMAGES_TABLE} PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
             ))
             .map_err(fatal)?;
         } else {

@@ -225,10 +225,10 @@ pub async fn list_models<R: Runtime>(
             perch_hub::local_models(&store.models_dir()?, perch_hub::hf_cache_dir().as_deref())
                 .into_iter()
                 .map(|model| LocalModelView {
-                    vision: std::fs::read(model.path.join("config.json"))
-                        .ok()
-                        .and_then(|bytes| serde_json::from_slice(&bytes).ok())
-                        .is_some_and(|config| perch_engine::models::takes_images(&config)),
+                    vision: model
+                        .config
+                        .as_ref()
+                        .is_some_and(perch_engine::models::takes_images),
                     architecture_note: model
                         .model_type
                         .as_deref()

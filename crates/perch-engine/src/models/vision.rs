@@ -281,10 +281,10 @@ pub struct VisionTower {
     projector: Gemma3Projector,
     /// The token a prompt holds at each image feature's place (`image_token_index`).
     image_token_id: u32,
-    /// What the features are multiplied by before they replace their tokens' embeddings:
-    /// Gemma's text model scales every embedding by `sqrt(hidden)`, so mlx-vlm divides the
-    /// image features by it first.
-    splice_scale: f32,
+    /// What the features are divided by before they replace their tokens' embeddings: Gemma's
+    /// text model scales every embedding by `sqrt(hidden)`, so mlx-vlm divides the image
+    /// features by it first.
+    splice_divisor: f32,
 }
 
 impl VisionTower {
@@ -361,7 +361,7 @@ impl VisionTower {
                 tokens_per_side: tokens_per_side as i32,
             },
             image_token_id,
-            splice_scale: (text_hidden as f32).sqrt().recip(),
+            splice_divisor: (text_hidden as f32).sqrt(),
         })
     }
 
@@ -376,11 +376,8 @@ impl VisionTower {
     pub fn embed(&self, pixels: &Array) -> Result<Array> {
         let features = self.encode(pixels)?;
         // mlx-vlm divides by the Python float `hidden ** 0.5`: in the features' dtype.
-        let scale = 1.0 / self.splice_scale;
-        Ok(ops::divide(
-            &features,
-            &Array::from_f32(scale).as_dtype(features.dtype())?,
-        )?)
+        let divisor = Array::from_f32(self.splice_divisor).as_dtype(features.dtype())?;
+        Ok(ops::divide(&features, &divisor)?)
     }
 
     /// The square side, in pixels, the tower takes.
