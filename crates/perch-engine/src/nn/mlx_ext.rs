@@ -215,6 +215,36 @@ pub fn synchronize() -> Result<(), Exception> {
     }
 }
 
+/// Writes MLX's listing of the graph that computes `outputs` (`mlx_print_graph`: one line per
+/// operation, with its inputs and outputs) to the file at `path`, replacing it. A diagnostic:
+/// what a step launches, counted by operation (`PERCH_DECODE_GRAPH_DIR`, docs/benchmarks.md).
+pub fn print_graph(path: &std::path::Path, outputs: &[&Array]) -> Result<(), Exception> {
+    let fail = |what: &str| Exception::from(format!("{what} {}", path.display()).as_str());
+    let name = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| fail("a NUL in the path"))?;
+    // SAFETY: the file and the vector are created, used and freed here; the arrays are valid
+    // handles for the call.
+    unsafe {
+        let file = mlx_sys::fopen(name.as_ptr(), c"w".as_ptr());
+        if file.is_null() {
+            return Err(fail("cannot write"));
+        }
+        let vector = mlx_sys::mlx_vector_array_new();
+        for a in outputs {
+            mlx_sys::mlx_vector_array_append_value(vector, a.as_ptr());
+        }
+        let namer = mlx_sys::mlx_node_namer_new();
+        let status = mlx_sys::mlx_print_graph(file, namer, vector);
+        mlx_sys::mlx_node_namer_free(namer);
+        mlx_sys::mlx_vector_array_free(vector);
+        mlx_sys::fclose(file);
+        match status {
+            0 => Ok(()),
+            _ => Err(fail("mlx print_graph failed for")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use mlx_rs::{Array, Dtype};

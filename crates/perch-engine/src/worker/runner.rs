@@ -95,6 +95,8 @@ pub(crate) struct ModelRunner<'m> {
     in_flight: Option<InFlight>,
     /// The widest chunk a prefill row feeds (the prefill cache's step).
     max_prefill_tokens: usize,
+    /// Decode steps run at each row count, while [`ModelRunner::print_step_graph`] is on.
+    graph_steps: std::collections::HashMap<usize, usize>,
 }
 
 impl<'m> ModelRunner<'m> {
@@ -129,6 +131,7 @@ impl<'m> ModelRunner<'m> {
             compiled_decode,
             in_flight: None,
             max_prefill_tokens,
+            graph_steps: Default::default(),
         }
     }
 
@@ -432,11 +435,34 @@ impl<'m> ModelRunner<'m> {
         }
         let step = InFlight { entries, greedy };
         let built = start.elapsed().as_secs_f64();
+        self.print_step_graph(num_rows, &step)?;
         async_eval(
             step.arrays()
                 .chain(rows.iter().flat_map(|r| r.history.state())),
         )?;
         Ok((step, built))
+    }
+
+    /// With `PERCH_DECODE_GRAPH_DIR` set, writes the graph of the [`GRAPH_AFTER_STEPS`]th
+    /// decode step of each row count to `decode-ROWS.txt` there (MLX's listing, an operation a
+    /// line): what a step launches, for the benchmarks' accounts. Not the first step: rows
+    /// entering the batch leave their cache copies to be evaluated with it. A diagnostic, off by
+    /// default.
+    fn print_step_graph(&mut self, num_rows: usize, step: &InFlight) -> Result<()> {
+        /// Decode steps at a row count before the one written.
+        const GRAPH_AFTER_STEPS: usize = 8;
+        let Some(dir) = std::env::var_os("PERCH_DECODE_GRAPH_DIR") else {
+            return Ok(());
+        };
+        let steps = self.graph_steps.entry(num_rows).or_default();
+        *steps += 1;
+        if *steps != GRAPH_AFTER_STEPS {
+            return Ok(());
+        }
+        let path = std::path::Path::new(&dir).join(format!("decode-{num_rows}.txt"));
+        let mut outputs: Vec<&Array> = step.arrays().collect();
+        outputs.extend(self.slots.decode.state());
+        Ok(crate::nn::mlx_ext::print_graph(&path, &outputs)?)
     }
 
     /// Makes `step` the step in flight (after the previous one was read).
