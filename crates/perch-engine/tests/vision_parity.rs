@@ -98,6 +98,77 @@ fn gemma3_image_features_match_mlx_vlm() {
     assert!(message.contains("[images, 32, 32, 3]"), "{message}");
 }
 
+/// Qwen3.5's vision tower against mlx-vlm's on three images of different shapes (`[tokens,
+/// text hidden]` each; the position grid interpolated down and up), float32, within 1e-4; every
+/// vision weight read; pixels of a shape the tower cannot patch refused with a sentence.
+#[test]
+fn qwen3_5_image_features_match_mlx_vlm() {
+    use perch_engine::models::qwen_vision::QwenVisionTower;
+    let out = tempfile::tempdir().unwrap();
+    common::run_oracle("tiny_qwen_vision.py", &[out.path().to_str().unwrap()]);
+    let dir = out.path().join("qwen3_5");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let mut weights = Weights::load(&dir, Backend::current()).unwrap();
+    let config_path = dir.join("config.json");
+    let mut cx = LoadContext {
+        config: &config,
+        config_path: &config_path,
+        weights: &mut weights,
+    };
+    let tower = QwenVisionTower::load(&mut cx).unwrap();
+    let left: Vec<String> = weights
+        .remaining()
+        .into_iter()
+        .filter(|name| !name.starts_with("language_model."))
+        .collect();
+    assert!(left.is_empty(), "vision weights not read: {left:?}");
+
+    let expected =
+        Array::load_safetensors(out.path().join("qwen3_5-expected.safetensors")).unwrap();
+    let mut all = Vec::new();
+    for i in 0..3 {
+        let pixels = &expected[&format!("pixels_{i}")];
+        let grid: Vec<i32> = expected[&format!("grid_{i}")].as_slice::<i32>().to_vec();
+        let (height, width) = (pixels.shape()[0], pixels.shape()[1]);
+        assert_eq!((grid[1] * 16, grid[2] * 16), (height, width));
+        assert_eq!(
+            tower.tokens(height, width),
+            grid[1] * grid[2] / 4,
+            "image {i}"
+        );
+        let ours = tower.encode(pixels).unwrap();
+        let theirs = &expected[&format!("features_{i}")];
+        assert_eq!(ours.shape(), theirs.shape(), "image {i}");
+        assert_eq!(ours.dtype(), Dtype::Float32);
+        let largest = largest_abs(theirs);
+        let error = largest_abs(&mlx_rs::ops::subtract(&ours, theirs).unwrap());
+        assert!(
+            largest > 0.1,
+            "image {i}: the reference features are not trivial"
+        );
+        assert!(
+            error <= 1e-4 * largest.max(1.0),
+            "image {i}: largest difference {error} (largest value {largest})"
+        );
+        all.push(ours);
+    }
+    // mlx-vlm's tower over the three at once attends within each image only: the same features.
+    let together = mlx_rs::ops::concatenate(&all, 0).unwrap();
+    let theirs = &expected["features_all"];
+    let error = largest_abs(&mlx_rs::ops::subtract(&together, theirs).unwrap());
+    assert!(
+        error <= 1e-4 * largest_abs(theirs).max(1.0),
+        "three images at once: {error}"
+    );
+
+    for shape in [[48, 64, 3], [64, 64, 4], [0, 64, 3]] {
+        let wrong = mlx_rs::ops::zeros::<f32>(&shape).unwrap();
+        let message = tower.encode(&wrong).err().unwrap().to_string();
+        assert!(message.contains("multiples of 32"), "{shape:?}: {message}");
+    }
+}
+
 #[test]
 fn hostile_vision_configs_are_refused() {
     let out = tempfile::tempdir().unwrap();

@@ -16,6 +16,7 @@ pub mod qwen2;
 pub mod qwen3;
 pub mod qwen3_5;
 pub mod qwen3_moe;
+pub mod qwen_vision;
 pub mod vision;
 
 use std::path::Path;

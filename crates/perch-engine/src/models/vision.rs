@@ -106,14 +106,14 @@ impl VisionArgs {
 
 /// `LayerNorm` with a learned scale and shift.
 #[derive(Clone)]
-struct LayerNorm {
+pub(super) struct LayerNorm {
     weight: Array,
     bias: Array,
     eps: f32,
 }
 
 impl LayerNorm {
-    fn load(cx: &mut LoadContext<'_>, path: &str, dims: i32, eps: f32) -> Result<Self> {
+    pub(super) fn load(cx: &mut LoadContext<'_>, path: &str, dims: i32, eps: f32) -> Result<Self> {
         Ok(Self {
             weight: cx.weights.take_shaped(&format!("{path}.weight"), &[dims])?,
             bias: cx.weights.take_shaped(&format!("{path}.bias"), &[dims])?,
@@ -121,7 +121,7 @@ impl LayerNorm {
         })
     }
 
-    fn forward(&self, x: &Array) -> Result<Array> {
+    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
         Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
     }
 }

@@ -1,0 +1,101 @@
+"""Writes a tiny random Qwen3.5 vision-language model with Python mlx-vlm 0.7.6, plus what its vision
+tower computes, for `tests/vision_parity.rs`.
+
+Usage: python tiny_qwen_vision.py OUT_DIR
+OUT_DIR/qwen3_5/ holds the model directory (config.json and model.safetensors as mlx-vlm saves a
+`qwen3_5` checkpoint: `language_model.*` and `vision_tower.*`, float32); beside it,
+qwen3_5-image-{0,1,2}.png (random RGB images of 64 × 96, 64 × 64 and 128 × 64 pixels, height ×
+width: sides that are multiples of the processor's 32-pixel factor and areas within its pixel bounds,
+so its resize keeps them) and
+qwen3_5-expected.safetensors: for each image i, `pixels_i` (mlx-vlm's processor's normalized values,
+`[height, width, 3]` channels last), `grid_i` (`[t, h, w]` patches) and `features_i` (`[tokens, text
+hidden]`: `Model.vision_tower(pixel_values, image_grid_thw)` of that image alone), and `features_all`:
+the three images through the tower in one call.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+import numpy as np
+from mlx_vlm.utils import get_model_and_args, update_module_configs
+from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+
+QWEN3_5 = {
+    "model_type": "qwen3_5",
+    "image_token_id": 49153, "video_token_id": 49154,
+    "vision_start_token_id": 49152, "vision_end_token_id": 49155, "vocab_size": 49156,
+    "text_config": {
+        "model_type": "qwen3_5_text", "hidden_size": 64, "intermediate_size": 128,
+        "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6,
+        "vocab_size": 49156, "max_position_embeddings": 4096, "full_attention_interval": 2,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"type": "default", "mrope_section": [4, 2, 2], "rope_theta": 100000,
+                            "partial_rotary_factor": 0.5, "mrope_interleaved": True},
+    },
+    # 16-pixel patches merged 2 × 2 into a token; a 4 × 4 grid of learned position embeddings,
+    # interpolated to each image's patch grid.
+    "vision_config": {
+        "model_type": "qwen3_5", "depth": 2, "hidden_size": 64, "intermediate_size": 96,
+        "out_hidden_size": 64, "num_heads": 4, "patch_size": 16, "temporal_patch_size": 2,
+        "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [],
+    },
+}
+
+SIZES = [(64, 96), (64, 64), (128, 64)]
+
+
+def build(config):
+    arch, _ = get_model_and_args(config)
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model = arch.Model(model_config)
+    mx.random.seed(7)
+    params = tree_map(lambda p: mx.random.uniform(-0.5, 0.5, p.shape).astype(mx.float32), model.parameters())
+    model.update(params)
+    mx.eval(model.parameters())
+    return model
+
+
+def main():
+    out = Path(sys.argv[1]) / "qwen3_5"
+    out.mkdir(parents=True, exist_ok=True)
+    model = build(QWEN3_5)
+    (out / "config.json").write_text(json.dumps(QWEN3_5, indent=1))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    processor = Qwen3VLImageProcessor(patch_size=16, temporal_patch_size=2, merge_size=2)
+    rng = np.random.default_rng(5)
+    expected, all_values, all_grids = {}, [], []
+    for i, (h, w) in enumerate(SIZES):
+        path = out.parent / f"qwen3_5-image-{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        image = np.transpose(np.array(Image.open(path).convert("RGB")), (2, 0, 1))
+        batch = processor([image])
+        values, grid = mx.array(batch["pixel_values"]), mx.array(batch["image_grid_thw"])
+        features, _ = model.vision_tower(values, grid)
+        normalized = (image.astype(np.float32) * np.float32(1 / 255) - np.float32(0.5)) / np.float32(0.5)
+        # The processor kept the size: its values are these, patch by patch.
+        assert batch["image_grid_thw"].tolist() == [[1, h // 16, w // 16]]
+        patches = np.repeat(normalized[None], 2, axis=0).reshape(2, 3, h // 32, 2, 16, w // 32, 2, 16)
+        patches = patches.transpose(2, 5, 3, 6, 1, 0, 4, 7).reshape(-1, 3 * 2 * 16 * 16)
+        assert np.array_equal(patches, batch["pixel_values"])
+        expected[f"pixels_{i}"] = mx.array(np.transpose(normalized, (1, 2, 0)))
+        expected[f"grid_{i}"] = grid[0].astype(mx.int32)
+        expected[f"features_{i}"] = features
+        all_values.append(values)
+        all_grids.append(grid)
+    features, _ = model.vision_tower(mx.concatenate(all_values), mx.concatenate(all_grids))
+    expected["features_all"] = features
+    mx.save_safetensors(str(out.parent / "qwen3_5-expected.safetensors"), expected)
+
+
+if __name__ == "__main__":
+    main()
