@@ -169,6 +169,62 @@ fn qwen3_5_image_features_match_mlx_vlm() {
     }
 }
 
+/// Qwen3.5's multimodal RoPE positions of prompts with one and two images (and one ending in an
+/// image's end token) equal mlx-vlm's `get_rope_index`, delta included; a misplaced image is
+/// refused.
+#[test]
+fn qwen3_5_image_positions_match_mlx_vlm() {
+    use perch_engine::models::qwen_vision::{mrope_positions, ImagePlace};
+    let out = tempfile::tempdir().unwrap();
+    common::run_oracle("tiny_qwen_vision.py", &[out.path().to_str().unwrap()]);
+    let cases: Vec<serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(out.path().join("qwen3_5-positions.json")).unwrap())
+            .unwrap();
+    let expected =
+        Array::load_safetensors(out.path().join("qwen3_5-expected.safetensors")).unwrap();
+    const PAD: u64 = 49153;
+    for case in &cases {
+        let ids: Vec<u64> = serde_json::from_value(case["prompt_ids"].clone()).unwrap();
+        let images: Vec<usize> = serde_json::from_value(case["images"].clone()).unwrap();
+        // Each run of image tokens is the next image's.
+        let mut places = Vec::new();
+        let mut i = 0;
+        while i < ids.len() {
+            if ids[i] != PAD {
+                i += 1;
+                continue;
+            }
+            let grid = expected[&format!("grid_{}", images[places.len()])]
+                .as_slice::<i32>()
+                .to_vec();
+            let (rows, cols) = (grid[1] as usize / 2, grid[2] as usize / 2);
+            places.push(ImagePlace {
+                start: i,
+                rows,
+                cols,
+            });
+            i += rows * cols;
+        }
+        assert_eq!(places.len(), images.len());
+        let (positions, delta) = mrope_positions(ids.len(), &places).unwrap();
+        let theirs: Vec<Vec<i32>> = serde_json::from_value(case["positions"].clone()).unwrap();
+        assert_eq!(positions.to_vec(), theirs, "{ids:?}");
+        assert_eq!(delta, case["delta"].as_i64().unwrap() as i32, "{ids:?}");
+    }
+    let place = |start, rows, cols| ImagePlace { start, rows, cols };
+    assert!(
+        mrope_positions(10, &[place(4, 2, 4)]).is_err(),
+        "past the end"
+    );
+    assert!(
+        mrope_positions(20, &[place(4, 2, 2), place(6, 1, 1)]).is_err(),
+        "overlapping"
+    );
+    assert!(mrope_positions(20, &[place(4, 0, 2)]).is_err(), "empty");
+    let (text_only, delta) = mrope_positions(5, &[]).unwrap();
+    assert_eq!((text_only[1].clone(), delta), (vec![0, 1, 2, 3, 4], 0));
+}
+
 #[test]
 fn hostile_vision_configs_are_refused() {
     let out = tempfile::tempdir().unwrap();

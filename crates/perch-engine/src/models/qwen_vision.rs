@@ -471,3 +471,66 @@ fn gelu(x: &Array) -> Result<Array> {
         &c(2.0)?,
     )?)
 }
+
+/// An image's place in a prompt for [`mrope_positions`]: its first token's index and its token
+/// grid (`rows · cols` tokens, row by row: the tower's patch grid divided by the merge size).
+#[derive(Clone, Copy, Debug)]
+pub struct ImagePlace {
+    pub start: usize,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// Qwen's multimodal RoPE positions of a prompt of `len` tokens holding `images` (in order, not
+/// overlapping): per token `[time, row, column]`, returned as three rows `[3][len]`, and the
+/// delta every later position takes (`positions after the prompt = index + delta`). Text tokens
+/// count on from the last position before them on all three axes; an image's tokens at base `b`
+/// (the next position) take `(b, b + row, b + column)`, and the text after it resumes at `b +
+/// max(rows, cols)` (the language model's `get_rope_index` in mlx-vlm 0.7.6, still images:
+/// one temporal step). `Err` for images outside the prompt, overlapping or out of order.
+pub fn mrope_positions(len: usize, images: &[ImagePlace]) -> Result<([Vec<i32>; 3], i32)> {
+    let mut positions: [Vec<i32>; 3] = Default::default();
+    for axis in &mut positions {
+        axis.reserve(len);
+    }
+    let mut next = 0i64;
+    let mut at = 0usize;
+    let mut text = |positions: &mut [Vec<i32>; 3], next: &mut i64, count: usize| {
+        for i in 0..count as i64 {
+            for axis in positions.iter_mut() {
+                axis.push((*next + i) as i32);
+            }
+        }
+        *next += count as i64;
+    };
+    for image in images {
+        let tokens = image.rows.checked_mul(image.cols);
+        let end = tokens.and_then(|t| image.start.checked_add(t));
+        let fits =
+            image.start >= at && end.is_some_and(|e| e <= len) && image.rows > 0 && image.cols > 0;
+        if !fits {
+            return Err(EngineError::Request(format!(
+                "an image of {} × {} tokens at {} does not fit a prompt of {len} tokens after the \
+                 one before it (ending at {at})",
+                image.rows, image.cols, image.start
+            )));
+        }
+        text(&mut positions, &mut next, image.start - at);
+        for row in 0..image.rows as i64 {
+            for col in 0..image.cols as i64 {
+                positions[0].push(next as i32);
+                positions[1].push((next + row) as i32);
+                positions[2].push((next + col) as i32);
+            }
+        }
+        next += image.rows.max(image.cols) as i64;
+        at = end.unwrap_or(len);
+    }
+    text(&mut positions, &mut next, len - at);
+    if next > i64::from(i32::MAX) {
+        return Err(EngineError::Request(format!(
+            "a prompt of {len} tokens has positions past what RoPE takes"
+        )));
+    }
+    Ok((positions, (next - len as i64) as i32))
+}

@@ -10,7 +10,9 @@ so its resize keeps them) and
 qwen3_5-expected.safetensors: for each image i, `pixels_i` (mlx-vlm's processor's normalized values,
 `[height, width, 3]` channels last), `grid_i` (`[t, h, w]` patches) and `features_i` (`[tokens, text
 hidden]`: `Model.vision_tower(pixel_values, image_grid_thw)` of that image alone), and `features_all`:
-the three images through the tower in one call.
+the three images through the tower in one call. And qwen3_5-positions.json: for prompts holding
+those images (`prompt_ids`, `images` by index), the language model's multimodal RoPE positions
+(`positions` `[3][tokens]`, `get_rope_index`) and the delta later positions take (`delta`).
 """
 
 import json
@@ -95,6 +97,22 @@ def main():
     features, _ = model.vision_tower(mx.concatenate(all_values), mx.concatenate(all_grids))
     expected["features_all"] = features
     mx.save_safetensors(str(out.parent / "qwen3_5-expected.safetensors"), expected)
+
+    # Multimodal RoPE positions of prompts holding the images (the language model's
+    # `get_rope_index`): each image a run of `h · w / 4` image tokens between vision_start and
+    # vision_end.
+    start, end, pad = (QWEN3_5[k] for k in ("vision_start_token_id", "vision_end_token_id", "image_token_id"))
+    tokens = [int(np.prod(g[0].tolist())) // 4 for g in all_grids]
+    run = lambda i: [start] + [pad] * tokens[i] + [end]
+    prompts = [([10, 11] + run(0) + [20, 21], [0]), (run(1) + [30] + run(2) + [31, 32], [1, 2]),
+               ([40] + run(0), [0])]
+    cases = []
+    for ids, images in prompts:
+        grid = mx.concatenate([all_grids[i] for i in images])
+        positions, delta = model.language_model.get_rope_index(mx.array([ids]), grid)
+        cases.append({"prompt_ids": ids, "images": images,
+                      "positions": positions[:, 0, :].tolist(), "delta": int(delta.reshape(-1)[0])})
+    (out.parent / "qwen3_5-positions.json").write_text(json.dumps(cases))
 
 
 if __name__ == "__main__":
