@@ -1,21 +1,26 @@
 //! Image files to what a vision tower takes, as the model's image processor does (transformers'
-//! `Gemma3ImageProcessor` for Gemma 3): decoded with the `image` crate (PNG, JPEG, WebP, GIF's
-//! first frame), converted to RGB (an alpha channel is dropped, as PIL's `convert("RGB")` does),
-//! resized to the tower's square with `preprocessor_config.json`'s filter (`resample`: 2 bilinear,
-//! 3 bicubic, 1 Lanczos, 0 nearest), rescaled by `rescale_factor` and normalized by `image_mean` /
-//! `image_std`, channels last. The `image` crate's filters are PIL's kinds with an antialiasing
-//! support as wide as the downscale, computed in floating point where PIL uses fixed point: pixel
-//! values may differ from transformers' by one step of 255 after resizing (an image already the
-//! tower's size is not resampled by either). Pan-and-scan crops (`do_pan_and_scan`) are not made.
+//! `Gemma3ImageProcessor` for Gemma 3, mlx-vlm's Qwen3-VL processor for Qwen3.5): decoded with the
+//! `image` crate (PNG, JPEG, WebP, GIF's first frame), converted to RGB (an alpha channel is
+//! dropped, as PIL's `convert("RGB")` does), resized ([`Resize`]: Gemma 3 to the tower's square,
+//! Qwen to multiples of its merge block within a pixel budget, [`smart_resize`]) with
+//! `preprocessor_config.json`'s filter (`resample`: 2 bilinear, 3 bicubic, 1 Lanczos, 0 nearest;
+//! Gemma's default bilinear, Qwen's bicubic), rescaled by `rescale_factor` and normalized by
+//! `image_mean` / `image_std`, channels last. The `image` crate's filters are PIL's kinds with an
+//! antialiasing support as wide as the downscale, run a pass per axis with 8-bit values between
+//! them as PIL's are, computed in floating point where PIL uses fixed point: pixel values may
+//! differ from the reference's by a step or two of 255 after resizing (an image already at its
+//! size is not resampled by either). Pan-and-scan crops (`do_pan_and_scan`) are not made.
 //!
 //! Untrusted input: the encoded size, the decoded width, height and allocation are bounded before
 //! anything is decoded ([`MAX_IMAGE_BYTES`], [`MAX_SIDE`], [`MAX_PIXELS`]); a request takes at
 //! most [`MAX_IMAGES`]. Every refusal is an [`EngineError::Request`] sentence.
 //!
 //! Prompts: a chat template writes an image as the tokenizer's begin-of-image token (Gemma 3's
-//! `<start_of_image>`); [`ImageProcessor::expand`] replaces each with the run of image tokens the
-//! tower fills (`\n\n<start_of_image>` + `<image_soft_token>` × tokens per image +
-//! `<end_of_image>\n\n`, as `Gemma3Processor` does).
+//! `<start_of_image>`) or as one image token between its own markers (Qwen's
+//! `<|vision_start|><|image_pad|><|vision_end|>`); [`ImageProcessor::expand`] replaces each with
+//! the run of image tokens the tower fills (Gemma 3: `\n\n<start_of_image>` +
+//! `<image_soft_token>` × tokens per image + `<end_of_image>\n\n`, as `Gemma3Processor` does;
+//! Qwen: `<|image_pad|>` × the image's tokens, one per merge block).
 
 use std::io::Cursor;
 use std::path::Path;
@@ -40,20 +45,76 @@ fn refuse(message: impl Into<String>) -> EngineError {
     EngineError::Request(message.into())
 }
 
+/// How an image is sized for the tower.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resize {
+    /// To the tower's square side (Gemma 3's SigLIP), which `tokens` image tokens stand for.
+    Square { side: u32, tokens: usize },
+    /// To the size nearest its own whose sides are multiples of `factor` and whose area is within
+    /// `[min_pixels, max_pixels]` (Qwen's `smart_resize`, [`smart_resize`]); a token for each
+    /// `factor × factor` block.
+    Smart {
+        factor: u32,
+        min_pixels: u64,
+        max_pixels: u64,
+    },
+}
+
+/// What a chat template writes for an image, and the run of image tokens it becomes.
+#[derive(Clone, Debug)]
+enum Placeholder {
+    /// Gemma 3: the template writes `begin`; it becomes `\n\nbegin` + `token` × n + `end\n\n`.
+    Wrapped {
+        begin: String,
+        token: String,
+        end: String,
+    },
+    /// Qwen: the template writes `<|vision_start|>token<|vision_end|>`; each `token` becomes n.
+    Repeated { token: String },
+}
+
 /// How a model's images are prepared and written into its prompts.
 #[derive(Clone, Debug)]
 pub struct ImageProcessor {
-    /// The square side the tower takes.
-    side: u32,
+    resize: Resize,
     filter: FilterType,
     rescale: f32,
     mean: [f32; 3],
     std: [f32; 3],
-    /// What a chat template writes for an image, and the tokens it becomes.
-    begin_image: String,
-    image_token: String,
-    end_image: String,
-    tokens_per_image: usize,
+    placeholder: Placeholder,
+}
+
+/// Qwen's `smart_resize` (transformers' `qwen2_vl`, as mlx-vlm 0.7.6 ports it): each side rounded
+/// to the nearest multiple of `factor` (halves to even, as Python's `round`); if the area is
+/// then above `max_pixels`, both sides scaled down by `sqrt(h · w / max_pixels)` and floored to
+/// multiples (at least `factor`); below `min_pixels`, scaled up by `sqrt(min_pixels / (h · w))`
+/// and ceiled. `Err` for an aspect ratio above 200.
+pub fn smart_resize(
+    height: u32,
+    width: u32,
+    factor: u32,
+    min_pixels: u64,
+    max_pixels: u64,
+) -> Result<(u32, u32)> {
+    let (h, w, f) = (f64::from(height), f64::from(width), f64::from(factor));
+    if h.max(w) / h.min(w) > 200.0 {
+        return Err(refuse(format!(
+            "an image of {width} × {height} pixels; the longer side may be at most 200 times the \
+             shorter"
+        )));
+    }
+    let mut h_bar = (h / f).round_ties_even() * f;
+    let mut w_bar = (w / f).round_ties_even() * f;
+    if h_bar * w_bar > max_pixels as f64 {
+        let beta = (h * w / max_pixels as f64).sqrt();
+        h_bar = f.max((h / beta / f).floor() * f);
+        w_bar = f.max((w / beta / f).floor() * f);
+    } else if h_bar * w_bar < min_pixels as f64 {
+        let beta = (min_pixels as f64 / (h * w)).sqrt();
+        h_bar = (h * beta / f).ceil() * f;
+        w_bar = (w * beta / f).ceil() * f;
+    }
+    Ok((h_bar as u32, w_bar as u32))
 }
 
 impl ImageProcessor {
@@ -63,6 +124,35 @@ impl ImageProcessor {
     /// `tokenizer_config.json` (`boi_token`, `image_token`, `eoi_token`; else Gemma 3's).
     /// `Err` for a config that cannot describe these steps.
     pub fn load(model_dir: &Path, side: u32, tokens_per_image: usize) -> Result<Self> {
+        Self::load_as(
+            model_dir,
+            Resize::Square {
+                side,
+                tokens: tokens_per_image,
+            },
+        )
+    }
+
+    /// The processor of a Qwen vision-language model in `model_dir` whose tower takes sides in
+    /// multiples of `factor` (its patch times its merge size): `preprocessor_config.json`'s
+    /// `size.shortest_edge` / `size.longest_edge` (or `min_pixels` / `max_pixels`) bound an
+    /// image's area (else mlx-vlm's defaults, 56² and 14² · 4 · 1,280), bicubic resampling, its
+    /// mean, std and rescale factor; the image token from `tokenizer_config.json`'s
+    /// `image_token` (else `<|image_pad|>`).
+    pub fn load_qwen(model_dir: &Path, factor: u32) -> Result<Self> {
+        Self::load_as(
+            model_dir,
+            Resize::Smart {
+                factor,
+                min_pixels: 56 * 56,
+                max_pixels: 14 * 14 * 4 * 1280,
+            },
+        )
+    }
+
+    /// [`ImageProcessor::load`] and [`ImageProcessor::load_qwen`]: `resize` with its bounds
+    /// read from the config where it has them.
+    fn load_as(model_dir: &Path, resize: Resize) -> Result<Self> {
         // Read as every config is: capped in size ([`crate::limits`]).
         let read = |name: &str| -> Result<Option<Value>> {
             let path = model_dir.join(name);
@@ -113,7 +203,50 @@ impl ImageProcessor {
                 .ok_or_else(|| bad(format!("rescale_factor must be a positive number, got {v}")))?
                 as f32,
         };
-        let filter = match config.get("resample").and_then(Value::as_i64).unwrap_or(2) {
+        let resize = match resize {
+            Resize::Smart {
+                factor,
+                min_pixels,
+                max_pixels,
+            } => {
+                let bound = |names: [&str; 2], default: u64| -> Result<u64> {
+                    let value = config
+                        .get(names[0])
+                        .or_else(|| config.get("size").and_then(|size| size.get(names[1])));
+                    match value {
+                        None | Some(Value::Null) => Ok(default),
+                        Some(v) => v.as_u64().filter(|&n| n > 0).ok_or_else(|| {
+                            bad(format!(
+                                "{} must be a positive whole number, got {v}",
+                                names[0]
+                            ))
+                        }),
+                    }
+                };
+                let min_pixels = bound(["min_pixels", "shortest_edge"], min_pixels)?;
+                let max_pixels = bound(["max_pixels", "longest_edge"], max_pixels)?;
+                if min_pixels > max_pixels {
+                    return Err(bad(format!(
+                        "min_pixels ({min_pixels}) is above max_pixels ({max_pixels})"
+                    )));
+                }
+                Resize::Smart {
+                    factor,
+                    min_pixels,
+                    max_pixels,
+                }
+            }
+            square => square,
+        };
+        let default_filter = match resize {
+            Resize::Square { .. } => 2,
+            Resize::Smart { .. } => 3,
+        };
+        let filter = match config
+            .get("resample")
+            .and_then(Value::as_i64)
+            .unwrap_or(default_filter)
+        {
             0 => FilterType::Nearest,
             1 => FilterType::Lanczos3,
             2 => FilterType::Triangle,
@@ -128,22 +261,47 @@ impl ImageProcessor {
                 .unwrap_or(default)
                 .to_string()
         };
+        let placeholder = match resize {
+            Resize::Square { .. } => Placeholder::Wrapped {
+                begin: token("boi_token", "<start_of_image>"),
+                token: token("image_token", "<image_soft_token>"),
+                end: token("eoi_token", "<end_of_image>"),
+            },
+            Resize::Smart { .. } => Placeholder::Repeated {
+                token: token("image_token", "<|image_pad|>"),
+            },
+        };
         Ok(Self {
-            side,
+            resize,
             filter,
             rescale,
             mean,
             std,
-            begin_image: token("boi_token", "<start_of_image>"),
-            image_token: token("image_token", "<image_soft_token>"),
-            end_image: token("eoi_token", "<end_of_image>"),
-            tokens_per_image,
+            placeholder,
         })
     }
 
     /// The image token as the tokenizer writes it.
     pub fn image_token(&self) -> &str {
-        &self.image_token
+        match &self.placeholder {
+            Placeholder::Wrapped { token, .. } | Placeholder::Repeated { token } => token,
+        }
+    }
+
+    /// How images are sized.
+    pub fn resize(&self) -> Resize {
+        self.resize
+    }
+
+    /// The image tokens a prepared image takes in a prompt.
+    pub fn tokens(&self, image: &ImageInput) -> usize {
+        match self.resize {
+            Resize::Square { tokens, .. } => tokens,
+            Resize::Smart { factor, .. } => {
+                let [height, width, _] = image.shape();
+                (height / factor as usize) * (width / factor as usize)
+            }
+        }
     }
 
     /// An encoded image (PNG, JPEG, WebP, GIF) as the tower takes it. `Err`: too large a file,
@@ -202,18 +360,23 @@ impl ImageProcessor {
             .decode()
             .map_err(|e| refuse(format!("the image is damaged: {e}")))?
             .to_rgb8();
-        let resized = match decoded.dimensions() == (self.side, self.side) {
-            true => decoded,
-            false => image::imageops::resize(&decoded, self.side, self.side, self.filter),
+        let (height, width) = match self.resize {
+            Resize::Square { side, .. } => (side, side),
+            Resize::Smart {
+                factor,
+                min_pixels,
+                max_pixels,
+            } => smart_resize(height, width, factor, min_pixels, max_pixels)?,
         };
-        let mut pixels = Vec::with_capacity((self.side * self.side * 3) as usize);
+        let resized = resize_like_pil(decoded, width, height, self.filter);
+        let mut pixels = Vec::with_capacity((width * height * 3) as usize);
         for pixel in resized.pixels() {
             for c in 0..3 {
                 let v = f32::from(pixel.0[c]) * self.rescale;
                 pixels.push((v - self.mean[c]) / self.std[c]);
             }
         }
-        ImageInput::new(pixels, [self.side as usize, self.side as usize, 3])
+        ImageInput::new(pixels, [height as usize, width as usize, 3])
     }
 
     /// [`ImageProcessor::process`] of an image URL: `data:image/…;base64,…` only (a remote URL
@@ -247,23 +410,56 @@ impl ImageProcessor {
         self.process(&bytes)
     }
 
-    /// `text` (a rendered prompt) with each begin-of-image token replaced by an image's run of
-    /// image tokens; `Err` unless there are exactly `images` of them.
-    pub fn expand(&self, text: &str, images: usize) -> Result<String> {
-        let found = text.matches(&self.begin_image).count();
-        if found != images {
+    /// `text` (a rendered prompt) with each image the chat template wrote replaced by the run of
+    /// image tokens of the image in `images` at its place ([`ImageProcessor::tokens`]); `Err`
+    /// unless the template wrote exactly as many.
+    pub fn expand(&self, text: &str, images: &[ImageInput]) -> Result<String> {
+        let marker = match &self.placeholder {
+            Placeholder::Wrapped { begin, .. } => begin,
+            Placeholder::Repeated { token } => token,
+        };
+        let found = text.matches(marker.as_str()).count();
+        if found != images.len() {
             return Err(refuse(format!(
-                "the chat template wrote {found} image(s) ({}) for the {images} the messages hold",
-                self.begin_image
+                "the chat template wrote {found} image(s) ({marker}) for the {} the messages hold",
+                images.len()
             )));
         }
-        let run = format!(
-            "\n\n{}{}{}\n\n",
-            self.begin_image,
-            self.image_token.repeat(self.tokens_per_image),
-            self.end_image
-        );
-        Ok(text.replace(&self.begin_image, &run))
+        let mut out = String::with_capacity(text.len());
+        let mut pieces = text.split(marker.as_str());
+        out.push_str(pieces.next().unwrap_or(""));
+        for (image, piece) in images.iter().zip(pieces) {
+            let n = self.tokens(image);
+            match &self.placeholder {
+                Placeholder::Wrapped { begin, token, end } => {
+                    out.push_str(&format!("\n\n{begin}{}{end}\n\n", token.repeat(n)));
+                }
+                Placeholder::Repeated { token } => out.push_str(&token.repeat(n)),
+            }
+            out.push_str(piece);
+        }
+        Ok(out)
+    }
+}
+
+/// `image` resized to `width × height` as PIL's `Image.resize` does it: the horizontal pass
+/// first, its result rounded to 8 bits, then the vertical pass (each a one-axis resize of the
+/// `image` crate; a pass whose side does not change is skipped). With bicubic's negative lobes
+/// the 8-bit clamp between the passes matters: one float pass differs from PIL's by up to 15
+/// steps of 255 on noise-like pixels.
+fn resize_like_pil(
+    image: image::RgbImage,
+    width: u32,
+    height: u32,
+    filter: FilterType,
+) -> image::RgbImage {
+    let image = match image.width() == width {
+        true => image,
+        false => image::imageops::resize(&image, width, image.height(), filter),
+    };
+    match image.height() == height {
+        true => image,
+        false => image::imageops::resize(&image, width, height, filter),
     }
 }
 

@@ -225,6 +225,67 @@ fn qwen3_5_image_positions_match_mlx_vlm() {
     assert_eq!((text_only[1].clone(), delta), (vec![0, 1, 2, 3, 4], 0));
 }
 
+/// Image files as mlx-vlm's Qwen3-VL processor prepares them for Qwen3.5: sizes rounded to
+/// multiples of 32, scaled down to the pixel bound or up to the least area (bicubic: within two
+/// steps of 255 of PIL's), exact where the size stays; a run of `<|image_pad|>` per image, of
+/// the image's token count.
+#[test]
+fn qwen3_5_image_files_are_prepared_as_mlx_vlm_does() {
+    let out = tempfile::tempdir().unwrap();
+    common::run_oracle("tiny_qwen_vision.py", &[out.path().to_str().unwrap()]);
+    let processor = ImageProcessor::load_qwen(&out.path().join("qwen3_5"), 32).unwrap();
+    let resized = Array::load_safetensors(out.path().join("qwen3_5-resized.safetensors")).unwrap();
+    let largest_difference = |ours: &ImageInput, theirs: &Array| {
+        assert_eq!(
+            ours.shape().map(|d| d as i32).to_vec(),
+            theirs.shape().to_vec()
+        );
+        ours.pixels()
+            .iter()
+            .zip(theirs.as_slice::<f32>())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max)
+    };
+    let mut prepared = Vec::new();
+    for i in 0..3 {
+        let png = std::fs::read(out.path().join(format!("qwen3_5-resized-{i}.png"))).unwrap();
+        let ours = processor.process(&png).unwrap();
+        let error = largest_difference(&ours, &resized[&format!("resized_{i}")]);
+        assert!(
+            error <= 2.0 * 2.0 / 255.0 + 1e-6,
+            "image {i}: pixels differ by {error}"
+        );
+        prepared.push(ours);
+    }
+    let expected =
+        Array::load_safetensors(out.path().join("qwen3_5-expected.safetensors")).unwrap();
+    let png = std::fs::read(out.path().join("qwen3_5-image-0.png")).unwrap();
+    let kept = processor.process(&png).unwrap();
+    assert_eq!(largest_difference(&kept, &expected["pixels_0"]), 0.0);
+
+    // 64 × 64 is 4 tokens, 288 × 192 is 54.
+    let counts: Vec<usize> = prepared.iter().map(|im| processor.tokens(im)).collect();
+    assert_eq!(counts, [4, 54, 6]);
+    let one = "<|vision_start|><|image_pad|><|vision_end|>";
+    let text = format!("a {one} b {one} c");
+    let expanded = processor.expand(&text, &prepared[..2]).unwrap();
+    let pads = |n: usize| "<|image_pad|>".repeat(n);
+    assert_eq!(
+        expanded,
+        format!(
+            "a <|vision_start|>{}<|vision_end|> b <|vision_start|>{}<|vision_end|> c",
+            pads(4),
+            pads(54)
+        )
+    );
+    let message = processor
+        .expand(&text, &prepared)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(message.contains("wrote 2 image(s)"), "{message}");
+}
+
 #[test]
 fn hostile_vision_configs_are_refused() {
     let out = tempfile::tempdir().unwrap();
@@ -566,6 +627,13 @@ fn image_files_are_prepared_as_transformers_does() {
     let out = tempfile::tempdir().unwrap();
     oracle(out.path());
     let processor = ImageProcessor::load(&out.path().join("gemma3"), 32, 16).unwrap();
+    assert_eq!(
+        processor.resize(),
+        perch_engine::image_processor::Resize::Square {
+            side: 32,
+            tokens: 16
+        }
+    );
     let png = std::fs::read(out.path().join("gemma3-image.png")).unwrap();
     let ours = processor.process(&png).unwrap();
     assert_eq!(ours.shape(), [32, 32, 3]);

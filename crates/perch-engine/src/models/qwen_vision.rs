@@ -495,7 +495,7 @@ pub fn mrope_positions(len: usize, images: &[ImagePlace]) -> Result<([Vec<i32>; 
     }
     let mut next = 0i64;
     let mut at = 0usize;
-    let mut text = |positions: &mut [Vec<i32>; 3], next: &mut i64, count: usize| {
+    let text = |positions: &mut [Vec<i32>; 3], next: &mut i64, count: usize| {
         for i in 0..count as i64 {
             for axis in positions.iter_mut() {
                 axis.push((*next + i) as i32);

@@ -260,10 +260,7 @@ impl Tokenizer {
         tools: Option<&[Value]>,
     ) -> Result<(Vec<u32>, Vec<ImageInput>)> {
         let images = self.read_images(messages)?;
-        Ok((
-            self.encode_with_images(messages, tools, images.len())?,
-            images,
-        ))
+        Ok((self.encode_with_images(messages, tools, &images)?, images))
     }
 
     /// The images of `messages`, in order, as the model's processor prepares them. `Err`: the
@@ -307,10 +304,10 @@ impl Tokenizer {
         &self,
         messages: &[ChatMessage],
         tools: Option<&[Value]>,
-        images: usize,
+        images: &[ImageInput],
     ) -> Result<Vec<u32>> {
         let processor = match self.image_processor() {
-            Some(processor) if images > 0 => processor,
+            Some(processor) if !images.is_empty() => processor,
             _ => return self.encode_chat_with_tools(messages, tools),
         };
         let text = self.render_chat(messages, tools)?;
@@ -376,8 +373,7 @@ impl Tokenizer {
                 .chain(&messages[start..])
                 .cloned()
                 .collect();
-            let count = first_image[system] + (seen - first_image[start]);
-            self.encode_with_images(&kept, None, count)
+            self.encode_with_images(&kept, None, &kept_images(start))
         };
         let whole = encode_from(system)?;
         if whole.len() <= max_prompt_tokens {

@@ -12,7 +12,10 @@ qwen3_5-expected.safetensors: for each image i, `pixels_i` (mlx-vlm's processor'
 hidden]`: `Model.vision_tower(pixel_values, image_grid_thw)` of that image alone), and `features_all`:
 the three images through the tower in one call. And qwen3_5-positions.json: for prompts holding
 those images (`prompt_ids`, `images` by index), the language model's multimodal RoPE positions
-(`positions` `[3][tokens]`, `get_rope_index`) and the delta later positions take (`delta`).
+(`positions` `[3][tokens]`, `get_rope_index`) and the delta later positions take (`delta`). Also
+qwen3_5/preprocessor_config.json (mlx-vlm's defaults, written out), qwen3_5-resized-{0,1,2}.png
+(50 × 70, 300 × 200 and 20 × 30 pixels) and qwen3_5-resized.safetensors: `resized_i`, mlx-vlm's
+processor's values for each (bicubic resize, rescale, normalization) as `[height, width, 3]`.
 """
 
 import json
@@ -52,6 +55,9 @@ QWEN3_5 = {
 }
 
 SIZES = [(64, 96), (64, 64), (128, 64)]
+# Sizes the processor changes: rounded to multiples of 32, scaled down to 288 × 192, scaled up to
+# its least area.
+RESIZED = [(50, 70), (300, 200), (20, 30)]
 
 
 def build(config):
@@ -97,6 +103,22 @@ def main():
     features, _ = model.vision_tower(mx.concatenate(all_values), mx.concatenate(all_grids))
     expected["features_all"] = features
     mx.save_safetensors(str(out.parent / "qwen3_5-expected.safetensors"), expected)
+
+    # Images the processor resizes (bicubic, sides to multiples of 32 within its pixel bounds):
+    # its values un-patched to [height, width, 3].
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 14 * 14 * 4 * 1280}, "patch_size": 16,
+        "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    resized = {}
+    for i, (h, w) in enumerate(RESIZED):
+        path = out.parent / f"qwen3_5-resized-{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        batch = processor([np.transpose(np.array(Image.open(path).convert("RGB")), (2, 0, 1))])
+        _, gh, gw = batch["image_grid_thw"][0].tolist()
+        values = batch["pixel_values"].reshape(gh // 2, gw // 2, 2, 2, 3, 2, 16, 16)[:, :, :, :, :, 0]
+        values = values.transpose(0, 2, 5, 1, 3, 6, 4).reshape(gh * 16, gw * 16, 3)
+        resized[f"resized_{i}"] = mx.array(values)
+    mx.save_safetensors(str(out.parent / "qwen3_5-resized.safetensors"), resized)
 
     # Multimodal RoPE positions of prompts holding the images (the language model's
     # `get_rope_index`): each image a run of `h · w / 4` image tokens between vision_start and
