@@ -58,7 +58,14 @@ fn gemma3_image_features_match_mlx_vlm() {
         weights: &mut weights,
     };
     let tower = VisionTower::load_gemma3(&mut cx).unwrap();
-    assert_eq!((tower.image_size(), tower.tokens_per_image()), (32, 16));
+    assert_eq!(
+        tower.resize(),
+        perch_engine::image_processor::Resize::Square {
+            side: 32,
+            tokens: 16
+        }
+    );
+    assert_eq!(tower.tokens([32, 32, 3]).unwrap(), (16, None));
     let left: Vec<String> = weights
         .remaining()
         .into_iter()
@@ -133,8 +140,8 @@ fn qwen3_5_image_features_match_mlx_vlm() {
         let (height, width) = (pixels.shape()[0], pixels.shape()[1]);
         assert_eq!((grid[1] * 16, grid[2] * 16), (height, width));
         assert_eq!(
-            tower.tokens(height, width),
-            grid[1] * grid[2] / 4,
+            tower.grid(&[height as usize, width as usize, 3]),
+            Some((grid[1] as usize / 2, grid[2] as usize / 2)),
             "image {i}"
         );
         let ours = tower.encode(pixels).unwrap();
@@ -284,6 +291,127 @@ fn qwen3_5_image_files_are_prepared_as_mlx_vlm_does() {
         .unwrap()
         .to_string();
     assert!(message.contains("wrote 2 image(s)"), "{message}");
+}
+
+/// Qwen3.5 with images through the batch engine against mlx-vlm: prompts with one and two images
+/// (positions by Qwen's multimodal RoPE, decode steps shifted by its delta): the next token's
+/// log-probabilities within 1e-4 and 8 greedy ids; all three at once beside a text-only request
+/// in chunks of 5 that cut the images; a follow-up turn from the cached blocks as computed afresh.
+#[test]
+fn qwen3_5_prompts_with_images_match_mlx_vlm() {
+    let out = tempfile::tempdir().unwrap();
+    let tokenizer_dir = common::model_dir();
+    common::run_oracle(
+        "tiny_qwen_vision.py",
+        &[
+            out.path().to_str().unwrap(),
+            tokenizer_dir.to_str().unwrap(),
+        ],
+    );
+    let dir = out.path().join("qwen3_5");
+    let model = perch_engine::models::load(&dir).unwrap();
+    assert!(
+        model.vision().is_some(),
+        "the qwen3_5 checkpoint's vision tower loads"
+    );
+    let tokenizer = perch_engine::Tokenizer::load(&dir).unwrap();
+    let expected =
+        Array::load_safetensors(out.path().join("qwen3_5-expected.safetensors")).unwrap();
+    let images: Vec<ImageInput> = (0..3)
+        .map(|i| {
+            let pixels = &expected[&format!("pixels_{i}")];
+            let shape = pixels
+                .shape()
+                .iter()
+                .map(|&d| d as usize)
+                .collect::<Vec<_>>();
+            ImageInput::new(
+                pixels.as_slice::<f32>().to_vec(),
+                [shape[0], shape[1], shape[2]],
+            )
+            .unwrap()
+        })
+        .collect();
+    let cases: Vec<PromptCase> =
+        serde_json::from_slice(&std::fs::read(out.path().join("qwen3_5-positions.json")).unwrap())
+            .unwrap();
+    let images_of = |case: &PromptCase| -> Vec<ImageInput> {
+        case.images.iter().map(|&i| images[i].clone()).collect()
+    };
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "qwen vision");
+    for (n, case) in cases.iter().enumerate() {
+        let mut scored = request(&case.prompt_ids, images_of(case), 1);
+        scored.next_token_logprobs = true;
+        let (output, _) = common::drive(&mut batch, vec![(0, scored)]).remove(0);
+        let ours = output.next_token_logprobs.expect("log-probabilities");
+        let error = ours
+            .iter()
+            .zip(&case.logprobs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            error <= 1e-4,
+            "case {n}: log-probabilities differ by {error}"
+        );
+        let (output, _) = common::drive(
+            &mut batch,
+            vec![(0, request(&case.prompt_ids, images_of(case), 8))],
+        )
+        .remove(0);
+        assert_eq!(output.token_ids, case.greedy_ids, "case {n}: greedy ids");
+    }
+    let text: Vec<u32> = (40..70).collect();
+    let alone_text = common::drive(&mut batch, vec![(0, request(&text, vec![], 8))])
+        .remove(0)
+        .0
+        .token_ids;
+    let mut schedule = vec![(0, request(&text, vec![], 8))];
+    for case in &cases {
+        schedule.push((0, request(&case.prompt_ids, images_of(case), 8)));
+    }
+    let schedule = schedule
+        .into_iter()
+        .map(|(at, mut r)| {
+            r.prefill_step_size = 5;
+            (at, r)
+        })
+        .collect();
+    let outputs = common::drive(&mut batch, schedule);
+    assert_eq!(
+        outputs[0].0.token_ids, alone_text,
+        "the text-only request beside them"
+    );
+    for (n, case) in cases.iter().enumerate() {
+        assert_eq!(
+            outputs[n + 1].0.token_ids,
+            case.greedy_ids,
+            "case {n} in one batch"
+        );
+    }
+
+    // A follow-up turn about the second case's images starts from its cached blocks and
+    // answers as computed afresh.
+    let case = &cases[1];
+    let mut follow = case.prompt_ids.clone();
+    follow.extend_from_slice(&case.greedy_ids);
+    follow.extend_from_slice(&[23, 24, 25]);
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut fresh = BatchGenerator::new(model.as_ref(), &tokenizer, config, "fresh");
+    let afresh = common::drive(&mut fresh, vec![(0, request(&follow, images_of(case), 8))])
+        .remove(0)
+        .0;
+    let (again, _) =
+        common::drive(&mut batch, vec![(0, request(&follow, images_of(case), 8))]).remove(0);
+    assert!(
+        again.stats.cached_prompt_tokens >= 16,
+        "{} prompt tokens cached",
+        again.stats.cached_prompt_tokens
+    );
+    assert_eq!(
+        again.token_ids, afresh.token_ids,
+        "from the cache as computed afresh"
+    );
 }
 
 #[test]

@@ -352,6 +352,8 @@ struct Sequence {
     first_token_at: Option<f64>,
     /// Its images' features and places ([`images`]); their tokens in `tokens` are placeholders.
     images: Vec<SequenceImage>,
+    /// Its multimodal RoPE positions, when its images move its positions (Qwen's).
+    rope: Option<images::RopePositions>,
 }
 
 impl Sequence {
@@ -638,6 +640,7 @@ impl<'m> BatchGenerator<'m> {
             true => Vec::new(),
             false => images::prepare(self.model, &mut tokens, &request.images)?,
         };
+        let rope = images::rope_positions(&images, tokens.len())?;
         // Their features are all the sequence needs of them from here on.
         request.images = Vec::new();
         let id = self.next_id;
@@ -654,6 +657,7 @@ impl<'m> BatchGenerator<'m> {
             grammar,
             tokens,
             images,
+            rope,
             cache: Vec::new(),
             // `kv_options` refused a bound and a quantization together.
             kv: match (limit, quantization) {
@@ -1342,10 +1346,13 @@ impl<'m> BatchGenerator<'m> {
         for &id in &plan.enter_prefill {
             let i = self.position(id).expect("planned from the running");
             let seq = &mut self.running[i];
-            seq.slot = Some(
-                self.runner
-                    .enter_prefill(&seq.cache, seq.computed, seq.kv)?,
-            );
+            let slot = self
+                .runner
+                .enter_prefill(&seq.cache, seq.computed, seq.kv)?;
+            if let Some(rope) = &seq.rope {
+                self.runner.set_rope_shift(slot, rope.delta);
+            }
+            seq.slot = Some(slot);
             seq.cache = Vec::new();
         }
         let Some(pass) = &plan.prefill else {
@@ -1383,7 +1390,31 @@ impl<'m> BatchGenerator<'m> {
                 (None, None) => &[][..],
             })
             .collect();
-        let spliced = images::spliced(&pieces, pass.width)?;
+        let mut spliced = images::spliced(&pieces, pass.width)?;
+        // Rows whose positions follow their images take every token's position explicitly.
+        if rows
+            .iter()
+            .flatten()
+            .any(|&(i, _)| self.running[i].rope.is_some())
+        {
+            let per_axis = span * pass.width;
+            let mut positions = vec![0i32; 3 * per_axis];
+            for (row, entry) in rows.iter().enumerate() {
+                let Some((i, _)) = *entry else { continue };
+                let seq = &self.running[i];
+                for t in 0..pass.width {
+                    let index = seq.computed + t;
+                    for axis in 0..3 {
+                        positions[axis * per_axis + row * pass.width + t] = match &seq.rope {
+                            Some(rope) => rope.at(axis, index),
+                            None => index as i32,
+                        };
+                    }
+                }
+            }
+            let positions = Array::from_slice(&positions, &[3, span as i32, pass.width as i32]);
+            spliced.get_or_insert_with(Default::default).rope_positions = Some(positions);
+        }
         let start = Instant::now();
         self.runner
             .prefill_step(&tokens, pass.width, spliced.as_ref())?;
@@ -1522,6 +1553,9 @@ impl<'m> BatchGenerator<'m> {
                 self.runner
                     .enter_decode(seq.slot, &seq.cache, seq.computed, seq.kv)?;
             self.slots_moved(&moves);
+            if let Some(rope) = &self.running[i].rope {
+                self.runner.set_rope_shift(slot, rope.delta);
+            }
             let seq = &mut self.running[i];
             seq.slot = Some(slot);
             seq.cache = Vec::new();

@@ -488,12 +488,10 @@ fn image_processor(
         return Some(Err(why.to_string()));
     }
     let tower = model.vision()?;
-    Some(
-        crate::image_processor::ImageProcessor::load(
-            dir,
-            tower.image_size() as u32,
-            tower.tokens_per_image() as usize,
-        )
-        .map_err(|e| e.to_string()),
-    )
+    use crate::image_processor::{ImageProcessor, Resize};
+    let processor = match tower.resize() {
+        Resize::Square { side, tokens } => ImageProcessor::load(dir, side, tokens),
+        Resize::Smart { factor, .. } => ImageProcessor::load_qwen(dir, factor),
+    };
+    Some(processor.map_err(|e| e.to_string()))
 }

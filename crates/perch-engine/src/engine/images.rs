@@ -15,21 +15,64 @@ use sha2::{Digest, Sha256};
 
 use crate::error::{EngineError, Result};
 use crate::image_processor::ImageInput;
+use crate::models::qwen_vision::{mrope_positions, ImagePlace};
 use crate::models::{Model, Spliced};
 
 /// The bit every placeholder id has set (vocabularies are far smaller).
 pub const PLACEHOLDER: u32 = 0x8000_0000;
 
-/// An image of a sequence: where its tokens start in the sequence, and its features
-/// `[tokens, hidden]` as the embedding layer holds them.
+/// An image of a sequence: where its tokens start in the sequence, its features `[tokens,
+/// hidden]` as the embedding layer holds them, and its token grid (rows, columns) where the
+/// model's positions follow it (Qwen's multimodal RoPE).
 pub struct SequenceImage {
     pub start: usize,
     pub features: Array,
+    pub grid: Option<(usize, usize)>,
 }
 
 impl SequenceImage {
     fn end(&self) -> usize {
         self.start + self.features.shape()[0] as usize
+    }
+}
+
+/// A sequence's multimodal RoPE positions (Qwen's): per token of its prompt `[time, row,
+/// column]` as three rows, and the delta every later token's position takes (its index plus
+/// `delta`), from [`mrope_positions`].
+pub struct RopePositions {
+    pub positions: [Vec<i32>; 3],
+    pub delta: i32,
+}
+
+impl RopePositions {
+    /// Token `index`'s position on `axis`.
+    pub fn at(&self, axis: usize, index: usize) -> i32 {
+        match self.positions[axis].get(index) {
+            Some(&p) => p,
+            None => index as i32 + self.delta,
+        }
+    }
+}
+
+/// The multimodal RoPE positions of a prompt of `len` tokens holding `images`, when the model's
+/// positions follow its images' grids; `None` otherwise.
+pub fn rope_positions(images: &[SequenceImage], len: usize) -> Result<Option<RopePositions>> {
+    let places: Option<Vec<ImagePlace>> = images
+        .iter()
+        .map(|im| {
+            im.grid.map(|(rows, cols)| ImagePlace {
+                start: im.start,
+                rows,
+                cols,
+            })
+        })
+        .collect();
+    match places {
+        Some(places) if !places.is_empty() => {
+            let (positions, delta) = mrope_positions(len, &places)?;
+            Ok(Some(RopePositions { positions, delta }))
+        }
+        _ => Ok(None),
     }
 }
 
@@ -44,9 +87,11 @@ fn placeholder(digest: &[u8; 32], index: usize) -> u32 {
 
 /// Checks `images` against the prompt in `tokens` and the model's vision tower, computes their
 /// features (a pass of the tower each) and puts each image's placeholders in its tokens'
-/// places. `Err` (a sentence, nothing changed) when the model takes no images, the
-/// prompt's image tokens do not make one run of the tower's length per image, the prompt ends
-/// inside an image, or an image has another shape than the tower's.
+/// places. The prompt holds each image, in order, as a run of the tower's image token as long
+/// as that image's token count ([`crate::models::vision::VisionTower::tokens`]; adjacent images'
+/// runs may touch). `Err` (a sentence, nothing changed) when the model takes no images, an
+/// image has a shape the tower does not take, the prompt's image tokens do not make one run per
+/// image, or the prompt ends inside an image.
 pub fn prepare(
     model: &dyn Model,
     tokens: &mut [u32],
@@ -63,28 +108,39 @@ pub fn prepare(
             "images need a vocabulary below 2^31 tokens".into(),
         ));
     }
-    let (id, per_image) = (tower.image_token_id(), tower.tokens_per_image() as usize);
-    // Each run of image tokens holds whole images, one after another.
-    let mut starts = Vec::new();
+    let id = tower.image_token_id();
+    let sizes: Vec<(usize, Option<(usize, usize)>)> = images
+        .iter()
+        .map(|image| tower.tokens(image.shape()))
+        .collect::<Result<_>>()?;
+    // Each image's run, in order.
+    let mut starts = Vec::with_capacity(images.len());
     let mut i = 0;
     while i < tokens.len() {
         if tokens[i] != id {
             i += 1;
             continue;
         }
-        let run = tokens[i..].iter().take_while(|&&t| t == id).count();
-        if run % per_image != 0 {
+        let Some(&(n, _)) = sizes.get(starts.len()) else {
             return Err(EngineError::Request(format!(
-                "the prompt has a run of {run} image tokens at position {i}; each image takes \
-                 {per_image}"
+                "the prompt holds more image tokens than its {} image(s) take (from position {i})",
+                images.len()
+            )));
+        };
+        let run = tokens[i..].iter().take(n).take_while(|&&t| t == id).count();
+        if run != n {
+            return Err(EngineError::Request(format!(
+                "the prompt has a run of {run} image tokens at position {i} where image {} takes \
+                 {n}",
+                starts.len() + 1
             )));
         }
-        starts.extend((0..run / per_image).map(|k| i + k * per_image));
-        i += run;
+        starts.push(i);
+        i += n;
     }
     if starts.len() != images.len() {
         return Err(EngineError::Request(format!(
-            "the prompt holds {} image(s) ({per_image} image tokens each) but the request has {}",
+            "the prompt holds image tokens for {} image(s) but the request has {}",
             starts.len(),
             images.len()
         )));
@@ -94,31 +150,36 @@ pub fn prepare(
             "the prompt ends inside an image: text must follow its image tokens".into(),
         ));
     }
-    let side = tower.image_size() as usize;
-    if let Some(image) = images.iter().find(|im| im.shape() != [side, side, 3]) {
-        return Err(EngineError::Request(format!(
-            "an image of shape {:?}; this model's vision tower takes [{side}, {side}, 3]",
-            image.shape()
-        )));
-    }
     // One image a pass, each evaluated before the next: a tower's activations (on the CPU its
     // attention scores, heads × patches² floats) are one image's at a time.
     let mut out = Vec::with_capacity(images.len());
-    for image in images {
-        let pixels = Array::from_slice(image.pixels(), &[1, side as i32, side as i32, 3]);
-        let features = tower.embed(&pixels)?.reshape(&[per_image as i32, -1])?;
+    for (image, &(n, grid)) in images.iter().zip(&sizes) {
+        let [h, w, c] = image.shape().map(|d| d as i32);
+        let pixels = Array::from_slice(image.pixels(), &[h, w, c]);
+        let features = tower.embed(&pixels)?;
+        if features.shape()[0] as usize != n {
+            return Err(EngineError::Request(format!(
+                "the vision tower made {} features of an image that takes {n} tokens",
+                features.shape()[0]
+            )));
+        }
         features.eval()?;
-        out.push(features);
+        out.push((features, grid));
     }
     Ok(starts
         .iter()
         .zip(images)
         .zip(out)
-        .map(|((&start, image), features)| {
-            for (j, token) in tokens[start..start + per_image].iter_mut().enumerate() {
+        .map(|((&start, image), (features, grid))| {
+            let n = features.shape()[0] as usize;
+            for (j, token) in tokens[start..start + n].iter_mut().enumerate() {
                 *token = placeholder(image.digest(), j);
             }
-            SequenceImage { start, features }
+            SequenceImage {
+                start,
+                features,
+                grid,
+            }
         })
         .collect())
 }
@@ -168,8 +229,11 @@ pub fn spliced(rows: &[Vec<Piece>], width: usize) -> Result<Option<Spliced>> {
         return Ok(None);
     }
     Ok(Some(Spliced {
-        positions: Array::from_slice(&positions, &[positions.len() as i32]),
-        features: ops::concatenate(&features, 0)?,
+        features: Some((
+            Array::from_slice(&positions, &[positions.len() as i32]),
+            ops::concatenate(&features, 0)?,
+        )),
+        rope_positions: None,
     }))
 }
 

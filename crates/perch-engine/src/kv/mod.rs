@@ -38,6 +38,14 @@ pub enum Positions {
     /// Each row's tokens from its own position: `offsets` `[rows]` int32, and every query's
     /// position `queries` `[rows, 1, tokens, 1]` int32.
     Rows { offsets: Array, queries: Array },
+    /// Each token rotated by its own angles (Qwen's multimodal RoPE over a pass holding image
+    /// tokens): `cos` and `sin` `[rows, 1, tokens, dims]` float32 over the first `dims` features
+    /// of each head, and every query's position `queries` `[rows, 1, tokens, 1]` int32 (for masks).
+    Rotated {
+        cos: Array,
+        sin: Array,
+        queries: Array,
+    },
 }
 
 impl Positions {
@@ -46,6 +54,7 @@ impl Positions {
         Ok(match self {
             Positions::Offset(offset) => rope.forward(a, *offset)?,
             Positions::Rows { offsets, .. } => rope.forward_at(a, offsets)?,
+            Positions::Rotated { cos, sin, .. } => rotate(a, cos, sin)?,
         })
     }
 
@@ -54,7 +63,7 @@ impl Positions {
         Ok(match self {
             Positions::Offset(offset) => ops::arange::<_, i32>(*offset, *offset + tokens, None)?
                 .reshape(&[1, 1, tokens, 1])?,
-            Positions::Rows { queries, .. } => queries.clone(),
+            Positions::Rows { queries, .. } | Positions::Rotated { queries, .. } => queries.clone(),
         })
     }
 
@@ -63,9 +72,40 @@ impl Positions {
     pub fn last(&self, tokens: i32) -> Option<i32> {
         match self {
             Positions::Offset(offset) => Some(offset + tokens - 1),
-            Positions::Rows { .. } => None,
+            Positions::Rows { .. } | Positions::Rotated { .. } => None,
         }
     }
+
+    /// These positions with every token rotated by `cos`, `sin` instead ([`Positions::Rotated`]).
+    pub fn rotated(self, cos: Array, sin: Array, tokens: i32) -> Result<Self> {
+        let queries = self.queries(tokens)?;
+        Ok(Positions::Rotated { cos, sin, queries })
+    }
+}
+
+/// `a` `[rows, heads, tokens, head_dim]` with its first `dims` features turned by `cos`, `sin`
+/// `[rows, 1, tokens, dims]` in the non-interleaved layout (`x cos + rotate_half(x) sin`), the
+/// angles in `a`'s dtype and the result back in it, the other features passed through (mlx-vlm's
+/// `apply_multimodal_rotary_pos_emb`).
+fn rotate(a: &Array, cos: &Array, sin: &Array) -> Result<Array> {
+    use crate::nn::mlx_ext::slice;
+    let shape = a.shape();
+    let (rows, heads, tokens, head_dim) = (shape[0], shape[1], shape[2], shape[3]);
+    let dims = cos.shape()[3];
+    let half = dims / 2;
+    let part = |from: i32, to: i32| slice(a, &[0, 0, 0, from], &[rows, heads, tokens, to]);
+    let turned = part(0, dims)?;
+    let rotated_half = ops::concatenate(&[ops::negative(&part(half, dims)?)?, part(0, half)?], -1)?;
+    let (cos, sin) = (cos.as_dtype(a.dtype())?, sin.as_dtype(a.dtype())?);
+    let out = ops::add(
+        &ops::multiply(&turned, &cos)?,
+        &ops::multiply(&rotated_half, &sin)?,
+    )?
+    .as_dtype(a.dtype())?;
+    if dims == head_dim {
+        return Ok(out);
+    }
+    Ok(ops::concatenate(&[out, part(dims, head_dim)?], -1)?)
 }
 
 impl LayerCaches<'_> {

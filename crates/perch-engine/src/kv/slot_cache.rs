@@ -178,7 +178,8 @@ impl SlotAttention {
 }
 
 /// The per-step inputs every layer shares, for a step of `tokens` tokens per row: positions
-/// `[rows]` int32 (where each row's first new token goes; RoPE's offsets), the attention mask
+/// `[rows]` int32 (RoPE's offsets: where each row's first new token goes, plus the row's RoPE
+/// shift), the attention mask
 /// `[rows, 1, tokens, capacity]` bool, and how attention reads the buffers.
 pub struct SlotStep {
     pub positions: Array,
@@ -355,6 +356,10 @@ pub struct SlotKvCache {
     lengths: Vec<Option<usize>>,
     /// Per slot (as `lengths`), what its request asks of its KV cache (see the module docs).
     row_kv: Vec<RowKv>,
+    /// Per slot (as `lengths`), what its RoPE positions add to its cache positions: a sequence
+    /// whose prompt holds images under Qwen's multimodal RoPE continues at its index plus this
+    /// (see [`crate::models::qwen_vision::mrope_positions`]); 0 for every other.
+    rope_shift: Vec<i32>,
     /// The widest step this cache takes, in tokens per row (what a bounded row's ring adds).
     max_step_tokens: usize,
     rows: usize,
@@ -377,6 +382,7 @@ impl SlotKvCache {
             layers: Vec::new(),
             lengths: Vec::new(),
             row_kv: Vec::new(),
+            rope_shift: Vec::new(),
             max_step_tokens: 1,
             rows: 0,
             capacity: 0,
@@ -719,6 +725,7 @@ impl SlotKvCache {
         self.layers.clear();
         self.lengths.clear();
         self.row_kv.clear();
+        self.rope_shift.clear();
         self.rows = 0;
         self.capacity = 0;
         self.pass_in_flight = None;
@@ -819,7 +826,8 @@ impl SlotKvCache {
     /// [`SlotKvCache::push`].
     pub fn push_from(&mut self, other: &SlotKvCache, slot: usize) -> Result<usize> {
         let len = other.slot_len(slot);
-        self.push_with(len, other.slot_kv(slot), |layer, ranges| {
+        let shift = other.rope_shift.get(slot).copied().unwrap_or(0);
+        let to = self.push_with(len, other.slot_kv(slot), |layer, ranges| {
             if other.is_recurrent(layer) {
                 return other.row_state(layer, slot);
             }
@@ -833,7 +841,15 @@ impl SlotKvCache {
                 len
             };
             other.slot_parts(slot, layer, len - held, len)
-        })
+        })?;
+        self.rope_shift[to] = shift;
+        Ok(to)
+    }
+
+    /// Sets what `slot`'s RoPE positions add to its cache positions (see `rope_shift`'s field).
+    pub fn set_rope_shift(&mut self, slot: usize, shift: i32) {
+        assert!(self.is_occupied(slot), "slot {slot} is not occupied");
+        self.rope_shift[slot] = shift;
     }
 
     /// Puts a sequence of `len` positions with KV options `kv` (bounded by its limit, if any) into the first free slot,
@@ -922,9 +938,11 @@ impl SlotKvCache {
         if slot == self.lengths.len() {
             self.lengths.push(Some(len));
             self.row_kv.push(kv);
+            self.rope_shift.push(0);
         } else {
             self.lengths[slot] = Some(len);
             self.row_kv[slot] = kv;
+            self.rope_shift[slot] = 0;
         }
         Ok(slot)
     }
@@ -936,9 +954,11 @@ impl SlotKvCache {
         assert!(self.is_occupied(slot), "slot {slot} is not occupied");
         self.lengths[slot] = None;
         self.row_kv[slot] = RowKv::Plain;
+        self.rope_shift[slot] = 0;
         while self.lengths.last() == Some(&None) {
             self.lengths.pop();
             self.row_kv.pop();
+            self.rope_shift.pop();
         }
         let occupied = self.len();
         if occupied == 0 {
@@ -966,6 +986,7 @@ impl SlotKvCache {
             }
             self.lengths = order.iter().map(|&s| self.lengths[s]).collect();
             self.row_kv = order.iter().map(|&s| self.row_kv[s]).collect();
+            self.rope_shift = order.iter().map(|&s| self.rope_shift[s]).collect();
             self.rows = rows;
         }
         self.reshape(self.lengths.len(), self.needed_capacity(1))?;
@@ -1142,14 +1163,26 @@ impl SlotKvCache {
     pub fn begin_step(&mut self, tokens: usize, new_tokens: &[usize]) -> Result<SlotStep> {
         let tokens = tokens.max(1);
         self.reshape(self.lengths.len(), self.needed_capacity(tokens))?;
-        let mut positions = vec![0i32; self.rows];
-        for (p, len) in positions.iter_mut().zip(&self.lengths) {
+        let mut lengths = vec![0i32; self.rows];
+        for (p, len) in lengths.iter_mut().zip(&self.lengths) {
             *p = len.unwrap_or(0) as i32;
         }
-        let positions = Array::from_slice(&positions, &[self.rows as i32]);
+        // RoPE's offsets: each row's length, plus its shift where it has one.
+        let positions = match self.rope_shift.iter().any(|&s| s != 0) {
+            false => Array::from_slice(&lengths, &[self.rows as i32]),
+            true => {
+                let shifted: Vec<i32> = lengths
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &len)| len + self.rope_shift.get(r).copied().unwrap_or(0))
+                    .collect();
+                Array::from_slice(&shifted, &[self.rows as i32])
+            }
+        };
+        let lengths = Array::from_slice(&lengths, &[self.rows as i32]);
         // [rows, 1, tokens, 1]: where each row's tokens go.
         let index = ops::add(
-            &positions.reshape(&[-1, 1, 1, 1])?,
+            &lengths.reshape(&[-1, 1, 1, 1])?,
             &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, 1, -1, 1])?,
         )?;
         let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;

@@ -137,6 +137,11 @@ pub struct BlockStyle {
     /// KV-shared layers' MLPs are twice `intermediate_size` wide (Gemma 4's
     /// `use_double_wide_mlp`).
     pub double_wide_shared_mlp: bool,
+    /// Multimodal RoPE's sections (Qwen3.5's `mrope_section`, interleaved): for a pass given
+    /// each token's `[time, row, column]` positions ([`super::Spliced::rope_positions`]), RoPE
+    /// frequency `j` turns by the row's position when `j mod 3 = 1` and `j < 3 · sections[1]`, by
+    /// the column's when `j mod 3 = 2` and `j < 3 · sections[2]`, else by the time's.
+    pub mrope_sections: Option<[i32; 3]>,
 }
 
 /// Llama 4's attention temperature as Ministral 3 applies it (mlx_lm `_get_llama_4_attn_scale`):
@@ -988,6 +993,8 @@ pub struct Decoder {
     clip_float16_residuals: bool,
     /// See [`BlockStyle::query_position_scale`] (computed once per pass for all layers).
     query_position_scale: Option<QueryPositionScale>,
+    /// See [`BlockStyle::mrope_sections`].
+    mrope_sections: Option<[i32; 3]>,
     per_layer: Option<PerLayerEmbedding>,
     final_logit_softcap: Option<f32>,
     info: ModelInfo,
@@ -1240,6 +1247,7 @@ impl Decoder {
             embedding_scale: c.style.embedding_scale,
             clip_float16_residuals: c.style.clip_float16_residuals,
             query_position_scale: c.style.query_position_scale,
+            mrope_sections: c.style.mrope_sections,
             per_layer,
             final_logit_softcap: c.style.final_logit_softcap,
             info,
@@ -1266,15 +1274,15 @@ impl Decoder {
         mut mix: impl FnMut(&Block, &Array, Option<&Rope>) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
-        if let Some(spliced) = spliced {
+        if let Some((positions, features)) = spliced.and_then(|s| s.features.as_ref()) {
             // The features replace their tokens' embeddings, then take the embedding scale
             // with them (mlx-vlm's `prepare_inputs_for_multimodal`, then the text model).
             let shape = h.shape().to_vec();
             let hidden = shape[2];
-            let n = spliced.positions.size() as i32;
+            let n = positions.size() as i32;
             let flat = h.reshape(&[-1, hidden])?;
-            let at = ops::broadcast_to(&spliced.positions.reshape(&[n, 1])?, &[n, hidden])?;
-            let features = spliced.features.as_dtype(h.dtype())?;
+            let at = ops::broadcast_to(&positions.reshape(&[n, 1])?, &[n, hidden])?;
+            let features = features.as_dtype(h.dtype())?;
             h = mlx_rs::ops::indexing::put_along_axis(&flat, &at, &features, 0)?.reshape(&shape)?;
         }
         if let Some(scale) = self.embedding_scale {
@@ -1364,6 +1372,39 @@ impl Decoder {
 }
 
 impl Decoder {
+    /// Multimodal RoPE's cosines and sines `[rows, 1, tokens, dims]` (float32) of each token's
+    /// `[time, row, column]` positions `each` `[3, rows, tokens]` int32, over this model's RoPE
+    /// (`dims`, `base`; [`BlockStyle::mrope_sections`] picks each frequency's axis), as mlx-vlm's
+    /// `MRoPERotaryEmbedding` computes them (`1 / base^(2i / dims)` in float32).
+    fn multimodal_angles(&self, sections: [i32; 3], each: &Array) -> Result<(Array, Array)> {
+        let dims = self.rope.dims;
+        let frequencies = dims / 2;
+        let axis_of = |j: i32| match j % 3 {
+            1 if j < 3 * sections[1] => 1,
+            2 if j < 3 * sections[2] => 2,
+            _ => 0,
+        };
+        let selector: Vec<i32> = (0..frequencies).map(axis_of).collect();
+        let steps: Vec<f32> = (0..dims).step_by(2).map(|i| i as f32).collect();
+        let inv_freq = ops::divide(
+            Array::from_f32(1.0),
+            ops::power(
+                Array::from_f32(self.rope.base),
+                ops::divide(
+                    Array::from_slice(&steps, &[frequencies]),
+                    Array::from_f32(dims as f32),
+                )?,
+            )?,
+        )?;
+        // [3, rows, tokens] → per frequency its axis's position: [rows, tokens, frequencies].
+        let chosen = each
+            .take_axis(Array::from_slice(&selector, &[frequencies]), 0)?
+            .transpose_axes(&[1, 2, 0])?;
+        let angles = ops::multiply(&chosen.as_dtype(Dtype::Float32)?, &inv_freq)?;
+        let angles = ops::concatenate(&[angles.clone(), angles], -1)?.expand_dims(1)?;
+        Ok((ops::cos(&angles)?, ops::sin(&angles)?))
+    }
+
     /// `x + y`, in float32 and clipped to float16's range for float16 when the style says so
     /// (mlx_lm's `clip_residual`).
     fn residual(&self, x: &Array, y: &Array) -> Result<Array> {
@@ -1385,7 +1426,14 @@ impl Model for Decoder {
         output: Output,
     ) -> Result<Option<Array>> {
         let (rows, tokens) = (ids.shape()[0], ids.shape()[1]);
-        let positions = caches.positions();
+        let mut positions = caches.positions();
+        if let (Some(sections), Some(each)) = (
+            self.mrope_sections,
+            spliced.and_then(|s| s.rope_positions.as_ref()),
+        ) {
+            let (cos, sin) = self.multimodal_angles(sections, each)?;
+            positions = positions.rotated(cos, sin, tokens)?;
+        }
         let query_scales = match (self.query_position_scale, positions.last(tokens)) {
             // Below `original` positions every scale is 1 (multiplying by it changes nothing).
             (Some(scale), Some(last)) if last as f32 + 1.0 <= scale.original => None,

@@ -83,13 +83,18 @@ pub enum Output {
     CacheOnly,
 }
 
-/// Features fed in place of some tokens' embeddings in a forward pass: an image's, at its image
-/// tokens ([`vision::VisionTower::encode`]). `positions` `[n]` int32 index the pass's tokens
-/// row-major (`row · tokens + token`); `features` `[n, hidden]` are what the embedding layer's
-/// output holds there, before the model's embedding scale.
+/// What a forward pass takes besides its token ids when a row's sequence holds images.
+/// `features`: features fed in place of some tokens' embeddings (an image's, at its image
+/// tokens, [`vision::VisionTower::embed`]): `[n]` int32 indices of the pass's tokens row-major
+/// (`row · tokens + token`) and `[n, hidden]` values, what the embedding layer's output holds
+/// there before the model's embedding scale; `None` when no token of the pass is an image's.
+/// `rope_positions`: each token's multimodal RoPE position `[3, rows, tokens]` int32 (time, row,
+/// column: Qwen's, [`qwen_vision::mrope_positions`]) for models that rotate by them; `None`: each
+/// row's tokens at its own positions.
+#[derive(Default)]
 pub struct Spliced {
-    pub positions: Array,
-    pub features: Array,
+    pub features: Option<(Array, Array)>,
+    pub rope_positions: Option<Array>,
 }
 
 /// A causal language model.
@@ -338,11 +343,14 @@ pub fn unsupported_architecture_note(model_type: &str) -> Option<String> {
 }
 
 /// Whether the model whose `config.json` is `config` takes images: an architecture whose vision
-/// tower Perch runs ([`vision`]: Gemma 3's `gemma3`) with its `vision_config`. For the model
-/// picker, before anything is loaded (a tower that then fails to load leaves a text model).
+/// tower Perch runs ([`vision`]: Gemma 3's `gemma3`, Qwen3.5's `qwen3_5` and `qwen3_5_moe`) with
+/// its `vision_config`. For the model picker, before anything is loaded (a tower that then fails
+/// to load, or a checkpoint without its weights, leaves a text model).
 pub fn takes_images(config: &Value) -> bool {
-    config.get("model_type").and_then(Value::as_str) == Some("gemma3")
-        && config.get("vision_config").is_some_and(Value::is_object)
+    matches!(
+        config.get("model_type").and_then(Value::as_str),
+        Some("gemma3" | "qwen3_5" | "qwen3_5_moe")
+    ) && config.get("vision_config").is_some_and(Value::is_object)
 }
 
 /// Loads the model in `model_dir` (mlx-community layout: `config.json` + `*.safetensors`).

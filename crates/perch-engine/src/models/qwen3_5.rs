@@ -2,7 +2,9 @@
 //! attention (Qwen3-Next's: query and key norms, a sigmoid output gate from a doubled query
 //! projection, RoPE on a `partial_rotary_factor` of each head) and the others Gated DeltaNet
 //! linear attention ([`super::gated_delta`]). Multimodal checkpoints nest the text model's config
-//! in `text_config` and its weights under `language_model.`; their vision tower is left unread.
+//! in `text_config` and its weights under `language_model.`; their vision tower
+//! ([`super::qwen_vision`]) loads beside it, and a pass given each token's multimodal positions
+//! (prompts with images) rotates by them ([`super::decoder::BlockStyle::mrope_sections`]).
 //! The mixture-of-experts variant (`qwen3_5_moe`, or any config with `num_experts` > 0) has a
 //! sparse block with a shared expert ([`super::moe`]) in every layer; its checkpoints keep the
 //! router and shared-expert gates at 8 bits (mlx_lm's `quant_predicate`, written to the config's
@@ -15,6 +17,7 @@ use serde_json::Value;
 use super::decoder::{DecoderConfig, LinearAttention};
 use super::gated_delta::GatedDeltaConfig;
 use super::moe::{MoeConfig, MoeStyle};
+use super::vision::VisionTower;
 use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::nn::layers::Rope;
@@ -88,7 +91,7 @@ fn default_full_attention_interval() -> i32 {
     4
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
+pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
     let text = cx.config.get("text_config").unwrap_or(cx.config);
     let args: Qwen35Args =
         serde_path_to_error::deserialize(text).map_err(|e| cx.error(e.to_string()))?;
@@ -116,7 +119,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
         None if args.num_attention_heads > 0 => args.hidden_size / args.num_attention_heads,
         None => 0,
     };
-    let config = DecoderConfig {
+    let mut config = DecoderConfig {
         hidden_size: args.hidden_size,
         intermediate_size: args.intermediate_size,
         num_layers: args.num_hidden_layers,
@@ -150,13 +153,32 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
         ..Default::default()
     };
     config.validate().map_err(|m| cx.error(m))?;
-    // The vision tower and the multi-token-prediction head are not the text model's (mlx_lm's
+    // A vision-language checkpoint's tower (mlx-vlm's names), or why it was not loaded.
+    let is_vision =
+        |name: &str| name.starts_with("vision_tower") || name.starts_with("model.visual");
+    let mut vision = None;
+    if cx.config.get("vision_config").is_some()
+        && cx.weights.contains("vision_tower.patch_embed.proj.weight")
+    {
+        let tower = VisionTower::load_qwen(&mut cx).map_err(|e| e.to_string());
+        let left: Vec<String> = cx
+            .weights
+            .remaining()
+            .into_iter()
+            .filter(|name| is_vision(name))
+            .collect();
+        vision = Some(match tower {
+            Ok(_) if !left.is_empty() => Err(format!(
+                "the checkpoint's vision tower has weights Perch does not read, e.g. {}",
+                left[0]
+            )),
+            tower => tower,
+        });
+    }
+    // Whatever the text model does not read, and the multi-token-prediction head (mlx_lm's
     // sanitize drops them too).
-    cx.weights.discard_where(|name| {
-        name.starts_with("vision_tower")
-            || name.starts_with("model.visual")
-            || name.contains("mtp.")
-    });
+    cx.weights
+        .discard_where(|name| is_vision(name) || name.contains("mtp."));
     let rope_parameters = args.rope_parameters.unwrap_or(Value::Null);
     let number = |key: &str, default: f64| {
         rope_parameters
@@ -178,13 +200,36 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
              `partial_rotary_factor` {factor}): it must be even and at least 2"
         )));
     }
+    // Multimodal RoPE's sections, for prompts with images (mlx-vlm's default [11, 11, 10]).
+    let sections = match rope_parameters.get("mrope_section") {
+        None | Some(Value::Null) => [11, 11, 10],
+        Some(value) => {
+            let parsed: Option<Vec<i32>> = value.as_array().map(|v| {
+                v.iter()
+                    .filter_map(|n| n.as_i64().and_then(|n| i32::try_from(n).ok()))
+                    .collect()
+            });
+            match parsed.as_deref() {
+                Some(&[t, h, w]) if [t, h, w].iter().all(|n| (0..=rope_dims / 2).contains(n)) => {
+                    [t, h, w]
+                }
+                _ => {
+                    return Err(cx.error(format!(
+                        "`mrope_section` must be three numbers from 0 to {}, got {value}",
+                        rope_dims / 2
+                    )))
+                }
+            }
+        }
+    };
+    config.style.mrope_sections = Some(sections);
     let rope = Rope::new(
         rope_dims,
         number("rope_theta", 100_000.0) as f32,
         false,
         (!rope_parameters.is_null()).then_some(&rope_parameters),
     );
-    cx.decoder(
+    let mut resolved = cx.decoder(
         config,
         rope,
         if moe_wrapper {
@@ -192,5 +237,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
         } else {
             "qwen3_5"
         },
-    )
+    )?;
+    resolved.vision = vision;
+    Ok(resolved)
 }

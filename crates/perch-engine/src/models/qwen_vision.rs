@@ -261,11 +261,18 @@ impl QwenVisionTower {
         &self.args
     }
 
-    /// Image tokens an image of `height × width` pixels (multiples of
-    /// [`QwenVisionArgs::factor`]) becomes.
-    pub fn tokens(&self, height: i32, width: i32) -> i32 {
-        let f = self.args.factor();
-        (height / f) * (width / f)
+    /// The token grid (rows, columns: a token per merge block) of an image of `[height, width,
+    /// channels]` pixel values; `None` for a shape the tower does not take (other channels, a
+    /// side that is not a positive multiple of [`QwenVisionArgs::factor`]).
+    pub fn grid(&self, shape: &[usize]) -> Option<(usize, usize)> {
+        let f = self.args.factor() as usize;
+        let fits = shape.len() == 3
+            && shape[2] == self.args.in_channels as usize
+            && shape[0] > 0
+            && shape[1] > 0
+            && shape[0].is_multiple_of(f)
+            && shape[1].is_multiple_of(f);
+        fits.then(|| (shape[0] / f, shape[1] / f))
     }
 
     /// Features of one image: pixel values `[height, width, channels]` (float, any dtype; computed
@@ -275,13 +282,8 @@ impl QwenVisionTower {
         let a = &self.args;
         let shape = pixels.shape();
         let factor = a.factor();
-        let fits = shape.len() == 3
-            && shape[2] == a.in_channels
-            && shape[0] > 0
-            && shape[1] > 0
-            && shape[0] % factor == 0
-            && shape[1] % factor == 0;
-        if !fits {
+        let dims: Vec<usize> = shape.iter().map(|&d| d.max(0) as usize).collect();
+        if self.grid(&dims).is_none() {
             return Err(EngineError::Request(format!(
                 "pixel values of shape {shape:?}; the vision tower takes [height, width, {}] with \
                  both sides multiples of {factor}",

@@ -1,7 +1,7 @@
 //! Vision towers: an image's pixel values to the image features a vision-language model splices
-//! into its prompt at its image tokens. Gemma 3 so far (`gemma3` checkpoints as mlx-community ships
+//! into its prompt at its image tokens. Gemma 3 (`gemma3` checkpoints as mlx-community ships
 //! them, mlx-vlm's key names): a SigLIP encoder (`vision_tower.vision_model.`) and Gemma 3's
-//! multimodal projector (`multi_modal_projector.`).
+//! multimodal projector (`multi_modal_projector.`), here; Qwen3.5's in [`super::qwen_vision`].
 //!
 //! Shapes: pixel values `[images, height, width, channels]` (channels last, already resized and
 //! normalized as the model's processor does) → features `[images, tokens, text hidden]`.
@@ -19,8 +19,10 @@ use mlx_rs::{fast, ops, Array};
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::qwen_vision::QwenVisionTower;
 use super::LoadContext;
 use crate::error::Result;
+use crate::image_processor::Resize;
 use crate::nn::layers::{gelu_approx, Linear, Quantization, RmsNorm};
 
 /// A vision config's fields (`vision_config`), mlx-vlm's `VisionConfig` defaults.
@@ -274,20 +276,43 @@ struct Gemma3Projector {
     tokens_per_side: i32,
 }
 
-/// Gemma 3's vision tower and projector.
+/// A vision-language model's vision tower: Gemma 3's SigLIP and projector, or Qwen3.5's
+/// ([`QwenVisionTower`]).
+#[derive(Clone)]
+enum Tower {
+    Gemma3 {
+        siglip: Siglip,
+        projector: Gemma3Projector,
+    },
+    Qwen(QwenVisionTower),
+}
+
+/// A vision-language model's vision tower, with what the engine needs around it: the image
+/// token its features replace and how they enter the embeddings.
 #[derive(Clone)]
 pub struct VisionTower {
-    siglip: Siglip,
-    projector: Gemma3Projector,
-    /// The token a prompt holds at each image feature's place (`image_token_index`).
+    tower: Tower,
+    /// The token a prompt holds at each image feature's place (`image_token_index`,
+    /// `image_token_id`).
     image_token_id: u32,
     /// What the features are divided by before they replace their tokens' embeddings: Gemma's
     /// text model scales every embedding by `sqrt(hidden)`, so mlx-vlm divides the image
-    /// features by it first.
-    splice_divisor: f32,
+    /// features by it first. `None`: taken as they are (Qwen).
+    splice_divisor: Option<f32>,
 }
 
 impl VisionTower {
+    /// Qwen3.5's tower (see [`QwenVisionTower::load`]), its image token `image_token_id`
+    /// (mlx-vlm's default 248,056).
+    pub fn load_qwen(cx: &mut LoadContext<'_>) -> Result<Self> {
+        let image_token_id = token_id(cx, "image_token_id", 248_056)?;
+        Ok(Self {
+            tower: Tower::Qwen(QwenVisionTower::load(cx)?),
+            image_token_id,
+            splice_divisor: None,
+        })
+    }
+
     /// Gemma 3's tower from a `gemma3` config (its `vision_config`, `mm_tokens_per_image` and
     /// `text_config.hidden_size`) and the checkpoint's `vision_tower.` and
     /// `multi_modal_projector.` weights (taken from `cx.weights`).
@@ -330,15 +355,7 @@ impl VisionTower {
             )));
         }
         // mlx-vlm's ModelConfig default.
-        let image_token_id = match cx.config.get("image_token_index") {
-            None => 262_144,
-            Some(id) => id
-                .as_u64()
-                .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| {
-                    cx.error(format!("image_token_index must be a token id, got {id}"))
-                })?,
-        };
+        let image_token_id = token_id(cx, "image_token_index", 262_144)?;
         let (vision_hidden, eps) = (args.hidden_size, args.layer_norm_eps);
         let siglip = Siglip::load(cx, args, "vision_tower.vision_model.")?;
         let norm = RmsNorm::load_with_offset(
@@ -353,47 +370,104 @@ impl VisionTower {
             &[vision_hidden, text_hidden as i32],
         )?;
         Ok(Self {
-            siglip,
-            projector: Gemma3Projector {
-                norm,
-                weight,
-                kernel: (grid / tokens_per_side) as i32,
-                tokens_per_side: tokens_per_side as i32,
+            tower: Tower::Gemma3 {
+                siglip,
+                projector: Gemma3Projector {
+                    norm,
+                    weight,
+                    kernel: (grid / tokens_per_side) as i32,
+                    tokens_per_side: tokens_per_side as i32,
+                },
             },
             image_token_id,
-            splice_divisor: (text_hidden as f32).sqrt(),
+            splice_divisor: Some((text_hidden as f32).sqrt()),
         })
     }
 
-    /// The token id a prompt holds at each of an image's [`tokens_per_image`](Self::tokens_per_image)
-    /// places.
+    /// The token id a prompt holds at each of an image's places.
     pub fn image_token_id(&self) -> u32 {
         self.image_token_id
     }
 
-    /// [`encode`](Self::encode)'s features as the text model's embedding layer holds them at the
-    /// image tokens (before its embedding scale): what [`super::Spliced`] carries.
+    /// How images are sized for this tower (the image processor's policy).
+    pub fn resize(&self) -> Resize {
+        match &self.tower {
+            Tower::Gemma3 { siglip, projector } => Resize::Square {
+                side: siglip.args.image_size as u32,
+                tokens: (projector.tokens_per_side * projector.tokens_per_side) as usize,
+            },
+            Tower::Qwen(qwen) => Resize::Smart {
+                factor: qwen.args().factor() as u32,
+                min_pixels: 56 * 56,
+                max_pixels: 14 * 14 * 4 * 1280,
+            },
+        }
+    }
+
+    /// The image tokens an image of `[height, width, channels]` pixel values fills, and its
+    /// token grid (rows, columns) where the model's positions follow it (Qwen's multimodal
+    /// RoPE); `Err` (a sentence) for a shape this tower does not take.
+    pub fn tokens(&self, shape: [usize; 3]) -> Result<(usize, Option<(usize, usize)>)> {
+        let refuse = |takes: String| {
+            crate::EngineError::Request(format!(
+                "an image of shape {shape:?}; this model's vision tower takes {takes}"
+            ))
+        };
+        match &self.tower {
+            Tower::Gemma3 { siglip, projector } => {
+                let (side, c) = (siglip.args.image_size as usize, siglip.args.num_channels);
+                if shape != [side, side, c as usize] {
+                    return Err(refuse(format!("[{side}, {side}, {c}]")));
+                }
+                let n = projector.tokens_per_side * projector.tokens_per_side;
+                Ok((n as usize, None))
+            }
+            Tower::Qwen(qwen) => match qwen.grid(&shape) {
+                Some((rows, cols)) => Ok((rows * cols, Some((rows, cols)))),
+                None => Err(refuse(format!(
+                    "[height, width, {}] with sides multiples of {}",
+                    qwen.args().in_channels,
+                    qwen.args().factor()
+                ))),
+            },
+        }
+    }
+
+    /// One image's features as the text model's embedding layer holds them at its image tokens
+    /// (before its embedding scale): pixel values `[height, width, channels]` (a shape
+    /// [`tokens`](Self::tokens) takes) → `[tokens, text hidden]`, what [`super::Spliced`]
+    /// carries.
     pub fn embed(&self, pixels: &Array) -> Result<Array> {
-        let features = self.encode(pixels)?;
-        // mlx-vlm divides by the Python float `hidden ** 0.5`: in the features' dtype.
-        let divisor = Array::from_f32(self.splice_divisor).as_dtype(features.dtype())?;
-        Ok(ops::divide(&features, &divisor)?)
+        let shape = pixels.shape();
+        let features = match &self.tower {
+            Tower::Gemma3 { .. } => {
+                let one = pixels.reshape(&[1, shape[0], shape[1], shape[2]])?;
+                let features = self.encode(&one)?;
+                let d = features.shape()[2];
+                features.reshape(&[-1, d])?
+            }
+            Tower::Qwen(qwen) => qwen.encode(pixels)?,
+        };
+        match self.splice_divisor {
+            // mlx-vlm divides by the Python float `hidden ** 0.5`: in the features' dtype.
+            Some(divisor) => {
+                let divisor = Array::from_f32(divisor).as_dtype(features.dtype())?;
+                Ok(ops::divide(&features, &divisor)?)
+            }
+            None => Ok(features),
+        }
     }
 
-    /// The square side, in pixels, the tower takes.
-    pub fn image_size(&self) -> i32 {
-        self.siglip.args.image_size
-    }
-
-    /// Image tokens (features) per image.
-    pub fn tokens_per_image(&self) -> i32 {
-        self.projector.tokens_per_side * self.projector.tokens_per_side
-    }
-
-    /// Features of each image: pixel values `[images, side, side, channels]` (float, any dtype;
-    /// computed in the weights' dtype) → `[images, tokens, text hidden]`. `Err` for other shapes.
+    /// Gemma 3's features of each image: pixel values `[images, side, side, channels]` (float,
+    /// any dtype; computed in the weights' dtype) → `[images, tokens, text hidden]`. `Err` for
+    /// other shapes, and for Qwen's tower (one image at a time: [`VisionTower::embed`]).
     pub fn encode(&self, pixels: &Array) -> Result<Array> {
-        let a = &self.siglip.args;
+        let Tower::Gemma3 { siglip, projector } = &self.tower else {
+            return Err(crate::EngineError::Request(
+                "this vision tower takes one image at a time (embed)".into(),
+            ));
+        };
+        let a = &siglip.args;
         let shape = pixels.shape();
         if shape.len() != 4 || shape[1..] != [a.image_size, a.image_size, a.num_channels] {
             return Err(crate::EngineError::Request(format!(
@@ -401,16 +475,27 @@ impl VisionTower {
                 a.image_size, a.num_channels
             )));
         }
-        let pixels = pixels.as_dtype(self.siglip.patch_weight.dtype())?;
-        let h = self.siglip.forward(&pixels)?;
+        let pixels = pixels.as_dtype(siglip.patch_weight.dtype())?;
+        let h = siglip.forward(&pixels)?;
         // Average-pool the [grid, grid] patches into [side, side] tokens.
         let (n, d) = (h.shape()[0], h.shape()[2]);
-        let (k, side) = (self.projector.kernel, self.projector.tokens_per_side);
+        let (k, side) = (projector.kernel, projector.tokens_per_side);
         let pooled = h
             .reshape(&[n, side, k, side, k, d])?
             .mean_axes(&[2, 4], false)?
             .reshape(&[n, side * side, d])?;
-        let normed = self.projector.norm.forward(&pooled)?;
-        Ok(ops::matmul(&normed, &self.projector.weight)?.as_dtype(h.dtype())?)
+        let normed = projector.norm.forward(&pooled)?;
+        Ok(ops::matmul(&normed, &projector.weight)?.as_dtype(h.dtype())?)
+    }
+}
+
+/// The token id in `name` of a vision-language config (`default` when absent).
+fn token_id(cx: &LoadContext<'_>, name: &str, default: u32) -> Result<u32> {
+    match cx.config.get(name) {
+        None => Ok(default),
+        Some(id) => id
+            .as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .ok_or_else(|| cx.error(format!("{name} must be a token id, got {id}"))),
     }
 }

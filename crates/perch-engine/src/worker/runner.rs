@@ -304,6 +304,15 @@ impl<'m> ModelRunner<'m> {
         Ok(Slot::Prefill(self.slots.prefill.push(cache, computed, kv)?))
     }
 
+    /// Sets what `slot`'s RoPE positions add to its cache positions (a sequence whose images
+    /// move its positions, [`SlotKvCache::set_rope_shift`]).
+    pub fn set_rope_shift(&mut self, slot: Slot, shift: i32) {
+        match slot {
+            Slot::Prefill(row) => self.slots.prefill.set_rope_shift(row, shift),
+            Slot::Decode(row) => self.slots.decode.set_rope_shift(row, shift),
+        }
+    }
+
     /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
     /// [`ModelRunner::prefill_slot_span`]; empty for a free one), all padded to `width` tokens in
     /// one forward pass, `spliced` replacing some tokens' embeddings (images'); dispatched (`async_eval`), not waited for. Nothing reads a prefill pass

@@ -1,7 +1,7 @@
 """Writes a tiny random Qwen3.5 vision-language model with Python mlx-vlm 0.7.6, plus what its vision
 tower computes, for `tests/vision_parity.rs`.
 
-Usage: python tiny_qwen_vision.py OUT_DIR
+Usage: python tiny_qwen_vision.py OUT_DIR [TOKENIZER_DIR]
 OUT_DIR/qwen3_5/ holds the model directory (config.json and model.safetensors as mlx-vlm saves a
 `qwen3_5` checkpoint: `language_model.*` and `vision_tower.*`, float32); beside it,
 qwen3_5-image-{0,1,2}.png (random RGB images of 64 × 96, 64 × 64 and 128 × 64 pixels, height ×
@@ -12,7 +12,11 @@ qwen3_5-expected.safetensors: for each image i, `pixels_i` (mlx-vlm's processor'
 hidden]`: `Model.vision_tower(pixel_values, image_grid_thw)` of that image alone), and `features_all`:
 the three images through the tower in one call. And qwen3_5-positions.json: for prompts holding
 those images (`prompt_ids`, `images` by index), the language model's multimodal RoPE positions
-(`positions` `[3][tokens]`, `get_rope_index`) and the delta later positions take (`delta`). Also
+(`positions` `[3][tokens]`, `get_rope_index`), the delta later positions take (`delta`), the log-softmax
+of the last position's logits (`logprobs`) and 8 greedy ids (`greedy_ids`) as mlx-vlm's model computes
+them (`get_input_embeddings`, then the language model with those positions over its prompt cache, then
+decode steps). With TOKENIZER_DIR, the model directory gets that tokenizer with Qwen's four vision
+tokens added after its vocabulary. Also
 qwen3_5/preprocessor_config.json (mlx-vlm's defaults, written out), qwen3_5-resized-{0,1,2}.png
 (50 × 70, 300 × 200 and 20 × 30 pixels) and qwen3_5-resized.safetensors: `resized_i`, mlx-vlm's
 processor's values for each (bicubic resize, rescale, normalization) as `[height, width, 3]`.
@@ -132,9 +136,46 @@ def main():
     for ids, images in prompts:
         grid = mx.concatenate([all_grids[i] for i in images])
         positions, delta = model.language_model.get_rope_index(mx.array([ids]), grid)
-        cases.append({"prompt_ids": ids, "images": images,
-                      "positions": positions[:, 0, :].tolist(), "delta": int(delta.reshape(-1)[0])})
+        case = {"prompt_ids": ids, "images": images,
+                "positions": positions[:, 0, :].tolist(), "delta": int(delta.reshape(-1)[0])}
+        # The next token's log-probabilities and 8 greedy ids, as mlx-vlm generates: the
+        # prompt's embeddings and positions, then decode steps at the cache's offset plus delta.
+        ids_array = mx.array([ids])
+        values = mx.concatenate([all_values[i] for i in images])
+        inputs = model.get_input_embeddings(ids_array, values, image_grid_thw=grid,
+                                            mask=mx.ones(ids_array.shape))
+        lm = model.language_model
+        lm._rope_deltas, lm._position_ids = None, None
+        cache = lm.make_cache()
+        logits = lm(ids_array, inputs_embeds=inputs.inputs_embeds, cache=cache,
+                    position_ids=inputs.position_ids, rope_deltas=inputs.rope_deltas).logits[0, -1]
+        case["logprobs"] = np.array((logits - mx.logsumexp(logits)).astype(mx.float32)).tolist()
+        greedy = []
+        token = int(mx.argmax(logits))
+        for _ in range(8):
+            greedy.append(token)
+            token = int(mx.argmax(lm(mx.array([[token]]), cache=cache).logits[0, -1]))
+        case["greedy_ids"] = greedy
+        cases.append(case)
     (out.parent / "qwen3_5-positions.json").write_text(json.dumps(cases))
+    if len(sys.argv) > 2:
+        write_tokenizer(out, Path(sys.argv[2]))
+
+
+# The test tokenizer's vocabulary ends at 49,151: Qwen's vision tokens come after it.
+VISION_TOKENS = {"<|vision_start|>": 49152, "<|image_pad|>": 49153, "<|video_pad|>": 49154,
+                 "<|vision_end|>": 49155}
+
+
+def write_tokenizer(out, tokenizer_dir):
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    for content, token_id in VISION_TOKENS.items():
+        tokenizer["added_tokens"].append({"id": token_id, "content": content, "single_word": False,
+                                          "lstrip": False, "rstrip": False, "normalized": False,
+                                          "special": True})
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 if __name__ == "__main__":
