@@ -401,12 +401,21 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
     let afresh = common::drive(&mut fresh, vec![(0, request(&follow, images_of(case), 8))])
         .remove(0)
         .0;
+    let tower = model.vision().unwrap();
+    let passes = tower.passes();
     let (again, _) =
         common::drive(&mut batch, vec![(0, request(&follow, images_of(case), 8))]).remove(0);
     assert!(
         again.stats.cached_prompt_tokens >= 16,
         "{} prompt tokens cached",
         again.stats.cached_prompt_tokens
+    );
+    // Both images' tokens came from the cache (the prompt's first 16 of them, in full blocks):
+    // the tower did not run again.
+    assert_eq!(
+        tower.passes(),
+        passes,
+        "cached images are not encoded again"
     );
     assert_eq!(
         again.token_ids, afresh.token_ids,

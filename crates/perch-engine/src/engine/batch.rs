@@ -641,7 +641,7 @@ impl<'m> BatchGenerator<'m> {
             false => images::prepare(self.model, &mut tokens, &request.images)?,
         };
         let rope = images::rope_positions(&images, tokens.len())?;
-        // Their features are all the sequence needs of them from here on.
+        // The sequence holds them from here on (until their features are computed).
         request.images = Vec::new();
         let id = self.next_id;
         self.next_id += 1;
@@ -1366,14 +1366,15 @@ impl<'m> BatchGenerator<'m> {
         let mut rows = vec![None; span];
         for &(id, chunk) in &pass.chunks {
             let i = self.position(id).expect("planned from the running");
-            let seq = &self.running[i];
+            let seq = &mut self.running[i];
             let Some(Slot::Prefill(row)) = seq.slot else {
                 unreachable!("a sequence in the prefill pass is in a prefill slot")
             };
             rows[row] = Some((i, chunk));
             if !seq.images.is_empty() {
                 let fed = &seq.tokens[seq.computed..seq.computed + chunk];
-                let (ids, mine) = images::chunk_inputs(self.model, &seq.images, fed, seq.computed)?;
+                let (ids, mine) =
+                    images::chunk_inputs(self.model, &mut seq.images, fed, seq.computed)?;
                 with_images[row] = Some(ids);
                 pieces[row] = mine;
             }

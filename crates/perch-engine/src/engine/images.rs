@@ -21,18 +21,50 @@ use crate::models::{Model, Spliced};
 /// The bit every placeholder id has set (vocabularies are far smaller).
 pub const PLACEHOLDER: u32 = 0x8000_0000;
 
-/// An image of a sequence: where its tokens start in the sequence, its features `[tokens,
-/// hidden]` as the embedding layer holds them, and its token grid (rows, columns) where the
-/// model's positions follow it (Qwen's multimodal RoPE).
+/// An image of a sequence: where its tokens start in the sequence and how many there are, its
+/// token grid (rows, columns) where the model's positions follow it (Qwen's multimodal RoPE),
+/// and its pixels until a prefill chunk first feeds one of its tokens, its features `[tokens,
+/// hidden]` (as the embedding layer holds them) from then on: an image whose tokens all come
+/// from the prefix cache (a later turn about it) never runs the tower.
 pub struct SequenceImage {
     pub start: usize,
-    pub features: Array,
+    pub tokens: usize,
     pub grid: Option<(usize, usize)>,
+    content: Content,
+}
+
+enum Content {
+    Pixels(ImageInput),
+    Features(Array),
 }
 
 impl SequenceImage {
     fn end(&self) -> usize {
-        self.start + self.features.shape()[0] as usize
+        self.start + self.tokens
+    }
+
+    /// Its features, computed now (a pass of the tower, evaluated) if they are not yet.
+    fn features(&mut self, model: &dyn Model) -> Result<&Array> {
+        if let Content::Pixels(image) = &self.content {
+            let tower = model
+                .vision()
+                .ok_or_else(|| EngineError::Request("the model's vision tower is gone".into()))?;
+            let [h, w, c] = image.shape().map(|d| d as i32);
+            let features = tower.embed(&Array::from_slice(image.pixels(), &[h, w, c]))?;
+            if features.shape()[0] as usize != self.tokens {
+                return Err(EngineError::Request(format!(
+                    "the vision tower made {} features of an image that takes {} tokens",
+                    features.shape()[0],
+                    self.tokens
+                )));
+            }
+            features.eval()?;
+            self.content = Content::Features(features);
+        }
+        match &self.content {
+            Content::Features(features) => Ok(features),
+            Content::Pixels(_) => unreachable!("computed above"),
+        }
     }
 }
 
@@ -85,9 +117,9 @@ fn placeholder(digest: &[u8; 32], index: usize) -> u32 {
     PLACEHOLDER | (u32::from_le_bytes([out[0], out[1], out[2], out[3]]) & !PLACEHOLDER)
 }
 
-/// Checks `images` against the prompt in `tokens` and the model's vision tower, computes their
-/// features (a pass of the tower each) and puts each image's placeholders in its tokens'
-/// places. The prompt holds each image, in order, as a run of the tower's image token as long
+/// Checks `images` against the prompt in `tokens` and the model's vision tower and puts each
+/// image's placeholders in its tokens' places (its features are computed when a prefill chunk
+/// first needs them, [`chunk_inputs`]). The prompt holds each image, in order, as a run of the tower's image token as long
 /// as that image's token count ([`crate::models::vision::VisionTower::tokens`]; adjacent images'
 /// runs may touch). `Err` (a sentence, nothing changed) when the model takes no images, an
 /// image has a shape the tower does not take, the prompt's image tokens do not make one run per
@@ -150,35 +182,19 @@ pub fn prepare(
             "the prompt ends inside an image: text must follow its image tokens".into(),
         ));
     }
-    // One image a pass, each evaluated before the next: a tower's activations (on the CPU its
-    // attention scores, heads × patches² floats) are one image's at a time.
-    let mut out = Vec::with_capacity(images.len());
-    for (image, &(n, grid)) in images.iter().zip(&sizes) {
-        let [h, w, c] = image.shape().map(|d| d as i32);
-        let pixels = Array::from_slice(image.pixels(), &[h, w, c]);
-        let features = tower.embed(&pixels)?;
-        if features.shape()[0] as usize != n {
-            return Err(EngineError::Request(format!(
-                "the vision tower made {} features of an image that takes {n} tokens",
-                features.shape()[0]
-            )));
-        }
-        features.eval()?;
-        out.push((features, grid));
-    }
     Ok(starts
         .iter()
         .zip(images)
-        .zip(out)
-        .map(|((&start, image), (features, grid))| {
-            let n = features.shape()[0] as usize;
+        .zip(sizes)
+        .map(|((&start, image), (n, grid))| {
             for (j, token) in tokens[start..start + n].iter_mut().enumerate() {
                 *token = placeholder(image.digest(), j);
             }
             SequenceImage {
                 start,
-                features,
+                tokens: n,
                 grid,
+                content: Content::Pixels(image.clone()),
             }
         })
         .collect())
@@ -188,10 +204,12 @@ pub fn prepare(
 pub type Piece = (usize, Array);
 
 /// What a prefill chunk feeds: `tokens` (the sequence's, from `from`) with placeholders turned
-/// back into the image token, and the features of the image tokens among them.
+/// back into the image token, and the features of the image tokens among them (each image's
+/// computed by the first chunk that feeds one of its tokens: one image a pass of the tower,
+/// evaluated before the next, so a tower's activations are one image's at a time).
 pub fn chunk_inputs(
     model: &dyn Model,
-    images: &[SequenceImage],
+    images: &mut [SequenceImage],
     tokens: &[u32],
     from: usize,
 ) -> Result<(Vec<u32>, Vec<Piece>)> {
@@ -202,13 +220,13 @@ pub fn chunk_inputs(
         .collect();
     let to = from + tokens.len();
     let mut pieces = Vec::new();
-    for image in images.iter().filter(|im| im.start < to && im.end() > from) {
-        let (a, b) = (image.start.max(from), image.end().min(to));
-        let rows = Array::from_iter(
-            (a - image.start) as i32..(b - image.start) as i32,
-            &[(b - a) as i32],
-        );
-        pieces.push((a - from, image.features.take_axis(&rows, 0)?));
+    for image in images
+        .iter_mut()
+        .filter(|im| im.start < to && im.end() > from)
+    {
+        let (a, b, start) = (image.start.max(from), image.end().min(to), image.start);
+        let rows = Array::from_iter((a - start) as i32..(b - start) as i32, &[(b - a) as i32]);
+        pieces.push((a - from, image.features(model)?.take_axis(&rows, 0)?));
     }
     Ok((ids, pieces))
 }

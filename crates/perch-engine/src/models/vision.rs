@@ -299,6 +299,8 @@ pub struct VisionTower {
     /// text model scales every embedding by `sqrt(hidden)`, so mlx-vlm divides the image
     /// features by it first. `None`: taken as they are (Qwen).
     splice_divisor: Option<f32>,
+    /// Images encoded so far ([`VisionTower::passes`]), shared by the tower's copies.
+    passes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl VisionTower {
@@ -310,6 +312,7 @@ impl VisionTower {
             tower: Tower::Qwen(QwenVisionTower::load(cx)?),
             image_token_id,
             splice_divisor: None,
+            passes: Default::default(),
         })
     }
 
@@ -381,12 +384,18 @@ impl VisionTower {
             },
             image_token_id,
             splice_divisor: Some((text_hidden as f32).sqrt()),
+            passes: Default::default(),
         })
     }
 
     /// The token id a prompt holds at each of an image's places.
     pub fn image_token_id(&self) -> u32 {
         self.image_token_id
+    }
+
+    /// Images this tower has encoded ([`VisionTower::embed`] calls) since it loaded.
+    pub fn passes(&self) -> usize {
+        self.passes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// How images are sized for this tower (the image processor's policy).
@@ -438,6 +447,8 @@ impl VisionTower {
     /// [`tokens`](Self::tokens) takes) → `[tokens, text hidden]`, what [`super::Spliced`]
     /// carries.
     pub fn embed(&self, pixels: &Array) -> Result<Array> {
+        self.passes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let shape = pixels.shape();
         let features = match &self.tower {
             Tower::Gemma3 { .. } => {
