@@ -33,6 +33,10 @@ pub struct GenerateArgs {
     /// A system message placed before the prompt.
     #[arg(long)]
     pub system: Option<String>,
+    /// An image file (PNG, JPEG, WebP, GIF) placed before the --prompt text in its message,
+    /// for a model that takes images (repeatable).
+    #[arg(long = "image", requires = "prompt")]
+    pub images: Vec<PathBuf>,
     #[command(flatten)]
     pub options: GenerationOptions,
     /// Print one JSON object per token and a final one with the finish reason and stats.
@@ -222,6 +226,9 @@ impl GenerationOptions {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    if !args.images.is_empty() {
+        return run_with_images(args);
+    }
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
     let draft = args.options.draft.load()?;
     // Metal: the models stay resident while the command runs (mlx_lm's `wired_limit` around
@@ -296,6 +303,114 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
                 100.0 * s.accepted_draft_tokens as f64 / s.draft_tokens as f64
             );
         }
+    }
+    Ok(())
+}
+
+/// `perch generate --image`: the request runs in the batch engine (the path that takes images),
+/// its images read as the API reads them.
+fn run_with_images(args: GenerateArgs) -> anyhow::Result<()> {
+    use base64::Engine as _;
+    use perch_engine::{
+        ContentPart, EngineConfig, EngineEvent, EngineHandle, EngineRequest, Prompt,
+    };
+    if args.options.draft.draft_model.is_some() {
+        bail!("--image runs without a draft model: leave out --draft-model");
+    }
+    let prompt = args.prompt.clone().unwrap_or_default();
+    if prompt.trim().is_empty() {
+        bail!("the prompt is empty");
+    }
+    let mut parts = Vec::new();
+    for path in &args.images {
+        let size = std::fs::metadata(path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .len();
+        let most = perch_engine::image_processor::MAX_IMAGE_BYTES as u64;
+        if size > most {
+            bail!(
+                "{} has {} MB; the most an image may have is {} MB",
+                path.display(),
+                size >> 20,
+                most >> 20
+            );
+        }
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+        parts.push(ContentPart::Image(format!("data:image;base64,{data}")));
+    }
+    parts.push(ContentPart::Text(prompt));
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(ChatMessage::new("system", system.clone()));
+    }
+    messages.push(ChatMessage::from_parts("user", parts));
+    let dir = model_dir::resolve(args.model.clone())?;
+    let _wired = perch_engine::device::WiredLimit::raise();
+    let engine = EngineHandle::load(&dir, EngineConfig::default())
+        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let stream = engine.submit(EngineRequest {
+        prompt: Prompt::Chat(messages),
+        params: args.options.request(Vec::new()),
+    })?;
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let result = loop {
+        let event = stream
+            .events
+            .recv()
+            .context("the engine stopped before the request ended")?;
+        match event {
+            EngineEvent::Token { id, text, logprobs } => {
+                let written = if args.json {
+                    let line = match (id, logprobs) {
+                        (Some(id), Some(logprobs)) => {
+                            json!({ "token": id, "text": text, "logprobs": logprobs })
+                        }
+                        (Some(id), None) => json!({ "token": id, "text": text }),
+                        (None, _) => json!({ "text": text }),
+                    };
+                    writeln!(out, "{line}")
+                } else {
+                    write!(out, "{text}").and_then(|_| out.flush())
+                };
+                if written.is_err() {
+                    // A closed pipe (e.g. `| head`) ends generation quietly.
+                    engine.cancel(stream.id);
+                    engine.shutdown();
+                    return Ok(());
+                }
+            }
+            EngineEvent::Finished {
+                finish_reason,
+                stats,
+                error,
+                ..
+            } => break (finish_reason, stats, error),
+        }
+    };
+    engine.shutdown();
+    let (finish_reason, stats, error) = result;
+    if let Some(error) = error {
+        bail!("{}", error.message);
+    }
+    if args.json {
+        writeln!(
+            out,
+            "{}",
+            json!({ "finish_reason": finish_reason, "stats": stats })
+        )?;
+    } else {
+        writeln!(out)?;
+        eprintln!(
+            "[{} prompt tokens, {:.1} tok/s | {} generated, {:.1} tok/s | TTFT {:.0} ms | finish: {:?}]",
+            stats.prompt_tokens,
+            stats.prompt_tps,
+            stats.generation_tokens,
+            stats.generation_tps,
+            stats.ttft_s * 1000.0,
+            finish_reason
+        );
     }
     Ok(())
 }

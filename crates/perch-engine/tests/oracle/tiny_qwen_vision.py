@@ -16,7 +16,7 @@ those images (`prompt_ids`, `images` by index), the language model's multimodal 
 of the last position's logits (`logprobs`) and 8 greedy ids (`greedy_ids`) as mlx-vlm's model computes
 them (`get_input_embeddings`, then the language model with those positions over its prompt cache, then
 decode steps). With TOKENIZER_DIR, the model directory gets that tokenizer with Qwen's four vision
-tokens added after its vocabulary. Also
+tokens added after its vocabulary and a ChatML template that writes an image part as Qwen's does. Also
 qwen3_5/preprocessor_config.json (mlx-vlm's defaults, written out), qwen3_5-resized-{0,1,2}.png
 (50 × 70, 300 × 200 and 20 × 30 pixels) and qwen3_5-resized.safetensors: `resized_i`, mlx-vlm's
 processor's values for each (bicubic resize, rescale, normalization) as `[height, width, 3]`.
@@ -167,6 +167,18 @@ VISION_TOKENS = {"<|vision_start|>": 49152, "<|image_pad|>": 49153, "<|video_pad
                  "<|vision_end|>": 49155}
 
 
+# ChatML as Qwen writes it, an image part as `<|vision_start|><|image_pad|><|vision_end|>`.
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def write_tokenizer(out, tokenizer_dir):
     tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
     for content, token_id in VISION_TOKENS.items():
@@ -175,6 +187,7 @@ def write_tokenizer(out, tokenizer_dir):
                                           "special": True})
     (out / "tokenizer.json").write_text(json.dumps(tokenizer))
     config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
