@@ -396,6 +396,27 @@ fn generate_with_an_image() {
             .unwrap()
     };
     assert_eq!(prompt_tokens(&with), prompt_tokens(&without) + 8);
+    // The same image as an `image_url` part of a messages file: the same request.
+    let url = {
+        use base64::Engine as _;
+        let bytes = std::fs::read(image).unwrap();
+        format!(
+            "data:image/png;base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(bytes)
+        )
+    };
+    let chat = serde_json::json!([{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": "What is in the picture?"},
+    ]}]);
+    let file = out.path().join("chat.json");
+    std::fs::write(&file, chat.to_string()).unwrap();
+    let from_file = generate_json(model, &["--messages", file.to_str().unwrap()], 4, &[]);
+    assert_eq!(
+        generated_ids(&from_file),
+        generated_ids(&with),
+        "a messages file's image"
+    );
 
     let text_only = test_model();
     let refused = perch(&[
@@ -423,7 +444,7 @@ fn generate_with_an_image() {
     let no_prompt = perch(&[
         "generate", "--model", model, "--raw", "hi", "--image", image,
     ]);
-    assert!(!no_prompt.status.success());
+    assert_clean_error(&no_prompt, "--image goes with --prompt");
 }
 
 /// mlx_lm's KV cache flags reach generation (their numerics are checked against mlx_lm in

@@ -35,7 +35,7 @@ pub struct GenerateArgs {
     pub system: Option<String>,
     /// An image file (PNG, JPEG, WebP, GIF) placed before the --prompt text in its message,
     /// for a model that takes images (repeatable).
-    #[arg(long = "image", requires = "prompt")]
+    #[arg(long = "image")]
     pub images: Vec<PathBuf>,
     #[command(flatten)]
     pub options: GenerationOptions,
@@ -226,15 +226,19 @@ impl GenerationOptions {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    if !args.images.is_empty() {
-        return run_with_images(args);
+    let messages = messages(&args)?;
+    if let Some(messages) = messages.as_ref().filter(|m| has_images(m)) {
+        return run_with_images(&args, messages.clone());
     }
     let (model, tokenizer) = model_dir::load(args.model.clone())?;
     let draft = args.options.draft.load()?;
     // Metal: the models stay resident while the command runs (mlx_lm's `wired_limit` around
     // generation); the engine does the same for `serve`, the app and `bench --concurrency`.
     let _wired = perch_engine::device::WiredLimit::raise();
-    let prompt = prompt_ids(&args, &tokenizer)?;
+    let prompt = match &messages {
+        Some(messages) => tokenizer.encode_chat(messages)?,
+        None => raw_ids(&args, &tokenizer)?,
+    };
     let request = args.options.request(prompt);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -307,44 +311,40 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `perch generate --image`: the request runs in the batch engine (the path that takes images),
-/// its images read as the API reads them.
-fn run_with_images(args: GenerateArgs) -> anyhow::Result<()> {
+/// Whether any of `messages` holds an image.
+fn has_images(messages: &[ChatMessage]) -> bool {
+    messages.iter().any(|m| m.image_urls().next().is_some())
+}
+
+/// `--image FILE` as a data URL part, read as the API reads an image (`Err`: a sentence).
+fn image_part(path: &std::path::Path) -> anyhow::Result<perch_engine::ContentPart> {
     use base64::Engine as _;
-    use perch_engine::{
-        ContentPart, EngineConfig, EngineEvent, EngineHandle, EngineRequest, Prompt,
-    };
+    let size = std::fs::metadata(path)
+        .with_context(|| format!("reading {}", path.display()))?
+        .len();
+    let most = perch_engine::image_processor::MAX_IMAGE_BYTES as u64;
+    if size > most {
+        bail!(
+            "{} has {} MB; the most an image may have is {} MB",
+            path.display(),
+            size >> 20,
+            most >> 20
+        );
+    }
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+    Ok(perch_engine::ContentPart::Image(format!(
+        "data:image;base64,{data}"
+    )))
+}
+
+/// A request with images (`--image`, or image parts in `--messages`): it runs in the batch
+/// engine (the path that takes images), its images read as the API reads them.
+fn run_with_images(args: &GenerateArgs, messages: Vec<ChatMessage>) -> anyhow::Result<()> {
+    use perch_engine::{EngineConfig, EngineEvent, EngineHandle, EngineRequest, Prompt};
     if args.options.draft.draft_model.is_some() {
-        bail!("--image runs without a draft model: leave out --draft-model");
+        bail!("a request with images runs without a draft model: leave out --draft-model");
     }
-    let prompt = args.prompt.clone().unwrap_or_default();
-    if prompt.trim().is_empty() {
-        bail!("the prompt is empty");
-    }
-    let mut parts = Vec::new();
-    for path in &args.images {
-        let size = std::fs::metadata(path)
-            .with_context(|| format!("reading {}", path.display()))?
-            .len();
-        let most = perch_engine::image_processor::MAX_IMAGE_BYTES as u64;
-        if size > most {
-            bail!(
-                "{} has {} MB; the most an image may have is {} MB",
-                path.display(),
-                size >> 20,
-                most >> 20
-            );
-        }
-        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let data = base64::engine::general_purpose::STANDARD.encode(bytes);
-        parts.push(ContentPart::Image(format!("data:image;base64,{data}")));
-    }
-    parts.push(ContentPart::Text(prompt));
-    let mut messages = Vec::new();
-    if let Some(system) = &args.system {
-        messages.push(ChatMessage::new("system", system.clone()));
-    }
-    messages.push(ChatMessage::from_parts("user", parts));
     let dir = model_dir::resolve(args.model.clone())?;
     let _wired = perch_engine::device::WiredLimit::raise();
     let engine = EngineHandle::load(&dir, EngineConfig::default())
@@ -415,25 +415,42 @@ fn run_with_images(args: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn prompt_ids(args: &GenerateArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+/// The `--raw` prompt's ids.
+fn raw_ids(args: &GenerateArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<u32>> {
+    let raw = args.raw.as_deref().unwrap_or_default();
+    if raw.is_empty() {
+        bail!("the prompt is empty");
+    }
+    Ok(tokenizer.encode(raw, true)?)
+}
+
+/// The chat `--prompt` (with its `--image`s) or `--messages` make, `--system` first; `None`
+/// for `--raw`.
+fn messages(args: &GenerateArgs) -> anyhow::Result<Option<Vec<ChatMessage>>> {
     let mut messages = Vec::new();
     if let Some(system) = &args.system {
         messages.push(ChatMessage::new("system", system.clone()));
     }
-    if let Some(raw) = &args.raw {
+    if !args.images.is_empty() && args.prompt.is_none() {
+        bail!("--image goes with --prompt (a messages file carries its images as image_url parts)");
+    }
+    if args.raw.is_some() {
         if args.system.is_some() {
             bail!("--system needs --prompt or --messages (--raw skips the chat template)");
         }
-        if raw.is_empty() {
-            bail!("the prompt is empty");
-        }
-        return Ok(tokenizer.encode(raw, true)?);
+        return Ok(None);
     }
     if let Some(prompt) = &args.prompt {
         if prompt.trim().is_empty() {
             bail!("the prompt is empty");
         }
-        messages.push(ChatMessage::new("user", prompt.clone()));
+        let mut parts = args
+            .images
+            .iter()
+            .map(|path| image_part(path))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        parts.push(perch_engine::ContentPart::Text(prompt.clone()));
+        messages.push(ChatMessage::from_parts("user", parts));
     } else if let Some(path) = &args.messages {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -450,5 +467,5 @@ fn prompt_ids(args: &GenerateArgs, tokenizer: &Tokenizer) -> anyhow::Result<Vec<
     } else {
         bail!("give a prompt with --prompt TEXT, --messages FILE.json or --raw TEXT");
     }
-    Ok(tokenizer.encode_chat(&messages)?)
+    Ok(Some(messages))
 }
