@@ -389,6 +389,18 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
             "case {n} in one batch"
         );
     }
+    // Three prompts prefilling at once: a pass of 4 rows (the row bucket), one of them padding.
+    let schedule = cases
+        .iter()
+        .map(|case| (0, request(&case.prompt_ids, images_of(case), 8)))
+        .collect();
+    let outputs = common::drive(&mut batch, schedule);
+    for (n, case) in cases.iter().enumerate() {
+        assert_eq!(
+            outputs[n].0.token_ids, case.greedy_ids,
+            "case {n}, three at once"
+        );
+    }
 
     // A follow-up turn about the second case's images starts from its cached blocks and
     // answers as computed afresh.

@@ -1398,7 +1398,9 @@ impl<'m> BatchGenerator<'m> {
             .flatten()
             .any(|&(i, _)| self.running[i].rope.is_some())
         {
-            let per_axis = span * pass.width;
+            // As many rows as the pass feeds (the prefill cache's row bucket, padding rows 0).
+            let pass_rows = self.runner.slot_shapes()[1].0.max(span);
+            let per_axis = pass_rows * pass.width;
             let mut positions = vec![0i32; 3 * per_axis];
             for (row, entry) in rows.iter().enumerate() {
                 let Some((i, _)) = *entry else { continue };
@@ -1413,7 +1415,8 @@ impl<'m> BatchGenerator<'m> {
                     }
                 }
             }
-            let positions = Array::from_slice(&positions, &[3, span as i32, pass.width as i32]);
+            let shape = [3, pass_rows as i32, pass.width as i32];
+            let positions = Array::from_slice(&positions, &shape);
             spliced.get_or_insert_with(Default::default).rope_positions = Some(positions);
         }
         let start = Instant::now();
