@@ -124,6 +124,30 @@ fn qwen3_5_image_features_match_mlx_vlm() {
         weights: &mut weights,
     };
     let tower = QwenVisionTower::load(&mut cx).unwrap();
+    // The picker's judgement: the config and the tower's weights (the file's header here, a
+    // weight index below); a conversion without the tower takes no images.
+    assert!(perch_engine::models::takes_images(&config, &dir));
+    let indexed = out.path().join("indexed");
+    std::fs::create_dir(&indexed).unwrap();
+    let index = |names: &[&str]| {
+        let map: serde_json::Map<String, serde_json::Value> = names
+            .iter()
+            .map(|n| (n.to_string(), serde_json::json!("model.safetensors")))
+            .collect();
+        let index = serde_json::json!({ "weight_map": map });
+        std::fs::write(
+            indexed.join("model.safetensors.index.json"),
+            index.to_string(),
+        )
+        .unwrap();
+    };
+    index(&["language_model.model.embed_tokens.weight"]);
+    assert!(!perch_engine::models::takes_images(&config, &indexed));
+    index(&["vision_tower.patch_embed.proj.weight"]);
+    assert!(perch_engine::models::takes_images(&config, &indexed));
+    let mut text_only = config.clone();
+    text_only.as_object_mut().unwrap().remove("vision_config");
+    assert!(!perch_engine::models::takes_images(&text_only, &dir));
     let left: Vec<String> = weights
         .remaining()
         .into_iter()

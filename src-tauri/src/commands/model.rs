@@ -225,10 +225,9 @@ pub async fn list_models<R: Runtime>(
             perch_hub::local_models(&store.models_dir()?, perch_hub::hf_cache_dir().as_deref())
                 .into_iter()
                 .map(|model| LocalModelView {
-                    vision: model
-                        .config
-                        .as_ref()
-                        .is_some_and(perch_engine::models::takes_images),
+                    vision: model.config.as_ref().is_some_and(|config| {
+                        perch_engine::models::takes_images(config, &model.path)
+                    }),
                     architecture_note: model
                         .model_type
                         .as_deref()

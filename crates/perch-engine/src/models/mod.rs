@@ -342,15 +342,20 @@ pub fn unsupported_architecture_note(model_type: &str) -> Option<String> {
     ))
 }
 
-/// Whether the model whose `config.json` is `config` takes images: an architecture whose vision
-/// tower Perch runs ([`vision`]: Gemma 3's `gemma3`, Qwen3.5's `qwen3_5` and `qwen3_5_moe`) with
-/// its `vision_config`. For the model picker, before anything is loaded (a tower that then fails
-/// to load, or a checkpoint without its weights, leaves a text model).
-pub fn takes_images(config: &Value) -> bool {
-    matches!(
-        config.get("model_type").and_then(Value::as_str),
-        Some("gemma3" | "qwen3_5" | "qwen3_5_moe")
-    ) && config.get("vision_config").is_some_and(Value::is_object)
+/// Whether the model in `model_dir`, whose `config.json` is `config`, takes images: an
+/// architecture whose vision tower Perch runs ([`vision`]: Gemma 3's `gemma3`, Qwen3.5's
+/// `qwen3_5` and `qwen3_5_moe`) with its `vision_config` and the tower's weights (text-only
+/// conversions keep the config but drop the tower; read from the weight index or the files'
+/// headers, nothing loaded). For the model picker, before anything is loaded (a tower that then
+/// fails to load leaves a text model).
+pub fn takes_images(config: &Value, model_dir: &Path) -> bool {
+    let tower_weight = match config.get("model_type").and_then(Value::as_str) {
+        Some("gemma3") => "vision_tower.vision_model.embeddings.patch_embedding.weight",
+        Some("qwen3_5" | "qwen3_5_moe") => "vision_tower.patch_embed.proj.weight",
+        _ => return false,
+    };
+    config.get("vision_config").is_some_and(Value::is_object)
+        && crate::nn::weights::has_tensor(model_dir, tower_weight)
 }
 
 /// Loads the model in `model_dir` (mlx-community layout: `config.json` + `*.safetensors`).

@@ -247,6 +247,30 @@ fn shard_files(model_dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// Whether the checkpoint in `model_dir` holds a tensor named `name`, from its weight index or
+/// its files' headers (nothing loaded); `false` when they cannot be read.
+pub fn has_tensor(model_dir: &Path, name: &str) -> bool {
+    let index = model_dir.join("model.safetensors.index.json");
+    if index.is_file() {
+        #[derive(serde::Deserialize)]
+        struct Index {
+            weight_map: HashMap<String, String>,
+        }
+        return crate::limits::read_text_capped(&index, crate::limits::MAX_CONFIG_BYTES)
+            .ok()
+            .and_then(|text| serde_json::from_str::<Index>(&text).ok())
+            .is_some_and(|index| index.weight_map.contains_key(name));
+    }
+    shard_files(model_dir).is_ok_and(|files| {
+        files.iter().any(|file| {
+            map_file(file).is_ok_and(|bytes| {
+                safetensors::SafeTensors::read_metadata(&bytes)
+                    .is_ok_and(|(_, metadata)| metadata.tensors().contains_key(name))
+            })
+        })
+    })
+}
+
 /// One normal path component: no separator, no `..`, not absolute, not empty.
 fn is_plain_file_name(name: &str) -> bool {
     let mut components = Path::new(name).components();
