@@ -82,8 +82,8 @@ pub struct GenerateRequest {
     /// ([`crate::EngineConfig::keep_alive`]). The last request submitted decides.
     pub keep_alive: Option<KeepAlive>,
     /// Images, in the order the prompt holds their tokens: each one's
-    /// [`VisionTower::tokens_per_image`](crate::models::vision::VisionTower::tokens_per_image)
-    /// image tokens ([`VisionTower::image_token_id`](crate::models::vision::VisionTower::image_token_id))
+    /// [`VisionTower::tokens`](crate::models::vision::VisionTower::tokens) image tokens
+    /// ([`VisionTower::image_token_id`](crate::models::vision::VisionTower::image_token_id))
     /// in a row, whose embeddings its features replace. The engine's batch only ([`generate`]
     /// and speculative requests refuse them).
     pub images: Vec<crate::image_processor::ImageInput>,

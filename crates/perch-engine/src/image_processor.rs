@@ -167,7 +167,17 @@ impl ImageProcessor {
                     message: e.to_string(),
                 })
         };
-        let config = read("preprocessor_config.json")?.unwrap_or(Value::Null);
+        let mut config = read("preprocessor_config.json")?.unwrap_or(Value::Null);
+        // Newer checkpoints keep the image processor's settings in `processor_config.json`
+        // (`image_processor`), which take precedence (as mlx-vlm reads them).
+        if let Some(Value::Object(settings)) = read("processor_config.json")?
+            .and_then(|mut c| c.get_mut("image_processor").map(Value::take))
+        {
+            match &mut config {
+                Value::Object(base) => base.extend(settings),
+                _ => config = Value::Object(settings),
+            }
+        }
         let bad = |message: String| EngineError::Config {
             path: model_dir.join("preprocessor_config.json"),
             message,

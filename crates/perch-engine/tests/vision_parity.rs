@@ -315,6 +315,18 @@ fn qwen3_5_image_files_are_prepared_as_mlx_vlm_does() {
         .unwrap()
         .to_string();
     assert!(message.contains("wrote 2 image(s)"), "{message}");
+
+    // `processor_config.json`'s `image_processor` takes precedence over
+    // `preprocessor_config.json`: a 4,096-pixel bound sizes the 300 × 200 image to 64 × 32.
+    let dir = out.path().join("qwen3_5");
+    std::fs::write(
+        dir.join("processor_config.json"),
+        r#"{"image_processor": {"max_pixels": 4096}}"#,
+    )
+    .unwrap();
+    let bounded = ImageProcessor::load_qwen(&dir, 32).unwrap();
+    let png = std::fs::read(out.path().join("qwen3_5-resized-1.png")).unwrap();
+    assert_eq!(bounded.process(&png).unwrap().shape(), [64, 32, 3]);
 }
 
 /// Qwen3.5 with images through the batch engine against mlx-vlm: prompts with one and two images

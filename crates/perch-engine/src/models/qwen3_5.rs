@@ -229,6 +229,16 @@ pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
         false,
         (!rope_parameters.is_null()).then_some(&rope_parameters),
     );
+    // Images' positions rotate by the unscaled frequencies (mlx-vlm's MRoPE): a scaled RoPE
+    // would turn a prompt's image tokens and its later tokens by different rules.
+    if let (Ok(rope), Some(Ok(_))) = (&rope, &vision) {
+        if rope.freqs.is_some() || rope.scale != 1.0 || rope.mscale != 1.0 {
+            vision = Some(Err(
+                "images need Qwen's unscaled multimodal RoPE; this checkpoint scales its RoPE"
+                    .into(),
+            ));
+        }
+    }
     let mut resolved = cx.decoder(
         config,
         rope,

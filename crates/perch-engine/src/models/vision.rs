@@ -3,8 +3,10 @@
 //! them, mlx-vlm's key names): a SigLIP encoder (`vision_tower.vision_model.`) and Gemma 3's
 //! multimodal projector (`multi_modal_projector.`), here; Qwen3.5's in [`super::qwen_vision`].
 //!
-//! Shapes: pixel values `[images, height, width, channels]` (channels last, already resized and
-//! normalized as the model's processor does) → features `[images, tokens, text hidden]`.
+//! Shapes: one image's pixel values `[height, width, channels]` (channels last, already resized
+//! and normalized as the model's processor does) → features `[tokens, text hidden]`
+//! ([`VisionTower::embed`]); Gemma 3's [`VisionTower::encode`] also takes `[images, side, side,
+//! channels]` → `[images, tokens, text hidden]`.
 //!
 //! SigLIP (reference: mlx-vlm 0.7.6 `models/gemma3/vision.py`): non-overlapping `patch × patch`
 //! patches embedded by one linear map (the convolution's weight `[hidden, patch, patch, channels]`
@@ -398,7 +400,9 @@ impl VisionTower {
         self.passes.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// How images are sized for this tower (the image processor's policy).
+    /// How images are sized for this tower (the image processor's policy; for Qwen's the pixel
+    /// bounds are mlx-vlm's defaults, which the model's processor config replaces,
+    /// [`crate::image_processor::ImageProcessor::load_qwen`]).
     pub fn resize(&self) -> Resize {
         match &self.tower {
             Tower::Gemma3 { siglip, projector } => Resize::Square {

@@ -315,7 +315,8 @@ impl<'m> ModelRunner<'m> {
 
     /// One prefill step over the prefill slots: slot `r` feeds `chunks[r]` (one per slot of
     /// [`ModelRunner::prefill_slot_span`]; empty for a free one), all padded to `width` tokens in
-    /// one forward pass, `spliced` replacing some tokens' embeddings (images'); dispatched (`async_eval`), not waited for. Nothing reads a prefill pass
+    /// one forward pass, `spliced` replacing some tokens' embeddings (images') and giving each
+    /// token's multimodal RoPE positions where rows need them; dispatched (`async_eval`), not waited for. Nothing reads a prefill pass
     /// on the host (a prompt's last token is sampled by its first decode step), so the host
     /// copies a pass's blocks into the prefix cache ([`ModelRunner::end_prefill_step`] after
     /// them) and builds the next pass while the device runs it; the next pass waits for this
@@ -444,7 +445,7 @@ impl<'m> ModelRunner<'m> {
         }
         let step = InFlight { entries, greedy };
         let built = start.elapsed().as_secs_f64();
-        self.print_step_graph(num_rows, &step)?;
+        self.print_step_graph(num_rows, &step);
         async_eval(
             step.arrays()
                 .chain(rows.iter().flat_map(|r| r.history.state())),
@@ -456,22 +457,24 @@ impl<'m> ModelRunner<'m> {
     /// decode step of each row count to `decode-ROWS.txt` there (MLX's listing, an operation a
     /// line): what a step launches, for the benchmarks' accounts. Not the first step: rows
     /// entering the batch leave their cache copies to be evaluated with it. A diagnostic, off by
-    /// default.
-    fn print_step_graph(&mut self, num_rows: usize, step: &InFlight) -> Result<()> {
+    /// default; a file it cannot write is said on stderr, and the step goes on.
+    fn print_step_graph(&mut self, num_rows: usize, step: &InFlight) {
         /// Decode steps at a row count before the one written.
         const GRAPH_AFTER_STEPS: usize = 8;
         let Some(dir) = std::env::var_os("PERCH_DECODE_GRAPH_DIR") else {
-            return Ok(());
+            return;
         };
         let steps = self.graph_steps.entry(num_rows).or_default();
         *steps += 1;
         if *steps != GRAPH_AFTER_STEPS {
-            return Ok(());
+            return;
         }
         let path = std::path::Path::new(&dir).join(format!("decode-{num_rows}.txt"));
         let mut outputs: Vec<&Array> = step.arrays().collect();
         outputs.extend(self.slots.decode.state());
-        Ok(crate::nn::mlx_ext::print_graph(&path, &outputs)?)
+        if let Err(e) = crate::nn::mlx_ext::print_graph(&path, &outputs) {
+            eprintln!("perch: PERCH_DECODE_GRAPH_DIR: {e}");
+        }
     }
 
     /// Makes `step` the step in flight (after the previous one was read).
