@@ -40,6 +40,12 @@ pub const MAX_SIDE: u32 = 16_384;
 pub const MAX_PIXELS: u64 = 50_000_000;
 /// The most images one request may carry.
 pub const MAX_IMAGES: usize = 16;
+/// The most tokens one image may take under [`Resize::Smart`]: its pixel bound is lowered to
+/// this many merge blocks (mlx-vlm's default bound is 980 tokens of Qwen3.5's 32-pixel blocks;
+/// Qwen3-VL's configs allow 16,384). The tower attends over all of an image's patches at once,
+/// four a token: without a bound one photo could ask for scores of gigabytes (the CPU
+/// materializes them).
+pub const MAX_IMAGE_TOKENS: u64 = 1280;
 
 fn refuse(message: impl Into<String>) -> EngineError {
     EngineError::Request(message.into())
@@ -233,8 +239,10 @@ impl ImageProcessor {
                         }),
                     }
                 };
-                let min_pixels = bound(["min_pixels", "shortest_edge"], min_pixels)?;
-                let max_pixels = bound(["max_pixels", "longest_edge"], max_pixels)?;
+                // At most MAX_IMAGE_TOKENS tokens an image, whatever the config allows.
+                let most = MAX_IMAGE_TOKENS * u64::from(factor) * u64::from(factor);
+                let min_pixels = bound(["min_pixels", "shortest_edge"], min_pixels)?.min(most);
+                let max_pixels = bound(["max_pixels", "longest_edge"], max_pixels)?.min(most);
                 if min_pixels > max_pixels {
                     return Err(bad(format!(
                         "min_pixels ({min_pixels}) is above max_pixels ({max_pixels})"

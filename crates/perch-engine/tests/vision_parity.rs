@@ -327,6 +327,26 @@ fn qwen3_5_image_files_are_prepared_as_mlx_vlm_does() {
     let bounded = ImageProcessor::load_qwen(&dir, 32).unwrap();
     let png = std::fs::read(out.path().join("qwen3_5-resized-1.png")).unwrap();
     assert_eq!(bounded.process(&png).unwrap().shape(), [64, 32, 3]);
+    // A bound above MAX_IMAGE_TOKENS is lowered to it: a 4,000 × 3,000 image becomes at most
+    // 1,280 tokens, not Qwen3-VL's 16,384.
+    std::fs::write(
+        dir.join("processor_config.json"),
+        r#"{"image_processor": {"size": {"shortest_edge": 65536, "longest_edge": 16777216}}}"#,
+    )
+    .unwrap();
+    let large = ImageProcessor::load_qwen(&dir, 32).unwrap();
+    let photo = image::RgbImage::from_fn(4000, 3000, |x, y| image::Rgb([x as u8, y as u8, 7]));
+    let mut encoded = std::io::Cursor::new(Vec::new());
+    photo
+        .write_to(&mut encoded, image::ImageFormat::Png)
+        .unwrap();
+    let prepared = large.process(encoded.get_ref()).unwrap();
+    let tokens = large.tokens(&prepared);
+    assert!(
+        (1000..=perch_engine::image_processor::MAX_IMAGE_TOKENS as usize).contains(&tokens),
+        "{tokens} tokens, shape {:?}",
+        prepared.shape()
+    );
 }
 
 /// Qwen3.5 with images through the batch engine against mlx-vlm: prompts with one and two images
