@@ -489,6 +489,44 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
         again.token_ids, afresh.token_ids,
         "from the cache as computed afresh"
     );
+
+    // The mixture-of-experts variant (Qwen3.5-MoE, Qwen3.6-A3B): the same tower and prompts.
+    let moe_dir = out.path().join("qwen3_5_moe");
+    let moe = perch_engine::models::load(&moe_dir).unwrap();
+    assert!(
+        moe.vision().is_some(),
+        "the qwen3_5_moe checkpoint's tower loads"
+    );
+    let moe_tokenizer = perch_engine::Tokenizer::load(&moe_dir).unwrap();
+    let moe_cases: Vec<PromptCase> = serde_json::from_slice(
+        &std::fs::read(out.path().join("qwen3_5_moe-prompts.json")).unwrap(),
+    )
+    .unwrap();
+    let config = BatchConfig::for_budget(moe.as_ref(), 64 << 20, 16, None);
+    let mut moe_batch = BatchGenerator::new(moe.as_ref(), &moe_tokenizer, config, "qwen moe");
+    for (n, case) in moe_cases.iter().enumerate() {
+        let mut scored = request(&case.prompt_ids, images_of(case), 1);
+        scored.next_token_logprobs = true;
+        let (output, _) = common::drive(&mut moe_batch, vec![(0, scored)]).remove(0);
+        let ours = output.next_token_logprobs.expect("log-probabilities");
+        let error = ours
+            .iter()
+            .zip(&case.logprobs)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            error <= 1e-4,
+            "MoE case {n}: log-probabilities differ by {error}"
+        );
+    }
+    let schedule = moe_cases
+        .iter()
+        .map(|case| (0, request(&case.prompt_ids, images_of(case), 8)))
+        .collect();
+    let outputs = common::drive(&mut moe_batch, schedule);
+    for (n, case) in moe_cases.iter().enumerate() {
+        assert_eq!(outputs[n].0.token_ids, case.greedy_ids, "MoE case {n}");
+    }
 }
 
 #[test]

@@ -16,7 +16,9 @@ those images (`prompt_ids`, `images` by index), the language model's multimodal 
 of the last position's logits (`logprobs`) and 8 greedy ids (`greedy_ids`) as mlx-vlm's model computes
 them (`get_input_embeddings`, then the language model with those positions over its prompt cache, then
 decode steps). With TOKENIZER_DIR, the model directory gets that tokenizer with Qwen's four vision
-tokens added after its vocabulary and a ChatML template that writes an image part as Qwen's does. Also
+tokens added after its vocabulary and a ChatML template that writes an image part as Qwen's does, and
+beside it qwen3_5_moe/ (the mixture-of-experts variant: 4 experts, 2 a token, a shared expert; the same
+tower) with qwen3_5_moe-prompts.json, its log-probabilities and greedy ids for the same prompts. Also
 qwen3_5/preprocessor_config.json (mlx-vlm's defaults, written out), qwen3_5-resized-{0,1,2}.png
 (50 × 70, 300 × 200 and 20 × 30 pixels) and qwen3_5-resized.safetensors: `resized_i`, mlx-vlm's
 processor's values for each (bicubic resize, rescale, normalization) as `[height, width, 3]`.
@@ -57,6 +59,13 @@ QWEN3_5 = {
         "deepstack_visual_indexes": [],
     },
 }
+
+QWEN3_5_MOE = json.loads(json.dumps(QWEN3_5))
+QWEN3_5_MOE["model_type"] = "qwen3_5_moe"
+QWEN3_5_MOE["text_config"].update({
+    "model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "norm_topk_prob": True})
+QWEN3_5_MOE["vision_config"]["model_type"] = "qwen3_5_moe"
 
 SIZES = [(64, 96), (64, 64), (128, 64)]
 # Sizes the processor changes: rounded to multiples of 32, scaled down to 288 × 192, scaled up to
@@ -132,12 +141,31 @@ def main():
     run = lambda i: [start] + [pad] * tokens[i] + [end]
     prompts = [([10, 11] + run(0) + [20, 21], [0]), (run(1) + [30] + run(2) + [31, 32], [1, 2]),
                ([40] + run(0), [0])]
+    (out.parent / "qwen3_5-positions.json").write_text(json.dumps(
+        prompt_cases(model, prompts, all_values, all_grids, positions=True)))
+    if len(sys.argv) > 2:
+        write_tokenizer(out, Path(sys.argv[2]))
+        # The mixture-of-experts variant (Qwen3.5-MoE / Qwen3.6-A3B), the same tower and prompts.
+        moe_out = out.parent / "qwen3_5_moe"
+        moe_out.mkdir(exist_ok=True)
+        moe = build(QWEN3_5_MOE)
+        (moe_out / "config.json").write_text(json.dumps(QWEN3_5_MOE, indent=1))
+        mx.save_safetensors(str(moe_out / "model.safetensors"), dict(tree_flatten(moe.parameters())),
+                            metadata={"format": "mlx"})
+        write_tokenizer(moe_out, Path(sys.argv[2]))
+        (out.parent / "qwen3_5_moe-prompts.json").write_text(json.dumps(
+            prompt_cases(moe, prompts, all_values, all_grids, positions=False)))
+
+
+def prompt_cases(model, prompts, all_values, all_grids, positions):
     cases = []
     for ids, images in prompts:
         grid = mx.concatenate([all_grids[i] for i in images])
-        positions, delta = model.language_model.get_rope_index(mx.array([ids]), grid)
-        case = {"prompt_ids": ids, "images": images,
-                "positions": positions[:, 0, :].tolist(), "delta": int(delta.reshape(-1)[0])}
+        position_ids, delta = model.language_model.get_rope_index(mx.array([ids]), grid)
+        case = {"prompt_ids": ids, "images": images}
+        if positions:
+            case["positions"] = position_ids[:, 0, :].tolist()
+            case["delta"] = int(delta.reshape(-1)[0])
         # The next token's log-probabilities and 8 greedy ids, as mlx-vlm generates: the
         # prompt's embeddings and positions, then decode steps at the cache's offset plus delta.
         ids_array = mx.array([ids])
@@ -157,9 +185,7 @@ def main():
             token = int(mx.argmax(lm(mx.array([[token]]), cache=cache).logits[0, -1]))
         case["greedy_ids"] = greedy
         cases.append(case)
-    (out.parent / "qwen3_5-positions.json").write_text(json.dumps(cases))
-    if len(sys.argv) > 2:
-        write_tokenizer(out, Path(sys.argv[2]))
+    return cases
 
 
 # The test tokenizer's vocabulary ends at 49,151: Qwen's vision tokens come after it.
