@@ -88,6 +88,46 @@ pub struct ImageProcessor {
     mean: [f32; 3],
     std: [f32; 3],
     placeholder: Placeholder,
+    /// Images prepared lately, by their URL ([`ImageProcessor::process_url`]).
+    recent: std::sync::Arc<std::sync::Mutex<Recent>>,
+}
+
+/// The images an [`ImageProcessor`] prepared lately, keyed by SHA-256 of their URL, newest
+/// last: a chat sends its earlier turns' images again with every turn, and decoding and resizing
+/// a photo each time would add to every turn's time to first token. Bounded by
+/// [`Recent::MAX_BYTES`] of pixel values.
+#[derive(Debug, Default)]
+struct Recent {
+    images: std::collections::VecDeque<([u8; 32], ImageInput)>,
+    bytes: usize,
+}
+
+impl Recent {
+    /// Pixel values kept at most (8 of Qwen's largest images, 64 of Gemma 3's).
+    const MAX_BYTES: usize = 128 << 20;
+
+    fn get(&mut self, key: &[u8; 32]) -> Option<ImageInput> {
+        let at = self.images.iter().position(|(k, _)| k == key)?;
+        let entry = self.images.remove(at)?;
+        let image = entry.1.clone();
+        self.images.push_back(entry);
+        Some(image)
+    }
+
+    fn put(&mut self, key: [u8; 32], image: ImageInput) {
+        let size = image.pixels().len() * 4;
+        if size > Self::MAX_BYTES {
+            return;
+        }
+        while self.bytes + size > Self::MAX_BYTES {
+            let Some((_, old)) = self.images.pop_front() else {
+                break;
+            };
+            self.bytes -= old.pixels().len() * 4;
+        }
+        self.bytes += size;
+        self.images.push_back((key, image));
+    }
 }
 
 /// Qwen's `smart_resize` (transformers' `qwen2_vl`, as mlx-vlm 0.7.6 ports it): each side rounded
@@ -296,6 +336,7 @@ impl ImageProcessor {
             mean,
             std,
             placeholder,
+            recent: Default::default(),
         })
     }
 
@@ -398,8 +439,23 @@ impl ImageProcessor {
     }
 
     /// [`ImageProcessor::process`] of an image URL: `data:image/…;base64,…` only (a remote URL
-    /// is refused: Perch does not fetch them).
+    /// is refused: Perch does not fetch them). An image prepared lately from the same URL is
+    /// taken as it was (see `Recent`).
     pub fn process_url(&self, url: &str) -> Result<ImageInput> {
+        use sha2::{Digest, Sha256};
+        let key: [u8; 32] = Sha256::digest(url.as_bytes()).into();
+        if let Some(image) = self.recent.lock().ok().and_then(|mut r| r.get(&key)) {
+            return Ok(image);
+        }
+        let image = self.process_url_afresh(url)?;
+        if let Ok(mut recent) = self.recent.lock() {
+            recent.put(key, image.clone());
+        }
+        Ok(image)
+    }
+
+    /// [`ImageProcessor::process_url`] without the recent images.
+    fn process_url_afresh(&self, url: &str) -> Result<ImageInput> {
         let Some(rest) = url.strip_prefix("data:") else {
             let shown: String = url.chars().take(40).collect();
             return Err(refuse(format!(
@@ -543,5 +599,39 @@ impl std::fmt::Debug for ImageInput {
             .map(|b| format!("{b:02x}"))
             .collect();
         write!(f, "ImageInput({:?}, {digest}…)", self.shape)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ImageInput, Recent};
+
+    fn image(values: usize, fill: f32) -> ImageInput {
+        ImageInput::new(vec![fill; values], [values / 3, 1, 3]).unwrap()
+    }
+
+    /// The recent images are found by key, most recently used kept, the oldest dropped first
+    /// once their pixel values pass the bound; one larger than the bound is not kept.
+    #[test]
+    fn recent_images_are_bounded_and_kept_by_use() {
+        let mut recent = Recent::default();
+        let quarter = Recent::MAX_BYTES / 4 / 4; // values of a quarter of the bound
+        let quarter = quarter - quarter % 3;
+        for k in 0..4u8 {
+            recent.put([k; 32], image(quarter, f32::from(k)));
+        }
+        assert_eq!(recent.images.len(), 4);
+        // Using the first makes the second the oldest.
+        assert_eq!(recent.get(&[0; 32]).unwrap().pixels()[0], 0.0);
+        recent.put([9; 32], image(quarter, 9.0));
+        assert!(recent.get(&[1; 32]).is_none(), "the oldest was dropped");
+        assert!(recent.get(&[0; 32]).is_some(), "the one just used was kept");
+        assert!(recent.bytes <= Recent::MAX_BYTES);
+        recent.put([7; 32], image((Recent::MAX_BYTES / 4 / 3 + 1) * 3, 7.0));
+        assert!(
+            recent.get(&[7; 32]).is_none(),
+            "larger than the bound: not kept"
+        );
+        assert_eq!(recent.images.len(), 4);
     }
 }
