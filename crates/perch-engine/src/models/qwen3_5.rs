@@ -200,26 +200,34 @@ pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
              `partial_rotary_factor` {factor}): it must be even and at least 2"
         )));
     }
-    // Multimodal RoPE's sections, for prompts with images (mlx-vlm's default [11, 11, 10]).
+    // Multimodal RoPE's sections, for prompts with images (mlx-vlm's default [11, 11, 10]; a
+    // section may name more frequencies than RoPE has, as mlx-vlm's selector allows). A config
+    // whose sections cannot be read keeps its text model and refuses images.
     let sections = match rope_parameters.get("mrope_section") {
-        None | Some(Value::Null) => [11, 11, 10],
+        None | Some(Value::Null) => Ok([11, 11, 10]),
         Some(value) => {
-            let parsed: Option<Vec<i32>> = value.as_array().map(|v| {
+            let parsed: Option<Vec<i32>> = value.as_array().and_then(|v| {
                 v.iter()
-                    .filter_map(|n| n.as_i64().and_then(|n| i32::try_from(n).ok()))
+                    .map(|n| n.as_i64().and_then(|n| i32::try_from(n).ok()))
                     .collect()
             });
             match parsed.as_deref() {
-                Some(&[t, h, w]) if [t, h, w].iter().all(|n| (0..=rope_dims / 2).contains(n)) => {
-                    [t, h, w]
+                Some(&[t, h, w]) if [t, h, w].iter().all(|n| (0..=1 << 16).contains(n)) => {
+                    Ok([t, h, w])
                 }
-                _ => {
-                    return Err(cx.error(format!(
-                        "`mrope_section` must be three numbers from 0 to {}, got {value}",
-                        rope_dims / 2
-                    )))
-                }
+                _ => Err(format!(
+                    "`mrope_section` must be three whole numbers from 0, got {value}"
+                )),
             }
+        }
+    };
+    let sections = match sections {
+        Ok(sections) => sections,
+        Err(why) => {
+            if vision.is_some() {
+                vision = Some(Err(format!("images cannot be placed: {why}")));
+            }
+            [11, 11, 10]
         }
     };
     config.style.mrope_sections = Some(sections);

@@ -26,10 +26,9 @@
 use mlx_rs::{fast, ops, Array, Dtype};
 use serde::Deserialize;
 
-use super::vision::LayerNorm;
 use super::LoadContext;
 use crate::error::{EngineError, Result};
-use crate::nn::layers::{gelu_approx, Embedding, Linear, Quantization};
+use crate::nn::layers::{gelu_approx, Embedding, LayerNorm, Linear, Quantization};
 
 /// `vision_config`'s fields, mlx-vlm's `VisionConfig` defaults (Qwen3-VL's).
 #[derive(Clone, Debug, Deserialize)]
@@ -206,10 +205,10 @@ impl QwenVisionTower {
         for i in 0..args.depth {
             let path = format!("vision_tower.blocks.{i}");
             blocks.push(Block {
-                norm1: LayerNorm::load(cx, &format!("{path}.norm1"), d, LAYER_NORM_EPS)?,
+                norm1: LayerNorm::load(cx.weights, &format!("{path}.norm1"), d, LAYER_NORM_EPS)?,
                 qkv: linear(cx, &format!("{path}.attn.qkv"), d, 3 * d)?,
                 proj: linear(cx, &format!("{path}.attn.proj"), d, d)?,
-                norm2: LayerNorm::load(cx, &format!("{path}.norm2"), d, LAYER_NORM_EPS)?,
+                norm2: LayerNorm::load(cx.weights, &format!("{path}.norm2"), d, LAYER_NORM_EPS)?,
                 fc1: linear(
                     cx,
                     &format!("{path}.mlp.linear_fc1"),
@@ -225,7 +224,8 @@ impl QwenVisionTower {
             });
         }
         let merged = d * args.spatial_merge_size * args.spatial_merge_size;
-        let merger_norm = LayerNorm::load(cx, "vision_tower.merger.norm", d, LAYER_NORM_EPS)?;
+        let merger_norm =
+            LayerNorm::load(cx.weights, "vision_tower.merger.norm", d, LAYER_NORM_EPS)?;
         let merger_fc1 = linear(cx, "vision_tower.merger.linear_fc1", merged, merged)?;
         let merger_fc2 = linear(
             cx,

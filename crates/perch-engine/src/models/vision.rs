@@ -25,7 +25,7 @@ use super::qwen_vision::QwenVisionTower;
 use super::LoadContext;
 use crate::error::Result;
 use crate::image_processor::Resize;
-use crate::nn::layers::{gelu_approx, Linear, Quantization, RmsNorm};
+use crate::nn::layers::{gelu_approx, LayerNorm, Linear, Quantization, RmsNorm};
 
 /// A vision config's fields (`vision_config`), mlx-vlm's `VisionConfig` defaults.
 #[derive(Clone, Debug, Deserialize)]
@@ -105,28 +105,6 @@ impl VisionArgs {
 
     fn patches_per_side(&self) -> i32 {
         self.image_size / self.patch_size
-    }
-}
-
-/// `LayerNorm` with a learned scale and shift.
-#[derive(Clone)]
-pub(super) struct LayerNorm {
-    weight: Array,
-    bias: Array,
-    eps: f32,
-}
-
-impl LayerNorm {
-    pub(super) fn load(cx: &mut LoadContext<'_>, path: &str, dims: i32, eps: f32) -> Result<Self> {
-        Ok(Self {
-            weight: cx.weights.take_shaped(&format!("{path}.weight"), &[dims])?,
-            bias: cx.weights.take_shaped(&format!("{path}.bias"), &[dims])?,
-            eps,
-        })
-    }
-
-    pub(super) fn forward(&self, x: &Array) -> Result<Array> {
-        Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
     }
 }
 
@@ -224,17 +202,18 @@ impl Siglip {
             let fc1 = linear("mlp.fc1", d, args.intermediate_size)?;
             let fc2 = linear("mlp.fc2", args.intermediate_size, d)?;
             layers.push(EncoderLayer {
-                layer_norm1: LayerNorm::load(cx, &format!("{path}.layer_norm1"), d, eps)?,
+                layer_norm1: LayerNorm::load(cx.weights, &format!("{path}.layer_norm1"), d, eps)?,
                 q_proj,
                 k_proj,
                 v_proj,
                 out_proj,
-                layer_norm2: LayerNorm::load(cx, &format!("{path}.layer_norm2"), d, eps)?,
+                layer_norm2: LayerNorm::load(cx.weights, &format!("{path}.layer_norm2"), d, eps)?,
                 fc1,
                 fc2,
             });
         }
-        let post_layernorm = LayerNorm::load(cx, &format!("{prefix}post_layernorm"), d, 1e-5)?;
+        let post_layernorm =
+            LayerNorm::load(cx.weights, &format!("{prefix}post_layernorm"), d, 1e-5)?;
         Ok(Self {
             args,
             patch_weight,

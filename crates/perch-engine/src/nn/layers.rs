@@ -582,6 +582,29 @@ impl Linear {
     }
 }
 
+/// `LayerNorm` with a learned scale and shift (vision towers').
+#[derive(Clone)]
+pub struct LayerNorm {
+    weight: Array,
+    bias: Array,
+    eps: f32,
+}
+
+impl LayerNorm {
+    /// `{path}.weight` and `{path}.bias`, `[dims]` each.
+    pub fn load(weights: &mut Weights, path: &str, dims: i32, eps: f32) -> Result<Self> {
+        Ok(Self {
+            weight: weights.take_shaped(&format!("{path}.weight"), &[dims])?,
+            bias: weights.take_shaped(&format!("{path}.bias"), &[dims])?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Array) -> Result<Array> {
+        Ok(fast::layer_norm(x, &self.weight, &self.bias, self.eps)?)
+    }
+}
+
 /// Token embedding table `[vocab, hidden]`, dense or quantized; doubles as the output projection
 /// when embeddings are tied.
 #[derive(Clone)]
