@@ -430,7 +430,7 @@ fn generate_with_an_image() {
         "--max-tokens",
         "2",
     ]);
-    assert_clean_error(&refused, "image");
+    assert_clean_error(&refused, "this model takes no images");
     let missing = perch(&[
         "generate",
         "--model",

@@ -103,7 +103,7 @@ struct Recent {
 }
 
 impl Recent {
-    /// Pixel values kept at most (8 of Qwen's largest images, 64 of Gemma 3's).
+    /// Pixel values kept at most (8 of Qwen's largest images, 13 of Gemma 3's).
     const MAX_BYTES: usize = 128 << 20;
 
     fn get(&mut self, key: &[u8; 32]) -> Option<ImageInput> {
@@ -182,9 +182,11 @@ impl ImageProcessor {
     /// The processor of a Qwen vision-language model in `model_dir` whose tower takes sides in
     /// multiples of `factor` (its patch times its merge size): `preprocessor_config.json`'s
     /// `size.shortest_edge` / `size.longest_edge` (or `min_pixels` / `max_pixels`) bound an
-    /// image's area (else mlx-vlm's defaults, 56² and 14² · 4 · 1,280), bicubic resampling, its
-    /// mean, std and rescale factor; the image token from `tokenizer_config.json`'s
-    /// `image_token` (else `<|image_pad|>`).
+    /// image's area (else mlx-vlm's defaults, 56² and 14² · 4 · 1,280; `processor_config.json`'s
+    /// `image_processor` settings take precedence, as mlx-vlm reads them; the area is lowered to
+    /// [`MAX_IMAGE_TOKENS`] merge blocks at most), bicubic resampling, its mean, std and rescale
+    /// factor; the image token from `tokenizer_config.json`'s `image_token` (else
+    /// `<|image_pad|>`).
     pub fn load_qwen(model_dir: &Path, factor: u32) -> Result<Self> {
         Self::load_as(
             model_dir,
@@ -220,7 +222,14 @@ impl ImageProcessor {
             .and_then(|mut c| c.get_mut("image_processor").map(Value::take))
         {
             match &mut config {
-                Value::Object(base) => base.extend(settings),
+                Value::Object(base) => {
+                    // Its `size` bounds replace the base's, flat ones included.
+                    if settings.contains_key("size") {
+                        base.remove("min_pixels");
+                        base.remove("max_pixels");
+                    }
+                    base.extend(settings);
+                }
                 _ => config = Value::Object(settings),
             }
         }
@@ -279,15 +288,17 @@ impl ImageProcessor {
                         }),
                     }
                 };
-                // At most MAX_IMAGE_TOKENS tokens an image, whatever the config allows.
-                let most = MAX_IMAGE_TOKENS * u64::from(factor) * u64::from(factor);
-                let min_pixels = bound(["min_pixels", "shortest_edge"], min_pixels)?.min(most);
-                let max_pixels = bound(["max_pixels", "longest_edge"], max_pixels)?.min(most);
+                let min_pixels = bound(["min_pixels", "shortest_edge"], min_pixels)?;
+                let max_pixels = bound(["max_pixels", "longest_edge"], max_pixels)?;
                 if min_pixels > max_pixels {
                     return Err(bad(format!(
                         "min_pixels ({min_pixels}) is above max_pixels ({max_pixels})"
                     )));
                 }
+                // At most MAX_IMAGE_TOKENS tokens an image, whatever the config allows (the
+                // least area at half that, so that rounding up cannot pass it either).
+                let most = MAX_IMAGE_TOKENS * u64::from(factor) * u64::from(factor);
+                let (min_pixels, max_pixels) = (min_pixels.min(most / 2), max_pixels.min(most));
                 Resize::Smart {
                     factor,
                     min_pixels,
@@ -425,7 +436,15 @@ impl ImageProcessor {
                 factor,
                 min_pixels,
                 max_pixels,
-            } => smart_resize(height, width, factor, min_pixels, max_pixels)?,
+            } => {
+                let (h, w) = smart_resize(height, width, factor, min_pixels, max_pixels)?;
+                // Scaling up to the least area rounds each side up: an extreme aspect ratio can
+                // pass the bound; such an image is scaled down to it instead.
+                match u64::from(h) * u64::from(w) > max_pixels {
+                    true => smart_resize(h, w, factor, 1, max_pixels)?,
+                    false => (h, w),
+                }
+            }
         };
         let resized = resize_like_pil(decoded, width, height, self.filter);
         let mut pixels = Vec::with_capacity((width * height * 3) as usize);
@@ -452,6 +471,13 @@ impl ImageProcessor {
             recent.put(key, image.clone());
         }
         Ok(image)
+    }
+
+    /// Drops the images prepared lately (see `Recent`).
+    pub fn forget_recent(&self) {
+        if let Ok(mut recent) = self.recent.lock() {
+            *recent = Recent::default();
+        }
     }
 
     /// [`ImageProcessor::process_url`] without the recent images.

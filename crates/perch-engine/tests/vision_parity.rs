@@ -148,6 +148,14 @@ fn qwen3_5_image_features_match_mlx_vlm() {
     let mut text_only = config.clone();
     text_only.as_object_mut().unwrap().remove("vision_config");
     assert!(!perch_engine::models::takes_images(&text_only, &dir));
+    let mut scaled = config.clone();
+    *scaled
+        .pointer_mut("/text_config/rope_parameters/type")
+        .unwrap() = serde_json::json!("yarn");
+    assert!(
+        !perch_engine::models::takes_images(&scaled, &dir),
+        "a scaled RoPE"
+    );
     let left: Vec<String> = weights
         .remaining()
         .into_iter()
@@ -445,12 +453,18 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
             "case {n} in one batch"
         );
     }
-    // Three prompts prefilling at once: a pass of 4 rows (the row bucket), one of them padding.
+    // Three prompts prefilling at once in a fresh batch (nothing cached): one pass of 4 rows
+    // (the row bucket), one of them padding.
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut three = BatchGenerator::new(model.as_ref(), &tokenizer, config, "three");
     let schedule = cases
         .iter()
         .map(|case| (0, request(&case.prompt_ids, images_of(case), 8)))
         .collect();
-    let outputs = common::drive(&mut batch, schedule);
+    let outputs = common::drive(&mut three, schedule);
+    assert!(outputs
+        .iter()
+        .all(|(o, _)| o.stats.cached_prompt_tokens == 0));
     for (n, case) in cases.iter().enumerate() {
         assert_eq!(
             outputs[n].0.token_ids, case.greedy_ids,
@@ -490,7 +504,8 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
         "from the cache as computed afresh"
     );
 
-    // The mixture-of-experts variant (Qwen3.5-MoE, Qwen3.6-A3B): the same tower and prompts.
+    // The mixture-of-experts variant (Qwen3.5-MoE, Qwen3.6-A3B): a tower of the same shape,
+    // the same prompts and images.
     let moe_dir = out.path().join("qwen3_5_moe");
     let moe = perch_engine::models::load(&moe_dir).unwrap();
     assert!(

@@ -994,7 +994,7 @@ impl<'m> BatchGenerator<'m> {
         let mut events = Vec::new();
         let plan = self.schedule(&mut events)?;
         self.admit(&plan.admitted)?;
-        self.prefill(&plan)?;
+        self.prefill(&plan, &mut events)?;
         self.decode(&plan, &mut events)?;
         self.times.steps += 1;
         self.times.step_seconds += start.elapsed().as_secs_f64();
@@ -1342,7 +1342,7 @@ impl<'m> BatchGenerator<'m> {
     /// then the pass's full blocks are published to the prefix cache (not waited for), and a
     /// hybrid sequence that reached its `branch_at` leaves its recurrent states in the block
     /// that ends there.
-    fn prefill(&mut self, plan: &StepPlan) -> Result<()> {
+    fn prefill(&mut self, plan: &StepPlan, events: &mut Vec<BatchEvent>) -> Result<()> {
         for &id in &plan.enter_prefill {
             let i = self.position(id).expect("planned from the running");
             let seq = &mut self.running[i];
@@ -1358,6 +1358,23 @@ impl<'m> BatchGenerator<'m> {
         let Some(pass) = &plan.prefill else {
             return Ok(());
         };
+        // The images the pass feeds get their features first (a pass of the tower each): a
+        // sequence whose image the tower fails on leaves the batch refused, the others go on.
+        let mut failed = Vec::new();
+        for &(id, chunk) in &pass.chunks {
+            let i = self.position(id).expect("planned from the running");
+            let seq = &mut self.running[i];
+            let (from, to) = (seq.computed, seq.computed + chunk);
+            if let Err(error) = images::compute_features(self.model, &mut seq.images, from, to) {
+                failed.push((id, error));
+            }
+        }
+        for (id, error) in failed {
+            let i = self.position(id).expect("planned from the running");
+            let mut seq = self.running.remove(i);
+            self.release(&mut seq)?;
+            events.push(BatchEvent::Refused { request: id, error });
+        }
         // The chunk of each prefill slot (empty for a free one); a sequence with images feeds
         // its placeholders as the image token, with the images' features ([`images`]).
         let span = self.runner.prefill_slot_span();
@@ -1365,7 +1382,9 @@ impl<'m> BatchGenerator<'m> {
         let mut pieces: Vec<Vec<images::Piece>> = vec![Vec::new(); span];
         let mut rows = vec![None; span];
         for &(id, chunk) in &pass.chunks {
-            let i = self.position(id).expect("planned from the running");
+            let Some(i) = self.position(id) else {
+                continue; // refused above
+            };
             let seq = &mut self.running[i];
             let Some(Slot::Prefill(row)) = seq.slot else {
                 unreachable!("a sequence in the prefill pass is in a prefill slot")
@@ -1429,7 +1448,9 @@ impl<'m> BatchGenerator<'m> {
         let start = Instant::now();
         let hybrid = self.store.has_recurrent_layers();
         for &(id, chunk) in &pass.chunks {
-            let i = self.position(id).expect("planned from the running");
+            let Some(i) = self.position(id) else {
+                continue; // refused above
+            };
             let seq = &mut self.running[i];
             seq.computed += chunk;
             // Not waited for: the copies follow the pass in flight (see `prefill_step`).

@@ -369,8 +369,12 @@ impl EngineHandle {
     }
 
     /// Empties the prefix cache (every cached block not in use, and the partial blocks kept
-    /// for extension), as genlm's `clear_cache`. Answered between steps.
+    /// for extension), as genlm's `clear_cache`, and the image processor's recent images.
+    /// Answered between steps.
     pub fn clear_cache(&self) -> Result<()> {
+        if let Some(processor) = self.tokenizer.image_processor() {
+            processor.forget_recent();
+        }
         let (tx, rx) = mpsc::channel();
         self.thread
             .commands

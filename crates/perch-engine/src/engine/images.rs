@@ -1,6 +1,7 @@
-//! A request's images in the batch: their features computed once at insertion (the model's
-//! vision tower), their tokens in the sequence made unique to each image's content, and the
-//! features of the tokens a prefill chunk feeds ([`crate::models::Spliced`]).
+//! A request's images in the batch: their features computed once, by the first prefill chunk
+//! that feeds one of their tokens (the model's vision tower), their tokens in the sequence made
+//! unique to each image's content, and the features of the tokens a prefill chunk feeds
+//! ([`crate::models::Spliced`]).
 //!
 //! The prompt holds each image as a run of the tower's image token. In the sequence's tokens
 //! (what the prefix cache hashes) each of those places holds a placeholder instead: an id above
@@ -200,13 +201,30 @@ pub fn prepare(
         .collect())
 }
 
+/// Computes the features of the images among a sequence's tokens `from..to` that have none yet
+/// (one image a pass of the tower, evaluated before the next, so a tower's activations are one
+/// image's at a time). `Err`: the tower's failure on one of them.
+pub fn compute_features(
+    model: &dyn Model,
+    images: &mut [SequenceImage],
+    from: usize,
+    to: usize,
+) -> Result<()> {
+    for image in images
+        .iter_mut()
+        .filter(|im| im.start < to && im.end() > from)
+    {
+        image.features(model)?;
+    }
+    Ok(())
+}
+
 /// Features of some of a chunk's tokens: (offset in the chunk, features `[n, hidden]`).
 pub type Piece = (usize, Array);
 
 /// What a prefill chunk feeds: `tokens` (the sequence's, from `from`) with placeholders turned
-/// back into the image token, and the features of the image tokens among them (each image's
-/// computed by the first chunk that feeds one of its tokens: one image a pass of the tower,
-/// evaluated before the next, so a tower's activations are one image's at a time).
+/// back into the image token, and the features of the image tokens among them (computed here
+/// for an image that has none yet; the batch computes them first, [`compute_features`]).
 pub fn chunk_inputs(
     model: &dyn Model,
     images: &mut [SequenceImage],

@@ -346,11 +346,13 @@ pub fn unsupported_architecture_note(model_type: &str) -> Option<String> {
 /// architecture whose vision tower Perch runs ([`vision`]: Gemma 3's `gemma3`, Qwen3.5's
 /// `qwen3_5` and `qwen3_5_moe`) with its `vision_config` and the tower's weights (text-only
 /// conversions keep the config but drop the tower; read from the weight index or the files'
-/// headers, nothing loaded). For the model picker, before anything is loaded (a tower that then
+/// headers, nothing loaded) and, for Qwen, an unscaled RoPE. For the model picker, before anything is loaded (a tower that then
 /// fails to load leaves a text model).
 pub fn takes_images(config: &Value, model_dir: &Path) -> bool {
     let tower_weight = match config.get("model_type").and_then(Value::as_str) {
         Some("gemma3") => "vision_tower.vision_model.embeddings.patch_embedding.weight",
+        // A Qwen checkpoint that scales its RoPE refuses images ([`qwen3_5`]).
+        Some("qwen3_5" | "qwen3_5_moe") if qwen3_5::scales_rope(config) => return false,
         Some("qwen3_5" | "qwen3_5_moe") => "vision_tower.patch_embed.proj.weight",
         _ => return false,
     };

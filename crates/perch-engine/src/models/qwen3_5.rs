@@ -91,6 +91,16 @@ fn default_full_attention_interval() -> i32 {
     4
 }
 
+/// Whether a `qwen3_5` config scales its RoPE (`rope_parameters`' `type` / `rope_type` other
+/// than `default`), which images refuse (their multimodal RoPE is unscaled).
+pub fn scales_rope(config: &Value) -> bool {
+    let text = config.get("text_config").unwrap_or(config);
+    text.get("rope_parameters")
+        .and_then(|p| p.get("type").or_else(|| p.get("rope_type")))
+        .and_then(Value::as_str)
+        .is_some_and(|kind| kind != "default")
+}
+
 pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
     let text = cx.config.get("text_config").unwrap_or(cx.config);
     let args: Qwen35Args =

@@ -17,8 +17,8 @@ of the last position's logits (`logprobs`) and 8 greedy ids (`greedy_ids`) as ml
 them (`get_input_embeddings`, then the language model with those positions over its prompt cache, then
 decode steps). With TOKENIZER_DIR, the model directory gets that tokenizer with Qwen's four vision
 tokens added after its vocabulary and a ChatML template that writes an image part as Qwen's does, and
-beside it qwen3_5_moe/ (the mixture-of-experts variant: 4 experts, 2 a token, a shared expert; the same
-tower) with qwen3_5_moe-prompts.json, its log-probabilities and greedy ids for the same prompts. Also
+beside it qwen3_5_moe/ (the mixture-of-experts variant: 4 experts, 2 a token, a shared expert; a tower
+of the same shape) with qwen3_5_moe-prompts.json, its log-probabilities and greedy ids for the same prompts. Also
 qwen3_5/preprocessor_config.json (mlx-vlm's defaults, written out), qwen3_5-resized-{0,1,2}.png
 (50 × 70, 300 × 200 and 20 × 30 pixels) and qwen3_5-resized.safetensors: `resized_i`, mlx-vlm's
 processor's values for each (bicubic resize, rescale, normalization) as `[height, width, 3]`.
@@ -145,7 +145,8 @@ def main():
         prompt_cases(model, prompts, all_values, all_grids, positions=True)))
     if len(sys.argv) > 2:
         write_tokenizer(out, Path(sys.argv[2]))
-        # The mixture-of-experts variant (Qwen3.5-MoE / Qwen3.6-A3B), the same tower and prompts.
+        # The mixture-of-experts variant (Qwen3.5-MoE / Qwen3.6-A3B): a tower of the same shape
+        # (its own random weights), the same prompts.
         moe_out = out.parent / "qwen3_5_moe"
         moe_out.mkdir(exist_ok=True)
         moe = build(QWEN3_5_MOE)
