@@ -405,15 +405,7 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
     let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "qwen vision");
     for (n, case) in cases.iter().enumerate() {
-        let mut scored = request(&case.prompt_ids, images_of(case), 1);
-        scored.next_token_logprobs = true;
-        let (output, _) = common::drive(&mut batch, vec![(0, scored)]).remove(0);
-        let ours = output.next_token_logprobs.expect("log-probabilities");
-        let error = ours
-            .iter()
-            .zip(&case.logprobs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let error = logprob_error(&mut batch, case, images_of(case));
         assert!(
             error <= 1e-4,
             "case {n}: log-probabilities differ by {error}"
@@ -520,15 +512,7 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
     let config = BatchConfig::for_budget(moe.as_ref(), 64 << 20, 16, None);
     let mut moe_batch = BatchGenerator::new(moe.as_ref(), &moe_tokenizer, config, "qwen moe");
     for (n, case) in moe_cases.iter().enumerate() {
-        let mut scored = request(&case.prompt_ids, images_of(case), 1);
-        scored.next_token_logprobs = true;
-        let (output, _) = common::drive(&mut moe_batch, vec![(0, scored)]).remove(0);
-        let ours = output.next_token_logprobs.expect("log-probabilities");
-        let error = ours
-            .iter()
-            .zip(&case.logprobs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let error = logprob_error(&mut moe_batch, case, images_of(case));
         assert!(
             error <= 1e-4,
             "MoE case {n}: log-probabilities differ by {error}"
@@ -651,6 +635,23 @@ fn gemma3_model() -> (
     (out, model, tokenizer, images, cases)
 }
 
+/// The largest difference between the batch's next-token log-probabilities for `case`'s prompt
+/// with `images` and mlx-vlm's.
+fn logprob_error(
+    batch: &mut BatchGenerator<'_>,
+    case: &PromptCase,
+    images: Vec<ImageInput>,
+) -> f32 {
+    let mut scored = request(&case.prompt_ids, images, 1);
+    scored.next_token_logprobs = true;
+    let (output, _) = common::drive(batch, vec![(0, scored)]).remove(0);
+    let ours = output.next_token_logprobs.expect("log-probabilities");
+    ours.iter()
+        .zip(&case.logprobs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+}
+
 fn request(prompt: &[u32], images: Vec<ImageInput>, max_tokens: usize) -> GenerateRequest {
     let mut request = GenerateRequest::new(prompt.to_vec());
     request.images = images;
@@ -676,15 +677,7 @@ fn gemma3_prompts_with_images_match_mlx_vlm() {
         case.images.iter().map(|&i| images[i].clone()).collect()
     };
     for (n, case) in cases.iter().enumerate() {
-        let mut scored = request(&case.prompt_ids, images_of(case), 1);
-        scored.next_token_logprobs = true;
-        let (output, _) = common::drive(&mut batch, vec![(0, scored)]).remove(0);
-        let ours = output.next_token_logprobs.expect("log-probabilities");
-        let error = ours
-            .iter()
-            .zip(&case.logprobs)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0f32, f32::max);
+        let error = logprob_error(&mut batch, case, images_of(case));
         assert!(
             error <= 1e-4,
             "case {n}: log-probabilities differ by {error}"

@@ -142,20 +142,11 @@ pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
             .weights
             .contains("vision_tower.vision_model.embeddings.patch_embedding.weight")
     {
-        let tower = VisionTower::load_gemma3(&mut cx).map_err(|e| e.to_string());
-        let left: Vec<String> = cx
-            .weights
-            .remaining()
-            .into_iter()
-            .filter(|name| is_vision(name))
-            .collect();
-        vision = Some(match tower {
-            Ok(_) if !left.is_empty() => Err(format!(
-                "the checkpoint's vision tower has weights Perch does not read, e.g. {}",
-                left[0]
-            )),
-            tower => tower,
-        });
+        vision = Some(super::vision::load_checked(
+            &mut cx,
+            VisionTower::load_gemma3,
+            is_vision,
+        ));
     }
     if nested {
         // Whatever the text model does not read (mlx_lm's sanitize drops them too).

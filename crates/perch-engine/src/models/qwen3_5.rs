@@ -170,20 +170,11 @@ pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
     if cx.config.get("vision_config").is_some()
         && cx.weights.contains("vision_tower.patch_embed.proj.weight")
     {
-        let tower = VisionTower::load_qwen(&mut cx).map_err(|e| e.to_string());
-        let left: Vec<String> = cx
-            .weights
-            .remaining()
-            .into_iter()
-            .filter(|name| is_vision(name))
-            .collect();
-        vision = Some(match tower {
-            Ok(_) if !left.is_empty() => Err(format!(
-                "the checkpoint's vision tower has weights Perch does not read, e.g. {}",
-                left[0]
-            )),
-            tower => tower,
-        });
+        vision = Some(super::vision::load_checked(
+            &mut cx,
+            VisionTower::load_qwen,
+            is_vision,
+        ));
     }
     // Whatever the text model does not read, and the multi-token-prediction head (mlx_lm's
     // sanitize drops them too).

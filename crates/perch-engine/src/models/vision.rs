@@ -483,6 +483,29 @@ impl VisionTower {
     }
 }
 
+/// A vision-language checkpoint's tower through `load` (the loader's result as a sentence on
+/// failure), refused when the checkpoint holds tower weights (`is_vision` names them) that the
+/// tower did not read: what a loader keeps beside its text model ([`super::Resolved::vision`]).
+pub(super) fn load_checked(
+    cx: &mut LoadContext<'_>,
+    load: fn(&mut LoadContext<'_>) -> Result<VisionTower>,
+    is_vision: impl Fn(&str) -> bool,
+) -> std::result::Result<VisionTower, String> {
+    let tower = load(cx).map_err(|e| e.to_string())?;
+    let left: Vec<String> = cx
+        .weights
+        .remaining()
+        .into_iter()
+        .filter(|name| is_vision(name))
+        .collect();
+    match left.first() {
+        Some(name) => Err(format!(
+            "the checkpoint's vision tower has weights Perch does not read, e.g. {name}"
+        )),
+        None => Ok(tower),
+    }
+}
+
 /// The token id in `name` of a vision-language config (`default` when absent).
 fn token_id(cx: &LoadContext<'_>, name: &str, default: u32) -> Result<u32> {
     match cx.config.get(name) {
