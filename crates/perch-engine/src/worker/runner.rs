@@ -461,7 +461,9 @@ impl<'m> ModelRunner<'m> {
     fn print_step_graph(&mut self, num_rows: usize, step: &InFlight) {
         /// Decode steps at a row count before the one written.
         const GRAPH_AFTER_STEPS: usize = 8;
-        let Some(dir) = std::env::var_os("PERCH_DECODE_GRAPH_DIR") else {
+        // Read once: this runs on every decode step.
+        static DIR: std::sync::OnceLock<Option<std::ffi::OsString>> = std::sync::OnceLock::new();
+        let Some(dir) = DIR.get_or_init(|| std::env::var_os("PERCH_DECODE_GRAPH_DIR")) else {
             return;
         };
         let steps = self.graph_steps.entry(num_rows).or_default();
