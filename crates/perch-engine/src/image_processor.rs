@@ -1,11 +1,13 @@
 //! Image files to what a vision tower takes, as the model's image processor does (transformers'
-//! `Gemma3ImageProcessor` for Gemma 3, mlx-vlm's Qwen3-VL processor for Qwen3.5): decoded with the
-//! `image` crate (PNG, JPEG, WebP, GIF's first frame), converted to RGB (an alpha channel is
-//! dropped, as PIL's `convert("RGB")` does), resized ([`Resize`]: Gemma 3 to the tower's square,
-//! Qwen to multiples of its merge block within a pixel budget, [`smart_resize`]) with
-//! `preprocessor_config.json`'s filter (`resample`: 2 bilinear, 3 bicubic, 1 Lanczos, 0 nearest;
-//! Gemma's default bilinear, Qwen's bicubic), rescaled by `rescale_factor` and normalized by
-//! `image_mean` / `image_std`, channels last. The `image` crate's filters are PIL's kinds with an
+//! `Gemma3ImageProcessor` for Gemma 3, mlx-vlm's Qwen3-VL processor for Qwen3.5 and its
+//! `Gemma4ImageProcessor` for Gemma 4): decoded with the `image` crate (PNG, JPEG, WebP, GIF's
+//! first frame), converted to RGB (an alpha channel is dropped, as PIL's `convert("RGB")` does),
+//! resized ([`Resize`]: Gemma 3 to the tower's square, Qwen to multiples of its merge block within
+//! a pixel budget, [`smart_resize`], Gemma 4 to the largest size of its aspect ratio within its
+//! soft-token budget, [`aspect_resize`]) with `preprocessor_config.json`'s filter (`resample`: 2
+//! bilinear, 3 bicubic, 1 Lanczos, 0 nearest; Gemma 3's default bilinear, Qwen's bicubic; Gemma 4
+//! always bicubic), rescaled by `rescale_factor` and normalized by `image_mean` / `image_std`
+//! (unless `do_normalize` is false, Gemma 4's default), channels last. The `image` crate's filters are PIL's kinds with an
 //! antialiasing support as wide as the downscale, run a pass per axis with 8-bit values between
 //! them as PIL's are, computed in floating point where PIL uses fixed point: pixel values may
 //! differ from the reference's by a step or two of 255 after resizing (an image already at its
@@ -20,7 +22,9 @@
 //! `<|vision_start|><|image_pad|><|vision_end|>`); [`ImageProcessor::expand`] replaces each with
 //! the run of image tokens the tower fills (Gemma 3: `\n\n<start_of_image>` +
 //! `<image_soft_token>` × tokens per image + `<end_of_image>\n\n`, as `Gemma3Processor` does;
-//! Qwen: `<|image_pad|>` × the image's tokens, one per merge block).
+//! Qwen: `<|image_pad|>` × the image's tokens, one per merge block; Gemma 4: its template writes
+//! the image token `<|image|>`, which becomes `<|image>` + `<|image|>` × the image's soft tokens +
+//! `<image|>`, as `Gemma4Processor` does).
 
 use std::io::Cursor;
 use std::path::Path;
@@ -64,6 +68,14 @@ pub enum Resize {
         min_pixels: u64,
         max_pixels: u64,
     },
+    /// To the largest size of the image's aspect ratio whose sides are multiples of `patch ·
+    /// pool` and whose `patch`-pixel patches are at most `max_tokens · pool²` ([`aspect_resize`],
+    /// Gemma 4); a token for each `pool × pool` patches.
+    Aspect {
+        patch: u32,
+        pool: u32,
+        max_tokens: u32,
+    },
 }
 
 /// What a chat template writes for an image, and the run of image tokens it becomes.
@@ -77,6 +89,12 @@ enum Placeholder {
     },
     /// Qwen: the template writes `<|vision_start|>token<|vision_end|>`; each `token` becomes n.
     Repeated { token: String },
+    /// Gemma 4: the template writes `token`; it becomes `begin` + `token` × n + `end`.
+    Bracketed {
+        begin: String,
+        token: String,
+        end: String,
+    },
 }
 
 /// How a model's images are prepared and written into its prompts.
@@ -163,6 +181,33 @@ pub fn smart_resize(
     Ok((h_bar as u32, w_bar as u32))
 }
 
+/// Gemma 4's resize (mlx-vlm 0.7.6's `Gemma4ImageProcessor.aspect_ratio_preserving_resize`): the
+/// sides scaled by `sqrt(max_tokens · pool² · patch² / (h · w))` (up or down) and floored to
+/// multiples of `patch · pool`; a side that floors to nothing becomes one multiple and the other
+/// `floor(long / short)` multiples, at most `max_tokens` of them.
+pub fn aspect_resize(
+    height: u32,
+    width: u32,
+    patch: u32,
+    pool: u32,
+    max_tokens: u32,
+) -> (u32, u32) {
+    let (h, w) = (f64::from(height), f64::from(width));
+    let max_patches = f64::from(max_tokens) * f64::from(pool * pool);
+    let factor = (max_patches * f64::from(patch * patch) / (h * w)).sqrt();
+    let side = f64::from(patch * pool);
+    let target_h = (factor * h / side).floor() * side;
+    let target_w = (factor * w / side).floor() * side;
+    let longest = f64::from(max_tokens) * side;
+    let (target_h, target_w) = match (target_h == 0.0, target_w == 0.0) {
+        // Both sides cannot floor to nothing: their product is the whole budget.
+        (true, _) => (side, ((w / h).floor() * side).min(longest)),
+        (false, true) => (((h / w).floor() * side).min(longest), side),
+        (false, false) => (target_h, target_w),
+    };
+    (target_h as u32, target_w as u32)
+}
+
 impl ImageProcessor {
     /// The processor of the model in `model_dir` whose vision tower takes `side`-pixel squares
     /// and fills `tokens_per_image` image tokens: `preprocessor_config.json` where there is one
@@ -198,8 +243,27 @@ impl ImageProcessor {
         )
     }
 
-    /// [`ImageProcessor::load`] and [`ImageProcessor::load_qwen`]: `resize` with its bounds
-    /// read from the config where it has them.
+    /// The processor of a Gemma 4 model in `model_dir` whose tower takes `patch`-pixel patches
+    /// pooled `pool × pool` into a soft token, at most `max_tokens` an image (the tower's
+    /// `default_output_length`): `processor_config.json`'s `image_processor` settings where there
+    /// are some (`max_soft_tokens` replaces `max_tokens`, lowered to [`MAX_IMAGE_TOKENS`] at
+    /// most; `rescale_factor`; `do_normalize`, default false, with `image_mean` / `image_std`),
+    /// bicubic resampling; the image tokens from `tokenizer_config.json` (`boi_token`,
+    /// `image_token`, `eoi_token`; else Gemma 4's `<|image>`, `<|image|>`, `<image|>`).
+    pub fn load_gemma4(model_dir: &Path, patch: u32, pool: u32, max_tokens: u32) -> Result<Self> {
+        Self::load_as(
+            model_dir,
+            Resize::Aspect {
+                patch,
+                pool,
+                max_tokens,
+            },
+        )
+    }
+
+    /// [`ImageProcessor::load`], [`ImageProcessor::load_qwen`] and
+    /// [`ImageProcessor::load_gemma4`]: `resize` with its bounds read from the config where it
+    /// has them.
     fn load_as(model_dir: &Path, resize: Resize) -> Result<Self> {
         // Read as every config is: capped in size ([`crate::limits`]).
         let read = |name: &str| -> Result<Option<Value>> {
@@ -254,11 +318,21 @@ impl ImageProcessor {
                 Some(other) => Err(bad(format!("{name} must be three numbers, got {other}"))),
             }
         };
-        let (mean, std) = (triple("image_mean")?, triple("image_std")?);
+        let (mut mean, mut std) = (triple("image_mean")?, triple("image_std")?);
         if std.iter().any(|s| !(s.is_finite() && *s > 0.0)) || mean.iter().any(|m| !m.is_finite()) {
             return Err(bad(
                 "image_std must be positive and image_mean finite".into()
             ));
+        }
+        // Gemma 4's processor leaves values in [0, 1] unless told (its tower maps them itself).
+        let normalize = match config.get("do_normalize") {
+            None | Some(Value::Null) => !matches!(resize, Resize::Aspect { .. }),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| bad(format!("do_normalize must be true or false, got {v}")))?,
+        };
+        if !normalize {
+            (mean, std) = ([0.0; 3], [1.0; 3]);
         }
         let rescale = match config.get("rescale_factor") {
             None | Some(Value::Null) => 1.0 / 255.0,
@@ -305,17 +379,42 @@ impl ImageProcessor {
                     max_pixels,
                 }
             }
+            Resize::Aspect {
+                patch,
+                pool,
+                max_tokens,
+            } => {
+                let max_tokens = match config.get("max_soft_tokens") {
+                    None | Some(Value::Null) => max_tokens,
+                    Some(v) => v
+                        .as_u64()
+                        .filter(|&n| n > 0)
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or_else(|| {
+                            bad(format!(
+                                "max_soft_tokens must be a positive whole number, got {v}"
+                            ))
+                        })?,
+                };
+                Resize::Aspect {
+                    patch,
+                    pool,
+                    max_tokens: max_tokens.min(MAX_IMAGE_TOKENS as u32),
+                }
+            }
             square => square,
         };
         let default_filter = match resize {
             Resize::Square { .. } => 2,
             Resize::Smart { .. } => 3,
+            // mlx-vlm's Gemma 4 processor resizes bicubic whatever the config says.
+            Resize::Aspect { .. } => 3,
         };
-        let filter = match config
-            .get("resample")
-            .and_then(Value::as_i64)
-            .unwrap_or(default_filter)
-        {
+        let resample = match resize {
+            Resize::Aspect { .. } => None,
+            _ => config.get("resample").and_then(Value::as_i64),
+        };
+        let filter = match resample.unwrap_or(default_filter) {
             0 => FilterType::Nearest,
             1 => FilterType::Lanczos3,
             2 => FilterType::Triangle,
@@ -339,6 +438,11 @@ impl ImageProcessor {
             Resize::Smart { .. } => Placeholder::Repeated {
                 token: token("image_token", "<|image_pad|>"),
             },
+            Resize::Aspect { .. } => Placeholder::Bracketed {
+                begin: token("boi_token", "<|image>"),
+                token: token("image_token", "<|image|>"),
+                end: token("eoi_token", "<image|>"),
+            },
         };
         Ok(Self {
             resize,
@@ -354,7 +458,9 @@ impl ImageProcessor {
     /// The image token as the tokenizer writes it.
     pub fn image_token(&self) -> &str {
         match &self.placeholder {
-            Placeholder::Wrapped { token, .. } | Placeholder::Repeated { token } => token,
+            Placeholder::Wrapped { token, .. }
+            | Placeholder::Repeated { token }
+            | Placeholder::Bracketed { token, .. } => token,
         }
     }
 
@@ -370,6 +476,11 @@ impl ImageProcessor {
             Resize::Smart { factor, .. } => {
                 let [height, width, _] = image.shape();
                 (height / factor as usize) * (width / factor as usize)
+            }
+            Resize::Aspect { patch, pool, .. } => {
+                let [height, width, _] = image.shape();
+                let side = (patch * pool) as usize;
+                (height / side) * (width / side)
             }
         }
     }
@@ -445,6 +556,11 @@ impl ImageProcessor {
                     false => (h, w),
                 }
             }
+            Resize::Aspect {
+                patch,
+                pool,
+                max_tokens,
+            } => aspect_resize(height, width, patch, pool, max_tokens),
         };
         let resized = resize_like_pil(decoded, width, height, self.filter);
         let mut pixels = Vec::with_capacity((width * height * 3) as usize);
@@ -516,7 +632,7 @@ impl ImageProcessor {
     pub fn expand(&self, text: &str, images: &[ImageInput]) -> Result<String> {
         let marker = match &self.placeholder {
             Placeholder::Wrapped { begin, .. } => begin,
-            Placeholder::Repeated { token } => token,
+            Placeholder::Repeated { token } | Placeholder::Bracketed { token, .. } => token,
         };
         let found = text.matches(marker.as_str()).count();
         if found != images.len() {
@@ -535,6 +651,9 @@ impl ImageProcessor {
                     out.push_str(&format!("\n\n{begin}{}{end}\n\n", token.repeat(n)));
                 }
                 Placeholder::Repeated { token } => out.push_str(&token.repeat(n)),
+                Placeholder::Bracketed { begin, token, end } => {
+                    out.push_str(&format!("{begin}{}{end}", token.repeat(n)));
+                }
             }
             out.push_str(piece);
         }

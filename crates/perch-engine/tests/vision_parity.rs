@@ -1071,3 +1071,196 @@ fn chats_with_images_through_the_engine() {
     let text = EngineHandle::load(&common::model_dir(), EngineConfig::default()).unwrap();
     assert!(refusal(&text, messages).contains("takes no images"));
 }
+
+/// Gemma 4 with images against mlx-vlm (`tests/oracle/tiny_gemma4_vision.py`: per-layer inputs
+/// and KV-shared layers in the text model, a tower that standardizes): every tower weight read;
+/// each image's features within 1e-4 of `encode_image`'s; image files prepared as its processor
+/// does (kept sizes exactly, resized ones within two steps of 255) and written into prompts as
+/// `<|image>` + soft tokens + `<image|>`; prompts with one and with two images through the batch
+/// engine: next-token log-probabilities within 1e-4 and 8 greedy ids, alone, beside a text-only
+/// request in chunks of 5 that cut the images, and again from the prefix cache. A checkpoint
+/// whose image tokens attend both ways keeps its text model and refuses images.
+#[test]
+fn gemma4_images_match_mlx_vlm() {
+    let out = tempfile::tempdir().unwrap();
+    let tokenizer_dir = common::model_dir();
+    common::run_oracle(
+        "tiny_gemma4_vision.py",
+        &[
+            out.path().to_str().unwrap(),
+            tokenizer_dir.to_str().unwrap(),
+        ],
+    );
+    let dir = out.path().join("gemma4");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert!(perch_engine::models::takes_images(&config, &dir));
+    let mut weights = Weights::load(&dir, Backend::current()).unwrap();
+    let config_path = dir.join("config.json");
+    let mut cx = LoadContext {
+        config: &config,
+        config_path: &config_path,
+        weights: &mut weights,
+    };
+    let tower = VisionTower::load_gemma4(&mut cx).unwrap();
+    let left: Vec<String> = weights
+        .remaining()
+        .into_iter()
+        .filter(|name| !name.starts_with("language_model."))
+        .collect();
+    assert!(left.is_empty(), "vision weights not read: {left:?}");
+
+    let expected = Array::load_safetensors(out.path().join("gemma4-expected.safetensors")).unwrap();
+    let image_of = |pixels: &Array| {
+        let s: Vec<usize> = pixels.shape().iter().map(|&d| d as usize).collect();
+        ImageInput::new(pixels.as_slice::<f32>().to_vec(), [s[0], s[1], s[2]]).unwrap()
+    };
+    let images: Vec<ImageInput> = (0..2)
+        .map(|i| image_of(&expected[&format!("pixels_{i}")]))
+        .collect();
+    for (i, image) in images.iter().enumerate() {
+        assert_eq!(tower.tokens(image.shape()).unwrap(), (6, None), "image {i}");
+        let s = image.shape().map(|d| d as i32);
+        let ours = tower.embed(&Array::from_slice(image.pixels(), &s)).unwrap();
+        let theirs = &expected[&format!("features_{i}")];
+        assert_eq!(ours.shape(), theirs.shape(), "image {i}");
+        let largest = largest_abs(theirs);
+        let error = largest_abs(&mlx_rs::ops::subtract(&ours, theirs).unwrap());
+        assert!(largest > 0.1, "image {i}: the reference is not trivial");
+        assert!(
+            error <= 1e-4 * largest.max(1.0),
+            "image {i}: features differ by {error} (largest value {largest})"
+        );
+    }
+    let message = tower.tokens([100, 48, 3]).err().unwrap().to_string();
+    assert!(message.contains("multiples of 48"), "{message}");
+
+    // The processor: sizes it keeps exactly, sizes it changes (96 × 96 is 4 soft tokens,
+    // 48 × 288 is 6) within two steps of 255.
+    let processor = ImageProcessor::load_gemma4(&dir, 16, 3, 280).unwrap();
+    for (i, image) in images.iter().enumerate() {
+        let png = std::fs::read(out.path().join(format!("gemma4-image-{i}.png"))).unwrap();
+        let kept = processor.process(&png).unwrap();
+        assert_eq!(kept.shape(), image.shape());
+        assert_eq!(kept.pixels(), image.pixels(), "image {i}: kept pixels");
+    }
+    let mut resized = Vec::new();
+    for i in 0..2 {
+        let png = std::fs::read(out.path().join(format!("gemma4-resized-{i}.png"))).unwrap();
+        let ours = processor.process(&png).unwrap();
+        let theirs = &expected[&format!("resized_{i}")];
+        assert_eq!(
+            ours.shape().map(|d| d as i32).to_vec(),
+            theirs.shape().to_vec()
+        );
+        let error = ours
+            .pixels()
+            .iter()
+            .zip(theirs.as_slice::<f32>())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(error <= 2.0 / 255.0 + 1e-6, "resized {i}: {error}");
+        resized.push(ours);
+    }
+    let counts: Vec<usize> = resized.iter().map(|im| processor.tokens(im)).collect();
+    assert_eq!(counts, [4, 6]);
+    let expanded = processor.expand("a <|image|> b", &resized[..1]).unwrap();
+    assert_eq!(
+        expanded,
+        format!("a <|image>{}<image|> b", "<|image|>".repeat(4))
+    );
+
+    // Prompts with images through the batch engine.
+    let model = perch_engine::models::load(&dir).unwrap();
+    assert!(model.vision().is_some(), "the gemma4 tower loads");
+    let tokenizer = perch_engine::Tokenizer::load(&dir).unwrap();
+    let cases: Vec<PromptCase> =
+        serde_json::from_slice(&std::fs::read(out.path().join("gemma4-prompts.json")).unwrap())
+            .unwrap();
+    let images_of = |case: &PromptCase| -> Vec<ImageInput> {
+        case.images.iter().map(|&i| images[i].clone()).collect()
+    };
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "gemma4 vision");
+    for (n, case) in cases.iter().enumerate() {
+        let error = logprob_error(&mut batch, case, images_of(case));
+        assert!(
+            error <= 1e-4,
+            "case {n}: log-probabilities differ by {error}"
+        );
+        let (output, _) = common::drive(
+            &mut batch,
+            vec![(0, request(&case.prompt_ids, images_of(case), 8))],
+        )
+        .remove(0);
+        assert_eq!(output.token_ids, case.greedy_ids, "case {n}: greedy ids");
+    }
+    let text: Vec<u32> = (40..70).collect();
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut fresh = BatchGenerator::new(model.as_ref(), &tokenizer, config, "fresh");
+    let alone_text = common::drive(&mut fresh, vec![(0, request(&text, vec![], 8))])
+        .remove(0)
+        .0
+        .token_ids;
+    let mut schedule = vec![(0, request(&text, vec![], 8))];
+    for case in &cases {
+        schedule.push((0, request(&case.prompt_ids, images_of(case), 8)));
+    }
+    let schedule = schedule
+        .into_iter()
+        .map(|(at, mut r)| {
+            r.prefill_step_size = 5;
+            (at, r)
+        })
+        .collect();
+    let outputs = common::drive(&mut fresh, schedule);
+    assert_eq!(outputs[0].0.token_ids, alone_text, "the text-only request");
+    for (n, case) in cases.iter().enumerate() {
+        assert_eq!(
+            outputs[n + 1].0.token_ids,
+            case.greedy_ids,
+            "case {n} in one batch, in chunks of 5"
+        );
+    }
+    // A follow-up turn about the second case's images, twice: the second time both images'
+    // tokens (positions 2 to 19) come from cached blocks, and the tower does not run.
+    let case = &cases[1];
+    let mut follow = case.prompt_ids.clone();
+    follow.extend_from_slice(&case.greedy_ids);
+    follow.extend_from_slice(&[23, 24, 25]);
+    let tower = model.vision().unwrap();
+    let (first, _) =
+        common::drive(&mut batch, vec![(0, request(&follow, images_of(case), 8))]).remove(0);
+    let passes = tower.passes();
+    let (again, _) =
+        common::drive(&mut batch, vec![(0, request(&follow, images_of(case), 8))]).remove(0);
+    assert!(
+        again.stats.cached_prompt_tokens >= 32,
+        "{} prompt tokens cached",
+        again.stats.cached_prompt_tokens
+    );
+    assert_eq!(
+        tower.passes(),
+        passes,
+        "cached images are not encoded again"
+    );
+    assert_eq!(
+        again.token_ids, first.token_ids,
+        "from the cache as computed before"
+    );
+
+    // Image tokens attending both ways (the larger Gemma 4s): the text model runs, images are
+    // refused with the reason.
+    let mut both_ways = config_of(&dir);
+    both_ways["text_config"]["use_bidirectional_attention"] = serde_json::json!("vision");
+    std::fs::write(dir.join("config.json"), both_ways.to_string()).unwrap();
+    assert!(!perch_engine::models::takes_images(&both_ways, &dir));
+    let model = perch_engine::models::load(&dir).unwrap();
+    assert!(model.vision().is_none());
+    let why = model.vision_unavailable().unwrap_or_default().to_string();
+    assert!(why.contains("both"), "{why}");
+}
+
+fn config_of(dir: &std::path::Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap()
+}

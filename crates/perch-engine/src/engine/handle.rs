@@ -496,6 +496,11 @@ fn image_processor(
     let processor = match tower.resize() {
         Resize::Square { side, tokens } => ImageProcessor::load(dir, side, tokens),
         Resize::Smart { factor, .. } => ImageProcessor::load_qwen(dir, factor),
+        Resize::Aspect {
+            patch,
+            pool,
+            max_tokens,
+        } => ImageProcessor::load_gemma4(dir, patch, pool, max_tokens),
     };
     Some(processor.map_err(|e| e.to_string()))
 }

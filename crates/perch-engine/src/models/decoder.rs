@@ -110,6 +110,10 @@ pub struct BlockStyle {
     pub clip_float16_residuals: bool,
     /// Embeddings are multiplied by this (Gemma: `sqrt(hidden_size)` rounded to bfloat16).
     pub embedding_scale: Option<f32>,
+    /// Spliced features ([`super::Spliced::features`]) replace their tokens' embeddings after
+    /// [`BlockStyle::embedding_scale`] (Gemma 4, as mlx-vlm's `get_input_embeddings` scatters
+    /// them), not before (Gemma 3, whose tower divides them by the scale first).
+    pub features_after_scale: bool,
     /// Attention's score scale; `None`: `head_dim^-0.5` (Gemma: `query_pre_attn_scalar^-0.5`).
     pub attention_scale: Option<f32>,
     /// Sliding-window attention on some layers (Gemma 3).
@@ -990,6 +994,8 @@ pub struct Decoder {
     /// The sliding layers' window, when there are sliding layers.
     window: Option<i32>,
     embedding_scale: Option<f32>,
+    /// See [`BlockStyle::features_after_scale`].
+    features_after_scale: bool,
     clip_float16_residuals: bool,
     /// See [`BlockStyle::query_position_scale`] (computed once per pass for all layers).
     query_position_scale: Option<QueryPositionScale>,
@@ -1245,6 +1251,7 @@ impl Decoder {
                 .filter(|s| (0..c.num_layers).any(|i| s.is_sliding_layer(i)))
                 .map(|s| s.window),
             embedding_scale: c.style.embedding_scale,
+            features_after_scale: c.style.features_after_scale,
             clip_float16_residuals: c.style.clip_float16_residuals,
             query_position_scale: c.style.query_position_scale,
             mrope_sections: c.style.mrope_sections,
@@ -1274,23 +1281,43 @@ impl Decoder {
         mut mix: impl FnMut(&Block, &Array, Option<&Rope>) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
-        if let Some((positions, features)) = spliced.and_then(|s| s.features.as_ref()) {
-            // The features replace their tokens' embeddings, then take the embedding scale
-            // with them (mlx-vlm's `prepare_inputs_for_multimodal`, then the text model).
+        let features = spliced.and_then(|s| s.features.as_ref());
+        // The features replace their tokens' embeddings (mlx-vlm's masked scatter), before the
+        // embedding scale or after it ([`BlockStyle::features_after_scale`]).
+        let splice = |h: Array, (positions, features): &(Array, Array)| -> Result<Array> {
             let shape = h.shape().to_vec();
             let hidden = shape[2];
             let n = positions.size() as i32;
             let flat = h.reshape(&[-1, hidden])?;
             let at = ops::broadcast_to(&positions.reshape(&[n, 1])?, &[n, hidden])?;
             let features = features.as_dtype(h.dtype())?;
-            h = mlx_rs::ops::indexing::put_along_axis(&flat, &at, &features, 0)?.reshape(&shape)?;
+            Ok(mlx_rs::ops::indexing::put_along_axis(&flat, &at, &features, 0)?.reshape(&shape)?)
+        };
+        if let Some(f) = features.filter(|_| !self.features_after_scale) {
+            h = splice(h, f)?;
         }
         if let Some(scale) = self.embedding_scale {
             h = ops::multiply(&h, &Array::from_f32(scale).as_dtype(h.dtype())?)?;
         }
-        let per_layer_inputs = match &self.per_layer {
-            Some(per_layer) => Some(per_layer.inputs(ids, &h)?),
-            None => None,
+        if let Some(f) = features.filter(|_| self.features_after_scale) {
+            h = splice(h, f)?;
+        }
+        let per_layer_inputs = match (&self.per_layer, features) {
+            (Some(per_layer), None) => Some(per_layer.inputs(ids, &h)?),
+            // Spliced tokens take token 0's per-layer embedding (mlx-vlm's Gemma 4).
+            (Some(per_layer), Some((positions, _))) => {
+                let n = positions.size() as i32;
+                let zeros = Array::zeros::<u32>(&[n])?.as_dtype(ids.dtype())?;
+                let text_ids = mlx_rs::ops::indexing::put_along_axis(
+                    &ids.reshape(&[-1])?,
+                    positions,
+                    &zeros,
+                    0,
+                )?
+                .reshape(ids.shape())?;
+                Some(per_layer.inputs(&text_ids, &h)?)
+            }
+            (None, _) => None,
         };
         // The last block's feed-forward output not yet added to `h`: added by the next block's
         // input norm in one kernel where there is one (`RmsNorm::add_forward`).

@@ -1,6 +1,7 @@
 //! Gemma 4 (`gemma4_text`, and `gemma4` / `gemma4_unified`, the multimodal checkpoints whose text
-//! model is nested in `text_config` and whose weights sit under `language_model.`; their vision
-//! and audio towers are left unread). Gemma 3's block (query and key norms, GeGLU, norms on each sub-layer's
+//! model is nested in `text_config` and whose weights sit under `language_model.`; a `gemma4`
+//! checkpoint's vision tower loads beside it ([`super::gemma4_vision`]), audio towers and
+//! `gemma4_unified`'s vision are left unread). Gemma 3's block (query and key norms, GeGLU, norms on each sub-layer's
 //! input and output, scaled embeddings, sliding-window layers listed in `layer_types`) with:
 //! plain RMSNorm weights (not offsets from one); an unweighted norm on values; scores unscaled
 //! (the norms set the scale); global layers with heads of their own size (`global_head_dim`),
@@ -17,6 +18,7 @@ use serde_json::Value;
 
 use super::decoder::{BlockStyle, DecoderConfig, GlobalAttention, PerLayerInputs, SlidingWindow};
 use super::moe::{MoeConfig, MoeStyle};
+use super::vision::VisionTower;
 use super::{LoadContext, Resolved};
 use crate::error::Result;
 use crate::nn::layers::{Activation, Rope};
@@ -108,7 +110,7 @@ fn default_rope_parameters() -> Value {
     })
 }
 
-pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
+pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
     let model_type = cx
         .config
         .get("model_type")
@@ -230,6 +232,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
             layer_scalar: true,
             final_logit_softcap: args.final_logit_softcapping,
             double_wide_shared_mlp: args.use_double_wide_mlp,
+            features_after_scale: true,
             ..Default::default()
         },
         moe,
@@ -246,7 +249,41 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
         ..Default::default()
     };
     config.validate().map_err(|m| cx.error(m))?;
+    let mut vision = None;
     if nested {
+        // Hugging Face's names for the tower, as mlx-vlm's `sanitize` renames them.
+        cx.weights
+            .rename_prefix("model.vision_tower.", "vision_tower.");
+        cx.weights
+            .rename_prefix("model.embed_vision.", "embed_vision.");
+        if model_type == "gemma4"
+            && cx.config.get("vision_config").is_some()
+            && cx
+                .weights
+                .contains("vision_tower.patch_embedder.input_proj.weight")
+        {
+            let is_vision =
+                |name: &str| name.starts_with("vision_tower.") || name.starts_with("embed_vision.");
+            vision = Some(super::vision::load_checked(
+                &mut cx,
+                VisionTower::load_gemma4,
+                is_vision,
+            ));
+            // The larger Gemma 4 models let an image's tokens attend to each other both ways
+            // (`use_bidirectional_attention: "vision"`); the batch's masks are causal.
+            if text
+                .get("use_bidirectional_attention")
+                .and_then(Value::as_str)
+                == Some("vision")
+            {
+                vision = Some(Err(
+                    "this checkpoint's image tokens attend to each other in both \
+                                   directions (`use_bidirectional_attention: \"vision\"`), which \
+                                   Perch does not run yet"
+                        .into(),
+                ));
+            }
+        }
         // Hugging Face's layout, as mlx_lm's `sanitize` renames it.
         if !cx
             .weights
@@ -283,5 +320,7 @@ pub fn load(cx: LoadContext<'_>) -> Result<Resolved> {
         args.rope_traditional,
         Some(&global_params),
     );
-    cx.decoder(config, rope, &model_type)
+    let mut resolved = cx.decoder(config, rope, &model_type)?;
+    resolved.vision = vision;
+    Ok(resolved)
 }

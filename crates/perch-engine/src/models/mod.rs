@@ -7,6 +7,7 @@ pub mod decoder;
 pub mod gated_delta;
 pub mod gemma3;
 pub mod gemma4;
+pub mod gemma4_vision;
 pub mod gpt_oss;
 pub mod llama;
 pub mod ministral3;
@@ -349,15 +350,31 @@ pub fn unsupported_architecture_note(model_type: &str) -> Option<String> {
 /// headers, nothing loaded) and, for Qwen, an unscaled RoPE. For the model picker, before anything is loaded (a tower that then
 /// fails to load leaves a text model).
 pub fn takes_images(config: &Value, model_dir: &Path) -> bool {
-    let tower_weight = match config.get("model_type").and_then(Value::as_str) {
-        Some("gemma3") => "vision_tower.vision_model.embeddings.patch_embedding.weight",
+    let tower_weights: &[&str] = match config.get("model_type").and_then(Value::as_str) {
+        Some("gemma3") => &["vision_tower.vision_model.embeddings.patch_embedding.weight"],
         // A Qwen checkpoint that scales its RoPE refuses images ([`qwen3_5`]).
         Some("qwen3_5" | "qwen3_5_moe") if qwen3_5::scales_rope(config) => return false,
-        Some("qwen3_5" | "qwen3_5_moe") => "vision_tower.patch_embed.proj.weight",
+        Some("qwen3_5" | "qwen3_5_moe") => &["vision_tower.patch_embed.proj.weight"],
+        // So does a Gemma 4 whose image tokens attend both ways ([`gemma4`]).
+        Some("gemma4")
+            if config
+                .get("text_config")
+                .and_then(|t| t.get("use_bidirectional_attention"))
+                .and_then(Value::as_str)
+                == Some("vision") =>
+        {
+            return false
+        }
+        Some("gemma4") => &[
+            "vision_tower.patch_embedder.input_proj.weight",
+            "model.vision_tower.patch_embedder.input_proj.weight",
+        ],
         _ => return false,
     };
     config.get("vision_config").is_some_and(Value::is_object)
-        && crate::nn::weights::has_tensor(model_dir, tower_weight)
+        && tower_weights
+            .iter()
+            .any(|name| crate::nn::weights::has_tensor(model_dir, name))
 }
 
 /// Loads the model in `model_dir` (mlx-community layout: `config.json` + `*.safetensors`).

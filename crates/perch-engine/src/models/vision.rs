@@ -1,7 +1,8 @@
 //! Vision towers: an image's pixel values to the image features a vision-language model splices
 //! into its prompt at its image tokens. Gemma 3 (`gemma3` checkpoints as mlx-community ships
 //! them, mlx-vlm's key names): a SigLIP encoder (`vision_tower.vision_model.`) and Gemma 3's
-//! multimodal projector (`multi_modal_projector.`), here; Qwen3.5's in [`super::qwen_vision`].
+//! multimodal projector (`multi_modal_projector.`), here; Qwen3.5's in [`super::qwen_vision`],
+//! Gemma 4's in [`super::gemma4_vision`].
 //!
 //! Shapes: one image's pixel values `[height, width, channels]` (channels last, already resized
 //! and normalized as the model's processor does) → features `[tokens, text hidden]`
@@ -21,6 +22,7 @@ use mlx_rs::{fast, ops, Array};
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::gemma4_vision::Gemma4VisionTower;
 use super::qwen_vision::QwenVisionTower;
 use super::LoadContext;
 use crate::error::Result;
@@ -257,8 +259,8 @@ struct Gemma3Projector {
     tokens_per_side: i32,
 }
 
-/// A vision-language model's vision tower: Gemma 3's SigLIP and projector, or Qwen3.5's
-/// ([`QwenVisionTower`]).
+/// A vision-language model's vision tower: Gemma 3's SigLIP and projector, Qwen3.5's
+/// ([`QwenVisionTower`]) or Gemma 4's ([`Gemma4VisionTower`]).
 #[derive(Clone)]
 enum Tower {
     Gemma3 {
@@ -266,6 +268,7 @@ enum Tower {
         projector: Gemma3Projector,
     },
     Qwen(QwenVisionTower),
+    Gemma4(Gemma4VisionTower),
 }
 
 /// A vision-language model's vision tower, with what the engine needs around it: the image
@@ -291,6 +294,19 @@ impl VisionTower {
         let image_token_id = token_id(cx, "image_token_id", 248_056)?;
         Ok(Self {
             tower: Tower::Qwen(QwenVisionTower::load(cx)?),
+            image_token_id,
+            splice_divisor: None,
+            passes: Default::default(),
+        })
+    }
+
+    /// Gemma 4's tower (see [`Gemma4VisionTower::load`]), its image token `image_token_id`
+    /// (mlx-vlm's default 258,880). Its features replace their tokens' embeddings after the
+    /// text model's embedding scale ([`super::decoder::BlockStyle::features_after_scale`]).
+    pub fn load_gemma4(cx: &mut LoadContext<'_>) -> Result<Self> {
+        let image_token_id = token_id(cx, "image_token_id", 258_880)?;
+        Ok(Self {
+            tower: Tower::Gemma4(Gemma4VisionTower::load(cx)?),
             image_token_id,
             splice_divisor: None,
             passes: Default::default(),
@@ -393,6 +409,11 @@ impl VisionTower {
                 min_pixels: 56 * 56,
                 max_pixels: 14 * 14 * 4 * 1280,
             },
+            Tower::Gemma4(gemma4) => Resize::Aspect {
+                patch: gemma4.args().patch_size as u32,
+                pool: gemma4.args().pooling_kernel_size as u32,
+                max_tokens: gemma4.args().default_output_length as u32,
+            },
         }
     }
 
@@ -422,6 +443,14 @@ impl VisionTower {
                     qwen.args().factor()
                 ))),
             },
+            Tower::Gemma4(gemma4) => match gemma4.soft_tokens(&shape) {
+                Some(n) => Ok((n, None)),
+                None => Err(refuse(format!(
+                    "[height, width, 3] with sides multiples of {} and at most {} patches a side",
+                    gemma4.args().factor(),
+                    gemma4.args().position_embedding_size
+                ))),
+            },
         }
     }
 
@@ -441,6 +470,7 @@ impl VisionTower {
                 features.reshape(&[-1, d])?
             }
             Tower::Qwen(qwen) => qwen.encode(pixels)?,
+            Tower::Gemma4(gemma4) => gemma4.encode(pixels)?,
         };
         match self.splice_divisor {
             // mlx-vlm divides by the Python float `hidden ** 0.5`: in the features' dtype.

@@ -1,0 +1,162 @@
+"""Writes a tiny random Gemma 4 vision-language model with Python mlx-vlm 0.7.6, plus what mlx-vlm
+computes on it, for `tests/vision_parity.rs`.
+
+Usage: python tiny_gemma4_vision.py OUT_DIR TOKENIZER_DIR
+OUT_DIR/gemma4/ holds the model directory (config.json and model.safetensors as mlx-vlm saves a
+`gemma4` checkpoint: `language_model.*`, `vision_tower.*` and `embed_vision.*`, float32; per-layer
+inputs and KV-shared layers in the text model; the tokenizer of TOKENIZER_DIR with Gemma 4's three
+image tokens added after its vocabulary, their names in tokenizer_config.json, a Gemma-4-style chat
+template that writes an image part as the image token, and processor_config.json: 16-pixel patches
+pooled 3 × 3, at most 6 soft tokens an image). Beside it: gemma4-image-{0,1}.png (random RGB images
+of 144 × 96 and 48 × 288 pixels, height × width: 54 patches each, the most 6 soft tokens allow, which the processor keeps), gemma4-resized-{0,1}.png
+(70 × 50 and 30 × 200 pixels, which it resizes), gemma4-expected.safetensors (`pixels_i` for each
+image: the processor's values `[height, width, 3]`; `features_i`: `Model.encode_image` of that image
+alone, `[soft tokens, text hidden]`; `resized_i`: the processor's values of each resized image) and
+gemma4-prompts.json: for prompts with one and with two images (`prompt_ids`, `images` by index), the
+log-softmax of the last position's logits and 8 greedy ids as mlx-vlm's model computes them
+(`get_input_embeddings`, then the language model over its prompt cache, then decode steps).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+import numpy as np
+from mlx_vlm.utils import get_model_and_args, update_module_configs
+from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
+
+# The test tokenizer's vocabulary ends at 49,151: Gemma 4's image tokens come after it.
+IMAGE_TOKENS = {"<|image>": 49152, "<|image|>": 49153, "<image|>": 49154}
+VOCAB = 49155
+
+GEMMA4 = {
+    "model_type": "gemma4",
+    "image_token_id": 49153, "boi_token_id": 49152, "eoi_token_id": 49154,
+    "audio_token_id": 49150, "vocab_size": VOCAB, "vision_soft_tokens_per_image": 6,
+    "text_config": {
+        "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
+        "rms_norm_eps": 1e-6, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
+        "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB, "use_double_wide_mlp": True,
+        "sliding_window": 8, "final_logit_softcapping": 5.0, "max_position_embeddings": 512,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
+                                               "rope_type": "proportional"},
+                            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+    },
+    # 16-pixel patches, a 2-D RoPE over each head's halves, pooled 3 × 3 into a soft token.
+    "vision_config": {
+        "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 48,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+        "patch_size": 16, "position_embedding_size": 64, "pooling_kernel_size": 3,
+        "default_output_length": 6, "rms_norm_eps": 1e-6, "standardize": True,
+        "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+    },
+}
+
+SIZES = [(144, 96), (48, 288)]
+RESIZED = [(70, 50), (30, 200)]
+MAX_SOFT_TOKENS = 6
+
+TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<turn|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
+)
+
+
+def build(config):
+    arch, _ = get_model_and_args(config)
+    model_config = arch.ModelConfig.from_dict(config)
+    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
+    model = arch.Model(model_config)
+    mx.random.seed(7)
+    params = tree_map(lambda p: mx.random.uniform(-0.5, 0.5, p.shape).astype(mx.float32), model.parameters())
+    model.update(params)
+    mx.eval(model.parameters())
+    return model
+
+
+def write_processor_files(out, tokenizer_dir):
+    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    for content, token_id in IMAGE_TOKENS.items():
+        tokenizer["added_tokens"].append({"id": token_id, "content": content, "single_word": False,
+                                          "lstrip": False, "rstrip": False, "normalized": False,
+                                          "special": True})
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config.update({"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+                   "chat_template": TEMPLATE})
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    (out / "processor_config.json").write_text(json.dumps({
+        "image_seq_length": MAX_SOFT_TOKENS,
+        "image_processor": {"image_processor_type": "Gemma4ImageProcessor", "do_resize": True,
+                            "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": False,
+                            "patch_size": 16, "pooling_kernel_size": 3,
+                            "max_soft_tokens": MAX_SOFT_TOKENS, "resample": 3}}))
+
+
+def main():
+    out = Path(sys.argv[1]) / "gemma4"
+    out.mkdir(parents=True, exist_ok=True)
+    write_processor_files(out, Path(sys.argv[2]))
+    model = build(GEMMA4)
+    (out / "config.json").write_text(json.dumps(GEMMA4, indent=1))
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    processor = Gemma4ImageProcessor(patch_size=16, max_soft_tokens=MAX_SOFT_TOKENS, pooling_kernel_size=3)
+    rng = np.random.default_rng(5)
+    expected, pixel_values, soft_tokens = {}, [], []
+    for i, (h, w) in enumerate(SIZES):
+        path = out.parent / f"gemma4-image-{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        data, tokens = processor([Image.open(path).convert("RGB")])
+        values = np.asarray(data["pixel_values"], dtype=np.float32)  # [1, 3, h, w], sizes kept
+        assert values.shape == (1, 3, h, w), values.shape
+        pixel_values.append(mx.array(values))
+        soft_tokens.append(tokens[0])
+        expected[f"pixels_{i}"] = mx.array(values[0].transpose(1, 2, 0))
+        expected[f"features_{i}"] = model.encode_image(mx.array(values))[0]
+        assert expected[f"features_{i}"].shape[0] == tokens[0]
+    for i, (h, w) in enumerate(RESIZED):
+        path = out.parent / f"gemma4-resized-{i}.png"
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        data, _ = processor([Image.open(path).convert("RGB")])
+        expected[f"resized_{i}"] = mx.array(np.asarray(data["pixel_values"], dtype=np.float32)[0].transpose(1, 2, 0))
+    mx.save_safetensors(str(out.parent / "gemma4-expected.safetensors"), expected)
+
+    boi, image, eoi = IMAGE_TOKENS.values()
+    run = lambda i: [boi] + [image] * soft_tokens[i] + [eoi]
+    prompts = [([2, 10, 11] + run(0) + [20, 21, 22], [0]),
+               ([2, 30] + run(1) + [31, 32] + run(0) + [33, 34, 35], [1, 0])]
+    cases = []
+    for ids, images in prompts:
+        ids_array = mx.array([ids])
+        pixels = [pixel_values[i][0] for i in images]
+        inputs = model.get_input_embeddings(ids_array, pixels)
+        lm = model.language_model
+        cache = lm.make_cache()
+        logits = lm(ids_array, inputs_embeds=inputs.inputs_embeds, per_layer_inputs=inputs.per_layer_inputs,
+                    cache=cache).logits[0, -1]
+        logprobs = logits - mx.logsumexp(logits)
+        greedy = []
+        token = int(mx.argmax(logits))
+        for _ in range(8):
+            greedy.append(token)
+            token = int(mx.argmax(lm(mx.array([[token]]), cache=cache).logits[0, -1]))
+        cases.append({"prompt_ids": ids, "images": images,
+                      "logprobs": np.array(logprobs.astype(mx.float32)).tolist(), "greedy_ids": greedy})
+    (out.parent / "gemma4-prompts.json").write_text(json.dumps(cases))
+
+
+if __name__ == "__main__":
+    main()
