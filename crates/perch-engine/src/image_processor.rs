@@ -396,10 +396,19 @@ impl ImageProcessor {
                             ))
                         })?,
                 };
+                let max_tokens = max_tokens.min(MAX_IMAGE_TOKENS as u32);
+                // The largest image it resizes to: `max_tokens · pool²` patches of `patch²`.
+                let area = u64::from(max_tokens) * u64::from(pool).pow(2) * u64::from(patch).pow(2);
+                if patch == 0 || pool == 0 || area > MAX_PIXELS {
+                    return Err(bad(format!(
+                        "{max_tokens} soft tokens of {pool} × {pool} patches of {patch} pixels: \
+                         the tower's images would have {area} pixels (at most {MAX_PIXELS})"
+                    )));
+                }
                 Resize::Aspect {
                     patch,
                     pool,
-                    max_tokens: max_tokens.min(MAX_IMAGE_TOKENS as u32),
+                    max_tokens,
                 }
             }
             square => square,

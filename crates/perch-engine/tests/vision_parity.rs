@@ -1078,8 +1078,10 @@ fn chats_with_images_through_the_engine() {
 /// does (kept sizes exactly, resized ones within two steps of 255) and written into prompts as
 /// `<|image>` + soft tokens + `<image|>`; prompts with one and with two images through the batch
 /// engine: next-token log-probabilities within 1e-4 and 8 greedy ids, alone, beside a text-only
-/// request in chunks of 5 that cut the images, and again from the prefix cache. A checkpoint
-/// whose image tokens attend both ways keeps its text model and refuses images.
+/// request in chunks of 5, and again from the prefix cache. The same model with its image tokens
+/// attending to each other both ways (`use_bidirectional_attention: "vision"`): its own
+/// log-probabilities (unlike the causal ones) within 1e-4 and greedy ids, alone and in chunks of
+/// 5 that must keep each image whole; an image longer than the prefill budget refused.
 #[test]
 fn gemma4_images_match_mlx_vlm() {
     let out = tempfile::tempdir().unwrap();
@@ -1249,18 +1251,63 @@ fn gemma4_images_match_mlx_vlm() {
         "from the cache as computed before"
     );
 
-    // Image tokens attending both ways (the larger Gemma 4s): the text model runs, images are
-    // refused with the reason.
-    let mut both_ways = config_of(&dir);
-    both_ways["text_config"]["use_bidirectional_attention"] = serde_json::json!("vision");
-    std::fs::write(dir.join("config.json"), both_ways.to_string()).unwrap();
-    assert!(!perch_engine::models::takes_images(&both_ways, &dir));
+    // Image tokens attending to each other both ways (the 26B-A4B's and 31B's configs).
+    let dir = out.path().join("gemma4_both_ways");
+    let both_config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    assert!(perch_engine::models::takes_images(&both_config, &dir));
     let model = perch_engine::models::load(&dir).unwrap();
-    assert!(model.vision().is_none());
-    let why = model.vision_unavailable().unwrap_or_default().to_string();
-    assert!(why.contains("both"), "{why}");
-}
-
-fn config_of(dir: &std::path::Path) -> serde_json::Value {
-    serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap()
+    assert!(model.vision().unwrap().attends_both_ways());
+    let both: Vec<PromptCase> = serde_json::from_slice(
+        &std::fs::read(out.path().join("gemma4_both_ways-prompts.json")).unwrap(),
+    )
+    .unwrap();
+    for (n, (b, c)) in both.iter().zip(&cases).enumerate() {
+        let apart = b
+            .logprobs
+            .iter()
+            .zip(&c.logprobs)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        assert!(
+            apart > 1e-3,
+            "case {n}: both ways changes the answer ({apart})"
+        );
+    }
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "both ways");
+    for (n, case) in both.iter().enumerate() {
+        let error = logprob_error(&mut batch, case, images_of(case));
+        assert!(
+            error <= 1e-4,
+            "both ways, case {n}: log-probabilities differ by {error}"
+        );
+    }
+    let schedule = both
+        .iter()
+        .map(|case| {
+            let mut r = request(&case.prompt_ids, images_of(case), 8);
+            r.prefill_step_size = 5;
+            (0, r)
+        })
+        .collect();
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut chunked = BatchGenerator::new(model.as_ref(), &tokenizer, config, "both ways, chunks");
+    let outputs = common::drive(&mut chunked, schedule);
+    for (n, case) in both.iter().enumerate() {
+        assert_eq!(
+            outputs[n].0.token_ids, case.greedy_ids,
+            "both ways, case {n}, in chunks of 5"
+        );
+    }
+    // An image of 6 tokens with a prefill budget of 4 cannot be computed in one pass.
+    let mut config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    config.prefill_token_budget = 4;
+    let mut narrow = BatchGenerator::new(model.as_ref(), &tokenizer, config, "narrow");
+    let message = narrow
+        .insert(request(&both[0].prompt_ids, images_of(&both[0]), 8))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(message.contains("at most 4"), "{message}");
 }

@@ -39,6 +39,10 @@ pub struct Running {
     /// that reaches `quantized_kv_start`), so each of its chunks is its own `prefill_step_size`
     /// within the widest step, whatever else the pass holds.
     pub own_chunks: bool,
+    /// The next span of its tokens a prefill chunk must not cut in two (`[start, end)`, ending
+    /// after `num_computed`): an image whose tokens attend to each other both ways
+    /// ([`scheduler::keep_whole`]).
+    pub whole: Option<(usize, usize)>,
 }
 
 /// The limits a step is planned within (the engine's `BatchConfig`).
@@ -103,6 +107,8 @@ pub struct Waiting<'a> {
     /// A request whose KV cache is its own (bounded, or quantized from some position on): it
     /// never looks up the prefix cache and takes its own chunks ([`Running::own_chunks`]).
     pub private: bool,
+    /// Spans of its tokens a prefill chunk must not cut in two, in order ([`Running::whole`]).
+    pub whole: &'a [(usize, usize)],
 }
 
 /// A request admitted in a step, and what it starts from.
@@ -236,6 +242,11 @@ pub fn schedule(
                 scored: false,
                 branch_at,
                 own_chunks: private,
+                whole: request
+                    .whole
+                    .iter()
+                    .copied()
+                    .find(|&(_, end)| end > num_computed),
             });
             admitted.push(Admission {
                 id: request.id,
@@ -327,18 +338,23 @@ pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
             .filter(|&&i| !running[i].own_chunks || own_chunks.contains(&i))
             .map(|&i| {
                 let row = &running[i];
-                if row.own_chunks {
-                    return (row.id, own(i));
-                }
-                let mut chunk = shares.next().expect("a share for each shared row");
                 let computed = row.progress.num_computed;
-                if limits.align_chunks_to_blocks {
-                    chunk = scheduler::align_chunk_to_block(computed, chunk, limits.block_size);
+                let chunk = if row.own_chunks {
+                    own(i)
+                } else {
+                    let mut chunk = shares.next().expect("a share for each shared row");
+                    if limits.align_chunks_to_blocks {
+                        chunk = scheduler::align_chunk_to_block(computed, chunk, limits.block_size);
+                    }
+                    if let Some(at) = row.branch_at.filter(|&at| computed < at) {
+                        chunk = chunk.min(at - computed);
+                    }
+                    chunk
+                };
+                match row.whole {
+                    Some(span) => (row.id, scheduler::keep_whole(computed, chunk, span)),
+                    None => (row.id, chunk),
                 }
-                if let Some(at) = row.branch_at.filter(|&at| computed < at) {
-                    chunk = chunk.min(at - computed);
-                }
-                (row.id, chunk)
             })
             .collect();
         let longest = chunks.iter().map(|&(_, c)| c).max().unwrap_or(1);
@@ -402,6 +418,7 @@ mod tests {
             slot,
             scored: false,
             branch_at: None,
+            whole: None,
             own_chunks: false,
         }
     }
@@ -635,6 +652,7 @@ mod tests {
             preloaded: None,
             bounded: None,
             private: false,
+            whole: &[],
         }
     }
 

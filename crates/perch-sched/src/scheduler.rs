@@ -83,6 +83,21 @@ pub fn align_chunk_to_block(num_computed: usize, chunk: usize, block_size: usize
     }
 }
 
+/// A prefill chunk of `chunk` tokens after `num_computed` that cuts no token span `whole` =
+/// `[start, end)` in two (an image whose tokens attend to each other both ways must be computed
+/// in one pass): a chunk that would end inside the span stops before it when it starts before
+/// it, and runs to its end when it starts inside it (possibly wider than asked). Else unchanged.
+pub fn keep_whole(num_computed: usize, chunk: usize, (start, end): (usize, usize)) -> usize {
+    let stop = num_computed + chunk;
+    if stop <= start || stop >= end {
+        chunk
+    } else if num_computed < start {
+        start - num_computed
+    } else {
+        end - num_computed
+    }
+}
+
 /// Which running sequences take a prefill slot this step:
 /// those still prefilling and not in a slot (`has_slot`), oldest first, while fewer than
 /// `batch_size` slots are taken (`taken` now). With `fit_budget` (a CPU's prefill, see
@@ -257,6 +272,20 @@ mod tests {
         assert_eq!(align_chunk_to_block(17, 10, 16), 10);
         // After an unaligned start (a tail hit), the first boundary realigns it.
         assert_eq!(align_chunk_to_block(20, 512, 16), 508);
+    }
+
+    #[test]
+    fn chunks_keep_a_whole_span_in_one_piece() {
+        // A span 10..16: a chunk ending inside it stops before it, or runs to its end from its
+        // start (wider than asked) or from inside it.
+        assert_eq!(keep_whole(0, 12, (10, 16)), 10);
+        assert_eq!(keep_whole(10, 2, (10, 16)), 6);
+        assert_eq!(keep_whole(12, 1, (10, 16)), 4);
+        // A chunk ending at its start, at its end or past it, or before it, is kept.
+        assert_eq!(keep_whole(0, 10, (10, 16)), 10);
+        assert_eq!(keep_whole(5, 11, (10, 16)), 11);
+        assert_eq!(keep_whole(5, 30, (10, 16)), 30);
+        assert_eq!(keep_whole(0, 4, (10, 16)), 4);
     }
 
     fn prefilling(num_tokens: usize, num_computed: usize, step: usize) -> Progress {

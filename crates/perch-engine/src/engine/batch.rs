@@ -354,6 +354,10 @@ struct Sequence {
     images: Vec<SequenceImage>,
     /// Its multimodal RoPE positions, when its images move its positions (Qwen's).
     rope: Option<images::RopePositions>,
+    /// Its images' token spans `[start, end)`, when their tokens attend to each other both ways
+    /// ([`crate::models::vision::VisionTower::attends_both_ways`]): no prefill chunk cuts one
+    /// ([`plan::Running::whole`]).
+    whole: Vec<(usize, usize)>,
 }
 
 impl Sequence {
@@ -641,6 +645,7 @@ impl<'m> BatchGenerator<'m> {
             false => images::prepare(self.model, &mut tokens, &request.images)?,
         };
         let rope = images::rope_positions(&images, tokens.len())?;
+        let whole = self.both_ways_spans(&images)?;
         // The sequence holds them from here on (until their features are computed).
         request.images = Vec::new();
         let id = self.next_id;
@@ -658,6 +663,7 @@ impl<'m> BatchGenerator<'m> {
             tokens,
             images,
             rope,
+            whole,
             cache: Vec::new(),
             // `kv_options` refused a bound and a quantization together.
             kv: match (limit, quantization) {
@@ -1045,6 +1051,7 @@ impl<'m> BatchGenerator<'m> {
                     preloaded: seq.preloaded.as_ref().map(|p| p.offset),
                     bounded: seq.kv.limit().map(|limit| self.bounded_tokens(limit)),
                     private: !seq.kv.is_plain(),
+                    whole: &seq.whole,
                 })
                 .collect();
             let batch = plan::Batch {
@@ -1316,8 +1323,44 @@ impl<'m> BatchGenerator<'m> {
                 scored: seq.scored(),
                 branch_at: seq.branch_at,
                 own_chunks: !seq.kv.is_plain(),
+                whole: seq
+                    .whole
+                    .iter()
+                    .copied()
+                    .find(|&(_, end)| end > seq.computed),
             })
             .collect()
+    }
+
+    /// The token spans of `images` that a prefill chunk must keep whole, when the model's
+    /// images attend to each other both ways (none otherwise). `Err` for an image whose tokens
+    /// are more than one pass computes (the prefill budget) or than a sliding layer sees (its
+    /// window): its tokens could not all see each other.
+    fn both_ways_spans(&self, images: &[SequenceImage]) -> Result<Vec<(usize, usize)>> {
+        if !self
+            .model
+            .vision()
+            .is_some_and(crate::models::vision::VisionTower::attends_both_ways)
+            || images.is_empty()
+        {
+            return Ok(Vec::new());
+        }
+        let window = self
+            .model
+            .make_cache(None)
+            .iter()
+            .filter_map(|c| c.window())
+            .min()
+            .map_or(usize::MAX, |w| w.max(1) as usize);
+        let most = self.config.prefill_token_budget.min(window);
+        let spans: Vec<(usize, usize)> = images.iter().map(|im| (im.start, im.end())).collect();
+        if let Some(n) = spans.iter().map(|(s, e)| e - s).find(|&n| n > most) {
+            return Err(EngineError::Request(format!(
+                "an image of {n} tokens; this model's image tokens attend to each other, and at \
+                 most {most} can (its prefill budget and sliding window): send a smaller image"
+            )));
+        }
+        Ok(spans)
     }
 
     /// The limits [`plan::plan_step`] plans within.
@@ -1410,7 +1453,11 @@ impl<'m> BatchGenerator<'m> {
                 (None, None) => &[][..],
             })
             .collect();
-        let mut spliced = images::spliced(&pieces, pass.width)?;
+        let both_ways = self
+            .model
+            .vision()
+            .is_some_and(crate::models::vision::VisionTower::attends_both_ways);
+        let mut spliced = images::spliced(&pieces, pass.width, both_ways)?;
         // Rows whose positions follow their images take every token's position explicitly.
         if rows
             .iter()

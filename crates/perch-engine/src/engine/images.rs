@@ -40,7 +40,8 @@ enum Content {
 }
 
 impl SequenceImage {
-    fn end(&self) -> usize {
+    /// The position after its last image token.
+    pub fn end(&self) -> usize {
         self.start + self.tokens
     }
 
@@ -250,15 +251,21 @@ pub fn chunk_inputs(
 }
 
 /// One pass's [`Spliced`] from each row's pieces ([`chunk_inputs`]), rows `width` tokens apart;
-/// `None` without any.
-pub fn spliced(rows: &[Vec<Piece>], width: usize) -> Result<Option<Spliced>> {
+/// `None` without any. With `both_ways` each piece's tokens attend to each other in both
+/// directions ([`Spliced::both_ways`]: the batch keeps such an image whole in one pass).
+pub fn spliced(rows: &[Vec<Piece>], width: usize, both_ways: bool) -> Result<Option<Spliced>> {
     let mut positions = Vec::new();
     let mut features = Vec::new();
+    let mut spans = Vec::new();
     for (row, pieces) in rows.iter().enumerate() {
         for (offset, piece) in pieces {
             let base = (row * width + offset) as i32;
-            positions.extend(base..base + piece.shape()[0]);
+            let n = piece.shape()[0];
+            positions.extend(base..base + n);
             features.push(piece.clone());
+            if both_ways {
+                spans.push((row, *offset, offset + n as usize));
+            }
         }
     }
     if features.is_empty() {
@@ -270,6 +277,7 @@ pub fn spliced(rows: &[Vec<Piece>], width: usize) -> Result<Option<Spliced>> {
             ops::concatenate(&features, 0)?,
         )),
         rope_positions: None,
+        both_ways: spans,
     }))
 }
 

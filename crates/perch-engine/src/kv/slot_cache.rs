@@ -1161,6 +1161,20 @@ impl SlotKvCache {
     /// [`SlotKvCache::end_step`] takes them), which recurrent layers need when some row pads.
     /// Call [`SlotKvCache::end_step`] after the forward.
     pub fn begin_step(&mut self, tokens: usize, new_tokens: &[usize]) -> Result<SlotStep> {
+        self.begin_step_with(tokens, new_tokens, &[])
+    }
+
+    /// [`SlotKvCache::begin_step`] in which the tokens of each span `(row, start, end)` of
+    /// `both_ways` (offsets in the step's tokens of that row) also see the span's later tokens:
+    /// a query at `p` inside the span sees every position up to the span's last (the block
+    /// overlay of Hugging Face's `create_masks_for_vision_model`, Gemma 4's image tokens). Its
+    /// sliding layers' masks keep their window's lower bound.
+    pub fn begin_step_with(
+        &mut self,
+        tokens: usize,
+        new_tokens: &[usize],
+        both_ways: &[(usize, usize, usize)],
+    ) -> Result<SlotStep> {
         let tokens = tokens.max(1);
         self.reshape(self.lengths.len(), self.needed_capacity(tokens))?;
         let mut lengths = vec![0i32; self.rows];
@@ -1179,12 +1193,33 @@ impl SlotKvCache {
                 Array::from_slice(&shifted, &[self.rows as i32])
             }
         };
+        // [rows, 1, tokens, 1]: the last position each query sees, when some span reaches
+        // past its query.
+        let reach = match both_ways.is_empty() {
+            true => None,
+            false => {
+                let mut reach: Vec<i32> = lengths
+                    .iter()
+                    .flat_map(|&len| (0..tokens as i32).map(move |i| len + i))
+                    .collect();
+                for &(row, start, end) in both_ways {
+                    let end = end.min(tokens);
+                    if row < self.rows && start < end {
+                        let last = lengths[row] + end as i32 - 1;
+                        reach[row * tokens + start..row * tokens + end].fill(last);
+                    }
+                }
+                let shape = [self.rows as i32, 1, tokens as i32, 1];
+                Some(Array::from_slice(&reach, &shape))
+            }
+        };
         let lengths = Array::from_slice(&lengths, &[self.rows as i32]);
         // [rows, 1, tokens, 1]: where each row's tokens go.
         let index = ops::add(
             &lengths.reshape(&[-1, 1, 1, 1])?,
             &ops::arange::<_, i32>(0, tokens as i32, None)?.reshape(&[1, 1, -1, 1])?,
         )?;
+        let upto = reach.as_ref().unwrap_or(&index);
         let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;
         let (mask, write) = if self.row_kv.iter().any(|kv| kv.limit().is_some()) {
             if tokens > self.max_step_tokens {
@@ -1195,9 +1230,9 @@ impl SlotKvCache {
                 ))
                 .into());
             }
-            self.bounded_step(&index, &keys, tokens)?
+            self.bounded_step(&index, upto, &keys, tokens)?
         } else {
-            (ops::le(&keys, &index)?, index.clone())
+            (ops::le(&keys, upto)?, index.clone())
         };
         let ring = match (&self.rings, self.ring_size(self.capacity)) {
             (Some(rings), Some(size)) => {
@@ -1209,7 +1244,29 @@ impl SlotKvCache {
                     ))
                     .into());
                 }
-                Some(ring_step(&index, size as i32, rings.window as i32)?)
+                let mut step = ring_step(&index, size as i32, rings.window as i32)?;
+                if let Some(reach) = &reach {
+                    // The later positions of a query's span: entries whose position at the
+                    // step's end lies after the query and up to its reach.
+                    let last = ops::add(&lengths, Array::from_int(tokens as i32 - 1))?
+                        .reshape(&[-1, 1, 1, 1])?;
+                    let ring = Array::from_int(size as i32);
+                    let entries =
+                        ops::arange::<_, i32>(0, size as i32, None)?.reshape(&[1, 1, 1, -1])?;
+                    // (last - e) mod R in [0, R).
+                    let age = ops::remainder(
+                        &ops::add(
+                            &ops::remainder(&ops::subtract(&last, &entries)?, &ring)?,
+                            &ring,
+                        )?,
+                        &ring,
+                    )?;
+                    let held = ops::subtract(&last, &age)?;
+                    let later =
+                        ops::logical_and(&ops::gt(&held, &index)?, &ops::le(&held, reach)?)?;
+                    step.mask = ops::logical_or(&step.mask, &later)?;
+                }
+                Some(step)
             }
             _ => None,
         };
@@ -1265,7 +1322,15 @@ impl SlotKvCache {
     /// `q - recent_from + keep_end - max_size + 1`. An unbounded row takes `keep = 0` and `W`,
     /// `max_size` beyond any position, which leaves its plain causal mask. Only a few operations
     /// run over the whole `[rows, 1, tokens, capacity]`; the rest are per entry or per query.
-    fn bounded_step(&self, index: &Array, keys: &Array, tokens: usize) -> Result<(Array, Array)> {
+    /// `upto` `[rows, 1, tokens, 1]`: the last position each query sees (its own, or its
+    /// span's last, see [`SlotKvCache::begin_step_with`]).
+    fn bounded_step(
+        &self,
+        index: &Array,
+        upto: &Array,
+        keys: &Array,
+        tokens: usize,
+    ) -> Result<(Array, Array)> {
         const UNBOUNDED: i32 = 1 << 30;
         // Per row: keep, W, max_size, the list before the step (keep_end, recent_from), and the
         // last position the step writes.
@@ -1317,7 +1382,7 @@ impl SlotKvCache {
         // [rows, 1, tokens, capacity].
         let lo = ops::select(&kept, &kept_lo, &recent_lo)?;
         let mask = ops::logical_and(
-            &ops::logical_and(&held, &ops::le(&position, q)?)?,
+            &ops::logical_and(&held, &ops::le(&position, upto)?)?,
             &ops::ge(&position, &lo)?,
         )?;
         let rq = ops::subtract(q, &keep)?;

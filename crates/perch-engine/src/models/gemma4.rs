@@ -264,25 +264,16 @@ pub fn load(mut cx: LoadContext<'_>) -> Result<Resolved> {
         {
             let is_vision =
                 |name: &str| name.starts_with("vision_tower.") || name.starts_with("embed_vision.");
-            vision = Some(super::vision::load_checked(
-                &mut cx,
-                VisionTower::load_gemma4,
-                is_vision,
-            ));
-            // The larger Gemma 4 models let an image's tokens attend to each other both ways
-            // (`use_bidirectional_attention: "vision"`); the batch's masks are causal.
-            if text
+            let tower = super::vision::load_checked(&mut cx, VisionTower::load_gemma4, is_vision);
+            // The larger Gemma 4 models let an image's tokens attend to each other both ways.
+            let both_ways = text
                 .get("use_bidirectional_attention")
                 .and_then(Value::as_str)
-                == Some("vision")
-            {
-                vision = Some(Err(
-                    "this checkpoint's image tokens attend to each other in both \
-                                   directions (`use_bidirectional_attention: \"vision\"`), which \
-                                   Perch does not run yet"
-                        .into(),
-                ));
-            }
+                == Some("vision");
+            vision = Some(match both_ways {
+                true => tower.map(VisionTower::with_both_ways),
+                false => tower,
+            });
         }
         // Hugging Face's layout, as mlx_lm's `sanitize` renames it.
         if !cx

@@ -253,6 +253,15 @@ impl Gemma4VisionTower {
             .ok_or_else(|| cx.error("a gemma4 config without `vision_config`".into()))?;
         let args: Gemma4VisionArgs = cx.parse_value(vision, "vision_config")?;
         args.validate().map_err(|m| cx.error(m))?;
+        if !args.use_clipped_linears {
+            // Bounds a checkpoint may carry unused (mlx-vlm's `sanitize` drops them too).
+            cx.weights.discard_where(|name| {
+                name.starts_with("vision_tower.")
+                    && ["input_min", "input_max", "output_min", "output_max"]
+                        .iter()
+                        .any(|s| name.ends_with(s))
+            });
+        }
         let theta = args.rope_theta().map_err(|m| cx.error(m))?;
         let text_hidden = cx
             .config
@@ -423,7 +432,7 @@ impl Gemma4VisionTower {
         };
         let positions = ops::add(&table(columns)?, &table(rows_of)?)?;
         let mut h = ops::add(&h, &positions)?.reshape(&[1, n, a.hidden_size])?;
-        let rotary = self.rotary(rows, cols, dtype)?;
+        let rotary = self.rotary(rows, cols)?;
         for block in &self.blocks {
             h = self.block(block, &h, &rotary)?;
         }
@@ -441,9 +450,9 @@ impl Gemma4VisionTower {
                 .reshape(&[rows / k, k, cols / k, k, d])?
                 .sum_axes(&[1, 3], false)?
                 .reshape(&[-1, d])?
-                .as_dtype(dtype)?
+                .as_dtype(h.dtype())?
         };
-        let root = Array::from_f32((d as f32).sqrt()).as_dtype(dtype)?;
+        let root = Array::from_f32((d as f32).sqrt()).as_dtype(pooled.dtype())?;
         let mut x = ops::multiply(&pooled, &root)?;
         if let Some((bias, scale)) = &self.standardize {
             x = ops::multiply(&ops::subtract(&x, bias)?, scale)?;
@@ -453,9 +462,9 @@ impl Gemma4VisionTower {
     }
 
     /// The 2-D RoPE's cosines and sines for a `rows × cols` patch grid, each `[1, patches, 1,
-    /// half]` in `dtype` (`half = head_dim / 2`): the columns' for a head's first half, the
-    /// rows' for its second (mlx-vlm's `apply_multidimensional_rope`).
-    fn rotary(&self, rows: i32, cols: i32, dtype: Dtype) -> Result<[(Array, Array); 2]> {
+    /// half]` float32 (`half = head_dim / 2`): the columns' for a head's first half, the rows'
+    /// for its second (mlx-vlm's `apply_multidimensional_rope`).
+    fn rotary(&self, rows: i32, cols: i32) -> Result<[(Array, Array); 2]> {
         let n = rows * cols;
         let half = self.args.head_dim / 2;
         let quarter = half / 2;
@@ -468,9 +477,7 @@ impl Gemma4VisionTower {
             let positions = Array::from_slice(&values, &[n, 1]).as_dtype(Dtype::Float32)?;
             let angles = ops::divide(&positions, &timescale)?;
             let both = |a: Array| -> Result<Array> {
-                Ok(ops::concatenate(&[&a, &a], -1)?
-                    .as_dtype(dtype)?
-                    .reshape(&[1, n, 1, half])?)
+                Ok(ops::concatenate(&[&a, &a], -1)?.reshape(&[1, n, 1, half])?)
             };
             Ok((both(ops::cos(&angles)?)?, both(ops::sin(&angles)?)?))
         };
@@ -534,7 +541,7 @@ fn float32_rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array
 
 /// Each head's halves `[1, patches, heads, head_dim]` turned by their own positions
 /// (`rotary[0]` the first half, `rotary[1]` the second), `x cos + rotate_half(x) sin` within
-/// each half.
+/// each half, the cosines and sines in `x`'s dtype.
 fn rotate_2d(x: &Array, rotary: &[(Array, Array); 2]) -> Result<Array> {
     let s = x.shape();
     let half = s[3] / 2;
@@ -548,9 +555,10 @@ fn rotate_2d(x: &Array, rotary: &[(Array, Array); 2]) -> Result<Array> {
         let (x1, x2) = (part(start, quarter)?, part(start + quarter, quarter)?);
         let rotated = ops::concatenate(&[&ops::negative(&x2)?, &x1], -1)?;
         let whole = ops::concatenate(&[&x1, &x2], -1)?;
+        let (cos, sin) = (cos.as_dtype(x.dtype())?, sin.as_dtype(x.dtype())?);
         parts.push(ops::add(
-            &ops::multiply(&whole, cos)?,
-            &ops::multiply(&rotated, sin)?,
+            &ops::multiply(&whole, &cos)?,
+            &ops::multiply(&rotated, &sin)?,
         )?);
     }
     Ok(ops::concatenate(&parts, -1)?)

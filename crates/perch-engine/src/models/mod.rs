@@ -91,11 +91,15 @@ pub enum Output {
 /// there before the model's embedding scale; `None` when no token of the pass is an image's.
 /// `rope_positions`: each token's multimodal RoPE position `[3, rows, tokens]` int32 (time, row,
 /// column: Qwen's, [`qwen_vision::mrope_positions`]) for models that rotate by them; `None`: each
-/// row's tokens at its own positions.
+/// row's tokens at its own positions. `both_ways`: spans `(row, start, end)` of the pass's tokens
+/// (offsets in their row) whose tokens attend to each other in both directions (Gemma 4's images
+/// where its config says so, [`vision::VisionTower::attends_both_ways`]; see
+/// [`SlotKvCache::begin_step_with`]); a span is whole in its pass.
 #[derive(Default)]
 pub struct Spliced {
     pub features: Option<(Array, Array)>,
     pub rope_positions: Option<Array>,
+    pub both_ways: Vec<(usize, usize, usize)>,
 }
 
 /// A causal language model.
@@ -196,7 +200,8 @@ impl dyn Model + '_ {
         slots: &mut SlotKvCache,
         new_tokens: &[usize],
     ) -> Result<Array> {
-        let step = slots.begin_step(ids.shape()[1] as usize, new_tokens)?;
+        let both_ways = spliced.map_or(&[][..], |s| &s.both_ways[..]);
+        let step = slots.begin_step_with(ids.shape()[1] as usize, new_tokens, both_ways)?;
         let logits = self.forward(
             ids,
             spliced,
@@ -355,16 +360,6 @@ pub fn takes_images(config: &Value, model_dir: &Path) -> bool {
         // A Qwen checkpoint that scales its RoPE refuses images ([`qwen3_5`]).
         Some("qwen3_5" | "qwen3_5_moe") if qwen3_5::scales_rope(config) => return false,
         Some("qwen3_5" | "qwen3_5_moe") => &["vision_tower.patch_embed.proj.weight"],
-        // So does a Gemma 4 whose image tokens attend both ways ([`gemma4`]).
-        Some("gemma4")
-            if config
-                .get("text_config")
-                .and_then(|t| t.get("use_bidirectional_attention"))
-                .and_then(Value::as_str)
-                == Some("vision") =>
-        {
-            return false
-        }
         Some("gemma4") => &[
             "vision_tower.patch_embedder.input_proj.weight",
             "model.vision_tower.patch_embedder.input_proj.weight",

@@ -285,6 +285,8 @@ pub struct VisionTower {
     splice_divisor: Option<f32>,
     /// Images encoded so far ([`VisionTower::passes`]), shared by the tower's copies.
     passes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// An image's tokens attend to each other in both directions ([`Self::attends_both_ways`]).
+    both_ways: bool,
 }
 
 impl VisionTower {
@@ -297,6 +299,7 @@ impl VisionTower {
             image_token_id,
             splice_divisor: None,
             passes: Default::default(),
+            both_ways: false,
         })
     }
 
@@ -310,6 +313,7 @@ impl VisionTower {
             image_token_id,
             splice_divisor: None,
             passes: Default::default(),
+            both_ways: false,
         })
     }
 
@@ -382,7 +386,21 @@ impl VisionTower {
             image_token_id,
             splice_divisor: Some((text_hidden as f32).sqrt()),
             passes: Default::default(),
+            both_ways: false,
         })
+    }
+
+    /// Whether an image's tokens attend to each other in both directions, not causally (Gemma 4
+    /// checkpoints with `use_bidirectional_attention: "vision"`): the batch computes each image's
+    /// tokens in one prefill pass, with [`super::Spliced::both_ways`].
+    pub fn attends_both_ways(&self) -> bool {
+        self.both_ways
+    }
+
+    /// This tower with its images' tokens attending both ways ([`Self::attends_both_ways`]).
+    pub(super) fn with_both_ways(mut self) -> Self {
+        self.both_ways = true;
+        self
     }
 
     /// The token id a prompt holds at each of an image's places.

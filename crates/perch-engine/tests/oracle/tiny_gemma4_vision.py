@@ -14,7 +14,11 @@ image: the processor's values `[height, width, 3]`; `features_i`: `Model.encode_
 alone, `[soft tokens, text hidden]`; `resized_i`: the processor's values of each resized image) and
 gemma4-prompts.json: for prompts with one and with two images (`prompt_ids`, `images` by index), the
 log-softmax of the last position's logits and 8 greedy ids as mlx-vlm's model computes them
-(`get_input_embeddings`, then the language model over its prompt cache, then decode steps).
+(`get_input_embeddings`, then the language model over its prompt cache, then decode steps). And
+OUT_DIR/gemma4_both_ways/: the same model whose image tokens attend to each other both ways
+(`text_config.use_bidirectional_attention: "vision"`, as the 26B-A4B and 31B have it), with
+gemma4_both_ways-prompts.json for the same prompts (the language model given `mm_token_type_ids`,
+as mlx-vlm's generation passes them).
 """
 
 import json
@@ -38,20 +42,24 @@ GEMMA4 = {
     "image_token_id": 49153, "boi_token_id": 49152, "eoi_token_id": 49154,
     "audio_token_id": 49150, "vocab_size": VOCAB, "vision_soft_tokens_per_image": 6,
     "text_config": {
-        "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
+        "model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 6, "intermediate_size": 128,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32,
         "rms_norm_eps": 1e-6, "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 16,
         "vocab_size": VOCAB, "vocab_size_per_layer_input": VOCAB, "use_double_wide_mlp": True,
         "sliding_window": 8, "final_logit_softcapping": 5.0, "max_position_embeddings": 512,
-        "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        # Six layers, the last two reading the caches of earlier ones: the full layers' outputs
+        # at image tokens reach the prompt's end through the caches of the layers after them.
+        "layer_types": ["sliding_attention", "full_attention"] * 3,
         "rope_parameters": {"full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0,
                                                "rope_type": "proportional"},
                             "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
     },
-    # 16-pixel patches, a 2-D RoPE over each head's halves, pooled 3 × 3 into a soft token.
+    # 16-pixel patches, a 2-D RoPE over each head's halves, pooled 3 × 3 into a soft token; two
+    # query heads sharing a KV head; linear maps clipping their inputs and outputs (E2B / E4B's).
     "vision_config": {
         "model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 48,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "use_clipped_linears": True,
         "patch_size": 16, "position_embedding_size": 64, "pooling_kernel_size": 3,
         "default_output_length": 6, "rms_norm_eps": 1e-6, "standardize": True,
         "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
@@ -82,6 +90,12 @@ def build(config):
     mx.random.seed(7)
     params = tree_map(lambda p: mx.random.uniform(-0.5, 0.5, p.shape).astype(mx.float32), model.parameters())
     model.update(params)
+    # Clipping bounds that bind: inputs to [-1, 1], outputs to [-1.5, 1.5].
+    bounds = {"input_min": -1.0, "input_max": 1.0, "output_min": -1.5, "output_max": 1.5}
+    for name, module in model.vision_tower.named_modules():
+        if hasattr(module, "input_min"):
+            for key, value in bounds.items():
+                setattr(module, key, mx.array(value))
     mx.eval(model.parameters())
     return model
 
@@ -138,6 +152,22 @@ def main():
     run = lambda i: [boi] + [image] * soft_tokens[i] + [eoi]
     prompts = [([2, 10, 11] + run(0) + [20, 21, 22], [0]),
                ([2, 30] + run(1) + [31, 32] + run(0) + [33, 34, 35], [1, 0])]
+    (out.parent / "gemma4-prompts.json").write_text(json.dumps(prompt_cases(model, prompts, pixel_values)))
+
+    # The same weights, image tokens attending both ways.
+    both = json.loads(json.dumps(GEMMA4))
+    both["text_config"]["use_bidirectional_attention"] = "vision"
+    both_out = out.parent / "gemma4_both_ways"
+    both_out.mkdir(exist_ok=True)
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "processor_config.json"):
+        (both_out / name).write_bytes((out / name).read_bytes())
+    (both_out / "config.json").write_text(json.dumps(both, indent=1))
+    both_model = build(both)
+    (out.parent / "gemma4_both_ways-prompts.json").write_text(
+        json.dumps(prompt_cases(both_model, prompts, pixel_values, types=True)))
+
+
+def prompt_cases(model, prompts, pixel_values, types=False):
     cases = []
     for ids, images in prompts:
         ids_array = mx.array([ids])
@@ -145,8 +175,9 @@ def main():
         inputs = model.get_input_embeddings(ids_array, pixels)
         lm = model.language_model
         cache = lm.make_cache()
+        extra = {"mm_token_type_ids": (ids_array == IMAGE_TOKENS["<|image|>"]).astype(mx.int32)} if types else {}
         logits = lm(ids_array, inputs_embeds=inputs.inputs_embeds, per_layer_inputs=inputs.per_layer_inputs,
-                    cache=cache).logits[0, -1]
+                    cache=cache, **extra).logits[0, -1]
         logprobs = logits - mx.logsumexp(logits)
         greedy = []
         token = int(mx.argmax(logits))
@@ -155,7 +186,7 @@ def main():
             token = int(mx.argmax(lm(mx.array([[token]]), cache=cache).logits[0, -1]))
         cases.append({"prompt_ids": ids, "images": images,
                       "logprobs": np.array(logprobs.astype(mx.float32)).tolist(), "greedy_ids": greedy})
-    (out.parent / "gemma4-prompts.json").write_text(json.dumps(cases))
+    return cases
 
 
 if __name__ == "__main__":
