@@ -404,19 +404,7 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
     };
     let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "qwen vision");
-    for (n, case) in cases.iter().enumerate() {
-        let error = logprob_error(&mut batch, case, images_of(case));
-        assert!(
-            error <= 1e-4,
-            "case {n}: log-probabilities differ by {error}"
-        );
-        let (output, _) = common::drive(
-            &mut batch,
-            vec![(0, request(&case.prompt_ids, images_of(case), 8))],
-        )
-        .remove(0);
-        assert_eq!(output.token_ids, case.greedy_ids, "case {n}: greedy ids");
-    }
+    assert_cases_alone(&mut batch, &cases, images_of, true, "qwen");
     let text: Vec<u32> = (40..70).collect();
     let alone_text = common::drive(&mut batch, vec![(0, request(&text, vec![], 8))])
         .remove(0)
@@ -449,11 +437,7 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
     // (the row bucket), one of them padding.
     let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     let mut three = BatchGenerator::new(model.as_ref(), &tokenizer, config, "three");
-    let schedule = cases
-        .iter()
-        .map(|case| (0, request(&case.prompt_ids, images_of(case), 8)))
-        .collect();
-    let outputs = common::drive(&mut three, schedule);
+    let outputs = common::drive(&mut three, all_at_once(&cases, images_of, None));
     assert!(outputs
         .iter()
         .all(|(o, _)| o.stats.cached_prompt_tokens == 0));
@@ -511,18 +495,8 @@ fn qwen3_5_prompts_with_images_match_mlx_vlm() {
     .unwrap();
     let config = BatchConfig::for_budget(moe.as_ref(), 64 << 20, 16, None);
     let mut moe_batch = BatchGenerator::new(moe.as_ref(), &moe_tokenizer, config, "qwen moe");
-    for (n, case) in moe_cases.iter().enumerate() {
-        let error = logprob_error(&mut moe_batch, case, images_of(case));
-        assert!(
-            error <= 1e-4,
-            "MoE case {n}: log-probabilities differ by {error}"
-        );
-    }
-    let schedule = moe_cases
-        .iter()
-        .map(|case| (0, request(&case.prompt_ids, images_of(case), 8)))
-        .collect();
-    let outputs = common::drive(&mut moe_batch, schedule);
+    assert_cases_alone(&mut moe_batch, &moe_cases, images_of, false, "MoE");
+    let outputs = common::drive(&mut moe_batch, all_at_once(&moe_cases, images_of, None));
     for (n, case) in moe_cases.iter().enumerate() {
         assert_eq!(outputs[n].0.token_ids, case.greedy_ids, "MoE case {n}");
     }
@@ -652,6 +626,50 @@ fn logprob_error(
         .fold(0f32, f32::max)
 }
 
+/// Each case's next-token log-probabilities within 1e-4 of mlx-vlm's and, with `greedy`, its 8
+/// greedy ids, one request at a time.
+fn assert_cases_alone(
+    batch: &mut BatchGenerator<'_>,
+    cases: &[PromptCase],
+    images_of: impl Fn(&PromptCase) -> Vec<ImageInput>,
+    greedy: bool,
+    label: &str,
+) {
+    for (n, case) in cases.iter().enumerate() {
+        let error = logprob_error(batch, case, images_of(case));
+        assert!(
+            error <= 1e-4,
+            "{label} case {n}: log-probabilities differ by {error}"
+        );
+        if greedy {
+            let one = vec![(0, request(&case.prompt_ids, images_of(case), 8))];
+            let (output, _) = common::drive(batch, one).remove(0);
+            assert_eq!(
+                output.token_ids, case.greedy_ids,
+                "{label} case {n}: greedy ids"
+            );
+        }
+    }
+}
+
+/// Every case's request at once, 8 tokens each, in chunks of `step` prompt tokens when given.
+fn all_at_once(
+    cases: &[PromptCase],
+    images_of: impl Fn(&PromptCase) -> Vec<ImageInput>,
+    step: Option<usize>,
+) -> Vec<(usize, GenerateRequest)> {
+    cases
+        .iter()
+        .map(|case| {
+            let mut r = request(&case.prompt_ids, images_of(case), 8);
+            if let Some(step) = step {
+                r.prefill_step_size = step;
+            }
+            (0, r)
+        })
+        .collect()
+}
+
 fn request(prompt: &[u32], images: Vec<ImageInput>, max_tokens: usize) -> GenerateRequest {
     let mut request = GenerateRequest::new(prompt.to_vec());
     request.images = images;
@@ -676,13 +694,7 @@ fn gemma3_prompts_with_images_match_mlx_vlm() {
     let images_of = |case: &PromptCase| -> Vec<ImageInput> {
         case.images.iter().map(|&i| images[i].clone()).collect()
     };
-    for (n, case) in cases.iter().enumerate() {
-        let error = logprob_error(&mut batch, case, images_of(case));
-        assert!(
-            error <= 1e-4,
-            "case {n}: log-probabilities differ by {error}"
-        );
-    }
+    assert_cases_alone(&mut batch, &cases, images_of, false, "gemma3");
     // All at once, with a text-only request between them; chunks of 5 cut the images.
     let text: Vec<u32> = (40..70).collect();
     let alone_text = common::drive(&mut batch, vec![(0, request(&text, vec![], 8))])
@@ -1184,19 +1196,7 @@ fn gemma4_images_match_mlx_vlm() {
     };
     let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "gemma4 vision");
-    for (n, case) in cases.iter().enumerate() {
-        let error = logprob_error(&mut batch, case, images_of(case));
-        assert!(
-            error <= 1e-4,
-            "case {n}: log-probabilities differ by {error}"
-        );
-        let (output, _) = common::drive(
-            &mut batch,
-            vec![(0, request(&case.prompt_ids, images_of(case), 8))],
-        )
-        .remove(0);
-        assert_eq!(output.token_ids, case.greedy_ids, "case {n}: greedy ids");
-    }
+    assert_cases_alone(&mut batch, &cases, images_of, true, "gemma4");
     let text: Vec<u32> = (40..70).collect();
     let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     let mut fresh = BatchGenerator::new(model.as_ref(), &tokenizer, config, "fresh");
@@ -1276,24 +1276,10 @@ fn gemma4_images_match_mlx_vlm() {
     }
     let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "both ways");
-    for (n, case) in both.iter().enumerate() {
-        let error = logprob_error(&mut batch, case, images_of(case));
-        assert!(
-            error <= 1e-4,
-            "both ways, case {n}: log-probabilities differ by {error}"
-        );
-    }
-    let schedule = both
-        .iter()
-        .map(|case| {
-            let mut r = request(&case.prompt_ids, images_of(case), 8);
-            r.prefill_step_size = 5;
-            (0, r)
-        })
-        .collect();
+    assert_cases_alone(&mut batch, &both, images_of, false, "both ways");
     let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     let mut chunked = BatchGenerator::new(model.as_ref(), &tokenizer, config, "both ways, chunks");
-    let outputs = common::drive(&mut chunked, schedule);
+    let outputs = common::drive(&mut chunked, all_at_once(&both, images_of, Some(5)));
     for (n, case) in both.iter().enumerate() {
         assert_eq!(
             outputs[n].0.token_ids, case.greedy_ids,

@@ -28,10 +28,12 @@ from pathlib import Path
 from PIL import Image
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 import numpy as np
-from mlx_vlm.utils import get_model_and_args, update_module_configs
 from mlx_vlm.models.gemma4.processing_gemma4 import Gemma4ImageProcessor
+
+import vision_oracle
+from vision_oracle import write_tokenizer
 
 # The test tokenizer's vocabulary ends at 49,151: Gemma 4's image tokens come after it.
 IMAGE_TOKENS = {"<|image>": 49152, "<|image|>": 49153, "<image|>": 49154}
@@ -83,13 +85,7 @@ TEMPLATE = (
 
 
 def build(config):
-    arch, _ = get_model_and_args(config)
-    model_config = arch.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
-    model = arch.Model(model_config)
-    mx.random.seed(7)
-    params = tree_map(lambda p: mx.random.uniform(-0.5, 0.5, p.shape).astype(mx.float32), model.parameters())
-    model.update(params)
+    model = vision_oracle.build(config)
     # Clipping bounds that bind: inputs to [-1, 1], outputs to [-1.5, 1.5].
     bounds = {"input_min": -1.0, "input_max": 1.0, "output_min": -1.5, "output_max": 1.5}
     for name, module in model.vision_tower.named_modules():
@@ -101,16 +97,9 @@ def build(config):
 
 
 def write_processor_files(out, tokenizer_dir):
-    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    for content, token_id in IMAGE_TOKENS.items():
-        tokenizer["added_tokens"].append({"id": token_id, "content": content, "single_word": False,
-                                          "lstrip": False, "rstrip": False, "normalized": False,
-                                          "special": True})
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    config.update({"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
-                   "chat_template": TEMPLATE})
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    write_tokenizer(out, tokenizer_dir, IMAGE_TOKENS,
+                    {"boi_token": "<|image>", "image_token": "<|image|>", "eoi_token": "<image|>",
+                     "chat_template": TEMPLATE})
     (out / "processor_config.json").write_text(json.dumps({
         "image_seq_length": MAX_SOFT_TOKENS,
         "image_processor": {"image_processor_type": "Gemma4ImageProcessor", "do_resize": True,

@@ -31,10 +31,11 @@ from pathlib import Path
 from PIL import Image
 
 import mlx.core as mx
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 import numpy as np
-from mlx_vlm.utils import get_model_and_args, update_module_configs
 from mlx_vlm.models.qwen3_vl.processing_qwen3_vl import Qwen3VLImageProcessor
+
+from vision_oracle import build, write_tokenizer as add_tokens
 
 QWEN3_5 = {
     "model_type": "qwen3_5",
@@ -71,18 +72,6 @@ SIZES = [(64, 96), (64, 64), (128, 64)]
 # Sizes the processor changes: rounded to multiples of 32, scaled down to 288 × 192, scaled up to
 # its least area.
 RESIZED = [(50, 70), (300, 200), (20, 30)]
-
-
-def build(config):
-    arch, _ = get_model_and_args(config)
-    model_config = arch.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
-    model = arch.Model(model_config)
-    mx.random.seed(7)
-    params = tree_map(lambda p: mx.random.uniform(-0.5, 0.5, p.shape).astype(mx.float32), model.parameters())
-    model.update(params)
-    mx.eval(model.parameters())
-    return model
 
 
 def main():
@@ -207,15 +196,7 @@ TEMPLATE = (
 
 
 def write_tokenizer(out, tokenizer_dir):
-    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    for content, token_id in VISION_TOKENS.items():
-        tokenizer["added_tokens"].append({"id": token_id, "content": content, "single_word": False,
-                                          "lstrip": False, "rstrip": False, "normalized": False,
-                                          "special": True})
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    add_tokens(out, tokenizer_dir, VISION_TOKENS, {"chat_template": TEMPLATE})
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ from PIL import Image
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 import numpy as np
-from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+from vision_oracle import build, write_tokenizer
 
 GEMMA3 = {
     "model_type": "gemma3",
@@ -47,19 +48,6 @@ GEMMA3 = {
 }
 
 
-def build(config):
-    arch, _ = get_model_and_args(config)
-    model_config = arch.ModelConfig.from_dict(config)
-    model_config = update_module_configs(model_config, arch, config, ["text", "vision"])
-    model = arch.Model(model_config)
-    # Random parameters of a moderate size (the norms' weights near their neutral value).
-    mx.random.seed(7)
-    params = tree_map(lambda p: mx.random.uniform(-0.5, 0.5, p.shape).astype(mx.float32), model.parameters())
-    model.update(params)
-    mx.eval(model.parameters())
-    return model
-
-
 # The test tokenizer's vocabulary ends at 49,151: Gemma 3's image tokens come after it.
 IMAGE_TOKENS = {"<start_of_image>": 49152, "<image_soft_token>": 49153, "<end_of_image>": 49154}
 
@@ -76,16 +64,9 @@ TEMPLATE = (
 
 
 def write_processor_files(out, tokenizer_dir):
-    tokenizer = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    for content, token_id in IMAGE_TOKENS.items():
-        tokenizer["added_tokens"].append({"id": token_id, "content": content, "single_word": False,
-                                          "lstrip": False, "rstrip": False, "normalized": False,
-                                          "special": True})
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
-    config.update({"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
-                   "eoi_token": "<end_of_image>", "chat_template": TEMPLATE})
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    write_tokenizer(out, tokenizer_dir, IMAGE_TOKENS,
+                    {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                     "eoi_token": "<end_of_image>", "chat_template": TEMPLATE})
     (out / "preprocessor_config.json").write_text(json.dumps({
         "image_processor_type": "Gemma3ImageProcessor", "do_resize": True, "size": {"height": 32, "width": 32},
         "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
