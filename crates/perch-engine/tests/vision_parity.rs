@@ -1286,6 +1286,32 @@ fn gemma4_images_match_mlx_vlm() {
             "both ways, case {n}, in chunks of 5"
         );
     }
+    // Chunks of 16: the second prompt's first chunk (images at 3..9 and 13..19) stops before its
+    // second image; the same prompt again starts from the cached block 0..16, inside that image.
+    let config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
+    let mut wide = BatchGenerator::new(model.as_ref(), &tokenizer, config, "both ways, 16");
+    let outputs = common::drive(&mut wide, all_at_once(&both, images_of, Some(16)));
+    for (n, case) in both.iter().enumerate() {
+        assert_eq!(
+            outputs[n].0.token_ids, case.greedy_ids,
+            "both ways, case {n}, chunks of 16"
+        );
+    }
+    let (again, _) =
+        common::drive(&mut wide, all_at_once(&both[1..], images_of, Some(16))).remove(0);
+    assert_eq!(
+        again.stats.cached_prompt_tokens, 16,
+        "a hit ending inside an image"
+    );
+    assert_eq!(
+        again.token_ids, both[1].greedy_ids,
+        "both ways, from the cache"
+    );
+    // A bounded KV cache does not keep what the image's tokens attend to.
+    let mut bounded = request(&both[0].prompt_ids, images_of(&both[0]), 8);
+    bounded.max_kv_size = Some(10);
+    let message = wide.insert(bounded).err().unwrap().to_string();
+    assert!(message.contains("max_kv_size"), "{message}");
     // An image of 6 tokens with a prefill budget of 4 cannot be computed in one pass.
     let mut config = BatchConfig::for_budget(model.as_ref(), 64 << 20, 16, None);
     config.prefill_token_budget = 4;

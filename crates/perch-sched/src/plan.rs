@@ -23,7 +23,7 @@ pub enum SlotKind {
 
 /// A running sequence as the scheduler plans a step for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Running {
+pub struct Running<'a> {
     pub id: RequestId,
     pub progress: Progress,
     pub slot: SlotKind,
@@ -39,10 +39,9 @@ pub struct Running {
     /// that reaches `quantized_kv_start`), so each of its chunks is its own `prefill_step_size`
     /// within the widest step, whatever else the pass holds.
     pub own_chunks: bool,
-    /// The next span of its tokens a prefill chunk must not cut in two (`[start, end)`, ending
-    /// after `num_computed`): an image whose tokens attend to each other both ways
-    /// ([`scheduler::keep_whole`]).
-    pub whole: Option<(usize, usize)>,
+    /// Spans of its tokens a prefill chunk must not cut in two (`[start, end)`, in order, apart):
+    /// images whose tokens attend to each other both ways ([`scheduler::keep_whole`]).
+    pub whole: &'a [(usize, usize)],
 }
 
 /// The limits a step is planned within (the engine's `BatchConfig`).
@@ -153,7 +152,7 @@ pub enum Decision {
 #[derive(Clone, Copy, Debug)]
 pub struct Batch<'a> {
     /// Running sequences, oldest first.
-    pub running: &'a [Running],
+    pub running: &'a [Running<'a>],
     pub waiting: &'a [Waiting<'a>],
     /// Whether a decode step's tokens are not read yet.
     pub step_in_flight: bool,
@@ -242,11 +241,7 @@ pub fn schedule(
                 scored: false,
                 branch_at,
                 own_chunks: private,
-                whole: request
-                    .whole
-                    .iter()
-                    .copied()
-                    .find(|&(_, end)| end > num_computed),
+                whole: request.whole,
             });
             admitted.push(Admission {
                 id: request.id,
@@ -288,7 +283,7 @@ pub struct StepPlan {
 /// step's prefill budget ([`scheduler::prefill_budget`], [`scheduler::plan_slot_chunks`]),
 /// aligned to blocks where the limits ask and stopped at its `branch_at`; then every sequence
 /// whose prompt is cached after the pass decodes.
-pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
+pub fn plan_step(running: &[Running<'_>], limits: &StepLimits) -> StepPlan {
     let progress: Vec<Progress> = running.iter().map(|r| r.progress).collect();
     let taken = running
         .iter()
@@ -351,10 +346,7 @@ pub fn plan_step(running: &[Running], limits: &StepLimits) -> StepPlan {
                     }
                     chunk
                 };
-                match row.whole {
-                    Some(span) => (row.id, scheduler::keep_whole(computed, chunk, span)),
-                    None => (row.id, chunk),
-                }
+                (row.id, scheduler::keep_whole(computed, chunk, row.whole))
             })
             .collect();
         let longest = chunks.iter().map(|&(_, c)| c).max().unwrap_or(1);
@@ -407,7 +399,12 @@ mod tests {
         }
     }
 
-    fn row(id: RequestId, num_tokens: usize, num_computed: usize, slot: SlotKind) -> Running {
+    fn row(
+        id: RequestId,
+        num_tokens: usize,
+        num_computed: usize,
+        slot: SlotKind,
+    ) -> Running<'static> {
         Running {
             id,
             progress: Progress {
@@ -418,7 +415,7 @@ mod tests {
             slot,
             scored: false,
             branch_at: None,
-            whole: None,
+            whole: &[],
             own_chunks: false,
         }
     }

@@ -83,18 +83,20 @@ pub fn align_chunk_to_block(num_computed: usize, chunk: usize, block_size: usize
     }
 }
 
-/// A prefill chunk of `chunk` tokens after `num_computed` that cuts no token span `whole` =
-/// `[start, end)` in two (an image whose tokens attend to each other both ways must be computed
-/// in one pass): a chunk that would end inside the span stops before it when it starts before
-/// it, and runs to its end when it starts inside it (possibly wider than asked). Else unchanged.
-pub fn keep_whole(num_computed: usize, chunk: usize, (start, end): (usize, usize)) -> usize {
+/// A prefill chunk of `chunk` tokens after `num_computed` that cuts none of the token spans
+/// `whole` (`[start, end)`, in order, apart) in two (an image whose tokens attend to each other
+/// both ways must be computed in one pass): a chunk that would end inside a span stops before it
+/// when it starts before it, and runs to its end when it starts inside it (possibly wider than
+/// asked). Else unchanged.
+pub fn keep_whole(num_computed: usize, chunk: usize, whole: &[(usize, usize)]) -> usize {
     let stop = num_computed + chunk;
-    if stop <= start || stop >= end {
-        chunk
-    } else if num_computed < start {
-        start - num_computed
-    } else {
-        end - num_computed
+    match whole
+        .iter()
+        .find(|&&(start, end)| start < stop && stop < end)
+    {
+        None => chunk,
+        Some(&(start, _)) if num_computed < start => start - num_computed,
+        Some(&(_, end)) => end - num_computed,
     }
 }
 
@@ -278,14 +280,20 @@ mod tests {
     fn chunks_keep_a_whole_span_in_one_piece() {
         // A span 10..16: a chunk ending inside it stops before it, or runs to its end from its
         // start (wider than asked) or from inside it.
-        assert_eq!(keep_whole(0, 12, (10, 16)), 10);
-        assert_eq!(keep_whole(10, 2, (10, 16)), 6);
-        assert_eq!(keep_whole(12, 1, (10, 16)), 4);
+        let one = [(10, 16)];
+        assert_eq!(keep_whole(0, 12, &one), 10);
+        assert_eq!(keep_whole(10, 2, &one), 6);
+        assert_eq!(keep_whole(12, 1, &one), 4);
         // A chunk ending at its start, at its end or past it, or before it, is kept.
-        assert_eq!(keep_whole(0, 10, (10, 16)), 10);
-        assert_eq!(keep_whole(5, 11, (10, 16)), 11);
-        assert_eq!(keep_whole(5, 30, (10, 16)), 30);
-        assert_eq!(keep_whole(0, 4, (10, 16)), 4);
+        assert_eq!(keep_whole(0, 10, &one), 10);
+        assert_eq!(keep_whole(5, 11, &one), 11);
+        assert_eq!(keep_whole(5, 30, &one), 30);
+        assert_eq!(keep_whole(0, 4, &one), 4);
+        // Past a first span, into a second: it stops before the second.
+        let two = [(3, 9), (13, 19)];
+        assert_eq!(keep_whole(0, 16, &two), 13);
+        assert_eq!(keep_whole(0, 30, &two), 30);
+        assert_eq!(keep_whole(16, 1, &two), 3);
     }
 
     fn prefilling(num_tokens: usize, num_computed: usize, step: usize) -> Progress {

@@ -645,7 +645,7 @@ impl<'m> BatchGenerator<'m> {
             false => images::prepare(self.model, &mut tokens, &request.images)?,
         };
         let rope = images::rope_positions(&images, tokens.len())?;
-        let whole = self.both_ways_spans(&images)?;
+        let whole = self.both_ways_spans(&images, limit.is_some())?;
         // The sequence holds them from here on (until their features are computed).
         request.images = Vec::new();
         let id = self.next_id;
@@ -1013,7 +1013,6 @@ impl<'m> BatchGenerator<'m> {
         let limits = self.step_limits();
         let mut preempted = false;
         loop {
-            let running = self.planned();
             // Only those the batch has room for can be admitted (the queue may be long); under
             // memory pressure, none while one runs and one at a time otherwise.
             let mut room = match (self.admissions_held, self.running.is_empty()) {
@@ -1040,6 +1039,7 @@ impl<'m> BatchGenerator<'m> {
                     }
                 }
             }
+            let running = Self::planned(&self.running);
             let waiting: Vec<plan::Waiting> = self
                 .waiting
                 .iter()
@@ -1309,8 +1309,8 @@ impl<'m> BatchGenerator<'m> {
     }
 
     /// The running sequences as the scheduler plans a step for them, in order.
-    fn planned(&self) -> Vec<plan::Running> {
-        self.running
+    fn planned(running: &[Sequence]) -> Vec<plan::Running<'_>> {
+        running
             .iter()
             .map(|seq| plan::Running {
                 id: seq.id,
@@ -1323,20 +1323,22 @@ impl<'m> BatchGenerator<'m> {
                 scored: seq.scored(),
                 branch_at: seq.branch_at,
                 own_chunks: !seq.kv.is_plain(),
-                whole: seq
-                    .whole
-                    .iter()
-                    .copied()
-                    .find(|&(_, end)| end > seq.computed),
+                whole: &seq.whole,
             })
             .collect()
     }
 
     /// The token spans of `images` that a prefill chunk must keep whole, when the model's
-    /// images attend to each other both ways (none otherwise). `Err` for an image whose tokens
-    /// are more than one pass computes (the prefill budget) or than a sliding layer sees (its
-    /// window): its tokens could not all see each other.
-    fn both_ways_spans(&self, images: &[SequenceImage]) -> Result<Vec<(usize, usize)>> {
+    /// images attend to each other both ways (none otherwise): each image's, images that touch
+    /// in one (one run of image tokens is one block, as Hugging Face's
+    /// `get_block_sequence_ids_for_mask` counts them). `Err` for a span longer than one pass
+    /// computes (the prefill budget) or than a sliding layer sees (its window), and for a
+    /// request whose KV cache is bounded (`bounded`: `max_kv_size`).
+    fn both_ways_spans(
+        &self,
+        images: &[SequenceImage],
+        bounded: bool,
+    ) -> Result<Vec<(usize, usize)>> {
         if !self
             .model
             .vision()
@@ -1352,8 +1354,21 @@ impl<'m> BatchGenerator<'m> {
             .filter_map(|c| c.window())
             .min()
             .map_or(usize::MAX, |w| w.max(1) as usize);
+        if bounded {
+            return Err(EngineError::Request(
+                "images with max_kv_size: this model's image tokens attend to each other, which \
+                 a bounded KV cache does not keep"
+                    .into(),
+            ));
+        }
         let most = self.config.prefill_token_budget.min(window);
-        let spans: Vec<(usize, usize)> = images.iter().map(|im| (im.start, im.end())).collect();
+        let mut spans: Vec<(usize, usize)> = Vec::with_capacity(images.len());
+        for image in images {
+            match spans.last_mut() {
+                Some(last) if last.1 == image.start => last.1 = image.end(),
+                _ => spans.push((image.start, image.end())),
+            }
+        }
         if let Some(n) = spans.iter().map(|(s, e)| e - s).find(|&n| n > most) {
             return Err(EngineError::Request(format!(
                 "an image of {n} tokens; this model's image tokens attend to each other, and at \
