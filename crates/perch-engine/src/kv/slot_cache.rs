@@ -1753,6 +1753,60 @@ mod tests {
         assert_eq!(seen, (81..=88).collect::<Vec<_>>());
     }
 
+    /// A span of a step's tokens that attend both ways (`begin_step_with`), past the ring's wrap:
+    /// each of its queries sees its sliding window's positions and the span's later ones, in the
+    /// ring and in the global layer's buffer; the other queries see what they see causally.
+    #[test]
+    fn spans_see_their_later_tokens_in_rings_and_buffers() {
+        let len = 600;
+        let caches = counting_caches(len, |_| 1.0);
+        let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 16, 16);
+        let slot = slots.push(&caches, len as usize, RowKv::Plain).unwrap();
+        let tokens = 12;
+        let step = slots
+            .begin_step_with(tokens, &[tokens], &[(slot, 2, 9)])
+            .unwrap();
+        let last = len + tokens as i32 - 1;
+        let reach = |i: i32| {
+            if (2..9).contains(&i) {
+                len + 8
+            } else {
+                len + i
+            }
+        };
+        let ring = step.ring.as_ref().expect("rings");
+        let size = ring.mask.shape()[3];
+        let mask = ring.mask.flatten(None, None).unwrap();
+        let mask = mask.as_slice::<bool>();
+        for i in 0..tokens as i32 {
+            // Entry e holds, at the step's end, the latest position written there.
+            let mut seen: Vec<i32> = (0..size)
+                .filter(|&e| mask[(i * size + e) as usize])
+                .map(|e| last - (last - e).rem_euclid(size))
+                .collect();
+            seen.sort_unstable();
+            let q = len + i;
+            assert_eq!(
+                seen,
+                (q - 7..=reach(i)).collect::<Vec<_>>(),
+                "ring, query {i}"
+            );
+        }
+        let capacity = step.mask.shape()[3];
+        let mask = step.mask.flatten(None, None).unwrap();
+        let mask = mask.as_slice::<bool>();
+        for i in 0..tokens as i32 {
+            let seen: Vec<i32> = (0..capacity)
+                .filter(|&e| mask[(i * capacity + e) as usize])
+                .collect();
+            assert_eq!(
+                seen,
+                (0..=reach(i)).collect::<Vec<_>>(),
+                "buffer, query {i}"
+            );
+        }
+    }
+
     /// The positions each query of a step sees, from the keys' values (each key holds its
     /// position) where `mask` `[1, 1, tokens, n]` is true.
     fn seen(keys: &Array, mask: &Array) -> Vec<Vec<i32>> {
