@@ -363,7 +363,8 @@ fn generated_ids(lines: &[serde_json::Value]) -> Vec<u64> {
 /// `crates/perch-engine/tests/oracle/tiny_qwen_vision.py`) answers a prompt with an image through
 /// the batch engine, its prompt 8 tokens longer than without (the image's 6 tokens between the
 /// vision markers) and the same answer twice (greedy); a text-only model, a missing file and
-/// `--image` without `--prompt` end in one-line errors.
+/// `--image` without `--prompt` end in one-line errors. `perch bench --image` measures requests
+/// that each hold the image (their prompts counted with its tokens); with `--http` it is refused.
 #[test]
 fn generate_with_an_image() {
     let out = tempfile::tempdir().unwrap();
@@ -445,6 +446,41 @@ fn generate_with_an_image() {
         "generate", "--model", model, "--raw", "hi", "--image", image,
     ]);
     assert_clean_error(&no_prompt, "--image goes with --prompt");
+
+    let bench = |extra: &[&str]| {
+        let args = [
+            &[
+                "bench",
+                "--model",
+                model,
+                "--concurrency",
+                "2",
+                "--image",
+                image,
+                "--prompt-tokens",
+                "16",
+                "--gen-tokens",
+                "4",
+                "--runs",
+                "1",
+            ][..],
+            extra,
+        ]
+        .concat();
+        args.iter().map(|a| a.to_string()).collect::<Vec<_>>()
+    };
+    let args = bench(&["--json"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_, report) = perch_report(&args);
+    let counted = report["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        counted >= 16 + 8,
+        "{counted} prompt tokens: the image's are in"
+    );
+    assert!(report["generation_tps"].as_f64().unwrap() > 0.0);
+    let args = bench(&["--http"]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    assert_clean_error(&perch(&args), "--image is measured on the engine directly");
 }
 
 /// mlx_lm's KV cache flags reach generation (their numerics are checked against mlx_lm in

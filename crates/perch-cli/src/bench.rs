@@ -95,6 +95,12 @@ pub struct BenchArgs {
     /// end of sequence is ignored), to measure what a constrained request costs the batch.
     #[arg(long, default_value_t = 0)]
     pub json_requests: usize,
+    /// With --concurrency: every request a chat message holding its own filler text
+    /// (--prompt-tokens long), then this image (PNG, JPEG, WebP, GIF), then a question, for a
+    /// model that takes images; each request's tower pass is its own (its text comes first, so
+    /// no prefix-cache block holds another's image).
+    #[arg(long)]
+    pub image: Option<PathBuf>,
     /// With --concurrency: run the engine's idle warm-up (prefill passes and decode steps
     /// of the shapes requests meet most; default: the engine's for this backend, on for CUDA).
     #[arg(long)]

@@ -100,12 +100,14 @@ enum Client<'a> {
 }
 
 /// What the measured requests ask for besides their prompt and length.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct RequestOptions {
     /// The first this many prompts are constrained to a JSON object.
     json_requests: usize,
     /// Every request's KV cache is bounded to this many positions.
     max_kv_size: Option<usize>,
+    /// `--image`: every request a chat message of its prompt's text, this image and a question.
+    image: Option<std::sync::Arc<ImagePrompt>>,
 }
 
 impl RequestOptions {
@@ -115,6 +117,30 @@ impl RequestOptions {
             request.params.grammar = Some(Grammar::JsonObject);
         }
         request.params.max_kv_size = self.max_kv_size;
+        if let Some(image) = &self.image {
+            request.prompt = image.chat(&image.texts[i]);
+        }
+    }
+}
+
+/// `--image`'s requests: each prompt's text before the image.
+struct ImagePrompt {
+    /// The image as a content part (a data URL).
+    part: perch_engine::ContentPart,
+    /// The measured prompts' texts.
+    texts: Vec<String>,
+}
+
+impl ImagePrompt {
+    fn chat(&self, text: &str) -> Prompt {
+        Prompt::Chat(vec![perch_engine::ChatMessage::from_parts(
+            "user",
+            vec![
+                perch_engine::ContentPart::Text(text.to_string()),
+                self.part.clone(),
+                perch_engine::ContentPart::Text("What is in the picture?".into()),
+            ],
+        )])
     }
 }
 
@@ -139,6 +165,12 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     anyhow::ensure!(
         args.draft.draft_model.is_none(),
         "--draft-model runs one sequence (speculative decoding): run it without --concurrency"
+    );
+    anyhow::ensure!(
+        args.image.is_none()
+            || !(args.http || args.shared_prefix_tokens > 0 || args.prompt_ids.is_some()),
+        "--image is measured on the engine directly, each request's text its own: not with \
+         --http, --shared-prefix-tokens or --prompt-ids"
     );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
@@ -176,6 +208,16 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         return result;
     }
     let prompts = make_prompts(args, &tokenizer, concurrency)?;
+    let image = match &args.image {
+        Some(path) => Some(std::sync::Arc::new(ImagePrompt {
+            part: crate::generate::image_part(path)?,
+            texts: prompts
+                .iter()
+                .map(|p| tokenizer.decode(p))
+                .collect::<Result<_, _>>()?,
+        })),
+        None => None,
+    };
     wait_for_warm_up(&engine)?;
     // Warm-up through the same path, as bench_gpu.py warms mlx_lm: min(N, 8) prompts of the
     // measured length at once, 8 tokens each, so the measured run meets compiled shapes (MLX's
@@ -187,6 +229,9 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
             let tail = warm_up_tokens(&tokenizer, 3 * i, prompts[0].len() - shared)?;
             let mut request = bench_request([&prompts[0][..shared], &tail[..]].concat(), 8);
             request.params.max_kv_size = args.max_kv_size;
+            if let Some(image) = &image {
+                request.prompt = image.chat(&tokenizer.decode(&tail)?);
+            }
             // The first constrained request builds the vocabulary's token trie: not measured.
             if i == 0 && args.json_requests > 0 {
                 request.params.grammar = Some(Grammar::JsonObject);
@@ -228,6 +273,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
         options: RequestOptions {
             json_requests: args.json_requests,
             max_kv_size: args.max_kv_size,
+            image,
         },
     };
     // The warm-up's blocks would otherwise stay in the prefix cache and count in the measured
@@ -421,7 +467,9 @@ fn measure(
     reset_peak_memory();
     let start = Instant::now();
     let timelines = match client {
-        Client::Direct { engine, options } => direct(engine, prompts, gen_tokens, *options, start)?,
+        Client::Direct { engine, options } => {
+            direct(engine, prompts, gen_tokens, options.clone(), start)?
+        }
         Client::Http(url) => over_http(url, prompts, gen_tokens, start)?,
     };
     let peak = memory_stats().peak_bytes;
@@ -630,10 +678,18 @@ fn report(
         backend: Backend::current(),
         kv_cache_bytes,
         concurrency,
-        prompt_tokens: prompts[0].len(),
+        // A request's prompt as the engine counted it (a chat's template and image tokens in).
+        prompt_tokens: timelines
+            .first()
+            .map(|t| t.prompt_tokens)
+            .filter(|&n| n > 0)
+            .unwrap_or(prompts[0].len()),
         shared_prefix_tokens: args.shared_prefix_tokens,
         generation_tokens: args.gen_tokens,
-        prompt_tps: prompts.iter().map(Vec::len).sum::<usize>() as f64
+        prompt_tps: match timelines.iter().map(|t| t.prompt_tokens).sum::<usize>() {
+            0 => prompts.iter().map(Vec::len).sum::<usize>(),
+            counted => counted,
+        } as f64
             / secs(start, first_max).max(1e-9),
         generation_tps: generated.saturating_sub(firsts.len()) as f64
             / secs(first_min, last).max(1e-9),

@@ -317,7 +317,7 @@ fn has_images(messages: &[ChatMessage]) -> bool {
 }
 
 /// `--image FILE` as a data URL part, read as the API reads an image (`Err`: a sentence).
-fn image_part(path: &std::path::Path) -> anyhow::Result<perch_engine::ContentPart> {
+pub(crate) fn image_part(path: &std::path::Path) -> anyhow::Result<perch_engine::ContentPart> {
     use base64::Engine as _;
     let size = std::fs::metadata(path)
         .with_context(|| format!("reading {}", path.display()))?
