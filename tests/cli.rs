@@ -1341,3 +1341,22 @@ fn serve_unloads_an_idle_model_and_gives_its_memory_back() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+/// `perch serve --alias NAME=MODEL` names the one model it serves: an alias for another model, or
+/// one naming nothing, is a one-line error before anything loads.
+#[test]
+fn serve_refuses_an_alias_of_another_model() {
+    let model = test_model();
+    let other = perch(&[
+        "serve",
+        "--model",
+        &model,
+        "--port",
+        "0",
+        "--alias",
+        "gpt-4o=other-model",
+    ]);
+    assert_clean_error(&other, "not `other-model`");
+    let empty = perch(&["serve", "--model", &model, "--port", "0", "--alias", "=x"]);
+    assert_clean_error(&empty, "names nothing");
+}

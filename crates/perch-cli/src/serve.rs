@@ -41,6 +41,34 @@ pub struct ServeArgs {
     /// may set their own `keep_alive`.
     #[arg(long, env = "PERCH_KEEP_ALIVE", default_value = "1h", value_parser = perch_engine::KeepAlive::parse, allow_hyphen_values = true)]
     pub keep_alive: perch_engine::KeepAlive,
+    /// Another name requests may give the served model, as NAME or NAME=MODEL (MODEL: the
+    /// --model given or the id the server prints); coding agents send their vendor's model
+    /// names (repeatable).
+    #[arg(long = "alias", value_name = "NAME[=MODEL]")]
+    pub aliases: Vec<String>,
+    /// Serve the model under any name a request gives.
+    #[arg(long)]
+    pub any_model_name: bool,
+}
+
+/// `--alias`'s names: NAME, or NAME=MODEL where MODEL is `model_id` (the one model served).
+fn alias_names(aliases: &[String], model_id: &str) -> anyhow::Result<Vec<String>> {
+    aliases
+        .iter()
+        .map(|alias| {
+            let (name, model) = match alias.split_once('=') {
+                Some((name, model)) => (name.trim(), Some(model.trim())),
+                None => (alias.trim(), None),
+            };
+            if name.is_empty() {
+                anyhow::bail!("--alias `{alias}` names nothing: give NAME or NAME=MODEL");
+            }
+            if let Some(model) = model.filter(|&m| m != model_id) {
+                anyhow::bail!("--alias `{alias}`: this server serves `{model_id}`, not `{model}`");
+            }
+            Ok(name.to_string())
+        })
+        .collect()
 }
 
 fn parse_max_requests(arg: &str) -> Result<usize, String> {
@@ -73,6 +101,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             |n| n.to_string_lossy().into_owned(),
         ),
     };
+    let aliases = alias_names(&args.aliases, &model_id)?;
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| {
@@ -96,6 +125,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     )
     .with_context(|| format!("loading {}", dir.display()))?;
     let config = ServerConfig {
+        model_aliases: aliases,
+        any_model_name: args.any_model_name,
         num_draft_tokens: args.num_draft_tokens,
         api_key: args.api_key,
         max_requests: args.max_requests,

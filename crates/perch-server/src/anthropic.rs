@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use crate::error::{AnthropicError, ApiError};
 use crate::running::{Running, Step};
 use crate::tools::{self, Answer, Forced};
-use crate::AppState;
+use crate::{AppState, ServedName};
 
 /// The request body of `POST /v1/messages` (and, without the generation fields, of
 /// `count_tokens`). Fields Perch does not act on (`metadata`, …) are ignored.
@@ -177,10 +177,8 @@ impl Content {
 
 impl MessagesRequest {
     /// The conversation as chat-template messages, the system prompt first.
-    fn conversation(&self, served: &str) -> Result<Vec<ChatMessage>, ApiError> {
-        if self.model != served {
-            return Err(ApiError::unknown_model(&self.model, served));
-        }
+    fn conversation(&self, served: ServedName<'_>) -> Result<Vec<ChatMessage>, ApiError> {
+        served.check(&self.model)?;
         if self.messages.is_empty() {
             return Err(ApiError::invalid(
                 "messages: at least one message is required",
@@ -360,7 +358,7 @@ pub(crate) async fn count_tokens(
     body: Result<Json<MessagesRequest>, JsonRejection>,
 ) -> Result<Json<Value>, AnthropicError> {
     let request = parse(body)?;
-    let conversation = request.conversation(&state.model_id)?;
+    let conversation = request.conversation(state.served_name())?;
     let tools = request.offered_tools()?;
     let (ids, _) = tools::render(state.engine.tokenizer(), conversation, tools).await?;
     Ok(Json(json!({"input_tokens": ids.len()})))
@@ -372,7 +370,7 @@ pub(crate) async fn messages(
     body: Result<Json<MessagesRequest>, JsonRejection>,
 ) -> Result<Response, AnthropicError> {
     let request = parse(body)?;
-    let conversation = request.conversation(&state.model_id)?;
+    let conversation = request.conversation(state.served_name())?;
     let mut params = request.params()?;
     let tools = request.offered_tools()?;
     let forced = request.forced()?;

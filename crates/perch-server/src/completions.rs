@@ -22,7 +22,7 @@ use crate::openai::{
     finish_reason, logprob_value, max_tokens, sse_with_done, usage, Meta, Sampling,
 };
 use crate::running::{Running, Step};
-use crate::AppState;
+use crate::{AppState, ServedName};
 
 /// The request body of `POST /v1/completions`.
 #[derive(Debug, Deserialize)]
@@ -66,7 +66,7 @@ impl CompletionRequest {
     /// and the shared generation settings, or the 400/404 naming the parameter at fault.
     fn prepare(
         &self,
-        served: &str,
+        served: ServedName<'_>,
         tokenizer: &Tokenizer,
     ) -> Result<(Vec<OnePrompt>, GenerateRequest), ApiError> {
         let mut params = GenerateRequest::new(Vec::new());
@@ -136,7 +136,7 @@ pub(crate) async fn completions(
 ) -> Result<Response, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
     let tokenizer = Arc::clone(state.engine.tokenizer());
-    let (prompts, params) = request.prepare(&state.model_id, &tokenizer)?;
+    let (prompts, params) = request.prepare(state.served_name(), &tokenizer)?;
     // `echo` with `logprobs`: the prompt's own tokens are scored first.
     let mut scored_prompts = Vec::new();
     if let (true, Some(top)) = (request.echo, request.logprobs) {

@@ -57,6 +57,12 @@ pub struct ServerConfig {
     pub cors_origins: Vec<HeaderValue>,
     /// The live counts, shared with whoever shows them (the app's dashboard).
     pub activity: ServerActivity,
+    /// Other names a request's `model` may give the served model (coding agents send their
+    /// vendor's names, `claude-…`, `gpt-…`); `GET /v1/models` lists them beside its id.
+    pub model_aliases: Vec<String>,
+    /// Any `model` names the served model (a server with one model, for clients that insist on
+    /// their own names).
+    pub any_model_name: bool,
     /// Tokens a draft model proposes per step, when the engine has one
     /// ([`EngineHandle::has_draft_model`]) and a request does not say (its `num_draft_tokens`,
     /// mlx_lm's server extension; 0 turns speculative decoding off for it).
@@ -75,6 +81,8 @@ impl ServerConfig {
             max_requests: Self::DEFAULT_MAX_REQUESTS,
             cors_origins: Vec::new(),
             activity: ServerActivity::default(),
+            model_aliases: Vec::new(),
+            any_model_name: false,
             num_draft_tokens: perch_engine::Draft::DEFAULT_NUM_DRAFT_TOKENS,
         }
     }
@@ -181,6 +189,34 @@ struct AppState {
 impl AppState {
     fn admit(&self) -> Result<Admitted, ApiError> {
         self.config.activity.admit(self.config.max_requests)
+    }
+
+    /// The names requests may give the served model.
+    fn served_name(&self) -> ServedName<'_> {
+        ServedName {
+            id: &self.model_id,
+            aliases: &self.config.model_aliases,
+            any: self.config.any_model_name,
+        }
+    }
+}
+
+/// The served model's id and the other names a request's `model` may give it
+/// ([`ServerConfig::model_aliases`], [`ServerConfig::any_model_name`]).
+#[derive(Clone, Copy)]
+pub(crate) struct ServedName<'a> {
+    pub(crate) id: &'a str,
+    aliases: &'a [String],
+    any: bool,
+}
+
+impl ServedName<'_> {
+    /// `Ok` when `asked` names the served model, else the 404 naming it.
+    pub(crate) fn check(&self, asked: &str) -> Result<(), ApiError> {
+        match self.any || asked == self.id || self.aliases.iter().any(|a| a == asked) {
+            true => Ok(()),
+            false => Err(ApiError::unknown_model(asked, self.id)),
+        }
     }
 }
 

@@ -37,10 +37,10 @@ pub(crate) async fn next_token_logprobs(
     body: Result<Json<NextTokenLogprobsRequest>, JsonRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
-    let served = &state.model_id;
-    if let Some(model) = request.model.as_deref().filter(|m| m != served) {
-        return Err(ApiError::unknown_model(model, served));
+    if let Some(model) = request.model.as_deref() {
+        state.served_name().check(model)?;
     }
+    let served = &state.model_id;
     if request.token_ids.is_empty() || request.token_ids.len() > MAX_SEQUENCES {
         return Err(ApiError::invalid(
             format!("`token_ids` must hold 1 to {MAX_SEQUENCES} token sequences"),

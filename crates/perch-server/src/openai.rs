@@ -24,7 +24,7 @@ use serde_json::{json, Value};
 use crate::error::ApiError;
 use crate::running::{Running, Step};
 use crate::tools::{self, Answer, Forced};
-use crate::{AppState, Shared};
+use crate::{AppState, ServedName, Shared};
 
 /// `GET /v1/models`: the one model this server serves, or none while none is loaded. Beside
 /// OpenAI's fields, `capabilities` as Ollama's `/api/show` lists them: `"completion"`, and
@@ -34,18 +34,24 @@ pub(crate) async fn models(State(shared): State<Shared>) -> Json<Value> {
         .served
         .current()
         .into_iter()
-        .map(|served| {
+        .flat_map(|served| {
             let mut capabilities = vec!["completion"];
             if served.engine.tokenizer().image_processor().is_some() {
                 capabilities.push("vision");
             }
-            json!({
-                "id": served.model_id,
-                "object": "model",
-                "created": 0,
-                "owned_by": "perch",
-                "capabilities": capabilities,
-            })
+            // Its id, then each alias (the same model under another name).
+            std::iter::once(&served.model_id)
+                .chain(&shared.config.model_aliases)
+                .map(|id| {
+                    json!({
+                        "id": id,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "perch",
+                        "capabilities": capabilities,
+                    })
+                })
+                .collect::<Vec<_>>()
         })
         .collect();
     Json(json!({ "object": "list", "data": data }))
@@ -152,10 +158,12 @@ pub const PENALTY_WINDOW: usize = 256;
 impl Sampling {
     /// Checks the model and the parameters and sets them on `params`, or the 400/404 naming the
     /// parameter at fault.
-    pub fn apply(&self, served: &str, params: &mut GenerateRequest) -> Result<(), ApiError> {
-        if self.model != served {
-            return Err(ApiError::unknown_model(&self.model, served));
-        }
+    pub fn apply(
+        &self,
+        served: ServedName<'_>,
+        params: &mut GenerateRequest,
+    ) -> Result<(), ApiError> {
+        served.check(&self.model)?;
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid(
                 "only n = 1 is supported: one choice per request",
@@ -290,7 +298,10 @@ const MAX_TOP_LOGPROBS: usize = 20;
 impl ChatCompletionRequest {
     /// The generation settings and the conversation as the template sees it, or the 400 naming
     /// the parameter at fault.
-    fn prepare(&self, served: &str) -> Result<(GenerateRequest, Vec<ChatMessage>), ApiError> {
+    fn prepare(
+        &self,
+        served: ServedName<'_>,
+    ) -> Result<(GenerateRequest, Vec<ChatMessage>), ApiError> {
         let mut params = GenerateRequest::new(Vec::new());
         self.sampling.apply(served, &mut params)?;
         if self.messages.is_empty() {
@@ -373,7 +384,7 @@ pub(crate) async fn chat_completions(
     body: Result<Json<ChatCompletionRequest>, JsonRejection>,
 ) -> Result<Response, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::invalid(e.body_text(), None))?;
-    let (mut params, messages) = request.prepare(&state.model_id)?;
+    let (mut params, messages) = request.prepare(state.served_name())?;
     let tokenizer = Arc::clone(state.engine.tokenizer());
     let tools = request.offered_tools();
     let forced = request.forced()?;

@@ -475,6 +475,67 @@ fn a_server_follows_the_model_the_app_has_loaded() {
     engine.shutdown();
 }
 
+/// Agents send their vendor's model names: a server with aliases answers them (Messages and
+/// Chat Completions) and lists them in `GET /v1/models`, other names get 404; with
+/// `any_model_name` every name is the served model.
+#[test]
+fn agents_name_the_model_their_own_way() {
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let aliased = ServerConfig {
+        model_aliases: vec!["claude-sonnet-4-5".into(), "gpt-4o".into()],
+        ..config()
+    };
+    let (_runtime, addr) = start_server(&engine, aliased);
+    let addr = addr.to_string();
+    let auth = [
+        ("Authorization", "Bearer test-key"),
+        ("Content-Type", "application/json"),
+    ];
+    let chat = |model: &str| {
+        serde_json::json!({"model": model, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "Hi"}]})
+        .to_string()
+    };
+    let (status, _, body) = http(&addr, "GET", "/v1/models", &auth, "");
+    assert_eq!(status, 200, "{body}");
+    let list: Value = serde_json::from_str(&body).unwrap();
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, "claude-sonnet-4-5", "gpt-4o"]);
+    let (status, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/messages",
+        &auth,
+        &chat("claude-sonnet-4-5"),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &auth,
+        &chat("gpt-4o"),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat("claude-opus-4"));
+    assert_eq!(status, 404, "not an alias: {body}");
+    let any = ServerConfig {
+        any_model_name: true,
+        ..config()
+    };
+    let (_runtime, addr) = start_server(&engine, any);
+    let addr = addr.to_string();
+    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat("claude-opus-4"));
+    assert_eq!(status, 200, "any name: {body}");
+    engine.shutdown();
+}
+
 #[test]
 fn busy_servers_turn_requests_away_and_cors_is_opt_in() {
     let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
