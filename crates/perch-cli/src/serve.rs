@@ -51,8 +51,31 @@ pub struct ServeArgs {
     pub any_model_name: bool,
 }
 
-/// `--alias`'s names: NAME, or NAME=MODEL where MODEL is `model_id` (the one model served).
-fn alias_names(aliases: &[String], model_id: &str) -> anyhow::Result<Vec<String>> {
+/// The id clients name the model in `dir` by: `ORG/NAME` for a snapshot of the Hugging Face cache
+/// (`…/models--ORG--NAME/snapshots/REVISION`), else the directory's name — never a file-system
+/// path.
+fn short_id(dir: &std::path::Path) -> String {
+    let name = |p: &std::path::Path| p.file_name().map(|n| n.to_string_lossy().into_owned());
+    let repo = dir
+        .parent()
+        .filter(|p| name(p).as_deref() == Some("snapshots"))
+        .and_then(|p| p.parent())
+        .and_then(name)
+        .and_then(|n| {
+            let (org, model) = n.strip_prefix("models--")?.split_once("--")?;
+            Some(format!("{org}/{model}"))
+        });
+    repo.or_else(|| name(dir))
+        .unwrap_or_else(|| dir.display().to_string())
+}
+
+/// `--alias`'s names: NAME, or NAME=MODEL where MODEL is `model_id` (the one model served) or the
+/// `--model` given.
+fn alias_names(
+    aliases: &[String],
+    model_id: &str,
+    given: Option<&str>,
+) -> anyhow::Result<Vec<String>> {
     aliases
         .iter()
         .map(|alias| {
@@ -63,7 +86,7 @@ fn alias_names(aliases: &[String], model_id: &str) -> anyhow::Result<Vec<String>
             if name.is_empty() {
                 anyhow::bail!("--alias `{alias}` names nothing: give NAME or NAME=MODEL");
             }
-            if let Some(model) = model.filter(|&m| m != model_id) {
+            if let Some(model) = model.filter(|&m| m != model_id && Some(m) != given) {
                 anyhow::bail!("--alias `{alias}`: this server serves `{model_id}`, not `{model}`");
             }
             Ok(name.to_string())
@@ -93,15 +116,16 @@ fn parse_origin(origin: &str) -> Result<HeaderValue, String> {
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let dir = model_dir::resolve(args.model.clone())?;
-    // The id clients name: the Hub id or directory given, else the directory's name.
-    let model_id = match &args.model {
-        Some(given) => given.to_string_lossy().into_owned(),
-        None => dir.file_name().map_or_else(
-            || dir.display().to_string(),
-            |n| n.to_string_lossy().into_owned(),
-        ),
-    };
-    let aliases = alias_names(&args.aliases, &model_id)?;
+    let model_id = short_id(&dir);
+    let given = args
+        .model
+        .as_ref()
+        .map(|m| m.to_string_lossy().into_owned());
+    let mut aliases = alias_names(&args.aliases, &model_id, given.as_deref())?;
+    // The --model given (a path, say) stays a name requests may use.
+    if let Some(given) = given.filter(|g| *g != model_id && !aliases.contains(g)) {
+        aliases.push(given);
+    }
     let addr: SocketAddr = format!("{}:{}", args.host, args.port)
         .parse()
         .with_context(|| {
@@ -145,4 +169,26 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .context("serving")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::short_id;
+    use std::path::Path;
+
+    #[test]
+    fn served_models_have_short_ids() {
+        let snapshot =
+            "/home/u/.cache/huggingface/hub/models--mlx-community--Qwen3-0.6B-4bit/snapshots/abc";
+        assert_eq!(
+            short_id(Path::new(snapshot)),
+            "mlx-community/Qwen3-0.6B-4bit"
+        );
+        assert_eq!(short_id(Path::new("/models/SmolLM2-mlx")), "SmolLM2-mlx");
+        assert_eq!(
+            short_id(Path::new("/x/snapshots/abc")),
+            "abc",
+            "not a Hub cache folder"
+        );
+    }
 }
