@@ -772,7 +772,8 @@ fn the_local_server_follows_its_settings_and_the_loaded_model() {
 
     // On, on a free port, with a key.
     let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
-    settings["server"] = json!({"enabled": true, "port": 0, "api_key": "k-1", "allow_lan": false});
+    settings["server"] = json!({"enabled": true, "port": 0, "api_key": "k-1", "allow_lan": false,
+        "any_model_name": true});
     invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
     let on = status();
     assert_eq!(
@@ -831,6 +832,12 @@ fn the_local_server_follows_its_settings_and_the_loaded_model() {
     );
     let (code, _, _) = http(&addr, "POST", "/v1/chat/completions", &key[1..], &chat);
     assert_eq!(code, 401, "the key is required");
+    // Any model name is the loaded model (the setting is on): an agent's own name is answered.
+    let agent = json!({"model": "claude-sonnet-4-5", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    .to_string();
+    let (code, _, body) = http(&addr, "POST", "/v1/messages", &key, &agent);
+    assert_eq!(code, 200, "{body}");
 
     // A port already taken: a clear error, and the running server and saved settings stay.
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1342,7 +1349,8 @@ fn the_trays_model_list_and_server_switch() {
     invoke(&window, "unload_model", json!({})).unwrap();
 
     let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
-    settings["server"] = json!({"enabled": false, "port": 0, "api_key": null, "allow_lan": false});
+    settings["server"] = json!({"enabled": false, "port": 0, "api_key": null, "allow_lan": false,
+        "any_model_name": false});
     invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
     set_server_enabled(&handle, true).unwrap();
     assert_eq!(

@@ -157,6 +157,7 @@ export function SettingsView({ api, visible, inert, handle }) {
             <label>Port <input type="number" min="0" max="65535" step="1" data-setting="server.port" /></label>
             <label>API key <input type="text" data-optional data-setting="server.api_key" placeholder="none" autocomplete="off" /></label>
             <label class="check wide"><input type="checkbox" data-setting="server.allow_lan" /> Allow other devices on the network</label>
+            <label class="check wide"><input type="checkbox" data-setting="server.any_model_name" /> Answer to any model name (coding agents send their own, such as <code>claude-…</code>)</label>
           </div>
         </details>
         <div class="row wide">

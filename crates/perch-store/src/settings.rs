@@ -76,6 +76,9 @@ pub struct ServerSettings {
     /// Listen on every network interface (0.0.0.0), so other devices on the network can call
     /// it; otherwise 127.0.0.1 only.
     pub allow_lan: bool,
+    /// Serve the loaded model under any name a request gives (coding agents send their
+    /// vendor's model names, `claude-…`, `gpt-…`); otherwise requests must name it.
+    pub any_model_name: bool,
 }
 
 impl ServerSettings {
@@ -114,6 +117,7 @@ impl Default for ServerSettings {
             port: Self::DEFAULT_PORT,
             api_key: None,
             allow_lan: false,
+            any_model_name: false,
         }
     }
 }
@@ -357,6 +361,7 @@ mod tests {
             port: 1234,
             api_key: Some("sk-local".into()),
             allow_lan: true,
+            any_model_name: true,
         };
         settings.save(&path, RAM).unwrap();
         assert_eq!(Settings::load(&path, RAM).unwrap(), (settings, None));

@@ -92,6 +92,7 @@ impl LocalServer {
             .map_err(|e| CommandError::invalid(&format!("The local server cannot start: {e}.")))?;
         let config = ServerConfig {
             api_key: settings.api_key.clone(),
+            any_model_name: settings.any_model_name,
             ..ServerConfig::new()
         };
         let activity = config.activity.clone();
