@@ -13,13 +13,16 @@ import json
 import sys
 from pathlib import Path
 
+# The vision oracles' tokenizer writer and Qwen's vision tokens and template (tests/oracle).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "crates/perch-engine/tests/oracle"))
+from tiny_qwen_vision import TEMPLATE, VISION_TOKENS  # noqa: E402
+from vision_oracle import write_tokenizer  # noqa: E402
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-VISION_TOKENS = {"<|vision_start|>": 49152, "<|image_pad|>": 49153, "<|video_pad|>": 49154,
-                 "<|vision_end|>": 49155}
 TEXT = {
     "model_type": "qwen3_5_text", "hidden_size": 1024, "num_hidden_layers": 24, "intermediate_size": 3584,
     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256, "rms_norm_eps": 1e-6,
@@ -37,17 +40,6 @@ CONFIG = {
                       "spatial_merge_size": 2, "in_channels": 3, "num_position_embeddings": 2304,
                       "deepstack_visual_indexes": []},
 }
-TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
 def main():
     out, tok = Path(sys.argv[1]), Path(sys.argv[2])
     dtype = getattr(mx, sys.argv[3] if len(sys.argv) > 3 else "float32")
@@ -70,15 +62,7 @@ def main():
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    tokenizer = json.loads((tok / "tokenizer.json").read_text())
-    for content, token_id in VISION_TOKENS.items():
-        tokenizer["added_tokens"].append({"id": token_id, "content": content, "single_word": False,
-                                          "lstrip": False, "rstrip": False, "normalized": False,
-                                          "special": True})
-    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
-    tokenizer_config = json.loads((tok / "tokenizer_config.json").read_text())
-    tokenizer_config["chat_template"] = TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    write_tokenizer(out, tok, VISION_TOKENS, {"chat_template": TEMPLATE})
     (out / "preprocessor_config.json").write_text(json.dumps({
         "size": {"shortest_edge": 56 * 56, "longest_edge": 14 * 14 * 4 * 1280}, "patch_size": 16,
         "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))

@@ -62,6 +62,19 @@ fn direct_answer(
     panic!("the stream ended without Finished");
 }
 
+/// Headers of a JSON request with the test's key.
+const JSON_WITH_KEY: [(&str, &str); 2] = [
+    ("Authorization", "Bearer test-key"),
+    ("Content-Type", "application/json"),
+];
+
+/// A two-token chat request (either API's shape) naming `model`.
+fn chat_json(model: &str) -> String {
+    serde_json::json!({"model": model, "max_tokens": 2,
+        "messages": [{"role": "user", "content": "Hi"}]})
+    .to_string()
+}
+
 /// The test's server settings: its model id and key, defaults otherwise.
 fn config() -> ServerConfig {
     ServerConfig {
@@ -418,15 +431,7 @@ fn a_server_follows_the_model_the_app_has_loaded() {
     let served = ServedModel::default();
     let (_runtime, addr) = start_serving(served.clone(), config());
     let addr = addr.to_string();
-    let auth = [
-        ("Authorization", "Bearer test-key"),
-        ("Content-Type", "application/json"),
-    ];
-    let chat = |model: &str| {
-        serde_json::json!({"model": model, "max_tokens": 2,
-            "messages": [{"role": "user", "content": "Hi"}]})
-        .to_string()
-    };
+    let auth = JSON_WITH_KEY;
     let listed = || {
         let (status, _, body) = http(&addr, "GET", "/v1/models", &auth, "");
         assert_eq!(status, 200, "{body}");
@@ -440,11 +445,17 @@ fn a_server_follows_the_model_the_app_has_loaded() {
     };
     let unloaded = || {
         assert_eq!(listed(), Vec::<String>::new());
-        let (status, _, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat(MODEL));
+        let (status, _, body) = http(
+            &addr,
+            "POST",
+            "/v1/chat/completions",
+            &auth,
+            &chat_json(MODEL),
+        );
         assert_eq!(status, 503, "{body}");
         let error: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(error["error"]["code"], "model_not_loaded", "{body}");
-        let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat(MODEL));
+        let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat_json(MODEL));
         assert_eq!(status, 503, "{body}");
         let error: Value = serde_json::from_str(&body).unwrap();
         assert_eq!(error["type"], "error", "Anthropic's shape: {body}");
@@ -458,16 +469,28 @@ fn a_server_follows_the_model_the_app_has_loaded() {
         model_id: "first".into(),
     }));
     assert_eq!(listed(), ["first"]);
-    let (status, _, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat("first"));
+    let (status, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &auth,
+        &chat_json("first"),
+    );
     assert_eq!(status, 200, "{body}");
-    let (status, _, body) = http(&addr, "POST", "/v1/chat/completions", &auth, &chat(MODEL));
+    let (status, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &auth,
+        &chat_json(MODEL),
+    );
     assert_eq!(status, 404, "the old id is gone: {body}");
     served.replace(Some(Served {
         engine: engine.clone(),
         model_id: "second".into(),
     }));
     assert_eq!(listed(), ["second"]);
-    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat("second"));
+    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat_json("second"));
     assert_eq!(status, 200, "{body}");
 
     served.replace(None);
@@ -488,15 +511,7 @@ fn agents_name_the_model_their_own_way() {
     };
     let (_runtime, addr) = start_server(&engine, aliased);
     let addr = addr.to_string();
-    let auth = [
-        ("Authorization", "Bearer test-key"),
-        ("Content-Type", "application/json"),
-    ];
-    let chat = |model: &str| {
-        serde_json::json!({"model": model, "max_tokens": 2,
-            "messages": [{"role": "user", "content": "Hi"}]})
-        .to_string()
-    };
+    let auth = JSON_WITH_KEY;
     let (status, _, body) = http(&addr, "GET", "/v1/models", &auth, "");
     assert_eq!(status, 200, "{body}");
     let list: Value = serde_json::from_str(&body).unwrap();
@@ -512,7 +527,7 @@ fn agents_name_the_model_their_own_way() {
         "POST",
         "/v1/messages",
         &auth,
-        &chat("claude-sonnet-4-5"),
+        &chat_json("claude-sonnet-4-5"),
     );
     assert_eq!(status, 200, "{body}");
     let (status, _, body) = http(
@@ -520,10 +535,16 @@ fn agents_name_the_model_their_own_way() {
         "POST",
         "/v1/chat/completions",
         &auth,
-        &chat("gpt-4o"),
+        &chat_json("gpt-4o"),
     );
     assert_eq!(status, 200, "{body}");
-    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat("claude-opus-4"));
+    let (status, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/messages",
+        &auth,
+        &chat_json("claude-opus-4"),
+    );
     assert_eq!(status, 404, "not an alias: {body}");
     let any = ServerConfig {
         any_model_name: true,
@@ -531,7 +552,13 @@ fn agents_name_the_model_their_own_way() {
     };
     let (_runtime, addr) = start_server(&engine, any);
     let addr = addr.to_string();
-    let (status, _, body) = http(&addr, "POST", "/v1/messages", &auth, &chat("claude-opus-4"));
+    let (status, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/messages",
+        &auth,
+        &chat_json("claude-opus-4"),
+    );
     assert_eq!(status, 200, "any name: {body}");
     engine.shutdown();
 }

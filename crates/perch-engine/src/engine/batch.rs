@@ -1328,6 +1328,14 @@ impl<'m> BatchGenerator<'m> {
             .collect()
     }
 
+    /// Whether the model's images attend to each other both ways
+    /// ([`crate::models::vision::VisionTower::attends_both_ways`]).
+    fn images_attend_both_ways(&self) -> bool {
+        self.model
+            .vision()
+            .is_some_and(crate::models::vision::VisionTower::attends_both_ways)
+    }
+
     /// The token spans of `images` that a prefill chunk must keep whole, when the model's
     /// images attend to each other both ways (none otherwise): each image's, images that touch
     /// in one (one run of image tokens is one block, as Hugging Face's
@@ -1339,12 +1347,7 @@ impl<'m> BatchGenerator<'m> {
         images: &[SequenceImage],
         bounded: bool,
     ) -> Result<Vec<(usize, usize)>> {
-        if !self
-            .model
-            .vision()
-            .is_some_and(crate::models::vision::VisionTower::attends_both_ways)
-            || images.is_empty()
-        {
+        if !self.images_attend_both_ways() || images.is_empty() {
             return Ok(Vec::new());
         }
         let window = self
@@ -1468,10 +1471,7 @@ impl<'m> BatchGenerator<'m> {
                 (None, None) => &[][..],
             })
             .collect();
-        let both_ways = self
-            .model
-            .vision()
-            .is_some_and(crate::models::vision::VisionTower::attends_both_ways);
+        let both_ways = self.images_attend_both_ways();
         let mut spliced = images::spliced(&pieces, pass.width, both_ways)?;
         // Rows whose positions follow their images take every token's position explicitly.
         if rows
