@@ -10,9 +10,11 @@ is one user message: its own filler text (about --prompt-tokens tokens, differen
 no prefix cache holds another's image), the image, then a question, written by the model's chat template
 (the same message Perch's `perch bench --image` sends). mlx-vlm 0.7.6: `stream_generate` for one request
 (TTFT: wall time to its first token), `batch_generate` for N (its `BatchStats`: prompt time, the time until
-every request's prompt is processed, and generation tok/s over its decode steps); Perch: `perch bench
---image --concurrency N` (its TTFT p50 / p95 and generation tok/s, the same definitions). Each engine is
-warmed up with the same request shapes first. One JSON line per engine and N, then a table.
+every request's prompt is processed, and generation tok/s over its decode steps alone); Perch: `perch bench
+--image --concurrency N` (its TTFT p50 / p95, and generation tok/s from the first first token to the last
+token, other requests' prefills inside that time). Throughput end to end (`wall_tps`, the ratio the table
+gives): every generated token over the time from submitting the requests to the last token, for both engines.
+Each engine is warmed up with the same request shapes first. One JSON line per engine and N, then a table.
 """
 import argparse
 import json
@@ -58,6 +60,7 @@ def mlx_vlm_runs(model_dir, image, concurrency, prompt_tokens, gen_tokens):
                 end = time.perf_counter()
             results.append({"engine": "mlx_vlm", "concurrency": 1, "ttft_ms": (first - start) * 1e3,
                             "generation_tps": (count - 1) / max(end - first, 1e-9),
+                            "wall_tps": count / max(end - start, 1e-9),
                             "peak_bytes": mx.get_peak_memory()})
         else:
             batch_generate(model, processor, images=[image] * n, prompts=prompts, max_tokens=8)
@@ -87,8 +90,11 @@ def perch_runs(binary, model_dir, image, concurrency, prompt_tokens, gen_tokens)
             results.append({"engine": "perch", "concurrency": n,
                             "ttft_ms": report["ttft_ms_p95"] if n > 1 else report["ttft_ms_p50"],
                             "ttft_ms_p50": report["ttft_ms_p50"], "generation_tps": report["generation_tps"],
+                            "wall_tps": report["wall_tps"],
                             "prompt_tokens": report["prompt_tokens"], "peak_bytes": report["peak_memory_bytes"],
-                            "decode_step_ms": report.get("engine_decode_step_ms")})
+                            "decode_step_ms": report.get("engine_decode_step_ms"),
+                            "prefill_passes": report.get("engine_prefill_passes"),
+                            "prefill_ms": report.get("engine_prefill_ms")})
         print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -107,16 +113,18 @@ def main():
                       args.gen_tokens)
     theirs = [] if args.skip_mlx_vlm else mlx_vlm_runs(args.model_dir, args.image, args.concurrency,
                                                         args.prompt_tokens, args.gen_tokens)
-    print("\n| concurrency | Perch TTFT ms | mlx-vlm TTFT ms | Perch gen tok/s | mlx-vlm gen tok/s | ratio |")
-    print("|---|---|---|---|---|---|")
+    print("\n| concurrency | Perch TTFT ms | mlx-vlm TTFT ms | Perch gen tok/s | mlx-vlm gen tok/s "
+          "| Perch tok/s end to end | mlx-vlm tok/s end to end | ratio end to end |")
+    print("|---|---|---|---|---|---|---|---|")
     for p in ours:
         m = next((r for r in theirs if r["concurrency"] == p["concurrency"]), {})
         if "error" in p:
-            print(f"| {p['concurrency']} | error: {p['error'][-120:]} | | | | |")
+            print(f"| {p['concurrency']} | error: {p['error'][-120:]} | | | | | | |")
             continue
-        ratio = p["generation_tps"] / m["generation_tps"] if m.get("generation_tps") else None
+        ratio = p["wall_tps"] / m["wall_tps"] if m.get("wall_tps") else None
         print(f"| {p['concurrency']} | {p['ttft_ms']:.0f} | {m.get('ttft_ms', float('nan')):.0f} | "
               f"{p['generation_tps']:,.0f} | {m.get('generation_tps', float('nan')):,.0f} | "
+              f"{p['wall_tps']:,.0f} | {m.get('wall_tps', float('nan')):,.0f} | "
               f"{'' if ratio is None else f'{ratio:.2f}'} |")
     print("TTFT: one request's (N = 1); for N > 1 Perch's p95 against the time mlx-vlm took to process every "
           "prompt of the batch.")

@@ -525,6 +525,8 @@ fn chat_answers_saves_regenerates_and_stop_cancels() {
         finished["stats"]["ttft_s"].as_f64().unwrap() > 0.0,
         "{finished}"
     );
+    // The chat runs in the high lane, ahead of background work.
+    assert_eq!(finished["stats"]["priority"], "high", "{finished}");
 
     // A restarted app finds the conversation with the stopped answer.
     drop(first_run);

@@ -115,6 +115,11 @@ pub struct BenchArgs {
     /// `perch serve`, streamed completions over 127.0.0.1) and print both.
     #[arg(long)]
     pub http: bool,
+    /// Instead of the workload: a chat of --prompt-tokens tokens (--gen-tokens generated), its
+    /// time to first token alone and while a background prompt of this many tokens prefills,
+    /// in the high lane and in the normal one (`--runs` rounds each; see `bench_priority`).
+    #[arg(long)]
+    pub background_prompt_tokens: Option<usize>,
 }
 
 /// [`SlotAttention`] as a command-line value.
@@ -154,6 +159,9 @@ struct BenchReport {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if let Some(tokens) = args.background_prompt_tokens {
+        return crate::bench_priority::run(&args, tokens);
+    }
     if let Some(concurrency) = args.concurrency {
         return crate::bench_batch::run(&args, concurrency);
     }

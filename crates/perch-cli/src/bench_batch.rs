@@ -31,6 +31,9 @@ struct BatchReport {
     prompt_tps: f64,
     /// All generated tokens over the time from the first first token to the last token.
     generation_tps: f64,
+    /// All generated tokens over the time from the first submission to the last token: the
+    /// run's throughput end to end, prefills included.
+    wall_tps: f64,
     ttft_ms_p50: f64,
     ttft_ms_p95: f64,
     itl_ms_p50: f64,
@@ -174,34 +177,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
-    let mut config = EngineConfig {
-        max_running: concurrency,
-        ..EngineConfig::default()
-    };
-    if let Some(mib) = args.kv_cache_mib {
-        config.kv_cache_bytes = mib << 20;
-    }
-    if let Some(n) = args.prefill_batch_size {
-        config.prefill_batch_size = n;
-    }
-    if let Some(n) = args.prefill_token_budget {
-        config.prefill_token_budget = n;
-    }
-    config.slot_attention = args.slot_attention.into();
-    if let Some(on) = args.compile_decode {
-        config.compile_decode = on;
-    }
-    if let Some(us) = args.arrival_window_us {
-        config.arrival_window = Duration::from_micros(us);
-    }
-    if let Some(on) = args.idle_warm_up {
-        config.idle_warm_up = on;
-    }
-    config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
-        bits,
-        group_size: args.kv_group_size,
-    });
-    let engine = EngineHandle::load(&dir, config)?;
+    let engine = EngineHandle::load(&dir, engine_config(args, concurrency))?;
     if !args.first_prompts.is_empty() {
         let result = first_requests(&engine, &tokenizer, &args.first_prompts, args.json);
         engine.shutdown();
@@ -331,9 +307,42 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The engine's settings for `perch bench` with `concurrency` requests at once: its defaults,
+/// with what the command line sets.
+pub fn engine_config(args: &BenchArgs, concurrency: usize) -> EngineConfig {
+    let mut config = EngineConfig {
+        max_running: concurrency,
+        ..EngineConfig::default()
+    };
+    if let Some(mib) = args.kv_cache_mib {
+        config.kv_cache_bytes = mib << 20;
+    }
+    if let Some(n) = args.prefill_batch_size {
+        config.prefill_batch_size = n;
+    }
+    if let Some(n) = args.prefill_token_budget {
+        config.prefill_token_budget = n;
+    }
+    config.slot_attention = args.slot_attention.into();
+    if let Some(on) = args.compile_decode {
+        config.compile_decode = on;
+    }
+    if let Some(us) = args.arrival_window_us {
+        config.arrival_window = Duration::from_micros(us);
+    }
+    if let Some(on) = args.idle_warm_up {
+        config.idle_warm_up = on;
+    }
+    config.kv_quantization = args.kv_bits.map(|bits| KvQuantization {
+        bits,
+        group_size: args.kv_group_size,
+    });
+    config
+}
+
 /// Waits until the engine's idle prefill warm-up has run (so that measured requests do not wait
 /// for its passes); returns the step times then.
-fn wait_for_warm_up(engine: &EngineHandle) -> anyhow::Result<StepTimes> {
+pub fn wait_for_warm_up(engine: &EngineHandle) -> anyhow::Result<StepTimes> {
     let waiting = Instant::now();
     loop {
         let stats = engine.stats()?;
@@ -483,7 +492,7 @@ fn measure(
     })
 }
 
-fn bench_request(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
+pub fn bench_request(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
     let mut params = GenerateRequest::new(Vec::new());
     params.max_tokens = max_tokens;
     params.ignore_eos = true;
@@ -693,6 +702,7 @@ fn report(
             / secs(start, first_max).max(1e-9),
         generation_tps: generated.saturating_sub(firsts.len()) as f64
             / secs(first_min, last).max(1e-9),
+        wall_tps: generated as f64 / secs(start, last).max(1e-9),
         ttft_ms_p50: percentile(&mut ttft, 0.50),
         ttft_ms_p95: percentile(&mut ttft, 0.95),
         itl_ms_p50: percentile(&mut itl, 0.50),
@@ -771,7 +781,7 @@ fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> 
 }
 
 /// The `q` quantile (nearest rank) of `values`; 0 when empty.
-fn percentile(values: &mut [f64], q: f64) -> f64 {
+pub fn percentile(values: &mut [f64], q: f64) -> f64 {
     if values.is_empty() {
         return 0.0;
     }

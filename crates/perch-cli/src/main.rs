@@ -6,6 +6,7 @@
 
 mod bench;
 mod bench_batch;
+mod bench_priority;
 mod chat;
 mod generate;
 mod hub;

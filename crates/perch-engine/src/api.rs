@@ -12,6 +12,7 @@ pub use crate::error::{ErrorKind, RequestError};
 use crate::sample::sampler::SamplingParams;
 pub use crate::sample::TokenLogprobs;
 use crate::text::chat_template::ChatMessage;
+use perch_sched::scheduler::Priority;
 
 /// Why generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -87,6 +88,10 @@ pub struct GenerateRequest {
     /// in a row, whose embeddings its features replace. The engine's batch only ([`generate`]
     /// and speculative requests refuse them).
     pub images: Vec<crate::image_processor::ImageInput>,
+    /// Its lane in the batch ([`Priority`]): a higher lane's request is admitted, prefills and
+    /// is kept from preemption ahead of lower lanes' (the app's chat asks for
+    /// [`Priority::High`]; API requests for what their `priority` says).
+    pub priority: Priority,
 }
 
 /// How long an idle engine keeps its model's weights (and draft model, KV pool and prefix
@@ -193,6 +198,7 @@ impl GenerateRequest {
             num_draft_tokens: None,
             keep_alive: None,
             images: Vec::new(),
+            priority: Priority::Normal,
         }
     }
 
@@ -229,6 +235,9 @@ pub struct GenerationStats {
     /// come back for it.
     #[serde(default)]
     pub cut_for_memory: bool,
+    /// The lane it was scheduled in ([`GenerateRequest::priority`]).
+    #[serde(default)]
+    pub priority: Priority,
 }
 
 impl GenerationStats {

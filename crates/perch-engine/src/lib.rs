@@ -59,6 +59,7 @@ pub use error::{EngineError, Result};
 pub use image_processor::{ImageInput, ImageProcessor};
 pub use kv::slot_cache::SlotAttention;
 pub use nn::weights::LoadProgress;
+pub use perch_sched::scheduler::Priority;
 pub use perch_sched::RequestId;
 pub use sample::grammar::Grammar;
 pub use sample::sampler::SamplingParams;

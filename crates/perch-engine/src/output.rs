@@ -46,6 +46,7 @@ impl TokenSink {
                 next_token_logprobs: None,
                 stats: GenerationStats {
                     prompt_tokens: request.prompt.len(),
+                    priority: request.priority,
                     ..Default::default()
                 },
             },

@@ -629,3 +629,149 @@ fn a_long_prompt_is_prefilled_in_budget_slices_while_others_decode() {
         );
     }
 }
+
+/// What a chat request (lane `chat_lane`) meets when it arrives one step into a long background
+/// prompt's prefill (lane `background_lane`), on the CPU's policy (slots fitted to the budget),
+/// nothing having run in a higher lane before:
+/// the steps after its insertion at which each request's first token is read, and both outputs;
+/// the prompt tokens the first step after its insertion computed, and the preemptions.
+fn chat_behind_background(
+    chat_lane: perch_engine::Priority,
+    background_lane: perch_engine::Priority,
+) -> ([(usize, perch_engine::GenerateOutput); 2], u64, u64) {
+    use perch_engine::testing::BatchEvent;
+    let (model, tokenizer) = load();
+    let mut config = config(256, 16);
+    config.prefill_token_budget = 64;
+    config.prefill_fits_budget = true;
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+    // 640 prompt tokens: ten budget-wide chunks.
+    let mut background = request((1000..1640).collect(), 4);
+    background.ignore_eos = true;
+    background.priority = background_lane;
+    let background = batch.insert(background).unwrap();
+    batch.step().unwrap();
+    let case = &common::short_reference_cases()[0];
+    let mut chat = request(case.prompt_ids.clone(), common::reference().max_tokens);
+    chat.priority = chat_lane;
+    let chat = batch.insert(chat).unwrap();
+    let ids = [chat, background];
+    let mut first = [None, None];
+    let mut outputs = [None, None];
+    let mut first_step_tokens = 0;
+    for step in 1..400 {
+        let before = batch.step_times().prefill_tokens;
+        let events = batch.step().unwrap();
+        if step == 1 {
+            first_step_tokens = batch.step_times().prefill_tokens - before;
+        }
+        for event in events {
+            match event {
+                BatchEvent::Token { request, .. } => {
+                    let k = ids.iter().position(|&id| id == request).unwrap();
+                    first[k].get_or_insert(step);
+                }
+                BatchEvent::Finished { request, output } => {
+                    let k = ids.iter().position(|&id| id == request).unwrap();
+                    outputs[k] = Some(output);
+                }
+                BatchEvent::Refused { error, .. } => panic!("refused: {error}"),
+            }
+        }
+        if batch.is_empty() {
+            break;
+        }
+    }
+    let mut take = |k: usize| {
+        (
+            first[k].expect("a first token"),
+            outputs[k].take().expect("finished"),
+        )
+    };
+    let preemptions = batch.kv_stats().preemptions;
+    ([take(0), take(1)], first_step_tokens, preemptions)
+}
+
+#[test]
+fn a_chat_in_the_high_lane_prefills_between_the_chunks_of_a_background_prompt() {
+    use perch_engine::Priority;
+    let case = &common::short_reference_cases()[0];
+    let chat_steps = (case.prompt_ids.len() - 1).div_ceil(64);
+    let ([(chat, chat_ids), (background, background_ids)], tokens, preempted) =
+        chat_behind_background(Priority::High, Priority::Low);
+    // The step after it arrives computes the chat's prompt alone (no background chunk beside).
+    assert_eq!(tokens as usize, (case.prompt_ids.len() - 1).min(64));
+    // Its prompt in its own chunks at once (the background's pausing), its first token read
+    // one step after the one that completes it; the background prompt's first token after.
+    assert!(
+        chat <= chat_steps + 1,
+        "the chat's first token at step {chat}, {chat_steps} chunks"
+    );
+    assert!(background > chat, "background {background}, chat {chat}");
+    // It left the batch while the chat's prompt was computed (its blocks kept in the prefix
+    // cache) and came back.
+    assert_eq!(preempted, 1);
+    assert_eq!(
+        chat_ids.token_ids,
+        common::expected_ids(case, chat_ids.finish_reason)
+    );
+    // In one lane the chat waits for the background prompt, which then computes the same ids
+    // (pausing it changed nothing of what it computes).
+    let (
+        [(chat_fcfs, chat_fcfs_ids), (background_fcfs, background_fcfs_ids)],
+        tokens,
+        preempted_fcfs,
+    ) = chat_behind_background(Priority::Normal, Priority::Normal);
+    assert_eq!(tokens, 64, "a background chunk");
+    assert!(
+        chat_fcfs > background_fcfs && chat_fcfs >= 9,
+        "first come, first served: chat {chat_fcfs}, background {background_fcfs}"
+    );
+    assert_eq!(chat_fcfs_ids.token_ids, chat_ids.token_ids);
+    assert_eq!(preempted_fcfs, 0);
+    assert_eq!(background_fcfs_ids.token_ids, background_ids.token_ids);
+}
+
+#[test]
+fn a_high_lane_request_takes_the_place_of_a_low_one_in_a_full_batch() {
+    use perch_engine::Priority;
+    let (model, tokenizer) = load();
+    let mut config = config(256, 16);
+    config.max_running = 2;
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+    let cases = common::short_reference_cases();
+    let max_tokens = common::reference().max_tokens;
+    let lane = |case: &common::ReferenceCase, priority| {
+        let mut r = request(case.prompt_ids.clone(), max_tokens);
+        r.priority = priority;
+        r
+    };
+    let low: Vec<_> = (1..3)
+        .map(|k| batch.insert(lane(&cases[k], Priority::Low)).unwrap())
+        .collect();
+    for _ in 0..3 {
+        batch.step().unwrap();
+    }
+    assert_eq!((batch.num_running(), batch.num_waiting()), (2, 0));
+    let high = batch.insert(lane(&cases[0], Priority::High)).unwrap();
+    batch.step().unwrap();
+    // The newest low request left the batch for it (and waits to go on from the start).
+    assert_eq!((batch.num_running(), batch.num_waiting()), (2, 1));
+    let mut outputs = std::collections::HashMap::new();
+    while !batch.is_empty() {
+        for event in batch.step().unwrap() {
+            if let perch_engine::testing::BatchEvent::Finished { request, output } = event {
+                outputs.insert(request, output);
+            }
+        }
+    }
+    for (id, case) in [(high, &cases[0]), (low[0], &cases[1]), (low[1], &cases[2])] {
+        let output = &outputs[&id];
+        assert_eq!(
+            output.token_ids,
+            common::expected_ids(case, output.finish_reason),
+            "case {}",
+            case.id
+        );
+    }
+}

@@ -8,7 +8,7 @@
 
 use crate::block_pool::BlockId;
 use crate::kv_cache_manager::{BlockContents, ComputedBlocks, KvCacheManager, RequestId};
-use crate::scheduler::{self, Progress, WhenShort};
+use crate::scheduler::{self, Priority, Progress, WhenShort};
 
 /// Which of the batch's slot caches a running sequence computes in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +42,8 @@ pub struct Running<'a> {
     /// Spans of its tokens a prefill chunk must not cut in two (`[start, end)`, in order, apart):
     /// images whose tokens attend to each other both ways ([`scheduler::keep_whole`]).
     pub whole: &'a [(usize, usize)],
+    /// Its request's lane ([`Priority`]).
+    pub priority: Priority,
 }
 
 /// The limits a step is planned within (the engine's `BatchConfig`).
@@ -108,6 +110,8 @@ pub struct Waiting<'a> {
     pub private: bool,
     /// Spans of its tokens a prefill chunk must not cut in two, in order ([`Running::whole`]).
     pub whole: &'a [(usize, usize)],
+    /// Its request's lane (the queue is in lane order: the engine's).
+    pub priority: Priority,
 }
 
 /// A request admitted in a step, and what it starts from.
@@ -158,6 +162,10 @@ pub struct Batch<'a> {
     pub step_in_flight: bool,
     /// Whether waiting requests may be admitted (not in a step that preempted).
     pub admit: bool,
+    /// The highest lane a sequence ran in within [`scheduler::ACTIVE_LANE_WINDOW`] (the running
+    /// ones' included): lower lanes' passes are smaller while it is active
+    /// ([`scheduler::lane_budget`]).
+    pub active_lane: Option<Priority>,
 }
 
 /// Decides a step, vLLM v1's order: first every running sequence whose prompt is cached gets a
@@ -185,7 +193,8 @@ pub fn schedule(
         if kv.allocate(contents, row.id, row.progress.num_computed, 1, None) {
             continue;
         }
-        return match scheduler::when_short(batch.running.len(), batch.step_in_flight) {
+        let lanes: Vec<Priority> = batch.running.iter().map(|r| r.priority).collect();
+        return match scheduler::when_short(&lanes, batch.step_in_flight) {
             WhenShort::ReadInFlight => Decision::ReadInFlight,
             WhenShort::Preempt(victim) => Decision::Preempt(batch.running[victim].id),
             WhenShort::FinishAlone => Decision::FinishOutOfBlocks(row.id),
@@ -242,6 +251,7 @@ pub fn schedule(
                 branch_at,
                 own_chunks: private,
                 whole: request.whole,
+                priority: request.priority,
             });
             admitted.push(Admission {
                 id: request.id,
@@ -257,7 +267,7 @@ pub fn schedule(
     }
     Decision::Run(StepPlan {
         admitted,
-        ..plan_step(&running, limits)
+        ..plan_step(&running, limits, batch.active_lane)
     })
 }
 
@@ -267,6 +277,10 @@ pub struct StepPlan {
     /// Requests admitted now, from the front of the waiting queue (they run after the running
     /// ones, in this order).
     pub admitted: Vec<Admission>,
+    /// Sequences of a lower lane than one whose prompt this step computes, in a prefill slot:
+    /// preempted before the pass (their full blocks stay in the prefix cache, see
+    /// [`plan_step`]), so that the pass computes the higher lane's rows only.
+    pub yield_prefill: Vec<RequestId>,
     /// Sequences that take a prefill slot now, oldest first.
     pub enter_prefill: Vec<RequestId>,
     /// The step's prefill pass; `None` when no sequence is in a prefill slot.
@@ -278,19 +292,27 @@ pub struct StepPlan {
 }
 
 /// Plans a step over `running` (oldest first): sequences still prefilling take free prefill slots
-/// ([`scheduler::take_prefill_slots`]); every sequence in a prefill slot gets its next chunk: a
+/// ([`scheduler::take_prefill_slots`]); every sequence in a prefill slot of the highest lane
+/// there ([`scheduler::prefill_lane`]; the others pause) gets its next chunk, within the
+/// budget that lane's passes take ([`scheduler::lane_budget`], with `active_lane`): a
 /// private one its own ([`Running::own_chunks`]), the others an equal share of what is left of the
 /// step's prefill budget ([`scheduler::prefill_budget`], [`scheduler::plan_slot_chunks`]),
 /// aligned to blocks where the limits ask and stopped at its `branch_at`; then every sequence
 /// whose prompt is cached after the pass decodes.
-pub fn plan_step(running: &[Running<'_>], limits: &StepLimits) -> StepPlan {
+pub fn plan_step(
+    running: &[Running<'_>],
+    limits: &StepLimits,
+    active_lane: Option<Priority>,
+) -> StepPlan {
     let progress: Vec<Progress> = running.iter().map(|r| r.progress).collect();
+    let lanes: Vec<Priority> = running.iter().map(|r| r.priority).collect();
     let taken = running
         .iter()
         .filter(|r| r.slot == SlotKind::Prefill)
         .count();
     let entering = scheduler::take_prefill_slots(
         &progress,
+        &lanes,
         |i| running[i].slot != SlotKind::None,
         taken,
         limits.prefill_batch_size.max(1),
@@ -298,9 +320,21 @@ pub fn plan_step(running: &[Running<'_>], limits: &StepLimits) -> StepPlan {
             .prefill_fits_budget
             .then_some(limits.prefill_token_budget),
     );
-    let members: Vec<usize> = (0..running.len())
+    let in_slots: Vec<usize> = (0..running.len())
         .filter(|&i| running[i].slot == SlotKind::Prefill || entering.contains(&i))
         .collect();
+    // Only the highest lane in a prefill slot computes its prompt. A lower lane's row neither
+    // enters a slot then nor keeps one (a row in the pass costs a row's compute even without
+    // tokens): it leaves the batch, its full blocks kept in the prefix cache, and comes back
+    // after; one whose KV is its own (private) pauses in its slot instead.
+    let lane = scheduler::prefill_lane(&in_slots.iter().map(|&i| lanes[i]).collect::<Vec<_>>());
+    let below = |i: usize| lane.is_some_and(|top| lanes[i] > top);
+    let entering: Vec<usize> = entering.into_iter().filter(|&i| !below(i)).collect();
+    let yield_prefill: Vec<RequestId> = (0..running.len())
+        .filter(|&i| running[i].slot == SlotKind::Prefill && below(i) && !running[i].own_chunks)
+        .map(|i| running[i].id)
+        .collect();
+    let members: Vec<usize> = in_slots.into_iter().filter(|&i| !below(i)).collect();
     let prefill = (!members.is_empty()).then(|| {
         let widest = limits.prefill_token_budget.max(1);
         let own = |i: usize| {
@@ -312,7 +346,18 @@ pub fn plan_step(running: &[Running<'_>], limits: &StepLimits) -> StepPlan {
         // Private rows take their own chunks, oldest first, while they fit the budget (the
         // first always does: a chunk is at most the budget); one that does not waits for a
         // step with room. The other rows share what is left.
-        let mut budget = scheduler::prefill_budget(&progress, limits.prefill_token_budget);
+        let active: Vec<Priority> = running
+            .iter()
+            .filter(|r| r.progress.prefill_done())
+            .map(|r| r.priority)
+            .chain(active_lane)
+            .collect();
+        // Unbounded while nothing decodes, but a pass is at most `widest` wide anyway.
+        let mut budget = scheduler::lane_budget(
+            scheduler::prefill_budget(&progress, limits.prefill_token_budget).min(widest),
+            lane.expect("members are of the lane"),
+            &active,
+        );
         let mut own_chunks = Vec::new();
         for &i in members.iter().filter(|&&i| running[i].own_chunks) {
             if own(i) <= budget {
@@ -370,6 +415,7 @@ pub fn plan_step(running: &[Running<'_>], limits: &StepLimits) -> StepPlan {
         .collect();
     StepPlan {
         admitted: Vec::new(),
+        yield_prefill,
         enter_prefill: entering.iter().map(|&i| running[i].id).collect(),
         prefill,
         decode,
@@ -417,6 +463,7 @@ mod tests {
             branch_at: None,
             whole: &[],
             own_chunks: false,
+            priority: Priority::Normal,
         }
     }
 
@@ -429,7 +476,7 @@ mod tests {
             // No prefill slot left for it (batch size 2).
             row(4, 1000, 0, SlotKind::None),
         ];
-        let plan = plan_step(&running, &limits());
+        let plan = plan_step(&running, &limits(), None);
         assert_eq!(plan.enter_prefill, vec![3]);
         let pass = plan.prefill.expect("a prefill pass");
         assert_eq!(pass.chunks, vec![(2, 128), (3, 128)]);
@@ -439,13 +486,61 @@ mod tests {
     }
 
     #[test]
+    fn a_higher_lane_prefills_while_a_lower_one_pauses_and_decode_rows_step() {
+        let lane = |row: Running<'static>, priority| Running { priority, ..row };
+        let running = [
+            row(1, 40, 39, SlotKind::Decode),
+            // A background prompt mid-way, and a chat's that has just arrived.
+            lane(row(2, 16_000, 4096, SlotKind::Prefill), Priority::Low),
+            lane(row(3, 100, 0, SlotKind::None), Priority::High),
+        ];
+        let plan = plan_step(&running, &limits(), None);
+        assert_eq!(plan.enter_prefill, vec![3]);
+        // The chat's whole prompt (but its last token) in the pass, the background's none: it
+        // leaves its slot (and the batch, its blocks cached) until then.
+        let pass = plan.prefill.expect("a prefill pass");
+        assert_eq!(pass.chunks, vec![(3, 99)]);
+        assert_eq!(plan.yield_prefill, vec![2]);
+        assert_eq!(plan.decode, vec![1, 3]);
+        // Back without a slot while the chat's prompt is computed: it takes none.
+        let back = lane(row(2, 16_000, 4096, SlotKind::None), Priority::Low);
+        let chat = lane(row(3, 300, 99, SlotKind::Prefill), Priority::High);
+        let plan = plan_step(&[running[0], back, chat], &limits(), None);
+        assert!(plan.enter_prefill.is_empty() && plan.yield_prefill.is_empty());
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(3, 200)]);
+        // A private row (its KV its own) pauses in its slot instead.
+        let private = Running {
+            own_chunks: true,
+            ..running[1]
+        };
+        let plan = plan_step(&[running[0], private, running[2]], &limits(), None);
+        assert!(plan.yield_prefill.is_empty());
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(3, 99)]);
+        // Once the chat decodes, the background prompt goes on, an eighth of the budget a pass
+        // while the chat's tokens come, and while the high lane was active within the window;
+        // all of it beside rows of its own lane.
+        let decoding = lane(row(3, 101, 100, SlotKind::Decode), Priority::High);
+        let plan = plan_step(&[running[0], running[1], decoding], &limits(), None);
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(2, 32)]);
+        assert_eq!(plan.decode, vec![1, 3]);
+        let background = lane(running[0], Priority::Low);
+        let plan = plan_step(&[background, running[1]], &limits(), Some(Priority::High));
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(2, 32)]);
+        // Alone (nothing decodes, the budget unbounded), the same.
+        let plan = plan_step(&[running[1]], &limits(), Some(Priority::High));
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(2, 32)]);
+        let plan = plan_step(&[background, running[1]], &limits(), Some(Priority::Low));
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(2, 256)]);
+    }
+
+    #[test]
     fn alone_a_prompt_prefills_the_widest_chunk_and_decodes_when_done() {
         // Nobody decodes: the budget does not bind, the slot caches' width does.
-        let plan = plan_step(&[row(7, 1000, 0, SlotKind::None)], &limits());
+        let plan = plan_step(&[row(7, 1000, 0, SlotKind::None)], &limits(), None);
         assert_eq!(plan.prefill.unwrap().chunks, vec![(7, 256)]);
         assert!(plan.decode.is_empty());
         // A chunk that completes the prompt (all but its last token) decodes in the same step.
-        let plan = plan_step(&[row(7, 100, 50, SlotKind::Prefill)], &limits());
+        let plan = plan_step(&[row(7, 100, 50, SlotKind::Prefill)], &limits(), None);
         let pass = plan.prefill.unwrap();
         assert_eq!(pass.chunks, vec![(7, 49)]);
         assert_eq!(pass.width, 64);
@@ -458,6 +553,7 @@ mod tests {
         let plan = plan_step(
             &[row(1, 1, 0, SlotKind::None), row(2, 33, 32, SlotKind::None)],
             &limits(),
+            None,
         );
         assert_eq!(plan.prefill, None);
         assert!(plan.enter_prefill.is_empty());
@@ -468,7 +564,7 @@ mod tests {
     fn scored_requests_wait_for_their_result() {
         let mut scored = row(1, 10, 10, SlotKind::Decode);
         scored.scored = true;
-        let plan = plan_step(&[scored, row(2, 12, 11, SlotKind::Decode)], &limits());
+        let plan = plan_step(&[scored, row(2, 12, 11, SlotKind::Decode)], &limits(), None);
         assert_eq!(plan.decode, vec![2]);
     }
 
@@ -483,16 +579,17 @@ mod tests {
                 prefill_token_budget: 100,
                 ..limits
             },
+            None,
         );
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 96)]);
         // Recomputing shared blocks up to 40: the chunk stops there.
         first.progress.num_computed = 16;
         first.branch_at = Some(40);
-        let plan = plan_step(&[first], &limits);
+        let plan = plan_step(&[first], &limits, None);
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 24)]);
         // Past the branch, only blocks bind.
         first.progress.num_computed = 40;
-        let plan = plan_step(&[first], &limits);
+        let plan = plan_step(&[first], &limits, None);
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 152)]);
     }
 
@@ -508,6 +605,7 @@ mod tests {
                 row(2, 20, 0, SlotKind::None),
             ],
             &limits,
+            None,
         );
         assert_eq!(plan.enter_prefill, vec![1]);
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 256)]);
@@ -526,17 +624,17 @@ mod tests {
         ];
         // Its chunk is its prefill_step_size, not aligned to blocks; the other row gets what is
         // left of the budget (aligned: 156 → 144).
-        let pass = plan_step(&running, &limits).prefill.unwrap();
+        let pass = plan_step(&running, &limits, None).prefill.unwrap();
         assert_eq!(pass.chunks, vec![(2, 100), (3, 144)]);
         // Alone, still its own step, never the whole budget.
-        let pass = plan_step(&[bounded], &limits).prefill.unwrap();
+        let pass = plan_step(&[bounded], &limits, None).prefill.unwrap();
         assert_eq!(pass.chunks, vec![(2, 100)]);
         // A second bounded row whose chunk does not fit what is left waits for the next step.
         let mut second = bounded;
         second.id = 4;
         second.progress.prefill_step_size = 200;
         let running = [running[0], bounded, second];
-        let pass = plan_step(&running, &limits).prefill.unwrap();
+        let pass = plan_step(&running, &limits, None).prefill.unwrap();
         assert_eq!(pass.chunks, vec![(2, 100)]);
     }
 
@@ -650,6 +748,7 @@ mod tests {
             bounded: None,
             private: false,
             whole: &[],
+            priority: Priority::Normal,
         }
     }
 
@@ -660,6 +759,7 @@ mod tests {
             waiting: queue,
             step_in_flight: false,
             admit: true,
+            active_lane: None,
         }
     }
 
@@ -725,6 +825,7 @@ mod tests {
                 waiting: &queue,
                 step_in_flight: false,
                 admit,
+                active_lane: None,
             };
             let limits = StepLimits {
                 max_running,
@@ -760,6 +861,7 @@ mod tests {
             waiting: &[],
             step_in_flight: true,
             admit: true,
+            active_lane: None,
         };
         let decide = |kv: &mut KvCacheManager, contents: &mut Contents, batch: &Batch| {
             schedule(kv, contents, batch, &limits(), |_, _| None)

@@ -8,9 +8,64 @@
 //! Policy, as vLLM's and mlx-lm's: first come, first served (a request that does not fit is not
 //! overtaken by a later one), prefill chunks within a per-step token budget while others decode
 //! (so a long prompt delays running streams by one slice per step, never by the whole prompt),
-//! and the newest request is the one preempted.
+//! and the newest request is the one preempted. Within that, priority lanes ([`Priority`], as
+//! vLLM's `priority` scheduling policy): a request of a higher lane is admitted, takes a prefill
+//! slot and computes its prompt ahead of lower lanes' (which pause their prefill while it runs),
+//! and a lower lane's newest sequence is preempted first.
 
 use crate::shapes::prefill_chunk_bucket;
+
+/// A request's lane: what it is scheduled ahead of. The app's chat and API requests that ask
+/// are [`Priority::High`]; background work may ask for [`Priority::Low`]. Ordered as scheduled:
+/// `High < Normal < Low`.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    High,
+    #[default]
+    Normal,
+    Low,
+}
+
+impl Priority {
+    /// The lane of vLLM's integer `priority` (lower is scheduled first, 0 by default): below 0
+    /// high, 0 normal, above 0 low.
+    pub fn from_vllm(value: i64) -> Self {
+        match value.signum() {
+            -1 => Priority::High,
+            0 => Priority::Normal,
+            _ => Priority::Low,
+        }
+    }
+
+    /// Its name as the API takes it (`high`, `normal`, `low`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Priority::High => "high",
+            Priority::Normal => "normal",
+            Priority::Low => "low",
+        }
+    }
+
+    /// The lane named `name` (`high`, `normal`, `low`; case-insensitive).
+    pub fn from_name(name: &str) -> Option<Self> {
+        [Priority::High, Priority::Normal, Priority::Low]
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(name.trim()))
+    }
+}
 
 /// A sequence's progress as the scheduler sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,40 +156,89 @@ pub fn keep_whole(num_computed: usize, chunk: usize, whole: &[(usize, usize)]) -
 }
 
 /// Which running sequences take a prefill slot this step:
-/// those still prefilling and not in a slot (`has_slot`), oldest first, while fewer than
-/// `batch_size` slots are taken (`taken` now). With `fit_budget` (a CPU's prefill, see
-/// the engine's `BatchConfig::prefill_fits_budget`) also only while the prompt tokens left
-/// of every sequence in a slot fit it, except for the first slot taken: a long prompt then
-/// prefills alone, a budget-wide chunk a pass, and is answered before the next one starts,
-/// while short prompts still share a pass. No later sequence overtakes one that does not fit.
-/// Returns their indices.
+/// those still prefilling and not in a slot (`has_slot`), higher lanes first (`priorities`, one
+/// per sequence) and oldest first within a lane, while fewer than `batch_size` slots are taken
+/// (`taken` now). With `fit_budget` (a CPU's prefill, see the engine's
+/// `BatchConfig::prefill_fits_budget`) also only while the prompt tokens left of every sequence
+/// in a slot of its lane or a higher one fit it, except for the first such slot: a long prompt
+/// then prefills alone, a budget-wide chunk a pass, and is answered before the next one starts,
+/// while short prompts still share a pass (a higher lane's prompt enters beside a lower lane's
+/// long one, which pauses while it prefills: [`prefill_lane`]). No later sequence of a lane
+/// overtakes one of it that does not fit. Returns their indices, in the order taken.
 pub fn take_prefill_slots(
     running: &[Progress],
+    priorities: &[Priority],
     has_slot: impl Fn(usize) -> bool,
     taken: usize,
     batch_size: usize,
     fit_budget: Option<usize>,
 ) -> Vec<usize> {
-    // Sequences in a decode slot have no prompt left: this is the prefill slots' share.
-    let mut tokens: usize = (0..running.len())
-        .filter(|&i| has_slot(i))
-        .map(|i| running[i].prompt_left())
-        .sum();
-    let mut entering = Vec::new();
-    for i in (0..running.len()).filter(|&i| !has_slot(i) && !running[i].prefill_done()) {
-        let slots = taken + entering.len();
-        if slots >= batch_size {
+    let lane = |i: usize| priorities.get(i).copied().unwrap_or_default();
+    let candidates = {
+        let mut c: Vec<usize> = (0..running.len())
+            .filter(|&i| !has_slot(i) && !running[i].prefill_done())
+            .collect();
+        c.sort_by_key(|&i| lane(i));
+        c
+    };
+    // Sequences in prefill slots (a decode slot's has no prompt left).
+    let prefilling: Vec<usize> = (0..running.len())
+        .filter(|&i| has_slot(i) && !running[i].prefill_done())
+        .collect();
+    let mut entering: Vec<usize> = Vec::new();
+    for i in candidates {
+        if taken + entering.len() >= batch_size {
             break;
         }
         if let Some(budget) = fit_budget {
-            tokens += running[i].prompt_left();
-            if slots > 0 && tokens > budget {
+            // The prompts left in the slots of its lane and those above it, with its own.
+            let ahead: Vec<usize> = prefilling
+                .iter()
+                .chain(&entering)
+                .copied()
+                .filter(|&e| lane(e) <= lane(i))
+                .collect();
+            let tokens: usize = ahead
+                .iter()
+                .chain([&i])
+                .map(|&e| running[e].prompt_left())
+                .sum();
+            if !ahead.is_empty() && tokens > budget {
+                // Sorted by lane: every later candidate is of this lane or a lower one.
                 break;
             }
         }
         entering.push(i);
     }
     entering
+}
+
+/// The share of the prefill budget a lower lane's pass takes while a higher lane is active (one
+/// of its sequences decodes, or one ran within [`ACTIVE_LANE_WINDOW`]): an eighth, so that a
+/// chat's tokens come about eight times as often as budget-wide background passes would let
+/// them, and a chat that arrives during such a pass waits for an eighth of one.
+pub const LOWER_LANE_BUDGET_DIVISOR: usize = 8;
+
+/// How long a lane stays active after its last sequence ran: a person reading an answer and
+/// typing the next message.
+pub const ACTIVE_LANE_WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The prompt tokens a pass of lane `pass` computes within `budget` ([`prefill_budget`]) while
+/// the lanes `active` are (sequences decoding, lanes active recently): a
+/// [`LOWER_LANE_BUDGET_DIVISOR`]th of it (at least one token) when one of them is above `pass`,
+/// else all of it.
+pub fn lane_budget(budget: usize, pass: Priority, active: &[Priority]) -> usize {
+    match active.iter().any(|&d| d < pass) {
+        true => (budget / LOWER_LANE_BUDGET_DIVISOR).max(1),
+        false => budget,
+    }
+}
+
+/// The lane whose sequences in prefill slots compute prompt tokens this step: the highest among
+/// `members` (their lanes); lower lanes' prefill pauses until it has none left in a slot, so a
+/// chat's prompt is not slowed by a background prompt's chunks. `None` without members.
+pub fn prefill_lane(members: &[Priority]) -> Option<Priority> {
+    members.iter().copied().min()
 }
 
 /// Chunk lengths for the rows of one batched prefill pass: each row its next chunk, within an
@@ -246,16 +350,32 @@ pub enum WhenShort {
     FinishAlone,
 }
 
-/// The decision when a decoding sequence is short of blocks, with `num_running` sequences
-/// running and a decode step possibly in flight.
-pub fn when_short(num_running: usize, step_in_flight: bool) -> WhenShort {
+/// The decision when a decoding sequence is short of blocks, with the running sequences'
+/// lanes (`running`, oldest first) and a decode step possibly in flight: the victim is the newest
+/// sequence of the lowest lane ([`victim`]).
+pub fn when_short(running: &[Priority], step_in_flight: bool) -> WhenShort {
     if step_in_flight {
         WhenShort::ReadInFlight
-    } else if num_running <= 1 {
+    } else if running.len() <= 1 {
         WhenShort::FinishAlone
     } else {
-        WhenShort::Preempt(num_running - 1)
+        WhenShort::Preempt(victim(running).expect("two or more run"))
     }
+}
+
+/// The sequence to preempt among `running` (their lanes, oldest first): the newest of the
+/// lowest lane. `None` when nothing runs.
+pub fn victim(running: &[Priority]) -> Option<usize> {
+    let lowest = running.iter().copied().max()?;
+    running.iter().rposition(|&p| p == lowest)
+}
+
+/// Whether a request of lane `waiting`, first in the queue of a batch that has no room for it
+/// (`max_running` reached), takes the place of a running sequence: the one to preempt (the
+/// newest of the lowest lane, [`victim`]) when that lane is below the request's. `None`: it
+/// waits.
+pub fn make_room_for(waiting: Priority, running: &[Priority]) -> Option<usize> {
+    victim(running).filter(|&v| running[v] > waiting)
 }
 
 #[cfg(test)]
@@ -360,10 +480,13 @@ mod tests {
             prefilling(100, 0, 64),
         ];
         // Sequence 0 already holds a slot; two free slots of four go to 2 and 3.
-        assert_eq!(take_prefill_slots(&running, |i| i == 0, 2, 4, None), [2, 3]);
-        assert!(take_prefill_slots(&running, |_| false, 4, 4, None).is_empty());
         assert_eq!(
-            take_prefill_slots(&running, |_| false, 0, 8, None),
+            take_prefill_slots(&running, &[], |i| i == 0, 2, 4, None),
+            [2, 3]
+        );
+        assert!(take_prefill_slots(&running, &[], |_| false, 4, 4, None).is_empty());
+        assert_eq!(
+            take_prefill_slots(&running, &[], |_| false, 0, 8, None),
             [0, 2, 3, 4]
         );
     }
@@ -373,18 +496,21 @@ mod tests {
         let fit = Some(256);
         // Short prompts (31 tokens left each) share a pass up to the budget: 8 of them.
         let short = [prefilling(32, 0, 512); 12];
-        let entering = take_prefill_slots(&short, |_| false, 0, 16, fit);
+        let entering = take_prefill_slots(&short, &[], |_| false, 0, 16, fit);
         assert_eq!(entering, (0..8).collect::<Vec<_>>());
         // The batch size still bounds them.
-        assert_eq!(take_prefill_slots(&short, |_| false, 0, 3, fit), [0, 1, 2]);
+        assert_eq!(
+            take_prefill_slots(&short, &[], |_| false, 0, 3, fit),
+            [0, 1, 2]
+        );
         // A long prompt takes the first slot alone; the next waits for it to finish.
         let long = [
             prefilling(2048, 0, 512),
             prefilling(2048, 0, 512),
             prefilling(32, 0, 512),
         ];
-        assert_eq!(take_prefill_slots(&long, |_| false, 0, 8, fit), [0]);
-        assert!(take_prefill_slots(&long, |i| i == 0, 1, 8, fit).is_empty());
+        assert_eq!(take_prefill_slots(&long, &[], |_| false, 0, 8, fit), [0]);
+        assert!(take_prefill_slots(&long, &[], |i| i == 0, 1, 8, fit).is_empty());
         // Once the first is decoding the second long one goes alone, and the short one behind
         // it does not overtake it.
         let next = [
@@ -392,12 +518,92 @@ mod tests {
             prefilling(2048, 0, 512),
             prefilling(32, 0, 512),
         ];
-        assert_eq!(take_prefill_slots(&next, |_| false, 0, 8, fit), [1]);
+        assert_eq!(take_prefill_slots(&next, &[], |_| false, 0, 8, fit), [1]);
         // The last chunk of a long prompt leaves room for what follows.
         let tail = [prefilling(2048, 2000, 512), prefilling(32, 0, 512)];
-        assert_eq!(take_prefill_slots(&tail, |i| i == 0, 1, 8, fit), [1]);
+        assert_eq!(take_prefill_slots(&tail, &[], |i| i == 0, 1, 8, fit), [1]);
         // Without a fit (a GPU), every free slot is taken.
-        assert_eq!(take_prefill_slots(&long, |_| false, 0, 8, None), [0, 1, 2]);
+        assert_eq!(
+            take_prefill_slots(&long, &[], |_| false, 0, 8, None),
+            [0, 1, 2]
+        );
+    }
+
+    #[test]
+    fn a_higher_lane_takes_a_prefill_slot_first_and_beside_a_long_lower_prompt() {
+        use Priority::{High, Low, Normal};
+        let fit = Some(256);
+        // A background prompt (low) holds a slot with 4,000 tokens left; a normal request and a
+        // chat (high) wait. The chat enters first (no slot of its lane or above is taken), then
+        // the normal one (the low prompt is not ahead of it). With the long prompt in the normal
+        // lane instead, the normal request waits for it.
+        let running = [
+            prefilling(4096, 96, 512),
+            prefilling(100, 0, 512),
+            prefilling(100, 0, 512),
+        ];
+        let lanes = [Low, Normal, High];
+        assert_eq!(
+            take_prefill_slots(&running, &lanes, |i| i == 0, 1, 8, fit),
+            [2, 1]
+        );
+        let lanes = [Normal, Normal, High];
+        assert_eq!(
+            take_prefill_slots(&running, &lanes, |i| i == 0, 1, 8, fit),
+            [2]
+        );
+        // One slot left: the newer high request takes it ahead of the older normal one.
+        assert_eq!(
+            take_prefill_slots(&running, &lanes, |i| i == 0, 7, 8, None),
+            [2]
+        );
+        // Within a lane, the oldest first; a long high prompt enters alone in its lane.
+        let long = [
+            prefilling(4096, 0, 512),
+            prefilling(4096, 0, 512),
+            prefilling(8, 0, 512),
+        ];
+        let lanes = [High, High, Normal];
+        assert_eq!(take_prefill_slots(&long, &lanes, |_| false, 0, 8, fit), [0]);
+        // The lane whose prompts compute: the highest in a slot.
+        assert_eq!(prefill_lane(&[Low, Normal, Low]), Some(Normal));
+        assert_eq!(prefill_lane(&[]), None);
+    }
+
+    #[test]
+    fn a_lower_lane_is_preempted_first_and_makes_room_for_a_higher_one() {
+        use Priority::{High, Low, Normal};
+        // The newest of the lowest lane.
+        assert_eq!(victim(&[Low, Normal, Low, High]), Some(2));
+        assert_eq!(victim(&[Normal, High]), Some(0));
+        assert_eq!(victim(&[]), None);
+        assert_eq!(when_short(&[Low, High, High], false), WhenShort::Preempt(0));
+        // A high request finds a full batch: the newest low sequence leaves for it; a normal
+        // one takes no normal sequence's place, and nothing is below a low one.
+        assert_eq!(make_room_for(High, &[Normal, Low, Normal]), Some(1));
+        assert_eq!(make_room_for(Normal, &[Normal, Normal]), None);
+        assert_eq!(make_room_for(High, &[High, High]), None);
+        assert_eq!(make_room_for(Low, &[Low]), None);
+    }
+
+    #[test]
+    fn a_lower_lane_prefills_an_eighth_of_the_budget_while_a_higher_one_is_active() {
+        use Priority::{High, Low, Normal};
+        assert_eq!(lane_budget(256, Low, &[Low, High]), 32);
+        assert_eq!(lane_budget(256, Normal, &[Normal, Low]), 256);
+        assert_eq!(lane_budget(256, High, &[High]), 256);
+        assert_eq!(lane_budget(4, Low, &[Normal]), 1);
+    }
+
+    #[test]
+    fn lanes_parse_from_names_and_from_vllm_integers() {
+        assert_eq!(Priority::from_name(" HIGH "), Some(Priority::High));
+        assert_eq!(Priority::from_name("low"), Some(Priority::Low));
+        assert_eq!(Priority::from_name("urgent"), None);
+        assert_eq!(Priority::from_vllm(-3), Priority::High);
+        assert_eq!(Priority::from_vllm(0), Priority::Normal);
+        assert_eq!(Priority::from_vllm(7), Priority::Low);
+        assert!(Priority::High < Priority::Normal && Priority::Normal < Priority::Low);
     }
 
     #[test]
@@ -497,9 +703,10 @@ mod tests {
 
     #[test]
     fn short_of_blocks_reads_first_then_preempts_the_newest() {
-        assert_eq!(when_short(5, true), WhenShort::ReadInFlight);
-        assert_eq!(when_short(5, false), WhenShort::Preempt(4));
-        assert_eq!(when_short(1, false), WhenShort::FinishAlone);
-        assert_eq!(when_short(1, true), WhenShort::ReadInFlight);
+        let five = [Priority::Normal; 5];
+        assert_eq!(when_short(&five, true), WhenShort::ReadInFlight);
+        assert_eq!(when_short(&five, false), WhenShort::Preempt(4));
+        assert_eq!(when_short(&five[..1], false), WhenShort::FinishAlone);
+        assert_eq!(when_short(&five[..1], true), WhenShort::ReadInFlight);
     }
 }

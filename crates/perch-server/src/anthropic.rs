@@ -44,6 +44,8 @@ pub(crate) struct MessagesRequest {
     tool_choice: Option<Value>,
     /// Ollama's `keep_alive` (Perch's extension, as on the OpenAI endpoints).
     keep_alive: Option<crate::openai::KeepAliveField>,
+    /// The request's lane (Perch's extension, as on the OpenAI endpoints).
+    priority: Option<crate::openai::PriorityField>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -340,6 +342,7 @@ impl MessagesRequest {
             .as_ref()
             .map(crate::openai::KeepAliveField::parse)
             .transpose()?;
+        params.priority = crate::openai::PriorityField::lane(&self.priority)?;
         params.stop_strings = self.stop_sequences.clone().unwrap_or_default();
         params.stop_strings.retain(|s| !s.is_empty());
         Ok(params)

@@ -184,7 +184,15 @@ struct AppState {
     engine: EngineHandle,
     model_id: String,
     config: Arc<ServerConfig>,
+    /// The lane the request's [`PRIORITY_HEADER`] asks for, if it names one.
+    lane: Option<perch_engine::Priority>,
 }
+
+/// The header that puts a request in a lane (`high`, `normal`, `low`; see
+/// [`perch_engine::Priority`]) when its body's `priority` asks for none other: how an agent whose
+/// requests the user cannot edit (Claude Code's `ANTHROPIC_CUSTOM_HEADERS`) is sent to the
+/// background.
+pub const PRIORITY_HEADER: &str = "x-perch-priority";
 
 impl AppState {
     fn admit(&self) -> Result<Admitted, ApiError> {
@@ -225,11 +233,31 @@ impl FromRequestParts<Shared> for AppState {
 
     /// 503 in the endpoint's error shape while no model is loaded.
     async fn from_request_parts(parts: &mut Parts, shared: &Shared) -> Result<Self, Response> {
+        let lane = match parts.headers.get(PRIORITY_HEADER) {
+            None => None,
+            Some(value) => {
+                let lane = value
+                    .to_str()
+                    .ok()
+                    .and_then(perch_engine::Priority::from_name);
+                let Some(lane) = lane else {
+                    let message = format!(
+                        "the {PRIORITY_HEADER} header must be high, normal or low, not {value:?}"
+                    );
+                    return Err(in_shape_of(
+                        parts.uri.path(),
+                        ApiError::invalid(message, None),
+                    ));
+                };
+                Some(lane)
+            }
+        };
         match shared.served.current() {
             Some(Served { engine, model_id }) => Ok(AppState {
                 engine,
                 model_id,
                 config: Arc::clone(&shared.config),
+                lane,
             }),
             None => Err(in_shape_of(parts.uri.path(), ApiError::no_model())),
         }
@@ -298,6 +326,7 @@ fn cors(origins: &[HeaderValue]) -> Option<CorsLayer> {
                 CONTENT_TYPE,
                 HeaderName::from_static("x-api-key"),
                 HeaderName::from_static("anthropic-version"),
+                HeaderName::from_static(PRIORITY_HEADER),
             ]),
     )
 }

@@ -97,6 +97,42 @@ pub(crate) struct Sampling {
     /// How long the model stays in memory once idle, from this request on (Ollama's
     /// `keep_alive`, Perch's extension; see [`KeepAliveField`]).
     keep_alive: Option<KeepAliveField>,
+    /// The request's lane (see [`PriorityField`]).
+    priority: Option<PriorityField>,
+}
+
+/// A request's lane in the batch (`perch_engine::Priority`): `"high"`, `"normal"` or `"low"`, or
+/// vLLM's integer `priority` (below 0 high, 0 normal, above 0 low). Perch's extension, on every
+/// generating endpoint; the `x-perch-priority` header sets it for requests whose body does not.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum PriorityField {
+    Vllm(i64),
+    Name(String),
+}
+
+impl PriorityField {
+    /// The engine's lane, or a 400 naming `priority`.
+    pub fn parse(&self) -> Result<perch_engine::Priority, ApiError> {
+        match self {
+            PriorityField::Vllm(value) => Ok(perch_engine::Priority::from_vllm(*value)),
+            PriorityField::Name(name) => perch_engine::Priority::from_name(name).ok_or_else(|| {
+                ApiError::invalid(
+                    format!("priority must be high, normal, low or an integer, not {name:?}"),
+                    Some("priority"),
+                )
+            }),
+        }
+    }
+
+    /// `field`'s lane, normal without one.
+    pub fn lane(field: &Option<PriorityField>) -> Result<perch_engine::Priority, ApiError> {
+        Ok(field
+            .as_ref()
+            .map(Self::parse)
+            .transpose()?
+            .unwrap_or_default())
+    }
 }
 
 /// Ollama's `keep_alive`: seconds (`300`, `0` to unload once idle, `-1` to keep) or a duration
@@ -190,6 +226,7 @@ impl Sampling {
             .as_ref()
             .map(KeepAliveField::parse)
             .transpose()?;
+        params.priority = PriorityField::lane(&self.priority)?;
         params.max_kv_size = self.max_kv_size;
         params.kv_quantization = self.kv_bits.map(|bits| perch_engine::KvQuantization {
             bits,

@@ -68,6 +68,12 @@ impl Running {
     pub async fn start(state: &AppState, mut request: EngineRequest) -> Result<Self, ApiError> {
         let admitted = state.admit()?;
         let engine = &state.engine;
+        // The header's lane, unless the body asked for another.
+        if let Some(lane) = state.lane {
+            if request.params.priority == perch_engine::Priority::Normal {
+                request.params.priority = lane;
+            }
+        }
         request.params.num_draft_tokens = draft_tokens(
             &request,
             engine.has_draft_model(),

@@ -20,7 +20,7 @@ use perch_engine::{
 };
 use perch_server::{router, serve, Served, ServedModel, ServerConfig};
 use perch_test_support::http;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 const KEY: &str = "test-key";
 const MODEL: &str = "smollm2-135m";
@@ -560,6 +560,62 @@ fn agents_name_the_model_their_own_way() {
         &chat_json("claude-opus-4"),
     );
     assert_eq!(status, 200, "any name: {body}");
+    engine.shutdown();
+}
+
+#[test]
+fn requests_ask_for_a_lane_in_the_body_or_a_header() {
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let (_runtime, addr) = start_server(&engine, config());
+    let addr = addr.to_string();
+    let with_priority = |priority: Value| {
+        let mut body: Value = serde_json::from_str(&chat_json(MODEL)).unwrap();
+        body["priority"] = priority;
+        body.to_string()
+    };
+    for path in ["/v1/chat/completions", "/v1/messages"] {
+        for lane in [json!("high"), json!("LOW"), json!(-1), json!(0), json!(5)] {
+            let (status, _, body) = http(
+                &addr,
+                "POST",
+                path,
+                &JSON_WITH_KEY,
+                &with_priority(lane.clone()),
+            );
+            assert_eq!(status, 200, "{path} {lane}: {body}");
+        }
+        let (status, _, body) = http(
+            &addr,
+            "POST",
+            path,
+            &JSON_WITH_KEY,
+            &with_priority(json!("urgent")),
+        );
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(
+            body.contains("priority must be high, normal, low"),
+            "{body}"
+        );
+        let header = [
+            JSON_WITH_KEY[0],
+            JSON_WITH_KEY[1],
+            ("x-perch-priority", "low"),
+        ];
+        let (status, _, body) = http(&addr, "POST", path, &header, &chat_json(MODEL));
+        assert_eq!(status, 200, "{path}: {body}");
+        let header = [
+            JSON_WITH_KEY[0],
+            JSON_WITH_KEY[1],
+            ("x-perch-priority", "soon"),
+        ];
+        let (status, _, body) = http(&addr, "POST", path, &header, &chat_json(MODEL));
+        assert_eq!(status, 400, "{path}: {body}");
+        assert!(
+            body.contains("x-perch-priority header must be high, normal or low"),
+            "{body}"
+        );
+    }
     engine.shutdown();
 }
 

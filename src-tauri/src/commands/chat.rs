@@ -199,6 +199,9 @@ pub fn start_chat(
         let _ = on_event.send(ChatEvent::ContextTrimmed { dropped_messages });
     }
     let mut params = GenerateRequest::new(Vec::new());
+    // The person at the keyboard goes ahead of background work (agents through the local
+    // server, batch jobs): the chat's prompt prefills between their chunks.
+    params.priority = perch_engine::Priority::High;
     params.images = fitted.images;
     let sampling = settings.effective_sampling(engine.tokenizer().sampling_defaults());
     params.sampling = sampling.params.clone();

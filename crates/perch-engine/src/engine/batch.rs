@@ -58,7 +58,7 @@ use perch_sched::budget::KvBudget;
 use perch_sched::kv_cache_manager::{BlockContents, ComputedBlocks, KvCacheManager, RequestId};
 use perch_sched::plan::{self, Admission, Decision, SlotKind, StepLimits, StepPlan};
 use perch_sched::scheduler;
-use perch_sched::scheduler::{PrefillShape, Progress};
+use perch_sched::scheduler::{PrefillShape, Priority, Progress};
 use perch_sched::throughput::ThroughputWindow;
 
 /// Span of the engine's tok/s rates.
@@ -443,6 +443,9 @@ pub struct BatchGenerator<'m> {
     runner: ModelRunner<'m>,
     next_id: RequestId,
     preemptions: u64,
+    /// When a sequence of each lane (`Priority as usize`) last ran: lower lanes' passes are
+    /// smaller while a higher lane is active ([`scheduler::lane_budget`]).
+    lane_seen: [Option<Instant>; 3],
     times: StepTimes,
     /// Passes still to run while idle ([`BatchGenerator::warm_up_idle`]).
     idle_warm_ups: VecDeque<IdleWarmUp>,
@@ -498,6 +501,7 @@ impl<'m> BatchGenerator<'m> {
             waiting: VecDeque::new(),
             next_id: 1,
             preemptions: 0,
+            lane_seen: [None; 3],
             times: StepTimes::default(),
             idle_warm_ups: VecDeque::new(),
             admissions_held: false,
@@ -655,37 +659,40 @@ impl<'m> BatchGenerator<'m> {
             Some(grammar) => Some(self.tokenizer.grammar_env()?.start(grammar)?),
             None => None,
         };
-        self.waiting.push_back(Sequence {
-            id,
-            preloaded,
-            history,
-            grammar,
-            tokens,
-            images,
-            rope,
-            whole,
-            cache: Vec::new(),
-            // `kv_options` refused a bound and a quantization together.
-            kv: match (limit, quantization) {
-                (Some(limit), _) => RowKv::Bounded(limit),
-                (None, Some(quantization)) => RowKv::Quantized(quantization),
-                (None, None) => RowKv::Plain,
+        self.enqueue(
+            Sequence {
+                id,
+                preloaded,
+                history,
+                grammar,
+                tokens,
+                images,
+                rope,
+                whole,
+                cache: Vec::new(),
+                // `kv_options` refused a bound and a quantization together.
+                kv: match (limit, quantization) {
+                    (Some(limit), _) => RowKv::Bounded(limit),
+                    (None, Some(quantization)) => RowKv::Quantized(quantization),
+                    (None, None) => RowKv::Plain,
+                },
+                slot: None,
+                computed: 0,
+                published_blocks: 0,
+                boundary_state: None,
+                branch_at: None,
+                pinned: Vec::new(),
+                sampler: Sampler::for_tokenizer(request.sampling.clone(), self.tokenizer)?,
+                sink: TokenSink::new(&request, stop_ids, max_tokens),
+                admitted_once: false,
+                block_hashes: None,
+                pool_bound: max_tokens < asked,
+                request,
+                start: Instant::now(),
+                first_token_at: None,
             },
-            slot: None,
-            computed: 0,
-            published_blocks: 0,
-            boundary_state: None,
-            branch_at: None,
-            pinned: Vec::new(),
-            sampler: Sampler::for_tokenizer(request.sampling.clone(), self.tokenizer)?,
-            sink: TokenSink::new(&request, stop_ids, max_tokens),
-            admitted_once: false,
-            block_hashes: None,
-            pool_bound: max_tokens < asked,
-            request,
-            start: Instant::now(),
-            first_token_at: None,
-        });
+            false,
+        );
         Ok(id)
     }
 
@@ -1000,6 +1007,20 @@ impl<'m> BatchGenerator<'m> {
         let mut events = Vec::new();
         let plan = self.schedule(&mut events)?;
         self.admit(&plan.admitted)?;
+        for &id in &plan.yield_prefill {
+            let i = self.position(id).expect("planned from the running");
+            let mut seq = self.running.remove(i);
+            self.preempt(&mut seq)?;
+            self.enqueue(seq, true);
+        }
+        if self.first_token_waits_for_lower_lane(&plan) {
+            // This step only reads it, so that it is handed out now; the next one plans again
+            // (what this one admitted stays admitted, and blocks allocated stay allocated).
+            self.read_in_flight(&mut events)?;
+            self.times.steps += 1;
+            self.times.step_seconds += start.elapsed().as_secs_f64();
+            return Ok(events);
+        }
         self.prefill(&plan, &mut events)?;
         self.decode(&plan, &mut events)?;
         self.times.steps += 1;
@@ -1039,6 +1060,10 @@ impl<'m> BatchGenerator<'m> {
                     }
                 }
             }
+            if !preempted && room == 0 && self.make_room(events)? {
+                continue;
+            }
+            let active_lane = self.active_lane();
             let running = Self::planned(&self.running);
             let waiting: Vec<plan::Waiting> = self
                 .waiting
@@ -1052,6 +1077,7 @@ impl<'m> BatchGenerator<'m> {
                     bounded: seq.kv.limit().map(|limit| self.bounded_tokens(limit)),
                     private: !seq.kv.is_plain(),
                     whole: &seq.whole,
+                    priority: seq.request.priority,
                 })
                 .collect();
             let batch = plan::Batch {
@@ -1059,6 +1085,7 @@ impl<'m> BatchGenerator<'m> {
                 waiting: &waiting,
                 step_in_flight: self.runner.has_in_flight(),
                 admit: !preempted,
+                active_lane,
             };
             let tails = &mut self.tails;
             let block_size = self.config.block_size;
@@ -1092,7 +1119,7 @@ impl<'m> BatchGenerator<'m> {
                     let i = self.position(id).expect("scheduled from the running");
                     let mut victim = self.running.remove(i);
                     self.preempt(&mut victim)?;
-                    self.waiting.push_front(victim);
+                    self.enqueue(victim, true);
                     preempted = true;
                 }
                 Decision::FinishOutOfBlocks(id) => {
@@ -1324,8 +1351,81 @@ impl<'m> BatchGenerator<'m> {
                 branch_at: seq.branch_at,
                 own_chunks: !seq.kv.is_plain(),
                 whole: &seq.whole,
+                priority: seq.request.priority,
             })
             .collect()
+    }
+
+    /// Whether the decode step in flight holds the first token of a sequence of a higher lane
+    /// than every sequence the plan's prefill pass computes (a chat's, behind a background
+    /// prompt): it is then read and handed out before that pass runs, which would otherwise
+    /// delay it by the pass's time (steps read their tokens after their passes, so that the host
+    /// builds a step while the device finishes the one before).
+    fn first_token_waits_for_lower_lane(&self, plan: &StepPlan) -> bool {
+        let find = |id: RequestId| self.running.iter().find(|s| s.id == id);
+        let Some(pass) = plan.prefill.as_ref().and_then(|p| {
+            p.chunks
+                .iter()
+                .filter_map(|&(id, _)| find(id).map(|s| s.request.priority))
+                .min()
+        }) else {
+            return false;
+        };
+        self.runner.in_flight_ids().any(|id| {
+            find(id).is_some_and(|s| s.request.priority < pass && s.first_token_at.is_none())
+        })
+    }
+
+    /// The highest lane a sequence ran in within [`scheduler::ACTIVE_LANE_WINDOW`], the running
+    /// ones included (their lanes are marked seen now).
+    fn active_lane(&mut self) -> Option<Priority> {
+        let now = Instant::now();
+        for seq in &self.running {
+            self.lane_seen[seq.request.priority as usize] = Some(now);
+        }
+        [Priority::High, Priority::Normal, Priority::Low]
+            .into_iter()
+            .find(|&lane| {
+                self.lane_seen[lane as usize]
+                    .is_some_and(|at| now.duration_since(at) < scheduler::ACTIVE_LANE_WINDOW)
+            })
+    }
+
+    /// Puts `seq` in the waiting queue, which is in lane order ([`Priority`]): behind every
+    /// request of its lane and the higher ones, or, `preempted`, ahead of those of its lane
+    /// (a preempted sequence goes on first, as vLLM's).
+    fn enqueue(&mut self, seq: Sequence, preempted: bool) {
+        let lane = seq.request.priority;
+        let at = match preempted {
+            true => self.waiting.iter().position(|w| w.request.priority >= lane),
+            false => self.waiting.iter().position(|w| w.request.priority > lane),
+        };
+        self.waiting.insert(at.unwrap_or(self.waiting.len()), seq);
+    }
+
+    /// When the batch is full (`max_running`) and the first waiting request is of a higher lane
+    /// than some running sequence, that lane's newest sequence leaves the batch for it
+    /// ([`scheduler::make_room_for`]), after the decode step in flight is read (its last token
+    /// must not be lost). Returns whether it changed the batch (then schedule again).
+    fn make_room(&mut self, events: &mut Vec<BatchEvent>) -> Result<bool> {
+        let Some(front) = self.waiting.front().map(|w| w.request.priority) else {
+            return Ok(false);
+        };
+        if self.admissions_held || self.running.len() < self.config.max_running {
+            return Ok(false);
+        }
+        let lanes: Vec<Priority> = self.running.iter().map(|s| s.request.priority).collect();
+        let Some(i) = scheduler::make_room_for(front, &lanes) else {
+            return Ok(false);
+        };
+        if self.runner.has_in_flight() {
+            self.read_in_flight(events)?;
+            return Ok(true);
+        }
+        let mut victim = self.running.remove(i);
+        self.preempt(&mut victim)?;
+        self.enqueue(victim, true);
+        Ok(true)
     }
 
     /// Whether the model's images attend to each other both ways

@@ -274,6 +274,11 @@ impl<'m> ModelRunner<'m> {
         self.in_flight.is_some()
     }
 
+    /// The sequences the decode step in flight holds rows of (none without one).
+    pub fn in_flight_ids(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.in_flight.iter().flat_map(InFlight::ids)
+    }
+
     /// The slot cache `slot` is in, and its row there.
     pub fn slot_cache(&self, slot: Slot) -> (&SlotKvCache, usize) {
         self.slots.get(slot)
