@@ -407,6 +407,11 @@ pub struct KvCacheStats {
     pub prefix_cache_bytes: usize,
     /// Requests preempted (sent back to the queue for recompute) since start.
     pub preemptions: u64,
+    /// Prefill slots given up to a higher lane's prompt since start (the request leaves the
+    /// batch, its full blocks kept in the prefix cache, and comes back: see
+    /// `perch_sched::plan::StepPlan::yield_prefill`).
+    #[serde(default)]
+    pub prefill_yields: u64,
 }
 
 /// Where the batch's steps spent their time since start (cumulative), as mlx_lm's

@@ -478,6 +478,18 @@ impl ImageProcessor {
         self.resize
     }
 
+    /// The most image tokens one prepared image takes in a prompt.
+    pub fn max_tokens(&self) -> usize {
+        match self.resize {
+            Resize::Square { tokens, .. } => tokens,
+            Resize::Smart {
+                factor, max_pixels, ..
+            } => usize::try_from(max_pixels / (u64::from(factor) * u64::from(factor)))
+                .unwrap_or(usize::MAX),
+            Resize::Aspect { max_tokens, .. } => max_tokens as usize,
+        }
+    }
+
     /// The image tokens a prepared image takes in a prompt.
     pub fn tokens(&self, image: &ImageInput) -> usize {
         match self.resize {

@@ -634,7 +634,7 @@ fn a_long_prompt_is_prefilled_in_budget_slices_while_others_decode() {
 /// prompt's prefill (lane `background_lane`), on the CPU's policy (slots fitted to the budget),
 /// nothing having run in a higher lane before:
 /// the steps after its insertion at which each request's first token is read, and both outputs;
-/// the prompt tokens the first step after its insertion computed, and the preemptions.
+/// the prompt tokens the first step after its insertion computed, and the prefill slots yielded.
 fn chat_behind_background(
     chat_lane: perch_engine::Priority,
     background_lane: perch_engine::Priority,
@@ -688,7 +688,7 @@ fn chat_behind_background(
             outputs[k].take().expect("finished"),
         )
     };
-    let preemptions = batch.kv_stats().preemptions;
+    let preemptions = batch.kv_stats().prefill_yields;
     ([take(0), take(1)], first_step_tokens, preemptions)
 }
 

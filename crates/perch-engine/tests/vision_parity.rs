@@ -1322,4 +1322,21 @@ fn gemma4_images_match_mlx_vlm() {
         .unwrap()
         .to_string();
     assert!(message.contains("at most 4"), "{message}");
+    // Through the engine, such a model's budget takes its processor's largest image (6 tokens
+    // here), however low the one configured: the request is answered, not refused.
+    let config = EngineConfig {
+        prefill_token_budget: 4,
+        ..EngineConfig::default()
+    };
+    let engine = EngineHandle::load(&dir, config).unwrap();
+    let stream = engine
+        .submit(EngineRequest {
+            prompt: Prompt::Tokens(both[0].prompt_ids.clone()),
+            params: request(&both[0].prompt_ids, images_of(&both[0]), 8),
+        })
+        .unwrap();
+    let finished = common::finish(&stream);
+    assert_eq!(finished.error, None);
+    assert_eq!(finished.ids, both[0].greedy_ids, "both ways, budget raised");
+    engine.shutdown();
 }

@@ -44,6 +44,10 @@ pub struct Running<'a> {
     pub whole: &'a [(usize, usize)],
     /// Its request's lane ([`Priority`]).
     pub priority: Priority,
+    /// Whether its full blocks go to the prefix cache when it leaves the batch, so that it comes
+    /// back from them: what lets it yield its prefill slot to a higher lane (false for a
+    /// private KV, a preloaded prefix, or with prefix caching off: it pauses in its slot instead).
+    pub keeps_blocks: bool,
 }
 
 /// The limits a step is planned within (the engine's `BatchConfig`).
@@ -112,6 +116,8 @@ pub struct Waiting<'a> {
     pub whole: &'a [(usize, usize)],
     /// Its request's lane (the queue is in lane order: the engine's).
     pub priority: Priority,
+    /// See [`Running::keeps_blocks`].
+    pub keeps_blocks: bool,
 }
 
 /// A request admitted in a step, and what it starts from.
@@ -252,6 +258,7 @@ pub fn schedule(
                 own_chunks: private,
                 whole: request.whole,
                 priority: request.priority,
+                keeps_blocks: request.keeps_blocks,
             });
             admitted.push(Admission {
                 id: request.id,
@@ -306,11 +313,27 @@ pub fn plan_step(
 ) -> StepPlan {
     let progress: Vec<Progress> = running.iter().map(|r| r.progress).collect();
     let lanes: Vec<Priority> = running.iter().map(|r| r.priority).collect();
-    let taken = running
-        .iter()
-        .filter(|r| r.slot == SlotKind::Prefill)
+    // The highest lane with a prompt to compute (in a prefill slot or waiting for one): only its
+    // rows compute prompt tokens this step. A lower lane's row in a prefill slot leaves it and
+    // the batch (`yield_prefill`: a row in the pass costs a row's compute even without tokens,
+    // and holds a slot the higher lane may need), its full blocks kept in the prefix cache; one
+    // that cannot keep its blocks there ([`Running::keeps_blocks`]) pauses in its slot. Lower
+    // lanes' rows take no slot meanwhile.
+    let lane = (0..running.len())
+        .filter(|&i| running[i].slot != SlotKind::Decode && !progress[i].prefill_done())
+        .map(|i| lanes[i])
+        .min();
+    let below = |i: usize| lane.is_some_and(|top| lanes[i] > top);
+    let yielding =
+        |i: usize| running[i].slot == SlotKind::Prefill && below(i) && running[i].keeps_blocks;
+    let yield_prefill: Vec<RequestId> = (0..running.len())
+        .filter(|&i| yielding(i))
+        .map(|i| running[i].id)
+        .collect();
+    let taken = (0..running.len())
+        .filter(|&i| running[i].slot == SlotKind::Prefill && !yielding(i))
         .count();
-    let entering = scheduler::take_prefill_slots(
+    let entering: Vec<usize> = scheduler::take_prefill_slots(
         &progress,
         &lanes,
         |i| running[i].slot != SlotKind::None,
@@ -319,22 +342,13 @@ pub fn plan_step(
         limits
             .prefill_fits_budget
             .then_some(limits.prefill_token_budget),
-    );
-    let in_slots: Vec<usize> = (0..running.len())
-        .filter(|&i| running[i].slot == SlotKind::Prefill || entering.contains(&i))
+    )
+    .into_iter()
+    .filter(|&i| !below(i))
+    .collect();
+    let members: Vec<usize> = (0..running.len())
+        .filter(|&i| (running[i].slot == SlotKind::Prefill || entering.contains(&i)) && !below(i))
         .collect();
-    // Only the highest lane in a prefill slot computes its prompt. A lower lane's row neither
-    // enters a slot then nor keeps one (a row in the pass costs a row's compute even without
-    // tokens): it leaves the batch, its full blocks kept in the prefix cache, and comes back
-    // after; one whose KV is its own (private) pauses in its slot instead.
-    let lane = scheduler::prefill_lane(&in_slots.iter().map(|&i| lanes[i]).collect::<Vec<_>>());
-    let below = |i: usize| lane.is_some_and(|top| lanes[i] > top);
-    let entering: Vec<usize> = entering.into_iter().filter(|&i| !below(i)).collect();
-    let yield_prefill: Vec<RequestId> = (0..running.len())
-        .filter(|&i| running[i].slot == SlotKind::Prefill && below(i) && !running[i].own_chunks)
-        .map(|i| running[i].id)
-        .collect();
-    let members: Vec<usize> = in_slots.into_iter().filter(|&i| !below(i)).collect();
     let prefill = (!members.is_empty()).then(|| {
         let widest = limits.prefill_token_budget.max(1);
         let own = |i: usize| {
@@ -345,19 +359,15 @@ pub fn plan_step(
         };
         // Private rows take their own chunks, oldest first, while they fit the budget (the
         // first always does: a chunk is at most the budget); one that does not waits for a
-        // step with room. The other rows share what is left.
+        // step with room. The other rows share what is left, less while a higher lane is
+        // active ([`scheduler::lane_budget`]).
         let active: Vec<Priority> = running
             .iter()
             .filter(|r| r.progress.prefill_done())
             .map(|r| r.priority)
             .chain(active_lane)
             .collect();
-        // Unbounded while nothing decodes, but a pass is at most `widest` wide anyway.
-        let mut budget = scheduler::lane_budget(
-            scheduler::prefill_budget(&progress, limits.prefill_token_budget).min(widest),
-            lane.expect("members are of the lane"),
-            &active,
-        );
+        let mut budget = scheduler::prefill_budget(&progress, limits.prefill_token_budget);
         let mut own_chunks = Vec::new();
         for &i in members.iter().filter(|&&i| running[i].own_chunks) {
             if own(i) <= budget {
@@ -371,6 +381,12 @@ pub fn plan_step(
             .filter(|&i| !running[i].own_chunks)
             .collect();
         let rows: Vec<Progress> = shared.iter().map(|&i| progress[i]).collect();
+        // Unbounded while nothing decodes, but a pass is at most `widest` wide anyway.
+        let budget = scheduler::lane_budget(
+            budget.min(widest),
+            lane.expect("members are of the lane"),
+            &active,
+        );
         // `shared` follows `members`' order, so their shares come in that order too.
         let mut shares = scheduler::plan_slot_chunks(&rows, budget, widest).into_iter();
         let chunks: Vec<(RequestId, usize)> = members
@@ -400,6 +416,8 @@ pub fn plan_step(
             width: crate::shapes::prefill_chunk_bucket(longest),
         }
     });
+    // No pass where no row has a chunk (every private row waiting for a step with room).
+    let prefill = prefill.filter(|p| !p.chunks.is_empty());
     let decode = running
         .iter()
         .filter(|row| !row.scored)
@@ -464,6 +482,7 @@ mod tests {
             whole: &[],
             own_chunks: false,
             priority: Priority::Normal,
+            keeps_blocks: true,
         }
     }
 
@@ -508,9 +527,10 @@ mod tests {
         let plan = plan_step(&[running[0], back, chat], &limits(), None);
         assert!(plan.enter_prefill.is_empty() && plan.yield_prefill.is_empty());
         assert_eq!(plan.prefill.unwrap().chunks, vec![(3, 200)]);
-        // A private row (its KV its own) pauses in its slot instead.
+        // A row that cannot keep its blocks (a private KV) pauses in its slot instead.
         let private = Running {
             own_chunks: true,
+            keeps_blocks: false,
             ..running[1]
         };
         let plan = plan_step(&[running[0], private, running[2]], &limits(), None);
@@ -531,6 +551,40 @@ mod tests {
         assert_eq!(plan.prefill.unwrap().chunks, vec![(2, 32)]);
         let plan = plan_step(&[background, running[1]], &limits(), Some(Priority::Low));
         assert_eq!(plan.prefill.unwrap().chunks, vec![(2, 256)]);
+    }
+
+    #[test]
+    fn a_higher_lane_prompt_finds_a_slot_when_lower_lanes_hold_them_all() {
+        let lane = |row: Running<'static>, priority| Running { priority, ..row };
+        // Both prefill slots (batch size 2) held by background prompts: they give them up.
+        let running = [
+            lane(row(1, 4000, 512, SlotKind::Prefill), Priority::Low),
+            lane(row(2, 4000, 256, SlotKind::Prefill), Priority::Low),
+            lane(row(3, 50, 0, SlotKind::None), Priority::High),
+        ];
+        let plan = plan_step(&running, &limits(), None);
+        assert_eq!(plan.yield_prefill, vec![1, 2]);
+        assert_eq!(plan.enter_prefill, vec![3]);
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(3, 49)]);
+    }
+
+    #[test]
+    fn a_private_lower_lane_row_takes_its_own_chunks_while_a_higher_lane_is_active() {
+        // Its chunks cannot shrink (where they end decides what its cache holds): the budget
+        // it takes is the whole one, not the lower lane's eighth.
+        let private = Running {
+            own_chunks: true,
+            keeps_blocks: false,
+            priority: Priority::Low,
+            ..row(1, 4000, 0, SlotKind::Prefill)
+        };
+        let chat = Running {
+            priority: Priority::High,
+            ..row(2, 40, 39, SlotKind::Decode)
+        };
+        let plan = plan_step(&[private, chat], &limits(), Some(Priority::High));
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 256)]);
+        assert_eq!(plan.decode, vec![2]);
     }
 
     #[test]
@@ -749,6 +803,7 @@ mod tests {
             private: false,
             whole: &[],
             priority: Priority::Normal,
+            keeps_blocks: true,
         }
     }
 

@@ -189,8 +189,8 @@ struct AppState {
 }
 
 /// The header that puts a request in a lane (`high`, `normal`, `low`; see
-/// [`perch_engine::Priority`]) when its body's `priority` asks for none other: how an agent whose
-/// requests the user cannot edit (Claude Code's `ANTHROPIC_CUSTOM_HEADERS`) is sent to the
+/// [`perch_engine::Priority`]) unless its body's `priority` asks for high or low: how an agent
+/// whose requests the user cannot edit (Claude Code's `ANTHROPIC_CUSTOM_HEADERS`) is sent to the
 /// background.
 pub const PRIORITY_HEADER: &str = "x-perch-priority";
 

@@ -361,6 +361,12 @@ struct Sequence {
 }
 
 impl Sequence {
+    /// Whether its full blocks go to the prefix cache when it leaves the batch (see
+    /// [`plan::Running::keeps_blocks`]): a plain KV without a preloaded prefix, with `caching`.
+    fn keeps_blocks(&self, caching: bool) -> bool {
+        caching && self.kv.is_plain() && self.preloaded.is_none()
+    }
+
     /// Fills the output's token count and timings from now (when the sequence leaves).
     fn set_timings(&mut self) {
         let total = self.start.elapsed().as_secs_f64();
@@ -446,6 +452,8 @@ pub struct BatchGenerator<'m> {
     /// When a sequence of each lane (`Priority as usize`) last ran: lower lanes' passes are
     /// smaller while a higher lane is active ([`scheduler::lane_budget`]).
     lane_seen: [Option<Instant>; 3],
+    /// Prefill slots given up to a higher lane ([`StepPlan::yield_prefill`]) since start.
+    prefill_yields: u64,
     times: StepTimes,
     /// Passes still to run while idle ([`BatchGenerator::warm_up_idle`]).
     idle_warm_ups: VecDeque<IdleWarmUp>,
@@ -502,6 +510,7 @@ impl<'m> BatchGenerator<'m> {
             next_id: 1,
             preemptions: 0,
             lane_seen: [None; 3],
+            prefill_yields: 0,
             times: StepTimes::default(),
             idle_warm_ups: VecDeque::new(),
             admissions_held: false,
@@ -761,6 +770,7 @@ impl<'m> BatchGenerator<'m> {
             prefix_cache_hit_rate: pool.stats().hit_rate(),
             prefix_cache_bytes: self.store.nbytes() + self.tails.nbytes(),
             preemptions: self.preemptions,
+            prefill_yields: self.prefill_yields,
         }
     }
 
@@ -1011,6 +1021,9 @@ impl<'m> BatchGenerator<'m> {
             let i = self.position(id).expect("planned from the running");
             let mut seq = self.running.remove(i);
             self.preempt(&mut seq)?;
+            // Not for memory: counted apart from preemptions.
+            self.preemptions -= 1;
+            self.prefill_yields += 1;
             self.enqueue(seq, true);
         }
         if self.first_token_waits_for_lower_lane(&plan) {
@@ -1064,7 +1077,8 @@ impl<'m> BatchGenerator<'m> {
                 continue;
             }
             let active_lane = self.active_lane();
-            let running = Self::planned(&self.running);
+            let caching = self.kv.caching_enabled();
+            let running = Self::planned(&self.running, caching);
             let waiting: Vec<plan::Waiting> = self
                 .waiting
                 .iter()
@@ -1078,6 +1092,7 @@ impl<'m> BatchGenerator<'m> {
                     private: !seq.kv.is_plain(),
                     whole: &seq.whole,
                     priority: seq.request.priority,
+                    keeps_blocks: seq.keeps_blocks(caching),
                 })
                 .collect();
             let batch = plan::Batch {
@@ -1336,7 +1351,7 @@ impl<'m> BatchGenerator<'m> {
     }
 
     /// The running sequences as the scheduler plans a step for them, in order.
-    fn planned(running: &[Sequence]) -> Vec<plan::Running<'_>> {
+    fn planned(running: &[Sequence], caching: bool) -> Vec<plan::Running<'_>> {
         running
             .iter()
             .map(|seq| plan::Running {
@@ -1352,6 +1367,7 @@ impl<'m> BatchGenerator<'m> {
                 own_chunks: !seq.kv.is_plain(),
                 whole: &seq.whole,
                 priority: seq.request.priority,
+                keeps_blocks: seq.keeps_blocks(caching),
             })
             .collect()
     }
@@ -1413,6 +1429,16 @@ impl<'m> BatchGenerator<'m> {
         };
         if self.admissions_held || self.running.len() < self.config.max_running {
             return Ok(false);
+        }
+        // Not for a request that would not be admitted for memory once there is room.
+        if let Some(headroom) = self.memory_headroom {
+            if self
+                .admission_growth(1)
+                .first()
+                .is_some_and(|&bytes| bytes as u64 > headroom.bytes)
+            {
+                return Ok(false);
+            }
         }
         let lanes: Vec<Priority> = self.running.iter().map(|s| s.request.priority).collect();
         let Some(i) = scheduler::make_room_for(front, &lanes) else {

@@ -468,10 +468,20 @@ fn serve_model(
     ready: &mut Option<impl FnOnce()>,
 ) -> Ended {
     let model = loaded.model.as_ref();
+    // A model whose image tokens attend to each other both ways computes an image in one pass
+    // (the batch refuses a longer one): the budget takes its processor's largest image (Gemma 4's
+    // 280 tokens by default, above the CPU's 256).
+    let both_ways = model
+        .vision()
+        .is_some_and(crate::models::vision::VisionTower::attends_both_ways);
+    let prefill_token_budget = match (both_ways, tokenizer.image_processor()) {
+        (true, Some(processor)) => config.prefill_token_budget.max(processor.max_tokens()),
+        _ => config.prefill_token_budget,
+    };
     let batch_config = BatchConfig {
         max_running: config.max_running,
         prefill_batch_size: config.prefill_batch_size,
-        prefill_token_budget: config.prefill_token_budget,
+        prefill_token_budget,
         slot_attention: config.slot_attention,
         compile_decode: config.compile_decode,
         lowered_for_memory: memory.lowered,
