@@ -775,7 +775,7 @@ fn the_local_server_follows_its_settings_and_the_loaded_model() {
     // On, on a free port, with a key.
     let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
     settings["server"] = json!({"enabled": true, "port": 0, "api_key": "k-1", "allow_lan": false,
-        "any_model_name": true});
+        "any_model_name": true, "model_aliases": ["gpt-4o"]});
     invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
     let on = status();
     assert_eq!(
@@ -819,6 +819,8 @@ fn the_local_server_follows_its_settings_and_the_loaded_model() {
     let (_, _, body) = http(&addr, "GET", "/v1/models", &key, "");
     let listed: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(listed["data"][0]["id"], name.as_str(), "{body}");
+    // The other names of the settings are listed after it.
+    assert_eq!(listed["data"][1]["id"], "gpt-4o", "{body}");
     let chat = json!({"model": name, "max_tokens": 3, "temperature": 0,
         "messages": [{"role": "user", "content": "Hi"}]})
     .to_string();
@@ -1352,7 +1354,7 @@ fn the_trays_model_list_and_server_switch() {
 
     let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
     settings["server"] = json!({"enabled": false, "port": 0, "api_key": null, "allow_lan": false,
-        "any_model_name": false});
+        "any_model_name": false, "model_aliases": []});
     invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
     set_server_enabled(&handle, true).unwrap();
     assert_eq!(

@@ -14,10 +14,12 @@ export function setPath(object, path, value) {
   return { ...object, [key]: rest.length ? setPath(object?.[key] ?? {}, rest.join("."), value) : value };
 }
 
-/** Reads `input` as its setting's value: numbers scaled, empty optional fields as null. */
+/** Reads `input` as its setting's value: numbers scaled, empty optional fields as null, a list
+ * (data-type="list") as its comma- or space-separated names. */
 export function readInput(input) {
   const scale = Number(input.dataset.scale ?? 1);
   if (input.type === "checkbox") return input.checked;
+  if (input.dataset.type === "list") return input.value.split(/[\s,]+/).filter(Boolean);
   if (input.dataset.optional !== undefined && input.value.trim() === "") return null;
   if (input.type === "number" || input.dataset.type === "number") {
     return Math.round(Number(input.value) * scale * 1e6) / 1e6;
@@ -30,6 +32,7 @@ export function writeInput(input, value) {
   const scale = Number(input.dataset.scale ?? 1);
   if (input.type === "checkbox") input.checked = Boolean(value);
   else if (value == null) input.value = "";
+  else if (input.dataset.type === "list") input.value = value.join(", ");
   else if (input.type === "number" || input.dataset.type === "number") input.value = String(value / scale);
   else input.value = value;
 }

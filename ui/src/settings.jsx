@@ -158,6 +158,7 @@ export function SettingsView({ api, visible, inert, handle }) {
             <label>API key <input type="text" data-optional data-setting="server.api_key" placeholder="none" autocomplete="off" /></label>
             <label class="check wide"><input type="checkbox" data-setting="server.allow_lan" /> Allow other devices on the network</label>
             <label class="check wide"><input type="checkbox" data-setting="server.any_model_name" /> Answer to any model name (coding agents send their own, such as <code>claude-…</code>)</label>
+            <label class="wide">Other names for the model <input type="text" data-type="list" data-setting="server.model_aliases" placeholder="none: e.g. claude-sonnet-4-5, gpt-4o" autocomplete="off" /></label>
           </div>
         </details>
         <div class="row wide">

@@ -14,7 +14,7 @@ export function fakeApi(overrides = {}) {
     chat: { system_prompt: "", sampling_source: "model", max_tokens: 1024,
       sampling: { temperature: 0.7, top_p: 0.9, top_k: 40, min_p: 0.05, repetition_penalty: 1, logit_bias: {}, seed: null } },
     kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "",
-    server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false },
+    server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] },
   };
   return {
     emit,

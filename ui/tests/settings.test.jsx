@@ -41,13 +41,21 @@ describe("inputs", () => {
     const bs = document.getElementById("bs");
     writeInput(bs, 64);
     expect(readInput(bs)).toBe(64);
+    document.body.innerHTML = `<input type="text" data-type="list" id="names">`;
+    const names = document.getElementById("names");
+    writeInput(names, ["claude-sonnet-4-5", "gpt-4o"]);
+    expect(names.value).toBe("claude-sonnet-4-5, gpt-4o");
+    names.value = "a,,b\n c";
+    expect(readInput(names)).toEqual(["a", "b", "c"]);
+    names.value = "  ";
+    expect(readInput(names)).toEqual([]);
     document.body.innerHTML = "";
   });
 });
 
 describe("SettingsView", () => {
   it("turns the local server on with a port and key, and back to no key", async () => {
-    const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false } };
+    const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] } };
     const saved = [];
     const api = {
       getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
@@ -64,15 +72,17 @@ describe("SettingsView", () => {
     field("server.api_key").value = "sk-local";
     field("server.allow_lan").checked = true;
     field("server.any_model_name").checked = true;
+    field("server.model_aliases").value = " claude-sonnet-4-5,gpt-4o  o3 ";
     await save();
-    expect(saved[0].server).toEqual({ enabled: true, port: 1234, api_key: "sk-local", allow_lan: true, any_model_name: true });
+    expect(saved[0].server).toEqual({ enabled: true, port: 1234, api_key: "sk-local", allow_lan: true, any_model_name: true,
+      model_aliases: ["claude-sonnet-4-5", "gpt-4o", "o3"] });
     field("server.api_key").value = "  ";
     await save();
     expect(saved[1].server.api_key).toBe(null);
   });
 
   it("cannot be saved until the saved settings are in the form", async () => {
-    const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false } };
+    const settings = { chat: {}, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] } };
     let answer;
     const api = {
       getSettings: () => new Promise((resolve) => (answer = resolve)),
@@ -112,7 +122,7 @@ describe("SettingsView", () => {
     const settings = {
       chat: { system_prompt: "", sampling_source: "custom", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
       kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "CommandOrControl+Shift+Space",
-      server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false }, unload_after_idle_secs: 3600,
+      server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] }, unload_after_idle_secs: 3600,
     };
     const saved = [];
     const api = {
@@ -152,7 +162,7 @@ describe("SettingsView", () => {
   });
 
   it("says Saved again after the message was emptied (as the end-to-end test does between saves)", async () => {
-    const settings = { chat: {}, launch_at_login: false, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false } };
+    const settings = { chat: {}, launch_at_login: false, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] } };
     const api = {
       getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
       saveSettings: async (s) => ({ settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
@@ -172,7 +182,7 @@ describe("SettingsView", () => {
   it("shows the loaded model's sampling defaults read-only and saves the user's values only when custom", async () => {
     const sampling = { temperature: 0.3, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null };
     const settings = { chat: { system_prompt: "", sampling_source: "model", sampling, max_tokens: 1024 },
-      kv_cache_bytes: 2 ** 31, block_size: 32, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false } };
+      kv_cache_bytes: 2 ** 31, block_size: 32, server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] } };
     const saved = [];
     const { load } = setUp({
       getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),

@@ -79,6 +79,9 @@ pub struct ServerSettings {
     /// Serve the loaded model under any name a request gives (coding agents send their
     /// vendor's model names, `claude-…`, `gpt-…`); otherwise requests must name it.
     pub any_model_name: bool,
+    /// Other names the loaded model answers to and `/v1/models` lists (an agent's model names,
+    /// as `perch serve --alias NAME`); at most [`ServerSettings::MAX_ALIASES`].
+    pub model_aliases: Vec<String>,
 }
 
 impl ServerSettings {
@@ -86,9 +89,37 @@ impl ServerSettings {
     pub const DEFAULT_PORT: u16 = 8080;
     /// Longest API key accepted, in bytes.
     pub const MAX_KEY_BYTES: usize = 512;
+    /// Most other model names, and the longest one in bytes.
+    pub const MAX_ALIASES: usize = 64;
+    pub const MAX_ALIAS_BYTES: usize = 256;
 
-    /// A key must fit an HTTP header as typed: visible ASCII, no spaces, not empty.
+    /// A key must fit an HTTP header as typed: visible ASCII, no spaces, not empty; other model
+    /// names are bounded in number and length, each without spaces or control characters.
     fn validate(&self) -> Result<(), SettingsError> {
+        let alias = |reason: String| {
+            Err(SettingsError::Invalid {
+                field: "server.model_aliases",
+                reason,
+            })
+        };
+        if self.model_aliases.len() > Self::MAX_ALIASES {
+            return alias(format!(
+                "holds {} names, more than {}",
+                self.model_aliases.len(),
+                Self::MAX_ALIASES
+            ));
+        }
+        for name in &self.model_aliases {
+            if name.is_empty()
+                || name.len() > Self::MAX_ALIAS_BYTES
+                || name.chars().any(|c| c.is_whitespace() || c.is_control())
+            {
+                return alias(format!(
+                    "{name:?} is not a model name: 1 to {} bytes, no spaces",
+                    Self::MAX_ALIAS_BYTES
+                ));
+            }
+        }
         let invalid = |reason: String| {
             Err(SettingsError::Invalid {
                 field: "server.api_key",
@@ -118,6 +149,7 @@ impl Default for ServerSettings {
             api_key: None,
             allow_lan: false,
             any_model_name: false,
+            model_aliases: Vec::new(),
         }
     }
 }
@@ -362,6 +394,7 @@ mod tests {
             api_key: Some("sk-local".into()),
             allow_lan: true,
             any_model_name: true,
+            model_aliases: vec!["claude-sonnet-4-5".into(), "gpt-4o".into()],
         };
         settings.save(&path, RAM).unwrap();
         assert_eq!(Settings::load(&path, RAM).unwrap(), (settings, None));
@@ -381,7 +414,7 @@ mod tests {
     #[test]
     fn invalid_values_are_named() {
         type Case = (&'static str, fn(&mut Settings));
-        let cases: [Case; 18] = [
+        let cases: [Case; 21] = [
             ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
             ("unload_after_idle_secs", |s| {
                 s.unload_after_idle_secs = Some(5)
@@ -412,6 +445,15 @@ mod tests {
             }),
             ("server.api_key", |s| {
                 s.server.api_key = Some("k".repeat(513))
+            }),
+            ("server.model_aliases", |s| {
+                s.server.model_aliases = vec!["gpt 4o".into()]
+            }),
+            ("server.model_aliases", |s| {
+                s.server.model_aliases = vec![String::new()]
+            }),
+            ("server.model_aliases", |s| {
+                s.server.model_aliases = vec!["m".into(); 65]
             }),
         ];
         for (field, break_it) in cases {

@@ -93,6 +93,7 @@ impl LocalServer {
         let config = ServerConfig {
             api_key: settings.api_key.clone(),
             any_model_name: settings.any_model_name,
+            model_aliases: settings.model_aliases.clone(),
             ..ServerConfig::new()
         };
         let activity = config.activity.clone();
