@@ -634,11 +634,12 @@ fn a_long_prompt_is_prefilled_in_budget_slices_while_others_decode() {
 /// prompt's prefill (lane `background_lane`), on the CPU's policy (slots fitted to the budget),
 /// nothing having run in a higher lane before:
 /// the steps after its insertion at which each request's first token is read, and both outputs;
-/// the prompt tokens the first step after its insertion computed, and the prefill slots yielded.
+/// the prompt tokens computed by the first step after its insertion and by the step that handed
+/// out the chat's first token, and the prefill slots yielded.
 fn chat_behind_background(
     chat_lane: perch_engine::Priority,
     background_lane: perch_engine::Priority,
-) -> ([(usize, perch_engine::GenerateOutput); 2], u64, u64) {
+) -> ([(usize, perch_engine::GenerateOutput); 2], [u64; 2], u64) {
     use perch_engine::testing::BatchEvent;
     let (model, tokenizer) = load();
     let mut config = config(256, 16);
@@ -658,17 +659,23 @@ fn chat_behind_background(
     let ids = [chat, background];
     let mut first = [None, None];
     let mut outputs = [None, None];
-    let mut first_step_tokens = 0;
+    // Prompt tokens computed by the first step, and by the step that handed out the chat's
+    // first token.
+    let mut tokens = [0, u64::MAX];
     for step in 1..400 {
         let before = batch.step_times().prefill_tokens;
         let events = batch.step().unwrap();
+        let computed = batch.step_times().prefill_tokens - before;
         if step == 1 {
-            first_step_tokens = batch.step_times().prefill_tokens - before;
+            tokens[0] = computed;
         }
         for event in events {
             match event {
                 BatchEvent::Token { request, .. } => {
                     let k = ids.iter().position(|&id| id == request).unwrap();
+                    if k == 0 && first[0].is_none() {
+                        tokens[1] = computed;
+                    }
                     first[k].get_or_insert(step);
                 }
                 BatchEvent::Finished { request, output } => {
@@ -689,7 +696,7 @@ fn chat_behind_background(
         )
     };
     let preemptions = batch.kv_stats().prefill_yields;
-    ([take(0), take(1)], first_step_tokens, preemptions)
+    ([take(0), take(1)], tokens, preemptions)
 }
 
 #[test]
@@ -700,7 +707,10 @@ fn a_chat_in_the_high_lane_prefills_between_the_chunks_of_a_background_prompt() 
     let ([(chat, chat_ids), (background, background_ids)], tokens, preempted) =
         chat_behind_background(Priority::High, Priority::Low);
     // The step after it arrives computes the chat's prompt alone (no background chunk beside).
-    assert_eq!(tokens as usize, (case.prompt_ids.len() - 1).min(64));
+    assert_eq!(tokens[0] as usize, (case.prompt_ids.len() - 1).min(64));
+    // The step that hands out its first token runs no background pass before it (it only reads
+    // the token: `first_token_waits_for_lower_lane`).
+    assert_eq!(tokens[1], 0, "a pass ran before the chat's first token");
     // Its prompt in its own chunks at once (the background's pausing), its first token read
     // one step after the one that completes it; the background prompt's first token after.
     assert!(
@@ -722,7 +732,7 @@ fn a_chat_in_the_high_lane_prefills_between_the_chunks_of_a_background_prompt() 
         tokens,
         preempted_fcfs,
     ) = chat_behind_background(Priority::Normal, Priority::Normal);
-    assert_eq!(tokens, 64, "a background chunk");
+    assert_eq!(tokens[0], 64, "a background chunk");
     assert!(
         chat_fcfs > background_fcfs && chat_fcfs >= 9,
         "first come, first served: chat {chat_fcfs}, background {background_fcfs}"

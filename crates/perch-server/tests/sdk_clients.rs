@@ -597,19 +597,17 @@ fn requests_ask_for_a_lane_in_the_body_or_a_header() {
             body.contains("priority must be high, normal, low"),
             "{body}"
         );
-        let header = [
-            JSON_WITH_KEY[0],
-            JSON_WITH_KEY[1],
-            ("x-perch-priority", "low"),
-        ];
-        let (status, _, body) = http(&addr, "POST", path, &header, &chat_json(MODEL));
+        let with_header = |lane| {
+            let header = [
+                JSON_WITH_KEY[0],
+                JSON_WITH_KEY[1],
+                ("x-perch-priority", lane),
+            ];
+            http(&addr, "POST", path, &header, &chat_json(MODEL))
+        };
+        let (status, _, body) = with_header("low");
         assert_eq!(status, 200, "{path}: {body}");
-        let header = [
-            JSON_WITH_KEY[0],
-            JSON_WITH_KEY[1],
-            ("x-perch-priority", "soon"),
-        ];
-        let (status, _, body) = http(&addr, "POST", path, &header, &chat_json(MODEL));
+        let (status, _, body) = with_header("soon");
         assert_eq!(status, 400, "{path}: {body}");
         assert!(
             body.contains("x-perch-priority header must be high, normal or low"),

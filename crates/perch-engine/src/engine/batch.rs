@@ -1387,9 +1387,13 @@ impl<'m> BatchGenerator<'m> {
         }) else {
             return false;
         };
-        self.runner.in_flight_ids().any(|id| {
-            find(id).is_some_and(|s| s.request.priority < pass && s.first_token_at.is_none())
-        })
+        // Usually no sequence is of a higher lane: then the step in flight is not looked at.
+        let waits = |s: &Sequence| s.request.priority < pass && s.first_token_at.is_none();
+        self.running.iter().any(waits)
+            && self
+                .runner
+                .in_flight_ids()
+                .any(|id| find(id).is_some_and(waits))
     }
 
     /// The highest lane a sequence ran in within [`scheduler::ACTIVE_LANE_WINDOW`], the running
