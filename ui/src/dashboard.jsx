@@ -5,7 +5,7 @@
 import { useEffect, useLayoutEffect, useReducer, useRef } from "preact/hooks";
 import { Chart } from "./chart.jsx";
 import { mib } from "./format.js";
-import { CHARTS, serverLine } from "./stats.js";
+import { CHARTS, clientChart, clientHitRate, serverLine } from "./stats.js";
 
 /** uPlot's axes in the tokens' colours (canvas text does not inherit CSS). */
 function axisColours() {
@@ -45,6 +45,50 @@ export function numbers({ stats, system, server }) {
   ];
 }
 
+/** How long ago `unixMs` was, briefly ("12 s ago", "3 min ago"), from `nowMs`. */
+export function ago(unixMs, nowMs = Date.now()) {
+  const seconds = Math.max(0, Math.round((nowMs - unixMs) / 1000));
+  if (seconds < 60) return `${seconds} s ago`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min ago`;
+  return `${Math.floor(seconds / 3600)} h ago`;
+}
+
+/**
+ * Each client's prefix-cache hit rate over time and its last misses (the engine's
+ * `EngineStats.clients`, most recently seen first): what an agent's user reads when its
+ * prompts are computed again.
+ */
+function Clients({ sampler, visible, width, axes, scheme }) {
+  const tallies = sampler.last.stats?.clients ?? [];
+  return (
+    <section id="clients" aria-labelledby="clients-title">
+      <h2 id="clients-title">Prompt cache by client</h2>
+      {tallies.length === 0 && <p class="muted">No requests since the model loaded.</p>}
+      {tallies.map((tally) => {
+        const rate = clientHitRate(tally);
+        const series = sampler.clients.get(tally.client);
+        return (
+          <div class="client" key={tally.client} data-client={tally.client}>
+            {visible && series && <Chart key={`${tally.client}-${scheme}`} chart={clientChart(tally.client)} data={series.data()} version={sampler.samples} width={width} axes={axes} />}
+            <p class="client-tally">
+              {tally.client}: {tally.requests} {tally.requests === 1 ? "request" : "requests"}, {rate == null ? "no prompt tokens" : `${Math.round(rate)}% of ${tally.prompt_tokens} prompt tokens from the cache`}
+            </p>
+            {tally.last_misses.length > 0 && (
+              <ul class="misses" aria-label={`Last misses of ${tally.client}`}>
+                {tally.last_misses.map((miss) => (
+                  <li key={miss.at_unix_ms}>
+                    {ago(miss.at_unix_ms)}: {miss.cached_tokens} of {miss.prompt_tokens} tokens cached; {miss.description}
+                  </li>
+                ))}
+              </ul>
+            )}
+          </div>
+        );
+      })}
+    </section>
+  );
+}
+
 /** `sampler`: a StatsSampler (started by the app); `visible`: whether the view is shown. */
 export function Dashboard({ api, sampler, visible, inert }) {
   const section = useRef(null);
@@ -67,6 +111,7 @@ export function Dashboard({ api, sampler, visible, inert }) {
             <Chart key={`${chart.id}-${scheme}`} chart={chart} data={sampler.series.get(chart.id).data()} version={sampler.samples} width={width} axes={axes} />
           ))}
       </div>
+      <Clients sampler={sampler} visible={visible} width={width} axes={axes} scheme={scheme} />
       <dl id="stats">
         {numbers(sampler.last).map(([name, value]) => [<dt key={`t-${name}`}>{name}</dt>, <dd key={`d-${name}`}>{value}</dd>])}
       </dl>

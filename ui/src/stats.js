@@ -1,5 +1,6 @@
 // The dashboard's numbers: the engine's stats and the machine's memory sampled once a second
-// (whether or not the dashboard is shown) into the graphs' series, over the last five minutes.
+// (whether or not the dashboard is shown) into the graphs' series, over the last five minutes,
+// and each client's prefix-cache hit rate (the app's chat, each API client) into one of its own.
 // Every number comes from the `engine_stats`, `system_stats` and `server_status` commands.
 
 import { TimeSeries } from "./series.js";
@@ -57,6 +58,19 @@ export function sample(stats, system) {
   return values;
 }
 
+/**
+ * A client's share of prompt tokens read from the prefix cache, in percent, from its tally
+ * (perch-sched's `ClientTally`); null before any prompt.
+ */
+export function clientHitRate(tally) {
+  return tally.prompt_tokens > 0 ? (100 * tally.cached_tokens) / tally.prompt_tokens : null;
+}
+
+/** The graph of one client's hit rate (a chart as CHARTS has them). */
+export function clientChart(client) {
+  return { id: "client-hit-rate", title: `${client}: prefix-cache hit rate (%)`, series: [["hit_rate", "Hit rate"]] };
+}
+
 /** The local server's line: its address and live requests, or how to turn it on. */
 export function serverLine(status) {
   if (!status) return "—";
@@ -74,6 +88,8 @@ export class StatsSampler {
     this.api = api;
     this.now = now;
     this.series = new Map(CHARTS.map((c) => [c.id, new TimeSeries(c.series.map(([key]) => key))]));
+    /** Each client's hit-rate series, for the clients the engine's last stats list. */
+    this.clients = new Map();
     this.samples = 0;
     /** The last answers: EngineStats, SystemStats and the server's status (each null when it failed). */
     this.last = { stats: null, system: null, server: null };
@@ -95,6 +111,13 @@ export class StatsSampler {
     const values = sample(stats, system);
     const t = this.now();
     for (const series of this.series.values()) series.push(t, values);
+    const tallies = stats?.clients ?? [];
+    for (const tally of tallies) {
+      if (!this.clients.has(tally.client)) this.clients.set(tally.client, new TimeSeries(["hit_rate"]));
+      this.clients.get(tally.client).push(t, { hit_rate: clientHitRate(tally) });
+    }
+    const listed = new Set(tallies.map((tally) => tally.client));
+    for (const client of this.clients.keys()) if (stats && !listed.has(client)) this.clients.delete(client);
     this.samples += 1;
     this.last = { stats, system, server };
     for (const listener of this.listeners) listener();

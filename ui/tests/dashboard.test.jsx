@@ -201,6 +201,48 @@ describe("Dashboard", () => {
     expect(sampler.samples).toBe(2);
   });
 
+  it("graphs each client's prefix-cache hit rate and lists its last misses", async () => {
+    vi.useFakeTimers({ toFake: ["Date"] });
+    vi.setSystemTime(1_800_000_000_000);
+    const agent = "claude-cli/2.0 (key 3fa2c1d0)";
+    const miss = {
+      at_unix_ms: 1_800_000_000_000 - 12_000,
+      prompt_tokens: 1000,
+      cached_tokens: 512,
+      miss: { reason: "diverged", at_token: 530 },
+      description: "the prompt differs from this client's previous one at token 530",
+    };
+    const clients = [
+      { client: agent, requests: 3, prompt_tokens: 3000, cached_tokens: 2400, last_misses: [miss] },
+      { client: "Perch chat", requests: 1, prompt_tokens: 40, cached_tokens: 0, last_misses: [] },
+    ];
+    const api = fakeApi();
+    api.stats = engineStats({ clients });
+    let t = 10;
+    const sampler = new StatsSampler(api, () => t);
+    await sampler.tick();
+    t = 11;
+    api.stats = engineStats({ clients: [{ ...clients[0], requests: 4, prompt_tokens: 4000, cached_tokens: 3600 }, clients[1]] });
+    await sampler.tick();
+    expect(sampler.clients.get(agent).data()).toEqual([[10, 11], [80, 90]]);
+    expect(sampler.clients.get("Perch chat").data()[1]).toEqual([0, 0]);
+    render(<Dashboard api={api} sampler={sampler} visible />);
+    const shown = [...document.querySelectorAll("#clients .client")];
+    expect(shown.map((c) => c.dataset.client)).toEqual([agent, "Perch chat"]);
+    expect(document.querySelectorAll("#clients figure").length).toBe(2);
+    expect(shown[0].textContent).toContain("4 requests, 90% of 4000 prompt tokens from the cache");
+    expect(shown[0].querySelector(".misses").textContent).toBe(
+      "12 s ago: 512 of 1000 tokens cached; the prompt differs from this client's previous one at token 530",
+    );
+    expect(shown[1].querySelector(".misses")).toBeNull();
+    // A client the engine no longer lists loses its graph.
+    t = 12;
+    api.stats = engineStats({ clients: [clients[1]] });
+    await sampler.tick();
+    expect([...sampler.clients.keys()]).toEqual(["Perch chat"]);
+    vi.useRealTimers();
+  });
+
   it("samples once a second from start, and stops", async () => {
     vi.useFakeTimers();
     try {

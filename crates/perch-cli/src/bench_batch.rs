@@ -533,7 +533,9 @@ fn direct(
                                 timeline.ids.push(id);
                                 timeline.generated += 1;
                             }
-                            Ok(EngineEvent::Token { id: None, .. }) => {}
+                            Ok(
+                                EngineEvent::Token { id: None, .. } | EngineEvent::Admitted { .. },
+                            ) => {}
                             Ok(EngineEvent::Finished {
                                 finish_reason: FinishReason::Error,
                                 error,
@@ -775,7 +777,7 @@ fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> 
                 )
             }
             EngineEvent::Finished { .. } => return Ok(()),
-            EngineEvent::Token { .. } => {}
+            EngineEvent::Token { .. } | EngineEvent::Admitted { .. } => {}
         }
     }
 }

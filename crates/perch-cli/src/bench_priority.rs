@@ -170,6 +170,7 @@ fn ttft(events: &Receiver<EngineEvent>) -> anyhow::Result<f64> {
             EngineEvent::Finished { .. } => {
                 return first.ok_or_else(|| anyhow::anyhow!("a request ended without a token"))
             }
+            EngineEvent::Admitted { .. } => {}
         }
     }
 }

@@ -387,6 +387,7 @@ fn run_with_images(args: &GenerateArgs, messages: Vec<ChatMessage>) -> anyhow::R
                 error,
                 ..
             } => break (finish_reason, stats, error),
+            EngineEvent::Admitted { .. } => {}
         }
     };
     engine.shutdown();

@@ -49,6 +49,10 @@ pub struct ServeArgs {
     /// Serve the model under any name a request gives.
     #[arg(long)]
     pub any_model_name: bool,
+    /// In the log's line for a prompt that left the client's previous one (a prefix-cache
+    /// miss), show a few tokens of text of each side (off: no prompt text goes to the log).
+    #[arg(long)]
+    pub log_prompt_text: bool,
 }
 
 /// The id clients name the model in `dir` by: `ORG/NAME` for a snapshot of the Hugging Face cache
@@ -155,8 +159,17 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         api_key: args.api_key,
         max_requests: args.max_requests,
         cors_origins: args.cors_origins,
+        log_prompt_text: args.log_prompt_text,
         ..ServerConfig::new()
     };
+    // A line a request on standard error (the prefix cache's hits and misses); `RUST_LOG`-style
+    // filtering is left out: one level.
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_max_level(tracing::Level::INFO)
+        .init();
     let runtime = tokio::runtime::Runtime::new().context("starting the server's runtime")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)

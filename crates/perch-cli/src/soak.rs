@@ -329,6 +329,7 @@ fn client_request(
     let mut tokens = 0;
     for event in stream.events.iter() {
         match event {
+            EngineEvent::Admitted { .. } => {}
             EngineEvent::Token { .. } => {
                 tokens += 1;
                 counters.generated.fetch_add(1, Ordering::Relaxed);

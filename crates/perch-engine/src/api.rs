@@ -12,6 +12,7 @@ pub use crate::error::{ErrorKind, RequestError};
 use crate::sample::sampler::SamplingParams;
 pub use crate::sample::TokenLogprobs;
 use crate::text::chat_template::ChatMessage;
+pub use perch_sched::cache_miss::{CacheMiss, ClientTally, MissRecord};
 use perch_sched::scheduler::Priority;
 
 /// Why generation ended.
@@ -92,6 +93,34 @@ pub struct GenerateRequest {
     /// is kept from preemption ahead of lower lanes' (the app's chat asks for
     /// [`Priority::High`]; API requests for what their `priority` says).
     pub priority: Priority,
+    /// Prefixes of the prompt to keep in the prefix cache once computed (Anthropic's
+    /// `cache_control` breakpoints, OpenAI's `prompt_cache_key`; see
+    /// [`perch_sched::prefix_pins`]). Ignored by a request whose KV cache is its own.
+    pub cache_pins: Vec<CachePin>,
+    /// Who sent it (an API key's fingerprint, a user agent, the app): a prompt is compared
+    /// with the same client's previous one to explain a prefix-cache miss
+    /// ([`GenerationStats::cache_miss`]).
+    pub client: Option<String>,
+}
+
+/// A prefix of a request's prompt to keep in the prefix cache ([`GenerateRequest::cache_pins`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachePin {
+    /// The prefix's length in tokens (kept in whole blocks: rounded down to one).
+    pub tokens: usize,
+    /// How long it is kept after the request computed it (or after the last request that
+    /// pinned it again).
+    pub ttl: std::time::Duration,
+    /// A client's key (`prompt_cache_key`): the key's newest prefix replaces the one it pinned
+    /// before. Without one, the pin is the prefix's own.
+    pub key: Option<String>,
+}
+
+impl CachePin {
+    /// Anthropic's default time to live: five minutes.
+    pub const DEFAULT_TTL: std::time::Duration = std::time::Duration::from_secs(300);
+    /// Anthropic's longer one (`"ttl": "1h"`).
+    pub const LONG_TTL: std::time::Duration = std::time::Duration::from_secs(3600);
 }
 
 /// How long an idle engine keeps its model's weights (and draft model, KV pool and prefix
@@ -199,6 +228,8 @@ impl GenerateRequest {
             keep_alive: None,
             images: Vec::new(),
             priority: Priority::Normal,
+            cache_pins: Vec::new(),
+            client: None,
         }
     }
 
@@ -238,6 +269,26 @@ pub struct GenerationStats {
     /// The lane it was scheduled in ([`GenerateRequest::priority`]).
     #[serde(default)]
     pub priority: Priority,
+    /// Of the prompt, the tokens its [`GenerateRequest::cache_pins`] keep in the prefix cache
+    /// (whole blocks; the longest pin that was taken).
+    #[serde(default)]
+    pub pinned_prompt_tokens: usize,
+    /// A pin that was not taken, and why (a sentence).
+    #[serde(default)]
+    pub pin_refused: Option<String>,
+    /// Why fewer prompt tokens came from the prefix cache than could have
+    /// ([`perch_sched::cache_miss`]); `None` when every whole block before the last token did.
+    #[serde(default)]
+    pub cache_miss: Option<CacheMiss>,
+}
+
+impl GenerationStats {
+    /// Anthropic's `cache_creation_input_tokens`: the prompt tokens its pins keep that were
+    /// computed by this request (not read from the cache).
+    pub fn cache_creation_tokens(&self) -> usize {
+        self.pinned_prompt_tokens
+            .saturating_sub(self.cached_prompt_tokens)
+    }
 }
 
 impl GenerationStats {
@@ -315,6 +366,9 @@ pub enum EngineEvent {
         text: String,
         logprobs: Option<TokenLogprobs>,
     },
+    /// The batch admitted the request (once, before its first token; a request that runs beside
+    /// the batch sends none): what its prompt read from the prefix cache.
+    Admitted { prompt_cache: PromptCacheReport },
     /// The request ended. `error` is set when `finish_reason` is `Error`: what kind of failure
     /// (a request the engine refused before running it, as a prompt longer than the context, or
     /// a failure while running it) and a sentence.
@@ -328,6 +382,16 @@ pub enum EngineEvent {
         /// probabilities of the token after the prompt.
         next_token_logprobs: Option<Vec<f32>>,
     },
+}
+
+/// What a request's prompt read from the prefix cache ([`EngineEvent::Admitted`]).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PromptCacheReport {
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: usize,
+    /// Why fewer came from it than could have ([`GenerationStats::cache_miss`]).
+    pub miss: Option<CacheMiss>,
 }
 
 impl EngineEvent {
@@ -364,6 +428,9 @@ pub struct EngineStats {
     pub warm_ups_left: usize,
     /// Whether the model is in memory, unloaded while idle, or loading again.
     pub residency: Residency,
+    /// Each recent client's prefix-cache lookups and last misses, the most recently seen first
+    /// ([`GenerateRequest::client`]; since the model loaded).
+    pub clients: Vec<ClientTally>,
 }
 
 /// How many tokens a request can hold, fixed at load.
@@ -393,8 +460,8 @@ pub struct KvCacheStats {
     /// Tokens per block.
     pub block_size: usize,
     pub blocks_total: usize,
-    /// Blocks in some running sequence's block table, or held for its sliding layers' window
-    /// (see [`KvBudget`]).
+    /// Blocks in some running sequence's block table or a pinned prefix, or held for its
+    /// sliding layers' window (see [`KvBudget`]).
     pub blocks_used: usize,
     /// Free blocks that still hold a cached prefix (reusable until evicted), and blocks the
     /// prefix cache's copies of sliding layers' KV hold (given up before any sequence waits).
@@ -412,6 +479,13 @@ pub struct KvCacheStats {
     /// `perch_sched::plan::StepPlan::yield_prefill`).
     #[serde(default)]
     pub prefill_yields: u64,
+    /// Tokens of prefixes clients pinned (`cache_control` breakpoints, `prompt_cache_key`: see
+    /// [`perch_sched::prefix_pins`]); their blocks count in `blocks_used`.
+    #[serde(default)]
+    pub pinned_tokens: usize,
+    /// The most tokens pins hold together (a share of the pool).
+    #[serde(default)]
+    pub pinned_tokens_max: usize,
 }
 
 /// Where the batch's steps spent their time since start (cumulative), as mlx_lm's

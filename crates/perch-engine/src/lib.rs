@@ -47,9 +47,9 @@ pub(crate) mod worker;
 pub mod testing;
 
 pub use api::{
-    EngineEvent, EngineLimits, EngineRequest, EngineStats, FinishReason, GenerateOutput,
-    GenerateRequest, GenerationStats, KeepAlive, KvCacheStats, Prompt, Residency, StepTimes,
-    TokenEvent, TokenLogprobs,
+    CacheMiss, CachePin, EngineEvent, EngineLimits, EngineRequest, EngineStats, FinishReason,
+    GenerateOutput, GenerateRequest, GenerationStats, KeepAlive, KvCacheStats, Prompt,
+    PromptCacheReport, Residency, StepTimes, TokenEvent, TokenLogprobs,
 };
 pub use attention::KvQuantization;
 #[doc(hidden)]

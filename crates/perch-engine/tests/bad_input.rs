@@ -310,6 +310,7 @@ fn a_hostile_chat_template_fails_its_request_and_the_engine_goes_on() {
                 .expect("an answer, not a hang")
             {
                 EngineEvent::Token { .. } => tokens += 1,
+                EngineEvent::Admitted { .. } => {}
                 EngineEvent::Finished {
                     finish_reason,
                     error,

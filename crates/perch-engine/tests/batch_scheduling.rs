@@ -1,7 +1,7 @@
 //! The batch over its block pool: prefix-cache hits give exactly the cold tokens (also across
 //! the turns of a chat), cancels free every block, a tiny pool preempts and still completes
 //! every request exactly, a prompt larger than the pool is rejected and a
-//! `max_tokens` past the pool is clamped.
+//! `max_tokens` past the pool is clamped, a pinned prefix outlives eviction and misses say why.
 
 mod common;
 
@@ -680,9 +680,10 @@ fn chat_behind_background(
                 }
                 BatchEvent::Finished { request, output } => {
                     let k = ids.iter().position(|&id| id == request).unwrap();
-                    outputs[k] = Some(output);
+                    outputs[k] = Some(*output);
                 }
                 BatchEvent::Refused { error, .. } => panic!("refused: {error}"),
+                BatchEvent::Admitted { .. } => {}
             }
         }
         if batch.is_empty() {
@@ -784,4 +785,96 @@ fn a_high_lane_request_takes_the_place_of_a_low_one_in_a_full_batch() {
             case.id
         );
     }
+}
+
+/// A prefix pinned for a client (`cache_control`) stays cached while other prompts evict an
+/// unpinned one, gives the cold tokens, and each miss says why.
+#[test]
+fn a_pinned_prefix_outlives_eviction_and_misses_are_explained() {
+    use perch_engine::CacheMiss;
+    use perch_sched::block_pool::EvictionCause;
+    let (model, tokenizer) = load();
+    let block_size = 16;
+    // 24 blocks: pins hold 6 at most.
+    let mut batch =
+        BatchGenerator::new(model.as_ref(), &tokenizer, config(24, block_size), "smollm");
+    let ids = |from: u32, n: u32| -> Vec<u32> { (from..from + n).collect() };
+    let system = ids(1000, 80);
+    let prompt = |question: u32| [system.clone(), ids(question, 40)].concat();
+    let client = |request: &mut GenerateRequest, name: &str| {
+        request.client = Some(name.to_owned());
+    };
+    let run = |batch: &mut BatchGenerator, request: GenerateRequest| {
+        common::drive(batch, vec![(0, request)]).remove(0).0
+    };
+    // The agent's first request pins its system prompt: 80 tokens, computed now.
+    let mut first = request(prompt(3000), 2);
+    client(&mut first, "agent");
+    first.cache_pins = system_pin();
+    let first = run(&mut batch, first);
+    assert_eq!(first.stats.pinned_prompt_tokens, 80);
+    assert_eq!(first.stats.cache_creation_tokens(), 80);
+    assert_eq!(
+        first.stats.cache_miss,
+        Some(CacheMiss::NotSeen { at_token: 0 })
+    );
+    assert_eq!(batch.kv_stats().pinned_tokens, 80);
+    // Another client's prompt, unpinned; then three others take every free block.
+    let other = [ids(5000, 80), ids(6000, 40)].concat();
+    let mut unpinned = request(other.clone(), 2);
+    client(&mut unpinned, "other");
+    run(&mut batch, unpinned);
+    for k in 0..3 {
+        run(&mut batch, request(ids(10_000 + 1000 * k, 100), 2));
+    }
+    let mut again = request(other, 2);
+    client(&mut again, "other");
+    let again = run(&mut batch, again);
+    assert_eq!(again.stats.cached_prompt_tokens, 0);
+    match again.stats.cache_miss {
+        Some(CacheMiss::Evicted {
+            at_token: 0,
+            cause: EvictionCause::Reused,
+            ..
+        }) => {}
+        miss => panic!("{miss:?}"),
+    }
+    // The agent's next request reads the pinned prefix, diverging from its previous request
+    // right after it, and gives the tokens a cold batch gives.
+    let mut next = request(prompt(4000), 6);
+    client(&mut next, "agent");
+    let next_prompt = next.prompt.clone();
+    let next = run(&mut batch, next);
+    assert_eq!(next.stats.cached_prompt_tokens, 80);
+    match next.stats.cache_miss {
+        Some(CacheMiss::Diverged { at_token: 80, .. }) => {}
+        miss => panic!("{miss:?}"),
+    }
+    let mut fresh =
+        BatchGenerator::new(model.as_ref(), &tokenizer, config(24, block_size), "smollm");
+    let cold = run(&mut fresh, request(next_prompt, 6));
+    assert_eq!(next.token_ids, cold.token_ids);
+    // Pinned again by a request that read it: nothing is created.
+    let mut repin = request(prompt(7000), 2);
+    repin.cache_pins = system_pin();
+    let repin = run(&mut batch, repin);
+    assert_eq!(repin.stats.pinned_prompt_tokens, 80);
+    assert_eq!(repin.stats.cache_creation_tokens(), 0);
+    // A bounded request keeps nothing, and says so.
+    let mut bounded = request(prompt(8000), 2);
+    bounded.max_kv_size = Some(64);
+    bounded.cache_pins = system_pin();
+    let bounded = run(&mut batch, bounded);
+    assert_eq!(bounded.stats.pinned_prompt_tokens, 0);
+    assert!(bounded.stats.pin_refused.is_some());
+    assert_eq!(bounded.stats.cache_miss, Some(CacheMiss::OwnCache));
+}
+
+/// A pin of the test's 80-token system prompt for five minutes.
+fn system_pin() -> Vec<perch_engine::CachePin> {
+    vec![perch_engine::CachePin {
+        tokens: 80,
+        ttl: perch_engine::CachePin::DEFAULT_TTL,
+        key: None,
+    }]
 }

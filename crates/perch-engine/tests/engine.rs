@@ -36,6 +36,7 @@ fn collect(stream: RequestStream) -> (Vec<u32>, FinishReason, Option<String>) {
             .expect("engine answered")
         {
             EngineEvent::Token { id, .. } => ids.extend(id),
+            EngineEvent::Admitted { .. } => {}
             EngineEvent::Finished {
                 finish_reason,
                 error,
@@ -46,14 +47,18 @@ fn collect(stream: RequestStream) -> (Vec<u32>, FinishReason, Option<String>) {
 }
 
 /// Whether the stream's next event (within two minutes) is a token.
+/// Whether the stream's next event past its admission is a token.
 fn next_is_token(stream: &RequestStream) -> bool {
-    matches!(
-        stream
+    loop {
+        match stream
             .events
             .recv_timeout(Duration::from_secs(120))
-            .expect("engine answered"),
-        EngineEvent::Token { .. }
-    )
+            .expect("engine answered")
+        {
+            EngineEvent::Admitted { .. } => continue,
+            event => return matches!(event, EngineEvent::Token { .. }),
+        }
+    }
 }
 
 #[test]
@@ -144,6 +149,19 @@ fn dropping_the_last_handle_stops_the_engine_thread_first() {
     let stream = engine
         .submit(request(Prompt::Tokens(vec![1, 504, 2988, 288]), 500))
         .unwrap();
+    // Admitted first, with what its prompt read from the prefix cache (less than a block: no
+    // miss to explain).
+    match stream
+        .events
+        .recv_timeout(Duration::from_secs(120))
+        .unwrap()
+    {
+        EngineEvent::Admitted { prompt_cache } => {
+            assert_eq!(prompt_cache.prompt_tokens, 4);
+            assert_eq!((prompt_cache.cached_tokens, prompt_cache.miss), (0, None));
+        }
+        event => panic!("{event:?}"),
+    }
     assert!(next_is_token(&stream));
     let clone = engine.clone();
     drop(engine);
@@ -155,7 +173,7 @@ fn dropping_the_last_handle_stops_the_engine_thread_first() {
     let mut finished = None;
     loop {
         match stream.events.try_recv() {
-            Ok(EngineEvent::Token { .. }) => {}
+            Ok(EngineEvent::Token { .. } | EngineEvent::Admitted { .. }) => {}
             Ok(EngineEvent::Finished { finish_reason, .. }) => finished = Some(finish_reason),
             Err(std::sync::mpsc::TryRecvError::Disconnected) => break,
             Err(std::sync::mpsc::TryRecvError::Empty) => {
@@ -242,7 +260,7 @@ fn bad_requests_end_with_an_error_event() {
                 .unwrap()
             {
                 EngineEvent::Finished { error, .. } => return error.map(|e| e.kind),
-                EngineEvent::Token { .. } => {}
+                EngineEvent::Token { .. } | EngineEvent::Admitted { .. } => {}
             }
         }
     };
@@ -327,7 +345,7 @@ fn tokens_carry_the_log_probabilities_asked_for() {
                 logprobs,
                 ..
             } => streamed.push((id, logprobs.expect("asked for logprobs"))),
-            EngineEvent::Token { id: None, .. } => {}
+            EngineEvent::Token { id: None, .. } | EngineEvent::Admitted { .. } => {}
             EngineEvent::Finished { .. } => break,
         }
     }

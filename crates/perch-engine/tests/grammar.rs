@@ -42,6 +42,7 @@ fn collect(stream: RequestStream) -> Result<(String, Vec<u32>, FinishReason), St
                 text.push_str(&t);
                 ids.extend(id);
             }
+            EngineEvent::Admitted { .. } => {}
             EngineEvent::Finished {
                 finish_reason,
                 error,

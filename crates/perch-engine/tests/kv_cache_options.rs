@@ -54,6 +54,7 @@ fn run_together(
                     done.insert(request, output.token_ids);
                 }
                 BatchEvent::Refused { request, error } => panic!("{request} refused: {error}"),
+                BatchEvent::Admitted { .. } => {}
             }
         }
     }

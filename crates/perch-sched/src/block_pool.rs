@@ -12,7 +12,8 @@
 //!
 //! This file knows nothing of MLX: it is the bookkeeping over which KV tensors are laid out.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
@@ -179,6 +180,50 @@ impl PrefixCacheStats {
     }
 }
 
+/// Why a cached block's content left the prefix cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EvictionCause {
+    /// The pool handed the block out again: the least recently used cached block goes first
+    /// when sequences need blocks (the KV budget was full).
+    Reused,
+    /// The whole prefix cache was dropped ([`BlockPool::reset_prefix_cache`]: memory pressure,
+    /// or on request).
+    Reset,
+}
+
+/// When and why a block's content was evicted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Eviction {
+    pub at: Instant,
+    pub cause: EvictionCause,
+}
+
+/// The hashes of the most recently evicted blocks, to tell a prompt whose prefix was evicted
+/// from one that was never cached. Bounded: the oldest entries are forgotten.
+#[derive(Debug, Default)]
+struct EvictionLog {
+    order: VecDeque<BlockHash>,
+    by_hash: HashMap<BlockHash, Eviction>,
+    capacity: usize,
+}
+
+impl EvictionLog {
+    fn record(&mut self, hash: BlockHash, eviction: Eviction) {
+        if self.capacity == 0 {
+            return;
+        }
+        if self.by_hash.insert(hash, eviction).is_none() {
+            self.order.push_back(hash);
+        }
+        while self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.by_hash.remove(&old);
+            }
+        }
+    }
+}
+
 /// The pool of KV-cache blocks.
 #[derive(Debug)]
 pub struct BlockPool {
@@ -188,6 +233,7 @@ pub struct BlockPool {
     cached: HashMap<BlockHash, BlockId>,
     block_size: usize,
     stats: PrefixCacheStats,
+    evictions: EvictionLog,
 }
 
 impl BlockPool {
@@ -215,6 +261,22 @@ impl BlockPool {
             cached: HashMap::new(),
             block_size,
             stats: PrefixCacheStats::default(),
+            evictions: EvictionLog {
+                capacity: (4 * num_blocks).max(Self::MIN_EVICTIONS_KEPT),
+                ..EvictionLog::default()
+            },
+        }
+    }
+
+    /// The evicted blocks' hashes kept at least (four times the pool's blocks when more).
+    pub const MIN_EVICTIONS_KEPT: usize = 4096;
+
+    /// When and why the block with this content hash was last evicted, if it is among those
+    /// remembered and not cached again since.
+    pub fn eviction(&self, hash: BlockHash) -> Option<Eviction> {
+        match self.cached.contains_key(&hash) {
+            true => None,
+            false => self.evictions.by_hash.get(&hash).copied(),
         }
     }
 
@@ -273,6 +335,9 @@ impl BlockPool {
             if let Some(hash) = block.hash.take() {
                 if self.cached.get(&hash) == Some(&id) {
                     self.cached.remove(&hash);
+                    let at = Instant::now();
+                    let cause = EvictionCause::Reused;
+                    self.evictions.record(hash, Eviction { at, cause });
                 }
             }
             block.ref_cnt = 1;
@@ -335,14 +400,21 @@ impl BlockPool {
     pub fn reset_prefix_cache(&mut self) -> Vec<BlockId> {
         let blocks = &mut self.blocks;
         let mut forgotten = Vec::new();
-        self.cached.retain(|_, id| {
+        let mut dropped = Vec::new();
+        self.cached.retain(|hash, id| {
             let keep = blocks[id.index()].ref_cnt > 0;
             if !keep {
                 blocks[id.index()].hash = None;
                 forgotten.push(*id);
+                dropped.push(*hash);
             }
             keep
         });
+        let at = Instant::now();
+        for hash in dropped {
+            let cause = EvictionCause::Reset;
+            self.evictions.record(hash, Eviction { at, cause });
+        }
         forgotten
     }
 

@@ -16,8 +16,10 @@
 //! takes 45x a float32 GEMM's time at batch 32.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use crate::block_pool::{full_block_hashes, BlockHash, BlockId, BlockPool};
+use crate::prefix_pins::{PinKey, PinRefused, PrefixPins, Unpinned};
 
 /// Identifies a request inside the engine.
 pub type RequestId = u64;
@@ -135,17 +137,122 @@ pub struct KvCacheManager {
     /// Prefix caching (vLLM's `enable_caching`): off, no block is ever registered or found.
     enable_caching: bool,
     window_cost: Option<WindowCost>,
+    pins: PrefixPins,
+}
+
+/// What [`KvCacheManager::pin_prefix`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinOutcome {
+    /// The prefix's first `tokens` tokens (whole blocks) are pinned.
+    Pinned { tokens: usize },
+    /// Larger than the pins' share of the pool, which holds at most `max_tokens`.
+    TooLarge { max_tokens: usize },
+    /// None of the prefix is in the prefix cache (caching off, a request whose cache is its
+    /// own, or less than a block computed).
+    NotCached,
 }
 
 impl KvCacheManager {
     /// `model_id` seeds the hash chain so different models never share blocks.
     pub fn new(pool: BlockPool, model_id: &str) -> Self {
+        let pins = PrefixPins::new(pool.num_blocks());
         Self {
             pool,
             root: BlockHash::root(model_id),
             requests: HashMap::new(),
             enable_caching: true,
             window_cost: None,
+            pins,
+        }
+    }
+
+    /// Pins the first `num_tokens` tokens of `request`'s registered blocks (rounded down to
+    /// whole blocks, and to where a hit can start: [`BlockContents::usable_blocks`]) for `ttl`
+    /// from `now`, under the client's `key` or, without one, the prefix itself
+    /// ([`PinKey`]). See [`crate::prefix_pins`].
+    pub fn pin_prefix(
+        &mut self,
+        contents: &mut impl BlockContents,
+        request: RequestId,
+        num_tokens: usize,
+        key: Option<String>,
+        ttl: Duration,
+        now: Instant,
+    ) -> PinOutcome {
+        let block_size = self.block_size();
+        let Some(entry) = self.requests.get(&request).filter(|_| self.enable_caching) else {
+            return PinOutcome::NotCached;
+        };
+        let wanted = (num_tokens / block_size).min(entry.hashes.len());
+        let mut blocks: Vec<BlockId> = entry.hashes[..wanted]
+            .iter()
+            .map_while(|h| self.pool.get_cached_block(*h))
+            .collect();
+        blocks.truncate(contents.usable_blocks(&blocks, block_size));
+        let Some(&last) = entry.hashes[..blocks.len()].last() else {
+            return PinOutcome::NotCached;
+        };
+        let tokens = blocks.len() * block_size;
+        let key = key.map_or(PinKey::Prefix(last), PinKey::Client);
+        let expires = now + ttl;
+        if self.pins.refresh(&key, &blocks, expires) {
+            return PinOutcome::Pinned { tokens };
+        }
+        let bounded = contents.read_by_hit(&blocks, block_size).to_vec();
+        match self
+            .pins
+            .insert(key, blocks.clone(), bounded.clone(), expires)
+        {
+            Ok(displaced) => {
+                // The new pin's references first: a displaced pin's blocks it shares stay held.
+                self.pool.touch(&blocks);
+                contents.pin(&bounded);
+                self.release_pins(contents, displaced);
+                PinOutcome::Pinned { tokens }
+            }
+            Err(PinRefused::TooLarge { max_blocks }) => PinOutcome::TooLarge {
+                max_tokens: max_blocks * block_size,
+            },
+        }
+    }
+
+    /// Gives up the pins that expired by `now`.
+    pub fn expire_pins(&mut self, contents: &mut impl BlockContents, now: Instant) {
+        if !self.pins.is_empty() {
+            let expired = self.pins.expire(now);
+            self.release_pins(contents, expired);
+        }
+    }
+
+    /// Gives up the pin that expires soonest; false when none is left.
+    pub fn unpin_soonest(&mut self, contents: &mut impl BlockContents) -> bool {
+        let Some(pin) = self.pins.pop_soonest() else {
+            return false;
+        };
+        self.release_pins(contents, vec![pin]);
+        true
+    }
+
+    /// Gives up every pin.
+    pub fn clear_pins(&mut self, contents: &mut impl BlockContents) {
+        let pins = self.pins.clear();
+        self.release_pins(contents, pins);
+    }
+
+    /// Tokens pinned now (distinct blocks), and the most pins may hold.
+    pub fn pinned_tokens(&self) -> (usize, usize) {
+        let block_size = self.block_size();
+        (
+            self.pins.num_blocks() * block_size,
+            self.pins.max_blocks() * block_size,
+        )
+    }
+
+    fn release_pins(&mut self, contents: &mut impl BlockContents, pins: Vec<Unpinned>) {
+        for pin in pins {
+            contents.unpin(&pin.bounded);
+            // Last block first, as a request frees: a prefix's tail is evicted before its head.
+            self.pool.free_blocks(pin.blocks.into_iter().rev());
         }
     }
 

@@ -44,6 +44,8 @@ pub struct Running<'a> {
     pub whole: &'a [(usize, usize)],
     /// Its request's lane ([`Priority`]).
     pub priority: Priority,
+    /// Where prefixes it pins end ([`Waiting::pin_ends`]).
+    pub pin_ends: &'a [usize],
     /// Whether its full blocks go to the prefix cache when it leaves the batch, so that it comes
     /// back from them: what lets it yield its prefill slot to a higher lane (false for a
     /// private KV, a preloaded prefix, or with prefix caching off: it pauses in its slot instead).
@@ -116,6 +118,11 @@ pub struct Waiting<'a> {
     pub whole: &'a [(usize, usize)],
     /// Its request's lane (the queue is in lane order: the engine's).
     pub priority: Priority,
+    /// Where prefixes it pins end (`cache_control` breakpoints, on block boundaries, in
+    /// order): with [`StepLimits::align_chunks_to_blocks`] (a hybrid model, whose recurrent
+    /// states exist only where a chunk ends) a chunk stops at each, so that the block there
+    /// keeps the states and a hit can start after it.
+    pub pin_ends: &'a [usize],
     /// See [`Running::keeps_blocks`].
     pub keeps_blocks: bool,
 }
@@ -196,15 +203,16 @@ pub fn schedule(
             continue;
         }
         // The fed token's slot; the sampled token gets its slot at the next step.
-        if kv.allocate(contents, row.id, row.progress.num_computed, 1, None) {
-            continue;
+        while !kv.allocate(contents, row.id, row.progress.num_computed, 1, None) {
+            let lanes: Vec<Priority> = batch.running.iter().map(|r| r.priority).collect();
+            return match scheduler::when_short(&lanes, batch.step_in_flight) {
+                WhenShort::ReadInFlight => Decision::ReadInFlight,
+                WhenShort::Preempt(victim) => Decision::Preempt(batch.running[victim].id),
+                // Alone and short: the pinned prefixes give their blocks up first.
+                WhenShort::FinishAlone if kv.unpin_soonest(contents) => continue,
+                WhenShort::FinishAlone => Decision::FinishOutOfBlocks(row.id),
+            };
         }
-        let lanes: Vec<Priority> = batch.running.iter().map(|r| r.priority).collect();
-        return match scheduler::when_short(&lanes, batch.step_in_flight) {
-            WhenShort::ReadInFlight => Decision::ReadInFlight,
-            WhenShort::Preempt(victim) => Decision::Preempt(batch.running[victim].id),
-            WhenShort::FinishAlone => Decision::FinishOutOfBlocks(row.id),
-        };
     }
     let mut running = batch.running.to_vec();
     let mut admitted = Vec::new();
@@ -228,10 +236,14 @@ pub fn schedule(
                 .to_vec();
             contents.pin(&pinned);
             let new_tokens = request.tokens.len() - hit.num_tokens;
-            if !kv.allocate(contents, request.id, hit.num_tokens, new_tokens, Some(&hit)) {
-                contents.unpin(&pinned);
-                kv.free(request.id);
-                return false;
+            // With nothing else running, the pinned prefixes give their blocks up first.
+            let alone = running.is_empty();
+            while !kv.allocate(contents, request.id, hit.num_tokens, new_tokens, Some(&hit)) {
+                if !(alone && kv.unpin_soonest(contents)) {
+                    contents.unpin(&pinned);
+                    kv.free(request.id);
+                    return false;
+                }
             }
             // A sequence starts after the last hit block whose bounded layers' parts it can
             // load, shares the blocks after it and recomputes them up to the end of the hit;
@@ -258,6 +270,7 @@ pub fn schedule(
                 own_chunks: private,
                 whole: request.whole,
                 priority: request.priority,
+                pin_ends: request.pin_ends,
                 keeps_blocks: request.keeps_blocks,
             });
             admitted.push(Admission {
@@ -401,6 +414,9 @@ pub fn plan_step(
                     let mut chunk = shares.next().expect("a share for each shared row");
                     if limits.align_chunks_to_blocks {
                         chunk = scheduler::align_chunk_to_block(computed, chunk, limits.block_size);
+                        if let Some(&at) = row.pin_ends.iter().find(|&&at| at > computed) {
+                            chunk = chunk.min(at - computed);
+                        }
                     }
                     if let Some(at) = row.branch_at.filter(|&at| computed < at) {
                         chunk = chunk.min(at - computed);
@@ -482,6 +498,7 @@ mod tests {
             whole: &[],
             own_chunks: false,
             priority: Priority::Normal,
+            pin_ends: &[],
             keeps_blocks: true,
         }
     }
@@ -641,6 +658,24 @@ mod tests {
         first.branch_at = Some(40);
         let plan = plan_step(&[first], &limits, None);
         assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 24)]);
+        // A pinned prefix ending at 64 (after the branch): the chunk from 40 stops there, and
+        // one from there goes on to the last boundary crossed; without block-aligned chunks a
+        // pin's end stops nothing.
+        first.progress.num_computed = 40;
+        first.pin_ends = &[32, 64];
+        let plan = plan_step(&[first], &limits, None);
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 24)]);
+        first.progress.num_computed = 64;
+        let plan = plan_step(&[first], &limits, None);
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 128)]);
+        first.progress.num_computed = 40;
+        let unaligned = StepLimits {
+            align_chunks_to_blocks: false,
+            ..limits
+        };
+        let plan = plan_step(&[first], &unaligned, None);
+        assert_eq!(plan.prefill.unwrap().chunks, vec![(1, 159)]);
+        first.pin_ends = &[];
         // Past the branch, only blocks bind.
         first.progress.num_computed = 40;
         let plan = plan_step(&[first], &limits, None);
@@ -803,6 +838,7 @@ mod tests {
             private: false,
             whole: &[],
             priority: Priority::Normal,
+            pin_ends: &[],
             keeps_blocks: true,
         }
     }
@@ -896,6 +932,88 @@ mod tests {
             assert!(plan.admitted.is_empty());
             assert_eq!(plan.decode, vec![5]);
         }
+    }
+
+    /// A pinned prefix outlives the least-recently-used eviction that takes an unpinned one,
+    /// until it expires; a request alone that the pool is short for gets the pins' blocks.
+    #[test]
+    fn pinned_prefixes_outlive_eviction_until_they_expire_or_a_lone_request_needs_them() {
+        use crate::kv_cache_manager::PinOutcome;
+        use std::time::{Duration, Instant};
+        let now = Instant::now();
+        let ttl = Duration::from_secs(300);
+        // 16 blocks of 16 tokens: pins hold 4 blocks at most.
+        let mut kv = manager(16);
+        let mut contents = Contents::default();
+        let pinned: Vec<u32> = (0..49).collect();
+        let unpinned: Vec<u32> = (1000..1049).collect();
+        assert_eq!(queue_hit(&mut kv, &mut contents, &pinned, 1), 0);
+        assert_eq!(queue_hit(&mut kv, &mut contents, &unpinned, 2), 0);
+        // Three whole blocks of the 49 tokens, and the last one's bounded parts.
+        let pin = kv.pin_prefix(&mut contents, 1, 49, None, ttl, now);
+        assert_eq!(pin, PinOutcome::Pinned { tokens: 48 });
+        assert_eq!(kv.pinned_tokens(), (48, 64));
+        assert_eq!(contents.pins.len(), 1);
+        kv.free(1);
+        kv.free(2);
+        // Five blocks pass the share.
+        let long: Vec<u32> = (2000..2081).collect();
+        queue_hit(&mut kv, &mut contents, &long, 7);
+        let pin = kv.pin_prefix(&mut contents, 7, 81, Some("k".into()), ttl, now);
+        assert_eq!(pin, PinOutcome::TooLarge { max_tokens: 64 });
+        kv.free(7);
+        // Three blocks pinned, 13 free: a 208-token prompt takes every free one, evicting the
+        // unpinned prompt's blocks and not the pinned one's.
+        let other: Vec<u32> = (5000..5208).collect();
+        let limits = StepLimits {
+            prefill_token_budget: 512,
+            ..limits()
+        };
+        let decide = |kv: &mut KvCacheManager, contents: &mut Contents, queue: &[Waiting]| {
+            schedule(kv, contents, &admitting(queue), &limits, |_, _| None)
+        };
+        let plan = run(decide(&mut kv, &mut contents, &[waiting(3, &other)]));
+        assert_eq!(plan.admitted.len(), 1);
+        assert_eq!(kv.cached_prefix(&pinned).num_tokens, 48, "pinned: kept");
+        assert_eq!(
+            kv.cached_prefix(&unpinned).num_tokens,
+            0,
+            "unpinned: evicted"
+        );
+        kv.free(3);
+        // Expired, the pin's blocks are free again.
+        kv.expire_pins(&mut contents, now + ttl - Duration::from_secs(1));
+        assert_eq!(kv.pinned_tokens().0, 48);
+        kv.expire_pins(&mut contents, now + ttl);
+        assert_eq!(kv.pinned_tokens().0, 0);
+        assert!(contents.pins.is_empty());
+        assert_eq!(kv.pool().num_free_blocks(), 16);
+        // Pinned again by a request that hits it, then a lone prompt needing all 16 blocks
+        // takes the pin's.
+        assert_eq!(queue_hit(&mut kv, &mut contents, &pinned, 4), 3);
+        let pin = kv.pin_prefix(&mut contents, 4, 49, None, ttl, now);
+        assert_eq!(pin, PinOutcome::Pinned { tokens: 48 });
+        kv.free(4);
+        let all: Vec<u32> = (9000..9241).collect();
+        let plan = run(decide(&mut kv, &mut contents, &[waiting(6, &all)]));
+        assert_eq!(plan.admitted.len(), 1);
+        assert_eq!(kv.pinned_tokens().0, 0);
+        kv.pool().check_invariants();
+    }
+
+    /// Admits `tokens` as `request` with its prefix hit, computes the rest and caches it; returns
+    /// the blocks it hit.
+    fn queue_hit(
+        kv: &mut KvCacheManager,
+        contents: &mut Contents,
+        tokens: &[u32],
+        request: RequestId,
+    ) -> usize {
+        let hit = kv.get_computed_blocks(tokens);
+        let new = tokens.len() - hit.num_tokens;
+        assert!(kv.allocate(contents, request, hit.num_tokens, new, Some(&hit)));
+        kv.cache_blocks(request, tokens, tokens.len());
+        hit.blocks.len()
     }
 
     #[test]

@@ -12,19 +12,20 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use perch_engine::text::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
-    ChatMessage, ContentPart, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Prompt,
+    CachePin, ChatMessage, ContentPart, EngineRequest, FinishReason, GenerateRequest,
+    GenerationStats, Prompt,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{AnthropicError, ApiError};
-use crate::running::{Running, Step};
+use crate::running::{with_header, Running, Step};
 use crate::tools::{self, Answer, Forced};
 use crate::{AppState, ServedName};
 
 /// The request body of `POST /v1/messages` (and, without the generation fields, of
 /// `count_tokens`). Fields Perch does not act on (`metadata`, …) are ignored.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 pub(crate) struct MessagesRequest {
     model: String,
     messages: Vec<Message>,
@@ -46,25 +47,74 @@ pub(crate) struct MessagesRequest {
     keep_alive: Option<crate::openai::KeepAliveField>,
     /// The request's lane (Perch's extension, as on the OpenAI endpoints).
     priority: Option<crate::openai::PriorityField>,
+    /// A breakpoint after the last block (Anthropic's automatic prompt caching).
+    cache_control: Option<CacheControl>,
 }
 
-#[derive(Debug, Deserialize)]
+/// A prompt-caching breakpoint (<https://docs.anthropic.com/en/docs/build-with-claude/prompt-caching>):
+/// the prompt up to the end of the block, tool or request that carries it is kept in the prefix
+/// cache for `ttl` (`5m`, the default, or `1h`) once computed.
+#[derive(Clone, Debug, Deserialize)]
+struct CacheControl {
+    #[serde(rename = "type")]
+    kind: String,
+    ttl: Option<String>,
+}
+
+impl CacheControl {
+    /// Its time to live, or a 400 naming `param`.
+    fn ttl(&self, param: &'static str) -> Result<std::time::Duration, ApiError> {
+        if self.kind != "ephemeral" {
+            return Err(ApiError::invalid(
+                format!(
+                    "cache_control.type must be `ephemeral`, not {:?}",
+                    self.kind
+                ),
+                Some(param),
+            ));
+        }
+        match self.ttl.as_deref() {
+            None | Some("5m") => Ok(CachePin::DEFAULT_TTL),
+            Some("1h") => Ok(CachePin::LONG_TTL),
+            Some(other) => Err(ApiError::invalid(
+                format!("cache_control.ttl must be `5m` or `1h`, not {other:?}"),
+                Some(param),
+            )),
+        }
+    }
+}
+
+/// Where a breakpoint ends the prompt: after tool `k`, system block `k`, block `b` of message
+/// `m`, or the whole conversation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Cut {
+    Tool(usize),
+    System(usize),
+    Message(usize, usize),
+    Whole,
+}
+
+/// Breakpoints a request may carry (Anthropic's limit).
+const MAX_BREAKPOINTS: usize = 4;
+
+#[derive(Clone, Debug, Deserialize)]
 struct Tool {
     name: String,
     description: Option<String>,
     input_schema: Option<Value>,
     #[serde(rename = "type")]
     kind: Option<String>,
+    cache_control: Option<CacheControl>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 struct Message {
     role: String,
     content: Content,
 }
 
 /// A message's content: a string, or content blocks.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 enum Content {
     Text(String),
@@ -73,7 +123,7 @@ enum Content {
 
 /// A content block: `text`, `tool_use` (an assistant's call), `tool_result` (the user's
 /// answer to one), or `thinking` (an assistant's reasoning, not rendered again).
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 struct Block {
     #[serde(rename = "type")]
     kind: String,
@@ -86,9 +136,10 @@ struct Block {
     /// An `image` block's `{"type": "base64", "media_type", "data"}` (or `{"type": "url",
     /// "url"}`, which Perch refuses: it fetches no remote images).
     source: Option<ImageSource>,
+    cache_control: Option<CacheControl>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 struct ImageSource {
     #[serde(rename = "type")]
     kind: String,
@@ -187,6 +238,89 @@ impl MessagesRequest {
                 Some("messages"),
             ));
         }
+        self.chat_messages()
+    }
+
+    /// The breakpoints (`cache_control` on tools, system blocks, message blocks, then the
+    /// request's own), in the prompt's order, each with its time to live; a 400 for a bad one or
+    /// more than [`MAX_BREAKPOINTS`].
+    fn breakpoints(&self) -> Result<Vec<(Cut, std::time::Duration)>, ApiError> {
+        let mut cuts = Vec::new();
+        for (k, tool) in self.tools.iter().enumerate() {
+            if let Some(control) = &tool.cache_control {
+                cuts.push((Cut::Tool(k), control.ttl("tools")?));
+            }
+        }
+        if let Some(system) = &self.system {
+            for (k, block) in system.blocks().iter().enumerate() {
+                if let Some(control) = &block.cache_control {
+                    cuts.push((Cut::System(k), control.ttl("system")?));
+                }
+            }
+        }
+        for (m, message) in self.messages.iter().enumerate() {
+            for (b, block) in message.content.blocks().iter().enumerate() {
+                if let Some(control) = &block.cache_control {
+                    cuts.push((Cut::Message(m, b), control.ttl("messages")?));
+                }
+            }
+        }
+        if let Some(control) = &self.cache_control {
+            cuts.push((Cut::Whole, control.ttl("cache_control")?));
+        }
+        if cuts.len() > MAX_BREAKPOINTS {
+            return Err(ApiError::invalid(
+                format!(
+                    "at most {MAX_BREAKPOINTS} blocks may carry cache_control; this request has {}",
+                    cuts.len()
+                ),
+                Some("cache_control"),
+            ));
+        }
+        // A breakpoint on the last block of the last message ends the whole prompt.
+        let last = self.messages.len().checked_sub(1).map(|m| {
+            let blocks = self.messages[m].content.blocks().len();
+            Cut::Message(m, blocks.saturating_sub(1))
+        });
+        for (cut, _) in &mut cuts {
+            if Some(*cut) == last {
+                *cut = Cut::Whole;
+            }
+        }
+        Ok(cuts)
+    }
+
+    /// The request up to the end of `cut`: what the prompt's prefix there is rendered from.
+    fn cut(&self, cut: Cut) -> MessagesRequest {
+        let mut part = self.clone();
+        let keep_blocks = |content: &mut Content, last: usize| {
+            if let Content::Blocks(blocks) = content {
+                blocks.truncate(last + 1);
+            }
+        };
+        match cut {
+            Cut::Tool(k) => {
+                part.tools.truncate(k + 1);
+                part.system = None;
+                part.messages.clear();
+            }
+            Cut::System(k) => {
+                if let Some(system) = &mut part.system {
+                    keep_blocks(system, k);
+                }
+                part.messages.clear();
+            }
+            Cut::Message(m, b) => {
+                part.messages.truncate(m + 1);
+                keep_blocks(&mut part.messages[m].content, b);
+            }
+            Cut::Whole => {}
+        }
+        part
+    }
+
+    /// The chat-template messages, the system prompt first.
+    fn chat_messages(&self) -> Result<Vec<ChatMessage>, ApiError> {
         let mut conversation = Vec::with_capacity(self.messages.len() + 1);
         if let Some(system) = &self.system {
             conversation.push(ChatMessage::new("system", system.text("system")?));
@@ -381,7 +515,9 @@ pub(crate) async fn messages(
         params.grammar = Some(tools::forced_grammar(&tools, forced)?);
     }
     let tokenizer = Arc::clone(state.engine.tokenizer());
+    let breakpoints = request.breakpoints()?;
     let (ids, images) = tools::render(&tokenizer, conversation, tools.clone()).await?;
+    params.cache_pins = cache_pins(&request, &breakpoints, &tokenizer, &ids).await;
     params.prompt = ids.clone();
     params.images = images;
     let prompt_tokens = ids.len();
@@ -395,13 +531,15 @@ pub(crate) async fn messages(
     .await?;
     let id = format!("msg_{}", running.id);
     let model = state.model_id.clone();
+    let cache_header = running.cache_header();
+    let read = running.prompt_cache.as_ref().map_or(0, |r| r.cached_tokens);
     let mut answer = match forced {
         Some(forced) => Answer::forced(forced),
         None => Answer::new(tools::parser(&tokenizer, &tools, true)),
     };
     if request.stream {
-        let events = events(running, id, model, prompt_tokens, answer);
-        return Ok(Sse::new(events).into_response());
+        let events = events(running, id, model, (prompt_tokens, read), answer);
+        return Ok(with_header(Sse::new(events).into_response(), cache_header));
     }
     let done = running.collect().await?;
     let mut outputs = answer.push(&done.text);
@@ -443,6 +581,42 @@ pub(crate) async fn messages(
         "usage": usage(&done.stats),
     }))
     .into_response())
+    .map(|response| with_header(response, cache_header))
+}
+
+/// The pins the request's breakpoints ask for: each breakpoint's place in the prompt `ids` is
+/// where the prompt and the request cut there ([`MessagesRequest::cut`]), rendered alone,
+/// stop agreeing (a chat template closes a cut turn differently, so the prefix they share
+/// ends within a token or two of the marked block's end). A cut the template cannot render
+/// alone (one that needs a user message) pins nothing; a later breakpoint covers its prefix.
+async fn cache_pins(
+    request: &MessagesRequest,
+    breakpoints: &[(Cut, std::time::Duration)],
+    tokenizer: &Arc<perch_engine::Tokenizer>,
+    ids: &[u32],
+) -> Vec<CachePin> {
+    let mut pins = Vec::new();
+    for &(cut, ttl) in breakpoints {
+        let tokens = match cut {
+            Cut::Whole => ids.len(),
+            _ => {
+                let part = request.cut(cut);
+                let (Ok(messages), Ok(tools)) = (part.chat_messages(), part.offered_tools()) else {
+                    continue;
+                };
+                match tools::render(tokenizer, messages, tools).await {
+                    Ok((cut_ids, _)) => cut_ids.iter().zip(ids).take_while(|(a, b)| a == b).count(),
+                    Err(_) => continue,
+                }
+            }
+        };
+        pins.push(CachePin {
+            tokens,
+            ttl,
+            key: None,
+        });
+    }
+    pins
 }
 
 /// Anthropic's `stop_reason` and `stop_sequence` for the engine's finish.
@@ -457,13 +631,16 @@ fn stop_reason(
     }
 }
 
-/// Anthropic's `usage`: `input_tokens` counts only the prompt tokens not read from the prefix
-/// cache, `cache_read_input_tokens` those read (Anthropic's definitions).
+/// Anthropic's `usage`: `cache_read_input_tokens` are the prompt tokens read from the prefix
+/// cache, `cache_creation_input_tokens` those this request computed that its breakpoints keep
+/// there ([`GenerationStats::cache_creation_tokens`]), `input_tokens` the rest (Anthropic's
+/// definitions: the three add up to the prompt).
 fn usage(stats: &GenerationStats) -> Value {
+    let created = stats.cache_creation_tokens();
     let mut usage = json!({
-        "input_tokens": stats.prompt_tokens - stats.cached_prompt_tokens,
+        "input_tokens": stats.prompt_tokens - stats.cached_prompt_tokens - created,
         "cache_read_input_tokens": stats.cached_prompt_tokens,
-        "cache_creation_input_tokens": 0,
+        "cache_creation_input_tokens": created,
         "output_tokens": stats.generation_tokens,
     });
     crate::openai::cut_for_memory(&mut usage, stats);
@@ -583,7 +760,7 @@ fn events(
     running: Running,
     id: String,
     model: String,
-    prompt_tokens: usize,
+    (prompt_tokens, read): (usize, usize),
     mut answer: Answer,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
     let mut blocks = Blocks {
@@ -597,7 +774,8 @@ fn events(
         json!({"type": "message_start", "message": {
             "id": id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0},
+            "usage": {"input_tokens": prompt_tokens - read, "cache_read_input_tokens": read,
+                      "cache_creation_input_tokens": 0, "output_tokens": 0},
         }}),
     )];
     blocks.ensure("text", &mut start);

@@ -21,7 +21,7 @@ use crate::logprobs::top_k;
 use crate::openai::{
     finish_reason, logprob_value, max_tokens, sse_with_done, usage, Meta, Sampling,
 };
-use crate::running::{Running, Step};
+use crate::running::{with_header, Running, Step};
 use crate::{AppState, ServedName};
 
 /// The request body of `POST /v1/completions`.
@@ -157,6 +157,8 @@ pub(crate) async fn completions(
     }))
     .await?;
     let meta = Meta::new(format!("cmpl-{}", started[0].id), &state.model_id);
+    // The first prompt's lookup (a request of several prompts has one header).
+    let cache_header = started[0].cache_header();
     let echo = |prompt: &OnePrompt| {
         if request.echo {
             prompt.text.clone()
@@ -181,7 +183,7 @@ pub(crate) async fn completions(
             (echoed, echoed_logprobs),
             request.sampling.include_usage(),
         );
-        return Ok(Sse::new(events).into_response());
+        return Ok(with_header(Sse::new(events).into_response(), cache_header));
     }
     let done = try_join_all(started.into_iter().map(Running::collect)).await?;
     let mut total = GenerationStats::default();
@@ -227,6 +229,7 @@ pub(crate) async fn completions(
         "usage": usage(&total),
     }))
     .into_response())
+    .map(|response| with_header(response, cache_header))
 }
 
 /// Prompt tokens scored at once while echoing a prompt with its log-probabilities.

@@ -67,6 +67,9 @@ pub struct ServerConfig {
     /// ([`EngineHandle::has_draft_model`]) and a request does not say (its `num_draft_tokens`,
     /// mlx_lm's server extension; 0 turns speculative decoding off for it).
     pub num_draft_tokens: usize,
+    /// The log's line for a prompt that diverged from its client's previous one shows a few
+    /// tokens of text of each side there (off by default: no prompt text goes to the log).
+    pub log_prompt_text: bool,
 }
 
 impl ServerConfig {
@@ -84,6 +87,7 @@ impl ServerConfig {
             model_aliases: Vec::new(),
             any_model_name: false,
             num_draft_tokens: perch_engine::Draft::DEFAULT_NUM_DRAFT_TOKENS,
+            log_prompt_text: false,
         }
     }
 }
@@ -186,7 +190,40 @@ struct AppState {
     config: Arc<ServerConfig>,
     /// The lane the request's [`PRIORITY_HEADER`] asks for, if it names one.
     lane: Option<perch_engine::Priority>,
+    /// Who sent it ([`client_of`]).
+    client: String,
 }
+
+/// Names the sender of a request, to compare its prompt with the same client's previous one
+/// (a prefix-cache miss explained, [`perch_engine::GenerateRequest::client`]): its
+/// `User-Agent` (at most 64 characters) and, when it carries a key, the key's fingerprint (the
+/// first 8 hex digits of its SHA-256; never the key).
+fn client_of(headers: &axum::http::HeaderMap) -> String {
+    use sha2::{Digest, Sha256};
+    let agent = headers
+        .get(axum::http::header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.chars().take(64).collect::<String>())
+        .unwrap_or_else(|| "a client without User-Agent".to_owned());
+    let key = headers
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim_start_matches("Bearer ").trim())
+        .or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()));
+    match key.filter(|k| !k.is_empty()) {
+        Some(key) => {
+            let digest = Sha256::digest(key.as_bytes());
+            let hex: String = digest[..4].iter().map(|b| format!("{b:02x}")).collect();
+            format!("{agent} (key {hex})")
+        }
+        None => agent,
+    }
+}
+
+/// The response header that says what a request's prompt read from the prefix cache:
+/// `cached=N; prompt=M`, then `; miss=REASON` (and `; at=TOKEN` where the hit stopped) when
+/// fewer tokens came from the cache than could have ([`perch_engine::CacheMiss`]).
+pub const PROMPT_CACHE_HEADER: &str = "x-perch-prompt-cache";
 
 /// The header that puts a request in a lane (`high`, `normal`, `low`; see
 /// [`perch_engine::Priority`]) unless its body's `priority` asks for high or low: how an agent
@@ -258,6 +295,7 @@ impl FromRequestParts<Shared> for AppState {
                 model_id,
                 config: Arc::clone(&shared.config),
                 lane,
+                client: client_of(&parts.headers),
             }),
             None => Err(in_shape_of(parts.uri.path(), ApiError::no_model())),
         }
@@ -327,7 +365,8 @@ fn cors(origins: &[HeaderValue]) -> Option<CorsLayer> {
                 HeaderName::from_static("x-api-key"),
                 HeaderName::from_static("anthropic-version"),
                 HeaderName::from_static(PRIORITY_HEADER),
-            ]),
+            ])
+            .expose_headers([HeaderName::from_static(PROMPT_CACHE_HEADER)]),
     )
 }
 

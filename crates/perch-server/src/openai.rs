@@ -15,14 +15,14 @@ use axum::Json;
 use futures_util::stream::{self, Stream, StreamExt};
 use perch_engine::text::tool_calls::{ToolCall, ToolOutput};
 use perch_engine::{
-    ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Grammar, Prompt,
-    TokenLogprobs, Tokenizer,
+    CachePin, ChatMessage, EngineRequest, FinishReason, GenerateRequest, GenerationStats, Grammar,
+    Prompt, TokenLogprobs, Tokenizer,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::running::{Running, Step};
+use crate::running::{with_header, Running, Step};
 use crate::tools::{self, Answer, Forced};
 use crate::{AppState, ServedName, Shared};
 
@@ -99,12 +99,20 @@ pub(crate) struct Sampling {
     keep_alive: Option<KeepAliveField>,
     /// The request's lane (see [`PriorityField`]).
     priority: Option<PriorityField>,
+    /// OpenAI's prompt-caching key: the prompt is kept in the prefix cache under it (the key's
+    /// next prompt replaces it) for `prompt_cache_retention` (`in_memory`, the default: 5
+    /// minutes; `24h`), within the pins' share of the KV cache (`perch_sched::prefix_pins`).
+    prompt_cache_key: Option<String>,
+    prompt_cache_retention: Option<String>,
 }
+
+/// The longest `prompt_cache_key` taken, in bytes.
+const MAX_PROMPT_CACHE_KEY_BYTES: usize = 1024;
 
 /// A request's lane in the batch (`perch_engine::Priority`): `"high"`, `"normal"` or `"low"`, or
 /// vLLM's integer `priority` (below 0 high, 0 normal, above 0 low). Perch's extension, on every
 /// generating endpoint; the `x-perch-priority` header sets it for requests whose body does not.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub(crate) enum PriorityField {
     Vllm(i64),
@@ -137,7 +145,7 @@ impl PriorityField {
 
 /// Ollama's `keep_alive`: seconds (`300`, `0` to unload once idle, `-1` to keep) or a duration
 /// (`"5m"`, `"1h30m"`, `"-1"`), parsed by [`perch_engine::KeepAlive`].
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub(crate) enum KeepAliveField {
     Seconds(f64),
@@ -192,6 +200,34 @@ struct StreamOptions {
 pub const PENALTY_WINDOW: usize = 256;
 
 impl Sampling {
+    /// The pin `prompt_cache_key` asks for (the whole prompt), or a 400 naming the field.
+    fn cache_pin(&self) -> Result<Option<CachePin>, ApiError> {
+        let ttl = match self.prompt_cache_retention.as_deref() {
+            None | Some("in_memory") => CachePin::DEFAULT_TTL,
+            Some("24h") => std::time::Duration::from_secs(24 * 3600),
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    format!("prompt_cache_retention must be `in_memory` or `24h`, not {other:?}"),
+                    Some("prompt_cache_retention"),
+                ))
+            }
+        };
+        let Some(key) = &self.prompt_cache_key else {
+            return Ok(None);
+        };
+        if key.is_empty() || key.len() > MAX_PROMPT_CACHE_KEY_BYTES {
+            return Err(ApiError::invalid(
+                format!("prompt_cache_key must be 1 to {MAX_PROMPT_CACHE_KEY_BYTES} bytes"),
+                Some("prompt_cache_key"),
+            ));
+        }
+        Ok(Some(CachePin {
+            tokens: usize::MAX,
+            ttl,
+            key: Some(key.clone()),
+        }))
+    }
+
     /// Checks the model and the parameters and sets them on `params`, or the 400/404 naming the
     /// parameter at fault.
     pub fn apply(
@@ -227,6 +263,7 @@ impl Sampling {
             .map(KeepAliveField::parse)
             .transpose()?;
         params.priority = PriorityField::lane(&self.priority)?;
+        params.cache_pins = self.cache_pin()?.into_iter().collect();
         params.max_kv_size = self.max_kv_size;
         params.kv_quantization = self.kv_bits.map(|bits| perch_engine::KvQuantization {
             bits,
@@ -436,6 +473,7 @@ pub(crate) async fn chat_completions(
         params,
     };
     let running = Running::start(&state, engine_request).await?;
+    let cache_header = running.cache_header();
     let meta = Meta::new(format!("chatcmpl-{}", running.id), &state.model_id);
     let answer = match forced {
         Some(forced) => Answer::forced(forced),
@@ -444,7 +482,7 @@ pub(crate) async fn chat_completions(
     if request.sampling.stream {
         let include_usage = request.sampling.include_usage();
         let events = chat_chunks(running, meta, tokenizer, include_usage, answer);
-        return Ok(Sse::new(events).into_response());
+        return Ok(with_header(Sse::new(events).into_response(), cache_header));
     }
     let done = running.collect().await?;
     let logprobs = request.logprobs.unwrap_or(false).then(|| {
@@ -494,6 +532,7 @@ pub(crate) async fn chat_completions(
         "usage": usage(&done.stats),
     }))
     .into_response())
+    .map(|response| with_header(response, cache_header))
 }
 
 /// One call of `tool_calls`: its id (unique in this server's answers), the function's name and

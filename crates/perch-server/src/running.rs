@@ -4,12 +4,70 @@
 use futures_util::stream::{self, Stream};
 use perch_engine::RequestId;
 use perch_engine::{
-    EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerationStats, TokenLogprobs,
+    CacheMiss, EngineEvent, EngineHandle, EngineRequest, FinishReason, GenerationStats,
+    PromptCacheReport, TokenLogprobs,
 };
 use tokio::sync::mpsc;
 
+use axum::http::HeaderValue;
+use axum::response::Response;
+
 use crate::error::ApiError;
-use crate::{Admitted, AppState};
+use crate::{Admitted, AppState, PROMPT_CACHE_HEADER};
+
+/// `response` with `header` as its [`PROMPT_CACHE_HEADER`], when there is one.
+pub(crate) fn with_header(mut response: Response, header: Option<HeaderValue>) -> Response {
+    if let Some(value) = header {
+        response.headers_mut().insert(PROMPT_CACHE_HEADER, value);
+    }
+    response
+}
+
+/// The [`PROMPT_CACHE_HEADER`]'s value for `report`.
+fn header_value(report: &PromptCacheReport) -> String {
+    let mut value = format!(
+        "cached={}; prompt={}",
+        report.cached_tokens, report.prompt_tokens
+    );
+    if let Some(miss) = &report.miss {
+        value.push_str(&format!("; miss={}", miss.name()));
+        if let Some(at) = miss.at_token() {
+            value.push_str(&format!("; at={at}"));
+        }
+    }
+    value
+}
+
+/// `perch serve`'s log line for a request's prompt-cache lookup: the client, the tokens read
+/// and, for a miss, why (with a few tokens of text of both sides where the prompt diverged,
+/// only when [`crate::ServerConfig::log_prompt_text`] is on).
+fn log_prompt_cache(state: &AppState, report: &PromptCacheReport) {
+    let client = &state.client;
+    let (cached, prompt) = (report.cached_tokens, report.prompt_tokens);
+    let Some(miss) = &report.miss else {
+        tracing::info!("{client}: {cached} of {prompt} prompt tokens from the prefix cache");
+        return;
+    };
+    let mut line =
+        format!("{client}: {cached} of {prompt} prompt tokens from the prefix cache; {miss}");
+    if let CacheMiss::Diverged {
+        tokens,
+        previous_tokens,
+        ..
+    } = miss
+    {
+        if state.config.log_prompt_text {
+            let tokenizer = state.engine.tokenizer();
+            let text = |ids: &[u32]| tokenizer.decode(ids).unwrap_or_default();
+            line.push_str(&format!(
+                " (now {:?}, before {:?})",
+                text(tokens),
+                text(previous_tokens)
+            ));
+        }
+    }
+    tracing::info!("{line}");
+}
 
 /// What a running request produces next, as every wire format needs it.
 pub(crate) enum Step {
@@ -56,6 +114,8 @@ pub(crate) struct Running {
     finished: bool,
     /// [`Running::step`] has handed out the end.
     ended: bool,
+    /// What its prompt read from the prefix cache, once the batch admitted it.
+    pub prompt_cache: Option<PromptCacheReport>,
     /// Counts this request among the server's until it is dropped.
     _admitted: Admitted,
 }
@@ -73,6 +133,9 @@ impl Running {
             if request.params.priority == perch_engine::Priority::Normal {
                 request.params.priority = lane;
             }
+        }
+        if request.params.client.is_none() {
+            request.params.client = Some(state.client.clone());
         }
         request.params.num_draft_tokens = draft_tokens(
             &request,
@@ -101,6 +164,7 @@ impl Running {
             peeked: None,
             finished: false,
             ended: false,
+            prompt_cache: None,
             _admitted: admitted,
         };
         let first = running.event().await;
@@ -112,18 +176,35 @@ impl Running {
             return Err(ApiError::from(error));
         }
         running.peeked = first;
+        if let Some(report) = &running.prompt_cache {
+            log_prompt_cache(state, report);
+        }
         Ok(running)
     }
 
+    /// The [`PROMPT_CACHE_HEADER`] of this request, when the batch admitted it.
+    pub fn cache_header(&self) -> Option<HeaderValue> {
+        let value = header_value(self.prompt_cache.as_ref()?);
+        HeaderValue::from_str(&value).ok()
+    }
+
+    /// The next token or end ([`EngineEvent::Admitted`] is kept in `prompt_cache`).
     async fn event(&mut self) -> Option<EngineEvent> {
         if let Some(event) = self.peeked.take() {
             return Some(event);
         }
-        let event = self.events.recv().await;
-        if matches!(event, Some(EngineEvent::Finished { .. }) | None) {
-            self.finished = true;
+        loop {
+            let event = self.events.recv().await;
+            match event {
+                Some(EngineEvent::Admitted { prompt_cache }) => {
+                    self.prompt_cache = Some(prompt_cache);
+                    continue;
+                }
+                Some(EngineEvent::Finished { .. }) | None => self.finished = true,
+                Some(EngineEvent::Token { .. }) => {}
+            }
+            return event;
         }
-        event
     }
 
     /// The next step; `None` once the request has ended.
@@ -133,6 +214,7 @@ impl Running {
         }
         let step = match self.event().await {
             Some(EngineEvent::Token { id, text, logprobs }) => Step::Token { id, text, logprobs },
+            Some(EngineEvent::Admitted { .. }) => unreachable!("kept by `event`"),
             Some(EngineEvent::Finished {
                 finish_reason: FinishReason::Error,
                 error,

@@ -44,6 +44,16 @@ stop = words[2] if len(words) > 2 else words[-1]
 out["stop"] = {"stop": stop, "message": message_of(client.messages.create(
     model=model, max_tokens=24, system=system, messages=messages, stop_sequences=[stop], **greedy))}
 
+# A breakpoint on a system prompt no request sent before: created by the first request, read by
+# the second (streamed: the SDK folds `message_delta`'s usage into the final message).
+cached_system = [{"type": "text", "text": system + " Keep this prompt cached.",
+                  "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+out["cache_first"] = message_of(client.messages.create(model=model, max_tokens=4, system=cached_system,
+                                                       messages=messages, **greedy))
+with client.messages.stream(model=model, max_tokens=4, system=cached_system,
+                            messages=[{"role": "user", "content": "Name two animals."}], **greedy) as stream:
+    out["cache_second"] = message_of(stream.get_final_message())
+
 def error_of(call):
     try:
         call()

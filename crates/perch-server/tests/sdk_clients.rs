@@ -57,6 +57,7 @@ fn direct_answer(
         match event {
             EngineEvent::Token { text: piece, .. } => text.push_str(&piece),
             EngineEvent::Finished { stats, .. } => return (text, stats.prompt_tokens),
+            EngineEvent::Admitted { .. } => {}
         }
     }
     panic!("the stream ended without Finished");
@@ -192,6 +193,18 @@ fn the_openai_sdk_gets_chat_completions() {
     assert!(stream["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0));
     assert!(stream["chunks"].as_u64() >= Some(3));
     assert_eq!(seen["stream_without_usage_has_usage"], false);
+
+    // A breakpoint: whole blocks of the system prompt created, then read (streamed).
+    let first = &seen["cache_first"]["usage"];
+    let created = first["cache_creation_input_tokens"].as_u64().unwrap();
+    assert!(created >= 32 && created.is_multiple_of(32), "{first}");
+    assert_eq!(first["cache_read_input_tokens"], 0, "{first}");
+    let second = &seen["cache_second"]["usage"];
+    assert_eq!(second["cache_creation_input_tokens"], 0, "{second}");
+    assert!(
+        second["cache_read_input_tokens"].as_u64() >= Some(created),
+        "{second}"
+    );
 
     let stop = &seen["stop"];
     let word = stop["stop"].as_str().unwrap();
@@ -614,6 +627,127 @@ fn requests_ask_for_a_lane_in_the_body_or_a_header() {
             "{body}"
         );
     }
+    engine.shutdown();
+}
+
+/// Anthropic's `cache_control` breakpoints pin their prefixes and the usage says what was
+/// created and read; OpenAI's `prompt_cache_key` pins the prompt; every response says what its
+/// prompt read from the cache and why it missed (`x-perch-prompt-cache`); bad breakpoints are
+/// 400s naming them.
+#[test]
+fn cache_breakpoints_pin_prefixes_and_misses_are_explained() {
+    let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
+        .expect("the default model loads");
+    let (_runtime, addr) = start_server(&engine, config());
+    let addr = addr.to_string();
+    let headers = [
+        ("x-api-key", KEY),
+        ("Content-Type", "application/json"),
+        ("User-Agent", "agent-under-test"),
+    ];
+    let messages = |question: &str, control: Value| {
+        json!({"model": MODEL, "max_tokens": 2,
+               "system": [{"type": "text", "text": SYSTEM, "cache_control": control}],
+               "messages": [{"role": "user", "content": question}]})
+        .to_string()
+    };
+    let ephemeral = json!({"type": "ephemeral"});
+    let pinned = || engine.stats().unwrap().kv_cache.pinned_tokens;
+    let (status, head, body) = http(
+        &addr,
+        "POST",
+        "/v1/messages",
+        &headers,
+        &messages("Name a color.", ephemeral.clone()),
+    );
+    assert_eq!(status, 200, "{body}");
+    let usage = serde_json::from_str::<Value>(&body).unwrap()["usage"].clone();
+    let (input, created, read) = (
+        usage["input_tokens"].as_u64().unwrap(),
+        usage["cache_creation_input_tokens"].as_u64().unwrap(),
+        usage["cache_read_input_tokens"].as_u64().unwrap(),
+    );
+    // The system prompt's whole blocks (of 32 tokens) are created, nothing read.
+    assert!(created >= 32 && created.is_multiple_of(32), "{usage}");
+    assert_eq!(read, 0, "{usage}");
+    assert_eq!(pinned(), created as usize);
+    let prompt = input + created + read;
+    assert_eq!(
+        head["x-perch-prompt-cache"],
+        format!("cached=0; prompt={prompt}; miss=not_seen; at=0")
+    );
+    // The next question (long enough to fill another block) reads the pinned system prompt and
+    // creates nothing new; it left the client's previous prompt where the question begins.
+    let (status, head, body) = http(
+        &addr,
+        "POST",
+        "/v1/messages",
+        &headers,
+        &messages(
+            "Name a season, and say in one short sentence why the people who live by the sea \
+             like that season more than any of the other three.",
+            ephemeral.clone(),
+        ),
+    );
+    assert_eq!(status, 200, "{body}");
+    let usage = serde_json::from_str::<Value>(&body).unwrap()["usage"].clone();
+    assert_eq!(usage["cache_creation_input_tokens"], 0, "{usage}");
+    let read = usage["cache_read_input_tokens"].as_u64().unwrap();
+    assert!(read >= created, "{usage}");
+    let header = &head["x-perch-prompt-cache"];
+    assert!(
+        header.starts_with(&format!("cached={read}; prompt="))
+            && header.contains("; miss=diverged; at="),
+        "{header}"
+    );
+    // Bad breakpoints.
+    let five = json!({"model": MODEL, "max_tokens": 2,
+        "messages": [{"role": "user", "content": (0..5)
+            .map(|k| json!({"type": "text", "text": format!("part {k}"), "cache_control": ephemeral}))
+            .collect::<Vec<_>>()}]});
+    for (body, says) in [
+        (
+            messages("Hi", json!({"type": "forever"})),
+            "cache_control.type must be `ephemeral`",
+        ),
+        (
+            messages("Hi", json!({"type": "ephemeral", "ttl": "2h"})),
+            "cache_control.ttl must be `5m` or `1h`",
+        ),
+        (five.to_string(), "at most 4 blocks may carry cache_control"),
+    ] {
+        let (status, _, answer) = http(&addr, "POST", "/v1/messages", &headers, &body);
+        assert_eq!(status, 400, "{answer}");
+        assert!(answer.contains(says), "{answer}");
+    }
+    // OpenAI's prompt_cache_key pins its whole prompt (beside the breakpoint's pin).
+    let before = pinned();
+    let mut chat: Value = serde_json::from_str(&chat_json(MODEL)).unwrap();
+    chat["messages"][0]["content"] = json!(format!("{SYSTEM} Name a color."));
+    chat["prompt_cache_key"] = json!("team-agent");
+    let (status, head, body) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &JSON_WITH_KEY,
+        &chat.to_string(),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        head["x-perch-prompt-cache"].starts_with("cached="),
+        "{head:?}"
+    );
+    assert!(pinned() > before);
+    chat["prompt_cache_retention"] = json!("forever");
+    let (status, _, body) = http(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        &JSON_WITH_KEY,
+        &chat.to_string(),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("prompt_cache_retention"), "{body}");
     engine.shutdown();
 }
 

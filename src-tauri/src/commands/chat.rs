@@ -18,6 +18,9 @@ use super::model::AppState;
 use super::{off_main_thread, sentence};
 use crate::store::Store;
 
+/// The app's chat as a client of the engine ([`perch_engine::GenerateRequest::client`]).
+pub const APP_CLIENT: &str = "Perch chat";
+
 /// Conversations, most recently active first; a non-empty `search` keeps those whose title or
 /// messages contain it.
 #[tauri::command]
@@ -202,6 +205,8 @@ pub fn start_chat(
     // The person at the keyboard goes ahead of background work (agents through the local
     // server, batch jobs): the chat's prompt prefills between their chunks.
     params.priority = perch_engine::Priority::High;
+    // Its prompts are compared with its own (a miss explained), and tallied on the dashboard.
+    params.client = Some(APP_CLIENT.to_owned());
     params.images = fitted.images;
     let sampling = settings.effective_sampling(engine.tokenizer().sampling_defaults());
     params.sampling = sampling.params.clone();
@@ -254,6 +259,7 @@ pub fn start_chat(
                     finished = Some((finish_reason, stats, error));
                     break;
                 }
+                EngineEvent::Admitted { .. } => {}
             }
         }
         let (finish_reason, stats, error) = finished.unwrap_or_else(|| {

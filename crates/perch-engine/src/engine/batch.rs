@@ -35,7 +35,9 @@ use mlx_rs::{Array, Dtype};
 
 use crate::api::KvCacheStats;
 use crate::api::StepTimes;
-use crate::api::{FinishReason, GenerateOutput, GenerateRequest, TokenEvent};
+use crate::api::{
+    CachePin, FinishReason, GenerateOutput, GenerateRequest, PromptCacheReport, TokenEvent,
+};
 use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::engine::images::{self, SequenceImage};
@@ -55,7 +57,10 @@ use crate::text::tokenizer::Tokenizer;
 use crate::worker::runner::{DecodeRow, ModelRunner, Slot};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
-use perch_sched::kv_cache_manager::{BlockContents, ComputedBlocks, KvCacheManager, RequestId};
+use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientTally, Lookup};
+use perch_sched::kv_cache_manager::{
+    BlockContents, ComputedBlocks, KvCacheManager, PinOutcome, RequestId,
+};
 use perch_sched::plan::{self, Admission, Decision, SlotKind, StepLimits, StepPlan};
 use perch_sched::scheduler;
 use perch_sched::scheduler::{PrefillShape, Priority, Progress};
@@ -286,6 +291,11 @@ enum IdleWarmUp {
 /// What a step produced for one request.
 #[derive(Debug)]
 pub enum BatchEvent {
+    /// The request was admitted for the first time, reading this from the prefix cache.
+    Admitted {
+        request: RequestId,
+        prompt_cache: PromptCacheReport,
+    },
     Token {
         request: RequestId,
         event: TokenEvent,
@@ -293,7 +303,7 @@ pub enum BatchEvent {
     /// The request is done and has left the batch.
     Finished {
         request: RequestId,
-        output: GenerateOutput,
+        output: Box<GenerateOutput>,
     },
     /// The request left the batch unfinished: its KV cache does not fit in the memory left
     /// with nothing else running ([`BatchGenerator::set_memory_headroom`]).
@@ -358,6 +368,11 @@ struct Sequence {
     /// ([`crate::models::vision::VisionTower::attends_both_ways`]): no prefill chunk cuts one
     /// ([`plan::Running::whole`]).
     whole: Vec<(usize, usize)>,
+    /// Its request's pins not taken yet ([`GenerateRequest::cache_pins`]): each is taken once
+    /// its blocks are published ([`publish`]).
+    pins_left: Vec<CachePin>,
+    /// Where they end, on block boundaries ([`plan::Waiting::pin_ends`]).
+    pin_ends: Vec<usize>,
 }
 
 impl Sequence {
@@ -445,6 +460,9 @@ pub struct BatchGenerator<'m> {
     store: BlockStore,
     /// Partial last blocks of sequences that left, for prompts that extend them.
     tails: TailCache,
+    /// Each recent client's latest prompt, to explain a miss ([`explain_miss`]), and its
+    /// prefix-cache tally.
+    clients: ClientHistory,
     /// Executes the steps: forward passes, slot caches, sampling, the decode step in flight.
     runner: ModelRunner<'m>,
     next_id: RequestId,
@@ -494,6 +512,7 @@ impl<'m> BatchGenerator<'m> {
                     None => 0,
                 }),
             tails: TailCache::default(),
+            clients: ClientHistory::default(),
             runner: ModelRunner::new(
                 model,
                 config.slot_attention,
@@ -664,6 +683,30 @@ impl<'m> BatchGenerator<'m> {
         let id = self.next_id;
         self.next_id += 1;
         let history = RecentTokens::new(&request.sampling, &request.prompt[prefix_len..]);
+        // Pins hold a prefix's plain KV: a request whose cache is its own has none to keep.
+        let mut pins_left = std::mem::take(&mut request.cache_pins);
+        let mut pin_refused = None;
+        if !pins_left.is_empty() && (limit.is_some() || quantization.is_some() || prefix_len > 0) {
+            pins_left.clear();
+            pin_refused = Some(
+                "the request's KV cache is its own (max_kv_size, kv_bits or a prompt-cache \
+                 file): it keeps no prefix in the cache"
+                    .to_owned(),
+            );
+        }
+        let block_size = self.config.block_size;
+        for pin in &mut pins_left {
+            pin.tokens = pin.tokens.min(request.prompt.len());
+        }
+        let mut pin_ends: Vec<usize> = pins_left
+            .iter()
+            .map(|pin| pin.tokens / block_size * block_size)
+            .filter(|&end| end > 0)
+            .collect();
+        pin_ends.sort_unstable();
+        pin_ends.dedup();
+        let mut sink = TokenSink::new(&request, stop_ids, max_tokens);
+        sink.output.stats.pin_refused = pin_refused;
         let grammar = match &request.grammar {
             Some(grammar) => Some(self.tokenizer.grammar_env()?.start(grammar)?),
             None => None,
@@ -692,13 +735,15 @@ impl<'m> BatchGenerator<'m> {
                 branch_at: None,
                 pinned: Vec::new(),
                 sampler: Sampler::for_tokenizer(request.sampling.clone(), self.tokenizer)?,
-                sink: TokenSink::new(&request, stop_ids, max_tokens),
+                sink,
                 admitted_once: false,
                 block_hashes: None,
                 pool_bound: max_tokens < asked,
                 request,
                 start: Instant::now(),
                 first_token_at: None,
+                pins_left,
+                pin_ends,
             },
             false,
         );
@@ -761,7 +806,10 @@ impl<'m> BatchGenerator<'m> {
         let pool = self.kv.pool();
         let cached_free = pool.num_cached_free_blocks();
         let held = self.store.held_blocks();
+        let (pinned_tokens, pinned_tokens_max) = self.kv.pinned_tokens();
         KvCacheStats {
+            pinned_tokens,
+            pinned_tokens_max,
             block_size: pool.block_size(),
             blocks_total: pool.num_blocks(),
             blocks_used: pool.num_used_blocks() - held,
@@ -772,6 +820,12 @@ impl<'m> BatchGenerator<'m> {
             preemptions: self.preemptions,
             prefill_yields: self.prefill_yields,
         }
+    }
+
+    /// Each recent client's prefix-cache tally, the most recently seen first
+    /// ([`GenerateRequest::client`]).
+    pub fn client_tallies(&self) -> Vec<ClientTally> {
+        self.clients.tallies()
     }
 
     /// While `held`, waiting requests are not admitted as long as one runs, and one at a time
@@ -901,8 +955,9 @@ impl<'m> BatchGenerator<'m> {
     }
 
     /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
-    /// content.
+    /// content; pinned prefixes are given up first.
     pub fn reset_prefix_cache(&mut self) {
+        self.kv.clear_pins(&mut self.store);
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
         }
@@ -1016,7 +1071,7 @@ impl<'m> BatchGenerator<'m> {
         let start = Instant::now();
         let mut events = Vec::new();
         let plan = self.schedule(&mut events)?;
-        self.admit(&plan.admitted)?;
+        self.admit(&plan.admitted, &mut events)?;
         for &id in &plan.yield_prefill {
             let i = self.position(id).expect("planned from the running");
             let mut seq = self.running.remove(i);
@@ -1045,6 +1100,7 @@ impl<'m> BatchGenerator<'m> {
     /// in flight, preempting, finishing a sequence the pool cannot hold) until it returns one.
     fn schedule(&mut self, events: &mut Vec<BatchEvent>) -> Result<StepPlan> {
         let limits = self.step_limits();
+        self.kv.expire_pins(&mut self.store, Instant::now());
         let mut preempted = false;
         loop {
             // Only those the batch has room for can be admitted (the queue may be long); under
@@ -1092,6 +1148,7 @@ impl<'m> BatchGenerator<'m> {
                     private: !seq.kv.is_plain(),
                     whole: &seq.whole,
                     priority: seq.request.priority,
+                    pin_ends: &seq.pin_ends,
                     keeps_blocks: seq.keeps_blocks(caching),
                 })
                 .collect();
@@ -1298,7 +1355,7 @@ impl<'m> BatchGenerator<'m> {
     /// Starts the requests the plan admits (the front of the waiting queue, in order): each
     /// loads the blocks of its prefix hit the plan lists ([`BlockStore::load_into`]), then a kept
     /// partial block or its preloaded prefix, and joins the running sequences.
-    fn admit(&mut self, admitted: &[Admission]) -> Result<()> {
+    fn admit(&mut self, admitted: &[Admission], events: &mut Vec<BatchEvent>) -> Result<()> {
         let block_size = self.config.block_size;
         let hybrid = self.store.has_recurrent_layers();
         for admission in admitted {
@@ -1331,6 +1388,31 @@ impl<'m> BatchGenerator<'m> {
                 self.kv.record_prefix_lookup(seq.tokens.len(), seq.computed);
                 seq.sink.output.stats.cached_prompt_tokens = seq.computed;
                 seq.admitted_once = true;
+                let client = seq.request.client.as_deref();
+                let lookup = Lookup {
+                    tokens: &seq.tokens,
+                    found_blocks: hit.blocks.len(),
+                    loaded_blocks: load,
+                    loaded_tokens: seq.computed,
+                    own_cache: !seq.kv.is_plain() || seq.preloaded.is_some(),
+                    previous: client.and_then(|c| self.clients.previous(c)),
+                };
+                let miss = explain_miss(&self.kv, &lookup, Instant::now());
+                if let Some(client) = client {
+                    let (tokens, cached) = (&seq.tokens, seq.computed);
+                    self.clients
+                        .started(client, seq.id, tokens, cached, miss.as_ref());
+                }
+                seq.sink.output.stats.cache_miss = miss.clone();
+                let prompt_cache = PromptCacheReport {
+                    prompt_tokens: seq.request.prompt.len(),
+                    cached_tokens: seq.computed,
+                    miss,
+                };
+                events.push(BatchEvent::Admitted {
+                    request: seq.id,
+                    prompt_cache,
+                });
             }
             if let Some(prefix) = &seq.preloaded {
                 for (cache, layer) in seq.cache.iter_mut().zip(&prefix.layers) {
@@ -1367,6 +1449,7 @@ impl<'m> BatchGenerator<'m> {
                 own_chunks: !seq.kv.is_plain(),
                 whole: &seq.whole,
                 priority: seq.request.priority,
+                pin_ends: &seq.pin_ends,
                 keeps_blocks: seq.keeps_blocks(caching),
             })
             .collect()
@@ -1847,6 +1930,9 @@ impl<'m> BatchGenerator<'m> {
     /// and reports it finished.
     fn finish(&mut self, mut seq: Sequence, events: &mut Vec<BatchEvent>) -> Result<()> {
         self.release(&mut seq)?;
+        if let Some(client) = &seq.request.client {
+            self.clients.ended(client, seq.id, &seq.tokens);
+        }
         if let Some(event) = seq.sink.finish(self.tokenizer)? {
             events.push(BatchEvent::Token {
                 request: seq.id,
@@ -1861,7 +1947,7 @@ impl<'m> BatchGenerator<'m> {
         seq.set_timings();
         events.push(BatchEvent::Finished {
             request: seq.id,
-            output: seq.sink.output,
+            output: Box::new(seq.sink.output),
         });
         Ok(())
     }
@@ -1995,10 +2081,55 @@ fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 }
 
 /// Registers the full blocks `seq` has computed since the last call in the prefix cache and
-/// copies the content of those that became cache entries into the store, from its slot. With
-/// `wait` false the copies are dispatched and not waited for (a decode step in flight keeps
-/// running).
+/// copies the content of those that became cache entries into the store, from its slot, then
+/// takes the pins their prefixes satisfy. With `wait` false the copies are dispatched and not
+/// waited for (a decode step in flight keeps running).
 fn publish(
+    kv: &mut KvCacheManager,
+    store: &mut BlockStore,
+    runner: &ModelRunner,
+    seq: &mut Sequence,
+    wait: bool,
+) -> Result<()> {
+    publish_blocks(kv, store, runner, seq, wait)?;
+    take_pins(kv, store, seq);
+    Ok(())
+}
+
+/// Takes the pins of `seq` whose prefixes its published blocks now hold
+/// ([`KvCacheManager::pin_prefix`]), noting in its stats what they keep or why one was refused.
+fn take_pins(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence) {
+    if seq.pins_left.is_empty() {
+        return;
+    }
+    let block_size = kv.block_size();
+    let published = seq.published_blocks * block_size;
+    let (ready, later) = std::mem::take(&mut seq.pins_left)
+        .into_iter()
+        .partition(|pin| pin.tokens / block_size * block_size <= published);
+    seq.pins_left = later;
+    let now = Instant::now();
+    let stats = &mut seq.sink.output.stats;
+    for pin in ready {
+        match kv.pin_prefix(store, seq.id, pin.tokens, pin.key, pin.ttl, now) {
+            PinOutcome::Pinned { tokens } => {
+                stats.pinned_prompt_tokens = stats.pinned_prompt_tokens.max(tokens);
+            }
+            PinOutcome::TooLarge { max_tokens } => {
+                stats.pin_refused = Some(format!(
+                    "a prefix of {} tokens is more than the {max_tokens} tokens pins may hold \
+                     together (a quarter of the KV cache)",
+                    pin.tokens
+                ));
+            }
+            PinOutcome::NotCached => {}
+        }
+    }
+}
+
+/// Registers the full blocks `seq` has computed since the last call in the prefix cache and
+/// copies the content of those that became cache entries into the store (see [`publish`]).
+fn publish_blocks(
     kv: &mut KvCacheManager,
     store: &mut BlockStore,
     runner: &ModelRunner,

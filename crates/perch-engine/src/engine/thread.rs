@@ -181,6 +181,7 @@ impl Queue {
             memory: memory_stats(),
             warm_ups_left: batch.idle_warm_ups_left(),
             residency: Residency::Loaded,
+            clients: batch.client_tallies(),
         };
         if let Ok(mut published) = self.stats.lock() {
             *published = stats;
@@ -949,6 +950,13 @@ impl<'m> Pass<'m> {
             Ok(events) => {
                 for event in events {
                     match event {
+                        BatchEvent::Admitted {
+                            request,
+                            prompt_cache,
+                        } => {
+                            let job = self.jobs.get(&request).expect("event of a running request");
+                            queue.send(job, EngineEvent::Admitted { prompt_cache });
+                        }
                         BatchEvent::Token { request, event } => {
                             let job = self.jobs.get(&request).expect("event of a running request");
                             let message = EngineEvent::Token {
@@ -963,7 +971,7 @@ impl<'m> Pass<'m> {
                                 .jobs
                                 .remove(&request)
                                 .expect("finished request was running");
-                            queue.end(&job, finished_event(output));
+                            queue.end(&job, finished_event(*output));
                         }
                         BatchEvent::Refused { request, error } => {
                             let job = self

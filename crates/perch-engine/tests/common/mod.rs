@@ -71,6 +71,7 @@ pub fn finish(stream: &perch_engine::RequestStream) -> Finished {
             .expect("an engine event within 300 s")
         {
             EngineEvent::Token { id, .. } => ids.extend(id),
+            EngineEvent::Admitted { .. } => {}
             EngineEvent::Finished {
                 finish_reason,
                 stats,
@@ -117,9 +118,10 @@ pub fn drive(
                 }
                 BatchEvent::Finished { request, output } => {
                     let text = streamed.remove(&request).unwrap_or_default();
-                    outputs[index_of[&request]] = Some((output, text));
+                    outputs[index_of[&request]] = Some((*output, text));
                 }
                 BatchEvent::Refused { request, error } => panic!("{request} refused: {error}"),
+                BatchEvent::Admitted { .. } => {}
             }
         }
         step += 1;
