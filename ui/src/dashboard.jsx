@@ -75,8 +75,8 @@ function Clients({ sampler, visible, width, axes, scheme }) {
             </p>
             {tally.last_misses.length > 0 && (
               <ul class="misses" aria-label={`Last misses of ${tally.client}`}>
-                {tally.last_misses.map((miss) => (
-                  <li key={miss.at_unix_ms}>
+                {tally.last_misses.map((miss, k) => (
+                  <li key={k}>
                     {ago(miss.at_unix_ms)}: {miss.cached_tokens} of {miss.prompt_tokens} tokens cached; {miss.description}
                   </li>
                 ))}

@@ -203,8 +203,11 @@ pub struct Eviction {
 /// from one that was never cached. Bounded: the oldest entries are forgotten.
 #[derive(Debug, Default)]
 struct EvictionLog {
-    order: VecDeque<BlockHash>,
-    by_hash: HashMap<BlockHash, Eviction>,
+    /// Records in the order made, with their number (a hash evicted again has a newer record;
+    /// its older place in the order is passed over).
+    order: VecDeque<(BlockHash, u64)>,
+    by_hash: HashMap<BlockHash, (Eviction, u64)>,
+    recorded: u64,
     capacity: usize,
 }
 
@@ -213,11 +216,14 @@ impl EvictionLog {
         if self.capacity == 0 {
             return;
         }
-        if self.by_hash.insert(hash, eviction).is_none() {
-            self.order.push_back(hash);
-        }
-        while self.order.len() > self.capacity {
-            if let Some(old) = self.order.pop_front() {
+        self.recorded += 1;
+        self.by_hash.insert(hash, (eviction, self.recorded));
+        self.order.push_back((hash, self.recorded));
+        while self.by_hash.len() > self.capacity || self.order.len() > 2 * self.capacity {
+            let Some((old, number)) = self.order.pop_front() else {
+                break;
+            };
+            if self.by_hash.get(&old).is_some_and(|&(_, n)| n == number) {
                 self.by_hash.remove(&old);
             }
         }
@@ -276,7 +282,11 @@ impl BlockPool {
     pub fn eviction(&self, hash: BlockHash) -> Option<Eviction> {
         match self.cached.contains_key(&hash) {
             true => None,
-            false => self.evictions.by_hash.get(&hash).copied(),
+            false => self
+                .evictions
+                .by_hash
+                .get(&hash)
+                .map(|&(eviction, _)| eviction),
         }
     }
 

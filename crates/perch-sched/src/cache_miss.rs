@@ -34,8 +34,9 @@ pub enum CacheMiss {
         #[serde(skip)]
         previous_tokens: Vec<u32>,
     },
-    /// A hybrid model's blocks are cached up to `cached_to`, but its recurrent states only at
-    /// `at_token`: the blocks between are computed again.
+    /// A hybrid model's blocks are cached up to `cached_to`, but its recurrent states (or a
+    /// sliding-window model's window) only up to `at_token`: the blocks between are computed
+    /// again.
     StateNotKept { at_token: usize, cached_to: usize },
     /// The client's previous request shares the prompt up to `shared_to` but had not computed
     /// it past `at_token` when this one started (they ran at the same time).
@@ -90,7 +91,9 @@ impl std::fmt::Display for CacheMiss {
             } => {
                 let why = match cause {
                     EvictionCause::Reused => "to make room for other requests (KV budget full)",
-                    EvictionCause::Reset => "with the whole prefix cache (memory pressure)",
+                    EvictionCause::Reset => {
+                        "with the whole prefix cache (memory pressure, or asked to clear it)"
+                    }
                 };
                 write!(
                     f,
@@ -106,8 +109,8 @@ impl std::fmt::Display for CacheMiss {
                 cached_to,
             } => write!(
                 f,
-                "the model's recurrent state was kept at token {at_token}, not at {cached_to}: \
-                 the tokens between were computed again"
+                "the model's recurrent state (or sliding-window KV) was kept at token \
+                 {at_token}, not at {cached_to}: the tokens between were computed again"
             ),
             CacheMiss::NotCachedYet {
                 at_token,
@@ -187,20 +190,29 @@ pub fn explain_miss(kv: &KvCacheManager, lookup: &Lookup, now: Instant) -> Optio
             .copied()
             .collect()
     };
-    Some(if shared < at_token {
-        CacheMiss::NotSeen { at_token }
-    } else if shared < at_token + block_size {
-        CacheMiss::Diverged {
+    // What the previous request could have left in the cache for this prompt: the whole blocks
+    // they share, of those it computed (all its tokens but the last one sampled).
+    let could =
+        shared.min(previous.len().saturating_sub(1)).min(cacheable) / block_size * block_size;
+    if shared < at_token {
+        // The hit came from another prompt: this client's previous one left earlier.
+        Some(CacheMiss::NotSeen { at_token })
+    } else if at_token < could {
+        Some(CacheMiss::NotCachedYet {
+            at_token,
+            shared_to: could,
+        })
+    } else if shared < previous.len() {
+        Some(CacheMiss::Diverged {
             at_token: shared,
             tokens: from(tokens),
             previous_tokens: from(previous),
-        }
+        })
     } else {
-        CacheMiss::NotCachedYet {
-            at_token,
-            shared_to: shared.min(cacheable),
-        }
-    })
+        // The prompt goes on from the whole previous sequence (the next turn of a chat): the
+        // previous request's last, partial block was never a whole block to keep.
+        None
+    }
 }
 
 /// What each of the most recent clients sent: its latest tokens (prompt, then answer), which
@@ -393,6 +405,15 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        // The next turn goes on from the whole previous sequence: its partial last block was
+        // never whole, so nothing was missed.
+        let next_turn = [first.clone(), (50..60).collect()].concat();
+        let found = kv.get_computed_blocks(&next_turn).blocks.len();
+        assert_eq!(found, 3);
+        assert_eq!(
+            explain_miss(&kv, &lookup(&next_turn, 3, Some(&first)), now),
+            None
+        );
         // Shared with the previous request further than the cache holds: not cached yet.
         let mut longer = first.clone();
         longer.extend(20..40);

@@ -41,6 +41,9 @@ pub trait BlockContents {
     fn pin(&mut self, ids: &[BlockId]);
     /// Undoes a pin of `ids`.
     fn unpin(&mut self, ids: &[BlockId]);
+    /// Whether pinning the bounded parts of `ids` too keeps the pinned parts within the share of
+    /// the bounded parts' budget that prefix pins may hold ([`KvCacheManager::pin_prefix`]).
+    fn pinned_parts_fit(&self, ids: &[BlockId]) -> bool;
     /// Whether some layer is recurrent (hits end at a block that holds the states).
     fn has_recurrent_layers(&self) -> bool;
     /// Drops the content of block `id`: the pool handed it out again.
@@ -147,6 +150,9 @@ pub enum PinOutcome {
     Pinned { tokens: usize },
     /// Larger than the pins' share of the pool, which holds at most `max_tokens`.
     TooLarge { max_tokens: usize },
+    /// Its bounded parts (a sliding window's KV, recurrent states) are more than the share of
+    /// their budget pins may hold, even with every other pin given up.
+    NoRoomForBoundedParts,
     /// None of the prefix is in the prefix cache (caching off, a request whose cache is its
     /// own, or less than a block computed).
     NotCached,
@@ -199,6 +205,14 @@ impl KvCacheManager {
             return PinOutcome::Pinned { tokens };
         }
         let bounded = contents.read_by_hit(&blocks, block_size).to_vec();
+        // The bounded parts pins keep have a share of their own budget: the pins that expire
+        // soonest give way.
+        while !contents.pinned_parts_fit(&bounded) {
+            let Some(pin) = self.pins.pop_soonest() else {
+                return PinOutcome::NoRoomForBoundedParts;
+            };
+            self.release_pins(contents, vec![pin]);
+        }
         match self
             .pins
             .insert(key, blocks.clone(), bounded.clone(), expires)

@@ -183,8 +183,8 @@ pub struct Batch<'a> {
 
 /// Decides a step, vLLM v1's order: first every running sequence whose prompt is cached gets a
 /// block for the token it feeds, oldest first ([`KvCacheManager::allocate`]); a row the pool is
-/// short for asks to read the step in flight, else to preempt the newest sequence
-/// ([`scheduler::when_short`]). Then waiting requests are admitted front first while the batch
+/// short for takes pinned prefixes' blocks ([`crate::prefix_pins`]), else asks to read the step
+/// in flight, else to preempt the newest sequence ([`scheduler::when_short`]). Then waiting requests are admitted front first while the batch
 /// has room and the pool has blocks for their prompts ([`scheduler::admit`]), each with its
 /// prefix-cache hit, the blocks of it it loads and pins, and a kept partial block after them
 /// where `tail_tokens(tokens, hit_tokens)` finds one (its length). Then [`plan_step`] over all of
@@ -204,12 +204,14 @@ pub fn schedule(
         }
         // The fed token's slot; the sampled token gets its slot at the next step.
         while !kv.allocate(contents, row.id, row.progress.num_computed, 1, None) {
+            // Pinned prefixes give their blocks up before a running sequence is preempted.
+            if kv.unpin_soonest(contents) {
+                continue;
+            }
             let lanes: Vec<Priority> = batch.running.iter().map(|r| r.priority).collect();
             return match scheduler::when_short(&lanes, batch.step_in_flight) {
                 WhenShort::ReadInFlight => Decision::ReadInFlight,
                 WhenShort::Preempt(victim) => Decision::Preempt(batch.running[victim].id),
-                // Alone and short: the pinned prefixes give their blocks up first.
-                WhenShort::FinishAlone if kv.unpin_soonest(contents) => continue,
                 WhenShort::FinishAlone => Decision::FinishOutOfBlocks(row.id),
             };
         }
@@ -236,10 +238,11 @@ pub fn schedule(
                 .to_vec();
             contents.pin(&pinned);
             let new_tokens = request.tokens.len() - hit.num_tokens;
-            // With nothing else running, the pinned prefixes give their blocks up first.
-            let alone = running.is_empty();
+            // Pinned prefixes give their blocks up to a request that would otherwise wait for
+            // nothing (none running) or that a person waits for (the high lane).
+            let unpins = running.is_empty() || request.priority == Priority::High;
             while !kv.allocate(contents, request.id, hit.num_tokens, new_tokens, Some(&hit)) {
-                if !(alone && kv.unpin_soonest(contents)) {
+                if !(unpins && kv.unpin_soonest(contents)) {
                     contents.unpin(&pinned);
                     kv.free(request.id);
                     return false;
@@ -781,6 +784,8 @@ mod tests {
         usable: Option<usize>,
         pins: Vec<BlockId>,
         cleared: Vec<BlockId>,
+        /// The most blocks' bounded parts pinned at once (none: any).
+        pinned_parts_max: Option<usize>,
     }
 
     impl BlockContents for Contents {
@@ -795,6 +800,10 @@ mod tests {
         }
         fn unpin(&mut self, ids: &[BlockId]) {
             self.pins.retain(|id| !ids.contains(id));
+        }
+        fn pinned_parts_fit(&self, ids: &[BlockId]) -> bool {
+            self.pinned_parts_max
+                .is_none_or(|max| self.pins.len() + ids.len() <= max)
         }
         fn has_recurrent_layers(&self) -> bool {
             self.usable.is_some()
@@ -999,6 +1008,99 @@ mod tests {
         assert_eq!(plan.admitted.len(), 1);
         assert_eq!(kv.pinned_tokens().0, 0);
         kv.pool().check_invariants();
+    }
+
+    /// Pins give their blocks up to a running sequence that needs them (before anyone is
+    /// preempted) and to a high-lane request, not to a normal one that can wait; the bounded
+    /// parts they keep have a share of their own.
+    #[test]
+    fn pins_give_way_to_running_sequences_and_the_high_lane() {
+        use crate::kv_cache_manager::PinOutcome;
+        use std::time::{Duration, Instant};
+        let (now, ttl) = (Instant::now(), Duration::from_secs(300));
+        let pinned = |kv: &mut KvCacheManager, contents: &mut Contents, first: u32| {
+            let prefix: Vec<u32> = (first..first + 33).collect();
+            queue_hit(kv, contents, &prefix, 1);
+            let pin = kv.pin_prefix(contents, 1, 33, None, ttl, now);
+            kv.free(1);
+            pin
+        };
+        // 8 blocks of 16: two pinned, two sequences of 48 tokens hold the other six, and each
+        // needs a fourth block for its next token.
+        let (mut kv, mut contents) = (manager(8), Contents::default());
+        assert_eq!(
+            pinned(&mut kv, &mut contents, 0),
+            PinOutcome::Pinned { tokens: 32 }
+        );
+        kv.allocate(&mut contents, 2, 0, 48, None);
+        kv.allocate(&mut contents, 3, 0, 48, None);
+        let running = [
+            row(2, 49, 48, SlotKind::Decode),
+            row(3, 49, 48, SlotKind::Decode),
+        ];
+        let batch = Batch {
+            running: &running,
+            waiting: &[],
+            step_in_flight: false,
+            admit: true,
+            active_lane: None,
+        };
+        let plan = run(schedule(
+            &mut kv,
+            &mut contents,
+            &batch,
+            &limits(),
+            |_, _| None,
+        ));
+        assert_eq!(plan.decode, vec![2, 3], "nobody preempted");
+        assert_eq!(kv.pinned_tokens().0, 0);
+        // One sequence of 80 tokens holds five blocks, one is free: a normal request of two
+        // blocks waits with the pin kept, a high-lane one takes the pin's blocks.
+        let (mut kv, mut contents) = (manager(8), Contents::default());
+        pinned(&mut kv, &mut contents, 0);
+        kv.allocate(&mut contents, 2, 0, 80, None);
+        let running = [row(2, 80, 79, SlotKind::Decode)];
+        let prompt: Vec<u32> = (500..532).collect();
+        for (lane, admitted, pinned_left) in [(Priority::Normal, 0, 32), (Priority::High, 1, 0)] {
+            let queue = [Waiting {
+                priority: lane,
+                ..waiting(4, &prompt)
+            }];
+            let batch = Batch {
+                running: &running,
+                waiting: &queue,
+                ..batch
+            };
+            let plan = run(schedule(
+                &mut kv,
+                &mut contents,
+                &batch,
+                &limits(),
+                |_, _| None,
+            ));
+            assert_eq!(plan.admitted.len(), admitted, "{lane:?}");
+            assert_eq!(kv.pinned_tokens().0, pinned_left, "{lane:?}");
+        }
+        // Bounded parts: room for one pin's, so a second pin displaces the first; none at all
+        // refuses a pin.
+        let mut kv = manager(64);
+        let mut contents = Contents {
+            pinned_parts_max: Some(1),
+            ..Contents::default()
+        };
+        assert_eq!(
+            pinned(&mut kv, &mut contents, 0),
+            PinOutcome::Pinned { tokens: 32 }
+        );
+        assert_eq!(
+            pinned(&mut kv, &mut contents, 100),
+            PinOutcome::Pinned { tokens: 32 }
+        );
+        assert_eq!((kv.pinned_tokens().0, contents.pins.len()), (32, 1));
+        contents.pinned_parts_max = Some(0);
+        let pin = pinned(&mut kv, &mut contents, 200);
+        assert_eq!(pin, PinOutcome::NoRoomForBoundedParts);
+        assert_eq!(kv.pinned_tokens().0, 0);
     }
 
     /// Admits `tokens` as `request` with its prefix hit, computes the rest and caches it; returns

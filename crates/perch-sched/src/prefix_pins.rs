@@ -20,6 +20,9 @@ use crate::block_pool::{BlockHash, BlockId};
 /// Pins together hold at most the pool's blocks divided by this.
 pub const PIN_SHARE_DIVISOR: usize = 4;
 
+/// Pins in force at most (each client's key and each breakpoint's prefix is one).
+pub const MAX_PINS: usize = 64;
+
 /// What names a pin: asking again with the same key refreshes or replaces it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum PinKey {
@@ -59,6 +62,8 @@ pub struct PrefixPins {
     /// Pins holding each block.
     refs: HashMap<BlockId, u32>,
     max_blocks: usize,
+    /// No pin expires before this (`None`: no pin).
+    next_expiry: Option<Instant>,
 }
 
 impl PrefixPins {
@@ -68,6 +73,7 @@ impl PrefixPins {
             pins: HashMap::new(),
             refs: HashMap::new(),
             max_blocks: num_blocks / PIN_SHARE_DIVISOR,
+            next_expiry: None,
         }
     }
 
@@ -96,6 +102,7 @@ impl PrefixPins {
         match self.pins.get_mut(key) {
             Some(pin) if pin.blocks == blocks => {
                 pin.expires = pin.expires.max(expires);
+                self.next_expiry = self.pins.values().map(|p| p.expires).min();
                 true
             }
             _ => false,
@@ -104,8 +111,9 @@ impl PrefixPins {
 
     /// Pins `blocks` (with `bounded`, the blocks whose bounded parts a hit on them reads) under
     /// `key` until `expires`. Returns the pins it displaced (the key's previous one, then those
-    /// expiring soonest while the share is short): the caller gives up their references and
-    /// takes the new pin's. Refused, changing nothing, when `blocks` alone pass the share.
+    /// expiring soonest while the share is short or [`MAX_PINS`] are in force): the caller gives
+    /// up their references and takes the new pin's. Refused, changing nothing, when `blocks`
+    /// alone pass the share.
     pub fn insert(
         &mut self,
         key: PinKey,
@@ -127,7 +135,7 @@ impl PrefixPins {
                 .iter()
                 .filter(|id| !self.refs.contains_key(id))
                 .count();
-            if self.refs.len() + added <= self.max_blocks {
+            if self.refs.len() + added <= self.max_blocks && self.pins.len() < MAX_PINS {
                 break;
             }
             displaced.push(
@@ -146,11 +154,15 @@ impl PrefixPins {
                 expires,
             },
         );
+        self.next_expiry = Some(self.next_expiry.map_or(expires, |next| next.min(expires)));
         Ok(displaced)
     }
 
     /// Removes the pins that expired by `now`.
     pub fn expire(&mut self, now: Instant) -> Vec<Unpinned> {
+        if self.next_expiry.is_none_or(|next| now < next) {
+            return Vec::new();
+        }
         let keys: Vec<PinKey> = self
             .pins
             .iter()
@@ -178,6 +190,9 @@ impl PrefixPins {
 
     fn remove(&mut self, key: &PinKey) -> Option<Unpinned> {
         let pin = self.pins.remove(key)?;
+        if self.next_expiry == Some(pin.expires) {
+            self.next_expiry = self.pins.values().map(|p| p.expires).min();
+        }
         for id in &pin.blocks {
             if let Some(n) = self.refs.get_mut(id) {
                 *n -= 1;
@@ -263,6 +278,19 @@ mod tests {
         assert_eq!(expired[0].blocks, ids(0..9));
         assert_eq!(pins.num_blocks(), 1);
         assert_eq!(pins.clear().len(), 1);
+        assert!(pins.is_empty() && pins.num_blocks() == 0);
+        // At most MAX_PINS: past them, the soonest to expire gives way.
+        for k in 0..MAX_PINS + 1 {
+            let key = PinKey::Client(format!("k{k}"));
+            let expires = at(1000 + k as u64);
+            let displaced = pins.insert(key, ids(0..1), vec![], expires).unwrap();
+            assert_eq!(displaced.len(), usize::from(k == MAX_PINS));
+        }
+        assert_eq!(pins.len(), MAX_PINS);
+        assert!(!pins.refresh(&PinKey::Client("k0".into()), &ids(0..1), at(1)));
+        assert!(pins.expire(at(999)).is_empty());
+        assert_eq!(pins.expire(at(1001)).len(), 1);
+        assert_eq!(pins.clear().len(), MAX_PINS - 1);
         assert!(pins.is_empty() && pins.num_blocks() == 0);
     }
 }

@@ -62,24 +62,23 @@ struct CacheControl {
 }
 
 impl CacheControl {
-    /// Its time to live, or a 400 naming `param`.
-    fn ttl(&self, param: &'static str) -> Result<std::time::Duration, ApiError> {
+    /// Its time to live, or a 400 naming `cache_control` and where it is (`place`).
+    fn ttl(&self, place: &str) -> Result<std::time::Duration, ApiError> {
+        let invalid = |message: String| {
+            ApiError::invalid(format!("{place}: {message}"), Some("cache_control"))
+        };
         if self.kind != "ephemeral" {
-            return Err(ApiError::invalid(
-                format!(
-                    "cache_control.type must be `ephemeral`, not {:?}",
-                    self.kind
-                ),
-                Some(param),
-            ));
+            return Err(invalid(format!(
+                "cache_control.type must be `ephemeral`, not {:?}",
+                self.kind
+            )));
         }
         match self.ttl.as_deref() {
             None | Some("5m") => Ok(CachePin::DEFAULT_TTL),
             Some("1h") => Ok(CachePin::LONG_TTL),
-            Some(other) => Err(ApiError::invalid(
-                format!("cache_control.ttl must be `5m` or `1h`, not {other:?}"),
-                Some(param),
-            )),
+            Some(other) => Err(invalid(format!(
+                "cache_control.ttl must be `5m` or `1h`, not {other:?}"
+            ))),
         }
     }
 }
@@ -248,25 +247,28 @@ impl MessagesRequest {
         let mut cuts = Vec::new();
         for (k, tool) in self.tools.iter().enumerate() {
             if let Some(control) = &tool.cache_control {
-                cuts.push((Cut::Tool(k), control.ttl("tools")?));
+                cuts.push((Cut::Tool(k), control.ttl(&format!("tools.{k}"))?));
             }
         }
         if let Some(system) = &self.system {
             for (k, block) in system.blocks().iter().enumerate() {
                 if let Some(control) = &block.cache_control {
-                    cuts.push((Cut::System(k), control.ttl("system")?));
+                    cuts.push((Cut::System(k), control.ttl(&format!("system.{k}"))?));
                 }
             }
         }
         for (m, message) in self.messages.iter().enumerate() {
             for (b, block) in message.content.blocks().iter().enumerate() {
                 if let Some(control) = &block.cache_control {
-                    cuts.push((Cut::Message(m, b), control.ttl("messages")?));
+                    cuts.push((
+                        Cut::Message(m, b),
+                        control.ttl(&format!("messages.{m}.content.{b}"))?,
+                    ));
                 }
             }
         }
         if let Some(control) = &self.cache_control {
-            cuts.push((Cut::Whole, control.ttl("cache_control")?));
+            cuts.push((Cut::Whole, control.ttl("the request")?));
         }
         if cuts.len() > MAX_BREAKPOINTS {
             return Err(ApiError::invalid(

@@ -203,7 +203,8 @@ impl Sampling {
     /// The pin `prompt_cache_key` asks for (the whole prompt), or a 400 naming the field.
     fn cache_pin(&self) -> Result<Option<CachePin>, ApiError> {
         let ttl = match self.prompt_cache_retention.as_deref() {
-            None | Some("in_memory") => CachePin::DEFAULT_TTL,
+            // `in-memory` is how some clients spell it (langchain.js, openai-agents-js).
+            None | Some("in_memory" | "in-memory") => CachePin::DEFAULT_TTL,
             Some("24h") => std::time::Duration::from_secs(24 * 3600),
             Some(other) => {
                 return Err(ApiError::invalid(

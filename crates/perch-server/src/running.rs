@@ -137,6 +137,13 @@ impl Running {
         if request.params.client.is_none() {
             request.params.client = Some(state.client.clone());
         }
+        // A `prompt_cache_key` is the client's own: two clients choosing the same key do not
+        // replace each other's pins.
+        for pin in &mut request.params.cache_pins {
+            if let Some(key) = &mut pin.key {
+                *key = format!("{}\n{key}", state.client);
+            }
+        }
         request.params.num_draft_tokens = draft_tokens(
             &request,
             engine.has_draft_model(),

@@ -46,7 +46,7 @@ out["stop"] = {"stop": stop, "message": message_of(client.messages.create(
 
 # A breakpoint on a system prompt no request sent before: created by the first request, read by
 # the second (streamed: the SDK folds `message_delta`'s usage into the final message).
-cached_system = [{"type": "text", "text": system + " Keep this prompt cached.",
+cached_system = [{"type": "text", "text": "Keep this prompt cached. " + system,
                   "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
 out["cache_first"] = message_of(client.messages.create(model=model, max_tokens=4, system=cached_system,
                                                        messages=messages, **greedy))

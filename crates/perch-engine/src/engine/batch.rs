@@ -768,8 +768,8 @@ impl<'m> BatchGenerator<'m> {
         Ok(Some(output))
     }
 
-    /// Drops every request without output (after an MLX failure left their caches unusable);
-    /// the pool is all free afterwards. Returns their ids.
+    /// Drops every request without output (after an MLX failure left their caches unusable),
+    /// and every pinned prefix: the pool is all free afterwards. Returns their ids.
     pub fn clear(&mut self) -> Vec<RequestId> {
         let mut ids: Vec<RequestId> = self
             .running
@@ -782,6 +782,7 @@ impl<'m> BatchGenerator<'m> {
             self.kv.free(seq.id);
             self.store.unpin(&seq.pinned);
         }
+        self.kv.clear_pins(&mut self.store);
         self.runner.clear();
         self.waiting.clear();
         ids
@@ -1384,8 +1385,18 @@ impl<'m> BatchGenerator<'m> {
                 }
                 seq.computed = tail.tokens.len();
             }
+            let from_prefix_cache = seq.computed;
+            if let Some(prefix) = &seq.preloaded {
+                for (cache, layer) in seq.cache.iter_mut().zip(&prefix.layers) {
+                    cache.extend_from(layer, prefix.offset as i32)?;
+                }
+                seq.computed = prefix.offset;
+                // Nothing is ever copied out of a private prefix's cache.
+                allow_release(&mut seq.cache, i32::MAX as usize);
+            }
             if !seq.admitted_once {
-                self.kv.record_prefix_lookup(seq.tokens.len(), seq.computed);
+                self.kv
+                    .record_prefix_lookup(seq.tokens.len(), from_prefix_cache);
                 seq.sink.output.stats.cached_prompt_tokens = seq.computed;
                 seq.admitted_once = true;
                 let client = seq.request.client.as_deref();
@@ -1413,15 +1424,6 @@ impl<'m> BatchGenerator<'m> {
                     request: seq.id,
                     prompt_cache,
                 });
-            }
-            if let Some(prefix) = &seq.preloaded {
-                for (cache, layer) in seq.cache.iter_mut().zip(&prefix.layers) {
-                    cache.extend_from(layer, prefix.offset as i32)?;
-                }
-                seq.computed = prefix.offset;
-                seq.sink.output.stats.cached_prompt_tokens = prefix.offset;
-                // Nothing is ever copied out of a private prefix's cache.
-                allow_release(&mut seq.cache, i32::MAX as usize);
             }
             debug_assert_eq!(seq.computed, admission.num_computed);
             eval(seq.cache.iter().flat_map(KvCache::state))?;
@@ -1728,17 +1730,25 @@ impl<'m> BatchGenerator<'m> {
             };
             let seq = &mut self.running[i];
             seq.computed += chunk;
+            let published = seq.published_blocks;
             // Not waited for: the copies follow the pass in flight (see `prefill_step`).
-            publish(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
-            if hybrid && seq.branch_at == Some(seq.computed) {
-                // The recomputed shared blocks' last one gets the states at its end.
-                seq.branch_at = None;
+            publish_blocks(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
+            // The recomputed shared blocks' last one gets the states at its end, and so does
+            // one where a prefix this sequence pins ends.
+            let block_size = self.config.block_size;
+            let recomputed = seq.computed / block_size <= published;
+            let at_pin = recomputed && seq.pin_ends.contains(&seq.computed);
+            if hybrid && (seq.branch_at == Some(seq.computed) || at_pin) {
+                if seq.branch_at == Some(seq.computed) {
+                    seq.branch_at = None;
+                }
                 let table = self.kv.block_table(seq.id).expect("a running request");
-                let id = table[seq.computed / self.config.block_size - 1];
+                let id = table[seq.computed / block_size - 1];
                 let states = slot_states(&self.runner, seq.slot.expect("in a prefill slot"))?;
                 async_eval(states.iter().flatten())?;
                 self.store.put_bounded(id, states);
             }
+            take_pins(&mut self.kv, &mut self.store, seq);
         }
         self.runner.end_prefill_step()?;
         self.times.publish_seconds += start.elapsed().as_secs_f64();
@@ -2103,13 +2113,23 @@ fn take_pins(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence
         return;
     }
     let block_size = kv.block_size();
-    let published = seq.published_blocks * block_size;
+    let stats = &mut seq.sink.output.stats;
+    if !kv.caching_enabled() {
+        seq.pins_left.clear();
+        stats.pin_refused = Some("prefix caching is off: no prefix is kept".to_owned());
+        return;
+    }
+    // Ready once its blocks are published and, on a hybrid model, computed by this sequence
+    // (a hit's blocks it recomputes get their states only as it reaches them).
+    let mut done = seq.published_blocks * block_size;
+    if store.has_recurrent_layers() {
+        done = done.min(seq.computed);
+    }
     let (ready, later) = std::mem::take(&mut seq.pins_left)
         .into_iter()
-        .partition(|pin| pin.tokens / block_size * block_size <= published);
+        .partition(|pin| pin.tokens / block_size * block_size <= done);
     seq.pins_left = later;
     let now = Instant::now();
-    let stats = &mut seq.sink.output.stats;
     for pin in ready {
         match kv.pin_prefix(store, seq.id, pin.tokens, pin.key, pin.ttl, now) {
             PinOutcome::Pinned { tokens } => {
@@ -2119,6 +2139,13 @@ fn take_pins(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence
                 stats.pin_refused = Some(format!(
                     "a prefix of {} tokens is more than the {max_tokens} tokens pins may hold \
                      together (a quarter of the KV cache)",
+                    pin.tokens
+                ));
+            }
+            PinOutcome::NoRoomForBoundedParts => {
+                stats.pin_refused = Some(format!(
+                    "the model's sliding-window KV or recurrent states for a prefix of {} tokens \
+                     are more than pins may keep (half their budget)",
                     pin.tokens
                 ));
             }

@@ -127,6 +127,9 @@ fn kv_nbytes(kv: &BlockKv) -> usize {
 }
 
 impl BlockStore {
+    /// Pinned bounded parts hold at most the bounded parts' budget divided by this.
+    pub const PINNED_PARTS_SHARE: usize = 2;
+
     /// A store for `num_blocks` blocks of a model whose layers all keep every position.
     pub fn new(num_blocks: usize) -> Self {
         Self {
@@ -643,6 +646,31 @@ impl BlockContents for BlockStore {
             let pins = &mut self.pins[id.0 as usize];
             *pins = pins.saturating_sub(1);
         }
+    }
+
+    /// Whether the bounded parts pinned now, with those of `ids`, stay within half their
+    /// budget ([`BlockStore::PINNED_PARTS_SHARE`]): a prefix pinned for a client keeps one
+    /// block's recurrent states (72 MiB on Qwen3-Next) or a sliding window's KV, which the
+    /// budget's least-recently-used order would otherwise drop.
+    fn pinned_parts_fit(&self, ids: &[BlockId]) -> bool {
+        let bytes = |id: &BlockId| {
+            self.blocks[id.0 as usize]
+                .as_ref()
+                .and_then(|content| content.bounded.as_ref())
+                .map_or(0, |(piece, _)| piece.nbytes())
+        };
+        let pinned: usize = self
+            .lru
+            .values()
+            .filter(|id| self.pins[id.0 as usize] > 0)
+            .map(bytes)
+            .sum();
+        let added: usize = ids
+            .iter()
+            .filter(|id| self.pins[id.0 as usize] == 0)
+            .map(bytes)
+            .sum();
+        pinned + added <= self.max_bounded_bytes / Self::PINNED_PARTS_SHARE
     }
 
     /// Whether some layer is recurrent: prefix hits must end at a block with a state.

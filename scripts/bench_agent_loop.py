@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""An agent loop as a benchmark: a replay of a coding agent at work against `perch serve` and
+mlx_lm's server, one after the other in the same run, through the official OpenAI SDK.
+
+Sub-agents share a long system prompt and the tools; each runs turns that append the model's
+answer and a tool result to its conversation (a file's contents, a command's output), as agent
+clients do, all sub-agents at once. Every request streams (`stream_options.include_usage`), so
+its time to first token is the first chunk's arrival. Reported per server: the prompt tokens
+served from the prefix cache (all requests, and those after each sub-agent's first), the time to
+first token per turn (median over the sub-agents) and the total time.
+
+    python scripts/bench_agent_loop.py --model DIR [--perch target/release/perch]
+        [--python PY_WITH_MLX_LM] [--subagents 3] [--turns 6] [--max-tokens 32]
+        [--servers perch,mlx_lm] [--json]
+
+`--python` runs `python -m mlx_lm server` (default: this interpreter); both servers serve the
+model directory given (an MLX model: safetensors and config). Needs `openai` in this interpreter.
+"""
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+
+RULES = [
+    "Read a file before you change it, and keep changes small and reviewable.",
+    "Run the tests after every change and report failures with their output.",
+    "Prefer the project's existing libraries over new dependencies.",
+    "Never commit secrets, credentials or large generated files.",
+    "Explain what you did in one short paragraph when the task is done.",
+]
+
+
+def system_prompt(sections):
+    return "You are a coding agent working in a Rust repository.\n" + "\n".join(
+        f"{i + 1}. {rule} (Guideline {i + 1} of the team's handbook, section {j}.)"
+        for j in range(sections) for i, rule in enumerate(RULES))
+
+
+def tool(name, description, **params):
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": {p: {"type": t, "description": p} for p, t in params.items()},
+        "required": list(params)}}}
+
+
+TOOLS = [
+    tool("read_file", "Read a file of the repository", path="string"),
+    tool("write_file", "Write a file of the repository", path="string", content="string"),
+    tool("run_command", "Run a shell command in the repository", command="string"),
+    tool("search", "Search the repository for a pattern", pattern="string"),
+]
+
+
+def tool_result(agent, turn):
+    """What a tool gave back: some lines of a file, different for every sub-agent and turn."""
+    lines = [f"    let value_{agent}_{turn}_{k} = compute({k}, \"crates/engine/src/part_{agent}.rs\");"
+             for k in range(12)]
+    return f"Output of read_file for turn {turn}:\nfn step_{agent}_{turn}() {{\n" + "\n".join(lines) + "\n}"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(base, process, timeout=600):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not answer within the timeout")
+
+
+def start(server, args):
+    port = free_port()
+    if server == "perch":
+        command = [args.perch, "serve", "--model", args.model, "--port", str(port)]
+    else:
+        command = [args.python, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(port)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, process)
+    except Exception:
+        process.kill()
+        raise
+    return process, base
+
+
+def run_agent(client, model, system, agent, args, out):
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": f"Sub-agent {agent}: the build fails in crates/engine/src/"
+                                            f"part_{agent}.rs. Find out why and fix it."}]
+    for turn in range(args.turns):
+        start = time.perf_counter()
+        first = None
+        text = []
+        usage = None
+        stream = client.chat.completions.create(
+            model=model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices and first is None:
+                first = time.perf_counter() - start
+            for choice in chunk.choices:
+                if choice.delta.content:
+                    text.append(choice.delta.content)
+            if chunk.usage is not None:
+                usage = chunk.usage
+        details = getattr(usage, "prompt_tokens_details", None)
+        cached = getattr(details, "cached_tokens", None) or 0
+        out.append({"agent": agent, "turn": turn, "ttft_s": first, "total_s": time.perf_counter() - start,
+                    "prompt_tokens": usage.prompt_tokens if usage else None, "cached_tokens": cached})
+        messages.append({"role": "assistant", "content": "".join(text)})
+        messages.append({"role": "user", "content": tool_result(agent, turn)})
+
+
+def replay(server, args):
+    process, base = start(server, args)
+    try:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="bench", max_retries=0, timeout=3600)
+        system = system_prompt(args.sections)
+        turns = []
+        began = time.perf_counter()
+        threads = [threading.Thread(target=run_agent, args=(client, args.model, system, k, args, turns))
+                   for k in range(args.subagents)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        total = time.perf_counter() - began
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    if len(turns) != args.subagents * args.turns:
+        raise RuntimeError(f"{server}: {len(turns)} of {args.subagents * args.turns} requests answered")
+    later = [t for t in turns if t["turn"] > 0]
+    share = lambda ts: sum(t["cached_tokens"] for t in ts) / max(1, sum(t["prompt_tokens"] for t in ts))
+    per_turn = [statistics.median(t["ttft_s"] for t in turns if t["turn"] == k) for k in range(args.turns)]
+    return {"server": server, "requests": len(turns), "total_s": total,
+            "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
+            "cached_share": share(turns), "cached_share_after_first": share(later),
+            "ttft_per_turn_s": per_turn, "turns": turns}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--perch", default="target/release/perch")
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--subagents", type=int, default=3)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--sections", type=int, default=12, help="system prompt length: sections of 5 rules")
+    parser.add_argument("--servers", default="perch,mlx_lm")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    args.model = os.path.abspath(args.model)
+    results = [replay(server, args) for server in args.servers.split(",")]
+    if args.json:
+        print(json.dumps(results))
+        return
+    print(f"{args.subagents} sub-agents x {args.turns} turns, {args.max_tokens} tokens an answer")
+    print("| server | total | prompt tokens | from the cache (all / after each first) | TTFT per turn (median) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        ttfts = " / ".join(f"{1000 * t:.0f}" for t in r["ttft_per_turn_s"])
+        print(f"| {r['server']} | {r['total_s']:.1f} s | {r['prompt_tokens']} | "
+              f"{100 * r['cached_share']:.1f}% / {100 * r['cached_share_after_first']:.1f}% | {ttfts} ms |")
+
+
+if __name__ == "__main__":
+    main()
