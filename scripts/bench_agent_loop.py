@@ -6,12 +6,15 @@ Sub-agents share a long system prompt and the tools; each runs turns that append
 answer and a tool result to its conversation (a file's contents, a command's output), as agent
 clients do, all sub-agents at once. Every request streams (`stream_options.include_usage`), so
 its time to first token is the first chunk's arrival. Reported per server: the prompt tokens
-served from the prefix cache (all requests, and those after each sub-agent's first), the time to
-first token per turn (median over the sub-agents) and the total time.
+served from the prefix cache (all requests, those after each sub-agent's first, and of the tokens
+each sub-agent's previous request held: what a prefix cache can give at most), the time to first
+token per turn (median over the sub-agents) and the total time.
 
     python scripts/bench_agent_loop.py --model DIR [--perch target/release/perch]
         [--python PY_WITH_MLX_LM] [--subagents 3] [--turns 6] [--max-tokens 32]
-        [--servers perch,mlx_lm] [--json]
+        [--servers perch,mlx_lm] [--no-tools] [--json]
+
+With `--json`, one JSON object a server, each as its replay ends.
 
 `--python` runs `python -m mlx_lm server` (default: this interpreter); both servers serve the
 model directory given (an MLX model: safetensors and config). Needs `openai` in this interpreter.
@@ -110,9 +113,10 @@ def run_agent(client, model, system, agent, args, out):
         first = None
         text = []
         usage = None
+        tools = {} if args.no_tools else {"tools": TOOLS}
         stream = client.chat.completions.create(
-            model=model, messages=messages, tools=TOOLS, max_tokens=args.max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            model=model, messages=messages, max_tokens=args.max_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True}, **tools)
         for chunk in stream:
             if chunk.choices and first is None:
                 first = time.perf_counter() - start
@@ -124,7 +128,8 @@ def run_agent(client, model, system, agent, args, out):
         details = getattr(usage, "prompt_tokens_details", None)
         cached = getattr(details, "cached_tokens", None) or 0
         out.append({"agent": agent, "turn": turn, "ttft_s": first, "total_s": time.perf_counter() - start,
-                    "prompt_tokens": usage.prompt_tokens if usage else None, "cached_tokens": cached})
+                    "prompt_tokens": usage.prompt_tokens if usage else None, "cached_tokens": cached,
+                    "completion_tokens": usage.completion_tokens if usage else None})
         messages.append({"role": "assistant", "content": "".join(text)})
         messages.append({"role": "user", "content": tool_result(agent, turn)})
 
@@ -150,10 +155,15 @@ def replay(server, args):
         raise RuntimeError(f"{server}: {len(turns)} of {args.subagents * args.turns} requests answered")
     later = [t for t in turns if t["turn"] > 0]
     share = lambda ts: sum(t["cached_tokens"] for t in ts) / max(1, sum(t["prompt_tokens"] for t in ts))
+    # Of the tokens the sub-agent's previous request held (its prompt and answer), those read from
+    # the cache: what a prefix cache can give at most, whatever the turn adds.
+    before = {(t["agent"], t["turn"]): t["prompt_tokens"] + t["completion_tokens"] for t in turns}
+    held = sum(before[(t["agent"], t["turn"] - 1)] for t in later)
     per_turn = [statistics.median(t["ttft_s"] for t in turns if t["turn"] == k) for k in range(args.turns)]
     return {"server": server, "requests": len(turns), "total_s": total,
             "prompt_tokens": sum(t["prompt_tokens"] for t in turns),
             "cached_share": share(turns), "cached_share_after_first": share(later),
+            "cached_of_previous": sum(t["cached_tokens"] for t in later) / max(1, held),
             "ttft_per_turn_s": per_turn, "turns": turns}
 
 
@@ -167,20 +177,28 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--sections", type=int, default=12, help="system prompt length: sections of 5 rules")
     parser.add_argument("--servers", default="perch,mlx_lm")
+    parser.add_argument("--no-tools", action="store_true",
+                        help="send no tool definitions (for a model whose chat template has none)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     args.model = os.path.abspath(args.model)
-    results = [replay(server, args) for server in args.servers.split(",")]
-    if args.json:
-        print(json.dumps(results))
-        return
-    print(f"{args.subagents} sub-agents x {args.turns} turns, {args.max_tokens} tokens an answer")
-    print("| server | total | prompt tokens | from the cache (all / after each first) | TTFT per turn (median) |")
-    print("|---|---|---|---|---|")
-    for r in results:
+    if not args.json:
+        tools = "no tools" if args.no_tools else f"{len(TOOLS)} tools"
+        print(f"{args.subagents} sub-agents x {args.turns} turns, {args.max_tokens} tokens an answer, {tools}")
+        print("| server | total | prompt tokens | from the cache (all / after each first) "
+              "| of the previous request's tokens | TTFT per turn (median) |")
+        print("|---|---|---|---|---|---|", flush=True)
+    # Each server's line as soon as its replay ends (a slow one does not hide the others').
+    for server in args.servers.split(","):
+        r = replay(server, args)
+        if args.json:
+            print(json.dumps(r), flush=True)
+            continue
         ttfts = " / ".join(f"{1000 * t:.0f}" for t in r["ttft_per_turn_s"])
         print(f"| {r['server']} | {r['total_s']:.1f} s | {r['prompt_tokens']} | "
-              f"{100 * r['cached_share']:.1f}% / {100 * r['cached_share_after_first']:.1f}% | {ttfts} ms |")
+              f"{100 * r['cached_share']:.1f}% / {100 * r['cached_share_after_first']:.1f}% | "
+              f"{100 * r['cached_of_previous']:.1f}% | {ttfts} ms |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -826,6 +826,11 @@ mod tests {
         }
     }
 
+    /// The step [`schedule`] plans for `batch` within [`limits`], no kept partial blocks.
+    fn planned(kv: &mut KvCacheManager, contents: &mut Contents, batch: &Batch) -> StepPlan {
+        run(schedule(kv, contents, batch, &limits(), |_, _| None))
+    }
+
     fn manager(num_blocks: usize) -> KvCacheManager {
         KvCacheManager::new(crate::BlockPool::new(num_blocks, 16), "test")
     }
@@ -879,13 +884,7 @@ mod tests {
         let queue = [waiting(1, &a), waiting(2, &b)];
         let batch = admitting(&queue);
         let mut contents = Contents::default();
-        let plan = run(schedule(
-            &mut kv,
-            &mut contents,
-            &batch,
-            &limits(),
-            |_, _| None,
-        ));
+        let plan = planned(&mut kv, &mut contents, &batch);
         let hit = &plan.admitted[0];
         // Two full blocks of the 40 shared tokens are cached.
         assert_eq!(
@@ -908,13 +907,7 @@ mod tests {
         // The long prompt needs 4 blocks of 16 and the pool has 4: the short one waits behind it.
         let queue = [waiting(1, &long), waiting(2, &short)];
         let batch = admitting(&queue);
-        let plan = run(schedule(
-            &mut kv,
-            &mut Contents::default(),
-            &batch,
-            &limits(),
-            |_, _| None,
-        ));
+        let plan = planned(&mut kv, &mut Contents::default(), &batch);
         assert_eq!(plan.admitted.iter().map(|a| a.id).collect::<Vec<_>>(), [1]);
         // A full batch, or a step that preempted, admits nobody.
         let mut kv = manager(16);
@@ -1045,13 +1038,7 @@ mod tests {
             admit: true,
             active_lane: None,
         };
-        let plan = run(schedule(
-            &mut kv,
-            &mut contents,
-            &batch,
-            &limits(),
-            |_, _| None,
-        ));
+        let plan = planned(&mut kv, &mut contents, &batch);
         assert_eq!(plan.decode, vec![2, 3], "nobody preempted");
         assert_eq!(kv.pinned_tokens().0, 0);
         // One sequence of 80 tokens holds five blocks, one is free: a normal request of two
@@ -1071,13 +1058,7 @@ mod tests {
                 waiting: &queue,
                 ..batch
             };
-            let plan = run(schedule(
-                &mut kv,
-                &mut contents,
-                &batch,
-                &limits(),
-                |_, _| None,
-            ));
+            let plan = planned(&mut kv, &mut contents, &batch);
             assert_eq!(plan.admitted.len(), admitted, "{lane:?}");
             assert_eq!(kv.pinned_tokens().0, pinned_left, "{lane:?}");
         }
