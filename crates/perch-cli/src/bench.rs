@@ -69,6 +69,9 @@ pub struct BenchArgs {
     /// Without --concurrency: speculative decoding with this draft model.
     #[command(flatten)]
     pub draft: crate::generate::DraftOptions,
+    /// With --concurrency: prompt lookup in the batch.
+    #[command(flatten)]
+    pub prompt_lookup: crate::generate::PromptLookupOptions,
     /// With --concurrency: sequences prefilled in one step (default: the engine's for this
     /// backend).
     #[arg(long)]

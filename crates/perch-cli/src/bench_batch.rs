@@ -65,6 +65,10 @@ struct BatchReport {
     /// and sampling (admission, slot moves, prefix-cache copies, detokenizing).
     engine_steps: u64,
     engine_other_share: f64,
+    /// Prompt lookup's verify steps, and the tokens proposed and accepted in them.
+    engine_verify_steps: u64,
+    engine_draft_tokens: u64,
+    engine_accepted_draft_tokens: u64,
 }
 
 struct Timeline {
@@ -177,7 +181,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
-    let engine = EngineHandle::load(&dir, engine_config(args, concurrency))?;
+    let engine = EngineHandle::load(&dir, engine_config(args, concurrency)?)?;
     if !args.first_prompts.is_empty() {
         let result = first_requests(&engine, &tokenizer, &args.first_prompts, args.json);
         engine.shutdown();
@@ -309,7 +313,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
 
 /// The engine's settings for `perch bench` with `concurrency` requests at once: its defaults,
 /// with what the command line sets.
-pub fn engine_config(args: &BenchArgs, concurrency: usize) -> EngineConfig {
+pub fn engine_config(args: &BenchArgs, concurrency: usize) -> anyhow::Result<EngineConfig> {
     let mut config = EngineConfig {
         max_running: concurrency,
         ..EngineConfig::default()
@@ -337,7 +341,8 @@ pub fn engine_config(args: &BenchArgs, concurrency: usize) -> EngineConfig {
         bits,
         group_size: args.kv_group_size,
     });
-    config
+    config.prompt_lookup = args.prompt_lookup.config()?;
+    Ok(config)
 }
 
 /// Waits until the engine's idle prefill warm-up has run (so that measured requests do not wait
@@ -732,6 +737,9 @@ fn report(
         ),
         engine_steps: after.steps - before.steps,
         engine_other_share: 1.0 - (prefill_seconds + decode_seconds) / step_seconds.max(1e-9),
+        engine_verify_steps: after.verify_steps - before.verify_steps,
+        engine_draft_tokens: after.draft_tokens - before.draft_tokens,
+        engine_accepted_draft_tokens: after.accepted_draft_tokens - before.accepted_draft_tokens,
     }
 }
 
@@ -761,6 +769,16 @@ fn print_report(label: &str, report: &BatchReport) {
         report.engine_token_ms,
         report.engine_other_share * 100.0
     );
+    if report.engine_verify_steps > 0 {
+        println!(
+            "prompt lookup: {} verify steps, {} of {} proposed tokens accepted ({:.0}%)",
+            report.engine_verify_steps,
+            report.engine_accepted_draft_tokens,
+            report.engine_draft_tokens,
+            100.0 * report.engine_accepted_draft_tokens as f64
+                / report.engine_draft_tokens.max(1) as f64
+        );
+    }
 }
 
 fn drain(events: &std::sync::mpsc::Receiver<EngineEvent>) -> anyhow::Result<()> {

@@ -48,7 +48,7 @@ pub fn run(args: &BenchArgs, background_tokens: usize) -> anyhow::Result<()> {
     let runs = args.runs.max(1);
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
-    let engine = EngineHandle::load(&dir, engine_config(args, 2))?;
+    let engine = EngineHandle::load(&dir, engine_config(args, 2)?)?;
     let result = measure(args, &engine, &tokenizer, background_tokens, runs);
     engine.shutdown();
     let report = result?;

@@ -10,7 +10,7 @@ use perch_engine::models::Model;
 use perch_engine::sample::sampler::SamplingParams;
 use perch_engine::{
     generate, generate_speculative, ChatMessage, Draft, GenerateOutput, GenerateRequest,
-    KvQuantization, TokenEvent, Tokenizer,
+    KvQuantization, PromptLookup, TokenEvent, Tokenizer,
 };
 use serde_json::json;
 
@@ -104,6 +104,45 @@ pub struct DraftOptions {
     /// With --draft-model: tokens proposed per step.
     #[arg(long, default_value_t = Draft::DEFAULT_NUM_DRAFT_TOKENS)]
     pub num_draft_tokens: usize,
+}
+
+/// Prompt lookup (n-gram) speculative decoding in the batch ([`PromptLookup`]).
+#[derive(Args, Clone, Debug)]
+pub struct PromptLookupOptions {
+    /// Speculative decoding without a draft model: a greedy request whose last tokens occurred
+    /// earlier in its prompt or output proposes what followed them, and the model verifies the
+    /// proposals in one forward pass (pays on output that repeats its input, as edits of a file
+    /// do; the output is the model's own greedy tokens).
+    #[arg(long)]
+    pub prompt_lookup: bool,
+    /// With --prompt-lookup: tokens proposed a step at most.
+    #[arg(long, default_value_t = PromptLookup::default().num_draft_tokens)]
+    pub lookup_draft_tokens: usize,
+    /// With --prompt-lookup: propose only while at most this many requests decode.
+    #[arg(long, default_value_t = PromptLookup::default().max_rows)]
+    pub lookup_max_rows: usize,
+    /// With --prompt-lookup: verify proposals whenever a request has some, instead of only
+    /// where verify steps have lately given more tokens a second than plain ones.
+    #[arg(long)]
+    pub lookup_every_step: bool,
+}
+
+impl PromptLookupOptions {
+    /// The engine's setting: `None` without --prompt-lookup; an error for bad values.
+    pub fn config(&self) -> anyhow::Result<Option<PromptLookup>> {
+        if !self.prompt_lookup {
+            return Ok(None);
+        }
+        let default = PromptLookup::default();
+        let lookup = PromptLookup {
+            num_draft_tokens: self.lookup_draft_tokens,
+            max_rows: self.lookup_max_rows,
+            adaptive: !self.lookup_every_step,
+            ..default
+        };
+        lookup.validate().map_err(anyhow::Error::msg)?;
+        Ok(Some(lookup))
+    }
 }
 
 /// A loaded draft model and its tokenizer.

@@ -36,6 +36,8 @@ pub struct ServeArgs {
     /// With --draft-model: tokens proposed per step unless a request says.
     #[arg(long, default_value_t = perch_engine::Draft::DEFAULT_NUM_DRAFT_TOKENS)]
     pub num_draft_tokens: usize,
+    #[command(flatten)]
+    pub prompt_lookup: crate::generate::PromptLookupOptions,
     /// Unload the model after this long with no request (Ollama's keep_alive: 30m, 1h, 300 for
     /// seconds, 0 once each request ends, -1 never); the next request loads it again. Requests
     /// may set their own `keep_alive`.
@@ -147,6 +149,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         &dir,
         EngineConfig {
             draft_model,
+            prompt_lookup: args.prompt_lookup.config()?,
             keep_alive: args.keep_alive,
             ..EngineConfig::default()
         },

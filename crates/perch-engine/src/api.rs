@@ -515,6 +515,11 @@ pub struct StepTimes {
     /// less the waits is MLX encoding and launching them.
     pub decode_build_seconds: f64,
     pub decode_steps: u64,
+    /// Of `decode_steps`, verify steps of speculative decoding in the batch
+    /// ([`crate::spec_decode`]), and the tokens their rows proposed and had accepted.
+    pub verify_steps: u64,
+    pub draft_tokens: u64,
+    pub accepted_draft_tokens: u64,
     /// Seconds handing decoded tokens to their requests (detokenizing, stop rules, finishing).
     pub token_seconds: f64,
     /// Shapes run ahead of requests so that MLX meets them first (decode steps at load,

@@ -10,6 +10,7 @@
 //!   ([`engine::batch`]: admission, prefill chunks and decode steps, as `perch_sched` decides
 //!   them, over the block pool and the prefix cache);
 //! - [`sequence`]: one sequence with caches of its own (`generate`, speculative decoding);
+//! - [`spec_decode`]: speculative decoding inside the batch (proposers, the acceptance rule);
 //! - [`worker`]: the batch's model runner (forward passes over the slot caches, compiled decode
 //!   steps, CUDA's decode attention kernel);
 //! - [`prompt_cache`]: prompt-cache files (mlx_lm's layout);
@@ -40,6 +41,7 @@ pub(crate) mod output;
 pub mod prompt_cache;
 pub mod sample;
 pub(crate) mod sequence;
+pub mod spec_decode;
 pub mod text;
 pub(crate) mod worker;
 
@@ -65,6 +67,7 @@ pub use sample::grammar::Grammar;
 pub use sample::sampler::SamplingParams;
 pub use sequence::generate::generate;
 pub use sequence::speculative::{generate_speculative, Draft};
+pub use spec_decode::ngram::PromptLookup;
 pub use text::chat_template::{ChatMessage, ContentPart};
 pub use text::tokenizer::Tokenizer;
 

@@ -7,8 +7,8 @@
 mod common;
 
 use perch_engine::testing::{BatchConfig, BatchGenerator};
-use perch_engine::SlotAttention;
 use perch_engine::{models, GenerateRequest, Tokenizer};
+use perch_engine::{PromptLookup, SlotAttention, StepTimes};
 
 /// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
 fn run(insert_at: &[usize], prefill_step_size: usize) {
@@ -18,16 +18,20 @@ fn run(insert_at: &[usize], prefill_step_size: usize) {
         prefill_step_size,
         SlotAttention::Fused,
         false,
+        None,
     );
 }
 
+/// Runs `cases` in one batch as set, asserts each yields mlx_lm's ids, and returns where the
+/// steps went.
 fn run_with(
     cases: Vec<common::ReferenceCase>,
     insert_at: &[usize],
     prefill_step_size: usize,
     slot_attention: SlotAttention,
     compile_decode: bool,
-) {
+    prompt_lookup: Option<PromptLookup>,
+) -> StepTimes {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -35,6 +39,7 @@ fn run_with(
     let config = BatchConfig {
         slot_attention,
         compile_decode,
+        prompt_lookup,
         // Several sequences prefill per step (one forward pass of padded chunks when batched).
         prefill_batch_size: 4,
         ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
@@ -43,7 +48,8 @@ fn run_with(
     // Warm-up (what the engine runs at load on GPUs) leaves nothing behind: the ids below stay
     // exact and every block free. One decode step per row bucket up to 32: 1, 2, 4, 8, 12, …, 32.
     let shapes = batch.warm_up().unwrap();
-    assert_eq!(shapes, 10);
+    // With prompt lookup, a verify step of each row bucket up to its rows too: 1, 2, 4, 8.
+    assert_eq!(shapes, if prompt_lookup.is_some() { 14 } else { 10 });
     let schedule = cases
         .iter()
         .zip(insert_at)
@@ -71,7 +77,7 @@ fn run_with(
         );
         assert_eq!(streamed, &output.text, "case {}", case.id);
     }
-    if compile_decode {
+    if compile_decode && prompt_lookup.is_none() {
         // One step per warm-up shape, then every decode step of the run: at least one per token
         // after the first of the longest output.
         let longest = outputs
@@ -85,7 +91,7 @@ fn run_with(
             batch.compiled_decode_steps(),
             longest - 1
         );
-    } else {
+    } else if !compile_decode {
         assert_eq!(batch.compiled_decode_steps(), 0);
     }
     let kv = batch.kv_stats();
@@ -93,6 +99,7 @@ fn run_with(
         kv.blocks_used, 0,
         "every block is free once all requests are done"
     );
+    batch.step_times()
 }
 
 #[test]
@@ -111,6 +118,7 @@ fn staggered_inserts_with_chunked_prefill() {
         16,
         SlotAttention::Fused,
         false,
+        None,
     );
 }
 
@@ -125,6 +133,7 @@ fn staggered_inserts_with_chunked_prefill_explicit_slot_attention() {
         16,
         SlotAttention::Explicit,
         false,
+        None,
     );
 }
 
@@ -138,7 +147,95 @@ fn staggered_inserts_with_chunked_prefill_compiled_decode() {
         16,
         SlotAttention::Fused,
         true,
+        None,
     );
+}
+
+/// Prompt lookup proposing for up to 8 rows (a GPU's setting, here on the CPU), verifying
+/// whenever a row proposes (not where measured steps say it pays: tests do not depend on time).
+const LOOKUP: PromptLookup = PromptLookup {
+    num_draft_tokens: 4,
+    min_ngram: 2,
+    max_ngram: 8,
+    max_rows: 8,
+    adaptive: false,
+};
+
+/// Prompt lookup in the batch (verify steps of each row's last token and its proposals, the
+/// rejected ones rewound) keeps every case's ids mlx_lm's greedy ids, with decode steps built
+/// op by op and compiled, while rows join and leave; proposals are made and some accepted.
+#[test]
+fn prompt_lookup_keeps_mlx_lms_ids() {
+    for compile_decode in [false, true] {
+        let times = run_with(
+            common::short_reference_cases(),
+            &[0, 3, 5, 9, 17, 30],
+            16,
+            SlotAttention::Fused,
+            compile_decode,
+            Some(LOOKUP),
+        );
+        assert!(times.verify_steps > 0, "{times:?}");
+        assert!(times.accepted_draft_tokens > 0, "{times:?}");
+        assert!(
+            times.accepted_draft_tokens < times.draft_tokens,
+            "{times:?}"
+        );
+    }
+}
+
+/// Output that repeats its prompt (a text copied again) is mostly accepted proposals: the same
+/// ids as without prompt lookup in fewer decode steps, each request's stats counting them; a
+/// row that samples keeps the batch from proposing while it decodes.
+#[test]
+fn prompt_lookup_pays_on_repeated_text() {
+    let dir = common::model_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    // What the model copies token for token (checked: greedy, 41 tokens, then its end).
+    let ask = "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n\n\
+               def sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b";
+    let prompt = tokenizer
+        .encode_chat(&[perch_engine::ChatMessage::new("user", ask)])
+        .unwrap();
+    let mut request = GenerateRequest::new(prompt);
+    request.max_tokens = 48;
+    let run = |lookup: Option<PromptLookup>, requests: Vec<GenerateRequest>| {
+        let config = BatchConfig {
+            prompt_lookup: lookup,
+            ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
+        };
+        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+        let outputs = common::drive(&mut batch, requests.into_iter().map(|r| (0, r)).collect());
+        assert_eq!(batch.kv_stats().blocks_used, 0);
+        (outputs, batch.step_times())
+    };
+    let (plain, plain_times) = run(None, vec![request.clone(), request.clone()]);
+    let (looked_up, times) = run(Some(LOOKUP), vec![request.clone(), request.clone()]);
+    for ((a, _), (b, streamed)) in plain.iter().zip(&looked_up) {
+        assert_eq!(a.token_ids, b.token_ids);
+        assert_eq!(&b.text, streamed);
+        assert!(b.token_ids.len() > 30, "{:?}", b.text);
+        assert!(
+            b.stats.accepted_draft_tokens * 2 > b.token_ids.len(),
+            "{:?}",
+            b.stats
+        );
+        assert!(b.stats.accepted_draft_tokens <= b.stats.draft_tokens);
+    }
+    assert_eq!(plain_times.verify_steps, 0);
+    assert!(
+        times.decode_steps * 2 < plain_times.decode_steps,
+        "{} decode steps with prompt lookup, {} without",
+        times.decode_steps,
+        plain_times.decode_steps
+    );
+    // A sampled row in the batch: nobody proposes while it decodes.
+    let mut sampled = request.clone();
+    sampled.sampling.temperature = 0.8;
+    sampled.sampling.seed = Some(3);
+    let (_, mixed) = run(Some(LOOKUP), vec![request, sampled]);
+    assert_eq!(mixed.verify_steps, 0);
 }
 
 /// Seeded sampling with XTC, repetition, presence and frequency penalties, and log-probabilities, run in the batch (whose

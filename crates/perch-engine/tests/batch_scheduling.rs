@@ -29,6 +29,7 @@ fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
         kv_quantization: None,
         slot_attention: Default::default(),
         compile_decode: false,
+        prompt_lookup: None,
         lowered_for_memory: None,
     }
 }

@@ -41,6 +41,7 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
         kv_quantization: None,
         slot_attention: Default::default(),
         compile_decode: false,
+        prompt_lookup: None,
         lowered_for_memory: None,
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");

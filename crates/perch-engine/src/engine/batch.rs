@@ -34,10 +34,10 @@ use mlx_rs::transforms::{async_eval, eval};
 use mlx_rs::{Array, Dtype};
 
 use crate::api::KvCacheStats;
-use crate::api::StepTimes;
 use crate::api::{
     CachePin, FinishReason, GenerateOutput, GenerateRequest, PromptCacheReport, TokenEvent,
 };
+use crate::api::{StepTimes, TokenLogprobs};
 use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::engine::images::{self, SequenceImage};
@@ -53,8 +53,11 @@ use crate::sample::grammar::GrammarState;
 use crate::sample::sampler::Sampler;
 use crate::sample::RecentTokens;
 use crate::sequence::generate::{check_request, kv_options};
+use crate::spec_decode;
+use crate::spec_decode::ngram::{Backoff, PromptLookup};
+use crate::spec_decode::policy::SpecPolicy;
 use crate::text::tokenizer::Tokenizer;
-use crate::worker::runner::{DecodeRow, ModelRunner, Slot};
+use crate::worker::runner::{DecodeRow, ModelRunner, Slot, VerifyRow};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientTally, Lookup};
@@ -104,6 +107,13 @@ pub struct BatchConfig {
     /// Run decode steps through MLX's compiler ([`crate::worker::compiled`]); on by default on GPUs,
     /// where a decode step is bound by the host.
     pub compile_decode: bool,
+    /// Prompt lookup (n-gram) speculative decoding ([`crate::spec_decode`]): while at most
+    /// [`PromptLookup::max_rows`] rows decode and every one is greedy over a plain KV cache, a
+    /// row whose last tokens occurred earlier in its tokens feeds what followed them as
+    /// proposals, and a verify step keeps those the model agrees with. Models with sliding
+    /// layers or recurrent states, sampled rows, log-probabilities, grammars and bounded or
+    /// quantized rows decode a token a step. `None`: off.
+    pub prompt_lookup: Option<PromptLookup>,
     /// The budget was lowered to fit the memory left after loading (errors say so).
     pub lowered_for_memory: Option<crate::memory::LoweredBudget>,
 }
@@ -156,6 +166,7 @@ impl BatchConfig {
             kv_quantization,
             slot_attention: SlotAttention::Auto,
             compile_decode: Self::default_compile_decode(Backend::current()),
+            prompt_lookup: None,
             lowered_for_memory: None,
         }
     }
@@ -313,6 +324,18 @@ pub enum BatchEvent {
     },
 }
 
+/// A decode step as prompt lookup's choice measures it ([`SpecPolicy`]).
+struct DecodedStep {
+    rows: usize,
+    /// A verify step, or a plain one.
+    verified: bool,
+    /// Tokens it produced: one a row for a plain step (handed out by the step after it), the
+    /// emitted ones for a verify step.
+    tokens: usize,
+    /// Of the step's time, the wait for the plain step in flight before it: that step's.
+    previous_seconds: f64,
+}
+
 struct Sequence {
     id: RequestId,
     request: GenerateRequest,
@@ -373,6 +396,8 @@ struct Sequence {
     pins_left: Vec<CachePin>,
     /// Where they end, on block boundaries ([`plan::Waiting::pin_ends`]).
     pin_ends: Vec<usize>,
+    /// Its prompt-lookup proposals' record ([`BatchConfig::prompt_lookup`]).
+    lookup: Backoff,
 }
 
 impl Sequence {
@@ -410,6 +435,26 @@ impl Sequence {
             self.block_hashes = Some((len, kv.block_hashes(&self.tokens)));
         }
         &self.block_hashes.as_ref().expect("set just above").1
+    }
+
+    /// Whether its decode rows may feed proposals ([`BatchConfig::prompt_lookup`]): greedy
+    /// without log-probabilities or a grammar, over a plain KV cache, positions without
+    /// images' shifts.
+    fn may_speculate(&self) -> bool {
+        self.kv.is_plain()
+            && self.sampler.is_plain_greedy()
+            && self.request.logprobs.is_none()
+            && !self.request.next_token_logprobs
+            && self.grammar.is_none()
+            && self.rope.is_none()
+    }
+
+    /// The most tokens it may propose now: it emits at most one more than it proposes, within
+    /// its `max_tokens` and the model's context.
+    fn proposal_room(&self, context_length: usize) -> usize {
+        let left = self.sink.max_tokens().saturating_sub(self.sink.generated);
+        left.saturating_sub(1)
+            .min(context_length.saturating_sub(self.computed + 2))
     }
 
     /// A next-token-logprobs request whose one decode step has run: it waits for its result and
@@ -465,6 +510,10 @@ pub struct BatchGenerator<'m> {
     clients: ClientHistory,
     /// Executes the steps: forward passes, slot caches, sampling, the decode step in flight.
     runner: ModelRunner<'m>,
+    /// Prompt lookup's choice between verify and plain decode steps ([`SpecPolicy`]).
+    spec_policy: SpecPolicy,
+    /// The decode step this step ran, while prompt lookup is on ([`SpecPolicy::record`]).
+    decoded: Option<DecodedStep>,
     next_id: RequestId,
     preemptions: u64,
     /// When a sequence of each lane (`Priority as usize`) last ran: lower lanes' passes are
@@ -522,7 +571,14 @@ impl<'m> BatchGenerator<'m> {
                     perch_sched::shapes::prefill_chunk_bucket(config.prefill_token_budget.max(1)),
                     config.block_size,
                 ),
+            )
+            .with_verify_steps(
+                config
+                    .prompt_lookup
+                    .map(|l| (1 + l.num_draft_tokens, l.max_rows.min(config.max_running))),
             ),
+            spec_policy: SpecPolicy::default(),
+            decoded: None,
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -744,6 +800,7 @@ impl<'m> BatchGenerator<'m> {
                 first_token_at: None,
                 pins_left,
                 pin_ends,
+                lookup: Backoff::default(),
             },
             false,
         );
@@ -1092,8 +1149,20 @@ impl<'m> BatchGenerator<'m> {
         }
         self.prefill(&plan, &mut events)?;
         self.decode(&plan, &mut events)?;
+        let seconds = start.elapsed().as_secs_f64();
+        // What a decode step alone took, for prompt lookup's choice between verify and plain
+        // steps (a step with a prefill pass says nothing about either).
+        if let Some(step) = self.decoded.take() {
+            if plan.prefill.is_none() {
+                let own = seconds - step.previous_seconds;
+                self.spec_policy
+                    .record(step.rows, step.verified, step.tokens, own);
+                self.spec_policy
+                    .charge_plain(step.rows, step.previous_seconds);
+            }
+        }
         self.times.steps += 1;
-        self.times.step_seconds += start.elapsed().as_secs_f64();
+        self.times.step_seconds += seconds;
         Ok(events)
     }
 
@@ -1774,6 +1843,24 @@ impl<'m> BatchGenerator<'m> {
             self.read_in_flight(events)?;
             return Ok(());
         }
+        if let Some(lookup) = self.prompt_lookup(&ready) {
+            // Proposals follow a row's last token: the step in flight is read first (only when
+            // some row proposes after the tokens read so far, so text without repeats keeps
+            // its pipelined steps).
+            let mut previous_seconds = 0.0;
+            if self.runner.has_in_flight() {
+                let start = Instant::now();
+                self.read_in_flight(events)?;
+                previous_seconds = start.elapsed().as_secs_f64();
+                ready = self.decode_rows(plan);
+            }
+            if ready.is_empty() || self.verify(&ready, lookup, events)? {
+                if let Some(step) = &mut self.decoded {
+                    step.previous_seconds = previous_seconds;
+                }
+                return Ok(());
+            }
+        }
         let start = Instant::now();
         self.enter_decode_slots(&ready)?;
         let mut first_steps = 0;
@@ -1820,6 +1907,18 @@ impl<'m> BatchGenerator<'m> {
         self.times.decode_build_seconds += built;
         self.times.decode_seconds += start.elapsed().as_secs_f64();
         self.times.decode_steps += 1;
+        if self
+            .config
+            .prompt_lookup
+            .is_some_and(|lookup| ready.len() <= lookup.max_rows)
+        {
+            self.decoded = Some(DecodedStep {
+                rows: ready.len(),
+                verified: false,
+                tokens: ready.len(),
+                previous_seconds: 0.0,
+            });
+        }
         self.prompt_throughput.record(first_steps);
         self.read_in_flight(events)?;
         if self.model.has_sliding_window_layers() {
@@ -1839,6 +1938,130 @@ impl<'m> BatchGenerator<'m> {
             self.runner.set_in_flight(step);
         }
         Ok(())
+    }
+
+    /// Prompt lookup's settings when this decode step may verify proposals
+    /// ([`BatchConfig::prompt_lookup`]): at most `max_rows` rows, each one that may speculate
+    /// ([`Sequence::may_speculate`]) in a batch whose rows all keep plain KV caches of a model
+    /// without sliding layers or recurrent states, some row proposing after the tokens read so
+    /// far, and verify steps giving more tokens a second than plain ones at this row count
+    /// lately ([`SpecPolicy`]).
+    fn prompt_lookup(&mut self, ready: &[usize]) -> Option<PromptLookup> {
+        let lookup = self.config.prompt_lookup?;
+        if ready.len() > lookup.max_rows
+            || self.model.has_sliding_window_layers()
+            || self.store.has_recurrent_layers()
+            || self.running.iter().any(|s| !s.kv.is_plain())
+            || !ready.iter().all(|&i| self.running[i].may_speculate())
+        {
+            return None;
+        }
+        let context = self.model.info().context_length;
+        let proposes = ready.iter().any(|&i| {
+            let seq = &self.running[i];
+            seq.lookup.proposes(seq.tokens.len())
+                && !lookup
+                    .propose(&seq.tokens, seq.proposal_room(context))
+                    .is_empty()
+        });
+        (proposes && (!lookup.adaptive || self.spec_policy.verify_next(ready.len())))
+            .then_some(lookup)
+    }
+
+    /// A verify step ([`ModelRunner::verify`]) of the `ready` rows, with nothing in flight: each
+    /// row feeds its last token and the tokens prompt lookup proposes after it (those the pool
+    /// has free blocks for: proposals never preempt), keeps the proposals the model agrees
+    /// with ([`spec_decode::accepted`]), emits the model's token after them, and gives back the
+    /// positions of the rest. Returns false, having run nothing, when no row proposes.
+    fn verify(
+        &mut self,
+        ready: &[usize],
+        lookup: PromptLookup,
+        events: &mut Vec<BatchEvent>,
+    ) -> Result<bool> {
+        let context = self.model.info().context_length;
+        let mut fed: Vec<Vec<u32>> = Vec::with_capacity(ready.len());
+        for &i in ready {
+            let seq = &self.running[i];
+            let mut tokens = vec![*seq.tokens.last().expect("non-empty")];
+            if seq.lookup.proposes(seq.tokens.len()) {
+                let proposed = lookup.propose(&seq.tokens, seq.proposal_room(context));
+                if !proposed.is_empty()
+                    && self.kv.allocate(
+                        &mut self.store,
+                        seq.id,
+                        seq.computed,
+                        1 + proposed.len(),
+                        None,
+                    )
+                {
+                    tokens.extend_from_slice(proposed);
+                }
+            }
+            fed.push(tokens);
+        }
+        if fed.iter().all(|f| f.len() == 1) {
+            return Ok(false);
+        }
+        let start = Instant::now();
+        self.enter_decode_slots(ready)?;
+        let rows: Vec<VerifyRow> = ready
+            .iter()
+            .zip(&fed)
+            .map(|(&i, fed)| match self.running[i].slot {
+                Some(Slot::Decode(row)) => VerifyRow { row, fed },
+                _ => unreachable!("a ready sequence is in a decode slot"),
+            })
+            .collect();
+        let targets = self.runner.verify(&rows)?;
+        let waited = start.elapsed().as_secs_f64();
+        let mut done = Vec::new();
+        let (mut generated, mut first_steps) = (0, 0);
+        for ((&i, fed), targets) in ready.iter().zip(&fed).zip(&targets) {
+            let seq = &mut self.running[i];
+            let Some(Slot::Decode(row)) = seq.slot else {
+                unreachable!("a ready sequence is in a decode slot")
+            };
+            first_steps +=
+                usize::from(seq.computed + 1 == seq.tokens.len() && seq.first_token_at.is_none());
+            seq.first_token_at
+                .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
+            let proposed = &fed[1..];
+            let accepted = spec_decode::accepted(proposed, targets);
+            let mut emitted = 0;
+            for (place, &token) in targets[..=accepted].iter().enumerate() {
+                emitted += 1;
+                if emit(seq, self.tokenizer, token, None, place < accepted, events)? {
+                    done.push(seq.id);
+                    break;
+                }
+            }
+            generated += emitted;
+            // The fed tokens whose successors were emitted are the cache's; the rest go.
+            seq.computed += emitted;
+            self.runner.rewind(row, fed.len() - emitted)?;
+            let stats = &mut seq.sink.output.stats;
+            stats.draft_tokens += proposed.len();
+            stats.accepted_draft_tokens += accepted.min(emitted);
+            seq.lookup
+                .record(proposed.len(), accepted, seq.tokens.len());
+            self.times.draft_tokens += proposed.len() as u64;
+            self.times.accepted_draft_tokens += accepted.min(emitted) as u64;
+        }
+        self.times.decode_seconds += start.elapsed().as_secs_f64();
+        self.times.decode_wait_seconds += waited;
+        self.times.decode_steps += 1;
+        self.times.verify_steps += 1;
+        self.decoded = Some(DecodedStep {
+            rows: ready.len(),
+            verified: true,
+            tokens: generated,
+            previous_seconds: 0.0,
+        });
+        self.prompt_throughput.record(first_steps);
+        self.generation_throughput.record(generated);
+        self.finish_done(done, events)?;
+        Ok(true)
     }
 
     /// The indices of the plan's decode rows still running (in order: the plan's rows follow the
@@ -1904,26 +2127,24 @@ impl<'m> BatchGenerator<'m> {
                 continue;
             }
             generated += 1;
-            seq.tokens.push(step.token);
-            if let Some(grammar) = &mut seq.grammar {
-                grammar.consume(step.token);
-            }
-            match seq.sink.push(self.tokenizer, step.token, step.logprobs)? {
-                Pushed::Token(event) => events.push(BatchEvent::Token {
-                    request: seq.id,
-                    event,
-                }),
-                Pushed::Last(event) => {
-                    events.extend(event.map(|event| BatchEvent::Token {
-                        request: seq.id,
-                        event,
-                    }));
-                    done.push(seq.id);
-                }
+            if emit(
+                seq,
+                self.tokenizer,
+                step.token,
+                step.logprobs,
+                false,
+                events,
+            )? {
+                done.push(seq.id);
             }
         }
         self.generation_throughput.record(generated);
         self.times.token_seconds += start.elapsed().as_secs_f64() - waited;
+        self.finish_done(done, events)
+    }
+
+    /// Finishes the running sequences `done` ([`BatchGenerator::finish`]).
+    fn finish_done(&mut self, done: Vec<RequestId>, events: &mut Vec<BatchEvent>) -> Result<()> {
         for id in done {
             let pos = self
                 .running
@@ -2045,6 +2266,37 @@ impl<'m> BatchGenerator<'m> {
         self.preemptions += 1;
         Ok(())
     }
+}
+
+/// Hands `seq` its next token: into its tokens, its grammar and its stream (an event, marked
+/// `from_draft` for an accepted proposal). Returns whether the sequence is done.
+fn emit(
+    seq: &mut Sequence,
+    tokenizer: &Tokenizer,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+    from_draft: bool,
+    events: &mut Vec<BatchEvent>,
+) -> Result<bool> {
+    seq.tokens.push(token);
+    if let Some(grammar) = &mut seq.grammar {
+        grammar.consume(token);
+    }
+    let request = seq.id;
+    Ok(match seq.sink.push(tokenizer, token, logprobs)? {
+        Pushed::Token(mut event) => {
+            event.from_draft = from_draft;
+            events.push(BatchEvent::Token { request, event });
+            false
+        }
+        Pushed::Last(event) => {
+            events.extend(event.map(|mut event| {
+                event.from_draft = from_draft;
+                BatchEvent::Token { request, event }
+            }));
+            true
+        }
+    })
 }
 
 /// [`KvCacheManager::get_computed_blocks`] cut to the blocks a cache that keeps every position

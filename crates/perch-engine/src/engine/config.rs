@@ -7,6 +7,7 @@ use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::engine::batch::BatchConfig;
 use crate::kv::slot_cache::SlotAttention;
+use crate::spec_decode::ngram::PromptLookup;
 
 /// Engine settings.
 #[derive(Clone, Debug)]
@@ -60,6 +61,9 @@ pub struct EngineConfig {
     /// must be the model's; loading fails otherwise. Such requests run beside the batch, one
     /// round of proposals each per engine step (see [`crate::sequence::speculative`]).
     pub draft_model: Option<PathBuf>,
+    /// Prompt lookup (n-gram) speculative decoding in the batch for greedy requests (see
+    /// [`BatchConfig::prompt_lookup`]); off by default.
+    pub prompt_lookup: Option<PromptLookup>,
     /// How long the engine keeps the model in memory once idle ([`KeepAlive`]); requests may
     /// change it ([`crate::GenerateRequest::keep_alive`]). Never unloads by default (the CLI's
     /// one-off commands); `perch serve` and the app unload after an idle hour unless told
@@ -116,6 +120,7 @@ impl Default for EngineConfig {
             arrival_window: Self::default_arrival_window(Backend::current()),
             max_queued_requests: Self::DEFAULT_MAX_QUEUED_REQUESTS,
             draft_model: None,
+            prompt_lookup: None,
             keep_alive: KeepAlive::Forever,
             fault_injection: FaultInjection::default(),
         }

@@ -485,6 +485,7 @@ fn serve_model(
         prefill_token_budget,
         slot_attention: config.slot_attention,
         compile_decode: config.compile_decode,
+        prompt_lookup: config.prompt_lookup,
         lowered_for_memory: memory.lowered,
         ..BatchConfig::for_budget(
             model,

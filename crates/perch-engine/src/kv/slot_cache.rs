@@ -1494,6 +1494,40 @@ impl SlotKvCache {
         Ok(())
     }
 
+    /// Forgets the last `n` positions of occupied slot `slot` (speculative decoding's rejected
+    /// proposals): its length drops by `n` and its next step writes over them. Only a row that
+    /// holds every position in entries of their own can: an error for a bounded or quantized
+    /// row, a cache with sliding layers' rings (a ring entry held an older position before it
+    /// was overwritten) or recurrent states (a state cannot go back), and for `n` beyond the
+    /// row's length.
+    pub fn rewind(&mut self, slot: usize, n: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let refuse = |why: &str| -> Result<()> {
+            Err(
+                mlx_rs::error::Exception::custom(format!("cannot rewind slot {slot}: {why}"))
+                    .into(),
+            )
+        };
+        if self.rings.is_some() || self.has_recurrent_layers() {
+            return refuse(
+                "sliding-window rings and recurrent states do not keep what they replace",
+            );
+        }
+        if !self.row_kv.get(slot).is_some_and(RowKv::is_plain) {
+            return refuse("a bounded or quantized row does not keep every position as written");
+        }
+        match self.lengths.get_mut(slot) {
+            Some(Some(len)) if *len >= n => {
+                *len -= n;
+                Ok(())
+            }
+            Some(Some(len)) => refuse(&format!("{n} positions asked of {len}")),
+            _ => refuse("a free slot"),
+        }
+    }
+
     /// Positions `[start, end)` of `slot` in layer `layer`, in buffers of their own, shaped as
     /// [`KvCache::copy_parts`] returns them (`[1, kv_heads, end - start, last]`; lazy). For a
     /// recurrent layer, as [`KvCache::block_parts`]: its state `[conv, ssm]` when `end` is the
@@ -1711,6 +1745,41 @@ mod tests {
                 cache
             })
             .collect()
+    }
+
+    /// Rejected proposals are forgotten: a rewound row's next step writes over them, its
+    /// earlier positions untouched; rows that do not keep what they replace refuse.
+    #[test]
+    fn a_rewound_row_writes_over_its_forgotten_positions() {
+        let caches = counting_caches(4, |_| 1.0);
+        let mut slots = SlotKvCache::new(2, None);
+        let slot = slots.push(&caches, 4, RowKv::Plain).unwrap();
+        let write = |slots: &mut SlotKvCache, values: &[f32]| {
+            let n = values.len();
+            let step = slots.begin_step(n, &[n]).unwrap();
+            let kv = Array::from_slice(values, &[1, 1, n as i32, 1]);
+            for layer in 0..2 {
+                slots.update_and_fetch(layer, &step, &kv, &kv).unwrap();
+            }
+            slots.end_step(&[n]).unwrap();
+        };
+        write(&mut slots, &[10.0, 11.0, 12.0]);
+        slots.rewind(slot, 2).unwrap();
+        assert_eq!(slots.slot_len(slot), 5);
+        write(&mut slots, &[20.0]);
+        assert_eq!(
+            held(&slots, slot, 1, 0, 6),
+            [0.0, 1.0, 2.0, 3.0, 10.0, 20.0]
+        );
+        assert!(slots.rewind(slot, 7).is_err(), "more than it holds");
+        assert!(slots.rewind(slot + 1, 1).is_err(), "a free slot");
+        let mut rings = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
+        let ring_slot = rings.push(&caches, 4, RowKv::Plain).unwrap();
+        assert!(rings.rewind(ring_slot, 1).is_err());
+        let mut bounded = SlotKvCache::new(2, None);
+        let limit = KvLimit::new(16, 4).unwrap();
+        let bounded_slot = bounded.push(&caches, 4, RowKv::Bounded(limit)).unwrap();
+        assert!(bounded.rewind(bounded_slot, 1).is_err());
     }
 
     /// A sliding layer's ring stops at its size while a global layer's buffers grow with the

@@ -97,6 +97,9 @@ pub(crate) struct ModelRunner<'m> {
     max_prefill_tokens: usize,
     /// Decode steps run at each row count, while [`ModelRunner::print_step_graph`] is on.
     graph_steps: std::collections::HashMap<usize, usize>,
+    /// With speculative decoding in the batch: the tokens a row feeds in a verify step (every
+    /// verify step is this wide, so that MLX meets few shapes) and the most rows one has.
+    verify_steps: Option<(usize, usize)>,
 }
 
 impl<'m> ModelRunner<'m> {
@@ -132,7 +135,15 @@ impl<'m> ModelRunner<'m> {
             in_flight: None,
             max_prefill_tokens,
             graph_steps: Default::default(),
+            verify_steps: None,
         }
+    }
+
+    /// This runner with verify steps of `(width, max_rows)` ([`ModelRunner::verify`]), which
+    /// warm-up then meets too.
+    pub fn with_verify_steps(mut self, verify_steps: Option<(usize, usize)>) -> Self {
+        self.verify_steps = verify_steps;
+        self
     }
 
     /// One decode step over the decode slot cache `slots` (the runner's or a scratch one set up
@@ -156,8 +167,9 @@ impl<'m> ModelRunner<'m> {
     /// meets those shapes before requests do: its CUDA backend spends tens of milliseconds on
     /// each new one (a first-call cost a running stream would otherwise see as one slow token),
     /// and compiled steps are traced. Then, where long sequences at the largest row bucket are
-    /// read another way (CUDA's explicit read), one step of that shape. Returns the number of
-    /// shapes run.
+    /// read another way (CUDA's explicit read), one step of that shape. With verify steps
+    /// ([`ModelRunner::with_verify_steps`]), one of each row bucket up to their rows too.
+    /// Returns the number of shapes run.
     pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
         let mut slots = self.slots.decode.empty_like();
         let mut shapes = 0;
@@ -169,10 +181,14 @@ impl<'m> ModelRunner<'m> {
             // A cache with no buffers steps uncompiled, which creates them: the first shape
             // steps twice so that its compiled form is met too.
             if self.compiled_decode.is_some() && !slots.has_buffers() {
-                self.warm_up_step(&mut slots)?;
+                self.warm_up_step(&mut slots, 1)?;
             }
-            self.warm_up_step(&mut slots)?;
+            self.warm_up_step(&mut slots, 1)?;
             shapes += 1;
+            if let Some((width, _)) = self.verify_steps.filter(|&(_, rows)| n <= rows) {
+                self.warm_up_step(&mut slots, width)?;
+                shapes += 1;
+            }
         }
         // Long sequences at the largest row bucket may be read another way (explicitly on
         // CUDA, see `SlotAttention`): one step there meets that graph's kernels now too, which
@@ -185,7 +201,7 @@ impl<'m> ModelRunner<'m> {
             }
             let backend = Backend::current();
             if long.read(backend, 1) != slots.read(backend, 1) {
-                self.warm_up_step(&mut long)?;
+                self.warm_up_step(&mut long, 1)?;
                 shapes += 1;
             }
         }
@@ -218,13 +234,17 @@ impl<'m> ModelRunner<'m> {
         Ok(())
     }
 
-    /// Runs one decode step of a lone sequence of `positions` zeroed positions over a scratch
-    /// decode cache, argmax included, evaluated (see
+    /// Runs one decode step (and verify step, with them) of a lone sequence of `positions`
+    /// zeroed positions over a scratch decode cache, argmax included, evaluated (see
     /// [`perch_sched::scheduler::decode_warm_up_positions`]); changes nothing in the batch.
     pub fn warm_up_decode_at(&mut self, positions: usize) -> Result<()> {
         let mut long = self.slots.decode.empty_like();
         long.push_zeros(&self.shaped_like(&self.slots.decode)?, positions)?;
-        self.warm_up_step(&mut long)
+        self.warm_up_step(&mut long, 1)?;
+        match self.verify_steps {
+            Some((width, _)) => self.warm_up_step(&mut long, width),
+            None => Ok(()),
+        }
     }
 
     /// An empty cache like `cache` holding one empty sequence whose buffers a one-token step
@@ -239,10 +259,11 @@ impl<'m> ModelRunner<'m> {
     }
 
     /// One decode step of warm-up over the scratch cache `slots` (its sequences keep their
-    /// lengths), argmax included, evaluated.
-    fn warm_up_step(&mut self, slots: &mut SlotKvCache) -> Result<()> {
+    /// lengths), `width` tokens a row (a verify step's when more than one), argmax included,
+    /// evaluated.
+    fn warm_up_step(&mut self, slots: &mut SlotKvCache, width: usize) -> Result<()> {
         let rows = slots.rows() as i32;
-        let ids = Array::from_slice(&vec![0u32; slots.rows()], &[rows, 1]);
+        let ids = Array::from_slice(&vec![0u32; slots.rows() * width], &[rows, width as i32]);
         let unchanged = vec![0; slots.slots()];
         let logits = Self::forward_decode(
             self.model,
@@ -251,7 +272,8 @@ impl<'m> ModelRunner<'m> {
             slots,
             &unchanged,
         )?;
-        let greedy = greedy_tokens(&logits.reshape(&[rows, -1])?)?;
+        let vocab = logits.shape()[2];
+        let greedy = greedy_tokens(&logits.reshape(&[-1, vocab])?)?;
         eval(std::iter::once(&greedy).chain(slots.state()))?;
         Ok(())
     }
@@ -558,6 +580,64 @@ impl<'m> ModelRunner<'m> {
             })
             .collect();
         Ok(Some((tokens, waited)))
+    }
+}
+
+/// One row of a verify step ([`ModelRunner::verify`]).
+pub(crate) struct VerifyRow<'a> {
+    /// Its decode slot.
+    pub row: usize,
+    /// What it feeds: its sequence's last token, then the proposals.
+    pub fed: &'a [u32],
+}
+
+impl ModelRunner<'_> {
+    /// A verify step of speculative decoding ([`crate::spec_decode`]): each row of `rows`
+    /// feeds its tokens in one forward pass over the decode slot cache (padded to the longest,
+    /// compiled when decode steps are), and the model's greedy token after each of them comes
+    /// back, per row in `rows`' order (`fed.len()` tokens each). Waits for the device: the
+    /// tokens it accepts decide what the next step feeds. Each row's slot holds `fed.len()`
+    /// more positions afterwards (the other occupied slots one, as in a decode step); those of
+    /// rejected proposals are given back with [`ModelRunner::rewind`]. No decode step may be
+    /// in flight.
+    pub fn verify(&mut self, rows: &[VerifyRow]) -> Result<Vec<Vec<u32>>> {
+        debug_assert!(self.in_flight.is_none(), "the step in flight is read first");
+        // One width on GPUs, whose backends pay for each new shape; the CPU computes what it is
+        // given, so there the longest row's.
+        let longest = rows.iter().map(|r| r.fed.len()).max().unwrap_or(1);
+        let width = match self.verify_steps {
+            Some((width, _)) if Backend::current() != Backend::Cpu => width.max(longest),
+            _ => longest,
+        };
+        let decode = &mut self.slots.decode;
+        let num_rows = decode.rows();
+        let mut ids = vec![0u32; num_rows * width];
+        let mut new_tokens = vec![1; decode.slots()];
+        for r in rows {
+            ids[r.row * width..r.row * width + r.fed.len()].copy_from_slice(r.fed);
+            new_tokens[r.row] = r.fed.len();
+        }
+        let ids = Array::from_slice(&ids, &[num_rows as i32, width as i32]);
+        let logits = Self::forward_decode(
+            self.model,
+            self.compiled_decode.as_mut(),
+            &ids,
+            decode,
+            &new_tokens,
+        )?;
+        let vocab = logits.shape()[2];
+        let greedy = greedy_tokens(&logits.reshape(&[-1, vocab])?)?;
+        eval(std::iter::once(&greedy).chain(self.slots.decode.state()))?;
+        let greedy = greedy.as_slice::<u32>();
+        Ok(rows
+            .iter()
+            .map(|r| greedy[r.row * width..r.row * width + r.fed.len()].to_vec())
+            .collect())
+    }
+
+    /// Forgets the last `n` positions of decode slot `row` ([`SlotKvCache::rewind`]).
+    pub fn rewind(&mut self, row: usize, n: usize) -> Result<()> {
+        self.slots.decode.rewind(row, n)
     }
 }
 

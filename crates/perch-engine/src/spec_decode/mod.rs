@@ -1,0 +1,39 @@
+//! Speculative decoding inside the batch (vLLM v1's `spec_decode`): proposers guess a decode
+//! row's next tokens on the host, the batch's verify step feeds each row its last token and the
+//! guesses in one forward pass, and the guesses are kept while they equal the model's own greedy
+//! tokens ([`accepted`]). The emitted tokens are the model's greedy tokens exactly (up to the
+//! reduction order of a pass of several tokens a row), each verify step emitting between one
+//! and `1 + guesses` of them a row.
+//!
+//! Proposers: prompt lookup ([`ngram`]), which needs no draft model. Speculative decoding with a
+//! draft model still runs one sequence beside the batch ([`crate::sequence::speculative`]).
+
+pub mod ngram;
+pub mod policy;
+
+/// How many of `proposed` a verify pass accepts, given `targets`: the model's greedy token after
+/// the row's last token and after each proposal (`targets.len() == proposed.len() + 1`).
+/// Proposals are accepted while each equals the model's token at its place; the model's token
+/// after the last accepted one is emitted too (a correction, or a bonus token when all were
+/// accepted), so a round emits `targets[..=accepted]`.
+pub fn accepted(proposed: &[u32], targets: &[u32]) -> usize {
+    debug_assert_eq!(targets.len(), proposed.len() + 1, "a target per place");
+    proposed
+        .iter()
+        .zip(targets)
+        .take_while(|(p, t)| p == t)
+        .count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::accepted;
+
+    #[test]
+    fn proposals_are_accepted_up_to_the_first_difference() {
+        assert_eq!(accepted(&[], &[7]), 0);
+        assert_eq!(accepted(&[1, 2, 3], &[1, 2, 3, 4]), 3);
+        assert_eq!(accepted(&[1, 2, 3], &[1, 5, 3, 4]), 1);
+        assert_eq!(accepted(&[1, 2, 3], &[9, 2, 3, 4]), 0);
+    }
+}
