@@ -540,9 +540,16 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
     let every_layer = perch_engine::testing::kv_bytes_per_token(model, None);
     let config = BatchConfig {
         compile_decode: false,
+        // A sliding model's rows never verify proposals: its steps and warm-up stay one token
+        // a row (a wider step at a long position is one its rings refuse).
+        prompt_lookup: Some(perch_engine::PromptLookup::default()),
         ..BatchConfig::for_budget(model, 5000 * every_layer, 16, None)
     };
     let mut batch = BatchGenerator::new(model, &tokenizer, config, "long");
+    batch.queue_idle_warm_up();
+    while batch.idle_warm_ups_left() > 0 {
+        batch.warm_up_idle().expect("every idle warm-up pass runs");
+    }
     let turn1: Vec<u32> = prompt.iter().cycle().take(6000).copied().collect();
     let outputs = common::drive(&mut batch, vec![(0, request(turn1.clone()))]);
     let answer = &outputs[0].0.token_ids;

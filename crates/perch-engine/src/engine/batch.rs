@@ -573,8 +573,10 @@ impl<'m> BatchGenerator<'m> {
                 ),
             )
             .with_verify_steps(
+                // Models whose rows never verify (sliding rings, recurrent states) warm none.
                 config
                     .prompt_lookup
+                    .filter(|_| !model.has_sliding_window_layers() && !model.has_recurrent_layers())
                     .map(|l| (1 + l.num_draft_tokens, l.max_rows.min(config.max_running))),
             ),
             spec_policy: SpecPolicy::default(),
@@ -1844,6 +1846,7 @@ impl<'m> BatchGenerator<'m> {
             return Ok(());
         }
         if let Some(lookup) = self.prompt_lookup(&ready) {
+            let rows = ready.len();
             // Proposals follow a row's last token: the step in flight is read first (only when
             // some row proposes after the tokens read so far, so text without repeats keeps
             // its pipelined steps).
@@ -1856,6 +1859,8 @@ impl<'m> BatchGenerator<'m> {
             }
             if ready.is_empty() || self.verify(&ready, lookup, events)? {
                 if let Some(step) = &mut self.decoded {
+                    // Measured at the rows it was chosen for (the read may have ended some).
+                    step.rows = rows;
                     step.previous_seconds = previous_seconds;
                 }
                 return Ok(());
@@ -1945,7 +1950,7 @@ impl<'m> BatchGenerator<'m> {
     /// ([`Sequence::may_speculate`]) in a batch whose rows all keep plain KV caches of a model
     /// without sliding layers or recurrent states, some row proposing after the tokens read so
     /// far, and verify steps giving more tokens a second than plain ones at this row count
-    /// lately ([`SpecPolicy`]).
+    /// lately ([`SpecPolicy`], at `ready.len()` rows: the count the step is measured at).
     fn prompt_lookup(&mut self, ready: &[usize]) -> Option<PromptLookup> {
         let lookup = self.config.prompt_lookup?;
         if ready.len() > lookup.max_rows
@@ -1956,15 +1961,20 @@ impl<'m> BatchGenerator<'m> {
         {
             return None;
         }
+        // The choice first: where plain steps pay, nobody's tokens are scanned.
+        if lookup.adaptive && !self.spec_policy.verify_next(ready.len()) {
+            return None;
+        }
         let context = self.model.info().context_length;
-        let proposes = ready.iter().any(|&i| {
-            let seq = &self.running[i];
-            seq.lookup.proposes(seq.tokens.len())
-                && !lookup
-                    .propose(&seq.tokens, seq.proposal_room(context))
-                    .is_empty()
-        });
-        (proposes && (!lookup.adaptive || self.spec_policy.verify_next(ready.len())))
+        ready
+            .iter()
+            .any(|&i| {
+                let seq = &self.running[i];
+                seq.lookup.proposes(seq.tokens.len())
+                    && !lookup
+                        .propose(&seq.tokens, seq.proposal_room(context))
+                        .is_empty()
+            })
             .then_some(lookup)
     }
 

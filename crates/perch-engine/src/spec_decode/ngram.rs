@@ -43,6 +43,9 @@ impl Default for PromptLookup {
 impl PromptLookup {
     /// The most tokens a round may propose, and the longest n-gram looked up.
     pub const MAX_DRAFT_TOKENS: usize = 16;
+    /// How far back a suffix is looked up, in tokens: a step's scan costs at most this much per
+    /// row on the host, however long the conversation.
+    pub const MAX_LOOKBACK: usize = 16_384;
 
     /// Checks the settings: at least one token proposed and at most
     /// [`PromptLookup::MAX_DRAFT_TOKENS`], `1 <= min_ngram <= max_ngram <=`
@@ -69,8 +72,8 @@ impl PromptLookup {
 
     /// Up to `limit` (and [`PromptLookup::num_draft_tokens`]) tokens to propose after
     /// `tokens`: those after the latest earlier occurrence of `tokens`' longest suffix of
-    /// `min_ngram..=max_ngram` tokens; empty when none occurs earlier. One pass over `tokens`,
-    /// from the end.
+    /// `min_ngram..=max_ngram` tokens; empty when none occurs earlier. One pass over the last
+    /// [`PromptLookup::MAX_LOOKBACK`] tokens, from the end.
     pub fn propose<'t>(&self, tokens: &'t [u32], limit: usize) -> &'t [u32] {
         let limit = limit.min(self.num_draft_tokens);
         let (min, len) = (self.min_ngram.max(1), tokens.len());
@@ -81,7 +84,7 @@ impl PromptLookup {
         let suffix = &tokens[len - min..];
         // (length of the match, end of the earlier occurrence), the longest and latest.
         let mut best: Option<(usize, usize)> = None;
-        for end in (min..len).rev() {
+        for end in (min.max(len.saturating_sub(Self::MAX_LOOKBACK))..len).rev() {
             if tokens[end - min..end] != *suffix {
                 continue;
             }
@@ -171,6 +174,21 @@ mod tests {
         // A one-token suffix only with min_ngram 1.
         assert!(l.propose(&[4, 1, 5, 4], 8).is_empty());
         assert_eq!(lookup(3, 1, 4).propose(&[4, 1, 5, 4], 8), &[1, 5, 4]);
+    }
+
+    #[test]
+    fn lookups_reach_back_a_bounded_number_of_tokens() {
+        let l = lookup(3, 2, 4);
+        let between = |n: u32| (10..10 + n).collect::<Vec<u32>>();
+        let tokens = [&[1, 2, 3][..], &between(100), &[1, 2]].concat();
+        assert_eq!(l.propose(&tokens, 8), &[3, 10, 11]);
+        let far = [
+            &[1, 2, 3][..],
+            &between(PromptLookup::MAX_LOOKBACK as u32),
+            &[1, 2],
+        ]
+        .concat();
+        assert!(l.propose(&far, 8).is_empty());
     }
 
     #[test]

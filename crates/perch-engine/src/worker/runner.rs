@@ -168,7 +168,7 @@ impl<'m> ModelRunner<'m> {
     /// each new one (a first-call cost a running stream would otherwise see as one slow token),
     /// and compiled steps are traced. Then, where long sequences at the largest row bucket are
     /// read another way (CUDA's explicit read), one step of that shape. With verify steps
-    /// ([`ModelRunner::with_verify_steps`]), one of each row bucket up to their rows too.
+    /// ([`ModelRunner::with_verify_steps`]), one of each row bucket up to twice their rows too.
     /// Returns the number of shapes run.
     pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
         let mut slots = self.slots.decode.empty_like();
@@ -185,7 +185,12 @@ impl<'m> ModelRunner<'m> {
             }
             self.warm_up_step(&mut slots, 1)?;
             shapes += 1;
-            if let Some((width, _)) = self.verify_steps.filter(|&(_, rows)| n <= rows) {
+            // Verify steps run with up to `rows` rows ready, in a cache of up to twice as many
+            // (free slots are compacted only once the rest fit half the rows).
+            if let Some((width, _)) = self
+                .verify_steps
+                .filter(|&(_, rows)| row_bucket(n) <= row_bucket(2 * rows))
+            {
                 self.warm_up_step(&mut slots, width)?;
                 shapes += 1;
             }
@@ -241,10 +246,17 @@ impl<'m> ModelRunner<'m> {
         let mut long = self.slots.decode.empty_like();
         long.push_zeros(&self.shaped_like(&self.slots.decode)?, positions)?;
         self.warm_up_step(&mut long, 1)?;
-        match self.verify_steps {
-            Some((width, _)) => self.warm_up_step(&mut long, width),
-            None => Ok(()),
-        }
+        let Some((width, _)) = self.verify_steps else {
+            return Ok(());
+        };
+        // A verify step's capacity holds its row's `width` new positions: the same capacity
+        // bucket as the decode step's starts that many positions earlier.
+        let mut long = self.slots.decode.empty_like();
+        long.push_zeros(
+            &self.shaped_like(&self.slots.decode)?,
+            positions.saturating_sub(width - 1),
+        )?;
+        self.warm_up_step(&mut long, width)
     }
 
     /// An empty cache like `cache` holding one empty sequence whose buffers a one-token step
@@ -265,17 +277,26 @@ impl<'m> ModelRunner<'m> {
         let rows = slots.rows() as i32;
         let ids = Array::from_slice(&vec![0u32; slots.rows() * width], &[rows, width as i32]);
         let unchanged = vec![0; slots.slots()];
-        let logits = Self::forward_decode(
-            self.model,
-            self.compiled_decode.as_mut(),
-            &ids,
-            slots,
-            &unchanged,
-        )?;
+        let compiled = self.compiled_decode.as_mut();
+        Self::greedy_step(self.model, compiled, &ids, slots, &unchanged)?;
+        Ok(())
+    }
+
+    /// One step of `ids` `[rows, width]` over `slots` (slot `s` then holds `new_tokens[s]` more
+    /// positions) and its greedy token at every position, `[rows * width]`, evaluated with the
+    /// cache.
+    fn greedy_step(
+        model: &dyn Model,
+        compiled: Option<&mut CompiledSlotForward>,
+        ids: &Array,
+        slots: &mut SlotKvCache,
+        new_tokens: &[usize],
+    ) -> Result<Array> {
+        let logits = Self::forward_decode(model, compiled, ids, slots, new_tokens)?;
         let vocab = logits.shape()[2];
         let greedy = greedy_tokens(&logits.reshape(&[-1, vocab])?)?;
         eval(std::iter::once(&greedy).chain(slots.state()))?;
-        Ok(())
+        Ok(greedy)
     }
 
     /// Decode steps run through MLX's compiler so far.
@@ -618,16 +639,8 @@ impl ModelRunner<'_> {
             new_tokens[r.row] = r.fed.len();
         }
         let ids = Array::from_slice(&ids, &[num_rows as i32, width as i32]);
-        let logits = Self::forward_decode(
-            self.model,
-            self.compiled_decode.as_mut(),
-            &ids,
-            decode,
-            &new_tokens,
-        )?;
-        let vocab = logits.shape()[2];
-        let greedy = greedy_tokens(&logits.reshape(&[-1, vocab])?)?;
-        eval(std::iter::once(&greedy).chain(self.slots.decode.state()))?;
+        let compiled = self.compiled_decode.as_mut();
+        let greedy = Self::greedy_step(self.model, compiled, &ids, decode, &new_tokens)?;
         let greedy = greedy.as_slice::<u32>();
         Ok(rows
             .iter()
