@@ -136,8 +136,8 @@ impl Store {
         Ok(())
     }
 
-    /// The engine configuration the settings ask for (KV budget, block size, draft model, idle
-    /// unload).
+    /// The engine configuration the settings ask for (KV budget, block size, draft model, prompt
+    /// lookup, idle unload).
     /// Errors when the draft model is neither a model directory nor a downloaded Hub id.
     pub fn engine_config(&self) -> Result<EngineConfig, CommandError> {
         let settings = self.lock_settings()?;
@@ -154,6 +154,9 @@ impl Store {
             kv_cache_bytes: settings.kv_cache_bytes,
             block_size: settings.block_size,
             draft_model,
+            prompt_lookup: settings
+                .prompt_lookup
+                .then(perch_engine::PromptLookup::default),
             keep_alive: match settings.unload_after_idle_secs {
                 Some(secs) => KeepAlive::Idle(std::time::Duration::from_secs(secs)),
                 None => KeepAlive::Forever,

@@ -1427,6 +1427,15 @@ fn the_idle_unload_setting_reaches_the_engine() {
     invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
     let config = app.state::<Store>().engine_config().unwrap();
     assert_eq!(config.keep_alive, perch_engine::KeepAlive::Forever);
+    // Prompt lookup: off by default, its engine defaults when on.
+    assert_eq!(config.prompt_lookup, None);
+    settings["prompt_lookup"] = json!(true);
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    let config = app.state::<Store>().engine_config().unwrap();
+    assert_eq!(
+        config.prompt_lookup,
+        Some(perch_engine::PromptLookup::default())
+    );
     invoke(&window, "load_model", json!({"path": model_dir()})).unwrap();
     let stats = invoke(&window, "engine_stats", json!({})).unwrap();
     assert_eq!(stats["residency"], json!({"state": "loaded"}), "{stats}");

@@ -151,6 +151,7 @@ export function SettingsView({ api, visible, inert, handle }) {
             <label class="wide">Models directory <input type="text" data-optional data-setting="models_dir" placeholder={view?.models_dir} /></label>
             <label class="wide">Draft model (speculative decoding) <input type="text" data-optional data-setting="draft_model" placeholder="none: a smaller model of the same family, its directory or Hub id" /></label>
             <label>Draft tokens per step <input type="number" step="1" min="1" max="64" data-setting="num_draft_tokens" /></label>
+            <label class="check wide"><input type="checkbox" data-setting="prompt_lookup" /> Prompt lookup: greedy answers draft from the conversation itself, faster where they repeat it (code edits); the next model load applies it</label>
             <h3 class="wide">Local server</h3>
             <p class="wide hint">Serves the loaded model to other apps over OpenAI's and Anthropic's APIs (base URL <code>http://127.0.0.1:PORT/v1</code>); their requests share the engine with your chats.</p>
             <label class="check wide"><input type="checkbox" data-setting="server.enabled" /> Run the local server</label>

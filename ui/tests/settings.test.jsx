@@ -123,6 +123,7 @@ describe("SettingsView", () => {
       chat: { system_prompt: "", sampling_source: "custom", sampling: { temperature: 0, top_p: 0, top_k: 0, min_p: 0, repetition_penalty: 0, logit_bias: {}, seed: null }, max_tokens: 1024 },
       kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "CommandOrControl+Shift+Space",
       server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] }, unload_after_idle_secs: 3600,
+      prompt_lookup: false,
     };
     const saved = [];
     const api = {
@@ -151,8 +152,11 @@ describe("SettingsView", () => {
     // Minutes in the form, seconds in the file; empty is never.
     expect(field("unload_after_idle_secs").value).toBe("60");
     field("unload_after_idle_secs").value = "5";
+    expect(saved[0].prompt_lookup).toBe(false);
+    fireEvent.click(field("prompt_lookup"));
     await save();
     expect(saved[1].unload_after_idle_secs).toBe(300);
+    expect(saved[1].prompt_lookup).toBe(true);
     field("unload_after_idle_secs").value = "";
     await save();
     expect(saved[2].unload_after_idle_secs).toBe(null);

@@ -54,6 +54,9 @@ pub struct Settings {
     pub draft_model: Option<String>,
     /// Tokens the draft model proposes per step (1 to 64).
     pub num_draft_tokens: usize,
+    /// Prompt lookup in the batch (`EngineConfig::prompt_lookup` with its defaults): greedy
+    /// chats and API requests draft from their own prompt and output. Off by default.
+    pub prompt_lookup: bool,
     /// Unload the model after this many seconds with no request (`EngineConfig::keep_alive`;
     /// LM Studio's idle TTL); the next chat or request loads it again. `None`: keep it loaded.
     pub unload_after_idle_secs: Option<u64>,
@@ -166,6 +169,7 @@ impl Default for Settings {
             server: ServerSettings::default(),
             draft_model: None,
             num_draft_tokens: 3,
+            prompt_lookup: false,
             unload_after_idle_secs: Some(perch_engine::KeepAlive::DEFAULT_IDLE.as_secs()),
             first_run_done: false,
         }
@@ -387,6 +391,7 @@ mod tests {
         settings.chat.sampling.temperature = 0.8;
         settings.chat.system_prompt = "Be brief.".into();
         settings.block_size = 16;
+        settings.prompt_lookup = true;
         settings.models_dir = Some(dir.path().join("models"));
         settings.server = ServerSettings {
             enabled: true,
@@ -409,6 +414,10 @@ mod tests {
             "the local server is off unless turned on"
         );
         assert_eq!(partial.server.port, 8080);
+        assert!(
+            !partial.prompt_lookup,
+            "prompt lookup is off unless turned on"
+        );
     }
 
     #[test]
