@@ -66,7 +66,8 @@ pub struct BenchArgs {
     /// --concurrency every request's (bounded rows of the batch).
     #[arg(long)]
     pub max_kv_size: Option<usize>,
-    /// Without --concurrency: speculative decoding with this draft model.
+    /// Speculative decoding with this draft model: without --concurrency one sequence; with it
+    /// every request in the batch, the draft proposing in the batch's verify steps.
     #[command(flatten)]
     pub draft: crate::generate::DraftOptions,
     /// With --concurrency: prompt lookup in the batch.

@@ -65,8 +65,11 @@ struct BatchReport {
     /// and sampling (admission, slot moves, prefix-cache copies, detokenizing).
     engine_steps: u64,
     engine_other_share: f64,
-    /// Prompt lookup's verify steps, and the tokens proposed and accepted in them.
+    /// Speculative decoding's verify steps (prompt lookup or a draft model), and the tokens
+    /// proposed and accepted in them.
     engine_verify_steps: u64,
+    /// Of a verify step, the draft model's proposals (ms).
+    engine_draft_ms: f64,
     engine_draft_tokens: u64,
     engine_accepted_draft_tokens: u64,
 }
@@ -115,6 +118,8 @@ struct RequestOptions {
     max_kv_size: Option<usize>,
     /// `--image`: every request a chat message of its prompt's text, this image and a question.
     image: Option<std::sync::Arc<ImagePrompt>>,
+    /// `--draft-model`: every request speculates with this many tokens a step.
+    num_draft_tokens: Option<usize>,
 }
 
 impl RequestOptions {
@@ -124,6 +129,7 @@ impl RequestOptions {
             request.params.grammar = Some(Grammar::JsonObject);
         }
         request.params.max_kv_size = self.max_kv_size;
+        request.params.num_draft_tokens = self.num_draft_tokens;
         if let Some(image) = &self.image {
             request.prompt = image.chat(&image.texts[i]);
         }
@@ -170,8 +176,8 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
          quantizes the engine's whole pool from the start"
     );
     anyhow::ensure!(
-        args.draft.draft_model.is_none(),
-        "--draft-model runs one sequence (speculative decoding): run it without --concurrency"
+        args.draft.draft_model.is_none() || !args.http,
+        "--draft-model with --concurrency is measured on the engine directly, not with --http"
     );
     anyhow::ensure!(
         args.image.is_none()
@@ -204,11 +210,13 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     // CUDA backend spends ~80 ms on the first call of each shape). Their text shares no block
     // with the measured prompts; with a shared prefix, they put it in the prefix cache first.
     let shared = args.shared_prefix_tokens.min(prompts[0].len());
+    let draft_tokens = (args.draft.draft_model.as_ref()).map(|_| args.draft.num_draft_tokens);
     let warm_ups = (0..concurrency.min(8))
         .map(|i| {
             let tail = warm_up_tokens(&tokenizer, 3 * i, prompts[0].len() - shared)?;
             let mut request = bench_request([&prompts[0][..shared], &tail[..]].concat(), 8);
             request.params.max_kv_size = args.max_kv_size;
+            request.params.num_draft_tokens = draft_tokens;
             if let Some(image) = &image {
                 request.prompt = image.chat(&tokenizer.decode(&tail)?);
             }
@@ -254,6 +262,7 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
             json_requests: args.json_requests,
             max_kv_size: args.max_kv_size,
             image,
+            num_draft_tokens: draft_tokens,
         },
     };
     // The warm-up's blocks would otherwise stay in the prefix cache and count in the measured
@@ -342,6 +351,9 @@ pub fn engine_config(args: &BenchArgs, concurrency: usize) -> anyhow::Result<Eng
         group_size: args.kv_group_size,
     });
     config.prompt_lookup = args.prompt_lookup.config()?;
+    if let Some(draft) = &args.draft.draft_model {
+        config.draft_model = Some(model_dir::resolve(Some(draft.clone()))?);
+    }
     Ok(config)
 }
 
@@ -738,6 +750,8 @@ fn report(
         engine_steps: after.steps - before.steps,
         engine_other_share: 1.0 - (prefill_seconds + decode_seconds) / step_seconds.max(1e-9),
         engine_verify_steps: after.verify_steps - before.verify_steps,
+        engine_draft_ms: (after.draft_seconds - before.draft_seconds) * 1e3
+            / (after.verify_steps - before.verify_steps).max(1) as f64,
         engine_draft_tokens: after.draft_tokens - before.draft_tokens,
         engine_accepted_draft_tokens: after.accepted_draft_tokens - before.accepted_draft_tokens,
     }
@@ -771,8 +785,10 @@ fn print_report(label: &str, report: &BatchReport) {
     );
     if report.engine_verify_steps > 0 {
         println!(
-            "prompt lookup: {} verify steps, {} of {} proposed tokens accepted ({:.0}%)",
+            "speculative decoding: {} verify steps ({:.2} ms of each the draft's proposals), {} \
+             of {} proposed tokens accepted ({:.0}%)",
             report.engine_verify_steps,
+            report.engine_draft_ms,
             report.engine_accepted_draft_tokens,
             report.engine_draft_tokens,
             100.0 * report.engine_accepted_draft_tokens as f64

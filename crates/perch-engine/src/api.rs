@@ -234,9 +234,27 @@ impl GenerateRequest {
     }
 
     /// Whether the engine runs the request beside its batch, with caches of its own
-    /// (see [`crate::EngineHandle`]): speculative decoding.
-    pub fn runs_beside_batch(&self) -> bool {
+    /// (see [`crate::EngineHandle`]): speculative decoding that the batch does not run, which
+    /// is all of it when `batch_drafts` is false (the batch has no draft model: a model or draft
+    /// with sliding-window or linear-attention layers), else what
+    /// [`GenerateRequest::drafts_in_batch`] leaves out.
+    pub fn runs_beside_batch(&self, batch_drafts: bool) -> bool {
+        self.num_draft_tokens.is_some() && !(batch_drafts && self.drafts_in_batch())
+    }
+
+    /// Whether a speculative request is one the batch's draft model proposes for: greedy
+    /// without logits processors, log-probabilities, a grammar, images or KV cache options.
+    /// Sampled speculative requests run beside the batch (mlx_lm's acceptance of sampled
+    /// tokens, seeded as its `speculative_generate_step`).
+    pub fn drafts_in_batch(&self) -> bool {
         self.num_draft_tokens.is_some()
+            && self.sampling.is_plain_greedy()
+            && self.logprobs.is_none()
+            && !self.next_token_logprobs
+            && self.grammar.is_none()
+            && self.images.is_empty()
+            && self.max_kv_size.is_none()
+            && self.kv_quantization.is_none()
     }
 }
 
@@ -520,6 +538,8 @@ pub struct StepTimes {
     pub verify_steps: u64,
     pub draft_tokens: u64,
     pub accepted_draft_tokens: u64,
+    /// Of `decode_seconds`, the draft model's proposals in verify steps (its passes, waited for).
+    pub draft_seconds: f64,
     /// Seconds handing decoded tokens to their requests (detokenizing, stop rules, finishing).
     pub token_seconds: f64,
     /// Shapes run ahead of requests so that MLX meets them first (decode steps at load,

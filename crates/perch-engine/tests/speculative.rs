@@ -209,11 +209,116 @@ fn bad_drafts_are_refused() {
     assert!(error.contains("tokenizer does not match"), "{error}");
 }
 
-/// Through the engine: speculative requests (the engine's draft, here the model itself) run
-/// beside a plain one and each answers mlx_lm's greedy ids; their stats count the proposals, the
-/// engine counts them running, a cancel ends one, and an engine without a draft refuses them.
+/// The draft model in the batch (`BatchGenerator::with_draft`): greedy speculative requests
+/// inserted at different steps into one batch, drafted by the model itself (its proposals
+/// accepted) and by a tiny random model (most rejected, and rewound in both slot caches), with
+/// decode steps op by op and compiled, each yield mlx_lm's greedy ids; a plain request decodes
+/// beside them (with prompt lookup on, it proposes from its own tokens in the same verify
+/// steps), and a sampled one holds every step plain for a while (the draft's rows catch up
+/// after: the model's own proposals are still accepted); every block is free at the end. A sampled speculative request is not the batch's
+/// (the engine runs it beside the batch).
 #[test]
-fn the_engine_runs_speculative_requests_beside_the_batch() {
+fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
+    use perch_engine::testing::{BatchConfig, BatchGenerator};
+    let dir = common::model_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    common::run_oracle(
+        "speculative.py",
+        &[out.path().to_str().unwrap(), dir.to_str().unwrap(), "[]"],
+    );
+    let tiny = models::load(&out.path().join("llama3-rope")).unwrap();
+    let reference = common::reference();
+    let cases = common::short_reference_cases();
+    let every_step = perch_engine::PromptLookup {
+        adaptive: false,
+        ..perch_engine::PromptLookup::default()
+    };
+    for (name, draft, compile_decode, lookup) in [
+        ("the model itself", model.as_ref(), false, None),
+        ("a random tiny model", tiny.as_ref(), true, Some(every_step)),
+    ] {
+        let config = BatchConfig {
+            compile_decode,
+            prompt_lookup: lookup,
+            ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
+        };
+        let mut batch =
+            BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm").with_draft(draft);
+        assert!(batch.drafts());
+        batch.warm_up().unwrap();
+        let mut schedule: Vec<(usize, GenerateRequest)> = cases
+            .iter()
+            .zip([0, 3, 5, 9, 17, 30])
+            .enumerate()
+            .map(|(i, (case, at))| {
+                let mut request = GenerateRequest::new(case.prompt_ids.clone());
+                request.max_tokens = reference.max_tokens;
+                request.prefill_step_size = 16;
+                request.num_draft_tokens = (i != 1).then_some(3 + i % 2);
+                (at, request)
+            })
+            .collect();
+        // A sampled request from step 6 on: while it decodes, every step is plain (it cannot
+        // verify), so the draft's rows fall behind and catch up afterwards.
+        let mut sampled = GenerateRequest::new(cases[2].prompt_ids.clone());
+        sampled.sampling.temperature = 0.7;
+        sampled.sampling.seed = Some(4);
+        sampled.max_tokens = 12;
+        sampled.ignore_eos = true;
+        schedule.push((6, sampled));
+        let mut outputs = common::drive(&mut batch, schedule);
+        let (sampled, _) = outputs.pop().unwrap();
+        assert_eq!(sampled.token_ids.len(), 12);
+        assert_eq!(sampled.stats.draft_tokens, 0);
+        let (mut proposed, mut accepted) = (0, 0);
+        for (i, (case, (output, streamed))) in cases.iter().zip(&outputs).enumerate() {
+            assert_eq!(
+                output.token_ids,
+                common::expected_ids(case, output.finish_reason),
+                "case {} drafted by {name}",
+                case.id
+            );
+            assert_eq!(streamed, &output.text, "case {}", case.id);
+            let stats = &output.stats;
+            assert!(stats.accepted_draft_tokens <= stats.draft_tokens);
+            if i == 1 && lookup.is_none() {
+                assert_eq!(stats.draft_tokens, 0, "a plain request proposes nothing");
+            } else if i != 1 {
+                proposed += stats.draft_tokens;
+                accepted += stats.accepted_draft_tokens;
+            }
+        }
+        let times = batch.step_times();
+        assert!(times.verify_steps > 0, "{name}: {times:?}");
+        assert!(proposed > 0, "{name}");
+        if std::ptr::eq(draft, model.as_ref()) {
+            // (A row that caught up wrongly after the sampled request's plain steps proposes
+            // from a cache that lacks tokens: 75 of 83 were accepted so.)
+            assert!(accepted * 20 >= proposed * 19, "{accepted} of {proposed}");
+        } else {
+            assert!(
+                accepted * 2 < proposed,
+                "a random draft: {accepted} of {proposed}"
+            );
+        }
+        assert_eq!(batch.kv_stats().blocks_used, 0, "{name}");
+
+        let mut sampled = GenerateRequest::new(cases[0].prompt_ids.clone());
+        sampled.num_draft_tokens = Some(3);
+        sampled.sampling.temperature = 0.7;
+        let refused = batch.insert(sampled).unwrap_err().to_string();
+        assert!(refused.contains("beside the batch"), "{refused}");
+    }
+}
+
+/// Through the engine: greedy speculative requests (the engine's draft, here the model itself)
+/// run in the batch beside a plain one, and a sampled one beside the batch; the greedy ones
+/// answer mlx_lm's greedy ids, their stats count the proposals, the engine counts them running,
+/// a cancel ends one, and an engine without a draft refuses them.
+#[test]
+fn the_engine_runs_speculative_requests() {
     use perch_engine::{EngineConfig, EngineHandle, EngineRequest, Prompt};
     let dir = common::model_dir();
     let engine = EngineHandle::load(
@@ -245,6 +350,22 @@ fn the_engine_runs_speculative_requests_beside_the_batch() {
         .enumerate()
         .map(|(i, case)| (case, submit(case, (i != 1).then_some(3))))
         .collect();
+    // A sampled speculative request, which runs beside the batch.
+    let mut sampled = GenerateRequest::new(Vec::new());
+    sampled.max_tokens = 12;
+    sampled.ignore_eos = true;
+    sampled.num_draft_tokens = Some(3);
+    sampled.sampling = SamplingParams {
+        temperature: 0.8,
+        seed: Some(9),
+        ..SamplingParams::default()
+    };
+    let sampled = engine
+        .submit(EngineRequest {
+            prompt: Prompt::Tokens(cases[1].prompt_ids.clone()),
+            params: sampled,
+        })
+        .unwrap();
     // A long speculative request, cancelled while it runs.
     let mut long = GenerateRequest::new(Vec::new());
     long.max_tokens = 500;
@@ -256,11 +377,18 @@ fn the_engine_runs_speculative_requests_beside_the_batch() {
             params: long,
         })
         .unwrap();
-    let first = cancelled
-        .events
-        .recv_timeout(std::time::Duration::from_secs(300))
-        .unwrap();
-    assert!(matches!(first, perch_engine::EngineEvent::Token { .. }));
+    // Its first token (after the batch's admission report).
+    loop {
+        match cancelled
+            .events
+            .recv_timeout(std::time::Duration::from_secs(300))
+            .unwrap()
+        {
+            perch_engine::EngineEvent::Token { .. } => break,
+            perch_engine::EngineEvent::Admitted { .. } => continue,
+            other => panic!("{other:?}"),
+        }
+    }
     assert!(engine.stats().unwrap().running >= 1);
     engine.cancel(cancelled.id);
     let ended = common::finish(&cancelled);
@@ -283,6 +411,11 @@ fn the_engine_runs_speculative_requests_beside_the_batch() {
             assert!(done.stats.draft_tokens > 0 && done.stats.accepted_draft_tokens > 0);
         }
     }
+
+    let sampled = common::finish(&sampled);
+    assert_eq!(sampled.error, None);
+    assert_eq!(sampled.ids.len(), 12);
+    assert!(sampled.stats.draft_tokens > 0);
 
     let plain = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
     let mut params = GenerateRequest::new(Vec::new());

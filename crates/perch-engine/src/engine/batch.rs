@@ -53,10 +53,12 @@ use crate::sample::grammar::GrammarState;
 use crate::sample::sampler::Sampler;
 use crate::sample::RecentTokens;
 use crate::sequence::generate::{check_request, kv_options};
+use crate::sequence::speculative::Draft;
 use crate::spec_decode;
 use crate::spec_decode::ngram::{Backoff, PromptLookup};
 use crate::spec_decode::policy::SpecPolicy;
 use crate::text::tokenizer::Tokenizer;
+use crate::worker::draft::DraftRunner;
 use crate::worker::runner::{DecodeRow, ModelRunner, Slot, VerifyRow};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
@@ -510,9 +512,11 @@ pub struct BatchGenerator<'m> {
     clients: ClientHistory,
     /// Executes the steps: forward passes, slot caches, sampling, the decode step in flight.
     runner: ModelRunner<'m>,
-    /// Prompt lookup's choice between verify and plain decode steps ([`SpecPolicy`]).
+    /// The draft model's runner, when the batch has one ([`BatchGenerator::with_draft`]).
+    draft: Option<DraftRunner<'m>>,
+    /// Speculative decoding's choice between verify and plain decode steps ([`SpecPolicy`]).
     spec_policy: SpecPolicy,
-    /// The decode step this step ran, while prompt lookup is on ([`SpecPolicy::record`]).
+    /// The decode step this step ran, while speculative decoding is on ([`SpecPolicy::record`]).
     decoded: Option<DecodedStep>,
     next_id: RequestId,
     preemptions: u64,
@@ -579,6 +583,7 @@ impl<'m> BatchGenerator<'m> {
                     .filter(|_| !model.has_sliding_window_layers() && !model.has_recurrent_layers())
                     .map(|l| (1 + l.num_draft_tokens, l.max_rows.min(config.max_running))),
             ),
+            draft: None,
             spec_policy: SpecPolicy::default(),
             decoded: None,
             config,
@@ -602,6 +607,46 @@ impl<'m> BatchGenerator<'m> {
 
     /// Positions the block table of a request bounded by `limit` holds at most: its bound and a
     /// prefill step (what its rows of the slot caches hold at most, see `kv::slot_cache`).
+    /// This batch with `draft` proposing, in verify steps ([`crate::spec_decode`]), for the rows
+    /// of requests that ask for speculative decoding ([`GenerateRequest::drafts_in_batch`])
+    /// while at most [`BatchGenerator::speculative_rows`] rows decode. Unchanged when the model
+    /// or the draft has sliding-window or linear-attention layers (their rows cannot be
+    /// rewound): [`BatchGenerator::drafts`] tells.
+    pub fn with_draft(mut self, draft: &'m dyn Model) -> Self {
+        let rewinds = |m: &dyn Model| !m.has_sliding_window_layers() && !m.has_recurrent_layers();
+        if !rewinds(self.model) || !rewinds(draft) {
+            return self;
+        }
+        let max_rows = self.speculative_rows();
+        let config = &self.config;
+        self.draft = Some(DraftRunner::new(
+            draft,
+            config.slot_attention,
+            config.compile_decode,
+            (config.prefill_token_budget, config.block_size),
+            max_rows,
+        ));
+        if config.prompt_lookup.is_none() {
+            self.runner
+                .set_verify_steps(Some((1 + Draft::DEFAULT_NUM_DRAFT_TOKENS, max_rows)));
+        }
+        self
+    }
+
+    /// Whether the batch has a draft model ([`BatchGenerator::with_draft`]).
+    pub fn drafts(&self) -> bool {
+        self.draft.is_some()
+    }
+
+    /// The most decode rows a verify step has: prompt lookup's `max_rows`, or
+    /// [`spec_decode::DEFAULT_MAX_ROWS`], within `max_running`.
+    pub fn speculative_rows(&self) -> usize {
+        self.config
+            .prompt_lookup
+            .map_or(spec_decode::DEFAULT_MAX_ROWS, |l| l.max_rows)
+            .min(self.config.max_running)
+    }
+
     fn bounded_tokens(&self, limit: KvLimit) -> usize {
         limit.max_size as usize
             + perch_sched::shapes::prefill_chunk_bucket(self.config.prefill_token_budget.max(1))
@@ -661,10 +706,21 @@ impl<'m> BatchGenerator<'m> {
         let continuation = std::mem::take(&mut request.prompt);
         request.prompt = [vec![0; prefix_len], continuation].concat();
         let (max_tokens, stop_ids) = check_request(self.model, self.tokenizer, &request)?;
-        if request.num_draft_tokens.is_some() {
+        if request.runs_beside_batch(self.drafts()) {
             return Err(EngineError::Request(
-                "speculative requests run beside the batch (EngineHandle), not in it".into(),
+                "this speculative request runs beside the batch (EngineHandle), not in it: the \
+                 batch's draft model proposes for greedy requests without log-probabilities, \
+                 grammars, images or KV cache options"
+                    .into(),
             ));
+        }
+        if let Some(k) = request.num_draft_tokens {
+            if !(1..=Draft::MAX_NUM_DRAFT_TOKENS).contains(&k) {
+                return Err(EngineError::Request(format!(
+                    "num_draft_tokens must be 1 to {}, got {k}",
+                    Draft::MAX_NUM_DRAFT_TOKENS
+                )));
+            }
         }
         // A bound the sequence never reaches changes nothing (mlx_lm's rotating cache trims
         // nothing then): the request runs unbounded, with the prefix cache.
@@ -843,6 +899,9 @@ impl<'m> BatchGenerator<'m> {
         }
         self.kv.clear_pins(&mut self.store);
         self.runner.clear();
+        if let Some(draft) = &mut self.draft {
+            draft.clear();
+        }
         self.waiting.clear();
         ids
     }
@@ -1340,9 +1399,19 @@ impl<'m> BatchGenerator<'m> {
     /// The engine calls it at load on GPUs.
     pub fn warm_up(&mut self) -> Result<usize> {
         let start = Instant::now();
-        let shapes = self.runner.warm_up(self.config.max_running)?;
-        self.times.warm_up_shapes += shapes as u64;
+        let shapes = self.warm_up_decode_shapes()?;
         self.times.warm_up_seconds += start.elapsed().as_secs_f64();
+        Ok(shapes)
+    }
+
+    /// [`BatchGenerator::warm_up`]'s steps (the draft's too), counted, not timed.
+    fn warm_up_decode_shapes(&mut self) -> Result<usize> {
+        let mut shapes = self.runner.warm_up(self.config.max_running)?;
+        let rows = self.speculative_rows();
+        if let Some(draft) = &mut self.draft {
+            shapes += draft.warm_up(rows)?;
+        }
+        self.times.warm_up_shapes += shapes as u64;
         Ok(shapes)
     }
 
@@ -1394,16 +1463,26 @@ impl<'m> BatchGenerator<'m> {
         };
         let start = Instant::now();
         let mut result = match pass {
-            IdleWarmUp::Prefill(shape) => self.runner.warm_up_prefill(shape),
-            IdleWarmUp::Decode { positions } => self.runner.warm_up_decode_at(positions),
+            IdleWarmUp::Prefill(shape) => self.runner.warm_up_prefill(shape).and_then(|()| {
+                // A draft's rows catch up in the same shapes.
+                match &mut self.draft {
+                    Some(draft) => draft.warm_up_prefill(shape),
+                    None => Ok(()),
+                }
+            }),
+            IdleWarmUp::Decode { positions } => {
+                self.runner
+                    .warm_up_decode_at(positions)
+                    .and_then(|()| match &mut self.draft {
+                        Some(draft) => draft.warm_up_decode_at(positions),
+                        None => Ok(()),
+                    })
+            }
         };
         if result.is_ok() {
             self.times.warm_up_shapes += 1;
             if self.idle_warm_ups.is_empty() {
-                result = self
-                    .runner
-                    .warm_up(self.config.max_running)
-                    .map(|shapes| self.times.warm_up_shapes += shapes as u64);
+                result = self.warm_up_decode_shapes().map(drop);
             }
         }
         self.times.warm_up_seconds += start.elapsed().as_secs_f64();
@@ -1845,7 +1924,7 @@ impl<'m> BatchGenerator<'m> {
             self.read_in_flight(events)?;
             return Ok(());
         }
-        if let Some(lookup) = self.prompt_lookup(&ready) {
+        if self.speculates(&ready) {
             let rows = ready.len();
             // Proposals follow a row's last token: the step in flight is read first (only when
             // some row proposes after the tokens read so far, so text without repeats keeps
@@ -1857,7 +1936,7 @@ impl<'m> BatchGenerator<'m> {
                 previous_seconds = start.elapsed().as_secs_f64();
                 ready = self.decode_rows(plan);
             }
-            if ready.is_empty() || self.verify(&ready, lookup, events)? {
+            if ready.is_empty() || self.verify(&ready, events)? {
                 if let Some(step) = &mut self.decoded {
                     // Measured at the rows it was chosen for (the read may have ended some).
                     step.rows = rows;
@@ -1912,10 +1991,8 @@ impl<'m> BatchGenerator<'m> {
         self.times.decode_build_seconds += built;
         self.times.decode_seconds += start.elapsed().as_secs_f64();
         self.times.decode_steps += 1;
-        if self
-            .config
-            .prompt_lookup
-            .is_some_and(|lookup| ready.len() <= lookup.max_rows)
+        if (self.config.prompt_lookup.is_some() || self.draft.is_some())
+            && ready.len() <= self.speculative_rows()
         {
             self.decoded = Some(DecodedStep {
                 rows: ready.len(),
@@ -1945,75 +2022,128 @@ impl<'m> BatchGenerator<'m> {
         Ok(())
     }
 
-    /// Prompt lookup's settings when this decode step may verify proposals
-    /// ([`BatchConfig::prompt_lookup`]): at most `max_rows` rows, each one that may speculate
+    /// Whether this decode step verifies proposals ([`crate::spec_decode`]): prompt lookup
+    /// ([`BatchConfig::prompt_lookup`]) or a draft model ([`BatchGenerator::with_draft`]) on,
+    /// at most [`BatchGenerator::speculative_rows`] rows, each one that may speculate
     /// ([`Sequence::may_speculate`]) in a batch whose rows all keep plain KV caches of a model
-    /// without sliding layers or recurrent states, some row proposing after the tokens read so
-    /// far, and verify steps giving more tokens a second than plain ones at this row count
-    /// lately ([`SpecPolicy`], at `ready.len()` rows: the count the step is measured at).
-    fn prompt_lookup(&mut self, ready: &[usize]) -> Option<PromptLookup> {
-        let lookup = self.config.prompt_lookup?;
-        if ready.len() > lookup.max_rows
+    /// without sliding layers or recurrent states, and some row proposing: a row the draft
+    /// model drafts for (every step), or a row prompt lookup proposes for while verify steps
+    /// give more tokens a second than plain ones at this row count lately ([`SpecPolicy`], at
+    /// `ready.len()` rows: the count the step is measured at; always, with prompt lookup's
+    /// `adaptive` off).
+    fn speculates(&mut self, ready: &[usize]) -> bool {
+        let lookup = self.config.prompt_lookup;
+        if (lookup.is_none() && self.draft.is_none())
+            || ready.len() > self.speculative_rows()
             || self.model.has_sliding_window_layers()
             || self.store.has_recurrent_layers()
             || self.running.iter().any(|s| !s.kv.is_plain())
             || !ready.iter().all(|&i| self.running[i].may_speculate())
         {
-            return None;
-        }
-        // The choice first: where plain steps pay, nobody's tokens are scanned.
-        if lookup.adaptive && !self.spec_policy.verify_next(ready.len()) {
-            return None;
+            return false;
         }
         let context = self.model.info().context_length;
-        ready
-            .iter()
-            .any(|&i| {
-                let seq = &self.running[i];
-                seq.lookup.proposes(seq.tokens.len())
-                    && !lookup
-                        .propose(&seq.tokens, seq.proposal_room(context))
-                        .is_empty()
-            })
-            .then_some(lookup)
+        // A draft model proposes every step for its rows, as mlx_lm's speculative generation
+        // does: the request asked for it.
+        if ready.iter().any(|&i| {
+            let seq = &self.running[i];
+            self.drafts_for(seq).is_some() && seq.proposal_room(context) > 0
+        }) {
+            return true;
+        }
+        let Some(lookup) = lookup else {
+            return false;
+        };
+        // The choice first: where plain steps pay, nobody's tokens are scanned.
+        if lookup.adaptive && !self.spec_policy.verify_next(ready.len()) {
+            return false;
+        }
+        ready.iter().any(|&i| {
+            let seq = &self.running[i];
+            seq.lookup.proposes(seq.tokens.len())
+                && !lookup
+                    .propose(&seq.tokens, seq.proposal_room(context))
+                    .is_empty()
+        })
+    }
+
+    /// The tokens the draft model proposes a step for `seq`, when it drafts for it: from its
+    /// second token on (the draft's first pass over the sequence's tokens would otherwise
+    /// delay its first).
+    fn drafts_for(&self, seq: &Sequence) -> Option<usize> {
+        self.draft.as_ref()?;
+        seq.first_token_at?;
+        seq.request.num_draft_tokens
+    }
+
+    /// Each of the `ready` rows' proposals for a verify step: the draft model's (one batched
+    /// run for all its rows) for the rows it drafts for, prompt lookup's for the others (while
+    /// a row's [`Backoff`] lets it propose).
+    fn proposals(&mut self, ready: &[usize]) -> Result<Vec<Vec<u32>>> {
+        let context = self.model.info().context_length;
+        let mut proposals = vec![Vec::new(); ready.len()];
+        let mut drafting = Vec::new();
+        for (j, &i) in ready.iter().enumerate() {
+            let seq = &self.running[i];
+            let room = seq.proposal_room(context);
+            match (self.drafts_for(seq), self.config.prompt_lookup) {
+                (Some(k), _) if room > 0 => drafting.push((j, k.min(room))),
+                (None, Some(lookup)) if seq.lookup.proposes(seq.tokens.len()) => {
+                    proposals[j] = lookup.propose(&seq.tokens, room).to_vec();
+                }
+                _ => {}
+            }
+        }
+        if let Some(k) = drafting.iter().map(|&(_, k)| k).max() {
+            let rows: Vec<(RequestId, &[u32])> = drafting
+                .iter()
+                .map(|&(j, _)| {
+                    let seq = &self.running[ready[j]];
+                    (seq.id, seq.tokens.as_slice())
+                })
+                .collect();
+            let draft = self.draft.as_mut().expect("rows draft only with a draft");
+            let drafted = draft.propose(&rows, k)?;
+            for (&(j, k), mut drafted) in drafting.iter().zip(drafted) {
+                drafted.truncate(k);
+                proposals[j] = drafted;
+            }
+        }
+        Ok(proposals)
     }
 
     /// A verify step ([`ModelRunner::verify`]) of the `ready` rows, with nothing in flight: each
-    /// row feeds its last token and the tokens prompt lookup proposes after it (those the pool
-    /// has free blocks for: proposals never preempt), keeps the proposals the model agrees
-    /// with ([`spec_decode::accepted`]), emits the model's token after them, and gives back the
-    /// positions of the rest. Returns false, having run nothing, when no row proposes.
-    fn verify(
-        &mut self,
-        ready: &[usize],
-        lookup: PromptLookup,
-        events: &mut Vec<BatchEvent>,
-    ) -> Result<bool> {
-        let context = self.model.info().context_length;
+    /// row feeds its last token and the tokens proposed after it ([`BatchGenerator::proposals`];
+    /// those the pool has free blocks for: proposals never preempt), keeps the proposals the
+    /// model agrees with ([`spec_decode::accepted`]), emits the model's token after them, and
+    /// gives back the positions of the rest (in the draft's cache too). Returns false, having
+    /// verified nothing, when no row proposes.
+    fn verify(&mut self, ready: &[usize], events: &mut Vec<BatchEvent>) -> Result<bool> {
+        let start = Instant::now();
+        let proposals = self.proposals(ready)?;
+        self.times.draft_seconds += start.elapsed().as_secs_f64();
         let mut fed: Vec<Vec<u32>> = Vec::with_capacity(ready.len());
-        for &i in ready {
+        for (&i, proposed) in ready.iter().zip(proposals) {
             let seq = &self.running[i];
             let mut tokens = vec![*seq.tokens.last().expect("non-empty")];
-            if seq.lookup.proposes(seq.tokens.len()) {
-                let proposed = lookup.propose(&seq.tokens, seq.proposal_room(context));
-                if !proposed.is_empty()
-                    && self.kv.allocate(
-                        &mut self.store,
-                        seq.id,
-                        seq.computed,
-                        1 + proposed.len(),
-                        None,
-                    )
-                {
-                    tokens.extend_from_slice(proposed);
-                }
+            if !proposed.is_empty()
+                && self.kv.allocate(
+                    &mut self.store,
+                    seq.id,
+                    seq.computed,
+                    1 + proposed.len(),
+                    None,
+                )
+            {
+                tokens.extend(proposed);
             }
             fed.push(tokens);
         }
         if fed.iter().all(|f| f.len() == 1) {
+            self.settle_drafts(ready, &vec![0; ready.len()])?;
             return Ok(false);
         }
-        let start = Instant::now();
+        let verify_start = Instant::now();
         self.enter_decode_slots(ready)?;
         let rows: Vec<VerifyRow> = ready
             .iter()
@@ -2024,10 +2154,18 @@ impl<'m> BatchGenerator<'m> {
             })
             .collect();
         let targets = self.runner.verify(&rows)?;
-        let waited = start.elapsed().as_secs_f64();
+        let waited = verify_start.elapsed().as_secs_f64();
+        let accepted: Vec<usize> = fed
+            .iter()
+            .zip(&targets)
+            .map(|(fed, targets)| spec_decode::accepted(&fed[1..], targets))
+            .collect();
+        // The draft keeps what its rows' sequences now hold (before they finish and leave).
+        self.settle_drafts(ready, &accepted)?;
         let mut done = Vec::new();
         let (mut generated, mut first_steps) = (0, 0);
-        for ((&i, fed), targets) in ready.iter().zip(&fed).zip(&targets) {
+        for (((&i, fed), targets), &accepted) in ready.iter().zip(&fed).zip(&targets).zip(&accepted)
+        {
             let seq = &mut self.running[i];
             let Some(Slot::Decode(row)) = seq.slot else {
                 unreachable!("a ready sequence is in a decode slot")
@@ -2037,7 +2175,6 @@ impl<'m> BatchGenerator<'m> {
             seq.first_token_at
                 .get_or_insert_with(|| seq.start.elapsed().as_secs_f64());
             let proposed = &fed[1..];
-            let accepted = spec_decode::accepted(proposed, targets);
             let mut emitted = 0;
             for (place, &token) in targets[..=accepted].iter().enumerate() {
                 emitted += 1;
@@ -2053,6 +2190,7 @@ impl<'m> BatchGenerator<'m> {
             let stats = &mut seq.sink.output.stats;
             stats.draft_tokens += proposed.len();
             stats.accepted_draft_tokens += accepted.min(emitted);
+            // (Prompt lookup's record; a draft's rows propose whatever it says.)
             seq.lookup
                 .record(proposed.len(), accepted, seq.tokens.len());
             self.times.draft_tokens += proposed.len() as u64;
@@ -2072,6 +2210,19 @@ impl<'m> BatchGenerator<'m> {
         self.generation_throughput.record(generated);
         self.finish_done(done, events)?;
         Ok(true)
+    }
+
+    /// After a verify step of the `ready` rows, before their tokens are emitted: the draft's
+    /// rows keep their sequences' tokens and the `accepted` proposals of each.
+    fn settle_drafts(&mut self, ready: &[usize], accepted: &[usize]) -> Result<()> {
+        let Some(draft) = &mut self.draft else {
+            return Ok(());
+        };
+        for (&i, &accepted) in ready.iter().zip(accepted) {
+            let seq = &self.running[i];
+            draft.settle(seq.id, seq.tokens.len() + accepted)?;
+        }
+        Ok(())
     }
 
     /// The indices of the plan's decode rows still running (in order: the plan's rows follow the
@@ -2210,6 +2361,9 @@ impl<'m> BatchGenerator<'m> {
         seq.cache = Vec::new();
         if let Some(slot) = seq.slot.take() {
             self.free_slot(slot)?;
+        }
+        if let Some(draft) = &mut self.draft {
+            draft.remove(seq.id)?;
         }
         Ok(())
     }

@@ -509,6 +509,9 @@ fn serve_model(
     let mut warm_up = true;
     loop {
         let mut batch = BatchGenerator::new(model, tokenizer, batch_config.clone(), model_id);
+        if let Some((draft, _)) = pass.draft {
+            batch = batch.with_draft(draft);
+        }
         if std::mem::take(&mut warm_up) {
             // A warm-up that fails leaves nothing behind; the first request that meets the
             // same failure reports it.
@@ -810,7 +813,7 @@ impl Pass<'_> {
     fn admit(&mut self, batch: &mut BatchGenerator<'_>, queue: &mut Queue) {
         for job in std::mem::take(&mut queue.submitted) {
             let params = &job.request.params;
-            if params.runs_beside_batch() {
+            if params.runs_beside_batch(batch.drafts()) {
                 match self.start_solo(&job) {
                     Ok(sequence) => {
                         queue.solo.insert(job.id);

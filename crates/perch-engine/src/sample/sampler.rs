@@ -110,6 +110,12 @@ impl SamplingParams {
         self.penalties().map(|(_, _, w)| w).max().unwrap_or(0)
     }
 
+    /// Whether these settings take the argmax of the logits with no processor (no logit bias,
+    /// no penalty).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.logit_bias.is_empty() && self.history_window() == 0
+    }
+
     /// Rejects values outside their domain with a message naming the parameter.
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidSampling(m));
@@ -260,8 +266,7 @@ impl Sampler {
     /// Whether this sampler takes the argmax of the logits with no processor: rows of a batch
     /// that all do can be sampled by one argmax.
     pub fn is_plain_greedy(&self) -> bool {
-        let p = &self.params;
-        p.temperature == 0.0 && self.bias.is_none() && p.history_window() == 0
+        self.params.is_plain_greedy()
     }
 
     /// Whether logits processors change the logits (a logit bias, or penalties that read recent

@@ -5,11 +5,18 @@
 //! reduction order of a pass of several tokens a row), each verify step emitting between one
 //! and `1 + guesses` of them a row.
 //!
-//! Proposers: prompt lookup ([`ngram`]), which needs no draft model. Speculative decoding with a
-//! draft model still runs one sequence beside the batch ([`crate::sequence::speculative`]).
+//! Proposers: prompt lookup ([`ngram`]), which needs no draft model, and a draft model in the
+//! batch ([`crate::worker::draft`]) for the requests that ask for it (greedy ones; sampled
+//! speculative requests run one sequence beside the batch, [`crate::sequence::speculative`]).
+//! Each verify step is chosen against a plain step by the tokens a second each has given
+//! lately ([`policy`]).
 
 pub mod ngram;
 pub mod policy;
+
+/// The most decode rows a verify step has by default: beyond them a plain step's rows already
+/// keep the device busy, and verifying costs more than it saves.
+pub const DEFAULT_MAX_ROWS: usize = 8;
 
 /// How many of `proposed` a verify pass accepts, given `targets`: the model's greedy token after
 /// the row's last token and after each proposal (`targets.len() == proposed.len() + 1`).

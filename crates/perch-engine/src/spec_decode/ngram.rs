@@ -34,7 +34,7 @@ impl Default for PromptLookup {
             num_draft_tokens: 4,
             min_ngram: 2,
             max_ngram: 8,
-            max_rows: 8,
+            max_rows: crate::spec_decode::DEFAULT_MAX_ROWS,
             adaptive: true,
         }
     }
@@ -144,7 +144,7 @@ mod tests {
             num_draft_tokens,
             min_ngram,
             max_ngram,
-            max_rows: 8,
+            max_rows: crate::spec_decode::DEFAULT_MAX_ROWS,
             adaptive: true,
         }
     }

@@ -33,7 +33,7 @@ use perch_sched::scheduler::PrefillShape;
 use perch_sched::shapes::row_bucket;
 
 /// Which slot cache a sequence's KV (and recurrent state) lives in, and its row there.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Slot {
     /// A row of the prefill slot cache, while its prompt is prefilled.
     Prefill(usize),
@@ -144,6 +144,11 @@ impl<'m> ModelRunner<'m> {
     pub fn with_verify_steps(mut self, verify_steps: Option<(usize, usize)>) -> Self {
         self.verify_steps = verify_steps;
         self
+    }
+
+    /// Sets its verify steps ([`ModelRunner::with_verify_steps`]).
+    pub fn set_verify_steps(&mut self, verify_steps: Option<(usize, usize)>) {
+        self.verify_steps = verify_steps;
     }
 
     /// One decode step over the decode slot cache `slots` (the runner's or a scratch one set up
@@ -420,6 +425,15 @@ impl<'m> ModelRunner<'m> {
                 Vec::new(),
             )),
         }
+    }
+
+    /// Moves the sequence in decode slot `row` into a prefill slot (a draft's row that fell
+    /// behind prefills what it lacks there, [`crate::worker::draft`]). Returns its prefill slot
+    /// and the decode slots that moved ([`ModelRunner::free_slot`]).
+    pub fn reenter_prefill(&mut self, row: usize) -> Result<(Slot, Vec<(Slot, Slot)>)> {
+        let slot = self.slots.prefill.push_from(&self.slots.decode, row)?;
+        let moves = self.free_slot(Slot::Decode(row))?;
+        Ok((Slot::Prefill(slot), moves))
     }
 
     /// Frees `slot`. Returns the sequences that moved, `(from, to)` (when its cache compacted
@@ -718,5 +732,78 @@ impl InFlight {
             })
             .collect::<Result<_>>()?;
         Ok(ops::concatenate(&pieces, 0)?)
+    }
+}
+
+/// One row of a draft model's proposal step ([`ModelRunner::propose`]).
+pub(crate) struct DraftRow<'a> {
+    /// Its decode slot in the draft's runner.
+    pub row: usize,
+    /// The tokens its sequence has that the draft's cache lacks, ending with the last one.
+    pub fed: &'a [u32],
+}
+
+impl ModelRunner<'_> {
+    /// A draft model's proposals ([`crate::worker::draft`]): each row of `rows` feeds its
+    /// tokens, then `k - 1` more steps feed each row the draft's greedy token before, all on the
+    /// device; waits once for the `k` greedy tokens of every row (per row in `rows`' order).
+    /// Each row's slot holds `fed.len() + k - 1` more positions afterwards (the draft never
+    /// reads its last proposal); the other occupied slots are left as they were. No decode step
+    /// may be in flight.
+    pub fn propose(&mut self, rows: &[DraftRow], k: usize) -> Result<Vec<Vec<u32>>> {
+        debug_assert!(
+            self.in_flight.is_none(),
+            "a draft's runner runs no plain steps"
+        );
+        let longest = rows.iter().map(|r| r.fed.len()).max().unwrap_or(1);
+        // GPUs' backends pay for each new shape: there the first step is as wide as the
+        // runner's verify steps, which warm-up meets.
+        let width = match self.verify_steps {
+            Some((width, _)) if Backend::current() != Backend::Cpu => width.max(longest),
+            _ => longest,
+        };
+        let decode = &mut self.slots.decode;
+        let num_rows = decode.rows();
+        let mut ids = vec![0u32; num_rows * width];
+        let mut new_tokens = vec![0; decode.slots()];
+        let mut last = vec![0u32; num_rows];
+        for r in rows {
+            ids[r.row * width..r.row * width + r.fed.len()].copy_from_slice(r.fed);
+            new_tokens[r.row] = r.fed.len();
+            last[r.row] = (r.row * width + r.fed.len() - 1) as u32;
+        }
+        let mut feed = Array::from_slice(&ids, &[num_rows as i32, width as i32]);
+        let mut proposals = Vec::with_capacity(k);
+        for step in 0..k {
+            let logits = Self::forward_decode(
+                self.model,
+                self.compiled_decode.as_mut(),
+                &feed,
+                decode,
+                &new_tokens,
+            )?;
+            let vocab = logits.shape()[2];
+            let greedy = ops::indexing::argmax_axis(&logits.reshape(&[-1, vocab])?, -1, None)?
+                .as_dtype(Dtype::Uint32)?;
+            let greedy = if step == 0 && width > 1 {
+                greedy.take_axis(Array::from_slice(&last, &[num_rows as i32]), 0)?
+            } else {
+                greedy
+            };
+            if step == 0 {
+                for r in rows {
+                    new_tokens[r.row] = 1;
+                }
+            }
+            feed = greedy.reshape(&[num_rows as i32, 1])?;
+            proposals.push(greedy);
+        }
+        let proposals = ops::stack(&proposals, 0)?;
+        eval(std::iter::once(&proposals).chain(decode.state()))?;
+        let all = proposals.as_slice::<u32>();
+        Ok(rows
+            .iter()
+            .map(|r| (0..k).map(|step| all[step * num_rows + r.row]).collect())
+            .collect())
     }
 }

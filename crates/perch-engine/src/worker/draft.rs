@@ -1,0 +1,200 @@
+//! A draft model inside the batch (speculative decoding, [`crate::spec_decode`]): a second
+//! [`ModelRunner`] over the draft model, whose decode slot cache holds a row for each sequence
+//! it proposes for. A verify step of the batch asks it for proposals for every drafting row at
+//! once ([`ModelRunner::propose`]: `k` batched draft steps, one wait), and afterwards gives back
+//! the positions of the proposals the model rejected ([`DraftRunner::settle`]).
+//!
+//! The draft's cache follows its sequence lazily: a sequence's row is filled from its tokens
+//! the first time it proposes, and a row that fell behind (plain decode steps ran in between,
+//! which the draft does not join) by more than [`MAX_FED`] tokens catches up; both prefill
+//! through the draft's prefill slot cache, every such row's next chunk in one pass (widths in
+//! the scheduler's buckets, [`prefill_chunk_bucket`], which warm-up meets), then move to decode
+//! slots. A row at most [`MAX_FED`] tokens behind feeds them in its first proposal step. The
+//! draft's KV is not counted in the block pool (the draft is small beside the model; its slot
+//! caches grow with the rows that draft).
+
+use std::collections::HashMap;
+
+use crate::error::Result;
+use crate::kv::slot_cache::{RowKv, SlotAttention};
+use crate::models::Model;
+use crate::worker::runner::{DraftRow, ModelRunner, Slot};
+use perch_sched::kv_cache_manager::RequestId;
+use perch_sched::shapes::prefill_chunk_bucket;
+
+/// The most tokens a row feeds in its first proposal step (on GPUs every first step is this
+/// wide, one shape): its last token, the last proposal before it when a verify step accepted
+/// them all (the draft never read that one), and the tokens of a plain step or two since. A
+/// row further behind catches up through a prefill pass first.
+pub(crate) const MAX_FED: usize = 4;
+
+/// A draft model's side of the batch; see the module docs.
+pub(crate) struct DraftRunner<'m> {
+    runner: ModelRunner<'m>,
+    /// Each drafting sequence's decode slot and the tokens of it the slot holds (its first
+    /// `len` tokens, or those and proposals not settled yet).
+    rows: HashMap<RequestId, (usize, usize)>,
+    /// The most tokens a row feeds in one catch-up pass.
+    prefill_step: usize,
+}
+
+impl<'m> DraftRunner<'m> {
+    pub fn new(
+        model: &'m dyn Model,
+        slot_attention: SlotAttention,
+        compile_decode: bool,
+        (prefill_step, block_size): (usize, usize),
+        max_rows: usize,
+    ) -> Self {
+        Self {
+            runner: ModelRunner::new(
+                model,
+                slot_attention,
+                None,
+                compile_decode,
+                (prefill_chunk_bucket(prefill_step.max(1)), block_size),
+            )
+            // A first step feeds two tokens after a round whose proposals were all taken.
+            .with_verify_steps(Some((MAX_FED, max_rows))),
+            rows: HashMap::new(),
+            prefill_step: prefill_step.max(1),
+        }
+    }
+
+    /// The draft's decode steps of every row bucket up to `max_rows`, one and [`MAX_FED`]
+    /// tokens a row ([`ModelRunner::warm_up`]). Returns the number of shapes run.
+    pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
+        self.runner.warm_up(max_rows)
+    }
+
+    /// Up to `k` proposals for each of `rows` (a sequence and its tokens, prompt and
+    /// generated), in `rows`' order: `k` greedy tokens of the draft after the last one.
+    pub fn propose(&mut self, rows: &[(RequestId, &[u32])], k: usize) -> Result<Vec<Vec<u32>>> {
+        self.catch_up(rows)?;
+        let fed: Vec<DraftRow> = rows
+            .iter()
+            .map(|&(id, tokens)| {
+                let (row, len) = self.rows[&id];
+                DraftRow {
+                    row,
+                    fed: &tokens[len..],
+                }
+            })
+            .collect();
+        let proposals = self.runner.propose(&fed, k)?;
+        for &(id, tokens) in rows {
+            let entry = self.rows.get_mut(&id).expect("caught up above");
+            entry.1 = tokens.len() + k - 1;
+        }
+        Ok(proposals)
+    }
+
+    /// The decode warm-up steps at `positions` ([`ModelRunner::warm_up_decode_at`]): a draft
+    /// step's capacities as its rows grow.
+    pub fn warm_up_decode_at(&mut self, positions: usize) -> Result<()> {
+        self.runner.warm_up_decode_at(positions)
+    }
+
+    /// The prefill warm-up pass of `shape` ([`ModelRunner::warm_up_prefill`]): rows catch up
+    /// in the target's prefill shapes.
+    pub fn warm_up_prefill(&mut self, shape: perch_sched::scheduler::PrefillShape) -> Result<()> {
+        self.runner.warm_up_prefill(shape)
+    }
+
+    /// Gives every row of `rows` more than [`MAX_FED`] tokens behind (or with no slot yet) all
+    /// its tokens but the last: they move to prefill slots, prefill in passes of each one's next
+    /// chunk, and move back to decode slots.
+    fn catch_up(&mut self, rows: &[(RequestId, &[u32])]) -> Result<()> {
+        // (sequence, its prefill slot, tokens it holds, its tokens)
+        let mut behind: Vec<(RequestId, usize, usize, &[u32])> = Vec::new();
+        for &(id, tokens) in rows {
+            let (slot, held) = match self.rows.get(&id).copied() {
+                Some((_, len)) if len + MAX_FED >= tokens.len() => continue,
+                Some((row, len)) => {
+                    self.rows.remove(&id);
+                    let (slot, moves) = self.runner.reenter_prefill(row)?;
+                    self.decode_slots_moved(&moves);
+                    (slot, len)
+                }
+                None => (self.runner.enter_prefill(&[], 0, RowKv::Plain)?, 0),
+            };
+            let Slot::Prefill(slot) = slot else {
+                unreachable!("a prefill slot")
+            };
+            behind.push((id, slot, held, tokens));
+        }
+        loop {
+            let mut chunks: Vec<&[u32]> = vec![&[]; self.runner.prefill_slot_span()];
+            for (_, slot, held, tokens) in &mut behind {
+                let end = (*held + self.prefill_step).min(tokens.len() - 1);
+                chunks[*slot] = &tokens[*held..end];
+                *held = end;
+            }
+            let Some(widest) = chunks.iter().map(|c| c.len()).max().filter(|&w| w > 0) else {
+                break;
+            };
+            self.runner
+                .prefill_step(&chunks, prefill_chunk_bucket(widest), None)?;
+            self.runner.end_prefill_step()?;
+        }
+        for i in 0..behind.len() {
+            let (id, slot, held, _) = behind[i];
+            let (to, moves) =
+                self.runner
+                    .enter_decode(Some(Slot::Prefill(slot)), &[], 0, RowKv::Plain)?;
+            for (from, to) in moves {
+                if let Some(entry) = behind[i + 1..]
+                    .iter_mut()
+                    .find(|e| Slot::Prefill(e.1) == from)
+                {
+                    let Slot::Prefill(to) = to else {
+                        unreachable!("prefill slots move within the prefill cache")
+                    };
+                    entry.1 = to;
+                }
+            }
+            let Slot::Decode(row) = to else {
+                unreachable!("enter_decode gives a decode slot")
+            };
+            self.rows.insert(id, (row, held));
+        }
+        Ok(())
+    }
+
+    /// After a verify step: sequence `id`'s slot keeps its first `valid` tokens (those its
+    /// sequence had before the proposals and the proposals it accepted), the rest given back.
+    pub fn settle(&mut self, id: RequestId, valid: usize) -> Result<()> {
+        if let Some((row, len)) = self.rows.get_mut(&id) {
+            if *len > valid {
+                self.runner.rewind(*row, *len - valid)?;
+                *len = valid;
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets sequence `id` (it left the batch), freeing its slot.
+    pub fn remove(&mut self, id: RequestId) -> Result<()> {
+        if let Some((row, _)) = self.rows.remove(&id) {
+            let moves = self.runner.free_slot(Slot::Decode(row))?;
+            self.decode_slots_moved(&moves);
+        }
+        Ok(())
+    }
+
+    /// Forgets every sequence (after an MLX failure).
+    pub fn clear(&mut self) {
+        self.rows.clear();
+        self.runner.clear();
+    }
+
+    /// Each sequence in decode slot `from` is now in `to`, for every `(from, to)` of `moves`.
+    fn decode_slots_moved(&mut self, moves: &[(Slot, Slot)]) {
+        let moves: HashMap<Slot, Slot> = moves.iter().copied().collect();
+        for (row, _) in self.rows.values_mut() {
+            if let Some(&Slot::Decode(to)) = moves.get(&Slot::Decode(*row)) {
+                *row = to;
+            }
+        }
+    }
+}
