@@ -59,7 +59,7 @@ use crate::spec_decode::ngram::{Backoff, PromptLookup};
 use crate::spec_decode::policy::SpecPolicy;
 use crate::text::tokenizer::Tokenizer;
 use crate::worker::draft::DraftRunner;
-use crate::worker::runner::{DecodeRow, ModelRunner, Slot, VerifyRow};
+use crate::worker::runner::{DecodeRow, FedRow, ModelRunner, Slot};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientTally, Lookup};
@@ -2145,11 +2145,11 @@ impl<'m> BatchGenerator<'m> {
         }
         let verify_start = Instant::now();
         self.enter_decode_slots(ready)?;
-        let rows: Vec<VerifyRow> = ready
+        let rows: Vec<FedRow> = ready
             .iter()
             .zip(&fed)
             .map(|(&i, fed)| match self.running[i].slot {
-                Some(Slot::Decode(row)) => VerifyRow { row, fed },
+                Some(Slot::Decode(row)) => FedRow { row, fed },
                 _ => unreachable!("a ready sequence is in a decode slot"),
             })
             .collect();

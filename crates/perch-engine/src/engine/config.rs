@@ -58,8 +58,9 @@ pub struct EngineConfig {
     pub max_queued_requests: usize,
     /// A draft model (a directory in the mlx-community layout) loaded beside the model, for
     /// requests with [`GenerateRequest::num_draft_tokens`] (speculative decoding). Its tokenizer
-    /// must be the model's; loading fails otherwise. Such requests run beside the batch, one
-    /// round of proposals each per engine step (see [`crate::sequence::speculative`]).
+    /// must be the model's; loading fails otherwise. Greedy ones run in the batch, the draft
+    /// proposing in its verify steps (see [`BatchGenerator::with_draft`]); sampled ones beside
+    /// it, one round of proposals each per engine step (see [`crate::sequence::speculative`]).
     pub draft_model: Option<PathBuf>,
     /// Prompt lookup (n-gram) speculative decoding in the batch for greedy requests (see
     /// [`BatchConfig::prompt_lookup`]); off by default.

@@ -52,7 +52,8 @@ pub(super) struct Queue {
     /// When `stats` was last replaced.
     pub(super) published_at: Instant,
     pub(super) outstanding: Arc<AtomicUsize>,
-    /// Ids of the requests running beside the batch (speculative ones; see [`SoloSequence`]).
+    /// Ids of the requests running beside the batch (speculative ones the batch does not draft
+    /// for; see [`SoloSequence`]).
     pub(super) solo: HashSet<RequestId>,
     /// How long the model stays loaded once idle: the last request's `keep_alive`, or
     /// `default_keep_alive` ([`EngineConfig::keep_alive`]) when it set none.

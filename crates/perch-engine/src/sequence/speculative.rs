@@ -72,9 +72,9 @@ pub fn generate_speculative(
 /// One sequence with KV caches of its own, advanced a step at a time (the engine interleaves
 /// such steps with its batch's): a prompt chunk, or one decode step, which with a draft model is
 /// a round of proposals and their verification (speculative decoding). The engine runs requests
-/// this way that its batch cannot: speculative ones, and those that quantize their own KV cache
-/// (`kv_quantization` from `quantized_kv_start`), exactly as [`crate::sequence::generate()`]
-/// runs them.
+/// this way that its batch cannot: speculative ones its batch's draft does not propose for
+/// ([`crate::GenerateRequest::runs_beside_batch`]: sampled ones, or all without a draft in the
+/// batch), exactly as [`crate::sequence::generate()`] runs them.
 pub(crate) struct SoloSequence<'m> {
     model: &'m dyn Model,
     /// The draft model, for speculative decoding; `None`: one token per step.

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use crate::error::Result;
 use crate::kv::slot_cache::{RowKv, SlotAttention};
 use crate::models::Model;
-use crate::worker::runner::{DraftRow, ModelRunner, Slot};
+use crate::worker::runner::{FedRow, ModelRunner, Slot};
 use perch_sched::kv_cache_manager::RequestId;
 use perch_sched::shapes::prefill_chunk_bucket;
 
@@ -71,11 +71,11 @@ impl<'m> DraftRunner<'m> {
     /// generated), in `rows`' order: `k` greedy tokens of the draft after the last one.
     pub fn propose(&mut self, rows: &[(RequestId, &[u32])], k: usize) -> Result<Vec<Vec<u32>>> {
         self.catch_up(rows)?;
-        let fed: Vec<DraftRow> = rows
+        let fed: Vec<FedRow> = rows
             .iter()
             .map(|&(id, tokens)| {
                 let (row, len) = self.rows[&id];
-                DraftRow {
+                FedRow {
                     row,
                     fed: &tokens[len..],
                 }

@@ -618,15 +618,52 @@ impl<'m> ModelRunner<'m> {
     }
 }
 
-/// One row of a verify step ([`ModelRunner::verify`]).
-pub(crate) struct VerifyRow<'a> {
+/// One row of a step of several tokens a row: a verify step ([`ModelRunner::verify`]), or a
+/// draft's first proposal step ([`ModelRunner::propose`]).
+pub(crate) struct FedRow<'a> {
     /// Its decode slot.
     pub row: usize,
-    /// What it feeds: its sequence's last token, then the proposals.
+    /// What it feeds: in a verify step its sequence's last token, then the proposals; in a
+    /// draft's step the tokens its sequence has that the draft's cache lacks, ending with the
+    /// last one.
     pub fed: &'a [u32],
 }
 
+/// [`FedRow`]s laid out for one pass over the decode slot cache ([`ModelRunner::fed_step`]).
+struct FedStep {
+    /// Tokens a row, padding included.
+    width: usize,
+    /// `[rows, width]`, every slot's row (padding for a slot not fed).
+    ids: Array,
+    /// Per slot, the tokens it keeps (a fed row's count; `others` for the rest).
+    new_tokens: Vec<usize>,
+}
+
 impl ModelRunner<'_> {
+    /// `rows` as one pass over the decode slot cache: as wide as the longest row or, on GPUs
+    /// (whose backends pay for each new shape), as the runner's verify steps, which warm-up
+    /// meets; the slots not in `rows` keep `others` positions.
+    fn fed_step(&self, rows: &[FedRow], others: usize) -> FedStep {
+        let longest = rows.iter().map(|r| r.fed.len()).max().unwrap_or(1);
+        let width = match self.verify_steps {
+            Some((width, _)) if Backend::current() != Backend::Cpu => width.max(longest),
+            _ => longest,
+        };
+        let decode = &self.slots.decode;
+        let num_rows = decode.rows();
+        let mut ids = vec![0u32; num_rows * width];
+        let mut new_tokens = vec![others; decode.slots()];
+        for r in rows {
+            ids[r.row * width..r.row * width + r.fed.len()].copy_from_slice(r.fed);
+            new_tokens[r.row] = r.fed.len();
+        }
+        FedStep {
+            width,
+            ids: Array::from_slice(&ids, &[num_rows as i32, width as i32]),
+            new_tokens,
+        }
+    }
+
     /// A verify step of speculative decoding ([`crate::spec_decode`]): each row of `rows`
     /// feeds its tokens in one forward pass over the decode slot cache (padded to the longest,
     /// compiled when decode steps are), and the model's greedy token after each of them comes
@@ -635,25 +672,15 @@ impl ModelRunner<'_> {
     /// more positions afterwards (the other occupied slots one, as in a decode step); those of
     /// rejected proposals are given back with [`ModelRunner::rewind`]. No decode step may be
     /// in flight.
-    pub fn verify(&mut self, rows: &[VerifyRow]) -> Result<Vec<Vec<u32>>> {
+    pub fn verify(&mut self, rows: &[FedRow]) -> Result<Vec<Vec<u32>>> {
         debug_assert!(self.in_flight.is_none(), "the step in flight is read first");
-        // One width on GPUs, whose backends pay for each new shape; the CPU computes what it is
-        // given, so there the longest row's.
-        let longest = rows.iter().map(|r| r.fed.len()).max().unwrap_or(1);
-        let width = match self.verify_steps {
-            Some((width, _)) if Backend::current() != Backend::Cpu => width.max(longest),
-            _ => longest,
-        };
-        let decode = &mut self.slots.decode;
-        let num_rows = decode.rows();
-        let mut ids = vec![0u32; num_rows * width];
-        let mut new_tokens = vec![1; decode.slots()];
-        for r in rows {
-            ids[r.row * width..r.row * width + r.fed.len()].copy_from_slice(r.fed);
-            new_tokens[r.row] = r.fed.len();
-        }
-        let ids = Array::from_slice(&ids, &[num_rows as i32, width as i32]);
+        let FedStep {
+            width,
+            ids,
+            new_tokens,
+        } = self.fed_step(rows, 1);
         let compiled = self.compiled_decode.as_mut();
+        let decode = &mut self.slots.decode;
         let greedy = Self::greedy_step(self.model, compiled, &ids, decode, &new_tokens)?;
         let greedy = greedy.as_slice::<u32>();
         Ok(rows
@@ -735,14 +762,6 @@ impl InFlight {
     }
 }
 
-/// One row of a draft model's proposal step ([`ModelRunner::propose`]).
-pub(crate) struct DraftRow<'a> {
-    /// Its decode slot in the draft's runner.
-    pub row: usize,
-    /// The tokens its sequence has that the draft's cache lacks, ending with the last one.
-    pub fed: &'a [u32],
-}
-
 impl ModelRunner<'_> {
     /// A draft model's proposals ([`crate::worker::draft`]): each row of `rows` feeds its
     /// tokens, then `k - 1` more steps feed each row the draft's greedy token before, all on the
@@ -750,29 +769,23 @@ impl ModelRunner<'_> {
     /// Each row's slot holds `fed.len() + k - 1` more positions afterwards (the draft never
     /// reads its last proposal); the other occupied slots are left as they were. No decode step
     /// may be in flight.
-    pub fn propose(&mut self, rows: &[DraftRow], k: usize) -> Result<Vec<Vec<u32>>> {
+    pub fn propose(&mut self, rows: &[FedRow], k: usize) -> Result<Vec<Vec<u32>>> {
         debug_assert!(
             self.in_flight.is_none(),
             "a draft's runner runs no plain steps"
         );
-        let longest = rows.iter().map(|r| r.fed.len()).max().unwrap_or(1);
-        // GPUs' backends pay for each new shape: there the first step is as wide as the
-        // runner's verify steps, which warm-up meets.
-        let width = match self.verify_steps {
-            Some((width, _)) if Backend::current() != Backend::Cpu => width.max(longest),
-            _ => longest,
-        };
+        let FedStep {
+            width,
+            ids: mut feed,
+            mut new_tokens,
+        } = self.fed_step(rows, 0);
         let decode = &mut self.slots.decode;
         let num_rows = decode.rows();
-        let mut ids = vec![0u32; num_rows * width];
-        let mut new_tokens = vec![0; decode.slots()];
+        // Each row's last fed token's place among the first step's `[rows * width]`.
         let mut last = vec![0u32; num_rows];
         for r in rows {
-            ids[r.row * width..r.row * width + r.fed.len()].copy_from_slice(r.fed);
-            new_tokens[r.row] = r.fed.len();
             last[r.row] = (r.row * width + r.fed.len() - 1) as u32;
         }
-        let mut feed = Array::from_slice(&ids, &[num_rows as i32, width as i32]);
         let mut proposals = Vec::with_capacity(k);
         for step in 0..k {
             let logits = Self::forward_decode(
