@@ -605,8 +605,6 @@ impl<'m> BatchGenerator<'m> {
         }
     }
 
-    /// Positions the block table of a request bounded by `limit` holds at most: its bound and a
-    /// prefill step (what its rows of the slot caches hold at most, see `kv::slot_cache`).
     /// This batch with `draft` proposing, in verify steps ([`crate::spec_decode`]), for the rows
     /// of requests that ask for speculative decoding ([`GenerateRequest::drafts_in_batch`])
     /// while at most [`BatchGenerator::speculative_rows`] rows decode. Unchanged when the model
@@ -647,6 +645,8 @@ impl<'m> BatchGenerator<'m> {
             .min(self.config.max_running)
     }
 
+    /// Positions the block table of a request bounded by `limit` holds at most: its bound and a
+    /// prefill step (what its rows of the slot caches hold at most, see `kv::slot_cache`).
     fn bounded_tokens(&self, limit: KvLimit) -> usize {
         limit.max_size as usize
             + perch_sched::shapes::prefill_chunk_bucket(self.config.prefill_token_budget.max(1))
@@ -2069,10 +2069,14 @@ impl<'m> BatchGenerator<'m> {
 
     /// The tokens the draft model proposes a step for `seq`, when it drafts for it: from its
     /// second token on (the draft's first pass over the sequence's tokens would otherwise
-    /// delay its first).
+    /// delay its first), and not after a prompt-cache prefix (whose tokens the draft cannot
+    /// read: a file without token ids leaves placeholders).
     fn drafts_for(&self, seq: &Sequence) -> Option<usize> {
         self.draft.as_ref()?;
         seq.first_token_at?;
+        if seq.preloaded.is_some() {
+            return None;
+        }
         seq.request.num_draft_tokens
     }
 
@@ -2121,7 +2125,7 @@ impl<'m> BatchGenerator<'m> {
     fn verify(&mut self, ready: &[usize], events: &mut Vec<BatchEvent>) -> Result<bool> {
         let start = Instant::now();
         let proposals = self.proposals(ready)?;
-        self.times.draft_seconds += start.elapsed().as_secs_f64();
+        let drafted = start.elapsed().as_secs_f64();
         let mut fed: Vec<Vec<u32>> = Vec::with_capacity(ready.len());
         for (&i, proposed) in ready.iter().zip(proposals) {
             let seq = &self.running[i];
@@ -2143,6 +2147,7 @@ impl<'m> BatchGenerator<'m> {
             self.settle_drafts(ready, &vec![0; ready.len()])?;
             return Ok(false);
         }
+        self.times.draft_seconds += drafted;
         let verify_start = Instant::now();
         self.enter_decode_slots(ready)?;
         let rows: Vec<FedRow> = ready

@@ -34,7 +34,7 @@ pub(crate) struct DraftRunner<'m> {
     /// Each drafting sequence's decode slot and the tokens of it the slot holds (its first
     /// `len` tokens, or those and proposals not settled yet).
     rows: HashMap<RequestId, (usize, usize)>,
-    /// The most tokens a row feeds in one catch-up pass.
+    /// The most tokens a catch-up pass feeds, all rows together (the batch's prefill budget).
     prefill_step: usize,
 }
 
@@ -124,10 +124,13 @@ impl<'m> DraftRunner<'m> {
             behind.push((id, slot, held, tokens));
         }
         loop {
+            // At most `prefill_step` tokens a pass in all, as the model's prefill passes.
+            let mut room = self.prefill_step;
             let mut chunks: Vec<&[u32]> = vec![&[]; self.runner.prefill_slot_span()];
             for (_, slot, held, tokens) in &mut behind {
-                let end = (*held + self.prefill_step).min(tokens.len() - 1);
+                let end = (*held + room).min(tokens.len() - 1);
                 chunks[*slot] = &tokens[*held..end];
+                room -= end - *held;
                 *held = end;
             }
             let Some(widest) = chunks.iter().map(|c| c.len()).max().filter(|&w| w > 0) else {
