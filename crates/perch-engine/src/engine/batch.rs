@@ -53,7 +53,7 @@ use crate::sample::grammar::GrammarState;
 use crate::sample::sampler::Sampler;
 use crate::sample::RecentTokens;
 use crate::sequence::generate::{check_request, kv_options};
-use crate::sequence::speculative::Draft;
+use crate::sequence::speculative::{check_num_draft_tokens, Draft};
 use crate::spec_decode;
 use crate::spec_decode::ngram::{Backoff, PromptLookup};
 use crate::spec_decode::policy::SpecPolicy;
@@ -715,12 +715,7 @@ impl<'m> BatchGenerator<'m> {
             ));
         }
         if let Some(k) = request.num_draft_tokens {
-            if !(1..=Draft::MAX_NUM_DRAFT_TOKENS).contains(&k) {
-                return Err(EngineError::Request(format!(
-                    "num_draft_tokens must be 1 to {}, got {k}",
-                    Draft::MAX_NUM_DRAFT_TOKENS
-                )));
-            }
+            check_num_draft_tokens(k)?;
         }
         // A bound the sequence never reaches changes nothing (mlx_lm's rotating cache trims
         // nothing then): the request runs unbounded, with the prefix cache.

@@ -327,6 +327,17 @@ impl<'m> SoloSequence<'m> {
     }
 }
 
+/// Refuses `num_draft_tokens` of 0 or above [`Draft::MAX_NUM_DRAFT_TOKENS`].
+pub(crate) fn check_num_draft_tokens(num_draft_tokens: usize) -> Result<()> {
+    if !(1..=Draft::MAX_NUM_DRAFT_TOKENS).contains(&num_draft_tokens) {
+        return Err(EngineError::Request(format!(
+            "num_draft_tokens must be 1 to {}, not {num_draft_tokens}",
+            Draft::MAX_NUM_DRAFT_TOKENS
+        )));
+    }
+    Ok(())
+}
+
 fn check_draft(
     model: &dyn Model,
     draft: &Draft<'_>,
@@ -334,13 +345,7 @@ fn check_draft(
     request: &GenerateRequest,
 ) -> Result<()> {
     let refuse = |message: &str| Err(EngineError::Request(message.to_string()));
-    if !(1..=Draft::MAX_NUM_DRAFT_TOKENS).contains(&draft.num_draft_tokens) {
-        return Err(EngineError::Request(format!(
-            "num_draft_tokens must be 1 to {}, not {}",
-            Draft::MAX_NUM_DRAFT_TOKENS,
-            draft.num_draft_tokens
-        )));
-    }
+    check_num_draft_tokens(draft.num_draft_tokens)?;
     if !tokenizer.same_vocabulary(draft.tokenizer) {
         return refuse(
             "the draft model's tokenizer does not match the model's: speculative decoding needs \
