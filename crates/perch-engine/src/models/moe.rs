@@ -2,7 +2,14 @@
 //! Qwen3-Next's and Qwen3.5-MoE's `Qwen3NextSparseMoeBlock`): a router picks each token's top-k
 //! experts, each a SwiGLU MLP, and their outputs are summed with the router's softmax weights
 //! (renormalised over the k when `norm_topk_prob`); Qwen3.5-MoE adds a shared expert every token
-//! goes through, scaled by `sigmoid(shared_expert_gate(x))`. The experts'
+//! goes through, scaled by `sigmoid(shared_expert_gate(x))`. Where Perch's CUDA kernels run the
+//! experts, a shared expert quantized as the experts are is folded into them at load: its
+//! SwiGLU MLP of `S = n·I` features is the sum of `n` MLPs of the experts' `I` features (its
+//! gate and up rows and its down columns cut in `n`), appended to the experts' stacks as experts
+//! `E .. E + n` that every token takes with the gate's sigmoid as their weight, the gate's row
+//! appended to the router's; so a layer's experts stay three launches (router, gated product,
+//! weighted product) instead of adding the shared MLP's products, activation, gate, sigmoid,
+//! scaling and sum to every decode step. The experts'
 //! weights are stacked per projection, `[experts, out, in]` (mlx-community's `switch_mlp`
 //! layout; Hugging Face's `experts.{e}` tensors are stacked at load, as mlx_lm's `sanitize`
 //! does), and multiplied by MLX's `gather_mm` / `gather_qmm` for the chosen experts only.
@@ -103,6 +110,90 @@ impl SwitchLinear {
         Self {
             weight: SwitchWeight::Dense(weight),
             bias: None,
+        }
+    }
+
+    /// A dense layer's quantized `{path}.*` (`[out, in]` weights, `params`) as `pieces` experts:
+    /// its output rows cut in `pieces` consecutive runs (`split_input` false: `[pieces, out /
+    /// pieces, ...]`) or its input features (`split_input`: `[pieces, out, ...]`, a run of `in /
+    /// pieces` features each, which must hold whole groups and whole packed words).
+    fn load_pieces(
+        weights: &mut Weights,
+        (path, params): (&str, QuantParams),
+        (in_features, out_features): (i32, i32),
+        (pieces, split_input): (i32, bool),
+    ) -> Result<Self> {
+        let packed = in_features * params.bits / 32;
+        let groups = in_features / params.group_size;
+        let cut = |weights: &mut Weights, part: &str, last: i32| -> Result<Array> {
+            let name = format!("{path}.{part}");
+            let whole = weights.take_shaped(&name, &[out_features, last])?;
+            let cut = match split_input {
+                false => whole.reshape(&[pieces, out_features / pieces, last])?,
+                true => whole
+                    .reshape(&[out_features, pieces, last / pieces])?
+                    .swap_axes(0, 1)?,
+            };
+            let cut = cut.contiguous()?;
+            cut.eval()?;
+            Ok(cut)
+        };
+        let scales = cut(weights, "scales", groups)?;
+        params.check_scales(&format!("{path}.scales"), &scales)?;
+        Ok(Self {
+            weight: SwitchWeight::Quantized {
+                weight: cut(weights, "weight", packed)?,
+                scales,
+                biases: params
+                    .mode
+                    .has_biases()
+                    .then(|| cut(weights, "biases", groups))
+                    .transpose()?,
+                params,
+            },
+            bias: None,
+        })
+    }
+
+    /// These experts followed by `more`'s (`[experts + more, ...]`), both quantized alike and
+    /// without biases; evaluated here.
+    fn append_experts(self, more: Self) -> Result<Self> {
+        let cat = |a: &Array, b: &Array| -> Result<Array> {
+            let both = ops::concatenate(&[a, b], 0)?;
+            both.eval()?;
+            Ok(both)
+        };
+        match (&self.weight, &more.weight, &self.bias, &more.bias) {
+            (
+                SwitchWeight::Quantized {
+                    weight: wa,
+                    scales: sa,
+                    biases: ba,
+                    params: pa,
+                },
+                SwitchWeight::Quantized {
+                    weight: wb,
+                    scales: sb,
+                    biases: bb,
+                    params: pb,
+                },
+                None,
+                None,
+            ) if pa == pb && sa.dtype() == sb.dtype() => Ok(Self {
+                weight: SwitchWeight::Quantized {
+                    weight: cat(wa, wb)?,
+                    scales: cat(sa, sb)?,
+                    biases: match (ba, bb) {
+                        (Some(a), Some(b)) => Some(cat(a, b)?),
+                        _ => None,
+                    },
+                    params: *pa,
+                },
+                bias: None,
+            }),
+            _ => Err(crate::error::EngineError::Kernel(
+                "experts appended to a stack must be quantized as it is".into(),
+            )),
         }
     }
 
@@ -348,8 +439,24 @@ impl SwitchGlu {
             activation,
             sort,
             kernel,
-            fused: kernel && std::env::var("PERCH_EXPERT_EPILOGUES").as_deref() != Ok("0"),
+            fused: kernel && Self::epilogues_in_kernels(),
         })
+    }
+
+    /// Whether the router, the activation and the weighted sum run in Perch's kernels (see
+    /// [`SwitchGlu::fused`]), as far as the environment says.
+    fn epilogues_in_kernels() -> bool {
+        std::env::var("PERCH_EXPERT_EPILOGUES").as_deref() != Ok("0")
+    }
+
+    /// Whether a decode step's experts run as the three launches of Perch's kernels (router,
+    /// gated product, weighted product): CUDA with the kernels' load check passed, the gate and
+    /// up projections fused and the epilogues in the kernels.
+    fn three_launches() -> bool {
+        expert_kernel::usable()
+            && Self::epilogues_in_kernels()
+            && crate::nn::layers::fused_projections()
+            && std::env::var("PERCH_FUSED_EXPERTS").as_deref() != Ok("0")
     }
 
     /// Tokens at or above which the (token, expert) pairs are sorted by expert before the
@@ -489,6 +596,10 @@ pub struct SparseMoe {
     top_k: i32,
     norm_topk_prob: bool,
     shared: Option<SharedExpert>,
+    /// The shared expert's pieces folded into `switch_mlp`'s stacks (experts `num_experts ..
+    /// num_experts + folded_shared`), its gate's row the last of `gate`'s; 0 when there is
+    /// none or it runs as `shared` (see the module's doc).
+    folded_shared: i32,
     /// [`MoeStyle::Qwen`] or [`MoeStyle::GptOss`]: how the router's scores become weights.
     style: MoeStyle,
 }
@@ -502,13 +613,28 @@ struct SharedExpert {
 
 impl SparseMoe {
     /// The block at `path` (`…mlp`): `{path}.gate` (the router) and `{path}.switch_mlp.*`;
-    /// gpt-oss's `{path}.router` and `{path}.experts.*`, with biases.
+    /// gpt-oss's `{path}.router` and `{path}.experts.*`, with biases. A shared expert is folded
+    /// into the experts where their decode runs in Perch's kernels and it can be
+    /// ([`SparseMoe::folds_shared`]); `PERCH_FOLD_SHARED_EXPERT=0` keeps it apart (benchmarks).
     pub fn load(
         weights: &mut Weights,
         quantization: &Quantization,
         path: &str,
         hidden: i32,
         c: &MoeConfig,
+    ) -> Result<Self> {
+        let fold = SwitchGlu::three_launches()
+            && std::env::var("PERCH_FOLD_SHARED_EXPERT").as_deref() != Ok("0");
+        Self::load_folding(weights, quantization, (path, hidden), c, fold)
+    }
+
+    /// [`SparseMoe::load`], folding a shared expert when `fold` and it can be.
+    fn load_folding(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        (path, hidden): (&str, i32),
+        c: &MoeConfig,
+        fold: bool,
     ) -> Result<Self> {
         let gpt_oss = c.style == MoeStyle::GptOss;
         let gate = Linear::load(
@@ -536,33 +662,66 @@ impl SparseMoe {
             )
         };
         let (h, m) = (hidden, c.intermediate_size);
-        let shared = match c.shared_expert_intermediate_size {
-            Some(size) => Some(SharedExpert {
-                mlp: Mlp::load(
-                    weights,
-                    quantization,
-                    &format!("{path}.shared_expert"),
-                    hidden,
-                    size,
-                    false,
-                )?,
-                gate: Linear::load(
-                    weights,
-                    quantization,
-                    &format!("{path}.shared_expert_gate"),
-                    hidden,
-                    1,
-                    false,
-                )?,
-            }),
-            None => None,
+        let shared_path = format!("{path}.shared_expert");
+        // Asked before the experts' tensors are taken.
+        let pieces = match fold {
+            true => Self::folds_shared(weights, quantization, (&switch, &shared_path), c),
+            false => None,
         };
+        let (mut gate_proj, mut up_proj, mut down_proj) = (
+            proj(weights, "gate_proj", h, m)?,
+            proj(weights, "up_proj", h, m)?,
+            proj(weights, "down_proj", m, h)?,
+        );
+        let (mut gate, mut shared, mut folded_shared) = (gate, None, 0);
+        if let Some(size) = c.shared_expert_intermediate_size {
+            let shared_gate = Linear::load(
+                weights,
+                quantization,
+                &format!("{path}.shared_expert_gate"),
+                hidden,
+                1,
+                false,
+            )?;
+            // The router and the shared expert's gate as one product, `[experts + 1, hidden]`.
+            let both = match pieces {
+                Some(_) => Linear::fuse([gate, shared_gate])?,
+                None => Err([gate, shared_gate]),
+            };
+            match (both, pieces) {
+                (Ok(both), Some((params, pieces))) => {
+                    let piece = |weights: &mut Weights, name: &str, (i, o), split_input| {
+                        SwitchLinear::load_pieces(
+                            weights,
+                            (&format!("{shared_path}.{name}"), params),
+                            (i, o),
+                            (pieces, split_input),
+                        )
+                    };
+                    gate_proj =
+                        gate_proj.append_experts(piece(weights, "gate_proj", (h, size), false)?)?;
+                    up_proj =
+                        up_proj.append_experts(piece(weights, "up_proj", (h, size), false)?)?;
+                    down_proj =
+                        down_proj.append_experts(piece(weights, "down_proj", (size, h), true)?)?;
+                    (gate, folded_shared) = (both, pieces);
+                }
+                (Ok(_), None) => unreachable!("fused only with pieces"),
+                (Err([router, shared_gate]), _) => {
+                    gate = router;
+                    shared = Some(SharedExpert {
+                        mlp: Mlp::load(weights, quantization, &shared_path, hidden, size, false)?,
+                        gate: shared_gate,
+                    });
+                }
+            }
+        }
         Ok(Self {
             gate,
             switch_mlp: SwitchGlu::new(
-                proj(weights, "gate_proj", h, m)?,
-                proj(weights, "up_proj", h, m)?,
-                proj(weights, "down_proj", m, h)?,
+                gate_proj,
+                up_proj,
+                down_proj,
                 if gpt_oss {
                     Activation::SwigluOai
                 } else {
@@ -572,8 +731,39 @@ impl SparseMoe {
             top_k: c.top_k,
             norm_topk_prob: c.norm_topk_prob,
             shared,
+            folded_shared,
             style: c.style,
         })
+    }
+
+    /// The quantization and the number of pieces of the experts' size when the shared expert at
+    /// `shared_path` can be folded into the experts at `switch` (see the module's doc): all
+    /// six projections quantized with the same parameters and stored separately, the shared
+    /// size a multiple of the experts' (at most [`expert_kernel::MAX_SHARED`] pieces), the
+    /// experts' size a whole number of groups and packed words; `None` otherwise.
+    fn folds_shared(
+        weights: &Weights,
+        quantization: &Quantization,
+        (switch, shared_path): (&str, &str),
+        c: &MoeConfig,
+    ) -> Option<(QuantParams, i32)> {
+        let size = c.shared_expert_intermediate_size?;
+        let m = c.intermediate_size;
+        let params = quantization.for_module(&format!("{switch}.gate_proj"), weights)?;
+        let alike = ["gate_proj", "up_proj", "down_proj"].iter().all(|name| {
+            let shared = format!("{shared_path}.{name}");
+            quantization.for_module(&format!("{switch}.{name}"), weights) == Some(params)
+                && quantization.for_module(&shared, weights) == Some(params)
+                && weights.contains(&format!("{shared}.weight"))
+        });
+        let pieces = size / m;
+        let fits = alike
+            && m > 0
+            && size % m == 0
+            && (1..=expert_kernel::MAX_SHARED).contains(&pieces)
+            && m % params.group_size == 0
+            && (m * params.bits) % 32 == 0;
+        fits.then_some((params, pieces))
     }
 
     /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]; the experts'
@@ -616,10 +806,11 @@ impl SparseMoe {
             (MoeStyle::Qwen, false) => expert_kernel::Normalize::All,
             _ => expert_kernel::Normalize::TopK,
         };
+        let shared = self.folded_shared;
         if self.switch_mlp.fused {
             if let Some(gate) = self.gate.dense() {
                 let routed =
-                    expert_kernel::route_from_hidden(x, gate, self.top_k, normalize, None)?;
+                    expert_kernel::route_from_hidden(x, gate, self.top_k, normalize, None, shared)?;
                 if let Some(routed) = routed {
                     return Ok(routed);
                 }
@@ -627,15 +818,33 @@ impl SparseMoe {
         }
         let logits = self.gate.forward(x)?;
         if self.switch_mlp.fused {
-            if let Some(routed) = expert_kernel::route(&logits, self.top_k, normalize, None)? {
+            let routed = expert_kernel::route(&logits, self.top_k, normalize, None, shared)?;
+            if let Some(routed) = routed {
                 return Ok(routed);
             }
         }
+        let (logits, gate) = expert_kernel::split_shared_gate(&logits, shared)?;
+        let routed = self.route_with_ops(&logits)?;
+        match gate {
+            Some(gate) => {
+                let experts = *logits.shape().last().expect("scores");
+                Ok(expert_kernel::append_shared(
+                    routed,
+                    &gate,
+                    (experts, shared),
+                )?)
+            }
+            None => Ok(routed),
+        }
+    }
+
+    /// [`SparseMoe::route`] in MLX's operations, from the experts' scores `logits`.
+    fn route_with_ops(&self, logits: &Array) -> Result<(Array, Array)> {
         if self.style == MoeStyle::GptOss {
-            let (indices, top) = top_k(&logits, self.top_k)?;
+            let (indices, top) = top_k(logits, self.top_k)?;
             return Ok((indices, ops::softmax_axis(&top, -1, true)?));
         }
-        let (indices, scores) = top_k(&ops::softmax_axis(&logits, -1, true)?, self.top_k)?;
+        let (indices, scores) = top_k(&ops::softmax_axis(logits, -1, true)?, self.top_k)?;
         let scores = match self.norm_topk_prob {
             true => ops::divide(&scores, &scores.sum_axis(-1, true)?)?,
             false => scores,
@@ -779,9 +988,14 @@ impl MlpAndExperts {
             }
         };
         let from_hidden = match (self.experts.fused, self.router_proj.dense()) {
-            (true, Some(proj)) => {
-                expert_kernel::route_from_hidden(&router_input, proj, self.top_k, normalize, scale)?
-            }
+            (true, Some(proj)) => expert_kernel::route_from_hidden(
+                &router_input,
+                proj,
+                self.top_k,
+                normalize,
+                scale,
+                0,
+            )?,
             _ => None,
         };
         let (indices, weights) = match from_hidden {
@@ -789,7 +1003,7 @@ impl MlpAndExperts {
             None => {
                 let scores = self.router_proj.forward(&router_input)?;
                 let routed = match self.experts.fused {
-                    true => expert_kernel::route(&scores, self.top_k, normalize, scale)?,
+                    true => expert_kernel::route(&scores, self.top_k, normalize, scale, 0)?,
                     false => None,
                 };
                 match routed {
@@ -821,4 +1035,211 @@ fn weighted_sum(y: &Array, scores: &Array, keep_dtype: bool) -> Result<Array> {
         true => sum.as_dtype(y.dtype())?,
         false => sum,
     })
+}
+
+/// A Qwen3.5-MoE block for the checks of the shared expert's fold: `experts` experts of
+/// `intermediate` features, `top_k` a token, and a shared expert of `shared` features over
+/// `hidden`, in `dtype`.
+#[derive(Clone, Copy)]
+struct FoldCase {
+    hidden: i32,
+    experts: i32,
+    top_k: i32,
+    intermediate: i32,
+    shared: i32,
+    group_size: i32,
+    dtype: mlx_rs::Dtype,
+}
+
+impl FoldCase {
+    const PATH: &'static str = "model.layers.0.mlp";
+
+    fn config(&self) -> MoeConfig {
+        MoeConfig {
+            num_experts: self.experts,
+            top_k: self.top_k,
+            intermediate_size: self.intermediate,
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            mlp_only_layers: vec![],
+            shared_expert_intermediate_size: Some(self.shared),
+            style: MoeStyle::Qwen,
+        }
+    }
+
+    fn random(&self, shape: &[i32], seed: u64, scale: f32) -> Result<Array> {
+        let key = mlx_rs::random::key(seed)?;
+        let x = mlx_rs::random::normal::<f32>(shape, None, None, &key)?;
+        Ok(ops::multiply(&x, Array::from_f32(scale))?.as_dtype(self.dtype)?)
+    }
+
+    /// The block's tensors: the experts and the shared expert quantized at 4 bits (the shared
+    /// down projection at `shared_down_bits`), a dense router and shared gate.
+    fn weights(&self, shared_down_bits: i32) -> Result<Weights> {
+        let mut weights = Weights::empty(crate::device::Backend::current());
+        let (h, e, m, s) = (self.hidden, self.experts, self.intermediate, self.shared);
+        let w =
+            |shape: &[i32], seed, fan_in: i32| self.random(shape, seed, (fan_in as f32).powf(-0.5));
+        let tensors = [
+            ("gate", w(&[e, h], 1, h)?, None),
+            ("shared_expert_gate", w(&[1, h], 2, h)?, None),
+            ("switch_mlp.gate_proj", w(&[e, m, h], 3, h)?, Some(4)),
+            ("switch_mlp.up_proj", w(&[e, m, h], 4, h)?, Some(4)),
+            ("switch_mlp.down_proj", w(&[e, h, m], 5, m)?, Some(4)),
+            ("shared_expert.gate_proj", w(&[s, h], 6, h)?, Some(4)),
+            ("shared_expert.up_proj", w(&[s, h], 7, h)?, Some(4)),
+            (
+                "shared_expert.down_proj",
+                w(&[h, s], 8, s)?,
+                Some(shared_down_bits),
+            ),
+        ];
+        for (name, tensor, bits) in tensors {
+            let name = format!("{}.{name}", Self::PATH);
+            match bits {
+                Some(bits) => {
+                    let (q, scales, biases) = ops::quantize(&tensor, self.group_size, bits)?;
+                    weights.insert(&format!("{name}.weight"), q);
+                    weights.insert(&format!("{name}.scales"), scales);
+                    weights.insert(&format!("{name}.biases"), biases);
+                }
+                None => weights.insert(&format!("{name}.weight"), tensor),
+            }
+        }
+        Ok(weights)
+    }
+
+    /// The block, its shared expert folded when `fold` and it can be.
+    fn load(&self, shared_down_bits: i32, fold: bool) -> Result<SparseMoe> {
+        let params = |bits: i32| serde_json::json!({"group_size": self.group_size, "bits": bits});
+        let mut quantization = params(4);
+        if shared_down_bits != 4 {
+            quantization[format!("{}.shared_expert.down_proj", Self::PATH)] =
+                params(shared_down_bits);
+        }
+        let quantization =
+            Quantization::from_config(&serde_json::json!({ "quantization": quantization }))
+                .map_err(crate::error::EngineError::Kernel)?;
+        let mut weights = self.weights(shared_down_bits)?;
+        let moe = SparseMoe::load_folding(
+            &mut weights,
+            &quantization,
+            (Self::PATH, self.hidden),
+            &self.config(),
+            fold,
+        )?;
+        match weights.remaining().is_empty() {
+            true => Ok(moe),
+            false => Err(crate::error::EngineError::Kernel(format!(
+                "tensors left: {:?}",
+                weights.remaining()
+            ))),
+        }
+    }
+
+    /// The largest difference of the folded block's output from the block's with the shared
+    /// expert apart, relative to the largest output, for `x` `[rows, tokens, hidden]`.
+    fn error(
+        &self,
+        folded: &SparseMoe,
+        apart: &SparseMoe,
+        (rows, tokens): (i32, i32),
+    ) -> Result<f32> {
+        let x = self.random(&[rows, tokens, self.hidden], 10 + tokens as u64, 1.0)?;
+        let want = apart.forward(&x)?.as_dtype(mlx_rs::Dtype::Float32)?;
+        let got = folded.forward(&x)?.as_dtype(mlx_rs::Dtype::Float32)?;
+        let largest =
+            |a: &Array| -> Result<f32> { Ok(ops::max(&ops::abs(a)?, None)?.item_exact::<f32>()) };
+        Ok(largest(&ops::subtract(&got, &want)?)? / largest(&want)?)
+    }
+}
+
+/// Checks on the device that a Qwen3.5-MoE-shaped block with its shared expert folded into the
+/// experts (Perch's router and experts' kernels, see the module's doc) gives the block's output
+/// with it apart (its MLP through MLX's dense products), at decode (32 rows) and in a prefill
+/// pass (2 × 200 tokens, MLX's `gather_qmm`): one line per case, an error outside bfloat16's
+/// tolerance. CUDA only (`perch check-kernels experts`).
+pub fn check_shared_fold() -> Result<Vec<String>> {
+    let case = FoldCase {
+        hidden: 1024,
+        experts: 64,
+        top_k: 8,
+        intermediate: 256,
+        shared: 512,
+        group_size: 64,
+        dtype: mlx_rs::Dtype::Bfloat16,
+    };
+    let (folded, apart) = (case.load(4, true)?, case.load(4, false)?);
+    if folded.folded_shared != 2 || !SwitchGlu::three_launches() {
+        return Err(crate::error::EngineError::Kernel(
+            "the shared expert was not folded (the experts' kernels are off)".into(),
+        ));
+    }
+    let mut lines = Vec::new();
+    for (rows, tokens) in [(32, 1), (2, 200)] {
+        let error = case.error(&folded, &apart, (rows, tokens))?;
+        let name = format!(
+            "qwen3_5_moe block, shared expert folded in 2 pieces, {rows} × {tokens} tokens"
+        );
+        if error.is_nan() || error > 2e-2 {
+            return Err(crate::error::EngineError::Kernel(format!(
+                "{name}: largest error {error:.2e}"
+            )));
+        }
+        lines.push(format!("{name}: largest error {error:.2e}"));
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mlx_rs::Dtype;
+
+    const CASE: FoldCase = FoldCase {
+        hidden: 64,
+        experts: 8,
+        top_k: 2,
+        intermediate: 32,
+        shared: 64,
+        group_size: 32,
+        dtype: Dtype::Float32,
+    };
+
+    /// The shared expert cut into two experts' pieces and routed to every token gives the
+    /// block's output with it apart: at decode (a row a token) and in a pass long enough that
+    /// the pairs are sorted by expert. A shared expert quantized otherwise than the experts
+    /// stays apart.
+    #[test]
+    fn a_shared_expert_folded_into_the_experts_gives_the_same_output() {
+        let (apart, folded) = (CASE.load(4, false).unwrap(), CASE.load(4, true).unwrap());
+        assert!(apart.shared.is_some() && apart.folded_shared == 0);
+        assert!(folded.shared.is_none() && folded.folded_shared == 2);
+        for (rows, tokens) in [(4, 1), (2, 40)] {
+            let x = CASE
+                .random(&[rows, tokens, CASE.hidden], 10 + tokens as u64, 1.0)
+                .unwrap();
+            let (indices, weights) = folded.route(&x).unwrap();
+            assert_eq!(indices.shape(), [rows, tokens, 4]);
+            let indices = indices.as_dtype(Dtype::Int32).unwrap();
+            let pieces =
+                crate::nn::mlx_ext::slice(&indices, &[0, 0, 2], &[rows, tokens, 4]).unwrap();
+            assert_eq!(
+                ops::sum(&pieces, None).unwrap().item_exact::<i32>(),
+                (8 + 9) * rows * tokens,
+                "every token takes experts 8 and 9, the shared expert's pieces"
+            );
+            let (_, top) = apart.route(&x).unwrap();
+            let shared_gate = CASE.random(&[1, CASE.hidden], 2, 0.125).unwrap();
+            let gate = ops::sigmoid(ops::matmul(&x, shared_gate.t()).unwrap()).unwrap();
+            let expected = ops::concatenate(&[&top, &gate, &gate], -1).unwrap();
+            let diff = ops::abs(ops::subtract(&weights, &expected).unwrap()).unwrap();
+            assert!(ops::max(&diff, None).unwrap().item_exact::<f32>() < 1e-6);
+
+            let error = CASE.error(&folded, &apart, (rows, tokens)).unwrap();
+            assert!(error < 1e-5, "{rows} × {tokens}: relative error {error:e}");
+        }
+        let mixed = CASE.load(8, true).unwrap();
+        assert!(mixed.shared.is_some() && mixed.folded_shared == 0);
+    }
 }

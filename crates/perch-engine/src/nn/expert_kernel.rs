@@ -48,9 +48,9 @@ const MAX_IN: i32 = 7168;
 /// The most items (pairs, or tokens when weighted) a launch takes (CUDA's grid z).
 const MAX_GRID_Z: i32 = 65_535;
 /// The most (token, expert) pairs the engine sends to the kernel: a decode step of up to 128
-/// rows at 8 experts a token. Above it MLX's `gather_qmm`, whose GEMM reuses each expert's
-/// weights across its tokens (prefill).
-pub const MAX_PAIRS: usize = 1024;
+/// rows at up to 16 experts a token (8 routed, and a folded shared expert's pieces). Above it
+/// MLX's `gather_qmm`, whose GEMM reuses each expert's weights across its tokens (prefill).
+pub const MAX_PAIRS: usize = 2048;
 /// The most experts [`route`] takes (32 scores a lane of one warp).
 const MAX_EXPERTS: i32 = 1024;
 /// The most experts a token [`route`] picks.
@@ -183,18 +183,23 @@ const SOURCE: &str = r#"
   }
 "#;
 
-/// A block a token. With `FROM_X`, `logits` is the token's input `[H]` and its `E` scores are
-/// first computed by the block's warps (`W` `[E, H]`, a warp an expert in turn, float32 sums plus
+/// A block a token. A token has `COLS` scores: the `E` experts', then, with `SHARED` above 0, a
+/// shared expert's gate. With `FROM_X`, `logits` is the token's input `[H]` and its scores are
+/// first computed by the block's warps (`W` `[COLS, H]`, a warp a score in turn, float32 sums plus
 /// `bias[e]` with `HAS_BIAS`, each rounded to `T` as MLX's product in `T` is) into shared memory;
-/// otherwise `logits` is the scores `[E]`. Then one warp: NaN read as −∞, the `K` largest picked in
-/// turn (ties to the lower expert), then their softmax weights, over all `E` scores (`ALL`) or
-/// over the `K`, each times `scale[expert]` (`SCALED`).
+/// otherwise `logits` is the scores `[COLS]`. Then one warp: NaN read as −∞, the `K` largest of the
+/// `E` experts' picked in turn (ties to the lower expert), then their softmax weights, over all `E`
+/// scores (`ALL`) or over the `K`, each times `scale[expert]` (`SCALED`); then `SHARED` more
+/// outputs, experts `E .. E + SHARED` (the shared expert's pieces, see
+/// `crate::models::moe`), each weighted by the sigmoid of the gate's score.
 const ROUTE_SOURCE: &str = r#"
   constexpr int PER_LANE = (E + 31) / 32;
+  constexpr int COLS = E + (SHARED > 0 ? 1 : 0);
+  constexpr int OUTS = K + SHARED;
   const float neg_inf = __int_as_float(0xff800000);
   const int lane = threadIdx.x;
   const long long row = blockIdx.y;
-  __shared__ float computed[FROM_X ? E : 1];
+  __shared__ float computed[FROM_X ? COLS : 1];
   if (FROM_X) {
     // The token's input staged as float32; each lane reads 16-byte pieces of a weight row
     // (`H` a multiple of 8) and the matching input features.
@@ -210,7 +215,7 @@ const ROUTE_SOURCE: &str = r#"
     // A weight that starts off a 16-byte boundary (a view into another buffer) is read a value
     // at a time.
     const bool aligned = (reinterpret_cast<unsigned long long>(w) & 15ull) == 0;
-    for (int e = threadIdx.y; e < E; e += blockDim.y) {
+    for (int e = threadIdx.y; e < COLS; e += blockDim.y) {
       const T* row_w = w + static_cast<long long>(e) * H;
       float acc = 0.0f;
       if (aligned) {
@@ -231,7 +236,7 @@ const ROUTE_SOURCE: &str = r#"
       }
       for (int o = 16; o > 0; o /= 2) acc += __shfl_xor_sync(0xffffffff, acc, o);
       if (lane == 0) {
-        if (HAS_BIAS) acc += static_cast<float>(bias[e]);
+        if (HAS_BIAS && e < E) acc += static_cast<float>(bias[e]);
         computed[e] = static_cast<float>(static_cast<T>(acc));
       }
     }
@@ -243,7 +248,7 @@ const ROUTE_SOURCE: &str = r#"
   for (int i = 0; i < PER_LANE; ++i) {
     const int e = lane + 32 * i;
     float s = neg_inf;
-    if (e < E) s = FROM_X ? computed[e] : static_cast<float>(logits[row * E + e]);
+    if (e < E) s = FROM_X ? computed[e] : static_cast<float>(logits[row * COLS + e]);
     v[i] = s != s ? neg_inf : s;
   }
   unsigned taken = 0u;
@@ -289,8 +294,18 @@ const ROUTE_SOURCE: &str = r#"
     for (int k = 0; k < K; ++k) {
       float s = expf(top[k] - m) / denom;
       if (SCALED) s *= static_cast<float>(scale[chosen[k]]);
-      indices[row * K + k] = static_cast<uint32_t>(chosen[k]);
-      scores[row * K + k] = static_cast<T>(s);
+      indices[row * OUTS + k] = static_cast<uint32_t>(chosen[k]);
+      scores[row * OUTS + k] = static_cast<T>(s);
+    }
+    if (SHARED > 0) {
+      const float g = FROM_X ? computed[E] : static_cast<float>(logits[row * COLS + E]);
+      // MLX's sigmoid of the gate's score in T.
+      const T s = static_cast<T>(1.0f / (1.0f + expf(-g)));
+#pragma unroll
+      for (int j = 0; j < SHARED; ++j) {
+        indices[row * OUTS + K + j] = static_cast<uint32_t>(E + j);
+        scores[row * OUTS + K + j] = s;
+      }
     }
   }
 "#;
@@ -548,23 +563,36 @@ pub enum Normalize {
 
 /// The `k` largest of `logits` `[..., experts]` (float) and their weights, each `[..., k]`:
 /// indices uint32 in descending order of score, weights in `logits`' dtype, each times
-/// `scale[expert]` (`[experts]`) when given. `Ok(None)` where the kernel does not take it (no
-/// [`backend`], more than [`MAX_EXPERTS`] experts, `k` above [`MAX_TOP_K`] or the experts).
+/// `scale[expert]` (`[experts]`) when given. With `shared` above 0, `logits`' last column is a
+/// shared expert's gate score instead (`[..., experts + 1]`) and `shared` outputs follow the
+/// top k (`[..., k + shared]`): experts `experts .. experts + shared`, each weighted by the
+/// gate's sigmoid (a shared expert folded into the experts' stack in `shared` pieces). `Ok(None)`
+/// where the kernel does not take it (no [`backend`], more than [`MAX_EXPERTS`] experts, `k`
+/// above [`MAX_TOP_K`] or the experts, `shared` above [`MAX_SHARED`]).
 pub fn route(
     logits: &Array,
     k: i32,
     normalize: Normalize,
     scale: Option<&Array>,
+    shared: i32,
 ) -> Result<Option<(Array, Array)>, Exception> {
-    let Some(&experts) = logits.shape().last() else {
+    let Some(&columns) = logits.shape().last() else {
         return Ok(None);
     };
-    launch_route(RouterInput::Scores(logits), experts, k, normalize, scale)
+    let experts = columns - (shared > 0) as i32;
+    launch_route(
+        RouterInput::Scores(logits),
+        experts,
+        (k, shared),
+        normalize,
+        scale,
+    )
 }
 
 /// [`route`] of the router's scores `x W^T (+ bias)` computed in the same launch, for `x`
-/// `[..., hidden]` and the router's dense weight `W` `[experts, hidden]` (and `bias`
-/// `[experts]`) in `x`'s dtype: one launch a layer fewer at decode. `Ok(None)` where
+/// `[..., hidden]` and the router's dense weight `W` `[experts, hidden]` (`[experts + 1,
+/// hidden]` with `shared`, its last row the shared expert's gate; and `bias` `[experts]`) in
+/// `x`'s dtype: one launch a layer fewer at decode. `Ok(None)` where
 /// [`route`] would refuse, for other dtypes, hidden sizes that are not a multiple of 8 or above
 /// [`MAX_IN`], above [`MAX_ROUTER_TOKENS`] tokens (a prefill, whose scores are one GEMM), and
 /// for more than 128 experts or 8 a token.
@@ -574,15 +602,17 @@ pub fn route_from_hidden(
     k: i32,
     normalize: Normalize,
     scale: Option<&Array>,
+    shared: i32,
 ) -> Result<Option<(Array, Array)>, Exception> {
-    let (Some(&hidden), [experts, width]) = (x.shape().last(), weight.shape()) else {
+    let (Some(&hidden), [rows, width]) = (x.shape().last(), weight.shape()) else {
         return Ok(None);
     };
+    let experts = &(rows - (shared > 0) as i32);
     let fits = *width == hidden
         && hidden > 0
         && hidden % 8 == 0
         && hidden <= MAX_IN
-        && *experts <= MAX_ROUTER_PRODUCT_EXPERTS
+        && *rows <= MAX_ROUTER_PRODUCT_EXPERTS
         && k <= MAX_ROUTER_PRODUCT_TOP_K
         && weight.dtype() == x.dtype()
         && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
@@ -593,7 +623,7 @@ pub fn route_from_hidden(
     launch_route(
         RouterInput::Hidden { x, weight, bias },
         *experts,
-        k,
+        (k, shared),
         normalize,
         scale,
     )
@@ -607,6 +637,8 @@ pub const MAX_ROUTER_TOKENS: usize = 256;
 /// the picking warp's registers grow with both (checked on a GPU up to 128 and 8; larger
 /// routers take the router's GEMM and [`route`]).
 const MAX_ROUTER_PRODUCT_EXPERTS: i32 = 128;
+/// The most pieces of a shared expert [`route`] appends to a token's experts.
+pub const MAX_SHARED: i32 = 8;
 const MAX_ROUTER_PRODUCT_TOP_K: i32 = 8;
 
 /// What [`launch_route`] reads a token's scores from.
@@ -621,21 +653,65 @@ enum RouterInput<'a> {
     },
 }
 
+/// `logits` `[..., experts + 1]` (`shared` above 0: the last column a shared expert's gate
+/// score, as [`route`] reads it) → the experts' scores `[..., experts]` and the gate's `[..., 1]`;
+/// `logits` itself and `None` when `shared` is 0.
+pub fn split_shared_gate(logits: &Array, shared: i32) -> Result<(Array, Option<Array>), Exception> {
+    if shared == 0 {
+        return Ok((logits.clone(), None));
+    }
+    let shape = logits.shape();
+    let last = shape.len() - 1;
+    let experts = shape[last] - 1;
+    let mut start = vec![0; shape.len()];
+    let mut stop = shape.to_vec();
+    stop[last] = experts;
+    let routed = crate::nn::mlx_ext::slice(logits, &start, &stop)?;
+    (start[last], stop[last]) = (experts, experts + 1);
+    let gate = crate::nn::mlx_ext::slice(logits, &start, &stop)?;
+    Ok((routed, Some(gate)))
+}
+
+/// What [`route`] appends with `shared`, in MLX's operations: a token's top k (`indices` of
+/// `experts` experts and `weights`, `[..., k]`) followed by experts `experts .. experts +
+/// shared`, each weighted by the sigmoid of the shared expert's gate score `gate` `[..., 1]`
+/// (in its dtype, as mlx_lm's `sigmoid(shared_expert_gate(x))`) → `[..., k + shared]` each.
+pub fn append_shared(
+    (indices, weights): (Array, Array),
+    gate: &Array,
+    (experts, shared): (i32, i32),
+) -> Result<(Array, Array), Exception> {
+    let lead = &indices.shape()[..indices.ndim() - 1];
+    let shape = [lead, &[shared]].concat();
+    let pieces =
+        Array::from_iter(experts..experts + shared, &[shared]).as_dtype(indices.dtype())?;
+    let pieces = ops::broadcast_to(&pieces, &shape)?;
+    let weight = ops::sigmoid(gate)?.as_dtype(weights.dtype())?;
+    let weight = ops::broadcast_to(&weight, &shape)?;
+    Ok((
+        ops::concatenate(&[indices, pieces], -1)?,
+        ops::concatenate(&[weights, weight], -1)?,
+    ))
+}
+
 /// Warps a block computing scores ([`RouterInput::Hidden`]): each takes every 32nd expert.
 const ROUTER_WARPS: i32 = 32;
 
+/// `experts`: the routed experts (the scores' columns, less the shared expert's gate when
+/// `shared` is above 0).
 fn launch_route(
     input: RouterInput,
     experts: i32,
-    k: i32,
+    (k, shared): (i32, i32),
     normalize: Normalize,
     scale: Option<&Array>,
 ) -> Result<Option<(Array, Array)>, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
+    let columns = experts + (shared > 0) as i32;
     let (lead, width) = match &input {
-        RouterInput::Scores(logits) => (logits, experts),
+        RouterInput::Scores(logits) => (logits, columns),
         RouterInput::Hidden { x, weight, .. } => (x, weight.shape()[1]),
     };
     let Some(backend) = backend() else {
@@ -644,6 +720,7 @@ fn launch_route(
     let dtype = lead.dtype();
     let fits = (1..=MAX_EXPERTS).contains(&experts)
         && (1..=MAX_TOP_K.min(experts)).contains(&k)
+        && (0..=MAX_SHARED).contains(&shared)
         && is_float(dtype)
         && lead.size() > 0
         && lead.size() / width as usize <= MAX_GRID_Z as usize
@@ -676,10 +753,12 @@ fn launch_route(
         TemplateArg::Int(c"FROM_X", from_x as i32),
         TemplateArg::Int(c"H", if from_x { width } else { 1 }),
         TemplateArg::Int(c"HAS_BIAS", has_bias as i32),
+        TemplateArg::Int(c"SHARED", shared),
     ];
-    // `[tokens, k]` row-major, declared in the input's leading shape (see `gather_qmv`).
+    // `[tokens, k + shared]` row-major, declared in the input's leading shape (see
+    // `gather_qmv`).
     let shape = lead.shape();
-    let out_shape = [&shape[..shape.len() - 1], &[k]].concat();
+    let out_shape = [&shape[..shape.len() - 1], &[k + shared]].concat();
     let warps = if from_x { ROUTER_WARPS } else { 1 };
     let out = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
@@ -1075,10 +1154,12 @@ struct RouteSpec {
     hidden: Option<(i32, bool)>,
     dtype: Dtype,
     tolerance: f32,
+    /// Pieces of a shared expert after the top k ([`route`]'s `shared`).
+    shared: i32,
 }
 
 /// The first are also the load check's.
-const SELF_TEST_ROUTES: usize = 3;
+const SELF_TEST_ROUTES: usize = 4;
 
 const fn route_case(
     name: &'static str,
@@ -1101,10 +1182,11 @@ const fn route_case(
             Dtype::Float32 => 1e-5,
             _ => 2e-2,
         },
+        shared: 0,
     }
 }
 
-const ROUTE_CASES: [RouteSpec; 8] = [
+const ROUTE_CASES: [RouteSpec; 11] = [
     route_case(
         "router, 3 tokens, top 4 of 40 experts, softmax over all",
         (3, 40, 4),
@@ -1129,6 +1211,18 @@ const ROUTE_CASES: [RouteSpec; 8] = [
         Some((128, true)),
         F32,
     ),
+    RouteSpec {
+        shared: 2,
+        ..route_case(
+            "router with its product and a shared expert in 2 pieces, 4 tokens, top 4 of 40 \
+             experts, 128 features",
+            (4, 40, 4),
+            Normalize::TopK,
+            false,
+            Some((128, false)),
+            F32,
+        )
+    },
     route_case(
         "qwen3_moe router, 32 rows, top 8 of 128 experts",
         (32, 128, 8),
@@ -1169,6 +1263,29 @@ const ROUTE_CASES: [RouteSpec; 8] = [
         Some((2816, false)),
         BF16,
     ),
+    RouteSpec {
+        shared: 2,
+        ..route_case(
+            "qwen3_5_moe router with its product and a shared expert in 2 pieces, 32 rows, top 8 \
+             of 64 experts, 1024 features",
+            (32, 64, 8),
+            Normalize::TopK,
+            false,
+            Some((1024, false)),
+            BF16,
+        )
+    },
+    RouteSpec {
+        shared: 1,
+        ..route_case(
+            "router with a shared expert, 128 rows, top 10 of 256 experts, softmax over all",
+            (128, 256, 10),
+            Normalize::All,
+            false,
+            None,
+            BF16,
+        )
+    },
 ];
 
 /// One random router case through [`route`] (or [`route_from_hidden`]) and MLX's operations
@@ -1182,17 +1299,37 @@ struct RouteCase {
     scale: Option<Array>,
     k: i32,
     normalize: Normalize,
+    shared: i32,
 }
 
 impl RouteCase {
     fn run(spec: &RouteSpec) -> crate::Result<Self> {
         use mlx_rs::random::{key, normal, uniform};
         let (t, e) = (spec.tokens, spec.experts);
+        let columns = e + (spec.shared > 0) as i32;
         let k = |i: u64| key((t * 1009 + e) as u64 * 4 + i);
         // Distinct scores (a permutation of multiples of 1/16, exact in bfloat16), so the top k
-        // has no ties to break either way.
-        let order = ops::argsort_axis(&normal::<f32>(&[t, e], None, None, Some(&k(0)?))?, -1)?;
+        // has no ties to break either way; a shared expert's gate score (the last column)
+        // moved to either side of 0.
+        let order =
+            ops::argsort_axis(&normal::<f32>(&[t, columns], None, None, Some(&k(0)?))?, -1)?;
         let logits = ops::multiply(&order.as_dtype(F32)?, Array::from_f32(1.0 / 16.0))?;
+        let logits = match spec.shared {
+            0 => logits,
+            _ => {
+                let shift = Array::from_iter(
+                    (0..columns).map(|c| {
+                        if c == e {
+                            (columns / 2) as f32 / 16.0
+                        } else {
+                            0.0
+                        }
+                    }),
+                    &[columns],
+                );
+                ops::subtract(&logits, &shift)?
+            }
+        };
         let scale = spec
             .scaled
             .then(|| uniform::<_, f32>(0.5, 2.0, &[e], Some(&k(1).unwrap())))
@@ -1210,10 +1347,12 @@ impl RouteCase {
             scale,
             k: spec.k,
             normalize: spec.normalize,
+            shared: spec.shared,
         };
         let (ours, reference) = (case.kernel()?, case.mlx()?);
         let dense = |(indices, scores): (Array, Array)| -> crate::Result<Array> {
-            let experts = Array::from_iter(0..e, &[e]);
+            let outputs = e + spec.shared;
+            let experts = Array::from_iter(0..outputs, &[outputs]);
             let hot = ops::eq(&indices.as_dtype(Dtype::Int32)?.expand_dims(-1)?, &experts)?;
             Ok(
                 ops::multiply(&hot.as_dtype(F32)?, &scores.as_dtype(F32)?.expand_dims(-1)?)?
@@ -1232,8 +1371,15 @@ impl RouteCase {
                 self.k,
                 self.normalize,
                 self.scale.as_ref(),
+                self.shared,
             )?,
-            None => route(&self.logits, self.k, self.normalize, self.scale.as_ref())?,
+            None => route(
+                &self.logits,
+                self.k,
+                self.normalize,
+                self.scale.as_ref(),
+                self.shared,
+            )?,
         };
         routed
             .ok_or_else(|| crate::EngineError::Kernel("the router kernel refused its case".into()))
@@ -1245,6 +1391,7 @@ impl RouteCase {
             Some((x, w, None)) => ops::matmul(x, w.t())?,
             None => self.logits.clone(),
         };
+        let (logits, gate) = split_shared_gate(&logits, self.shared)?;
         let (indices, scores) = match self.normalize {
             Normalize::All => {
                 let probabilities = ops::softmax_axis(&logits, -1, true)?;
@@ -1259,7 +1406,17 @@ impl RouteCase {
             Some(scale) => ops::multiply(&scores, &scale.take(&indices)?)?,
             None => scores,
         };
-        Ok((indices, scores))
+        match gate {
+            Some(gate) => {
+                let experts = *self.logits.shape().last().expect("scores") - 1;
+                Ok(append_shared(
+                    (indices, scores),
+                    &gate,
+                    (experts, self.shared),
+                )?)
+            }
+            None => Ok((indices, scores)),
+        }
     }
 }
 
@@ -1579,10 +1736,12 @@ mod tests {
     #[test]
     fn router_kernel_only_on_cuda() {
         let logits = zeros(&[2, 1, 64], Dtype::Float32);
-        assert!(route(&logits, 8, Normalize::TopK, None).unwrap().is_none());
+        assert!(route(&logits, 8, Normalize::TopK, None, 0)
+            .unwrap()
+            .is_none());
         let x = zeros(&[2, 1, 128], Dtype::Float32);
         let w = zeros(&[64, 128], Dtype::Float32);
-        let routed = route_from_hidden(&x, (&w, None), 8, Normalize::TopK, None).unwrap();
+        let routed = route_from_hidden(&x, (&w, None), 8, Normalize::TopK, None, 0).unwrap();
         assert!(routed.is_none());
     }
 
