@@ -28,6 +28,7 @@ use crate::kv::LayerCaches;
 use crate::models::within;
 use crate::nn::layers::{Linear, Quantization};
 use crate::nn::mlx_ext::slice;
+use crate::nn::norm_kernel;
 use crate::nn::weights::Weights;
 
 /// The sizes of a Gated DeltaNet layer (Qwen3.5's `linear_*` config fields).
@@ -156,11 +157,16 @@ impl InputProjections {
     }
 
     /// `x` `[..., hidden]` → the four projections, `[..., width]` each (slices, views, of one
-    /// product when fused).
-    fn forward(&self, x: &Array) -> Result<[Array; 4]> {
+    /// product when fused), and where the second (`z`) lies: the product it is a slice of and
+    /// its offset in each row (`z` itself at 0 when separate).
+    fn forward(&self, x: &Array) -> Result<([Array; 4], (Array, i32))> {
         match self {
             InputProjections::Separate([qkv, z, b, a]) => {
-                Ok([qkv.forward(x)?, z.forward(x)?, b.forward(x)?, a.forward(x)?])
+                let z = z.forward(x)?;
+                Ok((
+                    [qkv.forward(x)?, z.clone(), b.forward(x)?, a.forward(x)?],
+                    (z, 0),
+                ))
             }
             InputProjections::Fused { proj, widths } => {
                 let all = proj.forward(x)?;
@@ -173,12 +179,13 @@ impl InputProjections {
                     from += width;
                     Ok(slice(&all, &start, &stop)?)
                 };
-                Ok([
+                let parts = [
                     part(widths[0])?,
                     part(widths[1])?,
                     part(widths[2])?,
                     part(widths[3])?,
-                ])
+                ];
+                Ok((parts, (all, widths[0])))
             }
         }
     }
@@ -777,20 +784,26 @@ impl GatedDeltaNet {
         let c = &self.core.c;
         let (hv, dv) = (c.num_value_heads, c.value_head_dim);
 
-        let [qkv, z, b, a] = self.in_proj.forward(x)?;
-        let z = z.reshape(&[batch, seq, hv, dv])?;
+        let ([qkv, z, b, a], (z_source, z_offset)) = self.in_proj.forward(x)?;
         let (y, new_state) = self.core.run(&qkv, &a, &b, state, real)?;
 
-        // RMSNormGated: rms_norm(y) · silu(z), both in float32, back in y's dtype.
-        let normed = fast::rms_norm(&y, Some(&self.norm_weight), self.norm_eps)?;
-        let gated = ops::multiply(
-            &nn::silu(z.as_dtype(Dtype::Float32)?)?,
-            &normed.as_dtype(Dtype::Float32)?,
-        )?
-        .as_dtype(y.dtype())?;
-        let out = self
-            .out_proj
-            .forward(&gated.reshape(&[batch, seq, c.value_dim()])?)?;
+        // RMSNormGated: rms_norm(y) · silu(z), both in float32, back in y's dtype; on CUDA in
+        // one kernel reading z in the projection's output.
+        let (weight, eps) = (&self.norm_weight, self.norm_eps);
+        let gated = match norm_kernel::enabled()
+            && norm_kernel::computes_gated(&y, &z_source, z_offset, weight)
+        {
+            true => norm_kernel::rms_norm_gated(&y, (&z_source, z_offset), weight, eps)?,
+            false => {
+                let z = z.reshape(&[batch, seq, hv, dv])?;
+                norm_kernel::rms_norm_gated_ops(&y, &z, weight, eps)?.reshape(&[
+                    batch,
+                    seq,
+                    c.value_dim(),
+                ])?
+            }
+        };
+        let out = self.out_proj.forward(&gated)?;
         Ok((out, new_state))
     }
 }
