@@ -264,12 +264,18 @@ impl SwitchLinear {
     /// `x` `[..., rows, in]` times the transposed weights of expert `indices[...]` (broadcast
     /// against `x`'s leading axes), plus that expert's bias → `[..., rows, out]`. `sorted`:
     /// `indices` are in ascending order (MLX then reads each expert's weights once).
-    /// `kernel`: quantized products of a decode step's few pairs go through Perch's CUDA kernel
-    /// ([`expert_kernel::gather_qmv`]) where it takes them.
-    fn forward(&self, x: &Array, indices: &Array, sorted: bool, kernel: bool) -> Result<Array> {
-        if kernel {
+    /// `kernel`: quantized products of a decode step's few pairs (at most this many) go through
+    /// Perch's CUDA kernel ([`expert_kernel::gather_qmv`]) where it takes them.
+    fn forward(
+        &self,
+        x: &Array,
+        indices: &Array,
+        sorted: bool,
+        kernel: Option<usize>,
+    ) -> Result<Array> {
+        if let Some(max_pairs) = kernel {
             let plain = expert_kernel::Epilogue::Plain;
-            if let Some(y) = self.through_kernel(x, indices, plain, false)? {
+            if let Some(y) = self.through_kernel(x, indices, (plain, false), max_pairs)? {
                 return Ok(y);
             }
         }
@@ -300,15 +306,15 @@ impl SwitchLinear {
     }
 
     /// The product, bias and `epilogue` in one launch of [`expert_kernel::gather_qmv`], when the
-    /// weights are quantized, the pairs at most [`expert_kernel::MAX_PAIRS`] and the kernel
-    /// takes the operands; `None` otherwise. `per_token`: `x` is `[tokens..., in]`, a row per
-    /// token ([`expert_kernel::Operands::per_token`]).
+    /// weights are quantized, the pairs at most `max_pairs` ([`SwitchGlu::max_pairs`]) and the
+    /// kernel takes the operands; `None` otherwise. `per_token`: `x` is `[tokens..., in]`, a
+    /// row per token ([`expert_kernel::Operands::per_token`]).
     fn through_kernel(
         &self,
         x: &Array,
         indices: &Array,
-        epilogue: expert_kernel::Epilogue,
-        per_token: bool,
+        (epilogue, per_token): (expert_kernel::Epilogue, bool),
+        max_pairs: usize,
     ) -> Result<Option<Array>> {
         let SwitchWeight::Quantized {
             weight,
@@ -330,7 +336,7 @@ impl SwitchLinear {
             epilogue,
             per_token,
         };
-        if indices.size() > expert_kernel::MAX_PAIRS || operands.x_per_row().is_none() {
+        if indices.size() > max_pairs || operands.x_per_row().is_none() {
             return Ok(None);
         }
         Ok(Some(expert_kernel::gather_qmv(&operands)?))
@@ -401,6 +407,9 @@ struct SwitchGlu {
     /// Perch's kernels too ([`expert_kernel::route`], [`expert_kernel::Epilogue`]);
     /// `PERCH_EXPERT_EPILOGUES=0` keeps them in MLX's operations (benchmarks).
     fused: bool,
+    /// The last experts of the stacks that are a folded shared expert's pieces, which every
+    /// token takes (0 when none; see the module's doc).
+    shared_pieces: i32,
 }
 
 /// The experts' gate and up projections: separate, or one product of twice the width where
@@ -440,7 +449,17 @@ impl SwitchGlu {
             sort,
             kernel,
             fused: kernel && Self::epilogues_in_kernels(),
+            shared_pieces: 0,
         })
+    }
+
+    /// The most pairs a step of `indices` `[..., k]` sends to Perch's kernel: up to
+    /// [`expert_kernel::MAX_PAIRS`] routed pairs, and a folded shared expert's pieces for each of
+    /// their tokens.
+    fn max_pairs(&self, indices: &Array) -> usize {
+        let k = indices.shape().last().map_or(1, |&k| k.max(1) as usize);
+        let routed = k.saturating_sub(self.shared_pieces as usize).max(1);
+        expert_kernel::MAX_PAIRS / routed * k
     }
 
     /// Whether the router, the activation and the weighted sum run in Perch's kernels (see
@@ -520,18 +539,21 @@ impl SwitchGlu {
             return Ok(None);
         }
         // [batch, seq, hidden]: one row per token, read for each of its experts.
+        let max_pairs = self.max_pairs(indices);
         let gated = expert_kernel::Epilogue::Gated(self.activation);
-        let Some(h) = gate_up.through_kernel(x, indices, gated, true)? else {
+        let Some(h) = gate_up.through_kernel(x, indices, (gated, true), max_pairs)? else {
             return Ok(None);
         };
         let weighted = expert_kernel::Epilogue::Weighted(scores);
         if let Some(y) = self
             .down_proj
-            .through_kernel(&h, indices, weighted, false)?
+            .through_kernel(&h, indices, (weighted, false), max_pairs)?
         {
             return Ok(Some(y));
         }
-        let y = self.down_proj.forward(&h, indices, false, true)?;
+        let y = self
+            .down_proj
+            .forward(&h, indices, false, Some(max_pairs))?;
         Ok(Some(weighted_sum(
             &y.squeeze_axes(&[-2])?,
             scores,
@@ -563,7 +585,7 @@ impl SwitchGlu {
         } else {
             (x, indices.clone(), None)
         };
-        let kernel = self.kernel;
+        let kernel = self.kernel.then(|| self.max_pairs(indices));
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate, up } => (
                 gate.forward(&x, &idx, sort, kernel)?,
@@ -665,7 +687,7 @@ impl SparseMoe {
         let shared_path = format!("{path}.shared_expert");
         // Asked before the experts' tensors are taken.
         let pieces = match fold {
-            true => Self::folds_shared(weights, quantization, (&switch, &shared_path), c),
+            true => Self::folds_shared(weights, quantization, (&switch, &shared_path), (hidden, c)),
             false => None,
         };
         let (mut gate_proj, mut up_proj, mut down_proj) = (
@@ -716,18 +738,15 @@ impl SparseMoe {
                 }
             }
         }
+        let activation = match gpt_oss {
+            true => Activation::SwigluOai,
+            false => Activation::Silu,
+        };
+        let mut switch_mlp = SwitchGlu::new(gate_proj, up_proj, down_proj, activation)?;
+        switch_mlp.shared_pieces = folded_shared;
         Ok(Self {
             gate,
-            switch_mlp: SwitchGlu::new(
-                gate_proj,
-                up_proj,
-                down_proj,
-                if gpt_oss {
-                    Activation::SwigluOai
-                } else {
-                    Activation::Silu
-                },
-            )?,
+            switch_mlp,
             top_k: c.top_k,
             norm_topk_prob: c.norm_topk_prob,
             shared,
@@ -738,23 +757,31 @@ impl SparseMoe {
 
     /// The quantization and the number of pieces of the experts' size when the shared expert at
     /// `shared_path` can be folded into the experts at `switch` (see the module's doc): all
-    /// six projections quantized with the same parameters and stored separately, the shared
-    /// size a multiple of the experts' (at most [`expert_kernel::MAX_SHARED`] pieces), the
-    /// experts' size a whole number of groups and packed words; `None` otherwise.
+    /// six projections quantized with the same parameters in a format and at sizes Perch's
+    /// kernel takes ([`expert_kernel::takes`]), scales (and quantization biases) of one dtype,
+    /// the shared expert's as its own `gate_proj`, `up_proj` and `down_proj` tensors, its size a
+    /// multiple of the experts' (at most [`expert_kernel::MAX_SHARED`] pieces), the experts'
+    /// size a whole number of groups and packed words; `None` otherwise.
     fn folds_shared(
         weights: &Weights,
         quantization: &Quantization,
         (switch, shared_path): (&str, &str),
-        c: &MoeConfig,
+        (hidden, c): (i32, &MoeConfig),
     ) -> Option<(QuantParams, i32)> {
         let size = c.shared_expert_intermediate_size?;
         let m = c.intermediate_size;
         let params = quantization.for_module(&format!("{switch}.gate_proj"), weights)?;
+        let dtype = |path: &str, part: &str| weights.dtype(&format!("{path}.{part}"));
+        let first = format!("{switch}.gate_proj");
         let alike = ["gate_proj", "up_proj", "down_proj"].iter().all(|name| {
-            let shared = format!("{shared_path}.{name}");
-            quantization.for_module(&format!("{switch}.{name}"), weights) == Some(params)
-                && quantization.for_module(&shared, weights) == Some(params)
-                && weights.contains(&format!("{shared}.weight"))
+            [format!("{switch}.{name}"), format!("{shared_path}.{name}")]
+                .iter()
+                .all(|path| {
+                    quantization.for_module(path, weights) == Some(params)
+                        && weights.contains(&format!("{path}.weight"))
+                        && dtype(path, "scales") == dtype(&first, "scales")
+                        && dtype(path, "biases") == dtype(&first, "biases")
+                })
         });
         let pieces = size / m;
         let fits = alike
@@ -762,7 +789,9 @@ impl SparseMoe {
             && size % m == 0
             && (1..=expert_kernel::MAX_SHARED).contains(&pieces)
             && m % params.group_size == 0
-            && (m * params.bits) % 32 == 0;
+            && (m * params.bits) % 32 == 0
+            && expert_kernel::takes(params, hidden, m)
+            && expert_kernel::takes(params, m, hidden);
         fits.then_some((params, pieces))
     }
 
@@ -797,7 +826,8 @@ impl SparseMoe {
 
 impl SparseMoe {
     /// `x` `[batch, seq, hidden]` → each token's top k experts and their weights, `[batch, seq,
-    /// k]` each, from the router's logits (`gate`). Qwen: a softmax over every expert, then the
+    /// k]` each (`k + folded_shared`, the shared expert's pieces last, when folded), from the
+    /// router's logits (`gate`). Qwen: a softmax over every expert, then the
     /// top k (renormalised with `norm_topk_prob`); gpt-oss: the top k logits, then their
     /// softmax. On CUDA in one launch ([`expert_kernel::route`]), at decode with the router's
     /// product in it too ([`expert_kernel::route_from_hidden`]).
@@ -1170,9 +1200,16 @@ pub fn check_shared_fold() -> Result<Vec<String>> {
         dtype: mlx_rs::Dtype::Bfloat16,
     };
     let (folded, apart) = (case.load(4, true)?, case.load(4, false)?);
-    if folded.folded_shared != 2 || !SwitchGlu::three_launches() {
+    if !SwitchGlu::three_launches() {
+        return Ok(vec![
+            "not checked: a folded shared expert (the experts' kernels or their epilogues are \
+             off: PERCH_EXPERT_KERNEL, PERCH_EXPERT_EPILOGUES or PERCH_FUSED_EXPERTS)"
+                .into(),
+        ]);
+    }
+    if folded.folded_shared != 2 {
         return Err(crate::error::EngineError::Kernel(
-            "the shared expert was not folded (the experts' kernels are off)".into(),
+            "the qwen3_5_moe-shaped block's shared expert was not folded".into(),
         ));
     }
     let mut lines = Vec::new();
@@ -1239,6 +1276,12 @@ mod tests {
             let error = CASE.error(&folded, &apart, (rows, tokens)).unwrap();
             assert!(error < 1e-5, "{rows} × {tokens}: relative error {error:e}");
         }
+        // The kernel's pairs: 1,024 routed ones, and the pieces of each of their tokens on top.
+        let pairs = |moe: &SparseMoe, k| {
+            let indices = ops::zeros::<i32>(&[1, 1, k]).unwrap();
+            moe.switch_mlp.max_pairs(&indices)
+        };
+        assert_eq!((pairs(&apart, 2), pairs(&folded, 4)), (1024, 2048));
         let mixed = CASE.load(8, true).unwrap();
         assert!(mixed.shared.is_some() && mixed.folded_shared == 0);
     }

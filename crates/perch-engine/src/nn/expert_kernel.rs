@@ -47,10 +47,11 @@ const ROWS: i32 = 4;
 const MAX_IN: i32 = 7168;
 /// The most items (pairs, or tokens when weighted) a launch takes (CUDA's grid z).
 const MAX_GRID_Z: i32 = 65_535;
-/// The most (token, expert) pairs the engine sends to the kernel: a decode step of up to 128
-/// rows at up to 16 experts a token (8 routed, and a folded shared expert's pieces). Above it
-/// MLX's `gather_qmm`, whose GEMM reuses each expert's weights across its tokens (prefill).
-pub const MAX_PAIRS: usize = 2048;
+/// The most (token, routed expert) pairs the engine sends to the kernel: a decode step of up
+/// to 128 rows at 8 experts a token (a folded shared expert's pieces come on top:
+/// `crate::models::moe`). Above it MLX's `gather_qmm`, whose GEMM reuses each expert's weights
+/// across its tokens (prefill).
+pub const MAX_PAIRS: usize = 1024;
 /// The most experts [`route`] takes (32 scores a lane of one warp).
 const MAX_EXPERTS: i32 = 1024;
 /// The most experts a token [`route`] picks.
@@ -299,7 +300,8 @@ const ROUTE_SOURCE: &str = r#"
     }
     if (SHARED > 0) {
       const float g = FROM_X ? computed[E] : static_cast<float>(logits[row * COLS + E]);
-      // MLX's sigmoid of the gate's score in T.
+      // The gate's sigmoid in float32, rounded to T (MLX's, computed in T, is within a unit
+      // in the last place of it).
       const T s = static_cast<T>(1.0f / (1.0f + expf(-g)));
 #pragma unroll
       for (int j = 0; j < SHARED; ++j) {
@@ -358,6 +360,25 @@ fn is_float(dtype: Dtype) -> bool {
     matches!(dtype, Dtype::Float32 | Dtype::Float16 | Dtype::Bfloat16)
 }
 
+/// Whether [`gather_qmv`] takes weights quantized with `params` of `input` features and
+/// `output` outputs (each half's, for the gated product): affine 4/8-bit with groups of 32, 64 or
+/// 128 or MXFP4 (groups of 32), `input` a whole number of groups up to [`MAX_IN`], `output` a
+/// multiple of a block's features. [`Operands::x_per_row`] asks this and more of the arrays.
+pub fn takes(params: QuantParams, input: i32, output: i32) -> bool {
+    let format = match params.mode {
+        QuantMode::Affine => {
+            matches!(params.bits, 4 | 8) && matches!(params.group_size, 32 | 64 | 128)
+        }
+        QuantMode::Mxfp4 => params.bits == 4 && params.group_size == 32,
+        QuantMode::Mxfp8 => false,
+    };
+    format
+        && (1..=MAX_IN).contains(&input)
+        && input % params.group_size == 0
+        && output > 0
+        && output % (ROWS * WARPS) == 0
+}
+
 impl Operands<'_> {
     /// Pairs sharing one row of `x`, when the kernel computes this product: a float `x` whose
     /// rows divide the pairs (one a pair when weighted), `in` a multiple of the group and at
@@ -375,29 +396,22 @@ impl Operands<'_> {
         let input = *xs.last()?;
         let pairs = i32::try_from(self.indices.size()).ok()?;
         let x_rows = i32::try_from(self.x.size()).ok()? / input.max(1);
-        let formats = match p.mode {
-            QuantMode::Affine => {
-                matches!(p.bits, 4 | 8)
-                    && matches!(p.group_size, 32 | 64 | 128)
-                    && self
-                        .biases
-                        .is_some_and(|b| b.shape() == ss && b.dtype() == self.scales.dtype())
-                    // gather_qmm's output is in the promoted dtype, the kernel's in x's.
-                    && self.scales.dtype() == self.x.dtype()
-            }
-            QuantMode::Mxfp4 => {
-                p.bits == 4
-                    && p.group_size == 32
-                    && self.biases.is_none()
-                    && self.scales.dtype() == Dtype::Uint8
-            }
-            QuantMode::Mxfp8 => false,
-        };
         let parts = match self.epilogue {
             Epilogue::Gated(_) => 2,
             _ => 1,
         };
         let out = rows / parts;
+        let formats = takes(p, input, out)
+            && match p.mode {
+                QuantMode::Affine => {
+                    self.biases
+                        .is_some_and(|b| b.shape() == ss && b.dtype() == self.scales.dtype())
+                        // gather_qmm's output is in the promoted dtype, the kernel's in x's.
+                        && self.scales.dtype() == self.x.dtype()
+                }
+                QuantMode::Mxfp4 => self.biases.is_none() && self.scales.dtype() == Dtype::Uint8,
+                QuantMode::Mxfp8 => false,
+            };
         let items = match self.epilogue {
             Epilogue::Weighted(scores) => {
                 let k = self.indices.shape().last().copied().unwrap_or(0);
@@ -420,11 +434,6 @@ impl Operands<'_> {
             && bias_fits
             && experts > 0
             && rows % parts == 0
-            && out > 0
-            && out % (ROWS * WARPS) == 0
-            && input > 0
-            && input <= MAX_IN
-            && input % p.group_size == 0
             && words * 32 == input * p.bits
             && ss == [experts, rows, input / p.group_size]
             && self.weight.dtype() == Dtype::Uint32
@@ -594,8 +603,9 @@ pub fn route(
 /// hidden]` with `shared`, its last row the shared expert's gate; and `bias` `[experts]`) in
 /// `x`'s dtype: one launch a layer fewer at decode. `Ok(None)` where
 /// [`route`] would refuse, for other dtypes, hidden sizes that are not a multiple of 8 or above
-/// [`MAX_IN`], above [`MAX_ROUTER_TOKENS`] tokens (a prefill, whose scores are one GEMM), and
-/// for more than 128 experts or 8 a token.
+/// [`MAX_IN`], above [`MAX_ROUTER_TOKENS`] tokens (a prefill, whose scores are one GEMM), for
+/// more than 128 scores (experts, and a shared expert's gate) or 8 experts a token, and for a
+/// bias with a shared expert's gate.
 pub fn route_from_hidden(
     x: &Array,
     (weight, bias): (&Array, Option<&Array>),
@@ -616,7 +626,7 @@ pub fn route_from_hidden(
         && k <= MAX_ROUTER_PRODUCT_TOP_K
         && weight.dtype() == x.dtype()
         && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
-        && bias.is_none_or(|b| b.shape() == [*experts] && is_float(b.dtype()));
+        && bias.is_none_or(|b| shared == 0 && b.shape() == [*experts] && is_float(b.dtype()));
     if !fits {
         return Ok(None);
     }
@@ -1546,8 +1556,8 @@ mod tests {
     use mlx_rs::{Array, Dtype};
 
     use super::{
-        affine, backend, exact_product, route, route_from_hidden, Epilogue, Normalize, Operands,
-        MXFP4,
+        affine, backend, exact_product, route, route_from_hidden, takes, Epilogue, Normalize,
+        Operands, MXFP4,
     };
     use crate::nn::layers::Activation;
 
@@ -1666,6 +1676,13 @@ mod tests {
         // No pairs; more pairs than a grid takes.
         assert_eq!(accepts((0, 8, false), (1024, 512), 4, false), None);
         assert_eq!(accepts((8_750, 8, false), (1024, 512), 4, false), None);
+        // The format and sizes alone (what the shared expert's fold asks).
+        assert!(takes(affine(4, 64), 1024, 256));
+        assert!(takes(MXFP4, 2880, 2880));
+        assert!(!takes(affine(3, 64), 1024, 256));
+        assert!(!takes(affine(4, 64), 1024, 250));
+        assert!(!takes(affine(4, 64), 8192, 256));
+        assert!(!takes(affine(4, 64), 1000, 256));
     }
 
     /// The epilogues' own conditions: gated weights of two halves, each a multiple of a block's

@@ -123,6 +123,11 @@ impl Weights {
         self.tensors.insert(name.into(), array);
     }
 
+    /// The dtype of the tensor of that name, when there is one.
+    pub fn dtype(&self, name: &str) -> Option<mlx_rs::Dtype> {
+        self.tensors.get(name).map(Array::dtype)
+    }
+
     /// Whether a tensor of that name exists.
     pub fn contains(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
