@@ -158,43 +158,15 @@ impl SwitchLinear {
     /// These experts followed by `more`'s (`[experts + more, ...]`), both quantized alike and
     /// without biases; evaluated here.
     fn append_experts(self, more: Self) -> Result<Self> {
-        let cat = |a: &Array, b: &Array| -> Result<Array> {
-            let both = ops::concatenate(&[a, b], 0)?;
-            both.eval()?;
-            Ok(both)
-        };
-        match (&self.weight, &more.weight, &self.bias, &more.bias) {
-            (
-                SwitchWeight::Quantized {
-                    weight: wa,
-                    scales: sa,
-                    biases: ba,
-                    params: pa,
-                },
-                SwitchWeight::Quantized {
-                    weight: wb,
-                    scales: sb,
-                    biases: bb,
-                    params: pb,
-                },
-                None,
-                None,
-            ) if pa == pb && sa.dtype() == sb.dtype() => Ok(Self {
-                weight: SwitchWeight::Quantized {
-                    weight: cat(wa, wb)?,
-                    scales: cat(sa, sb)?,
-                    biases: match (ba, bb) {
-                        (Some(a), Some(b)) => Some(cat(a, b)?),
-                        _ => None,
-                    },
-                    params: *pa,
-                },
-                bias: None,
-            }),
-            _ => Err(crate::error::EngineError::Kernel(
-                "experts appended to a stack must be quantized as it is".into(),
-            )),
+        let quantized = matches!(self.weight, SwitchWeight::Quantized { .. });
+        if quantized && self.bias.is_none() && more.bias.is_none() {
+            if let Some(weight) = self.weight.join(&more.weight, 0)? {
+                return Ok(Self { weight, bias: None });
+            }
         }
+        Err(crate::error::EngineError::Kernel(
+            "experts appended to a stack must be quantized as it is".into(),
+        ))
     }
 
     /// Loads `{path}.weight` (and `.scales`/`.biases` when quantized), or stacks Hugging Face's
@@ -349,14 +321,26 @@ impl SwitchLinear {
     /// both are dense in one dtype or quantized with the same parameters, each with a bias or
     /// neither; otherwise both back. Evaluated here, so the parts' memory is freed as they drop.
     fn fuse(gate: Self, up: Self) -> Result<std::result::Result<Self, (Self, Self)>> {
-        let cat = |a: &Array, b: &Array| -> Result<Array> {
-            let both = ops::concatenate(&[a, b], 1)?;
-            both.eval()?;
-            Ok(both)
+        let Some(weight) = gate.weight.join(&up.weight, 1)? else {
+            return Ok(Err((gate, up)));
         };
-        let weight = match (&gate.weight, &up.weight) {
+        let bias = match (&gate.bias, &up.bias) {
+            (None, None) => None,
+            (Some(a), Some(b)) => Some(joined(a, b, 1)?),
+            _ => return Ok(Err((gate, up))),
+        };
+        Ok(Ok(Self { weight, bias }))
+    }
+}
+
+impl SwitchWeight {
+    /// `self` and `other` joined along `axis` (the weights, and the scales and quantization
+    /// biases alike), evaluated, when both are dense in one dtype or quantized with the same
+    /// parameters, scales of one dtype and biases alike; `None` otherwise.
+    fn join(&self, other: &Self, axis: i32) -> Result<Option<Self>> {
+        Ok(Some(match (self, other) {
             (SwitchWeight::Dense(a), SwitchWeight::Dense(b)) if a.dtype() == b.dtype() => {
-                SwitchWeight::Dense(cat(a, b)?)
+                SwitchWeight::Dense(joined(a, b, axis)?)
             }
             (
                 SwitchWeight::Quantized {
@@ -371,24 +355,27 @@ impl SwitchLinear {
                     biases: bb,
                     params: pb,
                 },
-            ) if pa == pb && ba.is_some() == bb.is_some() => SwitchWeight::Quantized {
-                weight: cat(wa, wb)?,
-                scales: cat(sa, sb)?,
-                biases: match (ba, bb) {
-                    (Some(a), Some(b)) => Some(cat(a, b)?),
-                    _ => None,
-                },
-                params: *pa,
-            },
-            _ => return Ok(Err((gate, up))),
-        };
-        let bias = match (&gate.bias, &up.bias) {
-            (None, None) => None,
-            (Some(a), Some(b)) => Some(cat(a, b)?),
-            _ => return Ok(Err((gate, up))),
-        };
-        Ok(Ok(Self { weight, bias }))
+            ) if pa == pb && sa.dtype() == sb.dtype() && ba.is_some() == bb.is_some() => {
+                SwitchWeight::Quantized {
+                    weight: joined(wa, wb, axis)?,
+                    scales: joined(sa, sb, axis)?,
+                    biases: match (ba, bb) {
+                        (Some(a), Some(b)) => Some(joined(a, b, axis)?),
+                        _ => None,
+                    },
+                    params: *pa,
+                }
+            }
+            _ => return Ok(None),
+        }))
     }
+}
+
+/// `a` and `b` concatenated along `axis`, evaluated (so the parts' memory is freed as they drop).
+fn joined(a: &Array, b: &Array, axis: i32) -> Result<Array> {
+    let both = ops::concatenate(&[a, b], axis)?;
+    both.eval()?;
+    Ok(both)
 }
 
 /// Every expert's gated MLP (mlx_lm's `SwitchGLU`): SwiGLU, or GeGLU for Gemma 4.
