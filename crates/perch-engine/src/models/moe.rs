@@ -693,12 +693,12 @@ impl SparseMoe {
                 false,
             )?;
             // The router and the shared expert's gate as one product, `[experts + 1, hidden]`.
-            let both = match pieces {
-                Some(_) => Linear::fuse([gate, shared_gate])?,
+            let folding = match pieces {
+                Some(pieces) => Linear::fuse([gate, shared_gate])?.map(|both| (both, pieces)),
                 None => Err([gate, shared_gate]),
             };
-            match (both, pieces) {
-                (Ok(both), Some((params, pieces))) => {
+            match folding {
+                Ok((both, (params, pieces))) => {
                     let piece = |weights: &mut Weights, name: &str, (i, o), split_input| {
                         SwitchLinear::load_pieces(
                             weights,
@@ -715,8 +715,7 @@ impl SparseMoe {
                         down_proj.append_experts(piece(weights, "down_proj", (size, h), true)?)?;
                     (gate, folded_shared) = (both, pieces);
                 }
-                (Ok(_), None) => unreachable!("fused only with pieces"),
-                (Err([router, shared_gate]), _) => {
+                Err([router, shared_gate]) => {
                     gate = router;
                     shared = Some(SharedExpert {
                         mlp: Mlp::load(weights, quantization, &shared_path, hidden, size, false)?,
