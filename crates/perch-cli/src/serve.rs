@@ -149,6 +149,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         &dir,
         EngineConfig {
             draft_model,
+            num_draft_tokens: args.num_draft_tokens,
             prompt_lookup: args.prompt_lookup.config()?,
             keep_alive: args.keep_alive,
             ..EngineConfig::default()

@@ -245,7 +245,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
             ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
         };
         let mut batch =
-            BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm").with_draft(draft);
+            BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm").with_draft(draft, 3);
         assert!(batch.drafts());
         batch.warm_up().unwrap();
         let mut schedule: Vec<(usize, GenerateRequest)> = cases

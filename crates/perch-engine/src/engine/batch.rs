@@ -609,8 +609,10 @@ impl<'m> BatchGenerator<'m> {
     /// of requests that ask for speculative decoding ([`GenerateRequest::drafts_in_batch`])
     /// while at most [`BatchGenerator::speculative_rows`] rows decode. Unchanged when the model
     /// or the draft has sliding-window or linear-attention layers (their rows cannot be
-    /// rewound): [`BatchGenerator::drafts`] tells.
-    pub fn with_draft(mut self, draft: &'m dyn Model) -> Self {
+    /// rewound): [`BatchGenerator::drafts`] tells. Verify steps are warmed for `num_draft_tokens`
+    /// proposals a row (the requests' default; [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when out of
+    /// range), unless prompt lookup sets them.
+    pub fn with_draft(mut self, draft: &'m dyn Model, num_draft_tokens: usize) -> Self {
         let rewinds = |m: &dyn Model| !m.has_sliding_window_layers() && !m.has_recurrent_layers();
         if !rewinds(self.model) || !rewinds(draft) {
             return self;
@@ -625,8 +627,8 @@ impl<'m> BatchGenerator<'m> {
             max_rows,
         ));
         if config.prompt_lookup.is_none() {
-            self.runner
-                .set_verify_steps(Some((1 + Draft::DEFAULT_NUM_DRAFT_TOKENS, max_rows)));
+            let k = warmed_draft_tokens(num_draft_tokens);
+            self.runner.set_verify_steps(Some((1 + k, max_rows)));
         }
         self
     }
@@ -2661,10 +2663,35 @@ fn publish_blocks(
     Ok(())
 }
 
+/// The proposals a row that verify steps are warmed (and, on GPUs, padded) for: the requests'
+/// default `num_draft_tokens`, or [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when it is out of range
+/// (0: requests do not speculate unless they ask).
+fn warmed_draft_tokens(num_draft_tokens: usize) -> usize {
+    match check_num_draft_tokens(num_draft_tokens) {
+        Ok(()) => num_draft_tokens,
+        Err(_) => Draft::DEFAULT_NUM_DRAFT_TOKENS,
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::attention_materializes_scores;
+    use super::{attention_materializes_scores, warmed_draft_tokens};
     use crate::device::Backend;
+    use crate::sequence::speculative::Draft;
+
+    /// Verify steps are shaped for the requests' default proposals when it is a count a request
+    /// may ask for, and for mlx_lm's default otherwise.
+    #[test]
+    fn verify_steps_follow_the_default_proposals() {
+        assert_eq!(warmed_draft_tokens(5), 5);
+        assert_eq!(warmed_draft_tokens(1), 1);
+        let default = Draft::DEFAULT_NUM_DRAFT_TOKENS;
+        assert_eq!(warmed_draft_tokens(0), default);
+        assert_eq!(
+            warmed_draft_tokens(Draft::MAX_NUM_DRAFT_TOKENS + 1),
+            default
+        );
+    }
 
     /// Admission counts attention scores on the CPU whatever the head size, and on Metal only
     /// for head sizes MLX's fused prompt kernel lacks (Gemma 3's 256 among them).

@@ -7,6 +7,7 @@ use crate::attention::KvQuantization;
 use crate::device::Backend;
 use crate::engine::batch::BatchConfig;
 use crate::kv::slot_cache::SlotAttention;
+use crate::sequence::speculative::Draft;
 use crate::spec_decode::ngram::PromptLookup;
 
 /// Engine settings.
@@ -62,6 +63,11 @@ pub struct EngineConfig {
     /// proposing in its verify steps (see [`BatchGenerator::with_draft`]); sampled ones beside
     /// it, one round of proposals each per engine step (see [`crate::sequence::speculative`]).
     pub draft_model: Option<PathBuf>,
+    /// The proposals a step that requests using the draft model ask for by default (`perch serve
+    /// --num-draft-tokens`): the batch's verify steps are warmed for `1 +` this many tokens a
+    /// row (another count meets its shape on its first step; a count out of range warms the
+    /// default's). [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] by default.
+    pub num_draft_tokens: usize,
     /// Prompt lookup (n-gram) speculative decoding in the batch for greedy requests (see
     /// [`BatchConfig::prompt_lookup`]); off by default.
     pub prompt_lookup: Option<PromptLookup>,
@@ -121,6 +127,7 @@ impl Default for EngineConfig {
             arrival_window: Self::default_arrival_window(Backend::current()),
             max_queued_requests: Self::DEFAULT_MAX_QUEUED_REQUESTS,
             draft_model: None,
+            num_draft_tokens: Draft::DEFAULT_NUM_DRAFT_TOKENS,
             prompt_lookup: None,
             keep_alive: KeepAlive::Forever,
             fault_injection: FaultInjection::default(),

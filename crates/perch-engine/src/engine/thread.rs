@@ -511,7 +511,7 @@ fn serve_model(
     loop {
         let mut batch = BatchGenerator::new(model, tokenizer, batch_config.clone(), model_id);
         if let Some((draft, _)) = pass.draft {
-            batch = batch.with_draft(draft);
+            batch = batch.with_draft(draft, config.num_draft_tokens);
         }
         if std::mem::take(&mut warm_up) {
             // A warm-up that fails leaves nothing behind; the first request that meets the
