@@ -417,10 +417,7 @@ impl SwitchGlu {
         down_proj: SwitchLinear,
         activation: Activation,
     ) -> Result<Self> {
-        // `PERCH_FUSED_EXPERTS=0` keeps them apart (benchmarks).
-        let fuse = crate::nn::layers::fused_projections()
-            && std::env::var("PERCH_FUSED_EXPERTS").as_deref() != Ok("0");
-        let gate_up = match fuse {
+        let gate_up = match Self::fuses_gate_up() {
             true => match SwitchLinear::fuse(gate, up)? {
                 Ok(fused) => GateUp::Fused(fused),
                 Err((gate, up)) => GateUp::Separate { gate, up },
@@ -455,14 +452,19 @@ impl SwitchGlu {
         std::env::var("PERCH_EXPERT_EPILOGUES").as_deref() != Ok("0")
     }
 
+    /// Whether the gate and up projections are fused at load where they can be
+    /// ([`crate::nn::layers::fused_projections`]); `PERCH_FUSED_EXPERTS=0` keeps them apart
+    /// (benchmarks).
+    fn fuses_gate_up() -> bool {
+        crate::nn::layers::fused_projections()
+            && std::env::var("PERCH_FUSED_EXPERTS").as_deref() != Ok("0")
+    }
+
     /// Whether a decode step's experts run as the three launches of Perch's kernels (router,
     /// gated product, weighted product): CUDA with the kernels' load check passed, the gate and
     /// up projections fused and the epilogues in the kernels.
     fn three_launches() -> bool {
-        expert_kernel::usable()
-            && Self::epilogues_in_kernels()
-            && crate::nn::layers::fused_projections()
-            && std::env::var("PERCH_FUSED_EXPERTS").as_deref() != Ok("0")
+        expert_kernel::usable() && Self::epilogues_in_kernels() && Self::fuses_gate_up()
     }
 
     /// Tokens at or above which the (token, expert) pairs are sorted by expert before the
@@ -769,16 +771,14 @@ impl SparseMoe {
                         && dtype(path, "biases") == dtype(&first, "biases")
                 })
         });
-        let pieces = size / m;
+        // `takes` of `m` input features: `m` a positive whole number of groups (of 32 or more
+        // features, so of packed words too).
         let fits = alike
-            && m > 0
-            && size % m == 0
-            && (1..=expert_kernel::MAX_SHARED).contains(&pieces)
-            && m % params.group_size == 0
-            && (m * params.bits) % 32 == 0
             && expert_kernel::takes(params, hidden, m)
-            && expert_kernel::takes(params, m, hidden);
-        fits.then_some((params, pieces))
+            && expert_kernel::takes(params, m, hidden)
+            && size % m == 0
+            && (1..=expert_kernel::MAX_SHARED).contains(&(size / m));
+        fits.then(|| (params, size / m))
     }
 
     /// Every product through MLX's operations (see [`Linear::use_mlx_kernels`]; the experts'

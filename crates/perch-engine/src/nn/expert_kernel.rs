@@ -617,7 +617,7 @@ pub fn route_from_hidden(
     let (Some(&hidden), [rows, width]) = (x.shape().last(), weight.shape()) else {
         return Ok(None);
     };
-    let experts = &(rows - (shared > 0) as i32);
+    let experts = rows - (shared > 0) as i32;
     let fits = *width == hidden
         && hidden > 0
         && hidden % 8 == 0
@@ -626,13 +626,13 @@ pub fn route_from_hidden(
         && k <= MAX_ROUTER_PRODUCT_TOP_K
         && weight.dtype() == x.dtype()
         && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
-        && bias.is_none_or(|b| shared == 0 && b.shape() == [*experts] && is_float(b.dtype()));
+        && bias.is_none_or(|b| shared == 0 && b.shape() == [experts] && is_float(b.dtype()));
     if !fits {
         return Ok(None);
     }
     launch_route(
         RouterInput::Hidden { x, weight, bias },
-        *experts,
+        experts,
         (k, shared),
         normalize,
         scale,
@@ -670,16 +670,10 @@ pub fn split_shared_gate(logits: &Array, shared: i32) -> Result<(Array, Option<A
     if shared == 0 {
         return Ok((logits.clone(), None));
     }
-    let shape = logits.shape();
-    let last = shape.len() - 1;
-    let experts = shape[last] - 1;
-    let mut start = vec![0; shape.len()];
-    let mut stop = shape.to_vec();
-    stop[last] = experts;
-    let routed = crate::nn::mlx_ext::slice(logits, &start, &stop)?;
-    (start[last], stop[last]) = (experts, experts + 1);
-    let gate = crate::nn::mlx_ext::slice(logits, &start, &stop)?;
-    Ok((routed, Some(gate)))
+    let experts = *logits.shape().last().expect("a scores axis") - 1;
+    let mut parts = logits.split_at_indices(&[experts], -1)?.into_iter();
+    let (routed, gate) = (parts.next(), parts.next());
+    Ok((routed.expect("two parts"), gate))
 }
 
 /// What [`route`] appends with `shared`, in MLX's operations: a token's top k (`indices` of

@@ -124,7 +124,7 @@ impl Weights {
     }
 
     /// The dtype of the tensor of that name, when there is one.
-    pub fn dtype(&self, name: &str) -> Option<mlx_rs::Dtype> {
+    pub(crate) fn dtype(&self, name: &str) -> Option<mlx_rs::Dtype> {
         self.tensors.get(name).map(Array::dtype)
     }
 
