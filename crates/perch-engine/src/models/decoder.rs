@@ -479,7 +479,9 @@ enum Qkv {
         k_proj: Linear,
         v_proj: Linear,
     },
-    /// Outputs `[..., (heads + 2 * kv_heads) * head_dim]`: queries, keys, then values.
+    /// Outputs `[..., (heads · g + 2 · kv_heads) · head_dim]`: queries, keys, then values,
+    /// where `g` is 2 when the attention has an output gate (each query head followed by its
+    /// gate, as the query projection's output interleaves them) and 1 otherwise.
     Fused(Linear),
     /// The values are the key projection's output, before the key norm (Gemma 4's
     /// `attention_k_eq_v`).
@@ -611,13 +613,7 @@ impl Attention {
             kv_heads * hd,
             c.qkv_bias,
         )?;
-        // A gated query projection stays separate (its heads interleave queries and gates).
-        let fused = if c.attn_output_gate {
-            Err([q_proj, k_proj, v_proj])
-        } else {
-            Linear::fuse_if_enabled([q_proj, k_proj, v_proj])?
-        };
-        Ok(match fused {
+        Ok(match Linear::fuse_if_enabled([q_proj, k_proj, v_proj])? {
             Ok(fused) => Qkv::Fused(fused),
             Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
                 q_proj,
@@ -679,17 +675,29 @@ impl Attention {
                 )),
             ),
             Qkv::Fused(proj) => {
-                let (nq, nkv) = (self.num_heads, self.num_kv_heads);
-                let all = proj.forward(x)?.reshape(&[batch, seq, nq + 2 * nkv, -1])?;
+                let (nq, nkv, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+                // Query heads as stored: with a gate, a query's features then its gate's.
+                let nq_stored = if self.output_gate { 2 * nq } else { nq };
+                let all = proj
+                    .forward(x)?
+                    .reshape(&[batch, seq, nq_stored + 2 * nkv, hd])?;
                 // Slices (views), not MLX's `split`: a build using `split` here once ended a run
                 // in cuDNN's teardown (not isolated).
-                let hd = all.shape()[3];
                 let part =
                     |from: i32, to: i32| slice(&all, &[0, 0, from, 0], &[batch, seq, to, hd]);
-                (
-                    part(0, nq)?,
-                    Some((part(nq, nq + nkv)?, part(nq + nkv, nq + 2 * nkv)?)),
-                )
+                let kv = Some((
+                    part(nq_stored, nq_stored + nkv)?,
+                    part(nq_stored + nkv, nq_stored + 2 * nkv)?,
+                ));
+                if self.output_gate {
+                    let both = part(0, nq_stored)?.reshape(&[batch, seq, nq, 2 * hd])?;
+                    let half =
+                        |from: i32| slice(&both, &[0, 0, 0, from], &[batch, seq, nq, from + hd]);
+                    gate = Some(half(hd)?.reshape(&[batch, seq, -1])?);
+                    (half(0)?, kv)
+                } else {
+                    (part(0, nq)?, kv)
+                }
             }
             Qkv::KeysAsValues { q_proj, k_proj } => {
                 let k = split(k_proj, self.num_kv_heads)?;
@@ -705,18 +713,20 @@ impl Attention {
     }
 
     /// A decode step's queries, keys and values (`[rows, heads or kv_heads, 1, head_dim]`), the
-    /// queries and keys normed and rotated in one kernel ([`rope_kernel::norm_rope`]), where
-    /// it computes what [`Attention::project`] and RoPE would: CUDA, one token a row at
-    /// per-row positions, fused projections, query and key norms per head or none, RoPE in
-    /// the non-interleaved layout (with YaRN's or LongRoPE's attention factor, if any), no query scales,
-    /// gate or value norm. `None` elsewhere.
+    /// queries and keys normed and rotated in one kernel ([`rope_kernel::norm_rope`]), and the
+    /// output gate (`[rows, 1, heads * head_dim]`) when the attention has one, where the kernel
+    /// computes what [`Attention::project`] and RoPE would: CUDA, one token a row at per-row
+    /// positions, fused projections, query and key norms per head or none, RoPE in the
+    /// non-interleaved layout (with YaRN's or LongRoPE's attention factor, if any), no query
+    /// scales or value norm. `None` elsewhere.
+    #[allow(clippy::type_complexity)]
     fn decode_norm_rope(
         &self,
         x: &Array,
         rope: Option<&Rope>,
         positions: &Positions,
         query_scales: Option<&Array>,
-    ) -> Result<Option<(Array, Array, Array)>> {
+    ) -> Result<Option<(Array, Array, Array, Option<Array>)>> {
         let (Qkv::Fused(proj), Some(rope), Positions::Rows { offsets, .. }) =
             (&self.qkv, rope, positions)
         else {
@@ -733,7 +743,6 @@ impl Attention {
         let (batch, seq) = (x.shape()[0], x.shape()[1]);
         if seq != 1
             || query_scales.is_some()
-            || self.output_gate
             || self.v_norm.is_some()
             || self.qk_norm_across_heads
             || rope.traditional
@@ -750,12 +759,17 @@ impl Attention {
             mscale: rope.mscale,
         };
         let weights = norms.map(|(q, k, _)| (q, k));
-        let heads = (nq, nkv, hd);
-        // The projection's output `[batch, 1, (nq + 2 · nkv) · hd]`, taken as it comes (a
-        // reshape would be one more operation in every step). Judged before the projection is
-        // built (so a layer the kernel does not take builds it once), and again on it (its
-        // dtype could differ from the input's).
-        let shape = [batch, 1, (nq + 2 * nkv) * hd];
+        let heads = rope_kernel::Heads {
+            queries: nq,
+            kv: nkv,
+            size: hd,
+            gated: self.output_gate,
+        };
+        // The projection's output `[batch, 1, width]`, taken as it comes (a reshape would be
+        // one more operation in every step). Judged before the projection is built (so a layer
+        // the kernel does not take builds it once), and again on it (its dtype could differ
+        // from the input's).
+        let shape = [batch, 1, heads.width()];
         if !rope_kernel::takes((&shape, x.dtype()), heads, weights, offsets, &spec) {
             return Ok(None);
         }
@@ -763,9 +777,8 @@ impl Attention {
         if !rope_kernel::computes(&all, heads, weights, offsets, &spec) {
             return Ok(None);
         }
-        Ok(Some(rope_kernel::norm_rope(
-            &all, heads, norms, offsets, &spec,
-        )?))
+        let out = rope_kernel::norm_rope(&all, heads, norms, offsets, &spec)?;
+        Ok(Some((out.queries, out.keys, out.values, out.gates)))
     }
 
     /// The output projection of attention's output `[batch, seq, heads * head_dim]`, gated
@@ -793,7 +806,7 @@ impl Attention {
         layer: usize,
     ) -> Result<Array> {
         let (queries, kv, gate) = match self.decode_norm_rope(x, rope, positions, query_scales)? {
-            Some((queries, keys, values)) => (queries, Some((keys, values)), None),
+            Some((queries, keys, values, gate)) => (queries, Some((keys, values)), gate),
             None => {
                 let (queries, kv, gate) = self.project(x)?;
                 let at = |a: &Array| -> Result<Array> {

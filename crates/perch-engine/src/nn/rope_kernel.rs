@@ -4,7 +4,10 @@
 //! query and key norms per head, as Qwen3 and Qwen3-MoE do) and its rotary embedding at its row's
 //! position — what MLX runs as four launches a layer (two `fast::rms_norm`, two
 //! `fast::rope`), or two without norms (Llama) — and the values copied out in the heads-first
-//! layout the cache takes (which would otherwise be a slice and a transpose in the graph).
+//! layout the cache takes (which would otherwise be a slice and a transpose in the graph). With
+//! an output gate (Qwen3.5's and Qwen3-Next's attention: the query projection's output holds each
+//! head's query then its gate), the gates are copied out contiguous too (otherwise a slice and
+//! a copy before the gate's product).
 //!
 //! Why: a decode step of a small model on a GPU is bound by the host launching its kernels
 //! (see docs/benchmarks.md), so launches saved in every attention layer shorten it. On Metal
@@ -36,7 +39,11 @@ const SOURCE: &str = r#"
   const int row = blockIdx.y;
   const int d = threadIdx.x;
   const bool is_query = head < NQ;
-  const T* source = qkv + ((long)row * (NQ + 2 * NKV) + head) * D;
+  // A query head's features (then its gate's with GATED), key heads, then value heads.
+  constexpr int QW = GATED ? 2 : 1;
+  const T* source = qkv + (long)row * (NQ * QW + 2 * NKV) * D
+      + (is_query ? head * QW : NQ * QW + head - NQ) * D;
+  /*GATE*/
   if (head >= NQ + NKV) {
     // A value head: copied (the whole block returns here, before any barrier).
     values[((long)row * NKV + head - NQ - NKV) * D + d] = source[d];
@@ -95,6 +102,13 @@ const NORM: &str = r#"
   value = static_cast<float>(weight[d] * static_cast<T>(value * normalizer));
 "#;
 
+/// The gate of a query head, copied out (with `GATED`).
+const GATE: &str = r#"
+  if (is_query) {
+    gates[((long)row * NQ + head) * D + d] = source[D + d];
+  }
+"#;
+
 /// Frequencies from the base (`LOG2_BASE_BITS`: log2 of it), as MLX's `rope` kernel.
 const FROM_BASE: &str = r#"
     const float inv_freq =
@@ -120,14 +134,49 @@ pub struct RopeSpec<'a> {
     pub mscale: f32,
 }
 
-/// A layer's attention heads: query heads, key and value heads, features a head.
-pub type Heads = (i32, i32, i32);
+/// A layer's attention heads, as the fused projection's output holds them.
+#[derive(Clone, Copy, Debug)]
+pub struct Heads {
+    /// Query heads.
+    pub queries: i32,
+    /// Key heads (and as many value heads).
+    pub kv: i32,
+    /// Features a head.
+    pub size: i32,
+    /// Each query head's features followed by its output gate's (`size` more).
+    pub gated: bool,
+}
 
-/// Whether [`norm_rope`] computes this: `qkv` `[rows, 1, (heads + 2 · kv_heads) · head_dim]`
-/// (the fused projection's output) or `[rows, 1, heads + 2 · kv_heads, head_dim]` of a float
-/// dtype (one token a row), the head size a multiple of 32 up to 1,024, norms (if any)
-/// `[head_dim]` of that dtype, `offsets` `[rows]` int32, RoPE over an even number of features
-/// up to the head size, `freqs` (if any) `[dims / 2]` float32.
+impl Heads {
+    /// Heads of `size` features in a token's projection output: queries (and gates), keys,
+    /// values.
+    fn stored(&self) -> i32 {
+        self.queries * (1 + i32::from(self.gated)) + 2 * self.kv
+    }
+
+    /// Features of a token's projection output.
+    pub fn width(&self) -> i32 {
+        self.stored() * self.size
+    }
+}
+
+/// The outputs of [`norm_rope`].
+pub struct NormRope {
+    /// `[rows, heads, 1, head_dim]`, normed and rotated.
+    pub queries: Array,
+    /// `[rows, kv_heads, 1, head_dim]`, normed and rotated.
+    pub keys: Array,
+    /// `[rows, kv_heads, 1, head_dim]`, as projected.
+    pub values: Array,
+    /// `[rows, 1, heads * head_dim]`, as projected, when the heads are gated.
+    pub gates: Option<Array>,
+}
+
+/// Whether [`norm_rope`] computes this: `qkv` `[rows, 1, heads.width()]` (the fused
+/// projection's output) or `[rows, 1, stored heads, head_dim]` of a float dtype (one token a
+/// row), the head size a multiple of 32 up to 1,024, norms (if any) `[head_dim]` of that dtype,
+/// `offsets` `[rows]` int32, RoPE over an even number of features up to the head size, `freqs`
+/// (if any) `[dims / 2]` float32.
 pub fn computes(
     qkv: &Array,
     heads: Heads,
@@ -141,16 +190,21 @@ pub fn computes(
 /// [`computes`] for a `qkv` of this shape and dtype, before it is built.
 pub fn takes(
     (s, dtype): (&[i32], Dtype),
-    (nq, nkv, head_dim): Heads,
+    heads: Heads,
     norms: Option<(&Array, &Array)>,
     offsets: &Array,
     rope: &RopeSpec,
 ) -> bool {
+    let Heads {
+        queries: nq,
+        kv: nkv,
+        size: head_dim,
+        ..
+    } = heads;
     let float = matches!(dtype, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
-    let all = nq + 2 * nkv;
     let layout = match s {
-        [_, 1, features] => *features == all * head_dim,
-        [_, 1, n, d] => *n == all && *d == head_dim,
+        [_, 1, features] => *features == heads.width(),
+        [_, 1, n, d] => *n == heads.stored() && *d == head_dim,
         _ => false,
     };
     float
@@ -184,26 +238,30 @@ pub fn enabled() -> bool {
         && Backend::current() == Backend::Cuda
 }
 
-/// The queries `[rows, heads, 1, head_dim]`, keys and values `[rows, kv_heads, 1, head_dim]` of
-/// `qkv` (queries, keys, then values, a row's one token at position `offsets[row]`; see
-/// [`computes`]), each query and key head normed by `norms` (query, key weights; `eps`) when
-/// given and rotated by `rope`, the values as they are. Only where [`computes`] holds, on MLX's
-/// CUDA backend.
+/// The queries, keys and values of `qkv` (queries and their gates, keys, then values, a row's
+/// one token at position `offsets[row]`; see [`computes`]), each query and key head normed by
+/// `norms` (query, key weights; `eps`) when given and rotated by `rope`, the values (and gates)
+/// as they are ([`NormRope`]). Only where [`computes`] holds, on MLX's CUDA backend.
 pub fn norm_rope(
     qkv: &Array,
-    (heads, kv_heads, head_dim): Heads,
+    shape: Heads,
     norms: Option<(&Array, &Array, f32)>,
     offsets: &Array,
     rope: &RopeSpec,
-) -> Result<(Array, Array, Array), Exception> {
+) -> Result<NormRope, Exception> {
     thread_local! {
-        // By (norms, freqs): their inputs differ.
-        static KERNELS: RefCell<[[Option<CustomKernel>; 2]; 2]> = const {
-            RefCell::new([[None, None], [None, None]])
-        };
+        // By (norms, freqs, gates): their inputs or outputs differ.
+        static KERNELS: RefCell<[[[Option<CustomKernel>; 2]; 2]; 2]> =
+            const { RefCell::new([[[None, None], [None, None]], [[None, None], [None, None]]]) };
     }
+    let Heads {
+        queries: heads,
+        kv: kv_heads,
+        size: head_dim,
+        gated,
+    } = shape;
     let weights = norms.map(|(q, k, _)| (q, k));
-    if !computes(qkv, (heads, kv_heads, head_dim), weights, offsets, rope) {
+    if !computes(qkv, shape, weights, offsets, rope) {
         return Err(Exception::custom(
             "norm_rope: shapes or dtypes it does not take",
         ));
@@ -220,6 +278,7 @@ pub fn norm_rope(
         TemplateArg::Int(c"D", head_dim),
         TemplateArg::Int(c"NQ", heads),
         TemplateArg::Int(c"NKV", kv_heads),
+        TemplateArg::Int(c"GATED", i32::from(gated)),
         TemplateArg::Int(c"DIMS", rope.dims),
         TemplateArg::Int(
             c"EPS_BITS",
@@ -232,29 +291,41 @@ pub fn norm_rope(
     let (with_norms, with_freqs) = (norms.is_some(), rope.freqs.is_some());
     KERNELS.with(|kernels| {
         let mut kernels = kernels.borrow_mut();
-        let kernel = kernels[usize::from(with_norms)][usize::from(with_freqs)]
-            .get_or_insert_with(|| new_kernel(with_norms, with_freqs));
-        let mut out = kernel.apply(
-            &inputs,
-            &[
-                (&[rows, heads, 1, head_dim], dtype),
-                (&[rows, kv_heads, 1, head_dim], dtype),
-                (&[rows, kv_heads, 1, head_dim], dtype),
-            ],
-            ((heads + 2 * kv_heads) * head_dim, rows, 1),
-            (head_dim, 1, 1),
-            &template,
-        )?;
-        let values = out.pop().expect("three outputs");
-        let keys = out.pop().expect("three outputs");
-        let queries = out.pop().expect("three outputs");
-        Ok((queries, keys, values))
+        let kernel = kernels[usize::from(with_norms)][usize::from(with_freqs)][usize::from(gated)]
+            .get_or_insert_with(|| new_kernel(with_norms, with_freqs, gated));
+        let (query_shape, kv_shape) = ([rows, heads, 1, head_dim], [rows, kv_heads, 1, head_dim]);
+        let gates_shape = [rows, 1, heads * head_dim];
+        let mut outputs: Vec<(&[i32], Dtype)> = vec![
+            (&query_shape, dtype),
+            (&kv_shape, dtype),
+            (&kv_shape, dtype),
+        ];
+        if gated {
+            outputs.push((&gates_shape, dtype));
+        }
+        let mut out = kernel
+            .apply(
+                &inputs,
+                &outputs,
+                ((heads + 2 * kv_heads) * head_dim, rows, 1),
+                (head_dim, 1, 1),
+                &template,
+            )?
+            .into_iter();
+        let mut next = || out.next().expect("an output each");
+        Ok(NormRope {
+            queries: next(),
+            keys: next(),
+            values: next(),
+            gates: gated.then(next),
+        })
     })
 }
 
-fn new_kernel(norms: bool, freqs: bool) -> CustomKernel {
+fn new_kernel(norms: bool, freqs: bool, gated: bool) -> CustomKernel {
     let source = SOURCE
         .replace("/*NORM*/", if norms { NORM } else { "" })
+        .replace("/*GATE*/", if gated { GATE } else { "" })
         .replace("/*INV_FREQ*/", if freqs { FROM_FREQS } else { FROM_BASE });
     let mut inputs = vec!["qkv", "offsets"];
     if norms {
@@ -263,20 +334,21 @@ fn new_kernel(norms: bool, freqs: bool) -> CustomKernel {
     if freqs {
         inputs.push("freqs");
     }
-    let name = match (norms, freqs) {
-        (true, true) => c"perch_norm_rope_freqs",
-        (true, false) => c"perch_norm_rope",
-        (false, true) => c"perch_rope_freqs",
-        (false, false) => c"perch_rope",
+    let name = match (norms, freqs, gated) {
+        (true, true, false) => c"perch_norm_rope_freqs",
+        (true, false, false) => c"perch_norm_rope",
+        (false, true, false) => c"perch_rope_freqs",
+        (false, false, false) => c"perch_rope",
+        (true, true, true) => c"perch_norm_rope_freqs_gated",
+        (true, false, true) => c"perch_norm_rope_gated",
+        (false, true, true) => c"perch_rope_freqs_gated",
+        (false, false, true) => c"perch_rope_gated",
     };
-    CustomKernel::new(
-        Backend::Cuda,
-        name,
-        &inputs,
-        &["queries", "keys", "values"],
-        &source,
-        true,
-    )
+    let mut outputs = vec!["queries", "keys", "values"];
+    if gated {
+        outputs.push("gates");
+    }
+    CustomKernel::new(Backend::Cuda, name, &inputs, &outputs, &source, true)
 }
 
 /// Checks [`norm_rope`] against MLX's `fast::rms_norm` and `fast::rope_dynamic` on random inputs:
@@ -294,25 +366,70 @@ pub fn check() -> crate::Result<Vec<String>> {
     }
     mlx_rs::random::seed(13)?;
     let mut lines = Vec::new();
-    // (rows, heads, kv_heads, head_dim, rotated dims, norms, freqs, mscale, dtype)
+    // (rows, heads, kv_heads, head_dim, rotated dims, norms, freqs, mscale, dtype, gated)
     let cases = [
-        (1, 16, 8, 128, 128, true, false, 1.0, Dtype::Bfloat16),
-        (32, 16, 4, 128, 128, true, false, 1.0, Dtype::Bfloat16),
-        (8, 32, 8, 64, 64, false, false, 1.0, Dtype::Bfloat16),
-        (4, 8, 2, 256, 64, true, false, 1.0, Dtype::Bfloat16),
-        (5, 8, 2, 64, 64, false, true, 1.0, Dtype::Float16),
-        (3, 4, 4, 128, 128, true, true, 1.0, Dtype::Float32),
-        (128, 16, 8, 128, 128, true, false, 1.0, Dtype::Bfloat16),
+        (1, 16, 8, 128, 128, true, false, 1.0, Dtype::Bfloat16, false),
+        (
+            32,
+            16,
+            4,
+            128,
+            128,
+            true,
+            false,
+            1.0,
+            Dtype::Bfloat16,
+            false,
+        ),
+        (8, 32, 8, 64, 64, false, false, 1.0, Dtype::Bfloat16, false),
+        (4, 8, 2, 256, 64, true, false, 1.0, Dtype::Bfloat16, false),
+        (5, 8, 2, 64, 64, false, true, 1.0, Dtype::Float16, false),
+        (3, 4, 4, 128, 128, true, true, 1.0, Dtype::Float32, false),
+        (
+            128,
+            16,
+            8,
+            128,
+            128,
+            true,
+            false,
+            1.0,
+            Dtype::Bfloat16,
+            false,
+        ),
         // gpt-oss: YaRN's periods and attention factor (0.1 ln 32 + 1).
-        (32, 64, 8, 64, 64, false, true, 1.346_574, Dtype::Bfloat16),
-        (4, 8, 2, 128, 64, true, true, 1.2, Dtype::Float32),
+        (
+            32,
+            64,
+            8,
+            64,
+            64,
+            false,
+            true,
+            1.346_574,
+            Dtype::Bfloat16,
+            false,
+        ),
+        (4, 8, 2, 128, 64, true, true, 1.2, Dtype::Float32, false),
+        // Qwen3.5's gated attention (a quarter of each head rotated), and gates elsewhere.
+        (32, 8, 2, 256, 64, true, false, 1.0, Dtype::Bfloat16, true),
+        (1, 16, 2, 256, 64, true, false, 1.0, Dtype::Bfloat16, true),
+        (3, 4, 2, 128, 64, false, true, 1.0, Dtype::Float32, true),
     ];
-    for (rows, heads, kv_heads, head_dim, dims, with_norms, with_freqs, mscale, dtype) in cases {
+    for (rows, heads, kv_heads, head_dim, dims, with_norms, with_freqs, mscale, dtype, gated) in
+        cases
+    {
+        let shape = Heads {
+            queries: heads,
+            kv: kv_heads,
+            size: head_dim,
+            gated,
+        };
         let normal = |shape: &[i32], std: f32| -> crate::Result<Array> {
             Ok(mlx_rs::random::normal::<f32>(shape, None, Some(std), None)?.as_dtype(dtype)?)
         };
-        // The projection's output as it comes: `[rows, 1, (heads + 2 · kv_heads) · head_dim]`.
-        let qkv = normal(&[rows, 1, (heads + 2 * kv_heads) * head_dim], 3.0)?;
+        // The projection's output as it comes: `[rows, 1, width]`.
+        let qkv = normal(&[rows, 1, shape.width()], 3.0)?;
         let q_weight = normal(&[head_dim], 0.5)?;
         let k_weight = normal(&[head_dim], 0.5)?;
         let eps = 1e-6;
@@ -335,10 +452,11 @@ pub fn check() -> crate::Result<Vec<String>> {
             mscale,
         };
         let norms = with_norms.then_some((&q_weight, &k_weight, eps));
-        let run = || norm_rope(&qkv, (heads, kv_heads, head_dim), norms, &offsets, &rope);
-        let (queries, keys, values) = run()?;
+        let run = || norm_rope(&qkv, shape, norms, &offsets, &rope);
+        let out = run()?;
         // MLX's operations, as the engine runs them without the kernel.
-        let heads_of = qkv.reshape(&[rows, 1, heads + 2 * kv_heads, head_dim])?;
+        let stored = shape.stored();
+        let heads_of = qkv.reshape(&[rows, 1, stored, head_dim])?;
         let part = |from: i32, to: i32| -> crate::Result<Array> {
             Ok(slice(
                 &heads_of,
@@ -346,14 +464,37 @@ pub fn check() -> crate::Result<Vec<String>> {
                 &[rows, 1, to, head_dim],
             )?)
         };
-        let expected_values =
-            part(heads + kv_heads, heads + 2 * kv_heads)?.transpose_axes(&[0, 2, 1, 3])?;
+        let kv_from = stored - 2 * kv_heads;
+        // Queries, and with gates each head's gate after its query (`[rows, 1, heads, 2 · D]`).
+        let (query_heads, expected_gates) = match gated {
+            true => {
+                let both = part(0, kv_from)?.reshape(&[rows, 1, heads, 2 * head_dim])?;
+                let half =
+                    |from: i32| slice(&both, &[0, 0, 0, from], &[rows, 1, heads, from + head_dim]);
+                (half(0)?, Some(half(head_dim)?.reshape(&[rows, 1, -1])?))
+            }
+            false => (part(0, heads)?, None),
+        };
+        let expected_values = part(kv_from + kv_heads, stored)?.transpose_axes(&[0, 2, 1, 3])?;
         // Copied: exact.
-        let value_error = max_abs_error(&values, &expected_values)?;
-        if value_error != 0.0 {
-            return Err(crate::EngineError::Request(format!(
-                "norm and RoPE kernel: values differ from the projection's by {value_error:e}"
-            )));
+        let mut copied = vec![("values", &out.values, &expected_values)];
+        match (&out.gates, &expected_gates) {
+            (Some(gates), Some(expected)) => copied.push(("gates", gates, expected)),
+            (None, None) => {}
+            _ => {
+                return Err(crate::EngineError::Request(
+                    "norm and RoPE kernel: gates where none were asked, or none where they were"
+                        .into(),
+                ))
+            }
+        }
+        for (what, got, expected) in copied {
+            let error = max_abs_error(got, expected)?;
+            if error != 0.0 {
+                return Err(crate::EngineError::Request(format!(
+                    "norm and RoPE kernel: {what} differ from the projection's by {error:e}"
+                )));
+            }
         }
         let reference = |x: Array, weight: &Array| -> crate::Result<Array> {
             let x = match with_norms {
@@ -383,25 +524,26 @@ pub fn check() -> crate::Result<Vec<String>> {
                 rope.freqs,
             )?)
         };
-        let expected_queries = reference(part(0, heads)?, &q_weight)?;
-        let expected_keys = reference(part(heads, heads + kv_heads)?, &k_weight)?;
-        let error =
-            max_abs_error(&queries, &expected_queries)?.max(max_abs_error(&keys, &expected_keys)?);
+        let expected_queries = reference(query_heads.clone(), &q_weight)?;
+        let expected_keys = reference(part(kv_from, kv_from + kv_heads)?, &k_weight)?;
+        let error = max_abs_error(&out.queries, &expected_queries)?
+            .max(max_abs_error(&out.keys, &expected_keys)?);
         // A unit or two in the last place of the largest output (cos and sin of large angles
         // may round differently).
         let largest = ops::abs(&expected_queries.as_dtype(Dtype::Float32)?)?
             .max(None)?
             .item_exact::<f32>();
         let tolerance = 2.0 * largest * unit_in_last_place(dtype);
-        let kernel_ms = time_call(&|| Ok(run()?.0))?;
+        let kernel_ms = time_call(&|| Ok(run()?.queries))?;
         let mlx_ms = time_call(&|| {
-            let q = reference(part(0, heads)?, &q_weight)?;
-            let k = reference(part(heads, heads + kv_heads)?, &k_weight)?;
+            let q = reference(query_heads.clone(), &q_weight)?;
+            let k = reference(part(kv_from, kv_from + kv_heads)?, &k_weight)?;
             Ok(ops::add(&q.sum(None)?, &k.sum(None)?)?)
         })?;
         let line = format!(
             "rows {rows}, heads {heads}/{kv_heads}, head size {head_dim}, {dims} rotated, norms \
-             {with_norms}, periods given {with_freqs}, factor {mscale}, {dtype:?}: max |error| \
+             {with_norms}, periods given {with_freqs}, factor {mscale}, gated {gated}, \
+             {dtype:?}: max |error| \
              {error:.2e} \
              (tolerance {tolerance:.1e}); {kernel_ms:.3} ms a call against MLX's {mlx_ms:.3} \
              (with two sums)"
@@ -415,7 +557,7 @@ pub fn check() -> crate::Result<Vec<String>> {
 mod tests {
     use mlx_rs::Dtype;
 
-    use super::{computes, RopeSpec};
+    use super::{computes, Heads, RopeSpec};
 
     use crate::nn::custom_kernel::zeros;
 
@@ -423,6 +565,12 @@ mod tests {
     /// features, matching norms and int32 positions.
     #[test]
     fn computes_only_what_the_kernel_takes() {
+        let h = |queries, kv, size| Heads {
+            queries,
+            kv,
+            size,
+            gated: false,
+        };
         let bf = Dtype::Bfloat16;
         let qkv = zeros(&[4, 1, 16 + 2 * 8, 128], bf);
         let flat = zeros(&[4, 1, (16 + 2 * 8) * 128], bf);
@@ -437,53 +585,76 @@ mod tests {
         };
         assert!(computes(
             &qkv,
-            (16, 8, 128),
+            h(16, 8, 128),
             Some((&w, &w)),
             &offsets,
             &rope
         ));
-        assert!(computes(&qkv, (16, 8, 128), None, &offsets, &rope));
-        assert!(computes(&flat, (16, 8, 128), None, &offsets, &rope));
-        assert!(!computes(&flat, (16, 8, 64), None, &offsets, &rope));
+        assert!(computes(&qkv, h(16, 8, 128), None, &offsets, &rope));
+        assert!(computes(&flat, h(16, 8, 128), None, &offsets, &rope));
+        assert!(!computes(&flat, h(16, 8, 64), None, &offsets, &rope));
         // Two tokens a row, heads that do not add up, float32 norms on bfloat16, positions
         // not per row, an odd rotation, periods of the wrong length: not taken.
         let chunk = zeros(&[4, 2, 32, 128], bf);
-        assert!(!computes(&chunk, (16, 8, 128), None, &offsets, &rope));
-        assert!(!computes(&qkv, (16, 4, 128), None, &offsets, &rope));
+        assert!(!computes(&chunk, h(16, 8, 128), None, &offsets, &rope));
+        assert!(!computes(&qkv, h(16, 4, 128), None, &offsets, &rope));
         let w32 = zeros(&[128], Dtype::Float32);
         assert!(!computes(
             &qkv,
-            (16, 8, 128),
+            h(16, 8, 128),
             Some((&w32, &w32)),
             &offsets,
             &rope
         ));
         assert!(!computes(
             &qkv,
-            (16, 8, 128),
+            h(16, 8, 128),
             None,
             &zeros(&[1], Dtype::Int32),
             &rope
         ));
         let odd = RopeSpec { dims: 63, ..rope };
-        assert!(!computes(&qkv, (16, 8, 128), None, &offsets, &odd));
+        assert!(!computes(&qkv, h(16, 8, 128), None, &offsets, &odd));
         let periods = zeros(&[32], Dtype::Float32);
         let short = RopeSpec {
             freqs: Some(&periods),
             ..rope
         };
-        assert!(!computes(&qkv, (16, 8, 128), None, &offsets, &short));
+        assert!(!computes(&qkv, h(16, 8, 128), None, &offsets, &short));
         let unbounded = RopeSpec {
             mscale: f32::INFINITY,
             ..rope
         };
-        assert!(!computes(&qkv, (16, 8, 128), None, &offsets, &unbounded));
+        assert!(!computes(&qkv, h(16, 8, 128), None, &offsets, &unbounded));
         let yarn = RopeSpec {
             mscale: 1.35,
             ..rope
         };
-        assert!(computes(&qkv, (16, 8, 128), None, &offsets, &yarn));
+        assert!(computes(&qkv, h(16, 8, 128), None, &offsets, &yarn));
+        // Gated queries: each query head's gate beside it, so twice the query heads stored.
+        let gated = Heads {
+            gated: true,
+            ..h(16, 8, 128)
+        };
+        assert_eq!(gated.width(), (2 * 16 + 2 * 8) * 128);
+        let gated_flat = zeros(&[4, 1, gated.width()], bf);
+        assert!(computes(
+            &gated_flat,
+            gated,
+            Some((&w, &w)),
+            &offsets,
+            &rope
+        ));
+        assert!(computes(
+            &zeros(&[4, 1, 48, 128], bf),
+            gated,
+            None,
+            &offsets,
+            &rope
+        ));
+        assert!(!computes(&flat, gated, None, &offsets, &rope));
+        assert!(!computes(&gated_flat, h(16, 8, 128), None, &offsets, &rope));
         let head_80 = zeros(&[4, 1, 32, 80], bf);
-        assert!(!computes(&head_80, (16, 8, 80), None, &offsets, &rope));
+        assert!(!computes(&head_80, h(16, 8, 80), None, &offsets, &rope));
     }
 }
