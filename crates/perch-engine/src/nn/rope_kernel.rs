@@ -367,49 +367,17 @@ pub fn check() -> crate::Result<Vec<String>> {
     mlx_rs::random::seed(13)?;
     let mut lines = Vec::new();
     // (rows, heads, kv_heads, head_dim, rotated dims, norms, freqs, mscale, dtype, gated)
+    #[rustfmt::skip]
     let cases = [
         (1, 16, 8, 128, 128, true, false, 1.0, Dtype::Bfloat16, false),
-        (
-            32,
-            16,
-            4,
-            128,
-            128,
-            true,
-            false,
-            1.0,
-            Dtype::Bfloat16,
-            false,
-        ),
+        (32, 16, 4, 128, 128, true, false, 1.0, Dtype::Bfloat16, false),
         (8, 32, 8, 64, 64, false, false, 1.0, Dtype::Bfloat16, false),
         (4, 8, 2, 256, 64, true, false, 1.0, Dtype::Bfloat16, false),
         (5, 8, 2, 64, 64, false, true, 1.0, Dtype::Float16, false),
         (3, 4, 4, 128, 128, true, true, 1.0, Dtype::Float32, false),
-        (
-            128,
-            16,
-            8,
-            128,
-            128,
-            true,
-            false,
-            1.0,
-            Dtype::Bfloat16,
-            false,
-        ),
+        (128, 16, 8, 128, 128, true, false, 1.0, Dtype::Bfloat16, false),
         // gpt-oss: YaRN's periods and attention factor (0.1 ln 32 + 1).
-        (
-            32,
-            64,
-            8,
-            64,
-            64,
-            false,
-            true,
-            1.346_574,
-            Dtype::Bfloat16,
-            false,
-        ),
+        (32, 64, 8, 64, 64, false, true, 1.346_574, Dtype::Bfloat16, false),
         (4, 8, 2, 128, 64, true, true, 1.2, Dtype::Float32, false),
         // Qwen3.5's gated attention (a quarter of each head rotated), and gates elsewhere.
         (32, 8, 2, 256, 64, true, false, 1.0, Dtype::Bfloat16, true),
