@@ -215,11 +215,12 @@ fn bad_drafts_are_refused() {
 /// decode steps op by op and compiled, each yield mlx_lm's greedy ids; a plain request decodes
 /// beside them (with prompt lookup on, it proposes from its own tokens in the same verify
 /// steps), and a sampled one holds every step plain for a while (the draft's rows catch up
-/// after: the model's own proposals are still accepted); every block is free at the end. A sampled speculative request is not the batch's
-/// (the engine runs it beside the batch).
+/// after: the model's own proposals are still accepted); every block is free at the end. The
+/// pool's blocks count the draft's KV (`BatchConfig::counting_draft`). A sampled speculative
+/// request is not the batch's (the engine runs it beside the batch).
 #[test]
 fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
-    use perch_engine::testing::{BatchConfig, BatchGenerator};
+    use perch_engine::testing::{kv_bytes_per_token, BatchConfig, BatchGenerator};
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -239,14 +240,31 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         ("the model itself", model.as_ref(), false, None),
         ("a random tiny model", tiny.as_ref(), true, Some(every_step)),
     ] {
+        // The pool's blocks pay for the draft's KV too: a pooled token costs both models' KV.
+        let budget = BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None);
+        let counted = budget.clone().counting_draft(model.as_ref(), Some(draft));
+        let (m, d) = (
+            kv_bytes_per_token(model.as_ref(), None),
+            kv_bytes_per_token(draft, None),
+        );
+        assert!(d > 0 && counted.num_blocks < budget.num_blocks, "{name}");
+        assert_eq!(
+            counted.num_blocks,
+            budget.num_blocks * m / (m + d),
+            "{name}"
+        );
+        let without = budget.clone().counting_draft(model.as_ref(), None);
+        assert_eq!(without.num_blocks, budget.num_blocks);
         let config = BatchConfig {
             compile_decode,
             prompt_lookup: lookup,
-            ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
+            ..counted
         };
+        let blocks = config.num_blocks;
         let mut batch =
             BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm").with_draft(draft, 3);
         assert!(batch.drafts());
+        assert_eq!(batch.kv_stats().blocks_total, blocks);
         batch.warm_up().unwrap();
         let mut schedule: Vec<(usize, GenerateRequest)> = cases
             .iter()

@@ -178,6 +178,32 @@ impl BatchConfig {
     pub fn default_compile_decode(backend: Backend) -> bool {
         backend != Backend::Cpu
     }
+
+    /// This configuration with the pool's blocks also paying for `draft`'s KV, where the draft
+    /// proposes inside the batch ([`drafts_in_batch`]): as vLLM sizes its blocks over the
+    /// target's and the draft's layers, a pooled token costs both models' KV, so the pool has
+    /// `num_blocks · m / (m + d)` blocks (`m`, `d`: [`kv_bytes_per_token`] of the model in
+    /// this KV format and of the draft, whose rows are never quantized). A conservative bound:
+    /// the draft holds rows only for the sequences that draft. Unchanged without a draft, or
+    /// when it runs beside the batch.
+    pub fn counting_draft(self, model: &dyn Model, draft: Option<&dyn Model>) -> Self {
+        let Some(draft) = draft.filter(|d| drafts_in_batch(model, *d)) else {
+            return self;
+        };
+        let m = kv_bytes_per_token(model, self.kv_quantization).max(1);
+        let d = kv_bytes_per_token(draft, None);
+        Self {
+            num_blocks: ((self.num_blocks as u128 * m as u128) / (m + d) as u128) as usize,
+            ..self
+        }
+    }
+}
+
+/// Whether `draft` proposes inside the batch for `model` ([`BatchGenerator::with_draft`]): both
+/// without sliding-window and linear-attention layers, whose rows cannot be rewound.
+pub fn drafts_in_batch(model: &dyn Model, draft: &dyn Model) -> bool {
+    let rewinds = |m: &dyn Model| !m.has_sliding_window_layers() && !m.has_recurrent_layers();
+    rewinds(model) && rewinds(draft)
 }
 
 /// KV cache bytes one token takes across all layers: keys and values of `layers * kv_heads`
@@ -611,10 +637,10 @@ impl<'m> BatchGenerator<'m> {
     /// or the draft has sliding-window or linear-attention layers (their rows cannot be
     /// rewound): [`BatchGenerator::drafts`] tells. Verify steps are warmed for `num_draft_tokens`
     /// proposals a row (the requests' default; [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when out of
-    /// range), unless prompt lookup sets them.
+    /// range), unless prompt lookup sets them. The draft's KV is counted in the pool by the
+    /// configuration ([`BatchConfig::counting_draft`]).
     pub fn with_draft(mut self, draft: &'m dyn Model, num_draft_tokens: usize) -> Self {
-        let rewinds = |m: &dyn Model| !m.has_sliding_window_layers() && !m.has_recurrent_layers();
-        if !rewinds(self.model) || !rewinds(draft) {
+        if !drafts_in_batch(self.model, draft) {
             return self;
         }
         let max_rows = self.speculative_rows();

@@ -494,7 +494,8 @@ fn serve_model(
             config.block_size,
             config.kv_quantization,
         )
-    };
+    }
+    .counting_draft(model, loaded.draft.as_ref().map(|(m, _)| m.as_ref()));
     let mut pass = Pass {
         model,
         draft: loaded.draft.as_ref().map(|(m, t)| (m.as_ref(), t)),

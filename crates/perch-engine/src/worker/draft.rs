@@ -10,8 +10,8 @@
 //! through the draft's prefill slot cache, every such row's next chunk in one pass (widths in
 //! the scheduler's buckets, [`prefill_chunk_bucket`], which warm-up meets), then move to decode
 //! slots. A row at most [`MAX_FED`] tokens behind feeds them in its first proposal step. The
-//! draft's KV is not counted in the block pool (the draft is small beside the model; its slot
-//! caches grow with the rows that draft).
+//! draft's slot caches grow with the rows that draft; the block pool's blocks are sized to pay
+//! for the draft's KV too (`BatchConfig::counting_draft`).
 
 use std::collections::HashMap;
 
