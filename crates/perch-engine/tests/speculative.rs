@@ -436,6 +436,16 @@ fn the_engine_runs_speculative_requests() {
     assert!(sampled.stats.draft_tokens > 0);
 
     let plain = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
+    // The published limits count the draft's KV as the pool does: the model drafting for
+    // itself, a byte of the budget holds half the tokens (budgets may differ: each engine's
+    // is lowered to the memory left at its load).
+    let per_byte =
+        |l: perch_engine::EngineLimits| l.kv_cache_tokens as f64 / l.kv_cache_bytes as f64;
+    let (drafting, alone) = (per_byte(engine.limits()), per_byte(plain.limits()));
+    assert!(
+        drafting > 0.45 * alone && drafting < 0.55 * alone,
+        "{drafting} tokens a byte with the draft, {alone} without"
+    );
     let mut params = GenerateRequest::new(Vec::new());
     params.num_draft_tokens = Some(3);
     let refused = common::finish(

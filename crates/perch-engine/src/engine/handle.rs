@@ -18,7 +18,6 @@ use crate::api::EngineStats;
 use crate::api::GenerateRequest;
 use crate::api::Prompt;
 use crate::attention::KvQuantization;
-use crate::engine::batch::BatchConfig;
 use crate::error::{EngineError, Result};
 use crate::models;
 use crate::models::Model;
@@ -169,11 +168,10 @@ impl EngineHandle {
                                     config.kv_cache_bytes,
                                 ));
                         }
-                        let pool = BatchConfig::for_budget(
+                        let pool = pool_config(
                             model.as_ref(),
-                            config.kv_cache_bytes,
-                            config.block_size,
-                            config.kv_quantization,
+                            draft.as_ref().map(|(m, _)| m.as_ref()),
+                            &config,
                         );
                         let limits = EngineLimits {
                             context_length: model.info().context_length,

@@ -347,6 +347,23 @@ impl Queue {
     }
 }
 
+/// The batch's block pool for `model` (and its `draft`, whose KV the blocks pay for where it
+/// drafts in the batch, [`BatchConfig::counting_draft`]) within `config`'s KV budget: what the
+/// engine thread runs and what [`super::handle::EngineHandle`] publishes as its limits.
+pub(super) fn pool_config(
+    model: &dyn Model,
+    draft: Option<&dyn Model>,
+    config: &EngineConfig,
+) -> BatchConfig {
+    BatchConfig::for_budget(
+        model,
+        config.kv_cache_bytes,
+        config.block_size,
+        config.kv_quantization,
+    )
+    .counting_draft(model, draft)
+}
+
 /// Loads a draft model and checks it against the model (see [`crate::sequence::speculative::Draft`]).
 pub(super) fn load_draft(
     dir: &Path,
@@ -488,14 +505,12 @@ fn serve_model(
         compile_decode: config.compile_decode,
         prompt_lookup: config.prompt_lookup,
         lowered_for_memory: memory.lowered,
-        ..BatchConfig::for_budget(
+        ..pool_config(
             model,
-            config.kv_cache_bytes,
-            config.block_size,
-            config.kv_quantization,
+            loaded.draft.as_ref().map(|(m, _)| m.as_ref()),
+            config,
         )
-    }
-    .counting_draft(model, loaded.draft.as_ref().map(|(m, _)| m.as_ref()));
+    };
     let mut pass = Pass {
         model,
         draft: loaded.draft.as_ref().map(|(m, t)| (m.as_ref(), t)),

@@ -5,7 +5,7 @@
 //! position — what MLX runs as four launches a layer (two `fast::rms_norm`, two
 //! `fast::rope`), or two without norms (Llama) — and the values copied out in the heads-first
 //! layout the cache takes (which would otherwise be a slice and a transpose in the graph). With
-//! an output gate (Qwen3.5's and Qwen3-Next's attention: the query projection's output holds each
+//! an output gate (Qwen3.5's attention: the query projection's output holds each
 //! head's query then its gate), the gates are copied out contiguous too (otherwise a slice and
 //! a copy before the gate's product).
 //!
