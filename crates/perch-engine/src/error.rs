@@ -78,16 +78,19 @@ pub enum EngineError {
     /// fewer tokens than `max_tokens` runs with `max_tokens` lowered to what fits, and finishes
     /// with reason `length`.)
     /// When the budget was lowered to fit the memory left after loading ([`crate::memory`]),
-    /// the sentence says so and asks for memory rather than a larger budget.
+    /// the sentence says so and asks for memory rather than a larger budget; when a draft
+    /// model's KV shares the pool (`BatchConfig::counting_draft`), it says that running without
+    /// the draft frees it.
     #[error(
         "the prompt needs {prompt_tokens} tokens of KV cache and one more to generate, but the KV cache budget holds \
          {capacity_tokens}{}",
-        kv_advice(lowered)
+        kv_advice(lowered, *shared_with_draft)
     )]
     KvCacheTooSmall {
         prompt_tokens: usize,
         capacity_tokens: usize,
         lowered: Option<crate::memory::LoweredBudget>,
+        shared_with_draft: bool,
     },
     /// The engine already holds as many requests as it queues (see
     /// [`crate::EngineConfig::max_queued_requests`]); try again when some have finished.
@@ -227,13 +230,17 @@ impl From<mlx_rs::error::IoError> for EngineError {
 }
 
 /// The end of [`EngineError::KvCacheTooSmall`]'s sentence: what to change.
-fn kv_advice(lowered: &Option<crate::memory::LoweredBudget>) -> String {
+fn kv_advice(lowered: &Option<crate::memory::LoweredBudget>, shared_with_draft: bool) -> String {
     use crate::memory::describe_bytes;
+    let draft = match shared_with_draft {
+        true => " (the draft model's KV shares it: without the draft the prompt has more room)",
+        false => "",
+    };
     match lowered {
-        None => "; shorten the prompt or raise the KV cache budget".into(),
+        None => format!("{draft}; shorten the prompt or raise the KV cache budget"),
         Some(l) => format!(
             " (the budget was lowered from {} to fit the {} of memory left after loading the \
-             model); shorten the prompt, close other apps or choose a smaller model",
+             model){draft}; shorten the prompt, close other apps or choose a smaller model",
             describe_bytes(l.configured_bytes as u64),
             describe_bytes(l.available_bytes)
         ),

@@ -270,6 +270,7 @@ fn a_prompt_larger_than_the_pool_is_rejected_and_max_tokens_is_clamped_to_the_po
                 prompt_tokens: 32,
                 capacity_tokens: 32,
                 lowered: None,
+                shared_with_draft: false,
             }
         ),
         "{err}"
@@ -279,6 +280,7 @@ fn a_prompt_larger_than_the_pool_is_rejected_and_max_tokens_is_clamped_to_the_po
             .contains("shorten the prompt or raise the KV cache budget"),
         "{err}"
     );
+    assert!(!err.to_string().contains("draft"), "{err}");
     assert!(batch.is_empty());
     // 20 + 16 tokens do not fit: the request runs with max_tokens lowered to the 12 that do and
     // ends with reason `length` after exactly 12 tokens.

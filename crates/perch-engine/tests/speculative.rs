@@ -328,6 +328,15 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         sampled.sampling.temperature = 0.7;
         let refused = batch.insert(sampled).unwrap_err().to_string();
         assert!(refused.contains("beside the batch"), "{refused}");
+        // A prompt the pool cannot hold: the refusal says the draft's KV shares it.
+        let capacity = blocks * 32;
+        let too_long = GenerateRequest::new(vec![1; capacity]);
+        let refused = batch.insert(too_long).unwrap_err().to_string();
+        assert!(
+            refused.contains(&format!("budget holds {capacity}"))
+                && refused.contains("the draft model's KV shares it"),
+            "{refused}"
+        );
     }
 }
 

@@ -800,6 +800,7 @@ impl<'m> BatchGenerator<'m> {
                 prompt_tokens: request.prompt.len(),
                 capacity_tokens,
                 lowered: self.config.lowered_for_memory,
+                shared_with_draft: self.draft.is_some(),
             });
         }
         // A bounded request whose bound the pool holds may run past the pool's size.
