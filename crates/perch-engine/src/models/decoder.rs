@@ -646,29 +646,14 @@ impl Attention {
         let split = |proj: &Linear, n: i32| -> Result<Array> {
             Ok(proj.forward(x)?.reshape(&[batch, seq, n, -1])?)
         };
-        let mut gate = None;
+        // With an output gate, each query head's features are its query, then its gate.
         let (q, kv) = match &self.qkv {
             Qkv::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
             } => (
-                {
-                    let q = split(q_proj, self.num_heads)?;
-                    if self.output_gate {
-                        // Each head's features are its query, then its gate (mlx_lm splits the
-                        // last axis in two).
-                        let width = q.shape()[3];
-                        let half = width / 2;
-                        let part = |from: i32, to: i32| {
-                            slice(&q, &[0, 0, 0, from], &[batch, seq, self.num_heads, to])
-                        };
-                        gate = Some(part(half, width)?.reshape(&[batch, seq, -1])?);
-                        part(0, half)?
-                    } else {
-                        q
-                    }
-                },
+                split(q_proj, self.num_heads)?,
                 Some((
                     split(k_proj, self.num_kv_heads)?,
                     split(v_proj, self.num_kv_heads)?,
@@ -685,25 +670,32 @@ impl Attention {
                 // in cuDNN's teardown (not isolated).
                 let part =
                     |from: i32, to: i32| slice(&all, &[0, 0, from, 0], &[batch, seq, to, hd]);
-                let kv = Some((
-                    part(nq_stored, nq_stored + nkv)?,
-                    part(nq_stored + nkv, nq_stored + 2 * nkv)?,
-                ));
-                if self.output_gate {
-                    let both = part(0, nq_stored)?.reshape(&[batch, seq, nq, 2 * hd])?;
-                    let half =
-                        |from: i32| slice(&both, &[0, 0, 0, from], &[batch, seq, nq, from + hd]);
-                    gate = Some(half(hd)?.reshape(&[batch, seq, -1])?);
-                    (half(0)?, kv)
-                } else {
-                    (part(0, nq)?, kv)
-                }
+                let q = match self.output_gate {
+                    true => part(0, nq_stored)?.reshape(&[batch, seq, nq, 2 * hd])?,
+                    false => part(0, nq)?,
+                };
+                (
+                    q,
+                    Some((
+                        part(nq_stored, nq_stored + nkv)?,
+                        part(nq_stored + nkv, nq_stored + 2 * nkv)?,
+                    )),
+                )
             }
             Qkv::KeysAsValues { q_proj, k_proj } => {
                 let k = split(k_proj, self.num_kv_heads)?;
                 (split(q_proj, self.num_heads)?, Some((k.clone(), k)))
             }
             Qkv::QueriesOnly(q_proj) => (split(q_proj, self.num_heads)?, None),
+        };
+        // mlx_lm splits a gated query head's features in two: the query, then the gate.
+        let (q, gate) = match self.output_gate {
+            true => {
+                let (nq, hd) = (self.num_heads, self.head_dim);
+                let half = |from: i32| slice(&q, &[0, 0, 0, from], &[batch, seq, nq, from + hd]);
+                (half(0)?, Some(half(hd)?.reshape(&[batch, seq, -1])?))
+            }
+            false => (q, None),
         };
         let kv = match kv {
             Some((k, v)) => Some((heads(k, &self.k_norm)?, heads(v, &self.v_norm)?)),
