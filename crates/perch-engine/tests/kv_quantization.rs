@@ -170,7 +170,13 @@ fn quantized_runs_follow_mlx_lm_until_a_near_tie() {
         ],
     ))
     .unwrap();
-    let default = BatchConfig::for_budget(model.as_ref(), 64 << 20, 32, Some(q));
+    // Room for the three prompts and no more: warm-up steps every row bucket up to
+    // `max_running`, and the compiled run's steps multiply with MLX's `quantized_matmul` on
+    // the CPU (many times slower than Perch's kernel).
+    let default = BatchConfig {
+        max_running: 4,
+        ..BatchConfig::for_budget(model.as_ref(), 64 << 20, 32, Some(q))
+    };
     // The CPU's path, and a GPU's: slot caches read dequantized, decode steps compiled by MLX.
     let gpu_like = BatchConfig {
         compile_decode: true,
