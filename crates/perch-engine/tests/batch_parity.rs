@@ -42,10 +42,8 @@ fn run_with(
         prompt_lookup,
         // Several sequences prefill per step (one forward pass of padded chunks when batched).
         prefill_batch_size: 4,
-        // Room for every case at once (seven), and no more: warm-up steps every row bucket up
-        // to it, which on the CPU costs a forward pass of that many rows each (compiled decode
-        // steps multiply with MLX's `quantized_matmul`, many times slower than Perch's kernel).
-        max_running: 8,
+        // Every case at once (seven), and no more.
+        max_running: common::room_for(7),
         ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");

@@ -170,11 +170,8 @@ fn quantized_runs_follow_mlx_lm_until_a_near_tie() {
         ],
     ))
     .unwrap();
-    // Room for the three prompts and no more: warm-up steps every row bucket up to
-    // `max_running`, and the compiled run's steps multiply with MLX's `quantized_matmul` on
-    // the CPU (many times slower than Perch's kernel).
     let default = BatchConfig {
-        max_running: 4,
+        max_running: common::room_for(prompts.len()),
         ..BatchConfig::for_budget(model.as_ref(), 64 << 20, 32, Some(q))
     };
     // The CPU's path, and a GPU's: slot caches read dequantized, decode steps compiled by MLX.

@@ -258,10 +258,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         let config = BatchConfig {
             compile_decode,
             prompt_lookup: lookup,
-            // Room for the seven requests and no more: warm-up steps every row bucket up to
-            // it (on the CPU a forward pass of that many rows each, compiled ones through MLX's
-            // `quantized_matmul`).
-            max_running: 8,
+            max_running: common::room_for(7),
             ..counted
         };
         let blocks = config.num_blocks;

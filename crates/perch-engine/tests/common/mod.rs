@@ -37,6 +37,15 @@ pub fn chat_messages(case: &ReferenceCase) -> Option<Vec<perch_engine::ChatMessa
     )
 }
 
+/// `max_running` for a batch test of `requests` requests at once: the row bucket that holds them
+/// (`perch_sched::shapes::row_bucket`). `BatchGenerator::warm_up` steps every row bucket up to
+/// `max_running`; on the CPU each is a forward pass of that many rows, and a compiled one
+/// multiplies with MLX's `quantized_matmul` (Perch's kernel cannot be traced), many times slower
+/// than Perch's CPU kernel, so room beyond the test's requests only costs time.
+pub fn room_for(requests: usize) -> usize {
+    perch_sched::shapes::row_bucket(requests)
+}
+
 /// The reference cases whose prompt fits in one prefill chunk (every case but the long one), for
 /// tests whose pools or schedules are sized for short prompts.
 pub fn short_reference_cases() -> Vec<ReferenceCase> {
