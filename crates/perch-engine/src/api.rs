@@ -242,13 +242,14 @@ impl GenerateRequest {
         self.num_draft_tokens.is_some() && !(batch_drafts && self.drafts_in_batch())
     }
 
-    /// Whether a speculative request is one the batch's draft model proposes for: greedy
-    /// without logits processors, log-probabilities, a grammar, images or KV cache options.
-    /// Sampled speculative requests run beside the batch (mlx_lm's acceptance of sampled
-    /// tokens, seeded as its `speculative_generate_step`).
+    /// Whether a speculative request is one the batch's draft model proposes for: greedy or
+    /// sampled, without logits processors, log-probabilities, a grammar, images or KV cache
+    /// options. Requests with logits processors (penalties, a logit bias: mlx_lm then samples
+    /// a verify pass's positions one by one, each after the tokens before it) run beside the
+    /// batch.
     pub fn drafts_in_batch(&self) -> bool {
         self.num_draft_tokens.is_some()
-            && self.sampling.is_plain_greedy()
+            && !self.sampling.has_logits_processors()
             && self.logprobs.is_none()
             && !self.next_token_logprobs
             && self.grammar.is_none()

@@ -31,6 +31,7 @@ fn config(num_blocks: usize, block_size: usize) -> BatchConfig {
         compile_decode: false,
         prompt_lookup: None,
         lowered_for_memory: None,
+        draft_kv_counted: false,
     }
 }
 

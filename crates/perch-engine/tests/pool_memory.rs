@@ -43,6 +43,7 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
         compile_decode: false,
         prompt_lookup: None,
         lowered_for_memory: None,
+        draft_kv_counted: false,
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
 

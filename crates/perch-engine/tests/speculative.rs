@@ -3,7 +3,7 @@
 //! tokenizer, written by mlx_lm), every reference case's ids are mlx_lm's greedy ids without a
 //! draft. Sampled: with the same seed, the ids and `from_draft` flags are mlx_lm's
 //! `speculative_generate_step`'s (`tests/oracle/speculative.py`), proposals rejected and rewound
-//! included; since every emitted token is the model's own sample there, the output is distributed
+//! included, alone and in the batch (beside other rows, the draft proposing in verify steps); since every emitted token is the model's own sample there, the output is distributed
 //! as the model's. Also: the stats count what was proposed and accepted, and bad drafts are
 //! refused. Needs the oracle.
 
@@ -156,6 +156,80 @@ fn speculative_decoding_is_mlx_lms() {
             "seed {seed}: accepted and rejected proposals both"
         );
     }
+
+    // The same sampled requests in the batch, all at once beside a greedy one, the model
+    // proposing for itself in the batch's verify steps: each draws its keys in mlx_lm's order
+    // (its draft's draws, then one for the verify pass's positions), so each gets mlx_lm's
+    // tokens and flags, whatever the other rows do.
+    use perch_engine::testing::{BatchConfig, BatchEvent, BatchGenerator};
+    let config = BatchConfig {
+        max_running: common::room_for(sampled.len() + 1),
+        ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
+    };
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm")
+        .with_draft(model.as_ref(), 3);
+    let mut ids_of: Vec<(u64, Vec<u32>, Vec<bool>)> = Vec::new();
+    for (case, k, seed) in &sampled {
+        let mut request = GenerateRequest::new(short[*case].prompt_ids.clone());
+        request.max_tokens = 16;
+        request.ignore_eos = true;
+        request.num_draft_tokens = Some(*k);
+        request.sampling = SamplingParams {
+            temperature: 1.0,
+            seed: Some(*seed),
+            ..SamplingParams::default()
+        };
+        ids_of.push((batch.insert(request).unwrap(), Vec::new(), Vec::new()));
+    }
+    let mut greedy = GenerateRequest::new(short[3].prompt_ids.clone());
+    greedy.max_tokens = reference.max_tokens;
+    greedy.num_draft_tokens = Some(2);
+    let greedy_id = batch.insert(greedy).unwrap();
+    let (mut finished, mut greedy_ids) = (0, Vec::new());
+    while finished < sampled.len() + 1 {
+        for event in batch.step().unwrap() {
+            match event {
+                BatchEvent::Token { request, event } => {
+                    let Some(id) = event.id else { continue };
+                    match ids_of.iter_mut().find(|(r, _, _)| *r == request) {
+                        Some((_, ids, flags)) => {
+                            ids.push(id);
+                            flags.push(event.from_draft);
+                        }
+                        None => greedy_ids.push(id),
+                    }
+                }
+                BatchEvent::Finished { request, output } => {
+                    finished += 1;
+                    if request == greedy_id {
+                        assert_eq!(
+                            output.token_ids,
+                            common::expected_ids(&short[3], output.finish_reason)
+                        );
+                    }
+                }
+                BatchEvent::Refused { error, .. } => panic!("{error}"),
+                BatchEvent::Admitted { .. } => {}
+            }
+        }
+    }
+    assert!(!greedy_ids.is_empty());
+    assert!(batch.step_times().verify_steps > 0);
+    for ((_, ids, flags), ((_, k, seed), expected)) in
+        ids_of.iter().zip(sampled.iter().zip(&expected))
+    {
+        let expected_ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
+        let expected_flags: Vec<bool> =
+            serde_json::from_value(expected["from_draft"].clone()).unwrap();
+        assert_eq!(
+            ids, &expected_ids,
+            "in the batch: seed {seed}, {k} draft tokens"
+        );
+        assert_eq!(
+            flags, &expected_flags,
+            "in the batch: seed {seed}, {k} draft tokens"
+        );
+    }
 }
 
 #[test]
@@ -216,8 +290,8 @@ fn bad_drafts_are_refused() {
 /// beside them (with prompt lookup on, it proposes from its own tokens in the same verify
 /// steps), and a sampled one holds every step plain for a while (the draft's rows catch up
 /// after: the model's own proposals are still accepted); every block is free at the end. The
-/// pool's blocks count the draft's KV (`BatchConfig::counting_draft`). A sampled speculative
-/// request is not the batch's (the engine runs it beside the batch).
+/// pool's blocks count the draft's KV (`BatchConfig::counting_draft`). A speculative request
+/// with a logits processor is not the batch's (the engine runs it beside the batch).
 #[test]
 fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
     use perch_engine::testing::{kv_bytes_per_token, BatchConfig, BatchGenerator};
@@ -324,10 +398,12 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         }
         assert_eq!(batch.kv_stats().blocks_used, 0, "{name}");
 
-        let mut sampled = GenerateRequest::new(cases[0].prompt_ids.clone());
-        sampled.num_draft_tokens = Some(3);
-        sampled.sampling.temperature = 0.7;
-        let refused = batch.insert(sampled).unwrap_err().to_string();
+        // A speculative request with a logits processor is not the batch's.
+        let mut penalized = GenerateRequest::new(cases[0].prompt_ids.clone());
+        penalized.num_draft_tokens = Some(3);
+        penalized.sampling.temperature = 0.7;
+        penalized.sampling.repetition_penalty = 1.2;
+        let refused = batch.insert(penalized).unwrap_err().to_string();
         assert!(refused.contains("beside the batch"), "{refused}");
         // A prompt the pool cannot hold: the refusal says the draft's KV shares it.
         let capacity = blocks * 32;
@@ -338,11 +414,29 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
                 && refused.contains("the draft model's KV shares it"),
             "{refused}"
         );
+        // A pool that does not count the draft's KV does not say it shares it.
+        let uncounted = BatchConfig {
+            max_running: common::room_for(7),
+            ..budget
+        };
+        let capacity = uncounted.num_blocks * 32;
+        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, uncounted, "smollm")
+            .with_draft(draft, 3);
+        let refused = batch
+            .insert(GenerateRequest::new(vec![1; capacity]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            refused.contains(&format!("budget holds {capacity}"))
+                && !refused.contains("the draft model's KV"),
+            "{refused}"
+        );
     }
 }
 
 /// Through the engine: greedy speculative requests (the engine's draft, here the model itself)
-/// run in the batch beside a plain one, and a sampled one beside the batch; the greedy ones
+/// run in the batch beside a plain one, and a sampled one with a repetition penalty beside the
+/// batch; the greedy ones
 /// answer mlx_lm's greedy ids, their stats count the proposals, the engine counts them running,
 /// a cancel ends one, and an engine without a draft refuses them.
 #[test]
@@ -378,7 +472,7 @@ fn the_engine_runs_speculative_requests() {
         .enumerate()
         .map(|(i, case)| (case, submit(case, (i != 1).then_some(3))))
         .collect();
-    // A sampled speculative request, which runs beside the batch.
+    // A sampled speculative request with a logits processor, which runs beside the batch.
     let mut sampled = GenerateRequest::new(Vec::new());
     sampled.max_tokens = 12;
     sampled.ignore_eos = true;
@@ -386,6 +480,7 @@ fn the_engine_runs_speculative_requests() {
     sampled.sampling = SamplingParams {
         temperature: 0.8,
         seed: Some(9),
+        repetition_penalty: 1.1,
         ..SamplingParams::default()
     };
     let sampled = engine

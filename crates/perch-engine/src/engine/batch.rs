@@ -58,7 +58,7 @@ use crate::spec_decode;
 use crate::spec_decode::ngram::{Backoff, PromptLookup};
 use crate::spec_decode::policy::SpecPolicy;
 use crate::text::tokenizer::Tokenizer;
-use crate::worker::draft::DraftRunner;
+use crate::worker::draft::{DraftRow, DraftRunner};
 use crate::worker::runner::{DecodeRow, FedRow, ModelRunner, Slot};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
@@ -118,6 +118,9 @@ pub struct BatchConfig {
     pub prompt_lookup: Option<PromptLookup>,
     /// The budget was lowered to fit the memory left after loading (errors say so).
     pub lowered_for_memory: Option<crate::memory::LoweredBudget>,
+    /// The pool's blocks pay for a draft model's KV too ([`BatchConfig::counting_draft`]): a
+    /// prompt too long for the pool is then said to share it with the draft.
+    pub draft_kv_counted: bool,
 }
 
 impl BatchConfig {
@@ -170,6 +173,7 @@ impl BatchConfig {
             compile_decode: Self::default_compile_decode(Backend::current()),
             prompt_lookup: None,
             lowered_for_memory: None,
+            draft_kv_counted: false,
         }
     }
 
@@ -194,6 +198,7 @@ impl BatchConfig {
         let d = kv_bytes_per_token(draft, None);
         Self {
             num_blocks: ((self.num_blocks as u128 * m as u128) / (m + d) as u128) as usize,
+            draft_kv_counted: true,
             ..self
         }
     }
@@ -465,12 +470,15 @@ impl Sequence {
         &self.block_hashes.as_ref().expect("set just above").1
     }
 
-    /// Whether its decode rows may feed proposals ([`BatchConfig::prompt_lookup`]): greedy
-    /// without log-probabilities or a grammar, over a plain KV cache, positions without
-    /// images' shifts.
-    fn may_speculate(&self) -> bool {
+    /// Whether its decode rows may feed proposals ([`crate::spec_decode`]): greedy, or sampled
+    /// without logits processors when the draft model proposes for it (`drafting`: sampled
+    /// rows verify with mlx_lm's acceptance of sampled tokens, which prompt lookup does not
+    /// follow), without log-probabilities or a grammar, over a plain KV cache, positions
+    /// without images' shifts.
+    fn may_speculate(&self, drafting: bool) -> bool {
         self.kv.is_plain()
-            && self.sampler.is_plain_greedy()
+            && (self.sampler.is_plain_greedy()
+                || (drafting && !self.sampler.has_logits_processors()))
             && self.request.logprobs.is_none()
             && !self.request.next_token_logprobs
             && self.grammar.is_none()
@@ -478,11 +486,17 @@ impl Sequence {
     }
 
     /// The most tokens it may propose now: it emits at most one more than it proposes, within
-    /// its `max_tokens` and the model's context.
+    /// its `max_tokens` and the model's context. A sampled sequence proposes up to as many as
+    /// it has left, as mlx_lm's `speculative_generate_step` drafts `min(max_tokens - n,
+    /// num_draft_tokens)`: each proposal is a draw of its random stream, so proposing fewer
+    /// would move its later draws.
     fn proposal_room(&self, context_length: usize) -> usize {
         let left = self.sink.max_tokens().saturating_sub(self.sink.generated);
-        left.saturating_sub(1)
-            .min(context_length.saturating_sub(self.computed + 2))
+        let room = match self.sampler.is_plain_greedy() {
+            true => left.saturating_sub(1),
+            false => left,
+        };
+        room.min(context_length.saturating_sub(self.computed + 2))
     }
 
     /// A next-token-logprobs request whose one decode step has run: it waits for its result and
@@ -638,7 +652,8 @@ impl<'m> BatchGenerator<'m> {
     /// rewound): [`BatchGenerator::drafts`] tells. Verify steps are warmed for `num_draft_tokens`
     /// proposals a row (the requests' default; [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when out of
     /// range), unless prompt lookup sets them. The draft's KV is counted in the pool by the
-    /// configuration ([`BatchConfig::counting_draft`]).
+    /// configuration ([`BatchConfig::counting_draft`]; a pool that does not count it holds
+    /// the draft's rows beyond its budget).
     pub fn with_draft(mut self, draft: &'m dyn Model, num_draft_tokens: usize) -> Self {
         if !drafts_in_batch(self.model, draft) {
             return self;
@@ -737,8 +752,9 @@ impl<'m> BatchGenerator<'m> {
         if request.runs_beside_batch(self.drafts()) {
             return Err(EngineError::Request(
                 "this speculative request runs beside the batch (EngineHandle), not in it: the \
-                 batch's draft model proposes for greedy requests without log-probabilities, \
-                 grammars, images or KV cache options"
+                 batch's draft model proposes for requests without logits processors \
+                 (penalties, a logit bias), log-probabilities, grammars, images or KV cache \
+                 options"
                     .into(),
             ));
         }
@@ -800,7 +816,7 @@ impl<'m> BatchGenerator<'m> {
                 prompt_tokens: request.prompt.len(),
                 capacity_tokens,
                 lowered: self.config.lowered_for_memory,
-                shared_with_draft: self.draft.is_some(),
+                shared_with_draft: self.draft.is_some() && self.config.draft_kv_counted,
             });
         }
         // A bounded request whose bound the pool holds may run past the pool's size.
@@ -2062,7 +2078,10 @@ impl<'m> BatchGenerator<'m> {
             || self.model.has_sliding_window_layers()
             || self.store.has_recurrent_layers()
             || self.running.iter().any(|s| !s.kv.is_plain())
-            || !ready.iter().all(|&i| self.running[i].may_speculate())
+            || !ready.iter().all(|&i| {
+                let seq = &self.running[i];
+                seq.may_speculate(self.drafts_for(seq).is_some())
+            })
         {
             return false;
         }
@@ -2091,13 +2110,17 @@ impl<'m> BatchGenerator<'m> {
         })
     }
 
-    /// The tokens the draft model proposes a step for `seq`, when it drafts for it: from its
-    /// second token on (the draft's first pass over the sequence's tokens would otherwise
-    /// delay its first), and not after a prompt-cache prefix (whose tokens the draft cannot
-    /// read: a file without token ids leaves placeholders).
+    /// The tokens the draft model proposes a step for `seq`, when it drafts for it: a greedy
+    /// sequence from its second token on (the draft's first pass over the sequence's tokens
+    /// would otherwise delay its first), a sampled one from its first (as mlx_lm, whose first
+    /// token is a verify pass's draw after the draft's: a plain first step would draw it
+    /// first), and not after a prompt-cache prefix (whose tokens the draft cannot read: a file
+    /// without token ids leaves placeholders).
     fn drafts_for(&self, seq: &Sequence) -> Option<usize> {
         self.draft.as_ref()?;
-        seq.first_token_at?;
+        if seq.sampler.is_plain_greedy() {
+            seq.first_token_at?;
+        }
         if seq.preloaded.is_some() {
             return None;
         }
@@ -2122,18 +2145,24 @@ impl<'m> BatchGenerator<'m> {
                 _ => {}
             }
         }
-        if let Some(k) = drafting.iter().map(|&(_, k)| k).max() {
-            let rows: Vec<(RequestId, &[u32])> = drafting
-                .iter()
-                .map(|&(j, _)| {
-                    let seq = &self.running[ready[j]];
-                    (seq.id, seq.tokens.as_slice())
-                })
-                .collect();
+        if !drafting.is_empty() {
+            // `ready` and `drafting` follow the running sequences' order.
+            let mut next = drafting.iter().peekable();
+            let mut rows = Vec::with_capacity(drafting.len());
+            for (i, seq) in self.running.iter_mut().enumerate() {
+                let Some(&(_, k)) = next.next_if(|&&(j, _)| ready[j] == i) else {
+                    continue;
+                };
+                let sampled = !seq.sampler.is_plain_greedy();
+                rows.push(DraftRow {
+                    id: seq.id,
+                    tokens: &seq.tokens,
+                    k,
+                    sampler: sampled.then_some(&mut seq.sampler),
+                });
+            }
             let draft = self.draft.as_mut().expect("rows draft only with a draft");
-            let drafted = draft.propose(&rows, k)?;
-            for (&(j, k), mut drafted) in drafting.iter().zip(drafted) {
-                drafted.truncate(k);
+            for (&(j, _), drafted) in drafting.iter().zip(draft.propose(rows)?) {
                 proposals[j] = drafted;
             }
         }
@@ -2174,15 +2203,24 @@ impl<'m> BatchGenerator<'m> {
         self.times.draft_seconds += drafted;
         let verify_start = Instant::now();
         self.enter_decode_slots(ready)?;
-        let rows: Vec<FedRow> = ready
-            .iter()
-            .zip(&fed)
-            .map(|(&i, fed)| match self.running[i].slot {
-                Some(Slot::Decode(row)) => FedRow { row, fed },
-                _ => unreachable!("a ready sequence is in a decode slot"),
-            })
-            .collect();
-        let targets = self.runner.verify(&rows)?;
+        // (`ready` follows the running sequences' order.)
+        let mut next = ready.iter().zip(&fed).peekable();
+        let mut rows = Vec::with_capacity(ready.len());
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            let Some((_, fed)) = next.next_if(|&(&r, _)| r == i) else {
+                continue;
+            };
+            let Some(Slot::Decode(row)) = seq.slot else {
+                unreachable!("a ready sequence is in a decode slot")
+            };
+            let sampled = !seq.sampler.is_plain_greedy();
+            rows.push(FedRow {
+                row,
+                fed,
+                sampler: sampled.then_some(&mut seq.sampler),
+            });
+        }
+        let targets = self.runner.verify(rows)?;
         let waited = verify_start.elapsed().as_secs_f64();
         let accepted: Vec<usize> = fed
             .iter()

@@ -53,7 +53,7 @@ pub(super) struct Queue {
     pub(super) published_at: Instant,
     pub(super) outstanding: Arc<AtomicUsize>,
     /// Ids of the requests running beside the batch (speculative ones the batch does not draft
-    /// for; see [`SoloSequence`]).
+    /// for: with logits processors, or without a draft in the batch; see [`SoloSequence`]).
     pub(super) solo: HashSet<RequestId>,
     /// How long the model stays loaded once idle: the last request's `keep_alive`, or
     /// `default_keep_alive` ([`EngineConfig::keep_alive`]) when it set none.

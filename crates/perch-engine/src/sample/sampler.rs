@@ -116,6 +116,12 @@ impl SamplingParams {
         self.temperature == 0.0 && self.logit_bias.is_empty() && self.history_window() == 0
     }
 
+    /// Whether logits processors change the logits (a logit bias, or penalties that read recent
+    /// tokens): mlx_lm then processes and samples the rows of a multi-token step one by one.
+    pub fn has_logits_processors(&self) -> bool {
+        !self.logit_bias.is_empty() || self.history_window() > 0
+    }
+
     /// Rejects values outside their domain with a message naming the parameter.
     pub fn validate(&self, vocab_size: usize) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidSampling(m));
@@ -269,10 +275,9 @@ impl Sampler {
         self.params.is_plain_greedy()
     }
 
-    /// Whether logits processors change the logits (a logit bias, or penalties that read recent
-    /// tokens): mlx_lm then processes and samples the rows of a multi-token step one by one.
+    /// [`SamplingParams::has_logits_processors`] of its settings.
     pub fn has_logits_processors(&self) -> bool {
-        self.bias.is_some() || self.params.history_window() > 0
+        self.params.has_logits_processors()
     }
 
     /// Applies the logits processors in mlx_lm's order (logit bias, then the repetition,

@@ -73,8 +73,8 @@ pub fn generate_speculative(
 /// such steps with its batch's): a prompt chunk, or one decode step, which with a draft model is
 /// a round of proposals and their verification (speculative decoding). The engine runs requests
 /// this way that its batch cannot: speculative ones its batch's draft does not propose for
-/// ([`crate::GenerateRequest::runs_beside_batch`]: sampled ones, or all without a draft in the
-/// batch), exactly as [`crate::sequence::generate()`] runs them.
+/// ([`crate::GenerateRequest::runs_beside_batch`]: those with logits processors, or all without
+/// a draft in the batch), exactly as [`crate::sequence::generate()`] runs them.
 pub(crate) struct SoloSequence<'m> {
     model: &'m dyn Model,
     /// The draft model, for speculative decoding; `None`: one token per step.

@@ -1,13 +1,14 @@
 //! Speculative decoding inside the batch (vLLM v1's `spec_decode`): proposers guess a decode
 //! row's next tokens on the host, the batch's verify step feeds each row its last token and the
-//! guesses in one forward pass, and the guesses are kept while they equal the model's own greedy
-//! tokens ([`accepted`]). The emitted tokens are the model's greedy tokens exactly (up to the
-//! reduction order of a pass of several tokens a row), each verify step emitting between one
-//! and `1 + guesses` of them a row.
+//! guesses in one forward pass, and the guesses are kept while they equal the model's own
+//! tokens ([`accepted`]): its greedy tokens, or a sampled row's draws (mlx_lm's rule). The
+//! emitted tokens are the model's own exactly (up to the reduction order of a pass of several
+//! tokens a row), each verify step emitting between one and `1 + guesses` of them a row.
 //!
-//! Proposers: prompt lookup ([`ngram`]), which needs no draft model, and a draft model in the
-//! batch ([`crate::worker::draft`]) for the requests that ask for it (greedy ones; sampled
-//! speculative requests run one sequence beside the batch, [`crate::sequence::speculative`]).
+//! Proposers: prompt lookup ([`ngram`]), which needs no draft model (greedy rows), and a draft
+//! model in the batch ([`crate::worker::draft`]) for the requests that ask for it, greedy or
+//! sampled (with logits processors they run one sequence beside the batch,
+//! [`crate::sequence::speculative`]).
 //! Each verify step is chosen against a plain step by the tokens a second each has given
 //! lately ([`policy`]).
 

@@ -18,6 +18,7 @@ use std::collections::HashMap;
 use crate::error::Result;
 use crate::kv::slot_cache::{RowKv, SlotAttention};
 use crate::models::Model;
+use crate::sample::sampler::Sampler;
 use crate::worker::runner::{FedRow, ModelRunner, Slot};
 use perch_sched::kv_cache_manager::RequestId;
 use perch_sched::shapes::prefill_chunk_bucket;
@@ -27,6 +28,17 @@ use perch_sched::shapes::prefill_chunk_bucket;
 /// them all (the draft never read that one), and the tokens of a plain step or two since. A
 /// row further behind catches up through a prefill pass first.
 pub(crate) const MAX_FED: usize = 4;
+
+/// A sequence the draft proposes for in a verify step.
+pub(crate) struct DraftRow<'a> {
+    pub id: RequestId,
+    /// Its tokens, prompt and generated.
+    pub tokens: &'a [u32],
+    /// The tokens it proposes.
+    pub k: usize,
+    /// A sampled sequence's sampler ([`FedRow::sampler`]); `None`: greedy proposals.
+    pub sampler: Option<&'a mut Sampler>,
+}
 
 /// A draft model's side of the batch; see the module docs.
 pub(crate) struct DraftRunner<'m> {
@@ -67,22 +79,27 @@ impl<'m> DraftRunner<'m> {
         self.runner.warm_up(max_rows)
     }
 
-    /// Up to `k` proposals for each of `rows` (a sequence and its tokens, prompt and
-    /// generated), in `rows`' order: `k` greedy tokens of the draft after the last one.
-    pub fn propose(&mut self, rows: &[(RequestId, &[u32])], k: usize) -> Result<Vec<Vec<u32>>> {
-        self.catch_up(rows)?;
+    /// Each of `rows`' proposals, in `rows`' order: its `k` tokens of the draft after its last
+    /// one, greedy or drawn by its sampler ([`ModelRunner::propose`]).
+    pub fn propose(&mut self, rows: Vec<DraftRow>) -> Result<Vec<Vec<u32>>> {
+        let sequences: Vec<(RequestId, &[u32])> = rows.iter().map(|r| (r.id, r.tokens)).collect();
+        self.catch_up(&sequences)?;
+        let k = rows.iter().map(|r| r.k).max().unwrap_or(0);
+        let ks: Vec<usize> = rows.iter().map(|r| r.k).collect();
         let fed: Vec<FedRow> = rows
-            .iter()
-            .map(|&(id, tokens)| {
-                let (row, len) = self.rows[&id];
+            .into_iter()
+            .map(|r| {
+                let (row, len) = self.rows[&r.id];
                 FedRow {
                     row,
-                    fed: &tokens[len..],
+                    fed: &r.tokens[len..],
+                    sampler: r.sampler,
                 }
             })
             .collect();
-        let proposals = self.runner.propose(&fed, k)?;
-        for &(id, tokens) in rows {
+        let proposals = self.runner.propose(fed, &ks)?;
+        // Every row stepped `k` times (the most any row proposes).
+        for &(id, tokens) in &sequences {
             let entry = self.rows.get_mut(&id).expect("caught up above");
             entry.1 = tokens.len() + k - 1;
         }

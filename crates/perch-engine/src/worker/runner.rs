@@ -627,6 +627,15 @@ pub(crate) struct FedRow<'a> {
     /// draft's step the tokens its sequence has that the draft's cache lacks, ending with the
     /// last one.
     pub fed: &'a [u32],
+    /// A sampled row's sampler (one without logits processors), whose draws take the place of
+    /// the greedy tokens, in mlx_lm's order (`speculative_generate_step`): in a draft's steps
+    /// one draw a proposal, in a verify step one draw for all its positions. `None`: greedy.
+    pub sampler: Option<&'a mut Sampler>,
+}
+
+/// One draw of `sampler` from `logits` `[1, vocab]`: `[1]` uint32 (lazy).
+fn draw(sampler: &mut Sampler, logits: &Array) -> Result<Array> {
+    Ok(crate::sample::sample_after(logits, sampler, None, None)?.token)
 }
 
 /// [`FedRow`]s laid out for one pass over the decode slot cache ([`ModelRunner::fed_step`]).
@@ -672,20 +681,55 @@ impl ModelRunner<'_> {
     /// more positions afterwards (the other occupied slots one, as in a decode step); those of
     /// rejected proposals are given back with [`ModelRunner::rewind`]. No decode step may be
     /// in flight.
-    pub fn verify(&mut self, rows: &[FedRow]) -> Result<Vec<Vec<u32>>> {
+    pub fn verify(&mut self, mut rows: Vec<FedRow>) -> Result<Vec<Vec<u32>>> {
         debug_assert!(self.in_flight.is_none(), "the step in flight is read first");
         let FedStep {
             width,
             ids,
             new_tokens,
-        } = self.fed_step(rows, 1);
+        } = self.fed_step(&rows, 1);
         let compiled = self.compiled_decode.as_mut();
         let decode = &mut self.slots.decode;
-        let greedy = Self::greedy_step(self.model, compiled, &ids, decode, &new_tokens)?;
+        if rows.iter().all(|r| r.sampler.is_none()) {
+            let greedy = Self::greedy_step(self.model, compiled, &ids, decode, &new_tokens)?;
+            let greedy = greedy.as_slice::<u32>();
+            return Ok(rows
+                .iter()
+                .map(|r| greedy[r.row * width..r.row * width + r.fed.len()].to_vec())
+                .collect());
+        }
+        let logits = Self::forward_decode(self.model, compiled, &ids, decode, &new_tokens)?;
+        let vocab = logits.shape()[2];
+        let logits = logits.reshape(&[-1, vocab])?;
+        let greedy = greedy_tokens(&logits)?;
+        // A sampled row's positions in one sampler call, as mlx_lm samples a verify pass
+        // without logits processors.
+        let mut sampled: Vec<Option<Array>> = Vec::with_capacity(rows.len());
+        for r in rows.iter_mut() {
+            sampled.push(match r.sampler.as_deref_mut() {
+                Some(sampler) => {
+                    let (from, n) = ((r.row * width) as i32, r.fed.len() as i32);
+                    let positions = slice(&logits, &[from, 0], &[from + n, vocab])?;
+                    let tokens = crate::sample::sample_rows(&positions, sampler, None)?;
+                    let tokens: Vec<Array> = tokens.into_iter().map(|t| t.token).collect();
+                    Some(ops::concatenate(&tokens, 0)?)
+                }
+                None => None,
+            });
+        }
+        eval(
+            std::iter::once(&greedy)
+                .chain(sampled.iter().flatten())
+                .chain(decode.state()),
+        )?;
         let greedy = greedy.as_slice::<u32>();
         Ok(rows
             .iter()
-            .map(|r| greedy[r.row * width..r.row * width + r.fed.len()].to_vec())
+            .zip(&sampled)
+            .map(|(r, sampled)| match sampled {
+                Some(tokens) => tokens.as_slice::<u32>().to_vec(),
+                None => greedy[r.row * width..r.row * width + r.fed.len()].to_vec(),
+            })
             .collect())
     }
 
@@ -764,26 +808,29 @@ impl InFlight {
 
 impl ModelRunner<'_> {
     /// A draft model's proposals ([`crate::worker::draft`]): each row of `rows` feeds its
-    /// tokens, then `k - 1` more steps feed each row the draft's greedy token before, all on the
-    /// device; waits once for the `k` greedy tokens of every row (per row in `rows`' order).
-    /// Each row's slot holds `fed.len() + k - 1` more positions afterwards (the draft never
-    /// reads its last proposal); the other occupied slots are left as they were. No decode step
-    /// may be in flight.
-    pub fn propose(&mut self, rows: &[FedRow], k: usize) -> Result<Vec<Vec<u32>>> {
+    /// tokens, then more steps feed each row the draft's token before (its greedy token, or a
+    /// sampled row's draw), all on the device, `k` steps in all (the most of `ks`); waits once,
+    /// and gives each row its first `ks[i]` proposals (per row in `rows`' order). A sampled row
+    /// draws only those (each draw takes a key of its stream; after them it feeds its greedy
+    /// tokens). Each row's slot holds `fed.len() + k - 1` more positions afterwards (the draft
+    /// never reads its last proposal); the other occupied slots are left as they were. No
+    /// decode step may be in flight.
+    pub fn propose(&mut self, mut rows: Vec<FedRow>, ks: &[usize]) -> Result<Vec<Vec<u32>>> {
         debug_assert!(
             self.in_flight.is_none(),
             "a draft's runner runs no plain steps"
         );
+        let k = ks.iter().copied().max().unwrap_or(0);
         let FedStep {
             width,
             ids: mut feed,
             mut new_tokens,
-        } = self.fed_step(rows, 0);
+        } = self.fed_step(&rows, 0);
         let decode = &mut self.slots.decode;
         let num_rows = decode.rows();
         // Each row's last fed token's place among the first step's `[rows * width]`.
         let mut last = vec![0u32; num_rows];
-        for r in rows {
+        for r in &rows {
             last[r.row] = (r.row * width + r.fed.len() - 1) as u32;
         }
         let mut proposals = Vec::with_capacity(k);
@@ -796,27 +843,55 @@ impl ModelRunner<'_> {
                 &new_tokens,
             )?;
             let vocab = logits.shape()[2];
-            let greedy = ops::indexing::argmax_axis(&logits.reshape(&[-1, vocab])?, -1, None)?
-                .as_dtype(Dtype::Uint32)?;
-            let greedy = if step == 0 && width > 1 {
+            let flat = logits.reshape(&[-1, vocab])?;
+            let greedy = ops::indexing::argmax_axis(&flat, -1, None)?.as_dtype(Dtype::Uint32)?;
+            let first_wide = step == 0 && width > 1;
+            let greedy = if first_wide {
                 greedy.take_axis(Array::from_slice(&last, &[num_rows as i32]), 0)?
             } else {
                 greedy
             };
             if step == 0 {
-                for r in rows {
+                for r in &rows {
                     new_tokens[r.row] = 1;
                 }
             }
-            feed = greedy.reshape(&[num_rows as i32, 1])?;
-            proposals.push(greedy);
+            // Sampled rows' draws replace their greedy tokens: every row's token taken from
+            // the greedy ones followed by the draws.
+            let mut draws = Vec::new();
+            let mut take: Vec<u32> = (0..num_rows as u32).collect();
+            for (r, &wanted) in rows.iter_mut().zip(ks) {
+                let Some(sampler) = r.sampler.as_deref_mut().filter(|_| step < wanted) else {
+                    continue;
+                };
+                let at = if first_wide {
+                    last[r.row]
+                } else {
+                    r.row as u32
+                } as i32;
+                take[r.row] = (num_rows + draws.len()) as u32;
+                draws.push(draw(sampler, &slice(&flat, &[at, 0], &[at + 1, vocab])?)?);
+            }
+            let tokens = if draws.is_empty() {
+                greedy
+            } else {
+                let all = ops::concatenate(&[&[greedy][..], &draws].concat(), 0)?;
+                all.take_axis(Array::from_slice(&take, &[num_rows as i32]), 0)?
+            };
+            feed = tokens.reshape(&[num_rows as i32, 1])?;
+            proposals.push(tokens);
         }
         let proposals = ops::stack(&proposals, 0)?;
         eval(std::iter::once(&proposals).chain(decode.state()))?;
         let all = proposals.as_slice::<u32>();
         Ok(rows
             .iter()
-            .map(|r| (0..k).map(|step| all[step * num_rows + r.row]).collect())
+            .zip(ks)
+            .map(|(r, &wanted)| {
+                (0..wanted)
+                    .map(|step| all[step * num_rows + r.row])
+                    .collect()
+            })
             .collect())
     }
 }
