@@ -66,6 +66,13 @@ pub struct BenchArgs {
     /// --concurrency every request's (bounded rows of the batch).
     #[arg(long)]
     pub max_kv_size: Option<usize>,
+    /// With --concurrency: sampling temperature of every request (mlx_lm's `--temp`; 0 =
+    /// greedy).
+    #[arg(long = "temp", default_value_t = 0.0)]
+    pub temperature: f32,
+    /// With --concurrency and --temp: request i draws from seed `SEED + i`.
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Speculative decoding with this draft model: without --concurrency one sequence; with it
     /// every request in the batch, the draft proposing in the batch's verify steps.
     #[command(flatten)]

@@ -120,6 +120,9 @@ struct RequestOptions {
     image: Option<std::sync::Arc<ImagePrompt>>,
     /// `--draft-model`: every request speculates with this many tokens a step.
     num_draft_tokens: Option<usize>,
+    /// `--temp`, and `--seed` (request `i` seeded `seed + i`).
+    temperature: f32,
+    seed: Option<u64>,
 }
 
 impl RequestOptions {
@@ -130,6 +133,8 @@ impl RequestOptions {
         }
         request.params.max_kv_size = self.max_kv_size;
         request.params.num_draft_tokens = self.num_draft_tokens;
+        request.params.sampling.temperature = self.temperature;
+        request.params.sampling.seed = self.seed.map(|s| s.wrapping_add(i as u64));
         if let Some(image) = &self.image {
             request.prompt = image.chat(&image.texts[i]);
         }
@@ -263,6 +268,8 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
             max_kv_size: args.max_kv_size,
             image,
             num_draft_tokens: draft_tokens,
+            temperature: args.temperature,
+            seed: args.seed,
         },
     };
     // The warm-up's blocks would otherwise stay in the prefix cache and count in the measured
