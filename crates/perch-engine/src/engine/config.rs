@@ -59,9 +59,10 @@ pub struct EngineConfig {
     pub max_queued_requests: usize,
     /// A draft model (a directory in the mlx-community layout) loaded beside the model, for
     /// requests with [`GenerateRequest::num_draft_tokens`] (speculative decoding). Its tokenizer
-    /// must be the model's; loading fails otherwise. Greedy ones run in the batch, the draft
-    /// proposing in its verify steps (see [`BatchGenerator::with_draft`]); sampled ones beside
-    /// it, one round of proposals each per engine step (see [`crate::sequence::speculative`]).
+    /// must be the model's; loading fails otherwise. Those without logits processors run in the
+    /// batch, greedy or sampled, the draft proposing in its verify steps (see
+    /// [`BatchGenerator::with_draft`]); the others beside it, one round of proposals each per
+    /// engine step (see [`crate::sequence::speculative`]).
     pub draft_model: Option<PathBuf>,
     /// The proposals a step that requests using the draft model ask for by default (`perch serve
     /// --num-draft-tokens`): the batch's verify steps are warmed for `1 +` this many tokens a
