@@ -101,9 +101,7 @@ pub(crate) fn sample_rows(
     sampler: &mut Sampler,
     top_logprobs: Option<usize>,
 ) -> Result<Vec<Sampled>> {
-    debug_assert!(!sampler.has_logits_processors());
-    let logprobs = ops::subtract(logits, &logits.logsumexp_axis(-1, true)?)?;
-    let tokens = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+    let (tokens, logprobs) = sample_positions(logits, sampler)?;
     let (rows, vocab) = (logits.shape()[0], logits.shape()[1]);
     (0..rows)
         .map(|r| {
@@ -117,6 +115,15 @@ pub(crate) fn sample_rows(
             Ok(Sampled { token, logprobs })
         })
         .collect()
+}
+
+/// [`sample_rows`]'s one sampler call: the tokens `[rows]` (uint32) and the log-probabilities
+/// they were drawn from `[rows, vocab]` (lazy).
+pub(crate) fn sample_positions(logits: &Array, sampler: &mut Sampler) -> Result<(Array, Array)> {
+    debug_assert!(!sampler.has_logits_processors());
+    let logprobs = ops::subtract(logits, &logits.logsumexp_axis(-1, true)?)?;
+    let tokens = sampler.sample(&logprobs)?.as_dtype(mlx_rs::Dtype::Uint32)?;
+    Ok((tokens, logprobs))
 }
 
 /// The sampled `token`'s log-probability `[1, 1]` and the `n` most likely ids and theirs

@@ -690,14 +690,6 @@ impl ModelRunner<'_> {
         } = self.fed_step(&rows, 1);
         let compiled = self.compiled_decode.as_mut();
         let decode = &mut self.slots.decode;
-        if rows.iter().all(|r| r.sampler.is_none()) {
-            let greedy = Self::greedy_step(self.model, compiled, &ids, decode, &new_tokens)?;
-            let greedy = greedy.as_slice::<u32>();
-            return Ok(rows
-                .iter()
-                .map(|r| greedy[r.row * width..r.row * width + r.fed.len()].to_vec())
-                .collect());
-        }
         let logits = Self::forward_decode(self.model, compiled, &ids, decode, &new_tokens)?;
         let vocab = logits.shape()[2];
         let logits = logits.reshape(&[-1, vocab])?;
@@ -710,9 +702,7 @@ impl ModelRunner<'_> {
                 Some(sampler) => {
                     let (from, n) = ((r.row * width) as i32, r.fed.len() as i32);
                     let positions = slice(&logits, &[from, 0], &[from + n, vocab])?;
-                    let tokens = crate::sample::sample_rows(&positions, sampler, None)?;
-                    let tokens: Vec<Array> = tokens.into_iter().map(|t| t.token).collect();
-                    Some(ops::concatenate(&tokens, 0)?)
+                    Some(crate::sample::sample_positions(&positions, sampler)?.0)
                 }
                 None => None,
             });
