@@ -108,6 +108,52 @@ fn files_move_between_perch_and_mlx_lm() {
         "{err}"
     );
 
+    // With a draft model: the draft cannot read a prefix without token ids. A greedy
+    // speculative request continues without proposals (its ids the same); a sampled one would
+    // draw other keys than mlx_lm's speculative generation, and is refused.
+    let drafting = EngineHandle::load(
+        &model_dir,
+        EngineConfig {
+            draft_model: Some(model_dir.clone()),
+            ..EngineConfig::default()
+        },
+    )
+    .unwrap();
+    let after_theirs = || Prompt::AfterCache {
+        cache_file: theirs.clone(),
+        tokens: rest.to_vec(),
+    };
+    let mut params = GenerateRequest::new(Vec::new());
+    params.max_tokens = 32;
+    params.num_draft_tokens = Some(3);
+    let done = common::finish(
+        &drafting
+            .submit(EngineRequest {
+                prompt: after_theirs(),
+                params: params.clone(),
+            })
+            .unwrap(),
+    );
+    assert_eq!(done.error, None);
+    assert_eq!(done.ids, common::expected_ids(&case, done.reason));
+    assert_eq!(done.stats.draft_tokens, 0);
+    params.sampling.temperature = 0.7;
+    params.sampling.seed = Some(1);
+    let done = common::finish(
+        &drafting
+            .submit(EngineRequest {
+                prompt: after_theirs(),
+                params,
+            })
+            .unwrap(),
+    );
+    let error = done.error.expect("refused");
+    assert!(
+        error.contains("cannot start from this prompt cache"),
+        "{error}"
+    );
+    drafting.shutdown();
+
     // Perch writes, mlx_lm continues from it.
     let ours = dir.path().join("perch.safetensors");
     engine

@@ -163,7 +163,7 @@ fn speculative_decoding_is_mlx_lms() {
     // tokens and flags, whatever the other rows do.
     use perch_engine::testing::{BatchConfig, BatchEvent, BatchGenerator};
     let config = BatchConfig {
-        max_running: common::room_for(sampled.len() + 1),
+        max_running: common::room_for(sampled.len() + 2),
         ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm")
@@ -185,8 +185,24 @@ fn speculative_decoding_is_mlx_lms() {
     greedy.max_tokens = reference.max_tokens;
     greedy.num_draft_tokens = Some(2);
     let greedy_id = batch.insert(greedy).unwrap();
+    // A sampled request without a draft joins the verify steps feeding its last token alone:
+    // one draw a step, as in a plain step, so its ids are those it gets alone (and the rows
+    // beside it keep verifying).
+    let mut plain = GenerateRequest::new(short[1].prompt_ids.clone());
+    plain.max_tokens = 16;
+    plain.ignore_eos = true;
+    plain.sampling = SamplingParams {
+        temperature: 1.0,
+        seed: Some(21),
+        ..SamplingParams::default()
+    };
+    let alone = perch_engine::generate(model.as_ref(), &tokenizer, &plain, |_| {
+        ControlFlow::Continue(())
+    })
+    .unwrap();
+    let plain_id = batch.insert(plain).unwrap();
     let (mut finished, mut greedy_ids) = (0, Vec::new());
-    while finished < sampled.len() + 1 {
+    while finished < sampled.len() + 2 {
         for event in batch.step().unwrap() {
             match event {
                 BatchEvent::Token { request, event } => {
@@ -196,7 +212,8 @@ fn speculative_decoding_is_mlx_lms() {
                             ids.push(id);
                             flags.push(event.from_draft);
                         }
-                        None => greedy_ids.push(id),
+                        None if request == greedy_id => greedy_ids.push(id),
+                        None => {}
                     }
                 }
                 BatchEvent::Finished { request, output } => {
@@ -206,6 +223,10 @@ fn speculative_decoding_is_mlx_lms() {
                             output.token_ids,
                             common::expected_ids(&short[3], output.finish_reason)
                         );
+                    }
+                    if request == plain_id {
+                        assert_eq!(output.token_ids, alone.token_ids, "without a draft");
+                        assert_eq!(output.stats.draft_tokens, 0);
                     }
                 }
                 BatchEvent::Refused { error, .. } => panic!("{error}"),
@@ -288,8 +309,10 @@ fn bad_drafts_are_refused() {
 /// accepted) and by a tiny random model (most rejected, and rewound in both slot caches), with
 /// decode steps op by op and compiled, each yield mlx_lm's greedy ids; a plain request decodes
 /// beside them (with prompt lookup on, it proposes from its own tokens in the same verify
-/// steps), and a sampled one holds every step plain for a while (the draft's rows catch up
-/// after: the model's own proposals are still accepted); every block is free at the end. The
+/// steps); a sampled one without a draft joins the verify steps, and one with
+/// log-probabilities holds every step plain for a while (the draft's rows catch up after: the
+/// model's own proposals are still accepted), each with the ids it gets alone; every block is
+/// free at the end. The
 /// pool's blocks count the draft's KV (`BatchConfig::counting_draft`). A speculative request
 /// with a logits processor is not the batch's (the engine runs it beside the batch).
 #[test]
@@ -332,7 +355,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         let config = BatchConfig {
             compile_decode,
             prompt_lookup: lookup,
-            max_running: common::room_for(7),
+            max_running: common::room_for(8),
             ..counted
         };
         let blocks = config.num_blocks;
@@ -353,18 +376,37 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
                 (at, request)
             })
             .collect();
-        // A sampled request from step 6 on: while it decodes, every step is plain (it cannot
-        // verify), so the draft's rows fall behind and catch up afterwards.
+        // A sampled request without a draft from step 6 on joins the verify steps feeding its
+        // last token alone (prompt lookup proposes for greedy rows only): its ids are those it
+        // gets alone. A sampled request with log-probabilities cannot verify: while it
+        // decodes every step is plain, so the draft's rows fall behind and catch up after.
         let mut sampled = GenerateRequest::new(cases[2].prompt_ids.clone());
         sampled.sampling.temperature = 0.7;
         sampled.sampling.seed = Some(4);
         sampled.max_tokens = 12;
         sampled.ignore_eos = true;
+        let alone = |request: &GenerateRequest| {
+            perch_engine::generate(model.as_ref(), &tokenizer, request, |_| {
+                ControlFlow::Continue(())
+            })
+            .unwrap()
+            .token_ids
+        };
+        let sampled_alone = alone(&sampled);
+        let mut scored = sampled.clone();
+        scored.max_tokens = 6;
+        scored.logprobs = Some(2);
+        let scored_alone = alone(&scored);
         schedule.push((6, sampled));
+        schedule.push((20, scored));
         let mut outputs = common::drive(&mut batch, schedule);
-        let (sampled, _) = outputs.pop().unwrap();
-        assert_eq!(sampled.token_ids.len(), 12);
-        assert_eq!(sampled.stats.draft_tokens, 0);
+        for (output, expected) in [
+            (outputs.pop().unwrap().0, scored_alone),
+            (outputs.pop().unwrap().0, sampled_alone),
+        ] {
+            assert_eq!(output.token_ids, expected, "{name}: a sampled request");
+            assert_eq!(output.stats.draft_tokens, 0);
+        }
         let (mut proposed, mut accepted) = (0, 0);
         for (i, (case, (output, streamed))) in cases.iter().zip(&outputs).enumerate() {
             assert_eq!(

@@ -470,15 +470,14 @@ impl Sequence {
         &self.block_hashes.as_ref().expect("set just above").1
     }
 
-    /// Whether its decode rows may feed proposals ([`crate::spec_decode`]): greedy, or sampled
-    /// without logits processors when the draft model proposes for it (`drafting`: sampled
-    /// rows verify with mlx_lm's acceptance of sampled tokens, which prompt lookup does not
-    /// follow), without log-probabilities or a grammar, over a plain KV cache, positions
-    /// without images' shifts.
-    fn may_speculate(&self, drafting: bool) -> bool {
+    /// Whether its decode rows may join a verify step ([`crate::spec_decode`]): greedy, or
+    /// sampled without logits processors (one sampler call over its fed positions: a row
+    /// feeding only its last token draws as a plain step does), without log-probabilities or a
+    /// grammar, over a plain KV cache, positions without images' shifts. Which of them propose
+    /// is [`BatchGenerator::proposals`]' choice.
+    fn may_verify(&self) -> bool {
         self.kv.is_plain()
-            && (self.sampler.is_plain_greedy()
-                || (drafting && !self.sampler.has_logits_processors()))
+            && !self.sampler.has_logits_processors()
             && self.request.logprobs.is_none()
             && !self.request.next_token_logprobs
             && self.grammar.is_none()
@@ -489,7 +488,7 @@ impl Sequence {
     /// its `max_tokens` and the model's context. A sampled sequence proposes up to as many as
     /// it has left, as mlx_lm's `speculative_generate_step` drafts `min(max_tokens - n,
     /// num_draft_tokens)`: each proposal is a draw of its random stream, so proposing fewer
-    /// would move its later draws.
+    /// would move its later draws. (The context bound is Perch's: mlx_lm drafts past it.)
     fn proposal_room(&self, context_length: usize) -> usize {
         let left = self.sink.max_tokens().saturating_sub(self.sink.generated);
         let room = match self.sampler.is_plain_greedy() {
@@ -760,6 +759,17 @@ impl<'m> BatchGenerator<'m> {
         }
         if let Some(k) = request.num_draft_tokens {
             check_num_draft_tokens(k)?;
+            // The draft cannot read a private prefix (`drafts_for`): a greedy request runs
+            // without proposals, its ids the same; a sampled one would draw other keys than
+            // mlx_lm's speculative generation.
+            if preloaded.is_some() && !request.sampling.is_plain_greedy() {
+                return Err(EngineError::Request(
+                    "a sampled speculative request cannot start from this prompt cache: the \
+                     draft model reads the prefix's token ids, which the file does not record \
+                     (an mlx_lm file); without num_draft_tokens, or greedy, it runs"
+                        .into(),
+                ));
+            }
         }
         // A bound the sequence never reaches changes nothing (mlx_lm's rotating cache trims
         // nothing then): the request runs unbounded, with the prefix cache.
@@ -1990,11 +2000,7 @@ impl<'m> BatchGenerator<'m> {
         let mut first_steps = 0;
         let vocab = self.model.info().vocab_size;
         let mut rows = Vec::with_capacity(ready.len());
-        let mut next = ready.iter().peekable();
-        for (i, seq) in self.running.iter_mut().enumerate() {
-            if next.next_if(|&&r| r == i).is_none() {
-                continue;
-            }
+        for (_, seq) in picked_mut(&mut self.running, &ready) {
             // A sequence's first decode step also processes its last prompt token.
             first_steps +=
                 usize::from(seq.computed + 1 == seq.tokens.len() && seq.first_token_at.is_none());
@@ -2064,13 +2070,13 @@ impl<'m> BatchGenerator<'m> {
 
     /// Whether this decode step verifies proposals ([`crate::spec_decode`]): prompt lookup
     /// ([`BatchConfig::prompt_lookup`]) or a draft model ([`BatchGenerator::with_draft`]) on,
-    /// at most [`BatchGenerator::speculative_rows`] rows, each one that may speculate
-    /// ([`Sequence::may_speculate`]) in a batch whose rows all keep plain KV caches of a model
-    /// without sliding layers or recurrent states, and some row proposing: a row the draft
-    /// model drafts for (every step), or a row prompt lookup proposes for while verify steps
-    /// give more tokens a second than plain ones at this row count lately ([`SpecPolicy`], at
-    /// `ready.len()` rows: the count the step is measured at; always, with prompt lookup's
-    /// `adaptive` off).
+    /// at most [`BatchGenerator::speculative_rows`] rows, each one that may join a verify step
+    /// ([`Sequence::may_verify`]; the others feed their last token alone) in a batch whose rows
+    /// all keep plain KV caches of a model without sliding layers or recurrent states, and
+    /// some row proposing: a row the draft model drafts for (every step), or a greedy row
+    /// prompt lookup proposes for while verify steps give more tokens a second than plain ones
+    /// at this row count lately ([`SpecPolicy`], at `ready.len()` rows: the count the step is
+    /// measured at; always, with prompt lookup's `adaptive` off).
     fn speculates(&mut self, ready: &[usize]) -> bool {
         let lookup = self.config.prompt_lookup;
         if (lookup.is_none() && self.draft.is_none())
@@ -2078,10 +2084,7 @@ impl<'m> BatchGenerator<'m> {
             || self.model.has_sliding_window_layers()
             || self.store.has_recurrent_layers()
             || self.running.iter().any(|s| !s.kv.is_plain())
-            || !ready.iter().all(|&i| {
-                let seq = &self.running[i];
-                seq.may_speculate(self.drafts_for(seq).is_some())
-            })
+            || !ready.iter().all(|&i| self.running[i].may_verify())
         {
             return false;
         }
@@ -2103,7 +2106,7 @@ impl<'m> BatchGenerator<'m> {
         }
         ready.iter().any(|&i| {
             let seq = &self.running[i];
-            seq.lookup.proposes(seq.tokens.len())
+            looks_up(seq)
                 && !lookup
                     .propose(&seq.tokens, seq.proposal_room(context))
                     .is_empty()
@@ -2127,40 +2130,61 @@ impl<'m> BatchGenerator<'m> {
         seq.request.num_draft_tokens
     }
 
-    /// Each of the `ready` rows' proposals for a verify step: the draft model's (one batched
-    /// run for all its rows) for the rows it drafts for, prompt lookup's for the others (while
-    /// a row's [`Backoff`] lets it propose).
+    /// Each of the `ready` rows' proposals for a verify step, each with the pool's blocks for
+    /// its last token and them taken (proposals never preempt: a row the pool is short for
+    /// proposes nothing): the draft model's (one batched run for all its rows, after their
+    /// blocks are taken, so that a row left out spends none of its sampler's draws) for the
+    /// rows it drafts for, prompt lookup's for greedy rows without a draft (while a row's
+    /// [`Backoff`] lets it propose; mlx_lm accepts a sampled row's proposals by its draws,
+    /// which prompt lookup does not make).
     fn proposals(&mut self, ready: &[usize]) -> Result<Vec<Vec<u32>>> {
         let context = self.model.info().context_length;
         let mut proposals = vec![Vec::new(); ready.len()];
+        // (place in `ready`, tokens it drafts)
         let mut drafting = Vec::new();
         for (j, &i) in ready.iter().enumerate() {
             let seq = &self.running[i];
             let room = seq.proposal_room(context);
-            match (self.drafts_for(seq), self.config.prompt_lookup) {
-                (Some(k), _) if room > 0 => drafting.push((j, k.min(room))),
-                (None, Some(lookup)) if seq.lookup.proposes(seq.tokens.len()) => {
-                    proposals[j] = lookup.propose(&seq.tokens, room).to_vec();
+            let proposed = match (self.drafts_for(seq), self.config.prompt_lookup) {
+                (Some(k), _) if room > 0 => {
+                    let k = k.min(room);
+                    if self
+                        .kv
+                        .allocate(&mut self.store, seq.id, seq.computed, 1 + k, None)
+                    {
+                        drafting.push((j, k));
+                    }
+                    continue;
                 }
-                _ => {}
+                (None, Some(lookup)) if looks_up(seq) => lookup.propose(&seq.tokens, room),
+                _ => continue,
+            };
+            if !proposed.is_empty()
+                && self.kv.allocate(
+                    &mut self.store,
+                    seq.id,
+                    seq.computed,
+                    1 + proposed.len(),
+                    None,
+                )
+            {
+                proposals[j] = proposed.to_vec();
             }
         }
         if !drafting.is_empty() {
-            // `ready` and `drafting` follow the running sequences' order.
-            let mut next = drafting.iter().peekable();
-            let mut rows = Vec::with_capacity(drafting.len());
-            for (i, seq) in self.running.iter_mut().enumerate() {
-                let Some(&(_, k)) = next.next_if(|&&(j, _)| ready[j] == i) else {
-                    continue;
-                };
-                let sampled = !seq.sampler.is_plain_greedy();
-                rows.push(DraftRow {
-                    id: seq.id,
-                    tokens: &seq.tokens,
-                    k,
-                    sampler: sampled.then_some(&mut seq.sampler),
-                });
-            }
+            let picked: Vec<usize> = drafting.iter().map(|&(j, _)| ready[j]).collect();
+            let rows = picked_mut(&mut self.running, &picked)
+                .zip(&drafting)
+                .map(|((_, seq), &(_, k))| {
+                    let sampled = !seq.sampler.is_plain_greedy();
+                    DraftRow {
+                        id: seq.id,
+                        tokens: &seq.tokens,
+                        k,
+                        sampler: sampled.then_some(&mut seq.sampler),
+                    }
+                })
+                .collect();
             let draft = self.draft.as_mut().expect("rows draft only with a draft");
             for (&(j, _), drafted) in drafting.iter().zip(draft.propose(rows)?) {
                 proposals[j] = drafted;
@@ -2179,23 +2203,14 @@ impl<'m> BatchGenerator<'m> {
         let start = Instant::now();
         let proposals = self.proposals(ready)?;
         let drafted = start.elapsed().as_secs_f64();
-        let mut fed: Vec<Vec<u32>> = Vec::with_capacity(ready.len());
-        for (&i, proposed) in ready.iter().zip(proposals) {
-            let seq = &self.running[i];
-            let mut tokens = vec![*seq.tokens.last().expect("non-empty")];
-            if !proposed.is_empty()
-                && self.kv.allocate(
-                    &mut self.store,
-                    seq.id,
-                    seq.computed,
-                    1 + proposed.len(),
-                    None,
-                )
-            {
-                tokens.extend(proposed);
-            }
-            fed.push(tokens);
-        }
+        let fed: Vec<Vec<u32>> = ready
+            .iter()
+            .zip(proposals)
+            .map(|(&i, proposed)| {
+                let last = *self.running[i].tokens.last().expect("non-empty");
+                [vec![last], proposed].concat()
+            })
+            .collect();
         if fed.iter().all(|f| f.len() == 1) {
             self.settle_drafts(ready, &vec![0; ready.len()])?;
             return Ok(false);
@@ -2203,23 +2218,19 @@ impl<'m> BatchGenerator<'m> {
         self.times.draft_seconds += drafted;
         let verify_start = Instant::now();
         self.enter_decode_slots(ready)?;
-        // (`ready` follows the running sequences' order.)
-        let mut next = ready.iter().zip(&fed).peekable();
-        let mut rows = Vec::with_capacity(ready.len());
-        for (i, seq) in self.running.iter_mut().enumerate() {
-            let Some((_, fed)) = next.next_if(|&(&r, _)| r == i) else {
-                continue;
-            };
-            let Some(Slot::Decode(row)) = seq.slot else {
-                unreachable!("a ready sequence is in a decode slot")
-            };
-            let sampled = !seq.sampler.is_plain_greedy();
-            rows.push(FedRow {
-                row,
-                fed,
-                sampler: sampled.then_some(&mut seq.sampler),
-            });
-        }
+        let rows = picked_mut(&mut self.running, ready)
+            .map(|(j, seq)| {
+                let Some(Slot::Decode(row)) = seq.slot else {
+                    unreachable!("a ready sequence is in a decode slot")
+                };
+                let sampled = !seq.sampler.is_plain_greedy();
+                FedRow {
+                    row,
+                    fed: &fed[j],
+                    sampler: sampled.then_some(&mut seq.sampler),
+                }
+            })
+            .collect();
         let targets = self.runner.verify(rows)?;
         let waited = verify_start.elapsed().as_secs_f64();
         let accepted: Vec<usize> = fed
@@ -2497,6 +2508,27 @@ impl<'m> BatchGenerator<'m> {
         self.preemptions += 1;
         Ok(())
     }
+}
+
+/// The sequences of `running` at `indices` (ascending, as a step's rows follow the running
+/// sequences' order), each with its place in `indices`.
+fn picked_mut<'s>(
+    running: &'s mut [Sequence],
+    indices: &'s [usize],
+) -> impl Iterator<Item = (usize, &'s mut Sequence)> + 's {
+    debug_assert!(indices.is_sorted_by(|a, b| a < b), "{indices:?}");
+    let mut next = indices.iter().enumerate().peekable();
+    running
+        .iter_mut()
+        .enumerate()
+        .filter_map(move |(i, seq)| next.next_if(|&(_, &r)| r == i).map(|(j, _)| (j, seq)))
+}
+
+/// Whether prompt lookup may propose for `seq` now: a greedy sequence (a sampled one accepts
+/// only proposals drawn by its sampler, as mlx_lm's draft model makes them) whose
+/// [`Backoff`] lets it.
+fn looks_up(seq: &Sequence) -> bool {
+    seq.sampler.is_plain_greedy() && seq.lookup.proposes(seq.tokens.len())
 }
 
 /// Hands `seq` its next token: into its tokens, its grammar and its stream (an event, marked

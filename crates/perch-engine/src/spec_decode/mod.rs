@@ -5,6 +5,9 @@
 //! emitted tokens are the model's own exactly (up to the reduction order of a pass of several
 //! tokens a row), each verify step emitting between one and `1 + guesses` of them a row.
 //!
+//! Rows that propose nothing but may verify (greedy, or sampled without logits processors)
+//! feed their last token alone, drawing as in a plain step.
+//!
 //! Proposers: prompt lookup ([`ngram`]), which needs no draft model (greedy rows), and a draft
 //! model in the batch ([`crate::worker::draft`]) for the requests that ask for it, greedy or
 //! sampled (with logits processors they run one sequence beside the batch,
@@ -19,8 +22,9 @@ pub mod policy;
 /// keep the device busy, and verifying costs more than it saves.
 pub const DEFAULT_MAX_ROWS: usize = 8;
 
-/// How many of `proposed` a verify pass accepts, given `targets`: the model's greedy token after
-/// the row's last token and after each proposal (`targets.len() == proposed.len() + 1`).
+/// How many of `proposed` a verify pass accepts, given `targets`: the model's token after the
+/// row's last token and after each proposal (its greedy token, or a sampled row's draw;
+/// `targets.len() == proposed.len() + 1`).
 /// Proposals are accepted while each equals the model's token at its place; the model's token
 /// after the last accepted one is emitted too (a correction, or a bonus token when all were
 /// accepted), so a round emits `targets[..=accepted]`.

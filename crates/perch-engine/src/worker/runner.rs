@@ -675,8 +675,9 @@ impl ModelRunner<'_> {
 
     /// A verify step of speculative decoding ([`crate::spec_decode`]): each row of `rows`
     /// feeds its tokens in one forward pass over the decode slot cache (padded to the longest,
-    /// compiled when decode steps are), and the model's greedy token after each of them comes
-    /// back, per row in `rows`' order (`fed.len()` tokens each). Waits for the device: the
+    /// compiled when decode steps are), and the model's token after each of them comes back
+    /// (its greedy token, or a sampled row's draws: one sampler call over its fed positions),
+    /// per row in `rows`' order (`fed.len()` tokens each). Waits for the device: the
     /// tokens it accepts decide what the next step feeds. Each row's slot holds `fed.len()`
     /// more positions afterwards (the other occupied slots one, as in a decode step); those of
     /// rejected proposals are given back with [`ModelRunner::rewind`]. No decode step may be
