@@ -65,9 +65,12 @@ def make_model(path: Path, tokenizer_dir: Path, hidden: int, layers: int, heads:
     return path
 
 
-def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) -> dict:
+def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int, temp: float = 0.0) -> dict:
     from mlx_lm import batch_generate, generate
     from mlx_lm.generate import BatchGenerator, stream_generate
+    from mlx_lm.sample_utils import make_sampler
+    # One sampler for every row, as mlx_lm batches a shared sampler (one draw, one key, for all rows).
+    sampler = make_sampler(temp=temp)
     base = tokenizer.encode("The history of science is long and full of surprises. " * 64)
     # ~770 tokens: repeated so that every prompt has `prompt_tokens` (before, longer prompts were cut
     # to the text's length, and mlx_lm's "8,192-token" runs read ~770-token prompts).
@@ -75,19 +78,20 @@ def mlx_lm_run(model, tokenizer, n: int, prompt_tokens: int, gen_tokens: int) ->
         base = base + base
     if n == 1:
         prompt = base[:prompt_tokens]
-        generate(model, tokenizer, prompt, max_tokens=8)
+        generate(model, tokenizer, prompt, max_tokens=8, sampler=sampler)
         mx.reset_peak_memory()
         last = None
-        for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_tokens):
+        for last in stream_generate(model, tokenizer, prompt, max_tokens=gen_tokens, sampler=sampler):
             pass
         return {"prompt_tps": last.prompt_tps, "generation_tps": last.generation_tps,
                 "peak_bytes": int(last.peak_memory * 1e9)}
     prompts = [base[i % 7: i % 7 + prompt_tokens] for i in range(n)]
     assert all(len(p) == prompt_tokens for p in prompts), "a prompt shorter than --prompt-tokens"
-    batch_generate(model, tokenizer, prompts[: min(n, 8)], max_tokens=8)
+    batch_generate(model, tokenizer, prompts[: min(n, 8)], max_tokens=8, sampler=sampler)
     mx.reset_peak_memory()
     # batch_generate's loop, with every token timestamped as `perch bench` does (no stop tokens: Perch ignores EOS).
-    gen = BatchGenerator(model, stop_tokens=None, completion_batch_size=n, prefill_batch_size=min(n, 8))
+    gen = BatchGenerator(model, stop_tokens=None, completion_batch_size=n, prefill_batch_size=min(n, 8),
+                         sampler=sampler)
     start = time.perf_counter()
     uids = gen.insert(prompts, [gen_tokens] * n)
     times = {uid: [] for uid in uids}
@@ -150,7 +154,7 @@ def wall_clock(start: float, timelines: list, prompt_tokens: int) -> dict:
 def perch_run(binary: str, model_dir: Path, n: int, prompt_tokens: int, gen_tokens: int, extra: list) -> dict:
     cmd = [binary, "bench", "--model", str(model_dir), "--prompt-tokens", str(prompt_tokens),
            "--gen-tokens", str(gen_tokens), "--json", *extra]
-    if n > 1:
+    if n > 1 or "--temp" in extra:  # (the single-stream bench samples greedily: a sampled lone row goes through the engine)
         cmd += ["--concurrency", str(n)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
@@ -185,8 +189,13 @@ def main() -> None:
     parser.add_argument("--single-through-engine", action="store_true",
                         help="for N = 1 also run `perch bench --concurrency 1` (the batch engine, as the app and the "
                              "local API run one request) and print it as the row '1 (engine)'")
+    parser.add_argument("--temp", type=float, default=0.0,
+                        help="sampling temperature of both engines' requests (Perch's request i seeded 1 + i; mlx_lm's "
+                             "rows share one sampler)")
     parser.add_argument("--extra-perch-args", nargs=argparse.REMAINDER, default=[])
     args = parser.parse_args()
+    if args.temp:
+        args.extra_perch_args = ["--temp", str(args.temp), "--seed", "1", *args.extra_perch_args]
     import mlx_lm
     print(json.dumps({"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "device": str(mx.default_device()),
                       "date": time.strftime("%Y-%m-%d")}), flush=True)
@@ -200,7 +209,7 @@ def main() -> None:
         print(json.dumps({"engine": "perch", "concurrency": n, **ours}), flush=True)
         theirs = {}
         if model is not None:
-            theirs = mlx_lm_run(model, tokenizer, n, args.prompt_tokens, args.gen_tokens)
+            theirs = mlx_lm_run(model, tokenizer, n, args.prompt_tokens, args.gen_tokens, args.temp)
             print(json.dumps({"engine": "mlx_lm", "concurrency": n, **theirs}), flush=True)
         rows.append((n, ours, theirs))
         if n == 1 and args.single_through_engine:

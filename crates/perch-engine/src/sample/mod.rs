@@ -5,6 +5,7 @@
 pub mod generation_config;
 pub mod grammar;
 pub mod sampler;
+pub(crate) mod threefry;
 
 use mlx_rs::{ops, Array};
 use serde::Serialize;

@@ -3,7 +3,10 @@
 //! Same math and order as mlx-lm's `sample_utils.py` (its `make_sampler` and
 //! `make_logits_processors`), random draws included: a seeded request draws XTC's uniform and
 //! then the categorical from one key stream, as mlx_lm draws them from MLX's global one after
-//! `mx.random.seed`. Everything stays on the MLX device, so sampling never forces a sync.
+//! `mx.random.seed`; the stream's keys are split on the host ([`super::threefry`]), and a request
+//! without a seed gets a random one. Rows of a batch step with only a temperature, top-p and
+//! min-p draw together ([`sample_batched`]), each the token it draws alone. Everything else
+//! stays on the MLX device, so sampling never forces a sync.
 
 use std::collections::HashMap;
 
@@ -12,6 +15,7 @@ use mlx_rs::ops::indexing::{argmax_axis, put_along_axis, scatter_add_single, tak
 use mlx_rs::{ops, random, Array};
 use serde::{Deserialize, Serialize};
 
+use super::threefry;
 use crate::error::{EngineError, Result};
 
 /// mlx_lm's default XTC threshold (`make_sampler`, `--xtc-threshold`).
@@ -53,7 +57,8 @@ pub struct SamplingParams {
     /// The probability above which XTC counts a token as a top choice, in `[0, 0.5]`
     /// (mlx_lm's default 0.1; at most one token can exceed 0.5, so nothing would be excluded).
     pub xtc_threshold: f32,
-    /// Seed of this request's random stream; `None` draws from MLX's global generator.
+    /// Seed of this request's random stream; `None`: a random seed (as MLX's global generator
+    /// would draw; not MLX's global stream).
     pub seed: Option<u64>,
 }
 
@@ -192,7 +197,9 @@ enum Penalty {
 /// Turns one step's logits into a token, keeping the request's random stream.
 pub struct Sampler {
     params: SamplingParams,
-    key: Option<Array>,
+    /// Its random stream's key (a request without a seed gets one at random), split on the
+    /// host ([`threefry`]) as MLX's `KeySequence` splits its key at each draw.
+    key: threefry::Key,
     bias: Option<(Array, Array)>,
     /// Token ids XTC never excludes (empty: every token may be).
     xtc_protected: Vec<u32>,
@@ -203,7 +210,7 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Result<Self> {
-        let key = params.seed.map(random::key).transpose()?;
+        let key = threefry::key(params.seed.unwrap_or_else(random_seed));
         let bias = if params.logit_bias.is_empty() {
             None
         } else {
@@ -341,14 +348,13 @@ impl Sampler {
         }
         let mut logprobs = logprobs.clone();
         if top_p > 0.0 && top_p < 1.0 {
-            logprobs = apply_top_p(&logprobs, top_p)?;
+            logprobs = apply_top_p(&logprobs, &Array::from_f32(top_p))?;
         }
         if min_p > 0.0 {
-            logprobs = apply_min_p(&logprobs, min_p)?;
+            logprobs = apply_min_p(&logprobs, &Array::from_f32(min_p.ln()))?;
         }
         if xtc_probability > 0.0 {
-            let draw =
-                random::uniform::<f32, f32>(0.0, 1.0, &[] as &[i32], self.next_key()?.as_ref())?;
+            let draw = Array::from_f32(threefry::uniform(self.next_key()));
             let allowed = self.xtc_allowed(logprobs.shape()[1]);
             logprobs = apply_xtc(
                 &logprobs,
@@ -361,22 +367,111 @@ impl Sampler {
             logprobs = apply_top_k(&logprobs, top_k as i32)?;
         }
         let scaled = ops::multiply(&logprobs, Array::from_f32(1.0 / temperature))?;
-        let key = self.next_key()?;
-        Ok(random::categorical(&scaled, -1, None, key.as_ref())?)
+        let key = Array::from_slice(&self.next_key(), &[2]);
+        Ok(random::categorical(&scaled, -1, None, Some(&key))?)
     }
 
-    /// The next key of a seeded request's stream (MLX's `KeySequence`: split, keep the first
-    /// half, use the second); `None` draws from MLX's global generator.
-    fn next_key(&mut self) -> Result<Option<Array>> {
-        Ok(match self.key.take() {
-            Some(key) => {
-                let (next, sub) = random::split(&key, 2)?;
-                self.key = Some(next);
-                Some(sub)
-            }
-            None => None,
-        })
+    /// The next key of its stream (MLX's `KeySequence`: split, keep the first half, use the
+    /// second).
+    fn next_key(&mut self) -> threefry::Key {
+        let (next, sub) = threefry::split(self.key);
+        self.key = next;
+        sub
     }
+
+    /// Its settings as a row of [`sample_batched`], when it can be one: sampling (a
+    /// temperature) with at most top-p and min-p, no logits processors, top-k or XTC (those
+    /// run per row, [`Sampler::sample`]).
+    pub(crate) fn batched_row(&self) -> Option<BatchedRow> {
+        let p = &self.params;
+        (p.temperature > 0.0
+            && !p.has_logits_processors()
+            && p.top_k == 0
+            && p.xtc_probability == 0.0)
+            .then_some(BatchedRow {
+                inv_temperature: 1.0 / p.temperature,
+                top_p: (p.top_p > 0.0 && p.top_p < 1.0).then_some(p.top_p),
+                min_p: (p.min_p > 0.0).then_some(p.min_p),
+            })
+    }
+}
+
+/// A sampler's settings as a row of [`sample_batched`] ([`Sampler::batched_row`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BatchedRow {
+    inv_temperature: f32,
+    top_p: Option<f32>,
+    min_p: Option<f32>,
+}
+
+/// Draws a token for every row of `logprobs` `[rows, vocab]` (log-softmax of logits without
+/// processors), row `r` with `samplers[r]` (each one with a [`Sampler::batched_row`]): the
+/// tokens `[rows]` uint32 (lazy), each the one [`Sampler::sample`] draws for its row alone,
+/// from the same key of its stream. One set of operations for all rows, as vLLM's sampler
+/// takes per-row temperatures and top-p: MLX's categorical draw of a single row by its
+/// inverse CDF (`categorical_inverse_cdf` of MLX 0.32: the first index whose cumulative weight
+/// exceeds a uniform draw times the total, `exp(x - max)` the weights) with each row's
+/// uniform drawn on the host ([`threefry`]).
+pub(crate) fn sample_batched(logprobs: &Array, samplers: &mut [&mut Sampler]) -> Result<Array> {
+    let rows: Vec<BatchedRow> = samplers
+        .iter()
+        .map(|s| s.batched_row().expect("a batched row's sampler"))
+        .collect();
+    let n = rows.len() as i32;
+    let column = |values: Vec<f32>| Array::from_slice(&values, &[n, 1]);
+    let mut x = logprobs.clone();
+    if rows.iter().any(|r| r.top_p.is_some()) {
+        let top_p = column(rows.iter().map(|r| r.top_p.unwrap_or(1.0)).collect());
+        let filtered = apply_top_p(&x, &top_p)?;
+        x = match rows.iter().all(|r| r.top_p.is_some()) {
+            true => filtered,
+            false => {
+                let on: Vec<bool> = rows.iter().map(|r| r.top_p.is_some()).collect();
+                ops::select(Array::from_slice(&on, &[n, 1]), &filtered, &x)?
+            }
+        };
+    }
+    if rows.iter().any(|r| r.min_p.is_some()) {
+        // ln 0 = -inf: a row without min-p keeps every token.
+        let ln_min_p = column(rows.iter().map(|r| r.min_p.unwrap_or(0.0).ln()).collect());
+        x = apply_min_p(&x, &ln_min_p)?;
+    }
+    let x = ops::multiply(&x, column(rows.iter().map(|r| r.inv_temperature).collect()))?
+        .as_dtype(mlx_rs::Dtype::Float32)?;
+    let top = x.max_axis(-1, true)?;
+    // exp(x - max) is NaN where the max is infinite: the draw is uniform over the maxima.
+    let weights = ops::select(
+        &ops::is_inf(&top)?,
+        &x.eq(&top)?.as_dtype(mlx_rs::Dtype::Float32)?,
+        &ops::exp(&ops::subtract(&x, &top)?)?,
+    )?;
+    let cdf = ops::cumsum(&weights, -1, false, false)?;
+    let uniforms = column(
+        samplers
+            .iter_mut()
+            .map(|s| threefry::uniform(s.next_key()))
+            .collect(),
+    );
+    let u = ops::multiply(&uniforms, &weights.sum_axis(-1, true)?)?;
+    // MLX's `searchsorted(cdf, u, right) - 1` of a row: the entries at most `u`, less one.
+    let below = cdf
+        .le(&u)?
+        .as_dtype(mlx_rs::Dtype::Uint32)?
+        .sum_axis(-1, false)?;
+    Ok(ops::subtract(&below, Array::from_slice(&[1u32], &[1]))?.as_dtype(mlx_rs::Dtype::Uint32)?)
+}
+
+/// A seed for a request that gave none: random per sampler (the standard library's per-map
+/// random hasher keys, which differ for every map, and the clock).
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.finish()
 }
 
 /// XTC on `logprobs` `[1, vocab]` with `draw` a uniform in `[0, 1)` (`[]`): when `draw` is at
@@ -409,16 +504,17 @@ fn neg_inf() -> Array {
     Array::from_f32(f32::NEG_INFINITY)
 }
 
-/// Keeps the most likely tokens until their mass reaches `top_p` of the total.
-fn apply_top_p(logprobs: &Array, top_p: f32) -> Result<Array> {
+/// Keeps the most likely tokens until their mass reaches `top_p` of the total: `logprobs`
+/// `[rows, vocab]`, `top_p` a scalar or `[rows, 1]`.
+fn apply_top_p(logprobs: &Array, top_p: &Array) -> Result<Array> {
     let sorted = ops::sort_axis(logprobs, -1)?;
     let probs = ops::exp(&sorted)?;
     let mass_above = ops::cumsum(&probs, -1, true, false)?;
-    let vocab = logprobs.shape()[1];
-    let first = |a: &Array| crate::nn::mlx_ext::slice(a, &[0, 0], &[1, 1]);
+    let (rows, vocab) = (logprobs.shape()[0], logprobs.shape()[1]);
+    let first = |a: &Array| crate::nn::mlx_ext::slice(a, &[0, 0], &[rows, 1]);
     let total = ops::add(&first(&mass_above)?, &first(&probs)?)?;
     let dropped = mass_above
-        .ge(&ops::multiply(&total, Array::from_f32(top_p))?)?
+        .ge(&ops::multiply(&total, top_p)?)?
         .sum_axis(-1, true)?
         .as_dtype(mlx_rs::Dtype::Int32)?;
     let dropped = ops::minimum(&dropped, Array::from_int(vocab - 1))?;
@@ -426,10 +522,11 @@ fn apply_top_p(logprobs: &Array, top_p: f32) -> Result<Array> {
     Ok(ops::select(&logprobs.lt(&threshold)?, neg_inf(), logprobs)?)
 }
 
-/// Drops tokens whose probability is below `min_p` times the top token's.
-fn apply_min_p(logprobs: &Array, min_p: f32) -> Result<Array> {
+/// Drops tokens whose probability is below `min_p` times the top token's: `logprobs`
+/// `[rows, vocab]`, `ln_min_p` the logarithm of `min_p`, a scalar or `[rows, 1]`.
+fn apply_min_p(logprobs: &Array, ln_min_p: &Array) -> Result<Array> {
     let top = logprobs.max_axis(-1, true)?;
-    let floor = ops::add(&top, Array::from_f32(min_p.ln()))?;
+    let floor = ops::add(&top, ln_min_p)?;
     Ok(ops::select(&logprobs.lt(&floor)?, neg_inf(), logprobs)?)
 }
 
@@ -471,21 +568,89 @@ mod tests {
             [true, true, false, false]
         );
         assert_eq!(
-            finite(&apply_top_p(&lp, 0.7).unwrap()),
+            finite(&apply_top_p(&lp, &Array::from_f32(0.7)).unwrap()),
             [true, true, false, false]
         );
         assert_eq!(
-            finite(&apply_top_p(&lp, 0.9).unwrap()),
+            finite(&apply_top_p(&lp, &Array::from_f32(0.9)).unwrap()),
             [true, true, true, false]
         );
         assert_eq!(
-            finite(&apply_min_p(&lp, 0.2).unwrap()),
+            finite(&apply_min_p(&lp, &Array::from_f32(0.2f32.ln())).unwrap()),
             [true, true, true, false]
         );
         assert_eq!(
-            finite(&apply_min_p(&lp, 0.5).unwrap()),
+            finite(&apply_min_p(&lp, &Array::from_f32(0.5f32.ln())).unwrap()),
             [true, true, false, false]
         );
+    }
+
+    /// Rows sampled together draw the tokens each draws alone from the same key, over
+    /// temperatures, top-p and min-p mixed in one batch, float32 and bfloat16 logits, steps
+    /// after steps (each row's stream advancing once a step).
+    #[test]
+    fn batched_rows_draw_what_each_draws_alone() {
+        let settings = [
+            (1.0, 0.0, 0.0),
+            (0.7, 0.9, 0.0),
+            (1.3, 0.0, 0.05),
+            (0.5, 0.8, 0.1),
+            (1.0, 1.0, 0.0),
+            (0.2, 0.0, 0.0),
+        ];
+        let params: Vec<SamplingParams> = settings
+            .iter()
+            .enumerate()
+            .map(|(i, &(temperature, top_p, min_p))| SamplingParams {
+                temperature,
+                top_p,
+                min_p,
+                seed: Some(100 + i as u64),
+                ..Default::default()
+            })
+            .collect();
+        for dtype in [mlx_rs::Dtype::Float32, mlx_rs::Dtype::Bfloat16] {
+            for subset in [&params[..], &params[..1], &params[2..4]] {
+                let n = subset.len() as i32;
+                let mut together: Vec<Sampler> = subset
+                    .iter()
+                    .map(|p| Sampler::new(p.clone()).unwrap())
+                    .collect();
+                let mut alone: Vec<Sampler> = subset
+                    .iter()
+                    .map(|p| Sampler::new(p.clone()).unwrap())
+                    .collect();
+                let (mut batched, mut single) = (Vec::new(), Vec::new());
+                for step in 0..40 {
+                    let key = random::key(step).unwrap();
+                    let logits = ops::multiply(
+                        random::normal::<f32>(&[n, 512], None, None, Some(&key)).unwrap(),
+                        Array::from_f32(3.0),
+                    )
+                    .unwrap()
+                    .as_dtype(dtype)
+                    .unwrap();
+                    let lp =
+                        ops::subtract(&logits, logits.logsumexp_axis(-1, true).unwrap()).unwrap();
+                    let mut refs: Vec<&mut Sampler> = together.iter_mut().collect();
+                    let tokens = sample_batched(&lp, &mut refs).unwrap();
+                    batched.extend_from_slice(tokens.as_slice::<u32>());
+                    for (r, sampler) in alone.iter_mut().enumerate() {
+                        let row =
+                            crate::nn::mlx_ext::slice(&lp, &[r as i32, 0], &[r as i32 + 1, 512])
+                                .unwrap();
+                        let token = sampler
+                            .sample(&row)
+                            .unwrap()
+                            .as_dtype(mlx_rs::Dtype::Uint32);
+                        single.push(token.unwrap().as_slice::<u32>()[0]);
+                    }
+                }
+                assert_eq!(batched, single, "{dtype:?}, {n} rows");
+                let distinct: std::collections::HashSet<_> = single.iter().collect();
+                assert!(distinct.len() > 20, "draws vary: {distinct:?}");
+            }
+        }
     }
 
     #[test]

@@ -25,7 +25,7 @@ use crate::kv::cache::KvCache;
 use crate::kv::slot_cache::{RowKv, SlotAttention, SlotKvCache};
 use crate::models::{Model, Spliced};
 use crate::nn::mlx_ext::slice;
-use crate::sample::sampler::Sampler;
+use crate::sample::sampler::{sample_batched, Sampler};
 use crate::sample::{log_softmax_f32, sample_next, RecentTokens, Sampled, TokenLogprobs};
 use crate::worker::compiled::CompiledSlotForward;
 use perch_sched::kv_cache_manager::RequestId;
@@ -299,7 +299,7 @@ impl<'m> ModelRunner<'m> {
     ) -> Result<Array> {
         let logits = Self::forward_decode(model, compiled, ids, slots, new_tokens)?;
         let vocab = logits.shape()[2];
-        let greedy = greedy_tokens(&logits.reshape(&[-1, vocab])?)?;
+        let greedy = greedy_tokens(&log_softmax(&logits.reshape(&[-1, vocab])?)?)?;
         eval(std::iter::once(&greedy).chain(slots.state()))?;
         Ok(greedy)
     }
@@ -452,8 +452,10 @@ impl<'m> ModelRunner<'m> {
 
     /// Builds one decode step of `rows` (in the order they were scheduled) and dispatches it
     /// (`async_eval`) without waiting; the step in flight so far stays to be read. Rows with a
-    /// plain greedy sampler and no log-probabilities asked share one argmax; the others are
-    /// sampled one by one with their own processors and keys. Returns the step and the seconds
+    /// plain greedy sampler and no log-probabilities asked share one argmax, sampled rows with
+    /// only a temperature, top-p and min-p one batched draw ([`sample_batched`], each with its
+    /// own key); the others are sampled one by one with their own processors, masks and keys
+    /// ([`Draw`]). Returns the step and the seconds
     /// spent building its graph.
     pub fn dispatch_decode(&mut self, mut rows: Vec<DecodeRow>) -> Result<(InFlight, f64)> {
         let start = Instant::now();
@@ -471,20 +473,50 @@ impl<'m> ModelRunner<'m> {
         )?;
         let vocab = logits.shape()[2];
         let logits = logits.reshape(&[num_rows as i32, vocab])?;
-        let plain: Vec<bool> = rows
+        let draw: Vec<Draw> = rows
             .iter()
-            .map(|r| r.sampler.is_plain_greedy() && r.logprobs.is_none() && r.mask.is_none())
+            .map(|r| match (r.logprobs, &r.mask) {
+                (None, None) if r.sampler.is_plain_greedy() => Draw::Greedy,
+                (None, None) if r.sampler.batched_row().is_some() => Draw::Batched,
+                _ => Draw::Own,
+            })
             .collect();
-        let greedy = if plain.contains(&true) {
-            Some(greedy_tokens(&logits)?)
-        } else {
-            None
+        let logprobs = (draw.iter().any(|d| *d != Draw::Own))
+            .then(|| log_softmax(&logits))
+            .transpose()?;
+        let greedy = match (&logprobs, draw.contains(&Draw::Greedy)) {
+            (Some(logprobs), true) => Some(greedy_tokens(logprobs)?),
+            _ => None,
+        };
+        // The sampled rows without processors, top-k, XTC, masks or log-probabilities: one
+        // draw for them all.
+        let (batched_at, mut batched_samplers): (Vec<u32>, Vec<&mut Sampler>) = rows
+            .iter_mut()
+            .zip(&draw)
+            .filter(|(_, d)| **d == Draw::Batched)
+            .map(|(r, _)| (r.row as u32, &mut *r.sampler))
+            .unzip();
+        let batched = match &logprobs {
+            Some(logprobs) if !batched_at.is_empty() => {
+                let at = Array::from_slice(&batched_at, &[batched_at.len() as i32]);
+                Some(sample_batched(
+                    &logprobs.take_axis(&at, 0)?,
+                    &mut batched_samplers,
+                )?)
+            }
+            _ => None,
         };
         let mut entries = Vec::with_capacity(rows.len());
-        for (r, &plain) in rows.iter_mut().zip(&plain) {
+        let mut batched_place = 0;
+        for (r, &draw) in rows.iter_mut().zip(&draw) {
             let at = r.row as i32;
             let row_logits = || slice(&logits, &[at, 0], &[at + 1, vocab]);
-            let sampled = if plain {
+            let mut source = Source::Greedy;
+            if draw == Draw::Batched {
+                source = Source::Batched(batched_place);
+                batched_place += 1;
+            }
+            let sampled = if draw != Draw::Own {
                 None
             } else {
                 let mut masked = row_logits()?;
@@ -501,11 +533,18 @@ impl<'m> ModelRunner<'m> {
             entries.push(StepEntry {
                 id: r.id,
                 row: r.row,
-                sampled,
+                source: match sampled {
+                    Some(sampled) => Source::Own(sampled),
+                    None => source,
+                },
                 distribution,
             });
         }
-        let step = InFlight { entries, greedy };
+        let step = InFlight {
+            entries,
+            greedy,
+            batched,
+        };
         let built = start.elapsed().as_secs_f64();
         self.print_step_graph(num_rows, &step);
         async_eval(
@@ -595,13 +634,19 @@ impl<'m> ModelRunner<'m> {
             .as_ref()
             .map(|g| g.as_slice::<u32>().to_vec())
             .unwrap_or_default();
+        let batched: Vec<u32> = step
+            .batched
+            .as_ref()
+            .map(|b| b.as_slice::<u32>().to_vec())
+            .unwrap_or_default();
         let tokens = step
             .entries
             .iter()
             .map(|entry| {
-                let (token, logprobs) = match &entry.sampled {
-                    Some(sampled) => sampled.read(),
-                    None => (greedy[entry.row], None),
+                let (token, logprobs) = match &entry.source {
+                    Source::Own(sampled) => sampled.read(),
+                    Source::Greedy => (greedy[entry.row], None),
+                    Source::Batched(k) => (batched[*k], None),
                 };
                 StepToken {
                     id: entry.id,
@@ -694,7 +739,7 @@ impl ModelRunner<'_> {
         let logits = Self::forward_decode(self.model, compiled, &ids, decode, &new_tokens)?;
         let vocab = logits.shape()[2];
         let logits = logits.reshape(&[-1, vocab])?;
-        let greedy = greedy_tokens(&logits)?;
+        let greedy = greedy_tokens(&log_softmax(&logits)?)?;
         // A sampled row's positions in one sampler call, as mlx_lm samples a verify pass
         // without logits processors.
         let mut sampled: Vec<Option<Array>> = Vec::with_capacity(rows.len());
@@ -730,11 +775,27 @@ impl ModelRunner<'_> {
     }
 }
 
-/// The greedy token of every row of `logits` `[rows, vocab]`: `[rows]` uint32, the argmax of
-/// the log-probabilities as a lone sequence's sampler takes it (lazy).
-fn greedy_tokens(logits: &Array) -> Result<Array> {
-    let logprobs = ops::subtract(logits, &logits.logsumexp_axis(-1, true)?)?;
-    Ok(ops::indexing::argmax_axis(&logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
+/// The log-probabilities of every row of `logits` `[rows, vocab]`, in their dtype, as a lone
+/// sequence's sampler takes them (lazy).
+fn log_softmax(logits: &Array) -> Result<Array> {
+    Ok(ops::subtract(logits, &logits.logsumexp_axis(-1, true)?)?)
+}
+
+/// The greedy token of every row of `logprobs` `[rows, vocab]` ([`log_softmax`]): `[rows]`
+/// uint32, their argmax (lazy).
+fn greedy_tokens(logprobs: &Array) -> Result<Array> {
+    Ok(ops::indexing::argmax_axis(logprobs, -1, None)?.as_dtype(Dtype::Uint32)?)
+}
+
+/// How a plain decode step draws a row's token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Draw {
+    /// The argmax, shared by every greedy row.
+    Greedy,
+    /// One draw of [`sample_batched`] for every such row.
+    Batched,
+    /// Its own processors, mask, log-probabilities and draw ([`sample_next`]).
+    Own,
 }
 
 /// A decode step dispatched and not read yet.
@@ -743,14 +804,16 @@ pub(crate) struct InFlight {
     entries: Vec<StepEntry>,
     /// The argmax of every row `[rows]` (uint32), when some row is plain greedy.
     greedy: Option<Array>,
+    /// The batched rows' draws ([`Draw::Batched`]), in the entries' order.
+    batched: Option<Array>,
 }
 
 struct StepEntry {
     id: RequestId,
     /// Its row of the step's logits.
     row: usize,
-    /// Its token when sampled on its own; `None`: `greedy[row]`.
-    sampled: Option<Sampled>,
+    /// Where its token is.
+    source: Source,
     /// Its `[vocab]` log-probabilities, when asked.
     distribution: Option<Array>,
 }
@@ -763,38 +826,54 @@ impl InFlight {
 
     /// The arrays to evaluate.
     fn arrays(&self) -> impl Iterator<Item = &Array> {
-        self.greedy.iter().chain(self.entries.iter().flat_map(|e| {
-            e.sampled
-                .iter()
+        let own = self.entries.iter().flat_map(|e| {
+            let sampled = match &e.source {
+                Source::Own(sampled) => Some(sampled),
+                _ => None,
+            };
+            sampled
+                .into_iter()
                 .flat_map(Sampled::arrays)
                 .chain(e.distribution.iter())
-        }))
+        });
+        self.greedy.iter().chain(self.batched.iter()).chain(own)
     }
 
-    /// Every entry's token, `[entries]` uint32, lazy.
+    /// Every entry's token, `[entries]` uint32, lazy: one gather from the greedy rows, the
+    /// batched draws and the rows' own draws, laid end to end.
     fn tokens(&self) -> Result<Array> {
-        let rows: Vec<u32> = self.entries.iter().map(|e| e.row as u32).collect();
-        let from_greedy = match &self.greedy {
-            Some(greedy) => {
-                Some(greedy.take_axis(Array::from_slice(&rows, &[rows.len() as i32]), 0)?)
-            }
-            None => None,
-        };
-        if self.entries.iter().all(|e| e.sampled.is_none()) {
-            return Ok(from_greedy.expect("plain greedy rows have the argmax"));
+        let mut pieces: Vec<Array> = self.greedy.iter().chain(&self.batched).cloned().collect();
+        let greedy_len = self.greedy.as_ref().map_or(0, |g| g.shape()[0] as u32);
+        let batched_len = self.batched.as_ref().map_or(0, |b| b.shape()[0] as u32);
+        let mut own = greedy_len + batched_len;
+        let mut at = Vec::with_capacity(self.entries.len());
+        for e in &self.entries {
+            at.push(match &e.source {
+                Source::Greedy => e.row as u32,
+                Source::Batched(k) => greedy_len + *k as u32,
+                Source::Own(sampled) => {
+                    pieces.push(sampled.token.reshape(&[1])?);
+                    own += 1;
+                    own - 1
+                }
+            });
         }
-        let pieces: Vec<Array> = self
-            .entries
-            .iter()
-            .enumerate()
-            .map(|(k, e)| match (&e.sampled, &from_greedy) {
-                (Some(sampled), _) => Ok(sampled.token.reshape(&[1])?),
-                (None, Some(g)) => Ok(slice(g, &[k as i32], &[k as i32 + 1])?),
-                (None, None) => unreachable!("plain greedy rows have the argmax"),
-            })
-            .collect::<Result<_>>()?;
-        Ok(ops::concatenate(&pieces, 0)?)
+        let all = match pieces.len() {
+            1 => pieces.pop().expect("one piece"),
+            _ => ops::concatenate(&pieces, 0)?,
+        };
+        Ok(all.take_axis(Array::from_slice(&at, &[at.len() as i32]), 0)?)
     }
+}
+
+/// Where a stepped row's token is ([`InFlight`]).
+enum Source {
+    /// `greedy[row]`.
+    Greedy,
+    /// `batched[k]`.
+    Batched(usize),
+    /// Its own draw.
+    Own(Sampled),
 }
 
 impl ModelRunner<'_> {
@@ -848,9 +927,11 @@ impl ModelRunner<'_> {
                 }
             }
             // Sampled rows' draws replace their greedy tokens: every row's token taken from
-            // the greedy ones followed by the draws.
-            let mut draws = Vec::new();
-            let mut take: Vec<u32> = (0..num_rows as u32).collect();
+            // the greedy ones followed by the batched draws ([`sample_batched`]) and the rows'
+            // own (top-k, XTC).
+            let (mut batched_at, mut batched_rows, mut batched_samplers) =
+                (Vec::new(), Vec::new(), Vec::new());
+            let mut own = Vec::new();
             for (r, &wanted) in rows.iter_mut().zip(ks) {
                 let Some(sampler) = r.sampler.as_deref_mut().filter(|_| step < wanted) else {
                     continue;
@@ -859,15 +940,33 @@ impl ModelRunner<'_> {
                     last[r.row]
                 } else {
                     r.row as u32
-                } as i32;
-                take[r.row] = (num_rows + draws.len()) as u32;
-                draws.push(draw(sampler, &slice(&flat, &[at, 0], &[at + 1, vocab])?)?);
+                };
+                if sampler.batched_row().is_some() {
+                    batched_at.push(at);
+                    batched_rows.push(r.row);
+                    batched_samplers.push(sampler);
+                } else {
+                    own.push((r.row, at as i32, sampler));
+                }
             }
-            let tokens = if draws.is_empty() {
-                greedy
-            } else {
-                let all = ops::concatenate(&[&[greedy][..], &draws].concat(), 0)?;
-                all.take_axis(Array::from_slice(&take, &[num_rows as i32]), 0)?
+            let mut take: Vec<u32> = (0..num_rows as u32).collect();
+            let mut pieces = vec![greedy];
+            if !batched_at.is_empty() {
+                let at = Array::from_slice(&batched_at, &[batched_at.len() as i32]);
+                let logprobs = log_softmax(&flat.take_axis(&at, 0)?)?;
+                pieces.push(sample_batched(&logprobs, &mut batched_samplers)?);
+                for (k, &row) in batched_rows.iter().enumerate() {
+                    take[row] = (num_rows + k) as u32;
+                }
+            }
+            for (j, (row, at, sampler)) in own.into_iter().enumerate() {
+                take[row] = (num_rows + batched_rows.len() + j) as u32;
+                pieces.push(draw(sampler, &slice(&flat, &[at, 0], &[at + 1, vocab])?)?);
+            }
+            let tokens = match pieces.len() {
+                1 => pieces.pop().expect("the greedy tokens"),
+                _ => ops::concatenate(&pieces, 0)?
+                    .take_axis(Array::from_slice(&take, &[num_rows as i32]), 0)?,
             };
             feed = tokens.reshape(&[num_rows as i32, 1])?;
             proposals.push(tokens);
