@@ -59,7 +59,7 @@ use crate::spec_decode::ngram::{Backoff, PromptLookup};
 use crate::spec_decode::policy::SpecPolicy;
 use crate::text::tokenizer::Tokenizer;
 use crate::worker::draft::{DraftRow, DraftRunner};
-use crate::worker::runner::{DecodeRow, FedRow, ModelRunner, Slot};
+use crate::worker::runner::{DecodeRow, FedRow, ModelRunner, Proposed, Slot};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientTally, Lookup};
@@ -2136,10 +2136,15 @@ impl<'m> BatchGenerator<'m> {
     /// blocks are taken, so that a row left out spends none of its sampler's draws) for the
     /// rows it drafts for, prompt lookup's for greedy rows without a draft (while a row's
     /// [`Backoff`] lets it propose; mlx_lm accepts a sampled row's proposals by its draws,
-    /// which prompt lookup does not make).
-    fn proposals(&mut self, ready: &[usize]) -> Result<Vec<Vec<u32>>> {
+    /// which prompt lookup does not make). The draft's are dispatched and not read: each of
+    /// its rows gets its column of them and their count.
+    fn proposals(&mut self, ready: &[usize]) -> Result<Proposals> {
         let context = self.model.info().context_length;
-        let mut proposals = vec![Vec::new(); ready.len()];
+        let mut proposals = Proposals {
+            host: vec![Vec::new(); ready.len()],
+            drafted: vec![None; ready.len()],
+            device: None,
+        };
         // (place in `ready`, tokens it drafts)
         let mut drafting = Vec::new();
         for (j, &i) in ready.iter().enumerate() {
@@ -2168,7 +2173,7 @@ impl<'m> BatchGenerator<'m> {
                     None,
                 )
             {
-                proposals[j] = proposed.to_vec();
+                proposals.host[j] = proposed.to_vec();
             }
         }
         if !drafting.is_empty() {
@@ -2186,9 +2191,11 @@ impl<'m> BatchGenerator<'m> {
                 })
                 .collect();
             let draft = self.draft.as_mut().expect("rows draft only with a draft");
-            for (&(j, _), drafted) in drafting.iter().zip(draft.propose(rows)?) {
-                proposals[j] = drafted;
+            let device = draft.propose(rows)?;
+            for (&(j, k), &column) in drafting.iter().zip(&device.columns) {
+                proposals.drafted[j] = Some((column, k));
             }
+            proposals.device = Some(device);
         }
         Ok(proposals)
     }
@@ -2201,21 +2208,24 @@ impl<'m> BatchGenerator<'m> {
     /// verified nothing, when no row proposes.
     fn verify(&mut self, ready: &[usize], events: &mut Vec<BatchEvent>) -> Result<bool> {
         let start = Instant::now();
-        let proposals = self.proposals(ready)?;
-        let drafted = start.elapsed().as_secs_f64();
+        let Proposals {
+            host,
+            drafted,
+            device,
+        } = self.proposals(ready)?;
         let fed: Vec<Vec<u32>> = ready
             .iter()
-            .zip(proposals)
+            .zip(host)
             .map(|(&i, proposed)| {
                 let last = *self.running[i].tokens.last().expect("non-empty");
                 [vec![last], proposed].concat()
             })
             .collect();
-        if fed.iter().all(|f| f.len() == 1) {
+        if device.is_none() && fed.iter().all(|f| f.len() == 1) {
             self.settle_drafts(ready, &vec![0; ready.len()])?;
             return Ok(false);
         }
-        self.times.draft_seconds += drafted;
+        self.times.draft_seconds += start.elapsed().as_secs_f64();
         let verify_start = Instant::now();
         self.enter_decode_slots(ready)?;
         let rows = picked_mut(&mut self.running, ready)
@@ -2227,12 +2237,20 @@ impl<'m> BatchGenerator<'m> {
                 FedRow {
                     row,
                     fed: &fed[j],
+                    proposed: drafted[j],
                     sampler: sampled.then_some(&mut seq.sampler),
                 }
             })
             .collect();
-        let targets = self.runner.verify(rows)?;
+        let verified = self.runner.verify(rows, device.as_ref())?;
         let waited = verify_start.elapsed().as_secs_f64();
+        // Each row's fed tokens in full: its last, then its proposals (the draft's, read now).
+        let fed: Vec<Vec<u32>> = fed
+            .into_iter()
+            .zip(verified.drafted)
+            .map(|(fed, drafted)| [fed, drafted].concat())
+            .collect();
+        let targets = verified.targets;
         let accepted: Vec<usize> = fed
             .iter()
             .zip(&targets)
@@ -2522,6 +2540,16 @@ fn picked_mut<'s>(
         .iter_mut()
         .enumerate()
         .filter_map(move |(i, seq)| next.next_if(|&(_, &r)| r == i).map(|(j, _)| (j, seq)))
+}
+
+/// A verify step's proposals ([`BatchGenerator::proposals`]), per `ready` row.
+struct Proposals {
+    /// Prompt lookup's (on the host).
+    host: Vec<Vec<u32>>,
+    /// A draft row's column of `device` and its count.
+    drafted: Vec<Option<(usize, usize)>>,
+    /// The draft's, not read yet.
+    device: Option<Proposed>,
 }
 
 /// Whether prompt lookup may propose for `seq` now: a greedy sequence (a sampled one accepts

@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::kv::slot_cache::{RowKv, SlotAttention};
 use crate::models::Model;
 use crate::sample::sampler::Sampler;
-use crate::worker::runner::{FedRow, ModelRunner, Slot};
+use crate::worker::runner::{FedRow, ModelRunner, Proposed, Slot};
 use perch_sched::kv_cache_manager::RequestId;
 use perch_sched::shapes::prefill_chunk_bucket;
 
@@ -79,9 +79,10 @@ impl<'m> DraftRunner<'m> {
         self.runner.warm_up(max_rows)
     }
 
-    /// Each of `rows`' proposals, in `rows`' order: its `k` tokens of the draft after its last
-    /// one, greedy or drawn by its sampler ([`ModelRunner::propose`]).
-    pub fn propose(&mut self, rows: Vec<DraftRow>) -> Result<Vec<Vec<u32>>> {
+    /// Each of `rows`' proposals: its `k` tokens of the draft after its last one, greedy or
+    /// drawn by its sampler, dispatched and not read ([`ModelRunner::propose`]; `columns` in
+    /// `rows`' order).
+    pub fn propose(&mut self, rows: Vec<DraftRow>) -> Result<Proposed> {
         let sequences: Vec<(RequestId, &[u32])> = rows.iter().map(|r| (r.id, r.tokens)).collect();
         self.catch_up(&sequences)?;
         let k = rows.iter().map(|r| r.k).max().unwrap_or(0);
@@ -93,6 +94,7 @@ impl<'m> DraftRunner<'m> {
                 FedRow {
                     row,
                     fed: &r.tokens[len..],
+                    proposed: None,
                     sampler: r.sampler,
                 }
             })

@@ -672,10 +672,32 @@ pub(crate) struct FedRow<'a> {
     /// draft's step the tokens its sequence has that the draft's cache lacks, ending with the
     /// last one.
     pub fed: &'a [u32],
+    /// In a verify step, the draft's proposals fed after `fed`, still on the device: its column
+    /// of [`Proposed::tokens`] and how many (`None`: none).
+    pub proposed: Option<(usize, usize)>,
     /// A sampled row's sampler (one without logits processors), whose draws take the place of
     /// the greedy tokens, in mlx_lm's order (`speculative_generate_step`): in a draft's steps
     /// one draw a proposal, in a verify step one draw for all its positions. `None`: greedy.
     pub sampler: Option<&'a mut Sampler>,
+}
+
+impl FedRow<'_> {
+    /// The tokens it feeds in all.
+    fn len(&self) -> usize {
+        self.fed.len() + self.proposed.map_or(0, |(_, k)| k)
+    }
+}
+
+/// A draft's proposals not read yet ([`ModelRunner::propose`]): the verify step feeds them
+/// from the device, so the draft's steps and the verify pass run with one wait.
+pub(crate) struct Proposed {
+    /// `[k, rows]` uint32: step `i`'s proposal of the draft's decode row `r` at `[i, r]`.
+    pub tokens: Array,
+    /// Each proposing row's column of `tokens` (its decode row in the draft's slot cache), in
+    /// the order the rows were given.
+    pub columns: Vec<usize>,
+    /// The draft's slot cache after the steps, to evaluate with the verify pass.
+    pub state: Vec<Array>,
 }
 
 /// One draw of `sampler` from `logits` `[1, vocab]`: `[1]` uint32 (lazy).
@@ -697,8 +719,13 @@ impl ModelRunner<'_> {
     /// `rows` as one pass over the decode slot cache: as wide as the longest row or, on GPUs
     /// (whose backends pay for each new shape), as the runner's verify steps, which warm-up
     /// meets; the slots not in `rows` keep `others` positions.
-    fn fed_step(&self, rows: &[FedRow], others: usize) -> FedStep {
-        let longest = rows.iter().map(|r| r.fed.len()).max().unwrap_or(1);
+    fn fed_step(
+        &self,
+        rows: &[FedRow],
+        others: usize,
+        proposed: Option<&Proposed>,
+    ) -> Result<FedStep> {
+        let longest = rows.iter().map(FedRow::len).max().unwrap_or(1);
         let width = match self.verify_steps {
             Some((width, _)) if Backend::current() != Backend::Cpu => width.max(longest),
             _ => longest,
@@ -707,33 +734,61 @@ impl ModelRunner<'_> {
         let num_rows = decode.rows();
         let mut ids = vec![0u32; num_rows * width];
         let mut new_tokens = vec![others; decode.slots()];
+        // Where each fed position's token is among the host's `ids` followed by the draft's
+        // proposals (flattened), when some row feeds proposals from the device.
+        let mut gather: Option<Vec<u32>> = proposed.map(|_| (0..ids.len() as u32).collect());
         for r in rows {
-            ids[r.row * width..r.row * width + r.fed.len()].copy_from_slice(r.fed);
-            new_tokens[r.row] = r.fed.len();
+            let at = r.row * width;
+            ids[at..at + r.fed.len()].copy_from_slice(r.fed);
+            new_tokens[r.row] = r.len();
+            if let (Some(gather), Some(proposed), Some((column, k))) =
+                (&mut gather, proposed, r.proposed)
+            {
+                let columns = proposed.tokens.shape()[1] as usize;
+                for i in 0..k {
+                    gather[at + r.fed.len() + i] = (ids.len() + i * columns + column) as u32;
+                }
+            }
         }
-        FedStep {
+        let shape = [num_rows as i32, width as i32];
+        let host = Array::from_slice(&ids, &shape);
+        let ids = match (gather, proposed) {
+            (Some(gather), Some(proposed)) => {
+                let all =
+                    ops::concatenate(&[host.reshape(&[-1])?, proposed.tokens.reshape(&[-1])?], 0)?;
+                all.take_axis(Array::from_slice(&gather, &[gather.len() as i32]), 0)?
+                    .reshape(&shape)?
+            }
+            _ => host,
+        };
+        Ok(FedStep {
             width,
-            ids: Array::from_slice(&ids, &[num_rows as i32, width as i32]),
+            ids,
             new_tokens,
-        }
+        })
     }
 
     /// A verify step of speculative decoding ([`crate::spec_decode`]): each row of `rows`
     /// feeds its tokens in one forward pass over the decode slot cache (padded to the longest,
-    /// compiled when decode steps are), and the model's token after each of them comes back
-    /// (its greedy token, or a sampled row's draws: one sampler call over its fed positions),
-    /// per row in `rows`' order (`fed.len()` tokens each). Waits for the device: the
-    /// tokens it accepts decide what the next step feeds. Each row's slot holds `fed.len()`
-    /// more positions afterwards (the other occupied slots one, as in a decode step); those of
-    /// rejected proposals are given back with [`ModelRunner::rewind`]. No decode step may be
-    /// in flight.
-    pub fn verify(&mut self, mut rows: Vec<FedRow>) -> Result<Vec<Vec<u32>>> {
+    /// compiled when decode steps are), its `fed` ones from the host and then the draft's
+    /// `proposed` ones from the device (one wait for the draft's steps and this pass), and the
+    /// model's token after each of them comes back (its greedy token, or a sampled row's
+    /// draws: one sampler call over its fed positions), per row in `rows`' order, with the
+    /// draft's proposals read ([`Verified`]). Waits for the device: the tokens it accepts
+    /// decide what the next step feeds. Each row's slot holds all its fed positions afterwards
+    /// (the other occupied slots one, as in a decode step); those of rejected proposals are
+    /// given back with [`ModelRunner::rewind`]. No decode step may be in flight.
+    pub fn verify(
+        &mut self,
+        mut rows: Vec<FedRow>,
+        proposed: Option<&Proposed>,
+    ) -> Result<Verified> {
         debug_assert!(self.in_flight.is_none(), "the step in flight is read first");
         let FedStep {
             width,
             ids,
             new_tokens,
-        } = self.fed_step(&rows, 1);
+        } = self.fed_step(&rows, 1, proposed)?;
         let compiled = self.compiled_decode.as_mut();
         let decode = &mut self.slots.decode;
         let logits = Self::forward_decode(self.model, compiled, &ids, decode, &new_tokens)?;
@@ -744,9 +799,9 @@ impl ModelRunner<'_> {
         // without logits processors.
         let mut sampled: Vec<Option<Array>> = Vec::with_capacity(rows.len());
         for r in rows.iter_mut() {
+            let (from, n) = ((r.row * width) as i32, r.len() as i32);
             sampled.push(match r.sampler.as_deref_mut() {
                 Some(sampler) => {
-                    let (from, n) = ((r.row * width) as i32, r.fed.len() as i32);
                     let positions = slice(&logits, &[from, 0], &[from + n, vocab])?;
                     Some(crate::sample::sample_positions(&positions, sampler)?.0)
                 }
@@ -756,23 +811,49 @@ impl ModelRunner<'_> {
         eval(
             std::iter::once(&greedy)
                 .chain(sampled.iter().flatten())
-                .chain(decode.state()),
+                .chain(decode.state())
+                .chain(
+                    proposed
+                        .iter()
+                        .flat_map(|p| std::iter::once(&p.tokens).chain(&p.state)),
+                ),
         )?;
         let greedy = greedy.as_slice::<u32>();
-        Ok(rows
+        let targets = rows
             .iter()
             .zip(&sampled)
             .map(|(r, sampled)| match sampled {
                 Some(tokens) => tokens.as_slice::<u32>().to_vec(),
-                None => greedy[r.row * width..r.row * width + r.fed.len()].to_vec(),
+                None => greedy[r.row * width..r.row * width + r.len()].to_vec(),
             })
-            .collect())
+            .collect();
+        let drafted = match proposed {
+            Some(p) => {
+                let (all, columns) = (p.tokens.as_slice::<u32>(), p.tokens.shape()[1] as usize);
+                rows.iter()
+                    .map(|r| match r.proposed {
+                        Some((column, k)) => (0..k).map(|i| all[i * columns + column]).collect(),
+                        None => Vec::new(),
+                    })
+                    .collect()
+            }
+            None => vec![Vec::new(); rows.len()],
+        };
+        Ok(Verified { targets, drafted })
     }
 
     /// Forgets the last `n` positions of decode slot `row` ([`SlotKvCache::rewind`]).
     pub fn rewind(&mut self, row: usize, n: usize) -> Result<()> {
         self.slots.decode.rewind(row, n)
     }
+}
+
+/// What a verify step gives each of its rows, in their order ([`ModelRunner::verify`]).
+pub(crate) struct Verified {
+    /// The model's token after each fed token (greedy, or the row's draws).
+    pub targets: Vec<Vec<u32>>,
+    /// The draft's proposals it fed from the device (empty for a row without).
+    pub drafted: Vec<Vec<u32>>,
 }
 
 /// The log-probabilities of every row of `logits` `[rows, vocab]`, in their dtype, as a lone
@@ -879,13 +960,14 @@ enum Source {
 impl ModelRunner<'_> {
     /// A draft model's proposals ([`crate::worker::draft`]): each row of `rows` feeds its
     /// tokens, then more steps feed each row the draft's token before (its greedy token, or a
-    /// sampled row's draw), all on the device, `k` steps in all (the most of `ks`); waits once,
-    /// and gives each row its first `ks[i]` proposals (per row in `rows`' order). A sampled row
+    /// sampled row's draw), all on the device, `k` steps in all (the most of `ks`), dispatched
+    /// without waiting: each row's first `ks[i]` proposals are its column of
+    /// [`Proposed::tokens`] (a verify step feeds and reads them). A sampled row
     /// draws only those (each draw takes a key of its stream; after them it feeds its greedy
     /// tokens). Each row's slot holds `fed.len() + k - 1` more positions afterwards (the draft
     /// never reads its last proposal); the other occupied slots are left as they were. No
     /// decode step may be in flight.
-    pub fn propose(&mut self, mut rows: Vec<FedRow>, ks: &[usize]) -> Result<Vec<Vec<u32>>> {
+    pub fn propose(&mut self, mut rows: Vec<FedRow>, ks: &[usize]) -> Result<Proposed> {
         debug_assert!(
             self.in_flight.is_none(),
             "a draft's runner runs no plain steps"
@@ -895,7 +977,7 @@ impl ModelRunner<'_> {
             width,
             ids: mut feed,
             mut new_tokens,
-        } = self.fed_step(&rows, 0);
+        } = self.fed_step(&rows, 0, None)?;
         let decode = &mut self.slots.decode;
         let num_rows = decode.rows();
         // Each row's last fed token's place among the first step's `[rows * width]`.
@@ -971,17 +1053,13 @@ impl ModelRunner<'_> {
             feed = tokens.reshape(&[num_rows as i32, 1])?;
             proposals.push(tokens);
         }
-        let proposals = ops::stack(&proposals, 0)?;
-        eval(std::iter::once(&proposals).chain(decode.state()))?;
-        let all = proposals.as_slice::<u32>();
-        Ok(rows
-            .iter()
-            .zip(ks)
-            .map(|(r, &wanted)| {
-                (0..wanted)
-                    .map(|step| all[step * num_rows + r.row])
-                    .collect()
-            })
-            .collect())
+        let tokens = ops::stack(&proposals, 0)?;
+        // Dispatched now: the device runs the draft's steps while the verify pass is built.
+        async_eval(std::iter::once(&tokens).chain(decode.state()))?;
+        Ok(Proposed {
+            tokens,
+            columns: rows.iter().map(|r| r.row).collect(),
+            state: decode.state().cloned().collect(),
+        })
     }
 }
