@@ -539,7 +539,8 @@ pub struct StepTimes {
     pub verify_steps: u64,
     pub draft_tokens: u64,
     pub accepted_draft_tokens: u64,
-    /// Of `decode_seconds`, the draft model's proposals in verify steps (its passes, waited for).
+    /// Of `decode_seconds`, building the draft model's proposals in verify steps (its steps'
+    /// graphs, and rows catching up): the device runs them within the verify step's wait.
     pub draft_seconds: f64,
     /// Seconds handing decoded tokens to their requests (detokenizing, stop rules, finishing).
     pub token_seconds: f64,

@@ -189,7 +189,7 @@ fn prompt_lookup_keeps_mlx_lms_ids() {
 
 /// Output that repeats its prompt (a text copied again) is mostly accepted proposals: the same
 /// ids as without prompt lookup in fewer decode steps, each request's stats counting them; a
-/// row that samples keeps the batch from proposing while it decodes.
+/// row that samples joins the verify steps without proposing, with the tokens it gets alone.
 #[test]
 fn prompt_lookup_pays_on_repeated_text() {
     let dir = common::model_dir();
@@ -233,15 +233,24 @@ fn prompt_lookup_pays_on_repeated_text() {
         times.decode_steps,
         plain_times.decode_steps
     );
-    // A sampled row in the batch: nobody proposes while it decodes.
+    // A sampled row in the batch joins the verify steps feeding its last token alone (prompt
+    // lookup proposes for greedy rows only): it draws as in plain steps, so its tokens are those
+    // it gets alone, and the greedy row still proposes beside it.
     let mut sampled = request.clone();
     sampled.sampling.temperature = 0.8;
     sampled.sampling.seed = Some(3);
     // It outlives the greedy request (at most 48 tokens), so no step has the greedy row alone.
     sampled.max_tokens = 64;
     sampled.ignore_eos = true;
-    let (_, mixed) = run(Some(LOOKUP), vec![request, sampled]);
-    assert_eq!(mixed.verify_steps, 0);
+    let alone = perch_engine::generate(model.as_ref(), &tokenizer, &sampled, |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+    .unwrap();
+    let (outputs, mixed) = run(Some(LOOKUP), vec![request, sampled]);
+    assert!(mixed.verify_steps > 0, "{mixed:?}");
+    assert!(outputs[0].0.stats.accepted_draft_tokens > 0);
+    assert_eq!(outputs[1].0.token_ids, alone.token_ids);
+    assert_eq!(outputs[1].0.stats.draft_tokens, 0);
 }
 
 /// Seeded sampling with XTC, repetition, presence and frequency penalties, and log-probabilities, run in the batch (whose

@@ -530,11 +530,11 @@ fn apply_min_p(logprobs: &Array, ln_min_p: &Array) -> Result<Array> {
     Ok(ops::select(&logprobs.lt(&floor)?, neg_inf(), logprobs)?)
 }
 
-/// Keeps the `k` most likely tokens.
+/// Keeps the `k` most likely tokens of each row of `logprobs` `[rows, vocab]`.
 fn apply_top_k(logprobs: &Array, k: i32) -> Result<Array> {
-    let vocab = logprobs.shape()[1];
+    let (rows, vocab) = (logprobs.shape()[0], logprobs.shape()[1]);
     let order = argpartition_axis(&ops::negative(logprobs)?, k - 1, -1)?;
-    let dropped = crate::nn::mlx_ext::slice(&order, &[0, k], &[1, vocab])?;
+    let dropped = crate::nn::mlx_ext::slice(&order, &[0, k], &[rows, vocab])?;
     let fill = ops::broadcast_to(neg_inf(), dropped.shape())?;
     Ok(put_along_axis(logprobs, &dropped, &fill, -1)?)
 }
@@ -689,6 +689,28 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_ne!(other, a[..50], "another seed gives another stream");
+    }
+
+    /// A sampler given several positions (a verify pass's, one draw for them all) filters each
+    /// row by its own values, as mlx_lm's filters do along the last axis.
+    #[test]
+    fn filters_apply_to_each_row() {
+        let rows = [[0.5f32, 0.3, 0.15, 0.05], [0.05, 0.15, 0.3, 0.5]];
+        let values: Vec<f32> = rows.iter().flatten().map(|p| p.ln()).collect();
+        let logits = Array::from_slice(&values, &[2, 4]);
+        let lp = ops::subtract(&logits, logits.logsumexp_axis(-1, true).unwrap()).unwrap();
+        assert_eq!(
+            finite(&apply_top_k(&lp, 2).unwrap()),
+            [true, true, false, false, false, false, true, true]
+        );
+        assert_eq!(
+            finite(&apply_top_p(&lp, &Array::from_f32(0.7)).unwrap()),
+            [true, true, false, false, false, false, true, true]
+        );
+        assert_eq!(
+            finite(&apply_min_p(&lp, &Array::from_f32(0.5f32.ln())).unwrap()),
+            [true, true, false, false, false, false, true, true]
+        );
     }
 
     #[test]

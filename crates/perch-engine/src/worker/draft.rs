@@ -1,7 +1,8 @@
 //! A draft model inside the batch (speculative decoding, [`crate::spec_decode`]): a second
 //! [`ModelRunner`] over the draft model, whose decode slot cache holds a row for each sequence
 //! it proposes for. A verify step of the batch asks it for proposals for every drafting row at
-//! once ([`ModelRunner::propose`]: `k` batched draft steps, one wait), and afterwards gives back
+//! once ([`ModelRunner::propose`]: `k` batched draft steps, dispatched without a wait; the
+//! verify pass feeds them from the device, [`crate::worker::runner::Proposed`]), and afterwards gives back
 //! the positions of the proposals the model rejected ([`DraftRunner::settle`]).
 //!
 //! The draft's cache follows its sequence lazily: a sequence's row is filled from its tokens

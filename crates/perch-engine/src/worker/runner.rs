@@ -668,9 +668,9 @@ impl<'m> ModelRunner<'m> {
 pub(crate) struct FedRow<'a> {
     /// Its decode slot.
     pub row: usize,
-    /// What it feeds: in a verify step its sequence's last token, then the proposals; in a
-    /// draft's step the tokens its sequence has that the draft's cache lacks, ending with the
-    /// last one.
+    /// What it feeds from the host: in a verify step its sequence's last token, then prompt
+    /// lookup's proposals (the draft's are in `proposed`); in a draft's step the tokens its
+    /// sequence has that the draft's cache lacks, ending with the last one.
     pub fed: &'a [u32],
     /// In a verify step, the draft's proposals fed after `fed`, still on the device: its column
     /// of [`Proposed::tokens`] and how many (`None`: none).
