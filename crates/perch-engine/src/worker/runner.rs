@@ -511,19 +511,19 @@ impl<'m> ModelRunner<'m> {
         for (r, &draw) in rows.iter_mut().zip(&draw) {
             let at = r.row as i32;
             let row_logits = || slice(&logits, &[at, 0], &[at + 1, vocab]);
-            let mut source = Source::Greedy;
-            if draw == Draw::Batched {
-                source = Source::Batched(batched_place);
-                batched_place += 1;
-            }
-            let sampled = if draw != Draw::Own {
-                None
-            } else {
-                let mut masked = row_logits()?;
-                if let Some(mask) = &r.mask {
-                    masked = ops::add(&masked, &mask.as_dtype(masked.dtype())?)?;
+            let source = match draw {
+                Draw::Greedy => Source::Greedy,
+                Draw::Batched => {
+                    batched_place += 1;
+                    Source::Batched(batched_place - 1)
                 }
-                Some(sample_next(&masked, r.sampler, r.history, r.logprobs)?)
+                Draw::Own => {
+                    let mut masked = row_logits()?;
+                    if let Some(mask) = &r.mask {
+                        masked = ops::add(&masked, &mask.as_dtype(masked.dtype())?)?;
+                    }
+                    Source::Own(sample_next(&masked, r.sampler, r.history, r.logprobs)?)
+                }
             };
             let distribution = if r.distribution {
                 Some(log_softmax_f32(&row_logits()?.reshape(&[vocab])?)?)
@@ -533,10 +533,7 @@ impl<'m> ModelRunner<'m> {
             entries.push(StepEntry {
                 id: r.id,
                 row: r.row,
-                source: match sampled {
-                    Some(sampled) => Source::Own(sampled),
-                    None => source,
-                },
+                source,
                 distribution,
             });
         }
@@ -700,6 +697,22 @@ pub(crate) struct Proposed {
     pub state: Vec<Array>,
 }
 
+impl Proposed {
+    /// Where step `i`'s proposal of `column` is in `tokens` flattened.
+    fn flat_index(&self, column: usize, i: usize) -> usize {
+        i * self.tokens.shape()[1] as usize + column
+    }
+}
+
+/// `pieces` (1-D, laid end to end) gathered at `at`: one concatenation and one take (lazy).
+fn gather(mut pieces: Vec<Array>, at: &[u32]) -> Result<Array> {
+    let all = match pieces.len() {
+        1 => pieces.pop().expect("one piece"),
+        _ => ops::concatenate(&pieces, 0)?,
+    };
+    Ok(all.take_axis(Array::from_slice(at, &[at.len() as i32]), 0)?)
+}
+
 /// One draw of `sampler` from `logits` `[1, vocab]`: `[1]` uint32 (lazy).
 fn draw(sampler: &mut Sampler, logits: &Array) -> Result<Array> {
     Ok(crate::sample::sample_after(logits, sampler, None, None)?.token)
@@ -736,29 +749,28 @@ impl ModelRunner<'_> {
         let mut new_tokens = vec![others; decode.slots()];
         // Where each fed position's token is among the host's `ids` followed by the draft's
         // proposals (flattened), when some row feeds proposals from the device.
-        let mut gather: Option<Vec<u32>> = proposed.map(|_| (0..ids.len() as u32).collect());
+        let mut gather_at: Option<Vec<u32>> = proposed.map(|_| (0..ids.len() as u32).collect());
         for r in rows {
             let at = r.row * width;
             ids[at..at + r.fed.len()].copy_from_slice(r.fed);
             new_tokens[r.row] = r.len();
-            if let (Some(gather), Some(proposed), Some((column, k))) =
-                (&mut gather, proposed, r.proposed)
+            if let (Some(gather_at), Some(proposed), Some((column, k))) =
+                (&mut gather_at, proposed, r.proposed)
             {
-                let columns = proposed.tokens.shape()[1] as usize;
                 for i in 0..k {
-                    gather[at + r.fed.len() + i] = (ids.len() + i * columns + column) as u32;
+                    gather_at[at + r.fed.len() + i] =
+                        (ids.len() + proposed.flat_index(column, i)) as u32;
                 }
             }
         }
         let shape = [num_rows as i32, width as i32];
         let host = Array::from_slice(&ids, &shape);
-        let ids = match (gather, proposed) {
-            (Some(gather), Some(proposed)) => {
-                let all =
-                    ops::concatenate(&[host.reshape(&[-1])?, proposed.tokens.reshape(&[-1])?], 0)?;
-                all.take_axis(Array::from_slice(&gather, &[gather.len() as i32]), 0)?
-                    .reshape(&shape)?
-            }
+        let ids = match (gather_at, proposed) {
+            (Some(at), Some(proposed)) => gather(
+                vec![host.reshape(&[-1])?, proposed.tokens.reshape(&[-1])?],
+                &at,
+            )?
+            .reshape(&shape)?,
             _ => host,
         };
         Ok(FedStep {
@@ -829,10 +841,10 @@ impl ModelRunner<'_> {
             .collect();
         let drafted = match proposed {
             Some(p) => {
-                let (all, columns) = (p.tokens.as_slice::<u32>(), p.tokens.shape()[1] as usize);
+                let all = p.tokens.as_slice::<u32>();
                 rows.iter()
                     .map(|r| match r.proposed {
-                        Some((column, k)) => (0..k).map(|i| all[i * columns + column]).collect(),
+                        Some((column, k)) => (0..k).map(|i| all[p.flat_index(column, i)]).collect(),
                         None => Vec::new(),
                     })
                     .collect()
@@ -939,11 +951,7 @@ impl InFlight {
                 }
             });
         }
-        let all = match pieces.len() {
-            1 => pieces.pop().expect("one piece"),
-            _ => ops::concatenate(&pieces, 0)?,
-        };
-        Ok(all.take_axis(Array::from_slice(&at, &[at.len() as i32]), 0)?)
+        gather(pieces, &at)
     }
 }
 
@@ -1047,8 +1055,7 @@ impl ModelRunner<'_> {
             }
             let tokens = match pieces.len() {
                 1 => pieces.pop().expect("the greedy tokens"),
-                _ => ops::concatenate(&pieces, 0)?
-                    .take_axis(Array::from_slice(&take, &[num_rows as i32]), 0)?,
+                _ => gather(pieces, &take)?,
             };
             feed = tokens.reshape(&[num_rows as i32, 1])?;
             proposals.push(tokens);
