@@ -26,7 +26,7 @@ use std::path::Path;
 use std::process::Command;
 
 use mlx_rs::Array;
-use perch_engine::testing::{BatchConfig, BatchGenerator};
+use perch_engine::testing::{BatchConfig, BatchGenerator, RowKv, SlotKvCache};
 use perch_engine::{
     generate, models, prompt_cache, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
     Prompt, Tokenizer,
@@ -318,7 +318,172 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         }
         if model.has_recurrent_layers() {
             hybrid_prompt_caches(dir, model.as_ref(), &tokenizer, &name, &expected);
+            rewound_states(model.as_ref(), &name, &expected);
+            hybrid_speculation(dir, model.as_ref(), &tokenizer, &name, &expected);
         }
+    }
+}
+
+/// A hybrid model's rows rewound over slot caches (`SlotKvCache::rewind_rows`): four rows feed
+/// 4 tokens each in one recorded step and give back 3, 1, none and 2 of them; the next step's
+/// logits are those of rows that fed only the tokens kept (in a step of their own, padded), so
+/// every recurrent layer's state went back exactly. Without a record, or by more than the step
+/// fed, a rewind is refused.
+fn rewound_states(model: &dyn models::Model, name: &str, expected: &Expected) {
+    const ROWS: usize = 4;
+    let recurrent: Vec<bool> = model
+        .make_cache(None)
+        .iter()
+        .map(|c| c.is_recurrent())
+        .collect();
+    let layers = model.info().num_layers;
+    let make = || {
+        let mut slots = SlotKvCache::new(layers, None).with_recurrent_layers(&recurrent);
+        for _ in 0..ROWS {
+            slots.push(&[], 0, RowKv::Plain).unwrap();
+        }
+        assert_eq!(slots.rows(), ROWS, "a row bucket of its own");
+        slots
+    };
+    let p = &expected.prompt_ids;
+    // Row r's tokens: the prompt from r on.
+    let rows = |from: usize, width: usize, counts: [usize; ROWS]| {
+        let mut ids = vec![0u32; ROWS * width];
+        for (r, &n) in counts.iter().enumerate() {
+            ids[r * width..r * width + n].copy_from_slice(&p[r + from..r + from + n]);
+        }
+        (
+            Array::from_slice(&ids, &[ROWS as i32, width as i32]),
+            counts.to_vec(),
+        )
+    };
+    let step = |slots: &mut SlotKvCache, (ids, counts): (Array, Vec<usize>)| {
+        let logits = model.forward_slots(&ids, slots, &counts).unwrap();
+        logits.as_dtype(mlx_rs::Dtype::Float32).unwrap()
+    };
+    let (mut rewound, mut kept) = (make(), make());
+    for slots in [&mut rewound, &mut kept] {
+        step(slots, rows(0, 5, [5; ROWS]));
+    }
+    // Without a record, a recurrent state cannot go back.
+    assert!(rewound.rewind_rows(&[(0, 1)]).is_err(), "{name}");
+    rewound.record_replay();
+    step(&mut rewound, rows(5, 4, [4; ROWS]));
+    assert!(
+        rewound.rewind_rows(&[(0, 5)]).is_err(),
+        "{name}: more than the step fed"
+    );
+    rewound.record_replay();
+    step(&mut rewound, rows(9, 4, [4; ROWS]));
+    rewound.rewind_rows(&[(0, 3), (1, 1), (3, 2)]).unwrap();
+    step(&mut kept, rows(5, 4, [4; ROWS]));
+    step(&mut kept, rows(9, 4, [1, 3, 4, 2]));
+    let lengths = |slots: &SlotKvCache| (0..ROWS).map(|r| slots.slot_len(r)).collect::<Vec<_>>();
+    assert_eq!(lengths(&rewound), [10, 12, 13, 11], "{name}");
+    assert_eq!(lengths(&kept), lengths(&rewound), "{name}");
+    let next = |slots: &mut SlotKvCache| {
+        let ids: Vec<u32> = (0..ROWS).map(|r| p[r + slots.slot_len(r) % 4]).collect();
+        step(
+            slots,
+            (Array::from_slice(&ids, &[ROWS as i32, 1]), vec![1; ROWS]),
+        )
+    };
+    let (a, b) = (next(&mut rewound), next(&mut kept));
+    let diff = a
+        .as_slice::<f32>()
+        .iter()
+        .zip(b.as_slice::<f32>())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        diff <= 1e-4,
+        "{name}: rewound rows' logits differ by {diff}"
+    );
+}
+
+/// Speculative decoding in the batch on a hybrid model, whose recurrent states go back over a
+/// verify step's rejected proposals by computing them again from the step's record: prompt
+/// lookup on prompts that repeat themselves, then the tiny Qwen3 (no recurrent layers, the same
+/// tokenizer) as a draft model; every greedy request's ids are those it gets alone and a sampled
+/// row beside them keeps its draws, while verify steps give back rejected proposals.
+fn hybrid_speculation(
+    dir: &Path,
+    model: &dyn models::Model,
+    tokenizer: &Tokenizer,
+    name: &str,
+    expected: &Expected,
+) {
+    let prompt = &expected.prompt_ids;
+    let request = |ids: Vec<u32>, max_tokens: usize| {
+        let mut request = GenerateRequest::new(ids);
+        request.max_tokens = max_tokens;
+        request.ignore_eos = true;
+        request
+    };
+    let mut sampled = request(prompt[..9].to_vec(), 48);
+    sampled.sampling.temperature = 0.8;
+    sampled.sampling.seed = Some(7);
+    let requests = [
+        request(prompt.clone(), 48),
+        request([&prompt[..11], &prompt[..11], &prompt[..11]].concat(), 48),
+        request(prompt[..5].to_vec(), 32),
+        sampled,
+    ];
+    let alone: Vec<Vec<u32>> = requests
+        .iter()
+        .map(|r| {
+            generate(model, tokenizer, r, |_| ControlFlow::Continue(()))
+                .unwrap()
+                .token_ids
+        })
+        .collect();
+    let lookup = perch_engine::PromptLookup {
+        num_draft_tokens: 4,
+        min_ngram: 1,
+        max_ngram: 4,
+        max_rows: 8,
+        adaptive: false,
+    };
+    let draft_dir = dir.with_file_name("qwen3");
+    let draft = models::load(&draft_dir).unwrap();
+    for drafting in [false, true] {
+        let config = BatchConfig {
+            prompt_lookup: (!drafting).then_some(lookup),
+            ..BatchConfig::for_budget(model, 64 << 20, 16, None)
+        };
+        let mut batch = BatchGenerator::new(model, tokenizer, config, name);
+        if drafting {
+            batch = batch.with_draft(draft.as_ref(), 3);
+            assert!(batch.drafts(), "{name}: the draft proposes in the batch");
+        }
+        let schedule = requests
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(i, mut r)| {
+                if drafting && i < 3 {
+                    r.num_draft_tokens = Some(3);
+                }
+                (i.min(2), r)
+            })
+            .collect();
+        let outputs = common::drive(&mut batch, schedule);
+        for (i, ((output, _), alone)) in outputs.iter().zip(&alone).enumerate() {
+            assert_eq!(
+                &output.token_ids, alone,
+                "{name}: request {i}, drafting {drafting}"
+            );
+        }
+        // Verify steps ran and rejected proposals (a random model repeats itself only by
+        // chance, and a random draft agrees with it only by chance: rows give back some or all
+        // of their proposals; `rewound_states` gives back parts of steps).
+        let times = batch.step_times();
+        assert!(times.verify_steps > 0, "{name}: {times:?}");
+        assert!(
+            times.accepted_draft_tokens < times.draft_tokens,
+            "{name}: {times:?}"
+        );
+        assert_eq!(batch.kv_stats().blocks_used, 0, "{name}");
     }
 }
 

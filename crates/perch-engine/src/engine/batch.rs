@@ -205,10 +205,13 @@ impl BatchConfig {
 }
 
 /// Whether `draft` proposes inside the batch for `model` ([`BatchGenerator::with_draft`]): both
-/// without sliding-window and linear-attention layers, whose rows cannot be rewound.
+/// without sliding-window layers, whose rows cannot be rewound, and a draft without
+/// linear-attention layers (the model's recurrent states go back over its verify step; the
+/// draft's steps, one token each, keep no record).
 pub fn drafts_in_batch(model: &dyn Model, draft: &dyn Model) -> bool {
-    let rewinds = |m: &dyn Model| !m.has_sliding_window_layers() && !m.has_recurrent_layers();
-    rewinds(model) && rewinds(draft)
+    !model.has_sliding_window_layers()
+        && !draft.has_sliding_window_layers()
+        && !draft.has_recurrent_layers()
 }
 
 /// KV cache bytes one token takes across all layers: keys and values of `layers * kv_heads`
@@ -616,10 +619,10 @@ impl<'m> BatchGenerator<'m> {
                 ),
             )
             .with_verify_steps(
-                // Models whose rows never verify (sliding rings, recurrent states) warm none.
+                // Models whose rows never verify (sliding rings) warm none.
                 config
                     .prompt_lookup
-                    .filter(|_| !model.has_sliding_window_layers() && !model.has_recurrent_layers())
+                    .filter(|_| !model.has_sliding_window_layers())
                     .map(|l| (1 + l.num_draft_tokens, l.max_rows.min(config.max_running))),
             ),
             draft: None,
@@ -2021,18 +2024,7 @@ impl<'m> BatchGenerator<'m> {
         }
         let (step, built) = self.runner.dispatch_decode(rows)?;
         if self.store.has_recurrent_layers() {
-            // States after a block boundary, for the block that ends there (lazy; the step
-            // just dispatched computes them).
-            let block_size = self.config.block_size;
-            for &i in &ready {
-                let seq = &mut self.running[i];
-                if seq.computed.is_multiple_of(block_size) && seq.kv.is_plain() {
-                    let slot = seq.slot.expect("a decoding sequence is in a slot");
-                    let states = slot_states(&self.runner, slot)?;
-                    async_eval(states.iter().flatten())?;
-                    seq.boundary_state = Some((seq.computed, states));
-                }
-            }
+            self.keep_boundary_states(&ready)?;
         }
         self.times.decode_build_seconds += built;
         self.times.decode_seconds += start.elapsed().as_secs_f64();
@@ -2072,7 +2064,8 @@ impl<'m> BatchGenerator<'m> {
     /// ([`BatchConfig::prompt_lookup`]) or a draft model ([`BatchGenerator::with_draft`]) on,
     /// at most [`BatchGenerator::speculative_rows`] rows, each one that may join a verify step
     /// ([`Sequence::may_verify`]; the others feed their last token alone) in a batch whose rows
-    /// all keep plain KV caches of a model without sliding layers or recurrent states, and
+    /// all keep plain KV caches of a model without sliding layers (recurrent states go back
+    /// over a verify step's record: [`ModelRunner::rewind_rows`]), and
     /// some row proposing: a row the draft model drafts for (every step), or a greedy row
     /// prompt lookup proposes for while verify steps give more tokens a second than plain ones
     /// at this row count lately ([`SpecPolicy`], at `ready.len()` rows: the count the step is
@@ -2082,7 +2075,6 @@ impl<'m> BatchGenerator<'m> {
         if (lookup.is_none() && self.draft.is_none())
             || ready.len() > self.speculative_rows()
             || self.model.has_sliding_window_layers()
-            || self.store.has_recurrent_layers()
             || self.running.iter().any(|s| !s.kv.is_plain())
             || !ready.iter().all(|&i| self.running[i].may_verify())
         {
@@ -2259,6 +2251,7 @@ impl<'m> BatchGenerator<'m> {
         // The draft keeps what its rows' sequences now hold (before they finish and leave).
         self.settle_drafts(ready, &accepted)?;
         let mut done = Vec::new();
+        let mut rewinds = Vec::new();
         let (mut generated, mut first_steps) = (0, 0);
         for (((&i, fed), targets), &accepted) in ready.iter().zip(&fed).zip(&targets).zip(&accepted)
         {
@@ -2282,7 +2275,7 @@ impl<'m> BatchGenerator<'m> {
             generated += emitted;
             // The fed tokens whose successors were emitted are the cache's; the rest go.
             seq.computed += emitted;
-            self.runner.rewind(row, fed.len() - emitted)?;
+            rewinds.push((row, fed.len() - emitted));
             let stats = &mut seq.sink.output.stats;
             stats.draft_tokens += proposed.len();
             stats.accepted_draft_tokens += accepted.min(emitted);
@@ -2291,6 +2284,10 @@ impl<'m> BatchGenerator<'m> {
                 .record(proposed.len(), accepted, seq.tokens.len());
             self.times.draft_tokens += proposed.len() as u64;
             self.times.accepted_draft_tokens += accepted.min(emitted) as u64;
+        }
+        self.runner.rewind_rows(&rewinds)?;
+        if self.store.has_recurrent_layers() {
+            self.keep_boundary_states(ready)?;
         }
         self.times.decode_seconds += start.elapsed().as_secs_f64();
         self.times.decode_wait_seconds += waited;
@@ -2306,6 +2303,26 @@ impl<'m> BatchGenerator<'m> {
         self.generation_throughput.record(generated);
         self.finish_done(done, events)?;
         Ok(true)
+    }
+
+    /// The recurrent layers' states of the `ready` rows whose last step ended on a block
+    /// boundary, kept for the block that ends there (lazy: computed with the step just
+    /// dispatched; a verify step's rows that end past a boundary keep none for it).
+    fn keep_boundary_states(&mut self, ready: &[usize]) -> Result<()> {
+        let block_size = self.config.block_size;
+        for &i in ready {
+            let seq = &mut self.running[i];
+            let Some(slot) = seq
+                .slot
+                .filter(|_| seq.computed.is_multiple_of(block_size) && seq.kv.is_plain())
+            else {
+                continue;
+            };
+            let states = slot_states(&self.runner, slot)?;
+            async_eval(states.iter().flatten())?;
+            seq.boundary_state = Some((seq.computed, states));
+        }
+        Ok(())
     }
 
     /// After a verify step of the `ready` rows, before their tokens are emitted: the draft's

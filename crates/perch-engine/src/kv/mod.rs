@@ -160,6 +160,18 @@ impl LayerCaches<'_> {
         }
     }
 
+    /// Keeps recurrent layer `layer`'s replay (made by `make`) when the slot caches record
+    /// this step to rewind it ([`SlotKvCache::keep_replay`]); one sequence's caches never do.
+    pub fn keep_replay(
+        &mut self,
+        layer: usize,
+        make: impl FnOnce() -> Box<dyn slot_cache::StateReplay>,
+    ) {
+        if let LayerCaches::Slots { cache, .. } = self {
+            cache.keep_replay(layer, make);
+        }
+    }
+
     /// Which tokens of each row are real, when some row pads its chunk ([`RealTokens`]);
     /// `None` when every token is.
     pub fn real_tokens(&self) -> Option<&RealTokens> {

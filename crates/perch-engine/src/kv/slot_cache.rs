@@ -67,6 +67,13 @@
 //! holds them for a batch. A step replaces them with the states after each row's real tokens
 //! ([`SlotStep::real_tokens`]: a prompt chunk's padding leaves a row's state as it was). A
 //! sequence entering a slot brings its state (or zeros); nothing reads a free row's.
+//!
+//! A state cannot go back, so a step that may be rewound (speculative decoding's verify step,
+//! [`SlotKvCache::record_replay`]) keeps what each recurrent layer needs to compute its state
+//! again after fewer of the step's tokens ([`StateReplay`]: the state before the step and the
+//! layer's inputs to its recurrence). [`SlotKvCache::rewind_rows`] then recomputes every
+//! recurrent layer's state once for all rows, each after the tokens it keeps (lazy: the next
+//! step's evaluation computes it). The record lives until then or until the next step begins.
 
 use std::cell::OnceCell;
 
@@ -223,6 +230,25 @@ pub struct RealTokens {
     pub mask: Array,
 }
 
+/// A recurrent layer's state computed again after fewer of a recorded step's tokens (see the
+/// module docs): the layer's part of [`SlotKvCache::record_replay`], which it hands to
+/// [`crate::kv::LayerCaches::keep_replay`].
+pub trait StateReplay: Send {
+    /// The layer's state `[rows, ..]` after each row's first `real.counts[r]` tokens of the
+    /// recorded step, from the state before it.
+    fn replay(&self, real: &RealTokens) -> Result<RecurrentState>;
+}
+
+/// What a recorded step keeps until its rows are rewound ([`SlotKvCache::record_replay`]).
+struct StepReplay {
+    /// Per cache layer: a recurrent layer's replay once the step ran it.
+    layers: Vec<Option<Box<dyn StateReplay>>>,
+    /// Per slot: the step's real tokens, once it ended.
+    counts: Option<Vec<usize>>,
+    /// Tokens per row of the step.
+    tokens: usize,
+}
+
 /// A step's view of the sliding layers' rings (see the module docs).
 struct RingStep {
     /// `[rows, 1, tokens, 1]` int32: the entries the step writes, `position mod R`.
@@ -368,6 +394,11 @@ pub struct SlotKvCache {
     /// (the prefix cache's copies of its blocks): a one-element copy of a buffer, dispatched
     /// after them ([`SlotKvCache::mark_pass_in_flight`]).
     pass_in_flight: Option<Array>,
+    /// Whether the next step records its recurrent layers' replays
+    /// ([`SlotKvCache::record_replay`]).
+    replay_next: bool,
+    /// The last step's record, when it was recorded and not yet rewound.
+    replay: Option<StepReplay>,
 }
 
 impl SlotKvCache {
@@ -387,6 +418,8 @@ impl SlotKvCache {
             rows: 0,
             capacity: 0,
             pass_in_flight: None,
+            replay_next: false,
+            replay: None,
         }
     }
 
@@ -1176,6 +1209,12 @@ impl SlotKvCache {
         both_ways: &[(usize, usize, usize)],
     ) -> Result<SlotStep> {
         let tokens = tokens.max(1);
+        // An older step's record is spent: only the step that just ran can be rewound.
+        self.replay = std::mem::take(&mut self.replay_next).then(|| StepReplay {
+            layers: (0..self.num_layers).map(|_| None).collect(),
+            counts: None,
+            tokens,
+        });
         self.reshape(self.lengths.len(), self.needed_capacity(tokens))?;
         let mut lengths = vec![0i32; self.rows];
         for (p, len) in lengths.iter_mut().zip(&self.lengths) {
@@ -1478,6 +1517,9 @@ impl SlotKvCache {
     /// round-tripped whole (see the module docs; lazy).
     pub fn end_step(&mut self, new_tokens: &[usize]) -> Result<()> {
         debug_assert_eq!(new_tokens.len(), self.lengths.len(), "one count per slot");
+        if let Some(replay) = &mut self.replay {
+            replay.counts.get_or_insert_with(|| new_tokens.to_vec());
+        }
         let mut quantized = Vec::new();
         for (slot, (len, new)) in self.lengths.iter_mut().zip(new_tokens).enumerate() {
             if let Some(len) = len {
@@ -1494,38 +1536,128 @@ impl SlotKvCache {
         Ok(())
     }
 
-    /// Forgets the last `n` positions of occupied slot `slot` (speculative decoding's rejected
-    /// proposals): its length drops by `n` and its next step writes over them. Only a row that
-    /// holds every position in entries of their own can: an error for a bounded or quantized
-    /// row, a cache with sliding layers' rings (a ring entry held an older position before it
-    /// was overwritten) or recurrent states (a state cannot go back), and for `n` beyond the
-    /// row's length.
-    pub fn rewind(&mut self, slot: usize, n: usize) -> Result<()> {
-        if n == 0 {
-            return Ok(());
+    /// Records the next step so that its rows can be rewound ([`SlotKvCache::rewind_rows`])
+    /// on a cache with recurrent layers (see the module docs); nothing to record without them.
+    /// Such a step runs uncompiled (a trace's outputs are the logits and the buffers).
+    pub fn record_replay(&mut self) {
+        self.replay_next = self.has_recurrent_layers();
+    }
+
+    /// Whether the next step records its recurrent layers' replays.
+    pub fn records_replay(&self) -> bool {
+        self.replay_next
+    }
+
+    /// Keeps recurrent layer `layer`'s replay (made by `make`) when the step running records
+    /// ([`SlotKvCache::record_replay`]); otherwise `make` is not called.
+    pub fn keep_replay(&mut self, layer: usize, make: impl FnOnce() -> Box<dyn StateReplay>) {
+        if let Some(replay) = self.replay.as_mut().filter(|r| r.counts.is_none()) {
+            if let Some(entry) = replay.layers.get_mut(layer) {
+                *entry = Some(make());
+            }
         }
-        let refuse = |why: &str| -> Result<()> {
+    }
+
+    /// Forgets the last `n` positions of occupied slot `slot` ([`SlotKvCache::rewind_rows`]).
+    pub fn rewind(&mut self, slot: usize, n: usize) -> Result<()> {
+        self.rewind_rows(&[(slot, n)])
+    }
+
+    /// Forgets the last `n` positions of each occupied slot `(slot, n)` of `rewinds` (distinct
+    /// slots; speculative decoding's rejected proposals): its length drops by `n` and its next
+    /// step writes over them. Only a row that holds every position in entries of their own
+    /// can: an error for a bounded or quantized row, a cache with sliding layers' rings (a ring
+    /// entry held an older position before it was overwritten), and for `n` beyond the row's
+    /// length. A cache with recurrent layers rewinds only the step it just ran, recorded
+    /// ([`SlotKvCache::record_replay`]), by at most each row's tokens of that step: every
+    /// recurrent layer's state is computed again once, each row's after the tokens it keeps
+    /// (lazy). Nothing changes on an error; the step's record is spent either way.
+    pub fn rewind_rows(&mut self, rewinds: &[(usize, usize)]) -> Result<()> {
+        let replay = self.replay.take();
+        let rewinds: Vec<(usize, usize)> = rewinds.iter().copied().filter(|r| r.1 > 0).collect();
+        let Some(&(first, _)) = rewinds.first() else {
+            return Ok(());
+        };
+        let refuse = |slot: usize, why: &str| -> Result<()> {
             Err(
                 mlx_rs::error::Exception::custom(format!("cannot rewind slot {slot}: {why}"))
                     .into(),
             )
         };
-        if self.rings.is_some() || self.has_recurrent_layers() {
-            return refuse(
-                "sliding-window rings and recurrent states do not keep what they replace",
-            );
+        if self.rings.is_some() {
+            return refuse(first, "sliding-window rings do not keep what they replace");
         }
-        if !self.row_kv.get(slot).is_some_and(RowKv::is_plain) {
-            return refuse("a bounded or quantized row does not keep every position as written");
-        }
-        match self.lengths.get_mut(slot) {
-            Some(Some(len)) if *len >= n => {
-                *len -= n;
-                Ok(())
+        let (mut counts, replay) = match (self.has_recurrent_layers(), replay) {
+            (false, _) => (None, None),
+            (
+                true,
+                Some(StepReplay {
+                    layers,
+                    counts: Some(counts),
+                    tokens,
+                }),
+            ) => match layers
+                .iter()
+                .zip(&self.recurrent)
+                .position(|(r, &rec)| rec && r.is_none())
+            {
+                Some(layer) => {
+                    return refuse(first, &format!("recurrent layer {layer} kept no replay"))
+                }
+                None => (Some(counts), Some((layers, tokens))),
+            },
+            (true, _) => {
+                return refuse(
+                    first,
+                    "a recurrent state goes back only over the step just run, recorded",
+                )
             }
-            Some(Some(len)) => refuse(&format!("{n} positions asked of {len}")),
-            _ => refuse("a free slot"),
+        };
+        for &(slot, n) in &rewinds {
+            debug_assert_eq!(
+                rewinds.iter().filter(|r| r.0 == slot).count(),
+                1,
+                "distinct slots"
+            );
+            if !self.row_kv.get(slot).is_some_and(RowKv::is_plain) {
+                return refuse(
+                    slot,
+                    "a bounded or quantized row does not keep every position as written",
+                );
+            }
+            match self.lengths.get(slot) {
+                Some(Some(len)) if *len >= n => {}
+                Some(Some(len)) => return refuse(slot, &format!("{n} positions asked of {len}")),
+                _ => return refuse(slot, "a free slot"),
+            }
+            if let Some(counts) = &counts {
+                let added = counts.get(slot).copied().unwrap_or(0);
+                if added < n {
+                    return refuse(
+                        slot,
+                        &format!("{n} positions asked of the {added} its last step added"),
+                    );
+                }
+            }
         }
+        for &(slot, n) in &rewinds {
+            if let Some(Some(len)) = self.lengths.get_mut(slot) {
+                *len -= n;
+            }
+            if let Some(counts) = &mut counts {
+                counts[slot] -= n;
+            }
+        }
+        if let (Some(counts), Some((layers, tokens))) = (counts, replay) {
+            let real = self.real_tokens(tokens, &counts)?;
+            for (layer, replay) in layers.into_iter().enumerate() {
+                if let Some(replay) = replay {
+                    let state = replay.replay(&real)?;
+                    self.set_recurrent_state(layer, state);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Positions `[start, end)` of `slot` in layer `layer`, in buffers of their own, shaped as

@@ -23,7 +23,7 @@ use crate::attention::gated_delta_kernel;
 use crate::device::Backend;
 use crate::error::Result;
 use crate::kv::cache::RecurrentState;
-use crate::kv::slot_cache::RealTokens;
+use crate::kv::slot_cache::{RealTokens, StateReplay};
 use crate::kv::LayerCaches;
 use crate::models::within;
 use crate::nn::layers::{Linear, Quantization};
@@ -756,8 +756,16 @@ impl GatedDeltaNet {
                 }
             }
         };
-        let (out, state) = self.mix(x, state, caches.real_tokens())?;
+        let before = state.clone();
+        let (out, state, [qkv, a, b]) = self.mix(x, state, caches.real_tokens())?;
         caches.set_recurrent_state(layer, state, x.shape()[1]);
+        caches.keep_replay(layer, || {
+            Box::new(Replay {
+                core: self.core.clone(),
+                inputs: [qkv, a, b],
+                before,
+            })
+        });
         Ok(out)
     }
 
@@ -772,13 +780,14 @@ impl GatedDeltaNet {
     }
 
     /// The layer over `x` `[batch, seq, hidden]` from `state` (`[batch, ..]`) → its output
-    /// `[batch, seq, hidden]` and the state after each row's real tokens ([`Core::run`]).
+    /// `[batch, seq, hidden]`, the state after each row's real tokens ([`Core::run`]) and the
+    /// core's inputs `qkv`, `a`, `b` (what a [`Replay`] keeps).
     fn mix(
         &self,
         x: &Array,
         state: RecurrentState,
         real: Option<&RealTokens>,
-    ) -> Result<(Array, RecurrentState)> {
+    ) -> Result<(Array, RecurrentState, [Array; 3])> {
         let s = x.shape();
         let (batch, seq) = (s[0], s[1]);
         let c = &self.core.c;
@@ -804,6 +813,25 @@ impl GatedDeltaNet {
             }
         };
         let out = self.out_proj.forward(&gated)?;
-        Ok((out, new_state))
+        Ok((out, new_state, [qkv, a, b]))
+    }
+}
+
+/// One layer's part of a step recorded to be rewound ([`StateReplay`]): its core and the
+/// step's inputs to it, `qkv` `[rows, tokens, conv_dim]`, `a` and `b` `[rows, tokens,
+/// value_heads]`, and the state before the step.
+struct Replay {
+    core: Core,
+    inputs: [Array; 3],
+    before: RecurrentState,
+}
+
+impl StateReplay for Replay {
+    /// The core over the same inputs from the same state, each row stopping after its first
+    /// `real.counts[r]` tokens (the padding's rule): the state the step would have left had it
+    /// fed only those.
+    fn replay(&self, real: &RealTokens) -> Result<RecurrentState> {
+        let [qkv, a, b] = &self.inputs;
+        Ok(self.core.run(qkv, a, b, self.before.clone(), Some(real))?.1)
     }
 }

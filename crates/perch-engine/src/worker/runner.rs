@@ -160,8 +160,9 @@ impl<'m> ModelRunner<'m> {
         slots: &mut SlotKvCache,
         new_tokens: &[usize],
     ) -> Result<Array> {
-        // Quantized rows' round trips are not among a trace's inputs (see `SlotKvCache`).
-        match compiled.filter(|_| !slots.has_quantized_rows()) {
+        // Quantized rows' round trips are not among a trace's inputs, nor a recorded step's
+        // replays among its outputs (see `SlotKvCache`).
+        match compiled.filter(|_| !slots.has_quantized_rows() && !slots.records_replay()) {
             Some(compiled) => compiled.forward(model, ids, slots, new_tokens),
             None => model.forward_slots(ids, slots, new_tokens),
         }
@@ -789,7 +790,8 @@ impl ModelRunner<'_> {
     /// draft's proposals read ([`Verified`]). Waits for the device: the tokens it accepts
     /// decide what the next step feeds. Each row's slot holds all its fed positions afterwards
     /// (the other occupied slots one, as in a decode step); those of rejected proposals are
-    /// given back with [`ModelRunner::rewind`]. No decode step may be in flight.
+    /// given back with [`ModelRunner::rewind_rows`] (a model with recurrent layers: run
+    /// uncompiled, recording their replays). No decode step may be in flight.
     pub fn verify(
         &mut self,
         mut rows: Vec<FedRow>,
@@ -803,6 +805,8 @@ impl ModelRunner<'_> {
         } = self.fed_step(&rows, 1, proposed)?;
         let compiled = self.compiled_decode.as_mut();
         let decode = &mut self.slots.decode;
+        // Recurrent layers' states go back only through the step's record.
+        decode.record_replay();
         let logits = Self::forward_decode(self.model, compiled, &ids, decode, &new_tokens)?;
         let vocab = logits.shape()[2];
         let logits = logits.reshape(&[-1, vocab])?;
@@ -857,6 +861,14 @@ impl ModelRunner<'_> {
     /// Forgets the last `n` positions of decode slot `row` ([`SlotKvCache::rewind`]).
     pub fn rewind(&mut self, row: usize, n: usize) -> Result<()> {
         self.slots.decode.rewind(row, n)
+    }
+
+    /// Forgets the last `n` positions of each decode slot `(row, n)` of `rewinds` after a
+    /// verify step ([`SlotKvCache::rewind_rows`]: recurrent layers' states computed again once
+    /// for all of them). Call once per verify step, with every row it gives back positions of:
+    /// the step's record is spent after it.
+    pub fn rewind_rows(&mut self, rewinds: &[(usize, usize)]) -> Result<()> {
+        self.slots.decode.rewind_rows(rewinds)
     }
 }
 
