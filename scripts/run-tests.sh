@@ -6,7 +6,7 @@
 # environment: a runner (`CARGO_TARGET_<host>_RUNNER`, scripts/record-test.sh) records each test
 # binary's directory, environment and command instead of running it (doctests run in that pass,
 # as usual); then the records run, the slowest known first, and each one's output is printed
-# whole when it ends. Arguments go to `cargo test`. Exit status: 0 when every binary passed.
+# whole when it ends, closed by a line with its name and wall time (`== name: N s`). Arguments go to `cargo test`. Exit status: 0 when every binary passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 records=$(mktemp -d)
@@ -30,7 +30,9 @@ rank() {
 for f in "$records"/job.*; do rank "$f"; done | sort -n -s -k1,1 | cut -d' ' -f2- > "$records/order"
 export records
 xargs -a "$records/order" -d '\n' -P "${PERCH_TEST_JOBS:-$(nproc)}" -I{} bash -c '
+  start=$SECONDS
   bash "$1" > "$1.out" 2>&1; echo $? > "$1.rc"
+  printf "== %s: %d s\n" "$(sed -n "1s/^# //p" "$1")" $((SECONDS - start)) >> "$1.out"
   flock "$records/order" cat "$1.out"' _ {}
 status=0
 for rc in "$records"/job.*.rc; do
