@@ -39,6 +39,10 @@ if ! "$venv/bin/python" -c "import openai, anthropic" 2>/dev/null; then
   "$venv/bin/python" -m pip install --quiet "openai==3.54.0" "anthropic==2.12.0"
 fi
 export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
+# Test binaries run two at a time on two cores, each with Perch's CPU kernel on rayon's threads:
+# OpenBLAS's own threads (MLX's float32 matmuls on CPU) would spin between calls (sched_yield),
+# about a quarter of a test's CPU time.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 # Tests serve fake Hubs on 127.0.0.1: never send those requests through a proxy.
 export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}" no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}"
 # The web UI: built into ui/dist (embedded by src-tauri) and its unit tests (vitest).

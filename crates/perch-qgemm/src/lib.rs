@@ -7,10 +7,12 @@
 //! - up to 48 rows of `x` (decode steps, short prefill chunks): 4 rows of `W` at a time, which
 //!   stay in L1, each dotted with every row of `x` by a register-blocked kernel (AVX2 + FMA on
 //!   x86_64, plain dot products elsewhere);
-//! - more rows: a tile of `W`'s rows small enough to stay in the L2 cache, multiplied by
-//!   `matrixmultiply`'s sgemm, whose packing of the tile then pays for itself.
+//! - more rows: a tile of `W`'s rows (one share per thread, at most 1M weights) multiplied by
+//!   `matrixmultiply`'s sgemm, whose packing of the tile then pays for itself; it packs `x` again
+//!   for every tile, so the tiles are wide.
 //!
-//! Nothing of `W` is ever dequantized as a whole, so the extra memory is one tile per core.
+//! Nothing of `W` is dequantized as a whole (unless it has at most 1M weights), so the extra
+//! memory is one tile per core (4 MiB at most).
 //!
 //! Layout (MLX `mx.quantize`, mode `affine`): for `W` `[rows, cols]` quantized with `bits` ∈
 //! {2, 4, 8} and `group_size`:
@@ -24,8 +26,10 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-/// Dequantized weights per scratch tile (float32: 4 bytes each), per thread.
-const TILE_ELEMENTS: usize = 64 << 10;
+/// Most dequantized weights per scratch tile of the sgemm path (float32: 4 bytes each), per
+/// thread. The sgemm packs `x` again for every tile, so tiles are as wide as this allows: one per
+/// thread when it fits.
+const TILE_ELEMENTS: usize = 1 << 20;
 /// Up to this many rows of `x`, `W`'s rows are dequantized [`W_BLOCK`] at a time (into L1) and
 /// multiplied with every row of `x` by a register-blocked kernel. Above it, one sgemm per tile:
 /// its packing of the tile (a strided read) then pays for itself over the rows of `x`.
@@ -300,7 +304,10 @@ pub fn matmul_transposed(
     let chunk_rows = if m <= BLOCKED_MAX_ROWS {
         BLOCKED_CHUNK_ROWS
     } else {
-        (TILE_ELEMENTS / w.cols).max(1)
+        w.rows
+            .div_ceil(rayon::current_num_threads())
+            .min(TILE_ELEMENTS / w.cols)
+            .max(1)
     };
     let chunks = w.rows.div_ceil(chunk_rows);
     let avx2 = has_avx2_fma();
