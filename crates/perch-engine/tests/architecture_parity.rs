@@ -182,9 +182,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         );
 
         let tokenizer = Tokenizer::load(dir).unwrap();
-        let mut request = GenerateRequest::new(expected.prompt_ids.clone());
-        request.max_tokens = expected.greedy_ids.len();
-        request.ignore_eos = true;
+        let request = unstopped_request(expected.prompt_ids.clone(), expected.greedy_ids.len());
         let result = generate(model.as_ref(), &tokenizer, &request, |_| {
             ControlFlow::Continue(())
         })
@@ -202,9 +200,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             .iter()
             .zip([0, 1, 3])
             .map(|(prompt, at)| {
-                let mut request = GenerateRequest::new(prompt.clone());
-                request.max_tokens = expected.greedy_ids.len();
-                request.ignore_eos = true;
+                let mut request = unstopped_request(prompt.clone(), expected.greedy_ids.len());
                 // Chunks of 4 (7 for the first prompt, whose chunk 14..21 crosses the block
                 // boundary at 16): the prompt's state carries over between prefill chunks.
                 request.prefill_step_size = if at == 0 { 7 } else { 4 };
@@ -233,9 +229,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             // twice Gemma's sliding window) starts from it and still generates as it would alone.
             let mut longer = expected.prompt_ids.clone();
             longer.extend_from_slice(&expected.greedy_ids[..6]);
-            let mut request = GenerateRequest::new(longer);
-            request.max_tokens = 8;
-            request.ignore_eos = true;
+            let request = unstopped_request(longer, 8);
             let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
                 ControlFlow::Continue(())
             })
@@ -256,9 +250,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             let mut turn = prompts[1].clone();
             turn.extend_from_slice(&outputs[1].0.token_ids[..10]);
             turn.push(expected.prompt_ids[0]);
-            let mut request = GenerateRequest::new(turn);
-            request.max_tokens = 8;
-            request.ignore_eos = true;
+            let request = unstopped_request(turn, 8);
             let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
                 ControlFlow::Continue(())
             })
@@ -286,9 +278,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             let shares_it_too: Vec<u32> = [&long[..16], &reversed[..7]].concat();
             let mut cached = Vec::new();
             for prompt in [long, shares_one_block, shares_it_too] {
-                let mut request = GenerateRequest::new(prompt);
-                request.max_tokens = 4;
-                request.ignore_eos = true;
+                let request = unstopped_request(prompt, 4);
                 let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
                     ControlFlow::Continue(())
                 })
@@ -401,6 +391,14 @@ fn rewound_states(model: &dyn models::Model, name: &str, expected: &Expected) {
     );
 }
 
+/// A request for exactly `max_tokens` tokens after `prompt` (end-of-sequence tokens ignored).
+fn unstopped_request(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
+    let mut request = GenerateRequest::new(prompt);
+    request.max_tokens = max_tokens;
+    request.ignore_eos = true;
+    request
+}
+
 /// Speculative decoding in the batch on a hybrid model, whose recurrent states go back over a
 /// verify step's rejected proposals by computing them again from the step's record: prompt
 /// lookup on prompts that repeat themselves, then the tiny Qwen3 (no recurrent layers, the same
@@ -414,12 +412,7 @@ fn hybrid_speculation(
     expected: &Expected,
 ) {
     let prompt = &expected.prompt_ids;
-    let request = |ids: Vec<u32>, max_tokens: usize| {
-        let mut request = GenerateRequest::new(ids);
-        request.max_tokens = max_tokens;
-        request.ignore_eos = true;
-        request
-    };
+    let request = unstopped_request;
     let mut sampled = request(prompt[..9].to_vec(), 48);
     sampled.sampling.temperature = 0.8;
     sampled.sampling.seed = Some(7);
@@ -499,9 +492,7 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
         "{name}: compiled recurrence changed logits by {diff}"
     );
     let tokenizer = Tokenizer::load(dir).unwrap();
-    let mut request = GenerateRequest::new(expected.prompt_ids.clone());
-    request.max_tokens = expected.greedy_ids.len();
-    request.ignore_eos = true;
+    let request = unstopped_request(expected.prompt_ids.clone(), expected.greedy_ids.len());
     let result = generate(model.as_ref(), &tokenizer, &request, |_| {
         ControlFlow::Continue(())
     })
@@ -569,9 +560,7 @@ fn hybrid_prompt_caches(
     expected: &Expected,
 ) {
     let whole: Vec<u32> = [&expected.prompt_ids[..], &expected.greedy_ids[..]].concat();
-    let mut request = GenerateRequest::new(whole.clone());
-    request.max_tokens = 8;
-    request.ignore_eos = true;
+    let request = unstopped_request(whole.clone(), 8);
     let alone = generate(model, tokenizer, &request, |_| ControlFlow::Continue(()))
         .unwrap()
         .token_ids;
@@ -689,9 +678,7 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
     assert!(model.has_sliding_window_layers());
 
     let request = |prompt: Vec<u32>| {
-        let mut request = GenerateRequest::new(prompt);
-        request.max_tokens = 8;
-        request.ignore_eos = true;
+        let mut request = unstopped_request(prompt, 8);
         request.prefill_step_size = 256;
         request
     };
@@ -802,12 +789,9 @@ fn past_the_window(
     expected: &Expected,
 ) {
     let prompt = &expected.long_prompt_ids;
-    let long_request = |prompt: Vec<u32>, max_tokens: usize| {
-        let mut request = GenerateRequest::new(prompt);
-        request.max_tokens = max_tokens;
-        request.ignore_eos = true;
-        request.prefill_step_size = 64;
-        request
+    let long_request = |prompt: Vec<u32>, max_tokens: usize| GenerateRequest {
+        prefill_step_size: 64,
+        ..unstopped_request(prompt, max_tokens)
     };
     let request = long_request(prompt.clone(), expected.long_greedy_ids.len());
     let alone = generate(model, tokenizer, &request, |_| ControlFlow::Continue(()))
