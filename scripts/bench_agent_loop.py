@@ -12,7 +12,8 @@ token per turn (median over the sub-agents) and the total time.
 
     python scripts/bench_agent_loop.py --model DIR [--perch target/release/perch]
         [--python PY_WITH_MLX_LM] [--subagents 3] [--turns 6] [--max-tokens 32]
-        [--servers perch,mlx_lm] [--no-tools] [--json]
+        [--servers perch,mlx_lm] [--no-tools] [--json] [--start-delay SECONDS]
+        [--server-log PREFIX]
 
 With `--json`, one JSON object a server, each as its replay ends.
 
@@ -94,13 +95,15 @@ def start(server, args):
         command = [args.perch, "serve", "--model", args.model, "--port", str(port)]
     else:
         command = [args.python, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(f"{args.server_log}-{server}.log", "w") if args.server_log else subprocess.DEVNULL
+    process = subprocess.Popen(command, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, process)
     except Exception:
         process.kill()
         raise
+    time.sleep(args.start_delay)
     return process, base
 
 
@@ -180,6 +183,10 @@ def main():
     parser.add_argument("--no-tools", action="store_true",
                         help="send no tool definitions (for a model whose chat template has none)")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--start-delay", type=float, default=0.0, metavar="SECONDS",
+                        help="wait this long after a server answers before the replay starts")
+    parser.add_argument("--server-log", metavar="PREFIX",
+                        help="each server's output to PREFIX-perch.log, PREFIX-mlx_lm.log")
     args = parser.parse_args()
     args.model = os.path.abspath(args.model)
     if not args.json:
