@@ -2,11 +2,11 @@
 //! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids
 //! over the slot caches (prefill chunks of several sequences in one forward pass, decode steps in
 //! another), read by MLX's fused attention and by the explicit one CUDA's decode steps use, and
-//! with decode steps compiled by MLX.
+//! with decode steps compiled by MLX (over dense weights, as CUDA runs them).
 
 mod common;
 
-use perch_engine::testing::{BatchConfig, BatchGenerator};
+use perch_engine::testing::{loading_dense_weights, BatchConfig, BatchGenerator};
 use perch_engine::{models, GenerateRequest, Tokenizer};
 use perch_engine::{PromptLookup, SlotAttention, StepTimes};
 
@@ -33,7 +33,9 @@ fn run_with(
     prompt_lookup: Option<PromptLookup>,
 ) -> StepTimes {
     let dir = common::model_dir();
-    let model = models::load(&dir).unwrap();
+    // Compiled decode steps run as on CUDA, over dense weights: a compiled step cannot call
+    // Perch's CPU kernel, and MLX's CPU `quantized_matmul` would take about a second a step.
+    let model = loading_dense_weights(compile_decode, || models::load(&dir)).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     assert_eq!(insert_at.len(), cases.len(), "one insertion step per case");
     let config = BatchConfig {

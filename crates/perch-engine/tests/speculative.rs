@@ -307,7 +307,8 @@ fn bad_drafts_are_refused() {
 /// The draft model in the batch (`BatchGenerator::with_draft`): greedy speculative requests
 /// inserted at different steps into one batch, drafted by the model itself (its proposals
 /// accepted) and by a tiny random model (most rejected, and rewound in both slot caches), with
-/// decode steps op by op and compiled, each yield mlx_lm's greedy ids; a plain request decodes
+/// decode steps op by op and compiled (over dense weights, as CUDA runs them), each yield
+/// mlx_lm's greedy ids; a plain request decodes
 /// beside them (with prompt lookup on, it proposes from its own tokens in the same verify
 /// steps); a sampled one without a draft joins the verify steps, and one with
 /// log-probabilities holds every step plain for a while (the draft's rows catch up after: the
@@ -317,7 +318,9 @@ fn bad_drafts_are_refused() {
 /// with a logits processor is not the batch's (the engine runs it beside the batch).
 #[test]
 fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
-    use perch_engine::testing::{kv_bytes_per_token, BatchConfig, BatchGenerator};
+    use perch_engine::testing::{
+        kv_bytes_per_token, loading_dense_weights, BatchConfig, BatchGenerator,
+    };
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -333,15 +336,30 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         adaptive: false,
         ..perch_engine::PromptLookup::default()
     };
-    for (name, draft, compile_decode, lookup) in [
-        ("the model itself", model.as_ref(), false, None),
-        ("a random tiny model", tiny.as_ref(), true, Some(every_step)),
+    // Compiled decode steps run as on CUDA, over dense weights: a compiled step cannot call
+    // Perch's CPU kernel, and MLX's CPU `quantized_matmul` would take about a second a step.
+    let dense = loading_dense_weights(true, || models::load(&dir)).unwrap();
+    for (name, target, draft, compile_decode, lookup) in [
+        (
+            "the model itself",
+            model.as_ref(),
+            model.as_ref(),
+            false,
+            None,
+        ),
+        (
+            "a random tiny model",
+            dense.as_ref(),
+            tiny.as_ref(),
+            true,
+            Some(every_step),
+        ),
     ] {
         // The pool's blocks pay for the draft's KV too: a pooled token costs both models' KV.
-        let budget = BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None);
-        let counted = budget.clone().counting_draft(model.as_ref(), Some(draft));
+        let budget = BatchConfig::for_budget(target, 256 << 20, 32, None);
+        let counted = budget.clone().counting_draft(target, Some(draft));
         let (m, d) = (
-            kv_bytes_per_token(model.as_ref(), None),
+            kv_bytes_per_token(target, None),
             kv_bytes_per_token(draft, None),
         );
         assert!(d > 0 && counted.num_blocks < budget.num_blocks, "{name}");
@@ -350,7 +368,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
             budget.num_blocks * m / (m + d),
             "{name}"
         );
-        let without = budget.clone().counting_draft(model.as_ref(), None);
+        let without = budget.clone().counting_draft(target, None);
         assert_eq!(without.num_blocks, budget.num_blocks);
         let config = BatchConfig {
             compile_decode,
@@ -360,7 +378,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         };
         let blocks = config.num_blocks;
         let mut batch =
-            BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm").with_draft(draft, 3);
+            BatchGenerator::new(target, &tokenizer, config, "smollm").with_draft(draft, 3);
         assert!(batch.drafts());
         assert_eq!(batch.kv_stats().blocks_total, blocks);
         batch.warm_up().unwrap();
@@ -386,11 +404,9 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         sampled.max_tokens = 12;
         sampled.ignore_eos = true;
         let alone = |request: &GenerateRequest| {
-            perch_engine::generate(model.as_ref(), &tokenizer, request, |_| {
-                ControlFlow::Continue(())
-            })
-            .unwrap()
-            .token_ids
+            perch_engine::generate(target, &tokenizer, request, |_| ControlFlow::Continue(()))
+                .unwrap()
+                .token_ids
         };
         let sampled_alone = alone(&sampled);
         let mut scored = sampled.clone();
@@ -428,7 +444,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         let times = batch.step_times();
         assert!(times.verify_steps > 0, "{name}: {times:?}");
         assert!(proposed > 0, "{name}");
-        if std::ptr::eq(draft, model.as_ref()) {
+        if std::ptr::eq(draft, target) {
             // (A row that caught up wrongly after the sampled request's plain steps proposes
             // from a cache that lacks tokens: 75 of 83 were accepted so.)
             assert!(accepted * 20 >= proposed * 19, "{accepted} of {proposed}");
@@ -462,8 +478,8 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
             ..budget
         };
         let capacity = uncounted.num_blocks * 32;
-        let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, uncounted, "smollm")
-            .with_draft(draft, 3);
+        let mut batch =
+            BatchGenerator::new(target, &tokenizer, uncounted, "smollm").with_draft(draft, 3);
         let refused = batch
             .insert(GenerateRequest::new(vec![1; capacity]))
             .unwrap_err()

@@ -2,17 +2,18 @@
 //!
 //! MLX's CPU backend runs `quantized_matmul` as scalar code (~1.8 GFLOP/s on the 2-core dev
 //! machine, whatever the number of rows) and its `dequantize` costs ~2 ns per weight, while a
-//! float32 GEMM reaches ~100 GFLOP/s. This crate dequantizes a few of `W`'s rows at a time into a
-//! scratch buffer and multiplies them with `x`, splitting `W`'s rows over the CPU cores (rayon):
-//! - up to 48 rows of `x` (decode steps, short prefill chunks): 4 rows of `W` at a time, which
-//!   stay in L1, each dotted with every row of `x` by a register-blocked kernel (AVX2 + FMA on
-//!   x86_64, plain dot products elsewhere);
-//! - more rows: a tile of `W`'s rows (one share per thread, at most 1M weights) multiplied by
-//!   `matrixmultiply`'s sgemm, whose packing of the tile then pays for itself; it packs `x` again
-//!   for every tile, so the tiles are wide.
+//! float32 GEMM reaches ~100 GFLOP/s. This crate dequantizes up to 64 of `W`'s rows at a time
+//! into a scratch buffer (each core its own rows, rayon) and multiplies them with `x` by a
+//! register-blocked kernel: 4 rows of `W` against 2 rows of `x` at a time (AVX2 on x86_64, plain
+//! dot products elsewhere), `x` read in blocks of 64 rows that stay in the L2 cache.
 //!
-//! Nothing of `W` is dequantized as a whole (unless it has at most 1M weights), so the extra
-//! memory is one tile per core (4 MiB at most).
+//! Each output is one dot product summed in the same order whatever the number of rows of `x`:
+//! a sequence's results do not depend on the batch it runs in (the engine's batched steps give
+//! the ids the sequence gets alone). A general GEMM (packing, then blocks whose shape depends on
+//! the operands) would not keep that; at 512 rows it was also no faster here once its packing of
+//! the strided tile was counted.
+//!
+//! Nothing of `W` is dequantized as a whole, so the extra memory is 64 rows per core.
 //!
 //! Layout (MLX `mx.quantize`, mode `affine`): for `W` `[rows, cols]` quantized with `bits` ∈
 //! {2, 4, 8} and `group_size`:
@@ -26,18 +27,12 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-/// Most dequantized weights per scratch tile of the sgemm path (float32: 4 bytes each), per
-/// thread. The sgemm packs `x` again for every tile, so tiles are as wide as this allows: one per
-/// thread when it fits.
-const TILE_ELEMENTS: usize = 1 << 20;
-/// Up to this many rows of `x`, `W`'s rows are dequantized [`W_BLOCK`] at a time (into L1) and
-/// multiplied with every row of `x` by a register-blocked kernel. Above it, one sgemm per tile:
-/// its packing of the tile (a strided read) then pays for itself over the rows of `x`.
-const BLOCKED_MAX_ROWS: usize = 48;
-/// Rows of `W` dequantized together on the blocked path.
+/// Rows of `W` dequantized together and multiplied by one pass of the kernel.
 const W_BLOCK: usize = 4;
-/// Rows of `W` per parallel work item on the blocked path.
-const BLOCKED_CHUNK_ROWS: usize = 64;
+/// Rows of `W` per parallel work item, dequantized once into its scratch buffer.
+const CHUNK_ROWS: usize = 64;
+/// Rows of `x` multiplied with a chunk's rows before the next ones (they stay in L2).
+const X_BLOCK_ROWS: usize = 64;
 /// Below this many weights a matrix is handled on the calling thread alone: spawning costs more
 /// than it saves.
 const PARALLEL_MIN_ELEMENTS: usize = 256 << 10;
@@ -301,14 +296,7 @@ pub fn matmul_transposed(
     }
     let x = w.permute_columns(x);
     let out = OutPtr(y.as_mut_ptr());
-    let chunk_rows = if m <= BLOCKED_MAX_ROWS {
-        BLOCKED_CHUNK_ROWS
-    } else {
-        w.rows
-            .div_ceil(rayon::current_num_threads())
-            .min(TILE_ELEMENTS / w.cols)
-            .max(1)
-    };
+    let chunk_rows = CHUNK_ROWS;
     let chunks = w.rows.div_ceil(chunk_rows);
     let avx2 = has_avx2_fma();
     let run = |chunk: usize| {
@@ -367,9 +355,10 @@ unsafe fn multiply_rows_avx2(
 }
 
 /// `y[:, start..end] = x · W[start..end]ᵀ`; `x` in the permuted column order of
-/// [`QuantizedMatrix::permute_columns`]. Up to [`BLOCKED_MAX_ROWS`] rows: [`W_BLOCK`] rows of `W` dequantized at a time,
-/// which stay in L1, each multiplied with every row of `x` ([`multiply_block`]). More: the rows
-/// dequantized into one tile, then one sgemm.
+/// [`QuantizedMatrix::permute_columns`], multiplied with `W`'s rows [`W_BLOCK`] at a time
+/// ([`multiply_block`]): up to [`X_BLOCK_ROWS`] rows of `x`, those rows dequantized in turn
+/// (each is read once); more, all of them dequantized into `scratch` once, then each block of
+/// [`X_BLOCK_ROWS`] rows of `x` multiplied with them. The same values and sums either way.
 ///
 /// # Safety
 /// `out` must point to a writable `[m, w.rows]` row-major buffer whose columns `start..end` no
@@ -384,12 +373,14 @@ unsafe fn multiply_rows(
     out: OutPtr,
     scratch: &mut Vec<f32>,
 ) {
-    if m <= BLOCKED_MAX_ROWS {
+    debug_assert_eq!(x.len(), m * w.cols);
+    if m <= X_BLOCK_ROWS {
+        // One block of `x`: each row of `W` is read once, so W_BLOCK rows at a time (in L1).
         scratch.resize(W_BLOCK * w.cols, 0.0);
         for first in (start..end).step_by(W_BLOCK) {
-            let rows = W_BLOCK.min(end - first);
-            w.dequantize_rows_permuted(first, &mut scratch[..rows * w.cols]);
-            multiply_block(x, m, w.cols, &scratch[..rows * w.cols], |i, b, value| {
+            let block = &mut scratch[..W_BLOCK.min(end - first) * w.cols];
+            w.dequantize_rows_permuted(first, block);
+            multiply_block(x, m, w.cols, block, |i, b, value| {
                 *out.0.add(i * w.rows + first + b) = value;
             });
         }
@@ -397,29 +388,23 @@ unsafe fn multiply_rows(
     }
     scratch.resize((end - start) * w.cols, 0.0);
     w.dequantize_rows_permuted(start, scratch);
-    // C [m, n] = A [m, cols] · B [cols, n], where B is the tile read transposed.
-    matrixmultiply::sgemm(
-        m,
-        w.cols,
-        end - start,
-        1.0,
-        x.as_ptr(),
-        w.cols as isize,
-        1,
-        scratch.as_ptr(),
-        1,
-        w.cols as isize,
-        0.0,
-        out.0.add(start),
-        w.rows as isize,
-        1,
-    );
+    for (xb, x_block) in x.chunks(X_BLOCK_ROWS * w.cols).enumerate() {
+        let first_row = xb * X_BLOCK_ROWS;
+        let rows_x = x_block.len() / w.cols;
+        for (wb, block) in scratch.chunks(W_BLOCK * w.cols).enumerate() {
+            let first = start + wb * W_BLOCK;
+            multiply_block(x_block, rows_x, w.cols, block, |i, b, value| {
+                *out.0.add((first_row + i) * w.rows + first + b) = value;
+            });
+        }
+    }
 }
 
 /// Every dot product of the `m` rows of `x` `[m, cols]` with the rows of `block` `[b, cols]`
-/// (`b` ≤ [`W_BLOCK`]), handed to `store(i, j, x_i · block_j)`. With AVX2 and FMA (and `cols` a
-/// multiple of 8): two rows of `x` against four of `block` per pass, 8 accumulators of 8 lanes,
-/// six loads for eight fused multiply-adds. Otherwise one [`dot`] per pair.
+/// (`b` ≤ [`W_BLOCK`]), handed to `store(i, j, x_i · block_j)`. With AVX2 (and `cols` a multiple
+/// of 8): two rows of `x` against four of `block` per pass, 8 accumulators of 8 lanes, six loads
+/// for eight multiply-adds (products and sums rounded separately, as the plain path rounds them).
+/// Otherwise one [`dot`] per pair.
 #[inline(always)]
 fn multiply_block(
     x: &[f32],
@@ -479,7 +464,7 @@ unsafe fn block_avx2<const N: usize>(x: &[f32], block: &[f32], cols: usize) -> [
         for (r, acc) in acc.iter_mut().enumerate() {
             let xv = _mm256_loadu_ps(x.add(r * cols + k));
             for (acc, &wv) in acc.iter_mut().zip(&wv) {
-                *acc = _mm256_fmadd_ps(xv, wv, *acc);
+                *acc = _mm256_add_ps(_mm256_mul_ps(xv, wv), *acc);
             }
         }
         k += 8;
@@ -674,11 +659,27 @@ mod tests {
         check_matmul(7, 1001, 512, 64, 4);
         check_matmul(1, 1001, 512, 128, 8);
         check_matmul(3, 1001, 512, 32, 2);
-        // Both sides of BLOCKED_MAX_ROWS: the blocked kernel's last size (odd rows of `W` left
-        // over in a block) and the sgemm on `x` read column-major.
-        check_matmul(BLOCKED_MAX_ROWS, 1001, 512, 64, 4);
-        check_matmul(BLOCKED_MAX_ROWS + 1, 1001, 512, 64, 4);
+        // Several blocks of rows of `x`, the last one short.
+        check_matmul(X_BLOCK_ROWS + 1, 1001, 512, 64, 4);
         check_matmul(130, 37, 96, 32, 8);
+    }
+
+    #[test]
+    fn a_row_gives_the_same_bits_in_any_batch() {
+        // Each row of `x` alone, then all 70 together: every output equal to the bit.
+        let (rows, cols) = (1001, 512);
+        let case = Case::new(rows, cols, 64, 4, 3);
+        let m = 70;
+        let x: Vec<f32> = (0..m * cols)
+            .map(|i| ((i * 53 % 97) as f32 - 48.0) / 40.0)
+            .collect();
+        let mut all = vec![0f32; m * rows];
+        matmul_transposed(&x, m, &case.matrix(), &mut all).unwrap();
+        for i in [0, 1, 2, 63, 64, 69] {
+            let mut alone = vec![0f32; rows];
+            matmul_transposed(&x[i * cols..(i + 1) * cols], 1, &case.matrix(), &mut alone).unwrap();
+            assert_eq!(alone, all[i * rows..(i + 1) * rows], "row {i}");
+        }
     }
 
     #[test]

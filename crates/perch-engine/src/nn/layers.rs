@@ -328,13 +328,38 @@ impl QuantizedWeight {
 /// bfloat16), for 3.6x the weights' memory at 4 bits.
 /// On Metal MLX's quantized kernels are its best-tuned path and on CPU `perch_qgemm` is used:
 /// both keep the weights quantized. `PERCH_WEIGHTS=quantized` or `=dense` overrides the default
-/// (for benchmarks).
+/// (for benchmarks); [`loading_dense_weights`] overrides both for the models one thread loads.
 pub fn dense_weights() -> bool {
+    if let Some(dense) = DENSE_WEIGHTS.with(std::cell::Cell::get) {
+        return dense;
+    }
     match std::env::var("PERCH_WEIGHTS").as_deref() {
         Ok("dense") => true,
         Ok("quantized") => false,
         _ => Backend::current() == Backend::Cuda,
     }
+}
+
+thread_local! {
+    /// [`loading_dense_weights`]'s answer for [`dense_weights`] on this thread, while it runs.
+    static DENSE_WEIGHTS: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `load` with [`dense_weights`] answering `dense` on this thread: the models it loads keep
+/// their quantized weights that way, whatever the backend's default and `PERCH_WEIGHTS` say.
+/// For tests that run CUDA's form on the CPU (compiled decode steps over dense weights, where
+/// MLX's CPU `quantized_matmul` would take seconds a step).
+pub fn loading_dense_weights<T>(dense: bool, load: impl FnOnce() -> T) -> T {
+    let before = DENSE_WEIGHTS.with(|d| d.replace(Some(dense)));
+    // Restored however `load` ends (a panic included).
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DENSE_WEIGHTS.with(|d| d.set(self.0));
+        }
+    }
+    let _restore = Restore(before);
+    load()
 }
 
 /// The two halves of `both`'s last axis (a fused gate and up projection's output), as slices
