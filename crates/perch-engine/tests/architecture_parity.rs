@@ -12,7 +12,7 @@
 //! Ministral 3 or a Llama text model under `language_model.`) — float32,
 //! bfloat16, 4-bit (MoE routers at 8 bits, as mlx_lm converts them), and 8-bit with a per-layer
 //! override. Perch's logits must match
-//! mlx_lm's within 1e-4 and its greedy ids exactly, through `generate` and through the batch
+//! mlx_lm's within 1e-4 of the largest logit (1e-4 absolute below 1) and its greedy ids exactly, through `generate` and through the batch
 //! engine (three prompts at once, inserted at different steps), per sequence and, for models
 //! without recurrent layers, over slot caches too.
 //!
@@ -161,9 +161,12 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             .map(|v| v.abs())
             .fold(0.0f32, f32::max);
         assert!(scale > 0.1, "{name}: degenerate logits");
+        // Float32 rounding of two summation orders (Perch's CPU kernel, MLX's): 1e-4 of the
+        // largest logit, 1e-4 absolute below 1 (gemma4-4bit's logits reach ~3.8).
+        let tolerance = 1e-4 * scale.max(1.0);
         assert!(
-            max_diff <= 1e-4,
-            "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale})"
+            max_diff <= tolerance,
+            "{name}: logits differ from mlx_lm by {max_diff} (max |logit| {scale}, tolerance {tolerance})"
         );
 
         if model.has_recurrent_layers() {
