@@ -1,4 +1,4 @@
-//! After 120 mixed requests (shared prefixes, sampling settings, stop strings, cancels mid-prefill
+//! After 60 mixed requests (shared prefixes, sampling settings, stop strings, cancels mid-prefill
 //! and mid-decode) the block pool is all free and MLX's active memory is back at its baseline,
 //! up to the prefix cache's own content, which `reset_prefix_cache` returns too.
 //!
@@ -26,7 +26,7 @@ impl Lcg {
 }
 
 #[test]
-fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
+fn sixty_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -59,7 +59,7 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
     let prefixes: Vec<Vec<u32>> = (0..3)
         .map(|_| (0..40).map(|_| rng.below(49152) as u32).collect())
         .collect();
-    let total = 120;
+    let total = 60;
     let mut inserted = 0;
     // Request id -> the step at which it is cancelled.
     let mut cancel_at: HashMap<u64, usize> = HashMap::new();
@@ -76,7 +76,7 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
             } else {
                 Vec::new()
             };
-            prompt.extend((0..1 + rng.below(60)).map(|_| rng.below(49152) as u32));
+            prompt.extend((0..1 + rng.below(32)).map(|_| rng.below(49152) as u32));
             let mut request = GenerateRequest::new(prompt);
             request.max_tokens = 1 + rng.below(8) as usize;
             request.prefill_step_size = 8 + rng.below(48) as usize;
@@ -127,11 +127,11 @@ fn a_hundred_and_twenty_mixed_requests_leave_the_pool_free_and_memory_at_baselin
     }
     assert!(batch.is_empty());
     assert!(
-        reasons.get(&FinishReason::Cancelled).copied().unwrap_or(0) >= 20,
+        reasons.get(&FinishReason::Cancelled).copied().unwrap_or(0) >= 8,
         "{reasons:?}"
     );
     assert!(
-        reasons.get(&FinishReason::Length).copied().unwrap_or(0) >= 20,
+        reasons.get(&FinishReason::Length).copied().unwrap_or(0) >= 10,
         "{reasons:?}"
     );
 

@@ -2053,9 +2053,12 @@ impl<'m> BatchGenerator<'m> {
                 }
             }
         }
-        // Unless every sequence it stepped has just finished.
+        // Unless every sequence it stepped has just finished: then it is waited for, so that
+        // none of its work still runs (and holds memory) once the batch is idle.
         if step.ids().any(|id| self.running.iter().any(|s| s.id == id)) {
             self.runner.set_in_flight(step);
+        } else {
+            step.wait()?;
         }
         Ok(())
     }

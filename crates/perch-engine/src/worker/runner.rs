@@ -929,6 +929,13 @@ impl InFlight {
         self.entries.iter().map(|e| e.id)
     }
 
+    /// Waits until the device has computed the step (dropped unread: nothing of it keeps
+    /// running after this returns).
+    pub fn wait(self) -> Result<()> {
+        eval(self.arrays())?;
+        Ok(())
+    }
+
     /// The arrays to evaluate.
     fn arrays(&self) -> impl Iterator<Item = &Array> {
         let own = self.entries.iter().flat_map(|e| {
