@@ -11,8 +11,8 @@
 //! positions, sliding layers listed in `layer_types`) and Mistral 3's multimodal layouts (a
 //! Ministral 3 or a Llama text model under `language_model.`) — float32,
 //! bfloat16, 4-bit (MoE routers at 8 bits, as mlx_lm converts them), and 8-bit with a per-layer
-//! override. Perch's logits must match
-//! mlx_lm's within 1e-4 of the largest logit (1e-4 absolute below 1) and its greedy ids exactly, through `generate` and through the batch
+//! override. Perch's logits must match mlx_lm's within 1e-4 of the largest logit (1e-4
+//! absolute below 1) and its greedy ids exactly, through `generate` and through the batch
 //! engine (three prompts at once, inserted at different steps), per sequence and, for models
 //! without recurrent layers, over slot caches too.
 //!
