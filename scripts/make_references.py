@@ -29,13 +29,13 @@ from pathlib import Path
 
 # The chat cases of the reference: single and multi-turn, a system prompt, unicode and emoji,
 # code, a raw prompt, one that stops on EOS, and a prompt longer than one prefill chunk
-# (mlx_lm's prefill_step_size, 2048 tokens).
+# (mlx_lm's prefill_step_size, set to 256 tokens).
 MAX_TOKENS = 32
-PREFILL_CHUNK = 2048
+PREFILL_CHUNK = 256
 
 
 def long_document():
-    """About 2,300 tokens of varied, deterministic prose (more than one prefill chunk)."""
+    """About 330 tokens of varied, deterministic prose (more than one prefill chunk)."""
     subjects = ["The river", "A lighthouse keeper", "The old library", "Our weather station",
                 "The night train", "A beekeeper", "The harbour crane", "The mountain school"]
     verbs = ["recorded", "noticed", "counted", "described", "measured", "remembered"]
@@ -44,7 +44,7 @@ def long_document():
     places = ["near the bridge", "after midnight", "on the northern hill", "beside the mill",
               "during the fair", "under the station clock"]
     lines = []
-    for i in range(100):
+    for i in range(14):
         lines.append(f"Entry {i + 1}: {subjects[i % 8]} {verbs[(i * 5) % 6]} {objects[(i * 3) % 8]} "
                      f"{places[(i * 7) % 6]}, and the count was {(i * 37) % 101}.")
     return " ".join(lines)

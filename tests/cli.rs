@@ -950,7 +950,7 @@ fn serve_answers_over_http() {
 
 #[test]
 fn soak_runs_mixed_traffic_and_reports_memory() {
-    // A 16 MiB pool (about 350 tokens of this model) under 4 streams with prompts up to 256
+    // A 16 MiB pool (about 350 tokens of this model) under 2 streams with prompts up to 256
     // tokens: requests wait, get preempted and cancelled, and none fails.
     let model = test_model();
     let out = perch(&[
@@ -958,11 +958,11 @@ fn soak_runs_mixed_traffic_and_reports_memory() {
         "--model",
         &model,
         "--minutes",
-        "0.2",
+        "0.1",
         "--report-every-s",
-        "4",
+        "2",
         "--concurrency",
-        "4",
+        "2",
         "--long-prompt-tokens",
         "256",
         "--kv-cache-mib",
@@ -971,7 +971,8 @@ fn soak_runs_mixed_traffic_and_reports_memory() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    // Three reports: the minute, then finished, cancelled and errors (none).
+    // Three reports (6 s, one every 2 s; two asked, a late one to spare): the minute, then
+    // finished, cancelled and errors (none).
     let reports: Vec<Vec<&str>> = stdout
         .lines()
         .map(|l| l.split_whitespace().collect::<Vec<_>>())
@@ -979,7 +980,7 @@ fn soak_runs_mixed_traffic_and_reports_memory() {
         .collect();
     assert!(reports.len() >= 2, "{stdout}");
     // After the reports, every request (the clients end theirs when time runs out): each of the
-    // 4 clients ended at least one, and none failed.
+    // 2 clients ended at least one, and none failed.
     let ended: Vec<u64> = stdout
         .lines()
         .find_map(|l| l.strip_prefix("requests: "))
@@ -990,7 +991,7 @@ fn soak_runs_mixed_traffic_and_reports_memory() {
     let [finished, cancelled, errors] = ended[..] else {
         panic!("requests line: {stdout}")
     };
-    assert!(finished + cancelled >= 4, "requests ended: {stdout}");
+    assert!(finished + cancelled >= 2, "requests ended: {stdout}");
     assert_eq!(errors, 0, "no request failed: {stdout}");
     assert!(stdout.contains("KV and activations at peak"), "{stdout}");
     assert!(stdout.contains("second half: MLX active"), "{stdout}");

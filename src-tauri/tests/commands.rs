@@ -951,7 +951,8 @@ fn an_engine_failure_mid_answer_is_saved_as_an_error_and_the_next_turn_works() {
         ..Default::default()
     };
     app.state::<AppState>().load(model_dir(), config).unwrap();
-    let id = conversation_with(&window, 40);
+    // 8 tokens take 8 steps at least (one a step): the panic at step 4 lands mid-answer.
+    let id = conversation_with(&window, 8);
     let (text, finished) = run_turn(&app, id, send("Count from 1 to 100."));
     assert_eq!(finished["finish_reason"], "error", "{finished}");
     let error = finished["error"].as_str().expect("an error sentence");
@@ -1053,7 +1054,7 @@ fn a_fresh_install_samples_with_the_model_s_defaults_and_says_where_they_came_fr
     assert_eq!(conversation["settings"]["sampling_source"], "model");
     // Short answers (sampled answers rarely stop early): the sampling is what is checked.
     let mut short = conversation["settings"].clone();
-    short["max_tokens"] = json!(24);
+    short["max_tokens"] = json!(4);
     invoke(
         &window,
         "set_conversation_settings",
@@ -1271,7 +1272,8 @@ fn a_draft_model_in_settings_drafts_for_chats() {
     settings["draft_model"] = json!(model_dir());
     invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
     invoke(&window, "load_model", json!({"path": model_dir()})).unwrap();
-    let id = conversation_with(&window, 12);
+    // 6 tokens: the first from the prefill, then verify steps of 2 proposals each.
+    let id = conversation_with(&window, 6);
     let (text, finished) = run_turn(&app, id, send("Name three colours."));
     assert!(!text.is_empty());
     let stats = &finished["stats"];

@@ -600,7 +600,7 @@ fn hybrid_prompt_caches(
 
     // mlx_lm's file of the first 32 tokens, continued by Perch.
     let theirs = file("mlx_lm.safetensors");
-    common::run_oracle(
+    common::served_oracle(
         "prompt_cache.py",
         &["save", &path(dir), &json(&whole[..32]), &path(&theirs)],
     );
@@ -618,7 +618,7 @@ fn hybrid_prompt_caches(
             .save_prompt_cache(Prompt::Tokens(whole[..len].to_vec()), file)
             .unwrap();
         assert_eq!(classes(file), expected_classes, "{name}: Perch's file");
-        let out = common::run_oracle(
+        let out = common::served_oracle(
             "prompt_cache.py",
             &[
                 "continue",
@@ -947,7 +947,7 @@ fn past_the_window(
         files.path().join("perch.safetensors"),
     );
     let path = |p: &Path| p.to_str().unwrap().to_owned();
-    common::run_oracle(
+    common::served_oracle(
         "prompt_cache.py",
         &["save", &path(dir), &json(prefix), &path(&theirs), "3"],
     );
@@ -1033,7 +1033,7 @@ fn past_the_window(
         engine.shutdown();
     }
     assert_eq!(classes(&ours), expected_classes, "{name}: Perch's file");
-    let out = common::run_oracle(
+    let out = common::served_oracle(
         "prompt_cache.py",
         &[
             "continue",

@@ -1,8 +1,9 @@
-//! Continuous batching reproduces single-request generation exactly: every reference case (the
-//! long one too), submitted at once or inserted at different steps, yields mlx_lm's greedy ids
-//! over the slot caches (prefill chunks of several sequences in one forward pass, decode steps in
-//! another), read by MLX's fused attention and by the explicit one CUDA's decode steps use, and
-//! with decode steps compiled by MLX (over dense weights, as CUDA runs them).
+//! Continuous batching reproduces single-request generation exactly: the reference cases (the
+//! long one too), submitted at once or inserted at different steps, yield mlx_lm's greedy ids
+//! (all of them, or the first 16 where a test asks fewer) over the slot caches (prefill chunks
+//! of several sequences in one forward pass, decode steps in another), read by MLX's fused
+//! attention and by the explicit one CUDA's decode steps use, and with decode steps compiled by
+//! MLX (over dense weights, as CUDA runs them).
 
 mod common;
 
@@ -10,24 +11,13 @@ use perch_engine::testing::{loading_dense_weights, BatchConfig, BatchGenerator};
 use perch_engine::{models, GenerateRequest, Tokenizer};
 use perch_engine::{PromptLookup, SlotAttention, StepTimes};
 
-/// Inserts case `i` at step `insert_at[i]` and runs the batch to completion.
-fn run(insert_at: &[usize], prefill_step_size: usize) {
-    run_with(
-        common::reference_cases(),
-        insert_at,
-        prefill_step_size,
-        SlotAttention::Fused,
-        false,
-        None,
-    );
-}
-
-/// Runs `cases` in one batch as set, asserts each yields mlx_lm's ids, and returns where the
-/// steps went.
+/// Runs `cases` in one batch as set (case `i` inserted at step `insert_at[i]`, `max_tokens`
+/// each), asserts each yields mlx_lm's ids, and returns where the steps went.
 fn run_with(
     cases: Vec<common::ReferenceCase>,
     insert_at: &[usize],
     prefill_step_size: usize,
+    max_tokens: usize,
     slot_attention: SlotAttention,
     compile_decode: bool,
     prompt_lookup: Option<PromptLookup>,
@@ -44,8 +34,8 @@ fn run_with(
         prompt_lookup,
         // Several sequences prefill per step (one forward pass of padded chunks when batched).
         prefill_batch_size: 4,
-        // Every case at once (seven), and no more.
-        max_running: common::room_for(7),
+        // The six short cases at once, and no more.
+        max_running: common::room_for(6),
         ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
     };
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
@@ -60,10 +50,9 @@ fn run_with(
         .zip(insert_at)
         .map(|(case, &at)| {
             let mut request = GenerateRequest::new(case.prompt_ids.clone());
-            request.max_tokens = common::reference().max_tokens;
-            // The long prompt (2,432 tokens) in chunks of 256 when the others take 16: ten
-            // chunks still interleave with the other rows' steps, where 152 would only make
-            // the test slower.
+            request.max_tokens = max_tokens;
+            // The long prompt (370 tokens) in chunks of at least 256 when the others take 16:
+            // its chunks still interleave with the other rows' steps.
             request.prefill_step_size = match case.prompt_ids.len() {
                 n if n > 256 => prefill_step_size.max(256),
                 _ => prefill_step_size,
@@ -76,8 +65,14 @@ fn run_with(
     for (case, (output, streamed)) in cases.iter().zip(&outputs) {
         assert_eq!(
             output.token_ids,
-            common::expected_ids(case, output.finish_reason),
+            common::expected_prefix(case, max_tokens),
             "case {} ({slot_attention:?}, compiled decode {compile_decode})",
+            case.id
+        );
+        assert_eq!(
+            output.finish_reason,
+            common::expected_finish(case, max_tokens),
+            "case {}",
             case.id
         );
         assert_eq!(streamed, &output.text, "case {}", case.id);
@@ -107,19 +102,32 @@ fn run_with(
     batch.step_times()
 }
 
+/// The long prompt (370 tokens, in budget-wide chunks) submitted at once with three short
+/// ones, which decode beside its chunks: haiku, multi-turn (which stops at its EOS, 7 tokens
+/// in) and code, 16 tokens each.
 #[test]
-fn all_reference_cases_at_once() {
-    run(&[0; 7], 2048);
+fn reference_cases_with_the_long_prompt_at_once() {
+    run_with(
+        common::cases(&["haiku", "multi-turn", "code", "long"]),
+        &[0; 4],
+        2048,
+        16,
+        SlotAttention::Fused,
+        false,
+        None,
+    );
 }
 
 /// Sequences join and leave the slot cache at different steps: slots are refilled, rows and
-/// capacity change bucket, and every case still yields mlx_lm's ids (the short cases: the long
-/// prompt's chunks beside decoding rows are the test above's).
+/// capacity change bucket (up to six requests at once), and every case still yields mlx_lm's
+/// ids, 16 tokens each (the short cases: the long prompt's chunks beside decoding rows are the
+/// test above's).
 #[test]
 fn staggered_inserts_with_chunked_prefill() {
     run_with(
         common::short_reference_cases(),
-        &[0, 3, 5, 9, 17, 30],
+        &[0, 3, 5, 9, 12, 15],
+        16,
         16,
         SlotAttention::Fused,
         false,
@@ -134,7 +142,8 @@ fn staggered_inserts_with_chunked_prefill() {
 fn staggered_inserts_with_chunked_prefill_explicit_slot_attention() {
     run_with(
         common::short_reference_cases(),
-        &[0, 3, 5, 9, 17, 30],
+        &[0, 3, 5, 9, 12, 15],
+        16,
         16,
         SlotAttention::Explicit,
         false,
@@ -143,13 +152,15 @@ fn staggered_inserts_with_chunked_prefill_explicit_slot_attention() {
 }
 
 /// The same with decode steps compiled by MLX (a GPU's default): traced once per shape and
-/// replayed, buffers passed in and out, warm-up included (short cases, as above).
+/// replayed, buffers passed in and out, warm-up included (short cases, as above, each to its
+/// end: all of mlx_lm's ids).
 #[test]
 fn staggered_inserts_with_chunked_prefill_compiled_decode() {
     run_with(
         common::short_reference_cases(),
         &[0, 3, 5, 9, 17, 30],
         16,
+        common::reference().max_tokens,
         SlotAttention::Fused,
         true,
         None,
@@ -171,11 +182,21 @@ const LOOKUP: PromptLookup = PromptLookup {
 /// op by op and compiled, while rows join and leave; proposals are made and some accepted.
 #[test]
 fn prompt_lookup_keeps_mlx_lms_ids() {
+    let short = common::short_reference_cases();
     for compile_decode in [false, true] {
+        // Compiled, every short case; op by op, the last three (unicode, raw-text, code):
+        // unicode's output repeats its own n-grams, so proposals are accepted there, and most
+        // of the others' are rejected.
+        let (cases, insert_at) = if compile_decode {
+            (short.clone(), &[0, 3, 5, 9, 17, 30][..])
+        } else {
+            (short[3..].to_vec(), &[0, 3, 5][..])
+        };
         let times = run_with(
-            common::short_reference_cases(),
-            &[0, 3, 5, 9, 17, 30],
+            cases,
+            insert_at,
             16,
+            common::reference().max_tokens,
             SlotAttention::Fused,
             compile_decode,
             Some(LOOKUP),
@@ -215,10 +236,12 @@ fn prompt_lookup_pays_on_repeated_text() {
         assert_eq!(batch.kv_stats().blocks_used, 0);
         (outputs, batch.step_times())
     };
-    let (plain, plain_times) = run(None, vec![request.clone(), request.clone()]);
+    // Without prompt lookup, one request: its steps are those of two at once.
+    let (plain, plain_times) = run(None, vec![request.clone()]);
+    let plain = &plain[0].0;
     let (looked_up, times) = run(Some(LOOKUP), vec![request.clone(), request.clone()]);
-    for ((a, _), (b, streamed)) in plain.iter().zip(&looked_up) {
-        assert_eq!(a.token_ids, b.token_ids);
+    for (b, streamed) in &looked_up {
+        assert_eq!(plain.token_ids, b.token_ids);
         assert_eq!(&b.text, streamed);
         assert!(b.token_ids.len() > 30, "{:?}", b.text);
         assert!(
@@ -241,8 +264,10 @@ fn prompt_lookup_pays_on_repeated_text() {
     let mut sampled = request.clone();
     sampled.sampling.temperature = 0.8;
     sampled.sampling.seed = Some(3);
-    // It outlives the greedy request (at most 48 tokens), so no step has the greedy row alone.
-    sampled.max_tokens = 64;
+    // It outlives the greedy request, so no step has the greedy row alone: it takes 32 steps (a
+    // token each), the greedy row fewer than 24 (as in the run above: under half the plain
+    // run's steps, which are at most its 48 tokens).
+    sampled.max_tokens = 32;
     sampled.ignore_eos = true;
     let alone = perch_engine::generate(model.as_ref(), &tokenizer, &sampled, |_| {
         std::ops::ControlFlow::Continue(())
@@ -255,19 +280,22 @@ fn prompt_lookup_pays_on_repeated_text() {
     assert_eq!(outputs[1].0.stats.draft_tokens, 0);
 }
 
-/// Seeded sampling with XTC, repetition, presence and frequency penalties, and log-probabilities, run in the batch (whose
-/// decode steps are pipelined: each row's next input, sampler key and penalty window come from
-/// the device before the host reads the token) give each request the tokens and log-probabilities
-/// it gets alone through `generate` (request 2 also asks for log-probabilities, which ride along).
+/// Seeded sampling with XTC, repetition, presence and frequency penalties, and
+/// log-probabilities, run in the batch (whose decode steps are pipelined: each row's next input,
+/// sampler key and penalty window come from the device before the host reads the token) give
+/// each request the tokens and log-probabilities it gets alone through `generate` (request 2
+/// also asks for log-probabilities, which ride along); the greedy row beside them gets mlx_lm's
+/// greedy ids.
 #[test]
 fn seeded_sampling_matches_generate_alone() {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
-    let cases = common::short_reference_cases();
+    // Roles by position (below); any prompts would do (every request ignores its EOS), so
+    // short ones for requests 2 and 3 (raw-text's 5 tokens, code's 40).
+    let cases = common::cases(&["sky", "haiku", "raw-text", "code"]);
     let requests: Vec<GenerateRequest> = cases
         .iter()
-        .take(4)
         .enumerate()
         .map(|(i, case)| {
             let mut request = GenerateRequest::new(case.prompt_ids.clone());
@@ -297,8 +325,6 @@ fn seeded_sampling_matches_generate_alone() {
             request
         })
         .collect();
-    let mut greedy_twin = requests[0].clone();
-    greedy_twin.sampling = requests[1].sampling.clone();
     let alone: Vec<_> = requests
         .iter()
         .map(|r| {
@@ -323,11 +349,16 @@ fn seeded_sampling_matches_generate_alone() {
         assert_eq!(batched.token_ids, alone.token_ids, "request {i}");
         assert_eq!(batched.token_ids.len(), 12);
     }
-    // Sampling happened: the seeded requests leave the greedy path (their ids differ from the
-    // greedy run of the same prompt).
-    let greedy = perch_engine::generate(model.as_ref(), &tokenizer, &greedy_twin, |_| {
-        std::ops::ControlFlow::Continue(())
-    })
-    .unwrap();
-    assert_ne!(greedy.token_ids, alone[0].token_ids, "request 0 sampled");
+    assert_eq!(
+        outputs[1].0.token_ids,
+        common::expected_prefix(&cases[1], 12),
+        "the greedy request"
+    );
+    // Sampling happened: the seeded requests leave the greedy path (request 0's ids differ
+    // from mlx_lm's greedy ids for its prompt, which reach no EOS in 12 tokens).
+    assert_ne!(
+        alone[0].token_ids,
+        common::expected_prefix(&cases[0], 12),
+        "request 0 sampled"
+    );
 }

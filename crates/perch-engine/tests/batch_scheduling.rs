@@ -49,15 +49,22 @@ fn cgroup_room(bytes: usize) -> Option<perch_engine::memory::Available> {
     })
 }
 
-/// How many of `batch`'s waiting requests one step admits with `headroom`; then, memory back,
-/// the batch runs to its end.
-fn admitted_then_drained(
+/// How many of `batch`'s waiting requests one step admits with `headroom`.
+fn admitted_in_one_step(
     batch: &mut BatchGenerator,
     headroom: Option<perch_engine::memory::Available>,
 ) -> usize {
     batch.set_memory_headroom(headroom);
     batch.step().unwrap();
-    let admitted = batch.num_running();
+    batch.num_running()
+}
+
+/// [`admitted_in_one_step`]; then, memory back, the batch runs to its end.
+fn admitted_then_drained(
+    batch: &mut BatchGenerator,
+    headroom: Option<perch_engine::memory::Available>,
+) -> usize {
+    let admitted = admitted_in_one_step(batch, headroom);
     batch.set_memory_headroom(None);
     while !batch.is_empty() {
         batch.step().unwrap();
@@ -65,28 +72,36 @@ fn admitted_then_drained(
     admitted
 }
 
+/// Case `i` of `cases` at step `i * stagger`, `max_tokens` each.
 fn reference_schedule(
     cases: &[common::ReferenceCase],
     stagger: usize,
+    max_tokens: usize,
 ) -> Vec<(usize, GenerateRequest)> {
     cases
         .iter()
         .enumerate()
-        .map(|(i, case)| {
-            let max_tokens = common::reference().max_tokens;
-            (i * stagger, request(case.prompt_ids.clone(), max_tokens))
-        })
+        .map(|(i, case)| (i * stagger, request(case.prompt_ids.clone(), max_tokens)))
         .collect()
 }
 
+/// Each output is mlx_lm's first `max_tokens` ids for its case, ended as mlx_lm's.
 fn assert_reference(
     cases: &[common::ReferenceCase],
     outputs: &[(perch_engine::GenerateOutput, String)],
+    max_tokens: usize,
 ) {
+    assert_eq!(cases.len(), outputs.len());
     for (case, (output, _)) in cases.iter().zip(outputs) {
         assert_eq!(
             output.token_ids,
-            common::expected_ids(case, output.finish_reason),
+            common::expected_prefix(case, max_tokens),
+            "case {}",
+            case.id
+        );
+        assert_eq!(
+            output.finish_reason,
+            common::expected_finish(case, max_tokens),
             "case {}",
             case.id
         );
@@ -98,8 +113,10 @@ fn assert_reference(
 fn prefix_cache_hits_give_the_cold_tokens() {
     let (model, tokenizer) = load();
     // The short prompts (the long one's cold prefill costs half a minute of CPU), in prefill
-    // chunks of 16 tokens: hits span chunks.
+    // chunks of 16 tokens: hits span chunks. 8 tokens each: what is cached of a prompt does
+    // not depend on how much follows it.
     let cases = common::short_reference_cases();
+    let max_tokens = 8;
     let block_size = 8;
     let mut batch = BatchGenerator::new(
         model.as_ref(),
@@ -110,13 +127,13 @@ fn prefix_cache_hits_give_the_cold_tokens() {
         },
         "smollm",
     );
-    let cold = common::drive(&mut batch, reference_schedule(&cases, 0));
-    assert_reference(&cases, &cold);
+    let cold = common::drive(&mut batch, reference_schedule(&cases, 0, max_tokens));
+    assert_reference(&cases, &cold, max_tokens);
     assert!(cold.iter().all(|(o, _)| o.stats.cached_prompt_tokens == 0));
 
     // Same prompts again: every full block but the one holding the last prompt token is a hit.
-    let warm = common::drive(&mut batch, reference_schedule(&cases, 2));
-    assert_reference(&cases, &warm);
+    let warm = common::drive(&mut batch, reference_schedule(&cases, 2, max_tokens));
+    assert_reference(&cases, &warm, max_tokens);
     for (case, (output, _)) in cases.iter().zip(&warm) {
         let expected = (case.prompt_ids.len() - 1) / block_size * block_size;
         assert_eq!(
@@ -240,10 +257,14 @@ fn cancel_mid_prefill_and_mid_decode_frees_every_block() {
 fn a_tiny_pool_preempts_and_still_completes_every_request_exactly() {
     let (model, tokenizer) = load();
     let cases = common::short_reference_cases();
-    // 20 blocks of 8 tokens hold the largest request (61 + 32 tokens) but not all six at once.
-    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(20, 8), "smollm");
-    let outputs = common::drive(&mut batch, reference_schedule(&cases, 0));
-    assert_reference(&cases, &outputs);
+    // 12 blocks of 8 tokens (96) hold the largest request (unicode: 57 + 16 tokens) but not all
+    // six at once, nor even the first two admitted: sky's and haiku's prompts take 5 and 4
+    // blocks (multi-turn's 8 then wait), and their 16 tokens grow them to 7 and 6 (51 and 42
+    // positions).
+    let max_tokens = 16;
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(12, 8), "smollm");
+    let outputs = common::drive(&mut batch, reference_schedule(&cases, 0, max_tokens));
+    assert_reference(&cases, &outputs, max_tokens);
     for (output, streamed) in &outputs {
         assert_eq!(
             streamed, &output.text,
@@ -381,8 +402,9 @@ fn admissions_fit_the_memory_headroom() {
         }
         batch
     };
+    // (Nothing is asserted after the admission: the batch is dropped with its requests.)
     let run = |headroom: Option<perch_engine::memory::Available>, requests: usize| {
-        admitted_then_drained(&mut new_batch(requests), headroom)
+        admitted_in_one_step(&mut new_batch(requests), headroom)
     };
     // The activations of the step that admits `rows` of these prompts (3 tokens each, over 4
     // positions at most).
@@ -650,14 +672,15 @@ fn chat_behind_background(
     config.prefill_token_budget = 64;
     config.prefill_fits_budget = true;
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
-    // 640 prompt tokens: ten budget-wide chunks.
-    let mut background = request((1000..1640).collect(), 4);
+    // 320 prompt tokens: five budget-wide chunks (the last of 63: the last token is fed by the
+    // first decode step).
+    let mut background = request((1000..1320).collect(), 4);
     background.ignore_eos = true;
     background.priority = background_lane;
     let background = batch.insert(background).unwrap();
     batch.step().unwrap();
     let case = &common::short_reference_cases()[0];
-    let mut chat = request(case.prompt_ids.clone(), common::reference().max_tokens);
+    let mut chat = request(case.prompt_ids.clone(), CHAT_TOKENS);
     chat.priority = chat_lane;
     let chat = batch.insert(chat).unwrap();
     let ids = [chat, background];
@@ -704,6 +727,9 @@ fn chat_behind_background(
     ([take(0), take(1)], tokens, preemptions)
 }
 
+/// The chat's `max_tokens` in [`chat_behind_background`].
+const CHAT_TOKENS: usize = 8;
+
 #[test]
 fn a_chat_in_the_high_lane_prefills_between_the_chunks_of_a_background_prompt() {
     use perch_engine::Priority;
@@ -728,7 +754,11 @@ fn a_chat_in_the_high_lane_prefills_between_the_chunks_of_a_background_prompt() 
     assert_eq!(preempted, 1);
     assert_eq!(
         chat_ids.token_ids,
-        common::expected_ids(case, chat_ids.finish_reason)
+        common::expected_prefix(case, CHAT_TOKENS)
+    );
+    assert_eq!(
+        chat_ids.finish_reason,
+        common::expected_finish(case, CHAT_TOKENS)
     );
     // In one lane the chat waits for the background prompt, which then computes the same ids
     // (pausing it changed nothing of what it computes).
@@ -738,8 +768,11 @@ fn a_chat_in_the_high_lane_prefills_between_the_chunks_of_a_background_prompt() 
         preempted_fcfs,
     ) = chat_behind_background(Priority::Normal, Priority::Normal);
     assert_eq!(tokens[0], 64, "a background chunk");
+    // The background's last four chunks take steps 1 to 4, so the chat's prompt is computed
+    // in step 4 at the earliest and its first token read in step 5 at the earliest (in fact
+    // in 6: 63 + 35 tokens do not fit one step's 64).
     assert!(
-        chat_fcfs > background_fcfs && chat_fcfs >= 9,
+        chat_fcfs > background_fcfs && chat_fcfs >= 5,
         "first come, first served: chat {chat_fcfs}, background {background_fcfs}"
     );
     assert_eq!(chat_fcfs_ids.token_ids, chat_ids.token_ids);
@@ -798,38 +831,40 @@ fn a_pinned_prefix_outlives_eviction_and_misses_are_explained() {
     use perch_engine::CacheMiss;
     use perch_sched::block_pool::EvictionCause;
     let (model, tokenizer) = load();
-    let block_size = 16;
+    // Blocks of 8 tokens, prompts of whole blocks and halves: the system prompt 5 blocks, a
+    // question 2.5, another client's prompt 7.5, a filler 6.25.
+    let block_size = 8;
     // 24 blocks: pins hold 6 at most.
     let mut batch =
         BatchGenerator::new(model.as_ref(), &tokenizer, config(24, block_size), "smollm");
     let ids = |from: u32, n: u32| -> Vec<u32> { (from..from + n).collect() };
-    let system = ids(1000, 80);
-    let prompt = |question: u32| [system.clone(), ids(question, 40)].concat();
+    let system = ids(1000, 40);
+    let prompt = |question: u32| [system.clone(), ids(question, 20)].concat();
     let client = |request: &mut GenerateRequest, name: &str| {
         request.client = Some(name.to_owned());
     };
     let run = |batch: &mut BatchGenerator, request: GenerateRequest| {
         common::drive(batch, vec![(0, request)]).remove(0).0
     };
-    // The agent's first request pins its system prompt: 80 tokens, computed now.
+    // The agent's first request pins its system prompt: 40 tokens, computed now.
     let mut first = request(prompt(3000), 2);
     client(&mut first, "agent");
     first.cache_pins = system_pin();
     let first = run(&mut batch, first);
-    assert_eq!(first.stats.pinned_prompt_tokens, 80);
-    assert_eq!(first.stats.cache_creation_tokens(), 80);
+    assert_eq!(first.stats.pinned_prompt_tokens, 40);
+    assert_eq!(first.stats.cache_creation_tokens(), 40);
     assert_eq!(
         first.stats.cache_miss,
         Some(CacheMiss::NotSeen { at_token: 0 })
     );
-    assert_eq!(batch.kv_stats().pinned_tokens, 80);
+    assert_eq!(batch.kv_stats().pinned_tokens, 40);
     // Another client's prompt, unpinned; then three others take every free block.
-    let other = [ids(5000, 80), ids(6000, 40)].concat();
+    let other = [ids(5000, 40), ids(6000, 20)].concat();
     let mut unpinned = request(other.clone(), 2);
     client(&mut unpinned, "other");
     run(&mut batch, unpinned);
     for k in 0..3 {
-        run(&mut batch, request(ids(10_000 + 1000 * k, 100), 2));
+        run(&mut batch, request(ids(10_000 + 1000 * k, 50), 2));
     }
     let mut again = request(other, 2);
     client(&mut again, "other");
@@ -849,9 +884,9 @@ fn a_pinned_prefix_outlives_eviction_and_misses_are_explained() {
     client(&mut next, "agent");
     let next_prompt = next.prompt.clone();
     let next = run(&mut batch, next);
-    assert_eq!(next.stats.cached_prompt_tokens, 80);
+    assert_eq!(next.stats.cached_prompt_tokens, 40);
     match next.stats.cache_miss {
-        Some(CacheMiss::Diverged { at_token: 80, .. }) => {}
+        Some(CacheMiss::Diverged { at_token: 40, .. }) => {}
         miss => panic!("{miss:?}"),
     }
     let mut fresh =
@@ -862,11 +897,12 @@ fn a_pinned_prefix_outlives_eviction_and_misses_are_explained() {
     let mut repin = request(prompt(7000), 2);
     repin.cache_pins = system_pin();
     let repin = run(&mut batch, repin);
-    assert_eq!(repin.stats.pinned_prompt_tokens, 80);
+    assert_eq!(repin.stats.pinned_prompt_tokens, 40);
     assert_eq!(repin.stats.cache_creation_tokens(), 0);
-    // A bounded request keeps nothing, and says so.
+    // A bounded request keeps nothing, and says so (its bound below its 60 + 2 tokens, or it
+    // would run unbounded).
     let mut bounded = request(prompt(8000), 2);
-    bounded.max_kv_size = Some(64);
+    bounded.max_kv_size = Some(32);
     bounded.cache_pins = system_pin();
     let bounded = run(&mut batch, bounded);
     assert_eq!(bounded.stats.pinned_prompt_tokens, 0);
@@ -874,10 +910,10 @@ fn a_pinned_prefix_outlives_eviction_and_misses_are_explained() {
     assert_eq!(bounded.stats.cache_miss, Some(CacheMiss::OwnCache));
 }
 
-/// A pin of the test's 80-token system prompt for five minutes.
+/// A pin of the test's 40-token system prompt for five minutes.
 fn system_pin() -> Vec<perch_engine::CachePin> {
     vec![perch_engine::CachePin {
-        tokens: 80,
+        tokens: 40,
         ttl: perch_engine::CachePin::DEFAULT_TTL,
         key: None,
     }]

@@ -206,7 +206,7 @@ fn max_kv_size_and_quantized_kv_start_match_mlx_lm() {
     std::fs::write(&config_path, config.to_string()).unwrap();
     let gemma = models::load(&dir).unwrap();
     let prompt: Vec<u32> = (0..400)
-        .map(|i| ((7919 * i + 13) % 30000 + 2) as u32)
+        .map(|i| ((7919 * i + 13) % 4000 + 2) as u32)
         .collect();
     let mut request = GenerateRequest::new(prompt);
     request.max_tokens = 24;

@@ -1,4 +1,4 @@
-//! After 60 mixed requests (shared prefixes, sampling settings, stop strings, cancels mid-prefill
+//! After 30 mixed requests (shared prefixes, sampling settings, stop strings, cancels mid-prefill
 //! and mid-decode) the block pool is all free and MLX's active memory is back at its baseline,
 //! up to the prefix cache's own content, which `reset_prefix_cache` returns too.
 //!
@@ -26,7 +26,7 @@ impl Lcg {
 }
 
 #[test]
-fn sixty_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
+fn thirty_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
     let dir = common::model_dir();
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -59,7 +59,7 @@ fn sixty_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
     let prefixes: Vec<Vec<u32>> = (0..3)
         .map(|_| (0..40).map(|_| rng.below(49152) as u32).collect())
         .collect();
-    let total = 60;
+    let total = 30;
     let mut inserted = 0;
     // Request id -> the step at which it is cancelled.
     let mut cancel_at: HashMap<u64, usize> = HashMap::new();
@@ -126,12 +126,15 @@ fn sixty_mixed_requests_leave_the_pool_free_and_memory_at_baseline() {
         }
     }
     assert!(batch.is_empty());
+    // From the LCG alone: 9 requests get a cancel, 4 of them in the step they arrive in (still
+    // waiting, so surely cancelled); 15 have neither a cancel nor a stop string, so end at
+    // `max_tokens` unless the model emits an EOS first.
     assert!(
-        reasons.get(&FinishReason::Cancelled).copied().unwrap_or(0) >= 8,
+        reasons.get(&FinishReason::Cancelled).copied().unwrap_or(0) >= 4,
         "{reasons:?}"
     );
     assert!(
-        reasons.get(&FinishReason::Length).copied().unwrap_or(0) >= 10,
+        reasons.get(&FinishReason::Length).copied().unwrap_or(0) >= 5,
         "{reasons:?}"
     );
 

@@ -16,7 +16,7 @@ use perch_engine::{
 };
 
 fn oracle(args: &[&str]) -> String {
-    common::run_oracle("prompt_cache.py", args)
+    common::served_oracle("prompt_cache.py", args)
 }
 
 fn run(engine: &EngineHandle, prompt: Prompt) -> (Vec<u32>, FinishReason, GenerationStats) {

@@ -1,5 +1,5 @@
 """A scripted coding agent through the official OpenAI SDK against `perch serve`: a long system
-prompt and tool definitions, six turns that append the assistant's answer (text or tool calls) and
+prompt and tool definitions, five turns that append the assistant's answer (text or tool calls) and
 a tool result, and a system reminder appended to a late turn, as agent clients do. Prints, per
 turn, the prompt tokens and those read from the prefix cache.
 
@@ -40,11 +40,11 @@ tools = [
 messages = [{"role": "system", "content": system},
             {"role": "user", "content": "The build fails in crates/engine/src/lib.rs. Find out why and fix it."}]
 turns = []
-for turn in range(6):
+for turn in range(5):
     if turn == 4:
         messages.append({"role": "user", "content": "<system-reminder>The user's todo list changed: "
                          "1. fix the build 2. run the tests.</system-reminder>"})
-    reply = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=24,
+    reply = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=4,
                                            temperature=0)
     message = reply.choices[0].message
     turns.append({"prompt_tokens": reply.usage.prompt_tokens,

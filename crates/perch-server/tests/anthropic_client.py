@@ -22,17 +22,17 @@ def message_of(m):
             "stop_sequence": m.stop_sequence, "usage": m.usage.model_dump()}
 
 out["count"] = client.messages.count_tokens(model=model, system=system, messages=messages).input_tokens
-out["plain"] = message_of(client.messages.create(model=model, max_tokens=24, system=system, messages=messages,
+out["plain"] = message_of(client.messages.create(model=model, max_tokens=8, system=system, messages=messages,
                                                  **greedy))
 # The system prompt as blocks, and the user's content as blocks: the same conversation.
-blocks = client.messages.create(model=model, max_tokens=24, **greedy,
+blocks = client.messages.create(model=model, max_tokens=8, **greedy,
                                 system=[{"type": "text", "text": system}],
                                 messages=[{"role": "user",
                                            "content": [{"type": "text", "text": messages[0]["content"]}]}])
 out["blocks"] = message_of(blocks)
 
 # Streamed through the SDK's helper (which checks the event sequence), and the raw event types.
-with client.messages.stream(model=model, max_tokens=24, system=system, messages=messages,
+with client.messages.stream(model=model, max_tokens=8, system=system, messages=messages,
                             **greedy) as stream:
     out["stream_text"] = "".join(stream.text_stream)
     out["stream_final"] = message_of(stream.get_final_message())
@@ -42,7 +42,7 @@ out["stream_events"] = [e.type for e in client.messages.create(model=model, max_
 words = out["plain"]["content"][0]["text"].split()
 stop = words[2] if len(words) > 2 else words[-1]
 out["stop"] = {"stop": stop, "message": message_of(client.messages.create(
-    model=model, max_tokens=24, system=system, messages=messages, stop_sequences=[stop], **greedy))}
+    model=model, max_tokens=8, system=system, messages=messages, stop_sequences=[stop], **greedy))}
 
 # A breakpoint on a system prompt no request sent before: created by the first request, read by
 # the second (streamed: the SDK folds `message_delta`'s usage into the final message).

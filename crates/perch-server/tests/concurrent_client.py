@@ -16,7 +16,7 @@ CLIENTS = 16
 async def one(client, k):
     messages = [{"role": "user", "content": f"Count from {k} to {k + 20}, one number per line."}]
     pieces, finish, chunks = [], None, 0
-    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+    stream = await client.chat.completions.create(model=model, messages=messages, max_tokens=8, temperature=0,
                                                   stream=True)
     async for chunk in stream:
         chunks += 1

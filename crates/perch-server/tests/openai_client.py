@@ -19,7 +19,7 @@ out = {"sdk": openai.__version__}
 
 out["models"] = [m.id for m in client.models.list().data]
 
-plain = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0)
+plain = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
 out["plain"] = {
     "content": plain.choices[0].message.content,
     "role": plain.choices[0].message.role,
@@ -28,7 +28,7 @@ out["plain"] = {
 }
 
 pieces, finish, usage, chunks = [], None, None, 0
-for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
                                             stream=True, stream_options={"include_usage": True}):
     chunks += 1
     if chunk.usage is not None:
@@ -45,7 +45,7 @@ out["stream_without_usage_has_usage"] = any(c.usage is not None for c in quiet)
 # A stop sequence taken from the greedy answer: the text ends before it.
 words = out["plain"]["content"].split()
 stop = words[2] if len(words) > 2 else words[-1]
-stopped = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0, stop=[stop])
+stopped = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0, stop=[stop])
 out["stop"] = {"stop": stop, "content": stopped.choices[0].message.content,
                "finish_reason": stopped.choices[0].finish_reason}
 
@@ -54,13 +54,13 @@ def token_logprobs(entries):
     return [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
              "top": [[t.token, t.logprob] for t in e.top_logprobs]} for e in entries]
 
-scored = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+scored = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
                                         logprobs=True, top_logprobs=3)
 out["logprobs"] = {"content": scored.choices[0].message.content,
                    "completion_tokens": scored.usage.completion_tokens,
                    "entries": token_logprobs(scored.choices[0].logprobs.content)}
 streamed_entries = []
-for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
                                             logprobs=True, top_logprobs=3, stream=True):
     for choice in chunk.choices:
         if choice.logprobs is not None:
@@ -68,22 +68,22 @@ for chunk in client.chat.completions.create(model=model, messages=messages, max_
 out["logprobs_streamed"] = streamed_entries
 
 # OpenAI's penalties change a greedy answer (the Rust side computes the expected one directly).
-penalized = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+penalized = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
                                            presence_penalty=1.5, frequency_penalty=1.0)
 out["penalized"] = penalized.choices[0].message.content
 
 # XTC, mlx_lm's server extension (sent in the body, as its clients do), on a seeded sample.
-xtc = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=1.0, seed=5,
+xtc = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=1.0, seed=5,
                                      extra_body={"xtc_probability": 1.0, "xtc_threshold": 0.05})
 out["xtc"] = xtc.choices[0].message.content
 # Perch's per-request KV cache options (mlx_lm's generation flags), in extra_body.
-bounded = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+bounded = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
                                          extra_body={"max_kv_size": 8})
 out["bounded"] = bounded.choices[0].message.content
 
 # The legacy Completions endpoint: text or token ids, echo, log-probabilities, several prompts.
 def completion(**kwargs):
-    done = client.completions.create(model=model, max_tokens=10, temperature=0, **kwargs)
+    done = client.completions.create(model=model, max_tokens=4, temperature=0, **kwargs)
     return {"texts": [c.text for c in done.choices], "indexes": [c.index for c in done.choices],
             "finish": [c.finish_reason for c in done.choices], "usage": done.usage.model_dump(),
             "logprobs": [c.logprobs.model_dump() if c.logprobs else None for c in done.choices]}
@@ -96,7 +96,7 @@ out["completion_two"] = completion(prompt=[text_prompt, "The capital of France i
 ids = sys.argv[6:]
 out["completion_ids"] = completion(prompt=[int(i) for i in ids])
 pieces, finish = [], None
-for chunk in client.completions.create(model=model, prompt=text_prompt, max_tokens=10, temperature=0, stream=True):
+for chunk in client.completions.create(model=model, prompt=text_prompt, max_tokens=4, temperature=0, stream=True):
     for choice in chunk.choices:
         pieces.append(choice.text)
         finish = choice.finish_reason or finish

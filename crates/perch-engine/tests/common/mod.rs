@@ -26,6 +26,55 @@ pub fn run_oracle(script: &str, args: &[&str]) -> String {
     String::from_utf8(out.stdout).expect("oracle output is UTF-8")
 }
 
+/// Like [`run_oracle`], on one process of `script` kept for the test binary (`script serve`:
+/// a JSON list of arguments a line in, what the command printed as a JSON string a line out),
+/// so that the oracle's Python, mlx_lm and a model load once, not once a call. Calls from
+/// several tests take turns.
+#[allow(dead_code)]
+pub fn served_oracle(script: &str, args: &[&str]) -> String {
+    use std::collections::HashMap;
+    use std::io::{BufRead, Write};
+    use std::sync::Mutex;
+    struct Served {
+        stdin: std::process::ChildStdin,
+        stdout: std::io::BufReader<std::process::ChildStdout>,
+    }
+    static SERVED: Mutex<Option<HashMap<String, Served>>> = Mutex::new(None);
+    let mut served = SERVED.lock().unwrap_or_else(|e| e.into_inner());
+    let server = served
+        .get_or_insert_with(HashMap::new)
+        .entry(script.to_owned())
+        .or_insert_with(|| {
+            let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("tests/oracle")
+                .join(script);
+            // Its stderr is the test's: a traceback shows there.
+            let mut child = std::process::Command::new(oracle_python())
+                .arg(path)
+                .arg("serve")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("run the mlx_lm oracle");
+            Served {
+                stdin: child.stdin.take().unwrap(),
+                stdout: std::io::BufReader::new(child.stdout.take().unwrap()),
+            }
+        });
+    let line = serde_json::to_string(args).unwrap();
+    writeln!(server.stdin, "{line}").expect("the oracle takes a command");
+    let mut answer = String::new();
+    server
+        .stdout
+        .read_line(&mut answer)
+        .expect("the oracle answers");
+    assert!(
+        answer.ends_with('\n'),
+        "{script} serve ended on {args:?} (its error is above)"
+    );
+    serde_json::from_str(&answer).expect("the oracle answers a JSON string")
+}
+
 /// A reference case's chat as the engine's messages.
 pub fn chat_messages(case: &ReferenceCase) -> Option<Vec<perch_engine::ChatMessage>> {
     let messages = case.messages.as_ref()?;
@@ -59,6 +108,36 @@ pub fn short_reference_cases() -> Vec<ReferenceCase> {
 /// The ids a case's output must have (see [`ReferenceCase::expected_ids`]).
 pub fn expected_ids(case: &ReferenceCase, reason: perch_engine::FinishReason) -> &[u32] {
     case.expected_ids(reason == perch_engine::FinishReason::Stop)
+}
+
+/// The reference cases named `ids`, in that order.
+pub fn cases(ids: &[&str]) -> Vec<ReferenceCase> {
+    ids.iter().map(|id| reference().case(id).clone()).collect()
+}
+
+/// The ids Perch outputs for `case` with `max_tokens` `n`: mlx_lm's greedy ids up to its EOS
+/// (which Perch does not output: it reports `stop`), cut to `n`. For tests that ask fewer
+/// tokens than the reference's `max_tokens` and still check every one against mlx_lm (with
+/// [`expected_finish`] for how the request ends).
+pub fn expected_prefix(case: &ReferenceCase, n: usize) -> &[u32] {
+    let ids = case.expected_ids(case.ends_with_eos);
+    assert!(
+        n <= ids.len() || case.ends_with_eos,
+        "case {}: mlx_lm's reference has {} tokens, not {n}",
+        case.id,
+        ids.len()
+    );
+    &ids[..n.min(ids.len())]
+}
+
+/// How a request for `case` with `max_tokens` `n` ends: `stop` where mlx_lm's EOS comes within
+/// `n` tokens, else `length` (see [`expected_prefix`]).
+pub fn expected_finish(case: &ReferenceCase, n: usize) -> perch_engine::FinishReason {
+    if case.ends_with_eos && case.greedy_ids.len() <= n {
+        perch_engine::FinishReason::Stop
+    } else {
+        perch_engine::FinishReason::Length
+    }
 }
 
 /// How a request through the engine ended: its token ids, finish reason, stats and error.

@@ -9,8 +9,15 @@
     prompt_cache.py continue MODEL_DIR CACHE.safetensors IDS_JSON N
         loads a prompt cache with mlx_lm's load_prompt_cache, feeds the ids after it and prints
         the N greedy token ids that follow, as JSON
+    prompt_cache.py serve
+        reads one command a line from stdin (its arguments as a JSON list) and answers each with
+        one line, what the command prints as a JSON string; a model stays loaded between commands
+        (the tests run many on one process instead of starting mlx_lm for each)
 """
 
+import contextlib
+import functools
+import io
 import json
 import sys
 
@@ -21,13 +28,18 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 
-def main():
-    command, model_dir = sys.argv[1], sys.argv[2]
-    model, _ = load(model_dir)
+@functools.lru_cache(maxsize=None)
+def load_model(model_dir):
+    return load(model_dir)[0]
+
+
+def run(argv):
+    command, model_dir = argv[0], argv[1]
+    model = load_model(model_dir)
     if command == "save":
-        ids = json.loads(sys.argv[3])
-        decoded = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-        max_kv_size = int(sys.argv[6]) if len(sys.argv) > 6 else None
+        ids = json.loads(argv[2])
+        decoded = int(argv[4]) if len(argv) > 4 else 0
+        max_kv_size = int(argv[5]) if len(argv) > 5 else None
         if max_kv_size is None:
             cache = make_prompt_cache(model)
         else:
@@ -38,16 +50,28 @@ def main():
             model(mx.array([[token]]), cache=cache)
             mx.eval([c.state for c in cache])
         mx.eval([c.state for c in cache])
-        save_prompt_cache(sys.argv[4], cache, {"model": model_dir})
+        save_prompt_cache(argv[3], cache, {"model": model_dir})
     elif command == "continue":
-        cache = load_prompt_cache(sys.argv[3])
-        ids = json.loads(sys.argv[4])
-        n = int(sys.argv[5])
+        cache = load_prompt_cache(argv[2])
+        ids = json.loads(argv[3])
+        n = int(argv[4])
         out = [int(t) for t, _ in generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=n)]
         print(json.dumps(out))
     else:
         raise SystemExit(f"unknown command {command}")
 
 
+def serve():
+    for line in sys.stdin:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            run(json.loads(line))
+        sys.stdout.write(json.dumps(printed.getvalue()) + "\n")
+        sys.stdout.flush()
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["serve"]:
+        serve()
+    else:
+        run(sys.argv[1:])

@@ -23,7 +23,9 @@ import tiny_models
 
 
 def main(out_dir: Path, model_dir: str, runs):
-    tiny_models.CASES = {"llama3-rope": tiny_models.CASES["llama3-rope"]}
+    # The whole vocabulary of the test model, which the draft must propose from.
+    module, config, quant = tiny_models.CASES["llama3-rope"]
+    tiny_models.CASES = {"llama3-rope": (module, {**config, "vocab_size": 49152}, quant)}
     tiny_models.main(out_dir, Path(model_dir))
     model, _ = load(model_dir)
     drafts = {"self": load(model_dir)[0], "tiny": load(str(out_dir / "llama3-rope"))[0]}
