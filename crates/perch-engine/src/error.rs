@@ -115,6 +115,9 @@ pub enum EngineError {
     InvalidKvQuantization(String),
     #[error("CPU kernel: {0}")]
     Kernel(String),
+    /// A distributed group could not form or a collective failed (`crate::distributed`).
+    #[error("distributed: {0}")]
+    Distributed(String),
     #[error("MLX: {0}")]
     Mlx(#[from] mlx_rs::error::Exception),
 }
@@ -155,6 +158,7 @@ impl EngineError {
             | EngineError::ShapeMismatch { .. }
             | EngineError::Tokenizer(_)
             | EngineError::Kernel(_)
+            | EngineError::Distributed(_)
             | EngineError::Mlx(_) => ErrorKind::Internal,
         }
     }

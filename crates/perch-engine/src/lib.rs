@@ -29,6 +29,7 @@
 pub mod api;
 pub(crate) mod attention;
 pub mod device;
+pub mod distributed;
 pub mod engine;
 pub mod error;
 pub mod image_processor;

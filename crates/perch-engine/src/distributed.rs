@@ -1,0 +1,226 @@
+//! Groups of processes that compute together over MLX's distributed backends (mlx-c's
+//! `mlx_distributed_*`, which mlx-rs 0.33 does not wrap): ring (TCP; what `mlx.launch
+//! --backend ring` starts), JACCL (Thunderbolt RDMA between Macs), MPI and NCCL (CUDA).
+//!
+//! A process joins its group with [`init`], configured as `mlx.launch` configures each rank: for
+//! the ring backend `MLX_RANK` (this process's rank) and `MLX_HOSTFILE`, a JSON file listing each
+//! rank's `"ip:port"` addresses in rank order (`[["127.0.0.1:5000"], ["127.0.0.1:5001"]]`).
+//! Collectives ([`Group::all_sum`], [`Group::all_gather`]) are lazy MLX operations like any other:
+//! they run, and fail, when their result is evaluated.
+//!
+//! Faults end in errors, not hangs, where MLX allows it: a peer that never connects is an error
+//! after [`init`]'s deadline (MLX's ring backend waits for it without a timeout), and a peer that
+//! dies makes the next collective fail (MLX: "connection to a peer was lost"). A peer that is
+//! alive but stuck still blocks a collective; callers that must not wait forever evaluate
+//! collectives under their own watchdog.
+
+use std::ffi::CString;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use mlx_rs::{Array, Dtype, Stream};
+
+use crate::error::{EngineError, Result};
+
+/// An MLX distributed backend, by the name MLX gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// TCP between the hosts of `MLX_HOSTFILE` (every MLX build has it).
+    Ring,
+    /// RDMA over Thunderbolt between Macs.
+    Jaccl,
+    Mpi,
+    /// NVIDIA's collectives, between CUDA devices.
+    Nccl,
+    /// Whichever MLX finds configured first.
+    Any,
+}
+
+impl Backend {
+    pub fn mlx_name(self) -> &'static str {
+        match self {
+            Backend::Ring => "ring",
+            Backend::Jaccl => "jaccl",
+            Backend::Mpi => "mpi",
+            Backend::Nccl => "nccl",
+            Backend::Any => "any",
+        }
+    }
+
+    /// Whether the MLX Perch links was built with this backend.
+    pub fn is_available(self) -> bool {
+        let name = CString::new(self.mlx_name()).expect("no NUL in a backend name");
+        // SAFETY: a plain query taking a NUL-terminated string MLX does not keep.
+        unsafe { mlx_sys::mlx_distributed_is_available(name.as_ptr()) }
+    }
+}
+
+/// This process's group: its rank among `size` processes.
+pub struct Group {
+    raw: mlx_sys::mlx_distributed_group,
+    rank: usize,
+    size: usize,
+}
+
+// SAFETY: the handle is a reference-counted MLX group that any thread may use; Perch uses a group
+// from one thread at a time (the engine thread's).
+unsafe impl Send for Group {}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from `mlx_distributed_init` and is freed once.
+        unsafe {
+            mlx_sys::mlx_distributed_group_free(self.raw);
+        }
+    }
+}
+
+impl std::fmt::Debug for Group {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Group {{ rank: {}, size: {} }}", self.rank, self.size)
+    }
+}
+
+/// Joins this process's group on `backend`, configured from the environment as `mlx.launch`
+/// configures each rank (see the module docs). Errors when the backend is not in this build of
+/// MLX, when it is not configured (a group of one process is not a distributed run: MLX's
+/// non-strict fallback is refused), and when every rank has not connected within `deadline`.
+/// On that last error the attempt goes on in the background; the process should exit.
+pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
+    if backend != Backend::Any && !backend.is_available() {
+        return Err(EngineError::Distributed(format!(
+            "this build of MLX has no {} backend",
+            backend.mlx_name()
+        )));
+    }
+    // An MLX error from here on is reported to mlx-rs's handler (which one call of a guarded
+    // mlx-rs operation installs), not MLX's default one, which exits the process.
+    Array::from_int(0).eval()?;
+    let (sender, receiver) = mpsc::channel();
+    std::thread::Builder::new()
+        .name("perch-distributed-init".into())
+        .spawn(move || {
+            let name = CString::new(backend.mlx_name()).expect("no NUL in a backend name");
+            // SAFETY: `res` is an empty handle MLX fills; the name outlives the call.
+            let result = unsafe {
+                let mut res = mlx_sys::mlx_distributed_group_new();
+                if mlx_sys::mlx_distributed_init(&mut res, true, name.as_ptr()) != 0 {
+                    mlx_sys::mlx_distributed_group_free(res);
+                    None
+                } else {
+                    Some(RawGroup(res))
+                }
+            };
+            // The receiver may have given up (deadline): nothing to report then.
+            let _ = sender.send(result);
+        })
+        .map_err(|e| EngineError::Distributed(format!("cannot start a thread: {e}")))?;
+    let raw = match receiver.recv_timeout(deadline) {
+        Ok(Some(RawGroup(raw))) => raw,
+        Ok(None) => {
+            return Err(EngineError::Distributed(format!(
+                "MLX could not start its {} backend: check the environment `mlx.launch` sets \
+                 (for ring: MLX_RANK, and MLX_HOSTFILE listing every rank's address)",
+                backend.mlx_name()
+            )))
+        }
+        Err(_) => {
+            return Err(EngineError::Distributed(format!(
+                "not every rank connected within {} s (is each host's process running, and \
+                 are the addresses in MLX_HOSTFILE reachable?)",
+                deadline.as_secs_f32()
+            )))
+        }
+    };
+    // SAFETY: `raw` is a live group.
+    let (rank, size) = unsafe {
+        (
+            mlx_sys::mlx_distributed_group_rank(raw),
+            mlx_sys::mlx_distributed_group_size(raw),
+        )
+    };
+    Ok(Group {
+        raw,
+        rank: rank as usize,
+        size: size as usize,
+    })
+}
+
+/// A group handle passed from the thread that made it.
+struct RawGroup(mlx_sys::mlx_distributed_group);
+
+// SAFETY: see `Group`.
+unsafe impl Send for RawGroup {}
+
+type Collective = unsafe extern "C" fn(
+    *mut mlx_sys::mlx_array,
+    mlx_sys::mlx_array,
+    mlx_sys::mlx_distributed_group,
+    mlx_sys::mlx_stream,
+) -> std::os::raw::c_int;
+
+impl Group {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn collective(&self, name: &str, op: Collective, x: &Array) -> Result<Array> {
+        let stream = Stream::thread_local_or_default();
+        // SAFETY: `res` is an empty handle the op fills; ownership passes to the Array.
+        unsafe {
+            let mut res = mlx_sys::mlx_array_new();
+            if op(&mut res, x.as_ptr(), self.raw, stream.as_ref().as_ptr()) != 0 {
+                mlx_sys::mlx_array_free(res);
+                return Err(EngineError::Distributed(format!("MLX {name} failed")));
+            }
+            Ok(Array::from_ptr(res))
+        }
+    }
+
+    /// The elementwise sum of every rank's `x` (same shape and dtype on every rank), on every
+    /// rank. Lazy: it runs when evaluated.
+    pub fn all_sum(&self, x: &Array) -> Result<Array> {
+        self.collective("all_sum", mlx_sys::mlx_distributed_all_sum, x)
+    }
+
+    /// Every rank's `x` concatenated along the first axis in rank order, on every rank. Lazy.
+    pub fn all_gather(&self, x: &Array) -> Result<Array> {
+        self.collective("all_gather", mlx_sys::mlx_distributed_all_gather, x)
+    }
+
+    /// Rank 0's `bytes` on every rank (the others pass `None`): its length, then its bytes, each
+    /// summed with zeros from the other ranks. Evaluates; errors when a rank is gone or when
+    /// rank 0 passes nothing.
+    pub fn broadcast_bytes(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
+        let root = self.rank == 0;
+        if root != bytes.is_some() {
+            return Err(EngineError::Distributed(format!(
+                "rank {} of a broadcast from rank 0 {} bytes",
+                self.rank,
+                if root { "has no" } else { "passed" }
+            )));
+        }
+        let len = bytes.map_or(0, <[u8]>::len);
+        let len = i64::try_from(len)
+            .ok()
+            .filter(|&n| n <= i64::from(i32::MAX))
+            .ok_or_else(|| EngineError::Distributed(format!("{len} bytes are too many")))?;
+        let len = self.all_sum(&Array::from_slice(&[len as i32], &[1]))?;
+        len.eval()?;
+        let len = len.as_slice::<i32>()[0] as usize;
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let data = match bytes {
+            Some(bytes) => Array::from_slice(bytes, &[len as i32]),
+            None => mlx_rs::ops::zeros_dtype(&[len as i32], Dtype::Uint8)?,
+        };
+        let data = self.all_sum(&data)?;
+        data.eval()?;
+        Ok(data.as_slice::<u8>().to_vec())
+    }
+}
