@@ -22,7 +22,7 @@ rules = [
 ]
 system = "You are a coding agent working in a Rust repository.\n" + "\n".join(
     f"{i + 1}. {rule} (Guideline {i + 1} of the team's handbook, section {j}.)"
-    for j in range(6) for i, rule in enumerate(rules))
+    for j in range(3) for i, rule in enumerate(rules))
 
 
 def tool(name, description, **params):

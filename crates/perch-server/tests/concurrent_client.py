@@ -1,4 +1,4 @@
-"""16 streaming clients at once through the official OpenAI SDK (AsyncOpenAI) against `perch serve`.
+"""8 streaming clients at once through the official OpenAI SDK (AsyncOpenAI) against `perch serve`.
 Prints one JSON object: each stream's text, finish reason and chunk count, in order.
 
     python concurrent_client.py BASE_URL API_KEY MODEL
@@ -10,7 +10,7 @@ import sys
 import openai
 
 base_url, key, model = sys.argv[1:4]
-CLIENTS = 16
+CLIENTS = 8
 
 
 async def one(client, k):

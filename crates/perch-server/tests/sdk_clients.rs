@@ -1315,7 +1315,7 @@ fn an_agent_loop_keeps_its_cache() {
     let turns = seen["turns"].as_array().unwrap();
     assert_eq!(turns.len(), 5);
     assert!(
-        turns[0]["prompt_tokens"].as_u64() > Some(1000),
+        turns[0]["prompt_tokens"].as_u64() > Some(800),
         "a long system prompt and tools"
     );
     for k in 1..turns.len() {
@@ -1394,13 +1394,13 @@ fn forced_tool_calls_through_both_sdks() {
 }
 
 #[test]
-fn sixteen_streaming_clients_are_served_batched() {
+fn eight_streaming_clients_are_served_batched() {
     let engine = EngineHandle::load(&perch_test_support::model_dir(), EngineConfig::default())
         .expect("the default model loads");
     // What each client should see: its greedy answer, from the engine directly (all at once:
     // batched answers are each request's own, `perch-engine`'s batch_parity.rs).
     let expected: Vec<String> = std::thread::scope(|scope| {
-        let answers: Vec<_> = (0..16)
+        let answers: Vec<_> = (0..8)
             .map(|k| {
                 let engine = &engine;
                 scope.spawn(move || {
@@ -1422,7 +1422,7 @@ fn sixteen_streaming_clients_are_served_batched() {
     );
     let after = engine.stats().unwrap().step_times;
     let streams = seen["streams"].as_array().unwrap();
-    assert_eq!(streams.len(), 16);
+    assert_eq!(streams.len(), 8);
     for (k, stream) in streams.iter().enumerate() {
         assert!(
             ["stop", "length"].contains(&stream["finish_reason"].as_str().unwrap_or_default()),
@@ -1430,14 +1430,14 @@ fn sixteen_streaming_clients_are_served_batched() {
         );
         assert_eq!(stream["content"], expected[k].as_str(), "client {k}");
     }
-    // Run one after another, 16 answers of up to 8 tokens take a decode step per token; batched,
+    // Run one after another, 8 answers of up to 8 tokens take a decode step per token; batched,
     // the steps serve many clients each.
     let tokens: usize = expected
         .iter()
         .map(|text| engine.tokenizer().encode(text, false).unwrap().len())
         .sum();
     let steps = after.decode_steps - before.decode_steps;
-    eprintln!("16 clients, about {tokens} tokens: {steps} decode steps");
+    eprintln!("8 clients, about {tokens} tokens: {steps} decode steps");
     assert!(
         (steps as usize) * 2 < tokens,
         "{steps} decode steps for {tokens} tokens: not batched"
