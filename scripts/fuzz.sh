@@ -3,10 +3,10 @@
 # files' safetensors headers, config.json, prompt caches, chat templates) with cargo-fuzz and
 # libFuzzer: builds every target once (release, AddressSanitizer), then runs each for SECONDS
 # (default 30) on a copy of its seed corpus (fuzz/corpus/<target>, left as committed), with
-# libFuzzer's random seed SEED (default: a new one each run). scripts/test.sh (CI) passes a fixed
-# SEED, so that a run on the same code and toolchain tries the same inputs in the same order (as
-# many as fit in SECONDS): CI checks what was checked here, and exploring is for runs without
-# one. Prints the
+# libFuzzer's random seed SEED (default: a new one each run). `PERCH_TEST_FUZZ=1 scripts/test.sh`
+# passes a fixed SEED, so that a run on the same code and toolchain tries the same inputs in the
+# same order (as many as fit in SECONDS), and exploring is for runs without one. (CI replays the
+# corpora and fixed mutations in the ordinary test build instead: tests/fuzz_corpus.rs.) Prints the
 # inputs each target ran, and exits 1 if any target crashed or panicked, ran out of memory
 # (2 GiB RSS, or one allocation that large), or took over 10 s on one input. Targets run as many at
 # a time as there are cores. What it found is in

@@ -25,6 +25,25 @@ const INPUTS: usize = 10_000;
 /// libFuzzer's `-timeout` in scripts/fuzz.sh.
 const SLOW: Duration = Duration::from_secs(10);
 
+thread_local! {
+    /// Whether this thread is running an input (its panics are the replay's to report).
+    static REPLAYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Installs, once, a panic hook that stays silent for a thread running an input and hands
+/// every other panic (another test's, the replay's own) to the hook it replaced.
+fn quiet_panics_while_replaying() {
+    static INSTALL: std::sync::Once = std::sync::Once::new();
+    INSTALL.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if !REPLAYING.get() {
+                previous(info);
+            }
+        }));
+    });
+}
+
 /// The targets share MLX and the scratch directory: one runs at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
@@ -185,9 +204,8 @@ fn replay(name: &str) {
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out).unwrap();
 
-    // A silent hook while inputs run: a failure is reported once, with its file.
-    let hook = std::panic::take_hook();
-    std::panic::set_hook(Box::new(|_| {}));
+    // Panics of the inputs are reported once, with their file, not by the panic hook.
+    quiet_panics_while_replaying();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ name.len() as u64);
     let mut failures = Vec::new();
     let mut previous = corpus[0].clone();
@@ -199,7 +217,9 @@ fn replay(name: &str) {
         };
         std::fs::write(out.join("current"), &input).unwrap();
         let start = Instant::now();
+        REPLAYING.set(true);
         let result = catch_unwind(AssertUnwindSafe(|| target(&input)));
+        REPLAYING.set(false);
         let took = start.elapsed();
         let why = match result {
             Err(panic) => panic
@@ -217,7 +237,6 @@ fn replay(name: &str) {
         std::fs::write(&file, &input).unwrap();
         failures.push(format!("{}: {why}", file.display()));
     }
-    std::panic::set_hook(hook);
     std::fs::remove_file(out.join("current")).unwrap();
     assert!(
         failures.is_empty(),

@@ -32,8 +32,6 @@ pub enum Backend {
     Mpi,
     /// NVIDIA's collectives, between CUDA devices.
     Nccl,
-    /// Whichever MLX finds configured first.
-    Any,
 }
 
 impl Backend {
@@ -43,7 +41,16 @@ impl Backend {
             Backend::Jaccl => "jaccl",
             Backend::Mpi => "mpi",
             Backend::Nccl => "nccl",
-            Backend::Any => "any",
+        }
+    }
+
+    /// The stream a collective of this backend runs on: NCCL's on the GPU, the others' on the
+    /// CPU (MLX's GPU backends have no ring, JACCL or MPI kernels; MLX picks the same streams
+    /// when a caller names none).
+    fn stream(self) -> Stream {
+        match self {
+            Backend::Nccl => Stream::gpu(),
+            Backend::Ring | Backend::Jaccl | Backend::Mpi => Stream::cpu(),
         }
     }
 
@@ -58,6 +65,7 @@ impl Backend {
 /// This process's group: its rank among `size` processes.
 pub struct Group {
     raw: mlx_sys::mlx_distributed_group,
+    backend: Backend,
     rank: usize,
     size: usize,
 }
@@ -87,7 +95,7 @@ impl std::fmt::Debug for Group {
 /// non-strict fallback is refused), and when every rank has not connected within `deadline`.
 /// On that last error the attempt goes on in the background; the process should exit.
 pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
-    if backend != Backend::Any && !backend.is_available() {
+    if !backend.is_available() {
         return Err(EngineError::Distributed(format!(
             "this build of MLX has no {} backend",
             backend.mlx_name()
@@ -141,6 +149,7 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
     };
     Ok(Group {
         raw,
+        backend,
         rank: rank as usize,
         size: size as usize,
     })
@@ -169,11 +178,11 @@ impl Group {
     }
 
     fn collective(&self, name: &str, op: Collective, x: &Array) -> Result<Array> {
-        let stream = Stream::thread_local_or_default();
+        let stream = self.backend.stream();
         // SAFETY: `res` is an empty handle the op fills; ownership passes to the Array.
         unsafe {
             let mut res = mlx_sys::mlx_array_new();
-            if op(&mut res, x.as_ptr(), self.raw, stream.as_ref().as_ptr()) != 0 {
+            if op(&mut res, x.as_ptr(), self.raw, stream.as_ptr()) != 0 {
                 mlx_sys::mlx_array_free(res);
                 return Err(EngineError::Distributed(format!("MLX {name} failed")));
             }

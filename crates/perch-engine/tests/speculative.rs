@@ -1,7 +1,8 @@
 //! Speculative decoding (`generate_speculative`) on the test model. Greedy: with a draft that
 //! agrees (the model itself) and one that mostly does not (a tiny random Llama with the same
-//! tokenizer, written by mlx_lm), the short reference cases' ids are mlx_lm's greedy ids without
-//! a draft. Sampled: with the same seed, the ids and `from_draft` flags are mlx_lm's
+//! tokenizer, written by mlx_lm), reference cases' ids are mlx_lm's greedy ids without a draft
+//! (alone: haiku, and multi-turn with the tiny draft; in the batch: every short case with the
+//! model as its draft, four with the tiny one). Sampled: with the same seed, the ids and `from_draft` flags are mlx_lm's
 //! `speculative_generate_step`'s (`tests/oracle/speculative.py`), proposals rejected and rewound
 //! included, alone and in the batch (beside other rows, the draft proposing in verify steps);
 //! since every emitted token is the model's own sample there, the output is distributed as the

@@ -62,17 +62,20 @@ pub fn served_oracle(script: &str, args: &[&str]) -> String {
             }
         });
     let line = serde_json::to_string(args).unwrap();
-    writeln!(server.stdin, "{line}").expect("the oracle takes a command");
     let mut answer = String::new();
-    server
-        .stdout
-        .read_line(&mut answer)
-        .expect("the oracle answers");
-    assert!(
-        answer.ends_with('\n'),
-        "{script} serve ended on {args:?} (its error is above)"
-    );
-    serde_json::from_str(&answer).expect("the oracle answers a JSON string")
+    let sent = writeln!(server.stdin, "{line}").and_then(|()| server.stdout.read_line(&mut answer));
+    if sent.is_err() || !answer.ends_with('\n') {
+        // Gone: the next call starts a new one.
+        served.as_mut().unwrap().remove(script);
+        panic!("{script} serve ended on {args:?} (its stderr is above)");
+    }
+    match serde_json::from_str(&answer).expect("the oracle answers JSON") {
+        serde_json::Value::String(printed) => printed,
+        failed => panic!(
+            "{script} {args:?} failed: {}",
+            failed["error"].as_str().unwrap_or_default()
+        ),
+    }
 }
 
 /// A reference case's chat as the engine's messages.

@@ -11,7 +11,8 @@
         the N greedy token ids that follow, as JSON
     prompt_cache.py serve
         reads one command a line from stdin (its arguments as a JSON list) and answers each with
-        one line, what the command prints as a JSON string; a model stays loaded between commands
+        one line, what the command prints as a JSON string (or `{"error": traceback}` when it
+        fails); a model stays loaded between commands
         (the tests run many on one process instead of starting mlx_lm for each)
 """
 
@@ -19,7 +20,9 @@ import contextlib
 import functools
 import io
 import json
+import os
 import sys
+import traceback
 
 import mlx.core as mx
 import mlx_lm_quirks  # noqa: F401 (MoE models run in mlx_lm 0.32.2)
@@ -62,12 +65,20 @@ def run(argv):
 
 
 def serve():
+    # Replies go to the process's stdout as it was; anything else printed to fd 1 (by a library)
+    # goes to stderr, so that it cannot break the one-line-a-reply protocol.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     for line in sys.stdin:
         printed = io.StringIO()
-        with contextlib.redirect_stdout(printed):
-            run(json.loads(line))
-        sys.stdout.write(json.dumps(printed.getvalue()) + "\n")
-        sys.stdout.flush()
+        try:
+            with contextlib.redirect_stdout(printed):
+                run(json.loads(line))
+            reply = printed.getvalue()
+        except BaseException:  # noqa: B036 (SystemExit too: the command's error goes back as the reply)
+            reply = {"error": traceback.format_exc()}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
 
 
 if __name__ == "__main__":
