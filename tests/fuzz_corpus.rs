@@ -5,9 +5,10 @@
 //! splices of two corpus files, the target's dictionary words; a quarter of them mutate the
 //! previous mutant again), so that every run tries the same inputs.
 //! Each input goes through the very function the cargo-fuzz binary calls (`fuzz/src/lib.rs`,
-//! included here); an input fails when it panics or takes over [`SLOW`]. The failing inputs are
-//! written to `<target tmp>/fuzz-replay/<target>/` (the one running when the process aborted
-//! stays in `current`) and can be replayed with `cargo +nightly fuzz run <target> <file>`.
+//! included here); an input fails when it panics or takes over [`SLOW`], and one still running
+//! after [`HANG`] aborts the binary. The failing inputs are written to
+//! `<target tmp>/fuzz-replay/<target>/` (the one running when the process aborted stays in
+//! `current`) and can be replayed with `cargo +nightly fuzz run <target> <file>`.
 //!
 //! Coverage-guided fuzzing (libFuzzer, AddressSanitizer) is `scripts/fuzz.sh`; this replay needs
 //! no second, instrumented build of the engine.
@@ -22,8 +23,10 @@ use std::time::{Duration, Instant};
 
 /// Inputs per target, the corpus included.
 const INPUTS: usize = 10_000;
-/// libFuzzer's `-timeout` in scripts/fuzz.sh.
+/// libFuzzer's `-timeout` in scripts/fuzz.sh: an input that takes longer fails.
 const SLOW: Duration = Duration::from_secs(10);
+/// An input still running after this aborts the test binary (a hang).
+const HANG: Duration = Duration::from_secs(60);
 
 thread_local! {
     /// Whether this thread is running an input (its panics are the replay's to report).
@@ -209,6 +212,24 @@ fn replay(name: &str) {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ name.len() as u64);
     let mut failures = Vec::new();
     let mut previous = corpus[0].clone();
+    // An input that never returns: after [`HANG`] the process aborts, naming the file it left.
+    let running = std::sync::Arc::new(Mutex::new(Some(Instant::now())));
+    let watchdog = {
+        let (running, current) = (running.clone(), out.join("current"));
+        std::thread::spawn(move || loop {
+            std::thread::sleep(Duration::from_millis(200));
+            match *running.lock().unwrap() {
+                Some(start) if start.elapsed() > HANG => {
+                    // Past the test harness's capture, which an abort would lose.
+                    let message = format!("an input ran over {HANG:?}: {}\n", current.display());
+                    let _ = std::io::Write::write_all(&mut std::io::stderr(), message.as_bytes());
+                    std::process::abort();
+                }
+                Some(_) => {}
+                None => return,
+            }
+        })
+    };
     for k in 0..INPUTS.max(corpus.len()) {
         let input = match corpus.get(k) {
             Some(seed) => seed.clone(),
@@ -217,6 +238,7 @@ fn replay(name: &str) {
         };
         std::fs::write(out.join("current"), &input).unwrap();
         let start = Instant::now();
+        *running.lock().unwrap() = Some(start);
         REPLAYING.set(true);
         let result = catch_unwind(AssertUnwindSafe(|| target(&input)));
         REPLAYING.set(false);
@@ -237,6 +259,8 @@ fn replay(name: &str) {
         std::fs::write(&file, &input).unwrap();
         failures.push(format!("{}: {why}", file.display()));
     }
+    *running.lock().unwrap() = None;
+    watchdog.join().unwrap();
     std::fs::remove_file(out.join("current")).unwrap();
     assert!(
         failures.is_empty(),
