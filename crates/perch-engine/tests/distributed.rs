@@ -215,3 +215,16 @@ fn a_backend_this_mlx_lacks_is_an_error() {
     let error = distributed::init(backend, Duration::from_secs(1)).unwrap_err();
     assert!(error.to_string().contains("has no"), "{error}");
 }
+
+#[test]
+fn a_rank_with_a_missing_hostfile_gets_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let result = result(
+        spawn_rank(0, &dir.path().join("no-such-hosts.json"), "alone"),
+        Duration::from_secs(30),
+    );
+    let error = result["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{result}"));
+    assert!(error.contains("could not start its ring backend"), "{error}");
+}
