@@ -6,6 +6,17 @@
         scripts/test-inputs.sh makes): chat-templated prompt ids, the generated ids up to
         max_tokens or the first EOS (included, as mlx_lm yields it) and their text (without
         the EOS, as mlx_lm's generate returns it).
+    make_references.py speculative MODEL_DIR GREEDY.json OUT.json
+        Seeded sampled runs of mlx_lm's `speculative_generate_step` on MODEL_DIR with the model
+        as its own draft (SPECULATIVE_RUNS: the first short cases of GREEDY.json, the fixture
+        above), each run's ids and `from_draft` flags: what tests/speculative.rs compares with.
+    make_references.py bounded MODEL_DIR OUT.json
+        Greedy ids of MODEL_DIR (a Llama) with every layer's cache a `RotatingKVCache(64, keep=4)`
+        for prompts of 70 and 130 tokens (longer than the bound), beside the same prompts' ids with
+        plain caches: what tests/kv_cache_options.rs compares `max_kv_size` with. mlx_lm's
+        `make_prompt_cache(model, max_kv_size)` returns the model's own `make_cache()` when it has
+        one, and Llama's makes plain caches (mlx_lm ignores the bound there), so the caches are
+        built as make_prompt_cache builds them for a model without one.
     make_references.py import IMPORT_DIR GGUF OUT.json
         SHA-256 of every file `perch import GGUF` wrote into IMPORT_DIR, and of the GGUF: the
         import is deterministic, so any machine must write these bytes.
@@ -123,6 +134,91 @@ def greedy(model_dir, out):
     })
 
 
+# (short case index, num_draft_tokens, seed): drafts of 2, 3 and 4 tokens at temperature 1, 16
+# tokens each past EOS. The model's proposals, drawn with other keys than the verify step's, are
+# often rejected, so each run has accepted and rejected proposals.
+SPECULATIVE_RUNS = [(0, 2, 5), (1, 4, 6), (2, 3, 7)]
+
+
+def speculative(model_dir, greedy_json, out):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    reference = json.loads(Path(greedy_json).read_text())
+    short = [c for c in reference["cases"] if len(c["prompt_ids"]) < reference["prefill_step_size"]]
+    model, _ = load(model_dir)
+    draft, _ = load(model_dir)
+    runs = []
+    for case, k, seed in SPECULATIVE_RUNS:
+        mx.random.seed(seed)
+        ids, flags = [], []
+        for token, _, from_draft in speculative_generate_step(
+                mx.array(short[case]["prompt_ids"]), model, draft, num_draft_tokens=k, max_tokens=16,
+                sampler=make_sampler(temp=1.0), prefill_step_size=2048):
+            ids.append(int(token))
+            flags.append(bool(from_draft))
+        runs.append({"case": short[case]["id"], "num_draft_tokens": k, "seed": seed, "temp": 1.0,
+                     "max_tokens": 16, "ids": ids, "from_draft": flags})
+        print(f"{short[case]['id']}: {sum(flags)} of {len(ids)} from the draft", file=sys.stderr)
+    write_json(out, {
+        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && "
+                      + command("speculative", str(model_dir), str(greedy_json), str(out)),
+        "model": Path(model_dir).name,
+        "model_sha256": sha256(Path(model_dir) / "model.safetensors"),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "sampler": "make_sampler(temp=1.0), mx.random.seed(seed) before each run; the model drafts for itself",
+        "runs": runs,
+    })
+
+
+BOUNDED_MAX_KV_SIZE = 64
+BOUNDED_TOKENS = 32
+BOUNDED_TEXT = " ".join(
+    f"Item {i}: the {['red', 'blue', 'green', 'small', 'large'][i % 5]} box holds {i * 7 % 13} apples."
+    for i in range(30)
+)
+
+
+def bounded(model_dir, out):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    def greedy(model, prompt, cache):
+        steps = generate_step(mx.array(prompt), model, max_tokens=BOUNDED_TOKENS, prompt_cache=cache)
+        return [int(token) for (token, _), _ in zip(steps, range(BOUNDED_TOKENS))]
+
+    model, tokenizer = load(model_dir)
+    ids = tokenizer.encode(BOUNDED_TEXT)
+    cases = []
+    # Longer than the bound: decoding wraps at once (70), and the prompt's one pass masks a
+    # window (130).
+    for n in (70, 130):
+        prompt = ids[:n]
+        assert len(prompt) == n
+        rotating = [RotatingKVCache(max_size=BOUNDED_MAX_KV_SIZE, keep=4) for _ in model.layers]
+        cases.append({
+            "prompt": prompt,
+            "max_kv_size": BOUNDED_MAX_KV_SIZE,
+            "ids": greedy(model, prompt, rotating),
+            "plain_ids": greedy(model, prompt, make_prompt_cache(model)),
+        })
+    write_json(out, {
+        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && "
+                      + command("bounded", str(model_dir), str(out)),
+        "model": Path(model_dir).name,
+        "model_sha256": sha256(Path(model_dir) / "model.safetensors"),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+        "cache": f"RotatingKVCache(max_size={BOUNDED_MAX_KV_SIZE}, keep=4) in every layer; greedy",
+        "cases": cases,
+    })
+
+
 def import_hashes(import_dir, gguf, out):
     import_dir = Path(import_dir)
     files = sorted(p.name for p in import_dir.iterdir() if p.is_file())
@@ -185,7 +281,7 @@ def mlx_community(model_dir, out_dir):
 
 
 def main():
-    commands = {"greedy": (greedy, 2), "import": (import_hashes, 3), "mlx-community": (mlx_community, 2)}
+    commands = {"greedy": (greedy, 2), "speculative": (speculative, 3), "bounded": (bounded, 2), "import": (import_hashes, 3), "mlx-community": (mlx_community, 2)}
     if len(sys.argv) < 2 or sys.argv[1] not in commands or len(sys.argv) - 2 != commands[sys.argv[1]][1]:
         raise SystemExit(__doc__)
     function, _ = commands[sys.argv[1]]

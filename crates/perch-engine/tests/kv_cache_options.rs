@@ -260,14 +260,20 @@ struct BoundedCase {
 }
 
 /// `max_kv_size` on the test model (a Llama) with prompts longer than the bound, greedy: the ids
-/// of mlx_lm's `RotatingKVCache(max_size, keep=4)` layers (`tests/oracle/kv_bounded_llama.py`
-/// builds them: mlx_lm's own `make_prompt_cache` ignores the bound for Llama, whose model makes
-/// plain caches), and not the plain cache's (the bound took effect).
+/// of mlx_lm's `RotatingKVCache(max_size, keep=4)` layers (`tests/fixtures/smollm2-bounded.json`,
+/// made by `scripts/make_references.py bounded`, which builds them: mlx_lm's own
+/// `make_prompt_cache` ignores the bound for Llama, whose model makes plain caches), and not the
+/// plain cache's (the bound took effect).
 #[test]
 fn max_kv_size_on_llama_matches_mlx_lm_rotating_caches() {
     let dir = common::model_dir();
-    let json = common::run_oracle("kv_bounded_llama.py", &[dir.to_str().unwrap()]);
-    let cases: Vec<BoundedCase> = serde_json::from_str(&json).unwrap();
+    let fixture: serde_json::Value = perch_test_support::fixture_json("smollm2-bounded.json");
+    assert_eq!(
+        fixture["model_sha256"],
+        common::reference().model_sha256.as_str(),
+        "smollm2-bounded.json was made on another model than smollm2-greedy.json"
+    );
+    let cases: Vec<BoundedCase> = serde_json::from_value(fixture["cases"].clone()).unwrap();
     assert_eq!(cases.len(), 2);
     let model = models::load(&dir).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();

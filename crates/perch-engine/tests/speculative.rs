@@ -3,11 +3,12 @@
 //! tokenizer, written by mlx_lm), reference cases' ids are mlx_lm's greedy ids without a draft
 //! (alone: haiku, and multi-turn with the tiny draft; in the batch: every short case with the
 //! model as its draft, four with the tiny one). Sampled: with the same seed, the ids and `from_draft` flags are mlx_lm's
-//! `speculative_generate_step`'s (`tests/oracle/speculative.py`), proposals rejected and rewound
+//! `speculative_generate_step`'s, proposals rejected and rewound
 //! included, alone and in the batch (beside other rows, the draft proposing in verify steps);
 //! since every emitted token is the model's own sample there, the output is distributed as the
 //! model's. Also: the stats count what was proposed and accepted, and bad drafts are refused.
-//! Needs the oracle.
+//! mlx_lm's sampled runs are `tests/fixtures/smollm2-speculative.json` (`scripts/make_references.py
+//! speculative`); the oracle writes the tiny draft.
 
 mod common;
 
@@ -65,26 +66,36 @@ fn speculative_decoding_is_mlx_lms() {
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let short = common::short_reference_cases();
 
-    // Sampled runs for mlx_lm to repeat: two prompts, drafts of 2 and 4 tokens, the model as
-    // its own draft (its proposals, drawn with other keys, are often rejected at temperature 1).
-    let sampled: Vec<(usize, usize, u64)> = vec![(0, 2, 5), (1, 4, 6), (2, 3, 7)];
-    let runs: Vec<serde_json::Value> = sampled
+    // Sampled runs mlx_lm made (tests/fixtures/smollm2-speculative.json: three prompts, drafts of
+    // 2 to 4 tokens, the model as its own draft, whose proposals, drawn with other keys, are
+    // often rejected at temperature 1); the oracle writes the tiny random draft.
+    let fixture: serde_json::Value =
+        perch_test_support::fixture_json("smollm2-speculative.json");
+    assert_eq!(
+        fixture["model_sha256"],
+        common::reference().model_sha256.as_str(),
+        "smollm2-speculative.json was made on another model than smollm2-greedy.json"
+    );
+    let expected: Vec<serde_json::Value> = fixture["runs"].as_array().unwrap().clone();
+    let sampled: Vec<(usize, usize, u64)> = expected
         .iter()
-        .map(|&(case, k, seed)| {
-            serde_json::json!({"prompt": short[case].prompt_ids, "draft": "self", "temp": 1.0,
-                               "seed": seed, "num_draft_tokens": k, "max_tokens": 16})
+        .map(|run| {
+            let case = short
+                .iter()
+                .position(|c| c.id == run["case"].as_str().unwrap())
+                .unwrap();
+            (
+                case,
+                run["num_draft_tokens"].as_u64().unwrap() as usize,
+                run["seed"].as_u64().unwrap(),
+            )
         })
         .collect();
     let out = tempfile::tempdir().unwrap();
-    let json = common::run_oracle(
+    common::run_oracle(
         "speculative.py",
-        &[
-            out.path().to_str().unwrap(),
-            dir.to_str().unwrap(),
-            &serde_json::to_string(&runs).unwrap(),
-        ],
+        &[out.path().to_str().unwrap(), dir.to_str().unwrap()],
     );
-    let expected: Vec<serde_json::Value> = serde_json::from_str(&json).unwrap();
     let tiny = models::load(&out.path().join("llama3-rope")).unwrap();
 
     // Greedy: mlx_lm's ids without a draft, with either draft.
@@ -309,7 +320,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
     let out = tempfile::tempdir().unwrap();
     common::run_oracle(
         "speculative.py",
-        &[out.path().to_str().unwrap(), dir.to_str().unwrap(), "[]"],
+        &[out.path().to_str().unwrap(), dir.to_str().unwrap()],
     );
     let tiny = models::load(&out.path().join("llama3-rope")).unwrap();
     let reference = common::reference();
