@@ -226,5 +226,8 @@ fn a_rank_with_a_missing_hostfile_gets_an_error() {
     let error = result["error"]
         .as_str()
         .unwrap_or_else(|| panic!("{result}"));
-    assert!(error.contains("could not start its ring backend"), "{error}");
+    assert!(
+        error.contains("could not start its ring backend"),
+        "{error}"
+    );
 }

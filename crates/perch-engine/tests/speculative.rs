@@ -69,8 +69,7 @@ fn speculative_decoding_is_mlx_lms() {
     // Sampled runs mlx_lm made (tests/fixtures/smollm2-speculative.json: three prompts, drafts of
     // 2 to 4 tokens, the model as its own draft, whose proposals, drawn with other keys, are
     // often rejected at temperature 1); the oracle writes the tiny random draft.
-    let fixture: serde_json::Value =
-        perch_test_support::fixture_json("smollm2-speculative.json");
+    let fixture: serde_json::Value = perch_test_support::fixture_json("smollm2-speculative.json");
     assert_eq!(
         fixture["model_sha256"],
         common::reference().model_sha256.as_str(),

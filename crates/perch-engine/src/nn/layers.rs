@@ -441,6 +441,21 @@ impl DenseWeight {
     }
 }
 
+/// How a linear layer is divided over the ranks of a tensor-parallel group (Shoeybi et al. 2019,
+/// "Megatron-LM": column- and row-parallel layers; mlx_lm's `shard_linear` calls them
+/// "all-to-sharded" and "sharded-to-all"). Rank `r` of `n` holds the `r`th of `n` equal,
+/// contiguous parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// The output features (rows of `W`, and of the bias): every rank reads the whole input and
+    /// computes its part of the output (query, key and value projections, gate and up).
+    Outputs,
+    /// The input features (columns of `W`): every rank reads its part of the input and computes
+    /// a partial sum of the whole output. The ranks' sums add up (`all_sum`), after which the
+    /// bias, which the shard leaves out, is added once (output and down projections).
+    Inputs,
+}
+
 /// A linear layer `y = x W^T (+ b)` with `W` `[out, in]`, dense or quantized.
 #[derive(Clone)]
 pub enum Linear {
@@ -497,10 +512,111 @@ impl Linear {
         })
     }
 
-    fn bias(&self) -> Option<&Array> {
+    /// The bias `[out]`, if any.
+    pub fn bias(&self) -> Option<&Array> {
         match self {
             Linear::Dense { bias, .. } | Linear::Quantized { bias, .. } => bias.as_ref(),
         }
+    }
+
+    /// `(in, out)` features.
+    pub fn features(&self) -> (i32, i32) {
+        match self {
+            Linear::Dense { weight, .. } => {
+                let shape = weight.weight().shape();
+                (shape[1], shape[0])
+            }
+            Linear::Quantized { weight, .. } => {
+                let shape = weight.scales.shape();
+                (shape[1] * weight.params.group_size, shape[0])
+            }
+        }
+    }
+
+    /// Rank `rank`'s part of this layer in a group of `size` ranks (see [`Shard`]), copied and
+    /// evaluated so that the whole layer's memory can be freed. A quantized layer is divided by
+    /// its packed words, scales and quantization biases: divided by inputs, each rank's part must
+    /// hold whole quantization groups. An [`Shard::Inputs`] part has no bias (add
+    /// [`Linear::bias`] after the ranks' sum). Errors when the features do not divide.
+    pub fn shard(&self, shard: Shard, rank: usize, size: usize) -> Result<Linear> {
+        let (inputs, outputs) = self.features();
+        let divided = match shard {
+            Shard::Outputs => outputs,
+            Shard::Inputs => inputs,
+        };
+        let fail = |why: String| {
+            Err(EngineError::Distributed(format!(
+                "a layer of {inputs} inputs and {outputs} outputs cannot be divided by its \
+                 {} over {size} ranks: {why}",
+                match shard {
+                    Shard::Outputs => "outputs",
+                    Shard::Inputs => "inputs",
+                }
+            )))
+        };
+        if size == 0 || rank >= size {
+            return fail(format!("rank {rank} is not one of them"));
+        }
+        let n = size as i32;
+        if divided % n != 0 {
+            return fail(format!("{divided} is not a multiple of {size}"));
+        }
+        let part = divided / n;
+        let r = rank as i32;
+        // Rank r's part of `a` along `axis`, of `per_rank` entries, in a buffer of its own: a
+        // slice is a view of the whole array's buffer (and MLX's `copy` and `contiguous` may
+        // share it, as its one-array `concatenate` returns its input), while an elementwise
+        // product reading a view writes a new buffer; times one is exact in every dtype.
+        let take = |a: &Array, axis: usize, per_rank: i32| -> Result<Array> {
+            let mut start = vec![0; a.ndim()];
+            let mut stop = a.shape().to_vec();
+            start[axis] = r * per_rank;
+            stop[axis] = (r + 1) * per_rank;
+            let one = Array::from_int(1).as_dtype(a.dtype())?;
+            let copy = ops::multiply(&slice(a, &start, &stop)?, &one)?;
+            copy.eval()?;
+            Ok(copy)
+        };
+        let bias = match (shard, self.bias()) {
+            (Shard::Outputs, Some(bias)) => Some(take(bias, 0, part)?),
+            _ => None,
+        };
+        let axis = match shard {
+            Shard::Outputs => 0,
+            Shard::Inputs => 1,
+        };
+        Ok(match self {
+            Linear::Dense { weight, .. } => Linear::Dense {
+                weight: DenseWeight::new(take(weight.weight(), axis, part)?)?,
+                bias,
+            },
+            Linear::Quantized { weight: q, .. } => {
+                let group = q.params.group_size;
+                let (words, groups) = match shard {
+                    Shard::Outputs => (part, part),
+                    Shard::Inputs if part % group == 0 => (part * q.params.bits / 32, part / group),
+                    Shard::Inputs => {
+                        return fail(format!(
+                            "a rank's {part} inputs are not whole groups of {group}"
+                        ))
+                    }
+                };
+                Linear::Quantized {
+                    weight: QuantizedWeight {
+                        weight: take(&q.weight, axis, words)?,
+                        scales: take(&q.scales, axis, groups)?,
+                        biases: q
+                            .biases
+                            .as_ref()
+                            .map(|b| take(b, axis, groups))
+                            .transpose()?,
+                        params: q.params,
+                        cpu_kernel: q.cpu_kernel,
+                    },
+                    bias,
+                }
+            }
+        })
     }
 
     /// One layer computing `parts`' outputs side by side (`[..., out_1 + out_2 + ...]`), their
@@ -1444,6 +1560,109 @@ mod tests {
         let diff = ops::abs(ops::subtract(&got, &expected).unwrap()).unwrap();
         let largest = ops::max(&diff, None).unwrap().item_exact::<f32>();
         assert!(largest <= 1e-5, "fused output differs by {largest}");
+    }
+
+    fn largest_difference(a: &Array, b: &Array) -> f32 {
+        assert_eq!(a.shape(), b.shape());
+        let diff = ops::abs(ops::subtract(a, b).unwrap()).unwrap();
+        ops::max(&diff, None).unwrap().item_exact::<f32>()
+    }
+
+    /// Every rank's part of a layer, run alone, gives the whole layer's output: divided by outputs,
+    /// the parts' outputs side by side; divided by inputs, each part reading its slice of the
+    /// input, their sum plus the bias. Dense and quantized layers, with and without a bias, over
+    /// 2 and 4 ranks (the products differ only by the sum's order: float32 rounding).
+    #[test]
+    fn shards_add_up_to_the_layer() {
+        let (inputs, outputs) = (256, 96);
+        let x = random(&[3, 5, inputs], 1);
+        let w = random(&[outputs, inputs], 2);
+        let b = random(&[outputs], 3);
+        let layers = [
+            (
+                "dense",
+                Linear::Dense {
+                    weight: DenseWeight::new(w.clone()).unwrap(),
+                    bias: None,
+                },
+            ),
+            (
+                "dense with a bias",
+                Linear::Dense {
+                    weight: DenseWeight::new(w.clone()).unwrap(),
+                    bias: Some(b.clone()),
+                },
+            ),
+            (
+                "4-bit with a bias",
+                Linear::Quantized {
+                    weight: quantized(&w, 64, 4),
+                    bias: Some(b.clone()),
+                },
+            ),
+            (
+                "8-bit, groups of 32",
+                Linear::Quantized {
+                    weight: quantized(&w, 32, 8),
+                    bias: None,
+                },
+            ),
+        ];
+        for (name, layer) in &layers {
+            let whole = layer.forward(&x).unwrap();
+            for size in [2, 4] {
+                let outputs_parts: Vec<Array> = (0..size)
+                    .map(|r| {
+                        layer
+                            .shard(Shard::Outputs, r, size)
+                            .unwrap()
+                            .forward(&x)
+                            .unwrap()
+                    })
+                    .collect();
+                let side_by_side = ops::concatenate(&outputs_parts, -1).unwrap();
+                let error = largest_difference(&side_by_side, &whole);
+                assert!(error <= 1e-4, "{name} by outputs over {size}: {error}");
+
+                let part = inputs / size as i32;
+                let mut sum: Option<Array> = None;
+                for r in 0..size {
+                    let shard = layer.shard(Shard::Inputs, r, size).unwrap();
+                    assert!(shard.bias().is_none(), "{name}: an inputs part has no bias");
+                    assert_eq!(shard.features(), (part, outputs));
+                    let start = r as i32 * part;
+                    let x_part = slice(&x, &[0, 0, start], &[3, 5, start + part]).unwrap();
+                    let y = shard.forward(&x_part).unwrap();
+                    sum = Some(match sum {
+                        Some(s) => ops::add(&s, &y).unwrap(),
+                        None => y,
+                    });
+                }
+                let mut sum = sum.unwrap();
+                if let Some(bias) = layer.bias() {
+                    sum = ops::add(&sum, bias).unwrap();
+                }
+                let error = largest_difference(&sum, &whole);
+                assert!(error <= 1e-3, "{name} by inputs over {size}: {error}");
+            }
+        }
+        // Shapes that do not divide are refused with a sentence.
+        let q4 = &layers[2].1;
+        for (shard, rank, size, expected) in [
+            (Shard::Outputs, 0, 5, "96 is not a multiple of 5"),
+            (
+                Shard::Inputs,
+                0,
+                8,
+                "a rank's 32 inputs are not whole groups of 64",
+            ),
+            (Shard::Outputs, 2, 2, "rank 2 is not one of them"),
+        ] {
+            let Err(e) = q4.shard(shard, rank, size) else {
+                panic!("{shard:?} over {size} was accepted");
+            };
+            assert!(e.to_string().contains(expected), "{e}");
+        }
     }
 
     /// mlx-community's gpt-oss MXFP4-Q8 layout: the default is mxfp4 (the experts), the other
