@@ -96,6 +96,18 @@ def command(*args):
     return "target/oracle-venv/bin/python scripts/make_references.py " + " ".join(args)
 
 
+def made_on(model_dir, *args):
+    """A fixture's first keys: the command that remakes it (`make_references.py ARGS` on the test
+    model scripts/test-inputs.sh makes), the model it was made on and the oracle's versions."""
+    return {
+        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && " + command(*args),
+        "model": Path(model_dir).name,
+        "model_sha256": sha256(Path(model_dir) / "model.safetensors"),
+        "mlx": version("mlx"),
+        "mlx_lm": version("mlx-lm"),
+    }
+
+
 def greedy(model_dir, out):
     import mlx.core as mx
     from mlx_lm import load
@@ -121,11 +133,7 @@ def greedy(model_dir, out):
         print(f"{case['id']}: {len(prompt)} prompt tokens, {len(ids)} generated"
               f"{' (stopped on EOS)' if ids[-1] in eos else ''}: {tokenizer.decode(ids)!r}", file=sys.stderr)
     write_json(out, {
-        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && " + command("greedy", str(model_dir), str(out)),
-        "model": Path(model_dir).name,
-        "model_sha256": sha256(Path(model_dir) / "model.safetensors"),
-        "mlx": version("mlx"),
-        "mlx_lm": version("mlx-lm"),
+        **made_on(model_dir, "greedy", str(model_dir), str(out)),
         "sampler": "greedy (temp 0)",
         "max_tokens": MAX_TOKENS,
         "prefill_step_size": PREFILL_CHUNK,
@@ -163,12 +171,7 @@ def speculative(model_dir, greedy_json, out):
                      "max_tokens": 16, "ids": ids, "from_draft": flags})
         print(f"{short[case]['id']}: {sum(flags)} of {len(ids)} from the draft", file=sys.stderr)
     write_json(out, {
-        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && "
-                      + command("speculative", str(model_dir), str(greedy_json), str(out)),
-        "model": Path(model_dir).name,
-        "model_sha256": sha256(Path(model_dir) / "model.safetensors"),
-        "mlx": version("mlx"),
-        "mlx_lm": version("mlx-lm"),
+        **made_on(model_dir, "speculative", str(model_dir), str(greedy_json), str(out)),
         "sampler": "make_sampler(temp=1.0), mx.random.seed(seed) before each run; the model drafts for itself",
         "runs": runs,
     })
@@ -208,12 +211,7 @@ def bounded(model_dir, out):
             "plain_ids": greedy(model, prompt, make_prompt_cache(model)),
         })
     write_json(out, {
-        "regenerate": "cargo build -p perch-cli && bash scripts/test-inputs.sh && "
-                      + command("bounded", str(model_dir), str(out)),
-        "model": Path(model_dir).name,
-        "model_sha256": sha256(Path(model_dir) / "model.safetensors"),
-        "mlx": version("mlx"),
-        "mlx_lm": version("mlx-lm"),
+        **made_on(model_dir, "bounded", str(model_dir), str(out)),
         "cache": f"RotatingKVCache(max_size={BOUNDED_MAX_KV_SIZE}, keep=4) in every layer; greedy",
         "cases": cases,
     })
