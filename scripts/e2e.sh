@@ -21,11 +21,7 @@ if [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
   fi
 fi
 driver=target/tools/bin/tauri-driver
-if [ ! -x "$driver" ]; then
-  # 2.x: crates.io's newest tauri-driver may be a 3.0 pre-release for Tauri 3.
-  # A proxy between the test and WebKitWebDriver: unoptimized is fast enough, and builds sooner.
-  cargo install tauri-driver@2.1.0 --locked --debug --root target/tools --quiet
-fi
+bash scripts/install-tauri-driver.sh
 [ -x target/debug/perch-app ] || cargo build -p perch-app
 cargo build --quiet -p perch-hub --features fake-hub --bin fake-hub
 

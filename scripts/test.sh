@@ -61,10 +61,7 @@ oracle_venv() {
   bash scripts/fetch-default-model.sh > /dev/null
 }
 beside oracle oracle_venv
-driver=target/tools/bin/tauri-driver
-# 2.x: crates.io's newest tauri-driver may be a 3.0 pre-release for Tauri 3. A proxy between the
-# test and WebKitWebDriver: unoptimized is fast enough, and builds sooner.
-[ -x "$driver" ] || beside tauri-driver cargo install tauri-driver@2.1.0 --locked --debug --root target/tools --quiet
+beside tauri-driver bash scripts/install-tauri-driver.sh
 export PERCH_TEST_PYTHON="$PWD/$venv/bin/python"
 # Test binaries run two at a time on two cores, each with Perch's CPU kernel on rayon's threads:
 # OpenBLAS's own threads (MLX's float32 matmuls on CPU) would spin between calls (sched_yield),
@@ -86,7 +83,7 @@ cargo test --workspace --no-run "$@"
 status=$?
 joined vitest
 joined oracle
-[ -f "$jobs_dir/tauri-driver.pid" ] && joined tauri-driver
+joined tauri-driver
 if [ "$status" = 0 ]; then
   PERCH_BIN="${CARGO_TARGET_DIR:-target}/debug/perch" bash scripts/test-inputs.sh >/dev/null
   status=$?

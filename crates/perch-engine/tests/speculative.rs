@@ -59,6 +59,45 @@ fn speculate(
     }
 }
 
+/// `tests/fixtures/smollm2-speculative.json` (made on the test model: perch-test-support's
+/// standalone test checks its SHA-256).
+#[derive(serde::Deserialize)]
+struct SpeculativeFixture {
+    runs: Vec<SampledRun>,
+}
+
+/// One of mlx_lm's seeded `speculative_generate_step` runs, the model drafting for itself.
+#[derive(serde::Deserialize)]
+struct SampledRun {
+    /// A short reference case's id.
+    case: String,
+    num_draft_tokens: usize,
+    seed: u64,
+    temp: f32,
+    max_tokens: usize,
+    ids: Vec<u32>,
+    from_draft: Vec<bool>,
+}
+
+impl SampledRun {
+    /// The run's request: its case's prompt, seed and temperature, `max_tokens` past EOS.
+    fn request(&self, short: &[common::ReferenceCase]) -> GenerateRequest {
+        let case = short
+            .iter()
+            .find(|c| c.id == self.case)
+            .expect("a short case");
+        let mut request = GenerateRequest::new(case.prompt_ids.clone());
+        request.max_tokens = self.max_tokens;
+        request.ignore_eos = true;
+        request.sampling = SamplingParams {
+            temperature: self.temp,
+            seed: Some(self.seed),
+            ..SamplingParams::default()
+        };
+        request
+    }
+}
+
 #[test]
 fn speculative_decoding_is_mlx_lms() {
     let dir = common::model_dir();
@@ -69,27 +108,8 @@ fn speculative_decoding_is_mlx_lms() {
     // Sampled runs mlx_lm made (tests/fixtures/smollm2-speculative.json: three prompts, drafts of
     // 2 to 4 tokens, the model as its own draft, whose proposals, drawn with other keys, are
     // often rejected at temperature 1); the oracle writes the tiny random draft.
-    let fixture: serde_json::Value = perch_test_support::fixture_json("smollm2-speculative.json");
-    assert_eq!(
-        fixture["model_sha256"],
-        common::reference().model_sha256.as_str(),
-        "smollm2-speculative.json was made on another model than smollm2-greedy.json"
-    );
-    let expected: Vec<serde_json::Value> = fixture["runs"].as_array().unwrap().clone();
-    let sampled: Vec<(usize, usize, u64)> = expected
-        .iter()
-        .map(|run| {
-            let case = short
-                .iter()
-                .position(|c| c.id == run["case"].as_str().unwrap())
-                .unwrap();
-            (
-                case,
-                run["num_draft_tokens"].as_u64().unwrap() as usize,
-                run["seed"].as_u64().unwrap(),
-            )
-        })
-        .collect();
+    let sampled =
+        perch_test_support::fixture_json::<SpeculativeFixture>("smollm2-speculative.json").runs;
     let out = tempfile::tempdir().unwrap();
     common::run_oracle(
         "speculative.py",
@@ -148,21 +168,17 @@ fn speculative_decoding_is_mlx_lms() {
     }
 
     // Sampled, seeded: mlx_lm's tokens and flags.
-    for ((case, k, seed), expected) in sampled.iter().zip(&expected) {
-        let mut request = GenerateRequest::new(short[*case].prompt_ids.clone());
-        request.max_tokens = 16;
-        request.ignore_eos = true;
+    for expected in &sampled {
+        let (k, seed, flags) = (
+            expected.num_draft_tokens,
+            expected.seed,
+            &expected.from_draft,
+        );
+        let mut request = expected.request(&short);
         request.prefill_step_size = 2048;
-        request.sampling = SamplingParams {
-            temperature: 1.0,
-            seed: Some(*seed),
-            ..SamplingParams::default()
-        };
-        let run = speculate(model.as_ref(), model.as_ref(), &tokenizer, *k, &request);
-        let ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
-        let flags: Vec<bool> = serde_json::from_value(expected["from_draft"].clone()).unwrap();
-        assert_eq!(run.ids, ids, "seed {seed}, {k} draft tokens");
-        assert_eq!(run.from_draft, flags, "seed {seed}, {k} draft tokens");
+        let run = speculate(model.as_ref(), model.as_ref(), &tokenizer, k, &request);
+        assert_eq!(run.ids, expected.ids, "seed {seed}, {k} draft tokens");
+        assert_eq!(&run.from_draft, flags, "seed {seed}, {k} draft tokens");
         assert!(
             flags.iter().any(|&f| !f) && flags.iter().any(|&f| f),
             "seed {seed}: accepted and rejected proposals both"
@@ -182,16 +198,9 @@ fn speculative_decoding_is_mlx_lms() {
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm")
         .with_draft(model.as_ref(), 3);
     let mut ids_of: Vec<(u64, Vec<u32>, Vec<bool>)> = Vec::new();
-    for (case, k, seed) in &sampled {
-        let mut request = GenerateRequest::new(short[*case].prompt_ids.clone());
-        request.max_tokens = 16;
-        request.ignore_eos = true;
-        request.num_draft_tokens = Some(*k);
-        request.sampling = SamplingParams {
-            temperature: 1.0,
-            seed: Some(*seed),
-            ..SamplingParams::default()
-        };
+    for run in &sampled {
+        let mut request = run.request(&short);
+        request.num_draft_tokens = Some(run.num_draft_tokens);
         ids_of.push((batch.insert(request).unwrap(), Vec::new(), Vec::new()));
     }
     let mut greedy = GenerateRequest::new(short[3].prompt_ids.clone());
@@ -229,18 +238,14 @@ fn speculative_decoding_is_mlx_lms() {
     }
     assert!(!greedy_ids.is_empty());
     assert!(batch.step_times().verify_steps > 0);
-    for ((_, ids, flags), ((_, k, seed), expected)) in
-        ids_of.iter().zip(sampled.iter().zip(&expected))
-    {
-        let expected_ids: Vec<u32> = serde_json::from_value(expected["ids"].clone()).unwrap();
-        let expected_flags: Vec<bool> =
-            serde_json::from_value(expected["from_draft"].clone()).unwrap();
+    for ((_, ids, flags), expected) in ids_of.iter().zip(&sampled) {
+        let (k, seed) = (expected.num_draft_tokens, expected.seed);
         assert_eq!(
-            ids, &expected_ids,
+            ids, &expected.ids,
             "in the batch: seed {seed}, {k} draft tokens"
         );
         assert_eq!(
-            flags, &expected_flags,
+            flags, &expected.from_draft,
             "in the batch: seed {seed}, {k} draft tokens"
         );
     }

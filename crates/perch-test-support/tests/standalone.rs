@@ -65,13 +65,17 @@ fn no_file_refers_to_the_shared_folder() {
 
 #[test]
 fn the_test_model_is_the_one_the_references_were_made_on() {
-    let reference = perch_test_support::reference();
-    assert_eq!(
-        sha256_file(&perch_test_support::model_dir().join("model.safetensors")),
-        reference.model_sha256,
-        "the test model differs from the one tests/fixtures/smollm2-greedy.json was made on: \
-         remove target/test-inputs and run bash scripts/test-inputs.sh"
-    );
+    let model = sha256_file(&perch_test_support::model_dir().join("model.safetensors"));
+    // Every fixture mlx_lm made on the test model.
+    for name in MADE_ON_THE_TEST_MODEL {
+        let fixture: serde_json::Value = fixture_json(name);
+        assert_eq!(
+            fixture["model_sha256"].as_str(),
+            Some(model.as_str()),
+            "the test model differs from the one tests/fixtures/{name} was made on: \
+             remove target/test-inputs and run bash scripts/test-inputs.sh (or remake the fixture)"
+        );
+    }
     // And the import it was converted from is the committed import.
     let import: serde_json::Value = fixture_json("smollm2-import.json");
     let weights = import["files"]["model.safetensors"].as_str().unwrap();
@@ -81,13 +85,19 @@ fn the_test_model_is_the_one_the_references_were_made_on() {
     );
 }
 
+/// The fixtures `scripts/make_references.py` made with mlx_lm on the test model.
+const MADE_ON_THE_TEST_MODEL: [&str; 3] = [
+    "smollm2-greedy.json",
+    "smollm2-speculative.json",
+    "smollm2-bounded.json",
+];
+
 #[test]
 fn every_json_fixture_says_how_to_remake_it() {
-    for name in [
-        "smollm2-greedy.json",
+    for name in MADE_ON_THE_TEST_MODEL.into_iter().chain([
         "smollm2-import.json",
         "mlx-community/SmolLM2-135M-Instruct-4bit/weights-sample.json",
-    ] {
+    ]) {
         let text = std::fs::read_to_string(perch_test_support::fixture(name)).unwrap();
         assert!(
             text.trim_start().starts_with("{\n \"regenerate\": \""),
