@@ -15,7 +15,7 @@
 //! collectives under their own watchdog.
 
 use std::ffi::CString;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use mlx_rs::{Array, Dtype, Stream};
@@ -73,6 +73,9 @@ pub struct Group {
 // SAFETY: the handle is a reference-counted MLX group that any thread may use; Perch uses a group
 // from one thread at a time (the engine thread's).
 unsafe impl Send for Group {}
+// SAFETY: a group's handle does not change after `init` (its rank and size are read once); the
+// collectives it makes are lazy operations, issued by the one thread that steps the model.
+unsafe impl Sync for Group {}
 
 impl Drop for Group {
     fn drop(&mut self) {
@@ -153,6 +156,49 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
         rank: rank as usize,
         size: size as usize,
     })
+}
+
+/// The ranks of a tensor-parallel group (Shoeybi et al. 2019, "Megatron-LM"; mlx_lm's `shard`):
+/// every rank holds a part of each layer's heads and feed-forward features
+/// ([`crate::models::Model::shard`]), runs the same steps on the same tokens, and adds the ranks'
+/// partial outputs of each attention and feed-forward part together ([`TensorParallel::all_sum`]).
+/// Cloned by every model copy (one group).
+#[derive(Clone, Debug)]
+pub struct TensorParallel {
+    group: Arc<Group>,
+}
+
+impl TensorParallel {
+    pub fn new(group: Group) -> Self {
+        Self {
+            group: Arc::new(group),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.group.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.group.size
+    }
+
+    /// The ranks' partial outputs added up, on every rank. Lazy.
+    pub fn all_sum(&self, x: &Array) -> Result<Array> {
+        self.group.all_sum(x)
+    }
+
+    /// Each rank's share of `n` `what` (`"query heads"`): `n / size`, or an error saying why
+    /// `n` cannot be divided.
+    pub fn part(&self, what: &str, n: i32) -> Result<i32> {
+        let size = self.size() as i32;
+        match n % size {
+            0 => Ok(n / size),
+            _ => Err(EngineError::Distributed(format!(
+                "{n} {what} cannot be divided over {size} ranks"
+            ))),
+        }
+    }
 }
 
 /// A group handle passed from the thread that made it.

@@ -4,19 +4,30 @@
 //! the survivor's next collective an error within seconds, and a rank whose peer never starts
 //! gets an error at its deadline — never a hang.
 //!
+//! Tensor parallelism: two ranks, each holding half of every tiny model's heads and MLP features
+//! (`Model::shard`), compute mlx_lm's logits and greedy ids on the tiny models of
+//! `tests/oracle/tiny_models.py`; an architecture Perch does not shard yet is refused with a
+//! sentence on every rank.
+//!
 //! Each rank is this test binary run again on the ignored `rank` test, which does what
 //! `PERCH_TEST_RANK_TASK` says and prints one JSON line of results.
 
+mod common;
+
 use std::io::Read;
 use std::net::TcpListener;
-use std::path::Path;
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mlx_rs::Array;
-use perch_engine::distributed::{self, Backend};
+use perch_engine::distributed::{self, Backend, Group, TensorParallel};
+use perch_engine::{generate, models, GenerateRequest, Tokenizer};
 
 const TASK_ENV: &str = "PERCH_TEST_RANK_TASK";
+/// The tensor-parallel task's models: a folder of `tiny_models.py` cases.
+const MODELS_ENV: &str = "PERCH_TEST_TP_MODELS";
 
 /// A rank: runs only as a child of the tests below (ignored, so it is not a test of its own).
 #[test]
@@ -33,6 +44,11 @@ fn rank() {
             return;
         }
     };
+    if task == "tensor_parallel" {
+        let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        println!("{}", tensor_parallel(group, &models));
+        return;
+    }
     let rank = group.rank();
     // Rank r contributes [r + 1, 10 (r + 1), 100 (r + 1)].
     let r = (rank + 1) as f32;
@@ -68,6 +84,92 @@ fn rank() {
     println!("{result}");
 }
 
+#[derive(serde::Deserialize)]
+struct Expected {
+    prompt_ids: Vec<u32>,
+    logits: Vec<f32>,
+    greedy_ids: Vec<u32>,
+}
+
+fn largest(values: &mut dyn Iterator<Item = f32>) -> f32 {
+    values.fold(0.0f32, f32::max)
+}
+
+/// `model`'s logits over `prompt`, every position, float32, flattened.
+fn prompt_logits(model: &dyn models::Model, prompt: &[u32]) -> Vec<f32> {
+    let mut cache = model.make_cache(None);
+    model
+        .forward_sequence(
+            &Array::from_slice(prompt, &[1, prompt.len() as i32]),
+            &mut cache,
+        )
+        .unwrap()
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap()
+        .as_slice::<f32>()
+        .to_vec()
+}
+
+/// This rank's part of every model in `models` (one folder a case): the largest difference of
+/// its prompt's logits from mlx_lm's (and the largest logit), the same with projections fused at
+/// load, and greedy ids through `generate`; or the shard's error.
+fn tensor_parallel(group: Group, models: &Path) -> serde_json::Value {
+    let tp = TensorParallel::new(group);
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(models)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    cases.sort();
+    let mut results = serde_json::Map::new();
+    for dir in cases {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        let expected: Expected =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
+                .unwrap();
+        let mut model = models::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+        if let Err(e) = model.shard(&tp) {
+            results.insert(name, serde_json::json!({ "error": e.to_string() }));
+            continue;
+        }
+        let difference = |model: &dyn models::Model| -> f32 {
+            let ours = prompt_logits(model, &expected.prompt_ids);
+            assert_eq!(ours.len(), expected.logits.len(), "{name}: logits");
+            largest(
+                &mut ours
+                    .iter()
+                    .zip(&expected.logits)
+                    .map(|(a, b)| (a - b).abs()),
+            )
+        };
+        let scale = largest(&mut expected.logits.iter().map(|v| v.abs()));
+        let tokenizer = Tokenizer::load(&dir).unwrap();
+        let mut request = GenerateRequest::new(expected.prompt_ids.clone());
+        request.max_tokens = expected.greedy_ids.len();
+        request.ignore_eos = true;
+        let greedy = generate(model.as_ref(), &tokenizer, &request, |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        // Projections fused at load (as on GPUs), each fused layer divided part by part.
+        std::env::set_var("PERCH_FUSED_PROJECTIONS", "1");
+        let fused = models::load(&dir);
+        std::env::remove_var("PERCH_FUSED_PROJECTIONS");
+        let mut fused = fused.unwrap_or_else(|e| panic!("{name}: {e}"));
+        fused
+            .shard(&tp)
+            .unwrap_or_else(|e| panic!("{name}, fused: {e}"));
+        let case = serde_json::json!({
+                "difference": difference(model.as_ref()),
+                "fused_difference": difference(fused.as_ref()),
+                "scale": scale,
+                "greedy_ids": greedy.token_ids,
+                "expected_ids": expected.greedy_ids,
+        });
+        results.insert(name, case);
+    }
+    serde_json::json!({ "rank": tp.rank(), "cases": results })
+}
+
 /// Two free ports on 127.0.0.1 (bound and released: a port is free again at once).
 fn free_ports(n: usize) -> Vec<u16> {
     let listeners: Vec<TcpListener> = (0..n)
@@ -80,6 +182,10 @@ fn free_ports(n: usize) -> Vec<u16> {
 }
 
 fn spawn_rank(rank: usize, hostfile: &Path, task: &str) -> Child {
+    spawn_rank_with(rank, hostfile, task, &[])
+}
+
+fn spawn_rank_with(rank: usize, hostfile: &Path, task: &str, env: &[(&str, &Path)]) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -91,6 +197,7 @@ fn spawn_rank(rank: usize, hostfile: &Path, task: &str) -> Child {
         .env(TASK_ENV, task)
         .env("MLX_RANK", rank.to_string())
         .env("MLX_HOSTFILE", hostfile)
+        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -230,4 +337,82 @@ fn a_rank_with_a_missing_hostfile_gets_an_error() {
         error.contains("could not start its ring backend"),
         "{error}"
     );
+}
+
+/// Cases of every family Perch shards: dense float32 (Llama 3 RoPE), stored fused projections
+/// (Phi-3), 4-bit with query, key and value biases (Qwen2), per-head query and key norms (Qwen3),
+/// experts (Qwen3-MoE, a dense first layer; gpt-oss: biases everywhere, attention sinks, sliding
+/// layers), Gated DeltaNet layers beside gated attention (Qwen3.5, dense and with experts and a
+/// shared expert); and those it refuses, each with its reason.
+const SHARDED: [&str; 8] = [
+    "gpt_oss",
+    "llama3-rope",
+    "phi3",
+    "qwen2-4bit",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_moe",
+];
+const REFUSED: [(&str, &str); 3] = [
+    ("olmo2", "norms over all heads"),
+    // Experts of 32 features at 4 bits in groups of 32: 16 a rank.
+    ("qwen3_moe-4bit", "not whole groups of 32"),
+    ("gemma4_text-moe-4bit", "MLP beside experts"),
+];
+
+#[test]
+fn two_ranks_tensor_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("models");
+    let cases: Vec<&str> = SHARDED
+        .iter()
+        .copied()
+        .chain(REFUSED.iter().map(|(name, _)| *name))
+        .collect();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
+    let status = Command::new(common::oracle_python())
+        .arg(&script)
+        .arg(&models)
+        .arg(common::model_dir())
+        .arg(cases.join(","))
+        .status()
+        .expect("run the mlx_lm oracle");
+    assert!(status.success(), "tiny_models.py failed");
+    let hosts = hostfile(dir.path(), 2);
+    let children: Vec<Child> = (0..2)
+        .map(|r| spawn_rank_with(r, &hosts, "tensor_parallel", &[(MODELS_ENV, &models)]))
+        .collect();
+    let results: Vec<_> = children
+        .into_iter()
+        .map(|c| result(c, Duration::from_secs(300)))
+        .collect();
+    for (r, result) in results.iter().enumerate() {
+        assert_eq!(result["rank"], r, "{result}");
+        for name in SHARDED {
+            let case = &result["cases"][name];
+            assert!(case["error"].is_null(), "rank {r}, {name}: {case}");
+            let scale = case["scale"].as_f64().unwrap();
+            assert!(scale > 0.1, "{name}: degenerate logits");
+            for key in ["difference", "fused_difference"] {
+                let difference = case[key].as_f64().unwrap();
+                // As architecture_parity's one process: float32 rounding of other summation
+                // orders.
+                assert!(
+                    difference <= 1e-4 * scale.max(1.0),
+                    "rank {r}, {name}: logits differ from mlx_lm by {difference} ({key}; max \
+                     |logit| {scale})"
+                );
+            }
+            assert_eq!(case["greedy_ids"], case["expected_ids"], "rank {r}, {name}");
+        }
+        for (name, why) in REFUSED {
+            let error = result["cases"][name]["error"].as_str();
+            assert!(
+                error.is_some_and(|e| e.contains(why)),
+                "rank {r}, {name}: {}",
+                result["cases"][name]
+            );
+        }
+    }
 }

@@ -7,7 +7,8 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::attention::AttentionSpec;
 use crate::attention::KvQuantization;
-use crate::error::Result;
+use crate::distributed::TensorParallel;
+use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::{LayerCaches, Positions};
 use crate::models::gated_delta::{GatedDeltaConfig, GatedDeltaNet};
@@ -15,7 +16,7 @@ use crate::models::moe::{MlpAndExperts, MoeConfig, MoeStyle, SparseMoe};
 use crate::models::vision::VisionTower;
 use crate::models::{within, Model, ModelInfo, Output, Spliced};
 use crate::nn::layers::{
-    gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope,
+    gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope, Shard,
 };
 use crate::nn::mlx_ext::slice;
 use crate::nn::rope_kernel;
@@ -773,6 +774,65 @@ impl Attention {
         Ok(Some((out.queries, out.keys, out.values, out.gates)))
     }
 
+    /// Rank `tp.rank()`'s part: its share of the query and key-value heads (the query, key and
+    /// value projections by outputs, a fused one by each of its three parts; the attention
+    /// sinks of its query heads) and the output projection by inputs, whose output is then a
+    /// partial sum ([`Linear::shard_to_all`]). Query and key norms per head stay whole; norms
+    /// over all heads together are refused (they would need every rank's heads).
+    fn shard(&self, tp: &TensorParallel) -> Result<Self> {
+        if self.qk_norm_across_heads {
+            return Err(EngineError::Distributed(
+                "query and key norms over all heads together (OLMo 2) are not divided over \
+                 ranks yet"
+                    .into(),
+            ));
+        }
+        let (rank, size) = (tp.rank(), tp.size());
+        let num_heads = tp.part("query heads", self.num_heads)?;
+        let num_kv_heads = tp.part("key-value heads", self.num_kv_heads)?;
+        let out = |proj: &Linear| proj.shard(Shard::Outputs, rank, size);
+        let qkv = match &self.qkv {
+            Qkv::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            } => Qkv::Separate {
+                q_proj: out(q_proj)?,
+                k_proj: out(k_proj)?,
+                v_proj: out(v_proj)?,
+            },
+            Qkv::Fused(proj) => {
+                let gate = if self.output_gate { 2 } else { 1 };
+                let queries = self.num_heads * gate * self.head_dim;
+                let kv = self.num_kv_heads * self.head_dim;
+                Qkv::Fused(proj.shard_segments(Shard::Outputs, &[queries, kv, kv], rank, size)?)
+            }
+            Qkv::KeysAsValues { q_proj, k_proj } => Qkv::KeysAsValues {
+                q_proj: out(q_proj)?,
+                k_proj: out(k_proj)?,
+            },
+            Qkv::QueriesOnly(q_proj) => Qkv::QueriesOnly(out(q_proj)?),
+        };
+        let sinks = match &self.sinks {
+            Some(sinks) => {
+                let from = rank as i32 * num_heads;
+                let part = slice(sinks, &[from], &[from + num_heads])?;
+                let part = ops::multiply(&part, &Array::from_int(1).as_dtype(part.dtype())?)?;
+                part.eval()?;
+                Some(part)
+            }
+            None => None,
+        };
+        Ok(Self {
+            qkv,
+            o_proj: self.o_proj.shard_to_all(rank, size)?,
+            num_heads,
+            num_kv_heads,
+            sinks,
+            ..self.clone()
+        })
+    }
+
     /// The output projection of attention's output `[batch, seq, heads * head_dim]`, gated
     /// first when the attention has a gate.
     fn output(&self, out: &Array, gate: Option<Array>) -> Result<Array> {
@@ -869,6 +929,18 @@ impl FeedForward {
             FeedForward::Dense(mlp) => mlp.forward(x),
             FeedForward::Sparse(moe) => moe.forward(x),
             FeedForward::MlpAndExperts(both) => both.forward(x, unnormed),
+        }
+    }
+
+    /// Rank `tp.rank()`'s part (see [`Mlp::shard`], [`SparseMoe::shard`]).
+    fn shard(&self, tp: &TensorParallel) -> Result<Self> {
+        match self {
+            FeedForward::Dense(mlp) => Ok(FeedForward::Dense(mlp.shard(tp.rank(), tp.size())?)),
+            FeedForward::Sparse(moe) => Ok(FeedForward::Sparse(Box::new(moe.shard(tp)?))),
+            // Its MLP's and its experts' outputs are each normed before they add up.
+            FeedForward::MlpAndExperts(_) => Err(EngineError::Distributed(
+                "Gemma 4's MLP beside experts is not divided over ranks yet".into(),
+            )),
         }
     }
 
@@ -1009,6 +1081,9 @@ pub struct Decoder {
     per_layer: Option<PerLayerEmbedding>,
     final_logit_softcap: Option<f32>,
     info: ModelInfo,
+    /// The group whose ranks each hold a part of every block ([`Model::shard`]); `None`: all of
+    /// it is here.
+    tensor_parallel: Option<TensorParallel>,
     /// A vision-language checkpoint's vision tower (or why it was not loaded).
     vision: Option<std::result::Result<VisionTower, String>>,
 }
@@ -1263,6 +1338,7 @@ impl Decoder {
             per_layer,
             final_logit_softcap: c.style.final_logit_softcap,
             info,
+            tensor_parallel: None,
             vision: None,
         })
     }
@@ -1346,19 +1422,19 @@ impl Decoder {
                 }
                 (None, None) => h.clone(),
             };
-            let r = mix(layer, &x, rope)?;
+            let r = self.ranks_sum(mix(layer, &x, rope)?)?;
             h = match &layer.sandwich {
                 None => {
                     let (h2, x) = layer.post_attention_layernorm.add_forward(&h, &r)?;
-                    pending = Some(layer.mlp.forward(&x, &h2)?);
+                    pending = Some(self.ranks_sum(layer.mlp.forward(&x, &h2)?)?);
                     h2
                 }
                 Some(norms) => {
                     let h2 = self.residual(&h, &layer.post_attention_layernorm.forward(&r)?)?;
-                    let r = match &norms.pre_feedforward_layernorm {
+                    let r = self.ranks_sum(match &norms.pre_feedforward_layernorm {
                         Some(norm) => layer.mlp.forward(&norm.forward(&h2)?, &h2)?,
                         None => layer.mlp.forward(&h2, &h2)?,
-                    };
+                    })?;
                     self.residual(&h2, &norms.post_feedforward_layernorm.forward(&r)?)?
                 }
             };
@@ -1379,6 +1455,15 @@ impl Decoder {
             h = ops::add(&h, &r)?;
         }
         Ok(h)
+    }
+
+    /// A block part's output `[batch, seq, hidden]`: under tensor parallelism this rank's
+    /// partial sum, added up over the ranks; otherwise as it is.
+    fn ranks_sum(&self, part: Array) -> Result<Array> {
+        match &self.tensor_parallel {
+            Some(tp) => tp.all_sum(&part),
+            None => Ok(part),
+        }
     }
 
     /// Final norm and output projection: hidden states → logits `[.., vocab]`.
@@ -1510,6 +1595,41 @@ impl Model for Decoder {
             Output::Logits => Ok(Some(self.head(&h)?)),
             Output::CacheOnly => Ok(None),
         }
+    }
+
+    fn shard(&mut self, tp: &TensorParallel) -> Result<()> {
+        if self.tensor_parallel.is_some() {
+            return Err(EngineError::Distributed(
+                "this model is divided over ranks already".into(),
+            ));
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        for (i, block) in self.layers.iter().enumerate() {
+            let at_layer = |e: EngineError| match e {
+                EngineError::Distributed(why) => {
+                    EngineError::Distributed(format!("layer {i}: {why}"))
+                }
+                other => other,
+            };
+            let mixer = match &block.mixer {
+                Mixer::Attention(attention) => {
+                    Mixer::Attention(attention.shard(tp).map_err(at_layer)?)
+                }
+                Mixer::Linear(net) => Mixer::Linear(net.shard(tp).map_err(at_layer)?),
+            };
+            layers.push(Block {
+                mixer,
+                mlp: block.mlp.shard(tp).map_err(at_layer)?,
+                ..block.clone()
+            });
+        }
+        let n = tp.size();
+        self.layers = layers;
+        self.info.num_heads /= n;
+        self.info.num_kv_heads /= n;
+        self.info.mlp_width /= n;
+        self.tensor_parallel = Some(tp.clone());
+        Ok(())
     }
 
     fn clone_for_compile(&self) -> Box<dyn Model> {

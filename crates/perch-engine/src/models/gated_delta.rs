@@ -21,12 +21,13 @@ use mlx_rs::{fast, nn, ops, Array, Dtype};
 
 use crate::attention::gated_delta_kernel;
 use crate::device::Backend;
-use crate::error::Result;
+use crate::distributed::TensorParallel;
+use crate::error::{EngineError, Result};
 use crate::kv::cache::RecurrentState;
 use crate::kv::slot_cache::{RealTokens, StateReplay};
 use crate::kv::LayerCaches;
 use crate::models::within;
-use crate::nn::layers::{Linear, Quantization};
+use crate::nn::layers::{Linear, Quantization, Shard, ShardParts};
 use crate::nn::mlx_ext::slice;
 use crate::nn::norm_kernel;
 use crate::nn::weights::Weights;
@@ -725,6 +726,58 @@ impl GatedDeltaNet {
 
     pub fn config(&self) -> &GatedDeltaConfig {
         &self.core.c
+    }
+
+    /// Rank `tp.rank()`'s part (mlx_lm's Qwen3.5 `shard`): its share of the key and value heads,
+    /// so of the query, key and value projection and convolution channels (each of the three
+    /// parts divided), of the output gate, `b`, `a` and the decay rates; the output projection
+    /// by inputs ([`Linear::shard_to_all`]), whose output is then a partial sum. Each rank's
+    /// value heads read its own key heads, as they do whole (value head `j` reads key head `j /
+    /// (value heads / key heads)`). The recurrent states it keeps are its heads'.
+    pub fn shard(&self, tp: &TensorParallel) -> Result<Self> {
+        let (rank, size) = (tp.rank(), tp.size());
+        let whole = &self.core.c;
+        let c = GatedDeltaConfig {
+            num_key_heads: tp.part("linear-attention key heads", whole.num_key_heads)?,
+            num_value_heads: tp.part("linear-attention value heads", whole.num_value_heads)?,
+            ..whole.clone()
+        };
+        let (key_dim, value_dim, hv) = (whole.key_dim(), whole.value_dim(), whole.num_value_heads);
+        let channels = [key_dim, key_dim, value_dim];
+        let out = |proj: &Linear, segments: &[i32]| {
+            proj.shard_segments(Shard::Outputs, segments, rank, size)
+        };
+        let in_proj = match &self.in_proj {
+            InputProjections::Separate([qkv, z, b, a]) => InputProjections::Separate([
+                out(qkv, &channels)?,
+                out(z, &[value_dim])?,
+                out(b, &[hv])?,
+                out(a, &[hv])?,
+            ]),
+            InputProjections::Fused { proj, widths } => InputProjections::Fused {
+                proj: out(proj, &[key_dim, key_dim, value_dim, value_dim, hv, hv])?,
+                widths: widths.map(|w| w / size as i32),
+            },
+        };
+        let part = |a: &Array, segments: &[i32]| -> Result<Array> {
+            let divided = segments.iter().sum();
+            ShardParts::new(segments, divided, rank, size)
+                .map_err(EngineError::Distributed)?
+                .take(a, 0, (1, 1))
+        };
+        Ok(Self {
+            in_proj,
+            core: Core {
+                conv1d: part(&self.core.conv1d, &channels)?,
+                dt_bias: part(&self.core.dt_bias, &[hv])?,
+                neg_decay_rate: part(&self.core.neg_decay_rate, &[hv])?,
+                c,
+                ..self.core.clone()
+            },
+            norm_weight: self.norm_weight.clone(),
+            norm_eps: self.norm_eps,
+            out_proj: self.out_proj.shard_to_all(rank, size)?,
+        })
     }
 
     /// Runs each token's recurrence step through MLX's compiler (fused into a few kernels, as

@@ -28,6 +28,7 @@ use serde_json::Value;
 
 use crate::attention::KvQuantization;
 use crate::device::Backend;
+use crate::distributed::TensorParallel;
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::slot_cache::SlotKvCache;
@@ -131,6 +132,18 @@ pub trait Model: Send {
     /// what a compiled step owns.
     fn clone_for_compile(&self) -> Box<dyn Model>;
     fn info(&self) -> &ModelInfo;
+    /// Keeps only rank `tp.rank()`'s part of every block of a tensor-parallel group
+    /// ([`TensorParallel`]): its share of the attention heads (and so of the KV caches, which
+    /// [`Model::make_cache`] then shapes) and of the feed-forward features. Every rank runs the
+    /// same passes on the same tokens and gets the whole model's logits. Embeddings, norms and
+    /// the LM head stay whole. Errors, leaving the model as it was, for layers not divided yet
+    /// and for heads or features that do not divide by the ranks.
+    fn shard(&mut self, _tp: &TensorParallel) -> Result<()> {
+        Err(EngineError::Distributed(format!(
+            "`{}` models are not divided over ranks",
+            self.info().model_type
+        )))
+    }
     /// Whether some layers keep a recurrent state instead of keys and values (linear
     /// attention: [`KvCache::recurrent`]); their prefix cache keeps states at block boundaries
     /// (`crate::kv::block_store`).

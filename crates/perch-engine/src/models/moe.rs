@@ -19,9 +19,12 @@
 
 use mlx_rs::{ops, Array};
 
-use crate::error::Result;
+use crate::distributed::TensorParallel;
+use crate::error::{EngineError, Result};
 use crate::nn::expert_kernel;
-use crate::nn::layers::{Activation, Linear, Mlp, QuantParams, Quantization, RmsNorm};
+use crate::nn::layers::{
+    Activation, Linear, Mlp, QuantParams, Quantization, RmsNorm, Shard, ShardParts,
+};
 use crate::nn::mlx_ext::top_k;
 use crate::nn::weights::Weights;
 
@@ -316,6 +319,68 @@ impl SwitchLinear {
 }
 
 impl SwitchLinear {
+    /// Every expert's part for rank `rank` of `size` (see [`Shard`]): the rows of its weight and
+    /// bias (`Outputs`, in `segments` side by side: a fused gate and up), or its input features
+    /// (`Inputs`, in whole quantization groups), its bias then on rank 0 alone so that the ranks'
+    /// sum holds it once. Copied and evaluated, as [`Linear::shard`].
+    fn shard(
+        &self,
+        shard: Shard,
+        segments: Option<&[i32]>,
+        rank: usize,
+        size: usize,
+    ) -> Result<Self> {
+        let (experts, outputs, inputs) = match &self.weight {
+            SwitchWeight::Dense(w) => (w.shape()[0], w.shape()[1], w.shape()[2]),
+            SwitchWeight::Quantized { scales, params, .. } => {
+                let s = scales.shape();
+                (s[0], s[1], s[2] * params.group_size)
+            }
+        };
+        let (axis, divided) = match shard {
+            Shard::Outputs => (1, outputs),
+            Shard::Inputs => (2, inputs),
+        };
+        let fail = |why: String| {
+            EngineError::Distributed(format!(
+                "{experts} experts of {inputs} inputs and {outputs} outputs cannot be divided by \
+                 their {} over {size} ranks: {why}",
+                match shard {
+                    Shard::Outputs => "outputs",
+                    Shard::Inputs => "inputs",
+                }
+            ))
+        };
+        let parts =
+            ShardParts::new(segments.unwrap_or(&[divided]), divided, rank, size).map_err(fail)?;
+        let weight = match &self.weight {
+            SwitchWeight::Dense(w) => SwitchWeight::Dense(parts.take(w, axis, (1, 1))?),
+            SwitchWeight::Quantized {
+                weight,
+                scales,
+                biases,
+                params,
+            } => {
+                let (words, groups) = parts.quantized_units(shard, *params).map_err(fail)?;
+                SwitchWeight::Quantized {
+                    weight: parts.take(weight, axis, words)?,
+                    scales: parts.take(scales, axis, groups)?,
+                    biases: biases
+                        .as_ref()
+                        .map(|b| parts.take(b, axis, groups))
+                        .transpose()?,
+                    params: *params,
+                }
+            }
+        };
+        let bias = match (shard, &self.bias) {
+            (Shard::Outputs, Some(bias)) => Some(parts.take(bias, 1, (1, 1))?),
+            (Shard::Inputs, Some(bias)) if rank == 0 => Some(bias.clone()),
+            _ => None,
+        };
+        Ok(Self { weight, bias })
+    }
+
     /// One projection computing `gate`'s and `up`'s outputs side by side (`[..., 2 * out]`),
     /// their weights (scales, quantization biases, biases) stacked along the output axis, when
     /// both are dense in one dtype or quantized with the same parameters, each with a bias or
@@ -434,6 +499,30 @@ impl SwitchGlu {
             kernel,
             fused: kernel && Self::epilogues_in_kernels(),
             shared_pieces: 0,
+        })
+    }
+
+    /// Rank `rank`'s part of `size`: every expert's intermediate features divided (mlx_lm's
+    /// `SwitchGLU` sharding), the gate and up projections by outputs, the down projection by
+    /// inputs; its output is a partial sum of the experts' whole output.
+    fn shard(&self, rank: usize, size: usize) -> Result<Self> {
+        let gate_up = match &self.gate_up {
+            GateUp::Separate { gate, up } => GateUp::Separate {
+                gate: gate.shard(Shard::Outputs, None, rank, size)?,
+                up: up.shard(Shard::Outputs, None, rank, size)?,
+            },
+            GateUp::Fused(both) => {
+                let half = match &both.weight {
+                    SwitchWeight::Dense(w) => w.shape()[1] / 2,
+                    SwitchWeight::Quantized { scales, .. } => scales.shape()[1] / 2,
+                };
+                GateUp::Fused(both.shard(Shard::Outputs, Some(&[half, half]), rank, size)?)
+            }
+        };
+        Ok(Self {
+            gate_up,
+            down_proj: self.down_proj.shard(Shard::Inputs, None, rank, size)?,
+            ..self.clone()
         })
     }
 
@@ -807,6 +896,26 @@ impl SparseMoe {
             }
             None => Ok(y),
         }
+    }
+}
+
+impl SparseMoe {
+    /// Rank `tp.rank()`'s part: every expert's features and the shared expert's divided
+    /// ([`SwitchGlu::shard`], [`Mlp::shard`]), the router and the shared expert's gate whole;
+    /// its output is a partial sum of the block's.
+    pub fn shard(&self, tp: &TensorParallel) -> Result<Self> {
+        let (rank, size) = (tp.rank(), tp.size());
+        Ok(Self {
+            switch_mlp: self.switch_mlp.shard(rank, size)?,
+            shared: match &self.shared {
+                Some(shared) => Some(SharedExpert {
+                    mlp: shared.mlp.shard(rank, size)?,
+                    gate: shared.gate.clone(),
+                }),
+                None => None,
+            },
+            ..self.clone()
+        })
     }
 }
 

@@ -456,6 +456,98 @@ pub enum Shard {
     Inputs,
 }
 
+/// Entries of an array per feature of its divided axis, `(numerator, denominator)` (a quantized
+/// weight's packed words: `(bits, 32)`).
+pub(crate) type Units = (i32, i32);
+
+/// One rank's parts of an array's divided axis, whose features are `segments` side by side
+/// (one segment, or a fused projection's: queries, keys and values; gate and up): the `r`th of
+/// `size` equal runs of every segment, as `(first feature, features)`.
+pub(crate) struct ShardParts {
+    parts: Vec<(i32, i32)>,
+}
+
+impl ShardParts {
+    /// Rank `rank`'s parts of `segments`, which must add up to the axis' `divided` features, each
+    /// a multiple of `size`; why not otherwise.
+    pub(crate) fn new(
+        segments: &[i32],
+        divided: i32,
+        rank: usize,
+        size: usize,
+    ) -> std::result::Result<Self, String> {
+        if size == 0 || rank >= size {
+            return Err(format!("rank {rank} is not one of them"));
+        }
+        if segments.iter().sum::<i32>() != divided || segments.iter().any(|&s| s <= 0) {
+            return Err(format!(
+                "its parts {segments:?} are not its {divided} features"
+            ));
+        }
+        let n = size as i32;
+        if let Some(s) = segments.iter().find(|&&s| s % n != 0) {
+            return Err(format!("{s} is not a multiple of {size}"));
+        }
+        let r = rank as i32;
+        let mut at = 0;
+        let parts = segments
+            .iter()
+            .map(|&s| {
+                let part = (at + r * s / n, s / n);
+                at += s;
+                part
+            })
+            .collect();
+        Ok(Self { parts })
+    }
+
+    /// The units of a quantized weight's packed words and of its scales (and quantization
+    /// biases) per feature of the divided axis, as `(numerator, denominator)`: one each for
+    /// outputs (rows); `bits / 32` and `1 / group_size` for inputs, whose parts must then hold
+    /// whole groups (why not, otherwise).
+    pub(crate) fn quantized_units(
+        &self,
+        shard: Shard,
+        params: QuantParams,
+    ) -> std::result::Result<(Units, Units), String> {
+        let group = params.group_size;
+        match shard {
+            Shard::Outputs => Ok(((1, 1), (1, 1))),
+            Shard::Inputs => match self.parts.iter().find(|&&(_, len)| len % group != 0) {
+                None => Ok(((params.bits, 32), (1, group))),
+                Some(&(_, len)) => Err(format!(
+                    "a rank's {len} inputs are not whole groups of {group}"
+                )),
+            },
+        }
+    }
+
+    /// The parts of `a` along `axis`, `units` entries of `a` a feature (`(numerator,
+    /// denominator)`), side by side in a buffer of their own, evaluated: a slice is a view of the
+    /// whole array's buffer (and MLX's `copy` and `contiguous` may share it, as its one-array
+    /// `concatenate` returns its input), while an elementwise product reading a view writes a new
+    /// buffer; times one is exact in every dtype.
+    pub(crate) fn take(&self, a: &Array, axis: usize, (num, den): Units) -> Result<Array> {
+        let pieces = self
+            .parts
+            .iter()
+            .map(|&(first, len)| {
+                let mut start = vec![0; a.ndim()];
+                let mut stop = a.shape().to_vec();
+                start[axis] = first * num / den;
+                stop[axis] = (first + len) * num / den;
+                Ok(slice(a, &start, &stop)?)
+            })
+            .collect::<Result<Vec<Array>>>()?;
+        let copy = match pieces.as_slice() {
+            [one] => ops::multiply(one, &Array::from_int(1).as_dtype(a.dtype())?)?,
+            more => ops::concatenate(more, axis as i32)?,
+        };
+        copy.eval()?;
+        Ok(copy)
+    }
+}
+
 /// A linear layer `y = x W^T (+ b)` with `W` `[out, in]`, dense or quantized.
 #[derive(Clone)]
 pub enum Linear {
@@ -544,6 +636,25 @@ impl Linear {
             Shard::Outputs => outputs,
             Shard::Inputs => inputs,
         };
+        self.shard_segments(shard, &[divided], rank, size)
+    }
+
+    /// [`Linear::shard`] of a layer whose divided features are `segments` side by side (a fused
+    /// projection: queries, keys and values; gate and up): rank `r` takes the `r`th part of
+    /// every segment, its parts side by side in the segments' order (mlx_lm's `segments`).
+    /// Errors when the segments do not add up to the divided features or one does not divide.
+    pub fn shard_segments(
+        &self,
+        shard: Shard,
+        segments: &[i32],
+        rank: usize,
+        size: usize,
+    ) -> Result<Linear> {
+        let (inputs, outputs) = self.features();
+        let divided = match shard {
+            Shard::Outputs => outputs,
+            Shard::Inputs => inputs,
+        };
         let fail = |why: String| {
             Err(EngineError::Distributed(format!(
                 "a layer of {inputs} inputs and {outputs} outputs cannot be divided by its \
@@ -554,31 +665,13 @@ impl Linear {
                 }
             )))
         };
-        if size == 0 || rank >= size {
-            return fail(format!("rank {rank} is not one of them"));
-        }
-        let n = size as i32;
-        if divided % n != 0 {
-            return fail(format!("{divided} is not a multiple of {size}"));
-        }
-        let part = divided / n;
-        let r = rank as i32;
-        // Rank r's part of `a` along `axis`, of `per_rank` entries, in a buffer of its own: a
-        // slice is a view of the whole array's buffer (and MLX's `copy` and `contiguous` may
-        // share it, as its one-array `concatenate` returns its input), while an elementwise
-        // product reading a view writes a new buffer; times one is exact in every dtype.
-        let take = |a: &Array, axis: usize, per_rank: i32| -> Result<Array> {
-            let mut start = vec![0; a.ndim()];
-            let mut stop = a.shape().to_vec();
-            start[axis] = r * per_rank;
-            stop[axis] = (r + 1) * per_rank;
-            let one = Array::from_int(1).as_dtype(a.dtype())?;
-            let copy = ops::multiply(&slice(a, &start, &stop)?, &one)?;
-            copy.eval()?;
-            Ok(copy)
+        let parts = match ShardParts::new(segments, divided, rank, size) {
+            Ok(parts) => parts,
+            Err(why) => return fail(why),
         };
+        let take = |a: &Array, axis: usize, units: Units| parts.take(a, axis, units);
         let bias = match (shard, self.bias()) {
-            (Shard::Outputs, Some(bias)) => Some(take(bias, 0, part)?),
+            (Shard::Outputs, Some(bias)) => Some(take(bias, 0, (1, 1))?),
             _ => None,
         };
         let axis = match shard {
@@ -587,19 +680,13 @@ impl Linear {
         };
         Ok(match self {
             Linear::Dense { weight, .. } => Linear::Dense {
-                weight: DenseWeight::new(take(weight.weight(), axis, part)?)?,
+                weight: DenseWeight::new(take(weight.weight(), axis, (1, 1))?)?,
                 bias,
             },
             Linear::Quantized { weight: q, .. } => {
-                let group = q.params.group_size;
-                let (words, groups) = match shard {
-                    Shard::Outputs => (part, part),
-                    Shard::Inputs if part % group == 0 => (part * q.params.bits / 32, part / group),
-                    Shard::Inputs => {
-                        return fail(format!(
-                            "a rank's {part} inputs are not whole groups of {group}"
-                        ))
-                    }
+                let (words, groups) = match parts.quantized_units(shard, q.params) {
+                    Ok(units) => units,
+                    Err(why) => return fail(why),
                 };
                 Linear::Quantized {
                     weight: QuantizedWeight {
@@ -616,6 +703,24 @@ impl Linear {
                     bias,
                 }
             }
+        })
+    }
+
+    /// Rank `rank`'s part by inputs ("sharded-to-all": the ranks' outputs are partial sums to
+    /// add up), its bias on rank 0 alone, so that the sum holds it once (added before the sum
+    /// rather than after it: the same sum, rounded in another order).
+    pub fn shard_to_all(&self, rank: usize, size: usize) -> Result<Linear> {
+        let part = self.shard(Shard::Inputs, rank, size)?;
+        Ok(match (part, self.bias().filter(|_| rank == 0)) {
+            (part, None) => part,
+            (Linear::Dense { weight, .. }, Some(bias)) => Linear::Dense {
+                weight,
+                bias: Some(bias.clone()),
+            },
+            (Linear::Quantized { weight, .. }, Some(bias)) => Linear::Quantized {
+                weight,
+                bias: Some(bias.clone()),
+            },
         })
     }
 
@@ -1516,6 +1621,27 @@ impl Mlp {
         self.down_proj.use_mlx_kernels();
     }
 
+    /// Rank `rank`'s part of `size` (Megatron-LM's MLP): the gate and up projections by
+    /// outputs, the down projection by inputs ([`Linear::shard_to_all`]); its output is a
+    /// partial sum of the whole block's.
+    pub fn shard(&self, rank: usize, size: usize) -> Result<Self> {
+        let gate_up = match &self.gate_up {
+            GateUp::Separate { gate_proj, up_proj } => GateUp::Separate {
+                gate_proj: gate_proj.shard(Shard::Outputs, rank, size)?,
+                up_proj: up_proj.shard(Shard::Outputs, rank, size)?,
+            },
+            GateUp::Fused(proj) => {
+                let half = proj.features().1 / 2;
+                GateUp::Fused(proj.shard_segments(Shard::Outputs, &[half, half], rank, size)?)
+            }
+        };
+        Ok(Self {
+            gate_up,
+            down_proj: self.down_proj.shard_to_all(rank, size)?,
+            activation: self.activation,
+        })
+    }
+
     pub fn forward(&self, x: &Array) -> Result<Array> {
         let (gate, up) = match &self.gate_up {
             GateUp::Separate { gate_proj, up_proj } => (gate_proj.forward(x)?, up_proj.forward(x)?),
@@ -1644,6 +1770,42 @@ mod tests {
                 }
                 let error = largest_difference(&sum, &whole);
                 assert!(error <= 1e-3, "{name} by inputs over {size}: {error}");
+
+                // The bias on rank 0 alone: the parts add up to the whole layer.
+                let mut sum: Option<Array> = None;
+                for r in 0..size {
+                    let start = r as i32 * part;
+                    let x_part = slice(&x, &[0, 0, start], &[3, 5, start + part]).unwrap();
+                    let y = layer.shard_to_all(r, size).unwrap().forward(&x_part).unwrap();
+                    sum = Some(match sum {
+                        Some(s) => ops::add(&s, &y).unwrap(),
+                        None => y,
+                    });
+                }
+                let error = largest_difference(&sum.unwrap(), &whole);
+                assert!(error <= 1e-3, "{name} to all over {size}: {error}");
+
+                // A fused layer of two parts (32 and 64 outputs): each rank's part of each.
+                let n = size as i32;
+                for r in 0..size {
+                    let r = r as i32;
+                    let ours = layer
+                        .shard_segments(Shard::Outputs, &[32, 64], r as usize, size)
+                        .unwrap()
+                        .forward(&x)
+                        .unwrap();
+                    let (a, b) = (32 / n, 64 / n);
+                    let expected = ops::concatenate(
+                        &[
+                            slice(&whole, &[0, 0, r * a], &[3, 5, (r + 1) * a]).unwrap(),
+                            slice(&whole, &[0, 0, 32 + r * b], &[3, 5, 32 + (r + 1) * b]).unwrap(),
+                        ],
+                        -1,
+                    )
+                    .unwrap();
+                    let error = largest_difference(&ours, &expected);
+                    assert!(error <= 1e-4, "{name} in segments over {size}: {error}");
+                }
             }
         }
         // Shapes that do not divide are refused with a sentence.

@@ -1,8 +1,8 @@
 """Writes tiny random models of each supported architecture with Python mlx_lm, plus what mlx_lm
 computes on them, for `tests/architecture_parity.rs`.
 
-Usage: python tiny_models.py OUT_DIR TOKENIZER_DIR
-For each case, OUT_DIR/<case>/ holds an mlx-community model directory (config.json,
+Usage: python tiny_models.py OUT_DIR TOKENIZER_DIR [CASE,CASE,...]
+For each case (every one, or those listed), OUT_DIR/<case>/ holds an mlx-community model directory (config.json,
 model.safetensors, the tokenizer files of TOKENIZER_DIR) and expected.json with
 `prompt_ids`, `logits` (all positions, [seq, vocab] flattened) and `greedy_ids` from
 `mlx_lm.generate.generate_step`; models with sliding-window layers add `long_prompt_ids` and
@@ -285,8 +285,12 @@ PROMPT = [1, 1690, 198, 2683, 359, 253, 1356, 1646, 3173, 3365, 3511, 308, 2519,
 LONG_PROMPT = [(7919 * i + 13) % 4000 + 2 for i in range(400)]
 
 
-def main(out_dir: Path, tokenizer_dir: Path):
+def main(out_dir: Path, tokenizer_dir: Path, only: list[str] | None = None):
+    unknown = set(only or []) - set(CASES)
+    assert not unknown, f"no such cases: {sorted(unknown)}"
     for name, (module, config, quant) in CASES.items():
+        if only is not None and name not in only:
+            continue
         mx.random.seed(len(name))
         # A copy: mlx_lm's gemma3 args rewrite text_config in place, and config.json must stay as written.
         model = module.Model(module.ModelArgs.from_dict(copy.deepcopy(config)))
@@ -405,4 +409,4 @@ def main(out_dir: Path, tokenizer_dir: Path):
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",") if len(sys.argv) > 3 else None)
