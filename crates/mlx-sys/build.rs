@@ -328,7 +328,11 @@ fn compile_mlx_c(mlx_c: &Path, include_dir: &Path, arm: bool) -> BuildResult<()>
         .std("c++20")
         // -O2, but unoptimized where the profile is (test builds): thin wrappers over libmlx,
         // whose work is MLX's own, compile in half the time at -O0.
-        .opt_level(if env::var("OPT_LEVEL").as_deref() == Ok("0") { 0 } else { 2 })
+        .opt_level(if env::var("OPT_LEVEL").as_deref() == Ok("0") {
+            0
+        } else {
+            2
+        })
         .debug(false)
         .warnings(false)
         .include(mlx_c)

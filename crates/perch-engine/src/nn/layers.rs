@@ -1776,7 +1776,11 @@ mod tests {
                 for r in 0..size {
                     let start = r as i32 * part;
                     let x_part = slice(&x, &[0, 0, start], &[3, 5, start + part]).unwrap();
-                    let y = layer.shard_to_all(r, size).unwrap().forward(&x_part).unwrap();
+                    let y = layer
+                        .shard_to_all(r, size)
+                        .unwrap()
+                        .forward(&x_part)
+                        .unwrap();
                     sum = Some(match sum {
                         Some(s) => ops::add(&s, &y).unwrap(),
                         None => y,
