@@ -201,6 +201,57 @@ impl TensorParallel {
     }
 }
 
+/// The stages of a pipeline-parallel group (mlx_lm's `pipeline`): each rank holds a run of
+/// consecutive layers ([`crate::models::Model::pipeline`]), the last rank the first layers and
+/// rank 0 the last ones; a pass's hidden states go from rank `r` to rank `r - 1` (`send`,
+/// `recv`), and rank 0's final states to every rank (`all_gather`), so that every rank computes
+/// the same logits. For models whose weights do not fit one machine even divided by heads.
+#[derive(Clone, Debug)]
+pub struct PipelineParallel {
+    group: Arc<Group>,
+}
+
+impl PipelineParallel {
+    pub fn new(group: Group) -> Self {
+        Self {
+            group: Arc::new(group),
+        }
+    }
+
+    pub fn rank(&self) -> usize {
+        self.group.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.group.size
+    }
+
+    /// The layers of `num_layers` this rank holds: an even split in reverse rank order, the low
+    /// ranks taking one more where it does not divide (mlx_lm's default split). Errors when
+    /// some rank would hold none.
+    pub fn layers(&self, num_layers: usize) -> Result<std::ops::Range<usize>> {
+        stage_layers(num_layers, self.rank(), self.size())
+    }
+
+    /// The group, for the stages' sends, receives and gathers.
+    pub fn group(&self) -> &Group {
+        &self.group
+    }
+}
+
+/// [`PipelineParallel::layers`] of rank `rank` of `size`.
+fn stage_layers(num_layers: usize, rank: usize, size: usize) -> Result<std::ops::Range<usize>> {
+    if num_layers < size {
+        return Err(EngineError::Distributed(format!(
+            "{num_layers} layers cannot be split into {size} stages"
+        )));
+    }
+    let (base, extra) = (num_layers / size, num_layers % size);
+    let held = |r: usize| base + usize::from(r < extra);
+    let start: usize = (rank + 1..size).map(held).sum();
+    Ok(start..start + held(rank))
+}
+
 /// A group handle passed from the thread that made it.
 struct RawGroup(mlx_sys::mlx_distributed_group);
 
@@ -210,6 +261,14 @@ unsafe impl Send for RawGroup {}
 type Collective = unsafe extern "C" fn(
     *mut mlx_sys::mlx_array,
     mlx_sys::mlx_array,
+    mlx_sys::mlx_distributed_group,
+    mlx_sys::mlx_stream,
+) -> std::os::raw::c_int;
+
+type PointToPoint = unsafe extern "C" fn(
+    *mut mlx_sys::mlx_array,
+    mlx_sys::mlx_array,
+    std::os::raw::c_int,
     mlx_sys::mlx_distributed_group,
     mlx_sys::mlx_stream,
 ) -> std::os::raw::c_int;
@@ -247,6 +306,41 @@ impl Group {
         self.collective("all_gather", mlx_sys::mlx_distributed_all_gather, x)
     }
 
+    /// `x` sent to rank `peer`; the result stands for the send (evaluating it sends). Lazy.
+    pub fn send(&self, x: &Array, peer: usize) -> Result<Array> {
+        self.point_to_point("send", mlx_sys::mlx_distributed_send, x, peer)
+    }
+
+    /// What rank `peer` sends, shaped and typed as `like` (whose values are not read). Lazy.
+    pub fn recv_like(&self, like: &Array, peer: usize) -> Result<Array> {
+        self.point_to_point("recv", mlx_sys::mlx_distributed_recv_like, like, peer)
+    }
+
+    fn point_to_point(
+        &self,
+        name: &str,
+        op: PointToPoint,
+        x: &Array,
+        peer: usize,
+    ) -> Result<Array> {
+        if peer >= self.size || peer == self.rank {
+            return Err(EngineError::Distributed(format!(
+                "rank {} cannot {name} with rank {peer} of {}",
+                self.rank, self.size
+            )));
+        }
+        let stream = self.backend.stream();
+        // SAFETY: as `collective`; `peer` is a rank of the group.
+        unsafe {
+            let mut res = mlx_sys::mlx_array_new();
+            if op(&mut res, x.as_ptr(), peer as i32, self.raw, stream.as_ptr()) != 0 {
+                mlx_sys::mlx_array_free(res);
+                return Err(EngineError::Distributed(format!("MLX {name} failed")));
+            }
+            Ok(Array::from_ptr(res))
+        }
+    }
+
     /// Rank 0's `bytes` on every rank (the others pass `None`): its length, then its bytes, each
     /// summed with zeros from the other ranks. Evaluates; errors when a rank is gone or when
     /// rank 0 passes nothing.
@@ -277,5 +371,28 @@ impl Group {
         let data = self.all_sum(&data)?;
         data.eval()?;
         Ok(data.as_slice::<u8>().to_vec())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stages_hold_every_layer_once_the_last_rank_the_first_layers() {
+        let stages = |layers, size| -> Vec<std::ops::Range<usize>> {
+            (0..size)
+                .map(|r| stage_layers(layers, r, size).unwrap())
+                .collect()
+        };
+        // mlx_lm's split of 5 over 2: [3, 2], rank 1 first.
+        assert_eq!(stages(5, 2), [2..5, 0..2]);
+        assert_eq!(stages(4, 2), [2..4, 0..2]);
+        assert_eq!(stages(10, 4), [7..10, 4..7, 2..4, 0..2]);
+        let error = stage_layers(2, 0, 3).unwrap_err().to_string();
+        assert!(
+            error.contains("2 layers cannot be split into 3 stages"),
+            "{error}"
+        );
     }
 }

@@ -22,7 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mlx_rs::Array;
-use perch_engine::distributed::{self, Backend, Group, TensorParallel};
+use perch_engine::distributed::{self, Backend, PipelineParallel, TensorParallel};
 use perch_engine::{generate, models, GenerateRequest, Tokenizer};
 
 const TASK_ENV: &str = "PERCH_TEST_RANK_TASK";
@@ -44,9 +44,13 @@ fn rank() {
             return;
         }
     };
-    if task == "tensor_parallel" {
+    if let "tensor_parallel" | "pipeline_parallel" = task.as_str() {
+        let split = match task.as_str() {
+            "tensor_parallel" => Split::Tensor(TensorParallel::new(group)),
+            _ => Split::Pipeline(PipelineParallel::new(group)),
+        };
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        println!("{}", tensor_parallel(group, &models));
+        println!("{}", divided(split, &models));
         return;
     }
     let rank = group.rank();
@@ -110,11 +114,32 @@ fn prompt_logits(model: &dyn models::Model, prompt: &[u32]) -> Vec<f32> {
         .to_vec()
 }
 
+/// How the ranks divide a model.
+enum Split {
+    Tensor(TensorParallel),
+    Pipeline(PipelineParallel),
+}
+
+impl Split {
+    fn rank(&self) -> usize {
+        match self {
+            Split::Tensor(tp) => tp.rank(),
+            Split::Pipeline(pp) => pp.rank(),
+        }
+    }
+
+    fn divide(&self, model: &mut dyn models::Model) -> perch_engine::Result<()> {
+        match self {
+            Split::Tensor(tp) => model.shard(tp),
+            Split::Pipeline(pp) => model.pipeline(pp),
+        }
+    }
+}
+
 /// This rank's part of every model in `models` (one folder a case): the largest difference of
 /// its prompt's logits from mlx_lm's (and the largest logit), the same with projections fused at
-/// load, and greedy ids through `generate`; or the shard's error.
-fn tensor_parallel(group: Group, models: &Path) -> serde_json::Value {
-    let tp = TensorParallel::new(group);
+/// load, and greedy ids through `generate`; or why the model cannot be divided so.
+fn divided(split: Split, models: &Path) -> serde_json::Value {
     let mut cases: Vec<PathBuf> = std::fs::read_dir(models)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -127,7 +152,7 @@ fn tensor_parallel(group: Group, models: &Path) -> serde_json::Value {
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
                 .unwrap();
         let mut model = models::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-        if let Err(e) = model.shard(&tp) {
+        if let Err(e) = split.divide(model.as_mut()) {
             results.insert(name, serde_json::json!({ "error": e.to_string() }));
             continue;
         }
@@ -155,8 +180,8 @@ fn tensor_parallel(group: Group, models: &Path) -> serde_json::Value {
         let fused = models::load(&dir);
         std::env::remove_var("PERCH_FUSED_PROJECTIONS");
         let mut fused = fused.unwrap_or_else(|e| panic!("{name}: {e}"));
-        fused
-            .shard(&tp)
+        split
+            .divide(fused.as_mut())
             .unwrap_or_else(|e| panic!("{name}, fused: {e}"));
         let case = serde_json::json!({
                 "difference": difference(model.as_ref()),
@@ -167,7 +192,7 @@ fn tensor_parallel(group: Group, models: &Path) -> serde_json::Value {
         });
         results.insert(name, case);
     }
-    serde_json::json!({ "rank": tp.rank(), "cases": results })
+    serde_json::json!({ "rank": split.rank(), "cases": results })
 }
 
 /// Two free ports on 127.0.0.1 (bound and released: a port is free again at once).
@@ -363,12 +388,39 @@ const REFUSED: [(&str, &str); 3] = [
 
 #[test]
 fn two_ranks_tensor_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
+    two_ranks_divide("tensor_parallel", &SHARDED, &REFUSED);
+}
+
+/// Cases split into two stages of layers: dense (Llama 3), quantized with norms over all heads
+/// (OLMo 2), stored fused projections (Phi-3), experts (Qwen3-MoE 4-bit; gpt-oss; Gemma 4's MLP
+/// beside experts), hybrids (Qwen3.5 dense and with experts); and Gemma 4 with layers reading
+/// another layer's cache, refused.
+const STAGED: [&str; 8] = [
+    "gemma4_text-moe-4bit",
+    "gpt_oss",
+    "llama3-rope",
+    "olmo2-4bit",
+    "phi3",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_moe-4bit",
+];
+const NOT_STAGED: [(&str, &str); 1] = [("gemma4_text", "another layer's keys and values")];
+
+#[test]
+fn two_ranks_pipeline_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
+    two_ranks_divide("pipeline_parallel", &STAGED, &NOT_STAGED);
+}
+
+/// Two ranks, each running `task` on the tiny models `divided` and `refused`: every rank computes
+/// mlx_lm's logits and greedy ids on the first and gives each of the others' reason.
+fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)]) {
     let dir = tempfile::tempdir().unwrap();
     let models = dir.path().join("models");
-    let cases: Vec<&str> = SHARDED
+    let cases: Vec<&str> = divided
         .iter()
         .copied()
-        .chain(REFUSED.iter().map(|(name, _)| *name))
+        .chain(refused.iter().map(|(name, _)| *name))
         .collect();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
     let status = Command::new(common::oracle_python())
@@ -381,7 +433,7 @@ fn two_ranks_tensor_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
     assert!(status.success(), "tiny_models.py failed");
     let hosts = hostfile(dir.path(), 2);
     let children: Vec<Child> = (0..2)
-        .map(|r| spawn_rank_with(r, &hosts, "tensor_parallel", &[(MODELS_ENV, &models)]))
+        .map(|r| spawn_rank_with(r, &hosts, task, &[(MODELS_ENV, &models)]))
         .collect();
     let results: Vec<_> = children
         .into_iter()
@@ -389,7 +441,7 @@ fn two_ranks_tensor_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
         .collect();
     for (r, result) in results.iter().enumerate() {
         assert_eq!(result["rank"], r, "{result}");
-        for name in SHARDED {
+        for name in divided {
             let case = &result["cases"][name];
             assert!(case["error"].is_null(), "rank {r}, {name}: {case}");
             let scale = case["scale"].as_f64().unwrap();
@@ -406,7 +458,7 @@ fn two_ranks_tensor_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
             }
             assert_eq!(case["greedy_ids"], case["expected_ids"], "rank {r}, {name}");
         }
-        for (name, why) in REFUSED {
+        for (name, why) in refused {
             let error = result["cases"][name]["error"].as_str();
             assert!(
                 error.is_some_and(|e| e.contains(why)),

@@ -7,7 +7,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::attention::AttentionSpec;
 use crate::attention::KvQuantization;
-use crate::distributed::TensorParallel;
+use crate::distributed::{PipelineParallel, TensorParallel};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::{LayerCaches, Positions};
@@ -1084,6 +1084,9 @@ pub struct Decoder {
     /// The group whose ranks each hold a part of every block ([`Model::shard`]); `None`: all of
     /// it is here.
     tensor_parallel: Option<TensorParallel>,
+    /// The pipeline this decoder is a stage of, and the index of its first layer in the whole
+    /// model ([`Model::pipeline`]); `None`: every layer is here.
+    pipeline: Option<(PipelineParallel, usize)>,
     /// A vision-language checkpoint's vision tower (or why it was not loaded).
     vision: Option<std::result::Result<VisionTower, String>>,
 }
@@ -1339,6 +1342,7 @@ impl Decoder {
             final_logit_softcap: c.style.final_logit_softcap,
             info,
             tensor_parallel: None,
+            pipeline: None,
             vision: None,
         })
     }
@@ -1400,10 +1404,22 @@ impl Decoder {
             }
             (None, _) => None,
         };
+        // A stage after the first receives the hidden states of the stage before it (the next
+        // rank).
+        let first_layer = match &self.pipeline {
+            Some((pp, first)) => {
+                if pp.rank() + 1 < pp.size() {
+                    h = pp.group().recv_like(&h, pp.rank() + 1)?;
+                }
+                *first
+            }
+            None => 0,
+        };
         // The last block's feed-forward output not yet added to `h`: added by the next block's
         // input norm in one kernel where there is one (`RmsNorm::add_forward`).
         let mut pending: Option<Array> = None;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (j, layer) in self.layers.iter().enumerate() {
+            let i = first_layer + j;
             let rope = match (&self.local_rope, layer.sliding) {
                 _ if !layer.rope => None,
                 (Some(local), true) => Some(local),
@@ -1453,6 +1469,18 @@ impl Decoder {
         }
         if let Some(r) = pending {
             h = ops::add(&h, &r)?;
+        }
+        if let Some((pp, _)) = &self.pipeline {
+            // Each stage but the last (rank 0) hands its states on; rank 0's final states go to
+            // every rank (the first rows of the gather), so that every rank computes the logits.
+            if pp.rank() > 0 {
+                h = pp.group().send(&h, pp.rank() - 1)?;
+            }
+            let rows = h.shape()[0];
+            let gathered = pp.group().all_gather(&h)?;
+            let mut stop = gathered.shape().to_vec();
+            stop[0] = rows;
+            h = slice(&gathered, &vec![0; stop.len()], &stop)?;
         }
         Ok(h)
     }
@@ -1593,12 +1621,20 @@ impl Model for Decoder {
         })?;
         match output {
             Output::Logits => Ok(Some(self.head(&h)?)),
+            // A stage's caches do not depend on its send (the first stages') or the gather, so
+            // evaluating them alone would leave the next stage waiting: the pass is evaluated
+            // here, every stage's send and gather with it (mlx_lm ties the send to the last
+            // cache with `depends`). Only prompt chunks pass here, never a traced step.
+            Output::CacheOnly if self.pipeline.is_some() => {
+                h.eval()?;
+                Ok(None)
+            }
             Output::CacheOnly => Ok(None),
         }
     }
 
     fn shard(&mut self, tp: &TensorParallel) -> Result<()> {
-        if self.tensor_parallel.is_some() {
+        if self.tensor_parallel.is_some() || self.pipeline.is_some() {
             return Err(EngineError::Distributed(
                 "this model is divided over ranks already".into(),
             ));
@@ -1629,6 +1665,31 @@ impl Model for Decoder {
         self.info.num_kv_heads /= n;
         self.info.mlp_width /= n;
         self.tensor_parallel = Some(tp.clone());
+        Ok(())
+    }
+
+    fn pipeline(&mut self, pp: &PipelineParallel) -> Result<()> {
+        if self.tensor_parallel.is_some() || self.pipeline.is_some() {
+            return Err(EngineError::Distributed(
+                "this model is divided over ranks already".into(),
+            ));
+        }
+        if self.layers.iter().any(|block| block.shares_kv) {
+            return Err(EngineError::Distributed(
+                "layers that read another layer's keys and values (Gemma 4) are not split into \
+                 stages yet"
+                    .into(),
+            ));
+        }
+        let own = pp.layers(self.layers.len())?;
+        // Cache layers are numbered within the stage: block i's cache is i (none shares one).
+        let mut layers: Vec<Block> = self.layers.drain(own.clone()).collect();
+        for (j, block) in layers.iter_mut().enumerate() {
+            block.cache = j;
+        }
+        self.info.num_layers = layers.len();
+        self.layers = layers;
+        self.pipeline = Some((pp.clone(), own.start));
         Ok(())
     }
 

@@ -28,7 +28,7 @@ use serde_json::Value;
 
 use crate::attention::KvQuantization;
 use crate::device::Backend;
-use crate::distributed::TensorParallel;
+use crate::distributed::{PipelineParallel, TensorParallel};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::slot_cache::SlotKvCache;
@@ -141,6 +141,18 @@ pub trait Model: Send {
     fn shard(&mut self, _tp: &TensorParallel) -> Result<()> {
         Err(EngineError::Distributed(format!(
             "`{}` models are not divided over ranks",
+            self.info().model_type
+        )))
+    }
+    /// Keeps only rank `pp.rank()`'s stage of a pipeline-parallel group ([`PipelineParallel`]):
+    /// its run of layers ([`PipelineParallel::layers`]) and their caches, which
+    /// [`Model::make_cache`] then makes ([`ModelInfo::num_layers`] becomes the stage's count).
+    /// Every rank runs the same passes on the same tokens and gets the whole model's logits.
+    /// Embeddings, the final norm and the LM head stay on every rank. Errors, leaving the model
+    /// as it was, where layers cannot be split.
+    fn pipeline(&mut self, _pp: &PipelineParallel) -> Result<()> {
+        Err(EngineError::Distributed(format!(
+            "`{}` models are not split into stages",
             self.info().model_type
         )))
     }
