@@ -44,13 +44,21 @@ fn rank() {
             return;
         }
     };
-    if let "tensor_parallel" | "pipeline_parallel" = task.as_str() {
-        let split = match task.as_str() {
+    let (split, dies) = match task.strip_suffix("_dies") {
+        Some(split) => (split, true),
+        None => (task.as_str(), false),
+    };
+    if let "tensor_parallel" | "pipeline_parallel" = split {
+        let split = match split {
             "tensor_parallel" => Split::Tensor(TensorParallel::new(group)),
             _ => Split::Pipeline(PipelineParallel::new(group)),
         };
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        println!("{}", divided(split, &models));
+        let result = match dies {
+            true => dies_mid_request(split, &models),
+            false => divided(split, &models),
+        };
+        println!("{result}");
         return;
     }
     let rank = group.rank();
@@ -193,6 +201,41 @@ fn divided(split: Split, models: &Path) -> serde_json::Value {
         results.insert(name, case);
     }
     serde_json::json!({ "rank": split.rank(), "cases": results })
+}
+
+/// Greedy generation on the one model in `models`, divided by `split`, during which rank 1 exits
+/// without a word after its third token: rank 0's result is its error and how long after the
+/// request's start it came (a tiny model's first tokens take milliseconds; rank 0 may meet the
+/// loss before its own third token, waiting for rank 1's part of it).
+fn dies_mid_request(split: Split, models: &Path) -> serde_json::Value {
+    let dir = std::fs::read_dir(models)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let mut model = models::load(&dir).unwrap();
+    split.divide(model.as_mut()).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let mut request = GenerateRequest::new(vec![1, 1690, 198, 2683, 359]);
+    request.max_tokens = 64;
+    request.ignore_eos = true;
+    let (mut tokens, start) = (0, Instant::now());
+    let outcome = generate(model.as_ref(), &tokenizer, &request, |_| {
+        tokens += 1;
+        if tokens == 3 && split.rank() == 1 {
+            std::process::exit(0);
+        }
+        ControlFlow::Continue(())
+    });
+    match outcome {
+        Ok(_) => serde_json::json!({ "rank": split.rank(), "tokens": tokens }),
+        Err(e) => serde_json::json!({
+            "rank": split.rank(),
+            "error": e.to_string(),
+            "s": start.elapsed().as_secs_f32(),
+        }),
+    }
 }
 
 /// Two free ports on 127.0.0.1 (bound and released: a port is free again at once).
@@ -466,5 +509,38 @@ fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)]) {
                 result["cases"][name]
             );
         }
+    }
+}
+
+/// A rank that exits in the middle of a request, tensor- or pipeline-parallel: the other rank's
+/// generation ends in an error within seconds, not a hang.
+#[test]
+fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("models");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
+    let status = Command::new(common::oracle_python())
+        .arg(&script)
+        .arg(&models)
+        .arg(common::model_dir())
+        .arg("llama3-rope")
+        .status()
+        .expect("run the mlx_lm oracle");
+    assert!(status.success(), "tiny_models.py failed");
+    for task in ["tensor_parallel_dies", "pipeline_parallel_dies"] {
+        let hosts = hostfile(dir.path(), 2);
+        let env = [(MODELS_ENV, models.as_path())];
+        let survivor = spawn_rank_with(0, &hosts, task, &env);
+        let mut dying = spawn_rank_with(1, &hosts, task, &env);
+        let result = result(survivor, Duration::from_secs(120));
+        dying.wait().unwrap();
+        let error = result["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{task}: {result}"));
+        assert!(error.contains("peer"), "{task}: {error}");
+        let s = result["s"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{task}: {result}"));
+        assert!(s < 10.0, "{task}: the error came {s} s after the peer died");
     }
 }
