@@ -431,7 +431,7 @@ const REFUSED: [(&str, &str); 3] = [
 
 #[test]
 fn two_ranks_tensor_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
-    two_ranks_divide("tensor_parallel", &SHARDED, &REFUSED);
+    two_ranks_divide("tensor_parallel", &SHARDED, &REFUSED, &SHARDED_BY_MLX_LM);
 }
 
 /// Cases split into two stages of layers: dense (Llama 3), quantized with norms over all heads
@@ -450,14 +450,28 @@ const STAGED: [&str; 8] = [
 ];
 const NOT_STAGED: [(&str, &str); 1] = [("gemma4_text", "another layer's keys and values")];
 
+/// The cases mlx_lm 0.32.2 divides too (`shard`; `pipeline`): its sharded model's greedy ids are
+/// Perch's, its logits mlx_lm's whole model's.
+const SHARDED_BY_MLX_LM: [&str; 7] = [
+    "gpt_oss",
+    "llama3-rope",
+    "qwen2-4bit",
+    "qwen3",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_moe",
+];
+const STAGED_BY_MLX_LM: [&str; 3] = ["qwen3_5", "qwen3_5_moe", "qwen3_moe-4bit"];
+
 #[test]
 fn two_ranks_pipeline_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
-    two_ranks_divide("pipeline_parallel", &STAGED, &NOT_STAGED);
+    two_ranks_divide("pipeline_parallel", &STAGED, &NOT_STAGED, &STAGED_BY_MLX_LM);
 }
 
 /// Two ranks, each running `task` on the tiny models `divided` and `refused`: every rank computes
-/// mlx_lm's logits and greedy ids on the first and gives each of the others' reason.
-fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)]) {
+/// mlx_lm's logits and greedy ids on the first and gives each of the others' reason; and two
+/// ranks of mlx_lm's own division of `by_mlx_lm` (`tests/oracle/sharded.py`) get Perch's ids.
+fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)], by_mlx_lm: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let models = dir.path().join("models");
     let cases: Vec<&str> = divided
@@ -482,8 +496,45 @@ fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)]) {
         .into_iter()
         .map(|c| result(c, Duration::from_secs(300)))
         .collect();
-    for (r, result) in results.iter().enumerate() {
+    let mode = task.strip_suffix("_parallel").unwrap();
+    let hosts = hostfile(dir.path(), 2);
+    let sharded = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/sharded.py");
+    let mlx_lm: Vec<_> = (0..2)
+        .map(|r| {
+            Command::new(common::oracle_python())
+                .arg(&sharded)
+                .arg(&models)
+                .arg(mode)
+                .arg(by_mlx_lm.join(","))
+                .env("MLX_RANK", r.to_string())
+                .env("MLX_HOSTFILE", &hosts)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let mlx_lm: Vec<_> = mlx_lm
+        .into_iter()
+        .map(|c| result(c, Duration::from_secs(300)))
+        .collect();
+    for (r, (result, theirs)) in results.iter().zip(&mlx_lm).enumerate() {
         assert_eq!(result["rank"], r, "{result}");
+        assert_eq!(theirs["rank"], r, "{theirs}");
+        for name in by_mlx_lm {
+            let (ours, theirs) = (&result["cases"][name], &theirs["cases"][name]);
+            let scale = ours["scale"].as_f64().unwrap();
+            let difference = theirs["difference"].as_f64().unwrap();
+            assert!(
+                difference <= 1e-4 * scale.max(1.0),
+                "rank {r}, {name}: mlx_lm's {mode}-parallel logits differ from its whole \
+                 model's by {difference}"
+            );
+            assert_eq!(
+                ours["greedy_ids"], theirs["greedy_ids"],
+                "rank {r}, {name}: mlx_lm's {mode}-parallel ids"
+            );
+        }
         for name in divided {
             let case = &result["cases"][name];
             assert!(case["error"].is_null(), "rank {r}, {name}: {case}");
