@@ -1364,3 +1364,77 @@ fn serve_refuses_an_alias_of_another_model() {
     let empty = perch(&["serve", "--model", &model, "--port", "0", "--alias", "=x"]);
     assert_clean_error(&empty, "names nothing");
 }
+
+/// `perch generate --distributed`: two ranks on 127.0.0.1 over MLX's ring backend, started as
+/// `mlx.launch -n 2 --backend ring` starts them (`MLX_RANK`, `MLX_HOSTFILE`). Split into two
+/// pipeline stages, rank 0 prints what one process prints (greedy, and sampled with a seed) and
+/// rank 1 prints nothing; divided by heads, the test model's 9 query heads are refused on both.
+#[test]
+fn generate_divided_over_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = test_model();
+    let run = |extra: &[&str]| -> [Output; 2] {
+        let ports: Vec<u16> = (0..2)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect::<Vec<_>>()
+            .iter()
+            .map(|l| l.local_addr().unwrap().port())
+            .collect();
+        let hosts = dir.path().join("hosts.json");
+        let addresses: Vec<Vec<String>> = ports
+            .iter()
+            .map(|p| vec![format!("127.0.0.1:{p}")])
+            .collect();
+        std::fs::write(&hosts, serde_json::to_string(&addresses).unwrap()).unwrap();
+        let children: Vec<_> = (0..2)
+            .map(|rank| {
+                Command::new(env!("CARGO_BIN_EXE_perch"))
+                    .args(["generate", "--model", &model, "--max-tokens", "16"])
+                    .args(extra)
+                    .env("MLX_RANK", rank.to_string())
+                    .env("MLX_HOSTFILE", &hosts)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let mut outputs = children.into_iter().map(|c| c.wait_with_output().unwrap());
+        [outputs.next().unwrap(), outputs.next().unwrap()]
+    };
+    for sampling in [&[][..], &["--temp", "0.9", "--seed", "11"][..]] {
+        let prompt = ["--prompt", "Name three colors."];
+        let one = perch(
+            &[
+                &["generate", "--model", &model, "--max-tokens", "16"][..],
+                &prompt,
+                sampling,
+            ]
+            .concat(),
+        );
+        assert!(
+            one.status.success(),
+            "{}",
+            String::from_utf8_lossy(&one.stderr)
+        );
+        let [rank0, rank1] = run(&[&prompt[..], sampling, &["--distributed", "pipeline"]].concat());
+        for (r, out) in [&rank0, &rank1].iter().enumerate() {
+            assert!(
+                out.status.success(),
+                "rank {r}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        let text = String::from_utf8(one.stdout).unwrap();
+        assert!(text.trim().len() > 5, "{text:?}");
+        assert_eq!(
+            String::from_utf8(rank0.stdout).unwrap(),
+            text,
+            "{sampling:?}"
+        );
+        assert!(rank1.stdout.is_empty(), "rank 1 printed");
+    }
+    for out in run(&["--prompt", "hi", "--distributed", "tensor"]) {
+        assert_clean_error(&out, "9 query heads cannot be divided over 2 ranks");
+    }
+}

@@ -14,6 +14,7 @@ use perch_engine::{
 };
 use serde_json::json;
 
+use crate::distributed::{self, BackendArg, Split};
 use crate::model_dir;
 
 #[derive(Args)]
@@ -42,6 +43,15 @@ pub struct GenerateArgs {
     /// Print one JSON object per token and a final one with the finish reason and stats.
     #[arg(long)]
     pub json: bool,
+    /// Run as one rank of a group that divides the model over processes or machines (MLX's
+    /// distributed backends; start each rank as `mlx.launch` does, for ring with `MLX_RANK`
+    /// and `MLX_HOSTFILE`): `tensor` divides every layer's heads and features, `pipeline` the
+    /// layers into stages. Every rank runs the same command; rank 0 prints.
+    #[arg(long, value_enum)]
+    pub distributed: Option<Split>,
+    /// The backend `--distributed` runs on.
+    #[arg(long, value_enum, default_value_t = BackendArg::Ring, requires = "distributed")]
+    pub backend: BackendArg,
 }
 
 /// Sampling and length flags shared by `generate` and `chat`.
@@ -267,9 +277,25 @@ impl GenerationOptions {
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let messages = messages(&args)?;
     if let Some(messages) = messages.as_ref().filter(|m| has_images(m)) {
+        if args.distributed.is_some() {
+            bail!("--distributed runs text only: images are not divided over ranks yet");
+        }
         return run_with_images(&args, messages.clone());
     }
-    let (model, tokenizer) = model_dir::load(args.model.clone())?;
+    if args.distributed.is_some() && args.options.draft.draft_model.is_some() {
+        bail!("--distributed runs without a draft model");
+    }
+    let (mut model, tokenizer) = model_dir::load(args.model.clone())?;
+    let (rank, seed) = match args.distributed {
+        Some(split) => {
+            let (rank, seed) =
+                distributed::divide(model.as_mut(), split, args.backend, args.options.seed)?;
+            (rank, Some(seed))
+        }
+        None => (0, args.options.seed),
+    };
+    // Every rank computes the tokens; rank 0 alone prints them.
+    let prints = rank == 0;
     let draft = args.options.draft.load()?;
     // Metal: the models stay resident while the command runs (mlx_lm's `wired_limit` around
     // generation); the engine does the same for `serve`, the app and `bench --concurrency`.
@@ -278,7 +304,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         Some(messages) => tokenizer.encode_chat(messages)?,
         None => raw_ids(&args, &tokenizer)?,
     };
-    let request = args.options.request(prompt);
+    let mut request = args.options.request(prompt);
+    request.sampling.seed = seed;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut write_error = None;
@@ -289,7 +316,9 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
         &tokenizer,
         &request,
         |event| {
-            let written = if args.json {
+            let written = if !prints {
+                Ok(())
+            } else if args.json {
                 let mut line = match event.id {
                     Some(id) => match &event.logprobs {
                         Some(logprobs) => {
@@ -316,7 +345,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             }
         },
     )?;
-    if write_error.is_some() {
+    if write_error.is_some() || !prints {
         return Ok(());
     }
     if args.json {

@@ -8,6 +8,7 @@ mod bench;
 mod bench_batch;
 mod bench_priority;
 mod chat;
+mod distributed;
 mod generate;
 mod hub;
 mod import;
