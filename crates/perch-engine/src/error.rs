@@ -119,7 +119,32 @@ pub enum EngineError {
     #[error("distributed: {0}")]
     Distributed(String),
     #[error("MLX: {0}")]
-    Mlx(#[from] mlx_rs::error::Exception),
+    Mlx(mlx_rs::error::Exception),
+}
+
+impl From<mlx_rs::error::Exception> for EngineError {
+    /// MLX's failures, but a distributed backend's (a rank gone, a collective failed), which are
+    /// [`EngineError::Distributed`] with MLX's sentence alone (not its source location).
+    fn from(e: mlx_rs::error::Exception) -> Self {
+        match distributed_failure(e.what()) {
+            Some(why) => EngineError::Distributed(why),
+            None => EngineError::Mlx(e),
+        }
+    }
+}
+
+/// A distributed backend's failure in an MLX message (`[ring] connection to a peer was lost at
+/// FILE:LINE`): the backend and its sentence, without the location.
+fn distributed_failure(message: &str) -> Option<String> {
+    let (at, backend) = ["ring", "jaccl", "mpi", "nccl"]
+        .iter()
+        .find_map(|b| message.find(&format!("[{b}]")).map(|at| (at, *b)))?;
+    let rest = &message[at + backend.len() + 2..];
+    let sentence = rest.split(" at /").next().unwrap_or(rest).trim();
+    let sentence = sentence.trim_end_matches('"');
+    Some(format!(
+        "{sentence} (MLX's {backend} backend): a rank of the group stopped or cannot be reached"
+    ))
 }
 
 impl EngineError {
@@ -253,7 +278,7 @@ fn kv_advice(lowered: &Option<crate::memory::LoweredBudget>, shared_with_draft: 
 
 #[cfg(test)]
 mod tests {
-    use super::{EngineError, ErrorKind};
+    use super::{distributed_failure, EngineError, ErrorKind};
     use crate::memory::{Available, MemoryBound};
 
     /// A prompt refused for memory beyond what the engine had at load is the prompt's fault (a
@@ -272,5 +297,19 @@ mod tests {
         };
         assert_eq!(refused(true).kind(), ErrorKind::ContextLengthExceeded);
         assert_eq!(refused(false).kind(), ErrorKind::Overloaded);
+    }
+
+    #[test]
+    fn a_backend_s_failure_is_its_sentence() {
+        let message = "[ring] connection to a peer was lost at /root/.cargo/registry/src/x/mlx-c/mlx/c/transforms.cpp:15";
+        assert_eq!(
+            distributed_failure(message).unwrap(),
+            "connection to a peer was lost (MLX's ring backend): a rank of the group stopped or \
+             cannot be reached"
+        );
+        assert_eq!(
+            distributed_failure("[matmul] shapes do not match at /x.cpp:3"),
+            None
+        );
     }
 }
