@@ -1368,7 +1368,8 @@ fn serve_refuses_an_alias_of_another_model() {
 /// `perch generate --distributed`: two ranks on 127.0.0.1 over MLX's ring backend, started as
 /// `mlx.launch -n 2 --backend ring` starts them (`MLX_RANK`, `MLX_HOSTFILE`). Split into two
 /// pipeline stages, rank 0 prints what one process prints (greedy, and sampled with a seed) and
-/// rank 1 prints nothing; divided by heads, the test model's 9 query heads are refused on both.
+/// rank 1 prints nothing, and rank 0's peak memory while generating is below one process's (it
+/// keeps only its layers); divided by heads, the test model's 9 query heads are refused on both.
 #[test]
 fn generate_divided_over_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
@@ -1403,7 +1404,7 @@ fn generate_divided_over_two_ranks() {
         [outputs.next().unwrap(), outputs.next().unwrap()]
     };
     for sampling in [&[][..], &["--temp", "0.9", "--seed", "11"][..]] {
-        let prompt = ["--prompt", "Name three colors."];
+        let prompt = ["--prompt", "Name three colors.", "--json"];
         let one = perch(
             &[
                 &["generate", "--model", &model, "--max-tokens", "16"][..],
@@ -1425,14 +1426,26 @@ fn generate_divided_over_two_ranks() {
                 String::from_utf8_lossy(&out.stderr)
             );
         }
-        let text = String::from_utf8(one.stdout).unwrap();
-        assert!(text.trim().len() > 5, "{text:?}");
-        assert_eq!(
-            String::from_utf8(rank0.stdout).unwrap(),
-            text,
-            "{sampling:?}"
-        );
+        // Token lines, then the stats.
+        let lines = |out: &[u8]| -> (Vec<String>, serde_json::Value) {
+            let text = String::from_utf8(out.to_vec()).unwrap();
+            let mut lines: Vec<String> = text.lines().map(String::from).collect();
+            let stats = serde_json::from_str(&lines.pop().unwrap()).unwrap();
+            (lines, stats)
+        };
+        let (tokens, alone) = lines(&one.stdout);
+        assert!(tokens.len() >= 8, "{tokens:?}");
+        let (rank0_tokens, rank0_stats) = lines(&rank0.stdout);
+        assert_eq!(rank0_tokens, tokens, "{sampling:?}");
         assert!(rank1.stdout.is_empty(), "rank 1 printed");
+        let peak =
+            |stats: &serde_json::Value| stats["stats"]["peak_memory_bytes"].as_f64().unwrap();
+        assert!(
+            peak(&rank0_stats) < 0.8 * peak(&alone),
+            "rank 0's peak {} against one process's {}",
+            peak(&rank0_stats),
+            peak(&alone)
+        );
     }
     for out in run(&["--prompt", "hi", "--distributed", "tensor"]) {
         assert_clean_error(&out, "9 query heads cannot be divided over 2 ranks");

@@ -6,9 +6,11 @@
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
+use std::path::Path;
+
 use anyhow::Context;
-use perch_engine::distributed::{self, Backend, PipelineParallel, TensorParallel};
-use perch_engine::models::Model;
+use perch_engine::distributed::{self, Backend, Division, PipelineParallel, TensorParallel};
+use perch_engine::models::{self, Model};
 
 /// How the ranks divide the model.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -46,14 +48,15 @@ impl From<BackendArg> for Backend {
 const JOIN_DEADLINE: Duration = Duration::from_secs(60);
 
 /// Joins the group on `backend`, takes rank 0's sampling seed (`seed`, or one it draws), and
-/// keeps this rank's part of `model` (`split`). Returns this rank and the group's seed: every
-/// rank must sample alike to stay on the same tokens.
-pub fn divide(
-    model: &mut dyn Model,
+/// loads this rank's part of the model in `dir` (`split`; `models::load_divided`: no more of
+/// the weights is read or kept than the part needs). Returns the model, this rank and the
+/// group's seed: every rank must sample alike to stay on the same tokens.
+pub fn load(
+    dir: &Path,
     split: Split,
     backend: BackendArg,
     seed: Option<u64>,
-) -> anyhow::Result<(usize, u64)> {
+) -> anyhow::Result<(Box<dyn Model>, usize, u64)> {
     let group = distributed::init(backend.into(), JOIN_DEADLINE)?;
     let rank = group.rank();
     let mine = seed.unwrap_or_else(|| {
@@ -67,10 +70,15 @@ pub fn divide(
             .try_into()
             .map_err(|_| anyhow::anyhow!("rank 0 sent a seed of the wrong size"))?,
     );
-    let divided = match split {
-        Split::Tensor => model.shard(&TensorParallel::new(group)),
-        Split::Pipeline => model.pipeline(&PipelineParallel::new(group)),
+    let division = match split {
+        Split::Tensor => Division::Tensor(TensorParallel::new(group)),
+        Split::Pipeline => Division::Pipeline(PipelineParallel::new(group)),
     };
-    divided.with_context(|| format!("rank {rank} cannot hold its part of the model"))?;
-    Ok((rank, seed))
+    let model = models::load_divided(dir, &division).with_context(|| {
+        format!(
+            "rank {rank} loading its part of the model in {}",
+            dir.display()
+        )
+    })?;
+    Ok((model, rank, seed))
 }

@@ -285,14 +285,19 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     if args.distributed.is_some() && args.options.draft.draft_model.is_some() {
         bail!("--distributed runs without a draft model");
     }
-    let (mut model, tokenizer) = model_dir::load(args.model.clone())?;
-    let (rank, seed) = match args.distributed {
+    let (model, tokenizer, rank, seed) = match args.distributed {
         Some(split) => {
-            let (rank, seed) =
-                distributed::divide(model.as_mut(), split, args.backend, args.options.seed)?;
-            (rank, Some(seed))
+            let dir = model_dir::resolve(args.model.clone())?;
+            let tokenizer = Tokenizer::load(&dir)
+                .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+            let (model, rank, seed) =
+                distributed::load(&dir, split, args.backend, args.options.seed)?;
+            (model, tokenizer, rank, Some(seed))
         }
-        None => (0, args.options.seed),
+        None => {
+            let (model, tokenizer) = model_dir::load(args.model.clone())?;
+            (model, tokenizer, 0, args.options.seed)
+        }
     };
     // Every rank computes the tokens; rank 0 alone prints them.
     let prints = rank == 0;

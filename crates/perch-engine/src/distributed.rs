@@ -252,6 +252,30 @@ fn stage_layers(num_layers: usize, rank: usize, size: usize) -> Result<std::ops:
     Ok(start..start + held(rank))
 }
 
+/// How a model is divided over its group's ranks: each rank's part of every layer, or its stage
+/// of layers.
+#[derive(Clone, Debug)]
+pub enum Division {
+    Tensor(TensorParallel),
+    Pipeline(PipelineParallel),
+}
+
+impl Division {
+    pub fn rank(&self) -> usize {
+        match self {
+            Division::Tensor(tp) => tp.rank(),
+            Division::Pipeline(pp) => pp.rank(),
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        match self {
+            Division::Tensor(tp) => tp.size(),
+            Division::Pipeline(pp) => pp.size(),
+        }
+    }
+}
+
 /// A group handle passed from the thread that made it.
 struct RawGroup(mlx_sys::mlx_distributed_group);
 

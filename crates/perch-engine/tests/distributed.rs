@@ -22,12 +22,15 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use mlx_rs::Array;
-use perch_engine::distributed::{self, Backend, PipelineParallel, TensorParallel};
+use perch_engine::distributed::{self, Backend, Division, PipelineParallel, TensorParallel};
 use perch_engine::{generate, models, GenerateRequest, Tokenizer};
 
 const TASK_ENV: &str = "PERCH_TEST_RANK_TASK";
-/// The tensor-parallel task's models: a folder of `tiny_models.py` cases.
+/// The tensor-parallel task's models: a folder of `tiny_models.py` cases (or, with
+/// `PEAKS_ENV` set, one model's folder).
 const MODELS_ENV: &str = "PERCH_TEST_TP_MODELS";
+/// Set: the task measures loading's peak memory ([`load_peaks`]).
+const PEAKS_ENV: &str = "PERCH_TEST_LOAD_PEAKS";
 
 /// A rank: runs only as a child of the tests below (ignored, so it is not a test of its own).
 #[test]
@@ -50,13 +53,14 @@ fn rank() {
     };
     if let "tensor_parallel" | "pipeline_parallel" = split {
         let split = match split {
-            "tensor_parallel" => Split::Tensor(TensorParallel::new(group)),
-            _ => Split::Pipeline(PipelineParallel::new(group)),
+            "tensor_parallel" => Division::Tensor(TensorParallel::new(group)),
+            _ => Division::Pipeline(PipelineParallel::new(group)),
         };
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let result = match dies {
-            true => dies_mid_request(split, &models),
-            false => divided(split, &models),
+        let result = match (dies, std::env::var(PEAKS_ENV)) {
+            (true, _) => dies_mid_request(split, &models),
+            (false, Ok(_)) => load_peaks(split, &models),
+            (false, Err(_)) => divided(split, &models),
         };
         println!("{result}");
         return;
@@ -122,32 +126,20 @@ fn prompt_logits(model: &dyn models::Model, prompt: &[u32]) -> Vec<f32> {
         .to_vec()
 }
 
-/// How the ranks divide a model.
-enum Split {
-    Tensor(TensorParallel),
-    Pipeline(PipelineParallel),
-}
-
-impl Split {
-    fn rank(&self) -> usize {
-        match self {
-            Split::Tensor(tp) => tp.rank(),
-            Split::Pipeline(pp) => pp.rank(),
-        }
-    }
-
-    fn divide(&self, model: &mut dyn models::Model) -> perch_engine::Result<()> {
-        match self {
-            Split::Tensor(tp) => model.shard(tp),
-            Split::Pipeline(pp) => model.pipeline(pp),
-        }
+/// `model` divided as `division` says, once loaded whole.
+fn divide(division: &Division, model: &mut dyn models::Model) -> perch_engine::Result<()> {
+    match division {
+        Division::Tensor(tp) => model.shard(tp),
+        Division::Pipeline(pp) => model.pipeline(pp),
     }
 }
 
-/// This rank's part of every model in `models` (one folder a case): the largest difference of
-/// its prompt's logits from mlx_lm's (and the largest logit), the same with projections fused at
-/// load, and greedy ids through `generate`; or why the model cannot be divided so.
-fn divided(split: Split, models: &Path) -> serde_json::Value {
+/// This rank's part of every model in `models` (one folder a case), loaded alone
+/// (`models::load_divided`): the largest difference of its prompt's logits from mlx_lm's (and the
+/// largest logit), the same with projections fused at load and the model divided once loaded
+/// whole (`Model::shard`, `Model::pipeline`), and greedy ids through `generate`; or why the
+/// model cannot be divided so.
+fn divided(split: Division, models: &Path) -> serde_json::Value {
     let mut cases: Vec<PathBuf> = std::fs::read_dir(models)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -159,11 +151,19 @@ fn divided(split: Split, models: &Path) -> serde_json::Value {
         let expected: Expected =
             serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap())
                 .unwrap();
-        let mut model = models::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
-        if let Err(e) = split.divide(model.as_mut()) {
-            results.insert(name, serde_json::json!({ "error": e.to_string() }));
-            continue;
-        }
+        let model = match models::load_divided(&dir, &split) {
+            Ok(model) => model,
+            Err(e) => {
+                // The same refusal once loaded whole.
+                let mut whole = models::load(&dir).unwrap_or_else(|e| panic!("{name}: {e}"));
+                let after = divide(&split, whole.as_mut()).expect_err("divided once loaded");
+                results.insert(
+                    name,
+                    serde_json::json!({ "error": e.to_string(), "error_after_load": after.to_string() }),
+                );
+                continue;
+            }
+        };
         let difference = |model: &dyn models::Model| -> f32 {
             let ours = prompt_logits(model, &expected.prompt_ids);
             assert_eq!(ours.len(), expected.logits.len(), "{name}: logits");
@@ -188,9 +188,7 @@ fn divided(split: Split, models: &Path) -> serde_json::Value {
         let fused = models::load(&dir);
         std::env::remove_var("PERCH_FUSED_PROJECTIONS");
         let mut fused = fused.unwrap_or_else(|e| panic!("{name}: {e}"));
-        split
-            .divide(fused.as_mut())
-            .unwrap_or_else(|e| panic!("{name}, fused: {e}"));
+        divide(&split, fused.as_mut()).unwrap_or_else(|e| panic!("{name}, fused: {e}"));
         let case = serde_json::json!({
                 "difference": difference(model.as_ref()),
                 "fused_difference": difference(fused.as_ref()),
@@ -203,19 +201,33 @@ fn divided(split: Split, models: &Path) -> serde_json::Value {
     serde_json::json!({ "rank": split.rank(), "cases": results })
 }
 
+/// MLX's peak memory while loading the model in `dir`: this rank's part alone
+/// (`models::load_divided`), then the whole model.
+fn load_peaks(split: Division, dir: &Path) -> serde_json::Value {
+    use perch_engine::device::{memory_stats, reset_peak_memory};
+    reset_peak_memory();
+    let part = models::load_divided(dir, &split).unwrap();
+    let divided = memory_stats().peak_bytes;
+    drop(part);
+    reset_peak_memory();
+    let whole = models::load(dir).unwrap();
+    let whole_peak = memory_stats().peak_bytes;
+    drop(whole);
+    serde_json::json!({ "rank": split.rank(), "divided": divided, "whole": whole_peak })
+}
+
 /// Greedy generation on the one model in `models`, divided by `split`, during which rank 1 exits
 /// without a word after its third token: rank 0's result is its error and how long after the
 /// request's start it came (a tiny model's first tokens take milliseconds; rank 0 may meet the
 /// loss before its own third token, waiting for rank 1's part of it).
-fn dies_mid_request(split: Split, models: &Path) -> serde_json::Value {
+fn dies_mid_request(split: Division, models: &Path) -> serde_json::Value {
     let dir = std::fs::read_dir(models)
         .unwrap()
         .next()
         .unwrap()
         .unwrap()
         .path();
-    let mut model = models::load(&dir).unwrap();
-    split.divide(model.as_mut()).unwrap();
+    let model = models::load_divided(&dir, &split).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let mut request = GenerateRequest::new(vec![1, 1690, 198, 2683, 359]);
     request.max_tokens = 64;
@@ -553,12 +565,14 @@ fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)], by_m
             assert_eq!(case["greedy_ids"], case["expected_ids"], "rank {r}, {name}");
         }
         for (name, why) in refused {
-            let error = result["cases"][name]["error"].as_str();
-            assert!(
-                error.is_some_and(|e| e.contains(why)),
-                "rank {r}, {name}: {}",
-                result["cases"][name]
-            );
+            for key in ["error", "error_after_load"] {
+                let error = result["cases"][name][key].as_str();
+                assert!(
+                    error.is_some_and(|e| e.contains(why)),
+                    "rank {r}, {name}: {}",
+                    result["cases"][name]
+                );
+            }
         }
     }
 }
@@ -598,5 +612,32 @@ fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
             .as_f64()
             .unwrap_or_else(|| panic!("{task}: {result}"));
         assert!(s < 10.0, "{task}: the error came {s} s after the peer died");
+    }
+}
+
+/// Loading one stage of two (`models::load_divided`) reads and keeps only that stage's layers:
+/// each rank's peak while loading the test model (30 layers; its embeddings and LM head kept by
+/// both) is well below loading it whole, so other layers are never read (were every tensor read
+/// and then dropped, the peak would be the whole model's).
+#[test]
+fn a_stage_loads_only_its_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = hostfile(dir.path(), 2);
+    let model = common::model_dir();
+    let env = [(MODELS_ENV, model.as_path()), (PEAKS_ENV, Path::new("1"))];
+    let children: Vec<Child> = (0..2)
+        .map(|r| spawn_rank_with(r, &hosts, "pipeline_parallel", &env))
+        .collect();
+    for (r, child) in children.into_iter().enumerate() {
+        let result = result(child, Duration::from_secs(120));
+        assert_eq!(result["rank"], r, "{result}");
+        let (divided, whole) = (
+            result["divided"].as_f64().unwrap(),
+            result["whole"].as_f64().unwrap(),
+        );
+        assert!(
+            divided < 0.75 * whole,
+            "rank {r}: {divided} bytes at most, against {whole} whole"
+        );
     }
 }

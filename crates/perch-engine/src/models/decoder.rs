@@ -7,7 +7,7 @@ use mlx_rs::{ops, Array, Dtype};
 
 use crate::attention::AttentionSpec;
 use crate::attention::KvQuantization;
-use crate::distributed::{PipelineParallel, TensorParallel};
+use crate::distributed::{Division, PipelineParallel, TensorParallel};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::{LayerCaches, Positions};
@@ -1050,6 +1050,25 @@ struct Block {
     layer_scalar: Option<Array>,
 }
 
+impl Block {
+    /// Rank `tp.rank()`'s part of block `i` (see [`Model::shard`]); errors name the layer.
+    fn shard(&self, tp: &TensorParallel, i: usize) -> Result<Block> {
+        let at_layer = |e: EngineError| match e {
+            EngineError::Distributed(why) => EngineError::Distributed(format!("layer {i}: {why}")),
+            other => other,
+        };
+        let mixer = match &self.mixer {
+            Mixer::Attention(attention) => Mixer::Attention(attention.shard(tp).map_err(at_layer)?),
+            Mixer::Linear(net) => Mixer::Linear(net.shard(tp).map_err(at_layer)?),
+        };
+        Ok(Block {
+            mixer,
+            mlp: self.mlp.shard(tp).map_err(at_layer)?,
+            ..self.clone()
+        })
+    }
+}
+
 /// The MLP's own norms of a [`BlockStyle::sandwich_norms`] block.
 #[derive(Clone)]
 struct SandwichNorms {
@@ -1100,7 +1119,31 @@ impl Decoder {
         weights: &mut Weights,
         model_type: &str,
     ) -> Result<Self> {
+        Self::load_divided(config, rope, quantization, weights, model_type, None)
+    }
+
+    /// [`Decoder::load`] of this rank's part alone (`division`): each block divided as soon as
+    /// it is loaded (tensor parallelism), or the blocks of other stages not loaded at all, their
+    /// tensors dropped unread (pipeline parallelism); with lazily read weights
+    /// ([`Weights::load_lazily`]) no more than one whole block is in memory at a time.
+    pub fn load_divided(
+        config: DecoderConfig,
+        rope: Rope,
+        quantization: &Quantization,
+        weights: &mut Weights,
+        model_type: &str,
+        division: Option<&Division>,
+    ) -> Result<Self> {
         let c = &config;
+        let stage = match division {
+            Some(Division::Pipeline(pp)) => {
+                if c.first_kv_shared_layer() < c.num_layers {
+                    return Err(Self::kv_shared_refusal());
+                }
+                Some(pp.layers(c.num_layers as usize)?)
+            }
+            _ => None,
+        };
         let global_head_dim = c.global_attention.map_or(c.head_dim, |g| g.head_dim);
         let rope = rope.for_head_dim(global_head_dim)?;
         let prefix = &c.weight_prefix;
@@ -1125,6 +1168,14 @@ impl Decoder {
         let mut layers = Vec::with_capacity(c.num_layers as usize);
         for i in 0..c.num_layers {
             let p = format!("{prefix}model.layers.{i}");
+            if stage
+                .as_ref()
+                .is_some_and(|own| !own.contains(&(i as usize)))
+            {
+                let layer = format!("{p}.");
+                weights.discard_where(|name| name.starts_with(&layer));
+                continue;
+            }
             let sliding = c.is_sliding_layer(i);
             let window = sliding_window.filter(|_| sliding).map(|s| s.window);
             let shares_kv = i >= first_shared;
@@ -1237,7 +1288,7 @@ impl Decoder {
             let cache =
                 c.kv_source(i)
                     .expect("validated: every layer has a cache to read") as usize;
-            layers.push(Block {
+            let block = Block {
                 mixer,
                 mlp,
                 input_layernorm: inputs_normed
@@ -1251,6 +1302,10 @@ impl Decoder {
                 shares_kv,
                 per_layer_gate,
                 layer_scalar,
+            };
+            layers.push(match division {
+                Some(Division::Tensor(tp)) => block.shard(tp, i as usize)?,
+                _ => block,
             });
         }
         let per_layer = match c.per_layer_inputs {
@@ -1323,7 +1378,7 @@ impl Decoder {
                 feature_scale: None,
                 ..rope.clone()
             });
-        Ok(Self {
+        let mut decoder = Self {
             embed_tokens,
             layers,
             norm: final_norm,
@@ -1344,7 +1399,41 @@ impl Decoder {
             tensor_parallel: None,
             pipeline: None,
             vision: None,
-        })
+        };
+        decoder.mark_divided(division, stage.map_or(0, |own| own.start));
+        Ok(decoder)
+    }
+
+    /// Marks this decoder, whose blocks are already `division`'s part (the stage's, from layer
+    /// `first_layer`), as divided: its caches numbered within the stage, its sizes the rank's.
+    fn mark_divided(&mut self, division: Option<&Division>, first_layer: usize) {
+        match division {
+            Some(Division::Tensor(tp)) => {
+                let n = tp.size();
+                self.info.num_heads /= n;
+                self.info.num_kv_heads /= n;
+                self.info.mlp_width /= n;
+                self.tensor_parallel = Some(tp.clone());
+            }
+            Some(Division::Pipeline(pp)) => {
+                // Cache layers are numbered within the stage: block j's cache is j (no layer
+                // shares another's).
+                for (j, block) in self.layers.iter_mut().enumerate() {
+                    block.cache = j;
+                }
+                self.info.num_layers = self.layers.len();
+                self.pipeline = Some((pp.clone(), first_layer));
+            }
+            None => {}
+        }
+    }
+
+    fn kv_shared_refusal() -> EngineError {
+        EngineError::Distributed(
+            "layers that read another layer's keys and values (Gemma 4) are not split into \
+             stages yet"
+                .into(),
+        )
     }
 
     /// This decoder with a vision-language checkpoint's vision tower, or the reason it was not
@@ -1639,32 +1728,14 @@ impl Model for Decoder {
                 "this model is divided over ranks already".into(),
             ));
         }
-        let mut layers = Vec::with_capacity(self.layers.len());
-        for (i, block) in self.layers.iter().enumerate() {
-            let at_layer = |e: EngineError| match e {
-                EngineError::Distributed(why) => {
-                    EngineError::Distributed(format!("layer {i}: {why}"))
-                }
-                other => other,
-            };
-            let mixer = match &block.mixer {
-                Mixer::Attention(attention) => {
-                    Mixer::Attention(attention.shard(tp).map_err(at_layer)?)
-                }
-                Mixer::Linear(net) => Mixer::Linear(net.shard(tp).map_err(at_layer)?),
-            };
-            layers.push(Block {
-                mixer,
-                mlp: block.mlp.shard(tp).map_err(at_layer)?,
-                ..block.clone()
-            });
-        }
-        let n = tp.size();
+        let layers = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, block)| block.shard(tp, i))
+            .collect::<Result<Vec<Block>>>()?;
         self.layers = layers;
-        self.info.num_heads /= n;
-        self.info.num_kv_heads /= n;
-        self.info.mlp_width /= n;
-        self.tensor_parallel = Some(tp.clone());
+        self.mark_divided(Some(&Division::Tensor(tp.clone())), 0);
         Ok(())
     }
 
@@ -1675,21 +1746,11 @@ impl Model for Decoder {
             ));
         }
         if self.layers.iter().any(|block| block.shares_kv) {
-            return Err(EngineError::Distributed(
-                "layers that read another layer's keys and values (Gemma 4) are not split into \
-                 stages yet"
-                    .into(),
-            ));
+            return Err(Self::kv_shared_refusal());
         }
         let own = pp.layers(self.layers.len())?;
-        // Cache layers are numbered within the stage: block i's cache is i (none shares one).
-        let mut layers: Vec<Block> = self.layers.drain(own.clone()).collect();
-        for (j, block) in layers.iter_mut().enumerate() {
-            block.cache = j;
-        }
-        self.info.num_layers = layers.len();
-        self.layers = layers;
-        self.pipeline = Some((pp.clone(), own.start));
+        self.layers = self.layers.drain(own.clone()).collect();
+        self.mark_divided(Some(&Division::Pipeline(pp.clone())), own.start);
         Ok(())
     }
 

@@ -28,7 +28,7 @@ use serde_json::Value;
 
 use crate::attention::KvQuantization;
 use crate::device::Backend;
-use crate::distributed::{PipelineParallel, TensorParallel};
+use crate::distributed::{Division, PipelineParallel, TensorParallel};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::slot_cache::SlotKvCache;
@@ -415,22 +415,46 @@ pub fn load_with_progress(
     model_dir: &Path,
     progress: &mut dyn FnMut(LoadProgress),
 ) -> Result<Box<dyn Model>> {
+    load_part(model_dir, None, progress)
+}
+
+/// [`load`] of this rank's part of the model alone (`division`: [`Model::shard`]'s or
+/// [`Model::pipeline`]'s), reading the weights as the layers take them
+/// ([`Weights::load_lazily`]): another stage's layers are never read, and a layer divided by
+/// heads is whole in memory only while it is divided. The same model as loading it whole and
+/// dividing it after.
+pub fn load_divided(model_dir: &Path, division: &Division) -> Result<Box<dyn Model>> {
+    load_part(model_dir, Some(division), &mut |_| {})
+}
+
+/// [`load_with_progress`], or [`load_divided`] with `division` (no progress then).
+fn load_part(
+    model_dir: &Path,
+    division: Option<&Division>,
+    progress: &mut dyn FnMut(LoadProgress),
+) -> Result<Box<dyn Model>> {
     let config_path = model_dir.join("config.json");
     let config = read_config(&config_path)?;
     let (model_type, loader, quantization) = resolve_config(&config, &config_path)?;
-    let mut weights = Weights::load_with_progress(model_dir, Backend::current(), progress)?;
+    let mut weights = match division {
+        None => Weights::load_with_progress(model_dir, Backend::current(), progress)?,
+        Some(division) => {
+            Weights::load_lazily(model_dir, Backend::current(), 1.0 / division.size() as f64)?
+        }
+    };
     let resolved = loader(LoadContext {
         config: &config,
         config_path: &config_path,
         weights: &mut weights,
     })?;
     let model: Box<dyn Model> = Box::new(
-        Decoder::load(
+        Decoder::load_divided(
             resolved.config,
             resolved.rope,
             &quantization,
             &mut weights,
             &resolved.model_type,
+            division,
         )?
         .with_vision(resolved.vision),
     );

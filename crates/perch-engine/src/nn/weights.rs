@@ -103,6 +103,45 @@ impl Weights {
         Ok(weights)
     }
 
+    /// [`Weights::load`] reading no tensor yet: every header is validated and the room checked
+    /// for `share` of what the tensors take (a rank's part of a divided model) plus the largest
+    /// tensor, then each tensor is read from its file when it is first evaluated (by the layer
+    /// that takes it), so that tensors dropped unread (another stage's layers) cost nothing and
+    /// a layer divided as it loads holds its whole tensors only meanwhile. A file damaged past
+    /// its header fails where its tensor is read, still within the model's load.
+    pub fn load_lazily(model_dir: &Path, backend: Backend, share: f64) -> Result<Self> {
+        let mut weights = Self::empty(backend);
+        let files = shard_files(model_dir)?;
+        let (mut resident, mut largest) = (0, 0);
+        for file in &files {
+            let (kept, cast) = validated_resident_bytes(file, backend)?;
+            resident += kept;
+            largest = largest.max(cast);
+        }
+        check_room(
+            model_dir,
+            (resident as f64 * share) as u64 + largest,
+            backend,
+        )?;
+        for file in &files {
+            let loaded =
+                Array::load_safetensors(file).map_err(|e| EngineError::CorruptWeights {
+                    path: file.clone(),
+                    message: e.to_string(),
+                })?;
+            for (name, tensor) in loaded {
+                // As `load_with_progress`: decay rates stay in their stored dtype.
+                let tensor = if name.ends_with("A_log") {
+                    tensor
+                } else {
+                    weights.cast(tensor)?
+                };
+                weights.tensors.insert(name, tensor);
+            }
+        }
+        Ok(weights)
+    }
+
     /// No tensors: every [`Weights::take`] is [`EngineError::MissingWeight`].
     pub(crate) fn empty(backend: Backend) -> Self {
         Self {
