@@ -175,19 +175,6 @@ impl TensorParallel {
         }
     }
 
-    pub fn rank(&self) -> usize {
-        self.group.rank
-    }
-
-    pub fn size(&self) -> usize {
-        self.group.size
-    }
-
-    /// The ranks' partial outputs added up, on every rank. Lazy.
-    pub fn all_sum(&self, x: &Array) -> Result<Array> {
-        self.group.all_sum(x)
-    }
-
     /// Each rank's share of `n` `what` (`"query heads"`): `n / size`, or an error saying why
     /// `n` cannot be divided.
     pub fn part(&self, what: &str, n: i32) -> Result<i32> {
@@ -218,23 +205,28 @@ impl PipelineParallel {
         }
     }
 
-    pub fn rank(&self) -> usize {
-        self.group.rank
-    }
-
-    pub fn size(&self) -> usize {
-        self.group.size
-    }
-
     /// The layers of `num_layers` this rank holds: an even split in reverse rank order, the low
     /// ranks taking one more where it does not divide (mlx_lm's default split). Errors when
     /// some rank would hold none.
     pub fn layers(&self, num_layers: usize) -> Result<std::ops::Range<usize>> {
         stage_layers(num_layers, self.rank(), self.size())
     }
+}
 
-    /// The group, for the stages' sends, receives and gathers.
-    pub fn group(&self) -> &Group {
+/// Each split is its group: rank, size and collectives (`all_sum` after a tensor-parallel part;
+/// `send`, `recv_like` and `all_gather` between stages).
+impl std::ops::Deref for TensorParallel {
+    type Target = Group;
+
+    fn deref(&self) -> &Group {
+        &self.group
+    }
+}
+
+impl std::ops::Deref for PipelineParallel {
+    type Target = Group;
+
+    fn deref(&self) -> &Group {
         &self.group
     }
 }

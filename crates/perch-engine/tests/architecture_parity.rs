@@ -489,7 +489,10 @@ fn hybrid_speculation(
 fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: &[f32]) {
     let mut model = models::load(dir).unwrap();
     model.compile_recurrence(true);
-    let diff = largest_difference(&prompt_logits(model.as_ref(), expected), uncompiled);
+    let diff = largest_difference(
+        &common::prompt_logits(model.as_ref(), &expected.prompt_ids),
+        uncompiled,
+    );
     assert!(
         diff <= 1e-5,
         "{name}: compiled recurrence changed logits by {diff}"
@@ -516,29 +519,13 @@ fn fused_input_projections(dir: &Path, name: &str, expected: &Expected) {
     let model = models::load(dir);
     std::env::remove_var("PERCH_FUSED_PROJECTIONS");
     let diff = largest_difference(
-        &prompt_logits(model.unwrap().as_ref(), expected),
+        &common::prompt_logits(model.unwrap().as_ref(), &expected.prompt_ids),
         &expected.logits,
     );
     assert!(
         diff <= 1e-4,
         "{name}: with fused projections, logits differ from mlx_lm by {diff}"
     );
-}
-
-/// `model`'s logits over the expected prompt, every position, float32, flattened.
-fn prompt_logits(model: &dyn models::Model, expected: &Expected) -> Vec<f32> {
-    let n = expected.prompt_ids.len() as i32;
-    let mut cache = model.make_cache(None);
-    model
-        .forward_sequence(
-            &Array::from_slice(&expected.prompt_ids, &[1, n]),
-            &mut cache,
-        )
-        .unwrap()
-        .as_dtype(mlx_rs::Dtype::Float32)
-        .unwrap()
-        .as_slice::<f32>()
-        .to_vec()
 }
 
 /// The largest |a - b| over two equally long lists.

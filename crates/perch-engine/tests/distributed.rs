@@ -111,21 +111,6 @@ fn largest(values: &mut dyn Iterator<Item = f32>) -> f32 {
     values.fold(0.0f32, f32::max)
 }
 
-/// `model`'s logits over `prompt`, every position, float32, flattened.
-fn prompt_logits(model: &dyn models::Model, prompt: &[u32]) -> Vec<f32> {
-    let mut cache = model.make_cache(None);
-    model
-        .forward_sequence(
-            &Array::from_slice(prompt, &[1, prompt.len() as i32]),
-            &mut cache,
-        )
-        .unwrap()
-        .as_dtype(mlx_rs::Dtype::Float32)
-        .unwrap()
-        .as_slice::<f32>()
-        .to_vec()
-}
-
 /// `model` divided as `division` says, once loaded whole.
 fn divide(division: &Division, model: &mut dyn models::Model) -> perch_engine::Result<()> {
     match division {
@@ -165,7 +150,7 @@ fn divided(split: Division, models: &Path) -> serde_json::Value {
             }
         };
         let difference = |model: &dyn models::Model| -> f32 {
-            let ours = prompt_logits(model, &expected.prompt_ids);
+            let ours = common::prompt_logits(model, &expected.prompt_ids);
             assert_eq!(ours.len(), expected.logits.len(), "{name}: logits");
             largest(
                 &mut ours

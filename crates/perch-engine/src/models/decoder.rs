@@ -1498,7 +1498,7 @@ impl Decoder {
         let first_layer = match &self.pipeline {
             Some((pp, first)) => {
                 if pp.rank() + 1 < pp.size() {
-                    h = pp.group().recv_like(&h, pp.rank() + 1)?;
+                    h = pp.recv_like(&h, pp.rank() + 1)?;
                 }
                 *first
             }
@@ -1563,10 +1563,10 @@ impl Decoder {
             // Each stage but the last (rank 0) hands its states on; rank 0's final states go to
             // every rank (the first rows of the gather), so that every rank computes the logits.
             if pp.rank() > 0 {
-                h = pp.group().send(&h, pp.rank() - 1)?;
+                h = pp.send(&h, pp.rank() - 1)?;
             }
             let rows = h.shape()[0];
-            let gathered = pp.group().all_gather(&h)?;
+            let gathered = pp.all_gather(&h)?;
             let mut stop = gathered.shape().to_vec();
             stop[0] = rows;
             h = slice(&gathered, &vec![0; stop.len()], &stop)?;

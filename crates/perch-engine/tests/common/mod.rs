@@ -223,3 +223,19 @@ pub fn drive(
         .map(|o| o.expect("all finished"))
         .collect()
 }
+
+/// `model`'s logits over `prompt` (one sequence, its own caches), every position, float32,
+/// flattened.
+pub fn prompt_logits(model: &dyn perch_engine::models::Model, prompt: &[u32]) -> Vec<f32> {
+    let mut cache = model.make_cache(None);
+    model
+        .forward_sequence(
+            &mlx_rs::Array::from_slice(prompt, &[1, prompt.len() as i32]),
+            &mut cache,
+        )
+        .unwrap()
+        .as_dtype(mlx_rs::Dtype::Float32)
+        .unwrap()
+        .as_slice::<f32>()
+        .to_vec()
+}
