@@ -15,6 +15,9 @@ pub struct Weights {
     tensors: HashMap<String, Array>,
     /// Floating-point tensors are cast to the backend's compute dtype when taken.
     backend: Backend,
+    /// Lazily read weights ([`Weights::load_lazily`]): the file each tensor not read yet is
+    /// read from when it is taken.
+    unread: HashMap<String, PathBuf>,
 }
 
 /// How far a model load has come: bytes of weight files read, of their total size.
@@ -105,10 +108,10 @@ impl Weights {
 
     /// [`Weights::load`] reading no tensor yet: every header is validated and the room checked
     /// for `share` of what the tensors take (a rank's part of a divided model) plus the largest
-    /// tensor, then each tensor is read from its file when it is first evaluated (by the layer
-    /// that takes it), so that tensors dropped unread (another stage's layers) cost nothing and
-    /// a layer divided as it loads holds its whole tensors only meanwhile. A file damaged past
-    /// its header fails where its tensor is read, still within the model's load.
+    /// tensor, then each tensor is read (cast and evaluated) when a layer takes it
+    /// ([`Weights::take`]), so that tensors dropped unread (another stage's layers) cost nothing
+    /// and a layer divided as it loads holds its whole tensors only meanwhile. A file damaged
+    /// past its header fails where its tensor is taken, within the model's load.
     pub fn load_lazily(model_dir: &Path, backend: Backend, share: f64) -> Result<Self> {
         let mut weights = Self::empty(backend);
         let files = shard_files(model_dir)?;
@@ -136,6 +139,7 @@ impl Weights {
                 } else {
                     weights.cast(tensor)?
                 };
+                weights.unread.insert(name.clone(), file.clone());
                 weights.tensors.insert(name, tensor);
             }
         }
@@ -147,6 +151,7 @@ impl Weights {
         Self {
             tensors: HashMap::new(),
             backend,
+            unread: HashMap::new(),
         }
     }
 
@@ -174,11 +179,19 @@ impl Weights {
 
     /// Removes and returns a tensor (already in the compute dtype when it is floating point).
     pub fn take(&mut self, name: &str) -> Result<Array> {
-        self.tensors
+        let tensor = self
+            .tensors
             .remove(name)
             .ok_or_else(|| EngineError::MissingWeight {
                 name: name.to_string(),
-            })
+            })?;
+        if let Some(path) = self.unread.remove(name) {
+            tensor.eval().map_err(|e| EngineError::CorruptWeights {
+                path,
+                message: e.to_string(),
+            })?;
+        }
+        Ok(tensor)
     }
 
     /// Like [`Weights::take`], checking the shape.
@@ -191,12 +204,14 @@ impl Weights {
     /// Drops tensors a model does not use (e.g. precomputed rotary frequencies).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);
+        self.unread.remove(name);
     }
 
     /// Drops every tensor whose name `unused` accepts (e.g. a multimodal checkpoint's vision
     /// tower, when only its text model is loaded).
     pub fn discard_where(&mut self, unused: impl Fn(&str) -> bool) {
         self.tensors.retain(|name, _| !unused(name));
+        self.unread.retain(|name, _| !unused(name));
     }
 
     /// Renames every tensor whose name starts with `from` to start with `to` instead (a
@@ -210,9 +225,12 @@ impl Weights {
             .cloned()
             .collect();
         for name in names {
+            let renamed = format!("{to}{}", &name[from.len()..]);
+            if let Some(file) = self.unread.remove(&name) {
+                self.unread.insert(renamed.clone(), file);
+            }
             if let Some(tensor) = self.tensors.remove(&name) {
-                self.tensors
-                    .insert(format!("{to}{}", &name[from.len()..]), tensor);
+                self.tensors.insert(renamed, tensor);
             }
         }
     }
