@@ -16,7 +16,7 @@ use crate::models::moe::{MlpAndExperts, MoeConfig, MoeStyle, SparseMoe};
 use crate::models::vision::VisionTower;
 use crate::models::{within, Model, ModelInfo, Output, Spliced};
 use crate::nn::layers::{
-    gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope, Shard,
+    gelu_approx, Activation, Embedding, Linear, Mlp, Quantization, RmsNorm, Rope, Shard, ShardParts,
 };
 use crate::nn::mlx_ext::slice;
 use crate::nn::rope_kernel;
@@ -814,13 +814,11 @@ impl Attention {
             Qkv::QueriesOnly(q_proj) => Qkv::QueriesOnly(out(q_proj)?),
         };
         let sinks = match &self.sinks {
-            Some(sinks) => {
-                let from = rank as i32 * num_heads;
-                let part = slice(sinks, &[from], &[from + num_heads])?;
-                let part = ops::multiply(&part, &Array::from_int(1).as_dtype(part.dtype())?)?;
-                part.eval()?;
-                Some(part)
-            }
+            Some(sinks) => Some(
+                ShardParts::new(&[self.num_heads], self.num_heads, rank, size)
+                    .map_err(EngineError::Distributed)?
+                    .take(sinks, 0, (1, 1))?,
+            ),
             None => None,
         };
         Ok(Self {
@@ -1100,12 +1098,11 @@ pub struct Decoder {
     per_layer: Option<PerLayerEmbedding>,
     final_logit_softcap: Option<f32>,
     info: ModelInfo,
-    /// The group whose ranks each hold a part of every block ([`Model::shard`]); `None`: all of
-    /// it is here.
-    tensor_parallel: Option<TensorParallel>,
-    /// The pipeline this decoder is a stage of, and the index of its first layer in the whole
-    /// model ([`Model::pipeline`]); `None`: every layer is here.
-    pipeline: Option<(PipelineParallel, usize)>,
+    /// How this decoder is divided over its group's ranks ([`Model::shard`]: a part of every
+    /// block; [`Model::pipeline`]: a stage of blocks); `None`: all of it is here.
+    division: Option<Division>,
+    /// The index in the whole model of `layers[0]` (a pipeline stage's first layer; else 0).
+    first_layer: usize,
     /// A vision-language checkpoint's vision tower (or why it was not loaded).
     vision: Option<std::result::Result<VisionTower, String>>,
 }
@@ -1396,8 +1393,8 @@ impl Decoder {
             per_layer,
             final_logit_softcap: c.style.final_logit_softcap,
             info,
-            tensor_parallel: None,
-            pipeline: None,
+            division: None,
+            first_layer: 0,
             vision: None,
         };
         decoder.mark_divided(division, stage.map_or(0, |own| own.start));
@@ -1413,18 +1410,27 @@ impl Decoder {
                 self.info.num_heads /= n;
                 self.info.num_kv_heads /= n;
                 self.info.mlp_width /= n;
-                self.tensor_parallel = Some(tp.clone());
             }
-            Some(Division::Pipeline(pp)) => {
+            Some(Division::Pipeline(_)) => {
                 // Cache layers are numbered within the stage: block j's cache is j (no layer
                 // shares another's).
                 for (j, block) in self.layers.iter_mut().enumerate() {
                     block.cache = j;
                 }
                 self.info.num_layers = self.layers.len();
-                self.pipeline = Some((pp.clone(), first_layer));
+                self.first_layer = first_layer;
             }
             None => {}
+        }
+        self.division = division.cloned();
+    }
+
+    fn refuse_if_divided(&self) -> Result<()> {
+        match self.division {
+            Some(_) => Err(EngineError::Distributed(
+                "this model is divided over ranks already".into(),
+            )),
+            None => Ok(()),
         }
     }
 
@@ -1495,20 +1501,16 @@ impl Decoder {
         };
         // A stage after the first receives the hidden states of the stage before it (the next
         // rank).
-        let first_layer = match &self.pipeline {
-            Some((pp, first)) => {
-                if pp.rank() + 1 < pp.size() {
-                    h = pp.recv_like(&h, pp.rank() + 1)?;
-                }
-                *first
+        if let Some(Division::Pipeline(pp)) = &self.division {
+            if pp.rank() + 1 < pp.size() {
+                h = pp.recv_like(&h, pp.rank() + 1)?;
             }
-            None => 0,
-        };
+        }
         // The last block's feed-forward output not yet added to `h`: added by the next block's
         // input norm in one kernel where there is one (`RmsNorm::add_forward`).
         let mut pending: Option<Array> = None;
         for (j, layer) in self.layers.iter().enumerate() {
-            let i = first_layer + j;
+            let i = self.first_layer + j;
             let rope = match (&self.local_rope, layer.sliding) {
                 _ if !layer.rope => None,
                 (Some(local), true) => Some(local),
@@ -1559,7 +1561,7 @@ impl Decoder {
         if let Some(r) = pending {
             h = ops::add(&h, &r)?;
         }
-        if let Some((pp, _)) = &self.pipeline {
+        if let Some(Division::Pipeline(pp)) = &self.division {
             // Each stage but the last (rank 0) hands its states on; rank 0's final states go to
             // every rank (the first rows of the gather), so that every rank computes the logits.
             if pp.rank() > 0 {
@@ -1577,9 +1579,9 @@ impl Decoder {
     /// A block part's output `[batch, seq, hidden]`: under tensor parallelism this rank's
     /// partial sum, added up over the ranks; otherwise as it is.
     fn ranks_sum(&self, part: Array) -> Result<Array> {
-        match &self.tensor_parallel {
-            Some(tp) => tp.all_sum(&part),
-            None => Ok(part),
+        match &self.division {
+            Some(Division::Tensor(tp)) => tp.all_sum(&part),
+            _ => Ok(part),
         }
     }
 
@@ -1714,7 +1716,7 @@ impl Model for Decoder {
             // evaluating them alone would leave the next stage waiting: the pass is evaluated
             // here, every stage's send and gather with it (mlx_lm ties the send to the last
             // cache with `depends`). Only prompt chunks pass here, never a traced step.
-            Output::CacheOnly if self.pipeline.is_some() => {
+            Output::CacheOnly if matches!(self.division, Some(Division::Pipeline(_))) => {
                 h.eval()?;
                 Ok(None)
             }
@@ -1723,11 +1725,7 @@ impl Model for Decoder {
     }
 
     fn shard(&mut self, tp: &TensorParallel) -> Result<()> {
-        if self.tensor_parallel.is_some() || self.pipeline.is_some() {
-            return Err(EngineError::Distributed(
-                "this model is divided over ranks already".into(),
-            ));
-        }
+        self.refuse_if_divided()?;
         let layers = self
             .layers
             .iter()
@@ -1740,11 +1738,7 @@ impl Model for Decoder {
     }
 
     fn pipeline(&mut self, pp: &PipelineParallel) -> Result<()> {
-        if self.tensor_parallel.is_some() || self.pipeline.is_some() {
-            return Err(EngineError::Distributed(
-                "this model is divided over ranks already".into(),
-            ));
-        }
+        self.refuse_if_divided()?;
         if self.layers.iter().any(|block| block.shares_kv) {
             return Err(Self::kv_shared_refusal());
         }

@@ -330,13 +330,7 @@ impl SwitchLinear {
         rank: usize,
         size: usize,
     ) -> Result<Self> {
-        let (experts, outputs, inputs) = match &self.weight {
-            SwitchWeight::Dense(w) => (w.shape()[0], w.shape()[1], w.shape()[2]),
-            SwitchWeight::Quantized { scales, params, .. } => {
-                let s = scales.shape();
-                (s[0], s[1], s[2] * params.group_size)
-            }
-        };
+        let [experts, outputs, inputs] = self.weight.shape();
         let (axis, divided) = match shard {
             Shard::Outputs => (1, outputs),
             Shard::Inputs => (2, inputs),
@@ -345,10 +339,7 @@ impl SwitchLinear {
             EngineError::Distributed(format!(
                 "{experts} experts of {inputs} inputs and {outputs} outputs cannot be divided by \
                  their {} over {size} ranks: {why}",
-                match shard {
-                    Shard::Outputs => "outputs",
-                    Shard::Inputs => "inputs",
-                }
+                shard
             ))
         };
         let parts =
@@ -399,6 +390,17 @@ impl SwitchLinear {
 }
 
 impl SwitchWeight {
+    /// `[experts, out, in]` (a quantized weight's `in` from its scales' groups).
+    fn shape(&self) -> [i32; 3] {
+        match self {
+            SwitchWeight::Dense(w) => [w.shape()[0], w.shape()[1], w.shape()[2]],
+            SwitchWeight::Quantized { scales, params, .. } => {
+                let s = scales.shape();
+                [s[0], s[1], s[2] * params.group_size]
+            }
+        }
+    }
+
     /// `self` and `other` joined along `axis` (the weights, and the scales and quantization
     /// biases alike), evaluated, when both are dense in one dtype or quantized with the same
     /// parameters, scales of one dtype and biases alike; `None` otherwise.
@@ -512,10 +514,7 @@ impl SwitchGlu {
                 up: up.shard(Shard::Outputs, None, rank, size)?,
             },
             GateUp::Fused(both) => {
-                let half = match &both.weight {
-                    SwitchWeight::Dense(w) => w.shape()[1] / 2,
-                    SwitchWeight::Quantized { scales, .. } => scales.shape()[1] / 2,
-                };
+                let half = both.weight.shape()[1] / 2;
                 GateUp::Fused(both.shard(Shard::Outputs, Some(&[half, half]), rank, size)?)
             }
         };

@@ -548,6 +548,16 @@ impl ShardParts {
     }
 }
 
+/// What a shard divides: "outputs" or "inputs" (for messages).
+impl std::fmt::Display for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Shard::Outputs => "outputs",
+            Shard::Inputs => "inputs",
+        })
+    }
+}
+
 /// A linear layer `y = x W^T (+ b)` with `W` `[out, in]`, dense or quantized.
 #[derive(Clone)]
 pub enum Linear {
@@ -659,10 +669,7 @@ impl Linear {
             Err(EngineError::Distributed(format!(
                 "a layer of {inputs} inputs and {outputs} outputs cannot be divided by its \
                  {} over {size} ranks: {why}",
-                match shard {
-                    Shard::Outputs => "outputs",
-                    Shard::Inputs => "inputs",
-                }
+                shard
             )))
         };
         let parts = match ShardParts::new(segments, divided, rank, size) {

@@ -15,9 +15,9 @@ pub struct Weights {
     tensors: HashMap<String, Array>,
     /// Floating-point tensors are cast to the backend's compute dtype when taken.
     backend: Backend,
-    /// Lazily read weights ([`Weights::load_lazily`]): the file each tensor not read yet is
-    /// read from when it is taken.
-    unread: HashMap<String, PathBuf>,
+    /// Read lazily ([`Weights::load_lazily`]): the model's folder, named when a tensor taken
+    /// cannot be read.
+    lazily_from: Option<PathBuf>,
 }
 
 /// How far a model load has come: bytes of weight files read, of their total size.
@@ -68,12 +68,7 @@ impl Weights {
         // Every header is checked, and what the tensors take once cast counted, before any
         // tensor is read.
         // The peak: everything kept, and the largest tensor's stored copy while it is cast.
-        let (mut resident, mut largest_cast) = (0, 0);
-        for file in &files {
-            let (kept, cast) = validated_resident_bytes(file, backend)?;
-            resident += kept;
-            largest_cast = largest_cast.max(cast);
-        }
+        let (resident, largest_cast) = validated_sizes(&files, backend)?;
         check_room(model_dir, resident + largest_cast, backend)?;
         progress(report);
         let mut files_done = 0;
@@ -87,13 +82,7 @@ impl Weights {
             for (name, tensor) in loaded {
                 // Stored bytes (before the cast); the file's header is counted at its end.
                 in_file += tensor.nbytes() as u64;
-                // mlx_lm keeps Gated DeltaNet's decay rates (`A_log`) in their stored dtype
-                // (its `cast_predicate`); everything else floating point is cast.
-                let tensor = if name.ends_with("A_log") {
-                    tensor
-                } else {
-                    weights.cast(tensor)?
-                };
+                let tensor = weights.for_backend(&name, tensor)?;
                 tensor.eval().map_err(|e| corrupt(&e))?;
                 weights.tensors.insert(name, tensor);
                 report.bytes_read = files_done + in_file.min(size);
@@ -114,13 +103,9 @@ impl Weights {
     /// past its header fails where its tensor is taken, within the model's load.
     pub fn load_lazily(model_dir: &Path, backend: Backend, share: f64) -> Result<Self> {
         let mut weights = Self::empty(backend);
+        weights.lazily_from = Some(model_dir.to_path_buf());
         let files = shard_files(model_dir)?;
-        let (mut resident, mut largest) = (0, 0);
-        for file in &files {
-            let (kept, cast) = validated_resident_bytes(file, backend)?;
-            resident += kept;
-            largest = largest.max(cast);
-        }
+        let (resident, largest) = validated_sizes(&files, backend)?;
         check_room(
             model_dir,
             (resident as f64 * share) as u64 + largest,
@@ -133,13 +118,7 @@ impl Weights {
                     message: e.to_string(),
                 })?;
             for (name, tensor) in loaded {
-                // As `load_with_progress`: decay rates stay in their stored dtype.
-                let tensor = if name.ends_with("A_log") {
-                    tensor
-                } else {
-                    weights.cast(tensor)?
-                };
-                weights.unread.insert(name.clone(), file.clone());
+                let tensor = weights.for_backend(&name, tensor)?;
                 weights.tensors.insert(name, tensor);
             }
         }
@@ -151,7 +130,7 @@ impl Weights {
         Self {
             tensors: HashMap::new(),
             backend,
-            unread: HashMap::new(),
+            lazily_from: None,
         }
     }
 
@@ -185,9 +164,10 @@ impl Weights {
             .ok_or_else(|| EngineError::MissingWeight {
                 name: name.to_string(),
             })?;
-        if let Some(path) = self.unread.remove(name) {
+        // Read now, so that a read error is the load's (evaluating a read tensor is nothing).
+        if let Some(dir) = &self.lazily_from {
             tensor.eval().map_err(|e| EngineError::CorruptWeights {
-                path,
+                path: dir.clone(),
                 message: e.to_string(),
             })?;
         }
@@ -204,14 +184,12 @@ impl Weights {
     /// Drops tensors a model does not use (e.g. precomputed rotary frequencies).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);
-        self.unread.remove(name);
     }
 
     /// Drops every tensor whose name `unused` accepts (e.g. a multimodal checkpoint's vision
     /// tower, when only its text model is loaded).
     pub fn discard_where(&mut self, unused: impl Fn(&str) -> bool) {
         self.tensors.retain(|name, _| !unused(name));
-        self.unread.retain(|name, _| !unused(name));
     }
 
     /// Renames every tensor whose name starts with `from` to start with `to` instead (a
@@ -225,12 +203,9 @@ impl Weights {
             .cloned()
             .collect();
         for name in names {
-            let renamed = format!("{to}{}", &name[from.len()..]);
-            if let Some(file) = self.unread.remove(&name) {
-                self.unread.insert(renamed.clone(), file);
-            }
             if let Some(tensor) = self.tensors.remove(&name) {
-                self.tensors.insert(renamed, tensor);
+                self.tensors
+                    .insert(format!("{to}{}", &name[from.len()..]), tensor);
             }
         }
     }
@@ -240,6 +215,16 @@ impl Weights {
         let mut names: Vec<String> = self.tensors.keys().cloned().collect();
         names.sort();
         names
+    }
+
+    /// A tensor as read, in the backend's compute dtype when floating point, but Gated
+    /// DeltaNet's decay rates (`A_log`), which mlx_lm keeps in their stored dtype (its
+    /// `cast_predicate`).
+    fn for_backend(&self, name: &str, tensor: Array) -> Result<Array> {
+        match name.ends_with("A_log") {
+            true => Ok(tensor),
+            false => self.cast(tensor),
+        }
     }
 
     fn cast(&self, tensor: Array) -> Result<Array> {
@@ -359,6 +344,18 @@ pub(crate) fn validate_safetensors(path: &Path) -> Result<()> {
 
 /// [`validate_safetensors`] and what the file's tensors take once loaded on `backend` with
 /// its largest cast tensor's stored bytes ([`resident_bytes`]), from one reading of the header.
+/// Every file's header validated ([`validated_resident_bytes`]): the bytes all tensors take once
+/// cast, and the largest tensor's stored copy while it is cast.
+fn validated_sizes(files: &[PathBuf], backend: Backend) -> Result<(u64, u64)> {
+    let (mut resident, mut largest_cast) = (0, 0);
+    for file in files {
+        let (kept, cast) = validated_resident_bytes(file, backend)?;
+        resident += kept;
+        largest_cast = largest_cast.max(cast);
+    }
+    Ok((resident, largest_cast))
+}
+
 fn validated_resident_bytes(path: &Path, backend: Backend) -> Result<(u64, u64)> {
     resident_bytes(&map_file(path)?, backend).map_err(|message| EngineError::CorruptWeights {
         path: path.to_path_buf(),
