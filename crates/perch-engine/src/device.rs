@@ -51,13 +51,20 @@ impl Backend {
 /// MLX's switch for its CUDA caches' thrashing check (see [`prepare_mlx_environment`]).
 pub const CACHE_THRASHING_CHECK: &str = "MLX_ENABLE_CACHE_THRASHING_CHECK";
 
-/// The value [`prepare_mlx_environment`] gives [`CACHE_THRASHING_CHECK`] when the variable is
-/// `current`: `Some("0")` (off) when unset, `None` (leave it) when the user set it.
-pub fn cache_thrashing_check_setting(current: Option<&str>) -> Option<&'static str> {
-    match current {
-        None => Some("0"),
-        Some(_) => None,
+/// What [`prepare_mlx_environment`] sets, given how the variables are now (`current`) and
+/// whether this is macOS: each variable the user has not set, with Perch's value. The cache
+/// thrashing check goes off ("0"); outside macOS a CUDA graph holds [`CUDA_OPS_PER_GRAPH`]
+/// operations (on macOS the variable sizes Metal's command buffers, which MLX sizes per chip).
+pub fn mlx_environment_settings(
+    current: impl Fn(&str) -> Option<String>,
+    macos: bool,
+) -> Vec<(&'static str, String)> {
+    let mut settings = vec![(CACHE_THRASHING_CHECK, "0".to_owned())];
+    if !macos {
+        settings.push((MAX_OPS_PER_BUFFER, CUDA_OPS_PER_GRAPH.to_string()));
     }
+    settings.retain(|(name, _)| current(name).is_none());
+    settings
 }
 
 /// Sets, for this process, what MLX reads from the environment before its first GPU call; call
@@ -70,7 +77,8 @@ pub fn cache_thrashing_check_setting(current: Option<&str>) -> Option<&'static s
 /// Perch buckets shapes so that a run meets few, but a menu-bar app or server lives for days of
 /// prompts of every length: the check goes off unless the user set [`CACHE_THRASHING_CHECK`].
 /// The caches stay bounded; a shape met again after its eviction is planned again (tens of
-/// milliseconds), as a new one is. No effect on CPU or Metal.
+/// milliseconds), as a new one is. No effect on CPU or Metal. Outside macOS it also sizes
+/// MLX's CUDA graphs ([`CUDA_OPS_PER_GRAPH`]).
 ///
 /// On Linux with glibc it also fixes malloc's mmap threshold at [`MMAP_THRESHOLD`]: MLX's CPU
 /// backend takes every array from `malloc`, and glibc's threshold otherwise rises to the
@@ -80,10 +88,9 @@ pub fn cache_thrashing_check_setting(current: Option<&str>) -> Option<&'static s
 /// with the moving threshold and finished with this one; decode throughput is unchanged within
 /// run-to-run noise (a 128 KiB threshold cost a third of it).
 pub fn prepare_mlx_environment() {
-    if let Some(value) =
-        cache_thrashing_check_setting(std::env::var(CACHE_THRASHING_CHECK).ok().as_deref())
-    {
-        std::env::set_var(CACHE_THRASHING_CHECK, value);
+    let current = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+    for (name, value) in mlx_environment_settings(current, cfg!(target_os = "macos")) {
+        std::env::set_var(name, value);
     }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
@@ -93,6 +100,20 @@ pub fn prepare_mlx_environment() {
         }
     }
 }
+
+/// The variable that bounds how many operations MLX's GPU backends put in one command buffer
+/// (Metal) or CUDA graph (CUDA) before launching it.
+pub const MAX_OPS_PER_BUFFER: &str = "MLX_MAX_OPS_PER_BUFFER";
+
+/// Operations a CUDA graph holds before MLX launches it, as Perch sets [`MAX_OPS_PER_BUFFER`]
+/// outside macOS unless the user set it ([`prepare_mlx_environment`]; the CPU backend does not
+/// read it). MLX 0.32 launches a graph every 100 operations on Hopper and Blackwell GPUs (20 on
+/// an A100); a batched decode step is 150–300 operations, and the host's time to update and
+/// launch a cached graph grows with its size. Measured on an H200 at 32 concurrent, Perch
+/// alone (docs/benchmarks.md, "CUDA graph size"): MLX launching a `qwen3_moe` decode step took
+/// 2.23 ms of the engine thread at 30 operations a graph against 2.73 at 100 and 3.64 at 1,000,
+/// and peak memory fell by a tenth or more for every model measured.
+pub const CUDA_OPS_PER_GRAPH: usize = 30;
 
 /// glibc's mmap threshold Perch sets ([`prepare_mlx_environment`]): allocations this large or
 /// larger are mapped on their own and unmapped when freed. glibc's `MALLOC_MMAP_THRESHOLD_`
@@ -239,10 +260,31 @@ impl Drop for WiredLimit {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn the_thrashing_check_goes_off_unless_the_user_set_it() {
-        assert_eq!(super::cache_thrashing_check_setting(None), Some("0"));
-        assert_eq!(super::cache_thrashing_check_setting(Some("1")), None);
-        assert_eq!(super::cache_thrashing_check_setting(Some("")), None);
+    fn perch_sets_only_what_the_user_left_unset() {
+        let unset = |_: &str| None;
+        let settings = super::mlx_environment_settings(unset, false);
+        assert_eq!(
+            settings,
+            vec![
+                ("MLX_ENABLE_CACHE_THRASHING_CHECK", "0".to_owned()),
+                ("MLX_MAX_OPS_PER_BUFFER", "30".to_owned()),
+            ]
+        );
+        // Metal's command buffers keep MLX's sizes.
+        let settings = super::mlx_environment_settings(unset, true);
+        assert_eq!(
+            settings,
+            vec![("MLX_ENABLE_CACHE_THRASHING_CHECK", "0".to_owned())]
+        );
+        // A value the user set, even an empty one, stays.
+        let user = |name: &str| (name != "MLX_ENABLE_CACHE_THRASHING_CHECK").then(String::new);
+        let settings = super::mlx_environment_settings(user, false);
+        assert_eq!(
+            settings,
+            vec![("MLX_ENABLE_CACHE_THRASHING_CHECK", "0".to_owned())]
+        );
+        let user = |_: &str| Some("1".to_owned());
+        assert!(super::mlx_environment_settings(user, false).is_empty());
     }
 
     use super::*;
