@@ -254,16 +254,18 @@ pub enum Division {
 
 impl Division {
     pub fn rank(&self) -> usize {
-        match self {
-            Division::Tensor(tp) => tp.rank(),
-            Division::Pipeline(pp) => pp.rank(),
-        }
+        self.group().rank()
     }
 
     pub fn size(&self) -> usize {
+        self.group().size()
+    }
+
+    /// The group the model is divided over.
+    pub fn group(&self) -> &Group {
         match self {
-            Division::Tensor(tp) => tp.size(),
-            Division::Pipeline(pp) => pp.size(),
+            Division::Tensor(tp) => tp,
+            Division::Pipeline(pp) => pp,
         }
     }
 }
@@ -355,6 +357,24 @@ impl Group {
             }
             Ok(Array::from_ptr(res))
         }
+    }
+
+    /// Every rank's `bytes`, in rank order, on every rank (each rank passes as many bytes as
+    /// the others). Evaluates; errors when a rank is gone.
+    pub fn all_gather_bytes(&self, bytes: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if bytes.is_empty() || bytes.len() > i32::MAX as usize / self.size {
+            return Err(EngineError::Distributed(format!(
+                "{} bytes cannot be gathered from every rank",
+                bytes.len()
+            )));
+        }
+        let gathered = self.all_gather(&Array::from_slice(bytes, &[bytes.len() as i32]))?;
+        gathered.eval()?;
+        Ok(gathered
+            .as_slice::<u8>()
+            .chunks(bytes.len())
+            .map(<[u8]>::to_vec)
+            .collect())
     }
 
     /// Rank 0's `bytes` on every rank (the others pass `None`): its length, then its bytes, each

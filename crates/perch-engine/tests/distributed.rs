@@ -7,7 +7,8 @@
 //! Tensor parallelism: two ranks, each holding half of every tiny model's heads and MLP features
 //! (`Model::shard`), compute mlx_lm's logits and greedy ids on the tiny models of
 //! `tests/oracle/tiny_models.py`; an architecture Perch does not shard yet is refused with a
-//! sentence on every rank.
+//! sentence on every rank. Ranks holding different copies of a model are refused, by every
+//! rank and before any weight is read.
 //!
 //! Each rank is this test binary run again on the ignored `rank` test, which does what
 //! `PERCH_TEST_RANK_TASK` says and prints one JSON line of results.
@@ -61,6 +62,23 @@ fn rank() {
             (true, _) => dies_mid_request(split, &models),
             (false, Ok(_)) => load_peaks(split, &models),
             (false, Err(_)) => divided(split, &models),
+        };
+        println!("{result}");
+        return;
+    }
+    if task == "load" {
+        // Its stage of its own copy of the model (MODELS_ENV), and MLX's peak meanwhile.
+        use perch_engine::device::{memory_stats, reset_peak_memory};
+        let split = Division::Pipeline(PipelineParallel::new(group));
+        let dir = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        reset_peak_memory();
+        let loaded = models::load_divided(&dir, &split);
+        let peak = memory_stats().peak_bytes;
+        let result = match loaded {
+            Ok(_) => serde_json::json!({ "rank": split.rank(), "peak": peak }),
+            Err(e) => {
+                serde_json::json!({ "rank": split.rank(), "peak": peak, "error": e.to_string() })
+            }
         };
         println!("{result}");
         return;
@@ -624,5 +642,88 @@ fn a_stage_loads_only_its_layers() {
             divided < 0.75 * whole,
             "rank {r}: {divided} bytes at most, against {whole} whole"
         );
+    }
+}
+
+/// Ranks whose copies of the model differ are refused, before any weight is read and by every
+/// rank alike: rank 1's `config.json` with another value, or its weight file with another last
+/// byte. A copy of the same files elsewhere (links to them) loads.
+#[test]
+fn ranks_holding_different_models_are_refused_before_loading() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = common::model_dir();
+    // A folder of links to the model's files, but for `own`, written as given.
+    let variant = |name: &str, own: Option<(&str, Vec<u8>)>| -> PathBuf {
+        let folder = dir.path().join(name);
+        std::fs::create_dir(&folder).unwrap();
+        for entry in std::fs::read_dir(&model).unwrap() {
+            let path = entry.unwrap().path();
+            let file = path.file_name().unwrap();
+            match &own {
+                Some((own, bytes)) if file == *own => {
+                    std::fs::write(folder.join(file), bytes).unwrap()
+                }
+                _ => std::os::unix::fs::symlink(&path, folder.join(file)).unwrap(),
+            }
+        }
+        folder
+    };
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("config.json")).unwrap()).unwrap();
+    config["rms_norm_eps"] = serde_json::json!(1e-4);
+    let mut weights = std::fs::read(model.join("model.safetensors")).unwrap();
+    *weights.last_mut().unwrap() ^= 1;
+    let cases = [
+        ("copy", variant("copy", None), None),
+        (
+            "config",
+            variant(
+                "config",
+                Some(("config.json", serde_json::to_vec(&config).unwrap())),
+            ),
+            Some("the config.json of rank 1 differs from rank 0's"),
+        ),
+        (
+            "weights",
+            variant("weights", Some(("model.safetensors", weights))),
+            Some("the weight files of rank 1 differ from rank 0's"),
+        ),
+    ];
+    let model_bytes = std::fs::metadata(model.join("model.safetensors"))
+        .unwrap()
+        .len() as f64;
+    for (name, copy, refusal) in cases {
+        let hosts = hostfile(dir.path(), 2);
+        let children: Vec<Child> = [model.as_path(), copy.as_path()]
+            .into_iter()
+            .enumerate()
+            .map(|(r, own)| spawn_rank_with(r, &hosts, "load", &[(MODELS_ENV, own)]))
+            .collect();
+        for (r, child) in children.into_iter().enumerate() {
+            let result = result(child, Duration::from_secs(120));
+            assert_eq!(result["rank"], r, "{name}: {result}");
+            let peak = result["peak"].as_f64().unwrap();
+            match refusal {
+                None => {
+                    assert!(result.get("error").is_none(), "{name}: {result}");
+                    assert!(
+                        peak > 0.1 * model_bytes,
+                        "{name}: rank {r} loaded {peak} bytes"
+                    );
+                }
+                Some(refusal) => {
+                    let error = result["error"]
+                        .as_str()
+                        .unwrap_or_else(|| panic!("{name}: rank {r} loaded: {result}"));
+                    assert!(error.contains(refusal), "{name}: rank {r}: {error}");
+                    assert!(error.contains("the same model files"), "{name}: {error}");
+                    // Refused before loading: no weight was read into MLX.
+                    assert!(
+                        peak < 0.01 * model_bytes,
+                        "{name}: rank {r} held {peak} bytes"
+                    );
+                }
+            }
+        }
     }
 }

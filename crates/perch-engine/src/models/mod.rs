@@ -28,13 +28,13 @@ use serde_json::Value;
 
 use crate::attention::KvQuantization;
 use crate::device::Backend;
-use crate::distributed::{Division, PipelineParallel, TensorParallel};
+use crate::distributed::{Division, Group, PipelineParallel, TensorParallel};
 use crate::error::{EngineError, Result};
 use crate::kv::cache::KvCache;
 use crate::kv::slot_cache::SlotKvCache;
 use crate::kv::LayerCaches;
 use crate::nn::layers::{Quantization, Rope};
-use crate::nn::weights::{LoadProgress, Weights};
+use crate::nn::weights::{weights_digest, LoadProgress, Weights};
 use decoder::{Decoder, DecoderConfig};
 
 /// `Ok` when a config size `value` is in `1..=max`; otherwise a sentence naming the field `name`.
@@ -423,8 +423,89 @@ pub fn load_with_progress(
 /// ([`Weights::load_lazily`]): another stage's layers are never read, and a layer divided by
 /// heads is whole in memory only while it is divided. The same model as loading it whole and
 /// dividing it after.
+///
+/// Every rank must hold the same model: before any weight is read, the ranks compare their
+/// copies ([`same_model_on_every_rank`]) and all refuse alike when they differ.
 pub fn load_divided(model_dir: &Path, division: &Division) -> Result<Box<dyn Model>> {
+    same_model_on_every_rank(model_dir, division.group())?;
     load_part(model_dir, Some(division), &mut |_| {})
+}
+
+/// This rank's copy of the model in `model_dir`, as [`same_model_on_every_rank`] compares it:
+/// the SHA-256 digest of its `config.json`, then its weight files' ([`weights_digest`]).
+fn model_digest(model_dir: &Path) -> Result<[u8; 64]> {
+    use sha2::{Digest, Sha256};
+    let config = crate::limits::read_text_capped(
+        &model_dir.join("config.json"),
+        crate::limits::MAX_CONFIG_BYTES,
+    )?;
+    let mut digest = [0u8; 64];
+    digest[..32].copy_from_slice(&Sha256::digest(config.as_bytes()));
+    digest[32..].copy_from_slice(&weights_digest(model_dir)?);
+    Ok(digest)
+}
+
+/// Refuses a group whose ranks hold different models (which would compute wrong tokens
+/// together, or fail mid-request on mismatched shapes), before any weight is read: each rank's
+/// [`model_digest`] goes to every rank (`all_gather`), so all of them refuse alike rather than
+/// some loading and then waiting on peers that gave up. A rank that cannot read its copy
+/// returns its own error; the others name it.
+fn same_model_on_every_rank(model_dir: &Path, group: &Group) -> Result<()> {
+    let mine = model_digest(model_dir);
+    // A readable copy's flag, then its digest (zeros when it could not be read).
+    let mut sent = [0u8; 65];
+    if let Ok(digest) = &mine {
+        sent[0] = 1;
+        sent[1..].copy_from_slice(digest);
+    }
+    let all = group.all_gather_bytes(&sent)?;
+    mine?;
+    let unreadable: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == 0).collect();
+    if !unreadable.is_empty() {
+        return Err(EngineError::Distributed(format!(
+            "{} could not read its copy of the model (its own error says why)",
+            ranks(&unreadable)
+        )));
+    }
+    let differs = |part: std::ops::Range<usize>| -> Vec<usize> {
+        (1..all.len())
+            .filter(|&r| all[r][part.clone()] != all[0][part.clone()])
+            .collect()
+    };
+    let (config, weights) = (differs(1..33), differs(33..65));
+    let mut reasons = Vec::new();
+    if !config.is_empty() {
+        reasons.push(format!(
+            "the config.json of {} differs from rank 0's",
+            ranks(&config)
+        ));
+    }
+    if !weights.is_empty() {
+        reasons.push(format!(
+            "the weight files of {} differ from rank 0's (their tensors' names, types or \
+             shapes, or their data)",
+            ranks(&weights)
+        ));
+    }
+    match reasons.is_empty() {
+        true => Ok(()),
+        false => Err(EngineError::Distributed(format!(
+            "the ranks hold different models: {}; every host needs the same model files",
+            reasons.join(", and ")
+        ))),
+    }
+}
+
+/// "rank 1", "ranks 1 and 3", "ranks 1, 2 and 3".
+fn ranks(list: &[usize]) -> String {
+    match list {
+        [one] => format!("rank {one}"),
+        [rest @ .., last] => {
+            let rest: Vec<String> = rest.iter().map(usize::to_string).collect();
+            format!("ranks {} and {last}", rest.join(", "))
+        }
+        [] => "no rank".to_owned(),
+    }
 }
 
 /// [`load_with_progress`], or [`load_divided`] with `division` (no progress then).
@@ -664,6 +745,13 @@ pub fn read_config(path: &Path) -> Result<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ranks_are_named_as_a_list() {
+        assert_eq!(ranks(&[1]), "rank 1");
+        assert_eq!(ranks(&[1, 3]), "ranks 1 and 3");
+        assert_eq!(ranks(&[1, 2, 3]), "ranks 1, 2 and 3");
+    }
 
     /// SmolLM2-135M-Instruct's config (the test model's), as mlx-community writes it.
     const SMOLLM2: &str = r#"{"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,

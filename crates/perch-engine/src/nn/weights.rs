@@ -324,6 +324,42 @@ pub fn has_tensor(model_dir: &Path, name: &str) -> bool {
     })
 }
 
+/// Bytes at each end of a weight file's tensor data that [`weights_digest`] reads.
+const DIGEST_SAMPLE_BYTES: usize = 1 << 20;
+
+/// A SHA-256 digest of the checkpoint's weight files in `model_dir` (the shards of its index,
+/// or every `*.safetensors`), read without loading them: each file's name, size and header
+/// (its tensors' names, types, shapes and offsets), and the first and last MiB of its tensor
+/// data. Copies of one checkpoint give the same digest wherever they are; a different
+/// checkpoint of the same shapes (another fine-tune, other random weights) differs in the data
+/// read. Errors: a file that cannot be read ([`EngineError::Io`]), a file shorter than its
+/// header's length field ([`EngineError::CorruptWeights`]).
+pub fn weights_digest(model_dir: &Path) -> Result<[u8; 32]> {
+    use sha2::{Digest, Sha256};
+    let mut hasher = Sha256::new();
+    for file in shard_files(model_dir)? {
+        let bytes = map_file(&file)?;
+        let header_end = bytes
+            .get(..8)
+            .map(|n| u64::from_le_bytes(n.try_into().expect("8 bytes")))
+            .and_then(|n| usize::try_from(n).ok())
+            .and_then(|n| n.checked_add(8))
+            .filter(|&end| end <= bytes.len())
+            .ok_or_else(|| EngineError::CorruptWeights {
+                path: file.clone(),
+                message: "the file is shorter than its header says".into(),
+            })?;
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned());
+        hasher.update(name.unwrap_or_default().as_bytes());
+        hasher.update((bytes.len() as u64).to_le_bytes());
+        let data = &bytes[header_end..];
+        hasher.update(&bytes[..header_end]);
+        hasher.update(&data[..DIGEST_SAMPLE_BYTES.min(data.len())]);
+        hasher.update(&data[data.len().saturating_sub(DIGEST_SAMPLE_BYTES)..]);
+    }
+    Ok(hasher.finalize().into())
+}
+
 /// One normal path component: no separator, no `..`, not absolute, not empty.
 fn is_plain_file_name(name: &str) -> bool {
     let mut components = Path::new(name).components();
@@ -491,6 +527,42 @@ mod tests {
                 model.join("model-00002-of-00002.safetensors")
             ]
         );
+    }
+
+    /// Copies of a checkpoint digest alike wherever they are; other data of the same shapes,
+    /// at either end of the data, another tensor name or a file cut short do not.
+    #[test]
+    fn the_weights_digest_tells_checkpoints_apart_not_their_copies() {
+        use safetensors::tensor::TensorView;
+        use safetensors::Dtype as Stored;
+        let root = tempfile::tempdir().unwrap();
+        let write = |dir: &str, name: &str, data: &[u8]| -> PathBuf {
+            let dir = root.path().join(dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let view = TensorView::new(Stored::U8, vec![data.len()], data).unwrap();
+            let bytes = safetensors::serialize([(name, view)], None).unwrap();
+            std::fs::write(dir.join("model.safetensors"), bytes).unwrap();
+            dir
+        };
+        let data: Vec<u8> = (0..3 << 20).map(|i| (i % 251) as u8).collect();
+        let digest = |dir: &Path| weights_digest(dir).unwrap();
+        let original = digest(&write("a", "w", &data));
+        assert_eq!(digest(&write("copy", "w", &data)), original);
+        let mut first = data.clone();
+        first[0] ^= 1;
+        assert_ne!(digest(&write("first", "w", &first)), original);
+        let mut last = data.clone();
+        *last.last_mut().unwrap() ^= 1;
+        assert_ne!(digest(&write("last", "w", &last)), original);
+        assert_ne!(digest(&write("renamed", "v", &data)), original);
+        let cut = write("cut", "w", &data).join("model.safetensors");
+        std::fs::write(&cut, &std::fs::read(&cut).unwrap()[..6]).unwrap();
+        match weights_digest(cut.parent().unwrap()) {
+            Err(EngineError::CorruptWeights { message, .. }) => {
+                assert!(message.contains("shorter than its header"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     /// The load's memory check counts floating-point tensors in the backend's compute dtype
