@@ -104,6 +104,12 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
             backend.mlx_name()
         )));
     }
+    if backend == Backend::Ring {
+        check_ring_environment(
+            std::env::var("MLX_RANK").ok().as_deref(),
+            std::env::var_os("MLX_HOSTFILE").map(std::path::PathBuf::from),
+        )?;
+    }
     // An MLX error from here on is reported to mlx-rs's handler (which one call of a guarded
     // mlx-rs operation installs), not MLX's default one, which exits the process.
     Array::from_int(0).eval()?;
@@ -270,6 +276,74 @@ impl Division {
     }
 }
 
+/// Checks what MLX's ring backend reads at start (`MLX_RANK`, and the `MLX_HOSTFILE` it names)
+/// before MLX does, which would take a rank that is not a number as rank 0 and report a bad
+/// file only as a failed start. Returns the number of ranks the file lists; errors say what is
+/// wrong, naming the file.
+pub fn check_ring_environment(
+    rank: Option<&str>,
+    hostfile: Option<std::path::PathBuf>,
+) -> Result<usize> {
+    let (Some(rank), Some(hostfile)) = (rank, hostfile) else {
+        return Err(EngineError::Distributed(
+            "the ring backend needs MLX_RANK (this process's rank) and MLX_HOSTFILE (a JSON \
+             list of each rank's [\"ip:port\"]), as `mlx.launch` sets them"
+                .into(),
+        ));
+    };
+    let rank: usize = rank.trim().parse().map_err(|_| {
+        EngineError::Distributed(format!("MLX_RANK is {rank:?}, not a rank number (0, 1, …)"))
+    })?;
+    let bad = |message: String| {
+        EngineError::Distributed(format!("MLX_HOSTFILE {}: {message}", hostfile.display()))
+    };
+    let text = crate::limits::read_text_capped(&hostfile, crate::limits::MAX_CONFIG_BYTES)
+        .map_err(|e| bad(e.to_string()))?;
+    let hosts: Vec<Vec<String>> = serde_json::from_str(&text).map_err(|e| {
+        bad(format!(
+            "not a JSON list of each rank's addresses ([[\"ip:port\"], …]): {e}"
+        ))
+    })?;
+    let mut seen = std::collections::HashMap::new();
+    for (r, addresses) in hosts.iter().enumerate() {
+        if addresses.is_empty() {
+            return Err(bad(format!("rank {r} has no address")));
+        }
+        for address in addresses {
+            let port = address
+                .rsplit_once(':')
+                .filter(|(host, _)| !host.is_empty())
+                .and_then(|(_, port)| port.parse::<u16>().ok())
+                .filter(|&port| port != 0);
+            if port.is_none() {
+                return Err(bad(format!(
+                    "rank {r}'s address {address:?} is not \"host:port\" with a port from 1 to \
+                     65535"
+                )));
+            }
+            if let Some(other) = seen.insert(address.as_str(), r) {
+                return Err(bad(format!(
+                    "ranks {other} and {r} both listen on {address}"
+                )));
+            }
+        }
+    }
+    if hosts.len() < 2 {
+        return Err(bad(format!(
+            "{} rank listed: a group needs two or more",
+            hosts.len()
+        )));
+    }
+    if rank >= hosts.len() {
+        return Err(bad(format!(
+            "MLX_RANK is {rank}, but the file lists {} ranks (0 to {})",
+            hosts.len(),
+            hosts.len() - 1
+        )));
+    }
+    Ok(hosts.len())
+}
+
 /// A group handle passed from the thread that made it.
 struct RawGroup(mlx_sys::mlx_distributed_group);
 
@@ -413,6 +487,57 @@ impl Group {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_ring_environment_is_checked_before_mlx_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            Some(path)
+        };
+        let good = file(
+            "good.json",
+            r#"[["127.0.0.1:5000"], ["10.0.0.2:5000", "10.0.1.2:5001"]]"#,
+        );
+        assert_eq!(check_ring_environment(Some("1"), good.clone()).unwrap(), 2);
+        let error = |rank: Option<&str>, hostfile: Option<std::path::PathBuf>| {
+            check_ring_environment(rank, hostfile)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(error(None, good.clone()).contains("needs MLX_RANK"));
+        assert!(error(Some("0"), None).contains("MLX_HOSTFILE"));
+        assert!(error(Some("one"), good.clone()).contains("\"one\", not a rank number"));
+        assert!(error(Some("2"), good.clone()).contains("lists 2 ranks (0 to 1)"));
+        let missing = Some(dir.path().join("missing.json"));
+        assert!(error(Some("0"), missing).contains("missing.json"));
+        for (text, expected) in [
+            ("{\"hosts\": []}", "not a JSON list"),
+            (
+                "[[\"127.0.0.1\"], [\"127.0.0.1:5001\"]]",
+                "\"127.0.0.1\" is not \"host:port\"",
+            ),
+            (
+                "[[\":5000\"], [\"127.0.0.1:5001\"]]",
+                "is not \"host:port\"",
+            ),
+            (
+                "[[\"127.0.0.1:70000\"], [\"127.0.0.1:5001\"]]",
+                "port from 1 to 65535",
+            ),
+            ("[[], [\"127.0.0.1:5001\"]]", "rank 0 has no address"),
+            (
+                "[[\"127.0.0.1:5000\"], [\"127.0.0.1:5000\"]]",
+                "ranks 0 and 1 both listen on",
+            ),
+            ("[[\"127.0.0.1:5000\"]]", "1 rank listed"),
+        ] {
+            let message = error(Some("0"), file("bad.json", text));
+            assert!(message.contains(expected), "{text}: {message}");
+            assert!(message.contains("bad.json"), "{text}: {message}");
+        }
+    }
 
     #[test]
     fn stages_hold_every_layer_once_the_last_rank_the_first_layers() {
