@@ -392,6 +392,61 @@ fn rewound_states(model: &dyn models::Model, name: &str, expected: &Expected) {
         diff <= 1e-4,
         "{name}: rewound rows' logits differ by {diff}"
     );
+
+    // Put back over two unrecorded steps (`SlotKvCache::restore_row`, a hybrid draft's rows
+    // after rejected proposals): rows 0, 1 and 3 back at 5 tokens with the states they had
+    // there, row 2 left at 13; then every row feeds its next 4 tokens, as a cache that never
+    // went past does. Restoring the length alone, with the states of later tokens, does not.
+    let (mut restored, mut reference, mut lengths_only) = (make(), make(), make());
+    let mut saved = Vec::new();
+    for slots in [&mut restored, &mut reference, &mut lengths_only] {
+        step(slots, rows(0, 5, [5; ROWS]));
+    }
+    for r in 0..ROWS {
+        saved.push(restored.row_states(r).unwrap());
+    }
+    for slots in [&mut restored, &mut lengths_only] {
+        step(slots, rows(5, 4, [4; ROWS]));
+        step(slots, rows(9, 4, [4; ROWS]));
+    }
+    step(&mut reference, rows(5, 4, [0, 0, 4, 0]));
+    step(&mut reference, rows(9, 4, [0, 0, 4, 0]));
+    assert!(
+        restored.restore_row(0, 14, &saved[0]).is_err(),
+        "{name}: past the row"
+    );
+    for r in [0, 1, 3] {
+        restored.restore_row(r, 5, &saved[r]).unwrap();
+        let later = lengths_only.row_states(r).unwrap();
+        lengths_only.restore_row(r, 5, &later).unwrap();
+    }
+    assert_eq!(lengths(&restored), [5, 5, 13, 5], "{name}");
+    assert_eq!(lengths(&reference), lengths(&restored), "{name}");
+    let counts = [4, 4, 0, 4];
+    let (a, b, c) = (
+        step(&mut restored, rows(5, 4, counts)),
+        step(&mut reference, rows(5, 4, counts)),
+        step(&mut lengths_only, rows(5, 4, counts)),
+    );
+    let rows_diff = |x: &Array, y: &Array| {
+        // Rows 0, 1 and 3 only (row 2 fed nothing: its logits are padding's).
+        let (x, y) = (x.as_slice::<f32>(), y.as_slice::<f32>());
+        let per_row = x.len() / ROWS;
+        [0, 1, 3]
+            .iter()
+            .flat_map(|&r| (r * per_row..(r + 1) * per_row).map(|i| (x[i] - y[i]).abs()))
+            .fold(0.0f32, f32::max)
+    };
+    let diff = rows_diff(&a, &b);
+    assert!(
+        diff <= 1e-4,
+        "{name}: restored rows' logits differ by {diff}"
+    );
+    let wrong = rows_diff(&c, &b);
+    assert!(
+        wrong > 1e-3,
+        "{name}: later states gave the same logits ({wrong})"
+    );
 }
 
 /// A request for exactly `max_tokens` tokens after `prompt` (end-of-sequence tokens ignored).
@@ -440,17 +495,30 @@ fn hybrid_speculation(
         max_rows: 8,
         adaptive: false,
     };
-    let draft_dir = dir.with_file_name("qwen3");
-    let draft = models::load(&draft_dir).unwrap();
-    for drafting in [false, true] {
+    // Drafts: the tiny Qwen3 (attention only), another hybrid (its recurrent states put back
+    // after rejected proposals, `DraftRunner::settle`) and the model itself.
+    let plain = models::load(&dir.with_file_name("qwen3")).unwrap();
+    let other = match name {
+        "qwen3_5" => "qwen3_5_moe",
+        _ => "qwen3_5",
+    };
+    let hybrid = models::load(&dir.with_file_name(other)).unwrap();
+    let drafts: [(&str, Option<&dyn models::Model>); 4] = [
+        ("prompt lookup", None),
+        ("qwen3", Some(plain.as_ref())),
+        (other, Some(hybrid.as_ref())),
+        ("itself", Some(model)),
+    ];
+    for (label, draft) in drafts {
+        let drafting = draft.is_some();
         let config = BatchConfig {
             prompt_lookup: (!drafting).then_some(lookup),
             ..BatchConfig::for_budget(model, 64 << 20, 16, None)
         };
         let mut batch = BatchGenerator::new(model, tokenizer, config, name);
-        if drafting {
-            batch = batch.with_draft(draft.as_ref(), 3);
-            assert!(batch.drafts(), "{name}: the draft proposes in the batch");
+        if let Some(draft) = draft {
+            batch = batch.with_draft(draft, 3);
+            assert!(batch.drafts(), "{name}: {label} proposes in the batch");
         }
         let schedule = requests
             .iter()
@@ -465,20 +533,23 @@ fn hybrid_speculation(
             .collect();
         let outputs = common::drive(&mut batch, schedule);
         for (i, ((output, _), alone)) in outputs.iter().zip(&alone).enumerate() {
-            assert_eq!(
-                &output.token_ids, alone,
-                "{name}: request {i}, drafting {drafting}"
-            );
+            assert_eq!(&output.token_ids, alone, "{name}: request {i}, {label}");
         }
         // Verify steps ran and rejected proposals (a random model repeats itself only by
         // chance, and a random draft agrees with it only by chance: rows give back some or all
-        // of their proposals; `rewound_states` gives back parts of steps).
+        // of their proposals; `rewound_states` gives back parts of steps). The model drafting
+        // for itself has its proposals taken: its draft rows follow their sequences.
         let times = batch.step_times();
-        assert!(times.verify_steps > 0, "{name}: {times:?}");
-        assert!(
-            times.accepted_draft_tokens < times.draft_tokens,
-            "{name}: {times:?}"
-        );
+        assert!(times.verify_steps > 0, "{name}, {label}: {times:?}");
+        let (proposed, accepted) = (times.draft_tokens, times.accepted_draft_tokens);
+        if label == "itself" {
+            assert!(
+                accepted * 20 >= proposed * 19,
+                "{name}: {accepted} of {proposed}"
+            );
+        } else {
+            assert!(accepted < proposed, "{name}, {label}: {times:?}");
+        }
         assert_eq!(batch.kv_stats().blocks_used, 0, "{name}");
     }
 }

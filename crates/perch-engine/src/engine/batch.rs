@@ -205,13 +205,11 @@ impl BatchConfig {
 }
 
 /// Whether `draft` proposes inside the batch for `model` ([`BatchGenerator::with_draft`]): both
-/// without sliding-window layers, whose rows cannot be rewound, and a draft without
-/// linear-attention layers (the model's recurrent states go back over its verify step; the
-/// draft's steps, one token each, keep no record).
+/// without sliding-window layers, whose rows cannot be rewound. Linear-attention layers can:
+/// the model's recurrent states go back over its verify step, a draft's to where its row was
+/// before proposing ([`crate::worker::draft::DraftRunner::settle`]).
 pub fn drafts_in_batch(model: &dyn Model, draft: &dyn Model) -> bool {
-    !model.has_sliding_window_layers()
-        && !draft.has_sliding_window_layers()
-        && !draft.has_recurrent_layers()
+    !model.has_sliding_window_layers() && !draft.has_sliding_window_layers()
 }
 
 /// KV cache bytes one token takes across all layers: keys and values of `layers * kv_heads`

@@ -379,10 +379,9 @@ pub(super) fn load_draft(
             dir.display()
         )));
     }
-    if draft.info().vocab_size > model.info().vocab_size || draft.has_recurrent_layers() {
+    if draft.info().vocab_size > model.info().vocab_size {
         return Err(EngineError::Request(format!(
-            "the draft model {} cannot draft for this model (a larger vocabulary, or \
-             linear-attention layers, whose state cannot be rewound)",
+            "the draft model {} cannot draft for this model (a larger vocabulary)",
             dir.display()
         )));
     }

@@ -1558,6 +1558,58 @@ impl SlotKvCache {
         }
     }
 
+    /// Every recurrent layer's state of occupied slot `slot` as it is now (views; empty for an
+    /// attention layer, and for a layer not run yet), to put back with
+    /// [`SlotKvCache::restore_row`].
+    pub fn row_states(&self, slot: usize) -> Result<Vec<Vec<Array>>> {
+        (0..self.num_layers)
+            .map(|layer| match self.is_recurrent(layer) {
+                true => self.row_state(layer, slot),
+                false => Ok(Vec::new()),
+            })
+            .collect()
+    }
+
+    /// Puts occupied slot `slot` back to its first `len` positions, with the recurrent `states`
+    /// it had there ([`SlotKvCache::row_states`], taken when it held `len`): a rewind over any
+    /// number of steps, where [`SlotKvCache::rewind_rows`] goes back over the last recorded one.
+    /// Its next step writes over the positions after `len`. Refused, changing nothing, as a
+    /// rewind is: a bounded or quantized row, sliding layers' rings, `len` beyond the row's
+    /// length.
+    pub fn restore_row(&mut self, slot: usize, len: usize, states: &[Vec<Array>]) -> Result<()> {
+        let refuse = |why: String| -> Result<()> {
+            Err(
+                mlx_rs::error::Exception::custom(format!("cannot restore slot {slot}: {why}"))
+                    .into(),
+            )
+        };
+        if self.rings.is_some() {
+            return refuse("sliding-window rings do not keep what they replace".into());
+        }
+        if !self.row_kv.get(slot).is_some_and(RowKv::is_plain) {
+            return refuse("a bounded or quantized row does not keep every position".into());
+        }
+        match self.lengths.get(slot) {
+            Some(Some(held)) if *held >= len => {}
+            Some(Some(held)) => return refuse(format!("{len} positions asked of {held}")),
+            _ => return refuse("a free slot".into()),
+        }
+        if states.len() != self.num_layers {
+            return refuse(format!(
+                "{} layers' states for {}",
+                states.len(),
+                self.num_layers
+            ));
+        }
+        for (layer, state) in states.iter().enumerate() {
+            if self.is_recurrent(layer) {
+                self.put_row_state(layer, slot, state)?;
+            }
+        }
+        self.lengths[slot] = Some(len);
+        Ok(())
+    }
+
     /// Forgets the last `n` positions of occupied slot `slot` ([`SlotKvCache::rewind_rows`]).
     pub fn rewind(&mut self, slot: usize, n: usize) -> Result<()> {
         self.rewind_rows(&[(slot, n)])

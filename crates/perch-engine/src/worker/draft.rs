@@ -16,6 +16,8 @@
 
 use std::collections::HashMap;
 
+use mlx_rs::Array;
+
 use crate::error::Result;
 use crate::kv::slot_cache::{RowKv, SlotAttention};
 use crate::models::Model;
@@ -49,6 +51,11 @@ pub(crate) struct DraftRunner<'m> {
     rows: HashMap<RequestId, (usize, usize)>,
     /// The most tokens a catch-up pass feeds, all rows together (the batch's prefill budget).
     prefill_step: usize,
+    /// A draft with linear-attention layers: each row's tokens held and recurrent states
+    /// before its last proposals ([`DraftRunner::settle`] goes back there when the model
+    /// rejected some, since a recurrent state cannot drop positions). `None` for a draft of
+    /// attention layers only, whose rows just drop the rejected positions.
+    before_proposals: Option<HashMap<RequestId, (usize, Vec<Vec<Array>>)>>,
 }
 
 impl<'m> DraftRunner<'m> {
@@ -71,6 +78,7 @@ impl<'m> DraftRunner<'m> {
             .with_verify_steps(Some((MAX_FED, max_rows))),
             rows: HashMap::new(),
             prefill_step: prefill_step.max(1),
+            before_proposals: model.has_recurrent_layers().then(HashMap::new),
         }
     }
 
@@ -86,6 +94,13 @@ impl<'m> DraftRunner<'m> {
     pub fn propose(&mut self, rows: Vec<DraftRow>) -> Result<Proposed> {
         let sequences: Vec<(RequestId, &[u32])> = rows.iter().map(|r| (r.id, r.tokens)).collect();
         self.catch_up(&sequences)?;
+        if let Some(before) = &mut self.before_proposals {
+            before.clear();
+            for &(id, _) in &sequences {
+                let (row, len) = self.rows[&id];
+                before.insert(id, (len, self.runner.decode_row_states(row)?));
+            }
+        }
         let k = rows.iter().map(|r| r.k).max().unwrap_or(0);
         let ks: Vec<usize> = rows.iter().map(|r| r.k).collect();
         let fed: Vec<FedRow> = rows
@@ -186,11 +201,22 @@ impl<'m> DraftRunner<'m> {
 
     /// After a verify step: sequence `id`'s slot keeps its first `valid` tokens (those its
     /// sequence had before the proposals and the proposals it accepted), the rest given back.
+    /// A draft with recurrent layers goes back to where the row was before proposing (its
+    /// next proposal step feeds the tokens since, or it catches up).
     pub fn settle(&mut self, id: RequestId, valid: usize) -> Result<()> {
+        let before = self.before_proposals.as_mut().and_then(|b| b.remove(&id));
         if let Some((row, len)) = self.rows.get_mut(&id) {
             if *len > valid {
-                self.runner.rewind(*row, *len - valid)?;
-                *len = valid;
+                match before {
+                    Some((held, states)) => {
+                        self.runner.restore_decode_row(*row, held, &states)?;
+                        *len = held;
+                    }
+                    None => {
+                        self.runner.rewind(*row, *len - valid)?;
+                        *len = valid;
+                    }
+                }
             }
         }
         Ok(())
@@ -198,6 +224,9 @@ impl<'m> DraftRunner<'m> {
 
     /// Forgets sequence `id` (it left the batch), freeing its slot.
     pub fn remove(&mut self, id: RequestId) -> Result<()> {
+        if let Some(before) = &mut self.before_proposals {
+            before.remove(&id);
+        }
         if let Some((row, _)) = self.rows.remove(&id) {
             let moves = self.runner.free_slot(Slot::Decode(row))?;
             self.decode_slots_moved(&moves);
@@ -208,6 +237,9 @@ impl<'m> DraftRunner<'m> {
     /// Forgets every sequence (after an MLX failure).
     pub fn clear(&mut self) {
         self.rows.clear();
+        if let Some(before) = &mut self.before_proposals {
+            before.clear();
+        }
         self.runner.clear();
     }
 

@@ -858,6 +858,21 @@ impl ModelRunner<'_> {
         Ok(Verified { targets, drafted })
     }
 
+    /// Decode slot `row`'s recurrent states now ([`SlotKvCache::row_states`]).
+    pub fn decode_row_states(&self, row: usize) -> Result<Vec<Vec<Array>>> {
+        self.slots.decode.row_states(row)
+    }
+
+    /// Puts decode slot `row` back to `len` positions and `states` ([`SlotKvCache::restore_row`]).
+    pub fn restore_decode_row(
+        &mut self,
+        row: usize,
+        len: usize,
+        states: &[Vec<Array>],
+    ) -> Result<()> {
+        self.slots.decode.restore_row(row, len, states)
+    }
+
     /// Forgets the last `n` positions of decode slot `row` ([`SlotKvCache::rewind`]).
     pub fn rewind(&mut self, row: usize, n: usize) -> Result<()> {
         self.slots.decode.rewind(row, n)
