@@ -55,8 +55,11 @@ pub(crate) struct DraftRunner<'m> {
     /// before its last proposals ([`DraftRunner::settle`] goes back there when the model
     /// rejected some, since a recurrent state cannot drop positions). `None` for a draft of
     /// attention layers only, whose rows just drop the rejected positions.
-    before_proposals: Option<HashMap<RequestId, (usize, Vec<Vec<Array>>)>>,
+    before_proposals: Option<HashMap<RequestId, (usize, LayerStates)>>,
 }
+
+/// A row's recurrent states, by layer ([`ModelRunner::decode_row_states`]).
+type LayerStates = Vec<Vec<Array>>;
 
 impl<'m> DraftRunner<'m> {
     pub fn new(
