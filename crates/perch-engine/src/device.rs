@@ -108,7 +108,8 @@ pub const MAX_OPS_PER_BUFFER: &str = "MLX_MAX_OPS_PER_BUFFER";
 /// Operations a CUDA graph holds before MLX launches it, as Perch sets [`MAX_OPS_PER_BUFFER`]
 /// outside macOS unless the user set it ([`prepare_mlx_environment`]; the CPU backend does not
 /// read it). MLX 0.32 launches a graph every 100 operations on Hopper and Blackwell GPUs (20 on
-/// an A100); a batched decode step is 150–300 operations, and the host's time to update and
+/// an A100, a DGX Spark and GPUs it does not list, where 30 is a little larger, not measured);
+/// a batched decode step is 150–300 operations, and on an H200 the host's time to update and
 /// launch a cached graph grows with its size. Measured on an H200 at 32 concurrent, Perch
 /// alone (docs/benchmarks.md, "CUDA graph size"): MLX launching a `qwen3_moe` decode step took
 /// 2.23 ms of the engine thread at 30 operations a graph against 2.73 at 100 and 3.64 at 1,000,

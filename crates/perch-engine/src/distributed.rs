@@ -309,22 +309,38 @@ pub fn check_ring_environment(
         if addresses.is_empty() {
             return Err(bad(format!("rank {r} has no address")));
         }
+        // An address a connection to each neighbour: MLX's ring needs as many on every rank.
+        if addresses.len() != hosts[0].len() {
+            return Err(bad(format!(
+                "rank {r} lists {} addresses and rank 0 {}: every rank needs as many",
+                addresses.len(),
+                hosts[0].len()
+            )));
+        }
         for address in addresses {
+            // MLX splits at the first colon: a host holding one (an IPv6 address) cannot be
+            // written here.
             let port = address
-                .rsplit_once(':')
+                .split_once(':')
                 .filter(|(host, _)| !host.is_empty())
                 .and_then(|(_, port)| port.parse::<u16>().ok())
                 .filter(|&port| port != 0);
             if port.is_none() {
                 return Err(bad(format!(
-                    "rank {r}'s address {address:?} is not \"host:port\" with a port from 1 to \
-                     65535"
+                    "rank {r}'s address {address:?} is not \"host:port\" (a host name or IPv4 \
+                     address, a port from 1 to 65535)"
                 )));
             }
-            if let Some(other) = seen.insert(address.as_str(), r) {
-                return Err(bad(format!(
-                    "ranks {other} and {r} both listen on {address}"
-                )));
+            match seen.insert(address.as_str(), r) {
+                Some(other) if other == r => {
+                    return Err(bad(format!("rank {r} lists {address} twice")))
+                }
+                Some(other) => {
+                    return Err(bad(format!(
+                        "ranks {other} and {r} both listen on {address}"
+                    )))
+                }
+                None => {}
             }
         }
     }
@@ -498,7 +514,7 @@ mod tests {
         };
         let good = file(
             "good.json",
-            r#"[["127.0.0.1:5000"], ["10.0.0.2:5000", "10.0.1.2:5001"]]"#,
+            r#"[["127.0.0.1:5000", "127.0.0.1:5002"], ["10.0.0.2:5000", "10.0.1.2:5001"]]"#,
         );
         assert_eq!(check_ring_environment(Some("1"), good.clone()).unwrap(), 2);
         let error = |rank: Option<&str>, hostfile: Option<std::path::PathBuf>| {
@@ -532,6 +548,18 @@ mod tests {
                 "ranks 0 and 1 both listen on",
             ),
             ("[[\"127.0.0.1:5000\"]]", "1 rank listed"),
+            (
+                "[[\"a:5000\", \"a:5000\"], [\"b:1\", \"b:2\"]]",
+                "rank 0 lists a:5000 twice",
+            ),
+            (
+                "[[\"a:5000\"], [\"b:1\", \"b:2\"]]",
+                "rank 1 lists 2 addresses and rank 0 1",
+            ),
+            (
+                "[[\"fe80::1:5000\"], [\"b:1\"]]",
+                "\"fe80::1:5000\" is not \"host:port\"",
+            ),
         ] {
             let message = error(Some("0"), file("bad.json", text));
             assert!(message.contains(expected), "{text}: {message}");

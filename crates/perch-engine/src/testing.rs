@@ -14,5 +14,7 @@ pub use crate::kv::cache::{KvCache, KvLimit, RecurrentState};
 pub use crate::kv::slot_cache::{RowKv, SlotKvCache, SlotStep};
 pub use crate::kv::LayerCaches;
 pub use crate::nn::layers::loading_dense_weights;
+pub use crate::worker::draft::{DraftRow, DraftRunner};
+pub use crate::worker::runner::Proposed;
 pub use perch_sched::budget::KvBudget;
 pub use perch_sched::scheduler::{decode_warm_up_positions, prefill_warm_up_shapes};

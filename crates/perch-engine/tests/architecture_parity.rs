@@ -312,6 +312,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         if model.has_recurrent_layers() {
             hybrid_prompt_caches(dir, model.as_ref(), &tokenizer, &name, &expected);
             rewound_states(model.as_ref(), &name, &expected);
+            draft_rows_go_back(model.as_ref(), &name, &expected);
             hybrid_speculation(dir, model.as_ref(), &tokenizer, &name, &expected);
         }
     }
@@ -447,6 +448,45 @@ fn rewound_states(model: &dyn models::Model, name: &str, expected: &Expected) {
         wrong > 1e-3,
         "{name}: later states gave the same logits ({wrong})"
     );
+}
+
+/// A hybrid model as a draft (`DraftRunner`): a row that proposed 3 tokens, of which the model
+/// took none or one and then its own token, is put back (`DraftRunner::settle`) so that it
+/// proposes next what a fresh draft proposes from the same tokens.
+fn draft_rows_go_back(model: &dyn models::Model, name: &str, expected: &Expected) {
+    use perch_engine::testing::{DraftRow, DraftRunner};
+    const K: usize = 3;
+    let prompt = &expected.prompt_ids[..8];
+    let vocab = model.info().vocab_size as u32;
+    let new = || DraftRunner::new(model, Default::default(), false, (64, 32), 8);
+    let propose = |draft: &mut DraftRunner<'_>, tokens: &[u32]| -> Vec<u32> {
+        let row = DraftRow {
+            id: 1,
+            tokens,
+            k: K,
+            sampler: None,
+        };
+        let proposed = draft.propose(vec![row]).unwrap();
+        proposed.tokens.eval().unwrap();
+        let (rows, column) = (proposed.tokens.shape()[1] as usize, proposed.columns[0]);
+        let all = proposed.tokens.as_slice::<u32>();
+        (0..K).map(|i| all[i * rows + column]).collect()
+    };
+    for accepted in [0, 1] {
+        let mut draft = new();
+        let first = propose(&mut draft, prompt);
+        let mut tokens = prompt.to_vec();
+        tokens.extend(&first[..accepted]);
+        // The model's token where it rejected the draft's.
+        tokens.push((first[accepted] + 1) % vocab);
+        draft.settle(1, prompt.len() + accepted).unwrap();
+        let again = propose(&mut draft, &tokens);
+        assert_eq!(
+            again,
+            propose(&mut new(), &tokens),
+            "{name}: proposals after {accepted} of {K} were accepted"
+        );
+    }
 }
 
 /// A request for exactly `max_tokens` tokens after `prompt` (end-of-sequence tokens ignored).

@@ -645,8 +645,9 @@ fn a_stage_loads_only_its_layers() {
 }
 
 /// Ranks whose copies of the model differ are refused, before any weight is read and by every
-/// rank alike: rank 1's `config.json` with another value, or its weight file with another last
-/// byte. A copy of the same files elsewhere (links to them) loads.
+/// rank alike: rank 1's `config.json` with another value, its weight file with another last
+/// byte, or its tokenizer's configuration with another end-of-sequence token. A copy of the
+/// same files elsewhere (links to them) loads.
 #[test]
 fn ranks_holding_different_models_are_refused_before_loading() {
     let dir = tempfile::tempdir().unwrap();
@@ -672,6 +673,10 @@ fn ranks_holding_different_models_are_refused_before_loading() {
     config["rms_norm_eps"] = serde_json::json!(1e-4);
     let mut weights = std::fs::read(model.join("model.safetensors")).unwrap();
     *weights.last_mut().unwrap() ^= 1;
+    let mut tokenizer: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(model.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    tokenizer["eos_token"] = serde_json::json!("<|endoftext|>");
     let cases = [
         ("copy", variant("copy", None), None),
         (
@@ -686,6 +691,17 @@ fn ranks_holding_different_models_are_refused_before_loading() {
             "weights",
             variant("weights", Some(("model.safetensors", weights))),
             Some("the weight files of rank 1 differ from rank 0's"),
+        ),
+        (
+            "tokenizer",
+            variant(
+                "tokenizer",
+                Some((
+                    "tokenizer_config.json",
+                    serde_json::to_vec(&tokenizer).unwrap(),
+                )),
+            ),
+            Some("the tokenizer files of rank 1 differ from rank 0's"),
         ),
     ];
     let model_bytes = std::fs::metadata(model.join("model.safetensors"))

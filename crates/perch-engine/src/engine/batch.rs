@@ -648,8 +648,8 @@ impl<'m> BatchGenerator<'m> {
     /// This batch with `draft` proposing, in verify steps ([`crate::spec_decode`]), for the rows
     /// of requests that ask for speculative decoding ([`GenerateRequest::drafts_in_batch`])
     /// while at most [`BatchGenerator::speculative_rows`] rows decode. Unchanged when the model
-    /// or the draft has sliding-window or linear-attention layers (their rows cannot be
-    /// rewound): [`BatchGenerator::drafts`] tells. Verify steps are warmed for `num_draft_tokens`
+    /// or the draft has sliding-window layers (their rings cannot be rewound; see
+    /// [`drafts_in_batch`]): [`BatchGenerator::drafts`] tells. Verify steps are warmed for `num_draft_tokens`
     /// proposals a row (the requests' default; [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when out of
     /// range), unless prompt lookup sets them. The draft's KV is counted in the pool by the
     /// configuration ([`BatchConfig::counting_draft`]; a pool that does not count it holds

@@ -1601,6 +1601,24 @@ impl SlotKvCache {
                 self.num_layers
             ));
         }
+        // Checked before anything is written, so that a refusal changes nothing.
+        for (layer, state) in states.iter().enumerate() {
+            let Some(buffers) = self.layers.get(layer).filter(|b| !b.is_empty()) else {
+                continue;
+            };
+            let fits = state.is_empty()
+                || (state.len() == buffers.len()
+                    && state.iter().zip(buffers).all(|(part, buffer)| {
+                        part.shape().first() == Some(&1) && part.shape()[1..] == buffer.shape()[1..]
+                    }));
+            if self.is_recurrent(layer) && !fits {
+                return refuse(format!(
+                    "layer {layer}'s state is not one row of its buffers"
+                ));
+            }
+        }
+        // A recorded step's replay would recompute this row from before the restore.
+        self.replay = None;
         for (layer, state) in states.iter().enumerate() {
             if self.is_recurrent(layer) {
                 self.put_row_state(layer, slot, state)?;

@@ -431,17 +431,44 @@ pub fn load_divided(model_dir: &Path, division: &Division) -> Result<Box<dyn Mod
     load_part(model_dir, Some(division), &mut |_| {})
 }
 
+/// The files besides `config.json` that decide what a rank feeds the model and when it stops:
+/// the tokenizer, its chat template and the generation defaults.
+const TOKENIZER_FILES: [&str; 6] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+];
+
 /// This rank's copy of the model in `model_dir`, as [`same_model_on_every_rank`] compares it:
-/// the SHA-256 digest of its `config.json`, then its weight files' ([`weights_digest`]).
-fn model_digest(model_dir: &Path) -> Result<[u8; 64]> {
+/// SHA-256 digests of its `config.json`, of its weight files ([`weights_digest`]) and of its
+/// [`TOKENIZER_FILES`] (each one's name, and its bytes or that it is absent).
+fn model_digest(model_dir: &Path) -> Result<[u8; 96]> {
     use sha2::{Digest, Sha256};
     let config = crate::limits::read_text_capped(
         &model_dir.join("config.json"),
         crate::limits::MAX_CONFIG_BYTES,
     )?;
-    let mut digest = [0u8; 64];
+    let mut tokenizer = Sha256::new();
+    for name in TOKENIZER_FILES {
+        let path = model_dir.join(name);
+        tokenizer.update(name.as_bytes());
+        if path.exists() {
+            tokenizer.update([1]);
+            tokenizer.update(crate::limits::read_capped(
+                &path,
+                crate::limits::MAX_TOKENIZER_JSON_BYTES,
+            )?);
+        } else {
+            tokenizer.update([0]);
+        }
+    }
+    let mut digest = [0u8; 96];
     digest[..32].copy_from_slice(&Sha256::digest(config.as_bytes()));
-    digest[32..].copy_from_slice(&weights_digest(model_dir)?);
+    digest[32..64].copy_from_slice(&weights_digest(model_dir)?);
+    digest[64..].copy_from_slice(&tokenizer.finalize());
     Ok(digest)
 }
 
@@ -453,7 +480,7 @@ fn model_digest(model_dir: &Path) -> Result<[u8; 64]> {
 fn same_model_on_every_rank(model_dir: &Path, group: &Group) -> Result<()> {
     let mine = model_digest(model_dir);
     // A readable copy's flag, then its digest (zeros when it could not be read).
-    let mut sent = [0u8; 65];
+    let mut sent = [0u8; 97];
     if let Ok(digest) = &mine {
         sent[0] = 1;
         sent[1..].copy_from_slice(digest);
@@ -472,7 +499,7 @@ fn same_model_on_every_rank(model_dir: &Path, group: &Group) -> Result<()> {
             .filter(|&r| all[r][part.clone()] != all[0][part.clone()])
             .collect()
     };
-    let (config, weights) = (differs(1..33), differs(33..65));
+    let (config, weights, tokenizer) = (differs(1..33), differs(33..65), differs(65..97));
     let mut reasons = Vec::new();
     if !config.is_empty() {
         reasons.push(format!(
@@ -485,6 +512,13 @@ fn same_model_on_every_rank(model_dir: &Path, group: &Group) -> Result<()> {
             "the weight files of {} differ from rank 0's (their tensors' names, types or \
              shapes, or their data)",
             ranks(&weights)
+        ));
+    }
+    if !tokenizer.is_empty() {
+        reasons.push(format!(
+            "the tokenizer files of {} differ from rank 0's (tokenizer, chat template or \
+             generation defaults)",
+            ranks(&tokenizer)
         ));
     }
     match reasons.is_empty() {

@@ -33,7 +33,7 @@ use perch_sched::shapes::prefill_chunk_bucket;
 pub(crate) const MAX_FED: usize = 4;
 
 /// A sequence the draft proposes for in a verify step.
-pub(crate) struct DraftRow<'a> {
+pub struct DraftRow<'a> {
     pub id: RequestId,
     /// Its tokens, prompt and generated.
     pub tokens: &'a [u32],
@@ -44,21 +44,22 @@ pub(crate) struct DraftRow<'a> {
 }
 
 /// A draft model's side of the batch; see the module docs.
-pub(crate) struct DraftRunner<'m> {
+pub struct DraftRunner<'m> {
     runner: ModelRunner<'m>,
     /// Each drafting sequence's decode slot and the tokens of it the slot holds (its first
     /// `len` tokens, or those and proposals not settled yet).
     rows: HashMap<RequestId, (usize, usize)>,
     /// The most tokens a catch-up pass feeds, all rows together (the batch's prefill budget).
     prefill_step: usize,
-    /// A draft with linear-attention layers: each row's tokens held and recurrent states
-    /// before its last proposals ([`DraftRunner::settle`] goes back there when the model
-    /// rejected some, since a recurrent state cannot drop positions). `None` for a draft of
+    /// A draft with linear-attention layers: each row's length and recurrent states when its
+    /// last proposal round began, holding its sequence's tokens and no proposal
+    /// ([`Proposed::states_before`]); [`DraftRunner::settle`] goes back there when the model
+    /// rejected some, since a recurrent state cannot drop positions. `None` for a draft of
     /// attention layers only, whose rows just drop the rejected positions.
     before_proposals: Option<HashMap<RequestId, (usize, LayerStates)>>,
 }
 
-/// A row's recurrent states, by layer ([`ModelRunner::decode_row_states`]).
+/// A row's recurrent states, by layer ([`crate::kv::slot_cache::SlotKvCache::row_states`]).
 type LayerStates = Vec<Vec<Array>>;
 
 impl<'m> DraftRunner<'m> {
@@ -97,13 +98,6 @@ impl<'m> DraftRunner<'m> {
     pub fn propose(&mut self, rows: Vec<DraftRow>) -> Result<Proposed> {
         let sequences: Vec<(RequestId, &[u32])> = rows.iter().map(|r| (r.id, r.tokens)).collect();
         self.catch_up(&sequences)?;
-        if let Some(before) = &mut self.before_proposals {
-            before.clear();
-            for &(id, _) in &sequences {
-                let (row, len) = self.rows[&id];
-                before.insert(id, (len, self.runner.decode_row_states(row)?));
-            }
-        }
         let k = rows.iter().map(|r| r.k).max().unwrap_or(0);
         let ks: Vec<usize> = rows.iter().map(|r| r.k).collect();
         let fed: Vec<FedRow> = rows
@@ -118,7 +112,14 @@ impl<'m> DraftRunner<'m> {
                 }
             })
             .collect();
-        let proposals = self.runner.propose(fed, &ks)?;
+        let mut proposals = self.runner.propose(fed, &ks)?;
+        if let Some(before) = &mut self.before_proposals {
+            before.clear();
+            let states = std::mem::take(&mut proposals.states_before);
+            for (&(id, tokens), states) in sequences.iter().zip(states) {
+                before.insert(id, (tokens.len(), states));
+            }
+        }
         // Every row stepped `k` times (the most any row proposes).
         for &(id, tokens) in &sequences {
             let entry = self.rows.get_mut(&id).expect("caught up above");
@@ -204,8 +205,9 @@ impl<'m> DraftRunner<'m> {
 
     /// After a verify step: sequence `id`'s slot keeps its first `valid` tokens (those its
     /// sequence had before the proposals and the proposals it accepted), the rest given back.
-    /// A draft with recurrent layers goes back to where the row was before proposing (its
-    /// next proposal step feeds the tokens since, or it catches up).
+    /// A draft with recurrent layers goes back to where the row held its sequence's tokens
+    /// before the proposals: its next proposal step feeds the accepted ones and the model's
+    /// token after them (or the row catches up, past [`MAX_FED`]).
     pub fn settle(&mut self, id: RequestId, valid: usize) -> Result<()> {
         let before = self.before_proposals.as_mut().and_then(|b| b.remove(&id));
         if let Some((row, len)) = self.rows.get_mut(&id) {

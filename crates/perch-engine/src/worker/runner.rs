@@ -688,7 +688,7 @@ impl FedRow<'_> {
 
 /// A draft's proposals not read yet ([`ModelRunner::propose`]): the verify step feeds them
 /// from the device, so the draft's steps and the verify pass run with one wait.
-pub(crate) struct Proposed {
+pub struct Proposed {
     /// `[k, rows]` uint32: step `i`'s proposal of the draft's decode row `r` at `[i, r]`.
     pub tokens: Array,
     /// Each proposing row's column of `tokens` (its decode row in the draft's slot cache), in
@@ -696,6 +696,10 @@ pub(crate) struct Proposed {
     pub columns: Vec<usize>,
     /// The draft's slot cache after the steps, to evaluate with the verify pass.
     pub state: Vec<Array>,
+    /// A draft with recurrent layers: each proposing row's states after the first step (when
+    /// it holds its sequence's tokens and no proposal yet; views, in `columns`' order), where
+    /// it goes back when the model rejects proposals. Empty otherwise.
+    pub states_before: Vec<Vec<Vec<Array>>>,
 }
 
 impl Proposed {
@@ -856,11 +860,6 @@ impl ModelRunner<'_> {
             None => vec![Vec::new(); rows.len()],
         };
         Ok(Verified { targets, drafted })
-    }
-
-    /// Decode slot `row`'s recurrent states now ([`SlotKvCache::row_states`]).
-    pub fn decode_row_states(&self, row: usize) -> Result<Vec<Vec<Array>>> {
-        self.slots.decode.row_states(row)
     }
 
     /// Puts decode slot `row` back to `len` positions and `states` ([`SlotKvCache::restore_row`]).
@@ -1028,6 +1027,7 @@ impl ModelRunner<'_> {
             last[r.row] = (r.row * width + r.fed.len() - 1) as u32;
         }
         let mut proposals = Vec::with_capacity(k);
+        let mut states_before = Vec::new();
         for step in 0..k {
             let logits = Self::forward_decode(
                 self.model,
@@ -1048,6 +1048,12 @@ impl ModelRunner<'_> {
             if step == 0 {
                 for r in &rows {
                     new_tokens[r.row] = 1;
+                }
+                if decode.has_recurrent_layers() {
+                    states_before = rows
+                        .iter()
+                        .map(|r| decode.row_states(r.row))
+                        .collect::<Result<_>>()?;
                 }
             }
             // Sampled rows' draws replace their greedy tokens: every row's token taken from
@@ -1101,6 +1107,7 @@ impl ModelRunner<'_> {
             tokens,
             columns: rows.iter().map(|r| r.row).collect(),
             state: decode.state().cloned().collect(),
+            states_before,
         })
     }
 }
