@@ -1451,3 +1451,100 @@ fn generate_divided_over_two_ranks() {
         assert_clean_error(&out, "9 query heads cannot be divided over 2 ranks");
     }
 }
+
+/// `perch generate --distributed --hosts`: this process starts the ranks itself, as `mlx.launch
+/// --hosts` does — on 127.0.0.1 directly, and on a host reached over `ssh` (a stand-in `ssh` on
+/// PATH that runs the command here, for the host 127.0.0.2) — and prints what one process
+/// prints. A rank that fails ends the group with an error; bad host lists are refused.
+#[test]
+fn generate_starts_its_ranks_from_a_host_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = test_model();
+    // The stand-in: `ssh -o OPTION HOST COMMAND` runs COMMAND here and notes HOST.
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let logins = dir.path().join("logins.txt");
+    let ssh = bin.join("ssh");
+    std::fs::write(
+        &ssh,
+        format!(
+            "#!/bin/sh\nwhile [ \"$1\" = -o ]; do shift 2; done\necho \"$1\" >> '{}'\nshift\nexec sh -c \"$1\"\n",
+            logins.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // Two free ports in a row from a free one.
+    let starting_port = loop {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = first.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            break port;
+        }
+    };
+    let prompt = [
+        "--prompt",
+        "Name three colors.",
+        "--json",
+        "--max-tokens",
+        "16",
+    ];
+    let one = perch(&[&["generate", "--model", &model][..], &prompt].concat());
+    assert!(
+        one.status.success(),
+        "{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    let lines = |out: &[u8]| -> Vec<String> {
+        let text = String::from_utf8(out.to_vec()).unwrap();
+        let mut lines: Vec<String> = text.lines().map(String::from).collect();
+        lines.pop(); // the stats, with their timings
+        lines
+    };
+    let launch = |hosts: &str, split: &str| {
+        Command::new(env!("CARGO_BIN_EXE_perch"))
+            .args(["generate", "--model", &model])
+            .args(prompt)
+            .args(["--distributed", split, "--hosts", hosts])
+            .args(["--starting-port", &starting_port.to_string()])
+            .env("PATH", &path)
+            .output()
+            .unwrap()
+    };
+    for hosts in ["127.0.0.1,127.0.0.1", "127.0.0.1,127.0.0.2"] {
+        let out = launch(hosts, "pipeline");
+        assert!(
+            out.status.success(),
+            "{hosts}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(lines(&out.stdout), lines(&one.stdout), "{hosts}");
+    }
+    // Only the host that is not this machine was reached over ssh.
+    assert_eq!(std::fs::read_to_string(&logins).unwrap(), "127.0.0.2\n");
+    // Both ranks refuse to divide 9 heads over 2: the launch ends with the first one's failure.
+    let failed = launch("127.0.0.1,127.0.0.1", "tensor");
+    let stderr = String::from_utf8_lossy(&failed.stderr);
+    assert_eq!(failed.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("9 query heads cannot be divided"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("exited with status 1: the group stopped"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    for (hosts, needle) in [
+        ("127.0.0.1", "two hosts or more"),
+        ("127.0.0.1,a;b", "\"a;b\" is not a host name"),
+    ] {
+        let out = launch(hosts, "pipeline");
+        assert_clean_error(&out, needle);
+    }
+}

@@ -52,6 +52,15 @@ pub struct GenerateArgs {
     /// The backend `--distributed` runs on.
     #[arg(long, value_enum, default_value_t = BackendArg::Ring, requires = "distributed")]
     pub backend: BackendArg,
+    /// With --distributed: start every rank from here, one a host of this comma-separated list
+    /// (rank 0 first; a host may be named twice), as `mlx.launch --hosts` does for the ring
+    /// backend: on this machine for `localhost` and `127.0.0.1`, over `ssh` (key-based, the same
+    /// `perch` path on every host) elsewhere.
+    #[arg(long, value_delimiter = ',', requires = "distributed")]
+    pub hosts: Vec<String>,
+    /// With --hosts: rank r listens on this port plus r.
+    #[arg(long, default_value_t = 32323, requires = "hosts")]
+    pub starting_port: u16,
 }
 
 /// Sampling and length flags shared by `generate` and `chat`.
@@ -275,6 +284,9 @@ impl GenerationOptions {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    if !args.hosts.is_empty() {
+        return crate::launch::launch(&args.hosts, args.starting_port, args.backend);
+    }
     let messages = messages(&args)?;
     if let Some(messages) = messages.as_ref().filter(|m| has_images(m)) {
         if args.distributed.is_some() {

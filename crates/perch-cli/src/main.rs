@@ -12,6 +12,7 @@ mod distributed;
 mod generate;
 mod hub;
 mod import;
+mod launch;
 mod model_dir;
 mod serve;
 mod soak;

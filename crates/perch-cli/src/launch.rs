@@ -1,0 +1,266 @@
+//! `--hosts`: this process starts a group's ranks itself, one a host, as `mlx.launch --hosts`
+//! does for MLX's ring backend: a hostfile listing rank `r` at `host:starting_port + r`, then
+//! each rank's process running this command without `--hosts`, with `MLX_RANK` and
+//! `MLX_HOSTFILE` set: on this machine directly for `localhost` and `127.0.0.1`, over `ssh`
+//! elsewhere (key-based, and the same `perch` path on every host, as `mlx.launch` assumes the
+//! same Python). Rank 0's output is this command's; when a rank fails, the others are ended.
+
+use std::ffi::OsString;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+use crate::distributed::BackendArg;
+
+/// Where a rank runs: `ssh`'s destination (`user@host` or `host`) and the address MLX listens
+/// on (`host`).
+#[derive(Debug, PartialEq)]
+struct Host {
+    login: String,
+    address: String,
+}
+
+/// `host` or `user@host`, each a name or IPv4 address of letters, digits, `.`, `-` and `_`
+/// (MLX's ring splits an address at its first colon, and nothing here passes through a shell
+/// unquoted).
+fn parse_host(spec: &str) -> anyhow::Result<Host> {
+    let plain = |s: &str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+    };
+    let address = match spec.split_once('@') {
+        Some((user, address)) if plain(user) => address,
+        Some(_) => "",
+        None => spec,
+    };
+    if !plain(address) {
+        bail!("--hosts: {spec:?} is not a host name or IPv4 address (or user@host)");
+    }
+    Ok(Host {
+        login: spec.to_owned(),
+        address: address.to_owned(),
+    })
+}
+
+/// A host this process starts its rank on directly.
+fn is_local(address: &str) -> bool {
+    matches!(address, "localhost" | "127.0.0.1")
+}
+
+/// The ring backend's hostfile for `hosts`: rank `r` at `address:starting_port + r`.
+fn hostfile(hosts: &[Host], starting_port: u16) -> anyhow::Result<String> {
+    let last = usize::from(starting_port) + hosts.len() - 1;
+    if starting_port == 0 || last > usize::from(u16::MAX) {
+        bail!(
+            "--starting-port {starting_port}: the ranks need ports {starting_port} to {last}, \
+             within 1 to 65535"
+        );
+    }
+    let addresses: Vec<Vec<String>> = hosts
+        .iter()
+        .enumerate()
+        .map(|(r, h)| vec![format!("{}:{}", h.address, usize::from(starting_port) + r)])
+        .collect();
+    Ok(serde_json::to_string(&addresses)?)
+}
+
+/// This command's arguments without `--hosts` and `--starting-port`: what every rank runs.
+fn rank_args(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
+    let mut kept = Vec::new();
+    let mut skip_value = false;
+    for arg in args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        let text = arg.to_string_lossy();
+        if text == "--hosts" || text == "--starting-port" {
+            skip_value = true;
+        } else if !(text.starts_with("--hosts=") || text.starts_with("--starting-port=")) {
+            kept.push(arg);
+        }
+    }
+    kept
+}
+
+/// The command `ssh` runs for rank `rank` on a remote host: `sh` writing the hostfile to a
+/// temporary file there, then running `exe args` with the rank's environment.
+fn remote_command(
+    rank: usize,
+    hostfile: &str,
+    exe: &std::path::Path,
+    args: &[OsString],
+) -> anyhow::Result<String> {
+    let quote = |s: &str| -> anyhow::Result<String> {
+        Ok(shlex::try_quote(s)
+            .with_context(|| format!("{s:?} cannot be passed to a shell"))?
+            .into_owned())
+    };
+    fn utf8(s: &std::ffi::OsStr) -> anyhow::Result<&str> {
+        s.to_str()
+            .with_context(|| format!("{s:?} is not UTF-8: it cannot be passed over ssh"))
+    }
+    let mut command = format!(
+        "f=$(mktemp) && printf '%s' {} > \"$f\" && MLX_RANK={rank} MLX_HOSTFILE=\"$f\" exec {}",
+        quote(hostfile)?,
+        quote(utf8(exe.as_os_str())?)?
+    );
+    for arg in args {
+        command.push(' ');
+        command.push_str(&quote(utf8(arg)?)?);
+    }
+    // Through `sh`, whatever the login shell on that host.
+    Ok(format!("sh -c {}", quote(&command)?))
+}
+
+/// Starts one rank a host of `hosts` (rank 0 first) running this command, relays rank 0's
+/// output, and waits for them all; the first that fails ends the others and is the error.
+pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyhow::Result<()> {
+    if !matches!(backend, BackendArg::Ring) {
+        bail!(
+            "--hosts starts ranks of the ring backend; start the ranks of another backend as its \
+             launcher does (mlx.launch)"
+        );
+    }
+    if hosts.len() < 2 {
+        bail!("--hosts needs two hosts or more (a host may be named twice)");
+    }
+    let hosts = hosts
+        .iter()
+        .map(|h| parse_host(h))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let json = hostfile(&hosts, starting_port)?;
+    let mut local = tempfile::NamedTempFile::new().context("writing the ranks' hostfile")?;
+    std::io::Write::write_all(&mut local, json.as_bytes())
+        .context("writing the ranks' hostfile")?;
+    let exe = std::env::current_exe().context("finding this perch executable")?;
+    let args = rank_args(std::env::args_os().skip(1));
+    let mut ranks: Vec<(Child, &Host)> = Vec::with_capacity(hosts.len());
+    for (rank, host) in hosts.iter().enumerate() {
+        let mut command = if is_local(&host.address) {
+            let mut command = Command::new(&exe);
+            command
+                .args(&args)
+                .env("MLX_RANK", rank.to_string())
+                .env("MLX_HOSTFILE", local.path());
+            command
+        } else {
+            let mut command = Command::new("ssh");
+            command.args(["-o", "BatchMode=yes", &host.login]);
+            command.arg(remote_command(rank, &json, &exe, &args)?);
+            command
+        };
+        command.stdin(Stdio::null());
+        if rank > 0 {
+            command.stdout(Stdio::null());
+        }
+        match command.spawn() {
+            Ok(child) => ranks.push((child, host)),
+            Err(e) => {
+                end(&mut ranks);
+                bail!("starting rank {rank} on {}: {e}", host.login);
+            }
+        }
+    }
+    loop {
+        let mut running = 0;
+        for rank in 0..ranks.len() {
+            match ranks[rank].0.try_wait()? {
+                None => running += 1,
+                Some(status) if status.success() => {}
+                Some(status) => {
+                    let login = ranks[rank].1.login.clone();
+                    end(&mut ranks);
+                    bail!(
+                        "rank {rank} on {login} {}: the group stopped",
+                        exited(status)
+                    );
+                }
+            }
+        }
+        if running == 0 {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Ends every rank still running (a remote one's `ssh`; MLX's ring ends a rank whose peers are
+/// gone within seconds) and reaps them.
+fn end(ranks: &mut [(Child, &Host)]) {
+    for (child, _) in ranks.iter_mut() {
+        if let Ok(None) = child.try_wait() {
+            let _ = child.kill();
+        }
+        let _ = child.wait();
+    }
+}
+
+/// "exited with status 1", "was killed by signal 9".
+fn exited(status: ExitStatus) -> String {
+    #[cfg(unix)]
+    if let Some(signal) = std::os::unix::process::ExitStatusExt::signal(&status) {
+        return format!("was killed by signal {signal}");
+    }
+    match status.code() {
+        Some(code) => format!("exited with status {code}"),
+        None => "ended".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_become_a_ring_hostfile() {
+        let hosts: Vec<Host> = ["127.0.0.1", "me@studio.local", "10.0.0.2"]
+            .iter()
+            .map(|h| parse_host(h).unwrap())
+            .collect();
+        assert_eq!(hosts[1].login, "me@studio.local");
+        assert_eq!(hosts[1].address, "studio.local");
+        assert_eq!(
+            hostfile(&hosts, 5000).unwrap(),
+            r#"[["127.0.0.1:5000"],["studio.local:5001"],["10.0.0.2:5002"]]"#
+        );
+        assert!(hostfile(&hosts, 65534)
+            .unwrap_err()
+            .to_string()
+            .contains("65536"));
+        for bad in ["", "a b", "h;rm", "fe80::1", "@h", "u@", "$(x)"] {
+            let error = parse_host(bad).unwrap_err().to_string();
+            assert!(error.contains("is not a host name"), "{bad:?}: {error}");
+        }
+        assert!(is_local("127.0.0.1") && is_local("localhost") && !is_local("127.0.0.2"));
+    }
+
+    #[test]
+    fn ranks_run_the_command_without_the_launch_flags() {
+        let args = [
+            "generate",
+            "--hosts",
+            "a,b",
+            "--prompt",
+            "Hi",
+            "--starting-port=7",
+            "--json",
+        ];
+        let kept = rank_args(args.iter().map(OsString::from));
+        assert_eq!(kept, ["generate", "--prompt", "Hi", "--json"]);
+        let command = remote_command(
+            1,
+            r#"[["a:1"],["b:2"]]"#,
+            std::path::Path::new("/opt/perch dir/perch"),
+            &kept,
+        )
+        .unwrap();
+        let script = "f=$(mktemp) && printf '%s' '[[\"a:1\"],[\"b:2\"]]' > \"$f\" && MLX_RANK=1 \
+                      MLX_HOSTFILE=\"$f\" exec '/opt/perch dir/perch' generate --prompt Hi --json";
+        assert_eq!(
+            command,
+            format!("sh -c {}", shlex::try_quote(script).unwrap())
+        );
+    }
+}
