@@ -401,6 +401,9 @@ pub struct SlotKvCache {
     replay: Option<StepReplay>,
 }
 
+/// Why a cache with sliding layers' rings cannot go back ([`SlotKvCache::rewind_rows`]).
+const RINGS_DO_NOT_KEEP: &str = "sliding-window rings do not keep what they replace";
+
 impl SlotKvCache {
     pub fn new(num_layers: usize, quantization: Option<KvQuantization>) -> Self {
         Self {
@@ -1583,16 +1586,12 @@ impl SlotKvCache {
                     .into(),
             )
         };
-        if self.rings.is_some() {
-            return refuse("sliding-window rings do not keep what they replace".into());
+        let held = self.lengths.get(slot).copied().flatten();
+        if let Some(held) = held.filter(|&held| held < len) {
+            return refuse(format!("{len} positions asked of {held}"));
         }
-        if !self.row_kv.get(slot).is_some_and(RowKv::is_plain) {
-            return refuse("a bounded or quantized row does not keep every position".into());
-        }
-        match self.lengths.get(slot) {
-            Some(Some(held)) if *held >= len => {}
-            Some(Some(held)) => return refuse(format!("{len} positions asked of {held}")),
-            _ => return refuse("a free slot".into()),
+        if let Some(why) = self.why_not_back(slot, held.map_or(0, |held| held - len)) {
+            return refuse(why);
         }
         if states.len() != self.num_layers {
             return refuse(format!(
@@ -1628,6 +1627,25 @@ impl SlotKvCache {
         Ok(())
     }
 
+    /// Why slot `slot` cannot go back `n` positions ([`SlotKvCache::rewind_rows`],
+    /// [`SlotKvCache::restore_row`]): sliding layers' rings, a bounded or quantized row, a free
+    /// slot, `n` beyond its length; `None` when it can.
+    fn why_not_back(&self, slot: usize, n: usize) -> Option<String> {
+        if self.rings.is_some() {
+            return Some(RINGS_DO_NOT_KEEP.to_owned());
+        }
+        if !self.row_kv.get(slot).is_some_and(RowKv::is_plain) {
+            return Some(
+                "a bounded or quantized row does not keep every position as written".into(),
+            );
+        }
+        match self.lengths.get(slot) {
+            Some(Some(len)) if *len >= n => None,
+            Some(Some(len)) => Some(format!("{n} positions asked of {len}")),
+            _ => Some("a free slot".to_owned()),
+        }
+    }
+
     /// Forgets the last `n` positions of occupied slot `slot` ([`SlotKvCache::rewind_rows`]).
     pub fn rewind(&mut self, slot: usize, n: usize) -> Result<()> {
         self.rewind_rows(&[(slot, n)])
@@ -1655,7 +1673,7 @@ impl SlotKvCache {
             )
         };
         if self.rings.is_some() {
-            return refuse(first, "sliding-window rings do not keep what they replace");
+            return refuse(first, RINGS_DO_NOT_KEEP);
         }
         let (mut counts, replay) = match (self.has_recurrent_layers(), replay) {
             (false, _) => (None, None),
@@ -1689,16 +1707,8 @@ impl SlotKvCache {
                 1,
                 "distinct slots"
             );
-            if !self.row_kv.get(slot).is_some_and(RowKv::is_plain) {
-                return refuse(
-                    slot,
-                    "a bounded or quantized row does not keep every position as written",
-                );
-            }
-            match self.lengths.get(slot) {
-                Some(Some(len)) if *len >= n => {}
-                Some(Some(len)) => return refuse(slot, &format!("{n} positions asked of {len}")),
-                _ => return refuse(slot, "a free slot"),
+            if let Some(why) = self.why_not_back(slot, n) {
+                return refuse(slot, &why);
             }
             if let Some(counts) = &counts {
                 let added = counts.get(slot).copied().unwrap_or(0);

@@ -54,9 +54,9 @@ pub struct DraftRunner<'m> {
     /// A draft with linear-attention layers: each row's length and recurrent states when its
     /// last proposal round began, holding its sequence's tokens and no proposal
     /// ([`Proposed::states_before`]); [`DraftRunner::settle`] goes back there when the model
-    /// rejected some, since a recurrent state cannot drop positions. `None` for a draft of
-    /// attention layers only, whose rows just drop the rejected positions.
-    before_proposals: Option<HashMap<RequestId, (usize, LayerStates)>>,
+    /// rejected some, since a recurrent state cannot drop positions. Always empty for a draft
+    /// of attention layers only, whose rows just drop the rejected positions.
+    before_proposals: HashMap<RequestId, (usize, LayerStates)>,
 }
 
 /// A row's recurrent states, by layer ([`crate::kv::slot_cache::SlotKvCache::row_states`]).
@@ -82,7 +82,7 @@ impl<'m> DraftRunner<'m> {
             .with_verify_steps(Some((MAX_FED, max_rows))),
             rows: HashMap::new(),
             prefill_step: prefill_step.max(1),
-            before_proposals: model.has_recurrent_layers().then(HashMap::new),
+            before_proposals: HashMap::new(),
         }
     }
 
@@ -113,13 +113,13 @@ impl<'m> DraftRunner<'m> {
             })
             .collect();
         let mut proposals = self.runner.propose(fed, &ks)?;
-        if let Some(before) = &mut self.before_proposals {
-            before.clear();
-            let states = std::mem::take(&mut proposals.states_before);
-            for (&(id, tokens), states) in sequences.iter().zip(states) {
-                before.insert(id, (tokens.len(), states));
-            }
-        }
+        // Empty unless the draft has recurrent layers.
+        let states = std::mem::take(&mut proposals.states_before);
+        self.before_proposals = sequences
+            .iter()
+            .zip(states)
+            .map(|(&(id, tokens), states)| (id, (tokens.len(), states)))
+            .collect();
         // Every row stepped `k` times (the most any row proposes).
         for &(id, tokens) in &sequences {
             let entry = self.rows.get_mut(&id).expect("caught up above");
@@ -209,7 +209,7 @@ impl<'m> DraftRunner<'m> {
     /// before the proposals: its next proposal step feeds the accepted ones and the model's
     /// token after them (or the row catches up, past [`MAX_FED`]).
     pub fn settle(&mut self, id: RequestId, valid: usize) -> Result<()> {
-        let before = self.before_proposals.as_mut().and_then(|b| b.remove(&id));
+        let before = self.before_proposals.remove(&id);
         if let Some((row, len)) = self.rows.get_mut(&id) {
             if *len > valid {
                 match before {
@@ -229,9 +229,7 @@ impl<'m> DraftRunner<'m> {
 
     /// Forgets sequence `id` (it left the batch), freeing its slot.
     pub fn remove(&mut self, id: RequestId) -> Result<()> {
-        if let Some(before) = &mut self.before_proposals {
-            before.remove(&id);
-        }
+        self.before_proposals.remove(&id);
         if let Some((row, _)) = self.rows.remove(&id) {
             let moves = self.runner.free_slot(Slot::Decode(row))?;
             self.decode_slots_moved(&moves);
@@ -242,9 +240,7 @@ impl<'m> DraftRunner<'m> {
     /// Forgets every sequence (after an MLX failure).
     pub fn clear(&mut self) {
         self.rows.clear();
-        if let Some(before) = &mut self.before_proposals {
-            before.clear();
-        }
+        self.before_proposals.clear();
         self.runner.clear();
     }
 
