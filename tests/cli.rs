@@ -1452,6 +1452,126 @@ fn generate_divided_over_two_ranks() {
     }
 }
 
+/// `perch serve --distributed`: two ranks on 127.0.0.1 (`MLX_RANK`, `MLX_HOSTFILE`), the model
+/// in two pipeline stages; rank 0 serves, rank 1 follows its batch and prints nothing. Requests
+/// sent at once (greedy, and sampled with a seed) get what one process's `perch serve` answers.
+/// Rank 0 killed, rank 1 ends with an error within seconds, not a hang; divided by heads, the
+/// test model's 9 query heads are refused by both.
+#[test]
+fn serve_divided_over_two_ranks() {
+    use std::process::Stdio;
+    let dir = tempfile::tempdir().unwrap();
+    let model = test_model();
+    let name = std::path::Path::new(&model)
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    let requests: Vec<String> = [
+        ("Name three colors.", 0.0),
+        ("Count to five.", 0.0),
+        ("Hello", 0.9),
+        ("Write a haiku about rain.", 0.0),
+    ]
+    .iter()
+    .map(|(content, temperature)| {
+        serde_json::json!({
+            "model": name, "max_tokens": 12, "temperature": temperature, "seed": 5,
+            "messages": [{"role": "user", "content": content}],
+        })
+        .to_string()
+    })
+    .collect();
+    // Every request at once; each answer's text.
+    let answers = |addr: &str| -> Vec<String> {
+        std::thread::scope(|scope| {
+            let sent: Vec<_> = requests
+                .iter()
+                .map(|body| {
+                    scope.spawn(move || {
+                        let (status, body) = http(addr, "POST /v1/chat/completions", "", body);
+                        assert_eq!(status, "HTTP/1.1 200 OK", "{body}");
+                        let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+                        answer["choices"][0]["message"]["content"]
+                            .as_str()
+                            .unwrap()
+                            .to_owned()
+                    })
+                })
+                .collect();
+            sent.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let mut one = Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(["serve", "--model", &model, "--port", "0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let alone = answers(&serve_address(&mut one));
+    one.kill().unwrap();
+    one.wait().unwrap();
+    assert!(alone.iter().all(|a| !a.is_empty()), "{alone:?}");
+
+    let ranks = |split: &str| -> Vec<std::process::Child> {
+        let port = |_| {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            listener.local_addr().unwrap().port()
+        };
+        let addresses: Vec<Vec<String>> = (0..2)
+            .map(port)
+            .map(|p| vec![format!("127.0.0.1:{p}")])
+            .collect();
+        let hosts = dir.path().join("hosts.json");
+        std::fs::write(&hosts, serde_json::to_string(&addresses).unwrap()).unwrap();
+        (0..2)
+            .map(|rank| {
+                Command::new(env!("CARGO_BIN_EXE_perch"))
+                    .args(["serve", "--model", &model, "--port", "0"])
+                    .args(["--distributed", split])
+                    .env("MLX_RANK", rank.to_string())
+                    .env("MLX_HOSTFILE", &hosts)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect()
+    };
+    let mut pair = ranks("pipeline");
+    let addr = serve_address(&mut pair[0]);
+    assert_eq!(answers(&addr), alone);
+    // Rank 0 gone without a word: rank 1 ends, with a sentence.
+    pair[0].kill().unwrap();
+    pair[0].wait().unwrap();
+    let start = std::time::Instant::now();
+    while pair[1].try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "rank 1 still runs 30 s after rank 0 ended"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let follower = pair.pop().unwrap().wait_with_output().unwrap();
+    assert!(follower.stdout.is_empty(), "rank 1 printed");
+    // After `loading …` (and MLX's own lines), one line of error.
+    let ends_in_error = |out: &Output, needle: &str| {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "stderr: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        let last = stderr.trim_end().lines().last().unwrap_or("");
+        assert!(last.starts_with("perch: error: "), "{stderr}");
+        assert!(last.contains(needle), "`{needle}` not in: {stderr}");
+    };
+    ends_in_error(&follower, "connection to a peer was lost");
+    for out in ranks("tensor")
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+    {
+        ends_in_error(&out, "9 query heads cannot be divided over 2 ranks");
+    }
+}
+
 /// `perch generate --distributed --hosts`: this process starts the ranks itself, as `mlx.launch
 /// --hosts` does — on 127.0.0.1 directly, and on a host reached over `ssh` (a stand-in `ssh` on
 /// PATH that runs the command here, for the host 127.0.0.2) — and prints what one process

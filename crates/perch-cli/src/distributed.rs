@@ -44,8 +44,53 @@ impl From<BackendArg> for Backend {
     }
 }
 
+/// The flags of a command that runs as one rank of a group (`generate`, `serve`).
+#[derive(clap::Args)]
+pub struct DistributedArgs {
+    /// Run as one rank of a group that divides the model over processes or machines (MLX's
+    /// distributed backends; start each rank as `mlx.launch` does, for ring with `MLX_RANK`
+    /// and `MLX_HOSTFILE`, or with --hosts): `tensor` divides every layer's heads and
+    /// features, `pipeline` the layers into stages. Every rank runs the same command; rank 0
+    /// prints (`generate`) or serves (`serve`).
+    #[arg(long, value_enum)]
+    pub distributed: Option<Split>,
+    /// The backend `--distributed` runs on.
+    #[arg(long, value_enum, default_value_t = BackendArg::Ring, requires = "distributed")]
+    pub backend: BackendArg,
+    /// With --distributed: start every rank from here, one a host of this comma-separated list
+    /// (rank 0 first; a host may be named twice), as `mlx.launch --hosts` does for the ring
+    /// backend: on this machine for `localhost` and `127.0.0.1`, over `ssh` (key-based, the same
+    /// `perch` path on every host) elsewhere.
+    #[arg(long, value_delimiter = ',', requires = "distributed")]
+    pub hosts: Vec<String>,
+    /// With --hosts: rank r listens on this port plus r.
+    #[arg(long, default_value_t = 32323, requires = "hosts")]
+    pub starting_port: u16,
+}
+
+impl DistributedArgs {
+    /// Whether this command starts the group's ranks (`--hosts`) rather than being one.
+    pub fn launches(&self) -> bool {
+        !self.hosts.is_empty()
+    }
+
+    /// Starts the group's ranks and waits for them ([`crate::launch::launch`]).
+    pub fn launch(&self) -> anyhow::Result<()> {
+        crate::launch::launch(&self.hosts, self.starting_port, self.backend)
+    }
+}
+
 /// How long a rank waits for every rank of its group to connect.
 const JOIN_DEADLINE: Duration = Duration::from_secs(60);
+
+/// Joins the group on `backend`, divided as `split` says.
+pub fn join(split: Split, backend: BackendArg) -> anyhow::Result<Division> {
+    let group = distributed::init(backend.into(), JOIN_DEADLINE)?;
+    Ok(match split {
+        Split::Tensor => Division::Tensor(TensorParallel::new(group)),
+        Split::Pipeline => Division::Pipeline(PipelineParallel::new(group)),
+    })
+}
 
 /// Joins the group on `backend`, takes rank 0's sampling seed (`seed`, or one it draws), and
 /// loads this rank's part of the model in `dir` (`split`; `models::load_divided`: no more of
@@ -57,28 +102,31 @@ pub fn load(
     backend: BackendArg,
     seed: Option<u64>,
 ) -> anyhow::Result<(Box<dyn Model>, usize, u64)> {
-    let group = distributed::init(backend.into(), JOIN_DEADLINE)?;
-    let rank = group.rank();
+    let division = join(split, backend)?;
+    let rank = division.rank();
     let mine = seed.unwrap_or_else(|| {
         std::collections::hash_map::RandomState::new()
             .build_hasher()
             .finish()
     });
-    let shared = group.broadcast_bytes((rank == 0).then_some(&mine.to_le_bytes()[..]))?;
+    let shared = division
+        .group()
+        .broadcast_bytes((rank == 0).then_some(&mine.to_le_bytes()[..]))?;
     let seed = u64::from_le_bytes(
         shared
             .try_into()
             .map_err(|_| anyhow::anyhow!("rank 0 sent a seed of the wrong size"))?,
     );
-    let division = match split {
-        Split::Tensor => Division::Tensor(TensorParallel::new(group)),
-        Split::Pipeline => Division::Pipeline(PipelineParallel::new(group)),
-    };
-    let model = models::load_divided(dir, &division).with_context(|| {
+    Ok((load_part(dir, &division)?, rank, seed))
+}
+
+/// This rank's part of the model in `dir` (`models::load_divided`).
+pub fn load_part(dir: &Path, division: &Division) -> anyhow::Result<Box<dyn Model>> {
+    models::load_divided(dir, division).with_context(|| {
         format!(
-            "rank {rank} loading its part of the model in {}",
+            "rank {} loading its part of the model in {}",
+            division.rank(),
             dir.display()
         )
-    })?;
-    Ok((model, rank, seed))
+    })
 }

@@ -14,7 +14,7 @@ use perch_engine::{
 };
 use serde_json::json;
 
-use crate::distributed::{self, BackendArg, Split};
+use crate::distributed::{self, DistributedArgs};
 use crate::model_dir;
 
 #[derive(Args)]
@@ -43,24 +43,8 @@ pub struct GenerateArgs {
     /// Print one JSON object per token and a final one with the finish reason and stats.
     #[arg(long)]
     pub json: bool,
-    /// Run as one rank of a group that divides the model over processes or machines (MLX's
-    /// distributed backends; start each rank as `mlx.launch` does, for ring with `MLX_RANK`
-    /// and `MLX_HOSTFILE`): `tensor` divides every layer's heads and features, `pipeline` the
-    /// layers into stages. Every rank runs the same command; rank 0 prints.
-    #[arg(long, value_enum)]
-    pub distributed: Option<Split>,
-    /// The backend `--distributed` runs on.
-    #[arg(long, value_enum, default_value_t = BackendArg::Ring, requires = "distributed")]
-    pub backend: BackendArg,
-    /// With --distributed: start every rank from here, one a host of this comma-separated list
-    /// (rank 0 first; a host may be named twice), as `mlx.launch --hosts` does for the ring
-    /// backend: on this machine for `localhost` and `127.0.0.1`, over `ssh` (key-based, the same
-    /// `perch` path on every host) elsewhere.
-    #[arg(long, value_delimiter = ',', requires = "distributed")]
-    pub hosts: Vec<String>,
-    /// With --hosts: rank r listens on this port plus r.
-    #[arg(long, default_value_t = 32323, requires = "hosts")]
-    pub starting_port: u16,
+    #[command(flatten)]
+    pub group: DistributedArgs,
 }
 
 /// Sampling and length flags shared by `generate` and `chat`.
@@ -284,26 +268,26 @@ impl GenerationOptions {
 }
 
 pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
-    if !args.hosts.is_empty() {
-        return crate::launch::launch(&args.hosts, args.starting_port, args.backend);
+    if args.group.launches() {
+        return args.group.launch();
     }
     let messages = messages(&args)?;
     if let Some(messages) = messages.as_ref().filter(|m| has_images(m)) {
-        if args.distributed.is_some() {
+        if args.group.distributed.is_some() {
             bail!("--distributed runs text only: images are not divided over ranks yet");
         }
         return run_with_images(&args, messages.clone());
     }
-    if args.distributed.is_some() && args.options.draft.draft_model.is_some() {
+    if args.group.distributed.is_some() && args.options.draft.draft_model.is_some() {
         bail!("--distributed runs without a draft model");
     }
-    let (model, tokenizer, rank, seed) = match args.distributed {
+    let (model, tokenizer, rank, seed) = match args.group.distributed {
         Some(split) => {
             let dir = model_dir::resolve(args.model.clone())?;
             let tokenizer = Tokenizer::load(&dir)
                 .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
             let (model, rank, seed) =
-                distributed::load(&dir, split, args.backend, args.options.seed)?;
+                distributed::load(&dir, split, args.group.backend, args.options.seed)?;
             (model, tokenizer, rank, Some(seed))
         }
         None => {

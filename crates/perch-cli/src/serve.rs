@@ -55,6 +55,8 @@ pub struct ServeArgs {
     /// miss), show a few tokens of text of each side (off: no prompt text goes to the log).
     #[arg(long)]
     pub log_prompt_text: bool,
+    #[command(flatten)]
+    pub group: crate::distributed::DistributedArgs,
 }
 
 /// The id clients name the model in `dir` by: `ORG/NAME` for a snapshot of the Hugging Face cache
@@ -121,6 +123,9 @@ fn parse_origin(origin: &str) -> Result<HeaderValue, String> {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    if args.group.launches() {
+        return args.group.launch();
+    }
     let dir = model_dir::resolve(args.model.clone())?;
     let model_id = short_id(&dir);
     let given = args
@@ -145,16 +150,34 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .draft_model
         .map(|draft| model_dir::resolve(Some(draft)))
         .transpose()?;
-    let engine = EngineHandle::load(
-        &dir,
-        EngineConfig {
-            draft_model,
-            num_draft_tokens: args.num_draft_tokens,
-            prompt_lookup: args.prompt_lookup.config()?,
-            keep_alive: args.keep_alive,
-            ..EngineConfig::default()
-        },
-    )
+    let engine_config = EngineConfig {
+        draft_model,
+        num_draft_tokens: args.num_draft_tokens,
+        prompt_lookup: args.prompt_lookup.config()?,
+        keep_alive: args.keep_alive,
+        ..EngineConfig::default()
+    };
+    let engine = match args.group.distributed {
+        None => EngineHandle::load(&dir, engine_config),
+        Some(split) => {
+            if engine_config.draft_model.is_some() || engine_config.prompt_lookup.is_some() {
+                anyhow::bail!(
+                    "--distributed serves without a draft model or prompt lookup (not run over \
+                     ranks yet)"
+                );
+            }
+            let division = crate::distributed::join(split, args.group.backend)?;
+            if division.rank() > 0 {
+                return follow(&dir, &division);
+            }
+            let (load_dir, id) = (dir.clone(), prefix_cache_id(&dir));
+            EngineHandle::spawn_with(engine_config, id, move |_| {
+                let model = crate::distributed::load_part(&load_dir, &division)
+                    .map_err(|e| perch_engine::EngineError::Distributed(format!("{e:#}")))?;
+                Ok((model, perch_engine::Tokenizer::load(&load_dir)?))
+            })
+        }
+    }
     .with_context(|| format!("loading {}", dir.display()))?;
     let config = ServerConfig {
         model_aliases: aliases,
@@ -186,6 +209,30 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .context("serving")
     })
+}
+
+/// What seeds the prefix cache's block hashes, as [`EngineHandle::load`] takes it: the model's
+/// directory.
+fn prefix_cache_id(dir: &std::path::Path) -> String {
+    dir.canonicalize()
+        .unwrap_or_else(|_| dir.to_path_buf())
+        .display()
+        .to_string()
+}
+
+/// A rank other than 0 of `perch serve --distributed`: its part of the model, making every
+/// call rank 0's batch makes (`perch_engine::engine::follow`) until rank 0 stops.
+fn follow(
+    dir: &std::path::Path,
+    division: &perch_engine::distributed::Division,
+) -> anyhow::Result<()> {
+    let model = crate::distributed::load_part(dir, division)?;
+    let tokenizer = perch_engine::Tokenizer::load(dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    eprintln!("rank {}: following rank 0's batch", division.rank());
+    let _wired = perch_engine::device::WiredLimit::raise();
+    perch_engine::engine::follow(model.as_ref(), &tokenizer)
+        .with_context(|| format!("rank {}", division.rank()))
 }
 
 #[cfg(test)]

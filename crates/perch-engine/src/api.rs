@@ -30,7 +30,7 @@ pub enum FinishReason {
 }
 
 /// One generation job.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct GenerateRequest {
     /// Prompt token ids (already chat-templated when it is a chat).
     pub prompt: Vec<u32>,
@@ -87,7 +87,9 @@ pub struct GenerateRequest {
     /// [`VisionTower::tokens`](crate::models::vision::VisionTower::tokens) image tokens
     /// ([`VisionTower::image_token_id`](crate::models::vision::VisionTower::image_token_id))
     /// in a row, whose embeddings its features replace. The engine's batch only ([`generate`]
-    /// and speculative requests refuse them).
+    /// and speculative requests refuse them). Not serialized: a batch divided over ranks
+    /// refuses images ([`crate::engine::follow`]).
+    #[serde(skip)]
     pub images: Vec<crate::image_processor::ImageInput>,
     /// Its lane in the batch ([`Priority`]): a higher lane's request is admitted, prefills and
     /// is kept from preemption ahead of lower lanes' (the app's chat asks for
@@ -104,7 +106,7 @@ pub struct GenerateRequest {
 }
 
 /// A prefix of a request's prompt to keep in the prefix cache ([`GenerateRequest::cache_pins`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CachePin {
     /// The prefix's length in tokens (kept in whole blocks: rounded down to one).
     pub tokens: usize,
@@ -127,7 +129,7 @@ impl CachePin {
 /// cache) in memory before it unloads them; the next request loads them again (Ollama's
 /// `keep_alive`, LM Studio's idle TTL). An unloaded engine keeps its thread, tokenizer and
 /// limits: its handle stays valid.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum KeepAlive {
     /// Unload after this long with no request (zero: as soon as the last request ends).

@@ -467,10 +467,21 @@ impl Group {
             .collect())
     }
 
-    /// Rank 0's `bytes` on every rank (the others pass `None`): its length, then its bytes, each
-    /// summed with zeros from the other ranks. Evaluates; errors when a rank is gone or when
-    /// rank 0 passes nothing.
+    /// Rank 0's `bytes` on every rank (the others pass `None`). Evaluates; errors when a rank
+    /// is gone or when rank 0 passes nothing.
     pub fn broadcast_bytes(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
+        Ok(self.broadcast_bytes_gathering(bytes, 0)?.0)
+    }
+
+    /// Rank 0's `bytes` on every rank (the others pass `None`), and every rank's `word` in rank
+    /// order: a gather of each rank's 16 bytes (rank 0's length, every rank's word), then rank
+    /// 0's bytes summed with zeros from the others. Evaluates; errors when a rank is gone or
+    /// when rank 0 passes nothing.
+    pub fn broadcast_bytes_gathering(
+        &self,
+        bytes: Option<&[u8]>,
+        word: u64,
+    ) -> Result<(Vec<u8>, Vec<u64>)> {
         let root = self.rank == 0;
         if root != bytes.is_some() {
             return Err(EngineError::Distributed(format!(
@@ -480,15 +491,20 @@ impl Group {
             )));
         }
         let len = bytes.map_or(0, <[u8]>::len);
-        let len = i64::try_from(len)
-            .ok()
-            .filter(|&n| n <= i64::from(i32::MAX))
-            .ok_or_else(|| EngineError::Distributed(format!("{len} bytes are too many")))?;
-        let len = self.all_sum(&Array::from_slice(&[len as i32], &[1]))?;
-        len.eval()?;
-        let len = len.as_slice::<i32>()[0] as usize;
+        if len > i32::MAX as usize {
+            return Err(EngineError::Distributed(format!(
+                "{len} bytes are too many"
+            )));
+        }
+        let mut header = [0u8; 16];
+        header[..8].copy_from_slice(&(len as u64).to_le_bytes());
+        header[8..].copy_from_slice(&word.to_le_bytes());
+        let headers = self.all_gather_bytes(&header)?;
+        let word_of = |h: &[u8]| u64::from_le_bytes(h[8..16].try_into().expect("16 bytes"));
+        let words = headers.iter().map(|h| word_of(h)).collect();
+        let len = u64::from_le_bytes(headers[0][..8].try_into().expect("16 bytes")) as usize;
         if len == 0 {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), words));
         }
         let data = match bytes {
             Some(bytes) => Array::from_slice(bytes, &[len as i32]),
@@ -496,7 +512,7 @@ impl Group {
         };
         let data = self.all_sum(&data)?;
         data.eval()?;
-        Ok(data.as_slice::<u8>().to_vec())
+        Ok((data.as_slice::<u8>().to_vec(), words))
     }
 }
 

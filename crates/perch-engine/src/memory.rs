@@ -21,7 +21,7 @@
 use std::path::{Path, PathBuf};
 
 /// What bounds the memory available to the process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum MemoryBound {
     /// The machine's available memory.
     System,
@@ -93,7 +93,7 @@ fn pressure_level() -> Option<PressureLevel> {
 }
 
 /// Bytes the process can still allocate, and what bounds them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Available {
     pub bytes: u64,
     pub bound: MemoryBound,
@@ -400,7 +400,7 @@ impl PressureGuard {
 
 /// A KV cache budget lowered to fit the memory left after loading the model
 /// ([`kv_budget_within`]): what was configured and what was available.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LoweredBudget {
     pub configured_bytes: usize,
     pub available_bytes: u64,

@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 
 use mlx_rs::Array;
 use perch_engine::distributed::{self, Backend, Division, PipelineParallel, TensorParallel};
-use perch_engine::{generate, models, GenerateRequest, Tokenizer};
+use perch_engine::{
+    generate, models, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenerateRequest,
+    Prompt, RequestStream, Tokenizer,
+};
 
 const TASK_ENV: &str = "PERCH_TEST_RANK_TASK";
 /// The tensor-parallel task's models: a folder of `tiny_models.py` cases (or, with
@@ -48,6 +51,12 @@ fn rank() {
             return;
         }
     };
+    if let Some(dies) = task.strip_prefix("engine") {
+        let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        let division = Division::Tensor(TensorParallel::new(group));
+        println!("{}", in_the_batch(division, &models, dies == "_dies"));
+        return;
+    }
     let (split, dies) = match task.strip_suffix("_dies") {
         Some(split) => (split, true),
         None => (task.as_str(), false),
@@ -251,6 +260,143 @@ fn dies_mid_request(split: Division, models: &Path) -> serde_json::Value {
             "s": start.elapsed().as_secs_f32(),
         }),
     }
+}
+
+/// The requests the batch engine runs over two ranks: prompts sharing a prefix (a prefix-cache
+/// hit), greedy and seeded sampled, one longer, more than `max_running` at once (some wait for
+/// a row), and one without a seed (rank 0 gives it one).
+fn batch_requests() -> Vec<EngineRequest> {
+    let prompt = |n: usize, salt: u32| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| 1 + (i * 7 + salt * 13) % 90)
+            .collect()
+    };
+    let shared = prompt(40, 1);
+    let request = |tokens: Vec<u32>, max_tokens: usize, temperature: f32, seed: Option<u64>| {
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = max_tokens;
+        params.ignore_eos = true;
+        params.sampling.temperature = temperature;
+        params.sampling.seed = seed;
+        EngineRequest {
+            prompt: Prompt::Tokens(tokens),
+            params,
+        }
+    };
+    vec![
+        request(shared.clone(), 24, 0.0, None),
+        request([&shared[..], &prompt(12, 2)[..]].concat(), 24, 0.0, None),
+        request(prompt(30, 3), 24, 0.8, Some(7)),
+        request(prompt(90, 4), 40, 0.0, None),
+        request(prompt(20, 5), 16, 1.0, None),
+        request(prompt(25, 6), 20, 0.6, Some(11)),
+    ]
+}
+
+/// Each request's stream: its token ids and finish, or its error.
+fn collected(streams: Vec<RequestStream>) -> Vec<serde_json::Value> {
+    streams
+        .into_iter()
+        .map(|stream| {
+            let mut ids = Vec::new();
+            loop {
+                match stream.events.recv_timeout(Duration::from_secs(120)) {
+                    Ok(EngineEvent::Token { id, .. }) => ids.extend(id),
+                    Ok(EngineEvent::Admitted { .. }) => {}
+                    Ok(EngineEvent::Finished { error, .. }) => {
+                        return serde_json::json!({
+                            "ids": ids,
+                            "error": error.map(|e| e.message),
+                        })
+                    }
+                    Err(_) => return serde_json::json!({ "ids": ids, "error": "no end: a hang" }),
+                }
+            }
+        })
+        .collect()
+}
+
+/// The batch engine over the tiny models in `models` (a folder each), divided by `division`:
+/// rank 0 serves [`batch_requests`] all at once through an [`EngineHandle`], the other rank
+/// follows (`perch_engine::engine::follow`); then rank 0 alone runs them on the whole model.
+/// With `dies`, rank 1 exits without a word while the batch decodes long requests: rank 0's
+/// requests end with an error, and a request after them is refused.
+fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Value {
+    let rank = division.rank();
+    let mut cases: Vec<PathBuf> = std::fs::read_dir(models)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    cases.sort();
+    let config = || EngineConfig {
+        max_running: 4,
+        ..EngineConfig::default()
+    };
+    let mut results = serde_json::Map::new();
+    for dir in cases {
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        if rank > 0 {
+            let model = models::load_divided(&dir, &division).unwrap();
+            let tokenizer = Tokenizer::load(&dir).unwrap();
+            if dies {
+                std::thread::spawn(|| {
+                    std::thread::sleep(Duration::from_millis(1500));
+                    std::process::exit(0);
+                });
+            }
+            let followed = perch_engine::engine::follow(model.as_ref(), &tokenizer);
+            results.insert(
+                name,
+                serde_json::json!({ "followed": followed.map_err(|e| e.to_string()).err() }),
+            );
+            continue;
+        }
+        let (load_dir, part) = (dir.clone(), division.clone());
+        let engine = EngineHandle::spawn_with(config(), name.clone(), move |_| {
+            Ok((
+                models::load_divided(&load_dir, &part)?,
+                Tokenizer::load(&load_dir)?,
+            ))
+        })
+        .unwrap();
+        if dies {
+            let start = Instant::now();
+            let streams: Vec<RequestStream> = (0..3)
+                .map(|i| {
+                    let mut params = GenerateRequest::new(Vec::new());
+                    params.max_tokens = 100_000;
+                    params.ignore_eos = true;
+                    let prompt = Prompt::Tokens(vec![1, 1690 + i, 198, 2683, 359]);
+                    engine.submit(EngineRequest { prompt, params }).unwrap()
+                })
+                .collect();
+            let ended = collected(streams);
+            let seconds = start.elapsed().as_secs_f32();
+            let after = collected(vec![engine.submit(batch_requests().remove(0)).unwrap()]);
+            results.insert(
+                name,
+                serde_json::json!({ "ended": ended, "s": seconds, "after": after }),
+            );
+            return serde_json::json!({ "rank": rank, "cases": results });
+        }
+        let streams = batch_requests()
+            .into_iter()
+            .map(|request| engine.submit(request).unwrap())
+            .collect();
+        let divided = collected(streams);
+        drop(engine);
+        let whole = EngineHandle::load(&dir, config()).unwrap();
+        let streams = batch_requests()
+            .into_iter()
+            .map(|request| whole.submit(request).unwrap())
+            .collect();
+        let alone = collected(streams);
+        results.insert(
+            name,
+            serde_json::json!({ "divided": divided, "alone": alone }),
+        );
+    }
+    serde_json::json!({ "rank": rank, "cases": results })
 }
 
 /// Two free ports on 127.0.0.1 (bound and released: a port is free again at once).
@@ -615,6 +761,92 @@ fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
             .unwrap_or_else(|| panic!("{task}: {result}"));
         assert!(s < 10.0, "{task}: the error came {s} s after the peer died");
     }
+}
+
+/// The batch engine over two ranks (tensor-parallel): rank 0 serves six requests at once through
+/// an `EngineHandle` (more than its rows: some wait; prompts sharing a prefix; greedy, seeded and
+/// unseeded sampling), the other rank follows its batch; each request's ids equal those of the
+/// whole model on one process (but the unseeded one's, which only has to end), on a dense, a
+/// mixture-of-experts and a hybrid model; and rank 1 returns once rank 0's engine stops.
+#[test]
+fn the_batch_engine_runs_over_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("models");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
+    let status = Command::new(common::oracle_python())
+        .arg(&script)
+        .arg(&models)
+        .arg(common::model_dir())
+        .arg("llama3-rope,qwen3_moe,qwen3_5_moe")
+        .status()
+        .expect("run the mlx_lm oracle");
+    assert!(status.success(), "tiny_models.py failed");
+    let hosts = hostfile(dir.path(), 2);
+    let env = [(MODELS_ENV, models.as_path())];
+    let children: Vec<Child> = (0..2)
+        .map(|r| spawn_rank_with(r, &hosts, "engine", &env))
+        .collect();
+    let results: Vec<_> = children
+        .into_iter()
+        .map(|c| result(c, Duration::from_secs(300)))
+        .collect();
+    for name in ["llama3-rope", "qwen3_moe", "qwen3_5_moe"] {
+        assert_eq!(
+            results[1]["cases"][name]["followed"],
+            serde_json::Value::Null,
+            "{name}: rank 1 {}",
+            results[1]
+        );
+        let case = &results[0]["cases"][name];
+        let (divided, alone) = (
+            case["divided"].as_array().unwrap(),
+            case["alone"].as_array().unwrap(),
+        );
+        for (i, (ours, whole)) in divided.iter().zip(alone).enumerate() {
+            assert!(ours["error"].is_null(), "{name}, request {i}: {ours}");
+            let n = ours["ids"].as_array().unwrap().len();
+            assert!(n >= 16, "{name}, request {i}: {n} tokens");
+            // The unseeded request draws its own seed in each engine.
+            if i != 4 {
+                assert_eq!(ours["ids"], whole["ids"], "{name}, request {i}");
+            }
+        }
+    }
+}
+
+/// A rank that exits while the batch engine decodes over two ranks: rank 0's requests end with
+/// MLX's sentence within seconds, and a request after them is refused (the group stopped),
+/// never a hang.
+#[test]
+fn a_rank_that_dies_under_the_batch_engine_ends_its_requests() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = dir.path().join("models");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
+    let status = Command::new(common::oracle_python())
+        .arg(&script)
+        .arg(&models)
+        .arg(common::model_dir())
+        .arg("llama3-rope")
+        .status()
+        .expect("run the mlx_lm oracle");
+    assert!(status.success(), "tiny_models.py failed");
+    let hosts = hostfile(dir.path(), 2);
+    let env = [(MODELS_ENV, models.as_path())];
+    let survivor = spawn_rank_with(0, &hosts, "engine_dies", &env);
+    let mut dying = spawn_rank_with(1, &hosts, "engine_dies", &env);
+    let result = result(survivor, Duration::from_secs(120));
+    dying.wait().unwrap();
+    let case = &result["cases"]["llama3-rope"];
+    for ended in case["ended"].as_array().unwrap() {
+        let error = ended["error"].as_str().unwrap_or_else(|| panic!("{case}"));
+        assert!(error.contains("connection to a peer was lost"), "{error}");
+        assert!(!ended["ids"].as_array().unwrap().is_empty(), "{case}");
+    }
+    assert!(case["s"].as_f64().unwrap() < 20.0, "{case}");
+    let after = case["after"][0]["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{case}"));
+    assert!(after.contains("stopped working together"), "{after}");
 }
 
 /// Loading one stage of two (`models::load_divided`) reads and keeps only that stage's layers:

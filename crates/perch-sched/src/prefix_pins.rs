@@ -12,7 +12,7 @@
 //! This file keeps the pins' bookkeeping; the pool's references and the block contents' pins are
 //! taken and given back by [`crate::kv_cache_manager::KvCacheManager`].
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use crate::block_pool::{BlockHash, BlockId};
@@ -24,7 +24,7 @@ pub const PIN_SHARE_DIVISOR: usize = 4;
 pub const MAX_PINS: usize = 64;
 
 /// What names a pin: asking again with the same key refreshes or replaces it.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum PinKey {
     /// A breakpoint: the prefix whose last block has this hash (the same prefix pinned again
     /// lives until the later of the two expiries).
@@ -58,7 +58,9 @@ pub enum PinRefused {
 /// The pins in force.
 #[derive(Debug)]
 pub struct PrefixPins {
-    pins: HashMap<PinKey, Pin>,
+    /// In key order: pins expire, and their blocks go back to the pool, in the same order in
+    /// every process (ranks of a divided batch must evict alike).
+    pins: BTreeMap<PinKey, Pin>,
     /// Pins holding each block.
     refs: HashMap<BlockId, u32>,
     max_blocks: usize,
@@ -70,7 +72,7 @@ impl PrefixPins {
     /// Pins of a pool of `num_blocks` blocks.
     pub fn new(num_blocks: usize) -> Self {
         Self {
-            pins: HashMap::new(),
+            pins: BTreeMap::new(),
             refs: HashMap::new(),
             max_blocks: num_blocks / PIN_SHARE_DIVISOR,
             next_expiry: None,

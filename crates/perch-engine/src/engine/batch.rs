@@ -27,6 +27,8 @@
 //! being prefilled (mlx_lm's `BatchGenerator` prefills whole 2,048-token chunks: on a CPU, a p95
 //! ITL seven times longer with four long prompts arriving).
 
+pub(crate) mod lockstep;
+
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
@@ -60,6 +62,7 @@ use crate::spec_decode::policy::SpecPolicy;
 use crate::text::tokenizer::Tokenizer;
 use crate::worker::draft::{DraftRow, DraftRunner};
 use crate::worker::runner::{DecodeRow, FedRow, ModelRunner, Proposed, Slot};
+use lockstep::{BatchCall, Lockstep};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientTally, Lookup};
@@ -75,7 +78,7 @@ use perch_sched::throughput::ThroughputWindow;
 pub const THROUGHPUT_WINDOW: Duration = Duration::from_secs(5);
 
 /// Limits of the batch and size of its KV block pool.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct BatchConfig {
     /// Most sequences running at once, prefilling or decoding (mlx-lm's `completion_batch_size`).
     pub max_running: usize,
@@ -568,6 +571,12 @@ pub struct BatchGenerator<'m> {
     times: StepTimes,
     /// Passes still to run while idle ([`BatchGenerator::warm_up_idle`]).
     idle_warm_ups: VecDeque<IdleWarmUp>,
+    /// Rank 0's link to the other ranks of a divided model ([`BatchGenerator::lead_ranks`]).
+    lockstep: Option<Lockstep<'m>>,
+    /// The group's time of the call being made ([`lockstep`]): what the batch's
+    /// choices read as now (pins' expiry, lanes last seen) on every rank alike. `None`: this
+    /// process's clock.
+    group_time: Option<Instant>,
     /// Prompt tokens processed, over the last seconds.
     pub prompt_throughput: ThroughputWindow,
     /// Tokens generated, over the last seconds.
@@ -640,6 +649,8 @@ impl<'m> BatchGenerator<'m> {
             memory_capacity: None,
             relief: None,
             row_bytes_per_position,
+            lockstep: None,
+            group_time: None,
             prompt_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
             generation_throughput: ThroughputWindow::new(THROUGHPUT_WINDOW),
         }
@@ -700,6 +711,117 @@ impl<'m> BatchGenerator<'m> {
         self.model.make_cache(self.config.kv_quantization)
     }
 
+    /// Makes this batch rank 0's of a model divided over ranks ([`lockstep`]):
+    /// each call on it from here on goes first to the other ranks' batches
+    /// ([`lockstep::follow`]), the first making theirs with this configuration.
+    /// Errors when the model is not divided or this is not rank 0.
+    pub(crate) fn lead_ranks(&mut self, model_id: &str) -> Result<()> {
+        let group = match self.model.division() {
+            Some(division) if division.rank() == 0 && division.size() > 1 => division.group(),
+            _ => {
+                return Err(EngineError::Distributed(
+                    "only rank 0 of a divided model leads the other ranks' batches".into(),
+                ))
+            }
+        };
+        self.lockstep = Some(Lockstep::new(group));
+        self.lead(BatchCall::Fresh {
+            config: self.config.clone(),
+            model_id: model_id.to_owned(),
+        })
+    }
+
+    /// Whether this is rank 0's batch of a divided model ([`BatchGenerator::lead_ranks`]).
+    pub fn leads_ranks(&self) -> bool {
+        self.lockstep.is_some()
+    }
+
+    /// Rank 0: the other ranks stop following (its engine is stopping).
+    pub(crate) fn stop_followers(&mut self) {
+        let _ = self.lead(BatchCall::Stop);
+    }
+
+    /// Rank 0 of a divided model: sends `call` to the other ranks, which make it on their
+    /// batches as this one makes it here, and takes its time as the group's. Nothing without
+    /// other ranks. Errors when a rank is gone or its batch differs from this one (then every
+    /// later call errors alike: the group stopped).
+    fn lead(&mut self, call: BatchCall) -> Result<()> {
+        if self.lockstep.is_none() {
+            return Ok(());
+        }
+        // A collective issued after a rank is gone may never return (MLX's ring backend fails
+        // only the collectives pending when it notices): the passes in flight, whose
+        // collectives come first, are waited for, and their failure stops the group here.
+        let waited = self.runner.wait_for_work_in_flight();
+        self.stop_group_on(waited)?;
+        let digest = self.digest();
+        let lockstep = self.lockstep.as_mut().expect("checked above");
+        self.group_time = Some(lockstep.lead(&call, digest)?);
+        Ok(())
+    }
+
+    /// A follower's wait, before it receives the next call, for what its last call left
+    /// running ([`BatchGenerator::lead`]'s reason).
+    pub(crate) fn wait_for_work_in_flight(&mut self) -> Result<()> {
+        self.runner.wait_for_work_in_flight()
+    }
+
+    /// A pass that failed on rank 0 of a divided model stops the group: the other ranks may not
+    /// have failed alike, and after a rank is gone MLX's ring backend may never answer a later
+    /// collective; every later call fails with this error instead of sending anything.
+    fn stop_group_on<T>(&mut self, result: Result<T>) -> Result<T> {
+        if let (Err(e), Some(lockstep)) = (&result, &mut self.lockstep) {
+            lockstep.stop(e);
+        }
+        result
+    }
+
+    /// A follower's call: the group's time rank 0 made it at ([`lockstep`]).
+    pub(crate) fn set_group_time(&mut self, at: Instant) {
+        self.group_time = Some(at);
+    }
+
+    /// Now, as the batch's choices read it: the group's time of the call being made when the
+    /// model is divided over ranks, else this process's clock.
+    fn now(&self) -> Instant {
+        self.group_time.unwrap_or_else(Instant::now)
+    }
+
+    /// What the ranks of a divided batch compare before each call ([`lockstep`]):
+    /// its requests in order, each one's tokens (count and last), computed positions and slot,
+    /// and the pool's free blocks. A hash with fixed keys, the same in every process.
+    pub(crate) fn digest(&self) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::hash::DefaultHasher::new();
+        self.next_id.hash(&mut hasher);
+        for seq in &self.running {
+            let last = seq.tokens.last();
+            (
+                seq.id,
+                seq.tokens.len(),
+                last,
+                seq.computed,
+                seq.slot.is_some(),
+            )
+                .hash(&mut hasher);
+        }
+        for seq in &self.waiting {
+            seq.id.hash(&mut hasher);
+        }
+        self.kv.pool().num_free_blocks().hash(&mut hasher);
+        hasher.finish()
+    }
+
+    /// Refuses what a batch divided over ranks does not run yet.
+    fn refuse_when_divided(&self, what: &str) -> Result<()> {
+        match self.lockstep {
+            Some(_) => Err(EngineError::Distributed(format!(
+                "{what} not run by a model divided over ranks yet"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     pub fn config(&self) -> &BatchConfig {
         &self.config
     }
@@ -710,7 +832,18 @@ impl<'m> BatchGenerator<'m> {
     /// and [`EngineError::KvCacheTooSmall`] when the prompt and one generated token cannot fit in
     /// the whole pool. A prompt that fits with room for fewer than `max_tokens` tokens runs with
     /// `max_tokens` lowered to the room (finish reason `length`).
-    pub fn insert(&mut self, request: GenerateRequest) -> Result<RequestId> {
+    pub fn insert(&mut self, mut request: GenerateRequest) -> Result<RequestId> {
+        if self.leads_ranks() {
+            if !request.images.is_empty() {
+                self.refuse_when_divided("images are")?;
+            }
+            // Every rank's sampler draws from the same key.
+            request.sampling.seed = request
+                .sampling
+                .seed
+                .or_else(|| Some(crate::sample::sampler::random_seed()));
+            self.lead(BatchCall::Insert(Box::new(request.clone())))?;
+        }
         self.insert_with(request, None)
     }
 
@@ -723,6 +856,7 @@ impl<'m> BatchGenerator<'m> {
         mut request: GenerateRequest,
         prefix: PromptCache,
     ) -> Result<RequestId> {
+        self.refuse_when_divided("prompt caches on disk are")?;
         match &prefix.tokens {
             // A prefix whose sliding layers hold only their window, or whose recurrent states fall
             // inside a block, stays private to this request.
@@ -919,6 +1053,7 @@ impl<'m> BatchGenerator<'m> {
     /// Removes a request (cancel), waiting or running, and frees its blocks (full ones stay in
     /// the prefix cache). Returns its output so far with finish reason `cancelled`.
     pub fn remove(&mut self, id: RequestId) -> Result<Option<GenerateOutput>> {
+        self.lead(BatchCall::Remove(id))?;
         let mut seq = if let Some(pos) = self.running.iter().position(|s| s.id == id) {
             let mut seq = self.running.remove(pos);
             self.release(&mut seq)?;
@@ -937,6 +1072,7 @@ impl<'m> BatchGenerator<'m> {
     /// Drops every request without output (after an MLX failure left their caches unusable),
     /// and every pinned prefix: the pool is all free afterwards. Returns their ids.
     pub fn clear(&mut self) -> Vec<RequestId> {
+        let _ = self.lead(BatchCall::Clear);
         let mut ids: Vec<RequestId> = self
             .running
             .iter()
@@ -1003,6 +1139,9 @@ impl<'m> BatchGenerator<'m> {
     /// they wait instead of adding their caches to a process short of memory. With a memory
     /// headroom set, that one is judged against it ([`BatchGenerator::set_memory_headroom`]).
     pub fn hold_admissions(&mut self, held: bool) {
+        if held != self.admissions_held {
+            let _ = self.lead(BatchCall::HoldAdmissions(held));
+        }
         self.admissions_held = held;
     }
 
@@ -1019,6 +1158,7 @@ impl<'m> BatchGenerator<'m> {
     /// ([`BatchEvent::Refused`], [`EngineError::PromptOutOfMemory`]) rather than run into the
     /// memory limit.
     pub fn set_memory_headroom(&mut self, headroom: Option<crate::memory::Available>) {
+        let _ = self.lead(BatchCall::MemoryHeadroom(headroom));
         self.memory_headroom = headroom;
         if let Some(relief) = &mut self.relief {
             relief.read = true;
@@ -1030,6 +1170,9 @@ impl<'m> BatchGenerator<'m> {
     /// refused for memory that needs more than this is told so as a client error
     /// ([`EngineError::PromptOutOfMemory`]'s `beyond_capacity`), others as an overload.
     pub fn set_memory_capacity(&mut self, capacity: Option<u64>) {
+        if capacity != self.memory_capacity {
+            let _ = self.lead(BatchCall::MemoryCapacity(capacity));
+        }
         self.memory_capacity = capacity;
     }
 
@@ -1127,6 +1270,7 @@ impl<'m> BatchGenerator<'m> {
     /// Forgets every cached prefix not in use (and every kept partial block) and drops its KV
     /// content; pinned prefixes are given up first.
     pub fn reset_prefix_cache(&mut self) {
+        let _ = self.lead(BatchCall::ResetPrefixCache);
         self.kv.clear_pins(&mut self.store);
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
@@ -1139,6 +1283,7 @@ impl<'m> BatchGenerator<'m> {
     /// positions, every one from 0) into the prefix cache as free cached blocks, as if a request had computed them.
     /// Takes only as many blocks as are free; returns the tokens now cached.
     pub fn import_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
+        self.refuse_when_divided("prompt caches on disk are")?;
         debug_assert!(
             layers.iter().all(|l| l.first_position() == 0),
             "blocks hold every position (see PromptCache::why_not_in_prefix_cache)"
@@ -1217,6 +1362,7 @@ impl<'m> BatchGenerator<'m> {
         tokens: &[u32],
         prefill_step_size: usize,
     ) -> Result<Vec<KvCache>> {
+        self.refuse_when_divided("prompt caches on disk are")?;
         let hit = computed_blocks(&self.kv, &self.store, tokens);
         let mut cache = self.make_cache();
         self.store
@@ -1238,6 +1384,13 @@ impl<'m> BatchGenerator<'m> {
     /// their prefix hits, the prefill pass runs, then one batched decode step. Returns the tokens
     /// and finished requests it produced.
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
+        self.lead(BatchCall::Step)?;
+        let stepped = self.run_step();
+        self.stop_group_on(stepped)
+    }
+
+    /// [`BatchGenerator::step`] on this process.
+    fn run_step(&mut self) -> Result<Vec<BatchEvent>> {
         let start = Instant::now();
         let mut events = Vec::new();
         let plan = self.schedule(&mut events)?;
@@ -1282,7 +1435,8 @@ impl<'m> BatchGenerator<'m> {
     /// in flight, preempting, finishing a sequence the pool cannot hold) until it returns one.
     fn schedule(&mut self, events: &mut Vec<BatchEvent>) -> Result<StepPlan> {
         let limits = self.step_limits();
-        self.kv.expire_pins(&mut self.store, Instant::now());
+        let now = self.now();
+        self.kv.expire_pins(&mut self.store, now);
         let mut preempted = false;
         loop {
             // Only those the batch has room for can be admitted (the queue may be long); under
@@ -1449,10 +1603,11 @@ impl<'m> BatchGenerator<'m> {
     /// `ModelRunner::warm_up`); changes nothing in the batch. Returns the number of shapes run.
     /// The engine calls it at load on GPUs.
     pub fn warm_up(&mut self) -> Result<usize> {
+        self.lead(BatchCall::WarmUp)?;
         let start = Instant::now();
-        let shapes = self.warm_up_decode_shapes()?;
+        let shapes = self.warm_up_decode_shapes();
         self.times.warm_up_seconds += start.elapsed().as_secs_f64();
-        Ok(shapes)
+        self.stop_group_on(shapes)
     }
 
     /// [`BatchGenerator::warm_up`]'s steps (the draft's too), counted, not timed.
@@ -1472,6 +1627,7 @@ impl<'m> BatchGenerator<'m> {
     /// prefill passes ([`scheduler::prefill_warm_up_shapes`]). Positions stay within the context
     /// and a quarter of the pool's tokens (warm-up's zeros are that much KV for a moment).
     pub fn queue_idle_warm_up(&mut self) {
+        let _ = self.lead(BatchCall::QueueIdleWarmUp);
         let max_positions = (self.config.num_blocks * self.config.block_size / 4)
             .min(self.model.info().context_length);
         let prefill = scheduler::prefill_warm_up_shapes(
@@ -1509,6 +1665,16 @@ impl<'m> BatchGenerator<'m> {
     /// often slower (by a third) than with the decode shapes met last; clearing MLX's buffer
     /// cache instead did not help.
     pub fn warm_up_idle(&mut self) -> Result<()> {
+        if self.idle_warm_ups.is_empty() {
+            return Ok(());
+        }
+        self.lead(BatchCall::WarmUpIdle)?;
+        let warmed = self.run_idle_warm_up();
+        self.stop_group_on(warmed)
+    }
+
+    /// [`BatchGenerator::warm_up_idle`]'s pass on this process.
+    fn run_idle_warm_up(&mut self) -> Result<()> {
         let Some(pass) = self.idle_warm_ups.pop_front() else {
             return Ok(());
         };
@@ -1685,7 +1851,7 @@ impl<'m> BatchGenerator<'m> {
     /// The highest lane a sequence ran in within [`scheduler::ACTIVE_LANE_WINDOW`], the running
     /// ones included (their lanes are marked seen now).
     fn active_lane(&mut self) -> Option<Priority> {
-        let now = Instant::now();
+        let now = self.now();
         for seq in &self.running {
             self.lane_seen[seq.request.priority as usize] = Some(now);
         }
@@ -1924,6 +2090,7 @@ impl<'m> BatchGenerator<'m> {
         self.times.prefill_passes += 1;
         self.prompt_throughput.record(pass.num_tokens());
         let start = Instant::now();
+        let now = self.now();
         let hybrid = self.store.has_recurrent_layers();
         for &(id, chunk) in &pass.chunks {
             let Some(i) = self.position(id) else {
@@ -1949,7 +2116,7 @@ impl<'m> BatchGenerator<'m> {
                 async_eval(states.iter().flatten())?;
                 self.store.put_bounded(id, states);
             }
-            take_pins(&mut self.kv, &mut self.store, seq);
+            take_pins(&mut self.kv, &mut self.store, seq, now);
         }
         self.runner.end_prefill_step()?;
         self.times.publish_seconds += start.elapsed().as_secs_f64();
@@ -2045,9 +2212,10 @@ impl<'m> BatchGenerator<'m> {
             // `slot_cache`). The copies run
             // after the step just dispatched; nothing waits for them. Only tokens already read
             // can be hashed.
+            let now = self.now();
             for seq in &mut self.running {
                 if seq.prefill_done() && seq.computed <= seq.tokens.len() {
-                    publish(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
+                    publish(&mut self.kv, &mut self.store, &self.runner, seq, false, now)?;
                 }
             }
         }
@@ -2462,7 +2630,8 @@ impl<'m> BatchGenerator<'m> {
     /// and its cache.
     fn release(&mut self, seq: &mut Sequence) -> Result<()> {
         if !seq.cache.is_empty() || seq.slot.is_some() {
-            publish(&mut self.kv, &mut self.store, &self.runner, seq, true)?;
+            let now = self.now();
+            publish(&mut self.kv, &mut self.store, &self.runner, seq, true, now)?;
             // Only next-token-logprobs calls keep their partial block: the next call usually
             // extends them by a token, and the copy (a wait for the device) stays off the path
             // of generating requests.
@@ -2661,15 +2830,17 @@ fn publish(
     runner: &ModelRunner,
     seq: &mut Sequence,
     wait: bool,
+    now: Instant,
 ) -> Result<()> {
     publish_blocks(kv, store, runner, seq, wait)?;
-    take_pins(kv, store, seq);
+    take_pins(kv, store, seq, now);
     Ok(())
 }
 
 /// Takes the pins of `seq` whose prefixes its published blocks now hold
-/// ([`KvCacheManager::pin_prefix`]), noting in its stats what they keep or why one was refused.
-fn take_pins(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence) {
+/// ([`KvCacheManager::pin_prefix`]) at `now`, noting in its stats what they keep or why one was
+/// refused.
+fn take_pins(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence, now: Instant) {
     if seq.pins_left.is_empty() {
         return;
     }
@@ -2690,7 +2861,6 @@ fn take_pins(kv: &mut KvCacheManager, store: &mut BlockStore, seq: &mut Sequence
         .into_iter()
         .partition(|pin| pin.tokens / block_size * block_size <= done);
     seq.pins_left = later;
-    let now = Instant::now();
     for pin in ready {
         match kv.pin_prefix(store, seq.id, pin.tokens, pin.key, pin.ttl, now) {
             PinOutcome::Pinned { tokens } => {

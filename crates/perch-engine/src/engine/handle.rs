@@ -129,6 +129,21 @@ impl EngineHandle {
                 let _live = LiveEngine::start();
                 let mut config = config;
                 match load(&mut |_| {}).and_then(|loaded| {
+                    // Rank 0 of a divided model serves; the others follow its batch.
+                    if let Some(division) = loaded.0.division().filter(|d| d.size() > 1) {
+                        if division.rank() != 0 {
+                            return Err(EngineError::Distributed(format!(
+                                "rank {} of the group follows rank 0's batch \
+                                 (`perch_engine::engine::follow`): it serves no requests",
+                                division.rank()
+                            )));
+                        }
+                        if config.draft_model.is_some() {
+                            return Err(EngineError::Distributed(
+                                "a model divided over ranks runs without a draft model".into(),
+                            ));
+                        }
+                    }
                     // The quantization must fit every layer's head size.
                     if let Some(q) = config.kv_quantization {
                         let info = loaded.0.info();

@@ -496,13 +496,16 @@ fn serve_model(
         (true, Some(processor)) => config.prefill_token_budget.max(processor.max_tokens()),
         _ => config.prefill_token_budget,
     };
+    // A model divided over ranks runs its batch in lockstep with theirs (`super::lockstep`),
+    // without what that does not run yet.
+    let divided = model.division().is_some_and(|d| d.size() > 1);
     let batch_config = BatchConfig {
         max_running: config.max_running,
         prefill_batch_size: config.prefill_batch_size,
         prefill_token_budget,
         slot_attention: config.slot_attention,
-        compile_decode: config.compile_decode,
-        prompt_lookup: config.prompt_lookup,
+        compile_decode: config.compile_decode && !divided,
+        prompt_lookup: config.prompt_lookup.filter(|_| !divided),
         lowered_for_memory: memory.lowered,
         ..pool_config(
             model,
@@ -525,6 +528,10 @@ fn serve_model(
     let mut warm_up = true;
     loop {
         let mut batch = BatchGenerator::new(model, tokenizer, batch_config.clone(), model_id);
+        if divided {
+            // A failure here fails every call after it: requests end with its sentence.
+            let _ = batch.lead_ranks(model_id);
+        }
         if let Some((draft, _)) = pass.draft {
             batch = batch.with_draft(draft, config.num_draft_tokens);
         }
@@ -545,7 +552,10 @@ fn serve_model(
         }
         let served = std::panic::catch_unwind(AssertUnwindSafe(|| pass.serve(&mut batch, queue)));
         let panic = match served {
-            Ok(ended) => return ended,
+            Ok(ended) => {
+                batch.stop_followers();
+                return ended;
+            }
             Err(panic) => panic,
         };
         // A panic mid-pass: the batch's state is unknown. Its requests end with the panic's
@@ -654,8 +664,10 @@ impl Pass<'_> {
                 // dropped last handle ends the thread.
                 queue.publish_and_flush(batch);
                 self.trim_heap(Duration::ZERO);
-                // A time past what an `Instant` holds is never.
+                // A time past what an `Instant` holds is never; a model divided over ranks stays
+                // (loading it again would need the other ranks to load theirs).
                 let unload_at = match queue.keep_alive {
+                    KeepAlive::Idle(_) if batch.leads_ranks() => None,
                     KeepAlive::Idle(time) => Instant::now().checked_add(time),
                     KeepAlive::Forever => None,
                 };
@@ -830,6 +842,15 @@ impl Pass<'_> {
         for job in std::mem::take(&mut queue.submitted) {
             let params = &job.request.params;
             if params.runs_beside_batch(batch.drafts()) {
+                if batch.leads_ranks() {
+                    let error = EngineError::Distributed(
+                        "a model divided over ranks runs without a draft model: speculative \
+                         decoding is not run there yet"
+                            .into(),
+                    );
+                    queue.refuse(&job, &error);
+                    continue;
+                }
                 match self.start_solo(&job) {
                     Ok(sequence) => {
                         queue.solo.insert(job.id);

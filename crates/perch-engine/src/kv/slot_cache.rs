@@ -161,7 +161,7 @@ impl RowKv {
 /// after, did not shorten the first token, so what keeps new shapes away is a burst prefilled
 /// in one pass ([`crate::EngineConfig::arrival_window`]). Metal's vector kernel takes masks, so
 /// Metal and the CPU read fused.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SlotAttention {
     /// The backend decides per step: explicit on CUDA for steps of fewer than 4 queries per row

@@ -1748,6 +1748,10 @@ impl Model for Decoder {
         Ok(())
     }
 
+    fn division(&self) -> Option<&Division> {
+        self.division.as_ref()
+    }
+
     fn clone_for_compile(&self) -> Box<dyn Model> {
         let mut copy = self.clone();
         copy.embed_tokens.use_mlx_kernels();

@@ -156,6 +156,10 @@ pub trait Model: Send {
             self.info().model_type
         )))
     }
+    /// The group this model is divided over ([`Model::shard`], [`Model::pipeline`]), once divided.
+    fn division(&self) -> Option<&Division> {
+        None
+    }
     /// Whether some layers keep a recurrent state instead of keys and values (linear
     /// attention: [`KvCache::recurrent`]); their prefix cache keeps states at block boundaries
     /// (`crate::kv::block_store`).

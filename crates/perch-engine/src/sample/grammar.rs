@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use crate::error::{EngineError, Result};
 
 /// What a constrained request's output must be.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum Grammar {
     /// Any JSON object (OpenAI's `{"type": "json_object"}`).
     JsonObject,

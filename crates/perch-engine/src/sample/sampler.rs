@@ -463,7 +463,7 @@ pub(crate) fn sample_batched(logprobs: &Array, samplers: &mut [&mut Sampler]) ->
 
 /// A seed for a request that gave none: random per sampler (the standard library's per-map
 /// random hasher keys, which differ for every map, and the clock).
-fn random_seed() -> u64 {
+pub(crate) fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u128(

@@ -5,7 +5,7 @@
 //! pays is output that repeats its input, as an agent's edits of a file in its prompt do.
 
 /// Prompt lookup's settings (`perch serve --prompt-lookup`; [`crate::testing::BatchConfig`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct PromptLookup {
     /// Tokens proposed a row at most (vLLM's `num_speculative_tokens`).
     pub num_draft_tokens: usize,

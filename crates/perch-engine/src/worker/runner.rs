@@ -578,6 +578,15 @@ impl<'m> ModelRunner<'m> {
         }
     }
 
+    /// Waits for what runs on the device: the decode step in flight (kept, to be read) and the
+    /// prefill pass in flight. Their errors surface here (a rank of a divided model gone).
+    pub fn wait_for_work_in_flight(&mut self) -> Result<()> {
+        if let Some(step) = &self.in_flight {
+            eval(step.arrays())?;
+        }
+        self.slots.prefill.wait_for_pass_in_flight()
+    }
+
     /// Makes `step` the step in flight (after the previous one was read).
     pub fn set_in_flight(&mut self, step: InFlight) {
         self.in_flight = Some(step);

@@ -1,0 +1,226 @@
+//! The batch engine over a model divided between ranks ([`crate::distributed`]): every rank
+//! holds its part of the model and a batch of its own ([`BatchGenerator`]); rank 0's engine
+//! thread takes the requests and runs its batch as on one machine, and every call it makes on
+//! that batch (a request inserted or removed, a step, a warm-up pass, news of memory) first goes
+//! to the other ranks, which make the same call on theirs ([`follow`]). A batch's choices
+//! depend only on the calls made on it and the time they carry (rank 0's, [`BatchCall`] by
+//! [`BatchCall`]), so every rank admits, prefills, decodes and evicts alike, runs the same
+//! passes and meets the same collectives; each samples from the same logits (the collectives
+//! give every rank the same sums) with the same keys (rank 0 gives every request a seed), so
+//! each reads the same tokens. SGLang's tensor-parallel schedulers work the same way (each
+//! rank's scheduler fed the requests rank 0 received); vLLM sends its scheduler's output to
+//! workers that hold no scheduler instead.
+//!
+//! A call travels as rank 0's bytes ([`Group::broadcast_bytes_gathering`]) together with every
+//! rank's digest of its batch before the call ([`BatchGenerator::digest`]): a rank whose
+//! batch no longer matches rank 0's is an error on every rank at the next call, never a hang in
+//! mismatched collectives; so is a rank that is gone (MLX's error). After either, rank 0's
+//! requests end with the error and every later call fails alike; the other ranks return it.
+//!
+//! What a divided batch does not run yet (refused with a sentence): images, prompt caches on
+//! disk, draft models and prompt lookup (its choice between verify and plain steps reads each
+//! rank's own clock), compiled decode steps (collectives inside MLX's compiled graphs are not
+//! tried yet).
+
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::{BatchConfig, BatchGenerator};
+use crate::distributed::Group;
+use crate::error::{EngineError, Result};
+use crate::memory::Available;
+use crate::models::Model;
+use crate::{GenerateRequest, RequestId, Tokenizer};
+
+/// A call rank 0 made on its batch, for the other ranks to make on theirs.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum BatchCall {
+    /// A fresh batch with this configuration (at start, and after a panic left the last one
+    /// unusable).
+    Fresh {
+        config: BatchConfig,
+        model_id: String,
+    },
+    /// [`BatchGenerator::insert`], the request's seed set.
+    Insert(Box<GenerateRequest>),
+    Remove(RequestId),
+    Clear,
+    Step,
+    WarmUp,
+    QueueIdleWarmUp,
+    WarmUpIdle,
+    HoldAdmissions(bool),
+    MemoryHeadroom(Option<Available>),
+    MemoryCapacity(Option<u64>),
+    ResetPrefixCache,
+    /// Rank 0's engine stops: the others return.
+    Stop,
+}
+
+/// A call as sent: rank 0's time of it, in microseconds since its lockstep began.
+#[derive(Serialize)]
+struct Sent<'a> {
+    call: &'a BatchCall,
+    at_us: u64,
+}
+
+#[derive(Deserialize)]
+struct Received {
+    call: BatchCall,
+    at_us: u64,
+}
+
+/// One rank's end of the calls: its group, when its calls' times count from, and whether the
+/// group already failed.
+pub(crate) struct Lockstep<'g> {
+    group: &'g Group,
+    epoch: Instant,
+    /// Calls so far (errors name the one that failed).
+    calls: u64,
+    /// Why the group stopped, once it did.
+    stopped: Option<String>,
+}
+
+impl<'g> Lockstep<'g> {
+    pub(crate) fn new(group: &'g Group) -> Self {
+        Self {
+            group,
+            epoch: Instant::now(),
+            calls: 0,
+            stopped: None,
+        }
+    }
+
+    /// Rank 0: sends `call`, with every rank's `digest` of its batch gathered and compared.
+    /// Returns the call's time.
+    pub(crate) fn lead(&mut self, call: &BatchCall, digest: u64) -> Result<Instant> {
+        if let Some(why) = &self.stopped {
+            return Err(EngineError::Distributed(why.clone()));
+        }
+        let at = Instant::now();
+        let sent = Sent {
+            call,
+            at_us: at.duration_since(self.epoch).as_micros() as u64,
+        };
+        let bytes = serde_json::to_vec(&sent).map_err(|e| {
+            EngineError::Distributed(format!("a call could not be sent to the other ranks: {e}"))
+        })?;
+        let fresh = matches!(call, BatchCall::Fresh { .. });
+        let exchanged = self
+            .group
+            .broadcast_bytes_gathering(Some(&bytes), digest)
+            .and_then(|(_, digests)| self.compare(&digests, fresh));
+        match exchanged {
+            Ok(()) => Ok(at),
+            Err(e) => Err(self.stop(&e)),
+        }
+    }
+
+    /// Marks the group stopped by `error` (no call goes out after it); returns the error every
+    /// later call gets.
+    pub(crate) fn stop(&mut self, error: &EngineError) -> EngineError {
+        let why = self.stopped.get_or_insert_with(|| {
+            format!("the ranks dividing the model stopped working together ({error}); restart them")
+        });
+        EngineError::Distributed(why.clone())
+    }
+
+    /// A rank other than 0: the next call rank 0 makes, and its time on this rank's clock,
+    /// with every rank's `digest` of its batch gathered and compared.
+    pub(crate) fn receive(&mut self, digest: u64) -> Result<(BatchCall, Instant)> {
+        let (bytes, digests) = self.group.broadcast_bytes_gathering(None, digest)?;
+        let received: Received = serde_json::from_slice(&bytes).map_err(|e| {
+            EngineError::Distributed(format!("rank 0 sent a call this rank cannot read: {e}"))
+        })?;
+        self.compare(&digests, matches!(received.call, BatchCall::Fresh { .. }))?;
+        Ok((
+            received.call,
+            self.epoch + Duration::from_micros(received.at_us),
+        ))
+    }
+
+    /// Counts a call; errors when some rank's digest of its batch before it differs from rank
+    /// 0's (but for a fresh batch, which every rank makes anew).
+    fn compare(&mut self, digests: &[u64], fresh: bool) -> Result<()> {
+        self.calls += 1;
+        match digests.iter().position(|&d| d != digests[0]) {
+            Some(rank) if !fresh => Err(EngineError::Distributed(format!(
+                "rank {rank}'s batch differs from rank 0's before call {}: the ranks no longer \
+                 run the same passes",
+                self.calls
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Rank `r > 0` of a model divided over ranks, while rank 0 serves it ([`crate::EngineHandle`]
+/// over the same division): makes every call rank 0's batch makes, on a batch of its own over
+/// `model` (this rank's part), until rank 0's engine stops (`Ok`) or the group fails (the
+/// error: a rank gone, or batches that no longer match). Runs on the calling thread, which
+/// then owns the batch's arrays.
+pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
+    let division = model.division().filter(|d| d.rank() > 0).ok_or_else(|| {
+        EngineError::Distributed(
+            "only a rank other than 0 of a divided model follows rank 0's batch".into(),
+        )
+    })?;
+    let mut lockstep = Lockstep::new(division.group());
+    let mut batch: Option<BatchGenerator<'_>> = None;
+    loop {
+        if let Some(batch) = &mut batch {
+            batch.wait_for_work_in_flight()?;
+        }
+        let digest = batch.as_ref().map_or(0, BatchGenerator::digest);
+        let (call, at) = lockstep.receive(digest)?;
+        match call {
+            BatchCall::Fresh { config, model_id } => {
+                batch = Some(BatchGenerator::new(model, tokenizer, config, &model_id));
+            }
+            BatchCall::Stop => return Ok(()),
+            call => {
+                let batch = batch.as_mut().ok_or_else(|| {
+                    EngineError::Distributed(format!(
+                        "rank 0 sent {call:?} before making its batch"
+                    ))
+                })?;
+                batch.set_group_time(at);
+                apply(batch, call)?;
+            }
+        }
+    }
+}
+
+/// Makes `call` on a follower's batch. What it returns is rank 0's to report (the same there):
+/// a request refused and a step's events are dropped here. A failed pass is the error: rank 0
+/// stops the group on its own failed passes (`BatchGenerator::stop_group_on`), so this rank
+/// cannot count on another call (after a rank is gone, MLX's ring backend may never answer a
+/// later collective).
+fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
+    match call {
+        BatchCall::Insert(request) => {
+            let _ = batch.insert(*request);
+        }
+        BatchCall::Remove(id) => {
+            let _ = batch.remove(id);
+        }
+        BatchCall::Clear => {
+            batch.clear();
+        }
+        BatchCall::Step => {
+            batch.step()?;
+        }
+        BatchCall::WarmUp => {
+            batch.warm_up()?;
+        }
+        BatchCall::QueueIdleWarmUp => batch.queue_idle_warm_up(),
+        BatchCall::WarmUpIdle => batch.warm_up_idle()?,
+        BatchCall::HoldAdmissions(held) => batch.hold_admissions(held),
+        BatchCall::MemoryHeadroom(headroom) => batch.set_memory_headroom(headroom),
+        BatchCall::MemoryCapacity(capacity) => batch.set_memory_capacity(capacity),
+        BatchCall::ResetPrefixCache => batch.reset_prefix_cache(),
+        BatchCall::Fresh { .. } | BatchCall::Stop => unreachable!("handled by `follow`"),
+    }
+    Ok(())
+}
