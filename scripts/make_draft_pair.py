@@ -8,7 +8,8 @@ decide most tokens). Prints the draft's path.
 
     python scripts/make_draft_pair.py MODEL_DIR DRAFT_DIR [--draft-layers 2] [--scale 0.0]
 
-MODEL_DIR is an mlx-community Llama-style directory (one `model.safetensors`, as `bench_gpu.py` and
+MODEL_DIR is an mlx-community Llama-style or Qwen3.5-style (hybrid; draft layers a multiple of its
+`full_attention_interval` keep its pattern) directory (one `model.safetensors`, as `bench_gpu.py` and
 `make_random_model.py` write them), quantized (affine: a weight is `scales * q + biases`, so scaling both
 scales the weight) or not. The pair shares the tokenizer files. A measurement tool only: the ratios it gives
 are the mechanism's at that agreement, not a real pair's.
@@ -22,8 +23,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-WRITES = re.compile(r"model\.layers\.(\d+)\.(self_attn\.o_proj|mlp\.down_proj)\.(weight|scales|biases|bias)$")
-LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# A layer's writes to the residual stream: attention's (or a linear-attention layer's) output projection and
+# the MLP's down projection (a mixture of experts': its experts' and its shared expert's).
+WRITES = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn\.o_proj|linear_attn\.out_proj|mlp\..*down_proj)"
+                    r"\.(weight|scales|biases|bias)$")
+LAYER = re.compile(r"(?:.*\.)?layers\.(\d+)\.")
 
 
 def main() -> None:
@@ -35,7 +39,9 @@ def main() -> None:
     args = parser.parse_args()
 
     config = json.loads((args.model_dir / "config.json").read_text())
-    layers = config["num_hidden_layers"]
+    # Qwen3.5's layers are counted in its text model's configuration.
+    text = config.get("text_config", config)
+    layers = text["num_hidden_layers"]
     if not 0 < args.draft_layers < layers:
         raise SystemExit(f"--draft-layers must be 1 to {layers - 1}")
     weights_file = args.model_dir / "model.safetensors"
@@ -63,7 +69,7 @@ def main() -> None:
         if m is None or int(m.group(1)) < args.draft_layers:
             draft[name] = value
     mx.save_safetensors(str(args.draft_dir / "model.safetensors"), draft)
-    config["num_hidden_layers"] = args.draft_layers
+    text["num_hidden_layers"] = args.draft_layers
     (args.draft_dir / "config.json").write_text(json.dumps(config))
     for f in args.model_dir.iterdir():
         if f.is_file() and f.name not in ("config.json", "model.safetensors"):

@@ -1158,7 +1158,11 @@ impl<'m> BatchGenerator<'m> {
     /// ([`BatchEvent::Refused`], [`EngineError::PromptOutOfMemory`]) rather than run into the
     /// memory limit.
     pub fn set_memory_headroom(&mut self, headroom: Option<crate::memory::Available>) {
-        let _ = self.lead(BatchCall::MemoryHeadroom(headroom));
+        // Every rank's batch holds the same headroom and relief: an unchanged reading with no
+        // request being judged changes nothing, and goes nowhere.
+        if headroom != self.memory_headroom || self.relief.is_some() {
+            let _ = self.lead(BatchCall::MemoryHeadroom(headroom));
+        }
         self.memory_headroom = headroom;
         if let Some(relief) = &mut self.relief {
             relief.read = true;
