@@ -399,6 +399,22 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
     serde_json::json!({ "rank": rank, "cases": results })
 }
 
+/// The tiny models of `cases` (comma-separated `tiny_models.py` names, a folder each) in
+/// `dir/models`, written by the mlx_lm oracle.
+fn tiny_models(dir: &Path, cases: &str) -> PathBuf {
+    let models = dir.join("models");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
+    let status = Command::new(common::oracle_python())
+        .arg(&script)
+        .arg(&models)
+        .arg(common::model_dir())
+        .arg(cases)
+        .status()
+        .expect("run the mlx_lm oracle");
+    assert!(status.success(), "tiny_models.py failed");
+    models
+}
+
 /// Two free ports on 127.0.0.1 (bound and released: a port is free again at once).
 fn free_ports(n: usize) -> Vec<u16> {
     let listeners: Vec<TcpListener> = (0..n)
@@ -633,21 +649,12 @@ fn two_ranks_pipeline_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
 /// ranks of mlx_lm's own division of `by_mlx_lm` (`tests/oracle/sharded.py`) get Perch's ids.
 fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)], by_mlx_lm: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
-    let models = dir.path().join("models");
     let cases: Vec<&str> = divided
         .iter()
         .copied()
         .chain(refused.iter().map(|(name, _)| *name))
         .collect();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
-    let status = Command::new(common::oracle_python())
-        .arg(&script)
-        .arg(&models)
-        .arg(common::model_dir())
-        .arg(cases.join(","))
-        .status()
-        .expect("run the mlx_lm oracle");
-    assert!(status.success(), "tiny_models.py failed");
+    let models = tiny_models(dir.path(), &cases.join(","));
     let hosts = hostfile(dir.path(), 2);
     let children: Vec<Child> = (0..2)
         .map(|r| spawn_rank_with(r, &hosts, task, &[(MODELS_ENV, &models)]))
@@ -730,16 +737,7 @@ fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)], by_m
 #[test]
 fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    let models = dir.path().join("models");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
-    let status = Command::new(common::oracle_python())
-        .arg(&script)
-        .arg(&models)
-        .arg(common::model_dir())
-        .arg("llama3-rope")
-        .status()
-        .expect("run the mlx_lm oracle");
-    assert!(status.success(), "tiny_models.py failed");
+    let models = tiny_models(dir.path(), "llama3-rope");
     for task in ["tensor_parallel_dies", "pipeline_parallel_dies"] {
         let hosts = hostfile(dir.path(), 2);
         let env = [(MODELS_ENV, models.as_path())];
@@ -771,16 +769,7 @@ fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
 #[test]
 fn the_batch_engine_runs_over_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
-    let models = dir.path().join("models");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
-    let status = Command::new(common::oracle_python())
-        .arg(&script)
-        .arg(&models)
-        .arg(common::model_dir())
-        .arg("llama3-rope,qwen3_moe,qwen3_5_moe")
-        .status()
-        .expect("run the mlx_lm oracle");
-    assert!(status.success(), "tiny_models.py failed");
+    let models = tiny_models(dir.path(), "llama3-rope,qwen3_moe,qwen3_5_moe");
     let hosts = hostfile(dir.path(), 2);
     let env = [(MODELS_ENV, models.as_path())];
     let children: Vec<Child> = (0..2)
@@ -820,16 +809,7 @@ fn the_batch_engine_runs_over_two_ranks() {
 #[test]
 fn a_rank_that_dies_under_the_batch_engine_ends_its_requests() {
     let dir = tempfile::tempdir().unwrap();
-    let models = dir.path().join("models");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
-    let status = Command::new(common::oracle_python())
-        .arg(&script)
-        .arg(&models)
-        .arg(common::model_dir())
-        .arg("llama3-rope")
-        .status()
-        .expect("run the mlx_lm oracle");
-    assert!(status.success(), "tiny_models.py failed");
+    let models = tiny_models(dir.path(), "llama3-rope");
     let hosts = hostfile(dir.path(), 2);
     let env = [(MODELS_ENV, models.as_path())];
     let survivor = spawn_rank_with(0, &hosts, "engine_dies", &env);
