@@ -51,6 +51,34 @@ fn rank() {
             return;
         }
     };
+    if task == "engine_staged" {
+        // A hybrid model in two pipeline stages: refused by both ranks, each after loading.
+        let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        let dir = std::fs::read_dir(&models)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        let division = Division::Pipeline(PipelineParallel::new(group));
+        let rank = division.rank();
+        let refused = match rank {
+            0 => EngineHandle::spawn_with(EngineConfig::default(), "staged".into(), move |_| {
+                Ok((
+                    models::load_divided(&dir, &division)?,
+                    Tokenizer::load(&dir)?,
+                ))
+            })
+            .err(),
+            _ => {
+                let model = models::load_divided(&dir, &division).unwrap();
+                perch_engine::engine::follow(model.as_ref(), &Tokenizer::load(&dir).unwrap()).err()
+            }
+        };
+        let error = refused.map(|e| e.to_string());
+        println!("{}", serde_json::json!({ "rank": rank, "error": error }));
+        return;
+    }
     if let Some(dies) = task.strip_prefix("engine") {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let division = Division::Tensor(TensorParallel::new(group));
@@ -800,6 +828,30 @@ fn the_batch_engine_runs_over_two_ranks() {
                 assert_eq!(ours["ids"], whole["ids"], "{name}, request {i}");
             }
         }
+    }
+}
+
+/// Pipeline stages of a hybrid model (Qwen3.5-MoE) are refused by the batch engine on both
+/// ranks, with a sentence naming tensor parallelism instead (each stage would budget its KV by
+/// its own layers).
+#[test]
+fn the_batch_engine_refuses_stages_of_a_hybrid_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = tiny_models(dir.path(), "qwen3_5_moe");
+    let hosts = hostfile(dir.path(), 2);
+    let env = [(MODELS_ENV, models.as_path())];
+    let children: Vec<Child> = (0..2)
+        .map(|r| spawn_rank_with(r, &hosts, "engine_staged", &env))
+        .collect();
+    for (r, child) in children.into_iter().enumerate() {
+        let result = result(child, Duration::from_secs(120));
+        let error = result["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("rank {r}: {result}"));
+        assert!(
+            error.contains("divide it with --distributed tensor"),
+            "rank {r}: {error}"
+        );
     }
 }
 

@@ -62,7 +62,7 @@ use crate::spec_decode::policy::SpecPolicy;
 use crate::text::tokenizer::Tokenizer;
 use crate::worker::draft::{DraftRow, DraftRunner};
 use crate::worker::runner::{DecodeRow, FedRow, ModelRunner, Proposed, Slot};
-use lockstep::{BatchCall, Lockstep};
+use lockstep::{BatchCall, Lockstep, Stage};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
 use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientTally, Lookup};
@@ -728,7 +728,35 @@ impl<'m> BatchGenerator<'m> {
         self.lead(BatchCall::Fresh {
             config: self.config.clone(),
             model_id: model_id.to_owned(),
+            stage: self.stage(),
         })
+    }
+
+    /// What this rank's part of the model makes its batch choose by ([`Stage`]).
+    pub(crate) fn stage(&self) -> Stage {
+        Stage {
+            row_bytes_per_position: self.row_bytes_per_position,
+            sliding: self.model.has_sliding_window_layers(),
+            recurrent: self.store.has_recurrent_layers(),
+        }
+    }
+
+    /// A follower's batch, made on rank 0's `stage`: admission counts rank 0's bytes a position.
+    /// Errors when this rank's layers are of other kinds than rank 0's (pipeline stages of a
+    /// model whose sliding-window or linear-attention layers are not in every stage: their
+    /// batches would choose differently).
+    pub(crate) fn follow_stage(&mut self, stage: Stage) -> Result<()> {
+        let own = self.stage();
+        if (own.sliding, own.recurrent) != (stage.sliding, stage.recurrent) {
+            return Err(EngineError::Distributed(format!(
+                "this rank's layers are of other kinds than rank 0's (sliding-window layers \
+                 {} here, {} there; linear-attention layers {} here, {} there): serve this \
+                 model with --distributed tensor",
+                own.sliding, stage.sliding, own.recurrent, stage.recurrent
+            )));
+        }
+        self.row_bytes_per_position = stage.row_bytes_per_position;
+        Ok(())
     }
 
     /// Whether this is rank 0's batch of a divided model ([`BatchGenerator::lead_ranks`]).
@@ -1275,6 +1303,12 @@ impl<'m> BatchGenerator<'m> {
     /// content; pinned prefixes are given up first.
     pub fn reset_prefix_cache(&mut self) {
         let _ = self.lead(BatchCall::ResetPrefixCache);
+        self.forget_prefixes();
+    }
+
+    /// [`BatchGenerator::reset_prefix_cache`] on this process (a step's own choice: every rank's
+    /// step makes it alike).
+    fn forget_prefixes(&mut self) {
         self.kv.clear_pins(&mut self.store);
         for id in self.kv.reset_prefix_cache() {
             self.store.clear(id);
@@ -1568,7 +1602,7 @@ impl<'m> BatchGenerator<'m> {
             Some((_, false)) => return Ok(false),
             None => (Some(ReliefStage::Fresh), false),
             Some((ReliefStage::Fresh, true)) => {
-                self.reset_prefix_cache();
+                self.forget_prefixes();
                 crate::device::release_freed_memory();
                 (Some(ReliefStage::Relieved), false)
             }

@@ -143,6 +143,7 @@ impl EngineHandle {
                                 "a model divided over ranks runs without a draft model".into(),
                             ));
                         }
+                        crate::engine::batch::lockstep::check_division(loaded.0.as_ref())?;
                     }
                     // The quantization must fit every layer's head size.
                     if let Some(q) = config.kv_quantization {

@@ -579,6 +579,12 @@ fn serve_model(
                 Some(RequestError::new(ErrorKind::Internal, message.clone())),
             );
         }
+        if divided {
+            // The other ranks' batches may not match this one any more, and a fresh batch needs
+            // their collectives: the engine stops here (later requests are refused).
+            queue.publish_and_flush(&mut batch);
+            return Ended::Stopped;
+        }
     }
 }
 

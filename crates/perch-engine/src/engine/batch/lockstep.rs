@@ -41,6 +41,7 @@ pub(crate) enum BatchCall {
     Fresh {
         config: BatchConfig,
         model_id: String,
+        stage: Stage,
     },
     /// [`BatchGenerator::insert`], the request's seed set.
     Insert(Box<GenerateRequest>),
@@ -56,6 +57,18 @@ pub(crate) enum BatchCall {
     ResetPrefixCache,
     /// Rank 0's engine stops: the others return.
     Stop,
+}
+
+/// What a rank's part of the model makes its batch choose by, as rank 0 sends it with a fresh
+/// batch: the KV bytes a position of a row takes over its layers (admission weighs growth in
+/// them; a pipeline stage holds fewer layers than the model), and whether its layers include
+/// sliding-window or linear-attention ones (a stage without them would budget and publish blocks
+/// otherwise).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub(crate) struct Stage {
+    pub(crate) row_bytes_per_position: usize,
+    pub(crate) sliding: bool,
+    pub(crate) recurrent: bool,
 }
 
 /// A call as sent: rank 0's time of it, in microseconds since its lockstep began.
@@ -98,11 +111,10 @@ impl<'g> Lockstep<'g> {
         if let Some(why) = &self.stopped {
             return Err(EngineError::Distributed(why.clone()));
         }
-        let at = Instant::now();
-        let sent = Sent {
-            call,
-            at_us: at.duration_since(self.epoch).as_micros() as u64,
-        };
+        // In whole microseconds, as the other ranks read it.
+        let at_us = Instant::now().duration_since(self.epoch).as_micros() as u64;
+        let at = self.epoch + Duration::from_micros(at_us);
+        let sent = Sent { call, at_us };
         let bytes = serde_json::to_vec(&sent).map_err(|e| {
             EngineError::Distributed(format!("a call could not be sent to the other ranks: {e}"))
         })?;
@@ -166,6 +178,7 @@ pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
             "only a rank other than 0 of a divided model follows rank 0's batch".into(),
         )
     })?;
+    check_division(model)?;
     let mut lockstep = Lockstep::new(division.group());
     let mut batch: Option<BatchGenerator<'_>> = None;
     loop {
@@ -175,8 +188,14 @@ pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
         let digest = batch.as_ref().map_or(0, BatchGenerator::digest);
         let (call, at) = lockstep.receive(digest)?;
         match call {
-            BatchCall::Fresh { config, model_id } => {
-                batch = Some(BatchGenerator::new(model, tokenizer, config, &model_id));
+            BatchCall::Fresh {
+                config,
+                model_id,
+                stage,
+            } => {
+                let mut fresh = BatchGenerator::new(model, tokenizer, config, &model_id);
+                fresh.follow_stage(stage)?;
+                batch = Some(fresh);
             }
             BatchCall::Stop => return Ok(()),
             call => {
@@ -190,6 +209,25 @@ pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
             }
         }
     }
+}
+
+/// Refuses what the batch does not run over ranks yet: pipeline stages of a model with
+/// sliding-window or linear-attention layers, whose stages would budget KV and publish blocks by
+/// their own layers (every stage the same layers' kinds, and rank 0's bytes, are what a batch
+/// shares; [`Stage`]).
+pub(crate) fn check_division(model: &dyn Model) -> Result<()> {
+    let staged = matches!(
+        model.division(),
+        Some(crate::distributed::Division::Pipeline(_))
+    );
+    if staged && (model.has_sliding_window_layers() || model.has_recurrent_layers()) {
+        return Err(EngineError::Distributed(
+            "the batch engine does not run pipeline stages of a model with sliding-window or \
+             linear-attention layers yet: divide it with --distributed tensor"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Makes `call` on a follower's batch. What it returns is rank 0's to report (the same there):
