@@ -1456,7 +1456,8 @@ fn generate_divided_over_two_ranks() {
 /// in two pipeline stages; rank 0 serves, rank 1 follows its batch and prints nothing. Requests
 /// sent at once (greedy, and sampled with a seed) get what one process's `perch serve` answers.
 /// Rank 0 killed, rank 1 ends with an error within seconds, not a hang; divided by heads, the
-/// test model's 9 query heads are refused by both.
+/// test model's 9 query heads are refused by both. Started by one command (`--hosts`), the ranks
+/// answer alike, and terminating that command ends them.
 #[test]
 fn serve_divided_over_two_ranks() {
     use std::process::Stdio;
@@ -1569,6 +1570,45 @@ fn serve_divided_over_two_ranks() {
         .map(|c| c.wait_with_output().unwrap())
     {
         ends_in_error(&out, "9 query heads cannot be divided over 2 ranks");
+    }
+
+    // One command starting both ranks (`--hosts`) answers alike; terminated, it ends its ranks.
+    let starting_port = (20_000..60_000u16)
+        .step_by(97)
+        .find(|&p| {
+            let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+            free(p) && free(p + 1)
+        })
+        .unwrap();
+    let marker = format!("marker-{}", std::process::id());
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(["serve", "--model", &model, "--port", "0", "--alias", &marker])
+        .args(["--distributed", "pipeline", "--hosts", "127.0.0.1,127.0.0.1"])
+        .args(["--starting-port", &starting_port.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let addr = serve_address(&mut launcher);
+    assert_eq!(answers(&addr), alone);
+    let ranks_left = || {
+        let out = Command::new("pgrep").args(["-f", &marker]).output().unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    assert_eq!(ranks_left(), 3, "the launcher and its two ranks");
+    Command::new("kill")
+        .args(["-TERM", &launcher.id().to_string()])
+        .status()
+        .unwrap();
+    let out = launcher.wait_with_output().unwrap();
+    ends_in_error(&out, "stopped by a signal");
+    let start = std::time::Instant::now();
+    while ranks_left() > 0 {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(20),
+            "ranks still run after their launcher was terminated"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
     }
 }
 

@@ -3,10 +3,13 @@
 //! each rank's process running this command without `--hosts`, with `MLX_RANK` and
 //! `MLX_HOSTFILE` set: on this machine directly for `localhost` and `127.0.0.1`, over `ssh`
 //! elsewhere (key-based, and the same `perch` path on every host, as `mlx.launch` assumes the
-//! same Python). Rank 0's output is this command's; when a rank fails, the others are ended.
+//! same Python). Rank 0's output is this command's; when a rank fails, or this command is
+//! interrupted or terminated (SIGINT, SIGTERM), the others are ended.
 
 use std::ffi::OsString;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
@@ -136,6 +139,7 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
         .context("writing the ranks' hostfile")?;
     let exe = std::env::current_exe().context("finding this perch executable")?;
     let args = rank_args(std::env::args_os().skip(1));
+    let stopped = on_stop_signals();
     let mut ranks: Vec<(Child, &Host)> = Vec::with_capacity(hosts.len());
     for (rank, host) in hosts.iter().enumerate() {
         let mut command = if is_local(&host.address) {
@@ -164,6 +168,10 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
         }
     }
     loop {
+        if stopped.load(Ordering::SeqCst) {
+            end(&mut ranks);
+            bail!("stopped by a signal: every rank was ended");
+        }
         let mut running = 0;
         for rank in 0..ranks.len() {
             match ranks[rank].0.try_wait()? {
@@ -184,6 +192,35 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A flag set once this process receives SIGINT or SIGTERM (which then no longer end it: the
+/// launcher ends its ranks first). Each signal is awaited on a thread of its own.
+fn on_stop_signals() -> Arc<AtomicBool> {
+    let stopped = Arc::new(AtomicBool::new(false));
+    #[cfg(unix)]
+    for kind in [
+        tokio::signal::unix::SignalKind::interrupt(),
+        tokio::signal::unix::SignalKind::terminate(),
+    ] {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build();
+        // Registered here, before any rank starts; awaited on the thread.
+        let registered = runtime
+            .as_ref()
+            .ok()
+            .and_then(|rt| rt.block_on(async { tokio::signal::unix::signal(kind).ok() }));
+        if let (Ok(runtime), Some(mut signal)) = (runtime, registered) {
+            let flag = Arc::clone(&stopped);
+            std::thread::spawn(move || {
+                if runtime.block_on(signal.recv()).is_some() {
+                    flag.store(true, Ordering::SeqCst);
+                }
+            });
+        }
+    }
+    stopped
 }
 
 /// Ends every rank still running (a remote one's `ssh`; MLX's ring ends a rank whose peers are
