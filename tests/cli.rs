@@ -1582,8 +1582,15 @@ fn serve_divided_over_two_ranks() {
         .unwrap();
     let marker = format!("marker-{}", std::process::id());
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_perch"))
-        .args(["serve", "--model", &model, "--port", "0", "--alias", &marker])
-        .args(["--distributed", "pipeline", "--hosts", "127.0.0.1,127.0.0.1"])
+        .args([
+            "serve", "--model", &model, "--port", "0", "--alias", &marker,
+        ])
+        .args([
+            "--distributed",
+            "pipeline",
+            "--hosts",
+            "127.0.0.1,127.0.0.1",
+        ])
         .args(["--starting-port", &starting_port.to_string()])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -1591,13 +1598,19 @@ fn serve_divided_over_two_ranks() {
         .unwrap();
     let addr = serve_address(&mut launcher);
     assert_eq!(answers(&addr), alone);
+    // Processes whose command line holds the marker (read from /proc: no procps on a clean
+    // machine).
     let ranks_left = || {
-        let out = Command::new("pgrep").args(["-f", &marker]).output().unwrap();
-        String::from_utf8_lossy(&out.stdout).lines().count()
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
+            .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(&marker))
+            .count()
     };
     assert_eq!(ranks_left(), 3, "the launcher and its two ranks");
-    Command::new("kill")
-        .args(["-TERM", &launcher.id().to_string()])
+    // The shell's own `kill`.
+    Command::new("sh")
+        .args(["-c", &format!("kill -TERM {}", launcher.id())])
         .status()
         .unwrap();
     let out = launcher.wait_with_output().unwrap();

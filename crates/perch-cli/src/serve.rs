@@ -170,7 +170,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             if division.rank() > 0 {
                 return follow(&dir, &division);
             }
-            let (load_dir, id) = (dir.clone(), prefix_cache_id(&dir));
+            let (load_dir, id) = (dir.clone(), EngineHandle::model_id(&dir));
             EngineHandle::spawn_with(engine_config, id, move |_| {
                 let model = crate::distributed::load_part(&load_dir, &division)
                     .map_err(|e| perch_engine::EngineError::Distributed(format!("{e:#}")))?;
@@ -209,15 +209,6 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             .await
             .context("serving")
     })
-}
-
-/// What seeds the prefix cache's block hashes, as [`EngineHandle::load`] takes it: the model's
-/// directory.
-fn prefix_cache_id(dir: &std::path::Path) -> String {
-    dir.canonicalize()
-        .unwrap_or_else(|_| dir.to_path_buf())
-        .display()
-        .to_string()
 }
 
 /// A rank other than 0 of `perch serve --distributed`: its part of the model, making every

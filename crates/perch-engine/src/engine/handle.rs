@@ -68,12 +68,7 @@ impl EngineHandle {
         mut progress: impl FnMut(LoadProgress) + Send + 'static,
     ) -> Result<Self> {
         let dir = model_dir.to_path_buf();
-        // The prefix cache lives in this engine only, so the directory identifies the model.
-        let model_id = dir
-            .canonicalize()
-            .unwrap_or_else(|_| dir.clone())
-            .display()
-            .to_string();
+        let model_id = Self::model_id(&dir);
         Self::spawn_with(config, model_id, move |report| {
             let mut both = |p: LoadProgress| {
                 progress(p);
@@ -86,6 +81,15 @@ impl EngineHandle {
             }
             Ok((model, tokenizer))
         })
+    }
+
+    /// What [`EngineHandle::load`] passes [`EngineHandle::spawn_with`] as `model_id` for the model
+    /// in `dir`: the prefix cache lives in this engine only, so the directory identifies the model.
+    pub fn model_id(dir: &Path) -> String {
+        dir.canonicalize()
+            .unwrap_or_else(|_| dir.to_path_buf())
+            .display()
+            .to_string()
     }
 
     /// Starts the engine thread with whatever `load` returns, called on that thread (again
