@@ -131,7 +131,24 @@ fn rank() {
     let received = group
         .broadcast_bytes((rank == 0).then_some(message))
         .unwrap();
+    // Each rank's memory, and rank 0 not judging its own (CUDA): every rank gets the least.
+    use perch_engine::memory::{Available, MemoryBound};
+    let mine = [
+        Available {
+            bytes: 5 << 30,
+            bound: MemoryBound::System,
+        },
+        Available {
+            bytes: 3 << 30,
+            bound: MemoryBound::Cgroup,
+        },
+    ][rank];
+    let least = perch_engine::testing::least_available(&group, Some(mine)).unwrap();
+    let least_judged =
+        perch_engine::testing::least_available(&group, (rank == 1).then_some(mine)).unwrap();
     let mut result = serde_json::json!({
+        "least": least,
+        "least_judged": least_judged,
         "rank": rank,
         "size": group.size(),
         "sum": sum.as_slice::<f32>(),
@@ -550,6 +567,9 @@ fn two_ranks_sum_gather_and_broadcast() {
             result["received"], "rank 0 schedules; the others follow",
             "{result}"
         );
+        let three_gb = serde_json::json!({ "bytes": 3u64 << 30, "bound": "Cgroup" });
+        assert_eq!(result["least"], three_gb, "{result}");
+        assert_eq!(result["least_judged"], three_gb, "{result}");
     }
 }
 

@@ -169,10 +169,25 @@ impl EngineHandle {
                         // On CPU and Metal the KV cache takes the memory the model was just
                         // loaded into: its budget leaves room for what it really takes. (On
                         // CUDA it is the GPU's memory, not judged.)
+                        // A divided model's budget fits the rank with the least room.
                         let mut memory = MemoryAtLoad::default();
-                        if let Some(available) =
-                            crate::memory::available_for(crate::device::Backend::current())
-                        {
+                        let available =
+                            crate::memory::available_for(crate::device::Backend::current());
+                        let available = match model.division().filter(|d| d.size() > 1) {
+                            Some(division) => crate::engine::batch::lockstep::least_available(
+                                division.group(),
+                                available,
+                            ),
+                            None => Ok(available),
+                        };
+                        let available = match available {
+                            Ok(available) => available,
+                            Err(err) => {
+                                let _ = loaded_tx.send(Err(err));
+                                return;
+                            }
+                        };
+                        if let Some(available) = available {
                             memory.available = Some(available.bytes);
                             memory.lowered = crate::memory::LoweredBudget::of(
                                 config.kv_cache_bytes,

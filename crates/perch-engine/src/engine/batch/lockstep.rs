@@ -167,6 +167,40 @@ impl<'g> Lockstep<'g> {
     }
 }
 
+/// The least memory any rank of `group` can take now, each rank passing `mine` (its
+/// [`crate::memory::available_for`]; `None` where its backend's memory is not judged, CUDA):
+/// every rank holds its part of every sequence's KV, so a divided model's KV budget must fit
+/// the rank with the least room, not rank 0's. Every rank calls it once, after loading its part
+/// and before the batch's first call (rank 0's engine thread, [`follow`]). Evaluates one gather;
+/// errors when a rank is gone.
+pub fn least_available(group: &Group, mine: Option<Available>) -> Result<Option<Available>> {
+    /// Each rank's answer as JSON, padded with spaces to one length.
+    const WIDTH: usize = 64;
+    let mut bytes = serde_json::to_vec(&mine).map_err(|e| {
+        EngineError::Distributed(format!("this rank's memory could not be sent: {e}"))
+    })?;
+    if bytes.len() > WIDTH {
+        return Err(EngineError::Distributed(
+            "this rank's memory does not fit its message".into(),
+        ));
+    }
+    bytes.resize(WIDTH, b' ');
+    let mut least: Option<Available> = None;
+    for (rank, theirs) in group.all_gather_bytes(&bytes)?.iter().enumerate() {
+        let theirs: Option<Available> = serde_json::from_slice(theirs).map_err(|e| {
+            EngineError::Distributed(format!(
+                "rank {rank} sent memory this rank cannot read: {e}"
+            ))
+        })?;
+        if let Some(theirs) = theirs {
+            if least.is_none_or(|l| theirs.bytes < l.bytes) {
+                least = Some(theirs);
+            }
+        }
+    }
+    Ok(least)
+}
+
 /// Rank `r > 0` of a model divided over ranks, while rank 0 serves it ([`crate::EngineHandle`]
 /// over the same division): makes every call rank 0's batch makes, on a batch of its own over
 /// `model` (this rank's part), until rank 0's engine stops (`Ok`) or the group fails (the
@@ -179,6 +213,11 @@ pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
         )
     })?;
     check_division(model)?;
+    // Rank 0 budgets the batch's KV within the least room of any rank.
+    least_available(
+        division.group(),
+        crate::memory::available_for(crate::device::Backend::current()),
+    )?;
     let mut lockstep = Lockstep::new(division.group());
     let mut batch: Option<BatchGenerator<'_>> = None;
     loop {
