@@ -780,7 +780,18 @@ fn search_pull_then_generate_by_repository_id() {
             br#"{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}"#.to_vec(),
         )],
     );
-    let hub = FakeHub::start(vec![repo, mamba]);
+    // A Llama larger than this machine holds: half of it fits a host of a group of two.
+    const BIG: &str = "mlx-community/Big-Llama-4bit";
+    let usable = perch_hub::total_memory_bytes() as f64 * perch_hub::USABLE_MEMORY_FRACTION;
+    let mut big = FakeRepo::new(
+        BIG,
+        vec![(
+            "config.json",
+            std::fs::read(PathBuf::from(test_model()).join("config.json")).unwrap(),
+        )],
+    );
+    big.safetensors_parameters = [("U32".to_owned(), (usable * 1.5 / 4.0) as u64)].into();
+    let hub = FakeHub::start(vec![repo, mamba, big]);
     let cache = tempfile::tempdir().unwrap();
     let cache_dir = cache.path().to_str().unwrap();
     let env = [
@@ -813,6 +824,27 @@ fn search_pull_then_generate_by_repository_id() {
     let row = small.lines().find(|l| l.starts_with(REPO)).expect(&small);
     let columns: Vec<&str> = row.split_whitespace().collect();
     assert_eq!(columns[4], "22", "context: {row}");
+    // `--hosts`: each host's half of the big model's weights fits where all of it does not;
+    // a bad host is refused.
+    let fit_of_big = |extra: &[&str]| {
+        let mut args = vec!["search", "big", "--kv-cache-mib", "1"];
+        args.extend(extra);
+        let out = perch_with_env(&args, &env);
+        let found = stdout(&out);
+        let row = found.lines().find(|l| l.starts_with(BIG)).expect(&found);
+        let fit = row.split_whitespace().nth(3).unwrap().to_owned();
+        (fit, String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    assert_eq!(fit_of_big(&[]).0, "no");
+    let (fit, said) = fit_of_big(&["--hosts", "127.0.0.1,localhost"]);
+    assert_eq!(fit, "yes", "{said}");
+    assert!(said.contains("each of 2 hosts holding 1/2"), "{said}");
+    let refused = perch_with_env(&["search", "big", "--hosts", "127.0.0.1,a;b"], &env);
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("is not a host name"),
+        "{said}"
+    );
     // Before anything is downloaded, the search says which models Perch cannot run.
     let searched = perch_with_env(&["search", "mamba"], &env);
     let found = stdout(&searched);

@@ -6,7 +6,7 @@ use std::sync::atomic::AtomicBool;
 
 use anyhow::Context;
 use clap::Args;
-use perch_hub::{memory_fit, HubClient, MemoryFit, SearchQuery, MLX_COMMUNITY};
+use perch_hub::{group_memory_fit, memory_fit, HubClient, MemoryFit, SearchQuery, MLX_COMMUNITY};
 
 #[derive(Args)]
 pub struct SearchArgs {
@@ -25,6 +25,12 @@ pub struct SearchArgs {
     /// The KV cache budget the "fits" and "context" columns reckon with, in MiB.
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: u64,
+    /// The hosts a model would be divided over (`perch serve --distributed … --hosts`, the
+    /// same comma-separated list): "fits" judges each host's even share of the weights, with
+    /// the KV budget on every host, against the host with the least memory (read here for
+    /// `localhost` and `127.0.0.1`, over `ssh` elsewhere).
+    #[arg(long, value_delimiter = ',')]
+    pub hosts: Vec<String>,
 }
 
 #[derive(Args)]
@@ -43,6 +49,22 @@ fn client() -> anyhow::Result<HubClient> {
 }
 
 pub fn search(args: SearchArgs) -> anyhow::Result<()> {
+    // Each host's memory, when the model would be divided over several (bad hosts refused
+    // before the Hub is asked).
+    let group: Vec<u64> = args
+        .hosts
+        .iter()
+        .map(|host| crate::launch::host_memory_bytes(host))
+        .collect::<anyhow::Result<_>>()?;
+    if let Some(least) = group.iter().min() {
+        eprintln!(
+            "fits: each of {} hosts holding 1/{} of a model's weights and the KV budget (the \
+             least memory of them: {})",
+            group.len(),
+            group.len(),
+            format_bytes(*least)
+        );
+    }
     let query = SearchQuery {
         text: args.text,
         author: (!args.all).then_some(args.author),
@@ -83,7 +105,11 @@ pub fn search(args: SearchArgs) -> anyhow::Result<()> {
             .map(|footprint| footprint.within_budget(kv_cache_bytes));
         let context = budget.map_or("?".to_owned(), |b| format_count(b.tokens));
         let kv_bytes = budget.map_or(kv_cache_bytes, |b| b.bytes);
-        let fit = match memory_fit(model.weights_bytes, kv_bytes, total_memory) {
+        let fit = match group.is_empty() {
+            true => memory_fit(model.weights_bytes, kv_bytes, total_memory),
+            false => group_memory_fit(model.weights_bytes, kv_bytes, &group),
+        };
+        let fit = match fit {
             MemoryFit::Fits => "yes",
             MemoryFit::Tight => "tight",
             MemoryFit::TooLarge => "no",

@@ -52,6 +52,45 @@ fn is_local(address: &str) -> bool {
     matches!(address, "localhost" | "127.0.0.1")
 }
 
+/// A host's RAM in bytes, for judging what a group of hosts holds (`perch search --hosts`):
+/// this machine's for `localhost` and `127.0.0.1`, else read over `ssh` as the launcher reaches
+/// hosts (`sysctl hw.memsize` on macOS, `MemTotal` of `/proc/meminfo` on Linux).
+pub fn host_memory_bytes(spec: &str) -> anyhow::Result<u64> {
+    let host = parse_host(spec)?;
+    if is_local(&host.address) {
+        return Ok(perch_hub::total_memory_bytes());
+    }
+    let output = Command::new("ssh")
+        .args([
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=10",
+            &host.login,
+        ])
+        .arg(
+            "sysctl -n hw.memsize 2>/dev/null || awk '/^MemTotal:/ { print $2, $3 }' /proc/meminfo",
+        )
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running ssh to {}", host.login))?;
+    let text = String::from_utf8_lossy(&output.stdout);
+    let bytes = match text.trim().split_once(' ') {
+        Some((kib, "kB")) => kib.parse::<u64>().ok().map(|k| k.saturating_mul(1024)),
+        Some(_) => None,
+        None => text.trim().parse::<u64>().ok(),
+    };
+    bytes
+        .filter(|&b| output.status.success() && b > 0)
+        .with_context(|| {
+            format!(
+                "{}: its memory could not be read over ssh ({})",
+                host.login,
+                String::from_utf8_lossy(&output.stderr).trim()
+            )
+        })
+}
+
 /// The ring backend's hostfile for `hosts`: rank `r` at `address:starting_port + r`.
 fn hostfile(hosts: &[Host], starting_port: u16) -> anyhow::Result<String> {
     let last = usize::from(starting_port) + hosts.len() - 1;

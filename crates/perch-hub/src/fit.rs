@@ -50,9 +50,57 @@ pub fn memory_fit(
     }
 }
 
+/// Judges a model divided over a group of hosts with `totals` bytes of RAM each (`perch serve
+/// --hosts`, tensor or pipeline parallel): every host holds an even share of `weights_bytes`
+/// (what each rank keeps whole, embeddings and norms, is small beside it) and a KV cache budget
+/// of `kv_cache_bytes` of its own, so the group fits as its host with the least memory does.
+/// [`MemoryFit::Unknown`] without hosts or when a host's memory is not known (0).
+pub fn group_memory_fit(
+    weights_bytes: Option<u64>,
+    kv_cache_bytes: u64,
+    totals: &[u64],
+) -> MemoryFit {
+    match totals.iter().copied().min() {
+        Some(least) if least > 0 => memory_fit(
+            weights_bytes.map(|w| w.div_ceil(totals.len() as u64)),
+            kv_cache_bytes,
+            least,
+        ),
+        _ => MemoryFit::Unknown,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_group_holds_what_one_host_cannot() {
+        // 20 GiB of weights: too large for one 16 GiB host (12 GiB usable), 10 GiB a host over
+        // two, with the 3 GiB KV budget 13 GiB: tight.
+        let one = memory_fit(Some(20 * GIB), 3 * GIB, 16 * GIB);
+        assert_eq!(one, MemoryFit::TooLarge);
+        assert_eq!(
+            group_memory_fit(Some(20 * GIB), 3 * GIB, &[16 * GIB, 16 * GIB]),
+            MemoryFit::Tight
+        );
+        assert_eq!(
+            group_memory_fit(Some(20 * GIB), 3 * GIB, &[16 * GIB, 64 * GIB, 16 * GIB]),
+            MemoryFit::Fits
+        );
+        // The smallest host decides: 10 GiB a host does not fit a 8 GiB one.
+        assert_eq!(
+            group_memory_fit(Some(20 * GIB), 3 * GIB, &[64 * GIB, 8 * GIB]),
+            MemoryFit::TooLarge
+        );
+        // One host is `memory_fit`; unknown memory or no hosts is unknown.
+        assert_eq!(group_memory_fit(Some(20 * GIB), 3 * GIB, &[16 * GIB]), one);
+        assert_eq!(
+            group_memory_fit(Some(GIB), 0, &[16 * GIB, 0]),
+            MemoryFit::Unknown
+        );
+        assert_eq!(group_memory_fit(Some(GIB), 0, &[]), MemoryFit::Unknown);
+    }
 
     const GIB: u64 = 1 << 30;
 

@@ -28,7 +28,9 @@ use std::path::PathBuf;
 
 pub use download::{DownloadProgress, Downloaded};
 pub use error::HubError;
-pub use fit::{memory_fit, total_memory_bytes, MemoryFit, USABLE_MEMORY_FRACTION};
+pub use fit::{
+    group_memory_fit, memory_fit, total_memory_bytes, MemoryFit, USABLE_MEMORY_FRACTION,
+};
 pub use hub::{
     HubClient, HubModel, RemoteFile, RemoteSnapshot, SearchQuery, CONFIG_TEXTS_TIMEOUT,
     DEFAULT_ENDPOINT, LISTING_TIMEOUT, MAX_CONFIG_TEXT_BYTES, MAX_LISTING_PAGES, MLX_COMMUNITY,
