@@ -15,17 +15,20 @@ import os
 path = sys.argv[1]; rows, plen, gen = (int(os.environ.get(k, d)) for k, d in (("ROWS", 8), ("PROMPT", 128), ("GEN", 64)))
 m, _ = load(path)
 mx.random.seed(0)
-ids = mx.random.randint(0, 49152, (rows, plen)).astype(mx.uint32)
+vocab = m(mx.zeros((1, 1), dtype=mx.uint32)).shape[-1]
+ids = mx.random.randint(0, vocab, (rows, plen)).astype(mx.uint32)
 cache = make_prompt_cache(m)
 lg = m(ids, cache=cache)[:, -1, :]
 toks, step_logits = [], []
 for i in range(gen):
     t = mx.argmax(lg, axis=-1)
     toks.append(t); step_logits.append(lg)
-    lg = m(t[:, None], cache=cache)[:, -1, :]
+    if i + 1 < gen:
+        lg = m(t[:, None], cache=cache)[:, -1, :]
 seq = mx.concatenate([ids, mx.stack(toks, 1).astype(mx.uint32)], 1)
-full = m(seq)[:, plen - 1: plen - 1 + gen, :]            # logits that chose each generated token
-dec = mx.stack(step_logits, 1)
+# The logits that chose each generated token but the first (the prompt's pass chose it).
+full = m(seq)[:, plen: plen - 1 + gen, :]
+dec = mx.stack(step_logits[1:], 1)
 a_full, a_dec = mx.argmax(full, -1), mx.argmax(dec, -1)
 flips = (a_full != a_dec)
 srt = mx.sort(dec.astype(mx.float32), -1); margin = srt[..., -1] - srt[..., -2]

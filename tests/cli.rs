@@ -780,9 +780,12 @@ fn search_pull_then_generate_by_repository_id() {
             br#"{"architectures": ["MambaForCausalLM"], "model_type": "mamba"}"#.to_vec(),
         )],
     );
-    // A Llama larger than this machine holds: half of it fits a host of a group of two.
+    // A Llama whose weights and whole context's KV (30 layers of 3 KV heads of 64 features,
+    // keys and values, float32 on CPU: 46,080 bytes a token, 8,192 tokens) just fit this
+    // machine's usable memory.
     const BIG: &str = "mlx-community/Big-Llama-4bit";
     let usable = perch_hub::total_memory_bytes() as f64 * perch_hub::USABLE_MEMORY_FRACTION;
+    let kv = 46_080 * 8_192;
     let mut big = FakeRepo::new(
         BIG,
         vec![(
@@ -790,7 +793,7 @@ fn search_pull_then_generate_by_repository_id() {
             std::fs::read(PathBuf::from(test_model()).join("config.json")).unwrap(),
         )],
     );
-    big.safetensors_parameters = [("U32".to_owned(), (usable * 1.5 / 4.0) as u64)].into();
+    big.safetensors_parameters = [("U32".to_owned(), (usable as u64 - kv) / 4)].into();
     let hub = FakeHub::start(vec![repo, mamba, big]);
     let cache = tempfile::tempdir().unwrap();
     let cache_dir = cache.path().to_str().unwrap();
@@ -824,10 +827,10 @@ fn search_pull_then_generate_by_repository_id() {
     let row = small.lines().find(|l| l.starts_with(REPO)).expect(&small);
     let columns: Vec<&str> = row.split_whitespace().collect();
     assert_eq!(columns[4], "22", "context: {row}");
-    // `--hosts`: each host's half of the big model's weights fits where all of it does not;
-    // a bad host is refused.
+    // `--hosts`: two ranks on this one machine (both names are it) hold the whole weights and
+    // two KV budgets: tight where one process fits; a bad host is refused.
     let fit_of_big = |extra: &[&str]| {
-        let mut args = vec!["search", "big", "--kv-cache-mib", "1"];
+        let mut args = vec!["search", "big"];
         args.extend(extra);
         let out = perch_with_env(&args, &env);
         let found = stdout(&out);
@@ -835,10 +838,13 @@ fn search_pull_then_generate_by_repository_id() {
         let fit = row.split_whitespace().nth(3).unwrap().to_owned();
         (fit, String::from_utf8_lossy(&out.stderr).into_owned())
     };
-    assert_eq!(fit_of_big(&[]).0, "no");
+    assert_eq!(fit_of_big(&[]).0, "yes");
     let (fit, said) = fit_of_big(&["--hosts", "127.0.0.1,localhost"]);
-    assert_eq!(fit, "yes", "{said}");
-    assert!(said.contains("each of 2 hosts holding 1/2"), "{said}");
+    assert_eq!(fit, "tight", "{said}");
+    assert!(
+        said.contains("divided over 2 ranks on 1 machine,"),
+        "{said}"
+    );
     let refused = perch_with_env(&["search", "big", "--hosts", "127.0.0.1,a;b"], &env);
     let said = String::from_utf8_lossy(&refused.stderr);
     assert!(

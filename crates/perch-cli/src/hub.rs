@@ -49,20 +49,22 @@ fn client() -> anyhow::Result<HubClient> {
 }
 
 pub fn search(args: SearchArgs) -> anyhow::Result<()> {
-    // Each host's memory, when the model would be divided over several (bad hosts refused
-    // before the Hub is asked).
-    let group: Vec<u64> = args
-        .hosts
-        .iter()
-        .map(|host| crate::launch::host_memory_bytes(host))
+    // Each machine's memory and ranks, when the model would be divided over several hosts (bad
+    // hosts refused before the Hub is asked).
+    let group: Vec<(u64, usize)> = crate::launch::machines(&args.hosts)?
+        .into_iter()
+        .map(|(host, ranks)| Ok((crate::launch::host_memory_bytes(&host)?, ranks)))
         .collect::<anyhow::Result<_>>()?;
-    if let Some(least) = group.iter().min() {
+    if let Some(least) = group.iter().map(|&(total, _)| total).min() {
+        let machines = match group.len() {
+            1 => "1 machine".to_owned(),
+            n => format!("{n} machines"),
+        };
         eprintln!(
-            "fits: each of {} hosts holding 1/{} of a model's weights and the KV budget (the \
-             least memory of them: {})",
-            group.len(),
-            group.len(),
-            format_bytes(*least)
+            "fits: a model divided over {} ranks on {machines}, each rank holding an even share \
+             of its weights and the KV budget (the least memory of them: {})",
+            group.iter().map(|&(_, ranks)| ranks).sum::<usize>(),
+            format_bytes(least)
         );
     }
     let query = SearchQuery {

@@ -52,6 +52,27 @@ fn is_local(address: &str) -> bool {
     matches!(address, "localhost" | "127.0.0.1")
 }
 
+/// The machines of a `--hosts` list and the ranks each runs, in order of first mention: one
+/// machine for all of `localhost` and `127.0.0.1`, one per address otherwise (`user@host`
+/// and `host` are the same machine). Errors name a host that is not a host name.
+pub fn machines(hosts: &[String]) -> anyhow::Result<Vec<(String, usize)>> {
+    let mut machines: Vec<(Host, usize)> = Vec::new();
+    for spec in hosts {
+        let host = parse_host(spec)?;
+        let same = |h: &Host| {
+            h.address == host.address || (is_local(&h.address) && is_local(&host.address))
+        };
+        match machines.iter_mut().find(|(h, _)| same(h)) {
+            Some((_, ranks)) => *ranks += 1,
+            None => machines.push((host, 1)),
+        }
+    }
+    Ok(machines
+        .into_iter()
+        .map(|(h, ranks)| (h.login, ranks))
+        .collect())
+}
+
 /// A host's RAM in bytes, for judging what a group of hosts holds (`perch search --hosts`):
 /// this machine's for `localhost` and `127.0.0.1`, else read over `ssh` as the launcher reaches
 /// hosts (`sysctl hw.memsize` on macOS, `MemTotal` of `/proc/meminfo` on Linux).
@@ -60,17 +81,20 @@ pub fn host_memory_bytes(spec: &str) -> anyhow::Result<u64> {
     if is_local(&host.address) {
         return Ok(perch_hub::total_memory_bytes());
     }
+    // Through `sh`, whatever the login shell on that host.
+    let read =
+        "sysctl -n hw.memsize 2>/dev/null || awk '/^MemTotal:/ { print $2, $3 }' /proc/meminfo";
+    let read = shlex::try_quote(read).context("a shell command that quotes")?;
     let output = Command::new("ssh")
         .args([
             "-o",
             "BatchMode=yes",
             "-o",
             "ConnectTimeout=10",
+            "--",
             &host.login,
         ])
-        .arg(
-            "sysctl -n hw.memsize 2>/dev/null || awk '/^MemTotal:/ { print $2, $3 }' /proc/meminfo",
-        )
+        .arg(format!("sh -c {read}"))
         .stdin(Stdio::null())
         .output()
         .with_context(|| format!("running ssh to {}", host.login))?;
@@ -288,6 +312,23 @@ fn exited(status: ExitStatus) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hosts_name_machines() {
+        let hosts: Vec<String> = ["127.0.0.1", "me@h1", "localhost", "h1", "h2"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(
+            machines(&hosts).unwrap(),
+            [
+                ("127.0.0.1".to_owned(), 2),
+                ("me@h1".to_owned(), 2),
+                ("h2".to_owned(), 1)
+            ]
+        );
+        let bad = machines(&["h1".to_owned(), "-oProxyCommand=x y".to_owned()]).unwrap_err();
+        assert!(bad.to_string().contains("is not a host name"), "{bad}");
+    }
 
     #[test]
     fn hosts_become_a_ring_hostfile() {

@@ -41,7 +41,7 @@ pub fn memory_fit(
         return MemoryFit::Unknown;
     };
     let usable = total_memory_bytes as f64 * USABLE_MEMORY_FRACTION;
-    if (weights + kv_cache_bytes) as f64 <= usable {
+    if weights.saturating_add(kv_cache_bytes) as f64 <= usable {
         MemoryFit::Fits
     } else if weights as f64 <= usable {
         MemoryFit::Tight
@@ -50,24 +50,46 @@ pub fn memory_fit(
     }
 }
 
-/// Judges a model divided over a group of hosts with `totals` bytes of RAM each (`perch serve
-/// --hosts`, tensor or pipeline parallel): every host holds an even share of `weights_bytes`
-/// (what each rank keeps whole, embeddings and norms, is small beside it) and a KV cache budget
-/// of `kv_cache_bytes` of its own, so the group fits as its host with the least memory does.
-/// [`MemoryFit::Unknown`] without hosts or when a host's memory is not known (0).
+/// Judges a model divided evenly over the ranks of a group of machines (`perch serve --hosts`,
+/// tensor or pipeline parallel), given each machine's RAM in bytes and the ranks it runs: every
+/// rank holds an even share of `weights_bytes` (what each rank keeps whole, embeddings and
+/// norms, is small beside it) and a KV cache budget of `kv_cache_bytes` of its own, and each
+/// machine is judged by [`memory_fit`] on what its ranks hold together; the group fits as its
+/// worst machine does. [`MemoryFit::Unknown`] without machines or ranks, or when a machine's
+/// memory is not known (0).
 pub fn group_memory_fit(
     weights_bytes: Option<u64>,
     kv_cache_bytes: u64,
-    totals: &[u64],
+    machines: &[(u64, usize)],
 ) -> MemoryFit {
-    match totals.iter().copied().min() {
-        Some(least) if least > 0 => memory_fit(
-            weights_bytes.map(|w| w.div_ceil(totals.len() as u64)),
-            kv_cache_bytes,
-            least,
-        ),
-        _ => MemoryFit::Unknown,
+    let ranks: u64 = machines.iter().map(|&(_, r)| r as u64).sum();
+    if ranks == 0 || machines.iter().any(|&(total, _)| total == 0) {
+        return MemoryFit::Unknown;
     }
+    let worst = |a: MemoryFit, b: MemoryFit| {
+        let rank = |f: MemoryFit| match f {
+            MemoryFit::Fits => 0,
+            MemoryFit::Tight => 1,
+            MemoryFit::TooLarge => 2,
+            MemoryFit::Unknown => 3,
+        };
+        if rank(b) > rank(a) {
+            b
+        } else {
+            a
+        }
+    };
+    machines
+        .iter()
+        .map(|&(total, here)| {
+            let here = here as u64;
+            memory_fit(
+                weights_bytes.map(|w| w.div_ceil(ranks).saturating_mul(here)),
+                kv_cache_bytes.saturating_mul(here),
+                total,
+            )
+        })
+        .fold(MemoryFit::Fits, worst)
 }
 
 #[cfg(test)]
@@ -76,33 +98,35 @@ mod tests {
 
     #[test]
     fn a_group_holds_what_one_host_cannot() {
-        // 20 GiB of weights: too large for one 16 GiB host (12 GiB usable), 10 GiB a host over
-        // two, with the 3 GiB KV budget 13 GiB: tight.
+        // 20 GiB of weights: too large for one 16 GiB host (12 GiB usable); 10 GiB a rank over
+        // two machines, with the 3 GiB KV budget 13 GiB: tight.
         let one = memory_fit(Some(20 * GIB), 3 * GIB, 16 * GIB);
         assert_eq!(one, MemoryFit::TooLarge);
+        let group = |machines: &[(u64, usize)]| group_memory_fit(Some(20 * GIB), 3 * GIB, machines);
+        assert_eq!(group(&[(16 * GIB, 1), (16 * GIB, 1)]), MemoryFit::Tight);
         assert_eq!(
-            group_memory_fit(Some(20 * GIB), 3 * GIB, &[16 * GIB, 16 * GIB]),
-            MemoryFit::Tight
-        );
-        assert_eq!(
-            group_memory_fit(Some(20 * GIB), 3 * GIB, &[16 * GIB, 64 * GIB, 16 * GIB]),
+            group(&[(16 * GIB, 1), (64 * GIB, 1), (16 * GIB, 1)]),
             MemoryFit::Fits
         );
-        // The smallest host decides: 10 GiB a host does not fit a 8 GiB one.
+        // The worst machine decides: 10 GiB a rank does not fit an 8 GiB one.
+        assert_eq!(group(&[(64 * GIB, 1), (8 * GIB, 1)]), MemoryFit::TooLarge);
+        // Two ranks on one machine hold all the weights and two KV budgets there.
+        assert_eq!(group(&[(16 * GIB, 2)]), MemoryFit::TooLarge);
+        assert_eq!(group(&[(32 * GIB, 2)]), MemoryFit::Tight);
+        assert_eq!(group(&[(16 * GIB, 1)]), one);
+        // Unknown memory, no machines or no size: unknown.
+        assert_eq!(group(&[(16 * GIB, 1), (0, 1)]), MemoryFit::Unknown);
+        assert_eq!(group(&[]), MemoryFit::Unknown);
         assert_eq!(
-            group_memory_fit(Some(20 * GIB), 3 * GIB, &[64 * GIB, 8 * GIB]),
-            MemoryFit::TooLarge
-        );
-        // One host is `memory_fit`; unknown memory or no hosts is unknown.
-        assert_eq!(group_memory_fit(Some(20 * GIB), 3 * GIB, &[16 * GIB]), one);
-        assert_eq!(
-            group_memory_fit(Some(GIB), 0, &[16 * GIB, 0]),
+            group_memory_fit(None, GIB, &[(16 * GIB, 1)]),
             MemoryFit::Unknown
         );
-        assert_eq!(group_memory_fit(Some(GIB), 0, &[]), MemoryFit::Unknown);
+        // A hostile size does not overflow.
+        assert_eq!(
+            group_memory_fit(Some(u64::MAX), u64::MAX, &[(16 * GIB, 3)]),
+            MemoryFit::TooLarge
+        );
     }
-
-    const GIB: u64 = 1 << 30;
 
     #[test]
     fn a_16_gib_machine() {

@@ -183,6 +183,9 @@ impl EngineHandle {
                         let available = match available {
                             Ok(available) => available,
                             Err(err) => {
+                                // As a failed load: every array gone before the error is told.
+                                drop((model, draft));
+                                let _ = crate::nn::mlx_ext::synchronize();
                                 let _ = loaded_tx.send(Err(err));
                                 return;
                             }
