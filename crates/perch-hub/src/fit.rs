@@ -96,6 +96,8 @@ pub fn group_memory_fit(
 mod tests {
     use super::*;
 
+    const GIB: u64 = 1 << 30;
+
     #[test]
     fn a_group_holds_what_one_host_cannot() {
         // 20 GiB of weights: too large for one 16 GiB host (12 GiB usable); 10 GiB a rank over
