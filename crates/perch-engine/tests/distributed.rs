@@ -475,6 +475,14 @@ fn spawn_rank(rank: usize, hostfile: &Path, task: &str) -> Child {
     spawn_rank_with(rank, hostfile, task, &[])
 }
 
+/// Ranks 0 and 1 of a fresh two-rank group (a hostfile in `dir`) running `task` over the tiny
+/// models in `models`.
+fn spawn_two_ranks(dir: &Path, models: &Path, task: &str) -> [Child; 2] {
+    let hosts = hostfile(dir, 2);
+    let env = [(MODELS_ENV, models)];
+    [0, 1].map(|r| spawn_rank_with(r, &hosts, task, &env))
+}
+
 fn spawn_rank_with(rank: usize, hostfile: &Path, task: &str, env: &[(&str, &Path)]) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args([
@@ -703,10 +711,7 @@ fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)], by_m
         .chain(refused.iter().map(|(name, _)| *name))
         .collect();
     let models = tiny_models(dir.path(), &cases.join(","));
-    let hosts = hostfile(dir.path(), 2);
-    let children: Vec<Child> = (0..2)
-        .map(|r| spawn_rank_with(r, &hosts, task, &[(MODELS_ENV, &models)]))
-        .collect();
+    let children = spawn_two_ranks(dir.path(), &models, task);
     let results: Vec<_> = children
         .into_iter()
         .map(|c| result(c, Duration::from_secs(300)))
@@ -787,10 +792,7 @@ fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), "llama3-rope");
     for task in ["tensor_parallel_dies", "pipeline_parallel_dies"] {
-        let hosts = hostfile(dir.path(), 2);
-        let env = [(MODELS_ENV, models.as_path())];
-        let survivor = spawn_rank_with(0, &hosts, task, &env);
-        let mut dying = spawn_rank_with(1, &hosts, task, &env);
+        let [survivor, mut dying] = spawn_two_ranks(dir.path(), &models, task);
         let result = result(survivor, Duration::from_secs(120));
         dying.wait().unwrap();
         let error = result["error"]
@@ -818,11 +820,7 @@ fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
 fn the_batch_engine_runs_over_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), "llama3-rope,qwen3_moe,qwen3_5_moe");
-    let hosts = hostfile(dir.path(), 2);
-    let env = [(MODELS_ENV, models.as_path())];
-    let children: Vec<Child> = (0..2)
-        .map(|r| spawn_rank_with(r, &hosts, "engine", &env))
-        .collect();
+    let children = spawn_two_ranks(dir.path(), &models, "engine");
     let results: Vec<_> = children
         .into_iter()
         .map(|c| result(c, Duration::from_secs(300)))
@@ -858,11 +856,7 @@ fn the_batch_engine_runs_over_two_ranks() {
 fn the_batch_engine_refuses_stages_of_a_hybrid_model() {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), "qwen3_5_moe");
-    let hosts = hostfile(dir.path(), 2);
-    let env = [(MODELS_ENV, models.as_path())];
-    let children: Vec<Child> = (0..2)
-        .map(|r| spawn_rank_with(r, &hosts, "engine_staged", &env))
-        .collect();
+    let children = spawn_two_ranks(dir.path(), &models, "engine_staged");
     for (r, child) in children.into_iter().enumerate() {
         let result = result(child, Duration::from_secs(120));
         let error = result["error"]
@@ -882,10 +876,7 @@ fn the_batch_engine_refuses_stages_of_a_hybrid_model() {
 fn a_rank_that_dies_under_the_batch_engine_ends_its_requests() {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), "llama3-rope");
-    let hosts = hostfile(dir.path(), 2);
-    let env = [(MODELS_ENV, models.as_path())];
-    let survivor = spawn_rank_with(0, &hosts, "engine_dies", &env);
-    let mut dying = spawn_rank_with(1, &hosts, "engine_dies", &env);
+    let [survivor, mut dying] = spawn_two_ranks(dir.path(), &models, "engine_dies");
     let result = result(survivor, Duration::from_secs(120));
     dying.wait().unwrap();
     let case = &result["cases"]["llama3-rope"];
