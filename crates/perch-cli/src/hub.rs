@@ -26,9 +26,9 @@ pub struct SearchArgs {
     #[arg(long, default_value_t = 2048)]
     pub kv_cache_mib: u64,
     /// The hosts a model would be divided over (`perch serve --distributed … --hosts`, the
-    /// same comma-separated list): "fits" judges each host's even share of the weights, with
-    /// the KV budget on every host, against the host with the least memory (read here for
-    /// `localhost` and `127.0.0.1`, over `ssh` elsewhere).
+    /// same comma-separated list): "fits" judges each rank holding an even share of the
+    /// weights and the KV budget, each machine what its ranks hold, the worst machine deciding
+    /// (memory read here for `localhost` and `127.0.0.1`, over `ssh` elsewhere).
     #[arg(long, value_delimiter = ',')]
     pub hosts: Vec<String>,
 }
@@ -51,10 +51,7 @@ fn client() -> anyhow::Result<HubClient> {
 pub fn search(args: SearchArgs) -> anyhow::Result<()> {
     // Each machine's memory and ranks, when the model would be divided over several hosts (bad
     // hosts refused before the Hub is asked).
-    let group: Vec<(u64, usize)> = crate::launch::machines(&args.hosts)?
-        .into_iter()
-        .map(|(host, ranks)| Ok((crate::launch::host_memory_bytes(&host)?, ranks)))
-        .collect::<anyhow::Result<_>>()?;
+    let group = crate::launch::group_memory(&args.hosts)?;
     if let Some(least) = group.iter().map(|&(total, _)| total).min() {
         let machines = match group.len() {
             1 => "1 machine".to_owned(),

@@ -28,8 +28,10 @@ struct Host {
 /// (MLX's ring splits an address at its first colon, and nothing here passes through a shell
 /// unquoted).
 fn parse_host(spec: &str) -> anyhow::Result<Host> {
+    // Not starting with `-`, which `ssh` would read as an option.
     let plain = |s: &str| {
         !s.is_empty()
+            && !s.starts_with('-')
             && s.chars()
                 .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
     };
@@ -52,10 +54,21 @@ fn is_local(address: &str) -> bool {
     matches!(address, "localhost" | "127.0.0.1")
 }
 
-/// The machines of a `--hosts` list and the ranks each runs, in order of first mention: one
-/// machine for all of `localhost` and `127.0.0.1`, one per address otherwise (`user@host`
-/// and `host` are the same machine). Errors name a host that is not a host name.
-pub fn machines(hosts: &[String]) -> anyhow::Result<Vec<(String, usize)>> {
+/// Each machine of a `--hosts` list (`perch search --hosts`): its RAM in bytes and the ranks it
+/// would run, in order of first mention. One machine for all of `localhost` and `127.0.0.1`
+/// (this one's memory), one per address otherwise (`user@host` and `host` are the same
+/// machine), whose RAM is read over `ssh` as the launcher reaches hosts (`sysctl hw.memsize` on
+/// macOS, `MemTotal` of `/proc/meminfo` on Linux). Errors name a host that is not a host name
+/// or whose memory could not be read.
+pub fn group_memory(hosts: &[String]) -> anyhow::Result<Vec<(u64, usize)>> {
+    machines(hosts)?
+        .iter()
+        .map(|(host, ranks)| Ok((memory_bytes(host)?, *ranks)))
+        .collect()
+}
+
+/// The machines of a `--hosts` list and the ranks each runs ([`group_memory`]).
+fn machines(hosts: &[String]) -> anyhow::Result<Vec<(Host, usize)>> {
     let mut machines: Vec<(Host, usize)> = Vec::new();
     for spec in hosts {
         let host = parse_host(spec)?;
@@ -67,17 +80,11 @@ pub fn machines(hosts: &[String]) -> anyhow::Result<Vec<(String, usize)>> {
             None => machines.push((host, 1)),
         }
     }
-    Ok(machines
-        .into_iter()
-        .map(|(h, ranks)| (h.login, ranks))
-        .collect())
+    Ok(machines)
 }
 
-/// A host's RAM in bytes, for judging what a group of hosts holds (`perch search --hosts`):
-/// this machine's for `localhost` and `127.0.0.1`, else read over `ssh` as the launcher reaches
-/// hosts (`sysctl hw.memsize` on macOS, `MemTotal` of `/proc/meminfo` on Linux).
-pub fn host_memory_bytes(spec: &str) -> anyhow::Result<u64> {
-    let host = parse_host(spec)?;
+/// `host`'s RAM in bytes ([`group_memory`]).
+fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
     if is_local(&host.address) {
         return Ok(perch_hub::total_memory_bytes());
     }
@@ -91,7 +98,6 @@ pub fn host_memory_bytes(spec: &str) -> anyhow::Result<u64> {
             "BatchMode=yes",
             "-o",
             "ConnectTimeout=10",
-            "--",
             &host.login,
         ])
         .arg(format!("sh -c {read}"))
@@ -318,16 +324,34 @@ mod tests {
         let hosts: Vec<String> = ["127.0.0.1", "me@h1", "localhost", "h1", "h2"]
             .map(String::from)
             .to_vec();
+        let named: Vec<(String, usize)> = machines(&hosts)
+            .unwrap()
+            .into_iter()
+            .map(|(h, ranks)| (h.login, ranks))
+            .collect();
         assert_eq!(
-            machines(&hosts).unwrap(),
+            named,
             [
                 ("127.0.0.1".to_owned(), 2),
                 ("me@h1".to_owned(), 2),
                 ("h2".to_owned(), 1)
             ]
         );
-        let bad = machines(&["h1".to_owned(), "-oProxyCommand=x y".to_owned()]).unwrap_err();
-        assert!(bad.to_string().contains("is not a host name"), "{bad}");
+        // Local names only (no ssh here): one machine of three ranks, this one's memory.
+        let hosts: Vec<String> = ["127.0.0.1", "localhost", "127.0.0.1"]
+            .map(String::from)
+            .to_vec();
+        assert_eq!(
+            group_memory(&hosts).unwrap(),
+            [(perch_hub::total_memory_bytes(), 3)]
+        );
+        for bad in ["-oProxyCommand=x y", "-v", "a;b"] {
+            let refused = group_memory(&["127.0.0.1".to_owned(), bad.to_owned()]).unwrap_err();
+            assert!(
+                refused.to_string().contains("is not a host name"),
+                "{bad}: {refused}"
+            );
+        }
     }
 
     #[test]
