@@ -794,7 +794,11 @@ fn search_pull_then_generate_by_repository_id() {
         )],
     );
     big.safetensors_parameters = [("U32".to_owned(), (usable as u64 - kv) / 4)].into();
-    let hub = FakeHub::start(vec![repo, mamba, big]);
+    // And one 1.2 times that: too large here, 0.6 of it a machine over two.
+    let mut huge = big.clone();
+    huge.id = "mlx-community/Huge-Llama-4bit".to_owned();
+    huge.safetensors_parameters = [("U32".to_owned(), (usable * 1.2 / 4.0) as u64)].into();
+    let hub = FakeHub::start(vec![repo, mamba, big, huge]);
     let cache = tempfile::tempdir().unwrap();
     let cache_dir = cache.path().to_str().unwrap();
     let env = [
@@ -829,22 +833,38 @@ fn search_pull_then_generate_by_repository_id() {
     assert_eq!(columns[4], "22", "context: {row}");
     // `--hosts`: two ranks on this one machine (both names are it) hold the whole weights and
     // two KV budgets: tight where one process fits; a bad host is refused.
-    let fit_of_big = |extra: &[&str]| {
-        let mut args = vec!["search", "big"];
+    // Over this machine and another (127.0.0.2, its memory read through a stand-in `ssh` that
+    // runs the command here), the huge one fits.
+    let hosts_dir = tempfile::tempdir().unwrap();
+    let (path, logins) = stand_in_ssh(hosts_dir.path());
+    let fit_of = |repo: &str, extra: &[&str]| {
+        let mut args = vec!["search", "llama-4bit"];
         args.extend(extra);
-        let out = perch_with_env(&args, &env);
+        let mut with_ssh = env.to_vec();
+        with_ssh.push(("PATH", &path));
+        let out = perch_with_env(&args, &with_ssh);
         let found = stdout(&out);
-        let row = found.lines().find(|l| l.starts_with(BIG)).expect(&found);
+        let row = found.lines().find(|l| l.starts_with(repo)).expect(&found);
         let fit = row.split_whitespace().nth(3).unwrap().to_owned();
         (fit, String::from_utf8_lossy(&out.stderr).into_owned())
     };
-    assert_eq!(fit_of_big(&[]).0, "yes");
-    let (fit, said) = fit_of_big(&["--hosts", "127.0.0.1,localhost"]);
+    const HUGE: &str = "mlx-community/Huge-Llama-4bit";
+    assert_eq!(fit_of(BIG, &[]).0, "yes");
+    assert_eq!(fit_of(HUGE, &[]).0, "no");
+    let (fit, said) = fit_of(BIG, &["--hosts", "127.0.0.1,localhost"]);
     assert_eq!(fit, "tight", "{said}");
     assert!(
         said.contains("divided over 2 ranks on 1 machine,"),
         "{said}"
     );
+    assert!(!logins.exists(), "no ssh for this machine");
+    let (fit, said) = fit_of(HUGE, &["--hosts", "127.0.0.1,127.0.0.2"]);
+    assert_eq!(fit, "yes", "{said}");
+    assert!(
+        said.contains("divided over 2 ranks on 2 machines,"),
+        "{said}"
+    );
+    assert_eq!(std::fs::read_to_string(&logins).unwrap(), "127.0.0.2\n");
     let refused = perch_with_env(&["search", "big", "--hosts", "127.0.0.1,a;b"], &env);
     let said = String::from_utf8_lossy(&refused.stderr);
     assert!(
@@ -1663,18 +1683,12 @@ fn serve_divided_over_two_ranks() {
     }
 }
 
-/// `perch generate --distributed --hosts`: this process starts the ranks itself, as `mlx.launch
-/// --hosts` does — on 127.0.0.1 directly, and on a host reached over `ssh` (a stand-in `ssh` on
-/// PATH that runs the command here, for the host 127.0.0.2) — and prints what one process
-/// prints. A rank that fails ends the group with an error; bad host lists are refused.
-#[test]
-fn generate_starts_its_ranks_from_a_host_list() {
-    let dir = tempfile::tempdir().unwrap();
-    let model = test_model();
-    // The stand-in: `ssh -o OPTION HOST COMMAND` runs COMMAND here and notes HOST.
-    let bin = dir.path().join("bin");
+/// A stand-in `ssh` in `dir/bin`: `ssh -o OPTION … HOST COMMAND` runs COMMAND on this machine
+/// and notes HOST in the returned file, a line a call. Returns a `PATH` that finds it first.
+fn stand_in_ssh(dir: &std::path::Path) -> (String, PathBuf) {
+    let bin = dir.join("bin");
     std::fs::create_dir(&bin).unwrap();
-    let logins = dir.path().join("logins.txt");
+    let logins = dir.join("logins.txt");
     let ssh = bin.join("ssh");
     std::fs::write(
         &ssh,
@@ -1690,6 +1704,18 @@ fn generate_starts_its_ranks_from_a_host_list() {
         bin.display(),
         std::env::var("PATH").unwrap_or_default()
     );
+    (path, logins)
+}
+
+/// `perch generate --distributed --hosts`: this process starts the ranks itself, as `mlx.launch
+/// --hosts` does — on 127.0.0.1 directly, and on a host reached over `ssh` (a stand-in `ssh` on
+/// PATH that runs the command here, for the host 127.0.0.2) — and prints what one process
+/// prints. A rank that fails ends the group with an error; bad host lists are refused.
+#[test]
+fn generate_starts_its_ranks_from_a_host_list() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = test_model();
+    let (path, logins) = stand_in_ssh(dir.path());
     // Two free ports in a row from a free one.
     let starting_port = loop {
         let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
