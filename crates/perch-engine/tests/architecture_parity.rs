@@ -394,6 +394,23 @@ fn rewound_states(model: &dyn models::Model, name: &str, expected: &Expected) {
         "{name}: rewound rows' logits differ by {diff}"
     );
 
+    // A one-token step in which rows 1 and 3 feed nothing (a draft's rows that propose nothing
+    // in a round) leaves their states as they were: the next step's logits are those of a
+    // cache whose rows 1 and 3 sat out a padded step of their own.
+    let (mut idle, mut padded) = (make(), make());
+    for slots in [&mut idle, &mut padded] {
+        step(slots, rows(0, 5, [5; ROWS]));
+    }
+    step(&mut idle, rows(5, 1, [1, 0, 1, 0]));
+    step(&mut padded, rows(5, 2, [1, 0, 1, 0]));
+    assert_eq!(lengths(&idle), [6, 5, 6, 5], "{name}");
+    let (a, b) = (next(&mut idle), next(&mut padded));
+    let diff = largest_difference(a.as_slice::<f32>(), b.as_slice::<f32>());
+    assert!(
+        diff <= 1e-4,
+        "{name}: rows that fed nothing in a one-token step: logits differ by {diff}"
+    );
+
     // Put back over two unrecorded steps (`SlotKvCache::restore_row`, a hybrid draft's rows
     // after rejected proposals): rows 0, 1 and 3 back at 5 tokens with the states they had
     // there, row 2 left at 13; then every row feeds its next 4 tokens, as a cache that never
@@ -450,41 +467,77 @@ fn rewound_states(model: &dyn models::Model, name: &str, expected: &Expected) {
     );
 }
 
-/// A hybrid model as a draft (`DraftRunner`): a row that proposed 3 tokens, of which the model
-/// took none or one and then its own token, is put back (`DraftRunner::settle`) so that it
-/// proposes next what a fresh draft proposes from the same tokens.
+/// A hybrid model as a draft (`DraftRunner`), its steps uncompiled and compiled, each round's
+/// first step as wide as its rows or padded to the verify steps' width (as on GPUs): a row that
+/// proposed 3 tokens, of which the model took none or one and then its own token, is put back
+/// (`DraftRunner::settle`) so that it proposes next what a fresh draft proposes from the same
+/// tokens; and a row that proposes nothing in a round (another row's steps run without it)
+/// keeps its states, so that it proposes next what a fresh draft proposes.
 fn draft_rows_go_back(model: &dyn models::Model, name: &str, expected: &Expected) {
     use perch_engine::testing::{DraftRow, DraftRunner};
     const K: usize = 3;
     let prompt = &expected.prompt_ids[..8];
     let vocab = model.info().vocab_size as u32;
-    let new = || DraftRunner::new(model, Default::default(), false, (64, 32), 8);
-    let propose = |draft: &mut DraftRunner<'_>, tokens: &[u32]| -> Vec<u32> {
-        let row = DraftRow {
-            id: 1,
-            tokens,
-            k: K,
-            sampler: None,
-        };
-        let proposed = draft.propose(vec![row]).unwrap();
+    // Each row's K proposals, in the order of `rows` (sequence id, its tokens).
+    let propose = |draft: &mut DraftRunner<'_>, rows: &[(u64, &[u32])]| -> Vec<Vec<u32>> {
+        let fed = rows
+            .iter()
+            .map(|&(id, tokens)| DraftRow {
+                id,
+                tokens,
+                k: K,
+                sampler: None,
+            })
+            .collect();
+        let proposed = draft.propose(fed).unwrap();
         proposed.tokens.eval().unwrap();
-        let (rows, column) = (proposed.tokens.shape()[1] as usize, proposed.columns[0]);
+        let width = proposed.tokens.shape()[1] as usize;
         let all = proposed.tokens.as_slice::<u32>();
-        (0..K).map(|i| all[i * rows + column]).collect()
+        proposed
+            .columns
+            .iter()
+            .map(|&column| (0..K).map(|i| all[i * width + column]).collect())
+            .collect()
     };
-    for accepted in [0, 1] {
+    for (compiled, padded) in [(false, false), (true, false), (false, true), (true, true)] {
+        let new = || {
+            DraftRunner::new(model, Default::default(), compiled, (64, 32), 8)
+                .with_padded_first_steps(padded)
+        };
+        let way = format!("compiled {compiled}, padded {padded}");
+        for accepted in [0, 1] {
+            let mut draft = new();
+            let first = propose(&mut draft, &[(1, prompt)]).remove(0);
+            let mut tokens = prompt.to_vec();
+            tokens.extend(&first[..accepted]);
+            // The model's token where it rejected the draft's.
+            tokens.push((first[accepted] + 1) % vocab);
+            draft.settle(1, prompt.len() + accepted).unwrap();
+            assert_eq!(
+                propose(&mut draft, &[(1, &tokens)]),
+                propose(&mut new(), &[(1, &tokens)]),
+                "{name}: proposals after {accepted} of {K} were accepted ({way})"
+            );
+        }
+        // Two rows take every proposal, then only the first proposes; the second's next
+        // proposals are a fresh draft's.
         let mut draft = new();
-        let first = propose(&mut draft, prompt);
-        let mut tokens = prompt.to_vec();
-        tokens.extend(&first[..accepted]);
-        // The model's token where it rejected the draft's.
-        tokens.push((first[accepted] + 1) % vocab);
-        draft.settle(1, prompt.len() + accepted).unwrap();
-        let again = propose(&mut draft, &tokens);
+        let other = &expected.prompt_ids[3..11];
+        let first = propose(&mut draft, &[(1, prompt), (2, other)]);
+        let taken = |tokens: &[u32], proposals: &[u32]| -> Vec<u32> {
+            let mut all = [tokens, proposals].concat();
+            all.push((proposals[K - 1] + 1) % vocab);
+            all
+        };
+        let (one, two) = (taken(prompt, &first[0]), taken(other, &first[1]));
+        draft.settle(1, prompt.len() + K).unwrap();
+        draft.settle(2, other.len() + K).unwrap();
+        let second = propose(&mut draft, &[(1, &one)]).remove(0);
+        draft.settle(1, one.len() + K).unwrap();
         assert_eq!(
-            again,
-            propose(&mut new(), &tokens),
-            "{name}: proposals after {accepted} of {K} were accepted"
+            propose(&mut draft, &[(2, &two)]),
+            propose(&mut new(), &[(2, &two)]),
+            "{name}: a row's proposals after a round without it ({way}; the other row's {second:?})"
         );
     }
 }

@@ -287,25 +287,33 @@ impl SlotStep {
     }
 
     /// The step's arrays, in the order [`SlotStep::with_arrays`] takes them: positions, mask,
-    /// query positions, write entries, then the rings' entries and mask when there are rings.
-    /// (A compiled step is a decode step: every token real.)
+    /// query positions, write entries, then the rings' entries and mask when there are rings,
+    /// then the real tokens' counts and mask when some row pads or feeds nothing
+    /// ([`SlotStep::real_tokens`]). (Quantized rows' steps are not compiled.)
     pub(crate) fn arrays(&self) -> Vec<&Array> {
         let mut arrays = vec![&self.positions, &self.mask, &self.index, &self.write];
         if let Some(ring) = &self.ring {
             arrays.extend([&ring.index, &ring.mask]);
         }
+        if let Some(real) = &self.real {
+            arrays.extend([&real.counts, &real.mask]);
+        }
         arrays
     }
 
-    /// A step over `arrays` (as [`SlotStep::arrays`] lists them, 4 or 6; a compiled step's
-    /// inputs), read as `read`.
-    pub(crate) fn with_arrays(arrays: Vec<Array>, read: SlotRead) -> Self {
+    /// A step over `arrays` (as [`SlotStep::arrays`] lists them for a cache with sliding
+    /// layers' `rings` or not: 4 to 8; a compiled step's inputs), read as `read`.
+    pub(crate) fn with_arrays(arrays: Vec<Array>, read: SlotRead, rings: bool) -> Self {
         let mut arrays = arrays.into_iter();
         let mut next = || arrays.next().expect("a step's arrays");
         let (positions, mask, index, write) = (next(), next(), next(), next());
-        let ring = arrays.next().map(|index| RingStep {
-            index,
-            mask: arrays.next().expect("the rings' mask"),
+        let ring = rings.then(|| RingStep {
+            index: next(),
+            mask: next(),
+        });
+        let real = arrays.next().map(|counts| RealTokens {
+            counts,
+            mask: arrays.next().expect("the real tokens' mask"),
         });
         Self {
             positions,
@@ -314,7 +322,7 @@ impl SlotStep {
             index,
             write,
             ring,
-            real: None,
+            real,
             quantized: Vec::new(),
             window_mask: OnceCell::new(),
             additive: Default::default(),
@@ -1312,8 +1320,16 @@ impl SlotKvCache {
             }
             _ => None,
         };
+        // A one-token step advances every row's states, unless an occupied row feeds nothing
+        // (a draft's row that proposes nothing this round): its states must stay.
+        let idle_row = || {
+            self.lengths
+                .iter()
+                .enumerate()
+                .any(|(slot, len)| len.is_some() && new_tokens.get(slot).is_none_or(|&n| n == 0))
+        };
         let real = match self.has_recurrent_layers() {
-            true if tokens > 1 => Some(self.real_tokens(tokens, new_tokens)?),
+            true if tokens > 1 || idle_row() => Some(self.real_tokens(tokens, new_tokens)?),
             _ => None,
         };
         // The rows quantized already, by setting (a float cache's only: see `RowKv`).
@@ -1798,13 +1814,15 @@ impl SlotKvCache {
             .collect()
     }
 
-    /// How many arrays a step of this cache has ([`SlotStep::arrays`]): 4, or 6 with rings.
-    pub(crate) fn step_arrays(&self) -> usize {
-        if self.rings.is_some() {
-            6
-        } else {
-            4
-        }
+    /// How many arrays a step of this cache has ([`SlotStep::arrays`]): 4, or 6 with rings;
+    /// 2 more with real tokens (`real`: some row pads or feeds nothing).
+    pub(crate) fn step_arrays(&self, real: bool) -> usize {
+        4 + 2 * (self.rings.is_some() as usize) + 2 * (real as usize)
+    }
+
+    /// Whether this cache has sliding layers' rings ([`SlotStep::with_arrays`]).
+    pub(crate) fn has_rings(&self) -> bool {
+        self.rings.is_some()
     }
 
     /// Whether every layer's buffers exist (from the first step or sequence that wrote any).

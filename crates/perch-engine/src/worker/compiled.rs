@@ -40,7 +40,10 @@ type StepFn = Box<dyn FnMut(&[Array]) -> std::result::Result<Vec<Array>, Excepti
 /// `forward_slots` through MLX's compiler, for the slot caches of one setting (the
 /// template's layers, quantization and attention setting).
 pub(crate) struct CompiledSlotForward {
-    step: StepFn,
+    /// The step whose tokens are all real, and the one whose step also says which are
+    /// ([`SlotStep::real_tokens`]: a recurrent cache's padded rows, or rows that feed nothing),
+    /// whose recurrent layers must not advance past them: two functions, as their inputs differ.
+    steps_by_real: [StepFn; 2],
     /// The message of the trace's last failure: MLX reports only that the traced function
     /// failed.
     failure: Rc<RefCell<Option<String>>>,
@@ -51,11 +54,29 @@ pub(crate) struct CompiledSlotForward {
 impl CompiledSlotForward {
     /// Compiles `model`'s slot step for caches set up as `template`.
     pub fn new(model: &dyn Model, template: &SlotKvCache) -> Self {
-        let model = model.clone_for_compile();
-        let template = template.empty_like();
-        let step_arrays = template.step_arrays();
+        let model: Rc<dyn Model> = Rc::from(model.clone_for_compile());
+        let template = Rc::new(template.empty_like());
         let failure = Rc::new(RefCell::new(None));
-        let failed = Rc::clone(&failure);
+        let steps_by_real = [false, true]
+            .map(|real| Self::step_fn(Rc::clone(&model), Rc::clone(&template), real, &failure));
+        Self {
+            steps_by_real,
+            failure,
+            steps: 0,
+        }
+    }
+
+    /// The compiled step of [`CompiledSlotForward::new`], with the real tokens among its
+    /// step's arrays or not.
+    fn step_fn(
+        model: Rc<dyn Model>,
+        template: Rc<SlotKvCache>,
+        real: bool,
+        failure: &Rc<RefCell<Option<String>>>,
+    ) -> StepFn {
+        let step_arrays = template.step_arrays(real);
+        let rings = template.has_rings();
+        let failed = Rc::clone(failure);
         let trace = move |inputs: &[Array]| -> Result<Vec<Array>> {
             if inputs.len() < 1 + step_arrays {
                 return Err(EngineError::from(Exception::custom(
@@ -66,7 +87,7 @@ impl CompiledSlotForward {
             let (step, buffers) = rest.split_at(step_arrays);
             let mut cache = template.over_buffers(buffers);
             let read = cache.read(Backend::current(), ids.shape()[1] as usize);
-            let step = SlotStep::with_arrays(step.to_vec(), read);
+            let step = SlotStep::with_arrays(step.to_vec(), read, rings);
             let logits = model
                 .forward(
                     ids,
@@ -89,11 +110,7 @@ impl CompiledSlotForward {
                 Exception::custom(message)
             })
         };
-        Self {
-            step: Box::new(compile(traced, false)),
-            failure,
-            steps: 0,
-        }
+        Box::new(compile(traced, false))
     }
 
     /// Decode steps run compiled so far (the others, before the cache had buffers, ran
@@ -122,7 +139,8 @@ impl CompiledSlotForward {
         inputs.extend(step_arrays.iter().map(|a| (*a).clone()));
         inputs.extend(slots.buffers());
         let buffers = inputs.len() - 1 - step_arrays.len();
-        let mut outputs = (self.step)(&inputs).map_err(|e| match self.failure.take() {
+        let step_fn = &mut self.steps_by_real[step.real_tokens().is_some() as usize];
+        let mut outputs = step_fn(&inputs).map_err(|e| match self.failure.take() {
             Some(message) => {
                 Exception::custom(format!("in a compiled slot step: {message}")).into()
             }

@@ -86,6 +86,14 @@ impl<'m> DraftRunner<'m> {
         }
     }
 
+    /// This draft with its rounds' first steps padded to [`MAX_FED`] tokens a row, or as wide
+    /// as their longest row ([`ModelRunner::with_padded_fed_steps`]; GPUs pad): tests run the
+    /// GPUs' way on the CPU with it.
+    pub fn with_padded_first_steps(mut self, padded: bool) -> Self {
+        self.runner = self.runner.with_padded_fed_steps(padded);
+        self
+    }
+
     /// The draft's decode steps of every row bucket up to `max_rows`, one and [`MAX_FED`]
     /// tokens a row ([`ModelRunner::warm_up`]). Returns the number of shapes run.
     pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {

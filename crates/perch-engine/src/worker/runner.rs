@@ -100,6 +100,9 @@ pub(crate) struct ModelRunner<'m> {
     /// With speculative decoding in the batch: the tokens a row feeds in a verify step (every
     /// verify step is this wide, so that MLX meets few shapes) and the most rows one has.
     verify_steps: Option<(usize, usize)>,
+    /// Whether a pass of fed rows ([`ModelRunner::fed_step`]) is as wide as the verify steps
+    /// rather than its longest row: on GPUs, whose backends pay for each new shape.
+    pad_fed_steps: bool,
 }
 
 impl<'m> ModelRunner<'m> {
@@ -136,7 +139,16 @@ impl<'m> ModelRunner<'m> {
             max_prefill_tokens,
             graph_steps: Default::default(),
             verify_steps: None,
+            pad_fed_steps: Backend::current() != Backend::Cpu,
         }
+    }
+
+    /// This runner with its passes of fed rows padded to the verify steps' width, or not
+    /// (the backend decides otherwise: see [`ModelRunner::fed_step`]); tests run the GPUs' way
+    /// on the CPU with it.
+    pub fn with_padded_fed_steps(mut self, padded: bool) -> Self {
+        self.pad_fed_steps = padded;
+        self
     }
 
     /// This runner with verify steps of `(width, max_rows)` ([`ModelRunner::verify`]), which
@@ -754,7 +766,7 @@ impl ModelRunner<'_> {
     ) -> Result<FedStep> {
         let longest = rows.iter().map(FedRow::len).max().unwrap_or(1);
         let width = match self.verify_steps {
-            Some((width, _)) if Backend::current() != Backend::Cpu => width.max(longest),
+            Some((width, _)) if self.pad_fed_steps => width.max(longest),
             _ => longest,
         };
         let decode = &self.slots.decode;
