@@ -521,7 +521,15 @@ fn draft_rows_go_back(model: &dyn models::Model, name: &str, expected: &Expected
         }
         // Two rows take every proposal, then only the first proposes; the second's next
         // proposals are a fresh draft's.
+        // After warm-up (scratch caches: the rows below see none of it), which meets the steps
+        // with rows that feed nothing too.
         let mut draft = new();
+        assert_eq!(
+            draft.warm_up(4).unwrap(),
+            3 * 2 + 2,
+            "{name}: warm-up shapes: row buckets 1, 2 and 4 a one- and a four-token step each, \
+             and 2 and 4 with rows that feed nothing"
+        );
         let other = &expected.prompt_ids[3..11];
         let first = propose(&mut draft, &[(1, prompt), (2, other)]);
         let taken = |tokens: &[u32], proposals: &[u32]| -> Vec<u32> {
@@ -538,6 +546,12 @@ fn draft_rows_go_back(model: &dyn models::Model, name: &str, expected: &Expected
             propose(&mut draft, &[(2, &two)]),
             propose(&mut new(), &[(2, &two)]),
             "{name}: a row's proposals after a round without it ({way}; the other row's {second:?})"
+        );
+        // The compiled way ran compiled steps (not a fallback).
+        assert_eq!(
+            draft.compiled_decode_steps() > 0,
+            compiled,
+            "{name}: compiled steps ({way})"
         );
     }
 }

@@ -172,8 +172,8 @@ impl LayerCaches<'_> {
         }
     }
 
-    /// Which tokens of each row are real, when some row pads its chunk ([`RealTokens`]);
-    /// `None` when every token is.
+    /// Which tokens of each row are real, when some row pads its chunk or feeds nothing
+    /// ([`RealTokens`]); `None` when every token is.
     pub fn real_tokens(&self) -> Option<&RealTokens> {
         match self {
             LayerCaches::Sequence(_) => None,

@@ -199,8 +199,9 @@ pub struct SlotStep {
     write: Array,
     /// The sliding layers' ring entries and mask, when the cache has rings.
     ring: Option<RingStep>,
-    /// Which of a prompt chunk's tokens are real, when the cache has recurrent layers (they
-    /// must not advance a row's state past its real tokens); `None`: every token is.
+    /// Which of a step's tokens are real, when the cache has recurrent layers and the step is
+    /// wider than one token or an occupied row feeds nothing (padding must not advance a row's
+    /// states); `None`: every token is.
     real: Option<RealTokens>,
     /// The quantized rows' settings, each with `[rows, 1, 1, 1]` bool marking its rows: their
     /// new keys and values are written round-tripped (see the module docs). Empty when no row
@@ -280,8 +281,8 @@ impl SlotStep {
         self.ring.as_ref().map(|r| &r.mask)
     }
 
-    /// Which tokens of each row are real, for a step with padding over recurrent layers (see
-    /// [`RealTokens`]); `None` when every token is.
+    /// Which tokens of each row are real, for a step over recurrent layers with padding or a
+    /// row that feeds nothing (see [`RealTokens`]); `None` when every token is.
     pub fn real_tokens(&self) -> Option<&RealTokens> {
         self.real.as_ref()
     }

@@ -231,6 +231,37 @@ impl<'m> ModelRunner<'m> {
         Ok(shapes)
     }
 
+    /// For a model with recurrent layers, one decode step of every row bucket from 2 up to
+    /// `max_rows` in which one row feeds its token and the others nothing (a draft's rows that
+    /// propose nothing in a round while others do), over a scratch cache: that step is another
+    /// trace ([`SlotKvCache::begin_step`]), met here rather than mid-request. Returns the number
+    /// of shapes run (none without recurrent layers).
+    pub fn warm_up_idle_rows(&mut self, max_rows: usize) -> Result<usize> {
+        if !self.slots.decode.has_recurrent_layers() {
+            return Ok(0);
+        }
+        let mut slots = self.slots.decode.empty_like();
+        let mut shapes = 0;
+        for n in 1..=max_rows {
+            slots.push(&[], 0, RowKv::Plain)?;
+            if n < 2 || (n < max_rows && row_bucket(n + 1) == row_bucket(n)) {
+                continue;
+            }
+            let rows = slots.rows() as i32;
+            let ids = Array::from_slice(&vec![0u32; slots.rows()], &[rows, 1]);
+            let mut one_fed = vec![0; slots.slots()];
+            one_fed[0] = 1;
+            // A cache with no buffers steps uncompiled, which creates them.
+            if self.compiled_decode.is_some() && !slots.has_buffers() {
+                Self::greedy_step(self.model, None, &ids, &mut slots, &one_fed)?;
+            }
+            let compiled = self.compiled_decode.as_mut();
+            Self::greedy_step(self.model, compiled, &ids, &mut slots, &one_fed)?;
+            shapes += 1;
+        }
+        Ok(shapes)
+    }
+
     /// Runs one batched prefill pass of `shape` over a scratch prefill cache (rows of zeros
     /// when it starts after `computed` positions), evaluated, so that MLX meets that shape
     /// before a request does (see [`perch_sched::scheduler::prefill_warm_up_shapes`]); changes nothing
@@ -288,15 +319,18 @@ impl<'m> ModelRunner<'m> {
         Ok(shaped)
     }
 
-    /// One decode step of warm-up over the scratch cache `slots` (its sequences keep their
-    /// lengths), `width` tokens a row (a verify step's when more than one), argmax included,
-    /// evaluated.
+    /// One decode step of warm-up over the scratch cache `slots`, `width` tokens a row (a
+    /// verify step's when more than one), argmax included, evaluated. A one-token step's rows
+    /// each keep their token, as [`ModelRunner::dispatch_decode`]'s do (a recurrent cache's step
+    /// in which a row feeds nothing is another trace: [`SlotKvCache::begin_step`]), so its
+    /// sequences grow by one position (warm-up's stay within the capacity bucket they start
+    /// in); a wider step's keep none, and their lengths.
     fn warm_up_step(&mut self, slots: &mut SlotKvCache, width: usize) -> Result<()> {
         let rows = slots.rows() as i32;
         let ids = Array::from_slice(&vec![0u32; slots.rows() * width], &[rows, width as i32]);
-        let unchanged = vec![0; slots.slots()];
+        let kept = vec![usize::from(width == 1); slots.slots()];
         let compiled = self.compiled_decode.as_mut();
-        Self::greedy_step(self.model, compiled, &ids, slots, &unchanged)?;
+        Self::greedy_step(self.model, compiled, &ids, slots, &kept)?;
         Ok(())
     }
 
