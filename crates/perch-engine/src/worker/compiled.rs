@@ -15,9 +15,10 @@
 //! (the old ones are then referenced by the graph alone, so MLX updates them in place). The
 //! weights are captured as constants of the trace: each [`CompiledSlotForward`] owns a copy of
 //! the model (shared arrays, no memory) and compile ids of its own (one a traced function: with
-//! and without the step's real tokens), erased from MLX's cache when it is dropped, so a replaced model's weights are not kept alive by its traces. How a
-//! step reads its cache ([`SlotKvCache::read`]) depends on the backend, the cache's setting and
-//! the buffers' shape only, so one trace per shape is right for every call of that shape.
+//! and without the step's real tokens), erased from MLX's cache when it is dropped, so a
+//! replaced model's weights are not kept alive by its traces. How a step reads its cache
+//! ([`SlotKvCache::read`]) depends on the backend, the cache's setting and the buffers' shape
+//! only, so one trace per shape is right for every call of that shape.
 //!
 //! Shapes are bucketed ([`crate::kv::slot_cache::row_bucket`], [`crate::kv::slot_cache::capacity_bucket`]),
 //! so a run traces few of them.
