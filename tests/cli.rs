@@ -1743,6 +1743,10 @@ fn generate_starts_its_ranks_from_a_host_list() {
         lines.pop(); // the stats, with their timings
         lines
     };
+    // Temporary files (the hostfiles: the launcher's own, and the one each ssh rank writes
+    // where it runs) go here, to be found if they are left behind.
+    let temporary = dir.path().join("tmp");
+    std::fs::create_dir(&temporary).unwrap();
     let launch = |hosts: &str, split: &str| {
         Command::new(env!("CARGO_BIN_EXE_perch"))
             .args(["generate", "--model", &model])
@@ -1750,8 +1754,17 @@ fn generate_starts_its_ranks_from_a_host_list() {
             .args(["--distributed", split, "--hosts", hosts])
             .args(["--starting-port", &starting_port.to_string()])
             .env("PATH", &path)
+            .env("TMPDIR", &temporary)
             .output()
             .unwrap()
+    };
+    // What is there but MLX's own folder of compiled CPU kernels.
+    let left_behind = || -> Vec<String> {
+        std::fs::read_dir(&temporary)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|name| name != "mlx")
+            .collect()
     };
     for hosts in ["127.0.0.1,127.0.0.1", "127.0.0.1,127.0.0.2"] {
         let out = launch(hosts, "pipeline");
@@ -1762,8 +1775,14 @@ fn generate_starts_its_ranks_from_a_host_list() {
         );
         assert_eq!(lines(&out.stdout), lines(&one.stdout), "{hosts}");
     }
-    // Only the host that is not this machine was reached over ssh.
+    // Only the host that is not this machine was reached over ssh; its rank removed the
+    // hostfile it wrote once MLX had read it, and the launcher its own.
     assert_eq!(std::fs::read_to_string(&logins).unwrap(), "127.0.0.2\n");
+    assert_eq!(
+        left_behind(),
+        Vec::<String>::new(),
+        "temporary files left behind"
+    );
     // Both ranks refuse to divide 9 heads over 2: the launch ends with the first one's failure.
     let failed = launch("127.0.0.1,127.0.0.1", "tensor");
     let stderr = String::from_utf8_lossy(&failed.stderr);

@@ -157,7 +157,8 @@ fn rank_args(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
 }
 
 /// The command `ssh` runs for rank `rank` on a remote host: `sh` writing the hostfile to a
-/// temporary file there, then running `exe args` with the rank's environment.
+/// temporary file there, then running `exe args` with the rank's environment (which has the
+/// rank remove that file once MLX has read it).
 fn remote_command(
     rank: usize,
     hostfile: &str,
@@ -174,8 +175,10 @@ fn remote_command(
             .with_context(|| format!("{s:?} is not UTF-8: it cannot be passed over ssh"))
     }
     let mut command = format!(
-        "f=$(mktemp) && printf '%s' {} > \"$f\" && MLX_RANK={rank} MLX_HOSTFILE=\"$f\" exec {}",
+        "f=$(mktemp) && printf '%s' {} > \"$f\" && MLX_RANK={rank} MLX_HOSTFILE=\"$f\" \
+         {}=1 exec {}",
         quote(hostfile)?,
+        perch_engine::distributed::HOSTFILE_IS_TEMPORARY,
         quote(utf8(exe.as_os_str())?)?
     );
     for arg in args {
@@ -398,7 +401,8 @@ mod tests {
         )
         .unwrap();
         let script = "f=$(mktemp) && printf '%s' '[[\"a:1\"],[\"b:2\"]]' > \"$f\" && MLX_RANK=1 \
-                      MLX_HOSTFILE=\"$f\" exec '/opt/perch dir/perch' generate --prompt Hi --json";
+                      MLX_HOSTFILE=\"$f\" PERCH_HOSTFILE_IS_TEMPORARY=1 exec '/opt/perch dir/perch' \
+                      generate --prompt Hi --json";
         assert_eq!(
             command,
             format!("sh -c {}", shlex::try_quote(script).unwrap())

@@ -92,6 +92,10 @@ impl std::fmt::Debug for Group {
     }
 }
 
+/// The variable that, set to `1` beside `MLX_HOSTFILE`, has [`init`] remove that file once MLX
+/// has read it (a temporary copy the launcher wrote for this rank on a remote host).
+pub const HOSTFILE_IS_TEMPORARY: &str = "PERCH_HOSTFILE_IS_TEMPORARY";
+
 /// Joins this process's group on `backend`, configured from the environment as `mlx.launch`
 /// configures each rank (see the module docs). Errors when the backend is not in this build of
 /// MLX, when it is not configured (a group of one process is not a distributed run: MLX's
@@ -132,7 +136,14 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
             let _ = sender.send(result);
         })
         .map_err(|e| EngineError::Distributed(format!("cannot start a thread: {e}")))?;
-    let raw = match receiver.recv_timeout(deadline) {
+    let received = receiver.recv_timeout(deadline);
+    // MLX reads the hostfile as it starts, before it connects: a temporary one can go now.
+    if backend == Backend::Ring && std::env::var(HOSTFILE_IS_TEMPORARY).as_deref() == Ok("1") {
+        if let Some(hostfile) = std::env::var_os("MLX_HOSTFILE") {
+            let _ = std::fs::remove_file(hostfile);
+        }
+    }
+    let raw = match received {
         Ok(Some(RawGroup(raw))) => raw,
         Ok(None) => {
             return Err(EngineError::Distributed(format!(
