@@ -3,14 +3,16 @@
 //! each rank's process running this command without `--hosts`, with `MLX_RANK` and
 //! `MLX_HOSTFILE` set: on this machine directly for `localhost` and `127.0.0.1`, over `ssh`
 //! elsewhere (key-based, and the same `perch` path on every host, as `mlx.launch` assumes the
-//! same Python). Rank 0's output is this command's; when a rank fails, or this command is
-//! interrupted or terminated (SIGINT, SIGTERM), the others are ended.
+//! same Python). Rank 0's standard output, and every rank's standard error (relayed), are this
+//! command's; when a rank fails, or this command is interrupted or terminated (SIGINT,
+//! SIGTERM), the others are ended.
 
 use std::ffi::OsString;
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::io::{Read, Write};
+use std::process::{Child, ChildStderr, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
@@ -212,6 +214,7 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
     let exe = std::env::current_exe().context("finding this perch executable")?;
     let args = rank_args(std::env::args_os().skip(1));
     let stopped = on_stop_signals();
+    let mut relay = StderrRelay::new();
     let mut ranks: Vec<(Child, &Host)> = Vec::with_capacity(hosts.len());
     for (rank, host) in hosts.iter().enumerate() {
         let mut command = if is_local(&host.address) {
@@ -227,21 +230,26 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
             command.arg(remote_command(rank, &json, &exe, &args)?);
             command
         };
-        command.stdin(Stdio::null());
+        command.stdin(Stdio::null()).stderr(Stdio::piped());
         if rank > 0 {
             command.stdout(Stdio::null());
         }
         match command.spawn() {
-            Ok(child) => ranks.push((child, host)),
+            Ok(mut child) => {
+                if let Some(stderr) = child.stderr.take() {
+                    relay.relay(stderr);
+                }
+                ranks.push((child, host));
+            }
             Err(e) => {
-                end(&mut ranks);
+                end(&mut ranks, relay);
                 bail!("starting rank {rank} on {}: {e}", host.login);
             }
         }
     }
     loop {
         if stopped.load(Ordering::SeqCst) {
-            end(&mut ranks);
+            end(&mut ranks, relay);
             bail!("stopped by a signal: every rank was ended");
         }
         let mut running = 0;
@@ -251,7 +259,7 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
                 Some(status) if status.success() => {}
                 Some(status) => {
                     let login = ranks[rank].1.login.clone();
-                    end(&mut ranks);
+                    end(&mut ranks, relay);
                     bail!(
                         "rank {rank} on {login} {}: the group stopped",
                         exited(status)
@@ -260,9 +268,74 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
             }
         }
         if running == 0 {
+            relay.finish();
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The ranks' standard error, relayed through this process as it comes, so that this command's
+/// own last line starts a line of its own even when a rank was ended in the middle of one (MLX
+/// writes `[ring] ` and its message separately).
+struct StderrRelay {
+    /// Whether the last byte relayed ended a line.
+    at_line_start: Arc<Mutex<bool>>,
+    closed: mpsc::Receiver<()>,
+    closing: mpsc::Sender<()>,
+    relays: usize,
+}
+
+impl StderrRelay {
+    fn new() -> Self {
+        let (closing, closed) = mpsc::channel();
+        Self {
+            at_line_start: Arc::new(Mutex::new(true)),
+            closed,
+            closing,
+            relays: 0,
+        }
+    }
+
+    /// Copies `from` to this process's standard error on a thread of its own until it closes.
+    fn relay(&mut self, mut from: ChildStderr) {
+        let at_line_start = Arc::clone(&self.at_line_start);
+        let closing = self.closing.clone();
+        self.relays += 1;
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            loop {
+                match from.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        let mut at_line_start =
+                            at_line_start.lock().unwrap_or_else(|p| p.into_inner());
+                        let _ = std::io::stderr().lock().write_all(&buf[..n]);
+                        *at_line_start = buf[n - 1] == b'\n';
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            let _ = closing.send(());
+        });
+    }
+
+    /// Waits (two seconds at most: a rank's own children may hold its standard error open) for
+    /// every relayed stream to close, then ends a line left unfinished.
+    fn finish(self) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        for _ in 0..self.relays {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.closed.recv_timeout(left).is_err() {
+                break;
+            }
+        }
+        let mut at_line_start = self.at_line_start.lock().unwrap_or_else(|p| p.into_inner());
+        if !*at_line_start {
+            let _ = std::io::stderr().lock().write_all(b"\n");
+            *at_line_start = true;
+        }
     }
 }
 
@@ -296,14 +369,17 @@ fn on_stop_signals() -> Arc<AtomicBool> {
 }
 
 /// Ends every rank still running (a remote one's `ssh`; MLX's ring ends a rank whose peers are
-/// gone within seconds) and reaps them.
-fn end(ranks: &mut [(Child, &Host)]) {
+/// gone within seconds), all before reaping any, and finishes relaying their output.
+fn end(ranks: &mut [(Child, &Host)], relay: StderrRelay) {
     for (child, _) in ranks.iter_mut() {
         if let Ok(None) = child.try_wait() {
             let _ = child.kill();
         }
+    }
+    for (child, _) in ranks.iter_mut() {
         let _ = child.wait();
     }
+    relay.finish();
 }
 
 /// "exited with status 1", "was killed by signal 9".
