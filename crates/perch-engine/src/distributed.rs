@@ -96,6 +96,11 @@ impl std::fmt::Debug for Group {
 /// has read it (a temporary copy the launcher wrote for this rank on a remote host).
 pub const HOSTFILE_IS_TEMPORARY: &str = "PERCH_HOSTFILE_IS_TEMPORARY";
 
+/// The words every rank sends with a broadcast from rank 0
+/// ([`Group::broadcast_bytes_gathering`]): what the batch over ranks learns of each rank at
+/// each call (its batch's digest and its memory).
+pub const GATHERED_WORDS: usize = 4;
+
 /// Joins this process's group on `backend`, configured from the environment as `mlx.launch`
 /// configures each rank (see the module docs). Errors when the backend is not in this build of
 /// MLX, when it is not configured (a group of one process is not a distributed run: MLX's
@@ -481,18 +486,20 @@ impl Group {
     /// Rank 0's `bytes` on every rank (the others pass `None`). Evaluates; errors when a rank
     /// is gone or when rank 0 passes nothing.
     pub fn broadcast_bytes(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
-        Ok(self.broadcast_bytes_gathering(bytes, 0)?.0)
+        Ok(self
+            .broadcast_bytes_gathering(bytes, [0; GATHERED_WORDS])?
+            .0)
     }
 
-    /// Rank 0's `bytes` on every rank (the others pass `None`), and every rank's `word` in rank
-    /// order: a gather of each rank's 16 bytes (rank 0's length, every rank's word), then rank
-    /// 0's bytes summed with zeros from the others. Evaluates; errors when a rank is gone or
-    /// when rank 0 passes nothing.
+    /// Rank 0's `bytes` on every rank (the others pass `None`), and every rank's `words` in
+    /// rank order: a gather of each rank's header (rank 0's length, then every rank's words,
+    /// 8 bytes each), then rank 0's bytes summed with zeros from the others. Evaluates; errors
+    /// when a rank is gone or when rank 0 passes nothing.
     pub fn broadcast_bytes_gathering(
         &self,
         bytes: Option<&[u8]>,
-        word: u64,
-    ) -> Result<(Vec<u8>, Vec<u64>)> {
+        words: [u64; GATHERED_WORDS],
+    ) -> Result<(Vec<u8>, Vec<[u64; GATHERED_WORDS]>)> {
         let root = self.rank == 0;
         if root != bytes.is_some() {
             return Err(EngineError::Distributed(format!(
@@ -507,13 +514,19 @@ impl Group {
                 "{len} bytes are too many"
             )));
         }
-        let mut header = [0u8; 16];
-        header[..8].copy_from_slice(&(len as u64).to_le_bytes());
-        header[8..].copy_from_slice(&word.to_le_bytes());
+        let mut header = [0u8; 8 * (1 + GATHERED_WORDS)];
+        for (at, word) in std::iter::once(len as u64).chain(words).enumerate() {
+            header[8 * at..8 * (at + 1)].copy_from_slice(&word.to_le_bytes());
+        }
         let headers = self.all_gather_bytes(&header)?;
-        let word_of = |h: &[u8]| u64::from_le_bytes(h[8..16].try_into().expect("16 bytes"));
-        let words = headers.iter().map(|h| word_of(h)).collect();
-        let len = u64::from_le_bytes(headers[0][..8].try_into().expect("16 bytes")) as usize;
+        let word_at = |h: &[u8], at: usize| {
+            u64::from_le_bytes(h[8 * at..8 * (at + 1)].try_into().expect("8 bytes"))
+        };
+        let words = headers
+            .iter()
+            .map(|h| std::array::from_fn(|i| word_at(h, 1 + i)))
+            .collect();
+        let len = word_at(&headers[0], 0) as usize;
         if len == 0 {
             return Ok((Vec::new(), words));
         }

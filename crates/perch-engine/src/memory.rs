@@ -29,6 +29,9 @@ pub enum MemoryBound {
     Cgroup,
     /// macOS's memory pressure ([`PressureLevel`]).
     Pressure,
+    /// Another rank's memory, where a model divided over ranks has the least room
+    /// ([`crate::distributed`]): rank 0 admits within it.
+    Rank(u32),
 }
 
 /// macOS's memory pressure level (`kern.memorystatus_vm_pressure_level`: 1, 2, 4).
@@ -107,6 +110,10 @@ impl std::fmt::Display for Available {
             MemoryBound::System => Ok(()),
             MemoryBound::Cgroup => write!(f, " (the memory limit of the cgroup Perch runs in)"),
             MemoryBound::Pressure => write!(f, " (macOS reports memory pressure)"),
+            MemoryBound::Rank(rank) => write!(
+                f,
+                " on rank {rank}, the rank dividing the model with the least memory"
+            ),
         }
     }
 }
@@ -334,6 +341,8 @@ pub struct PressureGuard {
     floor: u64,
     /// The process's memory cgroups, found once.
     cgroups: Vec<(PathBuf, CgroupVersion)>,
+    /// Reads the memory instead of [`available`] (tests of what a reading makes an engine do).
+    reading: Option<fn() -> Available>,
     checked: Option<std::time::Instant>,
     low: bool,
     /// The last reading.
@@ -354,6 +363,7 @@ impl PressureGuard {
             available_after_load,
             floor: ((available_after_load as f64 * Self::FLOOR_SHARE) as u64).max(Self::MIN_FLOOR),
             cgroups: memory_cgroups(),
+            reading: None,
             checked: None,
             low: false,
             available: Available {
@@ -363,13 +373,25 @@ impl PressureGuard {
         }
     }
 
+    /// A guard reading the memory with `read` (what was available after loading is its first
+    /// reading): tests of how an engine answers a reading.
+    pub fn reading(read: fn() -> Available) -> Self {
+        Self {
+            reading: Some(read),
+            ..Self::new(read().bytes)
+        }
+    }
+
     /// Whether the memory available is under the floor, and whether that was read just now
     /// (it is read again when the last reading is older than [`PressureGuard::INTERVAL`]).
     pub fn low(&mut self) -> (bool, bool) {
         let fresh = self.checked.is_none_or(|at| at.elapsed() >= Self::INTERVAL);
         if fresh {
             self.checked = Some(std::time::Instant::now());
-            self.available = available_under(&self.cgroups);
+            self.available = match self.reading {
+                Some(read) => read(),
+                None => available_under(&self.cgroups),
+            };
             self.low = self.available.bytes < self.floor;
         }
         (self.low, fresh)

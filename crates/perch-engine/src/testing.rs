@@ -6,7 +6,7 @@ pub use crate::attention::{
     additive_mask, explicit_scaled_dot_product_attention, masked_attention,
     quantized_scaled_dot_product_attention, CachedKv, KvMask, SlotRead,
 };
-pub use crate::engine::batch::lockstep::least_available;
+pub use crate::engine::batch::lockstep::{follow_reading_memory, least_available};
 pub use crate::engine::batch::{
     kv_budget_for_model, kv_bytes_per_token, step_activation_bytes, BatchConfig, BatchEvent,
     BatchGenerator,

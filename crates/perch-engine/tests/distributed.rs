@@ -79,6 +79,12 @@ fn rank() {
         println!("{}", serde_json::json!({ "rank": rank, "error": error }));
         return;
     }
+    if task == "engine_short_rank" {
+        let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        let division = Division::Tensor(TensorParallel::new(group));
+        println!("{}", short_of_memory(division, &models));
+        return;
+    }
     if let Some(dies) = task.strip_prefix("engine") {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let division = Division::Tensor(TensorParallel::new(group));
@@ -444,6 +450,52 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
     serde_json::json!({ "rank": rank, "cases": results })
 }
 
+/// The batch engine over the first tiny model in `models`, divided by `division`, with rank 1's
+/// memory read as plenty at load (8 GiB available) and then as under its floor: rank 0 (whose
+/// own memory is the machine's) serves one request, which rank 1's reading must refuse, then
+/// stops its engine.
+fn short_of_memory(division: Division, models: &Path) -> serde_json::Value {
+    use perch_engine::memory::{Available, MemoryBound};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let rank = division.rank();
+    let dir = std::fs::read_dir(models)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    if rank > 0 {
+        // Read twice while loading (the budget's gather, then the guard's reading after
+        // load), then 40 MB, below the floor of a fifth of 8 GiB.
+        fn reading() -> Available {
+            static READS: AtomicUsize = AtomicUsize::new(0);
+            let bytes = match READS.fetch_add(1, Ordering::Relaxed) {
+                0 | 1 => 8 << 30,
+                _ => 40 << 20,
+            };
+            Available {
+                bytes,
+                bound: MemoryBound::System,
+            }
+        }
+        let model = models::load_divided(&dir, &division).unwrap();
+        let tokenizer = Tokenizer::load(&dir).unwrap();
+        let followed =
+            perch_engine::testing::follow_reading_memory(model.as_ref(), &tokenizer, reading);
+        return serde_json::json!({ "rank": rank, "followed": followed.map_err(|e| e.to_string()).err() });
+    }
+    let engine = EngineHandle::spawn_with(EngineConfig::default(), "short".into(), move |_| {
+        Ok((
+            models::load_divided(&dir, &division)?,
+            Tokenizer::load(&dir)?,
+        ))
+    })
+    .unwrap();
+    let served = collected(vec![engine.submit(batch_requests().remove(0)).unwrap()]);
+    drop(engine);
+    serde_json::json!({ "rank": rank, "served": served })
+}
+
 /// The tiny models of `cases` (comma-separated `tiny_models.py` names, a folder each) in
 /// `dir/models`, written by the mlx_lm oracle.
 fn tiny_models(dir: &Path, cases: &str) -> PathBuf {
@@ -575,7 +627,12 @@ fn two_ranks_sum_gather_and_broadcast() {
             result["received"], "rank 0 schedules; the others follow",
             "{result}"
         );
-        let three_gb = serde_json::json!({ "bytes": 3u64 << 30, "bound": "Cgroup" });
+        // Rank 1's own reading; on rank 0, named as rank 1's.
+        let bound = match r {
+            0 => serde_json::json!({ "Rank": 1 }),
+            _ => serde_json::json!("Cgroup"),
+        };
+        let three_gb = serde_json::json!({ "bytes": 3u64 << 30, "bound": bound });
         assert_eq!(result["least"], three_gb, "{result}");
         assert_eq!(result["least_judged"], three_gb, "{result}");
     }
@@ -847,6 +904,39 @@ fn the_batch_engine_runs_over_two_ranks() {
             }
         }
     }
+}
+
+/// A model divided over two ranks on a machine with memory to spare, where rank 1 reads its
+/// memory as under its floor (a stand-in reading): rank 0 admits within rank 1's headroom, so
+/// its request is refused with a sentence naming rank 1's memory, where alone it runs (the
+/// test above); and rank 1 returns once rank 0's engine stops.
+#[test]
+fn the_rank_with_the_least_memory_bounds_admissions() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = tiny_models(dir.path(), "llama3-rope");
+    let children = spawn_two_ranks(dir.path(), &models, "engine_short_rank");
+    let results: Vec<_> = children
+        .into_iter()
+        .map(|c| result(c, Duration::from_secs(120)))
+        .collect();
+    assert_eq!(
+        results[1]["followed"],
+        serde_json::Value::Null,
+        "{}",
+        results[1]
+    );
+    let served = &results[0]["served"][0];
+    let error = served["error"]
+        .as_str()
+        .unwrap_or_else(|| panic!("rank 0: {}", results[0]));
+    assert!(error.contains("of memory for its KV cache"), "{error}");
+    assert!(
+        error.contains(
+            "0 bytes is available on rank 1, the rank dividing the model with the least memory"
+        ),
+        "{error}"
+    );
+    assert_eq!(served["ids"], serde_json::json!([]), "{served}");
 }
 
 /// Pipeline stages of a hybrid model (Qwen3.5-MoE) are refused by the batch engine on both

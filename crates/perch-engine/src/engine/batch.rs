@@ -1177,6 +1177,13 @@ impl<'m> BatchGenerator<'m> {
         self.admissions_held
     }
 
+    /// Rank 0 of a divided model: the other rank with the least memory headroom, as their
+    /// last call carried it (low when any rank is); `None` without ranks, or while none reads
+    /// its memory.
+    pub(crate) fn least_rank_memory(&self) -> Option<lockstep::RankMemory> {
+        self.lockstep.as_ref()?.least_memory()
+    }
+
     /// What the process may still take, read just now (`None`: no bound, as on CUDA, which has
     /// no guard): waiting requests are admitted, front first, only while the KV memory they
     /// add fits it ([`BatchGenerator::admission_growth`]), and each admission's growth is

@@ -633,6 +633,9 @@ impl Pass<'_> {
     /// ([`crate::device::release_freed_memory`]); while it lasts, admits no request beside
     /// those running (they wait in line). Above the floor, each fresh reading's headroom bounds
     /// what admissions may add to the slot caches ([`BatchGenerator::set_memory_headroom`]).
+    /// A model divided over ranks: the other ranks' readings count alike, the least headroom
+    /// and capacity of any rank bounding admissions, and any rank under its floor holding them
+    /// ([`BatchGenerator::least_rank_memory`]).
     fn relieve_memory(&mut self, batch: &mut BatchGenerator<'_>) {
         let Some(guard) = &mut self.pressure else {
             return;
@@ -641,6 +644,15 @@ impl Pass<'_> {
             guard.read_again();
         }
         let (low, fresh) = guard.low();
+        let (mut headroom, mut capacity) = (guard.headroom(), guard.capacity());
+        let others = batch.least_rank_memory();
+        if let Some(others) = others {
+            if others.headroom.bytes < headroom.bytes {
+                headroom = others.headroom;
+            }
+            capacity = capacity.min(others.capacity);
+        }
+        let low = low || others.is_some_and(|o| o.low);
         if low && !batch.admissions_held() {
             batch.reset_prefix_cache();
         }
@@ -648,10 +660,10 @@ impl Pass<'_> {
             crate::device::release_freed_memory();
         }
         if fresh {
-            batch.set_memory_headroom(Some(guard.headroom()));
+            batch.set_memory_headroom(Some(headroom));
             // Requests beside the batch (speculative, late-quantized) hold memory that comes
             // back: no refusal is then beyond what the engine can ever give.
-            batch.set_memory_capacity(self.solo.is_empty().then(|| guard.capacity()));
+            batch.set_memory_capacity(self.solo.is_empty().then_some(capacity));
         }
         batch.hold_admissions(low);
     }

@@ -12,7 +12,8 @@
 //! workers that hold no scheduler instead.
 //!
 //! A call travels as rank 0's bytes ([`Group::broadcast_bytes_gathering`]) together with every
-//! rank's digest of its batch before the call ([`BatchGenerator::digest`]): a rank whose
+//! rank's memory reading ([`RankMemory`]: rank 0 admits within the least room of any rank) and
+//! its digest of its batch before the call ([`BatchGenerator::digest`]): a rank whose
 //! batch no longer matches rank 0's is an error on every rank at the next call, never a hang in
 //! mismatched collectives; so is a rank that is gone (MLX's error). After either, rank 0's
 //! requests end with the error and every later call fails alike; the other ranks return it.
@@ -27,9 +28,9 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::{BatchConfig, BatchGenerator};
-use crate::distributed::Group;
+use crate::distributed::{Group, GATHERED_WORDS};
 use crate::error::{EngineError, Result};
-use crate::memory::Available;
+use crate::memory::{Available, MemoryBound, PressureGuard};
 use crate::models::Model;
 use crate::{GenerateRequest, RequestId, Tokenizer};
 
@@ -84,6 +85,77 @@ struct Received {
     at_us: u64,
 }
 
+/// A rank's memory as its [`PressureGuard`] last read it, sent to rank 0 with every call
+/// ([`Lockstep::receive`]): every rank holds its part of every sequence's KV, so rank 0 admits
+/// within the least headroom of any rank and holds admissions while any rank is under
+/// pressure, as it does for its own memory.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct RankMemory {
+    /// What the rank may still take before it is under pressure.
+    pub(crate) headroom: Available,
+    /// What the rank had above its floor once its part loaded.
+    pub(crate) capacity: u64,
+    /// Under its floor now.
+    pub(crate) low: bool,
+}
+
+impl RankMemory {
+    /// The guard's last reading (the guard reads again when that is older than its interval);
+    /// under the floor at a fresh reading, freed memory is given back first, as rank 0 does.
+    fn read(guard: &mut PressureGuard) -> Self {
+        let (low, fresh) = guard.low();
+        if low && fresh {
+            crate::device::release_freed_memory();
+        }
+        Self {
+            headroom: guard.headroom(),
+            capacity: guard.capacity(),
+            low,
+        }
+    }
+
+    /// The gathered words after the digest: headroom bytes, capacity, then flags (bit 0: a
+    /// reading is there, bit 1: low, bits 8–15: what bounds the headroom, bits 32–63: the
+    /// rank of [`MemoryBound::Rank`]). All zeros: no reading (CUDA, which no guard reads).
+    fn words(memory: Option<Self>) -> [u64; GATHERED_WORDS - 1] {
+        let Some(memory) = memory else {
+            return [0; GATHERED_WORDS - 1];
+        };
+        let (bound, rank) = match memory.headroom.bound {
+            MemoryBound::System => (0, 0),
+            MemoryBound::Cgroup => (1, 0),
+            MemoryBound::Pressure => (2, 0),
+            MemoryBound::Rank(rank) => (3, u64::from(rank)),
+        };
+        let flags = 1 | (u64::from(memory.low) << 1) | (bound << 8) | (rank << 32);
+        [memory.headroom.bytes, memory.capacity, flags]
+    }
+
+    /// What [`RankMemory::words`] wrote (`None` for no reading).
+    fn from_words(words: &[u64]) -> Option<Self> {
+        let [bytes, capacity, flags] = words else {
+            return None;
+        };
+        if flags & 1 == 0 {
+            return None;
+        }
+        let bound = match (flags >> 8) & 0xff {
+            1 => MemoryBound::Cgroup,
+            2 => MemoryBound::Pressure,
+            3 => MemoryBound::Rank((flags >> 32) as u32),
+            _ => MemoryBound::System,
+        };
+        Some(Self {
+            headroom: Available {
+                bytes: *bytes,
+                bound,
+            },
+            capacity: *capacity,
+            low: flags & 2 != 0,
+        })
+    }
+}
+
 /// One rank's end of the calls: its group, when its calls' times count from, and whether the
 /// group already failed.
 pub(crate) struct Lockstep<'g> {
@@ -93,6 +165,9 @@ pub(crate) struct Lockstep<'g> {
     calls: u64,
     /// Why the group stopped, once it did.
     stopped: Option<String>,
+    /// Rank 0: the other ranks' memory as their last call's gather carried it (by rank; none
+    /// for rank 0 itself, and for a rank that reads none).
+    memory: Vec<Option<RankMemory>>,
 }
 
 impl<'g> Lockstep<'g> {
@@ -102,7 +177,28 @@ impl<'g> Lockstep<'g> {
             epoch: Instant::now(),
             calls: 0,
             stopped: None,
+            memory: Vec::new(),
         }
+    }
+
+    /// Rank 0: the other rank with the least headroom, as its last call's gather carried it,
+    /// its headroom bounded by [`MemoryBound::Rank`]; `None` while no rank reads its memory.
+    /// Low when any rank is.
+    pub(crate) fn least_memory(&self) -> Option<RankMemory> {
+        let (rank, least) = self
+            .memory
+            .iter()
+            .enumerate()
+            .filter_map(|(rank, m)| Some((rank, (*m)?)))
+            .min_by_key(|(_, m)| m.headroom.bytes)?;
+        Some(RankMemory {
+            headroom: Available {
+                bytes: least.headroom.bytes,
+                bound: MemoryBound::Rank(rank as u32),
+            },
+            low: self.memory.iter().flatten().any(|m| m.low),
+            ..least
+        })
     }
 
     /// Rank 0: sends `call`, with every rank's `digest` of its batch gathered and compared.
@@ -121,8 +217,15 @@ impl<'g> Lockstep<'g> {
         let fresh = matches!(call, BatchCall::Fresh { .. });
         let exchanged = self
             .group
-            .broadcast_bytes_gathering(Some(&bytes), digest)
-            .and_then(|(_, digests)| self.compare(&digests, fresh));
+            .broadcast_bytes_gathering(Some(&bytes), with_digest(digest, None))
+            .and_then(|(_, words)| {
+                self.memory = words
+                    .iter()
+                    .enumerate()
+                    .map(|(rank, w)| (rank > 0).then(|| RankMemory::from_words(&w[1..]))?)
+                    .collect();
+                self.compare(&words, fresh)
+            });
         match exchanged {
             Ok(()) => Ok(at),
             Err(e) => Err(self.stop(&e)),
@@ -139,24 +242,31 @@ impl<'g> Lockstep<'g> {
     }
 
     /// A rank other than 0: the next call rank 0 makes, and its time on this rank's clock,
-    /// with every rank's `digest` of its batch gathered and compared.
-    pub(crate) fn receive(&mut self, digest: u64) -> Result<(BatchCall, Instant)> {
-        let (bytes, digests) = self.group.broadcast_bytes_gathering(None, digest)?;
+    /// with every rank's `digest` of its batch gathered and compared, and this rank's `memory`
+    /// sent to rank 0.
+    pub(crate) fn receive(
+        &mut self,
+        digest: u64,
+        memory: Option<RankMemory>,
+    ) -> Result<(BatchCall, Instant)> {
+        let (bytes, words) = self
+            .group
+            .broadcast_bytes_gathering(None, with_digest(digest, memory))?;
         let received: Received = serde_json::from_slice(&bytes).map_err(|e| {
             EngineError::Distributed(format!("rank 0 sent a call this rank cannot read: {e}"))
         })?;
-        self.compare(&digests, matches!(received.call, BatchCall::Fresh { .. }))?;
+        self.compare(&words, matches!(received.call, BatchCall::Fresh { .. }))?;
         Ok((
             received.call,
             self.epoch + Duration::from_micros(received.at_us),
         ))
     }
 
-    /// Counts a call; errors when some rank's digest of its batch before it differs from rank
-    /// 0's (but for a fresh batch, which every rank makes anew).
-    fn compare(&mut self, digests: &[u64], fresh: bool) -> Result<()> {
+    /// Counts a call; errors when some rank's digest of its batch before it (each rank's first
+    /// word) differs from rank 0's (but for a fresh batch, which every rank makes anew).
+    fn compare(&mut self, words: &[[u64; GATHERED_WORDS]], fresh: bool) -> Result<()> {
         self.calls += 1;
-        match digests.iter().position(|&d| d != digests[0]) {
+        match words.iter().position(|w| w[0] != words[0][0]) {
             Some(rank) if !fresh => Err(EngineError::Distributed(format!(
                 "rank {rank}'s batch differs from rank 0's before call {}: the ranks no longer \
                  run the same passes",
@@ -165,6 +275,14 @@ impl<'g> Lockstep<'g> {
             _ => Ok(()),
         }
     }
+}
+
+/// A rank's words for a call's gather: its batch's digest, then its memory.
+fn with_digest(digest: u64, memory: Option<RankMemory>) -> [u64; GATHERED_WORDS] {
+    let mut words = [0; GATHERED_WORDS];
+    words[0] = digest;
+    words[1..].copy_from_slice(&RankMemory::words(memory));
+    words
 }
 
 /// The least memory any rank of `group` can take now, each rank passing `mine` (its
@@ -192,8 +310,11 @@ pub fn least_available(group: &Group, mine: Option<Available>) -> Result<Option<
                 "rank {rank} sent memory this rank cannot read: {e}"
             ))
         })?;
-        if let Some(theirs) = theirs {
+        if let Some(mut theirs) = theirs {
             if least.is_none_or(|l| theirs.bytes < l.bytes) {
+                if rank != group.rank() {
+                    theirs.bound = MemoryBound::Rank(rank as u32);
+                }
                 least = Some(theirs);
             }
         }
@@ -206,7 +327,41 @@ pub fn least_available(group: &Group, mine: Option<Available>) -> Result<Option<
 /// `model` (this rank's part), until rank 0's engine stops (`Ok`) or the group fails (the
 /// error: a rank gone, or batches that no longer match). Runs on the calling thread, which
 /// then owns the batch's arrays.
+///
+/// Where its memory is judged (CPU and Metal, as on rank 0), this rank reads it as rank 0's
+/// engine reads its own ([`PressureGuard`]) and sends each reading with its next call's
+/// gather: rank 0 admits within the least headroom of any rank.
 pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
+    let available = crate::memory::available_for(crate::device::Backend::current());
+    follow_reading(
+        model,
+        tokenizer,
+        available,
+        available.map(|a| PressureGuard::new(a.bytes)),
+    )
+}
+
+/// [`follow`] with this rank's memory read by `read` instead (tests of what rank 0 does with
+/// another rank's memory).
+pub fn follow_reading_memory(
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+    read: fn() -> Available,
+) -> Result<()> {
+    follow_reading(
+        model,
+        tokenizer,
+        Some(read()),
+        Some(PressureGuard::reading(read)),
+    )
+}
+
+fn follow_reading(
+    model: &dyn Model,
+    tokenizer: &Tokenizer,
+    available: Option<Available>,
+    mut guard: Option<PressureGuard>,
+) -> Result<()> {
     let division = model.division().filter(|d| d.rank() > 0).ok_or_else(|| {
         EngineError::Distributed(
             "only a rank other than 0 of a divided model follows rank 0's batch".into(),
@@ -214,10 +369,7 @@ pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
     })?;
     check_division(model)?;
     // Rank 0 budgets the batch's KV within the least room of any rank.
-    least_available(
-        division.group(),
-        crate::memory::available_for(crate::device::Backend::current()),
-    )?;
+    least_available(division.group(), available)?;
     let mut lockstep = Lockstep::new(division.group());
     let mut batch: Option<BatchGenerator<'_>> = None;
     loop {
@@ -225,7 +377,8 @@ pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
             batch.wait_for_work_in_flight()?;
         }
         let digest = batch.as_ref().map_or(0, BatchGenerator::digest);
-        let (call, at) = lockstep.receive(digest)?;
+        let memory = guard.as_mut().map(RankMemory::read);
+        let (call, at) = lockstep.receive(digest, memory)?;
         match call {
             BatchCall::Fresh {
                 config,
@@ -300,4 +453,30 @@ fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
         BatchCall::Fresh { .. } | BatchCall::Stop => unreachable!("handled by `follow`"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rank_s_memory_travels_in_its_words() {
+        let memory = |bytes, bound, low| RankMemory {
+            headroom: Available { bytes, bound },
+            capacity: 7 << 30,
+            low,
+        };
+        for sent in [
+            memory(0, MemoryBound::System, true),
+            memory(u64::MAX, MemoryBound::Cgroup, false),
+            memory(5 << 20, MemoryBound::Pressure, true),
+            memory(1, MemoryBound::Rank(u32::MAX), false),
+        ] {
+            assert_eq!(
+                RankMemory::from_words(&RankMemory::words(Some(sent))),
+                Some(sent)
+            );
+        }
+        assert_eq!(RankMemory::from_words(&RankMemory::words(None)), None);
+    }
 }
