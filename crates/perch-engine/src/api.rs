@@ -550,4 +550,7 @@ pub struct StepTimes {
     /// prefill passes while idle; see [`BatchGenerator::warm_up`]), and the seconds they took.
     pub warm_up_shapes: u64,
     pub warm_up_seconds: f64,
+    /// Decode steps run through MLX's compiler, warm-up included
+    /// ([`crate::EngineConfig::compile_decode`]).
+    pub compiled_decode_steps: u64,
 }

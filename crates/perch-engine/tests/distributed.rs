@@ -381,6 +381,7 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
     cases.sort();
     let config = || EngineConfig {
         max_running: 4,
+        compile_decode: true,
         ..EngineConfig::default()
     };
     let mut results = serde_json::Map::new();
@@ -435,6 +436,7 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
             .map(|request| engine.submit(request).unwrap())
             .collect();
         let divided = collected(streams);
+        let compiled = engine.stats().unwrap().step_times.compiled_decode_steps;
         drop(engine);
         let whole = EngineHandle::load(&dir, config()).unwrap();
         let streams = batch_requests()
@@ -444,7 +446,7 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
         let alone = collected(streams);
         results.insert(
             name,
-            serde_json::json!({ "divided": divided, "alone": alone }),
+            serde_json::json!({ "divided": divided, "alone": alone, "compiled": compiled }),
         );
     }
     serde_json::json!({ "rank": rank, "cases": results })
@@ -890,6 +892,8 @@ fn the_batch_engine_runs_over_two_ranks() {
             results[1]
         );
         let case = &results[0]["cases"][name];
+        // Decode steps compiled with the ranks' sums inside.
+        assert!(case["compiled"].as_u64().unwrap() > 0, "{name}: {case}");
         let (divided, alone) = (
             case["divided"].as_array().unwrap(),
             case["alone"].as_array().unwrap(),

@@ -1762,7 +1762,10 @@ impl<'m> BatchGenerator<'m> {
 
     /// Where the steps spent their time so far.
     pub fn step_times(&self) -> StepTimes {
-        self.times
+        StepTimes {
+            compiled_decode_steps: self.compiled_decode_steps() as u64,
+            ..self.times
+        }
     }
 
     /// Starts the requests the plan admits (the front of the waiting queue, in order): each

@@ -504,7 +504,7 @@ fn serve_model(
         prefill_batch_size: config.prefill_batch_size,
         prefill_token_budget,
         slot_attention: config.slot_attention,
-        compile_decode: config.compile_decode && !divided,
+        compile_decode: config.compile_decode,
         prompt_lookup: config.prompt_lookup.filter(|_| !divided),
         lowered_for_memory: memory.lowered,
         ..pool_config(

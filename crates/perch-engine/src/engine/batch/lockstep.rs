@@ -18,10 +18,11 @@
 //! mismatched collectives; so is a rank that is gone (MLX's error). After either, rank 0's
 //! requests end with the error and every later call fails alike; the other ranks return it.
 //!
-//! What a divided batch does not run yet (refused with a sentence): images, prompt caches on
-//! disk, draft models and prompt lookup (its choice between verify and plain steps reads each
-//! rank's own clock), compiled decode steps (collectives inside MLX's compiled graphs are not
-//! tried yet).
+//! Decode steps are compiled as on one process where the configuration says so (every rank
+//! gets rank 0's), the ranks' sums and the pipeline's hand-over traced into the step. What a
+//! divided batch does not run yet (refused with a sentence): images, prompt caches on disk,
+//! draft models and prompt lookup (its choice between verify and plain steps reads each rank's
+//! own clock).
 
 use std::time::{Duration, Instant};
 
