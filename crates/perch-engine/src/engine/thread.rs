@@ -504,7 +504,14 @@ fn serve_model(
         prefill_batch_size: config.prefill_batch_size,
         prefill_token_budget,
         slot_attention: config.slot_attention,
-        compile_decode: config.compile_decode,
+        // Tensor parallelism's sums are traced into compiled steps (checked on the CPU and on a
+        // GPU over ring); pipeline stages step uncompiled (not checked: see
+        // `lockstep`'s module docs).
+        compile_decode: config.compile_decode
+            && !matches!(
+                model.division(),
+                Some(crate::distributed::Division::Pipeline(_))
+            ),
         prompt_lookup: config.prompt_lookup.filter(|_| !divided),
         lowered_for_memory: memory.lowered,
         ..pool_config(

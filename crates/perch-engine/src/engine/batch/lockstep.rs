@@ -18,11 +18,18 @@
 //! mismatched collectives; so is a rank that is gone (MLX's error). After either, rank 0's
 //! requests end with the error and every later call fails alike; the other ranks return it.
 //!
-//! Decode steps are compiled as on one process where the configuration says so (every rank
-//! gets rank 0's), the ranks' sums and the pipeline's hand-over traced into the step. What a
-//! divided batch does not run yet (refused with a sentence): images, prompt caches on disk,
-//! draft models and prompt lookup (its choice between verify and plain steps reads each rank's
-//! own clock).
+//! Tensor-parallel decode steps are compiled as on one process where the configuration says so
+//! (every rank gets rank 0's), the ranks' sums traced into the step; pipeline stages step
+//! uncompiled. What a divided batch does not run yet (refused with a sentence): images, prompt
+//! caches on disk, draft models and prompt lookup (its choice between verify and plain steps
+//! reads each rank's own clock).
+//!
+//! Known fault, not mended yet: pipeline stages in the batch can deadlock when a request
+//! finishes or a prompt is prefilled while other rows decode (the batch test's six requests
+//! over `Division::Pipeline` on the CPU: rank 0 waits in MLX's ring `recv` inside a leaving
+//! sequence's block copies, rank 1 in the stages' `all_gather`). Each stage evaluates different
+//! arrays (its own layers' KV), so the hand-over's `send`/`recv` and the gather run in an
+//! order the ranks do not share.
 
 use std::time::{Duration, Instant};
 
