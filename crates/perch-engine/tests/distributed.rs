@@ -85,10 +85,13 @@ fn rank() {
         println!("{}", short_of_memory(division, &models));
         return;
     }
-    if let Some(dies) = task.strip_prefix("engine") {
+    if let Some(variant) = task.strip_prefix("engine") {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let division = Division::Tensor(TensorParallel::new(group));
-        println!("{}", in_the_batch(division, &models, dies == "_dies"));
+        let division = match variant {
+            "_pipeline" => Division::Pipeline(PipelineParallel::new(group)),
+            _ => Division::Tensor(TensorParallel::new(group)),
+        };
+        println!("{}", in_the_batch(division, &models, variant == "_dies"));
         return;
     }
     let (split, dies) = match task.strip_suffix("_dies") {
@@ -381,7 +384,9 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
     cases.sort();
     let config = || EngineConfig {
         max_running: 4,
-        compile_decode: true,
+        // Compiled steps run faster than uncompiled ones: the dying rank's requests would
+        // finish (at the pool's length bound) before it dies.
+        compile_decode: !dies,
         ..EngineConfig::default()
     };
     let mut results = serde_json::Map::new();
@@ -874,17 +879,33 @@ fn a_rank_that_dies_mid_request_ends_the_other_s_with_an_error() {
 /// an `EngineHandle` (more than its rows: some wait; prompts sharing a prefix; greedy, seeded and
 /// unseeded sampling), the other rank follows its batch; each request's ids equal those of the
 /// whole model on one process (but the unseeded one's, which only has to end), on a dense, a
-/// mixture-of-experts and a hybrid model; and rank 1 returns once rank 0's engine stops.
+/// mixture-of-experts and a hybrid model, with decode steps compiled; and rank 1 returns once
+/// rank 0's engine stops.
 #[test]
 fn the_batch_engine_runs_over_two_ranks() {
+    batch_over_two_ranks("engine", &["llama3-rope", "qwen3_moe", "qwen3_5_moe"], true);
+}
+
+/// The same over two pipeline stages (decode steps uncompiled), on the dense and the
+/// mixture-of-experts model: requests finish and prompts are prefilled while other rows decode.
+/// Before each stage evaluated its hand-over in every pass, this deadlocked (rank 0 waiting in
+/// the ring's `recv` inside its block copies, rank 1 in the stages' gather).
+#[test]
+fn the_batch_engine_runs_over_two_pipeline_stages() {
+    batch_over_two_ranks("engine_pipeline", &["llama3-rope", "qwen3_moe"], false);
+}
+
+/// Runs `task` ([`in_the_batch`]) over the tiny models `names` on two ranks and checks rank 0's
+/// answers against one process's, and that decode steps were `compiled` or not.
+fn batch_over_two_ranks(task: &str, names: &[&str], compiled: bool) {
     let dir = tempfile::tempdir().unwrap();
-    let models = tiny_models(dir.path(), "llama3-rope,qwen3_moe,qwen3_5_moe");
-    let children = spawn_two_ranks(dir.path(), &models, "engine");
+    let models = tiny_models(dir.path(), &names.join(","));
+    let children = spawn_two_ranks(dir.path(), &models, task);
     let results: Vec<_> = children
         .into_iter()
         .map(|c| result(c, Duration::from_secs(300)))
         .collect();
-    for name in ["llama3-rope", "qwen3_moe", "qwen3_5_moe"] {
+    for &name in names {
         assert_eq!(
             results[1]["cases"][name]["followed"],
             serde_json::Value::Null,
@@ -892,8 +913,12 @@ fn the_batch_engine_runs_over_two_ranks() {
             results[1]
         );
         let case = &results[0]["cases"][name];
-        // Decode steps compiled with the ranks' sums inside.
-        assert!(case["compiled"].as_u64().unwrap() > 0, "{name}: {case}");
+        // Tensor parallelism's decode steps compiled with the ranks' sums inside.
+        assert_eq!(
+            case["compiled"].as_u64().unwrap() > 0,
+            compiled,
+            "{name}: {case}"
+        );
         let (divided, alone) = (
             case["divided"].as_array().unwrap(),
             case["alone"].as_array().unwrap(),

@@ -505,8 +505,8 @@ fn serve_model(
         prefill_token_budget,
         slot_attention: config.slot_attention,
         // Tensor parallelism's sums are traced into compiled steps (checked on the CPU and on a
-        // GPU over ring); pipeline stages step uncompiled (not checked: see
-        // `lockstep`'s module docs).
+        // GPU over ring); pipeline stages step uncompiled: each pass evaluates its hand-over
+        // as it is built (the decoder's forward), which a traced step cannot.
         compile_decode: config.compile_decode
             && !matches!(
                 model.division(),

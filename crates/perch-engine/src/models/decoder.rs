@@ -1711,11 +1711,19 @@ impl Model for Decoder {
             Ok(out)
         })?;
         match output {
-            Output::Logits => Ok(Some(self.head(&h)?)),
             // A stage's caches do not depend on its send (the first stages') or the gather, so
-            // evaluating them alone would leave the next stage waiting: the pass is evaluated
-            // here, every stage's send and gather with it (mlx_lm ties the send to the last
-            // cache with `depends`). Only prompt chunks pass here, never a traced step.
+            // evaluating them alone would leave the next stage waiting, and a stage that then
+            // went on would issue its next pass's hand-over before this one's: the ranks'
+            // collectives would run in different orders and deadlock (a batch's block copies
+            // evaluate each stage's own KV). So every pipeline pass evaluates its hand-over and
+            // gather here, on every stage alike (mlx_lm ties the send to the last cache with
+            // `depends`). Pipeline stages never run traced (compiled) steps, where an
+            // evaluation cannot happen.
+            Output::Logits if matches!(self.division, Some(Division::Pipeline(_))) => {
+                h.eval()?;
+                Ok(Some(self.head(&h)?))
+            }
+            Output::Logits => Ok(Some(self.head(&h)?)),
             Output::CacheOnly if matches!(self.division, Some(Division::Pipeline(_))) => {
                 h.eval()?;
                 Ok(None)

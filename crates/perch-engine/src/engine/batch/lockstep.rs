@@ -24,12 +24,10 @@
 //! caches on disk, draft models and prompt lookup (its choice between verify and plain steps
 //! reads each rank's own clock).
 //!
-//! Known fault, not mended yet: pipeline stages in the batch can deadlock when a request
-//! finishes or a prompt is prefilled while other rows decode (the batch test's six requests
-//! over `Division::Pipeline` on the CPU: rank 0 waits in MLX's ring `recv` inside a leaving
-//! sequence's block copies, rank 1 in the stages' `all_gather`). Each stage evaluates different
-//! arrays (its own layers' KV), so the hand-over's `send`/`recv` and the gather run in an
-//! order the ranks do not share.
+//! Every rank must run its collectives in one order. A stage's own arrays (its layers' KV,
+//! which a batch's block copies evaluate) depend on the hand-over only on the stages after the
+//! first, so each pipeline pass evaluates its hand-over and gather as it is built (the
+//! decoder's forward), and tensor-parallel steps put their sums inside the pass's own graph.
 
 use std::time::{Duration, Instant};
 
