@@ -1623,6 +1623,24 @@ fn serve_divided_over_two_ranks() {
         assert!(last.contains(needle), "`{needle}` not in: {stderr}");
     };
     ends_in_error(&follower, "connection to a peer was lost");
+    // Rank 1 gone: rank 0's next request fails, and rank 0 then ends with the group's sentence
+    // rather than serve on while nothing can answer.
+    let mut pair = ranks("pipeline");
+    let addr = serve_address(&mut pair[0]);
+    pair[1].kill().unwrap();
+    pair[1].wait().unwrap();
+    let (status, body) = http(&addr, "POST /v1/chat/completions", "", &requests[0]);
+    assert_ne!(status, "HTTP/1.1 200 OK", "{body}");
+    let start = std::time::Instant::now();
+    while pair[0].try_wait().unwrap().is_none() {
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "rank 0 still serves 30 s after its group stopped"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let leader = pair.remove(0).wait_with_output().unwrap();
+    ends_in_error(&leader, "stopped working together");
     for out in ranks("tensor")
         .into_iter()
         .map(|c| c.wait_with_output().unwrap())

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use perch_engine::{EngineConfig, EngineHandle};
-use perch_server::{router, serve, HeaderValue, ServedModel, ServerConfig};
+use perch_server::{router, serve_until, HeaderValue, ServedModel, ServerConfig};
 
 use crate::model_dir;
 
@@ -197,6 +197,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_max_level(tracing::Level::INFO)
         .init();
+    // Rank 0 of a divided model: the ranks that stopped working together cannot serve again,
+    // and the others wait for rank 0's process to end; so it ends, with their sentence.
+    let watched = args.group.distributed.is_some().then(|| engine.clone());
     let runtime = tokio::runtime::Runtime::new().context("starting the server's runtime")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -205,10 +208,46 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let local = listener.local_addr()?;
         // The line scripts wait for: the address actually bound (port 0 picks a free one).
         println!("perch serve: {model_id} at http://{local}/v1");
-        serve(listener, router(ServedModel::new(engine, model_id), config))
-            .await
-            .context("serving")
+        let (stopped, why) = tokio::sync::oneshot::channel();
+        let shutdown = async move {
+            match watched {
+                Some(engine) => {
+                    let _ = stopped.send(group_stopped(&engine).await);
+                }
+                None => std::future::pending().await,
+            }
+        };
+        serve_until(
+            listener,
+            router(ServedModel::new(engine, model_id), config),
+            shutdown,
+        )
+        .await
+        .context("serving")?;
+        match why.await {
+            Ok(why) => anyhow::bail!("{why}"),
+            Err(_) => Ok(()),
+        }
     })
+}
+
+/// How often rank 0 of a divided model looks whether its ranks still work together.
+const GROUP_WATCH_INTERVAL: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Returns once the engine's ranks stopped working together (its stats say why), or its thread
+/// ended.
+async fn group_stopped(engine: &EngineHandle) -> String {
+    loop {
+        match engine.stats() {
+            Ok(stats) => {
+                if let Some(why) = stats.group_stopped {
+                    return why;
+                }
+            }
+            Err(e) => return e.to_string(),
+        }
+        tokio::time::sleep(GROUP_WATCH_INTERVAL).await;
+    }
 }
 
 /// A rank other than 0 of `perch serve --distributed`: its part of the model, making every

@@ -452,6 +452,9 @@ pub struct EngineStats {
     /// Each recent client's prefix-cache lookups and last misses, the most recently seen first
     /// ([`GenerateRequest::client`]; since the model loaded).
     pub clients: Vec<ClientTally>,
+    /// A model divided over ranks: why the ranks stopped working together, once they did
+    /// (every request is then refused with it; the ranks must be started again).
+    pub group_stopped: Option<String>,
 }
 
 /// How many tokens a request can hold, fixed at load.

@@ -764,6 +764,12 @@ impl<'m> BatchGenerator<'m> {
         self.lockstep.is_some()
     }
 
+    /// Rank 0 of a divided model: why the ranks stopped working together, once they did
+    /// (every later call fails with it).
+    pub fn group_stopped(&self) -> Option<String> {
+        Some(self.lockstep.as_ref()?.stopped()?.to_owned())
+    }
+
     /// Rank 0: the other ranks stop following (its engine is stopping).
     pub(crate) fn stop_followers(&mut self) {
         let _ = self.lead(BatchCall::Stop);

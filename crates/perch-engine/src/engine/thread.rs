@@ -183,6 +183,7 @@ impl Queue {
             warm_ups_left: batch.idle_warm_ups_left(),
             residency: Residency::Loaded,
             clients: batch.client_tallies(),
+            group_stopped: batch.group_stopped(),
         };
         if let Ok(mut published) = self.stats.lock() {
             *published = stats;

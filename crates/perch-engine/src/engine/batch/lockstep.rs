@@ -238,6 +238,11 @@ impl<'g> Lockstep<'g> {
         }
     }
 
+    /// Why the group stopped, once it did (the sentence every later call fails with).
+    pub(crate) fn stopped(&self) -> Option<&str> {
+        self.stopped.as_deref()
+    }
+
     /// Marks the group stopped by `error` (no call goes out after it); returns the error every
     /// later call gets.
     pub(crate) fn stop(&mut self, error: &EngineError) -> EngineError {
