@@ -96,10 +96,10 @@ impl<'m> DraftRunner<'m> {
 
     /// The draft's decode steps of every row bucket up to `max_rows`, one and [`MAX_FED`]
     /// tokens a row ([`ModelRunner::warm_up`]), and, with recurrent layers, those in which
-    /// rows propose nothing ([`ModelRunner::warm_up_idle_rows`]). Returns the number of shapes
+    /// rows propose nothing ([`ModelRunner::warm_up_with_idle_rows`]). Returns the number of shapes
     /// run.
     pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
-        Ok(self.runner.warm_up(max_rows)? + self.runner.warm_up_idle_rows(max_rows)?)
+        self.runner.warm_up_with_idle_rows(max_rows)
     }
 
     /// Its decode steps run compiled so far ([`ModelRunner::compiled_decode_steps`]).

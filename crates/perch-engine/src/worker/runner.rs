@@ -189,6 +189,19 @@ impl<'m> ModelRunner<'m> {
     /// ([`ModelRunner::with_verify_steps`]), one of each row bucket up to twice their rows too.
     /// Returns the number of shapes run.
     pub fn warm_up(&mut self, max_rows: usize) -> Result<usize> {
+        self.warm_up_rows(max_rows, false)
+    }
+
+    /// [`ModelRunner::warm_up`], and for a model with recurrent layers, at every row bucket
+    /// from 2 rows, a one-token step in which one row feeds its token and the others nothing (a
+    /// draft's rows that propose nothing in a round while others do): that step is another
+    /// trace ([`SlotKvCache::begin_step`]), met here rather than mid-request.
+    pub fn warm_up_with_idle_rows(&mut self, max_rows: usize) -> Result<usize> {
+        let idle_rows = self.slots.decode.has_recurrent_layers();
+        self.warm_up_rows(max_rows, idle_rows)
+    }
+
+    fn warm_up_rows(&mut self, max_rows: usize, idle_rows: bool) -> Result<usize> {
         let mut slots = self.slots.decode.empty_like();
         let mut shapes = 0;
         for n in 1..=max_rows.max(1) {
@@ -203,6 +216,12 @@ impl<'m> ModelRunner<'m> {
             }
             self.warm_up_step(&mut slots, 1)?;
             shapes += 1;
+            if idle_rows && n >= 2 {
+                let mut one_fed = vec![0; slots.slots()];
+                one_fed[0] = 1;
+                self.warm_up_step_keeping(&mut slots, 1, &one_fed)?;
+                shapes += 1;
+            }
             // Verify steps run with up to `rows` rows ready, in a cache of up to twice as many
             // (free slots are compacted only once the rest fit half the rows).
             if let Some((width, _)) = self
@@ -227,37 +246,6 @@ impl<'m> ModelRunner<'m> {
                 self.warm_up_step(&mut long, 1)?;
                 shapes += 1;
             }
-        }
-        Ok(shapes)
-    }
-
-    /// For a model with recurrent layers, one decode step of every row bucket from 2 up to
-    /// `max_rows` in which one row feeds its token and the others nothing (a draft's rows that
-    /// propose nothing in a round while others do), over a scratch cache: that step is another
-    /// trace ([`SlotKvCache::begin_step`]), met here rather than mid-request. Returns the number
-    /// of shapes run (none without recurrent layers).
-    pub fn warm_up_idle_rows(&mut self, max_rows: usize) -> Result<usize> {
-        if !self.slots.decode.has_recurrent_layers() {
-            return Ok(0);
-        }
-        let mut slots = self.slots.decode.empty_like();
-        let mut shapes = 0;
-        for n in 1..=max_rows {
-            slots.push(&[], 0, RowKv::Plain)?;
-            if n < 2 || (n < max_rows && row_bucket(n + 1) == row_bucket(n)) {
-                continue;
-            }
-            let rows = slots.rows() as i32;
-            let ids = Array::from_slice(&vec![0u32; slots.rows()], &[rows, 1]);
-            let mut one_fed = vec![0; slots.slots()];
-            one_fed[0] = 1;
-            // A cache with no buffers steps uncompiled, which creates them.
-            if self.compiled_decode.is_some() && !slots.has_buffers() {
-                Self::greedy_step(self.model, None, &ids, &mut slots, &one_fed)?;
-            }
-            let compiled = self.compiled_decode.as_mut();
-            Self::greedy_step(self.model, compiled, &ids, &mut slots, &one_fed)?;
-            shapes += 1;
         }
         Ok(shapes)
     }
@@ -326,11 +314,21 @@ impl<'m> ModelRunner<'m> {
     /// sequences grow by one position (warm-up's stay within the capacity bucket they start
     /// in); a wider step's keep none, and their lengths.
     fn warm_up_step(&mut self, slots: &mut SlotKvCache, width: usize) -> Result<()> {
+        let kept = vec![usize::from(width == 1); slots.slots()];
+        self.warm_up_step_keeping(slots, width, &kept)
+    }
+
+    /// [`ModelRunner::warm_up_step`] in which slot `s` keeps `kept[s]` of its tokens.
+    fn warm_up_step_keeping(
+        &mut self,
+        slots: &mut SlotKvCache,
+        width: usize,
+        kept: &[usize],
+    ) -> Result<()> {
         let rows = slots.rows() as i32;
         let ids = Array::from_slice(&vec![0u32; slots.rows() * width], &[rows, width as i32]);
-        let kept = vec![usize::from(width == 1); slots.slots()];
         let compiled = self.compiled_decode.as_mut();
-        Self::greedy_step(self.model, compiled, &ids, slots, &kept)?;
+        Self::greedy_step(self.model, compiled, &ids, slots, kept)?;
         Ok(())
     }
 
