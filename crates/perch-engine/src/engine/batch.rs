@@ -595,6 +595,14 @@ impl<'m> BatchGenerator<'m> {
             max_running: config.max_running.max(1),
             prefill_batch_size: config.prefill_batch_size.max(1),
             prefill_token_budget: config.prefill_token_budget.max(1),
+            // Tensor parallelism's sums are traced into compiled steps (checked on the CPU and
+            // on a GPU over ring); pipeline stages step uncompiled: each pass evaluates its
+            // hand-over as it is built (the decoder's forward), which a traced step cannot.
+            compile_decode: config.compile_decode
+                && !matches!(
+                    model.division(),
+                    Some(crate::distributed::Division::Pipeline(_))
+                ),
             ..config
         };
         let budget = kv_budget_for_model(model, config.kv_quantization, 0);

@@ -505,14 +505,8 @@ fn serve_model(
         prefill_batch_size: config.prefill_batch_size,
         prefill_token_budget,
         slot_attention: config.slot_attention,
-        // Tensor parallelism's sums are traced into compiled steps (checked on the CPU and on a
-        // GPU over ring); pipeline stages step uncompiled: each pass evaluates its hand-over
-        // as it is built (the decoder's forward), which a traced step cannot.
-        compile_decode: config.compile_decode
-            && !matches!(
-                model.division(),
-                Some(crate::distributed::Division::Pipeline(_))
-            ),
+        // Pipeline stages step uncompiled whatever this says (`BatchGenerator::new`).
+        compile_decode: config.compile_decode,
         prompt_lookup: config.prompt_lookup.filter(|_| !divided),
         lowered_for_memory: memory.lowered,
         ..pool_config(

@@ -162,6 +162,24 @@ impl RankMemory {
     }
 }
 
+/// [`Lockstep::least_memory`] of readings by rank.
+fn least_of(memory: &[Option<RankMemory>]) -> Option<RankMemory> {
+    let (rank, least) = memory
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, m)| Some((rank, (*m)?)))
+        .min_by_key(|(_, m)| m.headroom.bytes)?;
+    let readings = || memory.iter().flatten();
+    Some(RankMemory {
+        headroom: Available {
+            bytes: least.headroom.bytes,
+            bound: MemoryBound::Rank(rank as u32),
+        },
+        capacity: readings().map(|m| m.capacity).min()?,
+        low: readings().any(|m| m.low),
+    })
+}
+
 /// One rank's end of the calls: its group, when its calls' times count from, and whether the
 /// group already failed.
 pub(crate) struct Lockstep<'g> {
@@ -187,24 +205,11 @@ impl<'g> Lockstep<'g> {
         }
     }
 
-    /// Rank 0: the other rank with the least headroom, as its last call's gather carried it,
-    /// its headroom bounded by [`MemoryBound::Rank`]; `None` while no rank reads its memory.
-    /// Low when any rank is.
+    /// Rank 0: the other ranks' memory as their last calls' gathers carried it: the least
+    /// headroom of any (bounded by [`MemoryBound::Rank`], naming that rank), the least capacity
+    /// of any, low when any is; `None` while no rank reads its memory.
     pub(crate) fn least_memory(&self) -> Option<RankMemory> {
-        let (rank, least) = self
-            .memory
-            .iter()
-            .enumerate()
-            .filter_map(|(rank, m)| Some((rank, (*m)?)))
-            .min_by_key(|(_, m)| m.headroom.bytes)?;
-        Some(RankMemory {
-            headroom: Available {
-                bytes: least.headroom.bytes,
-                bound: MemoryBound::Rank(rank as u32),
-            },
-            low: self.memory.iter().flatten().any(|m| m.low),
-            ..least
-        })
+        least_of(&self.memory)
     }
 
     /// Rank 0: sends `call`, with every rank's `digest` of its batch gathered and compared.
@@ -388,6 +393,13 @@ fn follow_reading(
             batch.wait_for_work_in_flight()?;
         }
         let digest = batch.as_ref().map_or(0, BatchGenerator::digest);
+        // A request waits to be judged at the next reading (rank 0 reads its own again):
+        // this rank's goes with this call's gather fresh too.
+        if let (Some(guard), Some(batch)) = (&mut guard, &batch) {
+            if batch.awaits_memory_reading() {
+                guard.read_again();
+            }
+        }
         let memory = guard.as_mut().map(RankMemory::read);
         let (call, at) = lockstep.receive(digest, memory)?;
         match call {
@@ -489,5 +501,40 @@ mod tests {
             );
         }
         assert_eq!(RankMemory::from_words(&RankMemory::words(None)), None);
+    }
+
+    /// The least headroom names its rank; the least capacity and any rank's low count apart
+    /// from it, and ranks that read nothing are passed over.
+    #[test]
+    fn the_least_memory_counts_each_reading_apart() {
+        let memory = |bytes, capacity, low| {
+            Some(RankMemory {
+                headroom: Available {
+                    bytes,
+                    bound: MemoryBound::System,
+                },
+                capacity,
+                low,
+            })
+        };
+        let least = least_of(&[
+            None,
+            memory(5 << 30, 6 << 30, true),
+            memory(3 << 30, 9 << 30, false),
+            None,
+        ])
+        .unwrap();
+        assert_eq!(
+            least,
+            RankMemory {
+                headroom: Available {
+                    bytes: 3 << 30,
+                    bound: MemoryBound::Rank(2),
+                },
+                capacity: 6 << 30,
+                low: true,
+            }
+        );
+        assert_eq!(least_of(&[None, None]), None);
     }
 }
