@@ -160,15 +160,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let engine = match args.group.distributed {
         None => EngineHandle::load(&dir, engine_config),
         Some(split) => {
-            if engine_config.draft_model.is_some() || engine_config.prompt_lookup.is_some() {
-                anyhow::bail!(
-                    "--distributed serves without a draft model or prompt lookup (not run over \
-                     ranks yet)"
-                );
-            }
             let division = crate::distributed::join(split, args.group.backend)?;
             if division.rank() > 0 {
-                return follow(&dir, &division);
+                return follow(&dir, engine_config.draft_model.as_deref(), &division);
             }
             let (load_dir, id) = (dir.clone(), EngineHandle::model_id(&dir));
             EngineHandle::spawn_with(engine_config, id, move |_| {
@@ -250,18 +244,26 @@ async fn group_stopped(engine: &EngineHandle) -> String {
     }
 }
 
-/// A rank other than 0 of `perch serve --distributed`: its part of the model, making every
-/// call rank 0's batch makes (`perch_engine::engine::follow`) until rank 0 stops.
+/// A rank other than 0 of `perch serve --distributed`: its part of the model (and the whole
+/// `draft` model, which every rank runs alike), making every call rank 0's batch makes
+/// (`perch_engine::engine::follow`) until rank 0 stops.
 fn follow(
     dir: &std::path::Path,
+    draft: Option<&std::path::Path>,
     division: &perch_engine::distributed::Division,
 ) -> anyhow::Result<()> {
     let model = crate::distributed::load_part(dir, division)?;
     let tokenizer = perch_engine::Tokenizer::load(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let draft = draft
+        .map(|d| {
+            perch_engine::models::load(d)
+                .with_context(|| format!("loading the draft model {}", d.display()))
+        })
+        .transpose()?;
     eprintln!("rank {}: following rank 0's batch", division.rank());
     let _wired = perch_engine::device::WiredLimit::raise();
-    perch_engine::engine::follow(model.as_ref(), &tokenizer)
+    perch_engine::engine::follow(model.as_ref(), draft.as_deref(), &tokenizer)
         .with_context(|| format!("rank {}", division.rank()))
 }
 

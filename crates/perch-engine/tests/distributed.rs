@@ -26,7 +26,7 @@ use mlx_rs::Array;
 use perch_engine::distributed::{self, Backend, Division, PipelineParallel, TensorParallel};
 use perch_engine::{
     generate, models, EngineConfig, EngineEvent, EngineHandle, EngineRequest, GenerateRequest,
-    Prompt, RequestStream, Tokenizer,
+    Prompt, PromptLookup, RequestStream, Tokenizer,
 };
 
 const TASK_ENV: &str = "PERCH_TEST_RANK_TASK";
@@ -72,7 +72,8 @@ fn rank() {
             .err(),
             _ => {
                 let model = models::load_divided(&dir, &division).unwrap();
-                perch_engine::engine::follow(model.as_ref(), &Tokenizer::load(&dir).unwrap()).err()
+                let tokenizer = Tokenizer::load(&dir).unwrap();
+                perch_engine::engine::follow(model.as_ref(), None, &tokenizer).err()
             }
         };
         let error = refused.map(|e| e.to_string());
@@ -91,7 +92,12 @@ fn rank() {
             "_pipeline" => Division::Pipeline(PipelineParallel::new(group)),
             _ => Division::Tensor(TensorParallel::new(group)),
         };
-        println!("{}", in_the_batch(division, &models, variant == "_dies"));
+        let run = match variant {
+            "_dies" => Run::Dies,
+            "_speculative" => Run::Speculative,
+            _ => Run::Plain,
+        };
+        println!("{}", in_the_batch(division, &models, run));
         return;
     }
     let (split, dies) = match task.strip_suffix("_dies") {
@@ -370,30 +376,55 @@ fn collected(streams: Vec<RequestStream>) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// What [`in_the_batch`] runs.
+#[derive(Clone, Copy, PartialEq)]
+enum Run {
+    Plain,
+    /// Rank 1 dies mid-request.
+    Dies,
+    /// With a draft model and prompt lookup.
+    Speculative,
+}
+
 /// The batch engine over the tiny models in `models` (a folder each), divided by `division`:
 /// rank 0 serves [`batch_requests`] all at once through an [`EngineHandle`], the other rank
 /// follows (`perch_engine::engine::follow`); then rank 0 alone runs them on the whole model.
-/// With `dies`, rank 1 exits without a word while the batch decodes long requests: rank 0's
-/// requests end with an error, and a request after them is refused.
-fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Value {
+/// With [`Run::Dies`], rank 1 exits without a word while the batch decodes long requests:
+/// rank 0's requests end with an error, and a request after them is refused.
+fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Value {
+    let (dies, speculative) = (run == Run::Dies, run == Run::Speculative);
     let rank = division.rank();
     let mut cases: Vec<PathBuf> = std::fs::read_dir(models)
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
     cases.sort();
-    let config = || EngineConfig {
+    let config = |dir: &Path| EngineConfig {
         max_running: 4,
         // Compiled steps run faster than uncompiled ones: the dying rank's requests would
         // finish (at the pool's length bound) before it dies.
         compile_decode: !dies,
+        // The model, whole, drafting for itself; prompt lookup (choosing between verify and
+        // plain steps by their times) for the greedy rows it does not draft for.
+        draft_model: speculative.then(|| dir.to_path_buf()),
+        prompt_lookup: speculative.then(PromptLookup::default),
         ..EngineConfig::default()
+    };
+    let requests = || {
+        let mut requests = batch_requests();
+        if speculative {
+            for i in [0, 2, 3] {
+                requests[i].params.num_draft_tokens = Some(3);
+            }
+        }
+        requests
     };
     let mut results = serde_json::Map::new();
     for dir in cases {
         let name = dir.file_name().unwrap().to_string_lossy().into_owned();
         if rank > 0 {
             let model = models::load_divided(&dir, &division).unwrap();
+            let draft = speculative.then(|| models::load(&dir).unwrap());
             let tokenizer = Tokenizer::load(&dir).unwrap();
             if dies {
                 std::thread::spawn(|| {
@@ -401,7 +432,8 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
                     std::process::exit(0);
                 });
             }
-            let followed = perch_engine::engine::follow(model.as_ref(), &tokenizer);
+            let followed =
+                perch_engine::engine::follow(model.as_ref(), draft.as_deref(), &tokenizer);
             results.insert(
                 name,
                 serde_json::json!({ "followed": followed.map_err(|e| e.to_string()).err() }),
@@ -409,7 +441,7 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
             continue;
         }
         let (load_dir, part) = (dir.clone(), division.clone());
-        let engine = EngineHandle::spawn_with(config(), name.clone(), move |_| {
+        let engine = EngineHandle::spawn_with(config(&dir), name.clone(), move |_| {
             Ok((
                 models::load_divided(&load_dir, &part)?,
                 Tokenizer::load(&load_dir)?,
@@ -436,22 +468,28 @@ fn in_the_batch(division: Division, models: &Path, dies: bool) -> serde_json::Va
             );
             return serde_json::json!({ "rank": rank, "cases": results });
         }
-        let streams = batch_requests()
+        let streams = requests()
             .into_iter()
             .map(|request| engine.submit(request).unwrap())
             .collect();
         let divided = collected(streams);
-        let compiled = engine.stats().unwrap().step_times.compiled_decode_steps;
+        let times = engine.stats().unwrap().step_times;
         drop(engine);
-        let whole = EngineHandle::load(&dir, config()).unwrap();
-        let streams = batch_requests()
+        let whole = EngineHandle::load(&dir, config(&dir)).unwrap();
+        let streams = requests()
             .into_iter()
             .map(|request| whole.submit(request).unwrap())
             .collect();
         let alone = collected(streams);
         results.insert(
             name,
-            serde_json::json!({ "divided": divided, "alone": alone, "compiled": compiled }),
+            serde_json::json!({
+                "divided": divided,
+                "alone": alone,
+                "compiled": times.compiled_decode_steps,
+                "verify_steps": times.verify_steps,
+                "accepted": times.accepted_draft_tokens,
+            }),
         );
     }
     serde_json::json!({ "rank": rank, "cases": results })
@@ -895,9 +933,26 @@ fn the_batch_engine_runs_over_two_pipeline_stages() {
     batch_over_two_ranks("engine_pipeline", &["llama3-rope", "qwen3_moe"], false);
 }
 
+/// Speculative decoding in the batch over two ranks (tensor-parallel), on a dense and a hybrid
+/// model: every rank holds the whole model as the draft (proposing for three requests, two
+/// greedy and a seeded sampled one) and prompt lookup proposes for another greedy one, its
+/// choice between verify and plain steps taken by rank 0's step times on both ranks (each
+/// rank's own clock would choose apart, and the batches' digests would then differ). Each
+/// request's ids equal one process's, and verify steps ran with proposals accepted.
+#[test]
+fn speculative_decoding_runs_over_two_ranks() {
+    let names = ["llama3-rope", "qwen3_5_moe"];
+    let results = batch_over_two_ranks("engine_speculative", &names, true);
+    for name in names {
+        let case = &results[0]["cases"][name];
+        assert!(case["verify_steps"].as_u64().unwrap() > 0, "{name}: {case}");
+        assert!(case["accepted"].as_u64().unwrap() > 0, "{name}: {case}");
+    }
+}
+
 /// Runs `task` ([`in_the_batch`]) over the tiny models `names` on two ranks and checks rank 0's
 /// answers against one process's, and that decode steps were `compiled` or not.
-fn batch_over_two_ranks(task: &str, names: &[&str], compiled: bool) {
+fn batch_over_two_ranks(task: &str, names: &[&str], compiled: bool) -> Vec<serde_json::Value> {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), &names.join(","));
     let children = spawn_two_ranks(dir.path(), &models, task);
@@ -933,6 +988,7 @@ fn batch_over_two_ranks(task: &str, names: &[&str], compiled: bool) {
             }
         }
     }
+    results
 }
 
 /// A model divided over two ranks on a machine with memory to spare, where rank 1 reads its

@@ -373,6 +373,43 @@ struct DecodedStep {
     previous_seconds: f64,
 }
 
+/// What [`SpecPolicy`] learns from a decode step (a [`DecodedStep`] and the step's own time),
+/// in whole nanoseconds: rank 0 of a divided model records its own and sends it with its next
+/// step's call, and the other ranks record that one in place of theirs, so that every rank
+/// chooses between verify and plain steps alike (each rank's clock would choose its own way).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct StepTiming {
+    rows: usize,
+    verified: bool,
+    tokens: usize,
+    own_nanos: u64,
+    previous_nanos: u64,
+}
+
+impl StepTiming {
+    fn new(step: &DecodedStep, seconds: f64) -> Self {
+        let nanos = |s: f64| (s.max(0.0) * 1e9) as u64;
+        Self {
+            rows: step.rows,
+            verified: step.verified,
+            tokens: step.tokens,
+            own_nanos: nanos(seconds - step.previous_seconds),
+            previous_nanos: nanos(step.previous_seconds),
+        }
+    }
+
+    fn record(&self, policy: &mut SpecPolicy) {
+        let seconds = |nanos: u64| nanos as f64 / 1e9;
+        policy.record(
+            self.rows,
+            self.verified,
+            self.tokens,
+            seconds(self.own_nanos),
+        );
+        policy.charge_plain(self.rows, seconds(self.previous_nanos));
+    }
+}
+
 struct Sequence {
     id: RequestId,
     request: GenerateRequest,
@@ -561,6 +598,14 @@ pub struct BatchGenerator<'m> {
     spec_policy: SpecPolicy,
     /// The decode step this step ran, while speculative decoding is on ([`SpecPolicy::record`]).
     decoded: Option<DecodedStep>,
+    /// Rank 0 of a divided model: what its last step taught [`SpecPolicy`], for the other ranks
+    /// with its next step ([`StepTiming`]).
+    timing_to_send: Option<StepTiming>,
+    /// A rank other than 0 ([`BatchGenerator::follow_stage`]): its [`SpecPolicy`] learns rank
+    /// 0's step times only.
+    follows: bool,
+    /// The draft tokens a row [`BatchGenerator::with_draft`] was given (rank 0 sends them).
+    draft_tokens: Option<usize>,
     next_id: RequestId,
     preemptions: u64,
     /// When a sequence of each lane (`Priority as usize`) last ran: lower lanes' passes are
@@ -643,6 +688,9 @@ impl<'m> BatchGenerator<'m> {
             draft: None,
             spec_policy: SpecPolicy::default(),
             decoded: None,
+            timing_to_send: None,
+            follows: false,
+            draft_tokens: None,
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -679,6 +727,7 @@ impl<'m> BatchGenerator<'m> {
         }
         let max_rows = self.speculative_rows();
         let config = &self.config;
+        self.draft_tokens = Some(num_draft_tokens);
         self.draft = Some(DraftRunner::new(
             draft,
             config.slot_attention,
@@ -737,6 +786,7 @@ impl<'m> BatchGenerator<'m> {
             config: self.config.clone(),
             model_id: model_id.to_owned(),
             stage: self.stage(),
+            draft_tokens: self.draft_tokens,
         })
     }
 
@@ -764,6 +814,7 @@ impl<'m> BatchGenerator<'m> {
             )));
         }
         self.row_bytes_per_position = stage.row_bytes_per_position;
+        self.follows = true;
         Ok(())
     }
 
@@ -831,7 +882,8 @@ impl<'m> BatchGenerator<'m> {
 
     /// What the ranks of a divided batch compare before each call ([`lockstep`]):
     /// its requests in order, each one's tokens (count and last), computed positions and slot,
-    /// and the pool's free blocks. A hash with fixed keys, the same in every process.
+    /// the pool's free blocks, and what speculative decoding chooses by ([`SpecPolicy`]). A
+    /// hash with fixed keys, the same in every process.
     pub(crate) fn digest(&self) -> u64 {
         use std::hash::{Hash, Hasher};
         let mut hasher = std::hash::DefaultHasher::new();
@@ -851,6 +903,7 @@ impl<'m> BatchGenerator<'m> {
             seq.id.hash(&mut hasher);
         }
         self.kv.pool().num_free_blocks().hash(&mut hasher);
+        self.spec_policy.hash_into(&mut hasher);
         hasher.finish()
     }
 
@@ -1443,9 +1496,24 @@ impl<'m> BatchGenerator<'m> {
     /// their prefix hits, the prefill pass runs, then one batched decode step. Returns the tokens
     /// and finished requests it produced.
     pub fn step(&mut self) -> Result<Vec<BatchEvent>> {
-        self.lead(BatchCall::Step)?;
-        let stepped = self.run_step();
+        let timing = self.timing_to_send.take();
+        self.lead(BatchCall::Step(timing))?;
+        let stepped = self.learn_and_step(timing);
         self.stop_group_on(stepped)
+    }
+
+    /// A follower's step ([`BatchCall::Step`]).
+    pub(crate) fn step_following(&mut self, timing: Option<StepTiming>) -> Result<()> {
+        self.learn_and_step(timing).map(drop)
+    }
+
+    /// A step of a divided batch, with rank 0's `timing` of its step before ([`StepTiming`])
+    /// learned first, on every rank at the same point of the call (after the digests compared).
+    fn learn_and_step(&mut self, timing: Option<StepTiming>) -> Result<Vec<BatchEvent>> {
+        if let Some(timing) = timing {
+            timing.record(&mut self.spec_policy);
+        }
+        self.run_step()
     }
 
     /// [`BatchGenerator::step`] on this process.
@@ -1477,12 +1545,13 @@ impl<'m> BatchGenerator<'m> {
         // What a decode step alone took, for prompt lookup's choice between verify and plain
         // steps (a step with a prefill pass says nothing about either).
         if let Some(step) = self.decoded.take() {
-            if plan.prefill.is_none() {
-                let own = seconds - step.previous_seconds;
-                self.spec_policy
-                    .record(step.rows, step.verified, step.tokens, own);
-                self.spec_policy
-                    .charge_plain(step.rows, step.previous_seconds);
+            if plan.prefill.is_none() && !self.follows {
+                let timing = StepTiming::new(&step, seconds);
+                match self.lockstep {
+                    // Learned with the next step's call, on every rank.
+                    Some(_) => self.timing_to_send = Some(timing),
+                    None => timing.record(&mut self.spec_policy),
+                }
             }
         }
         self.times.steps += 1;

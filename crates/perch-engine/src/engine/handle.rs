@@ -142,11 +142,6 @@ impl EngineHandle {
                                 division.rank()
                             )));
                         }
-                        if config.draft_model.is_some() {
-                            return Err(EngineError::Distributed(
-                                "a model divided over ranks runs without a draft model".into(),
-                            ));
-                        }
                         crate::engine::batch::lockstep::check_division(loaded.0.as_ref())?;
                     }
                     // The quantization must fit every layer's head size.

@@ -507,7 +507,7 @@ fn serve_model(
         slot_attention: config.slot_attention,
         // Pipeline stages step uncompiled whatever this says (`BatchGenerator::new`).
         compile_decode: config.compile_decode,
-        prompt_lookup: config.prompt_lookup.filter(|_| !divided),
+        prompt_lookup: config.prompt_lookup,
         lowered_for_memory: memory.lowered,
         ..pool_config(
             model,
@@ -530,12 +530,12 @@ fn serve_model(
     let mut warm_up = true;
     loop {
         let mut batch = BatchGenerator::new(model, tokenizer, batch_config.clone(), model_id);
+        if let Some((draft, _)) = pass.draft {
+            batch = batch.with_draft(draft, config.num_draft_tokens);
+        }
         if divided {
             // A failure here fails every call after it: requests end with its sentence.
             let _ = batch.lead_ranks(model_id);
-        }
-        if let Some((draft, _)) = pass.draft {
-            batch = batch.with_draft(draft, config.num_draft_tokens);
         }
         if std::mem::take(&mut warm_up) {
             // A warm-up that fails leaves nothing behind; the first request that meets the
@@ -864,8 +864,10 @@ impl Pass<'_> {
             if params.runs_beside_batch(batch.drafts()) {
                 if batch.leads_ranks() {
                     let error = EngineError::Distributed(
-                        "a model divided over ranks runs without a draft model: speculative \
-                         decoding is not run there yet"
+                        "a model divided over ranks runs speculative decoding only inside its \
+                         batch: not for requests with penalties, a logit bias, \
+                         log-probabilities, a grammar, images or KV cache options, nor with a \
+                         model whose layers cannot draft in the batch (sliding-window layers)"
                             .into(),
                     );
                     queue.refuse(&job, &error);

@@ -89,6 +89,16 @@ impl SpecPolicy {
         self.at_mut(rows)[0].charge(seconds);
     }
 
+    /// Feeds everything the choice reads to `hasher` (a divided batch's digest: every rank
+    /// must choose alike).
+    pub fn hash_into(&self, hasher: &mut impl std::hash::Hasher) {
+        use std::hash::Hash;
+        for rate in self.rates.iter().flatten() {
+            (rate.tokens.to_bits(), rate.seconds.to_bits(), rate.steps).hash(hasher);
+        }
+        self.since_probe.hash(hasher);
+    }
+
     fn at(&self, rows: usize) -> [Rate; 2] {
         self.rates.get(rows).copied().unwrap_or_default()
     }

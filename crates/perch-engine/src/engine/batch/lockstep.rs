@@ -20,9 +20,11 @@
 //!
 //! Tensor-parallel decode steps are compiled as on one process where the configuration says so
 //! (every rank gets rank 0's), the ranks' sums traced into the step; pipeline stages step
-//! uncompiled. What a divided batch does not run yet (refused with a sentence): images, prompt
-//! caches on disk, draft models and prompt lookup (its choice between verify and plain steps
-//! reads each rank's own clock).
+//! uncompiled. Speculative decoding runs as on one process: every rank holds the whole draft
+//! model (it is not divided) and proposes alike, and prompt lookup's choice between verify and
+//! plain steps learns rank 0's step times on every rank ([`StepTiming`], sent with each step),
+//! not each rank's own clock. What a divided batch does not run yet (refused with a sentence):
+//! images, prompt caches on disk, and the requests that run beside the batch.
 //!
 //! Every rank must run its collectives in one order. A stage's own arrays (its layers' KV,
 //! which a batch's block copies evaluate) depend on the hand-over only on the stages after the
@@ -33,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::{BatchConfig, BatchGenerator};
+use super::{BatchConfig, BatchGenerator, StepTiming};
 use crate::distributed::{Group, GATHERED_WORDS};
 use crate::error::{EngineError, Result};
 use crate::memory::{Available, MemoryBound, PressureGuard};
@@ -44,17 +46,20 @@ use crate::{GenerateRequest, RequestId, Tokenizer};
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum BatchCall {
     /// A fresh batch with this configuration (at start, and after a panic left the last one
-    /// unusable).
+    /// unusable), drafting with `draft_tokens` a row when rank 0's batch has a draft model.
     Fresh {
         config: BatchConfig,
         model_id: String,
         stage: Stage,
+        draft_tokens: Option<usize>,
     },
     /// [`BatchGenerator::insert`], the request's seed set.
     Insert(Box<GenerateRequest>),
     Remove(RequestId),
     Clear,
-    Step,
+    /// [`BatchGenerator::step`], with what rank 0's step before taught its choice between
+    /// verify and plain steps.
+    Step(Option<StepTiming>),
     WarmUp,
     QueueIdleWarmUp,
     WarmUpIdle,
@@ -342,15 +347,18 @@ pub fn least_available(group: &Group, mine: Option<Available>) -> Result<Option<
 /// over the same division): makes every call rank 0's batch makes, on a batch of its own over
 /// `model` (this rank's part), until rank 0's engine stops (`Ok`) or the group fails (the
 /// error: a rank gone, or batches that no longer match). Runs on the calling thread, which
-/// then owns the batch's arrays.
+/// then owns the batch's arrays. `draft`: the draft model, whole, when rank 0 serves with one
+/// (the same files: every rank proposes alike); rank 0's batch drafting when this rank has
+/// none is an error on every rank.
 ///
 /// Where its memory is judged (CPU and Metal, as on rank 0), this rank reads it as rank 0's
 /// engine reads its own ([`PressureGuard`]) and sends each reading with its next call's
 /// gather: rank 0 admits within the least headroom of any rank.
-pub fn follow(model: &dyn Model, tokenizer: &Tokenizer) -> Result<()> {
+pub fn follow(model: &dyn Model, draft: Option<&dyn Model>, tokenizer: &Tokenizer) -> Result<()> {
     let available = crate::memory::available_for(crate::device::Backend::current());
     follow_reading(
         model,
+        draft,
         tokenizer,
         available,
         available.map(|a| PressureGuard::new(a.bytes)),
@@ -366,15 +374,17 @@ pub fn follow_reading_memory(
 ) -> Result<()> {
     follow_reading(
         model,
+        None,
         tokenizer,
         Some(read()),
         Some(PressureGuard::reading(read)),
     )
 }
 
-fn follow_reading(
-    model: &dyn Model,
-    tokenizer: &Tokenizer,
+fn follow_reading<'m>(
+    model: &'m dyn Model,
+    draft: Option<&'m dyn Model>,
+    tokenizer: &'m Tokenizer,
     available: Option<Available>,
     mut guard: Option<PressureGuard>,
 ) -> Result<()> {
@@ -407,9 +417,19 @@ fn follow_reading(
                 config,
                 model_id,
                 stage,
+                draft_tokens,
             } => {
                 let mut fresh = BatchGenerator::new(model, tokenizer, config, &model_id);
                 fresh.follow_stage(stage)?;
+                if let Some(k) = draft_tokens {
+                    let draft = draft.ok_or_else(|| {
+                        EngineError::Distributed(
+                            "rank 0 drafts with a draft model that this rank has not loaded:                              give every rank the same --draft-model"
+                                .into(),
+                        )
+                    })?;
+                    fresh = fresh.with_draft(draft, k);
+                }
                 batch = Some(fresh);
             }
             BatchCall::Stop => return Ok(()),
@@ -461,9 +481,7 @@ fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
         BatchCall::Clear => {
             batch.clear();
         }
-        BatchCall::Step => {
-            batch.step()?;
-        }
+        BatchCall::Step(timing) => batch.step_following(timing)?,
         BatchCall::WarmUp => {
             batch.warm_up()?;
         }
