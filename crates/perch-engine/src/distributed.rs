@@ -227,12 +227,26 @@ impl PipelineParallel {
         }
     }
 
-    /// The layers of `num_layers` this rank holds: an even split in reverse rank order, the low
-    /// ranks taking one more where it does not divide (mlx_lm's default split). Errors when
+    /// The layers this rank holds of a model whose layers are of `kinds` (one a layer, e.g.
+    /// sliding-window or not, linear attention or not): an even split in reverse rank order, the
+    /// low ranks taking one more where it does not divide (mlx_lm's default split), in whole
+    /// runs of the kinds' pattern ([`layer_period`]) where every stage gets at least one (so
+    /// that each stage holds every kind in the model's proportions: the batch engine's stages
+    /// then choose alike, see `engine::batch::lockstep`), else layer by layer. Errors when
     /// some rank would hold none.
-    pub fn layers(&self, num_layers: usize) -> Result<std::ops::Range<usize>> {
-        stage_layers(num_layers, self.rank(), self.size())
+    pub fn layers<T: PartialEq>(&self, kinds: &[T]) -> Result<std::ops::Range<usize>> {
+        stage_layers(kinds.len(), self.rank(), self.size(), layer_period(kinds))
     }
+}
+
+/// The shortest run of layers whose kinds repeat through all of `kinds` (a whole number of
+/// times): 1 when every layer is of one kind, 4 for Qwen3.5's three linear-attention layers and
+/// one full-attention layer, `kinds.len()` when nothing repeats.
+pub fn layer_period<T: PartialEq>(kinds: &[T]) -> usize {
+    let n = kinds.len();
+    (1..=n)
+        .find(|&p| n % p == 0 && (p..n).all(|i| kinds[i] == kinds[i % p]))
+        .unwrap_or(n.max(1))
 }
 
 /// Each split is its group: rank, size and collectives (`all_sum` after a tensor-parallel part;
@@ -253,15 +267,25 @@ impl std::ops::Deref for PipelineParallel {
     }
 }
 
-/// [`PipelineParallel::layers`] of rank `rank` of `size`.
-fn stage_layers(num_layers: usize, rank: usize, size: usize) -> Result<std::ops::Range<usize>> {
+/// [`PipelineParallel::layers`] of rank `rank` of `size`, in runs of `period` layers.
+fn stage_layers(
+    num_layers: usize,
+    rank: usize,
+    size: usize,
+    period: usize,
+) -> Result<std::ops::Range<usize>> {
     if num_layers < size {
         return Err(EngineError::Distributed(format!(
             "{num_layers} layers cannot be split into {size} stages"
         )));
     }
-    let (base, extra) = (num_layers / size, num_layers % size);
-    let held = |r: usize| base + usize::from(r < extra);
+    let period = match period > 0 && num_layers % period == 0 && num_layers / period >= size {
+        true => period,
+        false => 1,
+    };
+    let runs = num_layers / period;
+    let (base, extra) = (runs / size, runs % size);
+    let held = |r: usize| (base + usize::from(r < extra)) * period;
     let start: usize = (rank + 1..size).map(held).sum();
     Ok(start..start + held(rank))
 }
@@ -611,17 +635,42 @@ mod tests {
     fn stages_hold_every_layer_once_the_last_rank_the_first_layers() {
         let stages = |layers, size| -> Vec<std::ops::Range<usize>> {
             (0..size)
-                .map(|r| stage_layers(layers, r, size).unwrap())
+                .map(|r| stage_layers(layers, r, size, 1).unwrap())
                 .collect()
         };
         // mlx_lm's split of 5 over 2: [3, 2], rank 1 first.
         assert_eq!(stages(5, 2), [2..5, 0..2]);
         assert_eq!(stages(4, 2), [2..4, 0..2]);
         assert_eq!(stages(10, 4), [7..10, 4..7, 2..4, 0..2]);
-        let error = stage_layers(2, 0, 3).unwrap_err().to_string();
+        let error = stage_layers(2, 0, 3, 1).unwrap_err().to_string();
         assert!(
             error.contains("2 layers cannot be split into 3 stages"),
             "{error}"
         );
+    }
+
+    /// A model of layers of several kinds is split in whole runs of their pattern where each
+    /// stage gets one (Qwen3.5's 3 linear : 1 full attention), else layer by layer.
+    #[test]
+    fn stages_hold_whole_runs_of_the_layers_pattern() {
+        let qwen3_5 = |n: usize| -> Vec<bool> { (0..n).map(|i| (i + 1) % 4 != 0).collect() };
+        assert_eq!(layer_period(&qwen3_5(24)), 4);
+        assert_eq!(layer_period(&[true; 5]), 1);
+        assert_eq!(
+            layer_period(&qwen3_5(6)),
+            6,
+            "nothing repeats a whole number of times"
+        );
+        assert_eq!(layer_period::<bool>(&[]), 1);
+        let stages = |kinds: &[bool], size| -> Vec<std::ops::Range<usize>> {
+            (0..size)
+                .map(|r| stage_layers(kinds.len(), r, size, layer_period(kinds)).unwrap())
+                .collect()
+        };
+        // 15 runs of 4 over 2 ranks: rank 0 8 runs, rank 1 7 (an even split: 30 and 30 layers).
+        assert_eq!(stages(&qwen3_5(60), 2), [28..60, 0..28]);
+        assert_eq!(stages(&qwen3_5(24), 4), [16..24, 8..16, 4..8, 0..4]);
+        // Fewer runs than ranks: layer by layer.
+        assert_eq!(stages(&qwen3_5(4), 2), [2..4, 0..2]);
     }
 }

@@ -72,6 +72,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         [
             "gemma3-4bit",
             "gemma3_text",
+            "gemma3_text-6",
             "gemma4-4bit",
             "gemma4_text",
             "gemma4_text-moe-4bit",
@@ -93,6 +94,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             "qwen3-8bit-mixed",
             "qwen3_5",
             "qwen3_5-4bit",
+            "qwen3_5-6",
             "qwen3_5_moe",
             "qwen3_5_moe-4bit",
             "qwen3_moe",

@@ -52,7 +52,8 @@ fn rank() {
         }
     };
     if task == "engine_staged" {
-        // A hybrid model in two pipeline stages: refused by both ranks, each after loading.
+        // A model in two pipeline stages of unlike layers: refused by both ranks, each after
+        // loading.
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let dir = std::fs::read_dir(&models)
             .unwrap()
@@ -399,8 +400,15 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
         .map(|e| e.unwrap().path())
         .collect();
     cases.sort();
+    // Pipeline stages with a small pool: prefix-cache blocks and their sliding-window parts are
+    // dropped for room, which each stage weighs by its own bytes (scaled to rank 0's).
+    let staged = matches!(division, Division::Pipeline(_));
     let config = |dir: &Path| EngineConfig {
         max_running: 4,
+        kv_cache_bytes: match staged {
+            true => 512 << 10,
+            false => EngineConfig::default().kv_cache_bytes,
+        },
         // Compiled steps run faster than uncompiled ones: the dying rank's requests would
         // finish (at the pool's length bound) before it dies.
         compile_decode: !dies,
@@ -924,13 +932,27 @@ fn the_batch_engine_runs_over_two_ranks() {
     batch_over_two_ranks("engine", &["llama3-rope", "qwen3_moe", "qwen3_5_moe"], true);
 }
 
-/// The same over two pipeline stages (decode steps uncompiled), on the dense and the
-/// mixture-of-experts model: requests finish and prompts are prefilled while other rows decode.
+/// The same over two pipeline stages (decode steps uncompiled, a KV budget of 512 KiB), on the
+/// dense, the mixture-of-experts and the hybrid model, and a Qwen3.5 and a Gemma 3 of 6 layers
+/// (linear or sliding-window attention and full attention by turns: rank 0 holds two runs of
+/// the pair, rank 1 one, so its own bytes weigh against rank 0's scaled, as the recurrent
+/// states the prefix cache keeps outgrow their share): requests finish and prompts are
+/// prefilled while other rows decode.
 /// Before each stage evaluated its hand-over in every pass, this deadlocked (rank 0 waiting in
 /// the ring's `recv` inside its block copies, rank 1 in the stages' gather).
 #[test]
 fn the_batch_engine_runs_over_two_pipeline_stages() {
-    batch_over_two_ranks("engine_pipeline", &["llama3-rope", "qwen3_moe"], false);
+    batch_over_two_ranks(
+        "engine_pipeline",
+        &[
+            "llama3-rope",
+            "qwen3_moe",
+            "qwen3_5_moe",
+            "qwen3_5-6",
+            "gemma3_text-6",
+        ],
+        false,
+    );
 }
 
 /// Speculative decoding in the batch over two ranks (tensor-parallel), on a dense and a hybrid
@@ -1024,19 +1046,34 @@ fn the_rank_with_the_least_memory_bounds_admissions() {
     assert_eq!(served["ids"], serde_json::json!([]), "{served}");
 }
 
-/// Pipeline stages of a hybrid model (Qwen3.5-MoE) are refused by the batch engine on both
-/// ranks, with a sentence naming tensor parallelism instead (each stage would budget its KV by
-/// its own layers).
+/// Pipeline stages that hold a model's kinds of layers in other proportions (Gemma 3 with 3
+/// sliding-window layers to 1 global, over 2 ranks: no whole run of the pattern for each, so
+/// split layer by layer, sliding and global against two sliding) are refused by the batch
+/// engine on both ranks, with a sentence naming each rank's layers and tensor parallelism
+/// (each stage weighs its own bytes against rank 0's scaled by its layers: exact only when
+/// every kind scales alike).
 #[test]
-fn the_batch_engine_refuses_stages_of_a_hybrid_model() {
+fn the_batch_engine_refuses_stages_of_unlike_layers() {
     let dir = tempfile::tempdir().unwrap();
-    let models = tiny_models(dir.path(), "qwen3_5_moe");
+    let models = tiny_models(dir.path(), "gemma3_text");
+    let config_path = models.join("gemma3_text/config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    config["sliding_window_pattern"] = 4.into();
+    std::fs::write(&config_path, config.to_string()).unwrap();
     let children = spawn_two_ranks(dir.path(), &models, "engine_staged");
     for (r, child) in children.into_iter().enumerate() {
         let result = result(child, Duration::from_secs(120));
         let error = result["error"]
             .as_str()
             .unwrap_or_else(|| panic!("rank {r}: {result}"));
+        assert!(
+            error.contains(
+                "rank 0: 1 sliding-window and 0 linear-attention of 2; rank 1: 2 \
+                 sliding-window and 0 linear-attention of 2"
+            ),
+            "rank {r}: {error}"
+        );
         assert!(
             error.contains("divide it with --distributed tensor"),
             "rank {r}: {error}"

@@ -606,6 +606,9 @@ pub struct BatchGenerator<'m> {
     follows: bool,
     /// The draft tokens a row [`BatchGenerator::with_draft`] was given (rank 0 sends them).
     draft_tokens: Option<usize>,
+    /// `(own, rank 0's)` cache layers of a pipeline stage ([`BatchGenerator::follow_stage`]):
+    /// its own bytes weigh against rank 0's scaled by them; `(1, 1)` otherwise.
+    stage_scale: (usize, usize),
     next_id: RequestId,
     preemptions: u64,
     /// When a sequence of each lane (`Priority as usize`) last ran: lower lanes' passes are
@@ -691,6 +694,7 @@ impl<'m> BatchGenerator<'m> {
             timing_to_send: None,
             follows: false,
             draft_tokens: None,
+            stage_scale: (1, 1),
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -796,6 +800,7 @@ impl<'m> BatchGenerator<'m> {
             row_bytes_per_position: self.row_bytes_per_position,
             sliding: self.model.has_sliding_window_layers(),
             recurrent: self.store.has_recurrent_layers(),
+            layers: self.store.num_layers(),
         }
     }
 
@@ -814,6 +819,10 @@ impl<'m> BatchGenerator<'m> {
             )));
         }
         self.row_bytes_per_position = stage.row_bytes_per_position;
+        // A pipeline stage's own bytes (its prefix cache's) weigh against rank 0's scaled by
+        // their layers (`lockstep::check_division`: every kind in the same proportions).
+        self.stage_scale = (own.layers.max(1), stage.layers.max(1));
+        self.store.set_budget_scale(own.layers, stage.layers);
         self.follows = true;
         Ok(())
     }
@@ -1334,8 +1343,11 @@ impl<'m> BatchGenerator<'m> {
         };
         let block = self.config.block_size.max(1);
         let bytes_per_position = self.row_bytes_per_position.max(1);
-        let store_room = (self.config.num_blocks * block)
-            .saturating_sub(self.store.nbytes() / bytes_per_position);
+        // The store's positions: its own bytes over its own bytes a position (rank 0's, scaled).
+        let (own, rank_0) = self.stage_scale;
+        let store_positions = (self.store.nbytes() as u128 * rank_0 as u128
+            / (bytes_per_position as u128 * own as u128)) as usize;
+        let store_room = (self.config.num_blocks * block).saturating_sub(store_positions);
         let mut published = 0;
         let mut growth = Vec::new();
         let mut previous: Option<&[u32]> = None;

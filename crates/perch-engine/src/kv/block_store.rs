@@ -117,6 +117,9 @@ pub struct BlockStore {
     /// Bytes of bounded parts held, at most `max_bounded_bytes` (but always the newest).
     bounded_bytes: usize,
     max_bounded_bytes: usize,
+    /// `(own, of the budget)`: this store's layers against those `max_bounded_bytes` was
+    /// reckoned for ([`BlockStore::set_budget_scale`]); `(1, 1)` but on a pipeline stage.
+    budget_scale: (usize, usize),
     /// With [`BlockStore::with_pool_charge`]: the bytes one pool block stands for, and the
     /// blocks the store holds for its bounded bytes.
     charge: Option<(usize, Vec<BlockId>)>,
@@ -143,6 +146,7 @@ impl BlockStore {
             next_use: 0,
             bounded_bytes: 0,
             max_bounded_bytes: 0,
+            budget_scale: (1, 1),
             charge: None,
         }
     }
@@ -272,10 +276,26 @@ impl BlockStore {
         }
     }
 
+    /// A pipeline stage's store, whose layers are `own` of the `budgeted` whose bytes
+    /// `max_bounded_bytes` was reckoned for (rank 0's: every stage holds the same kinds of layers
+    /// in the same proportions, `engine::batch::lockstep::check_division`): its own bytes are
+    /// weighed against that budget scaled exactly, so that every stage keeps and drops the same
+    /// blocks' parts.
+    pub fn set_budget_scale(&mut self, own: usize, budgeted: usize) {
+        self.budget_scale = (own.max(1), budgeted.max(1));
+    }
+
+    /// Whether `bytes` of this store's layers exceed `budget` bytes of the budgeted layers
+    /// ([`BlockStore::set_budget_scale`]).
+    fn beyond(&self, bytes: usize, budget: usize) -> bool {
+        let (own, budgeted) = self.budget_scale;
+        bytes as u128 * budgeted as u128 > budget as u128 * own as u128
+    }
+
     /// Drops the bounded parts of the least recently used blocks beyond `max_bounded_bytes`,
     /// keeping the newest.
     fn bound(&mut self) {
-        while self.bounded_bytes > self.max_bounded_bytes && self.lru.len() > 1 {
+        while self.beyond(self.bounded_bytes, self.max_bounded_bytes) && self.lru.len() > 1 {
             if !self.drop_least_recent() {
                 break;
             }
@@ -670,7 +690,10 @@ impl BlockContents for BlockStore {
             .filter(|id| self.pins[id.0 as usize] == 0)
             .map(bytes)
             .sum();
-        pinned + added <= self.max_bounded_bytes / Self::PINNED_PARTS_SHARE
+        !self.beyond(
+            pinned + added,
+            self.max_bounded_bytes / Self::PINNED_PARTS_SHARE,
+        )
     }
 
     /// Whether some layer is recurrent: prefix hits must end at a block with a state.
@@ -801,6 +824,30 @@ mod tests {
         tight.put_parts(BlockId(0), block(true));
         tight.put_parts(BlockId(1), block(true));
         assert!(!tight.holds_every_layer(BlockId(0)) && tight.holds_every_layer(BlockId(1)));
+    }
+
+    /// A pipeline stage whose layers are half of those the budget was reckoned for keeps
+    /// exactly the states the budgeted stage keeps: its 512-byte states against 1,024 budgeted
+    /// bytes hold two, as 1,024-byte states would against 2,048 (rank 0's choice).
+    #[test]
+    fn a_stage_weighs_its_states_against_the_budget_scaled_by_its_layers() {
+        let mut store = hybrid(2048, 8);
+        store.set_budget_scale(1, 2);
+        for id in 0..3 {
+            store.put_parts(BlockId(id), block(true));
+        }
+        assert!(
+            !store.holds_every_layer(BlockId(0)),
+            "the third state is over the bound"
+        );
+        assert!(store.holds_every_layer(BlockId(1)) && store.holds_every_layer(BlockId(2)));
+        assert_eq!(store.bounded_bytes(), 1024);
+        // Unscaled, the same bytes keep all three.
+        let mut whole = hybrid(2048, 8);
+        for id in 0..3 {
+            whole.put_parts(BlockId(id), block(true));
+        }
+        assert_eq!(whole.bounded_bytes(), 1536);
     }
 
     /// One layer's keys and values over positions `from..to`: position p holds p in every

@@ -1137,7 +1137,10 @@ impl Decoder {
                 if c.first_kv_shared_layer() < c.num_layers {
                     return Err(Self::kv_shared_refusal());
                 }
-                Some(pp.layers(c.num_layers as usize)?)
+                let kinds: Vec<_> = (0..c.num_layers)
+                    .map(|i| (c.is_sliding_layer(i), c.is_linear_layer(i)))
+                    .collect();
+                Some(pp.layers(&kinds)?)
             }
             _ => None,
         };
@@ -1750,7 +1753,12 @@ impl Model for Decoder {
         if self.layers.iter().any(|block| block.shares_kv) {
             return Err(Self::kv_shared_refusal());
         }
-        let own = pp.layers(self.layers.len())?;
+        let kinds: Vec<_> = self
+            .layers
+            .iter()
+            .map(|block| (block.sliding, matches!(block.mixer, Mixer::Linear(_))))
+            .collect();
+        let own = pp.layers(&kinds)?;
         self.layers = self.layers.drain(own.clone()).collect();
         self.mark_divided(Some(&Division::Pipeline(pp.clone())), own.start);
         Ok(())

@@ -221,9 +221,13 @@ CASES = {
     # Hybrid Gated DeltaNet / gated attention (layers 2 and 4 full attention), nested in
     # text_config as mlx-community's Qwen3.5 configs are; 4 linear value heads over 2 key heads.
     "qwen3_5": (qwen3_5, {"model_type": "qwen3_5", "text_config": QWEN3_5_TEXT}, None),
+    # Three runs of the linear / full attention pair: pipeline stages of unequal size (tests/distributed.rs).
+    "qwen3_5-6": (qwen3_5, {"model_type": "qwen3_5", "text_config": {**QWEN3_5_TEXT, "num_hidden_layers": 6}}, None),
     "qwen3_5-4bit": (qwen3_5, {"model_type": "qwen3_5", "text_config": {**QWEN3_5_TEXT, "tie_word_embeddings": True}},
                      {"group_size": 32, "bits": 4}),
     "gemma3_text": (gemma3_text, GEMMA3_TEXT, None),
+    # Three runs of the sliding / global pair: pipeline stages of unequal size (tests/distributed.rs).
+    "gemma3_text-6": (gemma3_text, {**GEMMA3_TEXT, "num_hidden_layers": 6}, None),
     "qwen3_moe": (qwen3_moe, QWEN3_MOE, None),
     "qwen3_moe-4bit": (qwen3_moe, {**QWEN3_MOE, "num_experts_per_tok": 2, "norm_topk_prob": False,
                                    "tie_word_embeddings": True}, {"group_size": 32, "bits": 4}),

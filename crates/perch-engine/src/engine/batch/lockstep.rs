@@ -73,14 +73,17 @@ pub(crate) enum BatchCall {
 
 /// What a rank's part of the model makes its batch choose by, as rank 0 sends it with a fresh
 /// batch: the KV bytes a position of a row takes over its layers (admission weighs growth in
-/// them; a pipeline stage holds fewer layers than the model), and whether its layers include
+/// them; a pipeline stage holds fewer layers than the model), whether its layers include
 /// sliding-window or linear-attention ones (a stage without them would budget and publish blocks
-/// otherwise).
+/// otherwise), and how many cache layers it holds (another stage weighs its own bytes scaled by
+/// its layers against these: [`check_division`]).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub(crate) struct Stage {
     pub(crate) row_bytes_per_position: usize,
     pub(crate) sliding: bool,
     pub(crate) recurrent: bool,
+    /// Cache layers (a pipeline stage's own; the others' bytes scale by theirs against these).
+    pub(crate) layers: usize,
 }
 
 /// A call as sent: rank 0's time of it, in microseconds since its lockstep began.
@@ -446,23 +449,57 @@ fn follow_reading<'m>(
     }
 }
 
-/// Refuses what the batch does not run over ranks yet: pipeline stages of a model with
-/// sliding-window or linear-attention layers, whose stages would budget KV and publish blocks by
-/// their own layers (every stage the same layers' kinds, and rank 0's bytes, are what a batch
-/// shares; [`Stage`]).
+/// Refuses what the batch does not run over ranks: pipeline stages that hold a model's
+/// sliding-window or linear-attention layers in other proportions than rank 0's. Every stage's
+/// batch makes rank 0's choices with its own bytes (its blocks' parts kept and dropped, its
+/// pool charge, its sliding layers' windows), which it weighs scaled by its layers against
+/// rank 0's ([`Stage`], `BlockStore::set_budget_scale`): exact only when each kind of layer
+/// scales alike, as when each stage holds whole runs of the layers' pattern
+/// (`PipelineParallel::layers` splits so where every stage gets one). A collective on
+/// pipeline stages: every rank calls it at the same point of its load.
 pub(crate) fn check_division(model: &dyn Model) -> Result<()> {
-    let staged = matches!(
-        model.division(),
-        Some(crate::distributed::Division::Pipeline(_))
-    );
-    if staged && (model.has_sliding_window_layers() || model.has_recurrent_layers()) {
-        return Err(EngineError::Distributed(
-            "the batch engine does not run pipeline stages of a model with sliding-window or \
-             linear-attention layers yet: divide it with --distributed tensor"
-                .into(),
-        ));
+    let Some(crate::distributed::Division::Pipeline(stages)) = model.division() else {
+        return Ok(());
+    };
+    let caches = model.make_cache(None);
+    let counts = [
+        caches.len(),
+        caches.iter().filter(|c| c.window().is_some()).count(),
+        caches.iter().filter(|c| c.is_recurrent()).count(),
+    ];
+    let bytes: Vec<u8> = counts
+        .iter()
+        .flat_map(|&c| (c as u64).to_le_bytes())
+        .collect();
+    let gathered: Vec<[u64; 3]> = stages
+        .all_gather_bytes(&bytes)?
+        .iter()
+        .map(|b| {
+            let word = |k: usize| u64::from_le_bytes(b[8 * k..8 * k + 8].try_into().unwrap());
+            [word(0), word(1), word(2)]
+        })
+        .collect();
+    let first = gathered[0];
+    let alike = |c: &[u64; 3]| (1..3).all(|k| c[k] * first[0] == first[k] * c[0]);
+    if gathered.iter().all(alike) {
+        return Ok(());
     }
-    Ok(())
+    let held = gathered
+        .iter()
+        .enumerate()
+        .map(|(rank, [layers, sliding, linear])| {
+            format!(
+                "rank {rank}: {sliding} sliding-window and {linear} linear-attention of {layers}"
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    Err(EngineError::Distributed(format!(
+        "the pipeline stages hold this model's kinds of layers in different proportions \
+         ({held}): the batch engine runs stages that each hold whole runs of the layers' \
+         pattern; divide it with --distributed tensor, or over a number of ranks that its \
+         pattern's runs divide"
+    )))
 }
 
 /// Makes `call` on a follower's batch. What it returns is rank 0's to report (the same there):
