@@ -232,8 +232,9 @@ impl PipelineParallel {
     /// low ranks taking one more where it does not divide (mlx_lm's default split), in whole
     /// runs of the kinds' pattern ([`layer_period`]) where every stage gets at least one (so
     /// that each stage holds every kind in the model's proportions: the batch engine's stages
-    /// then choose alike, see `engine::batch::lockstep`), else layer by layer. Errors when
-    /// some rank would hold none.
+    /// then choose alike, see `engine::batch::lockstep`), else layer by layer. A stage may then
+    /// hold a run more than another (Qwen3.5's 24 layers over 4 ranks: 8, 8, 4, 4), also where
+    /// only one sequence runs. Errors when some rank would hold none.
     pub fn layers<T: PartialEq>(&self, kinds: &[T]) -> Result<std::ops::Range<usize>> {
         stage_layers(kinds.len(), self.rank(), self.size(), layer_period(kinds))
     }

@@ -81,6 +81,41 @@ fn rank() {
         println!("{}", serde_json::json!({ "rank": rank, "error": error }));
         return;
     }
+    if task == "engine_draft_apart" {
+        // Rank 0 with the model as its draft, rank 1 with none: both refuse at load.
+        let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        let dir = std::fs::read_dir(&models)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        let division = Division::Tensor(TensorParallel::new(group));
+        let rank = division.rank();
+        let refused = match rank {
+            0 => {
+                let config = EngineConfig {
+                    draft_model: Some(dir.clone()),
+                    ..EngineConfig::default()
+                };
+                EngineHandle::spawn_with(config, "drafted".into(), move |_| {
+                    Ok((
+                        models::load_divided(&dir, &division)?,
+                        Tokenizer::load(&dir)?,
+                    ))
+                })
+                .err()
+            }
+            _ => {
+                let model = models::load_divided(&dir, &division).unwrap();
+                let tokenizer = Tokenizer::load(&dir).unwrap();
+                perch_engine::engine::follow(model.as_ref(), None, &tokenizer).err()
+            }
+        };
+        let error = refused.map(|e| e.to_string());
+        println!("{}", serde_json::json!({ "rank": rank, "error": error }));
+        return;
+    }
     if task == "engine_short_rank" {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let division = Division::Tensor(TensorParallel::new(group));
@@ -89,13 +124,13 @@ fn rank() {
     }
     if let Some(variant) = task.strip_prefix("engine") {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let division = match variant {
-            "_pipeline" => Division::Pipeline(PipelineParallel::new(group)),
-            _ => Division::Tensor(TensorParallel::new(group)),
+        let division = match variant.starts_with("_pipeline") {
+            true => Division::Pipeline(PipelineParallel::new(group)),
+            false => Division::Tensor(TensorParallel::new(group)),
         };
         let run = match variant {
             "_dies" => Run::Dies,
-            "_speculative" => Run::Speculative,
+            "_speculative" | "_pipeline_speculative" => Run::Speculative,
             _ => Run::Plain,
         };
         println!("{}", in_the_batch(division, &models, run));
@@ -402,7 +437,9 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
     cases.sort();
     // Pipeline stages with a small pool: prefix-cache blocks and their sliding-window parts are
     // dropped for room, which each stage weighs by its own bytes (scaled to rank 0's).
-    let staged = matches!(division, Division::Pipeline(_));
+    // (Not with drafts: a sampled row's draws follow its verify steps, which the pool's room
+    // schedules, and a stage's room differs from the whole model's.)
+    let staged = matches!(division, Division::Pipeline(_)) && run == Run::Plain;
     let config = |dir: &Path| EngineConfig {
         max_running: 4,
         kv_cache_bytes: match staged {
@@ -955,8 +992,8 @@ fn the_batch_engine_runs_over_two_pipeline_stages() {
     );
 }
 
-/// Speculative decoding in the batch over two ranks (tensor-parallel), on a dense and a hybrid
-/// model: every rank holds the whole model as the draft (proposing for three requests, two
+/// Speculative decoding in the batch over two ranks (tensor-parallel, then two pipeline
+/// stages), on a dense and a hybrid model: every rank holds the whole model as the draft (proposing for three requests, two
 /// greedy and a seeded sampled one) and prompt lookup proposes for another greedy one, its
 /// choice between verify and plain steps taken by rank 0's step times on both ranks (each
 /// rank's own clock would choose apart, and the batches' digests would then differ). Each
@@ -964,11 +1001,22 @@ fn the_batch_engine_runs_over_two_pipeline_stages() {
 #[test]
 fn speculative_decoding_runs_over_two_ranks() {
     let names = ["llama3-rope", "qwen3_5_moe"];
-    let results = batch_over_two_ranks("engine_speculative", &names, true);
-    for name in names {
-        let case = &results[0]["cases"][name];
-        assert!(case["verify_steps"].as_u64().unwrap() > 0, "{name}: {case}");
-        assert!(case["accepted"].as_u64().unwrap() > 0, "{name}: {case}");
+    for (task, compiled) in [
+        ("engine_speculative", true),
+        ("engine_pipeline_speculative", false),
+    ] {
+        let results = batch_over_two_ranks(task, &names, compiled);
+        for name in names {
+            let case = &results[0]["cases"][name];
+            assert!(
+                case["verify_steps"].as_u64().unwrap() > 0,
+                "{task}, {name}: {case}"
+            );
+            assert!(
+                case["accepted"].as_u64().unwrap() > 0,
+                "{task}, {name}: {case}"
+            );
+        }
     }
 }
 
@@ -1076,6 +1124,25 @@ fn the_batch_engine_refuses_stages_of_unlike_layers() {
         );
         assert!(
             error.contains("divide it with --distributed tensor"),
+            "rank {r}: {error}"
+        );
+    }
+}
+
+/// A draft model on rank 0 and none on rank 1: both ranks refuse at load with a sentence naming
+/// each rank's, rather than meet other collectives once the batch drafts.
+#[test]
+fn ranks_with_different_drafts_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = tiny_models(dir.path(), "llama3-rope");
+    let children = spawn_two_ranks(dir.path(), &models, "engine_draft_apart");
+    for (r, child) in children.into_iter().enumerate() {
+        let result = result(child, Duration::from_secs(120));
+        let error = result["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("rank {r}: {result}"));
+        assert!(
+            error.contains("the ranks hold different draft models (rank 0 one, rank 1 none"),
             "rank {r}: {error}"
         );
     }

@@ -1253,11 +1253,19 @@ impl<'m> BatchGenerator<'m> {
         self.admissions_held
     }
 
-    /// Rank 0 of a divided model: the other rank with the least memory headroom, as their
-    /// last call carried it (low when any rank is); `None` without ranks, or while none reads
-    /// its memory.
+    /// Rank 0 of a divided model: the other ranks' memory as their last call carried it (the
+    /// least headroom of any, naming its rank; the least capacity of any; low when any is);
+    /// `None` without ranks, or while none reads its memory.
     pub(crate) fn least_rank_memory(&self) -> Option<lockstep::RankMemory> {
         self.lockstep.as_ref()?.least_memory()
+    }
+
+    /// Rank 0 of a divided model, a waiting request about to be judged: an exchange whose
+    /// gather brings every rank's memory read just now (they read again while a request
+    /// awaits a reading), so that [`BatchGenerator::least_rank_memory`] is not a call old.
+    /// Nothing without ranks.
+    pub(crate) fn refresh_rank_memory(&mut self) -> Result<()> {
+        self.lead(BatchCall::ReadMemory)
     }
 
     /// What the process may still take, read just now (`None`: no bound, as on CUDA, which has

@@ -157,6 +157,13 @@ impl EngineHandle {
                         Some(dir) => Some(load_draft(dir, loaded.0.as_ref(), &loaded.1)?),
                         None => None,
                     };
+                    if let Some(division) = loaded.0.division().filter(|d| d.size() > 1) {
+                        crate::engine::batch::lockstep::check_draft(
+                            division.group(),
+                            loaded.0.as_ref(),
+                            draft.as_ref().map(|(m, _)| m.as_ref()),
+                        )?;
+                    }
                     Ok((loaded, draft))
                 }) {
                     Ok(((model, tokenizer), draft)) => {

@@ -644,6 +644,8 @@ impl Pass<'_> {
         };
         if batch.awaits_memory_reading() {
             guard.read_again();
+            // A failure here fails the next call alike.
+            let _ = batch.refresh_rank_memory();
         }
         let (low, fresh) = guard.low();
         let (mut headroom, mut capacity) = (guard.headroom(), guard.capacity());

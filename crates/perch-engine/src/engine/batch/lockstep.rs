@@ -45,8 +45,8 @@ use crate::{GenerateRequest, RequestId, Tokenizer};
 /// A call rank 0 made on its batch, for the other ranks to make on theirs.
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) enum BatchCall {
-    /// A fresh batch with this configuration (at start, and after a panic left the last one
-    /// unusable), drafting with `draft_tokens` a row when rank 0's batch has a draft model.
+    /// A fresh batch with this configuration (once, at start: a divided engine stops after a
+    /// panic), drafting with `draft_tokens` a row when rank 0's batch has a draft model.
     Fresh {
         config: BatchConfig,
         model_id: String,
@@ -67,6 +67,9 @@ pub(crate) enum BatchCall {
     MemoryHeadroom(Option<Available>),
     MemoryCapacity(Option<u64>),
     ResetPrefixCache,
+    /// Nothing to make: its gather brings every rank's memory read just now, for a waiting
+    /// request about to be judged ([`BatchGenerator::refresh_rank_memory`]).
+    ReadMemory,
     /// Rank 0's engine stops: the others return.
     Stop,
 }
@@ -397,6 +400,7 @@ fn follow_reading<'m>(
         )
     })?;
     check_division(model)?;
+    check_draft(division.group(), model, draft)?;
     // Rank 0 budgets the batch's KV within the least room of any rank.
     least_available(division.group(), available)?;
     let mut lockstep = Lockstep::new(division.group());
@@ -424,14 +428,16 @@ fn follow_reading<'m>(
             } => {
                 let mut fresh = BatchGenerator::new(model, tokenizer, config, &model_id);
                 fresh.follow_stage(stage)?;
-                if let Some(k) = draft_tokens {
-                    let draft = draft.ok_or_else(|| {
-                        EngineError::Distributed(
-                            "rank 0 drafts with a draft model that this rank has not loaded:                              give every rank the same --draft-model"
-                                .into(),
-                        )
-                    })?;
+                // Every rank's draft was checked alike at load (`check_draft`).
+                if let (Some(k), Some(draft)) = (draft_tokens, draft) {
                     fresh = fresh.with_draft(draft, k);
+                }
+                if fresh.drafts() != draft_tokens.is_some() {
+                    return Err(EngineError::Distributed(
+                        "this rank's batch drafts otherwise than rank 0's: give every rank the \
+                         same --draft-model"
+                            .into(),
+                    ));
                 }
                 batch = Some(fresh);
             }
@@ -496,9 +502,52 @@ pub(crate) fn check_division(model: &dyn Model) -> Result<()> {
         .join("; ");
     Err(EngineError::Distributed(format!(
         "the pipeline stages hold this model's kinds of layers in different proportions \
-         ({held}): the batch engine runs stages that each hold whole runs of the layers' \
-         pattern; divide it with --distributed tensor, or over a number of ranks that its \
-         pattern's runs divide"
+         ({held}): the batch engine runs stages that hold the kinds in one proportion, as \
+         stages of whole runs of the layers' pattern do (at least one run a stage, the layers \
+         a whole number of runs); divide it with --distributed tensor, or over fewer ranks"
+    )))
+}
+
+/// Refuses a draft model that is not every rank's alike: each rank sends whether it holds one,
+/// whether its batch drafts with it, and a fingerprint of its shape ([`crate::ModelInfo`]), and
+/// every rank refuses alike when they differ (a batch drafting on one rank and not on another
+/// would meet other collectives). A collective: rank 0 calls it once its draft is loaded, the
+/// others before they follow, each after [`check_division`].
+pub(crate) fn check_draft(
+    group: &Group,
+    model: &dyn Model,
+    draft: Option<&dyn Model>,
+) -> Result<()> {
+    use std::hash::{Hash, Hasher};
+    let words = match draft {
+        Some(draft) => {
+            let mut hasher = std::hash::DefaultHasher::new();
+            format!("{:?}", draft.info()).hash(&mut hasher);
+            [
+                1,
+                u64::from(super::drafts_in_batch(model, draft)),
+                hasher.finish(),
+            ]
+        }
+        None => [0; 3],
+    };
+    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let gathered = group.all_gather_bytes(&bytes)?;
+    if gathered.iter().all(|theirs| *theirs == gathered[0]) {
+        return Ok(());
+    }
+    let held = gathered
+        .iter()
+        .enumerate()
+        .map(|(rank, b)| match b[0] {
+            0 => format!("rank {rank} none"),
+            _ => format!("rank {rank} one"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(EngineError::Distributed(format!(
+        "the ranks hold different draft models ({held}, or drafts of other shapes): give every \
+         rank the same --draft-model"
     )))
 }
 
@@ -528,6 +577,7 @@ fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
         BatchCall::MemoryHeadroom(headroom) => batch.set_memory_headroom(headroom),
         BatchCall::MemoryCapacity(capacity) => batch.set_memory_capacity(capacity),
         BatchCall::ResetPrefixCache => batch.reset_prefix_cache(),
+        BatchCall::ReadMemory => {}
         BatchCall::Fresh { .. } | BatchCall::Stop => unreachable!("handled by `follow`"),
     }
     Ok(())
