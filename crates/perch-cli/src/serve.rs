@@ -168,7 +168,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             EngineHandle::spawn_with(engine_config, id, move |_| {
                 let model = crate::distributed::load_part(&load_dir, &division)
                     .map_err(|e| perch_engine::EngineError::Distributed(format!("{e:#}")))?;
-                Ok((model, perch_engine::Tokenizer::load(&load_dir)?))
+                let tokenizer = EngineHandle::tokenizer_for(&load_dir, model.as_ref())?;
+                Ok((model, tokenizer))
             })
         }
     }

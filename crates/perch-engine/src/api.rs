@@ -87,8 +87,8 @@ pub struct GenerateRequest {
     /// [`VisionTower::tokens`](crate::models::vision::VisionTower::tokens) image tokens
     /// ([`VisionTower::image_token_id`](crate::models::vision::VisionTower::image_token_id))
     /// in a row, whose embeddings its features replace. The engine's batch only ([`generate`]
-    /// and speculative requests refuse them). Not serialized: a batch divided over ranks
-    /// refuses images ([`crate::engine::follow`]).
+    /// and speculative requests refuse them). Not serialized: a batch divided over ranks sends
+    /// their pixel values beside the request ([`crate::engine::follow`]).
     #[serde(skip)]
     pub images: Vec<crate::image_processor::ImageInput>,
     /// Its lane in the batch ([`Priority`]): a higher lane's request is admitted, prefills and

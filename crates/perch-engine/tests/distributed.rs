@@ -116,6 +116,12 @@ fn rank() {
         println!("{}", serde_json::json!({ "rank": rank, "error": error }));
         return;
     }
+    if task == "engine_images" {
+        let dir = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        let division = Division::Tensor(TensorParallel::new(group));
+        println!("{}", with_images(division, &dir));
+        return;
+    }
     if task == "engine_short_rank" {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let division = Division::Tensor(TensorParallel::new(group));
@@ -538,6 +544,72 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
         );
     }
     serde_json::json!({ "rank": rank, "cases": results })
+}
+
+/// Chats with images (and one without) through the engine over the tiny Gemma 3 vision-language
+/// model in `dir`, divided by `division`: rank 0 serves them, rank 1 follows; then rank 0 alone
+/// answers them on the whole model.
+fn with_images(division: Division, dir: &Path) -> serde_json::Value {
+    use perch_engine::{ChatMessage, ContentPart};
+    let rank = division.rank();
+    if rank > 0 {
+        let model = models::load_divided(dir, &division).unwrap();
+        let tokenizer = Tokenizer::load(dir).unwrap();
+        let followed = perch_engine::engine::follow(model.as_ref(), None, &tokenizer);
+        return serde_json::json!({ "rank": rank, "followed": followed.map_err(|e| e.to_string()).err() });
+    }
+    let image = |seed: u32| {
+        use base64::Engine as _;
+        let pixels = image::RgbImage::from_fn(32, 32, |x, y| {
+            image::Rgb([
+                (x * 7 + y * seed) as u8,
+                (y * 13 + seed) as u8,
+                (x * y) as u8,
+            ])
+        });
+        let mut png = std::io::Cursor::new(Vec::new());
+        pixels.write_to(&mut png, image::ImageFormat::Png).unwrap();
+        let encoded = base64::engine::general_purpose::STANDARD.encode(png.into_inner());
+        ContentPart::Image(format!("data:image/png;base64,{encoded}"))
+    };
+    let requests = || {
+        [
+            vec![image(1), ContentPart::Text("What is this?".into())],
+            vec![image(5), image(9), ContentPart::Text("And these?".into())],
+            vec![ContentPart::Text("No image here.".into())],
+        ]
+        .into_iter()
+        .map(|parts| {
+            let mut params = GenerateRequest::new(Vec::new());
+            params.max_tokens = 8;
+            params.ignore_eos = true;
+            EngineRequest {
+                prompt: Prompt::Chat(vec![ChatMessage::from_parts("user", parts)]),
+                params,
+            }
+        })
+        .collect::<Vec<_>>()
+    };
+    let (load_dir, part) = (dir.to_path_buf(), division.clone());
+    let engine = EngineHandle::spawn_with(EngineConfig::default(), "images".into(), move |_| {
+        let model = models::load_divided(&load_dir, &part)?;
+        let tokenizer = EngineHandle::tokenizer_for(&load_dir, model.as_ref())?;
+        Ok((model, tokenizer))
+    })
+    .unwrap();
+    let streams = requests()
+        .into_iter()
+        .map(|r| engine.submit(r).unwrap())
+        .collect();
+    let divided = collected(streams);
+    drop(engine);
+    let whole = EngineHandle::load(dir, EngineConfig::default()).unwrap();
+    let streams = requests()
+        .into_iter()
+        .map(|r| whole.submit(r).unwrap())
+        .collect();
+    let alone = collected(streams);
+    serde_json::json!({ "rank": rank, "divided": divided, "alone": alone })
 }
 
 /// The batch engine over the first tiny model in `models`, divided by `division`, with rank 1's
@@ -1126,6 +1198,46 @@ fn the_batch_engine_refuses_stages_of_unlike_layers() {
             error.contains("divide it with --distributed tensor"),
             "rank {r}: {error}"
         );
+    }
+}
+
+/// Chats with one and with two images, and one without, through the engine over two ranks
+/// (tensor-parallel; the tiny Gemma 3 vision-language model mlx-vlm writes, every rank holding
+/// its whole vision tower): rank 0 sends each request's pixel values with it, and each answer's
+/// ids equal those of the whole model on one process.
+#[test]
+fn images_run_over_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokenizer = common::model_dir();
+    common::run_oracle(
+        "tiny_vision.py",
+        &[dir.path().to_str().unwrap(), tokenizer.to_str().unwrap()],
+    );
+    let model = dir.path().join("gemma3");
+    let children = spawn_two_ranks(dir.path(), &model, "engine_images");
+    let results: Vec<_> = children
+        .into_iter()
+        .map(|c| result(c, Duration::from_secs(300)))
+        .collect();
+    assert_eq!(
+        results[1]["followed"],
+        serde_json::Value::Null,
+        "{}",
+        results[1]
+    );
+    let (divided, alone) = (
+        results[0]["divided"].as_array().unwrap(),
+        results[0]["alone"].as_array().unwrap(),
+    );
+    assert_eq!(divided.len(), 3, "{}", results[0]);
+    for (i, (ours, whole)) in divided.iter().zip(alone).enumerate() {
+        assert!(ours["error"].is_null(), "request {i}: {ours}");
+        assert_eq!(
+            ours["ids"].as_array().unwrap().len(),
+            8,
+            "request {i}: {ours}"
+        );
+        assert_eq!(ours["ids"], whole["ids"], "request {i}");
     }
 }
 

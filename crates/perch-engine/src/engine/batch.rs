@@ -938,15 +938,17 @@ impl<'m> BatchGenerator<'m> {
     /// `max_tokens` lowered to the room (finish reason `length`).
     pub fn insert(&mut self, mut request: GenerateRequest) -> Result<RequestId> {
         if self.leads_ranks() {
-            if !request.images.is_empty() {
-                self.refuse_when_divided("images are")?;
-            }
             // Every rank's sampler draws from the same key.
             request.sampling.seed = request
                 .sampling
                 .seed
                 .or_else(|| Some(crate::sample::sampler::random_seed()));
-            self.lead(BatchCall::Insert(Box::new(request.clone())))?;
+            let images = request
+                .images
+                .iter()
+                .map(lockstep::SentImage::new)
+                .collect();
+            self.lead(BatchCall::Insert(Box::new(request.clone()), images))?;
         }
         self.insert_with(request, None)
     }

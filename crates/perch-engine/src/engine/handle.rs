@@ -75,12 +75,20 @@ impl EngineHandle {
                 report(p);
             };
             let model = models::load_with_progress(&dir, &mut both)?;
-            let mut tokenizer = Tokenizer::load(&dir)?;
-            if let Some(images) = image_processor(&dir, model.as_ref()) {
-                tokenizer.set_image_processor(images);
-            }
+            let tokenizer = Self::tokenizer_for(&dir, model.as_ref())?;
             Ok((model, tokenizer))
         })
+    }
+
+    /// The tokenizer of the model in `dir` as [`EngineHandle::load`] gives it to `model` (loaded
+    /// from `dir`, whole or a rank's part): with the image processor of its vision tower, when
+    /// it has one, so that chats with images are encoded for it.
+    pub fn tokenizer_for(dir: &Path, model: &dyn Model) -> Result<Tokenizer> {
+        let mut tokenizer = Tokenizer::load(dir)?;
+        if let Some(images) = image_processor(dir, model) {
+            tokenizer.set_image_processor(images);
+        }
+        Ok(tokenizer)
     }
 
     /// What [`EngineHandle::load`] passes [`EngineHandle::spawn_with`] as `model_id` for the model

@@ -23,8 +23,10 @@
 //! uncompiled. Speculative decoding runs as on one process: every rank holds the whole draft
 //! model (it is not divided) and proposes alike, and prompt lookup's choice between verify and
 //! plain steps learns rank 0's step times on every rank ([`StepTiming`], sent with each step),
-//! not each rank's own clock. What a divided batch does not run yet (refused with a sentence):
-//! images, prompt caches on disk, and the requests that run beside the batch.
+//! not each rank's own clock. Images travel with their request ([`SentImage`]: its pixel
+//! values), and every rank's vision tower (whole on every rank) encodes them alike. What a
+//! divided batch does not run yet (refused with a sentence): prompt caches on disk, and the
+//! requests that run beside the batch.
 //!
 //! Every rank must run its collectives in one order. A stage's own arrays (its layers' KV,
 //! which a batch's block copies evaluate) depend on the hand-over only on the stages after the
@@ -53,8 +55,9 @@ pub(crate) enum BatchCall {
         stage: Stage,
         draft_tokens: Option<usize>,
     },
-    /// [`BatchGenerator::insert`], the request's seed set.
-    Insert(Box<GenerateRequest>),
+    /// [`BatchGenerator::insert`], the request's seed set, with its images (which a request
+    /// does not serialize).
+    Insert(Box<GenerateRequest>, Vec<SentImage>),
     Remove(RequestId),
     Clear,
     /// [`BatchGenerator::step`], with what rank 0's step before taught its choice between
@@ -87,6 +90,44 @@ pub(crate) struct Stage {
     pub(crate) recurrent: bool,
     /// Cache layers (a pipeline stage's own; the others' bytes scale by theirs against these).
     pub(crate) layers: usize,
+}
+
+/// An image of a request as rank 0 sends it: its pixel values' float32 bytes (little-endian,
+/// base64) and shape; every rank's vision tower encodes it alike.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct SentImage {
+    shape: [usize; 3],
+    pixels: String,
+}
+
+impl SentImage {
+    pub(crate) fn new(image: &crate::image_processor::ImageInput) -> Self {
+        use base64::Engine as _;
+        let bytes: Vec<u8> = image
+            .pixels()
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        Self {
+            shape: image.shape(),
+            pixels: base64::engine::general_purpose::STANDARD.encode(bytes),
+        }
+    }
+
+    /// The image again, checked as any image is ([`ImageInput::new`](crate::ImageInput::new)).
+    fn into_image(self) -> Result<crate::image_processor::ImageInput> {
+        use base64::Engine as _;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(self.pixels)
+            .map_err(|e| {
+                EngineError::Distributed(format!("rank 0 sent an image this rank cannot read: {e}"))
+            })?;
+        let pixels = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        crate::image_processor::ImageInput::new(pixels, self.shape)
+    }
 }
 
 /// A call as sent: rank 0's time of it, in microseconds since its lockstep began.
@@ -558,8 +599,13 @@ pub(crate) fn check_draft(
 /// later collective).
 fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
     match call {
-        BatchCall::Insert(request) => {
-            let _ = batch.insert(*request);
+        BatchCall::Insert(request, images) => {
+            let mut request = *request;
+            request.images = images
+                .into_iter()
+                .map(SentImage::into_image)
+                .collect::<Result<_>>()?;
+            let _ = batch.insert(request);
         }
         BatchCall::Remove(id) => {
             let _ = batch.remove(id);
