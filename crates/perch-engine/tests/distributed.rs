@@ -51,9 +51,9 @@ fn rank() {
             return;
         }
     };
-    if task == "engine_staged" {
-        // A model in two pipeline stages of unlike layers: refused by both ranks, each after
-        // loading.
+    if let "engine_staged" | "engine_draft_apart" = task.as_str() {
+        // A model in two pipeline stages of unlike layers, or rank 0 with the model as its
+        // draft and rank 1 with none: refused by both ranks, each after loading.
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let dir = std::fs::read_dir(&models)
             .unwrap()
@@ -61,44 +61,21 @@ fn rank() {
             .unwrap()
             .unwrap()
             .path();
-        let division = Division::Pipeline(PipelineParallel::new(group));
-        let rank = division.rank();
-        let refused = match rank {
-            0 => EngineHandle::spawn_with(EngineConfig::default(), "staged".into(), move |_| {
-                Ok((
-                    models::load_divided(&dir, &division)?,
-                    Tokenizer::load(&dir)?,
-                ))
-            })
-            .err(),
-            _ => {
-                let model = models::load_divided(&dir, &division).unwrap();
-                let tokenizer = Tokenizer::load(&dir).unwrap();
-                perch_engine::engine::follow(model.as_ref(), None, &tokenizer).err()
-            }
+        let (division, draft_model) = match task.as_str() {
+            "engine_staged" => (Division::Pipeline(PipelineParallel::new(group)), None),
+            _ => (
+                Division::Tensor(TensorParallel::new(group)),
+                Some(dir.clone()),
+            ),
         };
-        let error = refused.map(|e| e.to_string());
-        println!("{}", serde_json::json!({ "rank": rank, "error": error }));
-        return;
-    }
-    if task == "engine_draft_apart" {
-        // Rank 0 with the model as its draft, rank 1 with none: both refuse at load.
-        let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let dir = std::fs::read_dir(&models)
-            .unwrap()
-            .next()
-            .unwrap()
-            .unwrap()
-            .path();
-        let division = Division::Tensor(TensorParallel::new(group));
         let rank = division.rank();
         let refused = match rank {
             0 => {
                 let config = EngineConfig {
-                    draft_model: Some(dir.clone()),
+                    draft_model,
                     ..EngineConfig::default()
                 };
-                EngineHandle::spawn_with(config, "drafted".into(), move |_| {
+                EngineHandle::spawn_with(config, "refused".into(), move |_| {
                     Ok((
                         models::load_divided(&dir, &division)?,
                         Tokenizer::load(&dir)?,
