@@ -674,6 +674,15 @@ fn spawn_two_ranks(dir: &Path, models: &Path, task: &str) -> [Child; 2] {
     [0, 1].map(|r| spawn_rank_with(r, &hosts, task, &env))
 }
 
+/// Runs `task` on two ranks over `models` ([`spawn_two_ranks`]), each given `seconds`; checks
+/// that rank 1 followed rank 0 to its end without an error and returns rank 0's result.
+fn led_and_followed(dir: &Path, models: &Path, task: &str, seconds: u64) -> serde_json::Value {
+    let [leader, follower] =
+        spawn_two_ranks(dir, models, task).map(|c| result(c, Duration::from_secs(seconds)));
+    assert_eq!(follower["followed"], serde_json::Value::Null, "{follower}");
+    leader
+}
+
 fn spawn_rank_with(rank: usize, hostfile: &Path, task: &str, env: &[(&str, &Path)]) -> Child {
     Command::new(std::env::current_exe().unwrap())
         .args([
@@ -1118,21 +1127,11 @@ fn batch_over_two_ranks(task: &str, names: &[&str], compiled: bool) -> Vec<serde
 fn the_rank_with_the_least_memory_bounds_admissions() {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), "llama3-rope");
-    let children = spawn_two_ranks(dir.path(), &models, "engine_short_rank");
-    let results: Vec<_> = children
-        .into_iter()
-        .map(|c| result(c, Duration::from_secs(120)))
-        .collect();
-    assert_eq!(
-        results[1]["followed"],
-        serde_json::Value::Null,
-        "{}",
-        results[1]
-    );
-    let served = &results[0]["served"][0];
+    let led = led_and_followed(dir.path(), &models, "engine_short_rank", 120);
+    let served = &led["served"][0];
     let error = served["error"]
         .as_str()
-        .unwrap_or_else(|| panic!("rank 0: {}", results[0]));
+        .unwrap_or_else(|| panic!("rank 0: {led}"));
     assert!(error.contains("of memory for its KV cache"), "{error}");
     assert!(
         error.contains(
@@ -1191,22 +1190,12 @@ fn images_run_over_two_ranks() {
         &[dir.path().to_str().unwrap(), tokenizer.to_str().unwrap()],
     );
     let model = dir.path().join("gemma3");
-    let children = spawn_two_ranks(dir.path(), &model, "engine_images");
-    let results: Vec<_> = children
-        .into_iter()
-        .map(|c| result(c, Duration::from_secs(300)))
-        .collect();
-    assert_eq!(
-        results[1]["followed"],
-        serde_json::Value::Null,
-        "{}",
-        results[1]
-    );
+    let led = led_and_followed(dir.path(), &model, "engine_images", 300);
     let (divided, alone) = (
-        results[0]["divided"].as_array().unwrap(),
-        results[0]["alone"].as_array().unwrap(),
+        led["divided"].as_array().unwrap(),
+        led["alone"].as_array().unwrap(),
     );
-    assert_eq!(divided.len(), 3, "{}", results[0]);
+    assert_eq!(divided.len(), 3, "{led}");
     for (i, (ours, whole)) in divided.iter().zip(alone).enumerate() {
         assert!(ours["error"].is_null(), "request {i}: {ours}");
         assert_eq!(
