@@ -674,6 +674,18 @@ fn spawn_two_ranks(dir: &Path, models: &Path, task: &str) -> [Child; 2] {
     [0, 1].map(|r| spawn_rank_with(r, &hosts, task, &env))
 }
 
+/// Runs `task` on two ranks over `models` ([`spawn_two_ranks`]), each refusing: each rank's
+/// error.
+fn refusals(dir: &Path, models: &Path, task: &str) -> [String; 2] {
+    spawn_two_ranks(dir, models, task).map(|child| {
+        let result = result(child, Duration::from_secs(120));
+        result["error"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{result}"))
+            .to_owned()
+    })
+}
+
 /// Runs `task` on two ranks over `models` ([`spawn_two_ranks`]), each given `seconds`; checks
 /// that rank 1 followed rank 0 to its end without an error and returns rank 0's result.
 fn led_and_followed(dir: &Path, models: &Path, task: &str, seconds: u64) -> serde_json::Value {
@@ -1157,12 +1169,10 @@ fn the_batch_engine_refuses_stages_of_unlike_layers() {
         serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
     config["sliding_window_pattern"] = 4.into();
     std::fs::write(&config_path, config.to_string()).unwrap();
-    let children = spawn_two_ranks(dir.path(), &models, "engine_staged");
-    for (r, child) in children.into_iter().enumerate() {
-        let result = result(child, Duration::from_secs(120));
-        let error = result["error"]
-            .as_str()
-            .unwrap_or_else(|| panic!("rank {r}: {result}"));
+    for (r, error) in refusals(dir.path(), &models, "engine_staged")
+        .iter()
+        .enumerate()
+    {
         assert!(
             error.contains(
                 "rank 0: 1 sliding-window and 0 linear-attention of 2; rank 1: 2 \
@@ -1213,12 +1223,10 @@ fn images_run_over_two_ranks() {
 fn ranks_with_different_drafts_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), "llama3-rope");
-    let children = spawn_two_ranks(dir.path(), &models, "engine_draft_apart");
-    for (r, child) in children.into_iter().enumerate() {
-        let result = result(child, Duration::from_secs(120));
-        let error = result["error"]
-            .as_str()
-            .unwrap_or_else(|| panic!("rank {r}: {result}"));
+    for (r, error) in refusals(dir.path(), &models, "engine_draft_apart")
+        .iter()
+        .enumerate()
+    {
         assert!(
             error.contains("the ranks hold different draft models (rank 0 one, rank 1 none"),
             "rank {r}: {error}"
