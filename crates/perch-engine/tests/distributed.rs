@@ -177,12 +177,17 @@ fn rank() {
             bound: MemoryBound::Cgroup,
         },
     ][rank];
-    let least = perch_engine::testing::least_available(&group, Some(mine)).unwrap();
+    let least = perch_engine::testing::least_available(&group, Some(mine), 2).unwrap();
     let least_judged =
-        perch_engine::testing::least_available(&group, (rank == 1).then_some(mine)).unwrap();
+        perch_engine::testing::least_available(&group, (rank == 1).then_some(mine), 2).unwrap();
+    // As pipeline stages: rank 0 holds 2 cache layers, rank 1 4, so rank 1's 3 GiB hold what
+    // 1.5 GiB would on rank 0.
+    let least_staged =
+        perch_engine::testing::least_available(&group, Some(mine), 2 + 2 * rank).unwrap();
     let mut result = serde_json::json!({
         "least": least,
         "least_judged": least_judged,
+        "least_staged": least_staged,
         "rank": rank,
         "size": group.size(),
         "sum": sum.as_slice::<f32>(),
@@ -795,6 +800,8 @@ fn two_ranks_sum_gather_and_broadcast() {
         let three_gb = serde_json::json!({ "bytes": 3u64 << 30, "bound": bound });
         assert_eq!(result["least"], three_gb, "{result}");
         assert_eq!(result["least_judged"], three_gb, "{result}");
+        let staged = serde_json::json!({ "bytes": 3u64 << 29, "bound": bound });
+        assert_eq!(result["least_staged"], staged, "{result}");
     }
 }
 

@@ -827,6 +827,12 @@ impl<'m> BatchGenerator<'m> {
         Ok(())
     }
 
+    /// `(own, rank 0's)` cache layers: a pipeline stage's against rank 0's (`(1, 1)` but on a
+    /// follower of pipeline stages; [`BatchGenerator::follow_stage`]).
+    pub(crate) fn stage_scale(&self) -> (usize, usize) {
+        self.stage_scale
+    }
+
     /// Whether this is rank 0's batch of a divided model ([`BatchGenerator::lead_ranks`]).
     pub fn leads_ranks(&self) -> bool {
         self.lockstep.is_some()

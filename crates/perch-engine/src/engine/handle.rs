@@ -187,6 +187,7 @@ impl EngineHandle {
                             Some(division) => crate::engine::batch::lockstep::least_available(
                                 division.group(),
                                 available,
+                                model.make_cache(None).len(),
                             ),
                             None => Ok(available),
                         };

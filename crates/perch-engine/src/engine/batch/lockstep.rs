@@ -172,6 +172,13 @@ impl RankMemory {
         }
     }
 
+    /// This reading in rank 0's bytes ([`in_rank_0_bytes`]).
+    fn in_rank_0_bytes(mut self, scale: (usize, usize)) -> Self {
+        self.headroom.bytes = in_rank_0_bytes(self.headroom.bytes, scale);
+        self.capacity = in_rank_0_bytes(self.capacity, scale);
+        self
+    }
+
     /// The gathered words after the digest: headroom bytes, capacity, then flags (bit 0: a
     /// reading is there, bit 1: low, bits 8–15: what bounds the headroom, bits 32–63: the
     /// rank of [`MemoryBound::Rank`]). All zeros: no reading (CUDA, which no guard reads).
@@ -212,6 +219,13 @@ impl RankMemory {
             low: flags & 2 != 0,
         })
     }
+}
+
+/// `bytes` of a rank holding `own` cache layers, as rank 0's `rank_0` layers would hold them
+/// (`scale = (own, rank_0)`): a pipeline stage's KV grows with its layers.
+pub(crate) fn in_rank_0_bytes(bytes: u64, (own, rank_0): (usize, usize)) -> u64 {
+    let scaled = bytes as u128 * rank_0.max(1) as u128 / own.max(1) as u128;
+    scaled.min(u64::MAX as u128) as u64
 }
 
 /// [`Lockstep::least_memory`] of readings by rank.
@@ -356,13 +370,19 @@ fn with_digest(digest: u64, memory: Option<RankMemory>) -> [u64; GATHERED_WORDS]
 /// The least memory any rank of `group` can take now, each rank passing `mine` (its
 /// [`crate::memory::available_for`]; `None` where its backend's memory is not judged, CUDA):
 /// every rank holds its part of every sequence's KV, so a divided model's KV budget must fit
-/// the rank with the least room, not rank 0's. Every rank calls it once, after loading its part
-/// and before the batch's first call (rank 0's engine thread, [`follow`]). Evaluates one gather;
-/// errors when a rank is gone.
-pub fn least_available(group: &Group, mine: Option<Available>) -> Result<Option<Available>> {
+/// the rank with the least room, not rank 0's. `layers`: this rank's cache layers. A pipeline
+/// stage holds its own layers' KV, so another rank's room counts in rank 0's bytes (scaled by
+/// rank 0's layers against its own): the KV budget is in rank 0's. Every rank calls it once,
+/// after loading its part and before the batch's first call (rank 0's engine thread,
+/// [`follow`]). Evaluates one gather; errors when a rank is gone.
+pub fn least_available(
+    group: &Group,
+    mine: Option<Available>,
+    layers: usize,
+) -> Result<Option<Available>> {
     /// Each rank's answer as JSON, padded with spaces to one length.
-    const WIDTH: usize = 64;
-    let mut bytes = serde_json::to_vec(&mine).map_err(|e| {
+    const WIDTH: usize = 128;
+    let mut bytes = serde_json::to_vec(&(mine, layers)).map_err(|e| {
         EngineError::Distributed(format!("this rank's memory could not be sent: {e}"))
     })?;
     if bytes.len() > WIDTH {
@@ -372,13 +392,22 @@ pub fn least_available(group: &Group, mine: Option<Available>) -> Result<Option<
     }
     bytes.resize(WIDTH, b' ');
     let mut least: Option<Available> = None;
-    for (rank, theirs) in group.all_gather_bytes(&bytes)?.iter().enumerate() {
-        let theirs: Option<Available> = serde_json::from_slice(theirs).map_err(|e| {
-            EngineError::Distributed(format!(
-                "rank {rank} sent memory this rank cannot read: {e}"
-            ))
-        })?;
+    let gathered = group
+        .all_gather_bytes(&bytes)?
+        .iter()
+        .enumerate()
+        .map(|(rank, theirs)| {
+            serde_json::from_slice(theirs).map_err(|e| {
+                EngineError::Distributed(format!(
+                    "rank {rank} sent memory this rank cannot read: {e}"
+                ))
+            })
+        })
+        .collect::<Result<Vec<(Option<Available>, usize)>>>()?;
+    let rank_0_layers = gathered[0].1;
+    for (rank, (theirs, layers)) in gathered.into_iter().enumerate() {
         if let Some(mut theirs) = theirs {
+            theirs.bytes = in_rank_0_bytes(theirs.bytes, (layers, rank_0_layers));
             if least.is_none_or(|l| theirs.bytes < l.bytes) {
                 if rank != group.rank() {
                     theirs.bound = MemoryBound::Rank(rank as u32);
@@ -443,7 +472,7 @@ fn follow_reading<'m>(
     check_division(model)?;
     check_draft(division.group(), model, draft)?;
     // Rank 0 budgets the batch's KV within the least room of any rank.
-    least_available(division.group(), available)?;
+    least_available(division.group(), available, model.make_cache(None).len())?;
     let mut lockstep = Lockstep::new(division.group());
     let mut batch: Option<BatchGenerator<'_>> = None;
     loop {
@@ -458,7 +487,11 @@ fn follow_reading<'m>(
                 guard.read_again();
             }
         }
-        let memory = guard.as_mut().map(RankMemory::read);
+        // In rank 0's bytes: a pipeline stage's KV grows with its own layers.
+        let scale = batch.as_ref().map_or((1, 1), BatchGenerator::stage_scale);
+        let memory = guard
+            .as_mut()
+            .map(|guard| RankMemory::read(guard).in_rank_0_bytes(scale));
         let (call, at) = lockstep.receive(digest, memory)?;
         match call {
             BatchCall::Fresh {
