@@ -93,9 +93,12 @@ fn rank() {
         println!("{}", serde_json::json!({ "rank": rank, "error": error }));
         return;
     }
-    if task == "engine_images" {
+    if let "engine_images" | "engine_pipeline_images" = task.as_str() {
         let dir = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let division = Division::Tensor(TensorParallel::new(group));
+        let division = match task.as_str() {
+            "engine_images" => Division::Tensor(TensorParallel::new(group)),
+            _ => Division::Pipeline(PipelineParallel::new(group)),
+        };
         println!("{}", with_images(division, &dir));
         return;
     }
@@ -1195,8 +1198,8 @@ fn the_batch_engine_refuses_stages_of_unlike_layers() {
 }
 
 /// Chats with one and with two images, and one without, through the engine over two ranks
-/// (tensor-parallel; the tiny Gemma 3 vision-language model mlx-vlm writes, every rank holding
-/// its whole vision tower): rank 0 sends each request's pixel values with it, and each answer's
+/// (tensor-parallel, then two pipeline stages; the tiny Gemma 3 vision-language model mlx-vlm
+/// writes, every rank holding its whole vision tower): rank 0 sends each request's pixel values with it, and each answer's
 /// ids equal those of the whole model on one process.
 #[test]
 fn images_run_over_two_ranks() {
@@ -1207,20 +1210,28 @@ fn images_run_over_two_ranks() {
         &[dir.path().to_str().unwrap(), tokenizer.to_str().unwrap()],
     );
     let model = dir.path().join("gemma3");
-    let led = led_and_followed(dir.path(), &model, "engine_images", 300);
-    let (divided, alone) = (
-        led["divided"].as_array().unwrap(),
-        led["alone"].as_array().unwrap(),
-    );
-    assert_eq!(divided.len(), 3, "{led}");
-    for (i, (ours, whole)) in divided.iter().zip(alone).enumerate() {
-        assert!(ours["error"].is_null(), "request {i}: {ours}");
-        assert_eq!(
-            ours["ids"].as_array().unwrap().len(),
-            8,
-            "request {i}: {ours}"
+    for task in ["engine_images", "engine_pipeline_images"] {
+        if task == "engine_pipeline_images" {
+            // Its 2 layers, a sliding and a global one, as two global ones: stages of one kind
+            // (the batch refuses stages of unlike layers).
+            let path = model.join("config.json");
+            let mut config: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            config["text_config"]["sliding_window_pattern"] = 1.into();
+            std::fs::write(&path, config.to_string()).unwrap();
+        }
+        let led = led_and_followed(dir.path(), &model, task, 300);
+        let (divided, alone) = (
+            led["divided"].as_array().unwrap(),
+            led["alone"].as_array().unwrap(),
         );
-        assert_eq!(ours["ids"], whole["ids"], "request {i}");
+        assert_eq!(divided.len(), 3, "{task}: {led}");
+        for (i, (ours, whole)) in divided.iter().zip(alone).enumerate() {
+            let ids = ours["ids"].as_array().unwrap();
+            assert!(ours["error"].is_null(), "{task}, request {i}: {ours}");
+            assert_eq!(ids.len(), 8, "{task}, request {i}: {ours}");
+            assert_eq!(ours["ids"], whole["ids"], "{task}, request {i}");
+        }
     }
 }
 

@@ -92,12 +92,22 @@ pub(crate) struct Stage {
     pub(crate) layers: usize,
 }
 
+/// The most bytes a call may take as sent (a request's images are most of it): a larger one
+/// is refused before anything is exchanged.
+const MAX_CALL_BYTES: usize = 1 << 30;
+
 /// An image of a request as rank 0 sends it: its pixel values' float32 bytes (little-endian,
 /// base64) and shape; every rank's vision tower encodes it alike.
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Serialize, Deserialize)]
 pub(crate) struct SentImage {
     shape: [usize; 3],
     pixels: String,
+}
+
+impl std::fmt::Debug for SentImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SentImage({:?})", self.shape)
+    }
 }
 
 impl SentImage {
@@ -291,6 +301,15 @@ impl<'g> Lockstep<'g> {
         let bytes = serde_json::to_vec(&sent).map_err(|e| {
             EngineError::Distributed(format!("a call could not be sent to the other ranks: {e}"))
         })?;
+        // Refused before anything is exchanged: the call is not made, and the group goes on.
+        if bytes.len() > MAX_CALL_BYTES {
+            return Err(EngineError::Request(format!(
+                "this request is too large to send to the other ranks ({} MiB with its images; \
+                 at most {} MiB)",
+                bytes.len() >> 20,
+                MAX_CALL_BYTES >> 20
+            )));
+        }
         let fresh = matches!(call, BatchCall::Fresh { .. });
         let exchanged = self
             .group
