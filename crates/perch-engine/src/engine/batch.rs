@@ -606,9 +606,6 @@ pub struct BatchGenerator<'m> {
     follows: bool,
     /// The draft tokens a row [`BatchGenerator::with_draft`] was given (rank 0 sends them).
     draft_tokens: Option<usize>,
-    /// `(own, rank 0's)` cache layers of a pipeline stage ([`BatchGenerator::follow_stage`]):
-    /// its own bytes weigh against rank 0's scaled by them; `(1, 1)` otherwise.
-    stage_scale: (usize, usize),
     next_id: RequestId,
     preemptions: u64,
     /// When a sequence of each lane (`Priority as usize`) last ran: lower lanes' passes are
@@ -694,7 +691,6 @@ impl<'m> BatchGenerator<'m> {
             timing_to_send: None,
             follows: false,
             draft_tokens: None,
-            stage_scale: (1, 1),
             config,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -821,7 +817,6 @@ impl<'m> BatchGenerator<'m> {
         self.row_bytes_per_position = stage.row_bytes_per_position;
         // A pipeline stage's own bytes (its prefix cache's) weigh against rank 0's scaled by
         // their layers (`lockstep::check_division`: every kind in the same proportions).
-        self.stage_scale = (own.layers.max(1), stage.layers.max(1));
         self.store.set_budget_scale(own.layers, stage.layers);
         self.follows = true;
         Ok(())
@@ -830,7 +825,7 @@ impl<'m> BatchGenerator<'m> {
     /// `(own, rank 0's)` cache layers: a pipeline stage's against rank 0's (`(1, 1)` but on a
     /// follower of pipeline stages; [`BatchGenerator::follow_stage`]).
     pub(crate) fn stage_scale(&self) -> (usize, usize) {
-        self.stage_scale
+        self.store.budget_scale()
     }
 
     /// Whether this is rank 0's batch of a divided model ([`BatchGenerator::lead_ranks`]).
@@ -1359,11 +1354,10 @@ impl<'m> BatchGenerator<'m> {
         };
         let block = self.config.block_size.max(1);
         let bytes_per_position = self.row_bytes_per_position.max(1);
-        // The store's positions: its own bytes over its own bytes a position (rank 0's, scaled).
-        let (own, rank_0) = self.stage_scale;
-        let store_positions = (self.store.nbytes() as u128 * rank_0 as u128
-            / (bytes_per_position as u128 * own as u128)) as usize;
-        let store_room = (self.config.num_blocks * block).saturating_sub(store_positions);
+        // The store's positions: its bytes in rank 0's over rank 0's bytes a position.
+        let store_bytes = lockstep::in_rank_0_bytes(self.store.nbytes() as u64, self.stage_scale());
+        let store_room = (self.config.num_blocks * block)
+            .saturating_sub(store_bytes as usize / bytes_per_position);
         let mut published = 0;
         let mut growth = Vec::new();
         let mut previous: Option<&[u32]> = None;

@@ -285,6 +285,11 @@ impl BlockStore {
         self.budget_scale = (own.max(1), budgeted.max(1));
     }
 
+    /// `(own, budgeted)` layers ([`BlockStore::set_budget_scale`]).
+    pub fn budget_scale(&self) -> (usize, usize) {
+        self.budget_scale
+    }
+
     /// Whether `bytes` of this store's layers exceed `budget` bytes of the budgeted layers
     /// ([`BlockStore::set_budget_scale`]).
     fn beyond(&self, bytes: usize, budget: usize) -> bool {
