@@ -1835,4 +1835,52 @@ fn generate_starts_its_ranks_from_a_host_list() {
         let out = launch(hosts, "pipeline");
         assert_clean_error(&out, needle);
     }
+    // NCCL: each rank gets MLX_RANK, MLX_WORLD_SIZE, where the ranks meet (NCCL_HOST_IP,
+    // NCCL_PORT) and a GPU; a rank's environment passes Perch's check (which names a bad
+    // variable), and then this CPU build of MLX has no NCCL backend: the launch ends with that
+    // (the first rank to fail ends the other, which may not have printed its own yet).
+    let nccl = |hosts: &str| {
+        Command::new(env!("CARGO_BIN_EXE_perch"))
+            .args(["generate", "--model", &model])
+            .args(prompt)
+            .args([
+                "--distributed",
+                "tensor",
+                "--backend",
+                "nccl",
+                "--hosts",
+                hosts,
+            ])
+            .args(["--starting-port", &starting_port.to_string()])
+            .env("PATH", &path)
+            .env("TMPDIR", &temporary)
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .output()
+            .unwrap()
+    };
+    let out = nccl("127.0.0.2,127.0.0.1");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("this build of MLX has no nccl backend"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("MLX_") && !stderr.contains("NCCL_"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(": the group stopped"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(&logins).unwrap(),
+        "127.0.0.2\n127.0.0.2\n",
+        "rank 0 started over ssh"
+    );
+    // Rank 0 named as this machine, another host elsewhere: refused before any rank starts.
+    assert_clean_error(&nccl("127.0.0.1,127.0.0.2"), "cannot reach");
+    assert_eq!(
+        left_behind(),
+        Vec::<String>::new(),
+        "temporary files left behind"
+    );
 }

@@ -58,12 +58,14 @@ pub struct DistributedArgs {
     #[arg(long, value_enum, default_value_t = BackendArg::Ring, requires = "distributed")]
     pub backend: BackendArg,
     /// With --distributed: start every rank from here, one a host of this comma-separated list
-    /// (rank 0 first; a host may be named twice), as `mlx.launch --hosts` does for the ring
-    /// backend: on this machine for `localhost` and `127.0.0.1`, over `ssh` (key-based, the same
-    /// `perch` path on every host) elsewhere.
+    /// (rank 0 first; a host may be named twice), as `mlx.launch --hosts` does for the ring and
+    /// NCCL backends: on this machine for `localhost` and `127.0.0.1`, over `ssh` (key-based, the
+    /// same `perch` path on every host) elsewhere. With NCCL the ranks of a host take its GPUs in
+    /// order.
     #[arg(long, value_delimiter = ',', requires = "distributed")]
     pub hosts: Vec<String>,
-    /// With --hosts: rank r listens on this port plus r.
+    /// With --hosts: rank r listens on this port plus r (ring); the ranks meet at this port on
+    /// rank 0's host (NCCL).
     #[arg(long, default_value_t = 32323, requires = "hosts")]
     pub starting_port: u16,
 }

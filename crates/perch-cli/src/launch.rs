@@ -1,11 +1,14 @@
 //! `--hosts`: this process starts a group's ranks itself, one a host, as `mlx.launch --hosts`
-//! does for MLX's ring backend: a hostfile listing rank `r` at `host:starting_port + r`, then
-//! each rank's process running this command without `--hosts`, with `MLX_RANK` and
-//! `MLX_HOSTFILE` set: on this machine directly for `localhost` and `127.0.0.1`, over `ssh`
-//! elsewhere (key-based, and the same `perch` path on every host, as `mlx.launch` assumes the
-//! same Python). Rank 0's standard output, and every rank's standard error (relayed), are this
-//! command's; when a rank fails, or this command is interrupted or terminated (SIGINT,
-//! SIGTERM), the others are ended.
+//! does: each rank's process runs this command without `--hosts`, with its backend's environment
+//! — for ring, `MLX_RANK` and `MLX_HOSTFILE` (a hostfile listing rank `r` at
+//! `host:starting_port + r`); for NCCL, `MLX_RANK`, `MLX_WORLD_SIZE`, `NCCL_HOST_IP` and
+//! `NCCL_PORT` (rank 0's address and the starting port, where the ranks meet) and
+//! `CUDA_VISIBLE_DEVICES` (the rank's GPU on its machine: the ranks of a machine take its GPUs in
+//! order) — on this machine directly for `localhost` and `127.0.0.1`, over `ssh` elsewhere
+//! (key-based, and the same `perch` path on every host, as `mlx.launch` assumes the same Python).
+//! Rank 0's standard output, and every rank's standard error (relayed), are this command's;
+//! when a rank fails, or this command is interrupted or terminated (SIGINT, SIGTERM), the others
+//! are ended.
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -158,12 +161,12 @@ fn rank_args(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
     kept
 }
 
-/// The command `ssh` runs for rank `rank` on a remote host: `sh` writing the hostfile to a
-/// temporary file there, then running `exe args` with the rank's environment (which has the
-/// rank remove that file once MLX has read it).
+/// The command `ssh` runs for a rank on a remote host: `sh` setting the rank's environment
+/// `env` and running `exe args`; with a ring `hostfile`, first writing it to a temporary file
+/// there, named by `MLX_HOSTFILE` (and the rank removes that file once MLX has read it).
 fn remote_command(
-    rank: usize,
-    hostfile: &str,
+    env: &[(&str, String)],
+    hostfile: Option<&str>,
     exe: &std::path::Path,
     args: &[OsString],
 ) -> anyhow::Result<String> {
@@ -176,13 +179,23 @@ fn remote_command(
         s.to_str()
             .with_context(|| format!("{s:?} is not UTF-8: it cannot be passed over ssh"))
     }
-    let mut command = format!(
-        "f=$(mktemp) && printf '%s' {} > \"$f\" && MLX_RANK={rank} MLX_HOSTFILE=\"$f\" \
-         {}=1 exec {}",
-        quote(hostfile)?,
-        perch_engine::distributed::HOSTFILE_IS_TEMPORARY,
-        quote(utf8(exe.as_os_str())?)?
-    );
+    let mut command = String::new();
+    if let Some(hostfile) = hostfile {
+        command.push_str(&format!(
+            "f=$(mktemp) && printf '%s' {} > \"$f\" && ",
+            quote(hostfile)?
+        ));
+    }
+    for (name, value) in env {
+        command.push_str(&format!("{name}={} ", quote(value)?));
+    }
+    if hostfile.is_some() {
+        command.push_str(&format!(
+            "MLX_HOSTFILE=\"$f\" {}=1 ",
+            perch_engine::distributed::HOSTFILE_IS_TEMPORARY
+        ));
+    }
+    command.push_str(&format!("exec {}", quote(utf8(exe.as_os_str())?)?));
     for arg in args {
         command.push(' ');
         command.push_str(&quote(utf8(arg)?)?);
@@ -191,13 +204,76 @@ fn remote_command(
     Ok(format!("sh -c {}", quote(&command)?))
 }
 
+/// Each rank's environment for NCCL (`hosts` rank 0 first): `MLX_RANK`, `MLX_WORLD_SIZE`,
+/// `NCCL_HOST_IP` and `NCCL_PORT` (where the ranks meet: rank 0's address, `127.0.0.1` for this
+/// machine, and `port`), `CUDA_VISIBLE_DEVICES` (the rank's GPU: the ranks of one machine take
+/// its GPUs in order, on this machine from the devices `visible` lists when it is set), and on a
+/// group of this machine alone `NCCL_SOCKET_IFNAME=lo` (as `mlx.launch` sets it). Errors when rank
+/// 0 is named as this machine while another host is not: the others could not reach it.
+fn nccl_environments(
+    hosts: &[Host],
+    port: u16,
+    visible: Option<&str>,
+) -> anyhow::Result<Vec<Vec<(&'static str, String)>>> {
+    if port == 0 {
+        bail!("--starting-port 0: NCCL's ranks meet at that port on rank 0's host");
+    }
+    let all_local = hosts.iter().all(|h| is_local(&h.address));
+    let meet = match is_local(&hosts[0].address) {
+        true if !all_local => bail!(
+            "--backend nccl: rank 0 is named {:?}, which the other hosts cannot reach: name it by \
+             an address they reach",
+            hosts[0].login
+        ),
+        true => "127.0.0.1".to_owned(),
+        false => hosts[0].address.clone(),
+    };
+    let visible: Vec<&str> = visible
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|d| !d.is_empty())
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut environments = Vec::with_capacity(hosts.len());
+    for (rank, host) in hosts.iter().enumerate() {
+        let same = |h: &Host| {
+            h.address == host.address || (is_local(&h.address) && is_local(&host.address))
+        };
+        let index = hosts[..rank].iter().filter(|h| same(h)).count();
+        let device = match (is_local(&host.address), visible.get(index)) {
+            (true, Some(device)) => (*device).to_owned(),
+            (true, None) if !visible.is_empty() => bail!(
+                "--backend nccl: {} ranks on this machine, but CUDA_VISIBLE_DEVICES lists {} \
+                 devices",
+                hosts.iter().filter(|h| is_local(&h.address)).count(),
+                visible.len()
+            ),
+            _ => index.to_string(),
+        };
+        let mut env = vec![
+            ("MLX_RANK", rank.to_string()),
+            ("MLX_WORLD_SIZE", hosts.len().to_string()),
+            ("NCCL_HOST_IP", meet.clone()),
+            ("NCCL_PORT", port.to_string()),
+            ("CUDA_VISIBLE_DEVICES", device),
+        ];
+        if all_local {
+            env.push(("NCCL_SOCKET_IFNAME", "lo".to_owned()));
+        }
+        environments.push(env);
+    }
+    Ok(environments)
+}
+
 /// Starts one rank a host of `hosts` (rank 0 first) running this command, relays rank 0's
 /// output, and waits for them all; the first that fails ends the others and is the error.
 pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyhow::Result<()> {
-    if !matches!(backend, BackendArg::Ring) {
+    if !matches!(backend, BackendArg::Ring | BackendArg::Nccl) {
         bail!(
-            "--hosts starts ranks of the ring backend; start the ranks of another backend as its \
-             launcher does (mlx.launch)"
+            "--hosts starts ranks of the ring and NCCL backends; start the ranks of another \
+             backend as its launcher does (mlx.launch)"
         );
     }
     if hosts.len() < 2 {
@@ -207,27 +283,43 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
         .iter()
         .map(|h| parse_host(h))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    let json = hostfile(&hosts, starting_port)?;
-    let mut local = tempfile::NamedTempFile::new().context("writing the ranks' hostfile")?;
-    std::io::Write::write_all(&mut local, json.as_bytes())
-        .context("writing the ranks' hostfile")?;
+    // Ring: the hostfile every rank reads (this machine's ranks from a temporary file here);
+    // NCCL: each rank's environment.
+    let (json, mut local, environments) = match backend {
+        BackendArg::Nccl => {
+            let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+            let environments = nccl_environments(&hosts, starting_port, visible.as_deref())?;
+            (None, None, environments)
+        }
+        _ => {
+            let json = hostfile(&hosts, starting_port)?;
+            let mut local =
+                tempfile::NamedTempFile::new().context("writing the ranks' hostfile")?;
+            std::io::Write::write_all(&mut local, json.as_bytes())
+                .context("writing the ranks' hostfile")?;
+            let environments = (0..hosts.len())
+                .map(|rank| vec![("MLX_RANK", rank.to_string())])
+                .collect();
+            (Some(json), Some(local), environments)
+        }
+    };
     let exe = std::env::current_exe().context("finding this perch executable")?;
     let args = rank_args(std::env::args_os().skip(1));
     let stopped = on_stop_signals();
     let mut relay = StderrRelay::new();
     let mut ranks: Vec<(Child, &Host)> = Vec::with_capacity(hosts.len());
-    for (rank, host) in hosts.iter().enumerate() {
+    for ((rank, host), env) in hosts.iter().enumerate().zip(&environments) {
         let mut command = if is_local(&host.address) {
             let mut command = Command::new(&exe);
-            command
-                .args(&args)
-                .env("MLX_RANK", rank.to_string())
-                .env("MLX_HOSTFILE", local.path());
+            command.args(&args).envs(env.iter().map(|(k, v)| (k, v)));
+            if let Some(local) = &mut local {
+                command.env("MLX_HOSTFILE", local.path());
+            }
             command
         } else {
             let mut command = Command::new("ssh");
             command.args(["-o", "BatchMode=yes", &host.login]);
-            command.arg(remote_command(rank, &json, &exe, &args)?);
+            command.arg(remote_command(env, json.as_deref(), &exe, &args)?);
             command
         };
         command.stdin(Stdio::null()).stderr(Stdio::piped());
@@ -469,10 +561,11 @@ mod tests {
         ];
         let kept = rank_args(args.iter().map(OsString::from));
         assert_eq!(kept, ["generate", "--prompt", "Hi", "--json"]);
+        let exe = std::path::Path::new("/opt/perch dir/perch");
         let command = remote_command(
-            1,
-            r#"[["a:1"],["b:2"]]"#,
-            std::path::Path::new("/opt/perch dir/perch"),
+            &[("MLX_RANK", "1".to_owned())],
+            Some(r#"[["a:1"],["b:2"]]"#),
+            exe,
             &kept,
         )
         .unwrap();
@@ -483,5 +576,66 @@ mod tests {
             command,
             format!("sh -c {}", shlex::try_quote(script).unwrap())
         );
+        // NCCL: the environment alone, no hostfile.
+        let env = [
+            ("MLX_RANK", "1".to_owned()),
+            ("NCCL_HOST_IP", "10.0.0.1".to_owned()),
+        ];
+        let command = remote_command(&env, None, exe, &kept).unwrap();
+        let script = "MLX_RANK=1 NCCL_HOST_IP=10.0.0.1 exec '/opt/perch dir/perch' generate \
+                      --prompt Hi --json";
+        assert_eq!(
+            command,
+            format!("sh -c {}", shlex::try_quote(script).unwrap())
+        );
+    }
+
+    /// NCCL's ranks meet at rank 0's address and the starting port; the ranks of a machine take
+    /// its GPUs in order (here, from the devices this process may see); rank 0 named as this
+    /// machine while another host is elsewhere is refused.
+    #[test]
+    fn nccl_ranks_get_their_rendezvous_and_gpu() {
+        let parse = |hosts: &[&str]| -> Vec<Host> {
+            hosts.iter().map(|h| parse_host(h).unwrap()).collect()
+        };
+        let get = |env: &[(&str, String)], name: &str| -> Option<String> {
+            env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
+        };
+        let one_machine =
+            nccl_environments(&parse(&["localhost", "127.0.0.1"]), 6000, None).unwrap();
+        for (rank, env) in one_machine.iter().enumerate() {
+            assert_eq!(get(env, "MLX_RANK").unwrap(), rank.to_string());
+            assert_eq!(get(env, "MLX_WORLD_SIZE").unwrap(), "2");
+            assert_eq!(get(env, "NCCL_HOST_IP").unwrap(), "127.0.0.1");
+            assert_eq!(get(env, "NCCL_PORT").unwrap(), "6000");
+            assert_eq!(get(env, "CUDA_VISIBLE_DEVICES").unwrap(), rank.to_string());
+            assert_eq!(get(env, "NCCL_SOCKET_IFNAME").unwrap(), "lo");
+        }
+        let visible =
+            nccl_environments(&parse(&["127.0.0.1", "127.0.0.1"]), 6000, Some("2, 5")).unwrap();
+        assert_eq!(get(&visible[0], "CUDA_VISIBLE_DEVICES").unwrap(), "2");
+        assert_eq!(get(&visible[1], "CUDA_VISIBLE_DEVICES").unwrap(), "5");
+        let short =
+            nccl_environments(&parse(&["127.0.0.1", "127.0.0.1"]), 6000, Some("3")).unwrap_err();
+        assert!(short.to_string().contains("lists 1 devices"), "{short}");
+        // Two machines of two GPUs each: each machine's ranks count its GPUs from 0.
+        let two = nccl_environments(&parse(&["a@gpu1", "gpu2", "gpu1", "gpu2"]), 7000, Some("9"))
+            .unwrap();
+        let devices: Vec<String> = two
+            .iter()
+            .map(|e| get(e, "CUDA_VISIBLE_DEVICES").unwrap())
+            .collect();
+        assert_eq!(devices, ["0", "0", "1", "1"]);
+        for env in &two {
+            assert_eq!(get(env, "NCCL_HOST_IP").unwrap(), "gpu1");
+            assert_eq!(get(env, "NCCL_SOCKET_IFNAME"), None);
+        }
+        let unreachable =
+            nccl_environments(&parse(&["127.0.0.1", "gpu2"]), 7000, None).unwrap_err();
+        assert!(
+            unreachable.to_string().contains("cannot reach"),
+            "{unreachable}"
+        );
+        assert!(nccl_environments(&parse(&["gpu1", "gpu2"]), 0, None).is_err());
     }
 }

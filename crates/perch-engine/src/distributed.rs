@@ -107,17 +107,30 @@ pub const GATHERED_WORDS: usize = 4;
 /// non-strict fallback is refused), and when every rank has not connected within `deadline`.
 /// On that last error the attempt goes on in the background; the process should exit.
 pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
+    let var = |name: &str| std::env::var(name).ok();
+    match backend {
+        Backend::Ring => {
+            check_ring_environment(
+                var("MLX_RANK").as_deref(),
+                std::env::var_os("MLX_HOSTFILE").map(std::path::PathBuf::from),
+            )?;
+        }
+        Backend::Nccl => {
+            check_nccl_environment(
+                var("MLX_RANK").as_deref(),
+                var("MLX_WORLD_SIZE").as_deref(),
+                var("NCCL_HOST_IP").as_deref(),
+                var("NCCL_PORT").as_deref(),
+            )?;
+        }
+        Backend::Jaccl | Backend::Mpi => {}
+    }
+    // After the environment, so that a launcher's environment is checked on any build.
     if !backend.is_available() {
         return Err(EngineError::Distributed(format!(
             "this build of MLX has no {} backend",
             backend.mlx_name()
         )));
-    }
-    if backend == Backend::Ring {
-        check_ring_environment(
-            std::env::var("MLX_RANK").ok().as_deref(),
-            std::env::var_os("MLX_HOSTFILE").map(std::path::PathBuf::from),
-        )?;
     }
     // An MLX error from here on is reported to mlx-rs's handler (which one call of a guarded
     // mlx-rs operation installs), not MLX's default one, which exits the process.
@@ -153,7 +166,9 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
         Ok(None) => {
             return Err(EngineError::Distributed(format!(
                 "MLX could not start its {} backend: check the environment `mlx.launch` sets \
-                 (for ring: MLX_RANK, and MLX_HOSTFILE listing every rank's address)",
+                 (for ring: MLX_RANK, and MLX_HOSTFILE listing every rank's address; for NCCL: \
+                 MLX_RANK, MLX_WORLD_SIZE, NCCL_HOST_IP, NCCL_PORT, and a GPU of its own for \
+                 each rank)",
                 backend.mlx_name()
             )))
         }
@@ -315,6 +330,57 @@ impl Division {
             Division::Pipeline(pp) => pp,
         }
     }
+}
+
+/// Checks what MLX's NCCL backend reads at start (`MLX_RANK`, `MLX_WORLD_SIZE`, and where the
+/// ranks meet: `NCCL_HOST_IP`, `NCCL_PORT`) before MLX does, which would end the process on a
+/// number it cannot parse. Returns the group's size; errors name the variable.
+pub fn check_nccl_environment(
+    rank: Option<&str>,
+    world_size: Option<&str>,
+    host: Option<&str>,
+    port: Option<&str>,
+) -> Result<usize> {
+    let (Some(rank), Some(world_size), Some(host), Some(port)) = (rank, world_size, host, port)
+    else {
+        return Err(EngineError::Distributed(
+            "the NCCL backend needs MLX_RANK (this process's rank), MLX_WORLD_SIZE (the number \
+             of ranks), NCCL_HOST_IP and NCCL_PORT (rank 0's address and a port where the ranks \
+             meet), as `mlx.launch` sets them"
+                .into(),
+        ));
+    };
+    let number = |name: &str, value: &str| -> Result<usize> {
+        value.trim().parse().map_err(|_| {
+            EngineError::Distributed(format!("{name} is {value:?}, not a whole number"))
+        })
+    };
+    let (rank, size) = (
+        number("MLX_RANK", rank)?,
+        number("MLX_WORLD_SIZE", world_size)?,
+    );
+    if size < 2 {
+        return Err(EngineError::Distributed(format!(
+            "MLX_WORLD_SIZE is {size}: a group needs two or more ranks"
+        )));
+    }
+    if rank >= size {
+        return Err(EngineError::Distributed(format!(
+            "MLX_RANK is {rank}, but MLX_WORLD_SIZE is {size} (ranks 0 to {})",
+            size - 1
+        )));
+    }
+    if host.trim().is_empty() || host.chars().any(|c| c.is_whitespace() || c == '/') {
+        return Err(EngineError::Distributed(format!(
+            "NCCL_HOST_IP is {host:?}, not a host name or address"
+        )));
+    }
+    if !matches!(port.trim().parse::<u16>(), Ok(p) if p != 0) {
+        return Err(EngineError::Distributed(format!(
+            "NCCL_PORT is {port:?}, not a port from 1 to 65535"
+        )));
+    }
+    Ok(size)
 }
 
 /// Checks what MLX's ring backend reads at start (`MLX_RANK`, and the `MLX_HOSTFILE` it names)
@@ -568,6 +634,32 @@ impl Group {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every variable MLX's NCCL backend parses is checked first, each error naming it.
+    #[test]
+    fn an_nccl_environment_is_checked_before_mlx_reads_it() {
+        let good = (Some("1"), Some("2"), Some("10.0.0.1"), Some("6000"));
+        assert_eq!(
+            check_nccl_environment(good.0, good.1, good.2, good.3).unwrap(),
+            2
+        );
+        let error = |rank, size, host, port| {
+            check_nccl_environment(rank, size, host, port)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(error(None, good.1, good.2, good.3).contains("needs MLX_RANK"));
+        assert!(error(good.0, good.1, None, good.3).contains("NCCL_HOST_IP"));
+        assert!(error(Some("x"), good.1, good.2, good.3).contains("MLX_RANK is \"x\""));
+        assert!(error(good.0, Some("two"), good.2, good.3).contains("MLX_WORLD_SIZE is \"two\""));
+        assert!(error(good.0, Some("1"), good.2, good.3).contains("two or more ranks"));
+        assert!(error(Some("2"), good.1, good.2, good.3).contains("ranks 0 to 1"));
+        assert!(error(good.0, good.1, Some(" "), good.3).contains("not a host name"));
+        assert!(error(good.0, good.1, Some("a/b"), good.3).contains("not a host name"));
+        for port in ["0", "70000", "p"] {
+            assert!(error(good.0, good.1, good.2, Some(port)).contains("port from 1 to 65535"));
+        }
+    }
 
     #[test]
     fn a_ring_environment_is_checked_before_mlx_reads_it() {
