@@ -209,11 +209,15 @@ fn remote_command(
 /// machine, and `port`), `CUDA_VISIBLE_DEVICES` (the rank's GPU: the ranks of one machine take
 /// its GPUs in order, on this machine from the devices `visible` lists when it is set), and on a
 /// group of this machine alone `NCCL_SOCKET_IFNAME=lo` (as `mlx.launch` sets it). Errors when rank
-/// 0 is named as this machine while another host is not: the others could not reach it.
+/// 0 is named as this machine while another host is not (the others could not reach it), and
+/// when this machine's ranks would share a GPU (NCCL refuses two ranks of one device): more
+/// ranks than the devices `visible` lists, one listed twice, or more than its `gpus` (when
+/// known, and `visible` is not set).
 fn nccl_environments(
     hosts: &[Host],
     port: u16,
     visible: Option<&str>,
+    gpus: Option<usize>,
 ) -> anyhow::Result<Vec<Vec<(&'static str, String)>>> {
     if port == 0 {
         bail!("--starting-port 0: NCCL's ranks meet at that port on rank 0's host");
@@ -236,6 +240,26 @@ fn nccl_environments(
                 .collect()
         })
         .unwrap_or_default();
+    let local_ranks = hosts.iter().filter(|h| is_local(&h.address)).count();
+    // The devices this machine's ranks take.
+    let taken = &visible[..local_ranks.min(visible.len())];
+    if let Some(twice) = taken
+        .iter()
+        .enumerate()
+        .find_map(|(i, d)| taken[..i].contains(d).then_some(d))
+    {
+        bail!(
+            "--backend nccl: CUDA_VISIBLE_DEVICES lists device {twice} twice; NCCL needs a GPU \
+             of its own for each rank"
+        );
+    }
+    match gpus {
+        Some(gpus) if visible.is_empty() && local_ranks > gpus => bail!(
+            "--backend nccl: {local_ranks} ranks on this machine, which has {gpus} GPU(s); NCCL \
+             needs a GPU of its own for each rank"
+        ),
+        _ => {}
+    }
     let mut environments = Vec::with_capacity(hosts.len());
     for (rank, host) in hosts.iter().enumerate() {
         let same = |h: &Host| {
@@ -245,9 +269,8 @@ fn nccl_environments(
         let device = match (is_local(&host.address), visible.get(index)) {
             (true, Some(device)) => (*device).to_owned(),
             (true, None) if !visible.is_empty() => bail!(
-                "--backend nccl: {} ranks on this machine, but CUDA_VISIBLE_DEVICES lists {} \
-                 devices",
-                hosts.iter().filter(|h| is_local(&h.address)).count(),
+                "--backend nccl: {local_ranks} ranks on this machine, but CUDA_VISIBLE_DEVICES \
+                 lists {} devices",
                 visible.len()
             ),
             _ => index.to_string(),
@@ -265,6 +288,24 @@ fn nccl_environments(
         environments.push(env);
     }
     Ok(environments)
+}
+
+/// This machine's NVIDIA GPUs as `nvidia-smi -L` lists them (as `mlx.launch` counts them);
+/// `None` without `nvidia-smi`.
+fn local_gpus() -> Option<usize> {
+    let out = Command::new("nvidia-smi")
+        .arg("-L")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|out| out.status.success())?;
+    Some(
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter(|line| line.starts_with("GPU "))
+            .count(),
+    )
 }
 
 /// Starts one rank a host of `hosts` (rank 0 first) running this command, relays rank 0's
@@ -288,7 +329,8 @@ pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyh
     let (json, mut local, environments) = match backend {
         BackendArg::Nccl => {
             let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-            let environments = nccl_environments(&hosts, starting_port, visible.as_deref())?;
+            let environments =
+                nccl_environments(&hosts, starting_port, visible.as_deref(), local_gpus())?;
             (None, None, environments)
         }
         _ => {
@@ -602,7 +644,7 @@ mod tests {
             env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
         };
         let one_machine =
-            nccl_environments(&parse(&["localhost", "127.0.0.1"]), 6000, None).unwrap();
+            nccl_environments(&parse(&["localhost", "127.0.0.1"]), 6000, None, Some(2)).unwrap();
         for (rank, env) in one_machine.iter().enumerate() {
             assert_eq!(get(env, "MLX_RANK").unwrap(), rank.to_string());
             assert_eq!(get(env, "MLX_WORLD_SIZE").unwrap(), "2");
@@ -611,16 +653,26 @@ mod tests {
             assert_eq!(get(env, "CUDA_VISIBLE_DEVICES").unwrap(), rank.to_string());
             assert_eq!(get(env, "NCCL_SOCKET_IFNAME").unwrap(), "lo");
         }
-        let visible =
-            nccl_environments(&parse(&["127.0.0.1", "127.0.0.1"]), 6000, Some("2, 5")).unwrap();
+        let visible = nccl_environments(
+            &parse(&["127.0.0.1", "127.0.0.1"]),
+            6000,
+            Some("2, 5"),
+            Some(1),
+        )
+        .unwrap();
         assert_eq!(get(&visible[0], "CUDA_VISIBLE_DEVICES").unwrap(), "2");
         assert_eq!(get(&visible[1], "CUDA_VISIBLE_DEVICES").unwrap(), "5");
-        let short =
-            nccl_environments(&parse(&["127.0.0.1", "127.0.0.1"]), 6000, Some("3")).unwrap_err();
+        let short = nccl_environments(&parse(&["127.0.0.1", "127.0.0.1"]), 6000, Some("3"), None)
+            .unwrap_err();
         assert!(short.to_string().contains("lists 1 devices"), "{short}");
         // Two machines of two GPUs each: each machine's ranks count its GPUs from 0.
-        let two = nccl_environments(&parse(&["a@gpu1", "gpu2", "gpu1", "gpu2"]), 7000, Some("9"))
-            .unwrap();
+        let two = nccl_environments(
+            &parse(&["a@gpu1", "gpu2", "gpu1", "gpu2"]),
+            7000,
+            Some("9"),
+            Some(1),
+        )
+        .unwrap();
         let devices: Vec<String> = two
             .iter()
             .map(|e| get(e, "CUDA_VISIBLE_DEVICES").unwrap())
@@ -631,11 +683,24 @@ mod tests {
             assert_eq!(get(env, "NCCL_SOCKET_IFNAME"), None);
         }
         let unreachable =
-            nccl_environments(&parse(&["127.0.0.1", "gpu2"]), 7000, None).unwrap_err();
+            nccl_environments(&parse(&["127.0.0.1", "gpu2"]), 7000, None, None).unwrap_err();
         assert!(
             unreachable.to_string().contains("cannot reach"),
             "{unreachable}"
         );
-        assert!(nccl_environments(&parse(&["gpu1", "gpu2"]), 0, None).is_err());
+        assert!(nccl_environments(&parse(&["gpu1", "gpu2"]), 0, None, None).is_err());
+        // This machine's ranks may not share a GPU.
+        let two_local = parse(&["127.0.0.1", "localhost"]);
+        let one_gpu = nccl_environments(&two_local, 6000, None, Some(1)).unwrap_err();
+        assert!(
+            one_gpu.to_string().contains("which has 1 GPU(s)"),
+            "{one_gpu}"
+        );
+        let twice = nccl_environments(&two_local, 6000, Some("0,0"), Some(2)).unwrap_err();
+        assert!(twice.to_string().contains("device 0 twice"), "{twice}");
+        assert!(
+            nccl_environments(&two_local, 6000, None, None).is_ok(),
+            "GPUs unknown"
+        );
     }
 }

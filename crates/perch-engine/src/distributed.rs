@@ -132,6 +132,18 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
             backend.mlx_name()
         )));
     }
+    // NCCL's ranks run on GPUs: a rank that sees none (CUDA_VISIBLE_DEVICES naming a device
+    // its host lacks) would fail inside MLX without a word.
+    if backend == Backend::Nccl && crate::device::Backend::current() != crate::device::Backend::Cuda
+    {
+        return Err(EngineError::Distributed(format!(
+            "the NCCL backend runs on CUDA GPUs, and this rank sees none (CUDA_VISIBLE_DEVICES is \
+             {})",
+            std::env::var("CUDA_VISIBLE_DEVICES")
+                .map(|v| format!("{v:?}"))
+                .unwrap_or_else(|_| "not set".into())
+        )));
+    }
     // An MLX error from here on is reported to mlx-rs's handler (which one call of a guarded
     // mlx-rs operation installs), not MLX's default one, which exits the process.
     Array::from_int(0).eval()?;
