@@ -391,6 +391,28 @@ fn generate_with_an_image() {
     let without = generate_json(model, &prompt, 4, &[]);
     assert_eq!(generated_ids(&with).len(), 4);
     assert_eq!(generated_ids(&with), generated_ids(&again), "greedy, twice");
+    // Over two ranks started by one command (pipeline stages of 2 layers each): the batch
+    // engine over ranks, rank 0's request carrying the image's pixels to the other rank; the
+    // same ids as one process.
+    let port = consecutive_free_ports().to_string();
+    let divided = generate_json(
+        model,
+        &[&prompt[..], &["--image", image]].concat(),
+        4,
+        &[
+            "--distributed",
+            "pipeline",
+            "--hosts",
+            "127.0.0.1,127.0.0.1",
+            "--starting-port",
+            &port,
+        ],
+    );
+    assert_eq!(
+        generated_ids(&divided),
+        generated_ids(&with),
+        "over two ranks"
+    );
     let prompt_tokens = |lines: &[serde_json::Value]| {
         lines.last().unwrap()["stats"]["prompt_tokens"]
             .as_u64()
@@ -1739,6 +1761,18 @@ fn stand_in_ssh(dir: &std::path::Path) -> (String, PathBuf) {
     (path, logins)
 }
 
+/// A free port on 127.0.0.1 whose next one is free too (a ring group of two ranks started with
+/// `--hosts 127.0.0.1,127.0.0.1` listens on both).
+fn consecutive_free_ports() -> u16 {
+    loop {
+        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = first.local_addr().unwrap().port();
+        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
+            break port;
+        }
+    }
+}
+
 /// `perch generate --distributed --hosts`: this process starts the ranks itself, as `mlx.launch
 /// --hosts` does — on 127.0.0.1 directly, and on a host reached over `ssh` (a stand-in `ssh` on
 /// PATH that runs the command here, for the host 127.0.0.2) — and prints what one process
@@ -1748,14 +1782,7 @@ fn generate_starts_its_ranks_from_a_host_list() {
     let dir = tempfile::tempdir().unwrap();
     let model = test_model();
     let (path, logins) = stand_in_ssh(dir.path());
-    // Two free ports in a row from a free one.
-    let starting_port = loop {
-        let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = first.local_addr().unwrap().port();
-        if port < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", port + 1)).is_ok() {
-            break port;
-        }
-    };
+    let starting_port = consecutive_free_ports();
     let prompt = [
         "--prompt",
         "Name three colors.",

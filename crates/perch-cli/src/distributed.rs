@@ -132,3 +132,49 @@ pub fn load_part(dir: &Path, division: &Division) -> anyhow::Result<Box<dyn Mode
         )
     })
 }
+
+/// The batch engine over ranks (`perch serve --distributed`, `perch generate --distributed`
+/// with images): joins the group on `backend`, divided as `split` says. Rank 0 gets an engine
+/// over its part of the model in `dir`, whose batch every call of the other ranks follows. Any
+/// other rank loads its part (and the whole draft model of `config`, which every rank runs
+/// alike), follows rank 0's batch (`perch_engine::engine::follow`) until rank 0 stops, and gets
+/// `None`.
+pub fn engine(
+    dir: &Path,
+    split: Split,
+    backend: BackendArg,
+    config: perch_engine::EngineConfig,
+) -> anyhow::Result<Option<perch_engine::EngineHandle>> {
+    use perch_engine::EngineHandle;
+    let division = join(split, backend)?;
+    if division.rank() > 0 {
+        follow(dir, config.draft_model.as_deref(), &division)?;
+        return Ok(None);
+    }
+    let (load_dir, id) = (dir.to_path_buf(), EngineHandle::model_id(dir));
+    let engine = EngineHandle::spawn_with(config, id, move |_| {
+        let model = load_part(&load_dir, &division)
+            .map_err(|e| perch_engine::EngineError::Distributed(format!("{e:#}")))?;
+        let tokenizer = EngineHandle::tokenizer_for(&load_dir, model.as_ref())?;
+        Ok((model, tokenizer))
+    })
+    .with_context(|| format!("loading {}", dir.display()))?;
+    Ok(Some(engine))
+}
+
+/// A rank other than 0 of the batch engine over ranks ([`engine`]): its part of the model (and
+/// the whole `draft` model), making every call rank 0's batch makes until rank 0 stops.
+fn follow(dir: &Path, draft: Option<&Path>, division: &Division) -> anyhow::Result<()> {
+    let model = load_part(dir, division)?;
+    let tokenizer = perch_engine::Tokenizer::load(dir)
+        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    let draft = draft
+        .map(|d| {
+            models::load(d).with_context(|| format!("loading the draft model {}", d.display()))
+        })
+        .transpose()?;
+    eprintln!("rank {}: following rank 0's batch", division.rank());
+    let _wired = perch_engine::device::WiredLimit::raise();
+    perch_engine::engine::follow(model.as_ref(), draft.as_deref(), &tokenizer)
+        .with_context(|| format!("rank {}", division.rank()))
+}

@@ -273,9 +273,6 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     let messages = messages(&args)?;
     if let Some(messages) = messages.as_ref().filter(|m| has_images(m)) {
-        if args.group.distributed.is_some() {
-            bail!("--distributed runs text only: images are not divided over ranks yet");
-        }
         return run_with_images(&args, messages.clone());
     }
     if args.group.distributed.is_some() && args.options.draft.draft_model.is_some() {
@@ -416,8 +413,23 @@ fn run_with_images(args: &GenerateArgs, messages: Vec<ChatMessage>) -> anyhow::R
     }
     let dir = model_dir::resolve(args.model.clone())?;
     let _wired = perch_engine::device::WiredLimit::raise();
-    let engine = EngineHandle::load(&dir, EngineConfig::default())
-        .with_context(|| format!("loading the model in {}", dir.display()))?;
+    let engine = match args.group.distributed {
+        None => EngineHandle::load(&dir, EngineConfig::default())
+            .with_context(|| format!("loading the model in {}", dir.display()))?,
+        // Over ranks, through the batch engine as `perch serve --distributed` runs it: rank 0's
+        // request carries the image's pixels to the other ranks, which print nothing.
+        Some(split) => {
+            match crate::distributed::engine(
+                &dir,
+                split,
+                args.group.backend,
+                EngineConfig::default(),
+            )? {
+                Some(engine) => engine,
+                None => return Ok(()),
+            }
+        }
+    };
     let stream = engine.submit(EngineRequest {
         prompt: Prompt::Chat(messages),
         params: args.options.request(Vec::new()),

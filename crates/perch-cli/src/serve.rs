@@ -158,22 +158,16 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
     let engine = match args.group.distributed {
-        None => EngineHandle::load(&dir, engine_config),
+        None => EngineHandle::load(&dir, engine_config)
+            .with_context(|| format!("loading {}", dir.display()))?,
         Some(split) => {
-            let division = crate::distributed::join(split, args.group.backend)?;
-            if division.rank() > 0 {
-                return follow(&dir, engine_config.draft_model.as_deref(), &division);
+            match crate::distributed::engine(&dir, split, args.group.backend, engine_config)? {
+                Some(engine) => engine,
+                // Another rank than 0: it followed rank 0's batch until rank 0 stopped.
+                None => return Ok(()),
             }
-            let (load_dir, id) = (dir.clone(), EngineHandle::model_id(&dir));
-            EngineHandle::spawn_with(engine_config, id, move |_| {
-                let model = crate::distributed::load_part(&load_dir, &division)
-                    .map_err(|e| perch_engine::EngineError::Distributed(format!("{e:#}")))?;
-                let tokenizer = EngineHandle::tokenizer_for(&load_dir, model.as_ref())?;
-                Ok((model, tokenizer))
-            })
         }
-    }
-    .with_context(|| format!("loading {}", dir.display()))?;
+    };
     let config = ServerConfig {
         model_aliases: aliases,
         any_model_name: args.any_model_name,
@@ -243,29 +237,6 @@ async fn group_stopped(engine: &EngineHandle) -> String {
         }
         tokio::time::sleep(GROUP_WATCH_INTERVAL).await;
     }
-}
-
-/// A rank other than 0 of `perch serve --distributed`: its part of the model (and the whole
-/// `draft` model, which every rank runs alike), making every call rank 0's batch makes
-/// (`perch_engine::engine::follow`) until rank 0 stops.
-fn follow(
-    dir: &std::path::Path,
-    draft: Option<&std::path::Path>,
-    division: &perch_engine::distributed::Division,
-) -> anyhow::Result<()> {
-    let model = crate::distributed::load_part(dir, division)?;
-    let tokenizer = perch_engine::Tokenizer::load(dir)
-        .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let draft = draft
-        .map(|d| {
-            perch_engine::models::load(d)
-                .with_context(|| format!("loading the draft model {}", d.display()))
-        })
-        .transpose()?;
-    eprintln!("rank {}: following rank 0's batch", division.rank());
-    let _wired = perch_engine::device::WiredLimit::raise();
-    perch_engine::engine::follow(model.as_ref(), draft.as_deref(), &tokenizer)
-        .with_context(|| format!("rank {}", division.rank()))
 }
 
 #[cfg(test)]
