@@ -273,7 +273,7 @@ impl PipelineParallel {
 pub fn layer_period<T: PartialEq>(kinds: &[T]) -> usize {
     let n = kinds.len();
     (1..=n)
-        .find(|&p| n % p == 0 && (p..n).all(|i| kinds[i] == kinds[i % p]))
+        .find(|&p| n.is_multiple_of(p) && (p..n).all(|i| kinds[i] == kinds[i % p]))
         .unwrap_or(n.max(1))
 }
 
@@ -307,10 +307,11 @@ fn stage_layers(
             "{num_layers} layers cannot be split into {size} stages"
         )));
     }
-    let period = match period > 0 && num_layers % period == 0 && num_layers / period >= size {
-        true => period,
-        false => 1,
-    };
+    let period =
+        match period > 0 && num_layers.is_multiple_of(period) && num_layers / period >= size {
+            true => period,
+            false => 1,
+        };
     let runs = num_layers / period;
     let (base, extra) = (runs / size, runs % size);
     let held = |r: usize| (base + usize::from(r < extra)) * period;
