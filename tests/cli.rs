@@ -1674,13 +1674,7 @@ fn serve_divided_over_two_ranks() {
     // (speculative decoding in the divided batch), answers the greedy requests alike (a sampled
     // one draws otherwise with a draft, as mlx_lm's speculative sampling does); terminated, it
     // ends its ranks.
-    let starting_port = (20_000..60_000u16)
-        .step_by(97)
-        .find(|&p| {
-            let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
-            free(p) && free(p + 1)
-        })
-        .unwrap();
+    let starting_port = consecutive_free_ports();
     let marker = format!("marker-{}", std::process::id());
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_perch"))
         .args([
@@ -1806,16 +1800,34 @@ fn generate_starts_its_ranks_from_a_host_list() {
     // where it runs) go here, to be found if they are left behind.
     let temporary = dir.path().join("tmp");
     std::fs::create_dir(&temporary).unwrap();
-    let launch = |hosts: &str, split: &str| {
+    let launch_with = |hosts: &str, split: &str, backend: &str| {
         Command::new(env!("CARGO_BIN_EXE_perch"))
             .args(["generate", "--model", &model])
             .args(prompt)
-            .args(["--distributed", split, "--hosts", hosts])
+            .args([
+                "--distributed",
+                split,
+                "--backend",
+                backend,
+                "--hosts",
+                hosts,
+            ])
             .args(["--starting-port", &starting_port.to_string()])
             .env("PATH", &path)
             .env("TMPDIR", &temporary)
+            .env_remove("CUDA_VISIBLE_DEVICES")
             .output()
             .unwrap()
+    };
+    let launch = |hosts: &str, split: &str| launch_with(hosts, split, "ring");
+    // The launch ended with a rank's failure, `said` among what the ranks wrote.
+    let group_failed = |out: &std::process::Output, said: &str| -> String {
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.contains(said), "{stderr}");
+        assert!(stderr.contains(": the group stopped"), "{stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        stderr
     };
     // What is there but MLX's own folder of compiled CPU kernels.
     let left_behind = || -> Vec<String> {
@@ -1844,17 +1856,11 @@ fn generate_starts_its_ranks_from_a_host_list() {
     );
     // Both ranks refuse to divide 9 heads over 2: the launch ends with the first one's failure.
     let failed = launch("127.0.0.1,127.0.0.1", "tensor");
-    let stderr = String::from_utf8_lossy(&failed.stderr);
-    assert_eq!(failed.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("9 query heads cannot be divided"),
-        "{stderr}"
-    );
+    let stderr = group_failed(&failed, "9 query heads cannot be divided");
     assert!(
         stderr.contains("exited with status 1: the group stopped"),
         "{stderr}"
     );
-    assert!(!stderr.contains("panicked"), "{stderr}");
     for (hosts, needle) in [
         ("127.0.0.1", "two hosts or more"),
         ("127.0.0.1,a;b", "\"a;b\" is not a host name"),
@@ -1866,38 +1872,15 @@ fn generate_starts_its_ranks_from_a_host_list() {
     // NCCL_PORT) and a GPU; a rank's environment passes Perch's check (which names a bad
     // variable), and then this CPU build of MLX has no NCCL backend: the launch ends with that
     // (the first rank to fail ends the other, which may not have printed its own yet).
-    let nccl = |hosts: &str| {
-        Command::new(env!("CARGO_BIN_EXE_perch"))
-            .args(["generate", "--model", &model])
-            .args(prompt)
-            .args([
-                "--distributed",
-                "tensor",
-                "--backend",
-                "nccl",
-                "--hosts",
-                hosts,
-            ])
-            .args(["--starting-port", &starting_port.to_string()])
-            .env("PATH", &path)
-            .env("TMPDIR", &temporary)
-            .env_remove("CUDA_VISIBLE_DEVICES")
-            .output()
-            .unwrap()
-    };
-    let out = nccl("127.0.0.2,127.0.0.1");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(
-        stderr.contains("this build of MLX has no nccl backend"),
-        "{stderr}"
+    let nccl = |hosts: &str| launch_with(hosts, "tensor", "nccl");
+    let stderr = group_failed(
+        &nccl("127.0.0.2,127.0.0.1"),
+        "this build of MLX has no nccl backend",
     );
     assert!(
         !stderr.contains("MLX_") && !stderr.contains("NCCL_"),
         "{stderr}"
     );
-    assert!(stderr.contains(": the group stopped"), "{stderr}");
-    assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(
         std::fs::read_to_string(&logins).unwrap(),
         "127.0.0.2\n127.0.0.2\n",
