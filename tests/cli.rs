@@ -1888,6 +1888,50 @@ fn generate_starts_its_ranks_from_a_host_list() {
     );
     // Rank 0 named as this machine, another host elsewhere: refused before any rank starts.
     assert_clean_error(&nccl("127.0.0.1,127.0.0.2"), "cannot reach");
+    // `--hostfile` in mlx.launch's format: ring over each host's "ips" (rank 1 through ssh),
+    // with the file's variables; what one process prints.
+    let hostfile = dir.path().join("hosts.json");
+    let from_file = |text: &str, split: &str| {
+        std::fs::write(&hostfile, text).unwrap();
+        Command::new(env!("CARGO_BIN_EXE_perch"))
+            .args(["generate", "--model", &model])
+            .args(prompt)
+            .args(["--distributed", split, "--hostfile"])
+            .arg(&hostfile)
+            .args(["--starting-port", &starting_port.to_string()])
+            .env("PATH", &path)
+            .env("TMPDIR", &temporary)
+            .output()
+            .unwrap()
+    };
+    let ring = from_file(
+        r#"{"envs": ["MLX_RING_VERBOSE=0"], "hosts": [{"ssh": "127.0.0.1"},
+            {"ssh": "127.0.0.2", "ips": ["127.0.0.2"]}]}"#,
+        "pipeline",
+    );
+    assert!(
+        ring.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ring.stderr)
+    );
+    assert_eq!(lines(&ring.stdout), lines(&one.stdout), "--hostfile");
+    // JACCL from the file: each rank's coordinator and devices file pass its check (the remote
+    // rank removes its copy of the file), then this build of MLX has no JACCL.
+    let jaccl = from_file(
+        r#"{"backend": "jaccl", "hosts": [
+            {"ssh": "127.0.0.2", "ips": ["127.0.0.2"], "rdma": [null, "rdma_en3"]},
+            {"ssh": "127.0.0.1", "rdma": ["rdma_en3", null]}]}"#,
+        "tensor",
+    );
+    let stderr = group_failed(&jaccl, "this build of MLX has no jaccl backend");
+    assert!(!stderr.contains("MLX_"), "{stderr}");
+    let bad = from_file(r#"{"hosts": [{"ssh": "a;b"}]}"#, "tensor");
+    assert_clean_error(&bad, "host 0");
+    assert_eq!(
+        std::fs::read_to_string(&logins).unwrap().lines().count(),
+        4,
+        "127.0.0.2 reached over ssh for --hosts (ring, NCCL) and for the hostfiles (ring, JACCL)"
+    );
     assert_eq!(
         left_behind(),
         Vec::<String>::new(),

@@ -22,7 +22,7 @@ pub enum Split {
 }
 
 /// MLX's distributed backend the group runs on.
-#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, clap::ValueEnum)]
 pub enum BackendArg {
     /// TCP between the hosts of `MLX_HOSTFILE`.
     Ring,
@@ -54,31 +54,52 @@ pub struct DistributedArgs {
     /// prints (`generate`) or serves (`serve`).
     #[arg(long, value_enum)]
     pub distributed: Option<Split>,
-    /// The backend `--distributed` runs on.
-    #[arg(long, value_enum, default_value_t = BackendArg::Ring, requires = "distributed")]
-    pub backend: BackendArg,
+    /// The backend `--distributed` runs on (default: a --hostfile's, else ring).
+    #[arg(long, value_enum, requires = "distributed")]
+    pub backend: Option<BackendArg>,
     /// With --distributed: start every rank from here, one a host of this comma-separated list
     /// (rank 0 first; a host may be named twice), as `mlx.launch --hosts` does for the ring and
-    /// NCCL backends: on this machine for `localhost` and `127.0.0.1`, over `ssh` (key-based, the
-    /// same `perch` path on every host) elsewhere. With NCCL the ranks of a host take its GPUs in
-    /// order.
-    #[arg(long, value_delimiter = ',', requires = "distributed")]
+    /// NCCL backends (JACCL needs --hostfile's RDMA devices): on this machine for `localhost` and
+    /// `127.0.0.1`, over `ssh` (key-based, the same `perch` path on every host) elsewhere. With
+    /// NCCL the ranks of a host take its GPUs in order.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        requires = "distributed",
+        group = "launch"
+    )]
     pub hosts: Vec<String>,
-    /// With --hosts: rank r listens on this port plus r (ring); the ranks meet at this port on
-    /// rank 0's host (NCCL).
-    #[arg(long, default_value_t = 32323, requires = "hosts")]
+    /// With --distributed: start every rank from here, one a host of this hostfile in
+    /// mlx.launch's format (what `mlx.distributed_config` writes: `{"backend": …, "envs": […],
+    /// "hosts": [{"ssh": …, "ips": […], "rdma": […]}, …]}`), as `mlx.launch --hostfile` does for
+    /// the ring, JACCL and NCCL backends.
+    #[arg(long, requires = "distributed", group = "launch")]
+    pub hostfile: Option<std::path::PathBuf>,
+    /// With --hosts or --hostfile: rank r listens on this port plus r (ring; each address of a
+    /// hostfile's on the next port); the ranks meet at this port on rank 0's host (JACCL, NCCL).
+    #[arg(long, default_value_t = 32323, requires = "launch")]
     pub starting_port: u16,
 }
 
 impl DistributedArgs {
-    /// Whether this command starts the group's ranks (`--hosts`) rather than being one.
+    /// Whether this command starts the group's ranks (`--hosts`, `--hostfile`) rather than
+    /// being one.
     pub fn launches(&self) -> bool {
-        !self.hosts.is_empty()
+        !self.hosts.is_empty() || self.hostfile.is_some()
+    }
+
+    /// The backend a rank runs on (a launch passes its own choice to every rank).
+    pub fn backend(&self) -> BackendArg {
+        self.backend.unwrap_or(BackendArg::Ring)
     }
 
     /// Starts the group's ranks and waits for them ([`crate::launch::launch`]).
     pub fn launch(&self) -> anyhow::Result<()> {
-        crate::launch::launch(&self.hosts, self.starting_port, self.backend)
+        let group = match &self.hostfile {
+            Some(path) => crate::launch::GroupSpec::File(path),
+            None => crate::launch::GroupSpec::List(&self.hosts),
+        };
+        crate::launch::launch(group, self.starting_port, self.backend)
     }
 }
 

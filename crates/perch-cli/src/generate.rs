@@ -284,7 +284,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let tokenizer = Tokenizer::load(&dir)
                 .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
             let (model, rank, seed) =
-                distributed::load(&dir, split, args.group.backend, args.options.seed)?;
+                distributed::load(&dir, split, args.group.backend(), args.options.seed)?;
             (model, tokenizer, rank, Some(seed))
         }
         None => {
@@ -422,7 +422,7 @@ fn run_with_images(args: &GenerateArgs, messages: Vec<ChatMessage>) -> anyhow::R
             match crate::distributed::engine(
                 &dir,
                 split,
-                args.group.backend,
+                args.group.backend(),
                 EngineConfig::default(),
             )? {
                 Some(engine) => engine,

@@ -21,37 +21,156 @@ use anyhow::{bail, Context};
 
 use crate::distributed::BackendArg;
 
-/// Where a rank runs: `ssh`'s destination (`user@host` or `host`) and the address MLX listens
-/// on (`host`).
+/// Where a rank runs: `ssh`'s destination (`user@host` or `host`), the host's name or address
+/// (`host`: this machine when it is `localhost` or `127.0.0.1`), and from a hostfile the
+/// addresses its rank listens on (`ips`: ring's, and where the others meet rank 0; `host`
+/// when none are given) and the RDMA device reaching each other rank (`rdma`, JACCL's).
 #[derive(Debug, PartialEq)]
 struct Host {
     login: String,
     address: String,
+    ips: Vec<String>,
+    rdma: Vec<Option<String>>,
+}
+
+impl Host {
+    /// The addresses this host's rank listens on: its hostfile `ips`, else its name.
+    fn listens_on(&self) -> Vec<&str> {
+        match self.ips.is_empty() {
+            true => vec![self.address.as_str()],
+            false => self.ips.iter().map(String::as_str).collect(),
+        }
+    }
+}
+
+/// A name or IPv4 address of letters, digits, `.`, `-` and `_`, not starting with `-` (which
+/// `ssh` would read as an option).
+fn is_plain(s: &str) -> bool {
+    !s.is_empty()
+        && !s.starts_with('-')
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
 }
 
 /// `host` or `user@host`, each a name or IPv4 address of letters, digits, `.`, `-` and `_`
 /// (MLX's ring splits an address at its first colon, and nothing here passes through a shell
 /// unquoted).
 fn parse_host(spec: &str) -> anyhow::Result<Host> {
-    // Not starting with `-`, which `ssh` would read as an option.
-    let plain = |s: &str| {
-        !s.is_empty()
-            && !s.starts_with('-')
-            && s.chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
-    };
     let address = match spec.split_once('@') {
-        Some((user, address)) if plain(user) => address,
+        Some((user, address)) if is_plain(user) => address,
         Some(_) => "",
         None => spec,
     };
-    if !plain(address) {
+    if !is_plain(address) {
         bail!("--hosts: {spec:?} is not a host name or IPv4 address (or user@host)");
     }
     Ok(Host {
         login: spec.to_owned(),
         address: address.to_owned(),
+        ips: Vec::new(),
+        rdma: Vec::new(),
     })
+}
+
+/// A group read from a hostfile in `mlx.launch`'s format (what `mlx.distributed_config`
+/// writes): `{"backend": …, "envs": ["NAME=value", …], "hosts": [{"ssh": …, "ips": [...],
+/// "rdma": [...]}, …]}`, or the list of hosts alone. Rank `r` runs on the `r`th host.
+#[derive(Debug, PartialEq)]
+pub struct Hostfile {
+    hosts: Vec<Host>,
+    /// The backend the file names, if any.
+    pub backend: Option<BackendArg>,
+    envs: Vec<(String, String)>,
+}
+
+impl Hostfile {
+    /// Reads and checks `path`: every host's `ssh` a host (or `user@host`), its `ips` names or
+    /// IPv4 addresses, its `rdma` device names; the `envs` `NAME=value` with a plain name; a
+    /// backend MLX has. Errors name the file and what is wrong.
+    pub fn read(path: &std::path::Path) -> anyhow::Result<Hostfile> {
+        let text =
+            perch_engine::limits::read_text_capped(path, perch_engine::limits::MAX_CONFIG_BYTES)
+                .with_context(|| format!("--hostfile {}", path.display()))?;
+        Self::parse(&text).with_context(|| format!("--hostfile {}", path.display()))
+    }
+
+    fn parse(text: &str) -> anyhow::Result<Hostfile> {
+        #[derive(serde::Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Entry {
+            ssh: String,
+            #[serde(default)]
+            ips: Vec<String>,
+            #[serde(default)]
+            rdma: Vec<Option<String>>,
+        }
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum File {
+            Full {
+                #[serde(default)]
+                backend: String,
+                #[serde(default)]
+                envs: Vec<String>,
+                hosts: Vec<Entry>,
+            },
+            Hosts(Vec<Entry>),
+        }
+        let file: File = serde_json::from_str(text).map_err(|_| {
+            anyhow::anyhow!(
+                "not mlx.launch's hostfile: a JSON list of hosts, or an object with \
+                 \"hosts\" (each {{\"ssh\": …, \"ips\": […], \"rdma\": […]}}) and \
+                 optionally \"backend\" and \"envs\""
+            )
+        })?;
+        let (backend, envs, entries) = match file {
+            File::Full {
+                backend,
+                envs,
+                hosts,
+            } => (backend, envs, hosts),
+            File::Hosts(hosts) => (String::new(), Vec::new(), hosts),
+        };
+        let backend = match backend.as_str() {
+            "" => None,
+            name => Some(
+                <BackendArg as clap::ValueEnum>::from_str(name, false).map_err(|_| {
+                    anyhow::anyhow!("\"backend\": {name:?} is not ring, jaccl, mpi or nccl")
+                })?,
+            ),
+        };
+        let envs = envs
+            .iter()
+            .map(|e| {
+                let named = e.split_once('=').filter(|(name, _)| {
+                    !name.is_empty()
+                        && !name.starts_with(|c: char| c.is_ascii_digit())
+                        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+                });
+                named
+                    .map(|(name, value)| (name.to_owned(), value.to_owned()))
+                    .with_context(|| format!("\"envs\": {e:?} is not NAME=value"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut hosts = Vec::with_capacity(entries.len());
+        for (rank, entry) in entries.into_iter().enumerate() {
+            let mut host = parse_host(&entry.ssh).with_context(|| format!("host {rank}"))?;
+            if let Some(ip) = entry.ips.iter().find(|ip| !is_plain(ip)) {
+                bail!("host {rank}: {ip:?} is not a host name or IPv4 address");
+            }
+            if let Some(device) = entry.rdma.iter().flatten().find(|d| !is_plain(d)) {
+                bail!("host {rank}: {device:?} is not an RDMA device name");
+            }
+            host.ips = entry.ips;
+            host.rdma = entry.rdma;
+            hosts.push(host);
+        }
+        Ok(Hostfile {
+            hosts,
+            backend,
+            envs,
+        })
+    }
 }
 
 /// A host this process starts its rank on directly.
@@ -66,26 +185,32 @@ fn is_local(address: &str) -> bool {
 /// macOS, `MemTotal` of `/proc/meminfo` on Linux). Errors name a host that is not a host name
 /// or whose memory could not be read.
 pub fn group_memory(hosts: &[String]) -> anyhow::Result<Vec<(u64, usize)>> {
-    machines(hosts)?
+    let hosts = hosts
+        .iter()
+        .map(|h| parse_host(h))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    machines(&hosts)
         .iter()
         .map(|(host, ranks)| Ok((memory_bytes(host)?, *ranks)))
         .collect()
 }
 
-/// The machines of a `--hosts` list and the ranks each runs ([`group_memory`]).
-fn machines(hosts: &[String]) -> anyhow::Result<Vec<(Host, usize)>> {
-    let mut machines: Vec<(Host, usize)> = Vec::new();
-    for spec in hosts {
-        let host = parse_host(spec)?;
-        let same = |h: &Host| {
-            h.address == host.address || (is_local(&h.address) && is_local(&host.address))
-        };
-        match machines.iter_mut().find(|(h, _)| same(h)) {
+/// Whether two hosts are one machine: the same name, or both this one.
+fn same_machine(a: &Host, b: &Host) -> bool {
+    a.address == b.address || (is_local(&a.address) && is_local(&b.address))
+}
+
+/// The machines of a group and the ranks each runs ([`group_memory`]), in order of first
+/// mention.
+fn machines(hosts: &[Host]) -> Vec<(&Host, usize)> {
+    let mut machines: Vec<(&Host, usize)> = Vec::new();
+    for host in hosts {
+        match machines.iter_mut().find(|(h, _)| same_machine(h, host)) {
             Some((_, ranks)) => *ranks += 1,
             None => machines.push((host, 1)),
         }
     }
-    Ok(machines)
+    machines
 }
 
 /// `host`'s RAM in bytes ([`group_memory`]).
@@ -126,25 +251,40 @@ fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
         })
 }
 
-/// The ring backend's hostfile for `hosts`: rank `r` at `address:starting_port + r`.
+/// The ring backend's hostfile for `hosts`: each rank's addresses ([`Host::listens_on`]) in
+/// rank order, each on the next port from `starting_port` (rank `r` at `starting_port + r` when
+/// each has one, as `mlx.launch` numbers them).
 fn hostfile(hosts: &[Host], starting_port: u16) -> anyhow::Result<String> {
-    let last = usize::from(starting_port) + hosts.len() - 1;
+    let count: usize = hosts.iter().map(|h| h.listens_on().len()).sum();
+    let last = usize::from(starting_port) + count - 1;
     if starting_port == 0 || last > usize::from(u16::MAX) {
         bail!(
             "--starting-port {starting_port}: the ranks need ports {starting_port} to {last}, \
              within 1 to 65535"
         );
     }
+    let mut port = usize::from(starting_port);
     let addresses: Vec<Vec<String>> = hosts
         .iter()
-        .enumerate()
-        .map(|(r, h)| vec![format!("{}:{}", h.address, usize::from(starting_port) + r)])
+        .map(|h| {
+            h.listens_on()
+                .into_iter()
+                .map(|ip| {
+                    port += 1;
+                    format!("{ip}:{}", port - 1)
+                })
+                .collect()
+        })
         .collect();
     Ok(serde_json::to_string(&addresses)?)
 }
 
-/// This command's arguments without `--hosts` and `--starting-port`: what every rank runs.
-fn rank_args(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
+/// The launch's own flags, which ranks do not get (`--backend` is given to them as resolved).
+const LAUNCH_FLAGS: [&str; 4] = ["--hosts", "--hostfile", "--starting-port", "--backend"];
+
+/// This command's arguments without the launch's flags, then `--backend backend`: what every
+/// rank runs.
+fn rank_args(args: impl Iterator<Item = OsString>, backend: BackendArg) -> Vec<OsString> {
     let mut kept = Vec::new();
     let mut skip_value = false;
     for arg in args {
@@ -152,21 +292,35 @@ fn rank_args(args: impl Iterator<Item = OsString>) -> Vec<OsString> {
             continue;
         }
         let text = arg.to_string_lossy();
-        if text == "--hosts" || text == "--starting-port" {
+        if LAUNCH_FLAGS.contains(&text.as_ref()) {
             skip_value = true;
-        } else if !(text.starts_with("--hosts=") || text.starts_with("--starting-port=")) {
+        } else if !LAUNCH_FLAGS
+            .iter()
+            .any(|flag| text.starts_with(&format!("{flag}=")))
+        {
             kept.push(arg);
         }
     }
+    let name = clap::ValueEnum::to_possible_value(&backend).expect("every backend has a name");
+    kept.extend(["--backend".into(), name.get_name().into()]);
     kept
 }
 
-/// The command `ssh` runs for a rank on a remote host: `sh` setting the rank's environment
-/// `env` and running `exe args`; with a ring `hostfile`, first writing it to a temporary file
-/// there, named by `MLX_HOSTFILE` (and the rank removes that file once MLX has read it).
+/// What a rank's process is given: environment variables, and files it reads, each named by
+/// a variable (on this machine a temporary file of the launcher's; on another host one the
+/// rank writes there and removes once MLX has read it).
+#[derive(Debug, Default, PartialEq)]
+struct RankSetup {
+    env: Vec<(String, String)>,
+    files: Vec<(&'static str, String)>,
+}
+
+/// The command `ssh` runs for a rank on a remote host: `sh` writing each of `setup`'s files to
+/// a temporary file there, then running `exe args` with the rank's environment and each file's
+/// variable naming its file (and `PERCH_HOSTFILE_IS_TEMPORARY=1`, so that the rank removes
+/// them once MLX has read them).
 fn remote_command(
-    env: &[(&str, String)],
-    hostfile: Option<&str>,
+    setup: &RankSetup,
     exe: &std::path::Path,
     args: &[OsString],
 ) -> anyhow::Result<String> {
@@ -180,18 +334,21 @@ fn remote_command(
             .with_context(|| format!("{s:?} is not UTF-8: it cannot be passed over ssh"))
     }
     let mut command = String::new();
-    if let Some(hostfile) = hostfile {
+    for (i, (_, content)) in setup.files.iter().enumerate() {
         command.push_str(&format!(
-            "f=$(mktemp) && printf '%s' {} > \"$f\" && ",
-            quote(hostfile)?
+            "f{i}=$(mktemp) && printf '%s' {} > \"$f{i}\" && ",
+            quote(content)?
         ));
     }
-    for (name, value) in env {
+    for (name, value) in &setup.env {
         command.push_str(&format!("{name}={} ", quote(value)?));
     }
-    if hostfile.is_some() {
+    for (i, (name, _)) in setup.files.iter().enumerate() {
+        command.push_str(&format!("{name}=\"$f{i}\" "));
+    }
+    if !setup.files.is_empty() {
         command.push_str(&format!(
-            "MLX_HOSTFILE=\"$f\" {}=1 ",
+            "{}=1 ",
             perch_engine::distributed::HOSTFILE_IS_TEMPORARY
         ));
     }
@@ -204,6 +361,58 @@ fn remote_command(
     Ok(format!("sh -c {}", quote(&command)?))
 }
 
+/// Where the other ranks meet rank 0 (NCCL, JACCL): its first address ([`Host::listens_on`]),
+/// `127.0.0.1` for this machine. Errors when that is this machine while another host is not:
+/// the others could not reach it.
+fn meeting_address(hosts: &[Host], backend: &str) -> anyhow::Result<String> {
+    let first = hosts[0].listens_on()[0];
+    match is_local(first) {
+        true if !hosts.iter().all(|h| is_local(&h.address)) => bail!(
+            "--backend {backend}: rank 0 is reached at {first:?}, which the other hosts cannot \
+             reach: name it by an address they reach"
+        ),
+        true => Ok("127.0.0.1".to_owned()),
+        false => Ok(first.to_owned()),
+    }
+}
+
+/// Each rank's setup for JACCL (`mlx.launch`'s): `MLX_RANK`, `MLX_JACCL_COORDINATOR` (rank 0's
+/// address and `port`) and `MLX_IBV_DEVICES`, a file of every host's `rdma` list (the device
+/// reaching each other rank, none for itself). Errors when the hosts' lists do not make that
+/// square: one device for every other rank, none for its own.
+fn jaccl_setups(hosts: &[Host], port: u16) -> anyhow::Result<Vec<RankSetup>> {
+    if port == 0 {
+        bail!("--starting-port 0: JACCL's ranks meet at that port on rank 0's host");
+    }
+    for (rank, host) in hosts.iter().enumerate() {
+        let square = host.rdma.len() == hosts.len()
+            && host
+                .rdma
+                .iter()
+                .enumerate()
+                .all(|(other, device)| device.is_some() == (other != rank));
+        if !square {
+            bail!(
+                "--backend jaccl: host {rank}'s \"rdma\" must name the device reaching each of \
+                 the {} other hosts, and null for itself (mlx.distributed_config writes them)",
+                hosts.len() - 1
+            );
+        }
+    }
+    let coordinator = format!("{}:{port}", meeting_address(hosts, "jaccl")?);
+    let devices: Vec<&Vec<Option<String>>> = hosts.iter().map(|h| &h.rdma).collect();
+    let devices = serde_json::to_string(&devices)?;
+    Ok((0..hosts.len())
+        .map(|rank| RankSetup {
+            env: vec![
+                ("MLX_RANK".into(), rank.to_string()),
+                ("MLX_JACCL_COORDINATOR".into(), coordinator.clone()),
+            ],
+            files: vec![("MLX_IBV_DEVICES", devices.clone())],
+        })
+        .collect())
+}
+
 /// Each rank's environment for NCCL (`hosts` rank 0 first): `MLX_RANK`, `MLX_WORLD_SIZE`,
 /// `NCCL_HOST_IP` and `NCCL_PORT` (where the ranks meet: rank 0's address, `127.0.0.1` for this
 /// machine, and `port`), `CUDA_VISIBLE_DEVICES` (the rank's GPU: the ranks of one machine take
@@ -213,25 +422,17 @@ fn remote_command(
 /// when this machine's ranks would share a GPU (NCCL refuses two ranks of one device): more
 /// ranks than the devices `visible` lists, one listed twice, or more than its `gpus` (when
 /// known, and `visible` is not set).
-fn nccl_environments(
+fn nccl_setups(
     hosts: &[Host],
     port: u16,
     visible: Option<&str>,
     gpus: Option<usize>,
-) -> anyhow::Result<Vec<Vec<(&'static str, String)>>> {
+) -> anyhow::Result<Vec<RankSetup>> {
     if port == 0 {
         bail!("--starting-port 0: NCCL's ranks meet at that port on rank 0's host");
     }
     let all_local = hosts.iter().all(|h| is_local(&h.address));
-    let meet = match is_local(&hosts[0].address) {
-        true if !all_local => bail!(
-            "--backend nccl: rank 0 is named {:?}, which the other hosts cannot reach: name it by \
-             an address they reach",
-            hosts[0].login
-        ),
-        true => "127.0.0.1".to_owned(),
-        false => hosts[0].address.clone(),
-    };
+    let meet = meeting_address(hosts, "nccl")?;
     let visible: Vec<&str> = visible
         .map(|v| {
             v.split(',')
@@ -260,12 +461,12 @@ fn nccl_environments(
         ),
         _ => {}
     }
-    let mut environments = Vec::with_capacity(hosts.len());
+    let mut setups = Vec::with_capacity(hosts.len());
     for (rank, host) in hosts.iter().enumerate() {
-        let same = |h: &Host| {
-            h.address == host.address || (is_local(&h.address) && is_local(&host.address))
-        };
-        let index = hosts[..rank].iter().filter(|h| same(h)).count();
+        let index = hosts[..rank]
+            .iter()
+            .filter(|h| same_machine(h, host))
+            .count();
         let device = match (is_local(&host.address), visible.get(index)) {
             (true, Some(device)) => (*device).to_owned(),
             (true, None) if !visible.is_empty() => bail!(
@@ -275,19 +476,22 @@ fn nccl_environments(
             ),
             _ => index.to_string(),
         };
-        let mut env = vec![
-            ("MLX_RANK", rank.to_string()),
-            ("MLX_WORLD_SIZE", hosts.len().to_string()),
-            ("NCCL_HOST_IP", meet.clone()),
-            ("NCCL_PORT", port.to_string()),
-            ("CUDA_VISIBLE_DEVICES", device),
+        let mut env: Vec<(String, String)> = vec![
+            ("MLX_RANK".into(), rank.to_string()),
+            ("MLX_WORLD_SIZE".into(), hosts.len().to_string()),
+            ("NCCL_HOST_IP".into(), meet.clone()),
+            ("NCCL_PORT".into(), port.to_string()),
+            ("CUDA_VISIBLE_DEVICES".into(), device),
         ];
         if all_local {
-            env.push(("NCCL_SOCKET_IFNAME", "lo".to_owned()));
+            env.push(("NCCL_SOCKET_IFNAME".into(), "lo".into()));
         }
-        environments.push(env);
+        setups.push(RankSetup {
+            env,
+            files: Vec::new(),
+        });
     }
-    Ok(environments)
+    Ok(setups)
 }
 
 /// This machine's NVIDIA GPUs as `nvidia-smi -L` lists them (as `mlx.launch` counts them);
@@ -308,60 +512,89 @@ fn local_gpus() -> Option<usize> {
     )
 }
 
-/// Starts one rank a host of `hosts` (rank 0 first) running this command, relays rank 0's
-/// output, and waits for them all; the first that fails ends the others and is the error.
-pub fn launch(hosts: &[String], starting_port: u16, backend: BackendArg) -> anyhow::Result<()> {
-    if !matches!(backend, BackendArg::Ring | BackendArg::Nccl) {
-        bail!(
-            "--hosts starts ranks of the ring and NCCL backends; start the ranks of another \
-             backend as its launcher does (mlx.launch)"
-        );
-    }
+/// The group `--hosts` or `--hostfile` names.
+pub enum GroupSpec<'a> {
+    /// `--hosts`: a host a rank, rank 0 first.
+    List(&'a [String]),
+    /// `--hostfile`: mlx.launch's hostfile ([`Hostfile`]).
+    File(&'a std::path::Path),
+}
+
+/// Starts one rank a host of `group` (rank 0 first) running this command on `backend` (else
+/// the hostfile's, else ring), relays rank 0's output, and waits for them all; the first that
+/// fails ends the others and is the error.
+pub fn launch(
+    group: GroupSpec<'_>,
+    starting_port: u16,
+    backend: Option<BackendArg>,
+) -> anyhow::Result<()> {
+    let (hosts, file_backend, envs) = match group {
+        GroupSpec::List(hosts) => {
+            let hosts = hosts
+                .iter()
+                .map(|h| parse_host(h))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            (hosts, None, Vec::new())
+        }
+        GroupSpec::File(path) => {
+            let file = Hostfile::read(path)?;
+            (file.hosts, file.backend, file.envs)
+        }
+    };
+    let backend = backend.or(file_backend).unwrap_or(BackendArg::Ring);
     if hosts.len() < 2 {
         bail!("--hosts needs two hosts or more (a host may be named twice)");
     }
-    let hosts = hosts
-        .iter()
-        .map(|h| parse_host(h))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // Ring: the hostfile every rank reads (this machine's ranks from a temporary file here);
-    // NCCL: each rank's environment.
-    let (json, mut local, environments) = match backend {
+    let mut setups = match backend {
+        BackendArg::Ring => {
+            let json = hostfile(&hosts, starting_port)?;
+            (0..hosts.len())
+                .map(|rank| RankSetup {
+                    env: vec![("MLX_RANK".into(), rank.to_string())],
+                    files: vec![("MLX_HOSTFILE", json.clone())],
+                })
+                .collect()
+        }
         BackendArg::Nccl => {
             let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-            let environments =
-                nccl_environments(&hosts, starting_port, visible.as_deref(), local_gpus())?;
-            (None, None, environments)
+            nccl_setups(&hosts, starting_port, visible.as_deref(), local_gpus())?
         }
-        _ => {
-            let json = hostfile(&hosts, starting_port)?;
-            let mut local =
-                tempfile::NamedTempFile::new().context("writing the ranks' hostfile")?;
-            std::io::Write::write_all(&mut local, json.as_bytes())
-                .context("writing the ranks' hostfile")?;
-            let environments = (0..hosts.len())
-                .map(|rank| vec![("MLX_RANK", rank.to_string())])
-                .collect();
-            (Some(json), Some(local), environments)
-        }
+        BackendArg::Jaccl => jaccl_setups(&hosts, starting_port)?,
+        BackendArg::Mpi => bail!(
+            "--hosts and --hostfile start ranks of the ring, JACCL and NCCL backends; start MPI's \
+             ranks with its launcher (mpirun)"
+        ),
     };
+    // The hostfile's variables first, as mlx.launch sets them: the backend's own win.
+    for setup in &mut setups {
+        setup.env.splice(0..0, envs.iter().cloned());
+    }
     let exe = std::env::current_exe().context("finding this perch executable")?;
-    let args = rank_args(std::env::args_os().skip(1));
+    let args = rank_args(std::env::args_os().skip(1), backend);
     let stopped = on_stop_signals();
     let mut relay = StderrRelay::new();
+    // This machine's ranks' files, removed when the launch ends.
+    let mut temporary = Vec::new();
     let mut ranks: Vec<(Child, &Host)> = Vec::with_capacity(hosts.len());
-    for ((rank, host), env) in hosts.iter().enumerate().zip(&environments) {
+    for ((rank, host), setup) in hosts.iter().enumerate().zip(&setups) {
         let mut command = if is_local(&host.address) {
             let mut command = Command::new(&exe);
-            command.args(&args).envs(env.iter().map(|(k, v)| (k, v)));
-            if let Some(local) = &mut local {
-                command.env("MLX_HOSTFILE", local.path());
+            command
+                .args(&args)
+                .envs(setup.env.iter().map(|(k, v)| (k, v)));
+            for (name, content) in &setup.files {
+                let mut file = tempfile::NamedTempFile::new()
+                    .and_then(|mut f| f.write_all(content.as_bytes()).map(|_| f))
+                    .with_context(|| format!("writing rank {rank}'s {name}"))?;
+                file.flush()?;
+                command.env(name, file.path());
+                temporary.push(file);
             }
             command
         } else {
             let mut command = Command::new("ssh");
             command.args(["-o", "BatchMode=yes", &host.login]);
-            command.arg(remote_command(env, json.as_deref(), &exe, &args)?);
+            command.arg(remote_command(setup, &exe, &args)?);
             command
         };
         command.stdin(Stdio::null()).stderr(Stdio::piped());
@@ -532,24 +765,26 @@ fn exited(status: ExitStatus) -> String {
 mod tests {
     use super::*;
 
+    fn parse_all(hosts: &[&str]) -> Vec<Host> {
+        hosts.iter().map(|h| parse_host(h).unwrap()).collect()
+    }
+
+    fn get(setup: &RankSetup, name: &str) -> Option<String> {
+        setup
+            .env
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.clone())
+    }
+
     #[test]
     fn hosts_name_machines() {
-        let hosts: Vec<String> = ["127.0.0.1", "me@h1", "localhost", "h1", "h2"]
-            .map(String::from)
-            .to_vec();
-        let named: Vec<(String, usize)> = machines(&hosts)
-            .unwrap()
+        let hosts = parse_all(&["127.0.0.1", "me@h1", "localhost", "h1", "h2"]);
+        let named: Vec<(&str, usize)> = machines(&hosts)
             .into_iter()
-            .map(|(h, ranks)| (h.login, ranks))
+            .map(|(h, ranks)| (h.login.as_str(), ranks))
             .collect();
-        assert_eq!(
-            named,
-            [
-                ("127.0.0.1".to_owned(), 2),
-                ("me@h1".to_owned(), 2),
-                ("h2".to_owned(), 1)
-            ]
-        );
+        assert_eq!(named, [("127.0.0.1", 2), ("me@h1", 2), ("h2", 1)]);
         // Local names only (no ssh here): one machine of three ranks, this one's memory.
         let hosts: Vec<String> = ["127.0.0.1", "localhost", "127.0.0.1"]
             .map(String::from)
@@ -569,10 +804,7 @@ mod tests {
 
     #[test]
     fn hosts_become_a_ring_hostfile() {
-        let hosts: Vec<Host> = ["127.0.0.1", "me@studio.local", "10.0.0.2"]
-            .iter()
-            .map(|h| parse_host(h).unwrap())
-            .collect();
+        let mut hosts = parse_all(&["127.0.0.1", "me@studio.local", "10.0.0.2"]);
         assert_eq!(hosts[1].login, "me@studio.local");
         assert_eq!(hosts[1].address, "studio.local");
         assert_eq!(
@@ -583,11 +815,62 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("65536"));
+        // A hostfile's addresses: every one on the next port.
+        hosts[1].ips = vec!["10.0.1.1".into(), "10.0.2.1".into()];
+        assert_eq!(
+            hostfile(&hosts, 5000).unwrap(),
+            r#"[["127.0.0.1:5000"],["10.0.1.1:5001","10.0.2.1:5002"],["10.0.0.2:5003"]]"#
+        );
         for bad in ["", "a b", "h;rm", "fe80::1", "@h", "u@", "$(x)"] {
             let error = parse_host(bad).unwrap_err().to_string();
             assert!(error.contains("is not a host name"), "{bad:?}: {error}");
         }
         assert!(is_local("127.0.0.1") && is_local("localhost") && !is_local("127.0.0.2"));
+    }
+
+    /// mlx.launch's hostfile, as an object or a list of hosts; what is wrong in it is named.
+    #[test]
+    fn hostfiles_read_as_mlx_launch_writes_them() {
+        let file = Hostfile::parse(
+            r#"{"backend": "jaccl", "envs": ["MLX_METAL_FAST_SYNCH=1"], "hosts": [
+                {"ssh": "me@m1", "ips": ["10.0.0.1"], "rdma": [null, "rdma_en3"]},
+                {"ssh": "m2", "ips": ["10.0.0.2"], "rdma": ["rdma_en3", null]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(file.backend, Some(BackendArg::Jaccl));
+        assert_eq!(
+            file.envs,
+            [("MLX_METAL_FAST_SYNCH".to_owned(), "1".to_owned())]
+        );
+        assert_eq!(file.hosts[0].login, "me@m1");
+        assert_eq!(file.hosts[0].address, "m1");
+        assert_eq!(file.hosts[1].listens_on(), ["10.0.0.2"]);
+        assert_eq!(file.hosts[1].rdma, [Some("rdma_en3".to_owned()), None]);
+        let list = Hostfile::parse(r#"[{"ssh": "a"}, {"ssh": "b", "ips": []}]"#).unwrap();
+        assert_eq!(list.backend, None);
+        assert_eq!(list.hosts[1].listens_on(), ["b"]);
+        for (text, expected) in [
+            ("{}", "not mlx.launch's hostfile"),
+            (r#"[{"ssh": "a", "port": 1}]"#, "not mlx.launch's hostfile"),
+            (r#"{"backend": "tcp", "hosts": []}"#, "\"tcp\" is not ring"),
+            (
+                r#"{"envs": ["1X=2"], "hosts": []}"#,
+                "\"1X=2\" is not NAME=value",
+            ),
+            (r#"{"envs": ["NOVALUE"], "hosts": []}"#, "is not NAME=value"),
+            (r#"[{"ssh": "a;b"}]"#, "host 0"),
+            (
+                r#"[{"ssh": "a", "ips": ["1.2.3.4 x"]}]"#,
+                "is not a host name",
+            ),
+            (
+                r#"[{"ssh": "a", "rdma": [null, "$(x)"]}]"#,
+                "not an RDMA device",
+            ),
+        ] {
+            let error = format!("{:#}", Hostfile::parse(text).unwrap_err());
+            assert!(error.contains(expected), "{text}: {error}");
+        }
     }
 
     #[test]
@@ -599,31 +882,38 @@ mod tests {
             "--prompt",
             "Hi",
             "--starting-port=7",
+            "--backend",
+            "ring",
+            "--hostfile=h.json",
             "--json",
         ];
-        let kept = rank_args(args.iter().map(OsString::from));
-        assert_eq!(kept, ["generate", "--prompt", "Hi", "--json"]);
+        let kept = rank_args(args.iter().map(OsString::from), BackendArg::Jaccl);
+        assert_eq!(
+            kept,
+            ["generate", "--prompt", "Hi", "--json", "--backend", "jaccl"]
+        );
         let exe = std::path::Path::new("/opt/perch dir/perch");
-        let command = remote_command(
-            &[("MLX_RANK", "1".to_owned())],
-            Some(r#"[["a:1"],["b:2"]]"#),
-            exe,
-            &kept,
-        )
-        .unwrap();
-        let script = "f=$(mktemp) && printf '%s' '[[\"a:1\"],[\"b:2\"]]' > \"$f\" && MLX_RANK=1 \
-                      MLX_HOSTFILE=\"$f\" PERCH_HOSTFILE_IS_TEMPORARY=1 exec '/opt/perch dir/perch' \
-                      generate --prompt Hi --json";
+        let setup = RankSetup {
+            env: vec![("MLX_RANK".into(), "1".into())],
+            files: vec![("MLX_HOSTFILE", r#"[["a:1"],["b:2"]]"#.into())],
+        };
+        let command = remote_command(&setup, exe, &kept[..4]).unwrap();
+        let script = "f0=$(mktemp) && printf '%s' '[[\"a:1\"],[\"b:2\"]]' > \"$f0\" && \
+                      MLX_RANK=1 MLX_HOSTFILE=\"$f0\" PERCH_HOSTFILE_IS_TEMPORARY=1 exec \
+                      '/opt/perch dir/perch' generate --prompt Hi --json";
         assert_eq!(
             command,
             format!("sh -c {}", shlex::try_quote(script).unwrap())
         );
-        // NCCL: the environment alone, no hostfile.
-        let env = [
-            ("MLX_RANK", "1".to_owned()),
-            ("NCCL_HOST_IP", "10.0.0.1".to_owned()),
-        ];
-        let command = remote_command(&env, None, exe, &kept).unwrap();
+        // NCCL: the environment alone, no file.
+        let setup = RankSetup {
+            env: vec![
+                ("MLX_RANK".into(), "1".into()),
+                ("NCCL_HOST_IP".into(), "10.0.0.1".into()),
+            ],
+            files: Vec::new(),
+        };
+        let command = remote_command(&setup, exe, &kept[..4]).unwrap();
         let script = "MLX_RANK=1 NCCL_HOST_IP=10.0.0.1 exec '/opt/perch dir/perch' generate \
                       --prompt Hi --json";
         assert_eq!(
@@ -634,40 +924,32 @@ mod tests {
 
     /// NCCL's ranks meet at rank 0's address and the starting port; the ranks of a machine take
     /// its GPUs in order (here, from the devices this process may see); rank 0 named as this
-    /// machine while another host is elsewhere is refused.
+    /// machine while another host is elsewhere is refused, and so are ranks sharing a GPU.
     #[test]
     fn nccl_ranks_get_their_rendezvous_and_gpu() {
-        let parse = |hosts: &[&str]| -> Vec<Host> {
-            hosts.iter().map(|h| parse_host(h).unwrap()).collect()
-        };
-        let get = |env: &[(&str, String)], name: &str| -> Option<String> {
-            env.iter().find(|(k, _)| *k == name).map(|(_, v)| v.clone())
-        };
         let one_machine =
-            nccl_environments(&parse(&["localhost", "127.0.0.1"]), 6000, None, Some(2)).unwrap();
-        for (rank, env) in one_machine.iter().enumerate() {
-            assert_eq!(get(env, "MLX_RANK").unwrap(), rank.to_string());
-            assert_eq!(get(env, "MLX_WORLD_SIZE").unwrap(), "2");
-            assert_eq!(get(env, "NCCL_HOST_IP").unwrap(), "127.0.0.1");
-            assert_eq!(get(env, "NCCL_PORT").unwrap(), "6000");
-            assert_eq!(get(env, "CUDA_VISIBLE_DEVICES").unwrap(), rank.to_string());
-            assert_eq!(get(env, "NCCL_SOCKET_IFNAME").unwrap(), "lo");
+            nccl_setups(&parse_all(&["localhost", "127.0.0.1"]), 6000, None, Some(2)).unwrap();
+        for (rank, setup) in one_machine.iter().enumerate() {
+            assert_eq!(get(setup, "MLX_RANK").unwrap(), rank.to_string());
+            assert_eq!(get(setup, "MLX_WORLD_SIZE").unwrap(), "2");
+            assert_eq!(get(setup, "NCCL_HOST_IP").unwrap(), "127.0.0.1");
+            assert_eq!(get(setup, "NCCL_PORT").unwrap(), "6000");
+            assert_eq!(
+                get(setup, "CUDA_VISIBLE_DEVICES").unwrap(),
+                rank.to_string()
+            );
+            assert_eq!(get(setup, "NCCL_SOCKET_IFNAME").unwrap(), "lo");
+            assert!(setup.files.is_empty());
         }
-        let visible = nccl_environments(
-            &parse(&["127.0.0.1", "127.0.0.1"]),
-            6000,
-            Some("2, 5"),
-            Some(1),
-        )
-        .unwrap();
+        let two_local = parse_all(&["127.0.0.1", "127.0.0.1"]);
+        let visible = nccl_setups(&two_local, 6000, Some("2, 5"), Some(1)).unwrap();
         assert_eq!(get(&visible[0], "CUDA_VISIBLE_DEVICES").unwrap(), "2");
         assert_eq!(get(&visible[1], "CUDA_VISIBLE_DEVICES").unwrap(), "5");
-        let short = nccl_environments(&parse(&["127.0.0.1", "127.0.0.1"]), 6000, Some("3"), None)
-            .unwrap_err();
+        let short = nccl_setups(&two_local, 6000, Some("3"), None).unwrap_err();
         assert!(short.to_string().contains("lists 1 devices"), "{short}");
         // Two machines of two GPUs each: each machine's ranks count its GPUs from 0.
-        let two = nccl_environments(
-            &parse(&["a@gpu1", "gpu2", "gpu1", "gpu2"]),
+        let two = nccl_setups(
+            &parse_all(&["a@gpu1", "gpu2", "gpu1", "gpu2"]),
             7000,
             Some("9"),
             Some(1),
@@ -675,32 +957,65 @@ mod tests {
         .unwrap();
         let devices: Vec<String> = two
             .iter()
-            .map(|e| get(e, "CUDA_VISIBLE_DEVICES").unwrap())
+            .map(|s| get(s, "CUDA_VISIBLE_DEVICES").unwrap())
             .collect();
         assert_eq!(devices, ["0", "0", "1", "1"]);
-        for env in &two {
-            assert_eq!(get(env, "NCCL_HOST_IP").unwrap(), "gpu1");
-            assert_eq!(get(env, "NCCL_SOCKET_IFNAME"), None);
+        for setup in &two {
+            assert_eq!(get(setup, "NCCL_HOST_IP").unwrap(), "gpu1");
+            assert_eq!(get(setup, "NCCL_SOCKET_IFNAME"), None);
         }
         let unreachable =
-            nccl_environments(&parse(&["127.0.0.1", "gpu2"]), 7000, None, None).unwrap_err();
+            nccl_setups(&parse_all(&["127.0.0.1", "gpu2"]), 7000, None, None).unwrap_err();
         assert!(
             unreachable.to_string().contains("cannot reach"),
             "{unreachable}"
         );
-        assert!(nccl_environments(&parse(&["gpu1", "gpu2"]), 0, None, None).is_err());
-        // This machine's ranks may not share a GPU.
-        let two_local = parse(&["127.0.0.1", "localhost"]);
-        let one_gpu = nccl_environments(&two_local, 6000, None, Some(1)).unwrap_err();
+        assert!(nccl_setups(&parse_all(&["gpu1", "gpu2"]), 0, None, None).is_err());
+        let one_gpu = nccl_setups(&two_local, 6000, None, Some(1)).unwrap_err();
         assert!(
             one_gpu.to_string().contains("which has 1 GPU(s)"),
             "{one_gpu}"
         );
-        let twice = nccl_environments(&two_local, 6000, Some("0,0"), Some(2)).unwrap_err();
+        let twice = nccl_setups(&two_local, 6000, Some("0,0"), Some(2)).unwrap_err();
         assert!(twice.to_string().contains("device 0 twice"), "{twice}");
         assert!(
-            nccl_environments(&two_local, 6000, None, None).is_ok(),
+            nccl_setups(&two_local, 6000, None, None).is_ok(),
             "GPUs unknown"
         );
+    }
+
+    /// JACCL's ranks get rank 0's address and port as the coordinator, and the hostfile's device
+    /// lists as one file; lists that are not a square with nulls on its diagonal are refused.
+    #[test]
+    fn jaccl_ranks_get_their_coordinator_and_devices() {
+        let file = Hostfile::parse(
+            r#"[{"ssh": "m1", "ips": ["10.0.0.1"], "rdma": [null, "rdma_en3"]},
+                {"ssh": "m2", "rdma": ["rdma_en4", null]}]"#,
+        )
+        .unwrap();
+        let setups = jaccl_setups(&file.hosts, 5000).unwrap();
+        for (rank, setup) in setups.iter().enumerate() {
+            assert_eq!(get(setup, "MLX_RANK").unwrap(), rank.to_string());
+            assert_eq!(
+                get(setup, "MLX_JACCL_COORDINATOR").unwrap(),
+                "10.0.0.1:5000"
+            );
+            assert_eq!(
+                setup.files,
+                [(
+                    "MLX_IBV_DEVICES",
+                    r#"[[null,"rdma_en3"],["rdma_en4",null]]"#.to_owned()
+                )]
+            );
+        }
+        for bad in [
+            r#"[{"ssh": "m1", "rdma": [null]}, {"ssh": "m2", "rdma": ["r", null]}]"#,
+            r#"[{"ssh": "m1", "rdma": ["r", "r"]}, {"ssh": "m2", "rdma": ["r", null]}]"#,
+            r#"[{"ssh": "m1", "rdma": [null, null]}, {"ssh": "m2", "rdma": ["r", null]}]"#,
+        ] {
+            let hosts = Hostfile::parse(bad).unwrap().hosts;
+            let error = jaccl_setups(&hosts, 5000).unwrap_err().to_string();
+            assert!(error.contains("\"rdma\" must name"), "{bad}: {error}");
+        }
     }
 }

@@ -92,8 +92,9 @@ impl std::fmt::Debug for Group {
     }
 }
 
-/// The variable that, set to `1` beside `MLX_HOSTFILE`, has [`init`] remove that file once MLX
-/// has read it (a temporary copy the launcher wrote for this rank on a remote host).
+/// The variable that, set to `1` beside `MLX_HOSTFILE` (ring) or `MLX_IBV_DEVICES` (JACCL), has
+/// [`init`] remove that file once MLX has read it, or when it fails before (a temporary copy the
+/// launcher wrote for this rank on a remote host).
 pub const HOSTFILE_IS_TEMPORARY: &str = "PERCH_HOSTFILE_IS_TEMPORARY";
 
 /// The words every rank sends with a broadcast from rank 0
@@ -107,6 +108,24 @@ pub const GATHERED_WORDS: usize = 4;
 /// non-strict fallback is refused), and when every rank has not connected within `deadline`.
 /// On that last error the attempt goes on in the background; the process should exit.
 pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
+    // A launcher's temporary files for this rank go once MLX has read them, which it does as it
+    // starts, before it connects (or when this returns early).
+    struct Temporary(Option<std::ffi::OsString>);
+    impl Drop for Temporary {
+        fn drop(&mut self) {
+            if let Some(path) = self.0.take() {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+    }
+    let temporary = Temporary(match std::env::var(HOSTFILE_IS_TEMPORARY).as_deref() {
+        Ok("1") => match backend {
+            Backend::Ring => std::env::var_os("MLX_HOSTFILE"),
+            Backend::Jaccl => std::env::var_os("MLX_IBV_DEVICES"),
+            Backend::Nccl | Backend::Mpi => None,
+        },
+        _ => None,
+    });
     let var = |name: &str| std::env::var(name).ok();
     match backend {
         Backend::Ring => {
@@ -123,7 +142,14 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
                 var("NCCL_PORT").as_deref(),
             )?;
         }
-        Backend::Jaccl | Backend::Mpi => {}
+        Backend::Jaccl => {
+            check_jaccl_environment(
+                var("MLX_RANK").as_deref(),
+                std::env::var_os("MLX_IBV_DEVICES").map(std::path::PathBuf::from),
+                var("MLX_JACCL_COORDINATOR").as_deref(),
+            )?;
+        }
+        Backend::Mpi => {}
     }
     // After the environment, so that a launcher's environment is checked on any build.
     if !backend.is_available() {
@@ -167,12 +193,7 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
         })
         .map_err(|e| EngineError::Distributed(format!("cannot start a thread: {e}")))?;
     let received = receiver.recv_timeout(deadline);
-    // MLX reads the hostfile as it starts, before it connects: a temporary one can go now.
-    if backend == Backend::Ring && std::env::var(HOSTFILE_IS_TEMPORARY).as_deref() == Ok("1") {
-        if let Some(hostfile) = std::env::var_os("MLX_HOSTFILE") {
-            let _ = std::fs::remove_file(hostfile);
-        }
-    }
+    drop(temporary);
     let raw = match received {
         Ok(Some(RawGroup(raw))) => raw,
         Ok(None) => {
@@ -394,6 +415,74 @@ pub fn check_nccl_environment(
         )));
     }
     Ok(size)
+}
+
+/// Checks what MLX's JACCL backend reads at start (`MLX_RANK`, the `MLX_IBV_DEVICES` file it
+/// names: for each rank the RDMA device reaching each other rank and `null` for itself, and
+/// `MLX_JACCL_COORDINATOR`, `host:port` of rank 0) before MLX does. Returns the number of
+/// ranks; errors name the variable or file.
+pub fn check_jaccl_environment(
+    rank: Option<&str>,
+    devices: Option<std::path::PathBuf>,
+    coordinator: Option<&str>,
+) -> Result<usize> {
+    let (Some(rank), Some(devices), Some(coordinator)) = (rank, devices, coordinator) else {
+        return Err(EngineError::Distributed(
+            "the JACCL backend needs MLX_RANK (this process's rank), MLX_IBV_DEVICES (a JSON \
+             file of each rank's RDMA devices) and MLX_JACCL_COORDINATOR (rank 0's host:port), \
+             as `mlx.launch` sets them"
+                .into(),
+        ));
+    };
+    let rank: usize = rank.trim().parse().map_err(|_| {
+        EngineError::Distributed(format!("MLX_RANK is {rank:?}, not a rank number (0, 1, …)"))
+    })?;
+    let port = coordinator
+        .rsplit_once(':')
+        .filter(|(host, _)| !host.is_empty())
+        .and_then(|(_, port)| port.parse::<u16>().ok())
+        .filter(|&port| port != 0);
+    if port.is_none() {
+        return Err(EngineError::Distributed(format!(
+            "MLX_JACCL_COORDINATOR is {coordinator:?}, not \"host:port\" (a port from 1 to \
+             65535)"
+        )));
+    }
+    let bad = |message: String| {
+        EngineError::Distributed(format!("MLX_IBV_DEVICES {}: {message}", devices.display()))
+    };
+    let text = crate::limits::read_text_capped(&devices, crate::limits::MAX_CONFIG_BYTES)
+        .map_err(|e| bad(e.to_string()))?;
+    let matrix: Vec<Vec<Option<String>>> = serde_json::from_str(&text).map_err(|e| {
+        bad(format!(
+            "not a JSON list of each rank's devices ([[null, \"rdma_en2\"], …]): {e}"
+        ))
+    })?;
+    let n = matrix.len();
+    if n < 2 {
+        return Err(bad(format!("{n} rank listed: a group needs two or more")));
+    }
+    for (r, row) in matrix.iter().enumerate() {
+        let square = row.len() == n
+            && row
+                .iter()
+                .enumerate()
+                .all(|(other, device)| device.is_some() == (other != r));
+        if !square {
+            return Err(bad(format!(
+                "rank {r} must name the device reaching each of the {} other ranks, and null \
+                 for itself",
+                n - 1
+            )));
+        }
+    }
+    if rank >= n {
+        return Err(bad(format!(
+            "MLX_RANK is {rank}, but the file lists {n} ranks (0 to {})",
+            n - 1
+        )));
+    }
+    Ok(n)
 }
 
 /// Checks what MLX's ring backend reads at start (`MLX_RANK`, and the `MLX_HOSTFILE` it names)
@@ -671,6 +760,47 @@ mod tests {
         assert!(error(good.0, good.1, Some("a/b"), good.3).contains("not a host name"));
         for port in ["0", "70000", "p"] {
             assert!(error(good.0, good.1, good.2, Some(port)).contains("port from 1 to 65535"));
+        }
+    }
+
+    /// The JACCL device file is a square with nulls on its diagonal; each error names the
+    /// variable or the file.
+    #[test]
+    fn a_jaccl_environment_is_checked_before_mlx_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            Some(path)
+        };
+        let good = file("good.json", r#"[[null, "rdma_en3"], ["rdma_en3", null]]"#);
+        let at = Some("10.0.0.1:5000");
+        assert_eq!(
+            check_jaccl_environment(Some("1"), good.clone(), at).unwrap(),
+            2
+        );
+        let error = |rank, devices, coordinator| {
+            check_jaccl_environment(rank, devices, coordinator)
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(error(None, good.clone(), at).contains("needs MLX_RANK"));
+        assert!(error(Some("x"), good.clone(), at).contains("not a rank number"));
+        assert!(error(Some("2"), good.clone(), at).contains("lists 2 ranks (0 to 1)"));
+        for coordinator in ["10.0.0.1", ":5000", "h:0", "h:p"] {
+            assert!(error(Some("0"), good.clone(), Some(coordinator)).contains("not \"host:port\""));
+        }
+        for (text, expected) in [
+            ("{}", "not a JSON list"),
+            (r#"[[null]]"#, "1 rank listed"),
+            (r#"[["a", "b"], ["b", null]]"#, "rank 0 must name"),
+            (r#"[[null, "a"], ["a"]]"#, "rank 1 must name"),
+        ] {
+            let got = error(Some("0"), file("bad.json", text), at);
+            assert!(
+                got.contains(expected) && got.contains("bad.json"),
+                "{text}: {got}"
+            );
         }
     }
 

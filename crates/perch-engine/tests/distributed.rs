@@ -839,8 +839,9 @@ fn a_rank_whose_peer_never_starts_gets_an_error_at_its_deadline() {
 
 #[test]
 fn a_backend_this_mlx_lacks_is_an_error() {
-    // The CPU wheel has ring only; a CUDA build has NCCL.
-    let missing = [Backend::Jaccl, Backend::Mpi, Backend::Nccl]
+    // The CPU wheel has ring only; a CUDA build has NCCL. MPI first: JACCL's and NCCL's
+    // environments are checked before whether MLX has them (and this test sets none).
+    let missing = [Backend::Mpi, Backend::Jaccl, Backend::Nccl]
         .into_iter()
         .find(|b| !b.is_available());
     let Some(backend) = missing else {
