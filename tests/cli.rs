@@ -887,6 +887,12 @@ fn search_pull_then_generate_by_repository_id() {
         "{said}"
     );
     assert_eq!(std::fs::read_to_string(&logins).unwrap(), "127.0.0.2\n");
+    // The same group from an mlx.launch hostfile.
+    let hostfile = hosts_dir.path().join("hosts.json");
+    std::fs::write(&hostfile, r#"[{"ssh": "127.0.0.1"}, {"ssh": "127.0.0.2"}]"#).unwrap();
+    let (fit, said) = fit_of(HUGE, &["--hostfile", hostfile.to_str().unwrap()]);
+    assert_eq!(fit, "yes", "{said}");
+    assert!(said.contains("2 ranks on 2 machines,"), "{said}");
     let refused = perch_with_env(&["search", "big", "--hosts", "127.0.0.1,a;b"], &env);
     let said = String::from_utf8_lossy(&refused.stderr);
     assert!(

@@ -31,6 +31,9 @@ pub struct SearchArgs {
     /// (memory read here for `localhost` and `127.0.0.1`, over `ssh` elsewhere).
     #[arg(long, value_delimiter = ',')]
     pub hosts: Vec<String>,
+    /// The hosts of an mlx.launch hostfile instead (`perch serve --distributed … --hostfile`).
+    #[arg(long, conflicts_with = "hosts")]
+    pub hostfile: Option<std::path::PathBuf>,
 }
 
 #[derive(Args)]
@@ -51,7 +54,10 @@ fn client() -> anyhow::Result<HubClient> {
 pub fn search(args: SearchArgs) -> anyhow::Result<()> {
     // Each machine's memory and ranks, when the model would be divided over several hosts (bad
     // hosts refused before the Hub is asked).
-    let group = crate::launch::group_memory(&args.hosts)?;
+    let group = match &args.hostfile {
+        Some(path) => crate::launch::group_memory(crate::launch::GroupSpec::File(path))?,
+        None => crate::launch::group_memory(crate::launch::GroupSpec::List(&args.hosts))?,
+    };
     if let Some(least) = group.iter().map(|&(total, _)| total).min() {
         let machines = match group.len() {
             1 => "1 machine".to_owned(),

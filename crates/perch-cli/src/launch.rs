@@ -76,10 +76,10 @@ fn parse_host(spec: &str) -> anyhow::Result<Host> {
 /// writes): `{"backend": …, "envs": ["NAME=value", …], "hosts": [{"ssh": …, "ips": [...],
 /// "rdma": [...]}, …]}`, or the list of hosts alone. Rank `r` runs on the `r`th host.
 #[derive(Debug, PartialEq)]
-pub struct Hostfile {
+struct Hostfile {
     hosts: Vec<Host>,
     /// The backend the file names, if any.
-    pub backend: Option<BackendArg>,
+    backend: Option<BackendArg>,
     envs: Vec<(String, String)>,
 }
 
@@ -87,7 +87,7 @@ impl Hostfile {
     /// Reads and checks `path`: every host's `ssh` a host (or `user@host`), its `ips` names or
     /// IPv4 addresses, its `rdma` device names; the `envs` `NAME=value` with a plain name; a
     /// backend MLX has. Errors name the file and what is wrong.
-    pub fn read(path: &std::path::Path) -> anyhow::Result<Hostfile> {
+    fn read(path: &std::path::Path) -> anyhow::Result<Hostfile> {
         let text =
             perch_engine::limits::read_text_capped(path, perch_engine::limits::MAX_CONFIG_BYTES)
                 .with_context(|| format!("--hostfile {}", path.display()))?;
@@ -178,17 +178,14 @@ fn is_local(address: &str) -> bool {
     matches!(address, "localhost" | "127.0.0.1")
 }
 
-/// Each machine of a `--hosts` list (`perch search --hosts`): its RAM in bytes and the ranks it
-/// would run, in order of first mention. One machine for all of `localhost` and `127.0.0.1`
+/// Each machine of a group (`perch search --hosts` or `--hostfile`): its RAM in bytes and the
+/// ranks it would run, in order of first mention. One machine for all of `localhost` and `127.0.0.1`
 /// (this one's memory), one per address otherwise (`user@host` and `host` are the same
 /// machine), whose RAM is read over `ssh` as the launcher reaches hosts (`sysctl hw.memsize` on
 /// macOS, `MemTotal` of `/proc/meminfo` on Linux). Errors name a host that is not a host name
 /// or whose memory could not be read.
-pub fn group_memory(hosts: &[String]) -> anyhow::Result<Vec<(u64, usize)>> {
-    let hosts = hosts
-        .iter()
-        .map(|h| parse_host(h))
-        .collect::<anyhow::Result<Vec<_>>>()?;
+pub fn group_memory(group: GroupSpec<'_>) -> anyhow::Result<Vec<(u64, usize)>> {
+    let hosts = group.hosts()?.0;
     machines(&hosts)
         .iter()
         .map(|(host, ranks)| Ok((memory_bytes(host)?, *ranks)))
@@ -520,6 +517,26 @@ pub enum GroupSpec<'a> {
     File(&'a std::path::Path),
 }
 
+impl GroupSpec<'_> {
+    /// The group's hosts (rank 0 first), the backend its hostfile names, and the variables
+    /// it sets for every rank.
+    fn hosts(&self) -> anyhow::Result<(Vec<Host>, Option<BackendArg>, Vec<(String, String)>)> {
+        Ok(match self {
+            GroupSpec::List(hosts) => {
+                let hosts = hosts
+                    .iter()
+                    .map(|h| parse_host(h))
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                (hosts, None, Vec::new())
+            }
+            GroupSpec::File(path) => {
+                let file = Hostfile::read(path)?;
+                (file.hosts, file.backend, file.envs)
+            }
+        })
+    }
+}
+
 /// Starts one rank a host of `group` (rank 0 first) running this command on `backend` (else
 /// the hostfile's, else ring), relays rank 0's output, and waits for them all; the first that
 /// fails ends the others and is the error.
@@ -528,19 +545,7 @@ pub fn launch(
     starting_port: u16,
     backend: Option<BackendArg>,
 ) -> anyhow::Result<()> {
-    let (hosts, file_backend, envs) = match group {
-        GroupSpec::List(hosts) => {
-            let hosts = hosts
-                .iter()
-                .map(|h| parse_host(h))
-                .collect::<anyhow::Result<Vec<_>>>()?;
-            (hosts, None, Vec::new())
-        }
-        GroupSpec::File(path) => {
-            let file = Hostfile::read(path)?;
-            (file.hosts, file.backend, file.envs)
-        }
-    };
+    let (hosts, file_backend, envs) = group.hosts()?;
     let backend = backend.or(file_backend).unwrap_or(BackendArg::Ring);
     if hosts.len() < 2 {
         bail!("--hosts needs two hosts or more (a host may be named twice)");
@@ -790,11 +795,12 @@ mod tests {
             .map(String::from)
             .to_vec();
         assert_eq!(
-            group_memory(&hosts).unwrap(),
+            group_memory(GroupSpec::List(&hosts)).unwrap(),
             [(perch_hub::total_memory_bytes(), 3)]
         );
         for bad in ["-oProxyCommand=x y", "-v", "a;b"] {
-            let refused = group_memory(&["127.0.0.1".to_owned(), bad.to_owned()]).unwrap_err();
+            let hosts = ["127.0.0.1".to_owned(), bad.to_owned()];
+            let refused = group_memory(GroupSpec::List(&hosts)).unwrap_err();
             assert!(
                 refused.to_string().contains("is not a host name"),
                 "{bad}: {refused}"
