@@ -1878,6 +1878,16 @@ fn generate_starts_its_ranks_from_a_host_list() {
     // NCCL_PORT) and a GPU; a rank's environment passes Perch's check (which names a bad
     // variable), and then this CPU build of MLX has no NCCL backend: the launch ends with that
     // (the first rank to fail ends the other, which may not have printed its own yet).
+    // These cases end where MLX's NCCL and JACCL would start: the CPU build has neither.
+    for backend in [
+        perch_engine::distributed::Backend::Nccl,
+        perch_engine::distributed::Backend::Jaccl,
+    ] {
+        assert!(
+            !backend.is_available(),
+            "this test expects a build of MLX without {backend:?}"
+        );
+    }
     let nccl = |hosts: &str| launch_with(hosts, "tensor", "nccl");
     let stderr = group_failed(
         &nccl("127.0.0.2,127.0.0.1"),
@@ -1931,6 +1941,12 @@ fn generate_starts_its_ranks_from_a_host_list() {
     );
     let stderr = group_failed(&jaccl, "this build of MLX has no jaccl backend");
     assert!(!stderr.contains("MLX_"), "{stderr}");
+    // The remote rank's files go when it ends, also when the launcher ended it first (then
+    // its `sh` removes them as the rank ends, which may come just after the launch returned).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !left_behind().is_empty() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
     let bad = from_file(r#"{"hosts": [{"ssh": "a;b"}]}"#, "tensor");
     assert_clean_error(&bad, "host 0");
     assert_eq!(

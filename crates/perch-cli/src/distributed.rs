@@ -28,6 +28,8 @@ pub enum BackendArg {
     Ring,
     /// RDMA over Thunderbolt between Macs.
     Jaccl,
+    /// JACCL preferring a ring of its connections to a mesh (`MLX_JACCL_RING`).
+    JacclRing,
     Mpi,
     /// NVIDIA's collectives, between CUDA devices.
     Nccl,
@@ -37,7 +39,7 @@ impl From<BackendArg> for Backend {
     fn from(b: BackendArg) -> Self {
         match b {
             BackendArg::Ring => Backend::Ring,
-            BackendArg::Jaccl => Backend::Jaccl,
+            BackendArg::Jaccl | BackendArg::JacclRing => Backend::Jaccl,
             BackendArg::Mpi => Backend::Mpi,
             BackendArg::Nccl => Backend::Nccl,
         }

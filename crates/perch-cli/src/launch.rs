@@ -24,13 +24,14 @@ use crate::distributed::BackendArg;
 /// Where a rank runs: `ssh`'s destination (`user@host` or `host`), the host's name or address
 /// (`host`: this machine when it is `localhost` or `127.0.0.1`), and from a hostfile the
 /// addresses its rank listens on (`ips`: ring's, and where the others meet rank 0; `host`
-/// when none are given) and the RDMA device reaching each other rank (`rdma`, JACCL's).
+/// when none are given) and the RDMA devices reaching each other rank (`rdma`, JACCL's: for each
+/// rank `null`, a device name or a list of names).
 #[derive(Debug, PartialEq)]
 struct Host {
     login: String,
     address: String,
     ips: Vec<String>,
-    rdma: Vec<Option<String>>,
+    rdma: Vec<serde_json::Value>,
 }
 
 impl Host {
@@ -102,7 +103,7 @@ impl Hostfile {
             #[serde(default)]
             ips: Vec<String>,
             #[serde(default)]
-            rdma: Vec<Option<String>>,
+            rdma: Vec<serde_json::Value>,
         }
         #[derive(serde::Deserialize)]
         #[serde(untagged)]
@@ -135,7 +136,9 @@ impl Hostfile {
             "" => None,
             name => Some(
                 <BackendArg as clap::ValueEnum>::from_str(name, false).map_err(|_| {
-                    anyhow::anyhow!("\"backend\": {name:?} is not ring, jaccl, mpi or nccl")
+                    anyhow::anyhow!(
+                        "\"backend\": {name:?} is not ring, jaccl, jaccl-ring, mpi or nccl"
+                    )
                 })?,
             ),
         };
@@ -158,8 +161,17 @@ impl Hostfile {
             if let Some(ip) = entry.ips.iter().find(|ip| !is_plain(ip)) {
                 bail!("host {rank}: {ip:?} is not a host name or IPv4 address");
             }
-            if let Some(device) = entry.rdma.iter().flatten().find(|d| !is_plain(d)) {
-                bail!("host {rank}: {device:?} is not an RDMA device name");
+            // Each entry null, a name or a list of names (the shape is JACCL's check).
+            let names = entry.rdma.iter().flat_map(|e| match e {
+                serde_json::Value::Array(list) => list.iter().collect(),
+                other => vec![other],
+            });
+            for name in names {
+                match name {
+                    serde_json::Value::Null => {}
+                    serde_json::Value::String(name) if is_plain(name) => {}
+                    other => bail!("host {rank}: {other} is not an RDMA device name"),
+                }
             }
             host.ips = entry.ips;
             host.rdma = entry.rdma;
@@ -252,6 +264,19 @@ fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
 /// rank order, each on the next port from `starting_port` (rank `r` at `starting_port + r` when
 /// each has one, as `mlx.launch` numbers them).
 fn hostfile(hosts: &[Host], starting_port: u16) -> anyhow::Result<String> {
+    // A connection to each neighbour an address: MLX's ring needs as many on every rank.
+    if let Some((rank, host)) = hosts
+        .iter()
+        .enumerate()
+        .find(|(_, h)| h.listens_on().len() != hosts[0].listens_on().len())
+    {
+        bail!(
+            "--backend ring: host {rank} lists {} addresses and host 0 {}: every host needs as \
+             many",
+            host.listens_on().len(),
+            hosts[0].listens_on().len()
+        );
+    }
     let count: usize = hosts.iter().map(|h| h.listens_on().len()).sum();
     let last = usize::from(starting_port) + count - 1;
     if starting_port == 0 || last > usize::from(u16::MAX) {
@@ -314,8 +339,9 @@ struct RankSetup {
 
 /// The command `ssh` runs for a rank on a remote host: `sh` writing each of `setup`'s files to
 /// a temporary file there, then running `exe args` with the rank's environment and each file's
-/// variable naming its file (and `PERCH_HOSTFILE_IS_TEMPORARY=1`, so that the rank removes
-/// them once MLX has read them).
+/// variable naming its file. The rank removes its files once MLX has read them
+/// (`PERCH_HOSTFILE_IS_TEMPORARY=1`); `sh` removes them when the rank ends, however it ends,
+/// and when the session is hung up (the launcher ended it).
 fn remote_command(
     setup: &RankSetup,
     exe: &std::path::Path,
@@ -331,25 +357,40 @@ fn remote_command(
             .with_context(|| format!("{s:?} is not UTF-8: it cannot be passed over ssh"))
     }
     let mut command = String::new();
+    let files: Vec<String> = (0..setup.files.len())
+        .map(|i| format!("\"$__perch_f{i}\""))
+        .collect();
+    if !files.is_empty() {
+        command.push_str(&format!(
+            "trap 'rm -f {}' EXIT && trap 'exit 129' HUP && trap 'exit 130' INT && trap 'exit \
+             143' TERM && ",
+            files.join(" ")
+        ));
+    }
     for (i, (_, content)) in setup.files.iter().enumerate() {
         command.push_str(&format!(
-            "f{i}=$(mktemp) && printf '%s' {} > \"$f{i}\" && ",
-            quote(content)?
+            "__perch_f{i}=$(mktemp) && printf '%s' {} > {} && ",
+            quote(content)?,
+            files[i]
         ));
     }
     for (name, value) in &setup.env {
         command.push_str(&format!("{name}={} ", quote(value)?));
     }
-    for (i, (name, _)) in setup.files.iter().enumerate() {
-        command.push_str(&format!("{name}=\"$f{i}\" "));
+    for ((name, _), file) in setup.files.iter().zip(&files) {
+        command.push_str(&format!("{name}={file} "));
     }
-    if !setup.files.is_empty() {
+    if !files.is_empty() {
         command.push_str(&format!(
             "{}=1 ",
             perch_engine::distributed::HOSTFILE_IS_TEMPORARY
         ));
     }
-    command.push_str(&format!("exec {}", quote(utf8(exe.as_os_str())?)?));
+    // Not `exec`: `sh` stays to remove the files.
+    if files.is_empty() {
+        command.push_str("exec ");
+    }
+    command.push_str(&quote(utf8(exe.as_os_str())?)?);
     for arg in args {
         command.push(' ');
         command.push_str(&quote(utf8(arg)?)?);
@@ -373,39 +414,36 @@ fn meeting_address(hosts: &[Host], backend: &str) -> anyhow::Result<String> {
     }
 }
 
-/// Each rank's setup for JACCL (`mlx.launch`'s): `MLX_RANK`, `MLX_JACCL_COORDINATOR` (rank 0's
-/// address and `port`) and `MLX_IBV_DEVICES`, a file of every host's `rdma` list (the device
-/// reaching each other rank, none for itself). Errors when the hosts' lists do not make that
-/// square: one device for every other rank, none for its own.
-fn jaccl_setups(hosts: &[Host], port: u16) -> anyhow::Result<Vec<RankSetup>> {
+/// Each rank's setup for JACCL (as `mlx.launch` sets it): `MLX_RANK`, `MLX_JACCL_COORDINATOR`
+/// (rank 0's address and `port`), `MLX_IBV_DEVICES`, a file of every host's `rdma` list, and with
+/// `ring` `MLX_JACCL_RING=1` (a ring preferred to a mesh). Errors when the lists do not form a
+/// mesh or a ring as MLX reads them ([`perch_engine::distributed::check_jaccl_devices`]).
+fn jaccl_setups(hosts: &[Host], port: u16, ring: bool) -> anyhow::Result<Vec<RankSetup>> {
     if port == 0 {
         bail!("--starting-port 0: JACCL's ranks meet at that port on rank 0's host");
     }
-    for (rank, host) in hosts.iter().enumerate() {
-        let square = host.rdma.len() == hosts.len()
-            && host
-                .rdma
-                .iter()
-                .enumerate()
-                .all(|(other, device)| device.is_some() == (other != rank));
-        if !square {
-            bail!(
-                "--backend jaccl: host {rank}'s \"rdma\" must name the device reaching each of \
-                 the {} other hosts, and null for itself (mlx.distributed_config writes them)",
-                hosts.len() - 1
-            );
-        }
+    let devices: Vec<&Vec<serde_json::Value>> = hosts.iter().map(|h| &h.rdma).collect();
+    let devices = serde_json::to_string(&devices)?;
+    if let Err(why) = perch_engine::distributed::check_jaccl_devices(&devices) {
+        bail!(
+            "--backend jaccl: the hosts' \"rdma\" lists ({why}; mlx.distributed_config writes \
+             them)"
+        );
     }
     let coordinator = format!("{}:{port}", meeting_address(hosts, "jaccl")?);
-    let devices: Vec<&Vec<Option<String>>> = hosts.iter().map(|h| &h.rdma).collect();
-    let devices = serde_json::to_string(&devices)?;
     Ok((0..hosts.len())
-        .map(|rank| RankSetup {
-            env: vec![
+        .map(|rank| {
+            let mut env = vec![
                 ("MLX_RANK".into(), rank.to_string()),
                 ("MLX_JACCL_COORDINATOR".into(), coordinator.clone()),
-            ],
-            files: vec![("MLX_IBV_DEVICES", devices.clone())],
+            ];
+            if ring {
+                env.push(("MLX_JACCL_RING".into(), "1".into()));
+            }
+            RankSetup {
+                env,
+                files: vec![("MLX_IBV_DEVICES", devices.clone())],
+            }
         })
         .collect())
 }
@@ -414,7 +452,8 @@ fn jaccl_setups(hosts: &[Host], port: u16) -> anyhow::Result<Vec<RankSetup>> {
 /// `NCCL_HOST_IP` and `NCCL_PORT` (where the ranks meet: rank 0's address, `127.0.0.1` for this
 /// machine, and `port`), `CUDA_VISIBLE_DEVICES` (the rank's GPU: the ranks of one machine take
 /// its GPUs in order, on this machine from the devices `visible` lists when it is set), and on a
-/// group of this machine alone `NCCL_SOCKET_IFNAME=lo` (as `mlx.launch` sets it). Errors when rank
+/// group of this machine alone `NCCL_SOCKET_IFNAME=lo` (the loopback; unless this process has
+/// the variable, which its ranks then inherit). Errors when rank
 /// 0 is named as this machine while another host is not (the others could not reach it), and
 /// when this machine's ranks would share a GPU (NCCL refuses two ranks of one device): more
 /// ranks than the devices `visible` lists, one listed twice, or more than its `gpus` (when
@@ -480,7 +519,7 @@ fn nccl_setups(
             ("NCCL_PORT".into(), port.to_string()),
             ("CUDA_VISIBLE_DEVICES".into(), device),
         ];
-        if all_local {
+        if all_local && std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
             env.push(("NCCL_SOCKET_IFNAME".into(), "lo".into()));
         }
         setups.push(RankSetup {
@@ -491,8 +530,7 @@ fn nccl_setups(
     Ok(setups)
 }
 
-/// This machine's NVIDIA GPUs as `nvidia-smi -L` lists them (as `mlx.launch` counts them);
-/// `None` without `nvidia-smi`.
+/// This machine's NVIDIA GPUs as `nvidia-smi -L` lists them; `None` without `nvidia-smi`.
 fn local_gpus() -> Option<usize> {
     let out = Command::new("nvidia-smi")
         .arg("-L")
@@ -548,7 +586,7 @@ pub fn launch(
     let (hosts, file_backend, envs) = group.hosts()?;
     let backend = backend.or(file_backend).unwrap_or(BackendArg::Ring);
     if hosts.len() < 2 {
-        bail!("--hosts needs two hosts or more (a host may be named twice)");
+        bail!("a group needs two hosts or more (a host may be named twice)");
     }
     let mut setups = match backend {
         BackendArg::Ring => {
@@ -564,7 +602,8 @@ pub fn launch(
             let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
             nccl_setups(&hosts, starting_port, visible.as_deref(), local_gpus())?
         }
-        BackendArg::Jaccl => jaccl_setups(&hosts, starting_port)?,
+        BackendArg::Jaccl => jaccl_setups(&hosts, starting_port, false)?,
+        BackendArg::JacclRing => jaccl_setups(&hosts, starting_port, true)?,
         BackendArg::Mpi => bail!(
             "--hosts and --hostfile start ranks of the ring, JACCL and NCCL backends; start MPI's \
              ranks with its launcher (mpirun)"
@@ -580,7 +619,9 @@ pub fn launch(
     let mut relay = StderrRelay::new();
     // This machine's ranks' files, removed when the launch ends.
     let mut temporary = Vec::new();
-    let mut ranks: Vec<(Child, &Host)> = Vec::with_capacity(hosts.len());
+    // Every rank's command is made (and this machine's files written) before any starts, so
+    // that a failure here leaves no rank running.
+    let mut commands = Vec::with_capacity(hosts.len());
     for ((rank, host), setup) in hosts.iter().enumerate().zip(&setups) {
         let mut command = if is_local(&host.address) {
             let mut command = Command::new(&exe);
@@ -606,6 +647,10 @@ pub fn launch(
         if rank > 0 {
             command.stdout(Stdio::null());
         }
+        commands.push(command);
+    }
+    let mut ranks: Vec<(Child, &Host)> = Vec::with_capacity(hosts.len());
+    for (rank, (mut command, host)) in commands.into_iter().zip(&hosts).enumerate() {
         match command.spawn() {
             Ok(mut child) => {
                 if let Some(stderr) = child.stderr.take() {
@@ -821,11 +866,13 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("65536"));
-        // A hostfile's addresses: every one on the next port.
-        hosts[1].ips = vec!["10.0.1.1".into(), "10.0.2.1".into()];
+        // A hostfile's addresses (two a host here): every one on the next port.
+        for (i, host) in hosts.iter_mut().enumerate() {
+            host.ips = vec![format!("10.0.1.{i}"), format!("10.0.2.{i}")];
+        }
         assert_eq!(
             hostfile(&hosts, 5000).unwrap(),
-            r#"[["127.0.0.1:5000"],["10.0.1.1:5001","10.0.2.1:5002"],["10.0.0.2:5003"]]"#
+            r#"[["10.0.1.0:5000","10.0.2.0:5001"],["10.0.1.1:5002","10.0.2.1:5003"],["10.0.1.2:5004","10.0.2.2:5005"]]"#
         );
         for bad in ["", "a b", "h;rm", "fe80::1", "@h", "u@", "$(x)"] {
             let error = parse_host(bad).unwrap_err().to_string();
@@ -851,7 +898,18 @@ mod tests {
         assert_eq!(file.hosts[0].login, "me@m1");
         assert_eq!(file.hosts[0].address, "m1");
         assert_eq!(file.hosts[1].listens_on(), ["10.0.0.2"]);
-        assert_eq!(file.hosts[1].rdma, [Some("rdma_en3".to_owned()), None]);
+        assert_eq!(
+            file.hosts[1].rdma,
+            [serde_json::json!("rdma_en3"), serde_json::Value::Null]
+        );
+        // mlx.distributed_config's ring of Macs: "jaccl-ring", several cables a neighbour.
+        let ring = Hostfile::parse(
+            r#"{"backend": "jaccl-ring", "hosts": [
+                {"ssh": "m1", "rdma": [null, ["rdma_en3", "rdma_en4"]]},
+                {"ssh": "m2", "rdma": [["rdma_en3", "rdma_en4"], null]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(ring.backend, Some(BackendArg::JacclRing));
         let list = Hostfile::parse(r#"[{"ssh": "a"}, {"ssh": "b", "ips": []}]"#).unwrap();
         assert_eq!(list.backend, None);
         assert_eq!(list.hosts[1].listens_on(), ["b"]);
@@ -859,6 +917,14 @@ mod tests {
             ("{}", "not mlx.launch's hostfile"),
             (r#"[{"ssh": "a", "port": 1}]"#, "not mlx.launch's hostfile"),
             (r#"{"backend": "tcp", "hosts": []}"#, "\"tcp\" is not ring"),
+            (
+                r#"[{"ssh": "a", "rdma": [null, 3]}]"#,
+                "3 is not an RDMA device",
+            ),
+            (
+                r#"[{"ssh": "a", "rdma": [null, ["x", "a b"]]}]"#,
+                "is not an RDMA device",
+            ),
             (
                 r#"{"envs": ["1X=2"], "hosts": []}"#,
                 "\"1X=2\" is not NAME=value",
@@ -904,8 +970,10 @@ mod tests {
             files: vec![("MLX_HOSTFILE", r#"[["a:1"],["b:2"]]"#.into())],
         };
         let command = remote_command(&setup, exe, &kept[..4]).unwrap();
-        let script = "f0=$(mktemp) && printf '%s' '[[\"a:1\"],[\"b:2\"]]' > \"$f0\" && \
-                      MLX_RANK=1 MLX_HOSTFILE=\"$f0\" PERCH_HOSTFILE_IS_TEMPORARY=1 exec \
+        let script = "trap 'rm -f \"$__perch_f0\"' EXIT && trap 'exit 129' HUP && trap 'exit \
+                      130' INT && trap 'exit 143' TERM && __perch_f0=$(mktemp) && printf '%s' \
+                      '[[\"a:1\"],[\"b:2\"]]' > \"$__perch_f0\" && MLX_RANK=1 \
+                      MLX_HOSTFILE=\"$__perch_f0\" PERCH_HOSTFILE_IS_TEMPORARY=1 \
                       '/opt/perch dir/perch' generate --prompt Hi --json";
         assert_eq!(
             command,
@@ -990,38 +1058,55 @@ mod tests {
         );
     }
 
-    /// JACCL's ranks get rank 0's address and port as the coordinator, and the hostfile's device
-    /// lists as one file; lists that are not a square with nulls on its diagonal are refused.
+    /// JACCL's ranks get rank 0's address and port as the coordinator, the hostfile's device
+    /// lists as one file (and `jaccl-ring` a ring preferred); lists that form neither a mesh nor
+    /// a ring are refused.
     #[test]
     fn jaccl_ranks_get_their_coordinator_and_devices() {
         let file = Hostfile::parse(
             r#"[{"ssh": "m1", "ips": ["10.0.0.1"], "rdma": [null, "rdma_en3"]},
-                {"ssh": "m2", "rdma": ["rdma_en4", null]}]"#,
+                {"ssh": "m2", "rdma": [["rdma_en4", "rdma_en5"], null]}]"#,
         )
         .unwrap();
-        let setups = jaccl_setups(&file.hosts, 5000).unwrap();
+        let setups = jaccl_setups(&file.hosts, 5000, false).unwrap();
         for (rank, setup) in setups.iter().enumerate() {
             assert_eq!(get(setup, "MLX_RANK").unwrap(), rank.to_string());
             assert_eq!(
                 get(setup, "MLX_JACCL_COORDINATOR").unwrap(),
                 "10.0.0.1:5000"
             );
+            assert_eq!(get(setup, "MLX_JACCL_RING"), None);
             assert_eq!(
                 setup.files,
                 [(
                     "MLX_IBV_DEVICES",
-                    r#"[[null,"rdma_en3"],["rdma_en4",null]]"#.to_owned()
+                    r#"[[null,"rdma_en3"],[["rdma_en4","rdma_en5"],null]]"#.to_owned()
                 )]
             );
         }
+        let ring = jaccl_setups(&file.hosts, 5000, true).unwrap();
+        assert_eq!(get(&ring[1], "MLX_JACCL_RING").unwrap(), "1");
         for bad in [
             r#"[{"ssh": "m1", "rdma": [null]}, {"ssh": "m2", "rdma": ["r", null]}]"#,
-            r#"[{"ssh": "m1", "rdma": ["r", "r"]}, {"ssh": "m2", "rdma": ["r", null]}]"#,
-            r#"[{"ssh": "m1", "rdma": [null, null]}, {"ssh": "m2", "rdma": ["r", null]}]"#,
+            r#"[{"ssh": "m1", "rdma": [null, null]}, {"ssh": "m2", "rdma": [null, null]}]"#,
+            r#"[{"ssh": "m1"}, {"ssh": "m2"}]"#,
         ] {
             let hosts = Hostfile::parse(bad).unwrap().hosts;
-            let error = jaccl_setups(&hosts, 5000).unwrap_err().to_string();
-            assert!(error.contains("\"rdma\" must name"), "{bad}: {error}");
+            let error = jaccl_setups(&hosts, 5000, false).unwrap_err().to_string();
+            assert!(error.contains("\"rdma\" lists"), "{bad}: {error}");
         }
+    }
+
+    /// A ring hostfile whose hosts list different numbers of addresses is refused here.
+    #[test]
+    fn ring_hosts_list_as_many_addresses() {
+        let file =
+            Hostfile::parse(r#"[{"ssh": "a", "ips": ["1.1.1.1", "1.1.1.2"]}, {"ssh": "b"}]"#)
+                .unwrap();
+        let error = hostfile(&file.hosts, 5000).unwrap_err().to_string();
+        assert!(
+            error.contains("host 1 lists 1 addresses and host 0 2"),
+            "{error}"
+        );
     }
 }

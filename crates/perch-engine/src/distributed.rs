@@ -143,10 +143,12 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
             )?;
         }
         Backend::Jaccl => {
+            // MLX reads JACCL's own names first.
+            let either = |first: &str, then: &str| var(first).or_else(|| var(then));
             check_jaccl_environment(
-                var("MLX_RANK").as_deref(),
-                std::env::var_os("MLX_IBV_DEVICES").map(std::path::PathBuf::from),
-                var("MLX_JACCL_COORDINATOR").as_deref(),
+                either("JACCL_RANK", "MLX_RANK").as_deref(),
+                either("JACCL_IBV_DEVICES", "MLX_IBV_DEVICES").map(std::path::PathBuf::from),
+                either("JACCL_COORDINATOR", "MLX_JACCL_COORDINATOR").as_deref(),
             )?;
         }
         Backend::Mpi => {}
@@ -417,10 +419,73 @@ pub fn check_nccl_environment(
     Ok(size)
 }
 
-/// Checks what MLX's JACCL backend reads at start (`MLX_RANK`, the `MLX_IBV_DEVICES` file it
-/// names: for each rank the RDMA device reaching each other rank and `null` for itself, and
-/// `MLX_JACCL_COORDINATOR`, `host:port` of rank 0) before MLX does. Returns the number of
-/// ranks; errors name the variable or file.
+/// `host:port` as MLX's backends read an address (split at the first colon, a port from 1 to
+/// 65535): the port, or `None`.
+fn address_port(address: &str) -> Option<u16> {
+    address
+        .split_once(':')
+        .filter(|(host, _)| !host.is_empty())
+        .and_then(|(_, port)| port.parse::<u16>().ok())
+        .filter(|&port| port != 0)
+}
+
+/// Checks a JACCL devices file's text as MLX 0.32 reads it (`jaccl::Config`): a list with a row
+/// for each rank, each row an entry for every rank, each entry `null`, a device name or a list of
+/// names (several cables), forming a mesh (every rank names the devices reaching every other, none
+/// for itself) or a ring (every rank names as many for each of its two neighbours, at least one).
+/// Returns the number of ranks; the error says what is wrong.
+pub fn check_jaccl_devices(text: &str) -> std::result::Result<usize, String> {
+    let rows: Vec<Vec<serde_json::Value>> = serde_json::from_str(text).map_err(|e| {
+        format!("not a JSON list of each rank's devices ([[null, \"rdma_en2\"], …]): {e}")
+    })?;
+    let n = rows.len();
+    if n < 2 {
+        return Err(format!("{n} rank listed: a group needs two or more"));
+    }
+    let mut names = vec![vec![0usize; n]; n];
+    for (r, row) in rows.iter().enumerate() {
+        if row.len() != n {
+            return Err(format!(
+                "rank {r} lists {} entries: every rank needs one for each of the {n} ranks",
+                row.len()
+            ));
+        }
+        for (dst, entry) in row.iter().enumerate() {
+            let count = match entry {
+                serde_json::Value::Null => Some(0),
+                serde_json::Value::String(_) => Some(1),
+                serde_json::Value::Array(list) => {
+                    list.iter().all(|v| v.is_string()).then_some(list.len())
+                }
+                _ => None,
+            };
+            names[r][dst] = count.ok_or_else(|| {
+                format!(
+                    "rank {r}'s entry for rank {dst} is not null, a device name or a list of names"
+                )
+            })?;
+        }
+    }
+    let mesh = (0..n).all(|r| (0..n).all(|d| (names[r][d] == 0) == (r == d)));
+    let cables = names[0][1];
+    let ring = cables > 0
+        && (0..n).all(|r| names[r][(r + n - 1) % n] == cables && names[r][(r + 1) % n] == cables);
+    match mesh || ring {
+        true => Ok(n),
+        false => Err(
+            "the devices form neither a mesh (each rank names the devices reaching every other \
+             rank, and none for itself) nor a ring (each rank names as many for each of its two \
+             neighbours)"
+                .into(),
+        ),
+    }
+}
+
+/// Checks what MLX's JACCL backend reads at start (the rank, the devices file it names — see
+/// [`check_jaccl_devices`] — and the coordinator, `host:port` of rank 0; MLX reads `JACCL_RANK`,
+/// `JACCL_IBV_DEVICES` and `JACCL_COORDINATOR` before `MLX_RANK`, `MLX_IBV_DEVICES` and
+/// `MLX_JACCL_COORDINATOR`) before MLX does. Returns the number of ranks; errors name the
+/// variable or file.
 pub fn check_jaccl_environment(
     rank: Option<&str>,
     devices: Option<std::path::PathBuf>,
@@ -437,12 +502,7 @@ pub fn check_jaccl_environment(
     let rank: usize = rank.trim().parse().map_err(|_| {
         EngineError::Distributed(format!("MLX_RANK is {rank:?}, not a rank number (0, 1, …)"))
     })?;
-    let port = coordinator
-        .rsplit_once(':')
-        .filter(|(host, _)| !host.is_empty())
-        .and_then(|(_, port)| port.parse::<u16>().ok())
-        .filter(|&port| port != 0);
-    if port.is_none() {
+    if address_port(coordinator).is_none() {
         return Err(EngineError::Distributed(format!(
             "MLX_JACCL_COORDINATOR is {coordinator:?}, not \"host:port\" (a port from 1 to \
              65535)"
@@ -453,29 +513,7 @@ pub fn check_jaccl_environment(
     };
     let text = crate::limits::read_text_capped(&devices, crate::limits::MAX_CONFIG_BYTES)
         .map_err(|e| bad(e.to_string()))?;
-    let matrix: Vec<Vec<Option<String>>> = serde_json::from_str(&text).map_err(|e| {
-        bad(format!(
-            "not a JSON list of each rank's devices ([[null, \"rdma_en2\"], …]): {e}"
-        ))
-    })?;
-    let n = matrix.len();
-    if n < 2 {
-        return Err(bad(format!("{n} rank listed: a group needs two or more")));
-    }
-    for (r, row) in matrix.iter().enumerate() {
-        let square = row.len() == n
-            && row
-                .iter()
-                .enumerate()
-                .all(|(other, device)| device.is_some() == (other != r));
-        if !square {
-            return Err(bad(format!(
-                "rank {r} must name the device reaching each of the {} other ranks, and null \
-                 for itself",
-                n - 1
-            )));
-        }
-    }
+    let n = check_jaccl_devices(&text).map_err(bad)?;
     if rank >= n {
         return Err(bad(format!(
             "MLX_RANK is {rank}, but the file lists {n} ranks (0 to {})",
@@ -529,12 +567,7 @@ pub fn check_ring_environment(
         for address in addresses {
             // MLX splits at the first colon: a host holding one (an IPv6 address) cannot be
             // written here.
-            let port = address
-                .split_once(':')
-                .filter(|(host, _)| !host.is_empty())
-                .and_then(|(_, port)| port.parse::<u16>().ok())
-                .filter(|&port| port != 0);
-            if port.is_none() {
+            if address_port(address).is_none() {
                 return Err(bad(format!(
                     "rank {r}'s address {address:?} is not \"host:port\" (a host name or IPv4 \
                      address, a port from 1 to 65535)"
@@ -787,14 +820,28 @@ mod tests {
         assert!(error(None, good.clone(), at).contains("needs MLX_RANK"));
         assert!(error(Some("x"), good.clone(), at).contains("not a rank number"));
         assert!(error(Some("2"), good.clone(), at).contains("lists 2 ranks (0 to 1)"));
-        for coordinator in ["10.0.0.1", ":5000", "h:0", "h:p"] {
+        for coordinator in ["10.0.0.1", ":5000", "h:0", "h:p", "fe80::1:5000"] {
             assert!(error(Some("0"), good.clone(), Some(coordinator)).contains("not \"host:port\""));
         }
+        // Several cables between two ranks, and a ring of four (neighbours only).
+        let cables = file(
+            "cables.json",
+            r#"[[null, ["rdma_en3", "rdma_en4"]], [["a", "b"], null]]"#,
+        );
+        assert_eq!(check_jaccl_environment(Some("0"), cables, at).unwrap(), 2);
+        let ring = r#"[[null, "a", null, "b"], ["a", null, "c", null],
+                       [null, "c", null, "d"], ["b", null, "d", null]]"#;
+        assert_eq!(check_jaccl_devices(ring), Ok(4));
         for (text, expected) in [
             ("{}", "not a JSON list"),
             (r#"[[null]]"#, "1 rank listed"),
-            (r#"[["a", "b"], ["b", null]]"#, "rank 0 must name"),
-            (r#"[[null, "a"], ["a"]]"#, "rank 1 must name"),
+            (r#"[[null, null], [null, null]]"#, "neither a mesh"),
+            (r#"[[null, "a"], ["a"]]"#, "rank 1 lists 1 entries"),
+            (r#"[[null, 3], ["a", null]]"#, "rank 0's entry for rank 1"),
+            (
+                r#"[[null, "a", null], ["a", null, null], [null, null, null]]"#,
+                "neither a mesh",
+            ),
         ] {
             let got = error(Some("0"), file("bad.json", text), at);
             assert!(
