@@ -197,7 +197,7 @@ fn is_local(address: &str) -> bool {
 /// macOS, `MemTotal` of `/proc/meminfo` on Linux). Errors name a host that is not a host name
 /// or whose memory could not be read.
 pub fn group_memory(group: GroupSpec<'_>) -> anyhow::Result<Vec<(u64, usize)>> {
-    let hosts = group.hosts()?.0;
+    let hosts = group.read()?.hosts;
     machines(&hosts)
         .iter()
         .map(|(host, ranks)| Ok((memory_bytes(host)?, *ranks)))
@@ -557,20 +557,18 @@ pub enum GroupSpec<'a> {
 
 impl GroupSpec<'_> {
     /// The group's hosts (rank 0 first), the backend its hostfile names, and the variables
-    /// it sets for every rank.
-    fn hosts(&self) -> anyhow::Result<(Vec<Host>, Option<BackendArg>, Vec<(String, String)>)> {
+    /// it sets for every rank (a `--hosts` list as a hostfile of no backend or variables).
+    fn read(&self) -> anyhow::Result<Hostfile> {
         Ok(match self {
-            GroupSpec::List(hosts) => {
-                let hosts = hosts
+            GroupSpec::List(hosts) => Hostfile {
+                hosts: hosts
                     .iter()
                     .map(|h| parse_host(h))
-                    .collect::<anyhow::Result<Vec<_>>>()?;
-                (hosts, None, Vec::new())
-            }
-            GroupSpec::File(path) => {
-                let file = Hostfile::read(path)?;
-                (file.hosts, file.backend, file.envs)
-            }
+                    .collect::<anyhow::Result<Vec<_>>>()?,
+                backend: None,
+                envs: Vec::new(),
+            },
+            GroupSpec::File(path) => Hostfile::read(path)?,
         })
     }
 }
@@ -583,7 +581,11 @@ pub fn launch(
     starting_port: u16,
     backend: Option<BackendArg>,
 ) -> anyhow::Result<()> {
-    let (hosts, file_backend, envs) = group.hosts()?;
+    let Hostfile {
+        hosts,
+        backend: file_backend,
+        envs,
+    } = group.read()?;
     let backend = backend.or(file_backend).unwrap_or(BackendArg::Ring);
     if hosts.len() < 2 {
         bail!("a group needs two hosts or more (a host may be named twice)");
