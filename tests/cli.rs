@@ -1676,10 +1676,12 @@ fn serve_divided_over_two_ranks() {
         ends_in_error(&out, "9 query heads cannot be divided over 2 ranks");
     }
 
-    // One command starting both ranks (`--hosts`), every rank with the model as its own draft
-    // (speculative decoding in the divided batch), answers the greedy requests alike (a sampled
-    // one draws otherwise with a draft, as mlx_lm's speculative sampling does); terminated, it
-    // ends its ranks.
+    // One command starting both ranks (`--hosts`: rank 0 on "another host", 127.0.0.2 through
+    // the stand-in `ssh`, rank 1 here), every rank with the model as its own draft (speculative
+    // decoding in the divided batch), answers the greedy requests alike (a sampled one draws
+    // otherwise with a draft, as mlx_lm's speculative sampling does); terminated, it ends its
+    // ranks: the remote one (serving, idle) when its `ssh` goes.
+    let (path, _) = stand_in_ssh(dir.path());
     let starting_port = consecutive_free_ports();
     let marker = format!("marker-{}", std::process::id());
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_perch"))
@@ -1698,9 +1700,10 @@ fn serve_divided_over_two_ranks() {
             "--distributed",
             "pipeline",
             "--hosts",
-            "127.0.0.1,127.0.0.1",
+            "127.0.0.2,127.0.0.1",
         ])
         .args(["--starting-port", &starting_port.to_string()])
+        .env("PATH", &path)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -1710,13 +1713,17 @@ fn serve_divided_over_two_ranks() {
     for i in [0, 1, 3] {
         assert_eq!(drafted[i], alone[i], "request {i}");
     }
-    // Processes whose command line holds the marker (read from /proc: no procps on a clean
-    // machine).
+    // `perch` processes whose command line holds the marker (read from /proc: no procps on a
+    // clean machine; the shells of the stand-in `ssh` hold it too).
     let ranks_left = || {
         std::fs::read_dir("/proc")
             .unwrap()
             .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
-            .filter(|cmdline| String::from_utf8_lossy(cmdline).contains(&marker))
+            .filter(|cmdline| {
+                let text = String::from_utf8_lossy(cmdline);
+                let program = text.split('\0').next().unwrap_or_default();
+                program.ends_with("/perch") && text.contains(&marker)
+            })
             .count()
     };
     assert_eq!(ranks_left(), 3, "the launcher and its two ranks");

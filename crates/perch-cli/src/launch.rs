@@ -150,9 +150,13 @@ impl Hostfile {
                         && !name.starts_with(|c: char| c.is_ascii_digit())
                         && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
                 });
-                named
-                    .map(|(name, value)| (name.to_owned(), value.to_owned()))
-                    .with_context(|| format!("\"envs\": {e:?} is not NAME=value"))
+                let (name, value) =
+                    named.with_context(|| format!("\"envs\": {e:?} is not NAME=value"))?;
+                // Names the launch sets itself (JACCL's own names MLX reads before its).
+                if name.starts_with("__perch_") || name.starts_with("JACCL_") {
+                    bail!("\"envs\": {name} is set by the launch");
+                }
+                Ok((name.to_owned(), value.to_owned()))
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let mut hosts = Vec::with_capacity(entries.len());
@@ -339,9 +343,11 @@ struct RankSetup {
 
 /// The command `ssh` runs for a rank on a remote host: `sh` writing each of `setup`'s files to
 /// a temporary file there, then running `exe args` with the rank's environment and each file's
-/// variable naming its file. The rank removes its files once MLX has read them
-/// (`PERCH_HOSTFILE_IS_TEMPORARY=1`); `sh` removes them when the rank ends, however it ends,
-/// and when the session is hung up (the launcher ended it).
+/// variable naming its file, in the background, and waiting for it. When the launcher ends (its
+/// end of `ssh`'s standard input closes: `sshd` sends a command without a terminal no signal
+/// when the client goes) or `sh` is hung up or terminated, the rank is terminated. The rank
+/// removes its files once MLX has read them (`PERCH_HOSTFILE_IS_TEMPORARY=1`), and `sh` when
+/// the rank ends. The script's status is the rank's.
 fn remote_command(
     setup: &RankSetup,
     exe: &std::path::Path,
@@ -356,47 +362,49 @@ fn remote_command(
         s.to_str()
             .with_context(|| format!("{s:?} is not UTF-8: it cannot be passed over ssh"))
     }
-    let mut command = String::new();
+    // The session's standard input, kept for the watcher below (a command run in the background
+    // gets /dev/null).
+    let mut script = String::from("exec 3<&0; ");
     let files: Vec<String> = (0..setup.files.len())
         .map(|i| format!("\"$__perch_f{i}\""))
         .collect();
     if !files.is_empty() {
-        command.push_str(&format!(
-            "trap 'rm -f {}' EXIT && trap 'exit 129' HUP && trap 'exit 130' INT && trap 'exit \
-             143' TERM && ",
-            files.join(" ")
-        ));
+        script.push_str(&format!("trap 'rm -f {}' EXIT; ", files.join(" ")));
     }
     for (i, (_, content)) in setup.files.iter().enumerate() {
-        command.push_str(&format!(
-            "__perch_f{i}=$(mktemp) && printf '%s' {} > {} && ",
+        script.push_str(&format!(
+            "__perch_f{i}=$(mktemp) && printf '%s' {} > {} || exit 1; ",
             quote(content)?,
             files[i]
         ));
     }
     for (name, value) in &setup.env {
-        command.push_str(&format!("{name}={} ", quote(value)?));
+        script.push_str(&format!("{name}={} ", quote(value)?));
     }
     for ((name, _), file) in setup.files.iter().zip(&files) {
-        command.push_str(&format!("{name}={file} "));
+        script.push_str(&format!("{name}={file} "));
     }
     if !files.is_empty() {
-        command.push_str(&format!(
+        script.push_str(&format!(
             "{}=1 ",
             perch_engine::distributed::HOSTFILE_IS_TEMPORARY
         ));
     }
-    // Not `exec`: `sh` stays to remove the files.
-    if files.is_empty() {
-        command.push_str("exec ");
-    }
-    command.push_str(&quote(utf8(exe.as_os_str())?)?);
+    script.push_str(&quote(utf8(exe.as_os_str())?)?);
     for arg in args {
-        command.push(' ');
-        command.push_str(&quote(utf8(arg)?)?);
+        script.push(' ');
+        script.push_str(&quote(utf8(arg)?)?);
     }
+    script.push_str(
+        " </dev/null 3<&- & __perch_p=$!; \
+         (while read -r __perch_l; do :; done <&3; kill -TERM $__perch_p) >/dev/null 2>&1 & \
+         __perch_w=$!; exec 3<&-; \
+         trap 'kill -TERM $__perch_p 2>/dev/null' HUP INT TERM; \
+         while :; do wait $__perch_p; __perch_s=$?; kill -0 $__perch_p 2>/dev/null || break; done; \
+         kill $__perch_w 2>/dev/null; exit $__perch_s",
+    );
     // Through `sh`, whatever the login shell on that host.
-    Ok(format!("sh -c {}", quote(&command)?))
+    Ok(format!("sh -c {}", quote(&script)?))
 }
 
 /// Where the other ranks meet rank 0 (NCCL, JACCL): its first address ([`Host::listens_on`]),
@@ -643,9 +651,15 @@ pub fn launch(
             let mut command = Command::new("ssh");
             command.args(["-o", "BatchMode=yes", &host.login]);
             command.arg(remote_command(setup, &exe, &args)?);
+            // Held open until the rank is ended or waited for ([`end`], `Child::wait` closes
+            // it): the remote `sh` ends its rank when it closes.
+            command.stdin(Stdio::piped());
             command
         };
-        command.stdin(Stdio::null()).stderr(Stdio::piped());
+        if is_local(&host.address) {
+            command.stdin(Stdio::null());
+        }
+        command.stderr(Stdio::piped());
         if rank > 0 {
             command.stdout(Stdio::null());
         }
@@ -932,6 +946,14 @@ mod tests {
                 "\"1X=2\" is not NAME=value",
             ),
             (r#"{"envs": ["NOVALUE"], "hosts": []}"#, "is not NAME=value"),
+            (
+                r#"{"envs": ["__perch_f0=/x"], "hosts": []}"#,
+                "set by the launch",
+            ),
+            (
+                r#"{"envs": ["JACCL_RANK=0"], "hosts": []}"#,
+                "set by the launch",
+            ),
             (r#"[{"ssh": "a;b"}]"#, "host 0"),
             (
                 r#"[{"ssh": "a", "ips": ["1.2.3.4 x"]}]"#,
@@ -972,15 +994,19 @@ mod tests {
             files: vec![("MLX_HOSTFILE", r#"[["a:1"],["b:2"]]"#.into())],
         };
         let command = remote_command(&setup, exe, &kept[..4]).unwrap();
-        let script = "trap 'rm -f \"$__perch_f0\"' EXIT && trap 'exit 129' HUP && trap 'exit \
-                      130' INT && trap 'exit 143' TERM && __perch_f0=$(mktemp) && printf '%s' \
-                      '[[\"a:1\"],[\"b:2\"]]' > \"$__perch_f0\" && MLX_RANK=1 \
-                      MLX_HOSTFILE=\"$__perch_f0\" PERCH_HOSTFILE_IS_TEMPORARY=1 \
-                      '/opt/perch dir/perch' generate --prompt Hi --json";
-        assert_eq!(
-            command,
-            format!("sh -c {}", shlex::try_quote(script).unwrap())
-        );
+        let script = shlex::split(command.strip_prefix("sh -c ").unwrap()).unwrap();
+        assert_eq!(script.len(), 1);
+        let script = &script[0];
+        for part in [
+            "exec 3<&0; trap 'rm -f \"$__perch_f0\"' EXIT; __perch_f0=$(mktemp) && printf '%s' \
+             '[[\"a:1\"],[\"b:2\"]]' > \"$__perch_f0\" || exit 1; MLX_RANK=1 \
+             MLX_HOSTFILE=\"$__perch_f0\" PERCH_HOSTFILE_IS_TEMPORARY=1 '/opt/perch dir/perch' \
+             generate --prompt Hi --json </dev/null 3<&- & __perch_p=$!;",
+            "done <&3; kill -TERM $__perch_p)",
+            "exit $__perch_s",
+        ] {
+            assert!(script.contains(part), "{part}\nnot in\n{script}");
+        }
         // NCCL: the environment alone, no file.
         let setup = RankSetup {
             env: vec![
@@ -990,11 +1016,76 @@ mod tests {
             files: Vec::new(),
         };
         let command = remote_command(&setup, exe, &kept[..4]).unwrap();
-        let script = "MLX_RANK=1 NCCL_HOST_IP=10.0.0.1 exec '/opt/perch dir/perch' generate \
-                      --prompt Hi --json";
-        assert_eq!(
-            command,
-            format!("sh -c {}", shlex::try_quote(script).unwrap())
+        let script = &shlex::split(command.strip_prefix("sh -c ").unwrap()).unwrap()[0];
+        assert!(
+            script.starts_with(
+                "exec 3<&0; MLX_RANK=1 NCCL_HOST_IP=10.0.0.1 '/opt/perch dir/perch' generate"
+            ),
+            "{script}"
+        );
+        assert!(!script.contains("trap 'rm"), "{script}");
+    }
+
+    /// The script `ssh` runs, run here by `sh`: the rank's status is the script's, its files are
+    /// gone when it ends, and when the launcher's end of standard input closes the rank is
+    /// terminated.
+    #[test]
+    fn a_remote_rank_s_script_cleans_up_and_ends_with_its_launcher() {
+        let dir = tempfile::tempdir().unwrap();
+        let rank = dir.path().join("rank.sh");
+        // A stand-in rank: notes the file it was given, then exits 3 or sleeps.
+        std::fs::write(
+            &rank,
+            "#!/bin/sh\necho \"$MLX_HOSTFILE\" > \"$1\"\n[ \"$2\" = sleep ] && exec sleep 30\nexit 3\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&rank, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let noted = dir.path().join("noted");
+        let setup = RankSetup {
+            env: vec![("MLX_RANK".into(), "1".into())],
+            files: vec![("MLX_HOSTFILE", "[]".into())],
+        };
+        let run = |how: &str| {
+            let args = [noted.clone().into_os_string(), how.into()];
+            let script = remote_command(&setup, &rank, &args).unwrap();
+            let script = shlex::split(script.strip_prefix("sh -c ").unwrap()).unwrap();
+            Command::new("sh")
+                .arg("-c")
+                .arg(&script[0])
+                .stdin(Stdio::piped())
+                .env("TMPDIR", dir.path())
+                .spawn()
+                .unwrap()
+        };
+        let exited = run("exit").wait().unwrap();
+        assert_eq!(exited.code(), Some(3));
+        let file = std::fs::read_to_string(&noted).unwrap();
+        assert!(
+            file.trim().starts_with(&dir.path().display().to_string()),
+            "{file}"
+        );
+        assert!(
+            !std::path::Path::new(file.trim()).exists(),
+            "the rank's file removed"
+        );
+        // Standard input closed (the launcher gone): the sleeping rank is terminated.
+        let mut sleeping = run("sleep");
+        while !noted.exists() || std::fs::read_to_string(&noted).unwrap().is_empty() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let start = Instant::now();
+        drop(sleeping.stdin.take());
+        let ended = sleeping.wait().unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "ended within seconds"
+        );
+        assert!(!ended.success(), "{ended:?}");
+        let file = std::fs::read_to_string(&noted).unwrap();
+        assert!(
+            !std::path::Path::new(file.trim()).exists(),
+            "the rank's file removed"
         );
     }
 

@@ -432,7 +432,8 @@ fn address_port(address: &str) -> Option<u16> {
 /// Checks a JACCL devices file's text as MLX 0.32 reads it (`jaccl::Config`): a list with a row
 /// for each rank, each row an entry for every rank, each entry `null`, a device name or a list of
 /// names (several cables), forming a mesh (every rank names the devices reaching every other, none
-/// for itself) or a ring (every rank names as many for each of its two neighbours, at least one).
+/// for itself) or a ring (every rank names as many for each of its two neighbours). Stricter than
+/// MLX in one case: a ring of no devices at all, which MLX takes, is refused.
 /// Returns the number of ranks; the error says what is wrong.
 pub fn check_jaccl_devices(text: &str) -> std::result::Result<usize, String> {
     let rows: Vec<Vec<serde_json::Value>> = serde_json::from_str(text).map_err(|e| {
