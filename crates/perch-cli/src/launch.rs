@@ -1058,7 +1058,15 @@ mod tests {
                 .spawn()
                 .unwrap()
         };
-        let exited = run("exit").wait().unwrap();
+        // Its standard input held open meanwhile, as the launcher holds it (`Child::wait`
+        // would close it first).
+        let mut exiting = run("exit");
+        let exited = loop {
+            if let Some(status) = exiting.try_wait().unwrap() {
+                break status;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
         assert_eq!(exited.code(), Some(3));
         let file = std::fs::read_to_string(&noted).unwrap();
         assert!(
