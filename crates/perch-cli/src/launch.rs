@@ -266,21 +266,9 @@ fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
 
 /// The ring backend's hostfile for `hosts`: each rank's addresses ([`Host::listens_on`]) in
 /// rank order, each on the next port from `starting_port` (rank `r` at `starting_port + r` when
-/// each has one, as `mlx.launch` numbers them).
+/// each has one, as `mlx.launch` numbers them), checked as the ranks will check it
+/// ([`perch_engine::distributed::check_ring_hostfile`]).
 fn hostfile(hosts: &[Host], starting_port: u16) -> anyhow::Result<String> {
-    // A connection to each neighbour an address: MLX's ring needs as many on every rank.
-    if let Some((rank, host)) = hosts
-        .iter()
-        .enumerate()
-        .find(|(_, h)| h.listens_on().len() != hosts[0].listens_on().len())
-    {
-        bail!(
-            "--backend ring: host {rank} lists {} addresses and host 0 {}: every host needs as \
-             many",
-            host.listens_on().len(),
-            hosts[0].listens_on().len()
-        );
-    }
     let count: usize = hosts.iter().map(|h| h.listens_on().len()).sum();
     let last = usize::from(starting_port) + count - 1;
     if starting_port == 0 || last > usize::from(u16::MAX) {
@@ -302,7 +290,12 @@ fn hostfile(hosts: &[Host], starting_port: u16) -> anyhow::Result<String> {
                 .collect()
         })
         .collect();
-    Ok(serde_json::to_string(&addresses)?)
+    let json = serde_json::to_string(&addresses)?;
+    // The rule every rank checks it by, here before any starts.
+    if let Err(why) = perch_engine::distributed::check_ring_hostfile(&json) {
+        bail!("--backend ring: the hosts' addresses ({why})");
+    }
+    Ok(json)
 }
 
 /// The launch's own flags, which ranks do not get (`--backend` is given to them as resolved).
@@ -1198,7 +1191,8 @@ mod tests {
         }
     }
 
-    /// A ring hostfile whose hosts list different numbers of addresses is refused here.
+    /// A ring hostfile whose hosts list different numbers of addresses is refused here, by the
+    /// ranks' own rule.
     #[test]
     fn ring_hosts_list_as_many_addresses() {
         let file =
@@ -1206,7 +1200,7 @@ mod tests {
                 .unwrap();
         let error = hostfile(&file.hosts, 5000).unwrap_err().to_string();
         assert!(
-            error.contains("host 1 lists 1 addresses and host 0 2"),
+            error.contains("rank 1 lists 1 addresses and rank 0 2"),
             "{error}"
         );
     }

@@ -547,58 +547,59 @@ pub fn check_ring_environment(
     };
     let text = crate::limits::read_text_capped(&hostfile, crate::limits::MAX_CONFIG_BYTES)
         .map_err(|e| bad(e.to_string()))?;
-    let hosts: Vec<Vec<String>> = serde_json::from_str(&text).map_err(|e| {
-        bad(format!(
-            "not a JSON list of each rank's addresses ([[\"ip:port\"], …]): {e}"
-        ))
+    let n = check_ring_hostfile(&text).map_err(bad)?;
+    if rank >= n {
+        return Err(bad(format!(
+            "MLX_RANK is {rank}, but the file lists {n} ranks (0 to {})",
+            n - 1
+        )));
+    }
+    Ok(n)
+}
+
+/// Checks a ring hostfile's text as MLX reads it: a JSON list of each rank's `"host:port"`
+/// addresses (split at the first colon), as many for every rank (a connection to each
+/// neighbour an address), no address twice, two ranks or more. Returns the number of ranks; the
+/// error says what is wrong.
+pub fn check_ring_hostfile(text: &str) -> std::result::Result<usize, String> {
+    let hosts: Vec<Vec<String>> = serde_json::from_str(text).map_err(|e| {
+        format!("not a JSON list of each rank's addresses ([[\"ip:port\"], …]): {e}")
     })?;
     let mut seen = std::collections::HashMap::new();
     for (r, addresses) in hosts.iter().enumerate() {
         if addresses.is_empty() {
-            return Err(bad(format!("rank {r} has no address")));
+            return Err(format!("rank {r} has no address"));
         }
-        // An address a connection to each neighbour: MLX's ring needs as many on every rank.
         if addresses.len() != hosts[0].len() {
-            return Err(bad(format!(
+            return Err(format!(
                 "rank {r} lists {} addresses and rank 0 {}: every rank needs as many",
                 addresses.len(),
                 hosts[0].len()
-            )));
+            ));
         }
         for address in addresses {
             // MLX splits at the first colon: a host holding one (an IPv6 address) cannot be
             // written here.
             if address_port(address).is_none() {
-                return Err(bad(format!(
+                return Err(format!(
                     "rank {r}'s address {address:?} is not \"host:port\" (a host name or IPv4 \
                      address, a port from 1 to 65535)"
-                )));
+                ));
             }
             match seen.insert(address.as_str(), r) {
-                Some(other) if other == r => {
-                    return Err(bad(format!("rank {r} lists {address} twice")))
-                }
+                Some(other) if other == r => return Err(format!("rank {r} lists {address} twice")),
                 Some(other) => {
-                    return Err(bad(format!(
-                        "ranks {other} and {r} both listen on {address}"
-                    )))
+                    return Err(format!("ranks {other} and {r} both listen on {address}"))
                 }
                 None => {}
             }
         }
     }
     if hosts.len() < 2 {
-        return Err(bad(format!(
+        return Err(format!(
             "{} rank listed: a group needs two or more",
             hosts.len()
-        )));
-    }
-    if rank >= hosts.len() {
-        return Err(bad(format!(
-            "MLX_RANK is {rank}, but the file lists {} ranks (0 to {})",
-            hosts.len(),
-            hosts.len() - 1
-        )));
+        ));
     }
     Ok(hosts.len())
 }
