@@ -794,32 +794,20 @@ impl<'m> BatchGenerator<'m> {
     pub(crate) fn stage(&self) -> Stage {
         Stage {
             row_bytes_per_position: self.row_bytes_per_position,
-            sliding: self.model.has_sliding_window_layers(),
-            recurrent: self.store.has_recurrent_layers(),
             layers: self.store.num_layers(),
         }
     }
 
     /// A follower's batch, made on rank 0's `stage`: admission counts rank 0's bytes a position.
-    /// Errors when this rank's layers are of other kinds than rank 0's (pipeline stages of a
-    /// model whose sliding-window or linear-attention layers are not in every stage: their
-    /// batches would choose differently).
-    pub(crate) fn follow_stage(&mut self, stage: Stage) -> Result<()> {
+    /// Its layers are of rank 0's kinds in rank 0's proportions (`lockstep::check_division`
+    /// refused the group at load otherwise).
+    pub(crate) fn follow_stage(&mut self, stage: Stage) {
         let own = self.stage();
-        if (own.sliding, own.recurrent) != (stage.sliding, stage.recurrent) {
-            return Err(EngineError::Distributed(format!(
-                "this rank's layers are of other kinds than rank 0's (sliding-window layers \
-                 {} here, {} there; linear-attention layers {} here, {} there): serve this \
-                 model with --distributed tensor",
-                own.sliding, stage.sliding, own.recurrent, stage.recurrent
-            )));
-        }
         self.row_bytes_per_position = stage.row_bytes_per_position;
         // A pipeline stage's own bytes (its prefix cache's) weigh against rank 0's scaled by
         // their layers (`lockstep::check_division`: every kind in the same proportions).
         self.store.set_budget_scale(own.layers, stage.layers);
         self.follows = true;
-        Ok(())
     }
 
     /// `(own, rank 0's)` cache layers: a pipeline stage's against rank 0's (`(1, 1)` but on a

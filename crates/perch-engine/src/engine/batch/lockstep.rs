@@ -79,15 +79,13 @@ pub(crate) enum BatchCall {
 
 /// What a rank's part of the model makes its batch choose by, as rank 0 sends it with a fresh
 /// batch: the KV bytes a position of a row takes over its layers (admission weighs growth in
-/// them; a pipeline stage holds fewer layers than the model), whether its layers include
-/// sliding-window or linear-attention ones (a stage without them would budget and publish blocks
-/// otherwise), and how many cache layers it holds (another stage weighs its own bytes scaled by
-/// its layers against these: [`check_division`]).
+/// them; a pipeline stage holds fewer layers than the model), and how many cache layers it holds
+/// (another stage weighs its own bytes scaled by its layers against these). Whether the stages'
+/// layers are of the same kinds is settled at load ([`check_division`]: in the same proportions
+/// on every rank, or every rank refuses).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub(crate) struct Stage {
     pub(crate) row_bytes_per_position: usize,
-    pub(crate) sliding: bool,
-    pub(crate) recurrent: bool,
     /// Cache layers (a pipeline stage's own; the others' bytes scale by theirs against these).
     pub(crate) layers: usize,
 }
@@ -520,7 +518,7 @@ fn follow_reading<'m>(
                 draft_tokens,
             } => {
                 let mut fresh = BatchGenerator::new(model, tokenizer, config, &model_id);
-                fresh.follow_stage(stage)?;
+                fresh.follow_stage(stage);
                 // Every rank's draft was checked alike at load (`check_draft`).
                 if let (Some(k), Some(draft)) = (draft_tokens, draft) {
                     fresh = fresh.with_draft(draft, k);
