@@ -500,21 +500,33 @@ pub fn check_jaccl_environment(
                 .into(),
         ));
     };
-    let rank: usize = rank.trim().parse().map_err(|_| {
-        EngineError::Distributed(format!("MLX_RANK is {rank:?}, not a rank number (0, 1, …)"))
-    })?;
     if address_port(coordinator).is_none() {
         return Err(EngineError::Distributed(format!(
             "MLX_JACCL_COORDINATOR is {coordinator:?}, not \"host:port\" (a port from 1 to \
              65535)"
         )));
     }
+    check_rank_file(rank, "MLX_IBV_DEVICES", &devices, check_jaccl_devices)
+}
+
+/// `rank` (MLX_RANK's text) as a number, and the file `variable` names read and checked by
+/// `check` (which gives its number of ranks), the rank within them: the ring's and JACCL's
+/// shared steps. Errors name the variable and the file.
+fn check_rank_file(
+    rank: &str,
+    variable: &str,
+    path: &std::path::Path,
+    check: fn(&str) -> std::result::Result<usize, String>,
+) -> Result<usize> {
+    let rank: usize = rank.trim().parse().map_err(|_| {
+        EngineError::Distributed(format!("MLX_RANK is {rank:?}, not a rank number (0, 1, …)"))
+    })?;
     let bad = |message: String| {
-        EngineError::Distributed(format!("MLX_IBV_DEVICES {}: {message}", devices.display()))
+        EngineError::Distributed(format!("{variable} {}: {message}", path.display()))
     };
-    let text = crate::limits::read_text_capped(&devices, crate::limits::MAX_CONFIG_BYTES)
+    let text = crate::limits::read_text_capped(path, crate::limits::MAX_CONFIG_BYTES)
         .map_err(|e| bad(e.to_string()))?;
-    let n = check_jaccl_devices(&text).map_err(bad)?;
+    let n = check(&text).map_err(bad)?;
     if rank >= n {
         return Err(bad(format!(
             "MLX_RANK is {rank}, but the file lists {n} ranks (0 to {})",
@@ -539,22 +551,7 @@ pub fn check_ring_environment(
                 .into(),
         ));
     };
-    let rank: usize = rank.trim().parse().map_err(|_| {
-        EngineError::Distributed(format!("MLX_RANK is {rank:?}, not a rank number (0, 1, …)"))
-    })?;
-    let bad = |message: String| {
-        EngineError::Distributed(format!("MLX_HOSTFILE {}: {message}", hostfile.display()))
-    };
-    let text = crate::limits::read_text_capped(&hostfile, crate::limits::MAX_CONFIG_BYTES)
-        .map_err(|e| bad(e.to_string()))?;
-    let n = check_ring_hostfile(&text).map_err(bad)?;
-    if rank >= n {
-        return Err(bad(format!(
-            "MLX_RANK is {rank}, but the file lists {n} ranks (0 to {})",
-            n - 1
-        )));
-    }
-    Ok(n)
+    check_rank_file(rank, "MLX_HOSTFILE", &hostfile, check_ring_hostfile)
 }
 
 /// Checks a ring hostfile's text as MLX reads it: a JSON list of each rank's `"host:port"`
