@@ -708,6 +708,21 @@ impl Group {
             .collect())
     }
 
+    /// Every rank's `words`, in rank order, on every rank ([`Group::all_gather_bytes`] of their
+    /// little-endian bytes).
+    pub fn all_gather_words<const N: usize>(&self, words: [u64; N]) -> Result<Vec<[u64; N]>> {
+        let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+        Ok(self
+            .all_gather_bytes(&bytes)?
+            .iter()
+            .map(|b| {
+                std::array::from_fn(|i| {
+                    u64::from_le_bytes(b[8 * i..8 * (i + 1)].try_into().expect("8 bytes"))
+                })
+            })
+            .collect())
+    }
+
     /// Rank 0's `bytes` on every rank (the others pass `None`). Evaluates; errors when a rank
     /// is gone or when rank 0 passes nothing.
     pub fn broadcast_bytes(&self, bytes: Option<&[u8]>) -> Result<Vec<u8>> {
@@ -739,19 +754,15 @@ impl Group {
                 "{len} bytes are too many"
             )));
         }
-        let mut header = [0u8; 8 * (1 + GATHERED_WORDS)];
-        for (at, word) in std::iter::once(len as u64).chain(words).enumerate() {
-            header[8 * at..8 * (at + 1)].copy_from_slice(&word.to_le_bytes());
-        }
-        let headers = self.all_gather_bytes(&header)?;
-        let word_at = |h: &[u8], at: usize| {
-            u64::from_le_bytes(h[8 * at..8 * (at + 1)].try_into().expect("8 bytes"))
-        };
+        let mut header = [0u64; 1 + GATHERED_WORDS];
+        header[0] = len as u64;
+        header[1..].copy_from_slice(&words);
+        let headers = self.all_gather_words(header)?;
         let words = headers
             .iter()
-            .map(|h| std::array::from_fn(|i| word_at(h, 1 + i)))
+            .map(|h| std::array::from_fn(|i| h[1 + i]))
             .collect();
-        let len = word_at(&headers[0], 0) as usize;
+        let len = headers[0][0] as usize;
         if len == 0 {
             return Ok((Vec::new(), words));
         }

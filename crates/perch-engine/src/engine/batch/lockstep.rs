@@ -564,18 +564,7 @@ pub(crate) fn check_division(model: &dyn Model) -> Result<()> {
         caches.iter().filter(|c| c.window().is_some()).count(),
         caches.iter().filter(|c| c.is_recurrent()).count(),
     ];
-    let bytes: Vec<u8> = counts
-        .iter()
-        .flat_map(|&c| (c as u64).to_le_bytes())
-        .collect();
-    let gathered: Vec<[u64; 3]> = stages
-        .all_gather_bytes(&bytes)?
-        .iter()
-        .map(|b| {
-            let word = |k: usize| u64::from_le_bytes(b[8 * k..8 * k + 8].try_into().unwrap());
-            [word(0), word(1), word(2)]
-        })
-        .collect();
+    let gathered = stages.all_gather_words(counts.map(|c| c as u64))?;
     let first = gathered[0];
     let alike = |c: &[u64; 3]| (1..3).all(|k| c[k] * first[0] == first[k] * c[0]);
     if gathered.iter().all(alike) {
@@ -622,15 +611,14 @@ pub(crate) fn check_draft(
         }
         None => [0; 3],
     };
-    let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    let gathered = group.all_gather_bytes(&bytes)?;
+    let gathered = group.all_gather_words(words)?;
     if gathered.iter().all(|theirs| *theirs == gathered[0]) {
         return Ok(());
     }
     let held = gathered
         .iter()
         .enumerate()
-        .map(|(rank, b)| match b[0] {
+        .map(|(rank, w)| match w[0] {
             0 => format!("rank {rank} none"),
             _ => format!("rank {rank} one"),
         })
