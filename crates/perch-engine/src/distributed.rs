@@ -806,16 +806,19 @@ mod tests {
         }
     }
 
+    /// `text` written to `name` in `dir`: the path an environment variable would name.
+    fn written(dir: &std::path::Path, name: &str, text: &str) -> Option<std::path::PathBuf> {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        Some(path)
+    }
+
     /// The JACCL device file is a square with nulls on its diagonal; each error names the
     /// variable or the file.
     #[test]
     fn a_jaccl_environment_is_checked_before_mlx_reads_it() {
         let dir = tempfile::tempdir().unwrap();
-        let file = |name: &str, text: &str| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, text).unwrap();
-            Some(path)
-        };
+        let file = |name: &str, text: &str| written(dir.path(), name, text);
         let good = file("good.json", r#"[[null, "rdma_en3"], ["rdma_en3", null]]"#);
         let at = Some("10.0.0.1:5000");
         assert_eq!(
@@ -864,11 +867,7 @@ mod tests {
     #[test]
     fn a_ring_environment_is_checked_before_mlx_reads_it() {
         let dir = tempfile::tempdir().unwrap();
-        let file = |name: &str, text: &str| {
-            let path = dir.path().join(name);
-            std::fs::write(&path, text).unwrap();
-            Some(path)
-        };
+        let file = |name: &str, text: &str| written(dir.path(), name, text);
         let good = file(
             "good.json",
             r#"[["127.0.0.1:5000", "127.0.0.1:5002"], ["10.0.0.2:5000", "10.0.1.2:5001"]]"#,

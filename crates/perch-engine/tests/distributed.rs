@@ -51,9 +51,10 @@ fn rank() {
             return;
         }
     };
-    if let "engine_staged" | "engine_draft_apart" = task.as_str() {
-        // A model in two pipeline stages of unlike layers, or rank 0 with the model as its
-        // draft and rank 1 with none: refused by both ranks, each after loading.
+    if let "engine_staged" | "engine_draft_apart" | "engine_draft_fails" = task.as_str() {
+        // A model in two pipeline stages of unlike layers, rank 0 with the model as its draft
+        // and rank 1 with none, or rank 0 with a draft it cannot load: refused by both ranks,
+        // each after loading.
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let dir = std::fs::read_dir(&models)
             .unwrap()
@@ -63,6 +64,10 @@ fn rank() {
             .path();
         let (division, draft_model) = match task.as_str() {
             "engine_staged" => (Division::Pipeline(PipelineParallel::new(group)), None),
+            "engine_draft_fails" => (
+                Division::Tensor(TensorParallel::new(group)),
+                Some(dir.join("no-such-draft")),
+            ),
             _ => (
                 Division::Tensor(TensorParallel::new(group)),
                 Some(dir.clone()),
@@ -180,13 +185,14 @@ fn rank() {
             bound: MemoryBound::Cgroup,
         },
     ][rank];
-    let least = perch_engine::testing::least_available(&group, Some(mine), 2).unwrap();
+    let least = perch_engine::testing::least_available(&group, Some(mine), (1, 1)).unwrap();
     let least_judged =
-        perch_engine::testing::least_available(&group, (rank == 1).then_some(mine), 2).unwrap();
+        perch_engine::testing::least_available(&group, (rank == 1).then_some(mine), (1, 1))
+            .unwrap();
     // As pipeline stages: rank 0 holds 2 cache layers, rank 1 4, so rank 1's 3 GiB hold what
     // 1.5 GiB would on rank 0.
     let least_staged =
-        perch_engine::testing::least_available(&group, Some(mine), 2 + 2 * rank).unwrap();
+        perch_engine::testing::least_available(&group, Some(mine), (2 + 2 * rank, 2)).unwrap();
     let mut result = serde_json::json!({
         "least": least,
         "least_judged": least_judged,
@@ -1250,6 +1256,21 @@ fn ranks_with_different_drafts_are_refused() {
             "rank {r}: {error}"
         );
     }
+}
+
+/// Rank 0 failing to load its draft model once its part of the model is loaded: rank 0 ends
+/// with its own error and rank 1 with a sentence naming rank 0, rather than waiting in a
+/// collective rank 0 never makes.
+#[test]
+fn a_rank_that_fails_to_prepare_fails_every_rank() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = tiny_models(dir.path(), "llama3-rope");
+    let [rank_0, rank_1] = refusals(dir.path(), &models, "engine_draft_fails");
+    assert!(rank_0.contains("no-such-draft"), "rank 0: {rank_0}");
+    assert!(
+        rank_1.contains("rank 0 could not prepare its part of the model"),
+        "rank 1: {rank_1}"
+    );
 }
 
 /// A rank that exits while the batch engine decodes over two ranks: rank 0's requests end with

@@ -794,19 +794,16 @@ impl<'m> BatchGenerator<'m> {
     pub(crate) fn stage(&self) -> Stage {
         Stage {
             row_bytes_per_position: self.row_bytes_per_position,
-            layers: self.store.num_layers(),
         }
     }
 
     /// A follower's batch, made on rank 0's `stage`: admission counts rank 0's bytes a position.
-    /// Its layers are of rank 0's kinds in rank 0's proportions (`lockstep::check_division`
-    /// refused the group at load otherwise).
-    pub(crate) fn follow_stage(&mut self, stage: Stage) {
-        let own = self.stage();
+    /// A pipeline stage's own bytes (its prefix cache's) weigh against rank 0's scaled by
+    /// `stage_scale`, `(own, rank 0's)` cache layers (`lockstep::join_ranks`, which refused the
+    /// group at load unless every stage holds rank 0's kinds of layers in its proportions).
+    pub(crate) fn follow_stage(&mut self, stage: Stage, (own, rank_0): (usize, usize)) {
         self.row_bytes_per_position = stage.row_bytes_per_position;
-        // A pipeline stage's own bytes (its prefix cache's) weigh against rank 0's scaled by
-        // their layers (`lockstep::check_division`: every kind in the same proportions).
-        self.store.set_budget_scale(own.layers, stage.layers);
+        self.store.set_budget_scale(own, rank_0);
         self.follows = true;
     }
 

@@ -142,65 +142,53 @@ impl EngineHandle {
                 let mut config = config;
                 match load(&mut |_| {}).and_then(|loaded| {
                     // Rank 0 of a divided model serves; the others follow its batch.
-                    if let Some(division) = loaded.0.division().filter(|d| d.size() > 1) {
-                        if division.rank() != 0 {
-                            return Err(EngineError::Distributed(format!(
-                                "rank {} of the group follows rank 0's batch \
-                                 (`perch_engine::engine::follow`): it serves no requests",
-                                division.rank()
-                            )));
-                        }
-                        crate::engine::batch::lockstep::check_division(loaded.0.as_ref())?;
+                    let division = loaded.0.division().filter(|d| d.size() > 1);
+                    if let Some(division) = division.filter(|d| d.rank() != 0) {
+                        return Err(EngineError::Distributed(format!(
+                            "rank {} of the group follows rank 0's batch \
+                             (`perch_engine::engine::follow`): it serves no requests",
+                            division.rank()
+                        )));
                     }
-                    // The quantization must fit every layer's head size.
-                    if let Some(q) = config.kv_quantization {
-                        let info = loaded.0.info();
-                        for layer in loaded.0.make_cache(None) {
-                            let [_, head_dim] =
-                                layer.head_shape().unwrap_or([0, info.head_dim as i32]);
-                            KvQuantization::new(q.bits, q.group_size, head_dim)?;
-                        }
-                    }
-                    let draft = match &config.draft_model {
-                        Some(dir) => Some(load_draft(dir, loaded.0.as_ref(), &loaded.1)?),
-                        None => None,
-                    };
-                    if let Some(division) = loaded.0.division().filter(|d| d.size() > 1) {
-                        crate::engine::batch::lockstep::check_draft(
-                            division.group(),
-                            loaded.0.as_ref(),
-                            draft.as_ref().map(|(m, _)| m.as_ref()),
-                        )?;
-                    }
-                    Ok((loaded, draft))
-                }) {
-                    Ok(((model, tokenizer), draft)) => {
-                        let tokenizer = Arc::new(tokenizer);
-                        // On CPU and Metal the KV cache takes the memory the model was just
-                        // loaded into: its budget leaves room for what it really takes. (On
-                        // CUDA it is the GPU's memory, not judged.)
-                        // A divided model's budget fits the rank with the least room.
-                        let mut memory = MemoryAtLoad::default();
-                        let available =
-                            crate::memory::available_for(crate::device::Backend::current());
-                        let available = match model.division().filter(|d| d.size() > 1) {
-                            Some(division) => crate::engine::batch::lockstep::least_available(
-                                division.group(),
-                                available,
-                                model.make_cache(None).len(),
-                            ),
-                            None => Ok(available),
-                        };
-                        let available = match available {
-                            Ok(available) => available,
-                            Err(err) => {
-                                // As a failed load: every array gone before the error is told.
-                                drop((model, draft));
-                                let _ = crate::nn::mlx_ext::synchronize();
-                                let _ = loaded_tx.send(Err(err));
-                                return;
+                    let mut draft = None;
+                    let prepared = (|| -> Result<()> {
+                        // The quantization must fit every layer's head size.
+                        if let Some(q) = config.kv_quantization {
+                            let info = loaded.0.info();
+                            for layer in loaded.0.make_cache(None) {
+                                let [_, head_dim] =
+                                    layer.head_shape().unwrap_or([0, info.head_dim as i32]);
+                                KvQuantization::new(q.bits, q.group_size, head_dim)?;
                             }
-                        };
+                        }
+                        if let Some(dir) = &config.draft_model {
+                            draft = Some(load_draft(dir, loaded.0.as_ref(), &loaded.1)?);
+                        }
+                        Ok(())
+                    })();
+                    // On CPU and Metal the KV cache takes the memory the model was just
+                    // loaded into: its budget leaves room for what it really takes. (On
+                    // CUDA it is the GPU's memory, not judged.)
+                    let available = crate::memory::available_for(crate::device::Backend::current());
+                    // A divided model's budget fits the rank with the least room; a rank
+                    // that failed to prepare fails every rank.
+                    let available = match division {
+                        Some(_) => {
+                            crate::engine::batch::lockstep::join_ranks(
+                                loaded.0.as_ref(),
+                                draft.as_ref().map(|(m, _)| m.as_ref()),
+                                prepared,
+                                available,
+                            )?
+                            .available
+                        }
+                        None => prepared.map(|()| available)?,
+                    };
+                    Ok((loaded, draft, available))
+                }) {
+                    Ok(((model, tokenizer), draft, available)) => {
+                        let tokenizer = Arc::new(tokenizer);
+                        let mut memory = MemoryAtLoad::default();
                         if let Some(available) = available {
                             memory.available = Some(available.bytes);
                             memory.lowered = crate::memory::LoweredBudget::of(
@@ -266,6 +254,8 @@ impl EngineHandle {
                         let _ = crate::nn::mlx_ext::synchronize();
                     }
                     Err(err) => {
+                        // As after serving: every array gone before the error is told.
+                        let _ = crate::nn::mlx_ext::synchronize();
                         let _ = loaded_tx.send(Err(err));
                     }
                 }

@@ -278,7 +278,7 @@ impl BlockStore {
 
     /// A pipeline stage's store, whose layers are `own` of the `budgeted` whose bytes
     /// `max_bounded_bytes` was reckoned for (rank 0's: every stage holds the same kinds of layers
-    /// in the same proportions, `engine::batch::lockstep::check_division`): its own bytes are
+    /// in the same proportions, `engine::batch::lockstep::join_ranks`): its own bytes are
     /// weighed against that budget scaled exactly, so that every stage keeps and drops the same
     /// blocks' parts.
     pub fn set_budget_scale(&mut self, own: usize, budgeted: usize) {

@@ -79,15 +79,11 @@ pub(crate) enum BatchCall {
 
 /// What a rank's part of the model makes its batch choose by, as rank 0 sends it with a fresh
 /// batch: the KV bytes a position of a row takes over its layers (admission weighs growth in
-/// them; a pipeline stage holds fewer layers than the model), and how many cache layers it holds
-/// (another stage weighs its own bytes scaled by its layers against these). Whether the stages'
-/// layers are of the same kinds is settled at load ([`check_division`]: in the same proportions
-/// on every rank, or every rank refuses).
+/// them; a pipeline stage holds fewer layers than the model). How another stage's own bytes
+/// scale against rank 0's is settled at load ([`join_ranks`]).
 #[derive(Clone, Copy, Debug, Serialize, Deserialize)]
 pub(crate) struct Stage {
     pub(crate) row_bytes_per_position: usize,
-    /// Cache layers (a pipeline stage's own; the others' bytes scale by theirs against these).
-    pub(crate) layers: usize,
 }
 
 /// The most bytes a call may take as sent (a request's images are most of it): a larger one
@@ -387,19 +383,23 @@ fn with_digest(digest: u64, memory: Option<RankMemory>) -> [u64; GATHERED_WORDS]
 /// The least memory any rank of `group` can take now, each rank passing `mine` (its
 /// [`crate::memory::available_for`]; `None` where its backend's memory is not judged, CUDA):
 /// every rank holds its part of every sequence's KV, so a divided model's KV budget must fit
-/// the rank with the least room, not rank 0's. `layers`: this rank's cache layers. A pipeline
-/// stage holds its own layers' KV, so another rank's room counts in rank 0's bytes (scaled by
-/// rank 0's layers against its own): the KV budget is in rank 0's. Every rank calls it once,
-/// after loading its part and before the batch's first call (rank 0's engine thread,
-/// [`follow`]). Evaluates one gather; errors when a rank is gone.
+/// the rank with the least room, not rank 0's. `stage_scale`: this rank's cache layers against
+/// rank 0's ([`Joined::stage_scale`]). A pipeline stage holds its own layers' KV, so its room
+/// counts in rank 0's bytes: the KV budget is in rank 0's. Every rank calls it once, after
+/// loading its part and before the batch's first call ([`join_ranks`]). Evaluates one gather;
+/// errors when a rank is gone.
 pub fn least_available(
     group: &Group,
     mine: Option<Available>,
-    layers: usize,
+    stage_scale: (usize, usize),
 ) -> Result<Option<Available>> {
     /// Each rank's answer as JSON, padded with spaces to one length.
     const WIDTH: usize = 128;
-    let mut bytes = serde_json::to_vec(&(mine, layers)).map_err(|e| {
+    let mine = mine.map(|mut mine| {
+        mine.bytes = in_rank_0_bytes(mine.bytes, stage_scale);
+        mine
+    });
+    let mut bytes = serde_json::to_vec(&mine).map_err(|e| {
         EngineError::Distributed(format!("this rank's memory could not be sent: {e}"))
     })?;
     if bytes.len() > WIDTH {
@@ -409,22 +409,13 @@ pub fn least_available(
     }
     bytes.resize(WIDTH, b' ');
     let mut least: Option<Available> = None;
-    let gathered = group
-        .all_gather_bytes(&bytes)?
-        .iter()
-        .enumerate()
-        .map(|(rank, theirs)| {
-            serde_json::from_slice(theirs).map_err(|e| {
-                EngineError::Distributed(format!(
-                    "rank {rank} sent memory this rank cannot read: {e}"
-                ))
-            })
-        })
-        .collect::<Result<Vec<(Option<Available>, usize)>>>()?;
-    let rank_0_layers = gathered[0].1;
-    for (rank, (theirs, layers)) in gathered.into_iter().enumerate() {
+    for (rank, theirs) in group.all_gather_bytes(&bytes)?.iter().enumerate() {
+        let theirs: Option<Available> = serde_json::from_slice(theirs).map_err(|e| {
+            EngineError::Distributed(format!(
+                "rank {rank} sent memory this rank cannot read: {e}"
+            ))
+        })?;
         if let Some(mut theirs) = theirs {
-            theirs.bytes = in_rank_0_bytes(theirs.bytes, (layers, rank_0_layers));
             if least.is_none_or(|l| theirs.bytes < l.bytes) {
                 if rank != group.rank() {
                     theirs.bound = MemoryBound::Rank(rank as u32);
@@ -434,6 +425,40 @@ pub fn least_available(
         }
     }
     Ok(least)
+}
+
+/// What the ranks of a divided model settle at load ([`join_ranks`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Joined {
+    /// The least room of any rank, in rank 0's bytes ([`least_available`]).
+    pub(crate) available: Option<Available>,
+    /// `(own, rank 0's)` cache layers: a pipeline stage weighs its own bytes against rank 0's
+    /// scaled by them (`(1, 1)` but on a follower of pipeline stages).
+    pub(crate) stage_scale: (usize, usize),
+}
+
+/// Every load-time collective of a divided model, on every rank at the same point of its load
+/// (rank 0's engine thread once its draft is loaded, [`follow`] before it follows): the ranks'
+/// parts checked against each other ([`check_division`]), their drafts ([`check_draft`]) and
+/// their room ([`least_available`]). `prepared`: how this rank's own preparation went (rank 0:
+/// its KV quantization checked and its draft loaded). A rank that failed it still joins, so
+/// that every rank fails at once, the others naming it, rather than waiting in a gather.
+pub(crate) fn join_ranks(
+    model: &dyn Model,
+    draft: Option<&dyn Model>,
+    prepared: Result<()>,
+    available: Option<Available>,
+) -> Result<Joined> {
+    let division = model.division().ok_or_else(|| {
+        EngineError::Distributed("only the ranks of a divided model join each other".into())
+    })?;
+    let stage_scale = check_division(model, prepared)?;
+    check_draft(division.group(), model, draft)?;
+    let available = least_available(division.group(), available, stage_scale)?;
+    Ok(Joined {
+        available,
+        stage_scale,
+    })
 }
 
 /// Rank `r > 0` of a model divided over ranks, while rank 0 serves it ([`crate::EngineHandle`]
@@ -486,10 +511,8 @@ fn follow_reading<'m>(
             "only a rank other than 0 of a divided model follows rank 0's batch".into(),
         )
     })?;
-    check_division(model)?;
-    check_draft(division.group(), model, draft)?;
     // Rank 0 budgets the batch's KV within the least room of any rank.
-    least_available(division.group(), available, model.make_cache(None).len())?;
+    let joined = join_ranks(model, draft, Ok(()), available)?;
     let mut lockstep = Lockstep::new(division.group());
     let mut batch: Option<BatchGenerator<'_>> = None;
     loop {
@@ -505,10 +528,9 @@ fn follow_reading<'m>(
             }
         }
         // In rank 0's bytes: a pipeline stage's KV grows with its own layers.
-        let scale = batch.as_ref().map_or((1, 1), BatchGenerator::stage_scale);
         let memory = guard
             .as_mut()
-            .map(|guard| RankMemory::read(guard).in_rank_0_bytes(scale));
+            .map(|guard| RankMemory::read(guard).in_rank_0_bytes(joined.stage_scale));
         let (call, at) = lockstep.receive(digest, memory)?;
         match call {
             BatchCall::Fresh {
@@ -518,7 +540,7 @@ fn follow_reading<'m>(
                 draft_tokens,
             } => {
                 let mut fresh = BatchGenerator::new(model, tokenizer, config, &model_id);
-                fresh.follow_stage(stage);
+                fresh.follow_stage(stage, joined.stage_scale);
                 // Every rank's draft was checked alike at load (`check_draft`).
                 if let (Some(k), Some(draft)) = (draft_tokens, draft) {
                     fresh = fresh.with_draft(draft, k);
@@ -550,25 +572,37 @@ fn follow_reading<'m>(
 /// sliding-window or linear-attention layers in other proportions than rank 0's. Every stage's
 /// batch makes rank 0's choices with its own bytes (its blocks' parts kept and dropped, its
 /// pool charge, its sliding layers' windows), which it weighs scaled by its layers against
-/// rank 0's ([`Stage`], `BlockStore::set_budget_scale`): exact only when each kind of layer
-/// scales alike, as when each stage holds whole runs of the layers' pattern
-/// (`PipelineParallel::layers` splits so where every stage gets one). A collective on
-/// pipeline stages: every rank calls it at the same point of its load.
-pub(crate) fn check_division(model: &dyn Model) -> Result<()> {
-    let Some(crate::distributed::Division::Pipeline(stages)) = model.division() else {
-        return Ok(());
-    };
+/// rank 0's (the scale returned, `(own, rank 0's)` cache layers; `(1, 1)` unless divided into
+/// stages; `BlockStore::set_budget_scale`): exact only when each kind of layer scales alike, as
+/// when each stage holds whole runs of the layers' pattern (`PipelineParallel::layers` splits
+/// so where every stage gets one). Also refuses on every rank when one failed to prepare
+/// (`prepared`, this rank's: its own error). A collective ([`join_ranks`]).
+fn check_division(model: &dyn Model, prepared: Result<()>) -> Result<(usize, usize)> {
+    let division = model.division().ok_or_else(|| {
+        EngineError::Distributed("only the ranks of a divided model join each other".into())
+    })?;
     let caches = model.make_cache(None);
     let counts = [
-        caches.len(),
-        caches.iter().filter(|c| c.window().is_some()).count(),
-        caches.iter().filter(|c| c.is_recurrent()).count(),
+        u64::from(prepared.is_ok()),
+        caches.len() as u64,
+        caches.iter().filter(|c| c.window().is_some()).count() as u64,
+        caches.iter().filter(|c| c.is_recurrent()).count() as u64,
     ];
-    let gathered = stages.all_gather_words(counts.map(|c| c as u64))?;
+    let gathered = division.group().all_gather_words(counts)?;
+    prepared?;
+    if let Some(rank) = gathered.iter().position(|c| c[0] == 0) {
+        return Err(EngineError::Distributed(format!(
+            "rank {rank} could not prepare its part of the model (its own error is in its output)"
+        )));
+    }
+    if !matches!(division, crate::distributed::Division::Pipeline(_)) {
+        return Ok((1, 1));
+    }
+    let gathered: Vec<[u64; 3]> = gathered.iter().map(|c| [c[1], c[2], c[3]]).collect();
     let first = gathered[0];
     let alike = |c: &[u64; 3]| (1..3).all(|k| c[k] * first[0] == first[k] * c[0]);
     if gathered.iter().all(alike) {
-        return Ok(());
+        return Ok((counts[1] as usize, first[0] as usize));
     }
     let held = gathered
         .iter()
@@ -591,13 +625,8 @@ pub(crate) fn check_division(model: &dyn Model) -> Result<()> {
 /// Refuses a draft model that is not every rank's alike: each rank sends whether it holds one,
 /// whether its batch drafts with it, and a fingerprint of its shape ([`crate::ModelInfo`]), and
 /// every rank refuses alike when they differ (a batch drafting on one rank and not on another
-/// would meet other collectives). A collective: rank 0 calls it once its draft is loaded, the
-/// others before they follow, each after [`check_division`].
-pub(crate) fn check_draft(
-    group: &Group,
-    model: &dyn Model,
-    draft: Option<&dyn Model>,
-) -> Result<()> {
+/// would meet other collectives). A collective ([`join_ranks`]).
+fn check_draft(group: &Group, model: &dyn Model, draft: Option<&dyn Model>) -> Result<()> {
     use std::hash::{Hash, Hasher};
     let words = match draft {
         Some(draft) => {
