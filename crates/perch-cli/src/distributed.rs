@@ -191,13 +191,24 @@ fn follow(dir: &Path, draft: Option<&Path>, division: &Division) -> anyhow::Resu
     let model = load_part(dir, division)?;
     let tokenizer = perch_engine::Tokenizer::load(dir)
         .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let draft = draft
-        .map(|d| {
-            models::load(d).with_context(|| format!("loading the draft model {}", d.display()))
-        })
-        .transpose()?;
+    // A draft that fails to load fails every rank at load (each naming this one).
+    let (draft, prepared) = match draft.map(|d| (d, models::load(d))) {
+        None => (None, Ok(())),
+        Some((_, Ok(draft))) => (Some(draft), Ok(())),
+        Some((d, Err(e))) => (
+            None,
+            Err(perch_engine::EngineError::Distributed(format!(
+                "loading the draft model {}: {e}",
+                d.display()
+            ))),
+        ),
+    };
     eprintln!("rank {}: following rank 0's batch", division.rank());
     let _wired = perch_engine::device::WiredLimit::raise();
-    perch_engine::engine::follow(model.as_ref(), draft.as_deref(), &tokenizer)
-        .with_context(|| format!("rank {}", division.rank()))
+    perch_engine::engine::follow(
+        model.as_ref(),
+        prepared.map(|()| draft.as_deref()),
+        &tokenizer,
+    )
+    .with_context(|| format!("rank {}", division.rank()))
 }

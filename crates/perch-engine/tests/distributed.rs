@@ -51,10 +51,14 @@ fn rank() {
             return;
         }
     };
-    if let "engine_staged" | "engine_draft_apart" | "engine_draft_fails" = task.as_str() {
+    if let "engine_staged"
+    | "engine_draft_apart"
+    | "engine_draft_fails"
+    | "engine_follower_draft_fails" = task.as_str()
+    {
         // A model in two pipeline stages of unlike layers, rank 0 with the model as its draft
-        // and rank 1 with none, or rank 0 with a draft it cannot load: refused by both ranks,
-        // each after loading.
+        // and rank 1 with none, or rank 0 or rank 1 with a draft it cannot load: refused by
+        // both ranks, each after loading.
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let dir = std::fs::read_dir(&models)
             .unwrap()
@@ -68,6 +72,7 @@ fn rank() {
                 Division::Tensor(TensorParallel::new(group)),
                 Some(dir.join("no-such-draft")),
             ),
+            "engine_follower_draft_fails" => (Division::Tensor(TensorParallel::new(group)), None),
             _ => (
                 Division::Tensor(TensorParallel::new(group)),
                 Some(dir.clone()),
@@ -91,7 +96,13 @@ fn rank() {
             _ => {
                 let model = models::load_divided(&dir, &division).unwrap();
                 let tokenizer = Tokenizer::load(&dir).unwrap();
-                perch_engine::engine::follow(model.as_ref(), None, &tokenizer).err()
+                let draft = match task.as_str() {
+                    "engine_follower_draft_fails" => Err(perch_engine::EngineError::Distributed(
+                        "this rank's draft could not be loaded".into(),
+                    )),
+                    _ => Ok(None),
+                };
+                perch_engine::engine::follow(model.as_ref(), draft, &tokenizer).err()
             }
         };
         let error = refused.map(|e| e.to_string());
@@ -474,7 +485,7 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
                 });
             }
             let followed =
-                perch_engine::engine::follow(model.as_ref(), draft.as_deref(), &tokenizer);
+                perch_engine::engine::follow(model.as_ref(), Ok(draft.as_deref()), &tokenizer);
             results.insert(
                 name,
                 serde_json::json!({ "followed": followed.map_err(|e| e.to_string()).err() }),
@@ -545,7 +556,7 @@ fn with_images(division: Division, dir: &Path) -> serde_json::Value {
     if rank > 0 {
         let model = models::load_divided(dir, &division).unwrap();
         let tokenizer = Tokenizer::load(dir).unwrap();
-        let followed = perch_engine::engine::follow(model.as_ref(), None, &tokenizer);
+        let followed = perch_engine::engine::follow(model.as_ref(), Ok(None), &tokenizer);
         return serde_json::json!({ "rank": rank, "followed": followed.map_err(|e| e.to_string()).err() });
     }
     let image = |seed: u32| {
@@ -1258,9 +1269,9 @@ fn ranks_with_different_drafts_are_refused() {
     }
 }
 
-/// Rank 0 failing to load its draft model once its part of the model is loaded: rank 0 ends
-/// with its own error and rank 1 with a sentence naming rank 0, rather than waiting in a
-/// collective rank 0 never makes.
+/// A rank failing to load its draft model once its part of the model is loaded (rank 0, then
+/// rank 1): it ends with its own error and the other rank with a sentence naming it, rather
+/// than waiting in a collective the failed rank never makes.
 #[test]
 fn a_rank_that_fails_to_prepare_fails_every_rank() {
     let dir = tempfile::tempdir().unwrap();
@@ -1269,6 +1280,15 @@ fn a_rank_that_fails_to_prepare_fails_every_rank() {
     assert!(rank_0.contains("no-such-draft"), "rank 0: {rank_0}");
     assert!(
         rank_1.contains("rank 0 could not prepare its part of the model"),
+        "rank 1: {rank_1}"
+    );
+    let [rank_0, rank_1] = refusals(dir.path(), &models, "engine_follower_draft_fails");
+    assert!(
+        rank_0.contains("rank 1 could not prepare its part of the model"),
+        "rank 0: {rank_0}"
+    );
+    assert!(
+        rank_1.contains("this rank's draft could not be loaded"),
         "rank 1: {rank_1}"
     );
 }

@@ -384,9 +384,9 @@ fn with_digest(digest: u64, memory: Option<RankMemory>) -> [u64; GATHERED_WORDS]
 /// [`crate::memory::available_for`]; `None` where its backend's memory is not judged, CUDA):
 /// every rank holds its part of every sequence's KV, so a divided model's KV budget must fit
 /// the rank with the least room, not rank 0's. `stage_scale`: this rank's cache layers against
-/// rank 0's ([`Joined::stage_scale`]). A pipeline stage holds its own layers' KV, so its room
-/// counts in rank 0's bytes: the KV budget is in rank 0's. Every rank calls it once, after
-/// loading its part and before the batch's first call ([`join_ranks`]). Evaluates one gather;
+/// rank 0's (`(1, 1)` unless divided into stages). A pipeline stage holds its own layers' KV,
+/// so its room counts in rank 0's bytes: the KV budget is in rank 0's. Every rank calls it
+/// once, after loading its part and before the batch's first call. Evaluates one gather;
 /// errors when a rank is gone.
 pub fn least_available(
     group: &Group,
@@ -433,7 +433,7 @@ pub(crate) struct Joined {
     /// The least room of any rank, in rank 0's bytes ([`least_available`]).
     pub(crate) available: Option<Available>,
     /// `(own, rank 0's)` cache layers: a pipeline stage weighs its own bytes against rank 0's
-    /// scaled by them (`(1, 1)` but on a follower of pipeline stages).
+    /// scaled by them (`(1, 1)` unless divided into stages).
     pub(crate) stage_scale: (usize, usize),
 }
 
@@ -441,8 +441,9 @@ pub(crate) struct Joined {
 /// (rank 0's engine thread once its draft is loaded, [`follow`] before it follows): the ranks'
 /// parts checked against each other ([`check_division`]), their drafts ([`check_draft`]) and
 /// their room ([`least_available`]). `prepared`: how this rank's own preparation went (rank 0:
-/// its KV quantization checked and its draft loaded). A rank that failed it still joins, so
-/// that every rank fails at once, the others naming it, rather than waiting in a gather.
+/// its KV quantization checked and its draft loaded; another rank: its draft loaded). A rank
+/// that failed it still joins, so that every rank fails at once, the others naming it, rather
+/// than waiting in a gather.
 pub(crate) fn join_ranks(
     model: &dyn Model,
     draft: Option<&dyn Model>,
@@ -466,13 +467,18 @@ pub(crate) fn join_ranks(
 /// `model` (this rank's part), until rank 0's engine stops (`Ok`) or the group fails (the
 /// error: a rank gone, or batches that no longer match). Runs on the calling thread, which
 /// then owns the batch's arrays. `draft`: the draft model, whole, when rank 0 serves with one
-/// (the same files: every rank proposes alike); rank 0's batch drafting when this rank has
-/// none is an error on every rank.
+/// (the same files: every rank proposes alike), or why it could not be loaded (every rank then
+/// fails at load, the others naming this one); rank 0's batch drafting when this rank has none
+/// is an error on every rank.
 ///
 /// Where its memory is judged (CPU and Metal, as on rank 0), this rank reads it as rank 0's
 /// engine reads its own ([`PressureGuard`]) and sends each reading with its next call's
 /// gather: rank 0 admits within the least headroom of any rank.
-pub fn follow(model: &dyn Model, draft: Option<&dyn Model>, tokenizer: &Tokenizer) -> Result<()> {
+pub fn follow(
+    model: &dyn Model,
+    draft: Result<Option<&dyn Model>>,
+    tokenizer: &Tokenizer,
+) -> Result<()> {
     let available = crate::memory::available_for(crate::device::Backend::current());
     follow_reading(
         model,
@@ -492,7 +498,7 @@ pub fn follow_reading_memory(
 ) -> Result<()> {
     follow_reading(
         model,
-        None,
+        Ok(None),
         tokenizer,
         Some(read()),
         Some(PressureGuard::reading(read)),
@@ -501,7 +507,7 @@ pub fn follow_reading_memory(
 
 fn follow_reading<'m>(
     model: &'m dyn Model,
-    draft: Option<&'m dyn Model>,
+    draft: Result<Option<&'m dyn Model>>,
     tokenizer: &'m Tokenizer,
     available: Option<Available>,
     mut guard: Option<PressureGuard>,
@@ -512,7 +518,11 @@ fn follow_reading<'m>(
         )
     })?;
     // Rank 0 budgets the batch's KV within the least room of any rank.
-    let joined = join_ranks(model, draft, Ok(()), available)?;
+    let (draft, prepared) = match draft {
+        Ok(draft) => (draft, Ok(())),
+        Err(err) => (None, Err(err)),
+    };
+    let joined = join_ranks(model, draft, prepared, available)?;
     let mut lockstep = Lockstep::new(division.group());
     let mut batch: Option<BatchGenerator<'_>> = None;
     loop {
