@@ -27,8 +27,14 @@
 //! but cannot join the prefix cache, whose blocks hold every layer.
 //!
 //! Perch adds its own free-form keys, which mlx_lm carries along and ignores: `perch_model_id`,
-//! `perch_tokens` (the prefix's token ids, JSON), `perch_block_size`, `perch_dtype`. A file from
-//! mlx_lm has none of them: its prefix is used as is, without joining the prefix cache.
+//! `perch_tokens` (the prefix's token ids, JSON), `perch_block_size`, `perch_dtype`, and for a
+//! rank's part of a model divided over ranks `perch_part` ([`part_of`]). A file from mlx_lm has
+//! none of them: its prefix is used as is, without joining the prefix cache.
+//!
+//! A model divided over ranks keeps a prompt cache as one file a rank, each holding that rank's
+//! part of the KV (its heads, or its stage's layers): rank 0's at the path asked for, rank `r`'s
+//! beside it at [`rank_path`] on that rank's host. Each part loads only into the same rank of the
+//! same division (`perch_part`).
 //!
 //! Errors, never panics: a damaged file, another architecture's shapes, another model's id,
 //! another cache class or window, positions a layer needs but the file dropped, and an offset
@@ -95,14 +101,41 @@ pub fn unsupported_reason(_model: &dyn Model) -> Option<&'static str> {
     None
 }
 
+/// Which part of a divided model `model` is (`"tensor parallel, rank 1 of 2"`), or `None` for
+/// a whole model: recorded as `perch_part` in the prompt caches it saves.
+pub fn part_of(model: &dyn Model) -> Option<String> {
+    let division = model.division().filter(|d| d.size() > 1)?;
+    let kind = match division {
+        crate::distributed::Division::Tensor(_) => "tensor parallel",
+        crate::distributed::Division::Pipeline(_) => "pipeline stage",
+    };
+    Some(format!(
+        "{kind}, rank {} of {}",
+        division.rank(),
+        division.size()
+    ))
+}
+
+/// Where rank `rank` of a divided model keeps its part of the prompt cache asked for at `path`
+/// (rank 0: `path` itself; rank 2 of `c.safetensors`: `c.rank2.safetensors`).
+pub fn rank_path(path: &Path, rank: usize) -> std::path::PathBuf {
+    if rank == 0 {
+        return path.to_path_buf();
+    }
+    let stem = path.file_stem().and_then(|s| s.to_str()).unwrap_or("cache");
+    path.with_file_name(format!("{stem}.rank{rank}.safetensors"))
+}
+
 /// Writes `layers` (each holding `tokens.len()` positions) to `path` (must end in
-/// `.safetensors`), with `tokens` and `model_id` recorded for later validation.
+/// `.safetensors`), with `tokens` and `model_id` recorded for later validation, and `part`
+/// ([`part_of`]) when the layers are a rank's part of a divided model.
 pub fn save_prompt_cache(
     path: &Path,
     layers: &[KvCache],
     tokens: &[u32],
     model_id: &str,
     block_size: usize,
+    part: Option<&str>,
 ) -> Result<()> {
     let error = |message: String| EngineError::PromptCache {
         path: path.to_path_buf(),
@@ -175,6 +208,9 @@ pub fn save_prompt_cache(
     for (key, value) in user {
         metadata.insert(format!("0.{key}"), value);
     }
+    if let Some(part) = part {
+        metadata.insert("0.perch_part".into(), part.to_owned());
+    }
 
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("cache");
     let tmp = path.with_file_name(format!(".{name}.{}.tmp.safetensors", std::process::id()));
@@ -219,6 +255,16 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
                 "it was made with model {id}, not the loaded {model_id}"
             )));
         }
+    }
+    let (theirs, ours) = (metadata.get("perch_part").cloned(), part_of(model));
+    if theirs != ours {
+        let whole = || "the whole model".to_owned();
+        return Err(error(format!(
+            "it holds {} of the KV; the loaded model is {}: a prompt cache saved over ranks is a \
+             file a rank, each loaded by the same rank of the same division",
+            theirs.map_or_else(whole, |p| format!("the {p} part")),
+            ours.map_or_else(whole, |p| format!("the {p} part")),
+        )));
     }
     let info = model.info();
     let classes: Vec<&String> = (0..).map_while(|i| raw.get(&format!("1.{i}"))).collect();

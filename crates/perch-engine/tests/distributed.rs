@@ -118,6 +118,15 @@ fn rank() {
         println!("{}", with_images(division, &dir));
         return;
     }
+    if let "engine_prompt_cache" | "engine_pipeline_prompt_cache" = task.as_str() {
+        let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        let division = match task.as_str() {
+            "engine_prompt_cache" => Division::Tensor(TensorParallel::new(group)),
+            _ => Division::Pipeline(PipelineParallel::new(group)),
+        };
+        println!("{}", prompt_caches(division, &models));
+        return;
+    }
     if task == "engine_short_rank" {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
         let division = Division::Tensor(TensorParallel::new(group));
@@ -611,6 +620,82 @@ fn with_images(division: Division, dir: &Path) -> serde_json::Value {
         .collect();
     let alone = collected(streams);
     serde_json::json!({ "rank": rank, "divided": divided, "alone": alone })
+}
+
+/// Prompt caches on disk over the first tiny model in `models`, divided by `division`: rank 0's
+/// engine saves a prefix (every rank writing its part beside the path), reads it back into the
+/// prefix cache, and answers a request after it (`Prompt::AfterCache`) and the whole prompt;
+/// then, rank 1's part removed, reading the file and a request after it fail on both ranks
+/// alike while a plain request is still served. Last, the whole model on one process answers
+/// the whole prompt and refuses rank 0's part.
+fn prompt_caches(division: Division, models: &Path) -> serde_json::Value {
+    let dir = std::fs::read_dir(models)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let rank = division.rank();
+    if rank > 0 {
+        let model = models::load_divided(&dir, &division).unwrap();
+        let tokenizer = Tokenizer::load(&dir).unwrap();
+        let followed = perch_engine::engine::follow(model.as_ref(), Ok(None), &tokenizer);
+        return serde_json::json!({ "rank": rank, "followed": followed.map_err(|e| e.to_string()).err() });
+    }
+    let prefix: Vec<u32> = (0..40).map(|i| 1 + (i * 11) % 90).collect();
+    let rest: Vec<u32> = vec![5, 17, 29, 41];
+    let request = |prompt: Prompt| {
+        let mut params = GenerateRequest::new(Vec::new());
+        params.max_tokens = 8;
+        params.ignore_eos = true;
+        EngineRequest { prompt, params }
+    };
+    let whole_prompt = || Prompt::Tokens([&prefix[..], &rest[..]].concat());
+    let file = models.parent().unwrap().join("prefix.safetensors");
+    let after_cache = || Prompt::AfterCache {
+        cache_file: file.clone(),
+        tokens: rest.clone(),
+    };
+    let (load_dir, part) = (dir.clone(), division.clone());
+    let id = EngineHandle::model_id(&dir);
+    let engine = EngineHandle::spawn_with(EngineConfig::default(), id, move |_| {
+        let model = models::load_divided(&load_dir, &part)?;
+        let tokenizer = EngineHandle::tokenizer_for(&load_dir, model.as_ref())?;
+        Ok((model, tokenizer))
+    })
+    .unwrap();
+    let text = |r: perch_engine::Result<usize>| r.map_err(|e| e.to_string());
+    let saved = text(engine.save_prompt_cache(Prompt::Tokens(prefix.clone()), &file));
+    let part_1 = perch_engine::prompt_cache::rank_path(&file, 1);
+    let files = [file.exists(), part_1.exists()];
+    let loaded = text(engine.load_prompt_cache(&file));
+    let streams = [after_cache(), whole_prompt()]
+        .into_iter()
+        .map(|p| engine.submit(request(p)).unwrap())
+        .collect();
+    let divided = collected(streams);
+    std::fs::remove_file(&part_1).unwrap();
+    let loaded_without_part = text(engine.load_prompt_cache(&file));
+    let streams = [after_cache(), whole_prompt()]
+        .into_iter()
+        .map(|p| engine.submit(request(p)).unwrap())
+        .collect();
+    let without_part = collected(streams);
+    drop(engine);
+    let whole = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
+    let alone = collected(vec![whole.submit(request(whole_prompt())).unwrap()]);
+    let whole_loads_part = text(whole.load_prompt_cache(&file));
+    serde_json::json!({
+        "rank": rank,
+        "saved": saved,
+        "files": files,
+        "loaded": loaded,
+        "divided": divided,
+        "loaded_without_part": loaded_without_part,
+        "without_part": without_part,
+        "alone": alone,
+        "whole_loads_part": whole_loads_part,
+    })
 }
 
 /// The batch engine over the first tiny model in `models`, divided by `division`, with rank 1's
@@ -1291,6 +1376,49 @@ fn a_rank_that_fails_to_prepare_fails_every_rank() {
         rank_1.contains("this rank's draft could not be loaded"),
         "rank 1: {rank_1}"
     );
+}
+
+/// Prompt caches on disk over two ranks (tensor-parallel, then two pipeline stages): each rank
+/// writes and reads its own part, a request after the cache gets the ids of the whole prompt on
+/// one process, a missing part fails reading on every rank alike (naming the rank) without
+/// stopping the group, and a rank's part is refused by the whole model.
+#[test]
+fn prompt_caches_on_disk_run_over_two_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let models = tiny_models(dir.path(), "llama3-rope");
+    for task in ["engine_prompt_cache", "engine_pipeline_prompt_cache"] {
+        let led = led_and_followed(dir.path(), &models, task, 300);
+        assert_eq!(led["saved"]["Ok"], 40, "{task}: {led}");
+        assert_eq!(
+            led["files"],
+            serde_json::json!([true, true]),
+            "{task}: {led}"
+        );
+        assert_eq!(led["loaded"]["Ok"], 32, "{task}: {led}");
+        let alone = &led["alone"][0];
+        assert_eq!(alone["ids"].as_array().unwrap().len(), 8, "{task}: {led}");
+        for (i, ours) in led["divided"].as_array().unwrap().iter().enumerate() {
+            assert!(ours["error"].is_null(), "{task}, request {i}: {led}");
+            assert_eq!(ours["ids"], alone["ids"], "{task}, request {i}: {led}");
+        }
+        let refused = led["loaded_without_part"]["Err"]
+            .as_str()
+            .unwrap_or_default();
+        assert!(
+            refused.contains("rank 1 could not read or write its part"),
+            "{task}: {led}"
+        );
+        let [after_cache, plain] = [0, 1].map(|i| &led["without_part"][i]);
+        let error = after_cache["error"].as_str().unwrap_or_default();
+        assert!(error.contains("rank 1 could not read"), "{task}: {led}");
+        assert_eq!(plain["ids"], alone["ids"], "{task}: {led}");
+        let refused = led["whole_loads_part"]["Err"].as_str().unwrap_or_default();
+        assert!(
+            refused.contains("rank 0 of 2 part of the KV"),
+            "{task}: {led}"
+        );
+        std::fs::remove_file(dir.path().join("prefix.safetensors")).unwrap();
+    }
 }
 
 /// A rank that exits while the batch engine decodes over two ranks: rank 0's requests end with

@@ -234,7 +234,7 @@ fn damaged_files_and_other_models_caches_are_errors() {
         )
         .unwrap();
     let good = dir.path().join("good.safetensors");
-    save_prompt_cache(&good, &cache, &[1, 504, 2988, 288], "model-a", 32).unwrap();
+    save_prompt_cache(&good, &cache, &[1, 504, 2988, 288], "model-a", 32, None).unwrap();
     let loaded = load_prompt_cache(&good, model.as_ref(), "model-a").unwrap();
     assert_eq!(
         (loaded.offset, loaded.tokens.as_deref()),
@@ -262,7 +262,15 @@ fn damaged_files_and_other_models_caches_are_errors() {
 
     // A cache with another model's shapes: half the layers.
     let other = dir.path().join("other.safetensors");
-    save_prompt_cache(&other, &cache[..15], &[1, 504, 2988, 288], "model-a", 32).unwrap();
+    save_prompt_cache(
+        &other,
+        &cache[..15],
+        &[1, 504, 2988, 288],
+        "model-a",
+        32,
+        None,
+    )
+    .unwrap();
     assert!(
         message(&other, "model-a").contains("15 layers"),
         "{}",
@@ -295,7 +303,8 @@ fn damaged_files_and_other_models_caches_are_errors() {
         &cache,
         &[1, 504, 2988, 288],
         "model-a",
-        32
+        32,
+        None
     )
     .is_err());
     let names: Vec<_> = std::fs::read_dir(dir.path())

@@ -30,6 +30,7 @@
 pub(crate) mod lockstep;
 
 use std::collections::VecDeque;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use mlx_rs::transforms::{async_eval, eval};
@@ -50,7 +51,7 @@ use crate::kv::slot_cache::{RowKv, RowQuantization, SlotAttention};
 use crate::kv::tail_cache::{Tail, TailCache};
 use crate::models::Model;
 use crate::output::{Pushed, TokenSink};
-use crate::prompt_cache::PromptCache;
+use crate::prompt_cache::{self, PromptCache};
 use crate::sample::grammar::GrammarState;
 use crate::sample::sampler::Sampler;
 use crate::sample::RecentTokens;
@@ -902,12 +903,16 @@ impl<'m> BatchGenerator<'m> {
         hasher.finish()
     }
 
-    /// Refuses what a batch divided over ranks does not run yet.
-    fn refuse_when_divided(&self, what: &str) -> Result<()> {
+    /// Refuses a prompt cache's prefix handled on rank 0 alone: on a model divided over ranks it
+    /// goes through the calls every rank makes on its own part ([`BatchGenerator::save_prefix`],
+    /// [`BatchGenerator::import_prefix_file`], [`BatchGenerator::insert_after_cache_file`]).
+    fn refuse_prompt_cache_apart(&self) -> Result<()> {
         match self.lockstep {
-            Some(_) => Err(EngineError::Distributed(format!(
-                "{what} not run by a model divided over ranks yet"
-            ))),
+            Some(_) => Err(EngineError::Distributed(
+                "a model divided over ranks reads and writes prompt caches through save_prefix, \
+                 import_prefix_file and insert_after_cache_file (each rank its own part)"
+                    .into(),
+            )),
             None => Ok(()),
         }
     }
@@ -945,10 +950,37 @@ impl<'m> BatchGenerator<'m> {
     /// them in front; an anonymous one (an mlx_lm file) stays private to this request.
     pub fn insert_after_prefix(
         &mut self,
+        request: GenerateRequest,
+        prefix: PromptCache,
+    ) -> Result<RequestId> {
+        self.refuse_prompt_cache_apart()?;
+        self.insert_after_read_prefix(request, prefix)
+    }
+
+    /// [`BatchGenerator::insert_after_prefix`] with the prompt-cache file at `path` (its part of
+    /// it, on a rank of a model divided over ranks: each rank reads its own,
+    /// [`prompt_cache::rank_path`], and every rank refuses when one cannot read its part).
+    pub fn insert_after_cache_file(
+        &mut self,
+        request: GenerateRequest,
+        path: &Path,
+        model_id: &str,
+    ) -> Result<RequestId> {
+        self.lead(BatchCall::InsertAfterCache {
+            request: Box::new(request.clone()),
+            path: path.to_path_buf(),
+            model_id: model_id.to_owned(),
+        })?;
+        let read = prompt_cache::load_prompt_cache(&self.own_part(path), self.model, model_id);
+        let prefix = self.agree(read)?;
+        self.insert_after_read_prefix(request, prefix)
+    }
+
+    fn insert_after_read_prefix(
+        &mut self,
         mut request: GenerateRequest,
         prefix: PromptCache,
     ) -> Result<RequestId> {
-        self.refuse_when_divided("prompt caches on disk are")?;
         match &prefix.tokens {
             // A prefix whose sliding layers hold only their window, or whose recurrent states fall
             // inside a block, stays private to this request.
@@ -957,7 +989,7 @@ impl<'m> BatchGenerator<'m> {
                     .why_not_in_prefix_cache(self.config.block_size)
                     .is_none() =>
             {
-                self.import_prefix(tokens, &prefix.layers)?;
+                self.import_read_prefix(tokens, &prefix.layers)?;
                 request.prompt = [&tokens[..], &request.prompt[..]].concat();
                 self.insert_with(request, None)
             }
@@ -1402,7 +1434,84 @@ impl<'m> BatchGenerator<'m> {
     /// positions, every one from 0) into the prefix cache as free cached blocks, as if a request had computed them.
     /// Takes only as many blocks as are free; returns the tokens now cached.
     pub fn import_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
-        self.refuse_when_divided("prompt caches on disk are")?;
+        self.refuse_prompt_cache_apart()?;
+        self.import_read_prefix(tokens, layers)
+    }
+
+    /// [`BatchGenerator::import_prefix`] of the prompt-cache file at `path` (its part of it, on a
+    /// rank of a model divided over ranks, as [`BatchGenerator::insert_after_cache_file`]
+    /// reads): a file whose prefix cannot join the prefix cache is refused.
+    pub fn import_prefix_file(&mut self, path: &Path, model_id: &str) -> Result<usize> {
+        self.lead(BatchCall::ImportPrefix {
+            path: path.to_path_buf(),
+            model_id: model_id.to_owned(),
+        })?;
+        let block_size = self.config.block_size;
+        let read = prompt_cache::load_prompt_cache(&self.own_part(path), self.model, model_id)
+            .and_then(|prefix| {
+                let refused = |why: &str| EngineError::PromptCache {
+                    path: path.to_path_buf(),
+                    message: format!("{why}; submit it as Prompt::AfterCache instead"),
+                };
+                match (&prefix.tokens, prefix.why_not_in_prefix_cache(block_size)) {
+                    (Some(_), Some(why)) => Err(refused(&why)),
+                    (Some(_), None) => Ok(prefix),
+                    (None, _) => Err(refused("it does not record its token ids (an mlx_lm file)")),
+                }
+            });
+        let prefix = self.agree(read)?;
+        let tokens = prefix.tokens.as_deref().unwrap_or_default();
+        self.import_read_prefix(tokens, &prefix.layers)
+    }
+
+    /// Saves the KV state of `tokens` ([`BatchGenerator::compute_prefix`]) as a prompt-cache file
+    /// at `path` recording `model_id`, and returns its length in tokens. On a model divided over
+    /// ranks every rank computes alike and writes its own part ([`prompt_cache::rank_path`], on
+    /// its host), and every rank fails when one could not write its part.
+    pub fn save_prefix(
+        &mut self,
+        tokens: &[u32],
+        prefill_step_size: usize,
+        path: &Path,
+        model_id: &str,
+    ) -> Result<usize> {
+        self.lead(BatchCall::SavePrefix {
+            tokens: tokens.to_vec(),
+            prefill_step_size,
+            path: path.to_path_buf(),
+            model_id: model_id.to_owned(),
+        })?;
+        let saved = self
+            .compute_read_prefix(tokens, prefill_step_size)
+            .and_then(|cache| {
+                prompt_cache::save_prompt_cache(
+                    &self.own_part(path),
+                    &cache,
+                    tokens,
+                    model_id,
+                    self.config.block_size,
+                    prompt_cache::part_of(self.model).as_deref(),
+                )
+            });
+        self.agree(saved.map(|()| tokens.len()))
+    }
+
+    /// This rank's file of the prompt cache at `path` ([`prompt_cache::rank_path`]).
+    fn own_part(&self, path: &Path) -> std::path::PathBuf {
+        let rank = self.model.division().map_or(0, |d| d.rank());
+        prompt_cache::rank_path(path, rank)
+    }
+
+    /// `mine` once every rank of a divided model knows every rank's outcome
+    /// ([`lockstep::agree`]); as it is on one process.
+    fn agree<T>(&self, mine: Result<T>) -> Result<T> {
+        match self.model.division().filter(|d| d.size() > 1) {
+            Some(division) => lockstep::agree(division.group(), mine),
+            None => mine,
+        }
+    }
+
+    fn import_read_prefix(&mut self, tokens: &[u32], layers: &[KvCache]) -> Result<usize> {
         debug_assert!(
             layers.iter().all(|l| l.first_position() == 0),
             "blocks hold every position (see PromptCache::why_not_in_prefix_cache)"
@@ -1481,7 +1590,15 @@ impl<'m> BatchGenerator<'m> {
         tokens: &[u32],
         prefill_step_size: usize,
     ) -> Result<Vec<KvCache>> {
-        self.refuse_when_divided("prompt caches on disk are")?;
+        self.refuse_prompt_cache_apart()?;
+        self.compute_read_prefix(tokens, prefill_step_size)
+    }
+
+    fn compute_read_prefix(
+        &mut self,
+        tokens: &[u32],
+        prefill_step_size: usize,
+    ) -> Result<Vec<KvCache>> {
         let hit = computed_blocks(&self.kv, &self.store, tokens);
         let mut cache = self.make_cache();
         self.store
@@ -1494,7 +1611,7 @@ impl<'m> BatchGenerator<'m> {
             eval(cache.iter().flat_map(KvCache::state))?;
             self.prompt_throughput.record(chunk.len());
         }
-        self.import_prefix(tokens, &cache)?;
+        self.import_read_prefix(tokens, &cache)?;
         Ok(cache)
     }
 

@@ -441,7 +441,9 @@ impl EngineHandle {
     /// Computes the KV state of `prompt` (from the prefix cache where it can) and writes it to
     /// `path` (`.safetensors`) in mlx_lm's prompt-cache layout; returns the tokens saved. Its
     /// full blocks also join this engine's prefix cache. Errors: the prompt's (tokenizing, chat
-    /// template), MLX's, and [`EngineError::PromptCache`] when the file cannot be written.
+    /// template), MLX's, and [`EngineError::PromptCache`] when the file cannot be written. A
+    /// model divided over ranks writes a file a rank, each its part of the KV (rank `r`'s at
+    /// [`crate::prompt_cache::rank_path`] on its host), and fails when any rank could not.
     pub fn save_prompt_cache(&self, prompt: Prompt, path: &Path) -> Result<usize> {
         let prompt = match prompt {
             Prompt::Chat(messages) => Prompt::Tokens(self.tokenizer.encode_chat(&messages)?),
@@ -461,7 +463,8 @@ impl EngineHandle {
     /// Reads a prompt-cache file written by Perch into the prefix cache, so requests starting
     /// with its tokens skip their prefill; returns the tokens now cached (whole blocks, as many
     /// as the pool has free). Errors: [`EngineError::PromptCache`] for a damaged file, another
-    /// model's, or one without token ids (mlx_lm's; use [`Prompt::AfterCache`]).
+    /// model's, or one without token ids (mlx_lm's; use [`Prompt::AfterCache`]). A model divided
+    /// over ranks reads each rank's part on its rank, and fails when any rank cannot.
     pub fn load_prompt_cache(&self, path: &Path) -> Result<usize> {
         let (reply, answer) = mpsc::channel();
         self.prompt_cache_job(

@@ -25,7 +25,6 @@ use crate::error::{EngineError, Result};
 use crate::models;
 use crate::models::Model;
 use crate::nn::weights::LoadProgress;
-use crate::prompt_cache::{load_prompt_cache, save_prompt_cache};
 use crate::sequence::speculative::{Draft, SoloSequence};
 use crate::text::tokenizer::Tokenizer;
 use perch_sched::kv_cache_manager::RequestId;
@@ -824,35 +823,17 @@ impl Pass<'_> {
                                 message: reason.into(),
                             });
                         }
-                        let cache = batch
-                            .compute_prefix(&tokens, GenerateRequest::DEFAULT_PREFILL_STEP_SIZE)?;
-                        save_prompt_cache(
-                            &path,
-                            &cache,
+                        batch.save_prefix(
                             &tokens,
+                            GenerateRequest::DEFAULT_PREFILL_STEP_SIZE,
+                            &path,
                             self.model_id,
-                            batch.config().block_size,
-                        )?;
-                        Ok(tokens.len())
+                        )
                     });
                     let _ = reply.send(saved);
                 }
                 PromptCacheJob::Load { path, reply } => {
-                    let loaded =
-                        load_prompt_cache(&path, self.model, self.model_id).and_then(|prefix| {
-                            let refused = |why: &str| EngineError::PromptCache {
-                                path: path.clone(),
-                                message: format!("{why}; submit it as Prompt::AfterCache instead"),
-                            };
-                            let block_size = batch.config().block_size;
-                            match (&prefix.tokens, prefix.why_not_in_prefix_cache(block_size)) {
-                                (Some(_), Some(why)) => Err(refused(&why)),
-                                (Some(tokens), None) => batch.import_prefix(tokens, &prefix.layers),
-                                (None, _) => Err(refused(
-                                    "it does not record its token ids (an mlx_lm file)",
-                                )),
-                            }
-                        });
+                    let loaded = batch.import_prefix_file(&path, self.model_id);
                     let _ = reply.send(loaded);
                 }
             }
@@ -886,11 +867,9 @@ impl Pass<'_> {
             }
             let inserted = match &job.request.prompt {
                 Prompt::AfterCache { cache_file, tokens } => {
-                    load_prompt_cache(cache_file, self.model, self.model_id).and_then(|prefix| {
-                        let mut request = job.request.params.clone();
-                        request.prompt = tokens.clone();
-                        batch.insert_after_prefix(request, prefix)
-                    })
+                    let mut request = job.request.params.clone();
+                    request.prompt = tokens.clone();
+                    batch.insert_after_cache_file(request, cache_file, self.model_id)
                 }
                 prompt => tokens_of(prompt, self.tokenizer).and_then(|tokens| {
                     let mut request = job.request.params.clone();

@@ -37,6 +37,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use std::path::PathBuf;
+
 use super::{BatchConfig, BatchGenerator, StepTiming};
 use crate::distributed::{Group, GATHERED_WORDS};
 use crate::error::{EngineError, Result};
@@ -58,6 +60,24 @@ pub(crate) enum BatchCall {
     /// [`BatchGenerator::insert`], the request's seed set, with its images (which a request
     /// does not serialize).
     Insert(Box<GenerateRequest>, Vec<SentImage>),
+    /// [`BatchGenerator::insert_after_cache_file`]: each rank reads its own part of the file.
+    InsertAfterCache {
+        request: Box<GenerateRequest>,
+        path: PathBuf,
+        model_id: String,
+    },
+    /// [`BatchGenerator::save_prefix`]: each rank writes its own part of the file.
+    SavePrefix {
+        tokens: Vec<u32>,
+        prefill_step_size: usize,
+        path: PathBuf,
+        model_id: String,
+    },
+    /// [`BatchGenerator::import_prefix_file`].
+    ImportPrefix {
+        path: PathBuf,
+        model_id: String,
+    },
     Remove(RequestId),
     Clear,
     /// [`BatchGenerator::step`], with what rank 0's step before taught its choice between
@@ -669,6 +689,22 @@ fn check_draft(group: &Group, model: &dyn Model, draft: Option<&dyn Model>) -> R
     )))
 }
 
+/// `mine`, this rank's outcome of something every rank of `group` did alike on its own part
+/// (read or wrote its part of a prompt cache), once every rank knows every rank's: this rank's
+/// error, else one naming a rank that failed (whose own error is in its output), else `mine`.
+/// A collective: every rank calls it at the same point of the same call.
+pub(crate) fn agree<T>(group: &Group, mine: Result<T>) -> Result<T> {
+    let gathered = group.all_gather_words([u64::from(mine.is_ok())])?;
+    let mine = mine?;
+    match gathered.iter().position(|w| w[0] == 0) {
+        Some(rank) => Err(EngineError::Distributed(format!(
+            "rank {rank} could not read or write its part of the prompt cache (its own error \
+             is in its output)"
+        ))),
+        None => Ok(mine),
+    }
+}
+
 /// Makes `call` on a follower's batch. What it returns is rank 0's to report (the same there):
 /// a request refused and a step's events are dropped here. A failed pass is the error: rank 0
 /// stops the group on its own failed passes (`BatchGenerator::stop_group_on`), so this rank
@@ -683,6 +719,25 @@ fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
                 .map(SentImage::into_image)
                 .collect::<Result<_>>()?;
             let _ = batch.insert(request);
+        }
+        // Every rank's part read or written, and the ranks agreed (`agree`): refused alike.
+        BatchCall::InsertAfterCache {
+            request,
+            path,
+            model_id,
+        } => {
+            let _ = batch.insert_after_cache_file(*request, &path, &model_id);
+        }
+        BatchCall::SavePrefix {
+            tokens,
+            prefill_step_size,
+            path,
+            model_id,
+        } => {
+            let _ = batch.save_prefix(&tokens, prefill_step_size, &path, &model_id);
+        }
+        BatchCall::ImportPrefix { path, model_id } => {
+            let _ = batch.import_prefix_file(&path, &model_id);
         }
         BatchCall::Remove(id) => {
             let _ = batch.remove(id);
