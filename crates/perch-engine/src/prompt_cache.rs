@@ -69,6 +69,14 @@ pub struct PromptCache {
     pub metadata: HashMap<String, String>,
 }
 
+/// A rank's part of a prompt cache saved by a model divided over ranks: which part it is
+/// ([`part_of`], `perch_part`), and the save it belongs to (`perch_save`: one id for every
+/// rank's file of one save, so that parts of different saves are never read together).
+pub struct RankPart {
+    pub part: String,
+    pub save_id: u64,
+}
+
 impl PromptCache {
     /// Why this prefix cannot join a prefix cache of `block_size`-token blocks, or `None` when
     /// it can: every layer must hold every position from 0 (a sliding layer read from mlx_lm may
@@ -128,14 +136,14 @@ pub fn rank_path(path: &Path, rank: usize) -> std::path::PathBuf {
 
 /// Writes `layers` (each holding `tokens.len()` positions) to `path` (must end in
 /// `.safetensors`), with `tokens` and `model_id` recorded for later validation, and `part`
-/// ([`part_of`]) when the layers are a rank's part of a divided model.
+/// when the layers are a rank's part of a divided model.
 pub fn save_prompt_cache(
     path: &Path,
     layers: &[KvCache],
     tokens: &[u32],
     model_id: &str,
     block_size: usize,
-    part: Option<&str>,
+    part: Option<&RankPart>,
 ) -> Result<()> {
     let error = |message: String| EngineError::PromptCache {
         path: path.to_path_buf(),
@@ -209,7 +217,8 @@ pub fn save_prompt_cache(
         metadata.insert(format!("0.{key}"), value);
     }
     if let Some(part) = part {
-        metadata.insert("0.perch_part".into(), part.to_owned());
+        metadata.insert("0.perch_part".into(), part.part.clone());
+        metadata.insert("0.perch_save".into(), part.save_id.to_string());
     }
 
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("cache");
@@ -258,12 +267,15 @@ pub fn load_prompt_cache(path: &Path, model: &dyn Model, model_id: &str) -> Resu
     }
     let (theirs, ours) = (metadata.get("perch_part").cloned(), part_of(model));
     if theirs != ours {
-        let whole = || "the whole model".to_owned();
+        let held = |part: Option<String>| match part {
+            Some(part) => format!("the {part} part of the model's KV"),
+            None => "the whole model's KV".to_owned(),
+        };
         return Err(error(format!(
-            "it holds {} of the KV; the loaded model is {}: a prompt cache saved over ranks is a \
-             file a rank, each loaded by the same rank of the same division",
-            theirs.map_or_else(whole, |p| format!("the {p} part")),
-            ours.map_or_else(whole, |p| format!("the {p} part")),
+            "it holds {}; the loaded model needs {}: a prompt cache saved over ranks is a file a \
+             rank, each loaded by the same rank of the same division",
+            held(theirs),
+            held(ours),
         )));
     }
     let info = model.info();

@@ -623,11 +623,12 @@ fn with_images(division: Division, dir: &Path) -> serde_json::Value {
 }
 
 /// Prompt caches on disk over the first tiny model in `models`, divided by `division`: rank 0's
-/// engine saves a prefix (every rank writing its part beside the path), reads it back into the
-/// prefix cache, and answers a request after it (`Prompt::AfterCache`) and the whole prompt;
-/// then, rank 1's part removed, reading the file and a request after it fail on both ranks
-/// alike while a plain request is still served. Last, the whole model on one process answers
-/// the whole prompt and refuses rank 0's part.
+/// engine saves a prefix (every rank writing its part beside the path), clears its prefix
+/// cache, reads the file back into it, and answers requests after it (`Prompt::AfterCache`,
+/// greedy and sampled without a seed) and the whole prompt; a part left from an earlier save is
+/// refused; then, rank 1's part removed, reading the file and a request after it fail on both
+/// ranks alike while a plain request is still served. Last, the whole model on one process
+/// answers the whole prompt and refuses rank 0's part.
 fn prompt_caches(division: Division, models: &Path) -> serde_json::Value {
     let dir = std::fs::read_dir(models)
         .unwrap()
@@ -644,10 +645,11 @@ fn prompt_caches(division: Division, models: &Path) -> serde_json::Value {
     }
     let prefix: Vec<u32> = (0..40).map(|i| 1 + (i * 11) % 90).collect();
     let rest: Vec<u32> = vec![5, 17, 29, 41];
-    let request = |prompt: Prompt| {
+    let request = |prompt: Prompt, temperature: f32| {
         let mut params = GenerateRequest::new(Vec::new());
         params.max_tokens = 8;
         params.ignore_eos = true;
+        params.sampling.temperature = temperature;
         EngineRequest { prompt, params }
     };
     let whole_prompt = || Prompt::Tokens([&prefix[..], &rest[..]].concat());
@@ -665,25 +667,40 @@ fn prompt_caches(division: Division, models: &Path) -> serde_json::Value {
     })
     .unwrap();
     let text = |r: perch_engine::Result<usize>| r.map_err(|e| e.to_string());
+    let run = |prompts: Vec<(Prompt, f32)>| {
+        let streams = prompts
+            .into_iter()
+            .map(|(p, t)| engine.submit(request(p, t)).unwrap())
+            .collect();
+        collected(streams)
+    };
     let saved = text(engine.save_prompt_cache(Prompt::Tokens(prefix.clone()), &file));
     let part_1 = perch_engine::prompt_cache::rank_path(&file, 1);
     let files = [file.exists(), part_1.exists()];
+    // Read back from the files alone, not from the blocks the save left cached.
+    engine.clear_cache().unwrap();
     let loaded = text(engine.load_prompt_cache(&file));
-    let streams = [after_cache(), whole_prompt()]
-        .into_iter()
-        .map(|p| engine.submit(request(p)).unwrap())
-        .collect();
-    let divided = collected(streams);
+    let divided = run(vec![
+        (after_cache(), 0.0),
+        (whole_prompt(), 0.0),
+        (after_cache(), 0.9),
+    ]);
+    let after_sampled = run(vec![(whole_prompt(), 0.0)]);
+    // Rank 1's part of this save beside rank 0's of the next.
+    let stale = file.with_file_name("stale.safetensors");
+    std::fs::copy(&part_1, &stale).unwrap();
+    let other: Vec<u32> = prefix.iter().map(|t| t + 1).collect();
+    engine
+        .save_prompt_cache(Prompt::Tokens(other), &file)
+        .unwrap();
+    std::fs::rename(&stale, &part_1).unwrap();
+    let loaded_stale = text(engine.load_prompt_cache(&file));
     std::fs::remove_file(&part_1).unwrap();
     let loaded_without_part = text(engine.load_prompt_cache(&file));
-    let streams = [after_cache(), whole_prompt()]
-        .into_iter()
-        .map(|p| engine.submit(request(p)).unwrap())
-        .collect();
-    let without_part = collected(streams);
+    let without_part = run(vec![(after_cache(), 0.0), (whole_prompt(), 0.0)]);
     drop(engine);
     let whole = EngineHandle::load(&dir, EngineConfig::default()).unwrap();
-    let alone = collected(vec![whole.submit(request(whole_prompt())).unwrap()]);
+    let alone = collected(vec![whole.submit(request(whole_prompt(), 0.0)).unwrap()]);
     let whole_loads_part = text(whole.load_prompt_cache(&file));
     serde_json::json!({
         "rank": rank,
@@ -691,6 +708,8 @@ fn prompt_caches(division: Division, models: &Path) -> serde_json::Value {
         "files": files,
         "loaded": loaded,
         "divided": divided,
+        "after_sampled": after_sampled,
+        "loaded_stale": loaded_stale,
         "loaded_without_part": loaded_without_part,
         "without_part": without_part,
         "alone": alone,
@@ -1397,15 +1416,22 @@ fn prompt_caches_on_disk_run_over_two_ranks() {
         assert_eq!(led["loaded"]["Ok"], 32, "{task}: {led}");
         let alone = &led["alone"][0];
         assert_eq!(alone["ids"].as_array().unwrap().len(), 8, "{task}: {led}");
-        for (i, ours) in led["divided"].as_array().unwrap().iter().enumerate() {
+        let divided = led["divided"].as_array().unwrap();
+        for (i, ours) in divided.iter().enumerate() {
             assert!(ours["error"].is_null(), "{task}, request {i}: {led}");
-            assert_eq!(ours["ids"], alone["ids"], "{task}, request {i}: {led}");
+            assert_eq!(ours["ids"].as_array().unwrap().len(), 8, "{task}: {led}");
         }
+        for ours in [&divided[0], &divided[1], &led["after_sampled"][0]] {
+            assert_eq!(ours["ids"], alone["ids"], "{task}: {led}");
+        }
+        let refused = led["loaded_stale"]["Err"].as_str().unwrap_or_default();
+        assert!(refused.contains("not of one save"), "{task}: {led}");
         let refused = led["loaded_without_part"]["Err"]
             .as_str()
             .unwrap_or_default();
         assert!(
-            refused.contains("rank 1 could not read or write its part"),
+            refused.contains("rank 1 could not read or write its part")
+                && refused.contains("prefix.rank1.safetensors"),
             "{task}: {led}"
         );
         let [after_cache, plain] = [0, 1].map(|i| &led["without_part"][i]);
@@ -1414,7 +1440,7 @@ fn prompt_caches_on_disk_run_over_two_ranks() {
         assert_eq!(plain["ids"], alone["ids"], "{task}: {led}");
         let refused = led["whole_loads_part"]["Err"].as_str().unwrap_or_default();
         assert!(
-            refused.contains("rank 0 of 2 part of the KV"),
+            refused.contains("rank 0 of 2 part of the model's KV"),
             "{task}: {led}"
         );
         std::fs::remove_file(dir.path().join("prefix.safetensors")).unwrap();

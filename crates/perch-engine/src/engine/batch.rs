@@ -929,19 +929,24 @@ impl<'m> BatchGenerator<'m> {
     /// `max_tokens` lowered to the room (finish reason `length`).
     pub fn insert(&mut self, mut request: GenerateRequest) -> Result<RequestId> {
         if self.leads_ranks() {
-            // Every rank's sampler draws from the same key.
-            request.sampling.seed = request
-                .sampling
-                .seed
-                .or_else(|| Some(crate::sample::sampler::random_seed()));
-            let images = request
-                .images
-                .iter()
-                .map(lockstep::SentImage::new)
-                .collect();
+            let images = Self::to_send(&mut request);
             self.lead(BatchCall::Insert(Box::new(request.clone()), images))?;
         }
         self.insert_with(request, None)
+    }
+
+    /// A request as rank 0 sends it to the other ranks: its seed set, so that every rank's
+    /// sampler draws from the same key, and its images apart (a request does not serialize them).
+    fn to_send(request: &mut GenerateRequest) -> Vec<lockstep::SentImage> {
+        request.sampling.seed = request
+            .sampling
+            .seed
+            .or_else(|| Some(crate::sample::sampler::random_seed()));
+        request
+            .images
+            .iter()
+            .map(lockstep::SentImage::new)
+            .collect()
     }
 
     /// Queues a request that continues from `prefix`, a prompt-cache file's state, as mlx_lm's
@@ -962,18 +967,48 @@ impl<'m> BatchGenerator<'m> {
     /// [`prompt_cache::rank_path`], and every rank refuses when one cannot read its part).
     pub fn insert_after_cache_file(
         &mut self,
-        request: GenerateRequest,
+        mut request: GenerateRequest,
         path: &Path,
         model_id: &str,
     ) -> Result<RequestId> {
-        self.lead(BatchCall::InsertAfterCache {
-            request: Box::new(request.clone()),
-            path: path.to_path_buf(),
-            model_id: model_id.to_owned(),
-        })?;
-        let read = prompt_cache::load_prompt_cache(&self.own_part(path), self.model, model_id);
-        let prefix = self.agree(read)?;
+        if self.leads_ranks() {
+            let images = Self::to_send(&mut request);
+            self.lead(BatchCall::InsertAfterCache {
+                request: Box::new(request.clone()),
+                images,
+                path: path.to_path_buf(),
+                model_id: model_id.to_owned(),
+            })?;
+        }
+        let prefix = self.read_part(path, model_id, |_| None)?;
         self.insert_after_read_prefix(request, prefix)
+    }
+
+    /// This rank's part of the prompt cache at `path`, refused when `refuse` gives a reason,
+    /// once every rank of a divided model has read its own and they agree: every part read,
+    /// each of one save (`perch_save`) and the same tokens ([`lockstep::agree`]).
+    fn read_part(
+        &self,
+        path: &Path,
+        model_id: &str,
+        refuse: impl Fn(&PromptCache) -> Option<EngineError>,
+    ) -> Result<PromptCache> {
+        use std::hash::{Hash, Hasher};
+        let read = prompt_cache::load_prompt_cache(&self.own_part(path), self.model, model_id)
+            .and_then(|prefix| match refuse(&prefix) {
+                Some(err) => Err(err),
+                None => {
+                    let mut hasher = std::hash::DefaultHasher::new();
+                    (
+                        prefix.metadata.get("perch_save"),
+                        &prefix.tokens,
+                        prefix.offset,
+                    )
+                        .hash(&mut hasher);
+                    Ok((prefix, hasher.finish()))
+                }
+            });
+        self.agree(read)
     }
 
     fn insert_after_read_prefix(
@@ -1447,19 +1482,17 @@ impl<'m> BatchGenerator<'m> {
             model_id: model_id.to_owned(),
         })?;
         let block_size = self.config.block_size;
-        let read = prompt_cache::load_prompt_cache(&self.own_part(path), self.model, model_id)
-            .and_then(|prefix| {
-                let refused = |why: &str| EngineError::PromptCache {
-                    path: path.to_path_buf(),
-                    message: format!("{why}; submit it as Prompt::AfterCache instead"),
-                };
-                match (&prefix.tokens, prefix.why_not_in_prefix_cache(block_size)) {
-                    (Some(_), Some(why)) => Err(refused(&why)),
-                    (Some(_), None) => Ok(prefix),
-                    (None, _) => Err(refused("it does not record its token ids (an mlx_lm file)")),
-                }
-            });
-        let prefix = self.agree(read)?;
+        let prefix = self.read_part(path, model_id, |prefix| {
+            let refused = |why: &str| EngineError::PromptCache {
+                path: path.to_path_buf(),
+                message: format!("{why}; submit it as Prompt::AfterCache instead"),
+            };
+            match (&prefix.tokens, prefix.why_not_in_prefix_cache(block_size)) {
+                (Some(_), Some(why)) => Some(refused(&why)),
+                (Some(_), None) => None,
+                (None, _) => Some(refused("it does not record its token ids (an mlx_lm file)")),
+            }
+        })?;
         let tokens = prefix.tokens.as_deref().unwrap_or_default();
         self.import_read_prefix(tokens, &prefix.layers)
     }
@@ -1467,7 +1500,7 @@ impl<'m> BatchGenerator<'m> {
     /// Saves the KV state of `tokens` ([`BatchGenerator::compute_prefix`]) as a prompt-cache file
     /// at `path` recording `model_id`, and returns its length in tokens. On a model divided over
     /// ranks every rank computes alike and writes its own part ([`prompt_cache::rank_path`], on
-    /// its host), and every rank fails when one could not write its part.
+    /// its host, all under one save id), and every rank fails when one could not write its part.
     pub fn save_prefix(
         &mut self,
         tokens: &[u32],
@@ -1475,25 +1508,41 @@ impl<'m> BatchGenerator<'m> {
         path: &Path,
         model_id: &str,
     ) -> Result<usize> {
+        let save_id = crate::sample::sampler::random_seed();
+        self.save_prefix_as(tokens, prefill_step_size, path, model_id, save_id)?
+    }
+
+    /// [`BatchGenerator::save_prefix`] under `save_id` (rank 0's, on every rank). The outer
+    /// error is a failed pass (on rank 0 it stops the group: the ranks' collectives may no
+    /// longer match); the inner one the save's outcome, which every rank agreed on.
+    pub(crate) fn save_prefix_as(
+        &mut self,
+        tokens: &[u32],
+        prefill_step_size: usize,
+        path: &Path,
+        model_id: &str,
+        save_id: u64,
+    ) -> Result<Result<usize>> {
         self.lead(BatchCall::SavePrefix {
             tokens: tokens.to_vec(),
             prefill_step_size,
             path: path.to_path_buf(),
             model_id: model_id.to_owned(),
+            save_id,
         })?;
-        let saved = self
-            .compute_read_prefix(tokens, prefill_step_size)
-            .and_then(|cache| {
-                prompt_cache::save_prompt_cache(
-                    &self.own_part(path),
-                    &cache,
-                    tokens,
-                    model_id,
-                    self.config.block_size,
-                    prompt_cache::part_of(self.model).as_deref(),
-                )
-            });
-        self.agree(saved.map(|()| tokens.len()))
+        let computed = self.compute_read_prefix(tokens, prefill_step_size);
+        let cache = self.stop_group_on(computed)?;
+        let part =
+            prompt_cache::part_of(self.model).map(|part| prompt_cache::RankPart { part, save_id });
+        let saved = prompt_cache::save_prompt_cache(
+            &self.own_part(path),
+            &cache,
+            tokens,
+            model_id,
+            self.config.block_size,
+            part.as_ref(),
+        );
+        Ok(self.agree(saved.map(|()| (tokens.len(), 0))))
     }
 
     /// This rank's file of the prompt cache at `path` ([`prompt_cache::rank_path`]).
@@ -1502,12 +1551,12 @@ impl<'m> BatchGenerator<'m> {
         prompt_cache::rank_path(path, rank)
     }
 
-    /// `mine` once every rank of a divided model knows every rank's outcome
-    /// ([`lockstep::agree`]); as it is on one process.
-    fn agree<T>(&self, mine: Result<T>) -> Result<T> {
+    /// `mine` (with a fingerprint the ranks' must match) once every rank of a divided model
+    /// knows every rank's outcome ([`lockstep::agree`]); as it is on one process.
+    fn agree<T>(&self, mine: Result<(T, u64)>) -> Result<T> {
         match self.model.division().filter(|d| d.size() > 1) {
             Some(division) => lockstep::agree(division.group(), mine),
-            None => mine,
+            None => mine.map(|(mine, _)| mine),
         }
     }
 

@@ -25,8 +25,9 @@
 //! plain steps learns rank 0's step times on every rank ([`StepTiming`], sent with each step),
 //! not each rank's own clock. Images travel with their request ([`SentImage`]: its pixel
 //! values), and every rank's vision tower (whole on every rank) encodes them alike. What a
-//! divided batch does not run yet (refused with a sentence): prompt caches on disk, and the
-//! requests that run beside the batch.
+//! divided batch does not run yet (refused with a sentence): the requests that run beside the
+//! batch. Prompt caches on disk are a file a rank: saving and reading one are calls every rank
+//! makes on its own part, the ranks agreeing on the outcome ([`agree`]).
 //!
 //! Every rank must run its collectives in one order. A stage's own arrays (its layers' KV,
 //! which a batch's block copies evaluate) depend on the hand-over only on the stages after the
@@ -60,18 +61,22 @@ pub(crate) enum BatchCall {
     /// [`BatchGenerator::insert`], the request's seed set, with its images (which a request
     /// does not serialize).
     Insert(Box<GenerateRequest>, Vec<SentImage>),
-    /// [`BatchGenerator::insert_after_cache_file`]: each rank reads its own part of the file.
+    /// [`BatchGenerator::insert_after_cache_file`], as `Insert`: each rank reads its own part
+    /// of the file.
     InsertAfterCache {
         request: Box<GenerateRequest>,
+        images: Vec<SentImage>,
         path: PathBuf,
         model_id: String,
     },
-    /// [`BatchGenerator::save_prefix`]: each rank writes its own part of the file.
+    /// [`BatchGenerator::save_prefix`]: each rank writes its own part of the file, all under
+    /// rank 0's `save_id`.
     SavePrefix {
         tokens: Vec<u32>,
         prefill_step_size: usize,
         path: PathBuf,
         model_id: String,
+        save_id: u64,
     },
     /// [`BatchGenerator::import_prefix_file`].
     ImportPrefix {
@@ -690,19 +695,48 @@ fn check_draft(group: &Group, model: &dyn Model, draft: Option<&dyn Model>) -> R
 }
 
 /// `mine`, this rank's outcome of something every rank of `group` did alike on its own part
-/// (read or wrote its part of a prompt cache), once every rank knows every rank's: this rank's
-/// error, else one naming a rank that failed (whose own error is in its output), else `mine`.
-/// A collective: every rank calls it at the same point of the same call.
-pub(crate) fn agree<T>(group: &Group, mine: Result<T>) -> Result<T> {
-    let gathered = group.all_gather_words([u64::from(mine.is_ok())])?;
-    let mine = mine?;
-    match gathered.iter().position(|w| w[0] == 0) {
-        Some(rank) => Err(EngineError::Distributed(format!(
-            "rank {rank} could not read or write its part of the prompt cache (its own error \
-             is in its output)"
-        ))),
-        None => Ok(mine),
+/// (read or wrote its part of a prompt cache) with a fingerprint of what it read (the parts of
+/// one file must match), once every rank knows every rank's: this rank's error, else one naming
+/// a rank that failed and why, else one when the fingerprints differ, else `mine`. A
+/// collective: every rank calls it at the same point of the same call.
+pub(crate) fn agree<T>(group: &Group, mine: Result<(T, u64)>) -> Result<T> {
+    /// A rank's message: success, fingerprint, then its error's text (cut to fit).
+    const WIDTH: usize = 512;
+    let mut bytes = vec![b' '; WIDTH];
+    match &mine {
+        Ok((_, fingerprint)) => {
+            bytes[0] = 1;
+            bytes[1..9].copy_from_slice(&fingerprint.to_le_bytes());
+        }
+        Err(err) => {
+            let text = err.to_string();
+            let mut end = text.len().min(WIDTH - 9);
+            while !text.is_char_boundary(end) {
+                end -= 1;
+            }
+            bytes[0] = 0;
+            bytes[9..9 + end].copy_from_slice(&text.as_bytes()[..end]);
+        }
     }
+    let gathered = group.all_gather_bytes(&bytes)?;
+    let (mine, fingerprint) = mine?;
+    if let Some((rank, theirs)) = gathered.iter().enumerate().find(|(_, t)| t[0] == 0) {
+        return Err(EngineError::Distributed(format!(
+            "rank {rank} could not read or write its part of the prompt cache: {}",
+            String::from_utf8_lossy(&theirs[9..]).trim_end()
+        )));
+    }
+    if gathered
+        .iter()
+        .any(|t| t[1..9] != fingerprint.to_le_bytes())
+    {
+        return Err(EngineError::Distributed(
+            "the ranks' parts of the prompt cache are not of one save (a part left from an \
+             earlier save beside a later one's): save it again"
+                .into(),
+        ));
+    }
+    Ok(mine)
 }
 
 /// Makes `call` on a follower's batch. What it returns is rank 0's to report (the same there):
@@ -720,21 +754,30 @@ fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
                 .collect::<Result<_>>()?;
             let _ = batch.insert(request);
         }
-        // Every rank's part read or written, and the ranks agreed (`agree`): refused alike.
+        // Every rank's part read or written, and the ranks agreed (`agree`, which tells rank 0
+        // this rank's error): refused alike.
         BatchCall::InsertAfterCache {
             request,
+            images,
             path,
             model_id,
         } => {
-            let _ = batch.insert_after_cache_file(*request, &path, &model_id);
+            let mut request = *request;
+            request.images = images
+                .into_iter()
+                .map(SentImage::into_image)
+                .collect::<Result<_>>()?;
+            let _ = batch.insert_after_cache_file(request, &path, &model_id);
         }
         BatchCall::SavePrefix {
             tokens,
             prefill_step_size,
             path,
             model_id,
+            save_id,
         } => {
-            let _ = batch.save_prefix(&tokens, prefill_step_size, &path, &model_id);
+            // A failed pass is this rank's error; a file not written, agreed.
+            let _ = batch.save_prefix_as(&tokens, prefill_step_size, &path, &model_id, save_id)?;
         }
         BatchCall::ImportPrefix { path, model_id } => {
             let _ = batch.import_prefix_file(&path, &model_id);
