@@ -109,22 +109,19 @@ fn rank() {
         println!("{}", serde_json::json!({ "rank": rank, "error": error }));
         return;
     }
-    if let "engine_images" | "engine_pipeline_images" = task.as_str() {
-        let dir = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let division = match task.as_str() {
-            "engine_images" => Division::Tensor(TensorParallel::new(group)),
-            _ => Division::Pipeline(PipelineParallel::new(group)),
-        };
-        println!("{}", with_images(division, &dir));
-        return;
-    }
-    if let "engine_prompt_cache" | "engine_pipeline_prompt_cache" = task.as_str() {
+    // Scenarios over TP or (`_pipeline_`) two stages, each given the models' path.
+    let scenario: Option<fn(Division, &Path) -> serde_json::Value> = match task.as_str() {
+        "engine_images" | "engine_pipeline_images" => Some(with_images),
+        "engine_prompt_cache" | "engine_pipeline_prompt_cache" => Some(prompt_caches),
+        _ => None,
+    };
+    if let Some(scenario) = scenario {
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let division = match task.as_str() {
-            "engine_prompt_cache" => Division::Tensor(TensorParallel::new(group)),
-            _ => Division::Pipeline(PipelineParallel::new(group)),
+        let division = match task.contains("_pipeline_") {
+            false => Division::Tensor(TensorParallel::new(group)),
+            true => Division::Pipeline(PipelineParallel::new(group)),
         };
-        println!("{}", prompt_caches(division, &models));
+        println!("{}", scenario(division, &models));
         return;
     }
     if task == "engine_short_rank" {
@@ -346,12 +343,7 @@ fn load_peaks(split: Division, dir: &Path) -> serde_json::Value {
 /// request's start it came (a tiny model's first tokens take milliseconds; rank 0 may meet the
 /// loss before its own third token, waiting for rank 1's part of it).
 fn dies_mid_request(split: Division, models: &Path) -> serde_json::Value {
-    let dir = std::fs::read_dir(models)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let dir = first_model(models);
     let model = models::load_divided(&dir, &split).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
     let mut request = GenerateRequest::new(vec![1, 1690, 198, 2683, 359]);
@@ -556,6 +548,25 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
     serde_json::json!({ "rank": rank, "cases": results })
 }
 
+/// The first model of the tiny models in `models`.
+fn first_model(models: &Path) -> PathBuf {
+    std::fs::read_dir(models)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path()
+}
+
+/// Rank `r > 0`: its part of the model in `dir` follows rank 0's batch to its end; the error,
+/// if any.
+fn followed(dir: &Path, division: &Division) -> serde_json::Value {
+    let model = models::load_divided(dir, division).unwrap();
+    let tokenizer = Tokenizer::load(dir).unwrap();
+    let followed = perch_engine::engine::follow(model.as_ref(), Ok(None), &tokenizer);
+    serde_json::json!({ "rank": division.rank(), "followed": followed.map_err(|e| e.to_string()).err() })
+}
+
 /// Chats with images (and one without) through the engine over the tiny Gemma 3 vision-language
 /// model in `dir`, divided by `division`: rank 0 serves them, rank 1 follows; then rank 0 alone
 /// answers them on the whole model.
@@ -563,10 +574,7 @@ fn with_images(division: Division, dir: &Path) -> serde_json::Value {
     use perch_engine::{ChatMessage, ContentPart};
     let rank = division.rank();
     if rank > 0 {
-        let model = models::load_divided(dir, &division).unwrap();
-        let tokenizer = Tokenizer::load(dir).unwrap();
-        let followed = perch_engine::engine::follow(model.as_ref(), Ok(None), &tokenizer);
-        return serde_json::json!({ "rank": rank, "followed": followed.map_err(|e| e.to_string()).err() });
+        return followed(dir, &division);
     }
     let image = |seed: u32| {
         use base64::Engine as _;
@@ -630,18 +638,10 @@ fn with_images(division: Division, dir: &Path) -> serde_json::Value {
 /// ranks alike while a plain request is still served. Last, the whole model on one process
 /// answers the whole prompt and refuses rank 0's part.
 fn prompt_caches(division: Division, models: &Path) -> serde_json::Value {
-    let dir = std::fs::read_dir(models)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let dir = first_model(models);
     let rank = division.rank();
     if rank > 0 {
-        let model = models::load_divided(&dir, &division).unwrap();
-        let tokenizer = Tokenizer::load(&dir).unwrap();
-        let followed = perch_engine::engine::follow(model.as_ref(), Ok(None), &tokenizer);
-        return serde_json::json!({ "rank": rank, "followed": followed.map_err(|e| e.to_string()).err() });
+        return followed(&dir, &division);
     }
     let prefix: Vec<u32> = (0..40).map(|i| 1 + (i * 11) % 90).collect();
     let rest: Vec<u32> = vec![5, 17, 29, 41];
@@ -725,12 +725,7 @@ fn short_of_memory(division: Division, models: &Path) -> serde_json::Value {
     use perch_engine::memory::{Available, MemoryBound};
     use std::sync::atomic::{AtomicUsize, Ordering};
     let rank = division.rank();
-    let dir = std::fs::read_dir(models)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+    let dir = first_model(models);
     if rank > 0 {
         // Read twice while loading (the budget's gather, then the guard's reading after
         // load), then 40 MB, below the floor of a fifth of 8 GiB.
@@ -1380,21 +1375,19 @@ fn ranks_with_different_drafts_are_refused() {
 fn a_rank_that_fails_to_prepare_fails_every_rank() {
     let dir = tempfile::tempdir().unwrap();
     let models = tiny_models(dir.path(), "llama3-rope");
-    let [rank_0, rank_1] = refusals(dir.path(), &models, "engine_draft_fails");
-    assert!(rank_0.contains("no-such-draft"), "rank 0: {rank_0}");
-    assert!(
-        rank_1.contains("rank 0 could not prepare its part of the model"),
-        "rank 1: {rank_1}"
-    );
-    let [rank_0, rank_1] = refusals(dir.path(), &models, "engine_follower_draft_fails");
-    assert!(
-        rank_0.contains("rank 1 could not prepare its part of the model"),
-        "rank 0: {rank_0}"
-    );
-    assert!(
-        rank_1.contains("this rank's draft could not be loaded"),
-        "rank 1: {rank_1}"
-    );
+    for (task, failed, own) in [
+        ("engine_draft_fails", 0, "no-such-draft"),
+        (
+            "engine_follower_draft_fails",
+            1,
+            "this rank's draft could not be loaded",
+        ),
+    ] {
+        let errors = refusals(dir.path(), &models, task);
+        assert!(errors[failed].contains(own), "{task}: {errors:?}");
+        let named = format!("rank {failed} could not prepare its part of the model");
+        assert!(errors[1 - failed].contains(&named), "{task}: {errors:?}");
+    }
 }
 
 /// Prompt caches on disk over two ranks (tensor-parallel, then two pipeline stages): each rank
