@@ -97,10 +97,7 @@ impl DistributedArgs {
 
     /// Starts the group's ranks and waits for them ([`crate::launch::launch`]).
     pub fn launch(&self) -> anyhow::Result<()> {
-        let group = match &self.hostfile {
-            Some(path) => crate::launch::GroupSpec::File(path),
-            None => crate::launch::GroupSpec::List(&self.hosts),
-        };
+        let group = crate::launch::GroupSpec::new(self.hostfile.as_deref(), &self.hosts);
         crate::launch::launch(group, self.starting_port, self.backend)
     }
 }

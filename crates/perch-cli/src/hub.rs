@@ -54,10 +54,10 @@ fn client() -> anyhow::Result<HubClient> {
 pub fn search(args: SearchArgs) -> anyhow::Result<()> {
     // Each machine's memory and ranks, when the model would be divided over several hosts (bad
     // hosts refused before the Hub is asked).
-    let group = match &args.hostfile {
-        Some(path) => crate::launch::group_memory(crate::launch::GroupSpec::File(path))?,
-        None => crate::launch::group_memory(crate::launch::GroupSpec::List(&args.hosts))?,
-    };
+    let group = crate::launch::group_memory(crate::launch::GroupSpec::new(
+        args.hostfile.as_deref(),
+        &args.hosts,
+    ))?;
     if let Some(least) = group.iter().map(|&(total, _)| total).min() {
         let machines = match group.len() {
             1 => "1 machine".to_owned(),

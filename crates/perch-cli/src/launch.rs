@@ -556,6 +556,16 @@ pub enum GroupSpec<'a> {
     File(&'a std::path::Path),
 }
 
+impl<'a> GroupSpec<'a> {
+    /// The group a command names: its `--hostfile` when given, else its `--hosts`.
+    pub fn new(hostfile: Option<&'a std::path::Path>, hosts: &'a [String]) -> Self {
+        match hostfile {
+            Some(path) => GroupSpec::File(path),
+            None => GroupSpec::List(hosts),
+        }
+    }
+}
+
 impl GroupSpec<'_> {
     /// The group's hosts (rank 0 first), the backend its hostfile names, and the variables
     /// it sets for every rank (a `--hosts` list as a hostfile of no backend or variables).
@@ -639,6 +649,7 @@ pub fn launch(
                 command.env(name, file.path());
                 temporary.push(file);
             }
+            command.stdin(Stdio::null());
             command
         } else {
             let mut command = Command::new("ssh");
@@ -649,9 +660,6 @@ pub fn launch(
             command.stdin(Stdio::piped());
             command
         };
-        if is_local(&host.address) {
-            command.stdin(Stdio::null());
-        }
         command.stderr(Stdio::piped());
         if rank > 0 {
             command.stdout(Stdio::null());

@@ -478,7 +478,7 @@ pub(crate) fn join_ranks(
     let division = model.division().ok_or_else(|| {
         EngineError::Distributed("only the ranks of a divided model join each other".into())
     })?;
-    let stage_scale = check_division(model, prepared)?;
+    let stage_scale = check_division(model, division, prepared)?;
     check_draft(division.group(), model, draft)?;
     let available = least_available(division.group(), available, stage_scale)?;
     Ok(Joined {
@@ -612,10 +612,11 @@ fn follow_reading<'m>(
 /// when each stage holds whole runs of the layers' pattern (`PipelineParallel::layers` splits
 /// so where every stage gets one). Also refuses on every rank when one failed to prepare
 /// (`prepared`, this rank's: its own error). A collective ([`join_ranks`]).
-fn check_division(model: &dyn Model, prepared: Result<()>) -> Result<(usize, usize)> {
-    let division = model.division().ok_or_else(|| {
-        EngineError::Distributed("only the ranks of a divided model join each other".into())
-    })?;
+fn check_division(
+    model: &dyn Model,
+    division: &crate::distributed::Division,
+    prepared: Result<()>,
+) -> Result<(usize, usize)> {
     let caches = model.make_cache(None);
     let counts = [
         u64::from(prepared.is_ok()),
@@ -739,6 +740,16 @@ pub(crate) fn agree<T>(group: &Group, mine: Result<(T, u64)>) -> Result<T> {
     Ok(mine)
 }
 
+/// A request as rank 0 sent it (`BatchGenerator::to_send`), its images put back.
+fn received(request: Box<GenerateRequest>, images: Vec<SentImage>) -> Result<GenerateRequest> {
+    let mut request = *request;
+    request.images = images
+        .into_iter()
+        .map(SentImage::into_image)
+        .collect::<Result<_>>()?;
+    Ok(request)
+}
+
 /// Makes `call` on a follower's batch. What it returns is rank 0's to report (the same there):
 /// a request refused and a step's events are dropped here. A failed pass is the error: rank 0
 /// stops the group on its own failed passes (`BatchGenerator::stop_group_on`), so this rank
@@ -747,12 +758,7 @@ pub(crate) fn agree<T>(group: &Group, mine: Result<(T, u64)>) -> Result<T> {
 fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
     match call {
         BatchCall::Insert(request, images) => {
-            let mut request = *request;
-            request.images = images
-                .into_iter()
-                .map(SentImage::into_image)
-                .collect::<Result<_>>()?;
-            let _ = batch.insert(request);
+            let _ = batch.insert(received(request, images)?);
         }
         // Every rank's part read or written, and the ranks agreed (`agree`, which tells rank 0
         // this rank's error): refused alike.
@@ -762,12 +768,7 @@ fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
             path,
             model_id,
         } => {
-            let mut request = *request;
-            request.images = images
-                .into_iter()
-                .map(SentImage::into_image)
-                .collect::<Result<_>>()?;
-            let _ = batch.insert_after_cache_file(request, &path, &model_id);
+            let _ = batch.insert_after_cache_file(received(request, images)?, &path, &model_id);
         }
         BatchCall::SavePrefix {
             tokens,
