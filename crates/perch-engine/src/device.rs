@@ -36,6 +36,20 @@ impl Backend {
         })
     }
 
+    /// How many GPUs MLX sees (CUDA counts the devices `CUDA_VISIBLE_DEVICES` leaves; 0 where
+    /// the build has no GPU backend or the call fails).
+    pub fn gpu_count() -> usize {
+        let mut count = 0;
+        // SAFETY: `count` outlives the call, which only writes it.
+        let status =
+            unsafe { mlx_sys::mlx_device_count(&mut count, mlx_sys::mlx_device_type__MLX_GPU) };
+        if status == 0 {
+            usize::try_from(count).unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
     /// The dtype a floating-point weight stored as `stored` is computed in. On CPU everything runs
     /// in float32 (float16/bfloat16 arithmetic there is ~35x slower); on GPU half precision is
     /// kept and float32 becomes bfloat16 (MLX's CUDA quantized matmul is inaccurate in float32).

@@ -162,7 +162,10 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
     }
     // NCCL's ranks run on GPUs: a rank that sees none (CUDA_VISIBLE_DEVICES naming a device
     // its host lacks) would fail inside MLX without a word.
-    if backend == Backend::Nccl && crate::device::Backend::current() != crate::device::Backend::Cuda
+    // (A CUDA build's default device is the GPU even when no GPU is visible; the count tells.)
+    if backend == Backend::Nccl
+        && (crate::device::Backend::current() != crate::device::Backend::Cuda
+            || crate::device::Backend::gpu_count() == 0)
     {
         return Err(EngineError::Distributed(format!(
             "the NCCL backend runs on CUDA GPUs, and this rank sees none (CUDA_VISIBLE_DEVICES is \

@@ -88,6 +88,29 @@ __device__ __forceinline__ float perch_qdot(unsigned q, const float* xv) {
   return dot;
 }
 
+// A packed word's values as perch_qdot reads them (before the group's scale), for products that
+// use one word for several tokens: `wv[i] * x[i]` is the same product perch_qdot sums.
+template <int BITS, int MXFP4>
+__device__ __forceinline__ void perch_dequant(unsigned q, float* wv) {
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr unsigned MASK = (1u << BITS) - 1u;
+  if (MXFP4) {
+#pragma unroll
+    for (int i = 0; i < PER_WORD; ++i) {
+      const int at = 22 - 4 * i;
+      const unsigned mag = (at >= 0 ? q << at : q >> -at) & 0x01C00000u;
+      const unsigned sign = (q << (28 - 4 * i)) & 0x80000000u;
+      wv[i] = __uint_as_float(mag | sign) * __uint_as_float(0x7E800000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < PER_WORD; ++i) {
+      const unsigned n = (q >> (BITS * i)) & MASK;
+      wv[i] = __uint_as_float(0x4B000000u | n) - 8388608.0f;
+    }
+  }
+}
+
 template <int ACT>
 __device__ __forceinline__ float perch_gated(float v, float up) {
   if (ACT == 1) {
@@ -180,6 +203,124 @@ const SOURCE: &str = r#"
     for (int r = 0; r < ROWS; ++r) {
       const float v = perch_gated<ACT>(total[r], total[PARTS == 2 ? ROWS + r : r]);
       y[static_cast<long long>(item) * out + first + r] = static_cast<T>(v);
+    }
+  }
+"#;
+
+/// [`gather_qmv`] grouped by expert (no weighted sum): a block computes [`ROWS`]·[`WARPS`] output
+/// features of one expert for every pair routed to it, `TOK` pairs at a time, so each weight word
+/// is read and dequantized once for up to `TOK` tokens (a decode step of many rows routes several
+/// tokens to each expert; dequantizing is what bounds the per-pair kernel there). Warp 0 lists the
+/// expert's pairs in ascending order (a ballot per 32 pairs, at most `MAX_LIST`); each chunk's
+/// input rows are staged in shared memory as float32. A pair's sums are [`SOURCE`]'s, in the same
+/// order.
+const GROUPED_SOURCE: &str = r#"
+  constexpr int PER_WORD = 32 / BITS;
+  constexpr int WORDS = IN / PER_WORD;
+  constexpr int GROUPS = IN / GROUP;
+  constexpr int PARTS = ACT > 0 ? 2 : 1;
+  constexpr int ACCS = PARTS * ROWS;
+  __shared__ float xs[TOK * IN];
+  __shared__ int list[MAX_LIST];
+  __shared__ int found;
+  const int lane = threadIdx.x;
+  const int tid = threadIdx.y * 32 + lane;
+  const int threads = blockDim.y * 32;
+  const unsigned expert = blockIdx.z;
+  const int rows = w_shape[1];
+  const int out = rows / PARTS;
+  const int first = (blockIdx.y * blockDim.y + threadIdx.y) * ROWS;
+  int pairs = 1;
+  for (int d = 0; d < indices_ndim; ++d) pairs *= indices_shape[d];
+  if (threadIdx.y == 0) {
+    int count = 0;
+    for (int base = 0; base < pairs; base += 32) {
+      const int p = base + lane;
+      const bool mine = p < pairs && indices[p] == expert;
+      const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+      if (mine) list[count + __popc(ballot & ((1u << lane) - 1u))] = p;
+      count += __popc(ballot);
+    }
+    if (lane == 0) found = count;
+  }
+  __syncthreads();
+  const int count = found;
+  const long long row0 = static_cast<long long>(expert) * rows + first;
+  for (int start = 0; start < count; start += TOK) {
+    const int n = min(TOK, count - start);
+    if (start > 0) __syncthreads();
+    for (int i = tid; i < TOK * IN; i += threads) {
+      const int t = i / IN;
+      // A chunk's places past its last pair hold zeros: computed, never written.
+      xs[i] = t < n
+          ? static_cast<float>(x[static_cast<long long>(list[start + t] / X_PER_ROW) * IN + (i - t * IN)])
+          : 0.0f;
+    }
+    __syncthreads();
+    float acc[TOK][ACCS];
+#pragma unroll
+    for (int t = 0; t < TOK; ++t) {
+#pragma unroll
+      for (int r = 0; r < ACCS; ++r) acc[t][r] = 0.0f;
+    }
+    for (int word = lane; word < WORDS; word += 32) {
+      const int base = word * PER_WORD;
+      const int g = base / GROUP;
+      float xv[TOK][PER_WORD];
+      float xsum[TOK];
+#pragma unroll
+      for (int t = 0; t < TOK; ++t) {
+        xsum[t] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER_WORD; ++i) {
+          xv[t][i] = xs[t * IN + base + i];
+          xsum[t] += xv[t][i];
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ACCS; ++r) {
+        const long long row = row0 + (r / ROWS) * out + (r % ROWS);
+        float wv[PER_WORD];
+        perch_dequant<BITS, MXFP4>(w[row * WORDS + word], wv);
+#pragma unroll
+        for (int t = 0; t < TOK; ++t) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int i = 0; i < PER_WORD; ++i) dot += wv[i] * xv[t][i];
+          if (MXFP4) {
+            acc[t][r] += exp2f(static_cast<float>(scales[row * GROUPS + g]) - 127.0f) * dot;
+          } else {
+            acc[t][r] += static_cast<float>(scales[row * GROUPS + g]) * dot
+                + static_cast<float>(biases[row * GROUPS + g]) * xsum[t];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < TOK; ++t) {
+#pragma unroll
+      for (int r = 0; r < ACCS; ++r) {
+        for (int o = 16; o > 0; o /= 2) acc[t][r] += __shfl_xor_sync(0xffffffffu, acc[t][r], o);
+      }
+    }
+    if (lane == 0) {
+#pragma unroll
+      for (int t = 0; t < TOK; ++t) {
+        if (t < n) {
+          const int pair = list[start + t];
+          if (HAS_BIAS) {
+#pragma unroll
+            for (int r = 0; r < ACCS; ++r) {
+              acc[t][r] += static_cast<float>(bias[row0 + (r / ROWS) * out + (r % ROWS)]);
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const float v = perch_gated<ACT>(acc[t][r], acc[t][PARTS == 2 ? ROWS + r : r]);
+            y[static_cast<long long>(pair) * out + first + r] = static_cast<T>(v);
+          }
+        }
+      }
     }
   }
 "#;
@@ -473,6 +614,38 @@ impl Operands<'_> {
 /// experts' bias, then the [`Epilogue`]; in `x`'s dtype. `Err` where [`Operands::x_per_row`]
 /// refuses the operands or there is no backend ([`backend`]).
 pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
+    gather_qmv_as(o, grouping())
+}
+
+/// Whether [`gather_qmv`] groups a product's pairs by expert where it pays ([`grouped_chunk`]):
+/// unless `PERCH_EXPERT_GROUPED=0` (benchmarks against a launch a pair).
+fn grouping() -> bool {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    *ENABLED.get_or_init(|| std::env::var("PERCH_EXPERT_GROUPED").as_deref() != Ok("0"))
+}
+
+/// The pairs a block of the grouped kernel ([`GROUPED_SOURCE`]) takes at a time for `pairs`
+/// pairs over `experts` experts of `input` features: the pairs an expert gets on average,
+/// rounded up to a power of two, at most 8 and as many input rows as fit beside the pair list
+/// in 48 KiB of shared memory. `None` (a block a pair) below two an expert, where no weight
+/// would be read for two tokens, or above [`MAX_PAIRS`] pairs.
+fn grouped_chunk(pairs: i32, experts: i32, input: i32) -> Option<i32> {
+    /// Input features a block's shared memory stages: 48 KiB less the pair list.
+    const STAGED: i32 = (48 * 1024 - 4 * MAX_PAIRS as i32 - 16) / 4;
+    if experts < 1 || input < 1 || pairs > MAX_PAIRS as i32 {
+        return None;
+    }
+    let average = (pairs + experts - 1) / experts;
+    let fits = STAGED / input;
+    let mut chunk = 1;
+    while chunk < 8 && chunk < average && chunk * 2 <= fits {
+        chunk *= 2;
+    }
+    (chunk >= 2).then_some(chunk)
+}
+
+/// [`gather_qmv`], grouped by expert where it pays when `allow_grouped`.
+fn gather_qmv_as(o: &Operands, allow_grouped: bool) -> Result<Array, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
@@ -533,6 +706,54 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
         Epilogue::Weighted(scores) => in_dtype(scores, o.x.dtype())?,
         _ => o.x.clone(),
     };
+    let experts = o.weight.shape()[0];
+    let chunk = match (
+        allow_grouped && !weighted,
+        grouped_chunk(pairs, experts, input),
+    ) {
+        (true, Some(tokens)) => tokens,
+        _ => 0,
+    };
+    if chunk > 0 {
+        let template = [
+            TemplateArg::Dtype(c"T", o.x.dtype()),
+            TemplateArg::Int(c"IN", input),
+            TemplateArg::Int(c"BITS", o.params.bits),
+            TemplateArg::Int(c"GROUP", o.params.group_size),
+            TemplateArg::Int(c"X_PER_ROW", x_per_row),
+            TemplateArg::Int(c"MXFP4", (o.params.mode == QuantMode::Mxfp4) as i32),
+            TemplateArg::Int(c"ROWS", ROWS),
+            TemplateArg::Int(c"ACT", act),
+            TemplateArg::Int(c"HAS_BIAS", o.bias.is_some() as i32),
+            TemplateArg::Int(c"TOK", chunk),
+            TemplateArg::Int(c"MAX_LIST", MAX_PAIRS as i32),
+        ];
+        thread_local! {
+            static GROUPED: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
+        }
+        let y = GROUPED.with(|kernel| {
+            let mut kernel = kernel.borrow_mut();
+            let kernel = kernel.get_or_insert_with(|| {
+                CustomKernel::with_header(
+                    backend,
+                    c"perch_gather_qmv_grouped",
+                    &["x", "w", "scales", "biases", "indices", "bias"],
+                    &["y"],
+                    GROUPED_SOURCE,
+                    HEADER,
+                    true,
+                )
+            });
+            kernel.apply(
+                &[o.x, o.weight, o.scales, biases, &indices, &bias],
+                &[(&shape, o.x.dtype())],
+                (32, out / ROWS, experts),
+                (32, WARPS, 1),
+                &template,
+            )
+        })?;
+        return Ok(y.into_iter().next().expect("one output"));
+    }
     let y = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
         let kernel = kernel.get_or_insert_with(|| {
@@ -861,7 +1082,7 @@ const MXFP4: QuantParams = QuantParams {
 };
 
 /// The first cases, small and in float32, are also the load check's.
-const SELF_TEST_CASES: usize = 7;
+const SELF_TEST_CASES: usize = 8;
 
 const fn case(
     name: &'static str,
@@ -891,7 +1112,7 @@ const fn case(
 const F32: Dtype = Dtype::Float32;
 const BF16: Dtype = Dtype::Bfloat16;
 
-const CASES: [CaseSpec; 13] = [
+const CASES: [CaseSpec; 14] = [
     case(
         "affine 4-bit g64, 2 tokens × 4 of 8 experts, 256 → 64",
         (2, 4, 8),
@@ -946,6 +1167,15 @@ const CASES: [CaseSpec; 13] = [
         (128, 32),
         affine(4, 32),
         (Kind::Weighted, true),
+        F32,
+    ),
+    case(
+        "affine 4-bit g64 gated SiLU, 12 tokens × 4 of 8 experts (grouped by expert, 8 a \
+         block), 256 → 2 × 32",
+        (12, 4, 8),
+        (256, 32),
+        affine(4, 64),
+        (Kind::Gated(Activation::Silu), false),
         F32,
     ),
     case(
@@ -1097,21 +1327,35 @@ impl Case {
     }
 
     fn kernel(&self) -> crate::Result<Array> {
-        Ok(gather_qmv(&Operands {
-            x: &self.x,
-            weight: &self.weight,
-            scales: &self.scales,
-            biases: self.biases.as_ref(),
-            indices: &self.indices,
-            params: self.params,
-            bias: self.bias.as_ref(),
-            epilogue: match self.kind {
-                Kind::Plain(_) => Epilogue::Plain,
-                Kind::Gated(activation) => Epilogue::Gated(activation),
-                Kind::Weighted => Epilogue::Weighted(&self.scores),
+        self.kernel_as(grouping())
+    }
+
+    /// Whether [`gather_qmv`] groups this case's pairs by expert ([`grouped_chunk`]).
+    fn groups(&self) -> bool {
+        let input = *self.x.shape().last().expect("x has axes");
+        !matches!(self.kind, Kind::Weighted)
+            && grouped_chunk(self.indices.size() as i32, self.weight.shape()[0], input).is_some()
+    }
+
+    fn kernel_as(&self, allow_grouped: bool) -> crate::Result<Array> {
+        Ok(gather_qmv_as(
+            &Operands {
+                x: &self.x,
+                weight: &self.weight,
+                scales: &self.scales,
+                biases: self.biases.as_ref(),
+                indices: &self.indices,
+                params: self.params,
+                bias: self.bias.as_ref(),
+                epilogue: match self.kind {
+                    Kind::Plain(_) => Epilogue::Plain,
+                    Kind::Gated(activation) => Epilogue::Gated(activation),
+                    Kind::Weighted => Epilogue::Weighted(&self.scores),
+                },
+                per_token: false,
             },
-            per_token: false,
-        })?)
+            allow_grouped,
+        )?)
     }
 
     /// The same through MLX: `gather_qmm`, the bias, then the activation or the weighted sum.
@@ -1507,7 +1751,7 @@ pub fn check() -> crate::Result<Vec<String>> {
         ));
     }
     let mut lines = Vec::new();
-    let mut report = |name: &str, dtype: Dtype, (error, tolerance): (f32, f32), ours, mlx| {
+    let report = |name: &str, dtype: Dtype, (error, tolerance): (f32, f32), ours, mlx| {
         let line = format!(
             "experts' kernels, {name}, {dtype:?}: relative error {error:.2e} (tolerance \
              {tolerance:.0e}); {ours:.3} ms a call against MLX's {mlx:.3}"
@@ -1515,32 +1759,40 @@ pub fn check() -> crate::Result<Vec<String>> {
         if error.is_nan() || error > tolerance {
             return Err(crate::EngineError::Kernel(line));
         }
-        lines.push(line);
-        Ok(())
+        Ok(line)
     };
     for spec in &CASES {
         let case = Case::run(spec)?;
         let ours = time_call(&|| case.kernel())?;
         let mlx = time_call(&|| case.mlx())?;
-        report(
+        lines.push(report(
             spec.name,
             spec.dtype,
             (case.error, spec.tolerance),
             ours,
             mlx,
-        )?;
+        )?);
+        if case.groups() {
+            let grouped = time_call(&|| case.kernel_as(true))?;
+            let per_pair = time_call(&|| case.kernel_as(false))?;
+            let apart = relative_error(&case.kernel_as(true)?, &case.kernel_as(false)?)?;
+            lines.push(format!(
+                "  grouped by expert {grouped:.3} ms a call against {per_pair:.3} a block a \
+                 pair; relative difference between the two {apart:.2e}"
+            ));
+        }
     }
     for spec in &ROUTE_CASES {
         let case = RouteCase::run(spec)?;
         let ours = time_call(&|| Ok(case.kernel()?.1))?;
         let mlx = time_call(&|| Ok(case.mlx()?.1))?;
-        report(
+        lines.push(report(
             spec.name,
             spec.dtype,
             (case.error, spec.tolerance),
             ours,
             mlx,
-        )?;
+        )?);
     }
     Ok(lines)
 }
@@ -1550,8 +1802,8 @@ mod tests {
     use mlx_rs::{Array, Dtype};
 
     use super::{
-        affine, backend, exact_product, route, route_from_hidden, takes, Epilogue, Normalize,
-        Operands, MXFP4,
+        affine, backend, exact_product, grouped_chunk, route, route_from_hidden, takes, Epilogue,
+        Normalize, Operands, MXFP4,
     };
     use crate::nn::layers::Activation;
 
@@ -1607,6 +1859,27 @@ mod tests {
             per_token: false,
         }
         .x_per_row()
+    }
+
+    /// Pairs go a block an expert once two or more come to an expert on average, as many a
+    /// block as that average (rounded up to a power of two, at most 8) and as fit in shared
+    /// memory; a block a pair otherwise.
+    #[test]
+    fn pairs_are_grouped_by_expert_where_experts_repeat() {
+        // gpt_oss and qwen3_moe at 32 rows (4 an expert), qwen3_moe at 16 (2) and 128 (16).
+        assert_eq!(grouped_chunk(128, 32, 1024), Some(4));
+        assert_eq!(grouped_chunk(256, 64, 1024), Some(4));
+        assert_eq!(grouped_chunk(128, 64, 1024), Some(2));
+        assert_eq!(grouped_chunk(1024, 64, 1024), Some(8));
+        // Three an expert round up; wide inputs take fewer (2880 features: 2 fit beside the list).
+        assert_eq!(grouped_chunk(96, 32, 1024), Some(4));
+        assert_eq!(grouped_chunk(128, 32, 2880), Some(2));
+        // A pair a block: one an expert (8 rows of gpt_oss), an input too wide for two, more
+        // pairs than the list holds, no experts.
+        assert_eq!(grouped_chunk(32, 32, 1024), None);
+        assert_eq!(grouped_chunk(128, 32, 7168), None);
+        assert_eq!(grouped_chunk(1025, 64, 1024), None);
+        assert_eq!(grouped_chunk(8, 0, 1024), None);
     }
 
     /// The kernel takes the formats and shapes it computes, refuses the rest, and is never
