@@ -1881,6 +1881,19 @@ fn generate_starts_its_ranks_from_a_host_list() {
         let out = launch(hosts, "pipeline");
         assert_clean_error(&out, needle);
     }
+    // Port 0 is refused once for every backend, before its setup or any rank starts.
+    for backend in ["ring", "nccl", "jaccl"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_perch"))
+            .args(["generate", "--model", &model])
+            .args(prompt)
+            .args(["--distributed", "tensor", "--backend", backend])
+            .args(["--hosts", "127.0.0.1,127.0.0.2", "--starting-port", "0"])
+            .env("PATH", &path)
+            .env("TMPDIR", &temporary)
+            .output()
+            .unwrap();
+        assert_clean_error(&out, "--starting-port 0");
+    }
     // NCCL: each rank gets MLX_RANK, MLX_WORLD_SIZE, where the ranks meet (NCCL_HOST_IP,
     // NCCL_PORT) and a GPU; a rank's environment passes Perch's check (which names a bad
     // variable), and then this CPU build of MLX has no NCCL backend: the launch ends with that

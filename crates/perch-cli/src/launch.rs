@@ -271,7 +271,7 @@ fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
 fn hostfile(hosts: &[Host], starting_port: u16) -> anyhow::Result<String> {
     let count: usize = hosts.iter().map(|h| h.listens_on().len()).sum();
     let last = usize::from(starting_port) + count - 1;
-    if starting_port == 0 || last > usize::from(u16::MAX) {
+    if last > usize::from(u16::MAX) {
         bail!(
             "--starting-port {starting_port}: the ranks need ports {starting_port} to {last}, \
              within 1 to 65535"
@@ -420,9 +420,6 @@ fn meeting_address(hosts: &[Host], backend: &str) -> anyhow::Result<String> {
 /// `ring` `MLX_JACCL_RING=1` (a ring preferred to a mesh). Errors when the lists do not form a
 /// mesh or a ring as MLX reads them ([`perch_engine::distributed::check_jaccl_devices`]).
 fn jaccl_setups(hosts: &[Host], port: u16, ring: bool) -> anyhow::Result<Vec<RankSetup>> {
-    if port == 0 {
-        bail!("--starting-port 0: JACCL's ranks meet at that port on rank 0's host");
-    }
     let devices: Vec<&Vec<serde_json::Value>> = hosts.iter().map(|h| &h.rdma).collect();
     let devices = serde_json::to_string(&devices)?;
     if let Err(why) = perch_engine::distributed::check_jaccl_devices(&devices) {
@@ -465,10 +462,6 @@ fn nccl_setups(
     visible: Option<&str>,
     gpus: Option<usize>,
 ) -> anyhow::Result<Vec<RankSetup>> {
-    if port == 0 {
-        bail!("--starting-port 0: NCCL's ranks meet at that port on rank 0's host");
-    }
-    let all_local = hosts.iter().all(|h| is_local(&h.address));
     let meet = meeting_address(hosts, "nccl")?;
     let visible: Vec<&str> = visible
         .map(|v| {
@@ -479,6 +472,7 @@ fn nccl_setups(
         })
         .unwrap_or_default();
     let local_ranks = hosts.iter().filter(|h| is_local(&h.address)).count();
+    let all_local = local_ranks == hosts.len();
     // The devices this machine's ranks take.
     let taken = &visible[..local_ranks.min(visible.len())];
     if let Some(twice) = taken
@@ -600,6 +594,9 @@ pub fn launch(
     let backend = backend.or(file_backend).unwrap_or(BackendArg::Ring);
     if hosts.len() < 2 {
         bail!("a group needs two hosts or more (a host may be named twice)");
+    }
+    if starting_port == 0 {
+        bail!("--starting-port 0: the ranks listen (ring) or meet (JACCL, NCCL) from that port on, 1 to 65535");
     }
     let mut setups = match backend {
         BackendArg::Ring => {
