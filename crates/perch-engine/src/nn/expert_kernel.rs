@@ -7,7 +7,7 @@
 //!   ([`Epilogue::Weighted`]) — so a sparse block's experts are two launches. Grouped by expert
 //!   ([`GROUPED_SOURCE`], with `PERCH_EXPERT_GROUPED=1` until measured on a GPU), a block
 //!   computes one expert's outputs for every pair routed to it, each weight word dequantized
-//!   once for several tokens.
+//!   once for up to 4 tokens.
 //! - [`route`]: the router's top k of each token's expert scores and their softmax weights in
 //!   one launch.
 //!
@@ -210,13 +210,14 @@ const SOURCE: &str = r#"
   }
 "#;
 
-/// [`gather_qmv`] grouped by expert (no weighted sum): a block computes [`ROWS`]·[`WARPS`] output
+/// [`gather_qmv`] grouped by expert: a block computes [`ROWS`]·[`WARPS`] output
 /// features of one expert for every pair routed to it, `TOK` pairs at a time, so each weight word
 /// is read and dequantized once for up to `TOK` tokens (a decode step of many rows routes several
 /// tokens to each expert; dequantizing is what bounds the per-pair kernel there). Warp 0 lists the
 /// expert's pairs in ascending order (a ballot per 32 pairs, at most `MAX_LIST`); each chunk's
 /// input rows are staged in shared memory as float32. A pair's sums are [`SOURCE`]'s, in the same
-/// order.
+/// order. `WEIGHTED` (a row of `x` a pair, no activation): each pair's product times its router
+/// weight `coef[pair]`, written a pair (`[pairs, out]`), for the caller to sum each token's k.
 const GROUPED_SOURCE: &str = r#"
   constexpr int PER_WORD = 32 / BITS;
   constexpr int WORDS = IN / PER_WORD;
@@ -317,10 +318,12 @@ const GROUPED_SOURCE: &str = r#"
               acc[t][r] += static_cast<float>(bias[row0 + (r / ROWS) * out + (r % ROWS)]);
             }
           }
+          // Weighted (no activation): the pair's product times its router weight.
+          const float weight = WEIGHTED ? static_cast<float>(coef[pair]) : 1.0f;
 #pragma unroll
           for (int r = 0; r < ROWS; ++r) {
             const float v = perch_gated<ACT>(acc[t][r], acc[t][PARTS == 2 ? ROWS + r : r]);
-            y[static_cast<long long>(pair) * out + first + r] = static_cast<T>(v);
+            y[static_cast<long long>(pair) * out + first + r] = static_cast<T>(WEIGHTED ? weight * v : v);
           }
         }
       }
@@ -620,21 +623,40 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
     gather_qmv_as(o, grouping())
 }
 
-/// Whether [`gather_qmv`] groups a product's pairs by expert where it would pay
-/// ([`grouped_chunk`]): with `PERCH_EXPERT_GROUPED=1` only, until it is measured on a GPU
-/// against a block a pair (docs/benchmarks.md); `perch check-kernels experts` checks and times
-/// both either way.
-fn grouping() -> bool {
-    static ENABLED: OnceLock<bool> = OnceLock::new();
-    *ENABLED.get_or_init(|| std::env::var("PERCH_EXPERT_GROUPED").as_deref() == Ok("1"))
+/// Which of [`gather_qmv`]'s products group their pairs by expert where it would pay
+/// ([`grouped_chunk`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Grouping {
+    /// A block a pair (or a token, weighted) always.
+    Off,
+    /// The plain and gated products; the weighted one a block a token.
+    Unweighted,
+    /// The weighted one too: each pair's product weighted, then each token's k summed (one
+    /// more launch).
+    All,
+}
+
+/// `PERCH_EXPERT_GROUPED`: `1` the plain and gated products, `2` the weighted one too; off
+/// otherwise, until measured on a GPU against a block a pair (docs/benchmarks.md). `perch
+/// check-kernels experts` checks and times each either way.
+fn grouping() -> Grouping {
+    static LEVEL: OnceLock<Grouping> = OnceLock::new();
+    *LEVEL.get_or_init(|| match std::env::var("PERCH_EXPERT_GROUPED").as_deref() {
+        Ok("1") => Grouping::Unweighted,
+        Ok("2") => Grouping::All,
+        _ => Grouping::Off,
+    })
 }
 
 /// The pairs a block of the grouped kernel ([`GROUPED_SOURCE`]) takes at a time for `pairs`
 /// pairs over `experts` experts of `input` features: the pairs an expert gets on average,
-/// rounded up to a power of two, at most 8 and as many input rows as fit beside the pair list
+/// rounded up to a power of two, at most 4 and as many input rows as fit beside the pair list
 /// in 48 KiB of shared memory. `None` (a block a pair) below two an expert, where no weight
 /// would be read for two tokens, or above [`MAX_PAIRS`] pairs.
 fn grouped_chunk(pairs: i32, experts: i32, input: i32) -> Option<i32> {
+    /// More would hold more accumulators than registers allow without losing occupancy (at 8
+    /// pairs a gated affine 4-bit product takes 209 registers a thread, at 4 123; ptxas).
+    const MAX_CHUNK: i32 = 4;
     /// Input features a block's shared memory stages: 48 KiB less the pair list.
     const STAGED: i32 = (48 * 1024 - 4 * MAX_PAIRS as i32 - 16) / 4;
     if experts < 1 || input < 1 || pairs > MAX_PAIRS as i32 {
@@ -643,14 +665,14 @@ fn grouped_chunk(pairs: i32, experts: i32, input: i32) -> Option<i32> {
     let average = (pairs + experts - 1) / experts;
     let fits = STAGED / input;
     let mut chunk = 1;
-    while chunk < 8 && chunk < average && chunk * 2 <= fits {
+    while chunk < MAX_CHUNK && chunk < average && chunk * 2 <= fits {
         chunk *= 2;
     }
     (chunk >= 2).then_some(chunk)
 }
 
-/// [`gather_qmv`], grouped by expert where it pays when `allow_grouped`.
-fn gather_qmv_as(o: &Operands, allow_grouped: bool) -> Result<Array, Exception> {
+/// [`gather_qmv`], grouped by expert where `grouping` allows and it would pay.
+fn gather_qmv_as(o: &Operands, grouping: Grouping) -> Result<Array, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
@@ -712,14 +734,12 @@ fn gather_qmv_as(o: &Operands, allow_grouped: bool) -> Result<Array, Exception> 
         _ => o.x.clone(),
     };
     let experts = o.weight.shape()[0];
-    let chunk = match (
-        allow_grouped && !weighted,
-        grouped_chunk(pairs, experts, input),
-    ) {
-        (true, Some(tokens)) => tokens,
-        _ => 0,
+    let grouped = match grouping {
+        Grouping::Off => false,
+        Grouping::Unweighted => !weighted,
+        Grouping::All => true,
     };
-    if chunk > 0 {
+    if let (true, Some(chunk)) = (grouped, grouped_chunk(pairs, experts, input)) {
         let template = [
             TemplateArg::Dtype(c"T", o.x.dtype()),
             TemplateArg::Int(c"IN", input),
@@ -729,10 +749,17 @@ fn gather_qmv_as(o: &Operands, allow_grouped: bool) -> Result<Array, Exception> 
             TemplateArg::Int(c"MXFP4", (o.params.mode == QuantMode::Mxfp4) as i32),
             TemplateArg::Int(c"ROWS", ROWS),
             TemplateArg::Int(c"ACT", act),
+            TemplateArg::Int(c"WEIGHTED", weighted as i32),
             TemplateArg::Int(c"HAS_BIAS", o.bias.is_some() as i32),
             TemplateArg::Int(c"TOK", chunk),
             TemplateArg::Int(c"MAX_LIST", MAX_PAIRS as i32),
         ];
+        // Weighted: each pair's weighted product `[indices.shape, out]`, its token's k summed
+        // after.
+        let pair_shape = match weighted {
+            true => [o.indices.shape(), &[rows]].concat(),
+            false => shape,
+        };
         thread_local! {
             static GROUPED: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
         }
@@ -742,7 +769,7 @@ fn gather_qmv_as(o: &Operands, allow_grouped: bool) -> Result<Array, Exception> 
                 CustomKernel::with_header(
                     backend,
                     c"perch_gather_qmv_grouped",
-                    &["x", "w", "scales", "biases", "indices", "bias"],
+                    &["x", "w", "scales", "biases", "indices", "bias", "coef"],
                     &["y"],
                     GROUPED_SOURCE,
                     HEADER,
@@ -750,14 +777,18 @@ fn gather_qmv_as(o: &Operands, allow_grouped: bool) -> Result<Array, Exception> 
                 )
             });
             kernel.apply(
-                &[o.x, o.weight, o.scales, biases, &indices, &bias],
-                &[(&shape, o.x.dtype())],
+                &[o.x, o.weight, o.scales, biases, &indices, &bias, &coef],
+                &[(&pair_shape, o.x.dtype())],
                 (32, out / ROWS, experts),
                 (32, WARPS, 1),
                 &template,
             )
         })?;
-        return Ok(y.into_iter().next().expect("one output"));
+        let y = y.into_iter().next().expect("one output");
+        return match weighted {
+            true => y.sum_axis(-2, false),
+            false => Ok(y),
+        };
     }
     let y = KERNEL.with(|kernel| {
         let mut kernel = kernel.borrow_mut();
@@ -1175,7 +1206,7 @@ const CASES: [CaseSpec; 14] = [
         F32,
     ),
     case(
-        "affine 4-bit g64 gated SiLU, 12 tokens × 4 of 8 experts (grouped by expert, 8 a \
+        "affine 4-bit g64 gated SiLU, 12 tokens × 4 of 8 experts (grouped by expert, 4 a \
          block), 256 → 2 × 32",
         (12, 4, 8),
         (256, 32),
@@ -1335,14 +1366,13 @@ impl Case {
         self.kernel_as(grouping())
     }
 
-    /// Whether [`gather_qmv`] groups this case's pairs by expert ([`grouped_chunk`]).
+    /// Whether [`gather_qmv`] groups this case's pairs by expert when allowed ([`grouped_chunk`]).
     fn groups(&self) -> bool {
         let input = *self.x.shape().last().expect("x has axes");
-        !matches!(self.kind, Kind::Weighted)
-            && grouped_chunk(self.indices.size() as i32, self.weight.shape()[0], input).is_some()
+        grouped_chunk(self.indices.size() as i32, self.weight.shape()[0], input).is_some()
     }
 
-    fn kernel_as(&self, allow_grouped: bool) -> crate::Result<Array> {
+    fn kernel_as(&self, grouping: Grouping) -> crate::Result<Array> {
         Ok(gather_qmv_as(
             &Operands {
                 x: &self.x,
@@ -1359,7 +1389,7 @@ impl Case {
                 },
                 per_token: false,
             },
-            allow_grouped,
+            grouping,
         )?)
     }
 
@@ -1778,9 +1808,10 @@ pub fn check() -> crate::Result<Vec<String>> {
             mlx,
         )?);
         if case.groups() {
-            let grouped = time_call(&|| case.kernel_as(true))?;
-            let per_pair = time_call(&|| case.kernel_as(false))?;
-            let apart = relative_error(&case.kernel_as(true)?, &case.kernel_as(false)?)?;
+            let (all, off) = (Grouping::All, Grouping::Off);
+            let grouped = time_call(&|| case.kernel_as(all))?;
+            let per_pair = time_call(&|| case.kernel_as(off))?;
+            let apart = relative_error(&case.kernel_as(all)?, &case.kernel_as(off)?)?;
             let line = format!(
                 "  grouped by expert {grouped:.3} ms a call against {per_pair:.3} a block a \
                  pair; relative difference between the two {apart:.2e} (tolerance {:.0e})",
@@ -1872,7 +1903,7 @@ mod tests {
     }
 
     /// Pairs go a block an expert once two or more come to an expert on average, as many a
-    /// block as that average (rounded up to a power of two, at most 8) and as fit in shared
+    /// block as that average (rounded up to a power of two, at most 4) and as fit in shared
     /// memory; a block a pair otherwise.
     #[test]
     fn pairs_are_grouped_by_expert_where_experts_repeat() {
@@ -1880,7 +1911,7 @@ mod tests {
         assert_eq!(grouped_chunk(128, 32, 1024), Some(4));
         assert_eq!(grouped_chunk(256, 64, 1024), Some(4));
         assert_eq!(grouped_chunk(128, 64, 1024), Some(2));
-        assert_eq!(grouped_chunk(1024, 64, 1024), Some(8));
+        assert_eq!(grouped_chunk(1024, 64, 1024), Some(4));
         // Three an expert round up; wide inputs take fewer (2880 features: 2 fit beside the list).
         assert_eq!(grouped_chunk(96, 32, 1024), Some(4));
         assert_eq!(grouped_chunk(128, 32, 2880), Some(2));
