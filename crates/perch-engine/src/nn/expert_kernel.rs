@@ -673,9 +673,6 @@ fn grouped_chunk(pairs: i32, experts: i32, input: i32) -> Option<i32> {
 
 /// [`gather_qmv`], grouped by expert where `grouping` allows and it would pay.
 fn gather_qmv_as(o: &Operands, grouping: Grouping) -> Result<Array, Exception> {
-    thread_local! {
-        static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
-    }
     let (Some(backend), Some(x_per_row)) = (backend(), o.x_per_row()) else {
         return Err(Exception::custom("gather_qmv: operands it does not take"));
     };
@@ -700,7 +697,16 @@ fn gather_qmv_as(o: &Operands, grouping: Grouping) -> Result<Array, Exception> {
             (0, rows, pairs / k, [lead, &[rows]].concat())
         }
     };
-    let template = [
+    let experts = o.weight.shape()[0];
+    let grouped = match grouping {
+        Grouping::Off => false,
+        Grouping::Unweighted => !weighted,
+        Grouping::All => true,
+    };
+    let chunk = grouped
+        .then(|| grouped_chunk(pairs, experts, input))
+        .flatten();
+    let mut template = vec![
         TemplateArg::Dtype(c"T", o.x.dtype()),
         TemplateArg::Int(c"IN", input),
         TemplateArg::Int(c"BITS", o.params.bits),
@@ -710,11 +716,17 @@ fn gather_qmv_as(o: &Operands, grouping: Grouping) -> Result<Array, Exception> {
         TemplateArg::Int(c"ROWS", ROWS),
         TemplateArg::Int(c"ACT", act),
         TemplateArg::Int(c"WEIGHTED", weighted as i32),
-        // Only a weighted product reads K: one value otherwise, so as not to compile a kernel per
-        // pair count.
-        TemplateArg::Int(c"K", if weighted { k } else { 1 }),
         TemplateArg::Int(c"HAS_BIAS", o.bias.is_some() as i32),
     ];
+    match chunk {
+        Some(chunk) => template.extend([
+            TemplateArg::Int(c"TOK", chunk),
+            TemplateArg::Int(c"MAX_LIST", MAX_PAIRS as i32),
+        ]),
+        // Only a weighted product reads K: one value otherwise, so as not to compile a kernel
+        // per pair count.
+        None => template.push(TemplateArg::Int(c"K", if weighted { k } else { 1 })),
+    }
     // Every launch passes seven inputs; the kernel reads none of those its template leaves out
     // (MXFP4's biases, the experts' bias, the weights of an unweighted product). MLX keys a
     // compiled kernel by its name and template only, so inputs whose dtype the template does
@@ -733,87 +745,48 @@ fn gather_qmv_as(o: &Operands, grouping: Grouping) -> Result<Array, Exception> {
         Epilogue::Weighted(scores) => in_dtype(scores, o.x.dtype())?,
         _ => o.x.clone(),
     };
-    let experts = o.weight.shape()[0];
-    let grouped = match grouping {
-        Grouping::Off => false,
-        Grouping::Unweighted => !weighted,
-        Grouping::All => true,
+    // Grouped: a block an expert; weighted, each pair's weighted product `[indices.shape, out]`,
+    // its token's k summed after. Otherwise a block a pair (or a token, weighted), declared in
+    // the shape the caller reads (the kernel writes `[items, out]` row-major, the same memory:
+    // a reshape after it would be one more operation in every step).
+    let (grid_z, y_shape) = match (chunk, weighted) {
+        (Some(_), true) => (experts, [o.indices.shape(), &[rows]].concat()),
+        (Some(_), false) => (experts, shape),
+        (None, _) => (items, shape),
     };
-    if let (true, Some(chunk)) = (grouped, grouped_chunk(pairs, experts, input)) {
-        let template = [
-            TemplateArg::Dtype(c"T", o.x.dtype()),
-            TemplateArg::Int(c"IN", input),
-            TemplateArg::Int(c"BITS", o.params.bits),
-            TemplateArg::Int(c"GROUP", o.params.group_size),
-            TemplateArg::Int(c"X_PER_ROW", x_per_row),
-            TemplateArg::Int(c"MXFP4", (o.params.mode == QuantMode::Mxfp4) as i32),
-            TemplateArg::Int(c"ROWS", ROWS),
-            TemplateArg::Int(c"ACT", act),
-            TemplateArg::Int(c"WEIGHTED", weighted as i32),
-            TemplateArg::Int(c"HAS_BIAS", o.bias.is_some() as i32),
-            TemplateArg::Int(c"TOK", chunk),
-            TemplateArg::Int(c"MAX_LIST", MAX_PAIRS as i32),
-        ];
-        // Weighted: each pair's weighted product `[indices.shape, out]`, its token's k summed
-        // after.
-        let pair_shape = match weighted {
-            true => [o.indices.shape(), &[rows]].concat(),
-            false => shape,
-        };
-        thread_local! {
-            static GROUPED: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
-        }
-        let y = GROUPED.with(|kernel| {
-            let mut kernel = kernel.borrow_mut();
-            let kernel = kernel.get_or_insert_with(|| {
-                CustomKernel::with_header(
-                    backend,
-                    c"perch_gather_qmv_grouped",
-                    &["x", "w", "scales", "biases", "indices", "bias", "coef"],
-                    &["y"],
-                    GROUPED_SOURCE,
-                    HEADER,
-                    true,
-                )
-            });
-            kernel.apply(
-                &[o.x, o.weight, o.scales, biases, &indices, &bias, &coef],
-                &[(&pair_shape, o.x.dtype())],
-                (32, out / ROWS, experts),
-                (32, WARPS, 1),
-                &template,
-            )
-        })?;
-        let y = y.into_iter().next().expect("one output");
-        return match weighted {
-            true => y.sum_axis(-2, false),
-            false => Ok(y),
-        };
+    thread_local! {
+        static KERNELS: RefCell<[Option<CustomKernel>; 2]> = const { RefCell::new([None, None]) };
     }
-    let y = KERNEL.with(|kernel| {
-        let mut kernel = kernel.borrow_mut();
-        let kernel = kernel.get_or_insert_with(|| {
+    let y = KERNELS.with(|kernels| {
+        let mut kernels = kernels.borrow_mut();
+        let (slot, name, source) = match chunk {
+            Some(_) => (1, c"perch_gather_qmv_grouped", GROUPED_SOURCE),
+            None => (0, c"perch_gather_qmv", SOURCE),
+        };
+        let kernel = kernels[slot].get_or_insert_with(|| {
             CustomKernel::with_header(
                 backend,
-                c"perch_gather_qmv",
+                name,
                 &["x", "w", "scales", "biases", "indices", "bias", "coef"],
                 &["y"],
-                SOURCE,
+                source,
                 HEADER,
                 true,
             )
         });
-        // Declared in the shape the caller reads (the kernel writes `[items, out]` row-major,
-        // the same memory): a reshape after it would be one more operation in every step.
         kernel.apply(
             &[o.x, o.weight, o.scales, biases, &indices, &bias, &coef],
-            &[(&shape, o.x.dtype())],
-            (32, out / ROWS, items),
+            &[(&y_shape, o.x.dtype())],
+            (32, out / ROWS, grid_z),
             (32, WARPS, 1),
             &template,
         )
     })?;
-    Ok(y.into_iter().next().expect("one output"))
+    let y = y.into_iter().next().expect("one output");
+    match (chunk, weighted) {
+        (Some(_), true) => y.sum_axis(-2, false),
+        _ => Ok(y),
+    }
 }
 
 /// How [`route`] turns the chosen experts' scores into weights.
