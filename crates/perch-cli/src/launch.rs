@@ -596,7 +596,10 @@ pub fn launch(
         bail!("a group needs two hosts or more (a host may be named twice)");
     }
     if starting_port == 0 {
-        bail!("--starting-port 0: the ranks listen (ring) or meet (JACCL, NCCL) from that port on, 1 to 65535");
+        bail!(
+            "--starting-port 0: the ranks listen (ring) or meet (JACCL, NCCL) from that port on, \
+             1 to 65535"
+        );
     }
     let mut setups = match backend {
         BackendArg::Ring => {
