@@ -366,8 +366,8 @@ pub struct SlotRead {
 /// nothing, a padding row, gets finite weights instead of NaN, and adding a score cannot
 /// overflow to -inf).
 pub fn additive_mask(mask: &Array, dtype: Dtype) -> Result<Array> {
-    let blocked = Array::from_f32(lowest_value(dtype) / 2.0).as_dtype(dtype)?;
-    let open = Array::from_f32(0.0).as_dtype(dtype)?;
+    let blocked = crate::nn::mlx_ext::scalar(lowest_value(dtype) / 2.0, dtype)?;
+    let open = crate::nn::mlx_ext::scalar(0.0, dtype)?;
     Ok(ops::select(mask, &open, &blocked)?)
 }
 

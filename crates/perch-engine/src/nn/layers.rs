@@ -1341,7 +1341,7 @@ impl Rope {
             };
             return Ok(Some(ops::multiply(x, &scale)?));
         }
-        let mscale = Array::from_f32(self.mscale).as_dtype(x.dtype())?;
+        let mscale = crate::nn::mlx_ext::scalar(self.mscale, x.dtype())?;
         let shape = x.shape().to_vec();
         let last = shape.len() - 1;
         if self.dims >= shape[last] {

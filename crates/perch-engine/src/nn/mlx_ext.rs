@@ -1,7 +1,7 @@
 //! The few MLX operations Perch needs that mlx-rs 0.33 does not wrap, called through mlx-sys.
 
 use mlx_rs::error::Exception;
-use mlx_rs::{Array, Stream};
+use mlx_rs::{Array, Dtype, Stream};
 
 fn from_op(name: &str, f: impl FnOnce(*mut mlx_sys::mlx_array) -> i32) -> Result<Array, Exception> {
     // SAFETY: `mlx_array_new` returns an empty handle that the op fills; ownership passes to Array.
@@ -72,27 +72,38 @@ pub fn slice_update(
     })
 }
 
+/// `value` in `dtype` (rounded as `as_dtype` rounds it), made and evaluated once per value, dtype
+/// and thread: a constant an operation takes every step or pass launches no cast besides (a
+/// fresh scalar's `as_dtype` is a copy kernel of its own on GPUs). Keep it to a few fixed values
+/// a model uses (the cache holds every one asked for on the thread).
+pub fn scalar(value: f32, dtype: Dtype) -> Result<Array, Exception> {
+    thread_local! {
+        static SCALARS: std::cell::RefCell<Vec<(u32, Array)>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCALARS.with(|scalars| {
+        let mut scalars = scalars.borrow_mut();
+        let bits = value.to_bits();
+        if let Some((_, a)) = scalars
+            .iter()
+            .find(|(b, a)| *b == bits && a.dtype() == dtype)
+        {
+            return Ok(a.clone());
+        }
+        let a = Array::from_f32(value).as_dtype(dtype)?;
+        a.eval()?;
+        scalars.push((bits, a.clone()));
+        Ok(a)
+    })
+}
+
 /// `a` in a buffer of its own. A slice is a view that keeps its whole source alive, and MLX's
 /// `copy`/`contiguous` may share the source's buffer, so this multiplies by one (exact for every
-/// float, `-0.0` and infinities included), which always writes a new array. The one is made and
-/// evaluated once per dtype and thread, so a copy launches one kernel, not a cast besides (the
-/// prefix cache copies hundreds of block runs per prefill pass on GPUs).
+/// float, `-0.0` and infinities included), which always writes a new array. The one is a cached
+/// [`scalar`], so a copy launches one kernel, not a cast besides (the prefix cache copies
+/// hundreds of block runs per prefill pass on GPUs).
 pub fn owned_copy(a: &Array) -> Result<Array, Exception> {
-    thread_local! {
-        static ONES: std::cell::RefCell<Vec<Array>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-    let dtype = a.dtype();
-    let one = ONES.with(|ones| -> Result<Array, Exception> {
-        let mut ones = ones.borrow_mut();
-        if let Some(one) = ones.iter().find(|one| one.dtype() == dtype) {
-            return Ok(one.clone());
-        }
-        let one = Array::from_f32(1.0).as_dtype(dtype)?;
-        one.eval()?;
-        ones.push(one.clone());
-        Ok(one)
-    })?;
-    mlx_rs::ops::multiply(a, &one)
+    mlx_rs::ops::multiply(a, &scalar(1.0, a.dtype())?)
 }
 
 /// An optional int for mlx-c.
@@ -249,7 +260,28 @@ pub fn print_graph(path: &std::path::Path, outputs: &[&Array]) -> Result<(), Exc
 mod tests {
     use mlx_rs::{Array, Dtype};
 
-    use super::{owned_copy, slice};
+    use super::{owned_copy, scalar, slice};
+
+    /// A cached scalar is the value `as_dtype` gives, asked again or after another value or
+    /// dtype.
+    #[test]
+    fn cached_scalars_are_the_values_as_dtype_rounds_them() {
+        let values = [1.0f32, 0.0, -0.0, 1.0986123, -1.6e38, 3.5];
+        for _ in 0..2 {
+            for dtype in [Dtype::Float32, Dtype::Bfloat16, Dtype::Float16] {
+                for &v in &values {
+                    let cached = scalar(v, dtype).unwrap();
+                    let fresh = Array::from_f32(v).as_dtype(dtype).unwrap();
+                    assert_eq!(cached.dtype(), dtype);
+                    let (a, b): (f32, f32) = (
+                        cached.as_dtype(Dtype::Float32).unwrap().item(),
+                        fresh.as_dtype(Dtype::Float32).unwrap().item(),
+                    );
+                    assert_eq!(a.to_bits(), b.to_bits(), "{v} in {dtype:?}");
+                }
+            }
+        }
+    }
 
     /// A copy is exact in every float dtype (the one it multiplies by is cached per dtype), and
     /// owns its data: the slice it was made from can go.
