@@ -162,7 +162,9 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
     }
     // NCCL's ranks run on GPUs: a rank that sees none (CUDA_VISIBLE_DEVICES naming a device
     // its host lacks) would fail inside MLX without a word.
-    // (A CUDA build's default device is the GPU even when no GPU is visible; the count tells.)
+    // (A CUDA build's default device is the GPU even when no GPU is visible; the count tells.
+    // Neither call throws: `current` asks for the default device, which also installs mlx-rs's
+    // error handler, and MLX's GPU count reads CUDA's count without checking its status.)
     if backend == Backend::Nccl
         && (crate::device::Backend::current() != crate::device::Backend::Cuda
             || crate::device::Backend::gpu_count() == 0)

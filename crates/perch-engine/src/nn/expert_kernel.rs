@@ -1106,7 +1106,7 @@ const MXFP4: QuantParams = QuantParams {
 };
 
 /// The first cases, small and in float32, are also the load check's.
-const SELF_TEST_CASES: usize = 8;
+const SELF_TEST_CASES: usize = 9;
 
 const fn case(
     name: &'static str,
@@ -1136,7 +1136,7 @@ const fn case(
 const F32: Dtype = Dtype::Float32;
 const BF16: Dtype = Dtype::Bfloat16;
 
-const CASES: [CaseSpec; 14] = [
+const CASES: [CaseSpec; 15] = [
     case(
         "affine 4-bit g64, 2 tokens × 4 of 8 experts, 256 → 64",
         (2, 4, 8),
@@ -1194,12 +1194,20 @@ const CASES: [CaseSpec; 14] = [
         F32,
     ),
     case(
-        "affine 4-bit g64 gated SiLU, 12 tokens × 4 of 8 experts (grouped by expert, 4 a \
-         block), 256 → 2 × 32",
+        "affine 4-bit g64 gated SiLU, 12 tokens × 4 of 8 experts (6 pairs an expert), 256 → 2 × \
+         32",
         (12, 4, 8),
         (256, 32),
         affine(4, 64),
         (Kind::Gated(Activation::Silu), false),
+        F32,
+    ),
+    case(
+        "MXFP4 with biases weighted, 12 tokens × 4 of 8 experts (6 pairs an expert), 128 → 32",
+        (12, 4, 8),
+        (128, 32),
+        MXFP4,
+        (Kind::Weighted, true),
         F32,
     ),
     case(
@@ -1799,7 +1807,13 @@ pub fn check() -> crate::Result<Vec<String>> {
             let (all, off) = (Grouping::All, Grouping::Off);
             let grouped = time_call(&|| case.kernel_as(all))?;
             let per_pair = time_call(&|| case.kernel_as(off))?;
-            let grouped_y = case.kernel_as(all)?;
+            // Outputs filled with NaN first: one the kernel leaves unwritten fails below rather
+            // than reading a per-pair result left in a reused buffer.
+            let grouped_y = crate::nn::custom_kernel::with_outputs_filled(f32::NAN, || {
+                let y = case.kernel_as(all)?;
+                y.eval()?;
+                Ok::<_, crate::EngineError>(y)
+            })?;
             let apart = relative_error(&grouped_y, &case.kernel_as(off)?)?;
             let error = relative_error(&grouped_y, &case.mlx()?)?;
             // Unweighted, the grouped kernel's sums are the per-pair kernel's in the same order:
@@ -1917,7 +1931,7 @@ mod tests {
         // pairs than the list holds, no experts.
         assert_eq!(grouped_chunk(32, 32, 1024), None);
         assert_eq!(grouped_chunk(33, 32, 1024), None);
-        assert_eq!(grouped_chunk(129, 128, 2048), None);
+        assert_eq!(grouped_chunk(129, 128, 2048), None); // 1.01 an expert
         assert_eq!(grouped_chunk(128, 32, 7168), None);
         assert_eq!(grouped_chunk(1025, 64, 1024), None);
         assert_eq!(grouped_chunk(8, 0, 1024), None);
