@@ -466,5 +466,5 @@ fn lowest_value(dtype: Dtype) -> f32 {
 
 /// [`lowest_value`] as a scalar of `dtype`.
 fn lowest(dtype: Dtype) -> Result<Array> {
-    Ok(Array::from_f32(lowest_value(dtype)).as_dtype(dtype)?)
+    Ok(crate::nn::mlx_ext::scalar(lowest_value(dtype), dtype)?)
 }

@@ -66,16 +66,7 @@ thread_local! {
 /// before each kernel runs (MLX's `init_value`; one fill a launch more), so that a check can
 /// tell an output a kernel left unwritten (NaN) from one a reused buffer happened to hold.
 pub fn with_outputs_filled<T>(value: f32, f: impl FnOnce() -> T) -> T {
-    let before = OUTPUT_FILL.with(|c| c.replace(Some(value)));
-    // Restored however `f` ends (a panic included).
-    struct Restore(Option<f32>);
-    impl Drop for Restore {
-        fn drop(&mut self) {
-            OUTPUT_FILL.with(|c| c.set(self.0));
-        }
-    }
-    let _restore = Restore(before);
-    f()
+    crate::nn::with_thread_local(&OUTPUT_FILL, Some(value), f)
 }
 
 /// A launch's configuration, for the kernel's backend.

@@ -721,7 +721,10 @@ fn gather_qmv_as(o: &Operands, grouping: Grouping) -> Result<Array, Exception> {
     let chunk = grouped
         .then(|| grouped_chunk(pairs, experts, input))
         .flatten();
-    let mut template = vec![
+    // One template for both kernels: each reads only its own arguments (K the per-pair kernel,
+    // and only when weighted: one value otherwise, so as not to compile a kernel per pair count;
+    // TOK and MAX_LIST the grouped one).
+    let template = [
         TemplateArg::Dtype(c"T", o.x.dtype()),
         TemplateArg::Int(c"IN", input),
         TemplateArg::Int(c"BITS", o.params.bits),
@@ -732,16 +735,13 @@ fn gather_qmv_as(o: &Operands, grouping: Grouping) -> Result<Array, Exception> {
         TemplateArg::Int(c"ACT", act),
         TemplateArg::Int(c"WEIGHTED", weighted as i32),
         TemplateArg::Int(c"HAS_BIAS", o.bias.is_some() as i32),
+        TemplateArg::Int(c"K", if weighted && chunk.is_none() { k } else { 1 }),
+        TemplateArg::Int(c"TOK", chunk.unwrap_or(0)),
+        TemplateArg::Int(
+            c"MAX_LIST",
+            if chunk.is_some() { MAX_PAIRS as i32 } else { 0 },
+        ),
     ];
-    match chunk {
-        Some(chunk) => template.extend([
-            TemplateArg::Int(c"TOK", chunk),
-            TemplateArg::Int(c"MAX_LIST", MAX_PAIRS as i32),
-        ]),
-        // Only a weighted product reads K: one value otherwise, so as not to compile a kernel
-        // per pair count.
-        None => template.push(TemplateArg::Int(c"K", if weighted { k } else { 1 })),
-    }
     // Every launch passes seven inputs; the kernel reads none of those its template leaves out
     // (MXFP4's biases, the experts' bias, the weights of an unweighted product). MLX keys a
     // compiled kernel by its name and template only, so inputs whose dtype the template does
