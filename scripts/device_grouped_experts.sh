@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device run (docs/benchmarks.md, "Running them"; ../shared/tools/gpu/README.md prepares .gpu/p1 and
+# One device run (docs/benchmarks.md, "Running them"; the GPU tool's prepare step makes .gpu/p1 and
 # .gpu/p2, with `perch` built for release as .gpu/p2/perch.xz) measuring the experts' products grouped by
 # expert (PERCH_EXPERT_GROUPED, nn::expert_kernel) against a block a pair: `perch check-kernels experts`;
 # `gpt_oss` at 32 concurrent per pair, grouped (1) and grouped with the down product (2), Perch alone; the
