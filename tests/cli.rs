@@ -1842,12 +1842,13 @@ fn generate_starts_its_ranks_from_a_host_list() {
         assert!(!stderr.contains("panicked"), "{stderr}");
         stderr
     };
-    // What is there but MLX's own folder of compiled CPU kernels.
+    // What is there but MLX's own folder of compiled CPU kernels and the ranks' folders of
+    // theirs (`device::rank_temp_dir`), caches kept on purpose.
     let left_behind = || -> Vec<String> {
         std::fs::read_dir(&temporary)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .filter(|name| name != "mlx")
+            .filter(|name| name != "mlx" && name != "perch-ranks")
             .collect()
     };
     for hosts in ["127.0.0.1,127.0.0.1", "127.0.0.1,127.0.0.2"] {

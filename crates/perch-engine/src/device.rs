@@ -81,8 +81,35 @@ pub fn mlx_environment_settings(
     settings
 }
 
+/// The temporary directory of a rank of a group (`MLX_RANK` set to a number), given how the
+/// variables are now (`current`): `rank-R` under Perch's `perch-ranks` folder in the temporary
+/// directory (`TMPDIR`, else `/tmp`). `None` outside a group.
+///
+/// Why: MLX 0.32's CPU backend compiles fused operations into shared libraries in one folder
+/// under the temporary directory, which every process on the machine shares, and loads one as
+/// soon as the file exists. Two ranks on one machine compiling the same operation at once
+/// (their first steps, in lockstep, on a machine where nothing is compiled yet) meet a
+/// half-written library: "Could not load C++ shared library … file too short". A folder per
+/// rank number keeps the ranks of a group apart, its libraries still kept from run to run (two
+/// groups started at once on one machine still share a rank number's folder). MLX's CUDA
+/// backend keeps its compiled kernels under the same directory unless `MLX_PTX_CACHE_DIR` is
+/// set, so each rank compiles those once into its own folder too. (The tests' ranks in
+/// `tests/distributed.rs` are test processes, not `perch`, and keep the shared folder.)
+pub fn rank_temp_dir(current: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let rank: usize = current("MLX_RANK")?.trim().parse().ok()?;
+    let base = current("TMPDIR")
+        .filter(|dir| !dir.is_empty())
+        .unwrap_or_else(|| "/tmp".to_owned());
+    Some(format!(
+        "{}/perch-ranks/rank-{rank}",
+        base.trim_end_matches('/')
+    ))
+}
+
 /// Sets, for this process, what MLX reads from the environment before its first GPU call; call
-/// it first thing in `main`, before other threads start (it sets environment variables).
+/// it first thing in `main`, before other threads start (it sets environment variables). A
+/// rank of a group gets a temporary directory of its own ([`rank_temp_dir`]) where it can make
+/// one (otherwise the shared one stays).
 ///
 /// MLX 0.32's CUDA backend keeps its cuDNN attention plans (256), CUDA graphs (400) and
 /// convolution plans (128) in LRU caches that throw "Cache thrashing is happening" once a
@@ -105,6 +132,11 @@ pub fn prepare_mlx_environment() {
     let current = |name: &str| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
     for (name, value) in mlx_environment_settings(current, cfg!(target_os = "macos")) {
         std::env::set_var(name, value);
+    }
+    if let Some(dir) = rank_temp_dir(current) {
+        if std::fs::create_dir_all(&dir).is_ok() {
+            std::env::set_var("TMPDIR", dir);
+        }
     }
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     if std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_none() {
@@ -300,6 +332,29 @@ mod tests {
         );
         let user = |_: &str| Some("1".to_owned());
         assert!(super::mlx_environment_settings(user, false).is_empty());
+    }
+
+    /// A rank's temporary directory is its own, under the one it was given; outside a group, or
+    /// with a rank that is not a number, there is none.
+    #[test]
+    fn each_rank_compiles_in_a_folder_of_its_own() {
+        let env = |vars: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                vars.iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, v)| v.to_string())
+            }
+        };
+        assert_eq!(
+            super::rank_temp_dir(env(&[("MLX_RANK", "1")])).as_deref(),
+            Some("/tmp/perch-ranks/rank-1")
+        );
+        assert_eq!(
+            super::rank_temp_dir(env(&[("MLX_RANK", "0"), ("TMPDIR", "/var/t/")])).as_deref(),
+            Some("/var/t/perch-ranks/rank-0")
+        );
+        assert_eq!(super::rank_temp_dir(env(&[])), None);
+        assert_eq!(super::rank_temp_dir(env(&[("MLX_RANK", "../x")])), None);
     }
 
     use super::*;

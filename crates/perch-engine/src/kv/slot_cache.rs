@@ -251,6 +251,12 @@ struct StepReplay {
 }
 
 /// A step's view of the sliding layers' rings (see the module docs).
+/// Entries (rows × positions) up to which a one-token step's masks are written by the host
+/// ([`SlotKvCache::one_token_step`]): 32 rows at 2,048 positions. A longer context's mask is one
+/// comparison on the device, where writing it would cost the host more than the operations it
+/// saves.
+const HOST_MASK_ENTRIES: usize = 1 << 16;
+
 struct RingStep {
     /// `[rows, 1, tokens, 1]` int32: the entries the step writes, `position mod R`.
     index: Array,
@@ -1264,6 +1270,22 @@ impl SlotKvCache {
                 Some(Array::from_slice(&reach, &shape))
             }
         };
+        let bounded = self.row_kv.iter().any(|kv| kv.limit().is_some());
+        if tokens == 1 && !bounded && reach.is_none() {
+            // A decode step without bounded rows: its index and masks written by the host, where
+            // each would be several small operations launched in every step (a decode step on
+            // a GPU is bound by the host launching its operations, docs/benchmarks.md).
+            let (index, mask, ring) = self.one_token_step(&lengths)?;
+            return self.finish_step(
+                tokens,
+                new_tokens,
+                positions,
+                mask,
+                index.clone(),
+                index,
+                ring,
+            );
+        }
         let lengths = Array::from_slice(&lengths, &[self.rows as i32]);
         // [rows, 1, tokens, 1]: where each row's tokens go.
         let index = ops::add(
@@ -1272,7 +1294,7 @@ impl SlotKvCache {
         )?;
         let upto = reach.as_ref().unwrap_or(&index);
         let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;
-        let (mask, write) = if self.row_kv.iter().any(|kv| kv.limit().is_some()) {
+        let (mask, write) = if bounded {
             if tokens > self.max_step_tokens {
                 return Err(mlx_rs::error::Exception::custom(format!(
                     "a step of {tokens} tokens per row is wider than bounded rows' rings allow \
@@ -1321,6 +1343,74 @@ impl SlotKvCache {
             }
             _ => None,
         };
+        self.finish_step(tokens, new_tokens, positions, mask, index, write, ring)
+    }
+
+    /// [`SlotKvCache::begin_step_with`]'s index `[rows, 1, 1, 1]` (each row's length), mask
+    /// `[rows, 1, 1, capacity]` and rings' entries and mask for a step of one token a row without
+    /// bounded rows, from the rows' `lengths`: what its operations compute for such a step
+    /// (entry `e` seen from position `q` when `e <= q`; in a ring of `R` entries, `q mod R`
+    /// written and entry `e` seen when its age `(q - e) mod R` is below the window and not
+    /// older than the row). A mask of more than [`HOST_MASK_ENTRIES`] entries stays those
+    /// operations on the device.
+    fn one_token_step(&self, lengths: &[i32]) -> Result<(Array, Array, Option<RingStep>)> {
+        let rows = self.rows as i32;
+        let index = Array::from_slice(lengths, &[rows, 1, 1, 1]);
+        let written = |size: usize| self.rows * size <= HOST_MASK_ENTRIES;
+        let capacity = self.capacity;
+        let mask = match written(capacity) {
+            true => {
+                // Each row's first `q + 1` entries, then none.
+                let mut mask = Vec::with_capacity(self.rows * capacity);
+                for &q in lengths {
+                    let seen = (q.max(-1) + 1) as usize;
+                    let seen = seen.min(capacity);
+                    mask.resize(mask.len() + seen, true);
+                    mask.resize(mask.len() + capacity - seen, false);
+                }
+                Array::from_slice(&mask, &[rows, 1, 1, capacity as i32])
+            }
+            false => {
+                let keys = ops::arange::<_, i32>(0, capacity as i32, None)?;
+                ops::le(&keys.reshape(&[1, 1, 1, -1])?, &index)?
+            }
+        };
+        let ring = match (&self.rings, self.ring_size(capacity)) {
+            (Some(rings), Some(size)) if written(size) => {
+                let (ring, window) = (size as i32, rings.window as i32);
+                let entries: Vec<i32> = lengths.iter().map(|&q| q % ring).collect();
+                let mask: Vec<bool> = lengths
+                    .iter()
+                    .flat_map(|&q| (0..ring).map(move |e| (q, e)))
+                    .map(|(q, e)| {
+                        let age = (q - e).rem_euclid(ring);
+                        q - age >= 0 && age < window
+                    })
+                    .collect();
+                Some(RingStep {
+                    index: Array::from_slice(&entries, &[rows, 1, 1, 1]),
+                    mask: Array::from_slice(&mask, &[rows, 1, 1, ring]),
+                })
+            }
+            (Some(rings), Some(size)) => Some(ring_step(&index, size as i32, rings.window as i32)?),
+            _ => None,
+        };
+        Ok((index, mask, ring))
+    }
+
+    /// The rest of [`SlotKvCache::begin_step_with`] once the step's index, mask, write entries
+    /// and rings are made: recurrent layers' real tokens and the quantized rows.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_step(
+        &self,
+        tokens: usize,
+        new_tokens: &[usize],
+        positions: Array,
+        mask: Array,
+        index: Array,
+        write: Array,
+        ring: Option<RingStep>,
+    ) -> Result<SlotStep> {
         // A one-token step advances every row's states, unless an occupied row feeds nothing
         // (a draft's row that proposes nothing this round): its states must stay.
         let idle_row = || {
@@ -1978,6 +2068,51 @@ mod tests {
             .collect()
     }
 
+    /// A one-token step's index and masks written by the host are what the operations of a
+    /// wider step compute for it, rings included (positions that wrap, rows not yet past the
+    /// window, an empty slot at 0).
+    #[test]
+    fn one_token_steps_written_by_the_host_equal_the_operations() {
+        let window = 5;
+        let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(window), None], 1, 4);
+        let size = slots.ring_positions().unwrap() as i32;
+        slots.rows = 5;
+        slots.capacity = 4 * size as usize;
+        let lengths = [0, 3, size - 1, size + 2, 3 * size + 1];
+        let (index, mask, ring) = slots.one_token_step(&lengths).unwrap();
+        let queries = Array::from_slice(&lengths, &[5, 1, 1, 1]);
+        let keys = ops::arange::<_, i32>(0, slots.capacity as i32, None)
+            .unwrap()
+            .reshape(&[1, 1, 1, -1])
+            .unwrap();
+        let expected = ring_step(&queries, size, window).unwrap();
+        let ring = ring.expect("the cache has rings");
+        let ints = |a: &Array| (a.shape().to_vec(), a.as_slice::<i32>().to_vec());
+        let bools = |a: &Array| (a.shape().to_vec(), a.as_slice::<bool>().to_vec());
+        assert_eq!(ints(&index), ints(&queries));
+        assert_eq!(bools(&mask), bools(&ops::le(&keys, &queries).unwrap()));
+        assert_eq!(ints(&ring.index), ints(&expected.index));
+        assert_eq!(bools(&ring.mask), bools(&expected.mask));
+        // A row past the window sees the window's entries; the empty slot its one entry.
+        let seen = |row: usize| {
+            let size = size as usize;
+            let mask = ring.mask.as_slice::<bool>();
+            mask[row * size..(row + 1) * size]
+                .iter()
+                .filter(|&&b| b)
+                .count()
+        };
+        assert_eq!((seen(4), seen(0)), (window as usize, 1));
+        // A mask past what the host writes: the device's comparison, the same values.
+        slots.capacity = HOST_MASK_ENTRIES;
+        let (_, mask, _) = slots.one_token_step(&lengths).unwrap();
+        let keys = ops::arange::<_, i32>(0, slots.capacity as i32, None)
+            .unwrap()
+            .reshape(&[1, 1, 1, -1])
+            .unwrap();
+        assert_eq!(bools(&mask), bools(&ops::le(&keys, &queries).unwrap()));
+    }
+
     /// Rejected proposals are forgotten: a rewound row's next step writes over them, its
     /// earlier positions untouched; rows that do not keep what they replace refuse.
     #[test]
@@ -2040,6 +2175,19 @@ mod tests {
         let step = slots.begin_step(1, &[1]).unwrap();
         let ring = step.ring.as_ref().expect("rings");
         assert_eq!(ring.index.as_slice::<i32>(), [88]);
+        // Written by the host, the step's arrays are those of the operations, which a span that
+        // reaches no later token sends it through.
+        let operations = slots.begin_step_with(1, &[1], &[(0, 0, 0)]).unwrap();
+        let arrays = |step: &SlotStep| {
+            let ring = step.ring.as_ref().expect("rings");
+            let ints = |a: &Array| (a.shape().to_vec(), a.as_slice::<i32>().to_vec());
+            let bools = |a: &Array| (a.shape().to_vec(), a.as_slice::<bool>().to_vec());
+            (
+                [ints(&step.index), ints(&step.write), ints(&ring.index)],
+                [bools(&step.mask), bools(&ring.mask)],
+            )
+        };
+        assert_eq!(arrays(&step), arrays(&operations));
         let seen: Vec<usize> = ring
             .mask
             .flatten(None, None)

@@ -57,18 +57,6 @@ fn strings(names: &[&str]) -> mlx_sys::mlx_vector_string {
     }
 }
 
-thread_local! {
-    /// What [`with_outputs_filled`] fills launches' outputs with on this thread, while it runs.
-    static OUTPUT_FILL: std::cell::Cell<Option<f32>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `f` with the outputs of the kernels it launches on this thread filled with `value`
-/// before each kernel runs (MLX's `init_value`; one fill a launch more), so that a check can
-/// tell an output a kernel left unwritten (NaN) from one a reused buffer happened to hold.
-pub fn with_outputs_filled<T>(value: f32, f: impl FnOnce() -> T) -> T {
-    crate::nn::with_thread_local(&OUTPUT_FILL, Some(value), f)
-}
-
 /// A launch's configuration, for the kernel's backend.
 enum Config {
     Cuda(mlx_sys::mlx_fast_cuda_kernel_config),
@@ -89,7 +77,7 @@ impl Config {
     ) -> Self {
         // The same calls for either backend, through its own mlx-c functions.
         macro_rules! configure {
-            ($variant:ident, $new:ident, $output:ident, $grid:ident, $init:ident, $group:ident, $int:ident, $dtype:ident) => {{
+            ($variant:ident, $new:ident, $output:ident, $grid:ident, $group:ident, $int:ident, $dtype:ident) => {{
                 let config = mlx_sys::$new();
                 for (shape, dtype) in outputs {
                     mlx_sys::$output(
@@ -100,9 +88,6 @@ impl Config {
                     );
                 }
                 mlx_sys::$grid(config, grid.0, grid.1, grid.2);
-                if let Some(value) = OUTPUT_FILL.with(|f| f.get()) {
-                    mlx_sys::$init(config, value);
-                }
                 mlx_sys::$group(config, group.0, group.1, group.2);
                 for arg in template {
                     match arg {
@@ -123,7 +108,6 @@ impl Config {
                 mlx_fast_cuda_kernel_config_new,
                 mlx_fast_cuda_kernel_config_add_output_arg,
                 mlx_fast_cuda_kernel_config_set_grid,
-                mlx_fast_cuda_kernel_config_set_init_value,
                 mlx_fast_cuda_kernel_config_set_thread_group,
                 mlx_fast_cuda_kernel_config_add_template_arg_int,
                 mlx_fast_cuda_kernel_config_add_template_arg_dtype
@@ -133,7 +117,6 @@ impl Config {
                 mlx_fast_metal_kernel_config_new,
                 mlx_fast_metal_kernel_config_add_output_arg,
                 mlx_fast_metal_kernel_config_set_grid,
-                mlx_fast_metal_kernel_config_set_init_value,
                 mlx_fast_metal_kernel_config_set_thread_group,
                 mlx_fast_metal_kernel_config_add_template_arg_int,
                 mlx_fast_metal_kernel_config_add_template_arg_dtype

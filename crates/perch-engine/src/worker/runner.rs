@@ -644,9 +644,11 @@ impl<'m> ModelRunner<'m> {
         for r in rows {
             host[r.row] = r.last_token;
         }
-        let host = Array::from_slice(&host, &[num_rows as i32]);
+        // Made in the shape the step reads, with no reshape among the step's operations.
+        let shape = [num_rows as i32, 1];
+        let host = Array::from_slice(&host, &shape);
         let Some(step) = &self.in_flight else {
-            return Ok(host.reshape(&[num_rows as i32, 1])?);
+            return Ok(host);
         };
         let pending: HashMap<RequestId, usize> = step
             .entries
@@ -663,12 +665,11 @@ impl<'m> ModelRunner<'m> {
             }
         }
         if !from_device.contains(&true) {
-            return Ok(host.reshape(&[num_rows as i32, 1])?);
+            return Ok(host);
         }
-        let previous = step.tokens()?;
-        let gathered = previous.take_axis(Array::from_slice(&source, &[num_rows as i32]), 0)?;
-        let mask = Array::from_slice(&from_device, &[num_rows as i32]);
-        Ok(ops::select(&mask, &gathered, &host)?.reshape(&[num_rows as i32, 1])?)
+        let gathered = step.tokens_of(&source)?;
+        let mask = Array::from_slice(&from_device, &shape);
+        Ok(ops::select(&mask, &gathered, &host)?)
     }
 
     /// Waits for the step in flight, if any, and returns its tokens (in the order its rows were
@@ -763,12 +764,17 @@ impl Proposed {
 }
 
 /// `pieces` (1-D, laid end to end) gathered at `at`: one concatenation and one take (lazy).
-fn gather(mut pieces: Vec<Array>, at: &[u32]) -> Result<Array> {
+fn gather(pieces: Vec<Array>, at: &[u32]) -> Result<Array> {
+    gather_as(pieces, at, &[at.len() as i32])
+}
+
+/// [`gather`] with `at` in `shape`, the result's shape.
+fn gather_as(mut pieces: Vec<Array>, at: &[u32], shape: &[i32]) -> Result<Array> {
     let all = match pieces.len() {
         1 => pieces.pop().expect("one piece"),
         _ => ops::concatenate(&pieces, 0)?,
     };
-    Ok(all.take_axis(Array::from_slice(at, &[at.len() as i32]), 0)?)
+    Ok(all.take_axis(Array::from_slice(at, shape), 0)?)
 }
 
 /// One draw of `sampler` from `logits` `[1, vocab]`: `[1]` uint32 (lazy).
@@ -1018,9 +1024,10 @@ impl InFlight {
         self.greedy.iter().chain(self.batched.iter()).chain(own)
     }
 
-    /// Every entry's token, `[entries]` uint32, lazy: one gather from the greedy rows, the
-    /// batched draws and the rows' own draws, laid end to end.
-    fn tokens(&self) -> Result<Array> {
+    /// The tokens of entries `entries` (each an index into [`InFlight::entries`]), `[entries, 1]`
+    /// uint32, lazy: one gather from the greedy rows, the batched draws and the rows' own draws,
+    /// laid end to end.
+    fn tokens_of(&self, entries: &[u32]) -> Result<Array> {
         let mut pieces: Vec<Array> = self.greedy.iter().chain(&self.batched).cloned().collect();
         let greedy_len = self.greedy.as_ref().map_or(0, |g| g.shape()[0] as u32);
         let batched_len = self.batched.as_ref().map_or(0, |b| b.shape()[0] as u32);
@@ -1037,7 +1044,8 @@ impl InFlight {
                 }
             });
         }
-        gather(pieces, &at)
+        let at: Vec<u32> = entries.iter().map(|&k| at[k as usize]).collect();
+        gather_as(pieces, &at, &[at.len() as i32, 1])
     }
 }
 
