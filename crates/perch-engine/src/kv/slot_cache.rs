@@ -1379,14 +1379,14 @@ impl SlotKvCache {
             (Some(rings), Some(size)) if written(size) => {
                 let (ring, window) = (size as i32, rings.window as i32);
                 let entries: Vec<i32> = lengths.iter().map(|&q| q % ring).collect();
-                let mask: Vec<bool> = lengths
-                    .iter()
-                    .flat_map(|&q| (0..ring).map(move |e| (q, e)))
-                    .map(|(q, e)| {
-                        let age = (q - e).rem_euclid(ring);
-                        q - age >= 0 && age < window
-                    })
-                    .collect();
+                // Each row's entries of ages `0..=min(q, window - 1)`: the positions `q - age`,
+                // at `(q - age) mod R`.
+                let mut mask = vec![false; self.rows * size];
+                for (row, &q) in lengths.iter().enumerate() {
+                    for age in 0..=q.min(window - 1).min(ring - 1) {
+                        mask[row * size + (q - age).rem_euclid(ring) as usize] = true;
+                    }
+                }
                 Some(RingStep {
                     index: Array::from_slice(&entries, &[rows, 1, 1, 1]),
                     mask: Array::from_slice(&mask, &[rows, 1, 1, ring]),

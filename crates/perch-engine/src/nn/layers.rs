@@ -350,7 +350,16 @@ thread_local! {
 /// For tests that run CUDA's form on the CPU (compiled decode steps over dense weights, where
 /// MLX's CPU `quantized_matmul` would take seconds a step).
 pub fn loading_dense_weights<T>(dense: bool, load: impl FnOnce() -> T) -> T {
-    crate::nn::with_thread_local(&DENSE_WEIGHTS, Some(dense), load)
+    let before = DENSE_WEIGHTS.with(|d| d.replace(Some(dense)));
+    // Restored however `load` ends (a panic included).
+    struct Restore(Option<bool>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            DENSE_WEIGHTS.with(|d| d.set(self.0));
+        }
+    }
+    let _restore = Restore(before);
+    load()
 }
 
 /// The two halves of `both`'s last axis (a fused gate and up projection's output), as slices
