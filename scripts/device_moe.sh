@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One device run for the MoE rows of docs/benchmarks.md ("Running them"; the GPU tool's prepare step
-# makes .gpu/p1 and .gpu/p2, with `perch` built for release as .gpu/p2/perch.xz): random `qwen3_moe` and
-# `gpt_oss` models (make_random_model.py, bfloat16), `bench_gpu.py` at 32 concurrent against mlx_lm for
-# each, the decode graph of each at 32 rows (PERCH_DECODE_GRAPH_DIR, counted by operation), then
-# `perch check-kernels experts`.
-# After a run carrying .gpu/p1 (`mkdir -p /root/stash && cp .gpu/p1/part-aa /root/stash/`), a run carrying
-# .gpu/p2 (timeout_s 600): `timeout 570 bash scripts/device_moe.sh > /dev/null; tail -80 $OUT/log.txt`.
-# The log is written to $OUT as it goes (a run killed at its limit returns $OUT, not a pipe's tail), and
-# MLX's compiled CUDA kernels come back as $OUT/ptx.tar.xz: placed in .gpu/p2, a later run on a fresh
-# machine skips compiling them (minutes).
+# Device runs for the MoE rows of docs/benchmarks.md ("Running them"; the GPU tool's prepare step
+# makes .gpu/p1 and .gpu/p2, with `perch` built for release as .gpu/p2/perch.xz). Two parts, each one
+# device call of at most 600 s on the same warm machine:
+#   `bash scripts/device_moe.sh bench`: random `qwen3_moe` and `gpt_oss` models (make_random_model.py,
+#     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each;
+#   `bash scripts/device_moe.sh rest`: Perch alone on each model with the add-norm-and-router kernel
+#     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
+#     (PERCH_DECODE_GRAPH_DIR, counted by operation), `perch check-kernels experts`, and where the
+#     machine has Nsight Systems, the CUDA calls of a `qwen3_moe` run summed by function.
+# Before them, a run carrying .gpu/p1 (`mkdir -p /root/stash && cp .gpu/p1/part-aa /root/stash/`); each
+# part carries .gpu/p2 (timeout_s 600): `timeout 570 bash scripts/device_moe.sh bench > /dev/null; tail -60
+# $OUT/log.txt`. The log is written to $OUT as it goes (a run killed at its limit returns $OUT, not a
+# pipe's tail), and MLX's compiled CUDA kernels come back as $OUT/ptx.tar.xz: placed in .gpu/p2, a later
+# run on a fresh machine skips compiling them (minutes; the first run on a fresh machine spends them, so
+# its limits are long).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 G=.gpu/p2; OD="bash $G/on-device.sh"; P=$G/perch; mkdir -p /tmp/models
@@ -16,25 +21,48 @@ exec > >(tee -a "${OUT:-/tmp}/log.txt") 2>&1
 export MLX_PTX_CACHE_DIR=/tmp/ptxcache; mkdir -p $MLX_PTX_CACHE_DIR
 [ -f $G/ptx.tar.xz ] && tar -xJf $G/ptx.tar.xz -C $MLX_PTX_CACHE_DIR
 trap 'tar -cJf "${OUT:-/tmp}/ptx.tar.xz" -C $MLX_PTX_CACHE_DIR . 2>/dev/null' EXIT
-xz -dc $G/perch.xz > $P; chmod +x $P
+[ -x $P ] || { xz -dc $G/perch.xz > $P; chmod +x $P; }
 date +%T
-for a in qwen3_moe:moe gpt_oss:oss; do
-  [ -f /tmp/models/${a#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${a%:*} /tmp/models/${a#*:} $G/tok bfloat16 | tail -1
-done
-for m in moe oss; do
-  echo "== bench_gpu $m, 32 concurrent"
-  $OD timeout 220 python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency 32 --model-dir /tmp/models/$m 2>&1 | grep -v '^\s*$' | tail -12
+bench() { $OD timeout "$2" $P bench --model /tmp/models/$1 --concurrency 32 --prompt-tokens 128 --gen-tokens 256 --json 2>/dev/null \
+  | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms (building %.2f, waiting %.2f)  TTFT p95 %.0f ms" % (r["generation_tps"], r["engine_decode_step_ms"], r["engine_decode_build_ms"], r["engine_decode_wait_ms"], r["ttft_ms_p95"]))'; }
+case "${1:-bench}" in
+bench)
+  for a in qwen3_moe:moe gpt_oss:oss; do
+    [ -f /tmp/models/${a#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${a%:*} /tmp/models/${a#*:} $G/tok bfloat16 | tail -1
+  done
+  for m in moe:330 oss:200; do
+    echo "== bench_gpu ${m%:*}, 32 concurrent"
+    $OD timeout ${m#*:} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency 32 --model-dir /tmp/models/${m%:*} 2>&1 | grep -v '^\s*$' | tail -12
+    date +%T
+  done
+  ;;
+rest)
+  for m in moe oss; do
+    for round in 1 2; do
+      for on in 0 1; do echo "== $m, add-norm router $on (round $round)"; PERCH_ROUTE_ADD_NORM=$on bench $m 60; done
+    done
+    date +%T
+  done
+  for m in moe oss; do
+    echo "== decode graph of $m at 32 rows"
+    mkdir -p /tmp/graphs/$m
+    PERCH_DECODE_GRAPH_DIR=/tmp/graphs/$m $OD timeout 60 $P bench --model /tmp/models/$m --concurrency 32 --prompt-tokens 128 --gen-tokens 24 --json > /dev/null 2>&1
+    f=/tmp/graphs/$m/decode-32.txt
+    [ -f $f ] && echo "$(grep -vc '^Inputs:\|^Outputs:' $f) operations" && awk '{print $1}' $f | grep -v ':$' | sort | uniq -c | sort -rn
+    cp $f "${OUT:-/tmp}/decode-32-$m.txt" 2>/dev/null
+  done
   date +%T
-done
-for m in moe oss; do
-  echo "== decode graph of $m at 32 rows"
-  mkdir -p /tmp/graphs/$m
-  PERCH_DECODE_GRAPH_DIR=/tmp/graphs/$m $OD timeout 60 $P bench --model /tmp/models/$m --concurrency 32 --prompt-tokens 128 --gen-tokens 24 --json > /dev/null 2>&1
-  f=/tmp/graphs/$m/decode-32.txt
-  [ -f $f ] && echo "$(grep -vc '^Inputs:\|^Outputs:' $f) operations" && awk '{print $1}' $f | grep -v ':$' | sort | uniq -c | sort -rn
-  cp $f "${OUT:-/tmp}/decode-32-$m.txt" 2>/dev/null
-done
-date +%T
-echo "== check-kernels experts"
-$OD timeout 150 $P check-kernels experts 2>&1 | grep -v '^\s*$' | tail -40
-date +%T
+  echo "== check-kernels experts"
+  $OD timeout 150 $P check-kernels experts 2>&1 | grep -v '^\s*$' | tail -40
+  date +%T
+  nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  if [ -n "$nsys" ]; then
+    echo "== CUDA calls of a qwen3_moe run at 32 ($nsys)"
+    $OD timeout 120 $nsys profile -t cuda -o /tmp/moe-prof -f true $P bench --model /tmp/models/moe --concurrency 32 --prompt-tokens 128 --gen-tokens 256 --json > /dev/null 2>&1
+    timeout 60 $nsys stats -r cuda_api_sum /tmp/moe-prof.nsys-rep 2>&1 | head -30
+  else
+    echo "== no Nsight Systems on this machine"
+  fi
+  date +%T
+  ;;
+esac

@@ -75,7 +75,7 @@
 //! recurrent layer's state once for all rows, each after the tokens it keeps (lazy: the next
 //! step's evaluation computes it). The record lives until then or until the next step begins.
 
-use std::cell::OnceCell;
+use std::cell::{OnceCell, RefCell};
 
 use mlx_rs::{ops, Array, Dtype};
 use serde::Serialize;
@@ -212,6 +212,9 @@ pub struct SlotStep {
     /// The step's mask and the sliding layers' made additive in the activations' dtype, when
     /// the step reads with additive masks ([`SlotRead::additive_mask`]): made once each.
     additive: [OnceCell<Array>; 2],
+    /// `write` and the rings' entries broadcast to the shapes of the buffers they write
+    /// (`(ring, shape)`): made once a step for every layer, not once a buffer and layer.
+    write_indices: RefCell<Vec<(bool, Vec<i32>, Array)>>,
 }
 
 /// The array in `cell`, made by `make` the first time.
@@ -265,6 +268,22 @@ struct RingStep {
 }
 
 impl SlotStep {
+    /// The entries a buffer of `shape` `[rows, heads, tokens, features]` is written at: the
+    /// rings' (`ring`) or `write`, broadcast to `shape`, once a step for each.
+    fn write_index(&self, ring: bool, shape: &[i32]) -> Result<Array> {
+        let mut made = self.write_indices.borrow_mut();
+        if let Some((.., index)) = made.iter().find(|(r, s, _)| *r == ring && s == shape) {
+            return Ok(index.clone());
+        }
+        let index = match (&self.ring, ring) {
+            (Some(rings), true) => &rings.index,
+            _ => &self.write,
+        };
+        let index = ops::broadcast_to(index, shape)?;
+        made.push((ring, shape.to_vec(), index.clone()));
+        Ok(index)
+    }
+
     /// [`SlotStep::mask`] narrowed to a sliding window of `window` positions: row `r`'s query
     /// at position `p` sees positions `p - window + 1 ..= p` (mlx_lm's
     /// `create_causal_mask(window_size=window)`). Built from the step's arrays only, so a
@@ -332,6 +351,7 @@ impl SlotStep {
             real,
             quantized: Vec::new(),
             window_mask: OnceCell::new(),
+            write_indices: RefCell::default(),
             additive: Default::default(),
         }
     }
@@ -1452,6 +1472,7 @@ impl SlotKvCache {
             real,
             quantized,
             window_mask: OnceCell::new(),
+            write_indices: RefCell::default(),
             additive: Default::default(),
         })
     }
@@ -1575,13 +1596,10 @@ impl SlotKvCache {
             ],
         };
         self.ensure_buffers(layer, &parts)?;
-        let index = match &step.ring {
-            Some(ring) if self.is_ring(layer) => &ring.index,
-            _ => &step.write,
-        };
+        let ring = step.ring.is_some() && self.is_ring(layer);
         let buffers = &mut self.layers[layer];
         for (buffer, part) in buffers.iter_mut().zip(&parts) {
-            let index = ops::broadcast_to(index, part.shape())?;
+            let index = step.write_index(ring, part.shape())?;
             *buffer = buffer.put_along_axis(&index, part, 2)?;
         }
         Ok(CachedKv::from_parts(self.quantization, buffers.clone()))

@@ -930,6 +930,19 @@ impl FeedForward {
         }
     }
 
+    /// `h + residual` and the part's output of it normed by `norm`, where the part does the add
+    /// and the norm itself ([`SparseMoe::add_norm_forward`]); `None` where the caller does.
+    fn add_norm_forward(
+        &self,
+        (h, residual): (&Array, &Array),
+        norm: &RmsNorm,
+    ) -> Result<Option<(Array, Array)>> {
+        match self {
+            FeedForward::Sparse(moe) => moe.add_norm_forward((h, residual), norm),
+            FeedForward::Dense(_) | FeedForward::MlpAndExperts(_) => Ok(None),
+        }
+    }
+
     /// Rank `tp.rank()`'s part (see [`Mlp::shard`], [`SparseMoe::shard`]).
     fn shard(&self, tp: &TensorParallel) -> Result<Self> {
         match self {
@@ -1535,8 +1548,16 @@ impl Decoder {
             let r = self.ranks_sum(mix(layer, &x, rope)?)?;
             h = match &layer.sandwich {
                 None => {
-                    let (h2, x) = layer.post_attention_layernorm.add_forward(&h, &r)?;
-                    pending = Some(self.ranks_sum(layer.mlp.forward(&x, &h2)?)?);
+                    let norm = &layer.post_attention_layernorm;
+                    let (h2, out) = match layer.mlp.add_norm_forward((&h, &r), norm)? {
+                        Some(done) => done,
+                        None => {
+                            let (h2, x) = norm.add_forward(&h, &r)?;
+                            let out = layer.mlp.forward(&x, &h2)?;
+                            (h2, out)
+                        }
+                    };
+                    pending = Some(self.ranks_sum(out)?);
                     h2
                 }
                 Some(norms) => {

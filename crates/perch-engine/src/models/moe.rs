@@ -881,7 +881,43 @@ impl SparseMoe {
 
     /// `x` `[batch, seq, hidden]` → `[batch, seq, hidden]`.
     pub fn forward(&self, x: &Array) -> Result<Array> {
-        let (indices, scores) = self.route(x)?;
+        let routed = self.route(x)?;
+        self.experts_forward(x, routed)
+    }
+
+    /// The block after the residual add and RMS norm before it: `h`, `residual` `[batch, seq,
+    /// hidden]` → (`h + residual`, the block's output of its normed sum), where the add, the
+    /// norm and the router run in one launch ([`expert_kernel::route_after_add_norm`]: CUDA, at
+    /// decode, the router's product in the kernel); `None` elsewhere, and for a norm without a
+    /// weight.
+    pub fn add_norm_forward(
+        &self,
+        (h, residual): (&Array, &Array),
+        norm: &crate::nn::layers::RmsNorm,
+    ) -> Result<Option<(Array, Array)>> {
+        let (Some(norm_weight), Some(gate)) = (norm.weight(), self.gate.dense()) else {
+            return Ok(None);
+        };
+        if !self.switch_mlp.fused {
+            return Ok(None);
+        }
+        let Some(((sum, normed), routed)) = expert_kernel::route_after_add_norm(
+            (h, residual),
+            (norm_weight, norm.eps()),
+            gate,
+            self.top_k,
+            self.normalize(),
+            self.folded_shared,
+        )?
+        else {
+            return Ok(None);
+        };
+        let y = self.experts_forward(&normed, routed)?;
+        Ok(Some((sum, y)))
+    }
+
+    /// The routed experts of `x` (and the shared expert, when it runs apart).
+    fn experts_forward(&self, x: &Array, (indices, scores): (Array, Array)) -> Result<Array> {
         let y = self
             .switch_mlp
             .forward_weighted(x, &indices, &scores, true)?;
@@ -926,10 +962,7 @@ impl SparseMoe {
     /// softmax. On CUDA in one launch ([`expert_kernel::route`]), at decode with the router's
     /// product in it too ([`expert_kernel::route_from_hidden`]).
     fn route(&self, x: &Array) -> Result<(Array, Array)> {
-        let normalize = match (self.style, self.norm_topk_prob) {
-            (MoeStyle::Qwen, false) => expert_kernel::Normalize::All,
-            _ => expert_kernel::Normalize::TopK,
-        };
+        let normalize = self.normalize();
         let shared = self.folded_shared;
         if self.switch_mlp.fused {
             if let Some(gate) = self.gate.dense() {
@@ -959,6 +992,15 @@ impl SparseMoe {
                 )?)
             }
             None => Ok(routed),
+        }
+    }
+
+    /// Over what the router's softmax runs: every expert (Qwen without `norm_topk_prob`) or
+    /// the top k.
+    fn normalize(&self) -> expert_kernel::Normalize {
+        match (self.style, self.norm_topk_prob) {
+            (MoeStyle::Qwen, false) => expert_kernel::Normalize::All,
+            _ => expert_kernel::Normalize::TopK,
         }
     }
 

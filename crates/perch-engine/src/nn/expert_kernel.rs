@@ -470,6 +470,51 @@ const ROUTE_SOURCE: &str = r#"
   }
 "#;
 
+/// Put before [`ROUTE_SOURCE`] (with `FROM_X`) for [`route_after_add_norm`]: the block's 1,024
+/// threads first write the token's `sum = T(unnormed + residual)` and `normed = norm_w ·
+/// T(sum · rsqrt(mean(sum²) + eps))` (as `crate::nn::norm_kernel`'s kernel computes them, squares
+/// in float32), then the router reads `normed` back as its input (`logits`; global writes of a
+/// block are visible to its threads after `__syncthreads`).
+const ADD_NORM_PROLOGUE: &str = r#"
+  {
+    constexpr int THREADS = 32 * 32;
+    constexpr int PER_THREAD = (H + THREADS - 1) / THREADS;
+    const float eps_norm = __int_as_float(EPS_BITS);
+    const int t = threadIdx.y * 32 + threadIdx.x;
+    const long long base = static_cast<long long>(blockIdx.y) * H;
+    float kept[PER_THREAD];
+    float squares = 0.0f;
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int d = t + i * THREADS;
+      kept[i] = 0.0f;
+      if (d < H) {
+        const T s = static_cast<T>(
+            static_cast<float>(unnormed[base + d]) + static_cast<float>(residual[base + d]));
+        sum[base + d] = s;
+        kept[i] = static_cast<float>(s);
+        squares += kept[i] * kept[i];
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) squares += __shfl_xor_sync(0xffffffff, squares, o);
+    __shared__ float norm_partial[32];
+    if (threadIdx.x == 0) norm_partial[threadIdx.y] = squares;
+    __syncthreads();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < 32; ++w) total += norm_partial[w];
+    const float normalizer = rsqrtf(total / H + eps_norm);
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const int d = t + i * THREADS;
+      if (d < H) normed[base + d] = norm_w[d] * static_cast<T>(kept[i] * normalizer);
+    }
+    __syncthreads();
+  }
+  const T* logits = normed;
+"#;
+
 /// CUDA, unless `PERCH_EXPERT_KERNEL=0` (benchmarks against MLX's operations); `None` elsewhere.
 pub fn backend() -> Option<Backend> {
     static ENABLED: OnceLock<bool> = OnceLock::new();
@@ -747,13 +792,14 @@ pub fn route(
         return Ok(None);
     };
     let experts = columns - (shared > 0) as i32;
-    launch_route(
+    Ok(launch_route(
         RouterInput::Scores(logits),
         experts,
         (k, shared),
         normalize,
         scale,
-    )
+    )?
+    .map(|launched| launched.routed))
 }
 
 /// [`route`] of the router's scores `x W^T (+ bias)` computed in the same launch, for `x`
@@ -788,13 +834,77 @@ pub fn route_from_hidden(
     if !fits {
         return Ok(None);
     }
-    launch_route(
-        RouterInput::Hidden { x, weight, bias },
+    Ok(launch_route(
+        RouterInput::Hidden {
+            x,
+            weight,
+            bias,
+            add_norm: None,
+        },
         experts,
         (k, shared),
         normalize,
         scale,
-    )
+    )?
+    .map(|routed| routed.routed))
+}
+
+/// The residual add and RMS norm before a sparse block (`crate::nn::norm_kernel`'s
+/// `add_rms_norm`) and [`route_from_hidden`] of the normed sum, in one launch: `x`, `residual`
+/// `[..., hidden]`, the norm's `norm_weight` `[hidden]` and `eps` → `(sum, normed)` `[...,
+/// hidden]` and the routed `(indices, scores)`. One launch a sparse layer fewer at decode.
+/// `Ok(None)` where either would refuse, or with `PERCH_ROUTE_ADD_NORM=0` (benchmarks).
+#[allow(clippy::type_complexity)]
+pub fn route_after_add_norm(
+    (x, residual): (&Array, &Array),
+    (norm_weight, eps): (&Array, f32),
+    (weight, bias): (&Array, Option<&Array>),
+    k: i32,
+    normalize: Normalize,
+    shared: i32,
+) -> Result<Option<((Array, Array), (Array, Array))>, Exception> {
+    static ENABLED: OnceLock<bool> = OnceLock::new();
+    let enabled =
+        *ENABLED.get_or_init(|| std::env::var("PERCH_ROUTE_ADD_NORM").as_deref() != Ok("0"));
+    if !enabled
+        || !crate::nn::norm_kernel::enabled()
+        || !crate::nn::norm_kernel::computes(x, residual, norm_weight)
+    {
+        return Ok(None);
+    }
+    let (Some(&hidden), [rows, width]) = (x.shape().last(), weight.shape()) else {
+        return Ok(None);
+    };
+    let experts = rows - (shared > 0) as i32;
+    let fits = *width == hidden
+        && hidden > 0
+        && hidden % 8 == 0
+        && hidden <= MAX_IN
+        && *rows <= MAX_ROUTER_PRODUCT_EXPERTS
+        && k <= MAX_ROUTER_PRODUCT_TOP_K
+        && weight.dtype() == x.dtype()
+        && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
+        && bias.is_none_or(|b| shared == 0 && b.shape() == [experts] && is_float(b.dtype()));
+    if !fits {
+        return Ok(None);
+    }
+    let routed = launch_route(
+        RouterInput::Hidden {
+            x,
+            weight,
+            bias,
+            add_norm: Some(AddNorm {
+                residual,
+                weight: norm_weight,
+                eps,
+            }),
+        },
+        experts,
+        (k, shared),
+        normalize,
+        None,
+    )?;
+    Ok(routed.map(|r| (r.normed.expect("asked for"), r.routed)))
 }
 
 /// The most tokens [`route_from_hidden`] takes: each block reads the router's whole weight,
@@ -813,12 +923,28 @@ const MAX_ROUTER_PRODUCT_TOP_K: i32 = 8;
 enum RouterInput<'a> {
     /// `[..., experts]`.
     Scores(&'a Array),
-    /// `x` `[..., hidden]`, the scores `x W^T (+ bias)`.
+    /// `x` `[..., hidden]`, the scores `x W^T (+ bias)`; with `add_norm`, of `x + residual`
+    /// normed ([`route_after_add_norm`]).
     Hidden {
         x: &'a Array,
         weight: &'a Array,
         bias: Option<&'a Array>,
+        add_norm: Option<AddNorm<'a>>,
     },
+}
+
+/// The residual and the RMS norm [`route_after_add_norm`] applies to the router's input first.
+struct AddNorm<'a> {
+    residual: &'a Array,
+    weight: &'a Array,
+    eps: f32,
+}
+
+/// What [`launch_route`] gives: the routed `(indices, scores)`, and with [`AddNorm`] the `(sum,
+/// normed)` it wrote first.
+struct Launched {
+    routed: (Array, Array),
+    normed: Option<(Array, Array)>,
 }
 
 /// `logits` `[..., experts + 1]` (`shared` above 0: the last column a shared expert's gate
@@ -857,7 +983,9 @@ pub fn append_shared(
 }
 
 /// Warps a block computing scores ([`RouterInput::Hidden`]): each takes every 32nd expert.
+/// [`ADD_NORM_PROLOGUE`] counts on 32 (1,024 threads).
 const ROUTER_WARPS: i32 = 32;
+const _: () = assert!(ROUTER_WARPS == 32);
 
 /// `experts`: the routed experts (the scores' columns, less the shared expert's gate when
 /// `shared` is above 0).
@@ -867,9 +995,10 @@ fn launch_route(
     (k, shared): (i32, i32),
     normalize: Normalize,
     scale: Option<&Array>,
-) -> Result<Option<(Array, Array)>, Exception> {
+) -> Result<Option<Launched>, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
+        static ADD_NORM_KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
     let columns = experts + (shared > 0) as i32;
     let (lead, width) = match &input {
@@ -900,13 +1029,22 @@ fn launch_route(
     };
     let scaled = scale.is_some();
     let scale = in_dtype(scale)?;
-    let (from_x, weight, bias, has_bias) = match &input {
-        RouterInput::Scores(_) => (false, (*lead).clone(), (*lead).clone(), false),
-        RouterInput::Hidden { weight, bias, .. } => {
-            (true, (*weight).clone(), in_dtype(*bias)?, bias.is_some())
-        }
+    let (from_x, weight, bias, has_bias, add_norm) = match &input {
+        RouterInput::Scores(_) => (false, (*lead).clone(), (*lead).clone(), false, None),
+        RouterInput::Hidden {
+            weight,
+            bias,
+            add_norm,
+            ..
+        } => (
+            true,
+            (*weight).clone(),
+            in_dtype(*bias)?,
+            bias.is_some(),
+            add_norm.as_ref(),
+        ),
     };
-    let template = [
+    let mut template = vec![
         TemplateArg::Dtype(c"T", dtype),
         TemplateArg::Int(c"E", experts),
         TemplateArg::Int(c"K", k),
@@ -922,28 +1060,64 @@ fn launch_route(
     let shape = lead.shape();
     let out_shape = [&shape[..shape.len() - 1], &[k + shared]].concat();
     let warps = if from_x { ROUTER_WARPS } else { 1 };
-    let out = KERNEL.with(|kernel| {
-        let mut kernel = kernel.borrow_mut();
-        let kernel = kernel.get_or_insert_with(|| {
-            CustomKernel::new(
-                backend,
-                c"perch_route",
-                &["logits", "scale", "w", "bias"],
-                &["indices", "scores"],
-                ROUTE_SOURCE,
-                true,
+    let grid = (32, tokens * warps, 1);
+    let out = match add_norm {
+        None => KERNEL.with(|kernel| {
+            let mut kernel = kernel.borrow_mut();
+            let kernel = kernel.get_or_insert_with(|| {
+                CustomKernel::new(
+                    backend,
+                    c"perch_route",
+                    &["logits", "scale", "w", "bias"],
+                    &["indices", "scores"],
+                    ROUTE_SOURCE,
+                    true,
+                )
+            });
+            kernel.apply(
+                &[lead, &scale, &weight, &bias],
+                &[(&out_shape, Dtype::Uint32), (&out_shape, dtype)],
+                grid,
+                (32, warps, 1),
+                &template,
             )
-        });
-        kernel.apply(
-            &[lead, &scale, &weight, &bias],
-            &[(&out_shape, Dtype::Uint32), (&out_shape, dtype)],
-            (32, tokens * warps, 1),
-            (32, warps, 1),
-            &template,
-        )
-    })?;
+        })?,
+        Some(norm) => {
+            template.push(TemplateArg::Int(c"EPS_BITS", norm.eps.to_bits() as i32));
+            ADD_NORM_KERNEL.with(|kernel| {
+                let mut kernel = kernel.borrow_mut();
+                let kernel = kernel.get_or_insert_with(|| {
+                    CustomKernel::new(
+                        backend,
+                        c"perch_add_norm_route",
+                        &["unnormed", "residual", "norm_w", "scale", "w", "bias"],
+                        &["sum", "normed", "indices", "scores"],
+                        &format!("{ADD_NORM_PROLOGUE}{ROUTE_SOURCE}"),
+                        true,
+                    )
+                });
+                kernel.apply(
+                    &[lead, norm.residual, norm.weight, &scale, &weight, &bias],
+                    &[
+                        (shape, dtype),
+                        (shape, dtype),
+                        (&out_shape, Dtype::Uint32),
+                        (&out_shape, dtype),
+                    ],
+                    grid,
+                    (32, warps, 1),
+                    &template,
+                )
+            })?
+        }
+    };
     let mut out = out.into_iter();
-    Ok(Some((out.next().expect("two"), out.next().expect("two"))))
+    let mut next = || out.next().expect("the kernel's outputs");
+    let normed = add_norm.map(|_| (next(), next()));
+    Ok(Some(Launched {
+        routed: (next(), next()),
+        normed,
+    }))
 }
 
 /// Whether the engine uses [`gather_qmv`] and [`route`]: on CUDA ([`backend`]) once they have
@@ -975,6 +1149,12 @@ pub fn self_test() -> &'static Result<(), String> {
         for case in &ROUTE_CASES[..SELF_TEST_ROUTES] {
             let run = RouteCase::run(case).map_err(|e| e.to_string())?;
             within(case.name, run.error, case.tolerance)?;
+        }
+        // With the norm kernel off, the add-and-norm router is not used.
+        if crate::nn::norm_kernel::enabled() {
+            let spec = &ADD_NORM_ROUTES[0];
+            let (error, tolerance, ..) = add_norm_route_case(spec).map_err(|e| e.to_string())?;
+            within(spec.name, error, tolerance)?;
         }
         Ok(())
     })
@@ -1599,6 +1779,99 @@ impl RouteCase {
     }
 }
 
+/// A [`route_after_add_norm`] check case: `tokens` rows of `hidden` features, top `k` of
+/// `experts`, a router bias or none.
+struct AddNormRouteSpec {
+    name: &'static str,
+    tokens: i32,
+    hidden: i32,
+    experts: i32,
+    k: i32,
+    normalize: Normalize,
+    bias: bool,
+}
+
+/// The first is also the load check's.
+const ADD_NORM_ROUTES: [AddNormRouteSpec; 2] = [
+    AddNormRouteSpec {
+        name: "add, norm and router (qwen3_moe), 32 rows, top 8 of 128 experts, 1024 features",
+        tokens: 32,
+        hidden: 1024,
+        experts: 128,
+        k: 8,
+        normalize: Normalize::TopK,
+        bias: false,
+    },
+    AddNormRouteSpec {
+        name: "add, norm and router with its bias (gpt_oss), 32 rows, top 4 of 32 experts, 2880 \
+               features",
+        tokens: 32,
+        hidden: 2880,
+        experts: 32,
+        k: 4,
+        normalize: Normalize::TopK,
+        bias: true,
+    },
+];
+
+/// One random [`AddNormRouteSpec`] case in bfloat16, and the kernel's time and MLX's (its add, its
+/// `rms_norm`, the router's product, then [`route`]): the sum must equal MLX's add, the normed
+/// sum be within a unit in the last place of MLX's `rms_norm` (largest output), and the routing
+/// equal [`route_from_hidden`]'s of the kernel's own normed sum (the same product, so the
+/// same experts and weights). Returns the norm's error (NaN when the sum or the routing
+/// differs), its tolerance and the two times in ms.
+fn add_norm_route_case(spec: &AddNormRouteSpec) -> crate::Result<(f32, f32, f64, f64)> {
+    use crate::nn::custom_kernel::{max_abs_error, unit_in_last_place};
+    use mlx_rs::random::{key, normal};
+    let (t, h, e) = (spec.tokens, spec.hidden, spec.experts);
+    let k = |i: u64| key((t * 7919 + h) as u64 * 8 + i);
+    let normal = |shape: &[i32], std: f32, i: u64| -> crate::Result<Array> {
+        Ok(normal::<f32>(shape, None, Some(std), Some(&k(i)?))?.as_dtype(BF16)?)
+    };
+    let (x, residual) = (normal(&[t, 1, h], 4.0, 0)?, normal(&[t, 1, h], 1.0, 1)?);
+    let norm_weight = normal(&[h], 0.5, 2)?;
+    let weight = normal(&[e, h], 0.05, 3)?;
+    let bias = spec.bias.then(|| normal(&[e], 0.1, 4)).transpose()?;
+    let eps = 1e-5;
+    let ours = || {
+        route_after_add_norm(
+            (&x, &residual),
+            (&norm_weight, eps),
+            (&weight, bias.as_ref()),
+            spec.k,
+            spec.normalize,
+            0,
+        )?
+        .ok_or_else(|| crate::EngineError::Kernel(format!("{}: refused", spec.name)))
+    };
+    let ((sum, normed), (indices, scores)) = ours()?;
+    let expected_sum = ops::add(&x, &residual)?;
+    let expected = mlx_rs::fast::rms_norm(&expected_sum, Some(&norm_weight), eps)?;
+    let (alone_indices, alone_scores) =
+        route_from_hidden(&normed, (&weight, bias.as_ref()), spec.k, spec.normalize, None, 0)?
+            .ok_or_else(|| crate::EngineError::Kernel(format!("{}: refused", spec.name)))?;
+    let same_routing = ops::array_eq(&indices, &alone_indices, None)?.item_exact::<bool>()
+        && ops::array_eq(&scores, &alone_scores, None)?.item_exact::<bool>();
+    let largest = ops::abs(&expected.as_dtype(F32)?)?.max(None)?.item_exact::<f32>();
+    let tolerance = largest * unit_in_last_place(BF16);
+    let norm_error = max_abs_error(&normed, &expected)?;
+    let error = match max_abs_error(&sum, &expected_sum)? == 0.0 && same_routing {
+        true => norm_error,
+        false => f32::NAN,
+    };
+    let ours_ms = time_call(&|| Ok(ours()?.1 .1))?;
+    let mlx_ms = time_call(&|| {
+        let normed = mlx_rs::fast::rms_norm(&ops::add(&x, &residual)?, Some(&norm_weight), eps)?;
+        let logits = match &bias {
+            Some(b) => ops::addmm(b, &normed, weight.t(), None, None)?,
+            None => ops::matmul(&normed, weight.t())?,
+        };
+        let routed = route(&logits, spec.k, spec.normalize, None, 0)?;
+        Ok(routed.expect("the router kernel takes it").1)
+    })?;
+    Ok((error, tolerance, ours_ms, mlx_ms))
+}
+
 /// An input `x` `[tokens, hidden]`, a weight `W` `[experts, hidden]` and (with `bias`) a bias
 /// `[experts]` in `dtype` whose product `x W^T + b` is exactly `logits` `[tokens, experts]`
 /// (multiples of 1/16 below 16), however its sums are ordered: `x`'s row `t` is the unit vector
@@ -1715,6 +1988,10 @@ pub fn check() -> crate::Result<Vec<String>> {
             ours,
             mlx,
         )?);
+    }
+    for spec in &ADD_NORM_ROUTES {
+        let (error, tolerance, ours, mlx) = add_norm_route_case(spec)?;
+        lines.push(report(spec.name, BF16, (error, tolerance), ours, mlx)?);
     }
     Ok(lines)
 }
