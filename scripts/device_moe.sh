@@ -4,7 +4,7 @@
 # device call of at most 600 s on the same warm machine:
 #   `bash scripts/device_moe.sh bench`: random `qwen3_moe` and `gpt_oss` models (make_random_model.py,
 #     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each;
-#   `bash scripts/device_moe.sh rest`: Perch alone on each model with the add-norm-and-router kernel
+#   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
 #     (PERCH_DECODE_GRAPH_DIR, counted by operation), `perch check-kernels experts`, and where the
 #     machine has Nsight Systems, the CUDA calls of a `qwen3_moe` run summed by function.
@@ -25,11 +25,11 @@ trap 'tar -cJf "${OUT:-/tmp}/ptx.tar.xz" -C $MLX_PTX_CACHE_DIR . 2>/dev/null' EX
 date +%T
 bench() { $OD timeout "$2" $P bench --model /tmp/models/$1 --concurrency 32 --prompt-tokens 128 --gen-tokens 256 --json 2>/dev/null \
   | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms (building %.2f, waiting %.2f)  TTFT p95 %.0f ms" % (r["generation_tps"], r["engine_decode_step_ms"], r["engine_decode_build_ms"], r["engine_decode_wait_ms"], r["ttft_ms_p95"]))'; }
+for a in qwen3_moe:moe gpt_oss:oss; do
+  [ -f /tmp/models/${a#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${a%:*} /tmp/models/${a#*:} $G/tok bfloat16 | tail -1
+done
 case "${1:-bench}" in
 bench)
-  for a in qwen3_moe:moe gpt_oss:oss; do
-    [ -f /tmp/models/${a#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${a%:*} /tmp/models/${a#*:} $G/tok bfloat16 | tail -1
-  done
   for m in moe:330 oss:200; do
     echo "== bench_gpu ${m%:*}, 32 concurrent"
     $OD timeout ${m#*:} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency 32 --model-dir /tmp/models/${m%:*} 2>&1 | grep -v '^\s*$' | tail -12
@@ -37,6 +37,11 @@ bench)
   done
   ;;
 rest)
+  echo "== MLX's host time an operation, by kind (scripts/bench_op_launch.py)"
+  MLX_MAX_OPS_PER_BUFFER=30 $OD timeout 150 python3 scripts/bench_op_launch.py 2>&1 | tail -12
+  # A fresh machine compiles MLX's kernels in its first runs: one unmeasured run of each first.
+  for m in moe oss; do echo "== $m, warming up"; bench $m 300; done
+  date +%T
   for m in moe oss; do
     for round in 1 2; do
       for on in 0 1; do echo "== $m, add-norm router $on (round $round)"; PERCH_ROUTE_ADD_NORM=$on bench $m 60; done

@@ -47,7 +47,7 @@ use crate::engine::images::{self, SequenceImage};
 use crate::error::{EngineError, Result};
 use crate::kv::block_store::BlockStore;
 use crate::kv::cache::{KvCache, KvLimit};
-use crate::kv::slot_cache::{RowKv, RowQuantization, SlotAttention};
+use crate::kv::slot_cache::{RowKv, RowQuantization, SlotAttention, SlotKvCache};
 use crate::kv::tail_cache::{Tail, TailCache};
 use crate::models::Model;
 use crate::output::{Pushed, TokenSink};
@@ -2516,11 +2516,16 @@ impl<'m> BatchGenerator<'m> {
             // `slot_cache`). The copies run
             // after the step just dispatched; nothing waits for them. Only tokens already read
             // can be hashed.
+            // Their copies are made together (`Publishing`), then the pins they satisfy taken.
             let now = self.now();
-            for seq in &mut self.running {
-                if seq.prefill_done() && seq.computed <= seq.tokens.len() {
-                    publish(&mut self.kv, &mut self.store, &self.runner, seq, false, now)?;
-                }
+            let mut publishing = Publishing::default();
+            let publishes = |s: &Sequence| s.prefill_done() && s.computed <= s.tokens.len();
+            for seq in self.running.iter_mut().filter(|s| publishes(s)) {
+                publishing.add(&mut self.kv, &mut self.store, &self.runner, seq)?;
+            }
+            publishing.copy(&mut self.kv, &mut self.store, &self.runner, false)?;
+            for seq in self.running.iter_mut().filter(|s| publishes(s)) {
+                take_pins(&mut self.kv, &mut self.store, seq, now);
             }
         }
         // Unless every sequence it stepped has just finished: then it is waited for, so that
@@ -3198,62 +3203,78 @@ fn publish_blocks(
     seq: &mut Sequence,
     wait: bool,
 ) -> Result<()> {
-    let full = seq.computed / kv.block_size();
-    // An anonymous prefix's placeholder tokens must never be hashed. A sequence computes only in
-    // a slot: one without a slot holds what it loaded from the prefix cache, published already.
-    let Some(slot) = seq.slot else {
-        return Ok(());
-    };
-    // Nor are a bounded or quantized cache's: it does not hold a prefix's plain KV.
-    if full <= seq.published_blocks || seq.preloaded.is_some() || !seq.kv.is_plain() {
-        return Ok(());
-    }
-    let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);
-    let block_size = kv.block_size();
-    let (slots, row) = runner.slot_cache(slot);
-    let hybrid = store.has_recurrent_layers();
-    // Blocks of the prefix hit that this sequence recomputed because their sliding layers' KV
-    // was dropped (see `BlockStore::usable_blocks`): they get it back from this sequence.
-    let table = kv.block_table(seq.id).expect("a running request");
-    let refill: Vec<(usize, BlockId)> = (seq.published_blocks..full)
-        .map(|index| (index, table[index]))
-        .filter(|&(_, id)| !hybrid && store.contains(id) && !store.holds_every_layer(id))
-        .collect();
-    for &(index, id) in &refill {
-        let (start, end) = (index * block_size, (index + 1) * block_size);
-        let parts = (0..store.num_layers())
-            .map(|layer| match store.is_bounded(layer) {
-                true => slots.copy_parts(row, layer, start, end),
-                false => Ok(Vec::new()),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        store.put_bounded(id, parts);
-    }
-    // One copy per layer part for each run of consecutive blocks (of a prefill chunk, up to
-    // PUBLISH_RUN_TOKENS positions), its blocks kept as places in it (`BlockStore::put_run`):
-    // a 2,048-token chunk in blocks of 32 is 64 blocks, and a copy and a view per block and
-    // layer part cost the host more than the copies themselves. A run's copy lives (and
-    // counts in the prefix cache's bytes) while any of its blocks does, so evicting part of a
-    // run frees its memory with the last of them. The pool evicts a finished sequence's blocks
-    // last first, so a run stays partly evicted only where a prefix that other prompts hit ends
-    // inside it (a shared system prompt's last run, one per such prefix). A recurrent layer
-    // has no positions: a block keeps its state only where the sequence's state was at the
-    // block's end (now, or at the last boundary a decode step crossed; see `crate::kv::block_store`).
-    let runs = entries
-        .chunk_by(|a, b| b.0 == a.0 + 1)
-        .flat_map(|run| run.chunks((PUBLISH_RUN_TOKENS / block_size).max(1)));
-    for run in runs {
-        let (first, last) = (run[0].0, run[run.len() - 1].0);
-        let copies = (0..slots.num_layers())
-            .map(|layer| match slots.is_recurrent(layer) {
-                true => Ok(Vec::new()),
-                false => slots.copy_parts(row, layer, first * block_size, (last + 1) * block_size),
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let ids: Vec<BlockId> = run.iter().map(|&(_, id)| id).collect();
-        store.put_run(&ids, copies);
-    }
-    if hybrid {
+    let mut publishing = Publishing::default();
+    publishing.add(kv, store, runner, seq)?;
+    publishing.copy(kv, store, runner, wait)
+}
+
+/// Blocks that sequences filled, registered in the prefix cache, whose content is copied out of
+/// their slots together ([`Publishing::copy`]): one copy a layer part for all of them (up to
+/// [`PUBLISH_RUN_TOKENS`] positions), not one a sequence. Rows decoding in step fill their
+/// blocks in the same steps: 32 rows of a sliding-window model published as they fill made
+/// 32 copies a layer part at once.
+#[derive(Default)]
+struct Publishing {
+    /// Each sequence's slot and its blocks to copy, `(block index, id)`.
+    blocks: Vec<(Slot, Vec<(usize, BlockId)>)>,
+    /// Blocks given content already (parts of a recomputed hit, a hybrid model's states),
+    /// evaluated with the copies.
+    done: Vec<BlockId>,
+}
+
+impl Publishing {
+    /// [`publish_blocks`]'s registration for `seq`; its blocks' copies wait for
+    /// [`Publishing::copy`] (a hybrid model's are made here: their states follow the copies).
+    fn add(
+        &mut self,
+        kv: &mut KvCacheManager,
+        store: &mut BlockStore,
+        runner: &ModelRunner,
+        seq: &mut Sequence,
+    ) -> Result<()> {
+        let full = seq.computed / kv.block_size();
+        // An anonymous prefix's placeholder tokens must never be hashed. A sequence computes
+        // only in a slot: one without a slot holds what it loaded from the prefix cache,
+        // published already.
+        let Some(slot) = seq.slot else {
+            return Ok(());
+        };
+        // Nor are a bounded or quantized cache's: it does not hold a prefix's plain KV.
+        if full <= seq.published_blocks || seq.preloaded.is_some() || !seq.kv.is_plain() {
+            return Ok(());
+        }
+        let entries = kv.cache_blocks(seq.id, &seq.tokens, seq.computed);
+        let block_size = kv.block_size();
+        let (slots, row) = runner.slot_cache(slot);
+        let hybrid = store.has_recurrent_layers();
+        // Blocks of the prefix hit that this sequence recomputed because their sliding layers'
+        // KV was dropped (see `BlockStore::usable_blocks`): they get it back from this sequence.
+        let table = kv.block_table(seq.id).expect("a running request");
+        let refill: Vec<(usize, BlockId)> = (seq.published_blocks..full)
+            .map(|index| (index, table[index]))
+            .filter(|&(_, id)| !hybrid && store.contains(id) && !store.holds_every_layer(id))
+            .collect();
+        for &(index, id) in &refill {
+            let (start, end) = (index * block_size, (index + 1) * block_size);
+            let parts = (0..store.num_layers())
+                .map(|layer| match store.is_bounded(layer) {
+                    true => slots.copy_parts(row, layer, start, end),
+                    false => Ok(Vec::new()),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            store.put_bounded(id, parts);
+        }
+        self.done.extend(refill.iter().map(|&(_, id)| id));
+        seq.published_blocks = full;
+        if !hybrid {
+            self.blocks.push((slot, entries));
+            return Ok(());
+        }
+        // A recurrent layer has no positions: a block keeps its state only where the
+        // sequence's state was at the block's end (now, or at the last boundary a decode step
+        // crossed; see `crate::kv::block_store`), given once the block is in the store.
+        self.blocks.push((slot, entries.clone()));
+        self.copy_blocks(store, runner, block_size)?;
         for &(index, id) in &entries {
             let end = (index + 1) * block_size;
             let states = if end == slots.slot_len(row) {
@@ -3268,16 +3289,100 @@ fn publish_blocks(
                 store.put_bounded(id, states);
             }
         }
+        Ok(())
     }
-    let ids: Vec<BlockId> = entries.iter().chain(&refill).map(|&(_, id)| id).collect();
-    if wait {
-        eval(store.state(&ids))?;
-    } else {
-        async_eval(store.state(&ids))?;
+
+    /// Copies the blocks added out of their slots into the store, evaluated (`wait`) or
+    /// dispatched, and charges the pool for them.
+    fn copy(
+        mut self,
+        kv: &mut KvCacheManager,
+        store: &mut BlockStore,
+        runner: &ModelRunner,
+        wait: bool,
+    ) -> Result<()> {
+        self.copy_blocks(store, runner, kv.block_size())?;
+        if self.done.is_empty() {
+            return Ok(());
+        }
+        if wait {
+            eval(store.state(&self.done))?;
+        } else {
+            async_eval(store.state(&self.done))?;
+        }
+        kv.charge_pool(store);
+        Ok(())
     }
-    seq.published_blocks = full;
-    kv.charge_pool(store);
-    Ok(())
+
+    /// The copies of the blocks added so far, made (lazily) and kept in the store, their ids
+    /// moved to `done`: for each slot cache, runs of consecutive blocks of each row, packed
+    /// into copies of at most [`PUBLISH_RUN_TOKENS`] positions, one a layer part
+    /// ([`SlotKvCache::copy_ranges`]), their blocks kept as places in them
+    /// (`BlockStore::put_run`): a 2,048-token chunk in blocks of 32 is 64 blocks, and a copy
+    /// and a view per block and layer part cost the host more than the copies themselves. A
+    /// copy lives (and counts in the prefix cache's bytes) while any of its blocks does, so
+    /// evicting part of one frees its memory with the last of them.
+    fn copy_blocks(
+        &mut self,
+        store: &mut BlockStore,
+        runner: &ModelRunner,
+        block_size: usize,
+    ) -> Result<()> {
+        let most = (PUBLISH_RUN_TOKENS / block_size).max(1);
+        let blocks = std::mem::take(&mut self.blocks);
+        // Per slot cache (the decode or the prefill one): its ranges (row, start, end) and
+        // their blocks, in order, a range at most `most` blocks long.
+        let mut caches: Vec<(&SlotKvCache, Vec<(usize, usize, usize)>, Vec<BlockId>)> =
+            Vec::new();
+        for (slot, entries) in &blocks {
+            let (cache, row) = runner.slot_cache(*slot);
+            let at = match caches.iter().position(|(c, ..)| std::ptr::eq(*c, cache)) {
+                Some(at) => at,
+                None => {
+                    caches.push((cache, Vec::new(), Vec::new()));
+                    caches.len() - 1
+                }
+            };
+            let (_, ranges, ids) = &mut caches[at];
+            let runs = entries
+                .chunk_by(|a, b| b.0 == a.0 + 1)
+                .flat_map(|run| run.chunks(most));
+            for run in runs {
+                let (first, last) = (run[0].0, run[run.len() - 1].0);
+                ranges.push((row, first * block_size, (last + 1) * block_size));
+                ids.extend(run.iter().map(|&(_, id)| id));
+            }
+        }
+        for (cache, ranges, ids) in caches {
+            // Consecutive ranges packed while they fit in one copy.
+            let mut from = 0;
+            while from < ranges.len() {
+                let (mut to, mut blocks) = (from, 0);
+                while to < ranges.len() {
+                    let len = (ranges[to].2 - ranges[to].1) / block_size;
+                    if to > from && blocks + len > most {
+                        break;
+                    }
+                    blocks += len;
+                    to += 1;
+                }
+                let first_block = (ranges[..from].iter())
+                    .map(|r| (r.2 - r.1) / block_size)
+                    .sum::<usize>();
+                let copies = (0..cache.num_layers())
+                    .map(|layer| match cache.is_recurrent(layer) {
+                        true => Ok(Vec::new()),
+                        false => cache.copy_ranges(layer, &ranges[from..to]),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let run_ids = &ids[first_block..first_block + blocks];
+                store.put_run(run_ids, copies);
+                self.done.extend_from_slice(run_ids);
+                from = to;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The proposals a row that verify steps are warmed (and, on GPUs, padded) for: the requests'

@@ -1887,6 +1887,72 @@ impl SlotKvCache {
             .collect()
     }
 
+    /// [`SlotKvCache::copy_parts`] of several `(slot, start, end)` ranges of layer `layer` (not
+    /// recurrent) in one buffer per part, the ranges one after another along its positions
+    /// (`[1, kv_heads, Σ (end − start), last]`; lazy): one gather a part, whatever the number of
+    /// ranges. The decode loop publishes the blocks that several rows filled in one step so
+    /// (a copy a row and layer part cost the host more than the copies themselves).
+    pub fn copy_ranges(&self, layer: usize, ranges: &[(usize, usize, usize)]) -> Result<Vec<Array>> {
+        let flat_entries = |b: &Array| b.size() / b.shape()[3].max(1) as usize;
+        let fits = self.layers[layer]
+            .iter()
+            .all(|b| flat_entries(b) <= i32::MAX as usize);
+        if ranges.len() == 1 || !fits {
+            // One range, or flat entries past an i32: a copy a range.
+            let copies = ranges
+                .iter()
+                .map(|&(slot, start, end)| self.copy_parts(slot, layer, start, end))
+                .collect::<Result<Vec<_>>>()?;
+            let parts = copies.first().map_or(0, Vec::len);
+            return (0..parts)
+                .map(|p| match copies.len() {
+                    1 => Ok(copies[0][p].clone()),
+                    _ => {
+                        let pieces: Vec<&Array> = copies.iter().map(|c| &c[p]).collect();
+                        Ok(ops::concatenate(&pieces, 2)?)
+                    }
+                })
+                .collect();
+        }
+        debug_assert!(!self.is_recurrent(layer), "states have no positions");
+        // Each position's (row, entry) in the buffers.
+        let mut entries = Vec::new();
+        for &(slot, start, end) in ranges {
+            let runs = self.runs(layer, self.slot_limit(slot), self.slot_len(slot), (start, end))?;
+            for (entry, count) in runs {
+                entries.extend((entry..entry + count).map(|e| (slot as i32, e as i32)));
+            }
+        }
+        let n = entries.len() as i32;
+        // Parts of one shape (keys and values) share their index.
+        let mut indices: Vec<((i32, i32), Array)> = Vec::new();
+        self.layers[layer]
+            .iter()
+            .map(|b| {
+                let s = b.shape();
+                let (heads, capacity, last) = (s[1], s[2], s[3]);
+                let index = match indices.iter().find(|(k, _)| *k == (heads, capacity)) {
+                    Some((_, index)) => index.clone(),
+                    None => {
+                        let flat: Vec<i32> = (0..heads)
+                            .flat_map(|h| {
+                                entries
+                                    .iter()
+                                    .map(move |&(row, e)| (row * heads + h) * capacity + e)
+                            })
+                            .collect();
+                        let index = Array::from_slice(&flat, &[heads * n]);
+                        indices.push(((heads, capacity), index.clone()));
+                        index
+                    }
+                };
+                Ok(b.reshape(&[-1, last])?
+                    .take_axis(&index, 0)?
+                    .reshape(&[1, heads, n, last])?)
+            })
+            .collect()
+    }
+
     /// Views of positions `[start, end)` of `slot` in layer `layer`'s buffers.
     fn slot_parts(
         &self,
@@ -2164,6 +2230,59 @@ mod tests {
         let limit = KvLimit::new(16, 4).unwrap();
         let bounded_slot = bounded.push(&caches, 4, RowKv::Bounded(limit)).unwrap();
         assert!(bounded.rewind(bounded_slot, 1).is_err());
+    }
+
+    /// Several rows' ranges copied in one gather ([`SlotKvCache::copy_ranges`]) equal each
+    /// range's own copy, one after another: a sliding layer's ranges across its ring's wrap,
+    /// and a global layer's, over two heads and three features.
+    #[test]
+    fn ranges_of_several_rows_copy_as_each_alone() {
+        let caches = |len: i32, shift: f32| -> Vec<KvCache> {
+            (0..2)
+                .map(|layer| {
+                    let mut cache = KvCache::new();
+                    let positions = ops::arange::<_, f32>(0.0, len as f32, None)
+                        .unwrap()
+                        .reshape(&[1, 1, len, 1])
+                        .unwrap();
+                    let heads = Array::from_slice(&[0.0f32, 1000.0], &[1, 2, 1, 1]);
+                    let features = Array::from_slice(&[0.0f32, 0.25, 0.5], &[1, 1, 1, 3]);
+                    let keys = ops::add(&ops::add(&positions, &heads).unwrap(), &features).unwrap();
+                    let shift = Array::from_f32(shift + layer as f32 * 0.125);
+                    let keys = ops::add(&keys, &shift).unwrap();
+                    let values = ops::negative(&keys).unwrap();
+                    cache.update_and_fetch(&keys, &values).unwrap();
+                    cache
+                })
+                .collect()
+        };
+        // Layer 0 slides over 8 positions: a ring of 256 entries.
+        let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(8), None], 1, 16);
+        let a = slots.push(&caches(600, 0.0), 600, RowKv::Plain).unwrap();
+        let b = slots.push(&caches(530, 5000.0), 530, RowKv::Plain).unwrap();
+        // 496..528 and 500..530 cross the ring's wrap at 512.
+        let ranges = [(a, 496, 528), (b, 500, 530), (a, 576, 600)];
+        for layer in 0..2 {
+            let together = slots.copy_ranges(layer, &ranges).unwrap();
+            let alone: Vec<Vec<Array>> = ranges
+                .iter()
+                .map(|&(slot, start, end)| slots.copy_parts(slot, layer, start, end).unwrap())
+                .collect();
+            assert_eq!(together.len(), 2, "keys and values");
+            for (p, part) in together.iter().enumerate() {
+                let pieces: Vec<&Array> = alone.iter().map(|copy| &copy[p]).collect();
+                let expected = ops::concatenate(&pieces, 2).unwrap();
+                assert_eq!(part.shape(), [1, 2, 86, 3]);
+                assert_eq!(part.shape(), expected.shape());
+                assert_eq!(
+                    part.as_slice::<f32>(),
+                    expected.as_slice::<f32>(),
+                    "layer {layer}, part {p}"
+                );
+            }
+        }
+        let err = slots.copy_ranges(0, &[(a, 300, 316), (b, 500, 516)]).unwrap_err();
+        assert!(err.to_string().contains("not held"), "{err}");
     }
 
     /// A sliding layer's ring stops at its size while a global layer's buffers grow with the
