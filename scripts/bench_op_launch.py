@@ -28,9 +28,10 @@ def chains(n: int):
     mx.eval(x, c, wq, scales, biases, cache, new, at, at_full, norm_w)
     copy = None
     if hasattr(mx.fast, "cuda_kernel") and mx.default_device() == mx.gpu and getattr(mx, "cuda", None) and mx.cuda.is_available():
+        # MLX's CUDA custom kernels take a function body over the named pointers (no sizes given).
         copy = mx.fast.cuda_kernel(
             name="copy", input_names=["a"], output_names=["b"],
-            source="uint i = blockIdx.x * blockDim.x + threadIdx.x; if (i < a_size) b[i] = a[i];")
+            source="const unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < N) b[i] = a[i];")
 
     def add():
         y = x
@@ -71,8 +72,8 @@ def chains(n: int):
     def custom_kernel():
         y = x
         for _ in range(n):
-            y = copy(inputs=[y], grid=(rows * hidden, 1, 1), threadgroup=(256, 1, 1),
-                     output_shapes=[y.shape], output_dtypes=[y.dtype])[0]
+            y = copy(inputs=[y], template=[("N", rows * hidden)], grid=(rows * hidden, 1, 1),
+                     threadgroup=(256, 1, 1), output_shapes=[y.shape], output_dtypes=[y.dtype])[0]
         return y
 
     kinds = [("add", add), ("rms_norm", rms_norm), ("reshape (2 views)", reshape_pairs),

@@ -310,6 +310,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         }
         if name == "gemma3_text" {
             long_conversation(dir, &expected.long_prompt_ids);
+            rows_publishing_together(dir, &expected.long_prompt_ids);
         }
         if model.has_recurrent_layers() {
             hybrid_prompt_caches(dir, model.as_ref(), &tokenizer, &name, &expected);
@@ -822,6 +823,52 @@ fn hybrid_prompt_caches(
         "{name}: after an imported prefix"
     );
     engine.shutdown();
+}
+
+/// Rows of a sliding-window model decoding side by side fill blocks in the same steps, and
+/// those blocks are copied out of their slots together (one gather a layer part for all rows):
+/// each row's next turn hits its own blocks, those filled while decoding included, and gives
+/// `generate`'s ids.
+fn rows_publishing_together(dir: &Path, prompt: &[u32]) {
+    let model = models::load(dir).unwrap();
+    let tokenizer = Tokenizer::load(dir).unwrap();
+    let model = model.as_ref();
+    let request = |prompt: Vec<u32>| unstopped_request(prompt, 40);
+    let alone = |prompt: &[u32]| {
+        generate(model, &tokenizer, &request(prompt.to_vec()), |_| {
+            ControlFlow::Continue(())
+        })
+        .unwrap()
+        .token_ids
+    };
+    let every_layer = perch_engine::testing::kv_bytes_per_token(model, None);
+    let config = BatchConfig {
+        compile_decode: false,
+        ..BatchConfig::for_budget(model, 4000 * every_layer, 16, None)
+    };
+    let mut batch = BatchGenerator::new(model, &tokenizer, config, "rows");
+    // Three prompts of one length, prefilled in one pass: their rows reach each block's end
+    // in the same decode step (positions 112 and 128 in blocks of 16).
+    let prompts: Vec<Vec<u32>> = (0..3)
+        .map(|i| prompt.iter().cycle().skip(7 * i).take(100).copied().collect())
+        .collect();
+    let schedule = prompts.iter().map(|p| (0, request(p.clone()))).collect();
+    let outputs = common::drive(&mut batch, schedule);
+    let turns: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&outputs)
+        .map(|(p, (output, _))| {
+            assert_eq!(output.token_ids, alone(p), "a first turn");
+            [&p[..], &output.token_ids, &prompt[..5]].concat()
+        })
+        .collect();
+    let schedule = turns.iter().map(|t| (0, request(t.clone()))).collect();
+    for (turn, (output, _)) in turns.iter().zip(common::drive(&mut batch, schedule)) {
+        assert_eq!(output.token_ids, alone(turn), "the next turn");
+        // The prompt's 6 blocks and the 2 filled while decoding (139 positions computed).
+        let cached = output.stats.cached_prompt_tokens;
+        assert!(cached >= 128, "the next turn found {cached} tokens cached");
+    }
 }
 
 /// A conversation far past the sliding layers' bound in the batch engine, under a KV budget
