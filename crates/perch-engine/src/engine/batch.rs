@@ -2396,6 +2396,9 @@ impl<'m> BatchGenerator<'m> {
         let start = Instant::now();
         let now = self.now();
         let hybrid = self.store.has_recurrent_layers();
+        // The pass's rows' blocks copied together (`Publishing`), not waited for: the copies
+        // follow the pass in flight (see `prefill_step`).
+        let mut publishing = Publishing::default();
         for &(id, chunk) in &pass.chunks {
             let Some(i) = self.position(id) else {
                 continue; // refused above
@@ -2403,8 +2406,7 @@ impl<'m> BatchGenerator<'m> {
             let seq = &mut self.running[i];
             seq.computed += chunk;
             let published = seq.published_blocks;
-            // Not waited for: the copies follow the pass in flight (see `prefill_step`).
-            publish_blocks(&mut self.kv, &mut self.store, &self.runner, seq, false)?;
+            publishing.add(&mut self.kv, &mut self.store, &self.runner, seq)?;
             // The recomputed shared blocks' last one gets the states at its end, and so does
             // one where a prefix this sequence pins ends.
             let block_size = self.config.block_size;
@@ -2420,7 +2422,12 @@ impl<'m> BatchGenerator<'m> {
                 async_eval(states.iter().flatten())?;
                 self.store.put_bounded(id, states);
             }
-            take_pins(&mut self.kv, &mut self.store, seq, now);
+        }
+        publishing.copy(&mut self.kv, &mut self.store, &self.runner, false)?;
+        for &(id, _) in &pass.chunks {
+            if let Some(i) = self.position(id) {
+                take_pins(&mut self.kv, &mut self.store, &mut self.running[i], now);
+            }
         }
         self.runner.end_prefill_step()?;
         self.times.publish_seconds += start.elapsed().as_secs_f64();
