@@ -825,6 +825,17 @@ fn hybrid_prompt_caches(
     engine.shutdown();
 }
 
+/// `request`'s ids through `generate`, alone.
+fn ids_alone(
+    model: &dyn models::Model,
+    tokenizer: &Tokenizer,
+    request: &GenerateRequest,
+) -> Vec<u32> {
+    generate(model, tokenizer, request, |_| ControlFlow::Continue(()))
+        .unwrap()
+        .token_ids
+}
+
 /// Rows of a sliding-window model decoding side by side fill blocks in the same steps, and
 /// those blocks are copied out of their slots together (one gather a layer part for all rows):
 /// each row's next turn hits its own blocks, those filled while decoding included, and gives
@@ -834,13 +845,7 @@ fn rows_publishing_together(dir: &Path, prompt: &[u32]) {
     let tokenizer = Tokenizer::load(dir).unwrap();
     let model = model.as_ref();
     let request = |prompt: Vec<u32>| unstopped_request(prompt, 40);
-    let alone = |prompt: &[u32]| {
-        generate(model, &tokenizer, &request(prompt.to_vec()), |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap()
-        .token_ids
-    };
+    let alone = |prompt: &[u32]| ids_alone(model, &tokenizer, &request(prompt.to_vec()));
     let every_layer = perch_engine::testing::kv_bytes_per_token(model, None);
     let config = BatchConfig {
         compile_decode: false,
@@ -850,7 +855,15 @@ fn rows_publishing_together(dir: &Path, prompt: &[u32]) {
     // Three prompts of one length, prefilled in one pass: their rows reach each block's end
     // in the same decode step (positions 112 and 128 in blocks of 16).
     let prompts: Vec<Vec<u32>> = (0..3)
-        .map(|i| prompt.iter().cycle().skip(7 * i).take(100).copied().collect())
+        .map(|i| {
+            prompt
+                .iter()
+                .cycle()
+                .skip(7 * i)
+                .take(100)
+                .copied()
+                .collect()
+        })
         .collect();
     let schedule = prompts.iter().map(|p| (0, request(p.clone()))).collect();
     let outputs = common::drive(&mut batch, schedule);
@@ -899,13 +912,7 @@ fn long_conversation(dir: &Path, prompt: &[u32]) {
         request.prefill_step_size = 256;
         request
     };
-    let alone = |prompt: &[u32]| {
-        generate(model, &tokenizer, &request(prompt.to_vec()), |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap()
-        .token_ids
-    };
+    let alone = |prompt: &[u32]| ids_alone(model, &tokenizer, &request(prompt.to_vec()));
     let every_layer = perch_engine::testing::kv_bytes_per_token(model, None);
     let config = BatchConfig {
         compile_decode: false,

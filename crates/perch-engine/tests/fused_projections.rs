@@ -48,7 +48,7 @@ fn fused_projections_compute_what_separate_ones_do() {
     let largest = ops::max(&diff, None).unwrap().item_exact::<f32>();
     // float32 rounding of other summation orders, relative to the logits' size (as
     // architecture_parity compares with mlx_lm): an absolute 1e-4 failed once at 1.1e-4.
-    let scale = ops::max(&ops::abs(&a).unwrap(), None)
+    let scale = ops::max(ops::abs(&a).unwrap(), None)
         .unwrap()
         .item_exact::<f32>();
     assert!(

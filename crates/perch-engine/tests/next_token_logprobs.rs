@@ -64,6 +64,7 @@ const GROWING_CHECKED: usize = 3;
 /// mlx_lm's distributions for every short prompt and the first [`GROWING_CHECKED`] growing
 /// prompts, from one oracle run that both tests share.
 fn oracle_answers() -> &'static (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+    #[allow(clippy::type_complexity)]
     static EXPECTED: OnceLock<(Vec<Vec<f32>>, Vec<Vec<f32>>)> = OnceLock::new();
     EXPECTED.get_or_init(|| {
         let mut prompts = short_prompts();

@@ -3339,8 +3339,7 @@ impl Publishing {
         let blocks = std::mem::take(&mut self.blocks);
         // Per slot cache (the decode or the prefill one): its ranges (row, start, end) and
         // their blocks, in order, a range at most `most` blocks long.
-        let mut caches: Vec<(&SlotKvCache, Vec<(usize, usize, usize)>, Vec<BlockId>)> =
-            Vec::new();
+        let mut caches: Vec<CacheRanges> = Vec::new();
         for (slot, entries) in &blocks {
             let (cache, row) = runner.slot_cache(*slot);
             let at = match caches.iter().position(|(c, ..)| std::ptr::eq(*c, cache)) {
@@ -3391,6 +3390,10 @@ impl Publishing {
         Ok(())
     }
 }
+
+/// A slot cache's ranges `(row, start, end)` to copy and their blocks, in order
+/// ([`Publishing::copy_blocks`]).
+type CacheRanges<'a> = (&'a SlotKvCache, Vec<(usize, usize, usize)>, Vec<BlockId>);
 
 /// The proposals a row that verify steps are warmed (and, on GPUs, padded) for: the requests'
 /// default `num_draft_tokens`, or [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when it is out of range

@@ -1892,7 +1892,11 @@ impl SlotKvCache {
     /// (`[1, kv_heads, Σ (end − start), last]`; lazy): one gather a part, whatever the number of
     /// ranges. The decode loop publishes the blocks that several rows filled in one step so
     /// (a copy a row and layer part cost the host more than the copies themselves).
-    pub fn copy_ranges(&self, layer: usize, ranges: &[(usize, usize, usize)]) -> Result<Vec<Array>> {
+    pub fn copy_ranges(
+        &self,
+        layer: usize,
+        ranges: &[(usize, usize, usize)],
+    ) -> Result<Vec<Array>> {
         let flat_entries = |b: &Array| b.size() / b.shape()[3].max(1) as usize;
         let fits = self.layers[layer]
             .iter()
@@ -1918,7 +1922,12 @@ impl SlotKvCache {
         // Each position's (row, entry) in the buffers.
         let mut entries = Vec::new();
         for &(slot, start, end) in ranges {
-            let runs = self.runs(layer, self.slot_limit(slot), self.slot_len(slot), (start, end))?;
+            let runs = self.runs(
+                layer,
+                self.slot_limit(slot),
+                self.slot_len(slot),
+                (start, end),
+            )?;
             for (entry, count) in runs {
                 entries.extend((entry..entry + count).map(|e| (slot as i32, e as i32)));
             }
@@ -2247,7 +2256,7 @@ mod tests {
                         .unwrap();
                     let heads = Array::from_slice(&[0.0f32, 1000.0], &[1, 2, 1, 1]);
                     let features = Array::from_slice(&[0.0f32, 0.25, 0.5], &[1, 1, 1, 3]);
-                    let keys = ops::add(&ops::add(&positions, &heads).unwrap(), &features).unwrap();
+                    let keys = ops::add(ops::add(&positions, &heads).unwrap(), &features).unwrap();
                     let shift = Array::from_f32(shift + layer as f32 * 0.125);
                     let keys = ops::add(&keys, &shift).unwrap();
                     let values = ops::negative(&keys).unwrap();
@@ -2281,7 +2290,9 @@ mod tests {
                 );
             }
         }
-        let err = slots.copy_ranges(0, &[(a, 300, 316), (b, 500, 516)]).unwrap_err();
+        let err = slots
+            .copy_ranges(0, &[(a, 300, 316), (b, 500, 516)])
+            .unwrap_err();
         assert!(err.to_string().contains("not held"), "{err}");
     }
 

@@ -818,22 +818,9 @@ pub fn route_from_hidden(
     scale: Option<&Array>,
     shared: i32,
 ) -> Result<Option<(Array, Array)>, Exception> {
-    let (Some(&hidden), [rows, width]) = (x.shape().last(), weight.shape()) else {
+    let Some(experts) = router_product_experts(x, (weight, bias), k, shared) else {
         return Ok(None);
     };
-    let experts = rows - (shared > 0) as i32;
-    let fits = *width == hidden
-        && hidden > 0
-        && hidden % 8 == 0
-        && hidden <= MAX_IN
-        && *rows <= MAX_ROUTER_PRODUCT_EXPERTS
-        && k <= MAX_ROUTER_PRODUCT_TOP_K
-        && weight.dtype() == x.dtype()
-        && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
-        && bias.is_none_or(|b| shared == 0 && b.shape() == [experts] && is_float(b.dtype()));
-    if !fits {
-        return Ok(None);
-    }
     Ok(launch_route(
         RouterInput::Hidden {
             x,
@@ -853,7 +840,9 @@ pub fn route_from_hidden(
 /// `add_rms_norm`) and [`route_from_hidden`] of the normed sum, in one launch: `x`, `residual`
 /// `[..., hidden]`, the norm's `norm_weight` `[hidden]` and `eps` → `(sum, normed)` `[...,
 /// hidden]` and the routed `(indices, scores)`. One launch a sparse layer fewer at decode.
-/// `Ok(None)` where either would refuse, or with `PERCH_ROUTE_ADD_NORM=0` (benchmarks).
+/// `Ok(None)` where either would refuse, with `PERCH_ROUTE_ADD_NORM=0` (benchmarks) or where
+/// its own load check ([`add_norm_self_test`]) failed; the other expert kernels do not depend
+/// on it.
 #[allow(clippy::type_complexity)]
 pub fn route_after_add_norm(
     (x, residual): (&Array, &Array),
@@ -863,31 +852,65 @@ pub fn route_after_add_norm(
     normalize: Normalize,
     shared: i32,
 ) -> Result<Option<((Array, Array), (Array, Array))>, Exception> {
+    if !route_add_norm_enabled() || add_norm_self_test().is_err() {
+        return Ok(None);
+    }
+    launch_add_norm_route(&AddNormRoute {
+        x,
+        residual,
+        norm_weight,
+        eps,
+        weight,
+        bias,
+        k,
+        normalize,
+        shared,
+    })
+}
+
+/// [`route_after_add_norm`]'s operands (see there).
+struct AddNormRoute<'a> {
+    x: &'a Array,
+    residual: &'a Array,
+    norm_weight: &'a Array,
+    eps: f32,
+    weight: &'a Array,
+    bias: Option<&'a Array>,
+    k: i32,
+    normalize: Normalize,
+    shared: i32,
+}
+
+/// Whether the engine may use [`route_after_add_norm`]: not with `PERCH_ROUTE_ADD_NORM=0`
+/// (benchmarks of the separate launches).
+fn route_add_norm_enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
-    let enabled =
-        *ENABLED.get_or_init(|| std::env::var("PERCH_ROUTE_ADD_NORM").as_deref() != Ok("0"));
-    if !enabled
-        || !crate::nn::norm_kernel::enabled()
+    *ENABLED.get_or_init(|| std::env::var("PERCH_ROUTE_ADD_NORM").as_deref() != Ok("0"))
+}
+
+/// [`route_after_add_norm`] whatever its switch and load check say (the checks run it).
+#[allow(clippy::type_complexity)]
+fn launch_add_norm_route(
+    &AddNormRoute {
+        x,
+        residual,
+        norm_weight,
+        eps,
+        weight,
+        bias,
+        k,
+        normalize,
+        shared,
+    }: &AddNormRoute,
+) -> Result<Option<((Array, Array), (Array, Array))>, Exception> {
+    if !crate::nn::norm_kernel::enabled()
         || !crate::nn::norm_kernel::computes(x, residual, norm_weight)
     {
         return Ok(None);
     }
-    let (Some(&hidden), [rows, width]) = (x.shape().last(), weight.shape()) else {
+    let Some(experts) = router_product_experts(x, (weight, bias), k, shared) else {
         return Ok(None);
     };
-    let experts = rows - (shared > 0) as i32;
-    let fits = *width == hidden
-        && hidden > 0
-        && hidden % 8 == 0
-        && hidden <= MAX_IN
-        && *rows <= MAX_ROUTER_PRODUCT_EXPERTS
-        && k <= MAX_ROUTER_PRODUCT_TOP_K
-        && weight.dtype() == x.dtype()
-        && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
-        && bias.is_none_or(|b| shared == 0 && b.shape() == [experts] && is_float(b.dtype()));
-    if !fits {
-        return Ok(None);
-    }
     let routed = launch_route(
         RouterInput::Hidden {
             x,
@@ -905,6 +928,30 @@ pub fn route_after_add_norm(
         None,
     )?;
     Ok(routed.map(|r| (r.normed.expect("asked for"), r.routed)))
+}
+
+/// The routed experts of a router whose product [`route_from_hidden`] computes for `x`: `None`
+/// where it refuses (see there).
+fn router_product_experts(
+    x: &Array,
+    (weight, bias): (&Array, Option<&Array>),
+    k: i32,
+    shared: i32,
+) -> Option<i32> {
+    let (Some(&hidden), [rows, width]) = (x.shape().last(), weight.shape()) else {
+        return None;
+    };
+    let experts = rows - (shared > 0) as i32;
+    let fits = *width == hidden
+        && hidden > 0
+        && hidden % 8 == 0
+        && hidden <= MAX_IN
+        && *rows <= MAX_ROUTER_PRODUCT_EXPERTS
+        && k <= MAX_ROUTER_PRODUCT_TOP_K
+        && weight.dtype() == x.dtype()
+        && x.size() / hidden as usize <= MAX_ROUTER_TOKENS
+        && bias.is_none_or(|b| shared == 0 && b.shape() == [experts] && is_float(b.dtype()));
+    fits.then_some(experts)
 }
 
 /// The most tokens [`route_from_hidden`] takes: each block reads the router's whole weight,
@@ -1150,13 +1197,28 @@ pub fn self_test() -> &'static Result<(), String> {
             let run = RouteCase::run(case).map_err(|e| e.to_string())?;
             within(case.name, run.error, case.tolerance)?;
         }
-        // With the norm kernel off, the add-and-norm router is not used.
-        if crate::nn::norm_kernel::enabled() {
-            let spec = &ADD_NORM_ROUTES[0];
-            let (error, tolerance, ..) = add_norm_route_case(spec).map_err(|e| e.to_string())?;
-            within(spec.name, error, tolerance)?;
-        }
+        // Its result gates only the add-and-norm router; asked here so that it runs at load.
+        let _ = add_norm_self_test();
         Ok(())
+    })
+}
+
+/// The load check of [`route_after_add_norm`] alone, once per process: the first
+/// [`ADD_NORM_ROUTES`] case (not timed). `Err` says why the one launch is not used (the
+/// separate add-and-norm and router launches are); it needs the norm kernel, and
+/// `PERCH_ROUTE_ADD_NORM=0` skips it.
+fn add_norm_self_test() -> &'static Result<(), String> {
+    static RESULT: OnceLock<Result<(), String>> = OnceLock::new();
+    RESULT.get_or_init(|| {
+        if backend().is_none() || !crate::nn::norm_kernel::enabled() || !route_add_norm_enabled() {
+            return Err("not on CUDA, or a kernel it needs is switched off".into());
+        }
+        let spec = &ADD_NORM_ROUTES[0];
+        let (error, tolerance, _) = add_norm_route_case(spec, false).map_err(|e| e.to_string())?;
+        match error.is_nan() || error > tolerance {
+            true => Err(format!("{}: largest error {error:.2e}", spec.name)),
+            false => Ok(()),
+        }
     })
 }
 
@@ -1819,8 +1881,12 @@ const ADD_NORM_ROUTES: [AddNormRouteSpec; 2] = [
 /// sum be within a unit in the last place of MLX's `rms_norm` (largest output), and the routing
 /// equal [`route_from_hidden`]'s of the kernel's own normed sum (the same product, so the
 /// same experts and weights). Returns the norm's error (NaN when the sum or the routing
-/// differs), its tolerance and the two times in ms.
-fn add_norm_route_case(spec: &AddNormRouteSpec) -> crate::Result<(f32, f32, f64, f64)> {
+/// differs), its tolerance and, when `timed`, the two times in ms.
+#[allow(clippy::type_complexity)]
+fn add_norm_route_case(
+    spec: &AddNormRouteSpec,
+    timed: bool,
+) -> crate::Result<(f32, f32, Option<(f64, f64)>)> {
     use crate::nn::custom_kernel::{max_abs_error, unit_in_last_place};
     use mlx_rs::random::{key, normal};
     let (t, h, e) = (spec.tokens, spec.hidden, spec.experts);
@@ -1834,31 +1900,45 @@ fn add_norm_route_case(spec: &AddNormRouteSpec) -> crate::Result<(f32, f32, f64,
     let bias = spec.bias.then(|| normal(&[e], 0.1, 4)).transpose()?;
     let eps = 1e-5;
     let ours = || {
-        route_after_add_norm(
-            (&x, &residual),
-            (&norm_weight, eps),
-            (&weight, bias.as_ref()),
-            spec.k,
-            spec.normalize,
-            0,
-        )?
+        launch_add_norm_route(&AddNormRoute {
+            x: &x,
+            residual: &residual,
+            norm_weight: &norm_weight,
+            eps,
+            weight: &weight,
+            bias: bias.as_ref(),
+            k: spec.k,
+            normalize: spec.normalize,
+            shared: 0,
+        })?
         .ok_or_else(|| crate::EngineError::Kernel(format!("{}: refused", spec.name)))
     };
     let ((sum, normed), (indices, scores)) = ours()?;
     let expected_sum = ops::add(&x, &residual)?;
     let expected = mlx_rs::fast::rms_norm(&expected_sum, Some(&norm_weight), eps)?;
-    let (alone_indices, alone_scores) =
-        route_from_hidden(&normed, (&weight, bias.as_ref()), spec.k, spec.normalize, None, 0)?
-            .ok_or_else(|| crate::EngineError::Kernel(format!("{}: refused", spec.name)))?;
+    let (alone_indices, alone_scores) = route_from_hidden(
+        &normed,
+        (&weight, bias.as_ref()),
+        spec.k,
+        spec.normalize,
+        None,
+        0,
+    )?
+    .ok_or_else(|| crate::EngineError::Kernel(format!("{}: refused", spec.name)))?;
     let same_routing = ops::array_eq(&indices, &alone_indices, None)?.item_exact::<bool>()
         && ops::array_eq(&scores, &alone_scores, None)?.item_exact::<bool>();
-    let largest = ops::abs(&expected.as_dtype(F32)?)?.max(None)?.item_exact::<f32>();
+    let largest = ops::abs(&expected.as_dtype(F32)?)?
+        .max(None)?
+        .item_exact::<f32>();
     let tolerance = largest * unit_in_last_place(BF16);
     let norm_error = max_abs_error(&normed, &expected)?;
     let error = match max_abs_error(&sum, &expected_sum)? == 0.0 && same_routing {
         true => norm_error,
         false => f32::NAN,
     };
+    if !timed {
+        return Ok((error, tolerance, None));
+    }
     let ours_ms = time_call(&|| Ok(ours()?.1 .1))?;
     let mlx_ms = time_call(&|| {
         let normed = mlx_rs::fast::rms_norm(&ops::add(&x, &residual)?, Some(&norm_weight), eps)?;
@@ -1869,7 +1949,7 @@ fn add_norm_route_case(spec: &AddNormRouteSpec) -> crate::Result<(f32, f32, f64,
         let routed = route(&logits, spec.k, spec.normalize, None, 0)?;
         Ok(routed.expect("the router kernel takes it").1)
     })?;
-    Ok((error, tolerance, ours_ms, mlx_ms))
+    Ok((error, tolerance, Some((ours_ms, mlx_ms))))
 }
 
 /// An input `x` `[tokens, hidden]`, a weight `W` `[experts, hidden]` and (with `bias`) a bias
@@ -1990,7 +2070,8 @@ pub fn check() -> crate::Result<Vec<String>> {
         )?);
     }
     for spec in &ADD_NORM_ROUTES {
-        let (error, tolerance, ours, mlx) = add_norm_route_case(spec)?;
+        let (error, tolerance, times) = add_norm_route_case(spec, true)?;
+        let (ours, mlx) = times.expect("timed");
         lines.push(report(spec.name, BF16, (error, tolerance), ours, mlx)?);
     }
     Ok(lines)

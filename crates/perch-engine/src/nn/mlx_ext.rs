@@ -274,8 +274,8 @@ mod tests {
                     let fresh = Array::from_f32(v).as_dtype(dtype).unwrap();
                     assert_eq!(cached.dtype(), dtype);
                     let (a, b): (f32, f32) = (
-                        cached.as_dtype(Dtype::Float32).unwrap().item(),
-                        fresh.as_dtype(Dtype::Float32).unwrap().item(),
+                        cached.as_dtype(Dtype::Float32).unwrap().item_exact(),
+                        fresh.as_dtype(Dtype::Float32).unwrap().item_exact(),
                     );
                     assert_eq!(a.to_bits(), b.to_bits(), "{v} in {dtype:?}");
                 }

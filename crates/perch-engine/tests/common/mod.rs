@@ -38,6 +38,8 @@ pub fn served_oracle(script: &str, args: &[&str]) -> String {
     struct Served {
         stdin: std::process::ChildStdin,
         stdout: std::io::BufReader<std::process::ChildStdout>,
+        /// Kept for the test process's life: the oracle ends when its stdin closes.
+        _child: std::process::Child,
     }
     static SERVED: Mutex<Option<HashMap<String, Served>>> = Mutex::new(None);
     let mut served = SERVED.lock().unwrap_or_else(|e| e.into_inner());
@@ -59,6 +61,7 @@ pub fn served_oracle(script: &str, args: &[&str]) -> String {
             Served {
                 stdin: child.stdin.take().unwrap(),
                 stdout: std::io::BufReader::new(child.stdout.take().unwrap()),
+                _child: child,
             }
         });
     let line = serde_json::to_string(args).unwrap();
