@@ -891,18 +891,10 @@ fn route_add_norm_enabled() -> bool {
 /// [`route_after_add_norm`] whatever its switch and load check say (the checks run it).
 #[allow(clippy::type_complexity)]
 fn launch_add_norm_route(
-    &AddNormRoute {
-        x,
-        residual,
-        norm_weight,
-        eps,
-        weight,
-        bias,
-        k,
-        normalize,
-        shared,
-    }: &AddNormRoute,
+    route: &AddNormRoute,
 ) -> Result<Option<((Array, Array), (Array, Array))>, Exception> {
+    let (x, residual, norm_weight) = (route.x, route.residual, route.norm_weight);
+    let (weight, bias, k, shared) = (route.weight, route.bias, route.k, route.shared);
     if !crate::nn::norm_kernel::enabled()
         || !crate::nn::norm_kernel::computes(x, residual, norm_weight)
     {
@@ -919,12 +911,12 @@ fn launch_add_norm_route(
             add_norm: Some(AddNorm {
                 residual,
                 weight: norm_weight,
-                eps,
+                eps: route.eps,
             }),
         },
         experts,
         (k, shared),
-        normalize,
+        route.normalize,
         None,
     )?;
     Ok(routed.map(|r| (r.normed.expect("asked for"), r.routed)))
