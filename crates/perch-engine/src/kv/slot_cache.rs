@@ -636,6 +636,16 @@ impl SlotKvCache {
         Some(ranges.into_iter().filter(|(a, b)| a < b).collect())
     }
 
+    /// [`SlotKvCache::runs`] of positions `range` in row `slot`, at its length and bound.
+    fn slot_runs(
+        &self,
+        slot: usize,
+        layer: usize,
+        range: (usize, usize),
+    ) -> Result<Vec<(usize, usize)>> {
+        self.runs(layer, self.slot_limit(slot), self.slot_len(slot), range)
+    }
+
     /// Positions `[start, end)` of layer `layer` in a slot of `len` positions bounded by `limit`
     /// (if any) as runs of buffer entries in temporal order, `(first entry, count)`: one run, or
     /// two or three where a ring wraps. Errors for positions a ring has overwritten (before
@@ -1922,13 +1932,7 @@ impl SlotKvCache {
         // Each position's (row, entry) in the buffers.
         let mut entries = Vec::new();
         for &(slot, start, end) in ranges {
-            let runs = self.runs(
-                layer,
-                self.slot_limit(slot),
-                self.slot_len(slot),
-                (start, end),
-            )?;
-            for (entry, count) in runs {
+            for (entry, count) in self.slot_runs(slot, layer, (start, end))? {
                 entries.extend((entry..entry + count).map(|e| (slot as i32, e as i32)));
             }
         }
@@ -1970,12 +1974,7 @@ impl SlotKvCache {
         start: usize,
         end: usize,
     ) -> Result<Vec<Array>> {
-        let runs = self.runs(
-            layer,
-            self.slot_limit(slot),
-            self.slot_len(slot),
-            (start, end),
-        )?;
+        let runs = self.slot_runs(slot, layer, (start, end))?;
         self.layers[layer]
             .iter()
             .map(|b| {

@@ -1175,12 +1175,6 @@ pub fn self_test() -> &'static Result<(), String> {
         if backend().is_none() {
             return Err("not on CUDA, or PERCH_EXPERT_KERNEL=0".into());
         }
-        let within =
-            |name: &str, error: f32, tolerance: f32| match error.is_nan() || error > tolerance {
-                // NaN fails too.
-                true => Err(format!("{name}: largest error {error:.2e}")),
-                false => Ok(()),
-            };
         for case in &CASES[..SELF_TEST_CASES] {
             let run = Case::run(case).map_err(|e| e.to_string())?;
             within(case.name, run.error, case.tolerance)?;
@@ -1207,11 +1201,17 @@ fn add_norm_self_test() -> &'static Result<(), String> {
         }
         let spec = &ADD_NORM_ROUTES[0];
         let (error, tolerance, _) = add_norm_route_case(spec, false).map_err(|e| e.to_string())?;
-        match error.is_nan() || error > tolerance {
-            true => Err(format!("{}: largest error {error:.2e}", spec.name)),
-            false => Ok(()),
-        }
+        within(spec.name, error, tolerance)
     })
+}
+
+/// A load check's verdict on case `name`: `Err` when its largest error is above `tolerance`
+/// or NaN.
+fn within(name: &str, error: f32, tolerance: f32) -> Result<(), String> {
+    match error.is_nan() || error > tolerance {
+        true => Err(format!("{name}: largest error {error:.2e}")),
+        false => Ok(()),
+    }
 }
 
 /// What a check case's product does after the gather ([`Epilogue`]).
