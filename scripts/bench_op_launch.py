@@ -57,6 +57,22 @@ def chains(n: int):
             y = mx.quantized_matmul(y, wq, scales, biases, transpose=True, group_size=64, bits=4)
         return y
 
+    def matmul():
+        # cuBLASLt on CUDA: MLX captures each call into a child graph.
+        y = x
+        for _ in range(n):
+            y = y @ w
+        return y
+
+    def matmul_batched():
+        # Attention-shaped: 32 rows × 4 KV heads of [4, 64] @ [64, 256].
+        q = x.reshape(rows, 4, 4, 64)
+        k = cache[:, :, :, :64].swapaxes(2, 3)
+        y = q
+        for _ in range(n):
+            y = (y @ k)[..., :64]
+        return y
+
     def scatter_broadcast_each():
         y = cache
         for _ in range(n):
@@ -77,7 +93,8 @@ def chains(n: int):
         return y
 
     kinds = [("add", add), ("rms_norm", rms_norm), ("reshape (2 views)", reshape_pairs),
-             ("quantized_matmul 4-bit", quantized_matmul), ("put_along_axis, index broadcast each time",
+             ("quantized_matmul 4-bit", quantized_matmul), ("matmul (cuBLASLt)", matmul),
+             ("matmul, batched over 128 matrices", matmul_batched), ("put_along_axis, index broadcast each time",
              scatter_broadcast_each), ("put_along_axis, full-shaped index", scatter_full_index)]
     if copy is not None:
         kinds.append(("custom kernel (copy)", custom_kernel))

@@ -4,6 +4,9 @@
 # device call of at most 600 s on the same warm machine:
 #   `bash scripts/device_moe.sh bench`: random `qwen3_moe` and `gpt_oss` models (make_random_model.py,
 #     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each;
+#   `bash scripts/device_moe.sh probe`: the engine thread sampled at 32 rows on each model
+#     (scripts/probe_host.c as $G/probe_host.so), its stacks written to $OUT/probe-MODEL.txt.xz, and bench_op_launch.py;
+#   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
 #     (PERCH_DECODE_GRAPH_DIR, counted by operation), `perch check-kernels experts`, and where the
@@ -29,12 +32,33 @@ for a in qwen3_moe:moe gpt_oss:oss; do
   [ -f /tmp/models/${a#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${a%:*} /tmp/models/${a#*:} $G/tok bfloat16 | tail -1
 done
 case "${1:-bench}" in
+probe)
+  # Where the engine thread's time goes at 32 rows (scripts/probe_host.c, built here and carried as
+  # $G/probe_host.so; read the stacks with scripts/probe_host_report.py and the same perch binary).
+  for m in moe oss; do
+    echo "== $m, warming up"; bench $m 200
+    echo "== $m, sampled"
+    PROBE_THREAD=perch-engine PROBE_EVERY_US=250 PROBE_OUT=/tmp/probe-$m.txt \
+      LD_PRELOAD=$PWD/$G/probe_host.so $OD timeout 150 $P bench --model /tmp/models/$m --concurrency 32 --prompt-tokens 128 \
+      --gen-tokens 256 --runs 16 --json 2>&1 | grep -v '^{' | tail -3
+    xz -9 -T0 -c /tmp/probe-$m.txt > "${OUT:-/tmp}/probe-$m.txt.xz"
+    date +%T
+  done
+  echo "== MLX's host time an operation, by kind (scripts/bench_op_launch.py)"
+  MLX_MAX_OPS_PER_BUFFER=30 $OD timeout 150 python3 scripts/bench_op_launch.py 2>&1 | tail -12
+  ;;
 bench)
   for m in moe:330 oss:200; do
     echo "== bench_gpu ${m%:*}, 32 concurrent"
     $OD timeout ${m#*:} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency 32 --model-dir /tmp/models/${m%:*} 2>&1 | grep -v '^\s*$' | tail -12
     date +%T
   done
+  ;;
+llama)
+  # The dense rows of docs/benchmarks.md (the 5% rule of the MoE changes): the 1.07B Llama at 1/8/32/128.
+  echo "== bench_gpu llama-1b"
+  $OD timeout 560 python3 scripts/bench_gpu.py $P $G/tok --no-floor 2>&1 | grep -v '^\s*$' | tail -30
+  date +%T
   ;;
 rest)
   echo "== MLX's host time an operation, by kind (scripts/bench_op_launch.py)"

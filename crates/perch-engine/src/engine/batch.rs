@@ -47,7 +47,7 @@ use crate::engine::images::{self, SequenceImage};
 use crate::error::{EngineError, Result};
 use crate::kv::block_store::BlockStore;
 use crate::kv::cache::{KvCache, KvLimit};
-use crate::kv::slot_cache::{RowKv, RowQuantization, SlotAttention, SlotKvCache};
+use crate::kv::slot_cache::{CopyIndices, RowKv, RowQuantization, SlotAttention, SlotKvCache};
 use crate::kv::tail_cache::{Tail, TailCache};
 use crate::models::Model;
 use crate::output::{Pushed, TokenSink};
@@ -3375,10 +3375,11 @@ impl Publishing {
                 let first_block = (ranges[..from].iter())
                     .map(|r| (r.2 - r.1) / block_size)
                     .sum::<usize>();
+                let mut indices = CopyIndices::default();
                 let copies = (0..cache.num_layers())
                     .map(|layer| match cache.is_recurrent(layer) {
                         true => Ok(Vec::new()),
-                        false => cache.copy_ranges(layer, &ranges[from..to]),
+                        false => cache.copy_ranges(layer, &ranges[from..to], &mut indices),
                     })
                     .collect::<Result<Vec<_>>>()?;
                 let run_ids = &ids[first_block..first_block + blocks];

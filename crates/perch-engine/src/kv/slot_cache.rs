@@ -226,6 +226,43 @@ fn once(cell: &OnceCell<Array>, make: impl FnOnce() -> Result<Array>) -> Result<
     Ok(cell.get_or_init(|| array))
 }
 
+/// The flat indices of [`SlotKvCache::copy_ranges`]'s gathers, made once for every layer part
+/// of the same entries and buffer shape: the parts of a layer (keys and values) and the layers
+/// of one kind (full, sliding) publish the same positions. Each index is a host array, which on
+/// CUDA costs MLX 0.32 a synchronous copy whenever the cached buffer it reuses was the device's
+/// (`CudaAllocator::malloc_async` moves it to unified memory): made per layer part, they were
+/// most of a publishing's host time. Lives for one `ranges` (a publishing copy).
+#[derive(Default)]
+pub struct CopyIndices {
+    made: Vec<(Vec<(i32, i32)>, (i32, i32), Array)>,
+}
+
+impl CopyIndices {
+    /// The index of `entries` (`(row, entry)` pairs) in buffers of `heads` heads and
+    /// `capacity` entries flattened to `[rows * heads * capacity, last]`: entry `e` of row `r`
+    /// and head `h` at `(r * heads + h) * capacity + e`, heads outermost (`[heads * n]`).
+    fn get(&mut self, entries: &[(i32, i32)], heads: i32, capacity: i32) -> Array {
+        let shape = (heads, capacity);
+        if let Some((_, _, index)) = self
+            .made
+            .iter()
+            .find(|(e, s, _)| *s == shape && e.as_slice() == entries)
+        {
+            return index.clone();
+        }
+        let flat: Vec<i32> = (0..heads)
+            .flat_map(|h| {
+                entries
+                    .iter()
+                    .map(move |&(row, e)| (row * heads + h) * capacity + e)
+            })
+            .collect();
+        let index = Array::from_slice(&flat, &[heads * entries.len() as i32]);
+        self.made.push((entries.to_vec(), shape, index.clone()));
+        index
+    }
+}
+
 /// The real (not padding) tokens of a step's rows: row `r`'s first `counts[r]` tokens.
 pub struct RealTokens {
     /// `[rows]` int32.
@@ -1901,11 +1938,14 @@ impl SlotKvCache {
     /// recurrent) in one buffer per part, the ranges one after another along its positions
     /// (`[1, kv_heads, Σ (end − start), last]`; lazy): one gather a part, whatever the number of
     /// ranges. The decode loop publishes the blocks that several rows filled in one step so
-    /// (a copy a row and layer part cost the host more than the copies themselves).
+    /// (a copy a row and layer part cost the host more than the copies themselves). `indices`
+    /// keeps the gathers' indices for the other layers of the same `ranges` (see
+    /// [`CopyIndices`]).
     pub fn copy_ranges(
         &self,
         layer: usize,
         ranges: &[(usize, usize, usize)],
+        indices: &mut CopyIndices,
     ) -> Result<Vec<Array>> {
         let flat_entries = |b: &Array| b.size() / b.shape()[3].max(1) as usize;
         let fits = self.layers[layer]
@@ -1937,28 +1977,12 @@ impl SlotKvCache {
             }
         }
         let n = entries.len() as i32;
-        // Parts of one shape (keys and values) share their index.
-        let mut indices: Vec<((i32, i32), Array)> = Vec::new();
         self.layers[layer]
             .iter()
             .map(|b| {
                 let s = b.shape();
                 let (heads, capacity, last) = (s[1], s[2], s[3]);
-                let index = match indices.iter().find(|(k, _)| *k == (heads, capacity)) {
-                    Some((_, index)) => index.clone(),
-                    None => {
-                        let flat: Vec<i32> = (0..heads)
-                            .flat_map(|h| {
-                                entries
-                                    .iter()
-                                    .map(move |&(row, e)| (row * heads + h) * capacity + e)
-                            })
-                            .collect();
-                        let index = Array::from_slice(&flat, &[heads * n]);
-                        indices.push(((heads, capacity), index.clone()));
-                        index
-                    }
-                };
+                let index = indices.get(&entries, heads, capacity);
                 Ok(b.reshape(&[-1, last])?
                     .take_axis(&index, 0)?
                     .reshape(&[1, heads, n, last])?)
@@ -2270,8 +2294,11 @@ mod tests {
         let b = slots.push(&caches(530, 5000.0), 530, RowKv::Plain).unwrap();
         // 496..528 and 500..530 cross the ring's wrap at 512.
         let ranges = [(a, 496, 528), (b, 500, 530), (a, 576, 600)];
+        // One memo for both layers, as a publishing shares it: the ring's entries differ from
+        // the full layer's and must not be taken for them.
+        let mut indices = CopyIndices::default();
         for layer in 0..2 {
-            let together = slots.copy_ranges(layer, &ranges).unwrap();
+            let together = slots.copy_ranges(layer, &ranges, &mut indices).unwrap();
             let alone: Vec<Vec<Array>> = ranges
                 .iter()
                 .map(|&(slot, start, end)| slots.copy_parts(slot, layer, start, end).unwrap())
@@ -2290,7 +2317,11 @@ mod tests {
             }
         }
         let err = slots
-            .copy_ranges(0, &[(a, 300, 316), (b, 500, 516)])
+            .copy_ranges(
+                0,
+                &[(a, 300, 316), (b, 500, 516)],
+                &mut CopyIndices::default(),
+            )
             .unwrap_err();
         assert!(err.to_string().contains("not held"), "{err}");
     }
