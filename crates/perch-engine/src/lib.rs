@@ -73,17 +73,19 @@ pub use text::chat_template::{ChatMessage, ContentPart};
 pub use text::tokenizer::Tokenizer;
 
 /// The kernels [`check_kernels`] checks, by name.
-pub const KERNELS: [&str; 5] = [
+pub const KERNELS: [&str; 6] = [
     "decode-attention",
     "gated-delta",
     "experts",
     "add-norm",
     "norm-rope",
+    "gemm",
 ];
 
 /// Checks Perch's CUDA kernels named in `only` ([`KERNELS`]; all when it is empty) — the masked
 /// decode attention, the Gated DeltaNet recurrence, the experts' quantized products, the residual
-/// add with the RMS norm after it, the queries' and keys' norms and RoPE — against
+/// add with the RMS norm after it, the queries' and keys' norms and RoPE, the small dense
+/// products — against
 /// MLX's own operations on random inputs; one line per case, an error at the first case outside
 /// its tolerance. MLX's CUDA backend only (`perch check-kernels` on the device).
 pub fn check_kernels(only: &[String]) -> Result<Vec<String>> {
@@ -104,6 +106,9 @@ pub fn check_kernels(only: &[String]) -> Result<Vec<String>> {
     }
     if wanted(KERNELS[4]) {
         lines.extend(nn::rope_kernel::check()?);
+    }
+    if wanted(KERNELS[5]) {
+        lines.extend(nn::gemm_kernel::check()?);
     }
     Ok(lines)
 }

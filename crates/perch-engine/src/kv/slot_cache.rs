@@ -234,8 +234,12 @@ fn once(cell: &OnceCell<Array>, make: impl FnOnce() -> Result<Array>) -> Result<
 /// most of a publishing's host time. Lives for one `ranges` (a publishing copy).
 #[derive(Default)]
 pub struct CopyIndices {
-    made: Vec<(Vec<(i32, i32)>, (i32, i32), Array)>,
+    made: Vec<MadeIndex>,
 }
+
+/// One of [`CopyIndices`]' indices: its `(row, entry)` pairs, the buffers' `(heads, capacity)`,
+/// the index.
+type MadeIndex = (Vec<(i32, i32)>, (i32, i32), Array);
 
 impl CopyIndices {
     /// The index of `entries` (`(row, entry)` pairs) in buffers of `heads` heads and

@@ -409,8 +409,11 @@ pub struct DenseWeight {
 }
 
 impl DenseWeight {
-    /// `weight` `[out, in]`; evaluates it and its transposed views (no copy).
+    /// `weight` `[out, in]`; evaluates it and its transposed views (no copy). The first on CUDA
+    /// runs the small-product kernel's load check ([`crate::nn::gemm_kernel::enabled`]) here, at
+    /// load, not inside a step's traced graph.
     pub fn new(weight: Array) -> Result<Self> {
+        let _ = crate::nn::gemm_kernel::enabled();
         let transposed = weight.t();
         let transposed_batched = match Backend::current() {
             Backend::Cpu => None,
@@ -431,8 +434,13 @@ impl DenseWeight {
         &self.weight
     }
 
-    /// `x` `[..., in]` → `x W^T` `[..., out]`, plus `bias` `[out]` when given.
+    /// `x` `[..., in]` → `x W^T` `[..., out]`, plus `bias` `[out]` when given. A few rows over a
+    /// small weight go through Perch's CUDA kernel ([`crate::nn::gemm_kernel`]) where it is on.
     fn forward(&self, x: &Array, bias: Option<&Array>) -> Result<Array> {
+        if crate::nn::gemm_kernel::takes(x, &self.weight, bias) && crate::nn::gemm_kernel::enabled()
+        {
+            return Ok(crate::nn::gemm_kernel::small_matmul(x, &self.weight, bias)?);
+        }
         match (bias, &self.transposed_batched) {
             (Some(bias), _) => Ok(ops::addmm(bias, x, &self.transposed, None, None)?),
             (None, Some(batched)) if x.ndim() == 3 => Ok(ops::matmul(x, batched)?),

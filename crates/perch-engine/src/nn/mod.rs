@@ -3,6 +3,7 @@
 
 pub(crate) mod custom_kernel;
 pub mod expert_kernel;
+pub mod gemm_kernel;
 pub mod layers;
 pub(crate) mod mlx_ext;
 pub mod norm_kernel;
