@@ -41,7 +41,7 @@ probe)
     echo "== $m, warming up"; bench $m 200
     echo "== $m, sampled"
     PROBE_THREAD=perch-engine PROBE_EVERY_US=250 PROBE_OUT=/tmp/probe-$m.txt \
-      LD_PRELOAD=$PWD/$G/probe_host.so $OD timeout 150 $P bench --model /tmp/models/$m --concurrency 32 --prompt-tokens 128 \
+      LD_PRELOAD=$PWD/$G/probe_host.so $OD timeout 240 $P bench --model /tmp/models/$m --concurrency 32 --prompt-tokens 128 \
       --gen-tokens 256 --runs 16 --json 2>&1 | grep -v '^{' | tail -3
     xz -9 -T0 -c /tmp/probe-$m.txt > "${OUT:-/tmp}/probe-$m.txt.xz"
     date +%T

@@ -48,7 +48,9 @@ static void on_signal(int sig, siginfo_t *info, void *context) {
   int i = __atomic_fetch_add(&num_samples, 1, __ATOMIC_RELAXED) % MAX_SAMPLES;
   Sample *s = &samples[i];
   ucontext_t *uc = context;
-  uintptr_t pc = uc->uc_mcontext.gregs[REG_RIP], sp = uc->uc_mcontext.gregs[REG_RSP];
+  // The interrupted pc is kept plus one, as a return address is: the report symbolizes every
+  // frame at its address less one (the call instruction's, for return addresses).
+  uintptr_t pc = uc->uc_mcontext.gregs[REG_RIP] + 1, sp = uc->uc_mcontext.gregs[REG_RSP];
   last_sp = sp;
   void *frames[DEPTH];
   int n = backtrace(frames, DEPTH);
@@ -141,7 +143,7 @@ static void *sampler(void *arg) {
   nanosleep(&t, NULL);
   read_maps(last_sp);
   for (;;) {
-    struct timespec p = {0, every_us * 1000};
+    struct timespec p = {every_us / 1000000, (every_us % 1000000) * 1000};
     nanosleep(&p, NULL);
     if (syscall(SYS_tgkill, pid, tid, SIGPROF) != 0) break;  // the thread ended
   }
@@ -200,7 +202,7 @@ static int by_frames(const void *a, const void *b) {
 
 __attribute__((destructor)) static void report(void) {
   // Only the process whose thread was sampled writes (its children inherit LD_PRELOAD).
-  if (!sampling && add_kernel_count == 0) return;
+  if (!sampling) return;
   const char *path = getenv("PROBE_OUT");
   FILE *out = fopen(path ? path : "/tmp/probe.txt", "w");
   if (!out) return;

@@ -7,13 +7,14 @@
 //! and MLX 0.32 runs each such product through cuBLASLt captured into a child CUDA graph, which
 //! costs its host 16–29 µs a product on an H200 (`scripts/bench_op_launch.py`; `cublasLtMatmul`
 //! alone, timed inside MLX's capture by `scripts/probe_host.c`: 16–20 µs) against 3–5 µs for a
-//! custom kernel. A decode step of a small model is bound by that host (docs/benchmarks.md): a
+//! custom kernel (about 20 µs against 4–5). A decode step of a small model is bound by that host (docs/benchmarks.md): a
 //! `qwen3_moe` step at 32 rows makes 33 such products (the attention's fused query/key/value
 //! projection and its output projection in each of 16 layers, and the head), about a sixth of
 //! its host time. The kernel replaces the layers' products, not the head's (its weights exceed
 //! [`MAX_WEIGHT_ELEMENTS`]): it reads each weight once per four rows (from L2 after the first),
-//! so it pays only where the weights are small and the rows few; cuBLAS keeps larger products,
-//! whose device time counts. On Metal and the CPU MLX's products stay.
+//! so it pays only where the weights are small and the rows few (decode steps and short prompt
+//! passes); cuBLAS keeps larger products, whose device time counts. On Metal and the CPU MLX's
+//! products stay.
 //!
 //! Layout: a block of [`WARPS`] warps; each warp computes 4 outputs for 4 rows (16 float32
 //! accumulators a lane). Each lane reads 8 consecutive values of each of its 4 weight rows and 4
@@ -138,6 +139,7 @@ pub fn takes(x: &Array, weight: &Array, bias: Option<&Array>) -> bool {
         && matches!(dtype, Dtype::Bfloat16 | Dtype::Float16)
         && weight.dtype() == dtype
         && xs[xs.len() - 1] == ws[1]
+        && ws[1] > 0
         && ws[1] % 8 == 0
         && ws[0] % (FEATURES * WARPS) == 0
         && (1..=MAX_ROWS as i64).contains(&rows)
@@ -172,9 +174,10 @@ pub fn small_matmul(x: &Array, weight: &Array, bias: Option<&Array>) -> Result<A
                 true,
             )
         });
-        // Without a bias the kernel reads none: `x` stands in (one dtype a kernel name).
+        // Without a bias the kernel reads none: the weight stands in (one dtype a kernel name;
+        // row-contiguous, so MLX copies nothing for it).
         let has_bias = bias.is_some();
-        let bias = bias.unwrap_or(x);
+        let bias = bias.unwrap_or(weight);
         let y = kernel.apply(
             &[x, weight, bias],
             &[(&shape, dtype)],
@@ -198,16 +201,44 @@ fn reference(x: &Array, weight: &Array, bias: Option<&Array>) -> Result<Array, E
     }
 }
 
-/// (rows, tokens, in, out, bias, dtype) of the check cases; the first [`SELF_TEST_CASES`] make
-/// the load check.
-const CASES: [(i32, i32, i32, i32, bool, Dtype); 7] = [
-    (32, 1, 1024, 1536, false, Dtype::Bfloat16),
-    (7, 1, 1032, 48, true, Dtype::Bfloat16),
-    (1, 1, 64, 16, false, Dtype::Float16),
-    (32, 1, 1024, 1024, true, Dtype::Bfloat16),
-    (2, 3, 2048, 1024, false, Dtype::Bfloat16),
-    (16, 1, 2880, 640, true, Dtype::Float16),
-    (30, 1, 512, 4096, false, Dtype::Bfloat16),
+/// A check case: `x` `[rows, tokens, input]` (with `offset`, a view one element into a larger
+/// buffer, which the kernel reads without its 16-byte loads), `W` `[out, input]`, a bias or not.
+#[derive(Clone, Copy, Debug)]
+struct CaseSpec {
+    rows: i32,
+    tokens: i32,
+    input: i32,
+    out: i32,
+    bias: bool,
+    dtype: Dtype,
+    offset: bool,
+}
+
+const fn spec(rows: i32, tokens: i32, input: i32, out: i32, bias: bool, dtype: Dtype) -> CaseSpec {
+    CaseSpec {
+        rows,
+        tokens,
+        input,
+        out,
+        bias,
+        dtype,
+        offset: false,
+    }
+}
+
+/// The check cases; the first [`SELF_TEST_CASES`] make the load check.
+const CASES: [CaseSpec; 8] = [
+    spec(32, 1, 1024, 1536, false, Dtype::Bfloat16),
+    spec(7, 1, 1032, 48, true, Dtype::Bfloat16),
+    spec(1, 1, 64, 16, false, Dtype::Float16),
+    spec(32, 1, 1024, 1024, true, Dtype::Bfloat16),
+    spec(2, 3, 2048, 1024, false, Dtype::Bfloat16),
+    spec(16, 1, 2880, 640, true, Dtype::Float16),
+    spec(30, 1, 512, 4096, false, Dtype::Bfloat16),
+    CaseSpec {
+        offset: true,
+        ..spec(9, 1, 1024, 256, true, Dtype::Bfloat16)
+    },
 ];
 const SELF_TEST_CASES: usize = 3;
 /// The largest error a case may have, relative to the largest output: a few units in the last
@@ -217,31 +248,38 @@ const TOLERANCE: f32 = 2e-2;
 /// One case's largest error relative to the reference's largest output, and (when `timed`) the
 /// kernel's and MLX's milliseconds a call. Its inputs come from keys of their own (MLX's global
 /// random state, which the load check would otherwise move, is left alone).
-fn case(
-    (rows, tokens, input, out, has_bias, dtype): (i32, i32, i32, i32, bool, Dtype),
-    timed: bool,
-) -> crate::Result<(f32, Option<(f64, f64)>)> {
+fn case(c: CaseSpec, timed: bool) -> crate::Result<(f32, Option<(f64, f64)>)> {
+    let (input, out, dtype) = (c.input, c.out, c.dtype);
     let normal = |shape: &[i32], seed: u64| -> crate::Result<Array> {
         let key = mlx_rs::random::key(seed)?;
         Ok(mlx_rs::random::normal::<f32>(shape, None, None, Some(&key))?.as_dtype(dtype)?)
     };
-    let x = normal(&[rows, tokens, input], 1)?;
+    let shape = [c.rows, c.tokens, input];
+    let x = match c.offset {
+        false => normal(&shape, 1)?,
+        true => {
+            let n = c.rows * c.tokens * input;
+            let all = normal(&[n + 1], 1)?;
+            crate::nn::mlx_ext::slice(&all, &[1], &[n + 1])?.reshape(&shape)?
+        }
+    };
     let weight = ops::multiply(
         &normal(&[out, input], 2)?,
         &Array::from_f32(1.0 / (input as f32).sqrt()).as_dtype(dtype)?,
     )?;
-    let bias = has_bias.then(|| normal(&[out], 3)).transpose()?;
+    let bias = c.bias.then(|| normal(&[out], 3)).transpose()?;
     let ours = small_matmul(&x, &weight, bias.as_ref())?;
     let theirs = reference(&x, &weight, bias.as_ref())?;
     let (a, b) = (
         ours.as_dtype(Dtype::Float32)?,
         theirs.as_dtype(Dtype::Float32)?,
     );
-    let largest = ops::abs(&b)?.max(None)?.item_exact::<f32>().max(1e-6);
-    let error = ops::abs(&ops::subtract(&a, &b)?)?
-        .max(None)?
-        .item_exact::<f32>()
-        / largest;
+    // Evaluated first: a failed compile or launch is an error here (the load check then turns
+    // the kernel off), not a panic in `item_exact`.
+    let largest = ops::abs(&b)?.max(None)?;
+    let difference = ops::abs(&ops::subtract(&a, &b)?)?.max(None)?;
+    mlx_rs::transforms::eval([&largest, &difference])?;
+    let error = difference.item_exact::<f32>() / largest.item_exact::<f32>().max(1e-6);
     let times = match timed {
         true => Some((
             time_call(&|| Ok(small_matmul(&x, &weight, bias.as_ref())?))?,
@@ -280,14 +318,19 @@ pub fn check() -> crate::Result<Vec<String>> {
         ));
     }
     let mut lines = Vec::new();
-    for spec in CASES {
-        let (error, times) = case(spec, true)?;
+    for c in CASES {
+        let (error, times) = case(c, true)?;
         let (ours, theirs) = times.expect("timed");
-        let (rows, tokens, input, out, bias, dtype) = spec;
         let line = format!(
-            "small_matmul {rows}x{tokens}x{input} -> {out}{} {dtype:?}: largest error {error:.2e} \
-             of the largest output; {ours:.3} ms a call, MLX's product {theirs:.3} ms",
-            if bias { " + bias" } else { "" },
+            "small_matmul {}x{}x{} -> {}{}{} {:?}: largest error {error:.2e} of the largest output; \
+             {ours:.3} ms a call, MLX's product {theirs:.3} ms",
+            c.rows,
+            c.tokens,
+            c.input,
+            c.out,
+            if c.bias { " + bias" } else { "" },
+            if c.offset { ", x a view at an odd offset" } else { "" },
+            c.dtype,
         );
         if error.is_nan() || error > TOLERANCE {
             return Err(crate::EngineError::Kernel(line));
@@ -346,5 +389,9 @@ mod tests {
             "bias shape"
         );
         assert!(!takes(&zeros(&[1024], bf16), &w, None), "no row axis");
+        assert!(
+            !takes(&zeros(&[4, 0], bf16), &zeros(&[16, 0], bf16), None),
+            "no input features"
+        );
     }
 }
