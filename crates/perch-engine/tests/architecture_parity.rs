@@ -21,15 +21,14 @@
 
 mod common;
 
-use std::ops::ControlFlow;
 use std::path::Path;
 use std::process::Command;
 
 use mlx_rs::Array;
 use perch_engine::testing::{BatchConfig, BatchGenerator, RowKv, SlotKvCache};
 use perch_engine::{
-    generate, models, prompt_cache, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
-    Prompt, Tokenizer,
+    models, prompt_cache, EngineConfig, EngineHandle, EngineRequest, GenerateRequest, Prompt,
+    Tokenizer,
 };
 
 #[derive(serde::Deserialize)]
@@ -188,10 +187,7 @@ fn logits_and_greedy_ids_match_mlx_lm() {
 
         let tokenizer = Tokenizer::load(dir).unwrap();
         let request = unstopped_request(expected.prompt_ids.clone(), expected.greedy_ids.len());
-        let result = generate(model.as_ref(), &tokenizer, &request, |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap();
+        let result = common::generate_alone(model.as_ref(), &tokenizer, &request).unwrap();
         assert_eq!(result.token_ids, expected.greedy_ids, "{name}: greedy ids");
 
         // The batch engine: the prompt and two shorter prefixes of it, inserted at steps 0, 1
@@ -215,11 +211,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         let alone: Vec<Vec<u32>> = schedule
             .iter()
             .map(|(_, request)| {
-                generate(model.as_ref(), &tokenizer, request, |_| {
-                    ControlFlow::Continue(())
-                })
-                .unwrap()
-                .token_ids
+                common::generate_alone(model.as_ref(), &tokenizer, request)
+                    .unwrap()
+                    .token_ids
             })
             .collect();
         assert_eq!(alone[0], expected.greedy_ids, "{name}: chunked prefill");
@@ -235,11 +229,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             let mut longer = expected.prompt_ids.clone();
             longer.extend_from_slice(&expected.greedy_ids[..6]);
             let request = unstopped_request(longer, 8);
-            let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
-                ControlFlow::Continue(())
-            })
-            .unwrap()
-            .token_ids;
+            let alone = common::generate_alone(model.as_ref(), &tokenizer, &request)
+                .unwrap()
+                .token_ids;
             let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
             assert_eq!(output.token_ids, alone, "{name}: after a prefix-cache hit");
             // Hybrid models too: the first prompt's prefill chunks end on the block boundary,
@@ -256,11 +248,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             turn.extend_from_slice(&outputs[1].0.token_ids[..10]);
             turn.push(expected.prompt_ids[0]);
             let request = unstopped_request(turn, 8);
-            let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
-                ControlFlow::Continue(())
-            })
-            .unwrap()
-            .token_ids;
+            let alone = common::generate_alone(model.as_ref(), &tokenizer, &request)
+                .unwrap()
+                .token_ids;
             let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
             assert_eq!(
                 output.token_ids, alone,
@@ -284,11 +274,9 @@ fn logits_and_greedy_ids_match_mlx_lm() {
             let mut cached = Vec::new();
             for prompt in [long, shares_one_block, shares_it_too] {
                 let request = unstopped_request(prompt, 4);
-                let alone = generate(model.as_ref(), &tokenizer, &request, |_| {
-                    ControlFlow::Continue(())
-                })
-                .unwrap()
-                .token_ids;
+                let alone = common::generate_alone(model.as_ref(), &tokenizer, &request)
+                    .unwrap()
+                    .token_ids;
                 let (output, _) = common::drive(&mut batch, vec![(0, request)]).remove(0);
                 assert_eq!(
                     output.token_ids,
@@ -593,7 +581,7 @@ fn hybrid_speculation(
     let alone: Vec<Vec<u32>> = requests
         .iter()
         .map(|r| {
-            generate(model, tokenizer, r, |_| ControlFlow::Continue(()))
+            common::generate_alone(model, tokenizer, r)
                 .unwrap()
                 .token_ids
         })
@@ -680,10 +668,7 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
     );
     let tokenizer = Tokenizer::load(dir).unwrap();
     let request = unstopped_request(expected.prompt_ids.clone(), expected.greedy_ids.len());
-    let result = generate(model.as_ref(), &tokenizer, &request, |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap();
+    let result = common::generate_alone(model.as_ref(), &tokenizer, &request).unwrap();
     assert_eq!(
         result.token_ids, expected.greedy_ids,
         "{name}: greedy ids with the compiled recurrence"
@@ -732,7 +717,7 @@ fn hybrid_prompt_caches(
 ) {
     let whole: Vec<u32> = [&expected.prompt_ids[..], &expected.greedy_ids[..]].concat();
     let request = unstopped_request(whole.clone(), 8);
-    let alone = generate(model, tokenizer, &request, |_| ControlFlow::Continue(()))
+    let alone = common::generate_alone(model, tokenizer, &request)
         .unwrap()
         .token_ids;
     let json = |ids: &[u32]| serde_json::to_string(ids).unwrap();
@@ -831,7 +816,7 @@ fn ids_alone(
     tokenizer: &Tokenizer,
     request: &GenerateRequest,
 ) -> Vec<u32> {
-    generate(model, tokenizer, request, |_| ControlFlow::Continue(()))
+    common::generate_alone(model, tokenizer, request)
         .unwrap()
         .token_ids
 }
@@ -1018,7 +1003,7 @@ fn past_the_window(
         ..unstopped_request(prompt, max_tokens)
     };
     let request = long_request(prompt.clone(), expected.long_greedy_ids.len());
-    let alone = generate(model, tokenizer, &request, |_| ControlFlow::Continue(()))
+    let alone = common::generate_alone(model, tokenizer, &request)
         .unwrap()
         .token_ids;
     assert_eq!(
@@ -1075,18 +1060,15 @@ fn past_the_window(
     // cached blocks, each as `generate` gives it alone.
     let mut extended = prompt.clone();
     extended.extend_from_slice(&expected.long_greedy_ids[..5]);
-    let extended_alone = generate(model, tokenizer, &long_request(extended.clone(), 8), |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap()
-    .token_ids;
+    let extended_alone =
+        common::generate_alone(model, tokenizer, &long_request(extended.clone(), 8))
+            .unwrap()
+            .token_ids;
     let half = prompt[..200].to_vec();
     // Four tokens: the sequence ends before its thirteenth block fills.
-    let half_alone = generate(model, tokenizer, &long_request(half.clone(), 4), |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap()
-    .token_ids;
+    let half_alone = common::generate_alone(model, tokenizer, &long_request(half.clone(), 4))
+        .unwrap()
+        .token_ids;
     // In slots, and in slots with compiled decode steps (the GPU default; its traced step takes
     // the rings' arrays too).
     for compile_decode in [false, true] {

@@ -3,11 +3,10 @@
 
 mod common;
 
-use std::ops::ControlFlow;
 use std::path::Path;
 
 use perch_engine::api::ErrorKind;
-use perch_engine::{generate, models, EngineError, GenerateRequest, Tokenizer};
+use perch_engine::{models, EngineError, GenerateRequest, Tokenizer};
 use serde_json::Value;
 
 /// A copy of the test model whose config.json went through `edit` and whose weights are
@@ -151,12 +150,7 @@ fn prompts_that_cannot_run() {
     let model = models::load(dir.path()).unwrap();
     let tokenizer = Tokenizer::load(dir.path()).unwrap();
     let run = |prompt: Vec<u32>| {
-        generate(
-            model.as_ref(),
-            &tokenizer,
-            &GenerateRequest::new(prompt),
-            |_| ControlFlow::Continue(()),
-        )
+        common::generate_alone(model.as_ref(), &tokenizer, &GenerateRequest::new(prompt))
     };
     assert!(matches!(run(vec![]), Err(EngineError::EmptyPrompt)));
     match run(vec![1; 40]) {

@@ -269,10 +269,7 @@ fn prompt_lookup_pays_on_repeated_text() {
     // run's steps, which are at most its 48 tokens).
     sampled.max_tokens = 32;
     sampled.ignore_eos = true;
-    let alone = perch_engine::generate(model.as_ref(), &tokenizer, &sampled, |_| {
-        std::ops::ControlFlow::Continue(())
-    })
-    .unwrap();
+    let alone = common::generate_alone(model.as_ref(), &tokenizer, &sampled).unwrap();
     let (outputs, mixed) = run(Some(LOOKUP), vec![request, sampled]);
     assert!(mixed.verify_steps > 0, "{mixed:?}");
     assert!(outputs[0].0.stats.accepted_draft_tokens > 0);
@@ -327,12 +324,7 @@ fn seeded_sampling_matches_generate_alone() {
         .collect();
     let alone: Vec<_> = requests
         .iter()
-        .map(|r| {
-            perch_engine::generate(model.as_ref(), &tokenizer, r, |_| {
-                std::ops::ControlFlow::Continue(())
-            })
-            .unwrap()
-        })
+        .map(|r| common::generate_alone(model.as_ref(), &tokenizer, r).unwrap())
         .collect();
     let config = BatchConfig {
         prefill_batch_size: 4,

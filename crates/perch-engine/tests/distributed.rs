@@ -301,10 +301,8 @@ fn divided(split: Division, models: &Path) -> serde_json::Value {
         let mut request = GenerateRequest::new(expected.prompt_ids.clone());
         request.max_tokens = expected.greedy_ids.len();
         request.ignore_eos = true;
-        let greedy = generate(model.as_ref(), &tokenizer, &request, |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        let greedy = common::generate_alone(model.as_ref(), &tokenizer, &request)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         // Projections fused at load (as on GPUs), each fused layer divided part by part.
         std::env::set_var("PERCH_FUSED_PROJECTIONS", "1");
         let fused = models::load(&dir);

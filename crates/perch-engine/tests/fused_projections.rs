@@ -8,13 +8,11 @@
 
 mod common;
 
-use std::ops::ControlFlow;
-
 use mlx_rs::{ops, Array};
 use perch_engine::models;
 use perch_engine::models::Model;
 use perch_engine::testing::{BatchConfig, BatchGenerator};
-use perch_engine::{generate, GenerateRequest, Tokenizer};
+use perch_engine::{GenerateRequest, Tokenizer};
 
 fn load(fused: bool) -> Box<dyn Model> {
     std::env::set_var("PERCH_WEIGHTS", "dense");
@@ -57,11 +55,9 @@ fn fused_projections_compute_what_separate_ones_do() {
     );
 
     let alone = |model: &dyn Model, prompt: &[u32]| {
-        generate(model, &tokenizer, &greedy(prompt), |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap()
-        .token_ids
+        common::generate_alone(model, &tokenizer, &greedy(prompt))
+            .unwrap()
+            .token_ids
     };
     let expected: Vec<Vec<u32>> = cases
         .iter()

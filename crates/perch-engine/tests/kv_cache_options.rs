@@ -285,10 +285,7 @@ fn max_kv_size_on_llama_matches_mlx_lm_rotating_caches() {
         request.max_tokens = case.ids.len();
         request.ignore_eos = true;
         request.max_kv_size = Some(case.max_kv_size);
-        let output = generate(model.as_ref(), &tokenizer, &request, |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap();
+        let output = common::generate_alone(model.as_ref(), &tokenizer, &request).unwrap();
         assert_eq!(output.token_ids, case.ids, "{n}-token prompt");
         assert_ne!(
             case.ids, case.plain_ids,
@@ -328,11 +325,9 @@ fn kv_cache_options_are_checked() {
         let mut request = GenerateRequest::new(prompt.clone());
         request.max_tokens = 2;
         edit(&mut request);
-        generate(model.as_ref(), &tokenizer, &request, |_| {
-            ControlFlow::Continue(())
-        })
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+        common::generate_alone(model.as_ref(), &tokenizer, &request)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     };
     let error = run(&|r| r.max_kv_size = Some(4)).unwrap_err();
     assert!(error.contains("max_kv_size 4"), "{error}");
@@ -451,10 +446,7 @@ fn the_engine_runs_kv_cache_options() {
     for (request, stream) in requests.iter().zip(&streams) {
         let done = common::finish(stream);
         assert_eq!(done.error, None);
-        let alone = generate(model.as_ref(), &tokenizer, request, |_| {
-            ControlFlow::Continue(())
-        })
-        .unwrap();
+        let alone = common::generate_alone(model.as_ref(), &tokenizer, request).unwrap();
         assert_eq!(done.ids, alone.token_ids);
         answers.push(done.ids);
     }

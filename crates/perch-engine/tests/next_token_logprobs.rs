@@ -103,10 +103,7 @@ fn next_token_logprobs_match_mlx_lm_and_share_steps() {
     let tokenizer = perch_engine::Tokenizer::load(&common::model_dir()).unwrap();
     let mut request = GenerateRequest::new(prompts[0].clone());
     request.next_token_logprobs = true;
-    let out = perch_engine::generate(model.as_ref(), &tokenizer, &request, |_| {
-        std::ops::ControlFlow::Continue(())
-    })
-    .unwrap();
+    let out = common::generate_alone(model.as_ref(), &tokenizer, &request).unwrap();
     assert!(max_diff(out.next_token_logprobs.as_ref().unwrap(), &expected[0]) < 1e-4);
     assert_eq!(out.stats.generation_tokens, 0);
 

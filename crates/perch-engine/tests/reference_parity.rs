@@ -118,10 +118,7 @@ fn chunked_prefill_gives_the_same_tokens() {
     let mut request = GenerateRequest::new(case.prompt_ids.clone());
     request.max_tokens = common::reference().max_tokens;
     request.prefill_step_size = 16; // 60 prefill tokens in 4 chunks, the last one partial
-    let out = generate(model.as_ref(), &tokenizer, &request, |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap();
+    let out = common::generate_alone(model.as_ref(), &tokenizer, &request).unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
     assert_eq!(out.token_ids[..], *case.expected_ids(true));
 }
@@ -141,10 +138,7 @@ fn stop_strings_cut_the_text_and_cancel_stops_at_once() {
     let mut request = GenerateRequest::new(case.prompt_ids.clone());
     request.max_tokens = common::reference().max_tokens;
     request.stop_strings = vec![stop.into()];
-    let out = generate(model.as_ref(), &tokenizer, &request, |_| {
-        ControlFlow::Continue(())
-    })
-    .unwrap();
+    let out = common::generate_alone(model.as_ref(), &tokenizer, &request).unwrap();
     assert_eq!(out.finish_reason, FinishReason::Stop);
     assert_eq!(out.text, case.greedy_text[..at]);
 

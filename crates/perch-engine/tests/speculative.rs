@@ -408,7 +408,7 @@ fn a_draft_model_in_the_batch_keeps_mlx_lms_ids() {
         sampled.max_tokens = 12;
         sampled.ignore_eos = true;
         let alone = |request: &GenerateRequest| {
-            perch_engine::generate(target, &tokenizer, request, |_| ControlFlow::Continue(()))
+            common::generate_alone(target, &tokenizer, request)
                 .unwrap()
                 .token_ids
         };

@@ -9,8 +9,6 @@
 
 mod common;
 
-use std::ops::ControlFlow;
-
 use mlx_rs::{Array, Dtype};
 use perch_engine::device::Backend;
 use perch_engine::models::vision::VisionTower;
@@ -18,7 +16,7 @@ use perch_engine::models::LoadContext;
 use perch_engine::nn::weights::Weights;
 use perch_engine::testing::{BatchConfig, BatchGenerator};
 use perch_engine::{
-    generate, ChatMessage, ContentPart, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
+    ChatMessage, ContentPart, EngineConfig, EngineHandle, EngineRequest, GenerateRequest,
     ImageInput, ImageProcessor, Prompt,
 };
 
@@ -819,11 +817,10 @@ fn bad_image_requests_are_refused() {
     assert!(ImageInput::new(vec![0.0; 5], [2, 2, 3]).is_err());
     assert!(ImageInput::new(vec![f32::NAN; 12], [2, 2, 3]).is_err());
     // generate() runs no images.
-    let message = generate(
+    let message = common::generate_alone(
         model.as_ref(),
         &tokenizer,
         &request(one, images[..1].to_vec(), 4),
-        |_| ControlFlow::Continue(()),
     )
     .err()
     .unwrap()

@@ -7,6 +7,18 @@ use std::path::PathBuf;
 #[allow(unused_imports)]
 pub use perch_test_support::{model_dir, oracle_python, reference, reference_cases, ReferenceCase};
 
+/// `generate` on `request` alone, nothing done with its tokens as they come: the single-stream
+/// run the batch engine's rows and other paths are compared with.
+pub fn generate_alone(
+    model: &dyn perch_engine::models::Model,
+    tokenizer: &perch_engine::Tokenizer,
+    request: &perch_engine::GenerateRequest,
+) -> perch_engine::Result<perch_engine::GenerateOutput> {
+    perch_engine::generate(model, tokenizer, request, |_| {
+        std::ops::ControlFlow::Continue(())
+    })
+}
+
 /// Runs `tests/oracle/{script}` with the oracle Python and returns its stdout; panics with its
 /// stderr when it fails.
 pub fn run_oracle(script: &str, args: &[&str]) -> String {
