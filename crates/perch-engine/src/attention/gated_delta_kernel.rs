@@ -45,7 +45,7 @@ use mlx_rs::error::Exception;
 use mlx_rs::{Array, Dtype};
 
 use crate::device::Backend;
-use crate::nn::custom_kernel::{CustomKernel, TemplateArg};
+use crate::nn::custom_kernel::{with_kernel, CustomKernel, TemplateArg};
 
 /// Warps per thread block.
 const WARPS_PER_BLOCK: i32 = 4;
@@ -394,9 +394,9 @@ pub fn gated_delta(inputs: &CoreInputs, weights: &CoreWeights) -> Result<CoreOut
     ];
     let no_counts = NO_COUNTS.with(Array::clone);
     let counts = inputs.counts.unwrap_or(&no_counts);
-    KERNEL.with(|kernel| {
-        let mut kernel = kernel.borrow_mut();
-        let kernel = kernel.get_or_insert_with(|| {
+    with_kernel(
+        &KERNEL,
+        || {
             let backend = backend().unwrap_or(Backend::Cuda);
             let prelude = match backend {
                 Backend::Metal => METAL_PRELUDE,
@@ -421,37 +421,39 @@ pub fn gated_delta(inputs: &CoreInputs, weights: &CoreWeights) -> Result<CoreOut
                 &source,
                 false,
             )
-        });
-        let mut outputs = kernel.apply(
-            &[
-                inputs.qkv,
-                inputs.conv_state,
-                weights.conv_weight,
-                inputs.a,
-                inputs.b,
-                weights.dt_bias,
-                weights.neg_rate,
-                counts,
-                inputs.state,
-            ],
-            &[
-                (&[rows, tokens, hv, dv], dtype),
-                (&[rows, hv, dv, dk], Dtype::Float32),
-                (&[rows, keep, channels], dtype),
-            ],
-            (32, dv / rows_per_warp(tokens), rows * hv),
-            (32, WARPS_PER_BLOCK, 1),
-            &template,
-        )?;
-        let conv_state = outputs.pop().expect("three outputs");
-        let state = outputs.pop().expect("three outputs");
-        let y = outputs.pop().expect("three outputs");
-        Ok(CoreOutputs {
-            y,
-            conv_state,
-            state,
-        })
-    })
+        },
+        |kernel| {
+            let mut outputs = kernel.apply(
+                &[
+                    inputs.qkv,
+                    inputs.conv_state,
+                    weights.conv_weight,
+                    inputs.a,
+                    inputs.b,
+                    weights.dt_bias,
+                    weights.neg_rate,
+                    counts,
+                    inputs.state,
+                ],
+                &[
+                    (&[rows, tokens, hv, dv], dtype),
+                    (&[rows, hv, dv, dk], Dtype::Float32),
+                    (&[rows, keep, channels], dtype),
+                ],
+                (32, dv / rows_per_warp(tokens), rows * hv),
+                (32, WARPS_PER_BLOCK, 1),
+                &template,
+            )?;
+            let conv_state = outputs.pop().expect("three outputs");
+            let state = outputs.pop().expect("three outputs");
+            let y = outputs.pop().expect("three outputs");
+            Ok(CoreOutputs {
+                y,
+                conv_state,
+                state,
+            })
+        },
+    )
 }
 
 #[cfg(test)]

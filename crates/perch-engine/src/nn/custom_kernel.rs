@@ -295,6 +295,16 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
         })
 }
 
+/// A kernel kept per thread in `cell` (the engine thread owns MLX's arrays): `make` makes it on
+/// the thread's first call, `run` launches it.
+pub(crate) fn with_kernel<R>(
+    cell: &'static std::thread::LocalKey<std::cell::RefCell<Option<CustomKernel>>>,
+    make: impl FnOnce() -> CustomKernel,
+    run: impl FnOnce(&CustomKernel) -> R,
+) -> R {
+    cell.with(|kernel| run(kernel.borrow_mut().get_or_insert_with(make)))
+}
+
 /// Milliseconds one evaluated call of `f` takes, averaged over 20 after a first (for the
 /// device checks' timings against MLX).
 pub(crate) fn time_call(f: &dyn Fn() -> crate::Result<Array>) -> crate::Result<f64> {
@@ -314,6 +324,29 @@ pub(crate) fn max_abs_error(a: &Array, b: &Array) -> crate::Result<f32> {
             .max(None)?
             .item_exact::<f32>(),
     )
+}
+
+/// The largest |`ours` − `reference`| over the largest |`reference`|, in float32 (the device
+/// checks' measure for products). Both are evaluated before they are read, so that a kernel
+/// that fails to compile or launch is an error here (a load check then turns it off), not a
+/// panic.
+pub(crate) fn relative_error(ours: &Array, reference: &Array) -> crate::Result<f32> {
+    use mlx_rs::ops;
+    let f32 = |x: &Array| x.as_dtype(Dtype::Float32);
+    let (ours, reference) = (f32(ours)?, f32(reference)?);
+    let largest = ops::abs(&reference)?.max(None)?;
+    let difference = ops::abs(&ops::subtract(&ours, &reference)?)?.max(None)?;
+    mlx_rs::transforms::eval([&largest, &difference])?;
+    Ok(difference.item_exact::<f32>() / largest.item_exact::<f32>().max(1e-6))
+}
+
+/// A load check's verdict on case `name`: `Err` when its largest error is above `tolerance`
+/// or NaN.
+pub(crate) fn within(name: &str, error: f32, tolerance: f32) -> Result<(), String> {
+    match error.is_nan() || error > tolerance {
+        true => Err(format!("{name}: largest error {error:.2e}")),
+        false => Ok(()),
+    }
 }
 
 /// One unit in the last place relative to 1 in `dtype` (float32: 1e-5, for sums reduced in

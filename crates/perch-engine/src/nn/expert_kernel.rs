@@ -47,7 +47,9 @@ use mlx_rs::error::Exception;
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::device::Backend;
-use crate::nn::custom_kernel::{time_call, CustomKernel, TemplateArg};
+use crate::nn::custom_kernel::{
+    relative_error, time_call, with_kernel, within, CustomKernel, TemplateArg,
+};
 use crate::nn::layers::{Activation, QuantMode, QuantParams};
 
 /// Warps per block.
@@ -736,9 +738,9 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
     thread_local! {
         static KERNEL: RefCell<Option<CustomKernel>> = const { RefCell::new(None) };
     }
-    let y = KERNEL.with(|kernel| {
-        let mut kernel = kernel.borrow_mut();
-        let kernel = kernel.get_or_insert_with(|| {
+    let y = with_kernel(
+        &KERNEL,
+        || {
             CustomKernel::with_header(
                 backend,
                 c"perch_gather_qmv",
@@ -748,17 +750,19 @@ pub fn gather_qmv(o: &Operands) -> Result<Array, Exception> {
                 HEADER,
                 true,
             )
-        });
-        // Declared in the shape the caller reads (the kernel writes `[items, out]` row-major,
-        // the same memory): a reshape after it would be one more operation in every step.
-        kernel.apply(
-            &[o.x, o.weight, o.scales, biases, &indices, &bias, &coef],
-            &[(&shape, o.x.dtype())],
-            (32, out / ROWS, items),
-            (32, WARPS, 1),
-            &template,
-        )
-    })?;
+        },
+        |kernel| {
+            // Declared in the shape the caller reads (the kernel writes `[items, out]` row-major,
+            // the same memory): a reshape after it would be one more operation in every step.
+            kernel.apply(
+                &[o.x, o.weight, o.scales, biases, &indices, &bias, &coef],
+                &[(&shape, o.x.dtype())],
+                (32, out / ROWS, items),
+                (32, WARPS, 1),
+                &template,
+            )
+        },
+    )?;
     Ok(y.into_iter().next().expect("one output"))
 }
 
@@ -1101,9 +1105,9 @@ fn launch_route(
     let warps = if from_x { ROUTER_WARPS } else { 1 };
     let grid = (32, tokens * warps, 1);
     let out = match add_norm {
-        None => KERNEL.with(|kernel| {
-            let mut kernel = kernel.borrow_mut();
-            let kernel = kernel.get_or_insert_with(|| {
+        None => with_kernel(
+            &KERNEL,
+            || {
                 CustomKernel::new(
                     backend,
                     c"perch_route",
@@ -1112,20 +1116,22 @@ fn launch_route(
                     ROUTE_SOURCE,
                     true,
                 )
-            });
-            kernel.apply(
-                &[lead, &scale, &weight, &bias],
-                &[(&out_shape, Dtype::Uint32), (&out_shape, dtype)],
-                grid,
-                (32, warps, 1),
-                &template,
-            )
-        })?,
+            },
+            |kernel| {
+                kernel.apply(
+                    &[lead, &scale, &weight, &bias],
+                    &[(&out_shape, Dtype::Uint32), (&out_shape, dtype)],
+                    grid,
+                    (32, warps, 1),
+                    &template,
+                )
+            },
+        )?,
         Some(norm) => {
             template.push(TemplateArg::Int(c"EPS_BITS", norm.eps.to_bits() as i32));
-            ADD_NORM_KERNEL.with(|kernel| {
-                let mut kernel = kernel.borrow_mut();
-                let kernel = kernel.get_or_insert_with(|| {
+            with_kernel(
+                &ADD_NORM_KERNEL,
+                || {
                     CustomKernel::new(
                         backend,
                         c"perch_add_norm_route",
@@ -1134,20 +1140,22 @@ fn launch_route(
                         &format!("{ADD_NORM_PROLOGUE}{ROUTE_SOURCE}"),
                         true,
                     )
-                });
-                kernel.apply(
-                    &[lead, norm.residual, norm.weight, &scale, &weight, &bias],
-                    &[
-                        (shape, dtype),
-                        (shape, dtype),
-                        (&out_shape, Dtype::Uint32),
-                        (&out_shape, dtype),
-                    ],
-                    grid,
-                    (32, warps, 1),
-                    &template,
-                )
-            })?
+                },
+                |kernel| {
+                    kernel.apply(
+                        &[lead, norm.residual, norm.weight, &scale, &weight, &bias],
+                        &[
+                            (shape, dtype),
+                            (shape, dtype),
+                            (&out_shape, Dtype::Uint32),
+                            (&out_shape, dtype),
+                        ],
+                        grid,
+                        (32, warps, 1),
+                        &template,
+                    )
+                },
+            )?
         }
     };
     let mut out = out.into_iter();
@@ -1203,15 +1211,6 @@ fn add_norm_self_test() -> &'static Result<(), String> {
         let (error, tolerance, _) = add_norm_route_case(spec, false).map_err(|e| e.to_string())?;
         within(spec.name, error, tolerance)
     })
-}
-
-/// A load check's verdict on case `name`: `Err` when its largest error is above `tolerance`
-/// or NaN.
-fn within(name: &str, error: f32, tolerance: f32) -> Result<(), String> {
-    match error.is_nan() || error > tolerance {
-        true => Err(format!("{name}: largest error {error:.2e}")),
-        false => Ok(()),
-    }
 }
 
 /// What a check case's product does after the gather ([`Epilogue`]).
@@ -1420,19 +1419,6 @@ struct Case {
     scores: Array,
     params: QuantParams,
     kind: Kind,
-}
-
-/// The largest |`ours` − `reference`| over the largest |`reference`|.
-fn relative_error(ours: &Array, reference: &Array) -> crate::Result<f32> {
-    let (ours, reference) = (ours.as_dtype(F32)?, reference.as_dtype(F32)?);
-    let largest = ops::abs(&reference)?
-        .max(None)?
-        .item_exact::<f32>()
-        .max(1e-6);
-    Ok(ops::abs(&ops::subtract(&ours, &reference)?)?
-        .max(None)?
-        .item_exact::<f32>()
-        / largest)
 }
 
 impl Case {

@@ -30,7 +30,9 @@ use mlx_rs::error::Exception;
 use mlx_rs::{ops, Array, Dtype};
 
 use crate::device::Backend;
-use crate::nn::custom_kernel::{time_call, CustomKernel, TemplateArg};
+use crate::nn::custom_kernel::{
+    judged, relative_error, time_call, with_kernel, within, CustomKernel, TemplateArg,
+};
 
 /// Warps a block.
 const WARPS: i32 = 4;
@@ -162,9 +164,9 @@ pub fn small_matmul(x: &Array, weight: &Array, bias: Option<&Array>) -> Result<A
     let mut shape = x.shape().to_vec();
     *shape.last_mut().expect("x has axes") = out;
     let dtype = x.dtype();
-    KERNEL.with(|kernel| {
-        let mut kernel = kernel.borrow_mut();
-        let kernel = kernel.get_or_insert_with(|| {
+    with_kernel(
+        &KERNEL,
+        || {
             CustomKernel::new(
                 Backend::Cuda,
                 c"perch_small_matmul",
@@ -173,24 +175,26 @@ pub fn small_matmul(x: &Array, weight: &Array, bias: Option<&Array>) -> Result<A
                 SOURCE,
                 true,
             )
-        });
-        // Without a bias the kernel reads none: the weight stands in (one dtype a kernel name;
-        // row-contiguous, so MLX copies nothing for it).
-        let has_bias = bias.is_some();
-        let bias = bias.unwrap_or(weight);
-        let y = kernel.apply(
-            &[x, weight, bias],
-            &[(&shape, dtype)],
-            (32, out / FEATURES, (rows + ROW_TILE - 1) / ROW_TILE),
-            (32, WARPS, 1),
-            &[
-                TemplateArg::Dtype(c"T", dtype),
-                TemplateArg::Int(c"IN", input),
-                TemplateArg::Int(c"HAS_BIAS", has_bias as i32),
-            ],
-        )?;
-        Ok(y.into_iter().next().expect("one output"))
-    })
+        },
+        |kernel| {
+            // Without a bias the kernel reads none: the weight stands in (one dtype a kernel name;
+            // row-contiguous, so MLX copies nothing for it).
+            let has_bias = bias.is_some();
+            let bias = bias.unwrap_or(weight);
+            let y = kernel.apply(
+                &[x, weight, bias],
+                &[(&shape, dtype)],
+                (32, out / FEATURES, (rows + ROW_TILE - 1) / ROW_TILE),
+                (32, WARPS, 1),
+                &[
+                    TemplateArg::Dtype(c"T", dtype),
+                    TemplateArg::Int(c"IN", input),
+                    TemplateArg::Int(c"HAS_BIAS", has_bias as i32),
+                ],
+            )?;
+            Ok(y.into_iter().next().expect("one output"))
+        },
+    )
 }
 
 /// `x · weightᵀ (+ bias)` by MLX's operations: what [`small_matmul`] replaces.
@@ -270,16 +274,7 @@ fn case(c: CaseSpec, timed: bool) -> crate::Result<(f32, Option<(f64, f64)>)> {
     let bias = c.bias.then(|| normal(&[out], 3)).transpose()?;
     let ours = small_matmul(&x, &weight, bias.as_ref())?;
     let theirs = reference(&x, &weight, bias.as_ref())?;
-    let (a, b) = (
-        ours.as_dtype(Dtype::Float32)?,
-        theirs.as_dtype(Dtype::Float32)?,
-    );
-    // Evaluated first: a failed compile or launch is an error here (the load check then turns
-    // the kernel off), not a panic in `item_exact`.
-    let largest = ops::abs(&b)?.max(None)?;
-    let difference = ops::abs(&ops::subtract(&a, &b)?)?.max(None)?;
-    mlx_rs::transforms::eval([&largest, &difference])?;
-    let error = difference.item_exact::<f32>() / largest.item_exact::<f32>().max(1e-6);
+    let error = relative_error(&ours, &theirs)?;
     let times = match timed {
         true => Some((
             time_call(&|| Ok(small_matmul(&x, &weight, bias.as_ref())?))?,
@@ -300,9 +295,7 @@ pub fn self_test() -> &'static Result<(), String> {
         }
         for spec in &CASES[..SELF_TEST_CASES] {
             let (error, _) = case(*spec, false).map_err(|e| e.to_string())?;
-            if error.is_nan() || error > TOLERANCE {
-                return Err(format!("{spec:?}: largest error {error:.2e}"));
-            }
+            within(&format!("{spec:?}"), error, TOLERANCE)?;
         }
         Ok(())
     })
@@ -332,10 +325,7 @@ pub fn check() -> crate::Result<Vec<String>> {
             if c.offset { ", x a view at an odd offset" } else { "" },
             c.dtype,
         );
-        if error.is_nan() || error > TOLERANCE {
-            return Err(crate::EngineError::Kernel(line));
-        }
-        lines.push(line);
+        lines.push(judged("small_matmul", line, error, TOLERANCE)?);
     }
     Ok(lines)
 }
@@ -343,10 +333,7 @@ pub fn check() -> crate::Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn zeros(shape: &[i32], dtype: Dtype) -> Array {
-        ops::zeros::<f32>(shape).unwrap().as_dtype(dtype).unwrap()
-    }
+    use crate::nn::custom_kernel::zeros;
 
     /// The kernel takes a decode step's few rows over small weights of a half dtype, nothing else.
     #[test]

@@ -28,7 +28,7 @@ use mlx_rs::{Array, Dtype};
 
 use crate::device::Backend;
 use crate::nn::custom_kernel::{
-    judged, max_abs_error, time_call, unit_in_last_place, CustomKernel, TemplateArg,
+    judged, max_abs_error, time_call, unit_in_last_place, with_kernel, CustomKernel, TemplateArg,
 };
 
 const SOURCE: &str = r#"
@@ -171,9 +171,9 @@ pub fn add_rms_norm(
     let rows: i32 = shape[..shape.len() - 1].iter().product();
     let block = block_size(dims);
     let dtype = x.dtype();
-    KERNEL.with(|kernel| {
-        let mut kernel = kernel.borrow_mut();
-        let kernel = kernel.get_or_insert_with(|| {
+    with_kernel(
+        &KERNEL,
+        || {
             CustomKernel::new(
                 Backend::Cuda,
                 c"perch_add_rms_norm",
@@ -182,23 +182,25 @@ pub fn add_rms_norm(
                 SOURCE,
                 true,
             )
-        });
-        let mut out = kernel.apply(
-            &[x, residual, weight],
-            &[(&shape, dtype), (&shape, dtype)],
-            (rows * block, 1, 1),
-            (block, 1, 1),
-            &[
-                TemplateArg::Dtype(c"T", dtype),
-                TemplateArg::Int(c"D", dims),
-                TemplateArg::Int(c"BLOCK", block),
-                TemplateArg::Int(c"EPS_BITS", eps.to_bits() as i32),
-            ],
-        )?;
-        let normed = out.pop().expect("two outputs");
-        let sum = out.pop().expect("two outputs");
-        Ok((sum, normed))
-    })
+        },
+        |kernel| {
+            let mut out = kernel.apply(
+                &[x, residual, weight],
+                &[(&shape, dtype), (&shape, dtype)],
+                (rows * block, 1, 1),
+                (block, 1, 1),
+                &[
+                    TemplateArg::Dtype(c"T", dtype),
+                    TemplateArg::Int(c"D", dims),
+                    TemplateArg::Int(c"BLOCK", block),
+                    TemplateArg::Int(c"EPS_BITS", eps.to_bits() as i32),
+                ],
+            )?;
+            let normed = out.pop().expect("two outputs");
+            let sum = out.pop().expect("two outputs");
+            Ok((sum, normed))
+        },
+    )
 }
 
 /// Whether [`rms_norm_gated`] computes this: `y` `[tokens..., heads, dims]` of a float dtype,
@@ -247,9 +249,9 @@ pub fn rms_norm_gated(
     let out_shape = [&shape[..shape.len() - 2], &[heads * dims]].concat();
     let block = block_size(dims);
     let dtype = y.dtype();
-    KERNEL.with(|kernel| {
-        let mut kernel = kernel.borrow_mut();
-        let kernel = kernel.get_or_insert_with(|| {
+    with_kernel(
+        &KERNEL,
+        || {
             CustomKernel::new(
                 Backend::Cuda,
                 c"perch_rms_norm_gated",
@@ -258,24 +260,26 @@ pub fn rms_norm_gated(
                 GATED_SOURCE,
                 true,
             )
-        });
-        let mut out = kernel.apply(
-            &[y, z_source, weight],
-            &[(&out_shape, dtype)],
-            (rows * block, 1, 1),
-            (block, 1, 1),
-            &[
-                TemplateArg::Dtype(c"T", dtype),
-                TemplateArg::Int(c"D", dims),
-                TemplateArg::Int(c"HEADS", heads),
-                TemplateArg::Int(c"Z_STRIDE", *z_source.shape().last().expect("an axis")),
-                TemplateArg::Int(c"Z_OFFSET", offset),
-                TemplateArg::Int(c"BLOCK", block),
-                TemplateArg::Int(c"EPS_BITS", eps.to_bits() as i32),
-            ],
-        )?;
-        Ok(out.pop().expect("one output"))
-    })
+        },
+        |kernel| {
+            let mut out = kernel.apply(
+                &[y, z_source, weight],
+                &[(&out_shape, dtype)],
+                (rows * block, 1, 1),
+                (block, 1, 1),
+                &[
+                    TemplateArg::Dtype(c"T", dtype),
+                    TemplateArg::Int(c"D", dims),
+                    TemplateArg::Int(c"HEADS", heads),
+                    TemplateArg::Int(c"Z_STRIDE", *z_source.shape().last().expect("an axis")),
+                    TemplateArg::Int(c"Z_OFFSET", offset),
+                    TemplateArg::Int(c"BLOCK", block),
+                    TemplateArg::Int(c"EPS_BITS", eps.to_bits() as i32),
+                ],
+            )?;
+            Ok(out.pop().expect("one output"))
+        },
+    )
 }
 
 /// MLX's operations for [`rms_norm_gated`] (as `crate::models::gated_delta` runs them without
