@@ -6,7 +6,7 @@
 #     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each;
 #   `bash scripts/device_moe.sh probe`: the engine thread sampled at 32 rows on each model
 #     (scripts/probe_host.c as $G/probe_host.so), its stacks written to $OUT/probe-MODEL.txt.xz, and bench_op_launch.py;
-#   `bash scripts/device_moe.sh ab [VAR]`: `check-kernels gemm`, then Perch alone on each model with VAR
+#   `bash scripts/device_moe.sh ab [VAR]`: `check-kernels` (every kernel), then Perch alone on each model with VAR
 #     (default PERCH_GEMM_KERNEL) 0 and 1;
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
@@ -57,10 +57,10 @@ bench)
   done
   ;;
 ab)
-  # One switch (default PERCH_GEMM_KERNEL) off and on, Perch alone on each model, after its kernels' checks.
+  # One switch (default PERCH_GEMM_KERNEL) off and on, Perch alone on each model, after every kernel's checks.
   var=${2:-PERCH_GEMM_KERNEL}
-  echo "== check-kernels gemm"
-  $OD timeout 120 $P check-kernels gemm 2>&1 | grep -v '^\s*$' | tail -12
+  echo "== check-kernels"
+  $OD timeout 150 $P check-kernels 2>&1 | grep -v '^\s*$' | tail -40
   for m in moe oss; do
     for on in 0 1; do echo "== $m, $var=$on"; export "$var=$on"; bench $m 120; done; unset "$var"
     date +%T

@@ -295,11 +295,21 @@ struct StepReplay {
 }
 
 /// A step's view of the sliding layers' rings (see the module docs).
-/// Entries (rows × positions) up to which a one-token step's masks are written by the host
-/// ([`SlotKvCache::one_token_step`]): 32 rows at 2,048 positions. A longer context's mask is one
-/// comparison on the device, where writing it would cost the host more than the operations it
-/// saves.
+/// Entries (rows × positions) up to which a one-token step's ring masks (and, with
+/// `PERCH_DECODE_HOST_MASK=1`, its plain mask) are written by the host
+/// ([`SlotKvCache::one_token_step`]): 32 rows at 2,048 positions. A longer context's masks are
+/// computed on the device, where writing them would cost the host more than the operations
+/// they save.
 const HOST_MASK_ENTRIES: usize = 1 << 16;
+
+/// Whether a one-token step's plain mask is written by the host rather than compared on the
+/// device from its index (one operation against cached key positions): no unless
+/// `PERCH_DECODE_HOST_MASK=1` (for benchmarks; on CUDA an array written by the host may cost MLX's
+/// allocator a synchronous copy, docs/benchmarks.md).
+fn host_written_mask() -> bool {
+    static HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HOST.get_or_init(|| std::env::var("PERCH_DECODE_HOST_MASK").as_deref() == Ok("1"))
+}
 
 struct RingStep {
     /// `[rows, 1, tokens, 1]` int32: the entries the step writes, `position mod R`.
@@ -466,6 +476,9 @@ pub struct SlotKvCache {
     max_step_tokens: usize,
     rows: usize,
     capacity: usize,
+    /// `[1, 1, 1, capacity]` int32, `0..capacity`: the key positions a one-token step's mask
+    /// compares with its index, kept while the capacity stays ([`SlotKvCache::key_positions`]).
+    key_positions: RefCell<Option<Array>>,
     /// The last pass over these buffers dispatched and not waited for, with what followed it
     /// (the prefix cache's copies of its blocks): a one-element copy of a buffer, dispatched
     /// after them ([`SlotKvCache::mark_pass_in_flight`]).
@@ -496,6 +509,7 @@ impl SlotKvCache {
             max_step_tokens: 1,
             rows: 0,
             capacity: 0,
+            key_positions: RefCell::default(),
             pass_in_flight: None,
             replay_next: false,
             replay: None,
@@ -1309,17 +1323,17 @@ impl SlotKvCache {
         for (p, len) in lengths.iter_mut().zip(&self.lengths) {
             *p = len.unwrap_or(0) as i32;
         }
-        // RoPE's offsets: each row's length, plus its shift where it has one.
-        let positions = match self.rope_shift.iter().any(|&s| s != 0) {
-            false => Array::from_slice(&lengths, &[self.rows as i32]),
-            true => {
-                let shifted: Vec<i32> = lengths
-                    .iter()
-                    .enumerate()
-                    .map(|(r, &len)| len + self.rope_shift.get(r).copied().unwrap_or(0))
-                    .collect();
-                Array::from_slice(&shifted, &[self.rows as i32])
-            }
+        // RoPE's offsets: each row's length, plus its shift where it has one (`None`: the
+        // lengths themselves).
+        let shifted: Option<Vec<i32>> = self.rope_shift.iter().any(|&s| s != 0).then(|| {
+            lengths
+                .iter()
+                .enumerate()
+                .map(|(r, &len)| len + self.rope_shift.get(r).copied().unwrap_or(0))
+                .collect()
+        });
+        let positions = |lengths: &[i32]| {
+            Array::from_slice(shifted.as_deref().unwrap_or(lengths), &[self.rows as i32])
         };
         // [rows, 1, tokens, 1]: the last position each query sees, when some span reaches
         // past its query.
@@ -1346,7 +1360,14 @@ impl SlotKvCache {
             // A decode step without bounded rows: its index and masks written by the host, where
             // each would be several small operations launched in every step (a decode step on
             // a GPU is bound by the host launching its operations, docs/benchmarks.md).
-            let (index, mask, ring) = self.one_token_step(&lengths)?;
+            let (index, mask, ring) = self.one_token_step(&lengths, host_written_mask())?;
+            // Unshifted, the offsets are the index's values: a view of it rather than another
+            // array written by the host (each may cost MLX's CUDA allocator a synchronous copy,
+            // docs/benchmarks.md).
+            let positions = match shifted.is_none() {
+                true => index.reshape(&[self.rows as i32])?,
+                false => positions(&lengths),
+            };
             return self.finish_step(
                 tokens,
                 new_tokens,
@@ -1357,7 +1378,11 @@ impl SlotKvCache {
                 ring,
             );
         }
-        let lengths = Array::from_slice(&lengths, &[self.rows as i32]);
+        let positions = positions(&lengths);
+        let lengths = match shifted.is_none() {
+            true => positions.clone(),
+            false => Array::from_slice(&lengths, &[self.rows as i32]),
+        };
         // [rows, 1, tokens, 1]: where each row's tokens go.
         let index = ops::add(
             &lengths.reshape(&[-1, 1, 1, 1])?,
@@ -1422,14 +1447,18 @@ impl SlotKvCache {
     /// bounded rows, from the rows' `lengths`: what its operations compute for such a step
     /// (entry `e` seen from position `q` when `e <= q`; in a ring of `R` entries, `q mod R`
     /// written and entry `e` seen when its age `(q - e) mod R` is below the window and not
-    /// older than the row). A mask of more than [`HOST_MASK_ENTRIES`] entries stays those
-    /// operations on the device.
-    fn one_token_step(&self, lengths: &[i32]) -> Result<(Array, Array, Option<RingStep>)> {
+    /// older than the row). The plain mask is one comparison on the device unless `host_mask`;
+    /// a mask of more than [`HOST_MASK_ENTRIES`] entries stays those operations on the device.
+    fn one_token_step(
+        &self,
+        lengths: &[i32],
+        host_mask: bool,
+    ) -> Result<(Array, Array, Option<RingStep>)> {
         let rows = self.rows as i32;
         let index = Array::from_slice(lengths, &[rows, 1, 1, 1]);
         let written = |size: usize| self.rows * size <= HOST_MASK_ENTRIES;
         let capacity = self.capacity;
-        let mask = match written(capacity) {
+        let mask = match host_mask && written(capacity) {
             true => {
                 // Each row's first `q + 1` entries, then none.
                 let mut mask = Vec::with_capacity(self.rows * capacity);
@@ -1441,10 +1470,7 @@ impl SlotKvCache {
                 }
                 Array::from_slice(&mask, &[rows, 1, 1, capacity as i32])
             }
-            false => {
-                let keys = ops::arange::<_, i32>(0, capacity as i32, None)?;
-                ops::le(&keys.reshape(&[1, 1, 1, -1])?, &index)?
-            }
+            false => ops::le(&self.key_positions()?, &index)?,
         };
         let ring = match (&self.rings, self.ring_size(capacity)) {
             (Some(rings), Some(size)) if written(size) => {
@@ -1467,6 +1493,21 @@ impl SlotKvCache {
             _ => None,
         };
         Ok((index, mask, ring))
+    }
+
+    /// `[1, 1, 1, capacity]` int32 `0..capacity`, made once a capacity (evaluated with the
+    /// first step that reads it, then kept as data).
+    fn key_positions(&self) -> Result<Array> {
+        let mut kept = self.key_positions.borrow_mut();
+        if let Some(keys) = kept
+            .as_ref()
+            .filter(|k| k.shape()[3] as usize == self.capacity)
+        {
+            return Ok(keys.clone());
+        }
+        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;
+        *kept = Some(keys.clone());
+        Ok(keys)
     }
 
     /// The rest of [`SlotKvCache::begin_step_with`] once the step's index, mask, write entries
@@ -2199,7 +2240,7 @@ mod tests {
         slots.rows = 5;
         slots.capacity = 4 * size as usize;
         let lengths = [0, 3, size - 1, size + 2, 3 * size + 1];
-        let (index, mask, ring) = slots.one_token_step(&lengths).unwrap();
+        let (index, mask, ring) = slots.one_token_step(&lengths, true).unwrap();
         let queries = Array::from_slice(&lengths, &[5, 1, 1, 1]);
         let keys = ops::arange::<_, i32>(0, slots.capacity as i32, None)
             .unwrap()
@@ -2223,9 +2264,13 @@ mod tests {
                 .count()
         };
         assert_eq!((seen(4), seen(0)), (window as usize, 1));
+        // The plain mask compared on the device: the same values (its key positions kept
+        // for the next capacity's, below, to be made anew).
+        let (_, device_mask, _) = slots.one_token_step(&lengths, false).unwrap();
+        assert_eq!(bools(&device_mask), bools(&mask));
         // A mask past what the host writes: the device's comparison, the same values.
         slots.capacity = HOST_MASK_ENTRIES;
-        let (_, mask, _) = slots.one_token_step(&lengths).unwrap();
+        let (_, mask, _) = slots.one_token_step(&lengths, true).unwrap();
         let keys = ops::arange::<_, i32>(0, slots.capacity as i32, None)
             .unwrap()
             .reshape(&[1, 1, 1, -1])

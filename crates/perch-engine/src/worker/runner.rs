@@ -638,17 +638,23 @@ impl<'m> ModelRunner<'m> {
 
     /// Token ids `[num_rows, 1]` for a decode step: each row feeds its sequence's last known
     /// token or, when the step in flight sampled one not read yet, that one (gathered on the
-    /// device); other rows feed 0 (padding).
+    /// device); other rows feed 0 (padding) or, when every row's token is on the device, what
+    /// the gather gives them (nothing reads a padding row's outputs). In the steady state of
+    /// greedy decoding (every row stepped again in the row it had, its token the step's
+    /// argmax), the argmax itself: no array written by the host and no gather, each of which
+    /// costs a GPU backend's host more than the step's other operations (docs/benchmarks.md).
     fn decode_inputs(&self, rows: &[DecodeRow], num_rows: usize) -> Result<Array> {
-        let mut host = vec![0u32; num_rows];
-        for r in rows {
-            host[r.row] = r.last_token;
-        }
         // Made in the shape the step reads, with no reshape among the step's operations.
         let shape = [num_rows as i32, 1];
-        let host = Array::from_slice(&host, &shape);
+        let host = || {
+            let mut host = vec![0u32; num_rows];
+            for r in rows {
+                host[r.row] = r.last_token;
+            }
+            Array::from_slice(&host, &shape)
+        };
         let Some(step) = &self.in_flight else {
-            return Ok(host);
+            return Ok(host());
         };
         let pending: HashMap<RequestId, usize> = step
             .entries
@@ -656,6 +662,17 @@ impl<'m> ModelRunner<'m> {
             .enumerate()
             .map(|(k, e)| (e.id, k))
             .collect();
+        if let Some(greedy) = &step.greedy {
+            let continued = |r: &DecodeRow| {
+                pending.get(&r.id).is_some_and(|&k| {
+                    let e = &step.entries[k];
+                    e.row == r.row && matches!(e.source, Source::Greedy)
+                })
+            };
+            if greedy.shape() == [num_rows as i32] && rows.iter().all(continued) {
+                return Ok(greedy.reshape(&shape)?);
+            }
+        }
         let mut from_device = vec![false; num_rows];
         let mut source = vec![0u32; num_rows];
         for r in rows {
@@ -665,11 +682,14 @@ impl<'m> ModelRunner<'m> {
             }
         }
         if !from_device.contains(&true) {
-            return Ok(host);
+            return Ok(host());
         }
         let gathered = step.tokens_of(&source)?;
+        if rows.iter().all(|r| from_device[r.row]) {
+            return Ok(gathered);
+        }
         let mask = Array::from_slice(&from_device, &shape);
-        Ok(ops::select(&mask, &gathered, &host)?)
+        Ok(ops::select(&mask, &gathered, host())?)
     }
 
     /// Waits for the step in flight, if any, and returns its tokens (in the order its rows were
