@@ -167,6 +167,7 @@ def perch_run(binary: str, model_dir: Path, n: int, prompt_tokens: int, gen_toke
         "decode_step_ms": report.get("engine_decode_step_ms"), "other_share": report.get("engine_other_share"),
         "decode_wait_ms": report.get("engine_decode_wait_ms"), "token_ms": report.get("engine_token_ms"),
         "decode_build_ms": report.get("engine_decode_build_ms"),
+        "schedule_ms": report.get("engine_schedule_ms"), "publish_ms": report.get("engine_publish_step_ms"),
     }
 
 
@@ -245,8 +246,8 @@ def main() -> None:
     print("\nEach engine's own counters (forward passes only; mlx_lm's BatchGenerator stats, Perch's step times):")
     print("\n| concurrency | perch prefill tok/s | mlx_lm prompt_tps | mlx_lm generation_tps | perch decode step ms "
           "| of which building the graph | of which waiting for the device | tokens to requests ms | perch ITL p50 ms | floor step ms | perch ITL / floor "
-          "| perch time outside forward passes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| perch time outside forward passes | of a step: planning and admitting ms | publishing blocks ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n, ours, theirs in rows:
         if n != 1:
             print(f"| {n} | {fmt(ours.get('own_prompt_tps'), ',.0f')} | {fmt(theirs.get('own_prompt_tps'), ',.0f')} "
@@ -255,7 +256,8 @@ def main() -> None:
                   f"| {fmt(ours.get('token_ms'), '.2f')} "
                   f"| {fmt(ours.get('itl_ms_p50'), '.2f')} | {fmt(theirs.get('floor_step_ms'), '.2f')} "
                   f"| {fmt(ratio_of(ours.get('itl_ms_p50'), theirs.get('floor_step_ms')), '.2f')} "
-                  f"| {fmt(ours.get('other_share'), '.0%')} |")
+                  f"| {fmt(ours.get('other_share'), '.0%')} | {fmt(ours.get('schedule_ms'), '.2f')} "
+                  f"| {fmt(ours.get('publish_ms'), '.2f')} |")
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ struct BatchReport {
     /// Prefill forward passes in the measured run, and their milliseconds in all.
     engine_prefill_passes: u64,
     engine_prefill_ms: f64,
-    /// Milliseconds in all after prefill passes putting their blocks into the prefix cache.
+    /// Milliseconds in all putting full blocks into the prefix cache (after prefill passes and,
+    /// for models with sliding layers, after decode steps).
     engine_publish_ms: f64,
     /// Milliseconds per decode step building and dispatching its forward pass and sampling,
     /// plus waiting for its tokens.
@@ -61,6 +62,11 @@ struct BatchReport {
     engine_token_ms: f64,
     /// Milliseconds per decode step building its graph (before MLX encodes and launches it).
     engine_decode_build_ms: f64,
+    /// Milliseconds per engine step planning it and admitting requests, and putting full blocks
+    /// into the prefix cache (after prefill passes, and after decode steps of models with
+    /// sliding layers): parts of the time outside forward passes.
+    engine_schedule_ms: f64,
+    engine_publish_step_ms: f64,
     /// Engine steps in the measured run, and the share of their time outside forward passes
     /// and sampling (admission, slot moves, prefix-cache copies, detokenizing).
     engine_steps: u64,
@@ -754,6 +760,10 @@ fn report(
         engine_decode_build_ms: per_step_ms(
             after.decode_build_seconds - before.decode_build_seconds,
         ),
+        engine_schedule_ms: (after.schedule_seconds - before.schedule_seconds) * 1e3
+            / (after.steps - before.steps).max(1) as f64,
+        engine_publish_step_ms: (after.publish_seconds - before.publish_seconds) * 1e3
+            / (after.steps - before.steps).max(1) as f64,
         engine_steps: after.steps - before.steps,
         engine_other_share: 1.0 - (prefill_seconds + decode_seconds) / step_seconds.max(1e-9),
         engine_verify_steps: after.verify_steps - before.verify_steps,
@@ -778,7 +788,7 @@ fn print_report(label: &str, report: &BatchReport) {
         report.prefix_cache_hit_rate * 100.0
     );
     println!(
-        "engine: {} steps, prefill {:.1} tok/s in its forward passes ({} passes, {:.1} ms; publishing their blocks {:.1} ms), decode step {:.2} ms (building {:.2} ms, waiting {:.2} ms), tokens to requests {:.2} ms a step, {:.0}% of step time outside forward passes",
+        "engine: {} steps, prefill {:.1} tok/s in its forward passes ({} passes, {:.1} ms), publishing full blocks {:.1} ms in all, decode step {:.2} ms (building {:.2} ms, waiting {:.2} ms), tokens to requests {:.2} ms a step, {:.0}% of step time outside forward passes (a step: planning and admitting {:.2} ms, publishing blocks {:.2} ms)",
         report.engine_steps,
         report.engine_prefill_tps,
         report.engine_prefill_passes,
@@ -788,7 +798,9 @@ fn print_report(label: &str, report: &BatchReport) {
         report.engine_decode_build_ms,
         report.engine_decode_wait_ms,
         report.engine_token_ms,
-        report.engine_other_share * 100.0
+        report.engine_other_share * 100.0,
+        report.engine_schedule_ms,
+        report.engine_publish_step_ms
     );
     if report.engine_verify_steps > 0 {
         println!(

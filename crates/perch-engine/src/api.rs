@@ -524,9 +524,14 @@ pub struct StepTimes {
     pub prefill_seconds: f64,
     /// Prompt tokens those passes computed (padding excluded).
     pub prefill_tokens: u64,
-    /// Seconds after prefill passes putting their full blocks into the prefix cache: host time
-    /// (building and dispatching the copies).
+    /// Seconds putting full blocks into the prefix cache after prefill passes and (for models
+    /// with sliding layers) after decode steps: host time (building and dispatching the copies).
     pub publish_seconds: f64,
+    /// Seconds planning steps and admitting requests (the scheduler's plan, applying what it
+    /// decides, loading prefix-cache hits into the batch; a wait for the step in flight that
+    /// a preemption needs is counted in `decode_seconds` and here too).
+    #[serde(default)]
+    pub schedule_seconds: f64,
     /// Prefill forward passes (one per step, for all the prefill slots).
     pub prefill_passes: u64,
     /// Seconds building and dispatching decode steps (forward pass and sampling) plus the waits

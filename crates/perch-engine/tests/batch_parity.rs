@@ -99,7 +99,16 @@ fn run_with(
         kv.blocks_used, 0,
         "every block is free once all requests are done"
     );
-    batch.step_times()
+    // The parts of the steps' time outside forward passes are counted, each within the steps'.
+    let times = batch.step_times();
+    assert!(times.schedule_seconds > 0.0, "{times:?}");
+    assert!(times.publish_seconds > 0.0, "{times:?}");
+    assert!(
+        times.schedule_seconds + times.publish_seconds + times.prefill_seconds
+            <= times.step_seconds,
+        "{times:?}"
+    );
+    times
 }
 
 /// The long prompt (370 tokens, in budget-wide chunks) submitted at once with three short

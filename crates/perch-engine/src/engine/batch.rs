@@ -1695,6 +1695,7 @@ impl<'m> BatchGenerator<'m> {
         let mut events = Vec::new();
         let plan = self.schedule(&mut events)?;
         self.admit(&plan.admitted, &mut events)?;
+        self.times.schedule_seconds += start.elapsed().as_secs_f64();
         for &id in &plan.yield_prefill {
             let i = self.position(id).expect("planned from the running");
             let mut seq = self.running.remove(i);
@@ -2524,6 +2525,7 @@ impl<'m> BatchGenerator<'m> {
             // after the step just dispatched; nothing waits for them. Only tokens already read
             // can be hashed.
             // Their copies are made together (`Publishing`), then the pins they satisfy taken.
+            let start = Instant::now();
             let now = self.now();
             let mut publishing = Publishing::default();
             let publishes = |s: &Sequence| s.prefill_done() && s.computed <= s.tokens.len();
@@ -2534,6 +2536,7 @@ impl<'m> BatchGenerator<'m> {
             for seq in self.running.iter_mut().filter(|s| publishes(s)) {
                 take_pins(&mut self.kv, &mut self.store, seq, now);
             }
+            self.times.publish_seconds += start.elapsed().as_secs_f64();
         }
         // Unless every sequence it stepped has just finished: then it is waited for, so that
         // none of its work still runs (and holds memory) once the batch is idle.
