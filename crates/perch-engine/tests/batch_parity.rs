@@ -286,6 +286,62 @@ fn prompt_lookup_pays_on_repeated_text() {
     assert_eq!(outputs[1].0.stats.draft_tokens, 0);
 }
 
+/// Sampled rows that share one batched draw a step (temperature with top-p or min-p, no
+/// processors) give each request the tokens it gets alone: four that fill the decode slots from
+/// the first step (each next step feeds the draws in place, `InFlight::in_place`) and a fifth
+/// joining later (the slots grow past the rows: its steps gather the draws), with a greedy row
+/// among the late ones.
+#[test]
+fn batched_draws_match_generate_alone() {
+    let dir = common::model_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
+    let cases = common::cases(&["sky", "haiku", "raw-text", "code", "multi-turn", "sky"]);
+    let requests: Vec<GenerateRequest> = cases
+        .iter()
+        .enumerate()
+        .map(|(i, case)| {
+            let mut request = GenerateRequest::new(case.prompt_ids.clone());
+            request.max_tokens = 12;
+            request.ignore_eos = true;
+            if i != 5 {
+                request.sampling.temperature = 0.8 + 0.1 * i as f32;
+                match i % 2 {
+                    0 => request.sampling.top_p = 0.9,
+                    _ => request.sampling.min_p = 0.05,
+                }
+                request.sampling.seed = Some(11 + i as u64);
+            }
+            request
+        })
+        .collect();
+    let alone: Vec<_> = requests
+        .iter()
+        .map(|r| common::generate_alone(model.as_ref(), &tokenizer, r).unwrap())
+        .collect();
+    let config = BatchConfig {
+        prefill_batch_size: 4,
+        ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
+    };
+    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
+    let schedule = requests
+        .into_iter()
+        .zip([0, 0, 0, 0, 6, 8])
+        .map(|(r, at)| (at, r))
+        .collect();
+    let outputs = common::drive(&mut batch, schedule);
+    for (i, ((batched, _), alone)) in outputs.iter().zip(&alone).enumerate() {
+        assert_eq!(batched.token_ids, alone.token_ids, "request {i}");
+        assert_eq!(batched.token_ids.len(), 12);
+    }
+    // Sampling happened: request 0 leaves mlx_lm's greedy ids for its prompt.
+    assert_ne!(
+        alone[0].token_ids,
+        common::expected_prefix(&cases[0], 12),
+        "request 0 sampled"
+    );
+}
+
 /// Seeded sampling with XTC, repetition, presence and frequency penalties, and
 /// log-probabilities, run in the batch (whose decode steps are pipelined: each row's next input,
 /// sampler key and penalty window come from the device before the host reads the token) give

@@ -640,9 +640,9 @@ impl<'m> ModelRunner<'m> {
     /// token or, when the step in flight sampled one not read yet, that one (gathered on the
     /// device); other rows feed 0 (padding) or, when every row's token is on the device, what
     /// the gather gives them (nothing reads a padding row's outputs). In the steady state of
-    /// greedy decoding (every row stepped again in the row it had, its token the step's
-    /// argmax), the argmax itself: no array written by the host and no gather, each of which
-    /// costs a GPU backend's host more than the step's other operations (docs/benchmarks.md).
+    /// decoding (every row stepped again in the row it had, [`InFlight::in_place`]), the step's
+    /// tokens themselves: no array written by the host and no gather, each of which costs a GPU
+    /// backend's host more than the step's other operations (docs/benchmarks.md).
     fn decode_inputs(&self, rows: &[DecodeRow], num_rows: usize) -> Result<Array> {
         // Made in the shape the step reads, with no reshape among the step's operations.
         let shape = [num_rows as i32, 1];
@@ -662,16 +662,8 @@ impl<'m> ModelRunner<'m> {
             .enumerate()
             .map(|(k, e)| (e.id, k))
             .collect();
-        if let Some(greedy) = &step.greedy {
-            let continued = |r: &DecodeRow| {
-                pending.get(&r.id).is_some_and(|&k| {
-                    let e = &step.entries[k];
-                    e.row == r.row && matches!(e.source, Source::Greedy)
-                })
-            };
-            if greedy.shape() == [num_rows as i32] && rows.iter().all(continued) {
-                return Ok(greedy.reshape(&shape)?);
-            }
+        if let Some(tokens) = step.in_place(rows, &pending, num_rows) {
+            return Ok(tokens.reshape(&shape)?);
         }
         let mut from_device = vec![false; num_rows];
         let mut source = vec![0u32; num_rows];
@@ -1042,6 +1034,33 @@ impl InFlight {
                 .chain(e.distribution.iter())
         });
         self.greedy.iter().chain(self.batched.iter()).chain(own)
+    }
+
+    /// When the step's tokens are one array of `num_rows` (every row's argmax, or every slot's
+    /// batched draw) in which each of `rows` (the next step's, whose step entries `pending` maps)
+    /// finds its own token at its own row: that array (a padding row reads what the step drew
+    /// at its row).
+    fn in_place(
+        &self,
+        rows: &[DecodeRow],
+        pending: &HashMap<RequestId, usize>,
+        num_rows: usize,
+    ) -> Option<&Array> {
+        let tokens = match (&self.greedy, &self.batched) {
+            (Some(tokens), None) | (None, Some(tokens)) => tokens,
+            _ => return None,
+        };
+        let own_row = |r: &DecodeRow| {
+            pending.get(&r.id).is_some_and(|&k| {
+                let e = &self.entries[k];
+                match e.source {
+                    Source::Greedy => e.row == r.row,
+                    Source::Batched(at) => at == r.row && e.row == r.row,
+                    Source::Own(_) => false,
+                }
+            })
+        };
+        (tokens.shape() == [num_rows as i32] && rows.iter().all(own_row)).then_some(tokens)
     }
 
     /// The tokens of entries `entries` (each an index into [`InFlight::entries`]), `[entries, 1]`
