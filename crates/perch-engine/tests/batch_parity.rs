@@ -8,7 +8,7 @@
 mod common;
 
 use perch_engine::testing::{loading_dense_weights, BatchConfig, BatchGenerator};
-use perch_engine::{models, GenerateRequest, Tokenizer};
+use perch_engine::{models, GenerateOutput, GenerateRequest, Tokenizer};
 use perch_engine::{PromptLookup, SlotAttention, StepTimes};
 
 /// Runs `cases` in one batch as set (case `i` inserted at step `insert_at[i]`, `max_tokens`
@@ -286,17 +286,14 @@ fn prompt_lookup_pays_on_repeated_text() {
     assert_eq!(outputs[1].0.stats.draft_tokens, 0);
 }
 
-/// Sampled rows that share one batched draw a step (temperature with top-p or min-p, no
-/// processors) give each request the tokens it gets alone: four that fill the decode slots from
-/// the first step (each next step feeds the draws in place, `InFlight::in_place`) and a fifth
-/// joining later (the slots grow past the rows: its steps gather the draws), with a greedy row
-/// among the late ones.
-#[test]
-fn batched_draws_match_generate_alone() {
-    let dir = common::model_dir();
-    let model = models::load(&dir).unwrap();
-    let tokenizer = Tokenizer::load(&dir).unwrap();
-    let cases = common::cases(&["sky", "haiku", "raw-text", "code", "multi-turn", "sky"]);
+/// Runs a request of 12 tokens (its EOS ignored) for each of `cases`, set by `set(i, request)`
+/// and inserted at step `insert_at[i]`, in one batch of the default model, and asserts each gets
+/// the ids it gets alone through `generate`; returns the outputs alone.
+fn batch_matches_alone(
+    cases: &[common::ReferenceCase],
+    insert_at: &[usize],
+    set: impl Fn(usize, &mut GenerateRequest),
+) -> Vec<GenerateOutput> {
     let requests: Vec<GenerateRequest> = cases
         .iter()
         .enumerate()
@@ -304,17 +301,13 @@ fn batched_draws_match_generate_alone() {
             let mut request = GenerateRequest::new(case.prompt_ids.clone());
             request.max_tokens = 12;
             request.ignore_eos = true;
-            if i != 5 {
-                request.sampling.temperature = 0.8 + 0.1 * i as f32;
-                match i % 2 {
-                    0 => request.sampling.top_p = 0.9,
-                    _ => request.sampling.min_p = 0.05,
-                }
-                request.sampling.seed = Some(11 + i as u64);
-            }
+            set(i, &mut request);
             request
         })
         .collect();
+    let dir = common::model_dir();
+    let model = models::load(&dir).unwrap();
+    let tokenizer = Tokenizer::load(&dir).unwrap();
     let alone: Vec<_> = requests
         .iter()
         .map(|r| common::generate_alone(model.as_ref(), &tokenizer, r).unwrap())
@@ -326,7 +319,7 @@ fn batched_draws_match_generate_alone() {
     let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
     let schedule = requests
         .into_iter()
-        .zip([0, 0, 0, 0, 6, 8])
+        .zip(insert_at.iter().copied())
         .map(|(r, at)| (at, r))
         .collect();
     let outputs = common::drive(&mut batch, schedule);
@@ -334,6 +327,27 @@ fn batched_draws_match_generate_alone() {
         assert_eq!(batched.token_ids, alone.token_ids, "request {i}");
         assert_eq!(batched.token_ids.len(), 12);
     }
+    alone
+}
+
+/// Sampled rows that share one batched draw a step (temperature with top-p or min-p, no
+/// processors) give each request the tokens it gets alone: four that fill the decode slots from
+/// the first step (each next step feeds the draws in place, `InFlight::in_place`) and a fifth
+/// joining later (the slots grow past the rows: its steps gather the draws), with a greedy row
+/// among the late ones.
+#[test]
+fn batched_draws_match_generate_alone() {
+    let cases = common::cases(&["sky", "haiku", "raw-text", "code", "multi-turn", "sky"]);
+    let alone = batch_matches_alone(&cases, &[0, 0, 0, 0, 6, 8], |i, request| {
+        if i != 5 {
+            request.sampling.temperature = 0.8 + 0.1 * i as f32;
+            match i % 2 {
+                0 => request.sampling.top_p = 0.9,
+                _ => request.sampling.min_p = 0.05,
+            }
+            request.sampling.seed = Some(11 + i as u64);
+        }
+    });
     // Sampling happened: request 0 leaves mlx_lm's greedy ids for its prompt.
     assert_ne!(
         alone[0].token_ids,
@@ -350,64 +364,34 @@ fn batched_draws_match_generate_alone() {
 /// greedy ids.
 #[test]
 fn seeded_sampling_matches_generate_alone() {
-    let dir = common::model_dir();
-    let model = models::load(&dir).unwrap();
-    let tokenizer = Tokenizer::load(&dir).unwrap();
     // Roles by position (below); any prompts would do (every request ignores its EOS), so
     // short ones for requests 2 and 3 (raw-text's 5 tokens, code's 40).
     let cases = common::cases(&["sky", "haiku", "raw-text", "code"]);
-    let requests: Vec<GenerateRequest> = cases
-        .iter()
-        .enumerate()
-        .map(|(i, case)| {
-            let mut request = GenerateRequest::new(case.prompt_ids.clone());
-            request.max_tokens = 12;
-            request.ignore_eos = true;
-            if i != 1 {
-                // Request 1 stays greedy: plain greedy and sampled rows share the steps.
-                request.sampling.temperature = 0.9;
-                request.sampling.top_p = 0.95;
-                request.sampling.repetition_penalty = 1.3;
-                request.sampling.seed = Some(7 + i as u64);
-            }
-            if i == 0 {
-                // XTC (its uniform draw and the categorical share the request's key stream).
-                request.sampling.xtc_probability = 0.5;
-                request.sampling.xtc_threshold = 0.05;
-            }
-            if i == 2 {
-                request.logprobs = Some(3);
-            }
-            if i == 3 {
-                // OpenAI's penalties, each over its own window of recent tokens.
-                request.sampling.presence_penalty = 0.4;
-                request.sampling.frequency_penalty = 0.6;
-                request.sampling.frequency_context_size = 8;
-            }
-            request
-        })
-        .collect();
-    let alone: Vec<_> = requests
-        .iter()
-        .map(|r| common::generate_alone(model.as_ref(), &tokenizer, r).unwrap())
-        .collect();
-    let config = BatchConfig {
-        prefill_batch_size: 4,
-        ..BatchConfig::for_budget(model.as_ref(), 256 << 20, 32, None)
-    };
-    let mut batch = BatchGenerator::new(model.as_ref(), &tokenizer, config, "smollm");
-    let schedule = requests
-        .into_iter()
-        .zip([0, 0, 2, 5])
-        .map(|(r, at)| (at, r))
-        .collect();
-    let outputs = common::drive(&mut batch, schedule);
-    for (i, ((batched, _), alone)) in outputs.iter().zip(&alone).enumerate() {
-        assert_eq!(batched.token_ids, alone.token_ids, "request {i}");
-        assert_eq!(batched.token_ids.len(), 12);
-    }
+    let alone = batch_matches_alone(&cases, &[0, 0, 2, 5], |i, request| {
+        if i != 1 {
+            // Request 1 stays greedy: plain greedy and sampled rows share the steps.
+            request.sampling.temperature = 0.9;
+            request.sampling.top_p = 0.95;
+            request.sampling.repetition_penalty = 1.3;
+            request.sampling.seed = Some(7 + i as u64);
+        }
+        if i == 0 {
+            // XTC (its uniform draw and the categorical share the request's key stream).
+            request.sampling.xtc_probability = 0.5;
+            request.sampling.xtc_threshold = 0.05;
+        }
+        if i == 2 {
+            request.logprobs = Some(3);
+        }
+        if i == 3 {
+            // OpenAI's penalties, each over its own window of recent tokens.
+            request.sampling.presence_penalty = 0.4;
+            request.sampling.frequency_penalty = 0.6;
+            request.sampling.frequency_context_size = 8;
+        }
+    });
     assert_eq!(
-        outputs[1].0.token_ids,
+        alone[1].token_ids,
         common::expected_prefix(&cases[1], 12),
         "the greedy request"
     );
