@@ -162,10 +162,11 @@ impl CustomKernel {
         header: &str,
         row_contiguous: bool,
     ) -> Self {
-        // MLX's CUDA backend keeps compiled kernels on disk by name and template arguments
-        // (`$MLX_PTX_CACHE_DIR`, else a temporary folder per MLX version): the name carries a
-        // hash of the code, so a Perch with another kernel body never loads the old one.
-        // MLX writes the kernel's signature from the inputs' and outputs' names: they count too.
+        // The name carries a hash of the code (MLX writes the kernel's signature from the
+        // inputs' and outputs' names: they count too), so that no cache keyed by name and
+        // template arguments can hand a Perch with another kernel body the old one. (MLX 0.32's
+        // CUDA backend looks custom kernels up in its disk cache, `$MLX_PTX_CACHE_DIR`, but never
+        // writes them there: each process compiles them with NVRTC, docs/benchmarks.md.)
         let signature = format!("{inputs:?}{outputs:?}{row_contiguous}");
         let mlx_name = CString::new(format!(
             "{}_{:016x}",
