@@ -35,6 +35,111 @@ const TASK_ENV: &str = "PERCH_TEST_RANK_TASK";
 const MODELS_ENV: &str = "PERCH_TEST_TP_MODELS";
 /// Set: the task measures loading's peak memory ([`load_peaks`]).
 const PEAKS_ENV: &str = "PERCH_TEST_LOAD_PEAKS";
+/// The temporary folder of the process that started a rank, whose MLX JIT folder the rank's
+/// compiled libraries go back to ([`JitFolder`]).
+const SHARED_TMP_ENV: &str = "PERCH_TEST_SHARED_TMP";
+
+/// MLX's CPU backend compiles fused operations with g++ straight into
+/// `$TMPDIR/mlx/<version>/cpu/lib….so` and loads a library as soon as its file exists
+/// (`mlx/backend/cpu/compiled.cpp`): two ranks in lockstep compiling one operation at once can
+/// load the other's half-written file ("file too short"; every run with that folder emptied
+/// failed so, 2026-12-04). So each rank started here has a `$TMPDIR` of its own, holding links
+/// to the libraries of the shared folder that nothing is still writing ([`JitFolder::for_rank`]),
+/// and gives back what it compiled when it ends ([`JitFolder::give_back`]), by renames: the
+/// shared folder only ever gets whole files from ranks.
+struct JitFolder;
+
+impl JitFolder {
+    /// A library unchanged this long is whole (g++ writes it within its run).
+    const SETTLED: Duration = Duration::from_secs(2);
+
+    /// The MLX JIT folders (`mlx/<version>/cpu`) under `tmp`.
+    fn folders(tmp: &Path) -> Vec<PathBuf> {
+        let Ok(versions) = std::fs::read_dir(tmp.join("mlx")) else {
+            return Vec::new();
+        };
+        versions
+            .flatten()
+            .map(|v| v.path().join("cpu"))
+            .filter(|cpu| cpu.is_dir())
+            .collect()
+    }
+
+    /// The libraries in `folder`, by file name.
+    fn libraries(folder: &Path) -> Vec<(std::ffi::OsString, PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(folder) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "so"))
+            .map(|e| (e.file_name(), e.path()))
+            .collect()
+    }
+
+    /// A fresh `$TMPDIR` in `parent` for a rank, holding links to the settled libraries of this
+    /// process's MLX JIT folders.
+    fn for_rank(parent: &Path) -> PathBuf {
+        static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = parent.join(format!("rank-tmp-{n}"));
+        let shared = std::env::temp_dir();
+        for folder in Self::folders(&shared) {
+            let own = tmp.join(folder.strip_prefix(&shared).unwrap());
+            std::fs::create_dir_all(&own).unwrap();
+            for (name, path) in Self::libraries(&folder) {
+                let settled = std::fs::metadata(&path)
+                    .and_then(|m| m.modified())
+                    .is_ok_and(|t| t.elapsed().is_ok_and(|age| age >= Self::SETTLED));
+                if settled && std::fs::hard_link(&path, own.join(&name)).is_err() {
+                    // Another file system: a rank compiles what it lacks.
+                    continue;
+                }
+            }
+        }
+        std::fs::create_dir_all(&tmp).unwrap();
+        tmp
+    }
+
+    /// In a rank: the libraries it compiled into its own `$TMPDIR`, moved into the starting
+    /// process's folder under names of their own and renamed into place (a name taken already
+    /// is left as it is).
+    fn give_back() {
+        let Some(shared) = std::env::var_os(SHARED_TMP_ENV).map(PathBuf::from) else {
+            return;
+        };
+        let own = std::env::temp_dir();
+        for folder in Self::folders(&own) {
+            let theirs = shared.join(folder.strip_prefix(&own).unwrap());
+            if std::fs::create_dir_all(&theirs).is_err() {
+                continue;
+            }
+            for (name, path) in Self::libraries(&folder) {
+                let target = theirs.join(&name);
+                if target.exists() {
+                    continue;
+                }
+                let staged = theirs.join(format!(
+                    ".{}.{}",
+                    name.to_string_lossy(),
+                    std::process::id()
+                ));
+                if std::fs::copy(&path, &staged).is_ok() {
+                    let _ = std::fs::rename(&staged, &target);
+                }
+            }
+        }
+    }
+}
+
+/// Gives a rank's compiled libraries back when `rank` returns ([`JitFolder::give_back`]).
+struct GiveBack;
+
+impl Drop for GiveBack {
+    fn drop(&mut self) {
+        JitFolder::give_back();
+    }
+}
 
 /// A rank: runs only as a child of the tests below (ignored, so it is not a test of its own).
 #[test]
@@ -43,6 +148,7 @@ fn rank() {
     let Ok(task) = std::env::var(TASK_ENV) else {
         return;
     };
+    let _give_back = GiveBack;
     let deadline = Duration::from_secs(if task == "alone" { 3 } else { 30 });
     let group = match distributed::init(Backend::Ring, deadline) {
         Ok(group) => group,
@@ -397,6 +503,11 @@ fn batch_requests() -> Vec<EngineRequest> {
 }
 
 /// Each request's stream: its token ids and finish, or its error.
+/// The file rank 0 of the dying-rank task writes beside the model's folder `dir` once it decodes.
+fn decoding_marker(dir: &Path) -> PathBuf {
+    dir.with_extension("decoding")
+}
+
 fn collected(streams: Vec<RequestStream>) -> Vec<serde_json::Value> {
     streams
         .into_iter()
@@ -478,8 +589,15 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
             let draft = speculative.then(|| models::load(&dir).unwrap());
             let tokenizer = Tokenizer::load(&dir).unwrap();
             if dies {
-                std::thread::spawn(|| {
-                    std::thread::sleep(Duration::from_millis(1500));
+                // Once rank 0 decodes (its marker), so that its requests hold tokens when the
+                // group breaks however long its start took on a busy machine.
+                let decoding = decoding_marker(&dir);
+                std::thread::spawn(move || {
+                    let start = Instant::now();
+                    while !decoding.exists() && start.elapsed() < Duration::from_secs(60) {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                    std::thread::sleep(Duration::from_millis(300));
                     std::process::exit(0);
                 });
             }
@@ -510,6 +628,13 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
                     engine.submit(EngineRequest { prompt, params }).unwrap()
                 })
                 .collect();
+            // Rank 1 dies once a few decode steps ran here.
+            while engine.stats().unwrap().step_times.decode_steps < 3
+                && start.elapsed() < Duration::from_secs(60)
+            {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            std::fs::write(decoding_marker(&dir), b"").unwrap();
             let ended = collected(streams);
             let seconds = start.elapsed().as_secs_f32();
             let after = collected(vec![engine.submit(batch_requests().remove(0)).unwrap()]);
@@ -825,6 +950,8 @@ fn spawn_rank_with(rank: usize, hostfile: &Path, task: &str, env: &[(&str, &Path
             "--nocapture",
             "--test-threads=1",
         ])
+        .env("TMPDIR", JitFolder::for_rank(hostfile.parent().unwrap()))
+        .env(SHARED_TMP_ENV, std::env::temp_dir())
         .env(TASK_ENV, task)
         .env("MLX_RANK", rank.to_string())
         .env("MLX_HOSTFILE", hostfile)
@@ -1067,6 +1194,7 @@ fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)], by_m
                 .arg(&models)
                 .arg(mode)
                 .arg(by_mlx_lm.join(","))
+                .env("TMPDIR", JitFolder::for_rank(dir.path()))
                 .env("MLX_RANK", r.to_string())
                 .env("MLX_HOSTFILE", &hosts)
                 .stdout(Stdio::piped())
