@@ -17,8 +17,12 @@ use perch_engine::text::chat_template::{ChatMessage, ChatTemplate, TEMPLATE_FUEL
 use perch_engine::{EngineError, Result};
 use perch_gguf::GgufFile;
 
-/// The targets, by the name of their binary and corpus directory (`fuzz/corpus/<name>`).
-pub const TARGETS: [(&str, fn(&[u8])); 5] = [
+/// A fuzz target: the name of its binary and corpus directory (`fuzz/corpus/<name>`), and the
+/// function that takes one input.
+pub type Target = (&'static str, fn(&[u8]));
+
+/// The targets.
+pub const TARGETS: [Target; 5] = [
     ("chat_template", chat_template),
     ("config", config),
     ("gguf", gguf),
