@@ -294,7 +294,6 @@ struct StepReplay {
     tokens: usize,
 }
 
-/// A step's view of the sliding layers' rings (see the module docs).
 /// Entries (rows × positions) up to which a one-token step's ring masks (and, with
 /// `PERCH_DECODE_HOST_MASK=1`, its plain mask) are written by the host
 /// ([`SlotKvCache::one_token_step`]): 32 rows at 2,048 positions. A longer context's masks are
@@ -311,6 +310,7 @@ fn host_written_mask() -> bool {
     *HOST.get_or_init(|| std::env::var("PERCH_DECODE_HOST_MASK").as_deref() == Ok("1"))
 }
 
+/// A step's view of the sliding layers' rings (see the module docs).
 struct RingStep {
     /// `[rows, 1, tokens, 1]` int32: the entries the step writes, `position mod R`.
     index: Array,
