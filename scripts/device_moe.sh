@@ -6,8 +6,10 @@
 #     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each;
 #   `bash scripts/device_moe.sh probe`: the engine thread sampled at 32 rows on each model
 #     (scripts/probe_host.c as $G/probe_host.so), its stacks written to $OUT/probe-MODEL.txt.xz, and bench_op_launch.py;
-#   `bash scripts/device_moe.sh ab [VAR]`: `check-kernels` (every kernel), then Perch alone on each model with VAR
-#     (default PERCH_GEMM_KERNEL) 0 and 1;
+#   `bash scripts/device_moe.sh ab [VAR]`: `check-kernels` (every kernel; CHECK=NAME only NAME's, CHECK=0 none), then Perch alone on
+#     each model with VAR (default PERCH_GEMM_KERNEL) 0 and 1;
+#   `bash scripts/device_moe.sh prof [MODEL]`: where the machine has Nsight Systems, the kernels of a run of 32
+#     prompts of 128 tokens and 2 generated (prefill passes) on MODEL (default oss), summed by kernel;
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
@@ -59,8 +61,12 @@ bench)
 ab)
   # One switch (default PERCH_GEMM_KERNEL) off and on, Perch alone on each model, after every kernel's checks.
   var=${2:-PERCH_GEMM_KERNEL}
-  echo "== check-kernels"
-  $OD timeout 150 $P check-kernels 2>&1 | grep -v '^\s*$' | tail -40
+  check=${CHECK:-1}
+  if [ "$check" != 0 ]; then
+    [ "$check" = 1 ] && check=
+    echo "== check-kernels $check"
+    $OD timeout 150 $P check-kernels $check 2>&1 | grep -v '^\s*$' | tail -40
+  fi
   for m in moe oss; do
     for on in 0 1; do echo "== $m, $var=$on"; export "$var=$on"; bench $m 120; done; unset "$var"
     date +%T
@@ -71,6 +77,18 @@ llama)
   echo "== bench_gpu llama-1b"
   $OD timeout 560 python3 scripts/bench_gpu.py $P $G/tok --no-floor 2>&1 | grep -v '^\s*$' | tail -30
   date +%T
+  ;;
+prof)
+  # The device's kernels of a prefill-heavy run (32 prompts, 2 tokens each), by kernel (Nsight Systems).
+  nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  [ -n "$nsys" ] || { echo "== no Nsight Systems on this machine"; exit 0; }
+  for m in ${2:-oss}; do
+    echo "== kernels of $m's prefill passes at 32 ($nsys)"
+    $OD timeout 200 $nsys profile -t cuda -o /tmp/prof-$m -f true $P bench --model /tmp/models/$m --concurrency 32 \
+      --prompt-tokens 128 --gen-tokens 2 --runs 2 --json > /dev/null 2>&1
+    timeout 90 $nsys stats -r cuda_gpu_kern_sum /tmp/prof-$m.nsys-rep 2>&1 | cut -c1-220 | head -40
+    date +%T
+  done
   ;;
 rest)
   echo "== MLX's host time an operation, by kind (scripts/bench_op_launch.py)"

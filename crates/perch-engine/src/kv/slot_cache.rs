@@ -294,22 +294,6 @@ struct StepReplay {
     tokens: usize,
 }
 
-/// Entries (rows × positions) up to which a one-token step's ring masks (and, with
-/// `PERCH_DECODE_HOST_MASK=1`, its plain mask) are written by the host
-/// ([`SlotKvCache::one_token_step`]): 32 rows at 2,048 positions. A longer context's masks are
-/// computed on the device, where writing them would cost the host more than the operations
-/// they save.
-const HOST_MASK_ENTRIES: usize = 1 << 16;
-
-/// Whether a one-token step's plain mask is written by the host rather than compared on the
-/// device from its index (one operation against cached key positions): no unless
-/// `PERCH_DECODE_HOST_MASK=1` (for benchmarks; on CUDA an array written by the host may cost MLX's
-/// allocator a synchronous copy, docs/benchmarks.md).
-fn host_written_mask() -> bool {
-    static HOST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HOST.get_or_init(|| std::env::var("PERCH_DECODE_HOST_MASK").as_deref() == Ok("1"))
-}
-
 /// A step's view of the sliding layers' rings (see the module docs).
 struct RingStep {
     /// `[rows, 1, tokens, 1]` int32: the entries the step writes, `position mod R`.
@@ -479,6 +463,9 @@ pub struct SlotKvCache {
     /// `[1, 1, 1, capacity]` int32, `0..capacity`: the key positions a one-token step's mask
     /// compares with its index, kept while the capacity stays ([`SlotKvCache::key_positions`]).
     key_positions: RefCell<Option<Array>>,
+    /// `[1, 1, 1, R]` int32, `R - e` for each ring entry `e`: what a one-token step's ring mask
+    /// adds to its index, kept while the ring size stays ([`SlotKvCache::ring_back`]).
+    ring_back: RefCell<Option<Array>>,
     /// The last pass over these buffers dispatched and not waited for, with what followed it
     /// (the prefix cache's copies of its blocks): a one-element copy of a buffer, dispatched
     /// after them ([`SlotKvCache::mark_pass_in_flight`]).
@@ -510,6 +497,7 @@ impl SlotKvCache {
             rows: 0,
             capacity: 0,
             key_positions: RefCell::default(),
+            ring_back: RefCell::default(),
             pass_in_flight: None,
             replay_next: false,
             replay: None,
@@ -1357,10 +1345,11 @@ impl SlotKvCache {
         };
         let bounded = self.row_kv.iter().any(|kv| kv.limit().is_some());
         if tokens == 1 && !bounded && reach.is_none() {
-            // A decode step without bounded rows: its index and masks written by the host, where
-            // each would be several small operations launched in every step (a decode step on
-            // a GPU is bound by the host launching its operations, docs/benchmarks.md).
-            let (index, mask, ring) = self.one_token_step(&lengths, host_written_mask())?;
+            // A decode step without bounded rows: one array written by the host (its index),
+            // its masks few operations on it against arrays kept between steps (a decode step on
+            // a GPU is bound by the host launching its operations, and on CUDA each array written
+            // by the host may cost MLX's allocator a synchronous copy, docs/benchmarks.md).
+            let (index, mask, ring) = self.one_token_step(&lengths)?;
             // Unshifted, the offsets are the index's values: a view of it rather than another
             // array written by the host (each may cost MLX's CUDA allocator a synchronous copy,
             // docs/benchmarks.md).
@@ -1413,7 +1402,7 @@ impl SlotKvCache {
                     ))
                     .into());
                 }
-                let mut step = ring_step(&index, size as i32, rings.window as i32)?;
+                let mut step = ring_step(&index, size as i32, rings.window as i32, None)?;
                 if let Some(reach) = &reach {
                     // The later positions of a query's span: entries whose position at the
                     // step's end lies after the query and up to its reach.
@@ -1444,55 +1433,34 @@ impl SlotKvCache {
 
     /// [`SlotKvCache::begin_step_with`]'s index `[rows, 1, 1, 1]` (each row's length), mask
     /// `[rows, 1, 1, capacity]` and rings' entries and mask for a step of one token a row without
-    /// bounded rows, from the rows' `lengths`: what its operations compute for such a step
-    /// (entry `e` seen from position `q` when `e <= q`; in a ring of `R` entries, `q mod R`
-    /// written and entry `e` seen when its age `(q - e) mod R` is below the window and not
-    /// older than the row). The plain mask is one comparison on the device unless `host_mask`;
-    /// a mask of more than [`HOST_MASK_ENTRIES`] entries stays those operations on the device.
-    fn one_token_step(
-        &self,
-        lengths: &[i32],
-        host_mask: bool,
-    ) -> Result<(Array, Array, Option<RingStep>)> {
-        let rows = self.rows as i32;
-        let index = Array::from_slice(lengths, &[rows, 1, 1, 1]);
-        let written = |size: usize| self.rows * size <= HOST_MASK_ENTRIES;
-        let capacity = self.capacity;
-        let mask = match host_mask && written(capacity) {
-            true => {
-                // Each row's first `q + 1` entries, then none.
-                let mut mask = Vec::with_capacity(self.rows * capacity);
-                for &q in lengths {
-                    let seen = (q.max(-1) + 1) as usize;
-                    let seen = seen.min(capacity);
-                    mask.resize(mask.len() + seen, true);
-                    mask.resize(mask.len() + capacity - seen, false);
-                }
-                Array::from_slice(&mask, &[rows, 1, 1, capacity as i32])
-            }
-            false => ops::le(&self.key_positions()?, &index)?,
-        };
-        let ring = match (&self.rings, self.ring_size(capacity)) {
-            (Some(rings), Some(size)) if written(size) => {
-                let (ring, window) = (size as i32, rings.window as i32);
-                let entries: Vec<i32> = lengths.iter().map(|&q| q % ring).collect();
-                // Each row's entries of ages `0..=min(q, window - 1)`: the positions `q - age`,
-                // at `(q - age) mod R`.
-                let mut mask = vec![false; self.rows * size];
-                for (row, &q) in lengths.iter().enumerate() {
-                    for age in 0..=q.min(window - 1).min(ring - 1) {
-                        mask[row * size + (q - age).rem_euclid(ring) as usize] = true;
-                    }
-                }
-                Some(RingStep {
-                    index: Array::from_slice(&entries, &[rows, 1, 1, 1]),
-                    mask: Array::from_slice(&mask, &[rows, 1, 1, ring]),
-                })
-            }
-            (Some(rings), Some(size)) => Some(ring_step(&index, size as i32, rings.window as i32)?),
+    /// bounded rows, from the rows' `lengths`: the index written by the host, the plain mask one
+    /// comparison against kept key positions (entry `e` seen from position `q` when `e <= q`),
+    /// the rings' four operations against kept ring entries ([`ring_step`]).
+    fn one_token_step(&self, lengths: &[i32]) -> Result<(Array, Array, Option<RingStep>)> {
+        let index = Array::from_slice(lengths, &[self.rows as i32, 1, 1, 1]);
+        let mask = ops::le(&self.key_positions()?, &index)?;
+        let ring = match (&self.rings, self.ring_size(self.capacity)) {
+            (Some(rings), Some(size)) => Some(ring_step(
+                &index,
+                size as i32,
+                rings.window as i32,
+                Some(self.ring_back(size)?),
+            )?),
             _ => None,
         };
         Ok((index, mask, ring))
+    }
+
+    /// [`ring_back`] for rings of `size` entries, made once a size (evaluated with the first
+    /// step that reads it, then kept as data).
+    fn ring_back(&self, size: usize) -> Result<Array> {
+        let mut kept = self.ring_back.borrow_mut();
+        if let Some(back) = kept.as_ref().filter(|b| b.shape()[3] as usize == size) {
+            return Ok(back.clone());
+        }
+        let back = ring_back(size as i32)?;
+        *kept = Some(back.clone());
+        Ok(back)
     }
 
     /// `[1, 1, 1, capacity]` int32 `0..capacity`, made once a capacity (evaluated with the
@@ -2179,21 +2147,28 @@ fn resize_rows(buffer: &Array, rows: usize) -> Result<Array> {
     Ok(slice_update(&grown, &kept, &vec![0; s.len()], &stop)?)
 }
 
-/// The rings' view of a step whose queries sit at `index` `[rows, 1, tokens, 1]`, over rings
-/// of `size` entries for a window of `window` positions (see the module docs).
-fn ring_step(index: &Array, size: i32, window: i32) -> Result<RingStep> {
-    let size_scalar = Array::from_int(size);
+/// `[1, 1, 1, size]` int32: `size - e` for each entry `e` of a ring of `size` entries.
+fn ring_back(size: i32) -> Result<Array> {
     let entries = ops::arange::<_, i32>(0, size, None)?.reshape(&[1, 1, 1, -1])?;
-    // (q - e) mod R, from non-negative operands.
-    let age = ops::remainder(
-        &ops::add(&ops::subtract(index, &entries)?, &size_scalar)?,
-        &size_scalar,
-    )?;
-    let written = ops::ge(&ops::subtract(index, &age)?, Array::from_int(0))?;
-    let seen = ops::lt(&age, Array::from_int(window))?;
+    Ok(ops::subtract(Array::from_int(size), &entries)?)
+}
+
+/// The rings' view of a step whose queries sit at `index` `[rows, 1, tokens, 1]` (positions,
+/// not negative), over rings of `size` entries for a window of `window` positions (see the
+/// module docs), given [`ring_back`]`(size)` when it is kept.
+fn ring_step(index: &Array, size: i32, window: i32, back: Option<Array>) -> Result<RingStep> {
+    let size_scalar = Array::from_int(size);
+    let back = match back {
+        Some(back) => back,
+        None => ring_back(size)?,
+    };
+    // Entry e's age seen from position q: (q - e) mod R, as (q + R - e) mod R from operands
+    // that are not negative. It is written when q - age >= 0 and seen when age < window.
+    let age = ops::remainder(&ops::add(index, &back)?, &size_scalar)?;
+    let reach = ops::minimum(index, Array::from_int(window - 1))?;
     Ok(RingStep {
         index: ops::remainder(index, &size_scalar)?,
-        mask: ops::logical_and(&written, &seen)?,
+        mask: ops::le(&age, &reach)?,
     })
 }
 
@@ -2229,53 +2204,61 @@ mod tests {
             .collect()
     }
 
-    /// A one-token step's index and masks written by the host are what the operations of a
-    /// wider step compute for it, rings included (positions that wrap, rows not yet past the
-    /// window, an empty slot at 0).
+    /// A one-token step's index and masks are what a host's loops give, rings included
+    /// (positions that wrap, rows not yet past the window, an empty slot at 0), and what a
+    /// wider step's operations compute; they hold after a capacity change (the kept key
+    /// positions and ring entries made anew).
     #[test]
-    fn one_token_steps_written_by_the_host_equal_the_operations() {
+    fn one_token_steps_give_each_rows_entries() {
         let window = 5;
         let mut slots = SlotKvCache::new(2, None).with_windows(&[Some(window), None], 1, 4);
-        let size = slots.ring_positions().unwrap() as i32;
+        let positions = slots.ring_positions().unwrap() as i32;
         slots.rows = 5;
-        slots.capacity = 4 * size as usize;
-        let lengths = [0, 3, size - 1, size + 2, 3 * size + 1];
-        let (index, mask, ring) = slots.one_token_step(&lengths, true).unwrap();
-        let queries = Array::from_slice(&lengths, &[5, 1, 1, 1]);
-        let keys = ops::arange::<_, i32>(0, slots.capacity as i32, None)
-            .unwrap()
-            .reshape(&[1, 1, 1, -1])
-            .unwrap();
-        let expected = ring_step(&queries, size, window).unwrap();
-        let ring = ring.expect("the cache has rings");
         let ints = |a: &Array| (a.shape().to_vec(), a.as_slice::<i32>().to_vec());
         let bools = |a: &Array| (a.shape().to_vec(), a.as_slice::<bool>().to_vec());
-        assert_eq!(ints(&index), ints(&queries));
-        assert_eq!(bools(&mask), bools(&ops::le(&keys, &queries).unwrap()));
-        assert_eq!(ints(&ring.index), ints(&expected.index));
-        assert_eq!(bools(&ring.mask), bools(&expected.mask));
-        // A row past the window sees the window's entries; the empty slot its one entry.
-        let seen = |row: usize| {
-            let size = size as usize;
-            let mask = ring.mask.as_slice::<bool>();
-            mask[row * size..(row + 1) * size]
-                .iter()
-                .filter(|&&b| b)
-                .count()
-        };
-        assert_eq!((seen(4), seen(0)), (window as usize, 1));
-        // The plain mask compared on the device: the same values (its key positions kept
-        // for the next capacity's, below, to be made anew).
-        let (_, device_mask, _) = slots.one_token_step(&lengths, false).unwrap();
-        assert_eq!(bools(&device_mask), bools(&mask));
-        // A mask past what the host writes: the device's comparison, the same values.
-        slots.capacity = HOST_MASK_ENTRIES;
-        let (_, mask, _) = slots.one_token_step(&lengths, true).unwrap();
-        let keys = ops::arange::<_, i32>(0, slots.capacity as i32, None)
-            .unwrap()
-            .reshape(&[1, 1, 1, -1])
-            .unwrap();
-        assert_eq!(bools(&mask), bools(&ops::le(&keys, &queries).unwrap()));
+        let wrapping = [0, 3, positions - 1, positions + 2, 3 * positions + 1];
+        // Rings at the full size, at another capacity, and as small as a capacity below it
+        // (positions 0..4: no position wraps).
+        for (capacity, lengths) in [
+            (4 * positions, wrapping),
+            (6 * positions, wrapping),
+            (4, [0, 1, 2, 3, 3]),
+        ] {
+            let (capacity, size) = (capacity as usize, capacity.min(positions));
+            slots.capacity = capacity;
+            let (index, mask, ring) = slots.one_token_step(&lengths).unwrap();
+            let ring = ring.expect("the cache has rings");
+            // Row q's plain mask: its first q + 1 entries. Its ring: entry q mod R written, and
+            // the entries of ages 0..=min(q, window - 1), the positions q - age at
+            // (q - age) mod R.
+            let mut plain = Vec::new();
+            let mut ring_mask = vec![false; lengths.len() * size as usize];
+            for (row, &q) in lengths.iter().enumerate() {
+                plain.extend((0..capacity as i32).map(|e| e <= q));
+                for age in 0..=q.min(window - 1) {
+                    ring_mask[row * size as usize + (q - age).rem_euclid(size) as usize] = true;
+                }
+            }
+            let entries: Vec<i32> = lengths.iter().map(|&q| q % size).collect();
+            assert_eq!(ints(&index), (vec![5, 1, 1, 1], lengths.to_vec()));
+            assert_eq!(bools(&mask), (vec![5, 1, 1, capacity as i32], plain));
+            assert_eq!(ints(&ring.index), (vec![5, 1, 1, 1], entries));
+            assert_eq!(bools(&ring.mask), (vec![5, 1, 1, size], ring_mask));
+            // A wider step's operations (no kept ring entries) agree.
+            let wider = ring_step(&index, size, window, None).unwrap();
+            assert_eq!(bools(&wider.mask), bools(&ring.mask));
+            // A row past the window sees the window's entries; the empty slot its one entry.
+            let seen = |row: usize| {
+                let size = size as usize;
+                let mask = ring.mask.as_slice::<bool>();
+                mask[row * size..(row + 1) * size]
+                    .iter()
+                    .filter(|&&b| b)
+                    .count()
+            };
+            let past_window = (lengths[4] + 1).min(window).min(size) as usize;
+            assert_eq!((seen(4), seen(0)), (past_window, 1));
+        }
     }
 
     /// Rejected proposals are forgotten: a rewound row's next step writes over them, its
