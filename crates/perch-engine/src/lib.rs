@@ -100,6 +100,7 @@ pub fn check_kernels(only: &[String]) -> Result<Vec<String>> {
     if wanted(KERNELS[2]) {
         lines.extend(nn::expert_kernel::check()?);
         lines.extend(models::moe::check_shared_fold()?);
+        lines.extend(models::moe::check_grouped()?);
     }
     if wanted(KERNELS[3]) {
         lines.extend(nn::norm_kernel::check()?);

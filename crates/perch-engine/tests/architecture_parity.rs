@@ -177,6 +177,10 @@ fn logits_and_greedy_ids_match_mlx_lm() {
         if model.has_recurrent_layers() || name.contains("moe") || name.starts_with("gpt_oss") {
             fused_input_projections(dir, &name, &expected);
         }
+        // The experts' grouped products (CUDA's default for prompt passes), forced on the CPU.
+        if name.contains("moe") || name.starts_with("gpt_oss") {
+            grouped_expert_products(dir, &name, &expected, tolerance);
+        }
 
         // Every architecture has prompt caches (mlx_lm's layout for its layers).
         assert_eq!(
@@ -691,6 +695,24 @@ fn fused_input_projections(dir: &Path, name: &str, expected: &Expected) {
     assert!(
         diff <= 1e-4,
         "{name}: with fused projections, logits differ from mlx_lm by {diff}"
+    );
+}
+
+/// The prompt's logits with the experts' products of its pass grouped (`PERCH_MOE_GROUPED=1`:
+/// each stack dequantized, MLX's `gather_mm` over the pairs sorted by expert) are mlx_lm's. The
+/// 18-token prompt gives every case of 4 experts at 2 a token or 8 at 4 the 8 pairs an expert
+/// from which passes group.
+fn grouped_expert_products(dir: &Path, name: &str, expected: &Expected, tolerance: f32) {
+    std::env::set_var("PERCH_MOE_GROUPED", "1");
+    let model = models::load(dir);
+    std::env::remove_var("PERCH_MOE_GROUPED");
+    let diff = largest_difference(
+        &common::prompt_logits(model.unwrap().as_ref(), &expected.prompt_ids),
+        &expected.logits,
+    );
+    assert!(
+        diff <= tolerance,
+        "{name}: with grouped expert products, logits differ from mlx_lm by {diff}"
     );
 }
 

@@ -274,10 +274,70 @@ impl SwitchLinear {
                 sorted,
             )?,
         };
+        self.with_bias(y, indices)
+    }
+
+    /// `y` plus the bias of expert `indices[...]` for each row, where the experts have biases.
+    fn with_bias(&self, y: Array, indices: &Array) -> Result<Array> {
         Ok(match &self.bias {
             Some(bias) => ops::add(&y, &bias.take_axis(indices, 0)?.expand_dims(-2)?)?,
             None => y,
         })
+    }
+
+    /// [`SwitchLinear::forward`] of pairs sorted by expert, `x` `[pairs, 1, in]` and `indices`
+    /// `[pairs]` ascending, as one grouped product: quantized weights are dequantized into
+    /// `x`'s dtype first (the whole stack, `[experts, out, in]`, for this call), then MLX's
+    /// `gather_mm` with sorted indices multiplies each expert's run of rows by its matrix (on
+    /// CUDA a grouped GEMM, CUTLASS's, reading each expert's weights once; MLX 0.32's
+    /// `gather_qmm` reads them once a pair there, [`SwitchGlu::groups`]).
+    fn forward_grouped(&self, x: &Array, indices: &Array) -> Result<Array> {
+        let weight = match &self.weight {
+            SwitchWeight::Dense(weight) => weight.clone(),
+            SwitchWeight::Quantized {
+                weight,
+                scales,
+                biases,
+                params,
+            } => {
+                let dtype = (!params.mode.has_biases()).then(|| x.dtype());
+                let dense = crate::nn::mlx_ext::dequantize(
+                    weight,
+                    scales,
+                    biases.as_ref(),
+                    params.sizes(),
+                    params.mode.mlx_name(),
+                    dtype,
+                )?;
+                match dense.dtype() == x.dtype() {
+                    true => dense,
+                    false => dense.as_dtype(x.dtype())?,
+                }
+            }
+        };
+        let y = ops::gather_mm(x, weight.swap_axes(-1, -2)?, None, indices, true)?;
+        self.with_bias(y, indices)
+    }
+
+    /// Experts in the stack and bytes of its weights as one dense matrix an expert in
+    /// `dtype` (what [`SwitchLinear::forward_grouped`] makes of quantized ones).
+    fn dense_size(&self, dtype: mlx_rs::Dtype) -> (usize, usize) {
+        // Values a stored element: 32 / bits for a quantized stack's packed words.
+        let (shape, (packed, bits)) = match &self.weight {
+            SwitchWeight::Dense(weight) => (weight.shape(), (1, 1)),
+            SwitchWeight::Quantized { weight, params, .. } => {
+                (weight.shape(), (32, params.bits.max(1) as usize))
+            }
+        };
+        let stored: usize = shape.iter().map(|&d| d.max(0) as usize).product();
+        let values = stored * packed / bits;
+        let experts = shape.first().map_or(0, |&e| e.max(0) as usize);
+        let item = match dtype {
+            mlx_rs::Dtype::Float64 => 8,
+            mlx_rs::Dtype::Float32 => 4,
+            _ => 2,
+        };
+        (experts, values * item)
     }
 
     /// The product, bias and `epilogue` in one launch of [`expert_kernel::gather_qmv`], when the
@@ -454,6 +514,9 @@ struct SwitchGlu {
     /// Whether the (token, expert) pairs are sorted by expert when many tokens route
     /// ([`SwitchGlu::sorting_pays`]).
     sort: bool,
+    /// Whether a prompt pass with many pairs an expert runs them as grouped products
+    /// ([`SwitchGlu::groups`]).
+    grouped: bool,
     /// Whether a decode step's quantized products go through [`expert_kernel::gather_qmv`]
     /// (CUDA, once its load check has passed).
     kernel: bool,
@@ -492,12 +555,14 @@ impl SwitchGlu {
             false => GateUp::Separate { gate, up },
         };
         let sort = Self::sorting_pays(&gate_up, &down_proj);
+        let grouped = Self::grouping_pays(&gate_up, &down_proj);
         let kernel = expert_kernel::usable();
         Ok(Self {
             gate_up,
             down_proj,
             activation,
             sort,
+            grouped,
             kernel,
             fused: kernel && Self::epilogues_in_kernels(),
             shared_pieces: 0,
@@ -567,18 +632,65 @@ impl SwitchGlu {
         match std::env::var("PERCH_MOE_SORT").as_deref() {
             Ok("1") => true,
             Ok("0") => false,
-            _ => {
-                let quantized =
-                    |l: &SwitchLinear| matches!(l.weight, SwitchWeight::Quantized { .. });
-                let all_quantized = quantized(down_proj)
-                    && match gate_up {
-                        GateUp::Separate { gate, up } => quantized(gate) && quantized(up),
-                        GateUp::Fused(both) => quantized(both),
-                    };
-                !(all_quantized
-                    && crate::device::Backend::current() == crate::device::Backend::Cuda)
-            }
+            _ => !Self::quantized_on_cuda(gate_up, down_proj),
         }
+    }
+
+    /// Whether every projection is quantized and MLX runs on CUDA: where its `gather_qmm`
+    /// reads an expert's weights once a pair whatever the pairs' order.
+    fn quantized_on_cuda(gate_up: &GateUp, down_proj: &SwitchLinear) -> bool {
+        let quantized = |l: &SwitchLinear| matches!(l.weight, SwitchWeight::Quantized { .. });
+        let all_quantized = quantized(down_proj)
+            && match gate_up {
+                GateUp::Separate { gate, up } => quantized(gate) && quantized(up),
+                GateUp::Fused(both) => quantized(both),
+            };
+        all_quantized && crate::device::Backend::current() == crate::device::Backend::Cuda
+    }
+
+    /// Whether prompt passes with many pairs an expert run them as grouped products
+    /// ([`SwitchGlu::groups`]): where sorting alone does not pay (quantized experts on CUDA).
+    /// `PERCH_MOE_GROUPED=1` or `=0` overrides (benchmarks).
+    fn grouping_pays(gate_up: &GateUp, down_proj: &SwitchLinear) -> bool {
+        match std::env::var("PERCH_MOE_GROUPED").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => Self::quantized_on_cuda(gate_up, down_proj),
+        }
+    }
+
+    /// Pairs an expert, on average, from which a prompt pass's products are grouped: below,
+    /// dequantizing a stack costs more than reading it once a pair.
+    const GROUP_PAIRS_PER_EXPERT: usize = 8;
+
+    /// The most bytes one projection's stack may take dequantized for a grouped product (it
+    /// lives for that product only): larger stacks keep MLX's `gather_qmm`.
+    const GROUP_MAX_BYTES: usize = 1 << 30;
+
+    /// Whether the pairs of `indices` `[batch, seq, k]` for `x`'s dtype `dtype` run as grouped
+    /// products ([`SwitchLinear::forward_grouped`]): with `grouped`, in a pass of more than one
+    /// token a row (never a decode step, whose few pairs Perch's kernels take), with at least
+    /// [`SwitchGlu::GROUP_PAIRS_PER_EXPERT`] pairs an expert and each stack at most
+    /// [`SwitchGlu::GROUP_MAX_BYTES`] dequantized (on the CPU, float32 only).
+    fn groups(&self, indices: &Array, dtype: mlx_rs::Dtype) -> bool {
+        let shape = indices.shape();
+        if !self.grouped || shape.len() != 3 || shape[1] < 2 {
+            return false;
+        }
+        // MLX's CPU `gather_mm` takes float32 only.
+        let cpu = crate::device::Backend::current() == crate::device::Backend::Cpu;
+        if cpu && dtype != mlx_rs::Dtype::Float32 {
+            return false;
+        }
+        let stacks = match &self.gate_up {
+            GateUp::Separate { gate, up } => vec![gate, up, &self.down_proj],
+            GateUp::Fused(both) => vec![both, &self.down_proj],
+        };
+        stacks.iter().all(|stack| {
+            let (experts, bytes) = stack.dense_size(dtype);
+            indices.size() >= Self::GROUP_PAIRS_PER_EXPERT * experts
+                && bytes <= Self::GROUP_MAX_BYTES
+        })
     }
 
     /// `x` `[batch, seq, hidden]`, `indices` and `scores` `[batch, seq, k]` → `[batch, seq,
@@ -612,7 +724,7 @@ impl SwitchGlu {
         let GateUp::Fused(gate_up) = &self.gate_up else {
             return Ok(None);
         };
-        if !self.fused || (self.sort && indices.size() >= Self::SORT_FROM) {
+        if !self.fused || self.sorts(indices, x.dtype()).0 {
             return Ok(None);
         }
         // [batch, seq, hidden]: one row per token, read for each of its experts.
@@ -638,14 +750,24 @@ impl SwitchGlu {
         )?))
     }
 
+    /// Whether the pairs of `indices` for `x`'s dtype `dtype` are sorted by expert, and whether
+    /// they are multiplied as grouped products ([`SwitchGlu::groups`], sorted too).
+    fn sorts(&self, indices: &Array, dtype: mlx_rs::Dtype) -> (bool, bool) {
+        let grouped = self.groups(indices, dtype);
+        (
+            grouped || (self.sort && indices.size() >= Self::SORT_FROM),
+            grouped,
+        )
+    }
+
     /// `x` `[batch, seq, hidden]`, `indices` `[batch, seq, k]` → `[batch, seq, k, hidden]`:
     /// each token through each of its k experts.
     fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
         let s = indices.shape().to_vec();
         let k = s[2];
         // [batch, seq, 1, 1, hidden]: one row per token, broadcast over its experts.
+        let (sort, grouped) = self.sorts(indices, x.dtype());
         let x = x.expand_dims_axes(&[-2, -3])?;
-        let sort = self.sort && indices.size() >= Self::SORT_FROM;
         let (x, idx, inverse) = if sort {
             // Pairs in expert order: row t * k + j of the flat pairs is token t's j-th expert.
             let flat = indices.flatten(None, None)?;
@@ -662,18 +784,17 @@ impl SwitchGlu {
         } else {
             (x, indices.clone(), None)
         };
-        let kernel = self.kernel.then(|| self.max_pairs(indices));
+        let kernel = (self.kernel && !grouped).then(|| self.max_pairs(indices));
+        let product = |linear: &SwitchLinear, x: &Array| match grouped {
+            true => linear.forward_grouped(x, &idx),
+            false => linear.forward(x, &idx, sort, kernel),
+        };
         let (gate, up) = match &self.gate_up {
-            GateUp::Separate { gate, up } => (
-                gate.forward(&x, &idx, sort, kernel)?,
-                up.forward(&x, &idx, sort, kernel)?,
-            ),
-            GateUp::Fused(both) => {
-                crate::nn::layers::halves(&both.forward(&x, &idx, sort, kernel)?)?
-            }
+            GateUp::Separate { gate, up } => (product(gate, &x)?, product(up, &x)?),
+            GateUp::Fused(both) => crate::nn::layers::halves(&product(both, &x)?)?,
         };
         let h = self.activation.gated(&gate, &up)?;
-        let out = self.down_proj.forward(&h, &idx, sort, kernel)?;
+        let out = product(&self.down_proj, &h)?;
         let out = match inverse {
             Some(inverse) => {
                 let hidden = out.shape()[2];
@@ -1320,10 +1441,49 @@ impl FoldCase {
     }
 }
 
+/// Checks on the device that a prompt pass's pairs as grouped products (the stacks
+/// dequantized, MLX's `gather_mm` over the sorted pairs: [`SwitchLinear::forward_grouped`]) give
+/// a Qwen3.5-MoE-shaped block's output through MLX's `gather_qmm`, at 2 × 200 tokens in bfloat16:
+/// one line, an error outside bfloat16's tolerance. CUDA, where they are the default (`perch
+/// check-kernels experts`).
+pub fn check_grouped() -> Result<Vec<String>> {
+    let case = FoldCase {
+        hidden: 1024,
+        experts: 64,
+        top_k: 8,
+        intermediate: 256,
+        shared: 512,
+        group_size: 64,
+        dtype: mlx_rs::Dtype::Bfloat16,
+    };
+    let block = case.load(4, false)?;
+    let with = |grouped: bool| {
+        let mut block = block.clone();
+        block.switch_mlp.grouped = grouped;
+        block
+    };
+    let (grouped, ungrouped) = (with(true), with(false));
+    let (rows, tokens) = (2, 200);
+    let indices = ops::zeros::<i32>(&[rows, tokens, case.top_k])?;
+    if !grouped.switch_mlp.groups(&indices, case.dtype) {
+        return Err(crate::error::EngineError::Kernel(
+            "a 2 × 200-token pass was not grouped".into(),
+        ));
+    }
+    let error = case.error(&grouped, &ungrouped, (rows, tokens))?;
+    let name = format!("qwen3_5_moe block, grouped products, {rows} × {tokens} tokens");
+    if error.is_nan() || error > 2e-2 {
+        return Err(crate::error::EngineError::Kernel(format!(
+            "{name}: largest error {error:.2e}"
+        )));
+    }
+    Ok(vec![format!("{name}: largest error {error:.2e}")])
+}
+
 /// Checks on the device that a Qwen3.5-MoE-shaped block with its shared expert folded into the
 /// experts (Perch's router and experts' kernels, see the module's doc) gives the block's output
 /// with it apart (its MLP through MLX's dense products), at decode (32 rows) and in a prefill
-/// pass (2 × 200 tokens, MLX's `gather_qmm`): one line per case, an error outside bfloat16's
+/// pass (2 × 200 tokens, grouped products): one line per case, an error outside bfloat16's
 /// tolerance. CUDA only (`perch check-kernels experts`).
 pub fn check_shared_fold() -> Result<Vec<String>> {
     let case = FoldCase {
@@ -1420,5 +1580,37 @@ mod tests {
         assert_eq!((pairs(&apart, 2), pairs(&folded, 4)), (1024, 2048));
         let mixed = CASE.load(8, true).unwrap();
         assert!(mixed.shared.is_some() && mixed.folded_shared == 0);
+    }
+
+    /// A prompt pass's pairs as grouped products (the stacks dequantized, MLX's `gather_mm`
+    /// over the sorted pairs) give the block's output through `gather_qmm`, with the shared
+    /// expert apart and folded; a decode step's pairs and too few pairs an expert are not
+    /// grouped.
+    #[test]
+    fn grouped_products_give_the_experts_output() {
+        for fold in [false, true] {
+            let block = CASE.load(4, fold).unwrap();
+            let with = |grouped: bool| {
+                let mut block = block.clone();
+                block.switch_mlp.grouped = grouped;
+                block
+            };
+            let (grouped, apart) = (with(true), with(false));
+            let k = block.top_k + block.folded_shared;
+            let pairs = |rows, tokens| ops::zeros::<i32>(&[rows, tokens, k]).unwrap();
+            let groups = |rows, tokens| grouped.switch_mlp.groups(&pairs(rows, tokens), CASE.dtype);
+            // 8 experts (10 with the shared expert's pieces), at least 8 pairs each.
+            let experts = (CASE.experts + block.folded_shared) as usize;
+            let fewest = (8 * experts).div_ceil(k as usize) as i32;
+            assert!(groups(2, (fewest + 1) / 2) && !groups(1, fewest - 1));
+            assert!(!groups(64, 1), "a decode step's pairs are not grouped");
+            assert!(!apart.switch_mlp.groups(&pairs(2, 40), CASE.dtype));
+            if crate::device::Backend::current() == crate::device::Backend::Cpu {
+                let bf16 = mlx_rs::Dtype::Bfloat16;
+                assert!(!grouped.switch_mlp.groups(&pairs(2, 40), bf16));
+            }
+            let error = CASE.error(&grouped, &apart, (2, 40)).unwrap();
+            assert!(error < 1e-5, "folded {fold}: relative error {error:e}");
+        }
     }
 }
