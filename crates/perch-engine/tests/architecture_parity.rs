@@ -685,13 +685,7 @@ fn compiled_recurrence(dir: &Path, name: &str, expected: &Expected, uncompiled: 
 /// logits too. Quantized tiny models keep Perch's CPU kernel for their dense projections, which
 /// is never fused; their experts (MLX's `gather_qmm`) fuse.
 fn fused_input_projections(dir: &Path, name: &str, expected: &Expected) {
-    std::env::set_var("PERCH_FUSED_PROJECTIONS", "1");
-    let model = models::load(dir);
-    std::env::remove_var("PERCH_FUSED_PROJECTIONS");
-    let diff = largest_difference(
-        &common::prompt_logits(model.unwrap().as_ref(), &expected.prompt_ids),
-        &expected.logits,
-    );
+    let diff = logits_loaded_with(dir, "PERCH_FUSED_PROJECTIONS", expected);
     assert!(
         diff <= 1e-4,
         "{name}: with fused projections, logits differ from mlx_lm by {diff}"
@@ -703,17 +697,23 @@ fn fused_input_projections(dir: &Path, name: &str, expected: &Expected) {
 /// 18-token prompt gives every case of 4 experts at 2 a token or 8 at 4 the 8 pairs an expert
 /// from which passes group.
 fn grouped_expert_products(dir: &Path, name: &str, expected: &Expected, tolerance: f32) {
-    std::env::set_var("PERCH_MOE_GROUPED", "1");
-    let model = models::load(dir);
-    std::env::remove_var("PERCH_MOE_GROUPED");
-    let diff = largest_difference(
-        &common::prompt_logits(model.unwrap().as_ref(), &expected.prompt_ids),
-        &expected.logits,
-    );
+    let diff = logits_loaded_with(dir, "PERCH_MOE_GROUPED", expected);
     assert!(
         diff <= tolerance,
         "{name}: with grouped expert products, logits differ from mlx_lm by {diff}"
     );
+}
+
+/// The largest difference of the prompt's logits from mlx_lm's, the model loaded with the
+/// switch `var` set to 1 (this test is the binary's only one, so the setting reaches no other).
+fn logits_loaded_with(dir: &Path, var: &str, expected: &Expected) -> f32 {
+    std::env::set_var(var, "1");
+    let model = models::load(dir);
+    std::env::remove_var(var);
+    largest_difference(
+        &common::prompt_logits(model.unwrap().as_ref(), &expected.prompt_ids),
+        &expected.logits,
+    )
 }
 
 /// The largest |a - b| over two equally long lists.
