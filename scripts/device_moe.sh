@@ -10,6 +10,8 @@
 #     each model with VAR (default PERCH_GEMM_KERNEL) 0 and 1;
 #   `bash scripts/device_moe.sh prof [MODEL]`: where the machine has Nsight Systems, the kernels of a run of 32
 #     prompts of 128 tokens and 2 generated (prefill passes) on MODEL (default oss), summed by kernel;
+#   `bash scripts/device_moe.sh hybrids`: random `qwen3_5` and `qwen3_5_moe` models, bench_gpu.py at CONC
+#     (default "1 8 32") against mlx_lm for each of MODELS (default "q35 q35moe"), LIMIT seconds each (280);
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
@@ -32,10 +34,20 @@ trap 'tar -cJf "${OUT:-/tmp}/ptx.tar.xz" -C $MLX_PTX_CACHE_DIR . 2>/dev/null' EX
 date +%T
 bench() { $OD timeout "$2" $P bench --model /tmp/models/$1 --concurrency 32 --prompt-tokens 128 --gen-tokens 256 --json 2>/dev/null \
   | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms (building %.2f, waiting %.2f)  TTFT p95 %.0f ms" % (r["generation_tps"], r["engine_decode_step_ms"], r["engine_decode_build_ms"], r["engine_decode_wait_ms"], r["ttft_ms_p95"]))'; }
-for a in qwen3_moe:moe gpt_oss:oss; do
-  [ -f /tmp/models/${a#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${a%:*} /tmp/models/${a#*:} $G/tok bfloat16 | tail -1
-done
+mkmodel() { [ -f /tmp/models/${1#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${1%:*} /tmp/models/${1#*:} $G/tok bfloat16 | tail -1; }
+case "${1:-bench}" in hybrids|llama) ;; *) mkmodel qwen3_moe:moe; mkmodel gpt_oss:oss ;; esac
 case "${1:-bench}" in
+hybrids)
+  # The Qwen3.5 shapes of issue 39's table (dense and MoE), bench_gpu.py at CONC (default 1 8 32) against
+  # mlx_lm; MODELS picks them (default "q35 q35moe").
+  mkmodel qwen3_5:q35; mkmodel qwen3_5_moe:q35moe
+  for m in ${MODELS:-q35 q35moe}; do
+    echo "== bench_gpu $m, ${CONC:-1 8 32} concurrent"
+    $OD timeout ${LIMIT:-280} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency ${CONC:-1 8 32} \
+      --model-dir /tmp/models/$m 2>&1 | grep -v '^\s*$' | grep '^|' | grep -v '^|--'
+    date +%T
+  done
+  ;;
 probe)
   # Where the engine thread's time goes at 32 rows (scripts/probe_host.c, built here and carried as
   # $G/probe_host.so; read the stacks with scripts/probe_host_report.py and the same perch binary).
