@@ -11,7 +11,7 @@
 #   `bash scripts/device_moe.sh prof [MODEL]`: where the machine has Nsight Systems, the kernels of a run of 32
 #     prompts of 128 tokens and 2 generated (prefill passes) on MODEL (default oss), summed by kernel;
 #   `bash scripts/device_moe.sh hybrids`: random `qwen3_5` and `qwen3_5_moe` models, bench_gpu.py at CONC
-#     (default "1 8 32") against mlx_lm for each of MODELS (default "q35 q35moe"), LIMIT seconds each (280);
+#     (default "1 8 32") against mlx_lm for each of MODELS (ARCH:DIR pairs, default both), LIMIT seconds each (280);
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
@@ -39,9 +39,9 @@ case "${1:-bench}" in hybrids|llama) ;; *) mkmodel qwen3_moe:moe; mkmodel gpt_os
 case "${1:-bench}" in
 hybrids)
   # The Qwen3.5 shapes of issue 39's table (dense and MoE), bench_gpu.py at CONC (default 1 8 32) against
-  # mlx_lm; MODELS picks them (default "q35 q35moe").
-  mkmodel qwen3_5:q35; mkmodel qwen3_5_moe:q35moe
-  for m in ${MODELS:-q35 q35moe}; do
+  # mlx_lm; MODELS picks them as ARCH:DIR (default "qwen3_5:q35 qwen3_5_moe:q35moe").
+  for a in ${MODELS:-qwen3_5:q35 qwen3_5_moe:q35moe}; do
+    mkmodel $a; m=${a#*:}
     echo "== bench_gpu $m, ${CONC:-1 8 32} concurrent"
     $OD timeout ${LIMIT:-280} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency ${CONC:-1 8 32} \
       --model-dir /tmp/models/$m 2>&1 | grep -v '^\s*$' | grep '^|' | grep -v '^|--'
