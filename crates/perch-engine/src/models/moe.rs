@@ -659,8 +659,11 @@ impl SwitchGlu {
         }
     }
 
-    /// Pairs an expert, on average, from which a prompt pass's products are grouped: below,
-    /// dequantizing a stack costs more than reading it once a pair.
+    /// Pairs an expert, on average, from which a prompt pass's products are grouped. From the
+    /// bytes each way at 4 bits: dequantizing a stack reads its packed bytes and writes and reads
+    /// back 16-bit values, about 9 times the packed bytes, where the per-pair products read the
+    /// packed stack once a pair (mostly from L2). The boundary itself is not measured; passes of
+    /// 128-token prompts (128 pairs an expert and more) are (docs/benchmarks.md).
     const GROUP_PAIRS_PER_EXPERT: usize = 8;
 
     /// The most bytes one projection's stack may take dequantized for a grouped product (it
