@@ -19,6 +19,9 @@ pub struct Store {
     notices: Mutex<Vec<String>>,
     /// `downloads.json`: the revision each download that has not completed asked for.
     downloads: Mutex<PathBuf>,
+    /// Each recent client's latest model, shared by the engines the app loads one after
+    /// another, so that a switch explains a client's cache miss ([`EngineConfig::client_models`]).
+    client_models: Arc<perch_engine::ClientModels>,
 }
 
 impl Store {
@@ -70,6 +73,7 @@ impl Store {
             total_memory_bytes,
             notices: Mutex::new(notices),
             downloads: Mutex::new(dir.join(Self::DOWNLOADS_FILE)),
+            client_models: Arc::default(),
         }
     }
 
@@ -161,6 +165,7 @@ impl Store {
                 Some(secs) => KeepAlive::Idle(std::time::Duration::from_secs(secs)),
                 None => KeepAlive::Forever,
             },
+            client_models: Some(self.client_models.clone()),
             ..EngineConfig::default()
         })
     }
@@ -250,5 +255,18 @@ mod tests {
         drop(store);
         let again = Store::open(dir.path(), 16 << 30);
         assert_eq!(again.settings().unwrap().unload_after_idle_secs, None);
+    }
+
+    /// Every engine the app loads shares one record of each client's latest model, so that a
+    /// model switch explains a client's next miss.
+    #[test]
+    fn the_engines_share_the_clients_models() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(dir.path(), 16 << 30);
+        let models = |store: &Store| store.engine_config().unwrap().client_models.unwrap();
+        let (first, second) = (models(&store), models(&store));
+        assert!(std::sync::Arc::ptr_eq(&first, &second));
+        first.switched("agent", "a");
+        assert_eq!(second.switched("agent", "b").as_deref(), Some("a"));
     }
 }

@@ -12,7 +12,7 @@ pub use crate::error::{ErrorKind, RequestError};
 use crate::sample::sampler::SamplingParams;
 pub use crate::sample::TokenLogprobs;
 use crate::text::chat_template::ChatMessage;
-pub use perch_sched::cache_miss::{CacheMiss, ClientTally, MissRecord};
+pub use perch_sched::cache_miss::{CacheMiss, ClientModels, ClientTally, MissRecord};
 use perch_sched::scheduler::Priority;
 
 /// Why generation ended.

@@ -50,9 +50,9 @@ pub(crate) mod worker;
 pub mod testing;
 
 pub use api::{
-    CacheMiss, CachePin, EngineEvent, EngineLimits, EngineRequest, EngineStats, FinishReason,
-    GenerateOutput, GenerateRequest, GenerationStats, KeepAlive, KvCacheStats, Prompt,
-    PromptCacheReport, Residency, StepTimes, TokenEvent, TokenLogprobs,
+    CacheMiss, CachePin, ClientModels, EngineEvent, EngineLimits, EngineRequest, EngineStats,
+    FinishReason, GenerateOutput, GenerateRequest, GenerationStats, KeepAlive, KvCacheStats,
+    Prompt, PromptCacheReport, Residency, StepTimes, TokenEvent, TokenLogprobs,
 };
 pub use attention::KvQuantization;
 #[doc(hidden)]

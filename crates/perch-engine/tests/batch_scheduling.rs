@@ -918,3 +918,53 @@ fn system_pin() -> Vec<perch_engine::CachePin> {
         key: None,
     }]
 }
+
+/// A client's first request to a model after requests to another (the app's engines, one after
+/// another, sharing what each client last used) has its miss explained as such; a client that
+/// used no other model, and an engine that shares nothing, say the prompt was not seen.
+#[test]
+fn a_client_that_switched_models_is_told_so() {
+    use perch_engine::{CacheMiss, ClientModels};
+    let (model, tokenizer) = load();
+    let models = std::sync::Arc::new(ClientModels::default());
+    let batch = |id: &str, shared: bool| {
+        let batch = BatchGenerator::new(model.as_ref(), &tokenizer, config(24, 8), id);
+        match shared {
+            true => batch.with_client_models(id, models.clone()),
+            false => batch,
+        }
+    };
+    let (mut first, mut second, mut alone) = (
+        batch("model-a", true),
+        batch("model-b", true),
+        batch("model-b", false),
+    );
+    // Each client's prompt of its own.
+    let miss = |batch: &mut BatchGenerator, client: &str| {
+        let from = 1000 * (1 + client.len() as u32);
+        let mut request = request((from..from + 40).collect(), 2);
+        request.client = Some(client.to_owned());
+        common::drive(batch, vec![(0, request)])
+            .remove(0)
+            .0
+            .stats
+            .cache_miss
+    };
+    let not_seen = Some(CacheMiss::NotSeen { at_token: 0 });
+    assert_eq!(miss(&mut first, "agent"), not_seen);
+    assert_eq!(
+        miss(&mut second, "agent"),
+        Some(CacheMiss::AnotherModel {
+            at_token: 0,
+            model: "model-a".into()
+        })
+    );
+    // Its next request there reads what the first left: no miss.
+    assert_eq!(miss(&mut second, "agent"), None);
+    assert_eq!(miss(&mut second, "app"), not_seen, "a client new to both");
+    assert_eq!(
+        miss(&mut alone, "agent"),
+        not_seen,
+        "an engine sharing nothing"
+    );
+}

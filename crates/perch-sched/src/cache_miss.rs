@@ -43,6 +43,10 @@ pub enum CacheMiss {
     NotCachedYet { at_token: usize, shared_to: usize },
     /// No earlier prompt in the cache goes on past `at_token` (a first request).
     NotSeen { at_token: usize },
+    /// This engine has not seen the client, whose previous request went to another model
+    /// (`model`), in the same process (the app, as its user switches models): a model's prefix
+    /// cache holds only its own prompts.
+    AnotherModel { at_token: usize, model: String },
 }
 
 /// Tokens of each side a [`CacheMiss::Diverged`] keeps.
@@ -59,6 +63,7 @@ impl CacheMiss {
             CacheMiss::StateNotKept { .. } => "state_not_kept",
             CacheMiss::NotCachedYet { .. } => "not_cached_yet",
             CacheMiss::NotSeen { .. } => "not_seen",
+            CacheMiss::AnotherModel { .. } => "another_model",
         }
     }
 
@@ -70,7 +75,8 @@ impl CacheMiss {
             | CacheMiss::Diverged { at_token, .. }
             | CacheMiss::StateNotKept { at_token, .. }
             | CacheMiss::NotCachedYet { at_token, .. }
-            | CacheMiss::NotSeen { at_token } => Some(at_token),
+            | CacheMiss::NotSeen { at_token }
+            | CacheMiss::AnotherModel { at_token, .. } => Some(at_token),
         }
     }
 }
@@ -124,6 +130,11 @@ impl std::fmt::Display for CacheMiss {
                 f,
                 "no earlier prompt in the cache goes on past token {at_token}"
             ),
+            CacheMiss::AnotherModel { at_token, model } => write!(
+                f,
+                "this client's previous request went to another model ({model}), whose prefix \
+                 cache this model does not share: nothing cached goes on past token {at_token}"
+            ),
         }
     }
 }
@@ -143,6 +154,9 @@ pub struct Lookup<'a> {
     pub own_cache: bool,
     /// The same client's previous prompt and the tokens generated after it, when known.
     pub previous: Option<&'a [u32]>,
+    /// Without `previous`: the model the client's previous request went to, when it was another
+    /// ([`ClientModels::switched`]).
+    pub another_model: Option<&'a str>,
 }
 
 /// Why `lookup` read fewer tokens than it could have, or `None` when it read them all.
@@ -176,7 +190,13 @@ pub fn explain_miss(kv: &KvCacheManager, lookup: &Lookup, now: Instant) -> Optio
         });
     }
     let Some(previous) = lookup.previous else {
-        return Some(CacheMiss::NotSeen { at_token });
+        return Some(match lookup.another_model {
+            Some(model) => CacheMiss::AnotherModel {
+                at_token,
+                model: model.to_owned(),
+            },
+            None => CacheMiss::NotSeen { at_token },
+        });
     };
     let shared = previous
         .iter()
@@ -345,6 +365,51 @@ impl ClientHistory {
     }
 }
 
+/// The model each recent client's latest request went to, shared by the engines of one process
+/// (the app's, one after another as its user switches models): a client's first request to a
+/// model after requests to another is told why nothing was cached ([`CacheMiss::AnotherModel`]).
+/// At most [`ClientModels::CAPACITY`] clients, the least recently seen forgotten first.
+#[derive(Debug, Default)]
+pub struct ClientModels {
+    latest: std::sync::Mutex<ClientModelsInner>,
+}
+
+#[derive(Debug, Default)]
+struct ClientModelsInner {
+    /// Client → (model, when last seen).
+    by_client: HashMap<String, (String, u64)>,
+    clock: u64,
+}
+
+impl ClientModels {
+    /// Clients remembered at most.
+    pub const CAPACITY: usize = 256;
+
+    /// Records that `client`'s latest request goes to `model`; returns the model its previous
+    /// request went to when that was another.
+    pub fn switched(&self, client: &str, model: &str) -> Option<String> {
+        let mut inner = self
+            .latest
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        inner.clock += 1;
+        let seen = inner.clock;
+        let previous = inner
+            .by_client
+            .insert(client.to_owned(), (model.to_owned(), seen))
+            .map(|(previous, _)| previous)
+            .filter(|previous| previous != model);
+        if inner.by_client.len() > Self::CAPACITY {
+            let oldest = (inner.by_client.iter())
+                .min_by_key(|(_, (_, seen))| *seen)
+                .map(|(client, _)| client.clone())
+                .expect("not empty");
+            inner.by_client.remove(&oldest);
+        }
+        previous
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,6 +436,7 @@ mod tests {
             loaded_tokens: found * 4,
             own_cache: false,
             previous,
+            another_model: None,
         }
     }
 
@@ -383,6 +449,21 @@ mod tests {
         // A first prompt: nothing cached.
         let miss = explain_miss(&kv, &lookup(&first, 0, None), now);
         assert_eq!(miss, Some(CacheMiss::NotSeen { at_token: 0 }));
+        // The same, from a client whose previous request went to another model.
+        let switched = Lookup {
+            another_model: Some("other/model"),
+            ..lookup(&first, 0, None)
+        };
+        let miss = explain_miss(&kv, &switched, now).unwrap();
+        assert_eq!(
+            miss,
+            CacheMiss::AnotherModel {
+                at_token: 0,
+                model: "other/model".into()
+            }
+        );
+        assert_eq!(miss.name(), "another_model");
+        assert!(miss.to_string().contains("another model (other/model)"));
         assert_eq!(admit(&mut kv, 1, &first), 0);
         kv.free(1);
         // The same prompt again reads its three whole blocks before the last token: no miss.
@@ -480,6 +561,23 @@ mod tests {
     /// sequence when it ends (not an older request's); its tally counts every lookup and keeps
     /// the last misses, newest first; the least recently seen client goes first past the
     /// capacity.
+    /// A client's model is remembered across calls: a change is reported once, a repeat never,
+    /// and the least recently seen client is forgotten past the capacity.
+    #[test]
+    fn client_models_report_a_switch_once() {
+        let models = ClientModels::default();
+        assert_eq!(models.switched("agent", "a"), None, "a first request");
+        assert_eq!(models.switched("agent", "a"), None);
+        assert_eq!(models.switched("agent", "b").as_deref(), Some("a"));
+        assert_eq!(models.switched("agent", "b"), None);
+        assert_eq!(models.switched("app", "a"), None, "clients are apart");
+        for k in 0..ClientModels::CAPACITY {
+            models.switched(&format!("client {k}"), "b");
+        }
+        // "agent" and "app" were seen first: forgotten, so a switch back is no longer known.
+        assert_eq!(models.switched("agent", "a"), None);
+    }
+
     #[test]
     fn client_history_keeps_each_clients_newest_and_tallies_its_lookups() {
         let mut history = ClientHistory::default();

@@ -66,7 +66,7 @@ use crate::worker::runner::{DecodeRow, FedRow, ModelRunner, Proposed, Slot};
 use lockstep::{BatchCall, Lockstep, Stage};
 use perch_sched::block_pool::{BlockHash, BlockId, BlockPool};
 use perch_sched::budget::KvBudget;
-use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientTally, Lookup};
+use perch_sched::cache_miss::{explain_miss, ClientHistory, ClientModels, ClientTally, Lookup};
 use perch_sched::kv_cache_manager::{
     BlockContents, ComputedBlocks, KvCacheManager, PinOutcome, RequestId,
 };
@@ -591,6 +591,9 @@ pub struct BatchGenerator<'m> {
     /// Each recent client's latest prompt, to explain a miss ([`explain_miss`]), and its
     /// prefix-cache tally.
     clients: ClientHistory,
+    /// This model's id and the process's record of each client's latest model, when shared
+    /// ([`BatchGenerator::with_client_models`]).
+    client_models: Option<(String, std::sync::Arc<ClientModels>)>,
     /// Executes the steps: forward passes, slot caches, sampling, the decode step in flight.
     runner: ModelRunner<'m>,
     /// The draft model's runner, when the batch has one ([`BatchGenerator::with_draft`]).
@@ -669,6 +672,7 @@ impl<'m> BatchGenerator<'m> {
                 }),
             tails: TailCache::default(),
             clients: ClientHistory::default(),
+            client_models: None,
             runner: ModelRunner::new(
                 model,
                 config.slot_attention,
@@ -722,6 +726,18 @@ impl<'m> BatchGenerator<'m> {
     /// range), unless prompt lookup sets them. The draft's KV is counted in the pool by the
     /// configuration ([`BatchConfig::counting_draft`]; a pool that does not count it holds
     /// the draft's rows beyond its budget).
+    /// Explains a client's miss as [`perch_sched::cache_miss::CacheMiss::AnotherModel`] when
+    /// `models` (shared by the process's engines) says its previous request went to another
+    /// model than `model_id`.
+    pub fn with_client_models(
+        mut self,
+        model_id: &str,
+        models: std::sync::Arc<ClientModels>,
+    ) -> Self {
+        self.client_models = Some((model_id.to_owned(), models));
+        self
+    }
+
     pub fn with_draft(mut self, draft: &'m dyn Model, num_draft_tokens: usize) -> Self {
         if !drafts_in_batch(self.model, draft) {
             return self;
@@ -2072,6 +2088,10 @@ impl<'m> BatchGenerator<'m> {
                 seq.sink.output.stats.cached_prompt_tokens = seq.computed;
                 seq.admitted_once = true;
                 let client = seq.request.client.as_deref();
+                let another_model = match (client, &self.client_models) {
+                    (Some(client), Some((model, models))) => models.switched(client, model),
+                    _ => None,
+                };
                 let lookup = Lookup {
                     tokens: &seq.tokens,
                     found_blocks: hit.blocks.len(),
@@ -2079,6 +2099,7 @@ impl<'m> BatchGenerator<'m> {
                     loaded_tokens: seq.computed,
                     own_cache: !seq.kv.is_plain() || seq.preloaded.is_some(),
                     previous: client.and_then(|c| self.clients.previous(c)),
+                    another_model: another_model.as_deref(),
                 };
                 let miss = explain_miss(&self.kv, &lookup, Instant::now());
                 if let Some(client) = client {

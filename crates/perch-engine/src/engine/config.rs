@@ -77,6 +77,11 @@ pub struct EngineConfig {
     /// one-off commands); `perch serve` and the app unload after an idle hour unless told
     /// otherwise.
     pub keep_alive: KeepAlive,
+    /// The model each recent client's latest request went to, shared with the process's other
+    /// engines (the app passes one to each model it loads): a client's first request here after
+    /// requests to another model has its miss explained as such
+    /// ([`perch_sched::cache_miss::CacheMiss::AnotherModel`]). `None`: this engine alone.
+    pub client_models: Option<std::sync::Arc<perch_sched::cache_miss::ClientModels>>,
     /// Faults on purpose, for tests of what clients do when the engine is slow or fails.
     #[doc(hidden)]
     pub fault_injection: FaultInjection,
@@ -131,6 +136,7 @@ impl Default for EngineConfig {
             num_draft_tokens: Draft::DEFAULT_NUM_DRAFT_TOKENS,
             prompt_lookup: None,
             keep_alive: KeepAlive::Forever,
+            client_models: None,
             fault_injection: FaultInjection::default(),
         }
     }

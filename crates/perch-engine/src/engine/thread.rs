@@ -532,6 +532,9 @@ fn serve_model(
         if let Some((draft, _)) = pass.draft {
             batch = batch.with_draft(draft, config.num_draft_tokens);
         }
+        if let Some(models) = &config.client_models {
+            batch = batch.with_client_models(model_id, models.clone());
+        }
         if divided {
             // A failure here fails every call after it: requests end with its sentence.
             let _ = batch.lead_ranks(model_id);
