@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs for the MoE rows of docs/benchmarks.md ("Running them"; the GPU tool's prepare step
-# makes .gpu/p1 and .gpu/p2, with `perch` built for release as .gpu/p2/perch.xz). Two parts, each one
+# makes .gpu/p1 and .gpu/p2, with `perch` built for release as .gpu/p2/perch.xz). Its parts, each one
 # device call of at most 600 s on the same warm machine:
 #   `bash scripts/device_moe.sh bench`: random `qwen3_moe` and `gpt_oss` models (make_random_model.py,
 #     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each;
@@ -9,7 +9,7 @@
 #   `bash scripts/device_moe.sh ab [VAR]`: `check-kernels` (every kernel; CHECK=NAME only NAME's, CHECK=0 none), then Perch alone on
 #     each model with VAR (default PERCH_GEMM_KERNEL) 0 and 1;
 #   `bash scripts/device_moe.sh prof [MODEL]`: where the machine has Nsight Systems, the kernels of a run of 32
-#     prompts of 128 tokens and 2 generated (prefill passes) on MODEL (default oss), summed by kernel;
+#     prompts of 128 tokens and 2 generated (prefill passes) on MODEL (moe or oss; default oss), summed by kernel;
 #   `bash scripts/device_moe.sh hybrids`: random `qwen3_5` and `qwen3_5_moe` models, bench_gpu.py at CONC
 #     (default "1 8 32") against mlx_lm for each of MODELS (ARCH:DIR pairs, default both), LIMIT seconds each (280);
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
@@ -42,6 +42,8 @@ hybrids)
   # mlx_lm; MODELS picks them as ARCH:DIR (default "qwen3_5:q35 qwen3_5_moe:q35moe").
   for a in ${MODELS:-qwen3_5:q35 qwen3_5_moe:q35moe}; do
     mkmodel $a; m=${a#*:}
+    # Without its model bench_gpu.py would make a Llama there: stop instead.
+    [ -f /tmp/models/$m/config.json ] || { echo "== no model made for $a"; continue; }
     echo "== bench_gpu $m, ${CONC:-1 8 32} concurrent"
     $OD timeout ${LIMIT:-280} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency ${CONC:-1 8 32} \
       --model-dir /tmp/models/$m 2>&1 | grep -v '^\s*$' | grep '^|' | grep -v '^|--'

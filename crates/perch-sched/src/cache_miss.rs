@@ -45,7 +45,9 @@ pub enum CacheMiss {
     NotSeen { at_token: usize },
     /// This engine has not seen the client, whose previous request went to another model
     /// (`model`), in the same process (the app, as its user switches models): a model's prefix
-    /// cache holds only its own prompts.
+    /// cache holds only its own prompts. Told only where the engine has no prompt of the client
+    /// (one that went back to a model it used before is compared with its prompt there), and by
+    /// the order requests are admitted in.
     AnotherModel { at_token: usize, model: String },
 }
 
@@ -557,10 +559,6 @@ mod tests {
         assert_eq!(explain_miss(&kv, &lookup(&first[..4], 0, None), now), None);
     }
 
-    /// A client's latest tokens: its newest request's prompt, then that request's whole
-    /// sequence when it ends (not an older request's); its tally counts every lookup and keeps
-    /// the last misses, newest first; the least recently seen client goes first past the
-    /// capacity.
     /// A client's model is remembered across calls: a change is reported once, a repeat never,
     /// and the least recently seen client is forgotten past the capacity.
     #[test]
@@ -578,6 +576,10 @@ mod tests {
         assert_eq!(models.switched("agent", "a"), None);
     }
 
+    /// A client's latest tokens: its newest request's prompt, then that request's whole
+    /// sequence when it ends (not an older request's); its tally counts every lookup and keeps
+    /// the last misses, newest first; the least recently seen client goes first past the
+    /// capacity.
     #[test]
     fn client_history_keeps_each_clients_newest_and_tallies_its_lookups() {
         let mut history = ClientHistory::default();

@@ -717,15 +717,6 @@ impl<'m> BatchGenerator<'m> {
         }
     }
 
-    /// This batch with `draft` proposing, in verify steps ([`crate::spec_decode`]), for the rows
-    /// of requests that ask for speculative decoding ([`GenerateRequest::drafts_in_batch`])
-    /// while at most [`BatchGenerator::speculative_rows`] rows decode. Unchanged when the model
-    /// or the draft has sliding-window layers (their rings cannot be rewound; see
-    /// [`drafts_in_batch`]): [`BatchGenerator::drafts`] tells. Verify steps are warmed for `num_draft_tokens`
-    /// proposals a row (the requests' default; [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when out of
-    /// range), unless prompt lookup sets them. The draft's KV is counted in the pool by the
-    /// configuration ([`BatchConfig::counting_draft`]; a pool that does not count it holds
-    /// the draft's rows beyond its budget).
     /// Explains a client's miss as [`perch_sched::cache_miss::CacheMiss::AnotherModel`] when
     /// `models` (shared by the process's engines) says its previous request went to another
     /// model than `model_id`.
@@ -738,6 +729,15 @@ impl<'m> BatchGenerator<'m> {
         self
     }
 
+    /// This batch with `draft` proposing, in verify steps ([`crate::spec_decode`]), for the rows
+    /// of requests that ask for speculative decoding ([`GenerateRequest::drafts_in_batch`])
+    /// while at most [`BatchGenerator::speculative_rows`] rows decode. Unchanged when the model
+    /// or the draft has sliding-window layers (their rings cannot be rewound; see
+    /// [`drafts_in_batch`]): [`BatchGenerator::drafts`] tells. Verify steps are warmed for `num_draft_tokens`
+    /// proposals a row (the requests' default; [`Draft::DEFAULT_NUM_DRAFT_TOKENS`] when out of
+    /// range), unless prompt lookup sets them. The draft's KV is counted in the pool by the
+    /// configuration ([`BatchConfig::counting_draft`]; a pool that does not count it holds
+    /// the draft's rows beyond its budget).
     pub fn with_draft(mut self, draft: &'m dyn Model, num_draft_tokens: usize) -> Self {
         if !drafts_in_batch(self.model, draft) {
             return self;

@@ -2244,7 +2244,7 @@ mod tests {
             assert_eq!(bools(&mask), (vec![5, 1, 1, capacity as i32], plain));
             assert_eq!(ints(&ring.index), (vec![5, 1, 1, 1], entries));
             assert_eq!(bools(&ring.mask), (vec![5, 1, 1, size], ring_mask));
-            // A wider step's operations (no kept ring entries) agree.
+            // The ring entries made afresh (as a wider step makes them) agree with the kept ones.
             let wider = ring_step(&index, size, window, None).unwrap();
             assert_eq!(bools(&wider.mask), bools(&ring.mask));
             // A row past the window sees the window's entries; the empty slot its one entry.
@@ -2385,8 +2385,8 @@ mod tests {
         let step = slots.begin_step(1, &[1]).unwrap();
         let ring = step.ring.as_ref().expect("rings");
         assert_eq!(ring.index.as_slice::<i32>(), [88]);
-        // Written by the host, the step's arrays are those of the operations, which a span that
-        // reaches no later token sends it through.
+        // The one-token step's arrays (made from its index against kept arrays) are those of the
+        // wider step's operations, which a span that reaches no later token sends it through.
         let operations = slots.begin_step_with(1, &[1], &[(0, 0, 0)]).unwrap();
         let arrays = |step: &SlotStep| {
             let ring = step.ring.as_ref().expect("rings");

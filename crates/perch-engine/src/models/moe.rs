@@ -300,14 +300,13 @@ impl SwitchLinear {
                 biases,
                 params,
             } => {
-                let dtype = (!params.mode.has_biases()).then(|| x.dtype());
                 let dense = crate::nn::mlx_ext::dequantize(
                     weight,
                     scales,
                     biases.as_ref(),
                     params.sizes(),
                     params.mode.mlx_name(),
-                    dtype,
+                    Some(x.dtype()),
                 )?;
                 match dense.dtype() == x.dtype() {
                     true => dense,
@@ -319,25 +318,23 @@ impl SwitchLinear {
         self.with_bias(y, indices)
     }
 
-    /// Experts in the stack and bytes of its weights as one dense matrix an expert in
-    /// `dtype` (what [`SwitchLinear::forward_grouped`] makes of quantized ones).
+    /// Experts in the stack and the bytes [`SwitchLinear::forward_grouped`] makes for it: a
+    /// quantized stack's dense matrices in `dtype`, nothing for a dense one (used as it is).
     fn dense_size(&self, dtype: mlx_rs::Dtype) -> (usize, usize) {
-        // Values a stored element: 32 / bits for a quantized stack's packed words.
-        let (shape, (packed, bits)) = match &self.weight {
-            SwitchWeight::Dense(weight) => (weight.shape(), (1, 1)),
-            SwitchWeight::Quantized { weight, params, .. } => {
-                (weight.shape(), (32, params.bits.max(1) as usize))
-            }
+        let experts = |shape: &[i32]| shape.first().map_or(0, |&e| e.max(0) as usize);
+        let (weight, bits) = match &self.weight {
+            SwitchWeight::Dense(weight) => return (experts(weight.shape()), 0),
+            SwitchWeight::Quantized { weight, params, .. } => (weight, params.bits.max(1)),
         };
-        let stored: usize = shape.iter().map(|&d| d.max(0) as usize).product();
-        let values = stored * packed / bits;
-        let experts = shape.first().map_or(0, |&e| e.max(0) as usize);
+        // 32 / bits values a packed word.
+        let stored: usize = weight.shape().iter().map(|&d| d.max(0) as usize).product();
+        let values = stored * 32 / bits as usize;
         let item = match dtype {
             mlx_rs::Dtype::Float64 => 8,
             mlx_rs::Dtype::Float32 => 4,
             _ => 2,
         };
-        (experts, values * item)
+        (experts(weight.shape()), values * item)
     }
 
     /// The product, bias and `epilogue` in one launch of [`expert_kernel::gather_qmv`], when the
@@ -662,8 +659,9 @@ impl SwitchGlu {
     /// Pairs an expert, on average, from which a prompt pass's products are grouped. From the
     /// bytes each way at 4 bits: dequantizing a stack reads its packed bytes and writes and reads
     /// back 16-bit values, about 9 times the packed bytes, where the per-pair products read the
-    /// packed stack once a pair (mostly from L2). The boundary itself is not measured; passes of
-    /// 128-token prompts (128 pairs an expert and more) are (docs/benchmarks.md).
+    /// packed stack once a pair (mostly from L2). The boundary itself is not measured; prompt
+    /// passes of 8 prompts of 128 tokens (128 pairs an expert on `qwen3_moe`'s shape) are
+    /// (docs/benchmarks.md).
     const GROUP_PAIRS_PER_EXPERT: usize = 8;
 
     /// The most bytes one projection's stack may take dequantized for a grouped product (it
@@ -672,12 +670,17 @@ impl SwitchGlu {
 
     /// Whether the pairs of `indices` `[batch, seq, k]` for `x`'s dtype `dtype` run as grouped
     /// products ([`SwitchLinear::forward_grouped`]): with `grouped`, in a pass of more than one
-    /// token a row (never a decode step, whose few pairs Perch's kernels take), with at least
-    /// [`SwitchGlu::GROUP_PAIRS_PER_EXPERT`] pairs an expert and each stack at most
-    /// [`SwitchGlu::GROUP_MAX_BYTES`] dequantized (on the CPU, float32 only).
+    /// token a row (never a decode step), with more pairs than Perch's kernel takes where it
+    /// runs ([`SwitchGlu::max_pairs`]: so a speculative step's verify pass of a few tokens a row
+    /// stays in the kernel, as decode does), at least [`SwitchGlu::GROUP_PAIRS_PER_EXPERT`] pairs
+    /// an expert and each stack at most [`SwitchGlu::GROUP_MAX_BYTES`] dequantized (on the CPU,
+    /// float32 only).
     fn groups(&self, indices: &Array, dtype: mlx_rs::Dtype) -> bool {
         let shape = indices.shape();
         if !self.grouped || shape.len() != 3 || shape[1] < 2 {
+            return false;
+        }
+        if self.kernel && indices.size() <= self.max_pairs(indices) {
             return false;
         }
         // MLX's CPU `gather_mm` takes float32 only.

@@ -183,8 +183,8 @@ pub fn gather_qmm(
     })
 }
 
-/// The dense matrix of weights quantized in MLX mode `mode`, in the scales' dtype for affine
-/// and in `dtype` for the microscaling modes (whose uint8 scales carry none).
+/// The dense matrix of weights quantized in MLX mode `mode`, in `dtype`; without one, in the
+/// scales' dtype for affine (the microscaling modes' uint8 scales carry none: give one).
 pub fn dequantize(
     w: &Array,
     scales: &Array,
