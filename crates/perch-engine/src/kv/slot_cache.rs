@@ -1454,28 +1454,15 @@ impl SlotKvCache {
     /// [`ring_back`] for rings of `size` entries, made once a size (evaluated with the first
     /// step that reads it, then kept as data).
     fn ring_back(&self, size: usize) -> Result<Array> {
-        let mut kept = self.ring_back.borrow_mut();
-        if let Some(back) = kept.as_ref().filter(|b| b.shape()[3] as usize == size) {
-            return Ok(back.clone());
-        }
-        let back = ring_back(size as i32)?;
-        *kept = Some(back.clone());
-        Ok(back)
+        kept_row(&self.ring_back, size, || ring_back(size as i32))
     }
 
     /// `[1, 1, 1, capacity]` int32 `0..capacity`, made once a capacity (evaluated with the
     /// first step that reads it, then kept as data).
     fn key_positions(&self) -> Result<Array> {
-        let mut kept = self.key_positions.borrow_mut();
-        if let Some(keys) = kept
-            .as_ref()
-            .filter(|k| k.shape()[3] as usize == self.capacity)
-        {
-            return Ok(keys.clone());
-        }
-        let keys = ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?;
-        *kept = Some(keys.clone());
-        Ok(keys)
+        kept_row(&self.key_positions, self.capacity, || {
+            Ok(ops::arange::<_, i32>(0, self.capacity as i32, None)?.reshape(&[1, 1, 1, -1])?)
+        })
     }
 
     /// The rest of [`SlotKvCache::begin_step_with`] once the step's index, mask, write entries
@@ -2145,6 +2132,21 @@ fn resize_rows(buffer: &Array, rows: usize) -> Result<Array> {
     shape[0] = rows as i32;
     let grown = ops::zeros_dtype(&shape, buffer.dtype())?;
     Ok(slice_update(&grown, &kept, &vec![0; s.len()], &stop)?)
+}
+
+/// The `[1, 1, 1, size]` array `kept` holds, or `make`'s, kept in its place.
+fn kept_row(
+    kept: &RefCell<Option<Array>>,
+    size: usize,
+    make: impl FnOnce() -> Result<Array>,
+) -> Result<Array> {
+    let mut kept = kept.borrow_mut();
+    if let Some(row) = kept.as_ref().filter(|r| r.shape()[3] as usize == size) {
+        return Ok(row.clone());
+    }
+    let row = make()?;
+    *kept = Some(row.clone());
+    Ok(row)
 }
 
 /// `[1, 1, 1, size]` int32: `size - e` for each entry `e` of a ring of `size` entries.

@@ -299,20 +299,14 @@ impl SwitchLinear {
                 scales,
                 biases,
                 params,
-            } => {
-                let dense = crate::nn::mlx_ext::dequantize(
-                    weight,
-                    scales,
-                    biases.as_ref(),
-                    params.sizes(),
-                    params.mode.mlx_name(),
-                    Some(x.dtype()),
-                )?;
-                match dense.dtype() == x.dtype() {
-                    true => dense,
-                    false => dense.as_dtype(x.dtype())?,
-                }
-            }
+            } => crate::nn::mlx_ext::dequantize(
+                weight,
+                scales,
+                biases.as_ref(),
+                params.sizes(),
+                params.mode.mlx_name(),
+                Some(x.dtype()),
+            )?,
         };
         let y = ops::gather_mm(x, weight.swap_axes(-1, -2)?, None, indices, true)?;
         self.with_bias(y, indices)
@@ -710,16 +704,19 @@ impl SwitchGlu {
         scores: &Array,
         keep_dtype: bool,
     ) -> Result<Array> {
-        if let Some(y) = self.through_kernels(x, indices, scores, keep_dtype)? {
-            return Ok(y);
+        let order = self.sorts(indices, x.dtype());
+        if !order.0 {
+            if let Some(y) = self.through_kernels(x, indices, scores, keep_dtype)? {
+                return Ok(y);
+            }
         }
-        weighted_sum(&self.forward(x, indices)?, scores, keep_dtype)
+        weighted_sum(&self.forward(x, indices, order)?, scores, keep_dtype)
     }
 
     /// At decode on CUDA: the fused gate and up product with the activation in one launch, the
     /// down product with the weighted sum in another ([`expert_kernel::Epilogue`]); `None`
-    /// where the kernel is off, the pairs are sorted or the projections are not fused and
-    /// quantized.
+    /// where the kernel is off or the projections are not fused and quantized (never called for
+    /// sorted pairs).
     fn through_kernels(
         &self,
         x: &Array,
@@ -730,7 +727,7 @@ impl SwitchGlu {
         let GateUp::Fused(gate_up) = &self.gate_up else {
             return Ok(None);
         };
-        if !self.fused || self.sorts(indices, x.dtype()).0 {
+        if !self.fused {
             return Ok(None);
         }
         // [batch, seq, hidden]: one row per token, read for each of its experts.
@@ -767,12 +764,12 @@ impl SwitchGlu {
     }
 
     /// `x` `[batch, seq, hidden]`, `indices` `[batch, seq, k]` → `[batch, seq, k, hidden]`:
-    /// each token through each of its k experts.
-    fn forward(&self, x: &Array, indices: &Array) -> Result<Array> {
+    /// each token through each of its k experts, the pairs sorted and grouped as `(sort,
+    /// grouped)` say ([`SwitchGlu::sorts`]).
+    fn forward(&self, x: &Array, indices: &Array, (sort, grouped): (bool, bool)) -> Result<Array> {
         let s = indices.shape().to_vec();
         let k = s[2];
         // [batch, seq, 1, 1, hidden]: one row per token, broadcast over its experts.
-        let (sort, grouped) = self.sorts(indices, x.dtype());
         let x = x.expand_dims_axes(&[-2, -3])?;
         let (x, idx, inverse) = if sort {
             // Pairs in expert order: row t * k + j of the flat pairs is token t's j-th expert.
