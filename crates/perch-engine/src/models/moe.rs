@@ -1327,9 +1327,10 @@ fn weighted_sum(y: &Array, scores: &Array, keep_dtype: bool) -> Result<Array> {
     })
 }
 
-/// A Qwen3.5-MoE block for the checks of the shared expert's fold: `experts` experts of
-/// `intermediate` features, `top_k` a token, and a shared expert of `shared` features over
-/// `hidden`, in `dtype`.
+/// A sparse block for the device's checks of the experts: `experts` experts of `intermediate`
+/// features, `top_k` a token, and (Qwen style) a shared expert of `shared` features over
+/// `hidden`, in `dtype`; Qwen-style experts affine 4-bit in groups of `group_size`, gpt-oss-style
+/// ones MXFP4 with biases.
 #[derive(Clone, Copy)]
 struct FoldCase {
     hidden: i32,
@@ -1339,6 +1340,7 @@ struct FoldCase {
     shared: i32,
     group_size: i32,
     dtype: mlx_rs::Dtype,
+    style: MoeStyle,
 }
 
 impl FoldCase {
@@ -1354,6 +1356,20 @@ impl FoldCase {
         shared: 512,
         group_size: 64,
         dtype: mlx_rs::Dtype::Bfloat16,
+        style: MoeStyle::Qwen,
+    };
+
+    /// A gpt-oss-shaped block in bfloat16: 1,024 features, 32 experts of 512, 4 a token, MXFP4
+    /// experts with biases, a router with a bias.
+    const GPT_OSS: FoldCase = FoldCase {
+        hidden: 1024,
+        experts: 32,
+        top_k: 4,
+        intermediate: 512,
+        shared: 0,
+        group_size: 32,
+        dtype: mlx_rs::Dtype::Bfloat16,
+        style: MoeStyle::GptOss,
     };
 
     /// `block` with its experts' products grouped or not in passes that group
@@ -1379,8 +1395,8 @@ impl FoldCase {
             norm_topk_prob: true,
             decoder_sparse_step: 1,
             mlp_only_layers: vec![],
-            shared_expert_intermediate_size: Some(self.shared),
-            style: MoeStyle::Qwen,
+            shared_expert_intermediate_size: (self.shared > 0).then_some(self.shared),
+            style: self.style,
         }
     }
 
@@ -1426,10 +1442,47 @@ impl FoldCase {
         Ok(weights)
     }
 
+    /// A gpt-oss block's tensors: a dense router with a bias, and MXFP4 experts (random packed
+    /// values, scales between 2^-9 and 2^-5) with biases.
+    fn gpt_oss_weights(&self) -> Result<Weights> {
+        use mlx_rs::random::{key, randint};
+        let mut weights = Weights::empty(crate::device::Backend::current());
+        let (h, e, m) = (self.hidden, self.experts, self.intermediate);
+        let path = |name: &str| format!("{}.{name}", Self::PATH);
+        weights.insert(&path("router.weight"), self.random(&[e, h], 1, 0.03)?);
+        weights.insert(&path("router.bias"), self.random(&[e], 2, 0.1)?);
+        for (i, (name, out, input)) in [("gate_proj", m, h), ("up_proj", m, h), ("down_proj", h, m)]
+            .into_iter()
+            .enumerate()
+        {
+            let seed = 10 * (i as u64 + 1);
+            let half = |seed: u64| -> Result<Array> {
+                let words = [e, out, input / 8];
+                Ok(randint::<_, i32>(0, 1 << 16, &words, Some(&key(seed)?))?
+                    .as_dtype(mlx_rs::Dtype::Uint32)?)
+            };
+            let high = ops::multiply(&half(seed + 1)?, Array::from_slice(&[1u32 << 16], &[1]))?;
+            let groups = [e, out, input / 32];
+            let scales = randint::<_, i32>(118, 123, &groups, Some(&key(seed + 2)?))?
+                .as_dtype(mlx_rs::Dtype::Uint8)?;
+            let name = path(&format!("experts.{name}"));
+            weights.insert(&format!("{name}.weight"), ops::add(&half(seed)?, &high)?);
+            weights.insert(&format!("{name}.scales"), scales);
+            weights.insert(
+                &format!("{name}.bias"),
+                self.random(&[e, out], seed + 3, 0.1)?,
+            );
+        }
+        Ok(weights)
+    }
+
     /// The block, its shared expert folded when `fold` and it can be.
     fn load(&self, shared_down_bits: i32, fold: bool) -> Result<SparseMoe> {
         let params = |bits: i32| serde_json::json!({"group_size": self.group_size, "bits": bits});
         let mut quantization = params(4);
+        if self.style == MoeStyle::GptOss {
+            quantization["mode"] = "mxfp4".into();
+        }
         if shared_down_bits != 4 {
             quantization[format!("{}.shared_expert.down_proj", Self::PATH)] =
                 params(shared_down_bits);
@@ -1437,7 +1490,10 @@ impl FoldCase {
         let quantization =
             Quantization::from_config(&serde_json::json!({ "quantization": quantization }))
                 .map_err(crate::error::EngineError::Kernel)?;
-        let mut weights = self.weights(shared_down_bits)?;
+        let mut weights = match self.style {
+            MoeStyle::GptOss => self.gpt_oss_weights()?,
+            _ => self.weights(shared_down_bits)?,
+        };
         let moe = SparseMoe::load_folding(
             &mut weights,
             &quantization,
@@ -1473,26 +1529,33 @@ impl FoldCase {
 
 /// Checks on the device that a prompt pass's pairs as grouped products (the stacks
 /// dequantized, MLX's `gather_mm` over the sorted pairs: [`SwitchLinear::forward_grouped`]) give
-/// a Qwen3.5-MoE-shaped block's output through MLX's `gather_qmm`, at 2 × 200 tokens in bfloat16:
-/// one line, an error outside bfloat16's tolerance. CUDA, where they are the default (`perch
+/// the block's output through MLX's `gather_qmm`, at 2 × 200 tokens in bfloat16, for a
+/// Qwen3.5-MoE-shaped block (affine 4-bit) and a gpt-oss-shaped one (MXFP4, expert biases): one
+/// line each, an error outside bfloat16's tolerance. CUDA, where they are the default (`perch
 /// check-kernels experts`).
 pub fn check_grouped() -> Result<Vec<String>> {
-    let case = FoldCase::QWEN3_5_MOE;
-    let block = case.load(4, false)?;
-    let (grouped, ungrouped) = (
-        FoldCase::grouped(&block, true),
-        FoldCase::grouped(&block, false),
-    );
     let (rows, tokens) = (2, 200);
-    let indices = ops::zeros::<i32>(&[rows, tokens, case.top_k])?;
-    if !grouped.switch_mlp.groups(&indices, case.dtype) {
-        return Err(crate::error::EngineError::Kernel(
-            "a 2 × 200-token pass was not grouped".into(),
-        ));
+    let mut lines = Vec::new();
+    for (name, case) in [
+        ("qwen3_5_moe", FoldCase::QWEN3_5_MOE),
+        ("gpt_oss", FoldCase::GPT_OSS),
+    ] {
+        let block = case.load(4, false)?;
+        let (grouped, ungrouped) = (
+            FoldCase::grouped(&block, true),
+            FoldCase::grouped(&block, false),
+        );
+        let indices = ops::zeros::<i32>(&[rows, tokens, case.top_k])?;
+        if !grouped.switch_mlp.groups(&indices, case.dtype) {
+            return Err(crate::error::EngineError::Kernel(format!(
+                "{name}: a {rows} × {tokens}-token pass was not grouped"
+            )));
+        }
+        let error = case.error(&grouped, &ungrouped, (rows, tokens))?;
+        let line = format!("{name} block, grouped products, {rows} × {tokens} tokens");
+        lines.push(FoldCase::judged(line, error)?);
     }
-    let error = case.error(&grouped, &ungrouped, (rows, tokens))?;
-    let name = format!("qwen3_5_moe block, grouped products, {rows} × {tokens} tokens");
-    Ok(vec![FoldCase::judged(name, error)?])
+    Ok(lines)
 }
 
 /// Checks on the device that a Qwen3.5-MoE-shaped block with its shared expert folded into the
@@ -1539,6 +1602,7 @@ mod tests {
         shared: 64,
         group_size: 32,
         dtype: Dtype::Float32,
+        style: MoeStyle::Qwen,
     };
 
     /// The shared expert cut into two experts' pieces and routed to every token gives the
@@ -1582,6 +1646,26 @@ mod tests {
         assert_eq!((pairs(&apart, 2), pairs(&folded, 4)), (1024, 2048));
         let mixed = CASE.load(8, true).unwrap();
         assert!(mixed.shared.is_some() && mixed.folded_shared == 0);
+    }
+
+    /// gpt-oss's experts as grouped products (MXFP4 stacks dequantized, their biases, the
+    /// clamped SwiGLU) give the block's output through `gather_qmm`.
+    #[test]
+    fn grouped_mxfp4_products_give_the_experts_output() {
+        let case = FoldCase {
+            hidden: 64,
+            intermediate: 64,
+            shared: 0,
+            style: MoeStyle::GptOss,
+            ..CASE
+        };
+        let block = case.load(4, false).unwrap();
+        let grouped = FoldCase::grouped(&block, true);
+        let apart = FoldCase::grouped(&block, false);
+        let pairs = ops::zeros::<i32>(&[2, 40, case.top_k]).unwrap();
+        assert!(grouped.switch_mlp.groups(&pairs, case.dtype));
+        let error = case.error(&grouped, &apart, (2, 40)).unwrap();
+        assert!(error < 1e-5, "relative error {error:e}");
     }
 
     /// A prompt pass's pairs as grouped products (the stacks dequantized, MLX's `gather_mm`
