@@ -1768,6 +1768,56 @@ fn stand_in_ssh(dir: &std::path::Path) -> (String, PathBuf) {
     (path, logins)
 }
 
+/// A host that does not answer ends a launch within seconds, with an error that names it: the
+/// launcher's `ssh` gives up after its `ConnectTimeout` (a stand-in `ssh` that, like a real one
+/// facing a host that drops its packets, waits that long and exits with 255 — and without the
+/// option would wait for minutes), and the rank already started here is ended with it.
+#[test]
+fn an_unreachable_host_ends_the_launch_within_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let ssh = bin.join("ssh");
+    std::fs::write(
+        &ssh,
+        "#!/bin/sh\nwait=600\nwhile [ \"$1\" = -o ]; do\n  case \"$2\" in ConnectTimeout=*) wait=${2#ConnectTimeout=} ;; esac\n  shift 2\ndone\nsleep \"$wait\"\necho \"ssh: connect to host $1 port 22: Connection timed out\" >&2\nexit 255\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let start = std::time::Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(["generate", "--model", &test_model(), "--prompt", "Hi"])
+        .args([
+            "--distributed",
+            "pipeline",
+            "--hosts",
+            "127.0.0.1,127.0.0.3",
+        ])
+        .args(["--starting-port", &consecutive_free_ports().to_string()])
+        .env("PATH", &path)
+        .env("TMPDIR", dir.path())
+        .output()
+        .unwrap();
+    let took = start.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("rank 1: 127.0.0.3 could not be reached over ssh"),
+        "{stderr}"
+    );
+    assert!(stderr.contains(": the group stopped"), "{stderr}");
+    assert!(
+        took < std::time::Duration::from_secs(30),
+        "the launch took {took:?}"
+    );
+}
+
 /// A free port on 127.0.0.1 whose next one is free too (a ring group of two ranks started with
 /// `--hosts 127.0.0.1,127.0.0.1` listens on both).
 fn consecutive_free_ports() -> u16 {

@@ -226,6 +226,11 @@ fn machines(hosts: &[Host]) -> Vec<(&Host, usize)> {
     machines
 }
 
+/// How the launcher runs `ssh`: never asking for a password (a rank cannot answer), and giving
+/// up on a host that does not answer within 10 s (`ssh` exits with 255), so that an unreachable
+/// host ends a launch within seconds rather than after the system's TCP timeout.
+const SSH_OPTIONS: [&str; 4] = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"];
+
 /// `host`'s RAM in bytes ([`group_memory`]).
 fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
     if is_local(&host.address) {
@@ -236,13 +241,8 @@ fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
         "sysctl -n hw.memsize 2>/dev/null || awk '/^MemTotal:/ { print $2, $3 }' /proc/meminfo";
     let read = shlex::try_quote(read).context("a shell command that quotes")?;
     let output = Command::new("ssh")
-        .args([
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "ConnectTimeout=10",
-            &host.login,
-        ])
+        .args(SSH_OPTIONS)
+        .arg(&host.login)
         .arg(format!("sh -c {read}"))
         .stdin(Stdio::null())
         .output()
@@ -653,7 +653,7 @@ pub fn launch(
             command
         } else {
             let mut command = Command::new("ssh");
-            command.args(["-o", "BatchMode=yes", &host.login]);
+            command.args(SSH_OPTIONS).arg(&host.login);
             command.arg(remote_command(setup, &exe, &args)?);
             // Held open until the rank is ended or waited for ([`end`], `Child::wait` closes
             // it): the remote `sh` ends its rank when it closes.
@@ -692,8 +692,16 @@ pub fn launch(
                 None => running += 1,
                 Some(status) if status.success() => {}
                 Some(status) => {
-                    let login = ranks[rank].1.login.clone();
+                    let host = ranks[rank].1;
+                    let (login, remote) = (host.login.clone(), !is_local(&host.address));
                     end(&mut ranks, relay);
+                    // `ssh`'s own failures (a host it cannot reach, a login refused) exit 255.
+                    if remote && status.code() == Some(SSH_FAILED) {
+                        bail!(
+                            "rank {rank}: {login} could not be reached over ssh, or the connection \
+                             was lost (ssh exited with status {SSH_FAILED}): the group stopped"
+                        );
+                    }
                     bail!(
                         "rank {rank} on {login} {}: the group stopped",
                         exited(status)
@@ -815,6 +823,9 @@ fn end(ranks: &mut [(Child, &Host)], relay: StderrRelay) {
     }
     relay.finish();
 }
+
+/// The status `ssh` exits with when it fails itself, rather than passing on its command's.
+const SSH_FAILED: i32 = 255;
 
 /// "exited with status 1", "was killed by signal 9".
 fn exited(status: ExitStatus) -> String {

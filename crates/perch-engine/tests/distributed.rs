@@ -1109,18 +1109,26 @@ fn a_rank_with_a_missing_hostfile_gets_an_error() {
 
 /// Cases of every family Perch shards: dense float32 (Llama 3 RoPE), stored fused projections
 /// (Phi-3), 4-bit with query, key and value biases (Qwen2), per-head query and key norms (Qwen3),
-/// experts (Qwen3-MoE, a dense first layer; gpt-oss: biases everywhere, attention sinks, sliding
-/// layers), Gated DeltaNet layers beside gated attention (Qwen3.5, dense and with experts and a
-/// shared expert); and those it refuses, each with its reason.
-const SHARDED: [&str; 8] = [
+/// NoPE layers (SmolLM3), YaRN with sliding layers (Ministral 3, and 4-bit under Mistral 3's
+/// multimodal layout), Gemma 3's sliding and global layers with their scaled embeddings, Gemma 4's
+/// layers reading another layer's cache and its per-layer inputs, experts
+/// (Qwen3-MoE, a dense first layer; gpt-oss: biases everywhere, attention sinks, sliding layers),
+/// Gated DeltaNet layers beside gated attention (Qwen3.5, dense and with experts and a shared
+/// expert); and those it refuses, each with its reason.
+const SHARDED: [&str; 13] = [
+    "gemma3_text",
+    "gemma4_text",
     "gpt_oss",
     "llama3-rope",
+    "ministral3",
+    "mistral3-4bit",
     "phi3",
     "qwen2-4bit",
     "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_moe",
+    "smollm3",
 ];
 const REFUSED: [(&str, &str); 3] = [
     ("olmo2", "norms over all heads"),
@@ -1134,34 +1142,48 @@ fn two_ranks_tensor_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
     two_ranks_divide("tensor_parallel", &SHARDED, &REFUSED, &SHARDED_BY_MLX_LM);
 }
 
-/// Cases split into two stages of layers: dense (Llama 3), quantized with norms over all heads
-/// (OLMo 2), stored fused projections (Phi-3), experts (Qwen3-MoE 4-bit; gpt-oss; Gemma 4's MLP
-/// beside experts), hybrids (Qwen3.5 dense and with experts); and Gemma 4 with layers reading
-/// another layer's cache, refused.
-const STAGED: [&str; 8] = [
+/// Cases split into two stages of layers: dense (Llama 3; Qwen2 4-bit; Qwen3; SmolLM3's NoPE
+/// layers), quantized with norms over all heads (OLMo 2), stored fused projections (Phi-3),
+/// sliding layers (Gemma 3; Ministral 3, and 4-bit under Mistral 3's layout), experts (Qwen3-MoE
+/// 4-bit; gpt-oss; Gemma 4's MLP beside experts), hybrids (Qwen3.5 dense and with experts); and
+/// Gemma 4 with layers reading another layer's cache, refused.
+const STAGED: [&str; 14] = [
+    "gemma3_text",
     "gemma4_text-moe-4bit",
     "gpt_oss",
     "llama3-rope",
+    "ministral3",
+    "mistral3-4bit",
     "olmo2-4bit",
     "phi3",
+    "qwen2-4bit",
+    "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_moe-4bit",
+    "smollm3",
 ];
 const NOT_STAGED: [(&str, &str); 1] = [("gemma4_text", "another layer's keys and values")];
 
 /// The cases mlx_lm 0.32.2 divides too (`shard`; `pipeline`): its sharded model's greedy ids are
 /// Perch's, its logits mlx_lm's whole model's.
-const SHARDED_BY_MLX_LM: [&str; 7] = [
+const SHARDED_BY_MLX_LM: [&str; 8] = [
     "gpt_oss",
     "llama3-rope",
+    "ministral3",
     "qwen2-4bit",
     "qwen3",
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_moe",
 ];
-const STAGED_BY_MLX_LM: [&str; 3] = ["qwen3_5", "qwen3_5_moe", "qwen3_moe-4bit"];
+const STAGED_BY_MLX_LM: [&str; 5] = [
+    "ministral3",
+    "qwen2-4bit",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_moe-4bit",
+];
 
 #[test]
 fn two_ranks_pipeline_parallel_compute_mlx_lm_s_logits_and_greedy_ids() {
