@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """An agent loop as a benchmark: a replay of a coding agent at work against `perch serve` and
-mlx_lm's server, one after the other in the same run, through the official OpenAI SDK.
+mlx_lm's server, one after the other in the same run, through the official OpenAI and Anthropic SDKs.
 
 Sub-agents share a long system prompt and the tools; each runs turns that append the model's
 answer and a tool result to its conversation (a file's contents, a command's output), as agent
@@ -12,13 +12,21 @@ token per turn (median over the sub-agents) and the total time.
 
     python scripts/bench_agent_loop.py --model DIR [--perch target/release/perch]
         [--python PY_WITH_MLX_LM] [--subagents 3] [--turns 6] [--max-tokens 32]
-        [--servers perch,mlx_lm] [--no-tools] [--json] [--start-delay SECONDS]
+        [--servers perch,perch-anthropic,mlx_lm] [--no-tools] [--json] [--start-delay SECONDS]
         [--server-log PREFIX]
 
-With `--json`, one JSON object a server, each as its replay ends.
+The replays (`--servers`, in the order given):
+- `perch`: `perch serve` through the `openai` SDK's chat completions, each sub-agent's requests
+  carrying its own `prompt_cache_key`;
+- `perch-anthropic`: `perch serve` through the `anthropic` SDK's Messages API, with Claude
+  Code's breakpoints: `cache_control` on the system prompt and on the last message's last block;
+- `mlx_lm`: `mlx_lm server` through the `openai` SDK (it has no Messages API and no cache keys).
 
-`--python` runs `python -m mlx_lm server` (default: this interpreter); both servers serve the
-model directory given (an MLX model: safetensors and config). Needs `openai` in this interpreter.
+With `--json`, one JSON object a replay, each as it ends.
+
+`--python` runs `python -m mlx_lm server` (default: this interpreter); every server serves the
+model directory given (an MLX model: safetensors and config). Needs `openai` (and `anthropic` for
+`perch-anthropic`) in this interpreter.
 """
 import argparse
 import json
@@ -91,7 +99,7 @@ def wait_ready(base, process, timeout=600):
 
 def start(server, args):
     port = free_port()
-    if server == "perch":
+    if server.startswith("perch"):
         command = [args.perch, "serve", "--model", args.model, "--port", str(port)]
     else:
         command = [args.python, "-m", "mlx_lm", "server", "--model", args.model, "--port", str(port)]
@@ -107,10 +115,14 @@ def start(server, args):
     return process, base
 
 
-def run_agent(client, model, system, agent, args, out):
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": f"Sub-agent {agent}: the build fails in crates/engine/src/"
-                                            f"part_{agent}.rs. Find out why and fix it."}]
+def task(agent):
+    return f"Sub-agent {agent}: the build fails in crates/engine/src/part_{agent}.rs. Find out why and fix it."
+
+
+def run_agent(client, model, system, agent, args, out, server):
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": task(agent)}]
+    # Perch keeps each sub-agent's prompt under its key (mlx_lm's server has no such field).
+    key = {"extra_body": {"prompt_cache_key": f"sub-agent-{agent}"}} if server == "perch" else {}
     for turn in range(args.turns):
         start = time.perf_counter()
         first = None
@@ -119,7 +131,7 @@ def run_agent(client, model, system, agent, args, out):
         tools = {} if args.no_tools else {"tools": TOOLS}
         stream = client.chat.completions.create(
             model=model, messages=messages, max_tokens=args.max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, **tools)
+            stream=True, stream_options={"include_usage": True}, **tools, **key)
         for chunk in stream:
             if chunk.choices and first is None:
                 first = time.perf_counter() - start
@@ -137,14 +149,63 @@ def run_agent(client, model, system, agent, args, out):
         messages.append({"role": "user", "content": tool_result(agent, turn)})
 
 
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+
+
+def run_anthropic_agent(client, model, system, agent, args, out):
+    """`run_agent` through the Messages API, with breakpoints where Claude Code puts them: on the
+    system prompt and on the last block of the conversation."""
+    ephemeral = {"type": "ephemeral"}
+    messages = [{"role": "user", "content": task(agent)}]
+    tools = {} if args.no_tools else {"tools": ANTHROPIC_TOOLS}
+    for turn in range(args.turns):
+        marked = messages[:-1] + [{"role": "user", "content": [
+            {"type": "text", "text": messages[-1]["content"], "cache_control": ephemeral}]}]
+        start = time.perf_counter()
+        first = None
+        text = []
+        usage = {}
+        stream = client.messages.create(
+            model=model, system=[{"type": "text", "text": system, "cache_control": ephemeral}],
+            messages=marked, max_tokens=args.max_tokens, stream=True, extra_body={"temperature": 0},
+            **tools)
+        for event in stream:
+            if event.type == "message_start":
+                u = event.message.usage
+                usage = {"input": u.input_tokens, "read": u.cache_read_input_tokens or 0,
+                         "created": u.cache_creation_input_tokens or 0}
+            elif event.type == "content_block_delta":
+                if first is None:
+                    first = time.perf_counter() - start
+                if event.delta.type == "text_delta":
+                    text.append(event.delta.text)
+            elif event.type == "message_delta":
+                usage["output"] = event.usage.output_tokens
+        # Anthropic's input_tokens leave out the tokens read from or written to the cache.
+        prompt = usage["input"] + usage["read"] + usage["created"]
+        out.append({"agent": agent, "turn": turn, "ttft_s": first, "total_s": time.perf_counter() - start,
+                    "prompt_tokens": prompt, "cached_tokens": usage["read"],
+                    "cache_creation_tokens": usage["created"], "completion_tokens": usage.get("output")})
+        # An assistant turn must not be empty in the Messages API.
+        messages.append({"role": "assistant", "content": "".join(text) or "(no text)"})
+        messages.append({"role": "user", "content": tool_result(agent, turn)})
+
+
 def replay(server, args):
     process, base = start(server, args)
     try:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="bench", max_retries=0, timeout=3600)
+        if server == "perch-anthropic":
+            import anthropic
+            client = anthropic.Anthropic(base_url=base, api_key="bench", max_retries=0, timeout=3600)
+            target, extra = run_anthropic_agent, ()
+        else:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="bench", max_retries=0, timeout=3600)
+            target, extra = run_agent, (server,)
         system = system_prompt(args.sections)
         turns = []
         began = time.perf_counter()
-        threads = [threading.Thread(target=run_agent, args=(client, args.model, system, k, args, turns))
+        threads = [threading.Thread(target=target, args=(client, args.model, system, k, args, turns, *extra))
                    for k in range(args.subagents)]
         for thread in threads:
             thread.start()
@@ -179,7 +240,8 @@ def main():
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--sections", type=int, default=12, help="system prompt length: sections of 5 rules")
-    parser.add_argument("--servers", default="perch,mlx_lm")
+    parser.add_argument("--servers", default="perch,perch-anthropic,mlx_lm",
+                        help="replays in order: perch (OpenAI SDK), perch-anthropic (Anthropic SDK), mlx_lm")
     parser.add_argument("--no-tools", action="store_true",
                         help="send no tool definitions (for a model whose chat template has none)")
     parser.add_argument("--json", action="store_true")
@@ -189,6 +251,9 @@ def main():
                         help="each server's output to PREFIX-perch.log, PREFIX-mlx_lm.log")
     args = parser.parse_args()
     args.model = os.path.abspath(args.model)
+    unknown = set(args.servers.split(",")) - {"perch", "perch-anthropic", "mlx_lm"}
+    if unknown:
+        parser.error(f"unknown servers: {', '.join(sorted(unknown))} (perch, perch-anthropic, mlx_lm)")
     if not args.json:
         tools = "no tools" if args.no_tools else f"{len(TOOLS)} tools"
         print(f"{args.subagents} sub-agents x {args.turns} turns, {args.max_tokens} tokens an answer, {tools}")

@@ -1747,25 +1747,26 @@ fn serve_divided_over_two_ranks() {
 /// A stand-in `ssh` in `dir/bin`: `ssh -o OPTION … HOST COMMAND` runs COMMAND on this machine
 /// and notes HOST in the returned file, a line a call. Returns a `PATH` that finds it first.
 fn stand_in_ssh(dir: &std::path::Path) -> (String, PathBuf) {
+    let logins = dir.join("logins.txt");
+    let script = format!(
+        "while [ \"$1\" = -o ]; do shift 2; done\necho \"$1\" >> '{}'\nshift\nexec sh -c \"$1\"\n",
+        logins.display()
+    );
+    (ssh_on_path(dir, &script), logins)
+}
+
+/// A `PATH` that first finds `dir/bin/ssh`, a shell script of `body`.
+fn ssh_on_path(dir: &std::path::Path, body: &str) -> String {
     let bin = dir.join("bin");
     std::fs::create_dir(&bin).unwrap();
-    let logins = dir.join("logins.txt");
     let ssh = bin.join("ssh");
-    std::fs::write(
-        &ssh,
-        format!(
-            "#!/bin/sh\nwhile [ \"$1\" = -o ]; do shift 2; done\necho \"$1\" >> '{}'\nshift\nexec sh -c \"$1\"\n",
-            logins.display()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&ssh, format!("#!/bin/sh\n{body}")).unwrap();
     std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let path = format!(
+    format!(
         "{}:{}",
         bin.display(),
         std::env::var("PATH").unwrap_or_default()
-    );
-    (path, logins)
+    )
 }
 
 /// A host that does not answer ends a launch within seconds, with an error that names it: the
@@ -1775,19 +1776,9 @@ fn stand_in_ssh(dir: &std::path::Path) -> (String, PathBuf) {
 #[test]
 fn an_unreachable_host_ends_the_launch_within_seconds() {
     let dir = tempfile::tempdir().unwrap();
-    let bin = dir.path().join("bin");
-    std::fs::create_dir(&bin).unwrap();
-    let ssh = bin.join("ssh");
-    std::fs::write(
-        &ssh,
-        "#!/bin/sh\nwait=600\nwhile [ \"$1\" = -o ]; do\n  case \"$2\" in ConnectTimeout=*) wait=${2#ConnectTimeout=} ;; esac\n  shift 2\ndone\nsleep \"$wait\"\necho \"ssh: connect to host $1 port 22: Connection timed out\" >&2\nexit 255\n",
-    )
-    .unwrap();
-    std::fs::set_permissions(&ssh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
+    let path = ssh_on_path(
+        dir.path(),
+        "wait=600\nwhile [ \"$1\" = -o ]; do\n  case \"$2\" in ConnectTimeout=*) wait=${2#ConnectTimeout=} ;; esac\n  shift 2\ndone\nsleep \"$wait\"\necho \"ssh: connect to host $1 port 22: Connection timed out\" >&2\nexit 255\n",
     );
     let start = std::time::Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_perch"))
