@@ -4,8 +4,10 @@ mlx_lm's server, one after the other in the same run, through the official OpenA
 
 Sub-agents share a long system prompt and the tools; each runs turns that append the model's
 answer and a tool result to its conversation (a file's contents, a command's output), as agent
-clients do, all sub-agents at once. Every request streams (`stream_options.include_usage`), so
-its time to first token is the first chunk's arrival. Reported per server: the prompt tokens
+clients do, all sub-agents at once. Every request streams, so its time to first token is the
+arrival of the first chunk with a choice (OpenAI; `stream_options.include_usage`) or of
+`message_start` (Anthropic), which Perch sends once the first token exists. Reported per replay:
+the prompt tokens
 served from the prefix cache (all requests, those after each sub-agent's first, and of the tokens
 each sub-agent's previous request held: what a prefix cache can give at most), the time to first
 token per turn (median over the sub-agents) and the total time.
@@ -172,22 +174,28 @@ def run_anthropic_agent(client, model, system, agent, args, out):
             **tools)
         for event in stream:
             if event.type == "message_start":
+                first = time.perf_counter() - start
                 u = event.message.usage
                 usage = {"input": u.input_tokens, "read": u.cache_read_input_tokens or 0,
                          "created": u.cache_creation_input_tokens or 0}
-            elif event.type == "content_block_delta":
-                if first is None:
-                    first = time.perf_counter() - start
-                if event.delta.type == "text_delta":
-                    text.append(event.delta.text)
+            elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+                text.append(event.delta.text)
             elif event.type == "message_delta":
-                usage["output"] = event.usage.output_tokens
+                # The final counts: the blocks a request's breakpoints keep are known only once
+                # its prompt is in the cache, after `message_start`.
+                u = event.usage
+                usage["output"] = u.output_tokens
+                for key, field in [("input", "input_tokens"), ("read", "cache_read_input_tokens"),
+                                   ("created", "cache_creation_input_tokens")]:
+                    if getattr(u, field, None) is not None:
+                        usage[key] = getattr(u, field)
         # Anthropic's input_tokens leave out the tokens read from or written to the cache.
         prompt = usage["input"] + usage["read"] + usage["created"]
         out.append({"agent": agent, "turn": turn, "ttft_s": first, "total_s": time.perf_counter() - start,
                     "prompt_tokens": prompt, "cached_tokens": usage["read"],
                     "cache_creation_tokens": usage["created"], "completion_tokens": usage.get("output")})
-        # An assistant turn must not be empty in the Messages API.
+        # An assistant turn must not be empty in the Messages API. (Both replays keep only the
+        # answer's text: with tools on, a call the model makes is not sent back.)
         messages.append({"role": "assistant", "content": "".join(text) or "(no text)"})
         messages.append({"role": "user", "content": tool_result(agent, turn)})
 
@@ -248,7 +256,7 @@ def main():
     parser.add_argument("--start-delay", type=float, default=0.0, metavar="SECONDS",
                         help="wait this long after a server answers before the replay starts")
     parser.add_argument("--server-log", metavar="PREFIX",
-                        help="each server's output to PREFIX-perch.log, PREFIX-mlx_lm.log")
+                        help="each replay's server output to PREFIX-REPLAY.log (PREFIX-perch.log, ...)")
     args = parser.parse_args()
     args.model = os.path.abspath(args.model)
     unknown = set(args.servers.split(",")) - {"perch", "perch-anthropic", "mlx_lm"}

@@ -226,10 +226,23 @@ fn machines(hosts: &[Host]) -> Vec<(&Host, usize)> {
     machines
 }
 
-/// How the launcher runs `ssh`: never asking for a password (a rank cannot answer), and giving
-/// up on a host that does not answer within 10 s (`ssh` exits with 255), so that an unreachable
-/// host ends a launch within seconds rather than after the system's TCP timeout.
-const SSH_OPTIONS: [&str; 4] = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"];
+/// How the launcher runs `ssh`: never asking for a password (a rank cannot answer), giving up on
+/// a host that does not answer within 10 s, and on a connection whose host stops answering for
+/// 15 s (three keep-alives 5 s apart), so that an unreachable or lost host ends a launch within
+/// seconds rather than after the system's TCP timeouts (`ssh` then exits with [`SSH_FAILED`]).
+const SSH_OPTIONS: [&str; 8] = [
+    "-o",
+    "BatchMode=yes",
+    "-o",
+    "ConnectTimeout=10",
+    "-o",
+    "ServerAliveInterval=5",
+    "-o",
+    "ServerAliveCountMax=3",
+];
+
+/// The status `ssh` exits with when it fails itself, rather than passing on its command's.
+const SSH_FAILED: i32 = 255;
 
 /// `host`'s RAM in bytes ([`group_memory`]).
 fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
@@ -695,11 +708,12 @@ pub fn launch(
                     let host = ranks[rank].1;
                     let (login, remote) = (host.login.clone(), !is_local(&host.address));
                     end(&mut ranks, relay);
-                    // `ssh`'s own failures (a host it cannot reach, a login refused) exit 255.
+                    // `ssh`'s own failures (a host it cannot reach, a login refused, a
+                    // connection lost) exit 255; Perch's ranks never do.
                     if remote && status.code() == Some(SSH_FAILED) {
                         bail!(
-                            "rank {rank}: {login} could not be reached over ssh, or the connection \
-                             was lost (ssh exited with status {SSH_FAILED}): the group stopped"
+                            "rank {rank}: ssh to {login} failed with status {SSH_FAILED} (the host \
+                             unreachable, the login refused or the connection lost): the group stopped"
                         );
                     }
                     bail!(
@@ -823,9 +837,6 @@ fn end(ranks: &mut [(Child, &Host)], relay: StderrRelay) {
     }
     relay.finish();
 }
-
-/// The status `ssh` exits with when it fails itself, rather than passing on its command's.
-const SSH_FAILED: i32 = 255;
 
 /// "exited with status 1", "was killed by signal 9".
 fn exited(status: ExitStatus) -> String {

@@ -1332,7 +1332,7 @@ fn weighted_sum(y: &Array, scores: &Array, keep_dtype: bool) -> Result<Array> {
 /// `hidden`, in `dtype`; Qwen-style experts affine 4-bit in groups of `group_size`, gpt-oss-style
 /// ones MXFP4 with biases.
 #[derive(Clone, Copy)]
-struct FoldCase {
+struct MoeCase {
     hidden: i32,
     experts: i32,
     top_k: i32,
@@ -1343,12 +1343,12 @@ struct FoldCase {
     style: MoeStyle,
 }
 
-impl FoldCase {
+impl MoeCase {
     const PATH: &'static str = "model.layers.0.mlp";
 
     /// A Qwen3.5-MoE-shaped block in bfloat16 (the device's checks): 1,024 features, 64
     /// experts of 256, 8 a token, a shared expert of 512, 4-bit g64.
-    const QWEN3_5_MOE: FoldCase = FoldCase {
+    const QWEN3_5_MOE: MoeCase = MoeCase {
         hidden: 1024,
         experts: 64,
         top_k: 8,
@@ -1361,7 +1361,7 @@ impl FoldCase {
 
     /// A gpt-oss-shaped block in bfloat16: 1,024 features, 32 experts of 512, 4 a token, MXFP4
     /// experts with biases, a router with a bias.
-    const GPT_OSS: FoldCase = FoldCase {
+    const GPT_OSS: MoeCase = MoeCase {
         hidden: 1024,
         experts: 32,
         top_k: 4,
@@ -1510,17 +1510,13 @@ impl FoldCase {
         }
     }
 
-    /// The largest difference of the folded block's output from the block's with the shared
-    /// expert apart, relative to the largest output, for `x` `[rows, tokens, hidden]`.
-    fn error(
-        &self,
-        folded: &SparseMoe,
-        apart: &SparseMoe,
-        (rows, tokens): (i32, i32),
-    ) -> Result<f32> {
+    /// The largest difference of block `got`'s output from block `want`'s (the same weights,
+    /// loaded or run another way: the shared expert folded or apart, the products grouped or
+    /// not), relative to the largest output, for a random `x` `[rows, tokens, hidden]`.
+    fn error(&self, got: &SparseMoe, want: &SparseMoe, (rows, tokens): (i32, i32)) -> Result<f32> {
         let x = self.random(&[rows, tokens, self.hidden], 10 + tokens as u64, 1.0)?;
-        let want = apart.forward(&x)?.as_dtype(mlx_rs::Dtype::Float32)?;
-        let got = folded.forward(&x)?.as_dtype(mlx_rs::Dtype::Float32)?;
+        let want = want.forward(&x)?.as_dtype(mlx_rs::Dtype::Float32)?;
+        let got = got.forward(&x)?.as_dtype(mlx_rs::Dtype::Float32)?;
         let largest =
             |a: &Array| -> Result<f32> { Ok(ops::max(&ops::abs(a)?, None)?.item_exact::<f32>()) };
         Ok(largest(&ops::subtract(&got, &want)?)? / largest(&want)?)
@@ -1537,13 +1533,13 @@ pub fn check_grouped() -> Result<Vec<String>> {
     let (rows, tokens) = (2, 200);
     let mut lines = Vec::new();
     for (name, case) in [
-        ("qwen3_5_moe", FoldCase::QWEN3_5_MOE),
-        ("gpt_oss", FoldCase::GPT_OSS),
+        ("qwen3_5_moe", MoeCase::QWEN3_5_MOE),
+        ("gpt_oss", MoeCase::GPT_OSS),
     ] {
         let block = case.load(4, false)?;
         let (grouped, ungrouped) = (
-            FoldCase::grouped(&block, true),
-            FoldCase::grouped(&block, false),
+            MoeCase::grouped(&block, true),
+            MoeCase::grouped(&block, false),
         );
         let indices = ops::zeros::<i32>(&[rows, tokens, case.top_k])?;
         if !grouped.switch_mlp.groups(&indices, case.dtype) {
@@ -1553,7 +1549,7 @@ pub fn check_grouped() -> Result<Vec<String>> {
         }
         let error = case.error(&grouped, &ungrouped, (rows, tokens))?;
         let line = format!("{name} block, grouped products, {rows} × {tokens} tokens");
-        lines.push(FoldCase::judged(line, error)?);
+        lines.push(MoeCase::judged(line, error)?);
     }
     Ok(lines)
 }
@@ -1564,7 +1560,7 @@ pub fn check_grouped() -> Result<Vec<String>> {
 /// pass (2 × 200 tokens, grouped products): one line per case, an error outside bfloat16's
 /// tolerance. CUDA only (`perch check-kernels experts`).
 pub fn check_shared_fold() -> Result<Vec<String>> {
-    let case = FoldCase::QWEN3_5_MOE;
+    let case = MoeCase::QWEN3_5_MOE;
     let (folded, apart) = (case.load(4, true)?, case.load(4, false)?);
     if !SwitchGlu::three_launches() {
         return Ok(vec![
@@ -1584,7 +1580,7 @@ pub fn check_shared_fold() -> Result<Vec<String>> {
         let name = format!(
             "qwen3_5_moe block, shared expert folded in 2 pieces, {rows} × {tokens} tokens"
         );
-        lines.push(FoldCase::judged(name, error)?);
+        lines.push(MoeCase::judged(name, error)?);
     }
     Ok(lines)
 }
@@ -1594,7 +1590,7 @@ mod tests {
     use super::*;
     use mlx_rs::Dtype;
 
-    const CASE: FoldCase = FoldCase {
+    const CASE: MoeCase = MoeCase {
         hidden: 64,
         experts: 8,
         top_k: 2,
@@ -1652,7 +1648,7 @@ mod tests {
     /// clamped SwiGLU) give the block's output through `gather_qmm`.
     #[test]
     fn grouped_mxfp4_products_give_the_experts_output() {
-        let case = FoldCase {
+        let case = MoeCase {
             hidden: 64,
             intermediate: 64,
             shared: 0,
@@ -1660,8 +1656,8 @@ mod tests {
             ..CASE
         };
         let block = case.load(4, false).unwrap();
-        let grouped = FoldCase::grouped(&block, true);
-        let apart = FoldCase::grouped(&block, false);
+        let grouped = MoeCase::grouped(&block, true);
+        let apart = MoeCase::grouped(&block, false);
         let pairs = ops::zeros::<i32>(&[2, 40, case.top_k]).unwrap();
         assert!(grouped.switch_mlp.groups(&pairs, case.dtype));
         let error = case.error(&grouped, &apart, (2, 40)).unwrap();
@@ -1676,8 +1672,8 @@ mod tests {
     fn grouped_products_give_the_experts_output() {
         for fold in [false, true] {
             let block = CASE.load(4, fold).unwrap();
-            let grouped = FoldCase::grouped(&block, true);
-            let apart = FoldCase::grouped(&block, false);
+            let grouped = MoeCase::grouped(&block, true);
+            let apart = MoeCase::grouped(&block, false);
             let k = block.top_k + block.folded_shared;
             let pairs = |rows, tokens| ops::zeros::<i32>(&[rows, tokens, k]).unwrap();
             let groups = |rows, tokens| grouped.switch_mlp.groups(&pairs(rows, tokens), CASE.dtype);
