@@ -11,7 +11,7 @@
 #   `bash scripts/device_moe.sh prof [MODEL]`: where the machine has Nsight Systems, the kernels of a run of 32
 #     prompts of 128 tokens and 2 generated (prefill passes) on MODEL (moe or oss; default oss), summed by kernel;
 #   `bash scripts/device_moe.sh hybrids`: random `qwen3_5` and `qwen3_5_moe` models, bench_gpu.py at CONC
-#     (default "1 8 32") against mlx_lm for each of MODELS (ARCH:DIR pairs, default both), LIMIT seconds each (280);
+#     (default "1 8 32") against mlx_lm for each of MODELS (ARCH:DIR pairs, default both), LIMIT seconds each (540: a fresh machine compiles its kernels in the first run; one model a call then);
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
@@ -45,7 +45,7 @@ hybrids)
     # Without its model bench_gpu.py would make a Llama there: stop instead.
     [ -f /tmp/models/$m/config.json ] || { echo "== no model made for $a"; continue; }
     echo "== bench_gpu $m, ${CONC:-1 8 32} concurrent"
-    $OD timeout ${LIMIT:-280} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency ${CONC:-1 8 32} \
+    $OD timeout ${LIMIT:-540} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency ${CONC:-1 8 32} \
       --model-dir /tmp/models/$m 2>&1 | grep -v '^\s*$' | grep '^|' | grep -v '^|--'
     date +%T
   done
