@@ -121,19 +121,32 @@ def task(agent):
     return f"Sub-agent {agent}: the build fails in crates/engine/src/part_{agent}.rs. Find out why and fix it."
 
 
-def run_agent(client, model, system, agent, args, out, server):
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": task(agent)}]
-    # Perch keeps each sub-agent's prompt under its key (mlx_lm's server has no such field).
-    key = {"extra_body": {"prompt_cache_key": f"sub-agent-{agent}"}} if server == "perch" else {}
+def run_agent(send, agent, args, out):
+    """One sub-agent's turns through `send` (`openai_turn` or `anthropic_turn`): each turn's
+    answer and a tool result join its conversation."""
+    messages = [{"role": "user", "content": task(agent)}]
     for turn in range(args.turns):
         start = time.perf_counter()
-        first = None
-        text = []
-        usage = None
-        tools = {} if args.no_tools else {"tools": TOOLS}
+        first, text, counts = send(messages, agent)
+        out.append({"agent": agent, "turn": turn, "ttft_s": first, "total_s": time.perf_counter() - start,
+                    **counts})
+        messages.append({"role": "assistant", "content": text})
+        messages.append({"role": "user", "content": tool_result(agent, turn)})
+
+
+def openai_turn(client, model, system, args, server):
+    """A turn through chat completions: (TTFT, the answer's text, the usage's counts)."""
+    tools = {} if args.no_tools else {"tools": TOOLS}
+
+    def send(messages, agent):
+        # Perch keeps each sub-agent's prompt under its key (mlx_lm's server has no such field).
+        key = {"extra_body": {"prompt_cache_key": f"sub-agent-{agent}"}} if server == "perch" else {}
+        start = time.perf_counter()
+        first, text, usage = None, [], None
         stream = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=args.max_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True}, **tools, **key)
+            model=model, messages=[{"role": "system", "content": system}, *messages],
+            max_tokens=args.max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, **tools, **key)
         for chunk in stream:
             if chunk.choices and first is None:
                 first = time.perf_counter() - start
@@ -143,31 +156,31 @@ def run_agent(client, model, system, agent, args, out, server):
             if chunk.usage is not None:
                 usage = chunk.usage
         details = getattr(usage, "prompt_tokens_details", None)
-        cached = getattr(details, "cached_tokens", None) or 0
-        out.append({"agent": agent, "turn": turn, "ttft_s": first, "total_s": time.perf_counter() - start,
-                    "prompt_tokens": usage.prompt_tokens if usage else None, "cached_tokens": cached,
-                    "completion_tokens": usage.completion_tokens if usage else None})
-        messages.append({"role": "assistant", "content": "".join(text)})
-        messages.append({"role": "user", "content": tool_result(agent, turn)})
+        return first, "".join(text), {
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "cached_tokens": getattr(details, "cached_tokens", None) or 0,
+            "completion_tokens": usage.completion_tokens if usage else None}
+    return send
 
 
 ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
                     "input_schema": t["function"]["parameters"]} for t in TOOLS]
 
 
-def run_anthropic_agent(client, model, system, agent, args, out):
-    """`run_agent` through the Messages API, with breakpoints where Claude Code puts them: on the
+def anthropic_turn(client, model, system, args):
+    """A turn through the Messages API, with breakpoints where Claude Code puts them: on the
     system prompt and on the last block of the conversation."""
     ephemeral = {"type": "ephemeral"}
-    messages = [{"role": "user", "content": task(agent)}]
     tools = {} if args.no_tools else {"tools": ANTHROPIC_TOOLS}
-    for turn in range(args.turns):
-        marked = messages[:-1] + [{"role": "user", "content": [
-            {"type": "text", "text": messages[-1]["content"], "cache_control": ephemeral}]}]
+
+    def send(messages, agent):
+        # An assistant turn must not be empty in the Messages API. (Both replays keep only the
+        # answer's text: with tools on, a call the model makes is not sent back.)
+        marked = [{**m, "content": m["content"] or "(no text)"} for m in messages[:-1]]
+        marked.append({"role": "user", "content": [
+            {"type": "text", "text": messages[-1]["content"], "cache_control": ephemeral}]})
         start = time.perf_counter()
-        first = None
-        text = []
-        usage = {}
+        first, text, usage = None, [], {}
         stream = client.messages.create(
             model=model, system=[{"type": "text", "text": system, "cache_control": ephemeral}],
             messages=marked, max_tokens=args.max_tokens, stream=True, extra_body={"temperature": 0},
@@ -190,30 +203,27 @@ def run_anthropic_agent(client, model, system, agent, args, out):
                     if getattr(u, field, None) is not None:
                         usage[key] = getattr(u, field)
         # Anthropic's input_tokens leave out the tokens read from or written to the cache.
-        prompt = usage["input"] + usage["read"] + usage["created"]
-        out.append({"agent": agent, "turn": turn, "ttft_s": first, "total_s": time.perf_counter() - start,
-                    "prompt_tokens": prompt, "cached_tokens": usage["read"],
-                    "cache_creation_tokens": usage["created"], "completion_tokens": usage.get("output")})
-        # An assistant turn must not be empty in the Messages API. (Both replays keep only the
-        # answer's text: with tools on, a call the model makes is not sent back.)
-        messages.append({"role": "assistant", "content": "".join(text) or "(no text)"})
-        messages.append({"role": "user", "content": tool_result(agent, turn)})
+        return first, "".join(text), {
+            "prompt_tokens": usage["input"] + usage["read"] + usage["created"],
+            "cached_tokens": usage["read"], "cache_creation_tokens": usage["created"],
+            "completion_tokens": usage.get("output")}
+    return send
 
 
 def replay(server, args):
     process, base = start(server, args)
     try:
+        system = system_prompt(args.sections)
         if server == "perch-anthropic":
             import anthropic
             client = anthropic.Anthropic(base_url=base, api_key="bench", max_retries=0, timeout=3600)
-            target, extra = run_anthropic_agent, ()
+            send = anthropic_turn(client, args.model, system, args)
         else:
             client = openai.OpenAI(base_url=base + "/v1", api_key="bench", max_retries=0, timeout=3600)
-            target, extra = run_agent, (server,)
-        system = system_prompt(args.sections)
+            send = openai_turn(client, args.model, system, args, server)
         turns = []
         began = time.perf_counter()
-        threads = [threading.Thread(target=target, args=(client, args.model, system, k, args, turns, *extra))
+        threads = [threading.Thread(target=run_agent, args=(send, k, args, turns))
                    for k in range(args.subagents)]
         for thread in threads:
             thread.start()

@@ -338,15 +338,7 @@ impl ClientHistory {
             );
             tally.last_misses.truncate(Self::MISSES_KEPT);
         }
-        if self.by_client.len() > Self::CAPACITY {
-            let oldest = self
-                .by_client
-                .iter()
-                .min_by_key(|(_, c)| c.seen)
-                .map(|(name, _)| name.clone())
-                .expect("not empty");
-            self.by_client.remove(&oldest);
-        }
+        forget_least_recent(&mut self.by_client, Self::CAPACITY, |c| c.seen);
     }
 
     /// The client's `request` ended holding `tokens` (its prompt and answer): they replace
@@ -401,14 +393,26 @@ impl ClientModels {
             .insert(client.to_owned(), (model.to_owned(), seen))
             .map(|(previous, _)| previous)
             .filter(|previous| previous != model);
-        if inner.by_client.len() > Self::CAPACITY {
-            let oldest = (inner.by_client.iter())
-                .min_by_key(|(_, (_, seen))| *seen)
-                .map(|(client, _)| client.clone())
-                .expect("not empty");
-            inner.by_client.remove(&oldest);
-        }
+        forget_least_recent(&mut inner.by_client, Self::CAPACITY, |(_, seen)| *seen);
         previous
+    }
+}
+
+/// Removes the entry of `clients` seen least recently (`seen`: its clock) while there are more
+/// than `capacity`.
+fn forget_least_recent<V>(
+    clients: &mut HashMap<String, V>,
+    capacity: usize,
+    seen: impl Fn(&V) -> u64,
+) {
+    while clients.len() > capacity {
+        let Some(oldest) = (clients.iter())
+            .min_by_key(|(_, v)| seen(v))
+            .map(|(client, _)| client.clone())
+        else {
+            return;
+        };
+        clients.remove(&oldest);
     }
 }
 

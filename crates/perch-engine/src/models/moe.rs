@@ -1456,17 +1456,13 @@ impl MoeCase {
             .enumerate()
         {
             let seed = 10 * (i as u64 + 1);
-            let half = |seed: u64| -> Result<Array> {
-                let words = [e, out, input / 8];
-                Ok(randint::<_, i32>(0, 1 << 16, &words, Some(&key(seed)?))?
-                    .as_dtype(mlx_rs::Dtype::Uint32)?)
-            };
-            let high = ops::multiply(&half(seed + 1)?, Array::from_slice(&[1u32 << 16], &[1]))?;
+            let words = [e, out, input / 8];
+            let packed = crate::nn::custom_kernel::random_words(&words, (seed, seed + 1))?;
             let groups = [e, out, input / 32];
             let scales = randint::<_, i32>(118, 123, &groups, Some(&key(seed + 2)?))?
                 .as_dtype(mlx_rs::Dtype::Uint8)?;
             let name = path(&format!("experts.{name}"));
-            weights.insert(&format!("{name}.weight"), ops::add(&half(seed)?, &high)?);
+            weights.insert(&format!("{name}.weight"), packed);
             weights.insert(&format!("{name}.scales"), scales);
             weights.insert(
                 &format!("{name}.bias"),

@@ -374,6 +374,17 @@ pub(crate) fn judged(
     Ok(line)
 }
 
+/// Random packed quantized words of `shape` (uint32, every bit pattern as likely), their low
+/// and high 16 bits drawn from the keys of `seeds` (the device checks' random weights).
+pub(crate) fn random_words(shape: &[i32], seeds: (u64, u64)) -> crate::Result<Array> {
+    use mlx_rs::random::{key, randint};
+    let half = |seed: u64| -> crate::Result<Array> {
+        Ok(randint::<_, i32>(0, 1 << 16, shape, Some(&key(seed)?))?.as_dtype(Dtype::Uint32)?)
+    };
+    let high = mlx_rs::ops::multiply(&half(seeds.1)?, Array::from_slice(&[1u32 << 16], &[1]))?;
+    Ok(mlx_rs::ops::add(&half(seeds.0)?, &high)?)
+}
+
 /// Zeros of `shape` and `dtype` (the kernels' unit tests of what they take).
 #[cfg(test)]
 pub(crate) fn zeros(shape: &[i32], dtype: Dtype) -> Array {

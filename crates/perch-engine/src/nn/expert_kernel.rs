@@ -1435,16 +1435,8 @@ impl Case {
         let e = spec.experts;
         let seed = (spec.tokens * 131 + input + rows) as u64;
         let k = |i: u64| key(seed * 8 + i);
-        let half = |i: u64| -> crate::Result<Array> {
-            Ok(
-                randint::<_, i32>(0, 1 << 16, &[e, rows, words], Some(&k(i)?))?
-                    .as_dtype(Dtype::Uint32)?,
-            )
-        };
-        let weight = ops::add(
-            &half(0)?,
-            &ops::multiply(&half(1)?, Array::from_slice(&[1u32 << 16], &[1]))?,
-        )?;
+        let weight =
+            crate::nn::custom_kernel::random_words(&[e, rows, words], (seed * 8, seed * 8 + 1))?;
         let (scales, biases) = match p.mode {
             QuantMode::Mxfp4 => (
                 randint::<_, i32>(120, 130, &[e, rows, groups], Some(&k(2)?))?
