@@ -3,7 +3,8 @@
 # makes .gpu/p1 and .gpu/p2, with `perch` built for release as .gpu/p2/perch.xz). Its parts, each one
 # device call of at most 600 s on the same warm machine:
 #   `bash scripts/device_moe.sh bench`: random `qwen3_moe` and `gpt_oss` models (make_random_model.py,
-#     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each;
+#     bfloat16), then `bench_gpu.py` at 32 concurrent against mlx_lm for each (BENCH picks them as NAME:LIMIT,
+#     default "moe:330 oss:200");
 #   `bash scripts/device_moe.sh probe`: the engine thread sampled at 32 rows on each model
 #     (scripts/probe_host.c as $G/probe_host.so), its stacks written to $OUT/probe-MODEL.txt.xz, and bench_op_launch.py;
 #   `bash scripts/device_moe.sh ab [VAR]`: `check-kernels` (every kernel; CHECK=NAME only NAME's, CHECK=0 none), then Perch alone on
@@ -66,7 +67,7 @@ probe)
   MLX_MAX_OPS_PER_BUFFER=30 $OD timeout 150 python3 scripts/bench_op_launch.py 2>&1 | tail -12
   ;;
 bench)
-  for m in moe:330 oss:200; do
+  for m in ${BENCH:-moe:330 oss:200}; do
     echo "== bench_gpu ${m%:*}, 32 concurrent"
     $OD timeout ${m#*:} python3 scripts/bench_gpu.py $P $G/tok --no-floor --concurrency 32 --model-dir /tmp/models/${m%:*} 2>&1 | grep -v '^\s*$' | tail -12
     date +%T
