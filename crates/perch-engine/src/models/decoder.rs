@@ -712,19 +712,14 @@ impl Attention {
     /// positions, fused projections, query and key norms per head or none, RoPE in the
     /// non-interleaved layout (with YaRN's or LongRoPE's attention factor, if any), no query
     /// scales or value norm. `None` elsewhere.
-    ///
-    /// With an input still to be added and normed ([`BlockInput::AddNorm`]), the add and norm
-    /// go into the projection's launch where [`Linear::add_norm_forward`] takes them; the sum is
-    /// returned first (`None` for an input normed already).
     #[allow(clippy::type_complexity)]
     fn decode_norm_rope(
         &self,
-        input: &BlockInput<'_>,
+        x: &Array,
         rope: Option<&Rope>,
         positions: &Positions,
         query_scales: Option<&Array>,
-    ) -> Result<Option<(Option<Array>, rope_kernel::NormRope)>> {
-        let x = input.like();
+    ) -> Result<Option<(Array, Array, Array, Option<Array>)>> {
         let (Qkv::Fused(proj), Some(rope), Positions::Rows { offsets, .. }) =
             (&self.qkv, rope, positions)
         else {
@@ -771,12 +766,12 @@ impl Attention {
         if !rope_kernel::takes((&shape, x.dtype()), heads, weights, offsets, &spec) {
             return Ok(None);
         }
-        let (sum, all) = input.project(proj)?;
+        let all = proj.forward(x)?;
         if !rope_kernel::computes(&all, heads, weights, offsets, &spec) {
             return Ok(None);
         }
         let out = rope_kernel::norm_rope(&all, heads, norms, offsets, &spec)?;
-        Ok(Some((sum, out)))
+        Ok(Some((out.queries, out.keys, out.values, out.gates)))
     }
 
     /// Rank `tp.rank()`'s part: its share of the query and key-value heads (the query, key and
@@ -852,23 +847,18 @@ impl Attention {
     /// (`[rows, 1, tokens, 1]`, [`QueryPositionScale`]) when given, then cache layer `layer` of
     /// `caches` takes the keys and values (none for a layer that reads another's) and decides
     /// how attention reads it ([`LayerCaches::attend`]).
-    ///
-    /// `input` is the block's input ([`BlockInput`]); the sum of the residual add comes back
-    /// beside the output when this made it.
     fn forward(
         &self,
-        input: BlockInput<'_>,
+        x: &Array,
         rope: Option<&Rope>,
         (positions, query_scales): (&Positions, Option<&Array>),
         caches: &mut LayerCaches<'_>,
         layer: usize,
-    ) -> Result<(Array, Option<Array>)> {
-        let decoded = self.decode_norm_rope(&input, rope, positions, query_scales)?;
-        let (sum, queries, kv, gate) = match decoded {
-            Some((sum, out)) => (sum, out.queries, Some((out.keys, out.values)), out.gates),
+    ) -> Result<Array> {
+        let (queries, kv, gate) = match self.decode_norm_rope(x, rope, positions, query_scales)? {
+            Some((queries, keys, values, gate)) => (queries, Some((keys, values)), gate),
             None => {
-                let (sum, x) = input.resolve()?;
-                let (queries, kv, gate) = self.project(&x)?;
+                let (queries, kv, gate) = self.project(x)?;
                 let at = |a: &Array| -> Result<Array> {
                     match rope {
                         Some(rope) => positions.rope(rope, a),
@@ -884,7 +874,7 @@ impl Attention {
                     Some((keys, values)) => Some((at(&keys)?, values)),
                     None => None,
                 };
-                (sum, queries, kv, gate)
+                (queries, kv, gate)
             }
         };
         let spec = AttentionSpec {
@@ -893,56 +883,7 @@ impl Attention {
             window: self.window,
         };
         let out = caches.attend(layer, &queries, kv, &spec)?;
-        Ok((self.output(&out, gate)?, sum))
-    }
-}
-
-/// What a block's mixer reads: its input normed already, or the residual stream `h` and the
-/// last block's output still to be added (`h + residual`) and normed, which a decode step's
-/// attention folds into its query/key/value product ([`Attention::decode_norm_rope`]).
-enum BlockInput<'a> {
-    Normed(Array),
-    AddNorm {
-        h: &'a Array,
-        residual: &'a Array,
-        norm: &'a RmsNorm,
-    },
-}
-
-impl BlockInput<'_> {
-    /// An array of the input's shape and dtype.
-    fn like(&self) -> &Array {
-        match self {
-            BlockInput::Normed(x) => x,
-            BlockInput::AddNorm { h, .. } => h,
-        }
-    }
-
-    /// (the residual add's sum when this makes it, the normed input).
-    fn resolve(self) -> Result<(Option<Array>, Array)> {
-        match self {
-            BlockInput::Normed(x) => Ok((None, x)),
-            BlockInput::AddNorm { h, residual, norm } => {
-                let (sum, normed) = norm.add_forward(h, residual)?;
-                Ok((Some(sum), normed))
-            }
-        }
-    }
-
-    /// `proj`'s product of the normed input, with the sum as [`BlockInput::resolve`]'s: one
-    /// launch for the add, the norm and the product where [`Linear::add_norm_forward`] takes
-    /// them.
-    fn project(&self, proj: &Linear) -> Result<(Option<Array>, Array)> {
-        match self {
-            BlockInput::Normed(x) => Ok((None, proj.forward(x)?)),
-            BlockInput::AddNorm { h, residual, norm } => {
-                if let Some((sum, y)) = proj.add_norm_forward((h, residual), norm)? {
-                    return Ok((Some(sum), y));
-                }
-                let (sum, normed) = norm.add_forward(h, residual)?;
-                Ok((Some(sum), proj.forward(&normed)?))
-            }
-        }
+        self.output(&out, gate)
     }
 }
 
@@ -1533,7 +1474,7 @@ impl Decoder {
         &self,
         ids: &Array,
         spliced: Option<&Spliced>,
-        mut mix: impl FnMut(&Block, BlockInput<'_>, Option<&Rope>) -> Result<(Array, Option<Array>)>,
+        mut mix: impl FnMut(&Block, &Array, Option<&Rope>) -> Result<Array>,
     ) -> Result<Array> {
         let mut h = self.embed_tokens.forward(ids)?;
         let features = spliced.and_then(|s| s.features.as_ref());
@@ -1591,25 +1532,20 @@ impl Decoder {
                 (Some(local), true) => Some(local),
                 _ => Some(&self.rope),
             };
-            let last = pending.take();
-            let input = match (&layer.input_layernorm, &last) {
-                (Some(norm), Some(r)) => BlockInput::AddNorm {
-                    h: &h,
-                    residual: r,
-                    norm,
-                },
-                (Some(norm), None) => BlockInput::Normed(norm.forward(&h)?),
-                (None, Some(r)) => {
-                    h = ops::add(&h, r)?;
-                    BlockInput::Normed(h.clone())
+            let x = match (&layer.input_layernorm, pending.take()) {
+                (Some(norm), Some(r)) => {
+                    let (sum, normed) = norm.add_forward(&h, &r)?;
+                    h = sum;
+                    normed
                 }
-                (None, None) => BlockInput::Normed(h.clone()),
+                (Some(norm), None) => norm.forward(&h)?,
+                (None, Some(r)) => {
+                    h = ops::add(&h, &r)?;
+                    h.clone()
+                }
+                (None, None) => h.clone(),
             };
-            let (out, sum) = mix(layer, input, rope)?;
-            if let Some(sum) = sum {
-                h = sum;
-            }
-            let r = self.ranks_sum(out)?;
+            let r = self.ranks_sum(mix(layer, &x, rope)?)?;
             h = match &layer.sandwich {
                 None => {
                     let norm = &layer.post_attention_layernorm;
@@ -1773,19 +1709,16 @@ impl Model for Decoder {
         // The last part dispatched: waited for once the next one is dispatched, so the device
         // always has a part to run while the host builds the next.
         let mut dispatched: Option<Array> = None;
-        let h = self.run(ids, spliced, |layer, input, rope| {
-            let (out, sum) = match &layer.mixer {
+        let h = self.run(ids, spliced, |layer, x, rope| {
+            let out = match &layer.mixer {
                 Mixer::Attention(attn) => attn.forward(
-                    input,
+                    x,
                     rope,
                     (&positions, query_scales.as_ref()),
                     caches,
                     layer.cache,
                 )?,
-                Mixer::Linear(net) => {
-                    let (sum, x) = input.resolve()?;
-                    (net.forward(&x, caches, layer.cache)?, sum)
-                }
+                Mixer::Linear(net) => net.forward(x, caches, layer.cache)?,
             };
             if in_parts && (layer.cache + 1) % PREFILL_EVAL_LAYERS == 0 {
                 if dispatched.is_none() {
@@ -1799,7 +1732,7 @@ impl Model for Decoder {
                     mlx_rs::transforms::eval([&previous])?;
                 }
             }
-            Ok((out, sum))
+            Ok(out)
         })?;
         match output {
             // A stage's caches do not depend on its send (the first stages') or the gather, so

@@ -449,33 +449,6 @@ impl DenseWeight {
     }
 }
 
-impl DenseWeight {
-    /// [`crate::nn::gemm_kernel::add_norm_matmul`] of `x + residual` normed by `norm` and this
-    /// weight: (`sum`, `y`), where that kernel is on and takes them; `None` elsewhere.
-    fn add_norm_forward(
-        &self,
-        (x, residual): (&Array, &Array),
-        norm: &RmsNorm,
-        bias: Option<&Array>,
-    ) -> Result<Option<(Array, Array)>> {
-        use crate::nn::gemm_kernel;
-        let Some(norm_weight) = norm.weight() else {
-            return Ok(None);
-        };
-        if !gemm_kernel::takes_add_norm(x, residual, norm_weight, &self.weight, bias)
-            || !gemm_kernel::add_norm_enabled()
-        {
-            return Ok(None);
-        }
-        Ok(Some(gemm_kernel::add_norm_matmul(
-            (x, residual),
-            (norm_weight, norm.eps()),
-            &self.weight,
-            bias,
-        )?))
-    }
-}
-
 /// How a linear layer is divided over the ranks of a tensor-parallel group (Shoeybi et al. 2019,
 /// "Megatron-LM": column- and row-parallel layers; mlx_lm's `shard_linear` calls them
 /// "all-to-sharded" and "sharded-to-all"). Rank `r` of `n` holds the `r`th of `n` equal,
@@ -852,22 +825,6 @@ impl Linear {
         match self {
             Linear::Dense { weight, bias } => Some((weight.weight(), bias.as_ref())),
             Linear::Quantized { .. } => None,
-        }
-    }
-
-    /// `x + residual` (`sum`) and this layer's product of `norm(sum)`, in one launch where the
-    /// layer is dense and [`crate::nn::gemm_kernel::add_norm_matmul`] takes it (a decode step's
-    /// few rows on CUDA); `None` elsewhere (the caller adds, norms and multiplies).
-    pub fn add_norm_forward(
-        &self,
-        (x, residual): (&Array, &Array),
-        norm: &RmsNorm,
-    ) -> Result<Option<(Array, Array)>> {
-        match self {
-            Linear::Dense { weight, bias } => {
-                weight.add_norm_forward((x, residual), norm, bias.as_ref())
-            }
-            Linear::Quantized { .. } => Ok(None),
         }
     }
 
