@@ -14,6 +14,9 @@
 #   `bash scripts/device_moe.sh hybrids`: random `qwen3_5` and `qwen3_5_moe` models, bench_gpu.py at CONC
 #     (default "1 8 32") against mlx_lm for each of MODELS (ARCH:DIR pairs, default both), LIMIT seconds each (540: a fresh machine compiles its kernels in the first run; one model a call then);
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
+#   `bash scripts/device_moe.sh agents`: the random `qwen3_5`: a chat behind a 16,000-token background prompt
+#     (priority lanes), then a copy with its first 4 layers as a draft (make_draft_pair.py --scale 0) at 8 and
+#     32 rows without and with the draft, alternating, ROUNDS rounds (default 2);
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
 #     (PERCH_DECODE_GRAPH_DIR, counted by operation), `perch check-kernels experts`, and where the
@@ -36,7 +39,7 @@ date +%T
 bench() { $OD timeout "$2" $P bench --model /tmp/models/$1 --concurrency 32 --prompt-tokens 128 --gen-tokens 256 --json 2>/dev/null \
   | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms (building %.2f, waiting %.2f)  TTFT p95 %.0f ms" % (r["generation_tps"], r["engine_decode_step_ms"], r["engine_decode_build_ms"], r["engine_decode_wait_ms"], r["ttft_ms_p95"]))'; }
 mkmodel() { [ -f /tmp/models/${1#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${1%:*} /tmp/models/${1#*:} $G/tok bfloat16 | tail -1; }
-case "${1:-bench}" in hybrids|llama) ;; *) mkmodel qwen3_moe:moe; mkmodel gpt_oss:oss ;; esac
+case "${1:-bench}" in hybrids|llama|agents) ;; *) mkmodel qwen3_moe:moe; mkmodel gpt_oss:oss ;; esac
 case "${1:-bench}" in
 hybrids)
   # The Qwen3.5 shapes of issue 39's table (dense and MoE), bench_gpu.py at CONC (default 1 8 32) against
@@ -84,6 +87,27 @@ ab)
   fi
   for m in moe oss; do
     for on in 0 1; do echo "== $m, $var=$on"; export "$var=$on"; bench $m 120; done; unset "$var"
+    date +%T
+  done
+  ;;
+agents)
+  # Issue 43's GPU rows: priority lanes on the hybrid, and a draft model in its batch.
+  mkmodel qwen3_5:q35
+  echo "== priority lanes, qwen3_5, a 16,000-token background prompt"
+  $OD timeout 240 $P bench --model /tmp/models/q35 --background-prompt-tokens 16000 --prompt-tokens 128 \
+    --gen-tokens 8 --runs 5 2>&1 | grep -v '^\s*$' | tail -3
+  date +%T
+  # make_draft_pair.py scales the model's later layers in place: on a copy.
+  [ -f /tmp/models/q35d/config.json ] || { cp -r /tmp/models/q35 /tmp/models/q35s
+    $OD python3 scripts/make_draft_pair.py /tmp/models/q35s /tmp/models/q35d --draft-layers 4 --scale 0 | tail -1; }
+  for n in 8 32; do
+    for round in $(seq ${ROUNDS:-2}); do
+      for d in "" /tmp/models/q35d; do
+        echo "== qwen3_5 at $n rows, $([ -n "$d" ] && echo with || echo without) the draft (round $round)"
+        $OD timeout 120 $P bench --model /tmp/models/q35s --concurrency $n --prompt-tokens 128 --gen-tokens 256 \
+          --json ${d:+--draft-model $d} 2>/dev/null | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms  accepted %s" % (r["generation_tps"], r["engine_decode_step_ms"], r.get("acceptance_rate")))'
+      done
+    done
     date +%T
   done
   ;;
