@@ -244,6 +244,7 @@ fn rank() {
         };
         let run = match variant {
             "_dies" => Run::Dies,
+            "_stalls" => Run::Stalls,
             "_speculative" | "_pipeline_speculative" => Run::Speculative,
             _ => Run::Plain,
         };
@@ -534,6 +535,9 @@ fn collected(streams: Vec<RequestStream>) -> Vec<serde_json::Value> {
 #[derive(Clone, Copy, PartialEq)]
 enum Run {
     Plain,
+    /// Rank 0 idles for twice the group's stall limit, then decodes long requests until a
+    /// rank is paused from outside (`a_rank_that_stops_answering_ends_the_group…`).
+    Stalls,
     /// Rank 1 dies mid-request.
     Dies,
     /// With a draft model and prompt lookup.
@@ -547,6 +551,7 @@ enum Run {
 /// rank 0's requests end with an error, and a request after them is refused.
 fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Value {
     let (dies, speculative) = (run == Run::Dies, run == Run::Speculative);
+    let stalls = run == Run::Stalls;
     let rank = division.rank();
     let mut cases: Vec<PathBuf> = std::fs::read_dir(models)
         .unwrap()
@@ -565,7 +570,7 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
         },
         // Compiled steps run faster than uncompiled ones: the dying rank's requests would
         // finish (at the pool's length bound) before it dies.
-        compile_decode: !dies,
+        compile_decode: !dies && !stalls,
         // The model, whole, drafting for itself; prompt lookup (choosing between verify and
         // plain steps by their times) for the greedy rows it does not draft for.
         draft_model: speculative.then(|| dir.to_path_buf()),
@@ -617,7 +622,15 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
             ))
         })
         .unwrap();
-        if dies {
+        if stalls {
+            // Idle first: the other rank must not count the group stalled meanwhile.
+            let limit: f64 = std::env::var(perch_engine::engine::STALL_LIMIT_ENV)
+                .unwrap()
+                .parse()
+                .unwrap();
+            std::thread::sleep(Duration::from_secs_f64(2.0 * limit));
+        }
+        if dies || stalls {
             let start = Instant::now();
             let streams: Vec<RequestStream> = (0..3)
                 .map(|i| {
@@ -1609,6 +1622,83 @@ fn a_rank_that_dies_under_the_batch_engine_ends_its_requests() {
         .as_str()
         .unwrap_or_else(|| panic!("{case}"));
     assert!(after.contains("stopped working together"), "{after}");
+}
+
+/// A rank that stops answering while the batch decodes (paused with SIGSTOP: alive, its
+/// sockets open, so MLX's collectives never fail) ends the group within the stall limit
+/// (`PERCH_GROUP_STALL_SECS`, 2 s here): the rank still running says why on its standard error
+/// and exits with the watchdog's status, never a hang; paused rank 1 ends rank 0, paused rank
+/// 0 ends rank 1. Before its requests rank 0 idles for twice the limit, which the other rank
+/// must not count as a stall (rank 0's calls while idle).
+#[test]
+fn a_rank_that_stops_answering_ends_the_group_within_its_stall_limit() {
+    use perch_engine::engine::{STALLED_EXIT_CODE, STALL_LIMIT_ENV};
+    let signal = |child: &Child, name: &str| {
+        let sent = Command::new("kill")
+            .args([name, &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(sent.success(), "kill {name}");
+    };
+    for paused in [1, 0] {
+        let dir = tempfile::tempdir().unwrap();
+        let models = tiny_models(dir.path(), "llama3-rope");
+        let hosts = hostfile(dir.path(), 2);
+        let env = [
+            (MODELS_ENV, models.as_path()),
+            (STALL_LIMIT_ENV, Path::new("2")),
+        ];
+        let mut ranks = [0, 1].map(|r| spawn_rank_with(r, &hosts, "engine_stalls", &env));
+        let marker = decoding_marker(&models.join("llama3-rope"));
+        let start = Instant::now();
+        while !marker.exists() {
+            for (r, rank) in ranks.iter_mut().enumerate() {
+                if let Some(status) = rank.try_wait().unwrap() {
+                    panic!("paused {paused}: rank {r} {status} before rank 0 decoded");
+                }
+            }
+            assert!(start.elapsed() < Duration::from_secs(120), "no decoding");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        signal(&ranks[paused], "-STOP");
+        let stopped_at = Instant::now();
+        let other = &mut ranks[1 - paused];
+        let status = loop {
+            if let Some(status) = other.try_wait().unwrap() {
+                break status;
+            }
+            if stopped_at.elapsed() > Duration::from_secs(60) {
+                let _ = other.kill();
+                signal(&ranks[paused], "-KILL");
+                panic!("paused {paused}: the other rank still ran after 60 s: a hang");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let seconds = stopped_at.elapsed().as_secs_f32();
+        let mut err = String::new();
+        other
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        signal(&ranks[paused], "-KILL");
+        ranks[paused].wait().unwrap();
+        assert_eq!(
+            status.code(),
+            Some(STALLED_EXIT_CODE),
+            "paused {paused}: {err}"
+        );
+        let rank = 1 - paused;
+        assert!(
+            err.contains(&format!(
+                "rank {rank}: the ranks dividing the model made no progress"
+            )),
+            "paused {paused}: {err}"
+        );
+        // The limit, its polling and a step in flight, with room for a busy machine.
+        assert!(seconds < 20.0, "paused {paused}: {seconds} s");
+    }
 }
 
 /// Loading one stage of two (`models::load_divided`) reads and keeps only that stage's layers:

@@ -841,6 +841,11 @@ impl<'m> BatchGenerator<'m> {
         Some(self.lockstep.as_ref()?.stopped()?.to_owned())
     }
 
+    /// Rank 0, idle: tells the other ranks it is still there ([`BatchCall::Alive`]).
+    pub(crate) fn tell_ranks_alive(&mut self) -> Result<()> {
+        self.lead(BatchCall::Alive)
+    }
+
     /// Rank 0: the other ranks stop following (its engine is stopping).
     pub(crate) fn stop_followers(&mut self) {
         let _ = self.lead(BatchCall::Stop);

@@ -707,6 +707,20 @@ impl Pass<'_> {
                         }
                     }
                     if batch.idle_warm_ups_left() == 0 {
+                        // An idle rank 0 still calls the other ranks now and then: their
+                        // watchdogs end a group that makes no call (`lockstep::Watchdog`).
+                        if batch.leads_ranks() && batch.group_stopped().is_none() {
+                            let every = super::batch::lockstep::alive_interval();
+                            match queue.inbox.recv_timeout(every) {
+                                Ok(command) => break Some(command),
+                                Err(mpsc::RecvTimeoutError::Timeout) => {
+                                    // A failure stops the group (requests meet it then).
+                                    let _ = batch.tell_ranks_alive();
+                                    continue;
+                                }
+                                Err(mpsc::RecvTimeoutError::Disconnected) => break None,
+                            }
+                        }
                         match left {
                             None => break queue.inbox.recv().ok(),
                             Some(left) => match queue.inbox.recv_timeout(left) {

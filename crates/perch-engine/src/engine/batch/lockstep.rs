@@ -98,6 +98,9 @@ pub(crate) enum BatchCall {
     /// Nothing to make: its gather brings every rank's memory read just now, for a waiting
     /// request about to be judged ([`BatchGenerator::refresh_rank_memory`]).
     ReadMemory,
+    /// Nothing to make: rank 0 is idle, and tells the other ranks it is still there (their
+    /// [`Watchdog`]s count the group stalled after [`stall_limit`] without a call).
+    Alive,
     /// Rank 0's engine stops: the others return.
     Stop,
 }
@@ -275,6 +278,96 @@ fn least_of(memory: &[Option<RankMemory>]) -> Option<RankMemory> {
     })
 }
 
+/// The environment variable setting [`stall_limit`] in seconds.
+pub const STALL_LIMIT_ENV: &str = "PERCH_GROUP_STALL_SECS";
+
+/// How long a rank waits for the group's next call before it counts the group stalled
+/// ([`Watchdog`]): `PERCH_GROUP_STALL_SECS` when it is a positive number of seconds, else 120 s,
+/// more than a long prompt pass of a large model takes between two calls.
+pub(crate) fn stall_limit() -> Duration {
+    std::env::var(STALL_LIMIT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map_or(Duration::from_secs(120), Duration::from_secs_f64)
+}
+
+/// How often an idle rank 0 tells the other ranks it is there ([`BatchCall::Alive`]): a
+/// quarter of [`stall_limit`], at most 10 s.
+pub(crate) fn alive_interval() -> Duration {
+    (stall_limit() / 4).min(Duration::from_secs(10))
+}
+
+/// The exit status of a rank ended by its [`Watchdog`].
+pub const STALLED_EXIT_CODE: i32 = 75;
+
+/// Ends this rank's process when its group makes no call for [`stall_limit`]: MLX's
+/// collectives never time out, so a rank that is alive but stuck (paused, spinning, its host
+/// frozen) would leave the others blocked in a collective for ever. Every call exchanged counts
+/// as progress ([`Lockstep::lead`], [`Lockstep::receive`]), and an idle rank 0 still calls
+/// every [`alive_interval`]; past the limit the rank says why on its standard error and exits
+/// with [`STALLED_EXIT_CODE`], which ends the collectives of the ranks still answering (they
+/// lose their peer) and the launch (`perch serve --hosts` stops the group when a rank exits).
+/// A group stopped by an error ([`Lockstep::stop`]) is no longer watched.
+struct Watchdog {
+    epoch: Instant,
+    /// Milliseconds since `epoch` at the last progress; `u64::MAX` once disarmed.
+    last: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Watchdog {
+    fn start(rank: usize, limit: Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        let epoch = Instant::now();
+        let last = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let watched = std::sync::Arc::downgrade(&last);
+        let poll = (limit / 8).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let spawned = std::thread::Builder::new()
+            .name("perch-group-watchdog".into())
+            .spawn(move || loop {
+                std::thread::sleep(poll);
+                // The rank's calls ended (its lockstep dropped): nothing to watch.
+                let Some(last) = watched.upgrade() else {
+                    return;
+                };
+                let at = last.load(Ordering::Relaxed);
+                if at == u64::MAX {
+                    return;
+                }
+                let idle = epoch.elapsed().saturating_sub(Duration::from_millis(at));
+                if idle > limit {
+                    eprintln!(
+                        "perch: rank {rank}: the ranks dividing the model made no progress for \
+                         {:.0} s (a rank stopped answering: paused, stuck or its host frozen); \
+                         ending this rank so that the others stop too (the limit: \
+                         {STALL_LIMIT_ENV}, {:.0} s)",
+                        idle.as_secs_f64(),
+                        limit.as_secs_f64()
+                    );
+                    std::process::exit(STALLED_EXIT_CODE);
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("perch: rank {rank}: no watchdog for the group ({e})");
+        }
+        Self { epoch, last }
+    }
+
+    fn progressed(&self) {
+        let now = self.epoch.elapsed().as_millis().min(u64::MAX as u128 - 1) as u64;
+        let _ = self.last.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |at| (at != u64::MAX).then_some(now),
+        );
+    }
+
+    fn disarm(&self) {
+        self.last
+            .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
 /// One rank's end of the calls: its group, when its calls' times count from, and whether the
 /// group already failed.
 pub(crate) struct Lockstep<'g> {
@@ -287,6 +380,7 @@ pub(crate) struct Lockstep<'g> {
     /// Rank 0: the other ranks' memory as their last call's gather carried it (by rank; none
     /// for rank 0 itself, and for a rank that reads none).
     memory: Vec<Option<RankMemory>>,
+    watchdog: Watchdog,
 }
 
 impl<'g> Lockstep<'g> {
@@ -297,6 +391,7 @@ impl<'g> Lockstep<'g> {
             calls: 0,
             stopped: None,
             memory: Vec::new(),
+            watchdog: Watchdog::start(group.rank(), stall_limit()),
         }
     }
 
@@ -342,7 +437,10 @@ impl<'g> Lockstep<'g> {
                 self.compare(&words, fresh)
             });
         match exchanged {
-            Ok(()) => Ok(at),
+            Ok(()) => {
+                self.watchdog.progressed();
+                Ok(at)
+            }
             Err(e) => Err(self.stop(&e)),
         }
     }
@@ -355,6 +453,8 @@ impl<'g> Lockstep<'g> {
     /// Marks the group stopped by `error` (no call goes out after it); returns the error every
     /// later call gets.
     pub(crate) fn stop(&mut self, error: &EngineError) -> EngineError {
+        // A stopped group makes no more calls, and none is awaited: nothing left to watch.
+        self.watchdog.disarm();
         let why = self.stopped.get_or_insert_with(|| {
             format!("the ranks dividing the model stopped working together ({error}); restart them")
         });
@@ -376,6 +476,7 @@ impl<'g> Lockstep<'g> {
             EngineError::Distributed(format!("rank 0 sent a call this rank cannot read: {e}"))
         })?;
         self.compare(&words, matches!(received.call, BatchCall::Fresh { .. }))?;
+        self.watchdog.progressed();
         Ok((
             received.call,
             self.epoch + Duration::from_micros(received.at_us),
@@ -799,7 +900,7 @@ fn apply(batch: &mut BatchGenerator<'_>, call: BatchCall) -> Result<()> {
         BatchCall::MemoryHeadroom(headroom) => batch.set_memory_headroom(headroom),
         BatchCall::MemoryCapacity(capacity) => batch.set_memory_capacity(capacity),
         BatchCall::ResetPrefixCache => batch.reset_prefix_cache(),
-        BatchCall::ReadMemory => {}
+        BatchCall::ReadMemory | BatchCall::Alive => {}
         BatchCall::Fresh { .. } | BatchCall::Stop => unreachable!("handled by `follow`"),
     }
     Ok(())
