@@ -11,16 +11,104 @@
 //! Faults end in errors, not hangs, where MLX allows it: a peer that never connects is an error
 //! after [`init`]'s deadline (MLX's ring backend waits for it without a timeout), and a peer that
 //! dies makes the next collective fail (MLX: "connection to a peer was lost"). A peer that is
-//! alive but stuck still blocks a collective; callers that must not wait forever evaluate
-//! collectives under their own watchdog.
+//! alive but stuck still blocks a collective: the batch engine and [`crate::generate`] over
+//! ranks run under a [`Watchdog`], which ends the process when the group makes no progress.
 
 use std::ffi::CString;
 use std::sync::{mpsc, Arc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use mlx_rs::{Array, Dtype, Stream};
 
 use crate::error::{EngineError, Result};
+
+/// The environment variable setting [`stall_limit`] in seconds.
+pub const STALL_LIMIT_ENV: &str = "PERCH_GROUP_STALL_SECS";
+
+/// How long a rank waits for the group's next call before it counts the group stalled
+/// ([`Watchdog`]): `PERCH_GROUP_STALL_SECS` when it is a positive number of seconds, else 120 s,
+/// more than a long prompt pass of a large model takes between two calls.
+pub fn stall_limit() -> Duration {
+    std::env::var(STALL_LIMIT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map_or(Duration::from_secs(120), Duration::from_secs_f64)
+}
+
+/// The exit status of a rank ended by its [`Watchdog`].
+pub const STALLED_EXIT_CODE: i32 = 75;
+
+/// Ends this rank's process when its group makes no progress for [`stall_limit`]: MLX's
+/// collectives never time out, so a rank that is alive but stuck (paused, spinning, its host
+/// frozen) would leave the others blocked in a collective for ever. The batch engine counts
+/// every call exchanged between the ranks as progress (`engine::batch::lockstep`, where an
+/// idle rank 0 still calls the others now and then), [`crate::generate`] every token and
+/// prompt chunk. Past the limit the rank says why on its standard error and exits with
+/// [`STALLED_EXIT_CODE`], which ends the collectives of the ranks still answering (they lose
+/// their peer) and the launch (`perch serve --hosts` stops the group when a rank exits).
+pub struct Watchdog {
+    epoch: Instant,
+    /// Milliseconds since `epoch` at the last progress; `u64::MAX` once disarmed.
+    last: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Watchdog {
+    /// Watches from now: the process ends once [`Watchdog::progressed`] goes uncalled for
+    /// `limit`; dropping it ends the watch.
+    pub fn start(rank: usize, limit: Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        let epoch = Instant::now();
+        let last = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let watched = std::sync::Arc::downgrade(&last);
+        let poll = (limit / 8).clamp(Duration::from_millis(50), Duration::from_secs(1));
+        let spawned = std::thread::Builder::new()
+            .name("perch-group-watchdog".into())
+            .spawn(move || loop {
+                std::thread::sleep(poll);
+                // The rank's calls ended (its lockstep dropped): nothing to watch.
+                let Some(last) = watched.upgrade() else {
+                    return;
+                };
+                let at = last.load(Ordering::Relaxed);
+                if at == u64::MAX {
+                    return;
+                }
+                let idle = epoch.elapsed().saturating_sub(Duration::from_millis(at));
+                if idle > limit {
+                    eprintln!(
+                        "perch: rank {rank}: the ranks dividing the model made no progress for \
+                         {:.0} s (a rank stopped answering: paused, stuck or its host frozen); \
+                         ending this rank so that the others stop too (the limit: \
+                         {STALL_LIMIT_ENV}, {:.0} s)",
+                        idle.as_secs_f64(),
+                        limit.as_secs_f64()
+                    );
+                    std::process::exit(STALLED_EXIT_CODE);
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("perch: rank {rank}: no watchdog for the group ({e})");
+        }
+        Self { epoch, last }
+    }
+
+    /// The group made progress (a call exchanged, a token computed).
+    pub fn progressed(&self) {
+        let now = self.epoch.elapsed().as_millis().min(u64::MAX as u128 - 1) as u64;
+        let _ = self.last.fetch_update(
+            std::sync::atomic::Ordering::Relaxed,
+            std::sync::atomic::Ordering::Relaxed,
+            |at| (at != u64::MAX).then_some(now),
+        );
+    }
+
+    /// No more watching (a group stopped by an error, which nothing waits on).
+    pub fn disarm(&self) {
+        self.last
+            .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
+}
 
 /// An MLX distributed backend, by the name MLX gives it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -251,9 +251,10 @@ fn rank() {
         println!("{}", in_the_batch(division, &models, run));
         return;
     }
-    let (split, dies) = match task.strip_suffix("_dies") {
-        Some(split) => (split, true),
-        None => (task.as_str(), false),
+    let (split, dies, stalls) = match (task.strip_suffix("_dies"), task.strip_suffix("_stalls")) {
+        (Some(split), _) => (split, true, false),
+        (_, Some(split)) => (split, false, true),
+        _ => (task.as_str(), false, false),
     };
     if let "tensor_parallel" | "pipeline_parallel" = split {
         let split = match split {
@@ -261,8 +262,8 @@ fn rank() {
             _ => Division::Pipeline(PipelineParallel::new(group)),
         };
         let models = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
-        let result = match (dies, std::env::var(PEAKS_ENV)) {
-            (true, _) => dies_mid_request(split, &models),
+        let result = match (dies || stalls, std::env::var(PEAKS_ENV)) {
+            (true, _) => dies_mid_request(split, &models, stalls),
             (false, Ok(_)) => load_peaks(split, &models),
             (false, Err(_)) => divided(split, &models),
         };
@@ -447,7 +448,9 @@ fn load_peaks(split: Division, dir: &Path) -> serde_json::Value {
 /// without a word after its third token: rank 0's result is its error and how long after the
 /// request's start it came (a tiny model's first tokens take milliseconds; rank 0 may meet the
 /// loss before its own third token, waiting for rank 1's part of it).
-fn dies_mid_request(split: Division, models: &Path) -> serde_json::Value {
+///
+/// With `stalls`, rank 1 pauses itself (SIGSTOP) instead: alive, its sockets open.
+fn dies_mid_request(split: Division, models: &Path, stalls: bool) -> serde_json::Value {
     let dir = first_model(models);
     let model = models::load_divided(&dir, &split).unwrap();
     let tokenizer = Tokenizer::load(&dir).unwrap();
@@ -458,6 +461,10 @@ fn dies_mid_request(split: Division, models: &Path) -> serde_json::Value {
     let outcome = generate(model.as_ref(), &tokenizer, &request, |_| {
         tokens += 1;
         if tokens == 3 && split.rank() == 1 {
+            if stalls {
+                let own = std::process::id().to_string();
+                let _ = Command::new("kill").args(["-STOP", &own]).status();
+            }
             std::process::exit(0);
         }
         ControlFlow::Continue(())
@@ -624,7 +631,7 @@ fn in_the_batch(division: Division, models: &Path, run: Run) -> serde_json::Valu
         .unwrap();
         if stalls {
             // Idle first: the other rank must not count the group stalled meanwhile.
-            let limit: f64 = std::env::var(perch_engine::engine::STALL_LIMIT_ENV)
+            let limit: f64 = std::env::var(perch_engine::distributed::STALL_LIMIT_ENV)
                 .unwrap()
                 .parse()
                 .unwrap();
@@ -975,13 +982,17 @@ fn spawn_rank_with(rank: usize, hostfile: &Path, task: &str, env: &[(&str, &Path
         .unwrap()
 }
 
-/// Waits at most `limit` for `child`, then its JSON line (killed and failed past the limit).
+/// Waits at most `limit` for `child`, then its JSON line (killed and failed past the limit,
+/// with what it printed until then).
 fn result(mut child: Child, limit: Duration) -> serde_json::Value {
     let start = Instant::now();
+    let mut hung = false;
     while child.try_wait().unwrap().is_none() {
         if start.elapsed() > limit {
             child.kill().unwrap();
-            panic!("a rank still ran after {limit:?}: a hang");
+            child.wait().unwrap();
+            hung = true;
+            break;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -998,6 +1009,9 @@ fn result(mut child: Child, limit: Duration) -> serde_json::Value {
         .unwrap()
         .read_to_string(&mut err)
         .unwrap();
+    if hung {
+        panic!("a rank still ran after {limit:?}: a hang; it printed:\n{out}\n{err}");
+    }
     // The harness prints `test rank ... ` before the line on the same line.
     let line = out
         .find('{')
@@ -1632,7 +1646,7 @@ fn a_rank_that_dies_under_the_batch_engine_ends_its_requests() {
 /// must not count as a stall (rank 0's calls while idle).
 #[test]
 fn a_rank_that_stops_answering_ends_the_group_within_its_stall_limit() {
-    use perch_engine::engine::{STALLED_EXIT_CODE, STALL_LIMIT_ENV};
+    use perch_engine::distributed::{STALLED_EXIT_CODE, STALL_LIMIT_ENV};
     let signal = |child: &Child, name: &str| {
         let sent = Command::new("kill")
             .args([name, &child.id().to_string()])
@@ -1698,6 +1712,50 @@ fn a_rank_that_stops_answering_ends_the_group_within_its_stall_limit() {
         );
         // The limit, its polling and a step in flight, with room for a busy machine.
         assert!(seconds < 20.0, "paused {paused}: {seconds} s");
+    }
+}
+
+/// A rank that pauses itself (SIGSTOP) after its third token of a greedy generation, either
+/// split: the other rank's watchdog ends it within the stall limit (2 s here) with its
+/// sentence and status, never a hang.
+#[test]
+fn a_rank_that_stops_answering_mid_request_ends_the_other() {
+    use perch_engine::distributed::{STALLED_EXIT_CODE, STALL_LIMIT_ENV};
+    let dir = tempfile::tempdir().unwrap();
+    let models = tiny_models(dir.path(), "llama3-rope");
+    for task in ["tensor_parallel_stalls", "pipeline_parallel_stalls"] {
+        let hosts = hostfile(dir.path(), 2);
+        let env = [
+            (MODELS_ENV, models.as_path()),
+            (STALL_LIMIT_ENV, Path::new("2")),
+        ];
+        let [mut rank_0, mut rank_1] = [0, 1].map(|r| spawn_rank_with(r, &hosts, task, &env));
+        let start = Instant::now();
+        let status = loop {
+            if let Some(status) = rank_0.try_wait().unwrap() {
+                break status;
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                let _ = rank_0.kill();
+                let _ = rank_1.kill();
+                panic!("{task}: rank 0 still ran after 120 s: a hang");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        rank_0
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        let _ = rank_1.kill();
+        rank_1.wait().unwrap();
+        assert_eq!(status.code(), Some(STALLED_EXIT_CODE), "{task}: {err}");
+        assert!(
+            err.contains("rank 0: the ranks dividing the model made no progress"),
+            "{task}: {err}"
+        );
     }
 }
 

@@ -21,7 +21,7 @@ mod handle;
 mod images;
 mod thread;
 
-pub use batch::lockstep::{follow, STALLED_EXIT_CODE, STALL_LIMIT_ENV};
+pub use batch::lockstep::follow;
 pub use config::{EngineConfig, FaultInjection};
 pub use handle::{EngineHandle, RequestStream};
 pub use thread::{live_engines, STATS_INTERVAL};

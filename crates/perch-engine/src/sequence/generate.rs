@@ -57,6 +57,15 @@ pub fn generate(
 
     reset_peak_memory();
     let start = Instant::now();
+    // Over ranks, a rank that stops answering would block this one in a collective for ever.
+    let watchdog = model
+        .division()
+        .map(|d| crate::distributed::Watchdog::start(d.rank(), crate::distributed::stall_limit()));
+    let progressed = || {
+        watchdog
+            .iter()
+            .for_each(crate::distributed::Watchdog::progressed)
+    };
     let mut cache = own_cache(model, request)?;
     let quantize = |cache: &mut [KvCache]| quantize_reached(request, cache);
     let mut sampler = Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?;
@@ -71,6 +80,7 @@ pub fn generate(
         )?;
         quantize(&mut cache)?;
         eval(cache.iter().flat_map(KvCache::state))?;
+        progressed();
     }
 
     let mut sink = TokenSink::new(request, stop_ids, max_tokens);
@@ -110,6 +120,7 @@ pub fn generate(
             None
         };
         let (id, logprobs) = pending.read();
+        progressed();
         first_token_at.get_or_insert_with(|| start.elapsed().as_secs_f64());
         match sink.push(tokenizer, id, logprobs)? {
             Pushed::Token(event) => {

@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 use super::{BatchConfig, BatchGenerator, StepTiming};
-use crate::distributed::{Group, GATHERED_WORDS};
+use crate::distributed::{stall_limit, Group, Watchdog, GATHERED_WORDS};
 use crate::error::{EngineError, Result};
 use crate::memory::{Available, MemoryBound, PressureGuard};
 use crate::models::Model;
@@ -99,7 +99,8 @@ pub(crate) enum BatchCall {
     /// request about to be judged ([`BatchGenerator::refresh_rank_memory`]).
     ReadMemory,
     /// Nothing to make: rank 0 is idle, and tells the other ranks it is still there (their
-    /// [`Watchdog`]s count the group stalled after [`stall_limit`] without a call).
+    /// [`Watchdog`]s count the group stalled after [`stall_limit`] without a call;
+    /// [`alive_interval`]).
     Alive,
     /// Rank 0's engine stops: the others return.
     Stop,
@@ -278,94 +279,10 @@ fn least_of(memory: &[Option<RankMemory>]) -> Option<RankMemory> {
     })
 }
 
-/// The environment variable setting [`stall_limit`] in seconds.
-pub const STALL_LIMIT_ENV: &str = "PERCH_GROUP_STALL_SECS";
-
-/// How long a rank waits for the group's next call before it counts the group stalled
-/// ([`Watchdog`]): `PERCH_GROUP_STALL_SECS` when it is a positive number of seconds, else 120 s,
-/// more than a long prompt pass of a large model takes between two calls.
-pub(crate) fn stall_limit() -> Duration {
-    std::env::var(STALL_LIMIT_ENV)
-        .ok()
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map_or(Duration::from_secs(120), Duration::from_secs_f64)
-}
-
 /// How often an idle rank 0 tells the other ranks it is there ([`BatchCall::Alive`]): a
 /// quarter of [`stall_limit`], at most 10 s.
 pub(crate) fn alive_interval() -> Duration {
     (stall_limit() / 4).min(Duration::from_secs(10))
-}
-
-/// The exit status of a rank ended by its [`Watchdog`].
-pub const STALLED_EXIT_CODE: i32 = 75;
-
-/// Ends this rank's process when its group makes no call for [`stall_limit`]: MLX's
-/// collectives never time out, so a rank that is alive but stuck (paused, spinning, its host
-/// frozen) would leave the others blocked in a collective for ever. Every call exchanged counts
-/// as progress ([`Lockstep::lead`], [`Lockstep::receive`]), and an idle rank 0 still calls
-/// every [`alive_interval`]; past the limit the rank says why on its standard error and exits
-/// with [`STALLED_EXIT_CODE`], which ends the collectives of the ranks still answering (they
-/// lose their peer) and the launch (`perch serve --hosts` stops the group when a rank exits).
-/// A group stopped by an error ([`Lockstep::stop`]) is no longer watched.
-struct Watchdog {
-    epoch: Instant,
-    /// Milliseconds since `epoch` at the last progress; `u64::MAX` once disarmed.
-    last: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Watchdog {
-    fn start(rank: usize, limit: Duration) -> Self {
-        use std::sync::atomic::Ordering;
-        let epoch = Instant::now();
-        let last = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let watched = std::sync::Arc::downgrade(&last);
-        let poll = (limit / 8).clamp(Duration::from_millis(50), Duration::from_secs(1));
-        let spawned = std::thread::Builder::new()
-            .name("perch-group-watchdog".into())
-            .spawn(move || loop {
-                std::thread::sleep(poll);
-                // The rank's calls ended (its lockstep dropped): nothing to watch.
-                let Some(last) = watched.upgrade() else {
-                    return;
-                };
-                let at = last.load(Ordering::Relaxed);
-                if at == u64::MAX {
-                    return;
-                }
-                let idle = epoch.elapsed().saturating_sub(Duration::from_millis(at));
-                if idle > limit {
-                    eprintln!(
-                        "perch: rank {rank}: the ranks dividing the model made no progress for \
-                         {:.0} s (a rank stopped answering: paused, stuck or its host frozen); \
-                         ending this rank so that the others stop too (the limit: \
-                         {STALL_LIMIT_ENV}, {:.0} s)",
-                        idle.as_secs_f64(),
-                        limit.as_secs_f64()
-                    );
-                    std::process::exit(STALLED_EXIT_CODE);
-                }
-            });
-        if let Err(e) = spawned {
-            eprintln!("perch: rank {rank}: no watchdog for the group ({e})");
-        }
-        Self { epoch, last }
-    }
-
-    fn progressed(&self) {
-        let now = self.epoch.elapsed().as_millis().min(u64::MAX as u128 - 1) as u64;
-        let _ = self.last.fetch_update(
-            std::sync::atomic::Ordering::Relaxed,
-            std::sync::atomic::Ordering::Relaxed,
-            |at| (at != u64::MAX).then_some(now),
-        );
-    }
-
-    fn disarm(&self) {
-        self.last
-            .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
-    }
 }
 
 /// One rank's end of the calls: its group, when its calls' times count from, and whether the
