@@ -150,7 +150,8 @@ impl Backend {
     }
 }
 
-/// This process's group: its rank among `size` processes.
+/// This process's group: its rank among `size` processes. Kept until the process exits (never
+/// freed: see below).
 pub struct Group {
     raw: mlx_sys::mlx_distributed_group,
     backend: Backend,
@@ -165,14 +166,12 @@ unsafe impl Send for Group {}
 // collectives it makes are lazy operations, issued by the one thread that steps the model.
 unsafe impl Sync for Group {}
 
-impl Drop for Group {
-    fn drop(&mut self) {
-        // SAFETY: the handle came from `mlx_distributed_init` and is freed once.
-        unsafe {
-            mlx_sys::mlx_distributed_group_free(self.raw);
-        }
-    }
-}
+// No `Drop`: the handle is never freed. Freeing MLX's last reference to a group destroys its
+// backend, and the ring backend's destructor joins its worker threads: after a peer was lost,
+// a collective issued later may block one of them for ever (module docs), so freeing the group
+// could hang the process on its way out, after its error was already reported. A process joins
+// one group and keeps it until it exits, when the system takes it back (as MLX leaks its
+// scheduler, for the same reason).
 
 impl std::fmt::Debug for Group {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
