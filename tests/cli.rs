@@ -1538,6 +1538,44 @@ fn generate_divided_over_two_ranks() {
     }
 }
 
+/// `--join-timeout`: a rank whose group's other rank never starts stops waiting after that many
+/// seconds with a sentence (not the 60 s default); 0 is refused before anything starts.
+#[test]
+fn a_rank_waits_for_its_group_as_long_as_join_timeout_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = test_model();
+    let ports: Vec<u16> = (0..2)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect::<Vec<_>>()
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect();
+    let hosts = dir.path().join("hosts.json");
+    let addresses: Vec<Vec<String>> = ports
+        .iter()
+        .map(|p| vec![format!("127.0.0.1:{p}")])
+        .collect();
+    std::fs::write(&hosts, serde_json::to_string(&addresses).unwrap()).unwrap();
+    let rank_0 = |timeout: &str| {
+        Command::new(env!("CARGO_BIN_EXE_perch"))
+            .args(["generate", "--model", &model, "--prompt", "hi"])
+            .args(["--distributed", "tensor", "--join-timeout", timeout])
+            .env("MLX_RANK", "0")
+            .env("MLX_HOSTFILE", &hosts)
+            .output()
+            .unwrap()
+    };
+    let start = std::time::Instant::now();
+    let out = rank_0("3");
+    let seconds = start.elapsed().as_secs_f32();
+    assert_clean_error(&out, "not every rank connected within 3 s");
+    assert!(seconds < 30.0, "{seconds} s");
+    let zero = rank_0("0");
+    let stderr = String::from_utf8_lossy(&zero.stderr);
+    assert_eq!(zero.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--join-timeout"), "{stderr}");
+}
+
 /// `perch serve --distributed`: two ranks on 127.0.0.1 (`MLX_RANK`, `MLX_HOSTFILE`), the model
 /// in two pipeline stages; rank 0 serves, rank 1 follows its batch and prints nothing. Requests
 /// sent at once (greedy, and sampled with a seed) get what one process's `perch serve` answers.

@@ -81,6 +81,16 @@ pub struct DistributedArgs {
     /// hostfile's on the next port); the ranks meet at this port on rank 0's host (JACCL, NCCL).
     #[arg(long, default_value_t = 32323, requires = "launch")]
     pub starting_port: u16,
+    /// With --distributed: how long each rank waits for every rank of its group to connect, in
+    /// seconds (ranks started by hand, one host after another, may need longer than the
+    /// default). A launch passes it to every rank.
+    #[arg(
+        long,
+        default_value_t = 60,
+        requires = "distributed",
+        value_parser = clap::value_parser!(u64).range(1..)
+    )]
+    pub join_timeout: u64,
 }
 
 impl DistributedArgs {
@@ -102,29 +112,27 @@ impl DistributedArgs {
     }
 }
 
-/// How long a rank waits for every rank of its group to connect.
-const JOIN_DEADLINE: Duration = Duration::from_secs(60);
-
-/// Joins the group on `backend`, divided as `split` says.
-pub fn join(split: Split, backend: BackendArg) -> anyhow::Result<Division> {
-    let group = distributed::init(backend.into(), JOIN_DEADLINE)?;
+/// Joins the group on `group`'s backend within its `--join-timeout`, divided as `split` says.
+pub fn join(split: Split, group: &DistributedArgs) -> anyhow::Result<Division> {
+    let deadline = Duration::from_secs(group.join_timeout);
+    let group = distributed::init(group.backend().into(), deadline)?;
     Ok(match split {
         Split::Tensor => Division::Tensor(TensorParallel::new(group)),
         Split::Pipeline => Division::Pipeline(PipelineParallel::new(group)),
     })
 }
 
-/// Joins the group on `backend`, takes rank 0's sampling seed (`seed`, or one it draws), and
+/// Joins the group ([`join`]), takes rank 0's sampling seed (`seed`, or one it draws), and
 /// loads this rank's part of the model in `dir` (`split`; `models::load_divided`: no more of
 /// the weights is read or kept than the part needs). Returns the model, this rank and the
 /// group's seed: every rank must sample alike to stay on the same tokens.
 pub fn load(
     dir: &Path,
     split: Split,
-    backend: BackendArg,
+    group: &DistributedArgs,
     seed: Option<u64>,
 ) -> anyhow::Result<(Box<dyn Model>, usize, u64)> {
-    let division = join(split, backend)?;
+    let division = join(split, group)?;
     let rank = division.rank();
     let mine = seed.unwrap_or_else(|| {
         std::collections::hash_map::RandomState::new()
@@ -154,7 +162,7 @@ pub fn load_part(dir: &Path, division: &Division) -> anyhow::Result<Box<dyn Mode
 }
 
 /// The batch engine over ranks (`perch serve --distributed`, `perch generate --distributed`
-/// with images): joins the group on `backend`, divided as `split` says. Rank 0 gets an engine
+/// with images): joins the group ([`join`]), divided as `split` says. Rank 0 gets an engine
 /// over its part of the model in `dir`, whose batch every call of the other ranks follows. Any
 /// other rank loads its part (and the whole draft model of `config`, which every rank runs
 /// alike), follows rank 0's batch (`perch_engine::engine::follow`) until rank 0 stops, and gets
@@ -162,11 +170,11 @@ pub fn load_part(dir: &Path, division: &Division) -> anyhow::Result<Box<dyn Mode
 pub fn engine(
     dir: &Path,
     split: Split,
-    backend: BackendArg,
+    group: &DistributedArgs,
     config: perch_engine::EngineConfig,
 ) -> anyhow::Result<Option<perch_engine::EngineHandle>> {
     use perch_engine::EngineHandle;
-    let division = join(split, backend)?;
+    let division = join(split, group)?;
     if division.rank() > 0 {
         follow(dir, config.draft_model.as_deref(), &division)?;
         return Ok(None);

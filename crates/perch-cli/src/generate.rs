@@ -284,7 +284,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
             let tokenizer = Tokenizer::load(&dir)
                 .with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
             let (model, rank, seed) =
-                distributed::load(&dir, split, args.group.backend(), args.options.seed)?;
+                distributed::load(&dir, split, &args.group, args.options.seed)?;
             (model, tokenizer, rank, Some(seed))
         }
         None => {
@@ -419,12 +419,7 @@ fn run_with_images(args: &GenerateArgs, messages: Vec<ChatMessage>) -> anyhow::R
         // Over ranks, through the batch engine as `perch serve --distributed` runs it: rank 0's
         // request carries the image's pixels to the other ranks, which print nothing.
         Some(split) => {
-            match crate::distributed::engine(
-                &dir,
-                split,
-                args.group.backend(),
-                EngineConfig::default(),
-            )? {
+            match crate::distributed::engine(&dir, split, &args.group, EngineConfig::default())? {
                 Some(engine) => engine,
                 None => return Ok(()),
             }

@@ -161,7 +161,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => EngineHandle::load(&dir, engine_config)
             .with_context(|| format!("loading {}", dir.display()))?,
         Some(split) => {
-            match crate::distributed::engine(&dir, split, args.group.backend(), engine_config)? {
+            match crate::distributed::engine(&dir, split, &args.group, engine_config)? {
                 Some(engine) => engine,
                 // Another rank than 0: it followed rank 0's batch until rank 0 stopped.
                 None => return Ok(()),
