@@ -16,7 +16,8 @@
 #   `bash scripts/device_moe.sh llama`: bench_gpu.py's 1.07B Llama at 1/8/32/128 against mlx_lm;
 #   `bash scripts/device_moe.sh agents`: the random `qwen3_5`: a chat behind a 16,000-token background prompt
 #     (priority lanes), then a copy with its first 4 layers as a draft (make_draft_pair.py --scale 0) at 8 and
-#     32 rows without and with the draft, alternating, ROUNDS rounds (default 2);
+#     32 rows without and with the draft, alternating, ROUNDS rounds (default 2; about 520 s on a fresh machine,
+#     ROUNDS=1 for a shorter call);
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
 #     (PERCH_DECODE_GRAPH_DIR, counted by operation), `perch check-kernels experts`, and where the
@@ -94,18 +95,19 @@ agents)
   # Issue 43's GPU rows: priority lanes on the hybrid, and a draft model in its batch.
   mkmodel qwen3_5:q35
   echo "== priority lanes, qwen3_5, a 16,000-token background prompt"
-  $OD timeout 240 $P bench --model /tmp/models/q35 --background-prompt-tokens 16000 --prompt-tokens 128 \
+  $OD timeout 150 $P bench --model /tmp/models/q35 --background-prompt-tokens 16000 --prompt-tokens 128 \
     --gen-tokens 8 --runs 5 2>&1 | grep -v '^\s*$' | tail -3
   date +%T
   # make_draft_pair.py scales the model's later layers in place: on a copy.
-  [ -f /tmp/models/q35d/config.json ] || { cp -r /tmp/models/q35 /tmp/models/q35s
+  [ -f /tmp/models/q35d/config.json ] || { rm -rf /tmp/models/q35s; cp -r /tmp/models/q35 /tmp/models/q35s
     $OD python3 scripts/make_draft_pair.py /tmp/models/q35s /tmp/models/q35d --draft-layers 4 --scale 0 | tail -1; }
   for n in 8 32; do
     for round in $(seq ${ROUNDS:-2}); do
       for d in "" /tmp/models/q35d; do
         echo "== qwen3_5 at $n rows, $([ -n "$d" ] && echo with || echo without) the draft (round $round)"
-        $OD timeout 120 $P bench --model /tmp/models/q35s --concurrency $n --prompt-tokens 128 --gen-tokens 256 \
-          --json ${d:+--draft-model $d} 2>/dev/null | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms  accepted %s" % (r["generation_tps"], r["engine_decode_step_ms"], r.get("acceptance_rate")))'
+        $OD timeout 60 $P bench --model /tmp/models/q35s --concurrency $n --prompt-tokens 128 --gen-tokens 256 \
+          --json ${d:+--draft-model $d} 2>/tmp/agents-err.txt | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms  proposals accepted %s of %s" % (r["generation_tps"], r["engine_decode_step_ms"], r.get("engine_accepted_draft_tokens"), r.get("engine_draft_tokens")))' \
+          || tail -3 /tmp/agents-err.txt
       done
     done
     date +%T

@@ -122,9 +122,9 @@ pub fn join(split: Split, group: &DistributedArgs) -> anyhow::Result<Division> {
     })
 }
 
-/// Joins the group ([`join`]), takes rank 0's sampling seed (`seed`, or one it draws), and
-/// loads this rank's part of the model in `dir` (`split`; `models::load_divided`: no more of
-/// the weights is read or kept than the part needs). Returns the model, this rank and the
+/// Joins the group ([`join`]), loads this rank's part of the model in `dir` (`split`;
+/// `models::load_divided`: no more of the weights is read or kept than the part needs), then
+/// takes rank 0's sampling seed (`seed`, or one it draws). Returns the model, this rank and the
 /// group's seed: every rank must sample alike to stay on the same tokens.
 pub fn load(
     dir: &Path,
@@ -134,6 +134,9 @@ pub fn load(
 ) -> anyhow::Result<(Box<dyn Model>, usize, u64)> {
     let division = join(split, group)?;
     let rank = division.rank();
+    let model = load_part(dir, &division)?;
+    // After every rank loaded its part: the ranks meet here, so that no rank's watchdog counts
+    // another's slower load as a stall once generation starts.
     let mine = seed.unwrap_or_else(|| {
         std::collections::hash_map::RandomState::new()
             .build_hasher()
@@ -147,7 +150,7 @@ pub fn load(
             .try_into()
             .map_err(|_| anyhow::anyhow!("rank 0 sent a seed of the wrong size"))?,
     );
-    Ok((load_part(dir, &division)?, rank, seed))
+    Ok((model, rank, seed))
 }
 
 /// This rank's part of the model in `dir` (`models::load_divided`).

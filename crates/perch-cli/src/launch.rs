@@ -635,9 +635,15 @@ pub fn launch(
              ranks with its launcher (mpirun)"
         ),
     };
-    // The hostfile's variables first, as mlx.launch sets them: the backend's own win.
+    // The hostfile's variables first, as mlx.launch sets them: the backend's own win. This
+    // machine's stall limit goes to every rank (remote ones get no other environment).
+    let stall_limit = std::env::var(perch_engine::distributed::STALL_LIMIT_ENV)
+        .ok()
+        .map(|v| (perch_engine::distributed::STALL_LIMIT_ENV.to_owned(), v));
     for setup in &mut setups {
-        setup.env.splice(0..0, envs.iter().cloned());
+        setup
+            .env
+            .splice(0..0, envs.iter().cloned().chain(stall_limit.clone()));
     }
     let exe = std::env::current_exe().context("finding this perch executable")?;
     let args = rank_args(std::env::args_os().skip(1), backend);

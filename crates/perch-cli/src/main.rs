@@ -73,12 +73,18 @@ fn main() -> ExitCode {
             .map_err(anyhow::Error::from),
         Command::Soak(args) => soak::run(args),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
+    let code = match result {
+        Ok(()) => 0,
         Err(err) => {
             // One line: the error and its causes, outermost first.
             eprintln!("perch: error: {err:#}");
-            ExitCode::FAILURE
+            1
         }
+    };
+    // A rank of a group ends at once: MLX's exit handlers could wait for ever on a collective
+    // stuck on a lost peer (`distributed::exit_now`).
+    if perch_engine::distributed::joined() {
+        perch_engine::distributed::exit_now(code);
     }
+    ExitCode::from(code as u8)
 }

@@ -12,10 +12,12 @@
 //! after [`init`]'s deadline (MLX's ring backend waits for it without a timeout), and a peer that
 //! dies makes the next collective fail (MLX: "connection to a peer was lost"). A peer that is
 //! alive but stuck still blocks a collective: the batch engine and [`crate::generate`] over
-//! ranks run under a [`Watchdog`], which ends the process when the group makes no progress.
+//! ranks run under a [`Watchdog`], which ends the process when the group makes no progress. A
+//! process that joined a group ends with [`exit_now`].
 
 use std::ffi::CString;
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use mlx_rs::{Array, Dtype, Stream};
@@ -25,89 +27,112 @@ use crate::error::{EngineError, Result};
 /// The environment variable setting [`stall_limit`] in seconds.
 pub const STALL_LIMIT_ENV: &str = "PERCH_GROUP_STALL_SECS";
 
-/// How long a rank waits for the group's next call before it counts the group stalled
-/// ([`Watchdog`]): `PERCH_GROUP_STALL_SECS` when it is a positive number of seconds, else 120 s,
-/// more than a long prompt pass of a large model takes between two calls.
+/// How long a rank goes without progress before it counts the group stalled ([`Watchdog`]):
+/// `PERCH_GROUP_STALL_SECS` when it is a number of seconds (at least 1 s), else 300 s, more
+/// than a long prompt pass of a large model or a warm-up shape's first compilation takes.
 pub fn stall_limit() -> Duration {
     std::env::var(STALL_LIMIT_ENV)
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map_or(Duration::from_secs(120), Duration::from_secs_f64)
+        .and_then(|s| Duration::try_from_secs_f64(s).ok())
+        .map_or(Duration::from_secs(300), |d| d.max(Duration::from_secs(1)))
 }
 
 /// The exit status of a rank ended by its [`Watchdog`].
 pub const STALLED_EXIT_CODE: i32 = 75;
 
-/// Ends this rank's process when its group makes no progress for [`stall_limit`]: MLX's
-/// collectives never time out, so a rank that is alive but stuck (paused, spinning, its host
-/// frozen) would leave the others blocked in a collective for ever. The batch engine counts
-/// every call exchanged between the ranks as progress (`engine::batch::lockstep`, where an
-/// idle rank 0 still calls the others now and then), [`crate::generate`] every token and
-/// prompt chunk. Past the limit the rank says why on its standard error and exits with
-/// [`STALLED_EXIT_CODE`], which ends the collectives of the ranks still answering (they lose
-/// their peer) and the launch (`perch serve --hosts` stops the group when a rank exits).
+/// Milliseconds since [`progress_epoch`] at this process's last progress ([`note_progress`]).
+static LAST_PROGRESS_MS: AtomicU64 = AtomicU64::new(0);
+
+fn progress_epoch() -> Instant {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+/// Records that this rank's group made progress: a call exchanged between the ranks, a pass or
+/// token computed, a warm-up shape built. One atomic store; nothing without a [`Watchdog`].
+pub fn note_progress() {
+    let now = progress_epoch().elapsed().as_millis().min(u64::MAX as u128) as u64;
+    LAST_PROGRESS_MS.store(now, Ordering::Relaxed);
+}
+
+/// Ends this rank's process when its group makes no progress ([`note_progress`]) for
+/// [`stall_limit`]: MLX's collectives never time out, so a rank that is alive but stuck
+/// (paused, spinning, its host frozen) would leave the others blocked in a collective for ever.
+/// The batch engine notes every call exchanged between the ranks (`engine::batch::lockstep`,
+/// where an idle rank 0 still calls the others now and then) and every warm-up shape,
+/// [`crate::generate`] every token and prompt chunk. Past the limit the rank says why on its
+/// standard error and ends at once with [`STALLED_EXIT_CODE`] ([`exit_now`]); the ranks still
+/// answering then lose their peer (MLX's error), and a launch (`perch serve --hosts`) stops
+/// the group when a rank exits. Dropping or [`Watchdog::disarm`]ing it ends the watch.
 pub struct Watchdog {
-    epoch: Instant,
-    /// Milliseconds since `epoch` at the last progress; `u64::MAX` once disarmed.
-    last: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    armed: Arc<AtomicBool>,
 }
 
 impl Watchdog {
-    /// Watches from now: the process ends once [`Watchdog::progressed`] goes uncalled for
-    /// `limit`; dropping it ends the watch.
+    /// Watches from now.
     pub fn start(rank: usize, limit: Duration) -> Self {
-        use std::sync::atomic::Ordering;
-        let epoch = Instant::now();
-        let last = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-        let watched = std::sync::Arc::downgrade(&last);
+        note_progress();
+        let armed = Arc::new(AtomicBool::new(true));
+        let watched = Arc::downgrade(&armed);
         let poll = (limit / 8).clamp(Duration::from_millis(50), Duration::from_secs(1));
         let spawned = std::thread::Builder::new()
             .name("perch-group-watchdog".into())
             .spawn(move || loop {
                 std::thread::sleep(poll);
-                // The rank's calls ended (its lockstep dropped): nothing to watch.
-                let Some(last) = watched.upgrade() else {
-                    return;
-                };
-                let at = last.load(Ordering::Relaxed);
-                if at == u64::MAX {
-                    return;
+                match watched.upgrade() {
+                    Some(armed) if armed.load(Ordering::Relaxed) => {}
+                    _ => return,
                 }
-                let idle = epoch.elapsed().saturating_sub(Duration::from_millis(at));
+                let last = Duration::from_millis(LAST_PROGRESS_MS.load(Ordering::Relaxed));
+                let idle = progress_epoch().elapsed().saturating_sub(last);
                 if idle > limit {
                     eprintln!(
                         "perch: rank {rank}: the ranks dividing the model made no progress for \
-                         {:.0} s (a rank stopped answering: paused, stuck or its host frozen); \
-                         ending this rank so that the others stop too (the limit: \
+                         {:.0} s (a rank stopped answering: paused, stuck, its host frozen or its \
+                         engine gone); ending this rank so that the others stop too (the limit: \
                          {STALL_LIMIT_ENV}, {:.0} s)",
                         idle.as_secs_f64(),
                         limit.as_secs_f64()
                     );
-                    std::process::exit(STALLED_EXIT_CODE);
+                    exit_now(STALLED_EXIT_CODE);
                 }
             });
         if let Err(e) = spawned {
             eprintln!("perch: rank {rank}: no watchdog for the group ({e})");
         }
-        Self { epoch, last }
+        Self { armed }
     }
 
-    /// The group made progress (a call exchanged, a token computed).
-    pub fn progressed(&self) {
-        let now = self.epoch.elapsed().as_millis().min(u64::MAX as u128 - 1) as u64;
-        let _ = self.last.fetch_update(
-            std::sync::atomic::Ordering::Relaxed,
-            std::sync::atomic::Ordering::Relaxed,
-            |at| (at != u64::MAX).then_some(now),
-        );
-    }
-
-    /// No more watching (a group stopped by an error, which nothing waits on).
+    /// No more watching (a group stopped by an error, which this rank no longer waits on).
     pub fn disarm(&self) {
-        self.last
-            .store(u64::MAX, std::sync::atomic::Ordering::Relaxed);
+        self.armed.store(false, Ordering::Relaxed);
     }
+}
+
+/// Whether this process joined a group ([`init`]).
+static JOINED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process joined a group: it should then end with [`exit_now`].
+pub fn joined() -> bool {
+    JOINED.load(Ordering::Relaxed)
+}
+
+/// Ends the process at once with `code`, its standard streams flushed, without running exit
+/// handlers: MLX keeps every group it starts until exit, when its destructors run, and the
+/// ring backend's joins worker threads that a collective stuck on a lost or stopped peer
+/// blocks for ever, so a plain exit could hang after the rank's error was reported.
+pub fn exit_now(code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    let _ = std::io::stderr().flush();
+    #[cfg(any(all(target_os = "linux", target_env = "gnu"), target_os = "macos"))]
+    // SAFETY: `_exit` ends the process; nothing runs after it.
+    unsafe {
+        libc::_exit(code)
+    }
+    #[cfg(not(any(all(target_os = "linux", target_env = "gnu"), target_os = "macos")))]
+    std::process::exit(code)
 }
 
 /// An MLX distributed backend, by the name MLX gives it.
@@ -150,8 +175,7 @@ impl Backend {
     }
 }
 
-/// This process's group: its rank among `size` processes. Kept until the process exits (never
-/// freed: see below).
+/// This process's group: its rank among `size` processes.
 pub struct Group {
     raw: mlx_sys::mlx_distributed_group,
     backend: Backend,
@@ -166,12 +190,15 @@ unsafe impl Send for Group {}
 // collectives it makes are lazy operations, issued by the one thread that steps the model.
 unsafe impl Sync for Group {}
 
-// No `Drop`: the handle is never freed. Freeing MLX's last reference to a group destroys its
-// backend, and the ring backend's destructor joins its worker threads: after a peer was lost,
-// a collective issued later may block one of them for ever (module docs), so freeing the group
-// could hang the process on its way out, after its error was already reported. A process joins
-// one group and keeps it until it exits, when the system takes it back (as MLX leaks its
-// scheduler, for the same reason).
+impl Drop for Group {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from `mlx_distributed_init` and is freed once (MLX keeps the
+        // group itself until the process exits: see `exit_now`).
+        unsafe {
+            mlx_sys::mlx_distributed_group_free(self.raw);
+        }
+    }
+}
 
 impl std::fmt::Debug for Group {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -314,6 +341,7 @@ pub fn init(backend: Backend, deadline: Duration) -> Result<Group> {
             mlx_sys::mlx_distributed_group_size(raw),
         )
     };
+    JOINED.store(true, Ordering::Relaxed);
     Ok(Group {
         raw,
         backend,

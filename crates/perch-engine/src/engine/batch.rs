@@ -1679,6 +1679,8 @@ impl<'m> BatchGenerator<'m> {
                 &mut cache,
             )?;
             eval(cache.iter().flat_map(KvCache::state))?;
+            // One call computes the whole prefix: each chunk is progress for the watchdog.
+            crate::distributed::note_progress();
             self.prompt_throughput.record(chunk.len());
         }
         self.import_read_prefix(tokens, &cache)?;

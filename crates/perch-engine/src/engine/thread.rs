@@ -708,7 +708,7 @@ impl Pass<'_> {
                     }
                     if batch.idle_warm_ups_left() == 0 {
                         // An idle rank 0 still calls the other ranks now and then: their
-                        // watchdogs end a group that makes no call (`lockstep::Watchdog`).
+                        // watchdogs end a group that makes no call (`distributed::Watchdog`).
                         if batch.leads_ranks() && batch.group_stopped().is_none() {
                             let every = super::batch::lockstep::alive_interval();
                             match queue.inbox.recv_timeout(every) {

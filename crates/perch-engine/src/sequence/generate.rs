@@ -58,14 +58,10 @@ pub fn generate(
     reset_peak_memory();
     let start = Instant::now();
     // Over ranks, a rank that stops answering would block this one in a collective for ever.
-    let watchdog = model
+    let _watchdog = model
         .division()
         .map(|d| crate::distributed::Watchdog::start(d.rank(), crate::distributed::stall_limit()));
-    let progressed = || {
-        watchdog
-            .iter()
-            .for_each(crate::distributed::Watchdog::progressed)
-    };
+    let progressed = crate::distributed::note_progress;
     let mut cache = own_cache(model, request)?;
     let quantize = |cache: &mut [KvCache]| quantize_reached(request, cache);
     let mut sampler = Sampler::for_tokenizer(request.sampling.clone(), tokenizer)?;

@@ -273,6 +273,7 @@ impl<'m> ModelRunner<'m> {
         self.model
             .forward_slots(&ids, &mut slots, &vec![shape.width; shape.rows])?;
         eval(slots.state())?;
+        crate::distributed::note_progress();
         Ok(())
     }
 
@@ -329,6 +330,9 @@ impl<'m> ModelRunner<'m> {
         let ids = Array::from_slice(&vec![0u32; slots.rows() * width], &[rows, width as i32]);
         let compiled = self.compiled_decode.as_mut();
         Self::greedy_step(self.model, compiled, &ids, slots, kept)?;
+        // A warm-up call builds many shapes (their first compilation can take seconds each):
+        // each one is progress for a divided model's watchdog.
+        crate::distributed::note_progress();
         Ok(())
     }
 

@@ -41,7 +41,7 @@ use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
 use super::{BatchConfig, BatchGenerator, StepTiming};
-use crate::distributed::{stall_limit, Group, Watchdog, GATHERED_WORDS};
+use crate::distributed::{note_progress, stall_limit, Group, Watchdog, GATHERED_WORDS};
 use crate::error::{EngineError, Result};
 use crate::memory::{Available, MemoryBound, PressureGuard};
 use crate::models::Model;
@@ -280,9 +280,9 @@ fn least_of(memory: &[Option<RankMemory>]) -> Option<RankMemory> {
 }
 
 /// How often an idle rank 0 tells the other ranks it is there ([`BatchCall::Alive`]): a
-/// quarter of [`stall_limit`], at most 10 s.
+/// quarter of [`stall_limit`], from 0.25 s to 10 s.
 pub(crate) fn alive_interval() -> Duration {
-    (stall_limit() / 4).min(Duration::from_secs(10))
+    (stall_limit() / 4).clamp(Duration::from_millis(250), Duration::from_secs(10))
 }
 
 /// One rank's end of the calls: its group, when its calls' times count from, and whether the
@@ -355,7 +355,7 @@ impl<'g> Lockstep<'g> {
             });
         match exchanged {
             Ok(()) => {
-                self.watchdog.progressed();
+                note_progress();
                 Ok(at)
             }
             Err(e) => Err(self.stop(&e)),
@@ -393,7 +393,7 @@ impl<'g> Lockstep<'g> {
             EngineError::Distributed(format!("rank 0 sent a call this rank cannot read: {e}"))
         })?;
         self.compare(&words, matches!(received.call, BatchCall::Fresh { .. }))?;
-        self.watchdog.progressed();
+        note_progress();
         Ok((
             received.call,
             self.epoch + Duration::from_micros(received.at_us),
