@@ -1451,6 +1451,24 @@ fn serve_refuses_an_alias_of_another_model() {
     assert_clean_error(&empty, "names nothing");
 }
 
+/// `dir/hosts.json`: an `MLX_HOSTFILE` of `ranks` ring addresses on 127.0.0.1, each on a port
+/// free when it was written.
+fn ring_hostfile(dir: &std::path::Path, ranks: usize) -> PathBuf {
+    let ports: Vec<u16> = (0..ranks)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect::<Vec<_>>()
+        .iter()
+        .map(|l| l.local_addr().unwrap().port())
+        .collect();
+    let hosts = dir.join("hosts.json");
+    let addresses: Vec<Vec<String>> = ports
+        .iter()
+        .map(|p| vec![format!("127.0.0.1:{p}")])
+        .collect();
+    std::fs::write(&hosts, serde_json::to_string(&addresses).unwrap()).unwrap();
+    hosts
+}
+
 /// `perch generate --distributed`: two ranks on 127.0.0.1 over MLX's ring backend, started as
 /// `mlx.launch -n 2 --backend ring` starts them (`MLX_RANK`, `MLX_HOSTFILE`). Split into two
 /// pipeline stages, rank 0 prints what one process prints (greedy, and sampled with a seed) and
@@ -1461,18 +1479,7 @@ fn generate_divided_over_two_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let model = test_model();
     let run = |extra: &[&str]| -> [Output; 2] {
-        let ports: Vec<u16> = (0..2)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-            .collect::<Vec<_>>()
-            .iter()
-            .map(|l| l.local_addr().unwrap().port())
-            .collect();
-        let hosts = dir.path().join("hosts.json");
-        let addresses: Vec<Vec<String>> = ports
-            .iter()
-            .map(|p| vec![format!("127.0.0.1:{p}")])
-            .collect();
-        std::fs::write(&hosts, serde_json::to_string(&addresses).unwrap()).unwrap();
+        let hosts = ring_hostfile(dir.path(), 2);
         let children: Vec<_> = (0..2)
             .map(|rank| {
                 Command::new(env!("CARGO_BIN_EXE_perch"))
@@ -1544,18 +1551,7 @@ fn generate_divided_over_two_ranks() {
 fn a_rank_waits_for_its_group_as_long_as_join_timeout_says() {
     let dir = tempfile::tempdir().unwrap();
     let model = test_model();
-    let ports: Vec<u16> = (0..2)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect::<Vec<_>>()
-        .iter()
-        .map(|l| l.local_addr().unwrap().port())
-        .collect();
-    let hosts = dir.path().join("hosts.json");
-    let addresses: Vec<Vec<String>> = ports
-        .iter()
-        .map(|p| vec![format!("127.0.0.1:{p}")])
-        .collect();
-    std::fs::write(&hosts, serde_json::to_string(&addresses).unwrap()).unwrap();
+    let hosts = ring_hostfile(dir.path(), 2);
     let rank_0 = |timeout: &str| {
         Command::new(env!("CARGO_BIN_EXE_perch"))
             .args(["generate", "--model", &model, "--prompt", "hi"])
