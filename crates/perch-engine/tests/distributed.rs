@@ -971,7 +971,12 @@ fn led_and_followed(dir: &Path, models: &Path, task: &str, seconds: u64) -> serd
 }
 
 fn spawn_rank_with(rank: usize, hostfile: &Path, task: &str, env: &[(&str, &Path)]) -> Child {
+    use std::os::unix::process::CommandExt;
     Command::new(std::env::current_exe().unwrap())
+        // A process group of its own: a rank paused with SIGSTOP in the tests' shared group would
+        // get the SIGHUP and SIGCONT the kernel sends to an orphaned group with a stopped member
+        // whenever another process of that group exits (another test's rank), and end.
+        .process_group(0)
         .args([
             "--exact",
             "rank",
@@ -1737,9 +1742,13 @@ fn a_rank_that_stops_answering_mid_request_ends_the_other() {
             ended(&mut rank_0, Duration::from_secs(120))
         }));
         let _ = rank_1.kill();
-        rank_1.wait().unwrap();
+        let (_, out_1, err_1) = ended(&mut rank_1, Duration::from_secs(10));
         let (status, _, err) = ending.unwrap_or_else(|e| std::panic::resume_unwind(e));
-        assert_eq!(status.code(), Some(STALLED_EXIT_CODE), "{task}: {err}");
+        assert_eq!(
+            status.code(),
+            Some(STALLED_EXIT_CODE),
+            "{task}: {err}\nrank 1: {out_1}\n{err_1}"
+        );
         assert!(
             err.contains("rank 0: the ranks dividing the model made no progress"),
             "{task}: {err}"
