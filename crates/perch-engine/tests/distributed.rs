@@ -457,7 +457,8 @@ fn load_peaks(split: Division, dir: &Path) -> serde_json::Value {
 /// request's start it came (a tiny model's first tokens take milliseconds; rank 0 may meet the
 /// loss before its own third token, waiting for rank 1's part of it).
 ///
-/// With `stalls`, rank 1 pauses itself (SIGSTOP) instead: alive, its sockets open.
+/// With `stalls`, rank 1 stops answering instead (it blocks in its token callback): alive, its
+/// sockets open.
 fn dies_mid_request(split: Division, models: &Path, stalls: bool) -> serde_json::Value {
     let dir = first_model(models);
     let model = models::load_divided(&dir, &split).unwrap();
@@ -470,9 +471,11 @@ fn dies_mid_request(split: Division, models: &Path, stalls: bool) -> serde_json:
         tokens += 1;
         if tokens == 3 && split.rank() == 1 {
             if stalls {
+                // Stuck: alive, its sockets open, answering nothing.
                 std::fs::write(decoding_marker(&dir), b"").unwrap();
-                let own = std::process::id().to_string();
-                let _ = Command::new("kill").args(["-STOP", &own]).status();
+                loop {
+                    std::thread::sleep(Duration::from_secs(3600));
+                }
             }
             std::process::exit(0);
         }
@@ -1721,9 +1724,10 @@ fn a_rank_that_stops_answering_ends_the_group_within_its_stall_limit() {
     }
 }
 
-/// A rank that pauses itself (SIGSTOP) after its third token of a greedy generation, either
-/// split: the other rank's watchdog ends it within the stall limit (4 s here) with its
-/// sentence and status, after the pause (rank 1's marker), never a hang.
+/// A rank that stops answering after its third token of a greedy generation (it blocks in its
+/// token callback), either split: rank 0's watchdog ends it within the stall limit (4 s; rank
+/// 1's is 60 s, so that rank 1 does not end first) with its sentence and status, after rank 1
+/// stopped (its marker), never a hang.
 #[test]
 fn a_rank_that_stops_answering_mid_request_ends_the_other() {
     use perch_engine::distributed::{STALLED_EXIT_CODE, STALL_LIMIT_ENV};
@@ -1733,11 +1737,13 @@ fn a_rank_that_stops_answering_mid_request_ends_the_other() {
     for task in ["tensor_parallel_stalls", "pipeline_parallel_stalls"] {
         let _ = std::fs::remove_file(&marker);
         let hosts = hostfile(dir.path(), 2);
-        let env = [
-            (MODELS_ENV, models.as_path()),
-            (STALL_LIMIT_ENV, Path::new("4")),
-        ];
-        let [mut rank_0, mut rank_1] = [0, 1].map(|r| spawn_rank_with(r, &hosts, task, &env));
+        let [mut rank_0, mut rank_1] = [(0, "4"), (1, "60")].map(|(r, limit)| {
+            let env = [
+                (MODELS_ENV, models.as_path()),
+                (STALL_LIMIT_ENV, Path::new(limit)),
+            ];
+            spawn_rank_with(r, &hosts, task, &env)
+        });
         let ending = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             ended(&mut rank_0, Duration::from_secs(120))
         }));
