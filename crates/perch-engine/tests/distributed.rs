@@ -1671,12 +1671,15 @@ fn a_rank_that_dies_under_the_batch_engine_ends_its_requests() {
 #[test]
 fn a_rank_that_stops_answering_ends_the_group_within_its_stall_limit() {
     use perch_engine::distributed::{STALLED_EXIT_CODE, STALL_LIMIT_ENV};
+    // Through libc, not the `kill` program (procps may be missing on a clean machine).
     let signal = |child: &Child, name: &str| {
-        let sent = Command::new("kill")
-            .args([name, &child.id().to_string()])
-            .status()
-            .unwrap();
-        assert!(sent.success(), "kill {name}");
+        let number = match name {
+            "-STOP" => libc::SIGSTOP,
+            _ => libc::SIGKILL,
+        };
+        // SAFETY: a plain system call on a child this test started and has not reaped.
+        let sent = unsafe { libc::kill(child.id() as libc::pid_t, number) };
+        assert_eq!(sent, 0, "kill {name}");
     };
     for paused in [1, 0] {
         let dir = tempfile::tempdir().unwrap();
