@@ -135,8 +135,8 @@ pub fn load(
     let division = join(split, group)?;
     let rank = division.rank();
     let model = load_part(dir, &division)?;
-    // After every rank loaded its part: the ranks meet here, so that no rank's watchdog counts
-    // another's slower load as a stall once generation starts.
+    // Every rank has loaded its part (`load_divided` ends with the ranks meeting), so no rank's
+    // watchdog counts another's slower load as a stall once generation starts.
     let mine = seed.unwrap_or_else(|| {
         std::collections::hash_map::RandomState::new()
             .build_hasher()

@@ -636,14 +636,16 @@ pub fn launch(
         ),
     };
     // The hostfile's variables first, as mlx.launch sets them: the backend's own win. This
-    // machine's stall limit goes to every rank (remote ones get no other environment).
-    let stall_limit = std::env::var(perch_engine::distributed::STALL_LIMIT_ENV)
-        .ok()
-        .map(|v| (perch_engine::distributed::STALL_LIMIT_ENV.to_owned(), v));
+    // machine's stall and load limits go to every rank (remote ones get no other environment).
+    use perch_engine::distributed::{LOAD_LIMIT_ENV, STALL_LIMIT_ENV};
+    let limits: Vec<(String, String)> = [STALL_LIMIT_ENV, LOAD_LIMIT_ENV]
+        .into_iter()
+        .filter_map(|name| std::env::var(name).ok().map(|v| (name.to_owned(), v)))
+        .collect();
     for setup in &mut setups {
         setup
             .env
-            .splice(0..0, envs.iter().cloned().chain(stall_limit.clone()));
+            .splice(0..0, envs.iter().cloned().chain(limits.iter().cloned()));
     }
     let exe = std::env::current_exe().context("finding this perch executable")?;
     let args = rank_args(std::env::args_os().skip(1), backend);

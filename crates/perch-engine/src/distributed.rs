@@ -31,11 +31,28 @@ pub const STALL_LIMIT_ENV: &str = "PERCH_GROUP_STALL_SECS";
 /// `PERCH_GROUP_STALL_SECS` when it is a number of seconds (at least 1 s), else 300 s, more
 /// than a long prompt pass of a large model or a warm-up shape's first compilation takes.
 pub fn stall_limit() -> Duration {
-    std::env::var(STALL_LIMIT_ENV)
+    limit_from_env(STALL_LIMIT_ENV, Duration::from_secs(300))
+}
+
+/// The environment variable setting [`load_limit`] in seconds.
+pub const LOAD_LIMIT_ENV: &str = "PERCH_GROUP_LOAD_SECS";
+
+/// How long a rank waits for the others where the ranks meet while loading
+/// ([`crate::models::load_divided`]: comparing their copies of the model before reading it, and
+/// once every rank has loaded its part): `PERCH_GROUP_LOAD_SECS` when it is a number of seconds
+/// (at least 1 s), else 1,800 s. A wait covers how much longer the slowest rank takes, so the
+/// limit allows a slower disk on one host; past it the waiting rank ends ([`Watchdog`]).
+pub fn load_limit() -> Duration {
+    limit_from_env(LOAD_LIMIT_ENV, Duration::from_secs(1800))
+}
+
+/// `name`'s value as seconds (at least 1 s), or `default` when it is unset or not a number.
+fn limit_from_env(name: &str, default: Duration) -> Duration {
+    std::env::var(name)
         .ok()
         .and_then(|v| v.trim().parse::<f64>().ok())
         .and_then(|s| Duration::try_from_secs_f64(s).ok())
-        .map_or(Duration::from_secs(300), |d| d.max(Duration::from_secs(1)))
+        .map_or(default, |d| d.max(Duration::from_secs(1)))
 }
 
 /// The exit status of a rank ended by its [`Watchdog`].
@@ -69,9 +86,29 @@ pub struct Watchdog {
     armed: Arc<AtomicBool>,
 }
 
+/// What a [`Watchdog`] watches, for its message.
+#[derive(Clone, Copy)]
+enum Watched {
+    /// The group computing: its limit is [`stall_limit`].
+    Progress,
+    /// The ranks meeting while loading: its limit is [`load_limit`].
+    Loading,
+}
+
 impl Watchdog {
-    /// Watches from now.
+    /// Watches the group's progress from now.
     pub fn start(rank: usize, limit: Duration) -> Self {
+        Self::watching(rank, limit, Watched::Progress)
+    }
+
+    /// Watches a meeting of the ranks while they load their parts (nothing notes progress
+    /// meanwhile, so the limit counts from now): past `limit` this rank ends as
+    /// [`Watchdog::start`]'s does, saying the other ranks did not get there.
+    pub fn waiting_while_loading(rank: usize, limit: Duration) -> Self {
+        Self::watching(rank, limit, Watched::Loading)
+    }
+
+    fn watching(rank: usize, limit: Duration, kind: Watched) -> Self {
         note_progress();
         let armed = Arc::new(AtomicBool::new(true));
         let watched = Arc::downgrade(&armed);
@@ -87,11 +124,20 @@ impl Watchdog {
                 let last = Duration::from_millis(LAST_PROGRESS_MS.load(Ordering::Relaxed));
                 let idle = progress_epoch().elapsed().saturating_sub(last);
                 if idle > limit {
+                    let (what, env) = match kind {
+                        Watched::Progress => (
+                            "the ranks dividing the model made no progress for",
+                            STALL_LIMIT_ENV,
+                        ),
+                        Watched::Loading => (
+                            "the ranks loading the model did not all reach this point in",
+                            LOAD_LIMIT_ENV,
+                        ),
+                    };
                     eprintln!(
-                        "perch: rank {rank}: the ranks dividing the model made no progress for \
-                         {:.0} s (a rank stopped answering: paused, stuck, its host frozen or its \
-                         engine gone); ending this rank so that the others stop too (the limit: \
-                         {STALL_LIMIT_ENV}, {:.0} s)",
+                        "perch: rank {rank}: {what} {:.0} s (a rank stopped answering: paused, \
+                         stuck, its host frozen or its engine gone); ending this rank so that \
+                         the others stop too (the limit: {env}, {:.0} s)",
                         idle.as_secs_f64(),
                         limit.as_secs_f64()
                     );

@@ -278,6 +278,22 @@ fn run_rank(task: String) {
         println!("{result}");
         return;
     }
+    if task == "load_stalls" {
+        // Rank 1 never gets to load: alive, its sockets open, answering nothing.
+        let division = Division::Tensor(TensorParallel::new(group));
+        if division.rank() == 1 {
+            loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            }
+        }
+        let dir = first_model(&PathBuf::from(std::env::var(MODELS_ENV).unwrap()));
+        let loaded = models::load_divided(&dir, &division).map(|_| ());
+        println!(
+            "{}",
+            serde_json::json!({ "loaded": loaded.map_err(|e| e.to_string()) })
+        );
+        return;
+    }
     if task == "load" {
         // Its stage of its own copy of the model (MODELS_ENV), and MLX's peak meanwhile.
         use perch_engine::device::{memory_stats, reset_peak_memory};
@@ -1767,6 +1783,37 @@ fn a_rank_that_stops_answering_mid_request_ends_the_other() {
             "{task}: rank 0 ended before rank 1 paused: {err}"
         );
     }
+}
+
+/// A rank that never gets to load its part (alive, its sockets open) ends the rank waiting for
+/// it where the ranks meet while loading, within the load limit (`PERCH_GROUP_LOAD_SECS`, 3 s
+/// here), with the watchdog's sentence and status, never a hang.
+#[test]
+fn a_rank_that_never_loads_ends_the_group_within_its_load_limit() {
+    use perch_engine::distributed::{LOAD_LIMIT_ENV, STALLED_EXIT_CODE};
+    let dir = tempfile::tempdir().unwrap();
+    let models = tiny_models(dir.path(), "llama3-rope");
+    let hosts = hostfile(dir.path(), 2);
+    let env = [
+        (MODELS_ENV, models.as_path()),
+        (LOAD_LIMIT_ENV, Path::new("3")),
+    ];
+    let [mut rank_0, mut rank_1] = [0, 1].map(|r| spawn_rank_with(r, &hosts, "load_stalls", &env));
+    let start = Instant::now();
+    let ending = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ended(&mut rank_0, Duration::from_secs(60))
+    }));
+    let seconds = start.elapsed().as_secs_f32();
+    let _ = rank_1.kill();
+    let _ = rank_1.wait();
+    let (status, out, err) = ending.unwrap_or_else(|e| std::panic::resume_unwind(e));
+    assert_eq!(status.code(), Some(STALLED_EXIT_CODE), "{out}\n{err}");
+    assert!(
+        err.contains("rank 0: the ranks loading the model did not all reach this point"),
+        "{err}"
+    );
+    assert!(err.contains(LOAD_LIMIT_ENV), "{err}");
+    assert!((3.0..30.0).contains(&seconds), "{seconds} s");
 }
 
 /// Loading one stage of two (`models::load_divided`) reads and keeps only that stage's layers:

@@ -429,10 +429,43 @@ pub fn load_with_progress(
 /// dividing it after.
 ///
 /// Every rank must hold the same model: before any weight is read, the ranks compare their
-/// copies ([`same_model_on_every_rank`]) and all refuse alike when they differ.
+/// copies ([`same_model_on_every_rank`]) and all refuse alike when they differ. After loading,
+/// the ranks meet again ([`every_rank_loaded`]): a rank that failed to load fails every rank
+/// alike, and none starts computing before the slowest has its part. Where the ranks meet, each
+/// waits for the others at most [`crate::distributed::load_limit`] (a rank stuck loading, or
+/// gone, would otherwise hold the others for ever): past it the waiting rank ends
+/// ([`crate::distributed::Watchdog::waiting_while_loading`]).
 pub fn load_divided(model_dir: &Path, division: &Division) -> Result<Box<dyn Model>> {
-    same_model_on_every_rank(model_dir, division.group())?;
-    load_part(model_dir, Some(division), &mut |_| {})
+    let group = division.group();
+    let meeting = || {
+        crate::distributed::Watchdog::waiting_while_loading(
+            group.rank(),
+            crate::distributed::load_limit(),
+        )
+    };
+    {
+        let _meeting = meeting();
+        same_model_on_every_rank(model_dir, group)?;
+    }
+    let loaded = load_part(model_dir, Some(division), &mut |_| {});
+    let _meeting = meeting();
+    every_rank_loaded(group, loaded)
+}
+
+/// The ranks' meeting after each loaded its part: `loaded` when every rank's load succeeded;
+/// this rank's own error when it failed; else an error naming the ranks that failed (each
+/// reports its own).
+fn every_rank_loaded(group: &Group, loaded: Result<Box<dyn Model>>) -> Result<Box<dyn Model>> {
+    let all = group.all_gather_bytes(&[u8::from(loaded.is_ok())])?;
+    let model = loaded?;
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| all[r][0] == 0).collect();
+    match failed.is_empty() {
+        true => Ok(model),
+        false => Err(EngineError::Distributed(format!(
+            "{} could not load its part of the model (its own error says why)",
+            ranks(&failed)
+        ))),
+    }
 }
 
 /// The files besides `config.json` that decide what a rank feeds the model and when it stops:
