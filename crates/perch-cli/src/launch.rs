@@ -19,58 +19,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+use perch_hub::hosts::{self, is_local, is_plain, Host, SSH_FAILED, SSH_OPTIONS};
+
 use crate::distributed::BackendArg;
 
-/// Where a rank runs: `ssh`'s destination (`user@host` or `host`), the host's name or address
-/// (`host`: this machine when it is `localhost` or `127.0.0.1`), and from a hostfile the
-/// addresses its rank listens on (`ips`: ring's, and where the others meet rank 0; `host`
-/// when none are given) and the RDMA devices reaching each other rank (`rdma`, JACCL's: for each
-/// rank `null`, a device name or a list of names).
-#[derive(Debug, PartialEq)]
-struct Host {
-    login: String,
-    address: String,
-    ips: Vec<String>,
-    rdma: Vec<serde_json::Value>,
-}
-
-impl Host {
-    /// The addresses this host's rank listens on: its hostfile `ips`, else its name.
-    fn listens_on(&self) -> Vec<&str> {
-        match self.ips.is_empty() {
-            true => vec![self.address.as_str()],
-            false => self.ips.iter().map(String::as_str).collect(),
-        }
-    }
-}
-
-/// A name or IPv4 address of letters, digits, `.`, `-` and `_`, not starting with `-` (which
-/// `ssh` would read as an option).
-fn is_plain(s: &str) -> bool {
-    !s.is_empty()
-        && !s.starts_with('-')
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
-}
-
-/// `host` or `user@host`, each a name or IPv4 address of letters, digits, `.`, `-` and `_`
-/// (MLX's ring splits an address at its first colon, and nothing here passes through a shell
-/// unquoted).
+/// `host` or `user@host` (`perch_hub::hosts::Host::parse`), as `--hosts` names it.
 fn parse_host(spec: &str) -> anyhow::Result<Host> {
-    let address = match spec.split_once('@') {
-        Some((user, address)) if is_plain(user) => address,
-        Some(_) => "",
-        None => spec,
-    };
-    if !is_plain(address) {
-        bail!("--hosts: {spec:?} is not a host name or IPv4 address (or user@host)");
-    }
-    Ok(Host {
-        login: spec.to_owned(),
-        address: address.to_owned(),
-        ips: Vec::new(),
-        rdma: Vec::new(),
-    })
+    Host::parse(spec).map_err(|why| anyhow::anyhow!("--hosts: {why}"))
 }
 
 /// A group read from a hostfile in `mlx.launch`'s format (what `mlx.distributed_config`
@@ -189,92 +144,11 @@ impl Hostfile {
     }
 }
 
-/// A host this process starts its rank on directly.
-fn is_local(address: &str) -> bool {
-    matches!(address, "localhost" | "127.0.0.1")
-}
-
 /// Each machine of a group (`perch search --hosts` or `--hostfile`): its RAM in bytes and the
-/// ranks it would run, in order of first mention. One machine for all of `localhost` and `127.0.0.1`
-/// (this one's memory), one per address otherwise (`user@host` and `host` are the same
-/// machine), whose RAM is read over `ssh` as the launcher reaches hosts (`sysctl hw.memsize` on
-/// macOS, `MemTotal` of `/proc/meminfo` on Linux). Errors name a host that is not a host name
-/// or whose memory could not be read.
+/// ranks it would run, in order of first mention (`perch_hub::hosts::group_memory`). Errors name
+/// a host that is not a host name or whose memory could not be read.
 pub fn group_memory(group: GroupSpec<'_>) -> anyhow::Result<Vec<(u64, usize)>> {
-    let hosts = group.read()?.hosts;
-    machines(&hosts)
-        .iter()
-        .map(|(host, ranks)| Ok((memory_bytes(host)?, *ranks)))
-        .collect()
-}
-
-/// Whether two hosts are one machine: the same name, or both this one.
-fn same_machine(a: &Host, b: &Host) -> bool {
-    a.address == b.address || (is_local(&a.address) && is_local(&b.address))
-}
-
-/// The machines of a group and the ranks each runs ([`group_memory`]), in order of first
-/// mention.
-fn machines(hosts: &[Host]) -> Vec<(&Host, usize)> {
-    let mut machines: Vec<(&Host, usize)> = Vec::new();
-    for host in hosts {
-        match machines.iter_mut().find(|(h, _)| same_machine(h, host)) {
-            Some((_, ranks)) => *ranks += 1,
-            None => machines.push((host, 1)),
-        }
-    }
-    machines
-}
-
-/// How the launcher runs `ssh`: never asking for a password (a rank cannot answer), giving up on
-/// a host that does not answer within 10 s, and on a connection whose host stops answering for
-/// 15 s (three keep-alives 5 s apart), so that an unreachable or lost host ends a launch within
-/// seconds rather than after the system's TCP timeouts (`ssh` then exits with [`SSH_FAILED`]).
-const SSH_OPTIONS: [&str; 8] = [
-    "-o",
-    "BatchMode=yes",
-    "-o",
-    "ConnectTimeout=10",
-    "-o",
-    "ServerAliveInterval=5",
-    "-o",
-    "ServerAliveCountMax=3",
-];
-
-/// The status `ssh` exits with when it fails itself, rather than passing on its command's.
-const SSH_FAILED: i32 = 255;
-
-/// `host`'s RAM in bytes ([`group_memory`]).
-fn memory_bytes(host: &Host) -> anyhow::Result<u64> {
-    if is_local(&host.address) {
-        return Ok(perch_hub::total_memory_bytes());
-    }
-    // Through `sh`, whatever the login shell on that host.
-    let read =
-        "sysctl -n hw.memsize 2>/dev/null || awk '/^MemTotal:/ { print $2, $3 }' /proc/meminfo";
-    let read = shlex::try_quote(read).context("a shell command that quotes")?;
-    let output = Command::new("ssh")
-        .args(SSH_OPTIONS)
-        .arg(&host.login)
-        .arg(format!("sh -c {read}"))
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running ssh to {}", host.login))?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let bytes = match text.trim().split_once(' ') {
-        Some((kib, "kB")) => kib.parse::<u64>().ok().map(|k| k.saturating_mul(1024)),
-        Some(_) => None,
-        None => text.trim().parse::<u64>().ok(),
-    };
-    bytes
-        .filter(|&b| output.status.success() && b > 0)
-        .with_context(|| {
-            format!(
-                "{}: its memory could not be read over ssh ({})",
-                host.login,
-                String::from_utf8_lossy(&output.stderr).trim()
-            )
-        })
+    hosts::group_memory(&group.read()?.hosts).map_err(anyhow::Error::msg)
 }
 
 /// The ring backend's hostfile for `hosts`: each rank's addresses ([`Host::listens_on`]) in
@@ -509,7 +383,7 @@ fn nccl_setups(
     for (rank, host) in hosts.iter().enumerate() {
         let index = hosts[..rank]
             .iter()
-            .filter(|h| same_machine(h, host))
+            .filter(|h| h.same_machine(host))
             .count();
         let device = match (is_local(&host.address), visible.get(index)) {
             (true, Some(device)) => (*device).to_owned(),
@@ -874,15 +748,9 @@ mod tests {
             .map(|(_, v)| v.clone())
     }
 
+    /// `--hosts` read as a group: this machine's memory for local names, bad names refused.
     #[test]
     fn hosts_name_machines() {
-        let hosts = parse_all(&["127.0.0.1", "me@h1", "localhost", "h1", "h2"]);
-        let named: Vec<(&str, usize)> = machines(&hosts)
-            .into_iter()
-            .map(|(h, ranks)| (h.login.as_str(), ranks))
-            .collect();
-        assert_eq!(named, [("127.0.0.1", 2), ("me@h1", 2), ("h2", 1)]);
-        // Local names only (no ssh here): one machine of three ranks, this one's memory.
         let hosts: Vec<String> = ["127.0.0.1", "localhost", "127.0.0.1"]
             .map(String::from)
             .to_vec();
@@ -894,7 +762,8 @@ mod tests {
             let hosts = ["127.0.0.1".to_owned(), bad.to_owned()];
             let refused = group_memory(GroupSpec::List(&hosts)).unwrap_err();
             assert!(
-                refused.to_string().contains("is not a host name"),
+                refused.to_string().contains("--hosts: \"")
+                    && refused.to_string().contains("is not a host name"),
                 "{bad}: {refused}"
             );
         }
@@ -921,11 +790,6 @@ mod tests {
             hostfile(&hosts, 5000).unwrap(),
             r#"[["10.0.1.0:5000","10.0.2.0:5001"],["10.0.1.1:5002","10.0.2.1:5003"],["10.0.1.2:5004","10.0.2.2:5005"]]"#
         );
-        for bad in ["", "a b", "h;rm", "fe80::1", "@h", "u@", "$(x)"] {
-            let error = parse_host(bad).unwrap_err().to_string();
-            assert!(error.contains("is not a host name"), "{bad:?}: {error}");
-        }
-        assert!(is_local("127.0.0.1") && is_local("localhost") && !is_local("127.0.0.2"));
     }
 
     /// mlx.launch's hostfile, as an object or a list of hosts; what is wrong in it is named.

@@ -21,6 +21,7 @@ mod error;
 #[cfg(feature = "fake-hub")]
 pub mod fake_hub;
 mod fit;
+pub mod hosts;
 mod hub;
 mod local;
 
