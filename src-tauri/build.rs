@@ -38,6 +38,8 @@ fn main() {
         "download_model",
         "cancel_download",
         "server_status",
+        "check_hosts",
+        "hosts_status",
     ];
     tauri_build::try_build(
         tauri_build::Attributes::new()

@@ -30,7 +30,7 @@ pub const VIEWS: [&str; 4] = ["chat", "dashboard", "models", "settings"];
 /// Commands and state over `store`, without tray or windows: what tests build on
 /// `tauri::test::mock_builder`.
 pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> tauri::Builder<R> {
-    use commands::{chat, hub, model, server, settings, system};
+    use commands::{chat, hosts, hub, model, server, settings, system};
     let state = AppState::default();
     let local_server = server::LocalServer::new(state.served());
     builder
@@ -38,6 +38,7 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
         .manage(local_server)
         .manage(system::SystemMonitor::default())
         .manage(hub::Downloads::default())
+        .manage(hosts::GroupMemory::default())
         .manage(store)
         .invoke_handler(tauri::generate_handler![
             model::list_models,
@@ -67,6 +68,8 @@ pub fn with_commands<R: Runtime>(builder: tauri::Builder<R>, store: Store) -> ta
             hub::partial_downloads,
             hub::discard_partial_download,
             server::server_status,
+            hosts::check_hosts,
+            hosts::hosts_status,
         ])
 }
 

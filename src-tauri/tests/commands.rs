@@ -186,6 +186,42 @@ fn list_models_finds_perch_and_hugging_face_models() {
     assert_eq!(models[1]["architecture_note"], Value::Null);
     // A 100 MB model and the default KV budget in 16 GiB of RAM.
     assert_eq!(models[1]["fit"], "fits");
+    // No hosts in the settings: no group to judge it against.
+    assert_eq!(models[1]["group_fit"], Value::Null);
+
+    // Settings → Hosts: this machine under two names is one machine running both ranks; until
+    // the hosts are read there is no reading and no group fit, then the model fits the group.
+    let mut settings = invoke(&window, "get_settings", json!({})).unwrap()["settings"].clone();
+    settings["hosts"] = json!(["127.0.0.1", "localhost"]);
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    assert_eq!(invoke(&window, "hosts_status", json!({})), Ok(Value::Null));
+    let models = invoke(&window, "list_models", json!({})).unwrap();
+    assert_eq!(models[1]["group_fit"], Value::Null, "{models}");
+    let hosts = invoke(&window, "check_hosts", json!({})).unwrap();
+    assert_eq!(hosts["machines"].as_array().unwrap().len(), 1, "{hosts}");
+    assert_eq!(hosts["machines"][0]["login"], "127.0.0.1");
+    assert_eq!(hosts["machines"][0]["ranks"], 2);
+    assert_eq!(hosts["machines"][0]["share"], 1.0);
+    assert!(
+        hosts["machines"][0]["memory_bytes"].as_u64().unwrap() > 0,
+        "{hosts}"
+    );
+    assert_eq!(invoke(&window, "hosts_status", json!({})), Ok(hosts));
+    let models = invoke(&window, "list_models", json!({})).unwrap();
+    assert_eq!(models[1]["group_fit"], "fits", "{models}");
+    // Another list: the reading is of the old one.
+    settings["hosts"] = json!(["127.0.0.1"]);
+    invoke(&window, "save_settings", json!({"settings": settings})).unwrap();
+    assert_eq!(invoke(&window, "hosts_status", json!({})), Ok(Value::Null));
+    settings["hosts"] = json!(["-oProxyCommand=x"]);
+    let error = invoke(&window, "save_settings", json!({"settings": settings})).unwrap_err();
+    assert!(
+        error["message"]
+            .as_str()
+            .unwrap()
+            .contains("is not a host name"),
+        "{error}"
+    );
 
     // Deleting: a path that is not a listed model is refused; a model's directory goes (its
     // bytes freed); a link to a model elsewhere loses only the link.

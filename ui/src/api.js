@@ -61,6 +61,10 @@ export const api = {
   discardPartialDownload: (repoId) => invoke("discard_partial_download", { repoId }),
   // The local API server (commands/server.rs): {running, url, requests, served, api_key, allow_lan}
   serverStatus: () => invoke("server_status"),
+  /** Reads the memory of the saved hosts' machines over ssh (HostsView of src-tauri's hosts.rs). */
+  checkHosts: () => invoke("check_hosts"),
+  /** The last reading of the saved hosts, or null. */
+  hostsStatus: () => invoke("hosts_status"),
   // System (commands/system.rs)
   systemStats: () => invoke("system_stats"),
   // Conversations and chat (commands/chat.rs)

@@ -96,6 +96,25 @@ export function decimalBytes(bytes) {
   return unit === 0 ? `${bytes} B` : `${value.toFixed(value < 10 ? 1 : 0)} ${units[unit]}`;
 }
 
+/**
+ * What `MemoryFit` means for a model divided over the hosts of Settings → Hosts (`group_fit`);
+ * "" without hosts or a reading of them (null).
+ */
+export function describeGroupFit(fit) {
+  switch (fit) {
+    case "fits":
+      return "fits your hosts";
+    case "tight":
+      return "fits your hosts with a smaller KV cache";
+    case "too_large":
+      return "too large for your hosts";
+    case "unknown":
+      return "fit on your hosts unknown";
+    default:
+      return "";
+  }
+}
+
 /** What `MemoryFit` (perch-hub's fit.rs) means for the user. */
 export function describeFit(fit) {
   switch (fit) {

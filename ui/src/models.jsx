@@ -7,7 +7,7 @@
 import { useImperativeHandle, useRef, useState } from "preact/hooks";
 import { DownloadProgress } from "./download-progress.jsx";
 import { ErrorMessage } from "./error-message.jsx";
-import { decimalBytes, describeContext, describeFit, mib } from "./format.js";
+import { decimalBytes, describeContext, describeFit, describeGroupFit, mib } from "./format.js";
 import { useConfirm } from "./hooks.js";
 
 /** Where a local model was found (`ModelSource` of perch-hub). */
@@ -51,6 +51,7 @@ function LocalModel({ model, onLoad, onDelete }) {
   return (
     <li>
       {`${model.name} (${model.model_type ?? "?"}${bits}, ${mib(model.size_bytes)}, ${source}) `}
+      {model.group_fit && <span class={`details fit-${model.group_fit}`}>{`${describeGroupFit(model.group_fit)} `}</span>}
       {model.vision && <span class="badge vision">Sees images</span>}{model.vision && " "}
       {/* A model of an architecture Perch does not run says so, and which ones it runs. */}
       <button type="button" disabled={Boolean(model.architecture_note)} onClick={() => onLoad(model.path)}>Load</button>{" "}
@@ -66,7 +67,8 @@ function LocalModel({ model, onLoad, onDelete }) {
 function Result({ model, progress, snapshot, failed, failure, onDownload, onCancel, onLoad }) {
   const size = model.weights_bytes == null ? "size unknown" : decimalBytes(model.weights_bytes);
   const architecture = model.model_type ? ` · ${model.model_type}` : "";
-  const details = ` ${size} · ${describeFit(model.fit)}${describeContext(model.context_tokens)} · ${model.downloads.toLocaleString()} downloads${architecture} `;
+  const group = describeGroupFit(model.group_fit);
+  const details = ` ${size} · ${describeFit(model.fit)}${group && `, ${group}`}${describeContext(model.context_tokens)} · ${model.downloads.toLocaleString()} downloads${architecture} `;
   return (
     <li data-repo={model.id}>
       <span class="repo">{model.id}</span>
@@ -247,7 +249,7 @@ export function ModelsView({ api, visible, inert, onLoad, onUnload, handle }) {
 
   // The results the filters keep ("Fits in memory", "Runs in Perch"); a download under way always shows.
   const shown = results.filter(
-    (model) => downloads.has(model.id) || ((!filters.fits || model.fit === "fits") && (!filters.supported || !model.architecture_note)),
+    (model) => downloads.has(model.id) || ((!filters.fits || model.fit === "fits" || model.group_fit === "fits") && (!filters.supported || !model.architecture_note)),
   );
   const hidden = results.length - shown.length;
   const models = Array.isArray(local) ? local : [];
@@ -316,7 +318,7 @@ export function ModelsView({ api, visible, inert, onLoad, onUnload, handle }) {
         <label class="check" title="A branch, tag or commit; main when empty">Revision to download <input type="text" id="hub-revision" ref={revisionField} size="12" placeholder="main" /></label>
       </div>
       <div class="row" role="group" aria-label="Show only">
-        <label class="check"><input type="checkbox" id="hub-only-fits" onChange={filter("fits")} /> Fits in memory</label>
+        <label class="check" title="In this machine's memory, or divided over your hosts (Settings → Hosts)"><input type="checkbox" id="hub-only-fits" onChange={filter("fits")} /> Fits in memory</label>
         <label class="check"><input type="checkbox" id="hub-only-supported" onChange={filter("supported")} /> Runs in Perch</label>
       </div>
       <div id="hub-message" role="status"><Said said={message} /></div>

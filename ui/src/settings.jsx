@@ -5,6 +5,7 @@
 
 import { useImperativeHandle, useRef, useState } from "preact/hooks";
 import { ErrorMessage } from "./error-message.jsx";
+import { HostsReading } from "./hosts.jsx";
 import { getPath, readInput, setPath, writeInput, SAMPLING_DEFAULT_FIELDS } from "./form.js";
 import { PRESET_CHOICES } from "./presets.js";
 import { useSampling } from "./sampling.js";
@@ -160,6 +161,10 @@ export function SettingsView({ api, visible, inert, handle }) {
             <label class="check wide"><input type="checkbox" data-setting="server.allow_lan" /> Allow other devices on the network</label>
             <label class="check wide"><input type="checkbox" data-setting="server.any_model_name" /> Answer to any model name (coding agents send their own, such as <code>claude-…</code>)</label>
             <label class="wide">Other names for the model <input type="text" data-type="list" data-setting="server.model_aliases" placeholder="none: e.g. claude-sonnet-4-5, gpt-4o" autocomplete="off" /></label>
+            <h3 class="wide">Hosts</h3>
+            <p class="wide hint">Machines a model too large for one can be divided over (<code>perch serve --hosts</code>), reached with ssh keys; rank 0 first, a machine named twice runs two ranks.</p>
+            <label class="wide">Hosts <input type="text" data-type="list" data-setting="hosts" placeholder="none: e.g. localhost, me@studio.local" autocomplete="off" /></label>
+            <HostsReading api={api} saved={view?.settings?.hosts} />
           </div>
         </details>
         <div class="row wide">

@@ -15,6 +15,7 @@ export function fakeApi(overrides = {}) {
       sampling: { temperature: 0.7, top_p: 0.9, top_k: 40, min_p: 0.05, repetition_penalty: 1, logit_bias: {}, seed: null } },
     kv_cache_bytes: 2 ** 31, block_size: 32, models_dir: null, launch_at_login: false, shortcut: "",
     server: { enabled: false, port: 8080, api_key: null, allow_lan: false, any_model_name: false, model_aliases: [] },
+    hosts: [],
   };
   return {
     emit,
@@ -32,6 +33,8 @@ export function fakeApi(overrides = {}) {
     partialDownloads: vi.fn(async () => []),
     discardPartialDownload: vi.fn(async () => 0),
     serverStatus: vi.fn(async () => ({ running: false, url: null, requests: 0, served: 0, api_key: false, allow_lan: false })),
+    checkHosts: vi.fn(async () => ({ hosts: [], machines: [], memory_bytes: null })),
+    hostsStatus: vi.fn(async () => null),
     systemStats: vi.fn(async () => ({ ram_used_bytes: 4e9, ram_total_bytes: 16e9, usable_memory_bytes: 12e9, process_rss_bytes: 1e8 })),
     listConversations: vi.fn(async () => []),
     createConversation: vi.fn(async () => ({ id: 1, title: "New chat" })),

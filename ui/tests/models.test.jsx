@@ -250,6 +250,27 @@ describe("ModelsView", () => {
     expect(document.getElementById("hub-hidden").textContent).toBe("");
   });
 
+  it("judges models against the hosts too, and keeps those that fit them under the fit filter", async () => {
+    const api = {
+      ...fakeApi(),
+      listModels: async () => [{ name: "SmolLM2", path: "/m/SmolLM2", model_type: "llama", quantization_bits: 4, size_bytes: 2 ** 27, source: "perch", group_fit: "fits" }],
+      searchModels: async () => [
+        { ...QWEN, group_fit: "fits" },
+        { ...BIG, weights_bytes: 140e9, fit: "too_large", group_fit: "tight" },
+        { ...BIG, id: "mlx-community/Huge-400B", weights_bytes: 800e9, fit: "too_large", group_fit: "fits" },
+      ],
+    };
+    const { show } = setUp(api);
+    await show();
+    expect(document.querySelector("#models li").textContent).toContain("fits your hosts");
+    expect(results()[1].textContent).toContain("140 GB · too large for this machine, fits your hosts with a smaller KV cache · 5 downloads");
+    expect(results()[2].textContent).toContain("800 GB · too large for this machine, fits your hosts · 5 downloads");
+    const box = document.getElementById("hub-only-fits");
+    box.checked = true;
+    fireEvent.change(box);
+    expect(results().map((li) => li.dataset.repo)).toEqual([QWEN.id, "mlx-community/Huge-400B"]);
+  });
+
   it("downloads the revision asked for", async () => {
     const api = fakeApi();
     const { show } = setUp(api);

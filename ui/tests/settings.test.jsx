@@ -231,4 +231,53 @@ describe("SettingsView", () => {
     await act(() => new Promise((resolve) => setTimeout(resolve, 0)));
     expect(saved[0].chat).toMatchObject({ sampling_source: "custom", sampling: { temperature: 0 } });
   });
+
+  it("lists hosts, reads their memory on demand and shows each one's share", async () => {
+    const settings = { chat: { sampling_source: "custom", sampling: {}, max_tokens: 1024 }, server: {}, hosts: ["studio.local", "me@mini.local", "studio.local"] };
+    const reading = {
+      hosts: settings.hosts,
+      memory_bytes: null,
+      machines: [
+        { login: "studio.local", ranks: 2, memory_bytes: 192e9, error: null, share: 2 / 3 },
+        { login: "me@mini.local", ranks: 1, memory_bytes: null, error: "me@mini.local: its memory could not be read over ssh (timed out)", share: 1 / 3 },
+      ],
+    };
+    let answer;
+    const api = {
+      getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+      saveSettings: async (s) => ({ settings: s, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+      hostsStatus: async () => null,
+      checkHosts: () => new Promise((resolve) => (answer = resolve)),
+    };
+    const { load } = setUp(api);
+    await load();
+    expect(field("hosts").value).toBe("studio.local, me@mini.local, studio.local");
+    expect(document.querySelector("#hosts-reading code").textContent).toBe(
+      "perch serve --model MODEL --distributed tensor --hosts studio.local,me@mini.local,studio.local",
+    );
+    expect(document.querySelector("table.hosts")).toBe(null);
+    const check = document.getElementById("hosts-check");
+    await act(() => fireEvent.click(check));
+    // The UI does not wait on ssh: the button says so and stays pressed until the answer.
+    expect(check.disabled).toBe(true);
+    expect(check.textContent).toBe("Reading their memory…");
+    await act(async () => answer(reading));
+    expect(check.disabled).toBe(false);
+    const rows = [...document.querySelectorAll("table.hosts tbody tr")].map((row) => [...row.children].map((cell) => cell.textContent));
+    expect(rows).toEqual([
+      ["studio.local", "2", "192 GB", "67%"],
+      ["me@mini.local", "1", "me@mini.local: its memory could not be read over ssh (timed out)", "33%"],
+    ]);
+    expect(document.querySelector("table.hosts caption").textContent).toBe("2 machines, memory not known for all");
+  });
+
+  it("says models are judged against this machine alone without hosts", async () => {
+    const settings = { chat: { sampling_source: "custom", sampling: {}, max_tokens: 1024 }, server: {}, hosts: [] };
+    const { load } = setUp({
+      getSettings: async () => ({ settings, defaults: settings, models_dir: "/m", total_memory_bytes: 2 ** 34 }),
+    });
+    await load();
+    expect(document.getElementById("hosts-reading").textContent).toBe("No hosts: models are judged against this machine alone.");
+    expect(document.getElementById("hosts-check")).toBe(null);
+  });
 });

@@ -63,6 +63,11 @@ pub struct Settings {
     /// The app's first-run screen was finished or skipped once: it is not shown again. Set by
     /// the app alone (a settings form saved with `false` does not bring it back).
     pub first_run_done: bool,
+    /// The machines a model could be divided over (`perch serve --hosts`), rank 0 first, each
+    /// `host` or `user@host` reached over `ssh`; at most [`Settings::MAX_HOSTS`]. Empty: this
+    /// machine alone. The app reads their memory when asked (Settings → Hosts) and then judges
+    /// models against the group too.
+    pub hosts: Vec<String>,
 }
 
 /// The app's local server: OpenAI- and Anthropic-compatible endpoints over the model the app
@@ -172,6 +177,7 @@ impl Default for Settings {
             prompt_lookup: false,
             unload_after_idle_secs: Some(perch_engine::KeepAlive::DEFAULT_IDLE.as_secs()),
             first_run_done: false,
+            hosts: Vec::new(),
         }
     }
 }
@@ -231,6 +237,8 @@ impl Settings {
     pub const IDLE_UNLOAD_SECS: std::ops::RangeInclusive<u64> = 60..=30 * 24 * 3600;
     /// Block sizes accepted: powers of two in this range.
     pub const BLOCK_SIZES: std::ops::RangeInclusive<usize> = 8..=256;
+    /// Most hosts [`Settings::hosts`] lists.
+    pub const MAX_HOSTS: usize = 64;
     /// Checks every value; `total_memory_bytes` (the machine's RAM) bounds the KV budget.
     pub fn validate(&self, total_memory_bytes: u64) -> Result<(), SettingsError> {
         let invalid = |field, reason: String| Err(SettingsError::Invalid { field, reason });
@@ -302,6 +310,23 @@ impl Settings {
                 "draft_model",
                 "is empty; leave it unset for no draft".into(),
             );
+        }
+        if self.hosts.len() > Self::MAX_HOSTS {
+            return invalid(
+                "hosts",
+                format!(
+                    "at most {} hosts, got {}",
+                    Self::MAX_HOSTS,
+                    self.hosts.len()
+                ),
+            );
+        }
+        if let Some(why) = self
+            .hosts
+            .iter()
+            .find_map(|h| perch_hub::hosts::Host::parse(h).err())
+        {
+            return invalid("hosts", why);
         }
         self.server.validate()
     }
@@ -423,7 +448,7 @@ mod tests {
     #[test]
     fn invalid_values_are_named() {
         type Case = (&'static str, fn(&mut Settings));
-        let cases: [Case; 21] = [
+        let cases: [Case; 24] = [
             ("chat.sampling", |s| s.chat.sampling.temperature = -1.0),
             ("unload_after_idle_secs", |s| {
                 s.unload_after_idle_secs = Some(5)
@@ -464,6 +489,11 @@ mod tests {
             ("server.model_aliases", |s| {
                 s.server.model_aliases = vec!["m".into(); 65]
             }),
+            ("hosts", |s| {
+                s.hosts = vec!["studio.local".into(), "-oProxyCommand=x".into()]
+            }),
+            ("hosts", |s| s.hosts = vec!["a b".into()]),
+            ("hosts", |s| s.hosts = vec!["h".into(); 65]),
         ];
         for (field, break_it) in cases {
             let mut settings = Settings::default();
@@ -473,6 +503,11 @@ mod tests {
                 other => panic!("{field}: {other:?}"),
             }
         }
+        let group = Settings {
+            hosts: vec!["me@studio.local".into(), "10.0.0.2".into()],
+            ..Settings::default()
+        };
+        group.validate(RAM).unwrap();
     }
 
     #[test]

@@ -31,6 +31,9 @@ pub struct HubModelView {
     /// Weights plus the KV cache they would use of the settings' budget (all of it, or what
     /// the model's whole context takes when less) against RAM (`perch_hub::memory_fit`).
     pub fit: MemoryFit,
+    /// The same divided over the machines of Settings → Hosts, by their last reading
+    /// ([`super::hosts::GroupMemory::fit`]); `None` without hosts or a reading of them.
+    pub group_fit: Option<MemoryFit>,
     /// Tokens of one conversation the settings' KV cache budget holds for this model, from its
     /// `config.json`'s real KV bytes per token (`perch_engine::models::kv_footprint`), at most
     /// its context length; `None` when its config is unknown or not one Perch loads.
@@ -52,12 +55,14 @@ fn client() -> Result<HubClient, CommandError> {
 /// Models whose id contains `text` (from mlx-community unless `author` says otherwise; an
 /// empty `author` searches everyone), most downloaded first.
 #[tauri::command]
-pub async fn search_models(
-    store: State<'_, Store>,
+pub async fn search_models<R: Runtime>(
+    app: AppHandle<R>,
     text: String,
     author: Option<String>,
 ) -> Result<Vec<HubModelView>, CommandError> {
-    let kv_cache_bytes = store.settings()?.kv_cache_bytes as u64;
+    let store = app.state::<Store>();
+    let settings = store.settings()?;
+    let kv_cache_bytes = settings.kv_cache_bytes as u64;
     let total_memory = store.total_memory_bytes();
     let query = SearchQuery {
         text,
@@ -104,6 +109,11 @@ pub async fn search_models(
                 let kv_bytes = budget.map_or(kv_cache_bytes, |b| b.bytes);
                 HubModelView {
                     fit: memory_fit(model.weights_bytes, kv_bytes, total_memory),
+                    group_fit: app.state::<super::hosts::GroupMemory>().fit(
+                        &settings.hosts,
+                        model.weights_bytes,
+                        kv_bytes,
+                    ),
                     context_tokens: budget.map(|b| b.tokens),
                     snapshot_dir: perch_hub::cached_snapshot(client.cache_dir(), &model.id),
                     architecture_note,

@@ -3,6 +3,7 @@
 //! [`CommandError`]: its kind and one sentence for the UI.
 
 pub mod chat;
+pub mod hosts;
 pub mod hub;
 pub mod model;
 pub mod server;

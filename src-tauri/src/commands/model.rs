@@ -219,8 +219,10 @@ pub async fn list_models<R: Runtime>(
 ) -> Result<Vec<LocalModelView>, CommandError> {
     off_main_thread(app, |app| {
         let store = app.state::<Store>();
-        let kv_cache_bytes = store.settings()?.kv_cache_bytes as u64;
+        let settings = store.settings()?;
+        let kv_cache_bytes = settings.kv_cache_bytes as u64;
         let total_memory = store.total_memory_bytes();
+        let group = app.state::<super::hosts::GroupMemory>();
         Ok(
             perch_hub::local_models(&store.models_dir()?, perch_hub::hf_cache_dir().as_deref())
                 .into_iter()
@@ -237,6 +239,7 @@ pub async fn list_models<R: Runtime>(
                         kv_cache_bytes,
                         total_memory,
                     ),
+                    group_fit: group.fit(&settings.hosts, Some(model.size_bytes), kv_cache_bytes),
                     model,
                 })
                 .collect(),
@@ -287,6 +290,9 @@ pub struct LocalModelView {
     /// Its weights and the settings' KV cache budget against the usable memory (the Hub
     /// search's rule, [`perch_hub::memory_fit`]).
     pub fit: perch_hub::MemoryFit,
+    /// The same divided over the machines of Settings → Hosts, by their last reading
+    /// ([`super::hosts::GroupMemory::fit`]); `None` without hosts or a reading of them.
+    pub group_fit: Option<perch_hub::MemoryFit>,
     /// Whether it takes images ([`perch_engine::models::takes_images`]).
     pub vision: bool,
 }
