@@ -18,6 +18,11 @@
 #     (priority lanes), then a copy with its first 4 layers as a draft (make_draft_pair.py --scale 0) at 8 and
 #     32 rows without and with the draft, alternating, ROUNDS rounds (default 2; about 520 s on a fresh machine,
 #     ROUNDS=1 for a shorter call);
+#   `bash scripts/device_moe.sh nccl`: issue 44's two-GPU rows (a machine of two GPUs): bench_gpu.py's 1.07B Llama
+#     and the random `qwen3_5_moe` at 32 concurrent, Perch on one GPU and tensor parallel over two (NCCL,
+#     `perch bench --distributed tensor --hosts 127.0.0.1,127.0.0.1 --backend nccl`), then mlx_lm.benchmark's
+#     batch of 32 (batch_generate; over two GPUs its sharded_load, started as mlx.launch --backend nccl -n 2
+#     starts it) on one GPU and on two; MODELS picks them (default "llama-1b q35moe");
 #   `bash scripts/device_moe.sh rest`: MLX's host time an operation by kind (bench_op_launch.py), Perch alone on each model with the add-norm-and-router kernel
 #     off and on, alternating (PERCH_ROUTE_ADD_NORM), the decode graph of each at 32 rows
 #     (PERCH_DECODE_GRAPH_DIR, counted by operation), `perch check-kernels experts`, and where the
@@ -37,10 +42,11 @@ export MLX_PTX_CACHE_DIR=/tmp/ptxcache; mkdir -p $MLX_PTX_CACHE_DIR
 trap 'tar -cJf "${OUT:-/tmp}/ptx.tar.xz" -C $MLX_PTX_CACHE_DIR . 2>/dev/null' EXIT
 [ -x $P ] || { xz -dc $G/perch.xz > $P; chmod +x $P; }
 date +%T
+report='import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  TTFT p95 %.0f ms  peak %.2f GB" % (r["generation_tps"], r["ttft_ms_p95"], r["peak_memory_bytes"] / 1e9))'
 bench() { $OD timeout "$2" $P bench --model /tmp/models/$1 --concurrency 32 --prompt-tokens 128 --gen-tokens 256 --json 2>/dev/null \
   | python3 -c 'import json,sys; r=json.loads([l for l in sys.stdin if l.startswith("{")][-1]); print("tok/s %.0f  step %.2f ms (building %.2f, waiting %.2f)  TTFT p95 %.0f ms" % (r["generation_tps"], r["engine_decode_step_ms"], r["engine_decode_build_ms"], r["engine_decode_wait_ms"], r["ttft_ms_p95"]))'; }
 mkmodel() { [ -f /tmp/models/${1#*:}/config.json ] || $OD python3 scripts/make_random_model.py ${1%:*} /tmp/models/${1#*:} $G/tok bfloat16 | tail -1; }
-case "${1:-bench}" in hybrids|llama|agents) ;; *) mkmodel qwen3_moe:moe; mkmodel gpt_oss:oss ;; esac
+case "${1:-bench}" in hybrids|llama|agents|nccl) ;; *) mkmodel qwen3_moe:moe; mkmodel gpt_oss:oss ;; esac
 case "${1:-bench}" in
 hybrids)
   # The Qwen3.5 shapes of issue 39's table (dense and MoE), bench_gpu.py at CONC (default 1 8 32) against
@@ -110,6 +116,34 @@ agents)
           || tail -3 /tmp/agents-err.txt
       done
     done
+    date +%T
+  done
+  ;;
+nccl)
+  # Issue 44: one model on two GPUs against one, Perch and mlx_lm, the same workload (32 prompts of 128
+  # tokens, 256 generated).
+  # BACKEND=ring runs the same two ranks over TCP, both on one GPU: a check of the part on a machine of one.
+  b=${BACKEND:-nccl}
+  gpus=$(nvidia-smi -L | grep -c '^GPU ')
+  [ "$gpus" -ge 2 ] || [ "$b" = ring ] || { echo "== $gpus GPU here: these rows need two"; exit 0; }
+  $OD python3 -c "import sys; sys.path.insert(0, 'scripts'); from pathlib import Path; from bench_gpu import make_model; \
+    make_model(Path('/tmp/models/llama-1b'), Path('$G/tok'), 2048, 16, 32, 8, 8192)"
+  mkmodel qwen3_5_moe:q35moe
+  launch_mlx="from mlx._distributed_utils.launch import main; main()"
+  for m in ${MODELS:-llama-1b q35moe}; do
+    [ -f /tmp/models/$m/config.json ] || { echo "== no model $m"; continue; }
+    args="--model /tmp/models/$m --concurrency 32 --prompt-tokens 128 --gen-tokens 256 --json"
+    echo "== $m, Perch on one GPU"
+    CUDA_VISIBLE_DEVICES=0 $OD timeout 150 $P bench $args 2>/tmp/nccl-err.txt | python3 -c "$report" || tail -3 /tmp/nccl-err.txt
+    echo "== $m, Perch tensor parallel over two ranks ($b)"
+    $OD timeout 200 $P bench $args --distributed tensor --hosts 127.0.0.1,127.0.0.1 --backend $b 2>/tmp/nccl-err.txt \
+      | python3 -c "$report" || tail -5 /tmp/nccl-err.txt
+    date +%T
+    mlx_args="-m mlx_lm.benchmark --model /tmp/models/$m -b 32 -p 128 -g 256 -n 2"
+    echo "== $m, mlx_lm.benchmark on one GPU"
+    CUDA_VISIBLE_DEVICES=0 $OD timeout 150 python3 $mlx_args 2>&1 | grep -i 'averages\|error' | tail -3
+    echo "== $m, mlx_lm.benchmark sharded over two ranks ($b)"
+    $OD timeout 200 python3 -c "$launch_mlx" --backend $b -n 2 -- python3 $mlx_args 2>&1 | grep -i 'averages\|error' | tail -3
     date +%T
   done
   ;;

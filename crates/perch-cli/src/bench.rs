@@ -131,6 +131,11 @@ pub struct BenchArgs {
     /// in the high lane and in the normal one (`--runs` rounds each; see `bench_priority`).
     #[arg(long)]
     pub background_prompt_tokens: Option<usize>,
+    /// With --concurrency: the batch engine over a group of ranks (`--distributed tensor` or
+    /// `pipeline`, as `perch serve` takes them): rank 0 runs the workload and prints it, the
+    /// others follow its batch; `--hosts` or `--hostfile` start the ranks from here.
+    #[command(flatten)]
+    pub group: crate::distributed::DistributedArgs,
 }
 
 /// [`SlotAttention`] as a command-line value.
@@ -170,6 +175,16 @@ struct BenchReport {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.group.distributed.is_some() {
+        anyhow::ensure!(
+            args.concurrency.is_some() && args.background_prompt_tokens.is_none(),
+            "--distributed measures the batch engine over ranks: give --concurrency (and no \
+             --background-prompt-tokens)"
+        );
+        if args.group.launches() {
+            return args.group.launch();
+        }
+    }
     if let Some(tokens) = args.background_prompt_tokens {
         return crate::bench_priority::run(&args, tokens);
     }

@@ -198,7 +198,15 @@ pub fn run(args: &BenchArgs, concurrency: usize) -> anyhow::Result<()> {
     );
     let dir = model_dir::resolve(args.model.clone())?;
     let tokenizer = Tokenizer::load(&dir)?;
-    let engine = EngineHandle::load(&dir, engine_config(args, concurrency)?)?;
+    let config = engine_config(args, concurrency)?;
+    let engine = match args.group.distributed {
+        None => EngineHandle::load(&dir, config)?,
+        Some(split) => match crate::distributed::engine(&dir, split, &args.group, config)? {
+            Some(engine) => engine,
+            // Another rank than 0: it followed rank 0's batch until rank 0 stopped.
+            None => return Ok(()),
+        },
+    };
     if !args.first_prompts.is_empty() {
         let result = first_requests(&engine, &tokenizer, &args.first_prompts, args.json);
         engine.shutdown();
