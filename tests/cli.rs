@@ -5,7 +5,7 @@
 //! (`perch-test-support`).
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
 
 fn perch(args: &[&str]) -> Output {
     perch_with_env(args, &[])
@@ -786,6 +786,41 @@ fn bench_output_ids_match_between_single_stream_and_batch() {
     assert_eq!(batch.as_array().map(Vec::len), Some(2), "{batch}");
     assert_eq!(batch[1].as_array().map(Vec::len), Some(5), "{batch}");
     assert_eq!(batch[0], single);
+    // The batch engine over two pipeline stages started by this one command (rank 0 runs the
+    // workload and reports it; the other follows): the same ids.
+    let divided = path("divided.json");
+    let port = consecutive_free_ports().to_string();
+    let report = run(&[
+        &common[..],
+        &[
+            "--concurrency",
+            "2",
+            "--prompt-ids",
+            &all,
+            "--output-ids",
+            &divided,
+            "--json",
+            "--distributed",
+            "pipeline",
+            "--hosts",
+            "127.0.0.1,127.0.0.1",
+            "--starting-port",
+            &port,
+        ],
+    ]
+    .concat());
+    assert_eq!(read(&divided), batch, "over two ranks");
+    let line = report.lines().rfind(|l| l.starts_with('{')).unwrap();
+    let report: serde_json::Value = serde_json::from_str(line).unwrap();
+    assert!(report["generation_tps"].as_f64() > Some(0.0), "{report}");
+    // Over ranks, bench measures the batch engine only.
+    let refused = perch(&[&common[..], &["--distributed", "pipeline"]].concat());
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("--distributed measures the batch engine over ranks"),
+        "{said}"
+    );
 }
 
 #[test]
@@ -1853,6 +1888,108 @@ fn consecutive_free_ports() -> u16 {
             break port;
         }
     }
+}
+
+/// `perch generate --distributed --hosts` whose rank 1 stops answering mid-answer (paused with
+/// SIGSTOP once rank 0 has printed tokens): rank 0's watchdog ends it within the stall limit
+/// (`PERCH_GROUP_STALL_SECS`, 4 s here) while its main thread, blocked in a collective, holds
+/// standard output; the launch then ends with rank 0's sentence and the others, never a hang.
+#[test]
+fn generate_over_ranks_ends_when_a_rank_stops_answering() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    // A tiny random Llama: its answers run to --max-tokens (end of sequence is unlikely).
+    let models = dir.path().join("models");
+    let made = Command::new(perch_test_support::oracle_python())
+        .arg(
+            perch_test_support::workspace_dir()
+                .join("crates/perch-engine/tests/oracle/tiny_models.py"),
+        )
+        .arg(&models)
+        .arg(perch_test_support::model_dir())
+        .arg("llama3-rope")
+        .output()
+        .expect("run the oracle");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    let model = models.join("llama3-rope");
+    let marker = format!("stall-{}", std::process::id());
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_perch"))
+        .args(["generate", "--model"])
+        .arg(&model)
+        .args(["--raw", "a b", "--json", "--max-tokens", "4000"])
+        .args([
+            "--distributed",
+            "pipeline",
+            "--hosts",
+            "127.0.0.1,127.0.0.1",
+        ])
+        .args(["--starting-port", &consecutive_free_ports().to_string()])
+        .env("PERCH_GROUP_STALL_SECS", "4")
+        .env("PERCH_TEST_MARKER", &marker)
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The ranks: `perch` processes whose environment holds the marker (the launcher's, which
+    // its ranks inherit) and their rank.
+    let rank = |r: usize| -> Option<libc::pid_t> {
+        std::fs::read_dir("/proc").unwrap().find_map(|e| {
+            let dir = e.ok()?.path();
+            let environ = std::fs::read(dir.join("environ")).ok()?;
+            let has = |wanted: String| environ.split(|&b| b == 0).any(|v| v == wanted.as_bytes());
+            (has(format!("PERCH_TEST_MARKER={marker}")) && has(format!("MLX_RANK={r}")))
+                .then(|| dir.file_name()?.to_str()?.parse().ok())
+                .flatten()
+        })
+    };
+    // A few tokens printed: rank 1 stops answering.
+    let mut out = std::io::BufReader::new(launcher.stdout.take().unwrap());
+    let mut line = String::new();
+    for _ in 0..3 {
+        line.clear();
+        if out.read_line(&mut line).unwrap() == 0 {
+            let mut stderr = String::new();
+            std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr)
+                .unwrap();
+            panic!("no tokens: {stderr}");
+        }
+    }
+    let rank_1 = rank(1).expect("rank 1 runs");
+    // SAFETY: plain system calls on a process this test's launcher started.
+    assert_eq!(unsafe { libc::kill(rank_1, libc::SIGSTOP) }, 0);
+    let stopped_at = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = launcher.try_wait().unwrap() {
+            break Some(status);
+        }
+        if stopped_at.elapsed() > std::time::Duration::from_secs(60) {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let seconds = stopped_at.elapsed().as_secs_f32();
+    // Whatever happened, nothing of the group stays behind.
+    for r in [0, 1] {
+        if let Some(pid) = rank(r) {
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
+    let _ = launcher.kill();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().unwrap(), &mut stderr).unwrap();
+    let status = status
+        .unwrap_or_else(|| panic!("the launch still ran 60 s after rank 1 stopped: {stderr}"));
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("rank 0: the ranks dividing the model made no progress"),
+        "{stderr}"
+    );
+    assert!(seconds < 30.0, "{seconds} s: {stderr}");
 }
 
 /// `perch generate --distributed --hosts`: this process starts the ranks itself, as `mlx.launch

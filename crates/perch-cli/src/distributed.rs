@@ -142,9 +142,13 @@ pub fn load(
             .build_hasher()
             .finish()
     });
-    let shared = division
-        .group()
-        .broadcast_bytes((rank == 0).then_some(&mine.to_le_bytes()[..]))?;
+    let shared = {
+        let _meeting =
+            distributed::Watchdog::waiting_while_loading(rank, distributed::load_limit());
+        division
+            .group()
+            .broadcast_bytes((rank == 0).then_some(&mine.to_le_bytes()[..]))?
+    };
     let seed = u64::from_le_bytes(
         shared
             .try_into()

@@ -141,7 +141,10 @@ impl Watchdog {
                         idle.as_secs_f64(),
                         limit.as_secs_f64()
                     );
-                    exit_now(STALLED_EXIT_CODE);
+                    // Not `exit_now`: the main thread, blocked in a collective, may hold
+                    // standard output's lock (`perch generate` writes tokens under it), and
+                    // flushing would wait on it for ever. Standard error is unbuffered.
+                    exit_at_once(STALLED_EXIT_CODE);
                 }
             });
         if let Err(e) = spawned {
@@ -172,6 +175,12 @@ pub fn exit_now(code: i32) -> ! {
     use std::io::Write;
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
+    exit_at_once(code)
+}
+
+/// [`exit_now`] without flushing standard output (a [`Watchdog`]'s end: another thread may hold
+/// its lock while it waits in a collective).
+fn exit_at_once(code: i32) -> ! {
     #[cfg(any(all(target_os = "linux", target_env = "gnu"), target_os = "macos"))]
     // SAFETY: `_exit` ends the process; nothing runs after it.
     unsafe {

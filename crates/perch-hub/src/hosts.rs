@@ -61,7 +61,8 @@ impl Host {
 
     /// This host's RAM in bytes: this machine's ([`crate::total_memory_bytes`]) for a local
     /// name, else read over `ssh` (`sysctl hw.memsize` on macOS, `MemTotal` of `/proc/meminfo`
-    /// on Linux; [`SSH_OPTIONS`]). Errors: a sentence naming the host and `ssh`'s complaint.
+    /// on Linux; [`SSH_OPTIONS`]), within [`MEMORY_READ_LIMIT`]. Errors: a sentence naming the host
+    /// and `ssh`'s complaint.
     pub fn memory_bytes(&self) -> Result<u64, String> {
         if self.is_local() {
             return Ok(crate::total_memory_bytes());
@@ -70,12 +71,33 @@ impl Host {
         let read =
             "sysctl -n hw.memsize 2>/dev/null || awk '/^MemTotal:/ { print $2, $3 }' /proc/meminfo";
         let read = shlex::try_quote(read).map_err(|e| e.to_string())?;
-        let output = Command::new("ssh")
+        let mut ssh = Command::new("ssh")
             .args(SSH_OPTIONS)
             .arg(&self.login)
             .arg(format!("sh -c {read}"))
             .stdin(Stdio::null())
-            .output()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("{}: running ssh: {e}", self.login))?;
+        // `ssh`'s own limits bound connecting and a link gone quiet, not a login or command
+        // that hangs on a host that answers: the whole reading is bounded too (its few bytes
+        // of output fit the pipes meanwhile).
+        let started = std::time::Instant::now();
+        while ssh.try_wait().map_err(|e| e.to_string())?.is_none() {
+            if started.elapsed() > MEMORY_READ_LIMIT {
+                let _ = ssh.kill();
+                let _ = ssh.wait();
+                return Err(format!(
+                    "{}: its memory could not be read over ssh (no answer within {} s)",
+                    self.login,
+                    MEMORY_READ_LIMIT.as_secs()
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let output = ssh
+            .wait_with_output()
             .map_err(|e| format!("{}: running ssh: {e}", self.login))?;
         let text = String::from_utf8_lossy(&output.stdout);
         let bytes = match text.trim().split_once(' ') {
@@ -133,7 +155,7 @@ pub fn group_memory(hosts: &[Host]) -> Result<Vec<(u64, usize)>, String> {
 }
 
 /// Each machine of `hosts` ([`machines`]), its RAM in bytes or why it could not be read, and the
-/// ranks it would run; the machines are asked at once (each `ssh` gives up within seconds).
+/// ranks it would run; the machines are asked at once (each within [`MEMORY_READ_LIMIT`]).
 pub fn machine_memory(hosts: &[Host]) -> Vec<(&Host, Result<u64, String>, usize)> {
     let machines = machines(hosts);
     std::thread::scope(|scope| {
@@ -167,6 +189,9 @@ pub const SSH_OPTIONS: [&str; 8] = [
     "-o",
     "ServerAliveCountMax=3",
 ];
+
+/// The longest [`Host::memory_bytes`] waits for a host's answer over `ssh`.
+pub const MEMORY_READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// The status `ssh` exits with when it fails itself, rather than passing on its command's.
 pub const SSH_FAILED: i32 = 255;

@@ -100,17 +100,22 @@ impl GroupMemory {
 }
 
 /// Reads the memory of every machine the settings' hosts name (over `ssh`, key-based, all at
-/// once; each gives up within seconds) and keeps the reading for the models' `group_fit`.
+/// once; each within `perch_hub::hosts::MEMORY_READ_LIMIT`) and keeps the reading for the
+/// models' `group_fit`.
 /// No hosts: an empty view.
 #[tauri::command]
 pub async fn check_hosts<R: Runtime>(app: AppHandle<R>) -> Result<HostsView, CommandError> {
     off_main_thread(app, |app| {
         let hosts = app.state::<Store>().settings()?.hosts;
         let view = HostsView::read(&hosts)?;
-        *app.state::<GroupMemory>()
-            .0
-            .lock()
-            .map_err(|_| poisoned())? = Some(view.clone());
+        // Kept only while it is of the hosts the settings list (a reading of an older list
+        // that ends after a newer one's does not replace it).
+        if view.hosts == app.state::<Store>().settings()?.hosts {
+            *app.state::<GroupMemory>()
+                .0
+                .lock()
+                .map_err(|_| poisoned())? = Some(view.clone());
+        }
         Ok(view)
     })
     .await

@@ -714,8 +714,12 @@ impl Pass<'_> {
                             match queue.inbox.recv_timeout(every) {
                                 Ok(command) => break Some(command),
                                 Err(mpsc::RecvTimeoutError::Timeout) => {
-                                    // A failure stops the group (requests meet it then).
-                                    let _ = batch.tell_ranks_alive();
+                                    // A failure stops the group: published at once, so that
+                                    // `perch serve` (watching the stats) ends without waiting
+                                    // for a request to meet it.
+                                    if batch.tell_ranks_alive().is_err() {
+                                        queue.publish_and_flush(batch);
+                                    }
                                     continue;
                                 }
                                 Err(mpsc::RecvTimeoutError::Disconnected) => break None,

@@ -496,6 +496,10 @@ pub(crate) fn join_ranks(
     let division = model.division().ok_or_else(|| {
         EngineError::Distributed("only the ranks of a divided model join each other".into())
     })?;
+    // Still loading as far as the others know (a rank may load its draft meanwhile): each
+    // waits for the slowest within the load limit.
+    let _meeting =
+        Watchdog::waiting_while_loading(division.rank(), crate::distributed::load_limit());
     let stage_scale = check_division(model, division, prepared)?;
     check_draft(division.group(), model, draft)?;
     let available = least_available(division.group(), available, stage_scale)?;
