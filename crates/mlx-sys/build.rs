@@ -322,6 +322,7 @@ fn compile_mlx_c(mlx_c: &Path, include_dir: &Path, arm: bool) -> BuildResult<()>
     if !arm {
         sources.push(native.join("half_shim.cpp"));
     }
+    sources.push(native.join("array_id.cpp"));
     let mut build = cc::Build::new();
     build
         .cpp(true)

@@ -32,3 +32,10 @@ pub extern "C" fn mach_approximate_time() -> u64 {
         .unwrap_or(1);
     wall.wrapping_add(start.elapsed().as_nanos() as u64)
 }
+
+extern "C" {
+    /// The identity of `arr` (`mlx::core::array::id`): the same for every handle to one array,
+    /// before and after it is evaluated, and distinct from any other live array's
+    /// (`native/array_id.cpp`).
+    pub fn perch_mlx_array_id(arr: mlx_array) -> usize;
+}

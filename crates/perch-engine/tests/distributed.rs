@@ -278,6 +278,19 @@ fn run_rank(task: String) {
         println!("{result}");
         return;
     }
+    if task == "load_parts" {
+        // Its part of the model in MODELS_ENV, divided by heads: the bytes of weight files read.
+        let division = Division::Tensor(TensorParallel::new(group));
+        let dir = PathBuf::from(std::env::var(MODELS_ENV).unwrap());
+        let before = perch_engine::nn::part_reads::bytes_read();
+        models::load_divided(&dir, &division).unwrap();
+        let read = perch_engine::nn::part_reads::bytes_read() - before;
+        println!(
+            "{}",
+            serde_json::json!({ "rank": division.rank(), "read": read })
+        );
+        return;
+    }
     if task == "load_stalls" {
         // Rank 1 never gets to load: alive, its sockets open, answering nothing.
         let division = Division::Tensor(TensorParallel::new(group));
@@ -438,12 +451,28 @@ fn divided(split: Division, models: &Path) -> serde_json::Value {
         // Projections fused at load (as on GPUs), each fused layer divided part by part.
         std::env::set_var("PERCH_FUSED_PROJECTIONS", "1");
         let fused = models::load(&dir);
+        // And as on CUDA, quantized layers copied dense, loaded both ways: divided once whole,
+        // and read part by part (`part_reads`: fused and copied once divided), the same model.
+        std::env::set_var("PERCH_WEIGHTS", "dense");
+        let dense_whole =
+            models::load(&dir).and_then(|mut m| divide(&split, m.as_mut()).map(|()| m));
+        let dense_parts = models::load_divided(&dir, &split);
+        std::env::remove_var("PERCH_WEIGHTS");
         std::env::remove_var("PERCH_FUSED_PROJECTIONS");
         let mut fused = fused.unwrap_or_else(|e| panic!("{name}: {e}"));
         divide(&split, fused.as_mut()).unwrap_or_else(|e| panic!("{name}, fused: {e}"));
+        let logits = |model: perch_engine::Result<Box<dyn models::Model>>| {
+            common::prompt_logits(
+                model
+                    .unwrap_or_else(|e| panic!("{name}, dense: {e}"))
+                    .as_ref(),
+                &expected.prompt_ids,
+            )
+        };
         let case = serde_json::json!({
                 "difference": difference(model.as_ref()),
                 "fused_difference": difference(fused.as_ref()),
+                "dense_parts_equal": logits(dense_whole) == logits(dense_parts),
                 "scale": scale,
                 "greedy_ids": greedy.token_ids,
                 "expected_ids": expected.greedy_ids,
@@ -1329,6 +1358,12 @@ fn two_ranks_divide(task: &str, divided: &[&str], refused: &[(&str, &str)], by_m
                 );
             }
             assert_eq!(case["greedy_ids"], case["expected_ids"], "rank {r}, {name}");
+            if let Some(equal) = case.get("dense_parts_equal") {
+                assert_eq!(
+                    equal, true,
+                    "rank {r}, {name}: read part by part, fused and dense"
+                );
+            }
         }
         for (name, why) in refused {
             for key in ["error", "error_after_load"] {
@@ -1814,6 +1849,90 @@ fn a_rank_that_never_loads_ends_the_group_within_its_load_limit() {
     );
     assert!(err.contains(LOAD_LIMIT_ENV), "{err}");
     assert!((3.0..30.0).contains(&seconds), "{seconds} s");
+}
+
+/// A Llama whose layers hold nearly all of its weights (hidden 256, 2 layers, an MLP of 1024, a
+/// vocabulary of 256, tied embeddings), random, in float16: its folder in `dir`, and the bytes of
+/// its tensors that dividing it by heads over two ranks leaves whole on each (the embeddings and
+/// the norms).
+fn wide_llama(dir: &Path) -> (PathBuf, u64) {
+    let model = dir.join("wide-llama");
+    std::fs::create_dir_all(&model).unwrap();
+    let config = serde_json::json!({
+        "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 1024,
+        "vocab_size": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 512, "tie_word_embeddings": true,
+    });
+    std::fs::write(model.join("config.json"), config.to_string()).unwrap();
+    let mut tensors: Vec<(String, Vec<i32>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![256, 256]),
+        ("model.norm.weight".into(), vec![256]),
+    ];
+    for i in 0..2 {
+        let p = format!("model.layers.{i}");
+        for (name, shape) in [
+            ("self_attn.q_proj", vec![256, 256]),
+            ("self_attn.k_proj", vec![256, 256]),
+            ("self_attn.v_proj", vec![256, 256]),
+            ("self_attn.o_proj", vec![256, 256]),
+            ("mlp.gate_proj", vec![1024, 256]),
+            ("mlp.up_proj", vec![1024, 256]),
+            ("mlp.down_proj", vec![256, 1024]),
+            ("input_layernorm", vec![256]),
+            ("post_attention_layernorm", vec![256]),
+        ] {
+            tensors.push((format!("{p}.{name}.weight"), shape));
+        }
+    }
+    let whole: i64 = tensors
+        .iter()
+        .filter(|(name, _)| !name.contains("_proj"))
+        .map(|(_, shape)| shape.iter().map(|&d| d as i64).product::<i64>() * 2)
+        .sum();
+    let arrays: Vec<(String, Array)> = tensors
+        .into_iter()
+        .map(|(name, shape)| {
+            let values = mlx_rs::random::normal::<f32>(&shape[..], None, 0.02, None).unwrap();
+            (name, values.as_dtype(mlx_rs::Dtype::Float16).unwrap())
+        })
+        .collect();
+    Array::save_safetensors(arrays, None, model.join("model.safetensors")).unwrap();
+    (model, whole as u64)
+}
+
+/// Dividing a model by heads (`models::load_divided`, tensor parallel over two ranks) reads only
+/// each rank's part of every divided tensor from the weight file: each rank reads the tensors it
+/// keeps whole and half of the others (`part_reads::bytes_read`), about 52% of this model's
+/// weights; reading every tensor whole and keeping a part, as before, was all of them.
+#[test]
+fn a_rank_reads_only_its_part_of_each_divided_tensor() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, whole) = wide_llama(dir.path());
+    let file = std::fs::metadata(model.join("model.safetensors"))
+        .unwrap()
+        .len();
+    let hosts = hostfile(dir.path(), 2);
+    let env = [(MODELS_ENV, model.as_path())];
+    let children: Vec<Child> = (0..2)
+        .map(|r| spawn_rank_with(r, &hosts, "load_parts", &env))
+        .collect();
+    for (r, child) in children.into_iter().enumerate() {
+        let result = result(child, Duration::from_secs(120));
+        assert_eq!(result["rank"], r, "{result}");
+        let read = result["read"].as_u64().unwrap();
+        // The header aside, the file is its tensors' bytes.
+        let header = {
+            let bytes = std::fs::read(model.join("model.safetensors")).unwrap();
+            8 + u64::from_le_bytes(bytes[..8].try_into().unwrap())
+        };
+        let divided = file - header - whole;
+        assert_eq!(
+            read,
+            whole + divided / 2,
+            "rank {r}: {read} of {file} bytes"
+        );
+    }
 }
 
 /// Loading one stage of two (`models::load_divided`) reads and keeps only that stage's layers:

@@ -792,14 +792,18 @@ impl Attention {
         let num_kv_heads = tp.part("key-value heads", self.num_kv_heads)?;
         let out = |proj: &Linear| proj.shard(Shard::Outputs, rank, size);
         let qkv = match &self.qkv {
+            // Fused as at load (parts read unfused are fused once divided).
             Qkv::Separate {
                 q_proj,
                 k_proj,
                 v_proj,
-            } => Qkv::Separate {
-                q_proj: out(q_proj)?,
-                k_proj: out(k_proj)?,
-                v_proj: out(v_proj)?,
+            } => match Linear::fuse_if_enabled([out(q_proj)?, out(k_proj)?, out(v_proj)?])? {
+                Ok(fused) => Qkv::Fused(fused),
+                Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
+                    q_proj,
+                    k_proj,
+                    v_proj,
+                },
             },
             Qkv::Fused(proj) => {
                 let gate = if self.output_gate { 2 } else { 1 };
@@ -1133,9 +1137,10 @@ impl Decoder {
     }
 
     /// [`Decoder::load`] of this rank's part alone (`division`): each block divided as soon as
-    /// it is loaded (tensor parallelism), or the blocks of other stages not loaded at all, their
-    /// tensors dropped unread (pipeline parallelism); with lazily read weights
-    /// ([`Weights::load_lazily`]) no more than one whole block is in memory at a time.
+    /// it is built (tensor parallelism), or the blocks of other stages not loaded at all, their
+    /// tensors dropped unread (pipeline parallelism). With lazily read weights
+    /// ([`Weights::load_lazily`]) a block's tensors are read only as it is divided, and then only
+    /// this rank's part of each ([`crate::nn::part_reads`]).
     pub fn load_divided(
         config: DecoderConfig,
         rope: Rope,
@@ -1179,6 +1184,14 @@ impl Decoder {
         let sliding_window = c.style.sliding_window.as_ref();
         let first_shared = c.first_kv_shared_layer();
         let mut layers = Vec::with_capacity(c.num_layers as usize);
+        // Divided by heads from lazily read weights: each layer's tensors stay unread until it
+        // is divided, and then only this rank's part of each is read.
+        let deferred = match division {
+            Some(Division::Tensor(_)) if weights.reads_lazily() => {
+                Some(crate::nn::part_reads::DeferredReads::begin())
+            }
+            _ => None,
+        };
         for i in 0..c.num_layers {
             let p = format!("{prefix}model.layers.{i}");
             if stage
@@ -1317,10 +1330,17 @@ impl Decoder {
                 layer_scalar,
             };
             layers.push(match division {
-                Some(Division::Tensor(tp)) => block.shard(tp, i as usize)?,
+                Some(Division::Tensor(tp)) => {
+                    let part = block.shard(tp, i as usize)?;
+                    if let Some(deferred) = &deferred {
+                        deferred.finish_layer()?;
+                    }
+                    part
+                }
                 _ => block,
             });
         }
+        drop(deferred);
         let per_layer = match c.per_layer_inputs {
             Some(per_layer) => {
                 let width = c.num_layers * per_layer.hidden;

@@ -761,12 +761,17 @@ impl GatedDeltaNet {
             proj.shard_segments(Shard::Outputs, segments, rank, size)
         };
         let in_proj = match &self.in_proj {
-            InputProjections::Separate([qkv, z, b, a]) => InputProjections::Separate([
-                out(qkv, &channels)?,
-                out(z, &[value_dim])?,
-                out(b, &[hv])?,
-                out(a, &[hv])?,
-            ]),
+            // Fused as at load (parts read unfused are fused once divided).
+            InputProjections::Separate([qkv, z, b, a]) => {
+                let parts = [
+                    out(qkv, &channels)?,
+                    out(z, &[value_dim])?,
+                    out(b, &[hv])?,
+                    out(a, &[hv])?,
+                ];
+                let widths = [&parts[0], &parts[1], &parts[2], &parts[3]].map(|p| p.features().1);
+                InputProjections::load(parts, widths)?
+            }
             InputProjections::Fused { proj, widths } => InputProjections::Fused {
                 proj: out(proj, &[key_dim, key_dim, value_dim, value_dim, hv, hv])?,
                 widths: widths.map(|w| w / size as i32),

@@ -428,6 +428,10 @@ impl SwitchLinear {
     /// both are dense in one dtype or quantized with the same parameters, each with a bias or
     /// neither; otherwise both back. Evaluated here, so the parts' memory is freed as they drop.
     fn fuse(gate: Self, up: Self) -> Result<std::result::Result<Self, (Self, Self)>> {
+        // Unread experts (a divided model's layer being built) are fused once divided.
+        if gate.weight.is_unread() || up.weight.is_unread() {
+            return Ok(Err((gate, up)));
+        }
         let Some(weight) = gate.weight.join(&up.weight, 1)? else {
             return Ok(Err((gate, up)));
         };
@@ -441,6 +445,15 @@ impl SwitchLinear {
 }
 
 impl SwitchWeight {
+    /// Whether its weight is a divided model's tensor not read yet ([`crate::nn::part_reads`]).
+    fn is_unread(&self) -> bool {
+        match self {
+            SwitchWeight::Dense(weight) | SwitchWeight::Quantized { weight, .. } => {
+                crate::nn::part_reads::is_unread(weight)
+            }
+        }
+    }
+
     /// `[experts, out, in]` (a quantized weight's `in` from its scales' groups).
     fn shape(&self) -> [i32; 3] {
         match self {
@@ -565,10 +578,20 @@ impl SwitchGlu {
     /// inputs; its output is a partial sum of the experts' whole output.
     fn shard(&self, rank: usize, size: usize) -> Result<Self> {
         let gate_up = match &self.gate_up {
-            GateUp::Separate { gate, up } => GateUp::Separate {
-                gate: gate.shard(Shard::Outputs, None, rank, size)?,
-                up: up.shard(Shard::Outputs, None, rank, size)?,
-            },
+            // Fused as at load (parts read unfused are fused once divided).
+            GateUp::Separate { gate, up } => {
+                let (gate, up) = (
+                    gate.shard(Shard::Outputs, None, rank, size)?,
+                    up.shard(Shard::Outputs, None, rank, size)?,
+                );
+                match Self::fuses_gate_up() {
+                    true => match SwitchLinear::fuse(gate, up)? {
+                        Ok(fused) => GateUp::Fused(fused),
+                        Err((gate, up)) => GateUp::Separate { gate, up },
+                    },
+                    false => GateUp::Separate { gate, up },
+                }
+            }
             GateUp::Fused(both) => {
                 let half = both.weight.shape()[1] / 2;
                 GateUp::Fused(both.shard(Shard::Outputs, Some(&[half, half]), rank, size)?)

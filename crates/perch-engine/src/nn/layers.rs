@@ -245,7 +245,8 @@ impl QuantizedWeight {
     /// when [`dense_weights`] says this backend multiplies faster that way; `None` keeps them
     /// quantized.
     fn dense_copy(&self) -> Result<Option<Array>> {
-        if !dense_weights() {
+        // An unread weight is copied once its part is read ([`Linear::from_quantized`] again).
+        if !dense_weights() || crate::nn::part_reads::is_unread(&self.weight) {
             return Ok(None);
         }
         let dense = self.dequantized()?;
@@ -421,7 +422,8 @@ impl DenseWeight {
         };
         let mut all = vec![&weight, &transposed];
         all.extend(transposed_batched.as_ref());
-        mlx_rs::transforms::eval(all)?;
+        // Not before a divided model's layer is divided (its part alone is read then).
+        crate::nn::part_reads::settle(&all)?;
         Ok(Self {
             weight,
             transposed,
@@ -536,6 +538,19 @@ impl ShardParts {
     /// `concatenate` returns its input), while an elementwise product reading a view writes a new
     /// buffer; times one is exact in every dtype.
     pub(crate) fn take(&self, a: &Array, axis: usize, (num, den): Units) -> Result<Array> {
+        // Entries `[start, stop)` along `axis` of each part.
+        let runs: Vec<(usize, usize)> = self
+            .parts
+            .iter()
+            .map(|&(first, len)| {
+                let (start, stop) = (first * num / den, (first + len) * num / den);
+                (start as usize, (stop - start) as usize)
+            })
+            .collect();
+        // A tensor not read yet (a divided model's layer being built): its part alone is read.
+        if let Some(part) = crate::nn::part_reads::read_part(a, axis, &runs) {
+            return part;
+        }
         let pieces = self
             .parts
             .iter()
@@ -602,17 +617,10 @@ impl Linear {
             None
         };
         Ok(match quantization.for_module(path, weights) {
-            Some(params) => {
-                let weight =
-                    QuantizedWeight::load(weights, path, out_features, in_features, params)?;
-                match weight.dense_copy()? {
-                    Some(weight) => Linear::Dense {
-                        weight: DenseWeight::new(weight)?,
-                        bias,
-                    },
-                    None => Linear::Quantized { weight, bias },
-                }
-            }
+            Some(params) => Linear::from_quantized(
+                QuantizedWeight::load(weights, path, out_features, in_features, params)?,
+                bias,
+            )?,
             None => Linear::Dense {
                 weight: DenseWeight::new(
                     weights.take_shaped(&format!("{path}.weight"), &[out_features, in_features])?,
@@ -620,6 +628,27 @@ impl Linear {
                 bias,
             },
         })
+    }
+
+    /// A layer of quantized `weight`: copied dense where [`dense_weights`] says so.
+    fn from_quantized(weight: QuantizedWeight, bias: Option<Array>) -> Result<Self> {
+        Ok(match weight.dense_copy()? {
+            Some(weight) => Linear::Dense {
+                weight: DenseWeight::new(weight)?,
+                bias,
+            },
+            None => Linear::Quantized { weight, bias },
+        })
+    }
+
+    /// Whether its weight is a divided model's tensor not read yet ([`crate::nn::part_reads`]):
+    /// it is fused with others only once divided.
+    fn is_unread(&self) -> bool {
+        let weight = match self {
+            Linear::Dense { weight, .. } => weight.weight(),
+            Linear::Quantized { weight, .. } => &weight.weight,
+        };
+        crate::nn::part_reads::is_unread(weight)
     }
 
     /// The bias `[out]`, if any.
@@ -703,8 +732,9 @@ impl Linear {
                     Ok(units) => units,
                     Err(why) => return fail(why),
                 };
-                Linear::Quantized {
-                    weight: QuantizedWeight {
+                // Copied dense where a whole layer is (its part read unquantized).
+                Linear::from_quantized(
+                    QuantizedWeight {
                         weight: take(&q.weight, axis, words)?,
                         scales: take(&q.scales, axis, groups)?,
                         biases: q
@@ -716,7 +746,7 @@ impl Linear {
                         cpu_kernel: q.cpu_kernel,
                     },
                     bias,
-                }
+                )?
             }
         })
     }
@@ -749,7 +779,8 @@ impl Linear {
         parts: [Linear; N],
     ) -> Result<std::result::Result<Linear, [Linear; N]>> {
         let with_bias = parts.iter().filter(|p| p.bias().is_some()).count();
-        if N < 2 || (with_bias != 0 && with_bias != N) {
+        // Unread parts (a divided model's layer being built) are fused once divided.
+        if N < 2 || (with_bias != 0 && with_bias != N) || parts.iter().any(Linear::is_unread) {
             return Ok(Err(parts));
         }
         let stack = |arrays: Vec<&Array>| -> Result<Array> {
@@ -1641,9 +1672,13 @@ impl Mlp {
     /// partial sum of the whole block's.
     pub fn shard(&self, rank: usize, size: usize) -> Result<Self> {
         let gate_up = match &self.gate_up {
-            GateUp::Separate { gate_proj, up_proj } => GateUp::Separate {
-                gate_proj: gate_proj.shard(Shard::Outputs, rank, size)?,
-                up_proj: up_proj.shard(Shard::Outputs, rank, size)?,
+            // Fused as at load (parts read unfused are fused once divided).
+            GateUp::Separate { gate_proj, up_proj } => match Linear::fuse_if_enabled([
+                gate_proj.shard(Shard::Outputs, rank, size)?,
+                up_proj.shard(Shard::Outputs, rank, size)?,
+            ])? {
+                Ok(both) => GateUp::Fused(both),
+                Err([gate_proj, up_proj]) => GateUp::Separate { gate_proj, up_proj },
             },
             GateUp::Fused(proj) => {
                 let half = proj.features().1 / 2;

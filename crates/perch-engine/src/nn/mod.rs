@@ -7,5 +7,6 @@ pub mod gemm_kernel;
 pub mod layers;
 pub(crate) mod mlx_ext;
 pub mod norm_kernel;
+pub mod part_reads;
 pub mod rope_kernel;
 pub mod weights;

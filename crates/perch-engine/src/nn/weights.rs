@@ -8,6 +8,7 @@ use mlx_rs::{Array, Dtype};
 
 use crate::device::Backend;
 use crate::error::{EngineError, Result};
+use crate::nn::part_reads::{self, TensorSource};
 
 /// All tensors of a model by their Hugging Face names (`model.layers.0.self_attn.q_proj.weight`).
 /// Builders `take` what they use, so leftovers can be reported.
@@ -18,6 +19,9 @@ pub struct Weights {
     /// Read lazily ([`Weights::load_lazily`]): the model's folder, named when a tensor taken
     /// cannot be read.
     lazily_from: Option<PathBuf>,
+    /// Read lazily: where each tensor's bytes lie, to read a rank's part of it alone
+    /// ([`crate::nn::part_reads`]).
+    sources: HashMap<String, TensorSource>,
 }
 
 /// How far a model load has come: bytes of weight files read, of their total size.
@@ -121,8 +125,14 @@ impl Weights {
                 let tensor = weights.for_backend(&name, tensor)?;
                 weights.tensors.insert(name, tensor);
             }
+            weights.sources.extend(tensor_sources(file, backend)?);
         }
         Ok(weights)
+    }
+
+    /// Whether tensors are read as they are taken ([`Weights::load_lazily`]).
+    pub(crate) fn reads_lazily(&self) -> bool {
+        self.lazily_from.is_some()
     }
 
     /// No tensors: every [`Weights::take`] is [`EngineError::MissingWeight`].
@@ -131,6 +141,7 @@ impl Weights {
             tensors: HashMap::new(),
             backend,
             lazily_from: None,
+            sources: HashMap::new(),
         }
     }
 
@@ -164,12 +175,21 @@ impl Weights {
             .ok_or_else(|| EngineError::MissingWeight {
                 name: name.to_string(),
             })?;
-        // Read now, so that a read error is the load's (evaluating a read tensor is nothing).
         if let Some(dir) = &self.lazily_from {
+            let source = self.sources.remove(name);
+            // Building a layer that will be divided: left unread, its part read as it is divided.
+            if part_reads::deferring() {
+                if let Some(source) = source {
+                    part_reads::register(&tensor, source);
+                    return Ok(tensor);
+                }
+            }
+            // Read now, so that a read error is the load's.
             tensor.eval().map_err(|e| EngineError::CorruptWeights {
                 path: dir.clone(),
                 message: e.to_string(),
             })?;
+            part_reads::count_read(source.map_or(tensor.nbytes(), |s| s.len()) as u64);
         }
         Ok(tensor)
     }
@@ -184,12 +204,14 @@ impl Weights {
     /// Drops tensors a model does not use (e.g. precomputed rotary frequencies).
     pub fn discard(&mut self, name: &str) {
         self.tensors.remove(name);
+        self.sources.remove(name);
     }
 
     /// Drops every tensor whose name `unused` accepts (e.g. a multimodal checkpoint's vision
     /// tower, when only its text model is loaded).
     pub fn discard_where(&mut self, unused: impl Fn(&str) -> bool) {
         self.tensors.retain(|name, _| !unused(name));
+        self.sources.retain(|name, _| !unused(name));
     }
 
     /// Renames every tensor whose name starts with `from` to start with `to` instead (a
@@ -203,9 +225,12 @@ impl Weights {
             .cloned()
             .collect();
         for name in names {
+            let renamed = format!("{to}{}", &name[from.len()..]);
+            if let Some(source) = self.sources.remove(&name) {
+                self.sources.insert(renamed.clone(), source);
+            }
             if let Some(tensor) = self.tensors.remove(&name) {
-                self.tensors
-                    .insert(format!("{to}{}", &name[from.len()..]), tensor);
+                self.tensors.insert(renamed, tensor);
             }
         }
     }
@@ -411,6 +436,65 @@ fn map_file(path: &Path) -> Result<memmap2::Mmap> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+/// Where each tensor of the safetensors file `path` lies ([`TensorSource`]), used in the dtype
+/// [`Weights::load_lazily`] gives it on `backend`; tensors of a dtype MLX does not read so are
+/// left out (they are read whole). The header was validated before.
+fn tensor_sources(path: &Path, backend: Backend) -> Result<Vec<(String, TensorSource)>> {
+    use safetensors::Dtype as Stored;
+    let map = std::sync::Arc::new(map_file(path)?);
+    let corrupt = |message: String| EngineError::CorruptWeights {
+        path: path.to_path_buf(),
+        message,
+    };
+    let (header, metadata) =
+        safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| corrupt(e.to_string()))?;
+    let data_start = 8 + header;
+    let shared_path = std::sync::Arc::new(path.to_path_buf());
+    let mut sources = Vec::new();
+    for (name, info) in metadata.tensors() {
+        let (stored, item) = match info.dtype {
+            Stored::F16 => (Dtype::Float16, 2),
+            Stored::BF16 => (Dtype::Bfloat16, 2),
+            Stored::F32 => (Dtype::Float32, 4),
+            Stored::U32 => (Dtype::Uint32, 4),
+            Stored::I32 => (Dtype::Int32, 4),
+            Stored::U8 => (Dtype::Uint8, 1),
+            Stored::I8 => (Dtype::Int8, 1),
+            Stored::U16 => (Dtype::Uint16, 2),
+            Stored::I16 => (Dtype::Int16, 2),
+            Stored::I64 => (Dtype::Int64, 8),
+            Stored::U64 => (Dtype::Uint64, 8),
+            _ => continue,
+        };
+        let Ok(shape) = info
+            .shape
+            .iter()
+            .map(|&d| i32::try_from(d))
+            .collect::<std::result::Result<Vec<i32>, _>>()
+        else {
+            continue;
+        };
+        let float = matches!(stored, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
+        let target = match float && !name.ends_with("A_log") {
+            true => backend.compute_dtype(stored),
+            false => stored,
+        };
+        sources.push((
+            name.clone(),
+            TensorSource {
+                map: std::sync::Arc::clone(&map),
+                path: std::sync::Arc::clone(&shared_path),
+                offset: data_start + info.data_offsets.0,
+                shape,
+                stored,
+                item,
+                target,
+            },
+        ));
+    }
+    Ok(sources)
 }
 
 /// The check [`Weights::load`] makes on every weight file, on the file's bytes: a well-formed

@@ -1,0 +1,233 @@
+//! Reading only a rank's part of a tensor from its weight file (tensor parallelism).
+//!
+//! While a divided model's layer is built and divided ([`DeferredReads`], over each layer of
+//! [`crate::models::load_divided`] by heads), the tensors it takes from lazily read weights
+//! ([`Weights::load_lazily`]) stay unread: [`Weights::take`] registers where each one's bytes lie
+//! in its file ([`TensorSource`]). Dividing one ([`crate::nn::layers::ShardParts::take`]) copies
+//! just the part's bytes from the file ([`read_part`]): rows of a matrix divided by outputs are
+//! one run of bytes, columns divided by inputs one run a row. What the layer keeps whole (norms,
+//! a router) and what layers evaluate as they are built ([`settle`]) are read when the layer is
+//! done ([`DeferredReads::finish_layer`]). A registered tensor that a layer transforms before
+//! dividing it (stacked per-expert tensors, say) is read whole when the transform is evaluated,
+//! as without deferral.
+//!
+//! Registered tensors are known by their MLX identity (`mlx_sys::perch_mlx_array_id`), the same
+//! for every handle to one array.
+//!
+//! [`Weights::load_lazily`]: crate::nn::weights::Weights::load_lazily
+//! [`Weights::take`]: crate::nn::weights::Weights::take
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use mlx_rs::{Array, Dtype};
+
+use crate::error::{EngineError, Result};
+
+/// Where a tensor's bytes lie in its weight file, and the dtype it is used in.
+#[derive(Clone)]
+pub(crate) struct TensorSource {
+    /// The whole file, mapped read-only.
+    pub(crate) map: Arc<memmap2::Mmap>,
+    pub(crate) path: Arc<PathBuf>,
+    /// Its first byte in the file.
+    pub(crate) offset: usize,
+    pub(crate) shape: Vec<i32>,
+    /// As stored, and its bytes an element.
+    pub(crate) stored: Dtype,
+    pub(crate) item: usize,
+    /// As used: the backend's compute dtype for floating point ([`Weights::take`]'s cast).
+    ///
+    /// [`Weights::take`]: crate::nn::weights::Weights::take
+    pub(crate) target: Dtype,
+}
+
+impl TensorSource {
+    /// Its bytes in the file.
+    pub(crate) fn len(&self) -> usize {
+        self.shape.iter().map(|&d| d as usize).product::<usize>() * self.item
+    }
+
+    /// The runs `parts` (`(first, count)` entries along `axis`) of this tensor, side by side in
+    /// that order along `axis`, as one array in the dtype it is used in, evaluated. Reads only
+    /// those bytes of the file (a run a row of the axes before `axis`).
+    fn read(&self, axis: usize, parts: &[(usize, usize)]) -> Result<Array> {
+        let along = self.shape[axis] as usize;
+        let outer: usize = self.shape[..axis].iter().map(|&d| d as usize).product();
+        let inner: usize = self.shape[axis + 1..]
+            .iter()
+            .map(|&d| d as usize)
+            .product::<usize>()
+            * self.item;
+        let kept: usize = parts.iter().map(|&(_, count)| count).sum();
+        if parts.iter().any(|&(first, count)| first + count > along)
+            || self.offset + self.len() > self.map.len()
+        {
+            return Err(EngineError::CorruptWeights {
+                path: self.path.to_path_buf(),
+                message: "a tensor's part lies outside it".into(),
+            });
+        }
+        let data = &self.map[self.offset..self.offset + self.len()];
+        let mut bytes = Vec::with_capacity(outer * kept * inner);
+        for row in 0..outer {
+            for &(first, count) in parts {
+                let at = (row * along + first) * inner;
+                bytes.extend_from_slice(&data[at..at + count * inner]);
+            }
+        }
+        let mut shape = self.shape.clone();
+        shape[axis] = kept as i32;
+        // SAFETY: `bytes` holds exactly `shape`'s elements of `stored` (little-endian, as
+        // safetensors stores them and MLX reads them); MLX copies them.
+        let part = unsafe { Array::from_raw_data(bytes.as_ptr().cast(), &shape, self.stored) };
+        let part = match self.target == self.stored {
+            true => part,
+            false => part.as_dtype(self.target)?,
+        };
+        part.eval()?;
+        count_read(bytes.len() as u64);
+        Ok(part)
+    }
+}
+
+/// A registered tensor: the array handed out, where its bytes lie, and whether a part of it was
+/// read (it is then never read whole here).
+struct Unread {
+    array: Array,
+    source: TensorSource,
+    divided: bool,
+}
+
+/// The layer being built: its registered tensors by identity, and the arrays to evaluate when
+/// it is done.
+#[derive(Default)]
+struct Deferred {
+    unread: HashMap<usize, Unread>,
+    settle: Vec<Array>,
+}
+
+thread_local! {
+    /// Set while [`DeferredReads`] lives on this thread (the loading thread).
+    static DEFERRED: RefCell<Option<Deferred>> = const { RefCell::new(None) };
+}
+
+/// Bytes of weight files read by lazily read loads ([`Weights::load_lazily`]) in this process:
+/// whole tensors as they are taken or their layers finished, parts as they are divided.
+///
+/// [`Weights::load_lazily`]: crate::nn::weights::Weights::load_lazily
+static BYTES_READ: AtomicU64 = AtomicU64::new(0);
+
+/// [`BYTES_READ`] so far.
+pub fn bytes_read() -> u64 {
+    BYTES_READ.load(Ordering::Relaxed)
+}
+
+pub(crate) fn count_read(bytes: u64) {
+    BYTES_READ.fetch_add(bytes, Ordering::Relaxed);
+}
+
+fn id(a: &Array) -> usize {
+    // SAFETY: reads the identity of a live array.
+    unsafe { mlx_sys::perch_mlx_array_id(a.as_ptr()) }
+}
+
+/// Whether a layer's reads are deferred on this thread now.
+pub(crate) fn deferring() -> bool {
+    DEFERRED.with(|d| d.borrow().is_some())
+}
+
+/// Registers `array`, unread, as the tensor at `source` (while [`deferring`]).
+pub(crate) fn register(array: &Array, source: TensorSource) {
+    DEFERRED.with(|d| {
+        if let Some(deferred) = d.borrow_mut().as_mut() {
+            deferred.unread.insert(
+                id(array),
+                Unread {
+                    array: array.clone(),
+                    source,
+                    divided: false,
+                },
+            );
+        }
+    });
+}
+
+/// Evaluates `arrays` now or, while a layer's reads are deferred, when the layer is done (so
+/// that building a layer reads none of its tensors before it is divided).
+pub(crate) fn settle(arrays: &[&Array]) -> Result<()> {
+    let deferred = DEFERRED.with(|d| match d.borrow_mut().as_mut() {
+        Some(deferred) => {
+            deferred.settle.extend(arrays.iter().map(|&a| a.clone()));
+            true
+        }
+        None => false,
+    });
+    if !deferred {
+        mlx_rs::transforms::eval(arrays.iter().copied())?;
+    }
+    Ok(())
+}
+
+/// Whether `a` is a registered tensor none of which has been read here.
+pub(crate) fn is_unread(a: &Array) -> bool {
+    DEFERRED.with(|d| {
+        d.borrow()
+            .as_ref()
+            .and_then(|deferred| deferred.unread.get(&id(a)))
+            .is_some_and(|unread| !unread.divided)
+    })
+}
+
+/// When `a` is a registered tensor: the runs `parts` (`(first, count)` entries along `axis`)
+/// of it read from its file ([`TensorSource::read`]); `None` otherwise.
+pub(crate) fn read_part(a: &Array, axis: usize, parts: &[(usize, usize)]) -> Option<Result<Array>> {
+    let source = DEFERRED.with(|d| {
+        let mut deferred = d.borrow_mut();
+        let unread = deferred.as_mut()?.unread.get_mut(&id(a))?;
+        unread.divided = true;
+        Some(unread.source.clone())
+    })?;
+    Some(source.read(axis, parts))
+}
+
+/// Deferred reads over the layers built while it lives, one layer at a time
+/// ([`DeferredReads::finish_layer`]).
+pub(crate) struct DeferredReads(());
+
+impl DeferredReads {
+    pub(crate) fn begin() -> Self {
+        DEFERRED.with(|d| *d.borrow_mut() = Some(Deferred::default()));
+        Self(())
+    }
+
+    /// The layer built since the last call is divided: reads what it keeps whole (its
+    /// registered tensors of which no part was read) and evaluates what it deferred
+    /// ([`settle`]); the registered tensors are let go.
+    pub(crate) fn finish_layer(&self) -> Result<()> {
+        let (whole, settle) = DEFERRED.with(|d| {
+            let mut d = d.borrow_mut();
+            let deferred = std::mem::take(d.as_mut().expect("deferring"));
+            let whole: Vec<(Array, usize)> = deferred
+                .unread
+                .into_values()
+                .filter(|u| !u.divided)
+                .map(|u| (u.array, u.source.len()))
+                .collect();
+            (whole, deferred.settle)
+        });
+        let all = whole.iter().map(|(a, _)| a).chain(settle.iter());
+        mlx_rs::transforms::eval(all)?;
+        count_read(whole.iter().map(|&(_, len)| len as u64).sum());
+        Ok(())
+    }
+}
+
+impl Drop for DeferredReads {
+    fn drop(&mut self) {
+        DEFERRED.with(|d| *d.borrow_mut() = None);
+    }
+}
