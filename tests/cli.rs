@@ -399,14 +399,7 @@ fn generate_with_an_image() {
         model,
         &[&prompt[..], &["--image", image]].concat(),
         4,
-        &[
-            "--distributed",
-            "pipeline",
-            "--hosts",
-            "127.0.0.1,127.0.0.1",
-            "--starting-port",
-            &port,
-        ],
+        &two_local_stages(&port),
     );
     assert_eq!(
         generated_ids(&divided),
@@ -768,20 +761,25 @@ fn bench_output_ids_match_between_single_stream_and_batch() {
     };
     let single = read(&single);
     assert_eq!(single.as_array().map(Vec::len), Some(5), "{single}");
+    // Both prompts at once through the batch engine, their ids written to `out`.
+    let batch_of_two = |out: &str, more: &[&str]| {
+        run(&[
+            &common[..],
+            &[
+                "--concurrency",
+                "2",
+                "--prompt-ids",
+                &all,
+                "--output-ids",
+                out,
+                "--json",
+            ],
+            more,
+        ]
+        .concat())
+    };
     let batch = path("batch.json");
-    run(&[
-        &common[..],
-        &[
-            "--concurrency",
-            "2",
-            "--prompt-ids",
-            &all,
-            "--output-ids",
-            &batch,
-            "--json",
-        ],
-    ]
-    .concat());
+    batch_of_two(&batch, &[]);
     let batch = read(&batch);
     assert_eq!(batch.as_array().map(Vec::len), Some(2), "{batch}");
     assert_eq!(batch[1].as_array().map(Vec::len), Some(5), "{batch}");
@@ -790,25 +788,7 @@ fn bench_output_ids_match_between_single_stream_and_batch() {
     // workload and reports it; the other follows): the same ids.
     let divided = path("divided.json");
     let port = consecutive_free_ports().to_string();
-    let report = run(&[
-        &common[..],
-        &[
-            "--concurrency",
-            "2",
-            "--prompt-ids",
-            &all,
-            "--output-ids",
-            &divided,
-            "--json",
-            "--distributed",
-            "pipeline",
-            "--hosts",
-            "127.0.0.1,127.0.0.1",
-            "--starting-port",
-            &port,
-        ],
-    ]
-    .concat());
+    let report = batch_of_two(&divided, &two_local_stages(&port));
     assert_eq!(read(&divided), batch, "over two ranks");
     let line = report.lines().rfind(|l| l.starts_with('{')).unwrap();
     let report: serde_json::Value = serde_json::from_str(line).unwrap();
@@ -1880,6 +1860,19 @@ fn an_unreachable_host_ends_the_launch_within_seconds() {
 
 /// A free port on 127.0.0.1 whose next one is free too (a ring group of two ranks started with
 /// `--hosts 127.0.0.1,127.0.0.1` listens on both).
+/// The arguments that run a command over two pipeline stages on this machine, started by the
+/// command itself from `port` on.
+fn two_local_stages(port: &str) -> [&str; 6] {
+    [
+        "--distributed",
+        "pipeline",
+        "--hosts",
+        "127.0.0.1,127.0.0.1",
+        "--starting-port",
+        port,
+    ]
+}
+
 fn consecutive_free_ports() -> u16 {
     loop {
         let first = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -1900,20 +1893,13 @@ fn generate_over_ranks_ends_when_a_rank_stops_answering() {
     let dir = tempfile::tempdir().unwrap();
     // A tiny random Llama: its answers run to --max-tokens (end of sequence is unlikely).
     let models = dir.path().join("models");
-    let made = Command::new(perch_test_support::oracle_python())
-        .arg(
-            perch_test_support::workspace_dir()
-                .join("crates/perch-engine/tests/oracle/tiny_models.py"),
-        )
-        .arg(&models)
-        .arg(perch_test_support::model_dir())
-        .arg("llama3-rope")
-        .output()
-        .expect("run the oracle");
-    assert!(
-        made.status.success(),
-        "{}",
-        String::from_utf8_lossy(&made.stderr)
+    perch_test_support::run_oracle(
+        "tiny_models.py",
+        &[
+            models.to_str().unwrap(),
+            perch_test_support::model_dir().to_str().unwrap(),
+            "llama3-rope",
+        ],
     );
     let model = models.join("llama3-rope");
     let marker = format!("stall-{}", std::process::id());

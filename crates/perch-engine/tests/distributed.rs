@@ -962,15 +962,14 @@ fn short_of_memory(division: Division, models: &Path) -> serde_json::Value {
 /// `dir/models`, written by the mlx_lm oracle.
 fn tiny_models(dir: &Path, cases: &str) -> PathBuf {
     let models = dir.join("models");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/oracle/tiny_models.py");
-    let status = Command::new(common::oracle_python())
-        .arg(&script)
-        .arg(&models)
-        .arg(common::model_dir())
-        .arg(cases)
-        .status()
-        .expect("run the mlx_lm oracle");
-    assert!(status.success(), "tiny_models.py failed");
+    common::run_oracle(
+        "tiny_models.py",
+        &[
+            models.to_str().unwrap(),
+            common::model_dir().to_str().unwrap(),
+            cases,
+        ],
+    );
     models
 }
 

@@ -188,6 +188,25 @@ pub fn oracle_python() -> PathBuf {
     python
 }
 
+/// Runs perch-engine's `tests/oracle/{script}` with the oracle Python ([`oracle_python`]) and
+/// returns its standard output; panics with its standard error when it fails.
+pub fn run_oracle(script: &str, args: &[&str]) -> String {
+    let path = workspace_dir()
+        .join("crates/perch-engine/tests/oracle")
+        .join(script);
+    let out = std::process::Command::new(oracle_python())
+        .arg(path)
+        .args(args)
+        .output()
+        .expect("run the mlx_lm oracle");
+    assert!(
+        out.status.success(),
+        "{script} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("oracle output is UTF-8")
+}
+
 /// Lowercase hex SHA-256 of a file.
 pub fn sha256_file(path: &Path) -> String {
     let mut file =

@@ -5,7 +5,9 @@
 use std::path::PathBuf;
 
 #[allow(unused_imports)]
-pub use perch_test_support::{model_dir, oracle_python, reference, reference_cases, ReferenceCase};
+pub use perch_test_support::{
+    model_dir, oracle_python, reference, reference_cases, run_oracle, ReferenceCase,
+};
 
 /// `generate` on `request` alone, nothing done with its tokens as they come: the single-stream
 /// run the batch engine's rows and other paths are compared with.
@@ -17,25 +19,6 @@ pub fn generate_alone(
     perch_engine::generate(model, tokenizer, request, |_| {
         std::ops::ControlFlow::Continue(())
     })
-}
-
-/// Runs `tests/oracle/{script}` with the oracle Python and returns its stdout; panics with its
-/// stderr when it fails.
-pub fn run_oracle(script: &str, args: &[&str]) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/oracle")
-        .join(script);
-    let out = std::process::Command::new(oracle_python())
-        .arg(path)
-        .args(args)
-        .output()
-        .expect("run the mlx_lm oracle");
-    assert!(
-        out.status.success(),
-        "{script} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("oracle output is UTF-8")
 }
 
 /// Like [`run_oracle`], on one process of `script` kept for the test binary (`script serve`:
