@@ -6,8 +6,9 @@
 //! in its file ([`TensorSource`]). Dividing one ([`crate::nn::layers::ShardParts::take`]) copies
 //! just the part's bytes from the file ([`read_part`]): rows of a matrix divided by outputs are
 //! one run of bytes, columns divided by inputs one run a row. What the layer keeps whole (norms,
-//! a router) and what layers evaluate as they are built ([`settle`]) are read when the layer is
-//! done ([`DeferredReads::finish_layer`]). A registered tensor that a layer transforms before
+//! a router) is read by MLX when the layer is done ([`DeferredReads::finish_layer`]), with what
+//! was built on it ([`settle`]: a dense layer's transposed views); what was built on a tensor
+//! that was divided is dropped unevaluated. A registered tensor that a layer transforms before
 //! dividing it (stacked per-expert tensors, say) is read whole when the transform is evaluated,
 //! as without deferral.
 //!
@@ -89,17 +90,19 @@ impl TensorSource {
             false => part.as_dtype(self.target)?,
         };
         part.eval()?;
-        count_read(bytes.len() as u64);
+        PART_BYTES_READ.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         Ok(part)
     }
 }
 
-/// A registered tensor: the array handed out, where its bytes lie, and whether a part of it was
-/// read (it is then never read whole here).
+/// A registered tensor: the array handed out, where its bytes lie, whether a part of it was
+/// read (it is then never read whole here), and the arrays built on it to evaluate with it when
+/// it is kept whole ([`settle`]).
 struct Unread {
     array: Array,
     source: TensorSource,
     divided: bool,
+    built_on: Vec<Array>,
 }
 
 /// The layer being built: its registered tensors by identity, and the arrays to evaluate when
@@ -115,19 +118,13 @@ thread_local! {
     static DEFERRED: RefCell<Option<Deferred>> = const { RefCell::new(None) };
 }
 
-/// Bytes of weight files read by lazily read loads ([`Weights::load_lazily`]) in this process:
-/// whole tensors as they are taken or their layers finished, parts as they are divided.
-///
-/// [`Weights::load_lazily`]: crate::nn::weights::Weights::load_lazily
-static BYTES_READ: AtomicU64 = AtomicU64::new(0);
+/// Bytes of weight files copied by part reads ([`read_part`]) in this process (whole tensors
+/// are read by MLX).
+static PART_BYTES_READ: AtomicU64 = AtomicU64::new(0);
 
-/// [`BYTES_READ`] so far.
-pub fn bytes_read() -> u64 {
-    BYTES_READ.load(Ordering::Relaxed)
-}
-
-pub(crate) fn count_read(bytes: u64) {
-    BYTES_READ.fetch_add(bytes, Ordering::Relaxed);
+/// [`PART_BYTES_READ`] so far.
+pub fn part_bytes_read() -> u64 {
+    PART_BYTES_READ.load(Ordering::Relaxed)
 }
 
 fn id(a: &Array) -> usize {
@@ -150,6 +147,7 @@ pub(crate) fn register(array: &Array, source: TensorSource) {
                     array: array.clone(),
                     source,
                     divided: false,
+                    built_on: Vec::new(),
                 },
             );
         }
@@ -157,11 +155,21 @@ pub(crate) fn register(array: &Array, source: TensorSource) {
 }
 
 /// Evaluates `arrays` now or, while a layer's reads are deferred, when the layer is done (so
-/// that building a layer reads none of its tensors before it is divided).
+/// that building a layer reads none of its tensors before it is divided). When one of them is a
+/// registered tensor, they are evaluated only if that tensor is kept whole: they are built on it
+/// (a dense layer's weight and its views), and evaluating them would read all of it.
 pub(crate) fn settle(arrays: &[&Array]) -> Result<()> {
     let deferred = DEFERRED.with(|d| match d.borrow_mut().as_mut() {
         Some(deferred) => {
-            deferred.settle.extend(arrays.iter().map(|&a| a.clone()));
+            let clones = arrays.iter().map(|&a| a.clone());
+            let on = arrays
+                .iter()
+                .map(|a| id(a))
+                .find(|k| deferred.unread.contains_key(k));
+            match on.and_then(|k| deferred.unread.get_mut(&k)) {
+                Some(unread) => unread.built_on.extend(clones),
+                None => deferred.settle.extend(clones),
+            }
             true
         }
         None => false,
@@ -205,23 +213,19 @@ impl DeferredReads {
     }
 
     /// The layer built since the last call is divided: reads what it keeps whole (its
-    /// registered tensors of which no part was read) and evaluates what it deferred
-    /// ([`settle`]); the registered tensors are let go.
+    /// registered tensors of which no part was read, with what was built on them) and evaluates
+    /// the rest it deferred ([`settle`]); the registered tensors are let go, those divided
+    /// unread.
     pub(crate) fn finish_layer(&self) -> Result<()> {
-        let (whole, settle) = DEFERRED.with(|d| {
-            let mut d = d.borrow_mut();
-            let deferred = std::mem::take(d.as_mut().expect("deferring"));
-            let whole: Vec<(Array, usize)> = deferred
-                .unread
-                .into_values()
-                .filter(|u| !u.divided)
-                .map(|u| (u.array, u.source.len()))
-                .collect();
-            (whole, deferred.settle)
-        });
-        let all = whole.iter().map(|(a, _)| a).chain(settle.iter());
-        mlx_rs::transforms::eval(all)?;
-        count_read(whole.iter().map(|&(_, len)| len as u64).sum());
+        let Some(deferred) = DEFERRED.with(|d| d.borrow_mut().as_mut().map(std::mem::take)) else {
+            return Ok(());
+        };
+        let mut all = deferred.settle;
+        for unread in deferred.unread.into_values().filter(|u| !u.divided) {
+            all.push(unread.array);
+            all.extend(unread.built_on);
+        }
+        mlx_rs::transforms::eval(all.iter())?;
         Ok(())
     }
 }

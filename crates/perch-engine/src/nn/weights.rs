@@ -189,7 +189,6 @@ impl Weights {
                 path: dir.clone(),
                 message: e.to_string(),
             })?;
-            part_reads::count_read(source.map_or(tensor.nbytes(), |s| s.len()) as u64);
         }
         Ok(tensor)
     }
