@@ -1283,7 +1283,8 @@ impl Decoder {
             };
             let per_layer_gate = match c.per_layer_inputs {
                 Some(per_layer) => Some(PerLayerGate {
-                    per_layer_input_gate: Linear::load(
+                    // Every rank keeps these whole.
+                    per_layer_input_gate: Linear::load_whole(
                         weights,
                         quantization,
                         &format!("{p}.per_layer_input_gate"),
@@ -1291,7 +1292,7 @@ impl Decoder {
                         per_layer.hidden,
                         false,
                     )?,
-                    per_layer_projection: Linear::load(
+                    per_layer_projection: Linear::load_whole(
                         weights,
                         quantization,
                         &format!("{p}.per_layer_projection"),

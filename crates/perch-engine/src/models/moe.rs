@@ -139,6 +139,8 @@ impl SwitchLinear {
             };
             let cut = cut.contiguous()?;
             cut.eval()?;
+            // Read whole by the cut: not held for part reads ([`crate::nn::part_reads`]).
+            crate::nn::part_reads::read_whole(&[&whole])?;
             Ok(cut)
         };
         let scales = cut(weights, "scales", groups)?;
@@ -230,6 +232,8 @@ impl SwitchLinear {
             .collect::<Result<Vec<_>>>()?;
         let weight = ops::stack(&parts, 0)?;
         weight.eval()?;
+        // Read whole by the stack: not held for part reads ([`crate::nn::part_reads`]).
+        crate::nn::part_reads::read_whole(&parts.iter().collect::<Vec<_>>())?;
         Ok(Self {
             weight: SwitchWeight::Dense(weight),
             bias,
@@ -506,6 +510,8 @@ impl SwitchWeight {
 fn joined(a: &Array, b: &Array, axis: i32) -> Result<Array> {
     let both = ops::concatenate(&[a, b], axis)?;
     both.eval()?;
+    // Read whole by the join: not held for part reads ([`crate::nn::part_reads`]).
+    crate::nn::part_reads::read_whole(&[a, b])?;
     Ok(both)
 }
 
@@ -883,7 +889,8 @@ impl SparseMoe {
         fold: bool,
     ) -> Result<Self> {
         let gpt_oss = c.style == MoeStyle::GptOss;
-        let gate = Linear::load(
+        // Every rank keeps the router whole.
+        let gate = Linear::load_whole(
             weights,
             quantization,
             &format!("{path}.{}", if gpt_oss { "router" } else { "gate" }),
@@ -921,7 +928,7 @@ impl SparseMoe {
         );
         let (mut gate, mut shared, mut folded_shared) = (gate, None, 0);
         if let Some(size) = c.shared_expert_intermediate_size {
-            let shared_gate = Linear::load(
+            let shared_gate = Linear::load_whole(
                 weights,
                 quantization,
                 &format!("{path}.shared_expert_gate"),
@@ -1258,7 +1265,7 @@ impl MlpAndExperts {
             pre_feedforward_layernorm_2: norm(weights, "pre_feedforward_layernorm_2")?,
             post_feedforward_layernorm_2: norm(weights, "post_feedforward_layernorm_2")?,
             router_norm: RmsNorm::from_weight(router_weight, eps),
-            router_proj: Linear::load(
+            router_proj: Linear::load_whole(
                 weights,
                 quantization,
                 &format!("{path}.router.proj"),

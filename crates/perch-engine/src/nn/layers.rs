@@ -641,6 +641,45 @@ impl Linear {
         })
     }
 
+    /// This layer as loaded whole: a divided model's layer built unread
+    /// ([`crate::nn::part_reads`]) is read now, and copied dense where [`dense_weights`] says
+    /// so. For layers every rank keeps whole (a router), so that they are what a model loaded
+    /// whole holds, and can be fused.
+    pub fn read_whole(self) -> Result<Linear> {
+        if !self.is_unread() {
+            return Ok(self);
+        }
+        let bias = self.bias().cloned();
+        match self {
+            Linear::Dense { weight, .. } => {
+                let mut arrays = vec![weight.weight()];
+                arrays.extend(bias.as_ref());
+                crate::nn::part_reads::read_whole(&arrays)?;
+                Ok(Linear::Dense { weight, bias })
+            }
+            Linear::Quantized { weight, .. } => {
+                let mut arrays = vec![&weight.weight, &weight.scales];
+                arrays.extend(weight.biases.as_ref());
+                arrays.extend(bias.as_ref());
+                crate::nn::part_reads::read_whole(&arrays)?;
+                Linear::from_quantized(weight, bias)
+            }
+        }
+    }
+
+    /// [`Linear::load`] of a layer every rank of a divided model keeps whole (a router, a gate):
+    /// read at once ([`Linear::read_whole`]).
+    pub fn load_whole(
+        weights: &mut Weights,
+        quantization: &Quantization,
+        path: &str,
+        in_features: i32,
+        out_features: i32,
+        bias: bool,
+    ) -> Result<Self> {
+        Self::load(weights, quantization, path, in_features, out_features, bias)?.read_whole()
+    }
+
     /// Whether its weight is a divided model's tensor not read yet ([`crate::nn::part_reads`]):
     /// it is fused with others only once divided.
     fn is_unread(&self) -> bool {
@@ -713,6 +752,8 @@ impl Linear {
             Ok(parts) => parts,
             Err(why) => return fail(why),
         };
+        // Built unread, so not yet copied dense as a layer loaded whole is (part reads).
+        let unread = self.is_unread();
         let take = |a: &Array, axis: usize, units: Units| parts.take(a, axis, units);
         let bias = match (shard, self.bias()) {
             (Shard::Outputs, Some(bias)) => Some(take(bias, 0, (1, 1))?),
@@ -730,23 +771,31 @@ impl Linear {
             Linear::Quantized { weight: q, .. } => {
                 let (words, groups) = match parts.quantized_units(shard, q.params) {
                     Ok(units) => units,
+                    // A layer loaded whole would be divided as its dense copy, at any feature.
+                    Err(_) if unread && dense_weights() => {
+                        return self
+                            .clone()
+                            .read_whole()?
+                            .shard_segments(shard, segments, rank, size);
+                    }
                     Err(why) => return fail(why),
                 };
-                // Copied dense where a whole layer is (its part read unquantized).
-                Linear::from_quantized(
-                    QuantizedWeight {
-                        weight: take(&q.weight, axis, words)?,
-                        scales: take(&q.scales, axis, groups)?,
-                        biases: q
-                            .biases
-                            .as_ref()
-                            .map(|b| take(b, axis, groups))
-                            .transpose()?,
-                        params: q.params,
-                        cpu_kernel: q.cpu_kernel,
-                    },
-                    bias,
-                )?
+                let part = QuantizedWeight {
+                    weight: take(&q.weight, axis, words)?,
+                    scales: take(&q.scales, axis, groups)?,
+                    biases: q
+                        .biases
+                        .as_ref()
+                        .map(|b| take(b, axis, groups))
+                        .transpose()?,
+                    params: q.params,
+                    cpu_kernel: q.cpu_kernel,
+                };
+                // Copied dense where a layer loaded whole is, if it was not yet.
+                match unread {
+                    true => Linear::from_quantized(part, bias)?,
+                    false => Linear::Quantized { weight: part, bias },
+                }
             }
         })
     }

@@ -180,6 +180,22 @@ pub(crate) fn settle(arrays: &[&Array]) -> Result<()> {
     Ok(())
 }
 
+/// Reads `arrays` whole now (and what was built on them, [`settle`]): a layer every rank keeps
+/// whole, or tensors a transform has read anyway; those registered are let go here, so that
+/// they are neither held until the layer is done nor read again.
+pub(crate) fn read_whole(arrays: &[&Array]) -> Result<()> {
+    let built_on: Vec<Array> = DEFERRED.with(|d| match d.borrow_mut().as_mut() {
+        Some(deferred) => arrays
+            .iter()
+            .filter_map(|a| deferred.unread.remove(&id(a)))
+            .flat_map(|unread| unread.built_on)
+            .collect(),
+        None => Vec::new(),
+    });
+    mlx_rs::transforms::eval(arrays.iter().copied().chain(built_on.iter()))?;
+    Ok(())
+}
+
 /// Whether `a` is a registered tensor none of which has been read here.
 pub(crate) fn is_unread(a: &Array) -> bool {
     DEFERRED.with(|d| {
@@ -204,12 +220,17 @@ pub(crate) fn read_part(a: &Array, axis: usize, parts: &[(usize, usize)]) -> Opt
 
 /// Deferred reads over the layers built while it lives, one layer at a time
 /// ([`DeferredReads::finish_layer`]).
-pub(crate) struct DeferredReads(());
+/// Not `Send`: the registry it clears is its thread's.
+pub(crate) struct DeferredReads(std::marker::PhantomData<*const ()>);
 
 impl DeferredReads {
     pub(crate) fn begin() -> Self {
-        DEFERRED.with(|d| *d.borrow_mut() = Some(Deferred::default()));
-        Self(())
+        DEFERRED.with(|d| {
+            let mut d = d.borrow_mut();
+            debug_assert!(d.is_none(), "deferred reads do not nest");
+            *d = Some(Deferred::default());
+        });
+        Self(std::marker::PhantomData)
     }
 
     /// The layer built since the last call is divided: reads what it keeps whole (its
@@ -233,5 +254,69 @@ impl DeferredReads {
 impl Drop for DeferredReads {
     fn drop(&mut self) {
         DEFERRED.with(|d| *d.borrow_mut() = None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::Backend;
+    use crate::nn::layers::ShardParts;
+    use crate::nn::weights::Weights;
+    use mlx_rs::ops::indexing::IndexOp;
+
+    /// A tensor's parts read from its file equal the same parts of the tensor read whole: rows,
+    /// and columns of two segments (a fused projection's); float16 stored, float32 used (the
+    /// CPU's cast). Reading a part lets the tensor go unread; reading another whole lets it go.
+    #[test]
+    fn parts_read_from_the_file_equal_the_whole_tensor_s() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = mlx_rs::random::normal::<f32>(&[6, 8], None, None, None)
+            .unwrap()
+            .as_dtype(Dtype::Float16)
+            .unwrap();
+        let b = mlx_rs::random::normal::<f32>(&[4, 8], None, None, None)
+            .unwrap()
+            .as_dtype(Dtype::Float16)
+            .unwrap();
+        Array::save_safetensors(
+            [("a", &a), ("b", &b)],
+            None,
+            dir.path().join("model.safetensors"),
+        )
+        .unwrap();
+        let a = a.as_dtype(Dtype::Float32).unwrap();
+        let mut weights = Weights::load_lazily(dir.path(), Backend::Cpu, 1.0).unwrap();
+        let deferred = DeferredReads::begin();
+        let taken = weights.take("a").unwrap();
+        assert!(is_unread(&taken));
+        let copied = part_bytes_read();
+        // Rank 1 of 2 by rows: rows 3..6.
+        let rows = ShardParts::new(&[6], 6, 1, 2)
+            .unwrap()
+            .take(&taken, 0, (1, 1))
+            .unwrap();
+        assert_eq!(part_bytes_read() - copied, 3 * 8 * 2);
+        assert!(!is_unread(&taken));
+        let expected = a.index((3..6, ..));
+        assert_eq!(rows.dtype(), Dtype::Float32);
+        assert!(rows.eq_values(&expected).unwrap());
+        // Rank 0 of 2 by columns of segments [4, 4]: columns 0..2 and 4..6.
+        let columns = ShardParts::new(&[4, 4], 8, 0, 2)
+            .unwrap()
+            .take(&taken, 1, (1, 1))
+            .unwrap();
+        let expected =
+            mlx_rs::ops::concatenate(&[a.index((.., 0..2)), a.index((.., 4..6))], 1).unwrap();
+        assert!(columns.eq_values(&expected).unwrap());
+        let whole = weights.take("b").unwrap();
+        assert!(is_unread(&whole));
+        read_whole(&[&whole]).unwrap();
+        assert!(!is_unread(&whole));
+        let b = b.as_dtype(Dtype::Float32).unwrap();
+        assert!(whole.eq_values(&b).unwrap());
+        deferred.finish_layer().unwrap();
+        drop(deferred);
+        assert!(!deferring());
     }
 }

@@ -442,7 +442,11 @@ fn map_file(path: &Path) -> Result<memmap2::Mmap> {
 /// left out (they are read whole). The header was validated before.
 fn tensor_sources(path: &Path, backend: Backend) -> Result<Vec<(String, TensorSource)>> {
     use safetensors::Dtype as Stored;
-    let map = std::sync::Arc::new(map_file(path)?);
+    let map = map_file(path)?;
+    // Parts are read a run a row: read-ahead around each would bring in the rest.
+    #[cfg(unix)]
+    let _ = map.advise(memmap2::Advice::Random);
+    let map = std::sync::Arc::new(map);
     let corrupt = |message: String| EngineError::CorruptWeights {
         path: path.to_path_buf(),
         message,
