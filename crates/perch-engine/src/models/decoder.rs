@@ -1187,9 +1187,7 @@ impl Decoder {
         // Divided by heads from lazily read weights: each layer's tensors stay unread until it
         // is divided, and then only this rank's part of each is read.
         let deferred = match division {
-            Some(Division::Tensor(_)) if weights.reads_lazily() => {
-                Some(crate::nn::part_reads::DeferredReads::begin())
-            }
+            Some(Division::Tensor(_)) => weights.defer_reads(),
             _ => None,
         };
         for i in 0..c.num_layers {

@@ -221,16 +221,24 @@ pub(crate) fn read_part(a: &Array, axis: usize, parts: &[(usize, usize)]) -> Opt
 /// Deferred reads over the layers built while it lives, one layer at a time
 /// ([`DeferredReads::finish_layer`]).
 /// Not `Send`: the registry it clears is its thread's.
-pub(crate) struct DeferredReads(std::marker::PhantomData<*const ()>);
+pub(crate) struct DeferredReads {
+    /// The model's folder, named when a tensor read whole fails.
+    model_dir: PathBuf,
+    thread_bound: std::marker::PhantomData<*const ()>,
+}
 
 impl DeferredReads {
-    pub(crate) fn begin() -> Self {
+    /// Deferred reads of the model in `model_dir` on this thread, until dropped.
+    pub(crate) fn begin(model_dir: PathBuf) -> Self {
         DEFERRED.with(|d| {
             let mut d = d.borrow_mut();
             debug_assert!(d.is_none(), "deferred reads do not nest");
             *d = Some(Deferred::default());
         });
-        Self(std::marker::PhantomData)
+        Self {
+            model_dir,
+            thread_bound: std::marker::PhantomData,
+        }
     }
 
     /// The layer built since the last call is divided: reads what it keeps whole (its
@@ -246,8 +254,10 @@ impl DeferredReads {
             all.push(unread.array);
             all.extend(unread.built_on);
         }
-        mlx_rs::transforms::eval(all.iter())?;
-        Ok(())
+        mlx_rs::transforms::eval(all.iter()).map_err(|e| EngineError::CorruptWeights {
+            path: self.model_dir.clone(),
+            message: e.to_string(),
+        })
     }
 }
 
@@ -287,7 +297,7 @@ mod tests {
         .unwrap();
         let a = a.as_dtype(Dtype::Float32).unwrap();
         let mut weights = Weights::load_lazily(dir.path(), Backend::Cpu, 1.0).unwrap();
-        let deferred = DeferredReads::begin();
+        let deferred = DeferredReads::begin(dir.path().to_path_buf());
         let taken = weights.take("a").unwrap();
         assert!(is_unread(&taken));
         let copied = part_bytes_read();

@@ -130,9 +130,11 @@ impl Weights {
         Ok(weights)
     }
 
-    /// Whether tensors are read as they are taken ([`Weights::load_lazily`]).
-    pub(crate) fn reads_lazily(&self) -> bool {
-        self.lazily_from.is_some()
+    /// Read lazily ([`Weights::load_lazily`]): deferred reads of the layers built while the
+    /// answer lives ([`crate::nn::part_reads`]); `None` otherwise.
+    pub(crate) fn defer_reads(&self) -> Option<part_reads::DeferredReads> {
+        let dir = self.lazily_from.clone()?;
+        Some(part_reads::DeferredReads::begin(dir))
     }
 
     /// No tensors: every [`Weights::take`] is [`EngineError::MissingWeight`].
