@@ -142,13 +142,10 @@ pub fn load(
             .build_hasher()
             .finish()
     });
-    let shared = {
-        let _meeting =
-            distributed::Watchdog::waiting_while_loading(rank, distributed::load_limit());
-        division
-            .group()
-            .broadcast_bytes((rank == 0).then_some(&mine.to_le_bytes()[..]))?
-    };
+    // The ranks met as `load_divided` ended, nothing of note between: no watch of its own.
+    let shared = division
+        .group()
+        .broadcast_bytes((rank == 0).then_some(&mine.to_le_bytes()[..]))?;
     let seed = u64::from_le_bytes(
         shared
             .try_into()

@@ -67,8 +67,12 @@ fn progress_epoch() -> Instant {
 }
 
 /// Records that this rank's group made progress: a call exchanged between the ranks, a pass or
-/// token computed, a warm-up shape built. One atomic store; nothing without a [`Watchdog`].
+/// token computed, a warm-up shape built. One atomic load in a process that joined no group
+/// ([`joined`]: a single process's decode loop calls it too); else one atomic store.
 pub fn note_progress() {
+    if !joined() {
+        return;
+    }
     let now = progress_epoch().elapsed().as_millis().min(u64::MAX as u128) as u64;
     LAST_PROGRESS_MS.store(now, Ordering::Relaxed);
 }

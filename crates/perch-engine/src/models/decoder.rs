@@ -492,6 +492,20 @@ enum Qkv {
     QueriesOnly(Linear),
 }
 
+impl Qkv {
+    /// Separate projections, fused where [`Linear::fuse_if_enabled`] does.
+    fn of(q_proj: Linear, k_proj: Linear, v_proj: Linear) -> Result<Self> {
+        Ok(match Linear::fuse_if_enabled([q_proj, k_proj, v_proj])? {
+            Ok(fused) => Qkv::Fused(fused),
+            Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
+                q_proj,
+                k_proj,
+                v_proj,
+            },
+        })
+    }
+}
+
 /// How one attention layer is shaped: its KV heads and head size, whether its values are its
 /// keys' projection, whether it reads another layer's cache.
 #[derive(Clone, Copy)]
@@ -614,14 +628,7 @@ impl Attention {
             kv_heads * hd,
             c.qkv_bias,
         )?;
-        Ok(match Linear::fuse_if_enabled([q_proj, k_proj, v_proj])? {
-            Ok(fused) => Qkv::Fused(fused),
-            Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
-                q_proj,
-                k_proj,
-                v_proj,
-            },
-        })
+        Qkv::of(q_proj, k_proj, v_proj)
     }
 
     /// Queries, keys and values of `x` `[batch, seq, hidden]`, each `[batch, heads, seq,
@@ -797,14 +804,7 @@ impl Attention {
                 q_proj,
                 k_proj,
                 v_proj,
-            } => match Linear::fuse_if_enabled([out(q_proj)?, out(k_proj)?, out(v_proj)?])? {
-                Ok(fused) => Qkv::Fused(fused),
-                Err([q_proj, k_proj, v_proj]) => Qkv::Separate {
-                    q_proj,
-                    k_proj,
-                    v_proj,
-                },
-            },
+            } => Qkv::of(out(q_proj)?, out(k_proj)?, out(v_proj)?)?,
             Qkv::Fused(proj) => {
                 let gate = if self.output_gate { 2 } else { 1 };
                 let queries = self.num_heads * gate * self.head_dim;

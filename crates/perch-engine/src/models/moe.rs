@@ -550,6 +550,19 @@ enum GateUp {
     Fused(SwitchLinear),
 }
 
+impl GateUp {
+    /// `gate` and `up`, fused where [`SwitchGlu::fuses_gate_up`] says and they can be.
+    fn of(gate: SwitchLinear, up: SwitchLinear) -> Result<Self> {
+        Ok(match SwitchGlu::fuses_gate_up() {
+            true => match SwitchLinear::fuse(gate, up)? {
+                Ok(fused) => GateUp::Fused(fused),
+                Err((gate, up)) => GateUp::Separate { gate, up },
+            },
+            false => GateUp::Separate { gate, up },
+        })
+    }
+}
+
 impl SwitchGlu {
     fn new(
         gate: SwitchLinear,
@@ -557,13 +570,7 @@ impl SwitchGlu {
         down_proj: SwitchLinear,
         activation: Activation,
     ) -> Result<Self> {
-        let gate_up = match Self::fuses_gate_up() {
-            true => match SwitchLinear::fuse(gate, up)? {
-                Ok(fused) => GateUp::Fused(fused),
-                Err((gate, up)) => GateUp::Separate { gate, up },
-            },
-            false => GateUp::Separate { gate, up },
-        };
+        let gate_up = GateUp::of(gate, up)?;
         let sort = Self::sorting_pays(&gate_up, &down_proj);
         let grouped = Self::grouping_pays(&gate_up, &down_proj);
         let kernel = expert_kernel::usable();
@@ -585,19 +592,10 @@ impl SwitchGlu {
     fn shard(&self, rank: usize, size: usize) -> Result<Self> {
         let gate_up = match &self.gate_up {
             // Fused as at load (parts read unfused are fused once divided).
-            GateUp::Separate { gate, up } => {
-                let (gate, up) = (
-                    gate.shard(Shard::Outputs, None, rank, size)?,
-                    up.shard(Shard::Outputs, None, rank, size)?,
-                );
-                match Self::fuses_gate_up() {
-                    true => match SwitchLinear::fuse(gate, up)? {
-                        Ok(fused) => GateUp::Fused(fused),
-                        Err((gate, up)) => GateUp::Separate { gate, up },
-                    },
-                    false => GateUp::Separate { gate, up },
-                }
-            }
+            GateUp::Separate { gate, up } => GateUp::of(
+                gate.shard(Shard::Outputs, None, rank, size)?,
+                up.shard(Shard::Outputs, None, rank, size)?,
+            )?,
             GateUp::Fused(both) => {
                 let half = both.weight.shape()[1] / 2;
                 GateUp::Fused(both.shard(Shard::Outputs, Some(&[half, half]), rank, size)?)

@@ -1630,6 +1630,16 @@ enum GateUp {
     Fused(Linear),
 }
 
+impl GateUp {
+    /// `gate_proj` and `up_proj`, fused where [`Linear::fuse_if_enabled`] does.
+    fn of(gate_proj: Linear, up_proj: Linear) -> Result<Self> {
+        Ok(match Linear::fuse_if_enabled([gate_proj, up_proj])? {
+            Ok(proj) => GateUp::Fused(proj),
+            Err([gate_proj, up_proj]) => GateUp::Separate { gate_proj, up_proj },
+        })
+    }
+}
+
 impl Mlp {
     pub fn load(
         weights: &mut Weights,
@@ -1692,10 +1702,7 @@ impl Mlp {
             intermediate,
             bias,
         )?;
-        Ok(match Linear::fuse_if_enabled([gate_proj, up_proj])? {
-            Ok(proj) => GateUp::Fused(proj),
-            Err([gate_proj, up_proj]) => GateUp::Separate { gate_proj, up_proj },
-        })
+        GateUp::of(gate_proj, up_proj)
     }
 
     /// The same block with `activation` on its gate.
@@ -1722,13 +1729,10 @@ impl Mlp {
     pub fn shard(&self, rank: usize, size: usize) -> Result<Self> {
         let gate_up = match &self.gate_up {
             // Fused as at load (parts read unfused are fused once divided).
-            GateUp::Separate { gate_proj, up_proj } => match Linear::fuse_if_enabled([
+            GateUp::Separate { gate_proj, up_proj } => GateUp::of(
                 gate_proj.shard(Shard::Outputs, rank, size)?,
                 up_proj.shard(Shard::Outputs, rank, size)?,
-            ])? {
-                Ok(both) => GateUp::Fused(both),
-                Err([gate_proj, up_proj]) => GateUp::Separate { gate_proj, up_proj },
-            },
+            )?,
             GateUp::Fused(proj) => {
                 let half = proj.features().1 / 2;
                 GateUp::Fused(proj.shard_segments(Shard::Outputs, &[half, half], rank, size)?)

@@ -243,27 +243,46 @@ impl Weights {
         names
     }
 
-    /// A tensor as read, in the backend's compute dtype when floating point, but Gated
-    /// DeltaNet's decay rates (`A_log`), which mlx_lm keeps in their stored dtype (its
-    /// `cast_predicate`).
+    /// A tensor as read, in the dtype it is used in ([`used_dtype`]).
     fn for_backend(&self, name: &str, tensor: Array) -> Result<Array> {
-        match name.ends_with("A_log") {
+        let target = used_dtype(self.backend, name, tensor.dtype());
+        match target == tensor.dtype() {
             true => Ok(tensor),
-            false => self.cast(tensor),
+            false => Ok(tensor.as_dtype(target)?),
         }
     }
+}
 
-    fn cast(&self, tensor: Array) -> Result<Array> {
-        let stored = tensor.dtype();
-        if !matches!(stored, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32) {
-            return Ok(tensor);
-        }
-        let target = self.backend.compute_dtype(stored);
-        if target == stored {
-            return Ok(tensor);
-        }
-        Ok(tensor.as_dtype(target)?)
+/// The dtype a tensor `name` stored as `stored` is used in on `backend`: floating point in the
+/// backend's compute dtype ([`Backend::compute_dtype`]: float32 on CPU), but Gated DeltaNet's
+/// decay rates (`A_log`), which mlx_lm keeps in their stored dtype (its `cast_predicate`);
+/// others (packed quantized weights, integer tables) as stored.
+fn used_dtype(backend: Backend, name: &str, stored: Dtype) -> Dtype {
+    let float = matches!(stored, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
+    match float && !name.ends_with("A_log") {
+        true => backend.compute_dtype(stored),
+        false => stored,
     }
+}
+
+/// A safetensors dtype as MLX's, and its bytes an element; `None` for those MLX does not
+/// load as such.
+fn mlx_dtype(stored: safetensors::Dtype) -> Option<(Dtype, usize)> {
+    use safetensors::Dtype as Stored;
+    Some(match stored {
+        Stored::F16 => (Dtype::Float16, 2),
+        Stored::BF16 => (Dtype::Bfloat16, 2),
+        Stored::F32 => (Dtype::Float32, 4),
+        Stored::U32 => (Dtype::Uint32, 4),
+        Stored::I32 => (Dtype::Int32, 4),
+        Stored::U8 => (Dtype::Uint8, 1),
+        Stored::I8 => (Dtype::Int8, 1),
+        Stored::U16 => (Dtype::Uint16, 2),
+        Stored::I16 => (Dtype::Int16, 2),
+        Stored::I64 => (Dtype::Int64, 8),
+        Stored::U64 => (Dtype::Uint64, 8),
+        _ => return None,
+    })
 }
 
 /// Errors with [`EngineError::ShapeMismatch`] unless `tensor` has exactly `expected` shape.
@@ -443,7 +462,6 @@ fn map_file(path: &Path) -> Result<memmap2::Mmap> {
 /// [`Weights::load_lazily`] gives it on `backend`; tensors of a dtype MLX does not read so are
 /// left out (they are read whole). The header was validated before.
 fn tensor_sources(path: &Path, backend: Backend) -> Result<Vec<(String, TensorSource)>> {
-    use safetensors::Dtype as Stored;
     let map = map_file(path)?;
     // Parts are read a run a row: read-ahead around each would bring in the rest.
     #[cfg(unix)]
@@ -459,19 +477,8 @@ fn tensor_sources(path: &Path, backend: Backend) -> Result<Vec<(String, TensorSo
     let shared_path = std::sync::Arc::new(path.to_path_buf());
     let mut sources = Vec::new();
     for (name, info) in metadata.tensors() {
-        let (stored, item) = match info.dtype {
-            Stored::F16 => (Dtype::Float16, 2),
-            Stored::BF16 => (Dtype::Bfloat16, 2),
-            Stored::F32 => (Dtype::Float32, 4),
-            Stored::U32 => (Dtype::Uint32, 4),
-            Stored::I32 => (Dtype::Int32, 4),
-            Stored::U8 => (Dtype::Uint8, 1),
-            Stored::I8 => (Dtype::Int8, 1),
-            Stored::U16 => (Dtype::Uint16, 2),
-            Stored::I16 => (Dtype::Int16, 2),
-            Stored::I64 => (Dtype::Int64, 8),
-            Stored::U64 => (Dtype::Uint64, 8),
-            _ => continue,
+        let Some((stored, item)) = mlx_dtype(info.dtype) else {
+            continue;
         };
         let Ok(shape) = info
             .shape
@@ -481,11 +488,7 @@ fn tensor_sources(path: &Path, backend: Backend) -> Result<Vec<(String, TensorSo
         else {
             continue;
         };
-        let float = matches!(stored, Dtype::Float16 | Dtype::Bfloat16 | Dtype::Float32);
-        let target = match float && !name.ends_with("A_log") {
-            true => backend.compute_dtype(stored),
-            false => stored,
-        };
+        let target = used_dtype(backend, &name, stored);
         sources.push((
             name.clone(),
             TensorSource {
@@ -519,26 +522,16 @@ pub fn check_safetensors_header(bytes: &[u8]) -> std::result::Result<(), String>
 /// tables) as stored. Also the stored bytes of its largest tensor that is cast: while it is,
 /// both copies are held (the load's peak beyond what stays).
 fn resident_bytes(bytes: &[u8], backend: Backend) -> std::result::Result<(u64, u64), String> {
-    use safetensors::Dtype as Stored;
     let (_, metadata) =
         safetensors::SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
     let (mut total, mut largest_cast) = (0u64, 0u64);
     for (name, info) in metadata.tensors() {
         let elements = info.shape.iter().map(|&d| d as u64).product::<u64>();
         let stored = (info.data_offsets.1 - info.data_offsets.0) as u64;
-        let float = match info.dtype {
-            Stored::F16 => Some(Dtype::Float16),
-            Stored::BF16 => Some(Dtype::Bfloat16),
-            Stored::F32 => Some(Dtype::Float32),
-            _ => None,
-        };
-        total += match float {
-            Some(dtype) if !name.ends_with("A_log") => {
-                let compute = backend.compute_dtype(dtype);
-                if compute != dtype {
-                    largest_cast = largest_cast.max(stored);
-                }
-                let width = match compute {
+        total += match mlx_dtype(info.dtype) {
+            Some((dtype, _)) if used_dtype(backend, &name, dtype) != dtype => {
+                largest_cast = largest_cast.max(stored);
+                let width = match used_dtype(backend, &name, dtype) {
                     Dtype::Float32 => 4,
                     _ => 2,
                 };
